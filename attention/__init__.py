@@ -1,0 +1,80 @@
+"""blockdiff.attention: mixed causal/bidirectional varlen attention over a paged KV cache.
+
+One launch serves a serving batch that mixes prefill (causal), denoise (bidirectional over a canvas) and commit
+(causal) sequences, with a per-sequence causal flag, sliding windows (one-sided for causal rows; symmetric or
+prefix for bidirectional rows), paged or contiguous KV and GQA. The semantics are ARCHITECTURE.md's
+"Attention semantics"; :mod:`blockdiff.attention.reference` is the oracle.
+
+Backends (explicit, never a silent fallback): ``"reference"`` (dense PyTorch), ``"triton"`` (fused Triton
+kernel), ``"cute"`` (CuTe DSL on FlashAttention-4). ``backend="auto"`` picks triton on CUDA and reference
+elsewhere, and says so through :func:`resolve_backend`.
+"""
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from .cache import AttentionMetadata, write_kv_cache
+from .masks import build_mask, count_allowed_pairs, key_range
+
+BACKENDS = ("reference", "triton", "cute")
+_MODULES = {
+    "reference": ("blockdiff.attention.reference", "attention_reference"),
+    "triton": ("blockdiff.attention.triton_attention", "attention_triton"),
+    "cute": ("blockdiff.attention.cute_attention", "attention_cute"),
+}
+
+
+def resolve_backend(backend: str, device: torch.device | str | None = None) -> str:
+    """Map ``"auto"`` to a concrete backend (triton on CUDA, reference otherwise); validate the name.
+
+    Raises:
+        ValueError: unknown backend name.
+    """
+    if backend == "auto":
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        return "triton" if dev.type == "cuda" else "reference"
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS + ('auto',)}, got {backend!r}")
+    return backend
+
+
+def get_backend(backend: str):
+    """The attention function of a backend.
+
+    Raises:
+        ValueError: unknown backend.
+        ImportError: the backend exists but cannot be imported here (its message says why);
+            there is no fallback to another backend.
+    """
+    backend = resolve_backend(backend)
+    mod_name, fn_name = _MODULES[backend]
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise ImportError(f"attention backend {backend!r} is not available: {e}") from e
+    return getattr(mod, fn_name)
+
+
+def attention(q, k_cache, v_cache, *, backend: str, **kwargs):
+    """Mixed causal/bidirectional varlen attention (see :func:`blockdiff.attention.reference.attention_reference`
+    for every argument, shape, dtype and error).
+
+    Args:
+        q, k_cache, v_cache: see the reference.
+        backend: ``"reference"``, ``"triton"``, ``"cute"`` or ``"auto"`` (required; no silent fallback).
+        **kwargs: cu_seqlens_q, seq_lens, causal | num_causal_q, block_table | cu_seqlens_k, window_size,
+            bidirectional_window, scale, out, return_lse, max_seqlen_q, max_seqlen_k, check_values, and
+            backend-specific options (e.g. ``config`` for triton tile shapes).
+
+    Returns:
+        ``out [total_q, num_heads, head_dim_v]`` (q's dtype), or ``(out, lse [num_heads, total_q] fp32)``.
+    """
+    return get_backend(resolve_backend(backend, q.device))(q, k_cache, v_cache, **kwargs)
+
+
+__all__ = [
+    "attention", "build_mask", "key_range", "count_allowed_pairs", "write_kv_cache", "AttentionMetadata",
+    "BACKENDS", "resolve_backend", "get_backend",
+]

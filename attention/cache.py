@@ -1,0 +1,83 @@
+"""Paged KV cache helpers and per-step attention metadata (backend-independent)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .validate import capturing
+
+
+def write_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
+    """Write new keys/values into a paged cache in place, as vLLM does before attention.
+
+    Args:
+        k: ``[T, num_kv_heads, head_dim]``; v: ``[T, num_kv_heads, head_dim_v]`` (cache dtype).
+        k_cache: ``[num_blocks, page_size, num_kv_heads, head_dim]``; v_cache likewise with head_dim_v.
+        slot_mapping: ``[T]`` int64 flat slot ``block_id * page_size + offset``; a negative slot skips
+            its token (padding).
+
+    Raises:
+        ValueError: shapes disagree, or a slot is out of range (checked on the host unless a CUDA graph
+            is being captured; under capture every slot must be >= 0).
+    """
+    if k.dim() != 3 or v.dim() != 3 or k.shape[0] != v.shape[0]:
+        raise ValueError(f"k and v must be [T, num_kv_heads, head_dim] with equal T, got {k.shape}, {v.shape}")
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != k.shape[0]:
+        raise ValueError(f"slot_mapping must be [T={k.shape[0]}], got {tuple(slot_mapping.shape)}")
+    if k_cache.shape[2:] != k.shape[1:] or v_cache.shape[2:] != v.shape[1:]:
+        raise ValueError(
+            f"cache head shapes {tuple(k_cache.shape[2:])}/{tuple(v_cache.shape[2:])} must match "
+            f"k/v {tuple(k.shape[1:])}/{tuple(v.shape[1:])}")
+    n_slots = k_cache.shape[0] * k_cache.shape[1]
+    if not capturing() and slot_mapping.numel() and int(slot_mapping.max()) >= n_slots:
+        raise ValueError(f"slot_mapping has a slot >= num_blocks * page_size = {n_slots}")
+    slots = slot_mapping.to(torch.int64)
+    kf = k_cache.view(n_slots, *k_cache.shape[2:])
+    vf = v_cache.view(n_slots, *v_cache.shape[2:])
+    k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+    if capturing():
+        # Graph capture: no host reads, so padding (negative slots) is not supported here.
+        kf.index_copy_(0, slots, k)
+        vf.index_copy_(0, slots, v)
+        return
+    valid = slots >= 0
+    if not bool(valid.all()):
+        slots, k, v = slots[valid], k[valid], v[valid]
+    kf.index_copy_(0, slots, k)
+    vf.index_copy_(0, slots, v)
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step attention metadata of a flat mixed batch (all tensors on the model's device).
+
+    Attributes:
+        cu_seqlens_q: ``[B+1]`` int32 query offsets.
+        seq_lens: ``[B]`` int32 keys per sequence, including its query tokens.
+        causal: ``[B]`` bool per-sequence causal flag (prefill/commit True, denoise False).
+        block_table: ``[B, max_blocks]`` int32.
+        slot_mapping: ``[total_q]`` int64 cache slot of each query token's K/V.
+        max_seqlen_q, max_seqlen_k: host ints (static capacities are fine) for grid sizing.
+        num_causal_q: optional ``[B]`` int32 replacing ``causal`` (first n rows causal).
+    """
+
+    cu_seqlens_q: torch.Tensor
+    seq_lens: torch.Tensor
+    causal: torch.Tensor | None
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    max_seqlen_q: int | None = None
+    max_seqlen_k: int | None = None
+    num_causal_q: torch.Tensor | None = None
+    extra: dict = field(default_factory=dict)
+
+    def attn_kwargs(self) -> dict:
+        """Keyword arguments for :func:`blockdiff.attention.attention` (everything but q/k/v and options)."""
+        kw = dict(cu_seqlens_q=self.cu_seqlens_q, seq_lens=self.seq_lens, block_table=self.block_table,
+                  max_seqlen_q=self.max_seqlen_q, max_seqlen_k=self.max_seqlen_k)
+        if self.num_causal_q is not None:
+            kw["num_causal_q"] = self.num_causal_q
+        else:
+            kw["causal"] = self.causal
+        return kw

@@ -1,0 +1,157 @@
+"""Mask semantics of the blockdiff attention contract, as allowed key intervals.
+
+Every row type of the contract (ARCHITECTURE.md, "Attention semantics") allows one contiguous interval of
+keys ``[lo, hi]`` (inclusive; empty when ``hi < lo``). This module computes those intervals, vectorised, and
+the dense boolean mask built from them. Backends use the same formulas for tile skipping; tests, notebooks
+and benchmarks (allowed-pair counts for effective TFLOP/s) use them directly.
+
+For query row ``i`` (0-based within its sequence) of a sequence with ``q_len`` query tokens, ``seq_len`` keys
+(including the query tokens) and ``num_causal_q`` causal rows (``causal=True`` is ``num_causal_q = q_len``):
+
+- ``ctx = seq_len - q_len`` (keys before the first query), ``q_abs = ctx + i``.
+- causal row (``i < num_causal_q``): ``max(0, q_abs - W) <= k <= q_abs``.
+- bidirectional row, ``"symmetric"``: ``max(0, q_abs - W) <= k <= min(seq_len - 1, q_abs + W)``.
+- bidirectional row, ``"prefix"``: ``max(0, ctx_bi - W) <= k <= seq_len - 1`` where
+  ``ctx_bi = ctx + num_causal_q`` is the position of the first bidirectional row (``= ctx`` when the
+  sequence has no causal rows): the last W keys before the canvas plus the whole canvas (HF transformers).
+- ``W = None``: no window bound (``W = +inf``).
+
+``W`` counts keys on a side *not counting the query's own position* (FlashAttention's ``window_size_left``;
+Gemma's ``sliding_window = 1024`` is ``W = 1023``).
+"""
+from __future__ import annotations
+
+import torch
+
+BIDIRECTIONAL_WINDOW_MODES = ("symmetric", "prefix")
+
+
+def check_window(window_size, bidirectional_window) -> None:
+    """Validate ``window_size`` (None or int >= 0) and ``bidirectional_window`` (a known mode).
+
+    Raises:
+        TypeError: ``window_size`` is not None or an int (bool is rejected).
+        ValueError: ``window_size < 0`` or an unknown ``bidirectional_window``.
+    """
+    if window_size is not None:
+        if isinstance(window_size, bool) or not isinstance(window_size, int):
+            raise TypeError(f"window_size must be None or an int >= 0, got {type(window_size).__name__}")
+        if window_size < 0:
+            raise ValueError(f"window_size must be >= 0 (keys per side, excluding the query), got {window_size}")
+    if bidirectional_window not in BIDIRECTIONAL_WINDOW_MODES:
+        raise ValueError(
+            f"bidirectional_window must be one of {BIDIRECTIONAL_WINDOW_MODES}, got {bidirectional_window!r}"
+        )
+
+
+def key_range(
+    row: torch.Tensor,
+    q_len: torch.Tensor,
+    seq_len: torch.Tensor,
+    num_causal_q: torch.Tensor,
+    window_size: int | None,
+    bidirectional_window: str = "symmetric",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Allowed key interval ``[lo, hi]`` (inclusive) for query rows, vectorised.
+
+    Args:
+        row: int64 tensor, query row index within its sequence (0-based), any shape.
+        q_len, seq_len, num_causal_q: int64 tensors broadcastable to ``row`` (tokens).
+        window_size: None or int >= 0.
+        bidirectional_window: ``"symmetric"`` or ``"prefix"``.
+
+    Returns:
+        ``(lo, hi)`` int64 tensors of the broadcast shape; the row allows no key when ``hi < lo``.
+    """
+    check_window(window_size, bidirectional_window)
+    row, q_len, seq_len, num_causal_q = (t.to(torch.int64) for t in (row, q_len, seq_len, num_causal_q))
+    ctx = seq_len - q_len
+    q_abs = ctx + row
+    is_causal = row < num_causal_q
+    big = torch.iinfo(torch.int64).max // 4
+    w = big if window_size is None else window_size
+    zero = torch.zeros_like(q_abs)
+    lo_sliding = torch.maximum(zero, q_abs - w)
+    if bidirectional_window == "symmetric":
+        lo_bi = lo_sliding
+        hi_bi = torch.minimum(seq_len - 1, q_abs + w)
+    else:
+        lo_bi = torch.maximum(zero, ctx + num_causal_q - w)
+        hi_bi = seq_len - 1
+    lo = torch.where(is_causal, lo_sliding, lo_bi)
+    hi = torch.where(is_causal, q_abs, hi_bi)
+    return lo, hi
+
+
+def build_mask(
+    q_len: int,
+    seq_len: int,
+    *,
+    causal: bool | None = None,
+    num_causal_q: int | None = None,
+    window_size: int | None = None,
+    bidirectional_window: str = "symmetric",
+    device=None,
+) -> torch.Tensor:
+    """Dense boolean mask of one sequence: ``mask[i, k]`` is True iff query row i may attend to key k.
+
+    Args:
+        q_len: query tokens of the sequence (>= 0).
+        seq_len: keys of the sequence, including its query tokens (>= q_len).
+        causal: all rows causal (True) or all bidirectional (False). Give this or ``num_causal_q``.
+        num_causal_q: the first ``num_causal_q`` rows are causal, the rest bidirectional (0 <= n <= q_len).
+        window_size: None or int W >= 0 (keys per side, excluding the query's own position).
+        bidirectional_window: ``"symmetric"`` or ``"prefix"`` (see the module docstring).
+        device: torch device of the result.
+
+    Returns:
+        bool tensor ``[q_len, seq_len]``.
+
+    Raises:
+        ValueError: lengths negative or ``seq_len < q_len``; both or neither of causal/num_causal_q;
+            ``num_causal_q`` outside [0, q_len]; bad window or mode.
+    """
+    for name, v in (("q_len", q_len), ("seq_len", seq_len)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+        if v < 0:
+            raise ValueError(f"{name} must be >= 0, got {v}")
+    if seq_len < q_len:
+        raise ValueError(f"seq_len ({seq_len}) must be >= q_len ({q_len}): seq_lens include the query tokens")
+    if (causal is None) == (num_causal_q is None):
+        raise ValueError("give exactly one of causal (bool) or num_causal_q (int)")
+    n_causal = (q_len if causal else 0) if causal is not None else int(num_causal_q)
+    if not 0 <= n_causal <= q_len:
+        raise ValueError(f"num_causal_q must be in [0, q_len={q_len}], got {n_causal}")
+    check_window(window_size, bidirectional_window)
+    rows = torch.arange(q_len, device=device)
+    t = lambda v: torch.tensor(v, device=device)  # noqa: E731
+    lo, hi = key_range(rows, t(q_len), t(seq_len), t(n_causal), window_size, bidirectional_window)
+    keys = torch.arange(seq_len, device=device)
+    return (keys[None, :] >= lo[:, None]) & (keys[None, :] <= hi[:, None])
+
+
+def count_allowed_pairs(
+    q_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_causal_q: torch.Tensor,
+    window_size: int | None,
+    bidirectional_window: str = "symmetric",
+) -> int:
+    """Number of allowed (query, key) pairs of a batch, summed over sequences (per head).
+
+    Exact, in O(total_q) memory (no dense mask). Used for effective TFLOP/s:
+    ``4 * num_heads * head_dim * pairs / time``.
+
+    Args:
+        q_lens, seq_lens, num_causal_q: int tensors ``[B]`` (tokens).
+    """
+    q_lens = q_lens.to(torch.int64).cpu()
+    seq_lens = seq_lens.to(torch.int64).cpu()
+    num_causal_q = num_causal_q.to(torch.int64).cpu()
+    seq_of_row = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens)
+    starts = torch.cumsum(q_lens, 0) - q_lens
+    rows = torch.arange(int(q_lens.sum())) - starts[seq_of_row]
+    lo, hi = key_range(rows, q_lens[seq_of_row], seq_lens[seq_of_row], num_causal_q[seq_of_row],
+                       window_size, bidirectional_window)
+    return int((hi - lo + 1).clamp_min(0).sum())

@@ -1,0 +1,125 @@
+"""Dense PyTorch oracle for the blockdiff attention contract (backend ``"reference"``).
+
+Loops over sequences, gathers each sequence's keys from the paged (or contiguous) cache, builds its dense
+mask with :func:`blockdiff.attention.masks.build_mask` and runs a plain softmax. Readable first, exact always:
+every other backend is tested against it. Semantics: ARCHITECTURE.md, "Attention semantics";
+the algorithm is standard scaled dot-product attention (Vaswani et al., 2017) with a natural-log LSE.
+"""
+from __future__ import annotations
+
+import torch
+
+from .masks import key_range
+from .validate import check_attention_inputs
+
+
+def gather_kv(cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Keys (or values) of one sequence from a paged cache.
+
+    Args:
+        cache: ``[num_blocks, page_size, num_kv_heads, head_dim]``.
+        block_table_row: ``[max_blocks]`` int block ids of the sequence.
+        seq_len: number of keys to return (tokens).
+
+    Returns:
+        ``[seq_len, num_kv_heads, head_dim]`` (a copy).
+    """
+    page_size = cache.shape[1]
+    n_blocks = (seq_len + page_size - 1) // page_size
+    blocks = block_table_row[:n_blocks].to(torch.int64)
+    return cache.index_select(0, blocks).reshape(-1, *cache.shape[2:])[:seq_len]
+
+
+def attention_reference(
+    q,
+    k_cache,
+    v_cache,
+    *,
+    cu_seqlens_q,
+    seq_lens=None,
+    causal=None,
+    num_causal_q=None,
+    block_table=None,
+    cu_seqlens_k=None,
+    window_size=None,
+    bidirectional_window="symmetric",
+    scale=None,
+    out=None,
+    return_lse=False,
+    upcast=True,
+    check_values=True,
+    **unused_hints,
+):
+    """Dense reference attention over a mixed causal/bidirectional varlen batch.
+
+    Args:
+        q: ``[total_q, num_heads, head_dim]`` bf16/fp16/fp32/fp64, packed by ``cu_seqlens_q``.
+        k_cache, v_cache: paged ``[num_blocks, page_size, num_kv_heads, head_dim(_v)]`` with ``block_table``,
+            or contiguous ``[total_k, num_kv_heads, head_dim(_v)]`` with ``cu_seqlens_k``.
+        cu_seqlens_q: ``[B+1]`` int32, starts at 0, non-decreasing.
+        seq_lens: ``[B]`` int32 keys per sequence including its query tokens (optional in the contiguous form).
+        causal: ``[B]`` bool per-sequence flag, or ``num_causal_q``: ``[B]`` int32 causal rows per sequence.
+        block_table: ``[B, max_blocks]`` int32 (paged form).
+        cu_seqlens_k: ``[B+1]`` int32 (contiguous form).
+        window_size: None or int W >= 0 (keys per side, excluding the query's own position).
+        bidirectional_window: ``"symmetric"`` or ``"prefix"``.
+        scale: softmax scale, default ``head_dim ** -0.5``.
+        out: optional preallocated ``[total_q, num_heads, head_dim_v]`` of q's dtype.
+        return_lse: also return ``lse [num_heads, total_q]`` fp32 (natural log; ``-inf`` for rows with no key).
+        upcast: True computes in fp32 (fp64 for fp64 inputs): the oracle. False mimics eager low-precision
+            PyTorch (QK^T and PV in the input dtype, softmax in fp32): the baseline whose error sets the
+            tolerance of every kernel test.
+        check_values: run the host-side value checks (see :mod:`blockdiff.attention.validate`).
+
+    Returns:
+        ``out`` ``[total_q, num_heads, head_dim_v]`` in q's dtype, or ``(out, lse)``. Rows with no allowed key
+        are 0 (lse ``-inf``), never NaN.
+
+    Raises:
+        TypeError, ValueError: see :func:`blockdiff.attention.validate.check_attention_inputs`.
+    """
+    info = check_attention_inputs(
+        q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens, causal=causal,
+        num_causal_q=num_causal_q, block_table=block_table, cu_seqlens_k=cu_seqlens_k,
+        window_size=window_size, bidirectional_window=bidirectional_window, scale=scale, out=out,
+        check_values=check_values,
+    )
+    total_q, H = q.shape[0], info.num_heads
+    group = H // info.num_kv_heads
+    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    mm_dtype = acc_dtype if upcast else q.dtype
+    if out is None:
+        out = torch.empty(total_q, H, info.head_dim_v, dtype=q.dtype, device=q.device)
+    lse = torch.full((H, total_q), float("-inf"), dtype=torch.float32, device=q.device)
+    cu = cu_seqlens_q.to(torch.int64).tolist()
+    sl = info.seq_lens.to(torch.int64).tolist()
+    ncq = info.num_causal_q.to(torch.int64).tolist()
+    cuk = cu_seqlens_k.to(torch.int64).tolist() if cu_seqlens_k is not None else None
+    for b in range(info.batch_size):
+        q0, q1, S = cu[b], cu[b + 1], sl[b]
+        L = q1 - q0
+        if L == 0:
+            continue
+        if info.paged:
+            k = gather_kv(k_cache, block_table[b], S)
+            v = gather_kv(v_cache, block_table[b], S)
+        else:
+            k = k_cache[cuk[b]:cuk[b] + S]
+            v = v_cache[cuk[b]:cuk[b] + S]
+        qb = q[q0:q1].to(mm_dtype).transpose(0, 1)  # [H, L, D]
+        kb = k.to(mm_dtype).repeat_interleave(group, dim=1).transpose(0, 1)  # [H, S, D]
+        vb = v.to(mm_dtype).repeat_interleave(group, dim=1).transpose(0, 1)  # [H, S, Dv]
+        scores = (qb @ kb.transpose(1, 2)).to(acc_dtype) * info.scale  # [H, L, S]
+        rows = torch.arange(L, device=q.device)
+        t = lambda x: torch.tensor(x, device=q.device)  # noqa: E731
+        lo, hi = key_range(rows, t(L), t(S), t(ncq[b]), window_size, bidirectional_window)
+        keys = torch.arange(S, device=q.device)
+        mask = (keys[None, :] >= lo[:, None]) & (keys[None, :] <= hi[:, None])  # [L, S]
+        scores = scores.masked_fill(~mask, float("-inf"))
+        row_lse = torch.logsumexp(scores, dim=-1)  # [H, L]; -inf where no key
+        safe = torch.where(torch.isfinite(row_lse), row_lse, torch.zeros_like(row_lse))
+        p = torch.exp(scores - safe[..., None]).masked_fill(~mask, 0.0)
+        ob = (p.to(mm_dtype) @ vb).to(acc_dtype)  # [H, L, Dv]
+        out[q0:q1] = ob.transpose(0, 1).to(q.dtype)
+        lse[:, q0:q1] = row_lse.to(torch.float32)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,228 @@
+"""Input validation shared by every attention backend (one rule set, one set of messages).
+
+Shape, dtype and device rules are checked without touching tensor values (no host sync), so they also run
+under CUDA-graph capture. Value rules (``cu_seqlens_q`` starts at 0 and never decreases, ``seq_lens >= q_len``,
+block tables long enough, block ids in range, ``num_causal_q`` within ``[0, q_len]``) read the metadata
+on the host: they run when ``check_values`` is True (backends default to True except while a CUDA graph is
+being captured, where a host read is not allowed).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .masks import check_window
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+INT_DTYPES = (torch.int32, torch.int64)
+
+
+@dataclass
+class CheckedInputs:
+    """What validation learned about a call (all tensors on q's device)."""
+
+    batch_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    head_dim_v: int
+    paged: bool
+    page_size: int | None
+    num_causal_q: torch.Tensor  # [B] int32: the causal flag as a row count (causal=True -> q_len)
+    seq_lens: torch.Tensor  # [B] int32
+    scale: float
+
+
+def _need_tensor(name, t, ndim=None):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+
+
+def _need_int(name, t):
+    if t.dtype not in INT_DTYPES:
+        raise TypeError(f"{name} must be int32 or int64, got {t.dtype}")
+
+
+def capturing() -> bool:
+    """True while a CUDA graph is being captured on the current stream (host reads are not allowed)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def check_attention_inputs(
+    q,
+    k_cache,
+    v_cache,
+    *,
+    cu_seqlens_q,
+    seq_lens=None,
+    causal=None,
+    num_causal_q=None,
+    block_table=None,
+    cu_seqlens_k=None,
+    window_size=None,
+    bidirectional_window="symmetric",
+    scale=None,
+    out=None,
+    check_values: bool | None = None,
+    allowed_dtypes=FLOAT_DTYPES,
+) -> CheckedInputs:
+    """Validate an attention call against the contract (ARCHITECTURE.md, "Attention semantics").
+
+    Returns:
+        CheckedInputs with the per-sequence causal row counts ``num_causal_q`` [B] int32 (derived from
+        ``causal`` when given) and ``seq_lens`` [B] int32 (derived from ``cu_seqlens_k`` in the
+        contiguous form when not given).
+
+    Raises:
+        TypeError: a wrong Python or tensor type / dtype.
+        ValueError: a shape, device or value rule broken; the message names the argument and the rule.
+    """
+    if check_values is None:
+        check_values = not capturing()
+    _need_tensor("q", q, 3)
+    if q.dtype not in allowed_dtypes:
+        raise TypeError(f"q must be one of {allowed_dtypes}, got {q.dtype}")
+    total_q, num_heads, head_dim = q.shape
+    paged = block_table is not None
+    kdim = 4 if paged else 3
+    form = "paged ([num_blocks, page_size, num_kv_heads, head_dim]) because block_table is given" if paged \
+        else "contiguous ([total_k, num_kv_heads, head_dim]) because block_table is None"
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _need_tensor(name, t)
+        if t.dim() != kdim:
+            raise ValueError(f"{name} must be {form}; got shape {tuple(t.shape)}")
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} dtype {t.dtype} must equal q dtype {q.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+    if k_cache.shape[:-1] != v_cache.shape[:-1]:
+        raise ValueError(
+            f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must agree in all but head_dim")
+    num_kv_heads, kd = k_cache.shape[-2], k_cache.shape[-1]
+    head_dim_v = v_cache.shape[-1]
+    if kd != head_dim:
+        raise ValueError(f"k_cache head_dim {kd} must equal q head_dim {head_dim}")
+    if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads}) for GQA")
+
+    _need_tensor("cu_seqlens_q", cu_seqlens_q, 1)
+    _need_int("cu_seqlens_q", cu_seqlens_q)
+    if cu_seqlens_q.device != q.device:
+        raise ValueError(f"cu_seqlens_q is on {cu_seqlens_q.device} but q is on {q.device}")
+    batch = cu_seqlens_q.shape[0] - 1
+    if batch < 0:
+        raise ValueError("cu_seqlens_q must have B+1 >= 1 entries")
+
+    def _check_b(name, t, dtypes=INT_DTYPES):
+        _need_tensor(name, t, 1)
+        if t.dtype not in dtypes:
+            raise TypeError(f"{name} must have dtype in {dtypes}, got {t.dtype}")
+        if t.shape[0] != batch:
+            raise ValueError(f"{name} must have B={batch} entries (len(cu_seqlens_q) - 1), got {t.shape[0]}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+
+    if paged:
+        _need_tensor("block_table", block_table, 2)
+        _need_int("block_table", block_table)
+        if block_table.shape[0] != batch:
+            raise ValueError(f"block_table must have B={batch} rows, got {block_table.shape[0]}")
+        if block_table.device != q.device:
+            raise ValueError(f"block_table is on {block_table.device} but q is on {q.device}")
+        if seq_lens is None:
+            raise ValueError("seq_lens is required with a paged KV cache (block_table given)")
+        if cu_seqlens_k is not None:
+            raise ValueError("give block_table (paged KV) or cu_seqlens_k (contiguous KV), not both")
+        _check_b("seq_lens", seq_lens)
+        page_size = k_cache.shape[1]
+        if page_size < 1:
+            raise ValueError("page_size (k_cache.shape[1]) must be >= 1")
+    else:
+        page_size = None
+        if cu_seqlens_k is None:
+            raise ValueError("cu_seqlens_k is required with a contiguous KV cache (block_table None)")
+        _need_tensor("cu_seqlens_k", cu_seqlens_k, 1)
+        _need_int("cu_seqlens_k", cu_seqlens_k)
+        if cu_seqlens_k.shape[0] != batch + 1:
+            raise ValueError(f"cu_seqlens_k must have B+1={batch + 1} entries, got {cu_seqlens_k.shape[0]}")
+        if cu_seqlens_k.device != q.device:
+            raise ValueError(f"cu_seqlens_k is on {cu_seqlens_k.device} but q is on {q.device}")
+        if seq_lens is None:
+            seq_lens = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+        else:
+            _check_b("seq_lens", seq_lens)
+
+    if (causal is None) == (num_causal_q is None):
+        raise ValueError("give exactly one of causal ([B] bool) or num_causal_q ([B] int32)")
+    q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    if causal is not None:
+        _check_b("causal", causal, (torch.bool,))
+        ncq = torch.where(causal, q_lens, torch.zeros_like(q_lens))
+    else:
+        _check_b("num_causal_q", num_causal_q)
+        ncq = num_causal_q
+
+    check_window(window_size, bidirectional_window)
+    if scale is None:
+        scale = head_dim ** -0.5
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    scale = float(scale)
+
+    if out is not None:
+        _need_tensor("out", out)
+        if tuple(out.shape) != (total_q, num_heads, head_dim_v):
+            raise ValueError(f"out must have shape {(total_q, num_heads, head_dim_v)}, got {tuple(out.shape)}")
+        if out.dtype != q.dtype or out.device != q.device:
+            raise ValueError(f"out must be {q.dtype} on {q.device}, got {out.dtype} on {out.device}")
+
+    if check_values:
+        cq = cu_seqlens_q.to(torch.int64).cpu()
+        if cq[0] != 0:
+            raise ValueError(f"cu_seqlens_q must start at 0, got {int(cq[0])}")
+        if batch > 0 and bool((cq[1:] < cq[:-1]).any()):
+            raise ValueError("cu_seqlens_q must be non-decreasing")
+        if int(cq[-1]) != total_q:
+            raise ValueError(f"cu_seqlens_q[-1] ({int(cq[-1])}) must equal q.shape[0] ({total_q})")
+        ql = cq[1:] - cq[:-1]
+        sl = seq_lens.to(torch.int64).cpu()
+        if bool((sl < ql).any()):
+            b = int(torch.nonzero(sl < ql)[0])
+            raise ValueError(
+                f"seq_lens[{b}] = {int(sl[b])} < query length {int(ql[b])}: seq_lens include the query tokens")
+        n = ncq.to(torch.int64).cpu()
+        if bool(((n < 0) | (n > ql)).any()):
+            b = int(torch.nonzero((n < 0) | (n > ql))[0])
+            raise ValueError(f"num_causal_q[{b}] = {int(n[b])} must be in [0, q_len={int(ql[b])}]")
+        if paged:
+            need = (sl + page_size - 1) // page_size
+            if bool((need > block_table.shape[1]).any()):
+                b = int(torch.nonzero(need > block_table.shape[1])[0])
+                raise ValueError(
+                    f"block_table is too short for seq_lens: sequence {b} needs {int(need[b])} blocks of "
+                    f"page_size {page_size}, block_table has {block_table.shape[1]} columns")
+            bt = block_table.to(torch.int64).cpu()
+            cols = torch.arange(bt.shape[1])
+            used = cols[None, :] < need[:, None]
+            bad = used & ((bt < 0) | (bt >= k_cache.shape[0]))
+            if bool(bad.any()):
+                b, c = (int(x) for x in torch.nonzero(bad)[0])
+                raise ValueError(
+                    f"block_table[{b}, {c}] = {int(bt[b, c])} is out of range [0, num_blocks={k_cache.shape[0]})")
+        else:
+            ck = cu_seqlens_k.to(torch.int64).cpu()
+            if ck[0] != 0 or (batch > 0 and bool((ck[1:] < ck[:-1]).any())):
+                raise ValueError("cu_seqlens_k must start at 0 and be non-decreasing")
+            if int(ck[-1]) > k_cache.shape[0]:
+                raise ValueError(f"cu_seqlens_k[-1] ({int(ck[-1])}) exceeds k rows ({k_cache.shape[0]})")
+            if not torch.equal(sl, ck[1:] - ck[:-1]):
+                raise ValueError("seq_lens must equal cu_seqlens_k[1:] - cu_seqlens_k[:-1]")
+
+    return CheckedInputs(
+        batch_size=batch, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        head_dim_v=head_dim_v, paged=paged, page_size=page_size,
+        num_causal_q=ncq.to(torch.int32), seq_lens=seq_lens.to(torch.int32), scale=scale,
+    )

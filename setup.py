@@ -1,0 +1,31 @@
+"""Install blockdiff: the top-level folders become one namespace, ``blockdiff.<name>``.
+
+    pip install -e .[dev]      # CPU: tests, notebooks, parity tests
+    pip install -e .[cute]     # GPU: FlashAttention-4 + CuTe DSL backend
+"""
+from setuptools import setup
+
+PACKAGES = ["attention", "sampler", "model", "integration"]
+
+setup(
+    name="blockdiff",
+    version="0.1.0",
+    description="Kernels, sampler and vLLM integration for block-diffusion language models (DiffusionGemma)",
+    python_requires=">=3.10",
+    packages=[f"blockdiff.{p}" for p in PACKAGES],  # "blockdiff" itself is a PEP 420 namespace
+    package_dir={f"blockdiff.{p}": p for p in PACKAGES},
+    package_data={"blockdiff.model": ["checkpoints/*"]},
+    install_requires=["torch>=2.11", "triton>=3.6,<3.7", "numpy", "matplotlib", "tqdm", "safetensors"],
+    extras_require={
+        "dev": [
+            "pytest", "hypothesis", "pytest-benchmark", "matplotlib",
+            "nbclient", "nbformat", "ipykernel", "transformers>=5.12",
+        ],
+        "cute": ["flash-attn-4==4.0.0b36", "nvidia-cutlass-dsl[cu13]==4.8.1"],
+        "vllm": ["vllm>=0.24"],
+    },
+    entry_points={
+        "console_scripts": ["blockdiff = blockdiff.integration.cli:main"],
+        "vllm.general_plugins": ["blockdiff = blockdiff.integration.vllm_plugin:register"],
+    },
+)

@@ -1,0 +1,249 @@
+"""Pins the attention contract: hand-checked masks, edges, validation, and the oracle against SDPA."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from blockdiff.attention import attention, build_mask, count_allowed_pairs
+from blockdiff.attention.reference import attention_reference
+
+# 12 keys, 4 query rows (ctx = 8), W = 2: hand-written, one per row type and mode.
+CAUSAL_W2 = [
+    "000000111000",
+    "000000011100",
+    "000000001110",
+    "000000000111",
+]
+SYMMETRIC_W2 = [
+    "000000111110",
+    "000000011111",
+    "000000001111",
+    "000000000111",
+]
+PREFIX_W2 = [
+    "000000111111",
+    "000000111111",
+    "000000111111",
+    "000000111111",
+]
+
+
+def _m(rows):
+    return torch.tensor([[c == "1" for c in r] for r in rows])
+
+
+@pytest.mark.parametrize("kw,expected", [
+    (dict(causal=True), CAUSAL_W2),
+    (dict(causal=False, bidirectional_window="symmetric"), SYMMETRIC_W2),
+    (dict(causal=False, bidirectional_window="prefix"), PREFIX_W2),
+])
+def test_hand_checked_masks_12_keys_window_2(kw, expected):
+    assert torch.equal(build_mask(4, 12, window_size=2, **kw), _m(expected))
+
+
+def test_causal_window_is_one_sided_in_both_modes():
+    for mode in ("symmetric", "prefix"):
+        assert torch.equal(build_mask(4, 12, causal=True, window_size=2, bidirectional_window=mode), _m(CAUSAL_W2))
+
+
+def test_no_window_masks():
+    assert torch.equal(build_mask(3, 5, causal=True), torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 0],
+                                                                   [1, 1, 1, 1, 1]]).bool())
+    assert build_mask(3, 5, causal=False).all()
+
+
+def test_window_zero_causal_allows_only_self():
+    m = build_mask(3, 5, causal=True, window_size=0)
+    assert torch.equal(m, torch.eye(5, dtype=torch.bool)[2:])
+
+
+def test_prefix_window_zero_sees_only_canvas():
+    m = build_mask(3, 7, causal=False, window_size=0, bidirectional_window="prefix")
+    assert torch.equal(m, torch.tensor([[0, 0, 0, 0, 1, 1, 1]] * 3).bool())
+
+
+def test_num_causal_q_mixes_commit_rows_and_canvas_rows():
+    # 2 causal rows (commit) then 3 bidirectional rows (next canvas) over ctx 2: seq_len 7.
+    m = build_mask(5, 7, num_causal_q=2, window_size=None)
+    expected = torch.tensor([
+        [1, 1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 1, 0, 0, 0],
+        [1, 1, 1, 1, 1, 1, 1],
+        [1, 1, 1, 1, 1, 1, 1],
+        [1, 1, 1, 1, 1, 1, 1],
+    ]).bool()
+    assert torch.equal(m, expected)
+    # prefix mode: the canvas starts after the causal rows (ctx_bi = 4); W = 1 keeps key 3 only before it
+    m = build_mask(5, 7, num_causal_q=2, window_size=1, bidirectional_window="prefix")
+    assert torch.equal(m[2:], torch.tensor([[0, 0, 0, 1, 1, 1, 1]] * 3).bool())
+    assert torch.equal(build_mask(5, 7, num_causal_q=5), build_mask(5, 7, causal=True))
+    assert torch.equal(build_mask(5, 7, num_causal_q=0), build_mask(5, 7, causal=False))
+
+
+def test_count_allowed_pairs_matches_dense_masks():
+    q_lens = torch.tensor([4, 0, 1, 5, 3])
+    seq_lens = torch.tensor([12, 3, 1, 9, 3])
+    ncq = torch.tensor([4, 0, 0, 2, 0])
+    for w in (None, 0, 1, 2, 100):
+        for mode in ("symmetric", "prefix"):
+            dense = sum(int(build_mask(int(q), int(s), num_causal_q=int(n), window_size=w,
+                                       bidirectional_window=mode).sum())
+                        for q, s, n in zip(q_lens, seq_lens, ncq))
+            assert count_allowed_pairs(q_lens, seq_lens, ncq, w, mode) == dense
+
+
+# ---------------------------------------------------------------- numerics
+
+
+def make_paged(seq_lens, q_lens, causal, H=4, Hkv=2, D=16, Dv=None, page_size=4, dtype=torch.float32,
+               seed=0, permute=True):
+    """Random paged batch; K/V of the query tokens are in the cache (as vLLM writes them)."""
+    g = torch.Generator().manual_seed(seed)
+    Dv = Dv or D
+    B = len(seq_lens)
+    blocks = [(s + page_size - 1) // page_size for s in seq_lens]
+    nblk = max(1, sum(blocks))
+    perm = torch.randperm(nblk, generator=g) if permute else torch.arange(nblk)
+    bt = torch.zeros(B, max(1, max(blocks, default=1)), dtype=torch.int32)
+    i = 0
+    for b, n in enumerate(blocks):
+        bt[b, :n] = perm[i:i + n]
+        i += n
+    kc = torch.randn(nblk, page_size, Hkv, D, generator=g).to(dtype)
+    vc = torch.randn(nblk, page_size, Hkv, Dv, generator=g).to(dtype)
+    q = torch.randn(sum(q_lens), H, D, generator=g).to(dtype)
+    cu = torch.tensor([0] + list(torch.cumsum(torch.tensor(q_lens), 0)), dtype=torch.int32)
+    return dict(q=q, k_cache=kc, v_cache=vc, cu_seqlens_q=cu, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+                causal=torch.tensor(causal), block_table=bt)
+
+
+def sdpa_oracle(inp, window_size=None, mode="symmetric", scale=None):
+    """Independent check: per sequence, SDPA (math) with the dense mask of build_mask."""
+    q, kc, vc, bt = inp["q"], inp["k_cache"], inp["v_cache"], inp["block_table"]
+    cu = inp["cu_seqlens_q"].tolist()
+    outs = []
+    H, Hkv = q.shape[1], kc.shape[2]
+    P = kc.shape[1]
+    for b, (S, c) in enumerate(zip(inp["seq_lens"].tolist(), inp["causal"].tolist())):
+        L = cu[b + 1] - cu[b]
+        if L == 0:
+            continue
+        k = kc[bt[b].long()].reshape(-1, Hkv, kc.shape[-1])[:S].double()
+        v = vc[bt[b].long()].reshape(-1, Hkv, vc.shape[-1])[:S].double()
+        m = build_mask(L, S, causal=c, window_size=window_size, bidirectional_window=mode)
+        o = F.scaled_dot_product_attention(
+            q[cu[b]:cu[b + 1]].double().transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+            attn_mask=m, enable_gqa=True, scale=scale)
+        o = torch.where(m.any(-1)[None, :, None], o, torch.zeros_like(o))
+        outs.append(o.transpose(0, 1))
+    return torch.cat(outs) if outs else q.new_zeros(0, H, vc.shape[-1]).double()
+
+
+@pytest.mark.parametrize("window_size", [None, 0, 1, 3, 50])
+@pytest.mark.parametrize("mode", ["symmetric", "prefix"])
+def test_reference_matches_sdpa_on_mixed_paged_batch(window_size, mode):
+    inp = make_paged(seq_lens=[9, 13, 6, 1, 5], q_lens=[9, 4, 6, 1, 0], causal=[True, False, True, False, False],
+                     dtype=torch.float64)
+    out, lse = attention(**inp, window_size=window_size, bidirectional_window=mode, return_lse=True,
+                         backend="reference")
+    ref = sdpa_oracle(inp, window_size, mode)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    assert torch.isfinite(lse).all()
+
+
+def test_reference_scale_gqa_and_head_dim_v():
+    inp = make_paged(seq_lens=[7, 5], q_lens=[3, 5], causal=[False, True], H=6, Hkv=3, D=8, Dv=12,
+                     dtype=torch.float64)
+    out = attention(**inp, scale=1.0, backend="reference")
+    assert out.shape == (8, 6, 12)
+    torch.testing.assert_close(out, sdpa_oracle(inp, scale=1.0), rtol=1e-10, atol=1e-10)
+
+
+def test_head_dim_512_global_layer_shape():
+    inp = make_paged(seq_lens=[20], q_lens=[4], causal=[False], H=4, Hkv=1, D=512, dtype=torch.float64)
+    out = attention(**inp, scale=1.0, backend="reference")
+    torch.testing.assert_close(out, sdpa_oracle(inp, scale=1.0), rtol=1e-10, atol=1e-10)
+
+
+def test_paged_equals_contiguous_form():
+    inp = make_paged(seq_lens=[7, 5, 3], q_lens=[2, 5, 3], causal=[False, True, False], dtype=torch.float64)
+    paged = attention(**inp, window_size=2, backend="reference")
+    ks, vs = [], []
+    for b, S in enumerate(inp["seq_lens"].tolist()):
+        kc, vc, bt = inp["k_cache"], inp["v_cache"], inp["block_table"][b].long()
+        ks.append(kc[bt].reshape(-1, *kc.shape[2:])[:S])
+        vs.append(vc[bt].reshape(-1, *vc.shape[2:])[:S])
+    cu_k = torch.tensor([0, 7, 12, 15], dtype=torch.int32)
+    contig = attention(inp["q"], torch.cat(ks), torch.cat(vs), cu_seqlens_q=inp["cu_seqlens_q"], cu_seqlens_k=cu_k,
+                       causal=inp["causal"], window_size=2, backend="reference")
+    torch.testing.assert_close(paged, contig, rtol=0, atol=0)
+
+
+def test_zero_length_sequences_and_empty_batch():
+    inp = make_paged(seq_lens=[0, 4, 0], q_lens=[0, 2, 0], causal=[True, False, False], dtype=torch.float64)
+    out, lse = attention(**inp, return_lse=True, backend="reference")
+    assert out.shape == (2, 4, 16) and torch.isfinite(out).all()
+    empty = make_paged(seq_lens=[], q_lens=[], causal=[], dtype=torch.float64)
+    empty["causal"] = torch.zeros(0, dtype=torch.bool)
+    assert attention(**empty, backend="reference").shape == (0, 4, 16)
+
+
+def test_one_token_query_and_row_with_exactly_one_key():
+    inp = make_paged(seq_lens=[5], q_lens=[1], causal=[True], dtype=torch.float64)
+    out = attention(**inp, window_size=0, backend="reference")
+    # the only allowed key is the query's own position 4 -> output = v at position 4 (expanded over GQA)
+    v = inp["v_cache"][inp["block_table"][0].long()].reshape(-1, 2, 16)[4]
+    torch.testing.assert_close(out[0], v.repeat_interleave(2, dim=0))
+
+
+def test_row_with_no_allowed_key_is_zero_not_nan():
+    # causal rows with a contract-legal but empty interval cannot occur; a bidirectional row over an
+    # empty... use num_causal_q-free construction: a prefix canvas row always sees its canvas, so build
+    # an empty row via seq_len == q_len == 0 is trivial. Force emptiness through a tiny custom mask check:
+    # the public path produces an empty row only when seq_len == 0, so check the softmax guard directly.
+    inp = make_paged(seq_lens=[3], q_lens=[3], causal=[True], dtype=torch.float64)
+    from blockdiff.attention import reference as R
+    orig = R.key_range
+    try:
+        R.key_range = lambda rows, *a, **k: (torch.full_like(rows, 5), torch.full_like(rows, 4))  # hi < lo
+        out, lse = attention_reference(**inp, return_lse=True)
+    finally:
+        R.key_range = orig
+    assert torch.equal(out, torch.zeros_like(out))
+    assert torch.isneginf(lse).all()
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _base():
+    return make_paged(seq_lens=[6, 4], q_lens=[2, 4], causal=[False, True])
+
+
+@pytest.mark.parametrize("mutate,exc,match", [
+    (lambda d: d.update(cu_seqlens_q=torch.tensor([1, 3, 6], dtype=torch.int32)), ValueError, "start at 0"),
+    (lambda d: d.update(cu_seqlens_q=torch.tensor([0, 4, 2], dtype=torch.int32)), ValueError, "non-decreasing"),
+    (lambda d: d.update(seq_lens=torch.tensor([1, 4], dtype=torch.int32)), ValueError, "include the query"),
+    (lambda d: d.update(q=torch.randn(6, 3, 16)), ValueError, "divisible"),
+    (lambda d: d.update(block_table=d["block_table"][:, :1]), ValueError, "too short"),
+    (lambda d: d.update(window_size=-1), ValueError, "window_size"),
+    (lambda d: d.update(window_size=1.5), TypeError, "window_size"),
+    (lambda d: d.update(bidirectional_window="left"), ValueError, "bidirectional_window"),
+    (lambda d: d.update(q=d["q"].half()), TypeError, "dtype"),
+    (lambda d: d.update(causal=torch.tensor([1, 0])), TypeError, "causal"),
+    (lambda d: d.update(causal=torch.tensor([True])), ValueError, "causal"),
+    (lambda d: d.update(num_causal_q=torch.tensor([0, 0], dtype=torch.int32)), ValueError, "exactly one"),
+    (lambda d: d.update(k_cache=d["k_cache"][..., :8]), ValueError, "head_dim"),
+    (lambda d: d.update(q=d["q"][:, :, None]), ValueError, "dimensions"),
+    (lambda d: d.update(block_table=d["block_table"] + 100), ValueError, "out of range"),
+    (lambda d: d.update(seq_lens=None), ValueError, "seq_lens is required"),
+])
+def test_bad_input_raises_clear_error(mutate, exc, match):
+    d = _base()
+    mutate(d)
+    with pytest.raises(exc, match=match):
+        attention(**d, backend="reference")
+
+
+def test_unknown_backend_is_an_error_not_a_fallback():
+    with pytest.raises(ValueError, match="backend"):
+        attention(**_base(), backend="fast")
