@@ -1,0 +1,295 @@
+"""DiffusionGemma over one flat mixed batch: encoder (causal, writes K/V) and decoder (bidirectional over
+the canvas, reads the cache) rows in one forward over shared weights.
+
+Source: transformers 5.24 ``DiffusionGemmaForBlockDiffusion`` (``models/diffusion_gemma``) on the Gemma 4
+text backbone; Google's DiffusionGemma model card. transformers runs two module stacks (``model.encoder``,
+``model.decoder``) with tied weights; here one stack serves both and the per-sequence causal flag of the
+attention metadata (``meta.causal`` / ``meta.num_causal_q``) picks each row's mode:
+
+* encoder rows (causal: prefill, commit): ``h0 = E[ids] * sqrt(hidden)``.
+* decoder rows (bidirectional: denoise): ``h0 = post_norm(E[ids] * sqrt(hidden) + sc)``, with
+  ``sc = down(act(gate(n)) * up(n))``, ``n = pre_norm(soft)`` (transformers'
+  ``DiffusionGemmaSelfConditioning``). ``soft`` is the soft embedding of the previous step
+  (``softmax(z) @ E * sqrt(hidden)``); a zero row gives ``sc == 0`` exactly (rmsnorm(0) = 0, act(0) = 0),
+  but the parameter-free ``post_norm`` is still applied, as transformers does on every decoder pass.
+
+Every row's K/V is written at ``meta.slot_mapping`` before attention (vLLM order); the attention of decoder
+rows reads the cached context plus the canvas's own (just written) K/V.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .config import DiffusionGemmaConfig
+from .layers import MOE_IMPLS, DecoderLayer, GatedMLP, RMSNorm, init_weights_, rope_cos_sin, rope_inv_freq
+
+
+class SelfConditioning(nn.Module):
+    """transformers' ``DiffusionGemmaSelfConditioning``: ``post_norm(x + mlp(pre_norm(soft)))``; ``pre_norm``
+    scaled, ``post_norm`` unscaled; MLP intermediate size = ``intermediate_size``."""
+
+    def __init__(self, cfg: DiffusionGemmaConfig, device=None, dtype=None):
+        super().__init__()
+        hs = cfg.hidden_size
+        self.pre_norm = RMSNorm(hs, eps=cfg.rms_norm_eps, device=device, dtype=dtype)
+        self.post_norm = RMSNorm(hs, eps=cfg.rms_norm_eps, with_scale=False)
+        mlp = GatedMLP(hs, cfg.intermediate_size, cfg.hidden_activation, device=device, dtype=dtype)
+        self.gate_proj, self.up_proj, self.down_proj, self.act_fn = mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn
+
+    def signal(self, soft: torch.Tensor) -> torch.Tensor:
+        """``mlp(pre_norm(soft))`` ``[T, hidden]``; exactly 0 on zero rows."""
+        n = self.pre_norm(soft)
+        return self.down_proj(self.act_fn(self.gate_proj(n)) * self.up_proj(n))
+
+    def forward(self, inputs_embeds: torch.Tensor, soft: torch.Tensor) -> torch.Tensor:
+        """Decoder input ``post_norm(inputs_embeds + signal(soft))`` (transformers' signature)."""
+        return self.post_norm(inputs_embeds + self.signal(soft))
+
+
+class DiffusionGemma(nn.Module):
+    """DiffusionGemma text model (Gemma 4 backbone, dense MLP + MoE per layer) over a flat mixed batch.
+
+    Args:
+        config: :class:`DiffusionGemmaConfig`.
+        device, dtype: parameter placement (``device="meta"`` for loading without allocating twice).
+        moe_impl: ``"loop"`` (default; host syncs) or ``"grouped_mm"`` (sort + grouped GEMM, no host sync).
+        seed: seed of the random init (transformers-like: normal(0, initializer_range), norms at 1).
+
+    Attributes:
+        embedding_weight: ``E [vocab_size, hidden_size]`` (tied input/output embedding) for the sampler's soft
+            embedding ``softmax(z) @ E * sqrt(hidden)``.
+    """
+
+    def __init__(self, config: DiffusionGemmaConfig, *, device=None, dtype=None, moe_impl: str = "loop",
+                 seed: int = 0):
+        super().__init__()
+        if not isinstance(config, DiffusionGemmaConfig):
+            raise TypeError(f"config must be a DiffusionGemmaConfig, got {type(config).__name__}")
+        if moe_impl not in MOE_IMPLS:
+            raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {moe_impl!r}")
+        self.config = config
+        self.moe_impl = moe_impl
+        hs = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, hs, device=device, dtype=dtype)
+        self.layers = nn.ModuleList([DecoderLayer(config, i, device=device, dtype=dtype)
+                                     for i in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(hs, eps=config.rms_norm_eps, device=device, dtype=dtype)
+        self.self_conditioning = SelfConditioning(config, device=device, dtype=dtype)
+        # fp32 inverse frequencies kept off the module's buffers so .to(bf16) never rounds them.
+        self._inv_freq = {lt: rope_inv_freq(config.rope_parameters[lt], hd)
+                          for lt, hd in (("sliding_attention", config.head_dim),
+                                         ("full_attention", config.global_head_dim))
+                          if lt in config.layer_types}
+        if torch.device(device or "cpu").type != "meta":
+            g = torch.Generator().manual_seed(seed)
+            init_weights_(self, std=config.initializer_range, generator=g)
+
+    # ---- public helpers ---------------------------------------------------------------------------------
+    @property
+    def embedding_weight(self) -> torch.Tensor:
+        """Tied embedding ``E [vocab_size, hidden_size]`` (model dtype)."""
+        return self.embed_tokens.weight
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Encoder-row input embedding ``E[ids] * sqrt(hidden)`` (scale rounded to E's dtype)."""
+        return self.embed_tokens(input_ids) * self.embed_scale
+
+    @property
+    def embed_scale(self) -> torch.Tensor:
+        """``sqrt(hidden_size)`` rounded to the embedding dtype, as transformers applies it."""
+        w = self.embed_tokens.weight
+        return torch.tensor(self.config.hidden_size ** 0.5, device=w.device).to(w.dtype)
+
+    def soft_embedding(self, z: torch.Tensor) -> torch.Tensor:
+        """Self-conditioning input ``softmax(z) @ E * sqrt(hidden)`` ``[..., hidden]`` fp32 from
+        temperature-scaled logits ``z [..., vocab]`` (the sampler owns this in serving; a convenience for tests
+        and demos). transformers computes the same product in the embedding dtype."""
+        p = torch.softmax(z.float(), dim=-1)
+        return (p @ self.embed_tokens.weight.float()) * (self.config.hidden_size ** 0.5)
+
+    def kv_cache_shapes(self, num_blocks: int, page_size: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """Per layer ``(k_shape, v_shape)``, each ``[num_blocks, page_size, num_kv_heads_l, head_dim_l]``."""
+        out = []
+        for layer in self.layers:
+            a = layer.self_attn
+            shape = (num_blocks, page_size, a.num_kv_heads, a.head_dim)
+            out.append((shape, shape))
+        return out
+
+    def allocate_kv_caches(self, num_blocks: int, page_size: int, device=None, dtype=None):
+        """Zeroed paged KV caches, one ``(k_cache, v_cache)`` pair per layer.
+
+        Args:
+            num_blocks, page_size: cache geometry (tokens per page = page_size).
+            device, dtype: default the model's.
+
+        Returns:
+            list (len num_hidden_layers) of ``(k_cache, v_cache)``, each
+            ``[num_blocks, page_size, num_kv_heads_l, head_dim_l]``; sliding layers use
+            ``num_key_value_heads x head_dim``, full layers ``num_global_key_value_heads x global_head_dim``.
+
+        Raises:
+            ValueError: non-positive num_blocks or page_size.
+        """
+        if int(num_blocks) <= 0 or int(page_size) <= 0:
+            raise ValueError(f"num_blocks and page_size must be > 0, got {num_blocks}, {page_size}")
+        w = self.embed_tokens.weight
+        device = w.device if device is None else device
+        dtype = w.dtype if dtype is None else dtype
+        return [(torch.zeros(ks, device=device, dtype=dtype), torch.zeros(vs, device=device, dtype=dtype))
+                for ks, vs in self.kv_cache_shapes(num_blocks, page_size)]
+
+    # ---- forward ----------------------------------------------------------------------------------------
+    def decoder_row_mask(self, meta, total_q: int) -> torch.Tensor:
+        """``[T]`` bool: True for bidirectional (decoder / denoise) rows, from ``meta.causal`` or
+        ``meta.num_causal_q``, without host syncs."""
+        cu = meta.cu_seqlens_q
+        B = cu.shape[0] - 1
+        t = torch.arange(total_q, device=cu.device, dtype=cu.dtype)
+        seq = torch.searchsorted(cu[1:].contiguous(), t, right=True).clamp_(max=max(B - 1, 0))
+        ncq = getattr(meta, "num_causal_q", None)
+        if ncq is not None:
+            return (t - cu[seq]) >= ncq.to(cu.device)[seq]
+        return ~meta.causal.to(cu.device, torch.bool)[seq]
+
+    def _validate(self, input_ids, positions, meta, kv_caches, self_cond, attn_backend, bidirectional_window):
+        if not isinstance(attn_backend, str):
+            raise TypeError(f"attn_backend must be a str (e.g. 'reference', 'triton'), got {attn_backend!r}")
+        if not torch.is_tensor(input_ids) or input_ids.dim() != 1 or input_ids.dtype != torch.int64:
+            raise ValueError(f"input_ids must be a 1-D int64 tensor [T], got "
+                             f"{getattr(input_ids, 'dtype', type(input_ids))} {tuple(getattr(input_ids, 'shape', ()))}")
+        T = input_ids.shape[0]
+        if not torch.is_tensor(positions) or positions.shape != (T,) or positions.dtype != torch.int64:
+            raise ValueError(f"positions must be int64 [T={T}], got "
+                             f"{getattr(positions, 'dtype', type(positions))} {tuple(getattr(positions, 'shape', ()))}")
+        for name in ("cu_seqlens_q", "seq_lens", "block_table", "slot_mapping"):
+            if not torch.is_tensor(getattr(meta, name, None)):
+                raise ValueError(f"meta.{name} must be a tensor")
+        if getattr(meta, "causal", None) is None and getattr(meta, "num_causal_q", None) is None:
+            raise ValueError("meta.causal (or meta.num_causal_q) must be set: it selects encoder/decoder rows")
+        if meta.slot_mapping.shape != (T,):
+            raise ValueError(f"meta.slot_mapping must be [T={T}], got {tuple(meta.slot_mapping.shape)}")
+        B = meta.cu_seqlens_q.shape[0] - 1
+        flags = meta.causal if getattr(meta, "num_causal_q", None) is None else meta.num_causal_q
+        if B < 1 or flags.shape != (B,) or meta.seq_lens.shape != (B,):
+            raise ValueError(f"meta.cu_seqlens_q [B+1], seq_lens [B] and causal [B] disagree: "
+                             f"{tuple(meta.cu_seqlens_q.shape)}, {tuple(meta.seq_lens.shape)}, {tuple(flags.shape)}")
+        if not isinstance(kv_caches, (list, tuple)) or len(kv_caches) != len(self.layers):
+            raise ValueError(f"kv_caches must be a list of {len(self.layers)} (k_cache, v_cache) pairs, got "
+                             f"{type(kv_caches).__name__} of length {len(kv_caches) if hasattr(kv_caches, '__len__') else '?'}")
+        for i, (pair, layer) in enumerate(zip(kv_caches, self.layers)):
+            a = layer.self_attn
+            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                raise ValueError(f"kv_caches[{i}] must be a (k_cache, v_cache) pair")
+            for nm, c in zip(("k_cache", "v_cache"), pair):
+                if c.dim() != 4 or tuple(c.shape[2:]) != (a.num_kv_heads, a.head_dim):
+                    raise ValueError(f"kv_caches[{i}].{nm} must be [num_blocks, page_size, {a.num_kv_heads}, "
+                                     f"{a.head_dim}] ({a.layer_type} layer), got {tuple(c.shape)}")
+        if self_cond is not None:
+            if not torch.is_tensor(self_cond) or self_cond.shape != (T, self.config.hidden_size) \
+                    or not self_cond.is_floating_point():
+                raise ValueError(f"self_cond must be a float tensor [T={T}, hidden={self.config.hidden_size}] or "
+                                 f"None, got {getattr(self_cond, 'dtype', type(self_cond))} "
+                                 f"{tuple(getattr(self_cond, 'shape', ()))}")
+        if bidirectional_window not in ("prefix", "symmetric"):
+            raise ValueError(f"bidirectional_window must be 'prefix' or 'symmetric', got {bidirectional_window!r}")
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, kv_caches, self_cond=None, *,
+                attn_backend: str, bidirectional_window: str | None = None) -> torch.Tensor:
+        """One forward pass over a flat mixed batch.
+
+        Args:
+            input_ids: ``[T]`` int64 token ids (prompt chunks, committed canvases, noisy canvases), packed by
+                ``meta.cu_seqlens_q``.
+            positions: ``[T]`` int64 absolute positions (RoPE).
+            meta: :class:`blockdiff.attention.AttentionMetadata` (``causal [B]`` selects encoder rows).
+            kv_caches: from :meth:`allocate_kv_caches`; every row's K/V is written at ``meta.slot_mapping``.
+            self_cond: ``[T, hidden]`` float soft embeddings (``softmax(z) @ E * sqrt(hidden)``) or None (all
+                zero). Read only on decoder rows; a zero row contributes exactly nothing.
+            attn_backend: ``blockdiff.attention`` backend (``"reference"``, ``"triton"``, ``"cute"``); required.
+            bidirectional_window: override of ``config.bidirectional_window`` for sliding layers.
+
+        Returns:
+            logits ``[T, vocab_size]`` fp32, softcapped (``cap * tanh(logits / cap)``) in fp32.
+
+        Raises:
+            TypeError: attn_backend not a str.
+            ValueError: a shape/dtype rule of an argument is broken (named in the message).
+        """
+        from blockdiff.attention import attention, write_kv_cache
+
+        bw = self.config.bidirectional_window if bidirectional_window is None else bidirectional_window
+        self._validate(input_ids, positions, meta, kv_caches, self_cond, attn_backend, bw)
+        T = input_ids.shape[0]
+        dtype = self.embed_tokens.weight.dtype
+        is_dec = self.decoder_row_mask(meta, T)[:, None]  # [T, 1]
+
+        h = self.embed_input_ids(input_ids)
+        hd = h
+        if self_cond is not None:
+            hd = hd + self.self_conditioning.signal(self_cond.to(dtype))
+        hd = self.self_conditioning.post_norm(hd)
+        h = torch.where(is_dec, hd, h)
+
+        cs = {lt: rope_cos_sin(positions, inv, dtype) for lt, inv in self._inv_freq.items()}
+        attn_kwargs = meta.attn_kwargs()
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            a = layer.self_attn
+            x = layer.input_layernorm(h)
+            q, k, v = a.qkv(x, *cs[a.layer_type])
+            write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+            o = attention(q, k_cache, v_cache, **attn_kwargs, window_size=a.window_size,
+                          bidirectional_window=bw, scale=1.0, backend=attn_backend)
+            o = a.o_proj(o.reshape(T, a.num_heads * a.head_dim).to(dtype))
+            h = h + layer.post_attention_layernorm(o)
+            h = layer.feed_forward(h, self.moe_impl)
+            h = h * torch.where(is_dec, layer.layer_scalar, layer.encoder_layer_scalar)
+
+        h = self.norm(h)
+        logits = nn.functional.linear(h, self.embed_tokens.weight).float()
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    # ---- loading ----------------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained_state_dict(cls, state_dict, config: DiffusionGemmaConfig | None = None, *,
+                                   hf_config=None, device=None, dtype=None, moe_impl: str = "loop"):
+        """Build a model from a transformers ``DiffusionGemmaForBlockDiffusion`` (or ``DiffusionGemmaModel``)
+        state dict; see :func:`blockdiff.model.loading.convert_hf_state_dict` for the name mapping and
+        errors. ``config`` or ``hf_config`` (anything :meth:`DiffusionGemmaConfig.from_hf` takes) is required.
+        """
+        from .loading import load_hf_state_dict
+
+        if config is None:
+            if hf_config is None:
+                raise ValueError("pass config= (DiffusionGemmaConfig) or hf_config= (transformers config)")
+            config = DiffusionGemmaConfig.from_hf(hf_config)
+        model = cls(config, device="meta", dtype=dtype, moe_impl=moe_impl)
+        load_hf_state_dict(model, state_dict, device=device, dtype=dtype)
+        return model
+
+    @classmethod
+    def load_safetensors(cls, path, config: DiffusionGemmaConfig | None = None, *, device=None, dtype=None,
+                         moe_impl: str = "loop"):
+        """Build a model from a safetensors checkpoint: a ``.safetensors`` file, or a folder with
+        ``model.safetensors`` or ``model.safetensors.index.json`` shards (and ``config.json`` when ``config``
+        is None). Vision-tower tensors are skipped.
+
+        Raises:
+            FileNotFoundError: no checkpoint or config at ``path``.
+            ValueError: missing / unexpected / mis-shaped tensors (all listed), or unsupported config.
+        """
+        from .loading import read_safetensors
+
+        import os
+        if config is None:
+            folder = path if os.path.isdir(path) else os.path.dirname(os.fspath(path))
+            cfg_path = os.path.join(folder, "config.json")
+            if not os.path.exists(cfg_path):
+                raise FileNotFoundError(f"no config.json beside {path}; pass config=")
+            config = DiffusionGemmaConfig.from_hf(cfg_path)
+        return cls.from_pretrained_state_dict(read_safetensors(path), config, device=device, dtype=dtype,
+                                              moe_impl=moe_impl)

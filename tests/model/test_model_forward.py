@@ -1,0 +1,238 @@
+"""blockdiff.model forward semantics: encoder/decoder rows, KV writes, batch invariance, input errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from blockdiff.model import DiffusionGemma, DiffusionGemmaConfig, tiny_config
+from model_testutils import build_meta, randomize_
+
+PS = 4  # page size that does not divide the window or canvas evenly in every test
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return randomize_(DiffusionGemma(tiny_config()), seed=1).eval()
+
+
+def _rel(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@torch.no_grad()
+def test_prefill_then_decoder_equals_dense_recomputation(model):
+    """Prompt through a causal prefill (writes KV), then a canvas through a decoder pass (reads KV) equals one
+    pass over prompt+canvas with the first P rows causal and the rest bidirectional (num_causal_q)."""
+    cfg = model.config
+    P, CL = 13, cfg.canvas_length  # P > window_size: the window matters
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, cfg.vocab_size, (P,), generator=g)
+    canvas = torch.randint(0, cfg.vocab_size, (CL,), generator=g)
+    soft = torch.randn(CL, cfg.hidden_size, generator=g)
+
+    caches = model.allocate_kv_caches(16, PS)
+    meta, pos = build_meta([P], [P], [True], PS)
+    enc = model(prompt, pos, meta, caches, attn_backend="reference")
+    meta, pos = build_meta([CL], [P + CL], [False], PS)
+    dec = model(canvas, pos, meta, caches, soft, attn_backend="reference")
+
+    caches2 = model.allocate_kv_caches(16, PS)
+    meta, pos = build_meta([P + CL], [P + CL], [False], PS, num_causal_q=[P])
+    sc = torch.cat([torch.zeros(P, cfg.hidden_size), soft])
+    both = model(torch.cat([prompt, canvas]), pos, meta, caches2, sc, attn_backend="reference")
+    assert torch.isfinite(both).all()
+    assert _rel(enc, both[:P]) < 1e-5
+    assert _rel(dec, both[P:]) < 1e-5
+
+
+@torch.no_grad()
+def test_kv_written_only_at_slot_mapping(model):
+    cfg = model.config
+    P = 9
+    caches = [(torch.full_like(k, float("nan")), torch.full_like(v, float("nan")))
+              for k, v in model.allocate_kv_caches(8, PS)]
+    # pages 5, 2, 7 (permuted ids); every slot outside slot_mapping must stay poisoned
+    meta, pos = build_meta([P], [P], [True], PS, block_ids=[[5, 2, 7]])
+    ids = torch.randint(0, cfg.vocab_size, (P,))
+    out = model(ids, pos, meta, caches, attn_backend="reference")
+    assert torch.isfinite(out).all()
+    written = set(meta.slot_mapping.tolist())
+    for k, v in caches:
+        for c in (k, v):
+            flat = c.reshape(-1, *c.shape[2:])
+            finite = torch.isfinite(flat).all(dim=(1, 2))
+            assert set(torch.nonzero(finite).flatten().tolist()) == written
+            assert torch.isnan(flat[~finite]).all()
+
+
+@torch.no_grad()
+def test_negative_slot_skips_write(model):
+    cfg = model.config
+    caches = model.allocate_kv_caches(4, PS)
+    before = [(k.clone(), v.clone()) for k, v in caches]
+    meta, pos = build_meta([3], [3], [False], PS)
+    # keys must exist for attention, so prefill first, then rerun a denoise pass with all slots skipped
+    ids = torch.randint(0, cfg.vocab_size, (3,))
+    model(ids, pos, meta, caches, attn_backend="reference")
+    snap = [(k.clone(), v.clone()) for k, v in caches]
+    meta.slot_mapping = torch.full((3,), -1, dtype=torch.int64)
+    model(torch.randint(0, cfg.vocab_size, (3,)), pos, meta, caches, attn_backend="reference")
+    for (k0, v0), (k1, v1) in zip(snap, caches):
+        assert torch.equal(k0, k1) and torch.equal(v0, v1)
+    assert any(not torch.equal(a[0], b[0]) for a, b in zip(before, snap))
+
+
+@torch.no_grad()
+def test_batch_composition_invariance(model):
+    """A denoise canvas alone equals the same canvas inside a batch with a prefill and a commit."""
+    cfg = model.config
+    CL = cfg.canvas_length
+    g = torch.Generator().manual_seed(3)
+    ctx_a, ctx_c = 11, 6
+    pa = torch.randint(0, cfg.vocab_size, (ctx_a,), generator=g)
+    pc = torch.randint(0, cfg.vocab_size, (ctx_c,), generator=g)
+    canvas = torch.randint(0, cfg.vocab_size, (CL,), generator=g)
+    commit = torch.randint(0, cfg.vocab_size, (CL,), generator=g)
+    newp = torch.randint(0, cfg.vocab_size, (5,), generator=g)
+    soft = torch.randn(CL, cfg.hidden_size, generator=g) * 4
+
+    # alone: request A prefilled, then denoised (pages 0..)
+    caches = model.allocate_kv_caches(32, PS)
+    a_pages = [[0, 1, 2, 3, 4, 5, 6]]
+    m, p = build_meta([ctx_a], [ctx_a], [True], PS, block_ids=a_pages)
+    model(pa, p, m, caches, attn_backend="reference")
+    m, p = build_meta([CL], [ctx_a + CL], [False], PS, block_ids=a_pages)
+    alone = model(canvas, p, m, caches, soft, attn_backend="reference")
+
+    # mixed: prefill of B (5 tokens), denoise of A, commit of C; A on different pages
+    caches = model.allocate_kv_caches(32, PS)
+    a_pages = [[20, 9, 21, 12, 30, 31, 8]]
+    m, p = build_meta([ctx_a], [ctx_a], [True], PS, block_ids=a_pages)
+    model(pa, p, m, caches, attn_backend="reference")
+    c_pages = [0, 1, 2, 3, 4, 5]
+    m, p = build_meta([ctx_c], [ctx_c], [True], PS, block_ids=[c_pages])
+    model(pc, p, m, caches, attn_backend="reference")
+    b_pages = [14, 15]
+    m, p = build_meta([5, CL, CL], [5, ctx_a + CL, ctx_c + CL], [True, False, True], PS,
+                      block_ids=[b_pages, a_pages[0], c_pages])
+    ids = torch.cat([newp, canvas, commit])
+    sc = torch.cat([torch.zeros(5, cfg.hidden_size), soft, torch.zeros(CL, cfg.hidden_size)])
+    mixed = model(ids, p, m, caches, sc, attn_backend="reference")
+    assert torch.isfinite(mixed).all()
+    assert _rel(mixed[5:5 + CL], alone) < 1e-5
+
+    # the commit row of C equals C's prefill of ctx_c + CL tokens in one go
+    caches = model.allocate_kv_caches(32, PS)
+    m, p = build_meta([ctx_c + CL], [ctx_c + CL], [True], PS, block_ids=[c_pages])
+    full = model(torch.cat([pc, commit]), p, m, caches, attn_backend="reference")
+    assert _rel(mixed[5 + CL:], full[ctx_c:]) < 1e-5
+
+
+@torch.no_grad()
+def test_self_conditioning_zero_rows_contribute_nothing(model):
+    """Zero self_cond rows give exactly the self_cond=None result; encoder rows ignore self_cond entirely."""
+    cfg = model.config
+    CL = cfg.canvas_length
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, cfg.vocab_size, (7,), generator=g)
+    canvas = torch.randint(0, cfg.vocab_size, (CL,), generator=g)
+    caches = model.allocate_kv_caches(16, PS)
+    m, p = build_meta([7], [7], [True], PS)
+    e0 = model(prompt, p, m, caches, attn_backend="reference")
+    e1 = model(prompt, p, m, caches, torch.randn(7, cfg.hidden_size, generator=g), attn_backend="reference")
+    assert torch.equal(e0, e1)
+    m, p = build_meta([CL], [7 + CL], [False], PS)
+    d0 = model(canvas, p, m, caches, None, attn_backend="reference")
+    d1 = model(canvas, p, m, caches, torch.zeros(CL, cfg.hidden_size), attn_backend="reference")
+    assert torch.equal(d0, d1)
+    d2 = model(canvas, p, m, caches, torch.randn(CL, cfg.hidden_size, generator=g), attn_backend="reference")
+    assert not torch.allclose(d0, d2)
+
+
+def test_embedding_and_caches(model):
+    cfg = model.config
+    assert model.embedding_weight.shape == (cfg.vocab_size, cfg.hidden_size)
+    caches = model.allocate_kv_caches(3, 5, dtype=torch.bfloat16)
+    assert len(caches) == cfg.num_hidden_layers
+    for i, (k, v) in enumerate(caches):
+        if cfg.layer_types[i] == "sliding_attention":
+            assert k.shape == v.shape == (3, 5, cfg.num_key_value_heads, cfg.head_dim)
+        else:
+            assert k.shape == v.shape == (3, 5, cfg.num_global_key_value_heads, cfg.global_head_dim)
+        assert k.dtype == torch.bfloat16
+
+
+@torch.no_grad()
+def test_moe_grouped_mm_matches_loop(model):
+    cfg = model.config
+    layer = model.layers[0]
+    x = torch.randn(37, cfg.hidden_size)
+    w, idx = layer.router(x)
+    a = layer.experts(x, w, idx, impl="loop")
+    b = layer.experts(x, w, idx, impl="grouped_mm")
+    assert _rel(b, a) < 1e-5
+
+
+# ---- bad inputs ----------------------------------------------------------------------------------------
+@pytest.fixture
+def good(model):
+    cfg = model.config
+    caches = model.allocate_kv_caches(4, PS)
+    meta, pos = build_meta([3], [3], [True], PS)
+    return cfg, caches, meta, pos, torch.randint(0, cfg.vocab_size, (3,))
+
+
+def test_bad_inputs_raise(model, good):
+    cfg, caches, meta, pos, ids = good
+    with pytest.raises(TypeError, match="attn_backend"):
+        model(ids, pos, meta, caches, attn_backend=None)
+    with pytest.raises(TypeError):
+        model(ids, pos, meta, caches)  # attn_backend is required
+    with pytest.raises(ValueError, match="input_ids"):
+        model(ids.int(), pos, meta, caches, attn_backend="reference")
+    with pytest.raises(ValueError, match="input_ids"):
+        model(ids[None], pos, meta, caches, attn_backend="reference")
+    with pytest.raises(ValueError, match="positions"):
+        model(ids, pos[:2], meta, caches, attn_backend="reference")
+    with pytest.raises(ValueError, match="kv_caches"):
+        model(ids, pos, meta, caches[:-1], attn_backend="reference")
+    bad = list(caches)
+    bad[1] = (caches[0][0], caches[0][1])  # sliding-layer cache on a full layer
+    with pytest.raises(ValueError, match=r"kv_caches\[1\]"):
+        model(ids, pos, meta, bad, attn_backend="reference")
+    with pytest.raises(ValueError, match="self_cond"):
+        model(ids, pos, meta, caches, torch.zeros(3, cfg.hidden_size + 1), attn_backend="reference")
+    with pytest.raises(ValueError, match="bidirectional_window"):
+        model(ids, pos, meta, caches, attn_backend="reference", bidirectional_window="both")
+    meta2, _ = build_meta([3], [3], [True], PS)
+    meta2.slot_mapping = meta2.slot_mapping[:2]
+    with pytest.raises(ValueError, match="slot_mapping"):
+        model(ids, pos, meta2, caches, attn_backend="reference")
+    meta3, _ = build_meta([3], [3], [True], PS)
+    meta3.causal = None
+    with pytest.raises(ValueError, match="causal"):
+        model(ids, pos, meta3, caches, attn_backend="reference")
+    with pytest.raises(ValueError, match="backend"):
+        model(ids, pos, meta, caches, attn_backend="nope")
+    with pytest.raises(ValueError, match="num_blocks"):
+        model.allocate_kv_caches(0, 4)
+
+
+def test_bad_config_raises():
+    with pytest.raises(ValueError, match="layer_types"):
+        tiny_config(layer_types=["sliding_attention"] * 4)
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        tiny_config(num_key_value_heads=3)
+    with pytest.raises(ValueError, match="top_k_experts"):
+        tiny_config(top_k_experts=9)
+    with pytest.raises(ValueError, match="use_bidirectional_attention"):
+        tiny_config(use_bidirectional_attention="all")
+    with pytest.raises(ValueError, match="bidirectional_window"):
+        tiny_config(bidirectional_window="left")
+    with pytest.raises(TypeError, match="DiffusionGemmaConfig"):
+        DiffusionGemma({"hidden_size": 4})
+    with pytest.raises(ValueError, match="moe_impl"):
+        DiffusionGemma(tiny_config(), moe_impl="dense")
+    assert tiny_config().window_size == 7
+    assert DiffusionGemmaConfig(sliding_window=1024, num_hidden_layers=6).window_size == 1023
