@@ -1,1 +1,79 @@
-"""placeholder"""
+"""blockdiff.sampler: the DiffusionGemma denoising sampler step over a batch of requests.
+
+Per forward pass, :func:`sampler_step` turns the canvas logits of every DENOISE row into Gumbel-max samples,
+accepts the lowest-entropy positions within an entropy budget, renoises the rest, tracks argmax stability and
+mean entropy for convergence, computes the self-conditioning soft embedding, and drives each request's phase
+(PREFILL -> DENOISE -> COMMIT -> DENOISE ... -> FINISHED, or FAILED on non-finite logits). Semantics:
+ARCHITECTURE.md "Sampler semantics"; interface: INTERFACES.md "blockdiff.sampler".
+
+Backends (explicit; no silent fallback): ``"reference"`` (dense PyTorch, :mod:`.reference`) and ``"triton"``
+(streaming fused kernels, :mod:`.triton_sampler`). ``"auto"`` picks triton on CUDA, reference elsewhere, and
+:func:`resolve_backend` says what it chose.
+"""
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from . import rng
+from .params import SamplingParams
+from .state import (COMMIT, DENOISE, FAILED, FINISHED, NO_MAX_TOKENS, PHASE_NAMES, PREFILL, SamplerState,
+                    StepOutput)
+
+BACKENDS = ("reference", "triton")
+_MODULES = {"reference": ".reference", "triton": ".triton_sampler"}
+
+
+def resolve_backend(backend: str, device: torch.device | str | None = None) -> str:
+    """Map ``"auto"`` to ``"triton"`` on CUDA and ``"reference"`` elsewhere; validate the name.
+
+    Raises:
+        ValueError: unknown backend name.
+    """
+    if backend == "auto":
+        return "triton" if device is not None and torch.device(device).type == "cuda" else "reference"
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS + ('auto',)}, got {backend!r}")
+    return backend
+
+
+def get_backend(backend: str):
+    """The ``sampler_step`` function of a concrete backend.
+
+    Raises:
+        ValueError: unknown backend. ImportError: the backend cannot be imported here (no fallback).
+    """
+    backend = resolve_backend(backend)
+    try:
+        mod = importlib.import_module(_MODULES[backend], __name__)
+    except ImportError as e:
+        raise ImportError(f"sampler backend {backend!r} is not available: {e}") from e
+    return mod.sampler_step
+
+
+def sampler_step(state: SamplerState, slots: torch.Tensor, logits: torch.Tensor, prefill_done: torch.Tensor,
+                 embedding: torch.Tensor, *, backend: str = "reference") -> StepOutput:
+    """One sampler step for the N rows of a forward pass; mutates ``state`` in place.
+
+    Args:
+        state: :class:`SamplerState`.
+        slots: int64 [N] distinct slots of the rows.
+        logits: float [N, CL, V] final (soft-capped) logits of the canvas tokens; ignored for non-DENOISE rows.
+        prefill_done: bool [N]; PREFILL rows with True move to DENOISE with a fresh canvas.
+        embedding: E [V, hidden] (tied embedding), for ``soft = softmax(z) @ E * sqrt(hidden)``.
+        backend: ``"reference"``, ``"triton"`` or ``"auto"``.
+
+    Returns:
+        :class:`StepOutput` (shapes/dtypes in its docstring).
+
+    Raises:
+        ValueError: unknown backend, bad shapes. TypeError: bad types/dtypes. ImportError: backend unavailable.
+    """
+    return get_backend(resolve_backend(backend, logits.device))(state, slots, logits, prefill_done, embedding)
+
+
+__all__ = [
+    "SamplingParams", "SamplerState", "StepOutput", "sampler_step", "resolve_backend", "get_backend", "BACKENDS",
+    "PREFILL", "DENOISE", "COMMIT", "FINISHED", "FAILED", "PHASE_NAMES", "NO_MAX_TOKENS", "rng",
+]

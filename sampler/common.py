@@ -1,0 +1,219 @@
+"""Pieces every sampler backend shares: argument checks, the temperature schedule, and the phase bookkeeping.
+
+Backends (``reference``, ``triton``) never import each other; both import this module, :mod:`.rng` and
+:mod:`.state`. Everything here is vectorised over the N rows of a step with ``torch.where`` (no host sync, no
+data-dependent shapes), so a step stays capturable in a CUDA graph.
+
+Phase machine per row (INTERFACES.md "blockdiff.sampler"):
+PREFILL --prefill_done--> DENOISE (fresh canvas 0) --converged--> COMMIT --EOS or max_tokens--> FINISHED
+                                  \\--non-finite logit--> FAILED     \\--else--> DENOISE (fresh canvas, index + 1)
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from . import rng
+from .state import COMMIT, DENOISE, FAILED, FINISHED, PREFILL, SamplerState, StepOutput
+
+__all__ = ["check_step_args", "temperature", "DenoiseResult", "apply_step", "fresh_canvas", "accept_by_entropy"]
+
+
+def check_step_args(state: SamplerState, slots: torch.Tensor, logits: torch.Tensor, prefill_done: torch.Tensor,
+                    embedding: torch.Tensor) -> None:
+    """Validate shapes/dtypes/devices of ``sampler_step``'s arguments (host metadata only; no device sync).
+
+    Raises:
+        TypeError: wrong types or dtypes (names the argument).
+        ValueError: wrong shapes or devices (names the argument and the rule).
+    """
+    if not isinstance(state, SamplerState):
+        raise TypeError(f"state must be a SamplerState, got {type(state).__name__}")
+    for name, t in (("slots", slots), ("logits", logits), ("prefill_done", prefill_done), ("embedding", embedding)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.device != state.device and not (t.device.type == state.device.type == "cuda"
+                                             and (state.device.index is None or t.device.index == state.device.index)):
+            raise ValueError(f"{name} is on {t.device}, the state on {state.device}")
+    if slots.dtype != torch.int64 or slots.dim() != 1:
+        raise TypeError(f"slots must be a 1-D int64 tensor, got {slots.dtype} of shape {tuple(slots.shape)}")
+    n = slots.shape[0]
+    if not logits.is_floating_point():
+        raise TypeError(f"logits must be floating point, got {logits.dtype}")
+    if logits.dim() != 3 or tuple(logits.shape) != (n, state.canvas_length, state.vocab_size):
+        raise ValueError(f"logits must have shape [N={n}, canvas_length={state.canvas_length}, "
+                         f"vocab_size={state.vocab_size}], got {tuple(logits.shape)}")
+    if prefill_done.dtype != torch.bool or tuple(prefill_done.shape) != (n,):
+        raise ValueError(f"prefill_done must be a bool tensor of shape [{n}], got {prefill_done.dtype} "
+                         f"{tuple(prefill_done.shape)}")
+    if not embedding.is_floating_point():
+        raise TypeError(f"embedding must be floating point, got {embedding.dtype}")
+    if embedding.dim() != 2 or tuple(embedding.shape) != (state.vocab_size, state.hidden_size):
+        raise ValueError(f"embedding must have shape [vocab_size={state.vocab_size}, hidden_size={state.hidden_size}]"
+                         f", got {tuple(embedding.shape)}")
+
+
+def temperature(state: SamplerState, slots: torch.Tensor) -> torch.Tensor:
+    """Temperature of each row's current step, float32 [N] (ARCHITECTURE.md step 1).
+
+    ``T = t_min + (t_max - t_min) * (S - s) / S`` evaluated in float32 in exactly this order (every backend calls
+    this function, so T is bit-identical across backends). Equals transformers'
+    ``LinearTemperatureScheduleLogitsProcessor`` with ``cur_step = S - s``. ``t_max == 0`` gives T = 0 (greedy).
+    """
+    t_min = state.t_min[slots]
+    t_max = state.t_max[slots]
+    S = state.max_denoising_steps[slots]
+    s = state.step[slots]
+    return t_min + ((t_max - t_min) * (S - s).to(torch.float32)) / S.to(torch.float32)
+
+
+def accept_by_entropy(entropy: torch.Tensor, entropy_bound: torch.Tensor) -> torch.Tensor:
+    """Entropy-bound acceptance (ARCHITECTURE.md step 4; arXiv:2505.24857), bool [N, CL].
+
+    Positions sorted by entropy ascending, ties by position (stable sort); the j-th accepted iff
+    ``cumsum_j - H_j <= entropy_bound`` (inclusive, float32 cumsum as in transformers' EntropyBoundSampler).
+    The lowest-entropy position always passes (``0 <= bound``). NaN entropies sort last and are never accepted.
+
+    Args:
+        entropy: float32 [N, CL] nats. entropy_bound: float32 [N] nats.
+    """
+    sorted_h, order = torch.sort(entropy, dim=-1, stable=True)
+    cum = torch.cumsum(sorted_h, dim=-1)
+    sel = (cum - sorted_h) <= entropy_bound[:, None]
+    sel &= ~torch.isnan(sorted_h)
+    return torch.zeros_like(sel).scatter(-1, order, sel)
+
+
+def fresh_canvas(state: SamplerState, slots: torch.Tensor, canvas_index: torch.Tensor) -> torch.Tensor:
+    """Uniform random canvas [N, CL] int64 of the INITIAL stream for canvas ``canvas_index`` [N] (step 0)."""
+    return rng.random_ids(state.seed[slots], state.request_id[slots], canvas_index, torch.zeros_like(canvas_index),
+                          state.canvas_length, state.vocab_size, rng.INITIAL)
+
+
+@dataclass
+class DenoiseResult:
+    """What a backend computed for the rows of a step (meaningful on DENOISE rows; others are ignored).
+
+    accepted [N, CL] bool, entropy [N, CL] float32, argmax / sampled / next_canvas [N, CL] int64,
+    row_failed [N] bool (a non-finite logit), converged [N] bool, stable_count [N] int32 (new value),
+    mean_entropy [N] float32, temperature [N] float32, soft [N, CL, hidden] float32 or None (None: the backend
+    already wrote ``state.soft`` for continuing rows itself, and zeroed it for fresh canvases).
+    """
+
+    accepted: torch.Tensor
+    entropy: torch.Tensor
+    argmax: torch.Tensor
+    sampled: torch.Tensor
+    next_canvas: torch.Tensor
+    row_failed: torch.Tensor
+    converged: torch.Tensor
+    stable_count: torch.Tensor
+    mean_entropy: torch.Tensor
+    temperature: torch.Tensor
+    soft: torch.Tensor | None
+
+
+def convergence(state: SamplerState, slots: torch.Tensor, argmax: torch.Tensor, mean_entropy: torch.Tensor):
+    """(converged [N] bool, stable_count [N] int32) of ARCHITECTURE.md step 6, before masking by phase/failure.
+
+    ``stable_count`` counts consecutive steps whose argmax canvas equals the previous one (prev_argmax is -1 at
+    step 0, so step 0 never matches); k + 1 identical canvases <=> stable_count >= k. Converged iff
+    ``(stable_count >= k and mean_entropy < confidence_threshold) or s + 1 >= S``.
+    """
+    same = (argmax == state.prev_argmax[slots]).all(dim=-1)
+    stable_count = torch.where(same, state.stable_count[slots] + 1, torch.zeros_like(state.stable_count[slots]))
+    stable = stable_count >= state.stability_threshold[slots]
+    confident = mean_entropy < state.confidence_threshold[slots]
+    cap = (state.step[slots] + 1) >= state.max_denoising_steps[slots]
+    return (stable & confident) | cap, stable_count
+
+
+def apply_step(state: SamplerState, slots: torch.Tensor, prefill_done: torch.Tensor, res: DenoiseResult,
+               phase: torch.Tensor) -> StepOutput:
+    """Apply one step's transitions to ``state`` in place and build the :class:`StepOutput`.
+
+    Args:
+        phase: int32 [N], ``state.phase[slots]`` read at entry (before the backend ran).
+    """
+    N, CL = slots.shape[0], state.canvas_length
+    dev = state.device
+    is_prefill = phase == PREFILL
+    is_den = phase == DENOISE
+    is_commit = phase == COMMIT
+    failed = is_den & res.row_failed
+    ok = is_den & ~res.row_failed
+    conv = ok & res.converged
+    cont = ok & ~res.converged
+    okc = ok[:, None]
+
+    # ---- DENOISE rows
+    canvas_old = state.canvas[slots]
+    next_canvas = torch.where(okc, res.next_canvas, -1)
+    new_canvas = torch.where(cont[:, None], res.next_canvas, canvas_old)
+    prev_argmax = torch.where(okc, res.argmax, state.prev_argmax[slots])
+    stable_count = torch.where(ok, res.stable_count, state.stable_count[slots])
+    step = torch.where(ok, state.step[slots] + 1, state.step[slots])
+    commit_canvas = torch.where(conv[:, None], res.argmax, state.commit_canvas[slots])
+    new_phase = torch.where(failed, FAILED, torch.where(conv, COMMIT, phase)).to(torch.int32)
+
+    # ---- COMMIT rows: emit the commit canvas trimmed after the first EOS (kept) and at max_tokens
+    eos = state.eos_token_ids[slots]                                            # [N, E]
+    is_eos = ((commit_canvas[:, :, None] == eos[:, None, :]) & (eos[:, None, :] >= 0)).any(-1)  # [N, CL]
+    has_eos = is_eos.any(-1)
+    first_eos = torch.where(has_eos, is_eos.to(torch.int32).argmax(-1), CL).to(torch.int64)
+    remaining = state.max_tokens[slots] - state.num_emitted[slots]
+    n_now = torch.minimum(torch.minimum(first_eos + 1, torch.full_like(first_eos, CL)), remaining)
+    n_now = torch.where(is_commit, n_now.clamp(min=0), 0)
+    pos = torch.arange(CL, device=dev)
+    emitted = torch.where(pos[None, :] < n_now[:, None], commit_canvas, -1)
+    eos_emitted = has_eos & (first_eos < remaining)
+    num_emitted = state.num_emitted[slots] + n_now
+    finished = is_commit & (eos_emitted | (num_emitted >= state.max_tokens[slots]))
+    new_phase = torch.where(is_commit, torch.where(finished, FINISHED, DENOISE), new_phase).to(torch.int32)
+
+    # ---- fresh canvases: PREFILL -> DENOISE (canvas 0), COMMIT -> DENOISE (canvas index + 1)
+    start0 = is_prefill & prefill_done
+    nextc = is_commit & ~finished
+    fresh = start0 | nextc
+    canvas_index = state.canvas_index[slots]
+    canvas_index = torch.where(start0, 0, torch.where(nextc, canvas_index + 1, canvas_index)).to(torch.int32)
+    new_phase = torch.where(start0, DENOISE, new_phase).to(torch.int32)
+    init = fresh_canvas(state, slots, canvas_index)
+    fc = fresh[:, None]
+    new_canvas = torch.where(fc, init, new_canvas)
+    prev_argmax = torch.where(fc, -1, prev_argmax)
+    stable_count = torch.where(fresh, 0, stable_count).to(torch.int32)
+    step = torch.where(fresh, 0, step).to(torch.int32)
+
+    # ---- write back (index_put with the device tensor `slots`: no host sync)
+    state.canvas[slots] = new_canvas
+    state.prev_argmax[slots] = prev_argmax
+    state.stable_count[slots] = stable_count
+    state.step[slots] = step
+    state.commit_canvas[slots] = commit_canvas
+    state.canvas_index[slots] = canvas_index
+    state.num_emitted[slots] = num_emitted
+    state.phase[slots] = new_phase
+    if res.soft is not None:
+        old = state.soft[slots]
+        state.soft[slots] = torch.where(fc[:, :, None], 0.0, torch.where(cont[:, None, None], res.soft, old))
+
+    zero_i = torch.zeros(N, dtype=torch.int32, device=dev)
+    return StepOutput(
+        num_sampled=torch.where(is_commit, CL, zero_i).to(torch.int32),
+        num_rejected=torch.where(is_den, CL, zero_i).to(torch.int32),
+        emitted=emitted,
+        num_emitted_now=n_now.to(torch.int32),
+        finished=finished,
+        failed=failed,
+        accepted=res.accepted & okc,
+        entropy=torch.where(is_den[:, None], res.entropy, 0.0),
+        argmax=torch.where(okc, res.argmax, -1),
+        sampled=torch.where(okc, res.sampled, -1),
+        next_canvas=next_canvas,
+        converged=conv,
+        mean_entropy=torch.where(is_den, res.mean_entropy, 0.0),
+        temperature=torch.where(is_den, res.temperature, 0.0),
+    )

@@ -1,0 +1,109 @@
+"""Per-request sampling parameters of the DiffusionGemma denoising sampler (host side).
+
+Defaults are those of transformers' ``DiffusionGemmaGenerationConfig._get_default_generation_params`` (HF
+DiffusionGemma generation): canvas 256, 48 denoising steps, linear temperature 0.8 -> 0.4, entropy bound 0.1
+nats, confidence threshold 0.005 nats, stability threshold 1. Semantics: ARCHITECTURE.md "Sampler semantics".
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .rng import MAX_POSITIONS, MAX_STEPS
+
+__all__ = ["SamplingParams"]
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling parameters of one request; validated on construction.
+
+    Attributes:
+        canvas_length: tokens per canvas (CL), 1 <= CL < 2**16; must equal the SamplerState's.
+        max_denoising_steps: step cap S per canvas, 1 <= S < 2**14 (counter layout of :mod:`.rng`).
+        t_min, t_max: temperature at the last / first step; 0 <= t_min <= t_max, finite. ``t_max == 0`` is greedy
+            (T = 0: no noise, all entropies 0). (transformers requires t_max > t_min strictly; ARCHITECTURE.md
+            allows t_min == t_max, which T = 0 needs.)
+        entropy_bound: acceptance budget in nats, >= 0 and finite (the lowest-entropy position is always accepted).
+        confidence_threshold: mean-entropy threshold in nats for convergence (strict ``<``), >= 0 and finite.
+        stability_threshold: k >= 0; convergence needs the last k + 1 argmax canvases identical.
+        seed: RNG seed, 0 <= seed < 2**63 (Philox key, see :mod:`.rng`).
+        eos_token_ids: token ids that end the request (the first one emitted is kept); each >= 0.
+        max_tokens: cap on emitted tokens of the request (None = no cap), >= 1.
+
+    Raises:
+        TypeError: a field has the wrong type (names the field).
+        ValueError: a field breaks its rule above (names the field and the rule).
+    """
+
+    canvas_length: int = 256
+    max_denoising_steps: int = 48
+    t_min: float = 0.4
+    t_max: float = 0.8
+    entropy_bound: float = 0.1
+    confidence_threshold: float = 0.005
+    stability_threshold: int = 1
+    seed: int = 0
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    max_tokens: int | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.eos_token_ids, tuple):
+            if isinstance(self.eos_token_ids, (list, set, frozenset)) or _is_int(self.eos_token_ids):
+                ids = (self.eos_token_ids,) if _is_int(self.eos_token_ids) else tuple(sorted(self.eos_token_ids))
+                object.__setattr__(self, "eos_token_ids", ids)
+            else:
+                raise TypeError(f"eos_token_ids must be a tuple/list of ints, got {type(self.eos_token_ids).__name__}")
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field; raise TypeError/ValueError naming the first bad one."""
+        for name in ("canvas_length", "max_denoising_steps", "stability_threshold", "seed"):
+            v = getattr(self, name)
+            if not _is_int(v):
+                raise TypeError(f"{name} must be an int, got {type(v).__name__} ({v!r})")
+        for name in ("t_min", "t_max", "entropy_bound", "confidence_threshold"):
+            v = getattr(self, name)
+            if not _is_real(v):
+                raise TypeError(f"{name} must be a float, got {type(v).__name__} ({v!r})")
+            if not math.isfinite(v):
+                raise ValueError(f"{name} must be finite, got {v}")
+        if not 1 <= self.canvas_length < MAX_POSITIONS:
+            raise ValueError(f"canvas_length must be in [1, {MAX_POSITIONS}), got {self.canvas_length}")
+        if not 1 <= self.max_denoising_steps < MAX_STEPS:
+            raise ValueError(f"max_denoising_steps must be in [1, {MAX_STEPS}), got {self.max_denoising_steps}")
+        if self.t_min < 0:
+            raise ValueError(f"t_min must be >= 0, got {self.t_min}")
+        if self.t_max < self.t_min:
+            raise ValueError(f"t_max must be >= t_min, got t_max={self.t_max} < t_min={self.t_min}")
+        if self.entropy_bound < 0:
+            raise ValueError(f"entropy_bound must be >= 0 nats, got {self.entropy_bound}")
+        if self.confidence_threshold < 0:
+            raise ValueError(f"confidence_threshold must be >= 0 nats, got {self.confidence_threshold}")
+        if self.stability_threshold < 0:
+            raise ValueError(f"stability_threshold must be >= 0, got {self.stability_threshold}")
+        if not 0 <= self.seed < (1 << 63):
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        for t in self.eos_token_ids:
+            if not _is_int(t):
+                raise TypeError(f"eos_token_ids must hold ints, got {type(t).__name__} ({t!r})")
+            if t < 0:
+                raise ValueError(f"eos_token_ids must be >= 0, got {t}")
+        if self.max_tokens is not None:
+            if not _is_int(self.max_tokens):
+                raise TypeError(f"max_tokens must be an int or None, got {type(self.max_tokens).__name__}")
+            if self.max_tokens < 1:
+                raise ValueError(f"max_tokens must be >= 1 or None, got {self.max_tokens}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when every step has T = 0 (t_max == 0)."""
+        return self.t_max == 0.0

@@ -1,0 +1,109 @@
+"""Dense PyTorch reference of the denoising sampler step: the oracle every other backend is tested against.
+
+Semantics: ARCHITECTURE.md "Sampler semantics" (HF transformers DiffusionGemma generation:
+``EntropyBoundSampler``, ``StableAndConfidentStoppingCriteria``, ``LinearTemperatureScheduleLogitsProcessor``,
+self-conditioning in ``DiffusionGemmaDecoder``), with the phase machine of INTERFACES.md. Readable, vectorised
+over rows and phases, and memory-hungry on purpose: it materialises [N, CL, V] float32 temporaries (z, Gumbel
+noise, probabilities) — use the ``triton`` backend for serving.
+
+Per DENOISE row with step s, temperature T (:func:`blockdiff.sampler.common.temperature`):
+
+1. ``z = float32(logits) / T`` (the logits are the model's final, already soft-capped, logits).
+2. ``sampled = argmax(z + g)``, g Gumbel noise of :func:`blockdiff.sampler.rng.gumbel_noise`.
+3. ``argmax = argmax(z)`` (ties to the lowest id); ``H = -sum p log p``, ``p = softmax(z)`` (nats).
+4. :func:`blockdiff.sampler.common.accept_by_entropy`; a row with any non-finite logit fails (nothing accepted).
+5. next canvas: accepted positions keep ``sampled``, the rest get RENOISE-stream ids.
+6. :func:`blockdiff.sampler.common.convergence`.
+7. ``soft = (bf16(p) @ E).float() * sqrt(hidden)`` — p cast to E's dtype, the product in E's dtype (fp32
+   accumulation), as transformers does; the same-precision eager computation the fused kernel is held to.
+8. T = 0: no noise, ``sampled = argmax``, H = 0, p = one-hot(argmax).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import rng
+from .common import DenoiseResult, accept_by_entropy, apply_step, check_step_args, convergence, temperature
+from .state import DENOISE, SamplerState, StepOutput
+
+__all__ = ["sampler_step", "denoise_reference", "soft_embedding_reference", "entropy_reference"]
+
+
+def entropy_reference(z: torch.Tensor) -> torch.Tensor:
+    """``H = -sum_v p log p`` with ``p = softmax(z)`` over the last dim, float32 nats (z finite)."""
+    logp = torch.log_softmax(z, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def soft_embedding_reference(p: torch.Tensor, embedding: torch.Tensor) -> torch.Tensor:
+    """Self-conditioning soft embedding ``p @ E * sqrt(hidden)``, float32 [..., hidden].
+
+    Args:
+        p: float32 [..., V] probabilities. embedding: E [V, hidden] (bf16/fp16/fp32).
+
+    p is cast to E's dtype and multiplied in that dtype (transformers' DiffusionGemmaDecoder does the same), then
+    widened to float32 and scaled by ``sqrt(hidden)`` in float32 (transformers rounds the scale to E's dtype).
+    """
+    hidden = embedding.shape[-1]
+    return torch.matmul(p.to(embedding.dtype), embedding).to(torch.float32) * math.sqrt(hidden)
+
+
+def denoise_reference(state: SamplerState, slots: torch.Tensor, logits: torch.Tensor,
+                      embedding: torch.Tensor) -> DenoiseResult:
+    """Steps 1-7 for every row (rows not in DENOISE compute garbage that :func:`apply_step` discards)."""
+    CL, V = state.canvas_length, state.vocab_size
+    seed, rid = state.seed[slots], state.request_id[slots]
+    cidx, step = state.canvas_index[slots], state.step[slots]
+
+    T = temperature(state, slots)                                    # [N] float32
+    greedy = T == 0
+    x = logits.to(torch.float32)
+    finite = torch.isfinite(x).all(-1)                               # [N, CL]
+    row_failed = ~finite.all(-1)
+    z = x / torch.where(greedy, torch.ones_like(T), T)[:, None, None]
+
+    argmax = z.argmax(-1)                                            # first maximum: ties to the lowest id
+    g = rng.gumbel_noise(seed, rid, cidx, step, CL, V)
+    sampled = torch.where(greedy[:, None], argmax, (z + g).argmax(-1))
+    entropy = torch.where(greedy[:, None], 0.0, entropy_reference(z))
+    entropy = torch.where(finite, entropy, float("nan"))
+
+    accepted = accept_by_entropy(entropy, state.entropy_bound[slots]) & ~row_failed[:, None]
+    renoise = rng.random_ids(seed, rid, cidx, step, CL, V, rng.RENOISE)
+    next_canvas = torch.where(accepted, sampled, renoise)
+
+    mean_entropy = entropy.mean(-1)
+    converged, stable_count = convergence(state, slots, argmax, mean_entropy)
+
+    onehot = torch.nn.functional.one_hot(argmax, V).to(torch.float32)
+    p = torch.where(greedy[:, None, None], onehot, torch.softmax(z, dim=-1))
+    soft = soft_embedding_reference(p, embedding)
+    return DenoiseResult(accepted=accepted, entropy=entropy, argmax=argmax, sampled=sampled,
+                         next_canvas=next_canvas, row_failed=row_failed, converged=converged,
+                         stable_count=stable_count, mean_entropy=mean_entropy, temperature=T, soft=soft)
+
+
+def sampler_step(state: SamplerState, slots: torch.Tensor, logits: torch.Tensor, prefill_done: torch.Tensor,
+                 embedding: torch.Tensor) -> StepOutput:
+    """One sampler step over N rows, dense PyTorch (see the module docstring and INTERFACES.md).
+
+    Args:
+        state: :class:`SamplerState`, mutated in place.
+        slots: int64 [N], distinct slot ids (duplicates are not detected: that would need a host sync).
+        logits: float [N, CL, V], the model's final logits for the canvas tokens; rows whose phase is not
+            DENOISE are ignored (may be garbage).
+        prefill_done: bool [N]; a PREFILL row with True starts denoising.
+        embedding: E [V, hidden], the tied input embedding.
+
+    Returns:
+        :class:`StepOutput`.
+
+    Raises:
+        TypeError / ValueError: bad argument types/shapes (see :func:`blockdiff.sampler.common.check_step_args`).
+    """
+    check_step_args(state, slots, logits, prefill_done, embedding)
+    phase = state.phase[slots].clone()
+    res = denoise_reference(state, slots, logits, embedding)
+    return apply_step(state, slots, prefill_done, res, phase)

@@ -1,0 +1,194 @@
+"""Device state of the sampler over preallocated request slots, phase constants and the step's output record.
+
+One :class:`SamplerState` holds every running request of a serving engine in fixed-size device tensors
+(``max_num_reqs`` slots), updated in place by ``sampler_step`` so that a step is capturable in a CUDA graph.
+A slot's RNG identity is its ``request_id`` (not the slot number), so a request draws the same noise alone or in
+any batch (ARCHITECTURE.md "Sampler semantics"; INTERFACES.md "blockdiff.sampler").
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .params import SamplingParams
+from .rng import MAX_POSITIONS, MAX_VOCAB
+
+__all__ = ["PREFILL", "DENOISE", "COMMIT", "FINISHED", "FAILED", "PHASE_NAMES", "NO_MAX_TOKENS",
+           "SamplerState", "StepOutput"]
+
+PREFILL = 0
+DENOISE = 1
+COMMIT = 2
+FINISHED = 3
+FAILED = 4
+PHASE_NAMES = {PREFILL: "PREFILL", DENOISE: "DENOISE", COMMIT: "COMMIT", FINISHED: "FINISHED", FAILED: "FAILED"}
+
+#: ``max_tokens`` stored for a request without a cap.
+NO_MAX_TOKENS = 1 << 62
+
+
+class SamplerState:
+    """Per-slot sampler state in preallocated device tensors (R = max_num_reqs, CL = canvas_length).
+
+    Tensors (all on ``device``; every slot starts, and returns after :meth:`remove_request`, as FINISHED):
+
+    - ``phase`` [R] int32: PREFILL=0, DENOISE=1, COMMIT=2, FINISHED=3, FAILED=4.
+    - ``canvas`` [R, CL] int64: next denoise input. ``commit_canvas`` [R, CL] int64: the canvas a COMMIT pass
+      writes. ``prev_argmax`` [R, CL] int64: last step's argmax canvas (-1 before the first step of a canvas).
+    - ``stable_count`` [R] int32: consecutive steps whose argmax canvas equalled the previous one; k + 1
+      identical canvases <=> ``stable_count >= k``. ``step`` [R] int32 (step s of the current canvas),
+      ``canvas_index`` [R] int32, ``num_emitted`` [R] int64 (tokens emitted so far).
+    - ``soft`` [R, CL, hidden_size] float32: self-conditioning input (soft embedding), zero at step 0.
+    - ``request_id``, ``seed`` [R] int64 (RNG key, see :mod:`.rng`).
+    - Per-request params: ``t_min``, ``t_max``, ``entropy_bound``, ``confidence_threshold`` [R] float32;
+      ``max_denoising_steps``, ``stability_threshold`` [R] int32; ``eos_token_ids`` [R, max_eos] int64 padded -1;
+      ``max_tokens`` [R] int64 (:data:`NO_MAX_TOKENS` when None).
+
+    Raises:
+        ValueError: sizes out of range (max_num_reqs < 1, canvas_length outside [1, 2**16), vocab_size outside
+            [1, 2**31), hidden_size < 1, max_eos < 0).
+    """
+
+    def __init__(self, max_num_reqs: int, canvas_length: int, vocab_size: int, hidden_size: int,
+                 device: torch.device | str = "cpu", max_eos: int = 8):
+        if int(max_num_reqs) < 1:
+            raise ValueError(f"max_num_reqs must be >= 1, got {max_num_reqs}")
+        if not 1 <= int(canvas_length) < MAX_POSITIONS:
+            raise ValueError(f"canvas_length must be in [1, {MAX_POSITIONS}), got {canvas_length}")
+        if not 1 <= int(vocab_size) < MAX_VOCAB:
+            raise ValueError(f"vocab_size must be in [1, 2**31), got {vocab_size}")
+        if int(hidden_size) < 1:
+            raise ValueError(f"hidden_size must be >= 1, got {hidden_size}")
+        if int(max_eos) < 0:
+            raise ValueError(f"max_eos must be >= 0, got {max_eos}")
+        R, CL = int(max_num_reqs), int(canvas_length)
+        self.max_num_reqs, self.canvas_length = R, CL
+        self.vocab_size, self.hidden_size, self.max_eos = int(vocab_size), int(hidden_size), int(max_eos)
+        self.device = torch.device(device)
+        dev = self.device
+        i32, i64, f32 = torch.int32, torch.int64, torch.float32
+        self.phase = torch.full((R,), FINISHED, dtype=i32, device=dev)
+        self.canvas = torch.zeros(R, CL, dtype=i64, device=dev)
+        self.commit_canvas = torch.zeros(R, CL, dtype=i64, device=dev)
+        self.prev_argmax = torch.full((R, CL), -1, dtype=i64, device=dev)
+        self.stable_count = torch.zeros(R, dtype=i32, device=dev)
+        self.step = torch.zeros(R, dtype=i32, device=dev)
+        self.canvas_index = torch.zeros(R, dtype=i32, device=dev)
+        self.num_emitted = torch.zeros(R, dtype=i64, device=dev)
+        self.soft = torch.zeros(R, CL, self.hidden_size, dtype=f32, device=dev)
+        self.request_id = torch.zeros(R, dtype=i64, device=dev)
+        self.seed = torch.zeros(R, dtype=i64, device=dev)
+        self.t_min = torch.zeros(R, dtype=f32, device=dev)
+        self.t_max = torch.zeros(R, dtype=f32, device=dev)
+        self.entropy_bound = torch.zeros(R, dtype=f32, device=dev)
+        self.confidence_threshold = torch.zeros(R, dtype=f32, device=dev)
+        self.max_denoising_steps = torch.ones(R, dtype=i32, device=dev)
+        self.stability_threshold = torch.zeros(R, dtype=i32, device=dev)
+        self.eos_token_ids = torch.full((R, max(self.max_eos, 1)), -1, dtype=i64, device=dev)
+        self.max_tokens = torch.full((R,), NO_MAX_TOKENS, dtype=i64, device=dev)
+        self.params: list[SamplingParams | None] = [None] * R
+
+    # ------------------------------------------------------------------------------------------ slots
+    def _check_slot(self, slot) -> int:
+        if isinstance(slot, bool) or not isinstance(slot, int):
+            raise TypeError(f"slot must be an int, got {type(slot).__name__}")
+        if not 0 <= slot < self.max_num_reqs:
+            raise ValueError(f"slot must be in [0, {self.max_num_reqs}), got {slot}")
+        return slot
+
+    def add_request(self, slot: int, request_id: int, params: SamplingParams) -> None:
+        """Start a request in ``slot`` in phase PREFILL (host-side writes; not meant for graph capture).
+
+        Args:
+            slot: slot index in [0, max_num_reqs).
+            request_id: int in [-2**63, 2**63): the RNG identity of the request (low 48 bits used, see :mod:`.rng`).
+            params: :class:`SamplingParams` (canvas_length must equal this state's).
+
+        Raises:
+            TypeError / ValueError: bad slot, request_id, params type, canvas_length mismatch, or more
+                eos_token_ids than ``max_eos``.
+        """
+        slot = self._check_slot(slot)
+        if isinstance(request_id, bool) or not isinstance(request_id, int):
+            raise TypeError(f"request_id must be an int, got {type(request_id).__name__}")
+        if not -(1 << 63) <= request_id < (1 << 63):
+            raise ValueError(f"request_id must fit in int64, got {request_id}")
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params.validate()
+        if params.canvas_length != self.canvas_length:
+            raise ValueError(f"params.canvas_length ({params.canvas_length}) must equal the state's canvas_length "
+                             f"({self.canvas_length})")
+        if len(params.eos_token_ids) > self.max_eos:
+            raise ValueError(f"params.eos_token_ids has {len(params.eos_token_ids)} ids, more than max_eos={self.max_eos}")
+        for t in params.eos_token_ids:
+            if t >= self.vocab_size:
+                raise ValueError(f"eos_token_ids must be < vocab_size={self.vocab_size}, got {t}")
+        s = slot
+        self.phase[s] = PREFILL
+        self.canvas[s] = 0
+        self.commit_canvas[s] = 0
+        self.prev_argmax[s] = -1
+        self.stable_count[s] = 0
+        self.step[s] = 0
+        self.canvas_index[s] = 0
+        self.num_emitted[s] = 0
+        self.soft[s] = 0
+        self.request_id[s] = request_id
+        self.seed[s] = params.seed
+        self.t_min[s] = params.t_min
+        self.t_max[s] = params.t_max
+        self.entropy_bound[s] = params.entropy_bound
+        self.confidence_threshold[s] = params.confidence_threshold
+        self.max_denoising_steps[s] = params.max_denoising_steps
+        self.stability_threshold[s] = params.stability_threshold
+        self.eos_token_ids[s] = -1
+        if params.eos_token_ids:
+            self.eos_token_ids[s, : len(params.eos_token_ids)] = torch.tensor(params.eos_token_ids, dtype=torch.int64)
+        self.max_tokens[s] = NO_MAX_TOKENS if params.max_tokens is None else params.max_tokens
+        self.params[s] = params
+
+    def remove_request(self, slot: int) -> None:
+        """Free ``slot``: phase FINISHED, self-conditioning zeroed. Raises ValueError/TypeError for a bad slot."""
+        slot = self._check_slot(slot)
+        self.phase[slot] = FINISHED
+        self.soft[slot] = 0
+        self.prev_argmax[slot] = -1
+        self.params[slot] = None
+
+    def __repr__(self) -> str:
+        return (f"SamplerState(max_num_reqs={self.max_num_reqs}, canvas_length={self.canvas_length}, "
+                f"vocab_size={self.vocab_size}, hidden_size={self.hidden_size}, device={self.device})")
+
+
+@dataclass
+class StepOutput:
+    """Result of one ``sampler_step`` over N rows (all tensors [N]-leading, on the state's device).
+
+    vLLM accounting: ``num_sampled`` int32 (COMMIT rows: CL, else 0), ``num_rejected`` int32 (DENOISE rows:
+    CL, else 0). Emission: ``emitted`` [N, CL] int64 padded -1 (COMMIT rows: the commit canvas trimmed after the
+    first EOS, kept, and at max_tokens), ``num_emitted_now`` int32, ``finished`` bool, ``failed`` bool (a
+    DENOISE row with a non-finite logit).
+
+    Diagnostics of DENOISE rows (other rows: False / 0 / -1): ``accepted`` [N, CL] bool, ``entropy`` [N, CL]
+    float32 nats (NaN at positions with a non-finite logit), ``argmax`` / ``sampled`` / ``next_canvas``
+    [N, CL] int64 (next_canvas: the renoised canvas, the next denoise input unless the row converged or
+    failed), ``converged`` bool, ``mean_entropy`` float32 nats, ``temperature`` float32.
+    """
+
+    num_sampled: torch.Tensor
+    num_rejected: torch.Tensor
+    emitted: torch.Tensor
+    num_emitted_now: torch.Tensor
+    finished: torch.Tensor
+    failed: torch.Tensor
+    accepted: torch.Tensor
+    entropy: torch.Tensor
+    argmax: torch.Tensor
+    sampled: torch.Tensor
+    next_canvas: torch.Tensor
+    converged: torch.Tensor
+    mean_entropy: torch.Tensor
+    temperature: torch.Tensor

@@ -1,0 +1,77 @@
+"""SamplingParams validation and SamplerState slot management."""
+import pytest
+import torch
+
+from blockdiff.sampler import FINISHED, PREFILL, NO_MAX_TOKENS, SamplerState, SamplingParams
+
+
+def test_defaults_match_transformers():
+    hf = pytest.importorskip("transformers.models.diffusion_gemma.generation_diffusion_gemma")
+    d = hf.DiffusionGemmaGenerationConfig._get_default_generation_params()
+    p = SamplingParams()
+    assert p.max_denoising_steps == d["max_denoising_steps"]
+    assert (p.t_min, p.t_max) == (d["t_min"], d["t_max"])
+    assert p.entropy_bound == d["sampler_config"].entropy_bound
+    assert p.stability_threshold == d["stability_threshold"]
+    assert p.confidence_threshold == d["confidence_threshold"]
+    assert p.canvas_length == 256
+
+
+@pytest.mark.parametrize("field,value,exc", [
+    ("canvas_length", 0, ValueError), ("canvas_length", 1 << 16, ValueError), ("canvas_length", 2.0, TypeError),
+    ("max_denoising_steps", 0, ValueError), ("max_denoising_steps", 1 << 14, ValueError),
+    ("t_min", -0.1, ValueError), ("t_max", float("nan"), ValueError), ("t_min", "0.4", TypeError),
+    ("entropy_bound", -1.0, ValueError), ("entropy_bound", float("inf"), ValueError),
+    ("confidence_threshold", -0.5, ValueError), ("stability_threshold", -1, ValueError),
+    ("stability_threshold", True, TypeError), ("seed", -1, ValueError), ("seed", 1 << 63, ValueError),
+    ("max_tokens", 0, ValueError), ("max_tokens", 1.5, TypeError), ("eos_token_ids", (-2,), ValueError),
+    ("eos_token_ids", ("a",), TypeError), ("eos_token_ids", 3.0, TypeError),
+])
+def test_bad_params_name_the_field(field, value, exc):
+    with pytest.raises(exc, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_t_max_below_t_min_rejected_and_greedy_allowed():
+    with pytest.raises(ValueError, match="t_max"):
+        SamplingParams(t_min=0.5, t_max=0.4)
+    assert SamplingParams(t_min=0.0, t_max=0.0).greedy
+    assert SamplingParams(eos_token_ids=[3, 1]).eos_token_ids == (1, 3)
+    assert SamplingParams(eos_token_ids=4).eos_token_ids == (4,)
+
+
+def test_state_add_remove():
+    st = SamplerState(3, 8, 50, 4, max_eos=2)
+    assert (st.phase == FINISHED).all()
+    st.add_request(1, 12345, SamplingParams(canvas_length=8, eos_token_ids=(3, 4), max_tokens=9, seed=7))
+    assert st.phase[1].item() == PREFILL and st.request_id[1].item() == 12345 and st.seed[1].item() == 7
+    assert st.eos_token_ids[1].tolist() == [3, 4] and st.max_tokens[1].item() == 9
+    st.add_request(0, -5, SamplingParams(canvas_length=8))
+    assert st.max_tokens[0].item() == NO_MAX_TOKENS and st.eos_token_ids[0].tolist() == [-1, -1]
+    st.remove_request(1)
+    assert st.phase[1].item() == FINISHED
+
+
+@pytest.mark.parametrize("kw,exc,match", [
+    (dict(slot=3), ValueError, "slot"), (dict(slot=-1), ValueError, "slot"), (dict(slot=1.0), TypeError, "slot"),
+    (dict(request_id="x"), TypeError, "request_id"), (dict(request_id=1 << 63), ValueError, "request_id"),
+    (dict(params=SamplingParams(canvas_length=9)), ValueError, "canvas_length"),
+    (dict(params=SamplingParams(canvas_length=8, eos_token_ids=(1, 2, 3))), ValueError, "max_eos"),
+    (dict(params=SamplingParams(canvas_length=8, eos_token_ids=(50,))), ValueError, "vocab_size"),
+    (dict(params={}), TypeError, "params"),
+])
+def test_add_request_rejects_bad_input(kw, exc, match):
+    st = SamplerState(3, 8, 50, 4, max_eos=2)
+    args = dict(slot=0, request_id=1, params=SamplingParams(canvas_length=8))
+    args.update(kw)
+    with pytest.raises(exc, match=match):
+        st.add_request(args["slot"], args["request_id"], args["params"])
+
+
+@pytest.mark.parametrize("kw,match", [(dict(max_num_reqs=0), "max_num_reqs"), (dict(canvas_length=0), "canvas_length"),
+                                      (dict(vocab_size=0), "vocab_size"), (dict(hidden_size=0), "hidden_size")])
+def test_state_rejects_bad_sizes(kw, match):
+    args = dict(max_num_reqs=2, canvas_length=8, vocab_size=10, hidden_size=4)
+    args.update(kw)
+    with pytest.raises(ValueError, match=match):
+        SamplerState(**args)

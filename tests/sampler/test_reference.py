@@ -1,0 +1,318 @@
+"""Semantics of the dense reference sampler step (ARCHITECTURE.md "Sampler semantics", INTERFACES.md)."""
+import math
+
+import pytest
+import torch
+
+from blockdiff.sampler import (COMMIT, DENOISE, FAILED, FINISHED, PREFILL, SamplerState, SamplingParams, rng,
+                               sampler_step)
+from blockdiff.sampler.common import accept_by_entropy, temperature
+from blockdiff.sampler.reference import entropy_reference
+
+from sampler_helpers import CL, HID, V, P, make_state, peaked_logits, start_denoise
+
+E = torch.randn(V, HID, generator=torch.Generator().manual_seed(0))
+
+
+def step(st, slots, logits, prefill_done=None):
+    n = slots.shape[0]
+    pd = torch.ones(n, dtype=torch.bool) if prefill_done is None else prefill_done
+    return sampler_step(st, slots, logits, pd, E, backend="reference")
+
+
+# ------------------------------------------------------------------------------------------ acceptance
+def test_inclusive_entropy_bound():
+    h = torch.tensor([[0.0625, 0.0625, 0.0625, 0.5]])
+    assert accept_by_entropy(h, torch.tensor([0.125])).tolist() == [[True, True, True, False]]
+    assert accept_by_entropy(h, torch.tensor([0.1249])).tolist() == [[True, True, False, False]]
+
+
+def test_lowest_entropy_position_always_accepted():
+    h = torch.tensor([[5.0, 3.0, 4.0], [2.0, 2.0, 9.0]])
+    assert accept_by_entropy(h, torch.tensor([0.0, 0.0])).tolist() == [[False, True, False], [True, False, False]]
+    # bound 0 with a strictly positive second entropy: only the lowest
+    h = torch.tensor([[5.0, 3.0, 4.0]])
+    assert accept_by_entropy(h, torch.tensor([2.5])).tolist() == [[False, True, False]]
+
+
+def test_ties_break_by_position():
+    h = torch.tensor([[0.5, 0.25, 0.5, 0.5, 0.25]])
+    # sorted: 0.25@1, 0.25@4, 0.5@0, 0.5@2, 0.5@3 ; cum - H: 0, .25, .5, 1.0, 1.5
+    assert accept_by_entropy(h, torch.tensor([0.5])).tolist() == [[True, True, False, False, True]]
+    assert accept_by_entropy(h, torch.tensor([1.0])).tolist() == [[True, True, True, False, True]]
+
+
+def test_acceptance_matches_transformers_on_distinct_entropies():
+    hf = pytest.importorskip("transformers.models.diffusion_gemma.generation_diffusion_gemma")
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 16, 11, generator=g) * 3
+    s = hf.EntropyBoundSampler(hf.EntropyBoundSamplerConfig(entropy_bound=0.7), 16, 11, 4)
+    cur = torch.zeros(3, 16, dtype=torch.long)
+    den = torch.ones(3, 16, dtype=torch.long)
+    s.accept_canvas(cur, den, logits, 4)
+    ours = accept_by_entropy(entropy_reference(logits), torch.full((3,), 0.7))
+    assert torch.equal(ours, s.accepted_token_mask)
+
+
+def test_temperature_schedule_matches_transformers():
+    hf = pytest.importorskip("transformers.models.diffusion_gemma.generation_diffusion_gemma")
+    st, slots = make_state([P(max_denoising_steps=48)])
+    proc = hf.LinearTemperatureScheduleLogitsProcessor(0.4, 0.8, 48)
+    for s in range(48):
+        st.step[0] = s
+        ours = temperature(st, slots)[0].item()
+        theirs = 1.0 / proc(None, torch.ones(1), 48 - s).item()
+        assert ours == pytest.approx(theirs, rel=1e-6)
+    st.step[0] = 0
+    assert temperature(st, slots)[0].item() == pytest.approx(0.8)
+
+
+def test_full_step_inclusive_bound_accepts_first_uniform_position():
+    st, slots = make_state([P(entropy_bound=0.0)])
+    start_denoise(st, slots)
+    x, ids = peaked_logits(1)
+    x[0, 4:] = 0.0  # positions 4..7 uniform: H = log V; 0..3 one-hot: H = 0 exactly
+    out = step(st, slots, x)
+    assert out.entropy[0, :4].tolist() == [0.0] * 4
+    assert torch.allclose(out.entropy[0, 4:], torch.full((4,), math.log(V)), atol=1e-5)
+    # cumsum_j - H_j = 0 <= 0 for the 4 one-hot positions and for the first uniform one (ties by position)
+    assert out.accepted[0].tolist() == [True] * 5 + [False] * 3
+    assert torch.equal(out.sampled[0, :4], ids[0, :4])
+    assert torch.equal(out.next_canvas[0, :5], out.sampled[0, :5])
+    seed, rid, ci, s0 = st.seed[slots], st.request_id[slots], st.canvas_index[slots], torch.zeros(1, dtype=torch.int32)
+    ren = rng.random_ids(seed, rid, ci, s0, CL, V, rng.RENOISE)
+    assert torch.equal(out.next_canvas[0, 5:], ren[0, 5:])
+    assert torch.equal(st.canvas[0], out.next_canvas[0])
+
+
+# ------------------------------------------------------------------------------------------ sampling
+def test_sampled_is_gumbel_argmax_of_tempered_logits():
+    st, slots = make_state([P(seed=5)])
+    start_denoise(st, slots)
+    x = torch.randn(1, CL, V) * 2
+    out = step(st, slots, x)
+    T = 0.8
+    g = rng.gumbel_noise(st.seed[slots], st.request_id[slots], st.canvas_index[slots], torch.zeros(1), CL, V)
+    assert torch.equal(out.sampled, (x / T + g).argmax(-1))
+    assert torch.equal(out.argmax, x.argmax(-1))
+    assert out.temperature.item() == pytest.approx(0.8)
+    assert torch.allclose(out.entropy, entropy_reference(x / T), atol=1e-6)
+
+
+def test_gumbel_max_frequencies_follow_softmax():
+    n = 256
+    st, slots = make_state([P(seed=i, canvas_length=64) for i in range(n)], cl=64, v=5)
+    start_denoise(st, slots)
+    x = torch.tensor([0.0, 1.0, 2.0, -1.0, 0.5]).expand(n, 64, 5).contiguous()
+    out = sampler_step(st, slots, x, torch.ones(n, dtype=torch.bool), torch.zeros(5, HID))
+    freq = torch.bincount(out.sampled.flatten(), minlength=5).float() / (n * 64)
+    assert torch.allclose(freq, torch.softmax(x[0, 0] / 0.8, -1), atol=0.01)
+
+
+def test_greedy_t0_has_no_noise_and_zero_entropy():
+    st, slots = make_state([P(t_min=0.0, t_max=0.0, entropy_bound=0.0)])
+    start_denoise(st, slots)
+    x = torch.randn(1, CL, V)
+    x[0, 0, :3] = 7.0  # a tie: lowest id wins
+    out = step(st, slots, x)
+    assert out.temperature.item() == 0.0
+    assert torch.equal(out.sampled, x.argmax(-1)) and torch.equal(out.argmax, x.argmax(-1))
+    assert out.sampled[0, 0].item() == 0
+    assert (out.entropy == 0).all() and out.accepted.all()
+    assert torch.equal(st.canvas[slots], out.sampled)
+    # self-conditioning: one-hot(argmax) @ E * sqrt(hidden)
+    assert torch.allclose(st.soft[0], E[x.argmax(-1)[0]] * math.sqrt(HID), atol=1e-5)
+
+
+def test_soft_embedding_and_zero_at_canvas_start():
+    st, slots = make_state([P()])
+    start_denoise(st, slots)
+    assert (st.soft[0] == 0).all()
+    x = torch.randn(1, CL, V)
+    out = step(st, slots, x)
+    assert not out.converged.item()
+    expected = torch.softmax(x[0] / 0.8, -1) @ E * math.sqrt(HID)
+    assert torch.allclose(st.soft[0], expected, atol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------ convergence
+@pytest.mark.parametrize("k", [0, 1, 2, 3])
+def test_stability_k_needs_k_plus_1_identical_argmax_canvases(k):
+    st, slots = make_state([P(stability_threshold=k, max_denoising_steps=20)])
+    start_denoise(st, slots)
+    x, _ = peaked_logits(1, g=torch.Generator().manual_seed(k))
+    for s in range(k + 1):
+        out = step(st, slots, x)
+        assert out.converged.item() == (s == k), (s, k)
+    assert st.phase[0].item() == COMMIT
+    assert torch.equal(st.commit_canvas[0], x[0].argmax(-1))
+
+
+def test_earliest_convergence_k1_is_step_1_and_a_change_resets():
+    st, slots = make_state([P(stability_threshold=1, max_denoising_steps=20)])
+    start_denoise(st, slots)
+    x1, _ = peaked_logits(1, g=torch.Generator().manual_seed(1))
+    x2, _ = peaked_logits(1, g=torch.Generator().manual_seed(2))
+    assert not step(st, slots, x1).converged.item()   # s = 0
+    assert not step(st, slots, x2).converged.item()   # s = 1, argmax changed
+    assert step(st, slots, x2).converged.item()       # s = 2: two identical argmax canvases
+
+
+def test_confidence_threshold_is_strict():
+    # identical argmax canvases but mean entropy log V > threshold: not converged until the cap
+    st, slots = make_state([P(confidence_threshold=0.005, max_denoising_steps=4)])
+    start_denoise(st, slots)
+    x = torch.zeros(1, CL, V)
+    for s in range(4):
+        out = step(st, slots, x)
+        assert out.converged.item() == (s == 3)
+    # greedy with threshold 0: mean entropy 0 is not < 0
+    st, slots = make_state([P(t_min=0.0, t_max=0.0, confidence_threshold=0.0, max_denoising_steps=3)])
+    start_denoise(st, slots)
+    x, _ = peaked_logits(1)
+    assert [step(st, slots, x).converged.item() for _ in range(3)] == [False, False, True]
+
+
+def test_step_cap():
+    st, slots = make_state([P(max_denoising_steps=3)])
+    start_denoise(st, slots)
+    g = torch.Generator().manual_seed(3)
+    conv = [step(st, slots, torch.randn(1, CL, V, generator=g)).converged.item() for _ in range(3)]
+    assert conv == [False, False, True]
+    assert st.phase[0].item() == COMMIT
+
+
+# ------------------------------------------------------------------------------------------ failure
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_logits_never_accepted_request_failed(bad):
+    st, slots = make_state([P(), P()])
+    start_denoise(st, slots)
+    canvas_before = st.canvas.clone()
+    x = torch.randn(2, CL, V)
+    x[1, 3, 5] = bad
+    out = step(st, slots, x)
+    assert out.failed.tolist() == [False, True]
+    assert not out.accepted[1].any() and out.accepted[0].any()
+    assert st.phase[slots].tolist() == [DENOISE, FAILED]
+    assert torch.equal(st.canvas[1], canvas_before[1])
+    assert out.argmax[1].eq(-1).all() and out.sampled[1].eq(-1).all()
+    assert torch.isnan(out.entropy[1, 3]) and torch.isfinite(out.entropy[1, :3]).all()
+    # a failed request stays failed; its logits are ignored afterwards
+    out = step(st, slots, torch.randn(2, CL, V))
+    assert st.phase[1].item() == FAILED and out.num_rejected[1].item() == 0
+
+
+def test_garbage_logits_of_non_denoise_rows_are_ignored():
+    st, slots = make_state([P(), P()])
+    x = torch.full((2, CL, V), float("nan"))
+    out = step(st, slots, x, torch.tensor([True, False]))
+    assert st.phase[slots].tolist() == [DENOISE, PREFILL]
+    assert not out.failed.any()
+    assert out.num_sampled.tolist() == [0, 0] and out.num_rejected.tolist() == [0, 0]
+
+
+# ------------------------------------------------------------------------------------------ commit / EOS
+def _run_to_commit(st, slots, ids):
+    x, _ = peaked_logits(slots.shape[0], ids=ids)
+    for _ in range(2):
+        step(st, slots, x)
+    assert (st.phase[slots] == COMMIT).all()
+
+
+def test_eos_kept_and_trimmed():
+    st, slots = make_state([P(eos_token_ids=(7, 9), t_min=0.0, t_max=0.0)])
+    start_denoise(st, slots)
+    ids = torch.tensor([[1, 2, 3, 9, 4, 7, 5, 6]])
+    _run_to_commit(st, slots, ids)
+    out = step(st, slots, torch.full((1, CL, V), float("nan")))
+    assert out.num_emitted_now.tolist() == [4] and out.num_sampled.tolist() == [CL]
+    assert out.emitted.tolist() == [[1, 2, 3, 9, -1, -1, -1, -1]]
+    assert out.finished.tolist() == [True] and st.phase[0].item() == FINISHED
+
+
+def test_max_tokens_trimming_over_canvases():
+    st, slots = make_state([P(max_tokens=20, eos_token_ids=(36,))])
+    start_denoise(st, slots)
+    emitted = []
+    ids = torch.arange(CL)[None] + 1
+    for c in range(3):
+        assert st.canvas_index[0].item() == c
+        _run_to_commit(st, slots, ids)
+        out = step(st, slots, torch.zeros(1, CL, V))
+        emitted.append(out.num_emitted_now.item())
+        assert out.finished.item() == (c == 2)
+    assert emitted == [8, 8, 4]
+    assert st.phase[0].item() == FINISHED and st.num_emitted[0].item() == 20
+
+
+def test_eos_after_max_tokens_cut():
+    st, slots = make_state([P(max_tokens=3, eos_token_ids=(5,))])
+    start_denoise(st, slots)
+    _run_to_commit(st, slots, torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]]))
+    out = step(st, slots, torch.zeros(1, CL, V))
+    assert out.emitted[0, :4].tolist() == [1, 2, 3, -1] and out.finished.item()
+
+
+# ------------------------------------------------------------------------------------------ phases
+def test_phase_transitions():
+    st, slots = make_state([P(seed=1), P(seed=2)])
+    pd = torch.tensor([False, True])
+    out = step(st, slots, torch.zeros(2, CL, V), pd)
+    assert st.phase[slots].tolist() == [PREFILL, DENOISE]
+    init = rng.random_ids(st.seed[1:2], st.request_id[1:2], torch.zeros(1), torch.zeros(1), CL, V, rng.INITIAL)
+    assert torch.equal(st.canvas[1], init[0])
+    assert st.step[1].item() == 0 and (st.soft[1] == 0).all() and (st.prev_argmax[1] == -1).all()
+    assert out.num_sampled.tolist() == [0, 0] and out.num_rejected.tolist() == [0, 0]
+    out = step(st, slots, torch.randn(2, CL, V))
+    assert out.num_rejected.tolist() == [0, CL] and st.step[1].item() == 1
+    assert (st.soft[1] != 0).any()
+    # commit -> fresh canvas with canvas_index 1, soft zero
+    st.max_denoising_steps[1] = 2
+    out = step(st, slots, torch.randn(2, CL, V), torch.tensor([False, False]))
+    assert out.converged.tolist() == [False, True] and st.phase[1].item() == COMMIT
+    out = step(st, slots, torch.randn(2, CL, V), torch.tensor([False, False]))
+    assert out.num_sampled.tolist() == [0, CL] and st.phase[1].item() == DENOISE
+    assert st.canvas_index[1].item() == 1 and st.step[1].item() == 0 and (st.soft[1] == 0).all()
+    init = rng.random_ids(st.seed[1:2], st.request_id[1:2], torch.ones(1), torch.zeros(1), CL, V, rng.INITIAL)
+    assert torch.equal(st.canvas[1], init[0])
+    # finished / removed slots are untouched
+    st.remove_request(1)
+    before = st.canvas[1].clone()
+    out = step(st, slots, torch.randn(2, CL, V), torch.tensor([False, False]))
+    assert st.phase[1].item() == FINISHED and torch.equal(st.canvas[1], before)
+    assert out.num_sampled[1].item() == 0 and out.num_rejected[1].item() == 0
+
+
+# ------------------------------------------------------------------------------------------ invariance
+def test_batch_invariance_reference():
+    g = torch.Generator().manual_seed(7)
+    pa = P(seed=42, max_denoising_steps=4)
+    st1, s1 = make_state([(555, pa)])
+    st2, s2 = make_state([(1, P(seed=1)), (555, pa), (2, P(seed=3, t_min=0.0, t_max=0.0))], R=6, slots=[4, 1, 0])
+    start_denoise(st1, s1)
+    start_denoise(st2, s2)
+    assert torch.equal(st1.canvas[0], st2.canvas[1])
+    for _ in range(5):
+        x = torch.randn(3, CL, V, generator=g) * 3
+        o1 = step(st1, s1, x[1:2])
+        o2 = step(st2, s2, x)
+        for name in ("accepted", "entropy", "argmax", "sampled", "next_canvas", "converged", "emitted",
+                     "num_sampled", "num_rejected", "mean_entropy", "temperature"):
+            assert torch.equal(getattr(o1, name)[0], getattr(o2, name)[1]), name
+        assert torch.equal(st1.canvas[0], st2.canvas[1]) and torch.equal(st1.phase[0], st2.phase[1])
+        assert torch.allclose(st1.soft[0], st2.soft[1], atol=1e-6)
+
+
+def test_bad_arguments():
+    st, slots = make_state([P()])
+    pd = torch.ones(1, dtype=torch.bool)
+    with pytest.raises(ValueError, match="logits"):
+        sampler_step(st, slots, torch.zeros(1, CL, V + 1), pd, E)
+    with pytest.raises(TypeError, match="slots"):
+        sampler_step(st, slots.int(), torch.zeros(1, CL, V), pd, E)
+    with pytest.raises(ValueError, match="prefill_done"):
+        sampler_step(st, slots, torch.zeros(1, CL, V), pd.int(), E)
+    with pytest.raises(ValueError, match="embedding"):
+        sampler_step(st, slots, torch.zeros(1, CL, V), pd, E[:, :3])
+    with pytest.raises(ValueError, match="backend"):
+        sampler_step(st, slots, torch.zeros(1, CL, V), pd, E, backend="cuda")

@@ -1,0 +1,127 @@
+"""Philox4x32-10 known answers, exact integer helpers, key/counter layout and stream determinism."""
+import math
+import random
+
+import pytest
+import torch
+
+from blockdiff.sampler import rng
+
+M = 0xFFFFFFFF
+
+# Random123 kat_vectors, philox4x32 10 rounds: (counter, key, expected output)
+KAT = [
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((M, M, M, M), (M, M), (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+]
+
+
+@pytest.mark.parametrize("ctr,key,expected", KAT)
+def test_philox_known_answers(ctr, key, expected):
+    out = rng.philox4x32_10(*[torch.tensor([c]) for c in ctr], *[torch.tensor([k]) for k in key])
+    assert tuple(int(x) for x in out) == expected
+
+
+def _philox_py(c, k):
+    c, k = list(c), list(k)
+    for r in range(10):
+        if r:
+            k = [(k[0] + rng.PHILOX_W0) & M, (k[1] + rng.PHILOX_W1) & M]
+        p0, p1 = rng.PHILOX_M0 * c[0], rng.PHILOX_M1 * c[2]
+        c = [(p1 >> 32) ^ c[1] ^ k[0], p1 & M, (p0 >> 32) ^ c[3] ^ k[1], p0 & M]
+    return tuple(c)
+
+
+def test_philox_matches_python_bigint_on_random_words():
+    g = random.Random(0)
+    cs = [[g.getrandbits(32) for _ in range(6)] for _ in range(64)]
+    t = torch.tensor(cs, dtype=torch.int64)
+    out = torch.stack(rng.philox4x32_10(*t.unbind(1)), 1)
+    for row, o in zip(cs, out.tolist()):
+        assert tuple(o) == _philox_py(row[:4], row[4:])
+
+
+def test_uniform_is_exact_and_open_interval():
+    w = torch.tensor([0, M, 1 << 31, 511, 512], dtype=torch.int64)
+    u = rng.uniform_from_word(w)
+    assert u.dtype == torch.float32
+    assert u[0].item() == 2.0 ** -24 and u[1].item() == 1.0 - 2.0 ** -24
+    assert u[3].item() == u[0].item() and u[4].item() == 3 * 2.0 ** -24
+    g = rng.gumbel_from_word(w)
+    assert torch.isfinite(g).all()
+
+
+@pytest.mark.parametrize("V", [1, 2, 3, 7, 1000, 262144, (1 << 31) - 1])
+def test_ids_from_words_exact_multiply_shift(V):
+    g = random.Random(V)
+    w0 = [g.getrandbits(32) for _ in range(200)] + [0, M, M, 0]
+    w1 = [g.getrandbits(32) for _ in range(200)] + [0, M, 0, M]
+    ids = rng.ids_from_words(torch.tensor(w0), torch.tensor(w1), V).tolist()
+    for a, b, i in zip(w0, w1, ids):
+        assert i == ((a | (b << 32)) * V) >> 64
+        assert 0 <= i < V
+
+
+def test_ids_from_words_rejects_bad_vocab():
+    with pytest.raises(ValueError, match="vocab_size"):
+        rng.ids_from_words(torch.tensor([0]), torch.tensor([0]), 0)
+
+
+def test_counter_layout():
+    c = rng.make_counter(torch.tensor(0x123456789ABC), torch.tensor(5), torch.tensor(7), torch.tensor(300),
+                         rng.RENOISE, torch.tensor(9))
+    assert [int(x) for x in c] == [9, 300 | (1 << 16) | (7 << 18), 0x56789ABC, 0x1234 | (5 << 16)]
+    k0, k1 = rng.make_key(torch.tensor(0x0102030405060708))
+    assert (int(k0), int(k1)) == (0x05060708, 0x01020304)
+
+
+def _args(n=1, seed=1, rid=5, ci=0, step=0):
+    t = lambda v: torch.full((n,), v, dtype=torch.int64)
+    return t(seed), t(rid), t(ci), t(step)
+
+
+def test_gumbel_noise_word_mapping():
+    seed, rid, ci, step = _args(seed=11, rid=22, ci=3, step=4)
+    g = rng.gumbel_noise(seed, rid, ci, step, 3, 10)
+    k0, k1 = rng.make_key(seed)
+    for p in range(3):
+        for t in range(10):
+            c = rng.make_counter(rid, ci, step, torch.tensor(p), rng.GUMBEL, torch.tensor(t >> 2))
+            w = rng.philox4x32_10(*c, k0, k1)[t & 3]
+            assert g[0, p, t].item() == rng.gumbel_from_word(w).item()
+
+
+def test_streams_and_coordinates_are_independent():
+    base = rng.random_ids(*_args(), 64, 1000, rng.RENOISE)
+    assert torch.equal(base, rng.random_ids(*_args(), 64, 1000, rng.RENOISE))  # deterministic
+    for other in (rng.random_ids(*_args(), 64, 1000, rng.INITIAL),
+                  rng.random_ids(*_args(seed=2), 64, 1000, rng.RENOISE),
+                  rng.random_ids(*_args(rid=6), 64, 1000, rng.RENOISE),
+                  rng.random_ids(*_args(ci=1), 64, 1000, rng.RENOISE),
+                  rng.random_ids(*_args(step=1), 64, 1000, rng.RENOISE)):
+        assert (other != base).float().mean() > 0.9
+
+
+def test_noise_of_a_row_does_not_depend_on_the_batch():
+    alone = rng.gumbel_noise(*_args(seed=3, rid=9, ci=1, step=2), 4, 37)
+    seed = torch.tensor([1, 3, 4]); rid = torch.tensor([0, 9, 9]); ci = torch.tensor([0, 1, 1]); st = torch.tensor([0, 2, 3])
+    batch = rng.gumbel_noise(seed, rid, ci, st, 4, 37)
+    assert torch.equal(batch[1], alone[0])
+    ids_alone = rng.random_ids(*_args(seed=3, rid=9, ci=1, step=2), 4, 37, rng.RENOISE)
+    assert torch.equal(rng.random_ids(seed, rid, ci, st, 4, 37, rng.RENOISE)[1], ids_alone[0])
+
+
+def test_gumbel_and_ids_statistics():
+    g = rng.gumbel_noise(*_args(), 64, 1024)
+    assert abs(g.mean().item() - 0.5772156649) < 0.02
+    assert abs(g.std().item() - math.pi / math.sqrt(6)) < 0.02
+    ids = rng.random_ids(*_args(), 60000, 6, rng.INITIAL)
+    counts = torch.bincount(ids.flatten(), minlength=6).float()
+    assert ((counts - 10000).abs() < 500).all()
+
+
+def test_random_ids_rejects_gumbel_stream():
+    with pytest.raises(ValueError, match="stream"):
+        rng.random_ids(*_args(), 4, 10, rng.GUMBEL)
