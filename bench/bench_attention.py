@@ -1,0 +1,540 @@
+"""Attention benchmark: blockdiff's backends against SDPA, FlexAttention and FlashAttention-4 on the named workloads.
+
+Usage (H200; PYTHONPATH must make ``blockdiff.*`` importable, results go to $OUT or bench/results/):
+
+    python3 bench/bench_attention.py                               # named workloads, all backends
+    python3 bench/bench_attention.py --suite batch_ladder --backends triton,fa4
+    python3 bench/bench_attention.py --workloads 'canvas_*' --tile-sweep
+    python3 bench/bench_attention.py --quick                       # CPU smoke run (< 60 s)
+
+Backends (one row per workload, backend and configuration; all measured in the same run):
+  sdpa       torch SDPA, one call per sequence with a dense boolean mask built per batch (outside the timing)
+             and K/V gathered from the paged cache into contiguous tensors (outside the timing).
+  flex       torch.compile'd FlexAttention over the packed batch (q [1, H, total_q, D], contiguous K/V), with a
+             BlockMask built per batch from the mask semantics; its build time is reported as ``build_ms``.
+  fa4        flash_attn.cute.flash_attn_varlen_func, two launches split by causal flag (q pre-split outside the
+             timing); window (W, 0) for causal and (W, W) for bidirectional rows. ``--fa4-layouts`` picks the
+             paged cache (page_table + seqused_k) and/or contiguous K/V (cu_seqlens_k). Skipped with a reason
+             when not importable, for hd > 256, and for the prefix window (not expressible as a FA window).
+  triton,    blockdiff.attention.attention(backend=...) on the paged cache; skipped with a reason when the
+  cute       backend is missing or raises NotImplementedError.
+  reference  blockdiff.attention's dense reference (``--quick`` only).
+
+Before timing, each backend's output is checked (isfinite; max abs error <= 2x that of the same-dtype eager
+computation plus a representation tolerance, blockdiff.attention.testing's rule) against a high-precision
+ground truth: the fp64 blockdiff reference in ``--quick`` runs, fp32 SDPA on the big shapes. Outputs of blockdiff backends are NaN-poisoned before the checked call.
+Effective TFLOP/s = 4·H·D·(allowed pairs)/time, allowed pairs counted exactly from the mask semantics.
+A failing backend records an error row; the run continues. A summary table is printed last.
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import itertools
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+import workloads as wl  # noqa: E402
+
+SUITE = "attention"
+ALL_BACKENDS = ("sdpa", "flex", "fa4", "triton", "cute")
+QUICK_BACKENDS = ("reference", "sdpa", "triton")
+DEFAULT_TILE_SWEEP = [
+    dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=nw, num_stages=ns)
+    for bm, bn, nw, ns in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3))
+]
+
+
+class Skip(Exception):
+    """A backend does not apply to a workload; the message is recorded as the row's ``reason``."""
+
+
+# ----------------------------------------------------------------------------------------------- ground truth
+def row_masks(batch: wl.Batch) -> list[torch.Tensor]:
+    """Dense boolean masks [q_len_b, seq_len_b] per sequence, on the batch's device (from the row bounds)."""
+    w = batch.workload
+    seq_id, lo, hi = common.row_key_bounds(w.q_lens, w.seq_lens, **w.mask_kwargs())
+    dev = batch.q.device
+    masks, start = [], 0
+    for b, (ql, sl) in enumerate(zip(w.q_lens, w.seq_lens)):
+        k = torch.arange(sl, device=dev)
+        lo_b = lo[start: start + ql].to(dev)[:, None]
+        hi_b = hi[start: start + ql].to(dev)[:, None]
+        masks.append((k[None, :] >= lo_b) & (k[None, :] <= hi_b))
+        start += ql
+    return masks
+
+
+def dense_attention(batch: wl.Batch, dtype: torch.dtype, masks: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """Masked SDPA per sequence with q/k/v cast to ``dtype``; packed [total_q, H, Dv] in ``dtype``.
+
+    Rows without an allowed key give 0 (the contract), not SDPA's NaN.
+    """
+    masks = row_masks(batch) if masks is None else masks
+    w = batch.workload
+    outs = []
+    for b in range(w.batch_size):
+        k, v = batch.kv_of(b)
+        q = batch.q_of(b).to(dtype).transpose(0, 1)[None]
+        o = F.scaled_dot_product_attention(q, k.to(dtype).transpose(0, 1)[None], v.to(dtype).transpose(0, 1)[None],
+                                           attn_mask=masks[b], scale=batch.scale, enable_gqa=True)
+        o = o[0].transpose(0, 1)
+        empty = ~masks[b].any(dim=1)
+        if bool(empty.any()):
+            o = o.masked_fill(empty[:, None, None], 0.0)
+        outs.append(o)
+    return torch.cat(outs)
+
+
+def ground_truth(batch: wl.Batch, against: str) -> tuple[torch.Tensor, float, str]:
+    """(gold [total_q, H, Dv], baseline max abs error, source) for the correctness check.
+
+    ``against="reference"``: the project's tolerance rule (blockdiff.attention.testing.reference_pair): the fp64
+    reference as gold and the same-precision eager reference's error as baseline (small shapes only).
+    ``against="sdpa"``: fp32 SDPA as gold and SDPA in the batch dtype as baseline (big shapes on the GPU).
+    """
+    if against == "reference":
+        from blockdiff.attention.testing import reference_pair
+
+        o64, _, eager = reference_pair(batch.q, batch.k_cache, batch.v_cache, **batch.attn_kwargs())
+        return o64, float((eager.to(torch.float64) - o64).abs().max()), "reference-fp64"
+    masks = row_masks(batch)
+    gold = dense_attention(batch, torch.float32, masks)
+    base = float((dense_attention(batch, batch.q.dtype, masks).float() - gold).abs().max())
+    return gold, base, "sdpa-fp32"
+
+
+def representation_tol(dtype: torch.dtype) -> float:
+    from blockdiff.attention.testing import REPRESENTATION_ATOL
+
+    return REPRESENTATION_ATOL.get(dtype, 1e-6)
+
+
+# ----------------------------------------------------------------------------------------------- backends
+# Each maker returns (fn, to_packed, info): fn() runs the timed call and returns its raw output; to_packed(raw)
+# gives [total_q, H, Dv] for the check (not timed); info is a dict merged into the row.
+
+def make_sdpa(batch: wl.Batch, args) -> tuple:
+    masks = row_masks(batch)
+    w = batch.workload
+    qs, ks, vs = [], [], []
+    for b in range(w.batch_size):
+        k, v = batch.kv_of(b)
+        qs.append(batch.q_of(b).transpose(0, 1)[None].contiguous())
+        ks.append(k.transpose(0, 1)[None].contiguous())
+        vs.append(v.transpose(0, 1)[None].contiguous())
+    scale = batch.scale
+
+    def fn():
+        return [F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=scale, enable_gqa=True)
+                for q, k, v, m in zip(qs, ks, vs, masks)]
+
+    def to_packed(outs):
+        return torch.cat([o[0].transpose(0, 1) for o in outs])
+
+    return fn, to_packed, {"mask_bytes": sum(m.numel() for m in masks)}
+
+
+def make_flex(batch: wl.Batch, args) -> tuple:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    w = batch.workload
+    dev = batch.q.device
+    k, v, _ = batch.contiguous_kv()
+    blk = 128
+    tq, tk = w.total_q, k.shape[0]
+    pq, pk = math.ceil(tq / blk) * blk, math.ceil(tk / blk) * blk
+    seq_id, lo, hi = common.row_key_bounds(w.q_lens, w.seq_lens, **w.mask_kwargs())
+    q_doc = torch.full((pq,), -1, dtype=torch.int32)
+    q_doc[:tq] = seq_id.to(torch.int32)
+    q_lo = torch.zeros(pq, dtype=torch.int32)
+    q_hi = torch.full((pq,), -1, dtype=torch.int32)
+    q_lo[:tq], q_hi[:tq] = lo.to(torch.int32), hi.to(torch.int32)
+    k_doc = torch.full((pk,), -2, dtype=torch.int32)
+    k_pos = torch.zeros(pk, dtype=torch.int32)
+    kl = torch.tensor(w.seq_lens)
+    k_seq = torch.repeat_interleave(torch.arange(w.batch_size), kl)
+    k_doc[:tk] = k_seq.to(torch.int32)
+    k_pos[:tk] = (torch.arange(tk) - (torch.cumsum(kl, 0) - kl)[k_seq]).to(torch.int32)
+    q_doc, q_lo, q_hi, k_doc, k_pos = (t.to(dev) for t in (q_doc, q_lo, q_hi, k_doc, k_pos))
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        kp = k_pos[kv_idx]
+        return (q_doc[q_idx] == k_doc[kv_idx]) & (kp >= q_lo[q_idx]) & (kp <= q_hi[q_idx])
+
+    def pad(t, n):  # [T, Hx, D] -> [1, Hx, n, D]
+        out = t.new_zeros(n, *t.shape[1:])
+        out[: t.shape[0]] = t
+        return out.transpose(0, 1)[None].contiguous()
+
+    qp, kp_, vp = pad(batch.q, pq), pad(k, pk), pad(v, pk)
+    on_cuda = dev.type == "cuda"
+
+    def build_mask():
+        return create_block_mask(mask_mod, None, None, pq, pk, device=dev, BLOCK_SIZE=blk, _compile=on_cuda)
+
+    build_times = []
+    for _ in range(3 if on_cuda else 1):
+        if on_cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        bm = build_mask()
+        if on_cuda:
+            torch.cuda.synchronize()
+        build_times.append((time.perf_counter() - t0) * 1e3)
+    flex = torch.compile(flex_attention, dynamic=False) if on_cuda else flex_attention
+    scale = batch.scale
+
+    def fn():
+        return flex(qp, kp_, vp, block_mask=bm, scale=scale, enable_gqa=True)
+
+    def to_packed(o):
+        return o[0].transpose(0, 1)[:tq]
+
+    info = {"build_ms": sorted(build_times)[len(build_times) // 2], "build_ms_first": build_times[0],
+            "build_anchor_ms": list(wl.FLEX_BUILD_ANCHOR_MS), "compiled": on_cuda}
+    return fn, to_packed, info
+
+
+def make_fa4(batch: wl.Batch, args, layout: str) -> tuple:
+    w = batch.workload
+    if batch.q.device.type != "cuda":
+        raise Skip("fa4 needs a CUDA device")
+    if w.head_dim > 256 or w.head_dim_v > 256:
+        raise Skip(f"FA4 (flash_attn.cute) supports head_dim <= 256, workload has {w.head_dim}")
+    if w.window_size is not None and w.bidirectional_window == "prefix" and not all(w.causal):
+        raise Skip("prefix bidirectional window is not expressible as a FlashAttention window (W_left, W_right)")
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+    except Exception as e:  # noqa: BLE001 - any import failure means "not available here"
+        raise Skip(f"flash_attn.cute not importable: {type(e).__name__}: {e}") from None
+    W = w.window_size
+    launches = []
+    k_all = v_all = None
+    if layout == "contiguous":
+        k_all, v_all, _ = batch.contiguous_kv()
+    for flag in (True, False):
+        idx = [b for b in range(w.batch_size) if w.causal[b] == flag]
+        if not idx:
+            continue
+        dev = batch.q.device
+        q_g = torch.cat([batch.q_of(b) for b in idx]).contiguous()
+        ql = [w.q_lens[b] for b in idx]
+        sl = [w.seq_lens[b] for b in idx]
+        cu_q = torch.tensor([0] + list(itertools.accumulate(ql)), dtype=torch.int32, device=dev)
+        kw = dict(cu_seqlens_q=cu_q, max_seqlen_q=max(ql), max_seqlen_k=max(sl), softmax_scale=batch.scale,
+                  causal=flag)
+        if W is not None:
+            kw["window_size"] = (W, 0) if flag else (W, W)
+        if layout == "paged":
+            kw.update(seqused_k=torch.tensor(sl, dtype=torch.int32, device=dev),
+                      page_table=batch.block_table[idx].contiguous())
+            k_g, v_g = batch.k_cache, batch.v_cache
+        else:
+            kv = [batch.kv_of(b) for b in idx]
+            k_g = torch.cat([x[0] for x in kv]).contiguous()
+            v_g = torch.cat([x[1] for x in kv]).contiguous()
+            kw["cu_seqlens_k"] = torch.tensor([0] + list(itertools.accumulate(sl)), dtype=torch.int32, device=dev)
+        launches.append((idx, q_g, k_g, v_g, kw))
+    del k_all, v_all
+
+    def fn():
+        outs = []
+        for _, q_g, k_g, v_g, kw in launches:
+            o = flash_attn_varlen_func(q_g, k_g, v_g, **kw)
+            outs.append(o[0] if isinstance(o, tuple) else o)
+        return outs
+
+    def to_packed(outs):
+        pieces = {}
+        for (idx, *_), o in zip(launches, outs):
+            start = 0
+            for b in idx:
+                pieces[b] = o[start: start + w.q_lens[b]]
+                start += w.q_lens[b]
+        return torch.cat([pieces[b] for b in range(w.batch_size)])
+
+    return fn, to_packed, {"kv_layout": layout, "launches": len(launches)}
+
+
+def _blockdiff_backend(backend: str):
+    """The backend's attention function; Skip (with the reason) when it is missing here."""
+    try:
+        from blockdiff.attention import get_backend
+    except ImportError as e:
+        raise Skip(f"blockdiff.attention not importable: {e}") from None
+    try:
+        return get_backend(backend)
+    except ImportError as e:
+        raise Skip(str(e)) from None
+
+
+def triton_config_kwarg() -> str | None:
+    """Keyword through which the Triton backend takes a tile config (BLOCK_M, BLOCK_N, num_warps, num_stages)."""
+    try:
+        fn = _blockdiff_backend("triton")
+    except Skip:
+        return None
+    params = inspect.signature(fn).parameters
+    return next((n for n in ("config", "tile_config", "kernel_config") if n in params), None)
+
+
+def make_blockdiff(batch: wl.Batch, args, backend: str, config: dict | None = None) -> tuple:
+    attention = _blockdiff_backend(backend)
+    w = batch.workload
+    out = torch.empty(w.total_q, w.num_heads, w.head_dim_v, dtype=batch.q.dtype, device=batch.q.device)
+    kwargs = batch.attn_kwargs()
+    if config is not None:
+        kwargs[triton_config_kwarg()] = config
+    info = {"config": config} if config else {}
+    if "check_values" in inspect.signature(attention).parameters:
+        kwargs["check_values"] = False  # host-side value checks sync; the launch path is what we time
+        info["check_values"] = False
+
+    def fn():
+        return attention(batch.q, batch.k_cache, batch.v_cache, out=out, **kwargs)
+
+    def poison():
+        out.fill_(float("nan"))
+
+    return fn, (lambda o: o), info, poison
+
+
+# ----------------------------------------------------------------------------------------------- one measurement
+def measure(batch: wl.Batch, backend: str, maker: Callable, args, gold: torch.Tensor, base_err: float,
+            extra: dict | None = None) -> dict:
+    w = batch.workload
+    dev = batch.q.device
+    pairs = common.allowed_pairs(w.q_lens, w.seq_lens, **w.mask_kwargs())
+    flops = common.attention_flops(w.num_heads, w.head_dim, pairs, w.head_dim_v)
+    row = {"workload": w.name, "backend": backend, "status": "ok", "eager_ms": None, "graph_ms": None,
+           "effective_tflops": None, "share_of_peak": None, "extra_memory_bytes": None,
+           "anchor_ms": w.anchors_ms.get(backend), "allowed_pairs": pairs, "flops": flops,
+           "total_q": w.total_q, "batch": w.batch_size, "num_heads": w.num_heads, "num_kv_heads": w.num_kv_heads,
+           "head_dim": w.head_dim, "window_size": w.window_size, "bidirectional_window": w.bidirectional_window,
+           "page_size": batch.page_size, "dtype": str(batch.q.dtype).replace("torch.", ""), **(extra or {})}
+    try:
+        made = maker()
+        fn, to_packed, info = made[:3]
+        poison = made[3] if len(made) > 3 else None
+        row.update(info)
+        if poison is not None:
+            poison()
+        out = to_packed(fn())
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        finite = bool(torch.isfinite(out).all())
+        err = float((out.to(gold.dtype) - gold).abs().max()) if out.shape == gold.shape else float("inf")
+        tol = 2.0 * base_err + representation_tol(batch.q.dtype)
+        row.update(max_abs_err=err if math.isfinite(err) else None, tol=tol, correct=finite and err <= tol)
+        if out.shape != gold.shape:
+            row["check_error"] = f"output shape {tuple(out.shape)} != expected {tuple(gold.shape)}"
+        del out
+        row["extra_memory_bytes"] = common.peak_extra_memory_bytes(fn, dev)
+        row["eager_ms"] = common.time_eager_ms(fn, dev, cpu_reps=args.cpu_reps)
+        if dev.type == "cuda" and not args.no_graph:
+            try:
+                row["graph_ms"] = common.time_graph_ms(fn)
+            except Exception as e:  # noqa: BLE001 - graph capture failure is a result, not a crash
+                row["graph_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                torch.cuda.synchronize()
+        best = row["graph_ms"] if row["graph_ms"] is not None else row["eager_ms"]
+        row["effective_tflops"] = common.tflops(flops, best)
+        row["effective_tflops_eager"] = common.tflops(flops, row["eager_ms"])
+        row["share_of_peak"] = common.share_of_peak(row["effective_tflops"])
+    except Skip as e:
+        row.update(status="skipped", reason=str(e))
+    except NotImplementedError as e:
+        row.update(status="skipped", reason=f"NotImplementedError: {e}")
+    except Exception as e:  # noqa: BLE001 - one failing backend must not kill the run
+        row.update(status="error", error=f"{type(e).__name__}: {str(e)[:500]}",
+                   traceback=traceback.format_exc(limit=4)[-1500:])
+        if dev.type == "cuda":
+            try:
+                torch.cuda.synchronize()
+            except Exception:  # noqa: BLE001 - a sticky CUDA error; later rows will record it too
+                pass
+    return row
+
+
+def jobs_for(batch: wl.Batch, backends, args):
+    """(backend, maker, extra) for every measurement of one workload."""
+    for be in backends:
+        if be == "sdpa":
+            yield be, (lambda: make_sdpa(batch, args)), None
+        elif be == "flex":
+            yield be, (lambda: make_flex(batch, args)), None
+        elif be == "fa4":
+            for layout in args.fa4_layouts:
+                yield be, (lambda layout=layout: make_fa4(batch, args, layout)), {"kv_layout": layout}
+        elif be in ("triton", "cute", "reference"):
+            yield be, (lambda be=be: make_blockdiff(batch, args, be)), None
+            if be == "triton" and args.tile_sweep:
+                if triton_config_kwarg() is None:
+                    continue  # message printed once in main()
+                for cfg in args.tile_configs:
+                    yield be, (lambda cfg=cfg, be=be: make_blockdiff(batch, args, be, cfg)), {"config": cfg}
+        else:
+            raise ValueError(f"unknown backend {be!r}; choose from {ALL_BACKENDS + ('reference',)}")
+
+
+# ----------------------------------------------------------------------------------------------- plots
+def plot(rows: list[dict], out_dir: Path, stem: str) -> list[Path]:
+    """One PNG per workload: ms (eager, graph, anchor) and effective TFLOP/s per backend/configuration."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        common.log("matplotlib missing: no plots")
+        return []
+    paths = []
+    for name in dict.fromkeys(r["workload"] for r in rows):
+        rs = [r for r in rows if r["workload"] == name and r["status"] == "ok"]
+        if not rs:
+            continue
+        labels = [label_of(r) for r in rs]
+        x = range(len(rs))
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(max(8, 1.2 * len(rs) + 4), 4))
+        eager = [r["eager_ms"] or 0 for r in rs]
+        graph = [r["graph_ms"] or 0 for r in rs]
+        a1.bar([i - 0.2 for i in x], eager, 0.4, label="eager")
+        a1.bar([i + 0.2 for i in x], graph, 0.4, label="CUDA graph")
+        for i, r in zip(x, rs):
+            if r.get("anchor_ms"):
+                a1.plot([i - 0.4, i + 0.4], [r["anchor_ms"]] * 2, "k--", lw=1)
+        a1.set_ylabel("ms (median; dashed = anchor)")
+        a1.set_xticks(list(x), labels, rotation=30, ha="right", fontsize=8)
+        a1.legend(fontsize=8)
+        a2.bar(list(x), [r["effective_tflops"] or 0 for r in rs], color="tab:green")
+        a2.axhline(common.PEAK_TFLOPS, color="gray", ls=":", lw=1)
+        a2.set_ylabel("effective TFLOP/s")
+        a2.set_xticks(list(x), labels, rotation=30, ha="right", fontsize=8)
+        fig.suptitle(name)
+        fig.tight_layout()
+        p = out_dir / f"{stem}-{name}.png"
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        paths.append(p)
+    return paths
+
+
+def label_of(r: dict) -> str:
+    s = r["backend"]
+    if r.get("kv_layout"):
+        s += f"[{r['kv_layout']}]"
+    cfg = r.get("config")
+    if cfg:
+        s += "[" + ",".join(f"{v}" for v in cfg.values()) + "]"
+    return s
+
+
+# ----------------------------------------------------------------------------------------------- main
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny shapes, reference+sdpa+triton")
+    p.add_argument("--suite", default="named", choices=sorted(wl.SUITES), help="workload set (default: named)")
+    p.add_argument("--workloads", default="", help="comma-separated globs of workload names (default: all)")
+    p.add_argument("--backends", default="", help=f"comma-separated subset of {ALL_BACKENDS + ('reference',)}")
+    p.add_argument("--page-size", type=int, default=None,
+                   help=f"tokens per KV page (default {wl.DEFAULT_PAGE_SIZE}; --quick {wl.QUICK_PAGE_SIZE})")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--device", default=None, help="default: cuda if available (cpu with --quick)")
+    p.add_argument("--fa4-layouts", default="paged,contiguous", help="fa4 KV layouts: paged and/or contiguous")
+    p.add_argument("--tile-sweep", action="store_true", help="also time the triton backend per tile config")
+    p.add_argument("--tile-configs", default="", help="JSON list of tile config dicts for --tile-sweep")
+    p.add_argument("--no-graph", action="store_true", help="skip CUDA-graph timings")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--check-against", choices=["auto", "reference", "sdpa"], default="auto",
+                   help="ground truth: fp64 blockdiff reference or fp32 SDPA; auto = reference if --quick")
+    p.add_argument("--cpu-reps", type=int, default=3, help="timing repetitions on the CPU")
+    p.add_argument("--suite-name", default=None, help="results file stem (default attention / attention-quick)")
+    p.add_argument("--out", default=None, help="output folder (default $OUT or bench/results)")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    a.fa4_layouts = [x.strip() for x in a.fa4_layouts.split(",") if x.strip()]
+    bad = [x for x in a.fa4_layouts if x not in ("paged", "contiguous")]
+    if bad:
+        p.error(f"--fa4-layouts: unknown layout(s) {bad}; use paged and/or contiguous")
+    a.tile_configs = json.loads(a.tile_configs) if a.tile_configs else DEFAULT_TILE_SWEEP
+    return a
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.quick else "cpu"))
+    dtype = getattr(torch, args.dtype)
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()] or \
+        list(QUICK_BACKENDS if args.quick else ALL_BACKENDS)
+    for b in backends:
+        if b not in ALL_BACKENDS + ("reference",):
+            raise SystemExit(f"--backends: unknown backend {b!r}; choose from {ALL_BACKENDS + ('reference',)}")
+    if "reference" in backends and not args.quick:
+        common.log("note: the reference backend is meant for --quick runs (dense, slow on big shapes)")
+    if args.tile_sweep and triton_config_kwarg() is None:
+        common.log("--tile-sweep: blockdiff.attention.attention takes no tile config keyword "
+                   "(config/tile_config/kernel_config); sweep skipped (no-op)")
+    page_size = args.page_size or (wl.QUICK_PAGE_SIZE if args.quick else wl.DEFAULT_PAGE_SIZE)
+    suite_fn = wl.SUITES[args.suite]
+    workloads = wl.select(suite_fn(quick=args.quick), args.workloads)
+    check_against = args.check_against if args.check_against != "auto" else ("reference" if args.quick else "sdpa")
+
+    env = common.env_record(device)
+    common.log(f"device {env['gpu']}, torch {env['torch']}, triton {env['triton']}, fa4 {env['flash_attn_4']}, "
+               f"commit {env['commit']}")
+    if device.type == "cuda":
+        common.log(f"warm-up {common.warm_up_gpu(device):.1f} s")
+    rows: list[dict] = []
+    t_start = time.perf_counter()
+    for w in common.progress(workloads, desc="workloads"):
+        common.log(w.describe())
+        try:
+            batch = wl.build(w, device, dtype, page_size=page_size, seed=args.seed)
+            gold, base_err, gold_src = ground_truth(batch, check_against)
+        except Exception as e:  # noqa: BLE001
+            rows.append({"workload": w.name, "backend": "*", "status": "error",
+                         "error": f"building the workload failed: {type(e).__name__}: {e}"})
+            continue
+        for be, maker, extra in jobs_for(batch, backends, args):
+            row = measure(batch, be, maker, args, gold, base_err, extra)
+            row.update(checked_against=gold_src, eager_same_dtype_err=base_err)
+            rows.append(row)
+            msg = row["status"] if row["status"] != "ok" else (
+                f"eager {common.fmt(row['eager_ms'])} ms, graph {common.fmt(row['graph_ms'])} ms, "
+                f"{common.fmt(row['effective_tflops'], 1)} TFLOP/s, correct={row.get('correct')}")
+            common.log(f"  {label_of(row)}: {msg} {row.get('reason') or row.get('error') or ''}")
+        del batch, gold
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    suite = args.suite_name or (SUITE + ("-quick" if args.quick else "") +
+                                ("" if args.suite == "named" else f"-{args.suite}"))
+    out_dir = Path(args.out) if args.out else common.results_dir()
+    extra = {"page_size": page_size, "dtype": args.dtype, "quick": args.quick, "suite_workloads": args.suite,
+             "peak_tflops": common.PEAK_TFLOPS, "anchors_ms": wl.ANCHORS_MS,
+             "flex_build_anchor_ms": list(wl.FLEX_BUILD_ANCHOR_MS),
+             "wall_s": round(time.perf_counter() - t_start, 1), "argv": sys.argv[1:] if argv is None else argv}
+    path = common.write_records(suite, rows, env=env, extra=extra, out_dir=out_dir)
+    pngs = [] if args.no_plots else plot(rows, out_dir, path.stem)
+    print(f"\nwrote {path} (+ .csv, {len(pngs)} PNG)")
+    show = [dict(r, backend=label_of(r), note=(r.get("reason") or r.get("error") or "")[:60]) for r in rows]
+    print(common.summary_table(show, ["workload", "backend", "status", "eager_ms", "graph_ms", "anchor_ms",
+                                      "effective_tflops", "correct", "note"]))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,384 @@
+"""Shared pieces of the blockdiff benchmarks: warm-up, timing, environment record, result files, FLOP counts.
+
+Every benchmark in bench/ follows docs/ARCHITECTURE.md "Benchmark records": one JSON per suite and GPU
+(``<suite>-<gpu>.json``) plus a CSV and PNG plots beside it, written to ``$OUT`` when that variable is set,
+else to ``bench/results/``. Rows are plain dicts; ``write_records`` adds the environment record.
+
+Timing (DEVELOPERS.md "Performance"): after a 1-3 s matmul warm-up, eager medians come from
+``triton.testing.do_bench(..., return_mode="median")`` (CUDA events, L2 flushed between calls) and CUDA-graph
+medians from the same timer around ``graph.replay()`` of one captured call. On the CPU (``--quick`` smoke
+runs) a ``time.perf_counter`` median stands in; those numbers only prove the script runs.
+"""
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import importlib
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import torch
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO_DIR = BENCH_DIR.parent
+DEFAULT_RESULTS_DIR = BENCH_DIR / "results"
+
+#: Measured dense bf16 ceiling of one H200 (DEVELOPERS.md), TFLOP/s.
+PEAK_TFLOPS = 790.0
+#: Measured HBM bandwidth ceiling of one H200, GB/s.
+PEAK_GBPS = 4300.0
+
+
+# ----------------------------------------------------------------------------------------------- progress
+def progress(iterable: Iterable, total: int | None = None, desc: str = "", enabled: bool = True):
+    """Wrap ``iterable`` in a tqdm progress bar on stderr (plain iterable when tqdm is missing/disabled)."""
+    if not enabled:
+        return iterable
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # tqdm is an install requirement; stay usable without it
+        return iterable
+    return tqdm(iterable, total=total, desc=desc, file=sys.stderr, dynamic_ncols=True, leave=False)
+
+
+def log(msg: str) -> None:
+    """Print a progress message to stderr without breaking an active tqdm bar."""
+    try:
+        from tqdm.auto import tqdm
+
+        tqdm.write(msg, file=sys.stderr)
+    except ImportError:
+        print(msg, file=sys.stderr)
+
+
+# ----------------------------------------------------------------------------------------------- GPU warm-up
+def warm_up_gpu(device: torch.device | str = "cuda", seconds: float = 2.0, n: int = 8192) -> float:
+    """Run bf16 ``n x n`` matmuls for about ``seconds`` (clock ramp-up, lazy CUDA init); return seconds spent.
+
+    No-op (returns 0.0) for a non-CUDA device. The first case of a cold H200 run measured 2-3x slow without it
+    (shared/device/README.md).
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 0.0
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(10):
+            a @ b
+        torch.cuda.synchronize(device)
+    del a, b
+    torch.cuda.empty_cache()
+    return time.perf_counter() - t0
+
+
+# ----------------------------------------------------------------------------------------------- timing
+def _cpu_median_ms(fn: Callable[[], object], reps: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(max(1, reps)):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def time_eager_ms(fn: Callable[[], object], device: torch.device | str, *, warmup: int = 25, rep: int = 100,
+                  cpu_reps: int = 3) -> float:
+    """Median wall time of one ``fn()`` call in ms.
+
+    CUDA: ``triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")`` (warmup/rep in ms of
+    GPU time; CUDA events per call; L2 flushed between calls), falling back to CUDA events when triton is
+    missing. CPU: median of ``cpu_reps`` perf_counter timings after one warm-up call.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return _cpu_median_ms(fn, cpu_reps, warmup=1)
+    try:
+        from triton.testing import do_bench
+    except ImportError:
+        return _cuda_event_median_ms(fn, iters=50)
+    return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def _cuda_event_median_ms(fn: Callable[[], object], iters: int = 50) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    return statistics.median(times)
+
+
+def capture_cuda_graph(fn: Callable[[], object], warmup_calls: int = 3) -> "torch.cuda.CUDAGraph":
+    """Capture one ``fn()`` call into a CUDA graph (after ``warmup_calls`` eager calls on a side stream).
+
+    Raises whatever capture raises (e.g. a host sync on the launch path); callers record it as ``graph_error``.
+    """
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warmup_calls):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    torch.cuda.synchronize()
+    return g
+
+
+def time_graph_ms(fn: Callable[[], object], *, warmup: int = 25, rep: int = 100) -> float:
+    """Median time in ms of one replay of a CUDA graph holding one ``fn()`` call (CUDA only)."""
+    g = capture_cuda_graph(fn)
+    try:
+        return time_eager_ms(g.replay, "cuda", warmup=warmup, rep=rep)
+    finally:
+        del g
+
+
+def peak_extra_memory_bytes(fn: Callable[[], object], device: torch.device | str) -> int | None:
+    """Bytes allocated by one ``fn()`` call on top of what was allocated before it (CUDA peak); None on CPU."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return int(torch.cuda.max_memory_allocated(device) - base)
+
+
+# ----------------------------------------------------------------------------------------------- FLOPs
+def row_key_bounds(q_lens, seq_lens, *, causal=None, num_causal_q=None, window_size: int | None = None,
+                   bidirectional_window: str = "symmetric"):
+    """Per query row of a packed batch, its sequence and inclusive allowed key range ``[lo, hi]``.
+
+    Vectorised over all rows (O(total_q) memory, no dense mask: fine for 32k contexts), with the contract's own
+    formulas (:func:`blockdiff.attention.masks.key_range`, ARCHITECTURE.md "Attention semantics").
+
+    Args:
+        q_lens, seq_lens: [B] ints (tokens); ``seq_lens`` includes the query tokens (``seq_lens >= q_lens``).
+        causal: [B] bools per sequence, or ``num_causal_q``: [B] ints (first n rows causal); default: all
+            rows bidirectional.
+        window_size: None or W >= 0 keys per side, not counting the query's own position.
+        bidirectional_window: "symmetric" or "prefix".
+
+    Returns:
+        (seq_id, lo, hi): int64 tensors [total_q] on the CPU; a row with ``hi < lo`` allows no key.
+
+    Raises:
+        ValueError: lengths of different sizes, ``seq_lens < q_lens``, or (from key_range) a bad window/mode.
+    """
+    from blockdiff.attention.masks import key_range
+
+    ql = torch.as_tensor(q_lens, dtype=torch.int64).cpu().reshape(-1)
+    sl = torch.as_tensor(seq_lens, dtype=torch.int64).cpu().reshape(-1)
+    if ql.shape != sl.shape:
+        raise ValueError(f"q_lens {tuple(ql.shape)} and seq_lens {tuple(sl.shape)} must have the same length")
+    if bool((ql < 0).any()) or bool((sl < ql).any()):
+        raise ValueError("seq_lens must be >= q_lens >= 0 (seq_lens includes the query tokens)")
+    if num_causal_q is not None:
+        ncq = torch.as_tensor(num_causal_q, dtype=torch.int64).cpu().reshape(-1)
+    elif causal is not None:
+        ncq = torch.where(torch.as_tensor(causal, dtype=torch.bool).cpu().reshape(-1), ql, 0)
+    else:
+        ncq = torch.zeros_like(ql)
+    if ncq.shape != ql.shape:
+        raise ValueError(f"causal/num_causal_q must have {ql.numel()} entries, got {ncq.numel()}")
+    seq_id = torch.repeat_interleave(torch.arange(ql.numel()), ql)
+    rows = torch.arange(seq_id.numel()) - (torch.cumsum(ql, 0) - ql)[seq_id]
+    lo, hi = key_range(rows, ql[seq_id], sl[seq_id], ncq[seq_id], window_size, bidirectional_window)
+    return seq_id, lo, hi
+
+
+def allowed_pairs(q_lens, seq_lens, **mask_kwargs) -> int:
+    """Exact number of allowed (query, key) pairs of a batch (per head) under the contract's mask semantics.
+
+    Same arguments as :func:`row_key_bounds`; equals ``sum_b build_mask(q_len_b, seq_len_b, ...).sum()``
+    without building any mask.
+    """
+    _, lo, hi = row_key_bounds(q_lens, seq_lens, **mask_kwargs)
+    return int((hi - lo + 1).clamp(min=0).sum())
+
+
+def attention_flops(num_heads: int, head_dim: int, pairs: int, head_dim_v: int | None = None) -> float:
+    """FLOPs of attention forward over ``pairs`` allowed pairs: 2·H·(D + Dv)·pairs (= 4·H·D·pairs for Dv = D)."""
+    dv = head_dim if head_dim_v is None else head_dim_v
+    return 2.0 * num_heads * (head_dim + dv) * pairs
+
+
+def tflops(flops: float, ms: float | None) -> float | None:
+    """Effective TFLOP/s of ``flops`` done in ``ms`` milliseconds (None when no time)."""
+    if ms is None or not ms > 0 or not math.isfinite(ms):
+        return None
+    return flops / (ms * 1e-3) / 1e12
+
+
+def share_of_peak(tf: float | None, peak: float = PEAK_TFLOPS) -> float | None:
+    """``tf`` as a fraction of the measured bf16 ceiling (790 TFLOP/s on an H200)."""
+    return None if tf is None else tf / peak
+
+
+# ----------------------------------------------------------------------------------------------- environment
+def _version(dist_names: Sequence[str], module: str | None = None) -> str | None:
+    for name in dist_names:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    if module is not None:
+        try:
+            mod = importlib.import_module(module)
+            return getattr(mod, "__version__", "unknown")
+        except Exception:  # noqa: BLE001 - an optional package may fail in any way on import
+            return None
+    return None
+
+
+def git_commit() -> str:
+    """Commit of the working tree (``git rev-parse HEAD``, ``+dirty`` when tracked files changed).
+
+    The GPU machine receives a copy without .git: set ``BLOCKDIFF_COMMIT`` there; otherwise "unknown".
+    """
+    env = os.environ.get("BLOCKDIFF_COMMIT")
+    if env:
+        return env
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_DIR, capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+        if not sha:
+            return "unknown"
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_DIR,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return sha + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def gpu_name(device: torch.device | str | None = None) -> str:
+    """Device name ("NVIDIA H200"), or "cpu" when CUDA is unavailable."""
+    if torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda"):
+        return torch.cuda.get_device_name(device)
+    return "cpu"
+
+
+def gpu_slug(name: str) -> str:
+    """File-name form of a device name: "NVIDIA H200" -> "h200", "cpu" -> "cpu"."""
+    s = name.lower().replace("nvidia", "").strip()
+    return "".join(ch if ch.isalnum() else "-" for ch in s).strip("-") or "gpu"
+
+
+def env_record(device: torch.device | str | None = None) -> dict:
+    """Environment of a run: gpu, driver, torch, triton, flash_attn_4, commit, date (UTC ISO), python, host."""
+    driver = None
+    if torch.cuda.is_available():
+        try:
+            driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                    capture_output=True, text=True, timeout=20).stdout.strip().splitlines()[0]
+        except (OSError, subprocess.SubprocessError, IndexError):
+            driver = None
+    return {
+        "gpu": gpu_name(device),
+        "driver": driver,
+        "cuda": torch.version.cuda,
+        "torch": torch.__version__,
+        "triton": _version(["triton"], "triton"),
+        "flash_attn_4": _version(["flash-attn-4", "flash_attn_4"]) or _flash_attn_cute_version(),
+        "commit": git_commit(),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "host": platform.node(),
+    }
+
+
+def _flash_attn_cute_version() -> str | None:
+    try:
+        import flash_attn.cute  # noqa: F401
+        import flash_attn
+    except Exception:  # noqa: BLE001
+        return None
+    return getattr(flash_attn, "__version__", "unknown")
+
+
+# ----------------------------------------------------------------------------------------------- records
+def results_dir() -> Path:
+    """``$OUT`` when set (the GPU machine's output folder), else bench/results/ (created)."""
+    out = os.environ.get("OUT")
+    d = Path(out) if out else DEFAULT_RESULTS_DIR
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def _jsonable(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, (torch.dtype, torch.device)):
+        return str(x)
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    return x
+
+
+def write_records(suite: str, rows: list[dict], *, env: dict | None = None, extra: dict | None = None,
+                  out_dir: Path | str | None = None) -> Path:
+    """Write ``<suite>-<gpu>.json`` (env + rows) and ``<suite>-<gpu>.csv`` (rows); return the JSON path."""
+    env = env_record() if env is None else env
+    d = Path(out_dir) if out_dir is not None else results_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    stem = f"{suite}-{gpu_slug(env['gpu'])}"
+    doc = {**env, "suite": suite, **(extra or {}), "rows": rows}
+    path = d / f"{stem}.json"
+    path.write_text(json.dumps(_jsonable(doc), indent=1) + "\n")
+    keys: list[str] = []
+    for r in rows:
+        keys += [k for k in r if k not in keys]
+    with open(d / f"{stem}.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: (json.dumps(_jsonable(v)) if isinstance(v, (dict, list)) else v) for k, v in r.items()})
+    return path
+
+
+def fmt(x, nd: int = 3) -> str:
+    """Short number for tables: None -> "-", floats with ``nd`` significant decimals."""
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        if not math.isfinite(x):
+            return "-"
+        return f"{x:.{nd}f}" if abs(x) < 1000 else f"{x:.0f}"
+    return str(x)
+
+
+def summary_table(rows: list[dict], columns: Sequence[str]) -> str:
+    """Plain fixed-width text table of ``rows`` restricted to ``columns`` (printed last by every bench)."""
+    cells = [[fmt(r.get(c)) for c in columns] for r in rows]
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths)),
+             "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)

@@ -1,0 +1,75 @@
+"""bench/bench_attention.py --quick on the CPU: runs, checks every backend, records rows, never crashes."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import bench_attention as ba  # noqa: E402
+import workloads as wl  # noqa: E402
+
+
+def test_quick_run_writes_records_and_plots(tmp_path, capsys):
+    rows = ba.main(["--quick", "--out", str(tmp_path), "--cpu-reps", "1",
+                    "--workloads", "mixed_sliding_ctx8k,mixed_sliding_prefix_ctx8k,canvas_bs4_ctx4k_hd128"])
+    doc = json.loads((tmp_path / "attention-quick-cpu.json").read_text())
+    assert doc["rows"] == json.loads(json.dumps(doc["rows"])) and len(doc["rows"]) == len(rows) == 9
+    for key in ("gpu", "torch", "triton", "commit", "date", "anchors_ms"):
+        assert key in doc
+    by = {(r["workload"], r["backend"]): r for r in rows}
+    for name in ("mixed_sliding_ctx8k", "mixed_sliding_prefix_ctx8k", "canvas_bs4_ctx4k_hd128"):
+        for be in ("reference", "sdpa"):
+            r = by[(name, be)]
+            assert r["status"] == "ok" and r["correct"] is True and r["eager_ms"] > 0, r
+            assert r["effective_tflops"] > 0 and r["allowed_pairs"] > 0
+        # the Triton backend runs through the interpreter when it exists, else is skipped with a reason; its
+        # own failures are recorded as an error row (its correctness is tests/attention's job)
+        t = by[(name, "triton")]
+        assert (t["status"] == "ok" and t["correct"] is not None) or t.get("reason") or t.get("error"), t
+    assert (tmp_path / "attention-quick-cpu.csv").exists()
+    assert (tmp_path / "attention-quick-cpu-mixed_sliding_ctx8k.png").exists()
+    last = capsys.readouterr().out.strip().splitlines()
+    assert last[-11].startswith("workload") and "effective_tflops" in last[-11]  # summary table printed last
+
+
+def test_failing_backend_records_error_row_and_run_continues(tmp_path, monkeypatch):
+    def boom(batch, args):
+        raise RuntimeError("kernel exploded")
+
+    monkeypatch.setattr(ba, "make_sdpa", boom)
+    rows = ba.main(["--quick", "--out", str(tmp_path), "--no-plots", "--cpu-reps", "1",
+                    "--workloads", "canvas_bs4_ctx4k_hd128", "--backends", "sdpa,reference,fa4"])
+    status = {r["backend"]: r for r in rows}
+    assert status["sdpa"]["status"] == "error" and "kernel exploded" in status["sdpa"]["error"]
+    assert status["reference"]["status"] == "ok"
+    assert all(r["status"] == "skipped" and r["reason"] for r in rows if r["backend"] == "fa4")
+
+
+@pytest.mark.parametrize("name", ["mixed_sliding_ctx8k", "mixed_sliding_prefix_ctx8k", "mixed_global_ctx8k"])
+def test_sdpa_and_flex_match_the_reference(name):
+    w = wl.select(wl.named_workloads(quick=True), name)[0]
+    b = wl.build(w, "cpu", torch.float32, page_size=5, seed=1)  # page size dividing nothing
+    gold, base, src = ba.ground_truth(b, "reference")
+    assert src == "reference-fp64"
+    for maker in (ba.make_sdpa, ba.make_flex):
+        fn, to_packed, info = maker(b, None)
+        out = to_packed(fn())
+        assert out.shape == gold.shape
+        assert float((out.double() - gold).abs().max()) < 1e-4, maker.__name__
+    sd_gold, sd_base, _ = ba.ground_truth(b, "sdpa")
+    assert float((sd_gold.double() - gold).abs().max()) < 1e-4
+
+
+def test_tile_sweep_is_a_no_op_with_message_when_unsupported(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(ba, "triton_config_kwarg", lambda: None)
+    rows = ba.main(["--quick", "--out", str(tmp_path), "--no-plots", "--cpu-reps", "1", "--tile-sweep",
+                    "--workloads", "canvas_bs4_ctx4k_hd128", "--backends", "triton"])
+    assert len(rows) == 1 and "config" not in rows[0]
+    assert "sweep skipped" in capsys.readouterr().err
+
+
+def test_unknown_backend_is_rejected():
+    with pytest.raises(SystemExit):
+        ba.main(["--quick", "--backends", "nope"])

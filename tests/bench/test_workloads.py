@@ -1,0 +1,66 @@
+"""bench/workloads.py: named workloads match ARCHITECTURE.md; built batches are valid paged caches."""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import workloads as wl  # noqa: E402
+
+from blockdiff.attention.reference import gather_kv  # noqa: E402
+
+NAMES = ["mixed_sliding_ctx8k", "mixed_sliding_prefix_ctx8k", "mixed_global_ctx8k", "canvas_bs1_ctx32k_global",
+         "canvas_bs1_ctx32k_sliding", "canvas_bs1_ctx32k_hd128", "canvas_bs4_ctx4k_hd128", "prefill16k_hd128"]
+
+
+def test_named_workloads_full_shapes():
+    ws = {w.name: w for w in wl.named_workloads()}
+    assert list(ws) == NAMES
+    m = ws["mixed_sliding_ctx8k"]
+    assert m.q_lens == (4096, 256, 256, 256) and m.seq_lens == (4096, 8448, 8448, 8448)
+    assert m.causal == (True, False, False, True) and m.kinds == ("prefill", "denoise", "denoise", "commit")
+    assert (m.num_heads, m.num_kv_heads, m.head_dim, m.window_size) == (16, 8, 256, 1023)
+    assert ws["mixed_sliding_prefix_ctx8k"].bidirectional_window == "prefix"
+    g = ws["canvas_bs1_ctx32k_global"]
+    assert (g.num_kv_heads, g.head_dim, g.window_size, g.seq_lens) == (2, 512, None, (33024,))
+    assert ws["canvas_bs4_ctx4k_hd128"].seq_lens == (4352,) * 4
+    assert ws["prefill16k_hd128"].causal == (True,)
+    assert ws["mixed_sliding_ctx8k"].anchors_ms == {"fa4": 0.164, "flex": 0.372}
+
+
+@pytest.mark.parametrize("w", wl.named_workloads(quick=True), ids=lambda w: w.name)
+def test_quick_workloads_keep_structure(w):
+    full = {x.name: x for x in wl.named_workloads()}[w.name]
+    assert w.causal == full.causal and w.bidirectional_window == full.bidirectional_window
+    assert (w.window_size is None) == (full.window_size is None)
+    assert w.num_heads % w.num_kv_heads == 0 and w.total_q <= 256 and not w.anchors_ms
+
+
+def test_build_paged_batch_is_valid_and_permuted():
+    w = wl.named_workloads(quick=True)[0]
+    b = wl.build(w, "cpu", torch.float32, page_size=16, seed=3)
+    assert b.q.shape == (w.total_q, w.num_heads, w.head_dim)
+    assert b.block_table.dtype == torch.int32 and b.cu_seqlens_q.tolist()[-1] == w.total_q
+    used = torch.cat([b.block_table[i, : -(-s // 16)] for i, s in enumerate(w.seq_lens)])
+    assert used.unique().numel() == used.numel()  # no page shared between sequences
+    assert not torch.equal(used, torch.arange(used.numel(), dtype=torch.int32))  # permuted
+    for i, s in enumerate(w.seq_lens):
+        k, v = b.kv_of(i)
+        assert torch.equal(k, gather_kv(b.k_cache, b.block_table[i], s))
+    k, v, cu = b.contiguous_kv()
+    assert k.shape[0] == sum(w.seq_lens) and cu.tolist()[-1] == k.shape[0]
+    assert torch.equal(wl.build(w, "cpu", torch.float32, page_size=16, seed=3).q, b.q)
+
+
+def test_ladders_and_select():
+    bl = wl.batch_ladder(layers=("hd128",), sizes=(1, 8))
+    assert [w.name for w in bl] == ["canvas_bs1_ctx8k_hd128", "canvas_bs8_ctx8k_hd128"]
+    assert bl[1].batch_size == 8 and bl[1].seq_lens == (8448,) * 8
+    cl = wl.context_ladder(layers=("global",), contexts=(1024, 131072))
+    assert [w.name for w in cl] == ["canvas_bs1_ctx1k_global", "canvas_bs1_ctx128k_global"]
+    assert [w.name for w in wl.select(wl.named_workloads(), "canvas_bs1*,prefill*")] == NAMES[3:6] + NAMES[7:]
+    with pytest.raises(ValueError, match="matches none"):
+        wl.select(wl.named_workloads(), "nope*")
+    with pytest.raises(ValueError, match="page_size"):
+        wl.build(bl[0], page_size=0)
