@@ -1,0 +1,463 @@
+"""DiffusionModelState: the vLLM model runner v2 ``ModelState`` hooks for block-diffusion models.
+
+Interface: ``vllm/v1/worker/gpu/model_states/interface.py`` of vLLM 0.33.0 (``ModelState``; the runner calls
+``add_request`` -> ``prepare_inputs_embeds`` / ``prepare_inputs`` -> ``prepare_attn`` -> forward -> sampler ->
+``postprocess_state``; ``remove_request`` when a request finishes; ``custom_sampler`` once after loading).
+When vLLM is importable :class:`DiffusionModelState` subclasses vLLM's ``ModelState``; otherwise a plain base
+class with the same methods (:class:`ModelStateBase`). Semantics: ARCHITECTURE.md "Integration" and "Sampler
+semantics".
+
+Per-request state lives in a preallocated :class:`blockdiff.sampler.SamplerState` (device tensors indexed by
+slot = vLLM's ``req_index``), updated in place by the sampler. Each step:
+
+* ``prepare_inputs`` writes the flat ``input_ids`` (prompt chunk for prefill rows, the current canvas for
+  denoise rows, the committed argmax canvas for commit rows) and the self-conditioning input (the previous
+  step's soft embedding for denoise tokens, exactly zero elsewhere) into persistent buffers, from the device
+  state, with no host sync;
+* ``prepare_attn`` fills a persistent per-request ``causal`` buffer from the phase (prefill and commit rows
+  causal, denoise rows bidirectional) and returns the attention metadata.
+
+vLLM accounting (spec-decode path, ``num_new_sampled_tokens_per_step = 0``): prefill rows report
+``num_sampled = 0``; denoise rows ``num_sampled = 0`` and ``num_rejected = query_len`` (the KV position does not
+move); commit rows ``num_sampled = canvas_length``.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Any, ClassVar
+
+import torch
+
+from blockdiff.sampler import COMMIT, DENOISE, FAILED, FINISHED, PREFILL  # phases of SamplerState.phase
+
+PHASE_NAMES = {PREFILL: "prefill", DENOISE: "denoise", COMMIT: "commit", FINISHED: "finished", FAILED: "failed"}
+
+try:  # vLLM is optional: subclass its ModelState when present.
+    from vllm.v1.worker.gpu.model_states.interface import ModelState as _VllmModelState  # type: ignore
+
+    VLLM_AVAILABLE = True
+    VLLM_IMPORT_ERROR: str | None = None
+except Exception as _e:  # ImportError, or a broken install raising something else
+    _VllmModelState = None
+    VLLM_AVAILABLE = False
+    VLLM_IMPORT_ERROR = f"{type(_e).__name__}: {_e}"
+
+
+class ModelStateBase:
+    """Stand-in for vLLM's ``ModelState`` when vLLM is not installed: the same hooks and defaults.
+
+    Method names, parameters and defaults follow vLLM 0.33.0's ``ModelState``
+    (tests/integration/vllm_0_33_0_model_state_interface.json records them).
+    """
+
+    supports_prompt_embeds: ClassVar[bool] = False
+    num_new_sampled_tokens_per_step: int = 1
+
+    def __init__(self, vllm_config: Any, model: torch.nn.Module, encoder_cache: Any, device: torch.device) -> None:
+        self.vllm_config = vllm_config
+        self.model = model
+        self.device = device
+
+    def add_request(self, req_index: int, new_req_data: Any) -> None:
+        return None
+
+    def remove_request(self, req_id: str) -> None:
+        return None
+
+    def apply_staged_writes(self) -> None:
+        return None
+
+    def postprocess_state(self, idx_mapping: torch.Tensor, num_sampled: torch.Tensor,
+                          num_computed_tokens: torch.Tensor | None = None) -> None:
+        return None
+
+    def prepare_inputs_embeds(self, scheduled_encoder_inputs: dict[str, list[int]], input_batch: Any,
+                              req_states: Any) -> torch.Tensor | None:
+        raise NotImplementedError
+
+    def dummy_inputs_embeds(self, num_tokens: int) -> torch.Tensor | None:
+        return None
+
+    def prepare_inputs(self, input_batch: Any, req_states: Any) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def prepare_dummy_inputs(self, num_reqs: int, num_tokens: int) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def prepare_attn(self, input_batch: Any, cudagraph_mode: Any, block_tables: tuple[torch.Tensor, ...],
+                     slot_mappings: torch.Tensor, attn_groups: Any, kv_cache_config: Any,
+                     for_capture: bool = False, ubatch_idx: int = 0) -> Any:
+        raise NotImplementedError
+
+    def custom_sampler(self, sampler: Any) -> tuple[Any, Any] | None:
+        return None
+
+
+_Base = _VllmModelState if VLLM_AVAILABLE else ModelStateBase
+
+
+def request_key(req_id: str) -> int:
+    """Stable int64 RNG key of a request id (blake2b, 63 bits): the same request draws the same noise in any
+    batch and any slot (batch invariance)."""
+    if not isinstance(req_id, str):
+        raise TypeError(f"req_id must be a str, got {type(req_id).__name__}")
+    return int.from_bytes(hashlib.blake2b(req_id.encode(), digest_size=8).digest(), "little") & (2 ** 63 - 1)
+
+
+def to_diffusion_params(sampling_params: Any, defaults: Any = None, *, canvas_length: int | None = None):
+    """Convert request sampling parameters to :class:`blockdiff.sampler.SamplingParams`.
+
+    Accepts a blockdiff ``SamplingParams`` (returned as is, after checking its canvas length), or a vLLM
+    ``SamplingParams``: ``seed`` -> seed (None -> 0), ``max_tokens``, EOS ids from ``all_stop_token_ids`` /
+    ``stop_token_ids`` (none when ``ignore_eos``), and ``extra_args`` keys ``diffusion_max_steps`` ->
+    max_denoising_steps, ``t_min``, ``t_max``, ``entropy_bound``, ``confidence_threshold``,
+    ``stability_threshold``; everything else from ``defaults``.
+
+    Raises:
+        ValueError: ``canvas_length`` of the request differs from the served canvas length.
+    """
+    from blockdiff.sampler import SamplingParams
+
+    if isinstance(sampling_params, SamplingParams):
+        p = sampling_params
+    else:
+        base = defaults if defaults is not None else SamplingParams()
+        kw = dict(vars(base)) if not hasattr(base, "__dataclass_fields__") else {
+            f: getattr(base, f) for f in base.__dataclass_fields__}
+        sp = sampling_params
+        if sp is not None:
+            seed = getattr(sp, "seed", None)
+            kw["seed"] = int(seed) if seed is not None else kw.get("seed", 0)
+            if getattr(sp, "max_tokens", None) is not None:
+                kw["max_tokens"] = int(sp.max_tokens)
+            if getattr(sp, "ignore_eos", False):
+                kw["eos_token_ids"] = ()
+            else:
+                ids = getattr(sp, "all_stop_token_ids", None) or getattr(sp, "stop_token_ids", None)
+                if ids:
+                    kw["eos_token_ids"] = tuple(int(t) for t in ids)
+            extra = getattr(sp, "extra_args", None) or {}
+            mapping = {"diffusion_max_steps": "max_denoising_steps", "t_min": "t_min", "t_max": "t_max",
+                       "entropy_bound": "entropy_bound", "confidence_threshold": "confidence_threshold",
+                       "stability_threshold": "stability_threshold",
+                       "diffusion_canvas_length": "canvas_length"}
+            for k, f in mapping.items():
+                if k in extra and extra[k] is not None:
+                    kw[f] = extra[k]
+        p = SamplingParams(**kw)
+    if canvas_length is not None and p.canvas_length != canvas_length:
+        raise ValueError(
+            f"sampling_params.canvas_length ({p.canvas_length}) must equal the served canvas_length "
+            f"({canvas_length}): one canvas length per model state")
+    return p
+
+
+class DiffusionModelState(_Base):
+    """ModelState of a block-diffusion LM (DiffusionGemma): encoder (causal, writes KV) and decoder
+    (bidirectional over the canvas, KV read-only) passes share one flat batch.
+
+    Two ways to build it:
+
+    * by vLLM: ``DiffusionModelState(vllm_config, model, encoder_cache, device)`` (model runner v2 calls this
+      after ``model.get_model_state_cls()``); canvas length from ``vllm_config.diffusion_config``;
+    * by the harness: :meth:`for_harness` (no vLLM objects).
+
+    Attributes:
+        state: :class:`blockdiff.sampler.SamplerState` over ``max_num_reqs`` slots.
+        causal_buf: ``[max_num_reqs]`` bool, persistent per-row causal flags (filled by ``prepare_attn``).
+        input_ids_buf: ``[max_num_tokens]`` int64; self_cond_buf: ``[max_num_tokens, hidden]`` fp32.
+        num_computed_tokens: ``[max_num_reqs]`` int32, KV length per slot as of the last
+            ``postprocess_state`` (tokens).
+        req_id_to_index: host dict req_id -> slot.
+    """
+
+    supports_prompt_embeds: ClassVar[bool] = False
+    num_new_sampled_tokens_per_step: int = 0
+
+    def __init__(self, vllm_config: Any, model: torch.nn.Module, encoder_cache: Any, device: torch.device) -> None:
+        super().__init__(vllm_config, model, encoder_cache, device)
+        if not VLLM_AVAILABLE:
+            raise TypeError("DiffusionModelState(vllm_config, ...) needs vLLM; without it use "
+                            "DiffusionModelState.for_harness(model, ...)")
+        dcfg = getattr(vllm_config, "diffusion_config", None)
+        canvas_length = getattr(dcfg, "canvas_length", None) or 256
+        text_cfg = self.model_config.hf_text_config
+        gen = self.model_config.try_get_generation_config() or {}
+        from blockdiff.sampler import SamplingParams
+
+        sc = gen.get("sampler_config") or {}
+        kw = {k: gen[k] for k in ("t_min", "t_max", "confidence_threshold", "stability_threshold") if k in gen}
+        if sc.get("entropy_bound") is not None:
+            kw["entropy_bound"] = sc["entropy_bound"]
+        steps = getattr(dcfg, "max_denoising_steps", None) or gen.get("max_denoising_steps")
+        if steps:
+            kw["max_denoising_steps"] = int(steps)
+        self._init_diffusion(
+            mode="vllm", max_num_reqs=self.max_num_reqs, max_num_tokens=self.max_num_tokens,
+            canvas_length=canvas_length, vocab_size=self.model_config.get_vocab_size(),
+            hidden_size=text_cfg.hidden_size, default_params=SamplingParams(canvas_length=canvas_length, **kw),
+            embed_dtype=self.dtype)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def for_harness(cls, model: torch.nn.Module, *, max_num_reqs: int, max_num_tokens: int, canvas_length: int,
+                    device: torch.device | str, default_params: Any = None) -> "DiffusionModelState":
+        """Build the state without vLLM (harness, tests, demo).
+
+        Args:
+            model: a :class:`blockdiff.model.DiffusionGemma` (reads ``model.config.vocab_size`` and
+                ``hidden_size``).
+            max_num_reqs: request slots (>= 1). max_num_tokens: token capacity of one step (>= canvas_length).
+            canvas_length: CL, tokens per canvas (>= 1).
+            device: where the state lives.
+            default_params: :class:`blockdiff.sampler.SamplingParams` used for vLLM-style params.
+
+        Raises:
+            ValueError: a capacity < 1, or max_num_tokens < canvas_length.
+        """
+        self = cls.__new__(cls)
+        self.vllm_config = None
+        self.model = model
+        self.device = torch.device(device)
+        self.max_num_reqs = max_num_reqs
+        self.max_num_tokens = max_num_tokens
+        cfg = model.config
+        self._init_diffusion(mode="harness", max_num_reqs=max_num_reqs, max_num_tokens=max_num_tokens,
+                             canvas_length=canvas_length, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                             default_params=default_params, embed_dtype=torch.float32)
+        return self
+
+    def _init_diffusion(self, *, mode, max_num_reqs, max_num_tokens, canvas_length, vocab_size, hidden_size,
+                        default_params, embed_dtype) -> None:
+        from blockdiff.sampler import SamplerState
+
+        for name, v in (("max_num_reqs", max_num_reqs), ("max_num_tokens", max_num_tokens),
+                        ("canvas_length", canvas_length)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if max_num_tokens < canvas_length:
+            raise ValueError(f"max_num_tokens ({max_num_tokens}) must be >= canvas_length ({canvas_length}): "
+                             "a denoise row schedules a whole canvas")
+        self.mode = mode
+        self.canvas_length = canvas_length
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.default_params = default_params
+        dev = self.device
+        self.state = SamplerState(max_num_reqs, canvas_length, vocab_size, hidden_size, dev)
+        self.req_id_to_index: dict[str, int] = {}
+        self.causal_buf = torch.zeros(max_num_reqs, dtype=torch.bool, device=dev)
+        self.num_computed_tokens = torch.zeros(max_num_reqs, dtype=torch.int32, device=dev)
+        self.input_ids_buf = torch.zeros(max_num_tokens, dtype=torch.int64, device=dev)
+        self.positions_buf = torch.zeros(max_num_tokens, dtype=torch.int64, device=dev)
+        self.self_cond_buf = torch.zeros(max_num_tokens, hidden_size, dtype=torch.float32, device=dev)
+        self._arange = torch.arange(max_num_tokens, dtype=torch.int64, device=dev)
+        if mode == "vllm":
+            self.inputs_embeds_buf = torch.zeros(max_num_tokens, hidden_size, dtype=embed_dtype, device=dev)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, req_index: int, new_req_data: Any) -> None:
+        """Claim slot ``req_index`` for a new request: phase PREFILL, params stored as device tensors.
+
+        Args:
+            req_index: slot in [0, max_num_reqs).
+            new_req_data: has ``req_id`` (str), ``prompt_token_ids`` and ``sampling_params`` (blockdiff or vLLM
+                SamplingParams).
+
+        Raises:
+            ValueError: slot out of range, slot already held by another live request, duplicate req_id, empty
+                prompt, or a canvas length other than the served one.
+        """
+        if isinstance(req_index, bool) or not isinstance(req_index, int) or not 0 <= req_index < self.max_num_reqs:
+            raise ValueError(f"req_index must be an int in [0, {self.max_num_reqs}), got {req_index!r}")
+        req_id = new_req_data.req_id
+        if req_id in self.req_id_to_index:
+            raise ValueError(f"request {req_id!r} is already in slot {self.req_id_to_index[req_id]}")
+        if req_index in self.req_id_to_index.values():
+            raise ValueError(f"slot {req_index} is held by another request; remove it first")
+        prompt = getattr(new_req_data, "prompt_token_ids", None)
+        if prompt is not None and len(prompt) == 0:
+            raise ValueError(f"request {req_id!r}: prompt_token_ids must not be empty")
+        params = to_diffusion_params(new_req_data.sampling_params, self.default_params,
+                                     canvas_length=self.canvas_length)
+        self.state.add_request(req_index, request_key(req_id), params)
+        self.num_computed_tokens[req_index] = 0
+        self.req_id_to_index[req_id] = req_index
+
+    def remove_request(self, req_id: str) -> None:
+        """Free the slot of ``req_id`` (unknown ids are ignored, as vLLM calls this for any finished id)."""
+        idx = self.req_id_to_index.pop(req_id, None)
+        if idx is not None:
+            self.state.remove_request(idx)
+            self.num_computed_tokens[idx] = 0
+
+    def get_supported_generation_tasks(self):
+        return ("generate",)
+
+    # ------------------------------------------------------------------ inputs
+    def prepare_inputs_embeds(self, scheduled_encoder_inputs: dict[str, list[int]], input_batch: Any,
+                              req_states: Any) -> torch.Tensor | None:
+        """No multimodal inputs: the embeddings are built in :meth:`prepare_inputs`. Returns None."""
+        return None
+
+    def _token_views(self, input_batch: Any):
+        """Per-token (slot, offset in row, phase) on the device, from query_start_loc (no host sync)."""
+        T, N = input_batch.num_tokens, input_batch.num_reqs
+        CL = self.canvas_length
+        ar = self._arange[:T]
+        qsl = input_batch.query_start_loc[: N + 1].to(torch.int64)
+        row = torch.searchsorted(qsl[1:], ar, right=True).clamp_(max=max(N - 1, 0))
+        slots_tok = input_batch.idx_mapping[:N].to(torch.int64)[row]
+        off = (ar - qsl[row]).clamp_(min=0, max=CL - 1)
+        phase_tok = self.state.phase[slots_tok]
+        return slots_tok, off, phase_tok
+
+    def prepare_inputs(self, input_batch: Any, req_states: Any) -> dict[str, Any]:
+        """Write this step's model inputs into persistent buffers from the device state.
+
+        Args:
+            input_batch: the step's batch (``num_tokens``, ``num_reqs``, ``idx_mapping`` [N] slots,
+                ``query_start_loc`` [N+1] int32, ``input_ids`` [T] int64 with prompt chunks, ``positions``).
+            req_states: vLLM's ``RequestState`` (unused; None in the harness).
+
+        Returns:
+            harness: ``{"input_ids": [T] int64, "positions": [T] int64, "self_cond": [T, hidden] fp32}``;
+            vLLM: ``{"inputs_embeds": [T, hidden]}`` (embedding + self-conditioning MLP on denoise tokens).
+            Denoise tokens read ``state.canvas``, commit tokens ``state.commit_canvas``, prefill tokens keep
+            ``input_batch.input_ids``; ``self_cond`` is ``state.soft`` on denoise tokens and exactly 0 elsewhere.
+        """
+        T = input_batch.num_tokens
+        ids = self.input_ids_buf[:T]
+        sc = self.self_cond_buf[:T]
+        if T == 0:
+            return self._inputs_dict(input_batch, ids, sc, None)
+        slots_tok, off, phase_tok = self._token_views(input_batch)
+        st = self.state
+        is_den = phase_tok == DENOISE
+        is_com = phase_tok == COMMIT
+        canvas_tok = st.canvas[slots_tok, off]
+        commit_tok = st.commit_canvas[slots_tok, off]
+        ids.copy_(torch.where(is_den, canvas_tok,
+                              torch.where(is_com, commit_tok, input_batch.input_ids[:T].to(torch.int64))))
+        soft = st.soft[slots_tok, off]
+        sc.copy_(torch.where(is_den[:, None], soft, torch.zeros((), dtype=soft.dtype, device=soft.device)))
+        return self._inputs_dict(input_batch, ids, sc, is_den)
+
+    def _inputs_dict(self, input_batch, ids, sc, is_den) -> dict[str, Any]:
+        T = ids.shape[0]
+        if self.mode == "harness":
+            pos = self.positions_buf[:T]
+            pos.copy_(input_batch.positions[:T])
+            return {"input_ids": ids, "positions": pos, "self_cond": sc}
+        # vLLM: the model takes inputs_embeds; self-conditioning MLP applied on denoise tokens only.
+        emb = self.inputs_embeds_buf[:T]
+        if T:
+            e = self.model.embed_input_ids(ids)
+            sc_mod = getattr(self.model, "self_conditioning", None)
+            if sc_mod is not None:
+                e = torch.where(is_den[:, None], sc_mod(e, sc.to(e.dtype)), e)
+            emb.copy_(e)
+        return {"inputs_embeds": emb}
+
+    def prepare_dummy_inputs(self, num_reqs: int, num_tokens: int) -> dict[str, Any]:
+        """Slices of the same persistent buffers ``prepare_inputs`` writes (CUDA-graph capture path)."""
+        if self.mode == "harness":
+            return {"input_ids": self.input_ids_buf[:num_tokens], "positions": self.positions_buf[:num_tokens],
+                    "self_cond": self.self_cond_buf[:num_tokens]}
+        return {"inputs_embeds": self.inputs_embeds_buf[:num_tokens]}
+
+    def dummy_inputs_embeds(self, num_tokens: int) -> torch.Tensor | None:
+        return self.inputs_embeds_buf[:num_tokens] if self.mode == "vllm" else None
+
+    # ------------------------------------------------------------------ attention
+    def fill_causal(self, input_batch: Any, num_reqs: int | None = None) -> torch.Tensor:
+        """Fill ``causal_buf[:N]`` in place from the phase of each row's slot (PREFILL/COMMIT -> True,
+        DENOISE -> False); padding rows up to ``num_reqs`` get False. Returns ``causal_buf[:num_reqs]``."""
+        n = input_batch.num_reqs
+        num_reqs = n if num_reqs is None else num_reqs
+        slots = input_batch.idx_mapping[:n].to(torch.int64)
+        self.causal_buf[:n].copy_(self.state.phase[slots] != DENOISE)
+        if num_reqs > n:
+            self.causal_buf[n:num_reqs] = False
+        return self.causal_buf[:num_reqs]
+
+    def prepare_attn(self, input_batch: Any, cudagraph_mode: Any, block_tables: tuple[torch.Tensor, ...],
+                     slot_mappings: torch.Tensor, attn_groups: Any, kv_cache_config: Any,
+                     for_capture: bool = False, ubatch_idx: int = 0) -> Any:
+        """Attention metadata of the step with per-request causal flags from the phase.
+
+        Args:
+            input_batch: the step's batch (``query_start_loc``, ``seq_lens``, ``idx_mapping``, host
+                ``max_query_len`` / ``max_seq_len``).
+            cudagraph_mode: vLLM's CUDAGraphMode (None in the harness).
+            block_tables: tuple per KV-cache group of ``[N, max_blocks]`` int32 (the harness has one group).
+            slot_mappings: ``[T]`` int64 KV slots of the query tokens.
+            attn_groups, kv_cache_config: vLLM objects (None in the harness).
+            for_capture: capture with worst-case ``max_seqlen_k`` (harness: ``max_num_tokens`` bound unused).
+            ubatch_idx: must be 0 (no dual-batch overlap).
+
+        Returns:
+            harness: :class:`blockdiff.attention.AttentionMetadata`; vLLM: the per-layer metadata dict of
+            ``vllm.v1.worker.gpu.attn_utils.build_attn_metadata`` with ``causal=`` this buffer.
+
+        Raises:
+            ValueError: ubatch_idx != 0.
+        """
+        if ubatch_idx != 0:
+            raise ValueError(f"ubatch_idx must be 0 (dual-batch overlap is not supported), got {ubatch_idx}")
+        n = input_batch.num_reqs
+        if self.mode == "harness":
+            from blockdiff.attention import AttentionMetadata
+
+            causal = self.fill_causal(input_batch)
+            return AttentionMetadata(
+                cu_seqlens_q=input_batch.query_start_loc[: n + 1], seq_lens=input_batch.seq_lens[:n],
+                causal=causal, block_table=block_tables[0][:n], slot_mapping=slot_mappings,
+                max_seqlen_q=int(input_batch.max_query_len), max_seqlen_k=int(input_batch.max_seq_len))
+        from vllm.config.compilation import CUDAGraphMode  # type: ignore
+        from vllm.v1.worker.gpu.attn_utils import build_attn_metadata  # type: ignore
+
+        full = cudagraph_mode == CUDAGraphMode.FULL
+        num_reqs = input_batch.num_reqs_after_padding if full else n
+        num_tokens = input_batch.num_tokens_after_padding if full else input_batch.num_tokens
+        causal = self.fill_causal(input_batch, num_reqs)
+        return build_attn_metadata(
+            attn_groups=attn_groups, num_reqs=num_reqs, num_tokens=num_tokens,
+            query_start_loc_gpu=input_batch.query_start_loc,
+            query_start_loc_cpu=torch.from_numpy(input_batch.query_start_loc_np),
+            max_query_len=int(input_batch.num_scheduled_tokens.max()), seq_lens=input_batch.seq_lens,
+            max_seq_len=self.max_model_len, block_tables=block_tables, slot_mappings=slot_mappings,
+            kv_cache_config=kv_cache_config, causal=causal, for_cudagraph_capture=for_capture)
+
+    # ------------------------------------------------------------------ after the sampler
+    def postprocess_state(self, idx_mapping: torch.Tensor, num_sampled: torch.Tensor,
+                          num_computed_tokens: torch.Tensor | None = None) -> None:
+        """Record each row's KV length after the step (``num_computed_tokens`` [max_num_reqs] int32, indexed
+        by slot, as vLLM's runner passes it). The sampler already updated the diffusion state in place."""
+        if num_computed_tokens is None or not torch.is_tensor(idx_mapping) or idx_mapping.numel() == 0:
+            return None
+        slots = idx_mapping.to(torch.int64)
+        valid = slots >= 0  # vLLM may pass -1 for masked entries
+        slots = torch.where(valid, slots, torch.zeros_like(slots))
+        vals = torch.where(valid, num_computed_tokens.to(torch.int64)[slots],
+                           self.num_computed_tokens.to(torch.int64)[slots])
+        self.num_computed_tokens.index_copy_(0, slots, vals.to(torch.int32))
+        return None
+
+    def custom_sampler(self, sampler: Any, *, embedding: torch.Tensor | None = None,
+                       backend: str = "reference") -> tuple[Any, Any] | None:
+        """The diffusion sampler and no rejection sampler: ``(DiffusionSampler, None)``.
+
+        Args:
+            sampler: vLLM's base sampler (kept for its per-request states under vLLM; None in the harness).
+            embedding: tied embedding E ``[V, hidden]`` for self-conditioning (default: the model's
+                ``embedding_weight``, else ``embed_tokens.weight``).
+            backend: sampler backend (``"reference"`` or ``"triton"``).
+        """
+        from .sampler import DiffusionSampler
+
+        if embedding is None:
+            embedding = getattr(self.model, "embedding_weight", None)
+            if embedding is None:
+                embedding = self.model.model.embed_tokens.weight
+        return DiffusionSampler(self, embedding=embedding, backend=backend, base_sampler=sampler), None

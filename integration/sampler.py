@@ -1,0 +1,173 @@
+"""DiffusionSampler: the sampler ``DiffusionModelState.custom_sampler`` hands to model runner v2.
+
+It replaces vLLM's sampler *and* its rejection sampler (``custom_sampler`` returns ``(DiffusionSampler, None)``)
+and maps one :func:`blockdiff.sampler.sampler_step` per forward pass onto vLLM's spec-decode accounting
+(ARCHITECTURE.md "Sampler semantics"): prefill rows ``num_sampled = 0``, ``num_rejected = 0``; denoise rows
+``num_sampled = 0``, ``num_rejected = query_len`` (the canvas is rejected, the KV position does not move);
+commit rows ``num_sampled = canvas_length``, ``num_rejected = 0``.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from .model_state import DENOISE
+
+
+@dataclass
+class DiffusionSamplerOutput:
+    """Field names of vLLM's ``SamplerOutput`` plus the sampler's diagnostics.
+
+    Attributes:
+        sampled_token_ids: ``[N, CL]`` int64, tokens emitted this step (commit rows, trimmed after the first
+            EOS and at max_tokens), padded with -1.
+        num_sampled: ``[N]`` int32 (commit: CL, else 0).
+        num_rejected: ``[N]`` int32 (denoise: query_len, else 0).
+        num_emitted: ``[N]`` int32, valid entries of ``sampled_token_ids`` per row.
+        phase: ``[N]`` int32, each row's phase at entry.
+        step: the :class:`blockdiff.sampler.StepOutput` (accepted, entropy, converged, finished, failed, ...).
+        logprobs_tensors, num_nans: None (not produced).
+    """
+
+    sampled_token_ids: torch.Tensor
+    num_sampled: torch.Tensor
+    num_rejected: torch.Tensor
+    num_emitted: torch.Tensor
+    phase: torch.Tensor
+    step: Any
+    logprobs_tensors: Any = None
+    num_nans: Any = None
+
+
+class SamplerMismatch(AssertionError):
+    """A sampler backend disagreed with the reference (``--check``)."""
+
+
+def _state_tensors(state) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in vars(state).items() if torch.is_tensor(v)}
+
+
+def compare_sampler(state_ref, state_out, out_ref, out_test, *, atol: float = 1e-4) -> None:
+    """Compare two sampler runs from the same state: integer/bool tensors exactly, float tensors within
+    ``atol`` (nats / embedding units). Raises :class:`SamplerMismatch` naming the first differing field."""
+    pairs = [(f"state.{k}", v, getattr(state_out, k)) for k, v in _state_tensors(state_ref).items()]
+    for k in ("num_sampled", "num_rejected", "emitted", "num_emitted_now", "finished", "failed", "accepted",
+              "entropy", "argmax", "sampled", "converged", "mean_entropy"):
+        a, b = getattr(out_ref, k, None), getattr(out_test, k, None)
+        if torch.is_tensor(a) and torch.is_tensor(b):
+            pairs.append((f"out.{k}", a, b))
+    for name, a, b in pairs:
+        if a.shape != b.shape:
+            raise SamplerMismatch(f"sampler check: {name} shape {tuple(b.shape)} != reference {tuple(a.shape)}")
+        if a.is_floating_point():
+            fa, fb = torch.isfinite(a), torch.isfinite(b)
+            if not torch.equal(fa, fb):
+                raise SamplerMismatch(f"sampler check: {name} finiteness differs from the reference")
+            if a.numel() and fa.any():
+                err = (a[fa].double() - b[fb].double()).abs().max().item()
+                if err > atol:
+                    raise SamplerMismatch(f"sampler check: {name} max abs error {err:.3e} > {atol:.1e}")
+        elif not torch.equal(a, b):
+            n = int((a != b).sum())
+            raise SamplerMismatch(f"sampler check: {name} differs from the reference in {n} element(s)")
+
+
+class DiffusionSampler:
+    """Callable ``(logits, input_batch) -> DiffusionSamplerOutput``, one diffusion step for every row.
+
+    Args:
+        model_state: the :class:`~blockdiff.integration.model_state.DiffusionModelState` whose ``state``
+            (a :class:`blockdiff.sampler.SamplerState`) is updated in place.
+        embedding: tied embedding E ``[V, hidden]`` (self-conditioning ``softmax(z) @ E * sqrt(hidden)``).
+        backend: :func:`blockdiff.sampler.sampler_step` backend (``"reference"``, ``"triton"``).
+        base_sampler: vLLM's sampler (kept for reference; unused in the harness).
+        check: also run the reference on a copy of the state and raise :class:`SamplerMismatch` on any
+            difference (``blockdiff demo --check``).
+        on_check: optional callback ``(ok: bool)`` counting checked steps.
+    """
+
+    def __init__(self, model_state, *, embedding: torch.Tensor, backend: str = "reference",
+                 base_sampler: Any = None, check: bool = False, on_check: Callable | None = None) -> None:
+        if not isinstance(backend, str):
+            raise TypeError(f"backend must be a str, got {type(backend).__name__}")
+        self.model_state = model_state
+        self.embedding = embedding
+        self.backend = backend
+        self.base_sampler = base_sampler
+        self.check = check
+        self.on_check = on_check
+        self.num_checked = 0
+
+    @property
+    def penalties_state(self):  # vLLM's post_update reads .output_bin_counts; no penalties here
+        class _NoPenalties:
+            output_bin_counts = None
+        return _NoPenalties()
+
+    def add_request(self, req_idx: int, sampling_params: Any) -> None:
+        """vLLM calls this after ModelState.add_request; the params already live in the SamplerState."""
+        return None
+
+    def apply_staged_writes(self) -> None:
+        return None
+
+    def _canvas_logits(self, logits: torch.Tensor, input_batch) -> torch.Tensor:
+        """``[N, CL, V]`` view/gather of each row's canvas logits (rows without logits read row 0: ignored
+        by the sampler, which reads DENOISE rows only)."""
+        N, CL = input_batch.num_reqs, self.model_state.canvas_length
+        V = self.model_state.vocab_size
+        if logits.dim() != 2 or logits.shape[-1] != V:
+            raise ValueError(f"logits must be [num_logits, vocab_size={V}], got {tuple(logits.shape)}")
+        if logits.shape[0] == 0:
+            return logits.new_zeros(1, 1, V).expand(N, CL, V)
+        starts = torch.as_tensor(np.asarray(input_batch.cu_num_logits_np[:N], dtype=np.int64), device=logits.device)
+        idx = (starts[:, None] + torch.arange(CL, device=logits.device)[None, :]).clamp_(max=logits.shape[0] - 1)
+        return logits[idx.reshape(-1)].view(N, CL, V)
+
+    def __call__(self, logits: torch.Tensor, input_batch, draft_logits: torch.Tensor | None = None
+                 ) -> DiffusionSamplerOutput:
+        """One sampler step.
+
+        Args:
+            logits: ``[num_logits, V]`` float (the harness: every token, ``cu_num_logits = query_start_loc``).
+            input_batch: the step's batch (``num_reqs``, ``idx_mapping``, ``cu_num_logits_np``,
+                ``num_scheduled_tokens``, ``prefill_len_np``, ``num_computed_prefill_tokens_np``).
+            draft_logits: unused (vLLM's rejection-sampler argument).
+
+        Raises:
+            ValueError: logits shape wrong; a denoise row without ``canvas_length`` query tokens.
+            SamplerMismatch: ``check`` is on and the backend differs from the reference.
+        """
+        from blockdiff.sampler import sampler_step
+
+        ms = self.model_state
+        st = ms.state
+        N = input_batch.num_reqs
+        dev = st.phase.device
+        slots = input_batch.idx_mapping[:N].to(torch.int64)
+        phase = st.phase[slots].clone()
+        q_lens_np = np.asarray(input_batch.num_scheduled_tokens[:N], dtype=np.int64)
+        prefill_done_np = (np.asarray(input_batch.num_computed_prefill_tokens_np[:N], dtype=np.int64) + q_lens_np
+                           >= np.asarray(input_batch.prefill_len_np[:N], dtype=np.int64))
+        prefill_done = torch.as_tensor(prefill_done_np, dtype=torch.bool, device=dev)
+        q_lens = torch.as_tensor(q_lens_np, dtype=torch.int32, device=dev)
+        logits3 = self._canvas_logits(logits, input_batch)
+
+        snapshot = copy.deepcopy(st) if self.check else None
+        out = sampler_step(st, slots, logits3, prefill_done, self.embedding, backend=self.backend)
+        if self.check:
+            ref_out = sampler_step(snapshot, slots, logits3, prefill_done, self.embedding, backend="reference")
+            compare_sampler(snapshot, st, ref_out, out)
+            self.num_checked += 1
+            if self.on_check is not None:
+                self.on_check(True)
+
+        is_den = phase == DENOISE
+        num_rejected = torch.where(is_den, q_lens, out.num_rejected.to(torch.int32))
+        return DiffusionSamplerOutput(
+            sampled_token_ids=out.emitted, num_sampled=out.num_sampled.to(torch.int32), num_rejected=num_rejected,
+            num_emitted=out.num_emitted_now.to(torch.int32), phase=phase, step=out)

@@ -1,0 +1,245 @@
+"""HarnessRunner: model runner v2's call order replayed without vLLM (accounting, isolation, slot reuse,
+chunked prefill, arrivals, EOS / max_tokens trimming, per-request params, batch invariance)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from integration_helpers import CL, needs_stack, params, prompt
+
+pytestmark = needs_stack
+
+
+def _solo(make_runner, req_id, toks, p, **kw):
+    r = make_runner(**kw)
+    r.add_request(req_id, toks, p)
+    return r.run(max_steps=500)[req_id]
+
+
+def test_accounting_invariants_per_row(make_runner):
+    r = make_runner()
+    r.add_request("a", prompt(11, 1), params(max_tokens=2 * CL))
+    r.add_request("b", prompt(40, 2), params(max_tokens=CL), arrival_step=1)  # chunked: budget 32
+    r.run(max_steps=200)
+    seen = set()
+    for h in r.history:
+        for row in h.rows:
+            seen.add(row.phase)
+            if row.phase == "prefill":
+                assert (row.num_sampled, row.num_rejected, row.num_emitted) == (0, 0, 0)
+                assert row.causal
+            elif row.phase == "denoise":
+                assert row.num_sampled == 0 and row.num_rejected == row.q_len == CL
+                assert not row.causal and row.num_emitted == 0
+            else:
+                assert row.phase == "commit" and row.causal
+                assert row.num_sampled == CL and row.num_rejected == 0
+    assert seen == {"prefill", "denoise", "commit"}
+
+
+def test_kv_position_moves_by_prefill_chunk_and_commit_only(make_runner):
+    r = make_runner()
+    toks = prompt(13, 3)
+    r.add_request("a", toks, params(max_tokens=3 * CL))
+    r.run(max_steps=200)
+    pos = len(toks)  # after the prompt
+    canvases = 0
+    for h in r.history:
+        for row in h.rows:
+            if row.phase == "prefill":
+                continue
+            # every canvas row (denoise or commit) sits right after the KV written so far
+            assert row.seq_len - row.q_len == pos
+            if row.phase == "commit":
+                pos += CL
+                canvases += 1
+    assert canvases == 3 and r.results["a"].num_canvases == 3
+    assert len(r.results["a"].output_token_ids) == 3 * CL
+
+
+def test_mixed_batches_and_arrivals_mid_run(make_runner):
+    r = make_runner()
+    r.add_request("early", prompt(9, 4), params(max_tokens=CL))
+    r.add_request("late", prompt(6, 5), params(max_tokens=CL), arrival_step=2)
+    res = r.run(max_steps=200)
+    assert set(res) == {"early", "late"}
+    assert res["late"].admit_step == 2 and res["early"].admit_step == 0
+    assert res["early"].finish_step < res["late"].finish_step
+    mixed = [h for h in r.history if len({row.phase for row in h.rows}) >= 2]
+    assert mixed, "prefill and denoise rows should share a batch"
+    # once finished, a request never appears again
+    for rid, rr in res.items():
+        assert all(row.req_id != rid for h in r.history[rr.finish_step + 1:] for row in h.rows)
+
+
+def test_batched_generation_equals_each_request_alone(make_runner):
+    reqs = [("r0", prompt(21, 10), params(max_tokens=2 * CL, seed=1), 0),
+            ("r1", prompt(5, 11), params(max_tokens=CL, seed=2), 0),
+            ("r2", prompt(37, 12), params(max_tokens=2 * CL, seed=3), 2),
+            ("r3", prompt(8, 13), params(max_tokens=CL + 3, seed=4), 4)]
+    r = make_runner(max_num_reqs=3)  # r3 waits for a slot
+    for rid, toks, p, arr in reqs:
+        r.add_request(rid, toks, p, arrival_step=arr)
+    batched = r.run(max_steps=500)
+    for rid, toks, p, _ in reqs:
+        alone = _solo(make_runner, rid, toks, p)
+        assert batched[rid].output_token_ids == alone.output_token_ids, rid
+        assert batched[rid].num_denoise_steps == alone.num_denoise_steps
+    assert len(batched["r3"].output_token_ids) == CL + 3
+
+
+def test_chunked_prefill_matches_one_chunk(make_runner):
+    toks = prompt(70, 20)
+    r = make_runner(max_num_batched_tokens=2 * CL)  # 16-token chunks
+    r.add_request("long", toks, params(max_tokens=CL))
+    res = r.run(max_steps=200)
+    chunks = [row for h in r.history for row in h.rows if row.phase == "prefill"]
+    assert [c.q_len for c in chunks] == [16, 16, 16, 16, 6]
+    assert [c.seq_len for c in chunks] == [16, 32, 48, 64, 70]
+    assert all(c.causal for c in chunks)
+    big = make_runner(max_num_batched_tokens=128)
+    big.add_request("long", toks, params(max_tokens=CL))
+    res_big = big.run(max_steps=200)
+    assert [row.q_len for h in big.history for row in h.rows if row.phase == "prefill"] == [70]
+    assert res["long"].output_token_ids == res_big["long"].output_token_ids
+
+
+def test_slot_and_page_reuse_after_removal(make_runner):
+    r = make_runner(max_num_reqs=2)
+    total_pages = r.allocator.num_blocks
+    names = [f"q{i}" for i in range(5)]
+    for i, n in enumerate(names):
+        r.add_request(n, prompt(7 + 3 * i, 30 + i), params(max_tokens=CL, seed=i))
+    res = r.run(max_steps=500)
+    assert set(res) == set(names)
+    slots_used = {row.slot for h in r.history for row in h.rows}
+    assert slots_used == {0, 1}
+    assert r.allocator.num_free == total_pages  # every page back in the pool
+    assert not r.model_state.req_id_to_index
+    from blockdiff.integration.model_state import FINISHED
+
+    assert (r.model_state.state.phase == FINISHED).all()
+    # a request that reused a slot behaves as if alone (no stale state or KV)
+    for i, n in enumerate(names):
+        alone = _solo(make_runner, n, prompt(7 + 3 * i, 30 + i), params(max_tokens=CL, seed=i))
+        assert res[n].output_token_ids == alone.output_token_ids, n
+
+
+def test_eos_and_max_tokens_trimming(make_runner):
+    toks = prompt(10, 40)
+    full = _solo(make_runner, "e", toks, params(max_tokens=2 * CL)).output_token_ids
+    assert len(full) == 2 * CL
+    # max_tokens mid-canvas: the second canvas is cut
+    cut = _solo(make_runner, "e", toks, params(max_tokens=CL + 5))
+    assert cut.output_token_ids == full[: CL + 5] and cut.finish_reason == "length"
+    # EOS: pick a token of the second canvas that does not occur before it; output ends right after it (kept)
+    k = next(i for i in range(CL, 2 * CL) if full[i] not in full[:i])
+    eos = _solo(make_runner, "e", toks, params(max_tokens=2 * CL, eos_token_ids=(full[k],)))
+    assert eos.output_token_ids == full[: k + 1]
+    assert eos.finish_reason == "eos" and eos.num_canvases == 2
+
+
+def test_per_request_sampling_params(make_runner):
+    r = make_runner()
+    toks_a, toks_b = prompt(12, 50), prompt(12, 51)
+    pa = params(max_tokens=2 * CL, t_min=0.0, t_max=0.0, max_denoising_steps=5)  # greedy: T = 0
+    pb = params(max_tokens=2 * CL, max_denoising_steps=2, seed=99)
+    r.add_request("greedy", toks_a, pa)
+    r.add_request("noisy", toks_b, pb)
+    res = r.run(max_steps=300)
+    rows = {k: [row for h in r.history for row in h.rows if row.req_id == k and row.phase == "denoise"]
+            for k in ("greedy", "noisy")}
+    # T = 0: no noise, every entropy 0, every position accepted; at most its own cap of 5 steps per canvas
+    assert all(row.mean_entropy == 0.0 and row.accepted == CL for row in rows["greedy"])
+    assert 2 <= res["greedy"].num_denoise_steps <= 2 * 5
+    # T > 0 on random weights: high entropy, few positions accepted, runs to its own cap of 2 steps
+    assert all(row.mean_entropy > 1.0 and row.accepted < CL for row in rows["noisy"])
+    assert res["noisy"].num_denoise_steps == 2 * 2
+    assert res["greedy"].output_token_ids == _solo(make_runner, "greedy", toks_a, pa).output_token_ids
+    assert res["noisy"].output_token_ids == _solo(make_runner, "noisy", toks_b, pb).output_token_ids
+
+
+def test_isolation_commit_and_converge_in_one_step(make_runner):
+    """A step where one request commits while another converges: rows not in the batch are untouched, and the
+    converging request's state equals its state when run alone."""
+    from blockdiff.integration.model_state import COMMIT, DENOISE
+
+    greedy = params(max_tokens=2 * CL, t_min=0.0, t_max=0.0, max_denoising_steps=6)
+    r = make_runner(max_num_batched_tokens=2 * CL)
+    r.add_request("c", prompt(6, 60), greedy)
+    r.add_request("d", prompt(6, 61), greedy, arrival_step=1)
+    r.add_request("idle", prompt(6, 62), greedy, arrival_step=1)  # budget 2 canvases: someone sits out
+    st = r.model_state.state
+    tensors = [k for k, v in vars(st).items() if torch.is_tensor(v) and v.dim() >= 1 and v.shape[0] == st.max_num_reqs]
+    found = False
+    while r.has_unfinished:
+        before = {k: getattr(st, k).clone() for k in tensors}
+        phases = st.phase.tolist()
+        rec = r.step()
+        in_batch = {row.slot for row in rec.rows}
+        for s in set(r.model_state.req_id_to_index.values()) - in_batch:
+            for k in tensors:
+                assert torch.equal(getattr(st, k)[s], before[k][s]), f"slot {s} ({k}) changed without a row"
+        rows = {row.phase: row for row in rec.rows}
+        if "commit" in rows and any(row.phase == "denoise" and row.converged for row in rec.rows):
+            conv = next(row for row in rec.rows if row.phase == "denoise" and row.converged)
+            assert phases[conv.slot] == DENOISE and st.phase[conv.slot].item() == COMMIT
+            found = True
+            snap = {k: getattr(st, k)[conv.slot].clone() for k in ("commit_canvas", "canvas_index", "step")}
+            # the same request alone, stopped at the same point
+            alone = make_runner()
+            alone.add_request(conv.req_id, prompt(6, 60 if conv.req_id == "c" else 61 if conv.req_id == "d" else 62),
+                              greedy)
+            target = (int(snap["canvas_index"]),)
+            while True:
+                alone.step()
+                s = alone.slot_of(conv.req_id)
+                ast = alone.model_state.state
+                if ast.phase[s].item() == COMMIT and (int(ast.canvas_index[s]),) == target:
+                    break
+            assert torch.equal(ast.commit_canvas[s], snap["commit_canvas"])
+            assert int(ast.step[s]) == int(snap["step"])
+    assert found, "no step mixed a commit with a converging denoise row"
+
+
+def test_failed_request_is_reported_not_lost(make_runner):
+    """Non-finite logits fail that request (reported, slot freed); the request beside it is unaffected."""
+    r = make_runner()
+    r.add_request("ok", prompt(5, 70), params(max_tokens=CL))
+    r.add_request("bad", prompt(5, 71), params(max_tokens=CL))
+    inner = r.sampler
+
+    def poisoned(logits, batch):
+        logits = logits.clone()
+        for i, rid in enumerate(batch.req_ids):
+            if rid == "bad":
+                logits[batch.query_start_loc_np[i]: batch.query_start_loc_np[i + 1]] = float("nan")
+        return inner(logits, batch)
+
+    r.sampler = poisoned
+    res = r.run(max_steps=200)
+    assert res["bad"].finish_reason == "failed" and res["bad"].output_token_ids == []
+    assert res["ok"].finish_reason == "length" and len(res["ok"].output_token_ids) == CL
+    assert r.allocator.num_free == r.allocator.num_blocks
+
+
+def test_bad_requests_raise(make_runner):
+    r = make_runner()
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        r.add_request("x", [], params())
+    with pytest.raises(ValueError, match="token ids"):
+        r.add_request("x", [300], params())
+    with pytest.raises(ValueError, match="max_model_len"):
+        r.add_request("x", [5] * 200, params())
+    with pytest.raises(ValueError, match="canvas_length"):
+        r.add_request("x", [5], params(canvas_length=CL * 2))
+    r.add_request("x", [5], params())
+    with pytest.raises(ValueError, match="duplicate"):
+        r.add_request("x", [5], params())
+
+
+def test_kv_pool_too_small_raises_instead_of_hanging(make_runner):
+    r = make_runner(num_blocks=2)  # 8 tokens of KV
+    r.add_request("a", prompt(6, 80), params(max_tokens=CL))
+    with pytest.raises(RuntimeError, match="none could be scheduled"):
+        r.run(max_steps=50)
