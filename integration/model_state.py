@@ -135,7 +135,7 @@ def to_diffusion_params(sampling_params: Any, defaults: Any = None, *, canvas_le
             else:
                 ids = getattr(sp, "all_stop_token_ids", None) or getattr(sp, "stop_token_ids", None)
                 if ids:
-                    kw["eos_token_ids"] = tuple(int(t) for t in ids)
+                    kw["eos_token_ids"] = tuple(sorted(int(t) for t in ids))
             extra = getattr(sp, "extra_args", None) or {}
             mapping = {"diffusion_max_steps": "max_denoising_steps", "t_min": "t_min", "t_max": "t_max",
                        "entropy_bound": "entropy_bound", "confidence_threshold": "confidence_threshold",

@@ -1,0 +1,229 @@
+"""DiffusionModelState hooks: inputs from the device state, causal flags from the phase, request slots,
+parameter conversion, and conformance to vLLM 0.33.0's ModelState interface."""
+from __future__ import annotations
+
+import inspect
+import json
+import os
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from integration_helpers import CL, needs_stack, params
+
+from blockdiff.integration import model_state as MS
+from blockdiff.integration.batch import HarnessInputBatch, NewRequest
+from blockdiff.integration.model_state import DiffusionModelState
+
+HERE = os.path.dirname(__file__)
+with open(os.path.join(HERE, "vllm_0_33_0_model_state_interface.json")) as f:
+    IFACE = json.load(f)
+
+
+def _check_signature(cls, name, spec):
+    fn = getattr(cls, name)
+    sig = inspect.signature(fn)
+    ps = list(sig.parameters.values())
+    positional = [p for p in ps if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    assert [p.name for p in positional] == spec["params"], f"{name}: {[p.name for p in positional]}"
+    n_def = sum(p.default is not p.empty for p in positional)
+    assert n_def == spec["num_defaults"], f"{name}: {n_def} defaults, vLLM has {spec['num_defaults']}"
+    # anything extra must be keyword-only with a default, so vLLM's calls still bind
+    for p in ps:
+        if p.kind == p.KEYWORD_ONLY:
+            assert p.default is not p.empty, f"{name}: extra keyword {p.name} needs a default"
+
+
+@pytest.mark.parametrize("name", sorted(IFACE["methods"]))
+def test_hooks_match_recorded_vllm_0_33_0_signatures(name):
+    _check_signature(DiffusionModelState, name, IFACE["methods"][name])
+    if not MS.VLLM_AVAILABLE:
+        _check_signature(MS.ModelStateBase, name, IFACE["methods"][name])
+
+
+def test_diffusion_accounting_attributes():
+    assert DiffusionModelState.num_new_sampled_tokens_per_step == 0
+    assert DiffusionModelState.supports_prompt_embeds is False
+    # every hook vLLM marks abstract is implemented here
+    for name, spec in IFACE["methods"].items():
+        if spec.get("abstract"):
+            assert getattr(DiffusionModelState, name) is not getattr(MS.ModelStateBase, name), name
+
+
+@pytest.mark.skipif(not MS.VLLM_AVAILABLE,
+                    reason=f"vLLM is not importable here ({MS.VLLM_IMPORT_ERROR}); conformance against the "
+                           "recorded 0.33.0 signatures runs above")
+def test_conformance_with_installed_vllm_model_state():
+    from vllm.v1.worker.gpu.model_states.interface import ModelState
+
+    assert issubclass(DiffusionModelState, ModelState)
+    assert not getattr(DiffusionModelState, "__abstractmethods__", frozenset())
+    for name, fn in inspect.getmembers(ModelState, inspect.isfunction):
+        if name.startswith("_") and name != "__init__":
+            continue
+        ours = inspect.signature(getattr(DiffusionModelState, name))
+        theirs = inspect.signature(fn)
+        tp = [p.name for p in theirs.parameters.values() if p.kind != p.KEYWORD_ONLY]
+        op = [p.name for p in ours.parameters.values() if p.kind != p.KEYWORD_ONLY]
+        assert op == tp, f"{name}: ours {op}, vLLM {tp}"
+
+
+# ---------------------------------------------------------------------------------------------- hooks
+def _batch(rows, device="cpu"):
+    """rows: (req_id, slot, q_len, ctx, prompt_len, prompt_tokens or None)."""
+    N = len(rows)
+    q = np.array([r[2] for r in rows], dtype=np.int32)
+    ctx = np.array([r[3] for r in rows], dtype=np.int32)
+    qsl = np.concatenate([[0], np.cumsum(q)]).astype(np.int32)
+    T = int(qsl[-1])
+    ids = np.zeros(T, dtype=np.int64)
+    pos = np.zeros(T, dtype=np.int64)
+    pf = np.zeros(N, dtype=bool)
+    for i, r in enumerate(rows):
+        pos[qsl[i]: qsl[i + 1]] = np.arange(ctx[i], ctx[i] + q[i])
+        if r[5] is not None:
+            ids[qsl[i]: qsl[i + 1]] = r[5]
+            pf[i] = True
+    slots = np.array([r[1] for r in rows], dtype=np.int64)
+    plen = np.array([r[4] for r in rows], dtype=np.int32)
+    t = torch.as_tensor
+    return HarnessInputBatch(
+        req_ids=[r[0] for r in rows], num_reqs=N, num_tokens=T, idx_mapping=t(slots), idx_mapping_np=slots,
+        num_scheduled_tokens=q, query_start_loc=t(qsl), query_start_loc_np=qsl, seq_lens=t(ctx + q),
+        seq_lens_np=ctx + q, num_computed_tokens_np=ctx, prefill_len_np=plen,
+        num_computed_prefill_tokens_np=np.minimum(ctx, plen), is_prefilling_np=pf, input_ids=t(ids),
+        positions=t(pos), slot_mapping=t(np.arange(T, dtype=np.int64)),
+        block_table=torch.zeros(N, 64, dtype=torch.int32), logits_indices=torch.arange(T),
+        cu_num_logits_np=qsl.copy(), num_draft_tokens=int(q[~pf].sum()), max_query_len=int(q.max()),
+        max_seq_len=int((ctx + q).max()))
+
+
+@pytest.fixture
+def ms(tiny_model):
+    return DiffusionModelState.for_harness(tiny_model, max_num_reqs=4, max_num_tokens=64, canvas_length=CL,
+                                           device="cpu", default_params=params())
+
+
+@needs_stack
+def test_prepare_inputs_reads_canvas_commit_prompt_and_self_conditioning(ms):
+    from blockdiff.sampler import COMMIT, DENOISE
+
+    st = ms.state
+    for slot, rid in ((2, "den"), (0, "com"), (1, "pre")):
+        ms.add_request(slot, NewRequest(rid, [5, 6, 7], params()))
+    st.phase[2], st.phase[0] = DENOISE, COMMIT
+    st.canvas[2] = torch.arange(100, 100 + CL)
+    st.commit_canvas[0] = torch.arange(200, 200 + CL)
+    st.canvas[0] = 999  # must not leak into the commit row
+    st.soft[2] = torch.randn(CL, ms.hidden_size)
+    st.soft[0] = 3.0  # a commit row's self-conditioning must be exactly zero
+    b = _batch([("den", 2, CL, 20, 3, None), ("com", 0, CL, 12, 3, None), ("pre", 1, 3, 0, 3, [5, 6, 7])])
+    out = ms.prepare_inputs(b, None)
+    ids, sc = out["input_ids"], out["self_cond"]
+    assert ids.tolist() == list(range(100, 100 + CL)) + list(range(200, 200 + CL)) + [5, 6, 7]
+    assert torch.equal(sc[:CL], st.soft[2])
+    assert torch.count_nonzero(sc[CL:]) == 0
+    assert torch.equal(out["positions"], b.positions)
+    # persistent buffers: the same storage every step (CUDA-graph friendly), and prepare_dummy_inputs aliases it
+    dummy = ms.prepare_dummy_inputs(3, b.num_tokens)
+    assert dummy["input_ids"].data_ptr() == ids.data_ptr() and dummy["self_cond"].data_ptr() == sc.data_ptr()
+    assert ms.prepare_inputs_embeds({}, b, None) is None
+
+
+@needs_stack
+def test_prepare_attn_causal_flags_from_phase_in_persistent_buffer(ms):
+    from blockdiff.sampler import COMMIT, DENOISE
+
+    for slot, rid in ((3, "a"), (1, "b"), (0, "c")):
+        ms.add_request(slot, NewRequest(rid, [1, 2], params()))
+    ms.state.phase[3], ms.state.phase[1] = DENOISE, COMMIT
+    b = _batch([("a", 3, CL, 10, 2, None), ("b", 1, CL, 10, 2, None), ("c", 0, 2, 0, 2, [1, 2])])
+    meta = ms.prepare_attn(b, None, (b.block_table,), b.slot_mapping, None, None)
+    assert meta.causal.tolist() == [False, True, True]
+    assert meta.causal.data_ptr() == ms.causal_buf.data_ptr()
+    assert meta.cu_seqlens_q.tolist() == [0, CL, 2 * CL, 2 * CL + 2]
+    assert meta.seq_lens.tolist() == [10 + CL, 10 + CL, 2]
+    ms.state.phase[3] = COMMIT  # phase changes -> same buffer, new flags
+    meta2 = ms.prepare_attn(b, None, (b.block_table,), b.slot_mapping, None, None)
+    assert meta2.causal.data_ptr() == meta.causal.data_ptr() and meta2.causal.tolist() == [True, True, True]
+    with pytest.raises(ValueError, match="ubatch_idx"):
+        ms.prepare_attn(b, None, (b.block_table,), b.slot_mapping, None, None, ubatch_idx=1)
+
+
+@needs_stack
+def test_add_remove_request_slots(ms):
+    from blockdiff.sampler import FINISHED, PREFILL
+
+    ms.add_request(2, NewRequest("x", [1], params()))
+    assert ms.state.phase[2].item() == PREFILL and ms.req_id_to_index == {"x": 2}
+    with pytest.raises(ValueError, match="already"):
+        ms.add_request(3, NewRequest("x", [1], params()))
+    with pytest.raises(ValueError, match="held"):
+        ms.add_request(2, NewRequest("y", [1], params()))
+    with pytest.raises(ValueError, match="req_index"):
+        ms.add_request(4, NewRequest("y", [1], params()))
+    with pytest.raises(ValueError, match="empty"):
+        ms.add_request(1, NewRequest("y", [], params()))
+    with pytest.raises(ValueError, match="canvas_length"):
+        ms.add_request(1, NewRequest("y", [1], params(canvas_length=CL + 1)))
+    ms.remove_request("nope")  # unknown ids are ignored, as vLLM removes any finished id
+    ms.remove_request("x")
+    assert ms.state.phase[2].item() == FINISHED and not ms.req_id_to_index
+    ms.add_request(2, NewRequest("y", [1], params()))  # the slot is reusable
+
+
+@needs_stack
+def test_request_rng_key_is_stable_and_not_the_slot(ms):
+    ms.add_request(0, NewRequest("same-id", [1], params()))
+    k0 = int(ms.state.request_id[0])
+    ms.remove_request("same-id")
+    ms.add_request(3, NewRequest("same-id", [1], params()))
+    assert int(ms.state.request_id[3]) == k0 == MS.request_key("same-id")
+    assert MS.request_key("a") != MS.request_key("b")
+
+
+@needs_stack
+def test_postprocess_state_records_kv_length(ms):
+    ms.add_request(1, NewRequest("a", [1], params()))
+    nct = torch.zeros(4, dtype=torch.int32)
+    nct[1] = 37
+    ms.postprocess_state(torch.tensor([1]), torch.tensor([0], dtype=torch.int32), nct)
+    assert ms.num_computed_tokens.tolist() == [0, 37, 0, 0]
+    ms.postprocess_state(torch.tensor([-1]), torch.tensor([0], dtype=torch.int32), torch.full((4,), 9))
+    assert ms.num_computed_tokens.tolist() == [0, 37, 0, 0]  # masked (-1) entries are skipped
+
+
+@needs_stack
+def test_custom_sampler_replaces_sampler_and_rejection_sampler(ms):
+    from blockdiff.integration.sampler import DiffusionSampler
+
+    s, rej = ms.custom_sampler(object())
+    assert isinstance(s, DiffusionSampler) and rej is None
+    assert s.embedding is ms.model.embedding_weight
+
+
+@needs_stack
+def test_vllm_style_sampling_params_conversion():
+    from blockdiff.sampler import SamplingParams
+
+    defaults = SamplingParams(canvas_length=CL, max_denoising_steps=9, entropy_bound=0.2)
+    sp = SimpleNamespace(seed=None, max_tokens=40, ignore_eos=False, all_stop_token_ids={1, 106},
+                         extra_args={"diffusion_max_steps": 4, "t_min": 0.1})
+    p = MS.to_diffusion_params(sp, defaults, canvas_length=CL)
+    assert (p.seed, p.max_tokens, p.max_denoising_steps, p.t_min, p.entropy_bound) == (0, 40, 4, 0.1, 0.2)
+    assert p.eos_token_ids == (1, 106)
+    sp.ignore_eos = True
+    assert MS.to_diffusion_params(sp, defaults, canvas_length=CL).eos_token_ids == ()
+    sp.extra_args = {"diffusion_canvas_length": CL * 2}
+    with pytest.raises(ValueError, match="canvas_length"):
+        MS.to_diffusion_params(sp, defaults, canvas_length=CL)
+
+
+def test_harness_construction_rejects_bad_capacities(tiny_model):
+    with pytest.raises(ValueError, match="max_num_tokens"):
+        DiffusionModelState.for_harness(tiny_model, max_num_reqs=2, max_num_tokens=CL - 1, canvas_length=CL,
+                                        device="cpu")
+    with pytest.raises(ValueError, match="max_num_reqs"):
+        DiffusionModelState.for_harness(tiny_model, max_num_reqs=0, max_num_tokens=64, canvas_length=CL,
+                                        device="cpu")
