@@ -1,0 +1,72 @@
+"""``blockdiff demo`` end to end: table, totals, PNG, ``--check``, backend errors."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from integration_helpers import needs_stack
+
+from blockdiff.integration import cli
+
+pytestmark = needs_stack
+
+
+def test_demo_main_runs_end_to_end_with_check_and_writes_png(tmp_path, capsys):
+    rc = cli.main(["demo", "--out", str(tmp_path), "--check", "--no-progress", "--seed", "3"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    png = tmp_path / "attention_pattern.png"
+    assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "attention backend: reference" in out and "sampler backend: reference" in out
+    for col in ("pre", "den", "com", "accepted", "mean H", "commit"):
+        assert col in out
+    assert "forward passes" in out and "tokens/forward" in out and "wall" in out
+    assert "check:" in out and "matched the references" in out
+    # the drawn step mixes phases
+    line = next(ln for ln in out.splitlines() if ln.startswith("attention pattern of step"))
+    assert "written to" in line
+
+
+def test_demo_console_script_subprocess(tmp_path):
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    p = subprocess.run([sys.executable, "-m", "blockdiff.integration.cli", "demo", "--out", str(tmp_path),
+                        "--no-progress", "--canvas-length", "8", "--max-denoising-steps", "2"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "attention_pattern.png").exists()
+    assert "totals:" in p.stdout
+
+
+def test_unknown_backend_is_a_clear_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["demo", "--backend", "flash9000"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'flash9000'" in err and "reference" in err
+
+
+def test_unavailable_backend_is_an_error_not_a_fallback(tmp_path, capsys, monkeypatch):
+    rc = cli.main(["demo", "--backend", "cute", "--device", "cpu", "--out", str(tmp_path), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "'cute'" in err and "CUDA" in err
+    assert not (tmp_path / "attention_pattern.png").exists()
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    rc = cli.main(["demo", "--backend", "triton", "--device", "cpu", "--out", str(tmp_path), "--no-progress"])
+    assert rc == 2 and "TRITON_INTERPRET" in capsys.readouterr().err
+
+
+def test_check_mismatch_exits_nonzero_with_message(tmp_path, capsys, monkeypatch):
+    """A backend that disagrees with the reference makes --check fail loudly (exit 1)."""
+    import blockdiff.attention as A
+
+    real = A.get_backend
+
+    def bad_get_backend(backend):
+        fn = real(backend)
+        return lambda q, k, v, **kw: fn(q, k, v, **kw) * 1.01
+    monkeypatch.setattr(A, "get_backend", bad_get_backend)
+    rc = cli.main(["demo", "--out", str(tmp_path), "--check", "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "CHECK FAILED" in err and "attention check failed" in err
