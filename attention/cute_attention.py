@@ -1,0 +1,350 @@
+"""Backend ``"cute"``: the blockdiff attention contract in CuTe DSL, on FlashAttention-4's SM90 forward kernel.
+
+One launch serves a mixed serving batch: per-sequence causal row counts (``causal`` / ``num_causal_q``, read
+from a device tensor by every work tile), sliding windows (one-sided for causal rows; symmetric or prefix for
+bidirectional rows), paged (any page size; TMA when ``page_size`` equals the key tile) or contiguous KV, GQA
+(FA4's PackGQA), head_dim up to 256 (128 and 256 are the tested ones). Tile skipping follows each tile's
+allowed key range in both directions. Semantics: ARCHITECTURE.md, "Attention semantics"; the kernel is
+:class:`blockdiff.attention.cute_kernel.FlashAttentionForwardSm90Mixed` (FA4's kernel, tile scheduler,
+paged-KV loads and PackGQA kept; block ranges and masks replaced), algorithm from FlashAttention-3
+(Shah et al., 2024) as implemented in flash-attn-4 (Dao-AILab/flash-attention, ``flash_attn/cute``).
+
+Needs an NVIDIA Hopper GPU (SM90), flash-attn-4==4.0.0b36 and nvidia-cutlass-dsl==4.8.1. This module imports
+without them; :func:`attention_cute` raises ``ImportError`` naming the missing package.
+
+CUDA graphs: no host sync on the launch path (value checks are skipped while capturing), the grid comes from
+``q.shape[0]`` (a static capacity) and every per-step quantity (cu_seqlens_q, seq_lens, causal flags, block
+table) is read on the device. Compile (first call per static configuration) before capturing.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .validate import check_attention_inputs
+
+REQUIRED = "flash-attn-4==4.0.0b36 and nvidia-cutlass-dsl==4.8.1"
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class CuteConfig:
+    """Static tile configuration (part of the compile key). None fields take FA4's SM90 heuristic."""
+
+    tile_m: int | None = None
+    tile_n: int | None = None
+    mma_pv_is_rs: bool | None = None
+    intra_wg_overlap: bool | None = None
+    num_stages: int = 2
+
+
+_FA4 = None
+
+
+def _fa4():
+    """Import the CuTe DSL pieces lazily; ImportError names what is missing."""
+    global _FA4
+    if _FA4 is not None:
+        return _FA4
+    missing = []
+    for mod, pkg in (("cutlass", "nvidia-cutlass-dsl"), ("flash_attn.cute", "flash-attn-4")):
+        try:
+            __import__(mod)
+        except ImportError as e:  # noqa: PERF203
+            missing.append(f"{pkg} (import {mod!r} failed: {e})")
+    if missing:
+        raise ImportError(
+            f"attention backend 'cute' needs {REQUIRED}; missing: " + "; ".join(missing))
+    try:
+        import cutlass
+        import cutlass.cute as cute
+        from flash_attn.cute.cute_dsl_utils import to_cute_tensor
+        from flash_attn.cute.interface import _tile_size_fwd_sm90
+        from flash_attn.cute.testing import is_fake_mode
+        from flash_attn.cute.utils import AuxData
+
+        from .cute_kernel import FlashAttentionForwardSm90Mixed
+    except ImportError as e:
+        raise ImportError(
+            f"attention backend 'cute' needs {REQUIRED}; importing them failed (wrong versions?): {e}") from e
+    dtypes = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
+    _FA4 = dict(cutlass=cutlass, cute=cute, to_cute_tensor=to_cute_tensor, tile_size=_tile_size_fwd_sm90,
+                is_fake_mode=is_fake_mode, AuxData=AuxData, Kernel=FlashAttentionForwardSm90Mixed,
+                dtypes=dtypes)
+    return _FA4
+
+
+def _arch(device) -> int:
+    env = os.environ.get("FLASH_ATTENTION_ARCH")
+    if env is not None:  # compile-only runs without a GPU (FA4's convention)
+        digits = "".join(c for c in env if c.isdigit())
+        return int(digits[:2]) if len(digits) >= 2 else int(digits)
+    major, minor = torch.cuda.get_device_capability(device)
+    return major * 10 + minor
+
+
+def resolve_config(head_dim: int, head_dim_v: int, window_size, config=None) -> CuteConfig:
+    """Tile shape for a call: FA4's SM90 forward heuristic (local variant when windowed) unless overridden."""
+    fa = _fa4()
+    if config is None:
+        config = CuteConfig()
+    elif isinstance(config, dict):
+        config = CuteConfig(**config)
+    elif not isinstance(config, CuteConfig):
+        raise TypeError(f"config must be a CuteConfig, a dict or None, got {type(config).__name__}")
+    base = fa["tile_size"](head_dim, head_dim_v, False, window_size is not None)
+    return CuteConfig(
+        tile_m=config.tile_m or base.m_block_size,
+        tile_n=config.tile_n or base.n_block_size,
+        mma_pv_is_rs=base.mma_pv_is_rs if config.mma_pv_is_rs is None else config.mma_pv_is_rs,
+        intra_wg_overlap=base.intra_wg_overlap if config.intra_wg_overlap is None else config.intra_wg_overlap,
+        num_stages=config.num_stages,
+    )
+
+
+_COMPILE_CACHE: dict = {}
+
+
+def attention_cute(
+    q,
+    k_cache,
+    v_cache,
+    *,
+    cu_seqlens_q,
+    seq_lens=None,
+    causal=None,
+    num_causal_q=None,
+    block_table=None,
+    cu_seqlens_k=None,
+    window_size=None,
+    bidirectional_window="symmetric",
+    scale=None,
+    out=None,
+    return_lse=False,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    check_values=None,
+    config=None,
+    **unused_hints,
+):
+    """Mixed causal/bidirectional varlen attention on an H200 (SM90) in one kernel launch.
+
+    Args:
+        q: ``[total_q, num_heads, head_dim]`` bf16/fp16 on CUDA, packed by ``cu_seqlens_q``.
+        k_cache, v_cache: paged ``[num_blocks, page_size, num_kv_heads, head_dim(_v)]`` with ``block_table``,
+            or contiguous ``[total_k, num_kv_heads, head_dim(_v)]`` with ``cu_seqlens_k``.
+        cu_seqlens_q: ``[B+1]`` int32.
+        seq_lens: ``[B]`` int32 keys per sequence including its query tokens (tokens).
+        causal: ``[B]`` bool per-sequence flag, or ``num_causal_q``: ``[B]`` int32 causal rows per sequence.
+        block_table: ``[B, max_blocks]`` int32 (paged form); ``cu_seqlens_k``: ``[B+1]`` int32 (contiguous).
+        window_size: None or int W >= 0 (keys per side, excluding the query's own position).
+        bidirectional_window: ``"symmetric"`` or ``"prefix"`` (a compile-time property).
+        scale: softmax scale, default ``head_dim ** -0.5``.
+        out: optional preallocated ``[total_q, num_heads, head_dim_v]`` of q's dtype.
+        return_lse: also return ``lse [num_heads, total_q]`` fp32 (natural log).
+        max_seqlen_q, max_seqlen_k: accepted host hints; unused (the grid is sized from ``q.shape[0]``).
+        check_values: run the host-side value checks (default: yes unless a CUDA graph is being captured).
+        config: :class:`CuteConfig` or dict (tile_m, tile_n, mma_pv_is_rs, intra_wg_overlap, num_stages).
+
+    Returns:
+        ``out [total_q, num_heads, head_dim_v]`` (q's dtype) or ``(out, lse)``.
+
+    Raises:
+        ImportError: flash-attn-4 / nvidia-cutlass-dsl missing (the message names them).
+        TypeError, ValueError: contract violations (see :mod:`blockdiff.attention.validate`); dtype not
+            bf16/fp16; not on a CUDA device; head_dim outside FA4 SM90's range (8..256, multiple of 8);
+            a GPU other than SM90.
+    """
+    fa = _fa4()
+    info = check_attention_inputs(
+        q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens, causal=causal,
+        num_causal_q=num_causal_q, block_table=block_table, cu_seqlens_k=cu_seqlens_k,
+        window_size=window_size, bidirectional_window=bidirectional_window, scale=scale, out=out,
+        check_values=check_values, allowed_dtypes=SUPPORTED_DTYPES,
+    )
+    if q.device.type != "cuda":
+        raise ValueError(f"backend 'cute' needs CUDA tensors, got q on {q.device}")
+    for name, d in (("head_dim", info.head_dim), ("head_dim_v", info.head_dim_v)):
+        if not (8 <= d <= 256 and d % 8 == 0):
+            raise ValueError(f"backend 'cute' (FA4 SM90) needs {name} in [8, 256] and a multiple of 8, got {d}")
+    arch = _arch(q.device)
+    if arch // 10 != 9:
+        raise ValueError(f"backend 'cute' runs FA4's SM90 kernel and needs a Hopper GPU (sm_90), got sm_{arch}")
+
+    return _run(fa, q, k_cache, v_cache, out=out, return_lse=return_lse, cu_seqlens_q=cu_seqlens_q,
+                num_causal_q=info.num_causal_q, seq_lens=info.seq_lens,
+                block_table=block_table if info.paged else None, cu_seqlens_k=cu_seqlens_k,
+                window_size=window_size, bidirectional_window=bidirectional_window, scale=info.scale,
+                arch=arch, config=config)
+
+
+def _run(fa, q, k_cache, v_cache, *, out, return_lse, cu_seqlens_q, num_causal_q, seq_lens, block_table,
+         cu_seqlens_k, window_size, bidirectional_window, scale, arch, config):
+    """Launch (compiling on first use) on validated inputs. No host sync."""
+    total_q, H, head_dim = q.shape
+    num_kv_heads, head_dim_v = v_cache.shape[-2], v_cache.shape[-1]
+    paged = block_table is not None
+    if out is None:
+        out = torch.empty(total_q, H, head_dim_v, dtype=q.dtype, device=q.device)
+    lse = torch.empty(H, total_q, dtype=torch.float32, device=q.device) if return_lse else None
+    if total_q == 0:
+        return (out, lse) if return_lse else out
+
+    qhead_per_kvhead = H // num_kv_heads
+    pack_gqa = qhead_per_kvhead > 1
+    cfg = resolve_config(head_dim, head_dim_v, window_size, config)
+    q = q.contiguous()
+    k_cache = k_cache.contiguous()
+    v_cache = v_cache.contiguous()
+    cu_q = cu_seqlens_q.to(torch.int32).contiguous()
+    ncq = num_causal_q.to(torch.int32).contiguous()
+    if paged:
+        page_table = block_table.to(torch.int32).contiguous()
+        seqused_k = seq_lens.to(torch.int32).contiguous()
+        cu_k = None
+        paged_kv_non_tma = k_cache.shape[1] != cfg.tile_n
+    else:
+        page_table = None
+        seqused_k = None
+        cu_k = cu_seqlens_k.to(torch.int32).contiguous()
+        paged_kv_non_tma = False
+    has_window = window_size is not None
+    # Without a window the prefix/symmetric choice is moot: one compiled kernel serves both.
+    prefix = bidirectional_window == "prefix" and has_window
+
+    key = (q.dtype, head_dim, head_dim_v, qhead_per_kvhead, pack_gqa, cfg, paged, paged_kv_non_tma,
+           has_window, prefix, return_lse, arch)
+    compiled = _COMPILE_CACHE.get(key)
+    if compiled is None:
+        compiled = _compile(fa, key, q, k_cache, v_cache, out, lse, scale, cu_q, cu_k, seqused_k,
+                            page_table, window_size, ncq)
+        _COMPILE_CACHE[key] = compiled
+    if not fa["is_fake_mode"]():
+        compiled(q, k_cache, v_cache, out, lse, scale, cu_q, cu_k, None, seqused_k, page_table,
+                 window_size, window_size, None, None, fa["AuxData"]([ncq], None), None, None)
+    return (out, lse) if return_lse else out
+
+
+def _compile(fa, key, q, k, v, out, lse, scale, cu_q, cu_k, seqused_k, page_table, window_size, ncq):
+    (dtype, head_dim, head_dim_v, qhead_per_kvhead, pack_gqa, cfg, paged, paged_kv_non_tma, has_window,
+     prefix, return_lse, arch) = key
+    cute, tct = fa["cute"], fa["to_cute_tensor"]
+    kernel = fa["Kernel"](
+        fa["dtypes"][dtype],
+        head_dim,
+        head_dim_v,
+        qhead_per_kvhead,
+        pack_gqa=pack_gqa,
+        tile_m=cfg.tile_m,
+        tile_n=cfg.tile_n,
+        num_stages=cfg.num_stages,
+        num_threads=384,
+        Q_in_regs=False,
+        intra_wg_overlap=cfg.intra_wg_overlap,
+        mma_pv_is_rs=cfg.mma_pv_is_rs,
+        paged_kv_non_tma=paged_kv_non_tma,
+        prefix_window=prefix,
+    )
+    small = lambda t, lead=0: None if t is None else tct(t, assumed_align=4, leading_dim=lead)  # noqa: E731
+    return cute.compile(
+        kernel,
+        tct(q), tct(k), tct(v), tct(out, assumed_align=16),
+        None if lse is None else tct(lse, assumed_align=4),
+        scale,
+        small(cu_q), small(cu_k), None, small(seqused_k), small(page_table, 1),
+        window_size, window_size,
+        None,  # learnable_sink
+        None,  # block-sparse tensors
+        fa["AuxData"]([small(ncq)], None),
+        None, None,  # cu_total_m_blocks (batch-lookup aid, not used)
+        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+        options="--enable-tvm-ffi",
+    )
+
+
+def compile_only(head_dim: int = 128, num_heads: int = 16, num_kv_heads: int = 8, page_size: int | None = 128,
+                 window_size=None, bidirectional_window="symmetric", return_lse=False, dtype=torch.bfloat16,
+                 config=None):
+    """Compile the kernel for one static configuration without a GPU (FA4's fake-tensor route).
+
+    Sets FA4's CPU-compile variables when unset (FLASH_ATTENTION_ARCH=sm_90, CUTE_DSL_ARCH=sm_90a,
+    FLASH_ATTENTION_NUM_SMS=132); the compiled kernel lands in the compile cache (not runnable without a GPU).
+    Raises ImportError without the packages.
+    """
+    os.environ.setdefault("FLASH_ATTENTION_ARCH", "sm_90")
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    os.environ.setdefault("FLASH_ATTENTION_NUM_SMS", "132")
+    _fa4()
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    B, L, S = 2, 256, 1024
+    with FakeTensorMode():
+        dev = "cuda"
+        q = torch.empty(B * L, num_heads, head_dim, dtype=dtype, device=dev)
+        cu = torch.empty(B + 1, dtype=torch.int32, device=dev)
+        sl = torch.empty(B, dtype=torch.int32, device=dev)
+        ncq = torch.empty(B, dtype=torch.int32, device=dev)
+        if page_size is None:
+            k = torch.empty(B * S, num_kv_heads, head_dim, dtype=dtype, device=dev)
+            v = torch.empty_like(k)
+            kw = dict(cu_seqlens_k=torch.empty(B + 1, dtype=torch.int32, device=dev), seq_lens=sl)
+        else:
+            nb = B * math.ceil(S / page_size)
+            k = torch.empty(nb, page_size, num_kv_heads, head_dim, dtype=dtype, device=dev)
+            v = torch.empty_like(k)
+            kw = dict(block_table=torch.empty(B, math.ceil(S / page_size), dtype=torch.int32, device=dev),
+                      seq_lens=sl)
+        fa = _fa4()
+        _run(fa, q, k, v, out=None, return_lse=return_lse, cu_seqlens_q=cu, num_causal_q=ncq,
+             seq_lens=kw["seq_lens"], block_table=kw.get("block_table"), cu_seqlens_k=kw.get("cu_seqlens_k"),
+             window_size=window_size, bidirectional_window=bidirectional_window,
+             scale=head_dim ** -0.5, arch=_arch(None), config=config)
+
+
+def _row_range(row: int, q_len: int, seq_len: int, num_causal_q: int, window_size, prefix: bool):
+    ctx = seq_len - q_len
+    q_abs = ctx + row
+    causal_row = row < num_causal_q
+    lo, hi_bi = 0, seq_len - 1
+    if window_size is not None:
+        lo_sliding = max(q_abs - window_size, 0)
+        if prefix:
+            lo = lo_sliding if causal_row else max(ctx + num_causal_q - window_size, 0)
+        else:
+            lo = lo_sliding
+            hi_bi = min(q_abs + window_size, seq_len - 1)
+    return lo, (q_abs if causal_row else hi_bi)
+
+
+def tile_plan(q_len: int, seq_len: int, num_causal_q: int, window_size=None, bidirectional_window="symmetric",
+              *, tile_m: int = 128, tile_n: int = 128, qhead_per_kvhead: int = 1) -> list[dict]:
+    """The kernel's key-block plan for one sequence (host mirror of ``cute_kernel.MixedBlockInfo``).
+
+    For each query tile ``m_block`` (PackGQA: ``tile_m`` packed rows = ``tile_m / qhead_per_kvhead`` query
+    rows): ``n_block_min``/``n_block_max`` (key blocks loaded by the producer and consumed by the MMA warps,
+    ``[min, max)``), ``right_mask_from`` (blocks ``>=`` it are masked on the right), ``left_mask_below``
+    (blocks ``<`` it are masked on the left); blocks in between run unmasked. Same integer formulas as the
+    device code, used by tests (coverage and exactness against :func:`blockdiff.attention.masks.key_range`)
+    and by benchmarks (blocks actually computed).
+    """
+    prefix = bidirectional_window == "prefix" and window_size is not None
+    qpk = qhead_per_kvhead
+    plan = []
+    for m_block in range(-(-q_len * qpk // tile_m)):
+        r0 = m_block * tile_m // qpk
+        r1 = min(-(-(m_block + 1) * tile_m // qpk), q_len) - 1
+        lo0, hi0 = _row_range(r0, q_len, seq_len, num_causal_q, window_size, prefix)
+        lo1, hi1 = _row_range(r1, q_len, seq_len, num_causal_q, window_size, prefix)
+        n_min = lo0 // tile_n
+        n_max = max((hi1 + tile_n) // tile_n, n_min + 1)
+        right = max(n_min, (hi0 + 1) // tile_n)
+        left = n_min if window_size is None else max(n_min, -(-lo1 // tile_n))
+        plan.append(dict(m_block=m_block, rows=(r0, r1), n_block_min=n_min, n_block_max=n_max,
+                         right_mask_from=right, left_mask_below=left))
+    return plan
+
+
+__all__ = ["attention_cute", "CuteConfig", "resolve_config", "compile_only", "tile_plan", "REQUIRED"]

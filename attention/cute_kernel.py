@@ -1,0 +1,438 @@
+"""CuTe DSL kernel of the ``"cute"`` backend: FlashAttention-4's SM90 forward kernel, extended.
+
+Imported only by :mod:`blockdiff.attention.cute_attention` (lazily: this module needs flash-attn-4 and
+nvidia-cutlass-dsl at import time).
+
+What is FA4's and what is ours
+------------------------------
+:class:`FlashAttentionForwardSm90Mixed` subclasses ``flash_attn.cute.flash_fwd_sm90.FlashAttentionForwardSm90``
+(flash-attn-4 4.0.0b36). FA4's ``__call__`` (TMA atoms, PackGQA layouts, the varlen tile scheduler, grid),
+its ``kernel`` body (pipelines, shared memory, warp specialisation), its producer ``load`` (TMA or cp.async
+paged-KV loads) and its consumer ``mma`` (intra-warpgroup-overlapped QK/PV GEMMs, online softmax, epilogue)
+all run unchanged. We replace three small pieces that FA4 builds per work tile and hands to ``load`` and
+``mma``:
+
+- ``SeqlenInfoCls`` -> :class:`MixedSeqlenInfoQK`: FA4's per-tile sequence info plus ``num_causal_q`` of the
+  tile's sequence, read from a device tensor (one load per tile);
+- ``block_info`` -> :class:`MixedBlockInfo`: the key-block range ``[n_block_min, n_block_max)`` of a query
+  tile and the bounds of its masked / unmasked sub-ranges, from the per-row allowed key interval
+  ``[lo(i), hi(i)]`` of ARCHITECTURE.md ("Attention semantics"). Producer and consumer call the same
+  function, so they agree on the blocks (a disagreement would deadlock the K/V pipeline);
+- ``AttentionMaskCls`` -> :class:`MixedAttentionMask`: per-row ``[lo, hi]`` masking with FA4's R2P
+  bitmask helpers (rows of one tile may mix causal and bidirectional rows when ``0 < num_causal_q < q_len``).
+
+The device tensor ``num_causal_q`` reaches the kernel through FA4's own ``aux_data`` argument (its
+FlexAttention aux-tensor channel); :meth:`FlashAttentionForwardSm90Mixed.kernel` takes it out and runs FA4's
+kernel body with an empty ``AuxData``, so FA4 does no aux-tensor work. The kernel is built with
+``is_causal=False, is_local=True``: FA4's consumer then emits its three loops (right-masked blocks,
+unmasked interior blocks, left-masked blocks) and our block info decides their bounds per tile.
+
+Row semantics (row ``i`` of a sequence, ``ctx = seqlen_k - seqlen_q``, ``q_abs = ctx + i``, ``W`` window):
+causal row ``i < num_causal_q``: ``[max(0, q_abs - W), q_abs]``; bidirectional row, symmetric:
+``[max(0, q_abs - W), min(seqlen_k - 1, q_abs + W)]``; bidirectional row, prefix:
+``[max(0, ctx + num_causal_q - W), seqlen_k - 1]``; no window: ``W = inf``. Both ``lo(i)`` and ``hi(i)``
+are non-decreasing in ``i`` for every mix of row types and both window modes (a causal row's ``hi`` is
+``q_abs`` <= every later row's ``hi``; in prefix mode the last causal row's ``lo`` is ``ctx + ncq - 1 - W``
+< the bidirectional ``lo``), so a tile's block range needs only its first and last rows. Every row allows at
+least its own key, so no tile is empty.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from functools import partial
+from typing import Callable, Optional
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, const_expr
+from cutlass.base_dsl.dsl import BaseDSL
+
+from quack import layout_utils
+from quack.cute_dsl_utils import ParamsBase
+
+from flash_attn.cute.block_info import BlockInfo
+from flash_attn.cute.block_sparsity import BlockSparseTensors
+from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
+from flash_attn.cute.mask import (
+    mask_r2p_lambda,
+    r2p_bitmask_above,
+    r2p_bitmask_below,
+    sm90_col_to_r2p_idx,
+)
+from flash_attn.cute.seqlen_info import SeqlenInfoQK
+from flash_attn.cute.utils import AuxData
+
+
+@cute.jit
+def row_key_range(
+    row: Int32,
+    seqlen_q: Int32,
+    seqlen_k: Int32,
+    num_causal_q: Int32,
+    window: Optional[Int32],
+    prefix_window: cutlass.Constexpr[bool],
+):
+    """Allowed keys ``[lo, hi]`` (inclusive, absolute key positions) of query row ``row`` of a sequence.
+
+    Same formulas as :func:`blockdiff.attention.masks.key_range` (ARCHITECTURE.md). ``window`` None means
+    no window (a compile-time property).
+    """
+    ctx = seqlen_k - seqlen_q
+    q_abs = ctx + row
+    is_causal_row = row < num_causal_q
+    lo = Int32(0)
+    hi_bi = seqlen_k - 1
+    if const_expr(window is not None):
+        lo_sliding = cutlass.max(q_abs - window, 0)
+        if const_expr(prefix_window):
+            lo_prefix = cutlass.max(ctx + num_causal_q - window, 0)
+            lo = lo_sliding if is_causal_row else lo_prefix
+        else:
+            lo = lo_sliding
+            hi_bi = cutlass.min(q_abs + window, seqlen_k - 1)
+    hi = q_abs if is_causal_row else hi_bi
+    return lo, hi
+
+
+@dataclass(frozen=True)
+class MixedSeqlenInfoQK(SeqlenInfoQK):
+    """FA4's ``SeqlenInfoQK`` plus the causal row count of the tile's sequence."""
+
+    num_causal_q: Optional[Int32] = None
+
+    @staticmethod
+    def wrap(base: SeqlenInfoQK, num_causal_q: Int32) -> "MixedSeqlenInfoQK":
+        vals = {f.name: getattr(base, f.name) for f in fields(SeqlenInfoQK)}
+        return MixedSeqlenInfoQK(**vals, num_causal_q=num_causal_q)
+
+
+@dataclass(frozen=True)
+class MixedBlockInfo(BlockInfo):
+    """FA4's ``BlockInfo`` with block ranges from per-row key intervals (mixed causal/bidirectional rows).
+
+    ``window_size_left`` holds W (None: no window); ``window_size_right`` is unused.
+    """
+
+    prefix_window: cutlass.Constexpr[bool] = False
+
+    @cute.jit
+    def tile_rows(self, seqlen_info: MixedSeqlenInfoQK, m_block: Int32):
+        """First and last query row (within the sequence) of tile ``m_block`` (PackGQA-aware)."""
+        m_idx_min = m_block * self.tile_m
+        m_idx_max = (m_block + 1) * self.tile_m
+        if const_expr(self.qhead_per_kvhead_packgqa > 1):
+            m_idx_min = m_idx_min // self.qhead_per_kvhead_packgqa
+            m_idx_max = cute.ceil_div(m_idx_max, self.qhead_per_kvhead_packgqa)
+        row_last = cutlass.min(m_idx_max, seqlen_info.seqlen_q) - 1
+        return m_idx_min, row_last
+
+    @cute.jit
+    def row_range(self, seqlen_info: MixedSeqlenInfoQK, row: Int32):
+        return row_key_range(
+            row,
+            seqlen_info.seqlen_q,
+            seqlen_info.seqlen_k,
+            seqlen_info.num_causal_q,
+            self.window_size_left,
+            self.prefix_window,
+        )
+
+    @cute.jit
+    def get_n_block_min_max(
+        self,
+        seqlen_info: MixedSeqlenInfoQK,
+        m_block: Int32,
+        split_idx: Int32 = 0,
+        num_splits: Int32 = 1,
+    ):
+        row_first, row_last = self.tile_rows(seqlen_info, m_block)
+        lo_first, _ = self.row_range(seqlen_info, row_first)
+        _, hi_last = self.row_range(seqlen_info, row_last)
+        n_block_min = lo_first // self.tile_n
+        n_block_max = (hi_last + self.tile_n) // self.tile_n  # ceil((hi_last + 1) / tile_n)
+        n_block_max = cutlass.max(n_block_max, n_block_min + 1)
+        return n_block_min, n_block_max
+
+    @cute.jit
+    def get_n_block_min_causal_local_mask(
+        self, seqlen_info: MixedSeqlenInfoQK, m_block: Int32, n_block_min: Int32
+    ) -> Int32:
+        """Blocks ``n >= result`` may hold keys past some row's ``hi`` (right-masked iterations)."""
+        row_first, _ = self.tile_rows(seqlen_info, m_block)
+        _, hi_first = self.row_range(seqlen_info, row_first)
+        return cutlass.max(n_block_min, (hi_first + 1) // self.tile_n)
+
+    @cute.jit
+    def get_n_block_min_before_local_mask(
+        self, seqlen_info: MixedSeqlenInfoQK, m_block: Int32, n_block_min: Int32
+    ) -> Int32:
+        """Blocks ``n < result`` may hold keys before some row's ``lo`` (left-masked iterations)."""
+        result = n_block_min
+        if const_expr(self.window_size_left is not None):
+            _, row_last = self.tile_rows(seqlen_info, m_block)
+            lo_last, _ = self.row_range(seqlen_info, row_last)
+            result = cutlass.max(n_block_min, cute.ceil_div(lo_last, self.tile_n))
+        return result
+
+
+@dataclass(frozen=True)
+class MixedAttentionMask:
+    """Per-row ``[lo, hi]`` masking of an SM90 S accumulator tile (replaces FA4's ``AttentionMask``)."""
+
+    tile_m: cutlass.Constexpr[int]
+    tile_n: cutlass.Constexpr[int]
+    seqlen_info: MixedSeqlenInfoQK
+    window_size: Optional[Int32] = None
+    qhead_per_kvhead_packgqa: cutlass.Constexpr[int] = 1
+    prefix_window: cutlass.Constexpr[bool] = False
+
+    @cute.jit
+    def apply_mask(
+        self,
+        acc_S: cute.Tensor,
+        batch_idx: Int32,
+        head_idx: Int32,
+        m_block: Int32,
+        n_block: Int32,
+        thr_mma: cute.TiledMma,
+        mask_seqlen: cutlass.Constexpr[bool] = True,
+        mask_causal: cutlass.Constexpr[bool] = False,
+        mask_local: cutlass.Constexpr[bool] = False,
+        mask_mod: cutlass.Constexpr[Optional[Callable]] = None,
+        aux_data: AuxData = AuxData(),
+        fastdiv_mods=(None, None),
+    ) -> None:
+        # Every row's hi is clamped to seqlen_k - 1, so the seqlen bound is part of the interval and
+        # mask_seqlen / mask_causal / mask_local need no separate handling.
+        acc_S_mn = layout_utils.reshape_acc_to_mn(acc_S)
+        cS = cute.make_identity_tensor((self.tile_m, self.tile_n))
+        tScS_mn = layout_utils.reshape_acc_to_mn(thr_mma.partition_C(cS))
+        # Columns of thread 0 are compile-time known; other threads shift the limits by their offset.
+        thr_col_offset = tScS_mn[0][1]
+        col_base = n_block * self.tile_n + thr_col_offset
+        seqlen = self.seqlen_info
+        for r in cutlass.range(cute.size(tScS_mn.shape[0]), unroll_full=True):
+            row = tScS_mn[r, 0][0] + m_block * self.tile_m
+            if const_expr(self.qhead_per_kvhead_packgqa > 1):
+                row = row // self.qhead_per_kvhead_packgqa
+            lo, hi = row_key_range(
+                row, seqlen.seqlen_q, seqlen.seqlen_k, seqlen.num_causal_q, self.window_size,
+                self.prefix_window,
+            )
+            col_limit_left = cutlass.max(cutlass.min(lo - col_base, self.tile_n), 0)
+            col_limit_right = cutlass.max(cutlass.min(hi + 1 - col_base, self.tile_n), 0)
+            col_limit_left_r2p = sm90_col_to_r2p_idx(col_limit_left)
+            col_limit_right_r2p = sm90_col_to_r2p_idx(col_limit_right)
+
+            def mask_gen_fn(s: int) -> cutlass.Uint32:
+                return r2p_bitmask_below(col_limit_right_r2p, s) & r2p_bitmask_above(
+                    col_limit_left_r2p, s
+                )
+
+            mask_r2p_lambda(acc_S_mn[r, None], mask_gen_fn, rank1=True)
+
+
+def _fa4_kernel_body():
+    """FA4's SM90 ``kernel`` body as a plain (DSL-preprocessed) function, to run inside our kernel."""
+    raw = FlashAttentionForwardSm90.kernel.__wrapped__
+    BaseDSL._preprocess_and_replace_code(raw)
+    return raw
+
+
+class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
+    """FA4 SM90 forward with per-sequence causal row counts and one-interval-per-row windows.
+
+    Args (beyond FA4's): ``prefix_window`` (compile-time): bidirectional rows use the "prefix" window
+    (else "symmetric"). The window size W is FA4's runtime ``window_size_left`` argument (None: no window).
+    Runtime extra input: ``aux_data = AuxData([num_causal_q])`` with ``num_causal_q`` ``[B]`` int32.
+    """
+
+    def __init__(self, *args, prefix_window: bool = False, **kwargs):
+        kwargs["is_causal"] = False
+        kwargs["is_local"] = True
+        super().__init__(*args, **kwargs)
+        self.prefix_window = prefix_window
+        self._mNumCausalQ = None
+
+    # --- the three per-tile pieces we replace -------------------------------------------------------
+    def _mixed_block_info(self, block_info: BlockInfo) -> MixedBlockInfo:
+        return MixedBlockInfo(
+            self.tile_m,
+            self.tile_n,
+            False,
+            True,
+            False,
+            block_info.window_size_left,
+            block_info.window_size_left,
+            qhead_per_kvhead_packgqa=self.qhead_per_kvhead if const_expr(self.pack_gqa) else 1,
+            prefix_window=self.prefix_window,
+        )
+
+    def _mixed_seqlen_cls(self, SeqlenInfoCls: Callable) -> Callable:
+        mNumCausalQ = self._mNumCausalQ
+
+        def create(batch_idx):
+            return MixedSeqlenInfoQK.wrap(SeqlenInfoCls(batch_idx), mNumCausalQ[batch_idx])
+
+        return create
+
+    def _mixed_mask_cls(self, block_info: BlockInfo) -> Callable:
+        return partial(
+            MixedAttentionMask,
+            self.tile_m,
+            self.tile_n,
+            window_size=block_info.window_size_left,
+            qhead_per_kvhead_packgqa=self.qhead_per_kvhead if const_expr(self.pack_gqa) else 1,
+            prefix_window=self.prefix_window,
+        )
+
+    # --- FA4 entry points, wrapped --------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: Optional[cute.Tensor],
+        mCuSeqlensQ: Optional[cute.Tensor],
+        mCuSeqlensK: Optional[cute.Tensor],
+        mSeqUsedQ: Optional[cute.Tensor],
+        mSeqUsedK: Optional[cute.Tensor],
+        mPageTable: Optional[cute.Tensor],
+        tma_atom_Q: Optional[cute.CopyAtom],
+        tma_atom_K: Optional[cute.CopyAtom],
+        tma_atom_V: Optional[cute.CopyAtom],
+        tma_atom_O: Optional[cute.CopyAtom],
+        softmax_scale_log2: cutlass.Float32,
+        softmax_scale: Optional[cutlass.Float32],
+        window_size_left: Optional[Int32],
+        window_size_right: Optional[Int32],
+        learnable_sink: Optional[cute.Tensor],
+        blocksparse_tensors: Optional[BlockSparseTensors],
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        sO_layout: cute.ComposedLayout,
+        sP_layout: cute.ComposedLayout | None,
+        gmem_tiled_copy_Q: cute.TiledCopy,
+        gmem_tiled_copy_K: cute.TiledCopy,
+        gmem_tiled_copy_V: cute.TiledCopy,
+        gmem_tiled_copy_O: cute.TiledCopy,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        tile_sched_params: ParamsBase,
+        TileScheduler: cutlass.Constexpr[Callable],
+        SharedStorage: cutlass.Constexpr[Callable],
+        aux_data: AuxData = AuxData(),
+        fastdiv_mods=None,
+    ):
+        # Trace-time hand-off: the num_causal_q tensor (a value of this kernel) for load() and mma().
+        self._mNumCausalQ = aux_data.tensors[0]
+        _fa4_kernel_body()(
+            self,
+            mQ,
+            mK,
+            mV,
+            mO,
+            mLSE,
+            mCuSeqlensQ,
+            mCuSeqlensK,
+            mSeqUsedQ,
+            mSeqUsedK,
+            mPageTable,
+            tma_atom_Q,
+            tma_atom_K,
+            tma_atom_V,
+            tma_atom_O,
+            softmax_scale_log2,
+            softmax_scale,
+            window_size_left,
+            window_size_right,
+            learnable_sink,
+            blocksparse_tensors,
+            sQ_layout,
+            sK_layout,
+            sV_layout,
+            sO_layout,
+            sP_layout,
+            gmem_tiled_copy_Q,
+            gmem_tiled_copy_K,
+            gmem_tiled_copy_V,
+            gmem_tiled_copy_O,
+            tiled_mma_qk,
+            tiled_mma_pv,
+            tile_sched_params,
+            TileScheduler,
+            SharedStorage,
+            AuxData(),
+            None,
+        )
+
+    def load(self, *args):
+        # FA4 signature: (..., blocksparse_tensors, block_info, SeqlenInfoCls, TileSchedulerCls)
+        *head, block_info, SeqlenInfoCls, TileSchedulerCls = args
+        return FlashAttentionForwardSm90.load(
+            self,
+            *head,
+            self._mixed_block_info(block_info),
+            self._mixed_seqlen_cls(SeqlenInfoCls),
+            TileSchedulerCls,
+        )
+
+    def mma(
+        self,
+        tiled_mma_qk,
+        tiled_mma_pv,
+        mO,
+        mLSE,
+        sQ,
+        sK,
+        sVt,
+        sP,
+        sO,
+        learnable_sink,
+        pipeline_k,
+        pipeline_v,
+        pipeline_q,
+        gmem_tiled_copy_O,
+        tma_atom_O,
+        tidx,
+        softmax_scale_log2,
+        softmax_scale,
+        block_info,
+        SeqlenInfoCls,
+        AttentionMaskCls,
+        TileSchedulerCls,
+        blocksparse_tensors,
+        aux_data=AuxData(),
+        fastdiv_mods=None,
+    ):
+        return FlashAttentionForwardSm90.mma(
+            self,
+            tiled_mma_qk,
+            tiled_mma_pv,
+            mO,
+            mLSE,
+            sQ,
+            sK,
+            sVt,
+            sP,
+            sO,
+            learnable_sink,
+            pipeline_k,
+            pipeline_v,
+            pipeline_q,
+            gmem_tiled_copy_O,
+            tma_atom_O,
+            tidx,
+            softmax_scale_log2,
+            softmax_scale,
+            self._mixed_block_info(block_info),
+            self._mixed_seqlen_cls(SeqlenInfoCls),
+            self._mixed_mask_cls(block_info),
+            TileSchedulerCls,
+            blocksparse_tensors,
+            aux_data,
+            fastdiv_mods,
+        )

@@ -1,0 +1,349 @@
+#!/usr/bin/env python3
+"""GPU smoke run of attention backend "cute": PASS/FAIL per case and timings against FA4's two-launch split.
+
+Run on the H200 from the repository root (flash-attn-4 + CuTe DSL importable, see shared/device/README.md):
+
+    source bench/device_env.sh && python3 bench/cute_smoke.py            # ~1-3 min including compiles
+
+Cases (each in its own try/except; a failure prints the full traceback and the run goes on):
+  correctness, small bf16 mixed batches against the fp64 reference with the check_close rule
+  (hd 128/256, paged page sizes 16/64/128/256, contiguous KV, symmetric and prefix windows, a split
+  causal/bidirectional sequence, GQA 16/8 and 16/2); then the named workloads of ARCHITECTURE.md
+  ``mixed_sliding_ctx8k``, ``prefill16k_hd128``, ``canvas_bs4_ctx4k_hd128`` (paged, page 64, permuted
+  block table): correctness (reference where it fits, else FA4), eager and CUDA-graph medians of the
+  one-launch cute kernel and of FA4 ``flash_attn.cute.flash_attn_varlen_func`` called twice (causal
+  sequences, then bidirectional ones, on pre-split inputs), effective TFLOP/s
+  (4 * heads * head_dim * allowed pairs / time).
+Writes ``$OUT/cute_smoke.json`` when ``OUT`` is set (else bench/results/cute_smoke-<gpu>.json).
+Stops starting new cases after ``--budget`` seconds (default 165).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+import torch
+
+T0 = time.time()
+RESULTS: dict = {"cases": []}
+
+
+def log(*a):
+    print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
+
+
+def make_batch(q_lens, ctxs, ncqs, H, Hkv, D, page_size=64, seed=0, contiguous=False, dtype=torch.bfloat16):
+    """Random paged (permuted block table) or contiguous batch; K/V of the query tokens already cached."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    dev = "cuda"
+    seq_lens = [c + q for c, q in zip(ctxs, q_lens)]
+    cu = [0]
+    for ql in q_lens:
+        cu.append(cu[-1] + ql)
+    b = dict(
+        q=torch.randn(cu[-1], H, D, generator=g).to(dtype).to(dev),
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+        num_causal_q=torch.tensor(ncqs, dtype=torch.int32, device=dev),
+        q_lens=list(q_lens), seq_lens_list=seq_lens, ncqs=list(ncqs),
+    )
+    if contiguous:
+        cuk = [0]
+        for s in seq_lens:
+            cuk.append(cuk[-1] + s)
+        b["k"] = torch.randn(cuk[-1], Hkv, D, generator=g).to(dtype).to(dev)
+        b["v"] = torch.randn(cuk[-1], Hkv, D, generator=g).to(dtype).to(dev)
+        b["cu_seqlens_k"] = torch.tensor(cuk, dtype=torch.int32, device=dev)
+    else:
+        nblk = [max(1, -(-s // page_size)) for s in seq_lens]
+        total = sum(nblk) + 2
+        ids = torch.randperm(total, generator=g)
+        bt = torch.zeros(len(q_lens), max(nblk), dtype=torch.int32)
+        off = 0
+        for i, n in enumerate(nblk):
+            bt[i, :n] = ids[off:off + n]
+            off += n
+        b["k"] = torch.randn(total, page_size, Hkv, D, generator=g).to(dtype).to(dev)
+        b["v"] = torch.randn(total, page_size, Hkv, D, generator=g).to(dtype).to(dev)
+        b["block_table"] = bt.to(dev)
+    return b
+
+
+def attn_kwargs(b, window, mode):
+    kw = dict(cu_seqlens_q=b["cu_seqlens_q"], seq_lens=b["seq_lens"], num_causal_q=b["num_causal_q"],
+              window_size=window, bidirectional_window=mode)
+    if "block_table" in b:
+        kw["block_table"] = b["block_table"]
+    else:
+        kw["cu_seqlens_k"] = b["cu_seqlens_k"]
+    return kw
+
+
+def median_ms_eager(fn, iters):
+    times = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    return statistics.median(times)
+
+
+def median_ms_graph(fn, iters):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        st.record()
+        graph.replay()
+        en.record()
+        en.synchronize()
+        times.append(st.elapsed_time(en))
+    return statistics.median(times)
+
+
+def fa4_two_launch(b, window, scale):
+    """Closure running FA4 varlen twice (causal sequences, bidirectional sequences) on pre-split inputs."""
+    from flash_attn.cute import flash_attn_varlen_func
+
+    assert all(n in (0, ql) for n, ql in zip(b["ncqs"], b["q_lens"])), "FA4 split needs whole-sequence flags"
+    groups = []
+    for is_causal in (True, False):
+        idx = [i for i, (n, ql) in enumerate(zip(b["ncqs"], b["q_lens"])) if (n == ql and ql > 0) == is_causal
+               and b["q_lens"][i] > 0]
+        if not idx:
+            continue
+        cu = torch.tensor([0] + list(torch.tensor([b["q_lens"][i] for i in idx]).cumsum(0).tolist()),
+                          dtype=torch.int32, device="cuda")
+        starts = b["cu_seqlens_q"].tolist()
+        rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in idx]).cuda()
+        q = b["q"].index_select(0, rows).contiguous()
+        g = dict(q=q, cu=cu, rows=rows, seqused_k=b["seq_lens"][idx].contiguous(),
+                 page_table=b["block_table"][idx].contiguous(), causal=is_causal,
+                 max_q=max(b["q_lens"][i] for i in idx), max_k=max(b["seq_lens_list"][i] for i in idx))
+        g["window"] = (None, None) if window is None else ((window, 0) if is_causal else (window, window))
+        groups.append(g)
+
+    outs = [None] * len(groups)
+
+    def run():
+        for j, g in enumerate(groups):
+            r = flash_attn_varlen_func(g["q"], b["k"], b["v"], cu_seqlens_q=g["cu"], seqused_k=g["seqused_k"],
+                                       page_table=g["page_table"], max_seqlen_q=g["max_q"],
+                                       max_seqlen_k=g["max_k"], softmax_scale=scale, causal=g["causal"],
+                                       window_size=g["window"])
+            outs[j] = r[0] if isinstance(r, tuple) else r
+
+    def gather(total_q, H, D):
+        o = torch.empty(total_q, H, D, dtype=b["q"].dtype, device="cuda")
+        for g, out in zip(groups, outs):
+            o.index_copy_(0, g["rows"], out)
+        return o
+
+    return run, gather
+
+
+def record(name, **fields):
+    row = dict(case=name, **fields)
+    RESULTS["cases"].append(row)
+    return row
+
+
+def correctness_case(name, q_lens, ctxs, ncqs, H, Hkv, D, page_size, window, mode, contiguous=False):
+    from blockdiff.attention.cute_attention import attention_cute
+    from blockdiff.attention.testing import check_close
+
+    t = time.time()
+    b = make_batch(q_lens, ctxs, ncqs, H, Hkv, D, page_size, seed=len(RESULTS["cases"]), contiguous=contiguous)
+    kw = attn_kwargs(b, window, mode)
+    out = torch.full((b["q"].shape[0], H, D), float("nan"), dtype=b["q"].dtype, device="cuda")
+    o, lse = attention_cute(b["q"], b["k"], b["v"], out=out, return_lse=True, **kw)
+    torch.cuda.synchronize()
+    res = check_close(o, b["q"], b["k"], b["v"], lse=lse, **kw)
+    log(f"PASS {name}: err {res['err']:.3e} (bound {res['bound']:.3e}), lse err {res.get('lse_err', 0):.2e}, "
+        f"{time.time() - t:.1f}s incl. compile")
+    record(name, status="PASS", **res, seconds=time.time() - t)
+
+
+def workload_case(name, q_lens, ctxs, causal, H, Hkv, D, window, mode, check="reference", iters=30):
+    from blockdiff.attention.cute_attention import attention_cute
+    from blockdiff.attention.masks import count_allowed_pairs
+    from blockdiff.attention.testing import check_close
+
+    t = time.time()
+    ncqs = [ql if c else 0 for ql, c in zip(q_lens, causal)]
+    b = make_batch(q_lens, ctxs, ncqs, H, Hkv, D, 64, seed=1)
+    kw = attn_kwargs(b, window, mode)
+    scale = D ** -0.5
+    out = torch.full((b["q"].shape[0], H, D), float("nan"), dtype=b["q"].dtype, device="cuda")
+    attention_cute(b["q"], b["k"], b["v"], out=out, scale=scale, **kw)  # compile + validate once
+    torch.cuda.synchronize()
+    row = dict(workload=name, batch=f"q_lens={q_lens} ctx={ctxs} causal={causal}", H=H, Hkv=Hkv, D=D,
+               window=window, mode=mode)
+    pairs = count_allowed_pairs(torch.tensor(q_lens), torch.tensor(b["seq_lens_list"]), torch.tensor(ncqs),
+                                window, mode)
+    row["allowed_pairs"] = pairs
+
+    status = "PASS"
+    fa_run = fa_gather = None
+    try:
+        fa_run, fa_gather = fa4_two_launch(b, window, scale)
+        fa_run()
+        torch.cuda.synchronize()
+        fa_out = fa_gather(b["q"].shape[0], H, D)
+        diff = (out.float() - fa_out.float()).abs().max().item()
+        row["max_abs_diff_vs_fa4"] = diff
+        log(f"{name}: max |cute - fa4| = {diff:.3e}")
+    except Exception:
+        traceback.print_exc()
+        row["fa4_error"] = traceback.format_exc()[-2000:]
+    if not torch.isfinite(out).all():
+        status = "FAIL"
+        row["error"] = "non-finite output"
+    if check == "reference":
+        try:
+            res = check_close(out, b["q"], b["k"], b["v"], scale=scale, **kw)
+            row.update(res)
+        except AssertionError as e:
+            status = "FAIL"
+            row["error"] = str(e)
+    elif "max_abs_diff_vs_fa4" in row and row["max_abs_diff_vs_fa4"] > 3e-2:
+        status = "FAIL"
+        row["error"] = f"differs from FA4 by {row['max_abs_diff_vs_fa4']:.3e}"
+
+    def cute_call():
+        attention_cute(b["q"], b["k"], b["v"], out=out, scale=scale, check_values=False, **kw)
+
+    for label, fn in (("cute", cute_call), ("fa4", fa_run)):
+        if fn is None:
+            continue
+        try:
+            eager = median_ms_eager(fn, iters)
+            graph = median_ms_graph(fn, iters)
+            row[f"{label}_eager_ms"] = eager
+            row[f"{label}_graph_ms"] = graph
+            row[f"{label}_graph_tflops"] = 4 * H * D * pairs / (graph * 1e-3) / 1e12
+        except Exception:
+            traceback.print_exc()
+            row[f"{label}_timing_error"] = traceback.format_exc()[-2000:]
+    log(f"{status} {name}: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                         for k, v in row.items() if k.endswith(("_ms", "tflops", "err"))),
+        f"({time.time() - t:.1f}s)")
+    record(name, status=status, seconds=time.time() - t, **row)
+
+
+def env_info():
+    info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%F %T")}
+    for mod, key in (("flash_attn", "flash_attn_4"), ("cutlass", "cutlass_dsl")):
+        try:
+            m = __import__(mod)
+            info[key] = getattr(m, "__version__", "?")
+        except Exception as e:  # noqa: BLE001
+            info[key] = f"not importable: {e}"
+    try:
+        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                        timeout=5).stdout.strip() or "unknown"
+    except Exception:  # noqa: BLE001
+        info["commit"] = "unknown"
+    return info
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--budget", type=float, default=165.0, help="seconds after which no new case starts")
+    ap.add_argument("--only", default="", help="comma-separated substrings of case names to run")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("FAIL: no CUDA device")
+        return 2
+    RESULTS["env"] = env_info()
+    log("env", RESULTS["env"])
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    t = time.time()
+    while time.time() - t < 1.5:  # GPU warm-up (clocks)
+        a @ a
+    torch.cuda.synchronize()
+
+    W = 1023
+    cases = [
+        ("corr_hd128_page64_mixed", correctness_case,
+         ([300, 256, 1, 0, 77], [0, 2000, 50, 10, 0], [300, 0, 1, 0, 40], 16, 8, 128, 64, None, "symmetric")),
+        ("mixed_sliding_ctx8k", workload_case,
+         ([4096, 256, 256, 256], [0, 8192, 8192, 8192], [True, False, False, True], 16, 8, 256, W, "symmetric")),
+        ("canvas_bs4_ctx4k_hd128", workload_case,
+         ([256] * 4, [4096] * 4, [False] * 4, 16, 8, 128, None, "symmetric")),
+        ("prefill16k_hd128", workload_case,
+         ([16384], [0], [True], 16, 8, 128, None, "symmetric"), {"check": "fa4", "iters": 15}),
+        ("corr_hd128_page128_tma_gqa8", correctness_case,
+         ([256, 130, 5], [1000, 0, 129], [0, 130, 2], 16, 2, 128, 128, 100, "symmetric")),
+        ("corr_hd128_page16_prefix", correctness_case,
+         ([256, 200], [3000, 10], [0, 100], 16, 8, 128, 16, 63, "prefix")),
+        ("corr_hd128_page256", correctness_case,
+         ([256, 512], [4000, 0], [256, 512], 16, 8, 128, 256, None, "symmetric")),
+        ("corr_hd128_contiguous", correctness_case,
+         ([256, 64], [2048, 7], [0, 64], 16, 8, 128, 64, W, "symmetric", True)),
+        ("corr_hd256_page64_sym_w1023", correctness_case,
+         ([1024, 256, 256], [0, 3000, 3000], [1024, 0, 256], 16, 8, 256, 64, W, "symmetric")),
+        ("corr_hd256_page64_prefix_w1023", correctness_case,
+         ([1024, 256, 256], [0, 3000, 3000], [1024, 0, 128], 16, 8, 256, 64, W, "prefix")),
+        ("corr_hd256_page16_nowindow", correctness_case,
+         ([256, 100], [1500, 0], [0, 100], 16, 8, 256, 16, None, "symmetric")),
+    ]
+    only = [s for s in args.only.split(",") if s]
+    for case in cases:
+        name, fn, cargs = case[:3]
+        ckw = case[3] if len(case) > 3 else {}
+        if only and not any(s in name for s in only):
+            continue
+        if time.time() - T0 > args.budget:
+            log(f"SKIP {name}: time budget of {args.budget:.0f}s spent")
+            record(name, status="SKIP")
+            continue
+        try:
+            fn(name, *cargs, **ckw)
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            log(f"FAIL {name}: {type(e).__name__}: {e}")
+            record(name, status="FAIL", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-4000:])
+        torch.cuda.synchronize()
+
+    n_fail = sum(c["status"] == "FAIL" for c in RESULTS["cases"])
+    log(f"SUMMARY: {sum(c['status'] == 'PASS' for c in RESULTS['cases'])} PASS, {n_fail} FAIL, "
+        f"{sum(c['status'] == 'SKIP' for c in RESULTS['cases'])} SKIP")
+    for c in RESULTS["cases"]:
+        if "cute_graph_ms" in c or "fa4_graph_ms" in c:
+            log(f"  {c['case']}: cute graph {c.get('cute_graph_ms', float('nan')):.4f} ms "
+                f"(eager {c.get('cute_eager_ms', float('nan')):.4f}) | fa4 two-launch graph "
+                f"{c.get('fa4_graph_ms', float('nan')):.4f} ms (eager {c.get('fa4_eager_ms', float('nan')):.4f})")
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        path = os.path.join(out_dir, "cute_smoke.json")
+    else:
+        gpu = RESULTS["env"]["gpu"].replace(" ", "_")
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"cute_smoke-{gpu}.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(RESULTS, f, indent=1, default=str)
+    log("wrote", path)
+    return 1 if n_fail else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
