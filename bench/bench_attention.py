@@ -331,9 +331,13 @@ def measure(batch: wl.Batch, backend: str, maker: Callable, args, gold: torch.Te
         row.update(info)
         if poison is not None:
             poison()
-        out = to_packed(fn())
+        t0 = time.perf_counter()
+        raw = fn()
         if dev.type == "cuda":
             torch.cuda.synchronize()
+        first_ms = (time.perf_counter() - t0) * 1e3
+        out = to_packed(raw)
+        del raw
         finite = bool(torch.isfinite(out).all())
         err = float((out.to(gold.dtype) - gold).abs().max()) if out.shape == gold.shape else float("inf")
         tol = 2.0 * base_err + representation_tol(batch.q.dtype)
@@ -341,8 +345,12 @@ def measure(batch: wl.Batch, backend: str, maker: Callable, args, gold: torch.Te
         if out.shape != gold.shape:
             row["check_error"] = f"output shape {tuple(out.shape)} != expected {tuple(gold.shape)}"
         del out
+        row["first_call_ms"] = first_ms  # includes compilation / autotuning
         row["extra_memory_bytes"] = common.peak_extra_memory_bytes(fn, dev)
-        row["eager_ms"] = common.time_eager_ms(fn, dev, cpu_reps=args.cpu_reps)
+        if dev.type == "cuda" or args.cpu_reps > 0:
+            row["eager_ms"] = common.time_eager_ms(fn, dev, cpu_reps=args.cpu_reps)
+        else:  # CPU smoke run: the checked call is the only timing (interpreted Triton is slow)
+            row["eager_ms"] = first_ms
         if dev.type == "cuda" and not args.no_graph:
             try:
                 row["graph_ms"] = common.time_graph_ms(fn)
@@ -460,7 +468,8 @@ def parse_args(argv=None):
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--check-against", choices=["auto", "reference", "sdpa"], default="auto",
                    help="ground truth: fp64 blockdiff reference or fp32 SDPA; auto = reference if --quick")
-    p.add_argument("--cpu-reps", type=int, default=3, help="timing repetitions on the CPU")
+    p.add_argument("--cpu-reps", type=int, default=0,
+                   help="extra timing repetitions on the CPU (0: time the checked call only)")
     p.add_argument("--suite-name", default=None, help="results file stem (default attention / attention-quick)")
     p.add_argument("--out", default=None, help="output folder (default $OUT or bench/results)")
     p.add_argument("--seed", type=int, default=0)
@@ -476,6 +485,11 @@ def parse_args(argv=None):
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.quick else "cpu"))
+    if device.type == "cpu" and "TRITON_INTERPRET" not in os.environ:
+        if "triton" in sys.modules:
+            common.log("note: triton was imported before TRITON_INTERPRET could be set; the triton backend may "
+                       "fail on the CPU (run with TRITON_INTERPRET=1)")
+        os.environ["TRITON_INTERPRET"] = "1"  # Triton kernels run through the interpreter on the CPU
     dtype = getattr(torch, args.dtype)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()] or \
         list(QUICK_BACKENDS if args.quick else ALL_BACKENDS)

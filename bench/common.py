@@ -101,11 +101,11 @@ def time_eager_ms(fn: Callable[[], object], device: torch.device | str, *, warmu
 
     CUDA: ``triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")`` (warmup/rep in ms of
     GPU time; CUDA events per call; L2 flushed between calls), falling back to CUDA events when triton is
-    missing. CPU: median of ``cpu_reps`` perf_counter timings after one warm-up call.
+    missing. CPU: median of ``cpu_reps`` perf_counter timings (no warm-up: callers have made a first call).
     """
     device = torch.device(device)
     if device.type != "cuda":
-        return _cpu_median_ms(fn, cpu_reps, warmup=1)
+        return _cpu_median_ms(fn, cpu_reps, warmup=0)  # callers made the first (checked) call already
     try:
         from triton.testing import do_bench
     except ImportError:

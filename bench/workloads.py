@@ -12,8 +12,8 @@ pages into whole tiles, and it keeps the block table of a 32k context at 513 ent
 pass ``page_size=`` (CLI ``--page-size``) to measure others. Sizes that do not divide tiles are a correctness
 concern covered by tests/attention, not by these benchmarks.
 
-``quick=True`` scales every workload down for CPU smoke runs (lengths / 64, canvas 256 -> 16, 4 query heads,
-head dims / 8, W = 1023 -> 15) keeping its structure: same batch composition, causal flags, GQA grouping and
+``quick=True`` scales every workload down for CPU smoke runs (lengths / 128, canvas 256 -> 16, 4 query heads,
+head dims / 8, W = 1023 -> 7) keeping its structure: same batch composition, causal flags, GQA grouping and
 window mode.
 
 Shapes: DiffusionGemma-26B-A4B attention (16 query heads; sliding layers 8 KV heads, hd 256, W = 1023;
@@ -107,7 +107,7 @@ class _Scale:
         self.quick = quick
 
     def length(self, n: int) -> int:
-        return max(1, n // 64) if self.quick else n
+        return max(1, n // 128) if self.quick else n
 
     def canvas(self) -> int:
         return 16 if self.quick else CANVAS
@@ -117,7 +117,7 @@ class _Scale:
         if not self.quick:
             return h, hkv, d, w, mode
         hkv_q = 2 if h // hkv <= 2 else 1  # keeps "few KV heads" (global) apart from "many" (sliding)
-        return 4, hkv_q, max(16, d // 8), (None if w is None else (w + 1) // 64 - 1), mode
+        return 4, hkv_q, max(16, d // 8), (None if w is None else (w + 1) // 128 - 1), mode
 
 
 def _make(name: str, layer: str, seqs: Sequence[tuple[str, int, int]], scale: _Scale) -> Workload:

@@ -12,7 +12,7 @@ import workloads as wl  # noqa: E402
 
 
 def test_quick_run_writes_records_and_plots(tmp_path, capsys):
-    rows = ba.main(["--quick", "--out", str(tmp_path), "--cpu-reps", "1",
+    rows = ba.main(["--quick", "--out", str(tmp_path), 
                     "--workloads", "mixed_sliding_ctx8k,mixed_sliding_prefix_ctx8k,canvas_bs4_ctx4k_hd128"])
     doc = json.loads((tmp_path / "attention-quick-cpu.json").read_text())
     assert doc["rows"] == json.loads(json.dumps(doc["rows"])) and len(doc["rows"]) == len(rows) == 9
@@ -39,7 +39,7 @@ def test_failing_backend_records_error_row_and_run_continues(tmp_path, monkeypat
         raise RuntimeError("kernel exploded")
 
     monkeypatch.setattr(ba, "make_sdpa", boom)
-    rows = ba.main(["--quick", "--out", str(tmp_path), "--no-plots", "--cpu-reps", "1",
+    rows = ba.main(["--quick", "--out", str(tmp_path), "--no-plots", 
                     "--workloads", "canvas_bs4_ctx4k_hd128", "--backends", "sdpa,reference,fa4"])
     status = {r["backend"]: r for r in rows}
     assert status["sdpa"]["status"] == "error" and "kernel exploded" in status["sdpa"]["error"]
@@ -64,7 +64,7 @@ def test_sdpa_and_flex_match_the_reference(name):
 
 def test_tile_sweep_is_a_no_op_with_message_when_unsupported(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(ba, "triton_config_kwarg", lambda: None)
-    rows = ba.main(["--quick", "--out", str(tmp_path), "--no-plots", "--cpu-reps", "1", "--tile-sweep",
+    rows = ba.main(["--quick", "--out", str(tmp_path), "--no-plots",  "--tile-sweep",
                     "--workloads", "canvas_bs4_ctx4k_hd128", "--backends", "triton"])
     assert len(rows) == 1 and "config" not in rows[0]
     assert "sweep skipped" in capsys.readouterr().err
