@@ -1,0 +1,443 @@
+"""Fused Triton backend of the sampler step (``backend="triton"``): streaming logits, no [N, CL, V] temporaries.
+
+Same semantics as :mod:`blockdiff.sampler.reference` (ARCHITECTURE.md "Sampler semantics"); three stages, none
+of which syncs with the host, so a whole step is capturable in a CUDA graph (grids are sized from shapes only):
+
+(a) :func:`_stats_kernel` — one program per (canvas position, vocabulary split) streams the position's logits
+    once in tiles of ``4 * BLOCK_G`` tokens (a 2-D ``[BLOCK_G, 4]`` tile: one Philox4x32-10 call per group of 4
+    tokens, word ``t & 3`` for token ``t``, exactly :mod:`blockdiff.sampler.rng`). Per position it keeps, in
+    float32 registers, the online max ``m`` of ``z = x / T``, ``s = sum exp(z - m)`` and
+    ``u = sum exp(z - m) (z - m)`` (rescaled by ``exp(m_old - m_new)`` when the max moves:
+    ``u' = a (u + (m_old - m_new) s)``, ``s' = a s``), the argmax of z (ties to the lowest id), the Gumbel-max
+    sample ``argmax(z + g)`` and a non-finite flag. Splits are merged exactly the same way in torch;
+    ``H = log s - u / s`` nats (= ``-sum p log p``).
+(b) Decisions — small vectorised torch ops over [N, CL] (sort by entropy, inclusive cumsum bound, renoise ids,
+    argmax stability, convergence, phase transitions, counters); the shared code of
+    :mod:`blockdiff.sampler.common`, the same the reference runs, so given equal entropies the decisions are
+    identical.
+(c) :func:`_soft_embedding_kernel` — ``soft = softmax(z) @ E * sqrt(hidden)`` as a split-K GEMM over the
+    vocabulary whose A operand ``exp(z - m) / s`` is computed on the fly from the logits with the row stats of
+    (a) (one-hot(argmax) for T = 0 rows) and rounded to E's dtype (bf16 tensor cores, fp32 accumulation). No
+    [CL, V] probability buffer; partial sums go to a ``[SPLIT_K, N * CL, hidden]`` fp32 workspace and
+    :func:`_soft_reduce_kernel` adds them in a fixed order (deterministic, batch invariant) and writes
+    ``state.soft`` rows in place (continuing rows: the sum; fresh canvases: 0; others untouched). M tiles whose
+    rows are all inactive (not continuing to denoise) return at once.
+
+Extra memory of a step (N rows): the (a) stats, ``N * CL * SPLIT_V * 40`` bytes, the workspace
+``SPLIT_K * N * CL * hidden * 4`` bytes (46 MB for sampler_n4 at SPLIT_K = 4) and [N, CL] decision tensors.
+
+Exactness: Philox words, ``u`` and the float32 ``z`` are bit-identical to the reference; ``g = -log(-log u)``
+uses the platform's float32 log (torch's SLEEF on CPU vs numpy in the Triton interpreter differ by <= 1 ulp on
+~1/3 of the 2**23 possible ``u``; on CUDA both call libdevice ``logf``), so a sampled id can differ only where
+two candidates of ``z + g`` lie within an ulp. Entropies differ from the reference at float32 rounding level
+(summation order); decisions follow from them.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from . import rng
+from .common import DenoiseResult, accept_by_entropy, apply_step, check_step_args, convergence, temperature
+from .state import DENOISE, SamplerState, StepOutput
+
+__all__ = ["sampler_step", "SamplerConfig", "row_stats", "soft_embedding"]
+
+# ---------------------------------------------------------------------------------------------- kernels
+@triton.jit
+def _philox4x32_10(c0, c1, c2, c3, k0, k1):
+    """Philox4x32-10 on uint32 tensors (Random123); same words as blockdiff.sampler.rng.philox4x32_10."""
+    for _ in tl.static_range(10):
+        _c0 = c0
+        _c2 = c2
+        c0 = tl.umulhi(0xCD9E8D57, _c2) ^ c1 ^ k0
+        c2 = tl.umulhi(0xD2511F53, _c0) ^ c3 ^ k1
+        c1 = _c2 * 0xCD9E8D57
+        c3 = _c0 * 0xD2511F53
+        k0 = k0 + 0x9E3779B9
+        k1 = k1 + 0xBB67AE85
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _stats_kernel(
+    x_ptr, stride_xn, stride_xp,
+    t_ptr, seed_ptr, rid_ptr, cidx_ptr, step_ptr, active_ptr,
+    stats_f_ptr, stats_i_ptr,
+    R, CL, V,
+    CHUNK: tl.constexpr, SPLIT_V: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_G: tl.constexpr,
+):
+    """Grid (cdiv(N * CL, BLOCK_P), SPLIT_V); tile [BLOCK_P positions, BLOCK_G groups, 4 tokens].
+
+    Writes per (position, split): f32 [m, s, u, best_z, best_y], i32 [argmax, gumbel_argmax, bad].
+    """
+    pid = tl.program_id(0)
+    sp = tl.program_id(1)
+    r = pid * BLOCK_P + tl.arange(0, BLOCK_P)                       # [P] flat positions
+    rmask = r < R
+    n = r // CL
+    p = r % CL
+    active = tl.load(active_ptr + n, mask=rmask, other=0) != 0
+    if tl.max(active.to(tl.int32), 0) == 0:
+        return
+    pvalid = rmask & active
+    T = tl.load(t_ptr + n, mask=rmask, other=1.0)
+    tdiv = tl.where(T == 0.0, 1.0, T)
+    seed = tl.load(seed_ptr + n, mask=rmask, other=0).to(tl.int64)
+    rid = tl.load(rid_ptr + n, mask=rmask, other=0).to(tl.int64)
+    cidx = tl.load(cidx_ptr + n, mask=rmask, other=0).to(tl.int64)
+    step = tl.load(step_ptr + n, mask=rmask, other=0).to(tl.int64)
+    # key / counter of blockdiff.sampler.rng (stream GUMBEL = 0), as [P, 1] uint32
+    k0 = (seed & 0xFFFFFFFF).to(tl.uint32)[:, None]
+    k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)[:, None]
+    c1 = ((p.to(tl.int64) & 0xFFFF) | ((step & 16383) << 18)).to(tl.uint32)[:, None]
+    c2 = (rid & 0xFFFFFFFF).to(tl.uint32)[:, None]
+    c3 = (((rid >> 32) & 0xFFFF) | ((cidx & 0xFFFF) << 16)).to(tl.uint32)[:, None]
+
+    base = (x_ptr + n.to(tl.int64) * stride_xn + p.to(tl.int64) * stride_xp)[:, None, None]   # [P, 1, 1]
+    g_off = tl.arange(0, BLOCK_G)
+    j3 = tl.arange(0, 4)[None, None, :]                               # [1, 1, 4]
+    start = sp * CHUNK
+    end = tl.minimum(start + CHUNK, V)
+    tdiv3 = tdiv[:, None, None]
+    pv3 = pvalid[:, None, None]
+
+    m = tl.full((BLOCK_P,), -3.0e38, tl.float32)
+    s = tl.zeros((BLOCK_P,), tl.float32)
+    u = tl.zeros((BLOCK_P,), tl.float32)
+    best = tl.full((BLOCK_P,), -float("inf"), tl.float32)
+    best_i = tl.zeros((BLOCK_P,), tl.int32)
+    gbest = tl.full((BLOCK_P,), -float("inf"), tl.float32)
+    gbest_i = tl.zeros((BLOCK_P,), tl.int32)
+    bad = tl.zeros((BLOCK_P,), tl.int32)
+    for i in range(0, CHUNK, 4 * BLOCK_G):
+        grp = (start + i) // 4 + g_off                               # [G] token-group ids
+        tok = grp[None, :, None] * 4 + j3                            # [1, G, 4]
+        mask = pv3 & (tok < end)                                     # [P, G, 4]
+        x = tl.load(base + tok, mask=mask, other=0.0).to(tl.float32)
+        nonfinite = (x != x) | (tl.abs(x) == float("inf"))
+        bad = tl.maximum(bad, tl.max(tl.max((mask & nonfinite).to(tl.int32), 2), 1))
+        z = tl.where(mask, tl.math.div_rn(x, tdiv3), -float("inf"))
+        # online softmax statistics, rescaled when the running max moves
+        tmax = tl.max(tl.max(z, 2), 1)                               # [P]
+        m_new = tl.maximum(m, tmax)
+        alpha = tl.exp(m - m_new)
+        zc = tl.where(mask, z - m_new[:, None, None], 0.0)
+        e = tl.where(mask, tl.exp(zc), 0.0)
+        u = alpha * (u + (m - m_new) * s) + tl.sum(tl.sum(e * zc, 2), 1)
+        s = alpha * s + tl.sum(tl.sum(e, 2), 1)
+        m = m_new
+        # argmax of z, ties to the lowest id (tiles arrive in increasing id order; strict > keeps the first)
+        ti = tl.min(tl.min(tl.where(z == tmax[:, None, None], tok, 2147483647), 2), 1)
+        take = tmax > best
+        best_i = tl.where(take, ti, best_i)
+        best = tl.where(take, tmax, best)
+        # Gumbel-max sample: one Philox call per (position, group of 4 tokens), word t & 3 for token t
+        cg = grp.to(tl.uint32)[None, :]                              # [1, G]
+        zero = tl.zeros((BLOCK_P, BLOCK_G), tl.uint32)
+        w0, w1, w2, w3 = _philox4x32_10(cg + zero, c1 + zero, c2 + zero, c3 + zero, k0 + zero, k1 + zero)
+        w = tl.where(j3 == 0, w0[:, :, None], tl.where(j3 == 1, w1[:, :, None],
+                     tl.where(j3 == 2, w2[:, :, None], w3[:, :, None])))
+        uni = ((w >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07          # ((w >> 9) + 0.5) * 2**-23
+        gum = -tl.log(-tl.log(uni))
+        y = tl.where(mask, z + gum, -float("inf"))
+        ymax = tl.max(tl.max(y, 2), 1)
+        yi = tl.min(tl.min(tl.where(y == ymax[:, None, None], tok, 2147483647), 2), 1)
+        gtake = ymax > gbest
+        gbest_i = tl.where(gtake, yi, gbest_i)
+        gbest = tl.where(gtake, ymax, gbest)
+
+    o = r * SPLIT_V + sp
+    tl.store(stats_f_ptr + o * 5 + 0, m, mask=pvalid)
+    tl.store(stats_f_ptr + o * 5 + 1, s, mask=pvalid)
+    tl.store(stats_f_ptr + o * 5 + 2, u, mask=pvalid)
+    tl.store(stats_f_ptr + o * 5 + 3, best, mask=pvalid)
+    tl.store(stats_f_ptr + o * 5 + 4, gbest, mask=pvalid)
+    tl.store(stats_i_ptr + o * 3 + 0, best_i, mask=pvalid)
+    tl.store(stats_i_ptr + o * 3 + 1, gbest_i, mask=pvalid)
+    tl.store(stats_i_ptr + o * 3 + 2, bad, mask=pvalid)
+
+
+@triton.jit
+def _round_to(x, dtype: tl.constexpr):
+    """fp32 values of ``x.to(dtype)`` with round-to-nearest-even (by hand for bf16; used under the interpreter)."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _soft_embedding_kernel(
+    x_ptr, stride_xn, stride_xp,
+    e_ptr, stride_ev, stride_eh,
+    ws_ptr,
+    t_ptr, active_ptr, m_ptr, inv_s_ptr, amax_ptr,
+    M, CL, V, HID,
+    K_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EXACT_FP32: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Grid (cdiv(M, BM), cdiv(HID, BN), SPLIT_K). ws[split, row, col] = sum_{v in split} p[row, v] E[v, col]."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < M
+    n = rows // CL
+    p = rows % CL
+    act = tl.load(active_ptr + n, mask=rmask, other=0)
+    if tl.max(act, 0) == 0:
+        return
+    rvalid = rmask & (act != 0)
+    T = tl.load(t_ptr + n, mask=rmask, other=1.0)
+    greedy = T == 0.0
+    tdiv = tl.where(greedy, 1.0, T)
+    mrow = tl.load(m_ptr + rows, mask=rmask, other=0.0)
+    inv_s = tl.load(inv_s_ptr + rows, mask=rmask, other=0.0)
+    amax = tl.load(amax_ptr + rows, mask=rmask, other=-1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < HID
+    kk = tl.arange(0, BLOCK_K)
+    xrow = x_ptr + n.to(tl.int64) * stride_xn + p.to(tl.int64) * stride_xp      # [BM] row bases
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_start = pid_k * K_PER_SPLIT
+    k_end = tl.minimum(V, k_start + K_PER_SPLIT)
+    for k in range(0, K_PER_SPLIT, BLOCK_K):
+        tok = k_start + k + kk
+        kmask = tok < k_end
+        lmask = rvalid[:, None] & kmask[None, :]
+        x = tl.load(xrow[:, None] + tok[None, :], mask=lmask, other=0.0).to(tl.float32)
+        z = tl.math.div_rn(x, tdiv[:, None])
+        prob = tl.exp(z - mrow[:, None]) * inv_s[:, None]
+        prob = tl.where(greedy[:, None], (tok[None, :] == amax[:, None]).to(tl.float32), prob)
+        prob = tl.where(lmask, prob, 0.0)
+        ev = tl.load(e_ptr + tok[:, None].to(tl.int64) * stride_ev + cols[None, :] * stride_eh,
+                     mask=kmask[:, None] & cmask[None, :], other=0.0)
+        if EXACT_FP32:
+            acc += tl.dot(prob, ev.to(tl.float32), input_precision="ieee")
+        elif INTERPRET:  # the interpreter truncates fp32 -> bf16 and multiplies bf16 as raw bits: round by hand
+            acc += tl.dot(_round_to(prob, ev.dtype), ev.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(prob.to(ev.dtype), ev)
+    out = ws_ptr + (pid_k.to(tl.int64) * M + rows[:, None].to(tl.int64)) * HID + cols[None, :]
+    tl.store(out, acc, mask=rmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _soft_reduce_kernel(
+    ws_ptr, soft_ptr, slots_ptr, mode_ptr,
+    M, CL, HID, SCALE,
+    SPLIT_K: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """Grid (M, cdiv(HID, BH)). mode[n]: 1 -> soft[slot] = SCALE * sum_k ws[k], 2 -> soft[slot] = 0, 0 -> keep."""
+    row = tl.program_id(0)
+    hb = tl.program_id(1)
+    n = row // CL
+    p = row % CL
+    mode = tl.load(mode_ptr + n)
+    if mode == 0:
+        return
+    cols = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    cmask = cols < HID
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    if mode == 1:
+        for k in tl.static_range(SPLIT_K):
+            acc += tl.load(ws_ptr + (k * M + row).to(tl.int64) * HID + cols, mask=cmask, other=0.0)
+        acc = acc * SCALE
+    slot = tl.load(slots_ptr + n)
+    tl.store(soft_ptr + (slot * CL + p).to(tl.int64) * HID + cols, acc, mask=cmask)
+
+
+# ---------------------------------------------------------------------------------------------- launchers
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    """Static launch parameters (compile-cache keys). ``None`` = chosen from the shapes by :meth:`resolve`.
+
+    block_p: canvas positions per stats program (1 on the GPU; many under the interpreter, whose cost is per op).
+    block_g: token groups of 4 per stats tile (tile = block_p x 4 * block_g tokens). split_v: vocabulary splits of the
+    stats pass. block_m/n/k, split_k, num_warps/num_stages: the soft-embedding GEMM.
+    """
+
+    block_p: int | None = None
+    block_g: int | None = None
+    split_v: int | None = None
+    stats_warps: int | None = None
+    block_m: int | None = None
+    block_n: int | None = None
+    block_k: int | None = None
+    split_k: int | None = None
+    gemm_warps: int | None = None
+    gemm_stages: int | None = None
+
+    def resolve(self, rows: int, V: int, hidden: int, device: torch.device) -> "SamplerConfig":
+        cuda = device.type == "cuda"
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 4
+        block_p = self.block_p or (1 if cuda else min(64, triton.next_power_of_2(max(rows, 1))))
+        block_g = self.block_g or (256 if cuda else min(64, triton.next_power_of_2(max(1, (V + 3) // 4))))
+        split_v = self.split_v or max(1, min(8, (2 * sms * block_p + rows - 1) // max(rows, 1)))
+        if cuda:
+            bm, bn, bk = self.block_m or 128, self.block_n or 256, self.block_k or 64
+        else:
+            bm = self.block_m or max(16, min(64, triton.next_power_of_2(max(rows, 1))))
+            bn = self.block_n or max(16, min(64, triton.next_power_of_2(hidden)))
+            bk = self.block_k or 64
+        tiles = triton.cdiv(rows, bm) * triton.cdiv(hidden, bn)
+        if self.split_k:
+            split_k = self.split_k
+        elif not cuda:
+            split_k = 1
+        else:  # fill the SMs: enough (m, n, k) tiles for >= 1 full wave, at most 4 splits (workspace)
+            split_k = max(1, min(4, triton.cdiv(2 * sms, tiles)))
+        split_k = max(1, min(split_k, triton.cdiv(V, bk)))
+        return SamplerConfig(block_p, block_g, split_v, self.stats_warps or (8 if cuda else 4), bm, bn, bk, split_k,
+                             self.gemm_warps or (8 if cuda else 4), self.gemm_stages or (3 if cuda else 1))
+
+
+def row_stats(logits: torch.Tensor, T: torch.Tensor, seed: torch.Tensor, request_id: torch.Tensor,
+              canvas_index: torch.Tensor, step: torch.Tensor, active: torch.Tensor,
+              config: SamplerConfig | None = None) -> dict:
+    """Stage (a): per-position streaming statistics of ``z = logits / T``.
+
+    Args:
+        logits: float [N, CL, V] (last dim contiguous). T: float32 [N] (0 = greedy). seed, request_id,
+            canvas_index, step: [N] integer RNG coordinates. active: int32/bool [N] (0 rows are skipped).
+
+    Returns:
+        dict of [N, CL] tensors: ``m`` (max z) and ``inv_s`` (1 / sum exp(z - m)) float32, ``entropy`` float32
+        nats (NaN where a logit is non-finite), ``argmax``/``gumbel_argmax`` int64, ``bad`` bool. Values of
+        inactive rows are undefined.
+    """
+    N, CL, V = logits.shape
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    cfg = (config or SamplerConfig()).resolve(N * CL, V, 1, logits.device)
+    tile = 4 * cfg.block_g
+    chunk = triton.cdiv(triton.cdiv(V, cfg.split_v), tile) * tile
+    split_v = triton.cdiv(V, chunk)
+    dev = logits.device
+    sf = torch.empty(N * CL * split_v * 5, dtype=torch.float32, device=dev)
+    si = torch.empty(N * CL * split_v * 3, dtype=torch.int32, device=dev)
+    act = active.to(torch.int32).contiguous()
+    if N * CL > 0:
+        _stats_kernel[(triton.cdiv(N * CL, cfg.block_p), split_v)](
+            logits, logits.stride(0), logits.stride(1),
+            T.contiguous(), seed.contiguous(), request_id.contiguous(), canvas_index.contiguous(),
+            step.contiguous(), act, sf, si, N * CL, CL, V,
+            CHUNK=chunk, SPLIT_V=split_v, BLOCK_P=cfg.block_p, BLOCK_G=cfg.block_g, num_warps=cfg.stats_warps,
+        )
+    sf = sf.view(N, CL, split_v, 5)
+    si = si.view(N, CL, split_v, 3)
+    m_k, s_k, u_k, best_k, gbest_k = sf.unbind(-1)
+    m = m_k.max(-1).values
+    a = torch.exp(m_k - m[..., None])
+    s = (a * s_k).sum(-1)
+    u = (a * (u_k + (m_k - m[..., None]) * s_k)).sum(-1)
+    entropy = torch.log(s) - u / s
+    # argmax merge: the first split holding the maximum (splits are in increasing id order)
+    ksel = best_k.argmax(-1, keepdim=True)
+    argmax = si[..., 0].gather(-1, ksel).squeeze(-1).to(torch.int64)
+    gsel = gbest_k.argmax(-1, keepdim=True)
+    gumbel_argmax = si[..., 1].gather(-1, gsel).squeeze(-1).to(torch.int64)
+    bad = si[..., 2].amax(-1) != 0
+    entropy = torch.where(bad, float("nan"), entropy)
+    return dict(m=m, inv_s=1.0 / s, entropy=entropy, argmax=argmax, gumbel_argmax=gumbel_argmax, bad=bad)
+
+
+def soft_embedding(logits: torch.Tensor, embedding: torch.Tensor, T: torch.Tensor, m: torch.Tensor,
+                   inv_s: torch.Tensor, argmax: torch.Tensor, active: torch.Tensor,
+                   config: SamplerConfig | None = None) -> torch.Tensor:
+    """Stage (c) partial sums: fp32 workspace ``[SPLIT_K, N * CL, hidden]`` of ``p @ E`` (unscaled).
+
+    ``p = exp(logits / T - m) * inv_s`` (one-hot(argmax) where T = 0), rows of inactive requests skipped (their
+    workspace rows are left unwritten). Args: logits [N, CL, V]; embedding [V, hidden] (bf16/fp16: p is rounded
+    to it, fp32 accumulation; fp32: exact fp32 products); T [N] float32; m, inv_s float32 [N, CL]; argmax int
+    [N, CL]; active [N] bool/int32.
+    """
+    N, CL, V = logits.shape
+    hidden = embedding.shape[1]
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    cfg = (config or SamplerConfig()).resolve(N * CL, V, hidden, logits.device)
+    M = N * CL
+    k_per = triton.cdiv(triton.cdiv(V, cfg.split_k), cfg.block_k) * cfg.block_k
+    split_k = triton.cdiv(V, k_per)
+    ws = torch.empty(split_k, M, hidden, dtype=torch.float32, device=logits.device)
+    if M > 0:
+        grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(hidden, cfg.block_n), split_k)
+        _soft_embedding_kernel[grid](
+            logits, logits.stride(0), logits.stride(1), embedding, embedding.stride(0), embedding.stride(1), ws,
+            T.contiguous(), active.to(torch.int32).contiguous(), m.contiguous(), inv_s.contiguous(),
+            argmax.to(torch.int32).contiguous(), M, CL, V, hidden,
+            K_PER_SPLIT=k_per, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            EXACT_FP32=embedding.dtype == torch.float32, INTERPRET=_interpret(), num_warps=cfg.gemm_warps, num_stages=cfg.gemm_stages,
+        )
+    return ws
+
+
+def _write_soft(state: SamplerState, slots: torch.Tensor, ws: torch.Tensor, mode: torch.Tensor) -> None:
+    split_k, M, hidden = ws.shape
+    CL = state.canvas_length
+    block_h = min(1024, triton.next_power_of_2(hidden))
+    if M > 0:
+        _soft_reduce_kernel[(M, triton.cdiv(hidden, block_h))](
+            ws, state.soft, slots.contiguous(), mode.to(torch.int32).contiguous(), M, CL, hidden,
+            math.sqrt(hidden), SPLIT_K=split_k, BLOCK_H=block_h, num_warps=4,
+        )
+
+
+def sampler_step(state: SamplerState, slots: torch.Tensor, logits: torch.Tensor, prefill_done: torch.Tensor,
+                 embedding: torch.Tensor, config: SamplerConfig | None = None) -> StepOutput:
+    """One sampler step with the fused Triton kernels (same contract as ``reference.sampler_step``).
+
+    Args:
+        state, slots, logits, prefill_done, embedding: see :func:`blockdiff.sampler.sampler_step`. logits may be
+            fp32/bf16/fp16 with a contiguous last dim; E bf16/fp16 (tensor cores) or fp32 (exact products).
+        config: optional :class:`SamplerConfig` (tile shapes, splits).
+
+    Returns:
+        :class:`blockdiff.sampler.StepOutput`. ``state.soft`` is written in place by the reduce kernel.
+
+    Raises:
+        TypeError / ValueError: bad arguments (as the reference).
+    """
+    check_step_args(state, slots, logits, prefill_done, embedding)
+    CL, V = state.canvas_length, state.vocab_size
+    phase = state.phase[slots].clone()
+    is_den = phase == DENOISE
+    seed, rid = state.seed[slots], state.request_id[slots]
+    cidx, step = state.canvas_index[slots], state.step[slots]
+    T = temperature(state, slots)
+    greedy = T == 0
+
+    st = row_stats(logits, T, seed, rid, cidx, step, is_den, config)                      # (a)
+    row_failed = st["bad"].any(-1)
+    entropy = torch.where(greedy[:, None], torch.where(st["bad"], float("nan"), 0.0), st["entropy"])
+    argmax = st["argmax"]
+    sampled = torch.where(greedy[:, None], argmax, st["gumbel_argmax"])
+    accepted = accept_by_entropy(entropy, state.entropy_bound[slots]) & ~row_failed[:, None]       # (b)
+    renoise = rng.random_ids(seed, rid, cidx, step, CL, V, rng.RENOISE)
+    next_canvas = torch.where(accepted, sampled, renoise)
+    mean_entropy = entropy.mean(-1)
+    converged, stable_count = convergence(state, slots, argmax, mean_entropy)
+    cont = is_den & ~row_failed & ~converged
+
+    ws = soft_embedding(logits, embedding, T, st["m"], st["inv_s"], argmax, cont, config)     # (c)
+    res = DenoiseResult(accepted=accepted, entropy=entropy, argmax=argmax, sampled=sampled,
+                        next_canvas=next_canvas, row_failed=row_failed, converged=converged,
+                        stable_count=stable_count, mean_entropy=mean_entropy, temperature=T, soft=None)
+    out = apply_step(state, slots, prefill_done, res, phase)
+    fresh = ~cont & (state.phase[slots] == DENOISE) & (state.step[slots] == 0)
+    mode = torch.where(cont, 1, torch.where(fresh, 2, 0))
+    _write_soft(state, slots, ws, mode)
+    return out

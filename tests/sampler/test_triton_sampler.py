@@ -1,0 +1,223 @@
+"""Fused Triton sampler vs the dense reference (CPU: Triton interpreter on small shapes; GPU: @pytest.mark.gpu).
+
+Decisions (accepted positions, sampled / argmax / renoised ids, convergence, failure, committed canvases and every
+state tensor) must be EXACTLY equal; entropies within float32 rounding; the soft embedding's error against a
+float64 ground truth at most 2x the eager same-precision error plus a representation tolerance.
+"""
+import math
+
+import pytest
+import torch
+
+from blockdiff.sampler import DENOISE, FAILED, SamplerState, SamplingParams, rng, sampler_step
+from blockdiff.sampler.reference import entropy_reference
+from blockdiff.sampler.triton_sampler import SamplerConfig, row_stats, soft_embedding
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+STATE_FIELDS = ("phase", "canvas", "commit_canvas", "prev_argmax", "stable_count", "step", "canvas_index",
+                "num_emitted")
+DECISIONS = ("accepted", "argmax", "sampled", "next_canvas", "converged", "failed", "finished", "emitted",
+             "num_emitted_now", "num_sampled", "num_rejected", "temperature")
+
+
+def _coords(n, g):
+    seed = torch.randint(0, 2**62, (n,), generator=g)
+    rid = torch.randint(-2**62, 2**62, (n,), generator=g)
+    return seed, rid, torch.randint(0, 70000, (n,), generator=g).int(), torch.randint(0, 48, (n,), generator=g).int()
+
+
+@pytest.mark.parametrize("V,split_v,dtype", [(37, 1, torch.float32), (130, 3, torch.float32), (64, 2, torch.bfloat16)])
+def test_row_stats_match_reference(V, split_v, dtype):
+    g = torch.Generator().manual_seed(V)
+    N, CL = 3, 8
+    x = (torch.randn(N, CL, V, generator=g) * 4).to(dtype)
+    x[1, 2, 5:9] = x[1, 2].max() + 1  # argmax tie: lowest id
+    T = torch.tensor([0.8, 0.4123, 1.7])
+    seed, rid, ci, st = _coords(N, g)
+    r = row_stats(x, T, seed, rid, ci, st, torch.ones(N, dtype=torch.bool), SamplerConfig(split_v=split_v, block_g=8))
+    z = x.float() / T[:, None, None]
+    gum = rng.gumbel_noise(seed, rid, ci, st, CL, V)
+    assert torch.equal(r["argmax"], z.argmax(-1)) and r["argmax"][1, 2].item() == 5
+    assert torch.equal(r["gumbel_argmax"], (z + gum).argmax(-1))
+    assert torch.allclose(r["entropy"], entropy_reference(z), rtol=1e-5, atol=1e-5)
+    assert torch.equal(r["m"], z.max(-1).values)
+    assert torch.allclose(r["inv_s"], 1 / torch.exp(z - z.max(-1, keepdim=True).values).sum(-1), rtol=1e-5)
+    assert not r["bad"].any()
+
+
+def test_row_stats_flags_non_finite_and_skips_inactive_rows():
+    N, CL, V = 3, 4, 40
+    x = torch.randn(N, CL, V)
+    x[0, 1, 3] = float("nan")
+    x[0, 2, 39] = float("inf")
+    x[2] = float("nan")  # inactive row: never read
+    z = torch.zeros(N, dtype=torch.int64)
+    r = row_stats(x, torch.full((N,), 0.5), z, z, z, z, torch.tensor([True, True, False]))
+    assert r["bad"][0].tolist() == [False, True, True, False] and not r["bad"][1].any()
+    assert torch.isnan(r["entropy"][0, 1]) and torch.isfinite(r["entropy"][1]).all()
+
+
+def _truth(x, T, E, greedy_ids=None):
+    z = x.double() / T[:, None, None]
+    p = torch.softmax(z, -1)
+    if greedy_ids is not None:
+        p = torch.nn.functional.one_hot(greedy_ids, x.shape[-1]).double()
+    return p @ E.double() * math.sqrt(E.shape[1])
+
+
+@pytest.mark.parametrize("edtype,split_k", [(torch.bfloat16, 1), (torch.bfloat16, 3), (torch.float32, 2)])
+def test_soft_embedding_within_twice_eager_error(edtype, split_k):
+    g = torch.Generator().manual_seed(split_k)
+    N, CL, V, H = 2, 8, 200, 48
+    x = torch.randn(N, CL, V, generator=g) * 3
+    E = torch.randn(V, H, generator=g).to(edtype)
+    T = torch.tensor([0.7, 0.45])
+    z = torch.zeros(N, dtype=torch.int64)
+    act = torch.ones(N, dtype=torch.bool)
+    r = row_stats(x, T, z, z, z, z, act)
+    ws = soft_embedding(x, E, T, r["m"], r["inv_s"], r["argmax"], act, SamplerConfig(split_k=split_k, block_k=32))
+    assert ws.shape[0] == split_k
+    ours = ws.sum(0).view(N, CL, H) * math.sqrt(H)
+    truth = _truth(x, T, E)
+    p = torch.softmax(x / T[:, None, None], -1)
+    eager = (p.to(edtype) @ E).float() * math.sqrt(H)
+    err, err_eager = (ours - truth).abs().max().item(), (eager - truth).abs().max().item()
+    tol = 1e-5 * truth.abs().max().item()
+    assert err <= 2 * err_eager + tol, (err, err_eager)
+
+
+def _mk_state(specs, CL, V, H, R=6):
+    st = SamplerState(R, CL, V, H, device=DEV)
+    for slot, rid, p in specs:
+        st.add_request(slot, rid, p)
+    return st
+
+
+def _check_same(oa, ob, a, b, soft_tol):
+    for f in DECISIONS:
+        assert torch.equal(getattr(oa, f), getattr(ob, f)), f
+    assert torch.allclose(oa.entropy, ob.entropy, rtol=1e-4, atol=1e-5, equal_nan=True)
+    assert torch.allclose(oa.mean_entropy, ob.mean_entropy, rtol=1e-4, atol=1e-5, equal_nan=True)
+    for f in STATE_FIELDS:
+        assert torch.equal(getattr(a, f), getattr(b, f)), f
+    assert torch.allclose(a.soft, b.soft, rtol=0, atol=soft_tol)
+
+
+def test_full_steps_match_reference_exactly():
+    """T > 0 and T = 0 rows, prefill, NaN -> FAILED, convergence, commit with EOS / max_tokens, fresh canvases."""
+    CL, V, H = 16, 100, 32
+    def specs():
+        return [(3, 11, SamplingParams(canvas_length=CL, seed=1, max_denoising_steps=4, eos_token_ids=(3,))),
+                (0, 12, SamplingParams(canvas_length=CL, seed=2, t_min=0.0, t_max=0.0, max_denoising_steps=5,
+                                       max_tokens=40)),
+                (1, 13, SamplingParams(canvas_length=CL, seed=3, max_denoising_steps=3, entropy_bound=1.0)),
+                (5, 14, SamplingParams(canvas_length=CL, seed=4, max_denoising_steps=6, t_min=0.1, t_max=2.0))]
+    a, b = _mk_state(specs(), CL, V, H), _mk_state(specs(), CL, V, H)
+    E = torch.randn(V, H, device=DEV).bfloat16()
+    slots = torch.tensor([3, 0, 1, 5], device=DEV)
+    g = torch.Generator().manual_seed(0)
+    seen_phases = set()
+    for it in range(9):
+        x = (torch.randn(4, CL, V, generator=g) * 3).to(DEV)
+        x[1, :, 7] += 20.0 * (it > 3)  # greedy row becomes stable -> converges before its cap
+        if it == 4:
+            x[3, 2, 9] = float("nan")
+        pd = torch.tensor([True, True, it > 0, True], device=DEV)
+        seen_phases.update(a.phase[slots].tolist())
+        oa = sampler_step(a, slots, x, pd, E, backend="reference")
+        ob = sampler_step(b, slots, x, pd, E, backend="triton")
+        _check_same(oa, ob, a, b, soft_tol=0.1)
+        if it == 4:
+            assert ob.failed.tolist() == [False, False, False, True]
+    assert b.phase[5].item() == FAILED
+    assert seen_phases >= {0, 1, 2}
+
+
+def test_soft_state_close_to_truth_after_a_step():
+    CL, V, H = 8, 64, 32
+    st = _mk_state([(0, 1, SamplingParams(canvas_length=CL))], CL, V, H)
+    E = torch.randn(V, H, device=DEV)
+    slots = torch.tensor([0], device=DEV)
+    sampler_step(st, slots, torch.zeros(1, CL, V, device=DEV), torch.ones(1, dtype=torch.bool, device=DEV), E,
+                 backend="triton")
+    x = torch.randn(1, CL, V, device=DEV)
+    sampler_step(st, slots, x, torch.ones(1, dtype=torch.bool, device=DEV), E, backend="triton")
+    truth = _truth(x.cpu(), torch.tensor([0.8]), E.cpu())
+    assert torch.allclose(st.soft[0].cpu().double(), truth[0], atol=1e-4)
+
+
+def test_triton_batch_invariance():
+    CL, V, H = 8, 50, 16
+    pa = SamplingParams(canvas_length=CL, seed=9, max_denoising_steps=3)
+    a = _mk_state([(0, 777, pa)], CL, V, H)
+    b = _mk_state([(2, 1, SamplingParams(canvas_length=CL, seed=1)), (4, 777, pa),
+                   (0, 3, SamplingParams(canvas_length=CL, t_min=0.0, t_max=0.0))], CL, V, H)
+    E = torch.randn(V, H, device=DEV).bfloat16()
+    sa, sb = torch.tensor([0], device=DEV), torch.tensor([2, 4, 0], device=DEV)
+    g = torch.Generator().manual_seed(5)
+    for it in range(5):
+        x = (torch.randn(3, CL, V, generator=g) * 2).to(DEV)
+        oa = sampler_step(a, sa, x[1:2], torch.ones(1, dtype=torch.bool, device=DEV), E, backend="triton")
+        ob = sampler_step(b, sb, x, torch.ones(3, dtype=torch.bool, device=DEV), E, backend="triton")
+        for f in DECISIONS + ("entropy", "mean_entropy"):
+            assert torch.equal(getattr(oa, f)[0], getattr(ob, f)[1]), f
+        for f in STATE_FIELDS:
+            assert torch.equal(getattr(a, f)[0], getattr(b, f)[4]), f
+        assert torch.allclose(a.soft[0], b.soft[4], rtol=0, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+def _big_case(N=4, CL=256, V=262144, H=2816, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(N, CL, V, device="cuda", generator=g) * 4.0
+    x = 30.0 * torch.tanh(x / 30.0)
+    E = (torch.randn(V, H, device="cuda", generator=g) * 0.02).bfloat16()
+    specs = [(i, 1000 + i, SamplingParams(canvas_length=CL, seed=i, t_min=0.0 if i == 3 else 0.4,
+                                          t_max=0.0 if i == 3 else 0.8)) for i in range(N)]
+    return x, E, specs
+
+
+@pytest.mark.gpu
+def test_gpu_large_shape_matches_reference():
+    torch.manual_seed(0)
+    N, CL, V, H = 4, 256, 262144, 2816
+    x, E, specs = _big_case(N, CL, V, H)
+    a, b = _mk_state(specs, CL, V, H, R=N), _mk_state(specs, CL, V, H, R=N)
+    slots = torch.arange(N, device="cuda")
+    pd = torch.ones(N, dtype=torch.bool, device="cuda")
+    for st, be in ((a, "reference"), (b, "triton")):
+        sampler_step(st, slots, x, pd, E, backend=be)
+    oa = sampler_step(a, slots, x, pd, E, backend="reference")
+    ob = sampler_step(b, slots, x, pd, E, backend="triton")
+    torch.cuda.synchronize()
+    _check_same(oa, ob, a, b, soft_tol=0.05 * a.soft.abs().max().item())
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay_equals_eager_and_memory_is_small():
+    N, CL, V, H = 4, 256, 262144, 2816
+    x, E, specs = _big_case(N, CL, V, H, seed=1)
+    a, b = _mk_state(specs, CL, V, H, R=N), _mk_state(specs, CL, V, H, R=N)
+    slots = torch.arange(N, device="cuda")
+    pd = torch.ones(N, dtype=torch.bool, device="cuda")
+    for st in (a, b):
+        sampler_step(st, slots, x, pd, E, backend="triton")  # prefill -> denoise, compiles the kernels
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    oa = sampler_step(a, slots, x, pd, E, backend="triton")
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    assert extra <= 64 * 2**20, f"extra memory {extra / 2**20:.1f} MiB"
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s):
+        with torch.cuda.graph(graph):
+            ob = sampler_step(b, slots, x, pd, E, backend="triton")
+    graph.replay()
+    torch.cuda.synchronize()
+    for f in DECISIONS:
+        assert torch.equal(getattr(oa, f), getattr(ob, f)), f
+    for f in STATE_FIELDS + ("soft",):
+        assert torch.equal(getattr(a, f), getattr(b, f)), f
