@@ -19,6 +19,12 @@ from .config import DiffusionGemmaConfig
 MOE_IMPLS = ("loop", "grouped_mm")
 
 
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 islands of transformers (norms, RoPE, router softmax), widened to fp64 for fp64 activations so
+    a float64 run is a true oracle (transformers itself keeps them fp32 even in float64)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def activation(name: str):
     """The MLP activation of a config name (transformers' ACT2FN names)."""
     if name in ("gelu_pytorch_tanh", "gelu_new"):
@@ -47,15 +53,17 @@ class RMSNorm(nn.Module):
             self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        acc = acc_dtype(x.dtype)
+        xf = x.to(acc)
         y = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
         if self.with_scale:
-            y = y * self.weight.float()
+            y = y * self.weight.to(acc)
         return y.type_as(x)
 
 
-def rope_inv_freq(rope_params: dict, head_dim: int) -> torch.Tensor:
-    """Inverse frequencies ``[head_dim // 2]`` fp32 of one layer type (transformers' rope init functions).
+def rope_inv_freq(rope_params: dict, head_dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim // 2]`` of one layer type (transformers' rope init functions), computed
+    in ``dtype`` (fp32 reproduces transformers bit for bit; fp64 for oracle runs).
 
     ``default``: ``1 / theta^(2i / d)`` with ``d = head_dim * partial_rotary_factor``.
     ``proportional`` (Gemma 4 full layers): ``1 / theta^(2i / head_dim)`` for the first
@@ -65,18 +73,20 @@ def rope_inv_freq(rope_params: dict, head_dim: int) -> torch.Tensor:
     prf = float(rope_params.get("partial_rotary_factor", 1.0))
     if rope_params.get("rope_type", "default") == "proportional":
         angles = int(prf * head_dim // 2)
-        inv = 1.0 / (theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64).float() / head_dim))
+        inv = 1.0 / (theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64).to(dtype) / head_dim))
         nope = head_dim // 2 - angles
         if nope > 0:
-            inv = torch.cat([inv, torch.zeros(nope, dtype=torch.float32)])
+            inv = torch.cat([inv, torch.zeros(nope, dtype=dtype)])
         return inv / float(rope_params.get("factor", 1.0))
     dim = int(head_dim * prf)
-    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=dtype) / dim))
 
 
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
-    """cos, sin ``[T, 2 * len(inv_freq)]`` in ``dtype`` for int positions ``[T]`` (fp32 products)."""
-    freqs = positions[:, None].float() * inv_freq.to(positions.device, torch.float32)[None, :]
+def rope_cos_sin(positions: torch.Tensor, inv_freq: dict, dtype: torch.dtype):
+    """cos, sin ``[T, head_dim]`` in ``dtype`` for int positions ``[T]``; ``inv_freq`` maps fp32/fp64 to the
+    inverse frequencies (fp32 products as transformers; fp64 for fp64 ``dtype``)."""
+    acc = acc_dtype(dtype)
+    freqs = positions[:, None].to(acc) * inv_freq[acc].to(positions.device)[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -110,7 +120,8 @@ class Router(nn.Module):
     """Gemma 4 MoE router. Input: the raw residual ``[T, hidden]``.
 
     ``s = proj(rmsnorm(x) * scale * hidden^-0.5)``; ``p = softmax(s)`` in fp32; top-k of p, renormalised to
-    sum 1, times ``per_expert_scale[expert]``. Returns ``(weights [T, k] fp32, index [T, k] int64)``.
+    sum 1, times ``per_expert_scale[expert]``. Returns ``(weights [T, k] fp32 (fp64 for fp64 x),
+    index [T, k] int64)``.
     """
 
     def __init__(self, cfg: DiffusionGemmaConfig, device=None, dtype=None):
@@ -126,7 +137,7 @@ class Router(nn.Module):
     def forward(self, x):
         h = self.norm(x)
         h = h * self.scale * self.scalar_root_size
-        probs = F.softmax(self.proj(h), dim=-1, dtype=torch.float32)
+        probs = F.softmax(self.proj(h), dim=-1, dtype=acc_dtype(x.dtype))
         w, idx = torch.topk(probs, k=self.top_k, dim=-1)
         w = w / w.sum(dim=-1, keepdim=True)
         w = w * self.per_expert_scale[idx]

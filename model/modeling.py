@@ -76,8 +76,9 @@ class DiffusionGemma(nn.Module):
                                      for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(hs, eps=config.rms_norm_eps, device=device, dtype=dtype)
         self.self_conditioning = SelfConditioning(config, device=device, dtype=dtype)
-        # fp32 inverse frequencies kept off the module's buffers so .to(bf16) never rounds them.
-        self._inv_freq = {lt: rope_inv_freq(config.rope_parameters[lt], hd)
+        # inverse frequencies kept off the module's buffers so .to(bf16) never rounds them.
+        self._inv_freq = {lt: {dt: rope_inv_freq(config.rope_parameters[lt], hd, dt)
+                               for dt in (torch.float32, torch.float64)}
                           for lt, hd in (("sliding_attention", config.head_dim),
                                          ("full_attention", config.global_head_dim))
                           if lt in config.layer_types}
@@ -211,7 +212,8 @@ class DiffusionGemma(nn.Module):
             bidirectional_window: override of ``config.bidirectional_window`` for sliding layers.
 
         Returns:
-            logits ``[T, vocab_size]`` fp32, softcapped (``cap * tanh(logits / cap)``) in fp32.
+            logits ``[T, vocab_size]`` fp32 (fp64 for a float64 model), softcapped (``cap * tanh(logits / cap)``)
+            in fp32.
 
         Raises:
             TypeError: attn_backend not a str.
@@ -247,7 +249,8 @@ class DiffusionGemma(nn.Module):
             h = h * torch.where(is_dec, layer.layer_scalar, layer.encoder_layer_scalar)
 
         h = self.norm(h)
-        logits = nn.functional.linear(h, self.embed_tokens.weight).float()
+        logits = nn.functional.linear(h, self.embed_tokens.weight)
+        logits = logits.double() if logits.dtype == torch.float64 else logits.float()
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -79,6 +79,7 @@ def hf_config_from(cfg: DiffusionGemmaConfig, attn_implementation: str = "eager"
     hc = HFConfig(text_config=tc, vision_config=vc, canvas_length=cfg.canvas_length)
     hc._attn_implementation = attn_implementation
     hc.text_config._attn_implementation = attn_implementation
+    hc.text_config._experts_implementation = "eager"  # runs in float64 too (the oracle)
     return hc
 
 
