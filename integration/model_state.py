@@ -253,6 +253,8 @@ class DiffusionModelState(_Base):
         self.self_cond_buf = torch.zeros(max_num_tokens, hidden_size, dtype=torch.float32, device=dev)
         self._arange = torch.arange(max_num_tokens, dtype=torch.int64, device=dev)
         if mode == "vllm":
+            # vLLM's FlashAttention metadata builder takes the per-request causal flags as int32, in place.
+            self.causal_buf_i32 = torch.zeros(max_num_reqs, dtype=torch.int32, device=dev)
             self.inputs_embeds_buf = torch.zeros(max_num_tokens, hidden_size, dtype=embed_dtype, device=dev)
 
     # ------------------------------------------------------------------ requests
@@ -420,7 +422,9 @@ class DiffusionModelState(_Base):
         full = cudagraph_mode == CUDAGraphMode.FULL
         num_reqs = input_batch.num_reqs_after_padding if full else n
         num_tokens = input_batch.num_tokens_after_padding if full else input_batch.num_tokens
-        causal = self.fill_causal(input_batch, num_reqs)
+        self.fill_causal(input_batch, num_reqs)
+        causal = self.causal_buf_i32[:num_reqs]
+        causal.copy_(self.causal_buf[:num_reqs])
         return build_attn_metadata(
             attn_groups=attn_groups, num_reqs=num_reqs, num_tokens=num_tokens,
             query_start_loc_gpu=input_batch.query_start_loc,
@@ -445,16 +449,22 @@ class DiffusionModelState(_Base):
         return None
 
     def custom_sampler(self, sampler: Any, *, embedding: torch.Tensor | None = None,
-                       backend: str = "reference") -> tuple[Any, Any] | None:
+                       backend: str | None = None) -> tuple[Any, Any] | None:
         """The diffusion sampler and no rejection sampler: ``(DiffusionSampler, None)``.
 
         Args:
             sampler: vLLM's base sampler (kept for its per-request states under vLLM; None in the harness).
             embedding: tied embedding E ``[V, hidden]`` for self-conditioning (default: the model's
                 ``embedding_weight``, else ``embed_tokens.weight``).
-            backend: sampler backend (``"reference"`` or ``"triton"``).
+            backend: sampler backend (``"reference"`` or ``"triton"``); default ``"reference"`` in the harness
+                and ``$BLOCKDIFF_SAMPLER_BACKEND`` (default ``"triton"``) under vLLM.
         """
+        import os
+
         from .sampler import DiffusionSampler
+
+        if backend is None:
+            backend = os.environ.get("BLOCKDIFF_SAMPLER_BACKEND", "triton") if self.mode == "vllm" else "reference"
 
         if embedding is None:
             embedding = getattr(self.model, "embedding_weight", None)

@@ -157,6 +157,7 @@ class DiffusionSampler:
         q_lens = torch.as_tensor(q_lens_np, dtype=torch.int32, device=dev)
         logits3 = self._canvas_logits(logits, input_batch)
 
+        commit_in = st.commit_canvas[slots].clone() if ms.mode == "vllm" else None
         snapshot = copy.deepcopy(st) if self.check else None
         out = sampler_step(st, slots, logits3, prefill_done, self.embedding, backend=self.backend)
         if self.check:
@@ -168,6 +169,28 @@ class DiffusionSampler:
 
         is_den = phase == DENOISE
         num_rejected = torch.where(is_den, q_lens, out.num_rejected.to(torch.int32))
+        if ms.mode == "vllm":
+            return self._vllm_output(slots, phase, commit_in, out, num_rejected)
         return DiffusionSamplerOutput(
             sampled_token_ids=out.emitted, num_sampled=out.num_sampled.to(torch.int32), num_rejected=num_rejected,
             num_emitted=out.num_emitted_now.to(torch.int32), phase=phase, step=out)
+
+    def _vllm_output(self, slots, phase, commit_in, out, num_rejected):
+        """vLLM: the runner appends ``num_sampled`` tokens per row and its scheduler applies EOS / max_tokens,
+        so a commit row returns the whole committed canvas; the next step's draft tokens (the canvas vLLM
+        schedules) are the renoised / fresh canvas, or the argmax canvas of a row about to commit."""
+        from vllm.v1.worker.gpu.sample.output import SamplerOutput  # type: ignore
+
+        from .model_state import COMMIT
+
+        st = self.model_state.state
+        CL = self.model_state.canvas_length
+        is_com = (phase == COMMIT)[:, None]
+        sampled = torch.where(is_com, commit_in, torch.full_like(commit_in, -1))
+        req_states = getattr(self.base_sampler, "req_states", None)
+        if req_states is not None and getattr(req_states, "draft_tokens", None) is not None:
+            now = st.phase[slots]
+            nxt = torch.where((now == COMMIT)[:, None], st.commit_canvas[slots], st.canvas[slots])
+            req_states.draft_tokens[slots, :CL] = nxt.to(req_states.draft_tokens.dtype)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=None, num_nans=None,
+                             num_sampled=out.num_sampled.to(torch.int32), num_rejected=num_rejected)

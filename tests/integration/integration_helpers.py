@@ -1,6 +1,7 @@
 """Helpers of the integration tests (imported by conftest.py and the test modules)."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -26,3 +27,34 @@ def params(**kw):
 def prompt(n, seed=0, vocab=256):
     g = torch.Generator().manual_seed(1000 + seed)
     return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+
+def make_batch(rows):
+    """rows: (req_id, slot, q_len, ctx, prompt_len, prompt_tokens or None)."""
+    N = len(rows)
+    q = np.array([r[2] for r in rows], dtype=np.int32)
+    ctx = np.array([r[3] for r in rows], dtype=np.int32)
+    qsl = np.concatenate([[0], np.cumsum(q)]).astype(np.int32)
+    T = int(qsl[-1])
+    ids = np.zeros(T, dtype=np.int64)
+    pos = np.zeros(T, dtype=np.int64)
+    pf = np.zeros(N, dtype=bool)
+    for i, r in enumerate(rows):
+        pos[qsl[i]: qsl[i + 1]] = np.arange(ctx[i], ctx[i] + q[i])
+        if r[5] is not None:
+            ids[qsl[i]: qsl[i + 1]] = r[5]
+            pf[i] = True
+    slots = np.array([r[1] for r in rows], dtype=np.int64)
+    plen = np.array([r[4] for r in rows], dtype=np.int32)
+    t = torch.as_tensor
+    from blockdiff.integration.batch import HarnessInputBatch
+
+    return HarnessInputBatch(
+        req_ids=[r[0] for r in rows], num_reqs=N, num_tokens=T, idx_mapping=t(slots), idx_mapping_np=slots,
+        num_scheduled_tokens=q, query_start_loc=t(qsl), query_start_loc_np=qsl, seq_lens=t(ctx + q),
+        seq_lens_np=ctx + q, num_computed_tokens_np=ctx, prefill_len_np=plen,
+        num_computed_prefill_tokens_np=np.minimum(ctx, plen), is_prefilling_np=pf, input_ids=t(ids),
+        positions=t(pos), slot_mapping=t(np.arange(T, dtype=np.int64)),
+        block_table=torch.zeros(N, 64, dtype=torch.int32), logits_indices=torch.arange(T),
+        cu_num_logits_np=qsl.copy(), num_draft_tokens=int(q[~pf].sum()), max_query_len=int(q.max()),
+        max_seq_len=int((ctx + q).max()))

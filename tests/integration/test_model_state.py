@@ -7,13 +7,12 @@ import json
 import os
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
-from integration_helpers import CL, needs_stack, params
+from integration_helpers import CL, make_batch, needs_stack, params
 
 from blockdiff.integration import model_state as MS
-from blockdiff.integration.batch import HarnessInputBatch, NewRequest
+from blockdiff.integration.batch import NewRequest
 from blockdiff.integration.model_state import DiffusionModelState
 
 HERE = os.path.dirname(__file__)
@@ -70,35 +69,6 @@ def test_conformance_with_installed_vllm_model_state():
 
 
 # ---------------------------------------------------------------------------------------------- hooks
-def _batch(rows, device="cpu"):
-    """rows: (req_id, slot, q_len, ctx, prompt_len, prompt_tokens or None)."""
-    N = len(rows)
-    q = np.array([r[2] for r in rows], dtype=np.int32)
-    ctx = np.array([r[3] for r in rows], dtype=np.int32)
-    qsl = np.concatenate([[0], np.cumsum(q)]).astype(np.int32)
-    T = int(qsl[-1])
-    ids = np.zeros(T, dtype=np.int64)
-    pos = np.zeros(T, dtype=np.int64)
-    pf = np.zeros(N, dtype=bool)
-    for i, r in enumerate(rows):
-        pos[qsl[i]: qsl[i + 1]] = np.arange(ctx[i], ctx[i] + q[i])
-        if r[5] is not None:
-            ids[qsl[i]: qsl[i + 1]] = r[5]
-            pf[i] = True
-    slots = np.array([r[1] for r in rows], dtype=np.int64)
-    plen = np.array([r[4] for r in rows], dtype=np.int32)
-    t = torch.as_tensor
-    return HarnessInputBatch(
-        req_ids=[r[0] for r in rows], num_reqs=N, num_tokens=T, idx_mapping=t(slots), idx_mapping_np=slots,
-        num_scheduled_tokens=q, query_start_loc=t(qsl), query_start_loc_np=qsl, seq_lens=t(ctx + q),
-        seq_lens_np=ctx + q, num_computed_tokens_np=ctx, prefill_len_np=plen,
-        num_computed_prefill_tokens_np=np.minimum(ctx, plen), is_prefilling_np=pf, input_ids=t(ids),
-        positions=t(pos), slot_mapping=t(np.arange(T, dtype=np.int64)),
-        block_table=torch.zeros(N, 64, dtype=torch.int32), logits_indices=torch.arange(T),
-        cu_num_logits_np=qsl.copy(), num_draft_tokens=int(q[~pf].sum()), max_query_len=int(q.max()),
-        max_seq_len=int((ctx + q).max()))
-
-
 @pytest.fixture
 def ms(tiny_model):
     return DiffusionModelState.for_harness(tiny_model, max_num_reqs=4, max_num_tokens=64, canvas_length=CL,
@@ -118,7 +88,7 @@ def test_prepare_inputs_reads_canvas_commit_prompt_and_self_conditioning(ms):
     st.canvas[0] = 999  # must not leak into the commit row
     st.soft[2] = torch.randn(CL, ms.hidden_size)
     st.soft[0] = 3.0  # a commit row's self-conditioning must be exactly zero
-    b = _batch([("den", 2, CL, 20, 3, None), ("com", 0, CL, 12, 3, None), ("pre", 1, 3, 0, 3, [5, 6, 7])])
+    b = make_batch([("den", 2, CL, 20, 3, None), ("com", 0, CL, 12, 3, None), ("pre", 1, 3, 0, 3, [5, 6, 7])])
     out = ms.prepare_inputs(b, None)
     ids, sc = out["input_ids"], out["self_cond"]
     assert ids.tolist() == list(range(100, 100 + CL)) + list(range(200, 200 + CL)) + [5, 6, 7]
@@ -138,7 +108,7 @@ def test_prepare_attn_causal_flags_from_phase_in_persistent_buffer(ms):
     for slot, rid in ((3, "a"), (1, "b"), (0, "c")):
         ms.add_request(slot, NewRequest(rid, [1, 2], params()))
     ms.state.phase[3], ms.state.phase[1] = DENOISE, COMMIT
-    b = _batch([("a", 3, CL, 10, 2, None), ("b", 1, CL, 10, 2, None), ("c", 0, 2, 0, 2, [1, 2])])
+    b = make_batch([("a", 3, CL, 10, 2, None), ("b", 1, CL, 10, 2, None), ("c", 0, 2, 0, 2, [1, 2])])
     meta = ms.prepare_attn(b, None, (b.block_table,), b.slot_mapping, None, None)
     assert meta.causal.tolist() == [False, True, True]
     assert meta.causal.data_ptr() == ms.causal_buf.data_ptr()

@@ -1,0 +1,64 @@
+"""vLLM attention backend ``CUSTOM`` -> blockdiff's mixed causal/bidirectional attention (needs vLLM).
+
+Metadata, KV layout and the KV write are vLLM's FlashAttention backend's (the builder accepts a per-request
+``causal`` int32 tensor, which :class:`~blockdiff.integration.model_state.DiffusionModelState.prepare_attn`
+fills in place from the phase). Only the attention call changes: one :func:`blockdiff.attention.attention`
+launch over the whole mixed batch, with the backend named by ``BLOCKDIFF_ATTN_BACKEND`` (default ``triton``;
+``cute``; no fallback). Sliding windows: vLLM's ``sliding_window`` (Gemma's 1024) is W = sliding_window - 1
+keys per side, symmetric for bidirectional rows (vLLM's convention).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend, FlashAttentionImpl  # type: ignore
+
+from .vllm_plugin import ATTN_BACKEND_ENV
+
+
+class BlockdiffAttentionImpl(FlashAttentionImpl):
+    """FlashAttentionImpl whose forward calls :func:`blockdiff.attention.attention` (one launch, per-request
+    causal flags)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.blockdiff_backend = os.environ.get(ATTN_BACKEND_ENV, "triton")
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                output_block_scale=None):
+        from blockdiff.attention import attention
+
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("blockdiff attention: fused output quantization is not supported")
+        if attn_metadata is None:  # profiling run
+            return output.fill_(0)
+        n = attn_metadata.num_actual_tokens
+        key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
+        causal = attn_metadata.causal
+        B = attn_metadata.seq_lens.shape[0]
+        if torch.is_tensor(causal):
+            causal = causal[:B].to(torch.bool)
+        else:
+            causal = torch.full((B,), bool(causal), dtype=torch.bool, device=query.device)
+        left = self.sliding_window[0]
+        out = output[:n].view(n, self.num_heads, self.head_size)
+        attention(query[:n].view(n, self.num_heads, self.head_size), key_cache, value_cache,
+                  cu_seqlens_q=attn_metadata.query_start_loc, seq_lens=attn_metadata.seq_lens, causal=causal,
+                  block_table=attn_metadata.block_table, window_size=None if left < 0 else int(left),
+                  bidirectional_window="symmetric", scale=self.scale, out=out,
+                  max_seqlen_q=attn_metadata.max_query_len, max_seqlen_k=attn_metadata.max_seq_len,
+                  backend=self.blockdiff_backend)
+        return output
+
+
+class BlockdiffAttentionBackend(FlashAttentionBackend):
+    """vLLM's FlashAttention backend (metadata, KV layout, KV write) with blockdiff's attention kernel."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"
+
+    @staticmethod
+    def get_impl_cls():
+        return BlockdiffAttentionImpl

@@ -1,0 +1,77 @@
+"""vLLM general plugin (entry point ``vllm.general_plugins: blockdiff = blockdiff.integration.vllm_plugin:register``).
+
+``register()`` runs in every vLLM process (API server, engine core, workers) and
+
+1. registers :class:`blockdiff.integration.vllm_model.BlockdiffDiffusionGemmaForConditionalGeneration` for the
+   checkpoint architectures ``DiffusionGemmaForBlockDiffusion`` and ``DiffusionGemmaForConditionalGeneration``
+   (vLLM logs that it overrides its own class). Its ``get_model_state_cls()`` returns
+   :class:`~blockdiff.integration.model_state.DiffusionModelState`, whose ``custom_sampler`` returns the
+   :class:`~blockdiff.integration.sampler.DiffusionSampler` and no rejection sampler;
+2. registers :class:`blockdiff.integration.vllm_attention.BlockdiffAttentionBackend` as vLLM's ``CUSTOM``
+   attention backend (select it with ``--attention-backend CUSTOM``); it runs
+   :func:`blockdiff.attention.attention` with the per-request causal flags in one launch, on the backend named
+   by ``BLOCKDIFF_ATTN_BACKEND`` (``triton`` default, or ``cute``; no fallback).
+
+vLLM is imported lazily: importing this module never needs vLLM; calling :func:`register` without vLLM raises
+ImportError. Serving command (vLLM >= 0.24; interface read from 0.33.0): see :data:`SERVE_COMMAND`.
+"""
+from __future__ import annotations
+
+import os
+
+ARCHITECTURES = ("DiffusionGemmaForBlockDiffusion", "DiffusionGemmaForConditionalGeneration")
+MODEL_CLASS = "blockdiff.integration.vllm_model:BlockdiffDiffusionGemmaForConditionalGeneration"
+ATTENTION_BACKEND_CLASS = "blockdiff.integration.vllm_attention.BlockdiffAttentionBackend"
+ATTN_BACKEND_ENV = "BLOCKDIFF_ATTN_BACKEND"
+SAMPLER_BACKEND_ENV = "BLOCKDIFF_SAMPLER_BACKEND"
+
+SERVE_COMMAND = (
+    "pip install -e '.[vllm,cute]'   # installs the vllm.general_plugins entry point\n"
+    "VLLM_USE_V2_MODEL_RUNNER=1 VLLM_PLUGINS=blockdiff \\\n"
+    "BLOCKDIFF_ATTN_BACKEND=triton BLOCKDIFF_SAMPLER_BACKEND=triton \\\n"
+    "vllm serve $DIFFUSIONGEMMA_CHECKPOINT \\\n"
+    "    --attention-backend CUSTOM \\\n"
+    "    --diffusion-config '{\"canvas_length\": 256, \"max_denoising_steps\": 48}' \\\n"
+    "    --max-num-seqs 64 --max-num-batched-tokens 16384 --max-model-len 32768 --dtype bfloat16"
+)
+"""The ``vllm serve`` command for the README. ``$DIFFUSIONGEMMA_CHECKPOINT``: a DiffusionGemma checkpoint
+(architecture ``DiffusionGemmaForBlockDiffusion``); ``--diffusion-config`` turns on vLLM's diffusion scheduler
+(canvas scheduled as draft tokens); ``VLLM_PLUGINS=blockdiff`` loads only this plugin."""
+
+_registered = False
+
+
+def _require_vllm():
+    try:
+        import vllm  # noqa: F401
+    except ImportError as e:
+        raise ImportError(
+            "blockdiff's vLLM plugin needs vLLM (pip install -e '.[vllm]', vllm>=0.24; the ModelState interface "
+            f"was read from vLLM 0.33.0); vLLM could not be imported: {e}") from e
+
+
+def register() -> None:
+    """Register the DiffusionGemma model class (with ``get_model_state_cls``) and the ``CUSTOM`` attention
+    backend with vLLM. Idempotent.
+
+    Raises:
+        ImportError: vLLM is not installed (the message says how to install it).
+        ValueError: ``BLOCKDIFF_ATTN_BACKEND`` / ``BLOCKDIFF_SAMPLER_BACKEND`` name an unknown backend.
+    """
+    global _registered
+    _require_vllm()
+    attn = os.environ.get(ATTN_BACKEND_ENV, "triton")
+    if attn not in ("triton", "cute", "reference"):
+        raise ValueError(f"{ATTN_BACKEND_ENV} must be 'triton', 'cute' or 'reference', got {attn!r}")
+    smp = os.environ.get(SAMPLER_BACKEND_ENV, "triton")
+    if smp not in ("triton", "reference"):
+        raise ValueError(f"{SAMPLER_BACKEND_ENV} must be 'triton' or 'reference', got {smp!r}")
+    if _registered:
+        return
+    from vllm import ModelRegistry  # type: ignore
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend  # type: ignore
+
+    for arch in ARCHITECTURES:
+        ModelRegistry.register_model(arch, MODEL_CLASS)
+    register_backend(AttentionBackendEnum.CUSTOM, ATTENTION_BACKEND_CLASS)
+    _registered = True

@@ -1,0 +1,93 @@
+"""The vLLM general plugin: lazy vLLM import, clear error without vLLM, registration with vLLM, and the
+vLLM-mode input path of DiffusionModelState (checked with a stand-in model, no vLLM needed)."""
+from __future__ import annotations
+
+import importlib.util
+from importlib.metadata import entry_points
+
+import pytest
+import torch
+from integration_helpers import CL, make_batch, needs_stack, params
+
+from blockdiff.integration import vllm_plugin
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+def test_plugin_entry_point_is_declared():
+    eps = [ep for ep in entry_points(group="vllm.general_plugins") if ep.name == "blockdiff"]
+    assert eps and eps[0].value == "blockdiff.integration.vllm_plugin:register"
+
+
+@pytest.mark.skipif(HAVE_VLLM, reason="vLLM is installed: the no-vLLM error path cannot be exercised")
+def test_register_without_vllm_raises_clear_import_error():
+    with pytest.raises(ImportError, match=r"needs vLLM .*pip install"):
+        vllm_plugin.register()
+
+
+@pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed here (pip install -e '.[vllm]' on a GPU host)")
+def test_register_with_vllm_registers_model_and_attention_backend():
+    from vllm import ModelRegistry
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    vllm_plugin.register()
+    vllm_plugin.register()  # idempotent
+    for arch in vllm_plugin.ARCHITECTURES:
+        assert arch in ModelRegistry.get_supported_archs()
+    assert AttentionBackendEnum.CUSTOM.get_path() == vllm_plugin.ATTENTION_BACKEND_CLASS
+    from blockdiff.integration.model_state import DiffusionModelState
+    from blockdiff.integration.vllm_model import BlockdiffDiffusionGemmaForConditionalGeneration as M
+
+    assert M.get_model_state_cls() is DiffusionModelState
+
+
+def test_register_rejects_unknown_backend_env(monkeypatch):
+    monkeypatch.setenv(vllm_plugin.ATTN_BACKEND_ENV, "flash9000")
+    with pytest.raises((ValueError, ImportError), match="BLOCKDIFF_ATTN_BACKEND|needs vLLM"):
+        vllm_plugin.register()
+
+
+def test_serve_command_names_the_plugin_pieces():
+    cmd = vllm_plugin.SERVE_COMMAND
+    for piece in ("vllm serve", "--attention-backend CUSTOM", "--diffusion-config", "canvas_length",
+                  "VLLM_USE_V2_MODEL_RUNNER=1", "BLOCKDIFF_ATTN_BACKEND"):
+        assert piece in cmd
+
+
+class _StandInVllmModel(torch.nn.Module):
+    """What DiffusionModelState's vLLM path calls on vLLM's model: embed_input_ids and self_conditioning."""
+
+    def __init__(self, vocab, hidden):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, hidden)
+        self.config = type("C", (), {"vocab_size": vocab, "hidden_size": hidden})()
+
+    def embed_input_ids(self, ids):
+        return self.emb(ids)
+
+    def self_conditioning(self, e, soft):
+        return e + 100.0 + soft  # visible marker
+
+
+@needs_stack
+def test_vllm_mode_inputs_embeds_apply_self_conditioning_on_denoise_tokens_only():
+    from blockdiff.integration.batch import NewRequest
+    from blockdiff.integration.model_state import DiffusionModelState
+    from blockdiff.sampler import DENOISE
+
+    model = _StandInVllmModel(64, 8)
+    ms = DiffusionModelState.for_harness(model, max_num_reqs=2, max_num_tokens=32, canvas_length=CL, device="cpu",
+                                         default_params=params())
+    ms.mode = "vllm"
+    ms.inputs_embeds_buf = torch.zeros(32, 8)
+    ms.add_request(0, NewRequest("d", [1, 2], params()))
+    ms.add_request(1, NewRequest("p", [3, 4], params()))
+    ms.state.phase[0] = DENOISE
+    ms.state.canvas[0] = torch.arange(CL) + 10
+    b = make_batch([("d", 0, CL, 2, 2, None), ("p", 1, 2, 0, 2, [3, 4])])
+    emb = ms.prepare_inputs(b, None)["inputs_embeds"]
+    with torch.no_grad():
+        base = model.emb(torch.tensor(list(range(10, 10 + CL)) + [3, 4]))
+    assert torch.allclose(emb[:CL], base[:CL] + 100.0)  # soft is 0 at step 0; the MLP still runs
+    assert torch.equal(emb[CL:], base[CL:])
+    assert ms.prepare_dummy_inputs(2, 5)["inputs_embeds"].data_ptr() == emb.data_ptr()
