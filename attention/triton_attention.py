@@ -1,0 +1,646 @@
+"""Triton backend of the blockdiff attention contract (backend ``"triton"``): one fused varlen launch.
+
+Semantics: ARCHITECTURE.md "Attention semantics" (oracle: :mod:`blockdiff.attention.reference`). The algorithm
+is FlashAttention-2's online softmax (Dao, 2023, arXiv:2307.08691) in the base-2 form of the Triton fused
+attention tutorial, with flash-decoding's split-KV and exact LSE merge (Dao et al., 2023, "Flash-Decoding for
+long-context inference") and vLLM's ``triton_unified_attention`` device-side tile -> sequence mapping.
+
+Design
+------
+* **One launch, mixed row types.** Grid ``(n_tiles, num_kv_heads * n_dv_blocks, num_splits)`` with
+  ``n_tiles = total_q // BLOCK_Q + B`` (host shapes only). Program ``t`` finds its sequence by a binary search
+  over the virtual tile starts ``cu_seqlens_q[b] // BLOCK_Q + b`` (monotone in b; each sequence owns
+  ``>= cdiv(q_len, BLOCK_Q)`` virtual tiles, surplus programs exit at once). No host sync, no cumsum op.
+  Tiles are visited in reverse so the long causal tiles at the end of a prefill start first.
+  The causal flag is ``num_causal_q[b]`` read on the device (``causal`` is converted by validation), so a
+  tile may mix causal and bidirectional rows (stretch goal of the contract).
+* **GQA packing.** A tile's ``BLOCK_M`` rows are ``(token, head-in-group)`` pairs: ``BLOCK_Q = BLOCK_M // GP``
+  tokens x ``GP`` heads (GP = group size rounded up to a power of two; padding heads are masked). K/V of a
+  KV head are read once for the whole group.
+* **Tile skipping for every row type.** Each row allows one key interval ``[lo, hi]`` (masks.key_range). The
+  kernel computes it per row and takes ``kmin = min lo``, ``kmax = max hi`` over the tile's valid rows: it
+  visits only key blocks in ``[kmin, kmax]`` (causal diagonal, sliding window on both sides, prefix window,
+  mixed tiles). Blocks inside ``[max lo, min hi]`` are *full* (no elementwise mask, no bounds checks); only
+  the boundary blocks before/after them run the masked path (three loops, a constexpr MASK flag).
+* **Paged KV, any page size.** A key block of BLOCK_N keys: when ``page_size % BLOCK_N == 0`` one scalar
+  block-table read per block, otherwise one vector read of the page ids (pages of 1, 16, ... or not dividing
+  the tile). Block ids are widened to int64 before multiplying strides. Contiguous varlen form via
+  ``cu_seqlens_k``.
+* **Numerics.** Scores ``q.k * scale * log2(e)`` in fp32 from ``tl.dot`` (bf16/fp16 operands, fp32 acc; fp32
+  inputs use ``input_precision="ieee"``), ``exp2``; the running max is made finite (0) while a row has seen no
+  allowed key, so fully masked rows/blocks never produce ``-inf - -inf``. Rows with no key: out 0, lse -inf.
+* **Split-KV.** For few long sequences (e.g. one 256-token canvas over 32k context: 5 tiles x 8 KV heads)
+  the key-block range of each tile is cut into ``num_splits`` chunks (chosen from host shapes: programs vs
+  SM count and the key capacity). Partials (normalised out in fp32 + LSE) are merged exactly by a second small
+  kernel. ``num_splits = 1`` writes ``out`` directly.
+* **head_dim 512** (Gemma 4 global layers, 2 KV heads for 16 q heads). Either the whole V head dim per program
+  (``BLOCK_M 64, BLOCK_N 32``, 8 warps: the fp32 accumulator is 64x512 = 128 registers/thread) or
+  ``BLOCK_DV < head_dim_v`` splits the V head dim across programs (QK^T recomputed per V slice).
+* **Configs.** ``config=dict(BLOCK_M, BLOCK_N, num_warps, num_stages, num_splits, BLOCK_DV)`` overrides the
+  defaults; resolved launch plans are cached per static key (head dims, group size, dtype, paged, page size,
+  window, mode) in :class:`TritonAttention` instances; Triton itself caches the compiled kernels per constexpr.
+* **CUDA graphs.** Everything per step (cu_seqlens_q, seq_lens, num_causal_q/causal, block_table) is read on
+  the device; grid and split count depend only on shapes and host ints (``max_seqlen_k``), so a graph captured
+  once replays correctly with new flags, lengths and block tables (the capacities must not grow).
+
+Predictions (H200, bf16; ceilings ~790 TFLOP/s dense bf16, ~4.3 TB/s; FLOPs = 4 H D pairs)
+------------------------------------------------------------------------------------------
+* ``mixed_sliding_ctx8k`` (hd 256, H 16/8, W 1023): ~4.5 M allowed pairs/head -> 74 GFLOP; K/V read
+  ~ (4096 + 3 x 1280) keys x 8 heads x 256 x 2 B x 2 = 33 MB (~8 us). Compute bound: at ~400 TFLOP/s
+  effective ~0.19 ms (target 0.205 ms). Tiles 64 rows = 32 tokens x 2 heads; boundary blocks are ~2 of ~18.
+* ``mixed_global_ctx8k`` (hd 512, H 16/2, no window): pairs ~ 8.4 M (prefill) + 3 x 256 x 8.4 k -> ~15 M x
+  4 x 16 x 512 = 0.49 TFLOP; at ~450 TFLOP/s -> ~1.1 ms. The hardest shape for Triton (register pressure).
+* ``canvas_bs1_ctx32k_hd128``: 256 x 33 k pairs x 4 x 16 x 128 = 68.7 GFLOP, K/V 134 MB (~31 us at
+  4.3 TB/s, read once per q tile but L2-shared across tiles) -> compute bound, needs split-KV (40 programs
+  without it): ~0.14-0.17 ms at 400-500 TFLOP/s.
+* ``canvas_bs1_ctx32k_sliding``: 256 rows x ~1150 keys -> 4.8 GFLOP, 10.5 MB of K/V: ~8-15 us, launch and
+  latency bound (two kernels with the merge).
+* ``prefill16k_hd128``: 134 M pairs x 8192 FLOP = 1.1 TFLOP; at 450 TFLOP/s ~2.4 ms (target 2.47 ms).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .validate import check_attention_inputs
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+_WINDOW_CLAMP = 1 << 30  # windows wider than any sequence behave as "no window"; keeps q_abs + W in int32
+
+
+# ------------------------------------------------------------------------------------------------ kernels
+@triton.jit
+def _cast(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
+    """``x.to(dtype)`` with round-to-nearest-even; the interpreter truncates fp32 -> bf16, so round by hand."""
+    if INTERPRET:
+        if dtype == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            return bits.to(tl.float32, bitcast=True).to(dtype)
+        else:
+            return x.to(dtype)
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
+def _attn_block(acc, l_i, m_i, q, j, K, V, bt_row, k_base, k_head, v_head,
+                stride_kb, stride_kp, stride_vb, stride_vp,
+                seq_len, lo, hi, qk_scale, offs_n, offs_d, offs_dv, d_mask, dv_mask,
+                BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr, MASK: tl.constexpr,
+                EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr):
+    """One key block of the online softmax (MASK: boundary block with elementwise mask and bounds)."""
+    start = j * BLOCK_N
+    kpos = start + offs_n  # [BN] int32 key positions within the sequence
+    kvalid = kpos < seq_len
+    if PAGED:
+        if PAGE % BLOCK_N == 0:
+            # the whole block lies in one page; start < seq_len always (blocks come from [kmin, kmax])
+            bid = tl.load(bt_row + start // PAGE).to(tl.int64)
+            poff = (start % PAGE + offs_n).to(tl.int64)
+            row_k = bid * stride_kb + poff * stride_kp
+            row_v = bid * stride_vb + poff * stride_vp
+        else:
+            if MASK:
+                bid = tl.load(bt_row + kpos // PAGE, mask=kvalid, other=0).to(tl.int64)
+            else:
+                bid = tl.load(bt_row + kpos // PAGE).to(tl.int64)
+            poff = (kpos % PAGE).to(tl.int64)
+            row_k = bid * stride_kb + poff * stride_kp
+            row_v = bid * stride_vb + poff * stride_vp
+    else:
+        tok = (k_base + kpos).to(tl.int64)
+        row_k = tok * stride_kb
+        row_v = tok * stride_vb
+    k_ptrs = K + k_head + row_k[:, None] + offs_d[None, :]
+    v_ptrs = V + v_head + row_v[:, None] + offs_dv[None, :]
+    if MASK:
+        if EVEN_D:
+            k = tl.load(k_ptrs, mask=kvalid[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs, mask=kvalid[:, None] & d_mask[None, :], other=0.0)
+    else:
+        if EVEN_D:
+            k = tl.load(k_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=d_mask[None, :], other=0.0)
+    if INTERPRET:  # the interpreter multiplies bf16 as raw uint16: use fp32 operands (same rounded values)
+        qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * qk_scale
+    else:
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+    if MASK:
+        allowed = (kpos[None, :] >= lo[:, None]) & (kpos[None, :] <= hi[:, None])
+        qk = tl.where(allowed, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no allowed key yet: keep exp2 finite
+    else:
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_use = m_new
+    p = tl.math.exp2(qk - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if MASK:
+        if EVEN_DV:
+            v = tl.load(v_ptrs, mask=kvalid[:, None], other=0.0)
+        else:
+            v = tl.load(v_ptrs, mask=kvalid[:, None] & dv_mask[None, :], other=0.0)
+    else:
+        if EVEN_DV:
+            v = tl.load(v_ptrs)
+        else:
+            v = tl.load(v_ptrs, mask=dv_mask[None, :], other=0.0)
+    if INTERPRET:
+        acc = tl.dot(_cast(p, v.dtype, INTERPRET).to(tl.float32), v.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _attn_range(acc, l_i, m_i, q, j_lo, j_hi, K, V, bt_row, k_base, k_head, v_head,
+                stride_kb, stride_kp, stride_vb, stride_vp,
+                seq_len, lo, hi, qk_scale, offs_n, offs_d, offs_dv, d_mask, dv_mask,
+                BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr, MASK: tl.constexpr,
+                EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr):
+    """Key blocks ``[j_lo, j_hi)``. A pipelined ``for`` on the GPU; a ``while`` under the interpreter, whose
+    ``range`` cannot take run-time tensor bounds with NumPy >= 2.3 (scalars are 1-element arrays there)."""
+    if INTERPRET:
+        j = j_lo
+        while j < j_hi:
+            acc, l_i, m_i = _attn_block(acc, l_i, m_i, q, j, K, V, bt_row, k_base, k_head, v_head,
+                                        stride_kb, stride_kp, stride_vb, stride_vp, seq_len, lo, hi, qk_scale,
+                                        offs_n, offs_d, offs_dv, d_mask, dv_mask,
+                                        BLOCK_N, PAGE, PAGED, MASK, EVEN_D, EVEN_DV, DOT_PREC, INTERPRET)
+            j += 1
+    else:
+        for j in range(j_lo, j_hi):
+            acc, l_i, m_i = _attn_block(acc, l_i, m_i, q, j, K, V, bt_row, k_base, k_head, v_head,
+                                        stride_kb, stride_kp, stride_vb, stride_vp, seq_len, lo, hi, qk_scale,
+                                        offs_n, offs_d, offs_dv, d_mask, dv_mask,
+                                        BLOCK_N, PAGE, PAGED, MASK, EVEN_D, EVEN_DV, DOT_PREC, INTERPRET)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    Q, K, V, O, LSE, OPART, LSEPART,
+    CU_Q, SEQ_LENS, NCQ, BT, CU_K,
+    stride_qt, stride_qh, stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh,
+    stride_ot, stride_oh, stride_bt,
+    total_q, num_heads, num_seqs, n_tiles, window, qk_scale,
+    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, N_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
+    PAGE: tl.constexpr, PAGED: tl.constexpr, HAS_WINDOW: tl.constexpr, PREFIX: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, STORE_LSE: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+    DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    t = n_tiles - 1 - tl.program_id(0)  # reverse: long causal tiles (end of a prefill) first
+    pid1 = tl.program_id(1)
+    kvh = pid1 // N_DV
+    dvb = pid1 % N_DV
+    split = tl.program_id(2)
+
+    # ---- tile -> sequence: largest b with cu_q[b] // BLOCK_Q + b <= t (binary search, no host work)
+    lo_b = tl.program_id(0) * 0
+    hi_b = num_seqs + lo_b
+    for _ in tl.static_range(SEARCH_STEPS):
+        mid = (lo_b + hi_b) // 2
+        s_mid = tl.load(CU_Q + mid) // BLOCK_Q + mid
+        go = s_mid <= t
+        lo_b = tl.where(go, mid, lo_b)
+        hi_b = tl.where(go, hi_b, mid)
+    b = lo_b
+    q_start = tl.load(CU_Q + b)
+    q_len = tl.load(CU_Q + b + 1) - q_start
+    tile = t - (q_start // BLOCK_Q + b)
+    if tile * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(SEQ_LENS + b)
+    ncq = tl.load(NCQ + b)
+    ctx = seq_len - q_len
+
+    # ---- rows = (token, head in group)
+    offs_m = tl.arange(0, BLOCK_M)
+    tok = offs_m // GP
+    hh = offs_m % GP
+    i = tile * BLOCK_Q + tok
+    row_valid = (i < q_len) & (hh < G)
+    head = kvh * G + hh
+    q_abs = ctx + i
+    is_causal = i < ncq
+    if HAS_WINDOW:
+        lo_sl = tl.maximum(q_abs - window, 0)
+        if PREFIX:
+            lo_bi = tl.maximum(ctx + ncq - window, 0) + 0 * i
+            hi_bi = seq_len - 1 + 0 * i
+        else:
+            lo_bi = lo_sl
+            hi_bi = tl.minimum(q_abs + window, seq_len - 1)
+    else:
+        lo_sl = 0 * i
+        lo_bi = lo_sl
+        hi_bi = seq_len - 1 + 0 * i
+    lo = tl.where(is_causal, lo_sl, lo_bi)
+    hi = tl.where(is_causal, q_abs, hi_bi)
+    BIG: tl.constexpr = 1 << 30
+    kmin = tl.min(tl.where(row_valid, lo, BIG), 0)
+    kmax = tl.max(tl.where(row_valid, hi, -1), 0)
+    lo_max = tl.max(tl.where(row_valid, lo, 0), 0)
+    hi_min = tl.min(tl.where(row_valid, hi, BIG), 0)
+
+    blk_lo = kmin // BLOCK_N
+    blk_hi = tl.maximum(tl.where(kmax >= kmin, kmax // BLOCK_N + 1, blk_lo), blk_lo)
+    if NUM_SPLITS > 1:
+        per = (blk_hi - blk_lo + NUM_SPLITS - 1) // NUM_SPLITS
+        a = tl.minimum(blk_lo + split * per, blk_hi)
+        d_end = tl.minimum(a + per, blk_hi)
+    else:
+        a = blk_lo
+        d_end = blk_hi
+    full_lo = (lo_max + BLOCK_N - 1) // BLOCK_N
+    full_hi = (hi_min + 1) // BLOCK_N
+    b_mid = tl.minimum(tl.maximum(full_lo, a), d_end)
+    c_mid = tl.minimum(tl.maximum(full_hi, b_mid), d_end)
+
+    # ---- load the Q tile once
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = dvb * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    d_mask = offs_d < D
+    dv_mask = offs_dv < DV
+    q_row = (q_start + i).to(tl.int64)
+    q_ptrs = Q + q_row[:, None] * stride_qt + head[:, None].to(tl.int64) * stride_qh + offs_d[None, :]
+    if BLOCK_D == D:
+        q = tl.load(q_ptrs, mask=row_valid[:, None], other=0.0)
+    else:
+        q = tl.load(q_ptrs, mask=row_valid[:, None] & d_mask[None, :], other=0.0)
+
+    if PAGED:
+        bt_row = BT + b.to(tl.int64) * stride_bt
+        k_base = 0
+    else:
+        bt_row = BT
+        k_base = tl.load(CU_K + b)
+    k_head = kvh.to(tl.int64) * stride_kh
+    v_head = kvh.to(tl.int64) * stride_vh
+    offs_n = tl.arange(0, BLOCK_N)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    EVEN_D: tl.constexpr = BLOCK_D == D
+    EVEN_DV: tl.constexpr = BLOCK_DV * N_DV == DV
+
+    acc, l_i, m_i = _attn_range(acc, l_i, m_i, q, a, b_mid, K, V, bt_row, k_base, k_head, v_head,
+                                stride_kb, stride_kp, stride_vb, stride_vp, seq_len, lo, hi, qk_scale,
+                                offs_n, offs_d, offs_dv, d_mask, dv_mask,
+                                BLOCK_N, PAGE, PAGED, True, EVEN_D, EVEN_DV, DOT_PREC, INTERPRET)
+    acc, l_i, m_i = _attn_range(acc, l_i, m_i, q, b_mid, c_mid, K, V, bt_row, k_base, k_head, v_head,
+                                stride_kb, stride_kp, stride_vb, stride_vp, seq_len, lo, hi, qk_scale,
+                                offs_n, offs_d, offs_dv, d_mask, dv_mask,
+                                BLOCK_N, PAGE, PAGED, False, EVEN_D, EVEN_DV, DOT_PREC, INTERPRET)
+    acc, l_i, m_i = _attn_range(acc, l_i, m_i, q, c_mid, d_end, K, V, bt_row, k_base, k_head, v_head,
+                                stride_kb, stride_kp, stride_vb, stride_vp, seq_len, lo, hi, qk_scale,
+                                offs_n, offs_d, offs_dv, d_mask, dv_mask,
+                                BLOCK_N, PAGE, PAGED, True, EVEN_D, EVEN_DV, DOT_PREC, INTERPRET)
+
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    tok_g = q_start.to(tl.int64) + i
+    lse_off = head.to(tl.int64) * total_q + tok_g
+    if NUM_SPLITS == 1:
+        o_ptrs = O + tok_g[:, None] * stride_ot + head[:, None].to(tl.int64) * stride_oh + offs_dv[None, :]
+        tl.store(o_ptrs, _cast(out, O.dtype.element_ty, INTERPRET), mask=row_valid[:, None] & dv_mask[None, :])
+        if STORE_LSE:
+            tl.store(LSE + lse_off, lse, mask=row_valid & (dvb == 0))
+    else:
+        s64 = split.to(tl.int64)
+        p_row = (s64 * total_q + tok_g) * num_heads + head
+        p_ptrs = OPART + p_row[:, None] * DV + offs_dv[None, :]
+        tl.store(p_ptrs, out, mask=row_valid[:, None] & dv_mask[None, :])
+        tl.store(LSEPART + s64 * num_heads * total_q + lse_off, lse, mask=row_valid & (dvb == 0))
+
+
+@triton.jit
+def _merge_kernel(OPART, LSEPART, O, LSE, total_q, num_heads, stride_ot, stride_oh,
+                  NUM_SPLITS: tl.constexpr, SP: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
+                  STORE_LSE: tl.constexpr, INTERPRET: tl.constexpr):
+    """Exact merge of split-KV partials: out = sum_s w_s o_s / sum_s w_s, w_s = exp(lse_s - max lse)."""
+    tq = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    s = tl.arange(0, SP)
+    smask = s < NUM_SPLITS
+    lse_s = tl.load(LSEPART + (s.to(tl.int64) * num_heads + h) * total_q + tq, mask=smask, other=float("-inf"))
+    mx = tl.max(lse_s, 0)
+    mx_use = tl.where(mx == float("-inf"), 0.0, mx)
+    w = tl.exp(lse_s - mx_use)  # 0 for empty splits
+    den = tl.sum(w, 0)
+    inv = 1.0 / tl.where(den == 0.0, 1.0, den)
+    offs = tl.arange(0, BLOCK_DV)
+    dmask = offs < DV
+    rows = (s.to(tl.int64) * total_q + tq) * num_heads + h
+    o_s = tl.load(OPART + rows[:, None] * DV + offs[None, :], mask=smask[:, None] & dmask[None, :], other=0.0)
+    res = tl.sum(o_s * w[:, None], 0) * inv
+    tl.store(O + tq * stride_ot + h * stride_oh + offs, _cast(res, O.dtype.element_ty, INTERPRET), mask=dmask)
+    if STORE_LSE:
+        tl.store(LSE + h * total_q + tq, tl.where(den == 0.0, float("-inf"), mx_use + tl.log(den)))
+
+
+# ------------------------------------------------------------------------------------------------ host side
+_CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "num_splits", "BLOCK_DV")
+_DEVICE_SMS: dict = {}
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # H200; only the split heuristic uses it
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _DEVICE_SMS:
+        _DEVICE_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _DEVICE_SMS[idx]
+
+
+def default_config(head_dim: int, head_dim_v: int, group: int, dtype: torch.dtype, interpret: bool = False) -> dict:
+    """Default tile config per head dim (H200-oriented; bench/sweep_triton_attention.py tunes these).
+
+    Returns a dict with BLOCK_M (rows = tokens x padded group heads), BLOCK_N (keys), num_warps, num_stages,
+    BLOCK_DV (V head-dim slice per program; = padded head_dim_v means no split). num_splits is chosen per
+    call unless given.
+    """
+    gp = _next_pow2(group)
+    dv = max(16, _next_pow2(head_dim_v))
+    d = max(16, _next_pow2(head_dim))
+    if interpret:
+        return dict(BLOCK_M=max(16, gp), BLOCK_N=16, num_warps=4, num_stages=1, BLOCK_DV=dv)
+    big = max(d, dv)
+    if big <= 64:
+        cfg = dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
+    elif big <= 128:
+        cfg = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+    elif big <= 256:
+        cfg = dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2)
+    else:
+        cfg = dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2)
+    if dtype == torch.float32:  # fp32 operands: halve the tiles (registers, shared memory)
+        cfg["BLOCK_N"] = max(16, cfg["BLOCK_N"] // 2)
+        cfg["num_stages"] = min(cfg["num_stages"], 2)
+    cfg["BLOCK_M"] = max(cfg["BLOCK_M"], gp, 16)
+    cfg["BLOCK_DV"] = dv
+    return cfg
+
+
+#: Tuned overrides filled from bench/results/triton_configs.md: {(head_dim, group, window?, mode): config}.
+TUNED_CONFIGS: dict = {}
+
+
+@dataclass(frozen=True)
+class _StaticKey:
+    head_dim: int
+    head_dim_v: int
+    group: int
+    dtype: torch.dtype
+    paged: bool
+    page_size: int
+    has_window: bool
+    prefix: bool
+    interpret: bool
+
+
+class TritonAttention:
+    """A launch plan for one static signature (head dims, group size, dtype, paged/page size, window, mode).
+
+    Instances are cached by :func:`get_kernel`; :meth:`config` resolves tile configs (defaults, tuned table,
+    per-call overrides) and validates them; Triton caches compiled binaries per constexpr set.
+    """
+
+    def __init__(self, key: _StaticKey):
+        self.key = key
+        base = default_config(key.head_dim, key.head_dim_v, key.group, key.dtype, key.interpret)
+        tuned = TUNED_CONFIGS.get((key.head_dim, key.group, key.has_window, key.prefix))
+        if tuned and not key.interpret:
+            base.update(tuned)
+        self.base = base
+        self._resolved: dict = {}
+
+    def config(self, override: dict | None) -> dict:
+        okey = tuple(sorted((override or {}).items()))
+        hit = self._resolved.get(okey)
+        if hit is not None:
+            return hit
+        if override:
+            bad = set(override) - set(_CONFIG_KEYS)
+            if bad:
+                raise ValueError(f"config has unknown keys {sorted(bad)}; allowed: {list(_CONFIG_KEYS)}")
+        cfg = dict(self.base)
+        cfg.update(override or {})
+        gp = _next_pow2(self.key.group)
+        for name in ("BLOCK_M", "BLOCK_N", "BLOCK_DV"):
+            v = cfg[name]
+            if isinstance(v, bool) or not isinstance(v, int) or v < 16 or v & (v - 1):
+                raise ValueError(f"config[{name!r}] must be a power of two >= 16 (tl.dot minimum), got {v!r}")
+        if cfg["BLOCK_M"] < gp:
+            raise ValueError(f"config['BLOCK_M'] = {cfg['BLOCK_M']} must be >= the padded GQA group size {gp}")
+        dvp = max(16, _next_pow2(self.key.head_dim_v))
+        cfg["BLOCK_DV"] = min(cfg["BLOCK_DV"], dvp)
+        ns = cfg.get("num_splits")
+        if ns is not None and (isinstance(ns, bool) or not isinstance(ns, int) or ns < 1):
+            raise ValueError(f"config['num_splits'] must be an int >= 1 or None, got {ns!r}")
+        for name in ("num_warps", "num_stages"):
+            v = cfg[name]
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"config[{name!r}] must be an int >= 1, got {v!r}")
+        self._resolved[okey] = cfg
+        return cfg
+
+
+_KERNELS: dict = {}
+
+
+def _interpreting() -> bool:
+    import os
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def get_kernel(head_dim, head_dim_v, group, dtype, paged, page_size, has_window, prefix) -> TritonAttention:
+    """The cached :class:`TritonAttention` of a static signature."""
+    key = _StaticKey(head_dim, head_dim_v, group, dtype, paged, page_size or 0, has_window, prefix,
+                     _interpreting())
+    k = _KERNELS.get(key)
+    if k is None:
+        k = _KERNELS[key] = TritonAttention(key)
+    return k
+
+
+def choose_num_splits(n_programs: int, key_capacity: int, block_n: int, num_sms: int) -> int:
+    """Split-KV count from host-known shapes only: split when the grid fills < 1 wave and keys are long.
+
+    ``n_programs`` = tiles x KV heads x V slices; ``key_capacity`` = max keys of a sequence (max_seqlen_k, or
+    the block table's capacity). Each split keeps >= 4 key blocks.
+    """
+    if n_programs <= 0 or n_programs >= num_sms:
+        return 1
+    want = -(-2 * num_sms // n_programs)
+    by_len = max(1, key_capacity // (4 * block_n))
+    return int(max(1, min(want, by_len, 64)))
+
+
+def attention_triton(
+    q,
+    k_cache,
+    v_cache,
+    *,
+    cu_seqlens_q,
+    seq_lens=None,
+    causal=None,
+    num_causal_q=None,
+    block_table=None,
+    cu_seqlens_k=None,
+    window_size=None,
+    bidirectional_window="symmetric",
+    scale=None,
+    out=None,
+    return_lse=False,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    check_values=None,
+    config=None,
+):
+    """Fused Triton attention over a mixed causal/bidirectional varlen batch (one launch, + merge if split).
+
+    Args:
+        q: ``[total_q, num_heads, head_dim]`` bf16/fp16/fp32, packed by ``cu_seqlens_q``.
+        k_cache, v_cache: paged ``[num_blocks, page_size, num_kv_heads, head_dim(_v)]`` with ``block_table``
+            ``[B, max_blocks]`` int32/int64, or contiguous ``[total_k, num_kv_heads, head_dim(_v)]`` with
+            ``cu_seqlens_k`` ``[B+1]``. The last dim must be contiguous (stride 1).
+        cu_seqlens_q: ``[B+1]`` int32 (int64 accepted).
+        seq_lens: ``[B]`` int32 keys per sequence including its query tokens.
+        causal: ``[B]`` bool, or ``num_causal_q`` ``[B]`` int32 (the first n rows causal). Device tensors.
+        window_size: None or int W >= 0 (keys per side, excluding the query's own position).
+        bidirectional_window: ``"symmetric"`` or ``"prefix"``.
+        scale: softmax scale (default ``head_dim ** -0.5``).
+        out: optional preallocated ``[total_q, num_heads, head_dim_v]`` (q's dtype) written in place.
+        return_lse: also return ``lse [num_heads, total_q]`` fp32 (natural log; -inf for rows with no key).
+        max_seqlen_q: unused (the grid is sized from ``total_q`` and B).
+        max_seqlen_k: host int >= every seq_len (static capacity is fine); sizes the split-KV count. Default:
+            the block table's capacity (``max_blocks * page_size``) or ``total_k``.
+        check_values: host-side value checks (default: on, except under CUDA-graph capture). False keeps
+            the launch path free of host syncs.
+        config: optional dict overriding BLOCK_M, BLOCK_N, num_warps, num_stages, num_splits, BLOCK_DV.
+
+    Returns:
+        ``out`` or ``(out, lse)``; rows with no allowed key are 0 with lse -inf.
+
+    Raises:
+        TypeError, ValueError: see :func:`blockdiff.attention.validate.check_attention_inputs`; also a bad
+            ``config`` (unknown key, tile not a power of two >= 16) or a non-unit last-dim stride.
+    """
+    info = check_attention_inputs(
+        q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens, causal=causal,
+        num_causal_q=num_causal_q, block_table=block_table, cu_seqlens_k=cu_seqlens_k,
+        window_size=window_size, bidirectional_window=bidirectional_window, scale=scale, out=out,
+        check_values=check_values, allowed_dtypes=(torch.bfloat16, torch.float16, torch.float32),
+    )
+    if config is not None and not isinstance(config, dict):
+        raise TypeError(f"config must be a dict or None, got {type(config).__name__}")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.numel() and t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got {t.stride()}")
+    total_q, H, D = q.shape
+    Hkv, DV = info.num_kv_heads, info.head_dim_v
+    B = info.batch_size
+    group = H // Hkv
+    if out is None:
+        out = torch.empty(total_q, H, DV, dtype=q.dtype, device=q.device)
+    dst = out if (out.numel() == 0 or out.stride(-1) == 1) else torch.empty_like(out, memory_format=torch.contiguous_format)
+    lse = torch.empty(H, total_q, dtype=torch.float32, device=q.device) if return_lse else None
+    if total_q == 0 or B == 0:
+        return (out, lse) if return_lse else out
+
+    has_window = window_size is not None
+    prefix = bidirectional_window == "prefix"
+    kern = get_kernel(D, DV, group, q.dtype, info.paged, info.page_size, has_window, prefix)
+    cfg = kern.config(config)
+    gp = _next_pow2(group)
+    BM, BN = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    BQ = BM // gp
+    BD = max(16, _next_pow2(D))
+    BDV = cfg["BLOCK_DV"]
+    n_dv = -(-max(16, _next_pow2(DV)) // BDV)
+    n_tiles = total_q // BQ + B
+
+    if max_seqlen_k is not None:
+        kcap = int(max_seqlen_k)
+    elif info.paged:
+        kcap = block_table.shape[1] * info.page_size
+    else:
+        kcap = k_cache.shape[0]
+    ns = cfg.get("num_splits")
+    if ns is None:
+        ns = choose_num_splits(n_tiles * Hkv * n_dv, kcap, BN, _num_sms(q.device))
+
+    cu_q = cu_seqlens_q if cu_seqlens_q.dtype == torch.int32 else cu_seqlens_q.to(torch.int32)
+    sl = info.seq_lens
+    ncq = info.num_causal_q
+    if info.paged:
+        bt = block_table
+        cu_k = cu_q  # unused
+        stride_kb, stride_kp, stride_kh = k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
+        stride_vb, stride_vp, stride_vh = v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)
+        stride_bt = block_table.stride(0)
+        page = info.page_size
+    else:
+        bt = cu_q  # unused
+        cu_k = cu_seqlens_k if cu_seqlens_k.dtype == torch.int32 else cu_seqlens_k.to(torch.int32)
+        stride_kb, stride_kp, stride_kh = k_cache.stride(0), 0, k_cache.stride(1)
+        stride_vb, stride_vp, stride_vh = v_cache.stride(0), 0, v_cache.stride(1)
+        stride_bt = 0
+        page = 1
+    W = min(int(window_size), _WINDOW_CLAMP) if has_window else 0
+    qk_scale = info.scale * LOG2E
+    dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    search_steps = max(1, int(B).bit_length())  # ceil(log2(B + 1))
+
+    if ns > 1:
+        opart = torch.empty(ns, total_q, H, DV, dtype=torch.float32, device=q.device)
+        lsepart = torch.empty(ns, H, total_q, dtype=torch.float32, device=q.device)
+    else:
+        opart = lsepart = dst  # unused
+    lse_arg = lse if lse is not None else dst
+    grid = (n_tiles, Hkv * n_dv, ns)
+    _attn_fwd_kernel[grid](
+        q, k_cache, v_cache, dst, lse_arg, opart, lsepart,
+        cu_q, sl, ncq, bt, cu_k,
+        q.stride(0), q.stride(1), stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh,
+        dst.stride(0), dst.stride(1), stride_bt,
+        total_q, H, B, n_tiles, W, qk_scale,
+        G=group, GP=gp, D=D, DV=DV, BLOCK_D=BD, BLOCK_DV=BDV, N_DV=n_dv,
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_Q=BQ, PAGE=page, PAGED=info.paged, HAS_WINDOW=has_window,
+        PREFIX=prefix, NUM_SPLITS=ns, STORE_LSE=return_lse, SEARCH_STEPS=search_steps, DOT_PREC=dot_prec,
+        INTERPRET=_interpreting(),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if ns > 1:
+        bdv_m = max(16, _next_pow2(DV))
+        _merge_kernel[(total_q, H)](
+            opart, lsepart, dst, lse_arg, total_q, H, dst.stride(0), dst.stride(1),
+            NUM_SPLITS=ns, SP=max(2, _next_pow2(ns)), DV=DV, BLOCK_DV=bdv_m, STORE_LSE=return_lse,
+            INTERPRET=_interpreting(), num_warps=4 if bdv_m * _next_pow2(ns) <= 4096 else 8,
+        )
+    if dst is not out:
+        out.copy_(dst)
+    return (out, lse) if return_lse else out
+
+
+__all__ = ["attention_triton", "default_config", "choose_num_splits", "get_kernel", "TritonAttention",
+           "TUNED_CONFIGS"]

@@ -1,0 +1,390 @@
+"""Triton backend vs the dense reference (attention/testing.py tolerance rule), fuzzed with hypothesis.
+
+On the CPU the kernels run through the Triton interpreter (TRITON_INTERPRET=1, set before triton is imported:
+here and in tests/conftest.py, only when CUDA is unavailable) on tiny shapes; ``@pytest.mark.gpu`` tests run
+the named workloads' shapes and a CUDA-graph replay on the H200 (``python3 -m pytest -m gpu``).
+Every launch writes into an output poisoned with NaN, so an unwritten element fails ``check_close``.
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+from blockdiff.attention import attention  # noqa: E402
+from blockdiff.attention.testing import check_close  # noqa: E402
+from blockdiff.attention.triton_attention import attention_triton, choose_num_splits, default_config  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+SMALL = dict(BLOCK_M=16, BLOCK_N=16)  # interpreter-sized tiles (tl.dot minimum)
+
+
+def make_batch(seq_lens, q_lens, *, causal=None, num_causal_q=None, H=4, Hkv=2, D=16, Dv=None, page_size=4,
+               dtype=torch.bfloat16, seed=0, paged=True, device=DEV, extra_blocks=1):
+    """Random mixed batch; paged with a permuted block table (plus unused blocks) or contiguous varlen."""
+    g = torch.Generator().manual_seed(seed)
+    Dv = Dv or D
+    B = len(seq_lens)
+    kw = {}
+    if paged:
+        blocks = [(s + page_size - 1) // page_size for s in seq_lens]
+        nblk = max(1, sum(blocks) + extra_blocks)
+        perm = torch.randperm(nblk, generator=g)
+        width = max(1, max(blocks, default=1) + 1)
+        bt = torch.randint(0, nblk, (B, width), generator=g, dtype=torch.int32)  # garbage beyond the used part
+        i = 0
+        for b, n in enumerate(blocks):
+            bt[b, :n] = perm[i:i + n]
+            i += n
+        kc = torch.randn(nblk, page_size, Hkv, D, generator=g)
+        vc = torch.randn(nblk, page_size, Hkv, Dv, generator=g)
+        kw["block_table"] = bt.to(device)
+    else:
+        total_k = sum(seq_lens) + 3
+        kc = torch.randn(total_k, Hkv, D, generator=g)
+        vc = torch.randn(total_k, Hkv, Dv, generator=g)
+        kw["cu_seqlens_k"] = torch.tensor([0] + torch.tensor(list(seq_lens) or [0]).cumsum(0).tolist()[:B],
+                                          dtype=torch.int32, device=device)
+    q = torch.randn(sum(q_lens), H, D, generator=g)
+    cu = torch.tensor([0] + (torch.tensor(list(q_lens)).cumsum(0).tolist() if B else []), dtype=torch.int32)
+    kw.update(q=q.to(dtype).to(device), k_cache=kc.to(dtype).to(device), v_cache=vc.to(dtype).to(device),
+              cu_seqlens_q=cu.to(device), seq_lens=torch.tensor(list(seq_lens), dtype=torch.int32, device=device))
+    if num_causal_q is not None:
+        kw["num_causal_q"] = torch.tensor(list(num_causal_q), dtype=torch.int32, device=device)
+    else:
+        kw["causal"] = torch.tensor(list(causal), dtype=torch.bool, device=device)
+    return kw
+
+
+def run_and_check(inp, *, config=None, window_size=None, bidirectional_window="symmetric", scale=None,
+                  check_lse=True):
+    """Launch into a NaN-poisoned ``out``; compare out and lse with the oracle; return (out, lse)."""
+    q, vc = inp["q"], inp["v_cache"]
+    out = torch.full((q.shape[0], q.shape[1], vc.shape[-1]), float("nan"), dtype=q.dtype, device=q.device)
+    o, lse = attention(**inp, window_size=window_size, bidirectional_window=bidirectional_window, scale=scale,
+                       out=out, return_lse=True, backend="triton", config=config)
+    assert o.data_ptr() == out.data_ptr()
+    check_close(o.cpu(), **{k: v.cpu() for k, v in inp.items()}, lse=lse.cpu() if check_lse else None,
+                window_size=window_size, bidirectional_window=bidirectional_window, scale=scale)
+    return o, lse
+
+
+MIXED = dict(seq_lens=[9, 13, 6, 1, 5, 30], q_lens=[9, 4, 6, 1, 0, 12],
+             causal=[True, False, True, False, False, False])
+
+
+@pytest.mark.parametrize("window_size", [None, 0, 1, 7, 100])
+@pytest.mark.parametrize("mode", ["symmetric", "prefix"])
+def test_mixed_prefill_denoise_commit_batch_in_one_launch(window_size, mode):
+    inp = make_batch(**MIXED)
+    run_and_check(inp, config=SMALL, window_size=window_size, bidirectional_window=mode)
+
+
+@pytest.mark.parametrize("mode", ["symmetric", "prefix"])
+def test_num_causal_q_mixes_causal_and_bidirectional_rows_in_one_tile(mode):
+    # commit rows then the next canvas in one sequence, tiles straddle the boundary
+    inp = make_batch(seq_lens=[20, 17, 9], q_lens=[11, 9, 9], num_causal_q=[5, 9, 0], H=4, Hkv=1)
+    for w in (None, 2, 6):
+        run_and_check(inp, config=dict(BLOCK_M=16, BLOCK_N=16), window_size=w, bidirectional_window=mode)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 5])
+def test_any_split_count_equals_one_split(num_splits):
+    inp = make_batch(seq_lens=[40, 7], q_lens=[6, 7], causal=[False, True], H=4, Hkv=1, page_size=8)
+    one, lse1 = run_and_check(inp, config=dict(SMALL, num_splits=1))
+    many, lsen = run_and_check(inp, config=dict(SMALL, num_splits=num_splits))
+    torch.testing.assert_close(many.float(), one.float(), rtol=0, atol=2 ** -7)
+    torch.testing.assert_close(lsen, lse1, rtol=0, atol=1e-5)
+
+
+def test_more_splits_than_key_blocks_leaves_empty_splits_harmless():
+    inp = make_batch(seq_lens=[3, 5], q_lens=[3, 2], causal=[True, False])
+    run_and_check(inp, config=dict(SMALL, num_splits=6), window_size=1)
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 5, 16, 32])
+def test_page_sizes_that_do_not_divide_tiles(page_size):
+    inp = make_batch(seq_lens=[37, 20], q_lens=[5, 20], causal=[False, True], page_size=page_size)
+    run_and_check(inp, config=SMALL, window_size=9)
+
+
+def test_contiguous_varlen_form():
+    inp = make_batch(**MIXED, paged=False)
+    run_and_check(inp, config=SMALL, window_size=4)
+    run_and_check(inp, config=dict(SMALL, num_splits=2), bidirectional_window="prefix", window_size=3)
+
+
+@pytest.mark.parametrize("H,Hkv", [(2, 2), (4, 2), (4, 1), (8, 1), (6, 2)])
+def test_gqa_ratios_pack_query_heads_of_one_kv_head(H, Hkv):
+    inp = make_batch(seq_lens=[12, 9], q_lens=[5, 9], causal=[False, True], H=H, Hkv=Hkv)
+    run_and_check(inp, config=dict(BLOCK_M=16, BLOCK_N=16))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_dtypes(dtype):
+    inp = make_batch(**MIXED, dtype=dtype)
+    run_and_check(inp, config=SMALL, window_size=3)
+
+
+def test_zero_length_sequences_and_empty_batch():
+    inp = make_batch(seq_lens=[0, 6, 0, 3], q_lens=[0, 2, 0, 0], causal=[True, False, False, True])
+    run_and_check(inp, config=SMALL)
+    empty = make_batch(seq_lens=[], q_lens=[], causal=[])
+    out, lse = attention(**empty, return_lse=True, backend="triton")
+    assert out.shape == (0, 4, 16) and lse.shape == (4, 0)
+
+
+def test_fewer_query_tokens_than_sequences():
+    inp = make_batch(seq_lens=[4, 7, 2, 9, 5, 1], q_lens=[0, 1, 0, 1, 0, 1],
+                     causal=[False, True, False, False, True, False])
+    run_and_check(inp, config=SMALL, window_size=2)
+
+
+def test_query_longer_than_its_context():
+    inp = make_batch(seq_lens=[35, 3], q_lens=[33, 3], causal=[False, True])
+    for mode in ("symmetric", "prefix"):
+        run_and_check(inp, config=SMALL, window_size=5, bidirectional_window=mode)
+
+
+@pytest.mark.parametrize("window_size", [0, 29, 30, 31, 1 << 40])
+def test_window_zero_and_window_at_or_beyond_length(window_size):
+    inp = make_batch(seq_lens=[30, 12], q_lens=[8, 12], causal=[False, True])
+    for mode in ("symmetric", "prefix"):
+        run_and_check(inp, config=SMALL, window_size=window_size, bidirectional_window=mode)
+
+
+def test_scale_head_dim_v_and_non_power_of_two_head_dim():
+    inp = make_batch(seq_lens=[14, 6], q_lens=[4, 6], causal=[False, True], D=24, Dv=40, H=4, Hkv=2)
+    run_and_check(inp, config=SMALL, scale=1.0, window_size=3)
+    run_and_check(inp, config=dict(SMALL, BLOCK_DV=16), scale=0.3)  # V head dim split over programs
+
+
+def test_v_head_dim_split_across_programs():
+    inp = make_batch(seq_lens=[19, 8], q_lens=[7, 8], causal=[False, True], D=32, Dv=64, H=4, Hkv=1)
+    run_and_check(inp, config=dict(SMALL, BLOCK_DV=32))
+    run_and_check(inp, config=dict(SMALL, BLOCK_DV=16, num_splits=2), window_size=4)
+
+
+def test_default_configs_and_larger_tiles():
+    inp = make_batch(seq_lens=[70, 33], q_lens=[40, 33], causal=[False, True], H=2, Hkv=1, page_size=16)
+    run_and_check(inp)  # interpreter defaults
+    run_and_check(inp, config=dict(BLOCK_M=32, BLOCK_N=32), window_size=20)
+    run_and_check(inp, config=dict(BLOCK_M=64, BLOCK_N=16, num_splits=2))
+
+
+def test_int64_metadata_is_accepted():
+    inp = make_batch(**MIXED)
+    inp = {k: (v.to(torch.int64) if k in ("cu_seqlens_q", "block_table") else v) for k, v in inp.items()}
+    run_and_check(inp, config=SMALL, window_size=3)
+
+
+def test_no_host_reads_when_check_values_is_false(monkeypatch):
+    """The launch path (check_values=False, as under CUDA-graph capture) never reads device values."""
+    inp = make_batch(**MIXED)
+    ref = attention_triton(**inp, config=SMALL, window_size=3)
+
+    def boom(*a, **k):
+        raise AssertionError("host read of a device tensor on the launch path")
+
+    for name in ("item", "tolist", "cpu", "__bool__", "__int__", "nonzero"):
+        monkeypatch.setattr(torch.Tensor, name, boom)
+    out = attention_triton(**inp, config=SMALL, window_size=3, check_values=False, max_seqlen_k=30)
+    monkeypatch.undo()
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+def test_bad_config_and_dtype_raise_clear_errors():
+    inp = make_batch(**MIXED)
+    with pytest.raises(ValueError, match="BLOCK_N"):
+        attention_triton(**inp, config=dict(BLOCK_N=8))
+    with pytest.raises(ValueError, match="unknown keys"):
+        attention_triton(**inp, config=dict(BLOCK_K=16))
+    with pytest.raises(ValueError, match="num_splits"):
+        attention_triton(**inp, config=dict(num_splits=0))
+    with pytest.raises(ValueError, match="BLOCK_M"):
+        attention_triton(**make_batch(**MIXED, H=32, Hkv=1), config=dict(BLOCK_M=16))
+    with pytest.raises(TypeError, match="q must be"):
+        attention_triton(**make_batch(**MIXED, dtype=torch.float64))
+    with pytest.raises(ValueError, match="include the query"):
+        bad = make_batch(**MIXED)
+        bad["seq_lens"] = bad["seq_lens"] - 1
+        attention_triton(**bad)
+
+
+def test_split_heuristic_uses_only_host_shapes():
+    assert choose_num_splits(40, 33000, 64, 132) > 1  # one canvas over 32k: split
+    assert choose_num_splits(400, 33000, 64, 132) == 1  # enough programs
+    assert choose_num_splits(10, 100, 64, 132) == 1  # too few keys to split
+    cfg = default_config(512, 512, 8, torch.bfloat16)
+    assert cfg["BLOCK_M"] >= 8 and cfg["BLOCK_DV"] == 512
+
+
+# ---------------------------------------------------------------- fuzzing
+
+
+@st.composite
+def batches(draw):
+    B = draw(st.integers(0, 4))
+    q_lens, seq_lens, ncq = [], [], []
+    for _ in range(B):
+        ql = draw(st.sampled_from([0, 1, 2, 3, 5, 8, 13, 17]))
+        ctx = draw(st.sampled_from([0, 1, 2, 4, 9, 16, 23]))
+        q_lens.append(ql)
+        seq_lens.append(ql + ctx)
+        kind = draw(st.sampled_from(["causal", "bidir", "mixed"]))
+        ncq.append(ql if kind == "causal" else 0 if kind == "bidir" else draw(st.integers(0, ql)))
+    Hkv = draw(st.sampled_from([1, 2]))
+    group = draw(st.sampled_from([1, 2, 4, 8]))
+    return dict(
+        seq_lens=seq_lens, q_lens=q_lens, num_causal_q=ncq, H=Hkv * group, Hkv=Hkv,
+        D=draw(st.sampled_from([16, 32])), page_size=draw(st.sampled_from([1, 2, 3, 4, 5, 8, 16])),
+        dtype=draw(st.sampled_from([torch.bfloat16, torch.float16, torch.float32])),
+        paged=draw(st.booleans()), seed=draw(st.integers(0, 2 ** 16)),
+    ), dict(
+        window_size=draw(st.sampled_from([None, 0, 1, 2, 3, 5, 8, 16, 40])),
+        bidirectional_window=draw(st.sampled_from(["symmetric", "prefix"])),
+        config=dict(BLOCK_M=max(16, group) * draw(st.sampled_from([1, 2])),
+                    BLOCK_N=draw(st.sampled_from([16, 32])),
+                    num_splits=draw(st.sampled_from([None, 1, 2, 3]))),
+    )
+
+
+@settings(max_examples=160, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(batches())
+def test_fuzz_against_reference(case):
+    make_kw, call_kw = case
+    inp = make_batch(**make_kw)
+    run_and_check(inp, **call_kw)
+
+
+# ---------------------------------------------------------------- GPU (H200)
+
+
+def _named(name, dtype=torch.bfloat16, page_size=64, seed=0):
+    """A named workload of ARCHITECTURE.md as a batch on the GPU."""
+    layers = {"sliding": (16, 8, 256, 1023, "symmetric"), "sliding_prefix": (16, 8, 256, 1023, "prefix"),
+              "global": (16, 2, 512, None, "symmetric"), "hd128": (16, 8, 128, None, "symmetric")}
+    mixed = ([4096, 256, 256, 256], [4096, 8448, 8448, 8448], [True, False, False, True])
+    shapes = {
+        "mixed_sliding_ctx8k": ("sliding", mixed), "mixed_sliding_prefix_ctx8k": ("sliding_prefix", mixed),
+        "mixed_global_ctx8k": ("global", mixed),
+        "canvas_bs1_ctx32k_global": ("global", ([256], [33024], [False])),
+        "canvas_bs1_ctx32k_sliding": ("sliding", ([256], [33024], [False])),
+        "canvas_bs1_ctx32k_hd128": ("hd128", ([256], [33024], [False])),
+        "canvas_bs4_ctx4k_hd128": ("hd128", ([256] * 4, [4352] * 4, [False] * 4)),
+        "prefill16k_hd128": ("hd128", ([16384], [16384], [True])),
+    }
+    layer, (ql, sl, c) = shapes[name]
+    H, Hkv, D, W, mode = layers[layer]
+    inp = make_batch(sl, ql, causal=c, H=H, Hkv=Hkv, D=D, page_size=page_size, dtype=dtype, seed=seed,
+                     device="cuda")
+    return inp, dict(window_size=W, bidirectional_window=mode, scale=1.0 if D == 512 else None)
+
+
+NAMED = ["mixed_sliding_ctx8k", "mixed_sliding_prefix_ctx8k", "mixed_global_ctx8k", "canvas_bs1_ctx32k_global",
+         "canvas_bs1_ctx32k_sliding", "canvas_bs1_ctx32k_hd128", "canvas_bs4_ctx4k_hd128", "prefill16k_hd128"]
+
+
+def _check_gpu(inp, **kw):
+    q, vc = inp["q"], inp["v_cache"]
+    out = torch.full((q.shape[0], q.shape[1], vc.shape[-1]), float("nan"), dtype=q.dtype, device=q.device)
+    o, lse = attention(**inp, out=out, return_lse=True, backend="triton", **kw)
+    kw.pop("config", None)
+    return check_close(o, **inp, lse=lse, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", NAMED)
+def test_gpu_named_workloads_bf16(name):
+    inp, kw = _named(name)
+    _check_gpu(inp, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D,H,Hkv", [(64, 8, 8), (128, 16, 8), (256, 16, 8), (512, 16, 2)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("page_size", [16, 64, 256])
+def test_gpu_head_dims_dtypes_pages(D, H, Hkv, dtype, page_size):
+    inp = make_batch([1500, 700, 333, 9], [700, 256, 0, 9], num_causal_q=[700, 0, 0, 4], H=H, Hkv=Hkv, D=D,
+                     dtype=dtype, page_size=page_size, device="cuda", seed=D)
+    for w, mode in ((None, "symmetric"), (127, "symmetric"), (127, "prefix")):
+        _check_gpu(inp, window_size=w, bidirectional_window=mode)
+    _check_gpu(inp, window_size=100, config=dict(num_splits=4))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [1, 16, 64, 128, 256])
+def test_gpu_page_sizes_and_splits(page_size):
+    inp = make_batch([5000, 300], [256, 300], causal=[False, True], H=16, Hkv=8, D=128, page_size=page_size,
+                     device="cuda")
+    for ns in (1, 3, 8):
+        _check_gpu(inp, window_size=1023, config=dict(num_splits=ns))
+    _check_gpu(inp)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128, 256, 512])
+def test_gpu_config_grid_is_correct(D):
+    inp = make_batch([2000, 600], [512, 600], num_causal_q=[100, 600], H=16, Hkv=2 if D == 512 else 8, D=D,
+                     device="cuda")
+    for bm in (32, 64, 128):
+        for bn in (16, 32, 64, 128):
+            if D == 512 and (bm > 64 or bn > 32):
+                continue
+            _check_gpu(inp, window_size=300, config=dict(BLOCK_M=bm, BLOCK_N=bn, num_stages=2))
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay_with_changed_flags_lengths_and_block_tables():
+    torch.manual_seed(0)
+    H, Hkv, D, P = 16, 8, 128, 16
+    B, max_q, max_k = 4, 300, 2000
+    nblk = B * (max_k // P) + 8
+    kc = torch.randn(nblk, P, Hkv, D, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    # persistent metadata buffers (static capacities: total_q, B, max_blocks)
+    total_q = 700
+    q = torch.randn(total_q, H, D, device="cuda", dtype=torch.bfloat16)
+    cu = torch.zeros(B + 1, dtype=torch.int32, device="cuda")
+    sl = torch.zeros(B, dtype=torch.int32, device="cuda")
+    ncq = torch.zeros(B, dtype=torch.int32, device="cuda")
+    bt = torch.zeros(B, max_k // P, dtype=torch.int32, device="cuda")
+    out = torch.empty(total_q, H, D, device="cuda", dtype=torch.bfloat16)
+    lse = torch.empty(H, total_q, device="cuda")
+
+    def set_meta(q_lens, seq_lens, n_causal, seed):
+        g = torch.Generator().manual_seed(seed)
+        cu.copy_(torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32))
+        sl.copy_(torch.tensor(seq_lens, dtype=torch.int32))
+        ncq.copy_(torch.tensor(n_causal, dtype=torch.int32))
+        bt.copy_(torch.randperm(nblk, generator=g)[:bt.numel()].view_as(bt).to(torch.int32))
+
+    kw = dict(cu_seqlens_q=cu, seq_lens=sl, num_causal_q=ncq, block_table=bt, window_size=511,
+              max_seqlen_q=max_q, max_seqlen_k=max_k)
+
+    def launch():
+        o, lv = attention(q, kc, vc, **kw, out=out, return_lse=True, check_values=False, backend="triton")
+        lse.copy_(lv)
+
+    set_meta([300, 256, 100, 44], [300, 1800, 2000, 44], [300, 0, 50, 44], 1)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        launch()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        launch()
+    for step, meta in enumerate([([300, 256, 100, 44], [300, 1800, 2000, 44], [300, 0, 50, 44]),
+                                 ([256, 256, 0, 188], [1024, 2000, 7, 188], [0, 256, 0, 100]),
+                                 ([0, 0, 0, 700], [0, 0, 0, 1999], [0, 0, 0, 0])]):
+        set_meta(*meta, seed=10 + step)
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        check_close(out, q, kc, vc, lse=lse, **{k: v for k, v in kw.items() if not k.startswith("max_")})
