@@ -61,7 +61,7 @@ def _fa4():
     try:
         import cutlass
         import cutlass.cute as cute
-        from flash_attn.cute.cute_dsl_utils import to_cute_tensor
+        from flash_attn.cute.cute_dsl_utils import maybe_contiguous, to_cute_tensor
         from flash_attn.cute.interface import _tile_size_fwd_sm90
         from flash_attn.cute.testing import is_fake_mode
         from flash_attn.cute.utils import AuxData
@@ -71,7 +71,7 @@ def _fa4():
         raise ImportError(
             f"attention backend 'cute' needs {REQUIRED}; importing them failed (wrong versions?): {e}") from e
     dtypes = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
-    _FA4 = dict(cutlass=cutlass, cute=cute, to_cute_tensor=to_cute_tensor, tile_size=_tile_size_fwd_sm90,
+    _FA4 = dict(cutlass=cutlass, cute=cute, to_cute_tensor=to_cute_tensor, maybe_contiguous=maybe_contiguous, tile_size=_tile_size_fwd_sm90,
                 is_fake_mode=is_fake_mode, AuxData=AuxData, Kernel=FlashAttentionForwardSm90Mixed,
                 dtypes=dtypes)
     return _FA4
@@ -192,17 +192,20 @@ def _run(fa, q, k_cache, v_cache, *, out, return_lse, cu_seqlens_q, num_causal_q
     lse = torch.empty(H, total_q, dtype=torch.float32, device=q.device) if return_lse else None
     if total_q == 0:
         return (out, lse) if return_lse else out
+    mc = fa["maybe_contiguous"]
+    # The kernel writes a dense, 16-byte aligned out; any other caller-given out gets a copy back.
+    out_k = out if mc(out) is out and out.is_contiguous() else torch.empty(
+        total_q, H, head_dim_v, dtype=q.dtype, device=q.device)
 
     qhead_per_kvhead = H // num_kv_heads
     pack_gqa = qhead_per_kvhead > 1
     cfg = resolve_config(head_dim, head_dim_v, window_size, config)
-    q = q.contiguous()
-    k_cache = k_cache.contiguous()
-    v_cache = v_cache.contiguous()
+    # Strided q / caches are fine (dynamic strides) as long as the last dim is dense and 16-byte aligned.
+    q, k_cache, v_cache = mc(q), mc(k_cache), mc(v_cache)
     cu_q = cu_seqlens_q.to(torch.int32).contiguous()
     ncq = num_causal_q.to(torch.int32).contiguous()
     if paged:
-        page_table = block_table.to(torch.int32).contiguous()
+        page_table = mc(block_table.to(torch.int32), align_bytes=4)
         seqused_k = seq_lens.to(torch.int32).contiguous()
         cu_k = None
         paged_kv_non_tma = k_cache.shape[1] != cfg.tile_n
@@ -219,12 +222,14 @@ def _run(fa, q, k_cache, v_cache, *, out, return_lse, cu_seqlens_q, num_causal_q
            has_window, prefix, return_lse, arch)
     compiled = _COMPILE_CACHE.get(key)
     if compiled is None:
-        compiled = _compile(fa, key, q, k_cache, v_cache, out, lse, scale, cu_q, cu_k, seqused_k,
+        compiled = _compile(fa, key, q, k_cache, v_cache, out_k, lse, scale, cu_q, cu_k, seqused_k,
                             page_table, window_size, ncq)
         _COMPILE_CACHE[key] = compiled
     if not fa["is_fake_mode"]():
-        compiled(q, k_cache, v_cache, out, lse, scale, cu_q, cu_k, None, seqused_k, page_table,
+        compiled(q, k_cache, v_cache, out_k, lse, scale, cu_q, cu_k, None, seqused_k, page_table,
                  window_size, window_size, None, None, fa["AuxData"]([ncq], None), None, None)
+        if out_k is not out:
+            out.copy_(out_k)
     return (out, lse) if return_lse else out
 
 

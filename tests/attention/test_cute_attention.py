@@ -177,6 +177,7 @@ GPU_CONFIGS = [
     (256, 16, 8, 64, 1023, "symmetric"),
     (256, 16, 8, 64, 1023, "prefix"),
     (256, 16, 8, 16, None, "symmetric"),
+    (256, 16, 8, 64, None, "prefix"),  # key tile 80: pages of 64 straddle tiles (cp.async paged path)
     (256, 16, 8, 128, 31, "prefix"),
     (256, 4, 4, 256, 0, "symmetric"),
 ]
@@ -206,6 +207,23 @@ def test_gpu_causal_bool_flag_form_and_scale():
     from blockdiff.attention.testing import check_close
     check_close(out, q, k, v, scale=1.0, **kw)
     assert ncq.dtype == torch.int32
+
+
+@needs_gpu
+def test_gpu_strided_q_and_noncontiguous_out_through_dispatcher():
+    from blockdiff.attention import attention
+    from blockdiff.attention.testing import check_close
+    q0, k, v, kw = _make_batch([256, 100], [1000, 0], [0, 100], 16, 8, 128, 64, seed=11)
+    qkv = torch.randn(q0.shape[0], 16 + 2 * 8, 128, device="cuda", dtype=q0.dtype)
+    qkv[:, :16] = q0
+    q = qkv[:, :16]  # strided view, as from a fused QKV projection
+    assert not q.is_contiguous()
+    out_buf = torch.full((q.shape[0], 16, 2 * 128), float("nan"), device="cuda", dtype=q.dtype)
+    out = out_buf[:, :, :128]  # non-contiguous destination
+    res = attention(q, k, v, out=out, window_size=300, backend="cute", **kw)
+    assert res is out
+    check_close(out, q0, k, v, window_size=300, **kw)
+    assert torch.isnan(out_buf[:, :, 128:]).all(), "wrote outside out"
 
 
 @needs_gpu
