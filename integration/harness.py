@@ -323,6 +323,16 @@ class HarnessRunner:
             num_draft_tokens=int(q_lens[~is_prefill].sum()), max_query_len=int(q_lens.max()),
             max_seq_len=int(seq_lens.max()))
 
+    def schedule_batch(self) -> HarnessInputBatch | None:
+        """Admit arrivals and build the batch the next :meth:`step` would run, without running it (for tests
+        and CUDA-graph capture; :meth:`step` schedules again, to the same rows while nothing changed).
+        Returns None when nothing is runnable."""
+        self._admit(StepRecord(step=self.step_index))
+        if not self._running:
+            return None
+        rows = self._schedule(self.model_state.state.phase.tolist())
+        return self._build_batch(rows) if rows else None
+
     def _forward(self, batch: HarnessInputBatch, inputs: dict, meta) -> torch.Tensor:
         kw = dict(attn_backend=self.attn_backend)
         if self.attention_checker is not None:
