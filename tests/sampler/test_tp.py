@@ -1,0 +1,184 @@
+"""Tensor-parallel sampler step (blockdiff.sampler.tp): vocabulary shards combine into the single-GPU decisions.
+
+CPU: in-process shards (every split, incl. uneven and empty shards) and 2 gloo processes (torch.multiprocessing
+spawn). GPU (@pytest.mark.gpu): 2 processes on 2 GPUs over NCCL, vocab 262144, canvas 256.
+"""
+import json
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # spawn children import the workers module by name
+
+import tp_sampler_workers as W  # noqa: E402
+from blockdiff.sampler import rng  # noqa: E402
+from blockdiff.sampler.tp import (CombinedStats, VocabShard, combine_statistics, communication_bytes,  # noqa: E402
+                                  gumbel_noise_shard, local_statistics, make_shards, sampler_step_sharded,
+                                  vocab_shard_bounds)
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import given, settings, strategies as hst  # noqa: E402
+
+
+# ------------------------------------------------------------------------------------------------ shards / rng
+def test_vocab_shard_bounds_follow_vllm_padding():
+    assert vocab_shard_bounds(1000, 2) == (0, 500, 1000)
+    assert vocab_shard_bounds(1000, 3) == (0, 334, 668, 1000)
+    assert vocab_shard_bounds(1000, 2, pad_to=64) == (0, 512, 1000)           # V_pad 1024
+    assert vocab_shard_bounds(100, 4, pad_to=64) == (0, 32, 64, 96, 100)
+    assert vocab_shard_bounds(10, 4, pad_to=64) == (0, 10, 10, 10, 10)        # ranks holding padding only
+    with pytest.raises(ValueError, match="world_size"):
+        vocab_shard_bounds(10, 0)
+
+
+def test_make_shards_rejects_bad_bounds():
+    with pytest.raises(ValueError, match="non-decreasing"):
+        make_shards(10, (0, 6, 4, 10))
+    with pytest.raises(ValueError, match="non-decreasing"):
+        make_shards(10, (0, 5, 9))
+    with pytest.raises(ValueError, match="rank"):
+        VocabShard(10, 0, 5, rank=2, world_size=2)
+    with pytest.raises(TypeError, match="start"):
+        VocabShard(10, 0.0, 5)
+
+
+@pytest.mark.parametrize("a,b", [(0, 37), (1, 5), (3, 4), (5, 37), (4, 8), (7, 7), (36, 37), (13, 30)])
+def test_gumbel_noise_shard_equals_global_noise_slice(a, b):
+    args = (torch.tensor([3, 4]), torch.tensor([5, 2**40 + 6]), torch.tensor([0, 9]), torch.tensor([2, 3]))
+    full = rng.gumbel_noise(*args, 8, 37)
+    assert torch.equal(gumbel_noise_shard(*args, 8, a, b), full[..., a:b])
+
+
+def test_communication_is_independent_of_vocab():
+    c = communication_bytes(4, 256, 2816, 2)
+    assert c["all_gather_bytes"] == 2 * 4 * 256 * 7 * 8
+    assert c["all_reduce_bytes"] == 4 * 256 * 2816 * 4
+
+
+# ------------------------------------------------------------------------------------------------ combine
+def _stats_for(x, T, bounds, V):
+    n, cl, _ = x.shape
+    z0 = torch.zeros(n, dtype=torch.int64)
+    return torch.stack([local_statistics(x[..., sh.start:sh.end], T, z0, z0, z0, z0, sh).packed
+                        for sh in make_shards(V, bounds)])
+
+
+def test_argmax_tie_across_shards_goes_to_lowest_global_id():
+    V = 10
+    x = torch.zeros(1, 3, V)
+    x[0, 0, [4, 5]] = 3.0          # tie straddling the boundary 5
+    x[0, 1, [7, 2]] = 3.0          # tie: 2 on rank 0 wins
+    x[0, 2, [6, 9]] = 3.0          # both on rank 1: first one
+    for T in (torch.tensor([0.5]), torch.tensor([0.0])):
+        c = combine_statistics(_stats_for(x, T, (0, 5, 10), V), T, V)
+        assert c.argmax.tolist() == [[4, 2, 6]]
+        assert c.argmax.tolist() == x.argmax(-1).tolist()
+
+
+def test_entropy_combination_is_exact_log_z_minus_mean_z():
+    g = torch.Generator().manual_seed(3)
+    V = 301
+    x = torch.randn(2, 5, V, generator=g, dtype=torch.float64).float() * torch.tensor([0.1, 30.0])[:, None, None]
+    T = torch.tensor([0.7, 0.4])
+    z = (x / T[:, None, None]).double()
+    p = torch.softmax(z, -1)
+    H64 = -(p * torch.log_softmax(z, -1)).sum(-1)
+    for bounds in [(0, V), (0, 1, V), (0, 150, 151, V), (0, 0, 100, V, V)]:
+        c = combine_statistics(_stats_for(x, T, bounds, V), T, V)
+        assert torch.allclose(c.entropy.double(), H64, atol=2e-6, rtol=2e-6), bounds
+        assert (c.entropy >= 0).all()
+        # soft weights: locally normalised partials rescale to the global softmax
+        assert torch.allclose(c.soft_weight.sum(0), torch.ones(2, 5), atol=1e-6)
+
+
+def test_nonfinite_logit_on_one_shard_fails_the_position():
+    V = 12
+    x = torch.randn(1, 2, V)
+    x[0, 1, 9] = float("inf")
+    T = torch.tensor([0.5])
+    c = combine_statistics(_stats_for(x, T, (0, 6, V), V), T, V)
+    assert c.bad.tolist() == [[False, True]]
+    assert torch.isnan(c.entropy[0, 1]) and torch.isfinite(c.entropy[0, 0])
+
+
+# ------------------------------------------------------------------------------------------------ full step
+CL, HID = 8, 16
+
+
+@settings(max_examples=8, deadline=None)
+@given(V=hst.integers(8, 300), cuts=hst.lists(hst.floats(0, 1), min_size=0, max_size=4),
+       e_bf16=hst.booleans())
+def test_sharded_step_matches_reference_any_split(V, cuts, e_bf16):
+    """In-process shards (uneven, empty, single-token): identical decisions/state, close entropies and soft."""
+    bounds = (0, *sorted(int(c * V) for c in cuts), V)
+    tie = (bounds[1] - 1, bounds[1]) if 0 < bounds[1] < V else (0, min(1, V - 1))
+    if tie[0] == tie[1]:
+        tie = (0, 0)
+    W.run_scenario(lambda st, sl, x, pd, E: sampler_step_sharded(st, sl, x, pd, E, bounds=bounds),
+                   V=V, cl=CL, hidden=HID, steps=6, device="cpu",
+                   e_dtype=torch.bfloat16 if e_bf16 else torch.float32, tie_ids=tie)
+
+
+def test_sharded_step_single_shard_is_the_reference():
+    W.run_scenario(lambda st, sl, x, pd, E: sampler_step_sharded(st, sl, x, pd, E, bounds=(0, 1000)),
+                   V=1000, cl=16, hidden=HID, steps=6, device="cpu", e_dtype=torch.bfloat16, tie_ids=(3, 4))
+
+
+def test_sharded_step_rejects_wrong_shapes():
+    from blockdiff.sampler.tp import _check_tp_args
+    params = W.scenario_params(CL)
+    st, _ = W.make_states(params, CL, 100, HID, "cpu", copies=1)[0], None
+    slots = torch.arange(1, 5)
+    sh = make_shards(100, (0, 40, 100))[1]
+    pd = torch.ones(4, dtype=torch.bool)
+    with pytest.raises(ValueError, match="logits must have shape"):
+        _check_tp_args(st, slots, torch.zeros(4, CL, 100), pd, torch.zeros(60, HID), sh)
+    with pytest.raises(ValueError, match="embedding must have shape"):
+        _check_tp_args(st, slots, torch.zeros(4, CL, 60), pd, torch.zeros(100, HID), sh)
+    with pytest.raises(ValueError, match="vocab_size"):
+        _check_tp_args(st, slots, torch.zeros(4, CL, 60), pd, torch.zeros(60, HID), make_shards(99, (0, 39, 99))[1])
+    with pytest.raises(TypeError, match="shard"):
+        _check_tp_args(st, slots, torch.zeros(4, CL, 60), pd, torch.zeros(60, HID), (40, 100))
+
+
+def test_tp_step_without_process_group_raises():
+    from blockdiff.sampler.tp import sampler_step_tp
+    params = W.scenario_params(CL)
+    st = W.make_states(params, CL, 100, HID, "cpu", copies=1)[0]
+    sh = make_shards(100, (0, 100))[0]
+    with pytest.raises(RuntimeError, match="process group"):
+        sampler_step_tp(st, torch.arange(1, 5), torch.zeros(4, CL, 100), torch.ones(4, dtype=torch.bool),
+                        torch.zeros(100, HID), shard=sh)
+
+
+# ------------------------------------------------------------------------------------------------ 2 processes
+def _spawn(world, tmp_path, dist_backend, device_kind, V, cl, hidden, steps, bounds, stats_backend, e_dtype):
+    import torch.multiprocessing as mp
+    result = tmp_path / "rows.json"
+    mp.spawn(W.worker, nprocs=world, join=True,
+             args=(world, str(tmp_path / "pg_init"), dist_backend, device_kind, V, cl, hidden, steps, tuple(bounds),
+                   stats_backend, e_dtype, str(result)))
+    return json.loads(result.read_text())
+
+
+def test_two_processes_gloo_match_single_process_reference(tmp_path):
+    """2 gloo ranks, V = 1000 split unevenly (437 / 563): every pass identical to the 1-process reference."""
+    rows = _spawn(2, tmp_path, "gloo", "cpu", 1000, 16, 32, 6, (0, 437, 1000), "reference", "bfloat16")
+    assert len(rows) == 6 and any(r["accepted"] > 4 for r in rows)
+
+
+@pytest.mark.gpu
+def test_two_gpus_nccl_match_single_gpu_reference(tmp_path):
+    """2 NCCL ranks (one per GPU), V = 262144 split evenly, canvas 256, bf16 E hidden 2816."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    from blockdiff.sampler.tp import set_safe_nccl_env
+    set_safe_nccl_env()
+    V = 262144
+    for stats_backend in ("reference", "triton"):
+        rows = _spawn(2, tmp_path, "nccl", "cuda", V, 256, 2816, 6, vocab_shard_bounds(V, 2), stats_backend,
+                      "bfloat16")
+        assert len(rows) == 6
