@@ -31,7 +31,28 @@ import traceback
 import torch
 
 T0 = time.time()
+DEVICE = "cuda"  # tests may point this elsewhere for a dry run
 RESULTS: dict = {"cases": []}
+
+
+def _ensure_blockdiff_importable():
+    """Make `import blockdiff.<pkg>` resolve to this checkout (what bench/device_env.sh does) if it does not."""
+    try:
+        import blockdiff.attention  # noqa: F401
+        return
+    except ImportError:
+        pass
+    import tempfile
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    ns = Path(tempfile.gettempdir()) / "bdpath_cute_smoke" / "blockdiff"
+    ns.mkdir(parents=True, exist_ok=True)
+    for pkg in ("attention", "sampler", "model", "integration"):
+        link = ns / pkg
+        if not link.exists():
+            link.symlink_to(root / pkg)
+    sys.path.insert(0, str(ns.parent))
 
 
 def log(*a):
@@ -41,7 +62,7 @@ def log(*a):
 def make_batch(q_lens, ctxs, ncqs, H, Hkv, D, page_size=64, seed=0, contiguous=False, dtype=torch.bfloat16):
     """Random paged (permuted block table) or contiguous batch; K/V of the query tokens already cached."""
     g = torch.Generator(device="cpu").manual_seed(seed)
-    dev = "cuda"
+    dev = DEVICE
     seq_lens = [c + q for c, q in zip(ctxs, q_lens)]
     cu = [0]
     for ql in q_lens:
@@ -131,9 +152,9 @@ def fa4_two_launch(b, window, scale):
         if not idx:
             continue
         cu = torch.tensor([0] + list(torch.tensor([b["q_lens"][i] for i in idx]).cumsum(0).tolist()),
-                          dtype=torch.int32, device="cuda")
+                          dtype=torch.int32, device=DEVICE)
         starts = b["cu_seqlens_q"].tolist()
-        rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in idx]).cuda()
+        rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in idx]).to(DEVICE)
         q = b["q"].index_select(0, rows).contiguous()
         g = dict(q=q, cu=cu, rows=rows, seqused_k=b["seq_lens"][idx].contiguous(),
                  page_table=b["block_table"][idx].contiguous(), causal=is_causal,
@@ -152,7 +173,7 @@ def fa4_two_launch(b, window, scale):
             outs[j] = r[0] if isinstance(r, tuple) else r
 
     def gather(total_q, H, D):
-        o = torch.empty(total_q, H, D, dtype=b["q"].dtype, device="cuda")
+        o = torch.empty(total_q, H, D, dtype=b["q"].dtype, device=DEVICE)
         for g, out in zip(groups, outs):
             o.index_copy_(0, g["rows"], out)
         return o
@@ -173,7 +194,7 @@ def correctness_case(name, q_lens, ctxs, ncqs, H, Hkv, D, page_size, window, mod
     t = time.time()
     b = make_batch(q_lens, ctxs, ncqs, H, Hkv, D, page_size, seed=len(RESULTS["cases"]), contiguous=contiguous)
     kw = attn_kwargs(b, window, mode)
-    out = torch.full((b["q"].shape[0], H, D), float("nan"), dtype=b["q"].dtype, device="cuda")
+    out = torch.full((b["q"].shape[0], H, D), float("nan"), dtype=b["q"].dtype, device=DEVICE)
     o, lse = attention_cute(b["q"], b["k"], b["v"], out=out, return_lse=True, **kw)
     torch.cuda.synchronize()
     res = check_close(o, b["q"], b["k"], b["v"], lse=lse, **kw)
@@ -192,7 +213,7 @@ def workload_case(name, q_lens, ctxs, causal, H, Hkv, D, window, mode, check="re
     b = make_batch(q_lens, ctxs, ncqs, H, Hkv, D, 64, seed=1)
     kw = attn_kwargs(b, window, mode)
     scale = D ** -0.5
-    out = torch.full((b["q"].shape[0], H, D), float("nan"), dtype=b["q"].dtype, device="cuda")
+    out = torch.full((b["q"].shape[0], H, D), float("nan"), dtype=b["q"].dtype, device=DEVICE)
     attention_cute(b["q"], b["k"], b["v"], out=out, scale=scale, **kw)  # compile + validate once
     torch.cuda.synchronize()
     row = dict(workload=name, batch=f"q_lens={q_lens} ctx={ctxs} causal={causal}", H=H, Hkv=Hkv, D=D,
@@ -200,6 +221,10 @@ def workload_case(name, q_lens, ctxs, causal, H, Hkv, D, window, mode, check="re
     pairs = count_allowed_pairs(torch.tensor(q_lens), torch.tensor(b["seq_lens_list"]), torch.tensor(ncqs),
                                 window, mode)
     row["allowed_pairs"] = pairs
+    from blockdiff.attention.cute_attention import resolve_config
+    cfg = resolve_config(D, D, window)
+    row["cute_tile_mn"] = (cfg.tile_m, cfg.tile_n)
+    row["cute_paged_kv_tma"] = cfg.tile_n == 64  # page size 64 here
 
     status = "PASS"
     fa_run = fa_gather = None
@@ -270,6 +295,7 @@ def main():
     ap.add_argument("--budget", type=float, default=165.0, help="seconds after which no new case starts")
     ap.add_argument("--only", default="", help="comma-separated substrings of case names to run")
     args = ap.parse_args()
+    _ensure_blockdiff_importable()
     if not torch.cuda.is_available():
         print("FAIL: no CUDA device")
         return 2
