@@ -185,6 +185,9 @@ class DiffusionGemmaConfig:
         for k, v in d.items():
             if k in names:
                 kwargs[k] = v
+        # transformers gates the full-layer KV-head override on `attention_k_eq_v` (absent = True).
+        if d.get("attention_k_eq_v", True) is False:
+            kwargs.pop("num_global_key_value_heads", None)
         # transformers folds the full-layer geometry into per_layer_config; recover it.
         plc = d.get("per_layer_config") or {}
         for layer_idx, lc in plc.items():

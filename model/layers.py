@@ -86,7 +86,7 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: dict, dtype: torch.dtype):
     """cos, sin ``[T, head_dim]`` in ``dtype`` for int positions ``[T]``; ``inv_freq`` maps fp32/fp64 to the
     inverse frequencies (fp32 products as transformers; fp64 for fp64 ``dtype``)."""
     acc = acc_dtype(dtype)
-    freqs = positions[:, None].to(acc) * inv_freq[acc].to(positions.device)[None, :]
+    freqs = positions[:, None].to(acc) * inv_freq[acc][None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 

@@ -143,9 +143,10 @@ def load_hf_state_dict(model, state_dict, *, device=None, dtype=None) -> list[st
     return skipped
 
 
-def read_safetensors(path) -> dict[str, torch.Tensor]:
+def read_safetensors(path, device=None) -> dict[str, torch.Tensor]:
     """All tensors of a safetensors checkpoint: a file, or a folder with ``model.safetensors`` or
-    ``model.safetensors.index.json`` (+ shards). Vision-tower tensors are not read.
+    ``model.safetensors.index.json`` (+ shards), read straight onto ``device`` (default cpu). Vision-tower
+    tensors are not read (an empty placeholder keeps their names for the skipped list).
 
     Raises:
         FileNotFoundError: nothing loadable at ``path``.
@@ -170,7 +171,7 @@ def read_safetensors(path) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(f"no safetensors checkpoint at {path}")
     out: dict[str, torch.Tensor] = {}
     for fn in files:
-        with safe_open(fn, framework="pt") as f:
+        with safe_open(fn, framework="pt", device=str(device or "cpu")) as f:
             for k in f.keys():
                 if k.startswith(SKIPPED_PREFIXES):
                     out[k] = torch.empty(0)  # listed as skipped, never read

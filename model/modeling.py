@@ -82,6 +82,7 @@ class DiffusionGemma(nn.Module):
                           for lt, hd in (("sliding_attention", config.head_dim),
                                          ("full_attention", config.global_head_dim))
                           if lt in config.layer_types}
+        self._inv_freq_dev: dict = {}
         if torch.device(device or "cpu").type != "meta":
             g = torch.Generator().manual_seed(seed)
             init_weights_(self, std=config.initializer_range, generator=g)
@@ -97,10 +98,11 @@ class DiffusionGemma(nn.Module):
         return self.embed_tokens(input_ids) * self.embed_scale
 
     @property
-    def embed_scale(self) -> torch.Tensor:
-        """``sqrt(hidden_size)`` rounded to the embedding dtype, as transformers applies it."""
-        w = self.embed_tokens.weight
-        return torch.tensor(self.config.hidden_size ** 0.5, device=w.device).to(w.dtype)
+    def embed_scale(self) -> float:
+        """``sqrt(hidden_size)`` rounded to the embedding dtype, as transformers applies it (bf16: 53.0 for
+        hidden 2816, not 53.066), as a Python float (no device tensor: CUDA-graph safe)."""
+        dt = self.embed_tokens.weight.dtype
+        return float(torch.tensor(self.config.hidden_size ** 0.5, dtype=torch.float32).to(dt).item())
 
     def soft_embedding(self, z: torch.Tensor) -> torch.Tensor:
         """Self-conditioning input ``softmax(z) @ E * sqrt(hidden)`` ``[..., hidden]`` fp32 from
@@ -142,6 +144,15 @@ class DiffusionGemma(nn.Module):
                 for ks, vs in self.kv_cache_shapes(num_blocks, page_size)]
 
     # ---- forward ----------------------------------------------------------------------------------------
+    def _device_inv_freq(self, layer_type: str, device) -> dict:
+        """Inverse frequencies on ``device`` (copied once per device, so graph capture sees no H2D copy)."""
+        key = (layer_type, str(device))
+        hit = self._inv_freq_dev.get(key)
+        if hit is None:
+            hit = {dt: t.to(device) for dt, t in self._inv_freq[layer_type].items()}
+            self._inv_freq_dev[key] = hit
+        return hit
+
     def decoder_row_mask(self, meta, total_q: int) -> torch.Tensor:
         """``[T]`` bool: True for bidirectional (decoder / denoise) rows, from ``meta.causal`` or
         ``meta.num_causal_q``, without host syncs."""
@@ -234,7 +245,8 @@ class DiffusionGemma(nn.Module):
         hd = self.self_conditioning.post_norm(hd)
         h = torch.where(is_dec, hd, h)
 
-        cs = {lt: rope_cos_sin(positions, inv, dtype) for lt, inv in self._inv_freq.items()}
+        cs = {lt: rope_cos_sin(positions, self._device_inv_freq(lt, positions.device), dtype)
+              for lt in self._inv_freq}
         attn_kwargs = meta.attn_kwargs()
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             a = layer.self_attn
@@ -294,5 +306,5 @@ class DiffusionGemma(nn.Module):
             if not os.path.exists(cfg_path):
                 raise FileNotFoundError(f"no config.json beside {path}; pass config=")
             config = DiffusionGemmaConfig.from_hf(cfg_path)
-        return cls.from_pretrained_state_dict(read_safetensors(path), config, device=device, dtype=dtype,
-                                              moe_impl=moe_impl)
+        return cls.from_pretrained_state_dict(read_safetensors(path, device=device), config, device=device,
+                                              dtype=dtype, moe_impl=moe_impl)
