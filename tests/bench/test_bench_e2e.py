@@ -1,0 +1,49 @@
+"""bench/bench_e2e.py --quick on the CPU: a tiny DiffusionGemma through the harness, 16 denoise steps."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import bench_e2e  # noqa: E402
+
+
+def test_quick_e2e_runs_16_denoise_steps_and_records_shares(tmp_path):
+    rows = bench_e2e.main(["--quick", "--batches", "2", "--no-warmup", "--out", str(tmp_path)])
+    assert len(rows) == 1
+    r = rows[0]
+    assert r["status"] == "ok", r.get("error")
+    assert r["denoise_steps"] == bench_e2e.DENOISING_STEPS
+    assert r["tokens_emitted"] == r["expected_tokens"] == 2 * 16  # tiny canvas of 16, max_tokens = canvas
+    assert r["denoise_step_ms"] > 0 and r["tokens_per_s"] > 0
+    assert 0 < r["attention_share"] < 1 and 0 < r["sampler_share"] < 1
+    assert r["attention_share"] + r["sampler_share"] < 1
+    doc = json.loads((tmp_path / "e2e-quick-cpu.json").read_text())
+    assert doc["denoising_steps"] == 16 and doc["rows"][0]["workload"] == "e2e_bs2_prompt24_steps16"
+    assert {"gpu", "torch", "commit", "date"} <= set(doc)
+
+
+def test_failing_backend_records_error_row(tmp_path):
+    rows = bench_e2e.main(["--quick", "--batches", "1", "--no-warmup", "--attn-backends", "nope",
+                           "--out", str(tmp_path)])
+    assert rows[0]["status"] == "error" and "nope" in rows[0]["error"]
+
+
+def test_missing_model_gives_a_clear_message(monkeypatch, capsys):
+    def unavailable():
+        raise bench_e2e.Unavailable("blockdiff.model is not in place (test)")
+
+    monkeypatch.setattr(bench_e2e, "_imports", unavailable)
+    assert bench_e2e.main(["--quick"]) == []
+    assert "not run: blockdiff.model is not in place" in capsys.readouterr().out
+
+
+def test_full_shape_config_is_diffusiongemma_26b_a4b():
+    args = bench_e2e.parse_args(["--layers", "6"])
+    cfg = bench_e2e.model_config(args)
+    assert cfg.layer_types == ["sliding_attention"] * 5 + ["full_attention"]
+    assert (cfg.hidden_size, cfg.vocab_size, cfg.num_attention_heads, cfg.head_dim, cfg.global_head_dim) == (
+        2816, 262144, 16, 256, 512)
+    assert cfg.window_size == 1023
+    assert args.attn_backends == ["triton"] and args.sampler_backend == "triton" and args.prompt_len == 1024
