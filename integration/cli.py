@@ -26,6 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out", default="./demo_out", help="folder for attention_pattern.png (default ./demo_out/)")
     d.add_argument("--canvas-length", type=int, default=16, help="tokens per canvas (default 16)")
     d.add_argument("--max-denoising-steps", type=int, default=6, help="denoising step cap per canvas (default 6)")
+    d.add_argument("--embedding-scale", type=float, default=30.0,
+                   help="scale of the random tied embedding, peaking the toy logits (default 30; 1 = raw init)")
     d.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     return ap
 
@@ -44,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             run_demo(backend=args.backend, sampler_backend=args.sampler_backend, check=args.check,
                      device=args.device, seed=args.seed, out=args.out, canvas_length=args.canvas_length,
-                     max_denoising_steps=args.max_denoising_steps, progress=not args.no_progress)
+                     max_denoising_steps=args.max_denoising_steps, progress=not args.no_progress,
+                     embedding_scale=args.embedding_scale)
         except BackendUnavailable as e:
             print(f"blockdiff demo: error: {e}", file=sys.stderr)
             return 2

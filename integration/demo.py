@@ -3,7 +3,10 @@ and a picture of one mixed step's attention pattern.
 
 The default workload (embedded) mixes prefill, denoise and commit rows in the same batches: six requests with
 prompts of 5-70 tokens arrive at steps 0-12 into four slots, a 64-token step budget chunks the long prompts, and
-a 16-token canvas with a step cap of 6 keeps the run to a few seconds on 2 CPU cores.
+a 16-token canvas with a step cap of 6 keeps the run to a few seconds on 2 CPU cores. One request is greedy
+(T = 0). Random weights give near-uniform logits (entropy ~ log V, one position accepted per step); the tied
+embedding is scaled (``embedding_scale``, default 30) so the toy logits are peaked enough for the entropy-bound
+acceptance to show.
 """
 from __future__ import annotations
 
@@ -13,14 +16,14 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-# (req_id, prompt_len, arrival_step, max_tokens)
-DEFAULT_REQUESTS: tuple[tuple[str, int, int, int], ...] = (
-    ("req-0", 70, 0, 32),
-    ("req-1", 9, 0, 16),
-    ("req-2", 23, 2, 32),
-    ("req-3", 5, 5, 16),
-    ("req-4", 41, 9, 16),
-    ("req-5", 12, 12, 32),
+# (req_id, prompt_len, arrival_step, max_tokens, greedy)
+DEFAULT_REQUESTS: tuple[tuple[str, int, int, int, bool], ...] = (
+    ("req-0", 70, 0, 32, False),
+    ("req-1", 9, 0, 16, False),
+    ("req-2", 23, 2, 32, False),
+    ("req-3", 5, 5, 16, True),  # T = 0: every position accepted, converges once the argmax is stable
+    ("req-4", 41, 9, 16, False),
+    ("req-5", 12, 12, 32, False),
 )
 
 
@@ -142,7 +145,7 @@ def plot_attention_pattern(rec, config, path: str) -> str:
 def run_demo(*, backend: str = "reference", sampler_backend: str = "reference", check: bool = False,
              device: str = "cpu", seed: int = 0, out: str = "./demo_out", canvas_length: int = 16,
              max_denoising_steps: int = 6, progress: bool = True, requests=DEFAULT_REQUESTS,
-             stream=None, threads: int | None = 1) -> DemoResult:
+             stream=None, threads: int | None = 1, embedding_scale: float = 30.0) -> DemoResult:
     """Run the demo and print its report to ``stream`` (default stdout). ``threads``: torch intra-op threads on
     CPU (default 1, fastest for the tiny model; None leaves torch's setting).
 
@@ -174,22 +177,26 @@ def run_demo(*, backend: str = "reference", sampler_backend: str = "reference", 
     torch.manual_seed(seed)
     cfg = tiny_config(canvas_length=canvas_length)
     model = DiffusionGemma(cfg).to(dev).eval()
+    with torch.no_grad():
+        model.embedding_weight.mul_(embedding_scale)  # tied: peaks the toy logits (random weights)
     params = SamplingParams(canvas_length=canvas_length, max_denoising_steps=max_denoising_steps, seed=seed)
     runner = HarnessRunner(model, default_params=params, max_num_reqs=4, max_num_batched_tokens=4 * canvas_length,
                            page_size=8, max_model_len=256, device=dev, attn_backend=backend,
                            sampler_backend=sampler_backend, check=check)
     g = torch.Generator().manual_seed(seed)
-    for rid, plen, arrival, max_tokens in requests:
+    for rid, plen, arrival, max_tokens, greedy in requests:
         prompt = torch.randint(3, cfg.vocab_size, (plen,), generator=g).tolist()
+        temps = dict(t_min=0.0, t_max=0.0) if greedy else {}
         rp = SamplingParams(canvas_length=canvas_length, max_denoising_steps=max_denoising_steps, seed=seed,
-                            max_tokens=max_tokens)
+                            max_tokens=max_tokens, **temps)
         runner.add_request(rid, prompt, rp, arrival_step=arrival)
 
     p(f"blockdiff demo: tiny random-weight DiffusionGemma ({cfg.num_hidden_layers} layers, hidden "
-      f"{cfg.hidden_size}, vocab {cfg.vocab_size}), canvas {canvas_length}, step cap {max_denoising_steps}")
+      f"{cfg.hidden_size}, vocab {cfg.vocab_size}, tied embedding x{embedding_scale:g}), canvas {canvas_length}, "
+      f"step cap {max_denoising_steps}")
     p(f"attention backend: {backend} | sampler backend: {sampler_backend} | device: {dev} | seed: {seed} | "
       f"check: {'on' if check else 'off'}")
-    p(f"{len(requests)} requests, {runner.max_num_reqs} slots, step budget {runner.max_num_batched_tokens} tokens, "
+    p(f"{len(requests)} requests ({sum(r[4] for r in requests)} greedy), {runner.max_num_reqs} slots, step budget {runner.max_num_batched_tokens} tokens, "
       f"KV pages of {runner.page_size} tokens")
     t0 = time.perf_counter()
     bar = None
@@ -218,10 +225,13 @@ def run_demo(*, backend: str = "reference", sampler_backend: str = "reference", 
     p(table)
     p("")
     p("requests:")
+    greedy_ids = {r[0] for r in requests if r[4]}
     for rid, r in sorted(results.items()):
-        p(f"  {rid}: prompt {r.prompt_len:>3} tok, arrived step {r.arrival_step:>2}, admitted {r.admit_step:>2}, "
+        p(f"  {rid}{'*' if rid in greedy_ids else ' '}: prompt {r.prompt_len:>3} tok, arrived step {r.arrival_step:>2}, admitted {r.admit_step:>2}, "
           f"finished {r.finish_step:>3} ({r.finish_reason}), {r.num_canvases} canvas(es), "
           f"{r.num_denoise_steps} denoise steps, {len(r.output_token_ids)} tokens emitted")
+    if greedy_ids:
+        p("  (* greedy, T = 0)")
     p("")
     p(f"totals: {totals['forward_passes']} forward passes over {totals['steps']} steps, "
       f"{totals['tokens_emitted']} tokens emitted, {totals['tokens_per_forward']:.3f} tokens/forward, "
