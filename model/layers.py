@@ -186,8 +186,9 @@ class Experts(nn.Module):
         flat = index.reshape(-1)
         order = torch.argsort(flat, stable=True)
         tok = order // k
-        counts = torch.bincount(flat, minlength=self.num_experts)
-        offs = torch.cumsum(counts, 0).to(torch.int32)
+        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))  # bincount syncs on CUDA
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
         xs = x[tok]
         gu = F.grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offs)
         g, u = gu.chunk(2, dim=-1)
