@@ -196,12 +196,13 @@ def _soft_embedding_kernel(
     if tl.max(act, 0) == 0:
         return
     rvalid = rmask & (act != 0)
-    T = tl.load(t_ptr + n, mask=rmask, other=1.0)
+    T = tl.load(t_ptr + n, mask=rvalid, other=1.0)
     greedy = T == 0.0
-    tdiv = tl.where(greedy, 1.0, T)
-    mrow = tl.load(m_ptr + rows, mask=rmask, other=0.0)
-    inv_s = tl.load(inv_s_ptr + rows, mask=rmask, other=0.0)
-    amax = tl.load(amax_ptr + rows, mask=rmask, other=-1)
+    # p = exp(x / T - m) / s = exp2(x * (log2e / T) - m * log2e) * inv_s: one FMA + ex2 per element
+    scale = 1.4426950408889634 / tl.where(greedy, 1.0, T)
+    shift = tl.load(m_ptr + rows, mask=rvalid, other=0.0) * 1.4426950408889634
+    inv_s = tl.load(inv_s_ptr + rows, mask=rvalid, other=0.0)
+    amax = tl.load(amax_ptr + rows, mask=rvalid, other=-1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < HID
     kk = tl.arange(0, BLOCK_K)
@@ -214,8 +215,7 @@ def _soft_embedding_kernel(
         kmask = tok < k_end
         lmask = rvalid[:, None] & kmask[None, :]
         x = tl.load(xrow[:, None] + tok[None, :], mask=lmask, other=0.0).to(tl.float32)
-        z = tl.math.div_rn(x, tdiv[:, None])
-        prob = tl.exp(z - mrow[:, None]) * inv_s[:, None]
+        prob = tl.exp2(x * scale[:, None] - shift[:, None]) * inv_s[:, None]
         prob = tl.where(greedy[:, None], (tok[None, :] == amax[:, None]).to(tl.float32), prob)
         prob = tl.where(lmask, prob, 0.0)
         ev = tl.load(e_ptr + tok[:, None].to(tl.int64) * stride_ev + cols[None, :] * stride_eh,
