@@ -169,6 +169,12 @@ def run_demo(*, backend: str = "reference", sampler_backend: str = "reference", 
     check_attention_backend(backend, dev)
     if sampler_backend == "triton" and dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise BackendUnavailable("sampler backend 'triton' on CPU needs TRITON_INTERPRET=1 (Triton interpreter)")
+    from blockdiff.sampler import get_backend as sampler_get_backend
+
+    try:
+        sampler_get_backend(sampler_backend)
+    except (ImportError, ValueError) as e:
+        raise BackendUnavailable(f"sampler backend {sampler_backend!r} is not available: {e}") from e
 
     if dev.type == "cpu" and threads is not None:
         # A tiny model's ops are ~microseconds: intra-op threads cost more than they give (100x slower on a
