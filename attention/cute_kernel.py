@@ -27,6 +27,15 @@ kernel body with an empty ``AuxData``, so FA4 does no aux-tensor work. The kerne
 ``is_causal=False, is_local=True``: FA4's consumer then emits its three loops (right-masked blocks,
 unmasked interior blocks, left-masked blocks) and our block info decides their bounds per tile.
 
+Why not FA4's ``mask_mod`` + block-sparsity route (read in flash-attn-4 4.0.0b36): on SM90 the block-sparse
+producer (``block_sparse_utils.produce_block_sparse_loads``) issues K/V loads with ``page_idx=None`` through the
+TMA closures only, so it has no paged-KV path (neither the page-table TMA nor the cp.async ``PagedKVManager``);
+the per-(batch, head, m_block) block lists must be rebuilt for every step's metadata (host code or extra
+launches: ``compute_block_sparsity``); and ``mask_mod`` is evaluated element by element (scalar, no R2P) in
+every partial block. Without block sparsity a ``mask_mod`` gets no tile skipping at all (FA4's block range
+ignores it). Per-tile block ranges computed in the kernel from device metadata give the skipping in both
+directions, keep the paged loads, and need no mask building.
+
 Row semantics (row ``i`` of a sequence, ``ctx = seqlen_k - seqlen_q``, ``q_abs = ctx + i``, ``W`` window):
 causal row ``i < num_causal_q``: ``[max(0, q_abs - W), q_abs]``; bidirectional row, symmetric:
 ``[max(0, q_abs - W), min(seqlen_k - 1, q_abs + W)]``; bidirectional row, prefix:

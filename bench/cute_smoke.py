@@ -14,12 +14,14 @@ Cases (each in its own try/except; a failure prints the full traceback and the r
   one-launch cute kernel and of FA4 ``flash_attn.cute.flash_attn_varlen_func`` called twice (causal
   sequences, then bidirectional ones, on pre-split inputs), effective TFLOP/s
   (4 * heads * head_dim * allowed pairs / time).
-Writes ``$OUT/cute_smoke.json`` when ``OUT`` is set (else bench/results/cute_smoke-<gpu>.json).
-Stops starting new cases after ``--budget`` seconds (default 165).
+Writes ``$OUT/cute_smoke.json`` when ``OUT`` is set (else bench/results/cute_smoke-<gpu>.json), after every
+case. Stops starting new cases after ``--budget`` seconds (default 165); a case running longer than
+``--case-timeout`` (default 90 s; a pipeline deadlock would hang) dumps all stacks and ends the run.
 """
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import statistics
@@ -294,6 +296,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--budget", type=float, default=165.0, help="seconds after which no new case starts")
     ap.add_argument("--only", default="", help="comma-separated substrings of case names to run")
+    ap.add_argument("--case-timeout", type=float, default=90.0,
+                    help="seconds before a hung case dumps all stacks and ends the run (exit code 1)")
     args = ap.parse_args()
     _ensure_blockdiff_importable()
     if not torch.cuda.is_available():
@@ -333,6 +337,7 @@ def main():
          ([256, 100], [1500, 0], [0, 100], 16, 8, 256, 16, None, "symmetric")),
     ]
     only = [s for s in args.only.split(",") if s]
+    out_path = _json_path()
     for case in cases:
         name, fn, cargs = case[:3]
         ckw = case[3] if len(case) > 3 else {}
@@ -342,6 +347,10 @@ def main():
             log(f"SKIP {name}: time budget of {args.budget:.0f}s spent")
             record(name, status="SKIP")
             continue
+        # A kernel hang (e.g. producer and consumer disagreeing on a tile's key blocks deadlocks the pipeline)
+        # would block in a CUDA sync: the C-level watchdog dumps every thread's stack and exits instead.
+        log(f"START {name} (watchdog {args.case_timeout:.0f}s)")
+        faulthandler.dump_traceback_later(args.case_timeout, exit=True)
         try:
             fn(name, *cargs, **ckw)
         except Exception as e:  # noqa: BLE001
@@ -349,6 +358,8 @@ def main():
             log(f"FAIL {name}: {type(e).__name__}: {e}")
             record(name, status="FAIL", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-4000:])
         torch.cuda.synchronize()
+        faulthandler.cancel_dump_traceback_later()
+        _write_json(out_path)  # after every case: a later hang keeps what was measured
 
     n_fail = sum(c["status"] == "FAIL" for c in RESULTS["cases"])
     log(f"SUMMARY: {sum(c['status'] == 'PASS' for c in RESULTS['cases'])} PASS, {n_fail} FAIL, "
@@ -358,17 +369,23 @@ def main():
             log(f"  {c['case']}: cute graph {c.get('cute_graph_ms', float('nan')):.4f} ms "
                 f"(eager {c.get('cute_eager_ms', float('nan')):.4f}) | fa4 two-launch graph "
                 f"{c.get('fa4_graph_ms', float('nan')):.4f} ms (eager {c.get('fa4_eager_ms', float('nan')):.4f})")
+    _write_json(out_path)
+    log("wrote", out_path)
+    return 1 if n_fail else 0
+
+
+def _json_path():
     out_dir = os.environ.get("OUT")
     if out_dir:
-        path = os.path.join(out_dir, "cute_smoke.json")
-    else:
-        gpu = RESULTS["env"]["gpu"].replace(" ", "_")
-        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"cute_smoke-{gpu}.json")
+        return os.path.join(out_dir, "cute_smoke.json")
+    gpu = RESULTS.get("env", {}).get("gpu", "gpu").replace(" ", "_")
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"cute_smoke-{gpu}.json")
+
+
+def _write_json(path):
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump(RESULTS, f, indent=1, default=str)
-    log("wrote", path)
-    return 1 if n_fail else 0
 
 
 if __name__ == "__main__":

@@ -173,7 +173,13 @@ def test_smoke_script_plumbing_dry_run_on_cpu(monkeypatch, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------- GPU tests
-needs_gpu = pytest.mark.gpu
+def needs_gpu(f):
+    """GPU test; with pytest-timeout installed, a hang (e.g. a producer/consumer pipeline deadlock) ends the
+    process after 300 s with every thread's stack dumped instead of eating the whole GPU session."""
+    f = pytest.mark.gpu(f)
+    if importlib.util.find_spec("pytest_timeout") is not None:
+        f = pytest.mark.timeout(300, method="thread")(f)
+    return f
 
 
 def _make_batch(q_lens, ctxs, ncqs, H, Hkv, D, page_size, dtype=torch.bfloat16, device="cuda", seed=0,
