@@ -1,0 +1,188 @@
+"""Triton local pass of the tensor-parallel sampler step (``blockdiff.sampler.tp``, ``backend="triton"``).
+
+A rank's statistics over its vocabulary shard ``[vocab_start, vocab_end)`` need two things the single-GPU
+statistics kernel of :mod:`blockdiff.sampler.triton_sampler` does not expose: the Gumbel noise and the ids at
+the GLOBAL token id (a vocabulary offset), and the raw online-softmax accumulators ``(m, s, u)`` rather than the
+finished entropy. :func:`_shard_stats_kernel` is that kernel: one program per (canvas position, split of the
+shard) streams the shard once in ``[BLOCK_G, 4]`` tiles aligned to the global Philox token groups (group
+``id >> 2``, word ``id & 3``, the Philox rounds of ``triton_sampler._philox4x32_10``, so the noise equals
+:func:`blockdiff.sampler.rng.gumbel_noise` bit for bit on CUDA) and keeps in float32 registers
+``m = max z``, ``s = sum exp(z - m)``, ``u = sum exp(z - m)(z - m)`` (rescaled when the max moves), the first
+argmax of z, the Gumbel-max candidate and a non-finite flag; splits are merged exactly in torch.
+
+The soft-embedding partial is the fused split-K GEMM :func:`blockdiff.sampler.triton_sampler.soft_embedding`
+run on the shard with the shard's own ``(m, 1 / s)`` and local argmax (locally normalised partial; the TP combine
+rescales it per position). Memory: ``N * CL * SPLIT_V * 32`` bytes of split stats and the GEMM workspace; no
+[N, CL, V] temporary. No host sync: capturable in a CUDA graph.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .tp import F_ARGMAX, F_BAD, F_GID, F_GVAL, F_MAX, F_SUM, F_U, NUM_FIELDS, LocalStats, VocabShard
+from .triton_sampler import SamplerConfig, _philox4x32_10, soft_embedding
+
+__all__ = ["local_statistics_triton", "soft_partial_triton"]
+
+
+@triton.jit
+def _shard_stats_kernel(
+    x_ptr, stride_xn, stride_xp,
+    t_ptr, seed_ptr, rid_ptr, cidx_ptr, step_ptr, active_ptr,
+    stats_f_ptr, stats_i_ptr,
+    CL, VS, VE, BASE,
+    CHUNK: tl.constexpr, SPLIT_V: tl.constexpr, BLOCK_G: tl.constexpr,
+):
+    """Grid (N * CL, SPLIT_V). Split sp covers global ids [BASE + sp*CHUNK, BASE + (sp+1)*CHUNK) within [VS, VE)
+    (BASE = VS rounded down to a multiple of 4, so tiles align with Philox groups). Logit of global id t is at
+    x[n, p, t - VS]. Writes f32 [m, s, u, best_z, best_y] and i32 [argmax, sample, bad] (global ids)."""
+    r = tl.program_id(0)
+    sp = tl.program_id(1)
+    n = r // CL
+    p = r % CL
+    active = tl.load(active_ptr + n)
+    if active == 0:
+        return
+    T = tl.load(t_ptr + n)
+    tdiv = tl.where(T == 0.0, 1.0, T)
+    seed = tl.load(seed_ptr + n).to(tl.int64)
+    rid = tl.load(rid_ptr + n).to(tl.int64)
+    cidx = tl.load(cidx_ptr + n).to(tl.int64)
+    step = tl.load(step_ptr + n).to(tl.int64)
+    k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
+    k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    c1 = ((p & 0xFFFF) | ((step & 16383) << 18)).to(tl.int64).to(tl.uint32)      # stream GUMBEL = 0
+    c2 = (rid & 0xFFFFFFFF).to(tl.uint32)
+    c3 = (((rid >> 32) & 0xFFFF) | ((cidx & 0xFFFF) << 16)).to(tl.uint32)
+
+    base = x_ptr + n.to(tl.int64) * stride_xn + p.to(tl.int64) * stride_xp
+    g_off = tl.arange(0, BLOCK_G)
+    j = tl.arange(0, 4)
+    start = BASE + sp * CHUNK
+    lo = tl.maximum(start, VS)
+    hi = tl.minimum(VE, start + CHUNK)
+
+    m = -3.0e38
+    s = 0.0
+    u = 0.0
+    best = -float("inf")
+    best_i = 0
+    gbest = -float("inf")
+    gbest_i = 0
+    bad = 0
+    for i in range(0, CHUNK, 4 * BLOCK_G):
+        grp = (start + i) // 4 + g_off                            # [G] global Philox groups
+        tok = grp[:, None] * 4 + j[None, :]                       # [G, 4] global ids
+        mask = (tok >= lo) & (tok < hi)
+        x = tl.load(base + (tok - VS), mask=mask, other=0.0).to(tl.float32)
+        nonfinite = (x != x) | (tl.abs(x) == float("inf"))
+        bad = tl.maximum(bad, tl.max(tl.max((mask & nonfinite).to(tl.int32), 1), 0))
+        z = tl.where(mask, tl.math.div_rn(x, tdiv), -float("inf"))
+        tmax = tl.max(tl.max(z, 1), 0)
+        m_new = tl.maximum(m, tmax)
+        a = tl.exp(m - m_new)
+        e = tl.exp(z - m_new)
+        ez = e * tl.where(mask, z - m_new, 0.0)
+        u = a * (u + (m - m_new) * s) + tl.sum(tl.sum(ez, 1), 0)
+        s = a * s + tl.sum(tl.sum(e, 1), 0)
+        m = m_new
+        ti = tl.min(tl.min(tl.where(z == tmax, tok, 2147483647), 1), 0)
+        take = tmax > best
+        best_i = tl.where(take, ti, best_i)
+        best = tl.where(take, tmax, best)
+        w0, w1, w2, w3 = _philox4x32_10(grp.to(tl.uint32), tl.zeros_like(grp).to(tl.uint32) + c1,
+                                        tl.zeros_like(grp).to(tl.uint32) + c2, tl.zeros_like(grp).to(tl.uint32) + c3,
+                                        k0, k1)
+        jj = j[None, :]
+        w = tl.where(jj == 0, w0[:, None], tl.where(jj == 1, w1[:, None], tl.where(jj == 2, w2[:, None], w3[:, None])))
+        uni = ((w >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07          # 2**-23
+        gum = -tl.log(-tl.log(uni))
+        y = tl.where(mask, z + gum, -float("inf"))
+        ymax = tl.max(tl.max(y, 1), 0)
+        yi = tl.min(tl.min(tl.where(y == ymax, tok, 2147483647), 1), 0)
+        gtake = ymax > gbest
+        gbest_i = tl.where(gtake, yi, gbest_i)
+        gbest = tl.where(gtake, ymax, gbest)
+
+    o = r * SPLIT_V + sp
+    tl.store(stats_f_ptr + o * 5 + 0, m)
+    tl.store(stats_f_ptr + o * 5 + 1, s)
+    tl.store(stats_f_ptr + o * 5 + 2, u)
+    tl.store(stats_f_ptr + o * 5 + 3, best)
+    tl.store(stats_f_ptr + o * 5 + 4, gbest)
+    tl.store(stats_i_ptr + o * 3 + 0, best_i)
+    tl.store(stats_i_ptr + o * 3 + 1, gbest_i)
+    tl.store(stats_i_ptr + o * 3 + 2, bad)
+
+
+def local_statistics_triton(logits: torch.Tensor, T: torch.Tensor, seed: torch.Tensor, request_id: torch.Tensor,
+                            canvas_index: torch.Tensor, step: torch.Tensor, active: torch.Tensor,
+                            shard: VocabShard, config: SamplerConfig | None = None) -> LocalStats:
+    """Streaming local pass of one shard: :class:`blockdiff.sampler.tp.LocalStats` (same fields as the torch
+    :func:`blockdiff.sampler.tp.local_statistics`).
+
+    Args:
+        logits: float [N, CL, shard.size] (last dim contiguous; fp32/bf16/fp16). T: float32 [N] (0 = greedy).
+        seed, request_id, canvas_index, step: integer [N]. active: bool [N] — rows computed (others: zeros,
+            meaningless). shard: :class:`VocabShard`. config: ``block_g`` / ``split_v`` / ``stats_warps`` used.
+    """
+    N, CL, Vs = logits.shape
+    dev = logits.device
+    V = shard.vocab_size
+    packed = torch.zeros(N, CL, NUM_FIELDS, dtype=torch.float64, device=dev)
+    if Vs == 0 or N * CL == 0:
+        packed[..., F_MAX] = float("-inf")
+        packed[..., F_GVAL] = float("-inf")
+        packed[..., F_ARGMAX] = V
+        packed[..., F_GID] = V
+        zf = torch.zeros(N, CL, dtype=torch.float32, device=dev)
+        return LocalStats(packed, zf, zf, torch.zeros(N, CL, dtype=torch.int64, device=dev))
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    cfg = (config or SamplerConfig()).resolve(N * CL, Vs, 1, dev)
+    tile = 4 * cfg.block_g
+    base = shard.start - shard.start % 4
+    span = shard.end - base
+    chunk = triton.cdiv(triton.cdiv(span, cfg.split_v), tile) * tile
+    split_v = triton.cdiv(span, chunk)
+    sf = torch.zeros(N * CL * split_v * 5, dtype=torch.float32, device=dev)
+    si = torch.zeros(N * CL * split_v * 3, dtype=torch.int32, device=dev)
+    _shard_stats_kernel[(N * CL, split_v)](
+        logits, logits.stride(0), logits.stride(1),
+        T.contiguous(), seed.contiguous(), request_id.contiguous(), canvas_index.contiguous(), step.contiguous(),
+        active.to(torch.int32).contiguous(), sf, si, CL, shard.start, shard.end, base,
+        CHUNK=chunk, SPLIT_V=split_v, BLOCK_G=cfg.block_g, num_warps=cfg.stats_warps,
+    )
+    sf = sf.view(N, CL, split_v, 5)
+    si = si.view(N, CL, split_v, 3)
+    m_k, s_k, u_k, best_k, gbest_k = sf.unbind(-1)
+    m = m_k.max(-1).values
+    a = torch.exp(m_k - m[..., None])
+    s = (a * s_k).sum(-1)
+    u = (a * (u_k + (m_k - m[..., None]) * s_k)).sum(-1)
+    ksel = best_k.argmax(-1, keepdim=True)                        # first split holding the max: lowest id
+    argmax = si[..., 0].gather(-1, ksel).squeeze(-1).to(torch.int64)
+    gsel = gbest_k.argmax(-1, keepdim=True)
+    gid = si[..., 1].gather(-1, gsel).squeeze(-1).to(torch.int64)
+    gval = gbest_k.gather(-1, gsel).squeeze(-1)
+    bad = si[..., 2].amax(-1) != 0
+    f64 = torch.float64
+    packed = torch.stack([m.to(f64), s.to(f64), u.to(f64), argmax.to(f64), gval.to(f64), gid.to(f64),
+                          bad.to(f64)], dim=-1)
+    return LocalStats(packed, m, 1.0 / s, argmax - shard.start)
+
+
+def soft_partial_triton(logits: torch.Tensor, embedding: torch.Tensor, T: torch.Tensor, local: LocalStats,
+                        active: torch.Tensor, config: SamplerConfig | None = None) -> torch.Tensor:
+    """Locally normalised soft partial ``p_r @ E_r`` float32 [N, CL, hidden] with the fused split-K GEMM of
+    :mod:`blockdiff.sampler.triton_sampler` (p rounded to E's dtype, fp32 accumulation); inactive rows 0."""
+    N, CL, Vs = logits.shape
+    hidden = embedding.shape[-1]
+    if Vs == 0 or N * CL == 0:
+        return torch.zeros(N, CL, hidden, dtype=torch.float32, device=logits.device)
+    ws = soft_embedding(logits, embedding, T, local.m.contiguous(), local.inv_s.contiguous(),
+                        local.local_argmax, active, config)
+    part = ws.sum(0).view(N, CL, hidden) if ws.shape[0] > 1 else ws[0].view(N, CL, hidden)
+    return torch.where(active[:, None, None], part, 0.0)
