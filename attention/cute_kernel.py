@@ -241,11 +241,16 @@ class MixedAttentionMask:
             mask_r2p_lambda(acc_S_mn[r, None], mask_gen_fn, rank1=True)
 
 
-def _fa4_kernel_body():
-    """FA4's SM90 ``kernel`` body as a plain (DSL-preprocessed) function, to run inside our kernel."""
+def _call_fa4_kernel_body(*args):
+    """Trace FA4's SM90 ``kernel`` body inside our kernel, as the DSL traces any nested ``@cute.jit`` call.
+
+    ``FlashAttentionForwardSm90.kernel`` is a ``@cute.kernel``; its undecorated function (``__wrapped__``) is
+    AST-preprocessed exactly as the decorator would do, then inlined through the DSL's nested-call path
+    (``_func``: inside an active trace it runs the body in place, no new kernel).
+    """
     raw = FlashAttentionForwardSm90.kernel.__wrapped__
     BaseDSL._preprocess_and_replace_code(raw)
-    return raw
+    return raw._dsl_object._func(raw, *args)
 
 
 class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
@@ -338,7 +343,7 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
     ):
         # Trace-time hand-off: the num_causal_q tensor (a value of this kernel) for load() and mma().
         self._mNumCausalQ = aux_data.tensors[0]
-        _fa4_kernel_body()(
+        _call_fa4_kernel_body(
             self,
             mQ,
             mK,
