@@ -473,6 +473,8 @@ def parse_args(argv=None):
     p.add_argument("--suite-name", default=None, help="results file stem (default attention / attention-quick)")
     p.add_argument("--out", default=None, help="output folder (default $OUT or bench/results)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="stop starting new workloads after this many seconds (the rest are recorded as skipped)")
     a = p.parse_args(argv)
     a.fa4_layouts = [x.strip() for x in a.fa4_layouts.split(",") if x.strip()]
     bad = [x for x in a.fa4_layouts if x not in ("paged", "contiguous")]
@@ -513,7 +515,17 @@ def main(argv=None) -> list[dict]:
         common.log(f"warm-up {common.warm_up_gpu(device):.1f} s")
     rows: list[dict] = []
     t_start = time.perf_counter()
+    suite = args.suite_name or (SUITE + ("-quick" if args.quick else "") +
+                                ("" if args.suite == "named" else f"-{args.suite}"))
+    out_dir = Path(args.out) if args.out else common.results_dir()
+    extra = {"page_size": page_size, "dtype": args.dtype, "quick": args.quick, "suite_workloads": args.suite,
+             "peak_tflops": common.PEAK_TFLOPS, "anchors_ms": wl.ANCHORS_MS,
+             "flex_build_anchor_ms": list(wl.FLEX_BUILD_ANCHOR_MS), "argv": sys.argv[1:] if argv is None else argv}
     for w in common.progress(workloads, desc="workloads"):
+        if args.budget_s is not None and time.perf_counter() - t_start > args.budget_s:
+            common.log(f"--budget-s {args.budget_s} spent: not starting {w.name} (recorded as skipped)")
+            rows.append({"workload": w.name, "backend": "*", "status": "skipped", "reason": "time budget spent"})
+            continue
         common.log(w.describe())
         try:
             batch = wl.build(w, device, dtype, page_size=page_size, seed=args.seed)
@@ -522,8 +534,8 @@ def main(argv=None) -> list[dict]:
             rows.append({"workload": w.name, "backend": "*", "status": "error",
                          "error": f"building the workload failed: {type(e).__name__}: {e}"})
             continue
-        for be, maker, extra in jobs_for(batch, backends, args):
-            row = measure(batch, be, maker, args, gold, base_err, extra)
+        for be, maker, job_extra in jobs_for(batch, backends, args):
+            row = measure(batch, be, maker, args, gold, base_err, job_extra)
             row.update(checked_against=gold_src, eager_same_dtype_err=base_err)
             rows.append(row)
             msg = row["status"] if row["status"] != "ok" else (
@@ -533,15 +545,12 @@ def main(argv=None) -> list[dict]:
         del batch, gold
         if device.type == "cuda":
             torch.cuda.empty_cache()
+        # written after every workload: a run cut short by a time limit still leaves its rows under $OUT
+        common.write_records(suite, rows, env=env, out_dir=out_dir,
+                             extra={**extra, "wall_s": round(time.perf_counter() - t_start, 1), "complete": False})
 
-    suite = args.suite_name or (SUITE + ("-quick" if args.quick else "") +
-                                ("" if args.suite == "named" else f"-{args.suite}"))
-    out_dir = Path(args.out) if args.out else common.results_dir()
-    extra = {"page_size": page_size, "dtype": args.dtype, "quick": args.quick, "suite_workloads": args.suite,
-             "peak_tflops": common.PEAK_TFLOPS, "anchors_ms": wl.ANCHORS_MS,
-             "flex_build_anchor_ms": list(wl.FLEX_BUILD_ANCHOR_MS),
-             "wall_s": round(time.perf_counter() - t_start, 1), "argv": sys.argv[1:] if argv is None else argv}
-    path = common.write_records(suite, rows, env=env, extra=extra, out_dir=out_dir)
+    extra["wall_s"] = round(time.perf_counter() - t_start, 1)
+    path = common.write_records(suite, rows, env=env, extra={**extra, "complete": True}, out_dir=out_dir)
     pngs = [] if args.no_plots else plot(rows, out_dir, path.stem)
     print(f"\nwrote {path} (+ .csv, {len(pngs)} PNG)")
     show = [dict(r, backend=label_of(r), note=(r.get("reason") or r.get("error") or "")[:60]) for r in rows]

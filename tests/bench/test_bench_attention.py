@@ -73,3 +73,11 @@ def test_tile_sweep_is_a_no_op_with_message_when_unsupported(tmp_path, capsys, m
 def test_unknown_backend_is_rejected():
     with pytest.raises(SystemExit):
         ba.main(["--quick", "--backends", "nope"])
+
+
+def test_budget_stops_new_workloads_and_records_them(tmp_path):
+    rows = ba.main(["--quick", "--out", str(tmp_path), "--no-plots", "--backends", "sdpa", "--budget-s", "-1",
+                    "--workloads", "canvas_bs4_ctx4k_hd128,prefill16k_hd128"])
+    assert [r["status"] for r in rows] == ["skipped", "skipped"]
+    doc = json.loads((tmp_path / "attention-quick-cpu.json").read_text())
+    assert doc["complete"] is True and doc["rows"][0]["reason"] == "time budget spent"

@@ -1,0 +1,168 @@
+"""Render the benchmark records (bench/results/*.json) as markdown tables into bench/README.md.
+
+    python3 bench/make_tables.py                      # bench/results -> bench/README.md (between the markers)
+    python3 bench/make_tables.py --results $OUT --stdout
+
+The tables replace whatever stands between ``<!-- BEGIN RESULTS -->`` and ``<!-- END RESULTS -->`` in the README;
+the rest of the file is left as it is. One section per JSON file (suite and GPU), with the environment line
+(GPU, driver, torch, triton, flash_attn_4, commit, date) and links to the PNG plots beside it. CPU records
+(``--quick`` smoke runs) are left out unless ``--include-cpu``. Tile-sweep rows (a ``config`` per row) are
+summarised as the best three configurations per workload.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+BEGIN, END = "<!-- BEGIN RESULTS -->", "<!-- END RESULTS -->"
+
+#: Columns per suite family, in order; only columns present in some row are shown.
+COLUMNS = {
+    "attention": ["workload", "backend", "status", "graph_ms", "eager_ms", "anchor_ms", "effective_tflops",
+                  "share_of_peak", "build_ms", "extra_memory_bytes", "correct", "note"],
+    "sampler": ["workload", "backend", "status", "graph_ms", "eager_ms", "anchor_ms", "gbps", "effective_tflops",
+                "extra_memory_bytes", "correct", "note"],
+    "e2e": ["workload", "backend", "sampler_backend", "status", "denoise_step_ms", "tokens_per_s",
+            "attention_share", "sampler_share", "prefill_ms", "layers", "note"],
+}
+DEFAULT_COLUMNS = ["workload", "backend", "status", "graph_ms", "eager_ms", "effective_tflops", "note"]
+
+
+def _fmt(key: str, v) -> str:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "–"
+    if isinstance(v, bool):
+        return "yes" if v else "**NO**"
+    if key.endswith("_bytes") and isinstance(v, (int, float)):
+        return f"{v / 2**20:.1f} MiB"
+    if key.endswith("share") or key == "share_of_peak":
+        return f"{100 * v:.1f} %"
+    if isinstance(v, float):
+        return f"{v:.4f}" if abs(v) < 1 else (f"{v:.3f}" if abs(v) < 100 else f"{v:.1f}" if abs(v) < 1e4 else f"{v:.0f}")
+    return str(v).replace("|", "\\|")
+
+
+def _label(row: dict) -> str:
+    s = str(row.get("backend", ""))
+    if row.get("kv_layout"):
+        s += f" ({row['kv_layout']})"
+    return s
+
+
+def _note(row: dict) -> str:
+    text = row.get("reason") or row.get("error") or row.get("graph_error") or row.get("check_error") or ""
+    text = " ".join(str(text).split())
+    return text[:90] + ("…" if len(text) > 90 else "")
+
+
+def table(rows: list[dict], columns: list[str]) -> str:
+    """Markdown table of ``rows`` over ``columns`` (those present in some row; ``note`` from reason/error)."""
+    shown = [c for c in columns if c == "note" and any(_note(r) for r in rows) or any(c in r for r in rows)]
+    lines = ["| " + " | ".join(c.replace("_", " ") for c in shown) + " |", "|" + "---|" * len(shown)]
+    for r in rows:
+        cells = []
+        for c in shown:
+            if c == "backend":
+                cells.append(_label(r))
+            elif c == "note":
+                cells.append(_note(r).replace("|", "\\|"))
+            else:
+                cells.append(_fmt(c, r.get(c)))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def sweep_summary(rows: list[dict], top: int = 3) -> str:
+    """Best ``top`` tile configs per workload (by graph_ms, else eager_ms) among rows carrying a ``config``."""
+    out = []
+    for name in dict.fromkeys(r["workload"] for r in rows):
+        ok = [r for r in rows if r["workload"] == name and r.get("status") == "ok"]
+        key = lambda r: r.get("graph_ms") or r.get("eager_ms") or float("inf")  # noqa: E731
+        for r in sorted(ok, key=key)[:top]:
+            cfg = ", ".join(f"{k}={v}" for k, v in (r.get("config") or {}).items())
+            out.append({"workload": name, "config": cfg, "graph_ms": r.get("graph_ms"), "eager_ms": r.get("eager_ms"),
+                        "effective_tflops": r.get("effective_tflops")})
+        failed = sum(1 for r in rows if r["workload"] == name and r.get("status") != "ok")
+        if failed:
+            out.append({"workload": name, "config": f"({failed} configs failed/skipped)"})
+    return table(out, ["workload", "config", "graph_ms", "eager_ms", "effective_tflops"]) if out else ""
+
+
+def section(path: Path, link_base: Path = BENCH_DIR) -> str:
+    doc = json.loads(path.read_text())
+    rows = doc.get("rows", [])
+    suite = doc.get("suite", path.stem)
+    family = suite.split("-")[0]
+    env = ", ".join(f"{k} {doc.get(k)}" for k in ("driver", "torch", "triton", "flash_attn_4") if doc.get(k))
+    head = [f"### `{path.name}` — {doc.get('gpu', '?')}",
+            "",
+            f"commit `{doc.get('commit', '?')}`, {doc.get('date', '?')}; {env}"
+            + ("" if doc.get("complete", True) else " — **incomplete run**"),
+            ""]
+    main_rows = [r for r in rows if not r.get("config")]
+    sweep_rows = [r for r in rows if r.get("config")]
+    body = [table(main_rows, COLUMNS.get(family, DEFAULT_COLUMNS))] if main_rows else []
+    if sweep_rows:
+        body += ["", "Tile sweep (best 3 configurations per workload):", "", sweep_summary(sweep_rows)]
+    pngs = sorted(p.name for p in path.parent.glob(f"{path.stem}*.png"))
+    if pngs:
+        rel = os.path.relpath(path.parent.resolve(), Path(link_base).resolve())
+        body += ["", "Plots: " + " · ".join(f"[{p[len(path.stem) + 1:-4] or p}]({rel}/{p})" for p in pngs)]
+    return "\n".join(head + body)
+
+
+def render(results: Path, include_cpu: bool = False, link_base: Path = BENCH_DIR) -> str:
+    """One section per record file (sorted by name; plot links relative to ``link_base``), or a placeholder
+    when there is no GPU record."""
+    parts = []
+    for path in sorted(results.glob("*.json")):
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            print(f"make_tables: skipping {path.name}: {e}", file=sys.stderr)
+            continue
+        if not isinstance(doc, dict) or "rows" not in doc:
+            continue
+        if doc.get("gpu") == "cpu" and not include_cpu:
+            continue
+        parts.append(section(path, link_base))
+    if not parts:
+        return "_No GPU records yet: run the commands above on the H200, then `python3 bench/make_tables.py`._"
+    return "\n\n".join(parts)
+
+
+def update_readme(readme: Path, text: str) -> None:
+    """Replace the text between the markers of ``readme`` (appending the markers when missing)."""
+    old = readme.read_text() if readme.exists() else ""
+    block = f"{BEGIN}\n{text}\n{END}"
+    if BEGIN in old and END in old:
+        a, b = old.index(BEGIN), old.index(END) + len(END)
+        new = old[:a] + block + old[b:]
+    else:
+        new = old.rstrip("\n") + "\n\n" + block + "\n"
+    readme.write_text(new)
+
+
+def main(argv=None) -> str:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--results", default=str(BENCH_DIR / "results"), help="folder of JSON records")
+    p.add_argument("--readme", default=str(BENCH_DIR / "README.md"))
+    p.add_argument("--include-cpu", action="store_true", help="also render CPU (--quick) records")
+    p.add_argument("--stdout", action="store_true", help="print instead of writing the README")
+    a = p.parse_args(argv)
+    text = render(Path(a.results), include_cpu=a.include_cpu, link_base=Path(a.readme).parent)
+    if a.stdout:
+        print(text)
+    else:
+        update_readme(Path(a.readme), text)
+        print(f"updated {a.readme}")
+    return text
+
+
+if __name__ == "__main__":
+    main()

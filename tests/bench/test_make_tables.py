@@ -1,0 +1,55 @@
+"""bench/make_tables.py: markdown tables from records, written between the README markers only."""
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import make_tables  # noqa: E402
+
+
+def _record(path, gpu="NVIDIA H200", suite="attention", rows=None, **extra):
+    doc = {"gpu": gpu, "driver": "570.1", "torch": "2.11.0", "triton": "3.6.0", "flash_attn_4": "4.0.0b36",
+           "commit": "abc", "date": "2026-11-29T15:00:00+00:00", "suite": suite, **extra, "rows": rows or []}
+    path.write_text(json.dumps(doc))
+
+
+def test_tables_between_markers(tmp_path):
+    res = tmp_path / "results"
+    res.mkdir()
+    _record(res / "attention-h200.json", rows=[
+        {"workload": "mixed_sliding_ctx8k", "backend": "fa4", "kv_layout": "paged", "status": "ok", "eager_ms": 0.4,
+         "graph_ms": 0.17, "anchor_ms": 0.164, "effective_tflops": 430.2, "share_of_peak": 0.544, "correct": True},
+        {"workload": "mixed_global_ctx8k", "backend": "fa4", "status": "skipped", "reason": "hd 512 | unsupported"},
+        {"workload": "mixed_sliding_ctx8k", "backend": "triton", "status": "ok", "graph_ms": 0.2,
+         "config": {"BLOCK_M": 64, "BLOCK_N": 64}},
+    ])
+    (res / "attention-h200-mixed_sliding_ctx8k.png").write_bytes(b"png")
+    _record(res / "attention-quick-cpu.json", gpu="cpu", rows=[{"workload": "x", "backend": "sdpa"}])
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n<!-- BEGIN RESULTS -->\nold\n<!-- END RESULTS -->\noutro\n")
+    make_tables.main(["--results", str(res), "--readme", str(readme)])
+    text = readme.read_text()
+    assert text.startswith("intro\n") and text.endswith("outro\n") and "old" not in text
+    assert "| workload | backend | status | graph ms |" in text
+    assert "| mixed_sliding_ctx8k | fa4 (paged) | ok | 0.1700 |" in text
+    assert "54.4 %" in text and "hd 512 \\| unsupported" in text
+    assert "BLOCK_M=64, BLOCK_N=64" in text  # tile sweep summary
+    assert "attention-quick-cpu" not in text  # CPU smoke records left out
+    assert "(results/attention-h200-mixed_sliding_ctx8k.png)" in text
+    # idempotent
+    make_tables.main(["--results", str(res), "--readme", str(readme)])
+    assert readme.read_text() == text
+
+
+def test_placeholder_and_missing_markers(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("just text\n")
+    make_tables.main(["--results", str(tmp_path), "--readme", str(readme)])
+    text = readme.read_text()
+    assert text.startswith("just text") and "No GPU records yet" in text
+    assert text.count(make_tables.BEGIN) == 1 and text.count(make_tables.END) == 1
+
+
+def test_repository_readme_has_the_markers():
+    text = (Path(make_tables.BENCH_DIR) / "README.md").read_text()
+    assert text.count(make_tables.BEGIN) == 1 and text.count(make_tables.END) == 1
