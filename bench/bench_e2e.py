@@ -74,14 +74,14 @@ def model_config(args):
     return DiffusionGemmaConfig(num_hidden_layers=n, layer_types=layer_types, **DIFFUSIONGEMMA_26B_A4B)
 
 
-def build_model(cfg, device: torch.device, dtype: torch.dtype, moe_impl: str):
-    """Random-weight model on ``device``: built on the meta device and initialised there (fast for 26B shapes)."""
+def build_model(cfg, device: torch.device, dtype: torch.dtype, moe_impl: str, seed: int = 0):
+    """Random-weight model on ``device``: built on the meta device, then initialised in place on ``device``
+    (the model's own init rule; drawing 26B-shaped weights on the host would take minutes)."""
     DiffusionGemma, _, _, init_weights_, *_ = _imports()
-    if device.type == "cpu":
-        return DiffusionGemma(cfg, device=device, dtype=dtype, moe_impl=moe_impl).eval()
     model = DiffusionGemma(cfg, device="meta", dtype=dtype, moe_impl=moe_impl)
     model.to_empty(device=device)
-    with torch.device(device):  # init_weights_ draws with torch.randn: on the GPU here, not on the host
+    torch.manual_seed(seed)
+    with torch.device(device):  # init_weights_ draws with torch.randn: on the device, not on the host
         init_weights_(model, std=cfg.initializer_range)
     return model.eval()
 
@@ -240,7 +240,7 @@ def main(argv=None) -> list[dict]:
     if device.type == "cuda":
         common.warm_up_gpu(device)
     t0 = time.perf_counter()
-    model = build_model(cfg, device, dtype, moe_impl)
+    model = build_model(cfg, device, dtype, moe_impl, args.seed)
     common.log(f"model built in {time.perf_counter() - t0:.1f} s")
     rows = []
     jobs = [(b, ab) for ab in args.attn_backends for b in args.batches]
