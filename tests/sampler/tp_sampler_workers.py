@@ -161,7 +161,8 @@ def worker(rank: int, world: int, init_file: str, dist_backend: str, device_kind
     else:
         torch.set_num_threads(1)
         device = torch.device("cpu")
-    dist.init_process_group(dist_backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
+    kw = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(dist_backend, init_method=f"file://{init_file}", rank=rank, world_size=world, **kw)
     try:
         shard = make_shards(V, bounds)[rank]
         check_shards_consistent(shard, device=device)

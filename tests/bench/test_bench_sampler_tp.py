@@ -1,0 +1,19 @@
+"""bench/bench_sampler_tp.py --quick on the CPU: 2 gloo ranks, tiny shapes; runs, self-checks, records rows."""
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import bench_sampler_tp as bst  # noqa: E402
+
+
+def test_quick_run_checks_and_writes_records(tmp_path, capsys):
+    rows = bst.main(["--quick", "--backends", "reference", "--reps", "1", "--warmup", "0", "--out", str(tmp_path)])
+    doc = json.loads((tmp_path / "sampler_tp-quick-cpu.json").read_text())
+    assert doc["checks"]["reference"]["ok"] is True
+    by = {r["backend"]: r for r in doc["rows"]}
+    assert set(by) == {"reference", "tp:reference", "tp:reference:local", "tp:comm"} and len(rows) == 4
+    assert by["tp:reference"]["world_size"] == 2 and by["tp:reference"]["eager_ms"] > 0
+    assert by["tp:comm"]["all_reduce_bytes"] == 2 * 16 * 64 * 4
+    out = capsys.readouterr().out
+    assert "check reference: OK" in out and out.rstrip().splitlines()[-1].startswith("tp:comm")
