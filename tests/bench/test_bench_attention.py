@@ -81,3 +81,14 @@ def test_budget_stops_new_workloads_and_records_them(tmp_path):
     assert [r["status"] for r in rows] == ["skipped", "skipped"]
     doc = json.loads((tmp_path / "attention-quick-cpu.json").read_text())
     assert doc["complete"] is True and doc["rows"][0]["reason"] == "time budget spent"
+
+
+def test_tile_sweep_passes_configs_to_the_triton_backend(tmp_path):
+    if ba.triton_config_kwarg() is None:
+        pytest.skip("the triton backend takes no tile config here")
+    cfg = {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2}
+    rows = ba.main(["--quick", "--out", str(tmp_path), "--no-plots", "--tile-sweep", "--backends", "triton",
+                    "--tile-configs", json.dumps([cfg]), "--workloads", "canvas_bs4_ctx4k_hd128"])
+    assert len(rows) == 2 and rows[1]["config"] == cfg
+    assert rows[1]["status"] == "ok" and rows[1]["correct"] is True, rows[1]
+    assert ba.label_of(rows[1]) == "triton[32,16,4,2]"
