@@ -77,7 +77,7 @@ def denoise_reference(state: SamplerState, slots: torch.Tensor, logits: torch.Te
     mean_entropy = entropy.mean(-1)
     converged, stable_count = convergence(state, slots, argmax, mean_entropy)
 
-    onehot = torch.nn.functional.one_hot(argmax, V).to(torch.float32)
+    onehot = torch.zeros_like(z).scatter_(-1, argmax[..., None], 1.0)  # (F.one_hot checks ids: a host sync)
     p = torch.where(greedy[:, None, None], onehot, torch.softmax(z, dim=-1))
     soft = soft_embedding_reference(p, embedding)
     return DenoiseResult(accepted=accepted, entropy=entropy, argmax=argmax, sampled=sampled,

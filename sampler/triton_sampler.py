@@ -375,14 +375,28 @@ def soft_embedding(logits: torch.Tensor, embedding: torch.Tensor, T: torch.Tenso
     ws = torch.empty(split_k, M, hidden, dtype=torch.float32, device=logits.device)
     if M > 0:
         grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(hidden, cfg.block_n), split_k)
-        _soft_embedding_kernel[grid](
-            logits, logits.stride(0), logits.stride(1), embedding, embedding.stride(0), embedding.stride(1), ws,
-            T.contiguous(), active.to(torch.int32).contiguous(), m.contiguous(), inv_s.contiguous(),
-            argmax.to(torch.int32).contiguous(), M, CL, V, hidden,
-            K_PER_SPLIT=k_per, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            EXACT_FP32=embedding.dtype == torch.float32, INTERPRET=_interpret(), num_warps=cfg.gemm_warps, num_stages=cfg.gemm_stages,
-        )
+        args = (logits, logits.stride(0), logits.stride(1), embedding, embedding.stride(0), embedding.stride(1), ws,
+                T.contiguous(), active.to(torch.int32).contiguous(), m.contiguous(), inv_s.contiguous(),
+                argmax.to(torch.int32).contiguous(), M, CL, V, hidden)
+        meta = dict(K_PER_SPLIT=k_per, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                    EXACT_FP32=embedding.dtype == torch.float32, INTERPRET=_interpret(), num_warps=cfg.gemm_warps)
+        key = (cfg.block_m, cfg.block_n, cfg.block_k, cfg.gemm_warps, cfg.gemm_stages, embedding.dtype)
+        stages = _STAGES_THAT_FIT.get(key, cfg.gemm_stages)
+        while True:
+            try:
+                _soft_embedding_kernel[grid](*args, **meta, num_stages=stages)
+                break
+            except triton.runtime.errors.OutOfResources:
+                # shared memory of the software pipeline: same kernel with one buffer less (same results)
+                if stages <= 1:
+                    raise
+                stages -= 1
+        _STAGES_THAT_FIT[key] = stages
     return ws
+
+
+#: Pipeline depth that fitted in shared memory per GEMM tile configuration (filled at the first launch).
+_STAGES_THAT_FIT: dict = {}
 
 
 def _write_soft(state: SamplerState, slots: torch.Tensor, ws: torch.Tensor, mode: torch.Tensor) -> None:
