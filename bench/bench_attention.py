@@ -9,7 +9,8 @@ Usage (H200; PYTHONPATH must make ``blockdiff.*`` importable, results go to $OUT
 
 Backends (one row per workload, backend and configuration; all measured in the same run):
   sdpa       torch SDPA, one call per sequence with a dense boolean mask built per batch (outside the timing)
-             and K/V gathered from the paged cache into contiguous tensors (outside the timing).
+             and K/V gathered from the paged cache into contiguous tensors, KV heads repeated per GQA group
+             (outside the timing).
   flex       torch.compile'd FlexAttention over the packed batch (q [1, H, total_q, D], contiguous K/V), with a
              BlockMask built per batch from the mask semantics; its build time is reported as ``build_ms``.
   fa4        flash_attn.cute.flash_attn_varlen_func, two launches split by causal flag (q pre-split outside the
@@ -76,6 +77,19 @@ def row_masks(batch: wl.Batch) -> list[torch.Tensor]:
     return masks
 
 
+def _sdpa_operands(batch: wl.Batch, b: int, dtype: torch.dtype):
+    """q [1, H, q_len, D], k/v [1, H, seq_len, D(v)] of sequence ``b`` in ``dtype``, contiguous, with K/V heads
+    repeated per GQA group (SDPA's fused kernels take masks but not always ``enable_gqa``; expanding keeps
+    them in play instead of the math fallback)."""
+    w = batch.workload
+    g = w.num_heads // w.num_kv_heads
+    k, v = batch.kv_of(b)
+    q = batch.q_of(b).to(dtype).transpose(0, 1)[None].contiguous()
+    k = k.to(dtype).repeat_interleave(g, dim=1).transpose(0, 1)[None].contiguous()
+    v = v.to(dtype).repeat_interleave(g, dim=1).transpose(0, 1)[None].contiguous()
+    return q, k, v
+
+
 def dense_attention(batch: wl.Batch, dtype: torch.dtype, masks: list[torch.Tensor] | None = None) -> torch.Tensor:
     """Masked SDPA per sequence with q/k/v cast to ``dtype``; packed [total_q, H, Dv] in ``dtype``.
 
@@ -85,10 +99,8 @@ def dense_attention(batch: wl.Batch, dtype: torch.dtype, masks: list[torch.Tenso
     w = batch.workload
     outs = []
     for b in range(w.batch_size):
-        k, v = batch.kv_of(b)
-        q = batch.q_of(b).to(dtype).transpose(0, 1)[None]
-        o = F.scaled_dot_product_attention(q, k.to(dtype).transpose(0, 1)[None], v.to(dtype).transpose(0, 1)[None],
-                                           attn_mask=masks[b], scale=batch.scale, enable_gqa=True)
+        q, k, v = _sdpa_operands(batch, b, dtype)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=masks[b], scale=batch.scale)
         o = o[0].transpose(0, 1)
         empty = ~masks[b].any(dim=1)
         if bool(empty.any()):
@@ -128,17 +140,11 @@ def representation_tol(dtype: torch.dtype) -> float:
 def make_sdpa(batch: wl.Batch, args) -> tuple:
     masks = row_masks(batch)
     w = batch.workload
-    qs, ks, vs = [], [], []
-    for b in range(w.batch_size):
-        k, v = batch.kv_of(b)
-        qs.append(batch.q_of(b).transpose(0, 1)[None].contiguous())
-        ks.append(k.transpose(0, 1)[None].contiguous())
-        vs.append(v.transpose(0, 1)[None].contiguous())
+    ops = [_sdpa_operands(batch, b, batch.q.dtype) for b in range(w.batch_size)]
     scale = batch.scale
 
     def fn():
-        return [F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=scale, enable_gqa=True)
-                for q, k, v, m in zip(qs, ks, vs, masks)]
+        return [F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=scale) for (q, k, v), m in zip(ops, masks)]
 
     def to_packed(outs):
         return torch.cat([o[0].transpose(0, 1) for o in outs])
