@@ -154,25 +154,31 @@ def attention_cute(
 
     Raises:
         ImportError: flash-attn-4 / nvidia-cutlass-dsl missing (the message names them).
-        TypeError, ValueError: contract violations (see :mod:`blockdiff.attention.validate`); dtype not
-            bf16/fp16; not on a CUDA device; head_dim outside FA4 SM90's range (8..256, multiple of 8);
-            a GPU other than SM90.
+        TypeError, ValueError: contract violations (see :mod:`blockdiff.attention.validate`); tensors not on
+            a CUDA device.
+        NotImplementedError: valid input outside this backend: dtype other than bf16/fp16, head_dim outside
+            FA4 SM90's range (8..256, multiple of 8; e.g. Gemma's global layers, hd 512), a GPU other than SM90.
     """
-    fa = _fa4()
     info = check_attention_inputs(
         q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens, causal=causal,
         num_causal_q=num_causal_q, block_table=block_table, cu_seqlens_k=cu_seqlens_k,
         window_size=window_size, bidirectional_window=bidirectional_window, scale=scale, out=out,
-        check_values=check_values, allowed_dtypes=SUPPORTED_DTYPES,
+        check_values=check_values,
     )
-    if q.device.type != "cuda":
-        raise ValueError(f"backend 'cute' needs CUDA tensors, got q on {q.device}")
+    # Valid inputs this backend does not cover raise NotImplementedError (benchmarks record a skip).
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise NotImplementedError(f"backend 'cute' (FA4 SM90) runs bf16/fp16 only, got {q.dtype}")
     for name, d in (("head_dim", info.head_dim), ("head_dim_v", info.head_dim_v)):
         if not (8 <= d <= 256 and d % 8 == 0):
-            raise ValueError(f"backend 'cute' (FA4 SM90) needs {name} in [8, 256] and a multiple of 8, got {d}")
+            raise NotImplementedError(
+                f"backend 'cute' (FA4 SM90) supports {name} in [8, 256], a multiple of 8; got {d}")
+    fa = _fa4()
+    if q.device.type != "cuda":
+        raise ValueError(f"backend 'cute' needs CUDA tensors, got q on {q.device}")
     arch = _arch(q.device)
     if arch // 10 != 9:
-        raise ValueError(f"backend 'cute' runs FA4's SM90 kernel and needs a Hopper GPU (sm_90), got sm_{arch}")
+        raise NotImplementedError(
+            f"backend 'cute' runs FA4's SM90 kernel and needs a Hopper GPU (sm_90), got sm_{arch}")
 
     return _run(fa, q, k_cache, v_cache, out=out, return_lse=return_lse, cu_seqlens_q=cu_seqlens_q,
                 num_causal_q=info.num_causal_q, seq_lens=info.seq_lens,

@@ -35,12 +35,30 @@ def test_module_imports_without_flash_attn_and_names_it_when_called(monkeypatch)
     monkeypatch.setitem(sys.modules, "cutlass", None)
     monkeypatch.setattr(ca, "_FA4", None)
     assert get_backend("cute") is ca.attention_cute
-    q = torch.zeros(4, 2, 16)
+    q = torch.zeros(4, 2, 16, dtype=torch.bfloat16)
     with pytest.raises(ImportError, match="flash-attn-4") as e:
         ca.attention_cute(q, q, q, cu_seqlens_q=torch.tensor([0, 4], dtype=torch.int32),
                           cu_seqlens_k=torch.tensor([0, 4], dtype=torch.int32),
                           causal=torch.tensor([True]))
     assert "nvidia-cutlass-dsl" in str(e.value)
+
+
+@pytest.mark.parametrize("dtype,hd", [(torch.float32, 64), (torch.bfloat16, 512), (torch.float16, 12)])
+def test_valid_inputs_outside_the_backend_raise_not_implemented(dtype, hd):
+    """fp32, hd 512 (Gemma's global layers) and head dims FA4 SM90 cannot tile are contract-valid: the backend
+    says NotImplementedError (benchmarks record a skip), before needing the GPU packages."""
+    q = torch.zeros(4, 2, hd, dtype=dtype)
+    with pytest.raises(NotImplementedError, match="cute"):
+        ca.attention_cute(q, q, q, cu_seqlens_q=torch.tensor([0, 4], dtype=torch.int32),
+                          cu_seqlens_k=torch.tensor([0, 4], dtype=torch.int32), causal=torch.tensor([True]))
+
+
+def test_bad_input_is_a_value_error_before_anything_else():
+    q = torch.zeros(4, 3, 64, dtype=torch.bfloat16)
+    k = torch.zeros(4, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        ca.attention_cute(q, k, k, cu_seqlens_q=torch.tensor([0, 4], dtype=torch.int32),
+                          cu_seqlens_k=torch.tensor([0, 4], dtype=torch.int32), causal=torch.tensor([True]))
 
 
 def test_module_import_in_fresh_interpreter_does_not_import_flash_attn():
