@@ -218,6 +218,58 @@ def measure_parts(x, E, params, slots, shape, device, config) -> list[dict]:
     return rows
 
 
+#: Candidates of the ``--tune`` sweep on the GPU (stage (a) and stage (c) are tuned separately, then combined).
+TUNE_STATS = [dict(block_g=g, stats_warps=w) for g in (256, 512, 1024) for w in (4, 8)]
+TUNE_GEMM = [dict(block_m=bm, block_n=bn, block_k=bk, gemm_warps=w, gemm_stages=st, split_k=sk)
+             for (bm, bn, bk, w, st) in ((128, 256, 64, 8, 3), (128, 128, 64, 8, 3), (128, 128, 64, 4, 4),
+                                         (64, 256, 64, 4, 3), (128, 256, 32, 8, 4))
+             for sk in (1, 2, 3, 4)]
+
+
+def tune(x, E, params, slots, shape, device) -> tuple[dict, list[dict]]:
+    """Time stage (a) and stage (c) of the fused backend over candidate configs; return (best kwargs, rows).
+
+    Every candidate is one ``fused:tune:*`` row (eager median; failures recorded). The best of each stage is
+    combined into the SamplerConfig the ``fused`` row then uses.
+    """
+    from blockdiff.sampler.common import temperature
+    from blockdiff.sampler import triton_sampler as ts
+
+    st = make_state(params, shape["CL"], shape["V"], shape["H"], device)
+    T = temperature(st, slots)
+    act = torch.ones(len(params), dtype=torch.bool, device=device)
+    args = (x, T, st.seed[slots], st.request_id[slots], st.canvas_index[slots], st.step[slots], act)
+    ref_stats = ts.row_stats(*args)
+    rows, best = [], {}
+    for stage, cands in (("stats", TUNE_STATS), ("soft_gemm", TUNE_GEMM)):
+        best_ms = None
+        for kw in cands:
+            cfg = ts.SamplerConfig(**kw)
+            if stage == "stats":
+                call = lambda: ts.row_stats(*args, config=cfg)  # noqa: E731
+            else:
+                call = lambda: ts.soft_embedding(x, E, T, ref_stats["m"], ref_stats["inv_s"],  # noqa: E731
+                                                 ref_stats["argmax"], act, cfg)
+            row = {"workload": WORKLOAD, "backend": f"fused:tune:{stage}", "part": stage, "config": kw,
+                   "status": "ok"}
+            try:
+                out = call()
+                if stage == "stats":
+                    for k in ("argmax", "gumbel_argmax"):
+                        assert torch.equal(out[k], ref_stats[k]), f"{k} depends on the config"
+                row["eager_ms"] = common.time_eager_ms(call, device)
+            except Exception as e:  # noqa: BLE001
+                row["status"] = "error"
+                row["error"] = f"{type(e).__name__}: {e}"[:300]
+            add_rates(row, shape)
+            rows.append(row)
+            common.log(f"tune {stage} {kw}: {common.fmt(row.get('eager_ms'))} ms {row.get('error', '')}")
+            if row.get("eager_ms") and (best_ms is None or row["eager_ms"] < best_ms):
+                best_ms, best[stage] = row["eager_ms"], kw
+    merged = {**best.get("stats", {}), **best.get("soft_gemm", {})}
+    return merged, rows
+
+
 def plot(rows, out_dir: Path, stem: str) -> list[Path]:
     try:
         import matplotlib
@@ -226,7 +278,7 @@ def plot(rows, out_dir: Path, stem: str) -> list[Path]:
     except ImportError:
         common.log("matplotlib missing: no plots")
         return []
-    ok = [r for r in rows if r.get("status") == "ok" and r.get("time_ms")]
+    ok = [r for r in rows if r.get("status") == "ok" and r.get("time_ms") and ":tune:" not in r["backend"]]
     if not ok:
         return []
     fig, ax = plt.subplots(figsize=(7, 3.5))
@@ -254,6 +306,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--compile-backend", default=None,
                     help="torch.compile backend of the compile row (default inductor; aot_eager with --quick, where "
                          "inductor's CPU build takes ~3 min)")
+    ap.add_argument("--no-tune", action="store_true", help="GPU: skip the stats / GEMM config sweep")
     ap.add_argument("--no-parts", action="store_true", help="skip the fused:stats / fused:soft_gemm rows")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--out", default=None, help="output folder (default $OUT or bench/results/)")
@@ -284,6 +337,13 @@ def main(argv=None) -> list[dict]:
 
     compile_backend = args.compile_backend or ("aot_eager" if quick else "inductor")
     rows = []
+    tuned = None
+    if "fused" in backends and device.type == "cuda" and not args.no_tune and configs == [None]:
+        best, tune_rows = tune(x, E, params, slots, shape, device)
+        rows += tune_rows
+        if best:
+            tuned = SamplerConfig(**best)
+            configs = [None, tuned]
     for b in backends:
         for cfg in (configs if b == "fused" else [None]):
             t0 = time.perf_counter()
@@ -298,12 +358,13 @@ def main(argv=None) -> list[dict]:
                 row["compile_backend"] = compile_backend
             if cfg is not None:
                 row["config"] = {k: v for k, v in cfg.__dict__.items() if v is not None}
+                row["tuned"] = cfg is tuned
             row["wall_s"] = time.perf_counter() - t0
             rows.append(row)
             common.log(f"{b}: {row.get('status')} eager {common.fmt(row.get('eager_ms'))} ms, graph "
                        f"{common.fmt(row.get('graph_ms'))} ms {row.get('error', '')}")
     if "fused" in backends and not args.no_parts:
-        rows += measure_parts(x, E, params, slots, shape, device, configs[0])
+        rows += measure_parts(x, E, params, slots, shape, device, tuned or configs[0])
 
     env = common.env_record(device)
     suite = SUITE + ("-quick" if quick else "")
@@ -315,8 +376,9 @@ def main(argv=None) -> list[dict]:
     path = common.write_records(suite, rows, env=env, extra=extra, out_dir=out_dir)
     pngs = [] if args.no_plots else plot(rows, out_dir, path.stem)
     print(f"\nwrote {path} (+ .csv, {len(pngs)} PNG)")
-    print(common.summary_table(rows, ["workload", "backend", "status", "eager_ms", "graph_ms", "gbps",
-                                      "effective_tflops", "extra_memory_bytes", "vs_compile_anchor"]))
+    main_rows = [r for r in rows if ":tune:" not in r["backend"]]
+    print(common.summary_table(main_rows, ["workload", "backend", "status", "eager_ms", "graph_ms", "gbps",
+                                           "effective_tflops", "extra_memory_bytes", "vs_compile_anchor"]))
     return rows
 
 
