@@ -377,6 +377,7 @@ def measure(batch: wl.Batch, backend: str, maker: Callable, args, gold: torch.Te
         if dev.type == "cuda":
             try:
                 torch.cuda.synchronize()
+                torch.cuda.empty_cache()  # after an out-of-memory error the next backend starts clean
             except Exception:  # noqa: BLE001 - a sticky CUDA error; later rows will record it too
                 pass
     return row

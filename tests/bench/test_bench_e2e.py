@@ -19,6 +19,7 @@ def test_quick_e2e_runs_16_denoise_steps_and_records_shares(tmp_path):
     assert r["denoise_step_ms"] > 0 and r["tokens_per_s"] > 0
     assert 0 < r["attention_share"] < 1 and 0 < r["sampler_share"] < 1
     assert r["attention_share"] + r["sampler_share"] < 1
+    assert r["attention_calls_per_step"] == 4  # one per layer of the tiny model
     doc = json.loads((tmp_path / "e2e-quick-cpu.json").read_text())
     assert doc["denoising_steps"] == 16 and doc["rows"][0]["workload"] == "e2e_bs2_prompt24_steps16"
     assert {"gpu", "torch", "commit", "date"} <= set(doc)
