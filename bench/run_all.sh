@@ -2,9 +2,12 @@
 # Regenerate the benchmark records on the H200, from the repository root:
 #     bash bench/run_all.sh                 # every stage below, in order
 #     bash bench/run_all.sh attention e2e   # chosen stages
-# Stages: attention (named workloads, all backends), sweep (Triton tile configs), ladders (batch and context
-# ladders), sampler (bench_sampler.py), e2e (bench_e2e.py), tables (bench/README.md from the records).
-# Results go to $OUT when set, else bench/results/. A failing stage is reported and the next one runs.
+# Stages: attention (= attention-mixed + attention-single: the named workloads, all backends, in two runs that
+# each fit the lent machine's 10-minute limit), sweep (Triton tile configs), ladders (batch and context ladders),
+# sampler (bench_sampler.py), e2e (bench_e2e.py), tables (bench/README.md from the records).
+# Results go to $OUT when set, else bench/results/, written after every workload; each attention run stops
+# starting workloads after $BUDGET_S seconds (default 540; the rest are recorded as skipped). A failing stage is
+# reported and the next one runs.
 # For FA4 / CuTe, make flash_attn.cute importable first (shared/device/README.md), e.g. by exporting
 # PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages before calling this script.
 set -u
@@ -14,19 +17,26 @@ export BLOCKDIFF_COMMIT=${BLOCKDIFF_COMMIT:-$(git rev-parse HEAD 2>/dev/null || 
 RESULTS=${OUT:-bench/results}
 SWEEP_WORKLOADS=${SWEEP_WORKLOADS:-mixed_sliding_ctx8k,mixed_global_ctx8k,canvas_bs1_ctx32k_hd128,prefill16k_hd128}
 stages=${*:-attention sweep ladders sampler e2e tables}
+expanded=""
+for s in $stages; do
+  if [ "$s" = attention ]; then expanded="$expanded attention-mixed attention-single"; else expanded="$expanded $s"; fi
+done
+stages=$expanded
+BA="python3 bench/bench_attention.py --budget-s ${BUDGET_S:-540}"
 status=0
 for stage in $stages; do
   echo "=== $stage ($(date -u +%H:%M:%S))"
   case $stage in
-    attention) python3 bench/bench_attention.py ;;
-    sweep)     python3 bench/bench_attention.py --backends triton --tile-sweep --workloads "$SWEEP_WORKLOADS" \
-                 --suite-name attention-tile-sweep --no-plots ;;
-    ladders)   python3 bench/bench_attention.py --suite batch_ladder --backends sdpa,fa4,triton,cute --fa4-layouts paged \
-               && python3 bench/bench_attention.py --suite ctx_ladder --backends sdpa,fa4,triton,cute --fa4-layouts paged ;;
+    attention-mixed)  $BA --workloads 'mixed_*' --suite-name attention-mixed ;;
+    attention-single) $BA --workloads 'canvas_*,prefill*' --suite-name attention-single ;;
+    sweep)     $BA --backends triton --tile-sweep --workloads "$SWEEP_WORKLOADS" --suite-name attention-tile-sweep \
+                 --no-plots ;;
+    ladders)   $BA --suite batch_ladder --backends sdpa,fa4,triton,cute --fa4-layouts paged \
+               && $BA --suite ctx_ladder --backends sdpa,fa4,triton,cute --fa4-layouts paged ;;
     sampler)   python3 bench/bench_sampler.py ;;
     e2e)       python3 bench/bench_e2e.py --attn-backends triton,cute --sampler-backend triton ;;
     tables)    python3 bench/make_tables.py --results "$RESULTS" ;;
-    *) echo "unknown stage $stage (attention sweep ladders sampler e2e tables)"; status=2; continue ;;
+    *) echo "unknown stage $stage (attention[-mixed|-single] sweep ladders sampler e2e tables)"; status=2; continue ;;
   esac || { echo "stage $stage failed"; status=1; }
 done
 exit $status
