@@ -3,7 +3,8 @@
 #     bash bench/run_all.sh                 # every stage below, in order
 #     bash bench/run_all.sh attention e2e   # chosen stages
 # Stages: attention (= attention-mixed + attention-single: the named workloads, all backends, in two runs that
-# each fit the lent machine's 10-minute limit), sweep (Triton tile configs), ladders (batch and context ladders),
+# each fit the lent machine's 10-minute limit), sweep (Triton tile configs), ladders (batch and context ladders
+# = ladder-batch + ladder-ctx),
 # sampler (bench_sampler.py), e2e (bench_e2e.py), tables (bench/README.md from the records).
 # Results go to $OUT when set, else bench/results/, written after every workload; each attention run stops
 # starting workloads after $BUDGET_S seconds (default 540; the rest are recorded as skipped). A failing stage is
@@ -19,7 +20,11 @@ SWEEP_WORKLOADS=${SWEEP_WORKLOADS:-mixed_sliding_ctx8k,mixed_global_ctx8k,canvas
 stages=${*:-attention sweep ladders sampler e2e tables}
 expanded=""
 for s in $stages; do
-  if [ "$s" = attention ]; then expanded="$expanded attention-mixed attention-single"; else expanded="$expanded $s"; fi
+  case $s in
+    attention) expanded="$expanded attention-mixed attention-single" ;;
+    ladders)   expanded="$expanded ladder-batch ladder-ctx" ;;
+    *)         expanded="$expanded $s" ;;
+  esac
 done
 stages=$expanded
 BA="python3 bench/bench_attention.py --budget-s ${BUDGET_S:-540}"
@@ -31,12 +36,12 @@ for stage in $stages; do
     attention-single) $BA --workloads 'canvas_*,prefill*' --suite-name attention-single ;;
     sweep)     $BA --backends triton --tile-sweep --workloads "$SWEEP_WORKLOADS" --suite-name attention-tile-sweep \
                  --no-plots ;;
-    ladders)   $BA --suite batch_ladder --backends sdpa,fa4,triton,cute --fa4-layouts paged \
-               && $BA --suite ctx_ladder --backends sdpa,fa4,triton,cute --fa4-layouts paged ;;
+    ladder-batch) $BA --suite batch_ladder --backends sdpa,fa4,triton,cute --fa4-layouts paged ;;
+    ladder-ctx)   $BA --suite ctx_ladder --backends sdpa,fa4,triton,cute --fa4-layouts paged ;;
     sampler)   python3 bench/bench_sampler.py ;;
     e2e)       python3 bench/bench_e2e.py --attn-backends triton,cute --sampler-backend triton ;;
     tables)    python3 bench/make_tables.py --results "$RESULTS" ;;
-    *) echo "unknown stage $stage (attention[-mixed|-single] sweep ladders sampler e2e tables)"; status=2; continue ;;
+    *) echo "unknown stage $stage (attention[-mixed|-single] sweep ladders ladder-batch ladder-ctx sampler e2e tables)"; status=2; continue ;;
   esac || { echo "stage $stage failed"; status=1; }
 done
 exit $status
