@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from .config import DiffusionGemmaConfig
-from .layers import MOE_IMPLS, DecoderLayer, GatedMLP, RMSNorm, init_weights_, rope_cos_sin, rope_inv_freq
+from .layers import MOE_IMPLS, DecoderLayer, acc_dtype, GatedMLP, RMSNorm, init_weights_, rope_cos_sin, rope_inv_freq
 
 
 class SelfConditioning(nn.Module):
@@ -106,10 +106,13 @@ class DiffusionGemma(nn.Module):
 
     def soft_embedding(self, z: torch.Tensor) -> torch.Tensor:
         """Self-conditioning input ``softmax(z) @ E * sqrt(hidden)`` ``[..., hidden]`` fp32 from
-        temperature-scaled logits ``z [..., vocab]`` (the sampler owns this in serving; a convenience for tests
-        and demos). transformers computes the same product in the embedding dtype."""
-        p = torch.softmax(z.float(), dim=-1)
-        return (p @ self.embed_tokens.weight.float()) * (self.config.hidden_size ** 0.5)
+        temperature-scaled logits ``z [..., vocab]`` (fp64 for a float64 model; the sampler owns this in serving,
+        this is a convenience for tests and demos). transformers computes the same product in the embedding
+        dtype, scaled by sqrt(hidden) rounded to that dtype; the scale is immaterial since the
+        self-conditioning block starts with an RMSNorm."""
+        acc = acc_dtype(self.embed_tokens.weight.dtype)
+        p = torch.softmax(z.to(acc), dim=-1)
+        return (p @ self.embed_tokens.weight.to(acc)) * (self.config.hidden_size ** 0.5)
 
     def kv_cache_shapes(self, num_blocks: int, page_size: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
         """Per layer ``(k_shape, v_shape)``, each ``[num_blocks, page_size, num_kv_heads_l, head_dim_l]``."""

@@ -256,3 +256,63 @@ def test_triton_backend_matches_reference_in_mixed_batch(model):
         outs[be] = model(ids, pos, meta, caches, soft, attn_backend=be)
     assert torch.isfinite(outs["triton"]).all()
     assert _rel(outs["triton"], outs["reference"]) < 1e-4
+
+
+# ---- fuzz: batch composition ---------------------------------------------------------------------------
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+
+@st.composite
+def batches(draw):
+    """1-3 sequences: (ctx, q_len, causal) with q_len in 0..CL, ctx in 0..20 (past the window W = 7)."""
+    n = draw(st.integers(1, 3))
+    return [(draw(st.integers(0, 20)), draw(st.integers(0, 16)), draw(st.booleans())) for _ in range(n)]
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(spec=batches(), seed=st.integers(0, 2**16))
+@torch.no_grad()
+def test_fuzz_sequence_alone_equals_sequence_in_batch(model, spec, seed):
+    """Each sequence of a random mixed batch (lengths incl. 0, causal or not, permuted pages, shared caches
+    holding every sequence's context) gives the logits it gets alone."""
+    cfg = model.config
+    g = torch.Generator().manual_seed(seed)
+    n_pages = [(c + q + PS - 1) // PS for c, q, _ in spec]
+    perm = torch.randperm(sum(n_pages) + 4, generator=g).tolist()
+    pages, i = [], 0
+    for n in n_pages:
+        pages.append(perm[i:i + n] or [perm[-1]])
+        i += n
+    ctx_ids = [torch.randint(0, cfg.vocab_size, (c,), generator=g) for c, _, _ in spec]
+    q_ids = [torch.randint(0, cfg.vocab_size, (q,), generator=g) for _, q, _ in spec]
+    softs = [torch.randn(q, cfg.hidden_size, generator=g) for _, q, _ in spec]
+
+    def fresh_caches():
+        caches = model.allocate_kv_caches(len(perm), PS)
+        for b, (c, _, _) in enumerate(spec):  # write each context with a causal prefill
+            if c:
+                m, p = build_meta([c], [c], [True], PS, block_ids=[pages[b]])
+                model(ctx_ids[b], p, m, caches, attn_backend="reference")
+        return caches
+
+    caches = fresh_caches()
+    snapshot = [(k.clone(), v.clone()) for k, v in caches]
+    alone = []
+    for b, (c, q, causal) in enumerate(spec):
+        for (k, v), (k0, v0) in zip(caches, snapshot):
+            k.copy_(k0)
+            v.copy_(v0)
+        m, p = build_meta([q], [c + q], [causal], PS, block_ids=[pages[b]])
+        alone.append(model(q_ids[b], p, m, caches, softs[b], attn_backend="reference"))
+    for (k, v), (k0, v0) in zip(caches, snapshot):
+        k.copy_(k0)
+        v.copy_(v0)
+    m, p = build_meta([q for _, q, _ in spec], [c + q for c, q, _ in spec], [cz for _, _, cz in spec], PS,
+                      block_ids=pages)
+    mixed = model(torch.cat(q_ids), p, m, caches, torch.cat(softs), attn_backend="reference")
+    assert torch.isfinite(mixed).all()
+    off = 0
+    for b, (_, q, _) in enumerate(spec):
+        if q:
+            assert _rel(mixed[off:off + q], alone[b]) < 1e-5
+        off += q
