@@ -100,11 +100,14 @@ def _attn_block(acc, l_i, m_i, q, j, K, V, bt_row, k_base, k_head, v_head,
     kvalid = kpos < seq_len
     if PAGED:
         if PAGE % BLOCK_N == 0:
-            # the whole block lies in one page; start < seq_len always (blocks come from [kmin, kmax])
+            # the whole block lies in one page (start < seq_len: blocks come from [kmin, kmax]): one scalar
+            # block-table read, a scalar base pointer and loop-invariant int32 tile offsets (few registers)
             bid = tl.load(bt_row + start // PAGE).to(tl.int64)
-            poff = (start % PAGE + offs_n).to(tl.int64)
-            row_k = bid * stride_kb + poff * stride_kp
-            row_v = bid * stride_vb + poff * stride_vp
+            in_page = (start % PAGE).to(tl.int64)
+            k_ptrs = (K + (bid * stride_kb + in_page * stride_kp + k_head)) + \
+                (offs_n[:, None] * stride_kp + offs_d[None, :])
+            v_ptrs = (V + (bid * stride_vb + in_page * stride_vp + v_head)) + \
+                (offs_n[:, None] * stride_vp + offs_dv[None, :])
         else:
             if MASK:
                 bid = tl.load(bt_row + kpos // PAGE, mask=kvalid, other=0).to(tl.int64)
@@ -113,12 +116,12 @@ def _attn_block(acc, l_i, m_i, q, j, K, V, bt_row, k_base, k_head, v_head,
             poff = (kpos % PAGE).to(tl.int64)
             row_k = bid * stride_kb + poff * stride_kp
             row_v = bid * stride_vb + poff * stride_vp
+            k_ptrs = K + k_head + row_k[:, None] + offs_d[None, :]
+            v_ptrs = V + v_head + row_v[:, None] + offs_dv[None, :]
     else:
-        tok = (k_base + kpos).to(tl.int64)
-        row_k = tok * stride_kb
-        row_v = tok * stride_vb
-    k_ptrs = K + k_head + row_k[:, None] + offs_d[None, :]
-    v_ptrs = V + v_head + row_v[:, None] + offs_dv[None, :]
+        tok0 = (k_base + start).to(tl.int64)
+        k_ptrs = (K + (tok0 * stride_kb + k_head)) + (offs_n[:, None] * stride_kb + offs_d[None, :])
+        v_ptrs = (V + (tok0 * stride_vb + v_head)) + (offs_n[:, None] * stride_vb + offs_dv[None, :])
     if MASK:
         if EVEN_D:
             k = tl.load(k_ptrs, mask=kvalid[:, None], other=0.0)
@@ -193,12 +196,12 @@ def _attn_fwd_kernel(
     CU_Q, SEQ_LENS, NCQ, BT, CU_K,
     stride_qt, stride_qh, stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh,
     stride_ot, stride_oh, stride_bt,
-    total_q, num_heads, num_seqs, n_tiles, window, qk_scale,
+    total_q, num_heads, num_seqs, n_tiles, window, qk_scale, num_splits,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, N_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
     PAGE: tl.constexpr, PAGED: tl.constexpr, HAS_WINDOW: tl.constexpr, PREFIX: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, STORE_LSE: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+    SPLIT: tl.constexpr, STORE_LSE: tl.constexpr, SEARCH_STEPS: tl.constexpr,
     DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     t = n_tiles - 1 - tl.program_id(0)  # reverse: long causal tiles (end of a prefill) first
@@ -257,8 +260,8 @@ def _attn_fwd_kernel(
 
     blk_lo = kmin // BLOCK_N
     blk_hi = tl.maximum(tl.where(kmax >= kmin, kmax // BLOCK_N + 1, blk_lo), blk_lo)
-    if NUM_SPLITS > 1:
-        per = (blk_hi - blk_lo + NUM_SPLITS - 1) // NUM_SPLITS
+    if SPLIT:
+        per = (blk_hi - blk_lo + num_splits - 1) // num_splits
         a = tl.minimum(blk_lo + split * per, blk_hi)
         d_end = tl.minimum(a + per, blk_hi)
     else:
@@ -315,7 +318,7 @@ def _attn_fwd_kernel(
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     tok_g = q_start.to(tl.int64) + i
     lse_off = head.to(tl.int64) * total_q + tok_g
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         o_ptrs = O + tok_g[:, None] * stride_ot + head[:, None].to(tl.int64) * stride_oh + offs_dv[None, :]
         tl.store(o_ptrs, _cast(out, O.dtype.element_ty, INTERPRET), mask=row_valid[:, None] & dv_mask[None, :])
         if STORE_LSE:
@@ -465,6 +468,8 @@ class TritonAttention:
 
 
 _KERNELS: dict = {}
+#: The last launch (compiled kernel handle with n_regs/n_spills on the GPU, split count, grid, config).
+LAST_LAUNCH: dict = {}
 
 
 def _interpreting() -> bool:
@@ -483,16 +488,16 @@ def get_kernel(head_dim, head_dim_v, group, dtype, paged, page_size, has_window,
 
 
 def choose_num_splits(n_programs: int, key_capacity: int, block_n: int, num_sms: int) -> int:
-    """Split-KV count from host-known shapes only: split when the grid fills < 1 wave and keys are long.
+    """Split-KV count from host-known shapes only: split when the grid fills less than half a wave.
 
-    ``n_programs`` = tiles x KV heads x V slices; ``key_capacity`` = max keys of a sequence (max_seqlen_k, or
-    the block table's capacity). Each split keeps >= 4 key blocks.
+    ``n_programs`` = (real) q tiles x KV heads x V slices; ``key_capacity`` = max keys of a sequence
+    (max_seqlen_k, or the block table's capacity). The split count keeps the grid within one wave
+    (``n_programs * splits <= num_sms``: one CTA per SM for the big tiles) and >= 8 key blocks per split.
     """
-    if n_programs <= 0 or n_programs >= num_sms:
+    if n_programs <= 0 or 2 * n_programs > num_sms:
         return 1
-    want = -(-2 * num_sms // n_programs)
-    by_len = max(1, key_capacity // (4 * block_n))
-    return int(max(1, min(want, by_len, 64)))
+    by_len = key_capacity // (8 * block_n)
+    return int(max(1, min(num_sms // n_programs, by_len, 64)))
 
 
 def attention_triton(
@@ -587,7 +592,8 @@ def attention_triton(
         kcap = k_cache.shape[0]
     ns = cfg.get("num_splits")
     if ns is None:
-        ns = choose_num_splits(n_tiles * Hkv * n_dv, kcap, BN, _num_sms(q.device))
+        real_tiles = -(-total_q // BQ)  # exact for one sequence; the +B virtual tiles mostly exit
+        ns = choose_num_splits(real_tiles * Hkv * n_dv, kcap, BN, _num_sms(q.device))
 
     cu_q = cu_seqlens_q if cu_seqlens_q.dtype == torch.int32 else cu_seqlens_q.to(torch.int32)
     sl = info.seq_lens
@@ -618,18 +624,19 @@ def attention_triton(
         opart = lsepart = dst  # unused
     lse_arg = lse if lse is not None else dst
     grid = (n_tiles, Hkv * n_dv, ns)
-    _attn_fwd_kernel[grid](
+    handle = _attn_fwd_kernel[grid](
         q, k_cache, v_cache, dst, lse_arg, opart, lsepart,
         cu_q, sl, ncq, bt, cu_k,
         q.stride(0), q.stride(1), stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh,
         dst.stride(0), dst.stride(1), stride_bt,
-        total_q, H, B, n_tiles, W, qk_scale,
+        total_q, H, B, n_tiles, W, qk_scale, ns,
         G=group, GP=gp, D=D, DV=DV, BLOCK_D=BD, BLOCK_DV=BDV, N_DV=n_dv,
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_Q=BQ, PAGE=page, PAGED=info.paged, HAS_WINDOW=has_window,
-        PREFIX=prefix, NUM_SPLITS=ns, STORE_LSE=return_lse, SEARCH_STEPS=search_steps, DOT_PREC=dot_prec,
+        PREFIX=prefix, SPLIT=ns > 1, STORE_LSE=return_lse, SEARCH_STEPS=search_steps, DOT_PREC=dot_prec,
         INTERPRET=_interpreting(),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
+    LAST_LAUNCH.update(kernel=handle, num_splits=ns, grid=grid, config=cfg)
     if ns > 1:
         bdv_m = max(16, _next_pow2(DV))
         _merge_kernel[(total_q, H)](

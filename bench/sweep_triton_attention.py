@@ -1,0 +1,280 @@
+"""Tile-config sweep of the Triton attention backend on the named workloads (H200; bounded to ~5.5 min).
+
+Usage (GPU; PYTHONPATH must make ``blockdiff.*`` importable, e.g. ``source bench/device_env.sh``):
+    python3 bench/sweep_triton_attention.py                      # the target workloads, ~5.5 min budget
+    python3 bench/sweep_triton_attention.py --workloads 'canvas_*' --budget-s 200
+    python3 bench/sweep_triton_attention.py --quick              # CPU smoke run (interpreter, tiny shapes)
+
+Per workload, two phases: (1) tile shapes (BLOCK_M, BLOCK_N, num_warps, num_stages, BLOCK_DV) with the
+automatic split count; (2) for the best tile, explicit split counts (workloads with few programs only).
+Every config is first checked against the dense reference (isfinite; max abs error <= 2x the same-dtype eager
+error + bf16 representation tolerance, as blockdiff.attention.testing) on a NaN-poisoned ``out``; then one
+call (``check_values=False``) is captured in a CUDA graph and its replay timed (median of
+``triton.testing.do_bench``, after a GPU warm-up). Compile errors (e.g. shared memory) are recorded, not fatal.
+A global time budget (``--budget-s``) skips the remaining candidates (recorded as skipped) so the run stays
+bounded; candidates are ordered best-guess first.
+
+Outputs (to ``$OUT`` if set, else bench/results/): ``triton_sweep-<gpu>.json`` (+ csv) with every row, and
+``triton_configs.md`` with the best config per workload, its time, effective TFLOP/s and the target.
+Effective TFLOP/s = 4·H·D·(allowed pairs)/time (ARCHITECTURE.md).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import common  # noqa: E402
+import workloads as wl  # noqa: E402
+
+SUITE = "triton_sweep"
+
+#: H200 CUDA-graph targets of issue 3: (kind, value) with kind "ms" (<=) or "tflops" (>=).
+TARGETS = {
+    "mixed_sliding_ctx8k": ("ms", 0.205),
+    "mixed_global_ctx8k": ("tflops", 450.0),
+    "canvas_bs1_ctx32k_hd128": ("ms", 0.138),
+    "canvas_bs1_ctx32k_sliding": ("ms", 0.015),
+    "prefill16k_hd128": ("ms", 2.47),
+}
+
+#: Phase-1 tile candidates per (head_dim family, workload kind), best guess first:
+#: (BLOCK_M, BLOCK_N, num_warps, num_stages, BLOCK_DV or None = whole V head dim).
+TILES = {
+    "hd128_canvas": [(128, 64, 8, 3, None), (128, 128, 8, 3, None), (64, 64, 4, 3, None), (64, 128, 4, 3, None),
+                     (128, 64, 8, 2, None), (128, 32, 8, 3, None)],
+    "hd128_prefill": [(128, 64, 8, 3, None), (128, 128, 8, 3, None), (128, 64, 8, 2, None), (64, 64, 4, 3, None),
+                      (128, 128, 8, 2, None), (64, 128, 4, 3, None)],
+    "hd256": [(64, 64, 8, 2, None), (64, 32, 8, 2, None), (64, 32, 4, 2, None), (128, 32, 8, 2, None),
+              (64, 64, 8, 3, None), (128, 64, 8, 2, None)],
+    "hd512": [(64, 32, 8, 2, None), (64, 32, 8, 2, 256), (128, 32, 8, 2, 256), (64, 16, 8, 2, None),
+              (64, 64, 8, 2, 256), (128, 64, 8, 2, 128)],
+}
+SPLITS = {"canvas": [1, 4, 8, 16, 32], "other": [1, 2]}
+
+#: Workload order: targets first; the rest only if the budget allows.
+ORDER = ["mixed_sliding_ctx8k", "canvas_bs1_ctx32k_sliding", "canvas_bs1_ctx32k_hd128", "prefill16k_hd128",
+         "mixed_global_ctx8k", "canvas_bs4_ctx4k_hd128", "mixed_sliding_prefix_ctx8k", "canvas_bs1_ctx32k_global"]
+
+
+def family(w) -> str:
+    if w.head_dim <= 128:
+        return "hd128_prefill" if w.name.startswith("prefill") else "hd128_canvas"
+    return "hd256" if w.head_dim <= 256 else "hd512"
+
+
+def tile_config(t) -> dict:
+    bm, bn, nw, ns, bdv = t
+    cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=nw, num_stages=ns)
+    if bdv is not None:
+        cfg["BLOCK_DV"] = bdv
+    return cfg
+
+
+class Budget:
+    def __init__(self, seconds: float):
+        self.t0 = time.perf_counter()
+        self.seconds = seconds
+
+    def left(self) -> float:
+        return self.seconds - (time.perf_counter() - self.t0)
+
+
+def reference_check(batch, device):
+    """(oracle fp32 out, eager error bound) of a workload, computed once."""
+    from blockdiff.attention.reference import attention_reference
+    from blockdiff.attention.testing import REPRESENTATION_ATOL
+
+    kw = batch.attn_kwargs()
+    kw.pop("max_seqlen_q"), kw.pop("max_seqlen_k")
+    if device.type == "cpu":  # quick mode: fp64 oracle
+        oracle = attention_reference(batch.q.double(), batch.k_cache.double(), batch.v_cache.double(), **kw)
+    else:
+        oracle = attention_reference(batch.q, batch.k_cache, batch.v_cache, upcast=True, **kw).float()
+    eager = attention_reference(batch.q, batch.k_cache, batch.v_cache, upcast=False, **kw)
+    eager_err = (eager.double() - oracle.double()).abs().max().item() if eager.numel() else 0.0
+    del eager
+    return oracle, 2.0 * eager_err + REPRESENTATION_ATOL[batch.q.dtype]
+
+
+def run_config(batch, cfg, oracle, bound, device, args) -> dict:
+    from blockdiff.attention import triton_attention as TA
+
+    w = batch.workload
+    out = torch.full((w.total_q, w.num_heads, w.head_dim_v), float("nan"), dtype=batch.q.dtype, device=device)
+    kw = batch.attn_kwargs()
+    row = {"workload": w.name, "backend": "triton", "config": dict(cfg)}
+    t0 = time.perf_counter()
+    try:
+        TA.attention_triton(batch.q, batch.k_cache, batch.v_cache, out=out, config=cfg, check_values=False, **kw)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 - compile errors (shared memory, registers) are data
+        row.update(status="error", error=f"{type(e).__name__}: {str(e)[:300]}")
+        return row
+    row["compile_s"] = round(time.perf_counter() - t0, 2)
+    h = TA.LAST_LAUNCH.get("kernel")
+    row["n_regs"] = getattr(h, "n_regs", None)
+    row["n_spills"] = getattr(h, "n_spills", None)
+    row["num_splits"] = TA.LAST_LAUNCH.get("num_splits")
+    finite = bool(torch.isfinite(out).all())
+    err = (out.double() - oracle.double()).abs().max().item() if out.numel() else 0.0
+    row.update(err=err, bound=bound, correct=finite and err <= bound)
+    if not row["correct"]:
+        row["status"] = "wrong"
+        return row
+
+    def fn():
+        return TA.attention_triton(batch.q, batch.k_cache, batch.v_cache, out=out, config=cfg, check_values=False,
+                                   **kw)
+
+    if device.type == "cuda":
+        row["graph_ms"] = common.time_graph_ms(fn, warmup=args.warmup_ms, rep=args.rep_ms)
+    else:
+        row["graph_ms"] = common.time_eager_ms(fn, device, cpu_reps=1)
+    row["effective_tflops"] = common.tflops(w_flops(w), row["graph_ms"])
+    row["status"] = "ok"
+    return row
+
+
+_FLOPS: dict = {}
+
+
+def w_flops(w) -> float:
+    if w.name not in _FLOPS:
+        pairs = common.allowed_pairs(list(w.q_lens), list(w.seq_lens), **w.mask_kwargs())
+        _FLOPS[w.name] = common.attention_flops(w.num_heads, w.head_dim, pairs, w.head_dim_v)
+    return _FLOPS[w.name]
+
+
+def sweep_workload(w, device, dtype, args, budget, rows) -> dict | None:
+    batch = wl.build(w, device=device, dtype=dtype, page_size=args.page_size)
+    oracle, bound = reference_check(batch, device)
+    if args.quick:
+        tiles = [(16, 16, 4, 1, None), (32, 16, 4, 1, None)]
+        splits = [1, 2]
+    else:
+        tiles = TILES[family(w)]
+        splits = SPLITS["canvas" if w.batch_size <= 4 and not w.name.startswith(("prefill", "mixed")) else "other"]
+    best = None
+
+    def consider(cfg, phase):
+        nonlocal best
+        if budget.left() < args.reserve_s:
+            rows.append({"workload": w.name, "backend": "triton", "config": cfg, "status": "skipped (budget)",
+                         "phase": phase})
+            return
+        r = run_config(batch, cfg, oracle, bound, device, args)
+        r["phase"] = phase
+        rows.append(r)
+        msg = f"{w.name:30s} {str(cfg):90s} {r['status']:6s}"
+        if r.get("graph_ms") is not None:
+            msg += f" {r['graph_ms'] * 1e3:9.1f} us {r['effective_tflops']:7.1f} TF/s"
+            if best is None or r["graph_ms"] < best["graph_ms"]:
+                best = r
+        elif r.get("error"):
+            msg += " " + r["error"][:80]
+        common.log(msg)
+
+    for t in tiles:
+        consider(tile_config(t), "tile")
+    if best is not None:
+        base = {k: v for k, v in best["config"].items() if k != "num_splits"}
+        auto = best.get("num_splits")
+        for ns in splits:
+            if ns != auto:
+                consider(dict(base, num_splits=ns), "split")
+    del oracle, batch
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return best
+
+
+def write_markdown(best_rows, path, env):
+    lines = [
+        "# Triton attention: best tile configs per workload (sweep)",
+        "",
+        f"GPU {env['gpu']}, torch {env['torch']}, triton {env['triton']}, commit {env['commit']}, {env['date']}.",
+        "Times: CUDA-graph replay medians (ms). Effective TFLOP/s = 4·H·D·allowed pairs / time. "
+        "Produced by `bench/sweep_triton_attention.py`.",
+        "",
+        "| workload | BLOCK_M | BLOCK_N | warps | stages | BLOCK_DV | splits | graph ms | eff. TFLOP/s | regs/spills "
+        "| target | met |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in best_rows.items():
+        tgt = TARGETS.get(name)
+        if r is None:
+            lines.append(f"| {name} | - | - | - | - | - | - | - | - | - | {tgt} | no result |")
+            continue
+        c = r["config"]
+        met = "-"
+        if tgt:
+            met = "yes" if (r["graph_ms"] <= tgt[1] if tgt[0] == "ms" else r["effective_tflops"] >= tgt[1]) else "no"
+        tgt_s = "-" if not tgt else (f"<= {tgt[1]} ms" if tgt[0] == "ms" else f">= {tgt[1]} TFLOP/s")
+        lines.append(
+            f"| {name} | {c.get('BLOCK_M')} | {c.get('BLOCK_N')} | {c.get('num_warps')} | {c.get('num_stages')} | "
+            f"{c.get('BLOCK_DV', 'full')} | {r.get('num_splits')} | {r['graph_ms']:.4f} | "
+            f"{r['effective_tflops']:.1f} | {r.get('n_regs')}/{r.get('n_spills')} | {tgt_s} | {met} |")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--workloads", default=None, help="comma-separated globs over the named workloads")
+    p.add_argument("--all", action="store_true", help="all named workloads (default: ORDER)")
+    p.add_argument("--budget-s", type=float, default=330.0, help="wall budget of the whole sweep (s)")
+    p.add_argument("--reserve-s", type=float, default=8.0, help="stop starting candidates when less is left")
+    p.add_argument("--page-size", type=int, default=wl.DEFAULT_PAGE_SIZE)
+    p.add_argument("--warmup-ms", type=int, default=10)
+    p.add_argument("--rep-ms", type=int, default=40)
+    p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny shapes through the interpreter")
+    args = p.parse_args(argv)
+    budget = Budget(args.budget_s)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
+    if args.quick:
+        args.page_size = wl.QUICK_PAGE_SIZE
+    dtype = torch.bfloat16
+    ws = {w.name: w for w in wl.named_workloads(quick=args.quick)}
+    names = [n for n in ORDER if n in ws] if not args.all else list(ws)
+    if args.workloads:
+        names = [w.name for w in wl.select([ws[n] for n in names], args.workloads)]
+    env = common.env_record(device)
+    common.log(f"device {env['gpu']}, torch {env['torch']}, triton {env['triton']}, budget {args.budget_s:.0f} s")
+    if device.type == "cuda":
+        common.warm_up_gpu(device, seconds=2.0)
+    rows, best_rows = [], {}
+    for name in names:
+        if budget.left() < args.reserve_s:
+            best_rows[name] = None
+            rows.append({"workload": name, "backend": "triton", "status": "skipped (budget)"})
+            continue
+        try:
+            best_rows[name] = sweep_workload(ws[name], device, dtype, args, budget, rows)
+        except Exception as e:  # noqa: BLE001 - keep sweeping the other workloads
+            traceback.print_exc()
+            rows.append({"workload": name, "backend": "triton", "status": "error", "error": repr(e)[:300]})
+            best_rows[name] = None
+    out_dir = common.results_dir()
+    extra = {"targets": TARGETS, "page_size": args.page_size, "elapsed_s": round(args.budget_s - budget.left(), 1),
+             "best": {k: (v and {"config": v["config"], "num_splits": v.get("num_splits"),
+                                 "graph_ms": v["graph_ms"]}) for k, v in best_rows.items()}}
+    path = common.write_records(SUITE, rows, env=env, extra=extra, out_dir=out_dir)
+    write_markdown(best_rows, out_dir / "triton_configs.md", env)
+    cols = ["workload", "status", "config", "num_splits", "graph_ms", "effective_tflops", "n_regs", "n_spills"]
+    print(common.summary_table([r for r in best_rows.values() if r], cols))
+    common.log(f"wrote {path} and {out_dir / 'triton_configs.md'} in {args.budget_s - budget.left():.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
