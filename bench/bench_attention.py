@@ -461,7 +461,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny shapes, reference+sdpa+triton")
-    p.add_argument("--suite", default="named", choices=sorted(wl.SUITES), help="workload set (default: named)")
+    p.add_argument("--suite", default="named", choices=sorted(wl.SUITES),
+                   help="workload set: named, small (contexts / 8, GPU smoke), batch_ladder, ctx_ladder")
     p.add_argument("--workloads", default="", help="comma-separated globs of workload names (default: all)")
     p.add_argument("--backends", default="", help=f"comma-separated subset of {ALL_BACKENDS + ('reference',)}")
     p.add_argument("--page-size", type=int, default=None,

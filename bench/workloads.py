@@ -101,12 +101,16 @@ class Workload:
 
 
 class _Scale:
-    """Length/head scaling: identity for the real shapes, shrunk for ``quick`` CPU runs."""
+    """Length/head scaling: identity for the real shapes, shrunk for ``quick`` CPU runs; ``small`` keeps the
+    heads, head dims, window and canvas and divides the other lengths by 8 (fast GPU smoke runs)."""
 
-    def __init__(self, quick: bool):
+    def __init__(self, quick: bool, small: bool = False):
         self.quick = quick
+        self.small = small
 
     def length(self, n: int) -> int:
+        if self.small:
+            return max(1, n // 8)
         return max(1, n // 128) if self.quick else n
 
     def canvas(self) -> int:
@@ -134,16 +138,19 @@ def _make(name: str, layer: str, seqs: Sequence[tuple[str, int, int]], scale: _S
     return Workload(name=name, q_lens=tuple(q_lens), seq_lens=tuple(seq_lens), causal=tuple(causal),
                     kinds=tuple(kinds), num_heads=h, num_kv_heads=hkv, head_dim=d, head_dim_v=d,
                     window_size=w, bidirectional_window=mode, layer=layer,
-                    anchors_ms={} if scale.quick else dict(ANCHORS_MS.get(name, {})))
+                    anchors_ms={} if (scale.quick or scale.small) else dict(ANCHORS_MS.get(name, {})))
 
 
 def _mixed(ctx: int = 8192):
     return [("prefill", 4096, 0), ("denoise", CANVAS, ctx), ("denoise", CANVAS, ctx), ("commit", CANVAS, ctx)]
 
 
-def named_workloads(quick: bool = False) -> list[Workload]:
-    """The eight attention workloads of ARCHITECTURE.md (``sampler_n4`` belongs to bench_sampler.py)."""
-    s = _Scale(quick)
+def named_workloads(quick: bool = False, small: bool = False) -> list[Workload]:
+    """The eight attention workloads of ARCHITECTURE.md (``sampler_n4`` belongs to bench_sampler.py).
+
+    ``quick``: CPU-sized shapes; ``small``: real heads/head dims/window/canvas, other lengths / 8 (GPU smoke).
+    """
+    s = _Scale(quick, small and not quick)
     return [
         _make("mixed_sliding_ctx8k", "sliding", _mixed(), s),
         _make("mixed_sliding_prefix_ctx8k", "sliding_prefix", _mixed(), s),
@@ -177,8 +184,14 @@ def context_ladder(layers: Sequence[str] = ("sliding", "global", "hd128"),
             for layer in layers for c in contexts]
 
 
+def small_workloads(quick: bool = False) -> list[Workload]:
+    """The named workloads with real heads, head dims, window and canvas but contexts / 8 (GPU smoke runs)."""
+    return named_workloads(quick=quick, small=True)
+
+
 SUITES = {
     "named": named_workloads,
+    "small": small_workloads,
     "batch_ladder": batch_ladder,
     "ctx_ladder": context_ladder,
 }

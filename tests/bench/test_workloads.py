@@ -64,3 +64,12 @@ def test_ladders_and_select():
         wl.select(wl.named_workloads(), "nope*")
     with pytest.raises(ValueError, match="page_size"):
         wl.build(bl[0], page_size=0)
+
+
+def test_small_suite_keeps_heads_window_and_canvas():
+    small = {w.name: w for w in wl.SUITES["small"]()}
+    full = {w.name: w for w in wl.named_workloads()}
+    assert list(small) == list(full)
+    m = small["mixed_sliding_ctx8k"]
+    assert m.q_lens == (512, 256, 256, 256) and m.seq_lens == (512, 1280, 1280, 1280)
+    assert (m.num_heads, m.num_kv_heads, m.head_dim, m.window_size) == (16, 8, 256, 1023) and not m.anchors_ms
