@@ -8,8 +8,6 @@ replaces it); MoE router on the raw residual, softmax in fp32, renormalised top-
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -278,7 +276,9 @@ class DecoderLayer(nn.Module):
 
 
 def init_weights_(module: nn.Module, std: float = 0.02, generator: torch.Generator | None = None) -> None:
-    """transformers-like init: normal(0, std) for linear/embedding/expert weights, ones for norms and scales."""
+    """transformers-like init in place: normal(0, std) for linear / embedding / expert weights, ones for norm
+    weights, router scales and layer scalars, zeros for biases. Draws fp32 on the current default device
+    (or ``generator``'s device) and casts to each parameter's dtype; meta tensors are skipped."""
     with torch.no_grad():
         for name, p in module.named_parameters():
             leaf = name.rsplit(".", 1)[-1]
@@ -293,7 +293,3 @@ def init_weights_(module: nn.Module, std: float = 0.02, generator: torch.Generat
         for name, b in module.named_buffers():
             if name.endswith("layer_scalar") and not b.is_meta:
                 b.fill_(1.0)
-
-
-def sqrt_hidden(hidden: int) -> float:
-    return math.sqrt(hidden)

@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from .config import DiffusionGemmaConfig
-from .layers import MOE_IMPLS, DecoderLayer, acc_dtype, GatedMLP, RMSNorm, init_weights_, rope_cos_sin, rope_inv_freq
+from .layers import (MOE_IMPLS, DecoderLayer, GatedMLP, RMSNorm, acc_dtype, init_weights_, rope_cos_sin,
+                     rope_inv_freq)
 
 
 class SelfConditioning(nn.Module):
