@@ -91,3 +91,61 @@ def test_vllm_mode_inputs_embeds_apply_self_conditioning_on_denoise_tokens_only(
     assert torch.allclose(emb[:CL], base[:CL] + 100.0)  # soft is 0 at step 0; the MLP still runs
     assert torch.equal(emb[CL:], base[CL:])
     assert ms.prepare_dummy_inputs(2, 5)["inputs_embeds"].data_ptr() == emb.data_ptr()
+
+
+@needs_stack
+@pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed here (pip install -e '.[vllm]' on a GPU host)")
+def test_vllm_mode_state_and_sampler_with_real_vllm_types():
+    """Build DiffusionModelState through vLLM's ModelState.__init__ (config objects stood in by namespaces) and
+    drive prefill -> denoise -> commit through the vLLM-mode sampler output (vLLM's SamplerOutput, draft tokens
+    = the canvas vLLM schedules next)."""
+    from types import SimpleNamespace as NS
+
+    from vllm.v1.worker.gpu.model_states.interface import ModelState
+    from vllm.v1.worker.gpu.sample.output import SamplerOutput
+
+    from blockdiff.integration.model_state import DiffusionModelState
+    from blockdiff.sampler import COMMIT, DENOISE
+
+    V, H, R = 64, 8, 2
+    model = _StandInVllmModel(V, H)
+    model.embedding_weight = model.emb.weight.detach()
+    gen = {"t_min": 0.4, "t_max": 0.8, "confidence_threshold": 0.005, "stability_threshold": 1,
+           "sampler_config": {"_cls_name": "EntropyBoundSampler", "entropy_bound": 0.1}}
+    mc = NS(get_inputs_embeds_size=lambda: H, dtype=torch.float32, hf_text_config=NS(hidden_size=H),
+            try_get_generation_config=lambda: gen, get_vocab_size=lambda: V, max_model_len=256)
+    cfg = NS(model_config=mc, scheduler_config=NS(max_num_seqs=R, max_num_batched_tokens=64),
+             diffusion_config=NS(canvas_length=CL, max_denoising_steps=2))
+    ms = DiffusionModelState(cfg, model, None, torch.device("cpu"))
+    assert isinstance(ms, ModelState) and ms.mode == "vllm" and ms.default_params.max_denoising_steps == 2
+    base = NS(req_states=NS(draft_tokens=torch.zeros(R, CL, dtype=torch.int64)))
+    sampler, rej = ms.custom_sampler(base, backend="reference")
+    assert rej is None
+    sp = NS(seed=3, max_tokens=None, ignore_eos=True, stop_token_ids=None, extra_args=None)
+    ms.add_request(1, NS(req_id="r", prompt_token_ids=[1, 2, 3], sampling_params=sp))
+    st = ms.state
+    g = torch.Generator().manual_seed(0)
+
+    b = make_batch([("r", 1, 3, 0, 3, [1, 2, 3])])
+    ms.prepare_inputs(b, None)
+    out = sampler(torch.randn(3, V, generator=g), b)
+    assert isinstance(out, SamplerOutput) and out.num_sampled.tolist() == [0] and out.num_rejected.tolist() == [0]
+    assert st.phase[1].item() == DENOISE and torch.equal(base.req_states.draft_tokens[1], st.canvas[1])
+    for _ in range(2):  # step cap 2
+        b = make_batch([("r", 1, CL, 3, 3, None)])
+        ms.prepare_inputs(b, None)
+        out = sampler(torch.randn(CL, V, generator=g), b)
+        assert out.num_sampled.tolist() == [0] and out.num_rejected.tolist() == [CL]
+    assert st.phase[1].item() == COMMIT
+    commit = st.commit_canvas[1].clone()
+    assert torch.equal(base.req_states.draft_tokens[1], commit)
+    b = make_batch([("r", 1, CL, 3, 3, None)])
+    meta_causal = ms.fill_causal(b)
+    assert meta_causal.tolist() == [True]
+    emb = ms.prepare_inputs(b, None)["inputs_embeds"]
+    assert torch.equal(emb, model.emb(commit).detach())  # a commit row: plain embeddings, no self-conditioning
+    out = sampler(torch.randn(CL, V, generator=g), b)
+    assert out.num_sampled.tolist() == [CL] and out.num_rejected.tolist() == [0]
+    assert torch.equal(out.sampled_token_ids[0], commit)
+    assert st.phase[1].item() == DENOISE and torch.equal(base.req_states.draft_tokens[1], st.canvas[1])
+    ms.remove_request("r")
