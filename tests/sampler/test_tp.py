@@ -214,6 +214,10 @@ def test_two_gpus_nccl_match_single_gpu_reference(tmp_path):
     set_safe_nccl_env()
     V = 262144
     for stats_backend in ("reference", "triton"):
-        rows = _spawn(2, tmp_path, "nccl", "cuda", V, 256, 2816, 6, vocab_shard_bounds(V, 2), stats_backend,
-                      "bfloat16")
+        d = tmp_path / stats_backend   # a fresh FileStore per process group
+        d.mkdir()
+        rows = _spawn(2, d, "nccl", "cuda", V, 256, 2816, 6, vocab_shard_bounds(V, 2), stats_backend, "bfloat16")
         assert len(rows) == 6
+        print(f"\n{stats_backend}: " + "; ".join(
+            f"pass {r['step']} accepted {r['accepted']} dH {r['entropy_diff']:.1e} soft err tp/ref "
+            f"{r['soft_err_tp']:.1e}/{r['soft_err_ref']:.1e}" for r in rows))

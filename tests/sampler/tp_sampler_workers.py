@@ -112,7 +112,8 @@ def compare_step(o_ref, o_tp, st_ref, st_tp, *, soft_oracle=None, slots=None, en
     return ent_diff, err_ref, err_tp
 
 
-def run_scenario(step_fn, *, V, cl, hidden, steps, device, e_dtype, tie_ids, check_soft=True, log=None):
+def run_scenario(step_fn, *, V, cl, hidden, steps, device, e_dtype, tie_ids, check_soft=True, log=None,
+                 ent_tol=2e-5):
     """Run ``steps`` passes of the reference and of ``step_fn(state, slots, logits, prefill_done, E)``
     side by side from identical states; assert after every pass. Returns a list of per-pass summaries."""
     params = scenario_params(cl)
@@ -131,7 +132,8 @@ def run_scenario(step_fn, *, V, cl, hidden, steps, device, e_dtype, tie_ids, che
         seen_phases.update(st_ref.phase[slots].tolist())
         o_ref = sampler_step(st_ref, slots, x, pd, E, backend="reference")
         o_tp = step_fn(st_tp, slots, x, pd, E)
-        ent, er, et = compare_step(o_ref, o_tp, st_ref, st_tp, soft_oracle=oracle, slots=slots, what=f"pass {s}")
+        ent, er, et = compare_step(o_ref, o_tp, st_ref, st_tp, soft_oracle=oracle, slots=slots, what=f"pass {s}",
+                                   ent_tol=ent_tol)
         rows.append(dict(step=s, phases=st_ref.phase[slots].tolist(), accepted=int(o_ref.accepted.sum()),
                          entropy_diff=ent, soft_err_ref=er, soft_err_tp=et))
         if log:
@@ -179,8 +181,9 @@ def worker(rank: int, world: int, init_file: str, dist_backend: str, device_kind
             return out
 
         tie = (bounds[1] - 1, bounds[1]) if 0 < bounds[1] < V else (1, 2)
+        # float32 sums over 131072 tokens per shard vs the reference's over 262144: ~1e-5 relative at H ~ 12 nats
         rows = run_scenario(tp_step, V=V, cl=cl, hidden=hidden, steps=steps, device=device, e_dtype=e_dtype,
-                            tie_ids=tie)
+                            tie_ids=tie, ent_tol=1e-4 if V >= 65536 else 2e-5)
         if rank == 0 and result_file:
             with open(result_file, "w") as f:
                 json.dump(rows, f)
