@@ -178,13 +178,20 @@ def _round_to(x, dtype: tl.constexpr):
 def _soft_embedding_kernel(
     x_ptr, stride_xn, stride_xp,
     e_ptr, stride_ev, stride_eh,
+    x_desc, e_desc,
     ws_ptr,
     t_ptr, active_ptr, m_ptr, inv_s_ptr, amax_ptr,
     M, CL, V, HID,
     K_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EXACT_FP32: tl.constexpr, INTERPRET: tl.constexpr,
+    EXACT_FP32: tl.constexpr, INTERPRET: tl.constexpr, USE_TMA: tl.constexpr, GREEDY_ONEHOT: tl.constexpr,
 ):
-    """Grid (cdiv(M, BM), cdiv(HID, BN), SPLIT_K). ws[split, row, col] = sum_{v in split} p[row, v] E[v, col]."""
+    """Grid (cdiv(M, BM), cdiv(HID, BN), SPLIT_K). ws[split, row, col] = sum_{v in split} p[row, v] E[v, col].
+
+    USE_TMA: logits viewed as [M, V] and E [V, HID] are read through tensor descriptors (TMA on Hopper; no
+    per-element 64-bit address registers, which spill at 128 x 256 tiles); else masked pointer loads.
+    GREEDY_ONEHOT: T = 0 rows use p = one-hot(argmax) here; else they are skipped (the reduce kernel gathers
+    E[argmax] for them, cheaper and exact).
+    """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -193,13 +200,17 @@ def _soft_embedding_kernel(
     n = rows // CL
     p = rows % CL
     act = tl.load(active_ptr + n, mask=rmask, other=0)
-    if tl.max(act, 0) == 0:
-        return
-    rvalid = rmask & (act != 0)
-    T = tl.load(t_ptr + n, mask=rvalid, other=1.0)
+    T = tl.load(t_ptr + n, mask=rmask, other=0.0)
     greedy = T == 0.0
-    # p = exp(x / T - m) / s = exp2(x * (log2e / T) - m * log2e) * inv_s: one FMA + ex2 per element
-    scale = 1.4426950408889634 / tl.where(greedy, 1.0, T)
+    if GREEDY_ONEHOT:
+        rvalid = rmask & (act != 0)
+    else:
+        rvalid = rmask & (act != 0) & (T != 0.0)       # T = 0 rows: E[argmax] gathered by the reduce kernel
+    if tl.max(rvalid.to(tl.int32), 0) == 0:
+        return
+    # p = exp(x / T - m) / s = exp2(x * (log2e / T) - m * log2e) * inv_s: one FMA + ex2 per element. Rows not
+    # computed get scale = shift = inv_s = 0 -> p = 0 for any finite x (their outputs are discarded anyway).
+    scale = tl.where(rvalid & ~greedy, 1.4426950408889634 / tl.where(greedy, 1.0, T), 0.0)
     shift = tl.load(m_ptr + rows, mask=rvalid, other=0.0) * 1.4426950408889634
     inv_s = tl.load(inv_s_ptr + rows, mask=rvalid, other=0.0)
     amax = tl.load(amax_ptr + rows, mask=rvalid, other=-1)
@@ -211,15 +222,26 @@ def _soft_embedding_kernel(
     k_start = pid_k * K_PER_SPLIT
     k_end = tl.minimum(V, k_start + K_PER_SPLIT)
     for k in range(0, K_PER_SPLIT, BLOCK_K):
-        tok = k_start + k + kk
-        kmask = tok < k_end
-        lmask = rvalid[:, None] & kmask[None, :]
-        x = tl.load(xrow[:, None] + tok[None, :], mask=lmask, other=0.0).to(tl.float32)
-        prob = tl.exp2(x * scale[:, None] - shift[:, None]) * inv_s[:, None]
-        prob = tl.where(greedy[:, None], (tok[None, :] == amax[:, None]).to(tl.float32), prob)
-        prob = tl.where(lmask, prob, 0.0)
-        ev = tl.load(e_ptr + tok[:, None].to(tl.int64) * stride_ev + cols[None, :] * stride_eh,
-                     mask=kmask[:, None] & cmask[None, :], other=0.0)
+        if USE_TMA:
+            # no masks: K_PER_SPLIT is a multiple of BLOCK_K, so a tile never straddles two splits, and past V
+            # both x (-> finite p) and E (-> 0) come back as zeros
+            x = x_desc.load([pid_m * BLOCK_M, k_start + k]).to(tl.float32)
+            prob = tl.exp2(x * scale[:, None] - shift[:, None]) * inv_s[:, None]
+            ev = e_desc.load([k_start + k, pid_n * BLOCK_N])
+            if GREEDY_ONEHOT:
+                onehot = ((k_start + k + kk)[None, :] == amax[:, None]).to(tl.float32)
+                prob = tl.where(greedy[:, None], onehot, prob)
+        else:
+            tok = k_start + k + kk
+            kmask = tok < k_end
+            lmask = rvalid[:, None] & kmask[None, :]
+            x = tl.load(xrow[:, None] + tok[None, :], mask=lmask, other=0.0).to(tl.float32)
+            prob = tl.exp2(x * scale[:, None] - shift[:, None]) * inv_s[:, None]
+            if GREEDY_ONEHOT:
+                prob = tl.where(greedy[:, None], (tok[None, :] == amax[:, None]).to(tl.float32), prob)
+            prob = tl.where(lmask, prob, 0.0)
+            ev = tl.load(e_ptr + tok[:, None].to(tl.int64) * stride_ev + cols[None, :] * stride_eh,
+                         mask=kmask[:, None] & cmask[None, :], other=0.0)
         if EXACT_FP32:
             acc += tl.dot(prob, ev.to(tl.float32), input_precision="ieee")
         elif INTERPRET:  # the interpreter truncates fp32 -> bf16 and multiplies bf16 as raw bits: round by hand
@@ -232,11 +254,12 @@ def _soft_embedding_kernel(
 
 @triton.jit
 def _soft_reduce_kernel(
-    ws_ptr, soft_ptr, slots_ptr, mode_ptr,
+    ws_ptr, soft_ptr, slots_ptr, mode_ptr, amax_ptr, e_ptr, stride_ev,
     M, CL, HID, SCALE,
     SPLIT_K: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    """Grid (M, cdiv(HID, BH)). mode[n]: 1 -> soft[slot] = SCALE * sum_k ws[k], 2 -> soft[slot] = 0, 0 -> keep."""
+    """Grid (M, cdiv(HID, BH)). Per row n, mode[n]: 1 -> soft[slot] = SCALE * sum_k ws[k] (fixed order),
+    3 -> soft[slot] = SCALE * E[argmax] (T = 0: p is one-hot), 2 -> 0 (fresh canvas), 0 -> untouched."""
     row = tl.program_id(0)
     hb = tl.program_id(1)
     n = row // CL
@@ -251,6 +274,9 @@ def _soft_reduce_kernel(
         for k in tl.static_range(SPLIT_K):
             acc += tl.load(ws_ptr + (k * M + row).to(tl.int64) * HID + cols, mask=cmask, other=0.0)
         acc = acc * SCALE
+    if mode == 3:
+        tok = tl.load(amax_ptr + row).to(tl.int64)
+        acc = tl.load(e_ptr + tok * stride_ev + cols, mask=cmask, other=0.0).to(tl.float32) * SCALE
     slot = tl.load(slots_ptr + n)
     tl.store(soft_ptr + (slot * CL + p).to(tl.int64) * HID + cols, acc, mask=cmask)
 
@@ -279,15 +305,17 @@ class SamplerConfig:
     split_k: int | None = None
     gemm_warps: int | None = None
     gemm_stages: int | None = None
+    use_tma: bool | None = None
 
     def resolve(self, rows: int, V: int, hidden: int, device: torch.device) -> "SamplerConfig":
         cuda = device.type == "cuda"
         sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 4
         block_p = self.block_p or (1 if cuda else min(64, triton.next_power_of_2(max(rows, 1))))
-        block_g = self.block_g or (256 if cuda else min(64, triton.next_power_of_2(max(1, (V + 3) // 4))))
+        block_g = self.block_g or (512 if cuda else min(64, triton.next_power_of_2(max(1, (V + 3) // 4))))
         split_v = self.split_v or max(1, min(8, (2 * sms * block_p + rows - 1) // max(rows, 1)))
         if cuda:
-            bm, bn, bk = self.block_m or 128, self.block_n or 256, self.block_k or 64
+            # 128 x 128 x 64, 8 warps: no register spills with TMA loads (ptxas, sm_90a); 128 x 256 spills ~1.3 KB
+            bm, bn, bk = self.block_m or 128, self.block_n or 128, self.block_k or 64
         else:
             bm = self.block_m or max(16, min(64, triton.next_power_of_2(max(rows, 1))))
             bn = self.block_n or max(16, min(64, triton.next_power_of_2(hidden)))
@@ -297,11 +325,14 @@ class SamplerConfig:
             split_k = self.split_k
         elif not cuda:
             split_k = 1
-        else:  # fill the SMs: enough (m, n, k) tiles for >= 1 full wave, at most 4 splits (workspace)
-            split_k = max(1, min(4, triton.cdiv(2 * sms, tiles)))
+        else:  # the split count (<= 4: workspace) whose CTA count best fills whole waves over the SMs
+            def eff(k):
+                return tiles * k / (triton.cdiv(tiles * k, sms) * sms)
+            split_k = max(range(1, 5), key=lambda k: (round(eff(k), 3), -k))
         split_k = max(1, min(split_k, triton.cdiv(V, bk)))
         return SamplerConfig(block_p, block_g, split_v, self.stats_warps or (8 if cuda else 4), bm, bn, bk, split_k,
-                             self.gemm_warps or (8 if cuda else 4), self.gemm_stages or (3 if cuda else 1))
+                             self.gemm_warps or (8 if cuda else 4), self.gemm_stages or (3 if cuda else 1),
+                             self.use_tma)
 
 
 def row_stats(logits: torch.Tensor, T: torch.Tensor, seed: torch.Tensor, request_id: torch.Tensor,
@@ -356,7 +387,7 @@ def row_stats(logits: torch.Tensor, T: torch.Tensor, seed: torch.Tensor, request
 
 def soft_embedding(logits: torch.Tensor, embedding: torch.Tensor, T: torch.Tensor, m: torch.Tensor,
                    inv_s: torch.Tensor, argmax: torch.Tensor, active: torch.Tensor,
-                   config: SamplerConfig | None = None) -> torch.Tensor:
+                   config: SamplerConfig | None = None, greedy_onehot: bool = True) -> torch.Tensor:
     """Stage (c) partial sums: fp32 workspace ``[SPLIT_K, N * CL, hidden]`` of ``p @ E`` (unscaled).
 
     ``p = exp(logits / T - m) * inv_s`` (one-hot(argmax) where T = 0), rows of inactive requests skipped (their
@@ -375,12 +406,23 @@ def soft_embedding(logits: torch.Tensor, embedding: torch.Tensor, T: torch.Tenso
     ws = torch.empty(split_k, M, hidden, dtype=torch.float32, device=logits.device)
     if M > 0:
         grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(hidden, cfg.block_n), split_k)
-        args = (logits, logits.stride(0), logits.stride(1), embedding, embedding.stride(0), embedding.stride(1), ws,
+        x_desc = e_desc = None
+        use_tma = _tma_ok(logits, embedding, cfg)
+        if use_tma:
+            from triton.tools.tensor_descriptor import TensorDescriptor
+
+            x_desc = TensorDescriptor.from_tensor(logits.view(M, V), [cfg.block_m, cfg.block_k])
+            e_desc = TensorDescriptor.from_tensor(embedding, [cfg.block_k, cfg.block_n])
+        args = (logits, logits.stride(0), logits.stride(1), embedding, embedding.stride(0), embedding.stride(1),
+                x_desc, e_desc, ws,
                 T.contiguous(), active.to(torch.int32).contiguous(), m.contiguous(), inv_s.contiguous(),
                 argmax.to(torch.int32).contiguous(), M, CL, V, hidden)
         meta = dict(K_PER_SPLIT=k_per, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                    EXACT_FP32=embedding.dtype == torch.float32, INTERPRET=_interpret(), num_warps=cfg.gemm_warps)
-        key = (cfg.block_m, cfg.block_n, cfg.block_k, cfg.gemm_warps, cfg.gemm_stages, embedding.dtype)
+                    EXACT_FP32=embedding.dtype == torch.float32, INTERPRET=_interpret(), USE_TMA=use_tma,
+                    GREEDY_ONEHOT=greedy_onehot,
+                    num_warps=cfg.gemm_warps)
+        key = (cfg.block_m, cfg.block_n, cfg.block_k, cfg.gemm_warps, cfg.gemm_stages, embedding.dtype, use_tma,
+               greedy_onehot)
         stages = _STAGES_THAT_FIT.get(key, cfg.gemm_stages)
         while True:
             try:
@@ -395,17 +437,35 @@ def soft_embedding(logits: torch.Tensor, embedding: torch.Tensor, T: torch.Tenso
     return ws
 
 
+def _tma_ok(logits: torch.Tensor, embedding: torch.Tensor, cfg: SamplerConfig) -> bool:
+    """Tensor descriptors apply: logits viewable as a row-major [N*CL, V], E row-major, 16-byte aligned rows and
+    bases (TMA's rules), and the config allows it (``use_tma`` None = wherever it applies, the interpreter too)."""
+    if cfg.use_tma is False:
+        return False
+    N, CL, V = logits.shape
+    ok = (logits.stride(2) == 1 and logits.stride(1) == V and logits.stride(0) == CL * V
+          and embedding.stride(1) == 1 and embedding.stride(0) == embedding.shape[1]
+          and (V * logits.element_size()) % 16 == 0 and (embedding.shape[1] * embedding.element_size()) % 16 == 0
+          and logits.data_ptr() % 16 == 0 and embedding.data_ptr() % 16 == 0)
+    if cfg.use_tma and not ok:
+        raise ValueError("SamplerConfig(use_tma=True) needs row-major logits/E with 16-byte aligned rows")
+    return ok
+
+
 #: Pipeline depth that fitted in shared memory per GEMM tile configuration (filled at the first launch).
 _STAGES_THAT_FIT: dict = {}
 
 
-def _write_soft(state: SamplerState, slots: torch.Tensor, ws: torch.Tensor, mode: torch.Tensor) -> None:
+def _write_soft(state: SamplerState, slots: torch.Tensor, ws: torch.Tensor, mode: torch.Tensor,
+                argmax: torch.Tensor, embedding: torch.Tensor) -> None:
+    """Write ``state.soft[slots]`` in place (mode per row: see :func:`_soft_reduce_kernel`)."""
     split_k, M, hidden = ws.shape
     CL = state.canvas_length
     block_h = min(1024, triton.next_power_of_2(hidden))
     if M > 0:
         _soft_reduce_kernel[(M, triton.cdiv(hidden, block_h))](
-            ws, state.soft, slots.contiguous(), mode.to(torch.int32).contiguous(), M, CL, hidden,
+            ws, state.soft, slots.contiguous(), mode.to(torch.int32).contiguous(), argmax.contiguous(),
+            embedding, embedding.stride(0), M, CL, hidden,
             math.sqrt(hidden), SPLIT_K=split_k, BLOCK_H=block_h, num_warps=4,
         )
 
@@ -446,12 +506,12 @@ def sampler_step(state: SamplerState, slots: torch.Tensor, logits: torch.Tensor,
     converged, stable_count = convergence(state, slots, argmax, mean_entropy)
     cont = is_den & ~row_failed & ~converged
 
-    ws = soft_embedding(logits, embedding, T, st["m"], st["inv_s"], argmax, cont, config)     # (c)
+    ws = soft_embedding(logits, embedding, T, st["m"], st["inv_s"], argmax, cont, config, greedy_onehot=False)  # (c)
     res = DenoiseResult(accepted=accepted, entropy=entropy, argmax=argmax, sampled=sampled,
                         next_canvas=next_canvas, row_failed=row_failed, converged=converged,
                         stable_count=stable_count, mean_entropy=mean_entropy, temperature=T, soft=None)
     out = apply_step(state, slots, prefill_done, res, phase)
     fresh = ~cont & (state.phase[slots] == DENOISE) & (state.step[slots] == 0)
-    mode = torch.where(cont, 1, torch.where(fresh, 2, 0))
-    _write_soft(state, slots, ws, mode)
+    mode = torch.where(cont, torch.where(greedy, 3, 1), torch.where(fresh, 2, 0))
+    _write_soft(state, slots, ws, mode, argmax, embedding)
     return out

@@ -65,8 +65,9 @@ def _truth(x, T, E, greedy_ids=None):
     return p @ E.double() * math.sqrt(E.shape[1])
 
 
-@pytest.mark.parametrize("edtype,split_k", [(torch.bfloat16, 1), (torch.bfloat16, 3), (torch.float32, 2)])
-def test_soft_embedding_within_twice_eager_error(edtype, split_k):
+@pytest.mark.parametrize("edtype,split_k,use_tma", [(torch.bfloat16, 1, True), (torch.bfloat16, 3, False),
+                                                    (torch.bfloat16, 3, True), (torch.float32, 2, None)])
+def test_soft_embedding_within_twice_eager_error(edtype, split_k, use_tma):
     g = torch.Generator().manual_seed(split_k)
     N, CL, V, H = 2, 8, 200, 48
     x = torch.randn(N, CL, V, generator=g) * 3
@@ -75,7 +76,8 @@ def test_soft_embedding_within_twice_eager_error(edtype, split_k):
     z = torch.zeros(N, dtype=torch.int64)
     act = torch.ones(N, dtype=torch.bool)
     r = row_stats(x, T, z, z, z, z, act)
-    ws = soft_embedding(x, E, T, r["m"], r["inv_s"], r["argmax"], act, SamplerConfig(split_k=split_k, block_k=32))
+    cfg = SamplerConfig(split_k=split_k, block_k=32, use_tma=use_tma)
+    ws = soft_embedding(x, E, T, r["m"], r["inv_s"], r["argmax"], act, cfg)
     assert ws.shape[0] == split_k
     ours = ws.sum(0).view(N, CL, H) * math.sqrt(H)
     truth = _truth(x, T, E)
