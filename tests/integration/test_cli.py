@@ -70,3 +70,26 @@ def test_check_mismatch_exits_nonzero_with_message(tmp_path, capsys, monkeypatch
     rc = cli.main(["demo", "--out", str(tmp_path), "--check", "--no-progress"])
     err = capsys.readouterr().err
     assert rc == 1 and "CHECK FAILED" in err and "attention check failed" in err
+
+
+def test_sampler_check_mismatch_exits_nonzero_with_message(tmp_path, capsys, monkeypatch):
+    """A sampler backend that disagrees with the reference makes --check fail loudly (exit 1)."""
+    import blockdiff.sampler as S
+
+    real = S.get_backend
+
+    def bad_get_backend(backend):
+        ref = real("reference")
+        if backend != "triton":
+            return ref
+
+        def corrupted(state, slots, logits, prefill_done, embedding):
+            out = ref(state, slots, logits, prefill_done, embedding)
+            state.canvas.add_(1).remainder_(state.vocab_size)  # a wrong next canvas
+            return out
+        return corrupted
+    monkeypatch.setattr(S, "get_backend", bad_get_backend)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    rc = cli.main(["demo", "--out", str(tmp_path), "--check", "--no-progress", "--sampler-backend", "triton"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "CHECK FAILED" in err and "sampler check: state.canvas" in err
