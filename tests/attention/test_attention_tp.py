@@ -110,3 +110,17 @@ def test_rank_slices_are_consistent_and_errors_name_the_argument():
         attention_tp(qs, kc, vs, shard=sh, backend="reference", **meta)
     with pytest.raises(ValueError, match="num_kv_heads=4"):
         shard_heads(q, kc[..., :2, :], vc, sh)
+
+
+def test_num_causal_q_and_window_edges_per_rank():
+    """Stretch metadata (first n query rows causal) and windows 0 / 1 are passed through unchanged to every rank."""
+    q, kc, vc, meta = mixed_batch(16, 2, seed=5)
+    ncq = torch.tensor([11, 0, 3, 8, 0], dtype=torch.int32)
+    base = {k: v for k, v in meta.items() if k != "causal"}
+    for W_ in (0, 1):
+        kw = dict(base, num_causal_q=ncq, window_size=W_, return_lse=True)
+        full = attention(q, kc, vc, backend="reference", **kw)
+        for world in (2, 4, 8):
+            out, lse = attention_head_parallel(q, kc, vc, world_size=world, backend="reference", **kw)
+            torch.testing.assert_close(out, full[0], atol=1e-6, rtol=1e-6)
+            torch.testing.assert_close(lse, full[1], atol=1e-6, rtol=1e-6)
