@@ -27,9 +27,11 @@ this module moves only per-position statistics and one hidden-sized vector per p
    replicated :class:`~blockdiff.sampler.state.SamplerState` of every rank with identical inputs, so every rank
    reaches identical decisions and state.
 
-Communication per step (N rows, CL positions, W ranks): all_gather ``W * N * CL * 56`` bytes received per rank
-(57 KiB at N = 4, CL = 256, W = 2) and one all_reduce of ``N * CL * hidden * 4`` bytes (11.5 MB at hidden 2816),
-independent of the vocabulary size. No host synchronisation on the step path.
+Communication per step (N rows, CL positions, W ranks, payload sizes): all_gather of ``N * CL * 56`` bytes per
+rank into ``W * N * CL * 56`` (56 KiB sent / 112 KiB gathered at N = 4, CL = 256, W = 2) and one all_reduce of
+``N * CL * hidden * 4`` bytes (11.5 MB at hidden 2816; a ring moves ~``2 (W - 1) / W`` of it per rank),
+independent of the vocabulary size (gathering the logits instead: ``N * CL * V * 4`` = 1 GiB at V = 262144).
+No host synchronisation on the step path.
 
 Exactness (vs :func:`blockdiff.sampler.reference.sampler_step` on the unsharded logits): argmax, Gumbel sample,
 renoise ids, failure flags are bit-identical (elementwise float32 z and z + g are computed by the same
