@@ -72,7 +72,7 @@ def hf_config_from(cfg: DiffusionGemmaConfig, attn_implementation: str = "eager"
         sliding_window=cfg.sliding_window, layer_types=list(cfg.layer_types), rms_norm_eps=cfg.rms_norm_eps,
         rope_parameters=cfg.rope_parameters, final_logit_softcapping=cfg.final_logit_softcapping,
         hidden_activation=cfg.hidden_activation, max_position_embeddings=cfg.max_position_embeddings,
-        attention_bias=cfg.attention_bias,
+        attention_bias=cfg.attention_bias, use_bidirectional_attention=cfg.use_bidirectional_attention,
     )
     vc = dict(model_type="gemma4_vision", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
               num_attention_heads=2, num_key_value_heads=2, head_dim=8)
@@ -103,6 +103,12 @@ def make_hf_twin(cfg: DiffusionGemmaConfig, seed: int = 0, attn_implementation: 
         for name, b in hf.named_buffers():
             if name.endswith("layer_scalar"):  # encoder and decoder copies differ on purpose
                 b.copy_(0.5 + torch.rand(b.shape, generator=g))
+        # transformers ties weights but not biases between its encoder and decoder stacks (attention_bias=True
+        # only; the released model has no biases): tie them as one set of weights implies.
+        params = dict(hf.named_parameters(remove_duplicate=False))
+        for name, p in params.items():
+            if name.startswith("model.encoder.language_model.") and name.endswith(".bias"):
+                p.copy_(params["model.decoder." + name[len("model.encoder.language_model."):]])
     hf = hf.to(dtype)
     ours = DiffusionGemma.from_pretrained_state_dict(hf.state_dict(), cfg, dtype=dtype)
     return hf, ours

@@ -247,3 +247,24 @@ def test_transformers_static_cache_path_agrees_with_dynamic():
         res[name] = hf(cache=cache, decoder_input_ids=canvas[None], decoder_attention_mask=mask,
                        decoder_position_ids=torch.arange(P, P + 4)[None]).logits[0]
     assert _rel(res["static"], res["dynamic"]) < 1e-4
+
+
+@torch.no_grad()
+def test_variant_config_bias_and_vision_flag():
+    """attention_bias=True and use_bidirectional_attention='vision' (the released config; text stays causal),
+    with the encoder mask built as generate() builds it."""
+    cfg = tiny_config(attention_bias=True, use_bidirectional_attention="vision", num_hidden_layers=3)
+    hf, ours = make_hf_twin(cfg, seed=8)
+    P = 13
+    prompt, canvas = _ids(P, cfg.vocab_size, 1), _ids(cfg.canvas_length, cfg.vocab_size, 2)
+    cache = DynamicCache(config=hf.config.text_config)
+    mask = hf.model.encoder.create_masks_for_generate(
+        config=hf.config, inputs_embeds=torch.zeros(1, P, 1), attention_mask=torch.ones(1, P, dtype=torch.bool),
+        cache=cache, position_ids=torch.arange(P)[None])
+    out = hf.model.encoder(input_ids=prompt[None], attention_mask=mask, cache=cache,
+                           position_ids=torch.arange(P)[None])
+    hf_enc = hf_softcap_logits(hf, out.last_hidden_state)[0]
+    hf_dec = hf_denoise(hf, cache, canvas, P, None)
+    caches = ours.allocate_kv_caches(32, PS)
+    assert _rel(our_encode(ours, caches, prompt, 0), hf_enc) < 2e-5
+    assert _rel(our_denoise(ours, caches, canvas, P, None), hf_dec) < 2e-5
