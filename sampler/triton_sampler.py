@@ -3,28 +3,32 @@
 Same semantics as :mod:`blockdiff.sampler.reference` (ARCHITECTURE.md "Sampler semantics"); three stages, none
 of which syncs with the host, so a whole step is capturable in a CUDA graph (grids are sized from shapes only):
 
-(a) :func:`_stats_kernel` — one program per (canvas position, vocabulary split) streams the position's logits
-    once in tiles of ``4 * BLOCK_G`` tokens (a 2-D ``[BLOCK_G, 4]`` tile: one Philox4x32-10 call per group of 4
-    tokens, word ``t & 3`` for token ``t``, exactly :mod:`blockdiff.sampler.rng`). Per position it keeps, in
-    float32 registers, the online max ``m`` of ``z = x / T``, ``s = sum exp(z - m)`` and
-    ``u = sum exp(z - m) (z - m)`` (rescaled by ``exp(m_old - m_new)`` when the max moves:
-    ``u' = a (u + (m_old - m_new) s)``, ``s' = a s``), the argmax of z (ties to the lowest id), the Gumbel-max
-    sample ``argmax(z + g)`` and a non-finite flag. Splits are merged exactly the same way in torch;
-    ``H = log s - u / s`` nats (= ``-sum p log p``).
-(b) Decisions — small vectorised torch ops over [N, CL] (sort by entropy, inclusive cumsum bound, renoise ids,
-    argmax stability, convergence, phase transitions, counters); the shared code of
-    :mod:`blockdiff.sampler.common`, the same the reference runs, so given equal entropies the decisions are
-    identical.
+(a) :func:`_stats_kernel` — one program per (BLOCK_P canvas positions, vocabulary split) streams the logits
+    once in ``[BLOCK_P, BLOCK_G, 4]`` tiles (GPU: 1 x 512 x 4 = 2048 tokens, 8 KB in flight per iteration): one
+    Philox4x32-10 call per (position, group of 4 tokens), word ``t & 3`` for token ``t``, exactly
+    :mod:`blockdiff.sampler.rng` (``tl.umulhi`` + wrapping uint32 products). Per position it keeps, in float32
+    registers, the online max ``m`` of ``z = x / T`` (IEEE division, ``div_rn``, as the reference),
+    ``s = sum exp(z - m)`` and ``u = sum exp(z - m) (z - m)`` (rescaled by ``a = exp(m_old - m_new)`` when the
+    max moves: ``u' = a (u + (m_old - m_new) s)``, ``s' = a s``), the argmax of z (ties to the lowest id), the
+    Gumbel-max sample ``argmax(z + g)`` and a non-finite flag. Vocabulary splits (for small batches) are merged
+    the same way in torch; ``H = log s - u / s`` nats (= ``-sum p log p``). Rows not in DENOISE are never read.
+(b) Decisions — small vectorised torch ops over [N, CL] (stable sort by entropy, inclusive cumsum bound, renoise
+    ids, argmax stability, convergence, phase transitions, counters): the code of :mod:`blockdiff.sampler.common`
+    that the reference runs too, so given equal entropies the decisions are identical.
 (c) :func:`_soft_embedding_kernel` — ``soft = softmax(z) @ E * sqrt(hidden)`` as a split-K GEMM over the
-    vocabulary whose A operand ``exp(z - m) / s`` is computed on the fly from the logits with the row stats of
-    (a) (one-hot(argmax) for T = 0 rows) and rounded to E's dtype (bf16 tensor cores, fp32 accumulation). No
-    [CL, V] probability buffer; partial sums go to a ``[SPLIT_K, N * CL, hidden]`` fp32 workspace and
+    vocabulary, M = N * CL positions, N = hidden. Its A operand ``exp2(x * log2e / T - m log2e) / s`` is computed
+    on the fly from the fp32 logits with the row stats of (a) (one FMA + ex2 + mul per element, recomputed once
+    per column tile) and rounded to E's dtype (bf16 wgmma, fp32 accumulation). Logits ([N * CL, V] view) and E
+    are read through TMA tensor descriptors when their rows are 16-byte aligned (pointer loads otherwise). No
+    [CL, V] probability buffer: partial sums go to a ``[SPLIT_K, N * CL, hidden]`` fp32 workspace and
     :func:`_soft_reduce_kernel` adds them in a fixed order (deterministic, batch invariant) and writes
-    ``state.soft`` rows in place (continuing rows: the sum; fresh canvases: 0; others untouched). M tiles whose
-    rows are all inactive (not continuing to denoise) return at once.
+    ``state.soft`` rows in place (continuing rows: the sum; T = 0 rows: ``E[argmax]``, exact; fresh canvases: 0;
+    others untouched). M tiles with no continuing row return at once. Default tiles 128 x 128 x 64, 8 warps, 3
+    stages (ptxas sm_90a: 255 registers, 40 B spill; 128 x 256 spills 1.3 KB), SPLIT_K chosen to fill whole
+    waves of the SMs (3 for sampler_n4: 176 tiles x 3 = 4 waves of 132).
 
-Extra memory of a step (N rows): the (a) stats, ``N * CL * SPLIT_V * 40`` bytes, the workspace
-``SPLIT_K * N * CL * hidden * 4`` bytes (46 MB for sampler_n4 at SPLIT_K = 4) and [N, CL] decision tensors.
+Extra memory of a step (N rows): the (a) stats, ``N * CL * SPLIT_V * 32`` bytes, the workspace
+``SPLIT_K * N * CL * hidden * 4`` bytes (34.6 MB for sampler_n4 at SPLIT_K = 3) and [N, CL] decision tensors.
 
 Exactness: Philox words, ``u`` and the float32 ``z`` are bit-identical to the reference; ``g = -log(-log u)``
 uses the platform's float32 log (torch's SLEEF on CPU vs numpy in the Triton interpreter differ by <= 1 ulp on
