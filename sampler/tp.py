@@ -239,8 +239,9 @@ def local_statistics(logits: torch.Tensor, T: torch.Tensor, seed: torch.Tensor, 
         packed[..., F_GID] = shard.vocab_size
         zf = torch.zeros(N, CL, dtype=torch.float32, device=dev)
         return LocalStats(packed, zf, zf, torch.zeros(N, CL, dtype=torch.int64, device=dev))
-    z = _scaled_logits(logits, T)
-    bad = ~torch.isfinite(z).all(-1)
+    x = logits.to(torch.float32)
+    bad = ~torch.isfinite(x).all(-1)        # on the logits, as the reference (not on z, which may overflow)
+    z = x / torch.where(T == 0, torch.ones_like(T), T)[:, None, None]
     amax = z.argmax(-1)                                          # first maximum: ties to the lowest id
     m = z.gather(-1, amax[..., None]).squeeze(-1)
     d = z - m[..., None]

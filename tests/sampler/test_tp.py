@@ -127,6 +127,26 @@ def test_sharded_step_single_shard_is_the_reference():
                    V=1000, cl=16, hidden=HID, steps=6, device="cpu", e_dtype=torch.bfloat16, tie_ids=(3, 4))
 
 
+def test_overflowing_z_is_not_a_failure_as_in_the_reference():
+    """A finite logit whose z = x / T overflows to inf: the reference fails only on non-finite LOGITS; so do we."""
+    from blockdiff.sampler import sampler_step
+    params = W.scenario_params(CL)
+    st_ref, st_tp = W.make_states(params, CL, 50, HID, "cpu")
+    slots = torch.arange(1, 5)
+    pd = torch.ones(4, dtype=torch.bool)
+    E = torch.randn(50, HID)
+    for st in (st_ref, st_tp):
+        sampler_step(st, slots, torch.zeros(4, CL, 50), pd, E)           # PREFILL -> DENOISE
+    x = torch.randn(4, CL, 50)
+    x[0, 2, 30] = 3e38                                                   # / T (0.8) -> inf
+    o_ref = sampler_step(st_ref, slots, x, pd, E)
+    o_tp = sampler_step_sharded(st_tp, slots, x, pd, E, bounds=(0, 20, 50))
+    assert not o_ref.failed[0] and not o_tp.failed[0]
+    for k in W.INT_OUT_FIELDS:
+        assert torch.equal(getattr(o_ref, k), getattr(o_tp, k)), k
+    assert torch.equal(torch.isnan(o_ref.entropy), torch.isnan(o_tp.entropy))
+
+
 def test_sharded_step_rejects_wrong_shapes():
     from blockdiff.sampler.tp import _check_tp_args
     params = W.scenario_params(CL)
