@@ -86,10 +86,15 @@ def accept_by_entropy(entropy: torch.Tensor, entropy_bound: torch.Tensor) -> tor
     return torch.zeros_like(sel).scatter(-1, order, sel)
 
 
-def fresh_canvas(state: SamplerState, slots: torch.Tensor, canvas_index: torch.Tensor) -> torch.Tensor:
-    """Uniform random canvas [N, CL] int64 of the INITIAL stream for canvas ``canvas_index`` [N] (step 0)."""
-    return rng.random_ids(state.seed[slots], state.request_id[slots], canvas_index, torch.zeros_like(canvas_index),
-                          state.canvas_length, state.vocab_size, rng.INITIAL)
+def fresh_canvas(state: SamplerState, slots: torch.Tensor, canvas_index: torch.Tensor,
+                 random_ids=rng.random_ids) -> torch.Tensor:
+    """Uniform random canvas [N, CL] int64 of the INITIAL stream for canvas ``canvas_index`` [N] (step 0).
+
+    ``random_ids``: a function with :func:`blockdiff.sampler.rng.random_ids`'s signature and results (a backend may
+    pass its own kernel: the torch version is ~130 small launches).
+    """
+    return random_ids(state.seed[slots], state.request_id[slots], canvas_index, torch.zeros_like(canvas_index),
+                      state.canvas_length, state.vocab_size, rng.INITIAL)
 
 
 @dataclass
@@ -131,11 +136,12 @@ def convergence(state: SamplerState, slots: torch.Tensor, argmax: torch.Tensor, 
 
 
 def apply_step(state: SamplerState, slots: torch.Tensor, prefill_done: torch.Tensor, res: DenoiseResult,
-               phase: torch.Tensor) -> StepOutput:
+               phase: torch.Tensor, random_ids=rng.random_ids) -> StepOutput:
     """Apply one step's transitions to ``state`` in place and build the :class:`StepOutput`.
 
     Args:
         phase: int32 [N], ``state.phase[slots]`` read at entry (before the backend ran).
+        random_ids: generator of the fresh canvases (see :func:`fresh_canvas`).
     """
     N, CL = slots.shape[0], state.canvas_length
     dev = state.device
@@ -180,7 +186,7 @@ def apply_step(state: SamplerState, slots: torch.Tensor, prefill_done: torch.Ten
     canvas_index = state.canvas_index[slots]
     canvas_index = torch.where(start0, 0, torch.where(nextc, canvas_index + 1, canvas_index)).to(torch.int32)
     new_phase = torch.where(start0, DENOISE, new_phase).to(torch.int32)
-    init = fresh_canvas(state, slots, canvas_index)
+    init = fresh_canvas(state, slots, canvas_index, random_ids)
     fc = fresh[:, None]
     new_canvas = torch.where(fc, init, new_canvas)
     prev_argmax = torch.where(fc, -1, prev_argmax)

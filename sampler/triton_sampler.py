@@ -50,7 +50,7 @@ from . import rng
 from .common import DenoiseResult, accept_by_entropy, apply_step, check_step_args, convergence, temperature
 from .state import DENOISE, SamplerState, StepOutput
 
-__all__ = ["sampler_step", "SamplerConfig", "row_stats", "soft_embedding"]
+__all__ = ["sampler_step", "SamplerConfig", "row_stats", "soft_embedding", "random_ids"]
 
 # ---------------------------------------------------------------------------------------------- kernels
 @triton.jit
@@ -66,6 +66,35 @@ def _philox4x32_10(c0, c1, c2, c3, k0, k1):
         k0 = k0 + 0x9E3779B9
         k1 = k1 + 0xBB67AE85
     return c0, c1, c2, c3
+
+
+@triton.jit
+def _random_ids_kernel(seed_ptr, rid_ptr, cidx_ptr, step_ptr, out_ptr, CL, V,
+                       STREAM: tl.constexpr, BLOCK: tl.constexpr):
+    """Grid (N, cdiv(CL, BLOCK)): out[n, p] = blockdiff.sampler.rng.random_ids(...)[n, p] for a per-position
+    stream: words 0, 1 of Philox(key(seed), (0, p | stream << 16 | step << 18, rid lo, rid hi16 | cidx << 16)),
+    id = floor((w0 | w1 << 32) * V / 2**64) exactly, in 32-bit limbs (umulhi + carry)."""
+    n = tl.program_id(0)
+    p = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    pmask = p < CL
+    seed = tl.load(seed_ptr + n).to(tl.int64)
+    rid = tl.load(rid_ptr + n).to(tl.int64)
+    cidx = tl.load(cidx_ptr + n).to(tl.int64)
+    step = tl.load(step_ptr + n).to(tl.int64)
+    zero = tl.zeros((BLOCK,), tl.uint32)
+    k0 = (seed & 0xFFFFFFFF).to(tl.uint32) + zero
+    k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32) + zero
+    c1 = ((p.to(tl.int64) & 0xFFFF) | (STREAM << 16) | ((step & 16383) << 18)).to(tl.uint32)
+    c2 = (rid & 0xFFFFFFFF).to(tl.uint32) + zero
+    c3 = (((rid >> 32) & 0xFFFF) | ((cidx & 0xFFFF) << 16)).to(tl.uint32) + zero
+    w0, w1, _, _ = _philox4x32_10(zero, c1, c2, c3, k0, k1)
+    v = (zero + V).to(tl.uint32)
+    a_hi = tl.umulhi(w0, v)                      # (w0 * V) >> 32
+    b_lo = w1 * v                                # (w1 * V) mod 2**32
+    b_hi = tl.umulhi(w1, v)
+    lo = b_lo + a_hi
+    ids = b_hi + (lo < b_lo).to(tl.uint32)       # carry of the low word
+    tl.store(out_ptr + n.to(tl.int64) * CL + p, ids.to(tl.int64), mask=pmask)
 
 
 @triton.jit
@@ -286,6 +315,27 @@ def _soft_reduce_kernel(
 
 
 # ---------------------------------------------------------------------------------------------- launchers
+def random_ids(seed: torch.Tensor, request_id: torch.Tensor, canvas_index: torch.Tensor, step: torch.Tensor,
+               canvas_length: int, vocab_size: int, stream: int) -> torch.Tensor:
+    """:func:`blockdiff.sampler.rng.random_ids` in one Triton launch (same ids, bit for bit): int64 [N, CL].
+
+    Raises:
+        ValueError: a stream other than RENOISE / INITIAL, or vocab_size outside [1, 2**31).
+    """
+    if stream not in (rng.RENOISE, rng.INITIAL):
+        raise ValueError(f"stream must be RENOISE ({rng.RENOISE}) or INITIAL ({rng.INITIAL}), got {stream}")
+    if not 1 <= int(vocab_size) < rng.MAX_VOCAB:
+        raise ValueError(f"vocab_size must be in [1, 2**31), got {vocab_size}")
+    n = seed.shape[0]
+    out = torch.empty(n, canvas_length, dtype=torch.int64, device=seed.device)
+    if n > 0 and canvas_length > 0:
+        block = min(1024, triton.next_power_of_2(canvas_length))
+        _random_ids_kernel[(n, triton.cdiv(canvas_length, block))](
+            seed.contiguous(), request_id.contiguous(), canvas_index.contiguous(), step.contiguous(), out,
+            canvas_length, int(vocab_size), STREAM=stream, BLOCK=block, num_warps=4)
+    return out
+
+
 def _interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -504,7 +554,7 @@ def sampler_step(state: SamplerState, slots: torch.Tensor, logits: torch.Tensor,
     argmax = st["argmax"]
     sampled = torch.where(greedy[:, None], argmax, st["gumbel_argmax"])
     accepted = accept_by_entropy(entropy, state.entropy_bound[slots]) & ~row_failed[:, None]       # (b)
-    renoise = rng.random_ids(seed, rid, cidx, step, CL, V, rng.RENOISE)
+    renoise = random_ids(seed, rid, cidx, step, CL, V, rng.RENOISE)
     next_canvas = torch.where(accepted, sampled, renoise)
     mean_entropy = entropy.mean(-1)
     converged, stable_count = convergence(state, slots, argmax, mean_entropy)
@@ -514,7 +564,7 @@ def sampler_step(state: SamplerState, slots: torch.Tensor, logits: torch.Tensor,
     res = DenoiseResult(accepted=accepted, entropy=entropy, argmax=argmax, sampled=sampled,
                         next_canvas=next_canvas, row_failed=row_failed, converged=converged,
                         stable_count=stable_count, mean_entropy=mean_entropy, temperature=T, soft=None)
-    out = apply_step(state, slots, prefill_done, res, phase)
+    out = apply_step(state, slots, prefill_done, res, phase, random_ids=random_ids)
     fresh = ~cont & (state.phase[slots] == DENOISE) & (state.step[slots] == 0)
     mode = torch.where(cont, torch.where(greedy, 3, 1), torch.where(fresh, 2, 0))
     _write_soft(state, slots, ws, mode, argmax, embedding)

@@ -267,3 +267,17 @@ def test_fuzz_random_batches_match_reference(data):
         oa = sampler_step(a, sl, x, pd, E, backend="reference")
         ob = sampler_step(b, sl, x, pd, E, backend="triton")
         _check_same(oa, ob, a, b, soft_tol=0.05 * max(1.0, a.soft.abs().max().item()))
+
+
+@pytest.mark.parametrize("stream", [rng.RENOISE, rng.INITIAL])
+@pytest.mark.parametrize("V", [1, 7, 262144, 2**31 - 1])
+def test_random_ids_kernel_equals_torch_rng(stream, V):
+    from blockdiff.sampler.triton_sampler import random_ids
+
+    g = torch.Generator().manual_seed(V)
+    seed, rid, ci, st = _coords(5, g)
+    a = rng.random_ids(seed, rid, ci, st, 37, V, stream)
+    b = random_ids(seed.to(DEV), rid.to(DEV), ci.to(DEV), st.to(DEV), 37, V, stream)
+    assert torch.equal(a, b.cpu())
+    with pytest.raises(ValueError, match="stream"):
+        random_ids(seed, rid, ci, st, 4, V, rng.GUMBEL)
