@@ -615,7 +615,9 @@ def attention_triton(
     W = min(int(window_size), _WINDOW_CLAMP) if has_window else 0
     qk_scale = info.scale * LOG2E
     dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
-    search_steps = max(1, int(B).bit_length())  # ceil(log2(B + 1))
+    # ceil(log2(B + 1)) binary-search steps, rounded up to a multiple of 4 (extra steps are no-ops) so that
+    # batches of 1..15 (16..255, ...) sequences share one compiled kernel
+    search_steps = -(-max(1, int(B).bit_length()) // 4) * 4
 
     if ns > 1:
         opart = torch.empty(ns, total_q, H, DV, dtype=torch.float32, device=q.device)
