@@ -397,4 +397,8 @@ def main(argv=None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main()
+    _rows = main()
+    _bad = [r["backend"] for r in _rows if r.get("correct") is False]
+    if _bad:
+        print(f"CHECK FAILED: {', '.join(_bad)} disagree with the reference (see the rows' error fields)")
+        sys.exit(1)

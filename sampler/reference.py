@@ -17,6 +17,26 @@ Per DENOISE row with step s, temperature T (:func:`blockdiff.sampler.common.temp
 7. ``soft = (bf16(p) @ E).float() * sqrt(hidden)`` — p cast to E's dtype, the product in E's dtype (fp32
    accumulation), as transformers does; the same-precision eager computation the fused kernel is held to.
 8. T = 0: no noise, ``sampled = argmax``, H = 0, p = one-hot(argmax).
+
+Where this (ARCHITECTURE.md) differs from transformers' DiffusionGemma generation (5.x), on purpose:
+
+- Sampling: Gumbel-max with counter-based Philox noise keyed on the request (reproducible, batch invariant) instead
+  of ``torch.multinomial`` on the global RNG: the same distribution, different draws.
+- T = 0 (t_min = t_max = 0) is greedy here; transformers' config validation requires ``t_max > t_min`` (its error
+  message says ``>=``) and a zero temperature would divide by zero.
+- Ties: sort by entropy is stable (ties by position); transformers' ``torch.sort`` is unstable.
+- Non-finite logits fail the request; in transformers ``Categorical(logits=...)`` raises on NaN (or, without
+  argument validation, NaN entropies are never accepted and the step goes on with garbage).
+- max_tokens trims the emitted canvas; transformers emits whole canvases (``ceil(max_new_tokens / CL)``) and pads
+  after the first EOS of a canvas with pad_token_id (the EOS kept, as here).
+- Self-conditioning: ``soft = softmax(z) @ E * sqrt(hidden)`` kept in float32 with the float32 scale; transformers
+  feeds the processed logits cast to bf16 (z rounded to bf16 before its softmax), rounds the product to bf16 and
+  multiplies by ``embed_scale`` cast to bf16 (``sqrt(2816) = 53.07 -> 53.0``).
+- Convergence history: an argmax-stability counter per request (k + 1 identical canvases <=> counter >= k)
+  instead of transformers' [k, B, CL] history buffer initialised to -1; the same decisions, including the
+  earliest convergence at s = 1 for k = 1 and ``stable`` always true for k = 0.
+- Temperature schedule: identical (``cur_step = S - s``, so the first step uses t_max and the last
+  ``t_min + (t_max - t_min) / S``).
 """
 from __future__ import annotations
 

@@ -281,3 +281,36 @@ def test_random_ids_kernel_equals_torch_rng(stream, V):
     assert torch.equal(a, b.cpu())
     with pytest.raises(ValueError, match="stream"):
         random_ids(seed, rid, ci, st, 4, V, rng.GUMBEL)
+
+
+def test_soft_rows_written_exactly_where_due_poisoned_state():
+    """state.soft NaN-poisoned before the step: continuing (T > 0 and T = 0) rows and fresh canvases are fully
+    written (and equal the reference); rows that converged, failed or are untouched keep their poison."""
+    CL, V, H = 8, 64, 16
+    def specs():
+        return [(0, 1, SamplingParams(canvas_length=CL, seed=1)),                       # continuing, T > 0
+                (1, 2, SamplingParams(canvas_length=CL, t_min=0.0, t_max=0.0)),         # continuing, T = 0
+                (2, 3, SamplingParams(canvas_length=CL, max_denoising_steps=1)),        # converges (cap)
+                (3, 4, SamplingParams(canvas_length=CL)),                               # fails (NaN)
+                (4, 5, SamplingParams(canvas_length=CL))]                               # prefill -> fresh
+    a, b = _mk_state(specs(), CL, V, H, R=6), _mk_state(specs(), CL, V, H, R=6)
+    E = torch.randn(V, H, device=DEV).bfloat16()
+    slots = torch.arange(5, device=DEV)
+    pd = torch.tensor([True, True, True, True, False], device=DEV)
+    for st in (a, b):
+        sampler_step(st, slots, torch.zeros(5, CL, V, device=DEV), pd, E, backend="reference")
+    x = torch.randn(5, CL, V, device=DEV)
+    x[3, 0, 0] = float("nan")
+    pd = torch.ones(5, dtype=torch.bool, device=DEV)
+    for st in (a, b):
+        st.soft.fill_(float("nan"))
+    oa = sampler_step(a, slots, x, pd, E, backend="reference")
+    ob = sampler_step(b, slots, x, pd, E, backend="triton")
+    assert ob.converged.tolist() == [False, False, True, False, False] and ob.failed[3].item()
+    for s in (0, 1, 4):
+        assert torch.isfinite(b.soft[s]).all(), s
+    assert (b.soft[4] == 0).all()
+    assert torch.equal(b.soft[1], a.soft[1])  # T = 0: E[argmax] * sqrt(hidden), exact
+    assert torch.allclose(b.soft[0], a.soft[0], atol=0.05)
+    for s in (2, 3, 5):
+        assert torch.isnan(b.soft[s]).all(), s
