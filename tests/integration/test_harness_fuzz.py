@@ -1,0 +1,43 @@
+"""Hypothesis fuzz of the harness scheduler: random arrivals, prompt lengths (including 1), token budgets, page
+sizes that do not divide the canvas, slot counts. Every request finishes with the tokens it asked for, the
+accounting invariants hold on every row, and every slot and KV page is returned."""
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as stg
+from integration_helpers import CL, needs_stack, params, prompt
+
+pytestmark = needs_stack
+
+requests = stg.lists(
+    stg.tuples(stg.integers(1, 40), stg.integers(0, 6), stg.integers(1, 2 * CL + 3)),  # prompt, arrival, max_tokens
+    min_size=1, max_size=5)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(reqs=requests, max_num_reqs=stg.integers(1, 3), budget_canvases=stg.integers(1, 3),
+       page_size=stg.sampled_from([3, 5, 8, 16]))
+def test_random_workloads_finish_with_invariants(make_runner, reqs, max_num_reqs, budget_canvases, page_size):
+    r = make_runner(max_num_reqs=max_num_reqs, max_num_batched_tokens=budget_canvases * CL + 3,
+                    page_size=page_size, default_params=params(max_denoising_steps=2))
+    for i, (plen, arrival, max_tokens) in enumerate(reqs):
+        r.add_request(f"r{i}", prompt(plen, i), params(max_denoising_steps=2, max_tokens=max_tokens, seed=i),
+                      arrival_step=arrival)
+    res = r.run(max_steps=400)
+    assert set(res) == {f"r{i}" for i in range(len(reqs))}
+    for i, (plen, arrival, max_tokens) in enumerate(reqs):
+        x = res[f"r{i}"]
+        assert len(x.output_token_ids) == max_tokens and x.finish_reason == "length"
+        assert x.num_canvases == -(-max_tokens // CL) and x.admit_step >= arrival
+    for h in r.history:
+        assert h.num_tokens <= r.max_num_batched_tokens
+        assert len({row.slot for row in h.rows}) == len(h.rows) <= max_num_reqs
+        for row in h.rows:
+            if row.phase == "denoise":
+                assert (row.num_sampled, row.num_rejected, row.causal) == (0, CL, False)
+            elif row.phase == "commit":
+                assert (row.num_sampled, row.num_rejected, row.causal) == (CL, 0, True)
+            else:
+                assert (row.num_sampled, row.num_rejected, row.causal) == (0, 0, True)
+    assert r.allocator.num_free == r.allocator.num_blocks
+    assert not r.model_state.req_id_to_index and not r.has_unfinished
