@@ -4,14 +4,17 @@ Same semantics as :mod:`blockdiff.sampler.reference` (ARCHITECTURE.md "Sampler s
 of which syncs with the host, so a whole step is capturable in a CUDA graph (grids are sized from shapes only):
 
 (a) :func:`_stats_kernel` — one program per (BLOCK_P canvas positions, vocabulary split) streams the logits
-    once in ``[BLOCK_P, BLOCK_G, 4]`` tiles (GPU: 1 x 512 x 4 = 2048 tokens, 8 KB in flight per iteration): one
-    Philox4x32-10 call per (position, group of 4 tokens), word ``t & 3`` for token ``t``, exactly
-    :mod:`blockdiff.sampler.rng` (``tl.umulhi`` + wrapping uint32 products). Per position it keeps, in float32
-    registers, the online max ``m`` of ``z = x / T`` (IEEE division, ``div_rn``, as the reference),
-    ``s = sum exp(z - m)`` and ``u = sum exp(z - m) (z - m)`` (rescaled by ``a = exp(m_old - m_new)`` when the
-    max moves: ``u' = a (u + (m_old - m_new) s)``, ``s' = a s``), the argmax of z (ties to the lowest id), the
-    Gumbel-max sample ``argmax(z + g)`` and a non-finite flag. Vocabulary splits (for small batches) are merged
-    the same way in torch; ``H = log s - u / s`` nats (= ``-sum p log p``). Rows not in DENOISE are never read.
+    once in ``[BLOCK_P, BLOCK_G, 4]`` tiles (GPU: 1 x 256 x 4 = 1024 tokens per iteration, loads pipelined
+    3 deep through cp.async, ptxas sm_90a: 122 registers, no spills): one Philox4x32-10 call per (position, group
+    of 4 tokens), word ``t & 3`` for token ``t``, exactly :mod:`blockdiff.sampler.rng` (``tl.umulhi`` + wrapping
+    uint32 products). Every tile element (lane) keeps its own float32 online softmax of ``z = x / T`` (IEEE
+    division, ``div_rn``, as the reference): max ``m``, ``s = sum exp(z - m)``, ``u = sum exp(z - m) (z - m)``
+    with one exp per element (``d = z - m``; d > 0: ``u = e^-d (u - d s)``, ``s = e^-d s + 1``, ``m = z``; else
+    ``s += e^d``, ``u += e^d d``), its first argmax of z and of ``z + g`` (Gumbel-max), and a non-finite flag; the
+    loop has no block-wide reduction. Lanes are merged once at the end (``s = sum_l e^(m_l - M) s_l``,
+    ``u = sum_l e^(m_l - M) (u_l + (m_l - M) s_l)``, argmax = lowest id among the lanes holding the maximum),
+    vocabulary splits (small batches) the same way in torch; ``H = log s - u / s`` nats (= ``-sum p log p``).
+    Rows not in DENOISE are never read.
 (b) Decisions — small vectorised torch ops over [N, CL] (stable sort by entropy, inclusive cumsum bound, renoise
     ids, argmax stability, convergence, phase transitions, counters): the code of :mod:`blockdiff.sampler.common`
     that the reference runs too, so given equal entropies the decisions are identical.
@@ -104,6 +107,7 @@ def _stats_kernel(
     stats_f_ptr, stats_i_ptr,
     R, CL, V,
     CHUNK: tl.constexpr, SPLIT_V: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_G: tl.constexpr,
+    LOAD_STAGES: tl.constexpr,
 ):
     """Grid (cdiv(N * CL, BLOCK_P), SPLIT_V); tile [BLOCK_P positions, BLOCK_G groups, 4 tokens].
 
@@ -140,36 +144,35 @@ def _stats_kernel(
     tdiv3 = tdiv[:, None, None]
     pv3 = pvalid[:, None, None]
 
-    m = tl.full((BLOCK_P,), -3.0e38, tl.float32)
-    s = tl.zeros((BLOCK_P,), tl.float32)
-    u = tl.zeros((BLOCK_P,), tl.float32)
-    best = tl.full((BLOCK_P,), -float("inf"), tl.float32)
-    best_i = tl.zeros((BLOCK_P,), tl.int32)
-    gbest = tl.full((BLOCK_P,), -float("inf"), tl.float32)
-    gbest_i = tl.zeros((BLOCK_P,), tl.int32)
-    bad = tl.zeros((BLOCK_P,), tl.int32)
-    for i in range(0, CHUNK, 4 * BLOCK_G):
+    # Per-lane accumulators ([P, G, 4]: one slot per tile element, merged across lanes once at the end), so the
+    # loop body has no block-wide reduction: each lane keeps its own online softmax (m, s, u) with one exp per
+    # element, its first argmax of z and of z + g (a lane sees increasing token ids, so strict > keeps the first).
+    m = tl.full((BLOCK_P, BLOCK_G, 4), -3.0e38, tl.float32)
+    s = tl.zeros((BLOCK_P, BLOCK_G, 4), tl.float32)
+    u = tl.zeros((BLOCK_P, BLOCK_G, 4), tl.float32)
+    best = tl.full((BLOCK_P, BLOCK_G, 4), -float("inf"), tl.float32)
+    best_i = tl.zeros((BLOCK_P, BLOCK_G, 4), tl.int32)
+    gbest = tl.full((BLOCK_P, BLOCK_G, 4), -float("inf"), tl.float32)
+    gbest_i = tl.zeros((BLOCK_P, BLOCK_G, 4), tl.int32)
+    bad = tl.zeros((BLOCK_P, BLOCK_G, 4), tl.int32)
+    for i in tl.range(0, CHUNK, 4 * BLOCK_G, num_stages=LOAD_STAGES):
         grp = (start + i) // 4 + g_off                               # [G] token-group ids
         tok = grp[None, :, None] * 4 + j3                            # [1, G, 4]
         mask = pv3 & (tok < end)                                     # [P, G, 4]
         x = tl.load(base + tok, mask=mask, other=0.0).to(tl.float32)
         nonfinite = (x != x) | (tl.abs(x) == float("inf"))
-        bad = tl.maximum(bad, tl.max(tl.max((mask & nonfinite).to(tl.int32), 2), 1))
+        bad = bad | (mask & nonfinite).to(tl.int32)
         z = tl.where(mask, tl.math.div_rn(x, tdiv3), -float("inf"))
-        # online softmax statistics, rescaled when the running max moves
-        tmax = tl.max(tl.max(z, 2), 1)                               # [P]
-        m_new = tl.maximum(m, tmax)
-        alpha = tl.exp(m - m_new)
-        zc = tl.where(mask, z - m_new[:, None, None], 0.0)
-        e = tl.where(mask, tl.exp(zc), 0.0)
-        u = alpha * (u + (m - m_new) * s) + tl.sum(tl.sum(e * zc, 2), 1)
-        s = alpha * s + tl.sum(tl.sum(e, 2), 1)
-        m = m_new
-        # argmax of z, ties to the lowest id (tiles arrive in increasing id order; strict > keeps the first)
-        ti = tl.min(tl.min(tl.where(z == tmax[:, None, None], tok, 2147483647), 2), 1)
-        take = tmax > best
-        best_i = tl.where(take, ti, best_i)
-        best = tl.where(take, tmax, best)
+        # online softmax per lane: d > 0 moves the lane's max to z (rescale by exp(-d)), else add exp(d)
+        d = z - m                                                    # masked: -inf
+        up = d > 0
+        e = tl.exp(-tl.abs(d))
+        u = tl.where(up, e * (u - d * s), u + tl.where(mask, e * d, 0.0))
+        s = tl.where(up, e * s + 1.0, s + e)
+        m = tl.where(up, z, m)
+        take = z > best
+        best_i = tl.where(take, tok, best_i)
+        best = tl.where(take, z, best)
         # Gumbel-max sample: one Philox call per (position, group of 4 tokens), word t & 3 for token t
         cg = grp.to(tl.uint32)[None, :]                              # [1, G]
         zero = tl.zeros((BLOCK_P, BLOCK_G), tl.uint32)
@@ -179,11 +182,28 @@ def _stats_kernel(
         uni = ((w >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07          # ((w >> 9) + 0.5) * 2**-23
         gum = -tl.log(-tl.log(uni))
         y = tl.where(mask, z + gum, -float("inf"))
-        ymax = tl.max(tl.max(y, 2), 1)
-        yi = tl.min(tl.min(tl.where(y == ymax[:, None, None], tok, 2147483647), 2), 1)
-        gtake = ymax > gbest
-        gbest_i = tl.where(gtake, yi, gbest_i)
-        gbest = tl.where(gtake, ymax, gbest)
+        gtake = y > gbest
+        gbest_i = tl.where(gtake, tok, gbest_i)
+        gbest = tl.where(gtake, y, gbest)
+
+    # merge the lanes: exact online-softmax merge, and the lowest id among the lanes holding the maximum
+    mrow = tl.max(tl.max(m, 2), 1)                                   # [P]
+    a = tl.exp(m - mrow[:, None, None])
+    srow = tl.sum(tl.sum(a * s, 2), 1)
+    urow = tl.sum(tl.sum(a * (u + (m - mrow[:, None, None]) * s), 2), 1)
+    bmax = tl.max(tl.max(best, 2), 1)
+    bidx = tl.min(tl.min(tl.where(best == bmax[:, None, None], best_i, 2147483647), 2), 1)
+    gmax = tl.max(tl.max(gbest, 2), 1)
+    gidx = tl.min(tl.min(tl.where(gbest == gmax[:, None, None], gbest_i, 2147483647), 2), 1)
+    badrow = tl.max(tl.max(bad, 2), 1)
+    m = mrow
+    s = srow
+    u = urow
+    best = bmax
+    best_i = bidx
+    gbest = gmax
+    gbest_i = gidx
+    bad = badrow
 
     o = r * SPLIT_V + sp
     tl.store(stats_f_ptr + o * 5 + 0, m, mask=pvalid)
@@ -353,6 +373,7 @@ class SamplerConfig:
     block_g: int | None = None
     split_v: int | None = None
     stats_warps: int | None = None
+    stats_stages: int | None = None
     block_m: int | None = None
     block_n: int | None = None
     block_k: int | None = None
@@ -365,7 +386,7 @@ class SamplerConfig:
         cuda = device.type == "cuda"
         sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 4
         block_p = self.block_p or (1 if cuda else min(64, triton.next_power_of_2(max(rows, 1))))
-        block_g = self.block_g or (512 if cuda else min(64, triton.next_power_of_2(max(1, (V + 3) // 4))))
+        block_g = self.block_g or (256 if cuda else min(64, triton.next_power_of_2(max(1, (V + 3) // 4))))
         split_v = self.split_v or max(1, min(8, (2 * sms * block_p + rows - 1) // max(rows, 1)))
         if cuda:
             # 128 x 128 x 64, 8 warps: no register spills with TMA loads (ptxas, sm_90a); 128 x 256 spills ~1.3 KB
@@ -384,7 +405,8 @@ class SamplerConfig:
                 return tiles * k / (triton.cdiv(tiles * k, sms) * sms)
             split_k = max(range(1, 5), key=lambda k: (round(eff(k), 3), -k))
         split_k = max(1, min(split_k, triton.cdiv(V, bk)))
-        return SamplerConfig(block_p, block_g, split_v, self.stats_warps or (8 if cuda else 4), bm, bn, bk, split_k,
+        return SamplerConfig(block_p, block_g, split_v, self.stats_warps or (8 if cuda else 4),
+                             self.stats_stages or (3 if cuda else 1), bm, bn, bk, split_k,
                              self.gemm_warps or (8 if cuda else 4), self.gemm_stages or (3 if cuda else 1),
                              self.use_tma)
 
@@ -419,7 +441,8 @@ def row_stats(logits: torch.Tensor, T: torch.Tensor, seed: torch.Tensor, request
             logits, logits.stride(0), logits.stride(1),
             T.contiguous(), seed.contiguous(), request_id.contiguous(), canvas_index.contiguous(),
             step.contiguous(), act, sf, si, N * CL, CL, V,
-            CHUNK=chunk, SPLIT_V=split_v, BLOCK_P=cfg.block_p, BLOCK_G=cfg.block_g, num_warps=cfg.stats_warps,
+            CHUNK=chunk, SPLIT_V=split_v, BLOCK_P=cfg.block_p, BLOCK_G=cfg.block_g, LOAD_STAGES=cfg.stats_stages,
+            num_warps=cfg.stats_warps,
         )
     sf = sf.view(N, CL, split_v, 5)
     si = si.view(N, CL, split_v, 3)
