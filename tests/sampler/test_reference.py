@@ -316,3 +316,13 @@ def test_bad_arguments():
         sampler_step(st, slots, torch.zeros(1, CL, V), pd, E[:, :3])
     with pytest.raises(ValueError, match="backend"):
         sampler_step(st, slots, torch.zeros(1, CL, V), pd, E, backend="cuda")
+
+
+def test_backend_dispatch_is_explicit():
+    from blockdiff.sampler import get_backend, reference, resolve_backend
+
+    assert resolve_backend("auto", "cpu") == "reference" and resolve_backend("auto", "cuda") == "triton"
+    assert resolve_backend("triton") == "triton"
+    assert get_backend("reference") is reference.sampler_step
+    with pytest.raises(ValueError, match="backend"):
+        resolve_backend("fused")
