@@ -190,7 +190,9 @@ def _attn_range(acc, l_i, m_i, q, j_lo, j_hi, K, V, bt_row, k_base, k_head, v_he
     return acc, l_i, m_i
 
 
-@triton.jit
+# Per-step integers are not specialized (divisibility by 16, == 1): a serving loop with changing batch sizes
+# must not trigger recompiles (and CUDA-graph captures of several sizes share one binary).
+@triton.jit(do_not_specialize=["total_q", "num_seqs", "n_tiles", "window", "num_splits"])
 def _attn_fwd_kernel(
     Q, K, V, O, LSE, OPART, LSEPART,
     CU_Q, SEQ_LENS, NCQ, BT, CU_K,
@@ -331,7 +333,7 @@ def _attn_fwd_kernel(
         tl.store(LSEPART + s64 * num_heads * total_q + lse_off, lse, mask=row_valid & (dvb == 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["total_q"])
 def _merge_kernel(OPART, LSEPART, O, LSE, total_q, num_heads, stride_ot, stride_oh,
                   NUM_SPLITS: tl.constexpr, SP: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
                   STORE_LSE: tl.constexpr, INTERPRET: tl.constexpr):

@@ -182,6 +182,20 @@ def test_int64_metadata_is_accepted():
     run_and_check(inp, config=SMALL, window_size=3)
 
 
+def test_out_views_are_written_in_place():
+    inp = make_batch(**MIXED)
+    total_q = inp["q"].shape[0]
+    ref = attention_triton(**inp, config=SMALL, window_size=3)
+    big = torch.full((total_q, 4, 40), float("nan"), dtype=ref.dtype, device=ref.device)
+    view = big[:, :, 8:24]  # strided rows, unit last stride
+    attention_triton(**inp, config=SMALL, window_size=3, out=view)
+    torch.testing.assert_close(view, ref, rtol=0, atol=0)
+    assert torch.isnan(big[:, :, :8]).all() and torch.isnan(big[:, :, 24:]).all()
+    tr = torch.full((16, 4, total_q), float("nan"), dtype=ref.dtype, device=ref.device).permute(2, 1, 0)
+    attention_triton(**inp, config=SMALL, window_size=3, out=tr)  # non-unit last stride: written via a copy
+    torch.testing.assert_close(tr, ref, rtol=0, atol=0)
+
+
 def test_no_host_reads_when_check_values_is_false(monkeypatch):
     """The launch path (check_values=False, as under CUDA-graph capture) never reads device values."""
     inp = make_batch(**MIXED)
