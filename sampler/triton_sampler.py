@@ -41,6 +41,7 @@ two candidates of ``z + g`` lie within an ulp. Entropies differ from the referen
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -476,7 +477,13 @@ def soft_embedding(logits: torch.Tensor, embedding: torch.Tensor, T: torch.Tenso
     hidden = embedding.shape[1]
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    cfg = (config or SamplerConfig()).resolve(N * CL, V, hidden, logits.device)
+    cfg = config or SamplerConfig()
+    if embedding.dtype == torch.float32 and logits.is_cuda:
+        # exact fp32 products (input_precision="ieee") run on the FMA units: small tiles, or the
+        # accumulators spill (128 x 128 x 64: 10 KB of spill stores per thread, ptxas sm_90a)
+        cfg = dataclasses.replace(cfg, block_m=cfg.block_m or 64, block_n=cfg.block_n or 64,
+                                  block_k=cfg.block_k or 16, gemm_warps=cfg.gemm_warps or 4)
+    cfg = cfg.resolve(N * CL, V, hidden, logits.device)
     M = N * CL
     k_per = triton.cdiv(triton.cdiv(V, cfg.split_k), cfg.block_k) * cfg.block_k
     split_k = triton.cdiv(V, k_per)
