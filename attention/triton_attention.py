@@ -93,7 +93,8 @@ def _attn_block(acc, l_i, m_i, q, j, K, V, bt_row, k_base, k_head, v_head,
                 stride_kb, stride_kp, stride_vb, stride_vp,
                 seq_len, lo, hi, qk_scale, offs_n, offs_d, offs_dv, d_mask, dv_mask,
                 BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr, MASK: tl.constexpr,
-                EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr):
+                EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr,
+                SCALE_POS: tl.constexpr):
     """One key block of the online softmax (MASK: boundary block with elementwise mask and bounds)."""
     start = j * BLOCK_N
     kpos = start + offs_n  # [BN] int32 key positions within the sequence
@@ -133,18 +134,31 @@ def _attn_block(acc, l_i, m_i, q, j, K, V, bt_row, k_base, k_head, v_head,
         else:
             k = tl.load(k_ptrs, mask=d_mask[None, :], other=0.0)
     if INTERPRET:  # the interpreter multiplies bf16 as raw uint16: use fp32 operands (same rounded values)
-        qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * qk_scale
+        qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-    if MASK:
-        allowed = (kpos[None, :] >= lo[:, None]) & (kpos[None, :] <= hi[:, None])
-        qk = tl.where(allowed, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no allowed key yet: keep exp2 finite
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+    if SCALE_POS:
+        # max over raw scores, then one FMA per score inside exp2 (scale > 0 keeps the argmax and -inf)
+        if MASK:
+            allowed = (kpos[None, :] >= lo[:, None]) & (kpos[None, :] <= hi[:, None])
+            qk = tl.where(allowed, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no allowed key yet: keep exp2 finite
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            m_use = m_new
+        p = tl.math.exp2(qk * qk_scale - m_use[:, None])
     else:
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_use = m_new
-    p = tl.math.exp2(qk - m_use[:, None])
+        qk = qk * qk_scale
+        if MASK:
+            allowed = (kpos[None, :] >= lo[:, None]) & (kpos[None, :] <= hi[:, None])
+            qk = tl.where(allowed, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_use = m_new
+        p = tl.math.exp2(qk - m_use[:, None])
     alpha = tl.math.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
@@ -170,7 +184,8 @@ def _attn_range(acc, l_i, m_i, q, j_lo, j_hi, K, V, bt_row, k_base, k_head, v_he
                 stride_kb, stride_kp, stride_vb, stride_vp,
                 seq_len, lo, hi, qk_scale, offs_n, offs_d, offs_dv, d_mask, dv_mask,
                 BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr, MASK: tl.constexpr,
-                EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr):
+                EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr,
+                SCALE_POS: tl.constexpr):
     """Key blocks ``[j_lo, j_hi)``. A pipelined ``for`` on the GPU; a ``while`` under the interpreter, whose
     ``range`` cannot take run-time tensor bounds with NumPy >= 2.3 (scalars are 1-element arrays there)."""
     if INTERPRET:
@@ -179,14 +194,16 @@ def _attn_range(acc, l_i, m_i, q, j_lo, j_hi, K, V, bt_row, k_base, k_head, v_he
             acc, l_i, m_i = _attn_block(acc, l_i, m_i, q, j, K, V, bt_row, k_base, k_head, v_head,
                                         stride_kb, stride_kp, stride_vb, stride_vp, seq_len, lo, hi, qk_scale,
                                         offs_n, offs_d, offs_dv, d_mask, dv_mask,
-                                        BLOCK_N, PAGE, PAGED, MASK, EVEN_D, EVEN_DV, DOT_PREC, INTERPRET)
+                                        BLOCK_N, PAGE, PAGED, MASK, EVEN_D, EVEN_DV, DOT_PREC, INTERPRET,
+                                        SCALE_POS)
             j += 1
     else:
         for j in range(j_lo, j_hi):
             acc, l_i, m_i = _attn_block(acc, l_i, m_i, q, j, K, V, bt_row, k_base, k_head, v_head,
                                         stride_kb, stride_kp, stride_vb, stride_vp, seq_len, lo, hi, qk_scale,
                                         offs_n, offs_d, offs_dv, d_mask, dv_mask,
-                                        BLOCK_N, PAGE, PAGED, MASK, EVEN_D, EVEN_DV, DOT_PREC, INTERPRET)
+                                        BLOCK_N, PAGE, PAGED, MASK, EVEN_D, EVEN_DV, DOT_PREC, INTERPRET,
+                                        SCALE_POS)
     return acc, l_i, m_i
 
 
@@ -204,7 +221,7 @@ def _attn_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
     PAGE: tl.constexpr, PAGED: tl.constexpr, HAS_WINDOW: tl.constexpr, PREFIX: tl.constexpr,
     SPLIT: tl.constexpr, STORE_LSE: tl.constexpr, SEARCH_STEPS: tl.constexpr,
-    DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr,
+    DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr, SCALE_POS: tl.constexpr,
 ):
     t = n_tiles - 1 - tl.program_id(0)  # reverse: long causal tiles (end of a prefill) first
     pid1 = tl.program_id(1)
@@ -305,15 +322,15 @@ def _attn_fwd_kernel(
     acc, l_i, m_i = _attn_range(acc, l_i, m_i, q, a, b_mid, K, V, bt_row, k_base, k_head, v_head,
                                 stride_kb, stride_kp, stride_vb, stride_vp, seq_len, lo, hi, qk_scale,
                                 offs_n, offs_d, offs_dv, d_mask, dv_mask,
-                                BLOCK_N, PAGE, PAGED, True, EVEN_D, EVEN_DV, DOT_PREC, INTERPRET)
+                                BLOCK_N, PAGE, PAGED, True, EVEN_D, EVEN_DV, DOT_PREC, INTERPRET, SCALE_POS)
     acc, l_i, m_i = _attn_range(acc, l_i, m_i, q, b_mid, c_mid, K, V, bt_row, k_base, k_head, v_head,
                                 stride_kb, stride_kp, stride_vb, stride_vp, seq_len, lo, hi, qk_scale,
                                 offs_n, offs_d, offs_dv, d_mask, dv_mask,
-                                BLOCK_N, PAGE, PAGED, False, EVEN_D, EVEN_DV, DOT_PREC, INTERPRET)
+                                BLOCK_N, PAGE, PAGED, False, EVEN_D, EVEN_DV, DOT_PREC, INTERPRET, SCALE_POS)
     acc, l_i, m_i = _attn_range(acc, l_i, m_i, q, c_mid, d_end, K, V, bt_row, k_base, k_head, v_head,
                                 stride_kb, stride_kp, stride_vb, stride_vp, seq_len, lo, hi, qk_scale,
                                 offs_n, offs_d, offs_dv, d_mask, dv_mask,
-                                BLOCK_N, PAGE, PAGED, True, EVEN_D, EVEN_DV, DOT_PREC, INTERPRET)
+                                BLOCK_N, PAGE, PAGED, True, EVEN_D, EVEN_DV, DOT_PREC, INTERPRET, SCALE_POS)
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -637,7 +654,7 @@ def attention_triton(
         G=group, GP=gp, D=D, DV=DV, BLOCK_D=BD, BLOCK_DV=BDV, N_DV=n_dv,
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_Q=BQ, PAGE=page, PAGED=info.paged, HAS_WINDOW=has_window,
         PREFIX=prefix, SPLIT=ns > 1, STORE_LSE=return_lse, SEARCH_STEPS=search_steps, DOT_PREC=dot_prec,
-        INTERPRET=_interpreting(),
+        INTERPRET=_interpreting(), SCALE_POS=qk_scale > 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     LAST_LAUNCH.update(kernel=handle, num_splits=ns, grid=grid, config=cfg)

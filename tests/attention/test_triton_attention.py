@@ -163,6 +163,12 @@ def test_scale_head_dim_v_and_non_power_of_two_head_dim():
     run_and_check(inp, config=dict(SMALL, BLOCK_DV=16), scale=0.3)  # V head dim split over programs
 
 
+@pytest.mark.parametrize("scale", [0.0, -0.7])
+def test_zero_and_negative_scale(scale):
+    inp = make_batch(**MIXED)
+    run_and_check(inp, config=SMALL, scale=scale, window_size=3)
+
+
 def test_v_head_dim_split_across_programs():
     inp = make_batch(seq_lens=[19, 8], q_lens=[7, 8], causal=[False, True], D=32, Dv=64, H=4, Hkv=1)
     run_and_check(inp, config=dict(SMALL, BLOCK_DV=32))
