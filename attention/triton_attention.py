@@ -26,9 +26,14 @@ Design
   block-table read per block, otherwise one vector read of the page ids (pages of 1, 16, ... or not dividing
   the tile). Block ids are widened to int64 before multiplying strides. Contiguous varlen form via
   ``cu_seqlens_k``.
-* **Numerics.** Scores ``q.k * scale * log2(e)`` in fp32 from ``tl.dot`` (bf16/fp16 operands, fp32 acc; fp32
-  inputs use ``input_precision="ieee"``), ``exp2``; the running max is made finite (0) while a row has seen no
-  allowed key, so fully masked rows/blocks never produce ``-inf - -inf``. Rows with no key: out 0, lse -inf.
+* **Numerics.** Scores ``q.k`` in fp32 from ``tl.dot`` (bf16/fp16 operands, fp32 acc; fp32 inputs use
+  ``input_precision="ieee"``); the running max is taken on raw scores and ``exp2(s * scale * log2(e) - m)`` is one
+  FMA per score (scale > 0; other scales multiply first). The running max is made finite (0) while a row has
+  seen no allowed key, so fully masked rows/blocks never produce ``-inf - -inf``. Rows with no key: out 0,
+  lse -inf. Under the interpreter (CPU CI) bf16 dots run on fp32 copies of the bf16 values and fp32 -> bf16
+  casts round to nearest even by hand (the interpreter multiplies bf16 bit patterns and truncates casts).
+* **No recompiles per step.** Per-step integers (total_q, B, tile count, window, split count) are excluded from
+  Triton's integer specialization; binary-search steps are rounded up to a multiple of 4.
 * **Split-KV.** For few long sequences (e.g. one 256-token canvas over 32k context: 5 tiles x 8 KV heads)
   the key-block range of each tile is cut into ``num_splits`` chunks (chosen from host shapes: programs vs
   SM count and the key capacity). Partials (normalised out in fp32 + LSE) are merged exactly by a second small
@@ -36,6 +41,9 @@ Design
 * **head_dim 512** (Gemma 4 global layers, 2 KV heads for 16 q heads). Either the whole V head dim per program
   (``BLOCK_M 64, BLOCK_N 32``, 8 warps: the fp32 accumulator is 64x512 = 128 registers/thread) or
   ``BLOCK_DV < head_dim_v`` splits the V head dim across programs (QK^T recomputed per V slice).
+* **Registers.** Pre-screened offline (sm_90a compile + ``ptxas -v``, bench/results/triton_configs.md): Q sits in
+  shared memory as the wgmma A operand, P in registers; a key block in one page uses a scalar base pointer
+  plus loop-invariant int32 tile offsets (building [BLOCK_N, D] int64 pointers spilled 1-2.5 KB at hd 512).
 * **Configs.** ``config=dict(BLOCK_M, BLOCK_N, num_warps, num_stages, num_splits, BLOCK_DV)`` overrides the
   defaults; resolved launch plans are cached per static key (head dims, group size, dtype, paged, page size,
   window, mode) in :class:`TritonAttention` instances; Triton itself caches the compiled kernels per constexpr.
