@@ -102,7 +102,7 @@ def _attn_block(acc, l_i, m_i, q, j, K, V, bt_row, k_base, k_head, v_head,
                 seq_len, lo, hi, qk_scale, offs_n, offs_d, offs_dv, d_mask, dv_mask,
                 BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr, MASK: tl.constexpr,
                 EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr,
-                SCALE_POS: tl.constexpr):
+                SCALE_POS: tl.constexpr, LAZY: tl.constexpr):
     """One key block of the online softmax (MASK: boundary block with elementwise mask and bounds)."""
     start = j * BLOCK_N
     kpos = start + offs_n  # [BN] int32 key positions within the sequence
@@ -145,31 +145,47 @@ def _attn_block(acc, l_i, m_i, q, j, K, V, bt_row, k_base, k_head, v_head,
         qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+    # block row max in log2 units; SCALE_POS: max over raw scores, then one FMA per score inside exp2
+    # (scale > 0 keeps the argmax and -inf); otherwise scale first
+    if not SCALE_POS:
+        qk = qk * qk_scale
+    if MASK:
+        allowed = (kpos[None, :] >= lo[:, None]) & (kpos[None, :] <= hi[:, None])
+        qk = tl.where(allowed, qk, float("-inf"))
     if SCALE_POS:
-        # max over raw scores, then one FMA per score inside exp2 (scale > 0 keeps the argmax and -inf)
+        m_cand = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    else:
+        m_cand = tl.maximum(m_i, tl.max(qk, 1))
+    if LAZY:
+        # FA4's lazy rescaling: keep the stale max (p <= 2^8) unless some row's max grew by more than 8
+        grow = tl.where(m_cand > m_i, m_cand - tl.maximum(m_i, -1e30), 0.0)  # huge on a row's first key
+        if tl.max(grow, 0) > 8.0:
+            m_new = m_cand
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.math.exp2(m_i - m_use)
+            acc = acc * alpha[:, None]
+            l_i = l_i * alpha
+        else:
+            m_new = m_i
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        if SCALE_POS:
+            p = tl.math.exp2(qk * qk_scale - m_use[:, None])
+        else:
+            p = tl.math.exp2(qk - m_use[:, None])
+        l_i = l_i + tl.sum(p, 1)
+    else:
+        m_new = m_cand
         if MASK:
-            allowed = (kpos[None, :] >= lo[:, None]) & (kpos[None, :] <= hi[:, None])
-            qk = tl.where(allowed, qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no allowed key yet: keep exp2 finite
         else:
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
             m_use = m_new
-        p = tl.math.exp2(qk * qk_scale - m_use[:, None])
-    else:
-        qk = qk * qk_scale
-        if MASK:
-            allowed = (kpos[None, :] >= lo[:, None]) & (kpos[None, :] <= hi[:, None])
-            qk = tl.where(allowed, qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        if SCALE_POS:
+            p = tl.math.exp2(qk * qk_scale - m_use[:, None])
         else:
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_use = m_new
-        p = tl.math.exp2(qk - m_use[:, None])
-    alpha = tl.math.exp2(m_i - m_use)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
+            p = tl.math.exp2(qk - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
     if MASK:
         if EVEN_DV:
             v = tl.load(v_ptrs, mask=kvalid[:, None], other=0.0)
@@ -193,7 +209,7 @@ def _attn_range(acc, l_i, m_i, q, j_lo, j_hi, K, V, bt_row, k_base, k_head, v_he
                 seq_len, lo, hi, qk_scale, offs_n, offs_d, offs_dv, d_mask, dv_mask,
                 BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr, MASK: tl.constexpr,
                 EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr,
-                SCALE_POS: tl.constexpr):
+                SCALE_POS: tl.constexpr, LAZY: tl.constexpr):
     """Key blocks ``[j_lo, j_hi)``. A pipelined ``for`` on the GPU; a ``while`` under the interpreter, whose
     ``range`` cannot take run-time tensor bounds with NumPy >= 2.3 (scalars are 1-element arrays there)."""
     if INTERPRET:
@@ -203,7 +219,7 @@ def _attn_range(acc, l_i, m_i, q, j_lo, j_hi, K, V, bt_row, k_base, k_head, v_he
                                         stride_kb, stride_kp, stride_vb, stride_vp, seq_len, lo, hi, qk_scale,
                                         offs_n, offs_d, offs_dv, d_mask, dv_mask,
                                         BLOCK_N, PAGE, PAGED, MASK, EVEN_D, EVEN_DV, DOT_PREC, INTERPRET,
-                                        SCALE_POS)
+                                        SCALE_POS, LAZY)
             j += 1
     else:
         for j in range(j_lo, j_hi):
@@ -211,7 +227,7 @@ def _attn_range(acc, l_i, m_i, q, j_lo, j_hi, K, V, bt_row, k_base, k_head, v_he
                                         stride_kb, stride_kp, stride_vb, stride_vp, seq_len, lo, hi, qk_scale,
                                         offs_n, offs_d, offs_dv, d_mask, dv_mask,
                                         BLOCK_N, PAGE, PAGED, MASK, EVEN_D, EVEN_DV, DOT_PREC, INTERPRET,
-                                        SCALE_POS)
+                                        SCALE_POS, LAZY)
     return acc, l_i, m_i
 
 
@@ -229,7 +245,7 @@ def _attn_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
     PAGE: tl.constexpr, PAGED: tl.constexpr, HAS_WINDOW: tl.constexpr, PREFIX: tl.constexpr,
     SPLIT: tl.constexpr, STORE_LSE: tl.constexpr, SEARCH_STEPS: tl.constexpr,
-    DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr, SCALE_POS: tl.constexpr,
+    DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr, SCALE_POS: tl.constexpr, LAZY: tl.constexpr,
 ):
     t = n_tiles - 1 - tl.program_id(0)  # reverse: long causal tiles (end of a prefill) first
     pid1 = tl.program_id(1)
@@ -330,15 +346,18 @@ def _attn_fwd_kernel(
     acc, l_i, m_i = _attn_range(acc, l_i, m_i, q, a, b_mid, K, V, bt_row, k_base, k_head, v_head,
                                 stride_kb, stride_kp, stride_vb, stride_vp, seq_len, lo, hi, qk_scale,
                                 offs_n, offs_d, offs_dv, d_mask, dv_mask,
-                                BLOCK_N, PAGE, PAGED, True, EVEN_D, EVEN_DV, DOT_PREC, INTERPRET, SCALE_POS)
+                                BLOCK_N, PAGE, PAGED, True, EVEN_D, EVEN_DV, DOT_PREC, INTERPRET, SCALE_POS,
+                                LAZY)
     acc, l_i, m_i = _attn_range(acc, l_i, m_i, q, b_mid, c_mid, K, V, bt_row, k_base, k_head, v_head,
                                 stride_kb, stride_kp, stride_vb, stride_vp, seq_len, lo, hi, qk_scale,
                                 offs_n, offs_d, offs_dv, d_mask, dv_mask,
-                                BLOCK_N, PAGE, PAGED, False, EVEN_D, EVEN_DV, DOT_PREC, INTERPRET, SCALE_POS)
+                                BLOCK_N, PAGE, PAGED, False, EVEN_D, EVEN_DV, DOT_PREC, INTERPRET, SCALE_POS,
+                                LAZY)
     acc, l_i, m_i = _attn_range(acc, l_i, m_i, q, c_mid, d_end, K, V, bt_row, k_base, k_head, v_head,
                                 stride_kb, stride_kp, stride_vb, stride_vp, seq_len, lo, hi, qk_scale,
                                 offs_n, offs_d, offs_dv, d_mask, dv_mask,
-                                BLOCK_N, PAGE, PAGED, True, EVEN_D, EVEN_DV, DOT_PREC, INTERPRET, SCALE_POS)
+                                BLOCK_N, PAGE, PAGED, True, EVEN_D, EVEN_DV, DOT_PREC, INTERPRET, SCALE_POS,
+                                LAZY)
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -384,7 +403,7 @@ def _merge_kernel(OPART, LSEPART, O, LSE, total_q, num_heads, stride_ot, stride_
 
 
 # ------------------------------------------------------------------------------------------------ host side
-_CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "num_splits", "BLOCK_DV")
+_CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "num_splits", "BLOCK_DV", "LAZY_RESCALE")
 _DEVICE_SMS: dict = {}
 
 
@@ -483,6 +502,9 @@ class TritonAttention:
             raise ValueError(f"config['BLOCK_M'] = {cfg['BLOCK_M']} must be >= the padded GQA group size {gp}")
         dvp = max(16, _next_pow2(self.key.head_dim_v))
         cfg["BLOCK_DV"] = min(cfg["BLOCK_DV"], dvp)
+        if not isinstance(cfg.get("LAZY_RESCALE", False), bool):
+            raise ValueError(f"config['LAZY_RESCALE'] must be a bool, got {cfg['LAZY_RESCALE']!r}")
+        cfg.setdefault("LAZY_RESCALE", False)
         ns = cfg.get("num_splits")
         if ns is not None and (isinstance(ns, bool) or not isinstance(ns, int) or ns < 1):
             raise ValueError(f"config['num_splits'] must be an int >= 1 or None, got {ns!r}")
@@ -662,7 +684,7 @@ def attention_triton(
         G=group, GP=gp, D=D, DV=DV, BLOCK_D=BD, BLOCK_DV=BDV, N_DV=n_dv,
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_Q=BQ, PAGE=page, PAGED=info.paged, HAS_WINDOW=has_window,
         PREFIX=prefix, SPLIT=ns > 1, STORE_LSE=return_lse, SEARCH_STEPS=search_steps, DOT_PREC=dot_prec,
-        INTERPRET=_interpreting(), SCALE_POS=qk_scale > 0,
+        INTERPRET=_interpreting(), SCALE_POS=qk_scale > 0, LAZY=bool(cfg["LAZY_RESCALE"]),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     LAST_LAUNCH.update(kernel=handle, num_splits=ns, grid=grid, config=cfg)

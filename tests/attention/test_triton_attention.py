@@ -163,6 +163,15 @@ def test_scale_head_dim_v_and_non_power_of_two_head_dim():
     run_and_check(inp, config=dict(SMALL, BLOCK_DV=16), scale=0.3)  # V head dim split over programs
 
 
+@pytest.mark.parametrize("scale", [None, 6.0, -3.0])
+def test_lazy_rescaling_matches_reference(scale):
+    # large |scale| makes row maxima jump by more than 2^8 between key blocks (the rescale branch)
+    inp = make_batch(seq_lens=[40, 13, 30], q_lens=[9, 13, 30], num_causal_q=[0, 13, 11], H=4, Hkv=2)
+    for w in (None, 5):
+        run_and_check(inp, config=dict(SMALL, LAZY_RESCALE=True), scale=scale, window_size=w)
+    run_and_check(inp, config=dict(SMALL, LAZY_RESCALE=True, num_splits=3), scale=scale)
+
+
 @pytest.mark.parametrize("scale", [0.0, -0.7])
 def test_zero_and_negative_scale(scale):
     inp = make_batch(**MIXED)
@@ -225,6 +234,8 @@ def test_bad_config_and_dtype_raise_clear_errors():
         attention_triton(**inp, config=dict(BLOCK_K=16))
     with pytest.raises(ValueError, match="num_splits"):
         attention_triton(**inp, config=dict(num_splits=0))
+    with pytest.raises(ValueError, match="LAZY_RESCALE"):
+        attention_triton(**inp, config=dict(LAZY_RESCALE=1))
     with pytest.raises(ValueError, match="BLOCK_M"):
         attention_triton(**make_batch(**MIXED, H=32, Hkv=1), config=dict(BLOCK_M=16))
     with pytest.raises(TypeError, match="q must be"):
@@ -269,7 +280,8 @@ def batches(draw):
         bidirectional_window=draw(st.sampled_from(["symmetric", "prefix"])),
         config=dict(BLOCK_M=max(16, group) * draw(st.sampled_from([1, 2])),
                     BLOCK_N=draw(st.sampled_from([16, 32])),
-                    num_splits=draw(st.sampled_from([None, 1, 2, 3]))),
+                    num_splits=draw(st.sampled_from([None, 1, 2, 3])),
+                    LAZY_RESCALE=draw(st.booleans())),
     )
 
 
