@@ -44,9 +44,11 @@ Design
 * **Registers.** Pre-screened offline (sm_90a compile + ``ptxas -v``, bench/results/triton_configs.md): Q sits in
   shared memory as the wgmma A operand, P in registers; a key block in one page uses a scalar base pointer
   plus loop-invariant int32 tile offsets (building [BLOCK_N, D] int64 pointers spilled 1-2.5 KB at hd 512).
-* **Configs.** ``config=dict(BLOCK_M, BLOCK_N, num_warps, num_stages, num_splits, BLOCK_DV)`` overrides the
-  defaults; resolved launch plans are cached per static key (head dims, group size, dtype, paged, page size,
-  window, mode) in :class:`TritonAttention` instances; Triton itself caches the compiled kernels per constexpr.
+* **Lazy rescaling (opt-in, ``LAZY_RESCALE``).** FA4's trick: the accumulator is rescaled only when some row's
+  max grew by more than 8 (log2 units); otherwise the stale max is kept (p <= 2^8, exact after normalising).
+* **Configs.** ``config=dict(BLOCK_M, BLOCK_N, num_warps, num_stages, num_splits, BLOCK_DV, LAZY_RESCALE)``
+  overrides the defaults; resolved launch plans are cached per static key (head dims, group size, dtype, paged,
+  page size, window, mode) in :class:`TritonAttention` instances; Triton caches the compiled kernels per constexpr.
 * **CUDA graphs.** Everything per step (cu_seqlens_q, seq_lens, num_causal_q/causal, block_table) is read on
   the device; grid and split count depend only on shapes and host ints (``max_seqlen_k``), so a graph captured
   once replays correctly with new flags, lengths and block tables (the capacities must not grow).
@@ -67,7 +69,6 @@ Predictions (H200, bf16; ceilings ~790 TFLOP/s dense bf16, ~4.3 TB/s; FLOPs = 4 
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -590,7 +591,9 @@ def attention_triton(
             the block table's capacity (``max_blocks * page_size``) or ``total_k``.
         check_values: host-side value checks (default: on, except under CUDA-graph capture). False keeps
             the launch path free of host syncs.
-        config: optional dict overriding BLOCK_M, BLOCK_N, num_warps, num_stages, num_splits, BLOCK_DV.
+        config: optional dict overriding BLOCK_M (rows = tokens x padded GQA group), BLOCK_N (keys per block),
+            num_warps, num_stages, num_splits (split-KV count; None = automatic), BLOCK_DV (V head-dim slice per
+            program) and LAZY_RESCALE (bool, default False).
 
     Returns:
         ``out`` or ``(out, lse)``; rows with no allowed key are 0 with lse -inf.
@@ -616,7 +619,8 @@ def attention_triton(
     group = H // Hkv
     if out is None:
         out = torch.empty(total_q, H, DV, dtype=q.dtype, device=q.device)
-    dst = out if (out.numel() == 0 or out.stride(-1) == 1) else torch.empty_like(out, memory_format=torch.contiguous_format)
+    unit = out.numel() == 0 or out.stride(-1) == 1
+    dst = out if unit else torch.empty_like(out, memory_format=torch.contiguous_format)
     lse = torch.empty(H, total_q, dtype=torch.float32, device=q.device) if return_lse else None
     if total_q == 0 or B == 0:
         return (out, lse) if return_lse else out

@@ -251,7 +251,8 @@ def write_markdown(best_rows, path, env):
         tgt_s = "-" if not tgt else (f"<= {tgt[1]} ms" if tgt[0] == "ms" else f">= {tgt[1]} TFLOP/s")
         lines.append(
             f"| {name} | {c.get('BLOCK_M')} | {c.get('BLOCK_N')} | {c.get('num_warps')} | {c.get('num_stages')} | "
-            f"{c.get('BLOCK_DV', 'full')} | {r.get('num_splits')} | {bool(c.get('LAZY_RESCALE'))} | {r['graph_ms']:.4f} | "
+            f"{c.get('BLOCK_DV', 'full')} | {r.get('num_splits')} | {bool(c.get('LAZY_RESCALE'))} | "
+            f"{r['graph_ms']:.4f} | "
             f"{r['effective_tflops']:.1f} | {r.get('n_regs')}/{r.get('n_spills')} | {tgt_s} | {met} |")
     path.write_text("\n".join(lines) + "\n")
 
