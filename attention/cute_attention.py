@@ -86,11 +86,27 @@ def _arch(device) -> int:
     return major * 10 + minor
 
 
-def resolve_config(head_dim: int, head_dim_v: int, window_size, config=None) -> CuteConfig:
-    """Tile shape for a call: FA4's SM90 forward heuristic (local variant when windowed) unless overridden."""
+#: Long causal prefills at hd 128 without a window run faster with three MMA warpgroups (192-row tiles, no
+#: intra-warpgroup overlap): H200 sweep (bench/results/cute_sweep-h200.json, batch 2) prefill16k_hd128
+#: 1.765 ms vs 1.910 ms with FA4's 128x128 default, while 1024-token canvas batches lose with it
+#: (canvas_bs4_ctx4k_hd128 0.094 vs 0.074 ms). Chosen from the host-side query-length hint only.
+LONG_PREFILL_Q = 4096
+LONG_PREFILL_CONFIG = dict(tile_m=192, tile_n=128, intra_wg_overlap=False)
+
+
+def resolve_config(head_dim: int, head_dim_v: int, window_size, config=None, max_seqlen_q: int | None = None
+                   ) -> CuteConfig:
+    """Tile shape for a call: FA4's SM90 forward heuristic (local variant when windowed) unless overridden.
+
+    ``max_seqlen_q`` (host int, tokens; a static capacity is fine) selects the long-prefill tiles at hd 128
+    without a window (see ``LONG_PREFILL_CONFIG``); explicit ``config`` fields always win.
+    """
     fa = _fa4()
     if config is None:
         config = CuteConfig()
+        if (head_dim == head_dim_v == 128 and window_size is None and max_seqlen_q is not None
+                and max_seqlen_q >= LONG_PREFILL_Q):
+            config = CuteConfig(**LONG_PREFILL_CONFIG)
     elif isinstance(config, dict):
         config = CuteConfig(**config)
     elif not isinstance(config, CuteConfig):
@@ -145,7 +161,8 @@ def attention_cute(
         scale: softmax scale, default ``head_dim ** -0.5``.
         out: optional preallocated ``[total_q, num_heads, head_dim_v]`` of q's dtype.
         return_lse: also return ``lse [num_heads, total_q]`` fp32 (natural log).
-        max_seqlen_q, max_seqlen_k: accepted host hints; unused (the grid is sized from ``q.shape[0]``).
+        max_seqlen_q, max_seqlen_k: host hints (tokens). ``max_seqlen_q`` (default ``q.shape[0]``) picks the
+            long-prefill tile shape at hd 128 (see :func:`resolve_config`); the grid is sized from ``q.shape[0]``.
         check_values: run the host-side value checks (default: yes unless a CUDA graph is being captured).
         config: :class:`CuteConfig` or dict (tile_m, tile_n, mma_pv_is_rs, intra_wg_overlap, num_stages).
 
@@ -184,11 +201,11 @@ def attention_cute(
                 num_causal_q=info.num_causal_q, seq_lens=info.seq_lens,
                 block_table=block_table if info.paged else None, cu_seqlens_k=cu_seqlens_k,
                 window_size=window_size, bidirectional_window=bidirectional_window, scale=info.scale,
-                arch=arch, config=config)
+                arch=arch, config=config, max_seqlen_q=max_seqlen_q)
 
 
 def _run(fa, q, k_cache, v_cache, *, out, return_lse, cu_seqlens_q, num_causal_q, seq_lens, block_table,
-         cu_seqlens_k, window_size, bidirectional_window, scale, arch, config):
+         cu_seqlens_k, window_size, bidirectional_window, scale, arch, config, max_seqlen_q=None):
     """Launch (compiling on first use) on validated inputs. No host sync."""
     total_q, H, head_dim = q.shape
     num_kv_heads, head_dim_v = v_cache.shape[-2], v_cache.shape[-1]
@@ -205,7 +222,8 @@ def _run(fa, q, k_cache, v_cache, *, out, return_lse, cu_seqlens_q, num_causal_q
 
     qhead_per_kvhead = H // num_kv_heads
     pack_gqa = qhead_per_kvhead > 1
-    cfg = resolve_config(head_dim, head_dim_v, window_size, config)
+    cfg = resolve_config(head_dim, head_dim_v, window_size, config,
+                         max_seqlen_q if max_seqlen_q is not None else q.shape[0])
     # Strided q / caches are fine (dynamic strides) as long as the last dim is dense and 16-byte aligned.
     q, k_cache, v_cache = mc(q), mc(k_cache), mc(v_cache)
     cu_q = cu_seqlens_q.to(torch.int32).contiguous()
