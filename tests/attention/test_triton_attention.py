@@ -285,7 +285,7 @@ def batches(draw):
     )
 
 
-@settings(max_examples=160, deadline=None, derandomize=True,
+@settings(max_examples=300, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(batches())
 def test_fuzz_against_reference(case):
