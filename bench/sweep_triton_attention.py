@@ -62,7 +62,7 @@ TILES = {
     "hd512": [(64, 32, 8, 2, None), (64, 16, 8, 2, None), (64, 32, 8, 2, 256), (128, 32, 8, 2, 256),
               (128, 16, 8, 2, 256), (64, 32, 8, 3, 256)],
 }
-SPLITS = {"canvas": [1, 4, 8, 16, 32], "other": [1, 2]}
+SPLITS = {"canvas": [1, 2, 4, 8, 16], "other": []}  # many programs already: no split phase
 
 #: Workload order: targets first; the rest only if the budget allows.
 ORDER = ["mixed_sliding_ctx8k", "canvas_bs1_ctx32k_sliding", "canvas_bs1_ctx32k_hd128", "prefill16k_hd128",
