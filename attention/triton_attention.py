@@ -450,8 +450,21 @@ def default_config(head_dim: int, head_dim_v: int, group: int, dtype: torch.dtyp
     return cfg
 
 
-#: Tuned overrides filled from bench/results/triton_configs.md: {(head_dim, group, window?, mode): config}.
-TUNED_CONFIGS: dict = {}
+#: Tuned overrides {(head_dim, group, has_window, prefix): config} for bf16/fp16, from the H200 sweep
+#: bench/results/triton_sweep-h200.json (CUDA-graph medians, page 64, kernel of commit 60a1efe):
+#: - hd 256, group 2, window (sliding layers, both modes): 128x64, 8 warps, 2 stages: mixed_sliding_ctx8k
+#:   0.247 ms (default 64x64/8w: 0.451), canvas_bs1_ctx32k_sliding 40 us (64x32/4w: 0.240 ms / 54 us).
+#: - hd 128, group 2, no window: 64x64, 4 warps, 3 stages: prefill16k 2.94 ms, canvas_bs4 0.118 ms
+#:   (128x128/8w/3s: 3.16 ms / 0.136 ms, but 0.242 vs 0.365 ms on canvas_bs1_ctx32k_hd128).
+#: - hd 512, group 8 (global layers): 128x32, 8 warps, 2 stages, V head dim in two 256 slices:
+#:   mixed_global_ctx8k 2.03 ms (default 64x32 whole-V: 2.93 ms), canvas_bs1_ctx32k_global 1.19 ms.
+_SLIDING_256 = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
+TUNED_CONFIGS: dict = {
+    (256, 2, True, False): _SLIDING_256,
+    (256, 2, True, True): _SLIDING_256,
+    (128, 2, False, False): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
+    (512, 8, False, False): dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=2, BLOCK_DV=256),
+}
 
 
 @dataclass(frozen=True)
@@ -478,7 +491,7 @@ class TritonAttention:
         self.key = key
         base = default_config(key.head_dim, key.head_dim_v, key.group, key.dtype, key.interpret)
         tuned = TUNED_CONFIGS.get((key.head_dim, key.group, key.has_window, key.prefix))
-        if tuned and not key.interpret:
+        if tuned and not key.interpret and key.dtype in (torch.bfloat16, torch.float16):
             base.update(tuned)
         self.base = base
         self._resolved: dict = {}
