@@ -3,7 +3,8 @@
 Usage (H200; PYTHONPATH must make ``blockdiff.*`` importable, e.g. ``source bench/device_env.sh``; results go to
 $OUT or bench/results/):
 
-    python3 bench/bench_sampler.py                       # sampler_n4, backends reference, compile, fused
+    python3 bench/bench_sampler.py                       # reference, compile, fused (defaults) + comparison tiles
+    python3 bench/bench_sampler.py --tune                # + checked config sweep first (~1-2 min more)
     python3 bench/bench_sampler.py --backends fused --split-k 1,2,3,4
     python3 bench/bench_sampler.py --quick               # CPU smoke run (< 60 s, Triton interpreter)
 
@@ -16,40 +17,60 @@ sample at T = 0.8 -> 0.4 (S = 10000 steps so no row converges while being timed:
 Backends (one row each, all measured in the same run):
   reference  blockdiff.sampler.reference.sampler_step, eager: dense [N, CL, V] fp32 temporaries (z, Gumbel noise,
              softmax, int64 Philox words), ``p.bf16() @ E`` on cuBLAS.
-  compile    torch.compile of the same reference step (the anchor: measured 4.58 ms, 1.5 GiB extra memory).
-  fused      blockdiff.sampler.triton_sampler: (a) streaming stats kernel, (b) [N, CL] torch decisions,
-             (c) split-K soft-embedding GEMM + ordered reduce. Rows ``fused:stats`` and ``fused:soft_gemm`` time
-             stages (a) and (c) alone.
+  compile    torch.compile of the same reference step (the anchor; H200 batch 1: 7.35 ms graph, 4.83 GB extra).
+             Every row carries ``vs_compile_same_run`` = its time / this run's compile time.
+  fused      blockdiff.sampler.triton_sampler with its defaults: (a) streaming stats kernel (256 x 4-token tiles,
+             4 warps, 3-deep loads), (b) [N, CL] torch decisions, (c) split-K soft-embedding GEMM (128 x 256 x 64,
+             8 warps, 3 stages, split-K 3) + ordered reduce. ``fused[<tile>]`` rows (GPU, unless --no-compare) time
+             the previous default GEMM tile 128x128x64 and a two-CTAs-per-SM tile 64x256x64 (4 warps, 2 stages)
+             beside it; ``fused:stats`` / ``fused:soft_gemm`` time stages (a) and (c) alone (all rows computed).
+  --tune     sweeps stats and GEMM candidates (``fused:tune:*`` rows). Every candidate is checked before it is timed
+             (stats: ids and m exact, inv_s / entropy to rounding; GEMM: finite workspace, 2 % of a bf16 torch
+             product); one that fails is recorded (status error, ``discarded``) and never applied. The winner runs
+             as a fully checked ``fused[tuned]`` row.
 
 Before timing, every backend's decisions on this big shape are checked against the reference from identical
 states (accepted positions, sampled/argmax/renoised ids, convergence, failure flags, every state tensor: exact;
 entropies rtol 1e-4; soft embedding within 2 % of its max magnitude — the reference rounds its product to bf16).
-A failing check or backend records an error row; the run continues. A summary table is printed last.
+A failing check or backend records an error row; the run continues; the exit status is 1 if a (non-tune) row
+failed its check. A summary table is printed last.
 
 Metrics: eager_ms (triton.testing.do_bench median, L2 flushed), graph_ms (CUDA-graph replay median),
 extra_memory_bytes (peak allocation of one call above the live state), gbps = (logit bytes + E bytes) / time
 (the read floor), effective_tflops = 2 * N * CL * V * hidden / time (the soft-embedding GEMM).
 
-What each part should take on an H200 (4.3 TB/s HBM, 790 TFLOP/s dense bf16, 132 SMs at ~1.98 GHz):
-  - (a) stats: logits read once, 4 * 256 * 262144 * 4 B = 1.07 GB -> 0.25 ms at 4.3 TB/s. Compute per token:
-    Philox4x32-10 ~80 int ops per 4 tokens (~20/token), an IEEE divide, two float32 logs, ~10 compare/select
-    ops -> ~40 ops/token x 268 M tokens = 11 G ops over ~33 T lane-ops/s = ~0.35 ms. Expect 0.35-0.6 ms
-    (ptxas: 122 registers at the default 256 x 4 tile with a 3-deep cp.async load pipeline, no spills; 2 CTAs
-    of 8 warps per SM keep ~24 KB of loads in flight per SM, ~3.2 MB in all: about Little's law for 4.3 TB/s).
-  - (c) soft-embedding GEMM: 2 * 1024 * 262144 * 2816 = 1.51 TFLOP -> 1.9 ms at 790 TFLOP/s; E read once
-    (1.48 GB, 0.34 ms of HBM, hidden). Costs beyond the tensor cores: the fp32 A operand is re-read from L2 and
-    exp2'd once per column tile (22x at BLOCK_N = 128: 5.9 G ex2 on the 16/clk/SM MUFU = 1.4 ms, overlappable with
-    the async wgmma; 11x at BLOCK_N = 256, which spills registers), and L2 traffic of ~23 KB per MFLOP
-    (fp32 A 32 KB + bf16 B 16 KB per 128x128x64 step) -> ~18 TB/s at full MMA rate, above the L2's bandwidth.
-    Expect 2.3-3.5 ms, L2/SFU bound; the --tune sweep picks the tile / split-K.
-  - (b) decisions: [4, 256] tensors, ~40 tiny launches: ~0.1-0.2 ms eager, ~0.05-0.1 ms in a CUDA graph.
-  => fused ~2.8-4 ms vs the 4.58 ms anchor (0.6-0.9x). The 0.5x target (2.29 ms) sits at the GEMM's own
-  tensor-core floor plus the logits read (1.9 + 0.25 ms): not reachable with a dense softmax GEMM at realistic
-  efficiency. Ways past it: skip vocabulary tiles whose probability is below a bound for every row of the tile
-  (real LM rows are peaked; the dense benchmark rows are not), or compute the bf16 A operand once per vocabulary
-  chunk into an L2-resident buffer (halves the L2 bytes and removes the 22x exp2).
-  Extra memory: workspace SPLIT_K x 1024 x 2816 x 4 B (11.5 MB per split; 34.6 MB at the default 3) + stats
-  (~33 KB) + [4, 256] decision tensors -> target <= 64 MiB.
+H200 history (torch 2.11, triton 3.6): compile 7.35 ms; fused 5.13 ms (0.70x; stats 8 warps, GEMM 128 x 128 x 64);
+the sweep found stats 1.249 ms (4 warps) and GEMM 3.58 ms (128 x 256, split-K 3, 424 TFLOP/s) —
+but that GEMM gave NaN in the step check. Cause: Triton 3.6 splits a register-A dot (our A operand is computed:
+exp2 of the logits) into K = 16 wgmmas and leaves 3 in flight across the loop's back edge, while the next
+iteration's loads / exp2 already overwrite their A registers (SASS: LDS into the HGMMA source registers before any
+WARPGROUP.DEPBAR; triton-lang/triton#9433). Every tile had the hazard; the longer 64 x 256 wgmmas lost the race.
+Fixed by waiting for the dot inside each iteration (tests/sampler: the sm_90a TTGIR has only pendings = 0).
+
+What each part should take now (132 SMs at ~1.98 GHz, 4.3 TB/s, 790 TFLOP/s bf16):
+  - (a) stats: 1.07 GB of logits = 0.25 ms of HBM, but compute bound: Philox4x32-10 (~25 integer ops/token, half
+    of them IMAD.HI / IMAD at half rate), IEEE divide (~8), two logs + one exp on the MUFU (3/token at 16/clk/SM =
+    0.19 ms), ~20 select/compare/FMA ops of the lane accumulators -> ~65 issue slots/token x 268 M = 17 G lane-ops
+    over ~33 T/s = 0.5 ms issue-bound floor; measured 1.25 ms (~40 % of issue rate: IMAD.HI throughput, the
+    division's slow-path check and register pressure at 168 registers). Exactness pins the formula (z = x / T
+    rounded, g = -log(-log u) in fp32), so the remaining cut is skipping work, not rewriting it: a tile whose max z
+    plus the largest possible Gumbel value (16.64 at u = 1 - 2^-24) is below the best z + g so far cannot hold the
+    sample, so Philox and both logs can be skipped for it exactly. On the dense benchmark rows that never fires
+    (z spans ~+-20 nats); on peaked LM rows it removes most of the Gumbel cost (predicted stats ~0.5-0.6 ms). Not
+    done yet: it needs a block-wide max per tile, which costs ~5 % on the dense case.
+  - (c) soft-embedding GEMM: 2 * 1024 * 262144 * 2816 = 1.51 TFLOP (the step skips the greedy request: 1.13) ->
+    1.43 ms at 790 TFLOP/s. With the dot now waited each iteration, a warpgroup's MMA (~1400 clk per 128 x 256 x 64
+    step for both warpgroups) no longer overlaps its own exp2 / convert work (~600-800 clk), only other CTAs'
+    work: predicted ~3.6-4.2 ms for the all-rows part (was 3.58 ms with the hazard) and ~2.7-3.2 ms inside the
+    step. The 64x256x64 two-CTA row tests the alternative: 2 CTAs per SM (90 KB smem, 255 registers x 128 threads
+    each) overlap one CTA's exp2 with the other's MMA, at 1.5x the L2 bytes per FLOP.
+  - (b) decisions: ~0.1-0.15 ms in a CUDA graph.
+  => fused ~4.0-4.6 ms vs 7.35 ms compile (0.55-0.63x); the 0.5x target (3.67 ms) needs ~0.5 ms more. Next steps:
+  the exact Gumbel tile skip above (real rows), and in (c) computing the bf16 probabilities once per vocabulary
+  chunk (a streaming pass writing p for 16 K tokens x 1024 rows = 32 MB, then a shared-memory-operand GEMM: no
+  register-A wgmma, no 11x exp2 recompute; predicted (c) ~1.9-2.2 ms).
+  Extra memory: workspace SPLIT_K x 1024 x 2816 x 4 B (34.6 MB at split-K 3) + stats (~33 KB) + [4, 256]
+  decision tensors: 34.8 MB measured, target <= 64 MiB.
 """
 from __future__ import annotations
 
@@ -70,8 +91,12 @@ import common  # noqa: E402
 
 SUITE = "sampler"
 WORKLOAD = "sampler_n4"
-ANCHORS_MS = {"compile": 4.58}
-ANCHOR_EXTRA_MEMORY_BYTES = {"compile": int(1.5 * 2**30)}
+ANCHORS_MS = {"compile": 7.35}  # H200 batch 1 (torch 2.11, CUDA graph); rows also carry vs_compile_same_run
+ANCHOR_EXTRA_MEMORY_BYTES = {"compile": int(4.83e9)}
+#: The GEMM tile of the previous default (timed beside the new default unless --no-compare).
+PREVIOUS_GEMM = dict(block_m=128, block_n=128, block_k=64, gemm_warps=8, gemm_stages=3)
+#: GEMM tiles timed beside the default in a plain run: the previous default and a two-CTAs-per-SM tile.
+COMPARE_GEMM = [PREVIOUS_GEMM, dict(block_m=64, block_n=256, block_k=64, gemm_warps=4, gemm_stages=2)]
 ALL_BACKENDS = ("reference", "compile", "fused")
 SHAPES = {"full": dict(N=4, CL=256, V=262144, H=2816), "quick": dict(N=2, CL=16, V=512, H=64)}
 DECISIONS = ("accepted", "argmax", "sampled", "next_canvas", "converged", "failed", "finished", "emitted",
@@ -201,6 +226,16 @@ def add_rates(row, shape):
     row["vs_compile_anchor"] = ms / anchor if ms and not row.get("workload", "").endswith("quick") else None
 
 
+def config_label(cfg) -> str:
+    """Short label of a SamplerConfig's explicit fields, e.g. ``128x128x64w8s3`` or ``sk2``."""
+    d = {k: v for k, v in cfg.__dict__.items() if v is not None}
+    tile = ""
+    if "block_m" in d:
+        tile = f"{d['block_m']}x{d.get('block_n', '?')}x{d.get('block_k', '?')}w{d.get('gemm_warps', '?')}" \
+               f"s{d.get('gemm_stages', '?')}"
+    return tile + (f"sk{d['split_k']}" if "split_k" in d else "") or "custom"
+
+
 def measure_parts(x, E, params, slots, shape, device, config) -> list[dict]:
     """Stages (a) and (c) of the fused backend alone (same inputs as one full step)."""
     from blockdiff.sampler.common import temperature
@@ -237,16 +272,45 @@ def measure_parts(x, E, params, slots, shape, device, config) -> list[dict]:
 TUNE_STATS = [dict(block_g=g, stats_warps=w, stats_stages=st)
               for g, w, st in ((256, 8, 3), (256, 8, 1), (256, 8, 4), (256, 4, 3), (128, 4, 3), (512, 8, 3))]
 TUNE_GEMM = [dict(block_m=bm, block_n=bn, block_k=bk, gemm_warps=w, gemm_stages=st, split_k=sk)
-             for (bm, bn, bk, w, st) in ((128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 2),
+             for (bm, bn, bk, w, st) in ((128, 128, 64, 8, 3), (64, 256, 64, 4, 2), (128, 256, 64, 8, 2),
                                          (128, 256, 64, 8, 3), (64, 256, 32, 4, 4), (64, 256, 64, 4, 3))
              for sk in (2, 3, 4)]
+
+
+def check_stats_candidate(out: dict, ref: dict) -> None:
+    """Stage (a) of a tune candidate against the default config's: ids exact, m exact (a max), inv_s / entropy to
+    float32 rounding (summation order). ``m`` is checked too: the step check cannot see it (entropy and p are
+    invariant under a consistent shift of (m, s, u)), but the GEMM needs it."""
+    for k in ("argmax", "gumbel_argmax", "bad"):
+        assert torch.equal(out[k], ref[k]), f"stats {k} depends on the config"
+    assert torch.equal(out["m"], ref["m"]), "stats m depends on the config"
+    for k in ("inv_s", "entropy"):
+        assert torch.allclose(out[k], ref[k], rtol=1e-4, atol=1e-6, equal_nan=True), f"stats {k} depends on the config"
+
+
+def check_gemm_candidate(ws: torch.Tensor, x, E, T, rows_checked: int = 64) -> None:
+    """Stage (c) of a tune candidate: every workspace element finite (all rows are computed while tuning) and the
+    first ``rows_checked`` rows of ``sum_k ws[k]`` within 2 % of max |truth| of ``softmax(x / T).bf16() @ E``."""
+    assert bool(torch.isfinite(ws).all()), "soft-embedding workspace has non-finite values"
+    N, CL, V = x.shape
+    r = min(rows_checked, CL)
+    z = x[:, :r].float() / torch.where(T == 0, 1.0, T)[:, None, None]
+    p = torch.softmax(z, -1)
+    greedy = (T == 0)[:, None, None]
+    p = torch.where(greedy, torch.zeros_like(p).scatter_(-1, z.argmax(-1, keepdim=True), 1.0), p)
+    truth = (p.reshape(-1, V).to(E.dtype) @ E).float().view(N, r, -1)
+    ours = ws.sum(0).view(N, CL, -1)[:, :r]
+    err = (ours - truth).abs().max().item()
+    assert err <= 0.02 * truth.abs().max().item() + 1e-6, f"soft embedding off by {err:.3g}"
 
 
 def tune(x, E, params, slots, shape, device) -> tuple[dict, list[dict]]:
     """Time stage (a) and stage (c) of the fused backend over candidate configs; return (best kwargs, rows).
 
-    Every candidate is one ``fused:tune:*`` row (eager median; failures recorded). The best of each stage is
-    combined into the SamplerConfig the ``fused`` row then uses.
+    Every candidate is one ``fused:tune:*`` row (eager median). Each is checked before it is timed (stats: against
+    the default config's outputs, m included; GEMM: finite workspace and 2 % of a bf16 torch product); a candidate
+    that fails or raises is recorded (status "error", ``discarded``) and never chosen. The best of each stage is
+    combined into the SamplerConfig of the ``fused[tuned]`` row, which then runs the full step check as well.
     """
     from blockdiff.sampler.common import temperature
     from blockdiff.sampler import triton_sampler as ts
@@ -271,16 +335,21 @@ def tune(x, E, params, slots, shape, device) -> tuple[dict, list[dict]]:
             try:
                 out = call()
                 if stage == "stats":
-                    for k in ("argmax", "gumbel_argmax"):
-                        assert torch.equal(out[k], ref_stats[k]), f"{k} depends on the config"
+                    check_stats_candidate(out, ref_stats)
+                else:
+                    check_gemm_candidate(out, x, E, T)
+                del out
+                row["correct"] = True
                 row["eager_ms"] = common.time_eager_ms(call, device)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:  # noqa: BLE001 - a failing candidate is a row, never the choice
                 row["status"] = "error"
+                row["discarded"] = True
+                row["correct"] = False if isinstance(e, AssertionError) else None
                 row["error"] = f"{type(e).__name__}: {e}"[:300]
             add_rates(row, shape)
             rows.append(row)
             common.log(f"tune {stage} {kw}: {common.fmt(row.get('eager_ms'))} ms {row.get('error', '')}")
-            if row.get("eager_ms") and (best_ms is None or row["eager_ms"] < best_ms):
+            if row["status"] == "ok" and row.get("eager_ms") and (best_ms is None or row["eager_ms"] < best_ms):
                 best_ms, best[stage] = row["eager_ms"], kw
     merged = {**best.get("stats", {}), **best.get("soft_gemm", {})}
     return merged, rows
@@ -301,7 +370,7 @@ def plot(rows, out_dir: Path, stem: str) -> list[Path]:
     names = [r["backend"] + (f" [{r['config']}]" if r.get("config") else "") for r in ok]
     ax.barh(names, [r["time_ms"] for r in ok], color="tab:blue")
     if not ok[0]["workload"].endswith("quick"):
-        ax.axvline(ANCHORS_MS["compile"], color="tab:red", ls="--", label="compile anchor 4.58 ms")
+        ax.axvline(ANCHORS_MS["compile"], color="tab:red", ls="--", label=f"compile anchor {ANCHORS_MS['compile']} ms")
         ax.axvline(ANCHORS_MS["compile"] / 2, color="tab:green", ls=":", label="target 0.5x anchor")
         ax.legend(loc="lower right", fontsize=8)
     ax.set_xlabel("ms per step (CUDA-graph median where available)")
@@ -322,7 +391,12 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--compile-backend", default=None,
                     help="torch.compile backend of the compile row (default inductor; aot_eager with --quick, where "
                          "inductor's CPU build takes ~3 min)")
-    ap.add_argument("--no-tune", action="store_true", help="GPU: skip the stats / GEMM config sweep")
+    ap.add_argument("--tune", action="store_true",
+                    help="GPU: sweep stats / GEMM configs first (~60 s more); each candidate is checked, failures are "
+                         "recorded and discarded, the winner runs as a checked fused[tuned] row")
+    ap.add_argument("--no-tune", action="store_true", help="(default) no config sweep; kept for old command lines")
+    ap.add_argument("--no-compare", action="store_true",
+                    help="skip the fused row with the previous default GEMM tile (128x128x64, 8 warps, 3 stages)")
     ap.add_argument("--no-parts", action="store_true", help="skip the fused:stats / fused:soft_gemm rows")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--out", default=None, help="output folder (default $OUT or bench/results/)")
@@ -354,12 +428,14 @@ def main(argv=None) -> list[dict]:
     compile_backend = args.compile_backend or ("aot_eager" if quick else "inductor")
     rows = []
     tuned = None
-    if "fused" in backends and device.type == "cuda" and not args.no_tune and configs == [None]:
+    if "fused" in backends and device.type == "cuda" and args.tune and not args.no_tune and configs == [None]:
         best, tune_rows = tune(x, E, params, slots, shape, device)
         rows += tune_rows
         if best:
             tuned = SamplerConfig(**best)
             configs = [None, tuned]
+    if configs == [None] and device.type == "cuda" and not args.no_compare:
+        configs = [None] + [SamplerConfig(**kw) for kw in COMPARE_GEMM]
     for b in backends:
         for cfg in (configs if b == "fused" else [None]):
             t0 = time.perf_counter()
@@ -369,7 +445,8 @@ def main(argv=None) -> list[dict]:
                 rows.append({"workload": WORKLOAD, "backend": b, "status": "error", "error": str(e)[:300]})
                 continue
             graphs = b != "compile" or device.type == "cuda"
-            row = measure(b, fn, x, E, params, slots, pd, shape, device, quick, graphs=graphs)
+            name = b if cfg is None else (f"{b}[tuned]" if cfg is tuned else f"{b}[{config_label(cfg)}]")
+            row = measure(name, fn, x, E, params, slots, pd, shape, device, quick, graphs=graphs)
             if b == "compile":
                 row["compile_backend"] = compile_backend
             if cfg is not None:
@@ -380,7 +457,12 @@ def main(argv=None) -> list[dict]:
             common.log(f"{b}: {row.get('status')} eager {common.fmt(row.get('eager_ms'))} ms, graph "
                        f"{common.fmt(row.get('graph_ms'))} ms {row.get('error', '')}")
     if "fused" in backends and not args.no_parts:
-        rows += measure_parts(x, E, params, slots, shape, device, tuned or configs[0])
+        good_tuned = tuned is not None and any(r.get("tuned") and r.get("status") == "ok" for r in rows)
+        rows += measure_parts(x, E, params, slots, shape, device, tuned if good_tuned else configs[0])
+    compile_ms = next((r.get("time_ms") for r in rows if r["backend"] == "compile" and r.get("status") == "ok"), None)
+    for r in rows:  # the same-run torch.compile time is the anchor when there is one
+        if compile_ms and r.get("time_ms") and not quick:
+            r["vs_compile_same_run"] = r["time_ms"] / compile_ms
 
     env = common.env_record(device)
     suite = SUITE + ("-quick" if quick else "")
@@ -394,13 +476,13 @@ def main(argv=None) -> list[dict]:
     print(f"\nwrote {path} (+ .csv, {len(pngs)} PNG)")
     main_rows = [r for r in rows if ":tune:" not in r["backend"]]
     print(common.summary_table(main_rows, ["workload", "backend", "status", "eager_ms", "graph_ms", "gbps",
-                                           "effective_tflops", "extra_memory_bytes", "vs_compile_anchor"]))
+                                           "effective_tflops", "extra_memory_bytes", "vs_compile_same_run"]))
     return rows
 
 
 if __name__ == "__main__":
     _rows = main()
-    _bad = [r["backend"] for r in _rows if r.get("correct") is False]
+    _bad = [r["backend"] for r in _rows if r.get("correct") is False and ":tune:" not in r["backend"]]
     if _bad:
         print(f"CHECK FAILED: {', '.join(_bad)} disagree with the reference (see the rows' error fields)")
         sys.exit(1)

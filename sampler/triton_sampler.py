@@ -5,8 +5,8 @@ of which syncs with the host, so a whole step is capturable in a CUDA graph (gri
 
 (a) :func:`_stats_kernel` — one program per (BLOCK_P canvas positions, vocabulary split) streams the logits
     once in ``[BLOCK_P, BLOCK_G, 4]`` tiles (GPU: 1 x 256 x 4 = 1024 tokens per iteration, loads pipelined
-    3 deep through cp.async, ptxas sm_90a: 122 registers, no spills): one Philox4x32-10 call per (position, group
-    of 4 tokens), word ``t & 3`` for token ``t``, exactly :mod:`blockdiff.sampler.rng` (``tl.umulhi`` + wrapping
+    3 deep through cp.async, 4 warps; ptxas sm_90a: 168 registers, no spills): one Philox4x32-10 call per
+    (position, group of 4 tokens), word ``t & 3`` for token ``t``, exactly :mod:`blockdiff.sampler.rng` (``tl.umulhi`` + wrapping
     uint32 products). Every tile element (lane) keeps its own float32 online softmax of ``z = x / T`` (IEEE
     division, ``div_rn``, as the reference): max ``m``, ``s = sum exp(z - m)``, ``u = sum exp(z - m) (z - m)``
     with one exp per element (``d = z - m``; d > 0: ``u = e^-d (u - d s)``, ``s = e^-d s + 1``, ``m = z``; else
@@ -26,9 +26,14 @@ of which syncs with the host, so a whole step is capturable in a CUDA graph (gri
     [CL, V] probability buffer: partial sums go to a ``[SPLIT_K, N * CL, hidden]`` fp32 workspace and
     :func:`_soft_reduce_kernel` adds them in a fixed order (deterministic, batch invariant) and writes
     ``state.soft`` rows in place (continuing rows: the sum; T = 0 rows: ``E[argmax]``, exact; fresh canvases: 0;
-    others untouched). M tiles with no continuing row return at once. Default tiles 128 x 128 x 64, 8 warps, 3
-    stages (ptxas sm_90a: 255 registers, 40 B spill; 128 x 256 spills 1.3 KB), SPLIT_K chosen to fill whole
-    waves of the SMs (3 for sampler_n4: 176 tiles x 3 = 4 waves of 132).
+    others untouched). M tiles with no continuing row return at once. Default tiles 128 x 256 x 64, 8 warps, 3
+    stages (H200 sweep; ptxas sm_90a: 255 registers, ~1.4 KB spill outside the loop), SPLIT_K chosen to fill
+    whole waves of the SMs (3 for sampler_n4: 88 tiles x 3 = 2 waves of 132). p is zeroed outside the split's
+    vocabulary range and on skipped rows (TMA zero-fills x past V, and exp(0 - m) overflows for m < -88).
+    The A operand lives in registers (wgmma "RS"): each iteration waits for its wgmma before the next one writes
+    those registers (Triton 3.6 would keep 3 of 4 K = 16 wgmmas in flight while the next iteration overwrote
+    their A registers: a RAW hazard that gave NaN at 128 x 256 on the H200, triton-lang/triton#9433); the MMA
+    of one warpgroup still overlaps the exp2 of the other CTAs / warpgroups.
 
 Extra memory of a step (N rows): the (a) stats, ``N * CL * SPLIT_V * 32`` bytes, the workspace
 ``SPLIT_K * N * CL * hidden * 4`` bytes (34.6 MB for sampler_n4 at SPLIT_K = 3) and [N, CL] decision tensors.
@@ -235,7 +240,7 @@ def _soft_embedding_kernel(
     x_desc, e_desc,
     ws_ptr,
     t_ptr, active_ptr, m_ptr, inv_s_ptr, amax_ptr,
-    M, CL, V, HID,
+    M, CL, V, HID, UNIT,
     K_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EXACT_FP32: tl.constexpr, INTERPRET: tl.constexpr, USE_TMA: tl.constexpr, GREEDY_ONEHOT: tl.constexpr,
 ):
@@ -285,6 +290,10 @@ def _soft_embedding_kernel(
             if GREEDY_ONEHOT:
                 onehot = ((k_start + k + kk)[None, :] == amax[:, None]).to(tl.float32)
                 prob = tl.where(greedy[:, None], onehot, prob)
+            # p = 0 outside [k_start, k_end) and on rows not computed, whatever x is there: past V the zero-filled
+            # x gives p = exp(-m) / s, which overflows to inf for rows with m < -88 (inf * 0 = NaN in the dot),
+            # and garbage / non-finite logits of skipped rows would put NaN in their workspace rows
+            prob = tl.where(rvalid[:, None] & ((k_start + k + kk) < k_end)[None, :], prob, 0.0)
         else:
             tok = k_start + k + kk
             kmask = tok < k_end
@@ -302,6 +311,12 @@ def _soft_embedding_kernel(
             acc += tl.dot(_round_to(prob, ev.dtype), ev.to(tl.float32), input_precision="ieee")
         else:
             acc += tl.dot(prob.to(ev.dtype), ev)
+            # UNIT = 1.0 at run time (exact). Using the accumulator inside the loop makes Triton's pipeliner wait
+            # for this wgmma (wait_group 0) before the next iteration writes the registers holding the next A
+            # operand: Triton 3.6 otherwise splits the register-A dot into K = 16 wgmmas with 3 left in flight,
+            # and the next iteration's loads/exp2 overwrite their A registers while they still read them (a RAW
+            # hazard: garbage A fragments, NaN soft embeddings at 128 x 256 tiles; triton-lang/triton#9433).
+            acc = acc * UNIT
     out = ws_ptr + (pid_k.to(tl.int64) * M + rows[:, None].to(tl.int64)) * HID + cols[None, :]
     tl.store(out, acc, mask=rmask[:, None] & cmask[None, :])
 
@@ -390,8 +405,9 @@ class SamplerConfig:
         block_g = self.block_g or (256 if cuda else min(64, triton.next_power_of_2(max(1, (V + 3) // 4))))
         split_v = self.split_v or max(1, min(8, (2 * sms * block_p + rows - 1) // max(rows, 1)))
         if cuda:
-            # 128 x 128 x 64, 8 warps: no register spills with TMA loads (ptxas, sm_90a); 128 x 256 spills ~1.3 KB
-            bm, bn, bk = self.block_m or 128, self.block_n or 128, self.block_k or 64
+            # H200 sweep (bench_sampler --tune, sampler_n4): 128 x 256 x 64, 8 warps, 3 stages, split-K 3 = 3.58 ms
+            # vs 5.17 ms at 128 x 128 (the A operand's exp2 is recomputed once per column tile: half as often)
+            bm, bn, bk = self.block_m or 128, self.block_n or 256, self.block_k or 64
         else:
             bm = self.block_m or max(16, min(64, triton.next_power_of_2(max(rows, 1))))
             bn = self.block_n or max(16, min(64, triton.next_power_of_2(hidden)))
@@ -406,7 +422,8 @@ class SamplerConfig:
                 return tiles * k / (triton.cdiv(tiles * k, sms) * sms)
             split_k = max(range(1, 5), key=lambda k: (round(eff(k), 3), -k))
         split_k = max(1, min(split_k, triton.cdiv(V, bk)))
-        return SamplerConfig(block_p, block_g, split_v, self.stats_warps or (8 if cuda else 4),
+        # stats: 256 x 4-token tiles, 4 warps, 3-deep loads = 1.249 ms on the H200 (8 warps: 1.293 ms)
+        return SamplerConfig(block_p, block_g, split_v, self.stats_warps or 4,
                              self.stats_stages or (3 if cuda else 1), bm, bn, bk, split_k,
                              self.gemm_warps or (8 if cuda else 4), self.gemm_stages or (3 if cuda else 1),
                              self.use_tma)
@@ -500,7 +517,7 @@ def soft_embedding(logits: torch.Tensor, embedding: torch.Tensor, T: torch.Tenso
         args = (logits, logits.stride(0), logits.stride(1), embedding, embedding.stride(0), embedding.stride(1),
                 x_desc, e_desc, ws,
                 T.contiguous(), active.to(torch.int32).contiguous(), m.contiguous(), inv_s.contiguous(),
-                argmax.to(torch.int32).contiguous(), M, CL, V, hidden)
+                argmax.to(torch.int32).contiguous(), M, CL, V, hidden, 1.0)
         meta = dict(K_PER_SPLIT=k_per, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                     EXACT_FP32=embedding.dtype == torch.float32, INTERPRET=_interpret(), USE_TMA=use_tma,
                     GREEDY_ONEHOT=greedy_onehot,

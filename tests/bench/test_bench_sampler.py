@@ -36,3 +36,32 @@ def test_check_catches_a_wrong_backend():
     x, E, params, slots, pd = bs.make_inputs(s["N"], s["CL"], s["V"], s["H"], torch.device("cpu"))
     row = bs.measure("wrong", wrong, x, E, params, slots, pd, s, torch.device("cpu"), quick=True)
     assert row["status"] == "error" and row["correct"] is False and "canvas" in row["error"]
+
+
+def test_tune_discards_a_candidate_that_fails_its_check(monkeypatch):
+    """A tune candidate whose output is wrong (here: NaN in the soft-embedding workspace, as a tuned 128 x 256
+    GEMM gave on the H200) is recorded as a discarded error row and never chosen, even when it is the fastest."""
+    import torch
+    from blockdiff.sampler import triton_sampler as ts
+
+    good, bad = dict(block_m=16, block_n=16, block_k=64, split_k=1), dict(block_m=16, block_n=32, block_k=64, split_k=2)
+    monkeypatch.setattr(bs, "TUNE_STATS", [dict(block_g=16)])
+    monkeypatch.setattr(bs, "TUNE_GEMM", [good, bad])
+    real = ts.soft_embedding
+
+    def soft_embedding(*a, **k):
+        cfg = a[7] if len(a) > 7 else k.get("config")
+        ws = real(*a, **k)
+        if cfg is not None and cfg.block_n == 32:
+            ws[0, 0, 0] = float("nan")   # the broken candidate
+        return ws
+
+    monkeypatch.setattr(ts, "soft_embedding", soft_embedding)
+    s = bs.SHAPES["quick"]
+    x, E, params, slots, pd = bs.make_inputs(s["N"], s["CL"], s["V"], s["H"], torch.device("cpu"))
+    best, rows = bs.tune(x, E, params, slots, s, torch.device("cpu"))
+    by = {(r["part"], tuple(sorted(r["config"].items()))): r for r in rows}
+    assert by[("soft_gemm", tuple(sorted(good.items())))]["status"] == "ok"
+    rb = by[("soft_gemm", tuple(sorted(bad.items())))]
+    assert rb["status"] == "error" and rb["discarded"] and "non-finite" in rb["error"]
+    assert best["block_n"] == 16 and best["block_g"] == 16

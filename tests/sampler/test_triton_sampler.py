@@ -314,3 +314,70 @@ def test_soft_rows_written_exactly_where_due_poisoned_state():
     assert torch.allclose(b.soft[0], a.soft[0], atol=0.05)
     for s in (2, 3, 5):
         assert torch.isnan(b.soft[s]).all(), s
+
+
+@pytest.mark.parametrize("use_tma", [True, False])
+def test_soft_embedding_finite_when_split_tail_runs_past_vocab_with_very_negative_logits(use_tma):
+    """Regression (H200 NaN): the last split-K range runs past V (K_PER_SPLIT * SPLIT_K > V, here 3 x 96 > 200); the
+    zero-filled logits there gave p = exp(0 / T - m) / s = inf for rows whose max z is below -88 (inf * E's zero
+    fill = NaN). Rows of skipped requests hold non-finite logits and share a tile with computed rows."""
+    g = torch.Generator().manual_seed(7)
+    N, CL, V, H = 3, 8, 200, 48
+    x = torch.randn(N, CL, V, generator=g) * 2 - 80.0     # all logits ~ -80: m = -800 at T = 0.1
+    x[1] = float("nan")                                   # a skipped (inactive) request's garbage row
+    E = torch.randn(V, H, generator=g).bfloat16()
+    T = torch.tensor([0.1, 0.5, 0.7])
+    act = torch.tensor([True, False, True])
+    z = torch.zeros(N, dtype=torch.int64)
+    r = row_stats(x, T, z, z, z, z, act)
+    cfg = SamplerConfig(split_k=3, block_k=32, block_m=16, use_tma=use_tma)
+    ws = soft_embedding(x, E, T, r["m"], r["inv_s"], r["argmax"], act, cfg)
+    assert ws.shape[0] == 3
+    assert torch.isfinite(ws).all()
+    ours = ws.sum(0).view(N, CL, H) * math.sqrt(H)
+    for n in (0, 2):
+        truth = _truth(x[n:n + 1], T[n:n + 1], E)[0]
+        assert (ours[n] - truth).abs().max().item() <= 0.02 * truth.abs().max().item()
+
+
+_COMPILE_SOFT_GEMM_SM90 = r"""
+import re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from blockdiff.sampler import triton_sampler as ts
+
+fn = ts._soft_embedding_kernel
+bm, bn, bk = 128, 256, 64
+sig = {"x_ptr": "*fp32", "stride_xn": "i64", "stride_xp": "i64", "e_ptr": "*bf16", "stride_ev": "i32",
+       "stride_eh": "i32", "x_desc": f"tensordesc<fp32[{bm},{bk}]>", "e_desc": f"tensordesc<bf16[{bk},{bn}]>",
+       "ws_ptr": "*fp32", "t_ptr": "*fp32", "active_ptr": "*i32", "m_ptr": "*fp32", "inv_s_ptr": "*fp32",
+       "amax_ptr": "*i32", "M": "i32", "CL": "i32", "V": "i32", "HID": "i32", "UNIT": "fp32"}
+consts = dict(K_PER_SPLIT=87424, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EXACT_FP32=False, INTERPRET=False,
+              USE_TMA=True, GREEDY_ONEHOT=False)
+sig.update({k: "constexpr" for k in consts})
+assert list(sig) == list(fn.arg_names), ("test signature out of date with the kernel", fn.arg_names)
+src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, num_stages=3))
+ttgir = k.asm["ttgir"]
+assert "warp_group_dot " in ttgir, "no wgmma in the sm_90a code"
+print("PENDINGS", [int(p) for p in re.findall(r"warp_group_dot_wait[^\n]*pendings = (\d+)", ttgir)])
+"""
+
+
+def test_soft_gemm_register_a_wgmma_is_waited_before_the_next_iteration_writes_its_registers():
+    """Regression (H200 NaN at 128 x 256 tiles): compiled for sm_90a on the CPU (no GPU needed; a subprocess
+    without TRITON_INTERPRET), the soft-embedding loop must not leave register-A wgmmas in flight across
+    iterations. Triton 3.6 split the dot into K = 16 wgmmas and waited with pendings = 3, so the next iteration's
+    loads / exp2 overwrote A registers that in-flight wgmmas still read (SASS: LDS into them before any
+    WARPGROUP.DEPBAR; triton-lang/triton#9433)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _COMPILE_SOFT_GEMM_SM90], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    pendings = eval(r.stdout.split("PENDINGS", 1)[1].strip())
+    assert pendings and max(pendings) == 0, pendings
