@@ -45,7 +45,9 @@ but that GEMM gave NaN in the step check. Cause: Triton 3.6 splits a register-A 
 exp2 of the logits) into K = 16 wgmmas and leaves 3 in flight across the loop's back edge, while the next
 iteration's loads / exp2 already overwrite their A registers (SASS: LDS into the HGMMA source registers before any
 WARPGROUP.DEPBAR; triton-lang/triton#9433). Every tile had the hazard; the longer 64 x 256 wgmmas lost the race.
-Fixed by waiting for the dot inside each iteration (tests/sampler: the sm_90a TTGIR has only pendings = 0).
+Fixed by using the accumulator inside the loop: Triton then waits for each iteration's dot (pendings = 0) and
+stages the bf16 A tile in shared memory (SS wgmma); tests/sampler compiles the kernel for sm_90a on the CPU and
+checks the waits.
 
 What each part should take now (132 SMs at ~1.98 GHz, 4.3 TB/s, 790 TFLOP/s bf16):
   - (a) stats: 1.07 GB of logits = 0.25 ms of HBM, but compute bound: Philox4x32-10 (~25 integer ops/token, half

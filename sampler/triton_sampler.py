@@ -3,18 +3,18 @@
 Same semantics as :mod:`blockdiff.sampler.reference` (ARCHITECTURE.md "Sampler semantics"); three stages, none
 of which syncs with the host, so a whole step is capturable in a CUDA graph (grids are sized from shapes only):
 
-(a) :func:`_stats_kernel` — one program per (BLOCK_P canvas positions, vocabulary split) streams the logits
-    once in ``[BLOCK_P, BLOCK_G, 4]`` tiles (GPU: 1 x 256 x 4 = 1024 tokens per iteration, loads pipelined
-    3 deep through cp.async, 4 warps; ptxas sm_90a: 168 registers, no spills): one Philox4x32-10 call per
-    (position, group of 4 tokens), word ``t & 3`` for token ``t``, exactly :mod:`blockdiff.sampler.rng` (``tl.umulhi`` + wrapping
-    uint32 products). Every tile element (lane) keeps its own float32 online softmax of ``z = x / T`` (IEEE
-    division, ``div_rn``, as the reference): max ``m``, ``s = sum exp(z - m)``, ``u = sum exp(z - m) (z - m)``
-    with one exp per element (``d = z - m``; d > 0: ``u = e^-d (u - d s)``, ``s = e^-d s + 1``, ``m = z``; else
-    ``s += e^d``, ``u += e^d d``), its first argmax of z and of ``z + g`` (Gumbel-max), and a non-finite flag; the
-    loop has no block-wide reduction. Lanes are merged once at the end (``s = sum_l e^(m_l - M) s_l``,
-    ``u = sum_l e^(m_l - M) (u_l + (m_l - M) s_l)``, argmax = lowest id among the lanes holding the maximum),
-    vocabulary splits (small batches) the same way in torch; ``H = log s - u / s`` nats (= ``-sum p log p``).
-    Rows not in DENOISE are never read.
+(a) :func:`_stats_kernel` — one program per (BLOCK_P canvas positions, vocabulary split) streams the logits once in
+    ``[BLOCK_P, BLOCK_G, 4]`` tiles (GPU: 1 x 256 x 4 = 1024 tokens per iteration, loads pipelined 3 deep through
+    cp.async, 4 warps; ptxas sm_90a: 168 registers, no spills): one Philox4x32-10 call per (position, group of 4
+    tokens), word ``t & 3`` for token ``t``, exactly :mod:`blockdiff.sampler.rng` (``tl.umulhi`` + wrapping uint32
+    products). Every tile element (lane) keeps its own float32 online softmax of ``z = x / T`` (IEEE division,
+    ``div_rn``, as the reference): max ``m``, ``s = sum exp(z - m)``, ``u = sum exp(z - m) (z - m)`` with one exp
+    per element (``d = z - m``; d > 0: ``u = e^-d (u - d s)``, ``s = e^-d s + 1``, ``m = z``; else ``s += e^d``,
+    ``u += e^d d``), its first argmax of z and of ``z + g`` (Gumbel-max), and a non-finite flag; the loop has no
+    block-wide reduction. Lanes are merged once at the end (``s = sum_l e^(m_l - M) s_l``, ``u = sum_l e^(m_l - M)
+    (u_l + (m_l - M) s_l)``, argmax = lowest id among the lanes holding the maximum), vocabulary splits (small
+    batches) the same way in torch; ``H = log s - u / s`` nats (= ``-sum p log p``). Rows not in DENOISE are never
+    read.
 (b) Decisions — small vectorised torch ops over [N, CL] (stable sort by entropy, inclusive cumsum bound, renoise
     ids, argmax stability, convergence, phase transitions, counters): the code of :mod:`blockdiff.sampler.common`
     that the reference runs too, so given equal entropies the decisions are identical.
@@ -30,10 +30,11 @@ of which syncs with the host, so a whole step is capturable in a CUDA graph (gri
     stages (H200 sweep; ptxas sm_90a: 255 registers, ~1.4 KB spill outside the loop), SPLIT_K chosen to fill
     whole waves of the SMs (3 for sampler_n4: 88 tiles x 3 = 2 waves of 132). p is zeroed outside the split's
     vocabulary range and on skipped rows (TMA zero-fills x past V, and exp(0 - m) overflows for m < -88).
-    The A operand lives in registers (wgmma "RS"): each iteration waits for its wgmma before the next one writes
-    those registers (Triton 3.6 would keep 3 of 4 K = 16 wgmmas in flight while the next iteration overwrote
-    their A registers: a RAW hazard that gave NaN at 128 x 256 on the H200, triton-lang/triton#9433); the MMA
-    of one warpgroup still overlaps the exp2 of the other CTAs / warpgroups.
+    Each iteration waits for its wgmma (the accumulator is used in the loop, so Triton makes the dot synchronous
+    and stages the bf16 A tile in shared memory, an "SS" wgmma): left to itself, Triton 3.6 kept A in registers,
+    split the dot into K = 16 wgmmas and left 3 in flight while the next iteration's loads / exp2 overwrote
+    their A registers (a RAW hazard, NaN at 128 x 256 on the H200; triton-lang/triton#9433). TMA loads stay
+    multi-buffered; the MMA of one CTA / warpgroup overlaps the exp2 of the others only.
 
 Extra memory of a step (N rows): the (a) stats, ``N * CL * SPLIT_V * 32`` bytes, the workspace
 ``SPLIT_K * N * CL * hidden * 4`` bytes (34.6 MB for sampler_n4 at SPLIT_K = 3) and [N, CL] decision tensors.
@@ -312,10 +313,10 @@ def _soft_embedding_kernel(
         else:
             acc += tl.dot(prob.to(ev.dtype), ev)
             # UNIT = 1.0 at run time (exact). Using the accumulator inside the loop makes Triton's pipeliner wait
-            # for this wgmma (wait_group 0) before the next iteration writes the registers holding the next A
-            # operand: Triton 3.6 otherwise splits the register-A dot into K = 16 wgmmas with 3 left in flight,
-            # and the next iteration's loads/exp2 overwrite their A registers while they still read them (a RAW
-            # hazard: garbage A fragments, NaN soft embeddings at 128 x 256 tiles; triton-lang/triton#9433).
+            # for this wgmma (wait_group 0; A then goes through shared memory) before the next iteration writes
+            # the next A operand: Triton 3.6 otherwise splits the register-A dot into K = 16 wgmmas with 3 left in
+            # flight, and the next iteration's loads/exp2 overwrite their A registers while they still read them
+            # (a RAW hazard: garbage A fragments, NaN soft embeddings at 128 x 256 tiles; triton-lang/triton#9433).
             acc = acc * UNIT
     out = ws_ptr + (pid_k.to(tl.int64) * M + rows[:, None].to(tl.int64)) * HID + cols[None, :]
     tl.store(out, acc, mask=rmask[:, None] & cmask[None, :])
