@@ -3,6 +3,10 @@ and decoder (bidirectional over the canvas, reads the cache) rows in one flat mi
 loading of transformers DiffusionGemma checkpoints by their parameter names.
 
 Reference implementation matched: transformers 5.24 ``transformers.models.diffusion_gemma``.
+
+MoE: ``DiffusionGemma(..., moe_impl=None)`` (the default) runs ``"grouped_mm"`` (no host sync, CUDA-graph
+capturable) for bf16 on sm90 / sm100 GPUs and ``"loop"`` elsewhere (:func:`blockdiff.model.layers.default_moe_impl`);
+both are deterministic (each token's expert outputs summed in ascending expert order, no atomics).
 """
 from .config import DiffusionGemmaConfig, tiny_config
 from .loading import convert_hf_state_dict, load_hf_state_dict, read_safetensors

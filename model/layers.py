@@ -17,6 +17,16 @@ from .config import DiffusionGemmaConfig
 MOE_IMPLS = ("loop", "grouped_mm")
 
 
+def default_moe_impl(x: torch.Tensor) -> str:
+    """MoE implementation used when a model is built with ``moe_impl=None`` (the default), chosen per forward
+    from the activations ``x``: ``"grouped_mm"`` for bf16 on CUDA devices of compute capability 9.x / 10.x
+    (torch's grouped GEMM kernels there read the group offsets on the device: no host sync, CUDA-graph
+    capturable), else ``"loop"`` (CPU, other dtypes / GPUs: per-expert GEMMs, host syncs)."""
+    if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(F, "grouped_mm"):
+        return "grouped_mm" if torch.cuda.get_device_capability(x.device)[0] in (9, 10) else "loop"
+    return "loop"
+
+
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """fp32 islands of transformers (norms, RoPE, router softmax), widened to fp64 for fp64 activations so
     a float64 run is a true oracle (transformers itself keeps them fp32 even in float64)."""
@@ -148,7 +158,8 @@ class Experts(nn.Module):
 
     ``impl``: ``"loop"`` (per-expert gather / index_add, like transformers' eager experts; host syncs) or
     ``"grouped_mm"`` (tokens sorted by expert, ``torch.nn.functional.grouped_mm``; no host sync, CUDA-graph
-    friendly; needs 16-byte aligned strides).
+    friendly; needs 16-byte aligned strides). Both are deterministic (same inputs, same bits, also on CUDA) and
+    add each token's k expert outputs in ascending expert order in the activation dtype.
     """
 
     def __init__(self, cfg: DiffusionGemmaConfig, device=None, dtype=None):
@@ -181,6 +192,12 @@ class Experts(nn.Module):
 
     def _grouped(self, x, weights, index):
         T, k = index.shape
+        # each token's k contributions are summed in ascending expert order, in x's dtype, as the loop impl
+        # (and transformers' eager experts) accumulate them; the sum is a fixed-order gather + add, not an
+        # index_add_ over the sorted list (atomic adds on CUDA: run-to-run different bf16 roundings, which the
+        # near-tied top-k routing of later layers amplifies to O(1) differences in the logits).
+        index, perm = torch.sort(index, dim=1, stable=True)
+        weights = torch.gather(weights, 1, perm)
         flat = index.reshape(-1)
         order = torch.argsort(flat, stable=True)
         tok = order // k
@@ -192,9 +209,12 @@ class Experts(nn.Module):
         g, u = gu.chunk(2, dim=-1)
         h = (self.act_fn(g) * u).contiguous()
         y = F.grouped_mm(h, self.down_proj.transpose(1, 2), offs=offs)
-        y = y * weights.reshape(-1)[order][:, None]
-        out = torch.zeros_like(x)
-        out.index_add_(0, tok, y.to(out.dtype))
+        y = (y * weights.reshape(-1)[order][:, None]).to(x.dtype)
+        inv = torch.empty_like(order).scatter_(0, order, torch.arange(T * k, device=x.device))  # unique: exact
+        y = y[inv].view(T, k, -1)  # [T, k, hidden], slot j = the token's j-th smallest expert
+        out = y[:, 0]
+        for j in range(1, k):
+            out = out + y[:, j]
         return out
 
 

@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from .config import DiffusionGemmaConfig
-from .layers import (MOE_IMPLS, DecoderLayer, GatedMLP, RMSNorm, acc_dtype, init_weights_, rope_cos_sin,
-                     rope_inv_freq)
+from .layers import (MOE_IMPLS, DecoderLayer, GatedMLP, RMSNorm, acc_dtype, default_moe_impl, init_weights_,
+                     rope_cos_sin, rope_inv_freq)
 
 
 class SelfConditioning(nn.Module):
@@ -54,7 +54,10 @@ class DiffusionGemma(nn.Module):
     Args:
         config: :class:`DiffusionGemmaConfig`.
         device, dtype: parameter placement (``device="meta"`` for loading without allocating twice).
-        moe_impl: ``"loop"`` (default; host syncs) or ``"grouped_mm"`` (sort + grouped GEMM, no host sync).
+        moe_impl: ``"loop"`` (per-expert GEMMs; host syncs), ``"grouped_mm"`` (sort + grouped GEMM, no host
+            sync: CUDA-graph capturable; bf16 on CUDA) or None (default): chosen per forward by
+            :func:`blockdiff.model.layers.default_moe_impl` (``"grouped_mm"`` for bf16 on sm90 / sm100 GPUs,
+            else ``"loop"``). An explicit choice is always honoured.
         seed: seed of the random init (transformers-like: normal(0, initializer_range), norms at 1).
 
     Attributes:
@@ -62,13 +65,13 @@ class DiffusionGemma(nn.Module):
             embedding ``softmax(z) @ E * sqrt(hidden)``.
     """
 
-    def __init__(self, config: DiffusionGemmaConfig, *, device=None, dtype=None, moe_impl: str = "loop",
+    def __init__(self, config: DiffusionGemmaConfig, *, device=None, dtype=None, moe_impl: str | None = None,
                  seed: int = 0):
         super().__init__()
         if not isinstance(config, DiffusionGemmaConfig):
             raise TypeError(f"config must be a DiffusionGemmaConfig, got {type(config).__name__}")
-        if moe_impl not in MOE_IMPLS:
-            raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {moe_impl!r}")
+        if moe_impl is not None and moe_impl not in MOE_IMPLS:
+            raise ValueError(f"moe_impl must be one of {MOE_IMPLS} or None (auto), got {moe_impl!r}")
         self.config = config
         self.moe_impl = moe_impl
         hs = config.hidden_size
@@ -84,6 +87,7 @@ class DiffusionGemma(nn.Module):
                                          ("full_attention", config.global_head_dim))
                           if lt in config.layer_types}
         self._inv_freq_dev: dict = {}
+        self._embed_scale: dict = {}  # dtype -> sqrt(hidden) rounded to it (Python float)
         if torch.device(device or "cpu").type != "meta":
             g = torch.Generator().manual_seed(seed)
             init_weights_(self, std=config.initializer_range, generator=g)
@@ -103,7 +107,11 @@ class DiffusionGemma(nn.Module):
         """``sqrt(hidden_size)`` rounded to the embedding dtype, as transformers applies it (bf16: 53.0 for
         hidden 2816, not 53.066), as a Python float (no device tensor: CUDA-graph safe)."""
         dt = self.embed_tokens.weight.dtype
-        return float(torch.tensor(self.config.hidden_size ** 0.5, dtype=torch.float32).to(dt).item())
+        hit = self._embed_scale.get(dt)
+        if hit is None:  # computed once per dtype: later forwards read no tensor value (capture-safe)
+            hit = float(torch.tensor(self.config.hidden_size ** 0.5, dtype=torch.float32).to(dt).item())
+            self._embed_scale[dt] = hit
+        return hit
 
     def soft_embedding(self, z: torch.Tensor) -> torch.Tensor:
         """Self-conditioning input ``softmax(z) @ E * sqrt(hidden)`` ``[..., hidden]`` fp32 from
@@ -243,6 +251,7 @@ class DiffusionGemma(nn.Module):
         is_dec = self.decoder_row_mask(meta, T)[:, None]  # [T, 1]
 
         h = self.embed_input_ids(input_ids)
+        moe_impl = self.moe_impl or default_moe_impl(h)
         hd = h
         if self_cond is not None:
             hd = hd + self.self_conditioning.signal(self_cond.to(dtype))
@@ -261,7 +270,7 @@ class DiffusionGemma(nn.Module):
                           bidirectional_window=bw, scale=1.0, backend=attn_backend)
             o = a.o_proj(o.reshape(T, a.num_heads * a.head_dim).to(dtype))
             h = h + layer.post_attention_layernorm(o)
-            h = layer.feed_forward(h, self.moe_impl)
+            h = layer.feed_forward(h, moe_impl)
             h = h * torch.where(is_dec, layer.layer_scalar, layer.encoder_layer_scalar)
 
         h = self.norm(h)
@@ -275,7 +284,7 @@ class DiffusionGemma(nn.Module):
     # ---- loading ----------------------------------------------------------------------------------------
     @classmethod
     def from_pretrained_state_dict(cls, state_dict, config: DiffusionGemmaConfig | None = None, *,
-                                   hf_config=None, device=None, dtype=None, moe_impl: str = "loop"):
+                                   hf_config=None, device=None, dtype=None, moe_impl: str | None = None):
         """Build a model from a transformers ``DiffusionGemmaForBlockDiffusion`` (or ``DiffusionGemmaModel``)
         state dict; see :func:`blockdiff.model.loading.convert_hf_state_dict` for the name mapping and
         errors. ``config`` or ``hf_config`` (anything :meth:`DiffusionGemmaConfig.from_hf` takes) is required.
@@ -292,7 +301,7 @@ class DiffusionGemma(nn.Module):
 
     @classmethod
     def load_safetensors(cls, path, config: DiffusionGemmaConfig | None = None, *, device=None, dtype=None,
-                         moe_impl: str = "loop"):
+                         moe_impl: str | None = None):
         """Build a model from a safetensors checkpoint: a ``.safetensors`` file, or a folder with
         ``model.safetensors`` or ``model.safetensors.index.json`` shards (and ``config.json`` when ``config``
         is None). Vision-tower tensors are skipped.

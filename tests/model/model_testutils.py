@@ -114,6 +114,16 @@ def make_hf_twin(cfg: DiffusionGemmaConfig, seed: int = 0, attn_implementation: 
     return hf, ours
 
 
+def hf_cache_kwargs(fn, cache) -> dict:
+    """``{name: cache}`` for a transformers DiffusionGemma module (its forward) or method: ``cache=`` from
+    transformers 5.24 on, ``past_key_values=`` before (5.17: a ``cache=`` there lands in ``**kwargs`` and is
+    ignored, so the encoder's KV never reaches the decoder)."""
+    import inspect
+
+    params = inspect.signature(getattr(fn, "forward", fn)).parameters
+    return {"cache": cache} if "cache" in params else {"past_key_values": cache}
+
+
 def hf_softcap_logits(hf, hidden):
     logits = hf.lm_head(hidden).float()
     cap = hf.final_logit_softcapping

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from blockdiff.model import DiffusionGemma, tiny_config
-from model_testutils import build_meta, hf_softcap_logits, make_hf_twin
+from model_testutils import build_meta, hf_cache_kwargs, hf_softcap_logits, make_hf_twin
 
 transformers = pytest.importorskip("transformers")
 from transformers import DynamicCache  # noqa: E402
@@ -66,7 +66,7 @@ def twins():
 def hf_encode(hf, cache, ids, start):
     """Encoder pass (prefill or commit) of ids at positions start..; returns softcapped logits [L, V]."""
     pos = torch.arange(start, start + ids.shape[0])[None]
-    out = hf.model.encoder(input_ids=ids[None], cache=cache, position_ids=pos)
+    out = hf.model.encoder(input_ids=ids[None], **hf_cache_kwargs(hf.model.encoder, cache), position_ids=pos)
     return hf_softcap_logits(hf, out.last_hidden_state)[0]
 
 
@@ -74,7 +74,7 @@ def hf_encode(hf, cache, ids, start):
 def hf_denoise(hf, cache, canvas, start, sc_logits):
     pos = torch.arange(start, start + canvas.shape[0])[None]
     sc = None if sc_logits is None else sc_logits[None]
-    return hf(cache=cache, decoder_input_ids=canvas[None], self_conditioning_logits=sc,
+    return hf(**hf_cache_kwargs(hf, cache), decoder_input_ids=canvas[None], self_conditioning_logits=sc,
               decoder_position_ids=pos).logits[0]
 
 
@@ -242,9 +242,10 @@ def test_transformers_static_cache_path_agrees_with_dynamic():
                  else StaticCache(config=hf.config.text_config, max_cache_len=64))
         hf_encode(hf, cache, prompt, 0)
         mask = hf.model.decoder.create_diffusion_decoder_attention_mask(  # as generate() prepares it
-            config=hf.config, inputs_embeds=torch.zeros(1, 4, 1), cache=cache,
+            config=hf.config, inputs_embeds=torch.zeros(1, 4, 1),
+            **hf_cache_kwargs(hf.model.decoder.create_diffusion_decoder_attention_mask, cache),
             decoder_attention_mask=torch.ones(1, P + 4, dtype=torch.bool))
-        res[name] = hf(cache=cache, decoder_input_ids=canvas[None], decoder_attention_mask=mask,
+        res[name] = hf(**hf_cache_kwargs(hf, cache), decoder_input_ids=canvas[None], decoder_attention_mask=mask,
                        decoder_position_ids=torch.arange(P, P + 4)[None]).logits[0]
     assert _rel(res["static"], res["dynamic"]) < 1e-4
 
@@ -260,8 +261,8 @@ def test_variant_config_bias_and_vision_flag():
     cache = DynamicCache(config=hf.config.text_config)
     mask = hf.model.encoder.create_masks_for_generate(
         config=hf.config, inputs_embeds=torch.zeros(1, P, 1), attention_mask=torch.ones(1, P, dtype=torch.bool),
-        cache=cache, position_ids=torch.arange(P)[None])
-    out = hf.model.encoder(input_ids=prompt[None], attention_mask=mask, cache=cache,
+        **hf_cache_kwargs(hf.model.encoder.create_masks_for_generate, cache), position_ids=torch.arange(P)[None])
+    out = hf.model.encoder(input_ids=prompt[None], attention_mask=mask, **hf_cache_kwargs(hf.model.encoder, cache),
                            position_ids=torch.arange(P)[None])
     hf_enc = hf_softcap_logits(hf, out.last_hidden_state)[0]
     hf_dec = hf_denoise(hf, cache, canvas, P, None)
