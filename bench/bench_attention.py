@@ -202,14 +202,21 @@ def make_flex(batch: wl.Batch, args) -> tuple:
     flex = torch.compile(flex_attention, dynamic=False) if on_cuda else flex_attention
     scale = batch.scale
 
+    # hd 512 (Gemma 4 global layers): flex's default tiles need ~263 KB of shared memory on an H200 (232 KB
+    # available: "No valid triton configs", batch 1). Smaller tiles that divide the BlockMask's 128 fit.
+    kopts = dict(BLOCK_M=64, BLOCK_N=32, num_stages=1, num_warps=8) if (on_cuda and batch.q.shape[-1] > 256) \
+        else None
+    info_kopts = kopts
+
     def fn():
-        return flex(qp, kp_, vp, block_mask=bm, scale=scale, enable_gqa=True)
+        return flex(qp, kp_, vp, block_mask=bm, scale=scale, enable_gqa=True, kernel_options=kopts)
 
     def to_packed(o):
         return o[0].transpose(0, 1)[:tq]
 
     info = {"build_ms": sorted(build_times)[len(build_times) // 2], "build_ms_first": build_times[0],
-            "build_anchor_ms": list(wl.FLEX_BUILD_ANCHOR_MS), "compiled": on_cuda}
+            "build_anchor_ms": list(wl.FLEX_BUILD_ANCHOR_MS), "compiled": on_cuda,
+            "kernel_options": info_kopts}
     return fn, to_packed, info
 
 
