@@ -48,7 +48,8 @@ def attention_reference(
     return_lse=False,
     upcast=True,
     check_values=True,
-    **unused_hints,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
 ):
     """Dense reference attention over a mixed causal/bidirectional varlen batch.
 
@@ -70,6 +71,7 @@ def attention_reference(
             PyTorch (QK^T and PV in the input dtype, softmax in fp32): the baseline whose error sets the
             tolerance of every kernel test.
         check_values: run the host-side value checks (see :mod:`blockdiff.attention.validate`).
+        max_seqlen_q, max_seqlen_k: host hints accepted for interface parity with the kernels; unused.
 
     Returns:
         ``out`` ``[total_q, num_heads, head_dim_v]`` in q's dtype, or ``(out, lse)``. Rows with no allowed key

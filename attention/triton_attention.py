@@ -615,6 +615,9 @@ def attention_triton(
         TypeError, ValueError: see :func:`blockdiff.attention.validate.check_attention_inputs`; also a bad
             ``config`` (unknown key, tile not a power of two >= 16) or a non-unit last-dim stride.
     """
+    if isinstance(q, torch.Tensor) and q.device.type != "cuda" and not _interpreting():
+        raise ValueError(f"backend 'triton' needs CUDA tensors, got q on {q.device}; on the CPU set "
+                         "TRITON_INTERPRET=1 before importing triton to run the kernel in the Triton interpreter")
     info = check_attention_inputs(
         q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens, causal=causal,
         num_causal_q=num_causal_q, block_table=block_table, cu_seqlens_k=cu_seqlens_k,

@@ -8,6 +8,7 @@ being captured, where a host read is not allowed).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -171,6 +172,8 @@ def check_attention_inputs(
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
     scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
 
     if out is not None:
         _need_tensor("out", out)

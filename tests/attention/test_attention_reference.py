@@ -247,3 +247,14 @@ def test_bad_input_raises_clear_error(mutate, exc, match):
 def test_unknown_backend_is_an_error_not_a_fallback():
     with pytest.raises(ValueError, match="backend"):
         attention(**_base(), backend="fast")
+
+
+def test_misspelled_keyword_is_an_error_not_ignored():
+    with pytest.raises(TypeError, match="windw_size"):
+        attention(**_base(), windw_size=2, backend="reference")
+
+
+def test_non_finite_scale_is_rejected():
+    with pytest.raises(ValueError, match="scale must be finite"):
+        attention(**_base(), scale=float("nan"), backend="reference")
+
