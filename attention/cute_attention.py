@@ -144,7 +144,6 @@ def attention_cute(
     max_seqlen_k=None,
     check_values=None,
     config=None,
-    **unused_hints,
 ):
     """Mixed causal/bidirectional varlen attention on an H200 (SM90) in one kernel launch.
 
