@@ -33,18 +33,36 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the exit code (0 ok, 1 check mismatch, 2 usage / unavailable backend)."""
+    """Entry point; returns the exit code (0 ok, 1 check mismatch or every request failed, 2 usage / unavailable
+    backend)."""
     args = build_parser().parse_args(argv)
     if args.command == "demo":
         from .checks import AttentionMismatch
         from .demo import BackendUnavailable, run_demo
         from .sampler import SamplerMismatch
 
-        if args.canvas_length < 1 or args.max_denoising_steps < 1:
-            print("blockdiff demo: error: --canvas-length and --max-denoising-steps must be >= 1", file=sys.stderr)
+        import math
+        import os
+
+        problems = []
+        if not 1 <= args.canvas_length <= 4096:
+            problems.append(f"--canvas-length must be in [1, 4096] tokens, got {args.canvas_length}")
+        if args.max_denoising_steps < 1:
+            problems.append(f"--max-denoising-steps must be >= 1, got {args.max_denoising_steps}")
+        if not (math.isfinite(args.embedding_scale) and args.embedding_scale > 0):
+            problems.append(f"--embedding-scale must be a finite number > 0, got {args.embedding_scale}")
+        try:
+            os.makedirs(args.out, exist_ok=True)
+            if not os.access(args.out, os.W_OK):
+                raise PermissionError("not writable")
+        except OSError as e:
+            problems.append(f"--out {args.out!r} is not a writable folder ({e})")
+        if problems:
+            for msg in problems:
+                print(f"blockdiff demo: error: {msg}", file=sys.stderr)
             return 2
         try:
-            run_demo(backend=args.backend, sampler_backend=args.sampler_backend, check=args.check,
+            result = run_demo(backend=args.backend, sampler_backend=args.sampler_backend, check=args.check,
                      device=args.device, seed=args.seed, out=args.out, canvas_length=args.canvas_length,
                      max_denoising_steps=args.max_denoising_steps, progress=not args.no_progress,
                      embedding_scale=args.embedding_scale)
@@ -53,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         except (AttentionMismatch, SamplerMismatch) as e:
             print(f"blockdiff demo: CHECK FAILED: {e}", file=sys.stderr)
+            return 1
+        reasons = [r.finish_reason for r in result.results.values()]
+        if reasons and all(str(x).startswith("fail") for x in reasons):
+            print(f"blockdiff demo: error: all {len(reasons)} requests failed (non-finite logits)", file=sys.stderr)
             return 1
         return 0
     return 2

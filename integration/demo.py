@@ -49,7 +49,8 @@ def check_attention_backend(backend: str, device) -> None:
 
     from blockdiff.attention import attention
 
-    if backend == "triton" and torch.device(device).type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    if backend == "triton" and torch.device(device).type == "cpu" and not interp:
         raise BackendUnavailable("attention backend 'triton' on CPU needs TRITON_INTERPRET=1 (Triton interpreter)")
     if backend == "cute" and torch.device(device).type != "cuda":
         raise BackendUnavailable("attention backend 'cute' needs a CUDA GPU (FlashAttention-4 / CuTe DSL)")
@@ -167,7 +168,8 @@ def run_demo(*, backend: str = "reference", sampler_backend: str = "reference", 
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise BackendUnavailable("--device cuda but CUDA is not available here")
     check_attention_backend(backend, dev)
-    if sampler_backend == "triton" and dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    if sampler_backend == "triton" and dev.type == "cpu" and not interp:
         raise BackendUnavailable("sampler backend 'triton' on CPU needs TRITON_INTERPRET=1 (Triton interpreter)")
     from blockdiff.sampler import get_backend as sampler_get_backend
 
@@ -229,6 +231,9 @@ def run_demo(*, backend: str = "reference", sampler_backend: str = "reference", 
     table = format_table(runner.history)
     p("")
     p(table)
+    p("columns: pre/den/com = prefill, denoise, commit rows in the step; tok = query tokens; accepted = canvas "
+      "positions accepted; mean H = mean entropy of the denoise rows (nats); commit = canvases committed; "
+      "emit = tokens emitted")
     p("")
     p("requests:")
     greedy_ids = {r[0] for r in requests if r[4]}

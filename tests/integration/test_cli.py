@@ -93,3 +93,13 @@ def test_sampler_check_mismatch_exits_nonzero_with_message(tmp_path, capsys, mon
     rc = cli.main(["demo", "--out", str(tmp_path), "--check", "--no-progress", "--sampler-backend", "triton"])
     err = capsys.readouterr().err
     assert rc == 1 and "CHECK FAILED" in err and "sampler check: state.canvas" in err
+
+
+def test_demo_rejects_bad_arguments_before_running(tmp_path, capsys):
+    from blockdiff.integration.cli import main
+
+    assert main(["demo", "--embedding-scale", "nan", "--out", str(tmp_path)]) == 2
+    assert main(["demo", "--canvas-length", "100000", "--out", str(tmp_path)]) == 2
+    assert main(["demo", "--out", "/proc/no-such-folder/x"]) == 2
+    err = capsys.readouterr().err
+    assert "--embedding-scale" in err and "--canvas-length" in err and "--out" in err
