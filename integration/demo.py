@@ -133,10 +133,14 @@ def plot_attention_pattern(rec, config, path: str) -> str:
             ax.set_xlabel(f"key (seq_len {r.seq_len}, ctx {ctx})", fontsize=7)
             ax.set_ylabel(f"query ({r.q_len})", fontsize=7)
             ax.tick_params(labelsize=6)
+            ax.xaxis.get_major_locator().set_params(integer=True)
     fig.suptitle(f"blockdiff demo: attention pattern of step {rec.step} "
                  f"({rec.count('prefill')} prefill, {rec.count('denoise')} denoise, {rec.count('commit')} commit)",
                  fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.text(0.5, 0.01, "dark = allowed key, light = masked; dotted line = first query token (context | queries); "
+             "W = keys allowed on a side, not counting the query's own position; 'prefix' = the last W context "
+             "keys + the whole canvas", ha="center", fontsize=7)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
