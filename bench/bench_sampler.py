@@ -24,6 +24,11 @@ Backends (one row each, all measured in the same run):
              8 warps, 3 stages, split-K 3) + ordered reduce. ``fused[<tile>]`` rows (GPU, unless --no-compare) time
              the previous default GEMM tile 128x128x64 and a two-CTAs-per-SM tile 64x256x64 (4 warps, 2 stages)
              beside it; ``fused:stats`` / ``fused:soft_gemm`` time stages (a) and (c) alone (all rows computed).
+  fused[chunked]  the same step with ``SamplerConfig(soft_impl="chunked")`` (blockdiff.sampler.soft_chunked):
+             (c) as bf16 probability chunks [N * CL, 16384] (<= 32 MiB, written by a Triton kernel from the stats)
+             + ``torch.addmm(acc, P_c, E_c, out_dtype=float32, out=acc)`` on cuBLAS; checked like every row, an
+             error is a row; ``fused:soft_chunked`` times its stage (c) alone. --no-chunked skips both.
+             H200 (torch 2.11): step 3.94 ms graph (fused 5.86 ms in the same run), stage (c) 2.53 ms, 45.2 MB.
   --tune     sweeps stats and GEMM candidates (``fused:tune:*`` rows). Every candidate is checked before it is timed
              (stats: ids and m exact, inv_s / entropy to rounding; GEMM: finite workspace, 2 % of a bf16 torch
              product); one that fails is recorded (status error, ``discarded``) and never applied. The winner runs
@@ -100,6 +105,16 @@ PREVIOUS_GEMM = dict(block_m=128, block_n=128, block_k=64, gemm_warps=8, gemm_st
 #: GEMM tiles timed beside the default in a plain run: the previous default and a two-CTAs-per-SM tile.
 COMPARE_GEMM = [PREVIOUS_GEMM, dict(block_m=64, block_n=256, block_k=64, gemm_warps=4, gemm_stages=2)]
 ALL_BACKENDS = ("reference", "compile", "fused")
+
+
+def _chunked_config():
+    from blockdiff.sampler.triton_sampler import SamplerConfig
+
+    return SamplerConfig(soft_impl="chunked")
+
+
+#: The config of the ``fused[chunked]`` row (soft embedding = bf16 probability chunks + cuBLAS addmm).
+CHUNKED = _chunked_config()
 SHAPES = {"full": dict(N=4, CL=256, V=262144, H=2816), "quick": dict(N=2, CL=16, V=512, H=64)}
 DECISIONS = ("accepted", "argmax", "sampled", "next_canvas", "converged", "failed", "finished", "emitted",
              "num_sampled", "num_rejected", "temperature")
@@ -238,8 +253,9 @@ def config_label(cfg) -> str:
     return tile + (f"sk{d['split_k']}" if "split_k" in d else "") or "custom"
 
 
-def measure_parts(x, E, params, slots, shape, device, config) -> list[dict]:
-    """Stages (a) and (c) of the fused backend alone (same inputs as one full step)."""
+def measure_parts(x, E, params, slots, shape, device, config, chunked=False) -> list[dict]:
+    """Stages (a) and (c) of the fused backend alone (same inputs as one full step); ``chunked``: also (c) of
+    the chunked path (``fused:soft_chunked``)."""
     from blockdiff.sampler.common import temperature
     from blockdiff.sampler import triton_sampler as ts
 
@@ -253,6 +269,9 @@ def measure_parts(x, E, params, slots, shape, device, config) -> list[dict]:
         "stats": lambda: ts.row_stats(*args, config=config),
         "soft_gemm": lambda: ts.soft_embedding(x, E, T, stats["m"], stats["inv_s"], stats["argmax"], act, config),
     }
+    if chunked:
+        parts["soft_chunked"] = lambda: ts.soft_embedding(x, E, T, stats["m"], stats["inv_s"], stats["argmax"], act,
+                                                          CHUNKED)
     for part, call in parts.items():
         row = {"workload": WORKLOAD if shape is SHAPES["full"] else WORKLOAD + "-quick", "backend": f"fused:{part}",
                "part": part, "status": "ok"}
@@ -399,6 +418,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--no-tune", action="store_true", help="(default) no config sweep; kept for old command lines")
     ap.add_argument("--no-compare", action="store_true",
                     help="skip the fused row with the previous default GEMM tile (128x128x64, 8 warps, 3 stages)")
+    ap.add_argument("--no-chunked", action="store_true",
+                    help="skip the fused[chunked] row (SamplerConfig(soft_impl='chunked'): bf16 probability chunks + "
+                         "cuBLAS) and its fused:soft_chunked part row")
     ap.add_argument("--no-parts", action="store_true", help="skip the fused:stats / fused:soft_gemm rows")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--out", default=None, help="output folder (default $OUT or bench/results/)")
@@ -438,6 +460,8 @@ def main(argv=None) -> list[dict]:
             configs = [None, tuned]
     if configs == [None] and device.type == "cuda" and not args.no_compare:
         configs = [None] + [SamplerConfig(**kw) for kw in COMPARE_GEMM]
+    if not args.no_chunked and configs[0] is None:
+        configs = configs + [CHUNKED]   # fused[chunked]: the cuBLAS soft-embedding path, checked like the others
     for b in backends:
         for cfg in (configs if b == "fused" else [None]):
             t0 = time.perf_counter()
@@ -447,7 +471,8 @@ def main(argv=None) -> list[dict]:
                 rows.append({"workload": WORKLOAD, "backend": b, "status": "error", "error": str(e)[:300]})
                 continue
             graphs = b != "compile" or device.type == "cuda"
-            name = b if cfg is None else (f"{b}[tuned]" if cfg is tuned else f"{b}[{config_label(cfg)}]")
+            name = b if cfg is None else (f"{b}[tuned]" if cfg is tuned else
+                                          f"{b}[chunked]" if cfg is CHUNKED else f"{b}[{config_label(cfg)}]")
             row = measure(name, fn, x, E, params, slots, pd, shape, device, quick, graphs=graphs)
             if b == "compile":
                 row["compile_backend"] = compile_backend
@@ -460,7 +485,8 @@ def main(argv=None) -> list[dict]:
                        f"{common.fmt(row.get('graph_ms'))} ms {row.get('error', '')}")
     if "fused" in backends and not args.no_parts:
         good_tuned = tuned is not None and any(r.get("tuned") and r.get("status") == "ok" for r in rows)
-        rows += measure_parts(x, E, params, slots, shape, device, tuned if good_tuned else configs[0])
+        rows += measure_parts(x, E, params, slots, shape, device, tuned if good_tuned else configs[0],
+                              chunked=not args.no_chunked)
     compile_ms = next((r.get("time_ms") for r in rows if r["backend"] == "compile" and r.get("status") == "ok"), None)
     for r in rows:  # the same-run torch.compile time is the anchor when there is one
         if compile_ms and r.get("time_ms") and not quick:

@@ -60,7 +60,7 @@ from . import rng
 from .common import DenoiseResult, accept_by_entropy, apply_step, check_step_args, convergence, temperature
 from .state import DENOISE, SamplerState, StepOutput
 
-__all__ = ["sampler_step", "SamplerConfig", "row_stats", "soft_embedding", "random_ids"]
+__all__ = ["sampler_step", "SamplerConfig", "SOFT_IMPLS", "row_stats", "soft_embedding", "random_ids"]
 
 # ---------------------------------------------------------------------------------------------- kernels
 @triton.jit
@@ -377,6 +377,10 @@ def _interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+#: Soft-embedding implementations selectable by ``SamplerConfig.soft_impl``.
+SOFT_IMPLS = ("triton_gemm", "chunked")
+
+
 @dataclass(frozen=True)
 class SamplerConfig:
     """Static launch parameters (compile-cache keys). ``None`` = chosen from the shapes by :meth:`resolve`.
@@ -384,6 +388,9 @@ class SamplerConfig:
     block_p: canvas positions per stats program (1 on the GPU; many under the interpreter, whose cost is per op).
     block_g: token groups of 4 per stats tile (tile = block_p x 4 * block_g tokens). split_v: vocabulary splits of the
     stats pass. block_m/n/k, split_k, num_warps/num_stages: the soft-embedding GEMM.
+    soft_impl: the soft-embedding path, ``"triton_gemm"`` (default: the split-K Triton GEMM of this module) or
+    ``"chunked"`` (:mod:`blockdiff.sampler.soft_chunked`: bf16 probabilities per vocabulary chunk + cuBLAS);
+    soft_chunk: its vocabulary chunk in tokens (None: the buffer [N * CL, chunk] stays <= 32 MiB).
     """
 
     block_p: int | None = None
@@ -398,6 +405,14 @@ class SamplerConfig:
     gemm_warps: int | None = None
     gemm_stages: int | None = None
     use_tma: bool | None = None
+    soft_impl: str | None = None
+    soft_chunk: int | None = None
+
+    def __post_init__(self):
+        if self.soft_impl not in SOFT_IMPLS + (None,):
+            raise ValueError(f"SamplerConfig.soft_impl must be one of {SOFT_IMPLS}, got {self.soft_impl!r}")
+        if self.soft_chunk is not None and int(self.soft_chunk) < 1:
+            raise ValueError(f"SamplerConfig.soft_chunk must be >= 1 tokens, got {self.soft_chunk}")
 
     def resolve(self, rows: int, V: int, hidden: int, device: torch.device) -> "SamplerConfig":
         cuda = device.type == "cuda"
@@ -427,7 +442,7 @@ class SamplerConfig:
         return SamplerConfig(block_p, block_g, split_v, self.stats_warps or 4,
                              self.stats_stages or (3 if cuda else 1), bm, bn, bk, split_k,
                              self.gemm_warps or (8 if cuda else 4), self.gemm_stages or (3 if cuda else 1),
-                             self.use_tma)
+                             self.use_tma, self.soft_impl or "triton_gemm", self.soft_chunk)
 
 
 def row_stats(logits: torch.Tensor, T: torch.Tensor, seed: torch.Tensor, request_id: torch.Tensor,
@@ -486,6 +501,9 @@ def soft_embedding(logits: torch.Tensor, embedding: torch.Tensor, T: torch.Tenso
                    config: SamplerConfig | None = None, greedy_onehot: bool = True) -> torch.Tensor:
     """Stage (c) partial sums: fp32 workspace ``[SPLIT_K, N * CL, hidden]`` of ``p @ E`` (unscaled).
 
+    ``config.soft_impl == "chunked"``: :func:`blockdiff.sampler.soft_chunked.soft_embedding_chunked` instead
+    (workspace [1, N * CL, hidden]; inactive rows 0).
+
     ``p = exp(logits / T - m) * inv_s`` (one-hot(argmax) where T = 0), rows of inactive requests skipped (their
     workspace rows are left unwritten). Args: logits [N, CL, V]; embedding [V, hidden] (bf16/fp16: p is rounded
     to it, fp32 accumulation; fp32: exact fp32 products); T [N] float32; m, inv_s float32 [N, CL]; argmax int
@@ -496,6 +514,11 @@ def soft_embedding(logits: torch.Tensor, embedding: torch.Tensor, T: torch.Tenso
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     cfg = config or SamplerConfig()
+    if cfg.soft_impl == "chunked":
+        from .soft_chunked import soft_embedding_chunked
+
+        return soft_embedding_chunked(logits, embedding, T, m, inv_s, argmax, active, chunk=cfg.soft_chunk,
+                                      greedy_onehot=greedy_onehot)
     if embedding.dtype == torch.float32 and logits.is_cuda:
         # exact fp32 products (input_precision="ieee") run on the FMA units: small tiles, or the
         # accumulators spill (128 x 128 x 64: 10 KB of spill stores per thread, ptxas sm_90a)

@@ -14,13 +14,30 @@ def test_quick_run_writes_records_and_plot(tmp_path, capsys):
     for key in ("gpu", "driver", "torch", "triton", "commit", "date", "anchors_ms", "rows"):
         assert key in doc
     by = {r["backend"]: r for r in doc["rows"]}
-    assert set(by) == {"reference", "compile", "fused", "fused:stats", "fused:soft_gemm"} and len(rows) == 5
-    for b in ("reference", "compile", "fused"):
+    assert set(by) == {"reference", "compile", "fused", "fused[chunked]", "fused:stats", "fused:soft_gemm",
+                       "fused:soft_chunked"} and len(rows) == 7
+    for b in ("reference", "compile", "fused", "fused[chunked]"):
         assert by[b]["status"] == "ok" and by[b]["correct"] is True and by[b]["eager_ms"] > 0, by[b]
     assert by["compile"]["compile_backend"] == "aot_eager"
     assert (tmp_path / "sampler-quick-cpu.csv").exists() and (tmp_path / "sampler-quick-cpu.png").exists()
     out = capsys.readouterr().out.strip().splitlines()
-    assert out[-7].startswith("workload") and "graph_ms" in out[-7]
+    assert out[-9].startswith("workload") and "graph_ms" in out[-9]
+    assert by["fused[chunked]"]["config"] == {"soft_impl": "chunked"}
+
+
+def test_chunked_row_error_does_not_abort_the_run(tmp_path, monkeypatch):
+    """A fused[chunked] failure (here: the chunked path raises) is an error row; the other rows still run."""
+    from blockdiff.sampler import soft_chunked
+
+    def boom(*a, **k):
+        raise RuntimeError("chunked path broken")
+
+    monkeypatch.setattr(soft_chunked, "soft_embedding_chunked", boom)
+    rows = bs.main(["--quick", "--out", str(tmp_path), "--backends", "reference,fused", "--no-plots"])
+    by = {r["backend"]: r for r in rows}
+    assert by["fused[chunked]"]["status"] == "error" and "chunked path broken" in by["fused[chunked]"]["error"]
+    assert by["fused:soft_chunked"]["status"] == "error"
+    assert by["fused"]["status"] == "ok" and by["reference"]["status"] == "ok"
 
 
 def test_check_catches_a_wrong_backend():

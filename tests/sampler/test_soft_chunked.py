@@ -1,0 +1,213 @@
+"""Chunked soft embedding (SamplerConfig(soft_impl="chunked"), blockdiff.sampler.soft_chunked) vs the reference.
+
+CPU: Triton interpreter for the probability-chunk kernel, fp32 matmul of the bf16-rounded chunk. Chunk sizes that
+divide V, that do not, of 1 token and larger than V; T = 0 rows; skipped (converged / failed / inactive) rows with
+NaN logits; NaN-poisoned state.soft; batch invariance; decisions identical to the default triton path.
+"""
+import math
+
+import pytest
+import torch
+
+from blockdiff.sampler import FAILED, SamplerState, SamplingParams, sampler_step
+from blockdiff.sampler import triton_sampler as ts
+from blockdiff.sampler.soft_chunked import MAX_CHUNK_BYTES, chunk_size, soft_embedding_chunked
+from blockdiff.sampler.triton_sampler import SamplerConfig, row_stats, soft_embedding
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+STATE_FIELDS = ("phase", "canvas", "commit_canvas", "prev_argmax", "stable_count", "step", "canvas_index",
+                "num_emitted")
+DECISIONS = ("accepted", "argmax", "sampled", "next_canvas", "converged", "failed", "finished", "emitted",
+             "num_emitted_now", "num_sampled", "num_rejected", "temperature")
+
+
+def _mk_state(specs, CL, V, H, R=6, device=DEV):
+    st = SamplerState(R, CL, V, H, device=device)
+    for slot, rid, p in specs:
+        st.add_request(slot, rid, p)
+    return st
+
+
+def test_chunk_size_fits_the_buffer_budget():
+    assert chunk_size(1024, 262144) == 16384 and 1024 * 16384 * 2 <= MAX_CHUNK_BYTES
+    assert chunk_size(1024, 1000) == 1000 and chunk_size(8, 262144) == 65536
+    assert chunk_size(1024, 262144, itemsize=4) == 8192
+    assert chunk_size(16, 100, requested=37) == 37 and chunk_size(16, 100, requested=500) == 100
+    with pytest.raises(ValueError, match="soft_chunk"):
+        chunk_size(16, 100, requested=0)
+    with pytest.raises(ValueError, match="soft_impl"):
+        SamplerConfig(soft_impl="cublas")
+    with pytest.raises(ValueError, match="soft_chunk"):
+        SamplerConfig(soft_impl="chunked", soft_chunk=0)
+
+
+@pytest.mark.parametrize("chunk", [None, 1, 37, 50, 64, 1000])
+@pytest.mark.parametrize("edtype", [torch.bfloat16, torch.float32])
+def test_chunked_soft_embedding_within_twice_eager_error(chunk, edtype):
+    """T > 0 rows: error vs a float64 truth <= 2x that of the eager same-precision product; T = 0 rows: one-hot
+    (greedy_onehot) exact; inactive rows (NaN logits) exactly 0."""
+    g = torch.Generator().manual_seed(3)
+    N, CL, V, H = 3, 8, 200, 48
+    x = torch.randn(N, CL, V, generator=g) * 3
+    x[2] = float("nan")
+    E = torch.randn(V, H, generator=g).to(edtype)
+    T = torch.tensor([0.7, 0.0, 0.45])
+    act = torch.tensor([True, True, False])
+    z = torch.zeros(N, dtype=torch.int64)
+    r = row_stats(x, T, z, z, z, z, act)
+    ws = soft_embedding(x, E, T, r["m"], r["inv_s"], r["argmax"], act,
+                        SamplerConfig(soft_impl="chunked", soft_chunk=chunk))
+    assert ws.shape == (1, N * CL, H) and torch.isfinite(ws).all()
+    ours = ws[0].view(N, CL, H) * math.sqrt(H)
+    p = torch.softmax(x[0].double() / 0.7, -1)
+    truth = p @ E.double() * math.sqrt(H)
+    eager = (p.float().to(edtype) @ E).float() * math.sqrt(H)
+    err, err_eager = (ours[0] - truth).abs().max().item(), (eager - truth).abs().max().item()
+    assert err <= 2 * err_eager + 1e-5 * truth.abs().max().item(), (err, err_eager)
+    assert torch.equal(ws[0, CL:2 * CL], E[r["argmax"][1]].float())                # one-hot rows: exact
+    assert (ws[0, 2 * CL:] == 0).all()
+    # greedy_onehot=False (the step's mode): T = 0 rows are left 0 for the reduce kernel's E[argmax] gather
+    ws2 = soft_embedding_chunked(x, E, T, r["m"], r["inv_s"], r["argmax"], act, chunk=chunk, greedy_onehot=False)
+    assert (ws2[0, CL:] == 0).all() and torch.equal(ws2[0, :CL], ws[0, :CL])
+
+
+def test_chunked_soft_embedding_finite_with_very_negative_logits_past_the_last_chunk():
+    """Rows whose max z is far below -88 (exp(-m) overflows): the tail of the last chunk past V must give p = 0,
+    not inf * 0 = NaN."""
+    N, CL, V, H = 1, 4, 100, 16
+    x = torch.full((N, CL, V), -500.0)
+    x[..., 3] = -400.0
+    E = torch.randn(V, H).bfloat16()
+    T = torch.tensor([0.5])
+    z = torch.zeros(N, dtype=torch.int64)
+    act = torch.ones(N, dtype=torch.bool)
+    r = row_stats(x, T, z, z, z, z, act)
+    ws = soft_embedding_chunked(x, E, T, r["m"], r["inv_s"], r["argmax"], act, chunk=64)
+    assert torch.isfinite(ws).all()
+    assert torch.allclose(ws[0], E[3].float().expand(CL, H), atol=1e-6)
+
+
+def _specs(CL):
+    return [(0, 1, SamplingParams(canvas_length=CL, seed=1)),                       # continuing, T > 0
+            (1, 2, SamplingParams(canvas_length=CL, t_min=0.0, t_max=0.0)),         # continuing, T = 0
+            (2, 3, SamplingParams(canvas_length=CL, max_denoising_steps=1)),        # converges (cap)
+            (3, 4, SamplingParams(canvas_length=CL)),                               # fails (NaN)
+            (4, 5, SamplingParams(canvas_length=CL))]                               # prefill -> fresh
+
+
+@pytest.mark.parametrize("chunk", [16, 37, None])
+def test_chunked_step_decisions_equal_default_and_soft_rows_written_where_due(chunk):
+    """state.soft NaN-poisoned: the chunked step's decisions and state equal the default triton step's and the
+    reference's exactly; continuing rows within tolerance of the reference (T = 0: E[argmax] exact), fresh
+    canvases 0, converged / failed / untouched rows keep their poison."""
+    CL, V, H = 8, 64, 16
+    states = [_mk_state(_specs(CL), CL, V, H) for _ in range(3)]
+    E = torch.randn(V, H, device=DEV).bfloat16()
+    slots = torch.arange(5, device=DEV)
+    pd = torch.tensor([True, True, True, True, False], device=DEV)
+    for st in states:
+        sampler_step(st, slots, torch.zeros(5, CL, V, device=DEV), pd, E, backend="reference")
+    x = torch.randn(5, CL, V, device=DEV) * 3
+    x[3, 0, 0] = float("nan")
+    x[4] = float("nan")    # PREFILL row: logits ignored
+    pd = torch.ones(5, dtype=torch.bool, device=DEV)
+    for st in states:
+        st.soft.fill_(float("nan"))
+    a, b, c = states
+    oa = sampler_step(a, slots, x, pd, E, backend="reference")
+    ob = ts.sampler_step(b, slots, x, pd, E)
+    oc = ts.sampler_step(c, slots, x, pd, E, config=SamplerConfig(soft_impl="chunked", soft_chunk=chunk))
+    for f in DECISIONS:
+        assert torch.equal(getattr(oc, f), getattr(ob, f)) and torch.equal(getattr(oc, f), getattr(oa, f)), f
+    assert torch.allclose(oc.entropy, ob.entropy, rtol=0, atol=0, equal_nan=True)
+    for f in STATE_FIELDS:
+        assert torch.equal(getattr(c, f), getattr(a, f)), f
+    assert oc.converged.tolist() == [False, False, True, False, False] and oc.failed[3].item()
+    assert c.phase[3].item() == FAILED
+    for s in (0, 1, 4):
+        assert torch.isfinite(c.soft[s]).all(), s
+    assert (c.soft[4] == 0).all()
+    assert torch.equal(c.soft[1], a.soft[1])
+    assert torch.allclose(c.soft[0], a.soft[0], atol=0.05 * a.soft[0].abs().max().item())
+    assert torch.allclose(c.soft[0], b.soft[0], atol=1e-5 * b.soft[0].abs().max().item() + 1e-6)
+    for s in (2, 3, 5):
+        assert torch.isnan(c.soft[s]).all(), s
+
+
+def test_chunked_batch_invariance():
+    """A request's soft embedding and decisions do not depend on its slot or on the other rows of the batch."""
+    CL, V, H = 8, 50, 16
+    cfg = SamplerConfig(soft_impl="chunked", soft_chunk=24)
+    pa = SamplingParams(canvas_length=CL, seed=9, max_denoising_steps=3)
+    a = _mk_state([(0, 777, pa)], CL, V, H)
+    b = _mk_state([(2, 1, SamplingParams(canvas_length=CL, seed=1)), (4, 777, pa),
+                   (0, 3, SamplingParams(canvas_length=CL, t_min=0.0, t_max=0.0))], CL, V, H)
+    E = torch.randn(V, H, device=DEV).bfloat16()
+    sa, sb = torch.tensor([0], device=DEV), torch.tensor([2, 4, 0], device=DEV)
+    g = torch.Generator().manual_seed(5)
+    for it in range(3):
+        x = (torch.randn(3, CL, V, generator=g) * 2).to(DEV)
+        oa = ts.sampler_step(a, sa, x[1:2], torch.ones(1, dtype=torch.bool, device=DEV), E, config=cfg)
+        ob = ts.sampler_step(b, sb, x, torch.ones(3, dtype=torch.bool, device=DEV), E, config=cfg)
+        for f in DECISIONS + ("entropy", "mean_entropy"):
+            assert torch.equal(getattr(oa, f)[0], getattr(ob, f)[1]), f
+        for f in STATE_FIELDS:
+            assert torch.equal(getattr(a, f)[0], getattr(b, f)[4]), f
+        assert torch.allclose(a.soft[0], b.soft[4], rtol=0, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+def test_gpu_chunked_sampler_n4_finite_close_to_default_and_graph_capturable():
+    """sampler_n4 (4 x 256 x 262144 fp32 logits, E bf16 [262144, 2816], one greedy request): the chunked step's
+    decisions equal the default path's, its NaN-poisoned soft rows are all written, finite and within 2 % (of the
+    max magnitude) of the default path's; a CUDA-graph replay equals the eager step; extra memory <= 64 MiB."""
+    N, CL, V, H = 4, 256, 262144, 2816
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = 30.0 * torch.tanh(torch.randn(N, CL, V, device="cuda", generator=g) * 4.0 / 30.0)
+    E = (torch.randn(V, H, device="cuda", generator=g) * 0.02).bfloat16()
+    specs = [(i, 1000 + i, SamplingParams(canvas_length=CL, seed=i, max_denoising_steps=10000,
+                                          t_min=0.0 if i == 3 else 0.4, t_max=0.0 if i == 3 else 0.8))
+             for i in range(N)]
+    cfg = SamplerConfig(soft_impl="chunked")
+    slots = torch.arange(N, device="cuda")
+    pd = torch.ones(N, dtype=torch.bool, device="cuda")
+    a, b = _mk_state(specs, CL, V, H, R=N, device="cuda"), _mk_state(specs, CL, V, H, R=N, device="cuda")
+    for st in (a, b):
+        ts.sampler_step(st, slots, x, pd, E)          # PREFILL -> DENOISE
+        st.soft.fill_(float("nan"))
+    oa = ts.sampler_step(a, slots, x, pd, E)
+    ob = ts.sampler_step(b, slots, x, pd, E, config=cfg)
+    torch.cuda.synchronize()
+    for f in DECISIONS:
+        assert torch.equal(getattr(oa, f), getattr(ob, f)), f
+    assert torch.isfinite(b.soft).all()
+    scale = a.soft.abs().max().item()
+    assert (a.soft - b.soft).abs().max().item() <= 0.02 * scale
+    assert torch.equal(a.soft[3], b.soft[3])          # greedy: E[argmax] * sqrt(hidden)
+    # CUDA graph: capture one step on a copy of the state, replay, compare with eager from the same state
+    c = _mk_state(specs, CL, V, H, R=N, device="cuda")
+    d = _mk_state(specs, CL, V, H, R=N, device="cuda")
+    for st in (c, d):
+        ts.sampler_step(st, slots, x, pd, E)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        ts.sampler_step(SamplerState(N, CL, V, H, device="cuda"), slots, x, pd, E, config=cfg)  # compile
+    torch.cuda.current_stream().wait_stream(s)
+    snap = {k: getattr(c, k).clone() for k in STATE_FIELDS + ("soft",)}
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ts.sampler_step(c, slots, x, pd, E, config=cfg)
+    for k, v in snap.items():
+        getattr(c, k).copy_(v)
+    graph.replay()
+    ts.sampler_step(d, slots, x, pd, E, config=cfg)
+    torch.cuda.synchronize()
+    for f in STATE_FIELDS + ("soft",):
+        assert torch.equal(getattr(c, f), getattr(d, f)), f
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    ts.sampler_step(d, slots, x, pd, E, config=cfg)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - base <= 64 * 2**20
