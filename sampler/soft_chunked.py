@@ -22,8 +22,13 @@ for each chunk ``[v0, v0 + Vc)`` of the vocabulary (Vc = 16384 for M = 1024: the
   3. the caller's reduce kernel writes ``state.soft[slot] = acc * sqrt(hidden)`` in place (``acc`` is returned as a
      [1, M, hidden] workspace, the shape of the split-K workspace with SPLIT_K = 1).
 
-Ordering: one stream, one buffer: the P kernel of chunk c + 1 waits for the GEMM of chunk c (no overlap in this
-version; side streams + events would overlap the 2 kernels but were not added, to keep capture simple). No host
+Ordering (default): one stream, one buffer: the P kernel of chunk c + 1 waits for the GEMM of chunk c.
+``overlap=True`` (``SamplerConfig.soft_overlap``): two half-size buffers, P of chunk c + 1 on a side stream during
+the GEMM of chunk c (fork / join with events; CUDA-graph capture tested). On the H200 it did NOT pay off for the
+soft part alone (graph 2.91 ms at Vc 8192, 2.79 ms at Vc 4096, vs 2.49 ms without; eager 3.3-6.3 ms: the
+stream / event traffic and the smaller GEMMs cost more than the ~0.3 ms of P writes hidden, since cuBLAS already
+fills the SMs), while a full step measured 3.72 vs 3.86 ms graph in the same run (within run-to-run noise), so it
+stays off by default. Vc 32768 (64 MiB buffer, over the budget) gave 2.47 ms: chunking costs ~nothing. No host
 sync, fixed buffer shapes (all from static shapes): capturable in a CUDA graph.
 
 Cost model for sampler_n4 (M = 1024, V = 262144, hidden 2816, H200 4.3 TB/s, ~790 TFLOP/s bf16):
@@ -40,8 +45,8 @@ Cost model for sampler_n4 (M = 1024, V = 262144, hidden 2816, H200 4.3 TB/s, ~79
     into the stats pass (needs the final row max: a second pass anyway).
 
 Measured (H200, torch 2.11.0+cu130, triton 3.6, bench_sampler sampler_n4, CUDA-graph medians, same run):
-soft part alone 2.53 ms (598 TFLOP/s effective) vs 4.67 ms for the split-K Triton GEMM (after its wgmma-wait fix);
-full step fused[chunked] 3.94 ms vs fused (triton_gemm) 5.86 ms; extra memory 45.2 MB (<= 64 MiB). Against the
+soft part alone 2.49-2.53 ms (~600 TFLOP/s effective) vs 4.67 ms for the split-K Triton GEMM (after its wgmma-wait fix);
+full step fused[chunked] 3.86-3.94 ms vs fused (triton_gemm) 5.86 ms; extra memory 45.2 MB (<= 64 MiB). Against the
 historical compile anchor 7.35 ms that is 0.54x: the 0.5x target (3.67 ms) is still missed by ~0.27 ms.
 
 Extra memory: the P buffer (<= 32 MiB; fp32 on the CPU) + acc [M, hidden] fp32 (11.5 MB for sampler_n4).
@@ -117,9 +122,20 @@ def chunk_size(M: int, V: int, requested: int | None = None, itemsize: int = 2) 
     return max(1, min(vc, V))
 
 
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device: torch.device) -> "torch.cuda.Stream":
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key] = torch.cuda.Stream(device=device)
+    return _SIDE_STREAMS[key]
+
+
 def soft_embedding_chunked(logits: torch.Tensor, embedding: torch.Tensor, T: torch.Tensor, m: torch.Tensor,
                            inv_s: torch.Tensor, argmax: torch.Tensor, active: torch.Tensor,
-                           chunk: int | None = None, greedy_onehot: bool = True) -> torch.Tensor:
+                           chunk: int | None = None, greedy_onehot: bool = True,
+                           overlap: bool = False) -> torch.Tensor:
     """``p @ E`` (unscaled) of the rows of active requests, float32 workspace [1, N * CL, hidden].
 
     Args:
@@ -128,6 +144,9 @@ def soft_embedding_chunked(logits: torch.Tensor, embedding: torch.Tensor, T: tor
             1 / sum exp(z - m) from the stats pass. argmax: int [N, CL]. active: bool/int [N].
         chunk: vocabulary chunk Vc in tokens (None: :func:`chunk_size`). greedy_onehot: T = 0 rows use
             p = one-hot(argmax) (else their rows are 0 and the caller gathers E[argmax]).
+        overlap: CUDA only: two P buffers of half the size each (same 32 MiB budget); the P kernel of chunk c + 1
+            runs on a side stream while the GEMM of chunk c runs on the current stream (fork / join through
+            events: capturable in a CUDA graph; same results, the sums stay in chunk order on one stream).
 
     Rows of inactive requests are 0 (P is zeroed there whatever their logits hold).
     """
@@ -139,12 +158,13 @@ def soft_embedding_chunked(logits: torch.Tensor, embedding: torch.Tensor, T: tor
     dev = logits.device
     cuda = dev.type == "cuda"
     lowp = embedding.dtype in (torch.bfloat16, torch.float16)
-    vc = chunk_size(M, V, chunk, embedding.element_size() if cuda else 4)
+    overlap = bool(overlap) and cuda
+    vc = chunk_size(M, V, chunk, embedding.element_size() * (2 if overlap else 1) if cuda else 4)
     buf_dtype = embedding.dtype if cuda else torch.float32
     acc = torch.zeros(1, M, hidden, dtype=torch.float32, device=dev)
     if M == 0 or V == 0:
         return acc
-    pbuf = torch.empty(M, vc, dtype=buf_dtype, device=dev)
+    pbufs = [torch.empty(M, vc, dtype=buf_dtype, device=dev) for _ in range(2 if overlap else 1)]
     a2 = acc[0]
     block_r, block_v = (4, 1024) if cuda else (min(32, triton.next_power_of_2(M)), min(64, triton.next_power_of_2(vc)))
     round_to = None
@@ -153,15 +173,41 @@ def soft_embedding_chunked(logits: torch.Tensor, embedding: torch.Tensor, T: tor
     args = (T.contiguous(), active.to(torch.int32).contiguous(), m.contiguous(), inv_s.contiguous(),
             argmax.to(torch.int32).contiguous())
     grid = (triton.cdiv(M, block_r), triton.cdiv(vc, block_v))
-    for v0 in range(0, V, vc):
-        w = min(vc, V - v0)
+
+    def write_p(pbuf, v0):
         _prob_chunk_kernel[grid](logits, logits.stride(0), logits.stride(1), pbuf, *args, M, CL, V, v0, vc,
                                  GREEDY_ONEHOT=greedy_onehot, ROUND_TO=round_to, BLOCK_R=block_r, BLOCK_V=block_v,
                                  num_warps=4)
+
+    def gemm(pbuf, v0):
+        w = min(vc, V - v0)
         pc = pbuf if w == vc else pbuf[:, :w]
         ec = embedding[v0:v0 + w]
         if cuda and lowp:
             torch.addmm(a2, pc, ec, out_dtype=torch.float32, out=a2)
         else:
             torch.addmm(a2, pc, ec.to(torch.float32), out=a2)
+
+    starts = list(range(0, V, vc))
+    if not overlap:
+        for v0 in starts:
+            write_p(pbufs[0], v0)
+            gemm(pbufs[0], v0)
+        return acc
+    main = torch.cuda.current_stream(dev)
+    side = _side_stream(dev)
+    p_ready = [torch.cuda.Event(), torch.cuda.Event()]
+    p_free = [torch.cuda.Event(), torch.cuda.Event()]
+    side.wait_stream(main)                    # fork: stats, acc = 0 and the logits are ready
+    for c, v0 in enumerate(starts):
+        b = c & 1
+        with torch.cuda.stream(side):
+            if c >= 2:
+                side.wait_event(p_free[b])    # the GEMM of chunk c - 2 has read this buffer
+            write_p(pbufs[b], v0)
+            p_ready[b].record(side)
+        main.wait_event(p_ready[b])
+        gemm(pbufs[b], v0)
+        p_free[b].record(main)
+    main.wait_stream(side)                    # join (the buffers are freed in the current stream's order)
     return acc

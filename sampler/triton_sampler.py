@@ -390,7 +390,8 @@ class SamplerConfig:
     stats pass. block_m/n/k, split_k, num_warps/num_stages: the soft-embedding GEMM.
     soft_impl: the soft-embedding path, ``"triton_gemm"`` (default: the split-K Triton GEMM of this module) or
     ``"chunked"`` (:mod:`blockdiff.sampler.soft_chunked`: bf16 probabilities per vocabulary chunk + cuBLAS);
-    soft_chunk: its vocabulary chunk in tokens (None: the buffer [N * CL, chunk] stays <= 32 MiB).
+    soft_chunk: its vocabulary chunk in tokens (None: the buffer [N * CL, chunk] stays <= 32 MiB);
+    soft_overlap: chunked path on CUDA: write the next chunk's probabilities on a side stream during the GEMM.
     """
 
     block_p: int | None = None
@@ -407,6 +408,7 @@ class SamplerConfig:
     use_tma: bool | None = None
     soft_impl: str | None = None
     soft_chunk: int | None = None
+    soft_overlap: bool | None = None
 
     def __post_init__(self):
         if self.soft_impl not in SOFT_IMPLS + (None,):
@@ -442,7 +444,7 @@ class SamplerConfig:
         return SamplerConfig(block_p, block_g, split_v, self.stats_warps or 4,
                              self.stats_stages or (3 if cuda else 1), bm, bn, bk, split_k,
                              self.gemm_warps or (8 if cuda else 4), self.gemm_stages or (3 if cuda else 1),
-                             self.use_tma, self.soft_impl or "triton_gemm", self.soft_chunk)
+                             self.use_tma, self.soft_impl or "triton_gemm", self.soft_chunk, self.soft_overlap)
 
 
 def row_stats(logits: torch.Tensor, T: torch.Tensor, seed: torch.Tensor, request_id: torch.Tensor,
@@ -518,7 +520,7 @@ def soft_embedding(logits: torch.Tensor, embedding: torch.Tensor, T: torch.Tenso
         from .soft_chunked import soft_embedding_chunked
 
         return soft_embedding_chunked(logits, embedding, T, m, inv_s, argmax, active, chunk=cfg.soft_chunk,
-                                      greedy_onehot=greedy_onehot)
+                                      greedy_onehot=greedy_onehot, overlap=bool(cfg.soft_overlap))
     if embedding.dtype == torch.float32 and logits.is_cuda:
         # exact fp32 products (input_precision="ieee") run on the FMA units: small tiles, or the
         # accumulators spill (128 x 128 x 64: 10 KB of spill stores per thread, ptxas sm_90a)

@@ -158,7 +158,8 @@ def test_chunked_batch_invariance():
 
 # ---------------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
-def test_gpu_chunked_sampler_n4_finite_close_to_default_and_graph_capturable():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_gpu_chunked_sampler_n4_finite_close_to_default_and_graph_capturable(overlap):
     """sampler_n4 (4 x 256 x 262144 fp32 logits, E bf16 [262144, 2816], one greedy request): the chunked step's
     decisions equal the default path's, its NaN-poisoned soft rows are all written, finite and within 2 % (of the
     max magnitude) of the default path's; a CUDA-graph replay equals the eager step; extra memory <= 64 MiB."""
@@ -169,7 +170,7 @@ def test_gpu_chunked_sampler_n4_finite_close_to_default_and_graph_capturable():
     specs = [(i, 1000 + i, SamplingParams(canvas_length=CL, seed=i, max_denoising_steps=10000,
                                           t_min=0.0 if i == 3 else 0.4, t_max=0.0 if i == 3 else 0.8))
              for i in range(N)]
-    cfg = SamplerConfig(soft_impl="chunked")
+    cfg = SamplerConfig(soft_impl="chunked", soft_overlap=overlap)
     slots = torch.arange(N, device="cuda")
     pd = torch.ones(N, dtype=torch.bool, device="cuda")
     a, b = _mk_state(specs, CL, V, H, R=N, device="cuda"), _mk_state(specs, CL, V, H, R=N, device="cuda")
@@ -211,3 +212,19 @@ def test_gpu_chunked_sampler_n4_finite_close_to_default_and_graph_capturable():
     ts.sampler_step(d, slots, x, pd, E, config=cfg)
     torch.cuda.synchronize()
     assert torch.cuda.max_memory_allocated() - base <= 64 * 2**20
+
+
+def test_overlap_flag_gives_identical_sums():
+    """soft_overlap only changes the streams (CUDA) and the chunk size, never the per-chunk products: equal to
+    the serial path with the same chunk (on the CPU the flag is ignored)."""
+    g = torch.Generator().manual_seed(7)
+    N, CL, V, H = 2, 4, 90, 16
+    x = (torch.randn(N, CL, V, generator=g) * 2).to(DEV)
+    E = torch.randn(V, H, generator=g).bfloat16().to(DEV)
+    T = torch.tensor([0.6, 1.3], device=DEV)
+    z = torch.zeros(N, dtype=torch.int64, device=DEV)
+    act = torch.ones(N, dtype=torch.bool, device=DEV)
+    r = row_stats(x, T, z, z, z, z, act)
+    a = soft_embedding_chunked(x, E, T, r["m"], r["inv_s"], r["argmax"], act, chunk=32, overlap=False)
+    b = soft_embedding_chunked(x, E, T, r["m"], r["inv_s"], r["argmax"], act, chunk=32, overlap=True)
+    assert torch.equal(a, b)
