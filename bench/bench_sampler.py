@@ -24,7 +24,9 @@ Backends (one row each, all measured in the same run):
              8 warps, 3 stages, split-K 3) + ordered reduce. ``fused[<tile>]`` rows (GPU, unless --no-compare) time
              the previous default GEMM tile 128x128x64 and a two-CTAs-per-SM tile 64x256x64 (4 warps, 2 stages)
              beside it; ``fused:stats`` / ``fused:soft_gemm`` time stages (a) and (c) alone (all rows computed).
-  fused[chunked]  the same step with ``SamplerConfig(soft_impl="chunked")`` (blockdiff.sampler.soft_chunked):
+  fused (default on CUDA since the chunked path measured faster) uses ``soft_impl="chunked"``
+  (blockdiff.sampler.soft_chunked); ``fused[triton_gemm]`` is the same step with the split-K Triton GEMM; the
+  chunked path:
              (c) as bf16 probability chunks [N * CL, 16384] (<= 32 MiB, written by a Triton kernel from the stats)
              + ``torch.addmm(acc, P_c, E_c, out_dtype=float32, out=acc)`` on cuBLAS; checked like every row, an
              error is a row; ``fused:soft_chunked`` times its stage (c) alone. --no-chunked skips both.
@@ -82,6 +84,7 @@ What each part should take now (132 SMs at ~1.98 GHz, 4.3 TB/s, 790 TFLOP/s bf16
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -103,18 +106,20 @@ ANCHOR_EXTRA_MEMORY_BYTES = {"compile": int(4.83e9)}
 #: The GEMM tile of the previous default (timed beside the new default unless --no-compare).
 PREVIOUS_GEMM = dict(block_m=128, block_n=128, block_k=64, gemm_warps=8, gemm_stages=3)
 #: GEMM tiles timed beside the default in a plain run: the previous default and a two-CTAs-per-SM tile.
-COMPARE_GEMM = [PREVIOUS_GEMM, dict(block_m=64, block_n=256, block_k=64, gemm_warps=4, gemm_stages=2)]
+COMPARE_GEMM = [dict(PREVIOUS_GEMM, soft_impl="triton_gemm"),
+                dict(block_m=64, block_n=256, block_k=64, gemm_warps=4, gemm_stages=2, soft_impl="triton_gemm")]
 ALL_BACKENDS = ("reference", "compile", "fused")
 
 
 def _chunked_config():
     from blockdiff.sampler.triton_sampler import SamplerConfig
 
-    return SamplerConfig(soft_impl="chunked")
+    return SamplerConfig(soft_impl="chunked"), SamplerConfig(soft_impl="triton_gemm")
 
 
-#: The config of the ``fused[chunked]`` row (soft embedding = bf16 probability chunks + cuBLAS addmm).
-CHUNKED = _chunked_config()
+#: ``CHUNKED``: the default soft embedding on CUDA (bf16 probability chunks + cuBLAS addmm), timed alone as the
+#: ``fused:soft_chunked`` part; ``TRITON_GEMM``: the split-K Triton GEMM path, the ``fused[triton_gemm]`` row.
+CHUNKED, TRITON_GEMM = _chunked_config()
 SHAPES = {"full": dict(N=4, CL=256, V=262144, H=2816), "quick": dict(N=2, CL=16, V=512, H=64)}
 DECISIONS = ("accepted", "argmax", "sampled", "next_canvas", "converged", "failed", "finished", "emitted",
              "num_sampled", "num_rejected", "temperature")
@@ -265,9 +270,10 @@ def measure_parts(x, E, params, slots, shape, device, config, chunked=False) -> 
     act = torch.ones(len(params), dtype=torch.bool, device=device)
     args = (x, T, st.seed[slots], st.request_id[slots], st.canvas_index[slots], st.step[slots], act)
     stats = ts.row_stats(*args, config=config)
+    gemm_cfg = dataclasses.replace(config or ts.SamplerConfig(), soft_impl="triton_gemm")
     parts = {
         "stats": lambda: ts.row_stats(*args, config=config),
-        "soft_gemm": lambda: ts.soft_embedding(x, E, T, stats["m"], stats["inv_s"], stats["argmax"], act, config),
+        "soft_gemm": lambda: ts.soft_embedding(x, E, T, stats["m"], stats["inv_s"], stats["argmax"], act, gemm_cfg),
     }
     if chunked:
         parts["soft_chunked"] = lambda: ts.soft_embedding(x, E, T, stats["m"], stats["inv_s"], stats["argmax"], act,
@@ -461,7 +467,7 @@ def main(argv=None) -> list[dict]:
     if configs == [None] and device.type == "cuda" and not args.no_compare:
         configs = [None] + [SamplerConfig(**kw) for kw in COMPARE_GEMM]
     if not args.no_chunked and configs[0] is None:
-        configs = configs + [CHUNKED]   # fused[chunked]: the cuBLAS soft-embedding path, checked like the others
+        configs = configs + [TRITON_GEMM]   # fused[triton_gemm]: the Triton GEMM soft-embedding path, checked too
     for b in backends:
         for cfg in (configs if b == "fused" else [None]):
             t0 = time.perf_counter()
@@ -472,7 +478,7 @@ def main(argv=None) -> list[dict]:
                 continue
             graphs = b != "compile" or device.type == "cuda"
             name = b if cfg is None else (f"{b}[tuned]" if cfg is tuned else
-                                          f"{b}[chunked]" if cfg is CHUNKED else f"{b}[{config_label(cfg)}]")
+                                          f"{b}[triton_gemm]" if cfg is TRITON_GEMM else f"{b}[{config_label(cfg)}]")
             row = measure(name, fn, x, E, params, slots, pd, shape, device, quick, graphs=graphs)
             if b == "compile":
                 row["compile_backend"] = compile_backend

@@ -14,19 +14,20 @@ def test_quick_run_writes_records_and_plot(tmp_path, capsys):
     for key in ("gpu", "driver", "torch", "triton", "commit", "date", "anchors_ms", "rows"):
         assert key in doc
     by = {r["backend"]: r for r in doc["rows"]}
-    assert set(by) == {"reference", "compile", "fused", "fused[chunked]", "fused:stats", "fused:soft_gemm",
+    assert set(by) == {"reference", "compile", "fused", "fused[triton_gemm]", "fused:stats", "fused:soft_gemm",
                        "fused:soft_chunked"} and len(rows) == 7
-    for b in ("reference", "compile", "fused", "fused[chunked]"):
+    for b in ("reference", "compile", "fused", "fused[triton_gemm]"):
         assert by[b]["status"] == "ok" and by[b]["correct"] is True and by[b]["eager_ms"] > 0, by[b]
     assert by["compile"]["compile_backend"] == "aot_eager"
     assert (tmp_path / "sampler-quick-cpu.csv").exists() and (tmp_path / "sampler-quick-cpu.png").exists()
     out = capsys.readouterr().out.strip().splitlines()
     assert out[-9].startswith("workload") and "graph_ms" in out[-9]
-    assert by["fused[chunked]"]["config"] == {"soft_impl": "chunked"}
+    assert by["fused[triton_gemm]"]["config"] == {"soft_impl": "triton_gemm"}
 
 
-def test_chunked_row_error_does_not_abort_the_run(tmp_path, monkeypatch):
-    """A fused[chunked] failure (here: the chunked path raises) is an error row; the other rows still run."""
+def test_chunked_part_error_does_not_abort_the_run(tmp_path, monkeypatch):
+    """A failure of the chunked soft-embedding path (the CUDA default; here it raises) is an error row; the other
+    rows still run."""
     from blockdiff.sampler import soft_chunked
 
     def boom(*a, **k):
@@ -35,8 +36,8 @@ def test_chunked_row_error_does_not_abort_the_run(tmp_path, monkeypatch):
     monkeypatch.setattr(soft_chunked, "soft_embedding_chunked", boom)
     rows = bs.main(["--quick", "--out", str(tmp_path), "--backends", "reference,fused", "--no-plots"])
     by = {r["backend"]: r for r in rows}
-    assert by["fused[chunked]"]["status"] == "error" and "chunked path broken" in by["fused[chunked]"]["error"]
-    assert by["fused:soft_chunked"]["status"] == "error"
+    assert by["fused:soft_chunked"]["status"] == "error" and "chunked path broken" in by["fused:soft_chunked"]["error"]
+    assert by["fused[triton_gemm]"]["status"] == "ok"
     assert by["fused"]["status"] == "ok" and by["reference"]["status"] == "ok"
 
 
