@@ -388,9 +388,10 @@ class SamplerConfig:
     block_p: canvas positions per stats program (1 on the GPU; many under the interpreter, whose cost is per op).
     block_g: token groups of 4 per stats tile (tile = block_p x 4 * block_g tokens). split_v: vocabulary splits of the
     stats pass. block_m/n/k, split_k, num_warps/num_stages: the soft-embedding GEMM.
-    soft_impl: the soft-embedding path, ``"chunked"`` (default on CUDA: :mod:`blockdiff.sampler.soft_chunked`,
-    bf16 probabilities per vocabulary chunk + cuBLAS with fp32 accumulation; H200 sampler_n4 step 3.93 ms vs
-    5.86 ms) or ``"triton_gemm"`` (default on the CPU interpreter: the split-K Triton GEMM of this module);
+    soft_impl: the soft-embedding path, ``"chunked"`` (default on CUDA with a bf16/fp16 embedding:
+    :mod:`blockdiff.sampler.soft_chunked`, bf16 probabilities per vocabulary chunk + cuBLAS with fp32
+    accumulation; H200 sampler_n4 soft part 2.48 ms vs 4.72 ms, whole step 3.93 vs 5.86 ms) or ``"triton_gemm"``
+    (default otherwise: the split-K Triton GEMM of this module);
     soft_chunk: its vocabulary chunk in tokens (None: the buffer [N * CL, chunk] stays <= 32 MiB);
     soft_overlap: chunked path on CUDA: write the next chunk's probabilities on a side stream during the GEMM.
     """
@@ -445,8 +446,7 @@ class SamplerConfig:
         return SamplerConfig(block_p, block_g, split_v, self.stats_warps or 4,
                              self.stats_stages or (3 if cuda else 1), bm, bn, bk, split_k,
                              self.gemm_warps or (8 if cuda else 4), self.gemm_stages or (3 if cuda else 1),
-                             self.use_tma, self.soft_impl or ("chunked" if cuda else "triton_gemm"),
-                             self.soft_chunk, self.soft_overlap)
+                             self.use_tma, self.soft_impl, self.soft_chunk, self.soft_overlap)
 
 
 def row_stats(logits: torch.Tensor, T: torch.Tensor, seed: torch.Tensor, request_id: torch.Tensor,
@@ -518,7 +518,10 @@ def soft_embedding(logits: torch.Tensor, embedding: torch.Tensor, T: torch.Tenso
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     cfg = config or SamplerConfig()
-    if cfg.soft_impl == "chunked":
+    impl = cfg.soft_impl
+    if impl is None:  # default: the chunked cuBLAS path on CUDA for half-precision E (H200: 2.48 vs 4.72 ms)
+        impl = "chunked" if logits.is_cuda and embedding.dtype in (torch.bfloat16, torch.float16) else "triton_gemm"
+    if impl == "chunked":
         from .soft_chunked import soft_embedding_chunked
 
         return soft_embedding_chunked(logits, embedding, T, m, inv_s, argmax, active, chunk=cfg.soft_chunk,
