@@ -228,3 +228,14 @@ def test_overlap_flag_gives_identical_sums():
     a = soft_embedding_chunked(x, E, T, r["m"], r["inv_s"], r["argmax"], act, chunk=32, overlap=False)
     b = soft_embedding_chunked(x, E, T, r["m"], r["inv_s"], r["argmax"], act, chunk=32, overlap=True)
     assert torch.equal(a, b)
+
+
+def test_default_soft_impl_is_chunked_on_cuda_for_half_embeddings_regression():
+    """Regression: the default was once decided on the unresolved config and never picked the chunked path."""
+    import torch
+    from blockdiff.sampler.triton_sampler import default_soft_impl
+
+    assert default_soft_impl(torch.device("cuda"), torch.bfloat16) == "chunked"
+    assert default_soft_impl(torch.device("cuda"), torch.float16) == "chunked"
+    assert default_soft_impl(torch.device("cuda"), torch.float32) == "triton_gemm"
+    assert default_soft_impl(torch.device("cpu"), torch.bfloat16) == "triton_gemm"
