@@ -326,3 +326,33 @@ def test_backend_dispatch_is_explicit():
     assert get_backend("reference") is reference.sampler_step
     with pytest.raises(ValueError, match="backend"):
         resolve_backend("fused")
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_convergence_matches_transformers_stable_and_confident_stopping(k):
+    """Issue 6 (d): on equal logits, our convergence decision per step equals transformers'
+    StableAndConfidentStoppingCriteria (fed the same argmax canvases and temperature-scaled logits)."""
+    hf = pytest.importorskip("transformers.models.diffusion_gemma.generation_diffusion_gemma")
+    g = torch.Generator().manual_seed(7)
+    crit = hf.StableAndConfidentStoppingCriteria(stability_threshold=k, confidence_threshold=0.005)
+    st, slots = make_state([P(stability_threshold=k, confidence_threshold=0.005, max_denoising_steps=40)])
+    start_denoise(st, slots)
+    ids_a = torch.randint(0, V, (1, CL), generator=g)
+    ids_b = ids_a.clone()
+    ids_b[0, 0] = (ids_b[0, 0] + 1) % V
+    # argmax sequence a, b, b, b, a, a, a, a with sharp logits (tiny entropy) except a diffuse step 2
+    plan = [(ids_a, 1000.0), (ids_b, 1000.0), (ids_b, 0.5), (ids_b, 1000.0), (ids_a, 1000.0), (ids_a, 1000.0),
+            (ids_a, 1000.0), (ids_a, 1000.0)]
+    for s, (ids, gap) in enumerate(plan):
+        x, _ = peaked_logits(1, ids=ids, gap=gap, g=g)
+        T = temperature(st, slots)
+        z = x.float() / T[:, None, None]
+        theirs = bool(crit(ids, z)[0])
+        out = step(st, slots, x)
+        assert torch.equal(out.argmax, ids), s
+        assert bool(out.converged[0]) == theirs, f"step {s}: ours {bool(out.converged[0])} transformers {theirs}"
+        if theirs:
+            assert s == 3  # a, b, b (diffuse: stable but not confident), b -> converged
+            break
+    else:
+        raise AssertionError("the plan never converged")
