@@ -52,9 +52,15 @@ __all__ = ["sampler_step", "denoise_reference", "soft_embedding_reference", "ent
 
 
 def entropy_reference(z: torch.Tensor) -> torch.Tensor:
-    """``H = -sum_v p log p`` with ``p = softmax(z)`` over the last dim, float32 nats (z finite)."""
+    """``H = -sum_v p log p`` with ``p = softmax(z)`` over the last dim, float32 nats.
+
+    Tokens with p = 0 contribute 0 (the limit of p log p), also where ``z = -inf`` (a finite logit such as
+    ``finfo(float32).min`` divided by T < 1 overflows to -inf): ``0 * -inf`` would be NaN. NaN only where the
+    distribution is undefined (some z = +inf, or every z = -inf); the caller fails such rows.
+    """
     logp = torch.log_softmax(z, dim=-1)
-    return -(logp.exp() * logp).sum(-1)
+    p = logp.exp()
+    return -torch.where(p == 0, 0.0, p * logp).sum(-1)
 
 
 def soft_embedding_reference(p: torch.Tensor, embedding: torch.Tensor) -> torch.Tensor:
@@ -90,6 +96,9 @@ def denoise_reference(state: SamplerState, slots: torch.Tensor, logits: torch.Te
     entropy = torch.where(greedy[:, None], 0.0, entropy_reference(z))
     entropy = torch.where(finite, entropy, float("nan"))
 
+    # z = x / T can overflow for finite x: -inf entries are p = 0 (entropy stays finite), but +inf entries or a
+    # position whose every z is -inf leave softmax undefined (NaN entropy): such rows fail too, never commit garbage
+    row_failed = row_failed | torch.isnan(entropy).any(-1)
     accepted = accept_by_entropy(entropy, state.entropy_bound[slots]) & ~row_failed[:, None]
     renoise = rng.random_ids(seed, rid, cidx, step, CL, V, rng.RENOISE)
     next_canvas = torch.where(accepted, sampled, renoise)

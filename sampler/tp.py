@@ -247,7 +247,7 @@ def local_statistics(logits: torch.Tensor, T: torch.Tensor, seed: torch.Tensor, 
     d = z - m[..., None]
     e = torch.exp(d)
     s = e.sum(-1)
-    u = (e * d).sum(-1)
+    u = torch.where(e == 0, 0.0, e * d).sum(-1)       # p = 0 adds nothing: z = -inf (x / T overflow) gives 0 * -inf
     g = gumbel_noise_shard(seed, request_id, canvas_index, step, CL, shard.start, shard.end)
     y = z + g
     gi = y.argmax(-1)
@@ -366,7 +366,8 @@ def finish_step(state: SamplerState, slots: torch.Tensor, prefill_done: torch.Te
     CL, V = state.canvas_length, state.vocab_size
     seed, rid = state.seed[slots], state.request_id[slots]
     cidx, step = state.canvas_index[slots], state.step[slots]
-    row_failed = comb.bad.any(-1)
+    # as the reference: non-finite logits, or a softmax left undefined by z = x / T overflowing (NaN entropy)
+    row_failed = comb.bad.any(-1) | torch.isnan(comb.entropy).any(-1)
     accepted = accept_by_entropy(comb.entropy, state.entropy_bound[slots]) & ~row_failed[:, None]
     renoise = rng.random_ids(seed, rid, cidx, step, CL, V, rng.RENOISE)
     next_canvas = torch.where(accepted, comb.sampled, renoise)

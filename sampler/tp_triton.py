@@ -84,7 +84,7 @@ def _shard_stats_kernel(
         m_new = tl.maximum(m, tmax)
         a = tl.exp(m - m_new)
         e = tl.exp(z - m_new)
-        ez = e * tl.where(mask, z - m_new, 0.0)
+        ez = tl.where(e > 0.0, e * (z - m_new), 0.0)              # p = 0 adds nothing (z = -inf: 0 * -inf)
         u = a * (u + (m - m_new) * s) + tl.sum(tl.sum(ez, 1), 0)
         s = a * s + tl.sum(tl.sum(e, 1), 0)
         m = m_new

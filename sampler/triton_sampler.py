@@ -174,7 +174,8 @@ def _stats_kernel(
         d = z - m                                                    # masked: -inf
         up = d > 0
         e = tl.exp(-tl.abs(d))
-        u = tl.where(up, e * (u - d * s), u + tl.where(mask, e * d, 0.0))
+        # e == 0 adds nothing (p log p -> 0): z = -inf (a finite logit / T < 1 overflowing) gives 0 * -inf = NaN
+        u = tl.where(up, e * (u - d * s), u + tl.where(mask & (e > 0.0), e * d, 0.0))
         s = tl.where(up, e * s + 1.0, s + e)
         m = tl.where(up, z, m)
         take = z > best
@@ -633,7 +634,9 @@ def sampler_step(state: SamplerState, slots: torch.Tensor, logits: torch.Tensor,
     greedy = T == 0
 
     st = row_stats(logits, T, seed, rid, cidx, step, is_den, config)                      # (a)
-    row_failed = st["bad"].any(-1)
+    # non-finite logits, or z = x / T overflowing to +inf / every z = -inf at a position (NaN entropy: softmax
+    # undefined) fail the row, as in the reference
+    row_failed = st["bad"].any(-1) | (torch.isnan(st["entropy"]).any(-1) & ~greedy)
     entropy = torch.where(greedy[:, None], torch.where(st["bad"], float("nan"), 0.0), st["entropy"])
     argmax = st["argmax"]
     sampled = torch.where(greedy[:, None], argmax, st["gumbel_argmax"])

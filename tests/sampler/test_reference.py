@@ -202,6 +202,40 @@ def test_non_finite_logits_never_accepted_request_failed(bad):
     assert st.phase[1].item() == FAILED and out.num_rejected[1].item() == 0
 
 
+def test_float32_min_masked_logits_keep_entropy_finite_and_accept_the_lowest():
+    """A finite logit at finfo(float32).min (a common vocabulary mask) / T < 1 overflows to z = -inf: p = 0 there
+    (p log p -> 0), so entropies stay finite, the lowest-entropy position is accepted, nothing fails. (Was NaN
+    entropy everywhere: nothing accepted, mean entropy NaN, the request stuck until the step cap.)"""
+    st, slots = make_state([P(t_min=0.4, t_max=0.8)])
+    start_denoise(st, slots)
+    x = torch.randn(1, CL, V)
+    x[..., 5] = torch.finfo(torch.float32).min
+    out = step(st, slots, x)
+    assert not out.failed.any() and st.phase[0].item() == DENOISE
+    assert torch.isfinite(out.entropy).all() and torch.isfinite(out.mean_entropy).all()
+    assert out.accepted[0, out.entropy[0].argmin()]
+    keep = torch.ones(V, dtype=torch.bool)
+    keep[5] = False
+    ref = entropy_reference(x[..., keep] / st.t_max[0])
+    torch.testing.assert_close(out.entropy, ref, rtol=1e-5, atol=1e-6)
+    assert torch.isfinite(st.soft).all()
+
+
+def test_logits_overflowing_to_plus_inf_fail_the_request():
+    """A finite logit whose z = x / T overflows to +inf leaves softmax undefined (NaN entropy): the request fails
+    instead of continuing with a NaN soft embedding."""
+    st, slots = make_state([P(), P()])
+    start_denoise(st, slots)
+    soft_before = st.soft.clone()
+    x = torch.randn(2, CL, V)
+    x[1, 3, 5] = 3e38
+    out = step(st, slots, x)
+    assert out.failed.tolist() == [False, True]
+    assert st.phase[slots].tolist() == [DENOISE, FAILED]
+    assert not out.accepted[1].any()
+    assert torch.equal(st.soft[1], soft_before[1]) and torch.isfinite(st.soft).all()
+
+
 def test_garbage_logits_of_non_denoise_rows_are_ignored():
     st, slots = make_state([P(), P()])
     x = torch.full((2, CL, V), float("nan"))

@@ -127,8 +127,9 @@ def test_sharded_step_single_shard_is_the_reference():
                    V=1000, cl=16, hidden=HID, steps=6, device="cpu", e_dtype=torch.bfloat16, tie_ids=(3, 4))
 
 
-def test_overflowing_z_is_not_a_failure_as_in_the_reference():
-    """A finite logit whose z = x / T overflows to inf: the reference fails only on non-finite LOGITS; so do we."""
+def test_overflowing_z_fails_as_in_the_reference():
+    """A finite logit whose z = x / T overflows to +inf leaves softmax undefined: the reference fails the row (NaN
+    entropy), never continuing with a NaN soft embedding; so do we. z = -inf (finfo.min / T) is p = 0: no failure."""
     from blockdiff.sampler import sampler_step
     params = W.scenario_params(CL)
     st_ref, st_tp = W.make_states(params, CL, 50, HID, "cpu")
@@ -141,10 +142,34 @@ def test_overflowing_z_is_not_a_failure_as_in_the_reference():
     x[0, 2, 30] = 3e38                                                   # / T (0.8) -> inf
     o_ref = sampler_step(st_ref, slots, x, pd, E)
     o_tp = sampler_step_sharded(st_tp, slots, x, pd, E, bounds=(0, 20, 50))
-    assert not o_ref.failed[0] and not o_tp.failed[0]
+    assert o_ref.failed[0] and o_tp.failed[0]
+    assert not o_ref.failed[1:].any() and not o_tp.failed[1:].any()
     for k in W.INT_OUT_FIELDS:
         assert torch.equal(getattr(o_ref, k), getattr(o_tp, k)), k
     assert torch.equal(torch.isnan(o_ref.entropy), torch.isnan(o_tp.entropy))
+
+
+def test_masked_logit_at_float32_min_keeps_entropy_finite_as_in_the_reference():
+    """finfo(float32).min logits (a common mask) / T < 1 overflow to z = -inf: p = 0 there, entropies stay finite,
+    nothing fails, and the sharded step matches the reference."""
+    from blockdiff.sampler import sampler_step
+    params = W.scenario_params(CL)
+    st_ref, st_tp = W.make_states(params, CL, 50, HID, "cpu")
+    slots = torch.arange(1, 5)
+    pd = torch.ones(4, dtype=torch.bool)
+    E = torch.randn(50, HID)
+    for st in (st_ref, st_tp):
+        sampler_step(st, slots, torch.zeros(4, CL, 50), pd, E)
+    x = torch.randn(4, CL, 50)
+    x[:, :, 7] = torch.finfo(torch.float32).min
+    x[:, :, 33] = torch.finfo(torch.float32).min
+    o_ref = sampler_step(st_ref, slots, x, pd, E)
+    o_tp = sampler_step_sharded(st_tp, slots, x, pd, E, bounds=(0, 20, 50))
+    assert not o_ref.failed.any() and not o_tp.failed.any()
+    assert torch.isfinite(o_ref.entropy).all() and torch.isfinite(o_tp.entropy).all()
+    for k in W.INT_OUT_FIELDS:
+        assert torch.equal(getattr(o_ref, k), getattr(o_tp, k)), k
+    torch.testing.assert_close(o_tp.entropy, o_ref.entropy, rtol=1e-5, atol=1e-5)
 
 
 def test_sharded_step_rejects_wrong_shapes():

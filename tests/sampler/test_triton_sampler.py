@@ -135,6 +135,34 @@ def test_full_steps_match_reference_exactly():
     assert seen_phases >= {0, 1, 2}
 
 
+def test_overflowing_z_matches_reference_masked_min_finite_plus_inf_fails():
+    """z = x / T overflowing: finfo.min logits (-inf z, p = 0) keep entropies finite and decisions equal to the
+    reference; a +inf z fails the row in both backends."""
+    CL, V, H = 8, 64, 16
+    def specs():
+        return [(0, 21, SamplingParams(canvas_length=CL, seed=5)),
+                (2, 22, SamplingParams(canvas_length=CL, seed=6)),
+                (3, 23, SamplingParams(canvas_length=CL, seed=7, t_min=0.0, t_max=0.0))]
+    a, b = _mk_state(specs(), CL, V, H), _mk_state(specs(), CL, V, H)
+    E = torch.randn(V, H, device=DEV).bfloat16()
+    slots = torch.tensor([0, 2, 3], device=DEV)
+    g = torch.Generator().manual_seed(3)
+    pd = torch.ones(3, dtype=torch.bool, device=DEV)
+    for it in range(3):
+        x = (torch.randn(3, CL, V, generator=g) * 3)
+        x[:, :, 10:13] = torch.finfo(torch.float32).min
+        if it == 1:
+            x[1, 4, 40] = 3e38
+        x = x.to(DEV)
+        oa = sampler_step(a, slots, x, pd, E, backend="reference")
+        ob = sampler_step(b, slots, x, pd, E, backend="triton")
+        _check_same(oa, ob, a, b, soft_tol=0.1)
+        if it >= 1:
+            assert torch.isfinite(ob.entropy[0]).all() and torch.isfinite(ob.entropy[2]).all()
+    assert oa.failed.tolist() == [False, False, False] and a.phase[2].item() == FAILED
+    assert torch.isfinite(b.soft).all()
+
+
 def test_soft_state_close_to_truth_after_a_step():
     CL, V, H = 8, 64, 32
     st = _mk_state([(0, 1, SamplingParams(canvas_length=CL))], CL, V, H)
