@@ -228,6 +228,10 @@ class HarnessRunner:
         if params.canvas_length != self.canvas_length:
             raise ValueError(f"request {req_id!r}: canvas_length {params.canvas_length} != served "
                              f"{self.canvas_length}")
+        try:  # everything the slot's add_request checks (eos ids vs max_eos / vocab, ...): refuse it now, not at
+            self.model_state.state.check_params(params)  # admission, where the request would be lost mid-step
+        except ValueError as e:
+            raise ValueError(f"request {req_id!r}: {e}") from None
         arrival = self.step_index if arrival_step is None else int(arrival_step)
         self._ids.add(req_id)
         self._waiting.append(_Req(req_id, prompt, params, arrival))
@@ -244,11 +248,16 @@ class HarnessRunner:
     # ------------------------------------------------------------------ one step
     def _admit(self, rec: StepRecord) -> None:
         while self._waiting and self._waiting[0].arrival_step <= self.step_index and self._free_slots:
-            r = self._waiting.pop(0)
+            r = self._waiting[0]
             self._free_slots.sort()
-            r.slot = self._free_slots.pop(0)
+            slot = self._free_slots[0]
+            # claim the slot only once the model state accepted the request: if add_request raises, the request
+            # stays queued and the slot free (nothing lost or leaked) and the error reaches the caller
+            self.model_state.add_request(slot, NewRequest(r.req_id, r.prompt, r.params))
+            self._waiting.pop(0)
+            self._free_slots.pop(0)
+            r.slot = slot
             r.admit_step = self.step_index
-            self.model_state.add_request(r.slot, NewRequest(r.req_id, r.prompt, r.params))
             self._running[r.req_id] = r
             rec.arrived.append(r.req_id)
 

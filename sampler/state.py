@@ -98,6 +98,29 @@ class SamplerState:
             raise ValueError(f"slot must be in [0, {self.max_num_reqs}), got {slot}")
         return slot
 
+    def check_params(self, params: SamplingParams) -> None:
+        """Raise unless :meth:`add_request` would accept ``params`` in this state (no state is touched).
+
+        Callers that queue requests (a scheduler, the harness) run this when the request is submitted, so a
+        request that cannot fit is refused up front instead of failing later, at admission into a slot.
+
+        Raises:
+            TypeError: params is not a :class:`SamplingParams`.
+            ValueError: a field breaks its rule, canvas_length differs from the state's, more eos_token_ids
+                than ``max_eos``, or an eos id >= vocab_size.
+        """
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params.validate()
+        if params.canvas_length != self.canvas_length:
+            raise ValueError(f"params.canvas_length ({params.canvas_length}) must equal the state's canvas_length "
+                             f"({self.canvas_length})")
+        if len(params.eos_token_ids) > self.max_eos:
+            raise ValueError(f"params.eos_token_ids has {len(params.eos_token_ids)} ids, more than max_eos={self.max_eos}")
+        for t in params.eos_token_ids:
+            if t >= self.vocab_size:
+                raise ValueError(f"eos_token_ids must be < vocab_size={self.vocab_size}, got {t}")
+
     def add_request(self, slot: int, request_id: int, params: SamplingParams) -> None:
         """Start a request in ``slot`` in phase PREFILL (host-side writes; not meant for graph capture).
 
@@ -115,17 +138,7 @@ class SamplerState:
             raise TypeError(f"request_id must be an int, got {type(request_id).__name__}")
         if not -(1 << 63) <= request_id < (1 << 63):
             raise ValueError(f"request_id must fit in int64, got {request_id}")
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        params.validate()
-        if params.canvas_length != self.canvas_length:
-            raise ValueError(f"params.canvas_length ({params.canvas_length}) must equal the state's canvas_length "
-                             f"({self.canvas_length})")
-        if len(params.eos_token_ids) > self.max_eos:
-            raise ValueError(f"params.eos_token_ids has {len(params.eos_token_ids)} ids, more than max_eos={self.max_eos}")
-        for t in params.eos_token_ids:
-            if t >= self.vocab_size:
-                raise ValueError(f"eos_token_ids must be < vocab_size={self.vocab_size}, got {t}")
+        self.check_params(params)
         s = slot
         self.phase[s] = PREFILL
         self.canvas[s] = 0

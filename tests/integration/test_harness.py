@@ -243,3 +243,41 @@ def test_kv_pool_too_small_raises_instead_of_hanging(make_runner):
     r.add_request("a", prompt(6, 80), params(max_tokens=CL))
     with pytest.raises(RuntimeError, match="none could be scheduled"):
         r.run(max_steps=50)
+
+
+def test_request_the_slot_would_refuse_is_rejected_at_submission_not_lost(make_runner):
+    """More eos ids than the state's max_eos, or an eos id >= vocab: add_request raises at submission. (Was
+    accepted, then raised mid-step at admission: the request vanished from the queue and its slot leaked.)"""
+    r = make_runner(max_num_reqs=2)
+    V = r.model_state.vocab_size
+    r.add_request("good", prompt(3), params(max_tokens=4))
+    with pytest.raises(ValueError, match="max_eos"):
+        r.add_request("many_eos", prompt(2), params(eos_token_ids=tuple(range(1, 12))))
+    with pytest.raises(ValueError, match="vocab_size"):
+        r.add_request("big_eos", prompt(2), params(eos_token_ids=(V + 3,)))
+    r.add_request("many_eos", prompt(2), params(eos_token_ids=(1, 2), max_tokens=4))  # the id is still free
+    res = r.run(max_steps=200)
+    assert sorted(res) == ["good", "many_eos"]
+    assert sorted(r._free_slots) == [0, 1]
+
+
+def test_admission_that_raises_keeps_the_request_queued_and_the_slot_free(make_runner):
+    """If the model state refuses a request at admission, the error reaches the caller with the request still
+    queued and no slot claimed; the next step admits it."""
+    r = make_runner(max_num_reqs=2)
+    r.add_request("a", prompt(3), params(max_tokens=4))
+    orig = r.model_state.add_request
+    calls = []
+
+    def flaky(slot, data):
+        calls.append(slot)
+        if len(calls) == 1:
+            raise ValueError("transient")
+        return orig(slot, data)
+
+    r.model_state.add_request = flaky
+    with pytest.raises(ValueError, match="transient"):
+        r.step()
+    assert [w.req_id for w in r._waiting] == ["a"] and sorted(r._free_slots) == [0, 1] and not r._running
+    res = r.run(max_steps=200)
+    assert list(res) == ["a"] and len(res["a"].output_token_ids) == 4 and sorted(r._free_slots) == [0, 1]

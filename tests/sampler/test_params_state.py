@@ -75,3 +75,21 @@ def test_state_rejects_bad_sizes(kw, match):
     args.update(kw)
     with pytest.raises(ValueError, match=match):
         SamplerState(**args)
+
+
+def test_check_params_refuses_what_add_request_refuses_without_touching_state():
+    """check_params (run by queues at submission) raises exactly where add_request would, and touches no slot."""
+    st = SamplerState(2, 8, 37, 4, max_eos=2)
+    before = {k: v.clone() for k, v in vars(st).items() if torch.is_tensor(v)}
+    for p, match in ((SamplingParams(canvas_length=8, eos_token_ids=(1, 2, 3)), "max_eos"),
+                     (SamplingParams(canvas_length=8, eos_token_ids=(37,)), "vocab_size"),
+                     (SamplingParams(canvas_length=16), "canvas_length")):
+        with pytest.raises(ValueError, match=match):
+            st.check_params(p)
+        with pytest.raises(ValueError, match=match):
+            st.add_request(0, 1, p)
+    with pytest.raises(TypeError, match="SamplingParams"):
+        st.check_params({"canvas_length": 8})
+    st.check_params(SamplingParams(canvas_length=8, eos_token_ids=(1, 36)))
+    for k, v in before.items():
+        assert torch.equal(getattr(st, k), v), k
