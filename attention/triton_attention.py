@@ -550,6 +550,21 @@ def get_kernel(head_dim, head_dim_v, group, dtype, paged, page_size, has_window,
     return k
 
 
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors' memory spans intersect (host pointer arithmetic only; conservative)."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+
+    def span(t):
+        start = t.data_ptr()
+        extent = sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) + 1
+        return start, start + extent * t.element_size()
+
+    a0, a1 = span(a)
+    b0, b1 = span(b)
+    return a0 < b1 and b0 < a1
+
+
 def choose_num_splits(n_programs: int, key_capacity: int, block_n: int, num_sms: int) -> int:
     """Split-KV count from host-known shapes only: split when the grid fills less than half a wave.
 
@@ -636,7 +651,10 @@ def attention_triton(
     if out is None:
         out = torch.empty(total_q, H, DV, dtype=q.dtype, device=q.device)
     unit = out.numel() == 0 or out.stride(-1) == 1
-    dst = out if unit else torch.empty_like(out, memory_format=torch.contiguous_format)
+    # an out that overlaps an input (e.g. out=q) would be overwritten while other programs still read it (V
+    # head-dim slices re-read the Q tile): write a private buffer and copy back (host pointer math, no sync)
+    aliased = any(_overlaps(out, t) for t in (q, k_cache, v_cache))
+    dst = out if unit and not aliased else torch.empty_like(out, memory_format=torch.contiguous_format)
     lse = torch.empty(H, total_q, dtype=torch.float32, device=q.device) if return_lse else None
     if total_q == 0 or B == 0:
         return (out, lse) if return_lse else out
@@ -664,9 +682,13 @@ def attention_triton(
         real_tiles = -(-total_q // BQ)  # exact for one sequence; the +B virtual tiles mostly exit
         ns = choose_num_splits(real_tiles * Hkv * n_dv, kcap, BN, _num_sms(q.device))
 
-    cu_q = cu_seqlens_q if cu_seqlens_q.dtype == torch.int32 else cu_seqlens_q.to(torch.int32)
-    sl = info.seq_lens
-    ncq = info.num_causal_q
+    # the kernel indexes metadata as dense 1-D arrays (block_table rows by stride(0), columns densely):
+    # strided views get a dense copy (a device copy, no host sync; capturable)
+    cu_q = cu_seqlens_q.to(torch.int32).contiguous()
+    sl = info.seq_lens.contiguous()
+    ncq = info.num_causal_q.contiguous()
+    if info.paged and block_table.stride(1) != 1:
+        block_table = block_table.contiguous()
     if info.paged:
         bt = block_table
         cu_k = cu_q  # unused
@@ -676,7 +698,7 @@ def attention_triton(
         page = info.page_size
     else:
         bt = cu_q  # unused
-        cu_k = cu_seqlens_k if cu_seqlens_k.dtype == torch.int32 else cu_seqlens_k.to(torch.int32)
+        cu_k = cu_seqlens_k.to(torch.int32).contiguous()
         stride_kb, stride_kp, stride_kh = k_cache.stride(0), 0, k_cache.stride(1)
         stride_vb, stride_vp, stride_vh = v_cache.stride(0), 0, v_cache.stride(1)
         stride_bt = 0

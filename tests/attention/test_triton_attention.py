@@ -197,6 +197,39 @@ def test_int64_metadata_is_accepted():
     run_and_check(inp, config=SMALL, window_size=3)
 
 
+def _strided(t):
+    """The same values as a non-contiguous view (every other element of a twice-as-long buffer)."""
+    if t.dim() == 2:
+        return t.t().contiguous().t()
+    buf = torch.zeros(t.shape[0] * 2, dtype=t.dtype, device=t.device)
+    buf[::2] = t
+    return buf[::2]
+
+
+@pytest.mark.parametrize("name", ["cu_seqlens_q", "seq_lens", "block_table", "num_causal_q", "cu_seqlens_k"])
+def test_non_contiguous_metadata_is_read_by_value_not_by_layout(name):
+    """Strided metadata views (cu_seqlens_q, seq_lens, num_causal_q, a column-major block_table,
+    cu_seqlens_k) give the same result as dense ones (the kernel indexed them as dense arrays)."""
+    kw = dict(MIXED)
+    if name == "num_causal_q":
+        kw.pop("causal")
+        kw["num_causal_q"] = [9, 0, 3, 1, 0, 5]
+    inp = make_batch(**kw, paged=name != "cu_seqlens_k")
+    inp[name] = _strided(inp[name])
+    assert not inp[name].is_contiguous()
+    run_and_check(inp, config=SMALL, window_size=3)
+
+
+@pytest.mark.parametrize("config", [dict(SMALL, BLOCK_DV=16), dict(SMALL, num_splits=2), SMALL])
+def test_out_aliasing_q_gives_the_unaliased_result(config):
+    """out=q (or any out overlapping an input): V head-dim slices re-read Q after another slice wrote out."""
+    inp = make_batch(**MIXED, D=32)
+    ref = attention_triton(**inp, config=config, window_size=3)
+    o = attention_triton(**inp, config=config, window_size=3, out=inp["q"])
+    assert o.data_ptr() == inp["q"].data_ptr()
+    torch.testing.assert_close(o, ref, rtol=0, atol=0)
+
+
 def test_out_views_are_written_in_place():
     inp = make_batch(**MIXED)
     total_q = inp["q"].shape[0]
