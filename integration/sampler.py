@@ -151,8 +151,19 @@ class DiffusionSampler:
         slots = input_batch.idx_mapping[:N].to(torch.int64)
         phase = st.phase[slots].clone()
         q_lens_np = np.asarray(input_batch.num_scheduled_tokens[:N], dtype=np.int64)
-        prefill_done_np = (np.asarray(input_batch.num_computed_prefill_tokens_np[:N], dtype=np.int64) + q_lens_np
-                           >= np.asarray(input_batch.prefill_len_np[:N], dtype=np.int64))
+        done_np = np.asarray(input_batch.num_computed_prefill_tokens_np[:N], dtype=np.int64)
+        plen_np = np.asarray(input_batch.prefill_len_np[:N], dtype=np.int64)
+        prefill_done_np = done_np + q_lens_np >= plen_np
+        # a row whose prompt was prefilled before this step is a canvas row (denoise / commit): it must carry the
+        # whole canvas, or _canvas_logits would read the next row's logits for its tail (host data only, no sync)
+        short = (done_np >= plen_np) & (q_lens_np != ms.canvas_length)
+        if short.any():
+            i = int(np.flatnonzero(short)[0])
+            rid = getattr(input_batch, "req_ids", None)
+            name = f" ({rid[i]!r})" if rid is not None and i < len(rid) else ""
+            raise ValueError(f"row {i}{name} is a denoise/commit row (prompt fully prefilled) with "
+                             f"{int(q_lens_np[i])} query tokens; it must schedule canvas_length="
+                             f"{ms.canvas_length} tokens")
         prefill_done = torch.as_tensor(prefill_done_np, dtype=torch.bool, device=dev)
         q_lens = torch.as_tensor(q_lens_np, dtype=torch.int32, device=dev)
         logits3 = self._canvas_logits(logits, input_batch)

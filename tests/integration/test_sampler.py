@@ -1,0 +1,34 @@
+"""DiffusionSampler (integration/sampler.py): argument checks of the per-step call."""
+from __future__ import annotations
+
+import pytest
+import torch
+from integration_helpers import CL, make_batch, needs_stack, params
+
+from blockdiff.integration.batch import NewRequest
+from blockdiff.integration.model_state import DiffusionModelState
+
+pytestmark = needs_stack
+
+
+def test_canvas_row_with_fewer_than_canvas_length_tokens_raises(tiny_model):
+    """A denoise/commit row (prompt already prefilled) scheduled with q_len != canvas_length raises ValueError
+    naming the row. (Was silent: the row's missing canvas positions read the next row's logits.)"""
+    from blockdiff.sampler import DENOISE
+
+    ms = DiffusionModelState.for_harness(tiny_model, max_num_reqs=4, max_num_tokens=64, canvas_length=CL,
+                                         device="cpu", default_params=params())
+    ms.add_request(0, NewRequest("den", [5, 6, 7], params()))
+    ms.add_request(1, NewRequest("pre", [5, 6, 7], params()))
+    ms.state.phase[0] = DENOISE
+    sampler, _ = ms.custom_sampler(None)
+    V = ms.vocab_size
+    phase_before = ms.state.phase.clone()
+    b = make_batch([("den", 0, CL - 2, 3, 3, None), ("pre", 1, 3, 0, 3, [5, 6, 7])])
+    with pytest.raises(ValueError, match=r"row 0 \('den'\).*canvas_length"):
+        sampler(torch.randn(b.num_tokens, V), b)
+    assert torch.equal(ms.state.phase, phase_before)  # nothing applied
+    # the same rows with a whole canvas run
+    b = make_batch([("den", 0, CL, 3, 3, None), ("pre", 1, 3, 0, 3, [5, 6, 7])])
+    out = sampler(torch.randn(b.num_tokens, V), b)
+    assert out.num_rejected.tolist() == [CL, 0]
