@@ -18,20 +18,35 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
             its token (padding).
 
     Raises:
-        ValueError: shapes disagree, or a slot is out of range (checked on the host unless a CUDA graph
-            is being captured; under capture every slot must be >= 0).
+        TypeError: ``slot_mapping`` is not an int32/int64 tensor (a float or bool mapping would be truncated).
+        ValueError: shapes disagree (k/v vs caches, k_cache vs v_cache pages), a slot is out of range, or two
+            tokens share a slot (the surviving write would be unspecified). Value rules are checked on the
+            host unless a CUDA graph is being captured (under capture every slot must be >= 0).
     """
+    for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache), ("slot_mapping", slot_mapping)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"slot_mapping must be int64 (or int32), got {slot_mapping.dtype}")
     if k.dim() != 3 or v.dim() != 3 or k.shape[0] != v.shape[0]:
         raise ValueError(f"k and v must be [T, num_kv_heads, head_dim] with equal T, got {k.shape}, {v.shape}")
     if slot_mapping.dim() != 1 or slot_mapping.shape[0] != k.shape[0]:
         raise ValueError(f"slot_mapping must be [T={k.shape[0]}], got {tuple(slot_mapping.shape)}")
+    if k_cache.dim() != 4 or v_cache.dim() != 4 or k_cache.shape[:2] != v_cache.shape[:2]:
+        raise ValueError(
+            f"k_cache and v_cache must be [num_blocks, page_size, num_kv_heads, head_dim] with equal num_blocks "
+            f"and page_size, got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
     if k_cache.shape[2:] != k.shape[1:] or v_cache.shape[2:] != v.shape[1:]:
         raise ValueError(
             f"cache head shapes {tuple(k_cache.shape[2:])}/{tuple(v_cache.shape[2:])} must match "
             f"k/v {tuple(k.shape[1:])}/{tuple(v.shape[1:])}")
     n_slots = k_cache.shape[0] * k_cache.shape[1]
-    if not capturing() and slot_mapping.numel() and int(slot_mapping.max()) >= n_slots:
-        raise ValueError(f"slot_mapping has a slot >= num_blocks * page_size = {n_slots}")
+    if not capturing() and slot_mapping.numel():
+        if int(slot_mapping.max()) >= n_slots:
+            raise ValueError(f"slot_mapping has a slot >= num_blocks * page_size = {n_slots}")
+        used = slot_mapping[slot_mapping >= 0]
+        if torch.unique(used).numel() != used.numel():
+            raise ValueError("slot_mapping has a slot used by two tokens (duplicate non-negative slots)")
     slots = slot_mapping.to(torch.int64)
     kf = k_cache.view(n_slots, *k_cache.shape[2:])
     vf = v_cache.view(n_slots, *v_cache.shape[2:])

@@ -1,0 +1,50 @@
+"""write_kv_cache (attention/cache.py): slot semantics and bad-input errors."""
+import pytest
+import torch
+
+from blockdiff.attention import write_kv_cache
+
+
+def _caches(num_blocks=2, page_size=4, Hkv=1, D=2):
+    return torch.zeros(num_blocks, page_size, Hkv, D), torch.zeros(num_blocks, page_size, Hkv, D)
+
+
+def test_writes_at_slots_and_skips_negative_slots():
+    kc, vc = _caches()
+    k = torch.arange(6.).reshape(3, 1, 2)
+    write_kv_cache(k, -k, kc, vc, torch.tensor([5, -1, 0]))
+    assert torch.equal(kc.view(8, 1, 2)[5], k[0]) and torch.equal(kc.view(8, 1, 2)[0], k[2])
+    assert torch.equal(vc.view(8, 1, 2)[5], -k[0])
+    assert kc.view(8, 1, 2)[[1, 2, 3, 4, 6, 7]].eq(0).all()
+
+
+def test_duplicate_slots_are_an_error_not_an_unspecified_write():
+    kc, vc = _caches()
+    k = torch.arange(6.).reshape(3, 1, 2)
+    with pytest.raises(ValueError, match="slot_mapping.*two tokens"):
+        write_kv_cache(k, k, kc, vc, torch.tensor([1, 1, 2]))
+    write_kv_cache(k, k, kc, vc, torch.tensor([-1, -1, 2]))  # repeated padding (-1) is fine
+
+
+@pytest.mark.parametrize("slots", [torch.tensor([1.0, 0.0, 2.0]), torch.tensor([True, False, True])])
+def test_non_integer_slot_mapping_is_a_type_error(slots):
+    kc, vc = _caches()
+    k = torch.zeros(3, 1, 2)
+    with pytest.raises(TypeError, match="slot_mapping"):
+        write_kv_cache(k, k, kc, vc, slots)
+
+
+def test_k_and_v_caches_with_different_pages_are_a_value_error():
+    kc, _ = _caches()
+    vc = torch.zeros(1, 4, 1, 2)
+    k = torch.zeros(1, 1, 2)
+    with pytest.raises(ValueError, match="k_cache and v_cache"):
+        write_kv_cache(k, k, kc, vc, torch.tensor([7]))
+
+
+def test_out_of_range_slot_and_empty_write():
+    kc, vc = _caches()
+    k = torch.zeros(1, 1, 2)
+    with pytest.raises(ValueError, match="slot_mapping has a slot >="):
+        write_kv_cache(k, k, kc, vc, torch.tensor([8]))
+    write_kv_cache(k[:0], k[:0], kc, vc, torch.zeros(0, dtype=torch.int64))
