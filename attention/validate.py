@@ -106,6 +106,10 @@ def check_attention_inputs(
     head_dim_v = v_cache.shape[-1]
     if kd != head_dim:
         raise ValueError(f"k_cache head_dim {kd} must equal q head_dim {head_dim}")
+    for name, n in (("num_heads (q.shape[1])", num_heads), ("head_dim (q.shape[2])", head_dim),
+                    ("head_dim_v (v_cache.shape[-1])", head_dim_v)):
+        if n < 1:
+            raise ValueError(f"{name} must be >= 1, got {n}")
     if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
         raise ValueError(f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads}) for GQA")
 

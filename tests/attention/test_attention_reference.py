@@ -236,6 +236,10 @@ def _base():
     (lambda d: d.update(q=d["q"][:, :, None]), ValueError, "dimensions"),
     (lambda d: d.update(block_table=d["block_table"] + 100), ValueError, "out of range"),
     (lambda d: d.update(seq_lens=None), ValueError, "seq_lens is required"),
+    # empty head dims / no heads: a clear ValueError, not ZeroDivisionError or a reshape error
+    (lambda d: d.update(q=d["q"][:, :, :0], k_cache=d["k_cache"][..., :0]), ValueError, "head_dim .* >= 1"),
+    (lambda d: d.update(v_cache=d["v_cache"][..., :0]), ValueError, "head_dim_v .* >= 1"),
+    (lambda d: d.update(q=d["q"][:, :0]), ValueError, "num_heads .* >= 1"),
 ])
 def test_bad_input_raises_clear_error(mutate, exc, match):
     d = _base()
