@@ -13,6 +13,11 @@ from .rng import MAX_POSITIONS, MAX_STEPS
 
 __all__ = ["SamplingParams"]
 
+#: Largest finite float32 (the float fields are stored as float32 tensors in :class:`SamplerState`).
+_FLOAT32_MAX = 3.4028234663852886e38
+#: Upper bound of ``max_tokens`` (int64 counters on the device; 2**62 is SamplerState's "no cap" value).
+_MAX_TOKENS_LIMIT = 1 << 62
+
 
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
@@ -34,10 +39,11 @@ class SamplingParams:
             allows t_min == t_max, which T = 0 needs.)
         entropy_bound: acceptance budget in nats, >= 0 and finite (the lowest-entropy position is always accepted).
         confidence_threshold: mean-entropy threshold in nats for convergence (strict ``<``), >= 0 and finite.
-        stability_threshold: k >= 0; convergence needs the last k + 1 argmax canvases identical.
+        stability_threshold: k in [0, 2**31); convergence needs the last k + 1 argmax canvases identical.
         seed: RNG seed, 0 <= seed < 2**63 (Philox key, see :mod:`.rng`).
         eos_token_ids: token ids that end the request (the first one emitted is kept); each >= 0.
-        max_tokens: cap on emitted tokens of the request (None = no cap), >= 1.
+        max_tokens: cap on emitted tokens of the request (None = no cap), in [1, 2**62].
+        Float fields must also be finite in float32 (the device state's dtype).
 
     Raises:
         TypeError: a field has the wrong type (names the field).
@@ -76,6 +82,8 @@ class SamplingParams:
                 raise TypeError(f"{name} must be a float, got {type(v).__name__} ({v!r})")
             if not math.isfinite(v):
                 raise ValueError(f"{name} must be finite, got {v}")
+            if abs(v) > _FLOAT32_MAX:  # stored as float32 on the device: would be inf there (inf - inf = NaN T)
+                raise ValueError(f"{name} must be representable in float32 (|{name}| <= {_FLOAT32_MAX:.4e}), got {v}")
         if not 1 <= self.canvas_length < MAX_POSITIONS:
             raise ValueError(f"canvas_length must be in [1, {MAX_POSITIONS}), got {self.canvas_length}")
         if not 1 <= self.max_denoising_steps < MAX_STEPS:
@@ -88,8 +96,9 @@ class SamplingParams:
             raise ValueError(f"entropy_bound must be >= 0 nats, got {self.entropy_bound}")
         if self.confidence_threshold < 0:
             raise ValueError(f"confidence_threshold must be >= 0 nats, got {self.confidence_threshold}")
-        if self.stability_threshold < 0:
-            raise ValueError(f"stability_threshold must be >= 0, got {self.stability_threshold}")
+        if not 0 <= self.stability_threshold < (1 << 31):
+            raise ValueError(f"stability_threshold must be in [0, 2**31) (int32 on the device), got "
+                             f"{self.stability_threshold}")
         if not 0 <= self.seed < (1 << 63):
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         for t in self.eos_token_ids:
@@ -100,8 +109,8 @@ class SamplingParams:
         if self.max_tokens is not None:
             if not _is_int(self.max_tokens):
                 raise TypeError(f"max_tokens must be an int or None, got {type(self.max_tokens).__name__}")
-            if self.max_tokens < 1:
-                raise ValueError(f"max_tokens must be >= 1 or None, got {self.max_tokens}")
+            if not 1 <= self.max_tokens <= _MAX_TOKENS_LIMIT:
+                raise ValueError(f"max_tokens must be in [1, 2**62] or None, got {self.max_tokens}")
 
     @property
     def greedy(self) -> bool:

@@ -93,3 +93,26 @@ def test_check_params_refuses_what_add_request_refuses_without_touching_state():
     st.check_params(SamplingParams(canvas_length=8, eos_token_ids=(1, 36)))
     for k, v in before.items():
         assert torch.equal(getattr(st, k), v), k
+
+
+@pytest.mark.parametrize("kw,field", [
+    (dict(max_tokens=1 << 63), "max_tokens"), (dict(max_tokens=(1 << 62) + 1), "max_tokens"),
+    (dict(stability_threshold=1 << 40), "stability_threshold"),
+    (dict(t_min=1e39, t_max=1e39), "t_min"), (dict(t_max=1e39), "t_max"),
+    (dict(entropy_bound=1e39), "entropy_bound"), (dict(confidence_threshold=-1e39), "confidence_threshold"),
+])
+def test_params_that_overflow_the_device_dtypes_are_rejected_naming_the_field(kw, field):
+    """Values past the device tensors' dtypes (int64 / int32 / float32) raise a ValueError naming the field at
+    construction. (Were accepted, then add_request died mid-write with a torch overflow error, leaving the slot
+    in PREFILL; 1e39 in both t_min and t_max would have been inf - inf = NaN temperature.)"""
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(canvas_length=8, **kw)
+
+
+def test_params_at_the_device_dtype_limits_fit_the_state():
+    st = SamplerState(1, 8, 37, 4)
+    p = SamplingParams(canvas_length=8, max_tokens=1 << 62, stability_threshold=(1 << 31) - 1,
+                       t_min=3.4e38, t_max=3.4e38, entropy_bound=3.4e38)
+    st.add_request(0, 5, p)
+    assert st.max_tokens[0].item() == 1 << 62 and st.stability_threshold[0].item() == (1 << 31) - 1
+    assert torch.isfinite(st.t_max).all() and torch.isfinite(st.entropy_bound).all()
