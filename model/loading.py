@@ -54,17 +54,23 @@ def convert_hf_state_dict(state_dict, expected: dict[str, tuple[torch.Size, torc
         ``(tensors, skipped)``: our name -> tensor, and the sorted list of skipped (vision) names.
 
     Raises:
-        ValueError: one message listing every missing, unexpected, mis-shaped or untied-but-different tensor.
+        ValueError: one message listing every missing, unexpected, mis-shaped, wrongly typed (an integer tensor
+            for a float parameter, a value that is not a tensor) or untied-but-different tensor.
     """
     out: dict[str, torch.Tensor] = {}
     tied: dict[str, list[tuple[str, torch.Tensor]]] = {}
-    unexpected, skipped = [], []
+    unexpected, skipped, not_tensor, bad_dtype = [], [], [], []
     for key, t in state_dict.items():
         k = key
         if k.startswith(("encoder.", "decoder.")):
             k = "model." + k
         if k.startswith(SKIPPED_PREFIXES):
             skipped.append(key)
+            continue
+        if not isinstance(t, torch.Tensor) and callable(t):  # lazy entry: read only what is kept
+            t = t()
+        if not isinstance(t, torch.Tensor):
+            not_tensor.append(f"{key}: {type(t).__name__}")
             continue
         if k.startswith(_DEC):
             ours = k[len(_DEC):]
@@ -99,6 +105,9 @@ def convert_hf_state_dict(state_dict, expected: dict[str, tuple[torch.Size, torc
         t = out[name]
         if tuple(t.shape) != tuple(shape):
             bad_shape.append(f"{name}: got {tuple(t.shape)}, expected {tuple(shape)}")
+        want_float = expected[name][1].is_floating_point
+        if t.is_floating_point() != want_float:
+            bad_dtype.append(f"{name}: got {t.dtype}, expected a {'float' if want_float else 'non-float'} tensor")
     for name, copies in tied.items():
         if name in out and tuple(out[name].shape) == tuple(expected[name][0]):
             for key, t in copies:
@@ -111,6 +120,10 @@ def convert_hf_state_dict(state_dict, expected: dict[str, tuple[torch.Size, torc
         errors.append(f"unexpected tensors ({len(unexpected)}): {_fmt(unexpected)}")
     if bad_shape:
         errors.append(f"mis-shaped tensors ({len(bad_shape)}): {_fmt(bad_shape)}")
+    if bad_dtype:
+        errors.append(f"tensors of the wrong kind of dtype ({len(bad_dtype)}): {_fmt(bad_dtype)}")
+    if not_tensor:
+        errors.append(f"values that are not tensors ({len(not_tensor)}): {_fmt(not_tensor)}")
     if differ:
         errors.append(f"tied tensors that differ from the decoder's copy ({len(differ)}; untied encoder/decoder "
                       f"or lm_head weights are not supported): {_fmt(differ)}")

@@ -131,3 +131,26 @@ def test_real_26b_a4b_geometry_names_and_shapes():
     assert skipped and all("vision" in k for k in skipped)
     shapes = ours.kv_cache_shapes(1, 16)
     assert shapes[0][0] == (1, 16, 8, 256) and shapes[5][0] == (1, 16, 2, 512)
+
+
+def test_lazy_state_dict_entries_load_like_tensors(twin):
+    """Entries given as zero-argument callables returning the tensor (as documented) load identically."""
+    cfg, hf, ours = twin
+    lazy = {k: (lambda v=v: v) for k, v in hf.state_dict().items()}
+    m = DiffusionGemma.from_pretrained_state_dict(lazy, cfg)
+    ids = torch.randint(0, cfg.vocab_size, (5,))
+    assert torch.equal(_logits(m, ids), _logits(ours, ids))
+
+
+def test_integer_tensor_or_non_tensor_value_is_a_listed_load_error(twin):
+    """An integer tensor for a float weight, or a value that is not a tensor, is a ValueError naming it (was a
+    RuntimeError from load_state_dict / an AttributeError)."""
+    cfg, hf, _ = twin
+    sd = dict(hf.state_dict())
+    dec, enc = "model.decoder.layers.0.mlp.gate_proj.weight", "model.encoder.language_model.layers.0.mlp.gate_proj.weight"
+    bad = dict(sd, **{dec: sd[dec].to(torch.int64), enc: sd[dec].to(torch.int64)})
+    with pytest.raises(ValueError, match=r"wrong kind of dtype \(1\): layers\.0\.mlp\.gate_proj\.weight: got torch\.int64"):
+        DiffusionGemma.from_pretrained_state_dict(bad, cfg)
+    bad = dict(sd, **{dec: sd[dec].numpy()})
+    with pytest.raises(ValueError, match=r"not tensors \(1\): model\.decoder\.layers\.0\.mlp\.gate_proj\.weight: ndarray"):
+        DiffusionGemma.from_pretrained_state_dict(bad, cfg)
