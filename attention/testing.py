@@ -2,7 +2,8 @@
 
 A backend output is accepted when its error against the high-precision oracle (fp64 on the same inputs) is at
 most ``2 x`` the error of the same-precision eager PyTorch computation plus a representation tolerance
-(FlashAttention-4's test rule). Non-finite values never pass.
+(FlashAttention-4's test rule). Non-finite values never pass. Elements where the eager baseline itself overflows
+(fp16 scores beyond 65504) are compared as if eager had returned the oracle rounded to the dtype.
 """
 from __future__ import annotations
 
@@ -36,6 +37,9 @@ def check_close(out, q, k_cache, v_cache, *, lse=None, factor: float = 2.0, **kw
     o64, lse64, eager = reference_pair(q, k_cache, v_cache, **kw)
     atol = REPRESENTATION_ATOL[q.dtype]
     err = (out.to(torch.float64) - o64).abs().max().item() if out.numel() else 0.0
+    # Where the eager baseline overflows (fp16 QK^T beyond 65504, e.g. scale 1.0 with large head_dim) its error
+    # is undefined (NaN would reject every backend): count those elements as the oracle rounded to the dtype.
+    eager = torch.where(torch.isfinite(eager), eager, o64.to(eager.dtype))
     eager_err = (eager.to(torch.float64) - o64).abs().max().item() if out.numel() else 0.0
     bound = factor * eager_err + atol
     assert err <= bound, f"max abs error {err:.3e} > {factor} x eager {eager_err:.3e} + atol {atol:.1e}"
