@@ -145,10 +145,25 @@ def count_allowed_pairs(
 
     Args:
         q_lens, seq_lens, num_causal_q: int tensors ``[B]`` (tokens).
+
+    Raises:
+        TypeError: a length tensor is not an integer tensor.
+        ValueError: shapes differ or are not 1-D; ``q_lens < 0``, ``seq_lens < q_lens`` or ``num_causal_q``
+            outside ``[0, q_len]`` (the count would be of a mask the contract does not define).
     """
+    for name, t in (("q_lens", q_lens), ("seq_lens", seq_lens), ("num_causal_q", num_causal_q)):
+        if not isinstance(t, torch.Tensor) or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            raise TypeError(f"{name} must be an integer tensor [B], got {getattr(t, 'dtype', type(t).__name__)}")
+        if t.dim() != 1 or t.shape != q_lens.shape:
+            raise ValueError(f"q_lens, seq_lens, num_causal_q must be 1-D of equal length, got {name} "
+                             f"{tuple(t.shape)} vs q_lens {tuple(q_lens.shape)}")
     q_lens = q_lens.to(torch.int64).cpu()
     seq_lens = seq_lens.to(torch.int64).cpu()
     num_causal_q = num_causal_q.to(torch.int64).cpu()
+    if bool((q_lens < 0).any()) or bool((seq_lens < q_lens).any()):
+        raise ValueError("need 0 <= q_lens <= seq_lens (seq_lens include the query tokens)")
+    if bool(((num_causal_q < 0) | (num_causal_q > q_lens)).any()):
+        raise ValueError("num_causal_q must be in [0, q_len] for every sequence")
     seq_of_row = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens)
     starts = torch.cumsum(q_lens, 0) - q_lens
     rows = torch.arange(int(q_lens.sum())) - starts[seq_of_row]

@@ -262,3 +262,18 @@ def test_non_finite_scale_is_rejected():
     with pytest.raises(ValueError, match="scale must be finite"):
         attention(**_base(), scale=float("nan"), backend="reference")
 
+
+
+@pytest.mark.parametrize("q_lens,seq_lens,ncq,exc", [
+    ([2], [1], [0], ValueError),  # query longer than its keys: no contract mask to count
+    ([-1], [3], [0], ValueError),
+    ([2], [4], [3], ValueError),  # num_causal_q > q_len
+    ([2, 1], [4], [0, 0], ValueError),  # lengths of different B
+    ([2.0], [4.0], [0.0], TypeError),
+])
+def test_count_allowed_pairs_rejects_lengths_outside_the_contract(q_lens, seq_lens, ncq, exc):
+    """Was a silent count of an undefined mask (e.g. 2 pairs for 2 queries over 1 key)."""
+    with pytest.raises(exc):
+        count_allowed_pairs(torch.tensor(q_lens), torch.tensor(seq_lens), torch.tensor(ncq), None)
+    assert count_allowed_pairs(torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.int32),
+                               torch.zeros(0, dtype=torch.int32), 3) == 0
