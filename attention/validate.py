@@ -47,6 +47,19 @@ def _need_int(name, t):
         raise TypeError(f"{name} must be int32 or int64, got {t.dtype}")
 
 
+def _self_overlapping(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` share memory (from shape and strides only: no host sync)."""
+    dims = sorted((abs(st), n) for n, st in zip(t.shape, t.stride()) if n > 1)
+    if any(n == 0 for n in t.shape):
+        return False
+    extent = 1  # elements spanned by the dims seen so far
+    for st, n in dims:
+        if st < extent:
+            return True
+        extent = st * (n - 1) + extent
+    return False
+
+
 def capturing() -> bool:
     """True while a CUDA graph is being captured on the current stream (host reads are not allowed)."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
@@ -185,6 +198,9 @@ def check_attention_inputs(
             raise ValueError(f"out must have shape {(total_q, num_heads, head_dim_v)}, got {tuple(out.shape)}")
         if out.dtype != q.dtype or out.device != q.device:
             raise ValueError(f"out must be {q.dtype} on {q.device}, got {out.dtype} on {out.device}")
+        if _self_overlapping(out):
+            raise ValueError(f"out must not have elements sharing memory (e.g. an expand()ed view), got strides "
+                             f"{out.stride()} for shape {tuple(out.shape)}")
 
     if check_values:
         cq = cu_seqlens_q.to(torch.int64).cpu()

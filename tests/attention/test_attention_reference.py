@@ -240,6 +240,9 @@ def _base():
     (lambda d: d.update(q=d["q"][:, :, :0], k_cache=d["k_cache"][..., :0]), ValueError, "head_dim .* >= 1"),
     (lambda d: d.update(v_cache=d["v_cache"][..., :0]), ValueError, "head_dim_v .* >= 1"),
     (lambda d: d.update(q=d["q"][:, :0]), ValueError, "num_heads .* >= 1"),
+    # an out whose rows share memory (expand): triton wrote it silently (last writer wins)
+    (lambda d: d.update(out=torch.zeros(1, *d["q"].shape[1:]).expand(d["q"].shape)), ValueError,
+     "out must not have elements sharing memory"),
 ])
 def test_bad_input_raises_clear_error(mutate, exc, match):
     d = _base()

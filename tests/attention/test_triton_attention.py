@@ -230,6 +230,14 @@ def test_out_aliasing_q_gives_the_unaliased_result(config):
     torch.testing.assert_close(o, ref, rtol=0, atol=0)
 
 
+def test_out_with_rows_sharing_memory_is_rejected():
+    """An expand()ed out (every row the same memory) was silently written by all rows (last writer wins)."""
+    inp = make_batch(**MIXED)
+    out = torch.zeros(1, 4, 16, dtype=inp["q"].dtype, device=inp["q"].device).expand(inp["q"].shape[0], 4, 16)
+    with pytest.raises(ValueError, match="out must not have elements sharing memory"):
+        attention_triton(**inp, config=SMALL, out=out)
+
+
 def test_out_views_are_written_in_place():
     inp = make_batch(**MIXED)
     total_q = inp["q"].shape[0]
