@@ -48,23 +48,14 @@ import common  # noqa: E402
 SUITE = "sampler_tp"
 WORKLOAD = "sampler_n4"
 SHAPES = {"full": dict(N=4, CL=256, V=262144, H=2816), "quick": dict(N=2, CL=16, V=1000, H=64)}
-DECISIONS = ("accepted", "argmax", "sampled", "next_canvas", "converged", "failed", "finished", "emitted",
-             "num_sampled", "num_rejected", "temperature")
-STATE_FIELDS = ("phase", "canvas", "commit_canvas", "prev_argmax", "stable_count", "step", "canvas_index",
-                "num_emitted")
+from bench_sampler import DECISIONS, STATE_FIELDS  # noqa: E402,F401  (one definition of what is compared)
+from bench_sampler import make_inputs as _make_inputs  # noqa: E402
 
 
 def make_inputs(N, CL, V, H, device, seed=0):
-    """Full logits [N, CL, V] fp32, E [V, H] bf16, per-request params (identical on every rank: seeded)."""
-    from blockdiff.sampler import SamplingParams
-
-    g = torch.Generator(device=device).manual_seed(seed)
-    x = torch.randn(N, CL, V, device=device, generator=g) * 4.0
-    x = 30.0 * torch.tanh(x / 30.0)
-    E = (torch.randn(V, H, device=device, generator=g) * 0.02).to(torch.bfloat16)
-    params = [SamplingParams(canvas_length=CL, seed=100 + i, max_denoising_steps=10000,
-                             t_min=0.0 if i == N - 1 else 0.4, t_max=0.0 if i == N - 1 else 0.8)
-              for i in range(N)]
+    """Full logits [N, CL, V] fp32, E [V, H] bf16, per-request params (identical on every rank: seeded); the
+    single-GPU benchmark's inputs (bench_sampler.make_inputs)."""
+    x, E, params, _slots, _pd = _make_inputs(N, CL, V, H, device, seed)
     return x, E, params
 
 
