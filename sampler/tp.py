@@ -27,6 +27,11 @@ this module moves only per-position statistics and one hidden-sized vector per p
    replicated :class:`~blockdiff.sampler.state.SamplerState` of every rank with identical inputs, so every rank
    reaches identical decisions and state.
 
+On 2 GPUs (one process per GPU, NCCL; every process sets NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1,
+NVSHMEM_DISABLE_NVLS=1 first): ``source bench/device_env.sh; python3 -m pytest -m gpu tests/sampler/test_tp.py -s``
+(decisions identical to one GPU at V = 262144, canvas 256) and ``python3 bench/bench_sampler_tp.py`` (2 GPUs vs 1).
+Not yet run on GPUs (issue 10): CI runs the same combine over 2 gloo processes on the CPU.
+
 Communication per step (N rows, CL positions, W ranks, payload sizes): all_gather of ``N * CL * 56`` bytes per
 rank into ``W * N * CL * 56`` (56 KiB sent / 112 KiB gathered at N = 4, CL = 256, W = 2) and one all_reduce of
 ``N * CL * hidden * 4`` bytes (11.5 MB at hidden 2816; a ring moves ~``2 (W - 1) / W`` of it per rank),
