@@ -1,0 +1,625 @@
+"""Train a small DiffusionGemma (this project's model code) on the Python standard library's own sources.
+
+    python3 -m blockdiff.model.train --out model/checkpoints/stdlib-byte --minutes 12 --device cuda   # H200
+    python3 -m blockdiff.model.train --smoke --out /tmp/smoke                                          # CPU, < 60 s
+
+Objective (uniform-noise discrete diffusion over canvases that follow a clean prefix):
+
+* data: the stdlib's ``.py`` files (``sysconfig.get_paths()["stdlib"]``, ``site-packages`` excluded), byte-level
+  tokens (:class:`blockdiff.model.tokenizer.ByteTokenizer`, vocab 259), each file framed by bos / eos. Split by
+  file, deterministically: a file is held out iff ``crc32(relative path) % 20 == 0`` (~5 %).
+* an example is a window of ``P + CL`` tokens at a random offset: a clean prefix of ``P`` tokens (``P`` drawn per
+  batch from ``[prefix_min, prefix]`` so short prompts are in distribution) and a canvas of ``CL`` tokens.
+* noise: ``t ~ U(0, 1)`` per example; every canvas token is independently replaced by a uniform random id in
+  ``[0, V)`` with probability ``t`` (D3PM's uniform transition, Austin et al. 2021, arXiv:2107.03006; the
+  sampler's renoising draws the same uniform ids, ARCHITECTURE.md "Sampler semantics" step 5).
+* model: the encoder pass (causal) over the prefix and the decoder pass (bidirectional, reads the prefix K/V)
+  over the noisy canvas, with the model's own layers and weights.
+* loss: cross-entropy of the canvas logits (softcapped, as served) against the clean canvas, over every canvas
+  position (with uniform noise the model cannot tell which positions were replaced, and the sampler asks it to
+  denoise every position).
+* self-conditioning (Chen, Zhang, Hinton 2022, "Analog Bits", arXiv:2208.04202, sec. 3.2; transformers 5.24
+  ``DiffusionGemmaDecoderModel.forward``: ``self_conditioning_mask`` "Useful for training, where
+  self-conditioning is enabled per example with some probability"): a no-grad decoder pass with zero
+  self-conditioning gives logits z; with probability ``self_cond_prob`` (0.5) per example the graded pass gets
+  ``softmax(z) @ E * sqrt(hidden)`` (:meth:`DiffusionGemma.soft_embedding`, transformers' soft embedding), else
+  zero.
+
+Training path: the served forward (:meth:`DiffusionGemma.forward`) writes a paged KV cache in place and runs a
+varlen attention backend; it is built for inference (in-place cache writes, no autograd through the cache). For
+training, :func:`dense_forward` runs the *same* layers and weights over a dense ``[B, P + CL]`` batch: prefix rows
+as encoder rows (``E[ids] * sqrt(hidden)``, ``encoder_layer_scalar``), canvas rows as decoder rows (self-
+conditioning block, ``layer_scalar``), one SDPA call per layer with the mask of the two passes from
+:func:`blockdiff.attention.build_mask` (prefix rows: causal over the prefix; canvas rows: bidirectional over
+prefix + canvas with ``ctx = P``, the decoder pass's window rule). ``tests/model/test_train.py`` checks it against
+the served forward (reference backend, paged cache, prefill then denoise) to fp32 rounding. MoE runs the
+``"loop"`` implementation (autograd-safe; ``grouped_mm`` is the inference path).
+
+Default config (:func:`default_train_config`): hidden 256, 6 layers (sliding W = 63 / full alternating), 4 query
+heads, intermediate 256, 4 experts top-2 x 64, vocab 259, canvas 32, prefix 16-64 tokens (drawn per batch):
+4.12 M parameters, 8.2 MB of bf16 safetensors. Throughput estimate on one H200 (bf16 autocast, batch 256 x
+~72 tokens = 18.4 k tokens, one no-grad pass + one graded forward/backward): ~8 * 4.1e6 * 18.4e3 ~ 0.6 TFLOP per
+step, negligible against the GPU; the ~2500 small kernels per step (and the loop MoE's host syncs) make it
+launch-bound at an estimated 30-60 ms per step: ~12-24 k steps, ~2.5 M canvases of 32 tokens, in 12 minutes.
+``train_log.json`` records the measured steps/s.
+
+Outputs in ``--out``: ``model.safetensors`` (transformers names, so :meth:`DiffusionGemma.load_safetensors`
+loads the folder), ``config.json``, ``tokenizer.json``, ``loss.png``, ``train_log.json`` (losses, throughput,
+held-out evaluation).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import sysconfig
+import time
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .config import DiffusionGemmaConfig, tiny_config
+from .modeling import DiffusionGemma
+from .layers import rope_cos_sin
+from .tokenizer import ByteTokenizer
+
+HELD_OUT_MOD = 20
+
+
+# ---------------------------------------------------------------------------------------------- configs
+def default_train_config(**overrides) -> DiffusionGemmaConfig:
+    """The shipped model: hidden 256, 6 layers alternating sliding (W = 63) / full, 4 query heads, sliding
+    layers 2 KV heads x 64, full layers 1 KV head x 128, intermediate 256, 4 experts top-2 x 64, vocab 259
+    (byte tokenizer), canvas 32: 4,116,888 parameters (8.2 MB in bf16)."""
+    n = overrides.pop("num_hidden_layers", 6)
+    kw = dict(vocab_size=ByteTokenizer.vocab_size, hidden_size=256, intermediate_size=256, num_hidden_layers=n,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=64, global_head_dim=128,
+              num_global_key_value_heads=1, num_experts=4, top_k_experts=2, moe_intermediate_size=64,
+              sliding_window=64, max_position_embeddings=4096, canvas_length=32,
+              layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)],
+              pad_token_id=ByteTokenizer.pad_token_id, eos_token_id=ByteTokenizer.eos_token_id,
+              bos_token_id=ByteTokenizer.bos_token_id)
+    kw["layer_types"][-1] = "full_attention"
+    kw.update(overrides)
+    return DiffusionGemmaConfig(**kw)
+
+
+def smoke_config(**overrides) -> DiffusionGemmaConfig:
+    """The tiny CPU config of ``--smoke`` (:func:`blockdiff.model.tiny_config` with vocab 259, canvas 8)."""
+    kw = dict(vocab_size=ByteTokenizer.vocab_size, canvas_length=8, eos_token_id=ByteTokenizer.eos_token_id)
+    kw.update(overrides)
+    return tiny_config(**kw)
+
+
+@dataclass
+class TrainArgs:
+    out: str
+    minutes: float = 12.0
+    max_steps: int | None = None
+    batch_size: int = 256
+    prefix: int = 64
+    prefix_min: int = 16
+    lr: float = 2e-3
+    min_lr_frac: float = 0.1
+    warmup_steps: int = 200
+    weight_decay: float = 0.1
+    self_cond_prob: float = 0.5
+    log_every: int = 50
+    seed: int = 0
+    device: str = "cpu"
+    smoke: bool = False
+    corpus: str | None = None
+    eval_prompts: int = 8
+    eval_prompt_len: int = 48
+    eval_canvases: int = 2
+    eval_steps: int = 16
+    attn_backend: str = "reference"
+
+
+# ---------------------------------------------------------------------------------------------- corpus
+def stdlib_files(root: str | None = None) -> list[str]:
+    """Sorted relative paths of the ``.py`` files under ``root`` (default: the stdlib), ``site-packages`` and
+    ``__pycache__`` excluded."""
+    root = root or sysconfig.get_paths()["stdlib"]
+    out = []
+    for d, dirs, files in os.walk(root):
+        dirs[:] = sorted(x for x in dirs if x not in ("site-packages", "dist-packages", "__pycache__"))
+        for f in files:
+            if f.endswith(".py"):
+                out.append(os.path.relpath(os.path.join(d, f), root))
+    return sorted(out)
+
+
+def is_held_out(rel_path: str) -> bool:
+    """Deterministic split by file: held out iff ``crc32(path) % 20 == 0`` (~5 % of the files)."""
+    return zlib.crc32(rel_path.replace(os.sep, "/").encode()) % HELD_OUT_MOD == 0
+
+
+def load_corpus(root: str | None = None, tokenizer: ByteTokenizer | None = None, max_bytes: int | None = None):
+    """Token streams ``(train, held_out)``, int16 numpy arrays; every file is ``bos + bytes + eos``.
+
+    Args:
+        root: a folder of ``.py`` files (default: the stdlib) or a single text file (then it is split 95/5 by
+            position; used by the smoke test).
+        max_bytes: stop reading after this many bytes (None: all).
+
+    Raises:
+        ValueError: no text found.
+    """
+    tok = tokenizer or ByteTokenizer()
+    if root is not None and os.path.isfile(root):
+        with open(root, "rb") as f:
+            data = f.read()
+        ids = np.concatenate([[tok.bos_token_id], tok.encode_bytes(data), [tok.eos_token_id]]).astype(np.int16)
+        cut = max(1, int(len(ids) * 0.95))
+        return ids[:cut], ids[cut:]
+    base = root or sysconfig.get_paths()["stdlib"]
+    parts = {False: [], True: []}
+    total = 0
+    for rel in stdlib_files(base):
+        try:
+            with open(os.path.join(base, rel), "rb") as f:
+                data = f.read()
+        except OSError:
+            continue
+        parts[is_held_out(rel)].append(np.concatenate(
+            [[tok.bos_token_id], tok.encode_bytes(data), [tok.eos_token_id]]).astype(np.int16))
+        total += len(data)
+        if max_bytes is not None and total >= max_bytes:
+            break
+    if not parts[False]:
+        raise ValueError(f"no .py text found under {base}")
+    cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, np.int16)  # noqa: E731
+    return cat(parts[False]), cat(parts[True])
+
+
+def sample_batch(stream: torch.Tensor, batch_size: int, length: int, generator: torch.Generator) -> torch.Tensor:
+    """``[batch_size, length]`` int64 windows of ``stream`` (1-D int64) at uniform random offsets."""
+    if stream.numel() < length + 1:
+        raise ValueError(f"corpus ({stream.numel()} tokens) shorter than one example ({length} tokens)")
+    off = torch.randint(0, stream.numel() - length, (batch_size,), generator=generator)
+    idx = off[:, None] + torch.arange(length)[None, :]
+    return stream[idx]
+
+
+def add_uniform_noise(canvas: torch.Tensor, vocab_size: int, generator: torch.Generator, t: torch.Tensor | None = None):
+    """Uniform-noise corruption: each token replaced by a uniform id in ``[0, V)`` with probability ``t``
+    (``t ~ U(0, 1)`` per example unless given). The draws come from the CPU ``generator`` (deterministic for a
+    seed) and are moved to ``canvas``'s device without reading the canvas back (no host sync).
+
+    Args:
+        canvas: ``[B, CL]`` int64 clean tokens (any device).
+        t: ``[B]`` float replacement probabilities in [0, 1] (CPU), or None.
+
+    Returns:
+        ``(noisy [B, CL] int64 on canvas's device, t [B] fp32 on the CPU)``.
+    """
+    B, CL = canvas.shape
+    if t is None:
+        t = torch.rand(B, generator=generator)
+    replace = torch.rand(B, CL, generator=generator) < t[:, None]
+    rnd = torch.randint(0, vocab_size, (B, CL), generator=generator)
+    dev = canvas.device
+    return torch.where(replace.to(dev), rnd.to(dev), canvas), t
+
+
+# ---------------------------------------------------------------------------------------------- dense path
+def training_masks(model: DiffusionGemma, prefix_len: int, canvas_length: int, device) -> dict:
+    """Per layer type, the ``[P + CL, P + CL]`` bool mask of the encoder pass (prefix rows: causal over the
+    prefix) stacked on the decoder pass (canvas rows: bidirectional over prefix + canvas, ``ctx = P``), both
+    from :func:`blockdiff.attention.build_mask` with the layer's window and the config's bidirectional window."""
+    from blockdiff.attention import build_mask
+
+    cfg = model.config
+    P, CL = prefix_len, canvas_length
+    out = {}
+    for lt in set(cfg.layer_types):
+        W = cfg.window_size if lt == "sliding_attention" else None
+        enc = build_mask(P, P, causal=True, window_size=W, device=device) if P else torch.zeros(0, 0, dtype=torch.bool)
+        enc = torch.cat([enc.to(device), torch.zeros(P, CL, dtype=torch.bool, device=device)], 1)
+        dec = build_mask(CL, P + CL, causal=False, window_size=W, bidirectional_window=cfg.bidirectional_window,
+                         device=device)
+        out[lt] = torch.cat([enc, dec.to(device)], 0)
+    return out
+
+
+def dense_forward(model: DiffusionGemma, ids: torch.Tensor, prefix_len: int, self_cond: torch.Tensor | None = None,
+                  masks: dict | None = None) -> torch.Tensor:
+    """Training-mode forward: encoder pass over the prefix + decoder pass over the canvas, densely.
+
+    Args:
+        ids: ``[B, P + CL]`` int64: a clean prefix of ``P = prefix_len`` tokens, then the (noisy) canvas.
+        self_cond: ``[B, CL, hidden]`` soft embeddings (``softmax(z) @ E * sqrt(hidden)``) or None (zero).
+        masks: from :func:`training_masks` (built when None).
+
+    Returns:
+        canvas logits ``[B, CL, V]`` fp32 (fp64 for a float64 model), softcapped as :meth:`DiffusionGemma.forward` returns them.
+
+    Raises:
+        ValueError: bad shapes.
+    """
+    if ids.dim() != 2 or ids.dtype != torch.int64:
+        raise ValueError(f"ids must be int64 [B, P + CL], got {ids.dtype} {tuple(ids.shape)}")
+    B, L = ids.shape
+    P = int(prefix_len)
+    CL = L - P
+    if not 0 <= P < L:
+        raise ValueError(f"prefix_len must be in [0, {L}), got {prefix_len}")
+    cfg = model.config
+    hs = cfg.hidden_size
+    if self_cond is not None and tuple(self_cond.shape) != (B, CL, hs):
+        raise ValueError(f"self_cond must be [B={B}, CL={CL}, hidden={hs}], got {tuple(self_cond.shape)}")
+    dev = ids.device
+    dtype = model.embed_tokens.weight.dtype
+    if masks is None:
+        masks = training_masks(model, P, CL, dev)
+    h = model.embed_input_ids(ids)  # [B, L, hs]
+    hd = h[:, P:]
+    if self_cond is not None:
+        hd = hd + model.self_conditioning.signal(self_cond.to(hd.dtype))
+    hd = model.self_conditioning.post_norm(hd)
+    h = torch.cat([h[:, :P], hd.to(h.dtype)], 1).reshape(B * L, hs)
+    is_dec = (torch.arange(L, device=dev) >= P).repeat(B)[:, None]
+    positions = torch.arange(L, device=dev, dtype=torch.int64).repeat(B)
+    cs = {lt: rope_cos_sin(positions, model._device_inv_freq(lt, dev), dtype) for lt in model._inv_freq}
+    for layer in model.layers:
+        a = layer.self_attn
+        x = layer.input_layernorm(h)
+        q, k, v = a.qkv(x, *cs[a.layer_type])
+        q = q.view(B, L, a.num_heads, a.head_dim).transpose(1, 2)
+        rep = a.num_heads // a.num_kv_heads
+        k = k.view(B, L, a.num_kv_heads, a.head_dim).transpose(1, 2).repeat_interleave(rep, dim=1)
+        v = v.view(B, L, a.num_kv_heads, a.head_dim).transpose(1, 2).repeat_interleave(rep, dim=1)
+        dt = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+        o = F.scaled_dot_product_attention(q.to(dt), k.to(dt), v.to(dt), attn_mask=masks[a.layer_type], scale=1.0)
+        o = a.o_proj(o.transpose(1, 2).reshape(B * L, a.num_heads * a.head_dim))
+        h = h + layer.post_attention_layernorm(o)
+        h = layer.feed_forward(h, "loop")
+        h = h * torch.where(is_dec, layer.layer_scalar, layer.encoder_layer_scalar)
+    h = model.norm(h.view(B, L, hs)[:, P:])
+    logits = F.linear(h, model.embed_tokens.weight)
+    logits = logits.double() if logits.dtype == torch.float64 else logits.float()
+    cap = cfg.final_logit_softcapping
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+def diffusion_loss(model: DiffusionGemma, batch: torch.Tensor, prefix_len: int, generator: torch.Generator,
+                   self_cond_prob: float = 0.5, masks: dict | None = None, t: torch.Tensor | None = None):
+    """One training loss: noise the canvas (uniform), optional self-conditioning pass, canvas cross-entropy.
+
+    Args:
+        batch: ``[B, P + CL]`` clean windows (on the model's device).
+        generator: CPU generator for t, the noise and the self-conditioning coin (deterministic given a seed).
+
+    Returns:
+        scalar loss (nats per canvas token, fp32).
+    """
+    dev = batch.device
+    P = int(prefix_len)
+    clean = batch[:, P:]
+    noisy, t = add_uniform_noise(clean, model.config.vocab_size, generator, t)
+    ids = torch.cat([batch[:, :P], noisy], 1)
+    use_sc = torch.rand(batch.shape[0], generator=generator) < self_cond_prob
+    sc = None
+    if bool(use_sc.any()):
+        with torch.no_grad():
+            z = dense_forward(model, ids, P, None, masks)
+            sc = model.soft_embedding(z) * use_sc.to(dev, torch.float32)[:, None, None]
+    logits = dense_forward(model, ids, P, sc, masks)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), clean.reshape(-1))
+
+
+# ---------------------------------------------------------------------------------------------- checkpoint
+def hf_state_dict(model: DiffusionGemma, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """Our parameters under transformers' DiffusionGemma names (``model.decoder.*``; the encoder's
+    ``layer_scalar`` buffers as ``model.encoder.language_model.layers.{i}.layer_scalar``), as contiguous
+    CPU tensors of ``dtype`` -- what :func:`blockdiff.model.loading.convert_hf_state_dict` maps back."""
+    out = {}
+    for name, t in model.state_dict().items():
+        if name.endswith("encoder_layer_scalar"):
+            key = "model.encoder.language_model." + name.replace("encoder_layer_scalar", "layer_scalar")
+        else:
+            key = "model.decoder." + name
+        t = t.detach().to("cpu")
+        out[key] = (t.to(dtype) if t.is_floating_point() else t).contiguous()
+    return out
+
+
+def save_checkpoint(model: DiffusionGemma, out: str, tokenizer: ByteTokenizer, dtype=torch.bfloat16) -> str:
+    """Write ``model.safetensors``, ``config.json`` and ``tokenizer.json`` to the folder ``out``; returns the
+    safetensors path. Load with ``DiffusionGemma.load_safetensors(out)``."""
+    from safetensors.torch import save_file
+
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, "model.safetensors")
+    save_file(hf_state_dict(model, dtype), path, metadata={"format": "pt", "source": "blockdiff.model.train"})
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(model.config.to_dict(), f, indent=2)
+    tokenizer.save(out)
+    return path
+
+
+def plot_loss(log: list[dict], path: str, title: str) -> str:
+    """PNG of training loss (per log interval) and held-out loss against steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    steps = [r["step"] for r in log if "loss" in r]
+    ax.plot(steps, [r["loss"] for r in log if "loss" in r], label="train (canvas CE, t ~ U(0,1))")
+    ev = [r for r in log if "held_out_loss" in r]
+    if ev:
+        ax.plot([r["step"] for r in ev], [r["held_out_loss"] for r in ev], "o-", label="held-out")
+    ax.axhline(math.log(ByteTokenizer.vocab_size), color="gray", ls=":", lw=0.8, label="log V (uniform)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("nats / canvas token")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- evaluation
+@torch.no_grad()
+def held_out_loss(model, stream: torch.Tensor, prefix_len: int, canvas_length: int, *, batches: int = 4,
+                  batch_size: int = 64, seed: int = 1234, self_cond_prob: float = 0.0) -> float:
+    """Mean canvas cross-entropy (nats / token) on held-out windows, fixed seed (comparable across steps)."""
+    g = torch.Generator().manual_seed(seed)
+    dev = model.embed_tokens.weight.device
+    masks = training_masks(model, prefix_len, canvas_length, dev)
+    tot = 0.0
+    for _ in range(batches):
+        b = sample_batch(stream, batch_size, prefix_len + canvas_length, g).to(dev)
+        with _autocast(dev):
+            tot += float(diffusion_loss(model, b, prefix_len, g, self_cond_prob, masks))
+    return tot / batches
+
+
+def evaluate_generation(model: DiffusionGemma, tokenizer: ByteTokenizer, held_out: np.ndarray, *,
+                        num_prompts: int = 8, prompt_len: int = 48, canvases: int = 2, max_denoising_steps: int = 16,
+                        seed: int = 0, attn_backend: str = "reference", sampler_backend: str = "reference",
+                        device=None) -> dict:
+    """Generate from held-out prompts with :class:`blockdiff.integration.HarnessRunner` (the project's harness
+    and sampler, default :class:`~blockdiff.sampler.SamplingParams` except canvas length / step cap / eos).
+
+    Prompts: ``num_prompts`` held-out windows of ``prompt_len`` tokens starting at a line start (specials
+    dropped). Each request generates up to ``canvases * canvas_length`` tokens (stops at eos).
+
+    Returns:
+        dict: ``tokens_per_forward`` (tokens committed / harness forward passes, one pass serving every running
+        request; prefill and commit passes included), ``tokens_per_request_pass`` (tokens committed / rows of all
+        passes: a request's own prefill, denoise and commit rows), ``tokens_per_denoise_step`` (tokens committed
+        / denoise rows), ``denoise_steps_per_canvas`` (mean),
+        ``forward_passes``, ``tokens_emitted``, ``canvases``, ``samples`` ([{prompt, completion}] text).
+    """
+    from blockdiff.integration import HarnessRunner
+    from blockdiff.sampler import SamplingParams
+
+    cfg = model.config
+    CL = cfg.canvas_length
+    rng = np.random.default_rng(seed)
+    prompts = []
+    tries = 0
+    while len(prompts) < num_prompts and tries < 10_000:
+        tries += 1
+        off = int(rng.integers(0, max(1, len(held_out) - prompt_len - 1)))
+        nl = np.nonzero(held_out[off: off + 4 * prompt_len] == tokenizer.byte_offset + 10)[0]  # '\n'
+        if len(nl) == 0:
+            continue
+        s = off + int(nl[0]) + 1
+        w = held_out[s: s + prompt_len]
+        if len(w) < prompt_len or (w < tokenizer.byte_offset).any():
+            continue
+        prompts.append([int(x) for x in w])
+    if not prompts:
+        raise ValueError("no held-out prompt found (held-out stream too short)")
+    params = SamplingParams(canvas_length=CL, max_denoising_steps=max_denoising_steps, seed=seed,
+                            eos_token_ids=(tokenizer.eos_token_id,), max_tokens=canvases * CL)
+    dev = device or model.embed_tokens.weight.device
+    runner = HarnessRunner(model, default_params=params, max_num_reqs=len(prompts),
+                           max_num_batched_tokens=max(len(prompts) * CL, prompt_len * len(prompts)),
+                           page_size=16, max_model_len=prompt_len + (canvases + 1) * CL, device=dev,
+                           attn_backend=attn_backend, sampler_backend=sampler_backend)
+    for i, p in enumerate(prompts):
+        runner.add_request(f"eval-{i}", p, params)
+    res = runner.run(max_steps=100_000)
+    tot = runner.totals()
+    den = sum(r.num_denoise_steps for r in res.values())
+    rows = sum(len(h.rows) for h in runner.history)
+    ncan = sum(r.num_canvases for r in res.values())
+    samples = [{"prompt": tokenizer.decode(prompts[i]), "completion": tokenizer.decode(res[f"eval-{i}"].output_token_ids)}
+               for i in range(len(prompts))]
+    return {
+        "num_prompts": len(prompts), "prompt_len": prompt_len, "canvas_length": CL,
+        "max_denoising_steps": max_denoising_steps, "forward_passes": tot["forward_passes"],
+        "tokens_emitted": tot["tokens_emitted"], "tokens_per_forward": tot["tokens_per_forward"],
+        "denoise_passes": den, "canvases": ncan, "request_rows": rows,
+        "tokens_per_request_pass": tot["tokens_emitted"] / rows if rows else math.nan,
+        "tokens_per_denoise_step": tot["tokens_emitted"] / den if den else math.nan,
+        "denoise_steps_per_canvas": den / ncan if ncan else math.nan, "samples": samples,
+    }
+
+
+# ---------------------------------------------------------------------------------------------- training
+def _autocast(dev):
+    dev = torch.device(dev)
+    if dev.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return torch.autocast("cpu", enabled=False)
+
+
+def train(args: TrainArgs, config: DiffusionGemmaConfig | None = None, stream=sys.stdout) -> dict:
+    """Train, save and evaluate (see the module docstring). Returns the ``train_log.json`` dict."""
+    p = lambda *a: print(*a, file=stream, flush=True)  # noqa: E731
+    t_start = time.perf_counter()
+    torch.manual_seed(args.seed)
+    dev = torch.device(args.device)
+    if dev.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    tok = ByteTokenizer()
+    cfg = config or (smoke_config() if args.smoke else default_train_config())
+    if cfg.vocab_size != tok.vocab_size:
+        raise ValueError(f"config.vocab_size ({cfg.vocab_size}) != tokenizer vocab ({tok.vocab_size})")
+    CL = cfg.canvas_length
+    train_ids, held = load_corpus(args.corpus, tok)
+    p(f"corpus: {len(train_ids):,} train tokens, {len(held):,} held-out tokens ({args.corpus or 'stdlib'})")
+    train_t = torch.from_numpy(train_ids.astype(np.int64))
+    held_t = torch.from_numpy(held.astype(np.int64)) if len(held) > args.prefix + CL + 1 else train_t
+    if held_t is train_t:
+        p("note: held-out stream too short; held-out loss uses the train stream")
+    train_t_dev = train_t.to(dev)
+    model = DiffusionGemma(cfg, seed=args.seed, moe_impl="loop").to(dev).train()
+    n_params = sum(t.numel() for t in model.parameters())
+    p(f"model: {n_params:,} parameters ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab "
+      f"{cfg.vocab_size}, canvas {CL}, prefix {args.prefix_min}-{args.prefix}); device {dev}")
+    decay = [t for n, t in model.named_parameters() if t.dim() >= 2]
+    no_decay = [t for n, t in model.named_parameters() if t.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95),
+                            fused=dev.type == "cuda")
+    g = torch.Generator().manual_seed(args.seed)
+    budget_s = args.minutes * 60.0
+    max_steps = args.max_steps if args.max_steps is not None else 10 ** 9
+    # cosine schedule over the expected number of steps: re-estimated from measured step time after warm-up
+    expected_steps = max_steps if args.max_steps is not None else None
+    mask_cache: dict = {}
+    log: list[dict] = []
+    step = 0
+    t0 = time.perf_counter()
+    t_first = None
+    while step < max_steps:
+        elapsed = time.perf_counter() - t0
+        if args.max_steps is None and elapsed >= budget_s:
+            break
+        if expected_steps is None and step == 50:
+            t_first = time.perf_counter()
+        if expected_steps is None and step == 150 and t_first is not None:
+            per = (time.perf_counter() - t_first) / 100
+            expected_steps = int(step + (budget_s - (time.perf_counter() - t0)) / per)
+            p(f"measured {1 / per:.1f} steps/s; cosine schedule over ~{expected_steps} steps")
+        total = expected_steps or 10 ** 9
+        if step < args.warmup_steps:
+            lr = args.lr * (step + 1) / args.warmup_steps
+        else:
+            frac = min(1.0, (step - args.warmup_steps) / max(1, total - args.warmup_steps))
+            lr = args.lr * (args.min_lr_frac + (1 - args.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * frac)))
+        for gr in opt.param_groups:
+            gr["lr"] = lr
+        P = int(torch.randint(args.prefix_min, args.prefix + 1, (1,), generator=g))
+        if P not in mask_cache:
+            mask_cache[P] = training_masks(model, P, CL, dev)
+        off = torch.randint(0, train_t.numel() - (P + CL), (args.batch_size,), generator=g).to(dev)
+        batch = train_t_dev[off[:, None] + torch.arange(P + CL, device=dev)[None, :]]
+        with _autocast(dev):
+            loss = diffusion_loss(model, batch, P, g, args.self_cond_prob, mask_cache[P])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        if step % args.log_every == 0 or args.smoke:
+            rec = {"step": step, "loss": float(loss.detach()), "lr": lr, "grad_norm": float(gn),
+                   "elapsed_s": time.perf_counter() - t0}
+            log.append(rec)
+            if not args.smoke or step % 5 == 0:
+                p(f"step {step:>6}  loss {rec['loss']:.4f}  lr {lr:.2e}  grad {rec['grad_norm']:.2f}  "
+                  f"{rec['elapsed_s']:.0f} s")
+        if not args.smoke and step % (args.log_every * 20) == 0:
+            model.eval()
+            hl = held_out_loss(model, held_t, args.prefix, CL)
+            model.train()
+            log.append({"step": step, "held_out_loss": hl})
+            p(f"step {step:>6}  held-out loss {hl:.4f}")
+    train_s = time.perf_counter() - t0
+    model.eval()
+    hl = held_out_loss(model, held_t, args.prefix, CL, batches=2 if args.smoke else 8,
+                       batch_size=8 if args.smoke else 64)
+    log.append({"step": step, "held_out_loss": hl})
+    os.makedirs(args.out, exist_ok=True)
+    ckpt = save_checkpoint(model, args.out, tok)
+    png = plot_loss(log, os.path.join(args.out, "loss.png"),
+                    f"DiffusionGemma {n_params / 1e6:.2f} M params, byte-level stdlib, {step} steps, {train_s / 60:.1f} min")
+    p(f"trained {step} steps in {train_s:.1f} s ({step / max(train_s, 1e-9):.2f} steps/s); held-out loss {hl:.4f}; "
+      f"checkpoint {ckpt} ({os.path.getsize(ckpt) / 1e6:.2f} MB); plot {png}")
+    result = {"config": cfg.to_dict(), "args": vars(args), "num_parameters": n_params, "steps": step,
+              "train_seconds": train_s, "steps_per_second": step / max(train_s, 1e-9),
+              "tokens_per_step": args.batch_size * (args.prefix + args.prefix_min) // 2 + args.batch_size * CL,
+              "final_held_out_loss": hl, "log": log, "checkpoint_bytes": os.path.getsize(ckpt),
+              "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+              "torch": torch.__version__}
+    if args.eval_prompts > 0:
+        ev_model = DiffusionGemma.load_safetensors(args.out, device=dev,
+                                                   dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)
+        ev_model.eval()
+        ev = evaluate_generation(ev_model, tok, held if len(held) > 4 * args.eval_prompt_len else train_ids,
+                                 num_prompts=args.eval_prompts, prompt_len=args.eval_prompt_len,
+                                 canvases=args.eval_canvases, max_denoising_steps=args.eval_steps, seed=args.seed,
+                                 attn_backend=args.attn_backend, device=dev)
+        result["eval"] = ev
+        p(f"eval: {ev['num_prompts']} held-out prompts of {ev['prompt_len']} tokens: {ev['tokens_per_forward']:.3f} "
+          f"tokens committed per forward pass ({ev['tokens_per_request_pass']:.3f} per request row), "
+          f"{ev['tokens_per_denoise_step']:.3f} per denoise row, "
+          f"{ev['denoise_steps_per_canvas']:.2f} denoising steps per canvas (cap {ev['max_denoising_steps']})")
+        s = ev["samples"][0]
+        p(f"sample prompt:     {s['prompt']!r}\nsample completion: {s['completion']!r}")
+    result["total_seconds"] = time.perf_counter() - t_start
+    with open(os.path.join(args.out, "train_log.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    return result
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="output folder (checkpoint, config, tokenizer, loss.png, log)")
+    ap.add_argument("--minutes", type=float, default=12.0, help="wall-clock training budget (default 12)")
+    ap.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (overrides --minutes)")
+    ap.add_argument("--batch-size", type=int, default=256)
+    ap.add_argument("--prefix", type=int, default=64, help="longest clean prefix P (tokens)")
+    ap.add_argument("--prefix-min", type=int, default=16, help="shortest clean prefix (P drawn per batch)")
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--warmup-steps", type=int, default=200)
+    ap.add_argument("--self-cond-prob", type=float, default=0.5)
+    ap.add_argument("--log-every", type=int, default=50)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--corpus", default=None, help="folder of .py files or one text file (default: the stdlib)")
+    ap.add_argument("--eval-prompts", type=int, default=8)
+    ap.add_argument("--eval-steps", type=int, default=16, help="max_denoising_steps of the evaluation")
+    ap.add_argument("--attn-backend", default="reference", help="attention backend of the evaluation harness")
+    ap.add_argument("--smoke", action="store_true", help="tiny config, ~20 steps on the CPU")
+    a = ap.parse_args(argv)
+    args = TrainArgs(out=a.out, minutes=a.minutes, max_steps=a.max_steps, batch_size=a.batch_size, prefix=a.prefix,
+                     prefix_min=a.prefix_min, lr=a.lr, warmup_steps=a.warmup_steps, self_cond_prob=a.self_cond_prob, log_every=a.log_every,
+                     seed=a.seed, device=a.device, corpus=a.corpus, eval_prompts=a.eval_prompts,
+                     eval_steps=a.eval_steps, attn_backend=a.attn_backend, smoke=a.smoke)
+    if a.smoke:
+        args.device = "cpu"
+        args.max_steps = a.max_steps or 20
+        args.batch_size = min(a.batch_size, 8)
+        args.prefix, args.prefix_min = min(a.prefix, 16), min(a.prefix_min, 8)
+        args.warmup_steps = 2
+        args.lr = 3e-3
+        args.eval_prompts = min(a.eval_prompts, 2)
+        args.eval_prompt_len = 12
+        args.eval_canvases = 1
+        args.eval_steps = min(a.eval_steps, 4)
+        if a.corpus is None:  # a slice of the stdlib keeps the smoke run fast
+            args.corpus = os.path.join(sysconfig.get_paths()["stdlib"], "json")
+        torch.set_num_threads(min(2, torch.get_num_threads()))
+    train(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""model/train.py: the dense training path equals the served forward, the smoke run learns, the checkpoint
+round-trips through the project's loader, and the byte tokenizer round-trips text."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from blockdiff.model import DiffusionGemma, tiny_config
+from blockdiff.model.tokenizer import ByteTokenizer
+from blockdiff.model.train import (TrainArgs, add_uniform_noise, default_train_config, dense_forward, hf_state_dict,
+                                   is_held_out, load_corpus, main, save_checkpoint, smoke_config, stdlib_files, train)
+from model_testutils import build_meta, randomize_
+
+PS = 4
+
+
+@pytest.mark.parametrize("bidirectional_window", ["prefix", "symmetric"])
+@torch.no_grad()
+def test_dense_training_forward_equals_served_prefill_then_denoise(bidirectional_window):
+    """dense_forward (one masked SDPA pass over prefix + canvas) == the served forward: a causal prefill of the
+    prefix (writes the paged KV cache) then a bidirectional decoder pass over the canvas with self-conditioning,
+    reference attention backend; prefix longer than the sliding window so the window rule matters."""
+    cfg = tiny_config(vocab_size=259, canvas_length=8, bidirectional_window=bidirectional_window)
+    model = randomize_(DiffusionGemma(cfg, moe_impl="loop"), seed=3).double().eval()
+    P, CL, B = 13, cfg.canvas_length, 2
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (B, P + CL), generator=g)
+    soft = torch.randn(B, CL, cfg.hidden_size, generator=g, dtype=torch.float64)
+    dense = dense_forward(model, ids, P, soft)
+    for b in range(B):
+        caches = model.allocate_kv_caches(16, PS)
+        meta, pos = build_meta([P], [P], [True], PS)
+        model(ids[b, :P], pos, meta, caches, attn_backend="reference")
+        meta, pos = build_meta([CL], [P + CL], [False], PS)
+        served = model(ids[b, P:], pos, meta, caches, soft[b], attn_backend="reference")
+        torch.testing.assert_close(dense[b], served, rtol=1e-9, atol=1e-9)
+    # zero self-conditioning == None
+    torch.testing.assert_close(dense_forward(model, ids, P, torch.zeros_like(soft)), dense_forward(model, ids, P))
+
+
+def test_dense_forward_rejects_bad_shapes():
+    model = DiffusionGemma(smoke_config(), moe_impl="loop")
+    ids = torch.zeros(2, 12, dtype=torch.int64)
+    with pytest.raises(ValueError, match="prefix_len"):
+        dense_forward(model, ids, 12)
+    with pytest.raises(ValueError, match="self_cond"):
+        dense_forward(model, ids, 4, torch.zeros(2, 3, model.config.hidden_size))
+    with pytest.raises(ValueError, match="ids"):
+        dense_forward(model, ids.int(), 4)
+
+
+def test_uniform_noise_rate():
+    g = torch.Generator().manual_seed(0)
+    clean = torch.randint(3, 259, (4, 4096), generator=g)
+    noisy, _ = add_uniform_noise(clean, 259, g, torch.tensor([0.0, 0.25, 0.5, 1.0]))
+    changed = (noisy != clean).float().mean(1)
+    assert changed[0] == 0
+    # a replaced token equals the clean one with probability 1/V
+    for i, t in enumerate([0.25, 0.5, 1.0]):
+        assert abs(changed[i + 1].item() - t * (1 - 1 / 259)) < 0.03
+    assert noisy.min() >= 0 and noisy.max() < 259
+
+
+def test_corpus_split_is_deterministic_by_file(tmp_path):
+    for name, body in (("a.py", "x = 1\n"), ("b.py", "y = 2\n"), ("pkg/c.py", "z = 3\n")):
+        os.makedirs(tmp_path / os.path.dirname(name), exist_ok=True)
+        (tmp_path / name).write_text(body)
+    (tmp_path / "site-packages").mkdir()
+    (tmp_path / "site-packages" / "d.py").write_text("no = 1\n")
+    files = stdlib_files(str(tmp_path))
+    assert files == ["a.py", "b.py", os.path.join("pkg", "c.py")]
+    tr, ho = load_corpus(str(tmp_path))
+    assert len(tr) + len(ho) == sum(len(open(tmp_path / f, "rb").read()) + 2 for f in files)
+    assert [is_held_out(f) for f in files] == [is_held_out(f) for f in files]
+    assert sum(is_held_out(f"f{i}.py") for i in range(2000)) in range(60, 140)  # ~5 %
+
+
+def test_tokenizer_round_trips_text(tmp_path):
+    tok = ByteTokenizer()
+    text = "def f(x):\n    return x  # é, ∑, 🐍\n"
+    ids = tok.encode(text, add_bos=True, add_eos=True)
+    assert ids[0] == tok.bos_token_id and ids[-1] == tok.eos_token_id
+    assert all(0 <= i < tok.vocab_size for i in ids) and tok.vocab_size == 259
+    assert tok.decode(ids) == text
+    assert tok.decode(tok.encode("ab") + [tok.eos_token_id] + tok.encode("cd"), stop_at_eos=True) == "ab"
+    assert list(tok.encode_bytes(text.encode())) == tok.encode(text)
+    tok.save(tmp_path)
+    assert ByteTokenizer.load(tmp_path).encode(text) == ids[1:-1]
+    with pytest.raises(ValueError, match="outside"):
+        tok.decode([259])
+    with pytest.raises(TypeError):
+        tok.encode(b"bytes")
+
+
+def test_checkpoint_round_trips_through_the_loader(tmp_path):
+    model = randomize_(DiffusionGemma(smoke_config(), moe_impl="loop"), seed=2)
+    with torch.no_grad():
+        model.layers[0].encoder_layer_scalar.fill_(0.75)  # untied buffer: must survive under its HF name
+    save_checkpoint(model, str(tmp_path), ByteTokenizer(), dtype=torch.float32)
+    loaded = DiffusionGemma.load_safetensors(str(tmp_path))
+    assert loaded.config == model.config
+    sd, ld = model.state_dict(), loaded.state_dict()
+    assert sd.keys() == ld.keys()
+    for k in sd:
+        assert torch.equal(sd[k], ld[k]), k
+    bf = hf_state_dict(model)  # default bf16 for shipping
+    assert all(t.dtype == torch.bfloat16 for t in bf.values())
+    assert "model.encoder.language_model.layers.0.layer_scalar" in bf
+
+
+def test_default_config_fits_the_size_budget():
+    cfg = default_train_config()
+    model = DiffusionGemma(cfg, device="meta")
+    n = sum(p.numel() for p in model.parameters())
+    assert 2e6 < n and 2 * n < 9.5e6, n  # <= 10 MB of bf16 safetensors with header room
+    assert cfg.vocab_size == ByteTokenizer.vocab_size
+
+
+def test_smoke_training_decreases_loss_and_evaluates(tmp_path):
+    """20 CPU steps on a tiny repeated corpus (fixed seed): the loss goes down, the outputs are written, the
+    checkpoint loads, and the harness evaluation reports its counters."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("def add(a, b):\n    return a + b\n\n" * 200)
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    args = TrainArgs(out=str(tmp_path / "out"), max_steps=20, batch_size=8, prefix=16, prefix_min=8, lr=3e-3,
+                     warmup_steps=2, log_every=1, seed=0, device="cpu", smoke=True, corpus=str(corpus),
+                     eval_prompts=2, eval_prompt_len=12, eval_canvases=1, eval_steps=3)
+    import io
+
+    res = train(args, stream=io.StringIO())
+    losses = [r["loss"] for r in res["log"] if "loss" in r]
+    assert len(losses) == 20 and all(np.isfinite(losses))
+    assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.5, losses
+    out = tmp_path / "out"
+    for f in ("model.safetensors", "config.json", "tokenizer.json", "loss.png", "train_log.json"):
+        assert (out / f).exists(), f
+    loaded = DiffusionGemma.load_safetensors(str(out))
+    assert loaded.config.vocab_size == 259
+    ev = res["eval"]
+    assert ev["forward_passes"] > 0 and ev["tokens_emitted"] > 0
+    assert 1 <= ev["denoise_steps_per_canvas"] <= 3
+    assert ev["tokens_per_forward"] == ev["tokens_emitted"] / ev["forward_passes"]
+    assert isinstance(ev["samples"][0]["completion"], str)
+    assert json.load(open(out / "train_log.json"))["steps"] == 20
+
+
+def test_cli_smoke_runs(tmp_path):
+    assert main(["--smoke", "--out", str(tmp_path), "--max-steps", "3", "--eval-prompts", "1"]) == 0
+    assert (tmp_path / "model.safetensors").exists()
+
+
+@pytest.mark.gpu
+def test_default_config_trains_on_cuda(tmp_path):
+    """Pre-flight of the H200 run: 150 steps of the shipped config on the stdlib (bf16 autocast), loss falls,
+    the bf16 checkpoint stays under 10 MB and the harness evaluation runs on the GPU."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    import io
+
+    args = TrainArgs(out=str(tmp_path), max_steps=150, warmup_steps=20, log_every=10, device="cuda",
+                     eval_prompts=4, eval_steps=8)
+    res = train(args, stream=io.StringIO())
+    losses = [r["loss"] for r in res["log"] if "loss" in r]
+    assert np.isfinite(losses).all() and losses[-1] < losses[0] - 0.5, losses
+    assert res["checkpoint_bytes"] <= 10_000_000
+    assert res["eval"]["tokens_emitted"] > 0
