@@ -1,7 +1,11 @@
 """Train a small DiffusionGemma (this project's model code) on the Python standard library's own sources.
 
-    python3 -m blockdiff.model.train --out model/checkpoints/stdlib-byte --minutes 12 --device cuda   # H200
+    source bench/device_env.sh && python3 -m blockdiff.model.train --out $OUT/stdlib-byte --minutes 8   # H200
     python3 -m blockdiff.model.train --smoke --out /tmp/smoke                                          # CPU, < 60 s
+
+``--minutes`` defaults to 8: the device tool runs one command for at most 10 minutes, and corpus loading (~1 s),
+CUDA start-up and the held-out evaluation must fit beside the training. ``$OUT`` returns at most 8 files; a run
+writes 5.
 
 Objective (uniform-noise discrete diffusion over canvases that follow a clean prefix):
 
@@ -40,7 +44,8 @@ heads, intermediate 256, 4 experts top-2 x 64, vocab 259, canvas 32, prefix 16-6
 4.12 M parameters, 8.2 MB of bf16 safetensors. Throughput estimate on one H200 (bf16 autocast, batch 256 x
 ~72 tokens = 18.4 k tokens, one no-grad pass + one graded forward/backward): ~8 * 4.1e6 * 18.4e3 ~ 0.6 TFLOP per
 step, negligible against the GPU; the ~2500 small kernels per step (and the loop MoE's host syncs) make it
-launch-bound at an estimated 30-60 ms per step: ~12-24 k steps, ~2.5 M canvases of 32 tokens, in 12 minutes.
+launch-bound at an estimated 30-60 ms per step: ~8-16 k steps, ~2-4 M canvases of 32 tokens, in 8 minutes
+(estimate only: not yet measured on the H200).
 ``train_log.json`` records the measured steps/s.
 
 Outputs in ``--out``: ``model.safetensors`` (transformers names, so :meth:`DiffusionGemma.load_safetensors`
@@ -99,7 +104,7 @@ def smoke_config(**overrides) -> DiffusionGemmaConfig:
 @dataclass
 class TrainArgs:
     out: str
-    minutes: float = 12.0
+    minutes: float = 8.0
     max_steps: int | None = None
     batch_size: int = 256
     prefix: int = 64
@@ -582,7 +587,7 @@ def train(args: TrainArgs, config: DiffusionGemmaConfig | None = None, stream=sy
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="output folder (checkpoint, config, tokenizer, loss.png, log)")
-    ap.add_argument("--minutes", type=float, default=12.0, help="wall-clock training budget (default 12)")
+    ap.add_argument("--minutes", type=float, default=8.0, help="wall-clock training budget (default 8)")
     ap.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (overrides --minutes)")
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--prefix", type=int, default=64, help="longest clean prefix P (tokens)")
