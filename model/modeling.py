@@ -196,7 +196,10 @@ class DiffusionGemma(nn.Module):
             raise ValueError(f"meta.slot_mapping must be [T={T}], got {tuple(meta.slot_mapping.shape)}")
         B = meta.cu_seqlens_q.shape[0] - 1
         flags = meta.causal if getattr(meta, "num_causal_q", None) is None else meta.num_causal_q
-        if B < 1 or flags.shape != (B,) or meta.seq_lens.shape != (B,):
+        if B < 1:
+            raise ValueError(f"the batch must hold at least one sequence: meta.cu_seqlens_q has "
+                             f"{meta.cu_seqlens_q.shape[0]} entries (B + 1 >= 2 needed)")
+        if flags.shape != (B,) or meta.seq_lens.shape != (B,):
             raise ValueError(f"meta.cu_seqlens_q [B+1], seq_lens [B] and causal [B] disagree: "
                              f"{tuple(meta.cu_seqlens_q.shape)}, {tuple(meta.seq_lens.shape)}, {tuple(flags.shape)}")
         if not isinstance(kv_caches, (list, tuple)) or len(kv_caches) != len(self.layers):
