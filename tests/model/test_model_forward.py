@@ -443,3 +443,13 @@ def test_default_moe_impl_is_loop_on_cpu(model):
         assert default_moe_impl(torch.zeros(2, 3, dtype=dt)) == "loop"
     with pytest.raises(ValueError, match="moe_impl"):
         DiffusionGemma(tiny_config(), moe_impl="auto")
+
+
+def test_empty_batch_is_named_as_such_not_a_shape_mismatch(model, good):
+    cfg, caches, meta, pos, ids = good
+    meta0, _ = build_meta([3], [3], [True], PS)
+    meta0.cu_seqlens_q = meta0.cu_seqlens_q[:1]  # B = 0
+    meta0.seq_lens, meta0.causal = meta0.seq_lens[:0], meta0.causal[:0]
+    meta0.slot_mapping = meta0.slot_mapping[:0]
+    with pytest.raises(ValueError, match="at least one sequence"):
+        model(ids[:0], pos[:0], meta0, caches, attn_backend="reference")
