@@ -8,7 +8,7 @@ import torch
 from .validate import capturing
 
 
-def write_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
+def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, check_values: bool | None = None) -> None:
     """Write new keys/values into a paged cache in place, as vLLM does before attention.
 
     Args:
@@ -16,6 +16,8 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
         k_cache: ``[num_blocks, page_size, num_kv_heads, head_dim]``; v_cache likewise with head_dim_v.
         slot_mapping: ``[T]`` int64 flat slot ``block_id * page_size + offset``; a negative slot skips
             its token (padding).
+        check_values: run the host-side slot checks (default: yes unless a CUDA graph is being captured);
+            a caller writing the same ``slot_mapping`` into many layers' caches checks it once.
 
     Raises:
         TypeError: ``slot_mapping`` is not an int32/int64 tensor (a float or bool mapping would be truncated).
@@ -41,7 +43,9 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
             f"cache head shapes {tuple(k_cache.shape[2:])}/{tuple(v_cache.shape[2:])} must match "
             f"k/v {tuple(k.shape[1:])}/{tuple(v.shape[1:])}")
     n_slots = k_cache.shape[0] * k_cache.shape[1]
-    if not capturing() and slot_mapping.numel():
+    if check_values is None:
+        check_values = not capturing()
+    if check_values and slot_mapping.numel():
         if int(slot_mapping.max()) >= n_slots:
             raise ValueError(f"slot_mapping has a slot >= num_blocks * page_size = {n_slots}")
         used = slot_mapping[slot_mapping >= 0]

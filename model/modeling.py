@@ -264,13 +264,19 @@ class DiffusionGemma(nn.Module):
         cs = {lt: rope_cos_sin(positions, self._device_inv_freq(lt, positions.device), dtype)
               for lt in self._inv_freq}
         attn_kwargs = meta.attn_kwargs()
+        # The per-step metadata are the same for every layer: their host-side value checks (syncs) run once per
+        # cache geometry (num_blocks, page_size), not once per layer; shape checks still run on every call.
+        checked = set()
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             a = layer.self_attn
             x = layer.input_layernorm(h)
             q, k, v = a.qkv(x, *cs[a.layer_type])
-            write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+            geometry = tuple(k_cache.shape[:2])
+            cv = False if geometry in checked else None  # None: the default (on unless capturing a graph)
+            checked.add(geometry)
+            write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, check_values=cv)
             o = attention(q, k_cache, v_cache, **attn_kwargs, window_size=a.window_size,
-                          bidirectional_window=bw, scale=1.0, backend=attn_backend)
+                          bidirectional_window=bw, scale=1.0, backend=attn_backend, check_values=cv)
             o = a.o_proj(o.reshape(T, a.num_heads * a.head_dim).to(dtype))
             h = h + layer.post_attention_layernorm(o)
             h = layer.feed_forward(h, moe_impl)
