@@ -464,14 +464,39 @@ class HarnessRunner:
         return dict(self.results)
 
     def totals(self) -> dict[str, Any]:
-        """Run totals: forward passes, tokens emitted, tokens per forward, wall time (s), denoise rows,
-        canvases committed, steps."""
+        """Run totals (the figures ``blockdiff demo`` and ``model/train.py``'s evaluation report).
+
+        Returns:
+            dict: ``steps``; ``forward_passes`` (harness steps that ran the model: one pass serves every
+            scheduled row); ``tokens_emitted`` (tokens committed, after EOS / max_tokens trimming);
+            ``tokens_per_forward`` (tokens emitted / forward passes); ``wall_s``; ``request_rows`` (rows of all
+            passes: prefill chunks, denoise and commit rows); ``tokens_per_request_pass`` (tokens emitted /
+            request rows); ``denoise_rows``; ``tokens_per_denoise_step`` (tokens emitted / denoise rows);
+            ``canvases_committed``; ``denoise_steps_per_canvas`` (mean denoise rows of the committed canvases;
+            a canvas still being denoised, or of a failed request, is not counted) and
+            ``max_denoise_steps_per_canvas`` (0 when none committed). A ratio with a zero denominator is NaN
+            (undefined: nothing ran).
+        """
         emitted = sum(len(r.output_token_ids) for r in self.results.values()) + sum(
             len(r.output) for r in self._running.values())
+        rows = sum(len(h.rows) for h in self.history)
+        denoise_rows = sum(h.count("denoise") for h in self.history)
+        per_canvas: list[int] = []  # denoise rows of each committed canvas, in commit order
+        pending: dict[str, int] = {}
+        for h in self.history:
+            for row in h.rows:
+                if row.phase == "denoise":
+                    pending[row.req_id] = pending.get(row.req_id, 0) + 1
+                elif row.phase == "commit":
+                    per_canvas.append(pending.pop(row.req_id, 0))
+        ratio = lambda a, b: a / b if b else math.nan  # noqa: E731
         return {
             "steps": self.step_index, "forward_passes": self.num_forward, "tokens_emitted": emitted,
-            "tokens_per_forward": emitted / self.num_forward if self.num_forward else math.nan,
+            "tokens_per_forward": ratio(emitted, self.num_forward),
             "wall_s": self.wall_s,
-            "denoise_rows": sum(h.count("denoise") for h in self.history),
+            "request_rows": rows, "tokens_per_request_pass": ratio(emitted, rows),
+            "denoise_rows": denoise_rows, "tokens_per_denoise_step": ratio(emitted, denoise_rows),
             "canvases_committed": sum(h.canvases_committed for h in self.history),
+            "denoise_steps_per_canvas": ratio(sum(per_canvas), len(per_canvas)),
+            "max_denoise_steps_per_canvas": max(per_canvas, default=0),
         }

@@ -281,3 +281,34 @@ def test_admission_that_raises_keeps_the_request_queued_and_the_slot_free(make_r
     assert [w.req_id for w in r._waiting] == ["a"] and sorted(r._free_slots) == [0, 1] and not r._running
     res = r.run(max_steps=200)
     assert list(res) == ["a"] and len(res["a"].output_token_ids) == 4 and sorted(r._free_slots) == [0, 1]
+
+
+def test_totals_count_denoise_steps_of_committed_canvases_only(make_runner):
+    """totals(): tokens per forward / per row / per denoise row, and denoise steps per *committed* canvas (a
+    canvas still being denoised when totals() is read is not counted), consistent with the per-request results."""
+    r = make_runner()
+    r.add_request("a", prompt(11, 1), params(max_tokens=2 * CL))
+    r.add_request("b", prompt(5, 2), params(max_tokens=CL, max_denoising_steps=2), arrival_step=1)
+    empty = r.totals()
+    assert empty["forward_passes"] == 0 and empty["max_denoise_steps_per_canvas"] == 0
+    res = r.run(max_steps=200)
+    t = r.totals()
+    den = sum(x.num_denoise_steps for x in res.values())
+    can = sum(x.num_canvases for x in res.values())
+    assert t["denoise_rows"] == den and t["canvases_committed"] == can == 3
+    assert t["denoise_steps_per_canvas"] == pytest.approx(den / can)
+    assert 1 <= t["max_denoise_steps_per_canvas"] <= 3
+    assert t["request_rows"] == sum(len(h.rows) for h in r.history)
+    assert t["tokens_per_forward"] == t["tokens_emitted"] / t["forward_passes"]
+    assert t["tokens_per_request_pass"] == t["tokens_emitted"] / t["request_rows"]
+    assert t["tokens_per_denoise_step"] == t["tokens_emitted"] / den
+    # mid-canvas: denoise rows of the open canvas are left out of the per-canvas mean
+    r2 = make_runner()
+    r2.add_request("a", prompt(4, 3), params(max_tokens=2 * CL, max_denoising_steps=3))
+    while r2.totals()["canvases_committed"] == 0:
+        r2.step()
+    first = r2.totals()["denoise_steps_per_canvas"]
+    r2.step()  # the first denoise row of the second canvas
+    assert r2.history[-1].rows[0].phase == "denoise"
+    assert r2.totals()["denoise_steps_per_canvas"] == first
+    assert r2.totals()["denoise_rows"] == first + 1
