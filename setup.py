@@ -14,7 +14,9 @@ setup(
     python_requires=">=3.10",
     packages=[f"blockdiff.{p}" for p in PACKAGES],  # "blockdiff" itself is a PEP 420 namespace
     package_dir={f"blockdiff.{p}": p for p in PACKAGES},
-    package_data={"blockdiff.model": ["checkpoints/*"]},
+    # trained checkpoints ship inside the package: model/checkpoints/<name>/{model.safetensors, config.json,
+    # tokenizer.json, loss.png, train_log.json} (blockdiff.model.pretrained; <= 10 MB each, tests/model check)
+    package_data={"blockdiff.model": ["checkpoints/*/*"]},
     install_requires=["torch>=2.11", "triton>=3.6,<3.7", "numpy", "matplotlib", "tqdm", "safetensors"],
     extras_require={
         "dev": [
