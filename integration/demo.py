@@ -1,22 +1,32 @@
-"""``blockdiff demo``: a tiny random-weight DiffusionGemma served by the harness, with a per-step table, totals
-and a picture of one mixed step's attention pattern.
+"""``blockdiff demo``: a DiffusionGemma served by the harness, with a per-step table, totals, the generation
+metrics (tokens committed per forward pass, denoising steps per canvas), generated text and a picture of one
+mixed step's attention pattern.
 
-The default workload (embedded) mixes prefill, denoise and commit rows in the same batches: six requests with
-prompts of 5-70 tokens arrive at steps 0-12 into four slots, a 64-token step budget chunks the long prompts, and
-a 16-token canvas with a step cap of 6 keeps the run to a few seconds on 2 CPU cores. One request is greedy
-(T = 0). Random weights give near-uniform logits (entropy ~ log V, one position accepted per step); the tied
-embedding is scaled (``embedding_scale``, default 30) so the toy logits are peaked enough for the entropy-bound
-acceptance to show.
+Two models:
+
+* a trained checkpoint (default: the one shipped in the package, ``blockdiff/model/checkpoints/stdlib-byte/``,
+  trained by ``model/train.py`` on the Python standard library's sources; or ``checkpoint=`` a folder): loaded
+  with :func:`blockdiff.model.pretrained.load_pretrained` (``DiffusionGemma.load_safetensors`` +
+  ``ByteTokenizer.load``), weights as trained. The prompts are short Python snippets (:data:`TEXT_REQUESTS`),
+  encoded by the checkpoint's tokenizer; its eos id ends a request; the canvas length defaults to the one it was
+  trained with and the step cap to 16 (``model/train.py``'s evaluation cap).
+* tiny random weights (``checkpoint=None``; ``blockdiff demo --random-weights``): random prompt ids
+  (:data:`DEFAULT_REQUESTS`), a 16-token canvas and a step cap of 6. Random weights give near-uniform logits
+  (entropy ~ log V, one position accepted per step); the tied embedding is scaled (``embedding_scale``, default
+  30) so the toy logits are peaked enough for the entropy-bound acceptance to show.
+
+Either workload mixes prefill, denoise and commit rows in the same batches: six requests arrive at steps 0-12
+into four slots, under a step budget of four canvases (long prompts are chunked). One request is greedy (T = 0).
 """
 from __future__ import annotations
 
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-# (req_id, prompt_len, arrival_step, max_tokens, greedy)
+# Random weights: (req_id, prompt_len, arrival_step, max_tokens, greedy); prompts are random ids.
 DEFAULT_REQUESTS: tuple[tuple[str, int, int, int, bool], ...] = (
     ("req-0", 70, 0, 32, False),
     ("req-1", 9, 0, 16, False),
@@ -26,9 +36,28 @@ DEFAULT_REQUESTS: tuple[tuple[str, int, int, int, bool], ...] = (
     ("req-5", 12, 12, 32, False),
 )
 
+# Trained checkpoint: (req_id, prompt text, arrival_step, canvases, greedy); max_tokens = canvases x canvas
+# length. Short Python snippets written for the demo (not from the training corpus), 16-64 bytes: the prefix
+# lengths model/train.py trains on.
+TEXT_REQUESTS: tuple[tuple[str, str, int, int, bool], ...] = (
+    ("req-0", "def read_lines(path):\n    with open(path) as f:\n        return ", 0, 2, False),
+    ("req-1", "import os\nimport sys\n\n\ndef main(argv=None):\n    ", 0, 1, False),
+    ("req-2", "class Stack:\n    def __init__(self):\n        self.", 2, 2, False),
+    ("req-3", "    for i, line in enumerate(lines):\n        if ", 5, 1, True),
+    ("req-4", "        if not isinstance(name, str):\n            raise ", 9, 1, False),
+    ("req-5", "    def __repr__(self):\n        return ", 12, 2, False),
+)
+TRAINED_MAX_DENOISING_STEPS = 16  # model/train.py's evaluation cap (--eval-steps default)
+RANDOM_CANVAS_LENGTH, RANDOM_MAX_DENOISING_STEPS, RANDOM_EMBEDDING_SCALE = 16, 6, 30.0
+
 
 class BackendUnavailable(RuntimeError):
     """The requested backend cannot run here (no silent fallback)."""
+
+
+class CheckpointError(ValueError):
+    """The checkpoint folder cannot be served (missing files, wrong tokenizer, weights not matching the
+    config); the message names the folder and what is wrong."""
 
 
 @dataclass
@@ -39,6 +68,7 @@ class DemoResult:
     png_path: str | None
     table: str
     mixed_step: int | None
+    samples: list = field(default_factory=list)  # [{req_id, prompt, completion}] text (trained checkpoint)
 
 
 def check_attention_backend(backend: str, device) -> None:
@@ -148,14 +178,32 @@ def plot_attention_pattern(rec, config, path: str) -> str:
 
 
 def run_demo(*, backend: str = "reference", sampler_backend: str = "reference", check: bool = False,
-             device: str = "cpu", seed: int = 0, out: str = "./demo_out", canvas_length: int = 16,
-             max_denoising_steps: int = 6, progress: bool = True, requests=DEFAULT_REQUESTS,
-             stream=None, threads: int | None = 1, embedding_scale: float = 30.0) -> DemoResult:
-    """Run the demo and print its report to ``stream`` (default stdout). ``threads``: torch intra-op threads on
-    CPU (default 1, fastest for the tiny model; None leaves torch's setting).
+             device: str = "cpu", seed: int = 0, out: str = "./demo_out", checkpoint: str | None = None,
+             canvas_length: int | None = None, max_denoising_steps: int | None = None, progress: bool = True,
+             requests=None, stream=None, threads: int | None = 1,
+             embedding_scale: float | None = None) -> DemoResult:
+    """Run the demo and print its report to ``stream`` (default stdout).
+
+    Args:
+        checkpoint: a trained checkpoint folder (``model.safetensors``, ``config.json``, ``tokenizer.json``, as
+            ``model/train.py`` writes), or None for tiny random weights. Choosing the shipped checkpoint is the
+            caller's job (``blockdiff demo`` does it).
+        canvas_length: tokens per canvas (default: the checkpoint's trained ``canvas_length``; 16 for random
+            weights). max_denoising_steps: step cap per canvas (default 16 with a checkpoint, 6 without).
+        requests: the workload (default :data:`TEXT_REQUESTS` with a checkpoint, :data:`DEFAULT_REQUESTS`
+            without); a prompt is a str (encoded by the checkpoint's tokenizer) or an int length (random ids).
+        embedding_scale: random weights only: factor on the tied embedding (default 30).
+        threads: torch intra-op threads on CPU (default 1, fastest for the small models; None leaves torch's
+            setting).
+
+    Returns:
+        :class:`DemoResult`; ``totals`` is :meth:`HarnessRunner.totals` plus ``wall_s`` and
+        ``max_denoising_steps``; ``samples`` the decoded text (empty for random weights).
 
     Raises:
         BackendUnavailable: the attention or sampler backend cannot run on ``device``.
+        CheckpointError: ``checkpoint`` cannot be loaded (the message names the folder and the problem).
+        ValueError: ``embedding_scale`` with a checkpoint; a text prompt with random weights.
         blockdiff.integration.checks.AttentionMismatch, blockdiff.integration.sampler.SamplerMismatch:
             ``check`` found a disagreement with the reference.
     """
@@ -168,6 +216,8 @@ def run_demo(*, backend: str = "reference", sampler_backend: str = "reference", 
 
     stream = stream or sys.stdout
     p = lambda *a: print(*a, file=stream, flush=True)  # noqa: E731
+    if checkpoint is not None and embedding_scale is not None:
+        raise ValueError("embedding_scale scales random weights; it cannot be used with a trained checkpoint")
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise BackendUnavailable("--device cuda but CUDA is not available here")
@@ -183,40 +233,77 @@ def run_demo(*, backend: str = "reference", sampler_backend: str = "reference", 
         raise BackendUnavailable(f"sampler backend {sampler_backend!r} is not available: {e}") from e
 
     if dev.type == "cpu" and threads is not None:
-        # A tiny model's ops are ~microseconds: intra-op threads cost more than they give (100x slower on a
+        # A small model's ops are ~microseconds: intra-op threads cost more than they give (100x slower on a
         # loaded 2-core machine).
         torch.set_num_threads(threads)
     torch.manual_seed(seed)
-    cfg = tiny_config(canvas_length=canvas_length)
-    model = DiffusionGemma(cfg).to(dev).eval()
-    with torch.no_grad():
-        model.embedding_weight.mul_(embedding_scale)  # tied: peaks the toy logits (random weights)
-    params = SamplingParams(canvas_length=canvas_length, max_denoising_steps=max_denoising_steps, seed=seed)
-    runner = HarnessRunner(model, default_params=params, max_num_reqs=4, max_num_batched_tokens=4 * canvas_length,
-                           page_size=8, max_model_len=256, device=dev, attn_backend=backend,
-                           sampler_backend=sampler_backend, check=check)
+    tokenizer = None
+    if checkpoint is not None:
+        from blockdiff.model.pretrained import load_pretrained
+
+        try:  # fp32 on the CPU (the reference path); the stored bf16 on a GPU
+            model, tokenizer = load_pretrained(checkpoint, device=dev,
+                                               dtype=torch.float32 if dev.type == "cpu" else None)
+        except (OSError, ValueError) as e:
+            raise CheckpointError(str(e)) from e
+        cfg = model.config
+        canvas_length = cfg.canvas_length if canvas_length is None else canvas_length
+        max_denoising_steps = TRAINED_MAX_DENOISING_STEPS if max_denoising_steps is None else max_denoising_steps
+        requests = TEXT_REQUESTS if requests is None else requests
+        eos = (tokenizer.eos_token_id,)
+    else:
+        canvas_length = RANDOM_CANVAS_LENGTH if canvas_length is None else canvas_length
+        max_denoising_steps = RANDOM_MAX_DENOISING_STEPS if max_denoising_steps is None else max_denoising_steps
+        embedding_scale = RANDOM_EMBEDDING_SCALE if embedding_scale is None else embedding_scale
+        requests = DEFAULT_REQUESTS if requests is None else requests
+        cfg = tiny_config(canvas_length=canvas_length)
+        model = DiffusionGemma(cfg).to(dev).eval()
+        with torch.no_grad():
+            model.embedding_weight.mul_(embedding_scale)  # tied: peaks the toy logits (random weights)
+        eos = ()
     g = torch.Generator().manual_seed(seed)
-    for rid, plen, arrival, max_tokens, greedy in requests:
-        prompt = torch.randint(3, cfg.vocab_size, (plen,), generator=g).tolist()
+    prompts, max_tokens = [], []
+    for rid, prompt, _, n, _ in requests:
+        if isinstance(prompt, str):
+            if tokenizer is None:
+                raise ValueError(f"request {rid}: a text prompt needs a checkpoint with a tokenizer (random weights "
+                                 "take prompt lengths)")
+            prompts.append(tokenizer.encode(prompt))
+            max_tokens.append(n * canvas_length)  # text workloads give canvases
+        else:
+            prompts.append(torch.randint(3, cfg.vocab_size, (int(prompt),), generator=g).tolist())
+            max_tokens.append(n)
+    params = SamplingParams(canvas_length=canvas_length, max_denoising_steps=max_denoising_steps, seed=seed,
+                            eos_token_ids=eos)
+    max_model_len = max(256, max(len(x) for x in prompts) + max(max_tokens) + canvas_length)
+    runner = HarnessRunner(model, default_params=params, max_num_reqs=4, max_num_batched_tokens=4 * canvas_length,
+                           page_size=8, max_model_len=max_model_len, device=dev, attn_backend=backend,
+                           sampler_backend=sampler_backend, check=check)
+    for (rid, _, arrival, _, greedy), ids, mt in zip(requests, prompts, max_tokens):
         temps = dict(t_min=0.0, t_max=0.0) if greedy else {}
         rp = SamplingParams(canvas_length=canvas_length, max_denoising_steps=max_denoising_steps, seed=seed,
-                            max_tokens=max_tokens, **temps)
-        runner.add_request(rid, prompt, rp, arrival_step=arrival)
+                            eos_token_ids=eos, max_tokens=mt, **temps)
+        runner.add_request(rid, ids, rp, arrival_step=arrival)
 
-    p(f"blockdiff demo: tiny random-weight DiffusionGemma ({cfg.num_hidden_layers} layers, hidden "
-      f"{cfg.hidden_size}, vocab {cfg.vocab_size}, tied embedding x{embedding_scale:g}), canvas {canvas_length}, "
-      f"step cap {max_denoising_steps}")
+    shape = (f"{cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, "
+             f"{sum(t.numel() for t in model.parameters()):,} parameters")
+    if checkpoint is not None:
+        p(f"blockdiff demo: trained DiffusionGemma from {checkpoint} ({shape}, "
+          f"{str(model.embed_tokens.weight.dtype).replace('torch.', '')}){_train_summary(checkpoint)}, "
+          f"canvas {canvas_length}, step cap {max_denoising_steps}, eos id {tokenizer.eos_token_id}")
+    else:
+        p(f"blockdiff demo: tiny random-weight DiffusionGemma ({shape}, tied embedding x{embedding_scale:g}), "
+          f"canvas {canvas_length}, step cap {max_denoising_steps}")
     p(f"attention backend: {backend} | sampler backend: {sampler_backend} | device: {dev} | seed: {seed} | "
       f"check: {'on' if check else 'off'}")
-    p(f"{len(requests)} requests ({sum(r[4] for r in requests)} greedy), {runner.max_num_reqs} slots, step budget {runner.max_num_batched_tokens} tokens, "
-      f"KV pages of {runner.page_size} tokens")
+    p(f"{len(requests)} requests ({sum(r[4] for r in requests)} greedy), {runner.max_num_reqs} slots, step budget "
+      f"{runner.max_num_batched_tokens} tokens, KV pages of {runner.page_size} tokens")
     t0 = time.perf_counter()
     bar = None
     if progress:
         from tqdm import tqdm
 
-        total_tokens = sum(r[3] for r in requests)
-        bar = tqdm(total=total_tokens, unit="tok", desc="generating", file=sys.stderr, leave=False,
+        bar = tqdm(total=sum(max_tokens), unit="tok", desc="generating", file=sys.stderr, leave=False,
                    disable=None)  # None: shown on a terminal only
 
     def on_step(rec):
@@ -232,6 +319,7 @@ def run_demo(*, backend: str = "reference", sampler_backend: str = "reference", 
     wall = time.perf_counter() - t0
     totals = runner.totals()
     totals["wall_s"] = wall
+    totals["max_denoising_steps"] = max_denoising_steps
     table = format_table(runner.history)
     p("")
     p(table)
@@ -252,6 +340,16 @@ def run_demo(*, backend: str = "reference", sampler_backend: str = "reference", 
       f"{totals['tokens_emitted']} tokens emitted, {totals['tokens_per_forward']:.3f} tokens/forward, "
       f"{totals['denoise_rows']} denoise rows, {totals['canvases_committed']} canvases committed, "
       f"wall {wall:.2f} s")
+    p(format_generation_metrics(totals))
+    samples = []
+    if tokenizer is not None:
+        p("generated text (prompt | completion, decoded by the checkpoint's tokenizer):")
+        for (rid, *_), ids in zip(requests, prompts):
+            comp = tokenizer.decode(results[rid].output_token_ids, stop_at_eos=True)
+            samples.append({"req_id": rid, "prompt": tokenizer.decode(ids), "completion": comp})
+            p(f"  {rid}: {tokenizer.decode(ids)!r} | {comp!r}")
+    else:
+        p("generated text: none (random weights emit random ids; no tokenizer)")
     if check:
         ac = runner.attention_checker
         p(f"check: {ac.num_checked} attention calls (max abs err {ac.max_err:.2e} vs fp64 oracle) and "
@@ -261,4 +359,29 @@ def run_demo(*, backend: str = "reference", sampler_backend: str = "reference", 
     if rec is not None:
         png = plot_attention_pattern(rec, cfg, os.path.join(out, "attention_pattern.png"))
         p(f"attention pattern of step {rec.step} ({len(rec.rows)} sequences) written to {png}")
-    return DemoResult(runner, results, totals, png, table, rec.step if rec is not None else None)
+    return DemoResult(runner, results, totals, png, table, rec.step if rec is not None else None, samples)
+
+
+def format_generation_metrics(totals: dict) -> str:
+    """Two lines from :meth:`HarnessRunner.totals` (plus ``max_denoising_steps``): tokens committed per forward
+    pass (also per request row and per denoise row) and denoising steps per committed canvas (mean, max, cap)."""
+    return (f"tokens committed per forward pass: {totals['tokens_per_forward']:.3f} "
+            f"({totals['tokens_emitted']} tokens in {totals['forward_passes']} forward passes; "
+            f"{totals['tokens_per_request_pass']:.3f} per request row, "
+            f"{totals['tokens_per_denoise_step']:.3f} per denoise row)\n"
+            f"denoising steps per canvas: mean {totals['denoise_steps_per_canvas']:.2f}, max "
+            f"{totals['max_denoise_steps_per_canvas']} over {totals['canvases_committed']} committed canvases "
+            f"(step cap {totals['max_denoising_steps']})")
+
+
+def _train_summary(folder: str) -> str:
+    """``", trained N steps, held-out loss L nats/token"`` from the folder's ``train_log.json`` (model/train.py's
+    record), or ``""`` when the folder has no readable log (the log is optional)."""
+    import json
+
+    try:
+        with open(os.path.join(folder, "train_log.json")) as f:
+            log = json.load(f)
+        return f", trained {int(log['steps'])} steps, held-out loss {float(log['final_held_out_loss']):.3f} nats/token"
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""

@@ -1,4 +1,5 @@
-"""``blockdiff demo`` end to end: table, totals, PNG, ``--check``, backend errors."""
+"""``blockdiff demo`` end to end on random weights (``--random-weights``): table, totals, PNG, ``--check``, backend
+errors. The trained-checkpoint path is in test_demo.py."""
 from __future__ import annotations
 
 import os
@@ -14,7 +15,7 @@ pytestmark = needs_stack
 
 
 def test_demo_main_runs_end_to_end_with_check_and_writes_png(tmp_path, capsys):
-    rc = cli.main(["demo", "--out", str(tmp_path), "--check", "--no-progress", "--seed", "3"])
+    rc = cli.main(["demo", "--random-weights", "--out", str(tmp_path), "--check", "--no-progress", "--seed", "3"])
     out = capsys.readouterr().out
     assert rc == 0, out
     png = tmp_path / "attention_pattern.png"
@@ -31,8 +32,8 @@ def test_demo_main_runs_end_to_end_with_check_and_writes_png(tmp_path, capsys):
 
 def test_demo_console_script_subprocess(tmp_path):
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    p = subprocess.run([sys.executable, "-m", "blockdiff.integration.cli", "demo", "--out", str(tmp_path),
-                        "--no-progress", "--canvas-length", "8", "--max-denoising-steps", "2"],
+    p = subprocess.run([sys.executable, "-m", "blockdiff.integration.cli", "demo", "--random-weights", "--out",
+                        str(tmp_path), "--no-progress", "--canvas-length", "8", "--max-denoising-steps", "2"],
                        capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stderr
     assert (tmp_path / "attention_pattern.png").exists()
@@ -48,12 +49,14 @@ def test_unknown_backend_is_a_clear_error(capsys):
 
 
 def test_unavailable_backend_is_an_error_not_a_fallback(tmp_path, capsys, monkeypatch):
-    rc = cli.main(["demo", "--backend", "cute", "--device", "cpu", "--out", str(tmp_path), "--no-progress"])
+    rc = cli.main(["demo", "--random-weights", "--backend", "cute", "--device", "cpu", "--out", str(tmp_path),
+                   "--no-progress"])
     err = capsys.readouterr().err
     assert rc == 2 and "'cute'" in err and "CUDA" in err
     assert not (tmp_path / "attention_pattern.png").exists()
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    rc = cli.main(["demo", "--backend", "triton", "--device", "cpu", "--out", str(tmp_path), "--no-progress"])
+    rc = cli.main(["demo", "--random-weights", "--backend", "triton", "--device", "cpu", "--out", str(tmp_path),
+                   "--no-progress"])
     assert rc == 2 and "TRITON_INTERPRET" in capsys.readouterr().err
 
 
@@ -67,7 +70,7 @@ def test_check_mismatch_exits_nonzero_with_message(tmp_path, capsys, monkeypatch
         fn = real(backend)
         return lambda q, k, v, **kw: fn(q, k, v, **kw) * 1.01
     monkeypatch.setattr(A, "get_backend", bad_get_backend)
-    rc = cli.main(["demo", "--out", str(tmp_path), "--check", "--no-progress"])
+    rc = cli.main(["demo", "--random-weights", "--out", str(tmp_path), "--check", "--no-progress"])
     err = capsys.readouterr().err
     assert rc == 1 and "CHECK FAILED" in err and "attention check failed" in err
 
@@ -90,7 +93,8 @@ def test_sampler_check_mismatch_exits_nonzero_with_message(tmp_path, capsys, mon
         return corrupted
     monkeypatch.setattr(S, "get_backend", bad_get_backend)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    rc = cli.main(["demo", "--out", str(tmp_path), "--check", "--no-progress", "--sampler-backend", "triton"])
+    rc = cli.main(["demo", "--random-weights", "--out", str(tmp_path), "--check", "--no-progress", "--sampler-backend",
+                   "triton"])
     err = capsys.readouterr().err
     assert rc == 1 and "CHECK FAILED" in err and "sampler check: state.canvas" in err
 
@@ -98,7 +102,7 @@ def test_sampler_check_mismatch_exits_nonzero_with_message(tmp_path, capsys, mon
 def test_demo_rejects_bad_arguments_before_running(tmp_path, capsys):
     from blockdiff.integration.cli import main
 
-    assert main(["demo", "--embedding-scale", "nan", "--out", str(tmp_path)]) == 2
+    assert main(["demo", "--random-weights", "--embedding-scale", "nan", "--out", str(tmp_path)]) == 2
     assert main(["demo", "--canvas-length", "100000", "--out", str(tmp_path)]) == 2
     assert main(["demo", "--out", "/proc/no-such-folder/x"]) == 2
     err = capsys.readouterr().err

@@ -1,0 +1,151 @@
+"""``blockdiff demo`` with a trained-checkpoint folder (--checkpoint, the shipped default, the random-weight
+fallback and its printed notice), the printed generation metrics, and checkpoint errors naming the argument.
+
+The checkpoint here is a tiny untrained one written by ``model/train.py``'s ``save_checkpoint`` (the same files as
+a trained run, smoke config): these tests check the plumbing, not the quality of the text.
+"""
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import torch
+from integration_helpers import needs_stack
+
+from blockdiff.integration import cli
+from blockdiff.integration.demo import TEXT_REQUESTS, run_demo
+
+pytestmark = needs_stack
+
+METRIC_LINES = ("tokens committed per forward pass: ", "denoising steps per canvas: mean ", "generated text")
+
+
+@pytest.fixture(scope="session")
+def smoke_checkpoint(tmp_path_factory):
+    """A checkpoint folder as ``python3 -m blockdiff.model.train --smoke`` writes it (smoke config, bf16,
+    byte tokenizer), without the training steps."""
+    from blockdiff.model import DiffusionGemma
+    from blockdiff.model.tokenizer import ByteTokenizer
+    from blockdiff.model.train import save_checkpoint, smoke_config
+
+    folder = tmp_path_factory.mktemp("ckpt") / "smoke-byte"
+    save_checkpoint(DiffusionGemma(smoke_config(), seed=5, moe_impl="loop"), str(folder), ByteTokenizer())
+    return str(folder)
+
+
+def _run(args, capsys):
+    rc = cli.main(["demo", "--no-progress", *args])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_demo_serves_a_checkpoint_folder_and_prints_the_metrics_and_text(smoke_checkpoint, tmp_path, capsys):
+    rc, out, err = _run(["--checkpoint", smoke_checkpoint, "--out", str(tmp_path), "--max-denoising-steps", "3"],
+                        capsys)
+    assert rc == 0, err
+    assert f"trained DiffusionGemma from {smoke_checkpoint}" in out and "eos id 1" in out
+    assert "canvas 8, step cap 3" in out  # the checkpoint's trained canvas length
+    assert "random" not in out.lower()
+    for line in METRIC_LINES:
+        assert line in out, line
+    tpf = re.search(r"tokens committed per forward pass: ([\d.]+) \((\d+) tokens in (\d+) forward passes", out)
+    assert tpf and float(tpf[1]) == pytest.approx(int(tpf[2]) / int(tpf[3]), abs=1e-3) and int(tpf[2]) > 0
+    steps = re.search(r"denoising steps per canvas: mean ([\d.]+), max (\d+) over (\d+) committed canvases "
+                      r"\(step cap 3\)", out)
+    assert steps and 1 <= float(steps[1]) <= int(steps[2]) <= 3 and int(steps[3]) >= len(TEXT_REQUESTS)
+    for rid, text, *_ in TEXT_REQUESTS:  # decoded prompt + completion of every request
+        assert f"  {rid}: {text!r} | " in out
+    assert (tmp_path / "attention_pattern.png").exists()
+
+
+def test_checkpoint_weights_are_served_as_trained_with_the_tokenizer_eos(smoke_checkpoint, tmp_path, monkeypatch):
+    """No random-weight embedding scaling on a checkpoint; eos from the tokenizer; text prompts encoded by it."""
+    import io
+
+    from blockdiff.integration.harness import HarnessRunner
+    from blockdiff.model.pretrained import load_pretrained
+
+    added = []
+    real_add = HarnessRunner.add_request
+
+    def add_request(self, req_id, prompt, params=None, **kw):
+        added.append(params)
+        return real_add(self, req_id, prompt, params, **kw)
+    monkeypatch.setattr(HarnessRunner, "add_request", add_request)
+    res = run_demo(checkpoint=smoke_checkpoint, out=str(tmp_path), max_denoising_steps=2, progress=False,
+                   stream=io.StringIO())
+    assert len(added) == len(TEXT_REQUESTS) and all(p.eos_token_ids == (1,) for p in added)
+    assert [p.max_tokens for p in added] == [n * 8 for *_, n, _ in TEXT_REQUESTS]  # canvases x canvas 8
+    ref, tok = load_pretrained(smoke_checkpoint, dtype=torch.float32)
+    assert torch.equal(res.runner.model.embed_tokens.weight, ref.embed_tokens.weight)
+    assert [r.prompt_len for _, r in sorted(res.results.items())] == [len(tok.encode(t)) for _, t, *_ in
+                                                                       TEXT_REQUESTS]
+    for s in res.samples:
+        assert s["prompt"] == dict((r[0], r[1]) for r in TEXT_REQUESTS)[s["req_id"]]
+        out_ids = res.results[s["req_id"]].output_token_ids
+        assert tok.eos_token_id not in out_ids[:-1]  # trimmed after the first eos (kept)
+    assert res.totals["max_denoising_steps"] == 2
+    with pytest.raises(ValueError, match="embedding_scale"):
+        run_demo(checkpoint=smoke_checkpoint, embedding_scale=30.0, out=str(tmp_path), progress=False)
+
+
+def test_random_weights_flag_keeps_the_old_demo(tmp_path, capsys):
+    rc, out, err = _run(["--random-weights", "--out", str(tmp_path), "--canvas-length", "8",
+                         "--max-denoising-steps", "2"], capsys)
+    assert rc == 0, err
+    assert "tiny random-weight DiffusionGemma" in out and "tied embedding x30" in out
+    assert "no trained checkpoint" not in out  # chosen explicitly: no notice
+    for line in METRIC_LINES:
+        assert line in out, line
+    assert "(step cap 2)" in out and "generated text: none" in out
+
+
+def test_default_is_the_shipped_checkpoint_else_random_weights_with_a_notice(smoke_checkpoint, tmp_path, capsys,
+                                                                                 monkeypatch):
+    import blockdiff.model.pretrained as pretrained
+
+    monkeypatch.setattr(pretrained, "shipped_checkpoint_dir", lambda *a: smoke_checkpoint)
+    rc, out, err = _run(["--out", str(tmp_path), "--max-denoising-steps", "2"], capsys)
+    assert rc == 0, err
+    assert f"trained DiffusionGemma from {smoke_checkpoint}" in out
+
+    missing = str(tmp_path / "not-shipped")
+    monkeypatch.setattr(pretrained, "shipped_checkpoint_dir", lambda *a: missing)
+    rc, out, err = _run(["--out", str(tmp_path), "--canvas-length", "8", "--max-denoising-steps", "2"], capsys)
+    assert rc == 0, err
+    first = out.splitlines()[0]
+    assert f"no trained checkpoint shipped at {missing}" in first and "RANDOM weights" in first
+    assert "tiny random-weight DiffusionGemma" in out
+
+
+def test_bad_checkpoint_is_a_clear_error_naming_the_argument(smoke_checkpoint, tmp_path, capsys):
+    nowhere = str(tmp_path / "no-such-folder")
+    rc, out, err = _run(["--checkpoint", nowhere, "--out", str(tmp_path)], capsys)
+    assert rc == 2 and "--checkpoint" in err and nowhere in err and "not a folder" in err
+    assert "blockdiff demo:" not in out  # nothing ran
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    rc, out, err = _run(["--checkpoint", str(empty), "--out", str(tmp_path)], capsys)
+    assert rc == 2 and "--checkpoint" in err and "lacks model.safetensors, config.json, tokenizer.json" in err
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in os.listdir(smoke_checkpoint):
+        (broken / f).write_bytes(open(os.path.join(smoke_checkpoint, f), "rb").read())
+    (broken / "tokenizer.json").write_text('{"type": "sentencepiece"}')
+    rc, out, err = _run(["--checkpoint", str(broken), "--out", str(tmp_path)], capsys)
+    assert rc == 2 and "--checkpoint" in err and "not the byte tokenizer" in err
+
+    rc, out, err = _run(["--checkpoint", smoke_checkpoint, "--embedding-scale", "3", "--out", str(tmp_path)], capsys)
+    assert rc == 2 and "--embedding-scale" in err and "--checkpoint" in err
+    with pytest.raises(SystemExit) as e:
+        cli.main(["demo", "--checkpoint", smoke_checkpoint, "--random-weights"])
+    assert e.value.code == 2
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_text_prompts_need_a_tokenizer(tmp_path):
+    with pytest.raises(ValueError, match="text prompt needs a checkpoint"):
+        run_demo(out=str(tmp_path), progress=False, requests=(("r", "def f():", 0, 1, False),))
