@@ -155,13 +155,13 @@ def test_cli_smoke_runs(tmp_path):
 
 @pytest.mark.gpu
 def test_default_config_trains_on_cuda(tmp_path):
-    """Pre-flight of the H200 run: 150 steps of the shipped config on the stdlib (bf16 autocast), loss falls,
+    """Pre-flight of the H200 run: 60 steps of the shipped config on the stdlib (bf16 autocast), loss falls,
     the bf16 checkpoint stays under 10 MB and the harness evaluation runs on the GPU."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     import io
 
-    args = TrainArgs(out=str(tmp_path), max_steps=150, warmup_steps=20, log_every=10, device="cuda",
+    args = TrainArgs(out=str(tmp_path), max_steps=60, warmup_steps=10, log_every=10, device="cuda", batch_size=256,
                      eval_prompts=4, eval_steps=8)
     res = train(args, stream=io.StringIO())
     losses = [r["loss"] for r in res["log"] if "loss" in r]
