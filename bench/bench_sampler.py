@@ -120,6 +120,9 @@ def _chunked_config():
 #: ``CHUNKED``: the default soft embedding on CUDA (bf16 probability chunks + cuBLAS addmm), timed alone as the
 #: ``fused:soft_chunked`` part; ``TRITON_GEMM``: the split-K Triton GEMM path, the ``fused[triton_gemm]`` row.
 CHUNKED, TRITON_GEMM = _chunked_config()
+#: ``fused[stats_overlap]``: the chunked path with the stats pass on a side stream beside the soft-embedding GEMMs
+#: (normalisers from the memory-bound ``row_moments`` pre-pass, timed alone as ``fused:moments``).
+STATS_OVERLAP = dataclasses.replace(CHUNKED, stats_overlap=True)
 SHAPES = {"full": dict(N=4, CL=256, V=262144, H=2816), "quick": dict(N=2, CL=16, V=512, H=64)}
 DECISIONS = ("accepted", "argmax", "sampled", "next_canvas", "converged", "failed", "finished", "emitted",
              "num_sampled", "num_rejected", "temperature")
@@ -239,7 +242,7 @@ def add_rates(row, shape):
     ms = row.get("graph_ms") or row.get("eager_ms")
     read_bytes = N * CL * V * 4 + V * H * 2
     flops = 2.0 * N * CL * V * H
-    if row.get("part") == "stats":
+    if row.get("part") in ("stats", "moments"):
         read_bytes, flops = N * CL * V * 4, 0.0
     row["time_ms"] = ms
     row["gbps"] = read_bytes / (ms * 1e-3) / 1e9 if ms else None
@@ -278,6 +281,7 @@ def measure_parts(x, E, params, slots, shape, device, config, chunked=False) -> 
     if chunked:
         parts["soft_chunked"] = lambda: ts.soft_embedding(x, E, T, stats["m"], stats["inv_s"], stats["argmax"], act,
                                                           CHUNKED)
+        parts["moments"] = lambda: ts.row_moments(x, T, act)
     for part, call in parts.items():
         row = {"workload": WORKLOAD if shape is SHAPES["full"] else WORKLOAD + "-quick", "backend": f"fused:{part}",
                "part": part, "status": "ok"}
@@ -468,6 +472,7 @@ def main(argv=None) -> list[dict]:
         configs = [None] + [SamplerConfig(**kw) for kw in COMPARE_GEMM]
     if not args.no_chunked and configs[0] is None:
         configs = configs + [TRITON_GEMM]   # fused[triton_gemm]: the Triton GEMM soft-embedding path, checked too
+        configs = configs + [STATS_OVERLAP]  # fused[stats_overlap]: stats on a side stream beside the GEMMs
     for b in backends:
         for cfg in (configs if b == "fused" else [None]):
             t0 = time.perf_counter()
@@ -478,7 +483,8 @@ def main(argv=None) -> list[dict]:
                 continue
             graphs = b != "compile" or device.type == "cuda"
             name = b if cfg is None else (f"{b}[tuned]" if cfg is tuned else
-                                          f"{b}[triton_gemm]" if cfg is TRITON_GEMM else f"{b}[{config_label(cfg)}]")
+                                          f"{b}[triton_gemm]" if cfg is TRITON_GEMM else
+                                          f"{b}[stats_overlap]" if cfg is STATS_OVERLAP else f"{b}[{config_label(cfg)}]")
             row = measure(name, fn, x, E, params, slots, pd, shape, device, quick, graphs=graphs)
             if b == "compile":
                 row["compile_backend"] = compile_backend

@@ -47,6 +47,7 @@ two candidates of ``z + g`` lie within an ulp. Entropies differ from the referen
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -108,6 +109,63 @@ def _random_ids_kernel(seed_ptr, rid_ptr, cidx_ptr, step_ptr, out_ptr, CL, V,
 
 
 @triton.jit
+def _stats_loop(base, tdiv3, pv3, start, end, c1, c2, c3, k0, k1,
+                CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_G: tl.constexpr, LOAD_STAGES: tl.constexpr,
+                GUMBEL: tl.constexpr):
+    """The streaming loop of :func:`_stats_kernel` over one vocabulary split; ``GUMBEL`` False: no Gumbel-max
+    (greedy rows), z = x (T = 0 divides by 1). Returns the per-lane accumulators [P, G, 4]."""
+    g_off = tl.arange(0, BLOCK_G)
+    j3 = tl.arange(0, 4)[None, None, :]                               # [1, 1, 4]
+    # Per-lane accumulators ([P, G, 4]: one slot per tile element, merged across lanes once at the end), so the
+    # loop body has no block-wide reduction: each lane keeps its own online softmax (m, s, u) with one exp per
+    # element, its first argmax of z and of z + g (a lane sees increasing token ids, so strict > keeps the first).
+    m = tl.full((BLOCK_P, BLOCK_G, 4), -3.0e38, tl.float32)
+    s = tl.zeros((BLOCK_P, BLOCK_G, 4), tl.float32)
+    u = tl.zeros((BLOCK_P, BLOCK_G, 4), tl.float32)
+    best = tl.full((BLOCK_P, BLOCK_G, 4), -float("inf"), tl.float32)
+    best_i = tl.zeros((BLOCK_P, BLOCK_G, 4), tl.int32)
+    gbest = tl.full((BLOCK_P, BLOCK_G, 4), -float("inf"), tl.float32)
+    gbest_i = tl.zeros((BLOCK_P, BLOCK_G, 4), tl.int32)
+    bad = tl.zeros((BLOCK_P, BLOCK_G, 4), tl.int32)
+    for i in tl.range(0, CHUNK, 4 * BLOCK_G, num_stages=LOAD_STAGES):
+        grp = (start + i) // 4 + g_off                               # [G] token-group ids
+        tok = grp[None, :, None] * 4 + j3                            # [1, G, 4]
+        mask = pv3 & (tok < end)                                     # [P, G, 4]
+        x = tl.load(base + tok, mask=mask, other=0.0).to(tl.float32)
+        nonfinite = (x != x) | (tl.abs(x) == float("inf"))
+        bad = bad | (mask & nonfinite).to(tl.int32)
+        if GUMBEL:
+            z = tl.where(mask, tl.math.div_rn(x, tdiv3), -float("inf"))
+        else:                                                        # every valid row has T = 0: x / 1 = x
+            z = tl.where(mask, x, -float("inf"))
+        # online softmax per lane: d > 0 moves the lane's max to z (rescale by exp(-d)), else add exp(d)
+        d = z - m                                                    # masked: -inf
+        up = d > 0
+        e = tl.exp(-tl.abs(d))
+        # e == 0 adds nothing (p log p -> 0): z = -inf (a finite logit / T < 1 overflowing) gives 0 * -inf = NaN
+        u = tl.where(up, e * (u - d * s), u + tl.where(mask & (e > 0.0), e * d, 0.0))
+        s = tl.where(up, e * s + 1.0, s + e)
+        m = tl.where(up, z, m)
+        take = z > best
+        best_i = tl.where(take, tok, best_i)
+        best = tl.where(take, z, best)
+        if GUMBEL:
+            # Gumbel-max sample: one Philox call per (position, group of 4 tokens), word t & 3 for token t
+            cg = grp.to(tl.uint32)[None, :]                              # [1, G]
+            zero = tl.zeros((BLOCK_P, BLOCK_G), tl.uint32)
+            w0, w1, w2, w3 = _philox4x32_10(cg + zero, c1 + zero, c2 + zero, c3 + zero, k0 + zero, k1 + zero)
+            w = tl.where(j3 == 0, w0[:, :, None], tl.where(j3 == 1, w1[:, :, None],
+                         tl.where(j3 == 2, w2[:, :, None], w3[:, :, None])))
+            uni = ((w >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07          # ((w >> 9) + 0.5) * 2**-23
+            gum = -tl.log(-tl.log(uni))
+            y = tl.where(mask, z + gum, -float("inf"))
+            gtake = y > gbest
+            gbest_i = tl.where(gtake, tok, gbest_i)
+            gbest = tl.where(gtake, y, gbest)
+    return m, s, u, best, best_i, gbest, gbest_i, bad
+
+
+@triton.jit
 def _stats_kernel(
     x_ptr, stride_xn, stride_xp,
     t_ptr, seed_ptr, rid_ptr, cidx_ptr, step_ptr, active_ptr,
@@ -144,55 +202,22 @@ def _stats_kernel(
     c3 = (((rid >> 32) & 0xFFFF) | ((cidx & 0xFFFF) << 16)).to(tl.uint32)[:, None]
 
     base = (x_ptr + n.to(tl.int64) * stride_xn + p.to(tl.int64) * stride_xp)[:, None, None]   # [P, 1, 1]
-    g_off = tl.arange(0, BLOCK_G)
-    j3 = tl.arange(0, 4)[None, None, :]                               # [1, 1, 4]
     start = sp * CHUNK
     end = tl.minimum(start + CHUNK, V)
     tdiv3 = tdiv[:, None, None]
     pv3 = pvalid[:, None, None]
-
-    # Per-lane accumulators ([P, G, 4]: one slot per tile element, merged across lanes once at the end), so the
-    # loop body has no block-wide reduction: each lane keeps its own online softmax (m, s, u) with one exp per
-    # element, its first argmax of z and of z + g (a lane sees increasing token ids, so strict > keeps the first).
-    m = tl.full((BLOCK_P, BLOCK_G, 4), -3.0e38, tl.float32)
-    s = tl.zeros((BLOCK_P, BLOCK_G, 4), tl.float32)
-    u = tl.zeros((BLOCK_P, BLOCK_G, 4), tl.float32)
-    best = tl.full((BLOCK_P, BLOCK_G, 4), -float("inf"), tl.float32)
-    best_i = tl.zeros((BLOCK_P, BLOCK_G, 4), tl.int32)
-    gbest = tl.full((BLOCK_P, BLOCK_G, 4), -float("inf"), tl.float32)
-    gbest_i = tl.zeros((BLOCK_P, BLOCK_G, 4), tl.int32)
-    bad = tl.zeros((BLOCK_P, BLOCK_G, 4), tl.int32)
-    for i in tl.range(0, CHUNK, 4 * BLOCK_G, num_stages=LOAD_STAGES):
-        grp = (start + i) // 4 + g_off                               # [G] token-group ids
-        tok = grp[None, :, None] * 4 + j3                            # [1, G, 4]
-        mask = pv3 & (tok < end)                                     # [P, G, 4]
-        x = tl.load(base + tok, mask=mask, other=0.0).to(tl.float32)
-        nonfinite = (x != x) | (tl.abs(x) == float("inf"))
-        bad = bad | (mask & nonfinite).to(tl.int32)
-        z = tl.where(mask, tl.math.div_rn(x, tdiv3), -float("inf"))
-        # online softmax per lane: d > 0 moves the lane's max to z (rescale by exp(-d)), else add exp(d)
-        d = z - m                                                    # masked: -inf
-        up = d > 0
-        e = tl.exp(-tl.abs(d))
-        # e == 0 adds nothing (p log p -> 0): z = -inf (a finite logit / T < 1 overflowing) gives 0 * -inf = NaN
-        u = tl.where(up, e * (u - d * s), u + tl.where(mask & (e > 0.0), e * d, 0.0))
-        s = tl.where(up, e * s + 1.0, s + e)
-        m = tl.where(up, z, m)
-        take = z > best
-        best_i = tl.where(take, tok, best_i)
-        best = tl.where(take, z, best)
-        # Gumbel-max sample: one Philox call per (position, group of 4 tokens), word t & 3 for token t
-        cg = grp.to(tl.uint32)[None, :]                              # [1, G]
-        zero = tl.zeros((BLOCK_P, BLOCK_G), tl.uint32)
-        w0, w1, w2, w3 = _philox4x32_10(cg + zero, c1 + zero, c2 + zero, c3 + zero, k0 + zero, k1 + zero)
-        w = tl.where(j3 == 0, w0[:, :, None], tl.where(j3 == 1, w1[:, :, None],
-                     tl.where(j3 == 2, w2[:, :, None], w3[:, :, None])))
-        uni = ((w >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07          # ((w >> 9) + 0.5) * 2**-23
-        gum = -tl.log(-tl.log(uni))
-        y = tl.where(mask, z + gum, -float("inf"))
-        gtake = y > gbest
-        gbest_i = tl.where(gtake, tok, gbest_i)
-        gbest = tl.where(gtake, y, gbest)
+    # Greedy rows (T = 0) take the argmax: their Gumbel sample is never used, so a program whose valid rows are all
+    # greedy skips Philox, both logs and the division (T = 0 divides by 1: z = x exactly). Exact: every value the
+    # step reads is the same. (On the GPU a program is one position, so the branch is per row.)
+    need_g = tl.max(((T != 0.0) & pvalid).to(tl.int32), 0) != 0
+    if need_g:
+        m, s, u, best, best_i, gbest, gbest_i, bad = _stats_loop(
+            base, tdiv3, pv3, start, end, c1, c2, c3, k0, k1,
+            CHUNK, BLOCK_P, BLOCK_G, LOAD_STAGES, True)
+    else:
+        m, s, u, best, best_i, gbest, gbest_i, bad = _stats_loop(
+            base, tdiv3, pv3, start, end, c1, c2, c3, k0, k1,
+            CHUNK, BLOCK_P, BLOCK_G, LOAD_STAGES, False)
 
     # merge the lanes: exact online-softmax merge, and the lowest id among the lanes holding the maximum
     mrow = tl.max(tl.max(m, 2), 1)                                   # [P]
@@ -352,6 +377,38 @@ def _soft_reduce_kernel(
     tl.store(soft_ptr + (slot * CL + p).to(tl.int64) * HID + cols, acc, mask=cmask)
 
 
+@triton.jit
+def _moments_kernel(x_ptr, stride_xn, stride_xp, t_ptr, active_ptr, m_ptr, inv_s_ptr, R, CL, V,
+                    NUM_TILES: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Grid (R,): row max m = max(x) / T and inv_s = 1 / sum exp2(x * log2e / T - m * log2e) of one position whose
+    request is active and samples (T > 0); other rows are not written. Per-lane online max / sum (one exp2 per
+    logit), merged once: the normaliser of the chunked soft embedding's probabilities, so its GEMM can start
+    before the stats pass ends (``SamplerConfig.stats_overlap``). Memory-bound: one read of the logits."""
+    r = tl.program_id(0)
+    n = r // CL
+    p = r % CL
+    act = tl.load(active_ptr + n) != 0
+    T = tl.load(t_ptr + n)
+    if act & (T > 0.0):
+        scale = 1.4426950408889634 / T
+        base = x_ptr + n.to(tl.int64) * stride_xn + p.to(tl.int64) * stride_xp
+        offs = tl.arange(0, BLOCK_V)
+        mx = tl.full((BLOCK_V,), -3.0e38, tl.float32)
+        sm = tl.zeros((BLOCK_V,), tl.float32)
+        for i in tl.range(0, NUM_TILES):          # NUM_TILES = cdiv(V, BLOCK_V) (a runtime bound fails the interpreter)
+            tok = i * BLOCK_V + offs
+            x = tl.load(base + tok, mask=tok < V, other=-float("inf")).to(tl.float32)
+            d = x - mx
+            up = d > 0
+            e = tl.exp2(-tl.abs(d) * scale)
+            sm = tl.where(up, e * sm + 1.0, sm + e)
+            mx = tl.where(up, x, mx)
+        mrow = tl.max(mx, 0)
+        srow = tl.sum(sm * tl.exp2((mx - mrow) * scale), 0)
+        tl.store(m_ptr + r, mrow / T)
+        tl.store(inv_s_ptr + r, 1.0 / srow)
+
+
 # ---------------------------------------------------------------------------------------------- launchers
 def random_ids(seed: torch.Tensor, request_id: torch.Tensor, canvas_index: torch.Tensor, step: torch.Tensor,
                canvas_length: int, vocab_size: int, stream: int) -> torch.Tensor:
@@ -403,6 +460,10 @@ class SamplerConfig:
     (default otherwise: the split-K Triton GEMM of this module);
     soft_chunk: its vocabulary chunk in tokens (None: the buffer [N * CL, chunk] stays <= 32 MiB);
     soft_overlap: chunked path on CUDA: write the next chunk's probabilities on a side stream during the GEMM.
+    stats_overlap: chunked path: take the soft embedding's normalisers from a memory-bound pre-pass
+    (:func:`row_moments`) and run the soft embedding's GEMMs on a high-priority side stream while the
+    compute-bound stats pass (Philox, logs) runs beside them (CUDA; on the CPU the same computation runs in order). Decisions are unchanged (exact);
+    the soft rows differ from the default path by float rounding of the normalisers. None: off.
     """
 
     block_p: int | None = None
@@ -420,6 +481,7 @@ class SamplerConfig:
     soft_impl: str | None = None
     soft_chunk: int | None = None
     soft_overlap: bool | None = None
+    stats_overlap: bool | None = None
 
     def __post_init__(self):
         if self.soft_impl not in SOFT_IMPLS + (None,):
@@ -455,7 +517,7 @@ class SamplerConfig:
         return SamplerConfig(block_p, block_g, split_v, self.stats_warps or 4,
                              self.stats_stages or (3 if cuda else 1), bm, bn, bk, split_k,
                              self.gemm_warps or (8 if cuda else 4), self.gemm_stages or (3 if cuda else 1),
-                             self.use_tma, self.soft_impl, self.soft_chunk, self.soft_overlap)
+                             self.use_tma, self.soft_impl, self.soft_chunk, self.soft_overlap, self.stats_overlap)
 
 
 def row_stats(logits: torch.Tensor, T: torch.Tensor, seed: torch.Tensor, request_id: torch.Tensor,
@@ -507,6 +569,38 @@ def row_stats(logits: torch.Tensor, T: torch.Tensor, seed: torch.Tensor, request
     bad = si[..., 2].amax(-1) != 0
     entropy = torch.where(bad, float("nan"), entropy)
     return dict(m=m, inv_s=1.0 / s, entropy=entropy, argmax=argmax, gumbel_argmax=gumbel_argmax, bad=bad)
+
+
+def row_moments(logits: torch.Tensor, T: torch.Tensor, active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax normalisers of ``z = logits / T`` for the soft embedding only: ``(m, inv_s)`` float32 [N, CL], the
+    row max of z and 1 / sum exp(z - m) (within float32 rounding of :func:`row_stats`' values, not bit-equal), on
+    rows of active requests with T > 0; other rows are 0 / undefined. One memory-bound pass over the logits.
+
+    Args: logits float [N, CL, V] (contiguous last dim); T float32 [N]; active bool/int [N].
+    """
+    N, CL, V = logits.shape
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    m = torch.zeros(N, CL, dtype=torch.float32, device=logits.device)
+    inv_s = torch.zeros(N, CL, dtype=torch.float32, device=logits.device)
+    if N * CL > 0 and V > 0:
+        block_v = 2048 if logits.is_cuda else min(64, triton.next_power_of_2(V))
+        _moments_kernel[(N * CL,)](logits, logits.stride(0), logits.stride(1), T.contiguous(),
+                                   active.to(torch.int32).contiguous(), m, inv_s, N * CL, CL, V,
+                                   NUM_TILES=triton.cdiv(V, block_v), BLOCK_V=block_v, num_warps=4)
+    return m, inv_s
+
+
+_SOFT_STREAMS: dict = {}
+
+
+def _soft_stream(device: torch.device) -> "torch.cuda.Stream":
+    """The high-priority side stream of ``stats_overlap``'s soft embedding (one per device; not the chunked
+    path's P-writer stream): the block scheduler hands freed SMs to its GEMMs first, the stats pass fills the rest."""
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _SOFT_STREAMS:
+        _SOFT_STREAMS[key] = torch.cuda.Stream(device=device, priority=-1)
+    return _SOFT_STREAMS[key]
 
 
 def soft_embedding(logits: torch.Tensor, embedding: torch.Tensor, T: torch.Tensor, m: torch.Tensor,
@@ -633,7 +727,30 @@ def sampler_step(state: SamplerState, slots: torch.Tensor, logits: torch.Tensor,
     T = temperature(state, slots)
     greedy = T == 0
 
-    st = row_stats(logits, T, seed, rid, cidx, step, is_den, config)                      # (a)
+    cfg = config or SamplerConfig()
+    overlap = bool(cfg.stats_overlap) and (cfg.soft_impl or default_soft_impl(logits.device, embedding.dtype)) == "chunked"
+    if overlap:
+        # (c) beside (a): normalisers from a memory-bound pre-pass, then the GEMMs over every denoising row on a
+        # high-priority side stream (rows that turn out converged / failed are computed and never written: the
+        # reduce kernel's mode skips them; NaN logits stay in their own rows) while the stats pass runs on this
+        # stream and fills the SMs the GEMMs leave free. The side stream's allocations are freed after the join
+        # below, and its next use starts behind a fork from this stream.
+        from .soft_chunked import soft_embedding_chunked
+
+        m2, inv_s2 = row_moments(logits, T, is_den)
+        cuda = logits.is_cuda
+        if cuda:
+            main, side = torch.cuda.current_stream(logits.device), _soft_stream(logits.device)
+            side.wait_stream(main)
+        with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
+            ws = soft_embedding_chunked(logits, embedding, T, m2, inv_s2, torch.zeros_like(m2, dtype=torch.int32),
+                                        is_den, chunk=cfg.soft_chunk, greedy_onehot=False,
+                                        overlap=bool(cfg.soft_overlap))                        # (c)
+        st = row_stats(logits, T, seed, rid, cidx, step, is_den, config)                      # (a)
+        if cuda:
+            main.wait_stream(side)
+    else:
+        st = row_stats(logits, T, seed, rid, cidx, step, is_den, config)                  # (a)
     # non-finite logits, or z = x / T overflowing to +inf / every z = -inf at a position (NaN entropy: softmax
     # undefined) fail the row, as in the reference
     row_failed = st["bad"].any(-1) | (torch.isnan(st["entropy"]).any(-1) & ~greedy)
@@ -647,7 +764,9 @@ def sampler_step(state: SamplerState, slots: torch.Tensor, logits: torch.Tensor,
     converged, stable_count = convergence(state, slots, argmax, mean_entropy)
     cont = is_den & ~row_failed & ~converged
 
-    ws = soft_embedding(logits, embedding, T, st["m"], st["inv_s"], argmax, cont, config, greedy_onehot=False)  # (c)
+    if not overlap:
+        ws = soft_embedding(logits, embedding, T, st["m"], st["inv_s"], argmax, cont, config,
+                            greedy_onehot=False)                                                 # (c)
     res = DenoiseResult(accepted=accepted, entropy=entropy, argmax=argmax, sampled=sampled,
                         next_canvas=next_canvas, row_failed=row_failed, converged=converged,
                         stable_count=stable_count, mean_entropy=mean_entropy, temperature=T, soft=None)

@@ -158,8 +158,8 @@ def test_chunked_batch_invariance():
 
 # ---------------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
-@pytest.mark.parametrize("overlap", [False, True])
-def test_gpu_chunked_sampler_n4_finite_close_to_default_and_graph_capturable(overlap):
+@pytest.mark.parametrize("overlap,stats_overlap", [(False, False), (True, False), (False, True)])
+def test_gpu_chunked_sampler_n4_finite_close_to_default_and_graph_capturable(overlap, stats_overlap):
     """sampler_n4 (4 x 256 x 262144 fp32 logits, E bf16 [262144, 2816], one greedy request): the chunked step's
     decisions equal the default path's, its NaN-poisoned soft rows are all written, finite and within 2 % (of the
     max magnitude) of the default path's; a CUDA-graph replay equals the eager step; extra memory <= 64 MiB."""
@@ -170,7 +170,7 @@ def test_gpu_chunked_sampler_n4_finite_close_to_default_and_graph_capturable(ove
     specs = [(i, 1000 + i, SamplingParams(canvas_length=CL, seed=i, max_denoising_steps=10000,
                                           t_min=0.0 if i == 3 else 0.4, t_max=0.0 if i == 3 else 0.8))
              for i in range(N)]
-    cfg = SamplerConfig(soft_impl="chunked", soft_overlap=overlap)
+    cfg = SamplerConfig(soft_impl="chunked", soft_overlap=overlap, stats_overlap=stats_overlap)
     slots = torch.arange(N, device="cuda")
     pd = torch.ones(N, dtype=torch.bool, device="cuda")
     a, b = _mk_state(specs, CL, V, H, R=N, device="cuda"), _mk_state(specs, CL, V, H, R=N, device="cuda")
@@ -228,6 +228,61 @@ def test_overlap_flag_gives_identical_sums():
     a = soft_embedding_chunked(x, E, T, r["m"], r["inv_s"], r["argmax"], act, chunk=32, overlap=False)
     b = soft_embedding_chunked(x, E, T, r["m"], r["inv_s"], r["argmax"], act, chunk=32, overlap=True)
     assert torch.equal(a, b)
+
+
+def test_row_moments_normalise_the_sampling_rows_only():
+    """row_moments: m = max(x / T) and inv_s = 1 / sum exp(x / T - m) within float32 rounding on active T > 0 rows;
+    greedy and inactive rows untouched (0), NaN logits stay in their row."""
+    from blockdiff.sampler.triton_sampler import row_moments
+
+    g = torch.Generator().manual_seed(3)
+    N, CL, V = 4, 3, 150
+    x = (torch.randn(N, CL, V, generator=g) * 5).to(DEV)
+    x[1, 0, 7] = float("nan")
+    T = torch.tensor([0.7, 1.0, 0.0, 2.5], device=DEV)
+    act = torch.tensor([True, True, True, False], device=DEV)
+    m, inv_s = row_moments(x, T, act)
+    z = x.double() / T.double().clamp_min(1e-30)[:, None, None]
+    zm = z.max(-1).values
+    ref_inv = 1 / torch.exp(z - zm[..., None]).sum(-1)
+    ok = torch.tensor([True, True, False, False], device=DEV)[:, None].expand(N, CL).clone()
+    ok[1, 0] = False
+    assert torch.allclose(m[ok].double(), zm[ok], rtol=1e-6)
+    assert torch.allclose(inv_s[ok].double(), ref_inv[ok], rtol=1e-5)
+    assert (m[2:] == 0).all() and (inv_s[2:] == 0).all()
+    assert torch.isnan(m[1, 0]) or torch.isnan(inv_s[1, 0])
+
+
+@pytest.mark.parametrize("soft_overlap", [False, True])
+def test_stats_overlap_same_decisions_and_soft_within_rounding(soft_overlap):
+    """SamplerConfig(stats_overlap=True) (normalisers from row_moments, GEMM over every denoising row, stats on a
+    side stream on CUDA) gives exactly the default chunked step's decisions and state, and soft rows within float
+    rounding of it — also for greedy, NaN-failed and converging rows (never written from the extra GEMM rows)."""
+    g = torch.Generator().manual_seed(11)
+    CL_, V_, H_ = 8, 70, 16
+    specs = [(0, 10, SamplingParams(canvas_length=CL_, seed=1, t_min=0.4, t_max=0.9, max_denoising_steps=6)),
+             (1, 11, SamplingParams(canvas_length=CL_, seed=2, t_min=0.0, t_max=0.0, max_denoising_steps=6)),
+             (2, 12, SamplingParams(canvas_length=CL_, seed=3, t_min=1.0, t_max=1.0, max_denoising_steps=2)),
+             (3, 13, SamplingParams(canvas_length=CL_, seed=4, t_min=0.5, t_max=0.5, max_denoising_steps=6))]
+    E = (torch.randn(V_, H_, generator=g) * 0.3).bfloat16().to(DEV)
+    slots = torch.arange(4, device=DEV)
+    pd = torch.ones(4, dtype=torch.bool, device=DEV)
+    a = _mk_state(specs, CL_, V_, H_, R=4, device=DEV)
+    b = _mk_state(specs, CL_, V_, H_, R=4, device=DEV)
+    base = SamplerConfig(soft_impl="chunked", soft_chunk=32, soft_overlap=soft_overlap)
+    ovl = SamplerConfig(soft_impl="chunked", soft_chunk=32, soft_overlap=soft_overlap, stats_overlap=True)
+    for it in range(4):
+        x = (torch.randn(4, CL_, V_, generator=g) * 3).to(DEV)
+        if it == 2:
+            x[3, 5, 9] = float("nan")        # request 3 fails
+        oa = ts.sampler_step(a, slots, x, pd, E, config=base)
+        ob = ts.sampler_step(b, slots, x, pd, E, config=ovl)
+        for f in DECISIONS + ("entropy", "mean_entropy"):   # exact (NaN where the failed row has NaN)
+            torch.testing.assert_close(getattr(oa, f), getattr(ob, f), rtol=0, atol=0, equal_nan=True, msg=f"{it} {f}")
+        for f in STATE_FIELDS:
+            assert torch.equal(getattr(a, f), getattr(b, f)), (it, f)
+        assert torch.isfinite(b.soft).all() == torch.isfinite(a.soft).all()
+        assert torch.allclose(a.soft, b.soft, rtol=1e-3, atol=1e-3), (it, (a.soft - b.soft).abs().max())
 
 
 def test_default_soft_impl_is_chunked_on_cuda_for_half_embeddings_regression():

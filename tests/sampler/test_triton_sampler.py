@@ -45,6 +45,29 @@ def test_row_stats_match_reference(V, split_v, dtype):
     assert not r["bad"].any()
 
 
+@pytest.mark.parametrize("block_p", [1, 8])
+def test_greedy_rows_skip_the_gumbel_pass_with_identical_statistics(block_p):
+    """A stats program whose valid rows are all greedy (T = 0) skips Philox, the logs and the division; argmax,
+    m, inv_s, entropy and bad stay those of z = x, and the sampling rows of the same launch keep their exact
+    Gumbel-max ids (block_p 1 is the GPU layout: one program per position; 8 = one program per request here)."""
+    g = torch.Generator().manual_seed(7)
+    N, CL, V = 4, 8, 70
+    x = torch.randn(N, CL, V, generator=g) * 4
+    x[2, 3, 11] = float("nan")               # a greedy row's non-finite logit is still flagged
+    T = torch.tensor([0.0, 0.8, 0.0, 1.3])
+    seed, rid, ci, st = _coords(N, g)
+    r = row_stats(x, T, seed, rid, ci, st, torch.ones(N, dtype=torch.bool),
+                  SamplerConfig(block_p=block_p, split_v=2, block_g=4))
+    z = x / torch.where(T == 0, 1.0, T)[:, None, None]
+    gum = rng.gumbel_noise(seed, rid, ci, st, CL, V)
+    ok = ~r["bad"]
+    assert r["bad"][2, 3] and r["bad"].sum() == 1
+    assert torch.equal(r["argmax"][ok], z.argmax(-1)[ok])
+    assert torch.equal(r["m"][ok], z.max(-1).values[ok])
+    assert torch.allclose(r["entropy"][ok], entropy_reference(z)[ok], rtol=1e-5, atol=1e-5)
+    assert torch.equal(r["gumbel_argmax"][T != 0], (z + gum).argmax(-1)[T != 0])
+
+
 def test_row_stats_flags_non_finite_and_skips_inactive_rows():
     N, CL, V = 3, 4, 40
     x = torch.randn(N, CL, V)
