@@ -467,6 +467,15 @@ TUNED_CONFIGS: dict = {
 }
 
 
+#: Tuned tiles for the split-KV regime {(head_dim, group, has_window, prefix): config}: used instead of the base
+#: tiles when those would split the keys (few q tiles over a long context; host shapes only), from the same sweep:
+#: - hd 128, group 2, no window: 128x128, 8 warps, 3 stages: canvas_bs1_ctx32k_hd128 0.242 ms at 4 splits
+#:   (the base 64x64/4w/3s: 0.365 ms at 2 splits); prefill16k / canvas_bs4 keep the base tiles (no split there).
+TUNED_SPLIT_CONFIGS: dict = {
+    (128, 2, False, False): dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
+}
+
+
 @dataclass(frozen=True)
 class _StaticKey:
     head_dim: int
@@ -494,6 +503,10 @@ class TritonAttention:
         if tuned and not key.interpret and key.dtype in (torch.bfloat16, torch.float16):
             base.update(tuned)
         self.base = base
+        split = TUNED_SPLIT_CONFIGS.get((key.head_dim, key.group, key.has_window, key.prefix))
+        #: tiles for the split-KV regime (None: the base tiles everywhere)
+        self.split_base = dict(split) if split and not key.interpret and key.dtype in (torch.bfloat16,
+                                                                                       torch.float16) else None
         self._resolved: dict = {}
 
     def config(self, override: dict | None) -> dict:
@@ -664,6 +677,21 @@ def attention_triton(
     kern = get_kernel(D, DV, group, q.dtype, info.paged, info.page_size, has_window, prefix)
     cfg = kern.config(config)
     gp = _next_pow2(group)
+    if max_seqlen_k is not None:
+        kcap = int(max_seqlen_k)
+    elif info.paged:
+        kcap = block_table.shape[1] * info.page_size
+    else:
+        kcap = k_cache.shape[0]
+    split_cfg = kern.split_base
+    if split_cfg is not None and not (config and set(config) & {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}) \
+            and cfg.get("num_splits") is None:
+        # decode-like regime (the base tiles would split the keys: few q tiles over a long context): the tuned
+        # split-regime tiles instead (host shapes only; a graph replays the config it was captured with)
+        bq0 = cfg["BLOCK_M"] // gp
+        n_dv0 = -(-max(16, _next_pow2(DV)) // cfg["BLOCK_DV"])
+        if choose_num_splits(-(-total_q // bq0) * Hkv * n_dv0, kcap, cfg["BLOCK_N"], _num_sms(q.device)) > 1:
+            cfg = kern.config(dict(split_cfg, **(config or {})))
     BM, BN = cfg["BLOCK_M"], cfg["BLOCK_N"]
     BQ = BM // gp
     BD = max(16, _next_pow2(D))
@@ -671,12 +699,6 @@ def attention_triton(
     n_dv = -(-max(16, _next_pow2(DV)) // BDV)
     n_tiles = total_q // BQ + B
 
-    if max_seqlen_k is not None:
-        kcap = int(max_seqlen_k)
-    elif info.paged:
-        kcap = block_table.shape[1] * info.page_size
-    else:
-        kcap = k_cache.shape[0]
     ns = cfg.get("num_splits")
     if ns is None:
         real_tiles = -(-total_q // BQ)  # exact for one sequence; the +B virtual tiles mostly exit
@@ -743,4 +765,4 @@ def attention_triton(
 
 
 __all__ = ["attention_triton", "default_config", "choose_num_splits", "get_kernel", "TritonAttention",
-           "TUNED_CONFIGS"]
+           "TUNED_CONFIGS", "TUNED_SPLIT_CONFIGS"]

@@ -295,6 +295,31 @@ def test_split_heuristic_uses_only_host_shapes():
     assert cfg["BLOCK_M"] >= 8 and cfg["BLOCK_DV"] == 512
 
 
+def test_split_regime_uses_its_tuned_tiles_only_when_the_base_tiles_would_split():
+    """A kernel with split-regime tiles (TUNED_SPLIT_CONFIGS; here set on an interpreter kernel) uses them for a
+    few q tiles over a long context and keeps the base tiles otherwise or when the caller pins tiles; results
+    equal the oracle either way."""
+    from blockdiff.attention import triton_attention as ta
+
+    inp = make_batch(seq_lens=[600], q_lens=[8], causal=[False], H=4, Hkv=2, D=16, page_size=16)
+    kern = ta.get_kernel(16, 16, 2, torch.bfloat16, True, 16, False, False)
+    split_tiles = dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=1)
+    old = kern.split_base
+    kern.split_base = split_tiles
+    try:
+        run_and_check(inp)
+        assert {k: ta.LAST_LAUNCH["config"][k] for k in split_tiles} == split_tiles
+        assert ta.LAST_LAUNCH["num_splits"] > 1
+        run_and_check(inp, config=dict(BLOCK_M=16, BLOCK_N=16))          # pinned tiles win
+        assert ta.LAST_LAUNCH["config"]["BLOCK_M"] == 16
+        many = make_batch(seq_lens=[20] * 40, q_lens=[20] * 40, causal=[True] * 40, H=4, Hkv=2, D=16,
+                          page_size=16)
+        run_and_check(many)                                               # enough programs: no split, base tiles
+        assert ta.LAST_LAUNCH["num_splits"] == 1 and ta.LAST_LAUNCH["config"]["BLOCK_N"] == kern.base["BLOCK_N"]
+    finally:
+        kern.split_base = old
+
+
 # ---------------------------------------------------------------- fuzzing
 
 
