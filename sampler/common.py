@@ -7,6 +7,7 @@ data-dependent shapes), so a step stays capturable in a CUDA graph.
 Phase machine per row (INTERFACES.md "blockdiff.sampler"):
 PREFILL --prefill_done--> DENOISE (fresh canvas 0) --converged--> COMMIT --EOS or max_tokens--> FINISHED
                                   \\--non-finite logit--> FAILED     \\--else--> DENOISE (fresh canvas, index + 1)
+(A request resumed after preemption starts at the canvas index ``SamplerState.add_request`` gave it, not 0.)
 """
 from __future__ import annotations
 
@@ -184,7 +185,8 @@ def apply_step(state: SamplerState, slots: torch.Tensor, prefill_done: torch.Ten
     nextc = is_commit & ~finished
     fresh = start0 | nextc
     canvas_index = state.canvas_index[slots]
-    canvas_index = torch.where(start0, 0, torch.where(nextc, canvas_index + 1, canvas_index)).to(torch.int32)
+    # start0 keeps the index add_request set (0, or the canvases a resumed request already committed)
+    canvas_index = torch.where(nextc, canvas_index + 1, canvas_index).to(torch.int32)
     new_phase = torch.where(start0, DENOISE, new_phase).to(torch.int32)
     init = fresh_canvas(state, slots, canvas_index, random_ids)
     fc = fresh[:, None]

@@ -116,28 +116,62 @@ class SamplerState:
             raise ValueError(f"params.canvas_length ({params.canvas_length}) must equal the state's canvas_length "
                              f"({self.canvas_length})")
         if len(params.eos_token_ids) > self.max_eos:
-            raise ValueError(f"params.eos_token_ids has {len(params.eos_token_ids)} ids, more than max_eos={self.max_eos}")
+            raise ValueError(f"params.eos_token_ids has {len(params.eos_token_ids)} ids, more than max_eos={self.max_eos} "
+                             "(SamplerState.reserve_eos grows it)")
         for t in params.eos_token_ids:
             if t >= self.vocab_size:
                 raise ValueError(f"eos_token_ids must be < vocab_size={self.vocab_size}, got {t}")
 
-    def add_request(self, slot: int, request_id: int, params: SamplingParams) -> None:
+    def reserve_eos(self, n: int) -> None:
+        """Make room for ``n`` eos ids per slot: grows ``eos_token_ids`` to ``[R, max(n, 2 * max_eos)]`` when
+        ``n > max_eos`` (existing rows kept, new columns -1); no-op otherwise.
+
+        Growing reallocates ``eos_token_ids`` (host-side, like :meth:`add_request`): a CUDA graph that captured a
+        sampler step before the growth still reads the old tensor and must be recaptured. Size ``max_eos`` at
+        construction when steps are captured.
+
+        Raises:
+            ValueError: ``n`` is not an int >= 0.
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"n must be an int >= 0, got {n!r}")
+        if n <= self.max_eos:
+            return
+        width = max(n, 2 * self.max_eos)
+        grown = torch.full((self.max_num_reqs, width), -1, dtype=torch.int64, device=self.device)
+        old = self.eos_token_ids
+        grown[:, : old.shape[1]] = old
+        self.eos_token_ids = grown
+        self.max_eos = width
+
+    def add_request(self, slot: int, request_id: int, params: SamplingParams, *, num_emitted: int = 0,
+                    canvas_index: int = 0) -> None:
         """Start a request in ``slot`` in phase PREFILL (host-side writes; not meant for graph capture).
 
         Args:
             slot: slot index in [0, max_num_reqs).
             request_id: int in [-2**63, 2**63): the RNG identity of the request (low 48 bits used, see :mod:`.rng`).
             params: :class:`SamplingParams` (canvas_length must equal this state's).
+            num_emitted: tokens the request already emitted (a request resumed after preemption; they count
+                toward ``max_tokens``), >= 0.
+            canvas_index: index of the first canvas it will denoise (a resumed request continues its RNG stream
+                after the canvases it committed), >= 0.
 
         Raises:
-            TypeError / ValueError: bad slot, request_id, params type, canvas_length mismatch, or more
-                eos_token_ids than ``max_eos``.
+            TypeError / ValueError: bad slot, request_id, params type, canvas_length mismatch, more
+                eos_token_ids than ``max_eos`` (see :meth:`reserve_eos`), or a negative num_emitted /
+                canvas_index.
         """
         slot = self._check_slot(slot)
         if isinstance(request_id, bool) or not isinstance(request_id, int):
             raise TypeError(f"request_id must be an int, got {type(request_id).__name__}")
         if not -(1 << 63) <= request_id < (1 << 63):
             raise ValueError(f"request_id must fit in int64, got {request_id}")
+        for name, v, hi in (("num_emitted", num_emitted, 1 << 62), ("canvas_index", canvas_index, 1 << 31)):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+            if not 0 <= v < hi:
+                raise ValueError(f"{name} must be in [0, {hi}), got {v}")
         self.check_params(params)
         s = slot
         self.phase[s] = PREFILL
@@ -146,8 +180,8 @@ class SamplerState:
         self.prev_argmax[s] = -1
         self.stable_count[s] = 0
         self.step[s] = 0
-        self.canvas_index[s] = 0
-        self.num_emitted[s] = 0
+        self.canvas_index[s] = canvas_index
+        self.num_emitted[s] = num_emitted
         self.soft[s] = 0
         self.request_id[s] = request_id
         self.seed[s] = params.seed

@@ -116,3 +116,39 @@ def test_params_at_the_device_dtype_limits_fit_the_state():
     st.add_request(0, 5, p)
     assert st.max_tokens[0].item() == 1 << 62 and st.stability_threshold[0].item() == (1 << 31) - 1
     assert torch.isfinite(st.t_max).all() and torch.isfinite(st.entropy_bound).all()
+
+
+def test_reserve_eos_grows_the_buffer_and_keeps_every_slot_s_ids():
+    st = SamplerState(3, 4, 50, 2, max_eos=2)
+    st.add_request(1, 5, SamplingParams(canvas_length=4, eos_token_ids=(7, 9)))
+    with pytest.raises(ValueError, match="reserve_eos"):
+        st.check_params(SamplingParams(canvas_length=4, eos_token_ids=(1, 2, 3)))
+    st.reserve_eos(3)
+    assert st.max_eos == 4 and st.eos_token_ids.shape == (3, 4)
+    assert st.eos_token_ids[1].tolist() == [7, 9, -1, -1] and st.eos_token_ids[0].tolist() == [-1] * 4
+    st.add_request(2, 6, SamplingParams(canvas_length=4, eos_token_ids=(1, 2, 3)))
+    assert st.eos_token_ids[2].tolist() == [1, 2, 3, -1]
+    st.reserve_eos(2)  # no-op
+    assert st.max_eos == 4
+    with pytest.raises(ValueError, match="n must be"):
+        st.reserve_eos(-1)
+
+
+def test_resumed_request_starts_at_its_canvas_index_and_emitted_count():
+    """add_request(num_emitted=, canvas_index=) (a request resumed after preemption): the canvas index survives
+    the end of prefill (was reset to 0 there), so the first canvas after resumption is the one an unpreempted
+    run denoises at that point; num_emitted counts toward max_tokens."""
+    from blockdiff.sampler import DENOISE, sampler_step
+    from blockdiff.sampler.common import fresh_canvas
+
+    st = SamplerState(2, 4, 50, 2)
+    p = SamplingParams(canvas_length=4, max_tokens=12)
+    st.add_request(0, 5, p, num_emitted=8, canvas_index=2)
+    slots = torch.tensor([0])
+    sampler_step(st, slots, torch.zeros(1, 4, 50), torch.tensor([True]), torch.zeros(50, 2))
+    assert st.phase[0].item() == DENOISE and st.canvas_index[0].item() == 2 and st.num_emitted[0].item() == 8
+    assert torch.equal(st.canvas[0], fresh_canvas(st, slots, torch.tensor([2], dtype=torch.int32))[0])
+    with pytest.raises(ValueError, match="num_emitted"):
+        st.add_request(1, 6, p, num_emitted=-1)
+    with pytest.raises(TypeError, match="canvas_index"):
+        st.add_request(1, 6, p, canvas_index=1.0)
