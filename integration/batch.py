@@ -23,15 +23,19 @@ class NewRequest:
         req_id: unique request id (str).
         prompt_token_ids: prompt token ids (list of int, length >= 1).
         sampling_params: a :class:`blockdiff.sampler.SamplingParams` (or a vLLM ``SamplingParams``).
+        prefill_token_ids: the tokens to prefill: the prompt for a new request (the default), the prompt followed
+            by the tokens already generated for a request resumed after preemption (model runner v2's
+            ``NewRequestData.prefill_token_ids``).
     """
 
     req_id: str
     prompt_token_ids: list[int]
     sampling_params: Any
+    prefill_token_ids: list[int] | None = None
 
-    @property
-    def prefill_token_ids(self) -> list[int]:
-        return self.prompt_token_ids
+    def __post_init__(self) -> None:
+        if self.prefill_token_ids is None:
+            self.prefill_token_ids = self.prompt_token_ids
 
     @property
     def prompt_len(self) -> int:

@@ -12,8 +12,12 @@ Per step (ARCHITECTURE.md "Integration"):
    position, a denoise row does not), tokens emitted by commit rows appended to the request's output;
 5. ``postprocess_state``; finished / failed requests are removed and their slots and pages freed for reuse.
 
-It is a test and demo harness, not a serving engine: no preemption, no prefix caching, one process. A request
-is never dropped silently: one that cannot be scheduled makes :meth:`HarnessRunner.run` raise.
+Preemption is explicit (:meth:`HarnessRunner.preempt`) and replays vLLM's: the request is removed (slot and KV
+pages freed) and queued first; when readmitted, ``add_request`` gets ``prefill_token_ids`` = prompt + the tokens
+it already emitted, which are prefilled again (causally, as their commit wrote them) before the next canvas.
+
+It is a test and demo harness, not a serving engine: no prefix caching, no automatic preemption, one process.
+A request is never dropped silently: one that cannot be scheduled makes :meth:`HarnessRunner.run` raise.
 """
 from __future__ import annotations
 
@@ -37,7 +41,8 @@ class RequestResult:
     Attributes:
         req_id, prompt_len (tokens), output_token_ids (emitted tokens, trimmed after the first EOS and at
         max_tokens), finish_reason ("eos", "length" = max_tokens or max_model_len, "failed"), num_canvases
-        committed, num_denoise_steps (forward passes in denoise mode), arrival_step / admit_step / finish_step.
+        committed, num_denoise_steps (forward passes in denoise mode), arrival_step / admit_step (the last
+        admission) / finish_step, num_preemptions.
     """
 
     req_id: str
@@ -49,6 +54,7 @@ class RequestResult:
     arrival_step: int
     admit_step: int
     finish_step: int
+    num_preemptions: int = 0
 
 
 @dataclass
@@ -119,6 +125,12 @@ class _Req:
     num_denoise_steps: int = 0
     admit_step: int = -1
     last_scheduled: int = -1
+    prefill: list[int] = field(default_factory=list)  # tokens to prefill: the prompt, + output after preemption
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.prefill:
+            self.prefill = list(self.prompt)
 
 
 class HarnessRunner:
@@ -228,8 +240,8 @@ class HarnessRunner:
         if params.canvas_length != self.canvas_length:
             raise ValueError(f"request {req_id!r}: canvas_length {params.canvas_length} != served "
                              f"{self.canvas_length}")
-        try:  # everything the slot's add_request checks (eos ids vs max_eos / vocab, ...): refuse it now, not at
-            self.model_state.state.check_params(params)  # admission, where the request would be lost mid-step
+        try:  # everything the slot's add_request checks (eos ids vs vocab, ...): refuse it now, not at admission,
+            self.model_state.check_params(params)  # where the request would be lost mid-step
         except ValueError as e:
             raise ValueError(f"request {req_id!r}: {e}") from None
         arrival = self.step_index if arrival_step is None else int(arrival_step)
@@ -253,7 +265,7 @@ class HarnessRunner:
             slot = self._free_slots[0]
             # claim the slot only once the model state accepted the request: if add_request raises, the request
             # stays queued and the slot free (nothing lost or leaked) and the error reaches the caller
-            self.model_state.add_request(slot, NewRequest(r.req_id, r.prompt, r.params))
+            self.model_state.add_request(slot, NewRequest(r.req_id, r.prompt, r.params, prefill_token_ids=r.prefill))
             self._waiting.pop(0)
             self._free_slots.pop(0)
             r.slot = slot
@@ -280,7 +292,7 @@ class HarnessRunner:
         prefills = [r for r in self._running.values() if phases[r.slot] == PREFILL]
         prefills.sort(key=lambda r: (r.admit_step, r.slot))
         for r in prefills:
-            chunk = min(len(r.prompt) - r.num_computed, budget)
+            chunk = min(len(r.prefill) - r.num_computed, budget)
             if chunk <= 0:
                 continue
             pages_free = self.allocator.num_free + len(self.allocator.blocks(r.req_id))
@@ -315,10 +327,10 @@ class HarnessRunner:
             block_table[i, : len(pages)] = pages
             slot_mapping[s:e] = pages[pos // self.page_size] * self.page_size + pos % self.page_size
             if ph == PREFILL:
-                input_ids[s:e] = r.prompt[r.num_computed: r.num_computed + q]
+                input_ids[s:e] = r.prefill[r.num_computed: r.num_computed + q]
                 is_prefill[i] = True
         t = lambda a, dt: torch.as_tensor(a, dtype=dt).to(dev)  # noqa: E731
-        prefill_len = np.array([len(r.prompt) for r, _, _ in rows], dtype=np.int32)
+        prefill_len = np.array([len(r.prefill) for r, _, _ in rows], dtype=np.int32)
         return HarnessInputBatch(
             req_ids=[r.req_id for r, _, _ in rows], num_reqs=N, num_tokens=T,
             idx_mapping=t(slots, torch.int64), idx_mapping_np=slots, num_scheduled_tokens=q_lens,
@@ -432,11 +444,34 @@ class HarnessRunner:
     def _finish(self, r: _Req, reason: str) -> None:
         self.results[r.req_id] = RequestResult(
             r.req_id, len(r.prompt), list(r.output), reason, r.num_canvases, r.num_denoise_steps, r.arrival_step,
-            r.admit_step, self.step_index)
+            r.admit_step, self.step_index, r.num_preemptions)
         self.model_state.remove_request(r.req_id)
         self.allocator.free(r.req_id)
         self._free_slots.append(r.slot)
         del self._running[r.req_id]
+
+    def preempt(self, req_id: str) -> None:
+        """Preempt a running request as vLLM's scheduler does: ``remove_request``, its slot and KV pages freed,
+        and the request queued first, to be readmitted with ``prefill_token_ids`` = prompt + its emitted tokens
+        (re-prefilled; those tokens count toward max_tokens and the next canvas continues after them). Call it
+        between steps.
+
+        Raises:
+            ValueError: ``req_id`` is not running.
+        """
+        r = self._running.get(req_id)
+        if r is None:
+            raise ValueError(f"request {req_id!r} is not running (waiting, finished or unknown)")
+        self.model_state.remove_request(req_id)
+        self.allocator.free(req_id)
+        self._free_slots.append(r.slot)
+        del self._running[req_id]
+        r.slot = None
+        r.num_computed = 0
+        r.prefill = list(r.prompt) + list(r.output)
+        r.num_preemptions += 1
+        r.arrival_step = min(r.arrival_step, self.step_index)
+        self._waiting.insert(0, r)
 
     # ------------------------------------------------------------------ whole runs
     def run(self, max_steps: int = 100_000, on_step: Callable[[StepRecord], None] | None = None

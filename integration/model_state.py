@@ -24,11 +24,14 @@ move); commit rows ``num_sampled = canvas_length``.
 from __future__ import annotations
 
 import hashlib
+import logging
 from typing import Any, ClassVar
 
 import torch
 
 from blockdiff.sampler import COMMIT, DENOISE, FAILED, FINISHED, PREFILL  # phases of SamplerState.phase
+
+_log = logging.getLogger(__name__)
 
 PHASE_NAMES = {PREFILL: "prefill", DENOISE: "denoise", COMMIT: "commit", FINISHED: "finished", FAILED: "failed"}
 
@@ -95,6 +98,9 @@ class ModelStateBase:
 
 _Base = _VllmModelState if VLLM_AVAILABLE else ModelStateBase
 
+#: Initial per-slot width of the stop-id buffer (``SamplerState.eos_token_ids``); it grows on demand.
+DEFAULT_MAX_STOP_TOKEN_IDS = 16
+
 
 def request_key(req_id: str) -> int:
     """Stable int64 RNG key of a request id (blake2b, 63 bits): the same request draws the same noise in any
@@ -104,17 +110,41 @@ def request_key(req_id: str) -> int:
     return int.from_bytes(hashlib.blake2b(req_id.encode(), digest_size=8).digest(), "little") & (2 ** 63 - 1)
 
 
+def stop_token_ids_of(sampling_params: Any) -> tuple[int, ...]:
+    """The token ids that end a request under vLLM's rules, sorted: vLLM's ``check_stop``
+    (``vllm/v1/core/sched/utils.py``, 0.33.0) stops on ``sampling_params.eos_token_id`` (None when ``ignore_eos``)
+    or on any id in ``sampling_params.stop_token_ids`` (the user's ids, plus the generation config's extra EOS ids
+    that ``update_from_generation_config`` adds unless ``ignore_eos``). ``ignore_eos`` drops only the EOS token:
+    explicit ``stop_token_ids`` still stop. ``all_stop_token_ids`` is not the stop set (it keeps the EOS ids even
+    with ``ignore_eos``, for ``min_tokens``) and is not read.
+
+    Raises:
+        TypeError: a stop id is not an int.
+    """
+    ids: set[int] = set()
+    eos = getattr(sampling_params, "eos_token_id", None)
+    if eos is not None and not getattr(sampling_params, "ignore_eos", False):
+        ids.add(eos)
+    ids.update(getattr(sampling_params, "stop_token_ids", None) or ())
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise TypeError(f"stop_token_ids must hold ints, got {type(t).__name__} ({t!r})")
+    return tuple(sorted(ids))
+
+
 def to_diffusion_params(sampling_params: Any, defaults: Any = None, *, canvas_length: int | None = None):
     """Convert request sampling parameters to :class:`blockdiff.sampler.SamplingParams`.
 
     Accepts a blockdiff ``SamplingParams`` (returned as is, after checking its canvas length), or a vLLM
-    ``SamplingParams``: ``seed`` -> seed (None -> 0), ``max_tokens``, EOS ids from ``all_stop_token_ids`` /
-    ``stop_token_ids`` (none when ``ignore_eos``), and ``extra_args`` keys ``diffusion_max_steps`` ->
-    max_denoising_steps, ``t_min``, ``t_max``, ``entropy_bound``, ``confidence_threshold``,
-    ``stability_threshold``; everything else from ``defaults``.
+    ``SamplingParams``: ``seed`` -> seed (None -> 0), ``max_tokens``, EOS ids = vLLM's stop set
+    (:func:`stop_token_ids_of`: ``eos_token_id`` unless ``ignore_eos``, plus every ``stop_token_ids`` entry), and
+    ``extra_args`` keys ``diffusion_max_steps`` -> max_denoising_steps, ``t_min``, ``t_max``, ``entropy_bound``,
+    ``confidence_threshold``, ``stability_threshold``; everything else from ``defaults``.
 
     Raises:
-        ValueError: ``canvas_length`` of the request differs from the served canvas length.
+        ValueError: ``canvas_length`` of the request differs from the served canvas length; a field breaks a
+            :class:`~blockdiff.sampler.SamplingParams` rule.
+        TypeError: a field has the wrong type.
     """
     from blockdiff.sampler import SamplingParams
 
@@ -130,12 +160,7 @@ def to_diffusion_params(sampling_params: Any, defaults: Any = None, *, canvas_le
             kw["seed"] = int(seed) if seed is not None else kw.get("seed", 0)
             if getattr(sp, "max_tokens", None) is not None:
                 kw["max_tokens"] = int(sp.max_tokens)
-            if getattr(sp, "ignore_eos", False):
-                kw["eos_token_ids"] = ()
-            else:
-                ids = getattr(sp, "all_stop_token_ids", None) or getattr(sp, "stop_token_ids", None)
-                if ids:
-                    kw["eos_token_ids"] = tuple(sorted(int(t) for t in ids))
+            kw["eos_token_ids"] = stop_token_ids_of(sp)
             extra = getattr(sp, "extra_args", None) or {}
             mapping = {"diffusion_max_steps": "max_denoising_steps", "t_min": "t_min", "t_max": "t_max",
                        "entropy_bound": "entropy_bound", "confidence_threshold": "confidence_threshold",
@@ -201,7 +226,8 @@ class DiffusionModelState(_Base):
     # ------------------------------------------------------------------ construction
     @classmethod
     def for_harness(cls, model: torch.nn.Module, *, max_num_reqs: int, max_num_tokens: int, canvas_length: int,
-                    device: torch.device | str, default_params: Any = None) -> "DiffusionModelState":
+                    device: torch.device | str, default_params: Any = None,
+                    max_stop_token_ids: int = DEFAULT_MAX_STOP_TOKEN_IDS) -> "DiffusionModelState":
         """Build the state without vLLM (harness, tests, demo).
 
         Args:
@@ -211,6 +237,8 @@ class DiffusionModelState(_Base):
             canvas_length: CL, tokens per canvas (>= 1).
             device: where the state lives.
             default_params: :class:`blockdiff.sampler.SamplingParams` used for vLLM-style params.
+            max_stop_token_ids: initial width of the per-slot stop-id buffer (>= 1); a request with more stop ids
+                grows it (see :meth:`reserve_stop_token_ids`).
 
         Raises:
             ValueError: a capacity < 1, or max_num_tokens < canvas_length.
@@ -224,15 +252,16 @@ class DiffusionModelState(_Base):
         cfg = model.config
         self._init_diffusion(mode="harness", max_num_reqs=max_num_reqs, max_num_tokens=max_num_tokens,
                              canvas_length=canvas_length, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-                             default_params=default_params, embed_dtype=torch.float32)
+                             default_params=default_params, embed_dtype=torch.float32,
+                             max_stop_token_ids=max_stop_token_ids)
         return self
 
     def _init_diffusion(self, *, mode, max_num_reqs, max_num_tokens, canvas_length, vocab_size, hidden_size,
-                        default_params, embed_dtype) -> None:
+                        default_params, embed_dtype, max_stop_token_ids=DEFAULT_MAX_STOP_TOKEN_IDS) -> None:
         from blockdiff.sampler import SamplerState
 
         for name, v in (("max_num_reqs", max_num_reqs), ("max_num_tokens", max_num_tokens),
-                        ("canvas_length", canvas_length)):
+                        ("canvas_length", canvas_length), ("max_stop_token_ids", max_stop_token_ids)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
         if max_num_tokens < canvas_length:
@@ -244,8 +273,9 @@ class DiffusionModelState(_Base):
         self.hidden_size = hidden_size
         self.default_params = default_params
         dev = self.device
-        self.state = SamplerState(max_num_reqs, canvas_length, vocab_size, hidden_size, dev)
+        self.state = SamplerState(max_num_reqs, canvas_length, vocab_size, hidden_size, dev, max_eos=max_stop_token_ids)
         self.req_id_to_index: dict[str, int] = {}
+        self.failed_reasons: dict[str, str] = {}  # vLLM mode: requests failed at admission (bad params) -> why
         self.causal_buf = torch.zeros(max_num_reqs, dtype=torch.bool, device=dev)
         self.num_computed_tokens = torch.zeros(max_num_reqs, dtype=torch.int32, device=dev)
         self.input_ids_buf = torch.zeros(max_num_tokens, dtype=torch.int64, device=dev)
@@ -259,16 +289,31 @@ class DiffusionModelState(_Base):
 
     # ------------------------------------------------------------------ requests
     def add_request(self, req_index: int, new_req_data: Any) -> None:
-        """Claim slot ``req_index`` for a new request: phase PREFILL, params stored as device tensors.
+        """Claim slot ``req_index`` for a new or resumed request: phase PREFILL, params stored as device tensors.
+
+        A request vLLM preempted comes back here (model runner v2 removes a preempted request and re-adds it
+        through ``scheduled_new_reqs``, with ``prefill_token_ids`` = prompt + the tokens it already generated, and
+        re-prefills all of them). The tokens after the prompt count as emitted (toward ``max_tokens``) and the next
+        canvas continues the request's RNG stream at canvas index ``ceil(num_generated / canvas_length)`` (every
+        commit but a request's last emits a whole canvas), so a resumed request yields what it would have
+        without the preemption (the canvas in progress at preemption restarts from its step 0, as it began).
 
         Args:
             req_index: slot in [0, max_num_reqs).
             new_req_data: has ``req_id`` (str), ``prompt_token_ids`` and ``sampling_params`` (blockdiff or vLLM
-                SamplingParams).
+                SamplingParams); optional ``prefill_token_ids`` (prompt + generated tokens of a resumed request;
+                None or the prompt for a new one).
+
+        Under vLLM a request whose sampling parameters blockdiff refuses (e.g. ``extra_args`` with t_min > t_max)
+        does not raise (vLLM admitted it, and an exception here would take the engine and every request down):
+        it gets phase FAILED with the reason in ``failed_reasons[req_id]``, so the sampler reports it in
+        ``num_nans`` and the plugin's scheduler finishes it with an error (see
+        :mod:`blockdiff.integration.vllm_scheduler`).
 
         Raises:
             ValueError: slot out of range, slot already held by another live request, duplicate req_id, empty
-                prompt, or a canvas length other than the served one.
+                prompt, ``prefill_token_ids`` not starting with the prompt; in the harness also a canvas length
+                other than the served one, a stop id outside the vocabulary, or another SamplingParams rule broken.
         """
         if isinstance(req_index, bool) or not isinstance(req_index, int) or not 0 <= req_index < self.max_num_reqs:
             raise ValueError(f"req_index must be an int in [0, {self.max_num_reqs}), got {req_index!r}")
@@ -280,15 +325,53 @@ class DiffusionModelState(_Base):
         prompt = getattr(new_req_data, "prompt_token_ids", None)
         if prompt is not None and len(prompt) == 0:
             raise ValueError(f"request {req_id!r}: prompt_token_ids must not be empty")
-        params = to_diffusion_params(new_req_data.sampling_params, self.default_params,
-                                     canvas_length=self.canvas_length)
-        self.state.add_request(req_index, request_key(req_id), params)
+        num_generated = 0
+        prefill = getattr(new_req_data, "prefill_token_ids", None)
+        if prefill is not None and prompt is not None:
+            num_generated = len(prefill) - len(prompt)
+            if num_generated < 0 or list(prefill[: len(prompt)]) != list(prompt):
+                raise ValueError(f"request {req_id!r}: prefill_token_ids ({len(prefill)} tokens) must be the prompt "
+                                 f"({len(prompt)} tokens) followed by the tokens already generated")
+        CL = self.canvas_length
+        try:
+            params = to_diffusion_params(new_req_data.sampling_params, self.default_params, canvas_length=CL)
+            self.reserve_stop_token_ids(len(params.eos_token_ids))
+            self.state.check_params(params)
+            failed = None
+        except (TypeError, ValueError) as e:
+            if self.mode != "vllm":
+                raise
+            params, failed = self.default_params, f"request {req_id!r} refused: {type(e).__name__}: {e}"
+        self.state.add_request(req_index, request_key(req_id), params, num_emitted=num_generated,
+                               canvas_index=-(-num_generated // CL))
+        if failed is not None:
+            self.state.phase[req_index] = FAILED
+            self.failed_reasons[req_id] = failed
+            _log.warning("blockdiff: %s; it fails (finish reason 'error')", failed)
         self.num_computed_tokens[req_index] = 0
         self.req_id_to_index[req_id] = req_index
+
+    def reserve_stop_token_ids(self, n: int) -> None:
+        """Make room for ``n`` stop ids per request (grows ``state.eos_token_ids``, see
+        :meth:`blockdiff.sampler.SamplerState.reserve_eos`: a CUDA graph that captured the sampler step before a
+        growth must be recaptured; vLLM runs the sampler outside its graphs). No limit on the count."""
+        self.state.reserve_eos(n)
+
+    def check_params(self, params: Any) -> None:
+        """Raise unless :meth:`add_request` would accept ``params`` (a blockdiff SamplingParams), making room for its
+        stop ids first (:meth:`reserve_stop_token_ids`). For callers that queue requests (the harness).
+
+        Raises:
+            TypeError / ValueError: as :meth:`blockdiff.sampler.SamplerState.check_params`.
+        """
+        n = len(getattr(params, "eos_token_ids", ()) or ())
+        self.reserve_stop_token_ids(n)
+        self.state.check_params(params)
 
     def remove_request(self, req_id: str) -> None:
         """Free the slot of ``req_id`` (unknown ids are ignored, as vLLM calls this for any finished id)."""
         idx = self.req_id_to_index.pop(req_id, None)
+        self.failed_reasons.pop(req_id, None)
         if idx is not None:
             self.state.remove_request(idx)
             self.num_computed_tokens[idx] = 0

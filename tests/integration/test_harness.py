@@ -246,19 +246,117 @@ def test_kv_pool_too_small_raises_instead_of_hanging(make_runner):
 
 
 def test_request_the_slot_would_refuse_is_rejected_at_submission_not_lost(make_runner):
-    """More eos ids than the state's max_eos, or an eos id >= vocab: add_request raises at submission. (Was
-    accepted, then raised mid-step at admission: the request vanished from the queue and its slot leaked.)"""
+    """An eos id >= vocab: add_request raises at submission. (Was accepted, then raised mid-step at admission:
+    the request vanished from the queue and its slot leaked.)"""
     r = make_runner(max_num_reqs=2)
     V = r.model_state.vocab_size
     r.add_request("good", prompt(3), params(max_tokens=4))
-    with pytest.raises(ValueError, match="max_eos"):
-        r.add_request("many_eos", prompt(2), params(eos_token_ids=tuple(range(1, 12))))
     with pytest.raises(ValueError, match="vocab_size"):
         r.add_request("big_eos", prompt(2), params(eos_token_ids=(V + 3,)))
-    r.add_request("many_eos", prompt(2), params(eos_token_ids=(1, 2), max_tokens=4))  # the id is still free
+    r.add_request("big_eos", prompt(2), params(eos_token_ids=(1, 2), max_tokens=4))  # the id is still free
     res = r.run(max_steps=200)
-    assert sorted(res) == ["good", "many_eos"]
+    assert sorted(res) == ["big_eos", "good"]
     assert sorted(r._free_slots) == [0, 1]
+
+
+def test_more_stop_token_ids_than_the_initial_buffer_are_supported(make_runner):
+    """40 stop ids (the per-slot buffer starts at 16; was: more than 8 raised in add_request): the request stops
+    at the first emitted one, here the last id of the list, and a request with few ids beside it is unaffected."""
+    toks = prompt(10, 41)
+    full = _solo(make_runner, "s", toks, params(max_tokens=2 * CL)).output_token_ids
+    k = next(i for i in range(CL, 2 * CL) if full[i] not in full[:i])
+    V = make_runner().model_state.vocab_size
+    others = [t for t in range(V) if t not in full][:39]
+    assert len(others) == 39
+    r = make_runner()
+    r.add_request("s", toks, params(max_tokens=2 * CL, eos_token_ids=tuple(others) + (full[k],)))
+    r.add_request("few", prompt(6, 42), params(max_tokens=CL, eos_token_ids=(V - 1,)))
+    res = r.run(max_steps=500)
+    assert r.model_state.state.max_eos >= 40
+    assert res["s"].output_token_ids == full[: k + 1] and res["s"].finish_reason == "eos"
+    assert res["few"].output_token_ids == _solo(make_runner, "few", prompt(6, 42),
+                                                params(max_tokens=CL, eos_token_ids=(V - 1,))).output_token_ids
+
+
+def _run_with_preemption(make_runner, reqs, victim, when, **kw):
+    """Run ``reqs`` and preempt ``victim`` (once) before the first step at which ``when(runner)`` holds."""
+    r = make_runner(**kw)
+    for rid, toks, p in reqs:
+        r.add_request(rid, toks, p)
+    at = None
+    for _ in range(500):
+        if not r.has_unfinished:
+            break
+        if at is None and victim in r._running and when(r):
+            r.preempt(victim)
+            at = r.step_index
+        r.step()
+    assert at is not None, "the preemption point was never reached"
+    assert not r.has_unfinished
+    return r, r.results, at
+
+
+@pytest.mark.parametrize("point", ["prefill", "denoise_canvas_1", "after_first_commit"])
+def test_preempted_request_resumes_with_the_output_of_an_unpreempted_run(make_runner, point):
+    """vLLM preempts a request (remove_request) and re-adds it with prefill_token_ids = prompt + output: the
+    committed tokens count toward max_tokens and the next canvas continues the request's RNG stream after them.
+    (Was: add_request reset the canvas index and the emitted count, so a resumed request restarted canvas 0's
+    noise and could emit max_tokens more tokens.) Output, finish reason and length equal an unpreempted run."""
+    from blockdiff.sampler import DENOISE
+
+    reqs = [("a", prompt(13, 60), params(max_tokens=2 * CL + CL // 2, seed=11)),
+            ("b", prompt(6, 61), params(max_tokens=2 * CL, seed=12))]
+    ref = make_runner()
+    for rid, toks, p in reqs:
+        ref.add_request(rid, toks, p)
+    ref_res = ref.run(max_steps=500)
+
+    def when(r):
+        st, s = r.model_state.state, r.slot_of("a")
+        out = len(r._running["a"].output)
+        if point == "prefill":
+            return r._running["a"].num_computed > 0 and st.phase[s].item() != DENOISE
+        if point == "denoise_canvas_1":
+            return out == CL and st.phase[s].item() == DENOISE and st.step[s].item() >= 1
+        return out == CL and st.step[s].item() == 0  # right after the first commit
+
+    kw = {"max_num_batched_tokens": 2 * CL} if point == "prefill" else {}  # chunked prompt: preempt mid-prefill
+    r, res, at = _run_with_preemption(make_runner, reqs, "a", when, **kw)
+    for rid, _, _ in reqs:
+        assert res[rid].output_token_ids == ref_res[rid].output_token_ids, rid
+        assert res[rid].finish_reason == ref_res[rid].finish_reason
+    assert len(res["a"].output_token_ids) == 2 * CL + CL // 2 and res["a"].num_preemptions == 1
+    assert res["a"].num_canvases == ref_res["a"].num_canvases
+    assert r.allocator.num_free == r.allocator.num_blocks and sorted(r._free_slots) == [0, 1, 2, 3]
+    first = next(row for h in r.history if h.step >= at for row in h.rows if row.req_id == "a")
+    assert first.phase == "prefill" and first.causal and first.seq_len <= 13 + len(ref.results["a"].output_token_ids)
+    if point != "prefill":  # the readmitted request prefills prompt + its CL emitted tokens again, causally
+        prefill_rows = [row for h in r.history if h.step >= at for row in h.rows
+                        if row.req_id == "a" and row.phase == "prefill"]
+        assert sum(row.q_len for row in prefill_rows) == 13 + CL
+
+
+def test_resumed_request_counts_its_output_toward_max_tokens(make_runner):
+    """max_tokens = CL + 3: preempted after its first canvas, the resumed request emits only 3 more tokens."""
+    toks = prompt(9, 62)
+    p = params(max_tokens=CL + 3, seed=5)
+    ref = _solo(make_runner, "m", toks, p)
+
+    def when(r):
+        return len(r._running["m"].output) == CL
+
+    _, res, _ = _run_with_preemption(make_runner, [("m", toks, p)], "m", when)
+    assert res["m"].output_token_ids == ref.output_token_ids and len(ref.output_token_ids) == CL + 3
+    assert res["m"].finish_reason == "length"
+
+
+def test_preempt_rejects_a_request_that_is_not_running(make_runner):
+    r = make_runner()
+    r.add_request("w", prompt(4), params(max_tokens=2), arrival_step=5)
+    with pytest.raises(ValueError, match="not running"):
+        r.preempt("w")
+    with pytest.raises(ValueError, match="not running"):
+        r.preempt("nobody")
 
 
 def test_admission_that_raises_keeps_the_request_queued_and_the_slot_free(make_runner):

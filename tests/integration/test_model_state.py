@@ -178,16 +178,78 @@ def test_vllm_style_sampling_params_conversion():
     from blockdiff.sampler import SamplingParams
 
     defaults = SamplingParams(canvas_length=CL, max_denoising_steps=9, entropy_bound=0.2)
-    sp = SimpleNamespace(seed=None, max_tokens=40, ignore_eos=False, all_stop_token_ids={1, 106},
+    sp = SimpleNamespace(seed=None, max_tokens=40, ignore_eos=False, eos_token_id=1, stop_token_ids=[106],
                          extra_args={"diffusion_max_steps": 4, "t_min": 0.1})
     p = MS.to_diffusion_params(sp, defaults, canvas_length=CL)
     assert (p.seed, p.max_tokens, p.max_denoising_steps, p.t_min, p.entropy_bound) == (0, 40, 4, 0.1, 0.2)
     assert p.eos_token_ids == (1, 106)
-    sp.ignore_eos = True
-    assert MS.to_diffusion_params(sp, defaults, canvas_length=CL).eos_token_ids == ()
     sp.extra_args = {"diffusion_canvas_length": CL * 2}
     with pytest.raises(ValueError, match="canvas_length"):
         MS.to_diffusion_params(sp, defaults, canvas_length=CL)
+
+
+@needs_stack
+def test_ignore_eos_drops_only_the_eos_token_and_keeps_explicit_stop_token_ids():
+    """vLLM's check_stop stops on ``eos_token_id`` (None under ignore_eos) or any ``stop_token_ids`` entry;
+    ``all_stop_token_ids`` keeps the EOS even with ignore_eos (it serves min_tokens) and is not the stop set.
+    (Was: ignore_eos dropped the user's stop_token_ids too, and the stop set came from all_stop_token_ids.)"""
+    defaults = params()
+    sp = SimpleNamespace(seed=1, max_tokens=None, ignore_eos=True, eos_token_id=None, stop_token_ids=[7, 3],
+                         all_stop_token_ids={1, 3, 7}, extra_args=None)
+    assert MS.to_diffusion_params(sp, defaults, canvas_length=CL).eos_token_ids == (3, 7)
+    sp.eos_token_id = 1  # even if an EOS id is present, ignore_eos drops it
+    assert MS.to_diffusion_params(sp, defaults, canvas_length=CL).eos_token_ids == (3, 7)
+    sp.ignore_eos, sp.stop_token_ids = False, None
+    assert MS.to_diffusion_params(sp, defaults, canvas_length=CL).eos_token_ids == (1,)
+    sp.ignore_eos = True
+    assert MS.to_diffusion_params(sp, defaults, canvas_length=CL).eos_token_ids == ()
+
+
+@needs_stack
+@pytest.mark.skipif(not MS.VLLM_AVAILABLE, reason=f"vLLM is not importable here ({MS.VLLM_IMPORT_ERROR})")
+def test_stop_set_matches_vllm_sampling_params_after_generation_config():
+    """With vLLM's own SamplingParams, as its input processor prepares them (update_from_generation_config with
+    the tokenizer's EOS and the generation config's extra EOS ids): our stop set is exactly what check_stop
+    stops on."""
+    from vllm import SamplingParams as VllmSP
+
+    for ignore_eos in (False, True):
+        sp = VllmSP(max_tokens=32, stop_token_ids=[50, 60], ignore_eos=ignore_eos)
+        sp.update_from_generation_config({"eos_token_id": [1, 106]}, eos_token_id=1)
+        expect = set(sp.stop_token_ids or ()) | ({sp.eos_token_id} if sp.eos_token_id is not None else set())
+        got = MS.to_diffusion_params(sp, params(), canvas_length=CL).eos_token_ids
+        assert set(got) == expect
+        assert set(got) == ({50, 60} if ignore_eos else {1, 50, 60, 106})
+
+
+@needs_stack
+def test_add_request_grows_the_stop_id_buffer(ms):
+    """More stop ids than the buffer holds (was: > 8 raised in add_request, under vLLM a crash of the engine):
+    the buffer grows, the other slots keep theirs."""
+    ms.add_request(0, NewRequest("x", [1, 2], params(eos_token_ids=(5, 6))))
+    w0 = ms.state.max_eos
+    ids = tuple(range(10, 10 + w0 + 5))
+    sp = SimpleNamespace(seed=1, max_tokens=None, ignore_eos=False, eos_token_id=None, stop_token_ids=list(ids),
+                         extra_args={"diffusion_max_steps": 3})
+    ms.add_request(1, NewRequest("y", [1, 2], sp))
+    assert ms.state.max_eos >= len(ids)
+    assert ms.state.eos_token_ids[1, : len(ids)].tolist() == list(ids)
+    assert ms.state.eos_token_ids[0, :3].tolist() == [5, 6, -1]
+    with pytest.raises(ValueError, match="max_stop_token_ids"):
+        DiffusionModelState.for_harness(ms.model, max_num_reqs=1, max_num_tokens=CL, canvas_length=CL, device="cpu",
+                                        max_stop_token_ids=0)
+
+
+@needs_stack
+def test_resumed_request_keeps_its_emitted_count_and_canvas_index(ms):
+    """add_request of a preempted request (prefill_token_ids = prompt + generated): the generated tokens count as
+    emitted and the next canvas index follows the committed canvases; a malformed prefill is a ValueError."""
+    gen = list(range(20, 20 + 2 * CL))
+    ms.add_request(2, NewRequest("r", [1, 2, 3], params(max_tokens=5 * CL), prefill_token_ids=[1, 2, 3] + gen))
+    assert ms.state.num_emitted[2].item() == 2 * CL and ms.state.canvas_index[2].item() == 2
+    with pytest.raises(ValueError, match="prefill_token_ids"):
+        ms.add_request(3, NewRequest("q", [1, 2, 3], params(), prefill_token_ids=[9, 2, 3, 4]))
+    assert "q" not in ms.req_id_to_index
 
 
 def test_harness_construction_rejects_bad_capacities(tiny_model):
