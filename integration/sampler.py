@@ -4,7 +4,17 @@ It replaces vLLM's sampler *and* its rejection sampler (``custom_sampler`` retur
 and maps one :func:`blockdiff.sampler.sampler_step` per forward pass onto vLLM's spec-decode accounting
 (ARCHITECTURE.md "Sampler semantics"): prefill rows ``num_sampled = 0``, ``num_rejected = 0``; denoise rows
 ``num_sampled = 0``, ``num_rejected = query_len`` (the canvas is rejected, the KV position does not move);
-commit rows ``num_sampled = canvas_length``, ``num_rejected = 0``.
+commit rows ``num_sampled = canvas_length``, ``num_rejected = 0``. A canvas row that does not progress (its
+request FAILED or FINISHED in an earlier step, or, under vLLM, a canvas vLLM truncated) also reports
+``num_sampled = 0``, ``num_rejected = query_len``.
+
+Failed requests under vLLM: a request whose logits are non-finite goes to phase FAILED. The vLLM-mode output
+reports it in ``SamplerOutput.num_nans`` (vLLM's per-request NaN channel: the runner forwards it as
+``ModelRunnerOutput.num_nans_in_logits``), on the failing step and on every later step the request is still
+scheduled. vLLM's own scheduler only records that count, so the plugin's scheduler
+(:mod:`blockdiff.integration.vllm_scheduler`, ``--scheduler-cls``) finishes such a request with
+``FINISHED_ERROR`` (finish reason ``error``); vLLM then calls ``remove_request``, freeing the slot. Without
+that scheduler the request is never finished (``VLLM_RAISE_ON_LOGIT_NANS=1`` at least makes vLLM raise).
 """
 from __future__ import annotations
 
@@ -15,7 +25,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from .model_state import DENOISE
+from .model_state import COMMIT, DENOISE, FAILED, PREFILL
 
 
 @dataclass
@@ -30,7 +40,8 @@ class DiffusionSamplerOutput:
         num_emitted: ``[N]`` int32, valid entries of ``sampled_token_ids`` per row.
         phase: ``[N]`` int32, each row's phase at entry.
         step: the :class:`blockdiff.sampler.StepOutput` (accepted, entropy, converged, finished, failed, ...).
-        logprobs_tensors, num_nans: None (not produced).
+        num_nans: ``[N]`` int32, see :func:`accounting` (> 0: the request failed on non-finite logits).
+        logprobs_tensors: None (not produced).
     """
 
     sampled_token_ids: torch.Tensor
@@ -41,6 +52,32 @@ class DiffusionSamplerOutput:
     step: Any
     logprobs_tensors: Any = None
     num_nans: Any = None
+
+
+def accounting(phase: torch.Tensor, q_lens: torch.Tensor, num_sampled: torch.Tensor, failed: torch.Tensor,
+               entropy: torch.Tensor, stalled: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """vLLM's per-row accounting of one step (no host sync).
+
+    Args:
+        phase: ``[N]`` int32, each row's phase at entry. q_lens: ``[N]`` int32 query tokens (tokens).
+        num_sampled: ``[N]`` from the sampler step (commit rows CL, else 0). failed: ``[N]`` bool, rows that
+            failed in this step. entropy: ``[N, CL]`` float32 (NaN where a logit was non-finite).
+        stalled: ``[N]`` bool, rows the sampler skipped (a truncated canvas under vLLM), or None.
+
+    Returns:
+        ``num_sampled`` ``[N]`` int32 (0 on stalled rows); ``num_rejected`` ``[N]`` int32: 0 for prefill and
+        commit rows, ``q_len`` for every other row (denoise, FAILED, FINISHED, stalled: the KV position does not
+        move); ``num_nans`` ``[N]`` int32: non-finite canvas positions (>= 1) on a row that failed now, 1 on a row
+        already FAILED at entry, else 0.
+    """
+    moves = (phase == PREFILL) | (phase == COMMIT)
+    if stalled is not None:
+        moves = moves & ~stalled
+        num_sampled = torch.where(stalled, torch.zeros_like(num_sampled), num_sampled)
+    num_rejected = torch.where(moves, torch.zeros_like(q_lens), q_lens).to(torch.int32)
+    n_bad = torch.isnan(entropy).sum(-1).clamp(min=1).to(torch.int32)
+    num_nans = torch.where(failed, n_bad, (phase == FAILED).to(torch.int32)).to(torch.int32)
+    return {"num_sampled": num_sampled.to(torch.int32), "num_rejected": num_rejected, "num_nans": num_nans}
 
 
 class SamplerMismatch(AssertionError):
@@ -139,11 +176,10 @@ class DiffusionSampler:
             draft_logits: unused (vLLM's rejection-sampler argument).
 
         Raises:
-            ValueError: logits shape wrong; a denoise row without ``canvas_length`` query tokens.
+            ValueError: logits shape wrong; harness mode: a denoise/commit row without ``canvas_length`` query
+                tokens (vLLM mode skips such a row: vLLM truncates canvases near max_model_len).
             SamplerMismatch: ``check`` is on and the backend differs from the reference.
         """
-        from blockdiff.sampler import sampler_step
-
         ms = self.model_state
         st = ms.state
         N = input_batch.num_reqs
@@ -157,18 +193,44 @@ class DiffusionSampler:
         # a row whose prompt was prefilled before this step is a canvas row (denoise / commit): it must carry the
         # whole canvas, or _canvas_logits would read the next row's logits for its tail (host data only, no sync)
         short = (done_np >= plen_np) & (q_lens_np != ms.canvas_length)
+        stalled_np = None
         if short.any():
-            i = int(np.flatnonzero(short)[0])
-            rid = getattr(input_batch, "req_ids", None)
-            name = f" ({rid[i]!r})" if rid is not None and i < len(rid) else ""
-            raise ValueError(f"row {i}{name} is a denoise/commit row (prompt fully prefilled) with "
-                             f"{int(q_lens_np[i])} query tokens; it must schedule canvas_length="
-                             f"{ms.canvas_length} tokens")
+            if ms.mode == "vllm":
+                # vLLM truncates a canvas near max_model_len (or under a short token budget): it cannot be denoised
+                # as a whole canvas. The row is skipped (state untouched, KV position kept); the plugin's scheduler
+                # finishes a request whose next canvas does not fit (length), so it is not scheduled forever.
+                stalled_np = short
+            else:
+                i = int(np.flatnonzero(short)[0])
+                rid = getattr(input_batch, "req_ids", None)
+                name = f" ({rid[i]!r})" if rid is not None and i < len(rid) else ""
+                raise ValueError(f"row {i}{name} is a denoise/commit row (prompt fully prefilled) with "
+                                 f"{int(q_lens_np[i])} query tokens; it must schedule canvas_length="
+                                 f"{ms.canvas_length} tokens")
         prefill_done = torch.as_tensor(prefill_done_np, dtype=torch.bool, device=dev)
         q_lens = torch.as_tensor(q_lens_np, dtype=torch.int32, device=dev)
         logits3 = self._canvas_logits(logits, input_batch)
 
         commit_in = st.commit_canvas[slots].clone() if ms.mode == "vllm" else None
+        stalled = None
+        if stalled_np is not None:
+            keep = torch.as_tensor(np.flatnonzero(~stalled_np), dtype=torch.int64, device=dev)
+            out = self._step(st, slots[keep], logits3[keep], prefill_done[keep])
+            out = _expand_step_output(out, keep, N)
+            stalled = torch.as_tensor(stalled_np, dtype=torch.bool, device=dev)
+        else:
+            out = self._step(st, slots, logits3, prefill_done)
+
+        acc = accounting(phase, q_lens, out.num_sampled, out.failed, out.entropy, stalled)
+        if ms.mode == "vllm":
+            return self._vllm_output(slots, phase, commit_in, acc, stalled)
+        return DiffusionSamplerOutput(
+            sampled_token_ids=out.emitted, num_sampled=acc["num_sampled"], num_rejected=acc["num_rejected"],
+            num_emitted=out.num_emitted_now.to(torch.int32), phase=phase, step=out, num_nans=acc["num_nans"])
+
+    def _step(self, st, slots, logits3, prefill_done):
+        from blockdiff.sampler import sampler_step
+
         snapshot = copy.deepcopy(st) if self.check else None
         out = sampler_step(st, slots, logits3, prefill_done, self.embedding, backend=self.backend)
         if self.check:
@@ -177,31 +239,43 @@ class DiffusionSampler:
             self.num_checked += 1
             if self.on_check is not None:
                 self.on_check(True)
+        return out
 
-        is_den = phase == DENOISE
-        num_rejected = torch.where(is_den, q_lens, out.num_rejected.to(torch.int32))
-        if ms.mode == "vllm":
-            return self._vllm_output(slots, phase, commit_in, out, num_rejected)
-        return DiffusionSamplerOutput(
-            sampled_token_ids=out.emitted, num_sampled=out.num_sampled.to(torch.int32), num_rejected=num_rejected,
-            num_emitted=out.num_emitted_now.to(torch.int32), phase=phase, step=out)
-
-    def _vllm_output(self, slots, phase, commit_in, out, num_rejected):
+    def _vllm_output(self, slots, phase, commit_in, acc, stalled):
         """vLLM: the runner appends ``num_sampled`` tokens per row and its scheduler applies EOS / max_tokens,
         so a commit row returns the whole committed canvas; the next step's draft tokens (the canvas vLLM
-        schedules) are the renoised / fresh canvas, or the argmax canvas of a row about to commit."""
+        schedules) are the renoised / fresh canvas, or the argmax canvas of a row about to commit.
+        ``num_nans`` > 0 marks a failed request (see the module docstring)."""
         from vllm.v1.worker.gpu.sample.output import SamplerOutput  # type: ignore
-
-        from .model_state import COMMIT
 
         st = self.model_state.state
         CL = self.model_state.canvas_length
-        is_com = (phase == COMMIT)[:, None]
-        sampled = torch.where(is_com, commit_in, torch.full_like(commit_in, -1))
+        is_com = (phase == COMMIT)
+        if stalled is not None:
+            is_com = is_com & ~stalled
+        sampled = torch.where(is_com[:, None], commit_in, torch.full_like(commit_in, -1))
         req_states = getattr(self.base_sampler, "req_states", None)
         if req_states is not None and getattr(req_states, "draft_tokens", None) is not None:
             now = st.phase[slots]
             nxt = torch.where((now == COMMIT)[:, None], st.commit_canvas[slots], st.canvas[slots])
             req_states.draft_tokens[slots, :CL] = nxt.to(req_states.draft_tokens.dtype)
-        return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=None, num_nans=None,
-                             num_sampled=out.num_sampled.to(torch.int32), num_rejected=num_rejected)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=None, num_nans=acc["num_nans"],
+                             num_sampled=acc["num_sampled"], num_rejected=acc["num_rejected"])
+
+
+def _expand_step_output(out, keep: torch.Tensor, n: int):
+    """Scatter a StepOutput over the kept rows back to ``n`` rows; skipped rows read as a no-op step (nothing
+    sampled, emitted, finished or failed; tokens -1, entropies 0)."""
+    import dataclasses
+
+    fields = {}
+    for f in dataclasses.fields(out):
+        v = getattr(out, f.name)
+        if not torch.is_tensor(v):
+            fields[f.name] = v
+            continue
+        fill = -1 if (v.dtype == torch.int64 and v.dim() == 2) else 0
+        full = torch.full((n,) + tuple(v.shape[1:]), fill, dtype=v.dtype, device=v.device)
+        full[keep] = v
+        fields[f.name] = full
+    return type(out)(**fields)

@@ -12,6 +12,12 @@
    :func:`blockdiff.attention.attention` with the per-request causal flags in one launch, on the backend named
    by ``BLOCKDIFF_ATTN_BACKEND`` (``triton`` default, or ``cute``; no fallback).
 
+The scheduler is chosen on the command line, not here: ``--scheduler-cls`` :data:`SCHEDULER_CLASS`
+(:mod:`blockdiff.integration.vllm_scheduler`) finishes the requests vLLM's own diffusion scheduler never would: a
+request whose logits went non-finite (reported by the sampler through ``num_nans``; finish reason ``error``) and
+one whose next canvas no longer fits in ``max_model_len`` (finish reason ``length``). Without it such requests
+are scheduled forever.
+
 vLLM is imported lazily: importing this module never needs vLLM; calling :func:`register` without vLLM raises
 ImportError. Serving command (vLLM >= 0.24; interface read from 0.33.0): see :data:`SERVE_COMMAND`.
 """
@@ -22,6 +28,8 @@ import os
 ARCHITECTURES = ("DiffusionGemmaForBlockDiffusion", "DiffusionGemmaForConditionalGeneration")
 MODEL_CLASS = "blockdiff.integration.vllm_model:BlockdiffDiffusionGemmaForConditionalGeneration"
 ATTENTION_BACKEND_CLASS = "blockdiff.integration.vllm_attention.BlockdiffAttentionBackend"
+SCHEDULER_CLASS = "blockdiff.integration.vllm_scheduler.BlockdiffDiffusionScheduler"
+ASYNC_SCHEDULER_CLASS = "blockdiff.integration.vllm_scheduler.BlockdiffDiffusionAsyncScheduler"
 ATTN_BACKEND_ENV = "BLOCKDIFF_ATTN_BACKEND"
 SAMPLER_BACKEND_ENV = "BLOCKDIFF_SAMPLER_BACKEND"
 
@@ -31,12 +39,14 @@ SERVE_COMMAND = (
     "BLOCKDIFF_ATTN_BACKEND=triton BLOCKDIFF_SAMPLER_BACKEND=triton \\\n"
     "vllm serve $DIFFUSIONGEMMA_CHECKPOINT \\\n"
     "    --attention-backend CUSTOM \\\n"
+    "    --scheduler-cls blockdiff.integration.vllm_scheduler.BlockdiffDiffusionScheduler --no-async-scheduling \\\n"
     "    --diffusion-config '{\"canvas_length\": 256, \"max_denoising_steps\": 48}' \\\n"
     "    --max-num-seqs 64 --max-num-batched-tokens 16384 --max-model-len 32768 --dtype bfloat16"
 )
 """The ``vllm serve`` command for the README. ``$DIFFUSIONGEMMA_CHECKPOINT``: a DiffusionGemma checkpoint
 (architecture ``DiffusionGemmaForBlockDiffusion``); ``--diffusion-config`` turns on vLLM's diffusion scheduler
-(canvas scheduled as draft tokens); ``VLLM_PLUGINS=blockdiff`` loads only this plugin."""
+(canvas scheduled as draft tokens); ``--scheduler-cls`` picks :data:`SCHEDULER_CLASS` (with async scheduling:
+:data:`ASYNC_SCHEDULER_CLASS` instead); ``VLLM_PLUGINS=blockdiff`` loads only this plugin."""
 
 _registered = False
 

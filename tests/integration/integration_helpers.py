@@ -58,3 +58,61 @@ def make_batch(rows):
         block_table=torch.zeros(N, 64, dtype=torch.int32), logits_indices=torch.arange(T),
         cu_num_logits_np=qsl.copy(), num_draft_tokens=int(q[~pf].sum()), max_query_len=int(q.max()),
         max_seq_len=int((ctx + q).max()))
+
+
+# ------------------------------------------------------------------------------------- scheduler stand-ins
+class FakeRequest:
+    """What finish_stuck_requests reads of vLLM's Request."""
+
+    def __init__(self, rid, num_tokens, width=None):
+        from types import SimpleNamespace as NS
+
+        self.request_id, self.num_tokens, self.status = rid, num_tokens, "RUNNING"
+        self.client_index, self.stop_reason, self.num_nans_in_logits = 0, None, 0
+        self.sampling_params = NS(extra_args={"diffusion_canvas_length": width} if width else None)
+
+    def is_finished(self):
+        return self.status != "RUNNING"
+
+    def get_finished_reason(self):
+        return {"FINISHED_ERROR": "error", "FINISHED_LENGTH_CAPPED": "length"}.get(self.status)
+
+    def take_events(self):
+        return None
+
+
+class FakeScheduler:
+    """What finish_stuck_requests reads of vLLM's Scheduler (requests, running, max_model_len, num_spec_tokens,
+    finish_requests -> finished_req_ids for the worker)."""
+
+    def __init__(self, reqs, max_model_len, canvas):
+        self.requests = {r.request_id: r for r in reqs}
+        self.running = list(reqs)
+        self.max_model_len, self.num_spec_tokens = max_model_len, canvas
+        self.finished_req_ids = set()
+
+    def finish_requests(self, ids, status):
+        done = []
+        for rid in ids:
+            r = self.requests.get(rid)
+            if r is None or r.is_finished():
+                continue
+            r.status = status
+            self.running.remove(r)
+            self.finished_req_ids.add(rid)
+            done.append(r)
+        return done
+
+
+def _fake_types():
+    from types import SimpleNamespace as NS
+
+    class Outputs:
+        def __init__(self, outputs):
+            self.outputs = outputs
+
+    return NS(RequestStatus=NS(FINISHED_ERROR="FINISHED_ERROR", FINISHED_LENGTH_CAPPED="FINISHED_LENGTH_CAPPED"),
+              EngineCoreOutput=lambda **kw: NS(**kw), EngineCoreOutputs=Outputs)
+
+
+FAKE_VLLM_TYPES = _fake_types()

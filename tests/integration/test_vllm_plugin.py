@@ -7,7 +7,7 @@ from importlib.metadata import entry_points
 
 import pytest
 import torch
-from integration_helpers import CL, make_batch, needs_stack, params
+from integration_helpers import CL, FAKE_VLLM_TYPES, FakeRequest, FakeScheduler, make_batch, needs_stack, params
 
 from blockdiff.integration import vllm_plugin
 
@@ -50,7 +50,8 @@ def test_register_rejects_unknown_backend_env(monkeypatch):
 def test_serve_command_names_the_plugin_pieces():
     cmd = vllm_plugin.SERVE_COMMAND
     for piece in ("vllm serve", "--attention-backend CUSTOM", "--diffusion-config", "canvas_length",
-                  "VLLM_USE_V2_MODEL_RUNNER=1", "BLOCKDIFF_ATTN_BACKEND"):
+                  "VLLM_USE_V2_MODEL_RUNNER=1", "BLOCKDIFF_ATTN_BACKEND",
+                  f"--scheduler-cls {vllm_plugin.SCHEDULER_CLASS} --no-async-scheduling"):
         assert piece in cmd
 
 
@@ -149,3 +150,164 @@ def test_vllm_mode_state_and_sampler_with_real_vllm_types():
     assert torch.equal(out.sampled_token_ids[0], commit)
     assert st.phase[1].item() == DENOISE and torch.equal(base.req_states.draft_tokens[1], st.canvas[1])
     ms.remove_request("r")
+
+
+# ------------------------------------------------------------------------------------ vLLM-mode sampler output
+@pytest.fixture
+def vllm_sampler_output(monkeypatch):
+    """vLLM's SamplerOutput class: the real one when vLLM is importable, else a stand-in module with the same
+    fields (vllm/v1/worker/gpu/sample/output.py, 0.33.0), so the vLLM-mode sampler path runs on CPU CI."""
+    if HAVE_VLLM:
+        from vllm.v1.worker.gpu.sample.output import SamplerOutput
+
+        return SamplerOutput
+    import sys
+    import types
+    from dataclasses import dataclass
+
+    @dataclass
+    class SamplerOutput:
+        sampled_token_ids: torch.Tensor
+        logprobs_tensors: object
+        num_nans: object
+        num_sampled: torch.Tensor
+        num_rejected: torch.Tensor
+
+    names = ["vllm", "vllm.v1", "vllm.v1.worker", "vllm.v1.worker.gpu", "vllm.v1.worker.gpu.sample",
+             "vllm.v1.worker.gpu.sample.output"]
+    for n in names:
+        monkeypatch.setitem(sys.modules, n, types.ModuleType(n))
+    sys.modules["vllm.v1.worker.gpu.sample.output"].SamplerOutput = SamplerOutput
+    return SamplerOutput
+
+
+def _vllm_mode_state(R=3):
+    from types import SimpleNamespace as NS
+
+    from blockdiff.integration.model_state import DiffusionModelState
+
+    model = _StandInVllmModel(64, 8)
+    model.embedding_weight = model.emb.weight.detach()
+    ms = DiffusionModelState.for_harness(model, max_num_reqs=R, max_num_tokens=4 * CL, canvas_length=CL,
+                                         device="cpu", default_params=params())
+    ms.mode = "vllm"
+    ms.inputs_embeds_buf = torch.zeros(4 * CL, 8)
+    base = NS(req_states=NS(draft_tokens=torch.zeros(R, CL, dtype=torch.int64)))
+    sampler, _ = ms.custom_sampler(base, backend="reference")
+    return ms, sampler
+
+
+def _vllm_batch(rows):
+    """make_batch + vLLM's logits layout: prefill rows have no logits rows, canvas rows one per query token."""
+    import numpy as np
+
+    b = make_batch(rows)
+    n_logits = np.array([0 if r[5] is not None else r[2] for r in rows], dtype=np.int32)
+    b.cu_num_logits_np = np.concatenate([[0], np.cumsum(n_logits)]).astype(np.int32)
+    return b, int(n_logits.sum())
+
+
+@needs_stack
+def test_vllm_mode_failed_request_reports_num_nans_until_the_scheduler_finishes_it(vllm_sampler_output):
+    """A request whose logits go NaN (phase FAILED) reports num_nans > 0 in vLLM's SamplerOutput on the failing
+    step and on every later step it is still scheduled, with num_sampled 0 and num_rejected = query_len (was:
+    num_nans None, and a FAILED row reported num_rejected 0, moving vLLM's KV position by a canvas it never
+    accepted, forever). The plugin's scheduler turns the report into FINISHED_ERROR; vLLM's remove_request then
+    frees the slot for the next request. The request beside it is unaffected."""
+    from types import SimpleNamespace as NS
+
+    from blockdiff.integration.vllm_scheduler import finish_stuck_requests
+    from blockdiff.sampler import DENOISE, FAILED, FINISHED
+
+    ms, sampler = _vllm_mode_state()
+    sp = NS(seed=3, max_tokens=None, ignore_eos=True, stop_token_ids=None, extra_args=None)
+    for slot, rid in ((0, "bad"), (1, "ok")):
+        ms.add_request(slot, NS(req_id=rid, prompt_token_ids=[1, 2, 3], sampling_params=sp))
+    g = torch.Generator().manual_seed(0)
+    b, n = _vllm_batch([("bad", 0, 3, 0, 3, [1, 2, 3]), ("ok", 1, 3, 0, 3, [1, 2, 3])])
+    ms.prepare_inputs(b, None)
+    out = sampler(torch.randn(n, 64, generator=g), b)
+    assert isinstance(out, vllm_sampler_output) and out.num_nans.tolist() == [0, 0]
+    assert ms.state.phase[:2].tolist() == [DENOISE, DENOISE]
+    ok_before = ms.state.canvas[1].clone()
+
+    reports = []
+    for step in range(2):
+        b, n = _vllm_batch([("bad", 0, CL, 3, 3, None), ("ok", 1, CL, 3, 3, None)])
+        ms.prepare_inputs(b, None)
+        logits = torch.randn(n, 64, generator=g)
+        logits[:CL] = float("nan") if step == 0 else logits[:CL]
+        out = sampler(logits, b)
+        assert out.num_sampled.tolist() == [0, 0] and out.num_rejected.tolist() == [CL, CL]
+        reports.append(out.num_nans.tolist())
+    assert reports[0][0] >= 1 and reports[1][0] == 1 and reports[0][1] == reports[1][1] == 0
+    assert ms.state.phase[0].item() == FAILED and ms.state.phase[1].item() == DENOISE
+    assert not torch.equal(ms.state.canvas[1], ok_before)  # the healthy request kept denoising
+
+    # the runner forwards num_nans as num_nans_in_logits; the plugin's scheduler finishes "bad" with an error
+    sched = FakeScheduler([FakeRequest("bad", 3), FakeRequest("ok", 3)], max_model_len=1000, canvas=CL)
+    outputs = {}
+    done = finish_stuck_requests(sched, dict(zip(b.req_ids, reports[1])), outputs, types=FAKE_VLLM_TYPES)
+    assert done == [("bad", "error")] and [o.finish_reason for o in outputs[0].outputs] == ["error"]
+    for rid in sched.finished_req_ids:  # next step: model runner v2 removes the finished request
+        ms.remove_request(rid)
+    assert ms.state.phase[0].item() == FINISHED and "bad" not in ms.req_id_to_index
+    ms.add_request(0, NS(req_id="next", prompt_token_ids=[4, 5], sampling_params=sp))  # slot reused
+    assert ms.state.phase[0].item() != FAILED
+
+
+@needs_stack
+def test_vllm_mode_truncated_canvas_row_is_skipped_not_raised(vllm_sampler_output):
+    """vLLM schedules fewer than canvas_length tokens for a canvas near max_model_len. In vLLM mode that row is
+    skipped (state untouched, num_sampled 0, num_rejected = its query_len) instead of raising ValueError inside
+    the engine (which would have killed every request); the other rows of the step run as usual."""
+    from types import SimpleNamespace as NS
+
+    ms, sampler = _vllm_mode_state()
+    sp = NS(seed=3, max_tokens=None, ignore_eos=True, stop_token_ids=None, extra_args=None)
+    for slot, rid in ((0, "short"), (1, "full")):
+        ms.add_request(slot, NS(req_id=rid, prompt_token_ids=[1, 2, 3], sampling_params=sp))
+    g = torch.Generator().manual_seed(1)
+    b, n = _vllm_batch([("short", 0, 3, 0, 3, [1, 2, 3]), ("full", 1, 3, 0, 3, [1, 2, 3])])
+    sampler(torch.randn(n, 64, generator=g), b)
+    snap = {k: v[0].clone() for k, v in vars(ms.state).items() if torch.is_tensor(v)}
+    full_step = ms.state.step[1].item()
+    b, n = _vllm_batch([("short", 0, CL - 3, 3, 3, None), ("full", 1, CL, 3, 3, None)])
+    ms.prepare_inputs(b, None)
+    out = sampler(torch.randn(n, 64, generator=g), b)
+    assert out.num_sampled.tolist() == [0, 0] and out.num_rejected.tolist() == [CL - 3, CL]
+    assert out.sampled_token_ids[0].tolist() == [-1] * CL
+    for k, v in snap.items():
+        assert torch.equal(getattr(ms.state, k)[0], v), k
+    assert ms.state.step[1].item() == full_step + 1
+    # the harness keeps the ValueError (it never truncates a canvas)
+    ms.mode = "harness"
+    with pytest.raises(ValueError, match="canvas_length"):
+        sampler(torch.randn(n, 64, generator=g), b)
+
+
+@needs_stack
+def test_vllm_mode_request_with_refused_params_fails_instead_of_raising(vllm_sampler_output):
+    """Under vLLM, add_request of a request whose diffusion params blockdiff refuses (extra_args t_min > t_max)
+    must not raise inside the engine (every request would be lost): the request gets phase FAILED, its reason is
+    kept, and its first step reports num_nans = 1 with its prompt chunk rejected, so the plugin's scheduler
+    finishes it with an error. The harness keeps the ValueError (its API boundary)."""
+    from types import SimpleNamespace as NS
+
+    from blockdiff.integration.batch import NewRequest
+    from blockdiff.sampler import FAILED
+
+    ms, sampler = _vllm_mode_state()
+    bad = NS(seed=3, max_tokens=None, ignore_eos=True, stop_token_ids=None, extra_args={"t_min": 0.9, "t_max": 0.1})
+    ms.add_request(0, NS(req_id="bad", prompt_token_ids=[1, 2, 3], sampling_params=bad))
+    assert ms.state.phase[0].item() == FAILED and "t_max" in ms.failed_reasons["bad"]
+    b, n = _vllm_batch([("bad", 0, 3, 0, 3, [1, 2, 3])])
+    ms.prepare_inputs(b, None)
+    out = sampler(torch.zeros(n, 64), b)
+    assert out.num_nans.tolist() == [1] and out.num_sampled.tolist() == [0] and out.num_rejected.tolist() == [3]
+    ms.remove_request("bad")
+    assert "bad" not in ms.failed_reasons and "bad" not in ms.req_id_to_index
+    ms.mode = "harness"
+    with pytest.raises(ValueError, match="t_max"):
+        ms.add_request(0, NewRequest("bad", [1, 2, 3], bad))
+    assert "bad" not in ms.req_id_to_index

@@ -1,0 +1,133 @@
+"""vLLM scheduler for blockdiff's DiffusionModelState: vLLM's diffusion scheduler, plus the two ways a
+block-diffusion request ends that vLLM's own stop checks never see.
+
+Select it with ``--scheduler-cls blockdiff.integration.vllm_scheduler.BlockdiffDiffusionScheduler`` (or
+``BlockdiffDiffusionAsyncScheduler`` with ``--async-scheduling``); importing the classes needs vLLM, the helper
+:func:`finish_stuck_requests` does not.
+
+After every step (``update_from_output``) it finishes:
+
+* a request the worker reported with non-finite logits (``ModelRunnerOutput.num_nans_in_logits[req_id] > 0``,
+  which :class:`~blockdiff.integration.sampler.DiffusionSampler` sets for a request in phase FAILED): status
+  ``FINISHED_ERROR`` (finish reason ``error``), no further tokens. vLLM's own scheduler only records that count,
+  so the request would be scheduled forever and never freed;
+* a request whose next canvas no longer fits in ``max_model_len`` (``num_tokens + canvas_length >
+  max_model_len``): status ``FINISHED_LENGTH_CAPPED`` (finish reason ``length``), as the harness does. vLLM would
+  schedule it truncated canvases, which the blockdiff sampler skips (a canvas is denoised whole), so it would never
+  emit a token again.
+
+Finishing goes through vLLM's ``Scheduler.finish_requests`` (the path a client abort takes): the request leaves
+the queues, its KV blocks are freed, and its id reaches the worker in the next ``finished_req_ids``, where model
+runner v2 calls ``DiffusionModelState.remove_request`` and frees the slot. Each gets an ``EngineCoreOutput`` with
+its finish reason, so the client is answered (no lost request). Interface read from vLLM 0.33.0
+(``vllm/v1/core/sched/scheduler.py``, ``diffusion_scheduler.py``).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+
+def diffusion_canvas_width(request: Any, canvas_length: int) -> int:
+    """Canvas tokens the request schedules: ``extra_args["diffusion_canvas_length"]`` or the served one (vLLM's
+    ``diffusion_scheduler.diffusion_canvas_width``)."""
+    params = getattr(request, "sampling_params", None)
+    extra = getattr(params, "extra_args", None) if params is not None else None
+    width = extra.get("diffusion_canvas_length") if extra else None
+    return int(width) if width else int(canvas_length)
+
+
+def finish_stuck_requests(scheduler: Any, num_nans_in_logits: dict[str, int] | None, outputs: dict,
+                          *, types: Any) -> list[tuple[str, str]]:
+    """Finish the requests vLLM would never finish (see the module docstring) and answer their clients.
+
+    Args:
+        scheduler: a vLLM ``Scheduler`` (reads ``requests``, ``running``, ``max_model_len``,
+            ``num_spec_tokens``; calls ``finish_requests``).
+        num_nans_in_logits: ``ModelRunnerOutput.num_nans_in_logits`` of the step (req_id -> count), or None.
+        outputs: what ``update_from_output`` returned: client index -> ``EngineCoreOutputs``; updated in place.
+        types: namespace with vLLM's ``RequestStatus``, ``EngineCoreOutput``, ``EngineCoreOutputs``.
+
+    Returns:
+        ``[(req_id, "error" | "length")]`` in the order finished.
+    """
+    RS = types.RequestStatus
+    failed: list[str] = []
+    for rid, n in sorted((num_nans_in_logits or {}).items()):
+        req = scheduler.requests.get(rid)
+        if n and req is not None and not req.is_finished():
+            failed.append(rid)
+    too_long: list[str] = []
+    for req in list(scheduler.running):
+        if req.request_id in failed or req.is_finished():
+            continue
+        width = diffusion_canvas_width(req, scheduler.num_spec_tokens)
+        if req.num_tokens + width > scheduler.max_model_len:
+            too_long.append(req.request_id)
+    done: list[tuple[str, str]] = []
+    for ids, status, reason in ((failed, RS.FINISHED_ERROR, "error"), (too_long, RS.FINISHED_LENGTH_CAPPED,
+                                                                         "length")):
+        if not ids:
+            continue
+        for req in scheduler.finish_requests(ids, status):
+            out = types.EngineCoreOutput(
+                request_id=req.request_id, new_token_ids=[], finish_reason=req.get_finished_reason(),
+                stop_reason=req.stop_reason, num_nans_in_logits=getattr(req, "num_nans_in_logits", 0),
+                trace_headers=getattr(req, "trace_headers", None), events=req.take_events())
+            eco = outputs.get(req.client_index)
+            if eco is None:
+                outputs[req.client_index] = eco = types.EngineCoreOutputs(outputs=[])
+            eco.outputs.append(out)
+            done.append((req.request_id, reason))
+    return done
+
+
+def _vllm_types():
+    from types import SimpleNamespace
+
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs  # type: ignore
+    from vllm.v1.request import RequestStatus  # type: ignore
+
+    return SimpleNamespace(RequestStatus=RequestStatus, EngineCoreOutput=EngineCoreOutput,
+                           EngineCoreOutputs=EngineCoreOutputs)
+
+
+def _make_classes() -> dict[str, type]:
+    try:
+        from vllm.v1.core.sched.diffusion_scheduler import (  # type: ignore
+            DiffusionAsyncScheduler,
+            DiffusionScheduler,
+        )
+    except ImportError as e:
+        raise ImportError(
+            "blockdiff.integration.vllm_scheduler's scheduler classes need vLLM (pip install -e '.[vllm]', "
+            f"vllm>=0.24; read from vLLM 0.33.0): {e}") from e
+
+    def with_finish(base: type, name: str) -> type:
+        class Scheduler(base):  # type: ignore[misc, valid-type]
+            def update_from_output(self, scheduler_output, model_runner_output):
+                outputs = super().update_from_output(scheduler_output, model_runner_output)
+                finish_stuck_requests(self, model_runner_output.num_nans_in_logits, outputs, types=_vllm_types())
+                return outputs
+
+        Scheduler.__name__ = Scheduler.__qualname__ = name
+        Scheduler.__module__ = __name__
+        Scheduler.__doc__ = (f"vLLM's {base.__name__} plus :func:`blockdiff.integration.vllm_scheduler."
+                             "finish_stuck_requests` after each step.")
+        return Scheduler
+
+    return {"BlockdiffDiffusionScheduler": with_finish(DiffusionScheduler, "BlockdiffDiffusionScheduler"),
+            "BlockdiffDiffusionAsyncScheduler": with_finish(DiffusionAsyncScheduler,
+                                                            "BlockdiffDiffusionAsyncScheduler")}
+
+
+_classes: dict[str, type] = {}
+
+
+def __getattr__(name: str):
+    """``BlockdiffDiffusionScheduler`` / ``BlockdiffDiffusionAsyncScheduler``, built on first access (vLLM
+    imported then; ImportError with install instructions without it)."""
+    if name in ("BlockdiffDiffusionScheduler", "BlockdiffDiffusionAsyncScheduler"):
+        if not _classes:
+            _classes.update(_make_classes())
+        return _classes[name]
+    raise AttributeError(name)

@@ -1,0 +1,83 @@
+"""blockdiff.integration.vllm_scheduler: the requests vLLM's diffusion scheduler would never finish (failed on
+non-finite logits; next canvas past max_model_len) are finished, freed and answered. Logic checked with
+stand-ins for vLLM's scheduler everywhere, and with vLLM's own types where vLLM is importable."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+from integration_helpers import FAKE_VLLM_TYPES, FakeRequest, FakeScheduler
+
+from blockdiff.integration import vllm_scheduler as VS
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+CL = 8
+
+
+def test_failed_request_is_finished_with_error_and_its_client_answered():
+    s = FakeScheduler([FakeRequest("a", 10), FakeRequest("b", 10)], max_model_len=100, canvas=CL)
+    outputs = {}
+    done = VS.finish_stuck_requests(s, {"a": 0, "b": 3}, outputs, types=FAKE_VLLM_TYPES)
+    assert done == [("b", "error")]
+    assert s.requests["b"].status == "FINISHED_ERROR" and s.finished_req_ids == {"b"}
+    assert [(o.request_id, o.finish_reason, o.new_token_ids) for o in outputs[0].outputs] == [("b", "error", [])]
+    assert [r.request_id for r in s.running] == ["a"]
+    # reported again on a later step (still scheduled while the finish was in flight): nothing twice
+    assert VS.finish_stuck_requests(s, {"b": 1}, outputs, types=FAKE_VLLM_TYPES) == []
+    assert len(outputs[0].outputs) == 1
+
+
+def test_request_whose_next_canvas_does_not_fit_is_finished_with_length():
+    """num_tokens + canvas > max_model_len: vLLM would only schedule truncated canvases, which the sampler skips,
+    so the request would never emit again. Per-request canvas widths (extra_args) are honoured."""
+    reqs = [FakeRequest("fits", 100 - CL), FakeRequest("over", 100 - CL + 1), FakeRequest("narrow", 97, width=3)]
+    s = FakeScheduler(reqs, max_model_len=100, canvas=CL)
+    outputs = {0: FAKE_VLLM_TYPES.EngineCoreOutputs(outputs=["existing"])}
+    done = VS.finish_stuck_requests(s, None, outputs, types=FAKE_VLLM_TYPES)
+    assert done == [("over", "length")]
+    assert outputs[0].outputs[0] == "existing" and outputs[0].outputs[1].finish_reason == "length"
+    assert {r.request_id for r in s.running} == {"fits", "narrow"}
+
+
+def test_unknown_and_finished_ids_are_ignored():
+    r = FakeRequest("x", 5)
+    r.status = "FINISHED_STOPPED"
+    s = FakeScheduler([FakeRequest("y", 5)], max_model_len=100, canvas=CL)
+    s.requests["x"] = r
+    assert VS.finish_stuck_requests(s, {"x": 2, "ghost": 4}, {}, types=FAKE_VLLM_TYPES) == []
+
+
+@pytest.mark.skipif(HAVE_VLLM, reason="vLLM is installed")
+def test_scheduler_classes_without_vllm_raise_clear_import_error():
+    with pytest.raises(ImportError, match="need vLLM"):
+        VS.BlockdiffDiffusionScheduler  # noqa: B018
+
+
+@pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed here (pip install -e '.[vllm]' on a GPU host)")
+def test_scheduler_classes_with_vllm():
+    """The classes resolve by the --scheduler-cls path, subclass vLLM's diffusion schedulers, and the helper
+    builds vLLM's own EngineCoreOutput with the error / length finish reasons."""
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+    from vllm.v1.core.sched.diffusion_scheduler import DiffusionAsyncScheduler, DiffusionScheduler
+    from vllm.v1.engine import EngineCoreOutput, FinishReason
+    from vllm.v1.request import RequestStatus
+
+    from blockdiff.integration import vllm_plugin
+
+    sync = resolve_obj_by_qualname(vllm_plugin.SCHEDULER_CLASS)
+    asyn = resolve_obj_by_qualname(vllm_plugin.ASYNC_SCHEDULER_CLASS)
+    assert issubclass(sync, DiffusionScheduler) and issubclass(asyn, DiffusionAsyncScheduler)
+    assert "update_from_output" in vars(sync) and "update_from_output" in vars(asyn)
+
+    class Req(FakeRequest):
+        def get_finished_reason(self):
+            return RequestStatus.get_finished_reason(self.status)
+
+    s = FakeScheduler([Req("n", 10), Req("l", 99)], max_model_len=100, canvas=CL)
+    outputs = {}
+    done = VS.finish_stuck_requests(s, {"n": 2}, outputs, types=VS._vllm_types())
+    assert done == [("n", "error"), ("l", "length")]
+    outs = outputs[0].outputs
+    assert all(isinstance(o, EngineCoreOutput) for o in outs)
+    assert [o.finish_reason for o in outs] == [FinishReason.ERROR, FinishReason.LENGTH]
+    assert s.requests["n"].status == RequestStatus.FINISHED_ERROR
