@@ -123,8 +123,6 @@ CHUNKED, TRITON_GEMM = _chunked_config()
 #: ``fused[stats_overlap]``: the chunked path with the stats pass on a side stream beside the soft-embedding GEMMs
 #: (normalisers from the memory-bound ``row_moments`` pre-pass, timed alone as ``fused:moments``).
 STATS_OVERLAP = dataclasses.replace(CHUNKED, stats_overlap=True)
-#: the same with SMs carved out of cuBLAS's GEMMs for the stats pass: ``fused[stats_overlap_carve<k>]``
-STATS_OVERLAP_CARVE = [dataclasses.replace(STATS_OVERLAP, gemm_sm_carveout=k) for k in (16, 33)]
 SHAPES = {"full": dict(N=4, CL=256, V=262144, H=2816), "quick": dict(N=2, CL=16, V=512, H=64)}
 DECISIONS = ("accepted", "argmax", "sampled", "next_canvas", "converged", "failed", "finished", "emitted",
              "num_sampled", "num_rejected", "temperature")
@@ -475,8 +473,6 @@ def main(argv=None) -> list[dict]:
     if not args.no_chunked and configs[0] is None:
         configs = configs + [TRITON_GEMM]   # fused[triton_gemm]: the Triton GEMM soft-embedding path, checked too
         configs = configs + [STATS_OVERLAP]  # fused[stats_overlap]: stats on a side stream beside the GEMMs
-        if device.type == "cuda":
-            configs = configs + STATS_OVERLAP_CARVE
     for b in backends:
         for cfg in (configs if b == "fused" else [None]):
             t0 = time.perf_counter()
@@ -488,9 +484,7 @@ def main(argv=None) -> list[dict]:
             graphs = b != "compile" or device.type == "cuda"
             name = b if cfg is None else (f"{b}[tuned]" if cfg is tuned else
                                           f"{b}[triton_gemm]" if cfg is TRITON_GEMM else
-                                          f"{b}[stats_overlap]" if cfg is STATS_OVERLAP else
-                                          f"{b}[stats_overlap_carve{cfg.gemm_sm_carveout}]"
-                                          if cfg in STATS_OVERLAP_CARVE else f"{b}[{config_label(cfg)}]")
+                                          f"{b}[stats_overlap]" if cfg is STATS_OVERLAP else f"{b}[{config_label(cfg)}]")
             row = measure(name, fn, x, E, params, slots, pd, shape, device, quick, graphs=graphs)
             if b == "compile":
                 row["compile_backend"] = compile_backend

@@ -464,9 +464,6 @@ class SamplerConfig:
     (:func:`row_moments`) and run the soft embedding's GEMMs on a high-priority side stream while the
     compute-bound stats pass (Philox, logs) runs beside them (CUDA; on the CPU the same computation runs in order). Decisions are unchanged (exact);
     the soft rows differ from the default path by float rounding of the normalisers. None: off.
-    gemm_sm_carveout: with stats_overlap on CUDA, SMs left free by the soft embedding's cuBLAS GEMMs for the stats
-    pass (torch's experimental ``_set_sm_carveout_experimental``, restored afterwards; cuBLAS's persistent
-    GEMMs otherwise hold every SM, so the two passes cannot run side by side). None: no carveout.
     """
 
     block_p: int | None = None
@@ -485,15 +482,10 @@ class SamplerConfig:
     soft_chunk: int | None = None
     soft_overlap: bool | None = None
     stats_overlap: bool | None = None
-    gemm_sm_carveout: int | None = None
 
     def __post_init__(self):
         if self.soft_impl not in SOFT_IMPLS + (None,):
             raise ValueError(f"SamplerConfig.soft_impl must be one of {SOFT_IMPLS}, got {self.soft_impl!r}")
-        if self.gemm_sm_carveout is not None and (isinstance(self.gemm_sm_carveout, bool)
-                                                  or not isinstance(self.gemm_sm_carveout, int)
-                                                  or self.gemm_sm_carveout < 0):
-            raise ValueError(f"SamplerConfig.gemm_sm_carveout must be an int >= 0 SMs, got {self.gemm_sm_carveout!r}")
         if self.soft_chunk is not None and int(self.soft_chunk) < 1:
             raise ValueError(f"SamplerConfig.soft_chunk must be >= 1 tokens, got {self.soft_chunk}")
 
@@ -525,8 +517,7 @@ class SamplerConfig:
         return SamplerConfig(block_p, block_g, split_v, self.stats_warps or 4,
                              self.stats_stages or (3 if cuda else 1), bm, bn, bk, split_k,
                              self.gemm_warps or (8 if cuda else 4), self.gemm_stages or (3 if cuda else 1),
-                             self.use_tma, self.soft_impl, self.soft_chunk, self.soft_overlap, self.stats_overlap,
-                             self.gemm_sm_carveout)
+                             self.use_tma, self.soft_impl, self.soft_chunk, self.soft_overlap, self.stats_overlap)
 
 
 def row_stats(logits: torch.Tensor, T: torch.Tensor, seed: torch.Tensor, request_id: torch.Tensor,
@@ -751,18 +742,10 @@ def sampler_step(state: SamplerState, slots: torch.Tensor, logits: torch.Tensor,
         if cuda:
             main, side = torch.cuda.current_stream(logits.device), _soft_stream(logits.device)
             side.wait_stream(main)
-        carve = cfg.gemm_sm_carveout if cuda else None
-        prev = torch._C._get_sm_carveout_experimental() if carve is not None else None
-        try:
-            if carve is not None:
-                torch._C._set_sm_carveout_experimental(carve)
-            with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
-                ws = soft_embedding_chunked(logits, embedding, T, m2, inv_s2,
-                                            torch.zeros_like(m2, dtype=torch.int32), is_den, chunk=cfg.soft_chunk,
-                                            greedy_onehot=False, overlap=bool(cfg.soft_overlap))  # (c)
-        finally:
-            if carve is not None:
-                torch._C._set_sm_carveout_experimental(prev)
+        with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
+            ws = soft_embedding_chunked(logits, embedding, T, m2, inv_s2, torch.zeros_like(m2, dtype=torch.int32),
+                                        is_den, chunk=cfg.soft_chunk, greedy_onehot=False,
+                                        overlap=bool(cfg.soft_overlap))                        # (c)
         st = row_stats(logits, T, seed, rid, cidx, step, is_den, config)                      # (a)
         if cuda:
             main.wait_stream(side)
