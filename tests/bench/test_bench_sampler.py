@@ -14,14 +14,14 @@ def test_quick_run_writes_records_and_plot(tmp_path, capsys):
     for key in ("gpu", "driver", "torch", "triton", "commit", "date", "anchors_ms", "rows"):
         assert key in doc
     by = {r["backend"]: r for r in doc["rows"]}
-    assert set(by) == {"reference", "compile", "fused", "fused[triton_gemm]", "fused:stats", "fused:soft_gemm",
-                       "fused:soft_chunked"} and len(rows) == 7
-    for b in ("reference", "compile", "fused", "fused[triton_gemm]"):
+    assert set(by) == {"reference", "compile", "fused", "fused[triton_gemm]", "fused[stats_overlap]", "fused:stats",
+                       "fused:soft_gemm", "fused:soft_chunked", "fused:moments"} and len(rows) == 9
+    for b in ("reference", "compile", "fused", "fused[triton_gemm]", "fused[stats_overlap]"):
         assert by[b]["status"] == "ok" and by[b]["correct"] is True and by[b]["eager_ms"] > 0, by[b]
     assert by["compile"]["compile_backend"] == "aot_eager"
     assert (tmp_path / "sampler-quick-cpu.csv").exists() and (tmp_path / "sampler-quick-cpu.png").exists()
     out = capsys.readouterr().out.strip().splitlines()
-    assert out[-9].startswith("workload") and "graph_ms" in out[-9]
+    assert out[-11].startswith("workload") and "graph_ms" in out[-11]
     assert by["fused[triton_gemm]"]["config"] == {"soft_impl": "triton_gemm"}
 
 
