@@ -44,6 +44,13 @@ Cost model for sampler_n4 (M = 1024, V = 262144, hidden 2816, H200 4.3 TB/s, ~79
     to hide) and the exact Gumbel tile skip in the stats pass (triton_sampler docstring), or fusing the P write
     into the stats pass (needs the final row max: a second pass anyway).
 
+Measured later (H200, same tools, bench/results/sampler-h200.json at 8b669b3 and sampler_overlap-h200.json at
+116da61): with the stats kernel's greedy skip (stats 1.03 ms), the default step is 3.683 / 3.644 ms against
+torch.compile's 7.350 / 7.321 ms in the same runs: 0.501x / 0.498x. ``SamplerConfig(stats_overlap=True)``
+(normalisers from a 0.25 ms memory-bound pre-pass, GEMMs on a high-priority side stream beside the stats pass)
+measured 3.88 / 3.87 ms: no overlap happens, since cuBLAS's GEMMs hold every SM (an SM carveout of 16 or 33 SMs
+for the GEMMs changed nothing: 3.88 / 3.89 ms), so the pre-pass is pure cost. It stays off.
+
 Measured (H200, torch 2.11.0+cu130, triton 3.6, bench_sampler sampler_n4, CUDA-graph medians, same run):
 soft part alone 2.49-2.53 ms (~600 TFLOP/s effective) vs 4.67 ms for the split-K Triton GEMM (after its wgmma-wait fix);
 full step fused[chunked] 3.86-3.94 ms vs fused (triton_gemm) 5.86 ms; extra memory 45.2 MB (<= 64 MiB). Against the

@@ -14,7 +14,9 @@ of which syncs with the host, so a whole step is capturable in a CUDA graph (gri
     block-wide reduction. Lanes are merged once at the end (``s = sum_l e^(m_l - M) s_l``, ``u = sum_l e^(m_l - M)
     (u_l + (m_l - M) s_l)``, argmax = lowest id among the lanes holding the maximum), vocabulary splits (small
     batches) the same way in torch; ``H = log s - u / s`` nats (= ``-sum p log p``). Rows not in DENOISE are never
-    read.
+    read. A program whose rows are all greedy (T = 0; on the GPU a program is one position) runs the loop without
+    Philox, the logs and the division (its Gumbel sample is never used; z = x / 1 = x): H200 sampler_n4 (one
+    greedy request of four) stats 1.03 ms, was 1.24 ms.
 (b) Decisions — small vectorised torch ops over [N, CL] (stable sort by entropy, inclusive cumsum bound, renoise
     ids, argmax stability, convergence, phase transitions, counters): the code of :mod:`blockdiff.sampler.common`
     that the reference runs too, so given equal entropies the decisions are identical.
@@ -463,7 +465,9 @@ class SamplerConfig:
     stats_overlap: chunked path: take the soft embedding's normalisers from a memory-bound pre-pass
     (:func:`row_moments`) and run the soft embedding's GEMMs on a high-priority side stream while the
     compute-bound stats pass (Philox, logs) runs beside them (CUDA; on the CPU the same computation runs in order). Decisions are unchanged (exact);
-    the soft rows differ from the default path by float rounding of the normalisers. None: off.
+    the soft rows differ from the default path by float rounding of the normalisers. None: off (H200 sampler_n4:
+    3.87 ms with it vs 3.64 ms without: cuBLAS's GEMMs hold every SM, so nothing overlaps and the pre-pass is
+    pure cost; kept as a measured option for GEMMs that leave SMs free).
     """
 
     block_p: int | None = None
