@@ -4,7 +4,7 @@
 #     bash bench/run_all.sh attention e2e   # chosen stages
 # Stages: attention (= attention-mixed + attention-single: the named workloads, all backends, in two runs that
 # each fit the lent machine's 10-minute limit), sweep (Triton tile configs), ladders (batch and context ladders
-# = ladder-batch + ladder-ctx),
+# = ladder-batch + ladder-ctx for the sliding and hd-128 layers, ladder-global for the hd-512 layers),
 # sampler (bench_sampler.py), e2e (bench_e2e.py), tables (bench/README.md from the records).
 # Results go to $OUT when set, else bench/results/, written after every workload; each attention run stops
 # starting workloads after $BUDGET_S seconds (default 540; the rest are recorded as skipped). A failing stage is
@@ -22,7 +22,7 @@ expanded=""
 for s in $stages; do
   case $s in
     attention) expanded="$expanded attention-mixed attention-single" ;;
-    ladders)   expanded="$expanded ladder-batch ladder-ctx" ;;
+    ladders)   expanded="$expanded ladder-batch ladder-ctx ladder-global" ;;
     *)         expanded="$expanded $s" ;;
   esac
 done
@@ -36,12 +36,19 @@ for stage in $stages; do
     attention-single) $BA --workloads 'canvas_*,prefill*' --suite-name attention-single ;;
     sweep)     $BA --backends triton --tile-sweep --workloads "$SWEEP_WORKLOADS" --suite-name attention-tile-sweep \
                  --no-plots ;;
-    ladder-batch) $BA --suite batch_ladder --backends sdpa,fa4,triton,cute --fa4-layouts paged ;;
-    ladder-ctx)   $BA --suite ctx_ladder --backends sdpa,fa4,triton,cute --fa4-layouts paged ;;
+    ladder-batch) $BA --suite batch_ladder --workloads '*sliding,*hd128' --backends sdpa,fa4,triton,cute \
+                    --fa4-layouts paged ;;
+    ladder-ctx)   $BA --suite ctx_ladder --workloads '*sliding,*hd128' --backends sdpa,fa4,triton,cute \
+                    --fa4-layouts paged ;;
+    ladder-global)  # hd 512 global layers: FA4 and cute cannot run them; FlexAttention with its BlockMask build
+      $BA --suite batch_ladder --workloads '*global' --backends sdpa,flex,triton \
+        --suite-name attention-batch_ladder_global
+      $BA --suite ctx_ladder --workloads '*global' --backends sdpa,flex,triton \
+        --suite-name attention-ctx_ladder_global ;;
     sampler)   python3 bench/bench_sampler.py ;;
     e2e)       python3 bench/bench_e2e.py --attn-backends triton,cute --sampler-backend triton ;;
     tables)    python3 bench/make_tables.py --results "$RESULTS" ;;
-    *) echo "unknown stage $stage (attention[-mixed|-single] sweep ladders ladder-batch ladder-ctx sampler e2e tables)"; status=2; continue ;;
+    *) echo "unknown stage $stage (attention[-mixed|-single] sweep ladders ladder-batch ladder-ctx ladder-global sampler e2e tables)"; status=2; continue ;;
   esac || { echo "stage $stage failed"; status=1; }
 done
 exit $status
