@@ -508,7 +508,8 @@ class HarnessRunner:
             passes: prefill chunks, denoise and commit rows); ``tokens_per_request_pass`` (tokens emitted /
             request rows); ``denoise_rows``; ``tokens_per_denoise_step`` (tokens emitted / denoise rows);
             ``canvases_committed``; ``denoise_steps_per_canvas`` (mean denoise rows of the committed canvases;
-            a canvas still being denoised, or of a failed request, is not counted) and
+            a canvas still being denoised, or of a failed request, is not counted, nor are the rows of a canvas
+            a preemption interrupted: the resumed request denoises that canvas again from step 0) and
             ``max_denoise_steps_per_canvas`` (0 when none committed). A ratio with a zero denominator is NaN
             (undefined: nothing ran).
         """
@@ -520,7 +521,9 @@ class HarnessRunner:
         pending: dict[str, int] = {}
         for h in self.history:
             for row in h.rows:
-                if row.phase == "denoise":
+                if row.phase == "prefill":  # (re)admission: a canvas interrupted by preemption restarts at step 0
+                    pending.pop(row.req_id, None)
+                elif row.phase == "denoise":
                     pending[row.req_id] = pending.get(row.req_id, 0) + 1
                 elif row.phase == "commit":
                     per_canvas.append(pending.pop(row.req_id, 0))

@@ -350,6 +350,34 @@ def test_resumed_request_counts_its_output_toward_max_tokens(make_runner):
     assert res["m"].finish_reason == "length"
 
 
+def test_denoise_steps_per_canvas_do_not_count_a_canvas_interrupted_by_preemption(make_runner):
+    """totals(): a request preempted while its canvas was converged (about to commit) denoises that canvas again
+    from step 0 after readmission; the interrupted attempt's rows are not added to the committed canvas (was: they
+    were, so max denoise steps per canvas exceeded the step cap). The per-canvas figures equal an unpreempted
+    run's, while denoise_rows still counts every pass."""
+    from blockdiff.sampler import COMMIT
+
+    cap = 5
+    reqs = [("a", prompt(13, 70), params(max_tokens=2 * CL, seed=11, max_denoising_steps=cap)),
+            ("b", prompt(6, 71), params(max_tokens=CL, seed=12, max_denoising_steps=cap))]
+    ref = make_runner()
+    for rid, toks, p in reqs:
+        ref.add_request(rid, toks, p)
+    ref_res = ref.run(max_steps=500)
+
+    def when(r):
+        return r.model_state.state.phase[r.slot_of("a")].item() == COMMIT
+
+    r, res, _ = _run_with_preemption(make_runner, reqs, "a", when)
+    assert all(res[k].output_token_ids == ref_res[k].output_token_ids for k in ref_res)
+    t, t_ref = r.totals(), ref.totals()
+    assert t["canvases_committed"] == t_ref["canvases_committed"] == 3
+    assert t["max_denoise_steps_per_canvas"] <= cap
+    assert t["max_denoise_steps_per_canvas"] == t_ref["max_denoise_steps_per_canvas"]
+    assert t["denoise_steps_per_canvas"] == t_ref["denoise_steps_per_canvas"]
+    assert t["denoise_rows"] > t_ref["denoise_rows"]  # the interrupted attempt still cost forward passes
+
+
 def test_preempt_rejects_a_request_that_is_not_running(make_runner):
     r = make_runner()
     r.add_request("w", prompt(4), params(max_tokens=2), arrival_step=5)
