@@ -467,7 +467,9 @@ class SamplerConfig:
     compute-bound stats pass (Philox, logs) runs beside them (CUDA; on the CPU the same computation runs in order). Decisions are unchanged (exact);
     the soft rows differ from the default path by float rounding of the normalisers. None: off (H200 sampler_n4:
     3.87 ms with it vs 3.64 ms without: cuBLAS's GEMMs hold every SM, so nothing overlaps and the pre-pass is
-    pure cost; kept as a measured option for GEMMs that leave SMs free).
+    pure cost; kept as a measured option for GEMMs that leave SMs free). With the Triton GEMM it is an error
+    (ValueError here for an explicit ``soft_impl="triton_gemm"``, in :func:`sampler_step` where None resolves to it).
+    use_tma / soft_overlap / stats_overlap: bool or None (TypeError otherwise).
     """
 
     block_p: int | None = None
@@ -492,6 +494,13 @@ class SamplerConfig:
             raise ValueError(f"SamplerConfig.soft_impl must be one of {SOFT_IMPLS}, got {self.soft_impl!r}")
         if self.soft_chunk is not None and int(self.soft_chunk) < 1:
             raise ValueError(f"SamplerConfig.soft_chunk must be >= 1 tokens, got {self.soft_chunk}")
+        for name in ("use_tma", "soft_overlap", "stats_overlap"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, bool):
+                raise TypeError(f"SamplerConfig.{name} must be a bool or None, got {type(v).__name__} ({v!r})")
+        if self.stats_overlap and self.soft_impl == "triton_gemm":
+            raise ValueError("SamplerConfig.stats_overlap=True needs the chunked soft embedding (soft_impl='chunked' "
+                             "or None where that is the default), got soft_impl='triton_gemm'")
 
     def resolve(self, rows: int, V: int, hidden: int, device: torch.device) -> "SamplerConfig":
         cuda = device.type == "cuda"
@@ -721,6 +730,7 @@ def sampler_step(state: SamplerState, slots: torch.Tensor, logits: torch.Tensor,
 
     Raises:
         TypeError / ValueError: bad arguments (as the reference).
+        ValueError: ``config.stats_overlap`` where the soft embedding resolves to the Triton GEMM path.
     """
     check_step_args(state, slots, logits, prefill_done, embedding)
     CL, V = state.canvas_length, state.vocab_size
@@ -732,7 +742,12 @@ def sampler_step(state: SamplerState, slots: torch.Tensor, logits: torch.Tensor,
     greedy = T == 0
 
     cfg = config or SamplerConfig()
-    overlap = bool(cfg.stats_overlap) and (cfg.soft_impl or default_soft_impl(logits.device, embedding.dtype)) == "chunked"
+    overlap = bool(cfg.stats_overlap)
+    if overlap and (cfg.soft_impl or default_soft_impl(logits.device, embedding.dtype)) != "chunked":
+        # no silent fallback: the option would do nothing on the Triton GEMM path
+        raise ValueError("config.stats_overlap=True needs the chunked soft embedding; soft_impl=None resolves to "
+                         f"'triton_gemm' for {logits.device.type} logits and a {embedding.dtype} embedding "
+                         "(set soft_impl='chunked')")
     if overlap:
         # (c) beside (a): normalisers from a memory-bound pre-pass, then the GEMMs over every denoising row on a
         # high-priority side stream (rows that turn out converged / failed are computed and never written: the

@@ -462,3 +462,24 @@ def test_soft_gemm_register_a_wgmma_is_waited_before_the_next_iteration_writes_i
     assert r.returncode == 0, r.stderr[-3000:]
     pendings = eval(r.stdout.split("PENDINGS", 1)[1].strip())
     assert pendings and max(pendings) == 0, pendings
+
+
+def test_sampler_config_flags_must_be_bools_and_stats_overlap_refuses_the_triton_gemm_path():
+    """Regression: SamplerConfig(stats_overlap="no") silently meant True, and stats_overlap with the Triton GEMM
+    soft embedding (explicit, or soft_impl=None resolving to it: CPU / fp32 E) silently did nothing. Now a
+    TypeError / ValueError names the field, and sampler_step refuses before touching the state."""
+    from blockdiff.sampler import triton_sampler as ts
+
+    for name in ("use_tma", "soft_overlap", "stats_overlap"):
+        with pytest.raises(TypeError, match=name):
+            SamplerConfig(**{name: "no"})
+        SamplerConfig(**{name: False})
+    with pytest.raises(ValueError, match="stats_overlap"):
+        SamplerConfig(soft_impl="triton_gemm", stats_overlap=True)
+    st = SamplerState(1, 4, 30, 8)
+    st.add_request(0, 3, SamplingParams(canvas_length=4))
+    before = st.phase.clone()
+    with pytest.raises(ValueError, match="stats_overlap"):   # CPU: soft_impl=None resolves to triton_gemm
+        ts.sampler_step(st, torch.tensor([0]), torch.zeros(1, 4, 30), torch.tensor([True]), torch.zeros(30, 8),
+                        config=SamplerConfig(stats_overlap=True))
+    assert torch.equal(st.phase, before)
