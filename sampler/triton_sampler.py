@@ -545,7 +545,8 @@ def row_stats(logits: torch.Tensor, T: torch.Tensor, seed: torch.Tensor, request
     Returns:
         dict of [N, CL] tensors: ``m`` (max z) and ``inv_s`` (1 / sum exp(z - m)) float32, ``entropy`` float32
         nats (NaN where a logit is non-finite), ``argmax``/``gumbel_argmax`` int64, ``bad`` bool. Values of
-        inactive rows are undefined.
+        inactive rows are undefined, and so is ``gumbel_argmax`` of greedy rows (T = 0: a program whose rows are
+        all greedy skips the Gumbel pass; the step uses ``argmax`` there).
     """
     N, CL, V = logits.shape
     if logits.stride(-1) != 1:
