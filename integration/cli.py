@@ -87,8 +87,12 @@ def main(argv: list[str] | None = None) -> int:
         problems = []
         if args.canvas_length is not None and not 1 <= args.canvas_length <= 4096:
             problems.append(f"--canvas-length must be in [1, 4096] tokens, got {args.canvas_length}")
-        if args.max_denoising_steps is not None and args.max_denoising_steps < 1:
-            problems.append(f"--max-denoising-steps must be >= 1, got {args.max_denoising_steps}")
+        from blockdiff.sampler.rng import MAX_STEPS
+
+        if args.max_denoising_steps is not None and not 1 <= args.max_denoising_steps < MAX_STEPS:
+            problems.append(f"--max-denoising-steps must be in [1, {MAX_STEPS}), got {args.max_denoising_steps}")
+        if not 0 <= args.seed < 2 ** 63:
+            problems.append(f"--seed must be in [0, 2**63), got {args.seed}")
         if args.embedding_scale is not None:
             if not (math.isfinite(args.embedding_scale) and args.embedding_scale > 0):
                 problems.append(f"--embedding-scale must be a finite number > 0, got {args.embedding_scale}")

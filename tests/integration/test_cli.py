@@ -107,3 +107,15 @@ def test_demo_rejects_bad_arguments_before_running(tmp_path, capsys):
     assert main(["demo", "--out", "/proc/no-such-folder/x"]) == 2
     err = capsys.readouterr().err
     assert "--embedding-scale" in err and "--canvas-length" in err and "--out" in err
+
+
+def test_demo_rejects_out_of_range_seed_and_step_cap_with_a_message_not_a_traceback(tmp_path, capsys):
+    """Regression: --seed -1 and --max-denoising-steps 20000 passed the CLI checks and died in SamplingParams
+    with a ValueError traceback; now exit 2 naming the option, before anything runs."""
+    from blockdiff.integration.cli import main
+
+    assert main(["demo", "--seed", "-1", "--out", str(tmp_path)]) == 2
+    assert main(["demo", "--max-denoising-steps", "20000", "--out", str(tmp_path)]) == 2
+    out = capsys.readouterr()
+    assert "--seed must be in [0, 2**63), got -1" in out.err and "--max-denoising-steps must be in [1, 16384)" in out.err
+    assert "blockdiff demo:" not in out.out  # nothing ran
