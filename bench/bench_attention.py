@@ -35,6 +35,7 @@ import itertools
 import json
 import math
 import os
+import re
 import sys
 import time
 import traceback
@@ -453,6 +454,62 @@ def plot(rows: list[dict], out_dir: Path, stem: str) -> list[Path]:
     return paths
 
 
+_LADDER_NAME = re.compile(r"^canvas_bs(?P<bs>\d+)_ctx(?P<ctx>\d+)(?P<k>k?)_(?P<layer>\w+)$")
+
+
+def plot_ladder(rows: list[dict], out_dir: Path, stem: str) -> list[Path]:
+    """Ladder suites (workloads ``canvas_bs{n}_ctx{c}_{layer}``): one PNG per layer type, CUDA-graph ms and
+    effective TFLOP/s against the varying axis (canvases, or context in tokens), one line per backend/layout.
+    Returns [] when the rows are not a ladder (fewer than two values on the axis) or matplotlib is missing."""
+    pts = []
+    for r in rows:
+        m = _LADDER_NAME.match(r.get("workload", ""))
+        if m and r.get("status") == "ok" and r.get("graph_ms"):
+            ctx = int(m["ctx"]) * (1024 if m["k"] else 1)
+            pts.append((m["layer"], int(m["bs"]), ctx, label_of(r), r["graph_ms"], r.get("effective_tflops")))
+    if not pts:
+        return []
+    bs_vals, ctx_vals = {p[1] for p in pts}, {p[2] for p in pts}
+    if len(bs_vals) > 1 and len(ctx_vals) == 1:
+        axis, xi, xlabel = "batch", 1, f"canvases of 256 (context {next(iter(ctx_vals)) // 1024} k each)"
+    elif len(ctx_vals) > 1 and len(bs_vals) == 1:
+        axis, xi, xlabel = "context", 2, f"context tokens ({next(iter(bs_vals))} canvas(es) of 256)"
+    else:
+        return []
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        common.log("matplotlib missing: no plots")
+        return []
+    paths = []
+    for layer in dict.fromkeys(p[0] for p in pts):
+        lp = [p for p in pts if p[0] == layer]
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+        for lab in dict.fromkeys(p[3] for p in lp):
+            q = sorted((p for p in lp if p[3] == lab), key=lambda p: p[xi])
+            a1.plot([p[xi] for p in q], [p[4] for p in q], "o-", label=lab)
+            a2.plot([p[xi] for p in q], [p[5] or 0 for p in q], "o-", label=lab)
+        for a in (a1, a2):
+            a.set_xscale("log", base=2)
+            a.set_xlabel(xlabel)
+            a.grid(alpha=0.3)
+        a1.set_yscale("log")
+        a1.set_ylabel("ms (CUDA-graph median)")
+        a2.axhline(common.PEAK_TFLOPS, color="gray", ls=":", lw=1)
+        a2.set_ylabel("effective TFLOP/s (dotted: bf16 ceiling)")
+        a1.legend(fontsize=8)
+        fig.suptitle(f"{stem}: {layer} layer, {axis} ladder")
+        fig.tight_layout()
+        p = out_dir / f"{stem}-{layer}.png"
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        paths.append(p)
+    return paths
+
+
 def label_of(r: dict) -> str:
     s = r["backend"]
     if r.get("kv_layout"):
@@ -566,7 +623,7 @@ def main(argv=None) -> list[dict]:
 
     extra["wall_s"] = round(time.perf_counter() - t_start, 1)
     path = common.write_records(suite, rows, env=env, extra={**extra, "complete": True}, out_dir=out_dir)
-    pngs = [] if args.no_plots else plot(rows, out_dir, path.stem)
+    pngs = [] if args.no_plots else plot(rows, out_dir, path.stem) + plot_ladder(rows, out_dir, path.stem)
     print(f"\nwrote {path} (+ .csv, {len(pngs)} PNG)")
     show = [dict(r, backend=label_of(r), note=(r.get("reason") or r.get("error") or "")[:60]) for r in rows]
     print(common.summary_table(show, ["workload", "backend", "status", "eager_ms", "graph_ms", "anchor_ms",

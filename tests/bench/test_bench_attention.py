@@ -93,3 +93,24 @@ def test_tile_sweep_passes_configs_to_the_triton_backend(tmp_path):
     assert len(rows) == 2 and rows[1]["config"] == cfg
     assert rows[1]["status"] == "ok" and rows[1]["correct"] is True, rows[1]
     assert ba.label_of(rows[1]) == "triton[32,16,4,2]"
+
+
+def test_ladder_plot_one_png_per_layer_with_a_line_per_backend(tmp_path):
+    """plot_ladder: batch ladder rows -> one PNG per layer type; context names with and without the k suffix
+    parse; rows that are not ok, or a set that varies neither / both axes, give no ladder plot."""
+    rows = []
+    for layer in ("sliding", "hd128"):
+        for n in (1, 2, 4):
+            for be, ms in (("fa4", 0.1 * n), ("triton", 0.08 * n)):
+                rows.append({"workload": f"canvas_bs{n}_ctx8k_{layer}", "backend": be, "status": "ok",
+                             "graph_ms": ms, "effective_tflops": 100.0 * n})
+    rows.append({"workload": "canvas_bs8_ctx8k_sliding", "backend": "cute", "status": "error", "graph_ms": None})
+    paths = ba.plot_ladder(rows, tmp_path, "lad")
+    assert sorted(p.name for p in paths) == ["lad-hd128.png", "lad-sliding.png"]
+    assert all(p.stat().st_size > 1000 for p in paths)
+    ctx = [{"workload": f"canvas_bs1_ctx{c}_hd128", "backend": "triton", "status": "ok", "graph_ms": 0.1,
+            "effective_tflops": 1.0} for c in ("512", "1k", "2k")]
+    assert [p.name for p in ba.plot_ladder(ctx, tmp_path, "c")] == ["c-hd128.png"]
+    assert ba.plot_ladder([{"workload": "mixed_sliding_ctx8k", "backend": "triton", "status": "ok",
+                            "graph_ms": 0.2}], tmp_path, "m") == []
+    assert ba.plot_ladder(rows[:2], tmp_path, "one") == []   # a single batch size: not a ladder
