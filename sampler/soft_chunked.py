@@ -6,7 +6,7 @@ split-K Triton GEMM of :mod:`blockdiff.sampler.triton_sampler` (whose A operand 
 registers per column tile and, after the Triton 3.6 register-A wgmma hazard fix, waits for every wgmma). Here:
 
 for each chunk ``[v0, v0 + Vc)`` of the vocabulary (Vc = 16384 for M = 1024: the buffer is <= 32 MiB):
-  1. :func:`_prob_chunk_kernel` writes ``P_c[r, j] = exp2((x / T) * log2e - m log2e) * (1 / s)`` rounded to E's
+  1. :func:`_prob_chunk_kernel` writes ``P_c[r, j] = exp2((x / T - m) * log2e) * (1 / s)`` rounded to E's
      dtype into one reusable buffer [M, Vc] (m, 1/s: the row max and sum of the stats pass, the same formula as
      the Triton GEMM's A operand). P is 0 past V, on rows not computed (inactive / converged / failed requests:
      whatever their logits hold, even NaN) and, unless ``greedy_onehot``, on T = 0 rows (their soft row is
@@ -93,14 +93,18 @@ def _prob_chunk_kernel(
     else:
         rvalid = rmask & act & ~greedy
     soft_rows = rvalid & ~greedy
-    scale = tl.where(soft_rows, 1.4426950408889634 / tl.where(greedy, 1.0, T), 0.0)
-    shift = tl.load(m_ptr + rows, mask=soft_rows, other=0.0) * 1.4426950408889634
+    # z = x / T rounded as the stats pass and the reference compute it, then exp(z - m): z - m is exact for
+    # the entries that matter (Sterbenz), whatever T. (exp2(x * log2e / T - m log2e) cancels two values of size
+    # |x| / T: at T = 1e-5 its exponent was off by ~1, at T <= 1e-8 p overflowed.)
+    tdiv = tl.where(soft_rows, T, 1.0)
+    mrow = tl.load(m_ptr + rows, mask=soft_rows, other=0.0)
     inv_s = tl.load(inv_s_ptr + rows, mask=soft_rows, other=0.0)
     tok = v0 + j
     lmask = soft_rows[:, None] & (tok < V)[None, :]
     xrow = x_ptr + n.to(tl.int64) * stride_xn + p.to(tl.int64) * stride_xp
     x = tl.load(xrow[:, None] + tok[None, :], mask=lmask, other=0.0).to(tl.float32)
-    prob = tl.exp2(x * scale[:, None] - shift[:, None]) * inv_s[:, None]
+    z = tl.math.div_rn(x, tdiv[:, None])
+    prob = tl.exp2((z - mrow[:, None]) * 1.4426950408889634) * inv_s[:, None]
     prob = tl.where(lmask, prob, 0.0)        # 0 past V, on skipped rows (even for NaN logits) and T = 0 rows
     if GREEDY_ONEHOT:
         amax = tl.load(amax_ptr + rows, mask=rvalid, other=-1)

@@ -21,9 +21,9 @@ of which syncs with the host, so a whole step is capturable in a CUDA graph (gri
     ids, argmax stability, convergence, phase transitions, counters): the code of :mod:`blockdiff.sampler.common`
     that the reference runs too, so given equal entropies the decisions are identical.
 (c) :func:`_soft_embedding_kernel` — ``soft = softmax(z) @ E * sqrt(hidden)`` as a split-K GEMM over the
-    vocabulary, M = N * CL positions, N = hidden. Its A operand ``exp2(x * log2e / T - m log2e) / s`` is computed
-    on the fly from the fp32 logits with the row stats of (a) (one FMA + ex2 + mul per element, recomputed once
-    per column tile) and rounded to E's dtype (bf16 wgmma, fp32 accumulation). Logits ([N * CL, V] view) and E
+    vocabulary, M = N * CL positions, N = hidden. Its A operand ``exp2((x / T - m) * log2e) / s`` is computed
+    on the fly from the fp32 logits with the row stats of (a) (an IEEE division, a subtraction, ex2 and a mul per
+    element, recomputed once per column tile; z = x / T as in (a), so z - m does not cancel at small T) and rounded to E's dtype (bf16 wgmma, fp32 accumulation). Logits ([N * CL, V] view) and E
     are read through TMA tensor descriptors when their rows are 16-byte aligned (pointer loads otherwise). No
     [CL, V] probability buffer: partial sums go to a ``[SPLIT_K, N * CL, hidden]`` fp32 workspace and
     :func:`_soft_reduce_kernel` adds them in a fixed order (deterministic, batch invariant) and writes
@@ -296,10 +296,12 @@ def _soft_embedding_kernel(
         rvalid = rmask & (act != 0) & (T != 0.0)       # T = 0 rows: E[argmax] gathered by the reduce kernel
     if tl.max(rvalid.to(tl.int32), 0) == 0:
         return
-    # p = exp(x / T - m) / s = exp2(x * (log2e / T) - m * log2e) * inv_s: one FMA + ex2 per element. Rows not
-    # computed get scale = shift = inv_s = 0 -> p = 0 for any finite x (their outputs are discarded anyway).
-    scale = tl.where(rvalid & ~greedy, 1.4426950408889634 / tl.where(greedy, 1.0, T), 0.0)
-    shift = tl.load(m_ptr + rows, mask=rvalid, other=0.0) * 1.4426950408889634
+    # p = exp(z - m) / s = exp2((z - m) * log2e) * inv_s with z = x / T rounded as in the stats pass and the
+    # reference (IEEE division): z - m is exact for the entries that matter, whatever T (the former
+    # exp2(x * log2e / T - m log2e) cancelled two values of size |x| / T: wrong p at T <= 1e-4, inf at 1e-8).
+    # Rows not computed: T -> 1, m = inv_s = 0, and p is zeroed below.
+    tdiv = tl.where(rvalid & ~greedy, T, 1.0)
+    mrow = tl.load(m_ptr + rows, mask=rvalid, other=0.0)
     inv_s = tl.load(inv_s_ptr + rows, mask=rvalid, other=0.0)
     amax = tl.load(amax_ptr + rows, mask=rvalid, other=-1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -314,7 +316,7 @@ def _soft_embedding_kernel(
             # no masks: K_PER_SPLIT is a multiple of BLOCK_K, so a tile never straddles two splits, and past V
             # both x (-> finite p) and E (-> 0) come back as zeros
             x = x_desc.load([pid_m * BLOCK_M, k_start + k]).to(tl.float32)
-            prob = tl.exp2(x * scale[:, None] - shift[:, None]) * inv_s[:, None]
+            prob = tl.exp2((tl.math.div_rn(x, tdiv[:, None]) - mrow[:, None]) * 1.4426950408889634) * inv_s[:, None]
             ev = e_desc.load([k_start + k, pid_n * BLOCK_N])
             if GREEDY_ONEHOT:
                 onehot = ((k_start + k + kk)[None, :] == amax[:, None]).to(tl.float32)
@@ -328,7 +330,7 @@ def _soft_embedding_kernel(
             kmask = tok < k_end
             lmask = rvalid[:, None] & kmask[None, :]
             x = tl.load(xrow[:, None] + tok[None, :], mask=lmask, other=0.0).to(tl.float32)
-            prob = tl.exp2(x * scale[:, None] - shift[:, None]) * inv_s[:, None]
+            prob = tl.exp2((tl.math.div_rn(x, tdiv[:, None]) - mrow[:, None]) * 1.4426950408889634) * inv_s[:, None]
             if GREEDY_ONEHOT:
                 prob = tl.where(greedy[:, None], (tok[None, :] == amax[:, None]).to(tl.float32), prob)
             prob = tl.where(lmask, prob, 0.0)
@@ -382,32 +384,33 @@ def _soft_reduce_kernel(
 @triton.jit
 def _moments_kernel(x_ptr, stride_xn, stride_xp, t_ptr, active_ptr, m_ptr, inv_s_ptr, R, CL, V,
                     NUM_TILES: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Grid (R,): row max m = max(x) / T and inv_s = 1 / sum exp2(x * log2e / T - m * log2e) of one position whose
-    request is active and samples (T > 0); other rows are not written. Per-lane online max / sum (one exp2 per
-    logit), merged once: the normaliser of the chunked soft embedding's probabilities, so its GEMM can start
-    before the stats pass ends (``SamplerConfig.stats_overlap``). Memory-bound: one read of the logits."""
+    """Grid (R,): row max m = max(z) and inv_s = 1 / sum exp(z - m) of z = x / T (IEEE division, as the stats pass)
+    for one position whose request is active and samples (T > 0); other rows are not written. Per-lane online
+    max / sum (one exp2 per logit), merged once: the normaliser of the chunked soft embedding's probabilities,
+    so its GEMM can start before the stats pass ends (``SamplerConfig.stats_overlap``). Memory-bound: one read
+    of the logits."""
     r = tl.program_id(0)
     n = r // CL
     p = r % CL
     act = tl.load(active_ptr + n) != 0
     T = tl.load(t_ptr + n)
     if act & (T > 0.0):
-        scale = 1.4426950408889634 / T
         base = x_ptr + n.to(tl.int64) * stride_xn + p.to(tl.int64) * stride_xp
         offs = tl.arange(0, BLOCK_V)
         mx = tl.full((BLOCK_V,), -3.0e38, tl.float32)
         sm = tl.zeros((BLOCK_V,), tl.float32)
         for i in tl.range(0, NUM_TILES):          # NUM_TILES = cdiv(V, BLOCK_V) (a runtime bound fails the interpreter)
             tok = i * BLOCK_V + offs
-            x = tl.load(base + tok, mask=tok < V, other=-float("inf")).to(tl.float32)
-            d = x - mx
+            x = tl.load(base + tok, mask=tok < V, other=0.0).to(tl.float32)
+            z = tl.where(tok < V, tl.math.div_rn(x, T), -float("inf"))
+            d = z - mx
             up = d > 0
-            e = tl.exp2(-tl.abs(d) * scale)
+            e = tl.exp2(-tl.abs(d) * 1.4426950408889634)
             sm = tl.where(up, e * sm + 1.0, sm + e)
-            mx = tl.where(up, x, mx)
+            mx = tl.where(up, z, mx)
         mrow = tl.max(mx, 0)
-        srow = tl.sum(sm * tl.exp2((mx - mrow) * scale), 0)
-        tl.store(m_ptr + r, mrow / T)
+        srow = tl.sum(sm * tl.exp2((mx - mrow) * 1.4426950408889634), 0)
+        tl.store(m_ptr + r, mrow)
         tl.store(inv_s_ptr + r, 1.0 / srow)
 
 
@@ -587,8 +590,9 @@ def row_stats(logits: torch.Tensor, T: torch.Tensor, seed: torch.Tensor, request
 
 def row_moments(logits: torch.Tensor, T: torch.Tensor, active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax normalisers of ``z = logits / T`` for the soft embedding only: ``(m, inv_s)`` float32 [N, CL], the
-    row max of z and 1 / sum exp(z - m) (within float32 rounding of :func:`row_stats`' values, not bit-equal), on
-    rows of active requests with T > 0; other rows are 0 / undefined. One memory-bound pass over the logits.
+    row max of z (bit-equal to :func:`row_stats`' m: the same IEEE z) and 1 / sum exp(z - m) (within float32
+    rounding of row_stats' value: lane order), on rows of active requests with T > 0; other rows are 0. One
+    memory-bound pass over the logits.
 
     Args: logits float [N, CL, V] (contiguous last dim); T float32 [N]; active bool/int [N].
     """
