@@ -132,6 +132,38 @@ def stop_token_ids_of(sampling_params: Any) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
+#: vLLM ``SamplingParams`` options blockdiff's diffusion sampler does not implement, with their no-op values
+#: (vLLM 0.33.0 defaults): a request setting any other value is refused (ValueError naming the option; under
+#: vLLM the request fails with finish reason ``error``) instead of being served with the option silently ignored.
+UNSUPPORTED_VLLM_OPTIONS: dict[str, tuple] = {
+    "n": (1,), "presence_penalty": (0.0,), "frequency_penalty": (0.0,), "repetition_penalty": (1.0,),
+    "top_k": (0, -1, None), "min_p": (0.0,), "min_tokens": (0,), "logprobs": (None,), "prompt_logprobs": (None,),
+    "logit_bias": (None,), "allowed_token_ids": (None,), "bad_words": (None,), "structured_outputs": (None,),
+    "logprob_token_ids": (None,),
+}
+
+
+def unsupported_vllm_options(sampling_params: Any) -> list[str]:
+    """``"name=value"`` for every option of a vLLM ``SamplingParams`` that blockdiff cannot honour and that is set
+    to something other than its no-op value (:data:`UNSUPPORTED_VLLM_OPTIONS`; empty containers count as unset;
+    ``top_p`` must be 1 unless the request is greedy, where vLLM resets it). Attributes a stand-in object lacks
+    are treated as unset."""
+    bad = []
+    for name, ok in UNSUPPORTED_VLLM_OPTIONS.items():
+        v = getattr(sampling_params, name, ok[0])
+        if isinstance(v, (list, tuple, dict, set)):
+            if not v and None in ok:
+                continue
+        elif (v is None and None in ok) or (v is not None and any(o is not None and v == o for o in ok)):
+            continue
+        bad.append(f"{name}={v!r}")
+    temperature = getattr(sampling_params, "temperature", 1.0)
+    top_p = getattr(sampling_params, "top_p", 1.0)
+    if top_p is not None and top_p != 1.0 and not (temperature is not None and temperature < 1e-5):
+        bad.append(f"top_p={top_p!r}")
+    return bad
+
+
 def to_diffusion_params(sampling_params: Any, defaults: Any = None, *, canvas_length: int | None = None):
     """Convert request sampling parameters to :class:`blockdiff.sampler.SamplingParams`.
 
@@ -139,11 +171,18 @@ def to_diffusion_params(sampling_params: Any, defaults: Any = None, *, canvas_le
     ``SamplingParams``: ``seed`` -> seed (None -> 0), ``max_tokens``, EOS ids = vLLM's stop set
     (:func:`stop_token_ids_of`: ``eos_token_id`` unless ``ignore_eos``, plus every ``stop_token_ids`` entry), and
     ``extra_args`` keys ``diffusion_max_steps`` -> max_denoising_steps, ``t_min``, ``t_max``, ``entropy_bound``,
-    ``confidence_threshold``, ``stability_threshold``; everything else from ``defaults``.
+    ``confidence_threshold``, ``stability_threshold``; everything else from ``defaults``. Temperature: the
+    sampler follows a per-step schedule from ``t_max`` down to ``t_min`` (``extra_args``); vLLM's
+    ``temperature`` = 0 means greedy (t_min = t_max = 0), its default 1.0 leaves the schedule alone, and any other
+    value is refused (it has no single meaning for a schedule). Options the sampler does not implement
+    (:func:`unsupported_vllm_options`: penalties, top-k / top-p / min-p, min_tokens, logprobs, logit_bias,
+    allowed / bad words, structured outputs, n > 1) are refused when set. Stop strings (``stop``) are applied by
+    vLLM's output processor and work.
 
     Raises:
         ValueError: ``canvas_length`` of the request differs from the served canvas length; a field breaks a
-            :class:`~blockdiff.sampler.SamplingParams` rule.
+            :class:`~blockdiff.sampler.SamplingParams` rule; an unsupported vLLM option is set; ``temperature``
+            is neither 0 nor 1, or 0 together with a nonzero ``extra_args`` t_min / t_max.
         TypeError: a field has the wrong type.
     """
     from blockdiff.sampler import SamplingParams
@@ -162,6 +201,20 @@ def to_diffusion_params(sampling_params: Any, defaults: Any = None, *, canvas_le
                 kw["max_tokens"] = int(sp.max_tokens)
             kw["eos_token_ids"] = stop_token_ids_of(sp)
             extra = getattr(sp, "extra_args", None) or {}
+            bad = unsupported_vllm_options(sp)
+            if bad:
+                raise ValueError(f"sampling_params sets options blockdiff's diffusion sampler does not implement: "
+                                 f"{', '.join(bad)} (leave them at vLLM's defaults)")
+            temperature = getattr(sp, "temperature", 1.0)
+            if temperature is not None and temperature < 1e-5:      # vLLM's greedy threshold (_SAMPLING_EPS)
+                if any(extra.get(k) not in (None, 0, 0.0) for k in ("t_min", "t_max")):
+                    raise ValueError(f"sampling_params.temperature = {temperature} (greedy) conflicts with "
+                                     f"extra_args t_min = {extra.get('t_min')!r}, t_max = {extra.get('t_max')!r}")
+                kw["t_min"], kw["t_max"] = 0.0, 0.0
+            elif temperature is not None and temperature != 1.0:
+                raise ValueError(f"sampling_params.temperature must be 0 (greedy) or 1.0 (vLLM's default: the "
+                                 f"diffusion temperature schedule applies), got {temperature}; set the schedule "
+                                 f"with extra_args t_min / t_max")
             mapping = {"diffusion_max_steps": "max_denoising_steps", "t_min": "t_min", "t_max": "t_max",
                        "entropy_bound": "entropy_bound", "confidence_threshold": "confidence_threshold",
                        "stability_threshold": "stability_threshold",

@@ -188,6 +188,49 @@ def test_vllm_style_sampling_params_conversion():
         MS.to_diffusion_params(sp, defaults, canvas_length=CL)
 
 
+def test_unsupported_vllm_options_are_refused_not_silently_ignored():
+    """Options the diffusion sampler does not implement (penalties, top-k/p, min-p, min_tokens, logprobs,
+    logit_bias, allowed / bad words, structured outputs, n > 1) raise a ValueError naming them when set; their
+    vLLM defaults (and empty containers) pass. temperature 0 means greedy; 1.0 (the default) leaves the
+    schedule alone; other values and greedy with a nonzero extra_args schedule are refused."""
+    defaults = params()
+    base = dict(seed=1, max_tokens=None, ignore_eos=False, eos_token_id=1, stop_token_ids=None, extra_args=None,
+                n=1, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0, temperature=1.0,
+                top_p=1.0, top_k=0, min_p=0.0, min_tokens=0, logprobs=None, prompt_logprobs=None, logit_bias=None,
+                allowed_token_ids=[], bad_words=None, structured_outputs=None, logprob_token_ids=None)
+    p = MS.to_diffusion_params(SimpleNamespace(**base), defaults, canvas_length=CL)
+    assert (p.t_min, p.t_max) == (defaults.t_min, defaults.t_max)
+    assert MS.unsupported_vllm_options(SimpleNamespace(**base)) == []
+    for name, value in (("n", 2), ("presence_penalty", 0.5), ("frequency_penalty", 0.1),
+                        ("repetition_penalty", 1.1), ("top_k", 5), ("min_p", 0.1), ("min_tokens", 4),
+                        ("logprobs", 0), ("prompt_logprobs", 1), ("logit_bias", {3: 1.0}),
+                        ("allowed_token_ids", [1, 2]), ("bad_words", ["x"]), ("structured_outputs", object()),
+                        ("top_p", 0.9)):
+        with pytest.raises(ValueError, match=name):
+            MS.to_diffusion_params(SimpleNamespace(**dict(base, **{name: value})), defaults, canvas_length=CL)
+    greedy = MS.to_diffusion_params(SimpleNamespace(**dict(base, temperature=0.0, top_p=0.5)), defaults,
+                                    canvas_length=CL)          # vLLM resets top_p for greedy requests
+    assert (greedy.t_min, greedy.t_max) == (0.0, 0.0)
+    with pytest.raises(ValueError, match="temperature"):
+        MS.to_diffusion_params(SimpleNamespace(**dict(base, temperature=0.7)), defaults, canvas_length=CL)
+    with pytest.raises(ValueError, match="conflicts"):
+        MS.to_diffusion_params(SimpleNamespace(**dict(base, temperature=0.0, extra_args={"t_max": 0.8})),
+                               defaults, canvas_length=CL)
+    ok = MS.to_diffusion_params(SimpleNamespace(**dict(base, extra_args={"t_min": 0.2, "t_max": 0.6})), defaults,
+                                canvas_length=CL)
+    assert (ok.t_min, ok.t_max) == (0.2, 0.6)
+
+
+@pytest.mark.skipif(not MS.VLLM_AVAILABLE, reason=f"vLLM is not importable here ({MS.VLLM_IMPORT_ERROR})")
+def test_unsupported_option_check_passes_vllm_default_sampling_params():
+    """vLLM's own SamplingParams with defaults (and greedy) are accepted; a set option is refused by name."""
+    from vllm import SamplingParams as VllmSP
+
+    assert MS.unsupported_vllm_options(VllmSP()) == []
+    assert MS.unsupported_vllm_options(VllmSP(temperature=0.0)) == []
+    assert MS.unsupported_vllm_options(VllmSP(min_tokens=3, top_k=4)) == ["top_k=4", "min_tokens=3"]
+
+
 @needs_stack
 def test_ignore_eos_drops_only_the_eos_token_and_keeps_explicit_stop_token_ids():
     """vLLM's check_stop stops on ``eos_token_id`` (None under ignore_eos) or any ``stop_token_ids`` entry;
