@@ -375,13 +375,13 @@ def format_generation_metrics(totals: dict) -> str:
 
 
 def _train_summary(folder: str) -> str:
-    """``", trained N steps, held-out loss L nats/token"`` from the folder's ``train_log.json`` (model/train.py's
+    """``", trained N steps, held-out loss L nats per canvas byte"`` from the folder's ``train_log.json`` (model/train.py's
     record), or ``""`` when the folder has no readable log (the log is optional)."""
     import json
 
     try:
         with open(os.path.join(folder, "train_log.json")) as f:
             log = json.load(f)
-        return f", trained {int(log['steps'])} steps, held-out loss {float(log['final_held_out_loss']):.3f} nats/token"
+        return f", trained {int(log['steps'])} steps, held-out loss {float(log['final_held_out_loss']):.3f} nats per canvas byte"
     except (OSError, ValueError, KeyError, TypeError):
         return ""

@@ -46,7 +46,7 @@ def test_row_stats_match_reference(V, split_v, dtype):
 
 
 @pytest.mark.parametrize("block_p", [1, 8])
-def test_greedy_rows_skip_the_gumbel_pass_with_identical_statistics(block_p):
+def test_greedy_rows_statistics_are_unchanged_by_the_gumbel_skip(block_p):
     """A stats program whose valid rows are all greedy (T = 0) skips Philox, the logs and the division; argmax,
     m, inv_s, entropy and bad stay those of z = x, and the sampling rows of the same launch keep their exact
     Gumbel-max ids (block_p 1 is the GPU layout: one program per position; 8 = one program per request here)."""
