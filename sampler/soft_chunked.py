@@ -146,7 +146,7 @@ def _side_stream(device: torch.device) -> "torch.cuda.Stream":
 def soft_embedding_chunked(logits: torch.Tensor, embedding: torch.Tensor, T: torch.Tensor, m: torch.Tensor,
                            inv_s: torch.Tensor, argmax: torch.Tensor, active: torch.Tensor,
                            chunk: int | None = None, greedy_onehot: bool = True,
-                           overlap: bool = False) -> torch.Tensor:
+                           overlap: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """``p @ E`` (unscaled) of the rows of active requests, float32 workspace [1, N * CL, hidden].
 
     Args:
@@ -155,6 +155,8 @@ def soft_embedding_chunked(logits: torch.Tensor, embedding: torch.Tensor, T: tor
             1 / sum exp(z - m) from the stats pass. argmax: int [N, CL]. active: bool/int [N].
         chunk: vocabulary chunk Vc in tokens (None: :func:`chunk_size`). greedy_onehot: T = 0 rows use
             p = one-hot(argmax) (else their rows are 0 and the caller gathers E[argmax]).
+        out: optional float32 [1, N * CL, hidden] workspace to accumulate into (zeroed here on the current stream),
+            e.g. allocated by a caller's stream when this runs on a side stream; None: allocated here.
         overlap: CUDA only: two P buffers of half the size each (same 32 MiB budget); the P kernel of chunk c + 1
             runs on a side stream while the GEMM of chunk c runs on the current stream (fork / join through
             events: capturable in a CUDA graph; same results, the sums stay in chunk order on one stream).
@@ -172,7 +174,13 @@ def soft_embedding_chunked(logits: torch.Tensor, embedding: torch.Tensor, T: tor
     overlap = bool(overlap) and cuda
     vc = chunk_size(M, V, chunk, embedding.element_size() * (2 if overlap else 1) if cuda else 4)
     buf_dtype = embedding.dtype if cuda else torch.float32
-    acc = torch.zeros(1, M, hidden, dtype=torch.float32, device=dev)
+    if out is not None:
+        if out.shape != (1, M, hidden) or out.dtype != torch.float32 or out.device != dev or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous float32 [1, {M}, {hidden}] tensor on {dev}, got "
+                             f"{out.dtype} {tuple(out.shape)} on {out.device}")
+        acc = out.zero_()
+    else:
+        acc = torch.zeros(1, M, hidden, dtype=torch.float32, device=dev)
     if M == 0 or V == 0:
         return acc
     pbufs = [torch.empty(M, vc, dtype=buf_dtype, device=dev) for _ in range(2 if overlap else 1)]

@@ -757,19 +757,21 @@ def sampler_step(state: SamplerState, slots: torch.Tensor, logits: torch.Tensor,
         # (c) beside (a): normalisers from a memory-bound pre-pass, then the GEMMs over every denoising row on a
         # high-priority side stream (rows that turn out converged / failed are computed and never written: the
         # reduce kernel's mode skips them; NaN logits stay in their own rows) while the stats pass runs on this
-        # stream and fills the SMs the GEMMs leave free. The side stream's allocations are freed after the join
-        # below, and its next use starts behind a fork from this stream.
+        # stream and fills the SMs the GEMMs leave free. Every tensor used on both streams (the workspace, the
+        # normalisers, T) is allocated on this stream; the side stream's own buffers (the P chunks) are used and
+        # freed there only.
         from .soft_chunked import soft_embedding_chunked
 
         m2, inv_s2 = row_moments(logits, T, is_den)
+        amax0 = torch.zeros_like(m2, dtype=torch.int32)
+        ws = torch.empty(1, m2.numel(), embedding.shape[1], dtype=torch.float32, device=logits.device)
         cuda = logits.is_cuda
         if cuda:
             main, side = torch.cuda.current_stream(logits.device), _soft_stream(logits.device)
             side.wait_stream(main)
         with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
-            ws = soft_embedding_chunked(logits, embedding, T, m2, inv_s2, torch.zeros_like(m2, dtype=torch.int32),
-                                        is_den, chunk=cfg.soft_chunk, greedy_onehot=False,
-                                        overlap=bool(cfg.soft_overlap))                        # (c)
+            soft_embedding_chunked(logits, embedding, T, m2, inv_s2, amax0, is_den, chunk=cfg.soft_chunk,
+                                   greedy_onehot=False, overlap=bool(cfg.soft_overlap), out=ws)   # (c)
         st = row_stats(logits, T, seed, rid, cidx, step, is_den, config)                      # (a)
         if cuda:
             main.wait_stream(side)

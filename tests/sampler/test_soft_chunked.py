@@ -327,3 +327,22 @@ def test_soft_embedding_at_tiny_temperature_matches_the_reference_without_cancel
     assert ref.phase[0].item() != FAILED
     for k in configs:
         assert states[k].phase[0].item() != FAILED, k
+
+
+def test_chunked_out_workspace_is_zeroed_and_checked():
+    """soft_embedding_chunked(out=...) accumulates into the caller's workspace (zeroed first, so a reused
+    workspace holding garbage gives the same sums) and rejects a workspace of the wrong shape / dtype."""
+    g = torch.Generator().manual_seed(5)
+    N, CL_, V_, H_ = 2, 3, 50, 8
+    x = (torch.randn(N, CL_, V_, generator=g) * 2).to(DEV)
+    E = torch.randn(V_, H_, generator=g).to(DEV)
+    T = torch.tensor([0.6, 1.3], device=DEV)
+    z = torch.zeros(N, dtype=torch.int64, device=DEV)
+    act = torch.ones(N, dtype=torch.bool, device=DEV)
+    r = row_stats(x, T, z, z, z, z, act)
+    a = soft_embedding_chunked(x, E, T, r["m"], r["inv_s"], r["argmax"], act, chunk=16)
+    ws = torch.full((1, N * CL_, H_), float("nan"), device=DEV)
+    b = soft_embedding_chunked(x, E, T, r["m"], r["inv_s"], r["argmax"], act, chunk=16, out=ws)
+    assert b.data_ptr() == ws.data_ptr() and torch.equal(a, b)
+    with pytest.raises(ValueError, match="out"):
+        soft_embedding_chunked(x, E, T, r["m"], r["inv_s"], r["argmax"], act, out=torch.zeros(1, N * CL_, H_ + 1))
