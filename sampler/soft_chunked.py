@@ -136,10 +136,12 @@ def chunk_size(M: int, V: int, requested: int | None = None, itemsize: int = 2) 
 _SIDE_STREAMS: dict = {}
 
 
-def _side_stream(device: torch.device) -> "torch.cuda.Stream":
-    key = device.index if device.index is not None else torch.cuda.current_device()
+def _side_stream(device: torch.device, priority: int = 0) -> "torch.cuda.Stream":
+    """One cached side stream per (device, priority): priority 0 writes the P chunks here (``overlap``);
+    priority -1 (high) runs ``SamplerConfig.stats_overlap``'s soft embedding, so the two never coincide."""
+    key = (device.index if device.index is not None else torch.cuda.current_device(), priority)
     if key not in _SIDE_STREAMS:
-        _SIDE_STREAMS[key] = torch.cuda.Stream(device=device)
+        _SIDE_STREAMS[key] = torch.cuda.Stream(device=device, priority=priority)
     return _SIDE_STREAMS[key]
 
 

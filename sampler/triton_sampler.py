@@ -23,7 +23,8 @@ of which syncs with the host, so a whole step is capturable in a CUDA graph (gri
 (c) :func:`_soft_embedding_kernel` — ``soft = softmax(z) @ E * sqrt(hidden)`` as a split-K GEMM over the
     vocabulary, M = N * CL positions, N = hidden. Its A operand ``exp2((x / T - m) * log2e) / s`` is computed
     on the fly from the fp32 logits with the row stats of (a) (an IEEE division, a subtraction, ex2 and a mul per
-    element, recomputed once per column tile; z = x / T as in (a), so z - m does not cancel at small T) and rounded to E's dtype (bf16 wgmma, fp32 accumulation). Logits ([N * CL, V] view) and E
+    element, recomputed once per column tile; z = x / T as in (a), so z - m does not cancel at small T) and
+    rounded to E's dtype (bf16 wgmma, fp32 accumulation). Logits ([N * CL, V] view) and E
     are read through TMA tensor descriptors when their rows are 16-byte aligned (pointer loads otherwise). No
     [CL, V] probability buffer: partial sums go to a ``[SPLIT_K, N * CL, hidden]`` fp32 workspace and
     :func:`_soft_reduce_kernel` adds them in a fixed order (deterministic, batch invariant) and writes
@@ -609,18 +610,6 @@ def row_moments(logits: torch.Tensor, T: torch.Tensor, active: torch.Tensor) -> 
     return m, inv_s
 
 
-_SOFT_STREAMS: dict = {}
-
-
-def _soft_stream(device: torch.device) -> "torch.cuda.Stream":
-    """The high-priority side stream of ``stats_overlap``'s soft embedding (one per device; not the chunked
-    path's P-writer stream): the block scheduler hands freed SMs to its GEMMs first, the stats pass fills the rest."""
-    key = device.index if device.index is not None else torch.cuda.current_device()
-    if key not in _SOFT_STREAMS:
-        _SOFT_STREAMS[key] = torch.cuda.Stream(device=device, priority=-1)
-    return _SOFT_STREAMS[key]
-
-
 def soft_embedding(logits: torch.Tensor, embedding: torch.Tensor, T: torch.Tensor, m: torch.Tensor,
                    inv_s: torch.Tensor, argmax: torch.Tensor, active: torch.Tensor,
                    config: SamplerConfig | None = None, greedy_onehot: bool = True) -> torch.Tensor:
@@ -641,7 +630,7 @@ def soft_embedding(logits: torch.Tensor, embedding: torch.Tensor, T: torch.Tenso
     cfg = config or SamplerConfig()
     impl = cfg.soft_impl or default_soft_impl(logits.device, embedding.dtype)
     if impl == "chunked":
-        from .soft_chunked import soft_embedding_chunked
+        from .soft_chunked import _side_stream, soft_embedding_chunked
 
         return soft_embedding_chunked(logits, embedding, T, m, inv_s, argmax, active, chunk=cfg.soft_chunk,
                                       greedy_onehot=greedy_onehot, overlap=bool(cfg.soft_overlap))
@@ -760,14 +749,15 @@ def sampler_step(state: SamplerState, slots: torch.Tensor, logits: torch.Tensor,
         # stream and fills the SMs the GEMMs leave free. Every tensor used on both streams (the workspace, the
         # normalisers, T) is allocated on this stream; the side stream's own buffers (the P chunks) are used and
         # freed there only.
-        from .soft_chunked import soft_embedding_chunked
+        from .soft_chunked import _side_stream, soft_embedding_chunked
 
         m2, inv_s2 = row_moments(logits, T, is_den)
         amax0 = torch.zeros_like(m2, dtype=torch.int32)
         ws = torch.empty(1, m2.numel(), embedding.shape[1], dtype=torch.float32, device=logits.device)
         cuda = logits.is_cuda
         if cuda:
-            main, side = torch.cuda.current_stream(logits.device), _soft_stream(logits.device)
+            main = torch.cuda.current_stream(logits.device)
+            side = _side_stream(logits.device, priority=-1)   # GEMMs first on freed SMs
             side.wait_stream(main)
         with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
             soft_embedding_chunked(logits, embedding, T, m2, inv_s2, amax0, is_den, chunk=cfg.soft_chunk,
