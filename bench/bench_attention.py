@@ -35,7 +35,6 @@ import itertools
 import json
 import math
 import os
-import re
 import sys
 import time
 import traceback
@@ -413,8 +412,8 @@ def jobs_for(batch: wl.Batch, backends, args):
 
 
 # ----------------------------------------------------------------------------------------------- plots
-def plot(rows: list[dict], out_dir: Path, stem: str) -> list[Path]:
-    """One PNG per workload: ms (eager, graph, anchor) and effective TFLOP/s per backend/configuration."""
+def _pyplot():
+    """matplotlib.pyplot on the Agg backend, or None (logged) when matplotlib is missing."""
     try:
         import matplotlib
 
@@ -422,6 +421,14 @@ def plot(rows: list[dict], out_dir: Path, stem: str) -> list[Path]:
         import matplotlib.pyplot as plt
     except ImportError:
         common.log("matplotlib missing: no plots")
+        return None
+    return plt
+
+
+def plot(rows: list[dict], out_dir: Path, stem: str) -> list[Path]:
+    """One PNG per workload: ms (eager, graph, anchor) and effective TFLOP/s per backend/configuration."""
+    plt = _pyplot()
+    if plt is None:
         return []
     paths = []
     for name in dict.fromkeys(r["workload"] for r in rows):
@@ -454,19 +461,16 @@ def plot(rows: list[dict], out_dir: Path, stem: str) -> list[Path]:
     return paths
 
 
-_LADDER_NAME = re.compile(r"^canvas_bs(?P<bs>\d+)_ctx(?P<ctx>\d+)(?P<k>k?)_(?P<layer>\w+)$")
-
-
 def plot_ladder(rows: list[dict], out_dir: Path, stem: str) -> list[Path]:
     """Ladder suites (workloads ``canvas_bs{n}_ctx{c}_{layer}``): one PNG per layer type, CUDA-graph ms and
     effective TFLOP/s against the varying axis (canvases, or context in tokens), one line per backend/layout.
     Returns [] when the rows are not a ladder (fewer than two values on the axis) or matplotlib is missing."""
     pts = []
     for r in rows:
-        m = _LADDER_NAME.match(r.get("workload", ""))
-        if m and r.get("status") == "ok" and r.get("graph_ms"):
-            ctx = int(m["ctx"]) * (1024 if m["k"] else 1)
-            pts.append((m["layer"], int(m["bs"]), ctx, label_of(r), r["graph_ms"], r.get("effective_tflops")))
+        parsed = wl.parse_canvas_name(r.get("workload", ""))
+        if parsed and r.get("status") == "ok" and r.get("graph_ms"):
+            bs, ctx, layer = parsed
+            pts.append((layer, bs, ctx, label_of(r), r["graph_ms"], r.get("effective_tflops")))
     if not pts:
         return []
     bs_vals, ctx_vals = {p[1] for p in pts}, {p[2] for p in pts}
@@ -476,13 +480,8 @@ def plot_ladder(rows: list[dict], out_dir: Path, stem: str) -> list[Path]:
         axis, xi, xlabel = "context", 2, f"context tokens ({next(iter(bs_vals))} canvas(es) of 256)"
     else:
         return []
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        common.log("matplotlib missing: no plots")
+    plt = _pyplot()
+    if plt is None:
         return []
     paths = []
     for layer in dict.fromkeys(p[0] for p in pts):

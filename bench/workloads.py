@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -165,6 +166,18 @@ def named_workloads(quick: bool = False, small: bool = False) -> list[Workload]:
 
 def _k(n: int) -> str:
     return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
+_CANVAS_NAME = re.compile(r"^canvas_bs(?P<bs>\d+)_ctx(?P<ctx>\d+)(?P<k>k?)_(?P<layer>\w+)$")
+
+
+def parse_canvas_name(name: str) -> tuple[int, int, str] | None:
+    """``(canvases, context tokens, layer)`` of a ladder / canvas workload name ``canvas_bs{n}_ctx{c}_{layer}``
+    (the inverse of the names built here), else None."""
+    m = _CANVAS_NAME.match(name)
+    if m is None:
+        return None
+    return int(m["bs"]), int(m["ctx"]) * (1024 if m["k"] else 1), m["layer"]
 
 
 def batch_ladder(layers: Sequence[str] = ("sliding", "global", "hd128"), ctx: int = 8192,
