@@ -83,22 +83,17 @@ def _philox4x32_10(c0, c1, c2, c3, k0, k1):
 
 
 @triton.jit
-def _random_ids_kernel(seed_ptr, rid_ptr, cidx_ptr, step_ptr, out_ptr, CL, V,
-                       STREAM: tl.constexpr, BLOCK: tl.constexpr):
-    """Grid (N, cdiv(CL, BLOCK)): out[n, p] = blockdiff.sampler.rng.random_ids(...)[n, p] for a per-position
-    stream: words 0, 1 of Philox(key(seed), (0, p | stream << 16 | step << 18, rid lo, rid hi16 | cidx << 16)),
-    id = floor((w0 | w1 << 32) * V / 2**64) exactly, in 32-bit limbs (umulhi + carry)."""
-    n = tl.program_id(0)
-    p = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    pmask = p < CL
-    seed = tl.load(seed_ptr + n).to(tl.int64)
-    rid = tl.load(rid_ptr + n).to(tl.int64)
-    cidx = tl.load(cidx_ptr + n).to(tl.int64)
-    step = tl.load(step_ptr + n).to(tl.int64)
-    zero = tl.zeros((BLOCK,), tl.uint32)
+def _position_ids(seed, rid, cidx, step, p, V, STREAM: tl.constexpr):
+    """Random ids of a per-position stream (blockdiff.sampler.rng.random_ids) of one row at positions ``p``.
+
+    seed, rid, cidx, step: int64 scalars of the row; p: int64 [B] positions (any order); returns int64 [B]: words
+    0, 1 of Philox(key(seed), (0, p | stream << 16 | step << 18, rid lo, rid hi16 | cidx << 16)),
+    id = floor((w0 | w1 << 32) * V / 2**64) exactly, in 32-bit limbs (umulhi + carry).
+    """
+    zero = (p * 0).to(tl.uint32)
     k0 = (seed & 0xFFFFFFFF).to(tl.uint32) + zero
     k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32) + zero
-    c1 = ((p.to(tl.int64) & 0xFFFF) | (STREAM << 16) | ((step & 16383) << 18)).to(tl.uint32)
+    c1 = ((p & 0xFFFF) | (STREAM << 16) | ((step & 16383) << 18)).to(tl.uint32)
     c2 = (rid & 0xFFFFFFFF).to(tl.uint32) + zero
     c3 = (((rid >> 32) & 0xFFFF) | ((cidx & 0xFFFF) << 16)).to(tl.uint32) + zero
     w0, w1, _, _ = _philox4x32_10(zero, c1, c2, c3, k0, k1)
@@ -108,7 +103,23 @@ def _random_ids_kernel(seed_ptr, rid_ptr, cidx_ptr, step_ptr, out_ptr, CL, V,
     b_hi = tl.umulhi(w1, v)
     lo = b_lo + a_hi
     ids = b_hi + (lo < b_lo).to(tl.uint32)       # carry of the low word
-    tl.store(out_ptr + n.to(tl.int64) * CL + p, ids.to(tl.int64), mask=pmask)
+    return ids.to(tl.int64)
+
+
+@triton.jit
+def _random_ids_kernel(seed_ptr, rid_ptr, cidx_ptr, step_ptr, out_ptr, CL, V,
+                       STREAM: tl.constexpr, BLOCK: tl.constexpr):
+    """Grid (N, cdiv(CL, BLOCK)): out[n, p] = blockdiff.sampler.rng.random_ids(...)[n, p] for a per-position
+    stream (:func:`_position_ids`)."""
+    n = tl.program_id(0)
+    p = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    pmask = p < CL
+    seed = tl.load(seed_ptr + n).to(tl.int64)
+    rid = tl.load(rid_ptr + n).to(tl.int64)
+    cidx = tl.load(cidx_ptr + n).to(tl.int64)
+    step = tl.load(step_ptr + n).to(tl.int64)
+    ids = _position_ids(seed, rid, cidx, step, p.to(tl.int64), V, STREAM)
+    tl.store(out_ptr + n.to(tl.int64) * CL + p, ids, mask=pmask)
 
 
 @triton.jit
@@ -250,6 +261,72 @@ def _stats_kernel(
     tl.store(stats_i_ptr + o * 3 + 0, best_i, mask=pvalid)
     tl.store(stats_i_ptr + o * 3 + 1, gbest_i, mask=pvalid)
     tl.store(stats_i_ptr + o * 3 + 2, bad, mask=pvalid)
+
+
+@triton.jit
+def _stats_merge_kernel(
+    stats_f_ptr, stats_i_ptr, t_ptr, active_ptr,
+    m_ptr, inv_s_ptr, h_ptr, hstep_ptr, amax_ptr, gamax_ptr, sampled_ptr, bad_ptr,
+    R, CL,
+    SPLIT_V: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """Grid (cdiv(N * CL, BLOCK_R),): merge the SPLIT_V vocabulary splits of :func:`_stats_kernel` per position
+    (tile [BLOCK_R positions, BLOCK_S >= SPLIT_V splits]) and write the [N, CL] results of :func:`row_stats`.
+
+    ``M = max_k m_k``, ``a_k = exp(m_k - M)``, ``s = sum_k a_k s_k``, ``u = sum_k a_k (u_k + (m_k - M) s_k)`` (the
+    formula of the former torch merge; the sum over splits is a tree here, float32 rounding level),
+    ``H = log s - u / s`` (NaN where a logit is non-finite), ``inv_s = 1 / s`` (IEEE divisions, as torch); argmax
+    and Gumbel argmax: the id of the first split holding the maximum (splits are in increasing id order; the
+    maxima are never NaN: a lane only takes ``z > best``), exact. Step inputs besides: ``hstep`` = H, except
+    greedy rows (T = 0): 0, NaN where bad (ARCHITECTURE.md step 8); ``sampled`` = Gumbel argmax, greedy rows:
+    argmax. Rows of inactive requests (their stats were never written) get zeros.
+    """
+    pid = tl.program_id(0)
+    r = pid * BLOCK_R + tl.arange(0, BLOCK_R)                       # [R] flat positions
+    rmask = r < R
+    n = r // CL
+    act = tl.load(active_ptr + n, mask=rmask, other=0) != 0
+    valid = rmask & act
+    T = tl.load(t_ptr + n, mask=rmask, other=1.0)
+    k = tl.arange(0, BLOCK_S)
+    v2 = valid[:, None] & (k < SPLIT_V)[None, :]                    # [R, S]
+    o = r.to(tl.int64)[:, None] * SPLIT_V + k[None, :]
+    m_k = tl.load(stats_f_ptr + o * 5 + 0, mask=v2, other=-float("inf"))
+    s_k = tl.load(stats_f_ptr + o * 5 + 1, mask=v2, other=0.0)
+    u_k = tl.load(stats_f_ptr + o * 5 + 2, mask=v2, other=0.0)
+    best_k = tl.load(stats_f_ptr + o * 5 + 3, mask=v2, other=-float("inf"))
+    gbest_k = tl.load(stats_f_ptr + o * 5 + 4, mask=v2, other=-float("inf"))
+    i_k = tl.load(stats_i_ptr + o * 3 + 0, mask=v2, other=0)
+    gi_k = tl.load(stats_i_ptr + o * 3 + 1, mask=v2, other=0)
+    bad_k = tl.load(stats_i_ptr + o * 3 + 2, mask=v2, other=0)
+
+    m = tl.max(m_k, 1)
+    d = m_k - m[:, None]
+    a = tl.exp(d)
+    s = tl.sum(tl.where(v2, a * s_k, 0.0), 1)
+    u = tl.sum(tl.where(v2, a * (u_k + d * s_k), 0.0), 1)
+    s = tl.where(valid, s, 1.0)                                     # rows not computed: no log(0) / 0 / 0
+    h = tl.log(s) - tl.math.div_rn(u, s)
+    bmax = tl.max(best_k, 1)
+    ksel = tl.min(tl.where(v2 & (best_k == bmax[:, None]), k[None, :], BLOCK_S), 1)
+    amax = tl.sum(tl.where(k[None, :] == ksel[:, None], i_k, 0), 1).to(tl.int64)
+    gmax = tl.max(gbest_k, 1)
+    gsel = tl.min(tl.where(v2 & (gbest_k == gmax[:, None]), k[None, :], BLOCK_S), 1)
+    gamax = tl.sum(tl.where(k[None, :] == gsel[:, None], gi_k, 0), 1).to(tl.int64)
+    bad = tl.max(bad_k, 1) != 0
+    h = tl.where(bad, float("nan"), h)
+    greedy = T == 0.0
+    hstep = tl.where(greedy, tl.where(bad, float("nan"), 0.0), h)
+    sampled = tl.where(greedy, amax, gamax)
+
+    tl.store(m_ptr + r, tl.where(valid, m, 0.0), mask=rmask)
+    tl.store(inv_s_ptr + r, tl.where(valid, tl.math.div_rn(1.0, s), 0.0), mask=rmask)
+    tl.store(h_ptr + r, tl.where(valid, h, 0.0), mask=rmask)
+    tl.store(hstep_ptr + r, tl.where(valid, hstep, 0.0), mask=rmask)
+    tl.store(amax_ptr + r, tl.where(valid, amax, 0), mask=rmask)
+    tl.store(gamax_ptr + r, tl.where(valid, gamax, 0), mask=rmask)
+    tl.store(sampled_ptr + r, tl.where(valid, sampled, 0), mask=rmask)
+    tl.store(bad_ptr + r, (valid & bad).to(tl.uint8), mask=rmask)
 
 
 @triton.jit
@@ -549,8 +626,13 @@ def row_stats(logits: torch.Tensor, T: torch.Tensor, seed: torch.Tensor, request
     Returns:
         dict of [N, CL] tensors: ``m`` (max z) and ``inv_s`` (1 / sum exp(z - m)) float32, ``entropy`` float32
         nats (NaN where a logit is non-finite), ``argmax``/``gumbel_argmax`` int64, ``bad`` bool. Values of
-        inactive rows are undefined, and so is ``gumbel_argmax`` of greedy rows (T = 0: a program whose rows are
-        all greedy skips the Gumbel pass; the step uses ``argmax`` there).
+        inactive rows are undefined (zeros today), and so is ``gumbel_argmax`` of greedy rows (T = 0: a program
+        whose rows are all greedy skips the Gumbel pass; the step uses ``argmax`` there). What the step decides
+        on besides: ``step_entropy`` float32 (``entropy``; greedy rows: 0, NaN where bad) and ``sampled`` int64
+        (``gumbel_argmax``; greedy rows: ``argmax``).
+
+    Two launches: :func:`_stats_kernel` (per position and vocabulary split) and :func:`_stats_merge_kernel` (the
+    splits merged per position; was ~25 small torch ops).
     """
     N, CL, V = logits.shape
     if logits.stride(-1) != 1:
@@ -571,22 +653,18 @@ def row_stats(logits: torch.Tensor, T: torch.Tensor, seed: torch.Tensor, request
             CHUNK=chunk, SPLIT_V=split_v, BLOCK_P=cfg.block_p, BLOCK_G=cfg.block_g, LOAD_STAGES=cfg.stats_stages,
             num_warps=cfg.stats_warps,
         )
-    sf = sf.view(N, CL, split_v, 5)
-    si = si.view(N, CL, split_v, 3)
-    m_k, s_k, u_k, best_k, gbest_k = sf.unbind(-1)
-    m = m_k.max(-1).values
-    a = torch.exp(m_k - m[..., None])
-    s = (a * s_k).sum(-1)
-    u = (a * (u_k + (m_k - m[..., None]) * s_k)).sum(-1)
-    entropy = torch.log(s) - u / s
-    # argmax merge: the first split holding the maximum (splits are in increasing id order)
-    ksel = best_k.argmax(-1, keepdim=True)
-    argmax = si[..., 0].gather(-1, ksel).squeeze(-1).to(torch.int64)
-    gsel = gbest_k.argmax(-1, keepdim=True)
-    gumbel_argmax = si[..., 1].gather(-1, gsel).squeeze(-1).to(torch.int64)
-    bad = si[..., 2].amax(-1) != 0
-    entropy = torch.where(bad, float("nan"), entropy)
-    return dict(m=m, inv_s=1.0 / s, entropy=entropy, argmax=argmax, gumbel_argmax=gumbel_argmax, bad=bad)
+    # the [N, CL] results in two buffers (one allocation per dtype): f32 m, inv_s, entropy, step_entropy;
+    # i64 argmax, gumbel_argmax, sampled
+    f = torch.empty(4, N, CL, dtype=torch.float32, device=dev)
+    i = torch.empty(3, N, CL, dtype=torch.int64, device=dev)
+    bad = torch.empty(N, CL, dtype=torch.bool, device=dev)
+    if N * CL > 0:
+        block_r = 128 if logits.is_cuda else min(256, triton.next_power_of_2(N * CL))
+        _stats_merge_kernel[(triton.cdiv(N * CL, block_r),)](
+            sf, si, T.contiguous(), act, f[0], f[1], f[2], f[3], i[0], i[1], i[2], bad.view(torch.uint8),
+            N * CL, CL, SPLIT_V=split_v, BLOCK_S=triton.next_power_of_2(split_v), BLOCK_R=block_r, num_warps=4)
+    return dict(m=f[0], inv_s=f[1], entropy=f[2], argmax=i[0], gumbel_argmax=i[1], bad=bad, step_entropy=f[3],
+                sampled=i[2])
 
 
 def row_moments(logits: torch.Tensor, T: torch.Tensor, active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
