@@ -19,7 +19,8 @@ import torch
 from . import rng
 from .state import COMMIT, DENOISE, FAILED, FINISHED, PREFILL, SamplerState, StepOutput
 
-__all__ = ["check_step_args", "temperature", "DenoiseResult", "apply_step", "fresh_canvas", "accept_by_entropy"]
+__all__ = ["check_step_args", "temperature", "DenoiseResult", "apply_step", "fresh_canvas", "accept_by_entropy",
+           "entropy_order"]
 
 
 def check_step_args(state: SamplerState, slots: torch.Tensor, logits: torch.Tensor, prefill_done: torch.Tensor,
@@ -70,6 +71,18 @@ def temperature(state: SamplerState, slots: torch.Tensor) -> torch.Tensor:
     return t_min + ((t_max - t_min) * (S - s).to(torch.float32)) / S.to(torch.float32)
 
 
+def entropy_order(entropy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The sort and running sum that :func:`accept_by_entropy` decides on: ``(sorted_h, order, cum)``.
+
+    ``sorted_h`` float32 [N, CL] (entropies ascending, NaN last), ``order`` int64 [N, CL] (a permutation of the
+    positions: stable sort, ties by position), ``cum`` float32 [N, CL] (inclusive cumsum of ``sorted_h``). The
+    float32 summation order of ``cum`` defines the decisions, so every backend takes it from here (the Triton
+    backend compares ``cum - sorted_h <= bound`` in its step kernel instead of the torch ops below).
+    """
+    sorted_h, order = torch.sort(entropy, dim=-1, stable=True)
+    return sorted_h, order, torch.cumsum(sorted_h, dim=-1)
+
+
 def accept_by_entropy(entropy: torch.Tensor, entropy_bound: torch.Tensor) -> torch.Tensor:
     """Entropy-bound acceptance (ARCHITECTURE.md step 4; arXiv:2505.24857), bool [N, CL].
 
@@ -80,8 +93,7 @@ def accept_by_entropy(entropy: torch.Tensor, entropy_bound: torch.Tensor) -> tor
     Args:
         entropy: float32 [N, CL] nats. entropy_bound: float32 [N] nats.
     """
-    sorted_h, order = torch.sort(entropy, dim=-1, stable=True)
-    cum = torch.cumsum(sorted_h, dim=-1)
+    sorted_h, order, cum = entropy_order(entropy)
     sel = (cum - sorted_h) <= entropy_bound[:, None]
     sel &= ~torch.isnan(sorted_h)
     return torch.zeros_like(sel).scatter(-1, order, sel)
