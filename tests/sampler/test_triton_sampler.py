@@ -524,14 +524,34 @@ build(ts._moments_kernel,
       {"x_ptr": "*fp32", "stride_xn": "i64", "stride_xp": "i64", "t_ptr": "*fp32", "active_ptr": "*i32",
        "m_ptr": "*fp32", "inv_s_ptr": "*fp32", "R": "i32", "CL": "i32", "V": "i32"},
       dict(NUM_TILES=V // 2048, BLOCK_V=2048), num_warps=4)
+merge_sig = {"stats_f_ptr": "*fp32", "stats_i_ptr": "*i32", "t_ptr": "*fp32", "active_ptr": "*i32", "m_ptr": "*fp32",
+             "inv_s_ptr": "*fp32", "h_ptr": "*fp32", "hstep_ptr": "*fp32", "amax_ptr": "*i64", "gamax_ptr": "*i64",
+             "sampled_ptr": "*i64", "bad_ptr": "*u8", "R": "i32", "CL": "i32"}
+for split_v in (1, 3, 8):
+    build(ts._stats_merge_kernel, merge_sig,
+          dict(SPLIT_V=split_v, BLOCK_S=triton.next_power_of_2(split_v), BLOCK_R=128), num_warps=4)
+step_sig = {"slots_ptr": "*i64", "pd_ptr": "*u8", "t_ptr": "*fp32", "h_ptr": "*fp32", "amax_ptr": "*i64",
+            "sampled_ptr": "*i64", "sorted_h_ptr": "*fp32", "order_ptr": "*i64", "cum_ptr": "*fp32",
+            "phase_ptr": "*i32", "canvas_ptr": "*i64", "commit_ptr": "*i64", "prev_ptr": "*i64", "stable_ptr": "*i32",
+            "step_ptr": "*i32", "cidx_ptr": "*i32", "nemit_ptr": "*i64", "seed_ptr": "*i64", "rid_ptr": "*i64",
+            "bound_ptr": "*fp32", "conf_ptr": "*fp32", "max_steps_ptr": "*i32", "k_ptr": "*i32", "eos_ptr": "*i64",
+            "stride_eos": "i32", "max_tok_ptr": "*i64", "o_emitted": "*i64", "o_argmax": "*i64", "o_sampled": "*i64",
+            "o_next": "*i64", "o_accepted": "*u8", "o_entropy": "*fp32", "o_num_sampled": "*i32",
+            "o_num_rejected": "*i32", "o_num_now": "*i32", "o_finished": "*u8", "o_failed": "*u8",
+            "o_converged": "*u8", "o_mean": "*fp32", "o_temp": "*fp32", "o_cont": "*i32", "o_mode": "*i32",
+            "CL": "i32", "CLF": "fp32", "V": "i32", "E": "i32"}
+build(ts._step_kernel, step_sig, dict(BLOCK=256, BLOCK_E=8), num_warps=4)
+# CL = V = E = stride = 1: Triton specialises int arguments equal to 1 into constants (the kernel must compile so)
+build(ts._step_kernel, step_sig, dict(stride_eos=1, CL=1, V=1, E=1, BLOCK=1, BLOCK_E=1), num_warps=1)
 print("COMPILED")
 """
 
 
 def test_streaming_sampler_kernels_compile_for_sm90a_on_the_cpu():
-    """The stats kernel (with its greedy branch), the chunked soft embedding's P kernel and row_moments' kernel
-    compile to PTX for sm_90a with the H200 launch parameters (no GPU needed; a subprocess without
-    TRITON_INTERPRET): code the interpreter runs but the GPU compiler might reject is caught in CI."""
+    """The stats kernel (with its greedy branch), its split merge, the step kernel (also with the arguments Triton
+    specialises to constants), the chunked soft embedding's P kernel and row_moments' kernel compile to PTX for
+    sm_90a with the H200 launch parameters (no GPU needed; a subprocess without TRITON_INTERPRET): code the
+    interpreter runs but the GPU compiler might reject is caught in CI."""
     import os
     import subprocess
     import sys
