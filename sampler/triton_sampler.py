@@ -14,20 +14,20 @@ of which syncs with the host, so a whole step is capturable in a CUDA graph (gri
     block-wide reduction. Lanes are merged once at the end (``s = sum_l e^(m_l - M) s_l``, ``u = sum_l e^(m_l - M)
     (u_l + (m_l - M) s_l)``, argmax = lowest id among the lanes holding the maximum), vocabulary splits (small
     batches) the same way in :func:`_stats_merge_kernel` (grid over positions); ``H = log s - u / s`` nats
-    (= ``-sum p log p``). Rows not in DENOISE are never
-    read. A program whose rows are all greedy (T = 0; on the GPU a program is one position) runs the loop without
-    Philox, the logs and the division (its Gumbel sample is never used; z = x / 1 = x): H200 sampler_n4 (one
-    greedy request of four) stats 1.03 ms, was 1.24 ms.
+    (= ``-sum p log p``). Rows not in DENOISE are never read. A program whose rows are all greedy (T = 0; on the
+    GPU a program is one position) runs the loop without Philox, the logs and the division (its Gumbel sample is
+    never used; z = x / 1 = x): H200 sampler_n4 (one greedy request of four) stats 1.03 ms, was 1.24 ms. The row
+    coordinates it reads (active, seed, request id, canvas index, step) come from :func:`_gather_rows_kernel`.
 (b) Decisions and bookkeeping — the stable sort by entropy and its float32 cumsum in torch
     (:func:`blockdiff.sampler.common.entropy_order`, shared with the reference: its summation order defines the
     decisions), then ONE :func:`_step_kernel` launch, grid (N,): the inclusive bound, renoise / fresh-canvas ids
     (Philox, bit for bit :mod:`blockdiff.sampler.rng`), argmax stability, convergence and every transition of
     :func:`blockdiff.sampler.common.apply_step` (EOS trimming, max_tokens, counters, phases), written in place into
-    the state rows and into preallocated StepOutput buffers. With :func:`_stats_merge_kernel` this replaces ~160
-    small torch ops per step (CPU profiler count, N = 4; ~0.19 ms of the 3.64 ms H200 step); ~20 remain (the row
-    gathers, :func:`~blockdiff.sampler.common.temperature`, the sort and the cumsum). The reference still runs the
-    torch code, and the tests compare every decision and state field with it, so given equal entropies the
-    decisions are identical.
+    the state rows and into preallocated StepOutput buffers. With the merge and gather kernels this replaces ~170
+    small torch ops per step (CPU profiler count, N = 4; ~0.19 ms of the 3.64 ms H200 step); ~14 remain: the 11
+    of :func:`~blockdiff.sampler.common.temperature` (kept in torch: bit-identical across backends), the sort, the
+    cumsum and the soft embedding's int32 cast of argmax. The reference still runs the torch code, and the tests
+    compare every decision and state field with it, so given equal entropies the decisions are identical.
 (c) :func:`_soft_embedding_kernel` — ``soft = softmax(z) @ E * sqrt(hidden)`` as a split-K GEMM over the
     vocabulary, M = N * CL positions, N = hidden. Its A operand ``exp2((x / T - m) * log2e) / s`` is computed
     on the fly from the fp32 logits with the row stats of (a) (an IEEE division, a subtraction, ex2 and a mul per
@@ -343,6 +343,22 @@ _DENOISE = tl.constexpr(DENOISE)
 _COMMIT = tl.constexpr(COMMIT)
 _FINISHED = tl.constexpr(FINISHED)
 _FAILED = tl.constexpr(FAILED)
+
+
+@triton.jit
+def _gather_rows_kernel(slots_ptr, phase_ptr, seed_ptr, rid_ptr, cidx_ptr, step_ptr,
+                        o_active, o_seed, o_rid, o_cidx, o_step, N, BLOCK: tl.constexpr):
+    """Grid (cdiv(N, BLOCK),): the per-row inputs of the stats pass from the state rows ``slots`` in one launch
+    (were five index ops, a compare and a cast): active = (phase == DENOISE) int32, seed / request_id int64,
+    canvas_index / step int32."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    msk = i < N
+    slot = tl.load(slots_ptr + i, mask=msk, other=0)
+    tl.store(o_active + i, (tl.load(phase_ptr + slot, mask=msk, other=0) == _DENOISE).to(tl.int32), mask=msk)
+    tl.store(o_seed + i, tl.load(seed_ptr + slot, mask=msk, other=0), mask=msk)
+    tl.store(o_rid + i, tl.load(rid_ptr + slot, mask=msk, other=0), mask=msk)
+    tl.store(o_cidx + i, tl.load(cidx_ptr + slot, mask=msk, other=0), mask=msk)
+    tl.store(o_step + i, tl.load(step_ptr + slot, mask=msk, other=0), mask=msk)
 
 
 @triton.jit
@@ -950,6 +966,20 @@ def _write_soft(state: SamplerState, slots: torch.Tensor, ws: torch.Tensor, mode
         )
 
 
+def _gather_rows(state: SamplerState, slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``(active, seed, request_id, canvas_index, step)`` of the rows ``slots`` ([N]; active = phase is DENOISE,
+    int32; seed / request_id int64; canvas_index / step int32) in one launch of :func:`_gather_rows_kernel`."""
+    N = slots.shape[0]
+    i64 = torch.empty(2, N, dtype=torch.int64, device=state.device)
+    i32 = torch.empty(3, N, dtype=torch.int32, device=state.device)
+    if N > 0:
+        block = min(1024, triton.next_power_of_2(N))
+        _gather_rows_kernel[(triton.cdiv(N, block),)](
+            slots.contiguous(), state.phase, state.seed, state.request_id, state.canvas_index, state.step,
+            i32[0], i64[0], i64[1], i32[1], i32[2], N, BLOCK=block, num_warps=1)
+    return i32[0], i64[0], i64[1], i32[1], i32[2]
+
+
 def _apply_step(state: SamplerState, slots: torch.Tensor, prefill_done: torch.Tensor, T: torch.Tensor,
                 st: dict) -> tuple[StepOutput, torch.Tensor, torch.Tensor]:
     """Stage (b): the entropy sort (torch) and :func:`_step_kernel` (one launch, grid (N,)).
@@ -1010,9 +1040,7 @@ def sampler_step(state: SamplerState, slots: torch.Tensor, logits: torch.Tensor,
         ValueError: ``config.stats_overlap`` where the soft embedding resolves to the Triton GEMM path.
     """
     check_step_args(state, slots, logits, prefill_done, embedding)
-    is_den = state.phase[slots] == DENOISE
-    seed, rid = state.seed[slots], state.request_id[slots]
-    cidx, step = state.canvas_index[slots], state.step[slots]
+    is_den, seed, rid, cidx, step = _gather_rows(state, slots)      # is_den: int32 (1 = DENOISE)
     T = temperature(state, slots)
 
     cfg = config or SamplerConfig()

@@ -541,6 +541,10 @@ step_sig = {"slots_ptr": "*i64", "pd_ptr": "*u8", "t_ptr": "*fp32", "h_ptr": "*f
             "o_converged": "*u8", "o_mean": "*fp32", "o_temp": "*fp32", "o_cont": "*i32", "o_mode": "*i32",
             "CL": "i32", "CLF": "fp32", "V": "i32", "E": "i32"}
 build(ts._step_kernel, step_sig, dict(BLOCK=256, BLOCK_E=8), num_warps=4)
+build(ts._gather_rows_kernel,
+      {"slots_ptr": "*i64", "phase_ptr": "*i32", "seed_ptr": "*i64", "rid_ptr": "*i64", "cidx_ptr": "*i32",
+       "step_ptr": "*i32", "o_active": "*i32", "o_seed": "*i64", "o_rid": "*i64", "o_cidx": "*i32", "o_step": "*i32",
+       "N": "i32"}, dict(BLOCK=4), num_warps=1)
 # CL = V = E = stride = 1: Triton specialises int arguments equal to 1 into constants (the kernel must compile so)
 build(ts._step_kernel, step_sig, dict(stride_eos=1, CL=1, V=1, E=1, BLOCK=1, BLOCK_E=1), num_warps=1)
 print("COMPILED")
@@ -548,10 +552,10 @@ print("COMPILED")
 
 
 def test_streaming_sampler_kernels_compile_for_sm90a_on_the_cpu():
-    """The stats kernel (with its greedy branch), its split merge, the step kernel (also with the arguments Triton
-    specialises to constants), the chunked soft embedding's P kernel and row_moments' kernel compile to PTX for
-    sm_90a with the H200 launch parameters (no GPU needed; a subprocess without TRITON_INTERPRET): code the
-    interpreter runs but the GPU compiler might reject is caught in CI."""
+    """The stats kernel (with its greedy branch), its row gather and split merge, the step kernel (also with the
+    arguments Triton specialises to constants), the chunked soft embedding's P kernel and row_moments' kernel
+    compile to PTX for sm_90a with the H200 launch parameters (no GPU needed; a subprocess without
+    TRITON_INTERPRET): code the interpreter runs but the GPU compiler might reject is caught in CI."""
     import os
     import subprocess
     import sys
