@@ -514,7 +514,14 @@ build(ts._stats_kernel,
       {"x_ptr": "*fp32", "stride_xn": "i64", "stride_xp": "i64", "t_ptr": "*fp32", "seed_ptr": "*i64",
        "rid_ptr": "*i64", "cidx_ptr": "*i64", "step_ptr": "*i64", "active_ptr": "*i32", "stats_f_ptr": "*fp32",
        "stats_i_ptr": "*i32", "R": "i32", "CL": "i32", "V": "i32"},
-      dict(CHUNK=V, SPLIT_V=1, BLOCK_P=1, BLOCK_G=256, LOAD_STAGES=3), num_warps=4, num_stages=3)
+      dict(CHUNK=V, SPLIT_V=1, BLOCK_P=1, BLOCK_G=256, LOAD_STAGES=3, MASKED=False, FAST_LOG=1),
+      num_warps=4, num_stages=3)
+build(ts._stats_kernel,
+      {"x_ptr": "*fp32", "stride_xn": "i64", "stride_xp": "i64", "t_ptr": "*fp32", "seed_ptr": "*i64",
+       "rid_ptr": "*i64", "cidx_ptr": "*i64", "step_ptr": "*i64", "active_ptr": "*i32", "stats_f_ptr": "*fp32",
+       "stats_i_ptr": "*i32", "R": "i32", "CL": "i32", "V": "i32"},
+      dict(CHUNK=33792, SPLIT_V=3, BLOCK_P=1, BLOCK_G=256, LOAD_STAGES=3, MASKED=True, FAST_LOG=1),
+      num_warps=4, num_stages=3)
 build(sc._prob_chunk_kernel,
       {"x_ptr": "*fp32", "stride_xn": "i64", "stride_xp": "i64", "p_ptr": "*bf16", "t_ptr": "*fp32",
        "active_ptr": "*i32", "m_ptr": "*fp32", "inv_s_ptr": "*fp32", "amax_ptr": "*i32", "M": "i32", "CL": "i32",
