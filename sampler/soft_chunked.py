@@ -51,6 +51,12 @@ torch.compile's 7.350 / 7.321 ms in the same runs: 0.501x / 0.498x. ``SamplerCon
 measured 3.88 / 3.87 ms: no overlap happens, since cuBLAS's GEMMs hold every SM (an SM carveout of 16 or 33 SMs
 for the GEMMs changed nothing: 3.88 / 3.89 ms), so the pre-pass is pure cost. It stays off.
 
+Latest (H200, bench/results/sampler-h200.json at 857ded9): with the bookkeeping in one Triton step kernel (260 ->
+56 kernels per step) and the stats pass's exact Gumbel prefilter (stats 0.80 ms), the default step is 3.335 ms
+against torch.compile's 7.352 ms: 0.454x. Of it, the 16 cuBLAS GEMMs take 1.95 ms (~775 TFLOP/s) and the 16 P
+chunks 0.42 ms (~3.8 TB/s of logits read + P written): both at their ceilings, so what is left is the second
+read of the logits (the P pass needs the final row max) and the stats pass's ALU work.
+
 Measured (H200, torch 2.11.0+cu130, triton 3.6, bench_sampler sampler_n4, CUDA-graph medians, same run):
 soft part alone 2.49-2.53 ms (~600 TFLOP/s effective) vs 4.67 ms for the split-K Triton GEMM (after its wgmma-wait fix);
 full step fused[chunked] 3.86-3.94 ms vs fused (triton_gemm) 5.86 ms; extra memory 45.2 MB (<= 64 MiB). Against the
