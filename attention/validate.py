@@ -175,10 +175,11 @@ def check_attention_inputs(
 
     if (causal is None) == (num_causal_q is None):
         raise ValueError("give exactly one of causal ([B] bool) or num_causal_q ([B] int32)")
-    q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
     if causal is not None:
         _check_b("causal", causal, (torch.bool,))
-        ncq = torch.where(causal, q_lens, torch.zeros_like(q_lens))
+        # two small device ops per call: a caller that attends many layers with the same batch passes
+        # num_causal_q (computed once per step) instead
+        ncq = torch.where(causal, cu_seqlens_q[1:] - cu_seqlens_q[:-1], 0)
     else:
         _check_b("num_causal_q", num_causal_q)
         ncq = num_causal_q

@@ -18,7 +18,8 @@ Backends (one row per workload, backend and configuration; all measured in the s
              paged cache (page_table + seqused_k) and/or contiguous K/V (cu_seqlens_k). Skipped with a reason
              when not importable, for hd > 256, and for the prefix window (not expressible as a FA window).
   triton,    blockdiff.attention.attention(backend=...) on the paged cache; skipped with a reason when the
-  cute       backend is missing or raises NotImplementedError.
+  cute       backend is missing or raises NotImplementedError. The per-sequence flags are passed as
+             ``num_causal_q`` built once outside the timing (a step's metadata, shared by all layers).
   reference  blockdiff.attention's dense reference (``--quick`` only).
 
 Before timing, each backend's output is checked (isfinite; max abs error <= 2x that of the same-dtype eager
@@ -308,6 +309,11 @@ def make_blockdiff(batch: wl.Batch, args, backend: str, config: dict | None = No
     w = batch.workload
     out = torch.empty(w.total_q, w.num_heads, w.head_dim_v, dtype=batch.q.dtype, device=batch.q.device)
     kwargs = batch.attn_kwargs()
+    if "causal" in kwargs:
+        # per-step metadata built once outside the timing, as a serving engine builds it once per step for all
+        # layers (and as FA4's q is pre-split by flag outside its timing): the flags as causal row counts
+        cu = kwargs["cu_seqlens_q"]
+        kwargs["num_causal_q"] = torch.where(kwargs.pop("causal"), cu[1:] - cu[:-1], 0).to(torch.int32)
     if config is not None:
         kwargs[triton_config_kwarg()] = config
     info = {"config": config} if config else {}

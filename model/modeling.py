@@ -264,6 +264,10 @@ class DiffusionGemma(nn.Module):
         cs = {lt: rope_cos_sin(positions, self._device_inv_freq(lt, positions.device), dtype)
               for lt in self._inv_freq}
         attn_kwargs = meta.attn_kwargs()
+        if "causal" in attn_kwargs:
+            # the causal flags as row counts once per forward pass, not once per layer inside attention()
+            cu = meta.cu_seqlens_q
+            attn_kwargs["num_causal_q"] = torch.where(attn_kwargs.pop("causal").to(torch.bool), cu[1:] - cu[:-1], 0)
         # The per-step metadata are the same for every layer: their host-side value checks (syncs) run once per
         # cache geometry (num_blocks, page_size), not once per layer; shape checks still run on every call.
         checked = set()
