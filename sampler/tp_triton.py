@@ -64,7 +64,7 @@ def _shard_stats_kernel(
     lo = tl.maximum(start, VS)
     hi = tl.minimum(VE, start + CHUNK)
 
-    m = -3.0e38
+    m = -3.4028234663852886e38                                   # lowest finite float32: <= every finite z
     s = 0.0
     u = 0.0
     best = -float("inf")
@@ -85,7 +85,8 @@ def _shard_stats_kernel(
         a = tl.exp(m - m_new)
         e = tl.exp(z - m_new)
         ez = tl.where(e > 0.0, e * (z - m_new), 0.0)              # p = 0 adds nothing (z = -inf: 0 * -inf)
-        u = a * (u + (m - m_new) * s) + tl.sum(tl.sum(ez, 1), 0)
+        # a = 0 adds nothing (m - m_new may overflow to -inf for finite m: -inf * s would be NaN)
+        u = tl.where(a > 0.0, a * (u + (m - m_new) * s), 0.0) + tl.sum(tl.sum(ez, 1), 0)
         s = a * s + tl.sum(tl.sum(e, 1), 0)
         m = m_new
         ti = tl.min(tl.min(tl.where(z == tmax, tok, 2147483647), 1), 0)
@@ -161,7 +162,7 @@ def local_statistics_triton(logits: torch.Tensor, T: torch.Tensor, seed: torch.T
     m = m_k.max(-1).values
     a = torch.exp(m_k - m[..., None])
     s = (a * s_k).sum(-1)
-    u = (a * (u_k + (m_k - m[..., None]) * s_k)).sum(-1)
+    u = torch.where(a > 0, a * (u_k + (m_k - m[..., None]) * s_k), 0.0).sum(-1)   # a = 0: nothing (-inf * 0)
     ksel = best_k.argmax(-1, keepdim=True)                        # first split holding the max: lowest id
     argmax = si[..., 0].gather(-1, ksel).squeeze(-1).to(torch.int64)
     gsel = gbest_k.argmax(-1, keepdim=True)

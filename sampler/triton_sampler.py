@@ -141,6 +141,10 @@ def _random_ids_kernel(seed_ptr, rid_ptr, cidx_ptr, step_ptr, out_ptr, CL, V,
     tl.store(out_ptr + n.to(tl.int64) * CL + p, ids, mask=pmask)
 
 
+#: The lowest finite float32 (-3.4028235e38): the online softmax's initial max, <= every finite z (a larger start
+#: such as -3e38 would leave z below it out of the sums: s = 0, a NaN entropy on a valid row).
+_FLT_LOWEST = tl.constexpr(-3.4028234663852886e38)
+
 #: Gumbel prefilter constants (see :func:`_stats_tile`): ``u > 1 - 2**-11`` takes the bound GUMBEL_MAX_BOUND
 #: (>= the largest g, -log(-log(1 - 2**-24)) = 16.635); below it the fast bound is within ~1e-3 of g.
 GUMBEL_MAX_BOUND = tl.constexpr(16.7)
@@ -195,9 +199,12 @@ def _stats_tile(x, tok, mask, tdiv3, grp, c1, c2, c3, k0, k1,
     d = z - m                                                        # masked: -inf
     up = d > 0
     e = tl.exp(-tl.abs(d))
-    # e == 0 adds nothing (p log p -> 0): z = -inf (a -inf logit, a masked token or x / T overflowing) gives
-    # 0 * -inf = NaN
-    u = tl.where(up, e * (u - d * s), u + tl.where(e > 0.0, e * d, 0.0))
+    # e == 0 contributes nothing, in both directions (p log p -> 0): z = -inf (a -inf logit, a masked token or
+    # x / T overflowing) has d = -inf; a finite z far above m has d = +inf (every z > 0 against the initial max
+    # -FLT_MAX, and z - m > FLT_MAX later), where e * d * s would be 0 * inf = NaN and fail a valid row.
+    # ed = e d (0 where e = 0); up: u = e (u - d s) = e u - ed s.
+    ed = tl.where(e > 0.0, e * d, 0.0)
+    u = tl.where(up, e * u - ed * s, u + ed)
     s = tl.where(up, e * s + 1.0, s + e)
     m = tl.where(up, z, m)
     take = z > best
@@ -243,7 +250,7 @@ def _stats_loop(base, tdiv3, start, end, c1, c2, c3, k0, k1,
     # loop body has no block-wide reduction besides the prefilter's flag: each lane keeps its own online softmax
     # (m, s, u) with one exp per element, its first argmax of z and of z + g (a lane sees increasing token ids, so
     # strict > keeps the first).
-    m = tl.full((BLOCK_P, BLOCK_G, 4), -3.0e38, tl.float32)
+    m = tl.full((BLOCK_P, BLOCK_G, 4), _FLT_LOWEST, tl.float32)      # every finite z >= it
     s = tl.zeros((BLOCK_P, BLOCK_G, 4), tl.float32)
     u = tl.zeros((BLOCK_P, BLOCK_G, 4), tl.float32)
     best = tl.full((BLOCK_P, BLOCK_G, 4), -float("inf"), tl.float32)
@@ -329,7 +336,9 @@ def _stats_kernel(
     mrow = tl.max(tl.max(m, 2), 1)                                   # [P]
     a = tl.exp(m - mrow[:, None, None])
     srow = tl.sum(tl.sum(a * s, 2), 1)
-    urow = tl.sum(tl.sum(a * (u + (m - mrow[:, None, None]) * s), 2), 1)
+    # a = 0: the lane adds nothing (m - mrow may overflow to -inf: -inf * s would be NaN); a NaN lane (m = +inf)
+    # keeps srow NaN, so H stays NaN there
+    urow = tl.sum(tl.sum(tl.where(a > 0.0, a * (u + (m - mrow[:, None, None]) * s), 0.0), 2), 1)
     bmax = tl.max(tl.max(best, 2), 1)
     bidx = tl.min(tl.min(tl.where(best == bmax[:, None, None], best_i, 2147483647), 2), 1)
     gmax = tl.max(tl.max(gbest, 2), 1)
@@ -388,7 +397,7 @@ def _stats_merge_kernel(
     d = m_k - m[:, None]
     a = tl.exp(d)
     s = tl.sum(tl.where(v2, a * s_k, 0.0), 1)
-    u = tl.sum(tl.where(v2, a * (u_k + d * s_k), 0.0), 1)
+    u = tl.sum(tl.where(v2 & (a > 0.0), a * (u_k + d * s_k), 0.0), 1)   # a = 0: nothing (d = -inf: -inf * s_k)
     s = tl.where(valid, s, 1.0)                                     # rows not computed: no log(0) / 0 / 0
     h = tl.log(s) - tl.math.div_rn(u, s)
     bmax = tl.max(best_k, 1)
@@ -729,7 +738,7 @@ def _moments_kernel(x_ptr, stride_xn, stride_xp, t_ptr, active_ptr, m_ptr, inv_s
     if act & (T > 0.0):
         base = x_ptr + n.to(tl.int64) * stride_xn + p.to(tl.int64) * stride_xp
         offs = tl.arange(0, BLOCK_V)
-        mx = tl.full((BLOCK_V,), -3.0e38, tl.float32)
+        mx = tl.full((BLOCK_V,), _FLT_LOWEST, tl.float32)
         sm = tl.zeros((BLOCK_V,), tl.float32)
         for i in tl.range(0, NUM_TILES):          # NUM_TILES = cdiv(V, BLOCK_V) (a runtime bound fails the interpreter)
             tok = i * BLOCK_V + offs
