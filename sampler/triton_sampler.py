@@ -695,7 +695,7 @@ def _soft_embedding_kernel(
 
 @triton.jit
 def _soft_reduce_kernel(
-    ws_ptr, soft_ptr, slots_ptr, mode_ptr, amax_ptr, e_ptr, stride_ev,
+    ws_ptr, soft_ptr, slots_ptr, mode_ptr, amax_ptr, e_ptr, stride_ev, stride_eh,
     M, CL, HID, SCALE,
     SPLIT_K: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
@@ -717,7 +717,7 @@ def _soft_reduce_kernel(
         acc = acc * SCALE
     if mode == 3:
         tok = tl.load(amax_ptr + row).to(tl.int64)
-        acc = tl.load(e_ptr + tok * stride_ev + cols, mask=cmask, other=0.0).to(tl.float32) * SCALE
+        acc = tl.load(e_ptr + tok * stride_ev + cols * stride_eh, mask=cmask, other=0.0).to(tl.float32) * SCALE
     slot = tl.load(slots_ptr + n)
     tl.store(soft_ptr + (slot * CL + p).to(tl.int64) * HID + cols, acc, mask=cmask)
 
@@ -1048,7 +1048,7 @@ def _write_soft(state: SamplerState, slots: torch.Tensor, ws: torch.Tensor, mode
     if M > 0:
         _soft_reduce_kernel[(M, triton.cdiv(hidden, block_h))](
             ws, state.soft, slots.contiguous(), mode.to(torch.int32).contiguous(), argmax.contiguous(),
-            embedding, embedding.stride(0), M, CL, hidden,
+            embedding, embedding.stride(0), embedding.stride(1), M, CL, hidden,
             math.sqrt(hidden), SPLIT_K=split_k, BLOCK_H=block_h, num_warps=4,
         )
 
@@ -1090,7 +1090,7 @@ def _apply_step(state: SamplerState, slots: torch.Tensor, prefill_done: torch.Te
         u8 = b.view(torch.uint8)
         eos = state.eos_token_ids
         _step_kernel[(N,)](
-            slots.contiguous(), prefill_done.view(torch.uint8), T.contiguous(),
+            slots.contiguous(), prefill_done.contiguous().view(torch.uint8), T.contiguous(),   # read at stride 1
             st["step_entropy"], st["argmax"], st["sampled"], sorted_h, order, cum,
             state.phase, state.canvas, state.commit_canvas, state.prev_argmax, state.stable_count, state.step,
             state.canvas_index, state.num_emitted, state.seed, state.request_id, state.entropy_bound,
