@@ -304,11 +304,17 @@ def triton_config_kwarg() -> str | None:
     return next((n for n in ("config", "tile_config", "kernel_config") if n in params), None)
 
 
-def make_blockdiff(batch: wl.Batch, args, backend: str, config: dict | None = None) -> tuple:
+def make_blockdiff(batch: wl.Batch, args, backend: str, config: dict | None = None, layout: str = "paged") -> tuple:
     attention = _blockdiff_backend(backend)
     w = batch.workload
     out = torch.empty(w.total_q, w.num_heads, w.head_dim_v, dtype=batch.q.dtype, device=batch.q.device)
     kwargs = batch.attn_kwargs()
+    k_cache, v_cache = batch.k_cache, batch.v_cache
+    if layout == "contiguous":
+        # the varlen form (packed K/V + cu_seqlens_k), as fa4[contiguous]
+        k_cache, v_cache, cu_k = batch.contiguous_kv()
+        kwargs.pop("block_table")
+        kwargs["cu_seqlens_k"] = cu_k
     if "causal" in kwargs:
         # per-step metadata built once outside the timing, as a serving engine builds it once per step for all
         # layers (and as FA4's q is pre-split by flag outside its timing): the flags as causal row counts
@@ -317,12 +323,14 @@ def make_blockdiff(batch: wl.Batch, args, backend: str, config: dict | None = No
     if config is not None:
         kwargs[triton_config_kwarg()] = config
     info = {"config": config} if config else {}
+    if layout != "paged":
+        info["kv_layout"] = layout
     if "check_values" in inspect.signature(attention).parameters:
         kwargs["check_values"] = False  # host-side value checks sync; the launch path is what we time
         info["check_values"] = False
 
     def fn():
-        return attention(batch.q, batch.k_cache, batch.v_cache, out=out, **kwargs)
+        return attention(batch.q, k_cache, v_cache, out=out, **kwargs)
 
     def poison():
         out.fill_(float("nan"))
@@ -408,6 +416,9 @@ def jobs_for(batch: wl.Batch, backends, args):
                 yield be, (lambda layout=layout: make_fa4(batch, args, layout)), {"kv_layout": layout}
         elif be in ("triton", "cute", "reference"):
             yield be, (lambda be=be: make_blockdiff(batch, args, be)), None
+            if be != "reference" and "contiguous" in args.blockdiff_layouts:
+                yield be, (lambda be=be: make_blockdiff(batch, args, be, layout="contiguous")), \
+                    {"kv_layout": "contiguous"}
             if be == "triton" and args.tile_sweep:
                 if triton_config_kwarg() is None:
                     continue  # message printed once in main()
@@ -539,6 +550,8 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--device", default=None, help="default: cuda if available (cpu with --quick)")
     p.add_argument("--fa4-layouts", default="paged,contiguous", help="fa4 KV layouts: paged and/or contiguous")
+    p.add_argument("--blockdiff-layouts", default="paged",
+                   help="KV layouts of the triton / cute rows: paged (default) and/or contiguous (packed varlen K/V)")
     p.add_argument("--tile-sweep", action="store_true", help="also time the triton backend per tile config")
     p.add_argument("--tile-configs", default="", help="JSON list of tile config dicts for --tile-sweep")
     p.add_argument("--no-graph", action="store_true", help="skip CUDA-graph timings")
@@ -554,6 +567,9 @@ def parse_args(argv=None):
                    help="stop starting new workloads after this many seconds (the rest are recorded as skipped)")
     a = p.parse_args(argv)
     a.fa4_layouts = [x.strip() for x in a.fa4_layouts.split(",") if x.strip()]
+    a.blockdiff_layouts = [x.strip() for x in a.blockdiff_layouts.split(",") if x.strip()]
+    if [x for x in a.blockdiff_layouts if x not in ("paged", "contiguous")]:
+        p.error(f"--blockdiff-layouts: use paged and/or contiguous, got {a.blockdiff_layouts}")
     bad = [x for x in a.fa4_layouts if x not in ("paged", "contiguous")]
     if bad:
         p.error(f"--fa4-layouts: unknown layout(s) {bad}; use paged and/or contiguous")
