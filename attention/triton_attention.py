@@ -103,8 +103,9 @@ def _attn_block(acc, l_i, m_i, q, j, K, V, bt_row, k_base, k_head, v_head,
                 seq_len, lo, hi, qk_scale, offs_n, offs_d, offs_dv, d_mask, dv_mask,
                 BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr, MASK: tl.constexpr,
                 EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr,
-                SCALE_POS: tl.constexpr, LAZY: tl.constexpr):
-    """One key block of the online softmax (MASK: boundary block with elementwise mask and bounds)."""
+                SCALE_POS: tl.constexpr, LAZY: tl.constexpr, bid_in, BT_PREFETCH: tl.constexpr):
+    """One key block of the online softmax (MASK: boundary block with elementwise mask and bounds).
+    ``bid_in``: the block's page id, read one iteration earlier by :func:`_attn_range` (BT_PREFETCH)."""
     start = j * BLOCK_N
     kpos = start + offs_n  # [BN] int32 key positions within the sequence
     kvalid = kpos < seq_len
@@ -112,7 +113,10 @@ def _attn_block(acc, l_i, m_i, q, j, K, V, bt_row, k_base, k_head, v_head,
         if PAGE % BLOCK_N == 0:
             # the whole block lies in one page (start < seq_len: blocks come from [kmin, kmax]): one scalar
             # block-table read, a scalar base pointer and loop-invariant int32 tile offsets (few registers)
-            bid = tl.load(bt_row + start // PAGE).to(tl.int64)
+            if BT_PREFETCH:
+                bid = bid_in
+            else:
+                bid = tl.load(bt_row + start // PAGE).to(tl.int64)
             in_page = (start % PAGE).to(tl.int64)
             k_ptrs = (K + (bid * stride_kb + in_page * stride_kp + k_head)) + \
                 (offs_n[:, None] * stride_kp + offs_d[None, :])
@@ -210,7 +214,7 @@ def _attn_range(acc, l_i, m_i, q, j_lo, j_hi, K, V, bt_row, k_base, k_head, v_he
                 seq_len, lo, hi, qk_scale, offs_n, offs_d, offs_dv, d_mask, dv_mask,
                 BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr, MASK: tl.constexpr,
                 EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr,
-                SCALE_POS: tl.constexpr, LAZY: tl.constexpr):
+                SCALE_POS: tl.constexpr, LAZY: tl.constexpr, BT_PREFETCH: tl.constexpr):
     """Key blocks ``[j_lo, j_hi)``. A pipelined ``for`` on the GPU; a ``while`` under the interpreter, whose
     ``range`` cannot take run-time tensor bounds with NumPy >= 2.3 (scalars are 1-element arrays there)."""
     if INTERPRET:
@@ -220,15 +224,27 @@ def _attn_range(acc, l_i, m_i, q, j_lo, j_hi, K, V, bt_row, k_base, k_head, v_he
                                         stride_kb, stride_kp, stride_vb, stride_vp, seq_len, lo, hi, qk_scale,
                                         offs_n, offs_d, offs_dv, d_mask, dv_mask,
                                         BLOCK_N, PAGE, PAGED, MASK, EVEN_D, EVEN_DV, DOT_PREC, INTERPRET,
-                                        SCALE_POS, LAZY)
+                                        SCALE_POS, LAZY, 0, False)
             j += 1
+    elif BT_PREFETCH and PAGED and PAGE % BLOCK_N == 0:
+        # the page id of block j + 1 is read during block j (its latency hides behind block j's math), so block
+        # j's K / V addresses do not wait on a dependent global load
+        bid = tl.load(bt_row + (j_lo * BLOCK_N) // PAGE, mask=j_lo < j_hi, other=0).to(tl.int64)
+        for j in range(j_lo, j_hi):
+            bid_next = tl.load(bt_row + (tl.minimum(j + 1, j_hi - 1) * BLOCK_N) // PAGE).to(tl.int64)
+            acc, l_i, m_i = _attn_block(acc, l_i, m_i, q, j, K, V, bt_row, k_base, k_head, v_head,
+                                        stride_kb, stride_kp, stride_vb, stride_vp, seq_len, lo, hi, qk_scale,
+                                        offs_n, offs_d, offs_dv, d_mask, dv_mask,
+                                        BLOCK_N, PAGE, PAGED, MASK, EVEN_D, EVEN_DV, DOT_PREC, INTERPRET,
+                                        SCALE_POS, LAZY, bid, True)
+            bid = bid_next
     else:
         for j in range(j_lo, j_hi):
             acc, l_i, m_i = _attn_block(acc, l_i, m_i, q, j, K, V, bt_row, k_base, k_head, v_head,
                                         stride_kb, stride_kp, stride_vb, stride_vp, seq_len, lo, hi, qk_scale,
                                         offs_n, offs_d, offs_dv, d_mask, dv_mask,
                                         BLOCK_N, PAGE, PAGED, MASK, EVEN_D, EVEN_DV, DOT_PREC, INTERPRET,
-                                        SCALE_POS, LAZY)
+                                        SCALE_POS, LAZY, 0, False)
     return acc, l_i, m_i
 
 
@@ -247,6 +263,7 @@ def _attn_fwd_kernel(
     PAGE: tl.constexpr, PAGED: tl.constexpr, HAS_WINDOW: tl.constexpr, PREFIX: tl.constexpr,
     SPLIT: tl.constexpr, STORE_LSE: tl.constexpr, SEARCH_STEPS: tl.constexpr,
     DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr, SCALE_POS: tl.constexpr, LAZY: tl.constexpr,
+    BT_PREFETCH: tl.constexpr = False,
 ):
     t = n_tiles - 1 - tl.program_id(0)  # reverse: long causal tiles (end of a prefill) first
     pid1 = tl.program_id(1)
@@ -348,17 +365,17 @@ def _attn_fwd_kernel(
                                 stride_kb, stride_kp, stride_vb, stride_vp, seq_len, lo, hi, qk_scale,
                                 offs_n, offs_d, offs_dv, d_mask, dv_mask,
                                 BLOCK_N, PAGE, PAGED, True, EVEN_D, EVEN_DV, DOT_PREC, INTERPRET, SCALE_POS,
-                                LAZY)
+                                LAZY, BT_PREFETCH)
     acc, l_i, m_i = _attn_range(acc, l_i, m_i, q, b_mid, c_mid, K, V, bt_row, k_base, k_head, v_head,
                                 stride_kb, stride_kp, stride_vb, stride_vp, seq_len, lo, hi, qk_scale,
                                 offs_n, offs_d, offs_dv, d_mask, dv_mask,
                                 BLOCK_N, PAGE, PAGED, False, EVEN_D, EVEN_DV, DOT_PREC, INTERPRET, SCALE_POS,
-                                LAZY)
+                                LAZY, BT_PREFETCH)
     acc, l_i, m_i = _attn_range(acc, l_i, m_i, q, c_mid, d_end, K, V, bt_row, k_base, k_head, v_head,
                                 stride_kb, stride_kp, stride_vb, stride_vp, seq_len, lo, hi, qk_scale,
                                 offs_n, offs_d, offs_dv, d_mask, dv_mask,
                                 BLOCK_N, PAGE, PAGED, True, EVEN_D, EVEN_DV, DOT_PREC, INTERPRET, SCALE_POS,
-                                LAZY)
+                                LAZY, BT_PREFETCH)
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -404,7 +421,8 @@ def _merge_kernel(OPART, LSEPART, O, LSE, total_q, num_heads, stride_ot, stride_
 
 
 # ------------------------------------------------------------------------------------------------ host side
-_CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "num_splits", "BLOCK_DV", "LAZY_RESCALE")
+_CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "num_splits", "BLOCK_DV", "LAZY_RESCALE",
+                "BT_PREFETCH")
 _DEVICE_SMS: dict = {}
 
 
@@ -532,6 +550,9 @@ class TritonAttention:
         if not isinstance(cfg.get("LAZY_RESCALE", False), bool):
             raise ValueError(f"config['LAZY_RESCALE'] must be a bool, got {cfg['LAZY_RESCALE']!r}")
         cfg.setdefault("LAZY_RESCALE", False)
+        if not isinstance(cfg.get("BT_PREFETCH", False), bool):
+            raise ValueError(f"config['BT_PREFETCH'] must be a bool, got {cfg['BT_PREFETCH']!r}")
+        cfg.setdefault("BT_PREFETCH", False)
         ns = cfg.get("num_splits")
         if ns is not None and (isinstance(ns, bool) or not isinstance(ns, int) or ns < 1):
             raise ValueError(f"config['num_splits'] must be an int >= 1 or None, got {ns!r}")
@@ -749,6 +770,7 @@ def attention_triton(
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_Q=BQ, PAGE=page, PAGED=info.paged, HAS_WINDOW=has_window,
         PREFIX=prefix, SPLIT=ns > 1, STORE_LSE=return_lse, SEARCH_STEPS=search_steps, DOT_PREC=dot_prec,
         INTERPRET=_interpreting(), SCALE_POS=qk_scale > 0, LAZY=bool(cfg["LAZY_RESCALE"]),
+        BT_PREFETCH=bool(cfg["BT_PREFETCH"]) and not _interpreting(),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     LAST_LAUNCH.update(kernel=handle, num_splits=ns, grid=grid, config=cfg)
