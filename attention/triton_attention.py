@@ -552,7 +552,7 @@ class TritonAttention:
         cfg.setdefault("LAZY_RESCALE", False)
         if not isinstance(cfg.get("BT_PREFETCH", False), bool):
             raise ValueError(f"config['BT_PREFETCH'] must be a bool, got {cfg['BT_PREFETCH']!r}")
-        cfg.setdefault("BT_PREFETCH", False)
+        cfg.setdefault("BT_PREFETCH", True)   # H200: prefill16k_hd128 paged 2.909 -> 2.430 ms (see _attn_range)
         ns = cfg.get("num_splits")
         if ns is not None and (isinstance(ns, bool) or not isinstance(ns, int) or ns < 1):
             raise ValueError(f"config['num_splits'] must be an int >= 1 or None, got {ns!r}")
