@@ -5,7 +5,8 @@ of which syncs with the host, so a whole step is capturable in a CUDA graph (gri
 
 (a) :func:`_stats_kernel` — one program per (BLOCK_P canvas positions, vocabulary split) streams the logits once in
     ``[BLOCK_P, BLOCK_G, 4]`` tiles (GPU: 1 x 256 x 4 = 1024 tokens per iteration, loads pipelined 3 deep through
-    cp.async, 4 warps; ptxas sm_90a: 168 registers, no spills): one Philox4x32-10 call per (position, group of 4
+    cp.async, 4 warps; ptxas sm_90a (Triton 3.6, CPU compile with the GPU launch's 16-byte divisibility): 141
+    registers, no spills, no local memory): one Philox4x32-10 call per (position, group of 4
     tokens), word ``t & 3`` for token ``t``, exactly :mod:`blockdiff.sampler.rng` (``tl.umulhi`` + wrapping uint32
     products). Every tile element (lane) keeps its own float32 online softmax of ``z = x / T`` (IEEE division,
     ``div_rn``, as the reference): max ``m``, ``s = sum exp(z - m)``, ``u = sum exp(z - m) (z - m)`` with one exp
@@ -266,7 +267,7 @@ def _stats_loop(base, tdiv3, start, end, c1, c2, c3, k0, k1,
             mask = tok < end
             x = tl.load(base + tok, mask=mask, other=0.0).to(tl.float32)
         else:
-            mask = tok                                               # unused
+            mask = tok                                               # placeholder: read only when MASKED
             x = tl.load(base + tok).to(tl.float32)
         m, s, u, best, best_i, gbest, gbest_i, bad, rbest = _stats_tile(
             x, tok, mask, tdiv3, grp, c1, c2, c3, k0, k1, m, s, u, best, best_i, gbest, gbest_i, bad, rbest,
@@ -973,7 +974,7 @@ def soft_embedding(logits: torch.Tensor, embedding: torch.Tensor, T: torch.Tenso
     cfg = config or SamplerConfig()
     impl = cfg.soft_impl or default_soft_impl(logits.device, embedding.dtype)
     if impl == "chunked":
-        from .soft_chunked import _side_stream, soft_embedding_chunked
+        from .soft_chunked import soft_embedding_chunked
 
         return soft_embedding_chunked(logits, embedding, T, m, inv_s, argmax, active, chunk=cfg.soft_chunk,
                                       greedy_onehot=greedy_onehot, overlap=bool(cfg.soft_overlap))
