@@ -513,3 +513,25 @@ def test_gpu_cuda_graph_replay_with_changed_flags_lengths_and_block_tables():
         g.replay()
         torch.cuda.synchronize()
         check_close(out, q, kc, vc, lse=lse, **{k: v for k, v in kw.items() if not k.startswith("max_")})
+
+
+@pytest.mark.parametrize("page_size,block_n", [(16, 16), (32, 16), (64, 16), (16, 32)])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_block_table_prefetch_equals_the_direct_page_reads(page_size, block_n, num_splits):
+    """BT_PREFETCH (the default) reads block j + 1's page id during block j; with pages that are whole multiples
+    of BLOCK_N it must give exactly the direct reads' output (same blocks, same order), for split ranges, windows
+    and permuted pages; pages smaller than BLOCK_N ignore the option."""
+    inp = make_batch(seq_lens=[70, 33, 1, 96], q_lens=[6, 33, 1, 20], causal=[False, True, False, False],
+                     page_size=page_size, seed=page_size + block_n)
+    outs = []
+    for pref in (True, False):
+        cfg = dict(BLOCK_M=16, BLOCK_N=block_n, num_warps=4, num_stages=1, num_splits=num_splits, BT_PREFETCH=pref)
+        o, lse = run_and_check(inp, config=cfg, window_size=11)
+        outs.append((o, lse))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+def test_block_table_prefetch_option_must_be_a_bool():
+    inp = make_batch(seq_lens=[8], q_lens=[8], causal=[True], page_size=16)
+    with pytest.raises(ValueError, match="BT_PREFETCH"):
+        attention(**inp, backend="triton", config=dict(BT_PREFETCH=1))
