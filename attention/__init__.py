@@ -17,6 +17,7 @@ import torch
 
 from .cache import AttentionMetadata, write_kv_cache
 from .masks import build_mask, count_allowed_pairs, key_range
+from .validate import causal_row_counts
 
 BACKENDS = ("reference", "triton", "cute")
 _MODULES = {
@@ -76,5 +77,5 @@ def attention(q, k_cache, v_cache, *, backend: str, **kwargs):
 
 __all__ = [
     "attention", "build_mask", "key_range", "count_allowed_pairs", "write_kv_cache", "AttentionMetadata",
-    "BACKENDS", "resolve_backend", "get_backend",
+    "BACKENDS", "resolve_backend", "get_backend", "causal_row_counts",
 ]

@@ -541,8 +541,13 @@ class TritonAttention:
         self._resolved: dict = {}
 
     def config(self, override: dict | None) -> dict:
-        okey = tuple(sorted((override or {}).items()))
-        hit = self._resolved.get(okey)
+        # the value's type is part of the key: True == 1 == 1.0 hash alike, and a cached {BT_PREFETCH: True}
+        # must not let {BT_PREFETCH: 1} (or num_splits=True after num_splits=1) skip validation
+        okey = tuple(sorted((k, type(v).__name__, v) for k, v in (override or {}).items()))
+        try:
+            hit = self._resolved.get(okey)
+        except TypeError:  # an unhashable value (e.g. a list): not cacheable, validation below rejects it
+            okey, hit = None, None
         if hit is not None:
             return hit
         if override:
@@ -573,7 +578,8 @@ class TritonAttention:
             v = cfg[name]
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"config[{name!r}] must be an int >= 1, got {v!r}")
-        self._resolved[okey] = cfg
+        if okey is not None:
+            self._resolved[okey] = cfg
         return cfg
 
 

@@ -60,6 +60,32 @@ def _self_overlapping(t: torch.Tensor) -> bool:
     return False
 
 
+def causal_row_counts(causal, cu_seqlens_q) -> torch.Tensor:
+    """The per-sequence causal flags as causal row counts: ``num_causal_q[b] = q_len[b]`` where ``causal[b]``,
+    else 0, as ``[B]`` int32 on the flags' device — two small device ops and no host sync (CUDA-graph safe).
+
+    A caller that attends many layers with the same batch converts once per step and passes ``num_causal_q``;
+    :func:`check_attention_inputs` applies the same conversion (and the same checks) to ``causal``.
+
+    Raises:
+        TypeError: ``causal`` not a bool tensor, ``cu_seqlens_q`` not an int32 / int64 tensor.
+        ValueError: ``causal`` not ``[B]`` with ``B = len(cu_seqlens_q) - 1``, or on another device.
+    """
+    _need_tensor("cu_seqlens_q", cu_seqlens_q, 1)
+    _need_int("cu_seqlens_q", cu_seqlens_q)
+    batch = cu_seqlens_q.shape[0] - 1
+    if batch < 0:
+        raise ValueError("cu_seqlens_q must have B+1 >= 1 entries")
+    _need_tensor("causal", causal, 1)
+    if causal.dtype != torch.bool:
+        raise TypeError(f"causal must have dtype in {(torch.bool,)}, got {causal.dtype}")
+    if causal.shape[0] != batch:
+        raise ValueError(f"causal must have B={batch} entries (len(cu_seqlens_q) - 1), got {causal.shape[0]}")
+    if causal.device != cu_seqlens_q.device:
+        raise ValueError(f"causal is on {causal.device} but cu_seqlens_q is on {cu_seqlens_q.device}")
+    return torch.where(causal, cu_seqlens_q[1:] - cu_seqlens_q[:-1], 0).to(torch.int32)
+
+
 def capturing() -> bool:
     """True while a CUDA graph is being captured on the current stream (host reads are not allowed)."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
@@ -177,9 +203,9 @@ def check_attention_inputs(
         raise ValueError("give exactly one of causal ([B] bool) or num_causal_q ([B] int32)")
     if causal is not None:
         _check_b("causal", causal, (torch.bool,))
-        # two small device ops per call: a caller that attends many layers with the same batch passes
-        # num_causal_q (computed once per step) instead
-        ncq = torch.where(causal, cu_seqlens_q[1:] - cu_seqlens_q[:-1], 0)
+        # small device ops per call: a caller that attends many layers with the same batch passes
+        # num_causal_q (causal_row_counts, once per step) instead
+        ncq = causal_row_counts(causal, cu_seqlens_q)
     else:
         _check_b("num_causal_q", num_causal_q)
         ncq = num_causal_q

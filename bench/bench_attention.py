@@ -17,9 +17,11 @@ Backends (one row per workload, backend and configuration; all measured in the s
              timing); window (W, 0) for causal and (W, W) for bidirectional rows. ``--fa4-layouts`` picks the
              paged cache (page_table + seqused_k) and/or contiguous K/V (cu_seqlens_k). Skipped with a reason
              when not importable, for hd > 256, and for the prefix window (not expressible as a FA window).
-  triton,    blockdiff.attention.attention(backend=...) on the paged cache; skipped with a reason when the
-  cute       backend is missing or raises NotImplementedError. The per-sequence flags are passed as
+  triton,    blockdiff.attention.attention(backend=...) on the paged cache and/or, with ``--blockdiff-layouts``,
+  cute       the packed varlen K/V (cu_seqlens_k; rows labelled ``kv_layout=contiguous``); skipped with a reason
+             when the backend is missing or raises NotImplementedError. The per-sequence flags are passed as
              ``num_causal_q`` built once outside the timing (a step's metadata, shared by all layers).
+             ``--tile-sweep`` rows use the paged cache.
   reference  blockdiff.attention's dense reference (``--quick`` only).
 
 Before timing, each backend's output is checked (isfinite; max abs error <= 2x that of the same-dtype eager
@@ -294,6 +296,13 @@ def _blockdiff_backend(backend: str):
         raise Skip(str(e)) from None
 
 
+def _causal_row_counts(causal, cu_seqlens_q):
+    """blockdiff.attention.causal_row_counts (the same conversion and checks as attention()'s)."""
+    from blockdiff.attention import causal_row_counts
+
+    return causal_row_counts(causal, cu_seqlens_q)
+
+
 def triton_config_kwarg() -> str | None:
     """Keyword through which the Triton backend takes a tile config (BLOCK_M, BLOCK_N, num_warps, num_stages)."""
     try:
@@ -318,8 +327,7 @@ def make_blockdiff(batch: wl.Batch, args, backend: str, config: dict | None = No
     if "causal" in kwargs:
         # per-step metadata built once outside the timing, as a serving engine builds it once per step for all
         # layers (and as FA4's q is pre-split by flag outside its timing): the flags as causal row counts
-        cu = kwargs["cu_seqlens_q"]
-        kwargs["num_causal_q"] = torch.where(kwargs.pop("causal"), cu[1:] - cu[:-1], 0).to(torch.int32)
+        kwargs["num_causal_q"] = _causal_row_counts(kwargs.pop("causal"), kwargs["cu_seqlens_q"])
     if config is not None:
         kwargs[triton_config_kwarg()] = config
     info = {"config": config} if config else {}
@@ -415,7 +423,9 @@ def jobs_for(batch: wl.Batch, backends, args):
             for layout in args.fa4_layouts:
                 yield be, (lambda layout=layout: make_fa4(batch, args, layout)), {"kv_layout": layout}
         elif be in ("triton", "cute", "reference"):
-            yield be, (lambda be=be: make_blockdiff(batch, args, be)), None
+            # the reference (the --quick oracle) always runs on the paged cache; triton / cute per requested layout
+            if be == "reference" or "paged" in args.blockdiff_layouts:
+                yield be, (lambda be=be: make_blockdiff(batch, args, be)), None
             if be != "reference" and "contiguous" in args.blockdiff_layouts:
                 yield be, (lambda be=be: make_blockdiff(batch, args, be, layout="contiguous")), \
                     {"kv_layout": "contiguous"}

@@ -245,7 +245,7 @@ class DiffusionGemma(nn.Module):
             TypeError: attn_backend not a str.
             ValueError: a shape/dtype rule of an argument is broken (named in the message).
         """
-        from blockdiff.attention import attention, write_kv_cache
+        from blockdiff.attention import attention, causal_row_counts, write_kv_cache
 
         bw = self.config.bidirectional_window if bidirectional_window is None else bidirectional_window
         self._validate(input_ids, positions, meta, kv_caches, self_cond, attn_backend, bw)
@@ -265,9 +265,9 @@ class DiffusionGemma(nn.Module):
               for lt in self._inv_freq}
         attn_kwargs = meta.attn_kwargs()
         if "causal" in attn_kwargs:
-            # the causal flags as row counts once per forward pass, not once per layer inside attention()
-            cu = meta.cu_seqlens_q
-            attn_kwargs["num_causal_q"] = torch.where(attn_kwargs.pop("causal").to(torch.bool), cu[1:] - cu[:-1], 0)
+            # the causal flags as row counts once per forward pass, not once per layer inside attention(); the
+            # same checks as attention()'s (a non-bool / misplaced meta.causal raises naming it, not a cast)
+            attn_kwargs["num_causal_q"] = causal_row_counts(attn_kwargs.pop("causal"), meta.cu_seqlens_q)
         # The per-step metadata are the same for every layer: their host-side value checks (syncs) run once per
         # cache geometry (num_blocks, page_size), not once per layer; shape checks still run on every call.
         checked = set()

@@ -280,3 +280,46 @@ def test_count_allowed_pairs_rejects_lengths_outside_the_contract(q_lens, seq_le
         count_allowed_pairs(torch.tensor(q_lens), torch.tensor(seq_lens), torch.tensor(ncq), None)
     assert count_allowed_pairs(torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.int32),
                                torch.zeros(0, dtype=torch.int32), 3) == 0
+
+
+# ---------------------------------------------------------------- causal flags -> causal row counts
+
+
+@pytest.mark.parametrize("cu_dtype", [torch.int32, torch.int64])
+def test_causal_row_counts_convert_flags_like_attention_and_check_them_the_same_way(cu_dtype, monkeypatch):
+    """causal_row_counts (what the model and bench_attention build once per step) gives int32 row counts for
+    int32 and int64 cu_seqlens_q without reading device values, every backend that takes num_causal_q gives the
+    causal-flag result with them, and a bad flag tensor raises the error naming ``causal`` that attention()
+    raises (the model had cast any dtype to bool and broadcast through torch.where)."""
+    import inspect
+
+    from blockdiff.attention import causal_row_counts, get_backend
+
+    d = _base()
+    cu = d["cu_seqlens_q"].to(cu_dtype)
+
+    def boom(*a, **k):
+        raise AssertionError("host read of a device tensor")
+
+    for name in ("item", "tolist", "cpu", "__bool__", "__int__", "nonzero"):
+        monkeypatch.setattr(torch.Tensor, name, boom)
+    ncq = causal_row_counts(d["causal"], cu)
+    monkeypatch.undo()
+    assert ncq.dtype == torch.int32 and ncq.tolist() == [0, 4]
+    ref = attention(**d, backend="reference")
+    kw = dict(d, cu_seqlens_q=cu)
+    kw.pop("causal")
+    torch.testing.assert_close(attention(**kw, num_causal_q=ncq, backend="reference"), ref, rtol=0, atol=0)
+    for be in ("reference", "triton", "cute"):
+        fn = get_backend(be) if be != "cute" else __import__(
+            "blockdiff.attention.cute_attention", fromlist=["attention_cute"]).attention_cute
+        params = inspect.signature(fn).parameters
+        assert "causal" in params and "num_causal_q" in params, be
+    for bad, exc in ((torch.tensor([1, 0]), TypeError), (torch.tensor([0.0, 1.0]), TypeError),
+                     (torch.tensor([True]), ValueError), (torch.tensor([True, False, True]), ValueError),
+                     (torch.tensor([[True, False]]), ValueError), (torch.tensor(True), ValueError),
+                     ([True, False], TypeError)):
+        with pytest.raises(exc, match="causal"):
+            causal_row_counts(bad, cu)
+        with pytest.raises(exc, match="causal"):
+            attention(**dict(d, causal=bad), backend="reference")

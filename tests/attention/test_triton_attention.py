@@ -338,7 +338,7 @@ def batches(draw):
     group = draw(st.sampled_from([1, 2, 4, 8]))
     return dict(
         seq_lens=seq_lens, q_lens=q_lens, num_causal_q=ncq, H=Hkv * group, Hkv=Hkv,
-        D=draw(st.sampled_from([16, 32])), page_size=draw(st.sampled_from([1, 2, 3, 4, 5, 8, 16])),
+        D=draw(st.sampled_from([16, 32])), page_size=draw(st.sampled_from([1, 2, 3, 4, 5, 8, 16, 32])),
         dtype=draw(st.sampled_from([torch.bfloat16, torch.float16, torch.float32])),
         paged=draw(st.booleans()), seed=draw(st.integers(0, 2 ** 16)),
     ), dict(
@@ -347,7 +347,7 @@ def batches(draw):
         config=dict(BLOCK_M=max(16, group) * draw(st.sampled_from([1, 2])),
                     BLOCK_N=draw(st.sampled_from([16, 32])),
                     num_splits=draw(st.sampled_from([None, 1, 2, 3])),
-                    LAZY_RESCALE=draw(st.booleans())),
+                    LAZY_RESCALE=draw(st.booleans()), BT_PREFETCH=draw(st.booleans())),
     )
 
 
@@ -535,3 +535,97 @@ def test_block_table_prefetch_option_must_be_a_bool():
     inp = make_batch(seq_lens=[8], q_lens=[8], causal=[True], page_size=16)
     with pytest.raises(ValueError, match="BT_PREFETCH"):
         attention(**inp, backend="triton", config=dict(BT_PREFETCH=1))
+
+
+@pytest.mark.parametrize("good,bad,name", [(dict(BT_PREFETCH=True), dict(BT_PREFETCH=1), "BT_PREFETCH"),
+                                           (dict(LAZY_RESCALE=False), dict(LAZY_RESCALE=0), "LAZY_RESCALE"),
+                                           (dict(num_splits=1), dict(num_splits=True), "num_splits"),
+                                           (dict(BLOCK_N=16), dict(BLOCK_N=16.0), "BLOCK_N")])
+def test_a_cached_valid_config_does_not_let_an_equal_value_of_the_wrong_type_through(good, bad, name):
+    """The resolved-config cache was keyed by the override's items: True == 1 == 1.0 hash alike, so after a call
+    with {BT_PREFETCH: True} a call with {BT_PREFETCH: 1} hit the cache and skipped validation."""
+    inp = make_batch(seq_lens=[8], q_lens=[8], causal=[True], page_size=16, D=32)
+    attention(**inp, backend="triton", config=good)
+    with pytest.raises(ValueError, match=name):
+        attention(**inp, backend="triton", config=bad)
+    with pytest.raises(ValueError, match="BLOCK_M"):   # unhashable values are validated, not a cache TypeError
+        attention(**inp, backend="triton", config=dict(BLOCK_M=[16]))
+
+
+# ---------------------------------------------------------------- memory accesses (interpreter only)
+
+
+def _record_loads(monkeypatch):
+    """Record every masked-in load address of interpreted kernels: a list of (uint64 addresses, triton dtype)."""
+    import numpy as np
+    import triton.runtime.interpreter as ti
+
+    reads = []
+    orig = ti.InterpreterBuilder.create_masked_load
+
+    def hook(self, ptrs, mask, other, *args):
+        p = np.asarray(ptrs.data).ravel()
+        m = np.broadcast_to(np.asarray(mask.data), np.asarray(ptrs.data).shape).ravel()
+        reads.append(p[m].astype(np.uint64))
+        return orig(self, ptrs, mask, other, *args)
+
+    monkeypatch.setattr(ti.InterpreterBuilder, "create_masked_load", hook)
+    return reads
+
+
+def _span(t):
+    lo = t.data_ptr()
+    return lo, lo + t.numel() * t.element_size()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="records loads through the Triton interpreter")
+@pytest.mark.parametrize("page_size,block_n,bt_prefetch,num_splits,window,mode", [
+    (16, 16, True, 1, None, "symmetric"), (16, 16, True, 2, 0, "symmetric"), (32, 16, True, 3, 5, "symmetric"),
+    (64, 32, True, 7, 3, "prefix"), (48, 16, True, 1, None, "symmetric"), (48, 16, True, 3, 5, "prefix"),
+    (4, 16, True, 2, 0, "symmetric"), (16, 16, False, 3, 5, "symmetric"), (64, 32, False, 1, None, "symmetric"),
+    (48, 16, False, 7, 3, "prefix")])
+def test_kernel_reads_only_the_used_block_table_entries_and_their_pages(monkeypatch, page_size, block_n,
+                                                                       bt_prefetch, num_splits, window, mode):
+    """The block-table prefetch (and the direct reads) load only block-table entries of blocks a range uses
+    (columns < cdiv(seq_len, page_size) of the row) and only K / V pages those entries name: entries beyond the
+    used part hold out-of-range ids here, which must never be read or used as a page (sequences of length
+    0 / 1, empty and one-block ranges, splits beyond the block count, pages that are / are not multiples of
+    BLOCK_N)."""
+    import numpy as np
+
+    seq_lens, q_lens = [0, 1, 37, 64, 5, 96, 17], [0, 1, 6, 64, 5, 20, 1]
+    ncq = [0, 1, 2, 64, 0, 7, 0]
+    inp = make_batch(seq_lens=seq_lens, q_lens=q_lens, num_causal_q=ncq, page_size=page_size,
+                     seed=page_size + num_splits, extra_blocks=3)
+    bt = inp["block_table"]
+    nblk = inp["k_cache"].shape[0]
+    need = [(s + page_size - 1) // page_size for s in seq_lens]
+    used = torch.zeros_like(bt, dtype=torch.bool)
+    for b, n in enumerate(need):
+        used[b, :n] = True
+    poison = torch.where(torch.arange(bt.numel()).reshape(bt.shape) % 2 == 0, nblk + 1000, -7).to(bt.dtype)
+    bt = torch.where(used, bt, poison)
+    inp["block_table"] = bt
+    pages = set(bt[used].tolist())
+
+    reads = _record_loads(monkeypatch)
+    cfg = dict(BLOCK_M=16, BLOCK_N=block_n, num_warps=4, num_stages=1, num_splits=num_splits,
+               BT_PREFETCH=bt_prefetch)
+    run_and_check(inp, config=cfg, window_size=window, bidirectional_window=mode)
+    monkeypatch.undo()
+    addr = np.concatenate(reads)
+
+    b_lo, b_hi = _span(bt)
+    in_bt = addr[(addr >= b_lo) & (addr < b_hi)]
+    idx = (in_bt - b_lo) // bt.element_size()
+    rows, cols = idx // bt.stride(0), idx % bt.stride(0)
+    bad = [(int(r), int(c)) for r, c in zip(rows, cols) if not used[r, c]]
+    assert not bad, f"block-table entries beyond the used part were read: {sorted(set(bad))[:8]}"
+    assert len(in_bt) > 0
+    for name in ("k_cache", "v_cache"):
+        c = inp[name]
+        lo, hi = _span(c)
+        in_c = addr[(addr >= lo) & (addr < hi)]
+        read_pages = set(((in_c - lo) // (c.stride(0) * c.element_size())).tolist())
+        assert read_pages <= pages, f"{name} pages {sorted(read_pages - pages)} not named by a used entry"
+    # (an out-of-range id could only come from an entry beyond the used part, whose reads are excluded above)

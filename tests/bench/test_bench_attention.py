@@ -114,3 +114,15 @@ def test_ladder_plot_one_png_per_layer_with_a_line_per_backend(tmp_path):
     assert ba.plot_ladder([{"workload": "mixed_sliding_ctx8k", "backend": "triton", "status": "ok",
                             "graph_ms": 0.2}], tmp_path, "m") == []
     assert ba.plot_ladder(rows[:2], tmp_path, "one") == []   # a single batch size: not a ladder
+
+
+@pytest.mark.parametrize("layouts,expect", [("contiguous", ["contiguous"]), ("paged", [None]),
+                                            ("paged,contiguous", [None, "contiguous"])])
+def test_blockdiff_layouts_time_exactly_the_requested_kv_layouts(tmp_path, layouts, expect):
+    """--blockdiff-layouts contiguous timed the paged triton row too (it was yielded unconditionally); the
+    reference (the --quick oracle) stays on the paged cache; every row is checked against the ground truth."""
+    rows = ba.main(["--quick", "--out", str(tmp_path), "--no-plots", "--backends", "reference,triton",
+                    "--blockdiff-layouts", layouts, "--workloads", "canvas_bs4_ctx4k_hd128"])
+    assert [r.get("kv_layout") for r in rows if r["backend"] == "triton"] == expect
+    assert [r.get("kv_layout") for r in rows if r["backend"] == "reference"] == [None]
+    assert all(r["status"] == "ok" and r["correct"] is True for r in rows), rows

@@ -453,3 +453,13 @@ def test_empty_batch_is_named_as_such_not_a_shape_mismatch(model, good):
     meta0.slot_mapping = meta0.slot_mapping[:0]
     with pytest.raises(ValueError, match="at least one sequence"):
         model(ids[:0], pos[:0], meta0, caches, attn_backend="reference")
+
+
+@pytest.mark.parametrize("flags", [torch.tensor([1]), torch.tensor([0.3]), torch.tensor([2], dtype=torch.uint8)])
+def test_non_bool_causal_flags_are_rejected_naming_causal(model, good, flags):
+    """forward() converts meta.causal to row counts once per pass: it cast any dtype to bool (0.3 and 2 became
+    causal) where attention() rejects a non-bool flag tensor; now the same TypeError naming ``causal``."""
+    cfg, caches, meta, pos, ids = good
+    meta.causal = flags
+    with pytest.raises(TypeError, match="causal"):
+        model(ids, pos, meta, caches, attn_backend="reference")
