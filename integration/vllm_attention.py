@@ -27,7 +27,7 @@ class BlockdiffAttentionImpl(FlashAttentionImpl):
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
-        from blockdiff.attention import attention
+        from blockdiff.attention import attention, causal_row_counts
 
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("blockdiff attention: fused output quantization is not supported")
@@ -35,16 +35,25 @@ class BlockdiffAttentionImpl(FlashAttentionImpl):
             return output.fill_(0)
         n = attn_metadata.num_actual_tokens
         key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
-        causal = attn_metadata.causal
-        B = attn_metadata.seq_lens.shape[0]
-        if torch.is_tensor(causal):
-            causal = causal[:B].to(torch.bool)
-        else:
-            causal = torch.full((B,), bool(causal), dtype=torch.bool, device=query.device)
+        # The flags as causal row counts once per metadata object (vLLM builds one per step and attention group,
+        # shared by its layers), not once per layer: the first layer stores them on the object.
+        ncq = getattr(attn_metadata, "_blockdiff_num_causal_q", None)
+        if ncq is None:
+            causal = attn_metadata.causal
+            B = attn_metadata.seq_lens.shape[0]
+            if torch.is_tensor(causal):
+                causal = causal[:B].to(torch.bool)
+            else:
+                causal = torch.full((B,), bool(causal), dtype=torch.bool, device=query.device)
+            ncq = causal_row_counts(causal, attn_metadata.query_start_loc)
+            try:
+                attn_metadata._blockdiff_num_causal_q = ncq
+            except (AttributeError, TypeError):  # a frozen / slotted metadata class: convert per layer
+                pass
         left = self.sliding_window[0]
         out = output[:n].view(n, self.num_heads, self.head_size)
         attention(query[:n].view(n, self.num_heads, self.head_size), key_cache, value_cache,
-                  cu_seqlens_q=attn_metadata.query_start_loc, seq_lens=attn_metadata.seq_lens, causal=causal,
+                  cu_seqlens_q=attn_metadata.query_start_loc, seq_lens=attn_metadata.seq_lens, num_causal_q=ncq,
                   block_table=attn_metadata.block_table, window_size=None if left < 0 else int(left),
                   bidirectional_window="symmetric", scale=self.scale, out=out,
                   max_seqlen_q=attn_metadata.max_query_len, max_seqlen_k=attn_metadata.max_seq_len,

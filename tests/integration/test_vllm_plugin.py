@@ -311,3 +311,44 @@ def test_vllm_mode_request_with_refused_params_fails_instead_of_raising(vllm_sam
     with pytest.raises(ValueError, match="t_max"):
         ms.add_request(0, NewRequest("bad", [1, 2, 3], bad))
     assert "bad" not in ms.req_id_to_index
+
+
+@pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed here (pip install -e '.[vllm]' on a GPU host)")
+def test_vllm_attention_converts_causal_flags_once_per_metadata_object(monkeypatch):
+    """The CUSTOM backend's forward turns vLLM's per-request causal flags (int32) into num_causal_q once per
+    metadata object (shared by the layers of a step), gives attention()'s result for the flags, and converts
+    again for a new step's metadata (stand-in metadata and impl; reference attention on the CPU)."""
+    from types import SimpleNamespace
+
+    import blockdiff.attention as A
+    from blockdiff.integration import vllm_attention as va
+
+    calls = []
+    real = A.causal_row_counts
+    monkeypatch.setattr(A, "causal_row_counts", lambda *a: calls.append(1) or real(*a))
+    H, Hkv, D, bs = 4, 2, 16, 8
+    impl = object.__new__(va.BlockdiffAttentionImpl)
+    impl.blockdiff_backend, impl.num_heads, impl.head_size = "reference", H, D
+    impl.sliding_window, impl.scale = (-1, -1), D ** -0.5
+    g = torch.Generator().manual_seed(0)
+    q_lens, seq_lens = [5, 8, 3], [5, 20, 11]
+    n = sum(q_lens)
+    kv_cache = torch.randn(8, Hkv, bs, 2 * D, generator=g)
+    bt = torch.tensor([[0, 7, 7], [1, 2, 3], [4, 5, 6]], dtype=torch.int32)
+
+    def meta(causal):
+        return SimpleNamespace(num_actual_tokens=n, causal=torch.tensor(causal + [0], dtype=torch.int32),
+                               seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+                               query_start_loc=torch.tensor([0, 5, 13, 16], dtype=torch.int32), block_table=bt,
+                               max_query_len=max(q_lens), max_seq_len=max(seq_lens))
+
+    q = torch.randn(n, H * D, generator=g)
+    m1 = meta([1, 0, 1])
+    outs = [impl.forward(None, q, None, None, kv_cache, m1, torch.zeros(n, H * D)) for _ in range(3)]
+    assert len(calls) == 1 and all(torch.equal(o, outs[0]) for o in outs)
+    k, v = kv_cache.transpose(1, 2).split(D, dim=-1)
+    want = A.attention(q.view(n, H, D), k, v, cu_seqlens_q=m1.query_start_loc, seq_lens=m1.seq_lens,
+                       causal=torch.tensor([True, False, True]), block_table=bt, backend="reference")
+    assert torch.allclose(outs[0].view(n, H, D), want, atol=1e-5)
+    impl.forward(None, q, None, None, kv_cache, meta([0, 0, 0]), torch.zeros(n, H * D))
+    assert len(calls) == 2
