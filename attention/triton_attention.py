@@ -222,12 +222,15 @@ def _attn_range(acc, l_i, m_i, q, j_lo, j_hi, K, V, bt_row, k_base, k_head, v_he
                 SCALE_POS: tl.constexpr, LAZY: tl.constexpr, BT_PREFETCH: tl.constexpr):
     """Key blocks ``[j_lo, j_hi)``. A pipelined ``for`` on the GPU; a ``while`` under the interpreter, whose
     ``range`` cannot take run-time tensor bounds with NumPy >= 2.3 (scalars are 1-element arrays there)."""
+    # BT prefetch (pages holding whole key blocks): the page id of block j + 1 is read during block j (its latency
+    # hides behind block j's math), so block j's K / V addresses do not wait on a dependent global load. The
+    # interpreter runs the same indexing, so CPU tests cover it.
+    PREF: tl.constexpr = BT_PREFETCH and PAGED and PAGE % BLOCK_N == 0
+    bid = 0
+    if PREF:
+        bid = tl.load(bt_row + (j_lo * BLOCK_N) // PAGE, mask=j_lo < j_hi, other=0).to(tl.int64)
     if INTERPRET:
-        PREF: tl.constexpr = BT_PREFETCH and PAGED and PAGE % BLOCK_N == 0
         j = j_lo
-        bid = 0
-        if PREF:   # the same page-id prefetch as the GPU loop below, so CPU tests cover its indexing
-            bid = tl.load(bt_row + (j_lo * BLOCK_N) // PAGE, mask=j_lo < j_hi, other=0).to(tl.int64)
         while j < j_hi:
             bid_next = bid
             if PREF:
@@ -239,25 +242,17 @@ def _attn_range(acc, l_i, m_i, q, j_lo, j_hi, K, V, bt_row, k_base, k_head, v_he
                                         SCALE_POS, LAZY, bid, PREF)
             bid = bid_next
             j += 1
-    elif BT_PREFETCH and PAGED and PAGE % BLOCK_N == 0:
-        # the page id of block j + 1 is read during block j (its latency hides behind block j's math), so block
-        # j's K / V addresses do not wait on a dependent global load
-        bid = tl.load(bt_row + (j_lo * BLOCK_N) // PAGE, mask=j_lo < j_hi, other=0).to(tl.int64)
-        for j in range(j_lo, j_hi):
-            bid_next = tl.load(bt_row + (tl.minimum(j + 1, j_hi - 1) * BLOCK_N) // PAGE).to(tl.int64)
-            acc, l_i, m_i = _attn_block(acc, l_i, m_i, q, j, K, V, bt_row, k_base, k_head, v_head,
-                                        stride_kb, stride_kp, stride_vb, stride_vp, seq_len, lo, hi, qk_scale,
-                                        offs_n, offs_d, offs_dv, d_mask, dv_mask,
-                                        BLOCK_N, PAGE, PAGED, MASK, EVEN_D, EVEN_DV, DOT_PREC, INTERPRET,
-                                        SCALE_POS, LAZY, bid, True)
-            bid = bid_next
     else:
         for j in range(j_lo, j_hi):
+            bid_next = bid
+            if PREF:
+                bid_next = tl.load(bt_row + (tl.minimum(j + 1, j_hi - 1) * BLOCK_N) // PAGE).to(tl.int64)
             acc, l_i, m_i = _attn_block(acc, l_i, m_i, q, j, K, V, bt_row, k_base, k_head, v_head,
                                         stride_kb, stride_kp, stride_vb, stride_vp, seq_len, lo, hi, qk_scale,
                                         offs_n, offs_d, offs_dv, d_mask, dv_mask,
                                         BLOCK_N, PAGE, PAGED, MASK, EVEN_D, EVEN_DV, DOT_PREC, INTERPRET,
-                                        SCALE_POS, LAZY, 0, False)
+                                        SCALE_POS, LAZY, bid, PREF)
+            bid = bid_next
     return acc, l_i, m_i
 
 
