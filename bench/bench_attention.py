@@ -296,13 +296,6 @@ def _blockdiff_backend(backend: str):
         raise Skip(str(e)) from None
 
 
-def _causal_row_counts(causal, cu_seqlens_q):
-    """blockdiff.attention.causal_row_counts (the same conversion and checks as attention()'s)."""
-    from blockdiff.attention import causal_row_counts
-
-    return causal_row_counts(causal, cu_seqlens_q)
-
-
 def triton_config_kwarg() -> str | None:
     """Keyword through which the Triton backend takes a tile config (BLOCK_M, BLOCK_N, num_warps, num_stages)."""
     try:
@@ -327,7 +320,9 @@ def make_blockdiff(batch: wl.Batch, args, backend: str, config: dict | None = No
     if "causal" in kwargs:
         # per-step metadata built once outside the timing, as a serving engine builds it once per step for all
         # layers (and as FA4's q is pre-split by flag outside its timing): the flags as causal row counts
-        kwargs["num_causal_q"] = _causal_row_counts(kwargs.pop("causal"), kwargs["cu_seqlens_q"])
+        from blockdiff.attention import causal_row_counts
+
+        kwargs["num_causal_q"] = causal_row_counts(kwargs.pop("causal"), kwargs["cu_seqlens_q"])
     if config is not None:
         kwargs[triton_config_kwarg()] = config
     info = {"config": config} if config else {}
