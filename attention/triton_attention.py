@@ -44,8 +44,9 @@ Design
 * **Registers.** Pre-screened offline (sm_90a compile + ``ptxas -v``, bench/results/triton_configs.md): Q sits in
   shared memory as the wgmma A operand, P in registers; a key block in one page uses a scalar base pointer
   plus loop-invariant int32 tile offsets (building [BLOCK_N, D] int64 pointers spilled 1-2.5 KB at hd 512).
-* **Block-table prefetch (``BT_PREFETCH``, default on).** When a page holds whole key blocks, block j + 1's
-  page id is read while block j is computed, so K / V addresses never wait on a dependent block-table load
+* **Block-table prefetch (``BT_PREFETCH``, default on).** Block j + 1's page id (a scalar when a page holds
+  whole key blocks; the ``[BLOCK_N]`` per-key ids when pages are smaller than or do not divide BLOCK_N) is read
+  while block j is computed, so K / V addresses never wait on a dependent block-table load
   (H200 same-run A/B: prefill16k_hd128 paged 2.909 -> 2.430 ms, canvas_bs4_ctx4k_hd128 0.112 -> 0.091 ms,
   mixed_sliding_ctx8k 0.239 -> 0.215 ms; the paged path had been 16-29 % slower than the contiguous one).
 * **Lazy rescaling (opt-in, ``LAZY_RESCALE``).** FA4's trick: the accumulator is rescaled only when some row's
@@ -110,7 +111,8 @@ def _attn_block(acc, l_i, m_i, q, j, K, V, bt_row, k_base, k_head, v_head,
                 EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr,
                 SCALE_POS: tl.constexpr, LAZY: tl.constexpr, bid_in, BT_PREFETCH: tl.constexpr):
     """One key block of the online softmax (MASK: boundary block with elementwise mask and bounds).
-    ``bid_in``: the block's page id, read one iteration earlier by :func:`_attn_range` (BT_PREFETCH)."""
+    ``bid_in``: the block's page id (scalar) or per-key page ids ([BLOCK_N]), read one iteration earlier by
+    :func:`_attn_range` (BT_PREFETCH)."""
     start = j * BLOCK_N
     kpos = start + offs_n  # [BN] int32 key positions within the sequence
     kvalid = kpos < seq_len
@@ -128,7 +130,9 @@ def _attn_block(acc, l_i, m_i, q, j, K, V, bt_row, k_base, k_head, v_head,
             v_ptrs = (V + (bid * stride_vb + in_page * stride_vp + v_head)) + \
                 (offs_n[:, None] * stride_vp + offs_dv[None, :])
         else:
-            if MASK:
+            if BT_PREFETCH:
+                bid = bid_in  # [BN] page ids, read one block earlier (0 beyond seq_len)
+            elif MASK:
                 bid = tl.load(bt_row + kpos // PAGE, mask=kvalid, other=0).to(tl.int64)
             else:
                 bid = tl.load(bt_row + kpos // PAGE).to(tl.int64)
@@ -214,6 +218,23 @@ def _attn_block(acc, l_i, m_i, q, j, K, V, bt_row, k_base, k_head, v_head,
 
 
 @triton.jit
+def _bt_ids(bt_row, j, valid, seq_len, offs_n, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, CHECK: tl.constexpr):
+    """Page id(s) of key block ``j`` (int64): a scalar when a page holds whole blocks, else a ``[BLOCK_N]`` vector
+    (0 for keys >= seq_len). With ``CHECK``, ``valid`` False reads nothing (an empty range)."""
+    if PAGE % BLOCK_N == 0:
+        if CHECK:
+            return tl.load(bt_row + (j * BLOCK_N) // PAGE, mask=valid, other=0).to(tl.int64)
+        else:
+            return tl.load(bt_row + (j * BLOCK_N) // PAGE).to(tl.int64)
+    else:
+        kpos = j * BLOCK_N + offs_n
+        if CHECK:
+            return tl.load(bt_row + kpos // PAGE, mask=(kpos < seq_len) & valid, other=0).to(tl.int64)
+        else:
+            return tl.load(bt_row + kpos // PAGE, mask=kpos < seq_len, other=0).to(tl.int64)
+
+
+@triton.jit
 def _attn_range(acc, l_i, m_i, q, j_lo, j_hi, K, V, bt_row, k_base, k_head, v_head,
                 stride_kb, stride_kp, stride_vb, stride_vp,
                 seq_len, lo, hi, qk_scale, offs_n, offs_d, offs_dv, d_mask, dv_mask,
@@ -222,19 +243,21 @@ def _attn_range(acc, l_i, m_i, q, j_lo, j_hi, K, V, bt_row, k_base, k_head, v_he
                 SCALE_POS: tl.constexpr, LAZY: tl.constexpr, BT_PREFETCH: tl.constexpr):
     """Key blocks ``[j_lo, j_hi)``. A pipelined ``for`` on the GPU; a ``while`` under the interpreter, whose
     ``range`` cannot take run-time tensor bounds with NumPy >= 2.3 (scalars are 1-element arrays there)."""
-    # BT prefetch (pages holding whole key blocks): the page id of block j + 1 is read during block j (its latency
-    # hides behind block j's math), so block j's K / V addresses do not wait on a dependent global load. The
-    # interpreter runs the same indexing, so CPU tests cover it.
-    PREF: tl.constexpr = BT_PREFETCH and PAGED and PAGE % BLOCK_N == 0
+    # BT prefetch: the page id(s) of block j + 1 are read during block j (their latency hides behind block j's
+    # math), so block j's K / V addresses do not wait on a dependent global load. Pages holding whole key blocks:
+    # one scalar id; pages smaller than (or not dividing) BLOCK_N: the [BLOCK_N] vector of per-key ids, masked to
+    # keys < seq_len. The interpreter runs the same indexing, so CPU tests cover it.
+    PREF: tl.constexpr = BT_PREFETCH and PAGED
     bid = 0
     if PREF:
-        bid = tl.load(bt_row + (j_lo * BLOCK_N) // PAGE, mask=j_lo < j_hi, other=0).to(tl.int64)
+        bid = _bt_ids(bt_row, j_lo, j_lo < j_hi, seq_len, offs_n, BLOCK_N, PAGE, True)
     if INTERPRET:
         j = j_lo
         while j < j_hi:
             bid_next = bid
             if PREF:
-                bid_next = tl.load(bt_row + (tl.minimum(j + 1, j_hi - 1) * BLOCK_N) // PAGE).to(tl.int64)
+                bid_next = _bt_ids(bt_row, tl.minimum(j + 1, j_hi - 1), True, seq_len, offs_n,
+                                   BLOCK_N, PAGE, False)
             acc, l_i, m_i = _attn_block(acc, l_i, m_i, q, j, K, V, bt_row, k_base, k_head, v_head,
                                         stride_kb, stride_kp, stride_vb, stride_vp, seq_len, lo, hi, qk_scale,
                                         offs_n, offs_d, offs_dv, d_mask, dv_mask,
@@ -246,7 +269,8 @@ def _attn_range(acc, l_i, m_i, q, j_lo, j_hi, K, V, bt_row, k_base, k_head, v_he
         for j in range(j_lo, j_hi):
             bid_next = bid
             if PREF:
-                bid_next = tl.load(bt_row + (tl.minimum(j + 1, j_hi - 1) * BLOCK_N) // PAGE).to(tl.int64)
+                bid_next = _bt_ids(bt_row, tl.minimum(j + 1, j_hi - 1), True, seq_len, offs_n,
+                                   BLOCK_N, PAGE, False)
             acc, l_i, m_i = _attn_block(acc, l_i, m_i, q, j, K, V, bt_row, k_base, k_head, v_head,
                                         stride_kb, stride_kp, stride_vb, stride_vp, seq_len, lo, hi, qk_scale,
                                         offs_n, offs_d, offs_dv, d_mask, dv_mask,

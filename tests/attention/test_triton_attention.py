@@ -515,12 +515,13 @@ def test_gpu_cuda_graph_replay_with_changed_flags_lengths_and_block_tables():
         check_close(out, q, kc, vc, lse=lse, **{k: v for k, v in kw.items() if not k.startswith("max_")})
 
 
-@pytest.mark.parametrize("page_size,block_n", [(16, 16), (32, 16), (64, 16), (16, 32)])
+@pytest.mark.parametrize("page_size,block_n", [(16, 16), (32, 16), (64, 16), (16, 32), (8, 32), (24, 16)])
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_block_table_prefetch_equals_the_direct_page_reads(page_size, block_n, num_splits):
     """BT_PREFETCH (the default) reads block j + 1's page id during block j; with pages that are whole multiples
-    of BLOCK_N it must give exactly the direct reads' output (same blocks, same order), for split ranges, windows
-    and permuted pages; pages smaller than BLOCK_N ignore the option."""
+    of BLOCK_N (one scalar page id per block) and with pages smaller than / not dividing BLOCK_N (a vector of
+    per-key page ids per block) it must give exactly the direct reads' output (same blocks, same order), for split
+    ranges, windows and permuted pages."""
     inp = make_batch(seq_lens=[70, 33, 1, 96], q_lens=[6, 33, 1, 20], causal=[False, True, False, False],
                      page_size=page_size, seed=page_size + block_n)
     outs = []
@@ -565,7 +566,8 @@ def _record_loads(monkeypatch):
 
     def hook(self, ptrs, mask, other, *args):
         p = np.asarray(ptrs.data).ravel()
-        m = np.broadcast_to(np.asarray(mask.data), np.asarray(ptrs.data).shape).ravel()
+        # as bool: an integer 0/1 mask array (the interpreter's `&` of int1 values) would index, not select
+        m = np.broadcast_to(np.asarray(mask.data).astype(bool), np.asarray(ptrs.data).shape).ravel()
         reads.append(p[m].astype(np.uint64))
         return orig(self, ptrs, mask, other, *args)
 
@@ -583,7 +585,8 @@ def _span(t):
     (16, 16, True, 1, None, "symmetric"), (16, 16, True, 2, 0, "symmetric"), (32, 16, True, 3, 5, "symmetric"),
     (64, 32, True, 7, 3, "prefix"), (48, 16, True, 1, None, "symmetric"), (48, 16, True, 3, 5, "prefix"),
     (4, 16, True, 2, 0, "symmetric"), (16, 16, False, 3, 5, "symmetric"), (64, 32, False, 1, None, "symmetric"),
-    (48, 16, False, 7, 3, "prefix")])
+    (48, 16, False, 7, 3, "prefix"), (8, 32, True, 3, 5, "prefix"), (24, 16, True, 7, 3, "symmetric"),
+    (4, 16, False, 2, 0, "symmetric")])
 def test_kernel_reads_only_the_used_block_table_entries_and_their_pages(monkeypatch, page_size, block_n,
                                                                        bt_prefetch, num_splits, window, mode):
     """The block-table prefetch (and the direct reads) load only block-table entries of blocks a range uses
