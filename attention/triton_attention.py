@@ -508,7 +508,10 @@ def default_config(head_dim: int, head_dim_v: int, group: int, dtype: torch.dtyp
 #:   (128x128/8w/3s: 3.16 ms / 0.136 ms, but 0.242 vs 0.365 ms on canvas_bs1_ctx32k_hd128).
 #: - hd 512, group 8 (global layers): 128x32, 8 warps, 2 stages, V head dim in two 256 slices:
 #:   mixed_global_ctx8k 2.03 ms (default 64x32 whole-V: 2.93 ms), canvas_bs1_ctx32k_global 1.19 ms.
-_SLIDING_256 = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
+#: - hd 256 sliding, lazy rescaling (bench/results/attention-sweep_hd256-h200.json, e59f24d): mixed_sliding_ctx8k
+#:   0.214 -> 0.203 ms, canvas_bs1_ctx32k_sliding 0.035 -> 0.036 ms (noise level); the other tiles of that sweep
+#:   (64x64/4w, 64x32/4w, 128x32/8w, 64x64/8w, explicit split counts) measured 0.241-0.383 ms / 38-49 us.
+_SLIDING_256 = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2, LAZY_RESCALE=True)
 TUNED_CONFIGS: dict = {
     (256, 2, True, False): _SLIDING_256,
     (256, 2, True, True): _SLIDING_256,
@@ -518,12 +521,13 @@ TUNED_CONFIGS: dict = {
 
 
 #: Tuned tiles for the split-KV regime {(head_dim, group, has_window, prefix): config}: used instead of the base
-#: tiles when those would split the keys (few q tiles over a long context; host shapes only), from the same sweep:
-#: - hd 128, group 2, no window: 128x128, 8 warps, 3 stages: canvas_bs1_ctx32k_hd128 0.242 ms at 4 splits
-#:   (the base 64x64/4w/3s: 0.365 ms at 2 splits); prefill16k / canvas_bs4 keep the base tiles (no split there).
-TUNED_SPLIT_CONFIGS: dict = {
-    (128, 2, False, False): dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
-}
+#: tiles when those would split the keys (few q tiles over a long context; host shapes only). Empty at present:
+#: hd 128 had 128x128 / 8 warps / 3 stages here (canvas_bs1_ctx32k_hd128 0.242 ms vs the base 64x64 / 4 warps at
+#: 2 splits, 0.365 ms, sweep at 60a1efe); once the split count counted two resident 4-warp programs per SM
+#: (:func:`ctas_per_sm`) and blocks spanning two pages got the block-table prefetch, the base tiles at 4 splits
+#: measured 0.167 ms vs 0.193 ms for 128x128 and 0.172 ms for 128x64 / 8 warps (attention-sweep_hd128-h200.json,
+#: e59f24d).
+TUNED_SPLIT_CONFIGS: dict = {}
 
 
 @dataclass(frozen=True)
@@ -637,17 +641,31 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b1 and b0 < a1
 
 
-def choose_num_splits(n_programs: int, key_capacity: int, block_n: int, num_sms: int) -> int:
+def ctas_per_sm(block_m: int, block_n: int, num_warps: int, num_stages: int, head_dim: int, head_dim_v: int,
+                itemsize: int) -> int:
+    """Estimated resident programs per SM (H100 / H200: 64 K registers, 227 KB shared memory per SM).
+
+    The kernels use ~255 registers per thread (so ``8 // num_warps`` programs fit the register file) and
+    shared memory for the Q tile plus ``num_stages`` K and V blocks. Host shapes only (no compiled binary).
+    """
+    smem = (block_m * head_dim + num_stages * block_n * (head_dim + head_dim_v)) * itemsize
+    return max(1, min(8 // max(1, num_warps), (227 * 1024) // max(1, smem)))
+
+
+def choose_num_splits(n_programs: int, key_capacity: int, block_n: int, num_sms: int, ctas: int = 1) -> int:
     """Split-KV count from host-known shapes only: split when the grid fills less than half a wave.
 
     ``n_programs`` = (real) q tiles x KV heads x V slices; ``key_capacity`` = max keys of a sequence
-    (max_seqlen_k, or the block table's capacity). The split count keeps the grid within one wave
-    (``n_programs * splits <= num_sms``: one CTA per SM for the big tiles) and >= 8 key blocks per split.
+    (max_seqlen_k, or the block table's capacity); ``ctas`` = programs resident per SM (:func:`ctas_per_sm`).
+    The split count keeps the grid within one wave (``n_programs * splits <= num_sms * ctas``) and >= 8 key
+    blocks per split. H200, canvas_bs1_ctx32k_hd128 with 64x64 tiles / 4 warps (2 programs per SM): 4 splits
+    0.167 ms, 2 splits (the one-program-per-SM wave) 0.365 ms, 8 splits 0.175 ms.
     """
-    if n_programs <= 0 or 2 * n_programs > num_sms:
+    slots = num_sms * max(1, int(ctas))
+    if n_programs <= 0 or 2 * n_programs > slots:
         return 1
     by_len = key_capacity // (8 * block_n)
-    return int(max(1, min(num_sms // n_programs, by_len, 64)))
+    return int(max(1, min(slots // n_programs, by_len, 64)))
 
 
 def attention_triton(
@@ -749,7 +767,10 @@ def attention_triton(
         # split-regime tiles instead (host shapes only; a graph replays the config it was captured with)
         bq0 = cfg["BLOCK_M"] // gp
         n_dv0 = -(-max(16, _next_pow2(DV)) // cfg["BLOCK_DV"])
-        if choose_num_splits(-(-total_q // bq0) * Hkv * n_dv0, kcap, cfg["BLOCK_N"], _num_sms(q.device)) > 1:
+        ctas0 = ctas_per_sm(cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"], D, DV,
+                            q.element_size())
+        if choose_num_splits(-(-total_q // bq0) * Hkv * n_dv0, kcap, cfg["BLOCK_N"], _num_sms(q.device),
+                             ctas0) > 1:
             cfg = kern.config(dict(split_cfg, **(config or {})))
     BM, BN = cfg["BLOCK_M"], cfg["BLOCK_N"]
     BQ = BM // gp
@@ -761,7 +782,8 @@ def attention_triton(
     ns = cfg.get("num_splits")
     if ns is None:
         real_tiles = -(-total_q // BQ)  # exact for one sequence; the +B virtual tiles mostly exit
-        ns = choose_num_splits(real_tiles * Hkv * n_dv, kcap, BN, _num_sms(q.device))
+        ns = choose_num_splits(real_tiles * Hkv * n_dv, kcap, BN, _num_sms(q.device),
+                               ctas_per_sm(BM, BN, cfg["num_warps"], cfg["num_stages"], D, DV, q.element_size()))
 
     # the kernel indexes metadata as dense 1-D arrays (block_table rows by stride(0), columns densely):
     # strided views get a dense copy (a device copy, no host sync; capturable)
@@ -824,5 +846,5 @@ def attention_triton(
     return (out, lse) if return_lse else out
 
 
-__all__ = ["attention_triton", "default_config", "choose_num_splits", "get_kernel", "TritonAttention",
-           "TUNED_CONFIGS", "TUNED_SPLIT_CONFIGS"]
+__all__ = ["attention_triton", "default_config", "choose_num_splits", "ctas_per_sm", "get_kernel",
+           "TritonAttention", "TUNED_CONFIGS", "TUNED_SPLIT_CONFIGS"]

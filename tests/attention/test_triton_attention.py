@@ -291,6 +291,20 @@ def test_split_heuristic_uses_only_host_shapes():
     assert choose_num_splits(40, 33000, 64, 132) > 1  # one canvas over 32k: split
     assert choose_num_splits(400, 33000, 64, 132) == 1  # enough programs
     assert choose_num_splits(10, 100, 64, 132) == 1  # too few keys to split
+    # resident programs per SM: 64 programs of 4 warps fill 128 of 264 slots -> 4 splits (one wave of 2 per SM)
+    assert choose_num_splits(64, 33000, 64, 132, ctas=2) == 4
+    assert choose_num_splits(64, 33000, 64, 132, ctas=1) == 2
+    assert choose_num_splits(256, 4096, 64, 132, ctas=2) == 1  # canvas_bs4_ctx4k_hd128: a full wave already
+
+
+def test_resident_programs_per_sm_estimate():
+    """Registers (~255 per thread: 8 // num_warps programs) and shared memory (Q + stages x (K + V)) bound it."""
+    from blockdiff.attention.triton_attention import ctas_per_sm
+
+    assert ctas_per_sm(64, 64, 4, 3, 128, 128, 2) == 2     # 112 KB, 4 warps
+    assert ctas_per_sm(128, 64, 8, 2, 256, 256, 2) == 1    # 8 warps
+    assert ctas_per_sm(64, 64, 4, 2, 256, 256, 2) == 1     # 160 KB of shared memory
+    assert ctas_per_sm(16, 16, 1, 1, 16, 16, 4) == 8
     cfg = default_config(512, 512, 8, torch.bfloat16)
     assert cfg["BLOCK_M"] >= 8 and cfg["BLOCK_DV"] == 512
 
