@@ -518,8 +518,10 @@ def default_config(head_dim: int, head_dim_v: int, group: int, dtype: torch.dtyp
 #: bench/results/triton_sweep-h200.json (CUDA-graph medians, page 64, kernel of commit 60a1efe):
 #: - hd 256, group 2, window (sliding layers, both modes): 128x64, 8 warps, 2 stages: mixed_sliding_ctx8k
 #:   0.247 ms (default 64x64/8w: 0.451), canvas_bs1_ctx32k_sliding 40 us (64x32/4w: 0.240 ms / 54 us).
-#: - hd 128, group 2, no window: 64x64, 4 warps, 3 stages: prefill16k 2.94 ms, canvas_bs4 0.118 ms
-#:   (128x128/8w/3s: 3.16 ms / 0.136 ms, but 0.242 vs 0.365 ms on canvas_bs1_ctx32k_hd128).
+#: - hd 128, group 2, no window: 128x64, 8 warps, 4 stages (re-swept after the block-table prefetch,
+#:   attention-sweep_prefill-h200.json / attention-sweep_hd128b-h200.json, acc9a38 / c24ce39): prefill16k 2.331 ms
+#:   (64x64/4w/3s, the earlier choice: 2.437; 128x64/8w/3s 2.352; 128x128/8w/3s 2.911), canvas_bs4 0.092 ms
+#:   (64x64/4w/3s 0.090). The split regime keeps 64x64/4w/3s (TUNED_SPLIT_CONFIGS).
 #: - hd 512, group 8 (global layers): 128x32, 8 warps, 2 stages, V head dim in two 256 slices:
 #:   mixed_global_ctx8k 2.03 ms (default 64x32 whole-V: 2.93 ms), canvas_bs1_ctx32k_global 1.19 ms.
 #: - hd 256 sliding, lazy rescaling (bench/results/attention-sweep_hd256-h200.json, e59f24d): mixed_sliding_ctx8k
@@ -529,19 +531,20 @@ _SLIDING_256 = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2, LAZY_RES
 TUNED_CONFIGS: dict = {
     (256, 2, True, False): _SLIDING_256,
     (256, 2, True, True): _SLIDING_256,
-    (128, 2, False, False): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
+    (128, 2, False, False): dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=4),
     (512, 8, False, False): dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=2, BLOCK_DV=256),
 }
 
 
 #: Tuned tiles for the split-KV regime {(head_dim, group, has_window, prefix): config}: used instead of the base
-#: tiles when those would split the keys (few q tiles over a long context; host shapes only). Empty at present:
-#: hd 128 had 128x128 / 8 warps / 3 stages here (canvas_bs1_ctx32k_hd128 0.242 ms vs the base 64x64 / 4 warps at
-#: 2 splits, 0.365 ms, sweep at 60a1efe); once the split count counted two resident 4-warp programs per SM
-#: (:func:`ctas_per_sm`) and blocks spanning two pages got the block-table prefetch, the base tiles at 4 splits
-#: measured 0.167 ms vs 0.193 ms for 128x128 and 0.172 ms for 128x64 / 8 warps (attention-sweep_hd128-h200.json,
-#: e59f24d).
-TUNED_SPLIT_CONFIGS: dict = {}
+#: tiles when those would split the keys (few q tiles over a long context; host shapes only):
+#: - hd 128, group 2, no window: 64x64, 4 warps, 3 stages (two programs per SM, :func:`ctas_per_sm`):
+#:   canvas_bs1_ctx32k_hd128 at 4 splits 0.159 ms vs 0.164 for the base 128x64/8w/4s (c24ce39); before the
+#:   block-table prefetch of two-page blocks and the resident-program split count this entry was 128x128/8w/3s
+#:   (0.242 ms at 60a1efe; 0.193 ms with the prefetch, e59f24d).
+TUNED_SPLIT_CONFIGS: dict = {
+    (128, 2, False, False): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
+}
 
 
 @dataclass(frozen=True)
