@@ -72,6 +72,22 @@ Predictions (H200, bf16; ceilings ~790 TFLOP/s dense bf16, ~4.3 TB/s; FLOPs = 4 
 * ``canvas_bs1_ctx32k_sliding``: 256 rows x ~1150 keys -> 4.8 GFLOP, 10.5 MB of K/V: ~8-15 us, launch and
   latency bound (two kernels with the merge).
 * ``prefill16k_hd128``: 134 M pairs x 8192 FLOP = 1.1 TFLOP; at 450 TFLOP/s ~2.4 ms (target 2.47 ms).
+
+Measured (H200, CUDA-graph medians, paged KV page 64, same run as FA4 at b0f955f:
+bench/results/attention-targets-h200.json; kernel / merge split from torch.profiler at c24ce39)
+------------------------------------------------------------------------------------------------
+* ``mixed_sliding_ctx8k`` 0.205 ms, 361 TFLOP/s (FA4 0.165 paged / 0.164 contiguous): ~8 % above the prediction;
+  128-row tiles of 8 warps hold one program per SM at 255 registers, and the 608 programs make 4.6 waves.
+* ``mixed_global_ctx8k`` 2.07 ms, 235 TFLOP/s: about half the predicted rate. hd 512 keeps 128 x 256 fp32
+  accumulator elements per V slice in registers (255 per thread, one program per SM) and recomputes QK^T for
+  each of the two V slices; lazy rescaling does not move it (2.05 vs 2.04 ms, attention-sweep_global-h200.json).
+* ``canvas_bs1_ctx32k_hd128`` 0.160 ms: the attention kernel 154 us (446 TFLOP/s) + the merge 3.8 us, inside
+  the predicted band. Upstream Triton on Hopper has no warp specialisation for this loop (the published
+  non-specialised hd-128 forward tops out near 490 TFLOP/s on an H100), which bounds this shape near 0.15 ms.
+* ``canvas_bs1_ctx32k_sliding`` 32 us: the kernel 21.4 us (256 programs of ~5 key blocks: latency of the Q
+  load and pipeline fill per program dominates), the merge 4.5 us (4 splits x 4 MB of fp32 partials), two
+  launches. Twice the 8-15 us predicted.
+* ``prefill16k_hd128`` 2.38 ms, 463 TFLOP/s, as predicted.
 """
 from __future__ import annotations
 
