@@ -334,6 +334,72 @@ def test_split_regime_uses_its_tuned_tiles_only_when_the_base_tiles_would_split(
         kern.split_base = old
 
 
+
+def _merge_oracle(opart, lsepart):
+    """out = sum_s exp(lse_s - lse) o_s, lse = logsumexp_s lse_s (rows whose splits are all empty: 0, -inf)."""
+    lse = torch.logsumexp(lsepart, 0)                                     # [H, T]
+    w = torch.exp(lsepart - torch.where(torch.isinf(lse), 0.0, lse))     # [S, H, T]; 0 for empty splits
+    return (opart * w.permute(0, 2, 1)[..., None]).sum(0), lse
+
+
+@pytest.mark.parametrize("ns,T,H,DV,dtype", [(3, 7, 3, 40, torch.float32), (64, 5, 2, 24, torch.bfloat16),
+                                              (2, 33, 1, 16, torch.float16), (5, 3, 1, 600, torch.float32)])
+def test_split_merge_equals_a_logsumexp_merge_of_the_partials(ns, T, H, DV, dtype):
+    """The split-KV merge (BLOCK_R rows per program, two passes over the splits) against torch.logsumexp: empty
+    splits (lse -inf, o 0), rows empty in every split (out 0, lse -inf), a row count that is not a multiple of
+    BLOCK_R, head_dim_v not a power of two, an out view with strided rows (columns around it stay untouched)."""
+    import triton
+
+    from blockdiff.attention.triton_attention import _merge_kernel, _next_pow2
+
+    g = torch.Generator().manual_seed(ns * 1000 + DV)
+    opart = torch.randn(ns, T, H, DV, generator=g)
+    lsepart = torch.randn(ns, H, T, generator=g) * 4
+    empty = torch.rand(ns, H, T, generator=g) < 0.4
+    empty[:, 0, T - 1] = True                                             # a row with no key in any split
+    lsepart[empty] = float("-inf")
+    opart[empty.permute(0, 2, 1)] = 0.0
+    big = torch.full((T, H, DV + 9), float("nan"), dtype=dtype)
+    out = big[:, :, 3:3 + DV]
+    lse = torch.full((H, T), float("nan"))
+    bdv = max(16, _next_pow2(DV))
+    block_r = max(1, min(64, 4096 // bdv))                                # as attention_triton launches it
+    assert (T * H) % block_r != 0
+    _merge_kernel[(triton.cdiv(T * H, block_r),)](
+        opart, lsepart, out, lse, T, H, T * H, out.stride(0), out.stride(1), NUM_SPLITS=ns, DV=DV, BLOCK_DV=bdv,
+        BLOCK_R=block_r, STORE_LSE=True, INTERPRET=True, num_warps=4)
+    ref_o, ref_lse = _merge_oracle(opart, lsepart)
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -7
+    torch.testing.assert_close(out.float(), ref_o, rtol=tol, atol=tol)
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)) and not torch.isnan(lse).any()
+    torch.testing.assert_close(lse[~torch.isinf(lse)], ref_lse[~torch.isinf(ref_lse)], rtol=0, atol=1e-5)
+    assert (out[T - 1, 0] == 0).all()
+    assert torch.isnan(big[:, :, :3]).all() and torch.isnan(big[:, :, 3 + DV:]).all()
+
+
+@pytest.mark.parametrize("page_size,num_splits,window,mode", [(3, 64, None, "symmetric"), (5, 7, 4, "prefix"),
+                                                             (1, 4, 4, "symmetric")])
+def test_split_counts_up_to_64_equal_one_split_for_odd_head_dim_v_into_a_strided_out(page_size, num_splits,
+                                                                                     window, mode):
+    """End to end through the merge: head_dim_v 40 (not a power of two), GQA 3, (token, head) rows not a multiple
+    of the merge's BLOCK_R, pages not dividing BLOCK_N (the vector block-table prefetch), windows in both modes,
+    return_lse, and an out view with strided rows; equal to num_splits=1 and to the oracle."""
+    inp = make_batch(seq_lens=[61, 0, 9, 23], q_lens=[5, 0, 9, 3], num_causal_q=[2, 0, 9, 0], H=3, Hkv=1, D=24,
+                     Dv=40, page_size=page_size, seed=page_size)
+    kw = dict(window_size=window, bidirectional_window=mode)
+    one, lse1 = attention_triton(**inp, config=dict(SMALL, num_splits=1), return_lse=True, **kw)
+    total_q = one.shape[0]
+    big = torch.full((total_q, 3, 56), float("nan"), dtype=one.dtype, device=one.device)
+    view = big[:, :, 8:48]
+    many, lsen = attention_triton(**inp, config=dict(SMALL, num_splits=num_splits), out=view, return_lse=True, **kw)
+    from blockdiff.attention.triton_attention import LAST_LAUNCH
+
+    assert many.data_ptr() == view.data_ptr() and LAST_LAUNCH["num_splits"] == num_splits
+    assert torch.isnan(big[:, :, :8]).all() and torch.isnan(big[:, :, 48:]).all()
+    check_close(many.cpu(), **{k: v.cpu() for k, v in inp.items()}, lse=lsen.cpu(), **kw)
+    torch.testing.assert_close(many.float(), one.float(), rtol=0, atol=2 ** -7)
+    torch.testing.assert_close(lsen, lse1, rtol=0, atol=1e-5)
+
 # ---------------------------------------------------------------- fuzzing
 
 
