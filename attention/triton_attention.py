@@ -679,7 +679,9 @@ def ctas_per_sm(block_m: int, block_n: int, num_warps: int, num_stages: int, hea
     """Estimated resident programs per SM (H100 / H200: 64 K registers, 227 KB shared memory per SM).
 
     The kernels use ~255 registers per thread (so ``8 // num_warps`` programs fit the register file) and
-    shared memory for the Q tile plus ``num_stages`` K and V blocks. Host shapes only (no compiled binary).
+    shared memory for the Q tile plus ``num_stages`` K and V blocks. ``head_dim`` / ``head_dim_v``: the widths
+    of those tiles (:func:`attention_triton` passes BLOCK_D, the head dim padded to a power of two, and
+    BLOCK_DV, the V slice of one program). Host shapes only (no compiled binary).
     """
     smem = (block_m * head_dim + num_stages * block_n * (head_dim + head_dim_v)) * itemsize
     return max(1, min(8 // max(1, num_warps), (227 * 1024) // max(1, smem)))
@@ -800,8 +802,8 @@ def attention_triton(
         # split-regime tiles instead (host shapes only; a graph replays the config it was captured with)
         bq0 = cfg["BLOCK_M"] // gp
         n_dv0 = -(-max(16, _next_pow2(DV)) // cfg["BLOCK_DV"])
-        ctas0 = ctas_per_sm(cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"], D, DV,
-                            q.element_size())
+        ctas0 = ctas_per_sm(cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"],
+                            max(16, _next_pow2(D)), cfg["BLOCK_DV"], q.element_size())
         if choose_num_splits(-(-total_q // bq0) * Hkv * n_dv0, kcap, cfg["BLOCK_N"], _num_sms(q.device),
                              ctas0) > 1:
             cfg = kern.config(dict(split_cfg, **(config or {})))
@@ -816,7 +818,7 @@ def attention_triton(
     if ns is None:
         real_tiles = -(-total_q // BQ)  # exact for one sequence; the +B virtual tiles mostly exit
         ns = choose_num_splits(real_tiles * Hkv * n_dv, kcap, BN, _num_sms(q.device),
-                               ctas_per_sm(BM, BN, cfg["num_warps"], cfg["num_stages"], D, DV, q.element_size()))
+                               ctas_per_sm(BM, BN, cfg["num_warps"], cfg["num_stages"], BD, BDV, q.element_size()))
 
     # the kernel indexes metadata as dense 1-D arrays (block_table rows by stride(0), columns densely):
     # strided views get a dense copy (a device copy, no host sync; capturable)

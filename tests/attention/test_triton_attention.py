@@ -309,6 +309,20 @@ def test_resident_programs_per_sm_estimate():
     assert cfg["BLOCK_M"] >= 8 and cfg["BLOCK_DV"] == 512
 
 
+def test_resident_program_estimate_sees_the_kernels_tile_widths(monkeypatch):
+    """The split count's shared-memory estimate is given the widths the kernel's tiles have: the head dim padded
+    to a power of two (24 -> 32) and the V slice of one program (BLOCK_DV 16 of head_dim_v 40), not the raw
+    head dims (which under-count padded tiles and over-count V-sliced ones)."""
+    from blockdiff.attention import triton_attention as ta
+
+    seen = []
+    real = ta.ctas_per_sm
+    monkeypatch.setattr(ta, "ctas_per_sm", lambda *a: seen.append(a) or real(*a))
+    inp = make_batch(seq_lens=[14, 6], q_lens=[4, 6], causal=[False, True], D=24, Dv=40, H=4, Hkv=2)
+    run_and_check(inp, config=dict(SMALL, BLOCK_DV=16), window_size=3)
+    assert seen and all(a[4:6] == (32, 16) for a in seen), seen
+
+
 def test_split_regime_uses_its_tuned_tiles_only_when_the_base_tiles_would_split():
     """A kernel with split-regime tiles (TUNED_SPLIT_CONFIGS; here set on an interpreter kernel) uses them for a
     few q tiles over a long context and keeps the base tiles otherwise or when the caller pins tiles; results
