@@ -486,6 +486,7 @@ def _merge_kernel(OPART, LSEPART, O, LSE, total_q, num_heads, n_rows, stride_ot,
 _CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "num_splits", "BLOCK_DV", "LAZY_RESCALE",
                 "BT_PREFETCH")
 _DEVICE_SMS: dict = {}
+_MAX_SPLITS = 65535  # num_splits is grid dimension z (CUDA: at most 65535)
 
 
 def _next_pow2(x: int) -> int:
@@ -628,8 +629,9 @@ class TritonAttention:
             raise ValueError(f"config['BT_PREFETCH'] must be a bool, got {cfg['BT_PREFETCH']!r}")
         cfg.setdefault("BT_PREFETCH", True)   # H200: prefill16k_hd128 paged 2.909 -> 2.430 ms (see _attn_range)
         ns = cfg.get("num_splits")
-        if ns is not None and (isinstance(ns, bool) or not isinstance(ns, int) or ns < 1):
-            raise ValueError(f"config['num_splits'] must be an int >= 1 or None, got {ns!r}")
+        if ns is not None and (isinstance(ns, bool) or not isinstance(ns, int) or not 1 <= ns <= _MAX_SPLITS):
+            raise ValueError(f"config['num_splits'] must be an int in [1, {_MAX_SPLITS}] (the launch grid's third "
+                             f"dimension) or None, got {ns!r}")
         for name in ("num_warps", "num_stages"):
             v = cfg[name]
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:

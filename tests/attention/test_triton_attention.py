@@ -323,6 +323,14 @@ def test_resident_program_estimate_sees_the_kernels_tile_widths(monkeypatch):
     assert seen and all(a[4:6] == (32, 16) for a in seen), seen
 
 
+def test_num_splits_beyond_the_grid_limit_is_a_clear_error():
+    """num_splits is the launch grid's third dimension (CUDA: <= 65535): more is a ValueError naming it, not a
+    launch failure after allocating num_splits x total_q x H x head_dim_v fp32 partials."""
+    inp = make_batch(seq_lens=[8], q_lens=[8], causal=[True], page_size=16)
+    with pytest.raises(ValueError, match=r"num_splits.*65535"):
+        attention_triton(**inp, config=dict(SMALL, num_splits=65536))
+
+
 def test_split_regime_uses_its_tuned_tiles_only_when_the_base_tiles_would_split():
     """A kernel with split-regime tiles (TUNED_SPLIT_CONFIGS; here set on an interpreter kernel) uses them for a
     few q tiles over a long context and keeps the base tiles otherwise or when the caller pins tiles; results
