@@ -84,9 +84,9 @@ bench/results/attention-targets-h200.json; kernel / merge split from torch.profi
 * ``canvas_bs1_ctx32k_hd128`` 0.160 ms: the attention kernel 154 us (446 TFLOP/s) + the merge 3.8 us, inside
   the predicted band. Upstream Triton on Hopper has no warp specialisation for this loop (the published
   non-specialised hd-128 forward tops out near 490 TFLOP/s on an H100), which bounds this shape near 0.15 ms.
-* ``canvas_bs1_ctx32k_sliding`` 32 us: the kernel 21.4 us (256 programs of ~5 key blocks: latency of the Q
-  load and pipeline fill per program dominates), the merge 4.5 us (4 splits x 4 MB of fp32 partials), two
-  launches. Twice the 8-15 us predicted.
+* ``canvas_bs1_ctx32k_sliding`` 32 us: the kernel 21.4 us (128 working programs = 4 q tiles x 8 KV heads x 4
+  splits, of ~5 key blocks each: latency of the Q load and pipeline fill per program dominates), the merge
+  4.5 us (4 splits x 4 MB of fp32 partials), two launches. Twice the 8-15 us predicted.
 * ``prefill16k_hd128`` 2.38 ms, 463 TFLOP/s, as predicted.
 """
 from __future__ import annotations
@@ -696,7 +696,8 @@ def choose_num_splits(n_programs: int, key_capacity: int, block_n: int, num_sms:
     (max_seqlen_k, or the block table's capacity); ``ctas`` = programs resident per SM (:func:`ctas_per_sm`).
     The split count keeps the grid within one wave (``n_programs * splits <= num_sms * ctas``) and >= 8 key
     blocks per split. H200, canvas_bs1_ctx32k_hd128 with 64x64 tiles / 4 warps (2 programs per SM): 4 splits
-    0.167 ms, 2 splits (the one-program-per-SM wave) 0.365 ms, 8 splits 0.175 ms.
+    0.167 ms, 8 splits 0.175 ms (e59f24d, attention-sweep_hd128-h200.json); 2 splits (the one-program-per-SM
+    wave) was measured only at 60a1efe, before the block-table prefetch: 0.365 ms (triton_sweep-h200.json).
     """
     slots = num_sms * max(1, int(ctas))
     if n_programs <= 0 or 2 * n_programs > slots:
@@ -873,7 +874,7 @@ def attention_triton(
     LAST_LAUNCH.update(kernel=handle, num_splits=ns, grid=grid, config=cfg)
     if ns > 1:
         bdv_m = max(16, _next_pow2(DV))
-        block_r = max(1, min(64, 4096 // bdv_m))  # 4096 fp32 partial elements per program per split
+        block_r = max(1, min(64, 4096 // bdv_m))  # <= 4096 fp32 partial elements per program per split
         n_rows = total_q * H
         _merge_kernel[(triton.cdiv(n_rows, block_r),)](
             opart, lsepart, dst, lse_arg, total_q, H, n_rows, dst.stride(0), dst.stride(1),
