@@ -34,10 +34,11 @@ Design
   casts round to nearest even by hand (the interpreter multiplies bf16 bit patterns and truncates casts).
 * **No recompiles per step.** Per-step integers (total_q, B, tile count, window, split count) are excluded from
   Triton's integer specialization; binary-search steps are rounded up to a multiple of 4.
-* **Split-KV.** For few long sequences (e.g. one 256-token canvas over 32k context: 5 tiles x 8 KV heads)
-  the key-block range of each tile is cut into ``num_splits`` chunks (chosen from host shapes: programs vs
-  SM count and the key capacity). Partials (normalised out in fp32 + LSE) are merged exactly by a second small
-  kernel. ``num_splits = 1`` writes ``out`` directly.
+* **Split-KV.** For few long sequences (e.g. one 256-token canvas over 32k context: 8 tiles of 64 rows x 8 KV
+  heads = 64 programs) the key-block range of each tile is cut into ``num_splits`` chunks (chosen from host
+  shapes: programs vs resident-program slots, SM count x :func:`ctas_per_sm`, and the key capacity; 4 there).
+  Partials (normalised out in fp32 + LSE) are merged exactly by a second small kernel. ``num_splits = 1``
+  writes ``out`` directly.
 * **head_dim 512** (Gemma 4 global layers, 2 KV heads for 16 q heads). Either the whole V head dim per program
   (``BLOCK_M 64, BLOCK_N 32``, 8 warps: the fp32 accumulator is 64x512 = 128 registers/thread) or
   ``BLOCK_DV < head_dim_v`` splits the V head dim across programs (QK^T recomputed per V slice).
@@ -63,7 +64,7 @@ Predictions (H200, bf16; ceilings ~790 TFLOP/s dense bf16, ~4.3 TB/s; FLOPs = 4 
 ------------------------------------------------------------------------------------------
 * ``mixed_sliding_ctx8k`` (hd 256, H 16/8, W 1023): ~4.5 M allowed pairs/head -> 74 GFLOP; K/V read
   ~ (4096 + 3 x 1280) keys x 8 heads x 256 x 2 B x 2 = 33 MB (~8 us). Compute bound: at ~400 TFLOP/s
-  effective ~0.19 ms (target 0.205 ms). Tiles 64 rows = 32 tokens x 2 heads; boundary blocks are ~2 of ~18.
+  effective ~0.19 ms (target 0.205 ms). Boundary (masked) blocks are ~2-3 of ~18 per tile.
 * ``mixed_global_ctx8k`` (hd 512, H 16/2, no window): pairs ~ 8.4 M (prefill) + 3 x 256 x 8.4 k -> ~15 M x
   4 x 16 x 512 = 0.49 TFLOP; at ~450 TFLOP/s -> ~1.1 ms. The hardest shape for Triton (register pressure).
 * ``canvas_bs1_ctx32k_hd128``: 256 x 33 k pairs x 4 x 16 x 128 = 68.7 GFLOP, K/V 134 MB (~31 us at
@@ -81,9 +82,10 @@ bench/results/attention-targets-h200.json; kernel / merge split from torch.profi
 * ``mixed_global_ctx8k`` 2.07 ms, 235 TFLOP/s: about half the predicted rate. hd 512 keeps 128 x 256 fp32
   accumulator elements per V slice in registers (255 per thread, one program per SM) and recomputes QK^T for
   each of the two V slices; lazy rescaling does not move it (2.05 vs 2.04 ms, attention-sweep_global-h200.json).
-* ``canvas_bs1_ctx32k_hd128`` 0.160 ms: the attention kernel 154 us (446 TFLOP/s) + the merge 3.8 us, inside
-  the predicted band. Upstream Triton on Hopper has no warp specialisation for this loop (the published
-  non-specialised hd-128 forward tops out near 490 TFLOP/s on an H100), which bounds this shape near 0.15 ms.
+* ``canvas_bs1_ctx32k_hd128`` 0.160 ms: the attention kernel 154 us (~450 TFLOP/s) + the merge 3.8 us, inside
+  the predicted band. Upstream Triton on Hopper has no warp specialisation for this loop; the non-specialised
+  tutorial forward, hd 128, reaches 487 TFLOP/s at 16 k on an H100 (baseline table of facebookexperimental/triton
+  PR 205), which bounds this shape near 0.15 ms.
 * ``canvas_bs1_ctx32k_sliding`` 32 us: the kernel 21.4 us (128 working programs = 4 q tiles x 8 KV heads x 4
   splits, of ~5 key blocks each: latency of the Q load and pipeline fill per program dominates), the merge
   4.5 us (4 splits x 4 MB of fp32 partials), two launches. Twice the 8-15 us predicted.
@@ -689,6 +691,13 @@ def ctas_per_sm(block_m: int, block_n: int, num_warps: int, num_stages: int, hea
     return max(1, min(8 // max(1, num_warps), (227 * 1024) // max(1, smem)))
 
 
+def _tile_estimate(total_q: int, num_seqs: int, block_q: int) -> int:
+    """Working q tiles of a batch from host ints: ``cdiv(total_q, BLOCK_Q)`` (exact for one sequence), and at
+    least ``min(B, total_q)`` since every non-empty sequence starts its own tile (many short sequences: 100
+    one-token rows are 100 tiles, not 7 of 16 tokens; counting 7 split an already full grid)."""
+    return max(-(-total_q // block_q), min(num_seqs, total_q))
+
+
 def choose_num_splits(n_programs: int, key_capacity: int, block_n: int, num_sms: int, ctas: int = 1) -> int:
     """Split-KV count from host-known shapes only: split when the grid fills less than half a wave.
 
@@ -807,8 +816,8 @@ def attention_triton(
         n_dv0 = -(-max(16, _next_pow2(DV)) // cfg["BLOCK_DV"])
         ctas0 = ctas_per_sm(cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"],
                             max(16, _next_pow2(D)), cfg["BLOCK_DV"], q.element_size())
-        if choose_num_splits(-(-total_q // bq0) * Hkv * n_dv0, kcap, cfg["BLOCK_N"], _num_sms(q.device),
-                             ctas0) > 1:
+        if choose_num_splits(_tile_estimate(total_q, B, bq0) * Hkv * n_dv0, kcap, cfg["BLOCK_N"],
+                             _num_sms(q.device), ctas0) > 1:
             cfg = kern.config(dict(split_cfg, **(config or {})))
     BM, BN = cfg["BLOCK_M"], cfg["BLOCK_N"]
     BQ = BM // gp
@@ -819,8 +828,7 @@ def attention_triton(
 
     ns = cfg.get("num_splits")
     if ns is None:
-        real_tiles = -(-total_q // BQ)  # exact for one sequence; the +B virtual tiles mostly exit
-        ns = choose_num_splits(real_tiles * Hkv * n_dv, kcap, BN, _num_sms(q.device),
+        ns = choose_num_splits(_tile_estimate(total_q, B, BQ) * Hkv * n_dv, kcap, BN, _num_sms(q.device),
                                ctas_per_sm(BM, BN, cfg["num_warps"], cfg["num_stages"], BD, BDV, q.element_size()))
 
     # the kernel indexes metadata as dense 1-D arrays (block_table rows by stride(0), columns densely):

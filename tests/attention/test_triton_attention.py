@@ -323,6 +323,24 @@ def test_resident_program_estimate_sees_the_kernels_tile_widths(monkeypatch):
     assert seen and all(a[4:6] == (32, 16) for a in seen), seen
 
 
+def test_many_short_sequences_do_not_split_a_full_grid():
+    """The automatic split count counts every non-empty sequence as at least one q tile: 150 one-token rows with a
+    4096-key capacity are 150 tiles x 2 KV heads = 300 programs (more than 264 slots: no split); estimating
+    cdiv(150, BLOCK_Q) = 19 tiles split them 6 ways."""
+    from blockdiff.attention import triton_attention as ta
+
+    n = 150
+    inp = make_batch(seq_lens=[40] * n, q_lens=[1] * n, causal=[False] * n, H=4, Hkv=2, D=16, page_size=16)
+    bt = inp["block_table"]   # a block table of 256 pages per row (capacity 4096 keys, as a serving cache has)
+    inp["block_table"] = torch.cat([bt, torch.zeros(bt.shape[0], 256 - bt.shape[1], dtype=bt.dtype,
+                                                    device=bt.device)], 1)
+    run_and_check(inp, config=SMALL)
+    assert ta.LAST_LAUNCH["num_splits"] == 1
+    one = make_batch(seq_lens=[2000], q_lens=[16], causal=[False], H=4, Hkv=2, D=16, page_size=16)
+    run_and_check(one, config=SMALL)                      # one sequence over a long context still splits
+    assert ta.LAST_LAUNCH["num_splits"] > 1
+
+
 def test_num_splits_beyond_the_grid_limit_is_a_clear_error():
     """num_splits is the launch grid's third dimension (CUDA: <= 65535): more is a ValueError naming it, not a
     launch failure after allocating num_splits x total_q x H x head_dim_v fp32 partials."""
