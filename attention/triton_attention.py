@@ -808,17 +808,19 @@ def attention_triton(
     else:
         kcap = k_cache.shape[0]
     split_cfg = kern.split_base
+
+    def auto_splits(c: dict) -> int:  # the automatic split count of tile config c for this batch (host ints)
+        n_dv_c = -(-max(16, _next_pow2(DV)) // c["BLOCK_DV"])
+        ctas = ctas_per_sm(c["BLOCK_M"], c["BLOCK_N"], c["num_warps"], c["num_stages"], max(16, _next_pow2(D)),
+                           c["BLOCK_DV"], q.element_size())
+        return choose_num_splits(_tile_estimate(total_q, B, c["BLOCK_M"] // gp) * Hkv * n_dv_c, kcap, c["BLOCK_N"],
+                                 _num_sms(q.device), ctas)
+
     if split_cfg is not None and not (config and set(config) & {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}) \
-            and cfg.get("num_splits") is None:
+            and cfg.get("num_splits") is None and auto_splits(cfg) > 1:
         # decode-like regime (the base tiles would split the keys: few q tiles over a long context): the tuned
         # split-regime tiles instead (host shapes only; a graph replays the config it was captured with)
-        bq0 = cfg["BLOCK_M"] // gp
-        n_dv0 = -(-max(16, _next_pow2(DV)) // cfg["BLOCK_DV"])
-        ctas0 = ctas_per_sm(cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"],
-                            max(16, _next_pow2(D)), cfg["BLOCK_DV"], q.element_size())
-        if choose_num_splits(_tile_estimate(total_q, B, bq0) * Hkv * n_dv0, kcap, cfg["BLOCK_N"],
-                             _num_sms(q.device), ctas0) > 1:
-            cfg = kern.config(dict(split_cfg, **(config or {})))
+        cfg = kern.config(dict(split_cfg, **(config or {})))
     BM, BN = cfg["BLOCK_M"], cfg["BLOCK_N"]
     BQ = BM // gp
     BD = max(16, _next_pow2(D))
@@ -828,8 +830,7 @@ def attention_triton(
 
     ns = cfg.get("num_splits")
     if ns is None:
-        ns = choose_num_splits(_tile_estimate(total_q, B, BQ) * Hkv * n_dv, kcap, BN, _num_sms(q.device),
-                               ctas_per_sm(BM, BN, cfg["num_warps"], cfg["num_stages"], BD, BDV, q.element_size()))
+        ns = auto_splits(cfg)
 
     # the kernel indexes metadata as dense 1-D arrays (block_table rows by stride(0), columns densely):
     # strided views get a dense copy (a device copy, no host sync; capturable)
