@@ -2,9 +2,10 @@
 
 One launch serves a mixed serving batch: per-sequence causal row counts (``causal`` / ``num_causal_q``, read
 from a device tensor by every work tile), sliding windows (one-sided for causal rows; symmetric or prefix for
-bidirectional rows), paged (any page size; TMA when ``page_size`` equals the key tile) or contiguous KV, GQA
-(FA4's PackGQA), head_dim up to 256 (128 and 256 are the tested ones). Tile skipping follows each tile's
-allowed key range in both directions. Semantics: ARCHITECTURE.md, "Attention semantics"; the kernel is
+bidirectional rows), paged (any page size; TMA loads when the page size is a multiple of 8 that divides
+the key tile or is a multiple of it, see :func:`kv_load_path`) or contiguous KV, GQA (FA4's PackGQA),
+head_dim up to 256 (128 and 256 are the tested ones). Tile skipping follows each tile's allowed key range
+in both directions. Semantics: ARCHITECTURE.md, "Attention semantics"; the kernel is
 :class:`blockdiff.attention.cute_kernel.FlashAttentionForwardSm90Mixed` (FA4's kernel, tile scheduler,
 paged-KV loads and PackGQA kept; block ranges and masks replaced), algorithm from FlashAttention-3
 (Shah et al., 2024) as implemented in flash-attn-4 (Dao-AILab/flash-attention, ``flash_attn/cute``).
@@ -126,6 +127,24 @@ def resolve_config(head_dim: int, head_dim_v: int, window_size, config=None, max
     )
 
 
+def page_box_tma_ok(page_size: int, tile_n: int) -> bool:
+    """Whether paged K/V with ``page_size``-token pages load by TMA in boxes of ``min(page_size, tile_n)`` rows.
+
+    The boxes must tile both the page and the key tile (one divides the other) and start 1 KB-aligned in a
+    128-byte-swizzled K/V stage (a multiple of 8 rows). ``page_size == tile_n`` is FA4's own paged TMA path.
+    """
+    return page_size % 8 == 0 and (tile_n % page_size == 0 or page_size % tile_n == 0)
+
+
+def kv_load_path(page_size: int | None, tile_n: int) -> str:
+    """How the kernel loads K/V: ``"tma"`` (contiguous, or FA4's paged TMA with ``page_size == tile_n``),
+    ``"tma_boxes"`` (paged, one TMA box per page slice: ``tile_n // page_size`` boxes per K/V stage, or one
+    box per ``tile_n`` rows of a larger page) or ``"cp.async"`` (FA4's paged fallback, per-row page lookups)."""
+    if page_size is None or page_size == tile_n:
+        return "tma"
+    return "tma_boxes" if page_box_tma_ok(page_size, tile_n) else "cp.async"
+
+
 _COMPILE_CACHE: dict = {}
 
 
@@ -236,18 +255,21 @@ def _run(fa, q, k_cache, v_cache, *, out, return_lse, cu_seqlens_q, num_causal_q
         page_table = mc(block_table.to(torch.int32), align_bytes=4)
         seqused_k = seq_lens.to(torch.int32).contiguous()
         cu_k = None
-        paged_kv_non_tma = k_cache.shape[1] != cfg.tile_n
+        kv_path = kv_load_path(k_cache.shape[1], cfg.tile_n)
+        paged_kv_non_tma = kv_path == "cp.async"
+        kv_page_size = k_cache.shape[1] if kv_path == "tma_boxes" else None
     else:
         page_table = None
         seqused_k = None
         cu_k = cu_seqlens_k.to(torch.int32).contiguous()
         paged_kv_non_tma = False
+        kv_page_size = None
     has_window = window_size is not None
     # Without a window the prefix/symmetric choice is moot: one compiled kernel serves both.
     prefix = bidirectional_window == "prefix" and has_window
 
     key = (q.dtype, head_dim, head_dim_v, qhead_per_kvhead, pack_gqa, cfg, paged, paged_kv_non_tma,
-           has_window, prefix, return_lse, arch)
+           kv_page_size, has_window, prefix, return_lse, arch)
     compiled = _COMPILE_CACHE.get(key)
     if compiled is None:
         compiled = _compile(fa, key, q, k_cache, v_cache, out_k, lse, scale, cu_q, cu_k, seqused_k,
@@ -262,8 +284,8 @@ def _run(fa, q, k_cache, v_cache, *, out, return_lse, cu_seqlens_q, num_causal_q
 
 
 def _compile(fa, key, q, k, v, out, lse, scale, cu_q, cu_k, seqused_k, page_table, window_size, ncq):
-    (dtype, head_dim, head_dim_v, qhead_per_kvhead, pack_gqa, cfg, paged, paged_kv_non_tma, has_window,
-     prefix, return_lse, arch) = key
+    (dtype, head_dim, head_dim_v, qhead_per_kvhead, pack_gqa, cfg, paged, paged_kv_non_tma, kv_page_size,
+     has_window, prefix, return_lse, arch) = key
     cute, tct = fa["cute"], fa["to_cute_tensor"]
     kernel = fa["Kernel"](
         fa["dtypes"][dtype],
@@ -280,22 +302,24 @@ def _compile(fa, key, q, k, v, out, lse, scale, cu_q, cu_k, seqused_k, page_tabl
         mma_pv_is_rs=cfg.mma_pv_is_rs,
         paged_kv_non_tma=paged_kv_non_tma,
         prefix_window=prefix,
+        kv_page_size=kv_page_size,
     )
     small = lambda t, lead=0: None if t is None else tct(t, assumed_align=4, leading_dim=lead)  # noqa: E731
-    return cute.compile(
-        kernel,
-        tct(q), tct(k), tct(v), tct(out, assumed_align=16),
-        None if lse is None else tct(lse, assumed_align=4),
-        scale,
-        small(cu_q), small(cu_k), None, small(seqused_k), small(page_table, 1),
-        window_size, window_size,
-        None,  # learnable_sink
-        None,  # block-sparse tensors
-        fa["AuxData"]([small(ncq)], None),
-        None, None,  # cu_total_m_blocks (batch-lookup aid, not used)
-        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
-        options="--enable-tvm-ffi",
-    )
+    with kernel.page_box_tma():  # K/V TMA atoms with page-sized boxes when kv_page_size is set
+        return cute.compile(
+            kernel,
+            tct(q), tct(k), tct(v), tct(out, assumed_align=16),
+            None if lse is None else tct(lse, assumed_align=4),
+            scale,
+            small(cu_q), small(cu_k), None, small(seqused_k), small(page_table, 1),
+            window_size, window_size,
+            None,  # learnable_sink
+            None,  # block-sparse tensors
+            fa["AuxData"]([small(ncq)], None),
+            None, None,  # cu_total_m_blocks (batch-lookup aid, not used)
+            cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+            options="--enable-tvm-ffi",
+        )
 
 
 def compile_only(head_dim: int = 128, num_heads: int = 16, num_kv_heads: int = 8, page_size: int | None = 128,

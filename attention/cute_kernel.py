@@ -47,20 +47,23 @@ least its own key, so no tile is empty.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, fields
 from functools import partial
 from typing import Callable, Optional
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, const_expr
+from cutlass import Int32, const_expr, pipeline
 from cutlass.base_dsl.dsl import BaseDSL
+from cutlass.cute.nvgpu import cpasync
 
-from quack import layout_utils
+from quack import copy_utils, layout_utils
 from quack.cute_dsl_utils import ParamsBase
 
 from flash_attn.cute.block_info import BlockInfo
 from flash_attn.cute.block_sparsity import BlockSparseTensors
+from flash_attn.cute import flash_fwd_sm90 as _fa4_fwd_sm90
 from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
 from flash_attn.cute.mask import (
     mask_r2p_lambda,
@@ -68,6 +71,7 @@ from flash_attn.cute.mask import (
     r2p_bitmask_below,
     sm90_col_to_r2p_idx,
 )
+from flash_attn.cute.pack_gqa import PackGQA
 from flash_attn.cute.seqlen_info import SeqlenInfoQK
 from flash_attn.cute.utils import AuxData
 
@@ -241,6 +245,38 @@ class MixedAttentionMask:
             mask_r2p_lambda(acc_S_mn[r, None], mask_gen_fn, rank1=True)
 
 
+class _PageBoxTmaAtoms:
+    """Stands in for ``cpasync`` in FA4's SM90 module while its ``__call__`` is traced (host side only).
+
+    FA4 builds the K and V TMA atoms with a ``(tile_n, head_dim)`` box. With paged KV whose pages are smaller
+    or larger than ``tile_n`` that box does not fit a page, so FA4 falls back to cp.async loads. Here the K / V
+    atoms get a ``(box_rows, head_dim)`` box instead (``box_rows = min(page_size, tile_n)``), with the shared
+    memory layout of the first ``box_rows`` rows of FA4's own K / V stage (same swizzle, same strides), so a
+    stage of ``tile_n`` rows is filled by ``tile_n // box_rows`` TMA loads into consecutive row slices
+    (:meth:`FlashAttentionForwardSm90Mixed._load_paged_boxes`). Every other attribute (and the Q / O atoms,
+    recognised by their shared-memory layout or copy op) passes through to the real module.
+    """
+
+    def __init__(self, kernel: "FlashAttentionForwardSm90Mixed"):
+        self._real = cpasync
+        self._kernel = kernel
+        self.replaced = 0
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def make_tiled_tma_atom(self, op, gmem_tensor, smem_layout, cta_tiler, *args, **kwargs):
+        k = self._kernel
+        is_kv = (isinstance(op, self._real.CopyBulkTensorTileG2SOp) and smem_layout is not k.sQ_layout
+                 and cta_tiler[0] == k.tile_n and cta_tiler[1] in (k.tile_hdim, k.tile_hdimv))
+        if not is_kv:
+            return self._real.make_tiled_tma_atom(op, gmem_tensor, smem_layout, cta_tiler, *args, **kwargs)
+        self.replaced += 1
+        box = (k.kv_box_rows, cta_tiler[1])
+        return self._real.make_tiled_tma_atom(
+            op, gmem_tensor, cute.composition(smem_layout, box), box, *args, **kwargs)
+
+
 def _call_fa4_kernel_body(*args):
     """Trace FA4's SM90 ``kernel`` body inside our kernel, as the DSL traces any nested ``@cute.jit`` call.
 
@@ -261,12 +297,46 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
     Runtime extra input: ``aux_data = AuxData([num_causal_q])`` with ``num_causal_q`` ``[B]`` int32.
     """
 
-    def __init__(self, *args, prefix_window: bool = False, **kwargs):
+    def __init__(self, *args, prefix_window: bool = False, kv_page_size: Optional[int] = None, **kwargs):
         kwargs["is_causal"] = False
         kwargs["is_local"] = True
         super().__init__(*args, **kwargs)
         self.prefix_window = prefix_window
         self._mNumCausalQ = None
+        # Paged TMA with pages != tile_n: K / V stages are filled box by box (see _PageBoxTmaAtoms).
+        self.kv_page_size = None
+        self.kv_box_rows = None
+        if kv_page_size is not None and kv_page_size != self.tile_n:
+            if not self.use_tma_KV:
+                raise ValueError("kv_page_size is for the TMA paged path; pass paged_kv_non_tma=False")
+            from .cute_attention import page_box_tma_ok
+
+            if not page_box_tma_ok(kv_page_size, self.tile_n):
+                raise ValueError(
+                    f"kv_page_size={kv_page_size} with tile_n={self.tile_n}: TMA page boxes need one to divide "
+                    "the other and a multiple of 8 rows (1 KB-aligned 128-byte-swizzled boxes)")
+            self.kv_page_size = kv_page_size
+            self.kv_box_rows = min(kv_page_size, self.tile_n)
+
+    @contextlib.contextmanager
+    def page_box_tma(self):
+        """Context for tracing ``__call__`` (``cute.compile``): K / V TMA atoms with page-sized boxes.
+
+        A no-op unless ``kv_page_size`` was given. Raises RuntimeError if FA4's ``__call__`` did not build
+        exactly the two K / V atoms through ``cpasync.make_tiled_tma_atom`` (another FA4 version).
+        """
+        if self.kv_box_rows is None:
+            yield
+            return
+        proxy = _PageBoxTmaAtoms(self)
+        real = _fa4_fwd_sm90.cpasync
+        _fa4_fwd_sm90.cpasync = proxy
+        try:
+            yield
+        finally:
+            _fa4_fwd_sm90.cpasync = real
+        if proxy.replaced != 2:
+            raise RuntimeError(f"expected FA4 to build 2 K/V TMA atoms, replaced {proxy.replaced}")
 
     # --- the three per-tile pieces we replace -------------------------------------------------------
     def _mixed_block_info(self, block_info: BlockInfo) -> MixedBlockInfo:
@@ -386,6 +456,14 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
     def load(self, *args):
         # FA4 signature: (..., blocksparse_tensors, block_info, SeqlenInfoCls, TileSchedulerCls)
         *head, block_info, SeqlenInfoCls, TileSchedulerCls = args
+        if const_expr(self.kv_box_rows is not None):
+            (mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V, pipeline_k, pipeline_v, pipeline_q,
+             gmem_tiled_copy_Q, mPageTable, _blocksparse) = head
+            return self._load_paged_boxes(
+                mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V, pipeline_k, pipeline_v,
+                pipeline_q, gmem_tiled_copy_Q, mPageTable, self._mixed_block_info(block_info),
+                self._mixed_seqlen_cls(SeqlenInfoCls), TileSchedulerCls,
+            )
         return FlashAttentionForwardSm90.load(
             self,
             *head,
@@ -393,6 +471,154 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
             self._mixed_seqlen_cls(SeqlenInfoCls),
             TileSchedulerCls,
         )
+
+    @cute.jit
+    def _load_paged_boxes(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        sQ: cute.Tensor,
+        sK: cute.Tensor,
+        sV: cute.Tensor,
+        tma_atom_Q: Optional[cute.CopyAtom],
+        tma_atom_K: cute.CopyAtom,
+        tma_atom_V: cute.CopyAtom,
+        pipeline_k: pipeline.PipelineAsync,
+        pipeline_v: pipeline.PipelineAsync,
+        pipeline_q: pipeline.PipelineAsync,
+        gmem_tiled_copy_Q: cute.TiledCopy,
+        mPageTable: cute.Tensor,
+        block_info: MixedBlockInfo,
+        SeqlenInfoCls: Callable,
+        TileSchedulerCls: Callable,
+    ):
+        """FA4's SM90 producer (``FlashAttentionForwardSm90.load``, TMA K/V branch, no block sparsity) with
+        each K / V stage loaded as ``tile_n // box_rows`` page boxes.
+
+        Key block ``n`` covers key rows ``[n * tile_n, (n + 1) * tile_n)``; box ``j`` of it starts at key row
+        ``r = n * tile_n + j * box_rows``, i.e. page ``block_table[b, r // page_size]``, box
+        ``(r % page_size) // box_rows`` within that page. Boxes past the sequence's last key re-load its last
+        box (their columns are masked by the consumer, and the stage's transaction byte count stays that of a
+        full tile, so the pipeline barrier completes). The load order of K / V stages is FA4's (same
+        ``intra_wg_overlap`` handling), so producer and consumer agree on stages and block ranges.
+        """
+        warp_idx_in_wg = cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4
+        tidx, _, _ = cute.arch.thread_idx()
+        is_load_warp = warp_idx_in_wg == 0 or const_expr(not self.use_tma_Q)
+        box_rows = self.kv_box_rows
+        # Shared memory: ((box_rows, d), (boxes_per_tile, 1, stages)); gmem: ((box_rows, d), (boxes_per_page, pages))
+        sK_boxes = cute.zipped_divide(sK, (box_rows, self.tile_hdim))
+        sV_boxes = cute.zipped_divide(sV, (box_rows, self.tile_hdimv))
+        if is_load_warp:
+            q_producer_phase = Int32(1)
+            kv_producer_state = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Producer, self.num_stages
+            )
+            tile_scheduler = TileSchedulerCls()
+            work_tile = tile_scheduler.initial_work_tile_info()
+            while work_tile.is_valid_tile:
+                m_block, head_idx, batch_idx, _ = work_tile.tile_idx
+                seqlen = SeqlenInfoCls(batch_idx)
+                mQ_cur = seqlen.offset_batch_Q(mQ, batch_idx, dim=3)[None, None, head_idx]
+                head_idx_kv = (
+                    head_idx // self.qhead_per_kvhead if const_expr(not self.pack_gqa) else head_idx
+                )
+                gK = cute.zipped_divide(mK[None, None, head_idx_kv, None], (box_rows, self.tile_hdim))
+                gV = cute.zipped_divide(mV[None, None, head_idx_kv, None], (box_rows, self.tile_hdimv))
+                tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, cute.make_layout(1), sK_boxes, gK)
+                tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, cute.make_layout(1), sV_boxes, gV)
+                last_box_row = cutlass.max(seqlen.seqlen_k - 1, 0) // box_rows * box_rows
+                load_K = partial(
+                    self._load_kv_boxes, tma_atom_K, tKsK, tKgK, pipeline_k, mPageTable, batch_idx,
+                    last_box_row,
+                )
+                load_V = partial(
+                    self._load_kv_boxes, tma_atom_V, tVsV, tVgV, pipeline_v, mPageTable, batch_idx,
+                    last_box_row,
+                )
+
+                n_block_min, n_block_max = block_info.get_n_block_min_max(seqlen, m_block)
+                n_block = n_block_max - 1
+                if warp_idx_in_wg == 0:
+                    pipeline_k.producer_acquire(kv_producer_state)
+                    load_K(n_block, kv_producer_state)
+                if const_expr(self.use_tma_Q):
+                    if warp_idx_in_wg == 0:
+                        gQ = cute.local_tile(mQ_cur, (self.tile_m, self.tile_hdim), (m_block, 0))
+                        load_Q, _, _ = copy_utils.tma_get_copy_fn(
+                            tma_atom_Q, 0, cute.make_layout(1), gQ, sQ, single_stage=True
+                        )
+                        pipeline_q.producer_acquire_w_index_phase(0, q_producer_phase)
+                        load_Q(tma_bar_ptr=pipeline_q.sync_object_full.get_barrier(0))
+                        q_producer_phase ^= 1
+                else:
+                    pack_gqa = PackGQA(
+                        self.tile_m, self.tile_hdim, self.check_hdim_oob, self.qhead_per_kvhead
+                    )
+                    pipeline_q.producer_acquire_w_index_phase(0, q_producer_phase)
+                    pack_gqa.load_Q(mQ_cur, sQ, gmem_tiled_copy_Q, tidx, m_block, seqlen.seqlen_q)
+                    cute.arch.cp_async_commit_group()
+                    pipeline_q.producer_commit_w_index(0)
+                    q_producer_phase ^= 1
+                if warp_idx_in_wg == 0:
+                    if const_expr(not self.intra_wg_overlap):
+                        pipeline_v.producer_acquire(kv_producer_state)
+                        load_V(n_block, kv_producer_state)
+                        kv_producer_state.advance()
+                        for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
+                            n_block = n_block_max - 1 - i - 1
+                            pipeline_k.producer_acquire(kv_producer_state)
+                            load_K(n_block, kv_producer_state)
+                            pipeline_v.producer_acquire(kv_producer_state)
+                            load_V(n_block, kv_producer_state)
+                            kv_producer_state.advance()
+                    else:
+                        for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
+                            n_block_prev = n_block_max - i - 1
+                            n_block = n_block_prev - 1
+                            kv_producer_state_prev = kv_producer_state.clone()
+                            kv_producer_state.advance()
+                            pipeline_k.producer_acquire(kv_producer_state)
+                            load_K(n_block, kv_producer_state)
+                            pipeline_v.producer_acquire(kv_producer_state_prev)
+                            load_V(n_block_prev, kv_producer_state_prev)
+                        pipeline_v.producer_acquire(kv_producer_state)
+                        load_V(n_block_min, kv_producer_state)
+                        kv_producer_state.advance()
+                tile_scheduler.prefetch_next_work()
+                tile_scheduler.advance_to_next_work()
+                work_tile = tile_scheduler.get_current_work()
+            if warp_idx_in_wg == 0:
+                pipeline_v.producer_tail(kv_producer_state)
+
+    @cute.jit
+    def _load_kv_boxes(
+        self,
+        tma_atom: cute.CopyAtom,
+        tXsX: cute.Tensor,
+        tXgX: cute.Tensor,
+        pipeline_kv: pipeline.PipelineAsync,
+        mPageTable: cute.Tensor,
+        batch_idx: Int32,
+        last_box_row: Int32,
+        n_block: Int32,
+        producer_state: pipeline.PipelineState,
+    ):
+        """Issue the ``tile_n // box_rows`` TMA loads of key block ``n_block`` into stage
+        ``producer_state.index``, all completing on that stage's barrier (see ``_load_paged_boxes``)."""
+        box_rows = self.kv_box_rows
+        for j in cutlass.range_constexpr(self.tile_n // box_rows):
+            row = cutlass.min(n_block * self.tile_n + j * box_rows, last_box_row)
+            page = mPageTable[batch_idx, row // self.kv_page_size]
+            box_in_page = (row % self.kv_page_size) // box_rows
+            cute.copy(
+                tma_atom,
+                tXgX[None, (box_in_page, 0, page)],
+                tXsX[None, (j, 0, producer_state.index)],
+                tma_bar_ptr=pipeline_kv.producer_get_barrier(producer_state),
+            )
+        pipeline_kv.producer_commit(producer_state)
 
     def mma(
         self,

@@ -119,6 +119,18 @@ def test_tile_plan_edges(q_len, ctx, ncq, window, mode):
             _check_plan(q_len, ctx, ncq, window, mode, tiles[0], tiles[1], qpk)
 
 
+@pytest.mark.parametrize("page,tile_n,path", [
+    (None, 128, "tma"), (128, 128, "tma"), (64, 64, "tma"),
+    (64, 128, "tma_boxes"), (16, 128, "tma_boxes"), (8, 64, "tma_boxes"), (256, 128, "tma_boxes"),
+    (128, 64, "tma_boxes"), (4, 128, "cp.async"), (1, 128, "cp.async"), (48, 128, "cp.async"),
+    (64, 80, "cp.async"), (160, 80, "tma_boxes"), (24, 48, "tma_boxes"), (12, 48, "cp.async"),
+])
+def test_kv_load_path_uses_tma_boxes_only_where_boxes_tile_page_and_key_tile(page, tile_n, path):
+    """Pages that are multiples of 8 rows and divide (or are multiples of) the key tile load by TMA boxes;
+    everything else keeps FA4's cp.async paged loads."""
+    assert ca.kv_load_path(page, tile_n) == path
+
+
 COMPILE_SCRIPT = textwrap.dedent("""
     import os, time
     os.environ.update(FLASH_ATTENTION_ARCH="sm_90", CUTE_DSL_ARCH="sm_90a", FLASH_ATTENTION_NUM_SMS="132")
