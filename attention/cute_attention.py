@@ -95,6 +95,8 @@ LONG_PREFILL_Q = 4096
 LONG_PREFILL_CONFIG = dict(tile_m=192, tile_n=128, intra_wg_overlap=False)
 #: Other hd-128 calls without a window (canvases, short prefills) keep FA4's 128 x 128 tiles with a third K/V stage: the same sweep
 #: measured hd128_s3 at 0.073 vs 0.074 ms on canvas_bs4_ctx4k_hd128 (geomean 0.990x over the hd-128 workloads).
+#: Both configs were swept with cp.async paged loads; since a00fb26 they load pages of 64 by TMA boxes
+#: (``kv_load_path``): canvas_bs4_ctx4k_hd128 0.061 ms, prefill16k_hd128 1.686 ms (cute_pagebox-h200.json).
 HD128_CONFIG = dict(num_stages=3)
 
 

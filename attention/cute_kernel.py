@@ -21,6 +21,25 @@ all run unchanged. We replace three small pieces that FA4 builds per work tile a
 - ``AttentionMaskCls`` -> :class:`MixedAttentionMask`: per-row ``[lo, hi]`` masking with FA4's R2P
   bitmask helpers (rows of one tile may mix causal and bidirectional rows when ``0 < num_causal_q < q_len``).
 
+One more piece replaces FA4's producer in one case: paged K/V whose page size is not the key tile
+(``tile_n``). FA4 then loads K/V with cp.async and a page-table lookup per row (its TMA path needs
+``page_size == tile_n``); that path made paged hd-128 canvases 16 % slower than contiguous ones (FA4 itself:
+0.069 vs 0.059 ms on ``canvas_bs4_ctx4k_hd128``). With ``kv_page_size`` set, FA4's ``__call__`` builds its K and
+V TMA atoms with a ``(min(page_size, tile_n), head_dim)`` box (:class:`_PageBoxTmaAtoms`, active only while
+``cute.compile`` traces it) and :meth:`FlashAttentionForwardSm90Mixed._load_paged_boxes` (FA4's TMA producer
+loop, K/V stage order unchanged) fills each K/V stage with ``tile_n // box`` page boxes that complete on the
+stage's one barrier. Pages must be multiples of 8 rows that divide ``tile_n`` or are multiples of it
+(``cute_attention.kv_load_path``). Measured on the H200 at a00fb26 (``bench/results/cute_pagebox-h200.json``):
+``canvas_bs4_ctx4k_hd128`` 0.061 ms (FA4 paged 0.068, contiguous 0.060), ``prefill16k_hd128`` 1.686 ms (FA4
+contiguous 1.684).
+
+Known limitation of every TMA paged path (FA4's own ``page_size == tile_n`` path and the page boxes): a box
+holding the sequence's last key also brings in the rows after it in that page, and key blocks past the last
+page reload the last box. Those columns are masked (P = 0). So finite values there do not change the output,
+but a NaN or Inf there gives 0 * NaN = NaN in P @ V. FA4's cp.async path and the triton backend zero-fill those
+rows. Tested by ``test_gpu_finite_garbage_past_seq_lens_does_not_change_the_output`` and the xfail
+``test_gpu_nonfinite_cache_rows_past_seq_lens_stay_out_of_the_output``.
+
 The device tensor ``num_causal_q`` reaches the kernel through FA4's own ``aux_data`` argument (its
 FlexAttention aux-tensor channel); :meth:`FlashAttentionForwardSm90Mixed.kernel` takes it out and runs FA4's
 kernel body with an empty ``AuxData``, so FA4 does no aux-tensor work. The kernel is built with

@@ -223,10 +223,10 @@ def workload_case(name, q_lens, ctxs, causal, H, Hkv, D, window, mode, check="re
     pairs = count_allowed_pairs(torch.tensor(q_lens), torch.tensor(b["seq_lens_list"]), torch.tensor(ncqs),
                                 window, mode)
     row["allowed_pairs"] = pairs
-    from blockdiff.attention.cute_attention import resolve_config
+    from blockdiff.attention.cute_attention import kv_load_path, resolve_config
     cfg = resolve_config(D, D, window)
     row["cute_tile_mn"] = (cfg.tile_m, cfg.tile_n)
-    row["cute_paged_kv_tma"] = cfg.tile_n == 64  # page size 64 here
+    row["cute_kv_load_path"] = kv_load_path(64, cfg.tile_n)  # page size 64 here
 
     status = "PASS"
     fa_run = fa_gather = None

@@ -53,6 +53,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import workloads as wl  # noqa: E402
+from blockdiff.attention.cute_attention import kv_load_path  # noqa: E402
 
 SUITE = "cute_sweep"
 DEFAULT_WORKLOADS = ("mixed_sliding_ctx8k", "canvas_bs4_ctx4k_hd128", "prefill16k_hd128", "canvas_bs1_ctx32k_sliding")
@@ -107,8 +108,10 @@ def fa4_sm90_default(head_dim: int, head_dim_v: int, is_causal: bool, is_local: 
 
 
 #: Candidates, best guess first within each head dim; the run interleaves the head dims in this order.
-#: Page size 64 (bench/workloads.py): tile_n == 64 is the only width with TMA paged K/V loads in this kernel
-#: (FA4's producer uses TMA for paged KV only when page_size == tile_n, else cp.async with per-row page lookups).
+#: Page size 64 (bench/workloads.py). The ``why`` notes are from the 60a1efe sweep (cute_sweep-h200.json), when
+#: tile_n == 64 was the only width with TMA paged K/V loads (FA4's producer: TMA only when page_size == tile_n,
+#: else cp.async with per-row page lookups). Since the page-box producer (cute_attention.kv_load_path) every
+#: tile_n that is a multiple of 64 loads by TMA at page 64; 80, 160 and 176 stay cp.async.
 CANDIDATES = [
     Candidate("default", 128, why="FA4 SM90 heuristic (hd128: 128x128 RS+overlap, 2 stages); non-TMA paged at page 64"),
     Candidate("default", 256, why="FA4 SM90 heuristic, local (hd256: 128x64 RS+overlap); TMA paged at page 64"),
@@ -228,7 +231,7 @@ def print_plan(runs, page_size: int) -> None:
               f"{'feasible' if ok else 'SKIP: ' + why_not}\n    {c.why}")
         for w in ws:
             est = work_estimate(w, cfg)
-            tma = "TMA" if page_size == cfg["tile_n"] else "cp.async"
+            tma = kv_load_path(page_size, cfg["tile_n"])
             print(f"    {w.name}: {tma} paged K/V, {est['ctas']} CTAs ({est['waves']} waves of {NUM_SMS}), "
                   f"{est['block_iters']} K/V block iterations")
 

@@ -5,8 +5,9 @@ key-block plan (host mirror of cute_kernel.MixedBlockInfo) covers exactly the bl
 tile's allowed region and runs unmasked only on fully allowed blocks; a compile-only build for sm_90a when
 the packages are installed (skipped otherwise). GPU (H200, ``python3 -m pytest -m gpu``): fuzz against the
 fp64 reference with the check_close rule on bf16 mixed batches (hd 128/256, both window modes, paged with
-page sizes 16/64/128/256, contiguous KV, GQA), NaN-poisoned outputs, LSE, and a CUDA-graph replay with
-metadata changed in place.
+page sizes 8-256 through all three K/V load paths: TMA page boxes, FA4's paged TMA, cp.async; contiguous KV,
+GQA), NaN-poisoned outputs, LSE, cache rows past seq_lens (finite: no effect; non-finite: a known limitation
+of the TMA paths, xfail), and a CUDA-graph replay with metadata changed in place.
 """
 from __future__ import annotations
 
@@ -333,10 +334,63 @@ def test_gpu_tile_skipping_never_reads_keys_left_of_the_window(hd, page, mode):
 
 
 @needs_gpu
-@pytest.mark.parametrize("page", [16, 64, 128, 256])
+@pytest.mark.parametrize("page", [8, 16, 32, 48, 64, 128, 256])
 def test_gpu_page_sizes_hd128(page):
-    q, k, v, kw = _make_batch([512, 256, 256, 3], [0, 3000, 3000, 77], [512, 0, 256, 1], 16, 8, 128, page, seed=page)
+    """128-key tiles: pages 8-64 and 256 load by TMA page boxes, 128 by FA4's paged TMA, 48 by cp.async."""
+    q, k, v, kw = _make_batch([512, 256, 256, 3], [0, 3000, 3001, 77], [512, 0, 256, 1], 16, 8, 128, page, seed=page)
     _run_and_check(q, k, v, kw, None, "symmetric")
+
+
+@needs_gpu
+@pytest.mark.parametrize("page,window", [(64, None), (16, 200), (256, None)])
+def test_gpu_page_boxes_with_the_long_prefill_tiles(page, window):
+    """192 x 128 tiles without intra-warpgroup overlap: the page-box producer's other K/V stage order."""
+    q, k, v, kw = _make_batch([700, 256, 1], [0, 2000, 64], [700, 0, 1], 16, 8, 128, page, seed=page + 1)
+    out = ca.attention_cute(q, k, v, window_size=window, return_lse=True, config=ca.LONG_PREFILL_CONFIG, **kw)
+    from blockdiff.attention.testing import check_close
+    check_close(out[0], q, k, v, lse=out[1], window_size=window, **kw)
+
+
+def _fill_past_seq_lens(k, v, kw, page, value):
+    """Write ``value`` into every cache row after each sequence's last key, in its last page."""
+    seq, bt = kw["seq_lens"].cpu(), kw["block_table"].cpu()
+    for b in range(len(seq)):
+        s = int(seq[b])
+        if s % page:
+            k[bt[b, (s - 1) // page].long(), s % page:] = value
+            v[bt[b, (s - 1) // page].long(), s % page:] = value
+
+
+# (head_dim, page): hd 128 uses 128-key tiles, hd 256 with a window 64-key tiles at page 64.
+_TAIL_CASES = [(128, 64), (128, 16), (128, 256), (128, 128), (256, 64), (128, 48)]
+
+
+@needs_gpu
+@pytest.mark.parametrize("hd,page", _TAIL_CASES)
+def test_gpu_finite_garbage_past_seq_lens_does_not_change_the_output(hd, page):
+    """Rows after a sequence's last key are outside every row's allowed range: with finite values there
+    (stale K/V of an earlier request) the output is bit-identical for every K/V load path."""
+    window = 1023 if hd == 256 else None
+    q, k, v, kw = _make_batch([256, 100, 5], [1000, 5, 300], [0, 0, 5], 16, 8, hd, page, seed=hd + page)
+    clean = ca.attention_cute(q, k, v, window_size=window, **kw)
+    _fill_past_seq_lens(k, v, kw, page, 3.0e4)
+    assert torch.equal(ca.attention_cute(q, k, v, window_size=window, **kw), clean)
+
+
+_TMA_TAIL = pytest.mark.xfail(strict=True, reason=(
+    "known limitation of the TMA paged paths (FA4's page_size == tile_n path and the page boxes): rows after "
+    "the last key in its page are loaded and masked to P = 0, and 0 * NaN = NaN in P @ V"))
+
+
+@needs_gpu
+@pytest.mark.parametrize("hd,page", [pytest.param(h, p, marks=_TMA_TAIL) if p != 48 else (h, p)
+                                     for h, p in _TAIL_CASES])
+def test_gpu_nonfinite_cache_rows_past_seq_lens_stay_out_of_the_output(hd, page):
+    window = 1023 if hd == 256 else None
+    q, k, v, kw = _make_batch([256, 100, 5], [1000, 5, 300], [0, 0, 5], 16, 8, hd, page, seed=hd + page)
+    clean = ca.attention_cute(q, k, v, window_size=window, **kw)
+    _fill_past_seq_lens(k, v, kw, page, float("nan"))
+    assert torch.equal(ca.attention_cute(q, k, v, window_size=window, **kw), clean)
 
 
 @needs_gpu
