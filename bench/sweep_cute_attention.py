@@ -268,7 +268,7 @@ def measure_cute(batch, cand: Candidate, gold, base_err: float, args) -> dict:
     cfg_d = dict(tile_m=cfg.tile_m, tile_n=cfg.tile_n, mma_pv_is_rs=cfg.mma_pv_is_rs,
                  intra_wg_overlap=cfg.intra_wg_overlap, num_stages=cfg.num_stages)
     row.update(candidate=cand.name, config=cfg_d, label=label(cand, cfg_d), why=cand.why,
-               paged_kv_tma=batch.page_size == cfg.tile_n, **work_estimate(w, cfg_d))
+               paged_kv_tma=kv_load_path(batch.page_size, cfg.tile_n), **work_estimate(w, cfg_d))
     ok, why_not, smem = feasibility(cfg_d, w.head_dim, w.head_dim_v)
     row["smem_bytes_est"] = smem
     if not ok:
@@ -277,6 +277,11 @@ def measure_cute(batch, cand: Candidate, gold, base_err: float, args) -> dict:
     out = torch.empty(w.total_q, w.num_heads, w.head_dim_v, dtype=batch.q.dtype, device=batch.q.device)
     kwargs = batch.attn_kwargs()
     kwargs["config"] = cand.config()
+    # per-step metadata outside the timing, as bench_attention.make_blockdiff does (the flags as causal row
+    # counts); before 3a39a6d the conversion ran inside every timed call (about 5 us more per cute row)
+    from blockdiff.attention import causal_row_counts
+
+    kwargs["num_causal_q"] = causal_row_counts(kwargs.pop("causal"), kwargs["cu_seqlens_q"])
 
     def fn():
         return attention_cute(batch.q, batch.k_cache, batch.v_cache, out=out, check_values=False, **kwargs)
