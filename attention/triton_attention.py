@@ -85,7 +85,13 @@ bench/results/attention-targets-h200.json; kernel / merge split from torch.profi
 * ``canvas_bs1_ctx32k_hd128`` 0.160 ms: the attention kernel 154 us (~450 TFLOP/s) + the merge 3.8 us, inside
   the predicted band. Upstream Triton on Hopper has no warp specialisation for this loop; the non-specialised
   tutorial forward, hd 128, reaches 487 TFLOP/s at 16 k on an H100 (baseline table of facebookexperimental/triton
-  PR 205), which bounds this shape near 0.15 ms.
+  PR 205), which bounds this shape near 0.15 ms. Triton 3.6 does have Hopper automatic warp specialisation
+  (``tl.range(..., warp_specialize=True)``, on-device TMA descriptors only). A standalone probe of this shape
+  (bench/probe_triton_hopper_ws.py, bench/results/triton_ws_probe-h200.json, 3a39a6d) reached 0.130 ms = 529
+  TFLOP/s with it (4 splits, 12 warps; without it the same kernel 0.151 ms at 8 splits). It was not adopted:
+  five neighbouring warp-specialised configs (3-4 stages, one q head per program, 64-row tiles) compiled and
+  returned inf, pointer-loaded or reshaped Q did not compile, and the probe's loop has none of the masking
+  (causal, windows, sequence ends) the production kernel runs in the same launch.
 * ``canvas_bs1_ctx32k_sliding`` 32 us: the kernel 21.4 us (128 working programs = 4 q tiles x 8 KV heads x 4
   splits, of ~5 key blocks each: latency of the Q load and pipeline fill per program dominates), the merge
   4.5 us (4 splits x 4 MB of fp32 partials), two launches. Twice the 8-15 us predicted.
