@@ -133,16 +133,17 @@ def page_box_tma_ok(page_size: int, tile_n: int) -> bool:
     """Whether paged K/V with ``page_size``-token pages load by TMA in boxes of ``min(page_size, tile_n)`` rows.
 
     The boxes must tile both the page and the key tile (one divides the other) and start 1 KB-aligned in a
-    128-byte-swizzled K/V stage (a multiple of 8 rows). ``page_size == tile_n`` is FA4's own paged TMA path.
+    128-byte-swizzled K/V stage (a multiple of 8 rows). ``page_size == tile_n`` is one box per stage.
     """
     return page_size % 8 == 0 and (tile_n % page_size == 0 or page_size % tile_n == 0)
 
 
 def kv_load_path(page_size: int | None, tile_n: int) -> str:
-    """How the kernel loads K/V: ``"tma"`` (contiguous, or FA4's paged TMA with ``page_size == tile_n``),
-    ``"tma_boxes"`` (paged, one TMA box per page slice: ``tile_n // page_size`` boxes per K/V stage, or one
-    box per ``tile_n`` rows of a larger page) or ``"cp.async"`` (FA4's paged fallback, per-row page lookups)."""
-    if page_size is None or page_size == tile_n:
+    """How the kernel loads K/V: ``"tma"`` (contiguous K/V, FA4's producer), ``"tma_boxes"`` (paged, our
+    producer: one TMA box per page slice, ``tile_n // page_size`` boxes per K/V stage, one box when
+    ``page_size == tile_n``, one box per ``tile_n`` rows of a larger page; V rows past a sequence's last key
+    zeroed) or ``"cp.async"`` (FA4's paged fallback, per-row page lookups, zero-filled past the last key)."""
+    if page_size is None:
         return "tma"
     return "tma_boxes" if page_box_tma_ok(page_size, tile_n) else "cp.async"
 

@@ -33,11 +33,13 @@ stage's one barrier. Pages must be multiples of 8 rows that divide ``tile_n`` or
 ``canvas_bs4_ctx4k_hd128`` 0.061 ms (FA4 paged 0.068, contiguous 0.060), ``prefill16k_hd128`` 1.686 ms (FA4
 contiguous 1.684).
 
-Known limitation of every TMA paged path (FA4's own ``page_size == tile_n`` path and the page boxes): a box
-holding the sequence's last key also brings in the rows after it in that page, and key blocks past the last
-page reload the last box. Those columns are masked (P = 0). So finite values there do not change the output,
-but a NaN or Inf there gives 0 * NaN = NaN in P @ V. FA4's cp.async path and the triton backend zero-fill those
-rows. Tested by ``test_gpu_finite_garbage_past_seq_lens_does_not_change_the_output`` and the xfail
+Every paged TMA load goes through this producer, ``page_size == tile_n`` included (one box per stage), because
+FA4's own paged TMA path has a hole: a box holding the sequence's last key also brings in the rest of that
+page (and key blocks past the last page reload a box). Those columns are masked (P = 0), but 0 * NaN = NaN in
+P @ V, so a NaN or Inf left in the cache there (a freed page's stale values) reached the output. The V stage
+of a sequence's last key block is therefore loaded on the producer's own mbarrier, its rows past the last key
+are zeroed, and only then is the stage released to the consumers (``_acquire_load_v``); K needs no clean-up
+(its scores are masked to -inf). FA4's cp.async path and the triton backend zero-fill those rows too. Tested by
 ``test_gpu_nonfinite_cache_rows_past_seq_lens_stay_out_of_the_output``.
 
 The device tensor ``num_causal_q`` reaches the kernel through FA4's own ``aux_data`` argument (its
@@ -325,7 +327,7 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         # Paged TMA with pages != tile_n: K / V stages are filled box by box (see _PageBoxTmaAtoms).
         self.kv_page_size = None
         self.kv_box_rows = None
-        if kv_page_size is not None and kv_page_size != self.tile_n:
+        if kv_page_size is not None:
             if not self.use_tma_KV:
                 raise ValueError("kv_page_size is for the TMA paged path; pass paged_kv_non_tma=False")
             from .cute_attention import page_box_tma_ok
@@ -356,6 +358,35 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
             _fa4_fwd_sm90.cpasync = real
         if proxy.replaced != 2:
             raise RuntimeError(f"expected FA4 to build 2 K/V TMA atoms, replaced {proxy.replaced}")
+
+    def _get_shared_storage_cls(self):
+        """FA4's shared storage; with the page-box producer, one more mbarrier right after the V pipeline's
+        2 x num_stages (the producer's ``tail_bar``, see ``_acquire_load_v``). Same size otherwise: the
+        barriers sit before 1024-byte-aligned buffers."""
+        if self.kv_box_rows is None:
+            return super()._get_shared_storage_cls()
+        assert not self.Q_in_regs, "the page-box producer is built with Q_in_regs=False"
+        sQ_struct, sK_struct, sV_struct = [
+            cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layout)], self.buffer_align_bytes]
+            for layout in (self.sQ_layout, self.sK_layout, self.sV_layout)
+        ]
+        cosize_sP = cute.cosize(self.sP_layout) if const_expr(self.sP_layout is not None) else 0
+        sP_struct = cute.struct.Align[cute.struct.MemRange[self.dtype, cosize_sP], 1024]
+        mbar_ptr_Q_struct = cute.struct.MemRange[cutlass.Int64, 1 * 2]
+        mbar_ptr_K_struct = cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
+        mbar_ptr_V_struct = cute.struct.MemRange[cutlass.Int64, self.num_stages * 2 + 1]
+
+        @cute.struct
+        class SharedStorageQKV:
+            mbar_ptr_Q: mbar_ptr_Q_struct
+            mbar_ptr_K: mbar_ptr_K_struct
+            mbar_ptr_V: mbar_ptr_V_struct
+            sV: sV_struct
+            sQ: sQ_struct
+            sK: sK_struct
+            sP: sP_struct
+
+        return SharedStorageQKV
 
     # --- the three per-tile pieces we replace -------------------------------------------------------
     def _mixed_block_info(self, block_info: BlockInfo) -> MixedBlockInfo:
@@ -534,6 +565,15 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
             kv_producer_state = pipeline.make_pipeline_state(
                 pipeline.PipelineUserType.Producer, self.num_stages
             )
+            # The producer's own mbarrier for V stages that hold rows past the sequence's last key: the slot
+            # after the V pipeline's full / empty barriers (see _get_shared_storage_cls).
+            tail_bar = pipeline_v.sync_object_empty.get_barrier(0) + self.num_stages
+            tail_phase = Int32(0)
+            if warp_idx_in_wg == 0:
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_init(tail_bar, 1)
+                cute.arch.mbarrier_init_fence()
+                cute.arch.sync_warp()
             tile_scheduler = TileSchedulerCls()
             work_tile = tile_scheduler.initial_work_tile_info()
             while work_tile.is_valid_tile:
@@ -552,9 +592,9 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
                     self._load_kv_boxes, tma_atom_K, tKsK, tKgK, pipeline_k, mPageTable, batch_idx,
                     last_box_row,
                 )
-                load_V = partial(
-                    self._load_kv_boxes, tma_atom_V, tVsV, tVgV, pipeline_v, mPageTable, batch_idx,
-                    last_box_row,
+                acquire_load_V = partial(
+                    self._acquire_load_v, tma_atom_V, tVsV, tVgV, pipeline_v, mPageTable, batch_idx,
+                    last_box_row, sV, seqlen.seqlen_k, tail_bar,
                 )
 
                 n_block_min, n_block_max = block_info.get_n_block_min_max(seqlen, m_block)
@@ -582,15 +622,13 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
                     q_producer_phase ^= 1
                 if warp_idx_in_wg == 0:
                     if const_expr(not self.intra_wg_overlap):
-                        pipeline_v.producer_acquire(kv_producer_state)
-                        load_V(n_block, kv_producer_state)
+                        tail_phase = acquire_load_V(n_block, kv_producer_state, tail_phase)
                         kv_producer_state.advance()
                         for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
                             n_block = n_block_max - 1 - i - 1
                             pipeline_k.producer_acquire(kv_producer_state)
                             load_K(n_block, kv_producer_state)
-                            pipeline_v.producer_acquire(kv_producer_state)
-                            load_V(n_block, kv_producer_state)
+                            tail_phase = acquire_load_V(n_block, kv_producer_state, tail_phase)
                             kv_producer_state.advance()
                     else:
                         for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
@@ -600,16 +638,41 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
                             kv_producer_state.advance()
                             pipeline_k.producer_acquire(kv_producer_state)
                             load_K(n_block, kv_producer_state)
-                            pipeline_v.producer_acquire(kv_producer_state_prev)
-                            load_V(n_block_prev, kv_producer_state_prev)
-                        pipeline_v.producer_acquire(kv_producer_state)
-                        load_V(n_block_min, kv_producer_state)
+                            tail_phase = acquire_load_V(n_block_prev, kv_producer_state_prev, tail_phase)
+                        tail_phase = acquire_load_V(n_block_min, kv_producer_state, tail_phase)
                         kv_producer_state.advance()
                 tile_scheduler.prefetch_next_work()
                 tile_scheduler.advance_to_next_work()
                 work_tile = tile_scheduler.get_current_work()
             if warp_idx_in_wg == 0:
                 pipeline_v.producer_tail(kv_producer_state)
+
+    @cute.jit
+    def _issue_boxes(
+        self,
+        tma_atom: cute.CopyAtom,
+        tXsX: cute.Tensor,
+        tXgX: cute.Tensor,
+        bar_ptr: cute.Pointer,
+        mPageTable: cute.Tensor,
+        batch_idx: Int32,
+        last_box_row: Int32,
+        n_block: Int32,
+        stage: Int32,
+    ):
+        """Issue the ``tile_n // box_rows`` TMA loads of key block ``n_block`` into ``stage``, all completing
+        on ``bar_ptr`` (see ``_load_paged_boxes``)."""
+        box_rows = self.kv_box_rows
+        for j in cutlass.range_constexpr(self.tile_n // box_rows):
+            row = cutlass.min(n_block * self.tile_n + j * box_rows, last_box_row)
+            page = mPageTable[batch_idx, row // self.kv_page_size]
+            box_in_page = (row % self.kv_page_size) // box_rows
+            cute.copy(
+                tma_atom,
+                tXgX[None, (box_in_page, 0, page)],
+                tXsX[None, (j, 0, stage)],
+                tma_bar_ptr=bar_ptr,
+            )
 
     @cute.jit
     def _load_kv_boxes(
@@ -624,20 +687,80 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         n_block: Int32,
         producer_state: pipeline.PipelineState,
     ):
-        """Issue the ``tile_n // box_rows`` TMA loads of key block ``n_block`` into stage
-        ``producer_state.index``, all completing on that stage's barrier (see ``_load_paged_boxes``)."""
-        box_rows = self.kv_box_rows
-        for j in cutlass.range_constexpr(self.tile_n // box_rows):
-            row = cutlass.min(n_block * self.tile_n + j * box_rows, last_box_row)
-            page = mPageTable[batch_idx, row // self.kv_page_size]
-            box_in_page = (row % self.kv_page_size) // box_rows
-            cute.copy(
-                tma_atom,
-                tXgX[None, (box_in_page, 0, page)],
-                tXsX[None, (j, 0, producer_state.index)],
-                tma_bar_ptr=pipeline_kv.producer_get_barrier(producer_state),
-            )
+        """K: the boxes of key block ``n_block`` into an acquired stage, on the pipeline's barrier. Rows past
+        the sequence's last key need no clean-up in K: the consumer masks their scores to -inf."""
+        self._issue_boxes(
+            tma_atom, tXsX, tXgX, pipeline_kv.producer_get_barrier(producer_state), mPageTable, batch_idx,
+            last_box_row, n_block, producer_state.index,
+        )
         pipeline_kv.producer_commit(producer_state)
+
+    @cute.jit
+    def _acquire_load_v(
+        self,
+        tma_atom: cute.CopyAtom,
+        tVsV: cute.Tensor,
+        tVgV: cute.Tensor,
+        pipeline_v: pipeline.PipelineAsync,
+        mPageTable: cute.Tensor,
+        batch_idx: Int32,
+        last_box_row: Int32,
+        sV: cute.Tensor,
+        seqlen_k: Int32,
+        tail_bar: cute.Pointer,
+        n_block: Int32,
+        producer_state: pipeline.PipelineState,
+        tail_phase: Int32,
+    ) -> Int32:
+        """V of key block ``n_block``: acquire the stage, load its boxes, release it to the consumers.
+
+        A stage holding rows past the sequence's last key (only the sequence's last key block, when
+        ``seqlen_k % tile_n != 0``) would hand the consumers whatever the cache holds there: the rest of the
+        last page and, for boxes past the last page, a reloaded box. The scores of those columns are masked
+        (P = 0), but 0 * NaN = NaN in P @ V, so a non-finite value there would reach the output. That stage is
+        therefore loaded on the producer's own barrier ``tail_bar``; the producer waits for it, zeroes rows
+        ``[seqlen_k - n_block * tile_n, tile_n)``, fences the generic stores for the async proxy (the
+        consumers' wgmma) and only then arrives on the stage's full barrier (arrival count 1, no bytes
+        expected). Every other stage takes FA4's path: acquire with the stage's byte count, TMA, commit.
+        Returns the phase of ``tail_bar`` for its next use.
+        """
+        first_past_end = seqlen_k - n_block * self.tile_n
+        phase = tail_phase
+        if first_past_end < self.tile_n:
+            pipeline_v.sync_object_empty.wait(producer_state.index, producer_state.phase)
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(tail_bar, self.tma_copy_bytes["V"])
+            self._issue_boxes(
+                tma_atom, tVsV, tVgV, tail_bar, mPageTable, batch_idx, last_box_row, n_block,
+                producer_state.index,
+            )
+            cute.arch.mbarrier_wait(tail_bar, phase)
+            self._zero_rows(sV, producer_state.index, first_past_end)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.sync_warp()
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive(pipeline_v.sync_object_full.get_barrier(producer_state.index))
+            phase = phase ^ 1
+        else:
+            pipeline_v.producer_acquire(producer_state)
+            self._issue_boxes(
+                tma_atom, tVsV, tVgV, pipeline_v.producer_get_barrier(producer_state), mPageTable,
+                batch_idx, last_box_row, n_block, producer_state.index,
+            )
+            pipeline_v.producer_commit(producer_state)
+        return phase
+
+    @cute.jit
+    def _zero_rows(self, sX: cute.Tensor, stage: Int32, row_start: Int32):
+        """Zero rows ``[row_start, tile_n)`` of K/V stage ``stage`` (shared memory, swizzled), one warp, in
+        16-byte chunks of 8 elements (a chunk never crosses a swizzle unit)."""
+        n_chunks = self.tile_hdimv // 8
+        sX_chunks = cute.zipped_divide(sX[None, None, stage], (1, 8))  # ((1, 8), (tile_n, n_chunks))
+        zero = cute.make_rmem_tensor((1, 8), sX.element_type)
+        zero.fill(0.0)
+        lane = cute.arch.lane_idx()
+        for i in cutlass.range(lane, (self.tile_n - row_start) * n_chunks, cute.arch.WARP_SIZE, unroll=1):
+            cute.autovec_copy(zero, sX_chunks[None, (row_start + i // n_chunks, i % n_chunks)])
 
     def mma(
         self,

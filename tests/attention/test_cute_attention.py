@@ -6,8 +6,8 @@ tile's allowed region and runs unmasked only on fully allowed blocks; a compile-
 the packages are installed (skipped otherwise). GPU (H200, ``python3 -m pytest -m gpu``): fuzz against the
 fp64 reference with the check_close rule on bf16 mixed batches (hd 128/256, both window modes, paged with
 page sizes 8-256 through all three K/V load paths: TMA page boxes, FA4's paged TMA, cp.async; contiguous KV,
-GQA), NaN-poisoned outputs, LSE, cache rows past seq_lens (finite: no effect; non-finite: a known limitation
-of the TMA paths, xfail), and a CUDA-graph replay with metadata changed in place.
+GQA), NaN-poisoned outputs, LSE, cache rows past seq_lens (finite or NaN: no effect), and a CUDA-graph replay
+with metadata changed in place.
 """
 from __future__ import annotations
 
@@ -121,7 +121,7 @@ def test_tile_plan_edges(q_len, ctx, ncq, window, mode):
 
 
 @pytest.mark.parametrize("page,tile_n,path", [
-    (None, 128, "tma"), (128, 128, "tma"), (64, 64, "tma"),
+    (None, 128, "tma"), (None, 64, "tma"), (128, 128, "tma_boxes"), (64, 64, "tma_boxes"),
     (64, 128, "tma_boxes"), (16, 128, "tma_boxes"), (8, 64, "tma_boxes"), (256, 128, "tma_boxes"),
     (128, 64, "tma_boxes"), (4, 128, "cp.async"), (1, 128, "cp.async"), (48, 128, "cp.async"),
     (64, 80, "cp.async"), (160, 80, "tma_boxes"), (24, 48, "tma_boxes"), (12, 48, "cp.async"),
@@ -377,15 +377,11 @@ def test_gpu_finite_garbage_past_seq_lens_does_not_change_the_output(hd, page):
     assert torch.equal(ca.attention_cute(q, k, v, window_size=window, **kw), clean)
 
 
-_TMA_TAIL = pytest.mark.xfail(strict=True, reason=(
-    "known limitation of the TMA paged paths (FA4's page_size == tile_n path and the page boxes): rows after "
-    "the last key in its page are loaded and masked to P = 0, and 0 * NaN = NaN in P @ V"))
-
-
 @needs_gpu
-@pytest.mark.parametrize("hd,page", [pytest.param(h, p, marks=_TMA_TAIL) if p != 48 else (h, p)
-                                     for h, p in _TAIL_CASES])
+@pytest.mark.parametrize("hd,page", _TAIL_CASES)
 def test_gpu_nonfinite_cache_rows_past_seq_lens_stay_out_of_the_output(hd, page):
+    """NaN in the rows after each sequence's last key (its last page): the output is the clean one. The TMA
+    paths zero those V rows in shared memory before the consumers read them (was NaN before 2026-11-29)."""
     window = 1023 if hd == 256 else None
     q, k, v, kw = _make_batch([256, 100, 5], [1000, 5, 300], [0, 0, 5], 16, 8, hd, page, seed=hd + page)
     clean = ca.attention_cute(q, k, v, window_size=window, **kw)
