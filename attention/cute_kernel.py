@@ -376,17 +376,11 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         mbar_ptr_K_struct = cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
         mbar_ptr_V_struct = cute.struct.MemRange[cutlass.Int64, self.num_stages * 2 + 1]
 
-        @cute.struct
-        class SharedStorageQKV:
-            mbar_ptr_Q: mbar_ptr_Q_struct
-            mbar_ptr_K: mbar_ptr_K_struct
-            mbar_ptr_V: mbar_ptr_V_struct
-            sV: sV_struct
-            sQ: sQ_struct
-            sK: sK_struct
-            sP: sP_struct
-
-        return SharedStorageQKV
+        # Built with type(): this module's `from __future__ import annotations` would turn class-body annotations
+        # into strings, which cute.struct does not resolve. Field order is FA4's.
+        fields_ = dict(mbar_ptr_Q=mbar_ptr_Q_struct, mbar_ptr_K=mbar_ptr_K_struct, mbar_ptr_V=mbar_ptr_V_struct,
+                       sV=sV_struct, sQ=sQ_struct, sK=sK_struct, sP=sP_struct)
+        return cute.struct(type("SharedStorageQKV", (), {"__annotations__": fields_}))
 
     # --- the three per-tile pieces we replace -------------------------------------------------------
     def _mixed_block_info(self, block_info: BlockInfo) -> MixedBlockInfo:
