@@ -35,7 +35,8 @@ contiguous 1.684).
 
 Every paged TMA load goes through this producer, ``page_size == tile_n`` included (one box per stage), because
 FA4's own paged TMA path has a hole: a box holding the sequence's last key also brings in the rest of that
-page (and key blocks past the last page reload a box). Those columns are masked (P = 0), but 0 * NaN = NaN in
+page (and boxes of the last key block that lie past the last page reload its last box). Those columns are
+masked (P = 0), but 0 * NaN = NaN in
 P @ V, so a NaN or Inf left in the cache there (a freed page's stale values) reached the output. The V stage
 of a sequence's last key block is therefore loaded on the producer's own mbarrier, its rows past the last key
 are zeroed, and only then is the stage released to the consumers (``_acquire_load_v``); K needs no clean-up
@@ -69,6 +70,7 @@ least its own key, so no tile is empty.
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass, fields
 from functools import partial
 from typing import Callable, Optional
@@ -269,18 +271,20 @@ class MixedAttentionMask:
 class _PageBoxTmaAtoms:
     """Stands in for ``cpasync`` in FA4's SM90 module while its ``__call__`` is traced (host side only).
 
-    FA4 builds the K and V TMA atoms with a ``(tile_n, head_dim)`` box. With paged KV whose pages are smaller
-    or larger than ``tile_n`` that box does not fit a page, so FA4 falls back to cp.async loads. Here the K / V
+    FA4 builds the K and V TMA atoms with a ``(tile_n, head_dim)`` box, and its producer indexes the page table
+    by key block, so FA4 uses TMA only when ``page_size == tile_n`` (cp.async otherwise). Here the K / V
     atoms get a ``(box_rows, head_dim)`` box instead (``box_rows = min(page_size, tile_n)``), with the shared
     memory layout of the first ``box_rows`` rows of FA4's own K / V stage (same swizzle, same strides), so a
     stage of ``tile_n`` rows is filled by ``tile_n // box_rows`` TMA loads into consecutive row slices
     (:meth:`FlashAttentionForwardSm90Mixed._load_paged_boxes`). Every other attribute (and the Q / O atoms,
-    recognised by their shared-memory layout or copy op) passes through to the real module.
+    recognised by their shared-memory layout or copy op) passes through to the real module, as does every call
+    from a thread other than the one that installed the proxy.
     """
 
     def __init__(self, kernel: "FlashAttentionForwardSm90Mixed"):
         self._real = cpasync
         self._kernel = kernel
+        self._thread = threading.get_ident()
         self.replaced = 0
 
     def __getattr__(self, name):
@@ -288,14 +292,18 @@ class _PageBoxTmaAtoms:
 
     def make_tiled_tma_atom(self, op, gmem_tensor, smem_layout, cta_tiler, *args, **kwargs):
         k = self._kernel
-        is_kv = (isinstance(op, self._real.CopyBulkTensorTileG2SOp) and smem_layout is not k.sQ_layout
-                 and cta_tiler[0] == k.tile_n and cta_tiler[1] in (k.tile_hdim, k.tile_hdimv))
+        is_kv = (threading.get_ident() == self._thread and isinstance(op, self._real.CopyBulkTensorTileG2SOp)
+                 and smem_layout is not k.sQ_layout and cta_tiler[0] == k.tile_n
+                 and cta_tiler[1] in (k.tile_hdim, k.tile_hdimv))
         if not is_kv:
             return self._real.make_tiled_tma_atom(op, gmem_tensor, smem_layout, cta_tiler, *args, **kwargs)
         self.replaced += 1
         box = (k.kv_box_rows, cta_tiler[1])
         return self._real.make_tiled_tma_atom(
             op, gmem_tensor, cute.composition(smem_layout, box), box, *args, **kwargs)
+
+
+_PROXY_LOCK = threading.Lock()
 
 
 def _call_fa4_kernel_body(*args):
@@ -349,13 +357,14 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         if self.kv_box_rows is None:
             yield
             return
-        proxy = _PageBoxTmaAtoms(self)
-        real = _fa4_fwd_sm90.cpasync
-        _fa4_fwd_sm90.cpasync = proxy
-        try:
-            yield
-        finally:
-            _fa4_fwd_sm90.cpasync = real
+        with _PROXY_LOCK:  # one proxy at a time: a second swap would save the first proxy as "real"
+            proxy = _PageBoxTmaAtoms(self)
+            real = _fa4_fwd_sm90.cpasync
+            _fa4_fwd_sm90.cpasync = proxy
+            try:
+                yield
+            finally:
+                _fa4_fwd_sm90.cpasync = real
         if proxy.replaced != 2:
             raise RuntimeError(f"expected FA4 to build 2 K/V TMA atoms, replaced {proxy.replaced}")
 
@@ -542,16 +551,17 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
 
         Key block ``n`` covers key rows ``[n * tile_n, (n + 1) * tile_n)``; box ``j`` of it starts at key row
         ``r = n * tile_n + j * box_rows``, i.e. page ``block_table[b, r // page_size]``, box
-        ``(r % page_size) // box_rows`` within that page. Boxes past the sequence's last key re-load its last
-        box (their columns are masked by the consumer, and the stage's transaction byte count stays that of a
-        full tile, so the pipeline barrier completes). The load order of K / V stages is FA4's (same
+        ``(r % page_size) // box_rows`` within that page. Boxes of the last key block that start past the
+        sequence's last key reload its last box (the stage's transaction byte count stays that of a full tile,
+        so the pipeline barrier completes; V rows past the last key are zeroed, see ``_acquire_load_v``). The load order of K / V stages is FA4's (same
         ``intra_wg_overlap`` handling), so producer and consumer agree on stages and block ranges.
         """
         warp_idx_in_wg = cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4
         tidx, _, _ = cute.arch.thread_idx()
         is_load_warp = warp_idx_in_wg == 0 or const_expr(not self.use_tma_Q)
         box_rows = self.kv_box_rows
-        # Shared memory: ((box_rows, d), (boxes_per_tile, 1, stages)); gmem: ((box_rows, d), (boxes_per_page, pages))
+        # Shared memory: ((box_rows, d), (boxes_per_tile, 1, stages));
+        # gmem (TMA coordinates): ((box_rows, d), (boxes_per_page, 1, pages))
         sK_boxes = cute.zipped_divide(sK, (box_rows, self.tile_hdim))
         sV_boxes = cute.zipped_divide(sV, (box_rows, self.tile_hdimv))
         if is_load_warp:

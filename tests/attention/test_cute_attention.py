@@ -214,7 +214,7 @@ def needs_gpu(f):
 
 
 def _make_batch(q_lens, ctxs, ncqs, H, Hkv, D, page_size, dtype=torch.bfloat16, device="cuda", seed=0,
-                permute=True, contiguous=False):
+                permute=True, contiguous=False, nan_pad_page=False):
     g = torch.Generator(device="cpu").manual_seed(seed)
     seq_lens = [c + q for c, q in zip(ctxs, q_lens)]
     B = len(q_lens)
@@ -238,6 +238,11 @@ def _make_batch(q_lens, ctxs, ncqs, H, Hkv, D, page_size, dtype=torch.bfloat16, 
             off += n
         k = torch.randn(total, page_size, Hkv, D, generator=g).to(dtype)
         v = torch.randn(total, page_size, Hkv, D, generator=g).to(dtype)
+        if nan_pad_page:  # one more page, all NaN, in every block-table slot after a sequence's pages
+            k = torch.cat([k, torch.full_like(k[:1], float("nan"))])
+            v = torch.cat([v, torch.full_like(v[:1], float("nan"))])
+            for b, n in enumerate(nblk):
+                bt[b, n:] = total
         kw["block_table"] = bt.to(device)
     return q.to(device), k.to(device), v.to(device), kw
 
@@ -336,7 +341,7 @@ def test_gpu_tile_skipping_never_reads_keys_left_of_the_window(hd, page, mode):
 @needs_gpu
 @pytest.mark.parametrize("page", [8, 16, 32, 48, 64, 128, 256])
 def test_gpu_page_sizes_hd128(page):
-    """128-key tiles: pages 8-64 and 256 load by TMA page boxes, 128 by FA4's paged TMA, 48 by cp.async."""
+    """128-key tiles: pages 8-256 load by TMA page boxes (one box per stage at 128), 48 by cp.async."""
     q, k, v, kw = _make_batch([512, 256, 256, 3], [0, 3000, 3001, 77], [512, 0, 256, 1], 16, 8, 128, page, seed=page)
     _run_and_check(q, k, v, kw, None, "symmetric")
 
@@ -349,6 +354,29 @@ def test_gpu_page_boxes_with_the_long_prefill_tiles(page, window):
     out = ca.attention_cute(q, k, v, window_size=window, return_lse=True, config=ca.LONG_PREFILL_CONFIG, **kw)
     from blockdiff.attention.testing import check_close
     check_close(out[0], q, k, v, lse=out[1], window_size=window, **kw)
+
+
+@needs_gpu
+@pytest.mark.parametrize("page", [16, 64, 48])
+@pytest.mark.parametrize("long_prefill", [False, True])
+def test_gpu_gqa_3_packs_q_without_tma_and_pages_load_by_boxes(page, long_prefill):
+    """12 q heads on 4 KV heads: PackGQA tiles of 128 / 192 rows are not a multiple of 3, so FA4 loads Q with
+    all four producer warps (no TMA) while warp 0 alone loads K/V (page boxes at 16 / 64, cp.async at 48)."""
+    q, k, v, kw = _make_batch([300, 256, 1], [0, 1500, 77], [300, 0, 1], 12, 4, 128, page, seed=page)
+    cfg = ca.LONG_PREFILL_CONFIG if long_prefill else None
+    out, lse = ca.attention_cute(q, k, v, return_lse=True, config=cfg, **kw)
+    from blockdiff.attention.testing import check_close
+    check_close(out, q, k, v, lse=lse, **kw)
+
+
+@needs_gpu
+@pytest.mark.parametrize("hd,page", [(128, 16), (128, 64), (128, 256), (128, 48), (256, 64)])
+def test_gpu_block_table_slots_past_a_sequence_are_never_read(hd, page):
+    """Unused block-table slots point at a page full of NaN: no load path may touch them."""
+    window = 1023 if hd == 256 else None
+    q, k, v, kw = _make_batch([256, 100, 5], [1000, 5, 3000], [0, 0, 5], 16, 8, hd, page, seed=hd + page,
+                              nan_pad_page=True)
+    _run_and_check(q, k, v, kw, window, "symmetric")
 
 
 def _fill_past_seq_lens(k, v, kw, page, value):
