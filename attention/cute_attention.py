@@ -100,12 +100,37 @@ LONG_PREFILL_CONFIG = dict(tile_m=192, tile_n=128, intra_wg_overlap=False)
 HD128_CONFIG = dict(num_stages=3)
 
 
+#: Largest dynamic shared memory one block may use on SM90 (H100 / H200: 227 KB).
+SMEM_LIMIT_BYTES = 232448
+
+
+def config_smem_bytes(cfg: CuteConfig, head_dim: int, head_dim_v: int) -> int:
+    """Shared memory (bytes) of a resolved config in FA4's SM90 forward: Q (the output tile reuses it) +
+    ``num_stages`` x (K + V) tiles + P when it goes through shared memory (not ``mma_pv_is_rs``), 2-byte
+    elements, plus 1 KB for barriers and alignment (FA4's sm90_config_search rule, with num_stages)."""
+    p_tile = 0 if cfg.mma_pv_is_rs else cfg.tile_m * cfg.tile_n
+    return 2 * (cfg.tile_m * head_dim + cfg.num_stages * cfg.tile_n * (head_dim + head_dim_v) + p_tile) + 1024
+
+
+def check_config_fits(cfg: CuteConfig, head_dim: int, head_dim_v: int) -> None:
+    """ValueError naming the config when its shared memory exceeds what one SM90 block can have (the
+    launch would otherwise fail with a CUDA invalid-configuration error after compiling)."""
+    smem = config_smem_bytes(cfg, head_dim, head_dim_v)
+    if smem > SMEM_LIMIT_BYTES:
+        raise ValueError(
+            f"config {cfg} needs ~{smem} bytes of shared memory at head_dim {head_dim} / head_dim_v "
+            f"{head_dim_v}, more than the {SMEM_LIMIT_BYTES} an SM90 block can use: lower num_stages, "
+            "tile_n or tile_m")
+
+
 def resolve_config(head_dim: int, head_dim_v: int, window_size, config=None, max_seqlen_q: int | None = None
                    ) -> CuteConfig:
     """Tile shape for a call: FA4's SM90 forward heuristic (local variant when windowed) unless overridden.
 
     ``max_seqlen_q`` (host int, tokens; a static capacity is fine) selects the long-prefill tiles at hd 128
-    without a window (see ``LONG_PREFILL_CONFIG``); explicit ``config`` fields always win.
+    without a window (see ``LONG_PREFILL_CONFIG``); explicit ``config`` fields always win. Raises ValueError
+    when the resolved tiles do not fit SM90 shared memory (:func:`check_config_fits`), TypeError for a
+    ``config`` that is not a CuteConfig / dict / None.
     """
     fa = _fa4()
     if config is None:
@@ -120,13 +145,15 @@ def resolve_config(head_dim: int, head_dim_v: int, window_size, config=None, max
     elif not isinstance(config, CuteConfig):
         raise TypeError(f"config must be a CuteConfig, a dict or None, got {type(config).__name__}")
     base = fa["tile_size"](head_dim, head_dim_v, False, window_size is not None)
-    return CuteConfig(
+    resolved = CuteConfig(
         tile_m=config.tile_m or base.m_block_size,
         tile_n=config.tile_n or base.n_block_size,
         mma_pv_is_rs=base.mma_pv_is_rs if config.mma_pv_is_rs is None else config.mma_pv_is_rs,
         intra_wg_overlap=base.intra_wg_overlap if config.intra_wg_overlap is None else config.intra_wg_overlap,
         num_stages=config.num_stages,
     )
+    check_config_fits(resolved, head_dim, head_dim_v)
+    return resolved
 
 
 def page_box_tma_ok(page_size: int, tile_n: int) -> bool:

@@ -53,14 +53,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import workloads as wl  # noqa: E402
-from blockdiff.attention.cute_attention import kv_load_path  # noqa: E402
+from blockdiff.attention.cute_attention import (  # noqa: E402
+    SMEM_LIMIT_BYTES, CuteConfig, config_smem_bytes, kv_load_path)
 
 SUITE = "cute_sweep"
 DEFAULT_WORKLOADS = ("mixed_sliding_ctx8k", "canvas_bs4_ctx4k_hd128", "prefill16k_hd128", "canvas_bs1_ctx32k_sliding")
 #: Issue-4 targets: the largest allowed ratio cute graph_ms / FA4 graph_ms.
 TARGETS = {"mixed_sliding_ctx8k": 0.9, "prefill16k_hd128": 1.0 / 0.95, "canvas_bs4_ctx4k_hd128": 1.0}
 #: H100/H200 opt-in shared memory per block (227 KB) and FA4's search's per-WG register budget.
-SMEM_LIMIT_BYTES = 232448
 REG_LIMIT = {1: 216, 2: 216, 3: 128}
 NUM_SMS = 132
 
@@ -160,7 +160,7 @@ def feasibility(cfg: dict, head_dim: int, head_dim_v: int) -> tuple[bool, str, i
     if n % 16 or n > 256:
         return False, f"tile_n {n} not a multiple of 16 in [16, 256]", 0
     nwg = m // 64
-    smem = 2 * (m * head_dim + s * n * (head_dim + head_dim_v) + (0 if cfg["mma_pv_is_rs"] else m * n)) + 1024
+    smem = config_smem_bytes(CuteConfig(**cfg), head_dim, head_dim_v)
     regs_s = m * n // (nwg * 128)
     regs = regs_s + m * head_dim_v // (nwg * 128) + (regs_s // 2 if cfg["intra_wg_overlap"] else 0)
     if smem > SMEM_LIMIT_BYTES:
@@ -264,7 +264,11 @@ def measure_cute(batch, cand: Candidate, gold, base_err: float, args) -> dict:
 
     w = batch.workload
     row = base_row(w, batch, "cute")
-    cfg = resolve_config(w.head_dim, w.head_dim_v, w.window_size, cand.config())
+    try:
+        cfg = resolve_config(w.head_dim, w.head_dim_v, w.window_size, cand.config())
+    except ValueError as e:  # does not fit SM90 shared memory
+        row.update(candidate=cand.name, status="skipped", reason=str(e))
+        return row
     cfg_d = dict(tile_m=cfg.tile_m, tile_n=cfg.tile_n, mma_pv_is_rs=cfg.mma_pv_is_rs,
                  intra_wg_overlap=cfg.intra_wg_overlap, num_stages=cfg.num_stages)
     row.update(candidate=cand.name, config=cfg_d, label=label(cand, cfg_d), why=cand.why,

@@ -132,6 +132,21 @@ def test_kv_load_path_uses_tma_boxes_only_where_boxes_tile_page_and_key_tile(pag
     assert ca.kv_load_path(page, tile_n) == path
 
 
+def test_configs_that_overflow_sm90_shared_memory_are_a_value_error():
+    """hd 128 with 128 x 128 tiles: 3 K/V stages fit (the default canvas config), 4 would need ~290 KB and
+    failed at launch with a CUDA invalid-configuration error after compiling."""
+    fits = ca.CuteConfig(tile_m=128, tile_n=128, mma_pv_is_rs=True, intra_wg_overlap=True, num_stages=3)
+    ca.check_config_fits(fits, 128, 128)
+    ca.check_config_fits(ca.CuteConfig(tile_m=128, tile_n=64, mma_pv_is_rs=True, intra_wg_overlap=True), 256, 256)
+    ca.check_config_fits(ca.CuteConfig(tile_m=192, tile_n=128, mma_pv_is_rs=True, intra_wg_overlap=False), 128, 128)
+    with pytest.raises(ValueError, match="num_stages"):
+        ca.check_config_fits(ca.CuteConfig(tile_m=128, tile_n=128, mma_pv_is_rs=True, intra_wg_overlap=True,
+                                           num_stages=4), 128, 128)
+    with pytest.raises(ValueError, match="shared memory"):
+        ca.check_config_fits(ca.CuteConfig(tile_m=128, tile_n=128, mma_pv_is_rs=False, intra_wg_overlap=True,
+                                           num_stages=2), 256, 256)
+
+
 COMPILE_SCRIPT = textwrap.dedent("""
     import os, time
     os.environ.update(FLASH_ATTENTION_ARCH="sm_90", CUTE_DSL_ARCH="sm_90a", FLASH_ATTENTION_NUM_SMS="132")
