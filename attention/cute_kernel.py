@@ -7,10 +7,10 @@ What is FA4's and what is ours
 ------------------------------
 :class:`FlashAttentionForwardSm90Mixed` subclasses ``flash_attn.cute.flash_fwd_sm90.FlashAttentionForwardSm90``
 (flash-attn-4 4.0.0b36). FA4's ``__call__`` (TMA atoms, PackGQA layouts, the varlen tile scheduler, grid),
-its ``kernel`` body (pipelines, shared memory, warp specialisation), its producer ``load`` (TMA or cp.async
-paged-KV loads) and its consumer ``mma`` (intra-warpgroup-overlapped QK/PV GEMMs, online softmax, epilogue)
-all run unchanged. We replace three small pieces that FA4 builds per work tile and hands to ``load`` and
-``mma``:
+its ``kernel`` body (pipelines, shared memory, warp specialisation), its producer ``load`` for contiguous K/V
+and for its cp.async paged path, and its consumer ``mma`` (intra-warpgroup-overlapped QK/PV GEMMs, online
+softmax, epilogue) run unchanged. We replace three small pieces that FA4 builds per work tile and hands to
+``load`` and ``mma``, and the producer of paged TMA loads (below):
 
 - ``SeqlenInfoCls`` -> :class:`MixedSeqlenInfoQK`: FA4's per-tile sequence info plus ``num_causal_q`` of the
   tile's sequence, read from a device tensor (one load per tile);
@@ -21,8 +21,7 @@ all run unchanged. We replace three small pieces that FA4 builds per work tile a
 - ``AttentionMaskCls`` -> :class:`MixedAttentionMask`: per-row ``[lo, hi]`` masking with FA4's R2P
   bitmask helpers (rows of one tile may mix causal and bidirectional rows when ``0 < num_causal_q < q_len``).
 
-One more piece replaces FA4's producer in one case: paged K/V whose page size is not the key tile
-(``tile_n``). FA4 then loads K/V with cp.async and a page-table lookup per row (its TMA path needs
+The producer for paged K/V. When the page size is not the key tile (``tile_n``), FA4 loads K/V with cp.async and a page-table lookup per row (its TMA path needs
 ``page_size == tile_n``); that path made paged hd-128 canvases 16 % slower than contiguous ones (FA4 itself:
 0.069 vs 0.059 ms on ``canvas_bs4_ctx4k_hd128``). With ``kv_page_size`` set, FA4's ``__call__`` builds its K and
 V TMA atoms with a ``(min(page_size, tile_n), head_dim)`` box (:class:`_PageBoxTmaAtoms`, active only while
@@ -36,8 +35,8 @@ contiguous 1.684).
 Every paged TMA load goes through this producer, ``page_size == tile_n`` included (one box per stage), because
 FA4's own paged TMA path has a hole: a box holding the sequence's last key also brings in the rest of that
 page (and boxes of the last key block that lie past the last page reload its last box). Those columns are
-masked (P = 0), but 0 * NaN = NaN in
-P @ V, so a NaN or Inf left in the cache there (a freed page's stale values) reached the output. The V stage
+masked (P = 0), but 0 * NaN = NaN in P @ V, so a NaN or Inf left in the cache there (a freed page's stale
+values) reached the output. The V stage
 of a sequence's last key block is therefore loaded on the producer's own mbarrier, its rows past the last key
 are zeroed, and only then is the stage released to the consumers (``_acquire_load_v``); K needs no clean-up
 (its scores are masked to -inf). FA4's cp.async path and the triton backend zero-fill those rows too. Tested by
