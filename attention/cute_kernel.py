@@ -21,10 +21,10 @@ softmax, epilogue) run unchanged. We replace three small pieces that FA4 builds 
 - ``AttentionMaskCls`` -> :class:`MixedAttentionMask`: per-row ``[lo, hi]`` masking with FA4's R2P
   bitmask helpers (rows of one tile may mix causal and bidirectional rows when ``0 < num_causal_q < q_len``).
 
-The producer for paged K/V. When the page size is not the key tile (``tile_n``), FA4 loads K/V with cp.async and a page-table lookup per row (its TMA path needs
-``page_size == tile_n``); that path made paged hd-128 canvases 16 % slower than contiguous ones (FA4 itself:
-0.069 vs 0.059 ms on ``canvas_bs4_ctx4k_hd128``). With ``kv_page_size`` set, FA4's ``__call__`` builds its K and
-V TMA atoms with a ``(min(page_size, tile_n), head_dim)`` box (:class:`_PageBoxTmaAtoms`, active only while
+The producer for paged K/V. When the page size is not the key tile (``tile_n``), FA4 loads K/V with cp.async
+and a page-table lookup per row (its TMA path needs ``page_size == tile_n``); that path made paged hd-128
+canvases 16 % slower than contiguous ones (FA4 itself: 0.069 vs 0.059 ms on ``canvas_bs4_ctx4k_hd128``). With
+``kv_page_size`` set, FA4's ``__call__`` builds its K and V TMA atoms with a ``(min(page_size, tile_n), head_dim)`` box (:class:`_PageBoxTmaAtoms`, active only while
 ``cute.compile`` traces it) and :meth:`FlashAttentionForwardSm90Mixed._load_paged_boxes` (FA4's TMA producer
 loop, K/V stage order unchanged) fills each K/V stage with ``tile_n // box`` page boxes that complete on the
 stage's one barrier. Pages must be multiples of 8 rows that divide ``tile_n`` or are multiples of it
