@@ -24,22 +24,22 @@ softmax, epilogue) run unchanged. We replace three small pieces that FA4 builds 
 The producer for paged K/V. When the page size is not the key tile (``tile_n``), FA4 loads K/V with cp.async
 and a page-table lookup per row (its TMA path needs ``page_size == tile_n``); that path made paged hd-128
 canvases 16 % slower than contiguous ones (FA4 itself: 0.069 vs 0.059 ms on ``canvas_bs4_ctx4k_hd128``). With
-``kv_page_size`` set, FA4's ``__call__`` builds its K and V TMA atoms with a ``(min(page_size, tile_n), head_dim)`` box (:class:`_PageBoxTmaAtoms`, active only while
-``cute.compile`` traces it) and :meth:`FlashAttentionForwardSm90Mixed._load_paged_boxes` (FA4's TMA producer
-loop, K/V stage order unchanged) fills each K/V stage with ``tile_n // box`` page boxes that complete on the
-stage's one barrier. Pages must be multiples of 8 rows that divide ``tile_n`` or are multiples of it
-(``cute_attention.kv_load_path``). Measured on the H200 at a00fb26 (``bench/results/cute_pagebox-h200.json``):
-``canvas_bs4_ctx4k_hd128`` 0.061 ms (FA4 paged 0.068, contiguous 0.060), ``prefill16k_hd128`` 1.686 ms (FA4
-contiguous 1.684).
+``kv_page_size`` set, FA4's ``__call__`` builds its K and V TMA atoms with a ``(min(page_size, tile_n),
+head_dim)`` box (:class:`_PageBoxTmaAtoms`, active only while ``cute.compile`` traces it) and
+:meth:`FlashAttentionForwardSm90Mixed._load_paged_boxes` (FA4's TMA producer loop, K/V stage order unchanged)
+fills each K/V stage with ``tile_n // box`` page boxes that complete on the stage's one barrier. Pages must be
+multiples of 8 rows that divide ``tile_n`` or are multiples of it (``cute_attention.kv_load_path``). Measured
+on the H200 at a00fb26 (``bench/results/cute_pagebox-h200.json``): ``canvas_bs4_ctx4k_hd128`` 0.061 ms (FA4
+paged 0.068, contiguous 0.060), ``prefill16k_hd128`` 1.686 ms (FA4 contiguous 1.684).
 
 Every paged TMA load goes through this producer, ``page_size == tile_n`` included (one box per stage), because
 FA4's own paged TMA path has a hole: a box holding the sequence's last key also brings in the rest of that
 page (and boxes of the last key block that lie past the last page reload its last box). Those columns are
 masked (P = 0), but 0 * NaN = NaN in P @ V, so a NaN or Inf left in the cache there (a freed page's stale
-values) reached the output. The V stage
-of a sequence's last key block is therefore loaded on the producer's own mbarrier, its rows past the last key
-are zeroed, and only then is the stage released to the consumers (``_acquire_load_v``); K needs no clean-up
-(its scores are masked to -inf). FA4's cp.async path and the triton backend zero-fill those rows too. Tested by
+values) reached the output. The V stage of a sequence's last key block is therefore loaded on the producer's
+own mbarrier, its rows past the last key are zeroed, and only then is the stage released to the consumers
+(``_acquire_load_v``); K needs no clean-up (its scores are masked to -inf). FA4's cp.async path and the triton
+backend zero-fill those rows too. Tested by
 ``test_gpu_nonfinite_cache_rows_past_seq_lens_stay_out_of_the_output``.
 
 The device tensor ``num_causal_q`` reaches the kernel through FA4's own ``aux_data`` argument (its
@@ -331,7 +331,7 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         super().__init__(*args, **kwargs)
         self.prefix_window = prefix_window
         self._mNumCausalQ = None
-        # Paged TMA with pages != tile_n: K / V stages are filled box by box (see _PageBoxTmaAtoms).
+        # Paged TMA (any page size page_box_tma_ok accepts): K / V stages filled box by box (_PageBoxTmaAtoms).
         self.kv_page_size = None
         self.kv_box_rows = None
         if kv_page_size is not None:
@@ -552,8 +552,9 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         ``r = n * tile_n + j * box_rows``, i.e. page ``block_table[b, r // page_size]``, box
         ``(r % page_size) // box_rows`` within that page. Boxes of the last key block that start past the
         sequence's last key reload its last box (the stage's transaction byte count stays that of a full tile,
-        so the pipeline barrier completes; V rows past the last key are zeroed, see ``_acquire_load_v``). The load order of K / V stages is FA4's (same
-        ``intra_wg_overlap`` handling), so producer and consumer agree on stages and block ranges.
+        so the pipeline barrier completes; V rows past the last key are zeroed, see ``_acquire_load_v``). The
+        load order of K / V stages is FA4's (same ``intra_wg_overlap`` handling), so producer and consumer agree
+        on stages and block ranges.
         """
         warp_idx_in_wg = cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4
         tidx, _, _ = cute.arch.thread_idx()
