@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .tp import F_ARGMAX, F_BAD, F_GID, F_GVAL, F_MAX, F_SUM, F_U, NUM_FIELDS, LocalStats, VocabShard
-from .triton_sampler import SamplerConfig, _philox4x32_10, soft_embedding
+from .triton_sampler import _FLT_LOWEST, SamplerConfig, _philox4x32_10, soft_embedding
 
 __all__ = ["local_statistics_triton", "soft_partial_triton"]
 
@@ -64,7 +64,7 @@ def _shard_stats_kernel(
     lo = tl.maximum(start, VS)
     hi = tl.minimum(VE, start + CHUNK)
 
-    m = -3.4028234663852886e38                                   # lowest finite float32: <= every finite z
+    m = _FLT_LOWEST                                              # lowest finite float32: <= every finite z
     s = 0.0
     u = 0.0
     best = -float("inf")
