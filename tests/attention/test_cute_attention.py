@@ -404,6 +404,15 @@ def _fill_past_seq_lens(k, v, kw, page, value):
             v[bt[b, (s - 1) // page].long(), s % page:] = value
 
 
+def _outputs_before_and_after_filling_past_seq_lens(hd, page, value):
+    """The cute output of one mixed batch, then again after ``value`` went into the cache rows past seq_lens."""
+    window = 1023 if hd == 256 else None
+    q, k, v, kw = _make_batch([256, 100, 5], [1000, 5, 300], [0, 0, 5], 16, 8, hd, page, seed=hd + page)
+    clean = ca.attention_cute(q, k, v, window_size=window, **kw)
+    _fill_past_seq_lens(k, v, kw, page, value)
+    return clean, ca.attention_cute(q, k, v, window_size=window, **kw)
+
+
 # (head_dim, page): hd 128 uses 128-key tiles, hd 256 with a window 64-key tiles at page 64.
 _TAIL_CASES = [(128, 64), (128, 16), (128, 256), (128, 128), (256, 64), (128, 48)]
 
@@ -413,11 +422,8 @@ _TAIL_CASES = [(128, 64), (128, 16), (128, 256), (128, 128), (256, 64), (128, 48
 def test_gpu_finite_garbage_past_seq_lens_does_not_change_the_output(hd, page):
     """Rows after a sequence's last key are outside every row's allowed range: with finite values there
     (stale K/V of an earlier request) the output is bit-identical for every K/V load path."""
-    window = 1023 if hd == 256 else None
-    q, k, v, kw = _make_batch([256, 100, 5], [1000, 5, 300], [0, 0, 5], 16, 8, hd, page, seed=hd + page)
-    clean = ca.attention_cute(q, k, v, window_size=window, **kw)
-    _fill_past_seq_lens(k, v, kw, page, 3.0e4)
-    assert torch.equal(ca.attention_cute(q, k, v, window_size=window, **kw), clean)
+    clean, dirty = _outputs_before_and_after_filling_past_seq_lens(hd, page, 3.0e4)
+    assert torch.equal(dirty, clean)
 
 
 @needs_gpu
@@ -425,11 +431,8 @@ def test_gpu_finite_garbage_past_seq_lens_does_not_change_the_output(hd, page):
 def test_gpu_nonfinite_cache_rows_past_seq_lens_stay_out_of_the_output(hd, page):
     """NaN in the rows after each sequence's last key (its last page): the output is the clean one. The TMA
     paths zero those V rows in shared memory before the consumers read them (was NaN before 2026-11-29)."""
-    window = 1023 if hd == 256 else None
-    q, k, v, kw = _make_batch([256, 100, 5], [1000, 5, 300], [0, 0, 5], 16, 8, hd, page, seed=hd + page)
-    clean = ca.attention_cute(q, k, v, window_size=window, **kw)
-    _fill_past_seq_lens(k, v, kw, page, float("nan"))
-    assert torch.equal(ca.attention_cute(q, k, v, window_size=window, **kw), clean)
+    clean, dirty = _outputs_before_and_after_filling_past_seq_lens(hd, page, float("nan"))
+    assert torch.equal(dirty, clean)
 
 
 @needs_gpu
