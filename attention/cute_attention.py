@@ -40,6 +40,7 @@ class CuteConfig:
     mma_pv_is_rs: bool | None = None
     intra_wg_overlap: bool | None = None
     num_stages: int = 2
+    lpt: bool | None = None  # longest-first tile order; None: from max_seqlen_q (LPT_MIN_SEQLEN_Q)
 
 
 _FA4 = None
@@ -100,6 +101,19 @@ LONG_PREFILL_CONFIG = dict(tile_m=192, tile_n=128, intra_wg_overlap=False)
 HD128_CONFIG = dict(num_stages=3)
 
 
+#: FA4 orders the tiles of causal and local kernels longest first, in L2 sections of heads (``lpt``); our kernel
+#: is built ``is_local`` (per-row intervals), so FA4 would always pick that order. It pays off only when one
+#: sequence's causal tiles differ in length (long prefills); for canvases it costs: canvas_bs4_ctx4k_hd128 on the
+#: H200 (interleaved CUDA-graph A/B, 4c862ef, 2 stages) 65.0 -> 61.7 us contiguous, 65.7 -> 62.7 us paged without
+#: it. Chosen from the host-side ``max_seqlen_q`` (tokens): longest-first from this length on.
+LPT_MIN_SEQLEN_Q = 512
+
+
+def longest_first_tiles(max_seqlen_q: int | None) -> bool:
+    """Whether a call with this host hint (tokens; None: unknown) uses FA4's longest-first tile order."""
+    return max_seqlen_q is None or max_seqlen_q >= LPT_MIN_SEQLEN_Q
+
+
 #: Largest dynamic shared memory one block may use on SM90 (H100 / H200: 227 KB).
 SMEM_LIMIT_BYTES = 232448
 
@@ -128,7 +142,8 @@ def resolve_config(head_dim: int, head_dim_v: int, window_size, config=None, max
     """Tile shape for a call: FA4's SM90 forward heuristic (local variant when windowed) unless overridden.
 
     ``max_seqlen_q`` (host int, tokens; a static capacity is fine) selects the long-prefill tiles at hd 128
-    without a window (see ``LONG_PREFILL_CONFIG``); explicit ``config`` fields always win. Raises ValueError
+    without a window (see ``LONG_PREFILL_CONFIG``) and the longest-first tile order (``LPT_MIN_SEQLEN_Q``;
+    None counts as long); explicit ``config`` fields always win. Raises ValueError
     when the resolved tiles do not fit SM90 shared memory (:func:`check_config_fits`), TypeError for a
     ``config`` that is not a CuteConfig / dict / None.
     """
@@ -151,6 +166,7 @@ def resolve_config(head_dim: int, head_dim_v: int, window_size, config=None, max
         mma_pv_is_rs=base.mma_pv_is_rs if config.mma_pv_is_rs is None else config.mma_pv_is_rs,
         intra_wg_overlap=base.intra_wg_overlap if config.intra_wg_overlap is None else config.intra_wg_overlap,
         num_stages=config.num_stages,
+        lpt=longest_first_tiles(max_seqlen_q) if config.lpt is None else bool(config.lpt),
     )
     check_config_fits(resolved, head_dim, head_dim_v)
     return resolved
@@ -215,9 +231,10 @@ def attention_cute(
         out: optional preallocated ``[total_q, num_heads, head_dim_v]`` of q's dtype.
         return_lse: also return ``lse [num_heads, total_q]`` fp32 (natural log).
         max_seqlen_q, max_seqlen_k: host hints (tokens). ``max_seqlen_q`` (default ``q.shape[0]``) picks the
-            long-prefill tile shape at hd 128 (see :func:`resolve_config`); the grid is sized from ``q.shape[0]``.
+            long-prefill tile shape at hd 128 and the tile order (see :func:`resolve_config`); the grid is
+            sized from ``q.shape[0]``, so any value gives the right result.
         check_values: run the host-side value checks (default: yes unless a CUDA graph is being captured).
-        config: :class:`CuteConfig` or dict (tile_m, tile_n, mma_pv_is_rs, intra_wg_overlap, num_stages).
+        config: :class:`CuteConfig` or dict (tile_m, tile_n, mma_pv_is_rs, intra_wg_overlap, num_stages, lpt).
 
     Returns:
         ``out [total_q, num_heads, head_dim_v]`` (q's dtype) or ``(out, lse)``.
@@ -333,9 +350,10 @@ def _compile(fa, key, q, k, v, out, lse, scale, cu_q, cu_k, seqused_k, page_tabl
         paged_kv_non_tma=paged_kv_non_tma,
         prefix_window=prefix,
         kv_page_size=kv_page_size,
+        lpt=cfg.lpt is not False,  # resolve_config always sets it; None (an unresolved config) = FA4's order
     )
     small = lambda t, lead=0: None if t is None else tct(t, assumed_align=4, leading_dim=lead)  # noqa: E731
-    with kernel.page_box_tma():  # K/V TMA atoms with page-sized boxes when kv_page_size is set
+    with kernel.trace_patches():  # page-box K/V TMA atoms (kv_page_size), FA4's tile order off (not lpt)
         return cute.compile(
             kernel,
             tct(q), tct(k), tct(v), tct(out, assumed_align=16),

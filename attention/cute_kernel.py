@@ -302,6 +302,25 @@ class _PageBoxTmaAtoms:
             op, gmem_tensor, cute.composition(smem_layout, box), box, *args, **kwargs)
 
 
+class _SchedulerArgsLpt:
+    """Stands in for ``TileSchedulerArguments`` in FA4's SM90 module while its ``__call__`` is traced: the
+    tile scheduler gets ``lpt=<ours>`` instead of FA4's ``is_causal or is_local`` (our kernel is built
+    ``is_local``, which would always select FA4's longest-first order with its L2 head sections). Calls from
+    other threads pass through unchanged."""
+
+    def __init__(self, lpt: bool):
+        self._real = _fa4_fwd_sm90.TileSchedulerArguments
+        self._lpt = lpt
+        self._thread = threading.get_ident()
+        self.calls = 0
+
+    def __call__(self, *args, **kwargs):
+        if threading.get_ident() == self._thread:
+            kwargs["lpt"] = self._lpt
+            self.calls += 1
+        return self._real(*args, **kwargs)
+
+
 _PROXY_LOCK = threading.Lock()
 
 
@@ -322,14 +341,19 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
 
     Args (beyond FA4's): ``prefix_window`` (compile-time): bidirectional rows use the "prefix" window
     (else "symmetric"). The window size W is FA4's runtime ``window_size_left`` argument (None: no window).
+    ``lpt`` (compile-time, default True): FA4's longest-first tile order with L2 head sections (FA4 uses it for
+    causal / local kernels); False: its plain order (heads of a sequence in turn, m-blocks inner), as for FA4's
+    non-causal kernel.
     Runtime extra input: ``aux_data = AuxData([num_causal_q])`` with ``num_causal_q`` ``[B]`` int32.
     """
 
-    def __init__(self, *args, prefix_window: bool = False, kv_page_size: Optional[int] = None, **kwargs):
+    def __init__(self, *args, prefix_window: bool = False, kv_page_size: Optional[int] = None, lpt: bool = True,
+                 **kwargs):
         kwargs["is_causal"] = False
         kwargs["is_local"] = True
         super().__init__(*args, **kwargs)
         self.prefix_window = prefix_window
+        self.lpt = lpt
         self._mNumCausalQ = None
         # Paged TMA (any page size page_box_tma_ok accepts): K / V stages filled box by box (_PageBoxTmaAtoms).
         self.kv_page_size = None
@@ -347,25 +371,36 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
             self.kv_box_rows = min(kv_page_size, self.tile_n)
 
     @contextlib.contextmanager
-    def page_box_tma(self):
-        """Context for tracing ``__call__`` (``cute.compile``): K / V TMA atoms with page-sized boxes.
+    def trace_patches(self):
+        """Context for tracing ``__call__`` (``cute.compile``), host side only. Swaps, in FA4's SM90 module:
 
-        A no-op unless ``kv_page_size`` was given. Raises RuntimeError if FA4's ``__call__`` did not build
-        exactly the two K / V atoms through ``cpasync.make_tiled_tma_atom`` (another FA4 version).
+        * ``cpasync`` for :class:`_PageBoxTmaAtoms` when ``kv_page_size`` was given (K / V TMA atoms with
+          page-sized boxes);
+        * ``TileSchedulerArguments`` for :class:`_SchedulerArgsLpt` when ``lpt`` is False (FA4 would pick
+          its longest-first tile order for every ``is_local`` kernel).
+
+        A no-op when neither applies. Raises RuntimeError if FA4's ``__call__`` did not build exactly the two
+        K / V atoms, or the scheduler arguments once (another FA4 version).
         """
-        if self.kv_box_rows is None:
+        if self.kv_box_rows is None and self.lpt:
             yield
             return
-        with _PROXY_LOCK:  # one proxy at a time: a second swap would save the first proxy as "real"
-            proxy = _PageBoxTmaAtoms(self)
-            real = _fa4_fwd_sm90.cpasync
-            _fa4_fwd_sm90.cpasync = proxy
+        with _PROXY_LOCK:  # one swap at a time: a second one would save the first proxy as "real"
+            real_cpasync, real_args = _fa4_fwd_sm90.cpasync, _fa4_fwd_sm90.TileSchedulerArguments
+            proxy = _PageBoxTmaAtoms(self) if self.kv_box_rows is not None else None
+            sched = _SchedulerArgsLpt(self.lpt) if not self.lpt else None
+            if proxy is not None:
+                _fa4_fwd_sm90.cpasync = proxy
+            if sched is not None:
+                _fa4_fwd_sm90.TileSchedulerArguments = sched
             try:
                 yield
             finally:
-                _fa4_fwd_sm90.cpasync = real
-        if proxy.replaced != 2:
+                _fa4_fwd_sm90.cpasync, _fa4_fwd_sm90.TileSchedulerArguments = real_cpasync, real_args
+        if proxy is not None and proxy.replaced != 2:
             raise RuntimeError(f"expected FA4 to build 2 K/V TMA atoms, replaced {proxy.replaced}")
+        if sched is not None and sched.calls != 1:
+            raise RuntimeError(f"expected FA4 to build its tile scheduler arguments once, saw {sched.calls}")
 
     def _get_shared_storage_cls(self):
         """FA4's shared storage; with the page-box producer, one more mbarrier right after the V pipeline's

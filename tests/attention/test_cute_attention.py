@@ -132,6 +132,14 @@ def test_kv_load_path_uses_tma_boxes_only_where_boxes_tile_page_and_key_tile(pag
     assert ca.kv_load_path(page, tile_n) == path
 
 
+def test_longest_first_tile_order_only_from_512_query_tokens_on():
+    """Canvas and commit batches (max_seqlen_q < 512) take FA4's plain tile order; long prefills, and calls
+    without the hint, its longest-first order."""
+    assert ca.longest_first_tiles(256) is False and ca.longest_first_tiles(511) is False
+    assert ca.longest_first_tiles(512) is True and ca.longest_first_tiles(16384) is True
+    assert ca.longest_first_tiles(None) is True
+
+
 def test_configs_that_overflow_sm90_shared_memory_are_a_value_error():
     """hd 128 with 128 x 128 tiles: 3 K/V stages fit (the default canvas config), 4 would need ~290 KB and
     failed at launch with a CUDA invalid-configuration error after compiling."""
@@ -262,10 +270,10 @@ def _make_batch(q_lens, ctxs, ncqs, H, Hkv, D, page_size, dtype=torch.bfloat16, 
     return q.to(device), k.to(device), v.to(device), kw
 
 
-def _run_and_check(q, k, v, kw, window, mode, return_lse=True):
+def _run_and_check(q, k, v, kw, window, mode, return_lse=True, **extra):
     out = torch.full((q.shape[0], q.shape[1], v.shape[-1]), float("nan"), dtype=q.dtype, device=q.device)
     res = ca.attention_cute(q, k, v, out=out, window_size=window, bidirectional_window=mode,
-                            return_lse=return_lse, **kw)
+                            return_lse=return_lse, **kw, **extra)
     o, lse = res if return_lse else (res, None)
     assert o is out
     from blockdiff.attention.testing import check_close
@@ -299,8 +307,22 @@ def test_gpu_fuzz_mixed_batch_matches_reference(hd, H, Hkv, page, window, mode, 
     kinds = data.draw(st.lists(st.sampled_from(["causal", "bidir", "split"]), min_size=B, max_size=B))
     ncqs = [ql if kd == "causal" else 0 if kd == "bidir" else ql // 2 for ql, kd in zip(q_lens, kinds)]
     seed = data.draw(st.integers(0, 2 ** 16))
+    # the true max_seqlen_q (<= 300 here: plain tile order) or none (total_q: longest-first from 512 rows on)
+    hint = data.draw(st.sampled_from([None, max(q_lens)]), label="max_seqlen_q")
     q, k, v, kw = _make_batch(q_lens, ctxs, ncqs, H, Hkv, hd, page or 64, seed=seed, contiguous=page is None)
-    _run_and_check(q, k, v, kw, window, mode)
+    _run_and_check(q, k, v, kw, window, mode, max_seqlen_q=hint)
+
+
+@needs_gpu
+@pytest.mark.parametrize("lpt", [False, True])
+@pytest.mark.parametrize("hd,page,window", [(128, 64, None), (128, None, None), (128, 48, None), (256, 64, 1023)])
+def test_gpu_plain_and_longest_first_tile_orders_match_reference(lpt, hd, page, window):
+    """Both tile orders of FA4's varlen scheduler (lpt False: FA4's non-causal order, the canvas default; True:
+    longest-first in L2 head sections) cover every tile of a batch mixing causal, bidirectional and split
+    sequences, with page-box TMA, contiguous and cp.async K/V."""
+    q, k, v, kw = _make_batch([700, 256, 256, 3, 0], [0, 4000, 1000, 77, 5], [700, 0, 100, 1, 0], 16, 8, hd,
+                              page or 64, seed=5, contiguous=page is None)
+    _run_and_check(q, k, v, kw, window, "symmetric", config=dict(lpt=lpt))
 
 
 @needs_gpu
