@@ -97,7 +97,9 @@ LONG_PREFILL_CONFIG = dict(tile_m=192, tile_n=128, intra_wg_overlap=False)
 #: Other hd-128 calls without a window (canvases, short prefills) keep FA4's 128 x 128 tiles with a third K/V stage: the same sweep
 #: measured hd128_s3 at 0.073 vs 0.074 ms on canvas_bs4_ctx4k_hd128 (geomean 0.990x over the hd-128 workloads).
 #: Both configs were swept with cp.async paged loads; since a00fb26 they load pages of 64 by TMA boxes
-#: (``kv_load_path``): canvas_bs4_ctx4k_hd128 0.061 ms, prefill16k_hd128 1.686 ms (cute_pagebox-h200.json).
+#: (``kv_load_path``): canvas_bs4_ctx4k_hd128 0.061 ms, prefill16k_hd128 1.686 ms (cute_pagebox-h200.json);
+#: with FA4's plain tile order for canvases (4c857ab, cute_lpt-h200.json) 0.060 ms paged / 0.059 contiguous.
+#: 2 vs 3 stages there: 63.5 vs 63.6 us contiguous, 64.1 vs 64.3 us paged (cute_lpt_ab-h200.json), a tie.
 HD128_CONFIG = dict(num_stages=3)
 
 

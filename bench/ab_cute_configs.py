@@ -1,0 +1,90 @@
+#!/usr/bin/env python3
+"""ab_cute_configs.py: interleaved A/B of cute backend configs against FA4, both KV layouts, one process (GPU).
+
+For each named workload: FA4 (``flash_attn.cute.flash_attn_varlen_func`` as in bench_attention.py, paged and
+contiguous) and the cute backend under every config variant (paged and contiguous K/V) are compiled and checked
+first (max difference to the first row, isfinite), then ``--rounds`` rounds time every row in turn with
+``triton.testing.do_bench_cudagraph(rep=200)`` (single-launch CUDA-graph replays, microseconds); the medians
+of the rounds are printed and written to ``$OUT/ab_<workloads>.json`` (else ./). Interleaving the rows puts
+clock and thermal drift on every row alike; H200 results: bench/results/cute_lpt_ab-h200.json.
+
+    python3 bench/ab_cute_configs.py canvas_bs4_ctx4k_hd128 '{"s2": {"num_stages": 2}, "s3": {"num_stages": 3}}'
+
+Variants are ``config`` dicts of ``attention_cute`` (CuteConfig fields: tile_m, tile_n, mma_pv_is_rs,
+intra_wg_overlap, num_stages, lpt); a given dict replaces the default config (unset fields take FA4's heuristic).
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import types
+
+import torch
+import triton.testing as tt
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_attention as ba  # noqa: E402
+import workloads as wl  # noqa: E402
+from blockdiff.attention import causal_row_counts  # noqa: E402
+from blockdiff.attention import cute_attention as ca  # noqa: E402
+
+
+def rows_for(name: str, variants: dict) -> tuple[dict, dict]:
+    """(row name -> callable, row name -> to_packed) for one workload."""
+    w = next(x for x in wl.named_workloads() if x.name == name)
+    b = wl.build(w, device="cuda", dtype=torch.bfloat16)
+    kw = b.attn_kwargs()
+    kw["num_causal_q"] = causal_row_counts(kw.pop("causal"), kw["cu_seqlens_q"])
+    kwc = dict(kw)
+    kwc.pop("block_table")
+    kc, vc, kwc["cu_seqlens_k"] = b.contiguous_kv()
+    fns, packs = {}, {}
+    for lay in ("paged", "contiguous"):
+        fns[f"fa4_{lay}"], packs[f"fa4_{lay}"], _ = ba.make_fa4(b, types.SimpleNamespace(), lay)
+    for vn, cfg in variants.items():
+        for lay, (k, v, a) in (("paged", (b.k_cache, b.v_cache, kw)), ("contiguous", (kc, vc, kwc))):
+            out = torch.empty(b.q.shape[0], w.num_heads, w.head_dim_v, dtype=b.q.dtype, device="cuda")
+
+            def f(k=k, v=v, a=a, out=out, cfg=cfg):
+                return ca.attention_cute(b.q, k, v, out=out, check_values=False, config=cfg, **a)
+            fns[f"cute_{vn}_{lay}"], packs[f"cute_{vn}_{lay}"] = f, (lambda o: o)
+    return fns, packs
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("workloads", help="comma-separated named workloads")
+    p.add_argument("variants", help='JSON {"name": config dict, ...}')
+    p.add_argument("--rounds", type=int, default=5)
+    a = p.parse_args(argv)
+    names, variants = a.workloads.split(","), json.loads(a.variants)
+    res = {}
+    for name in names:
+        fns, packs = rows_for(name, variants)
+        ref = None
+        for n in list(fns):
+            try:
+                o = packs[n](fns[n]())
+                torch.cuda.synchronize()
+                ref = o.float() if ref is None else ref
+                print(n, "max diff vs first row", (o.float() - ref).abs().max().item(),
+                      "finite", bool(torch.isfinite(o).all()), flush=True)
+            except Exception as e:  # noqa: BLE001 - report and drop the row
+                print(n, "FAILED", type(e).__name__, str(e)[:300], flush=True)
+                del fns[n]
+        times = {n: [] for n in fns}
+        for _ in range(a.rounds):
+            for n, f in fns.items():
+                times[n].append(tt.do_bench_cudagraph(f, rep=200) * 1e3)
+        for n, t in times.items():
+            print(f"{name} {n:28s} median {statistics.median(t):8.2f} us  rounds {[round(x, 1) for x in t]}",
+                  flush=True)
+        res[name] = times
+    path = os.path.join(os.environ.get("OUT", "."), "ab_" + "_".join(names) + ".json")
+    json.dump(dict(commit=os.environ.get("BLOCKDIFF_COMMIT"), gpu=torch.cuda.get_device_name(),
+                   variants=variants, res=res), open(path, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
