@@ -77,7 +77,8 @@ class AttentionMetadata:
         causal: ``[B]`` bool per-sequence causal flag (prefill/commit True, denoise False).
         block_table: ``[B, max_blocks]`` int32.
         slot_mapping: ``[total_q]`` int64 cache slot of each query token's K/V.
-        max_seqlen_q, max_seqlen_k: host ints (static capacities are fine) for grid sizing.
+        max_seqlen_q, max_seqlen_k: host ints. Any upper bound (a static capacity) gives correct results; the
+            true maximum query length lets the cute backend pick canvas tiles and tile order (resolve_config).
         num_causal_q: optional ``[B]`` int32 replacing ``causal`` (first n rows causal).
     """
 

@@ -143,9 +143,10 @@ def resolve_config(head_dim: int, head_dim_v: int, window_size, config=None, max
                    ) -> CuteConfig:
     """Tile shape for a call: FA4's SM90 forward heuristic (local variant when windowed) unless overridden.
 
-    ``max_seqlen_q`` (host int, tokens; a static capacity is fine) selects the long-prefill tiles at hd 128
-    without a window (see ``LONG_PREFILL_CONFIG``) and the longest-first tile order (``LPT_MIN_SEQLEN_Q``;
-    None counts as long); explicit ``config`` fields always win. Raises ValueError
+    ``max_seqlen_q`` (host int, tokens) selects the long-prefill tiles at hd 128 without a window (see
+    ``LONG_PREFILL_CONFIG``) and the longest-first tile order (``LPT_MIN_SEQLEN_Q``; None counts as long).
+    Any upper bound gives correct results, but a static capacity >= 512 gives canvas batches the long-prefill
+    choices: pass the step's true maximum query length. Explicit ``config`` fields always win. Raises ValueError
     when the resolved tiles do not fit SM90 shared memory (:func:`check_config_fits`), TypeError for a
     ``config`` that is not a CuteConfig / dict / None.
     """
@@ -232,9 +233,10 @@ def attention_cute(
         scale: softmax scale, default ``head_dim ** -0.5``.
         out: optional preallocated ``[total_q, num_heads, head_dim_v]`` of q's dtype.
         return_lse: also return ``lse [num_heads, total_q]`` fp32 (natural log).
-        max_seqlen_q, max_seqlen_k: host hints (tokens). ``max_seqlen_q`` (default ``q.shape[0]``) picks the
-            long-prefill tile shape at hd 128 and the tile order (see :func:`resolve_config`); the grid is
-            sized from ``q.shape[0]``, so any value gives the right result.
+        max_seqlen_q, max_seqlen_k: host hints (tokens). ``max_seqlen_q`` (default ``q.shape[0]``, i.e. total
+            tokens, which turns the longest-first order on for a batch of four 256-token canvases) picks the
+            long-prefill tile shape at hd 128 and the tile order (see :func:`resolve_config`): pass the true
+            maximum query length. The grid is sized from ``q.shape[0]``, so any value gives the right result.
         check_values: run the host-side value checks (default: yes unless a CUDA graph is being captured).
         config: :class:`CuteConfig` or dict (tile_m, tile_n, mma_pv_is_rs, intra_wg_overlap, num_stages, lpt).
 
@@ -374,8 +376,11 @@ def _compile(fa, key, q, k, v, out, lse, scale, cu_q, cu_k, seqused_k, page_tabl
 
 def compile_only(head_dim: int = 128, num_heads: int = 16, num_kv_heads: int = 8, page_size: int | None = 128,
                  window_size=None, bidirectional_window="symmetric", return_lse=False, dtype=torch.bfloat16,
-                 config=None):
+                 config=None, max_seqlen_q: int | None = None):
     """Compile the kernel for one static configuration without a GPU (FA4's fake-tensor route).
+
+    The batch is 2 sequences of 256 query tokens; ``max_seqlen_q`` is the host hint of :func:`attention_cute`
+    (default: total tokens, 512: longest-first order; 256: the canvas tiles and plain order).
 
     Sets FA4's CPU-compile variables when unset (FLASH_ATTENTION_ARCH=sm_90, CUTE_DSL_ARCH=sm_90a,
     FLASH_ATTENTION_NUM_SMS=132); the compiled kernel lands in the compile cache (not runnable without a GPU).
@@ -408,7 +413,7 @@ def compile_only(head_dim: int = 128, num_heads: int = 16, num_kv_heads: int = 8
         _run(fa, q, k, v, out=None, return_lse=return_lse, cu_seqlens_q=cu, num_causal_q=ncq,
              seq_lens=kw["seq_lens"], block_table=kw.get("block_table"), cu_seqlens_k=kw.get("cu_seqlens_k"),
              window_size=window_size, bidirectional_window=bidirectional_window,
-             scale=head_dim ** -0.5, arch=_arch(None), config=config)
+             scale=head_dim ** -0.5, arch=_arch(None), config=config, max_seqlen_q=max_seqlen_q)
 
 
 def _row_range(row: int, q_len: int, seq_len: int, num_causal_q: int, window_size, prefix: bool):

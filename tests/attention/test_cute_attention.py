@@ -133,8 +133,8 @@ def test_kv_load_path_uses_tma_boxes_only_where_boxes_tile_page_and_key_tile(pag
 
 
 def test_longest_first_tile_order_only_from_512_query_tokens_on():
-    """Canvas and commit batches (max_seqlen_q < 512) take FA4's plain tile order; long prefills, and calls
-    without the hint, its longest-first order."""
+    """Canvas and commit batches (max_seqlen_q < 512) take FA4's plain tile order; long prefills, and an unknown
+    length (None; attention_cute itself falls back to total tokens), its longest-first order."""
     assert ca.longest_first_tiles(256) is False and ca.longest_first_tiles(511) is False
     assert ca.longest_first_tiles(512) is True and ca.longest_first_tiles(16384) is True
     assert ca.longest_first_tiles(None) is True
@@ -162,6 +162,8 @@ COMPILE_SCRIPT = textwrap.dedent("""
     t0 = time.time()
     ca.compile_only(head_dim=128, num_heads=16, num_kv_heads=8, page_size=64, window_size=1023,
                     bidirectional_window="prefix", return_lse=True)
+    for hint in (256, 4096):  # canvas tiles + plain tile order (the scheduler-args swap); long-prefill + LPT
+        ca.compile_only(head_dim=128, num_heads=16, num_kv_heads=8, page_size=64, max_seqlen_q=hint)
     print("compiled in", round(time.time() - t0, 1), "s")
 """)
 
