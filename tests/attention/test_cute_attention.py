@@ -378,6 +378,19 @@ def test_gpu_tile_skipping_never_reads_keys_left_of_the_window(hd, page, mode):
 
 
 @needs_gpu
+@pytest.mark.parametrize("lpt", [False, True])
+def test_gpu_more_than_31_sequences_in_one_launch(lpt):
+    """FA4's varlen scheduler finds a tile's sequence 31 sequences per warp-wide step: 70 sequences (canvases,
+    commits, prefills, empty and one-token ones) cross two step boundaries, in both tile orders."""
+    B = 70
+    q_lens = [[256, 256, 0, 1, 130, 33, 7][b % 7] for b in range(B)]
+    ctxs = [[300, 40, 5, 0, 1000, 64, 2][b % 7] for b in range(B)]
+    ncqs = [[0, 256, 0, 1, 65, 33, 0][b % 7] for b in range(B)]
+    q, k, v, kw = _make_batch(q_lens, ctxs, ncqs, 16, 8, 128, 64, seed=70)
+    _run_and_check(q, k, v, kw, None, "symmetric", config=dict(lpt=lpt))
+
+
+@needs_gpu
 @pytest.mark.parametrize("page", [8, 16, 32, 48, 64, 128, 256])
 def test_gpu_page_sizes_hd128(page):
     """128-key tiles: pages 8-256 load by TMA page boxes (one box per stage at 128), 48 by cp.async."""
