@@ -354,7 +354,7 @@ def _compile(fa, key, q, k, v, out, lse, scale, cu_q, cu_k, seqused_k, page_tabl
         paged_kv_non_tma=paged_kv_non_tma,
         prefix_window=prefix,
         kv_page_size=kv_page_size,
-        lpt=cfg.lpt is not False,  # resolve_config always sets it; None (an unresolved config) = FA4's order
+        lpt=cfg.lpt,
     )
     small = lambda t, lead=0: None if t is None else tct(t, assumed_align=4, leading_dim=lead)  # noqa: E731
     with kernel.trace_patches():  # page-box K/V TMA atoms (kv_page_size), FA4's tile order off (not lpt)

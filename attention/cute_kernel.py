@@ -24,8 +24,7 @@ softmax, epilogue) run unchanged. We replace three small pieces that FA4 builds 
 The tile order. FA4's ``__call__`` gives its varlen scheduler ``lpt=is_causal or is_local`` (longest tiles
 first, heads grouped in L2 sections); built ``is_local``, our kernel would always get that order. ``lpt`` is a
 constructor argument instead (default on; ``cute_attention.resolve_config`` turns it off below 512 query tokens,
-``longest_first_tiles``), applied by
-:class:`_SchedulerArgsLpt` while ``__call__`` is traced. H200 A/B (bench/results/cute_lpt_ab-h200.json):
+``longest_first_tiles``), applied by :class:`_SchedulerArgsLpt` while ``__call__`` is traced. H200 A/B (bench/results/cute_lpt_ab-h200.json):
 ``canvas_bs4_ctx4k_hd128`` 65.0 -> 61.7 us contiguous without it, while it still pays on causal prefills
 (``prefill16k_hd128`` 1.720 vs 1.818 ms paged) and mixed batches (153 vs 155 us). With it off, FA4's own
 mask, block info and loop structure put back into our kernel (``bench/probe_cute_canvas_gap.py``) gain <= 0.6 us.
