@@ -52,8 +52,15 @@ Design
   mixed_sliding_ctx8k 0.239 -> 0.215 ms; the paged path had been 16-29 % slower than the contiguous one).
 * **Lazy rescaling (opt-in, ``LAZY_RESCALE``).** FA4's trick: the accumulator is rescaled only when some row's
   max grew by more than 8 (log2 units); otherwise the stale max is kept (p <= 2^8, exact after normalising).
+* **Warp-specialised Gluon kernel (``IMPL="gluon"``, :mod:`blockdiff.attention.triton_gluon`).** The same tile
+  mapping, row intervals, boundary/full split and split-KV partials, written in Gluon (Triton's explicit-layout
+  dialect): a producer warp streams K / V with TMA into an mbarrier ring, consumer warpgroups run ``wgmma`` with
+  QK^T of block j + 1 overlapping the softmax of block j (``OVERLAP``). Chosen automatically where it measured
+  faster (:data:`TUNED_GLUON_CONFIGS`: hd 128, and the hd-256 split regime) when the caches suit TMA (page size a
+  multiple of BLOCK_N, evenly strided pages, bf16/fp16, sm_90); ``LAST_LAUNCH["impl"]`` says which kernel ran.
+  ``config={"IMPL": "gluon"}`` on an input it cannot take raises ``ValueError`` (no silent fallback).
 * **Configs.** ``config=dict(BLOCK_M, BLOCK_N, num_warps, num_stages, num_splits, BLOCK_DV, LAZY_RESCALE,
-  BT_PREFETCH)``
+  BT_PREFETCH, IMPL, OVERLAP)``
   overrides the defaults; resolved launch plans are cached per static key (head dims, group size, dtype, paged,
   page size, window, mode) in :class:`TritonAttention` instances; Triton caches the compiled kernels per constexpr.
 * **CUDA graphs.** Everything per step (cu_seqlens_q, seq_lens, num_causal_q/causal, block_table) is read on
@@ -492,7 +499,7 @@ def _merge_kernel(OPART, LSEPART, O, LSE, total_q, num_heads, n_rows, stride_ot,
 
 # ------------------------------------------------------------------------------------------------ host side
 _CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "num_splits", "BLOCK_DV", "LAZY_RESCALE",
-                "BT_PREFETCH")
+                "BT_PREFETCH", "IMPL", "OVERLAP")
 _DEVICE_SMS: dict = {}
 _MAX_SPLITS = 65535  # num_splits is grid dimension z (CUDA: at most 65535)
 
@@ -571,6 +578,19 @@ TUNED_SPLIT_CONFIGS: dict = {
     (128, 2, False, False): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
 }
 
+_GLUON_64 = dict(IMPL="gluon", BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, OVERLAP=True)
+#: The warp-specialised Gluon kernel (:mod:`blockdiff.attention.triton_gluon`) as the automatic choice
+#: {(head_dim, group, has_window, prefix): (base regime config or None, split regime config or None)}, bf16/fp16 on
+#: sm_90 when the caches suit TMA (else the tables above). H200 CUDA-graph medians, page 64, same run
+#: (bench/results/gluon_overlap2-h200.json): hd 128: prefill16k_hd128 2.005 ms (portable kernel 2.330),
+#: canvas_bs4_ctx4k_hd128 0.086 ms (0.097), canvas_bs1_ctx32k_hd128 0.149 ms (0.162); hd 256 sliding, split regime:
+#: canvas_bs1_ctx32k_sliding 32.7 us (36.8) without the overlap (with it the hd-256 consumer spills). The
+#: hd-256 base regime stays on the portable kernel: mixed_sliding_ctx8k 0.210 ms vs 0.250 ms in Gluon.
+TUNED_GLUON_CONFIGS: dict = {
+    (128, 2, False, False): (_GLUON_64, _GLUON_64),
+    (256, 2, True, False): (None, dict(_GLUON_64, OVERLAP=False)),
+}
+
 
 @dataclass(frozen=True)
 class _StaticKey:
@@ -603,6 +623,11 @@ class TritonAttention:
         #: tiles for the split-KV regime (None: the base tiles everywhere)
         self.split_base = dict(split) if split and not key.interpret and key.dtype in (torch.bfloat16,
                                                                                        torch.float16) else None
+        gl_base, gl_split = TUNED_GLUON_CONFIGS.get((key.head_dim, key.group, key.has_window, key.prefix), (None, None))
+        fast = not key.interpret and key.dtype in (torch.bfloat16, torch.float16)
+        #: automatic Gluon configs (None: the portable kernel), used when the input suits TMA
+        self.gluon_base = dict(gl_base) if gl_base and fast else None
+        self.gluon_split = dict(gl_split) if gl_split and fast else None
         self._resolved: dict = {}
 
     def config(self, override: dict | None) -> dict:
@@ -636,6 +661,16 @@ class TritonAttention:
         if not isinstance(cfg.get("BT_PREFETCH", False), bool):
             raise ValueError(f"config['BT_PREFETCH'] must be a bool, got {cfg['BT_PREFETCH']!r}")
         cfg.setdefault("BT_PREFETCH", True)   # H200: prefill16k_hd128 paged 2.909 -> 2.430 ms (see _attn_range)
+        cfg.setdefault("IMPL", "triton")
+        if not isinstance(cfg.get("OVERLAP", True), bool):
+            raise ValueError(f"config['OVERLAP'] must be a bool, got {cfg['OVERLAP']!r}")
+        cfg.setdefault("OVERLAP", True)
+        if cfg["IMPL"] not in ("triton", "gluon"):
+            raise ValueError(f"config['IMPL'] must be 'triton' (the portable kernel) or 'gluon' (the warp-specialised "
+                             f"Hopper kernel), got {cfg['IMPL']!r}")
+        if cfg["IMPL"] == "gluon":
+            from .triton_gluon import check_gluon_config
+            check_gluon_config(cfg, self.key.head_dim, self.key.head_dim_v)
         ns = cfg.get("num_splits")
         if ns is not None and (isinstance(ns, bool) or not isinstance(ns, int) or not 1 <= ns <= _MAX_SPLITS):
             raise ValueError(f"config['num_splits'] must be an int in [1, {_MAX_SPLITS}] (the launch grid's third "
@@ -764,7 +799,9 @@ def attention_triton(
             the launch path free of host syncs.
         config: optional dict overriding BLOCK_M (rows = tokens x padded GQA group), BLOCK_N (keys per block),
             num_warps, num_stages, num_splits (split-KV count; None = automatic), BLOCK_DV (V head-dim slice per
-            program), LAZY_RESCALE (bool, default False) and BT_PREFETCH (bool, default True).
+            program), LAZY_RESCALE (bool, default False), BT_PREFETCH (bool, default True), IMPL ("triton" or
+            "gluon": the warp-specialised Hopper kernel; default: chosen per input, see TUNED_GLUON_CONFIGS) and
+            OVERLAP (bool, Gluon only: QK^T of the next key block overlaps the softmax; default True).
 
     Returns:
         ``out`` or ``(out, lse)``; rows with no allowed key are 0 with lse -inf.
@@ -822,11 +859,20 @@ def attention_triton(
         return choose_num_splits(_tile_estimate(total_q, B, c["BLOCK_M"] // gp) * Hkv * n_dv_c, kcap, c["BLOCK_N"],
                                  _num_sms(q.device), ctas)
 
-    if split_cfg is not None and not (config and set(config) & {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}) \
-            and cfg.get("num_splits") is None and auto_splits(cfg) > 1:
+    auto_tiles = not (config and set(config) & {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "IMPL"})
+    split_regime = auto_tiles and cfg.get("num_splits") is None and auto_splits(cfg) > 1
+    if split_regime and split_cfg is not None:
         # decode-like regime (the base tiles would split the keys: few q tiles over a long context): the tuned
         # split-regime tiles instead (host shapes only; a graph replays the config it was captured with)
         cfg = kern.config(dict(split_cfg, **(config or {})))
+    gluon_cfg = (kern.gluon_split if split_regime else kern.gluon_base) if auto_tiles else None
+    if gluon_cfg is not None:
+        # the warp-specialised Gluon kernel where it was measured faster and the input suits TMA (host
+        # attributes only); otherwise the portable kernel above. LAST_LAUNCH["impl"] says which ran.
+        from .triton_gluon import gluon_ineligible
+        if gluon_ineligible(q, k_cache, v_cache, paged=info.paged, page_size=info.page_size, head_dim_v=DV,
+                            scale=info.scale, block_n=gluon_cfg["BLOCK_N"]) is None:
+            cfg = kern.config(dict(gluon_cfg, **(config or {})))
     BM, BN = cfg["BLOCK_M"], cfg["BLOCK_N"]
     BQ = BM // gp
     BD = max(16, _next_pow2(D))
@@ -834,9 +880,21 @@ def attention_triton(
     n_dv = -(-max(16, _next_pow2(DV)) // BDV)
     n_tiles = total_q // BQ + B
 
+    impl = cfg["IMPL"]
+    gluon_ctas = 1
+    if impl == "gluon":
+        from .triton_gluon import gluon_ctas_per_sm, gluon_ineligible
+        why = gluon_ineligible(q, k_cache, v_cache, paged=info.paged, page_size=info.page_size, head_dim_v=DV,
+                               scale=info.scale, block_n=BN)
+        if why is not None:
+            raise ValueError(f"config['IMPL'] = 'gluon' cannot run this input: {why}")
+        gluon_ctas = gluon_ctas_per_sm(BM, BN, cfg["num_warps"], cfg["num_stages"], D, DV, q.element_size())
     ns = cfg.get("num_splits")
     if ns is None:
-        ns = auto_splits(cfg)
+        if impl == "gluon":
+            ns = choose_num_splits(_tile_estimate(total_q, B, BQ) * Hkv, kcap, BN, _num_sms(q.device), gluon_ctas)
+        else:
+            ns = auto_splits(cfg)
 
     # the kernel indexes metadata as dense 1-D arrays (block_table rows by stride(0), columns densely):
     # strided views get a dense copy (a device copy, no host sync; capturable)
@@ -873,20 +931,35 @@ def attention_triton(
         opart = lsepart = dst  # unused
     lse_arg = lse if lse is not None else dst
     grid = (n_tiles, Hkv * n_dv, ns)
-    handle = _attn_fwd_kernel[grid](
-        q, k_cache, v_cache, dst, lse_arg, opart, lsepart,
-        cu_q, sl, ncq, bt, cu_k,
-        q.stride(0), q.stride(1), stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh,
-        dst.stride(0), dst.stride(1), stride_bt,
-        total_q, H, B, n_tiles, W, qk_scale, ns,
-        G=group, GP=gp, D=D, DV=DV, BLOCK_D=BD, BLOCK_DV=BDV, N_DV=n_dv,
-        BLOCK_M=BM, BLOCK_N=BN, BLOCK_Q=BQ, PAGE=page, PAGED=info.paged, HAS_WINDOW=has_window,
-        PREFIX=prefix, SPLIT=ns > 1, STORE_LSE=return_lse, SEARCH_STEPS=search_steps, DOT_PREC=dot_prec,
-        INTERPRET=_interpreting(), SCALE_POS=qk_scale > 0, LAZY=bool(cfg["LAZY_RESCALE"]),
-        BT_PREFETCH=bool(cfg["BT_PREFETCH"]),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
-    LAST_LAUNCH.update(kernel=handle, num_splits=ns, grid=grid, config=cfg)
+    if impl == "gluon":
+        from . import triton_gluon as _tg
+        k_desc, v_desc = _tg.make_kv_descriptors(k_cache, v_cache, BN)
+        handle = _tg._attn_fwd_gluon[grid](
+            q, k_desc, v_desc, dst, lse_arg, opart, lsepart,
+            cu_q, sl, ncq, bt, cu_k,
+            q.stride(0), q.stride(1), dst.stride(0), dst.stride(1), stride_bt,
+            total_q, H, B, n_tiles, W, qk_scale, ns,
+            G=group, GP=gp, D=D, DV=DV, BLOCK_M=BM, BLOCK_N=BN, BLOCK_Q=BQ, PAGE=page, PAGED=info.paged,
+            HAS_WINDOW=has_window, PREFIX=prefix, SPLIT=ns > 1, STORE_LSE=return_lse, SEARCH_STEPS=search_steps,
+            STAGES=cfg["num_stages"], LOADER_REGS=_tg.LOADER_REGS, OVERLAP=bool(cfg["OVERLAP"]),
+            num_warps=cfg["num_warps"],
+            maxnreg=_tg.gluon_max_regs(cfg["num_warps"], gluon_ctas),
+        )
+    else:
+        handle = _attn_fwd_kernel[grid](
+            q, k_cache, v_cache, dst, lse_arg, opart, lsepart,
+            cu_q, sl, ncq, bt, cu_k,
+            q.stride(0), q.stride(1), stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh,
+            dst.stride(0), dst.stride(1), stride_bt,
+            total_q, H, B, n_tiles, W, qk_scale, ns,
+            G=group, GP=gp, D=D, DV=DV, BLOCK_D=BD, BLOCK_DV=BDV, N_DV=n_dv,
+            BLOCK_M=BM, BLOCK_N=BN, BLOCK_Q=BQ, PAGE=page, PAGED=info.paged, HAS_WINDOW=has_window,
+            PREFIX=prefix, SPLIT=ns > 1, STORE_LSE=return_lse, SEARCH_STEPS=search_steps, DOT_PREC=dot_prec,
+            INTERPRET=_interpreting(), SCALE_POS=qk_scale > 0, LAZY=bool(cfg["LAZY_RESCALE"]),
+            BT_PREFETCH=bool(cfg["BT_PREFETCH"]),
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+    LAST_LAUNCH.update(kernel=handle, num_splits=ns, grid=grid, config=cfg, impl=impl)
     if ns > 1:
         bdv_m = max(16, _next_pow2(DV))
         block_r = max(1, min(64, 4096 // bdv_m))  # <= 4096 fp32 partial elements per program per split
@@ -902,4 +975,4 @@ def attention_triton(
 
 
 __all__ = ["attention_triton", "default_config", "choose_num_splits", "ctas_per_sm", "get_kernel",
-           "TritonAttention", "TUNED_CONFIGS", "TUNED_SPLIT_CONFIGS"]
+           "TritonAttention", "TUNED_CONFIGS", "TUNED_GLUON_CONFIGS", "TUNED_SPLIT_CONFIGS"]

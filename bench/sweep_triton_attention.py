@@ -22,6 +22,7 @@ Effective TFLOP/s = 4·H·D·(allowed pairs)/time (ARCHITECTURE.md).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -151,6 +152,7 @@ def run_config(batch, cfg, oracle, rows, bound, device, args) -> dict:
     row["n_regs"] = getattr(h, "n_regs", None)
     row["n_spills"] = getattr(h, "n_spills", None)
     row["num_splits"] = TA.LAST_LAUNCH.get("num_splits")
+    row["impl"] = TA.LAST_LAUNCH.get("impl")
     finite = bool(torch.isfinite(out).all())
     chk = out if rows is None else out[rows]
     err = (chk.double() - oracle.double()).abs().max().item() if chk.numel() else 0.0
@@ -211,6 +213,10 @@ def sweep_workload(w, device, dtype, args, budget, rows) -> dict | None:
             msg += " " + r["error"][:80]
         common.log(msg)
 
+    if args.configs is not None:  # explicit candidates only (no split / lazy phases)
+        for cfg in args.configs:
+            consider(dict(cfg), "given")
+        tiles, splits = [], []
     for t in tiles:
         consider(tile_config(t), "tile")
     if best is not None:
@@ -219,7 +225,7 @@ def sweep_workload(w, device, dtype, args, budget, rows) -> dict | None:
         for ns in splits:
             if ns != auto:
                 consider(dict(base, num_splits=ns), "split")
-    if best is not None and (w.name in TARGETS or args.quick):
+    if best is not None and (w.name in TARGETS or args.quick) and args.configs is None:
         consider(dict(best["config"], LAZY_RESCALE=True), "lazy")  # phase 3: FA4-style lazy rescaling
     del oracle, batch
     if device.type == "cuda":
@@ -267,6 +273,10 @@ def main(argv=None) -> int:
     p.add_argument("--warmup-ms", type=int, default=10)
     p.add_argument("--rep-ms", type=int, default=40)
     p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny shapes through the interpreter")
+    p.add_argument("--configs", default=None, type=json.loads,
+                   help="JSON list of config dicts to time instead of the phased sweep (e.g. '[{}, "
+                        "{\"IMPL\": \"gluon\"}]'; {} is the backend's own choice)")
+    p.add_argument("--suite-name", default=SUITE, help=f"results file stem (default {SUITE})")
     args = p.parse_args(argv)
     budget = Budget(args.budget_s)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
@@ -297,11 +307,12 @@ def main(argv=None) -> int:
     extra = {"targets": TARGETS, "page_size": args.page_size, "elapsed_s": round(args.budget_s - budget.left(), 1),
              "best": {k: (v and {"config": v["config"], "num_splits": v.get("num_splits"),
                                  "graph_ms": v["graph_ms"]}) for k, v in best_rows.items()}}
-    path = common.write_records(SUITE, rows, env=env, extra=extra, out_dir=out_dir)
-    write_markdown(best_rows, out_dir / "triton_configs.md", env)
+    path = common.write_records(args.suite_name, rows, env=env, extra=extra, out_dir=out_dir)
+    md = out_dir / ("triton_configs.md" if args.suite_name == SUITE else f"{args.suite_name}.md")
+    write_markdown(best_rows, md, env)
     cols = ["workload", "status", "config", "num_splits", "graph_ms", "effective_tflops", "n_regs", "n_spills"]
     print(common.summary_table([r for r in best_rows.values() if r], cols))
-    common.log(f"wrote {path} and {out_dir / 'triton_configs.md'} in {args.budget_s - budget.left():.0f} s")
+    common.log(f"wrote {path} and {md} in {args.budget_s - budget.left():.0f} s")
     return 0
 
 

@@ -1,0 +1,485 @@
+"""Warp-specialised Hopper kernel of the Triton backend (``config["IMPL"] = "gluon"``), written in Gluon.
+
+Gluon is Triton's explicit-layout dialect (``triton.experimental.gluon``, shipped with Triton 3.6): the same
+compiler, with TMA, mbarriers, ``wgmma`` and warp specialisation under the kernel's control. This kernel is the
+FlashAttention-3 structure (Shah et al., 2024, arXiv:2407.08608, section 3.1) applied to the blockdiff
+contract: one producer warp streams K / V blocks with TMA into a ring of ``STAGES`` shared-memory buffers,
+and the consumer warpgroups (``num_warps`` = 4 or 8: 64 or 128 packed rows) run QK^T and PV on ``wgmma``
+with the online softmax in between. With ``OVERLAP`` (FA3's intra-warpgroup overlap, in part) QK^T of key block
+j + 1 is issued before the softmax of block j and both wgmma groups retire inside the iteration: keeping PV's
+accumulator in flight across the loop's back edge made ptxas serialise every wgmma (warning C7514; measured 0.201
+vs 0.152 ms on canvas_bs1_ctx32k_hd128, bench/results/gluon_overlap-h200.json) and is not done. The varlen tile -> sequence mapping, the per-row key intervals, the
+full / boundary block split, the split-KV partial layout and the merge are those of
+:mod:`blockdiff.attention.triton_attention` (which launches this kernel and documents the contract).
+
+Eligibility (:func:`gluon_ineligible` names the first rule an input breaks; ``IMPL="gluon"`` on an
+ineligible input raises ``ValueError``, it never falls back silently):
+
+* a CUDA device of compute capability 9.x, bf16 or fp16, ``head_dim == head_dim_v`` in {64, 128, 256};
+* ``scale > 0``;
+* K / V rows addressable as one 2-D TMA tensor ``[rows, num_kv_heads * head_dim]`` (contiguous last two dims,
+  16-byte aligned): paged caches with ``stride(0) == page_size * stride(1)`` and ``page_size % BLOCK_N == 0``
+  (one page holds whole key blocks), or the contiguous varlen form.
+
+Keys at or beyond ``seq_len`` inside the last key block (stale cache rows, which may hold NaN) are masked to
+-inf in QK^T and their V rows are zeroed in shared memory before PV, so they never reach the output.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+GLUON_HEAD_DIMS = (64, 128, 256)
+
+
+@gluon.jit
+def _kv_loader(k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
+               bt_row, k_base, a, d_end, col_k, col_v,
+               BLOCK_N: gl.constexpr, PAGE: gl.constexpr, PAGED: gl.constexpr, STAGES: gl.constexpr):
+    """Producer warp: TMA K and V blocks ``[a, d_end)`` into the ring (waits for a slot to be released)."""
+    for j in range(a, d_end):
+        it = j - a
+        s = it % STAGES
+        ph = (it // STAGES) & 1
+        start = j * BLOCK_N
+        if PAGED:
+            bid = gl.load(bt_row + start // PAGE)
+            row = bid * PAGE + start % PAGE
+        else:
+            row = k_base + start
+        mbarrier.wait(k_empty.index(s), ph ^ 1)
+        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [row, col_k], k_ready.index(s), k_bufs.index(s))
+        mbarrier.wait(v_empty.index(s), ph ^ 1)
+        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [row, col_v], v_ready.index(s), v_bufs.index(s))
+
+
+@gluon.jit
+def _softmax_consumer(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
+                      lo, hi, a, b_mid, c_mid, d_end, seq_len, qk_scale,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr,
+                      s_layout: gl.constexpr, o_layout: gl.constexpr, v_blk: gl.constexpr):
+    """Consumer warpgroups: the online softmax over key blocks ``[a, d_end)`` (boundary blocks masked)."""
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
+    acc = gl.zeros([BLOCK_M, DV], gl.float32, o_layout)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    offs_vn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, v_blk))
+    for j in range(a, d_end):
+        it = j - a
+        s = it % STAGES
+        ph = (it // STAGES) & 1
+        k_buf = k_bufs.index(s)
+        mbarrier.wait(k_ready.index(s), ph)
+        qk = warpgroup_mma(q_smem, k_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
+        mbarrier.arrive(k_empty.index(s), count=1)
+        if (j < b_mid) | (j >= c_mid):  # boundary block: per-row key interval [lo, hi] (also ends at seq_len)
+            kpos = j * BLOCK_N + offs_n
+            allowed = (kpos[None, :] >= lo[:, None]) & (kpos[None, :] <= hi[:, None])
+            qk = gl.where(allowed, qk, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # no allowed key yet: keep exp2 finite
+        p = gl.exp2(qk * qk_scale - m_use[:, None])
+        alpha = gl.exp2(m_i - m_use)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        m_i = m_new
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+        v_buf = v_bufs.index(s)
+        mbarrier.wait(v_ready.index(s), ph)
+        if (j + 1) * BLOCK_N > seq_len:
+            # the sequence's last block: rows >= seq_len are stale cache (maybe NaN, and 0 * NaN = NaN)
+            vv = v_buf.load(v_blk)
+            vv = gl.where(((j * BLOCK_N + offs_vn) < seq_len)[:, None], vv, gl.zeros_like(vv))
+            v_buf.store(vv)
+            fence_async_shared()
+            gl.thread_barrier()
+        acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(v_empty.index(s), count=1)
+    return acc, l_i, m_i
+
+
+@gluon.jit
+def _softmax_step(qk, m_i, l_i, j, lo, hi, qk_scale, masked, offs_n, BLOCK_N: gl.constexpr):
+    """Online-softmax update of one key block (base 2; ``masked``: apply the per-row key interval)."""
+    if masked:
+        kpos = j * BLOCK_N + offs_n
+        allowed = (kpos[None, :] >= lo[:, None]) & (kpos[None, :] <= hi[:, None])
+        qk = gl.where(allowed, qk, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # no allowed key yet: keep exp2 finite
+    p = gl.exp2(qk * qk_scale - m_use[:, None])
+    alpha = gl.exp2(m_i - m_use)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, alpha, m_new, l_i
+
+
+@gluon.jit
+def _zero_stale_v(v_buf, j, seq_len, offs_vn, v_blk: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Zero the V rows of block ``j`` at or beyond ``seq_len`` (stale cache rows may hold NaN; 0 * NaN = NaN)."""
+    if (j + 1) * BLOCK_N > seq_len:
+        vv = v_buf.load(v_blk)
+        vv = gl.where(((j * BLOCK_N + offs_vn) < seq_len)[:, None], vv, gl.zeros_like(vv))
+        v_buf.store(vv)
+        fence_async_shared()
+        gl.thread_barrier()
+
+
+@gluon.jit
+def _softmax_consumer_overlap(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
+                              lo, hi, a, b_mid, c_mid, d_end, seq_len, qk_scale,
+                              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr,
+                              STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
+                              v_blk: gl.constexpr):
+    """Consumer with part of FA3's intra-warpgroup overlap: QK^T of block j + 1 runs on the tensor cores while
+    the softmax of block j runs. Both wgmma groups retire inside the iteration (an accumulator still in flight
+    across the loop's back edge makes ptxas serialise every wgmma, warning C7514)."""
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
+    acc = gl.zeros([BLOCK_M, DV], gl.float32, o_layout)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    offs_vn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, v_blk))
+    if d_end > a:
+        mbarrier.wait(k_ready.index(0), 0)
+        qk = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
+        mbarrier.arrive(k_empty.index(0), count=1)
+        for j in range(a, d_end):
+            it = j - a
+            s = it % STAGES
+            s1 = (it + 1) % STAGES
+            nxt = j + 1 < d_end
+            mbarrier.wait(k_ready.index(s1), ((it + 1) // STAGES) & 1, pred=nxt)
+            qk_next = warpgroup_mma(q_smem, k_bufs.index(s1).permute((1, 0)), s_zero, use_acc=False,
+                                    is_async=True)
+            p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, j, lo, hi, qk_scale, (j < b_mid) | (j >= c_mid),
+                                               offs_n, BLOCK_N)
+            p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            v_buf = v_bufs.index(s)
+            mbarrier.wait(v_ready.index(s), (it // STAGES) & 1)
+            _zero_stale_v(v_buf, j, seq_len, offs_vn, v_blk, BLOCK_N)
+            acc_t = warpgroup_mma(p_op, v_buf, acc, is_async=True)
+            qk, acc = warpgroup_mma_wait(num_outstanding=0, deps=(qk_next, acc_t))
+            mbarrier.arrive(k_empty.index(s1), count=1, pred=nxt)
+            mbarrier.arrive(v_empty.index(s), count=1)
+    return acc, l_i, m_i
+
+
+@gluon.jit(do_not_specialize=["total_q", "num_seqs", "n_tiles", "window", "num_splits"])
+def _attn_fwd_gluon(
+    Q, k_desc, v_desc, O, LSE, OPART, LSEPART,
+    CU_Q, SEQ_LENS, NCQ, BT, CU_K,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+    total_q, num_heads, num_seqs, n_tiles, window, qk_scale, num_splits,
+    G: gl.constexpr, GP: gl.constexpr, D: gl.constexpr, DV: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr,
+    PAGE: gl.constexpr, PAGED: gl.constexpr, HAS_WINDOW: gl.constexpr, PREFIX: gl.constexpr,
+    SPLIT: gl.constexpr, STORE_LSE: gl.constexpr, SEARCH_STEPS: gl.constexpr, STAGES: gl.constexpr,
+    LOADER_REGS: gl.constexpr, OVERLAP: gl.constexpr, num_warps: gl.constexpr,
+):
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, DV, 16])
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    t = n_tiles - 1 - gl.program_id(0)  # reverse: long causal tiles (end of a prefill) first
+    kvh = gl.program_id(1)
+    split = gl.program_id(2)
+
+    # ---- tile -> sequence: largest b with cu_q[b] // BLOCK_Q + b <= t
+    lo_b = gl.program_id(0) * 0
+    hi_b = num_seqs + lo_b
+    for _ in gl.static_range(SEARCH_STEPS):
+        mid = (lo_b + hi_b) // 2
+        s_mid = gl.load(CU_Q + mid) // BLOCK_Q + mid
+        go = s_mid <= t
+        lo_b = gl.where(go, mid, lo_b)
+        hi_b = gl.where(go, hi_b, mid)
+    b = lo_b
+    q_start = gl.load(CU_Q + b)
+    q_len = gl.load(CU_Q + b + 1) - q_start
+    tile = t - (q_start // BLOCK_Q + b)
+    if tile * BLOCK_Q >= q_len:
+        return
+    seq_len = gl.load(SEQ_LENS + b)
+    ncq = gl.load(NCQ + b)
+    ctx = seq_len - q_len
+
+    # ---- per-row key intervals (rows = (token, head in group)), in the softmax's row layout
+    offs_m = gl.arange(0, BLOCK_M, layout=row_s)
+    i = tile * BLOCK_Q + offs_m // GP
+    row_valid = (i < q_len) & ((offs_m % GP) < G)
+    q_abs = ctx + i
+    is_causal = i < ncq
+    if HAS_WINDOW:
+        lo_sl = gl.maximum(q_abs - window, 0)
+        if PREFIX:
+            lo_bi = gl.maximum(ctx + ncq - window, 0) + 0 * i
+            hi_bi = seq_len - 1 + 0 * i
+        else:
+            lo_bi = lo_sl
+            hi_bi = gl.minimum(q_abs + window, seq_len - 1)
+    else:
+        lo_sl = 0 * i
+        lo_bi = lo_sl
+        hi_bi = seq_len - 1 + 0 * i
+    lo = gl.where(is_causal, lo_sl, lo_bi)
+    hi = gl.where(is_causal, q_abs, hi_bi)
+    BIG: gl.constexpr = 1 << 30
+    kmin = gl.min(gl.where(row_valid, lo, BIG), 0)
+    kmax = gl.max(gl.where(row_valid, hi, -1), 0)
+    lo_max = gl.max(gl.where(row_valid, lo, 0), 0)
+    hi_min = gl.min(gl.where(row_valid, hi, BIG), 0)
+    blk_lo = kmin // BLOCK_N
+    blk_hi = gl.maximum(gl.where(kmax >= kmin, kmax // BLOCK_N + 1, blk_lo), blk_lo)
+    if SPLIT:
+        per = (blk_hi - blk_lo + num_splits - 1) // num_splits
+        a = gl.minimum(blk_lo + split * per, blk_hi)
+        d_end = gl.minimum(a + per, blk_hi)
+    else:
+        a = blk_lo
+        d_end = blk_hi
+    full_lo = (lo_max + BLOCK_N - 1) // BLOCK_N
+    full_hi = (hi_min + 1) // BLOCK_N
+    b_mid = gl.minimum(gl.maximum(full_lo, a), d_end)
+    c_mid = gl.minimum(gl.maximum(full_hi, b_mid), d_end)
+
+    # ---- Q tile -> shared memory (the wgmma A operand), loaded once by all consumer warps
+    qm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, blk))
+    qd = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
+    qi = tile * BLOCK_Q + qm // GP
+    qh = kvh * G + qm % GP
+    q_ok = (qi < q_len) & ((qm % GP) < G)
+    q_ptrs = Q + (q_start + qi).to(gl.int64)[:, None] * stride_qt + qh.to(gl.int64)[:, None] * stride_qh \
+        + qd[None, :]
+    q_tile = gl.load(q_ptrs, mask=q_ok[:, None], other=0.0)
+    q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], Q.dtype.element_ty)
+    q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [BLOCK_M, D], q_sl, q_tile)
+    fence_async_shared()
+
+    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for st in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(st), count=1)
+        mbarrier.init(k_empty.index(st), count=1)
+        mbarrier.init(v_ready.index(st), count=1)
+        mbarrier.init(v_empty.index(st), count=1)
+
+    if PAGED:
+        bt_row = BT + b.to(gl.int64) * stride_bt
+        k_base = 0
+    else:
+        bt_row = BT
+        k_base = gl.load(CU_K + b)
+
+    if OVERLAP:
+        acc, l_i, m_i = gl.warp_specialize([
+            (_softmax_consumer_overlap, (q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
+                                         lo, hi, a, b_mid, c_mid, d_end, seq_len, qk_scale,
+                                         BLOCK_M, BLOCK_N, DV, STAGES, s_layout, o_layout, blk)),
+            (_kv_loader, (k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
+                          bt_row, k_base, a, d_end, kvh * D, kvh * DV, BLOCK_N, PAGE, PAGED, STAGES)),
+        ], [1], [LOADER_REGS])
+    else:
+        acc, l_i, m_i = gl.warp_specialize([
+            (_softmax_consumer, (q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
+                                 lo, hi, a, b_mid, c_mid, d_end, seq_len, qk_scale,
+                                 BLOCK_M, BLOCK_N, DV, STAGES, s_layout, o_layout, blk)),
+            (_kv_loader, (k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
+                          bt_row, k_base, a, d_end, kvh * D, kvh * DV, BLOCK_N, PAGE, PAGED, STAGES)),
+        ], [1], [LOADER_REGS])
+
+    # ---- epilogue (rows in the output layout)
+    om = gl.arange(0, BLOCK_M, layout=row_o)
+    od = gl.arange(0, DV, layout=gl.SliceLayout(0, o_layout))
+    oi = tile * BLOCK_Q + om // GP
+    oh = kvh * G + om % GP
+    o_ok = (oi < q_len) & ((om % GP) < G)
+    l_o = gl.convert_layout(l_i, row_o)
+    m_o = gl.convert_layout(m_i, row_o)
+    empty = l_o == 0.0
+    out = acc / gl.where(empty, 1.0, l_o)[:, None]
+    lse = gl.where(empty, float("-inf"), (m_o + gl.log2(gl.where(empty, 1.0, l_o))) * 0.6931471805599453)
+    tok_g = q_start.to(gl.int64) + oi
+    lse_off = oh.to(gl.int64) * total_q + tok_g
+    if not SPLIT:
+        o_ptrs = O + tok_g[:, None] * stride_ot + oh.to(gl.int64)[:, None] * stride_oh + od[None, :]
+        gl.store(o_ptrs, out.to(O.dtype.element_ty), mask=o_ok[:, None])
+        if STORE_LSE:
+            gl.store(LSE + lse_off, lse, mask=o_ok)
+    else:
+        s64 = split.to(gl.int64)
+        p_row = (s64 * total_q + tok_g) * num_heads + oh
+        gl.store(OPART + p_row[:, None] * DV + od[None, :], out, mask=o_ok[:, None])
+        gl.store(LSEPART + s64 * num_heads * total_q + lse_off, lse, mask=o_ok)
+
+
+def _gl_dtype(dtype: torch.dtype):
+    return gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+
+
+def gluon_ineligible(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, paged: bool,
+                     page_size: int | None, head_dim_v: int, scale: float, block_n: int) -> str | None:
+    """Why this input cannot run the Gluon kernel (the first rule it breaks), or None when it can.
+
+    Host attributes only (device capability, dtypes, shapes, strides, alignment); no device sync.
+    """
+    if q.device.type != "cuda":
+        return f"q is on {q.device}, the Gluon kernel needs a CUDA device"
+    if torch.cuda.get_device_capability(q.device)[0] != 9:
+        return f"the Gluon kernel is written for sm_90 (Hopper); this device is sm_{''.join(map(str, torch.cuda.get_device_capability(q.device)))}"
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"the Gluon kernel takes bf16/fp16, got {q.dtype}"
+    D = q.shape[-1]
+    if D != head_dim_v or D not in GLUON_HEAD_DIMS:
+        return f"the Gluon kernel needs head_dim == head_dim_v in {GLUON_HEAD_DIMS}, got {D}/{head_dim_v}"
+    if not scale > 0:
+        return f"the Gluon kernel needs scale > 0, got {scale}"
+    return layout_ineligible(k_cache, v_cache, paged=paged, page_size=page_size, block_n=block_n)
+
+
+def layout_ineligible(k_cache: torch.Tensor, v_cache: torch.Tensor, *, paged: bool, page_size: int | None,
+                      block_n: int) -> str | None:
+    """The TMA rules of :func:`gluon_ineligible` on the caches' shapes and strides (any device)."""
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        hkv, d = t.shape[-2], t.shape[-1]
+        if t.stride(-1) != 1 or t.stride(-2) != d:
+            return f"{name} must have contiguous [num_kv_heads, head_dim] rows for TMA, got strides {t.stride()}"
+        row_stride = t.stride(-3)
+        if paged and t.stride(0) != page_size * row_stride:
+            return f"{name}: pages must be evenly strided rows (stride(0) == page_size * stride(1)) for TMA"
+        if row_stride < hkv * d or (row_stride * t.element_size()) % 16 or t.data_ptr() % 16:
+            return f"{name} rows must be 16-byte aligned and not overlap for TMA, got strides {t.stride()}"
+    if paged and page_size % block_n:
+        return f"page_size {page_size} does not hold whole key blocks of BLOCK_N = {block_n}"
+    return None
+
+
+def make_kv_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int):
+    """2-D TMA descriptors ``[rows, num_kv_heads * head_dim]`` over the K and V caches, box ``[BLOCK_N, head_dim]``."""
+    descs = []
+    for t in (k_cache, v_cache):
+        hkv, d = t.shape[-2], t.shape[-1]
+        rows = t.shape[0] * t.shape[1] if t.dim() == 4 else t.shape[0]
+        layout = gl.NVMMASharedLayout.get_default_for([block_n, d], _gl_dtype(t.dtype))
+        descs.append(TensorDescriptor(t, [rows, hkv * d], [t.stride(-3), 1], [block_n, d], layout))
+    return descs
+
+
+LOADER_REGS = 40  # registers per thread of the producer warp (setmaxnreg; scalar address math and TMA issue)
+
+
+def check_gluon_config(cfg: dict, head_dim: int, head_dim_v: int) -> None:
+    """Validate the tile fields of a config with ``IMPL="gluon"`` (raises ``ValueError`` naming the field)."""
+    nw, bm, bn, st = cfg["num_warps"], cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_stages"]
+    if nw not in (4, 8):
+        raise ValueError(f"config['num_warps'] must be 4 or 8 (consumer warpgroups) with IMPL='gluon', got {nw!r}")
+    if bm not in (64, 128) or bm < 16 * nw:
+        raise ValueError(f"config['BLOCK_M'] must be 64 or 128 and >= 16 * num_warps with IMPL='gluon', got {bm!r}")
+    if bn not in (32, 64, 128):
+        raise ValueError(f"config['BLOCK_N'] must be 32, 64 or 128 with IMPL='gluon', got {bn!r}")
+    if not 1 <= st <= 4:
+        raise ValueError(f"config['num_stages'] (K/V ring depth) must be in [1, 4] with IMPL='gluon', got {st!r}")
+    if cfg["BLOCK_DV"] < head_dim_v:
+        raise ValueError("config['BLOCK_DV'] cannot split the V head dim with IMPL='gluon' (one program holds it all)")
+
+
+def gluon_ctas_per_sm(block_m: int, block_n: int, num_warps: int, num_stages: int, head_dim: int, head_dim_v: int,
+                      itemsize: int) -> int:
+    """Resident Gluon programs per SM: shared memory (Q tile + ``num_stages`` K and V blocks; 227 KB per SM)
+    and registers: two programs of 64 rows x 4 consumer warps (~216 registers a consumer thread), else one."""
+    smem = (block_m * head_dim + num_stages * block_n * (head_dim + head_dim_v)) * itemsize + 1024
+    regs_cap = 2 if (num_warps == 4 and block_m == 64) else 1  # 128-row tiles need > 128 registers a thread
+    return max(1, min(regs_cap, (227 * 1024) // smem))
+
+
+def gluon_max_regs(num_warps: int, ctas_per_sm: int) -> int:
+    """``maxnreg`` so that ``ctas_per_sm`` programs of ``num_warps`` consumer warps + one loader warpgroup fit
+    the 64 K-register file (multiple of 8)."""
+    return min(256, (65536 // (ctas_per_sm * (num_warps + 4) * 32)) // 8 * 8)
+
+
+def compile_for_sm90(*, block_m: int, block_n: int, num_warps: int, num_stages: int, head_dim: int, paged: bool,
+                     split: bool, window: bool, group: int = 2, num_kv_heads: int = 8,
+                     overlap: bool = True) -> dict:
+    """Compile the kernel for sm_90a without a GPU (Triton ``GPUTarget``) and run ``ptxas -v`` on the PTX.
+
+    For CPU checks and pre-screening tiles. Must run in a process where ``TRITON_INTERPRET`` is unset (the
+    interpreter replaces the ``@triton.jit`` helpers Gluon calls). Returns ``{"shared": bytes, "ptxas": report,
+    "wgmma": bool, "tma": bool, "setmaxnreg": bool}``.
+    """
+    import os
+    import subprocess
+    import tempfile
+
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    H, D = num_kv_heads * group, head_dim
+    gp = 1 << max(0, (group - 1).bit_length())
+    q = torch.empty(256, H, D, dtype=torch.bfloat16)
+    page = max(128, block_n)
+    kc = torch.empty(8, page, num_kv_heads, D, dtype=torch.bfloat16) if paged else \
+        torch.empty(1024, num_kv_heads, D, dtype=torch.bfloat16)
+    kd, vd = make_kv_descriptors(kc, kc, block_n)
+    i32, f32 = torch.empty(4, dtype=torch.int32), torch.empty(4, dtype=torch.float32)
+    fn = _attn_fwd_gluon
+    args = dict(Q=q, k_desc=kd, v_desc=vd, O=q, LSE=f32, OPART=f32, LSEPART=f32, CU_Q=i32, SEQ_LENS=i32, NCQ=i32,
+                BT=i32, CU_K=i32, stride_qt=H * D, stride_qh=D, stride_ot=H * D, stride_oh=D, stride_bt=7,
+                qk_scale=0.1, num_heads=H)
+    consts = dict(G=group, GP=gp, D=D, DV=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_Q=block_m // gp,
+                  PAGE=page if paged else 1, PAGED=paged, HAS_WINDOW=window, PREFIX=False, SPLIT=split,
+                  STORE_LSE=True, SEARCH_STEPS=4, STAGES=num_stages, LOADER_REGS=LOADER_REGS, OVERLAP=overlap, num_warps=num_warps)
+    ints = {"total_q", "num_seqs", "n_tiles", "window", "num_splits"}
+    sig = {n: "constexpr" if n in consts else "i32" if n in ints else mangle_type(args[n]) for n in fn.arg_names}
+    src = GluonASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    ctas = gluon_ctas_per_sm(block_m, block_n, num_warps, num_stages, D, D, 2)
+    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                        options=dict(num_warps=num_warps, maxnreg=gluon_max_regs(num_warps, ctas)))
+    ptx = ck.asm["ptx"]
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    try:
+        r = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull], capture_output=True,
+                           text=True, timeout=600)
+    finally:
+        os.unlink(f.name)
+    if r.returncode:
+        raise RuntimeError(f"ptxas failed: {r.stderr[-2000:]}")
+    return {"shared": ck.metadata.shared, "ptxas": r.stderr, "wgmma": "wgmma.mma_async" in ptx,
+            "tma": "cp.async.bulk.tensor" in ptx, "setmaxnreg": "setmaxnreg" in ptx}
+
+
+__all__ = ["GLUON_HEAD_DIMS", "compile_for_sm90", "LOADER_REGS", "check_gluon_config", "gluon_ctas_per_sm", "gluon_ineligible",
+           "gluon_max_regs", "layout_ineligible", "make_kv_descriptors"]

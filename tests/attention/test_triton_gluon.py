@@ -1,0 +1,220 @@
+"""The warp-specialised Gluon kernel of the Triton backend (``config["IMPL"] = "gluon"``).
+
+CPU (CI): config and eligibility errors, and an offline sm_90a compile of the kernel (Triton compiles for a
+``GPUTarget`` without a GPU; ptxas reports registers and spills). GPU (``-m gpu``, H200): the kernel against the
+dense reference on a NaN-poisoned ``out`` and with NaN in every stale cache row (beyond ``seq_lens`` and in unused
+pages), over page sizes, the contiguous form, GQA ratios, windows in both modes, mixed causal rows, split counts,
+fp16, and a CUDA-graph replay with changed flags, lengths and block tables.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from blockdiff.attention import attention  # noqa: E402
+from blockdiff.attention import triton_gluon as tg  # noqa: E402
+from blockdiff.attention.testing import check_close  # noqa: E402
+
+from test_triton_attention import make_batch  # noqa: E402  (pytest prepends this folder to sys.path)
+
+GLUON = dict(IMPL="gluon", BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
+
+
+def poison_stale_rows(inp):
+    """NaN in every cache row a sequence does not own: beyond seq_len in its last page, and in unused pages."""
+    kc, vc = inp["k_cache"], inp["v_cache"]
+    if "block_table" not in inp:
+        return inp
+    P = kc.shape[1]
+    used = torch.zeros(kc.shape[0], P, dtype=torch.bool, device=kc.device)
+    bt = inp["block_table"].tolist()
+    for b, n in enumerate(inp["seq_lens"].tolist()):
+        for pos in range(n):
+            used[bt[b][pos // P], pos % P] = True
+    kc[~used] = float("nan")
+    vc[~used] = float("nan")
+    return inp
+
+
+# ---------------------------------------------------------------- CPU: errors and the offline compile
+
+
+def test_gluon_on_a_cpu_tensor_is_a_clear_error_not_a_fallback():
+    inp = make_batch([9, 5], [4, 5], causal=[False, True], D=64, page_size=64, device="cpu")
+    with pytest.raises(ValueError, match="IMPL.*gluon.*CUDA"):
+        attention(**inp, backend="triton", config=GLUON)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(num_warps=2), "num_warps"), (dict(BLOCK_M=32), "BLOCK_M"), (dict(BLOCK_M=64, num_warps=8), "BLOCK_M"),
+    (dict(BLOCK_N=16), "BLOCK_N"), (dict(num_stages=5), "num_stages"), (dict(BLOCK_DV=32), "BLOCK_DV"),
+    (dict(IMPL="cuda"), "IMPL"), (dict(OVERLAP=1), "OVERLAP"),
+])
+def test_bad_gluon_configs_name_the_field(bad, match):
+    inp = make_batch([9], [4], causal=[False], D=64, page_size=64, device="cpu")
+    with pytest.raises(ValueError, match=match):
+        attention(**inp, backend="triton", config=dict(GLUON, **bad))
+
+
+def test_layout_rules_name_what_tma_needs():
+    kc = torch.zeros(4, 64, 2, 128, dtype=torch.bfloat16)
+    assert tg.layout_ineligible(kc, kc, paged=True, page_size=64, block_n=64) is None
+    assert "BLOCK_N" in tg.layout_ineligible(kc, kc, paged=True, page_size=64, block_n=128)
+    both = torch.zeros(4, 2, 64, 2, 128, dtype=torch.bfloat16)  # [blocks, K/V, page, heads, dim]: pages strided
+    assert "stride(0)" in tg.layout_ineligible(both[:, 0], both[:, 1], paged=True, page_size=64, block_n=64)
+    heads_strided = torch.zeros(4, 64, 128, 4, dtype=torch.bfloat16).transpose(2, 3)[..., :2, :]
+    assert "contiguous" in tg.layout_ineligible(heads_strided, heads_strided, paged=True, page_size=64, block_n=64)
+    flat = torch.zeros(100, 2, 128, dtype=torch.bfloat16)
+    assert tg.layout_ineligible(flat, flat, paged=False, page_size=None, block_n=128) is None
+
+
+@pytest.mark.parametrize("bm,bn,nw,stages,D,paged,split,window,overlap", [
+    (64, 64, 4, 2, 128, True, True, False, True),     # canvas_bs1_ctx32k_hd128 split regime
+    (64, 64, 4, 2, 128, True, True, False, False),
+    (128, 128, 8, 2, 128, True, True, False, False),  # one consumer partition of two warpgroups, no overlap
+    (64, 64, 4, 3, 128, False, False, True, True),    # contiguous, windowed
+    (64, 64, 4, 2, 256, True, False, True, False),    # hd 256 sliding layers (the overlap spills ~100 B there)
+])
+def test_gluon_kernel_compiles_for_sm90_without_spills(bm, bn, nw, stages, D, paged, split, window, overlap):
+    # a fresh process without TRITON_INTERPRET (the interpreter replaces the @triton.jit helpers Gluon calls)
+    kw = dict(block_m=bm, block_n=bn, num_warps=nw, num_stages=stages, head_dim=D, paged=paged, split=split,
+              window=window, overlap=overlap)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import json, sys; from blockdiff.attention.triton_gluon import compile_for_sm90; "
+            "print(json.dumps(compile_for_sm90(**json.loads(sys.argv[1]))))")
+    r = subprocess.run([sys.executable, "-c", code, json.dumps(kw)], capture_output=True, text=True, env=env,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads(r.stdout.strip().splitlines()[-1])
+    assert rep["wgmma"] and rep["tma"] and rep["setmaxnreg"]
+    assert "0 bytes spill stores" in rep["ptxas"], rep["ptxas"]
+    assert "C751" not in rep["ptxas"], rep["ptxas"]  # C7512 / C7514: ptxas serialised the wgmma pipeline
+    assert rep["shared"] <= 227 * 1024
+
+
+# ---------------------------------------------------------------- GPU (H200)
+
+
+def _check(inp, config, **kw):
+    q, vc = inp["q"], inp["v_cache"]
+    out = torch.full((q.shape[0], q.shape[1], vc.shape[-1]), float("nan"), dtype=q.dtype, device=q.device)
+    o, lse = attention(**inp, out=out, return_lse=True, backend="triton", config=config, **kw)
+    from blockdiff.attention import triton_attention as TA
+    assert TA.LAST_LAUNCH["impl"] == "gluon"
+    clean = dict(inp, k_cache=torch.nan_to_num(inp["k_cache"]), v_cache=torch.nan_to_num(inp["v_cache"]))
+    return check_close(o, **clean, lse=lse, **kw)
+
+
+GPU_CASES = [
+    # seq_lens, q_lens, num_causal_q: canvases over context, prefill, commit, a mixed-row sequence, empty, 1 token
+    ([1500, 700, 333, 9, 0, 1], [256, 700, 0, 9, 0, 1], [0, 700, 0, 4, 0, 1]),
+    ([5000, 300, 4352], [256, 300, 256], [0, 300, 0]),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D,H,Hkv", [(128, 16, 8), (64, 8, 8), (128, 32, 4), (256, 16, 8), (128, 16, 2)])
+@pytest.mark.parametrize("page_size", [64, 128, 256])
+@pytest.mark.parametrize("case", [0, 1])
+def test_gpu_gluon_paged_matches_reference_with_nan_in_stale_rows(D, H, Hkv, page_size, case):
+    sl, ql, ncq = GPU_CASES[case]
+    inp = poison_stale_rows(make_batch(sl, ql, num_causal_q=ncq, H=H, Hkv=Hkv, D=D, page_size=page_size,
+                                       device="cuda", seed=D + page_size + case))
+    cfgs = [GLUON, dict(GLUON, BLOCK_M=128, num_warps=8, BLOCK_N=64, num_stages=3 if D <= 128 else 2,
+                        OVERLAP=case == 0)]
+    if D <= 128:
+        cfgs.append(dict(GLUON, BLOCK_M=128, num_warps=8, BLOCK_N=128 if page_size % 128 == 0 else 64))
+    for cfg in cfgs:
+        for ns in (None, 1, 3, 8):
+            _check(inp, dict(cfg, num_splits=ns))
+        _check(inp, cfg, window_size=127)
+        _check(inp, cfg, window_size=100, bidirectional_window="prefix")
+        _check(inp, cfg, window_size=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_gluon_contiguous_form_and_dtypes(dtype):
+    sl, ql, ncq = GPU_CASES[0]
+    inp = make_batch(sl, ql, num_causal_q=ncq, H=16, Hkv=8, D=128, paged=False, dtype=dtype, device="cuda")
+    for cfg in (GLUON, dict(GLUON, BLOCK_M=128, num_warps=8, BLOCK_N=128), dict(GLUON, OVERLAP=False)):
+        _check(inp, cfg)
+        _check(inp, dict(cfg, num_splits=4), window_size=300)
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_cuda_graph_replay_with_changed_flags_lengths_and_block_tables():
+    torch.manual_seed(0)
+    H, Hkv, D, P = 16, 8, 128, 64
+    B, max_k, total_q = 4, 4096, 700
+    nblk = B * (max_k // P) + 8
+    kc = torch.randn(nblk, P, Hkv, D, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    q = torch.randn(total_q, H, D, device="cuda", dtype=torch.bfloat16)
+    cu = torch.zeros(B + 1, dtype=torch.int32, device="cuda")
+    sl = torch.zeros(B, dtype=torch.int32, device="cuda")
+    ncq = torch.zeros(B, dtype=torch.int32, device="cuda")
+    bt = torch.zeros(B, max_k // P, dtype=torch.int32, device="cuda")
+    out = torch.empty(total_q, H, D, device="cuda", dtype=torch.bfloat16)
+    lse = torch.empty(H, total_q, device="cuda")
+    cfg = dict(GLUON, BLOCK_M=128, num_warps=8, num_splits=4)
+
+    def set_meta(q_lens, seq_lens, n_causal, seed):
+        g = torch.Generator().manual_seed(seed)
+        cu.copy_(torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32))
+        sl.copy_(torch.tensor(seq_lens, dtype=torch.int32))
+        ncq.copy_(torch.tensor(n_causal, dtype=torch.int32))
+        bt.copy_(torch.randperm(nblk, generator=g)[:bt.numel()].view_as(bt).to(torch.int32))
+
+    kw = dict(cu_seqlens_q=cu, seq_lens=sl, num_causal_q=ncq, block_table=bt, window_size=1023)
+
+    def launch():
+        o, lv = attention(q, kc, vc, **kw, out=out, return_lse=True, check_values=False, backend="triton",
+                          config=cfg, max_seqlen_k=max_k)
+        lse.copy_(lv)
+
+    set_meta([300, 256, 100, 44], [300, 1800, 4096, 44], [300, 0, 50, 44], 1)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        launch()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        launch()
+    for step, meta in enumerate([([300, 256, 100, 44], [300, 1800, 4096, 44], [300, 0, 50, 44]),
+                                 ([256, 256, 0, 188], [1024, 4000, 7, 188], [0, 256, 0, 100]),
+                                 ([0, 0, 0, 700], [0, 0, 0, 3999], [0, 0, 0, 0])]):
+        set_meta(*meta, seed=10 + step)
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        check_close(out, q, kc, vc, lse=lse, **kw)
+
+
+@pytest.mark.gpu
+def test_gpu_automatic_choice_takes_gluon_only_where_tuned_and_tma_can_read_the_cache():
+    from blockdiff.attention import triton_attention as TA
+
+    sl, ql, ncq = GPU_CASES[1]
+    for page_size, dtype, want in [(64, torch.bfloat16, "gluon"), (16, torch.bfloat16, "triton"),
+                                   (64, torch.float32, "triton")]:
+        inp = poison_stale_rows(make_batch(sl, ql, num_causal_q=ncq, H=16, Hkv=8, D=128, page_size=page_size,
+                                           dtype=dtype, device="cuda"))
+        q, vc = inp["q"], inp["v_cache"]
+        out = torch.full((q.shape[0], q.shape[1], vc.shape[-1]), float("nan"), dtype=q.dtype, device=q.device)
+        o, lse = attention(**inp, out=out, return_lse=True, backend="triton")
+        assert TA.LAST_LAUNCH["impl"] == want, (page_size, dtype)
+        clean = dict(inp, k_cache=torch.nan_to_num(inp["k_cache"]), v_cache=torch.nan_to_num(inp["v_cache"]))
+        check_close(o, **clean, lse=lse)
+    # hd 256 without a window (no tuned Gluon entry) stays on the portable kernel
+    inp = make_batch(sl, ql, num_causal_q=ncq, H=16, Hkv=8, D=256, page_size=64, device="cuda")
+    attention(**inp, backend="triton")
+    assert TA.LAST_LAUNCH["impl"] == "triton"
