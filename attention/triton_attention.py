@@ -81,28 +81,25 @@ Predictions (H200, bf16; ceilings ~790 TFLOP/s dense bf16, ~4.3 TB/s; FLOPs = 4 
   latency bound (two kernels with the merge).
 * ``prefill16k_hd128``: 134 M pairs x 8192 FLOP = 1.1 TFLOP; at 450 TFLOP/s ~2.4 ms (target 2.47 ms).
 
-Measured (H200, CUDA-graph medians, paged KV page 64, same run as FA4 at b0f955f:
-bench/results/attention-targets-h200.json; kernel / merge split from torch.profiler at c24ce39)
+Measured (H200, CUDA-graph medians, paged KV page 64, same run as FA4 at f557ac4:
+bench/results/attention-targets-h200.json; the b0f955f numbers before the Gluon kernel in brackets)
 ------------------------------------------------------------------------------------------------
-* ``mixed_sliding_ctx8k`` 0.205 ms, 361 TFLOP/s (FA4 0.165 paged / 0.164 contiguous): ~8 % above the prediction;
-  128-row tiles of 8 warps hold one program per SM at 255 registers, and the 608 programs make 4.6 waves.
-* ``mixed_global_ctx8k`` 2.07 ms, 235 TFLOP/s: about half the predicted rate. hd 512 keeps 128 x 256 fp32
+* ``mixed_sliding_ctx8k`` 0.203 ms, 365 TFLOP/s, portable kernel (FA4 0.164 paged / 0.163 contiguous: 1.24x):
+  128-row tiles of 8 warps hold one program per SM at 255 registers, and the 608 programs make 4.6 waves. The
+  Gluon kernel measured 0.250 ms here (64-row tiles; hd-256 accumulators leave no room for 128 rows + overlap).
+* ``mixed_global_ctx8k`` 2.05 ms, 237 TFLOP/s [2.07]: about half the predicted rate. hd 512 keeps 128 x 256 fp32
   accumulator elements per V slice in registers (255 per thread, one program per SM) and recomputes QK^T for
   each of the two V slices; lazy rescaling does not move it (2.05 vs 2.04 ms, attention-sweep_global-h200.json).
-* ``canvas_bs1_ctx32k_hd128`` 0.160 ms: the attention kernel 154 us (~450 TFLOP/s) + the merge 3.8 us, inside
-  the predicted band. Upstream Triton on Hopper has no warp specialisation for this loop; the non-specialised
-  tutorial forward, hd 128, reaches 487 TFLOP/s at 16 k on an H100 (baseline table of facebookexperimental/triton
-  PR 205), which bounds this shape near 0.15 ms. Triton 3.6 does have Hopper automatic warp specialisation
-  (``tl.range(..., warp_specialize=True)``, on-device TMA descriptors only). A standalone probe of this shape
-  (bench/probe_triton_hopper_ws.py, bench/results/triton_ws_probe-h200.json, 3a39a6d) reached 0.130 ms = 529
-  TFLOP/s with it (4 splits, 12 warps; without it the same kernel 0.151 ms at 8 splits). It was not adopted:
-  five neighbouring warp-specialised configs (3-4 stages, one q head per program, 64-row tiles) compiled and
-  returned inf, pointer-loaded or reshaped Q did not compile, and the probe's loop has none of the masking
-  (causal, windows, sequence ends) the production kernel runs in the same launch.
-* ``canvas_bs1_ctx32k_sliding`` 32 us: the kernel 21.4 us (128 working programs = 4 q tiles x 8 KV heads x 4
-  splits, of ~5 key blocks each: latency of the Q load and pipeline fill per program dominates), the merge
-  4.5 us (4 splits x 4 MB of fp32 partials), two launches. Twice the 8-15 us predicted.
-* ``prefill16k_hd128`` 2.38 ms, 463 TFLOP/s, as predicted.
+* ``canvas_bs1_ctx32k_hd128`` 0.144 ms, 480 TFLOP/s, Gluon kernel, 4 splits [0.160]: 0.35x paged FA4 (0.410),
+  0.42x contiguous FA4 (0.342); the issue's 0.138 ms is not reached. The portable kernel: 0.162 ms
+  (gluon_overlap2-h200.json). Eager (no graph) the Gluon launch costs ~0.49 ms against 0.14 on the GPU: Python
+  launch overhead of the Gluon JIT path with TMA descriptors, not yet reduced.
+* ``canvas_bs1_ctx32k_sliding`` 27.9 us, Gluon kernel without the overlap, 2 splits [32 us] (FA4 35 us): the
+  kernel is short (128 programs of ~10 key blocks), so Q load, pipeline fill, the merge launch and the graph's
+  own launch make up much of it; the issue's 15 us is not reached.
+* ``prefill16k_hd128`` 2.219 ms, 496 TFLOP/s, Gluon kernel [2.38] (FA4 1.858 paged / 1.696 contiguous:
+  0.84x / 0.76x of FA4's throughput). The sweep's same-config run measured 2.005 ms (gluon_overlap2-h200.json):
+  run-to-run spread of this shape across device sessions is ~10 %.
 """
 from __future__ import annotations
 
