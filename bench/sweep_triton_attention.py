@@ -4,6 +4,9 @@ Usage (GPU; PYTHONPATH must make ``blockdiff.*`` importable, e.g. ``source bench
     python3 bench/sweep_triton_attention.py                      # the target workloads, ~5.5 min budget
     python3 bench/sweep_triton_attention.py --workloads 'canvas_*' --budget-s 200
     python3 bench/sweep_triton_attention.py --quick              # CPU smoke run (interpreter, tiny shapes)
+    python3 bench/sweep_triton_attention.py --workloads 'canvas_*' --suite-name gluon_probe \
+        --configs '[{}, {"IMPL": "gluon", "BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}]'
+                                                                 # given configs only ({}: the automatic choice)
 
 Per workload, up to three phases: (1) tile shapes (BLOCK_M, BLOCK_N, num_warps, num_stages, BLOCK_DV) with
 the automatic split count; (2) for the best tile, explicit split counts; (3) on the target workloads, the best
