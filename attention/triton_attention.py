@@ -308,6 +308,70 @@ def _attn_range(acc, l_i, m_i, q, j_lo, j_hi, K, V, bt_row, k_base, k_head, v_he
     return acc, l_i, m_i
 
 
+@triton.jit
+def _tile_sequence(CU_Q, t, num_seqs, BLOCK_Q: tl.constexpr, SEARCH_STEPS: tl.constexpr):
+    """Virtual tile ``t`` -> (sequence b, q_start, q_len, tile index within b): the largest b with
+    ``cu_q[b] // BLOCK_Q + b <= t``, by a binary search of ``SEARCH_STEPS`` steps (extra steps are no-ops).
+    Shared with the Gluon kernel (triton_gluon.py)."""
+    lo_b = t * 0
+    hi_b = num_seqs + lo_b
+    for _ in tl.static_range(SEARCH_STEPS):
+        mid = (lo_b + hi_b) // 2
+        s_mid = tl.load(CU_Q + mid) // BLOCK_Q + mid
+        go = s_mid <= t
+        lo_b = tl.where(go, mid, lo_b)
+        hi_b = tl.where(go, hi_b, mid)
+    q_start = tl.load(CU_Q + lo_b)
+    q_len = tl.load(CU_Q + lo_b + 1) - q_start
+    return lo_b, q_start, q_len, t - (q_start // BLOCK_Q + lo_b)
+
+
+@triton.jit
+def _row_key_interval(i, ctx, ncq, seq_len, window, HAS_WINDOW: tl.constexpr, PREFIX: tl.constexpr):
+    """Allowed key interval ``[lo, hi]`` of query rows at positions ``i`` of a sequence (masks.key_range): causal
+    rows (``i < ncq``) up to themselves, one-sided window; bidirectional rows symmetric or prefix window."""
+    q_abs = ctx + i
+    is_causal = i < ncq
+    if HAS_WINDOW:
+        lo_sl = tl.maximum(q_abs - window, 0)
+        if PREFIX:
+            lo_bi = tl.maximum(ctx + ncq - window, 0) + 0 * i
+            hi_bi = seq_len - 1 + 0 * i
+        else:
+            lo_bi = lo_sl
+            hi_bi = tl.minimum(q_abs + window, seq_len - 1)
+    else:
+        lo_sl = 0 * i
+        lo_bi = lo_sl
+        hi_bi = seq_len - 1 + 0 * i
+    return tl.where(is_causal, lo_sl, lo_bi), tl.where(is_causal, q_abs, hi_bi)
+
+
+@triton.jit
+def _key_block_ranges(lo, hi, row_valid, split, num_splits, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+    """Key blocks a tile visits: ``[a, d_end)`` (this split's share of the blocks between the valid rows'
+    min lo and max hi), of which ``[b_mid, c_mid)`` are full (every row allows every key: no mask)."""
+    BIG: tl.constexpr = 1 << 30
+    kmin = tl.min(tl.where(row_valid, lo, BIG), 0)
+    kmax = tl.max(tl.where(row_valid, hi, -1), 0)
+    lo_max = tl.max(tl.where(row_valid, lo, 0), 0)
+    hi_min = tl.min(tl.where(row_valid, hi, BIG), 0)
+    blk_lo = kmin // BLOCK_N
+    blk_hi = tl.maximum(tl.where(kmax >= kmin, kmax // BLOCK_N + 1, blk_lo), blk_lo)
+    if SPLIT:
+        per = (blk_hi - blk_lo + num_splits - 1) // num_splits
+        a = tl.minimum(blk_lo + split * per, blk_hi)
+        d_end = tl.minimum(a + per, blk_hi)
+    else:
+        a = blk_lo
+        d_end = blk_hi
+    full_lo = (lo_max + BLOCK_N - 1) // BLOCK_N
+    full_hi = (hi_min + 1) // BLOCK_N
+    b_mid = tl.minimum(tl.maximum(full_lo, a), d_end)
+    c_mid = tl.minimum(tl.maximum(full_hi, b_mid), d_end)
+    return a, b_mid, c_mid, d_end
+
+
 # Per-step integers are not specialized (divisibility by 16, == 1): a serving loop with changing batch sizes
 # must not trigger recompiles (and CUDA-graph captures of several sizes share one binary).
 @triton.jit(do_not_specialize=["total_q", "num_seqs", "n_tiles", "window", "num_splits"])
@@ -331,19 +395,8 @@ def _attn_fwd_kernel(
     dvb = pid1 % N_DV
     split = tl.program_id(2)
 
-    # ---- tile -> sequence: largest b with cu_q[b] // BLOCK_Q + b <= t (binary search, no host work)
-    lo_b = tl.program_id(0) * 0
-    hi_b = num_seqs + lo_b
-    for _ in tl.static_range(SEARCH_STEPS):
-        mid = (lo_b + hi_b) // 2
-        s_mid = tl.load(CU_Q + mid) // BLOCK_Q + mid
-        go = s_mid <= t
-        lo_b = tl.where(go, mid, lo_b)
-        hi_b = tl.where(go, hi_b, mid)
-    b = lo_b
-    q_start = tl.load(CU_Q + b)
-    q_len = tl.load(CU_Q + b + 1) - q_start
-    tile = t - (q_start // BLOCK_Q + b)
+    # ---- tile -> sequence (binary search, no host work)
+    b, q_start, q_len, tile = _tile_sequence(CU_Q, t, num_seqs, BLOCK_Q, SEARCH_STEPS)
     if tile * BLOCK_Q >= q_len:
         return
     seq_len = tl.load(SEQ_LENS + b)
@@ -357,41 +410,8 @@ def _attn_fwd_kernel(
     i = tile * BLOCK_Q + tok
     row_valid = (i < q_len) & (hh < G)
     head = kvh * G + hh
-    q_abs = ctx + i
-    is_causal = i < ncq
-    if HAS_WINDOW:
-        lo_sl = tl.maximum(q_abs - window, 0)
-        if PREFIX:
-            lo_bi = tl.maximum(ctx + ncq - window, 0) + 0 * i
-            hi_bi = seq_len - 1 + 0 * i
-        else:
-            lo_bi = lo_sl
-            hi_bi = tl.minimum(q_abs + window, seq_len - 1)
-    else:
-        lo_sl = 0 * i
-        lo_bi = lo_sl
-        hi_bi = seq_len - 1 + 0 * i
-    lo = tl.where(is_causal, lo_sl, lo_bi)
-    hi = tl.where(is_causal, q_abs, hi_bi)
-    BIG: tl.constexpr = 1 << 30
-    kmin = tl.min(tl.where(row_valid, lo, BIG), 0)
-    kmax = tl.max(tl.where(row_valid, hi, -1), 0)
-    lo_max = tl.max(tl.where(row_valid, lo, 0), 0)
-    hi_min = tl.min(tl.where(row_valid, hi, BIG), 0)
-
-    blk_lo = kmin // BLOCK_N
-    blk_hi = tl.maximum(tl.where(kmax >= kmin, kmax // BLOCK_N + 1, blk_lo), blk_lo)
-    if SPLIT:
-        per = (blk_hi - blk_lo + num_splits - 1) // num_splits
-        a = tl.minimum(blk_lo + split * per, blk_hi)
-        d_end = tl.minimum(a + per, blk_hi)
-    else:
-        a = blk_lo
-        d_end = blk_hi
-    full_lo = (lo_max + BLOCK_N - 1) // BLOCK_N
-    full_hi = (hi_min + 1) // BLOCK_N
-    b_mid = tl.minimum(tl.maximum(full_lo, a), d_end)
-    c_mid = tl.minimum(tl.maximum(full_hi, b_mid), d_end)
+    lo, hi = _row_key_interval(i, ctx, ncq, seq_len, window, HAS_WINDOW, PREFIX)
+    a, b_mid, c_mid, d_end = _key_block_ranges(lo, hi, row_valid, split, num_splits, BLOCK_N, SPLIT)
 
     # ---- load the Q tile once
     offs_d = tl.arange(0, BLOCK_D)

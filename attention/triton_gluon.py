@@ -39,6 +39,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .triton_attention import _key_block_ranges, _row_key_interval, _tile_sequence
+
 GLUON_HEAD_DIMS = (64, 128, 256)
 
 
@@ -66,57 +68,6 @@ def _kv_loader(k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empt
 
 
 @gluon.jit
-def _softmax_consumer(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
-                      lo, hi, a, b_mid, c_mid, d_end, seq_len, qk_scale,
-                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr,
-                      s_layout: gl.constexpr, o_layout: gl.constexpr, v_blk: gl.constexpr):
-    """Consumer warpgroups: the online softmax over key blocks ``[a, d_end)`` (boundary blocks masked)."""
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
-    l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
-    acc = gl.zeros([BLOCK_M, DV], gl.float32, o_layout)
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    offs_vn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, v_blk))
-    for j in range(a, d_end):
-        it = j - a
-        s = it % STAGES
-        ph = (it // STAGES) & 1
-        k_buf = k_bufs.index(s)
-        mbarrier.wait(k_ready.index(s), ph)
-        qk = warpgroup_mma(q_smem, k_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
-        mbarrier.arrive(k_empty.index(s), count=1)
-        if (j < b_mid) | (j >= c_mid):  # boundary block: per-row key interval [lo, hi] (also ends at seq_len)
-            kpos = j * BLOCK_N + offs_n
-            allowed = (kpos[None, :] >= lo[:, None]) & (kpos[None, :] <= hi[:, None])
-            qk = gl.where(allowed, qk, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # no allowed key yet: keep exp2 finite
-        p = gl.exp2(qk * qk_scale - m_use[:, None])
-        alpha = gl.exp2(m_i - m_use)
-        l_i = l_i * alpha + gl.sum(p, 1)
-        m_i = m_new
-        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
-        v_buf = v_bufs.index(s)
-        mbarrier.wait(v_ready.index(s), ph)
-        if (j + 1) * BLOCK_N > seq_len:
-            # the sequence's last block: rows >= seq_len are stale cache (maybe NaN, and 0 * NaN = NaN)
-            vv = v_buf.load(v_blk)
-            vv = gl.where(((j * BLOCK_N + offs_vn) < seq_len)[:, None], vv, gl.zeros_like(vv))
-            v_buf.store(vv)
-            fence_async_shared()
-            gl.thread_barrier()
-        acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(v_empty.index(s), count=1)
-    return acc, l_i, m_i
-
-
-@gluon.jit
 def _softmax_step(qk, m_i, l_i, j, lo, hi, qk_scale, masked, offs_n, BLOCK_N: gl.constexpr):
     """Online-softmax update of one key block (base 2; ``masked``: apply the per-row key interval)."""
     if masked:
@@ -140,6 +91,43 @@ def _zero_stale_v(v_buf, j, seq_len, offs_vn, v_blk: gl.constexpr, BLOCK_N: gl.c
         v_buf.store(vv)
         fence_async_shared()
         gl.thread_barrier()
+
+
+@gluon.jit
+def _softmax_consumer(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
+                      lo, hi, a, b_mid, c_mid, d_end, seq_len, qk_scale,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr,
+                      s_layout: gl.constexpr, o_layout: gl.constexpr, v_blk: gl.constexpr):
+    """Consumer warpgroups: the online softmax over key blocks ``[a, d_end)`` (boundary blocks masked)."""
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
+    acc = gl.zeros([BLOCK_M, DV], gl.float32, o_layout)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    offs_vn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, v_blk))
+    for j in range(a, d_end):
+        it = j - a
+        s = it % STAGES
+        ph = (it // STAGES) & 1
+        k_buf = k_bufs.index(s)
+        mbarrier.wait(k_ready.index(s), ph)
+        qk = warpgroup_mma(q_smem, k_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
+        mbarrier.arrive(k_empty.index(s), count=1)
+        p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, j, lo, hi, qk_scale, (j < b_mid) | (j >= c_mid),
+                                           offs_n, BLOCK_N)
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+        v_buf = v_bufs.index(s)
+        mbarrier.wait(v_ready.index(s), ph)
+        _zero_stale_v(v_buf, j, seq_len, offs_vn, v_blk, BLOCK_N)
+        acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(v_empty.index(s), count=1)
+    return acc, l_i, m_i
 
 
 @gluon.jit
@@ -187,6 +175,21 @@ def _softmax_consumer_overlap(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready,
     return acc, l_i, m_i
 
 
+@gluon.jit
+def _consumer(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, lo, hi, a, b_mid, c_mid, d_end, seq_len,
+              qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr,
+              s_layout: gl.constexpr, o_layout: gl.constexpr, v_blk: gl.constexpr, OVERLAP: gl.constexpr):
+    """The default partition: the overlapped or the sequential consumer (``OVERLAP``)."""
+    if OVERLAP:
+        return _softmax_consumer_overlap(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, lo, hi, a,
+                                         b_mid, c_mid, d_end, seq_len, qk_scale, BLOCK_M, BLOCK_N, DV, STAGES,
+                                         s_layout, o_layout, v_blk)
+    else:
+        return _softmax_consumer(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, lo, hi, a, b_mid,
+                                 c_mid, d_end, seq_len, qk_scale, BLOCK_M, BLOCK_N, DV, STAGES, s_layout, o_layout,
+                                 v_blk)
+
+
 @gluon.jit(do_not_specialize=["total_q", "num_seqs", "n_tiles", "window", "num_splits"])
 def _attn_fwd_gluon(
     Q, k_desc, v_desc, O, LSE, OPART, LSEPART,
@@ -211,63 +214,18 @@ def _attn_fwd_gluon(
     kvh = gl.program_id(1)
     split = gl.program_id(2)
 
-    # ---- tile -> sequence: largest b with cu_q[b] // BLOCK_Q + b <= t
-    lo_b = gl.program_id(0) * 0
-    hi_b = num_seqs + lo_b
-    for _ in gl.static_range(SEARCH_STEPS):
-        mid = (lo_b + hi_b) // 2
-        s_mid = gl.load(CU_Q + mid) // BLOCK_Q + mid
-        go = s_mid <= t
-        lo_b = gl.where(go, mid, lo_b)
-        hi_b = gl.where(go, hi_b, mid)
-    b = lo_b
-    q_start = gl.load(CU_Q + b)
-    q_len = gl.load(CU_Q + b + 1) - q_start
-    tile = t - (q_start // BLOCK_Q + b)
+    # ---- tile -> sequence, per-row key intervals, key block ranges: the portable kernel's helpers
+    b, q_start, q_len, tile = _tile_sequence(CU_Q, t, num_seqs, BLOCK_Q, SEARCH_STEPS)
     if tile * BLOCK_Q >= q_len:
         return
     seq_len = gl.load(SEQ_LENS + b)
     ncq = gl.load(NCQ + b)
     ctx = seq_len - q_len
-
-    # ---- per-row key intervals (rows = (token, head in group)), in the softmax's row layout
-    offs_m = gl.arange(0, BLOCK_M, layout=row_s)
+    offs_m = gl.arange(0, BLOCK_M, layout=row_s)  # rows = (token, head in group), in the softmax's row layout
     i = tile * BLOCK_Q + offs_m // GP
     row_valid = (i < q_len) & ((offs_m % GP) < G)
-    q_abs = ctx + i
-    is_causal = i < ncq
-    if HAS_WINDOW:
-        lo_sl = gl.maximum(q_abs - window, 0)
-        if PREFIX:
-            lo_bi = gl.maximum(ctx + ncq - window, 0) + 0 * i
-            hi_bi = seq_len - 1 + 0 * i
-        else:
-            lo_bi = lo_sl
-            hi_bi = gl.minimum(q_abs + window, seq_len - 1)
-    else:
-        lo_sl = 0 * i
-        lo_bi = lo_sl
-        hi_bi = seq_len - 1 + 0 * i
-    lo = gl.where(is_causal, lo_sl, lo_bi)
-    hi = gl.where(is_causal, q_abs, hi_bi)
-    BIG: gl.constexpr = 1 << 30
-    kmin = gl.min(gl.where(row_valid, lo, BIG), 0)
-    kmax = gl.max(gl.where(row_valid, hi, -1), 0)
-    lo_max = gl.max(gl.where(row_valid, lo, 0), 0)
-    hi_min = gl.min(gl.where(row_valid, hi, BIG), 0)
-    blk_lo = kmin // BLOCK_N
-    blk_hi = gl.maximum(gl.where(kmax >= kmin, kmax // BLOCK_N + 1, blk_lo), blk_lo)
-    if SPLIT:
-        per = (blk_hi - blk_lo + num_splits - 1) // num_splits
-        a = gl.minimum(blk_lo + split * per, blk_hi)
-        d_end = gl.minimum(a + per, blk_hi)
-    else:
-        a = blk_lo
-        d_end = blk_hi
-    full_lo = (lo_max + BLOCK_N - 1) // BLOCK_N
-    full_hi = (hi_min + 1) // BLOCK_N
-    b_mid = gl.minimum(gl.maximum(full_lo, a), d_end)
-    c_mid = gl.minimum(gl.maximum(full_hi, b_mid), d_end)
+    lo, hi = _row_key_interval(i, ctx, ncq, seq_len, window, HAS_WINDOW, PREFIX)
+    a, b_mid, c_mid, d_end = _key_block_ranges(lo, hi, row_valid, split, num_splits, BLOCK_N, SPLIT)
 
     # ---- Q tile -> shared memory (the wgmma A operand), loaded once by all consumer warps
     qm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, blk))
@@ -301,22 +259,13 @@ def _attn_fwd_gluon(
         bt_row = BT
         k_base = gl.load(CU_K + b)
 
-    if OVERLAP:
-        acc, l_i, m_i = gl.warp_specialize([
-            (_softmax_consumer_overlap, (q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
-                                         lo, hi, a, b_mid, c_mid, d_end, seq_len, qk_scale,
-                                         BLOCK_M, BLOCK_N, DV, STAGES, s_layout, o_layout, blk)),
-            (_kv_loader, (k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
-                          bt_row, k_base, a, d_end, kvh * D, kvh * DV, BLOCK_N, PAGE, PAGED, STAGES)),
-        ], [1], [LOADER_REGS])
-    else:
-        acc, l_i, m_i = gl.warp_specialize([
-            (_softmax_consumer, (q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
-                                 lo, hi, a, b_mid, c_mid, d_end, seq_len, qk_scale,
-                                 BLOCK_M, BLOCK_N, DV, STAGES, s_layout, o_layout, blk)),
-            (_kv_loader, (k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
-                          bt_row, k_base, a, d_end, kvh * D, kvh * DV, BLOCK_N, PAGE, PAGED, STAGES)),
-        ], [1], [LOADER_REGS])
+    acc, l_i, m_i = gl.warp_specialize([
+        (_consumer, (q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
+                     lo, hi, a, b_mid, c_mid, d_end, seq_len, qk_scale,
+                     BLOCK_M, BLOCK_N, DV, STAGES, s_layout, o_layout, blk, OVERLAP)),
+        (_kv_loader, (k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
+                      bt_row, k_base, a, d_end, kvh * D, kvh * DV, BLOCK_N, PAGE, PAGED, STAGES)),
+    ], [1], [LOADER_REGS])
 
     # ---- epilogue (rows in the output layout)
     om = gl.arange(0, BLOCK_M, layout=row_o)

@@ -190,7 +190,9 @@ def w_flops(w) -> float:
 def sweep_workload(w, device, dtype, args, budget, rows) -> dict | None:
     batch = wl.build(w, device=device, dtype=dtype, page_size=args.page_size)
     oracle, check_rows, bound = reference_check(batch, device)
-    if args.quick:
+    if args.configs is not None:  # explicit candidates only (no tile / split / lazy phases)
+        tiles, splits = [], []
+    elif args.quick:
         tiles = [(16, 16, 4, 1, None), (32, 16, 4, 1, None)]
         splits = [1, 2]
     else:
@@ -216,10 +218,8 @@ def sweep_workload(w, device, dtype, args, budget, rows) -> dict | None:
             msg += " " + r["error"][:80]
         common.log(msg)
 
-    if args.configs is not None:  # explicit candidates only (no split / lazy phases)
-        for cfg in args.configs:
-            consider(dict(cfg), "given")
-        tiles, splits = [], []
+    for cfg in args.configs or []:
+        consider(dict(cfg), "given")
     for t in tiles:
         consider(tile_config(t), "tile")
     if best is not None:

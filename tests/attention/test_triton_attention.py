@@ -584,16 +584,16 @@ def test_gpu_config_grid_is_correct(D):
         _check_gpu(inp, window_size=300, config=cfg)
 
 
-@pytest.mark.gpu
-def test_gpu_cuda_graph_replay_with_changed_flags_lengths_and_block_tables():
+def graph_replay_check(metas, *, page_size, max_k, window_size, config=None, max_q=None):
+    """Capture one launch in a CUDA graph over persistent metadata buffers (static capacities: 700 query tokens,
+    4 sequences, ``max_k`` keys each), then replay it after rewriting flags, lengths and block tables with each of
+    ``metas`` = [(q_lens, seq_lens, num_causal_q), ...]; every replay is checked against the oracle."""
     torch.manual_seed(0)
-    H, Hkv, D, P = 16, 8, 128, 16
-    B, max_q, max_k = 4, 300, 2000
+    H, Hkv, D, P = 16, 8, 128, page_size
+    B, total_q = 4, 700
     nblk = B * (max_k // P) + 8
     kc = torch.randn(nblk, P, Hkv, D, device="cuda", dtype=torch.bfloat16)
     vc = torch.randn_like(kc)
-    # persistent metadata buffers (static capacities: total_q, B, max_blocks)
-    total_q = 700
     q = torch.randn(total_q, H, D, device="cuda", dtype=torch.bfloat16)
     cu = torch.zeros(B + 1, dtype=torch.int32, device="cuda")
     sl = torch.zeros(B, dtype=torch.int32, device="cuda")
@@ -609,14 +609,14 @@ def test_gpu_cuda_graph_replay_with_changed_flags_lengths_and_block_tables():
         ncq.copy_(torch.tensor(n_causal, dtype=torch.int32))
         bt.copy_(torch.randperm(nblk, generator=g)[:bt.numel()].view_as(bt).to(torch.int32))
 
-    kw = dict(cu_seqlens_q=cu, seq_lens=sl, num_causal_q=ncq, block_table=bt, window_size=511,
-              max_seqlen_q=max_q, max_seqlen_k=max_k)
+    kw = dict(cu_seqlens_q=cu, seq_lens=sl, num_causal_q=ncq, block_table=bt, window_size=window_size)
 
     def launch():
-        o, lv = attention(q, kc, vc, **kw, out=out, return_lse=True, check_values=False, backend="triton")
+        o, lv = attention(q, kc, vc, **kw, out=out, return_lse=True, check_values=False, backend="triton",
+                          config=config, max_seqlen_q=max_q, max_seqlen_k=max_k)
         lse.copy_(lv)
 
-    set_meta([300, 256, 100, 44], [300, 1800, 2000, 44], [300, 0, 50, 44], 1)
+    set_meta(*metas[0], 1)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -625,14 +625,20 @@ def test_gpu_cuda_graph_replay_with_changed_flags_lengths_and_block_tables():
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         launch()
-    for step, meta in enumerate([([300, 256, 100, 44], [300, 1800, 2000, 44], [300, 0, 50, 44]),
-                                 ([256, 256, 0, 188], [1024, 2000, 7, 188], [0, 256, 0, 100]),
-                                 ([0, 0, 0, 700], [0, 0, 0, 1999], [0, 0, 0, 0])]):
+    for step, meta in enumerate(metas):
         set_meta(*meta, seed=10 + step)
         out.fill_(float("nan"))
         g.replay()
         torch.cuda.synchronize()
-        check_close(out, q, kc, vc, lse=lse, **{k: v for k, v in kw.items() if not k.startswith("max_")})
+        check_close(out, q, kc, vc, lse=lse, **kw)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay_with_changed_flags_lengths_and_block_tables():
+    graph_replay_check([([300, 256, 100, 44], [300, 1800, 2000, 44], [300, 0, 50, 44]),
+                        ([256, 256, 0, 188], [1024, 2000, 7, 188], [0, 256, 0, 100]),
+                        ([0, 0, 0, 700], [0, 0, 0, 1999], [0, 0, 0, 0])],
+                       page_size=16, max_k=2000, window_size=511, max_q=300)
 
 
 @pytest.mark.parametrize("page_size,block_n", [(16, 16), (32, 16), (64, 16), (16, 32), (8, 32), (24, 16)])

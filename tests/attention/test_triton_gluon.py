@@ -22,7 +22,7 @@ from blockdiff.attention import attention  # noqa: E402
 from blockdiff.attention import triton_gluon as tg  # noqa: E402
 from blockdiff.attention.testing import check_close  # noqa: E402
 
-from test_triton_attention import make_batch  # noqa: E402  (pytest prepends this folder to sys.path)
+from test_triton_attention import graph_replay_check, make_batch  # noqa: E402  (pytest prepends this folder to sys.path)
 
 GLUON = dict(IMPL="gluon", BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
 
@@ -151,52 +151,11 @@ def test_gpu_gluon_contiguous_form_and_dtypes(dtype):
 
 @pytest.mark.gpu
 def test_gpu_gluon_cuda_graph_replay_with_changed_flags_lengths_and_block_tables():
-    torch.manual_seed(0)
-    H, Hkv, D, P = 16, 8, 128, 64
-    B, max_k, total_q = 4, 4096, 700
-    nblk = B * (max_k // P) + 8
-    kc = torch.randn(nblk, P, Hkv, D, device="cuda", dtype=torch.bfloat16)
-    vc = torch.randn_like(kc)
-    q = torch.randn(total_q, H, D, device="cuda", dtype=torch.bfloat16)
-    cu = torch.zeros(B + 1, dtype=torch.int32, device="cuda")
-    sl = torch.zeros(B, dtype=torch.int32, device="cuda")
-    ncq = torch.zeros(B, dtype=torch.int32, device="cuda")
-    bt = torch.zeros(B, max_k // P, dtype=torch.int32, device="cuda")
-    out = torch.empty(total_q, H, D, device="cuda", dtype=torch.bfloat16)
-    lse = torch.empty(H, total_q, device="cuda")
-    cfg = dict(GLUON, BLOCK_M=128, num_warps=8, num_splits=4)
-
-    def set_meta(q_lens, seq_lens, n_causal, seed):
-        g = torch.Generator().manual_seed(seed)
-        cu.copy_(torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32))
-        sl.copy_(torch.tensor(seq_lens, dtype=torch.int32))
-        ncq.copy_(torch.tensor(n_causal, dtype=torch.int32))
-        bt.copy_(torch.randperm(nblk, generator=g)[:bt.numel()].view_as(bt).to(torch.int32))
-
-    kw = dict(cu_seqlens_q=cu, seq_lens=sl, num_causal_q=ncq, block_table=bt, window_size=1023)
-
-    def launch():
-        o, lv = attention(q, kc, vc, **kw, out=out, return_lse=True, check_values=False, backend="triton",
-                          config=cfg, max_seqlen_k=max_k)
-        lse.copy_(lv)
-
-    set_meta([300, 256, 100, 44], [300, 1800, 4096, 44], [300, 0, 50, 44], 1)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        launch()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        launch()
-    for step, meta in enumerate([([300, 256, 100, 44], [300, 1800, 4096, 44], [300, 0, 50, 44]),
-                                 ([256, 256, 0, 188], [1024, 4000, 7, 188], [0, 256, 0, 100]),
-                                 ([0, 0, 0, 700], [0, 0, 0, 3999], [0, 0, 0, 0])]):
-        set_meta(*meta, seed=10 + step)
-        out.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
-        check_close(out, q, kc, vc, lse=lse, **kw)
+    graph_replay_check([([300, 256, 100, 44], [300, 1800, 4096, 44], [300, 0, 50, 44]),
+                        ([256, 256, 0, 188], [1024, 4000, 7, 188], [0, 256, 0, 100]),
+                        ([0, 0, 0, 700], [0, 0, 0, 3999], [0, 0, 0, 0])],
+                       page_size=64, max_k=4096, window_size=1023,
+                       config=dict(GLUON, BLOCK_M=128, num_warps=8, num_splits=4))
 
 
 @pytest.mark.gpu
