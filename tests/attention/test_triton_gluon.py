@@ -75,6 +75,23 @@ def test_layout_rules_name_what_tma_needs():
     assert tg.layout_ineligible(flat, flat, paged=False, page_size=None, block_n=128) is None
 
 
+def test_cached_kv_descriptors_are_reused_and_do_not_keep_the_cache_alive():
+    import gc
+    import weakref
+
+    kc = torch.zeros(4, 64, 2, 128, dtype=torch.bfloat16)
+    vc = torch.zeros_like(kc)
+    first = tg.make_kv_descriptors(kc, vc, 64)
+    assert tg.make_kv_descriptors(kc, vc, 64) is first
+    assert tg.make_kv_descriptors(kc, vc, 32) is not first  # BLOCK_N is part of the key
+    assert first[0].base.data_ptr() == kc.data_ptr() and first[1].base.data_ptr() == vc.data_ptr()
+    assert first[0].shape == [256, 256] and first[0].strides == [256, 1] and first[0].block_shape == [64, 128]
+    ref = weakref.ref(kc)
+    del kc, vc
+    gc.collect()
+    assert ref() is None
+
+
 @pytest.mark.parametrize("bm,bn,nw,stages,D,paged,split,window,overlap", [
     (64, 64, 4, 2, 128, True, True, False, True),     # canvas_bs1_ctx32k_hd128 split regime
     (64, 64, 4, 2, 128, True, True, False, False),
