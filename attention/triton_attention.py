@@ -886,9 +886,11 @@ def attention_triton(
     if gluon_cfg is not None:
         # the warp-specialised Gluon kernel where it was measured faster and the input suits TMA (host
         # attributes only); otherwise the portable kernel above. LAST_LAUNCH["impl"] says which ran.
-        from .triton_gluon import gluon_ineligible
+        # (and TMA boxes of >= 64 rows: smaller pages were not measured, they cost one box per page)
+        from .triton_gluon import gluon_ineligible, tma_box_rows
         if gluon_ineligible(q, k_cache, v_cache, paged=info.paged, page_size=info.page_size, head_dim_v=DV,
-                            scale=info.scale, block_n=gluon_cfg["BLOCK_N"]) is None:
+                            scale=info.scale, block_n=gluon_cfg["BLOCK_N"]) is None \
+                and tma_box_rows(info.paged, info.page_size, gluon_cfg["BLOCK_N"]) >= 64:
             cfg = kern.config(dict(gluon_cfg, **(config or {})))
     BM, BN = cfg["BLOCK_M"], cfg["BLOCK_N"]
     BQ = BM // gp
@@ -950,15 +952,16 @@ def attention_triton(
     grid = (n_tiles, Hkv * n_dv, ns)
     if impl == "gluon":
         from . import triton_gluon as _tg
-        k_desc, v_desc = _tg.make_kv_descriptors(k_cache, v_cache, BN)
+        box_n = _tg.tma_box_rows(info.paged, info.page_size, BN)
+        k_desc, v_desc = _tg.make_kv_descriptors(k_cache, v_cache, box_n)
         handle = _tg._attn_fwd_gluon[grid](
             q, k_desc, v_desc, dst, lse_arg, opart, lsepart,
             cu_q, sl, ncq, bt, cu_k,
             q.stride(0), q.stride(1), dst.stride(0), dst.stride(1), stride_bt,
             total_q, H, B, n_tiles, W, qk_scale, ns,
-            G=group, GP=gp, D=D, DV=DV, BLOCK_M=BM, BLOCK_N=BN, BLOCK_Q=BQ, PAGE=page, PAGED=info.paged,
-            HAS_WINDOW=has_window, PREFIX=prefix, SPLIT=ns > 1, STORE_LSE=return_lse, SEARCH_STEPS=search_steps,
-            STAGES=cfg["num_stages"], LOADER_REGS=_tg.LOADER_REGS, OVERLAP=bool(cfg["OVERLAP"]),
+            G=group, GP=gp, D=D, DV=DV, BLOCK_M=BM, BLOCK_N=BN, BLOCK_Q=BQ, BOX_N=box_n, PAGE=page,
+            PAGED=info.paged, HAS_WINDOW=has_window, PREFIX=prefix, SPLIT=ns > 1, STORE_LSE=return_lse,
+            SEARCH_STEPS=search_steps, STAGES=cfg["num_stages"], LOADER_REGS=_tg.LOADER_REGS, OVERLAP=bool(cfg["OVERLAP"]),
             num_warps=cfg["num_warps"],
             maxnreg=_tg.gluon_max_regs(cfg["num_warps"], gluon_ctas),
         )

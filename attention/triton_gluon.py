@@ -47,24 +47,37 @@ GLUON_HEAD_DIMS = (64, 128, 256)
 @gluon.jit
 def _kv_loader(k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
                bt_row, k_base, a, d_end, col_k, col_v,
-               BLOCK_N: gl.constexpr, PAGE: gl.constexpr, PAGED: gl.constexpr, STAGES: gl.constexpr):
-    """Producer warp: TMA K and V blocks ``[a, d_end)`` into the ring (waits for a slot to be released)."""
+               BLOCK_N: gl.constexpr, BOX_N: gl.constexpr, PAGE: gl.constexpr, PAGED: gl.constexpr,
+               STAGES: gl.constexpr):
+    """Producer warp: TMA K and V blocks ``[a, d_end)`` into the ring (waits for a slot to be released).
+
+    A key block is ``BLOCK_N // BOX_N`` TMA boxes of ``BOX_N`` rows (a block spans several pages when the page
+    is smaller than the block), one expect-tx per block and buffer."""
+    NSUB: gl.constexpr = BLOCK_N // BOX_N
     for j in range(a, d_end):
         it = j - a
         s = it % STAGES
         ph = (it // STAGES) & 1
-        start = j * BLOCK_N
-        if PAGED:
-            bid = gl.load(bt_row + start // PAGE)
-            row = bid * PAGE + start % PAGE
-        else:
-            row = k_base + start
         mbarrier.wait(k_empty.index(s), ph ^ 1)
-        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [row, col_k], k_ready.index(s), k_bufs.index(s))
+        mbarrier.expect(k_ready.index(s), NSUB * k_desc.block_type.nbytes)
+        for u in gl.static_range(NSUB):
+            start = j * BLOCK_N + u * BOX_N
+            if PAGED:
+                row = gl.load(bt_row + start // PAGE) * PAGE + start % PAGE
+            else:
+                row = k_base + start
+            tma.async_copy_global_to_shared(k_desc, [row, col_k], k_ready.index(s),
+                                            k_bufs.index(s).slice(u * BOX_N, BOX_N))
         mbarrier.wait(v_empty.index(s), ph ^ 1)
-        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [row, col_v], v_ready.index(s), v_bufs.index(s))
+        mbarrier.expect(v_ready.index(s), NSUB * v_desc.block_type.nbytes)
+        for u in gl.static_range(NSUB):
+            start = j * BLOCK_N + u * BOX_N
+            if PAGED:
+                row = gl.load(bt_row + start // PAGE) * PAGE + start % PAGE
+            else:
+                row = k_base + start
+            tma.async_copy_global_to_shared(v_desc, [row, col_v], v_ready.index(s),
+                                            v_bufs.index(s).slice(u * BOX_N, BOX_N))
 
 
 @gluon.jit
@@ -198,7 +211,7 @@ def _attn_fwd_gluon(
     total_q, num_heads, num_seqs, n_tiles, window, qk_scale, num_splits,
     G: gl.constexpr, GP: gl.constexpr, D: gl.constexpr, DV: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr,
-    PAGE: gl.constexpr, PAGED: gl.constexpr, HAS_WINDOW: gl.constexpr, PREFIX: gl.constexpr,
+    BOX_N: gl.constexpr, PAGE: gl.constexpr, PAGED: gl.constexpr, HAS_WINDOW: gl.constexpr, PREFIX: gl.constexpr,
     SPLIT: gl.constexpr, STORE_LSE: gl.constexpr, SEARCH_STEPS: gl.constexpr, STAGES: gl.constexpr,
     LOADER_REGS: gl.constexpr, OVERLAP: gl.constexpr, num_warps: gl.constexpr,
 ):
@@ -240,8 +253,8 @@ def _attn_fwd_gluon(
     q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [BLOCK_M, D], q_sl, q_tile)
     fence_async_shared()
 
-    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, D], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, DV], v_desc.layout)
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -264,7 +277,7 @@ def _attn_fwd_gluon(
                      lo, hi, a, b_mid, c_mid, d_end, seq_len, qk_scale,
                      BLOCK_M, BLOCK_N, DV, STAGES, s_layout, o_layout, blk, OVERLAP)),
         (_kv_loader, (k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
-                      bt_row, k_base, a, d_end, kvh * D, kvh * DV, BLOCK_N, PAGE, PAGED, STAGES)),
+                      bt_row, k_base, a, d_end, kvh * D, kvh * DV, BLOCK_N, BOX_N, PAGE, PAGED, STAGES)),
     ], [1], [LOADER_REGS])
 
     # ---- epilogue (rows in the output layout)
@@ -328,9 +341,15 @@ def layout_ineligible(k_cache: torch.Tensor, v_cache: torch.Tensor, *, paged: bo
             return f"{name}: pages must be evenly strided rows (stride(0) == page_size * stride(1)) for TMA"
         if row_stride < hkv * d or (row_stride * t.element_size()) % 16 or t.data_ptr() % 16:
             return f"{name} rows must be 16-byte aligned and not overlap for TMA, got strides {t.stride()}"
-    if paged and page_size % block_n:
-        return f"page_size {page_size} does not hold whole key blocks of BLOCK_N = {block_n}"
+    if paged and page_size % block_n and (block_n % page_size or page_size % 8):
+        return (f"page_size {page_size} must hold whole key blocks of BLOCK_N = {block_n}, or be a multiple of 8 "
+                f"that divides BLOCK_N (a block of several pages, one TMA box each)")
     return None
+
+
+def tma_box_rows(paged: bool, page_size: int | None, block_n: int) -> int:
+    """Rows of one K / V TMA box: ``BLOCK_N``, or the page when a key block spans several pages."""
+    return min(block_n, page_size) if paged else block_n
 
 
 class _CacheAddress:
@@ -350,25 +369,26 @@ _DESCRIPTORS: dict = {}
 _MAX_DESCRIPTORS = 64
 
 
-def make_kv_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int):
-    """2-D TMA descriptors ``[rows, num_kv_heads * head_dim]`` over the K and V caches, box ``[BLOCK_N, head_dim]``.
+def make_kv_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, box_rows: int):
+    """2-D TMA descriptors ``[rows, num_kv_heads * head_dim]`` over the K and V caches, box ``[box_rows, head_dim]``
+    (:func:`tma_box_rows`).
 
-    Cached by (address, shape, strides, dtype, device, BLOCK_N): a serving loop reuses the same caches every step.
+    Cached by (address, shape, strides, dtype, device, box_rows): a serving loop reuses the same caches every step.
     An entry depends only on its key (it holds no tensor), so a new tensor at a freed address with the same key
     gets a correct descriptor. H200, canvas_bs4 eager (host + GPU per call, bench/results/gluon_review-h200.json
     session): Gluon 291 us vs the portable kernel's 208 us; before the cache, in another session, 264 vs 148 us.
     Not an interleaved A/B: most of the Gluon path's extra host time is in Triton's launcher, which encodes a
     CUtensorMap for every launch.
     """
-    key = tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device) for t in (k_cache, v_cache)) + (block_n,)
+    key = tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device) for t in (k_cache, v_cache)) + (box_rows,)
     descs = _DESCRIPTORS.get(key)
     if descs is None:
         descs = []
         for t in (k_cache, v_cache):
             hkv, d = t.shape[-2], t.shape[-1]
             rows = t.shape[0] * t.shape[1] if t.dim() == 4 else t.shape[0]
-            layout = gl.NVMMASharedLayout.get_default_for([block_n, d], _gl_dtype(t.dtype))
-            descs.append(TensorDescriptor(_CacheAddress(t), [rows, hkv * d], [t.stride(-3), 1], [block_n, d], layout))
+            layout = gl.NVMMASharedLayout.get_default_for([box_rows, d], _gl_dtype(t.dtype))
+            descs.append(TensorDescriptor(_CacheAddress(t), [rows, hkv * d], [t.stride(-3), 1], [box_rows, d], layout))
         if len(_DESCRIPTORS) >= _MAX_DESCRIPTORS:
             _DESCRIPTORS.clear()
         descs = _DESCRIPTORS[key] = tuple(descs)
@@ -402,22 +422,24 @@ def gluon_ctas_per_sm(block_m: int, block_n: int, num_warps: int, num_stages: in
     return max(1, min(regs_cap, (227 * 1024) // smem))
 
 
-def gluon_max_regs(num_warps: int, ctas_per_sm: int) -> int:
+def gluon_max_regs(num_warps: int, ctas_per_sm: int) -> int | None:
     """``maxnreg`` so that ``ctas_per_sm`` programs of ``num_warps`` consumer warps + one loader warpgroup fit
-    the 64 K-register file (multiple of 8)."""
-    return min(256, (65536 // (ctas_per_sm * (num_warps + 4) * 32)) // 8 * 8)
+    the 64 K-register file (multiple of 8); None (no cap) when the share reaches the 255-register limit."""
+    regs = (65536 // (ctas_per_sm * (num_warps + 4) * 32)) // 8 * 8
+    return regs if regs < 255 else None
 
 
 def compile_for_sm90(*, block_m: int, block_n: int, num_warps: int, num_stages: int, head_dim: int, paged: bool,
                      split: bool, window: bool, group: int = 2, num_kv_heads: int = 8,
-                     overlap: bool = True) -> dict:
+                     overlap: bool = True, page_size: int | None = None) -> dict:
     """Compile the kernel for sm_90a without a GPU (Triton ``GPUTarget``) and run ``ptxas -v`` on the PTX.
 
     For CPU checks and pre-screening tiles. Must run in a process where ``TRITON_INTERPRET`` is unset (the
     interpreter replaces the ``@triton.jit`` helpers Gluon calls). Returns ``{"shared": bytes, "ptxas": report,
-    "wgmma": bool, "tma": bool, "setmaxnreg": bool}``.
+    "wgmma": bool, "tma": bool, "setmaxnreg": bool, "setmaxnreg_values": [int]}``.
     """
     import os
+    import re
     import subprocess
     import tempfile
 
@@ -428,16 +450,17 @@ def compile_for_sm90(*, block_m: int, block_n: int, num_warps: int, num_stages: 
     H, D = num_kv_heads * group, head_dim
     gp = 1 << max(0, (group - 1).bit_length())
     q = torch.empty(256, H, D, dtype=torch.bfloat16)
-    page = max(128, block_n)
+    page = page_size or max(128, block_n)
     kc = torch.empty(8, page, num_kv_heads, D, dtype=torch.bfloat16) if paged else \
         torch.empty(1024, num_kv_heads, D, dtype=torch.bfloat16)
-    kd, vd = make_kv_descriptors(kc, kc, block_n)
+    box = tma_box_rows(paged, page, block_n)
+    kd, vd = make_kv_descriptors(kc, kc, box)
     i32, f32 = torch.empty(4, dtype=torch.int32), torch.empty(4, dtype=torch.float32)
     fn = _attn_fwd_gluon
     args = dict(Q=q, k_desc=kd, v_desc=vd, O=q, LSE=f32, OPART=f32, LSEPART=f32, CU_Q=i32, SEQ_LENS=i32, NCQ=i32,
                 BT=i32, CU_K=i32, stride_qt=H * D, stride_qh=D, stride_ot=H * D, stride_oh=D, stride_bt=7,
                 qk_scale=0.1, num_heads=H)
-    consts = dict(G=group, GP=gp, D=D, DV=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_Q=block_m // gp,
+    consts = dict(G=group, GP=gp, D=D, DV=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_Q=block_m // gp, BOX_N=box,
                   PAGE=page if paged else 1, PAGED=paged, HAS_WINDOW=window, PREFIX=False, SPLIT=split,
                   STORE_LSE=True, SEARCH_STEPS=4, STAGES=num_stages, LOADER_REGS=LOADER_REGS, OVERLAP=overlap, num_warps=num_warps)
     ints = {"total_q", "num_seqs", "n_tiles", "window", "num_splits"}
@@ -458,8 +481,9 @@ def compile_for_sm90(*, block_m: int, block_n: int, num_warps: int, num_stages: 
     if r.returncode:
         raise RuntimeError(f"ptxas failed: {r.stderr[-2000:]}")
     return {"shared": ck.metadata.shared, "ptxas": r.stderr, "wgmma": "wgmma.mma_async" in ptx,
-            "tma": "cp.async.bulk.tensor" in ptx, "setmaxnreg": "setmaxnreg" in ptx}
+            "tma": "cp.async.bulk.tensor" in ptx, "setmaxnreg": "setmaxnreg" in ptx,
+            "setmaxnreg_values": sorted({int(v) for v in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)})}
 
 
 __all__ = ["GLUON_HEAD_DIMS", "compile_for_sm90", "LOADER_REGS", "check_gluon_config", "gluon_ctas_per_sm", "gluon_ineligible",
-           "gluon_max_regs", "layout_ineligible", "make_kv_descriptors"]
+           "gluon_max_regs", "layout_ineligible", "make_kv_descriptors", "tma_box_rows"]

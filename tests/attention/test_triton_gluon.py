@@ -66,7 +66,12 @@ def test_bad_gluon_configs_name_the_field(bad, match):
 def test_layout_rules_name_what_tma_needs():
     kc = torch.zeros(4, 64, 2, 128, dtype=torch.bfloat16)
     assert tg.layout_ineligible(kc, kc, paged=True, page_size=64, block_n=64) is None
-    assert "BLOCK_N" in tg.layout_ineligible(kc, kc, paged=True, page_size=64, block_n=128)
+    assert tg.layout_ineligible(kc, kc, paged=True, page_size=64, block_n=128) is None  # two pages, two boxes
+    assert tg.tma_box_rows(True, 64, 128) == 64 and tg.tma_box_rows(True, 256, 128) == 128
+    assert tg.tma_box_rows(False, None, 128) == 128
+    for page in (4, 12, 48):  # not a multiple of 8 (swizzle atom), or neither divides the other
+        kp = torch.zeros(4, page, 2, 128, dtype=torch.bfloat16)
+        assert "BLOCK_N" in tg.layout_ineligible(kp, kp, paged=True, page_size=page, block_n=64)
     both = torch.zeros(4, 2, 64, 2, 128, dtype=torch.bfloat16)  # [blocks, K/V, page, heads, dim]: pages strided
     assert "stride(0)" in tg.layout_ineligible(both[:, 0], both[:, 1], paged=True, page_size=64, block_n=64)
     heads_strided = torch.zeros(4, 64, 128, 4, dtype=torch.bfloat16).transpose(2, 3)[..., :2, :]
@@ -83,7 +88,7 @@ def test_cached_kv_descriptors_are_reused_and_do_not_keep_the_cache_alive():
     vc = torch.zeros_like(kc)
     first = tg.make_kv_descriptors(kc, vc, 64)
     assert tg.make_kv_descriptors(kc, vc, 64) is first
-    assert tg.make_kv_descriptors(kc, vc, 32) is not first  # BLOCK_N is part of the key
+    assert tg.make_kv_descriptors(kc, vc, 32) is not first  # the box rows are part of the key
     assert first[0].base.data_ptr() == kc.data_ptr() and first[1].base.data_ptr() == vc.data_ptr()
     assert first[0].shape == [256, 256] and first[0].strides == [256, 1] and first[0].block_shape == [64, 128]
     ref = weakref.ref(kc)
@@ -157,6 +162,22 @@ def test_gpu_gluon_paged_matches_reference_with_nan_in_stale_rows(D, H, Hkv, pag
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("D,H,Hkv", [(128, 16, 8), (64, 8, 2)])
+@pytest.mark.parametrize("page_size", [16, 32, 64])
+def test_gpu_gluon_key_blocks_spanning_several_pages(D, H, Hkv, page_size):
+    # BLOCK_N > page_size: one TMA box per page into slices of one ring buffer, pages permuted
+    sl, ql, ncq = GPU_CASES[0]
+    inp = poison_stale_rows(make_batch(sl, ql, num_causal_q=ncq, H=H, Hkv=Hkv, D=D, page_size=page_size,
+                                       device="cuda", seed=7 * D + page_size))
+    for cfg in (dict(GLUON, BLOCK_N=128, num_stages=1, OVERLAP=False), dict(GLUON, BLOCK_N=128),
+                dict(GLUON, BLOCK_M=128, num_warps=8, BLOCK_N=128), dict(GLUON, BLOCK_N=64)):
+        for ns in (None, 1, 3):
+            _check(inp, dict(cfg, num_splits=ns))
+        _check(inp, cfg, window_size=127)
+        _check(inp, cfg, window_size=100, bidirectional_window="prefix")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_gluon_contiguous_form_and_dtypes(dtype):
     sl, ql, ncq = GPU_CASES[0]
@@ -180,6 +201,7 @@ def test_gpu_automatic_choice_takes_gluon_only_where_tuned_and_tma_can_read_the_
     from blockdiff.attention import triton_attention as TA
 
     sl, ql, ncq = GPU_CASES[1]
+    # page 16: eligible explicitly (one TMA box per page) but not chosen automatically (not measured)
     for page_size, dtype, want in [(64, torch.bfloat16, "gluon"), (16, torch.bfloat16, "triton"),
                                    (64, torch.float32, "triton")]:
         inp = poison_stale_rows(make_batch(sl, ql, num_causal_q=ncq, H=16, Hkv=8, D=128, page_size=page_size,
