@@ -309,18 +309,20 @@ def _attn_range(acc, l_i, m_i, q, j_lo, j_hi, K, V, bt_row, k_base, k_head, v_he
 
 
 @triton.jit
-def _tile_sequence(CU_Q, t, num_seqs, BLOCK_Q: tl.constexpr, SEARCH_STEPS: tl.constexpr):
-    """Virtual tile ``t`` -> (sequence b, q_start, q_len, tile index within b): the largest b with
-    ``cu_q[b] // BLOCK_Q + b <= t``, by a binary search of ``SEARCH_STEPS`` steps (extra steps are no-ops).
+def _tile_sequence(CU_Q, t, num_seqs, ks, BLOCK_Q: tl.constexpr, SEARCH_STEPS: tl.constexpr):
+    """Virtual tile ``t`` -> (sequence b, q_start, q_len, tile index within b): the largest b < num_seqs with
+    ``cu_q[b] // BLOCK_Q + b <= t`` (non-decreasing in b), by a 16-ary search of ``SEARCH_STEPS`` steps
+    (``16 ** SEARCH_STEPS > num_seqs``): each step loads 16 candidates at once (``ks``: ``arange(0, 16)`` int32
+    in the caller's layout), so a batch of up to 15 sequences costs one dependent load round trip, not four.
     Shared with the Gluon kernel (triton_gluon.py)."""
     lo_b = t * 0
-    hi_b = num_seqs + lo_b
-    for _ in tl.static_range(SEARCH_STEPS):
-        mid = (lo_b + hi_b) // 2
-        s_mid = tl.load(CU_Q + mid) // BLOCK_Q + mid
-        go = s_mid <= t
-        lo_b = tl.where(go, mid, lo_b)
-        hi_b = tl.where(go, hi_b, mid)
+    for st in tl.static_range(SEARCH_STEPS):
+        w = 1 << (4 * (SEARCH_STEPS - 1 - st))
+        c = lo_b + ks * w
+        ok = c < num_seqs
+        s_c = tl.load(CU_Q + c, mask=ok, other=0) // BLOCK_Q + c
+        n_go = tl.sum((ok & (s_c <= t)).to(tl.int32), 0)  # >= 1: candidate 0 is lo_b itself
+        lo_b = lo_b + (n_go - 1) * w
     q_start = tl.load(CU_Q + lo_b)
     q_len = tl.load(CU_Q + lo_b + 1) - q_start
     return lo_b, q_start, q_len, t - (q_start // BLOCK_Q + lo_b)
@@ -396,7 +398,7 @@ def _attn_fwd_kernel(
     split = tl.program_id(2)
 
     # ---- tile -> sequence (binary search, no host work)
-    b, q_start, q_len, tile = _tile_sequence(CU_Q, t, num_seqs, BLOCK_Q, SEARCH_STEPS)
+    b, q_start, q_len, tile = _tile_sequence(CU_Q, t, num_seqs, tl.arange(0, 16), BLOCK_Q, SEARCH_STEPS)
     if tile * BLOCK_Q >= q_len:
         return
     seq_len = tl.load(SEQ_LENS + b)
@@ -516,7 +518,7 @@ def _merge_kernel(OPART, LSEPART, O, LSE, total_q, num_heads, n_rows, stride_ot,
 
 # ------------------------------------------------------------------------------------------------ host side
 _CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "num_splits", "BLOCK_DV", "LAZY_RESCALE",
-                "BT_PREFETCH", "IMPL", "OVERLAP")
+                "BT_PREFETCH", "IMPL", "OVERLAP", "V_STAGES")
 _DEVICE_SMS: dict = {}
 _MAX_SPLITS = 65535  # num_splits is grid dimension z (CUDA: at most 65535)
 
@@ -682,6 +684,10 @@ class TritonAttention:
         if not isinstance(cfg.get("OVERLAP", True), bool):
             raise ValueError(f"config['OVERLAP'] must be a bool, got {cfg['OVERLAP']!r}")
         cfg.setdefault("OVERLAP", True)
+        cfg.setdefault("V_STAGES", None)  # Gluon only: V ring depth (None: num_stages)
+        if cfg["V_STAGES"] is not None and cfg["IMPL"] != "gluon":
+            raise ValueError("config['V_STAGES'] applies to IMPL='gluon' only (the portable kernel pipelines K and V "
+                             "with num_stages)")
         if cfg["IMPL"] not in ("triton", "gluon"):
             raise ValueError(f"config['IMPL'] must be 'triton' (the portable kernel) or 'gluon' (the warp-specialised "
                              f"Hopper kernel), got {cfg['IMPL']!r}")
@@ -818,7 +824,8 @@ def attention_triton(
             num_warps, num_stages, num_splits (split-KV count; None = automatic), BLOCK_DV (V head-dim slice per
             program), LAZY_RESCALE (bool, default False), BT_PREFETCH (bool, default True), IMPL ("triton" or
             "gluon": the warp-specialised Hopper kernel; default: chosen per input, see TUNED_GLUON_CONFIGS) and
-            OVERLAP (bool, Gluon only: QK^T of the next key block overlaps the softmax; default True).
+            OVERLAP (bool, Gluon only: QK^T of the next key block overlaps the softmax; default True), V_STAGES
+            (Gluon only: V ring depth; default None = num_stages, the K ring depth).
 
     Returns:
         ``out`` or ``(out, lse)``; rows with no allowed key are 0 with lse -inf.
@@ -907,7 +914,8 @@ def attention_triton(
                                scale=info.scale, block_n=BN)
         if why is not None:
             raise ValueError(f"config['IMPL'] = 'gluon' cannot run this input: {why}")
-        gluon_ctas = gluon_ctas_per_sm(BM, BN, cfg["num_warps"], cfg["num_stages"], D, DV, q.element_size())
+        gluon_ctas = gluon_ctas_per_sm(BM, BN, cfg["num_warps"], cfg["num_stages"], D, DV, q.element_size(),
+                                       v_stages=cfg["V_STAGES"])
     ns = cfg.get("num_splits")
     if ns is None:
         if impl == "gluon":
@@ -939,9 +947,9 @@ def attention_triton(
     W = min(int(window_size), _WINDOW_CLAMP) if has_window else 0
     qk_scale = info.scale * LOG2E
     dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
-    # ceil(log2(B + 1)) binary-search steps, rounded up to a multiple of 4 (extra steps are no-ops) so that
-    # batches of 1..15 (16..255, ...) sequences share one compiled kernel
-    search_steps = -(-max(1, int(B).bit_length()) // 4) * 4
+    # 16-ary tile -> sequence search: ceil(bits(B) / 4) steps, so batches of 1..15 (16..255, ...) sequences
+    # share one compiled kernel
+    search_steps = -(-max(1, int(B).bit_length()) // 4)
 
     if ns > 1:
         opart = torch.empty(ns, total_q, H, DV, dtype=torch.float32, device=q.device)
@@ -961,7 +969,8 @@ def attention_triton(
             total_q, H, B, n_tiles, W, qk_scale, ns,
             G=group, GP=gp, D=D, DV=DV, BLOCK_M=BM, BLOCK_N=BN, BLOCK_Q=BQ, BOX_N=box_n, PAGE=page,
             PAGED=info.paged, HAS_WINDOW=has_window, PREFIX=prefix, SPLIT=ns > 1, STORE_LSE=return_lse,
-            SEARCH_STEPS=search_steps, STAGES=cfg["num_stages"], LOADER_REGS=_tg.LOADER_REGS, OVERLAP=bool(cfg["OVERLAP"]),
+            SEARCH_STEPS=search_steps, STAGES=cfg["num_stages"],
+            V_STAGES=cfg["V_STAGES"] or cfg["num_stages"], LOADER_REGS=_tg.LOADER_REGS, OVERLAP=bool(cfg["OVERLAP"]),
             num_warps=cfg["num_warps"],
             maxnreg=_tg.gluon_max_regs(cfg["num_warps"], gluon_ctas),
         )

@@ -48,36 +48,37 @@ GLUON_HEAD_DIMS = (64, 128, 256)
 def _kv_loader(k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
                bt_row, k_base, a, d_end, col_k, col_v,
                BLOCK_N: gl.constexpr, BOX_N: gl.constexpr, PAGE: gl.constexpr, PAGED: gl.constexpr,
-               STAGES: gl.constexpr):
-    """Producer warp: TMA K and V blocks ``[a, d_end)`` into the ring (waits for a slot to be released).
+               STAGES: gl.constexpr, V_STAGES: gl.constexpr):
+    """Producer warp: TMA K and V blocks ``[a, d_end)`` into their rings (``STAGES`` K and ``V_STAGES`` V
+    buffers; waits for a slot to be released).
 
     A key block is ``BLOCK_N // BOX_N`` TMA boxes of ``BOX_N`` rows (a block spans several pages when the page
     is smaller than the block), one expect-tx per block and buffer."""
     NSUB: gl.constexpr = BLOCK_N // BOX_N
     for j in range(a, d_end):
         it = j - a
-        s = it % STAGES
-        ph = (it // STAGES) & 1
-        mbarrier.wait(k_empty.index(s), ph ^ 1)
-        mbarrier.expect(k_ready.index(s), NSUB * k_desc.block_type.nbytes)
+        ks = it % STAGES
+        mbarrier.wait(k_empty.index(ks), ((it // STAGES) & 1) ^ 1)
+        mbarrier.expect(k_ready.index(ks), NSUB * k_desc.block_type.nbytes)
         for u in gl.static_range(NSUB):
             start = j * BLOCK_N + u * BOX_N
             if PAGED:
                 row = gl.load(bt_row + start // PAGE) * PAGE + start % PAGE
             else:
                 row = k_base + start
-            tma.async_copy_global_to_shared(k_desc, [row, col_k], k_ready.index(s),
-                                            k_bufs.index(s).slice(u * BOX_N, BOX_N))
-        mbarrier.wait(v_empty.index(s), ph ^ 1)
-        mbarrier.expect(v_ready.index(s), NSUB * v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [row, col_k], k_ready.index(ks),
+                                            k_bufs.index(ks).slice(u * BOX_N, BOX_N))
+        vs = it % V_STAGES
+        mbarrier.wait(v_empty.index(vs), ((it // V_STAGES) & 1) ^ 1)
+        mbarrier.expect(v_ready.index(vs), NSUB * v_desc.block_type.nbytes)
         for u in gl.static_range(NSUB):
             start = j * BLOCK_N + u * BOX_N
             if PAGED:
                 row = gl.load(bt_row + start // PAGE) * PAGE + start % PAGE
             else:
                 row = k_base + start
-            tma.async_copy_global_to_shared(v_desc, [row, col_v], v_ready.index(s),
-                                            v_bufs.index(s).slice(u * BOX_N, BOX_N))
+            tma.async_copy_global_to_shared(v_desc, [row, col_v], v_ready.index(vs),
+                                            v_bufs.index(vs).slice(u * BOX_N, BOX_N))
 
 
 @gluon.jit
@@ -110,7 +111,7 @@ def _zero_stale_v(v_buf, j, seq_len, offs_vn, v_blk: gl.constexpr, BLOCK_N: gl.c
 def _softmax_consumer(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
                       lo, hi, a, b_mid, c_mid, d_end, seq_len, qk_scale,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr,
-                      s_layout: gl.constexpr, o_layout: gl.constexpr, v_blk: gl.constexpr):
+                      V_STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, v_blk: gl.constexpr):
     """Consumer warpgroups: the online softmax over key blocks ``[a, d_end)`` (boundary blocks masked)."""
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -123,23 +124,22 @@ def _softmax_consumer(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty
     offs_vn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, v_blk))
     for j in range(a, d_end):
         it = j - a
-        s = it % STAGES
-        ph = (it // STAGES) & 1
-        k_buf = k_bufs.index(s)
-        mbarrier.wait(k_ready.index(s), ph)
-        qk = warpgroup_mma(q_smem, k_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        ks = it % STAGES
+        vs = it % V_STAGES
+        mbarrier.wait(k_ready.index(ks), (it // STAGES) & 1)
+        qk = warpgroup_mma(q_smem, k_bufs.index(ks).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
-        mbarrier.arrive(k_empty.index(s), count=1)
+        mbarrier.arrive(k_empty.index(ks), count=1)
         p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, j, lo, hi, qk_scale, (j < b_mid) | (j >= c_mid),
                                            offs_n, BLOCK_N)
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
         p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
-        v_buf = v_bufs.index(s)
-        mbarrier.wait(v_ready.index(s), ph)
+        v_buf = v_bufs.index(vs)
+        mbarrier.wait(v_ready.index(vs), (it // V_STAGES) & 1)
         _zero_stale_v(v_buf, j, seq_len, offs_vn, v_blk, BLOCK_N)
         acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(v_empty.index(s), count=1)
+        mbarrier.arrive(v_empty.index(vs), count=1)
     return acc, l_i, m_i
 
 
@@ -147,8 +147,8 @@ def _softmax_consumer(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty
 def _softmax_consumer_overlap(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
                               lo, hi, a, b_mid, c_mid, d_end, seq_len, qk_scale,
                               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr,
-                              STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
-                              v_blk: gl.constexpr):
+                              STAGES: gl.constexpr, V_STAGES: gl.constexpr, s_layout: gl.constexpr,
+                              o_layout: gl.constexpr, v_blk: gl.constexpr):
     """Consumer with part of FA3's intra-warpgroup overlap: QK^T of block j + 1 runs on the tensor cores while
     the softmax of block j runs. Both wgmma groups retire inside the iteration (an accumulator still in flight
     across the loop's back edge makes ptxas serialise every wgmma, warning C7514)."""
@@ -168,119 +168,32 @@ def _softmax_consumer_overlap(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready,
         mbarrier.arrive(k_empty.index(0), count=1)
         for j in range(a, d_end):
             it = j - a
-            s = it % STAGES
-            s1 = (it + 1) % STAGES
+            vs = it % V_STAGES
+            k1 = (it + 1) % STAGES
             nxt = j + 1 < d_end
-            mbarrier.wait(k_ready.index(s1), ((it + 1) // STAGES) & 1, pred=nxt)
-            qk_next = warpgroup_mma(q_smem, k_bufs.index(s1).permute((1, 0)), s_zero, use_acc=False,
+            mbarrier.wait(k_ready.index(k1), ((it + 1) // STAGES) & 1, pred=nxt)
+            qk_next = warpgroup_mma(q_smem, k_bufs.index(k1).permute((1, 0)), s_zero, use_acc=False,
                                     is_async=True)
             p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, j, lo, hi, qk_scale, (j < b_mid) | (j >= c_mid),
                                                offs_n, BLOCK_N)
             p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-            v_buf = v_bufs.index(s)
-            mbarrier.wait(v_ready.index(s), (it // STAGES) & 1)
+            v_buf = v_bufs.index(vs)
+            mbarrier.wait(v_ready.index(vs), (it // V_STAGES) & 1)
             _zero_stale_v(v_buf, j, seq_len, offs_vn, v_blk, BLOCK_N)
             acc_t = warpgroup_mma(p_op, v_buf, acc, is_async=True)
             qk, acc = warpgroup_mma_wait(num_outstanding=0, deps=(qk_next, acc_t))
-            mbarrier.arrive(k_empty.index(s1), count=1, pred=nxt)
-            mbarrier.arrive(v_empty.index(s), count=1)
+            mbarrier.arrive(k_empty.index(k1), count=1, pred=nxt)
+            mbarrier.arrive(v_empty.index(vs), count=1)
     return acc, l_i, m_i
 
 
 @gluon.jit
-def _consumer(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, lo, hi, a, b_mid, c_mid, d_end, seq_len,
-              qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr,
-              s_layout: gl.constexpr, o_layout: gl.constexpr, v_blk: gl.constexpr, OVERLAP: gl.constexpr):
-    """The default partition: the overlapped or the sequential consumer (``OVERLAP``)."""
-    if OVERLAP:
-        return _softmax_consumer_overlap(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, lo, hi, a,
-                                         b_mid, c_mid, d_end, seq_len, qk_scale, BLOCK_M, BLOCK_N, DV, STAGES,
-                                         s_layout, o_layout, v_blk)
-    else:
-        return _softmax_consumer(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, lo, hi, a, b_mid,
-                                 c_mid, d_end, seq_len, qk_scale, BLOCK_M, BLOCK_N, DV, STAGES, s_layout, o_layout,
-                                 v_blk)
-
-
-@gluon.jit(do_not_specialize=["total_q", "num_seqs", "n_tiles", "window", "num_splits"])
-def _attn_fwd_gluon(
-    Q, k_desc, v_desc, O, LSE, OPART, LSEPART,
-    CU_Q, SEQ_LENS, NCQ, BT, CU_K,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
-    total_q, num_heads, num_seqs, n_tiles, window, qk_scale, num_splits,
-    G: gl.constexpr, GP: gl.constexpr, D: gl.constexpr, DV: gl.constexpr,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr,
-    BOX_N: gl.constexpr, PAGE: gl.constexpr, PAGED: gl.constexpr, HAS_WINDOW: gl.constexpr, PREFIX: gl.constexpr,
-    SPLIT: gl.constexpr, STORE_LSE: gl.constexpr, SEARCH_STEPS: gl.constexpr, STAGES: gl.constexpr,
-    LOADER_REGS: gl.constexpr, OVERLAP: gl.constexpr, num_warps: gl.constexpr,
-):
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, DV, 16])
-    blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+def _epilogue(acc, l_i, m_i, O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads,
+              stride_ot, stride_oh, G: gl.constexpr, GP: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_Q: gl.constexpr, SPLIT: gl.constexpr, STORE_LSE: gl.constexpr, o_layout: gl.constexpr):
+    """Normalise and store one tile: ``O`` (+ ``LSE``), or the split's fp32 partial and LSE."""
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-
-    t = n_tiles - 1 - gl.program_id(0)  # reverse: long causal tiles (end of a prefill) first
-    kvh = gl.program_id(1)
-    split = gl.program_id(2)
-
-    # ---- tile -> sequence, per-row key intervals, key block ranges: the portable kernel's helpers
-    b, q_start, q_len, tile = _tile_sequence(CU_Q, t, num_seqs, BLOCK_Q, SEARCH_STEPS)
-    if tile * BLOCK_Q >= q_len:
-        return
-    seq_len = gl.load(SEQ_LENS + b)
-    ncq = gl.load(NCQ + b)
-    ctx = seq_len - q_len
-    offs_m = gl.arange(0, BLOCK_M, layout=row_s)  # rows = (token, head in group), in the softmax's row layout
-    i = tile * BLOCK_Q + offs_m // GP
-    row_valid = (i < q_len) & ((offs_m % GP) < G)
-    lo, hi = _row_key_interval(i, ctx, ncq, seq_len, window, HAS_WINDOW, PREFIX)
-    a, b_mid, c_mid, d_end = _key_block_ranges(lo, hi, row_valid, split, num_splits, BLOCK_N, SPLIT)
-
-    # ---- Q tile -> shared memory (the wgmma A operand), loaded once by all consumer warps
-    qm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, blk))
-    qd = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
-    qi = tile * BLOCK_Q + qm // GP
-    qh = kvh * G + qm % GP
-    q_ok = (qi < q_len) & ((qm % GP) < G)
-    q_ptrs = Q + (q_start + qi).to(gl.int64)[:, None] * stride_qt + qh.to(gl.int64)[:, None] * stride_qh \
-        + qd[None, :]
-    q_tile = gl.load(q_ptrs, mask=q_ok[:, None], other=0.0)
-    q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], Q.dtype.element_ty)
-    q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [BLOCK_M, D], q_sl, q_tile)
-    fence_async_shared()
-
-    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, D], k_desc.layout)
-    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, DV], v_desc.layout)
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for st in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(st), count=1)
-        mbarrier.init(k_empty.index(st), count=1)
-        mbarrier.init(v_ready.index(st), count=1)
-        mbarrier.init(v_empty.index(st), count=1)
-
-    if PAGED:
-        bt_row = BT + b.to(gl.int64) * stride_bt
-        k_base = 0
-    else:
-        bt_row = BT
-        k_base = gl.load(CU_K + b)
-
-    acc, l_i, m_i = gl.warp_specialize([
-        (_consumer, (q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
-                     lo, hi, a, b_mid, c_mid, d_end, seq_len, qk_scale,
-                     BLOCK_M, BLOCK_N, DV, STAGES, s_layout, o_layout, blk, OVERLAP)),
-        (_kv_loader, (k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
-                      bt_row, k_base, a, d_end, kvh * D, kvh * DV, BLOCK_N, BOX_N, PAGE, PAGED, STAGES)),
-    ], [1], [LOADER_REGS])
-
-    # ---- epilogue (rows in the output layout)
     om = gl.arange(0, BLOCK_M, layout=row_o)
     od = gl.arange(0, DV, layout=gl.SliceLayout(0, o_layout))
     oi = tile * BLOCK_Q + om // GP
@@ -303,6 +216,120 @@ def _attn_fwd_gluon(
         p_row = (s64 * total_q + tok_g) * num_heads + oh
         gl.store(OPART + p_row[:, None] * DV + od[None, :], out, mask=o_ok[:, None])
         gl.store(LSEPART + s64 * num_heads * total_q + lse_off, lse, mask=o_ok)
+
+
+@gluon.jit
+def _load_q(q_smem, Q, q_start, q_len, tile, kvh, stride_qt, stride_qh, G: gl.constexpr, GP: gl.constexpr,
+            D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_Q: gl.constexpr, blk: gl.constexpr):
+    """The tile's packed query rows (token, head in group) -> ``q_smem``, zero for padding rows."""
+    qm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, blk))
+    qd = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
+    qi = tile * BLOCK_Q + qm // GP
+    qh = kvh * G + qm % GP
+    q_ok = (qi < q_len) & ((qm % GP) < G)
+    q_ptrs = Q + (q_start + qi).to(gl.int64)[:, None] * stride_qt + qh.to(gl.int64)[:, None] * stride_qh \
+        + qd[None, :]
+    q_smem.store(gl.load(q_ptrs, mask=q_ok[:, None], other=0.0))
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _consumer(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, lo, hi, a, b_mid, c_mid, d_end, seq_len,
+              qk_scale, Q, O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads,
+              stride_qt, stride_qh, stride_ot, stride_oh, G: gl.constexpr, GP: gl.constexpr, D: gl.constexpr,
+              BLOCK_Q: gl.constexpr, SPLIT: gl.constexpr,
+              STORE_LSE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr,
+              STAGES: gl.constexpr, V_STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
+              v_blk: gl.constexpr, OVERLAP: gl.constexpr):
+    """The default partition: the overlapped or the sequential consumer (``OVERLAP``), then the epilogue.
+
+    The epilogue runs here, under the consumer's raised register budget (setmaxnreg), not after the
+    partitions join: an hd-256 accumulator does not fit the base budget of two programs per SM."""
+    _load_q(q_smem, Q, q_start, q_len, tile, kvh, stride_qt, stride_qh, G, GP, D, BLOCK_M, BLOCK_Q, v_blk)
+    if OVERLAP:
+        acc, l_i, m_i = _softmax_consumer_overlap(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, lo,
+                                                  hi, a, b_mid, c_mid, d_end, seq_len, qk_scale, BLOCK_M, BLOCK_N,
+                                                  DV, STAGES, V_STAGES, s_layout, o_layout, v_blk)
+    else:
+        acc, l_i, m_i = _softmax_consumer(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, lo, hi, a,
+                                          b_mid, c_mid, d_end, seq_len, qk_scale, BLOCK_M, BLOCK_N, DV, STAGES,
+                                          V_STAGES, s_layout, o_layout, v_blk)
+    _epilogue(acc, l_i, m_i, O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads,
+              stride_ot, stride_oh, G, GP, DV, BLOCK_M, BLOCK_Q, SPLIT, STORE_LSE, o_layout)
+
+
+@gluon.jit(do_not_specialize=["total_q", "num_seqs", "n_tiles", "window", "num_splits"])
+def _attn_fwd_gluon(
+    Q, k_desc, v_desc, O, LSE, OPART, LSEPART,
+    CU_Q, SEQ_LENS, NCQ, BT, CU_K,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+    total_q, num_heads, num_seqs, n_tiles, window, qk_scale, num_splits,
+    G: gl.constexpr, GP: gl.constexpr, D: gl.constexpr, DV: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr,
+    BOX_N: gl.constexpr, PAGE: gl.constexpr, PAGED: gl.constexpr, HAS_WINDOW: gl.constexpr, PREFIX: gl.constexpr,
+    SPLIT: gl.constexpr, STORE_LSE: gl.constexpr, SEARCH_STEPS: gl.constexpr, STAGES: gl.constexpr,
+    V_STAGES: gl.constexpr, LOADER_REGS: gl.constexpr, OVERLAP: gl.constexpr, num_warps: gl.constexpr,
+):
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, DV, 16])
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+    t = n_tiles - 1 - gl.program_id(0)  # reverse: long causal tiles (end of a prefill) first
+    kvh = gl.program_id(1)
+    split = gl.program_id(2)
+
+    # ---- tile -> sequence, per-row key intervals, key block ranges: the portable kernel's helpers
+    ks = gl.arange(0, 16, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
+    b, q_start, q_len, tile = _tile_sequence(CU_Q, t, num_seqs, ks, BLOCK_Q, SEARCH_STEPS)
+    if tile * BLOCK_Q >= q_len:
+        return
+    seq_len = gl.load(SEQ_LENS + b)
+    ncq = gl.load(NCQ + b)
+    ctx = seq_len - q_len
+    offs_m = gl.arange(0, BLOCK_M, layout=row_s)  # rows = (token, head in group), in the softmax's row layout
+    i = tile * BLOCK_Q + offs_m // GP
+    row_valid = (i < q_len) & ((offs_m % GP) < G)
+    lo, hi = _row_key_interval(i, ctx, ncq, seq_len, window, HAS_WINDOW, PREFIX)
+    a, b_mid, c_mid, d_end = _key_block_ranges(lo, hi, row_valid, split, num_splits, BLOCK_N, SPLIT)
+
+    # ---- Q tile: shared memory (the wgmma A operand) filled by the consumer partition, so that the loader's
+    # first K / V loads are in flight while Q arrives
+    q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], Q.dtype.element_ty)
+    q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [BLOCK_M, D], q_sl)
+
+    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, D], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [V_STAGES, BLOCK_N, DV], v_desc.layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
+    for st in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(st), count=1)
+        mbarrier.init(k_empty.index(st), count=1)
+    for st in gl.static_range(V_STAGES):
+        mbarrier.init(v_ready.index(st), count=1)
+        mbarrier.init(v_empty.index(st), count=1)
+
+    if PAGED:
+        bt_row = BT + b.to(gl.int64) * stride_bt
+        k_base = 0
+    else:
+        bt_row = BT
+        k_base = gl.load(CU_K + b)
+
+    gl.warp_specialize([
+        (_consumer, (q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
+                     lo, hi, a, b_mid, c_mid, d_end, seq_len, qk_scale,
+                     Q, O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads,
+                     stride_qt, stride_qh, stride_ot, stride_oh, G, GP, D, BLOCK_Q, SPLIT, STORE_LSE,
+                     BLOCK_M, BLOCK_N, DV, STAGES, V_STAGES, s_layout, o_layout, blk, OVERLAP)),
+        (_kv_loader, (k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
+                      bt_row, k_base, a, d_end, kvh * D, kvh * DV, BLOCK_N, BOX_N, PAGE, PAGED, STAGES, V_STAGES)),
+    ], [1], [LOADER_REGS])
 
 
 def _gl_dtype(dtype: torch.dtype):
@@ -408,16 +435,22 @@ def check_gluon_config(cfg: dict, head_dim: int, head_dim_v: int) -> None:
     if bn not in (32, 64, 128):
         raise ValueError(f"config['BLOCK_N'] must be 32, 64 or 128 with IMPL='gluon', got {bn!r}")
     if not 1 <= st <= 4:
-        raise ValueError(f"config['num_stages'] (K/V ring depth) must be in [1, 4] with IMPL='gluon', got {st!r}")
+        raise ValueError(f"config['num_stages'] (K ring depth) must be in [1, 4] with IMPL='gluon', got {st!r}")
+    vst = cfg.get("V_STAGES")
+    if vst is not None and (isinstance(vst, bool) or not isinstance(vst, int) or not 1 <= vst <= 4):
+        raise ValueError(f"config['V_STAGES'] (V ring depth; None: num_stages) must be an int in [1, 4] or None "
+                         f"with IMPL='gluon', got {vst!r}")
     if cfg["BLOCK_DV"] < head_dim_v:
         raise ValueError("config['BLOCK_DV'] cannot split the V head dim with IMPL='gluon' (one program holds it all)")
 
 
 def gluon_ctas_per_sm(block_m: int, block_n: int, num_warps: int, num_stages: int, head_dim: int, head_dim_v: int,
-                      itemsize: int) -> int:
-    """Resident Gluon programs per SM: shared memory (Q tile + ``num_stages`` K and V blocks; 227 KB per SM)
-    and registers: two programs of 64 rows x 4 consumer warps (~216 registers a consumer thread), else one."""
-    smem = (block_m * head_dim + num_stages * block_n * (head_dim + head_dim_v)) * itemsize + 1024
+                      itemsize: int, v_stages: int | None = None) -> int:
+    """Resident Gluon programs per SM: shared memory (Q tile + ``num_stages`` K blocks + ``v_stages`` V blocks,
+    default ``num_stages``; 227 KB per SM) and registers: two programs of 64 rows x 4 consumer warps (216
+    registers a consumer thread, setmaxnreg), else one."""
+    v_stages = num_stages if v_stages is None else v_stages
+    smem = (block_m * head_dim + block_n * (num_stages * head_dim + v_stages * head_dim_v)) * itemsize + 1024
     regs_cap = 2 if (num_warps == 4 and block_m == 64) else 1  # 128-row tiles need > 128 registers a thread
     return max(1, min(regs_cap, (227 * 1024) // smem))
 
@@ -431,7 +464,7 @@ def gluon_max_regs(num_warps: int, ctas_per_sm: int) -> int | None:
 
 def compile_for_sm90(*, block_m: int, block_n: int, num_warps: int, num_stages: int, head_dim: int, paged: bool,
                      split: bool, window: bool, group: int = 2, num_kv_heads: int = 8,
-                     overlap: bool = True, page_size: int | None = None) -> dict:
+                     overlap: bool = True, page_size: int | None = None, v_stages: int | None = None) -> dict:
     """Compile the kernel for sm_90a without a GPU (Triton ``GPUTarget``) and run ``ptxas -v`` on the PTX.
 
     For CPU checks and pre-screening tiles. Must run in a process where ``TRITON_INTERPRET`` is unset (the
@@ -462,11 +495,12 @@ def compile_for_sm90(*, block_m: int, block_n: int, num_warps: int, num_stages: 
                 qk_scale=0.1, num_heads=H)
     consts = dict(G=group, GP=gp, D=D, DV=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_Q=block_m // gp, BOX_N=box,
                   PAGE=page if paged else 1, PAGED=paged, HAS_WINDOW=window, PREFIX=False, SPLIT=split,
-                  STORE_LSE=True, SEARCH_STEPS=4, STAGES=num_stages, LOADER_REGS=LOADER_REGS, OVERLAP=overlap, num_warps=num_warps)
+                  STORE_LSE=True, SEARCH_STEPS=1, STAGES=num_stages, V_STAGES=v_stages or num_stages,
+                  LOADER_REGS=LOADER_REGS, OVERLAP=overlap, num_warps=num_warps)
     ints = {"total_q", "num_seqs", "n_tiles", "window", "num_splits"}
     sig = {n: "constexpr" if n in consts else "i32" if n in ints else mangle_type(args[n]) for n in fn.arg_names}
     src = GluonASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
-    ctas = gluon_ctas_per_sm(block_m, block_n, num_warps, num_stages, D, D, 2)
+    ctas = gluon_ctas_per_sm(block_m, block_n, num_warps, num_stages, D, D, 2, v_stages=v_stages)
     ck = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                         options=dict(num_warps=num_warps, maxnreg=gluon_max_regs(num_warps, ctas)))
     ptx = ck.asm["ptx"]

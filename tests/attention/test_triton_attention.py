@@ -17,7 +17,12 @@ from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E
 
 from blockdiff.attention import attention  # noqa: E402
 from blockdiff.attention.testing import check_close  # noqa: E402
-from blockdiff.attention.triton_attention import attention_triton, choose_num_splits, default_config  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from blockdiff.attention.triton_attention import (  # noqa: E402
+    _tile_sequence, attention_triton, choose_num_splits, default_config,
+)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = dict(BLOCK_M=16, BLOCK_N=16)  # interpreter-sized tiles (tl.dot minimum)
@@ -339,6 +344,34 @@ def test_many_short_sequences_do_not_split_a_full_grid():
     one = make_batch(seq_lens=[2000], q_lens=[16], causal=[False], H=4, Hkv=2, D=16, page_size=16)
     run_and_check(one, config=SMALL)                      # one sequence over a long context still splits
     assert ta.LAST_LAUNCH["num_splits"] > 1
+
+
+@triton.jit
+def _tile_search_probe(CU_Q, OUT, num_seqs, BLOCK_Q: tl.constexpr, SEARCH_STEPS: tl.constexpr):
+    t = tl.program_id(0)
+    b, q_start, q_len, tile = _tile_sequence(CU_Q, t, num_seqs, tl.arange(0, 16), BLOCK_Q, SEARCH_STEPS)
+    tl.store(OUT + 2 * t, b)
+    tl.store(OUT + 2 * t + 1, tile)
+
+
+@pytest.mark.parametrize("num_seqs", [1, 2, 15, 16, 17, 255, 256, 300])
+def test_tile_to_sequence_search_finds_every_tile_across_16_ary_search_steps(num_seqs):
+    """The 16-ary tile -> sequence search (one step per 4 bits of the batch size) against a Python scan, with
+    empty sequences and sequences of one tile and of several."""
+    g = torch.Generator().manual_seed(num_seqs)
+    q_lens = torch.randint(0, 40, (num_seqs,), generator=g)
+    q_lens[::7] = 0
+    cu = torch.zeros(num_seqs + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(q_lens, 0)
+    BQ = 8
+    n_tiles = int(cu[-1]) // BQ + num_seqs
+    out = torch.full((n_tiles, 2), -7, dtype=torch.int32)
+    steps = -(-max(1, num_seqs.bit_length()) // 4)
+    _tile_search_probe[(n_tiles,)](cu, out, num_seqs, BLOCK_Q=BQ, SEARCH_STEPS=steps)
+    starts = [int(cu[b]) // BQ + b for b in range(num_seqs)]
+    for t in range(n_tiles):
+        b = max(i for i in range(num_seqs) if starts[i] <= t)
+        assert out[t].tolist() == [b, t - starts[b]], t
 
 
 def test_num_splits_beyond_the_grid_limit_is_a_clear_error():
