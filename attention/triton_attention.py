@@ -598,15 +598,21 @@ TUNED_SPLIT_CONFIGS: dict = {
 }
 
 _GLUON_64 = dict(IMPL="gluon", BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, OVERLAP=True)
+_GLUON_HD128 = dict(IMPL="gluon", BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2, V_STAGES=1, OVERLAP=False)
 #: The warp-specialised Gluon kernel (:mod:`blockdiff.attention.triton_gluon`) as the automatic choice
 #: {(head_dim, group, has_window, prefix): (base regime config or None, split regime config or None)}, bf16/fp16 on
-#: sm_90 when the caches suit TMA (else the tables above). H200 CUDA-graph medians, page 64, same run
-#: (bench/results/gluon_overlap2-h200.json): hd 128: prefill16k_hd128 2.005 ms (portable kernel 2.330),
-#: canvas_bs4_ctx4k_hd128 0.086 ms (0.097), canvas_bs1_ctx32k_hd128 0.149 ms (0.162); hd 256 sliding, split regime:
-#: canvas_bs1_ctx32k_sliding 32.7 us (36.8) without the overlap (with it the hd-256 consumer spills). The
-#: hd-256 base regime stays on the portable kernel: mixed_sliding_ctx8k 0.210 ms vs 0.250 ms in Gluon.
+#: sm_90 when the caches suit TMA with boxes of >= 64 rows (else the tables above). H200 CUDA-graph medians, page 64:
+#: - hd 128: 64x128 tiles (a 128-key block is two 64-token pages, one TMA box each), 4 consumer warps, two K and
+#:   one V buffer (115 KB: two programs per SM), no overlap (with it the 64x128 consumer spills). Same run
+#:   (bench/results/gluon_kv_stages-h200.json, 330f30d): prefill16k_hd128 1.834 ms (64x64/4w/2st with the overlap,
+#:   the previous choice: 2.236), canvas_bs4_ctx4k_hd128 0.079 ms (0.089), canvas_bs1_ctx32k_hd128 0.139 ms at 4
+#:   splits (0.156); one K and one V buffer measured the same on the canvases and 1.976 ms on prefill16k.
+#: - hd 256 sliding, split regime: 64x64/4w/2st without the overlap (with it the hd-256 consumer spills):
+#:   canvas_bs1_ctx32k_sliding 32.7 us vs 36.8 on the portable kernel (gluon_overlap2-h200.json). hd 256 runs one
+#:   program per SM (the PV wgmma needs >= 158 registers a thread at launch). The hd-256 base regime stays on the
+#:   portable kernel: mixed_sliding_ctx8k 0.210 ms vs 0.250 ms in Gluon.
 TUNED_GLUON_CONFIGS: dict = {
-    (128, 2, False, False): (_GLUON_64, _GLUON_64),
+    (128, 2, False, False): (_GLUON_HD128, _GLUON_HD128),
     (256, 2, True, False): (None, dict(_GLUON_64, OVERLAP=False)),
 }
 
@@ -962,8 +968,11 @@ def attention_triton(
         from . import triton_gluon as _tg
         box_n = _tg.tma_box_rows(info.paged, info.page_size, BN)
         k_desc, v_desc = _tg.make_kv_descriptors(k_cache, v_cache, box_n)
+        # split-KV: the last split of each (tile, KV head) merges in-kernel; its arrival counters start at 0
+        # every call (a memset in the stream, captured by a graph: no state shared between calls or streams)
+        cnt = torch.zeros(n_tiles * Hkv, dtype=torch.int32, device=q.device) if ns > 1 else cu_q
         handle = _tg._attn_fwd_gluon[grid](
-            q, k_desc, v_desc, dst, lse_arg, opart, lsepart,
+            q, k_desc, v_desc, dst, lse_arg, opart, lsepart, cnt,
             cu_q, sl, ncq, bt, cu_k,
             q.stride(0), q.stride(1), dst.stride(0), dst.stride(1), stride_bt,
             total_q, H, B, n_tiles, W, qk_scale, ns,
@@ -989,7 +998,7 @@ def attention_triton(
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     LAST_LAUNCH.update(kernel=handle, num_splits=ns, grid=grid, config=cfg, impl=impl)
-    if ns > 1:
+    if ns > 1 and impl != "gluon":  # (the Gluon kernel merges its splits in-kernel)
         bdv_m = max(16, _next_pow2(DV))
         block_r = max(1, min(64, 4096 // bdv_m))  # <= 4096 fp32 partial elements per program per split
         n_rows = total_q * H

@@ -97,17 +97,19 @@ def test_cached_kv_descriptors_are_reused_and_do_not_keep_the_cache_alive():
     assert ref() is None
 
 
-@pytest.mark.parametrize("bm,bn,nw,stages,D,paged,split,window,overlap", [
-    (64, 64, 4, 2, 128, True, True, False, True),     # canvas_bs1_ctx32k_hd128 split regime
-    (64, 64, 4, 2, 128, True, True, False, False),
-    (128, 128, 8, 2, 128, True, True, False, False),  # one consumer partition of two warpgroups, no overlap
-    (64, 64, 4, 3, 128, False, False, True, True),    # contiguous, windowed
-    (64, 64, 4, 2, 256, True, False, True, False),    # hd 256 sliding layers (the overlap spills ~100 B there)
+@pytest.mark.parametrize("bm,bn,nw,stages,D,paged,split,window,overlap,extra", [
+    # the automatic hd-128 choice: 128-key blocks of two 64-token pages, 2 K + 1 V buffers, split (in-kernel merge)
+    (64, 128, 4, 2, 128, True, True, False, False, dict(page_size=64, v_stages=1)),
+    (64, 128, 4, 2, 128, True, False, False, False, dict(page_size=64, v_stages=1)),
+    (64, 64, 4, 2, 128, True, True, False, True, {}),     # the overlapped consumer, split
+    (128, 128, 8, 2, 128, True, True, False, False, {}),  # one consumer partition of two warpgroups, no overlap
+    (64, 64, 4, 3, 128, False, False, True, True, {}),    # contiguous, windowed
+    (64, 64, 4, 2, 256, True, False, True, False, {}),    # hd 256 sliding layers (the overlap spills ~100 B there)
 ])
-def test_gluon_kernel_compiles_for_sm90_without_spills(bm, bn, nw, stages, D, paged, split, window, overlap):
+def test_gluon_kernel_compiles_for_sm90_without_spills(bm, bn, nw, stages, D, paged, split, window, overlap, extra):
     # a fresh process without TRITON_INTERPRET (the interpreter replaces the @triton.jit helpers Gluon calls)
     kw = dict(block_m=bm, block_n=bn, num_warps=nw, num_stages=stages, head_dim=D, paged=paged, split=split,
-              window=window, overlap=overlap)
+              window=window, overlap=overlap, **extra)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = ("import json, sys; from blockdiff.attention.triton_gluon import compile_for_sm90; "
             "print(json.dumps(compile_for_sm90(**json.loads(sys.argv[1]))))")
