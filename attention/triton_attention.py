@@ -968,11 +968,8 @@ def attention_triton(
         from . import triton_gluon as _tg
         box_n = _tg.tma_box_rows(info.paged, info.page_size, BN)
         k_desc, v_desc = _tg.make_kv_descriptors(k_cache, v_cache, box_n)
-        # split-KV: the last split of each (tile, KV head) merges in-kernel; its arrival counters start at 0
-        # every call (a memset in the stream, captured by a graph: no state shared between calls or streams)
-        cnt = torch.zeros(n_tiles * Hkv, dtype=torch.int32, device=q.device) if ns > 1 else cu_q
         handle = _tg._attn_fwd_gluon[grid](
-            q, k_desc, v_desc, dst, lse_arg, opart, lsepart, cnt,
+            q, k_desc, v_desc, dst, lse_arg, opart, lsepart,
             cu_q, sl, ncq, bt, cu_k,
             q.stride(0), q.stride(1), dst.stride(0), dst.stride(1), stride_bt,
             total_q, H, B, n_tiles, W, qk_scale, ns,
@@ -998,7 +995,7 @@ def attention_triton(
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     LAST_LAUNCH.update(kernel=handle, num_splits=ns, grid=grid, config=cfg, impl=impl)
-    if ns > 1 and impl != "gluon":  # (the Gluon kernel merges its splits in-kernel)
+    if ns > 1:
         bdv_m = max(16, _next_pow2(DV))
         block_r = max(1, min(64, 4096 // bdv_m))  # <= 4096 fp32 partial elements per program per split
         n_rows = total_q * H

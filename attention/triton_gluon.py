@@ -189,13 +189,10 @@ def _softmax_consumer_overlap(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready,
 
 
 @gluon.jit
-def _epilogue(acc, l_i, m_i, O, LSE, OPART, LSEPART, CNT, cnt_idx, q_start, q_len, tile, kvh, split, num_splits,
-              total_q, num_heads, stride_ot, stride_oh, G: gl.constexpr, GP: gl.constexpr, DV: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_Q: gl.constexpr, SPLIT: gl.constexpr, STORE_LSE: gl.constexpr,
-              o_layout: gl.constexpr, m_layout: gl.constexpr):
-    """Normalise and store one tile: ``O`` (+ ``LSE``); with ``SPLIT``, the split's fp32 partial and LSE, and
-    the last split of the tile to finish (an acq_rel counter per tile and KV head) merges all partials into ``O``
-    (+ ``LSE``): no second launch. The merge is the exact LSE merge of the portable path's merge kernel."""
+def _epilogue(acc, l_i, m_i, O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads,
+              stride_ot, stride_oh, G: gl.constexpr, GP: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_Q: gl.constexpr, SPLIT: gl.constexpr, STORE_LSE: gl.constexpr, o_layout: gl.constexpr):
+    """Normalise and store one tile: ``O`` (+ ``LSE``), or the split's fp32 partial and LSE."""
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     om = gl.arange(0, BLOCK_M, layout=row_o)
     od = gl.arange(0, DV, layout=gl.SliceLayout(0, o_layout))
@@ -215,57 +212,10 @@ def _epilogue(acc, l_i, m_i, O, LSE, OPART, LSEPART, CNT, cnt_idx, q_start, q_le
         if STORE_LSE:
             gl.store(LSE + lse_off, lse, mask=o_ok)
     else:
-        p_base = (tok_g * num_heads + oh)[:, None] * DV + od[None, :]
         s64 = split.to(gl.int64)
-        gl.store(OPART + s64 * total_q * num_heads * DV + p_base, out, mask=o_ok[:, None])
+        p_row = (s64 * total_q + tok_g) * num_heads + oh
+        gl.store(OPART + p_row[:, None] * DV + od[None, :], out, mask=o_ok[:, None])
         gl.store(LSEPART + s64 * num_heads * total_q + lse_off, lse, mask=o_ok)
-        gl.thread_barrier()  # every consumer thread's partial is issued before the release below
-        done = gl.atomic_add(CNT + cnt_idx, 1, sem="acq_rel", scope="gpu")
-        if done == num_splits - 1:  # the last split of this tile merges
-            _merge_splits(O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, num_splits, total_q, num_heads,
-                          stride_ot, stride_oh, G, GP, DV, BLOCK_M, BLOCK_Q, STORE_LSE, m_layout)
-
-
-@gluon.jit
-def _merge_splits(O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, num_splits, total_q, num_heads,
-                  stride_ot, stride_oh, G: gl.constexpr, GP: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr,
-                  BLOCK_Q: gl.constexpr, STORE_LSE: gl.constexpr, m_layout: gl.constexpr):
-    """Exact LSE merge of a tile's split partials into ``O`` (+ ``LSE``), in a row-major blocked layout and in
-    V column chunks of <= 128 (registers: a running and a loaded chunk). Reads bypass L1 (``.cg``): the
-    partials were written by other programs (ordered by the caller's acq_rel counter)."""
-    CH: gl.constexpr = DV if DV < 128 else 128
-    row_m: gl.constexpr = gl.SliceLayout(1, m_layout)
-    om = gl.arange(0, BLOCK_M, layout=row_m)
-    oc = gl.arange(0, CH, layout=gl.SliceLayout(0, m_layout))
-    oi = tile * BLOCK_Q + om // GP
-    oh = kvh * G + om % GP
-    o_ok = (oi < q_len) & ((om % GP) < G)
-    tok_g = q_start.to(gl.int64) + oi
-    lse_off = oh.to(gl.int64) * total_q + tok_g
-    p_row = (tok_g * num_heads + oh) * DV
-    for c in gl.static_range(DV // CH):
-        m_run = gl.full([BLOCK_M], float("-inf"), gl.float32, row_m)
-        l_run = gl.zeros([BLOCK_M], gl.float32, row_m)
-        o_run = gl.zeros([BLOCK_M, CH], gl.float32, m_layout)
-        for sp in range(num_splits):
-            sp64 = sp.to(gl.int64)
-            lse_s = gl.load(LSEPART + sp64 * num_heads * total_q + lse_off, mask=o_ok, other=float("-inf"),
-                            cache_modifier=".cg")
-            o_s = gl.load(OPART + (sp64 * total_q * num_heads * DV + p_row + c * CH)[:, None] + oc[None, :],
-                          mask=o_ok[:, None], other=0.0, cache_modifier=".cg")
-            m_new = gl.maximum(m_run, lse_s)
-            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-            a_old = gl.exp(m_run - m_use)
-            a_s = gl.exp(lse_s - m_use)
-            l_run = l_run * a_old + a_s
-            o_run = o_run * a_old[:, None] + o_s * a_s[:, None]
-            m_run = m_new
-        none = l_run == 0.0
-        o_ptrs = O + tok_g[:, None] * stride_ot + oh.to(gl.int64)[:, None] * stride_oh + (c * CH + oc)[None, :]
-        gl.store(o_ptrs, (o_run / gl.where(none, 1.0, l_run)[:, None]).to(O.dtype.element_ty), mask=o_ok[:, None])
-        if STORE_LSE and c == 0:
-            gl.store(LSE + lse_off, gl.where(none, float("-inf"), m_run + gl.log(gl.where(none, 1.0, l_run))),
-                     mask=o_ok)
 
 
 @gluon.jit
@@ -286,8 +236,8 @@ def _load_q(q_smem, Q, q_start, q_len, tile, kvh, stride_qt, stride_qh, G: gl.co
 
 @gluon.jit
 def _consumer(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, lo, hi, a, b_mid, c_mid, d_end, seq_len,
-              qk_scale, Q, O, LSE, OPART, LSEPART, CNT, cnt_idx, q_start, q_len, tile, kvh, split, num_splits,
-              total_q, num_heads, stride_qt, stride_qh, stride_ot, stride_oh, G: gl.constexpr, GP: gl.constexpr, D: gl.constexpr,
+              qk_scale, Q, O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads,
+              stride_qt, stride_qh, stride_ot, stride_oh, G: gl.constexpr, GP: gl.constexpr, D: gl.constexpr,
               BLOCK_Q: gl.constexpr, SPLIT: gl.constexpr,
               STORE_LSE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr,
               STAGES: gl.constexpr, V_STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
@@ -305,13 +255,13 @@ def _consumer(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, lo, hi
         acc, l_i, m_i = _softmax_consumer(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, lo, hi, a,
                                           b_mid, c_mid, d_end, seq_len, qk_scale, BLOCK_M, BLOCK_N, DV, STAGES,
                                           V_STAGES, s_layout, o_layout, v_blk)
-    _epilogue(acc, l_i, m_i, O, LSE, OPART, LSEPART, CNT, cnt_idx, q_start, q_len, tile, kvh, split, num_splits,
-              total_q, num_heads, stride_ot, stride_oh, G, GP, DV, BLOCK_M, BLOCK_Q, SPLIT, STORE_LSE, o_layout, v_blk)
+    _epilogue(acc, l_i, m_i, O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads,
+              stride_ot, stride_oh, G, GP, DV, BLOCK_M, BLOCK_Q, SPLIT, STORE_LSE, o_layout)
 
 
 @gluon.jit(do_not_specialize=["total_q", "num_seqs", "n_tiles", "window", "num_splits"])
 def _attn_fwd_gluon(
-    Q, k_desc, v_desc, O, LSE, OPART, LSEPART, CNT,
+    Q, k_desc, v_desc, O, LSE, OPART, LSEPART,
     CU_Q, SEQ_LENS, NCQ, BT, CU_K,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     total_q, num_heads, num_seqs, n_tiles, window, qk_scale, num_splits,
@@ -374,8 +324,8 @@ def _attn_fwd_gluon(
     gl.warp_specialize([
         (_consumer, (q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
                      lo, hi, a, b_mid, c_mid, d_end, seq_len, qk_scale,
-                     Q, O, LSE, OPART, LSEPART, CNT, t * gl.num_programs(1) + kvh, q_start, q_len, tile, kvh,
-                     split, num_splits, total_q, num_heads, stride_qt, stride_qh, stride_ot, stride_oh, G, GP, D, BLOCK_Q, SPLIT, STORE_LSE,
+                     Q, O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads,
+                     stride_qt, stride_qh, stride_ot, stride_oh, G, GP, D, BLOCK_Q, SPLIT, STORE_LSE,
                      BLOCK_M, BLOCK_N, DV, STAGES, V_STAGES, s_layout, o_layout, blk, OVERLAP)),
         (_kv_loader, (k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
                       bt_row, k_base, a, d_end, kvh * D, kvh * DV, BLOCK_N, BOX_N, PAGE, PAGED, STAGES, V_STAGES)),
@@ -542,7 +492,7 @@ def compile_for_sm90(*, block_m: int, block_n: int, num_warps: int, num_stages: 
     kd, vd = make_kv_descriptors(kc, kc, box)
     i32, f32 = torch.empty(4, dtype=torch.int32), torch.empty(4, dtype=torch.float32)
     fn = _attn_fwd_gluon
-    args = dict(Q=q, k_desc=kd, v_desc=vd, O=q, LSE=f32, OPART=f32, LSEPART=f32, CNT=i32, CU_Q=i32, SEQ_LENS=i32, NCQ=i32,
+    args = dict(Q=q, k_desc=kd, v_desc=vd, O=q, LSE=f32, OPART=f32, LSEPART=f32, CU_Q=i32, SEQ_LENS=i32, NCQ=i32,
                 BT=i32, CU_K=i32, stride_qt=H * D, stride_qh=D, stride_ot=H * D, stride_oh=D, stride_bt=7,
                 qk_scale=0.1, num_heads=H)
     consts = dict(G=group, GP=gp, D=D, DV=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_Q=block_m // gp, BOX_N=box,

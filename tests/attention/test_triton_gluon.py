@@ -80,6 +80,15 @@ def test_layout_rules_name_what_tma_needs():
     assert tg.layout_ineligible(flat, flat, paged=False, page_size=None, block_n=128) is None
 
 
+def test_resident_programs_per_sm_follow_shared_memory_and_the_launch_register_budget():
+    # 64x128 hd 128 with 2 K + 1 V buffers: 115 KB, two programs per SM (the automatic hd-128 choice)
+    assert tg.gluon_ctas_per_sm(64, 128, 4, 2, 128, 128, 2, v_stages=1) == 2
+    assert tg.gluon_ctas_per_sm(64, 128, 4, 2, 128, 128, 2) == 1          # 2 + 2 buffers: 148 KB
+    # hd 256 fits twice by shared memory with one stage, but its PV wgmma needs > 128 registers at launch
+    assert tg.gluon_ctas_per_sm(64, 64, 4, 1, 256, 256, 2) == 1
+    assert tg.gluon_max_regs(4, 2) == 128 and tg.gluon_max_regs(4, 1) is None
+
+
 def test_cached_kv_descriptors_are_reused_and_do_not_keep_the_cache_alive():
     import gc
     import weakref
