@@ -54,13 +54,15 @@ Design
   max grew by more than 8 (log2 units); otherwise the stale max is kept (p <= 2^8, exact after normalising).
 * **Warp-specialised Gluon kernel (``IMPL="gluon"``, :mod:`blockdiff.attention.triton_gluon`).** The same tile
   mapping, row intervals, boundary/full split and split-KV partials, written in Gluon (Triton's explicit-layout
-  dialect): a producer warp streams K / V with TMA into an mbarrier ring, consumer warpgroups run ``wgmma`` with
-  QK^T of block j + 1 overlapping the softmax of block j (``OVERLAP``). Chosen automatically where it measured
-  faster (:data:`TUNED_GLUON_CONFIGS`: hd 128, and the hd-256 split regime) when the caches suit TMA (page size a
-  multiple of BLOCK_N, evenly strided pages, bf16/fp16, sm_90); ``LAST_LAUNCH["impl"]`` says which kernel ran.
-  ``config={"IMPL": "gluon"}`` on an input it cannot take raises ``ValueError`` (no silent fallback).
+  dialect): a producer warp streams K / V with TMA into mbarrier rings (``num_stages`` K and ``V_STAGES`` V
+  buffers; a key block spanning several pages is one TMA box per page), consumer warpgroups run ``wgmma``,
+  optionally with QK^T of block j + 1 overlapping the softmax of block j (``OVERLAP``). Chosen automatically where
+  it measured faster (:data:`TUNED_GLUON_CONFIGS`: hd 128, and the hd-256 split regime) when the caches suit TMA
+  (evenly strided pages of >= 64 tokens holding or tiling BLOCK_N, bf16/fp16, sm_90); ``LAST_LAUNCH["impl"]``
+  says which kernel ran. ``config={"IMPL": "gluon"}`` on an input it cannot take raises ``ValueError`` (no
+  silent fallback).
 * **Configs.** ``config=dict(BLOCK_M, BLOCK_N, num_warps, num_stages, num_splits, BLOCK_DV, LAZY_RESCALE,
-  BT_PREFETCH, IMPL, OVERLAP)``
+  BT_PREFETCH, IMPL, OVERLAP, V_STAGES)``
   overrides the defaults; resolved launch plans are cached per static key (head dims, group size, dtype, paged,
   page size, window, mode) in :class:`TritonAttention` instances; Triton caches the compiled kernels per constexpr.
 * **CUDA graphs.** Everything per step (cu_seqlens_q, seq_lens, num_causal_q/causal, block_table) is read on
@@ -81,25 +83,29 @@ Predictions (H200, bf16; ceilings ~790 TFLOP/s dense bf16, ~4.3 TB/s; FLOPs = 4 
   latency bound (two kernels with the merge).
 * ``prefill16k_hd128``: 134 M pairs x 8192 FLOP = 1.1 TFLOP; at 450 TFLOP/s ~2.4 ms (target 2.47 ms).
 
-Measured (H200, CUDA-graph medians, paged KV page 64, same run as FA4 at f557ac4:
-bench/results/attention-targets-h200.json; the b0f955f numbers before the Gluon kernel in brackets)
-------------------------------------------------------------------------------------------------
-* ``mixed_sliding_ctx8k`` 0.203 ms, 365 TFLOP/s, portable kernel (FA4 0.164 paged / 0.163 contiguous: 1.24x):
-  128-row tiles of 8 warps hold one program per SM at 255 registers, and the 608 programs make 4.6 waves. The
-  Gluon kernel measured 0.250 ms here (64-row tiles; hd-256 accumulators leave no room for 128 rows + overlap).
-* ``mixed_global_ctx8k`` 2.05 ms, 237 TFLOP/s [2.07]: about half the predicted rate. hd 512 keeps 128 x 256 fp32
+Measured (H200, CUDA-graph medians, paged KV page 64, same run as FA4 at 5ad0241:
+bench/results/attention-targets-h200.json; the f557ac4 numbers of the previous Gluon configs in brackets)
+------------------------------------------------------------------------------------------------------
+* ``mixed_sliding_ctx8k`` 0.201 ms, 369 TFLOP/s, portable kernel [0.203] (FA4 0.164 paged / 0.163 contiguous:
+  1.23x): 128-row tiles of 8 warps hold one program per SM at 255 registers, and the 608 programs make 4.6
+  waves. The Gluon kernel measured 0.250 ms here (64-row hd-256 tiles, one program per SM).
+* ``mixed_global_ctx8k`` 2.00 ms, 243 TFLOP/s [2.05]: about half the predicted rate. hd 512 keeps 128 x 256 fp32
   accumulator elements per V slice in registers (255 per thread, one program per SM) and recomputes QK^T for
   each of the two V slices; lazy rescaling does not move it (2.05 vs 2.04 ms, attention-sweep_global-h200.json).
-* ``canvas_bs1_ctx32k_hd128`` 0.144 ms, 480 TFLOP/s, Gluon kernel, 4 splits [0.160]: 0.35x paged FA4 (0.410),
-  0.42x contiguous FA4 (0.342); the issue's 0.138 ms is not reached. The portable kernel: 0.162 ms
-  (gluon_overlap2-h200.json). Eager (no graph) the Gluon launch costs ~0.49 ms against 0.14 on the GPU: Python
-  launch overhead of the Gluon JIT path with TMA descriptors, not yet reduced.
-* ``canvas_bs1_ctx32k_sliding`` 27.9 us, Gluon kernel without the overlap, 2 splits [32 us] (FA4 35 us): the
-  kernel is short (128 programs of ~10 key blocks), so Q load, pipeline fill, the merge launch and the graph's
-  own launch make up much of it; the issue's 15 us is not reached.
-* ``prefill16k_hd128`` 2.219 ms, 496 TFLOP/s, Gluon kernel [2.38] (FA4 1.858 paged / 1.696 contiguous:
-  0.84x / 0.76x of FA4's throughput). The sweep's same-config run measured 2.005 ms (gluon_overlap2-h200.json):
-  run-to-run spread of this shape across device sessions is ~10 %.
+  The Gluon kernel does not take hd 512.
+* ``canvas_bs1_ctx32k_hd128`` 0.135 ms, 513 TFLOP/s, Gluon kernel 64x128, 4 splits [0.144]: 0.33x paged FA4
+  (0.408), 0.395x contiguous FA4 (0.342). Eager (no graph) the call costs ~0.42 ms: Python launch overhead of
+  the Gluon JIT path with TMA descriptors (Triton encodes a CUtensorMap per launch), not yet reduced.
+* ``canvas_bs1_ctx32k_sliding`` 27 us, Gluon kernel 64x64 without the overlap, 2 splits [27.9 us] (FA4 35 us).
+  torch.profiler on the H200: the attention kernel 17.5 us, the merge kernel 3.5 us, and two elementwise kernels
+  (~1 us each) deriving ``num_causal_q`` from ``causal``; the rest is launch gaps. The kernel is latency-bound
+  (128 programs of ~10 key blocks, one program per SM at hd 256): 128-row tiles (half the L2 -> SM traffic),
+  3-4 splits and 32-key blocks measured 19.8-26 us; merging the splits in-kernel by the last split of each tile
+  (no second launch) measured 35.6 us graph against ~30 (the serial tail merge costs more than the launch;
+  gluon_merge-h200.json). The issue's 15 us is not reached.
+* ``prefill16k_hd128`` 2.053 ms, 536 TFLOP/s, Gluon kernel 64x128 [2.219] (FA4 1.876 paged / 1.674 contiguous:
+  0.91x / 0.82x of FA4's throughput). The sweep measured the same config at 1.834 ms (600 TFLOP/s,
+  gluon_kv_stages-h200.json): run-to-run spread of this shape across device sessions is ~10 %.
 """
 from __future__ import annotations
 

@@ -3,14 +3,19 @@
 Gluon is Triton's explicit-layout dialect (``triton.experimental.gluon``, shipped with Triton 3.6): the same
 compiler, with TMA, mbarriers, ``wgmma`` and warp specialisation under the kernel's control. This kernel is the
 FlashAttention-3 structure (Shah et al., 2024, arXiv:2407.08608, section 3.1) applied to the blockdiff
-contract: one producer warp streams K / V blocks with TMA into a ring of ``STAGES`` shared-memory buffers,
-and the consumer warpgroups (``num_warps`` = 4 or 8: 64 or 128 packed rows) run QK^T and PV on ``wgmma``
-with the online softmax in between. With ``OVERLAP`` (FA3's intra-warpgroup overlap, in part) QK^T of key block
-j + 1 is issued before the softmax of block j and both wgmma groups retire inside the iteration: keeping PV's
-accumulator in flight across the loop's back edge made ptxas serialise every wgmma (warning C7514; measured 0.201
-vs 0.152 ms on canvas_bs1_ctx32k_hd128, bench/results/gluon_overlap-h200.json) and is not done. The varlen tile -> sequence mapping, the per-row key intervals, the
-full / boundary block split, the split-KV partial layout and the merge are those of
-:mod:`blockdiff.attention.triton_attention` (which launches this kernel and documents the contract).
+contract: one producer warp streams K / V blocks with TMA into rings of ``STAGES`` K and ``V_STAGES`` V
+shared-memory buffers (a key block spanning several pages is one TMA box per page, into slices of one buffer:
+128-key blocks over 64-token pages), and the consumer warpgroups (``num_warps`` = 4 or 8: 64 or 128 packed
+rows) load the Q tile, run QK^T and PV on ``wgmma`` with the online softmax in between, and store the tile, all
+under their raised register budget (setmaxnreg). With ``OVERLAP`` (FA3's intra-warpgroup overlap, in part) QK^T
+of key block j + 1 is issued before the softmax of block j and both wgmma groups retire inside the iteration:
+keeping PV's accumulator in flight across the loop's back edge made ptxas serialise every wgmma (warning C7514;
+measured 0.201 vs 0.152 ms on canvas_bs1_ctx32k_hd128, bench/results/gluon_overlap-h200.json) and is not done.
+Two programs share an SM when shared memory allows and ``head_dim_v <= 128`` (:func:`gluon_ctas_per_sm`): the
+64x128 hd-128 tile with 2 K + 1 V buffers (115 KB) is the automatic hd-128 choice (bench/results/
+gluon_kv_stages-h200.json). The varlen tile -> sequence mapping, the per-row key intervals, the full / boundary
+block split, the split-KV partial layout and the merge are those of :mod:`blockdiff.attention.triton_attention`
+(which launches this kernel and documents the contract).
 
 Eligibility (:func:`gluon_ineligible` names the first rule an input breaks; ``IMPL="gluon"`` on an
 ineligible input raises ``ValueError``, it never falls back silently):
@@ -18,8 +23,9 @@ ineligible input raises ``ValueError``, it never falls back silently):
 * a CUDA device of compute capability 9.x, bf16 or fp16, ``head_dim == head_dim_v`` in {64, 128, 256};
 * ``scale > 0``;
 * K / V rows addressable as one 2-D TMA tensor ``[rows, num_kv_heads * head_dim]`` (contiguous last two dims,
-  16-byte aligned): paged caches with ``stride(0) == page_size * stride(1)`` and ``page_size % BLOCK_N == 0``
-  (one page holds whole key blocks), or the contiguous varlen form.
+  16-byte aligned): paged caches with ``stride(0) == page_size * stride(1)`` and either ``page_size % BLOCK_N
+  == 0`` (one page holds whole key blocks) or a ``page_size`` that is a multiple of 8 dividing ``BLOCK_N`` (one
+  box per page), or the contiguous varlen form.
 
 Keys at or beyond ``seq_len`` inside the last key block (stale cache rows, which may hold NaN) are masked to
 -inf in QK^T and their V rows are zeroed in shared memory before PV, so they never reach the output.
