@@ -8,8 +8,8 @@ long-context inference") and vLLM's ``triton_unified_attention`` device-side til
 Design
 ------
 * **One launch, mixed row types.** Grid ``(n_tiles, num_kv_heads * n_dv_blocks, num_splits)`` with
-  ``n_tiles = total_q // BLOCK_Q + B`` (host shapes only). Program ``t`` finds its sequence by a binary search
-  over the virtual tile starts ``cu_seqlens_q[b] // BLOCK_Q + b`` (monotone in b; each sequence owns
+  ``n_tiles = total_q // BLOCK_Q + B`` (host shapes only). Program ``t`` finds its sequence by a 16-ary search
+  (16 candidates per dependent load) over the virtual tile starts ``cu_seqlens_q[b] // BLOCK_Q + b`` (monotone in b; each sequence owns
   ``>= cdiv(q_len, BLOCK_Q)`` virtual tiles, surplus programs exit at once). No host sync, no cumsum op.
   Tiles are visited in reverse so the long causal tiles at the end of a prefill start first.
   The causal flag is ``num_causal_q[b]`` read on the device (``causal`` is converted by validation), so a
@@ -33,7 +33,8 @@ Design
   lse -inf. Under the interpreter (CPU CI) bf16 dots run on fp32 copies of the bf16 values and fp32 -> bf16
   casts round to nearest even by hand (the interpreter multiplies bf16 bit patterns and truncates casts).
 * **No recompiles per step.** Per-step integers (total_q, B, tile count, window, split count) are excluded from
-  Triton's integer specialization; binary-search steps are rounded up to a multiple of 4.
+  Triton's integer specialization; the tile -> sequence search takes ceil(bits(B) / 4) 16-ary steps, so batches
+  of 1-15 (16-255, ...) sequences share one compiled kernel.
 * **Split-KV.** For few long sequences (e.g. one 256-token canvas over 32k context: 8 tiles of 64 rows x 8 KV
   heads = 64 programs) the key-block range of each tile is cut into ``num_splits`` chunks (chosen from host
   shapes: programs vs resident-program slots, SM count x :func:`ctas_per_sm`, and the key capacity; 4 there).
@@ -403,7 +404,7 @@ def _attn_fwd_kernel(
     dvb = pid1 % N_DV
     split = tl.program_id(2)
 
-    # ---- tile -> sequence (binary search, no host work)
+    # ---- tile -> sequence (16-ary search, no host work)
     b, q_start, q_len, tile = _tile_sequence(CU_Q, t, num_seqs, tl.arange(0, 16), BLOCK_Q, SEARCH_STEPS)
     if tile * BLOCK_Q >= q_len:
         return
@@ -695,14 +696,16 @@ class TritonAttention:
         cfg.setdefault("IMPL", "triton")
         if not isinstance(cfg.get("OVERLAP", True), bool):
             raise ValueError(f"config['OVERLAP'] must be a bool, got {cfg['OVERLAP']!r}")
-        cfg.setdefault("OVERLAP", True)
-        cfg.setdefault("V_STAGES", None)  # Gluon only: V ring depth (None: num_stages)
-        if cfg["V_STAGES"] is not None and cfg["IMPL"] != "gluon":
-            raise ValueError("config['V_STAGES'] applies to IMPL='gluon' only (the portable kernel pipelines K and V "
-                             "with num_stages)")
+        # Gluon only: the overlap by default where its consumer compiles without spills (64-key blocks, V head
+        # dim <= 128; the 64x128 consumer spills ~1.3 KB with it); the V ring depth (None: num_stages)
+        cfg.setdefault("OVERLAP", cfg["BLOCK_N"] <= 64 and self.key.head_dim_v <= 128)
+        cfg.setdefault("V_STAGES", None)
         if cfg["IMPL"] not in ("triton", "gluon"):
             raise ValueError(f"config['IMPL'] must be 'triton' (the portable kernel) or 'gluon' (the warp-specialised "
                              f"Hopper kernel), got {cfg['IMPL']!r}")
+        if (override or {}).get("IMPL") == "triton" and {"OVERLAP", "V_STAGES"} & set(override):
+            raise ValueError("config keys OVERLAP and V_STAGES apply to the Gluon kernel; IMPL='triton' (the portable "
+                             "kernel) pipelines K and V with num_stages")
         if cfg["IMPL"] == "gluon":
             from .triton_gluon import check_gluon_config
             check_gluon_config(cfg, self.key.head_dim, self.key.head_dim_v)
@@ -836,8 +839,10 @@ def attention_triton(
             num_warps, num_stages, num_splits (split-KV count; None = automatic), BLOCK_DV (V head-dim slice per
             program), LAZY_RESCALE (bool, default False), BT_PREFETCH (bool, default True), IMPL ("triton" or
             "gluon": the warp-specialised Hopper kernel; default: chosen per input, see TUNED_GLUON_CONFIGS) and
-            OVERLAP (bool, Gluon only: QK^T of the next key block overlaps the softmax; default True), V_STAGES
-            (Gluon only: V ring depth; default None = num_stages, the K ring depth).
+            OVERLAP (bool, Gluon only: QK^T of the next key block overlaps the softmax; default True for BLOCK_N
+            <= 64 and head_dim_v <= 128, else False), V_STAGES (Gluon only: V ring depth; default None =
+            num_stages, the K ring depth). With IMPL unset the Gluon-only keys apply when the automatic choice
+            runs the Gluon kernel (``LAST_LAUNCH["impl"]``); with IMPL="triton" they are a ValueError.
 
     Returns:
         ``out`` or ``(out, lse)``; rows with no allowed key are 0 with lse -inf.

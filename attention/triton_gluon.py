@@ -52,14 +52,16 @@ GLUON_HEAD_DIMS = (64, 128, 256)
 
 @gluon.jit
 def _kv_loader(k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
-               bt_row, k_base, a, d_end, col_k, col_v,
+               bt_row, k_base, a, d_end, col_k, col_v, seq_len,
                BLOCK_N: gl.constexpr, BOX_N: gl.constexpr, PAGE: gl.constexpr, PAGED: gl.constexpr,
                STAGES: gl.constexpr, V_STAGES: gl.constexpr):
     """Producer warp: TMA K and V blocks ``[a, d_end)`` into their rings (``STAGES`` K and ``V_STAGES`` V
     buffers; waits for a slot to be released).
 
     A key block is ``BLOCK_N // BOX_N`` TMA boxes of ``BOX_N`` rows (a block spans several pages when the page
-    is smaller than the block), one expect-tx per block and buffer."""
+    is smaller than the block), one expect-tx per block and buffer. A box starting at or beyond ``seq_len`` reads
+    the sequence's last page again (its block-table column is clamped: the table need only cover
+    ``cdiv(seq_len, page_size)`` pages); those keys are masked and their V rows zeroed by the consumer."""
     NSUB: gl.constexpr = BLOCK_N // BOX_N
     for j in range(a, d_end):
         it = j - a
@@ -69,7 +71,7 @@ def _kv_loader(k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empt
         for u in gl.static_range(NSUB):
             start = j * BLOCK_N + u * BOX_N
             if PAGED:
-                row = gl.load(bt_row + start // PAGE) * PAGE + start % PAGE
+                row = gl.load(bt_row + gl.minimum(start, seq_len - 1) // PAGE) * PAGE + start % PAGE
             else:
                 row = k_base + start
             tma.async_copy_global_to_shared(k_desc, [row, col_k], k_ready.index(ks),
@@ -80,7 +82,7 @@ def _kv_loader(k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empt
         for u in gl.static_range(NSUB):
             start = j * BLOCK_N + u * BOX_N
             if PAGED:
-                row = gl.load(bt_row + start // PAGE) * PAGE + start % PAGE
+                row = gl.load(bt_row + gl.minimum(start, seq_len - 1) // PAGE) * PAGE + start % PAGE
             else:
                 row = k_base + start
             tma.async_copy_global_to_shared(v_desc, [row, col_v], v_ready.index(vs),
@@ -250,8 +252,9 @@ def _consumer(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, lo, hi
               v_blk: gl.constexpr, OVERLAP: gl.constexpr):
     """The default partition: the overlapped or the sequential consumer (``OVERLAP``), then the epilogue.
 
-    The epilogue runs here, under the consumer's raised register budget (setmaxnreg), not after the
-    partitions join: an hd-256 accumulator does not fit the base budget of two programs per SM."""
+    The Q load and the epilogue run here, under the consumer's raised register budget (setmaxnreg), not in the
+    parent before / after the partitions: the loader's first K / V loads overlap the Q load, and the
+    accumulator is stored without returning it across the partition boundary."""
     _load_q(q_smem, Q, q_start, q_len, tile, kvh, stride_qt, stride_qh, G, GP, D, BLOCK_M, BLOCK_Q, v_blk)
     if OVERLAP:
         acc, l_i, m_i = _softmax_consumer_overlap(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, lo,
@@ -334,7 +337,8 @@ def _attn_fwd_gluon(
                      stride_qt, stride_qh, stride_ot, stride_oh, G, GP, D, BLOCK_Q, SPLIT, STORE_LSE,
                      BLOCK_M, BLOCK_N, DV, STAGES, V_STAGES, s_layout, o_layout, blk, OVERLAP)),
         (_kv_loader, (k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
-                      bt_row, k_base, a, d_end, kvh * D, kvh * DV, BLOCK_N, BOX_N, PAGE, PAGED, STAGES, V_STAGES)),
+                      bt_row, k_base, a, d_end, kvh * D, kvh * DV, seq_len, BLOCK_N, BOX_N, PAGE, PAGED, STAGES,
+                      V_STAGES)),
     ], [1], [LOADER_REGS])
 
 
@@ -453,8 +457,9 @@ def check_gluon_config(cfg: dict, head_dim: int, head_dim_v: int) -> None:
 def gluon_ctas_per_sm(block_m: int, block_n: int, num_warps: int, num_stages: int, head_dim: int, head_dim_v: int,
                       itemsize: int, v_stages: int | None = None) -> int:
     """Resident Gluon programs per SM: shared memory (Q tile + ``num_stages`` K blocks + ``v_stages`` V blocks,
-    default ``num_stages``; 227 KB per SM) and registers: two programs of 64 rows x 4 consumer warps (216
-    registers a consumer thread, setmaxnreg), else one."""
+    default ``num_stages``; 227 KB per SM) and registers: two programs only for 64 rows x 4 consumer warps with
+    ``head_dim_v <= 128`` (128 registers a thread at launch, 216 for a consumer thread after setmaxnreg; the
+    hd-256 PV wgmma needs >= 158 at launch), else one."""
     v_stages = num_stages if v_stages is None else v_stages
     smem = (block_m * head_dim + block_n * (num_stages * head_dim + v_stages * head_dim_v)) * itemsize + 1024
     # two programs leave 128 registers a thread at launch (.maxnreg), which ptxas needs to fit the widest wgmma:

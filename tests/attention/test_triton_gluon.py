@@ -56,6 +56,9 @@ def test_gluon_on_a_cpu_tensor_is_a_clear_error_not_a_fallback():
     (dict(num_warps=2), "num_warps"), (dict(BLOCK_M=32), "BLOCK_M"), (dict(BLOCK_M=64, num_warps=8), "BLOCK_M"),
     (dict(BLOCK_N=16), "BLOCK_N"), (dict(num_stages=5), "num_stages"), (dict(BLOCK_DV=32), "BLOCK_DV"),
     (dict(IMPL="cuda"), "IMPL"), (dict(OVERLAP=1), "OVERLAP"),
+    (dict(V_STAGES=0), "V_STAGES"), (dict(V_STAGES=5), "V_STAGES"), (dict(V_STAGES=True), "V_STAGES"),
+    (dict(V_STAGES=2.0), "V_STAGES"), (dict(IMPL="triton", V_STAGES=1), "V_STAGES"),
+    (dict(IMPL="triton", OVERLAP=False), "OVERLAP"), (dict(IMPL="cuda", V_STAGES=1), "IMPL"),
 ])
 def test_bad_gluon_configs_name_the_field(bad, match):
     inp = make_batch([9], [4], causal=[False], D=64, page_size=64, device="cpu")
@@ -78,6 +81,15 @@ def test_layout_rules_name_what_tma_needs():
     assert "contiguous" in tg.layout_ineligible(heads_strided, heads_strided, paged=True, page_size=64, block_n=64)
     flat = torch.zeros(100, 2, 128, dtype=torch.bfloat16)
     assert tg.layout_ineligible(flat, flat, paged=False, page_size=None, block_n=128) is None
+
+
+def test_overlap_defaults_on_only_where_its_consumer_fits_the_registers():
+    from blockdiff.attention.triton_attention import get_kernel
+    for D, bn, want in [(128, 64, True), (128, 128, False), (256, 64, False), (64, 32, True)]:
+        kern = get_kernel(D, D, 2, torch.bfloat16, True, 64, False, False)
+        assert kern.config(dict(GLUON, BLOCK_N=bn))["OVERLAP"] is want, (D, bn)
+    assert kern.config(dict(GLUON, OVERLAP=False))["OVERLAP"] is False
+    assert kern.config({"V_STAGES": 1})["V_STAGES"] == 1  # IMPL unset: applies if the Gluon kernel is chosen
 
 
 def test_resident_programs_per_sm_follow_shared_memory_and_the_launch_register_budget():
@@ -107,7 +119,7 @@ def test_cached_kv_descriptors_are_reused_and_do_not_keep_the_cache_alive():
 
 
 @pytest.mark.parametrize("bm,bn,nw,stages,D,paged,split,window,overlap,extra", [
-    # the automatic hd-128 choice: 128-key blocks of two 64-token pages, 2 K + 1 V buffers, split (in-kernel merge)
+    # the automatic hd-128 choice: 128-key blocks of two 64-token pages, 2 K + 1 V buffers, split and not
     (64, 128, 4, 2, 128, True, True, False, False, dict(page_size=64, v_stages=1)),
     (64, 128, 4, 2, 128, True, False, False, False, dict(page_size=64, v_stages=1)),
     (64, 64, 4, 2, 128, True, True, False, True, {}),     # the overlapped consumer, split
@@ -176,12 +188,16 @@ def test_gpu_gluon_paged_matches_reference_with_nan_in_stale_rows(D, H, Hkv, pag
 @pytest.mark.parametrize("D,H,Hkv", [(128, 16, 8), (64, 8, 2)])
 @pytest.mark.parametrize("page_size", [16, 32, 64])
 def test_gpu_gluon_key_blocks_spanning_several_pages(D, H, Hkv, page_size):
-    # BLOCK_N > page_size: one TMA box per page into slices of one ring buffer, pages permuted
+    # BLOCK_N > page_size: one TMA box per page into slices of one ring buffer, pages permuted; the block table
+    # exactly as wide as the longest sequence needs (boxes past seq_len re-read the last page, never a column
+    # beyond the table)
     sl, ql, ncq = GPU_CASES[0]
     inp = poison_stale_rows(make_batch(sl, ql, num_causal_q=ncq, H=H, Hkv=Hkv, D=D, page_size=page_size,
                                        device="cuda", seed=7 * D + page_size))
-    for cfg in (dict(GLUON, BLOCK_N=128, num_stages=1, OVERLAP=False), dict(GLUON, BLOCK_N=128),
-                dict(GLUON, BLOCK_M=128, num_warps=8, BLOCK_N=128), dict(GLUON, BLOCK_N=64)):
+    inp["block_table"] = inp["block_table"][:, :-(-max(sl) // page_size)].contiguous()
+    for cfg in (dict(GLUON, BLOCK_N=128, num_stages=1), dict(GLUON, BLOCK_N=128, V_STAGES=1),
+                dict(GLUON, BLOCK_N=128, OVERLAP=True), dict(GLUON, BLOCK_M=128, num_warps=8, BLOCK_N=128),
+                dict(GLUON, BLOCK_N=64)):
         for ns in (None, 1, 3):
             _check(inp, dict(cfg, num_splits=ns))
         _check(inp, cfg, window_size=127)
