@@ -95,7 +95,8 @@ bench/results/attention-targets-h200.json; the f557ac4 numbers of the previous G
   each of the two V slices; lazy rescaling does not move it (2.05 vs 2.04 ms, attention-sweep_global-h200.json).
   The Gluon kernel does not take hd 512.
 * ``canvas_bs1_ctx32k_hd128`` 0.135 ms, 513 TFLOP/s, Gluon kernel 64x128, 4 splits [0.144]: 0.33x paged FA4
-  (0.408), 0.395x contiguous FA4 (0.342). Eager (no graph) the call costs ~0.42 ms: Python launch overhead of
+  (0.408), 0.395x contiguous FA4 (0.342). The sweep harness measured the same kernel at 0.1385-0.1407 ms in
+  three other sessions (gluon_bn128 / gluon_kv_stages / gluon_final-h200.json): the 0.4x margin is ~1-4 %. Eager (no graph) the call costs ~0.42 ms: Python launch overhead of
   the Gluon JIT path with TMA descriptors (Triton encodes a CUtensorMap per launch), not yet reduced.
 * ``canvas_bs1_ctx32k_sliding`` 27 us, Gluon kernel 64x64 without the overlap, 2 splits [27.9 us] (FA4 35 us).
   torch.profiler on the H200: the attention kernel 17.5 us, the merge kernel 3.5 us, and two elementwise kernels
