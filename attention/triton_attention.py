@@ -337,6 +337,17 @@ def _tile_sequence(CU_Q, t, num_seqs, ks, BLOCK_Q: tl.constexpr, SEARCH_STEPS: t
 
 
 @triton.jit
+def _causal_rows(NCQ, b, q_len, FLAGS: tl.constexpr):
+    """``num_causal_q`` of sequence ``b``: read from ``NCQ`` ([B] int32), or with ``FLAGS`` from the causal flags
+    ([B] bool: q_len if causal else 0), so that a call with ``causal`` needs no conversion op. Shared with the
+    Gluon kernel (triton_gluon.py)."""
+    if FLAGS:
+        return tl.where(tl.load(NCQ + b) != 0, q_len, 0)
+    else:
+        return tl.load(NCQ + b)
+
+
+@triton.jit
 def _row_key_interval(i, ctx, ncq, seq_len, window, HAS_WINDOW: tl.constexpr, PREFIX: tl.constexpr):
     """Allowed key interval ``[lo, hi]`` of query rows at positions ``i`` of a sequence (masks.key_range): causal
     rows (``i < ncq``) up to themselves, one-sided window; bidirectional rows symmetric or prefix window."""
@@ -395,6 +406,7 @@ def _attn_fwd_kernel(
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, N_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
     PAGE: tl.constexpr, PAGED: tl.constexpr, HAS_WINDOW: tl.constexpr, PREFIX: tl.constexpr,
+    NCQ_FLAGS: tl.constexpr,
     SPLIT: tl.constexpr, STORE_LSE: tl.constexpr, SEARCH_STEPS: tl.constexpr,
     DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr, SCALE_POS: tl.constexpr, LAZY: tl.constexpr,
     BT_PREFETCH: tl.constexpr = False,
@@ -410,7 +422,7 @@ def _attn_fwd_kernel(
     if tile * BLOCK_Q >= q_len:
         return
     seq_len = tl.load(SEQ_LENS + b)
-    ncq = tl.load(NCQ + b)
+    ncq = _causal_rows(NCQ, b, q_len, NCQ_FLAGS)
     ctx = seq_len - q_len
 
     # ---- rows = (token, head in group)
@@ -945,7 +957,9 @@ def attention_triton(
     # strided views get a dense copy (a device copy, no host sync; capturable)
     cu_q = cu_seqlens_q.to(torch.int32).contiguous()
     sl = info.seq_lens.contiguous()
-    ncq = info.num_causal_q.contiguous()
+    # the causal flags go to the kernel as they are (no conversion op per call); num_causal_q when given
+    ncq_flags = info.causal is not None
+    ncq = (info.causal if ncq_flags else info.num_causal_q).contiguous()
     if info.paged and block_table.stride(1) != 1:
         block_table = block_table.contiguous()
     if info.paged:
@@ -986,7 +1000,8 @@ def attention_triton(
             q.stride(0), q.stride(1), dst.stride(0), dst.stride(1), stride_bt,
             total_q, H, B, n_tiles, W, qk_scale, ns,
             G=group, GP=gp, D=D, DV=DV, BLOCK_M=BM, BLOCK_N=BN, BLOCK_Q=BQ, BOX_N=box_n, PAGE=page,
-            PAGED=info.paged, HAS_WINDOW=has_window, PREFIX=prefix, SPLIT=ns > 1, STORE_LSE=return_lse,
+            PAGED=info.paged, HAS_WINDOW=has_window, PREFIX=prefix, NCQ_FLAGS=ncq_flags, SPLIT=ns > 1,
+            STORE_LSE=return_lse,
             SEARCH_STEPS=search_steps, STAGES=cfg["num_stages"],
             V_STAGES=cfg["V_STAGES"] or cfg["num_stages"], LOADER_REGS=_tg.LOADER_REGS, OVERLAP=bool(cfg["OVERLAP"]),
             num_warps=cfg["num_warps"],
@@ -1001,6 +1016,7 @@ def attention_triton(
             total_q, H, B, n_tiles, W, qk_scale, ns,
             G=group, GP=gp, D=D, DV=DV, BLOCK_D=BD, BLOCK_DV=BDV, N_DV=n_dv,
             BLOCK_M=BM, BLOCK_N=BN, BLOCK_Q=BQ, PAGE=page, PAGED=info.paged, HAS_WINDOW=has_window,
+            NCQ_FLAGS=ncq_flags,
             PREFIX=prefix, SPLIT=ns > 1, STORE_LSE=return_lse, SEARCH_STEPS=search_steps, DOT_PREC=dot_prec,
             INTERPRET=_interpreting(), SCALE_POS=qk_scale > 0, LAZY=bool(cfg["LAZY_RESCALE"]),
             BT_PREFETCH=bool(cfg["BT_PREFETCH"]),

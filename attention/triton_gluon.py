@@ -45,7 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .triton_attention import _key_block_ranges, _row_key_interval, _tile_sequence
+from .triton_attention import _causal_rows, _key_block_ranges, _row_key_interval, _tile_sequence
 
 GLUON_HEAD_DIMS = (64, 128, 256)
 
@@ -277,6 +277,7 @@ def _attn_fwd_gluon(
     G: gl.constexpr, GP: gl.constexpr, D: gl.constexpr, DV: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr,
     BOX_N: gl.constexpr, PAGE: gl.constexpr, PAGED: gl.constexpr, HAS_WINDOW: gl.constexpr, PREFIX: gl.constexpr,
+    NCQ_FLAGS: gl.constexpr,
     SPLIT: gl.constexpr, STORE_LSE: gl.constexpr, SEARCH_STEPS: gl.constexpr, STAGES: gl.constexpr,
     V_STAGES: gl.constexpr, LOADER_REGS: gl.constexpr, OVERLAP: gl.constexpr, num_warps: gl.constexpr,
 ):
@@ -297,7 +298,7 @@ def _attn_fwd_gluon(
     if tile * BLOCK_Q >= q_len:
         return
     seq_len = gl.load(SEQ_LENS + b)
-    ncq = gl.load(NCQ + b)
+    ncq = _causal_rows(NCQ, b, q_len, NCQ_FLAGS)
     ctx = seq_len - q_len
     offs_m = gl.arange(0, BLOCK_M, layout=row_s)  # rows = (token, head in group), in the softmax's row layout
     i = tile * BLOCK_Q + offs_m // GP
@@ -477,7 +478,8 @@ def gluon_max_regs(num_warps: int, ctas_per_sm: int) -> int | None:
 
 def compile_for_sm90(*, block_m: int, block_n: int, num_warps: int, num_stages: int, head_dim: int, paged: bool,
                      split: bool, window: bool, group: int = 2, num_kv_heads: int = 8,
-                     overlap: bool = True, page_size: int | None = None, v_stages: int | None = None) -> dict:
+                     overlap: bool = True, page_size: int | None = None, v_stages: int | None = None,
+                     causal_flags: bool = False) -> dict:
     """Compile the kernel for sm_90a without a GPU (Triton ``GPUTarget``) and run ``ptxas -v`` on the PTX.
 
     For CPU checks and pre-screening tiles. Must run in a process where ``TRITON_INTERPRET`` is unset (the
@@ -503,11 +505,12 @@ def compile_for_sm90(*, block_m: int, block_n: int, num_warps: int, num_stages: 
     kd, vd = make_kv_descriptors(kc, kc, box)
     i32, f32 = torch.empty(4, dtype=torch.int32), torch.empty(4, dtype=torch.float32)
     fn = _attn_fwd_gluon
-    args = dict(Q=q, k_desc=kd, v_desc=vd, O=q, LSE=f32, OPART=f32, LSEPART=f32, CU_Q=i32, SEQ_LENS=i32, NCQ=i32,
+    args = dict(Q=q, k_desc=kd, v_desc=vd, O=q, LSE=f32, OPART=f32, LSEPART=f32, CU_Q=i32, SEQ_LENS=i32,
+                NCQ=torch.empty(4, dtype=torch.bool) if causal_flags else i32,
                 BT=i32, CU_K=i32, stride_qt=H * D, stride_qh=D, stride_ot=H * D, stride_oh=D, stride_bt=7,
                 qk_scale=0.1, num_heads=H)
     consts = dict(G=group, GP=gp, D=D, DV=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_Q=block_m // gp, BOX_N=box,
-                  PAGE=page if paged else 1, PAGED=paged, HAS_WINDOW=window, PREFIX=False, SPLIT=split,
+                  PAGE=page if paged else 1, PAGED=paged, HAS_WINDOW=window, PREFIX=False, NCQ_FLAGS=causal_flags, SPLIT=split,
                   STORE_LSE=True, SEARCH_STEPS=1, STAGES=num_stages, V_STAGES=v_stages or num_stages,
                   LOADER_REGS=LOADER_REGS, OVERLAP=overlap, num_warps=num_warps)
     ints = {"total_q", "num_seqs", "n_tiles", "window", "num_splits"}

@@ -30,9 +30,20 @@ class CheckedInputs:
     head_dim_v: int
     paged: bool
     page_size: int | None
-    num_causal_q: torch.Tensor  # [B] int32: the causal flag as a row count (causal=True -> q_len)
     seq_lens: torch.Tensor  # [B] int32
     scale: float
+    causal: torch.Tensor | None = None  # [B] bool when the call gave ``causal`` (kernels may read it directly)
+    _num_causal_q: torch.Tensor | None = None
+    _cu_seqlens_q: torch.Tensor | None = None
+
+    @property
+    def num_causal_q(self) -> torch.Tensor:
+        """``[B]`` int32 causal row counts (``causal=True`` -> q_len): the call's ``num_causal_q``, or derived from
+        ``causal`` on first use (two small device ops, no host sync; a backend that reads ``causal`` in its
+        kernel never pays them)."""
+        if self._num_causal_q is None:
+            self._num_causal_q = causal_row_counts(self.causal, self._cu_seqlens_q)
+        return self._num_causal_q
 
 
 def _need_tensor(name, t, ndim=None):
@@ -113,7 +124,7 @@ def check_attention_inputs(
 
     Returns:
         CheckedInputs with the per-sequence causal row counts ``num_causal_q`` [B] int32 (derived from
-        ``causal`` when given) and ``seq_lens`` [B] int32 (derived from ``cu_seqlens_k`` in the
+        ``causal`` on first use when given; ``causal`` itself is kept for kernels that read the flags) and ``seq_lens`` [B] int32 (derived from ``cu_seqlens_k`` in the
         contiguous form when not given).
 
     Raises:
@@ -203,12 +214,12 @@ def check_attention_inputs(
         raise ValueError("give exactly one of causal ([B] bool) or num_causal_q ([B] int32)")
     if causal is not None:
         _check_b("causal", causal, (torch.bool,))
-        # small device ops per call: a caller that attends many layers with the same batch passes
-        # num_causal_q (causal_row_counts, once per step) instead
-        ncq = causal_row_counts(causal, cu_seqlens_q)
+        # num_causal_q is derived lazily (CheckedInputs.num_causal_q): backends that read the flags in their
+        # kernel skip the two device ops
+        ncq = None
     else:
         _check_b("num_causal_q", num_causal_q)
-        ncq = num_causal_q
+        ncq = num_causal_q.to(torch.int32)
 
     check_window(window_size, bidirectional_window)
     if scale is None:
@@ -243,10 +254,11 @@ def check_attention_inputs(
             b = int(torch.nonzero(sl < ql)[0])
             raise ValueError(
                 f"seq_lens[{b}] = {int(sl[b])} < query length {int(ql[b])}: seq_lens include the query tokens")
-        n = ncq.to(torch.int64).cpu()
-        if bool(((n < 0) | (n > ql)).any()):
-            b = int(torch.nonzero((n < 0) | (n > ql))[0])
-            raise ValueError(f"num_causal_q[{b}] = {int(n[b])} must be in [0, q_len={int(ql[b])}]")
+        if ncq is not None:  # (causal flags give 0 or q_len: in range by construction)
+            n = ncq.to(torch.int64).cpu()
+            if bool(((n < 0) | (n > ql)).any()):
+                b = int(torch.nonzero((n < 0) | (n > ql))[0])
+                raise ValueError(f"num_causal_q[{b}] = {int(n[b])} must be in [0, q_len={int(ql[b])}]")
         if paged:
             need = (sl + page_size - 1) // page_size
             if bool((need > block_table.shape[1]).any()):
@@ -274,5 +286,6 @@ def check_attention_inputs(
     return CheckedInputs(
         batch_size=batch, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
         head_dim_v=head_dim_v, paged=paged, page_size=page_size,
-        num_causal_q=ncq.to(torch.int32), seq_lens=seq_lens.to(torch.int32), scale=scale,
+        seq_lens=seq_lens.to(torch.int32), scale=scale, causal=causal, _num_causal_q=ncq,
+        _cu_seqlens_q=cu_seqlens_q,
     )

@@ -346,6 +346,26 @@ def test_many_short_sequences_do_not_split_a_full_grid():
     assert ta.LAST_LAUNCH["num_splits"] > 1
 
 
+def test_causal_flags_reach_the_kernel_without_a_conversion_op(monkeypatch):
+    """``causal`` [B] bool is read by the kernel itself (q_len if set, else 0): no num_causal_q conversion op per
+    call; the result equals the reference (which converts) and the num_causal_q form."""
+    from blockdiff.attention import validate
+
+    inp = make_batch(seq_lens=[20, 17, 9, 0], q_lens=[11, 9, 9, 0], causal=[True, False, True, False], H=4, Hkv=2)
+    ncq = validate.causal_row_counts(inp["causal"], inp["cu_seqlens_q"])
+
+    def forbidden(*a, **k):
+        raise AssertionError("the Triton backend converted causal flags to num_causal_q")
+
+    monkeypatch.setattr(validate, "causal_row_counts", forbidden)
+    out = attention(**inp, backend="triton", config=SMALL)
+    monkeypatch.undo()
+    check_close(out, **inp)
+    by_count = dict(inp, num_causal_q=ncq)
+    del by_count["causal"]
+    torch.testing.assert_close(attention(**by_count, backend="triton", config=SMALL), out, rtol=0, atol=0)
+
+
 @triton.jit
 def _tile_search_probe(CU_Q, OUT, num_seqs, BLOCK_Q: tl.constexpr, SEARCH_STEPS: tl.constexpr):
     t = tl.program_id(0)

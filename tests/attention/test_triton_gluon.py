@@ -121,7 +121,7 @@ def test_cached_kv_descriptors_are_reused_and_do_not_keep_the_cache_alive():
 @pytest.mark.parametrize("bm,bn,nw,stages,D,paged,split,window,overlap,extra", [
     # the automatic hd-128 choice: 128-key blocks of two 64-token pages, 2 K + 1 V buffers, split and not
     (64, 128, 4, 2, 128, True, True, False, False, dict(page_size=64, v_stages=1)),
-    (64, 128, 4, 2, 128, True, False, False, False, dict(page_size=64, v_stages=1)),
+    (64, 128, 4, 2, 128, True, False, False, False, dict(page_size=64, v_stages=1, causal_flags=True)),
     (64, 64, 4, 2, 128, True, True, False, True, {}),     # the overlapped consumer, split
     (128, 128, 8, 2, 128, True, True, False, False, {}),  # one consumer partition of two warpgroups, no overlap
     (64, 64, 4, 3, 128, False, False, True, True, {}),    # contiguous, windowed
