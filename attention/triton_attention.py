@@ -100,7 +100,9 @@ bench/results/attention-targets-h200.json; the f557ac4 numbers of the previous G
   the Gluon JIT path with TMA descriptors (Triton encodes a CUtensorMap per launch), not yet reduced.
 * ``canvas_bs1_ctx32k_sliding`` 27 us, Gluon kernel 64x64 without the overlap, 2 splits [27.9 us] (FA4 35 us).
   torch.profiler on the H200: the attention kernel 17.5 us, the merge kernel 3.5 us, and two elementwise kernels
-  (~1 us each) deriving ``num_causal_q`` from ``causal``; the rest is launch gaps. The kernel is latency-bound
+  (~1 us each) deriving ``num_causal_q`` from ``causal``; the rest is launch gaps. Since f8675ae the kernels
+  read the causal flags themselves (no conversion ops): 26.8 us in the sweep harness, against 31.6 us in the
+  previous session's (triton_causal_flags-h200.json, gluon_final-h200.json; no same-run A/B). The kernel is latency-bound
   (128 programs of ~10 key blocks, one program per SM at hd 256): 128-row tiles (half the L2 -> SM traffic),
   3-4 splits and 32-key blocks measured 19.8-26 us; merging the splits in-kernel by the last split of each tile
   (no second launch) measured 35.6 us graph against ~30 (the serial tail merge costs more than the launch;
