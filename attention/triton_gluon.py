@@ -482,8 +482,10 @@ def compile_for_sm90(*, block_m: int, block_n: int, num_warps: int, num_stages: 
                      causal_flags: bool = False) -> dict:
     """Compile the kernel for sm_90a without a GPU (Triton ``GPUTarget``) and run ``ptxas -v`` on the PTX.
 
-    For CPU checks and pre-screening tiles. Must run in a process where ``TRITON_INTERPRET`` is unset (the
-    interpreter replaces the ``@triton.jit`` helpers Gluon calls). Returns ``{"shared": bytes, "ptxas": report,
+    For CPU checks and pre-screening tiles. ``page_size`` (default max(128, block_n)) sets the TMA box rows
+    (:func:`tma_box_rows`), ``v_stages`` the V ring depth (None: ``num_stages``), ``causal_flags`` whether the
+    kernel reads ``[B]`` bool causal flags instead of ``num_causal_q``. Must run in a process where
+    ``TRITON_INTERPRET`` is unset (the interpreter replaces the ``@triton.jit`` helpers Gluon calls). Returns ``{"shared": bytes, "ptxas": report,
     "wgmma": bool, "tma": bool, "setmaxnreg": bool, "setmaxnreg_values": [int]}``.
     """
     import os
