@@ -9,7 +9,8 @@ Design
 ------
 * **One launch, mixed row types.** Grid ``(n_tiles, num_kv_heads * n_dv_blocks, num_splits)`` with
   ``n_tiles = total_q // BLOCK_Q + B`` (host shapes only). Program ``t`` finds its sequence by a 16-ary search
-  (16 candidates per dependent load) over the virtual tile starts ``cu_seqlens_q[b] // BLOCK_Q + b`` (monotone in b; each sequence owns
+  (16 candidates per dependent load) over the virtual tile starts ``cu_seqlens_q[b] // BLOCK_Q + b`` (monotone
+  in b; each sequence owns
   ``>= cdiv(q_len, BLOCK_Q)`` virtual tiles, surplus programs exit at once). No host sync, no cumsum op.
   Tiles are visited in reverse so the long causal tiles at the end of a prefill start first.
   The causal flag is ``num_causal_q[b]`` read on the device (``causal`` is converted by validation), so a
@@ -96,17 +97,18 @@ bench/results/attention-targets-h200.json; the f557ac4 numbers of the previous G
   The Gluon kernel does not take hd 512.
 * ``canvas_bs1_ctx32k_hd128`` 0.135 ms, 513 TFLOP/s, Gluon kernel 64x128, 4 splits [0.144]: 0.33x paged FA4
   (0.408), 0.395x contiguous FA4 (0.342). The sweep harness measured the same kernel at 0.1385-0.1407 ms in
-  three other sessions (gluon_bn128 / gluon_kv_stages / gluon_final-h200.json): the 0.4x margin is ~1-4 %. Eager (no graph) the call costs ~0.42 ms: Python launch overhead of
-  the Gluon JIT path with TMA descriptors (Triton encodes a CUtensorMap per launch), not yet reduced.
+  three other sessions (gluon_bn128 / gluon_kv_stages / gluon_final-h200.json): the 0.4x margin is ~1-4 %.
+  Eager (no graph) the call costs ~0.42 ms: Python launch overhead of the Gluon JIT path with TMA descriptors
+  (Triton encodes a CUtensorMap per launch), not yet reduced.
 * ``canvas_bs1_ctx32k_sliding`` 27 us, Gluon kernel 64x64 without the overlap, 2 splits [27.9 us] (FA4 35 us).
   torch.profiler on the H200: the attention kernel 17.5 us, the merge kernel 3.5 us, and two elementwise kernels
   (~1 us each) deriving ``num_causal_q`` from ``causal``; the rest is launch gaps. Since f8675ae the kernels
   read the causal flags themselves (no conversion ops): 26.8 us in the sweep harness, against 31.6 us in the
-  previous session's (triton_causal_flags-h200.json, gluon_final-h200.json; no same-run A/B). The kernel is latency-bound
-  (128 programs of ~10 key blocks, one program per SM at hd 256): 128-row tiles (half the L2 -> SM traffic),
-  3-4 splits and 32-key blocks measured 19.8-26 us; merging the splits in-kernel by the last split of each tile
-  (no second launch) measured 35.6 us graph against ~30 (the serial tail merge costs more than the launch;
-  gluon_merge-h200.json). The issue's 15 us is not reached.
+  previous session's (triton_causal_flags-h200.json, gluon_final-h200.json; no same-run A/B). The kernel is
+  latency-bound (128 programs of ~10 key blocks, one program per SM at hd 256): 128-row tiles (half the
+  L2 -> SM traffic), 3-4 splits and 32-key blocks measured 19.8-26 us; merging the splits in-kernel by the last
+  split of each tile (no second launch) measured 35.6 us graph against ~30 (the serial tail merge costs more
+  than the launch; gluon_merge-h200.json). The issue's 15 us is not reached.
 * ``prefill16k_hd128`` 2.053 ms, 536 TFLOP/s, Gluon kernel 64x128 [2.219] (FA4 1.876 paged / 1.674 contiguous:
   0.91x / 0.82x of FA4's throughput). The sweep measured the same config at 1.834 ms (600 TFLOP/s,
   gluon_kv_stages-h200.json): run-to-run spread of this shape across device sessions is ~10 %.
@@ -350,6 +352,16 @@ def _causal_rows(NCQ, b, q_len, FLAGS: tl.constexpr):
 
 
 @triton.jit
+def _kv_base(BT, CU_K, b, stride_bt, PAGED: tl.constexpr):
+    """Where sequence ``b``'s keys are: its block-table row (paged; key base 0), or its first row in the
+    contiguous caches (``cu_seqlens_k[b]``). Shared with the Gluon kernel (triton_gluon.py)."""
+    if PAGED:
+        return BT + b.to(tl.int64) * stride_bt, 0
+    else:
+        return BT, tl.load(CU_K + b)
+
+
+@triton.jit
 def _row_key_interval(i, ctx, ncq, seq_len, window, HAS_WINDOW: tl.constexpr, PREFIX: tl.constexpr):
     """Allowed key interval ``[lo, hi]`` of query rows at positions ``i`` of a sequence (masks.key_range): causal
     rows (``i < ncq``) up to themselves, one-sided window; bidirectional rows symmetric or prefix window."""
@@ -449,12 +461,7 @@ def _attn_fwd_kernel(
     else:
         q = tl.load(q_ptrs, mask=row_valid[:, None] & d_mask[None, :], other=0.0)
 
-    if PAGED:
-        bt_row = BT + b.to(tl.int64) * stride_bt
-        k_base = 0
-    else:
-        bt_row = BT
-        k_base = tl.load(CU_K + b)
+    bt_row, k_base = _kv_base(BT, CU_K, b, stride_bt, PAGED)
     k_head = kvh.to(tl.int64) * stride_kh
     v_head = kvh.to(tl.int64) * stride_vh
     offs_n = tl.arange(0, BLOCK_N)
@@ -922,6 +929,7 @@ def attention_triton(
         # split-regime tiles instead (host shapes only; a graph replays the config it was captured with)
         cfg = kern.config(dict(split_cfg, **(config or {})))
     gluon_cfg = (kern.gluon_split if split_regime else kern.gluon_base) if auto_tiles else None
+    checked_gluon = False  # the input's Gluon eligibility already checked (for this BLOCK_N)
     if gluon_cfg is not None:
         # the warp-specialised Gluon kernel where it was measured faster and the input suits TMA (host
         # attributes only); otherwise the portable kernel above. LAST_LAUNCH["impl"] says which ran.
@@ -931,6 +939,7 @@ def attention_triton(
                             scale=info.scale, block_n=gluon_cfg["BLOCK_N"]) is None \
                 and tma_box_rows(info.paged, info.page_size, gluon_cfg["BLOCK_N"]) >= 64:
             cfg = kern.config(dict(gluon_cfg, **(config or {})))
+            checked_gluon = True
     BM, BN = cfg["BLOCK_M"], cfg["BLOCK_N"]
     BQ = BM // gp
     BD = max(16, _next_pow2(D))
@@ -942,8 +951,9 @@ def attention_triton(
     gluon_ctas = 1
     if impl == "gluon":
         from .triton_gluon import gluon_ctas_per_sm, gluon_ineligible
-        why = gluon_ineligible(q, k_cache, v_cache, paged=info.paged, page_size=info.page_size, head_dim_v=DV,
-                               scale=info.scale, block_n=BN)
+        why = None if checked_gluon else gluon_ineligible(q, k_cache, v_cache, paged=info.paged,
+                                                          page_size=info.page_size, head_dim_v=DV,
+                                                          scale=info.scale, block_n=BN)
         if why is not None:
             raise ValueError(f"config['IMPL'] = 'gluon' cannot run this input: {why}")
         gluon_ctas = gluon_ctas_per_sm(BM, BN, cfg["num_warps"], cfg["num_stages"], D, DV, q.element_size(),

@@ -45,7 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .triton_attention import _causal_rows, _key_block_ranges, _row_key_interval, _tile_sequence
+from .triton_attention import _causal_rows, _key_block_ranges, _kv_base, _row_key_interval, _tile_sequence
 
 GLUON_HEAD_DIMS = (64, 128, 256)
 
@@ -62,31 +62,30 @@ def _kv_loader(k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empt
     is smaller than the block), one expect-tx per block and buffer. A box starting at or beyond ``seq_len`` reads
     the sequence's last page again (its block-table column is clamped: the table need only cover
     ``cdiv(seq_len, page_size)`` pages); those keys are masked and their V rows zeroed by the consumer."""
-    NSUB: gl.constexpr = BLOCK_N // BOX_N
     for j in range(a, d_end):
         it = j - a
-        ks = it % STAGES
-        mbarrier.wait(k_empty.index(ks), ((it // STAGES) & 1) ^ 1)
-        mbarrier.expect(k_ready.index(ks), NSUB * k_desc.block_type.nbytes)
-        for u in gl.static_range(NSUB):
-            start = j * BLOCK_N + u * BOX_N
-            if PAGED:
-                row = gl.load(bt_row + gl.minimum(start, seq_len - 1) // PAGE) * PAGE + start % PAGE
-            else:
-                row = k_base + start
-            tma.async_copy_global_to_shared(k_desc, [row, col_k], k_ready.index(ks),
-                                            k_bufs.index(ks).slice(u * BOX_N, BOX_N))
-        vs = it % V_STAGES
-        mbarrier.wait(v_empty.index(vs), ((it // V_STAGES) & 1) ^ 1)
-        mbarrier.expect(v_ready.index(vs), NSUB * v_desc.block_type.nbytes)
-        for u in gl.static_range(NSUB):
-            start = j * BLOCK_N + u * BOX_N
-            if PAGED:
-                row = gl.load(bt_row + gl.minimum(start, seq_len - 1) // PAGE) * PAGE + start % PAGE
-            else:
-                row = k_base + start
-            tma.async_copy_global_to_shared(v_desc, [row, col_v], v_ready.index(vs),
-                                            v_bufs.index(vs).slice(u * BOX_N, BOX_N))
+        _tma_key_block(k_desc, k_bufs, k_ready, k_empty, it, j, col_k, bt_row, k_base, seq_len, STAGES,
+                       BLOCK_N, BOX_N, PAGE, PAGED)
+        _tma_key_block(v_desc, v_bufs, v_ready, v_empty, it, j, col_v, bt_row, k_base, seq_len, V_STAGES,
+                       BLOCK_N, BOX_N, PAGE, PAGED)
+
+
+@gluon.jit
+def _tma_key_block(desc, bufs, ready, empty, it, j, col, bt_row, k_base, seq_len, RING: gl.constexpr,
+                   BLOCK_N: gl.constexpr, BOX_N: gl.constexpr, PAGE: gl.constexpr, PAGED: gl.constexpr):
+    """Key block ``j`` (the ``it``-th of this program) of one cache into slot ``it % RING`` of its ring: wait for
+    the slot, one expect-tx, one TMA box per ``BOX_N`` rows."""
+    NSUB: gl.constexpr = BLOCK_N // BOX_N
+    slot = it % RING
+    mbarrier.wait(empty.index(slot), ((it // RING) & 1) ^ 1)
+    mbarrier.expect(ready.index(slot), NSUB * desc.block_type.nbytes)
+    for u in gl.static_range(NSUB):
+        start = j * BLOCK_N + u * BOX_N
+        if PAGED:
+            row = gl.load(bt_row + gl.minimum(start, seq_len - 1) // PAGE) * PAGE + start % PAGE
+        else:
+            row = k_base + start
+        tma.async_copy_global_to_shared(desc, [row, col], ready.index(slot), bufs.index(slot).slice(u * BOX_N, BOX_N))
 
 
 @gluon.jit
@@ -324,12 +323,7 @@ def _attn_fwd_gluon(
         mbarrier.init(v_ready.index(st), count=1)
         mbarrier.init(v_empty.index(st), count=1)
 
-    if PAGED:
-        bt_row = BT + b.to(gl.int64) * stride_bt
-        k_base = 0
-    else:
-        bt_row = BT
-        k_base = gl.load(CU_K + b)
+    bt_row, k_base = _kv_base(BT, CU_K, b, stride_bt, PAGED)
 
     gl.warp_specialize([
         (_consumer, (q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
@@ -356,7 +350,8 @@ def gluon_ineligible(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if q.device.type != "cuda":
         return f"q is on {q.device}, the Gluon kernel needs a CUDA device"
     if torch.cuda.get_device_capability(q.device)[0] != 9:
-        return f"the Gluon kernel is written for sm_90 (Hopper); this device is sm_{''.join(map(str, torch.cuda.get_device_capability(q.device)))}"
+        cc = "".join(map(str, torch.cuda.get_device_capability(q.device)))
+        return f"the Gluon kernel is written for sm_90 (Hopper); this device is sm_{cc}"
     if q.dtype not in (torch.bfloat16, torch.float16):
         return f"the Gluon kernel takes bf16/fp16, got {q.dtype}"
     D = q.shape[-1]
@@ -485,7 +480,8 @@ def compile_for_sm90(*, block_m: int, block_n: int, num_warps: int, num_stages: 
     For CPU checks and pre-screening tiles. ``page_size`` (default max(128, block_n)) sets the TMA box rows
     (:func:`tma_box_rows`), ``v_stages`` the V ring depth (None: ``num_stages``), ``causal_flags`` whether the
     kernel reads ``[B]`` bool causal flags instead of ``num_causal_q``. Must run in a process where
-    ``TRITON_INTERPRET`` is unset (the interpreter replaces the ``@triton.jit`` helpers Gluon calls). Returns ``{"shared": bytes, "ptxas": report,
+    ``TRITON_INTERPRET`` is unset (the interpreter replaces the ``@triton.jit`` helpers Gluon calls). Returns
+    ``{"shared": bytes, "ptxas": report,
     "wgmma": bool, "tma": bool, "setmaxnreg": bool, "setmaxnreg_values": [int]}``.
     """
     import os
@@ -512,7 +508,8 @@ def compile_for_sm90(*, block_m: int, block_n: int, num_warps: int, num_stages: 
                 BT=i32, CU_K=i32, stride_qt=H * D, stride_qh=D, stride_ot=H * D, stride_oh=D, stride_bt=7,
                 qk_scale=0.1, num_heads=H)
     consts = dict(G=group, GP=gp, D=D, DV=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_Q=block_m // gp, BOX_N=box,
-                  PAGE=page if paged else 1, PAGED=paged, HAS_WINDOW=window, PREFIX=False, NCQ_FLAGS=causal_flags, SPLIT=split,
+                  PAGE=page if paged else 1, PAGED=paged, HAS_WINDOW=window, PREFIX=False, NCQ_FLAGS=causal_flags,
+                  SPLIT=split,
                   STORE_LSE=True, SEARCH_STEPS=1, STAGES=num_stages, V_STAGES=v_stages or num_stages,
                   LOADER_REGS=LOADER_REGS, OVERLAP=overlap, num_warps=num_warps)
     ints = {"total_q", "num_seqs", "n_tiles", "window", "num_splits"}
@@ -534,8 +531,10 @@ def compile_for_sm90(*, block_m: int, block_n: int, num_warps: int, num_stages: 
         raise RuntimeError(f"ptxas failed: {r.stderr[-2000:]}")
     return {"shared": ck.metadata.shared, "ptxas": r.stderr, "wgmma": "wgmma.mma_async" in ptx,
             "tma": "cp.async.bulk.tensor" in ptx, "setmaxnreg": "setmaxnreg" in ptx,
-            "setmaxnreg_values": sorted({int(v) for v in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)})}
+            "setmaxnreg_values": sorted({int(v) for v in
+                                         re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)})}
 
 
-__all__ = ["GLUON_HEAD_DIMS", "compile_for_sm90", "LOADER_REGS", "check_gluon_config", "gluon_ctas_per_sm", "gluon_ineligible",
+__all__ = ["GLUON_HEAD_DIMS", "compile_for_sm90", "LOADER_REGS", "check_gluon_config", "gluon_ctas_per_sm",
+           "gluon_ineligible",
            "gluon_max_regs", "layout_ineligible", "make_kv_descriptors", "tma_box_rows"]

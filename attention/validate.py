@@ -124,8 +124,8 @@ def check_attention_inputs(
 
     Returns:
         CheckedInputs with the per-sequence causal row counts ``num_causal_q`` [B] int32 (derived from
-        ``causal`` on first use when given; ``causal`` itself is kept for kernels that read the flags) and ``seq_lens`` [B] int32 (derived from ``cu_seqlens_k`` in the
-        contiguous form when not given).
+        ``causal`` on first use when given; ``causal`` itself is kept for kernels that read the flags) and
+        ``seq_lens`` [B] int32 (derived from ``cu_seqlens_k`` in the contiguous form when not given).
 
     Raises:
         TypeError: a wrong Python or tensor type / dtype.
