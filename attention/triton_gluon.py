@@ -47,7 +47,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .triton_attention import _causal_rows, _key_block_ranges, _kv_base, _row_key_interval, _tile_sequence
 
-GLUON_HEAD_DIMS = (64, 128, 256)
+GLUON_HEAD_DIMS = (64, 128, 256, 512)
 
 
 @gluon.jit
@@ -280,10 +280,13 @@ def _attn_fwd_gluon(
     SPLIT: gl.constexpr, STORE_LSE: gl.constexpr, SEARCH_STEPS: gl.constexpr, STAGES: gl.constexpr,
     V_STAGES: gl.constexpr, LOADER_REGS: gl.constexpr, OVERLAP: gl.constexpr, num_warps: gl.constexpr,
 ):
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, DV, 16])
+    # hd 512: the two consumer warpgroups split the columns (S: key halves, O: V halves; wgmma N <= 256), rows
+    # are shared (BLOCK_M = 64); the row max / sum and P's operand layout cross warpgroups through shared memory
+    WN: gl.constexpr = 2 if DV > 256 else 1
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps // WN, WN],
+                                                       instr_shape=[16, BLOCK_N // WN, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps // WN, WN],
+                                                       instr_shape=[16, DV // WN, 16])
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
 
@@ -446,6 +449,9 @@ def check_gluon_config(cfg: dict, head_dim: int, head_dim_v: int) -> None:
     if vst is not None and (isinstance(vst, bool) or not isinstance(vst, int) or not 1 <= vst <= 4):
         raise ValueError(f"config['V_STAGES'] (V ring depth; None: num_stages) must be an int in [1, 4] or None "
                          f"with IMPL='gluon', got {vst!r}")
+    if head_dim_v > 256 and (nw != 8 or bm != 64):
+        raise ValueError(f"head_dim_v {head_dim_v} with IMPL='gluon' needs num_warps=8 and BLOCK_M=64 (two "
+                         f"warpgroups splitting the V columns), got {nw} / {bm}")
     if cfg["BLOCK_DV"] < head_dim_v:
         raise ValueError("config['BLOCK_DV'] cannot split the V head dim with IMPL='gluon' (one program holds it all)")
 
