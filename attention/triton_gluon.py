@@ -439,7 +439,11 @@ def check_gluon_config(cfg: dict, head_dim: int, head_dim_v: int) -> None:
     nw, bm, bn, st = cfg["num_warps"], cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_stages"]
     if nw not in (4, 8):
         raise ValueError(f"config['num_warps'] must be 4 or 8 (consumer warpgroups) with IMPL='gluon', got {nw!r}")
-    if bm not in (64, 128) or bm < 16 * nw:
+    if head_dim_v > 256:
+        if nw != 8 or bm != 64:
+            raise ValueError(f"head_dim_v {head_dim_v} with IMPL='gluon' needs num_warps=8 and BLOCK_M=64 (two "
+                             f"warpgroups splitting the V columns), got num_warps={nw!r}, BLOCK_M={bm!r}")
+    elif bm not in (64, 128) or bm < 16 * nw:
         raise ValueError(f"config['BLOCK_M'] must be 64 or 128 and >= 16 * num_warps with IMPL='gluon', got {bm!r}")
     if bn not in (32, 64, 128):
         raise ValueError(f"config['BLOCK_N'] must be 32, 64 or 128 with IMPL='gluon', got {bn!r}")
@@ -449,9 +453,6 @@ def check_gluon_config(cfg: dict, head_dim: int, head_dim_v: int) -> None:
     if vst is not None and (isinstance(vst, bool) or not isinstance(vst, int) or not 1 <= vst <= 4):
         raise ValueError(f"config['V_STAGES'] (V ring depth; None: num_stages) must be an int in [1, 4] or None "
                          f"with IMPL='gluon', got {vst!r}")
-    if head_dim_v > 256 and (nw != 8 or bm != 64):
-        raise ValueError(f"head_dim_v {head_dim_v} with IMPL='gluon' needs num_warps=8 and BLOCK_M=64 (two "
-                         f"warpgroups splitting the V columns), got {nw} / {bm}")
     if cfg["BLOCK_DV"] < head_dim_v:
         raise ValueError("config['BLOCK_DV'] cannot split the V head dim with IMPL='gluon' (one program holds it all)")
 
