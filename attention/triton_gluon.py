@@ -54,7 +54,7 @@ GLUON_HEAD_DIMS = (64, 128, 256, 512)
 def _kv_loader(k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
                bt_row, k_base, a, d_end, col_k, col_v, seq_len,
                BLOCK_N: gl.constexpr, BOX_N: gl.constexpr, PAGE: gl.constexpr, PAGED: gl.constexpr,
-               STAGES: gl.constexpr, V_STAGES: gl.constexpr):
+               STAGES: gl.constexpr, V_STAGES: gl.constexpr, K_CHUNKS: gl.constexpr):
     """Producer warp: TMA K and V blocks ``[a, d_end)`` into their rings (``STAGES`` K and ``V_STAGES`` V
     buffers; waits for a slot to be released).
 
@@ -65,27 +65,36 @@ def _kv_loader(k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empt
     for j in range(a, d_end):
         it = j - a
         _tma_key_block(k_desc, k_bufs, k_ready, k_empty, it, j, col_k, bt_row, k_base, seq_len, STAGES,
-                       BLOCK_N, BOX_N, PAGE, PAGED)
+                       BLOCK_N, BOX_N, PAGE, PAGED, K_CHUNKS)
         _tma_key_block(v_desc, v_bufs, v_ready, v_empty, it, j, col_v, bt_row, k_base, seq_len, V_STAGES,
-                       BLOCK_N, BOX_N, PAGE, PAGED)
+                       BLOCK_N, BOX_N, PAGE, PAGED, 1)
 
 
 @gluon.jit
 def _tma_key_block(desc, bufs, ready, empty, it, j, col, bt_row, k_base, seq_len, RING: gl.constexpr,
-                   BLOCK_N: gl.constexpr, BOX_N: gl.constexpr, PAGE: gl.constexpr, PAGED: gl.constexpr):
-    """Key block ``j`` (the ``it``-th of this program) of one cache into slot ``it % RING`` of its ring: wait for
-    the slot, one expect-tx, one TMA box per ``BOX_N`` rows."""
+                   BLOCK_N: gl.constexpr, BOX_N: gl.constexpr, PAGE: gl.constexpr, PAGED: gl.constexpr,
+                   CHUNKS: gl.constexpr):
+    """Key block ``j`` (the ``it``-th of this program) of one cache into slot ``it % RING`` of its ring, in
+    ``CHUNKS`` head-dim chunks of ``desc``'s box width, each with its own empty / ready barrier pair (index
+    ``slot * CHUNKS + c``): wait for the chunk's space, one expect-tx, one TMA box per ``BOX_N`` rows."""
     NSUB: gl.constexpr = BLOCK_N // BOX_N
+    DC: gl.constexpr = desc.block_type.shape[1]
     slot = it % RING
-    mbarrier.wait(empty.index(slot), ((it // RING) & 1) ^ 1)
-    mbarrier.expect(ready.index(slot), NSUB * desc.block_type.nbytes)
-    for u in gl.static_range(NSUB):
-        start = j * BLOCK_N + u * BOX_N
-        if PAGED:
-            row = gl.load(bt_row + gl.minimum(start, seq_len - 1) // PAGE) * PAGE + start % PAGE
-        else:
-            row = k_base + start
-        tma.async_copy_global_to_shared(desc, [row, col], ready.index(slot), bufs.index(slot).slice(u * BOX_N, BOX_N))
+    for c in gl.static_range(CHUNKS):
+        bar = slot * CHUNKS + c
+        mbarrier.wait(empty.index(bar), ((it // RING) & 1) ^ 1)
+        mbarrier.expect(ready.index(bar), NSUB * desc.block_type.nbytes)
+        for u in gl.static_range(NSUB):
+            start = j * BLOCK_N + u * BOX_N
+            if PAGED:
+                row = gl.load(bt_row + gl.minimum(start, seq_len - 1) // PAGE) * PAGE + start % PAGE
+            else:
+                row = k_base + start
+            dst = bufs.index(slot)
+            if CHUNKS > 1:
+                dst = dst.slice(c * DC, DC, dim=1)
+            tma.async_copy_global_to_shared(desc, [row, col + c * DC], ready.index(bar),
+                                            dst.slice(u * BOX_N, BOX_N))
 
 
 @gluon.jit
@@ -118,8 +127,13 @@ def _zero_stale_v(v_buf, j, seq_len, offs_vn, v_blk: gl.constexpr, BLOCK_N: gl.c
 def _softmax_consumer(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
                       lo, hi, a, b_mid, c_mid, d_end, seq_len, qk_scale,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr,
-                      V_STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, v_blk: gl.constexpr):
-    """Consumer warpgroups: the online softmax over key blocks ``[a, d_end)`` (boundary blocks masked)."""
+                      V_STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, v_blk: gl.constexpr,
+                      K_CHUNKS: gl.constexpr):
+    """Consumer warpgroups: the online softmax over key blocks ``[a, d_end)`` (boundary blocks masked).
+
+    With ``K_CHUNKS`` > 1, QK^T runs as one wgmma group per head-dim chunk of the K block, each issued when its
+    chunk has landed; a chunk's space goes back to the loader as soon as its group retires (one group stays in
+    flight), so the next block's K streams in while this block's QK^T runs (hd 512 fits one K buffer only)."""
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -133,10 +147,14 @@ def _softmax_consumer(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty
         it = j - a
         ks = it % STAGES
         vs = it % V_STAGES
-        mbarrier.wait(k_ready.index(ks), (it // STAGES) & 1)
-        qk = warpgroup_mma(q_smem, k_bufs.index(ks).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
-        mbarrier.arrive(k_empty.index(ks), count=1)
+        if K_CHUNKS == 1:
+            mbarrier.wait(k_ready.index(ks), (it // STAGES) & 1)
+            qk = warpgroup_mma(q_smem, k_bufs.index(ks).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
+            mbarrier.arrive(k_empty.index(ks), count=1)
+        else:
+            qk = _qk_chunked(q_smem, k_bufs.index(ks), k_ready, k_empty, ks, (it // STAGES) & 1, s_zero,
+                             K_CHUNKS)
         p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, j, lo, hi, qk_scale, (j < b_mid) | (j >= c_mid),
                                            offs_n, BLOCK_N)
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
@@ -148,6 +166,25 @@ def _softmax_consumer(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(v_empty.index(vs), count=1)
     return acc, l_i, m_i
+
+
+@gluon.jit
+def _qk_chunked(q_smem, k_buf, k_ready, k_empty, ks, phase, s_zero, K_CHUNKS: gl.constexpr):
+    """QK^T of one K buffer in ``K_CHUNKS`` head-dim chunks (barrier pair ``ks * K_CHUNKS + c``): chunk c's wgmma
+    group is issued once the chunk has landed; after each issue the previous group is retired and its chunk
+    released, so one group is always queued on the tensor cores."""
+    DC: gl.constexpr = q_smem.shape[1] // K_CHUNKS
+    qk = s_zero
+    for c in gl.static_range(K_CHUNKS):
+        mbarrier.wait(k_ready.index(ks * K_CHUNKS + c), phase)
+        qk = warpgroup_mma(q_smem.slice(c * DC, DC, dim=1), k_buf.slice(c * DC, DC, dim=1).permute((1, 0)), qk,
+                           use_acc=c > 0, is_async=True)
+        if c > 0:
+            qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))
+            mbarrier.arrive(k_empty.index(ks * K_CHUNKS + c - 1), count=1)
+    qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
+    mbarrier.arrive(k_empty.index(ks * K_CHUNKS + K_CHUNKS - 1), count=1)
+    return qk
 
 
 @gluon.jit
@@ -248,7 +285,7 @@ def _consumer(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, lo, hi
               BLOCK_Q: gl.constexpr, SPLIT: gl.constexpr,
               STORE_LSE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr,
               STAGES: gl.constexpr, V_STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
-              v_blk: gl.constexpr, OVERLAP: gl.constexpr):
+              v_blk: gl.constexpr, OVERLAP: gl.constexpr, K_CHUNKS: gl.constexpr):
     """The default partition: the overlapped or the sequential consumer (``OVERLAP``), then the epilogue.
 
     The Q load and the epilogue run here, under the consumer's raised register budget (setmaxnreg), not in the
@@ -262,7 +299,7 @@ def _consumer(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, lo, hi
     else:
         acc, l_i, m_i = _softmax_consumer(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, lo, hi, a,
                                           b_mid, c_mid, d_end, seq_len, qk_scale, BLOCK_M, BLOCK_N, DV, STAGES,
-                                          V_STAGES, s_layout, o_layout, v_blk)
+                                          V_STAGES, s_layout, o_layout, v_blk, K_CHUNKS)
     _epilogue(acc, l_i, m_i, O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads,
               stride_ot, stride_oh, G, GP, DV, BLOCK_M, BLOCK_Q, SPLIT, STORE_LSE, o_layout)
 
@@ -278,7 +315,8 @@ def _attn_fwd_gluon(
     BOX_N: gl.constexpr, PAGE: gl.constexpr, PAGED: gl.constexpr, HAS_WINDOW: gl.constexpr, PREFIX: gl.constexpr,
     NCQ_FLAGS: gl.constexpr,
     SPLIT: gl.constexpr, STORE_LSE: gl.constexpr, SEARCH_STEPS: gl.constexpr, STAGES: gl.constexpr,
-    V_STAGES: gl.constexpr, LOADER_REGS: gl.constexpr, OVERLAP: gl.constexpr, num_warps: gl.constexpr,
+    V_STAGES: gl.constexpr, LOADER_REGS: gl.constexpr, OVERLAP: gl.constexpr, K_CHUNKS: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     # hd 512: the two consumer warpgroups split the columns (S: key halves, O: V halves; wgmma N <= 256), rows
     # are shared (BLOCK_M = 64); the row max / sum and P's operand layout cross warpgroups through shared memory
@@ -315,11 +353,11 @@ def _attn_fwd_gluon(
 
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, D], k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [V_STAGES, BLOCK_N, DV], v_desc.layout)
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES * K_CHUNKS, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES * K_CHUNKS, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
-    for st in gl.static_range(STAGES):
+    for st in gl.static_range(STAGES * K_CHUNKS):
         mbarrier.init(k_ready.index(st), count=1)
         mbarrier.init(k_empty.index(st), count=1)
     for st in gl.static_range(V_STAGES):
@@ -333,10 +371,10 @@ def _attn_fwd_gluon(
                      lo, hi, a, b_mid, c_mid, d_end, seq_len, qk_scale,
                      Q, O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads,
                      stride_qt, stride_qh, stride_ot, stride_oh, G, GP, D, BLOCK_Q, SPLIT, STORE_LSE,
-                     BLOCK_M, BLOCK_N, DV, STAGES, V_STAGES, s_layout, o_layout, blk, OVERLAP)),
+                     BLOCK_M, BLOCK_N, DV, STAGES, V_STAGES, s_layout, o_layout, blk, OVERLAP, K_CHUNKS)),
         (_kv_loader, (k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
                       bt_row, k_base, a, d_end, kvh * D, kvh * DV, seq_len, BLOCK_N, BOX_N, PAGE, PAGED, STAGES,
-                      V_STAGES)),
+                      V_STAGES, K_CHUNKS)),
     ], [1], [LOADER_REGS])
 
 
@@ -405,8 +443,9 @@ _DESCRIPTORS: dict = {}
 _MAX_DESCRIPTORS = 64
 
 
-def make_kv_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, box_rows: int):
+def make_kv_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, box_rows: int, k_chunks: int = 1):
     """2-D TMA descriptors ``[rows, num_kv_heads * head_dim]`` over the K and V caches, box ``[box_rows, head_dim]``
+    (K: ``[box_rows, head_dim // k_chunks]``, the head-dim chunks of ``K_CHUNKS``)
     (:func:`tma_box_rows`).
 
     Cached by (address, shape, strides, dtype, device, box_rows): a serving loop reuses the same caches every step.
@@ -416,15 +455,17 @@ def make_kv_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, box_rows: 
     Not an interleaved A/B: most of the Gluon path's extra host time is in Triton's launcher, which encodes a
     CUtensorMap for every launch.
     """
-    key = tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device) for t in (k_cache, v_cache)) + (box_rows,)
+    key = tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device) for t in (k_cache, v_cache)) + (
+        box_rows, k_chunks)
     descs = _DESCRIPTORS.get(key)
     if descs is None:
         descs = []
-        for t in (k_cache, v_cache):
+        for t, chunks in ((k_cache, k_chunks), (v_cache, 1)):
             hkv, d = t.shape[-2], t.shape[-1]
             rows = t.shape[0] * t.shape[1] if t.dim() == 4 else t.shape[0]
-            layout = gl.NVMMASharedLayout.get_default_for([box_rows, d], _gl_dtype(t.dtype))
-            descs.append(TensorDescriptor(_CacheAddress(t), [rows, hkv * d], [t.stride(-3), 1], [box_rows, d], layout))
+            box = [box_rows, d // chunks]
+            layout = gl.NVMMASharedLayout.get_default_for(box, _gl_dtype(t.dtype))
+            descs.append(TensorDescriptor(_CacheAddress(t), [rows, hkv * d], [t.stride(-3), 1], box, layout))
         if len(_DESCRIPTORS) >= _MAX_DESCRIPTORS:
             _DESCRIPTORS.clear()
         descs = _DESCRIPTORS[key] = tuple(descs)
@@ -453,6 +494,13 @@ def check_gluon_config(cfg: dict, head_dim: int, head_dim_v: int) -> None:
     if vst is not None and (isinstance(vst, bool) or not isinstance(vst, int) or not 1 <= vst <= 4):
         raise ValueError(f"config['V_STAGES'] (V ring depth; None: num_stages) must be an int in [1, 4] or None "
                          f"with IMPL='gluon', got {vst!r}")
+    kch = cfg.get("K_CHUNKS", 1)
+    if isinstance(kch, bool) or not isinstance(kch, int) or kch not in (1, 2, 4, 8) or head_dim % kch \
+            or head_dim // kch < 64:
+        raise ValueError(f"config['K_CHUNKS'] (K blocks in head-dim chunks) must be 1, 2, 4 or 8 with chunks of >= 64 "
+                         f"columns of head_dim {head_dim} with IMPL='gluon', got {kch!r}")
+    if kch > 1 and cfg.get("OVERLAP"):
+        raise ValueError("config['K_CHUNKS'] > 1 needs OVERLAP=False (the overlapped consumer takes whole K blocks)")
     if cfg["BLOCK_DV"] < head_dim_v:
         raise ValueError("config['BLOCK_DV'] cannot split the V head dim with IMPL='gluon' (one program holds it all)")
 
@@ -481,12 +529,12 @@ def gluon_max_regs(num_warps: int, ctas_per_sm: int) -> int | None:
 def compile_for_sm90(*, block_m: int, block_n: int, num_warps: int, num_stages: int, head_dim: int, paged: bool,
                      split: bool, window: bool, group: int = 2, num_kv_heads: int = 8,
                      overlap: bool = True, page_size: int | None = None, v_stages: int | None = None,
-                     causal_flags: bool = False) -> dict:
+                     causal_flags: bool = False, k_chunks: int = 1) -> dict:
     """Compile the kernel for sm_90a without a GPU (Triton ``GPUTarget``) and run ``ptxas -v`` on the PTX.
 
     For CPU checks and pre-screening tiles. ``page_size`` (default max(128, block_n)) sets the TMA box rows
     (:func:`tma_box_rows`), ``v_stages`` the V ring depth (None: ``num_stages``), ``causal_flags`` whether the
-    kernel reads ``[B]`` bool causal flags instead of ``num_causal_q``. Must run in a process where
+    kernel reads ``[B]`` bool causal flags instead of ``num_causal_q``, ``k_chunks`` the K head-dim chunks. Must run in a process where
     ``TRITON_INTERPRET`` is unset (the interpreter replaces the ``@triton.jit`` helpers Gluon calls). Returns
     ``{"shared": bytes, "ptxas": report,
     "wgmma": bool, "tma": bool, "setmaxnreg": bool, "setmaxnreg_values": [int]}``.
@@ -507,7 +555,7 @@ def compile_for_sm90(*, block_m: int, block_n: int, num_warps: int, num_stages: 
     kc = torch.empty(8, page, num_kv_heads, D, dtype=torch.bfloat16) if paged else \
         torch.empty(1024, num_kv_heads, D, dtype=torch.bfloat16)
     box = tma_box_rows(paged, page, block_n)
-    kd, vd = make_kv_descriptors(kc, kc, box)
+    kd, vd = make_kv_descriptors(kc, kc, box, k_chunks)
     i32, f32 = torch.empty(4, dtype=torch.int32), torch.empty(4, dtype=torch.float32)
     fn = _attn_fwd_gluon
     args = dict(Q=q, k_desc=kd, v_desc=vd, O=q, LSE=f32, OPART=f32, LSEPART=f32, CU_Q=i32, SEQ_LENS=i32,
@@ -518,7 +566,7 @@ def compile_for_sm90(*, block_m: int, block_n: int, num_warps: int, num_stages: 
                   PAGE=page if paged else 1, PAGED=paged, HAS_WINDOW=window, PREFIX=False, NCQ_FLAGS=causal_flags,
                   SPLIT=split,
                   STORE_LSE=True, SEARCH_STEPS=1, STAGES=num_stages, V_STAGES=v_stages or num_stages,
-                  LOADER_REGS=LOADER_REGS, OVERLAP=overlap, num_warps=num_warps)
+                  LOADER_REGS=LOADER_REGS, OVERLAP=overlap, K_CHUNKS=k_chunks, num_warps=num_warps)
     ints = {"total_q", "num_seqs", "n_tiles", "window", "num_splits"}
     sig = {n: "constexpr" if n in consts else "i32" if n in ints else mangle_type(args[n]) for n in fn.arg_names}
     src = GluonASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
