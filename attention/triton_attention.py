@@ -547,7 +547,7 @@ def _merge_kernel(OPART, LSEPART, O, LSE, total_q, num_heads, n_rows, stride_ot,
 
 # ------------------------------------------------------------------------------------------------ host side
 _CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "num_splits", "BLOCK_DV", "LAZY_RESCALE",
-                "BT_PREFETCH", "IMPL", "OVERLAP", "V_STAGES", "K_CHUNKS")
+                "BT_PREFETCH", "IMPL", "OVERLAP", "V_STAGES")
 _DEVICE_SMS: dict = {}
 _MAX_SPLITS = 65535  # num_splits is grid dimension z (CUDA: at most 65535)
 
@@ -722,13 +722,12 @@ class TritonAttention:
         # dim <= 128; the 64x128 consumer spills ~1.3 KB with it); the V ring depth (None: num_stages)
         cfg.setdefault("OVERLAP", cfg["BLOCK_N"] <= 64 and self.key.head_dim_v <= 128)
         cfg.setdefault("V_STAGES", None)
-        cfg.setdefault("K_CHUNKS", 1)
         if cfg["IMPL"] not in ("triton", "gluon"):
             raise ValueError(f"config['IMPL'] must be 'triton' (the portable kernel) or 'gluon' (the warp-specialised "
                              f"Hopper kernel), got {cfg['IMPL']!r}")
-        if (override or {}).get("IMPL") == "triton" and {"OVERLAP", "V_STAGES", "K_CHUNKS"} & set(override):
-            raise ValueError("config keys OVERLAP, V_STAGES and K_CHUNKS apply to the Gluon kernel; IMPL='triton' "
-                             "(the portable kernel) pipelines K and V with num_stages")
+        if (override or {}).get("IMPL") == "triton" and {"OVERLAP", "V_STAGES"} & set(override):
+            raise ValueError("config keys OVERLAP and V_STAGES apply to the Gluon kernel; IMPL='triton' (the portable "
+                             "kernel) pipelines K and V with num_stages")
         if cfg["IMPL"] == "gluon":
             from .triton_gluon import check_gluon_config
             check_gluon_config(cfg, self.key.head_dim, self.key.head_dim_v)
@@ -1006,21 +1005,23 @@ def attention_triton(
     if impl == "gluon":
         from . import triton_gluon as _tg
         box_n = _tg.tma_box_rows(info.paged, info.page_size, BN)
-        k_desc, v_desc = _tg.make_kv_descriptors(k_cache, v_cache, box_n, cfg["K_CHUNKS"])
-        handle = _tg._attn_fwd_gluon[grid](
-            q, k_desc, v_desc, dst, lse_arg, opart, lsepart,
-            cu_q, sl, ncq, bt, cu_k,
-            q.stride(0), q.stride(1), dst.stride(0), dst.stride(1), stride_bt,
-            total_q, H, B, n_tiles, W, qk_scale, ns,
-            G=group, GP=gp, D=D, DV=DV, BLOCK_M=BM, BLOCK_N=BN, BLOCK_Q=BQ, BOX_N=box_n, PAGE=page,
-            PAGED=info.paged, HAS_WINDOW=has_window, PREFIX=prefix, NCQ_FLAGS=ncq_flags, SPLIT=ns > 1,
-            STORE_LSE=return_lse,
-            SEARCH_STEPS=search_steps, STAGES=cfg["num_stages"],
-            V_STAGES=cfg["V_STAGES"] or cfg["num_stages"], LOADER_REGS=_tg.LOADER_REGS, OVERLAP=bool(cfg["OVERLAP"]),
-            K_CHUNKS=cfg["K_CHUNKS"],
-            num_warps=cfg["num_warps"],
-            maxnreg=_tg.gluon_max_regs(cfg["num_warps"], gluon_ctas),
-        )
+        wide = DV > 256  # two consumer warpgroups splitting the head dim (triton_gluon._attn_fwd_gluon_wide)
+        k_desc, v_desc = _tg.make_kv_descriptors(k_cache, v_cache, box_n, 2 if wide else 1, 2 if wide else 1)
+        args = (q, k_desc, v_desc, dst, lse_arg, opart, lsepart,
+                cu_q, sl, ncq, bt, cu_k,
+                q.stride(0), q.stride(1), dst.stride(0), dst.stride(1), stride_bt,
+                total_q, H, B, n_tiles, W, qk_scale, ns)
+        consts = dict(G=group, GP=gp, D=D, DV=DV, BLOCK_M=BM, BLOCK_N=BN, BLOCK_Q=BQ, BOX_N=box_n, PAGE=page,
+                      PAGED=info.paged, HAS_WINDOW=has_window, PREFIX=prefix, NCQ_FLAGS=ncq_flags, SPLIT=ns > 1,
+                      STORE_LSE=return_lse, SEARCH_STEPS=search_steps, STAGES=cfg["num_stages"],
+                      V_STAGES=cfg["V_STAGES"] or cfg["num_stages"], LOADER_REGS=_tg.LOADER_REGS,
+                      maxnreg=_tg.gluon_max_regs(cfg["num_warps"], gluon_ctas))
+        if wide:
+            handle = _tg._attn_fwd_gluon_wide[grid](*args, **consts, CONSUMER_REGS=_tg.WIDE_CONSUMER_REGS,
+                                                     num_warps=4)
+        else:
+            handle = _tg._attn_fwd_gluon[grid](*args, **consts, OVERLAP=bool(cfg["OVERLAP"]),
+                                               num_warps=cfg["num_warps"])
     else:
         handle = _attn_fwd_kernel[grid](
             q, k_cache, v_cache, dst, lse_arg, opart, lsepart,

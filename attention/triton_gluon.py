@@ -54,7 +54,7 @@ GLUON_HEAD_DIMS = (64, 128, 256, 512)
 def _kv_loader(k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
                bt_row, k_base, a, d_end, col_k, col_v, seq_len,
                BLOCK_N: gl.constexpr, BOX_N: gl.constexpr, PAGE: gl.constexpr, PAGED: gl.constexpr,
-               STAGES: gl.constexpr, V_STAGES: gl.constexpr, K_CHUNKS: gl.constexpr):
+               STAGES: gl.constexpr, V_STAGES: gl.constexpr, K_CHUNKS: gl.constexpr, V_CHUNKS: gl.constexpr):
     """Producer warp: TMA K and V blocks ``[a, d_end)`` into their rings (``STAGES`` K and ``V_STAGES`` V
     buffers; waits for a slot to be released).
 
@@ -67,7 +67,7 @@ def _kv_loader(k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empt
         _tma_key_block(k_desc, k_bufs, k_ready, k_empty, it, j, col_k, bt_row, k_base, seq_len, STAGES,
                        BLOCK_N, BOX_N, PAGE, PAGED, K_CHUNKS)
         _tma_key_block(v_desc, v_bufs, v_ready, v_empty, it, j, col_v, bt_row, k_base, seq_len, V_STAGES,
-                       BLOCK_N, BOX_N, PAGE, PAGED, 1)
+                       BLOCK_N, BOX_N, PAGE, PAGED, V_CHUNKS)
 
 
 @gluon.jit
@@ -127,13 +127,8 @@ def _zero_stale_v(v_buf, j, seq_len, offs_vn, v_blk: gl.constexpr, BLOCK_N: gl.c
 def _softmax_consumer(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
                       lo, hi, a, b_mid, c_mid, d_end, seq_len, qk_scale,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr,
-                      V_STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, v_blk: gl.constexpr,
-                      K_CHUNKS: gl.constexpr):
-    """Consumer warpgroups: the online softmax over key blocks ``[a, d_end)`` (boundary blocks masked).
-
-    With ``K_CHUNKS`` > 1, QK^T runs as one wgmma group per head-dim chunk of the K block, each issued when its
-    chunk has landed; a chunk's space goes back to the loader as soon as its group retires (one group stays in
-    flight), so the next block's K streams in while this block's QK^T runs (hd 512 fits one K buffer only)."""
+                      V_STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, v_blk: gl.constexpr):
+    """Consumer warpgroups: the online softmax over key blocks ``[a, d_end)`` (boundary blocks masked)."""
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -147,14 +142,10 @@ def _softmax_consumer(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty
         it = j - a
         ks = it % STAGES
         vs = it % V_STAGES
-        if K_CHUNKS == 1:
-            mbarrier.wait(k_ready.index(ks), (it // STAGES) & 1)
-            qk = warpgroup_mma(q_smem, k_bufs.index(ks).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
-            mbarrier.arrive(k_empty.index(ks), count=1)
-        else:
-            qk = _qk_chunked(q_smem, k_bufs.index(ks), k_ready, k_empty, ks, (it // STAGES) & 1, s_zero,
-                             K_CHUNKS)
+        mbarrier.wait(k_ready.index(ks), (it // STAGES) & 1)
+        qk = warpgroup_mma(q_smem, k_bufs.index(ks).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
+        mbarrier.arrive(k_empty.index(ks), count=1)
         p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, j, lo, hi, qk_scale, (j < b_mid) | (j >= c_mid),
                                            offs_n, BLOCK_N)
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
@@ -166,25 +157,6 @@ def _softmax_consumer(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(v_empty.index(vs), count=1)
     return acc, l_i, m_i
-
-
-@gluon.jit
-def _qk_chunked(q_smem, k_buf, k_ready, k_empty, ks, phase, s_zero, K_CHUNKS: gl.constexpr):
-    """QK^T of one K buffer in ``K_CHUNKS`` head-dim chunks (barrier pair ``ks * K_CHUNKS + c``): chunk c's wgmma
-    group is issued once the chunk has landed; after each issue the previous group is retired and its chunk
-    released, so one group is always queued on the tensor cores."""
-    DC: gl.constexpr = q_smem.shape[1] // K_CHUNKS
-    qk = s_zero
-    for c in gl.static_range(K_CHUNKS):
-        mbarrier.wait(k_ready.index(ks * K_CHUNKS + c), phase)
-        qk = warpgroup_mma(q_smem.slice(c * DC, DC, dim=1), k_buf.slice(c * DC, DC, dim=1).permute((1, 0)), qk,
-                           use_acc=c > 0, is_async=True)
-        if c > 0:
-            qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))
-            mbarrier.arrive(k_empty.index(ks * K_CHUNKS + c - 1), count=1)
-    qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
-    mbarrier.arrive(k_empty.index(ks * K_CHUNKS + K_CHUNKS - 1), count=1)
-    return qk
 
 
 @gluon.jit
@@ -235,11 +207,13 @@ def _softmax_consumer_overlap(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready,
 @gluon.jit
 def _epilogue(acc, l_i, m_i, O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads,
               stride_ot, stride_oh, G: gl.constexpr, GP: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_Q: gl.constexpr, SPLIT: gl.constexpr, STORE_LSE: gl.constexpr, o_layout: gl.constexpr):
-    """Normalise and store one tile: ``O`` (+ ``LSE``), or the split's fp32 partial and LSE."""
+              BLOCK_Q: gl.constexpr, SPLIT: gl.constexpr, STORE_LSE: gl.constexpr, o_layout: gl.constexpr,
+              COL0: gl.constexpr, DV_ROW: gl.constexpr, ROW_STATS: gl.constexpr):
+    """Normalise and store one tile's columns ``[COL0, COL0 + DV)`` of ``DV_ROW``: ``O`` (+ ``LSE``), or the
+    split's fp32 partial (+ its LSE); the LSE only where ``ROW_STATS``."""
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     om = gl.arange(0, BLOCK_M, layout=row_o)
-    od = gl.arange(0, DV, layout=gl.SliceLayout(0, o_layout))
+    od = COL0 + gl.arange(0, DV, layout=gl.SliceLayout(0, o_layout))
     oi = tile * BLOCK_Q + om // GP
     oh = kvh * G + om % GP
     o_ok = (oi < q_len) & ((om % GP) < G)
@@ -253,21 +227,23 @@ def _epilogue(acc, l_i, m_i, O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, 
     if not SPLIT:
         o_ptrs = O + tok_g[:, None] * stride_ot + oh.to(gl.int64)[:, None] * stride_oh + od[None, :]
         gl.store(o_ptrs, out.to(O.dtype.element_ty), mask=o_ok[:, None])
-        if STORE_LSE:
+        if STORE_LSE and ROW_STATS:
             gl.store(LSE + lse_off, lse, mask=o_ok)
     else:
         s64 = split.to(gl.int64)
         p_row = (s64 * total_q + tok_g) * num_heads + oh
-        gl.store(OPART + p_row[:, None] * DV + od[None, :], out, mask=o_ok[:, None])
-        gl.store(LSEPART + s64 * num_heads * total_q + lse_off, lse, mask=o_ok)
+        gl.store(OPART + p_row[:, None] * DV_ROW + od[None, :], out, mask=o_ok[:, None])
+        if ROW_STATS:
+            gl.store(LSEPART + s64 * num_heads * total_q + lse_off, lse, mask=o_ok)
 
 
 @gluon.jit
 def _load_q(q_smem, Q, q_start, q_len, tile, kvh, stride_qt, stride_qh, G: gl.constexpr, GP: gl.constexpr,
-            D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_Q: gl.constexpr, blk: gl.constexpr):
-    """The tile's packed query rows (token, head in group) -> ``q_smem``, zero for padding rows."""
+            D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_Q: gl.constexpr, blk: gl.constexpr, COL0: gl.constexpr):
+    """The tile's packed query rows (token, head in group), head-dim columns ``[COL0, COL0 + D)`` -> ``q_smem``,
+    zero for padding rows."""
     qm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, blk))
-    qd = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
+    qd = COL0 + gl.arange(0, D, layout=gl.SliceLayout(0, blk))
     qi = tile * BLOCK_Q + qm // GP
     qh = kvh * G + qm % GP
     q_ok = (qi < q_len) & ((qm % GP) < G)
@@ -285,13 +261,13 @@ def _consumer(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, lo, hi
               BLOCK_Q: gl.constexpr, SPLIT: gl.constexpr,
               STORE_LSE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr,
               STAGES: gl.constexpr, V_STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
-              v_blk: gl.constexpr, OVERLAP: gl.constexpr, K_CHUNKS: gl.constexpr):
+              v_blk: gl.constexpr, OVERLAP: gl.constexpr):
     """The default partition: the overlapped or the sequential consumer (``OVERLAP``), then the epilogue.
 
     The Q load and the epilogue run here, under the consumer's raised register budget (setmaxnreg), not in the
     parent before / after the partitions: the loader's first K / V loads overlap the Q load, and the
     accumulator is stored without returning it across the partition boundary."""
-    _load_q(q_smem, Q, q_start, q_len, tile, kvh, stride_qt, stride_qh, G, GP, D, BLOCK_M, BLOCK_Q, v_blk)
+    _load_q(q_smem, Q, q_start, q_len, tile, kvh, stride_qt, stride_qh, G, GP, D, BLOCK_M, BLOCK_Q, v_blk, 0)
     if OVERLAP:
         acc, l_i, m_i = _softmax_consumer_overlap(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, lo,
                                                   hi, a, b_mid, c_mid, d_end, seq_len, qk_scale, BLOCK_M, BLOCK_N,
@@ -299,9 +275,9 @@ def _consumer(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, lo, hi
     else:
         acc, l_i, m_i = _softmax_consumer(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, lo, hi, a,
                                           b_mid, c_mid, d_end, seq_len, qk_scale, BLOCK_M, BLOCK_N, DV, STAGES,
-                                          V_STAGES, s_layout, o_layout, v_blk, K_CHUNKS)
+                                          V_STAGES, s_layout, o_layout, v_blk)
     _epilogue(acc, l_i, m_i, O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads,
-              stride_ot, stride_oh, G, GP, DV, BLOCK_M, BLOCK_Q, SPLIT, STORE_LSE, o_layout)
+              stride_ot, stride_oh, G, GP, DV, BLOCK_M, BLOCK_Q, SPLIT, STORE_LSE, o_layout, 0, DV, True)
 
 
 @gluon.jit(do_not_specialize=["total_q", "num_seqs", "n_tiles", "window", "num_splits"])
@@ -315,16 +291,12 @@ def _attn_fwd_gluon(
     BOX_N: gl.constexpr, PAGE: gl.constexpr, PAGED: gl.constexpr, HAS_WINDOW: gl.constexpr, PREFIX: gl.constexpr,
     NCQ_FLAGS: gl.constexpr,
     SPLIT: gl.constexpr, STORE_LSE: gl.constexpr, SEARCH_STEPS: gl.constexpr, STAGES: gl.constexpr,
-    V_STAGES: gl.constexpr, LOADER_REGS: gl.constexpr, OVERLAP: gl.constexpr, K_CHUNKS: gl.constexpr,
-    num_warps: gl.constexpr,
+    V_STAGES: gl.constexpr, LOADER_REGS: gl.constexpr, OVERLAP: gl.constexpr, num_warps: gl.constexpr,
 ):
-    # hd 512: the two consumer warpgroups split the columns (S: key halves, O: V halves; wgmma N <= 256), rows
-    # are shared (BLOCK_M = 64); the row max / sum and P's operand layout cross warpgroups through shared memory
-    WN: gl.constexpr = 2 if DV > 256 else 1
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps // WN, WN],
-                                                       instr_shape=[16, BLOCK_N // WN, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps // WN, WN],
-                                                       instr_shape=[16, DV // WN, 16])
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, DV, 16])
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
 
@@ -353,11 +325,11 @@ def _attn_fwd_gluon(
 
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, D], k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [V_STAGES, BLOCK_N, DV], v_desc.layout)
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES * K_CHUNKS, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES * K_CHUNKS, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
-    for st in gl.static_range(STAGES * K_CHUNKS):
+    for st in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(st), count=1)
         mbarrier.init(k_empty.index(st), count=1)
     for st in gl.static_range(V_STAGES):
@@ -371,11 +343,161 @@ def _attn_fwd_gluon(
                      lo, hi, a, b_mid, c_mid, d_end, seq_len, qk_scale,
                      Q, O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads,
                      stride_qt, stride_qh, stride_ot, stride_oh, G, GP, D, BLOCK_Q, SPLIT, STORE_LSE,
-                     BLOCK_M, BLOCK_N, DV, STAGES, V_STAGES, s_layout, o_layout, blk, OVERLAP, K_CHUNKS)),
+                     BLOCK_M, BLOCK_N, DV, STAGES, V_STAGES, s_layout, o_layout, blk, OVERLAP)),
         (_kv_loader, (k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
                       bt_row, k_base, a, d_end, kvh * D, kvh * DV, seq_len, BLOCK_N, BOX_N, PAGE, PAGED, STAGES,
-                      V_STAGES, K_CHUNKS)),
+                      V_STAGES, 1, 1)),
     ], [1], [LOADER_REGS])
+
+
+@gluon.jit
+def _wide_half(W: gl.constexpr, q_half, k_bufs, v_bufs, x_smem, k_ready, k_empty, v_ready, v_empty, x_ready, x_free,
+               Q, O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads,
+               stride_qt, stride_qh, stride_ot, stride_oh, ctx, ncq, seq_len, window, qk_scale,
+               a, b_mid, c_mid, d_end,
+               G: gl.constexpr, GP: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
+               HAS_WINDOW: gl.constexpr, PREFIX: gl.constexpr, SPLIT: gl.constexpr, STORE_LSE: gl.constexpr):
+    """One consumer warpgroup of the wide kernel (``W`` = 0: the default partition, 1: a worker): QK^T over its
+    head-dim half (a partial S), the partials summed through shared memory (both warpgroups then hold the same
+    full S, summed in the same order, so their softmax statistics agree bit for bit), the online softmax, and PV
+    into its half of the V columns, then its half of the output."""
+    DH: gl.constexpr = D // 2
+    DVH: gl.constexpr = DV // 2
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, DVH, 16])
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+
+    _load_q(q_half, Q, q_start, q_len, tile, kvh, stride_qt, stride_qh, G, GP, DH, BLOCK_M, BLOCK_Q, blk, W * DH)
+    offs_m = gl.arange(0, BLOCK_M, layout=row_s)
+    lo, hi = _row_key_interval(tile * BLOCK_Q + offs_m // GP, ctx, ncq, seq_len, window, HAS_WINDOW, PREFIX)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
+    acc = gl.zeros([BLOCK_M, DVH], gl.float32, o_layout)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    offs_vn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, blk))
+    for j in range(a, d_end):
+        it = j - a
+        ks = it % STAGES
+        vs = it % V_STAGES
+        mbarrier.wait(k_ready.index(ks * 2 + W), (it // STAGES) & 1)
+        part = warpgroup_mma(q_half, k_bufs.index(ks).slice(W * DH, DH, dim=1).permute((1, 0)), s_zero,
+                             use_acc=False, is_async=True)
+        part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+        mbarrier.arrive(k_empty.index(ks * 2 + W), count=1)
+        # publish this half's partial S, then take the other's (one buffer each: wait until it was read)
+        mbarrier.wait(x_free.index(W), (it & 1) ^ 1)
+        x_smem.index(W).store(part)
+        gl.thread_barrier()
+        mbarrier.arrive(x_ready.index(W), count=1)
+        mbarrier.wait(x_ready.index(1 - W), it & 1)
+        other = x_smem.index(1 - W).load(s_layout)
+        gl.thread_barrier()
+        mbarrier.arrive(x_free.index(1 - W), count=1)
+        if W == 0:
+            qk = part + other
+        else:
+            qk = other + part
+        p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, j, lo, hi, qk_scale, (j < b_mid) | (j >= c_mid),
+                                           offs_n, BLOCK_N)
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        p_op = gl.convert_layout(p.to(q_half.dtype), p_layout)
+        v_half = v_bufs.index(vs).slice(W * DVH, DVH, dim=1)
+        mbarrier.wait(v_ready.index(vs * 2 + W), (it // V_STAGES) & 1)
+        _zero_stale_v(v_half, j, seq_len, offs_vn, blk, BLOCK_N)
+        acc = warpgroup_mma(p_op, v_half, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(v_empty.index(vs * 2 + W), count=1)
+    _epilogue(acc, l_i, m_i, O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads,
+              stride_ot, stride_oh, G, GP, DVH, BLOCK_M, BLOCK_Q, SPLIT, STORE_LSE, o_layout, W * DVH, DV, W == 0)
+
+
+@gluon.jit(do_not_specialize=["total_q", "num_seqs", "n_tiles", "window", "num_splits"])
+def _attn_fwd_gluon_wide(
+    Q, k_desc, v_desc, O, LSE, OPART, LSEPART,
+    CU_Q, SEQ_LENS, NCQ, BT, CU_K,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+    total_q, num_heads, num_seqs, n_tiles, window, qk_scale, num_splits,
+    G: gl.constexpr, GP: gl.constexpr, D: gl.constexpr, DV: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr,
+    BOX_N: gl.constexpr, PAGE: gl.constexpr, PAGED: gl.constexpr, HAS_WINDOW: gl.constexpr, PREFIX: gl.constexpr,
+    NCQ_FLAGS: gl.constexpr,
+    SPLIT: gl.constexpr, STORE_LSE: gl.constexpr, SEARCH_STEPS: gl.constexpr, STAGES: gl.constexpr,
+    V_STAGES: gl.constexpr, LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
+):
+    """The Gluon kernel for head dims > 256 (Gemma 4 global layers: hd 512): 64 packed rows, two consumer
+    warpgroups (the default partition and a worker, ``num_warps`` = 4 each) that split the head dim. Warpgroup w
+    computes the partial QK^T over head-dim half w (wgmma N = BLOCK_N, not BLOCK_N / 2) and PV into V columns half
+    w; the partials are summed through shared memory, so the row statistics and P need no cross-warpgroup
+    exchange. The loader streams K and V blocks as two head-dim halves each, one barrier pair per half, so each
+    warpgroup releases its half independently."""
+    row_s: gl.constexpr = gl.SliceLayout(1, gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                                      instr_shape=[16, BLOCK_N, 16]))
+    t = n_tiles - 1 - gl.program_id(0)  # reverse: long causal tiles (end of a prefill) first
+    kvh = gl.program_id(1)
+    split = gl.program_id(2)
+    ks = gl.arange(0, 16, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
+    b, q_start, q_len, tile = _tile_sequence(CU_Q, t, num_seqs, ks, BLOCK_Q, SEARCH_STEPS)
+    if tile * BLOCK_Q >= q_len:
+        return
+    seq_len = gl.load(SEQ_LENS + b)
+    ncq = _causal_rows(NCQ, b, q_len, NCQ_FLAGS)
+    ctx = seq_len - q_len
+    offs_m = gl.arange(0, BLOCK_M, layout=row_s)
+    i = tile * BLOCK_Q + offs_m // GP
+    row_valid = (i < q_len) & ((offs_m % GP) < G)
+    lo, hi = _row_key_interval(i, ctx, ncq, seq_len, window, HAS_WINDOW, PREFIX)
+    a, b_mid, c_mid, d_end = _key_block_ranges(lo, hi, row_valid, split, num_splits, BLOCK_N, SPLIT)
+
+    DH: gl.constexpr = D // 2
+    q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, DH], Q.dtype.element_ty)
+    q0 = gl.allocate_shared_memory(Q.dtype.element_ty, [BLOCK_M, DH], q_sl)
+    q1 = gl.allocate_shared_memory(Q.dtype.element_ty, [BLOCK_M, DH], q_sl)
+    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, D], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [V_STAGES, BLOCK_N, DV], v_desc.layout)
+    x_sl: gl.constexpr = gl.SwizzledSharedLayout(2, 1, 8, [1, 0])
+    x_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, BLOCK_N], x_sl)
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES * 2, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES * 2, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES * 2, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES * 2, 1], mbarrier.MBarrierLayout())
+    x_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    x_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for st in gl.static_range(STAGES * 2):
+        mbarrier.init(k_ready.index(st), count=1)
+        mbarrier.init(k_empty.index(st), count=1)
+    for st in gl.static_range(V_STAGES * 2):
+        mbarrier.init(v_ready.index(st), count=1)
+        mbarrier.init(v_empty.index(st), count=1)
+    for w in gl.static_range(2):
+        mbarrier.init(x_ready.index(w), count=1)
+        mbarrier.init(x_free.index(w), count=1)
+
+    bt_row, k_base = _kv_base(BT, CU_K, b, stride_bt, PAGED)
+    W0: gl.constexpr = 0
+    W1: gl.constexpr = 1
+    HALVES: gl.constexpr = 2
+    gl.warp_specialize([
+        (_wide_half, (W0, q0, k_bufs, v_bufs, x_smem, k_ready, k_empty, v_ready, v_empty, x_ready, x_free,
+                      Q, O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads,
+                      stride_qt, stride_qh, stride_ot, stride_oh, ctx, ncq, seq_len, window, qk_scale,
+                      a, b_mid, c_mid, d_end, G, GP, D, DV, BLOCK_M, BLOCK_N, BLOCK_Q, STAGES, V_STAGES,
+                      HAS_WINDOW, PREFIX, SPLIT, STORE_LSE)),
+        (_wide_half, (W1, q1, k_bufs, v_bufs, x_smem, k_ready, k_empty, v_ready, v_empty, x_ready, x_free,
+                      Q, O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads,
+                      stride_qt, stride_qh, stride_ot, stride_oh, ctx, ncq, seq_len, window, qk_scale,
+                      a, b_mid, c_mid, d_end, G, GP, D, DV, BLOCK_M, BLOCK_N, BLOCK_Q, STAGES, V_STAGES,
+                      HAS_WINDOW, PREFIX, SPLIT, STORE_LSE)),
+        (_kv_loader, (k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
+                      bt_row, k_base, a, d_end, kvh * D, kvh * DV, seq_len, BLOCK_N, BOX_N, PAGE, PAGED, STAGES,
+                      V_STAGES, HALVES, HALVES)),
+    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
 def _gl_dtype(dtype: torch.dtype):
@@ -443,9 +565,11 @@ _DESCRIPTORS: dict = {}
 _MAX_DESCRIPTORS = 64
 
 
-def make_kv_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, box_rows: int, k_chunks: int = 1):
+def make_kv_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, box_rows: int, k_chunks: int = 1,
+                        v_chunks: int = 1):
     """2-D TMA descriptors ``[rows, num_kv_heads * head_dim]`` over the K and V caches, box ``[box_rows, head_dim]``
-    (K: ``[box_rows, head_dim // k_chunks]``, the head-dim chunks of ``K_CHUNKS``)
+    (``[box_rows, head_dim // k_chunks]`` / ``[box_rows, head_dim_v // v_chunks]``: the wide kernel loads
+    head-dim halves)
     (:func:`tma_box_rows`).
 
     Cached by (address, shape, strides, dtype, device, box_rows): a serving loop reuses the same caches every step.
@@ -456,11 +580,11 @@ def make_kv_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, box_rows: 
     CUtensorMap for every launch.
     """
     key = tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device) for t in (k_cache, v_cache)) + (
-        box_rows, k_chunks)
+        box_rows, k_chunks, v_chunks)
     descs = _DESCRIPTORS.get(key)
     if descs is None:
         descs = []
-        for t, chunks in ((k_cache, k_chunks), (v_cache, 1)):
+        for t, chunks in ((k_cache, k_chunks), (v_cache, v_chunks)):
             hkv, d = t.shape[-2], t.shape[-1]
             rows = t.shape[0] * t.shape[1] if t.dim() == 4 else t.shape[0]
             box = [box_rows, d // chunks]
@@ -472,6 +596,8 @@ def make_kv_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, box_rows: 
     return descs
 
 
+WIDE_SMEM_LIMIT = 232448 - 1024  # 227 KB per block on sm_90, less barriers and alignment
+WIDE_CONSUMER_REGS = 232  # registers per thread of the wide kernel's worker consumer warpgroup (setmaxnreg)
 LOADER_REGS = 40  # registers per thread of the producer warp (setmaxnreg; scalar address math and TMA issue)
 
 
@@ -483,7 +609,16 @@ def check_gluon_config(cfg: dict, head_dim: int, head_dim_v: int) -> None:
     if head_dim_v > 256:
         if nw != 8 or bm != 64:
             raise ValueError(f"head_dim_v {head_dim_v} with IMPL='gluon' needs num_warps=8 and BLOCK_M=64 (two "
-                             f"warpgroups splitting the V columns), got num_warps={nw!r}, BLOCK_M={bm!r}")
+                             f"warpgroups splitting the head dim), got num_warps={nw!r}, BLOCK_M={bm!r}")
+        if cfg.get("OVERLAP"):
+            raise ValueError(f"head_dim_v {head_dim_v} with IMPL='gluon' takes OVERLAP=False (the wide kernel's "
+                             f"consumers are sequential)")
+        vst = cfg.get("V_STAGES") or st
+        smem = 2 * (bm * head_dim + bn * (st * head_dim + vst * head_dim_v)) + 2 * bm * bn * 4
+        if smem > WIDE_SMEM_LIMIT:
+            raise ValueError(f"config BLOCK_N={bn}, num_stages={st}, V_STAGES={vst} needs {smem} B of shared memory "
+                             f"at head_dim {head_dim} with IMPL='gluon' (Q + K / V rings + the partial-S exchange); "
+                             f"the limit is {WIDE_SMEM_LIMIT}")
     elif bm not in (64, 128) or bm < 16 * nw:
         raise ValueError(f"config['BLOCK_M'] must be 64 or 128 and >= 16 * num_warps with IMPL='gluon', got {bm!r}")
     if bn not in (32, 64, 128):
@@ -494,13 +629,6 @@ def check_gluon_config(cfg: dict, head_dim: int, head_dim_v: int) -> None:
     if vst is not None and (isinstance(vst, bool) or not isinstance(vst, int) or not 1 <= vst <= 4):
         raise ValueError(f"config['V_STAGES'] (V ring depth; None: num_stages) must be an int in [1, 4] or None "
                          f"with IMPL='gluon', got {vst!r}")
-    kch = cfg.get("K_CHUNKS", 1)
-    if isinstance(kch, bool) or not isinstance(kch, int) or kch not in (1, 2, 4, 8) or head_dim % kch \
-            or head_dim // kch < 64:
-        raise ValueError(f"config['K_CHUNKS'] (K blocks in head-dim chunks) must be 1, 2, 4 or 8 with chunks of >= 64 "
-                         f"columns of head_dim {head_dim} with IMPL='gluon', got {kch!r}")
-    if kch > 1 and cfg.get("OVERLAP"):
-        raise ValueError("config['K_CHUNKS'] > 1 needs OVERLAP=False (the overlapped consumer takes whole K blocks)")
     if cfg["BLOCK_DV"] < head_dim_v:
         raise ValueError("config['BLOCK_DV'] cannot split the V head dim with IMPL='gluon' (one program holds it all)")
 
@@ -529,12 +657,12 @@ def gluon_max_regs(num_warps: int, ctas_per_sm: int) -> int | None:
 def compile_for_sm90(*, block_m: int, block_n: int, num_warps: int, num_stages: int, head_dim: int, paged: bool,
                      split: bool, window: bool, group: int = 2, num_kv_heads: int = 8,
                      overlap: bool = True, page_size: int | None = None, v_stages: int | None = None,
-                     causal_flags: bool = False, k_chunks: int = 1) -> dict:
+                     causal_flags: bool = False) -> dict:
     """Compile the kernel for sm_90a without a GPU (Triton ``GPUTarget``) and run ``ptxas -v`` on the PTX.
 
     For CPU checks and pre-screening tiles. ``page_size`` (default max(128, block_n)) sets the TMA box rows
     (:func:`tma_box_rows`), ``v_stages`` the V ring depth (None: ``num_stages``), ``causal_flags`` whether the
-    kernel reads ``[B]`` bool causal flags instead of ``num_causal_q``, ``k_chunks`` the K head-dim chunks. Must run in a process where
+    kernel reads ``[B]`` bool causal flags instead of ``num_causal_q``. Must run in a process where
     ``TRITON_INTERPRET`` is unset (the interpreter replaces the ``@triton.jit`` helpers Gluon calls). Returns
     ``{"shared": bytes, "ptxas": report,
     "wgmma": bool, "tma": bool, "setmaxnreg": bool, "setmaxnreg_values": [int]}``.
@@ -555,9 +683,10 @@ def compile_for_sm90(*, block_m: int, block_n: int, num_warps: int, num_stages: 
     kc = torch.empty(8, page, num_kv_heads, D, dtype=torch.bfloat16) if paged else \
         torch.empty(1024, num_kv_heads, D, dtype=torch.bfloat16)
     box = tma_box_rows(paged, page, block_n)
-    kd, vd = make_kv_descriptors(kc, kc, box, k_chunks)
+    wide = D > 256
+    kd, vd = make_kv_descriptors(kc, kc, box, 2 if wide else 1, 2 if wide else 1)
     i32, f32 = torch.empty(4, dtype=torch.int32), torch.empty(4, dtype=torch.float32)
-    fn = _attn_fwd_gluon
+    fn = _attn_fwd_gluon_wide if wide else _attn_fwd_gluon
     args = dict(Q=q, k_desc=kd, v_desc=vd, O=q, LSE=f32, OPART=f32, LSEPART=f32, CU_Q=i32, SEQ_LENS=i32,
                 NCQ=torch.empty(4, dtype=torch.bool) if causal_flags else i32,
                 BT=i32, CU_K=i32, stride_qt=H * D, stride_qh=D, stride_ot=H * D, stride_oh=D, stride_bt=7,
@@ -566,13 +695,16 @@ def compile_for_sm90(*, block_m: int, block_n: int, num_warps: int, num_stages: 
                   PAGE=page if paged else 1, PAGED=paged, HAS_WINDOW=window, PREFIX=False, NCQ_FLAGS=causal_flags,
                   SPLIT=split,
                   STORE_LSE=True, SEARCH_STEPS=1, STAGES=num_stages, V_STAGES=v_stages or num_stages,
-                  LOADER_REGS=LOADER_REGS, OVERLAP=overlap, K_CHUNKS=k_chunks, num_warps=num_warps)
+                  LOADER_REGS=LOADER_REGS, OVERLAP=overlap, num_warps=num_warps)
+    if wide:
+        del consts["OVERLAP"]
+        consts.update(num_warps=4, CONSUMER_REGS=WIDE_CONSUMER_REGS)
     ints = {"total_q", "num_seqs", "n_tiles", "window", "num_splits"}
     sig = {n: "constexpr" if n in consts else "i32" if n in ints else mangle_type(args[n]) for n in fn.arg_names}
     src = GluonASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
     ctas = gluon_ctas_per_sm(block_m, block_n, num_warps, num_stages, D, D, 2, v_stages=v_stages)
     ck = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                        options=dict(num_warps=num_warps, maxnreg=gluon_max_regs(num_warps, ctas)))
+                        options=dict(num_warps=consts["num_warps"], maxnreg=gluon_max_regs(num_warps, ctas)))
     ptx = ck.asm["ptx"]
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:

@@ -215,7 +215,7 @@ def test_gpu_gluon_head_dim_512_two_warpgroups_split_the_columns(page_size, case
                                        device="cuda", seed=512 + page_size + case))
     base = dict(IMPL="gluon", BLOCK_M=64, num_warps=8, OVERLAP=False, BLOCK_DV=512)
     for cfg in (dict(base, BLOCK_N=32, num_stages=2), dict(base, BLOCK_N=32, num_stages=3, V_STAGES=1),
-                dict(base, BLOCK_N=64, num_stages=1), dict(base, BLOCK_N=64, num_stages=1, K_CHUNKS=8)):
+                dict(base, BLOCK_N=64, num_stages=1)):
         if page_size < cfg["BLOCK_N"] and page_size % 8:
             continue
         for ns in (None, 1, 5):
