@@ -547,7 +547,7 @@ def _merge_kernel(OPART, LSEPART, O, LSE, total_q, num_heads, n_rows, stride_ot,
 
 # ------------------------------------------------------------------------------------------------ host side
 _CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "num_splits", "BLOCK_DV", "LAZY_RESCALE",
-                "BT_PREFETCH", "IMPL", "OVERLAP", "V_STAGES")
+                "BT_PREFETCH", "IMPL", "OVERLAP", "V_STAGES", "HD_SPLIT")
 _DEVICE_SMS: dict = {}
 _MAX_SPLITS = 65535  # num_splits is grid dimension z (CUDA: at most 65535)
 
@@ -722,12 +722,13 @@ class TritonAttention:
         # dim <= 128; the 64x128 consumer spills ~1.3 KB with it); the V ring depth (None: num_stages)
         cfg.setdefault("OVERLAP", cfg["BLOCK_N"] <= 64 and self.key.head_dim_v <= 128)
         cfg.setdefault("V_STAGES", None)
+        cfg.setdefault("HD_SPLIT", "dims")
         if cfg["IMPL"] not in ("triton", "gluon"):
             raise ValueError(f"config['IMPL'] must be 'triton' (the portable kernel) or 'gluon' (the warp-specialised "
                              f"Hopper kernel), got {cfg['IMPL']!r}")
-        if (override or {}).get("IMPL") == "triton" and {"OVERLAP", "V_STAGES"} & set(override):
-            raise ValueError("config keys OVERLAP and V_STAGES apply to the Gluon kernel; IMPL='triton' (the portable "
-                             "kernel) pipelines K and V with num_stages")
+        if (override or {}).get("IMPL") == "triton" and {"OVERLAP", "V_STAGES", "HD_SPLIT"} & set(override):
+            raise ValueError("config keys OVERLAP, V_STAGES and HD_SPLIT apply to the Gluon kernel; IMPL='triton' "
+                             "(the portable kernel) pipelines K and V with num_stages")
         if cfg["IMPL"] == "gluon":
             from .triton_gluon import check_gluon_config
             check_gluon_config(cfg, self.key.head_dim, self.key.head_dim_v)
@@ -1005,7 +1006,9 @@ def attention_triton(
     if impl == "gluon":
         from . import triton_gluon as _tg
         box_n = _tg.tma_box_rows(info.paged, info.page_size, BN)
-        wide = DV > 256  # two consumer warpgroups splitting the head dim (triton_gluon._attn_fwd_gluon_wide)
+        # hd > 256: two consumer warpgroups split the head dim (triton_gluon._attn_fwd_gluon_wide) or, with
+        # HD_SPLIT="keys", S's keys and O's columns in one 8-warp partition
+        wide = DV > 256 and cfg["HD_SPLIT"] == "dims"
         k_desc, v_desc = _tg.make_kv_descriptors(k_cache, v_cache, box_n, 2 if wide else 1, 2 if wide else 1)
         args = (q, k_desc, v_desc, dst, lse_arg, opart, lsepart,
                 cu_q, sl, ncq, bt, cu_k,

@@ -293,10 +293,14 @@ def _attn_fwd_gluon(
     SPLIT: gl.constexpr, STORE_LSE: gl.constexpr, SEARCH_STEPS: gl.constexpr, STAGES: gl.constexpr,
     V_STAGES: gl.constexpr, LOADER_REGS: gl.constexpr, OVERLAP: gl.constexpr, num_warps: gl.constexpr,
 ):
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, DV, 16])
+    # hd > 256 (HD_SPLIT="keys"): the two consumer warpgroups split the columns (S: key halves, O: V halves;
+    # wgmma N <= 256), rows are shared (BLOCK_M = 64); the row max / sum and P's operand layout cross
+    # warpgroups through shared memory
+    WN: gl.constexpr = 2 if DV > 256 else 1
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps // WN, WN],
+                                                       instr_shape=[16, BLOCK_N // WN, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps // WN, WN],
+                                                       instr_shape=[16, DV // WN, 16])
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
 
@@ -611,10 +615,13 @@ def check_gluon_config(cfg: dict, head_dim: int, head_dim_v: int) -> None:
             raise ValueError(f"head_dim_v {head_dim_v} with IMPL='gluon' needs num_warps=8 and BLOCK_M=64 (two "
                              f"warpgroups splitting the head dim), got num_warps={nw!r}, BLOCK_M={bm!r}")
         if cfg.get("OVERLAP"):
-            raise ValueError(f"head_dim_v {head_dim_v} with IMPL='gluon' takes OVERLAP=False (the wide kernel's "
-                             f"consumers are sequential)")
+            raise ValueError(f"head_dim_v {head_dim_v} with IMPL='gluon' takes OVERLAP=False, got {cfg['OVERLAP']!r}")
+        if cfg.get("HD_SPLIT", "dims") not in ("dims", "keys"):
+            raise ValueError(f"config['HD_SPLIT'] (how two warpgroups share head_dim > 256) must be 'dims' or 'keys', "
+                             f"got {cfg.get('HD_SPLIT')!r}")
         vst = cfg.get("V_STAGES") or st
-        smem = 2 * (bm * head_dim + bn * (st * head_dim + vst * head_dim_v)) + 2 * bm * bn * 4
+        smem = 2 * (bm * head_dim + bn * (st * head_dim + vst * head_dim_v))
+        smem += 2 * bm * bn * 4 if cfg.get("HD_SPLIT", "dims") == "dims" else 2 * bm * bn
         if smem > WIDE_SMEM_LIMIT:
             raise ValueError(f"config BLOCK_N={bn}, num_stages={st}, V_STAGES={vst} needs {smem} B of shared memory "
                              f"at head_dim {head_dim} with IMPL='gluon' (Q + K / V rings + the partial-S exchange); "
@@ -657,12 +664,13 @@ def gluon_max_regs(num_warps: int, ctas_per_sm: int) -> int | None:
 def compile_for_sm90(*, block_m: int, block_n: int, num_warps: int, num_stages: int, head_dim: int, paged: bool,
                      split: bool, window: bool, group: int = 2, num_kv_heads: int = 8,
                      overlap: bool = True, page_size: int | None = None, v_stages: int | None = None,
-                     causal_flags: bool = False) -> dict:
+                     causal_flags: bool = False, hd_split: str = "dims") -> dict:
     """Compile the kernel for sm_90a without a GPU (Triton ``GPUTarget``) and run ``ptxas -v`` on the PTX.
 
     For CPU checks and pre-screening tiles. ``page_size`` (default max(128, block_n)) sets the TMA box rows
     (:func:`tma_box_rows`), ``v_stages`` the V ring depth (None: ``num_stages``), ``causal_flags`` whether the
-    kernel reads ``[B]`` bool causal flags instead of ``num_causal_q``. Must run in a process where
+    kernel reads ``[B]`` bool causal flags instead of ``num_causal_q``, ``hd_split`` the hd > 256 kernel
+    (``config["HD_SPLIT"]``). Must run in a process where
     ``TRITON_INTERPRET`` is unset (the interpreter replaces the ``@triton.jit`` helpers Gluon calls). Returns
     ``{"shared": bytes, "ptxas": report,
     "wgmma": bool, "tma": bool, "setmaxnreg": bool, "setmaxnreg_values": [int]}``.
@@ -683,7 +691,7 @@ def compile_for_sm90(*, block_m: int, block_n: int, num_warps: int, num_stages: 
     kc = torch.empty(8, page, num_kv_heads, D, dtype=torch.bfloat16) if paged else \
         torch.empty(1024, num_kv_heads, D, dtype=torch.bfloat16)
     box = tma_box_rows(paged, page, block_n)
-    wide = D > 256
+    wide = D > 256 and hd_split == "dims"
     kd, vd = make_kv_descriptors(kc, kc, box, 2 if wide else 1, 2 if wide else 1)
     i32, f32 = torch.empty(4, dtype=torch.int32), torch.empty(4, dtype=torch.float32)
     fn = _attn_fwd_gluon_wide if wide else _attn_fwd_gluon
