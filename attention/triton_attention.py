@@ -1018,7 +1018,7 @@ def attention_triton(
                       PAGED=info.paged, HAS_WINDOW=has_window, PREFIX=prefix, NCQ_FLAGS=ncq_flags, SPLIT=ns > 1,
                       STORE_LSE=return_lse, SEARCH_STEPS=search_steps, STAGES=cfg["num_stages"],
                       V_STAGES=cfg["V_STAGES"] or cfg["num_stages"], LOADER_REGS=_tg.LOADER_REGS,
-                      maxnreg=_tg.gluon_max_regs(cfg["num_warps"], gluon_ctas))
+                      LAZY=bool(cfg["LAZY_RESCALE"]), maxnreg=_tg.gluon_max_regs(cfg["num_warps"], gluon_ctas))
         if wide:
             handle = _tg._attn_fwd_gluon_wide[grid](*args, **consts, CONSUMER_REGS=_tg.WIDE_CONSUMER_REGS,
                                                      num_warps=4)

@@ -98,18 +98,36 @@ def _tma_key_block(desc, bufs, ready, empty, it, j, col, bt_row, k_base, seq_len
 
 
 @gluon.jit
-def _softmax_step(qk, m_i, l_i, j, lo, hi, qk_scale, masked, offs_n, BLOCK_N: gl.constexpr):
-    """Online-softmax update of one key block (base 2; ``masked``: apply the per-row key interval)."""
+def _softmax_step(qk, m_i, l_i, acc, j, lo, hi, qk_scale, masked, offs_n, BLOCK_N: gl.constexpr,
+                  row_o: gl.constexpr, LAZY: gl.constexpr):
+    """Online-softmax update of one key block (base 2; ``masked``: apply the per-row key interval), the
+    accumulator rescaled. ``LAZY``: FA4's conditional rescaling (as the portable kernel's ``LAZY_RESCALE``): the
+    running max, ``l`` and the accumulator are rescaled only when some row's max grew by more than 8 (log2
+    units), else the stale max is kept (p <= 2^8; exact after normalising)."""
     if masked:
         kpos = j * BLOCK_N + offs_n
         allowed = (kpos[None, :] >= lo[:, None]) & (kpos[None, :] <= hi[:, None])
         qk = gl.where(allowed, qk, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
-    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # no allowed key yet: keep exp2 finite
-    p = gl.exp2(qk * qk_scale - m_use[:, None])
-    alpha = gl.exp2(m_i - m_use)
-    l_i = l_i * alpha + gl.sum(p, 1)
-    return p, alpha, m_new, l_i
+    if LAZY:
+        grow = gl.where(m_new > m_i, m_new - gl.maximum(m_i, -1e30), 0.0)  # huge on a row's first key
+        if gl.max(grow, 0) > 8.0:
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_use)
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            l_i = l_i * alpha
+            m_i = m_new
+        m_use = gl.where(m_i == float("-inf"), 0.0, m_i)
+        p = gl.exp2(qk * qk_scale - m_use[:, None])
+        l_i = l_i + gl.sum(p, 1)
+    else:
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # no allowed key yet: keep exp2 finite
+        p = gl.exp2(qk * qk_scale - m_use[:, None])
+        alpha = gl.exp2(m_i - m_use)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        m_i = m_new
+    return p, m_i, l_i, acc
 
 
 @gluon.jit
@@ -127,7 +145,8 @@ def _zero_stale_v(v_buf, j, seq_len, offs_vn, v_blk: gl.constexpr, BLOCK_N: gl.c
 def _softmax_consumer(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
                       lo, hi, a, b_mid, c_mid, d_end, seq_len, qk_scale,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr,
-                      V_STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, v_blk: gl.constexpr):
+                      V_STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, v_blk: gl.constexpr,
+                      LAZY: gl.constexpr):
     """Consumer warpgroups: the online softmax over key blocks ``[a, d_end)`` (boundary blocks masked)."""
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -146,9 +165,8 @@ def _softmax_consumer(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty
         qk = warpgroup_mma(q_smem, k_bufs.index(ks).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
         mbarrier.arrive(k_empty.index(ks), count=1)
-        p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, j, lo, hi, qk_scale, (j < b_mid) | (j >= c_mid),
-                                           offs_n, BLOCK_N)
-        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        p, m_i, l_i, acc = _softmax_step(qk, m_i, l_i, acc, j, lo, hi, qk_scale, (j < b_mid) | (j >= c_mid),
+                                           offs_n, BLOCK_N, row_o, LAZY)
         p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
         v_buf = v_bufs.index(vs)
         mbarrier.wait(v_ready.index(vs), (it // V_STAGES) & 1)
@@ -164,7 +182,7 @@ def _softmax_consumer_overlap(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready,
                               lo, hi, a, b_mid, c_mid, d_end, seq_len, qk_scale,
                               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr,
                               STAGES: gl.constexpr, V_STAGES: gl.constexpr, s_layout: gl.constexpr,
-                              o_layout: gl.constexpr, v_blk: gl.constexpr):
+                              o_layout: gl.constexpr, v_blk: gl.constexpr, LAZY: gl.constexpr):
     """Consumer with part of FA3's intra-warpgroup overlap: QK^T of block j + 1 runs on the tensor cores while
     the softmax of block j runs. Both wgmma groups retire inside the iteration (an accumulator still in flight
     across the loop's back edge makes ptxas serialise every wgmma, warning C7514)."""
@@ -190,10 +208,9 @@ def _softmax_consumer_overlap(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready,
             mbarrier.wait(k_ready.index(k1), ((it + 1) // STAGES) & 1, pred=nxt)
             qk_next = warpgroup_mma(q_smem, k_bufs.index(k1).permute((1, 0)), s_zero, use_acc=False,
                                     is_async=True)
-            p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, j, lo, hi, qk_scale, (j < b_mid) | (j >= c_mid),
-                                               offs_n, BLOCK_N)
+            p, m_i, l_i, acc = _softmax_step(qk, m_i, l_i, acc, j, lo, hi, qk_scale, (j < b_mid) | (j >= c_mid),
+                                               offs_n, BLOCK_N, row_o, LAZY)
             p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
-            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
             v_buf = v_bufs.index(vs)
             mbarrier.wait(v_ready.index(vs), (it // V_STAGES) & 1)
             _zero_stale_v(v_buf, j, seq_len, offs_vn, v_blk, BLOCK_N)
@@ -261,7 +278,7 @@ def _consumer(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, lo, hi
               BLOCK_Q: gl.constexpr, SPLIT: gl.constexpr,
               STORE_LSE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr,
               STAGES: gl.constexpr, V_STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
-              v_blk: gl.constexpr, OVERLAP: gl.constexpr):
+              v_blk: gl.constexpr, OVERLAP: gl.constexpr, LAZY: gl.constexpr):
     """The default partition: the overlapped or the sequential consumer (``OVERLAP``), then the epilogue.
 
     The Q load and the epilogue run here, under the consumer's raised register budget (setmaxnreg), not in the
@@ -271,11 +288,11 @@ def _consumer(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, lo, hi
     if OVERLAP:
         acc, l_i, m_i = _softmax_consumer_overlap(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, lo,
                                                   hi, a, b_mid, c_mid, d_end, seq_len, qk_scale, BLOCK_M, BLOCK_N,
-                                                  DV, STAGES, V_STAGES, s_layout, o_layout, v_blk)
+                                                  DV, STAGES, V_STAGES, s_layout, o_layout, v_blk, LAZY)
     else:
         acc, l_i, m_i = _softmax_consumer(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, lo, hi, a,
                                           b_mid, c_mid, d_end, seq_len, qk_scale, BLOCK_M, BLOCK_N, DV, STAGES,
-                                          V_STAGES, s_layout, o_layout, v_blk)
+                                          V_STAGES, s_layout, o_layout, v_blk, LAZY)
     _epilogue(acc, l_i, m_i, O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads,
               stride_ot, stride_oh, G, GP, DV, BLOCK_M, BLOCK_Q, SPLIT, STORE_LSE, o_layout, 0, DV, True)
 
@@ -291,7 +308,8 @@ def _attn_fwd_gluon(
     BOX_N: gl.constexpr, PAGE: gl.constexpr, PAGED: gl.constexpr, HAS_WINDOW: gl.constexpr, PREFIX: gl.constexpr,
     NCQ_FLAGS: gl.constexpr,
     SPLIT: gl.constexpr, STORE_LSE: gl.constexpr, SEARCH_STEPS: gl.constexpr, STAGES: gl.constexpr,
-    V_STAGES: gl.constexpr, LOADER_REGS: gl.constexpr, OVERLAP: gl.constexpr, num_warps: gl.constexpr,
+    V_STAGES: gl.constexpr, LOADER_REGS: gl.constexpr, OVERLAP: gl.constexpr, LAZY: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     # hd > 256 (HD_SPLIT="keys"): the two consumer warpgroups split the columns (S: key halves, O: V halves;
     # wgmma N <= 256), rows are shared (BLOCK_M = 64); the row max / sum and P's operand layout cross
@@ -347,7 +365,7 @@ def _attn_fwd_gluon(
                      lo, hi, a, b_mid, c_mid, d_end, seq_len, qk_scale,
                      Q, O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads,
                      stride_qt, stride_qh, stride_ot, stride_oh, G, GP, D, BLOCK_Q, SPLIT, STORE_LSE,
-                     BLOCK_M, BLOCK_N, DV, STAGES, V_STAGES, s_layout, o_layout, blk, OVERLAP)),
+                     BLOCK_M, BLOCK_N, DV, STAGES, V_STAGES, s_layout, o_layout, blk, OVERLAP, LAZY)),
         (_kv_loader, (k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
                       bt_row, k_base, a, d_end, kvh * D, kvh * DV, seq_len, BLOCK_N, BOX_N, PAGE, PAGED, STAGES,
                       V_STAGES, 1, 1)),
@@ -355,13 +373,14 @@ def _attn_fwd_gluon(
 
 
 @gluon.jit
-def _wide_half(W: gl.constexpr, q_half, k_bufs, v_bufs, x_smem, k_ready, k_empty, v_ready, v_empty, x_ready, x_free,
+def _wide_half(W: gl.constexpr, q_half, x_mine, x_other, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, x_ready, x_free,
                Q, O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads,
                stride_qt, stride_qh, stride_ot, stride_oh, ctx, ncq, seq_len, window, qk_scale,
                a, b_mid, c_mid, d_end,
                G: gl.constexpr, GP: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr,
                BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
-               HAS_WINDOW: gl.constexpr, PREFIX: gl.constexpr, SPLIT: gl.constexpr, STORE_LSE: gl.constexpr):
+               HAS_WINDOW: gl.constexpr, PREFIX: gl.constexpr, SPLIT: gl.constexpr, STORE_LSE: gl.constexpr,
+               LAZY: gl.constexpr):
     """One consumer warpgroup of the wide kernel (``W`` = 0: the default partition, 1: a worker): QK^T over its
     head-dim half (a partial S), the partials summed through shared memory (both warpgroups then hold the same
     full S, summed in the same order, so their softmax statistics agree bit for bit), the online softmax, and PV
@@ -397,20 +416,19 @@ def _wide_half(W: gl.constexpr, q_half, k_bufs, v_bufs, x_smem, k_ready, k_empty
         mbarrier.arrive(k_empty.index(ks * 2 + W), count=1)
         # publish this half's partial S, then take the other's (one buffer each: wait until it was read)
         mbarrier.wait(x_free.index(W), (it & 1) ^ 1)
-        x_smem.index(W).store(part)
+        x_mine.store(part)
         gl.thread_barrier()
         mbarrier.arrive(x_ready.index(W), count=1)
         mbarrier.wait(x_ready.index(1 - W), it & 1)
-        other = x_smem.index(1 - W).load(s_layout)
+        other = x_other.load(s_layout)
         gl.thread_barrier()
         mbarrier.arrive(x_free.index(1 - W), count=1)
         if W == 0:
             qk = part + other
         else:
             qk = other + part
-        p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, j, lo, hi, qk_scale, (j < b_mid) | (j >= c_mid),
-                                           offs_n, BLOCK_N)
-        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        p, m_i, l_i, acc = _softmax_step(qk, m_i, l_i, acc, j, lo, hi, qk_scale, (j < b_mid) | (j >= c_mid),
+                                           offs_n, BLOCK_N, row_o, LAZY)
         p_op = gl.convert_layout(p.to(q_half.dtype), p_layout)
         v_half = v_bufs.index(vs).slice(W * DVH, DVH, dim=1)
         mbarrier.wait(v_ready.index(vs * 2 + W), (it // V_STAGES) & 1)
@@ -433,7 +451,8 @@ def _attn_fwd_gluon_wide(
     BOX_N: gl.constexpr, PAGE: gl.constexpr, PAGED: gl.constexpr, HAS_WINDOW: gl.constexpr, PREFIX: gl.constexpr,
     NCQ_FLAGS: gl.constexpr,
     SPLIT: gl.constexpr, STORE_LSE: gl.constexpr, SEARCH_STEPS: gl.constexpr, STAGES: gl.constexpr,
-    V_STAGES: gl.constexpr, LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    V_STAGES: gl.constexpr, LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, LAZY: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     """The Gluon kernel for head dims > 256 (Gemma 4 global layers: hd 512): 64 packed rows, two consumer
     warpgroups (the default partition and a worker, ``num_warps`` = 4 each) that split the head dim. Warpgroup w
@@ -465,8 +484,11 @@ def _attn_fwd_gluon_wide(
     q1 = gl.allocate_shared_memory(Q.dtype.element_ty, [BLOCK_M, DH], q_sl)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, D], k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [V_STAGES, BLOCK_N, DV], v_desc.layout)
-    x_sl: gl.constexpr = gl.SwizzledSharedLayout(2, 1, 8, [1, 0])
-    x_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, BLOCK_N], x_sl)
+    # the partial-S exchange: an accumulator store covers 8 rows x 8 columns; 32-byte groups XOR-swizzled by
+    # row % 4 put 4 rows in disjoint banks (2 wavefronts, the minimum; 8-byte groups by row % 8 measured 4x that)
+    x_sl: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 4, [1, 0])
+    x0 = gl.allocate_shared_memory(gl.float32, [BLOCK_M, BLOCK_N], x_sl)
+    x1 = gl.allocate_shared_memory(gl.float32, [BLOCK_M, BLOCK_N], x_sl)
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES * 2, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES * 2, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES * 2, 1], mbarrier.MBarrierLayout())
@@ -488,16 +510,16 @@ def _attn_fwd_gluon_wide(
     W1: gl.constexpr = 1
     HALVES: gl.constexpr = 2
     gl.warp_specialize([
-        (_wide_half, (W0, q0, k_bufs, v_bufs, x_smem, k_ready, k_empty, v_ready, v_empty, x_ready, x_free,
+        (_wide_half, (W0, q0, x0, x1, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, x_ready, x_free,
                       Q, O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads,
                       stride_qt, stride_qh, stride_ot, stride_oh, ctx, ncq, seq_len, window, qk_scale,
                       a, b_mid, c_mid, d_end, G, GP, D, DV, BLOCK_M, BLOCK_N, BLOCK_Q, STAGES, V_STAGES,
-                      HAS_WINDOW, PREFIX, SPLIT, STORE_LSE)),
-        (_wide_half, (W1, q1, k_bufs, v_bufs, x_smem, k_ready, k_empty, v_ready, v_empty, x_ready, x_free,
+                      HAS_WINDOW, PREFIX, SPLIT, STORE_LSE, LAZY)),
+        (_wide_half, (W1, q1, x1, x0, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, x_ready, x_free,
                       Q, O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads,
                       stride_qt, stride_qh, stride_ot, stride_oh, ctx, ncq, seq_len, window, qk_scale,
                       a, b_mid, c_mid, d_end, G, GP, D, DV, BLOCK_M, BLOCK_N, BLOCK_Q, STAGES, V_STAGES,
-                      HAS_WINDOW, PREFIX, SPLIT, STORE_LSE)),
+                      HAS_WINDOW, PREFIX, SPLIT, STORE_LSE, LAZY)),
         (_kv_loader, (k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
                       bt_row, k_base, a, d_end, kvh * D, kvh * DV, seq_len, BLOCK_N, BOX_N, PAGE, PAGED, STAGES,
                       V_STAGES, HALVES, HALVES)),
@@ -664,13 +686,13 @@ def gluon_max_regs(num_warps: int, ctas_per_sm: int) -> int | None:
 def compile_for_sm90(*, block_m: int, block_n: int, num_warps: int, num_stages: int, head_dim: int, paged: bool,
                      split: bool, window: bool, group: int = 2, num_kv_heads: int = 8,
                      overlap: bool = True, page_size: int | None = None, v_stages: int | None = None,
-                     causal_flags: bool = False, hd_split: str = "dims") -> dict:
+                     causal_flags: bool = False, hd_split: str = "dims", lazy: bool = False) -> dict:
     """Compile the kernel for sm_90a without a GPU (Triton ``GPUTarget``) and run ``ptxas -v`` on the PTX.
 
     For CPU checks and pre-screening tiles. ``page_size`` (default max(128, block_n)) sets the TMA box rows
     (:func:`tma_box_rows`), ``v_stages`` the V ring depth (None: ``num_stages``), ``causal_flags`` whether the
     kernel reads ``[B]`` bool causal flags instead of ``num_causal_q``, ``hd_split`` the hd > 256 kernel
-    (``config["HD_SPLIT"]``). Must run in a process where
+    (``config["HD_SPLIT"]``), ``lazy`` the conditional rescaling (``config["LAZY_RESCALE"]``). Must run in a process where
     ``TRITON_INTERPRET`` is unset (the interpreter replaces the ``@triton.jit`` helpers Gluon calls). Returns
     ``{"shared": bytes, "ptxas": report,
     "wgmma": bool, "tma": bool, "setmaxnreg": bool, "setmaxnreg_values": [int]}``.
@@ -703,7 +725,7 @@ def compile_for_sm90(*, block_m: int, block_n: int, num_warps: int, num_stages: 
                   PAGE=page if paged else 1, PAGED=paged, HAS_WINDOW=window, PREFIX=False, NCQ_FLAGS=causal_flags,
                   SPLIT=split,
                   STORE_LSE=True, SEARCH_STEPS=1, STAGES=num_stages, V_STAGES=v_stages or num_stages,
-                  LOADER_REGS=LOADER_REGS, OVERLAP=overlap, num_warps=num_warps)
+                  LOADER_REGS=LOADER_REGS, OVERLAP=overlap, LAZY=lazy, num_warps=num_warps)
     if wide:
         del consts["OVERLAP"]
         consts.update(num_warps=4, CONSUMER_REGS=WIDE_CONSUMER_REGS)

@@ -208,14 +208,15 @@ def test_gpu_gluon_key_blocks_spanning_several_pages(D, H, Hkv, page_size):
 @pytest.mark.parametrize("page_size", [32, 64, 256])
 @pytest.mark.parametrize("case", [0, 1])
 def test_gpu_gluon_head_dim_512_two_warpgroups_split_the_columns(page_size, case):
-    # Gemma 4 global layers: hd 512, 16 query heads on 2 KV heads; the two consumer warpgroups split S's keys and
-    # O's V columns (BLOCK_M 64, 8 warps), sharing the row statistics and P through shared memory
+    # Gemma 4 global layers: hd 512, 16 query heads on 2 KV heads; two consumer warpgroups split the head dim
+    # (the wide kernel: partial S summed through shared memory) or, with HD_SPLIT="keys", S's keys and O's columns
     sl, ql, ncq = GPU_CASES[case]
     inp = poison_stale_rows(make_batch(sl, ql, num_causal_q=ncq, H=16, Hkv=2, D=512, page_size=page_size,
                                        device="cuda", seed=512 + page_size + case))
     base = dict(IMPL="gluon", BLOCK_M=64, num_warps=8, OVERLAP=False, BLOCK_DV=512)
     for cfg in (dict(base, BLOCK_N=32, num_stages=2), dict(base, BLOCK_N=32, num_stages=3, V_STAGES=1),
-                dict(base, BLOCK_N=64, num_stages=1)):
+                dict(base, BLOCK_N=64, num_stages=1, LAZY_RESCALE=True),
+                dict(base, BLOCK_N=64, num_stages=1, HD_SPLIT="keys", LAZY_RESCALE=case == 1)):
         if page_size < cfg["BLOCK_N"] and page_size % 8:
             continue
         for ns in (None, 1, 5):
