@@ -58,8 +58,9 @@ Design
   mapping, row intervals, boundary/full split and split-KV partials, written in Gluon (Triton's explicit-layout
   dialect): a producer warp streams K / V with TMA into mbarrier rings (``num_stages`` K and ``V_STAGES`` V
   buffers; a key block spanning several pages is one TMA box per page), consumer warpgroups run ``wgmma``,
-  optionally with QK^T of block j + 1 overlapping the softmax of block j (``OVERLAP``). Chosen automatically where
-  it measured faster (:data:`TUNED_GLUON_CONFIGS`: hd 128, and the hd-256 split regime) when the caches suit TMA
+  optionally with QK^T of block j + 1 overlapping the softmax of block j (``OVERLAP``); head dims > 256 (hd 512)
+  run its wide variant, two consumer warpgroups splitting the head dim. Chosen automatically where it measured
+  faster (:data:`TUNED_GLUON_CONFIGS`: hd 128, hd 512, and the hd-256 split regime) when the caches suit TMA
   (evenly strided pages of >= 64 tokens holding or tiling BLOCK_N, bf16/fp16, sm_90); ``LAST_LAUNCH["impl"]``
   says which kernel ran. ``config={"IMPL": "gluon"}`` on an input it cannot take raises ``ValueError`` (no
   silent fallback).
@@ -547,7 +548,7 @@ def _merge_kernel(OPART, LSEPART, O, LSE, total_q, num_heads, n_rows, stride_ot,
 
 # ------------------------------------------------------------------------------------------------ host side
 _CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "num_splits", "BLOCK_DV", "LAZY_RESCALE",
-                "BT_PREFETCH", "IMPL", "OVERLAP", "V_STAGES", "HD_SPLIT")
+                "BT_PREFETCH", "IMPL", "OVERLAP", "V_STAGES")
 _DEVICE_SMS: dict = {}
 _MAX_SPLITS = 65535  # num_splits is grid dimension z (CUDA: at most 65535)
 
@@ -628,6 +629,7 @@ TUNED_SPLIT_CONFIGS: dict = {
 
 _GLUON_64 = dict(IMPL="gluon", BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, OVERLAP=True)
 _GLUON_HD128 = dict(IMPL="gluon", BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2, V_STAGES=1, OVERLAP=False)
+_GLUON_HD512 = dict(IMPL="gluon", BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=1, BLOCK_DV=512, OVERLAP=False)
 #: The warp-specialised Gluon kernel (:mod:`blockdiff.attention.triton_gluon`) as the automatic choice
 #: {(head_dim, group, has_window, prefix): (base regime config or None, split regime config or None)}, bf16/fp16 on
 #: sm_90 when the caches suit TMA with boxes of >= 64 rows (else the tables above). H200 CUDA-graph medians, page 64:
@@ -640,8 +642,16 @@ _GLUON_HD128 = dict(IMPL="gluon", BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stag
 #:   canvas_bs1_ctx32k_sliding 32.7 us vs 36.8 on the portable kernel (gluon_overlap2-h200.json). hd 256 runs one
 #:   program per SM (the PV wgmma needs >= 158 registers a thread at launch). The hd-256 base regime stays on the
 #:   portable kernel: mixed_sliding_ctx8k 0.210 ms vs 0.250 ms in Gluon.
+#: - hd 512, group 8 (global layers), both regimes: the wide kernel (two consumer warpgroups splitting the head
+#:   dim), 64x64, one K and one V buffer (Q 64 KB + K 64 KB + V 64 KB + the partial-S exchange 32 KB). Same run
+#:   (bench/results/gluon_hd512_lazy-h200.json, 2a25e46): mixed_global_ctx8k 1.009 ms = 482 TFLOP/s,
+#:   canvas_bs1_ctx32k_global 0.569 ms = 487 TFLOP/s (2 splits); the 8-warp kernel splitting S's keys and O's
+#:   columns instead: 1.208 / 0.672 ms; with LAZY_RESCALE (the conditional rescale spills): 1.155 / 0.636 ms;
+#:   64x32 with two K and two V buffers: 1.307 / 0.754 ms (lazy). The portable kernel (128x32, V in two 256
+#:   slices, QK^T recomputed per slice): 2.001 / 1.174 ms (gluon_hd512_wide-h200.json).
 TUNED_GLUON_CONFIGS: dict = {
     (128, 2, False, False): (_GLUON_HD128, _GLUON_HD128),
+    (512, 8, False, False): (_GLUON_HD512, _GLUON_HD512),
     (256, 2, True, False): (None, dict(_GLUON_64, OVERLAP=False)),
 }
 
@@ -722,13 +732,12 @@ class TritonAttention:
         # dim <= 128; the 64x128 consumer spills ~1.3 KB with it); the V ring depth (None: num_stages)
         cfg.setdefault("OVERLAP", cfg["BLOCK_N"] <= 64 and self.key.head_dim_v <= 128)
         cfg.setdefault("V_STAGES", None)
-        cfg.setdefault("HD_SPLIT", "dims")
         if cfg["IMPL"] not in ("triton", "gluon"):
             raise ValueError(f"config['IMPL'] must be 'triton' (the portable kernel) or 'gluon' (the warp-specialised "
                              f"Hopper kernel), got {cfg['IMPL']!r}")
-        if (override or {}).get("IMPL") == "triton" and {"OVERLAP", "V_STAGES", "HD_SPLIT"} & set(override):
-            raise ValueError("config keys OVERLAP, V_STAGES and HD_SPLIT apply to the Gluon kernel; IMPL='triton' "
-                             "(the portable kernel) pipelines K and V with num_stages")
+        if (override or {}).get("IMPL") == "triton" and {"OVERLAP", "V_STAGES"} & set(override):
+            raise ValueError("config keys OVERLAP and V_STAGES apply to the Gluon kernel; IMPL='triton' (the portable "
+                             "kernel) pipelines K and V with num_stages")
         if cfg["IMPL"] == "gluon":
             from .triton_gluon import check_gluon_config
             check_gluon_config(cfg, self.key.head_dim, self.key.head_dim_v)
@@ -1006,9 +1015,7 @@ def attention_triton(
     if impl == "gluon":
         from . import triton_gluon as _tg
         box_n = _tg.tma_box_rows(info.paged, info.page_size, BN)
-        # hd > 256: two consumer warpgroups split the head dim (triton_gluon._attn_fwd_gluon_wide) or, with
-        # HD_SPLIT="keys", S's keys and O's columns in one 8-warp partition
-        wide = DV > 256 and cfg["HD_SPLIT"] == "dims"
+        wide = DV > 256  # two consumer warpgroups split the head dim (triton_gluon._attn_fwd_gluon_wide)
         k_desc, v_desc = _tg.make_kv_descriptors(k_cache, v_cache, box_n, 2 if wide else 1, 2 if wide else 1)
         args = (q, k_desc, v_desc, dst, lse_arg, opart, lsepart,
                 cu_q, sl, ncq, bt, cu_k,

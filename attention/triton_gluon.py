@@ -11,16 +11,29 @@ under their raised register budget (setmaxnreg). With ``OVERLAP`` (FA3's intra-w
 of key block j + 1 is issued before the softmax of block j and both wgmma groups retire inside the iteration:
 keeping PV's accumulator in flight across the loop's back edge made ptxas serialise every wgmma (warning C7514;
 measured 0.201 vs 0.152 ms on canvas_bs1_ctx32k_hd128, bench/results/gluon_overlap-h200.json) and is not done.
-Two programs share an SM when shared memory allows and ``head_dim_v <= 128`` (:func:`gluon_ctas_per_sm`): the
-64x128 hd-128 tile with 2 K + 1 V buffers (115 KB) is the automatic hd-128 choice (bench/results/
-gluon_kv_stages-h200.json). The varlen tile -> sequence mapping, the per-row key intervals, the full / boundary
+``LAZY_RESCALE`` (FA4's conditional rescaling) applies here as in the portable kernel; at hd 512 it measured
+slower (the conditional accumulator rescale spills). Two programs share an SM when shared memory allows and
+``head_dim_v <= 128`` (:func:`gluon_ctas_per_sm`): the 64x128 hd-128 tile with 2 K + 1 V buffers (115 KB) is
+the automatic hd-128 choice (bench/results/gluon_kv_stages-h200.json).
+
+Head dims > 256 (Gemma 4's global layers: hd 512) run the wide variant :func:`_attn_fwd_gluon_wide`: a 64 x 512
+fp32 accumulator is 256 registers a thread for one warpgroup, so two consumer warpgroups (two partitions, 4
+warps each; ``num_warps=8`` and ``BLOCK_M=64`` in the config) split the head dim. Warpgroup w computes the
+partial QK^T over head-dim half w (wgmma N = BLOCK_N) and PV into V columns half w; the two partials are summed
+through shared memory in the same order by both, so both hold the same S and the same row statistics without
+exchanging them, and P never leaves registers. K and V stream as head-dim halves with a barrier pair each, so
+each warpgroup releases its half independently. Q (64 KB), one K and one V buffer of 64 keys (64 KB each) and
+the exchange (32 KB) fill the 227 KB of shared memory. bench/results/gluon_hd512_lazy-h200.json (H200):
+mixed_global_ctx8k 1.009 ms (482 TFLOP/s) against 1.208 ms for the 8-warp kernel with S's keys and O's columns
+split across the warpgroups (the row statistics and P crossing through shared memory each block) and 2.001 ms
+for the portable kernel. The varlen tile -> sequence mapping, the per-row key intervals, the full / boundary
 block split, the split-KV partial layout and the merge are those of :mod:`blockdiff.attention.triton_attention`
 (which launches this kernel and documents the contract).
 
 Eligibility (:func:`gluon_ineligible` names the first rule an input breaks; ``IMPL="gluon"`` on an
 ineligible input raises ``ValueError``, it never falls back silently):
 
-* a CUDA device of compute capability 9.x, bf16 or fp16, ``head_dim == head_dim_v`` in {64, 128, 256};
+* a CUDA device of compute capability 9.x, bf16 or fp16, ``head_dim == head_dim_v`` in {64, 128, 256, 512};
 * ``scale > 0``;
 * K / V rows addressable as one 2-D TMA tensor ``[rows, num_kv_heads * head_dim]`` (contiguous last two dims,
   16-byte aligned): paged caches with ``stride(0) == page_size * stride(1)`` and either ``page_size % BLOCK_N
@@ -311,14 +324,10 @@ def _attn_fwd_gluon(
     V_STAGES: gl.constexpr, LOADER_REGS: gl.constexpr, OVERLAP: gl.constexpr, LAZY: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    # hd > 256 (HD_SPLIT="keys"): the two consumer warpgroups split the columns (S: key halves, O: V halves;
-    # wgmma N <= 256), rows are shared (BLOCK_M = 64); the row max / sum and P's operand layout cross
-    # warpgroups through shared memory
-    WN: gl.constexpr = 2 if DV > 256 else 1
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps // WN, WN],
-                                                       instr_shape=[16, BLOCK_N // WN, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps // WN, WN],
-                                                       instr_shape=[16, DV // WN, 16])
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, DV, 16])
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
 
@@ -373,7 +382,8 @@ def _attn_fwd_gluon(
 
 
 @gluon.jit
-def _wide_half(W: gl.constexpr, q_half, x_mine, x_other, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, x_ready, x_free,
+def _wide_half(W: gl.constexpr, q_half, x_mine, x_other, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
+               x_ready, x_free,
                Q, O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads,
                stride_qt, stride_qh, stride_ot, stride_oh, ctx, ncq, seq_len, window, qk_scale,
                a, b_mid, c_mid, d_end,
@@ -638,12 +648,8 @@ def check_gluon_config(cfg: dict, head_dim: int, head_dim_v: int) -> None:
                              f"warpgroups splitting the head dim), got num_warps={nw!r}, BLOCK_M={bm!r}")
         if cfg.get("OVERLAP"):
             raise ValueError(f"head_dim_v {head_dim_v} with IMPL='gluon' takes OVERLAP=False, got {cfg['OVERLAP']!r}")
-        if cfg.get("HD_SPLIT", "dims") not in ("dims", "keys"):
-            raise ValueError(f"config['HD_SPLIT'] (how two warpgroups share head_dim > 256) must be 'dims' or 'keys', "
-                             f"got {cfg.get('HD_SPLIT')!r}")
         vst = cfg.get("V_STAGES") or st
-        smem = 2 * (bm * head_dim + bn * (st * head_dim + vst * head_dim_v))
-        smem += 2 * bm * bn * 4 if cfg.get("HD_SPLIT", "dims") == "dims" else 2 * bm * bn
+        smem = 2 * (bm * head_dim + bn * (st * head_dim + vst * head_dim_v)) + 2 * bm * bn * 4
         if smem > WIDE_SMEM_LIMIT:
             raise ValueError(f"config BLOCK_N={bn}, num_stages={st}, V_STAGES={vst} needs {smem} B of shared memory "
                              f"at head_dim {head_dim} with IMPL='gluon' (Q + K / V rings + the partial-S exchange); "
@@ -686,13 +692,13 @@ def gluon_max_regs(num_warps: int, ctas_per_sm: int) -> int | None:
 def compile_for_sm90(*, block_m: int, block_n: int, num_warps: int, num_stages: int, head_dim: int, paged: bool,
                      split: bool, window: bool, group: int = 2, num_kv_heads: int = 8,
                      overlap: bool = True, page_size: int | None = None, v_stages: int | None = None,
-                     causal_flags: bool = False, hd_split: str = "dims", lazy: bool = False) -> dict:
+                     causal_flags: bool = False, lazy: bool = False) -> dict:
     """Compile the kernel for sm_90a without a GPU (Triton ``GPUTarget``) and run ``ptxas -v`` on the PTX.
 
     For CPU checks and pre-screening tiles. ``page_size`` (default max(128, block_n)) sets the TMA box rows
     (:func:`tma_box_rows`), ``v_stages`` the V ring depth (None: ``num_stages``), ``causal_flags`` whether the
-    kernel reads ``[B]`` bool causal flags instead of ``num_causal_q``, ``hd_split`` the hd > 256 kernel
-    (``config["HD_SPLIT"]``), ``lazy`` the conditional rescaling (``config["LAZY_RESCALE"]``). Must run in a process where
+    kernel reads ``[B]`` bool causal flags instead of ``num_causal_q``, ``lazy`` the conditional rescaling
+    (``config["LAZY_RESCALE"]``); ``head_dim > 256`` compiles the wide kernel. Must run in a process where
     ``TRITON_INTERPRET`` is unset (the interpreter replaces the ``@triton.jit`` helpers Gluon calls). Returns
     ``{"shared": bytes, "ptxas": report,
     "wgmma": bool, "tma": bool, "setmaxnreg": bool, "setmaxnreg_values": [int]}``.
@@ -713,7 +719,7 @@ def compile_for_sm90(*, block_m: int, block_n: int, num_warps: int, num_stages: 
     kc = torch.empty(8, page, num_kv_heads, D, dtype=torch.bfloat16) if paged else \
         torch.empty(1024, num_kv_heads, D, dtype=torch.bfloat16)
     box = tma_box_rows(paged, page, block_n)
-    wide = D > 256 and hd_split == "dims"
+    wide = D > 256
     kd, vd = make_kv_descriptors(kc, kc, box, 2 if wide else 1, 2 if wide else 1)
     i32, f32 = torch.empty(4, dtype=torch.int32), torch.empty(4, dtype=torch.float32)
     fn = _attn_fwd_gluon_wide if wide else _attn_fwd_gluon

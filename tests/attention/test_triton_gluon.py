@@ -66,6 +66,24 @@ def test_bad_gluon_configs_name_the_field(bad, match):
         attention(**inp, backend="triton", config=dict(GLUON, **bad))
 
 
+WIDE = dict(IMPL="gluon", BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=1, BLOCK_DV=512, OVERLAP=False)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(num_warps=4), "num_warps=8 and BLOCK_M=64"), (dict(BLOCK_M=128), "num_warps=8 and BLOCK_M=64"),
+    (dict(OVERLAP=True), "OVERLAP=False"), (dict(num_stages=2), "shared memory"),
+    (dict(BLOCK_N=32, num_stages=3), "shared memory"), (dict(BLOCK_DV=256), "BLOCK_DV"),
+])
+def test_bad_wide_gluon_configs_name_the_rule(bad, match):
+    # hd 512 (Gemma 4 global layers): two consumer warpgroups of 64 rows, Q + K / V rings + the partial-S
+    # exchange within 227 KB of shared memory
+    inp = make_batch([9], [4], causal=[False], H=16, Hkv=2, D=512, page_size=64, device="cpu")
+    with pytest.raises(ValueError, match=match):
+        attention(**inp, backend="triton", config=dict(WIDE, **bad))
+    tg.check_gluon_config(dict(WIDE, V_STAGES=None), 512, 512)            # the automatic hd-512 choice fits
+    tg.check_gluon_config(dict(WIDE, BLOCK_N=32, num_stages=2, V_STAGES=2), 512, 512)
+
+
 def test_layout_rules_name_what_tma_needs():
     kc = torch.zeros(4, 64, 2, 128, dtype=torch.bfloat16)
     assert tg.layout_ineligible(kc, kc, paged=True, page_size=64, block_n=64) is None
@@ -126,6 +144,10 @@ def test_cached_kv_descriptors_are_reused_and_do_not_keep_the_cache_alive():
     (128, 128, 8, 2, 128, True, True, False, False, {}),  # one consumer partition of two warpgroups, no overlap
     (64, 64, 4, 3, 128, False, False, True, True, {}),    # contiguous, windowed
     (64, 64, 4, 2, 256, True, False, True, False, {}),    # hd 256 sliding layers (the overlap spills ~100 B there)
+    (64, 64, 4, 2, 64, True, True, True, True, dict(lazy=True)),  # conditional rescaling in the overlapped consumer
+    # the wide hd-512 kernel (two consumer partitions): 64x32 with 2 K + 2 V buffers compiles without spills;
+    # the automatic 64x64 / one buffer each spills ~116 B (checked below, on the GPU it is the faster one)
+    (64, 32, 8, 2, 512, True, True, True, False, dict(group=8, num_kv_heads=2, page_size=64)),
 ])
 def test_gluon_kernel_compiles_for_sm90_without_spills(bm, bn, nw, stages, D, paged, split, window, overlap, extra):
     # a fresh process without TRITON_INTERPRET (the interpreter replaces the @triton.jit helpers Gluon calls)
@@ -142,6 +164,23 @@ def test_gluon_kernel_compiles_for_sm90_without_spills(bm, bn, nw, stages, D, pa
     assert "0 bytes spill stores" in rep["ptxas"], rep["ptxas"]
     assert "C751" not in rep["ptxas"], rep["ptxas"]  # C7512 / C7514: ptxas serialised the wgmma pipeline
     assert rep["shared"] <= 227 * 1024
+
+
+def test_wide_gluon_kernel_compiles_for_sm90_at_the_automatic_tile():
+    kw = dict(block_m=64, block_n=64, num_warps=8, num_stages=1, head_dim=512, paged=True, split=True, window=False,
+              overlap=False, group=8, num_kv_heads=2, page_size=64)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import json, sys; from blockdiff.attention.triton_gluon import compile_for_sm90; "
+            "print(json.dumps(compile_for_sm90(**json.loads(sys.argv[1]))))")
+    r = subprocess.run([sys.executable, "-c", code, json.dumps(kw)], capture_output=True, text=True, env=env,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads(r.stdout.strip().splitlines()[-1])
+    assert rep["wgmma"] and rep["tma"] and rep["setmaxnreg"]
+    assert "C751" not in rep["ptxas"], rep["ptxas"]
+    spills = [int(x) for x in __import__("re").findall(r"(\d+) bytes spill stores", rep["ptxas"])]
+    assert max(spills) <= 256, rep["ptxas"]
+    assert 224 * 1024 <= rep["shared"] <= tg.WIDE_SMEM_LIMIT
 
 
 # ---------------------------------------------------------------- GPU (H200)
@@ -208,15 +247,14 @@ def test_gpu_gluon_key_blocks_spanning_several_pages(D, H, Hkv, page_size):
 @pytest.mark.parametrize("page_size", [32, 64, 256])
 @pytest.mark.parametrize("case", [0, 1])
 def test_gpu_gluon_head_dim_512_two_warpgroups_split_the_columns(page_size, case):
-    # Gemma 4 global layers: hd 512, 16 query heads on 2 KV heads; two consumer warpgroups split the head dim
-    # (the wide kernel: partial S summed through shared memory) or, with HD_SPLIT="keys", S's keys and O's columns
+    # Gemma 4 global layers: hd 512, 16 query heads on 2 KV heads; the wide kernel's two consumer warpgroups split
+    # the head dim (partial S summed through shared memory, each warpgroup half of the V columns)
     sl, ql, ncq = GPU_CASES[case]
     inp = poison_stale_rows(make_batch(sl, ql, num_causal_q=ncq, H=16, Hkv=2, D=512, page_size=page_size,
                                        device="cuda", seed=512 + page_size + case))
     base = dict(IMPL="gluon", BLOCK_M=64, num_warps=8, OVERLAP=False, BLOCK_DV=512)
     for cfg in (dict(base, BLOCK_N=32, num_stages=2), dict(base, BLOCK_N=32, num_stages=3, V_STAGES=1),
-                dict(base, BLOCK_N=64, num_stages=1, LAZY_RESCALE=True),
-                dict(base, BLOCK_N=64, num_stages=1, HD_SPLIT="keys", LAZY_RESCALE=case == 1)):
+                dict(base, BLOCK_N=64, num_stages=1, LAZY_RESCALE=case == 1)):
         if page_size < cfg["BLOCK_N"] and page_size % 8:
             continue
         for ns in (None, 1, 5):
