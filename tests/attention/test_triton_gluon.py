@@ -268,7 +268,8 @@ def test_gpu_gluon_head_dim_512_two_warpgroups_split_the_columns(page_size, case
 def test_gpu_gluon_contiguous_form_and_dtypes(dtype):
     sl, ql, ncq = GPU_CASES[0]
     inp = make_batch(sl, ql, num_causal_q=ncq, H=16, Hkv=8, D=128, paged=False, dtype=dtype, device="cuda")
-    for cfg in (GLUON, dict(GLUON, BLOCK_M=128, num_warps=8, BLOCK_N=128), dict(GLUON, OVERLAP=False)):
+    for cfg in (GLUON, dict(GLUON, BLOCK_M=128, num_warps=8, BLOCK_N=128), dict(GLUON, OVERLAP=False),
+                dict(GLUON, LAZY_RESCALE=True), dict(GLUON, BLOCK_N=128, OVERLAP=False, LAZY_RESCALE=True)):
         _check(inp, cfg)
         _check(inp, dict(cfg, num_splits=4), window_size=300)
 
