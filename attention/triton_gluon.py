@@ -6,8 +6,8 @@ FlashAttention-3 structure (Shah et al., 2024, arXiv:2407.08608, section 3.1) ap
 contract: one producer warp streams K / V blocks with TMA into rings of ``STAGES`` K and ``V_STAGES`` V
 shared-memory buffers (a key block spanning several pages is one TMA box per page, into slices of one buffer:
 128-key blocks over 64-token pages), and the consumer warpgroups (``num_warps`` = 4 or 8: 64 or 128 packed
-rows) load the Q tile, run QK^T and PV on ``wgmma`` with the online softmax in between, and store the tile, all
-under their raised register budget (setmaxnreg). With ``OVERLAP`` (FA3's intra-warpgroup overlap, in part) QK^T
+rows; head dims > 256: the wide variant below) load the Q tile, run QK^T and PV on ``wgmma`` with the online
+softmax in between, and store the tile, all under their raised register budget (setmaxnreg). With ``OVERLAP`` (FA3's intra-warpgroup overlap, in part) QK^T
 of key block j + 1 is issued before the softmax of block j and both wgmma groups retire inside the iteration:
 keeping PV's accumulator in flight across the loop's back edge made ptxas serialise every wgmma (warning C7514;
 measured 0.201 vs 0.152 ms on canvas_bs1_ctx32k_hd128, bench/results/gluon_overlap-h200.json) and is not done.
@@ -23,12 +23,15 @@ partial QK^T over head-dim half w (wgmma N = BLOCK_N) and PV into V columns half
 through shared memory in the same order by both, so both hold the same S and the same row statistics without
 exchanging them, and P never leaves registers. K and V stream as head-dim halves with a barrier pair each, so
 each warpgroup releases its half independently. Q (64 KB), one K and one V buffer of 64 keys (64 KB each) and
-the exchange (32 KB) fill the 227 KB of shared memory. bench/results/gluon_hd512_lazy-h200.json (H200):
-mixed_global_ctx8k 1.009 ms (482 TFLOP/s) against 1.208 ms for the 8-warp kernel with S's keys and O's columns
-split across the warpgroups (the row statistics and P crossing through shared memory each block) and 2.001 ms
-for the portable kernel. The varlen tile -> sequence mapping, the per-row key intervals, the full / boundary
-block split, the split-KV partial layout and the merge are those of :mod:`blockdiff.attention.triton_attention`
-(which launches this kernel and documents the contract).
+the exchange (32 KB) fill the 227 KB of shared memory. H200, mixed_global_ctx8k: 1.091-1.096 ms (444-446
+TFLOP/s; bench_attention's 100 ms windows, attention-hd512 / attention-targets-h200.json) against 2.00 ms for
+the portable kernel; in the sweep's 40 ms windows (boost clock; gluon_hd512_lazy-h200.json) 1.009 ms against
+1.208 ms for a (removed) 8-warp kernel that split S's keys and O's columns across the warpgroups, whose row
+statistics and P crossed through shared memory every block.
+
+The varlen tile -> sequence mapping, the per-row key intervals, the full / boundary block split, the split-KV
+partial layout and the merge are those of :mod:`blockdiff.attention.triton_attention` (which launches this
+kernel and documents the contract).
 
 Eligibility (:func:`gluon_ineligible` names the first rule an input breaks; ``IMPL="gluon"`` on an
 ineligible input raises ``ValueError``, it never falls back silently):
@@ -69,10 +72,11 @@ def _kv_loader(k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empt
                BLOCK_N: gl.constexpr, BOX_N: gl.constexpr, PAGE: gl.constexpr, PAGED: gl.constexpr,
                STAGES: gl.constexpr, V_STAGES: gl.constexpr, K_CHUNKS: gl.constexpr, V_CHUNKS: gl.constexpr):
     """Producer warp: TMA K and V blocks ``[a, d_end)`` into their rings (``STAGES`` K and ``V_STAGES`` V
-    buffers; waits for a slot to be released).
+    buffers; waits for a slot to be released), each block in ``K_CHUNKS`` / ``V_CHUNKS`` head-dim chunks with a
+    barrier pair each (1: whole blocks; the wide kernel: 2, one per consumer warpgroup).
 
     A key block is ``BLOCK_N // BOX_N`` TMA boxes of ``BOX_N`` rows (a block spans several pages when the page
-    is smaller than the block), one expect-tx per block and buffer. A box starting at or beyond ``seq_len`` reads
+    is smaller than the block), one expect-tx per chunk and buffer. A box starting at or beyond ``seq_len`` reads
     the sequence's last page again (its block-table column is clamped: the table need only cover
     ``cdiv(seq_len, page_size)`` pages); those keys are masked and their V rows zeroed by the consumer."""
     for j in range(a, d_end):
@@ -622,6 +626,8 @@ def make_kv_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, box_rows: 
         descs = []
         for t, chunks in ((k_cache, k_chunks), (v_cache, v_chunks)):
             hkv, d = t.shape[-2], t.shape[-1]
+            if d % chunks or d // chunks > 256:
+                raise ValueError(f"head dim {d} must split into {chunks} TMA box columns of <= 256")
             rows = t.shape[0] * t.shape[1] if t.dim() == 4 else t.shape[0]
             box = [box_rows, d // chunks]
             layout = gl.NVMMASharedLayout.get_default_for(box, _gl_dtype(t.dtype))
@@ -633,15 +639,28 @@ def make_kv_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, box_rows: 
 
 
 WIDE_SMEM_LIMIT = 232448 - 1024  # 227 KB per block on sm_90, less barriers and alignment
-WIDE_CONSUMER_REGS = 232  # registers per thread of the wide kernel's worker consumer warpgroup (setmaxnreg)
+WIDE_CONSUMER_REGS = 232  # setmaxnreg of the wide kernel's worker warpgroup (ptxas gives both consumers 232)
 LOADER_REGS = 40  # registers per thread of the producer warp (setmaxnreg; scalar address math and TMA issue)
 
 
 def check_gluon_config(cfg: dict, head_dim: int, head_dim_v: int) -> None:
     """Validate the tile fields of a config with ``IMPL="gluon"`` (raises ``ValueError`` naming the field)."""
+    for name in ("num_warps", "BLOCK_M", "BLOCK_N", "num_stages", "BLOCK_DV"):
+        if isinstance(cfg[name], bool) or not isinstance(cfg[name], int):
+            raise ValueError(f"config[{name!r}] must be an int with IMPL='gluon', got {cfg[name]!r}")
     nw, bm, bn, st = cfg["num_warps"], cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_stages"]
     if nw not in (4, 8):
         raise ValueError(f"config['num_warps'] must be 4 or 8 (consumer warpgroups) with IMPL='gluon', got {nw!r}")
+    if head_dim_v <= 256 and (bm not in (64, 128) or bm < 16 * nw):
+        raise ValueError(f"config['BLOCK_M'] must be 64 or 128 and >= 16 * num_warps with IMPL='gluon', got {bm!r}")
+    if bn not in (32, 64, 128):
+        raise ValueError(f"config['BLOCK_N'] must be 32, 64 or 128 with IMPL='gluon', got {bn!r}")
+    if not 1 <= st <= 4:
+        raise ValueError(f"config['num_stages'] (K ring depth) must be in [1, 4] with IMPL='gluon', got {st!r}")
+    vst = cfg.get("V_STAGES")
+    if vst is not None and (isinstance(vst, bool) or not isinstance(vst, int) or not 1 <= vst <= 4):
+        raise ValueError(f"config['V_STAGES'] (V ring depth; None: num_stages) must be an int in [1, 4] or None "
+                         f"with IMPL='gluon', got {vst!r}")
     if head_dim_v > 256:
         if nw != 8 or bm != 64:
             raise ValueError(f"head_dim_v {head_dim_v} with IMPL='gluon' needs num_warps=8 and BLOCK_M=64 (two "
@@ -654,16 +673,6 @@ def check_gluon_config(cfg: dict, head_dim: int, head_dim_v: int) -> None:
             raise ValueError(f"config BLOCK_N={bn}, num_stages={st}, V_STAGES={vst} needs {smem} B of shared memory "
                              f"at head_dim {head_dim} with IMPL='gluon' (Q + K / V rings + the partial-S exchange); "
                              f"the limit is {WIDE_SMEM_LIMIT}")
-    elif bm not in (64, 128) or bm < 16 * nw:
-        raise ValueError(f"config['BLOCK_M'] must be 64 or 128 and >= 16 * num_warps with IMPL='gluon', got {bm!r}")
-    if bn not in (32, 64, 128):
-        raise ValueError(f"config['BLOCK_N'] must be 32, 64 or 128 with IMPL='gluon', got {bn!r}")
-    if not 1 <= st <= 4:
-        raise ValueError(f"config['num_stages'] (K ring depth) must be in [1, 4] with IMPL='gluon', got {st!r}")
-    vst = cfg.get("V_STAGES")
-    if vst is not None and (isinstance(vst, bool) or not isinstance(vst, int) or not 1 <= vst <= 4):
-        raise ValueError(f"config['V_STAGES'] (V ring depth; None: num_stages) must be an int in [1, 4] or None "
-                         f"with IMPL='gluon', got {vst!r}")
     if cfg["BLOCK_DV"] < head_dim_v:
         raise ValueError("config['BLOCK_DV'] cannot split the V head dim with IMPL='gluon' (one program holds it all)")
 
@@ -712,6 +721,8 @@ def compile_for_sm90(*, block_m: int, block_n: int, num_warps: int, num_stages: 
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
+    check_gluon_config(dict(num_warps=num_warps, BLOCK_M=block_m, BLOCK_N=block_n, num_stages=num_stages,
+                            V_STAGES=v_stages, OVERLAP=overlap, BLOCK_DV=head_dim), head_dim, head_dim)
     H, D = num_kv_heads * group, head_dim
     gp = 1 << max(0, (group - 1).bit_length())
     q = torch.empty(256, H, D, dtype=torch.bfloat16)
