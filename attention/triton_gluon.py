@@ -7,8 +7,9 @@ contract: one producer warp streams K / V blocks with TMA into rings of ``STAGES
 shared-memory buffers (a key block spanning several pages is one TMA box per page, into slices of one buffer:
 128-key blocks over 64-token pages), and the consumer warpgroups (``num_warps`` = 4 or 8: 64 or 128 packed
 rows; head dims > 256: the wide variant below) load the Q tile, run QK^T and PV on ``wgmma`` with the online
-softmax in between, and store the tile, all under their raised register budget (setmaxnreg). With ``OVERLAP`` (FA3's intra-warpgroup overlap, in part) QK^T
-of key block j + 1 is issued before the softmax of block j and both wgmma groups retire inside the iteration:
+softmax in between, and store the tile, all under their raised register budget (setmaxnreg). With ``OVERLAP``
+(FA3's intra-warpgroup overlap, in part) QK^T of key block j + 1 is issued before the softmax of block j and
+both wgmma groups retire inside the iteration:
 keeping PV's accumulator in flight across the loop's back edge made ptxas serialise every wgmma (warning C7514;
 measured 0.201 vs 0.152 ms on canvas_bs1_ctx32k_hd128, bench/results/gluon_overlap-h200.json) and is not done.
 ``LAZY_RESCALE`` (FA4's conditional rescaling) applies here as in the portable kernel; at hd 512 it measured
