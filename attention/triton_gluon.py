@@ -116,6 +116,44 @@ def _tma_key_block(desc, bufs, ready, empty, it, j, col, bt_row, k_base, seq_len
 
 
 @gluon.jit
+def _tile_keys(SEQ_LENS, NCQ, b, q_len, tile, split, window, num_splits, G: gl.constexpr, GP: gl.constexpr,
+               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr, HAS_WINDOW: gl.constexpr,
+               PREFIX: gl.constexpr, NCQ_FLAGS: gl.constexpr, SPLIT: gl.constexpr, row_s: gl.constexpr):
+    """A tile's sequence length, causal rows and context, its rows' key intervals ``[lo, hi]`` (in the softmax's
+    row layout ``row_s``; rows = (token, head in group)) and its key block ranges: the portable kernel's
+    helpers, shared by both Gluon kernels."""
+    seq_len = gl.load(SEQ_LENS + b)
+    ncq = _causal_rows(NCQ, b, q_len, NCQ_FLAGS)
+    ctx = seq_len - q_len
+    offs_m = gl.arange(0, BLOCK_M, layout=row_s)
+    i = tile * BLOCK_Q + offs_m // GP
+    row_valid = (i < q_len) & ((offs_m % GP) < G)
+    lo, hi = _row_key_interval(i, ctx, ncq, seq_len, window, HAS_WINDOW, PREFIX)
+    a, b_mid, c_mid, d_end = _key_block_ranges(lo, hi, row_valid, split, num_splits, BLOCK_N, SPLIT)
+    return seq_len, ncq, ctx, lo, hi, a, b_mid, c_mid, d_end
+
+
+@gluon.jit
+def _kv_rings(k_desc, v_desc, BLOCK_N: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr,
+              V_STAGES: gl.constexpr, CHUNKS: gl.constexpr):
+    """The K and V shared-memory rings and their empty / ready barriers, ``CHUNKS`` barrier pairs per buffer
+    (one per head-dim chunk the loader streams, :func:`_tma_key_block`), initialised."""
+    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, D], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [V_STAGES, BLOCK_N, DV], v_desc.layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES * CHUNKS, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES * CHUNKS, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES * CHUNKS, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES * CHUNKS, 1], mbarrier.MBarrierLayout())
+    for st in gl.static_range(STAGES * CHUNKS):
+        mbarrier.init(k_ready.index(st), count=1)
+        mbarrier.init(k_empty.index(st), count=1)
+    for st in gl.static_range(V_STAGES * CHUNKS):
+        mbarrier.init(v_ready.index(st), count=1)
+        mbarrier.init(v_empty.index(st), count=1)
+    return k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty
+
+
+@gluon.jit
 def _softmax_step(qk, m_i, l_i, acc, j, lo, hi, qk_scale, masked, offs_n, BLOCK_N: gl.constexpr,
                   row_o: gl.constexpr, LAZY: gl.constexpr):
     """Online-softmax update of one key block (base 2; ``masked``: apply the per-row key interval), the
@@ -345,32 +383,18 @@ def _attn_fwd_gluon(
     b, q_start, q_len, tile = _tile_sequence(CU_Q, t, num_seqs, ks, BLOCK_Q, SEARCH_STEPS)
     if tile * BLOCK_Q >= q_len:
         return
-    seq_len = gl.load(SEQ_LENS + b)
-    ncq = _causal_rows(NCQ, b, q_len, NCQ_FLAGS)
-    ctx = seq_len - q_len
-    offs_m = gl.arange(0, BLOCK_M, layout=row_s)  # rows = (token, head in group), in the softmax's row layout
-    i = tile * BLOCK_Q + offs_m // GP
-    row_valid = (i < q_len) & ((offs_m % GP) < G)
-    lo, hi = _row_key_interval(i, ctx, ncq, seq_len, window, HAS_WINDOW, PREFIX)
-    a, b_mid, c_mid, d_end = _key_block_ranges(lo, hi, row_valid, split, num_splits, BLOCK_N, SPLIT)
+    seq_len, ncq, ctx, lo, hi, a, b_mid, c_mid, d_end = _tile_keys(
+        SEQ_LENS, NCQ, b, q_len, tile, split, window, num_splits, G, GP, BLOCK_M, BLOCK_N, BLOCK_Q, HAS_WINDOW,
+        PREFIX, NCQ_FLAGS, SPLIT, row_s)
 
     # ---- Q tile: shared memory (the wgmma A operand) filled by the consumer partition, so that the loader's
     # first K / V loads are in flight while Q arrives
     q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], Q.dtype.element_ty)
     q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [BLOCK_M, D], q_sl)
 
-    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, D], k_desc.layout)
-    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [V_STAGES, BLOCK_N, DV], v_desc.layout)
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
-    for st in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(st), count=1)
-        mbarrier.init(k_empty.index(st), count=1)
-    for st in gl.static_range(V_STAGES):
-        mbarrier.init(v_ready.index(st), count=1)
-        mbarrier.init(v_empty.index(st), count=1)
+    ONE: gl.constexpr = 1
+    k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty = _kv_rings(k_desc, v_desc, BLOCK_N, D, DV, STAGES,
+                                                                   V_STAGES, ONE)
 
     bt_row, k_base = _kv_base(BT, CU_K, b, stride_bt, PAGED)
 
@@ -382,7 +406,7 @@ def _attn_fwd_gluon(
                      BLOCK_M, BLOCK_N, DV, STAGES, V_STAGES, s_layout, o_layout, blk, OVERLAP, LAZY)),
         (_kv_loader, (k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
                       bt_row, k_base, a, d_end, kvh * D, kvh * DV, seq_len, BLOCK_N, BOX_N, PAGE, PAGED, STAGES,
-                      V_STAGES, 1, 1)),
+                      V_STAGES, ONE, ONE)),
     ], [1], [LOADER_REGS])
 
 
@@ -484,38 +508,24 @@ def _attn_fwd_gluon_wide(
     b, q_start, q_len, tile = _tile_sequence(CU_Q, t, num_seqs, ks, BLOCK_Q, SEARCH_STEPS)
     if tile * BLOCK_Q >= q_len:
         return
-    seq_len = gl.load(SEQ_LENS + b)
-    ncq = _causal_rows(NCQ, b, q_len, NCQ_FLAGS)
-    ctx = seq_len - q_len
-    offs_m = gl.arange(0, BLOCK_M, layout=row_s)
-    i = tile * BLOCK_Q + offs_m // GP
-    row_valid = (i < q_len) & ((offs_m % GP) < G)
-    lo, hi = _row_key_interval(i, ctx, ncq, seq_len, window, HAS_WINDOW, PREFIX)
-    a, b_mid, c_mid, d_end = _key_block_ranges(lo, hi, row_valid, split, num_splits, BLOCK_N, SPLIT)
+    seq_len, ncq, ctx, lo, hi, a, b_mid, c_mid, d_end = _tile_keys(
+        SEQ_LENS, NCQ, b, q_len, tile, split, window, num_splits, G, GP, BLOCK_M, BLOCK_N, BLOCK_Q, HAS_WINDOW,
+        PREFIX, NCQ_FLAGS, SPLIT, row_s)
 
     DH: gl.constexpr = D // 2
     q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, DH], Q.dtype.element_ty)
     q0 = gl.allocate_shared_memory(Q.dtype.element_ty, [BLOCK_M, DH], q_sl)
     q1 = gl.allocate_shared_memory(Q.dtype.element_ty, [BLOCK_M, DH], q_sl)
-    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, D], k_desc.layout)
-    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [V_STAGES, BLOCK_N, DV], v_desc.layout)
+    HALVES: gl.constexpr = 2
+    k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty = _kv_rings(k_desc, v_desc, BLOCK_N, D, DV, STAGES,
+                                                                   V_STAGES, HALVES)
     # the partial-S exchange: an accumulator store covers 8 rows x 8 columns; 32-byte groups XOR-swizzled by
     # row % 4 put 4 rows in disjoint banks (2 wavefronts, the minimum; 8-byte groups by row % 8 measured 4x that)
     x_sl: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 4, [1, 0])
     x0 = gl.allocate_shared_memory(gl.float32, [BLOCK_M, BLOCK_N], x_sl)
     x1 = gl.allocate_shared_memory(gl.float32, [BLOCK_M, BLOCK_N], x_sl)
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES * 2, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES * 2, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES * 2, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES * 2, 1], mbarrier.MBarrierLayout())
     x_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     x_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for st in gl.static_range(STAGES * 2):
-        mbarrier.init(k_ready.index(st), count=1)
-        mbarrier.init(k_empty.index(st), count=1)
-    for st in gl.static_range(V_STAGES * 2):
-        mbarrier.init(v_ready.index(st), count=1)
-        mbarrier.init(v_empty.index(st), count=1)
     for w in gl.static_range(2):
         mbarrier.init(x_ready.index(w), count=1)
         mbarrier.init(x_free.index(w), count=1)
@@ -523,7 +533,6 @@ def _attn_fwd_gluon_wide(
     bt_row, k_base = _kv_base(BT, CU_K, b, stride_bt, PAGED)
     W0: gl.constexpr = 0
     W1: gl.constexpr = 1
-    HALVES: gl.constexpr = 2
     gl.warp_specialize([
         (_wide_half, (W0, q0, x0, x1, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, x_ready, x_free,
                       Q, O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads,

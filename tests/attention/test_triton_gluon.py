@@ -8,6 +8,7 @@ fp16, and a CUDA-graph replay with changed flags, lengths and block tables.
 """
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -148,6 +149,21 @@ def test_cached_kv_descriptors_are_reused_and_do_not_keep_the_cache_alive():
     assert ref() is None
 
 
+def _compile_offline(kw):
+    """compile_for_sm90(**kw) in a fresh process without TRITON_INTERPRET (the interpreter replaces the
+    @triton.jit helpers Gluon calls); asserts it built with wgmma, TMA and setmaxnreg; returns (report, spill
+    bytes per function)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import json, sys; from blockdiff.attention.triton_gluon import compile_for_sm90; "
+            "print(json.dumps(compile_for_sm90(**json.loads(sys.argv[1]))))")
+    r = subprocess.run([sys.executable, "-c", code, json.dumps(kw)], capture_output=True, text=True, env=env,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads(r.stdout.strip().splitlines()[-1])
+    assert rep["wgmma"] and rep["tma"] and rep["setmaxnreg"]
+    return rep, [int(x) for x in re.findall(r"(\d+) bytes spill stores", rep["ptxas"])]
+
+
 @pytest.mark.parametrize("bm,bn,nw,stages,D,paged,split,window,overlap,extra", [
     # the automatic hd-128 choice: 128-key blocks of two 64-token pages, 2 K + 1 V buffers, split and not
     (64, 128, 4, 2, 128, True, True, False, False, dict(page_size=64, v_stages=1)),
@@ -162,18 +178,8 @@ def test_cached_kv_descriptors_are_reused_and_do_not_keep_the_cache_alive():
     (64, 32, 8, 2, 512, True, True, True, False, dict(group=8, num_kv_heads=2, page_size=64)),
 ])
 def test_gluon_kernel_compiles_for_sm90_without_spills(bm, bn, nw, stages, D, paged, split, window, overlap, extra):
-    # a fresh process without TRITON_INTERPRET (the interpreter replaces the @triton.jit helpers Gluon calls)
-    kw = dict(block_m=bm, block_n=bn, num_warps=nw, num_stages=stages, head_dim=D, paged=paged, split=split,
-              window=window, overlap=overlap, **extra)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("import json, sys; from blockdiff.attention.triton_gluon import compile_for_sm90; "
-            "print(json.dumps(compile_for_sm90(**json.loads(sys.argv[1]))))")
-    r = subprocess.run([sys.executable, "-c", code, json.dumps(kw)], capture_output=True, text=True, env=env,
-                       timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    rep = json.loads(r.stdout.strip().splitlines()[-1])
-    assert rep["wgmma"] and rep["tma"] and rep["setmaxnreg"]
-    spills = [int(x) for x in __import__("re").findall(r"(\d+) bytes spill stores", rep["ptxas"])]
+    rep, spills = _compile_offline(dict(block_m=bm, block_n=bn, num_warps=nw, num_stages=stages, head_dim=D,
+                                        paged=paged, split=split, window=window, overlap=overlap, **extra))
     assert spills and max(spills) == 0, rep["ptxas"]  # (a substring test would also pass "120 bytes ...")
     assert "C751" not in rep["ptxas"], rep["ptxas"]  # C7512 / C7514: ptxas serialised the wgmma pipeline
     assert rep["shared"] <= 227 * 1024
@@ -181,18 +187,10 @@ def test_gluon_kernel_compiles_for_sm90_without_spills(bm, bn, nw, stages, D, pa
 
 @pytest.mark.parametrize("lazy", [False, True])
 def test_wide_gluon_kernel_compiles_for_sm90_at_the_automatic_tile(lazy):
-    kw = dict(block_m=64, block_n=64, num_warps=8, num_stages=1, head_dim=512, paged=True, split=True, window=False,
-              overlap=False, group=8, num_kv_heads=2, page_size=64, lazy=lazy)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("import json, sys; from blockdiff.attention.triton_gluon import compile_for_sm90; "
-            "print(json.dumps(compile_for_sm90(**json.loads(sys.argv[1]))))")
-    r = subprocess.run([sys.executable, "-c", code, json.dumps(kw)], capture_output=True, text=True, env=env,
-                       timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    rep = json.loads(r.stdout.strip().splitlines()[-1])
-    assert rep["wgmma"] and rep["tma"] and rep["setmaxnreg"]
+    rep, spills = _compile_offline(dict(block_m=64, block_n=64, num_warps=8, num_stages=1, head_dim=512, paged=True,
+                                        split=True, window=False, overlap=False, group=8, num_kv_heads=2,
+                                        page_size=64, lazy=lazy))
     assert "C751" not in rep["ptxas"], rep["ptxas"]
-    spills = [int(x) for x in __import__("re").findall(r"(\d+) bytes spill stores", rep["ptxas"])]
     assert max(spills) <= 256, rep["ptxas"]
     assert 224 * 1024 <= rep["shared"] <= tg.WIDE_SMEM_LIMIT
 
