@@ -734,8 +734,8 @@ class TritonAttention:
             raise ValueError(f"config['BT_PREFETCH'] must be a bool, got {cfg['BT_PREFETCH']!r}")
         cfg.setdefault("BT_PREFETCH", True)   # H200: prefill16k_hd128 paged 2.909 -> 2.430 ms (see _attn_range)
         cfg.setdefault("IMPL", "triton")
-        if not isinstance(cfg.get("OVERLAP", True), bool):
-            raise ValueError(f"config['OVERLAP'] must be a bool, got {cfg['OVERLAP']!r}")
+        if not (isinstance(cfg.get("OVERLAP", True), bool) or cfg.get("OVERLAP") == "pv"):
+            raise ValueError(f"config['OVERLAP'] must be a bool or 'pv', got {cfg['OVERLAP']!r}")
         # Gluon only: the overlap by default where its consumer compiles without spills (64-key blocks, V head
         # dim <= 128; the 64x128 consumer spills ~1.3 KB with it); the V ring depth (None: num_stages)
         cfg.setdefault("OVERLAP", cfg["BLOCK_N"] <= 64 and self.key.head_dim_v <= 128)
@@ -879,8 +879,9 @@ def attention_triton(
             num_warps, num_stages, num_splits (split-KV count; None = automatic), BLOCK_DV (V head-dim slice per
             program), LAZY_RESCALE (bool, default False), BT_PREFETCH (bool, default True), IMPL ("triton" or
             "gluon": the warp-specialised Hopper kernel; default: chosen per input, see TUNED_GLUON_CONFIGS) and
-            OVERLAP (bool, Gluon only: QK^T of the next key block overlaps the softmax; default True for BLOCK_N
-            <= 64 and head_dim_v <= 128, else False), V_STAGES (Gluon only: V ring depth; default None =
+            OVERLAP (Gluon only: True: QK^T of the next key block overlaps the softmax; "pv": PV of a key block
+            overlaps the next block's softmax; default True for BLOCK_N <= 64 and head_dim_v <= 128, else False),
+            V_STAGES (Gluon only: V ring depth; default None =
             num_stages, the K ring depth). With IMPL unset the Gluon-only keys apply when the automatic choice
             runs the Gluon kernel (``LAST_LAUNCH["impl"]``); with IMPL="triton" they are a ValueError.
 
@@ -1037,9 +1038,9 @@ def attention_triton(
                       LAZY=bool(cfg["LAZY_RESCALE"]), maxnreg=_tg.gluon_max_regs(cfg["num_warps"], gluon_ctas))
         if wide:
             handle = _tg._attn_fwd_gluon_wide[grid](*args, **consts, CONSUMER_REGS=_tg.WIDE_CONSUMER_REGS,
-                                                     num_warps=4)
+                                                     OVERLAP=_tg.overlap_mode(cfg["OVERLAP"]), num_warps=4)
         else:
-            handle = _tg._attn_fwd_gluon[grid](*args, **consts, OVERLAP=bool(cfg["OVERLAP"]),
+            handle = _tg._attn_fwd_gluon[grid](*args, **consts, OVERLAP=_tg.overlap_mode(cfg["OVERLAP"]),
                                                num_warps=cfg["num_warps"])
     else:
         handle = _attn_fwd_kernel[grid](

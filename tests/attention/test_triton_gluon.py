@@ -176,6 +176,10 @@ def _compile_offline(kw):
     # the wide hd-512 kernel (two consumer partitions): 64x32 with 2 K + 2 V buffers compiles without spills;
     # the automatic 64x64 / one buffer each spills ~116 B (checked below, on the GPU it is the faster one)
     (64, 32, 8, 2, 512, True, True, True, False, dict(group=8, num_kv_heads=2, page_size=64)),
+    # OVERLAP="pv" (PV of block j overlaps the softmax of block j + 1): hd 128 with 2 K + 2 V buffers, and the wide
+    # kernel at 64x32 with 2 + 2 (at 64x64 with one buffer each it spills ~650 B)
+    (64, 64, 4, 2, 128, True, True, False, "pv", dict(page_size=64, v_stages=2, causal_flags=True)),
+    (64, 32, 8, 2, 512, True, False, False, "pv", dict(group=8, num_kv_heads=2, page_size=64)),
 ])
 def test_gluon_kernel_compiles_for_sm90_without_spills(bm, bn, nw, stages, D, paged, split, window, overlap, extra):
     rep, spills = _compile_offline(dict(block_m=bm, block_n=bn, num_warps=nw, num_stages=stages, head_dim=D,
@@ -271,6 +275,30 @@ def test_gpu_gluon_head_dim_512_two_warpgroups_split_the_head_dim(page_size, cas
             _check(inp, dict(cfg, num_splits=ns))
         _check(inp, cfg, window_size=127)
         _check(inp, cfg, window_size=100, bidirectional_window="prefix")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D,H,Hkv,page_size", [(64, 8, 2, 32), (128, 16, 8, 64), (256, 16, 8, 128),
+                                               (512, 16, 2, 64), (512, 16, 2, 32)])
+@pytest.mark.parametrize("case", [0, 1])
+def test_gpu_gluon_pv_overlap_matches_reference(D, H, Hkv, page_size, case):
+    # OVERLAP="pv": QK^T of block j + 1 issued before PV of block j, the softmax of j + 1 while PV runs, the
+    # accumulator rescaled after PV retires; programs with 0, 1 and many key blocks (splits, windows)
+    sl, ql, ncq = GPU_CASES[case]
+    inp = poison_stale_rows(make_batch(sl, ql, num_causal_q=ncq, H=H, Hkv=Hkv, D=D, page_size=page_size,
+                                       device="cuda", seed=3 * D + page_size + case))
+    if D > 256:
+        base = dict(IMPL="gluon", BLOCK_M=64, num_warps=8, BLOCK_DV=512, OVERLAP="pv")
+        cfgs = [dict(base, BLOCK_N=32, num_stages=2, V_STAGES=2), dict(base, BLOCK_N=64, num_stages=1)]
+    else:
+        cfgs = [dict(GLUON, OVERLAP="pv", V_STAGES=2), dict(GLUON, OVERLAP="pv", V_STAGES=1, num_stages=3),
+                dict(GLUON, OVERLAP="pv", BLOCK_M=128, num_warps=8, num_stages=2)]
+    for cfg in cfgs:
+        for ns in (None, 1, 3, 8):
+            _check(inp, dict(cfg, num_splits=ns))
+        _check(inp, cfg, window_size=127)
+        _check(inp, cfg, window_size=100, bidirectional_window="prefix")
+        _check(inp, cfg, window_size=0)
 
 
 @pytest.mark.gpu
