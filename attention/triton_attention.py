@@ -718,6 +718,10 @@ class TritonAttention:
         cfg.update(override or {})
         if cfg.get("IMPL") == "gluon" and "BLOCK_DV" not in (override or {}):
             cfg["BLOCK_DV"] = max(16, _next_pow2(self.key.head_dim_v))  # the Gluon kernels hold all of V
+        if cfg.get("IMPL") == "gluon" and "LAZY_RESCALE" not in (override or {}):
+            # the portable kernel's tuned LAZY_RESCALE (hd-256 sliding) is not the Gluon kernels': they were tuned
+            # without it (inherited, it cost canvas_bs1_ctx32k_sliding 26.8 -> 30.2 us, gluon_pv_sliding-h200)
+            cfg["LAZY_RESCALE"] = False
         gp = _next_pow2(self.key.group)
         for name in ("BLOCK_M", "BLOCK_N", "BLOCK_DV"):
             v = cfg[name]
@@ -734,8 +738,8 @@ class TritonAttention:
             raise ValueError(f"config['BT_PREFETCH'] must be a bool, got {cfg['BT_PREFETCH']!r}")
         cfg.setdefault("BT_PREFETCH", True)   # H200: prefill16k_hd128 paged 2.909 -> 2.430 ms (see _attn_range)
         cfg.setdefault("IMPL", "triton")
-        if not (isinstance(cfg.get("OVERLAP", True), bool) or cfg.get("OVERLAP") == "pv"):
-            raise ValueError(f"config['OVERLAP'] must be a bool or 'pv', got {cfg['OVERLAP']!r}")
+        if not (isinstance(cfg.get("OVERLAP", True), bool) or cfg.get("OVERLAP") in ("pv", "chain")):
+            raise ValueError(f"config['OVERLAP'] must be a bool, 'pv' or 'chain', got {cfg['OVERLAP']!r}")
         # Gluon only: the overlap by default where its consumer compiles without spills (64-key blocks, V head
         # dim <= 128; the 64x128 consumer spills ~1.3 KB with it); the V ring depth (None: num_stages)
         cfg.setdefault("OVERLAP", cfg["BLOCK_N"] <= 64 and self.key.head_dim_v <= 128)

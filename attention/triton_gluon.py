@@ -355,6 +355,61 @@ def _softmax_consumer_pv(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_em
 
 
 @gluon.jit
+def _softmax_consumer_chain(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
+                            lo, hi, a, b_mid, c_mid, d_end, seq_len, qk_scale,
+                            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr,
+                            STAGES: gl.constexpr, V_STAGES: gl.constexpr, s_layout: gl.constexpr,
+                            o_layout: gl.constexpr, v_blk: gl.constexpr, LAZY: gl.constexpr):
+    """The sequential consumer with PV of block j and QK^T of block j + 1 issued back to back and retired together
+    (``OVERLAP="chain"``): the tensor cores see the two wgmma groups without the retire / issue gap between
+    them; no softmax overlaps either, so the live registers are the sequential consumer's (the last block's
+    PV runs alone, outside the loop)."""
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
+    acc = gl.zeros([BLOCK_M, DV], gl.float32, o_layout)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    offs_vn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, v_blk))
+    if d_end > a:
+        mbarrier.wait(k_ready.index(0), 0)
+        qk = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
+        mbarrier.arrive(k_empty.index(0), count=1)
+        for j in range(a, d_end - 1):
+            it = j - a
+            vs = it % V_STAGES
+            k1 = (it + 1) % STAGES
+            p, m_i, l_i, acc = _softmax_step(qk, m_i, l_i, acc, j, lo, hi, qk_scale, (j < b_mid) | (j >= c_mid),
+                                               offs_n, BLOCK_N, row_o, LAZY)
+            p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+            v_buf = v_bufs.index(vs)
+            mbarrier.wait(v_ready.index(vs), (it // V_STAGES) & 1)
+            _zero_stale_v(v_buf, j, seq_len, offs_vn, v_blk, BLOCK_N)
+            acc_t = warpgroup_mma(p_op, v_buf, acc, is_async=True)
+            mbarrier.wait(k_ready.index(k1), ((it + 1) // STAGES) & 1)
+            qk_t = warpgroup_mma(q_smem, k_bufs.index(k1).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            acc, qk = warpgroup_mma_wait(num_outstanding=0, deps=(acc_t, qk_t))
+            mbarrier.arrive(v_empty.index(vs), count=1)
+            mbarrier.arrive(k_empty.index(k1), count=1)
+        j = d_end - 1
+        it = j - a
+        vs = it % V_STAGES
+        p, m_i, l_i, acc = _softmax_step(qk, m_i, l_i, acc, j, lo, hi, qk_scale, (j < b_mid) | (j >= c_mid),
+                                           offs_n, BLOCK_N, row_o, LAZY)
+        p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+        v_buf = v_bufs.index(vs)
+        mbarrier.wait(v_ready.index(vs), (it // V_STAGES) & 1)
+        _zero_stale_v(v_buf, j, seq_len, offs_vn, v_blk, BLOCK_N)
+        acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(v_empty.index(vs), count=1)
+    return acc, l_i, m_i
+
+
+@gluon.jit
 def _epilogue(acc, l_i, m_i, O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads,
               stride_ot, stride_oh, G: gl.constexpr, GP: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_Q: gl.constexpr, SPLIT: gl.constexpr, STORE_LSE: gl.constexpr, o_layout: gl.constexpr,
@@ -419,7 +474,11 @@ def _consumer(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, lo, hi
     parent before / after the partitions: the loader's first K / V loads overlap the Q load, and the
     accumulator is stored without returning it across the partition boundary."""
     _load_q(q_smem, Q, q_start, q_len, tile, kvh, stride_qt, stride_qh, G, GP, D, BLOCK_M, BLOCK_Q, v_blk, 0)
-    if OVERLAP == 2:
+    if OVERLAP == 3:
+        acc, l_i, m_i = _softmax_consumer_chain(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, lo, hi,
+                                                a, b_mid, c_mid, d_end, seq_len, qk_scale, BLOCK_M, BLOCK_N, DV,
+                                                STAGES, V_STAGES, s_layout, o_layout, v_blk, LAZY)
+    elif OVERLAP == 2:
         acc, l_i, m_i = _softmax_consumer_pv(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, lo, hi, a,
                                              b_mid, c_mid, d_end, seq_len, qk_scale, BLOCK_M, BLOCK_N, DV, STAGES,
                                              V_STAGES, s_layout, o_layout, v_blk)
@@ -565,6 +624,56 @@ def _wide_consumer_pv(W: gl.constexpr, q_half, x_mine, x_other, k_bufs, v_bufs, 
 
 
 @gluon.jit
+def _wide_consumer_chain(W: gl.constexpr, q_half, x_mine, x_other, k_bufs, v_bufs, k_ready, k_empty, v_ready,
+                         v_empty, x_ready, x_free, lo, hi, a, b_mid, c_mid, d_end, seq_len, qk_scale, m_i, l_i, acc,
+                         s_zero, offs_n, offs_vn, BLOCK_N: gl.constexpr, DH: gl.constexpr, DVH: gl.constexpr,
+                         STAGES: gl.constexpr, V_STAGES: gl.constexpr, s_layout: gl.constexpr,
+                         o_layout: gl.constexpr, blk: gl.constexpr, LAZY: gl.constexpr):
+    """The wide warpgroup's loop with ``OVERLAP="chain"`` (:func:`_softmax_consumer_chain`'s order): PV of block j
+    and the partial QK^T of block j + 1 issued back to back and retired together."""
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    if d_end > a:
+        mbarrier.wait(k_ready.index(W), 0)
+        part = warpgroup_mma(q_half, k_bufs.index(0).slice(W * DH, DH, dim=1).permute((1, 0)), s_zero,
+                             use_acc=False, is_async=True)
+        part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+        mbarrier.arrive(k_empty.index(W), count=1)
+        for j in range(a, d_end - 1):
+            it = j - a
+            vs = it % V_STAGES
+            k1 = (it + 1) % STAGES
+            qk = _exchange_s(W, part, x_mine, x_other, x_ready, x_free, it, s_layout)
+            p, m_i, l_i, acc = _softmax_step(qk, m_i, l_i, acc, j, lo, hi, qk_scale, (j < b_mid) | (j >= c_mid),
+                                               offs_n, BLOCK_N, row_o, LAZY)
+            p_op = gl.convert_layout(p.to(q_half.dtype), p_layout)
+            v_half = v_bufs.index(vs).slice(W * DVH, DVH, dim=1)
+            mbarrier.wait(v_ready.index(vs * 2 + W), (it // V_STAGES) & 1)
+            _zero_stale_v(v_half, j, seq_len, offs_vn, blk, BLOCK_N)
+            acc_t = warpgroup_mma(p_op, v_half, acc, is_async=True)
+            mbarrier.wait(k_ready.index(k1 * 2 + W), ((it + 1) // STAGES) & 1)
+            part_t = warpgroup_mma(q_half, k_bufs.index(k1).slice(W * DH, DH, dim=1).permute((1, 0)), s_zero,
+                                   use_acc=False, is_async=True)
+            acc, part = warpgroup_mma_wait(num_outstanding=0, deps=(acc_t, part_t))
+            mbarrier.arrive(v_empty.index(vs * 2 + W), count=1)
+            mbarrier.arrive(k_empty.index(k1 * 2 + W), count=1)
+        j = d_end - 1
+        it = j - a
+        vs = it % V_STAGES
+        qk = _exchange_s(W, part, x_mine, x_other, x_ready, x_free, it, s_layout)
+        p, m_i, l_i, acc = _softmax_step(qk, m_i, l_i, acc, j, lo, hi, qk_scale, (j < b_mid) | (j >= c_mid),
+                                           offs_n, BLOCK_N, row_o, LAZY)
+        p_op = gl.convert_layout(p.to(q_half.dtype), p_layout)
+        v_half = v_bufs.index(vs).slice(W * DVH, DVH, dim=1)
+        mbarrier.wait(v_ready.index(vs * 2 + W), (it // V_STAGES) & 1)
+        _zero_stale_v(v_half, j, seq_len, offs_vn, blk, BLOCK_N)
+        acc = warpgroup_mma(p_op, v_half, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(v_empty.index(vs * 2 + W), count=1)
+    return acc, l_i, m_i
+
+
+@gluon.jit
 def _wide_half(W: gl.constexpr, q_half, x_mine, x_other, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
                x_ready, x_free,
                Q, O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads,
@@ -598,7 +707,12 @@ def _wide_half(W: gl.constexpr, q_half, x_mine, x_other, k_bufs, v_bufs, k_ready
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     offs_vn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, blk))
-    if OVERLAP == 2:
+    if OVERLAP == 3:
+        acc, l_i, m_i = _wide_consumer_chain(W, q_half, x_mine, x_other, k_bufs, v_bufs, k_ready, k_empty, v_ready,
+                                             v_empty, x_ready, x_free, lo, hi, a, b_mid, c_mid, d_end, seq_len,
+                                             qk_scale, m_i, l_i, acc, s_zero, offs_n, offs_vn, BLOCK_N, DH, DVH,
+                                             STAGES, V_STAGES, s_layout, o_layout, blk, LAZY)
+    elif OVERLAP == 2:
         acc, l_i, m_i = _wide_consumer_pv(W, q_half, x_mine, x_other, k_bufs, v_bufs, k_ready, k_empty, v_ready,
                                           v_empty, x_ready, x_free, lo, hi, a, b_mid, c_mid, d_end, seq_len,
                                           qk_scale, m_i, l_i, acc, s_zero, offs_n, offs_vn, BLOCK_N, DH, DVH, STAGES,
@@ -823,8 +937,8 @@ def check_gluon_config(cfg: dict, head_dim: int, head_dim_v: int) -> None:
         if nw != 8 or bm != 64:
             raise ValueError(f"head_dim_v {head_dim_v} with IMPL='gluon' needs num_warps=8 and BLOCK_M=64 (two "
                              f"warpgroups splitting the head dim), got num_warps={nw!r}, BLOCK_M={bm!r}")
-        if cfg.get("OVERLAP") not in (False, None, "pv"):
-            raise ValueError(f"head_dim_v {head_dim_v} with IMPL='gluon' takes OVERLAP=False or 'pv', got "
+        if cfg.get("OVERLAP") not in (False, None, "pv", "chain"):
+            raise ValueError(f"head_dim_v {head_dim_v} with IMPL='gluon' takes OVERLAP=False, 'pv' or 'chain', got "
                              f"{cfg['OVERLAP']!r}")
         vst = cfg.get("V_STAGES") or st
         smem = 2 * (bm * head_dim + bn * (st * head_dim + vst * head_dim_v)) + 2 * bm * bn * 4
@@ -841,8 +955,9 @@ def check_gluon_config(cfg: dict, head_dim: int, head_dim_v: int) -> None:
 
 def overlap_mode(overlap) -> int:
     """The kernels' ``OVERLAP`` constexpr of a config value: 0 (False: sequential), 1 (True: QK^T of block j + 1
-    overlaps the softmax of block j), 2 ("pv": PV of block j overlaps the softmax of block j + 1)."""
-    return 2 if overlap == "pv" else int(bool(overlap))
+    overlaps the softmax of block j), 2 ("pv": PV of block j overlaps the softmax of block j + 1), 3 ("chain": PV of
+    block j and QK^T of block j + 1 issued back to back)."""
+    return {"pv": 2, "chain": 3}.get(overlap, 0) if isinstance(overlap, str) else int(bool(overlap))
 
 
 def gluon_ctas_per_sm(block_m: int, block_n: int, num_warps: int, num_stages: int, head_dim: int, head_dim_v: int,
