@@ -633,18 +633,22 @@ TUNED_SPLIT_CONFIGS: dict = {
 }
 
 _GLUON_64 = dict(IMPL="gluon", BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, OVERLAP=True)
-_GLUON_HD128 = dict(IMPL="gluon", BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2, V_STAGES=1, OVERLAP=False)
+_GLUON_HD128 = dict(IMPL="gluon", BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2, V_STAGES=1, OVERLAP="chain")
 _GLUON_HD512 = dict(IMPL="gluon", BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=1, BLOCK_DV=512, OVERLAP=False)
 #: The warp-specialised Gluon kernel (:mod:`blockdiff.attention.triton_gluon`) as the automatic choice
 #: {(head_dim, group, has_window, prefix): (base regime config or None, split regime config or None)}, bf16/fp16 on
 #: sm_90 when the caches suit TMA with boxes of >= 64 rows (else the tables above). H200 CUDA-graph medians, page 64:
 #: - hd 128: 64x128 tiles (a 128-key block is two 64-token pages, one TMA box each), 4 consumer warps, two K and
-#:   one V buffer (115 KB: two programs per SM), no overlap (with it the 64x128 consumer spills). Same run
-#:   (bench/results/gluon_kv_stages-h200.json, 330f30d): prefill16k_hd128 1.834 ms (64x64/4w/2st with the overlap,
-#:   the previous choice: 2.236), canvas_bs4_ctx4k_hd128 0.079 ms (0.089), canvas_bs1_ctx32k_hd128 0.139 ms at 4
-#:   splits (0.156); one K and one V buffer measured the same on the canvases and 1.976 ms on prefill16k.
+#:   one V buffer (115 KB: two programs per SM), the chained consumer (PV of block j and QK^T of block j + 1 issued
+#:   back to back; the QK^T / softmax overlap spills at 64x128). Same run (bench/results/gluon_chain_hd128-h200.json,
+#:   3297f56, 100 ms windows): prefill16k_hd128 1.803 ms against 2.177 sequential, canvas_bs1_ctx32k_hd128 0.134
+#:   against 0.142 ms (4 splits), canvas_bs4_ctx4k_hd128 0.0747 against 0.0748. Before (gluon_kv_stages-h200.json,
+#:   330f30d, 40 ms windows): the sequential 64x128 against 64x64/4w/2st with the overlap: prefill16k 1.834 vs
+#:   2.236 ms, canvas_bs4 0.079 vs 0.089, canvas_bs1 0.139 vs 0.156; one K and one V buffer: 1.976 ms on prefill16k.
 #: - hd 256 sliding, split regime: 64x64/4w/2st without the overlap (with it the hd-256 consumer spills):
-#:   canvas_bs1_ctx32k_sliding 32.7 us vs 36.8 on the portable kernel (gluon_overlap2-h200.json). hd 256 runs one
+#:   canvas_bs1_ctx32k_sliding 32.7 us vs 36.8 on the portable kernel (gluon_overlap2-h200.json); 26.8 us once the
+#:   Gluon config stopped inheriting the portable table's LAZY_RESCALE (30.2 with it, gluon_pv_sliding-h200.json);
+#:   the chained consumer 26.9 us (gluon_chain_sliding-h200.json). hd 256 runs one
 #:   program per SM (the PV wgmma needs >= 158 registers a thread at launch). The hd-256 base regime stays on the
 #:   portable kernel: mixed_sliding_ctx8k 0.210 ms vs 0.250 ms in Gluon.
 #: - hd 512, group 8 (global layers), both regimes: the wide kernel (two consumer warpgroups splitting the head
@@ -738,8 +742,8 @@ class TritonAttention:
             raise ValueError(f"config['BT_PREFETCH'] must be a bool, got {cfg['BT_PREFETCH']!r}")
         cfg.setdefault("BT_PREFETCH", True)   # H200: prefill16k_hd128 paged 2.909 -> 2.430 ms (see _attn_range)
         cfg.setdefault("IMPL", "triton")
-        if not (isinstance(cfg.get("OVERLAP", True), bool) or cfg.get("OVERLAP") in ("pv", "chain")):
-            raise ValueError(f"config['OVERLAP'] must be a bool, 'pv' or 'chain', got {cfg['OVERLAP']!r}")
+        if not (isinstance(cfg.get("OVERLAP", True), bool) or cfg.get("OVERLAP") == "chain"):
+            raise ValueError(f"config['OVERLAP'] must be a bool or 'chain', got {cfg['OVERLAP']!r}")
         # Gluon only: the overlap by default where its consumer compiles without spills (64-key blocks, V head
         # dim <= 128; the 64x128 consumer spills ~1.3 KB with it); the V ring depth (None: num_stages)
         cfg.setdefault("OVERLAP", cfg["BLOCK_N"] <= 64 and self.key.head_dim_v <= 128)
@@ -883,8 +887,9 @@ def attention_triton(
             num_warps, num_stages, num_splits (split-KV count; None = automatic), BLOCK_DV (V head-dim slice per
             program), LAZY_RESCALE (bool, default False), BT_PREFETCH (bool, default True), IMPL ("triton" or
             "gluon": the warp-specialised Hopper kernel; default: chosen per input, see TUNED_GLUON_CONFIGS) and
-            OVERLAP (Gluon only: True: QK^T of the next key block overlaps the softmax; "pv": PV of a key block
-            overlaps the next block's softmax; default True for BLOCK_N <= 64 and head_dim_v <= 128, else False),
+            OVERLAP (Gluon only: True: QK^T of the next key block overlaps the softmax; "chain": PV of a key block
+            and QK^T of the next issued back to back; default True for BLOCK_N <= 64 and head_dim_v <= 128, else
+            False),
             V_STAGES (Gluon only: V ring depth; default None =
             num_stages, the K ring depth). With IMPL unset the Gluon-only keys apply when the automatic choice
             runs the Gluon kernel (``LAST_LAUNCH["impl"]``); with IMPL="triton" they are a ValueError.
@@ -1042,7 +1047,7 @@ def attention_triton(
                       LAZY=bool(cfg["LAZY_RESCALE"]), maxnreg=_tg.gluon_max_regs(cfg["num_warps"], gluon_ctas))
         if wide:
             handle = _tg._attn_fwd_gluon_wide[grid](*args, **consts, CONSUMER_REGS=_tg.WIDE_CONSUMER_REGS,
-                                                     OVERLAP=_tg.overlap_mode(cfg["OVERLAP"]), num_warps=4)
+                                                     num_warps=4)
         else:
             handle = _tg._attn_fwd_gluon[grid](*args, **consts, OVERLAP=_tg.overlap_mode(cfg["OVERLAP"]),
                                                num_warps=cfg["num_warps"])

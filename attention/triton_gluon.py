@@ -12,6 +12,12 @@ softmax in between, and store the tile, all under their raised register budget (
 both wgmma groups retire inside the iteration:
 keeping PV's accumulator in flight across the loop's back edge made ptxas serialise every wgmma (warning C7514;
 measured 0.201 vs 0.152 ms on canvas_bs1_ctx32k_hd128, bench/results/gluon_overlap-h200.json) and is not done.
+``OVERLAP="chain"`` keeps the sequential consumer's registers but issues PV of block j and QK^T of block j + 1
+back to back and retires them together (no retire / issue gap between the two wgmma groups): the automatic
+hd-128 choice (prefill16k_hd128 1.80 against 2.18 ms sequential, bench/results/gluon_chain_hd128-h200.json).
+Two other orders were measured and dropped (their code is in the history, 3297f56): PV of block j overlapping
+the softmax of block j + 1 (FA3's other half; no gain at hd 128 / 256, slower at hd 512 where it spills), and
+the chained order in the wide kernel (416 B of spills at 64x64; mixed_global_ctx8k 1.144 against 1.021 ms).
 ``LAZY_RESCALE`` (FA4's conditional rescaling) applies here as in the portable kernel; at hd 512 it measured
 slower (the conditional accumulator rescale spills). Two programs share an SM when shared memory allows and
 ``head_dim_v <= 128`` (:func:`gluon_ctas_per_sm`): the 64x128 hd-128 tile with 2 K + 1 V buffers (115 KB) is
@@ -194,18 +200,6 @@ def _softmax_stats(qk, m_i, l_i, qk_scale, m_new):
 
 
 @gluon.jit
-def _softmax_pv(qk, m_i, l_i, j, lo, hi, qk_scale, masked, offs_n, BLOCK_N: gl.constexpr):
-    """:func:`_softmax_step` without the accumulator (for PV of the previous block still in flight): the
-    masked block's P, running max and sum, and ``alpha`` to rescale the accumulator with once PV retires."""
-    if masked:
-        kpos = j * BLOCK_N + offs_n
-        allowed = (kpos[None, :] >= lo[:, None]) & (kpos[None, :] <= hi[:, None])
-        qk = gl.where(allowed, qk, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
-    return _softmax_stats(qk, m_i, l_i, qk_scale, m_new)
-
-
-@gluon.jit
 def _zero_stale_v(v_buf, j, seq_len, offs_vn, v_blk: gl.constexpr, BLOCK_N: gl.constexpr):
     """Zero the V rows of block ``j`` at or beyond ``seq_len`` (stale cache rows may hold NaN; 0 * NaN = NaN)."""
     if (j + 1) * BLOCK_N > seq_len:
@@ -293,64 +287,6 @@ def _softmax_consumer_overlap(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready,
             qk, acc = warpgroup_mma_wait(num_outstanding=0, deps=(qk_next, acc_t))
             mbarrier.arrive(k_empty.index(k1), count=1, pred=nxt)
             mbarrier.arrive(v_empty.index(vs), count=1)
-    return acc, l_i, m_i
-
-
-@gluon.jit
-def _softmax_consumer_pv(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
-                         lo, hi, a, b_mid, c_mid, d_end, seq_len, qk_scale,
-                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr,
-                         STAGES: gl.constexpr, V_STAGES: gl.constexpr, s_layout: gl.constexpr,
-                         o_layout: gl.constexpr, v_blk: gl.constexpr):
-    """Consumer with the other half of FA3's intra-warpgroup overlap (``OVERLAP="pv"``): PV of block j runs on
-    the tensor cores while the softmax of block j + 1 runs. Each iteration issues QK^T of block j + 1, then PV of
-    block j, retires QK^T (wgmma groups complete in order), computes block j + 1's P and statistics, then
-    retires PV and rescales the accumulator. Both groups retire inside the iteration (see ``OVERLAP``), and the
-    live registers are those of the sequential consumer (S, P, the accumulator), not two S tiles."""
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
-    acc = gl.zeros([BLOCK_M, DV], gl.float32, o_layout)
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    offs_vn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, v_blk))
-    if d_end > a:
-        mbarrier.wait(k_ready.index(0), 0)
-        qk = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
-        mbarrier.arrive(k_empty.index(0), count=1)
-        p, m_i, l_i, alpha = _softmax_pv(qk, m_i, l_i, a, lo, hi, qk_scale, (a < b_mid) | (a >= c_mid), offs_n,
-                                         BLOCK_N)
-        p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
-        for j in range(a, d_end - 1):
-            it = j - a
-            vs = it % V_STAGES
-            k1 = (it + 1) % STAGES
-            mbarrier.wait(k_ready.index(k1), ((it + 1) // STAGES) & 1)
-            qk_t = warpgroup_mma(q_smem, k_bufs.index(k1).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            v_buf = v_bufs.index(vs)
-            mbarrier.wait(v_ready.index(vs), (it // V_STAGES) & 1)
-            _zero_stale_v(v_buf, j, seq_len, offs_vn, v_blk, BLOCK_N)
-            acc_t = warpgroup_mma(p_op, v_buf, acc, is_async=True)
-            qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk_t,))
-            mbarrier.arrive(k_empty.index(k1), count=1)
-            p, m_i, l_i, alpha = _softmax_pv(qk, m_i, l_i, j + 1, lo, hi, qk_scale,
-                                             (j + 1 < b_mid) | (j + 1 >= c_mid), offs_n, BLOCK_N)
-            p_next = gl.convert_layout(p.to(q_smem.dtype), p_layout)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_t,))
-            mbarrier.arrive(v_empty.index(vs), count=1)
-            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-            p_op = p_next
-        # the last block's PV
-        it = d_end - 1 - a
-        vs = it % V_STAGES
-        v_buf = v_bufs.index(vs)
-        mbarrier.wait(v_ready.index(vs), (it // V_STAGES) & 1)
-        _zero_stale_v(v_buf, d_end - 1, seq_len, offs_vn, v_blk, BLOCK_N)
-        acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(v_empty.index(vs), count=1)
     return acc, l_i, m_i
 
 
@@ -467,21 +403,17 @@ def _consumer(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, lo, hi
               STORE_LSE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr,
               STAGES: gl.constexpr, V_STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
               v_blk: gl.constexpr, OVERLAP: gl.constexpr, LAZY: gl.constexpr):
-    """The default partition: the sequential (``OVERLAP`` 0), QK-overlapped (1) or PV-overlapped (2) consumer,
-    then the epilogue.
+    """The default partition: the sequential (``OVERLAP`` 0), the overlapped (1) or the chained (2) consumer, then
+    the epilogue.
 
     The Q load and the epilogue run here, under the consumer's raised register budget (setmaxnreg), not in the
     parent before / after the partitions: the loader's first K / V loads overlap the Q load, and the
     accumulator is stored without returning it across the partition boundary."""
     _load_q(q_smem, Q, q_start, q_len, tile, kvh, stride_qt, stride_qh, G, GP, D, BLOCK_M, BLOCK_Q, v_blk, 0)
-    if OVERLAP == 3:
+    if OVERLAP == 2:
         acc, l_i, m_i = _softmax_consumer_chain(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, lo, hi,
                                                 a, b_mid, c_mid, d_end, seq_len, qk_scale, BLOCK_M, BLOCK_N, DV,
                                                 STAGES, V_STAGES, s_layout, o_layout, v_blk, LAZY)
-    elif OVERLAP == 2:
-        acc, l_i, m_i = _softmax_consumer_pv(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, lo, hi, a,
-                                             b_mid, c_mid, d_end, seq_len, qk_scale, BLOCK_M, BLOCK_N, DV, STAGES,
-                                             V_STAGES, s_layout, o_layout, v_blk)
     elif OVERLAP == 1:
         acc, l_i, m_i = _softmax_consumer_overlap(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, lo,
                                                   hi, a, b_mid, c_mid, d_end, seq_len, qk_scale, BLOCK_M, BLOCK_N,
@@ -571,109 +503,6 @@ def _exchange_s(W: gl.constexpr, part, x_mine, x_other, x_ready, x_free, it, s_l
 
 
 @gluon.jit
-def _wide_consumer_pv(W: gl.constexpr, q_half, x_mine, x_other, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
-                      x_ready, x_free, lo, hi, a, b_mid, c_mid, d_end, seq_len, qk_scale, m_i, l_i, acc, s_zero,
-                      offs_n, offs_vn, BLOCK_N: gl.constexpr, DH: gl.constexpr, DVH: gl.constexpr,
-                      STAGES: gl.constexpr, V_STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
-                      blk: gl.constexpr):
-    """The wide warpgroup's loop with ``OVERLAP="pv"`` (:func:`_softmax_consumer_pv`'s order): the partial QK^T
-    of block j + 1 is issued before PV of block j, and the exchange and softmax of block j + 1 run while PV of
-    block j is on the tensor cores."""
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    if d_end > a:
-        mbarrier.wait(k_ready.index(W), 0)
-        part = warpgroup_mma(q_half, k_bufs.index(0).slice(W * DH, DH, dim=1).permute((1, 0)), s_zero,
-                             use_acc=False, is_async=True)
-        part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
-        mbarrier.arrive(k_empty.index(W), count=1)
-        qk = _exchange_s(W, part, x_mine, x_other, x_ready, x_free, 0, s_layout)
-        p, m_i, l_i, alpha = _softmax_pv(qk, m_i, l_i, a, lo, hi, qk_scale, (a < b_mid) | (a >= c_mid), offs_n,
-                                         BLOCK_N)
-        p_op = gl.convert_layout(p.to(q_half.dtype), p_layout)
-        for j in range(a, d_end - 1):
-            it = j - a
-            vs = it % V_STAGES
-            k1 = (it + 1) % STAGES
-            mbarrier.wait(k_ready.index(k1 * 2 + W), ((it + 1) // STAGES) & 1)
-            part_t = warpgroup_mma(q_half, k_bufs.index(k1).slice(W * DH, DH, dim=1).permute((1, 0)), s_zero,
-                                   use_acc=False, is_async=True)
-            v_half = v_bufs.index(vs).slice(W * DVH, DVH, dim=1)
-            mbarrier.wait(v_ready.index(vs * 2 + W), (it // V_STAGES) & 1)
-            _zero_stale_v(v_half, j, seq_len, offs_vn, blk, BLOCK_N)
-            acc_t = warpgroup_mma(p_op, v_half, acc, is_async=True)
-            part = warpgroup_mma_wait(num_outstanding=1, deps=(part_t,))
-            mbarrier.arrive(k_empty.index(k1 * 2 + W), count=1)
-            qk = _exchange_s(W, part, x_mine, x_other, x_ready, x_free, it + 1, s_layout)
-            p, m_i, l_i, alpha = _softmax_pv(qk, m_i, l_i, j + 1, lo, hi, qk_scale,
-                                             (j + 1 < b_mid) | (j + 1 >= c_mid), offs_n, BLOCK_N)
-            p_next = gl.convert_layout(p.to(q_half.dtype), p_layout)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_t,))
-            mbarrier.arrive(v_empty.index(vs * 2 + W), count=1)
-            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-            p_op = p_next
-        it = d_end - 1 - a
-        vs = it % V_STAGES
-        v_half = v_bufs.index(vs).slice(W * DVH, DVH, dim=1)
-        mbarrier.wait(v_ready.index(vs * 2 + W), (it // V_STAGES) & 1)
-        _zero_stale_v(v_half, d_end - 1, seq_len, offs_vn, blk, BLOCK_N)
-        acc = warpgroup_mma(p_op, v_half, acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(v_empty.index(vs * 2 + W), count=1)
-    return acc, l_i, m_i
-
-
-@gluon.jit
-def _wide_consumer_chain(W: gl.constexpr, q_half, x_mine, x_other, k_bufs, v_bufs, k_ready, k_empty, v_ready,
-                         v_empty, x_ready, x_free, lo, hi, a, b_mid, c_mid, d_end, seq_len, qk_scale, m_i, l_i, acc,
-                         s_zero, offs_n, offs_vn, BLOCK_N: gl.constexpr, DH: gl.constexpr, DVH: gl.constexpr,
-                         STAGES: gl.constexpr, V_STAGES: gl.constexpr, s_layout: gl.constexpr,
-                         o_layout: gl.constexpr, blk: gl.constexpr, LAZY: gl.constexpr):
-    """The wide warpgroup's loop with ``OVERLAP="chain"`` (:func:`_softmax_consumer_chain`'s order): PV of block j
-    and the partial QK^T of block j + 1 issued back to back and retired together."""
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    if d_end > a:
-        mbarrier.wait(k_ready.index(W), 0)
-        part = warpgroup_mma(q_half, k_bufs.index(0).slice(W * DH, DH, dim=1).permute((1, 0)), s_zero,
-                             use_acc=False, is_async=True)
-        part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
-        mbarrier.arrive(k_empty.index(W), count=1)
-        for j in range(a, d_end - 1):
-            it = j - a
-            vs = it % V_STAGES
-            k1 = (it + 1) % STAGES
-            qk = _exchange_s(W, part, x_mine, x_other, x_ready, x_free, it, s_layout)
-            p, m_i, l_i, acc = _softmax_step(qk, m_i, l_i, acc, j, lo, hi, qk_scale, (j < b_mid) | (j >= c_mid),
-                                               offs_n, BLOCK_N, row_o, LAZY)
-            p_op = gl.convert_layout(p.to(q_half.dtype), p_layout)
-            v_half = v_bufs.index(vs).slice(W * DVH, DVH, dim=1)
-            mbarrier.wait(v_ready.index(vs * 2 + W), (it // V_STAGES) & 1)
-            _zero_stale_v(v_half, j, seq_len, offs_vn, blk, BLOCK_N)
-            acc_t = warpgroup_mma(p_op, v_half, acc, is_async=True)
-            mbarrier.wait(k_ready.index(k1 * 2 + W), ((it + 1) // STAGES) & 1)
-            part_t = warpgroup_mma(q_half, k_bufs.index(k1).slice(W * DH, DH, dim=1).permute((1, 0)), s_zero,
-                                   use_acc=False, is_async=True)
-            acc, part = warpgroup_mma_wait(num_outstanding=0, deps=(acc_t, part_t))
-            mbarrier.arrive(v_empty.index(vs * 2 + W), count=1)
-            mbarrier.arrive(k_empty.index(k1 * 2 + W), count=1)
-        j = d_end - 1
-        it = j - a
-        vs = it % V_STAGES
-        qk = _exchange_s(W, part, x_mine, x_other, x_ready, x_free, it, s_layout)
-        p, m_i, l_i, acc = _softmax_step(qk, m_i, l_i, acc, j, lo, hi, qk_scale, (j < b_mid) | (j >= c_mid),
-                                           offs_n, BLOCK_N, row_o, LAZY)
-        p_op = gl.convert_layout(p.to(q_half.dtype), p_layout)
-        v_half = v_bufs.index(vs).slice(W * DVH, DVH, dim=1)
-        mbarrier.wait(v_ready.index(vs * 2 + W), (it // V_STAGES) & 1)
-        _zero_stale_v(v_half, j, seq_len, offs_vn, blk, BLOCK_N)
-        acc = warpgroup_mma(p_op, v_half, acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(v_empty.index(vs * 2 + W), count=1)
-    return acc, l_i, m_i
-
-
-@gluon.jit
 def _wide_half(W: gl.constexpr, q_half, x_mine, x_other, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
                x_ready, x_free,
                Q, O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads,
@@ -682,7 +511,7 @@ def _wide_half(W: gl.constexpr, q_half, x_mine, x_other, k_bufs, v_bufs, k_ready
                G: gl.constexpr, GP: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr,
                BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
                HAS_WINDOW: gl.constexpr, PREFIX: gl.constexpr, SPLIT: gl.constexpr, STORE_LSE: gl.constexpr,
-               LAZY: gl.constexpr, OVERLAP: gl.constexpr):
+               LAZY: gl.constexpr):
     """One consumer warpgroup of the wide kernel (``W`` = 0: the default partition, 1: a worker): QK^T over its
     head-dim half (a partial S), the partials summed through shared memory (both warpgroups then hold the same
     full S, summed in the same order, so their softmax statistics agree bit for bit), the online softmax, and PV
@@ -707,36 +536,25 @@ def _wide_half(W: gl.constexpr, q_half, x_mine, x_other, k_bufs, v_bufs, k_ready
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     offs_vn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, blk))
-    if OVERLAP == 3:
-        acc, l_i, m_i = _wide_consumer_chain(W, q_half, x_mine, x_other, k_bufs, v_bufs, k_ready, k_empty, v_ready,
-                                             v_empty, x_ready, x_free, lo, hi, a, b_mid, c_mid, d_end, seq_len,
-                                             qk_scale, m_i, l_i, acc, s_zero, offs_n, offs_vn, BLOCK_N, DH, DVH,
-                                             STAGES, V_STAGES, s_layout, o_layout, blk, LAZY)
-    elif OVERLAP == 2:
-        acc, l_i, m_i = _wide_consumer_pv(W, q_half, x_mine, x_other, k_bufs, v_bufs, k_ready, k_empty, v_ready,
-                                          v_empty, x_ready, x_free, lo, hi, a, b_mid, c_mid, d_end, seq_len,
-                                          qk_scale, m_i, l_i, acc, s_zero, offs_n, offs_vn, BLOCK_N, DH, DVH, STAGES,
-                                          V_STAGES, s_layout, o_layout, blk)
-    else:
-        for j in range(a, d_end):
-            it = j - a
-            ks = it % STAGES
-            vs = it % V_STAGES
-            mbarrier.wait(k_ready.index(ks * 2 + W), (it // STAGES) & 1)
-            part = warpgroup_mma(q_half, k_bufs.index(ks).slice(W * DH, DH, dim=1).permute((1, 0)), s_zero,
-                                 use_acc=False, is_async=True)
-            part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
-            mbarrier.arrive(k_empty.index(ks * 2 + W), count=1)
-            qk = _exchange_s(W, part, x_mine, x_other, x_ready, x_free, it, s_layout)
-            p, m_i, l_i, acc = _softmax_step(qk, m_i, l_i, acc, j, lo, hi, qk_scale, (j < b_mid) | (j >= c_mid),
-                                               offs_n, BLOCK_N, row_o, LAZY)
-            p_op = gl.convert_layout(p.to(q_half.dtype), p_layout)
-            v_half = v_bufs.index(vs).slice(W * DVH, DVH, dim=1)
-            mbarrier.wait(v_ready.index(vs * 2 + W), (it // V_STAGES) & 1)
-            _zero_stale_v(v_half, j, seq_len, offs_vn, blk, BLOCK_N)
-            acc = warpgroup_mma(p_op, v_half, acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(v_empty.index(vs * 2 + W), count=1)
+    for j in range(a, d_end):
+        it = j - a
+        ks = it % STAGES
+        vs = it % V_STAGES
+        mbarrier.wait(k_ready.index(ks * 2 + W), (it // STAGES) & 1)
+        part = warpgroup_mma(q_half, k_bufs.index(ks).slice(W * DH, DH, dim=1).permute((1, 0)), s_zero,
+                             use_acc=False, is_async=True)
+        part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+        mbarrier.arrive(k_empty.index(ks * 2 + W), count=1)
+        qk = _exchange_s(W, part, x_mine, x_other, x_ready, x_free, it, s_layout)
+        p, m_i, l_i, acc = _softmax_step(qk, m_i, l_i, acc, j, lo, hi, qk_scale, (j < b_mid) | (j >= c_mid),
+                                           offs_n, BLOCK_N, row_o, LAZY)
+        p_op = gl.convert_layout(p.to(q_half.dtype), p_layout)
+        v_half = v_bufs.index(vs).slice(W * DVH, DVH, dim=1)
+        mbarrier.wait(v_ready.index(vs * 2 + W), (it // V_STAGES) & 1)
+        _zero_stale_v(v_half, j, seq_len, offs_vn, blk, BLOCK_N)
+        acc = warpgroup_mma(p_op, v_half, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(v_empty.index(vs * 2 + W), count=1)
     _epilogue(acc, l_i, m_i, O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads,
               stride_ot, stride_oh, G, GP, DVH, BLOCK_M, BLOCK_Q, SPLIT, STORE_LSE, o_layout, W * DVH, DV, W == 0)
 
@@ -753,7 +571,7 @@ def _attn_fwd_gluon_wide(
     NCQ_FLAGS: gl.constexpr,
     SPLIT: gl.constexpr, STORE_LSE: gl.constexpr, SEARCH_STEPS: gl.constexpr, STAGES: gl.constexpr,
     V_STAGES: gl.constexpr, LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, LAZY: gl.constexpr,
-    OVERLAP: gl.constexpr, num_warps: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     """The Gluon kernel for head dims > 256 (Gemma 4 global layers: hd 512): 64 packed rows, two consumer
     warpgroups (the default partition and a worker, ``num_warps`` = 4 each) that split the head dim. Warpgroup w
@@ -800,12 +618,12 @@ def _attn_fwd_gluon_wide(
                       Q, O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads,
                       stride_qt, stride_qh, stride_ot, stride_oh, ctx, ncq, seq_len, window, qk_scale,
                       a, b_mid, c_mid, d_end, G, GP, D, DV, BLOCK_M, BLOCK_N, BLOCK_Q, STAGES, V_STAGES,
-                      HAS_WINDOW, PREFIX, SPLIT, STORE_LSE, LAZY, OVERLAP)),
+                      HAS_WINDOW, PREFIX, SPLIT, STORE_LSE, LAZY)),
         (_wide_half, (W1, q1, x1, x0, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, x_ready, x_free,
                       Q, O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads,
                       stride_qt, stride_qh, stride_ot, stride_oh, ctx, ncq, seq_len, window, qk_scale,
                       a, b_mid, c_mid, d_end, G, GP, D, DV, BLOCK_M, BLOCK_N, BLOCK_Q, STAGES, V_STAGES,
-                      HAS_WINDOW, PREFIX, SPLIT, STORE_LSE, LAZY, OVERLAP)),
+                      HAS_WINDOW, PREFIX, SPLIT, STORE_LSE, LAZY)),
         (_kv_loader, (k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
                       bt_row, k_base, a, d_end, kvh * D, kvh * DV, seq_len, BLOCK_N, BOX_N, PAGE, PAGED, STAGES,
                       V_STAGES, HALVES, HALVES)),
@@ -937,27 +755,23 @@ def check_gluon_config(cfg: dict, head_dim: int, head_dim_v: int) -> None:
         if nw != 8 or bm != 64:
             raise ValueError(f"head_dim_v {head_dim_v} with IMPL='gluon' needs num_warps=8 and BLOCK_M=64 (two "
                              f"warpgroups splitting the head dim), got num_warps={nw!r}, BLOCK_M={bm!r}")
-        if cfg.get("OVERLAP") not in (False, None, "pv", "chain"):
-            raise ValueError(f"head_dim_v {head_dim_v} with IMPL='gluon' takes OVERLAP=False, 'pv' or 'chain', got "
-                             f"{cfg['OVERLAP']!r}")
+        if cfg.get("OVERLAP"):
+            raise ValueError(f"head_dim_v {head_dim_v} with IMPL='gluon' takes OVERLAP=False, got {cfg['OVERLAP']!r}")
         vst = cfg.get("V_STAGES") or st
         smem = 2 * (bm * head_dim + bn * (st * head_dim + vst * head_dim_v)) + 2 * bm * bn * 4
         if smem > WIDE_SMEM_LIMIT:
             raise ValueError(f"config BLOCK_N={bn}, num_stages={st}, V_STAGES={vst} needs {smem} B of shared memory "
                              f"at head_dim {head_dim} with IMPL='gluon' (Q + K / V rings + the partial-S exchange); "
                              f"the limit is {WIDE_SMEM_LIMIT}")
-    if cfg.get("OVERLAP") == "pv" and cfg.get("LAZY_RESCALE"):
-        raise ValueError("config OVERLAP='pv' takes LAZY_RESCALE=False (the accumulator is rescaled after PV retires, "
-                         "unconditionally)")
     if cfg["BLOCK_DV"] < head_dim_v:
         raise ValueError("config['BLOCK_DV'] cannot split the V head dim with IMPL='gluon' (one program holds it all)")
 
 
 def overlap_mode(overlap) -> int:
     """The kernels' ``OVERLAP`` constexpr of a config value: 0 (False: sequential), 1 (True: QK^T of block j + 1
-    overlaps the softmax of block j), 2 ("pv": PV of block j overlaps the softmax of block j + 1), 3 ("chain": PV of
-    block j and QK^T of block j + 1 issued back to back)."""
-    return {"pv": 2, "chain": 3}.get(overlap, 0) if isinstance(overlap, str) else int(bool(overlap))
+    overlaps the softmax of block j), 2 ("chain": PV of block j and QK^T of block j + 1 issued back to back and
+    retired together)."""
+    return 2 if overlap == "chain" else int(bool(overlap))
 
 
 def gluon_ctas_per_sm(block_m: int, block_n: int, num_warps: int, num_stages: int, head_dim: int, head_dim_v: int,
@@ -1028,6 +842,7 @@ def compile_for_sm90(*, block_m: int, block_n: int, num_warps: int, num_stages: 
                   STORE_LSE=True, SEARCH_STEPS=1, STAGES=num_stages, V_STAGES=v_stages or num_stages,
                   LOADER_REGS=LOADER_REGS, OVERLAP=overlap_mode(overlap), LAZY=lazy, num_warps=num_warps)
     if wide:
+        del consts["OVERLAP"]
         consts.update(num_warps=4, CONSUMER_REGS=WIDE_CONSUMER_REGS)
     ints = {"total_q", "num_seqs", "n_tiles", "window", "num_splits"}
     sig = {n: "constexpr" if n in consts else "i32" if n in ints else mangle_type(args[n]) for n in fn.arg_names}

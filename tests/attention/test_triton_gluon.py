@@ -21,6 +21,7 @@ import pytest  # noqa: E402
 
 from blockdiff.attention import attention  # noqa: E402
 from blockdiff.attention import triton_gluon as tg  # noqa: E402
+from blockdiff.attention import triton_attention as TA  # noqa: E402
 from blockdiff.attention.testing import check_close  # noqa: E402
 
 from test_triton_attention import graph_replay_check, make_batch  # noqa: E402  (pytest prepends this folder to sys.path)
@@ -56,8 +57,8 @@ def test_gluon_on_a_cpu_tensor_is_a_clear_error_not_a_fallback():
 @pytest.mark.parametrize("bad,match", [
     (dict(num_warps=2), "num_warps"), (dict(BLOCK_M=32), "BLOCK_M"), (dict(BLOCK_M=64, num_warps=8), "BLOCK_M"),
     (dict(BLOCK_N=16), "BLOCK_N"), (dict(num_stages=5), "num_stages"), (dict(BLOCK_DV=32), "BLOCK_DV"),
-    (dict(IMPL="cuda"), "IMPL"), (dict(OVERLAP=1), "OVERLAP"),
-    (dict(V_STAGES=0), "V_STAGES"), (dict(V_STAGES=5), "V_STAGES"), (dict(V_STAGES=True), "V_STAGES"),
+    (dict(IMPL="cuda"), "IMPL"), (dict(OVERLAP=1), "OVERLAP"), (dict(OVERLAP="pv"), "OVERLAP"),
+    (dict(OVERLAP="Chain"), "OVERLAP"), (dict(V_STAGES=0), "V_STAGES"), (dict(V_STAGES=5), "V_STAGES"), (dict(V_STAGES=True), "V_STAGES"),
     (dict(V_STAGES=2.0), "V_STAGES"), (dict(IMPL="triton", V_STAGES=1), "V_STAGES"),
     (dict(IMPL="triton", OVERLAP=False), "OVERLAP"), (dict(IMPL="cuda", V_STAGES=1), "IMPL"),
 ])
@@ -72,8 +73,8 @@ WIDE = dict(IMPL="gluon", BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=1, BLO
 
 @pytest.mark.parametrize("bad,match", [
     (dict(num_warps=4), "num_warps=8 and BLOCK_M=64"), (dict(BLOCK_M=128), "num_warps=8 and BLOCK_M=64"),
-    (dict(OVERLAP=True), "OVERLAP=False"), (dict(num_stages=2), "shared memory"),
-    (dict(BLOCK_N=32, num_stages=3), "shared memory"), (dict(BLOCK_DV=256), "BLOCK_DV"),
+    (dict(OVERLAP=True), "OVERLAP=False"), (dict(OVERLAP="chain"), "OVERLAP=False"),
+    (dict(num_stages=2), "shared memory"), (dict(BLOCK_N=32, num_stages=3), "shared memory"), (dict(BLOCK_DV=256), "BLOCK_DV"),
     (dict(V_STAGES="2"), "V_STAGES"), (dict(num_stages="1"), "num_stages"),
 ])
 def test_bad_wide_gluon_configs_name_the_rule(bad, match):
@@ -176,10 +177,9 @@ def _compile_offline(kw):
     # the wide hd-512 kernel (two consumer partitions): 64x32 with 2 K + 2 V buffers compiles without spills;
     # the automatic 64x64 / one buffer each spills ~116 B (checked below, on the GPU it is the faster one)
     (64, 32, 8, 2, 512, True, True, True, False, dict(group=8, num_kv_heads=2, page_size=64)),
-    # OVERLAP="pv" (PV of block j overlaps the softmax of block j + 1): hd 128 with 2 K + 2 V buffers, and the wide
-    # kernel at 64x32 with 2 + 2 (at 64x64 with one buffer each it spills ~650 B)
-    (64, 64, 4, 2, 128, True, True, False, "pv", dict(page_size=64, v_stages=2, causal_flags=True)),
-    (64, 32, 8, 2, 512, True, False, False, "pv", dict(group=8, num_kv_heads=2, page_size=64)),
+    # the chained consumer (PV of block j and QK^T of block j + 1 back to back): hd 256 and contiguous hd 128
+    (64, 64, 4, 2, 256, True, True, True, "chain", dict(page_size=64)),
+    (64, 128, 4, 2, 128, False, False, True, "chain", dict(v_stages=1)),
 ])
 def test_gluon_kernel_compiles_for_sm90_without_spills(bm, bn, nw, stages, D, paged, split, window, overlap, extra):
     rep, spills = _compile_offline(dict(block_m=bm, block_n=bn, num_warps=nw, num_stages=stages, head_dim=D,
@@ -187,6 +187,18 @@ def test_gluon_kernel_compiles_for_sm90_without_spills(bm, bn, nw, stages, D, pa
     assert spills and max(spills) == 0, rep["ptxas"]  # (a substring test would also pass "120 bytes ...")
     assert "C751" not in rep["ptxas"], rep["ptxas"]  # C7512 / C7514: ptxas serialised the wgmma pipeline
     assert rep["shared"] <= 227 * 1024
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_chained_hd128_consumer_compiles_for_sm90_at_the_automatic_tile(split):
+    # the automatic hd-128 choice: 64x128, 2 K + 1 V buffers, OVERLAP="chain", paged with 64-token pages; ptxas
+    # spills one register (4 B) there, outside the wgmma pipeline
+    rep, spills = _compile_offline(dict(block_m=64, block_n=128, num_warps=4, num_stages=2, v_stages=1, head_dim=128,
+                                        paged=True, split=split, window=False, overlap="chain", page_size=64,
+                                        causal_flags=True))
+    assert "C751" not in rep["ptxas"], rep["ptxas"]
+    assert max(spills) <= 8, rep["ptxas"]
+    assert rep["shared"] <= 227 * 1024 // 2  # two programs per SM
 
 
 @pytest.mark.parametrize("lazy", [False, True])
@@ -278,21 +290,19 @@ def test_gpu_gluon_head_dim_512_two_warpgroups_split_the_head_dim(page_size, cas
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("D,H,Hkv,page_size", [(64, 8, 2, 32), (128, 16, 8, 64), (256, 16, 8, 128),
-                                               (512, 16, 2, 64), (512, 16, 2, 32)])
+@pytest.mark.parametrize("D,H,Hkv,page_size", [(64, 8, 2, 32), (128, 16, 8, 64), (128, 32, 4, 128),
+                                               (256, 16, 8, 64)])
 @pytest.mark.parametrize("case", [0, 1])
-def test_gpu_gluon_pv_overlap_matches_reference(D, H, Hkv, page_size, case):
-    # OVERLAP="pv": QK^T of block j + 1 issued before PV of block j, the softmax of j + 1 while PV runs, the
-    # accumulator rescaled after PV retires; programs with 0, 1 and many key blocks (splits, windows)
+def test_gpu_gluon_chained_consumer_matches_reference(D, H, Hkv, page_size, case):
+    # OVERLAP="chain": PV of block j and QK^T of block j + 1 issued back to back and retired together, the last
+    # block's PV alone; programs with 0, 1 and many key blocks (splits, windows), NaN in stale cache rows
     sl, ql, ncq = GPU_CASES[case]
     inp = poison_stale_rows(make_batch(sl, ql, num_causal_q=ncq, H=H, Hkv=Hkv, D=D, page_size=page_size,
                                        device="cuda", seed=3 * D + page_size + case))
-    if D > 256:
-        base = dict(IMPL="gluon", BLOCK_M=64, num_warps=8, BLOCK_DV=512, OVERLAP="pv")
-        cfgs = [dict(base, BLOCK_N=32, num_stages=2, V_STAGES=2), dict(base, BLOCK_N=64, num_stages=1)]
-    else:
-        cfgs = [dict(GLUON, OVERLAP="pv", V_STAGES=2), dict(GLUON, OVERLAP="pv", V_STAGES=1, num_stages=3),
-                dict(GLUON, OVERLAP="pv", BLOCK_M=128, num_warps=8, num_stages=2)]
+    cfgs = [dict(GLUON, OVERLAP="chain"), dict(GLUON, OVERLAP="chain", num_stages=1, V_STAGES=1),
+            dict(GLUON, OVERLAP="chain", BLOCK_M=128, num_warps=8, LAZY_RESCALE=True)]
+    if D <= 128:
+        cfgs.append(dict(GLUON, OVERLAP="chain", BLOCK_N=128, V_STAGES=1))
     for cfg in cfgs:
         for ns in (None, 1, 3, 8):
             _check(inp, dict(cfg, num_splits=ns))
@@ -359,3 +369,21 @@ def test_gpu_automatic_choice_takes_gluon_only_where_tuned_and_tma_can_read_the_
     inp = make_batch(sl, ql, num_causal_q=ncq, H=16, Hkv=8, D=256, page_size=64, device="cuda")
     attention(**inp, backend="triton")
     assert TA.LAST_LAUNCH["impl"] == "triton"
+
+
+@pytest.mark.parametrize("key", sorted(TA.TUNED_GLUON_CONFIGS, key=str))
+def test_automatic_gluon_configs_do_not_inherit_the_portable_kernels_lazy_rescale(key):
+    # regression: the hd-256 sliding Gluon split config inherited LAZY_RESCALE=True from the portable kernel's
+    # tuned table (canvas_bs1_ctx32k_sliding 30.2 us against 26.8 without it); the automatic Gluon configs resolve
+    # to exactly their table entries, LAZY_RESCALE off unless the caller asks for it
+    D, group, has_window, prefix = key
+    kern = TA.TritonAttention(TA._StaticKey(D, D, group, torch.bfloat16, True, 64, has_window, prefix, False))
+    for entry in (kern.gluon_base, kern.gluon_split):
+        if entry is None:
+            continue
+        cfg = kern.config(dict(entry))
+        assert {k: cfg[k] for k in entry} == entry
+        assert cfg["LAZY_RESCALE"] is False and cfg["BLOCK_DV"] == D
+        assert kern.config(dict(entry, LAZY_RESCALE=True))["LAZY_RESCALE"] is True
+    if key == (256, 2, True, False):
+        assert kern.config(None)["LAZY_RESCALE"] is True  # the portable kernel keeps its tuned setting
