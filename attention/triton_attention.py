@@ -523,6 +523,10 @@ def _merge_kernel(OPART, LSEPART, O, LSE, total_q, num_heads, n_rows, stride_ot,
     (It was one program per row with all splits in one ``[splits, DV]`` load: 12.9 us of the 167 us
     canvas_bs1_ctx32k_hd128 on the H200.)
     """
+    if not INTERPRET:
+        # launched with programmatic dependent launch (PDL): the grid is dispatched while the attention kernel
+        # finishes; wait for its writes (returns at once when the launch was not PDL)
+        tl.extra.cuda.gdc_wait()
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = r < n_rows
     tq = r // num_heads
@@ -552,6 +556,10 @@ def _merge_kernel(OPART, LSEPART, O, LSE, total_q, num_heads, n_rows, stride_ot,
 
 
 # ------------------------------------------------------------------------------------------------ host side
+#: launch the split-KV merge with programmatic dependent launch (Hopper): hides its launch latency behind the
+#: attention kernel's tail (a module switch for A/B runs; the merge waits with griddepcontrol.wait either way)
+_MERGE_PDL = True
+
 _CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "num_splits", "BLOCK_DV", "LAZY_RESCALE",
                 "BT_PREFETCH", "IMPL", "OVERLAP", "V_STAGES")
 _DEVICE_SMS: dict = {}
@@ -1074,7 +1082,7 @@ def attention_triton(
         _merge_kernel[(triton.cdiv(n_rows, block_r),)](
             opart, lsepart, dst, lse_arg, total_q, H, n_rows, dst.stride(0), dst.stride(1),
             NUM_SPLITS=ns, DV=DV, BLOCK_DV=bdv_m, BLOCK_R=block_r, STORE_LSE=return_lse,
-            INTERPRET=_interpreting(), num_warps=4,
+            INTERPRET=_interpreting(), num_warps=4, launch_pdl=_MERGE_PDL and not _interpreting(),
         )
     if dst is not out:
         out.copy_(dst)
