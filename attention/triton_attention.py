@@ -88,36 +88,37 @@ Predictions (H200, bf16; ceilings ~790 TFLOP/s dense bf16, ~4.3 TB/s; FLOPs = 4 
   latency bound (two kernels with the merge).
 * ``prefill16k_hd128``: 134 M pairs x 8192 FLOP = 1.1 TFLOP; at 450 TFLOP/s ~2.4 ms (target 2.47 ms).
 
-Measured (H200, CUDA-graph medians, paged KV page 64, same run as FA4 at 5ad0241, except hd 512 (c514fe9):
-bench/results/attention-targets-h200.json; the f557ac4 numbers of the previous Gluon configs in brackets. The
-sweep harness's records before 2026-11-30 timed 40 ms windows at the boost clock, 3-8 % faster than these
-100 ms ones: bench/results/clock_windows-h200.md)
+Measured (H200, CUDA-graph medians, 100 ms do_bench windows, paged KV page 64, same run as FA4 at f928727:
+bench/results/attention-targets-h200.json; the c514fe9 run in brackets. The H200 runs 1.7-1.98 GHz in these
+windows; run to run the hd-512 and hd-128 rows move by up to ~8 %: bench/results/clock_windows-h200.md)
 ------------------------------------------------------------------------------------------------------
-* ``mixed_sliding_ctx8k`` 0.201 ms, 369 TFLOP/s, portable kernel [0.203] (FA4 0.164 paged / 0.163 contiguous:
+* ``mixed_sliding_ctx8k`` 0.201 ms, 368 TFLOP/s, portable kernel [0.201] (FA4 0.164 paged / 0.164 contiguous:
   1.23x): 128-row tiles of 8 warps hold one program per SM at 255 registers, and the 608 programs make 4.6
   waves. The Gluon kernel measured 0.250 ms here (64-row hd-256 tiles, one program per SM).
-* ``mixed_global_ctx8k`` 1.096 ms, 444 TFLOP/s (the issue asks >= 450), the Gluon kernel's wide variant 64x64
-  with one K and one V buffer (c514fe9, same run as FA4; 1.091 ms alone in attention-hd512-h200.json, 1.075-1.084
-  ms in 100-400 ms windows at 1830-1860 MHz, 1.0095 ms = 482 TFLOP/s in 40 ms windows at the 1980 MHz boost).
-  The portable kernel measured 2.00 ms, 243 TFLOP/s: it keeps 128 x 256 fp32 accumulator elements per V slice
-  in registers (255 per thread, one program per SM) and recomputes QK^T for each of the two V slices.
-* ``canvas_bs1_ctx32k_hd128`` 0.135 ms, 513 TFLOP/s, Gluon kernel 64x128, 4 splits [0.144]: 0.33x paged FA4
-  (0.408), 0.395x contiguous FA4 (0.342). The sweep harness measured the same kernel at 0.1385-0.1407 ms in
-  three other sessions (gluon_bn128 / gluon_kv_stages / gluon_final-h200.json): the 0.4x margin is ~1-4 %.
-  Eager (no graph) the call costs ~0.42 ms: Python launch overhead of the Gluon JIT path with TMA descriptors
-  (Triton encodes a CUtensorMap per launch), not yet reduced.
-* ``canvas_bs1_ctx32k_sliding`` 27 us, Gluon kernel 64x64 without the overlap, 2 splits [27.9 us] (FA4 35 us).
-  torch.profiler on the H200: the attention kernel 17.5 us, the merge kernel 3.5 us, and two elementwise kernels
-  (~1 us each) deriving ``num_causal_q`` from ``causal``; the rest is launch gaps. Since f8675ae the kernels
-  read the causal flags themselves (no conversion ops): 26.8 us in the sweep harness, against 31.6 us in the
-  previous session's (triton_causal_flags-h200.json, gluon_final-h200.json; no same-run A/B). The kernel is
-  latency-bound (128 programs of ~10 key blocks, one program per SM at hd 256): 128-row tiles (half the
-  L2 -> SM traffic), 3-4 splits and 32-key blocks measured 19.8-26 us; merging the splits in-kernel by the last
-  split of each tile (no second launch) measured 35.6 us graph against ~30 (the serial tail merge costs more
-  than the launch; gluon_merge-h200.json). The issue's 15 us is not reached.
-* ``prefill16k_hd128`` 2.053 ms, 536 TFLOP/s, Gluon kernel 64x128 [2.219] (FA4 1.876 paged / 1.674 contiguous:
-  0.91x / 0.82x of FA4's throughput). The sweep measured the same config at 1.834 ms (600 TFLOP/s,
-  gluon_kv_stages-h200.json): run-to-run spread of this shape across device sessions is ~10 %.
+* ``mixed_global_ctx8k`` 1.100 ms, 442 TFLOP/s [1.096] (the issue asks >= 450), the Gluon kernel's wide variant
+  64x64 with one K and one V buffer. The same kernel read 1.008-1.112 ms in the sweep harness's 100 ms windows
+  this session (gluon_pv_hd512 / gluon_chain_hd512-h200.json: 482-437 TFLOP/s; the two ``{}`` rows of one run
+  differ by 9 %), 1.081 ms in a bench_attention run of its own (attention-head-h200.json, ed16d11), and 1.0095
+  ms in 40 ms windows at the 1980 MHz boost. The portable kernel measured 2.00 ms, 243 TFLOP/s: it keeps 128 x
+  256 fp32 accumulator elements per V slice in registers (255 per thread, one program per SM) and recomputes
+  QK^T for each of the two V slices.
+* ``canvas_bs1_ctx32k_hd128`` 0.134 ms, 517 TFLOP/s, Gluon kernel 64x128 with the chained consumer, 4 splits
+  [0.141]: 0.33x paged FA4 (0.404), 0.39x contiguous FA4 (0.343). The merge runs with programmatic dependent
+  launch (PDL; A/B same run: 131-134 against 133-135 us without). Eager (no graph) the call costs ~0.15-0.42 ms:
+  Python launch overhead of the Gluon JIT path with TMA descriptors, not yet reduced.
+* ``canvas_bs1_ctx32k_sliding`` 27 us [31] (FA4 35 us), Gluon kernel 64x64 without the overlap, 2 splits, merge
+  with PDL (26.0-26.7 against 26.6-26.9 us without, same run). The c514fe9 run's 31 us was a regression: the
+  automatic Gluon config inherited the portable table's LAZY_RESCALE (30.2 against 26.8 us without it, same run,
+  gluon_pv_sliding-h200.json). ncu (with its cache flush; bench/results/ncu_sliding-h200.md): the kernel 23 us,
+  tensor pipe 26 % active, L2 throughput 27 %, 82 MB from L2 (each KV block is read by the 8 q tiles of its head
+  and 2 splits), a third of the consumer's samples in the prologue (tile search, causal flags, the Q load) and
+  half in the loop. 128-row tiles, 3-4 splits, 32- or 128-key blocks, 3-4 K / V stages and the chained consumer
+  measured 26.1-34 us (gluon_stages_sliding / gluon_chain_sliding / gluon_overlap2-h200.json); merging the splits
+  in-kernel by the last split of each tile measured 35.6 against ~30 us (gluon_merge-h200.json). The issue's
+  15 us is not reached.
+* ``prefill16k_hd128`` 1.972 ms, 557 TFLOP/s [2.132], Gluon kernel 64x128 with the chained consumer (FA4 1.936
+  paged / 1.731 contiguous: 0.98x / 0.88x of FA4's throughput). The sweep measured it at 1.803 ms (610 TFLOP/s)
+  against 2.177 ms for the sequential consumer in the same run (gluon_chain_hd128-h200.json).
 """
 from __future__ import annotations
 

@@ -30,8 +30,9 @@ partial QK^T over head-dim half w (wgmma N = BLOCK_N) and PV into V columns half
 through shared memory in the same order by both, so both hold the same S and the same row statistics without
 exchanging them, and P never leaves registers. K and V stream as head-dim halves with a barrier pair each, so
 each warpgroup releases its half independently. Q (64 KB), one K and one V buffer of 64 keys (64 KB each) and
-the exchange (32 KB) fill the 227 KB of shared memory. H200, mixed_global_ctx8k: 1.091-1.096 ms (444-446
-TFLOP/s; bench_attention's 100 ms windows, attention-hd512 / attention-targets-h200.json) against 2.00 ms for
+the exchange (32 KB) fill the 227 KB of shared memory. H200, mixed_global_ctx8k: 1.08-1.10 ms (442-450
+TFLOP/s; bench_attention's 100 ms windows, attention-hd512 / attention-head / attention-targets-h200.json; the
+sweep harness read 1.008-1.112 ms across runs of one session, bench/results/ncu_sliding-h200.md) against 2.00 ms for
 the portable kernel; in the sweep's 40 ms windows (boost clock; gluon_hd512_lazy-h200.json) 1.009 ms against
 1.208 ms for a (removed) 8-warp kernel that split S's keys and O's columns across the warpgroups, whose row
 statistics and P crossed through shared memory every block.

@@ -58,7 +58,8 @@ def test_gluon_on_a_cpu_tensor_is_a_clear_error_not_a_fallback():
     (dict(num_warps=2), "num_warps"), (dict(BLOCK_M=32), "BLOCK_M"), (dict(BLOCK_M=64, num_warps=8), "BLOCK_M"),
     (dict(BLOCK_N=16), "BLOCK_N"), (dict(num_stages=5), "num_stages"), (dict(BLOCK_DV=32), "BLOCK_DV"),
     (dict(IMPL="cuda"), "IMPL"), (dict(OVERLAP=1), "OVERLAP"), (dict(OVERLAP="pv"), "OVERLAP"),
-    (dict(OVERLAP="Chain"), "OVERLAP"), (dict(V_STAGES=0), "V_STAGES"), (dict(V_STAGES=5), "V_STAGES"), (dict(V_STAGES=True), "V_STAGES"),
+    (dict(OVERLAP="Chain"), "OVERLAP"), (dict(V_STAGES=0), "V_STAGES"), (dict(V_STAGES=5), "V_STAGES"),
+    (dict(V_STAGES=True), "V_STAGES"),
     (dict(V_STAGES=2.0), "V_STAGES"), (dict(IMPL="triton", V_STAGES=1), "V_STAGES"),
     (dict(IMPL="triton", OVERLAP=False), "OVERLAP"), (dict(IMPL="cuda", V_STAGES=1), "IMPL"),
 ])
@@ -74,7 +75,8 @@ WIDE = dict(IMPL="gluon", BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=1, BLO
 @pytest.mark.parametrize("bad,match", [
     (dict(num_warps=4), "num_warps=8 and BLOCK_M=64"), (dict(BLOCK_M=128), "num_warps=8 and BLOCK_M=64"),
     (dict(OVERLAP=True), "OVERLAP=False"), (dict(OVERLAP="chain"), "OVERLAP=False"),
-    (dict(num_stages=2), "shared memory"), (dict(BLOCK_N=32, num_stages=3), "shared memory"), (dict(BLOCK_DV=256), "BLOCK_DV"),
+    (dict(num_stages=2), "shared memory"), (dict(BLOCK_N=32, num_stages=3), "shared memory"),
+    (dict(BLOCK_DV=256), "BLOCK_DV"),
     (dict(V_STAGES="2"), "V_STAGES"), (dict(num_stages="1"), "num_stages"),
 ])
 def test_bad_wide_gluon_configs_name_the_rule(bad, match):
