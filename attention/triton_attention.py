@@ -516,7 +516,7 @@ def _attn_fwd_kernel(
 @triton.jit(do_not_specialize=["total_q", "n_rows"])
 def _merge_kernel(OPART, LSEPART, O, LSE, total_q, num_heads, n_rows, stride_ot, stride_oh,
                   NUM_SPLITS: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr,
-                  STORE_LSE: tl.constexpr, INTERPRET: tl.constexpr):
+                  STORE_LSE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
     """Exact merge of split-KV partials: out = sum_s w_s o_s / sum_s w_s, w_s = exp(lse_s - max_s lse_s).
 
     One program merges ``BLOCK_R`` (token, head) rows (row = token * num_heads + head, OPART's order): pass 1 takes
@@ -524,9 +524,9 @@ def _merge_kernel(OPART, LSEPART, O, LSE, total_q, num_heads, n_rows, stride_ot,
     (It was one program per row with all splits in one ``[splits, DV]`` load: 12.9 us of the 167 us
     canvas_bs1_ctx32k_hd128 on the H200.)
     """
-    if not INTERPRET:
-        # launched with programmatic dependent launch (PDL): the grid is dispatched while the attention kernel
-        # finishes; wait for its writes (returns at once when the launch was not PDL)
+    if PDL:
+        # launched with programmatic dependent launch (sm_90+): the grid is dispatched while the attention kernel
+        # finishes; wait until its writes are visible
         tl.extra.cuda.gdc_wait()
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = r < n_rows
@@ -569,6 +569,19 @@ _MAX_SPLITS = 65535  # num_splits is grid dimension z (CUDA: at most 65535)
 
 def _next_pow2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def _capability(device: torch.device) -> tuple:
+    """(major, minor) compute capability of a CUDA device, cached per index ((0, 0) off CUDA)."""
+    if device.type != "cuda":
+        return (0, 0)
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _DEVICE_CAP:
+        _DEVICE_CAP[idx] = tuple(torch.cuda.get_device_capability(idx))
+    return _DEVICE_CAP[idx]
+
+
+_DEVICE_CAP: dict = {}
 
 
 def _num_sms(device: torch.device) -> int:
@@ -1080,10 +1093,11 @@ def attention_triton(
         bdv_m = max(16, _next_pow2(DV))
         block_r = max(1, min(64, 4096 // bdv_m))  # <= 4096 fp32 partial elements per program per split
         n_rows = total_q * H
+        pdl = _MERGE_PDL and not _interpreting() and _capability(q.device)[0] >= 9  # griddepcontrol: sm_90+
         _merge_kernel[(triton.cdiv(n_rows, block_r),)](
             opart, lsepart, dst, lse_arg, total_q, H, n_rows, dst.stride(0), dst.stride(1),
             NUM_SPLITS=ns, DV=DV, BLOCK_DV=bdv_m, BLOCK_R=block_r, STORE_LSE=return_lse,
-            INTERPRET=_interpreting(), num_warps=4, launch_pdl=_MERGE_PDL and not _interpreting(),
+            INTERPRET=_interpreting(), PDL=pdl, num_warps=4, launch_pdl=pdl,
         )
     if dst is not out:
         out.copy_(dst)

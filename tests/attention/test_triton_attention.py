@@ -811,3 +811,37 @@ def test_kernel_reads_only_the_used_block_table_entries_and_their_pages(monkeypa
         read_pages = set(((in_c - lo) // (c.stride(0) * c.element_size())).tolist())
         assert read_pages <= pages, f"{name} pages {sorted(read_pages - pages)} not named by a used entry"
     # (an out-of-range id could only come from an entry beyond the used part, whose reads are excluded above)
+
+
+def test_split_merge_uses_pdl_only_where_griddepcontrol_compiles():
+    """Regression: the split-KV merge waits with griddepcontrol (programmatic dependent launch), which ptxas rejects
+    below sm_90; the wait is a constexpr the host sets only on sm_90+ (an unconditional wait broke every split
+    launch on sm_80). Offline compiles for sm_80 without it and sm_90 with it (fresh process, no interpreter)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from blockdiff.attention import triton_attention as ta
+
+    assert ta._capability(torch.device("cpu")) == (0, 0)
+    code = r'''
+import json, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from blockdiff.attention.triton_attention import _merge_kernel as fn
+sig = dict(OPART="*fp32", LSEPART="*fp32", O="*bf16", LSE="*fp32", total_q="i32", num_heads="i32", n_rows="i32",
+           stride_ot="i32", stride_oh="i32")
+res = {}
+for cap, pdl in ((80, False), (90, True)):
+    consts = dict(NUM_SPLITS=2, DV=256, BLOCK_DV=256, BLOCK_R=16, STORE_LSE=True, INTERPRET=False, PDL=pdl)
+    full = {n: "constexpr" if n in consts else sig[n] for n in fn.arg_names}
+    src = ASTSource(fn=fn, signature=full, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    ck = triton.compile(src, target=GPUTarget("cuda", cap, 32), options=dict(num_warps=4))
+    res[cap] = "griddepcontrol.wait" in ck.asm["ptx"] and ck.asm.get("cubin") is not None
+print(json.dumps(res))
+'''
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == {"80": False, "90": True}
