@@ -60,7 +60,8 @@ Design
   mapping, row intervals, boundary/full split and split-KV partials, written in Gluon (Triton's explicit-layout
   dialect): a producer warp streams K / V with TMA into mbarrier rings (``num_stages`` K and ``V_STAGES`` V
   buffers; a key block spanning several pages is one TMA box per page), consumer warpgroups run ``wgmma``,
-  optionally with QK^T of block j + 1 overlapping the softmax of block j (``OVERLAP``); head dims > 256 (hd 512)
+  optionally with QK^T of block j + 1 overlapping the softmax of block j (``OVERLAP=True``) or with PV of block j
+  and QK^T of block j + 1 issued back to back (``OVERLAP="chain"``, the hd-128 choice); head dims > 256 (hd 512)
   run its wide variant, two consumer warpgroups splitting the head dim. Chosen automatically where it measured
   faster (:data:`TUNED_GLUON_CONFIGS`: hd 128, hd 512, and the hd-256 split regime) when the caches suit TMA
   (evenly strided pages of >= 64 tokens holding or tiling BLOCK_N, bf16/fp16, sm_90); ``LAST_LAUNCH["impl"]``
@@ -104,10 +105,11 @@ windows; run to run the hd-512 and hd-128 rows move by up to ~8 %: bench/results
   QK^T for each of the two V slices.
 * ``canvas_bs1_ctx32k_hd128`` 0.134 ms, 517 TFLOP/s, Gluon kernel 64x128 with the chained consumer, 4 splits
   [0.141]: 0.33x paged FA4 (0.404), 0.39x contiguous FA4 (0.343). The merge runs with programmatic dependent
-  launch (PDL; A/B same run: 131-134 against 133-135 us without). Eager (no graph) the call costs ~0.15-0.42 ms:
+  launch (PDL; three alternating rounds: 131-134 against 133-135 us without, a gain within the run noise;
+  bench/results/merge_pdl-h200.md). Eager (no graph) the call costs ~0.15-0.42 ms:
   Python launch overhead of the Gluon JIT path with TMA descriptors, not yet reduced.
 * ``canvas_bs1_ctx32k_sliding`` 27 us [31] (FA4 35 us), Gluon kernel 64x64 without the overlap, 2 splits, merge
-  with PDL (26.0-26.7 against 26.6-26.9 us without, same run). The c514fe9 run's 31 us was a regression: the
+  with PDL (26.0-26.7 against 26.6-26.9 us without, within noise; merge_pdl-h200.md). The c514fe9 run's 31 us was a regression: the
   automatic Gluon config inherited the portable table's LAZY_RESCALE (30.2 against 26.8 us without it, same run,
   gluon_pv_sliding-h200.json). ncu (with its cache flush; bench/results/ncu_sliding-h200.md): the kernel 23 us,
   tensor pipe 26 % active, L2 throughput 27 %, 82 MB from L2 (each KV block is read by the 8 q tiles of its head
@@ -557,8 +559,9 @@ def _merge_kernel(OPART, LSEPART, O, LSE, total_q, num_heads, n_rows, stride_ot,
 
 
 # ------------------------------------------------------------------------------------------------ host side
-#: launch the split-KV merge with programmatic dependent launch (Hopper): hides its launch latency behind the
-#: attention kernel's tail (a module switch for A/B runs; the merge waits with griddepcontrol.wait either way)
+#: launch the split-KV merge with programmatic dependent launch (sm_90+): hides part of its launch latency behind
+#: the attention kernel's tail (a module switch for A/B runs; off, the merge is compiled without its
+#: griddepcontrol.wait). H200 A/B, three alternating rounds: bench/results/merge_pdl-h200.md
 _MERGE_PDL = True
 
 _CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "num_splits", "BLOCK_DV", "LAZY_RESCALE",
@@ -582,6 +585,11 @@ def _capability(device: torch.device) -> tuple:
 
 
 _DEVICE_CAP: dict = {}
+
+
+def _merge_pdl(device: torch.device) -> bool:
+    """Whether the split-KV merge launches with PDL and waits with griddepcontrol (sm_90+; never interpreted)."""
+    return bool(_MERGE_PDL) and not _interpreting() and _capability(device)[0] >= 9
 
 
 def _num_sms(device: torch.device) -> int:
@@ -766,9 +774,12 @@ class TritonAttention:
         cfg.setdefault("IMPL", "triton")
         if not (isinstance(cfg.get("OVERLAP", True), bool) or cfg.get("OVERLAP") == "chain"):
             raise ValueError(f"config['OVERLAP'] must be a bool or 'chain', got {cfg['OVERLAP']!r}")
-        # Gluon only: the overlap by default where its consumer compiles without spills (64-key blocks, V head
-        # dim <= 128; the 64x128 consumer spills ~1.3 KB with it); the V ring depth (None: num_stages)
-        cfg.setdefault("OVERLAP", cfg["BLOCK_N"] <= 64 and self.key.head_dim_v <= 128)
+        # Gluon only: the QK^T / softmax overlap by default where its consumer compiles without spills (64-key
+        # blocks, V head dim <= 128; the 64x128 consumer spills ~1.3 KB with it), else the chained consumer up to
+        # V head dim 256 (prefill16k_hd128 1.80 vs 2.18 ms sequential; hd 256 neutral), else (the wide hd-512
+        # kernel) sequential; the V ring depth (None: num_stages)
+        dv = self.key.head_dim_v
+        cfg.setdefault("OVERLAP", True if cfg["BLOCK_N"] <= 64 and dv <= 128 else "chain" if dv <= 256 else False)
         cfg.setdefault("V_STAGES", None)
         if cfg["IMPL"] not in ("triton", "gluon"):
             raise ValueError(f"config['IMPL'] must be 'triton' (the portable kernel) or 'gluon' (the warp-specialised "
@@ -911,7 +922,8 @@ def attention_triton(
             "gluon": the warp-specialised Hopper kernel; default: chosen per input, see TUNED_GLUON_CONFIGS) and
             OVERLAP (Gluon only: True: QK^T of the next key block overlaps the softmax; "chain": PV of a key block
             and QK^T of the next issued back to back; default True for BLOCK_N <= 64 and head_dim_v <= 128, else
-            False),
+            "chain" up to head_dim_v 256, else False; head_dim_v > 256 (the wide kernel) takes only False, and
+            any other value raises ValueError there, also when the automatic choice picked the Gluon kernel),
             V_STAGES (Gluon only: V ring depth; default None =
             num_stages, the K ring depth). With IMPL unset the Gluon-only keys apply when the automatic choice
             runs the Gluon kernel (``LAST_LAUNCH["impl"]``); with IMPL="triton" they are a ValueError.
@@ -1093,7 +1105,7 @@ def attention_triton(
         bdv_m = max(16, _next_pow2(DV))
         block_r = max(1, min(64, 4096 // bdv_m))  # <= 4096 fp32 partial elements per program per split
         n_rows = total_q * H
-        pdl = _MERGE_PDL and not _interpreting() and _capability(q.device)[0] >= 9  # griddepcontrol: sm_90+
+        pdl = _merge_pdl(q.device)
         _merge_kernel[(triton.cdiv(n_rows, block_r),)](
             opart, lsepart, dst, lse_arg, total_q, H, n_rows, dst.stride(0), dst.stride(1),
             NUM_SPLITS=ns, DV=DV, BLOCK_DV=bdv_m, BLOCK_R=block_r, STORE_LSE=return_lse,

@@ -17,7 +17,8 @@ back to back and retires them together (no retire / issue gap between the two wg
 hd-128 choice (prefill16k_hd128 1.80 against 2.18 ms sequential, bench/results/gluon_chain_hd128-h200.json).
 Two other orders were measured and dropped (their code is in the history, 3297f56): PV of block j overlapping
 the softmax of block j + 1 (FA3's other half; no gain at hd 128 / 256, slower at hd 512 where it spills), and
-the chained order in the wide kernel (416 B of spills at 64x64; mixed_global_ctx8k 1.144 against 1.021 ms).
+the chained order in the wide kernel (416 B of spills at 64x64; mixed_global_ctx8k 1.144-1.147 against
+1.021-1.112 ms in two rounds of one run).
 ``LAZY_RESCALE`` (FA4's conditional rescaling) applies here as in the portable kernel; at hd 512 it measured
 slower (the conditional accumulator rescale spills). Two programs share an SM when shared memory allows and
 ``head_dim_v <= 128`` (:func:`gluon_ctas_per_sm`): the 64x128 hd-128 tile with 2 K + 1 V buffers (115 KB) is
@@ -32,7 +33,8 @@ exchanging them, and P never leaves registers. K and V stream as head-dim halves
 each warpgroup releases its half independently. Q (64 KB), one K and one V buffer of 64 keys (64 KB each) and
 the exchange (32 KB) fill the 227 KB of shared memory. H200, mixed_global_ctx8k: 1.08-1.10 ms (442-450
 TFLOP/s; bench_attention's 100 ms windows, attention-hd512 / attention-head / attention-targets-h200.json; the
-sweep harness read 1.008-1.112 ms across runs of one session, bench/results/ncu_sliding-h200.md) against 2.00 ms for
+sweep harness read 1.008-1.112 ms across runs of one session, gluon_pv_hd512 / gluon_chain_hd512-h200.json) against
+2.00 ms for
 the portable kernel; in the sweep's 40 ms windows (boost clock; gluon_hd512_lazy-h200.json) 1.009 ms against
 1.208 ms for a (removed) 8-warp kernel that split S's keys and O's columns across the warpgroups, whose row
 statistics and P crossed through shared memory every block.
@@ -410,6 +412,7 @@ def _consumer(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, lo, hi
     The Q load and the epilogue run here, under the consumer's raised register budget (setmaxnreg), not in the
     parent before / after the partitions: the loader's first K / V loads overlap the Q load, and the
     accumulator is stored without returning it across the partition boundary."""
+    gl.static_assert((OVERLAP == 0) | (OVERLAP == 1) | (OVERLAP == 2), "OVERLAP: 0, 1 or 2 (overlap_mode)")
     _load_q(q_smem, Q, q_start, q_len, tile, kvh, stride_qt, stride_qh, G, GP, D, BLOCK_M, BLOCK_Q, v_blk, 0)
     if OVERLAP == 2:
         acc, l_i, m_i = _softmax_consumer_chain(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, lo, hi,
@@ -772,7 +775,11 @@ def overlap_mode(overlap) -> int:
     """The kernels' ``OVERLAP`` constexpr of a config value: 0 (False: sequential), 1 (True: QK^T of block j + 1
     overlaps the softmax of block j), 2 ("chain": PV of block j and QK^T of block j + 1 issued back to back and
     retired together)."""
-    return 2 if overlap == "chain" else int(bool(overlap))
+    if overlap == "chain":
+        return 2
+    if not isinstance(overlap, bool):
+        raise ValueError(f"OVERLAP must be a bool or 'chain', got {overlap!r}")
+    return int(overlap)
 
 
 def gluon_ctas_per_sm(block_m: int, block_n: int, num_warps: int, num_stages: int, head_dim: int, head_dim_v: int,
@@ -798,7 +805,7 @@ def gluon_max_regs(num_warps: int, ctas_per_sm: int) -> int | None:
 
 def compile_for_sm90(*, block_m: int, block_n: int, num_warps: int, num_stages: int, head_dim: int, paged: bool,
                      split: bool, window: bool, group: int = 2, num_kv_heads: int = 8,
-                     overlap: bool = True, page_size: int | None = None, v_stages: int | None = None,
+                     overlap: bool | str = True, page_size: int | None = None, v_stages: int | None = None,
                      causal_flags: bool = False, lazy: bool = False) -> dict:
     """Compile the kernel for sm_90a without a GPU (Triton ``GPUTarget``) and run ``ptxas -v`` on the PTX.
 

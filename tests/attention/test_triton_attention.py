@@ -825,6 +825,16 @@ def test_split_merge_uses_pdl_only_where_griddepcontrol_compiles():
     from blockdiff.attention import triton_attention as ta
 
     assert ta._capability(torch.device("cpu")) == (0, 0)
+    # the host's decision: PDL on sm_90+ only, never under the interpreter or with the module switch off
+    for cap, interp, switch, want in (((9, 0), False, True, True), ((10, 0), False, True, True),
+                                      ((8, 0), False, True, False), ((9, 0), True, True, False),
+                                      ((9, 0), False, False, False)):
+        saved = ta._capability, ta._interpreting, ta._MERGE_PDL
+        ta._capability, ta._interpreting, ta._MERGE_PDL = (lambda d, c=cap: c), (lambda i=interp: i), switch
+        try:
+            assert ta._merge_pdl(torch.device("cuda", 0)) is want, (cap, interp, switch)
+        finally:
+            ta._capability, ta._interpreting, ta._MERGE_PDL = saved
     code = r'''
 import json, triton
 from triton.backends.compiler import GPUTarget

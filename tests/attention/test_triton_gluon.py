@@ -117,12 +117,20 @@ def test_layout_rules_name_what_tma_needs():
     assert tg.layout_ineligible(flat, flat, paged=False, page_size=None, block_n=128) is None
 
 
-def test_overlap_defaults_on_only_where_its_consumer_fits_the_registers():
+def test_overlap_defaults_follow_the_measured_consumers():
+    # the QK^T / softmax overlap where its consumer fits the registers (64-key blocks, hd <= 128), else the chained
+    # consumer up to hd 256, and the wide hd-512 kernel sequential (it takes nothing else)
     from blockdiff.attention.triton_attention import get_kernel
-    for D, bn, want in [(128, 64, True), (128, 128, False), (256, 64, False), (64, 32, True)]:
+    for D, bn, want in [(128, 64, True), (128, 128, "chain"), (256, 64, "chain"), (64, 32, True)]:
         kern = get_kernel(D, D, 2, torch.bfloat16, True, 64, False, False)
-        assert kern.config(dict(GLUON, BLOCK_N=bn))["OVERLAP"] is want, (D, bn)
+        assert kern.config(dict(GLUON, BLOCK_N=bn))["OVERLAP"] == want, (D, bn)
+        assert type(kern.config(dict(GLUON, BLOCK_N=bn))["OVERLAP"]) is type(want)
     assert kern.config(dict(GLUON, OVERLAP=False))["OVERLAP"] is False
+    wide = get_kernel(512, 512, 8, torch.bfloat16, True, 64, False, False)
+    assert wide.config({k: v for k, v in WIDE.items() if k != "OVERLAP"})["OVERLAP"] is False
+    with pytest.raises(ValueError, match="OVERLAP"):
+        tg.overlap_mode("pv")
+    assert [tg.overlap_mode(v) for v in (False, True, "chain")] == [0, 1, 2]
     assert kern.config({"V_STAGES": 1})["V_STAGES"] == 1  # IMPL unset: applies if the Gluon kernel is chosen
 
 
