@@ -109,8 +109,8 @@ windows; run to run the hd-512 and hd-128 rows move by up to ~8 %: bench/results
   bench/results/merge_pdl-h200.md). Eager (no graph) the call costs ~0.15-0.42 ms:
   Python launch overhead of the Gluon JIT path with TMA descriptors, not yet reduced.
 * ``canvas_bs1_ctx32k_sliding`` 27 us [31] (FA4 35 us), Gluon kernel 64x64 without the overlap, 2 splits, merge
-  with PDL (26.0-26.7 against 26.6-26.9 us without, within noise; merge_pdl-h200.md). The c514fe9 run's 31 us was a regression: the
-  automatic Gluon config inherited the portable table's LAZY_RESCALE (30.2 against 26.8 us without it, same run,
+  with PDL (26.0-26.7 against 26.6-26.9 us without, within noise; merge_pdl-h200.md). The c514fe9 run's 31 us
+  was a regression: the automatic Gluon config inherited the portable table's LAZY_RESCALE (30.2 against 26.8 us without it, same run,
   gluon_pv_sliding-h200.json). ncu (with its cache flush; bench/results/ncu_sliding-h200.md): the kernel 23 us,
   tensor pipe 26 % active, L2 throughput 27 %, 82 MB from L2 (each KV block is read by the 8 q tiles of its head
   and 2 splits), a third of the consumer's samples in the prologue (tile search, causal flags, the Q load) and
