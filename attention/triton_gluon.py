@@ -186,20 +186,13 @@ def _softmax_step(qk, m_i, l_i, acc, j, lo, hi, qk_scale, masked, offs_n, BLOCK_
         p = gl.exp2(qk * qk_scale - m_use[:, None])
         l_i = l_i + gl.sum(p, 1)
     else:
-        p, m_i, l_i, alpha = _softmax_stats(qk, m_i, l_i, qk_scale, m_new)
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # no allowed key yet: keep exp2 finite
+        p = gl.exp2(qk * qk_scale - m_use[:, None])
+        alpha = gl.exp2(m_i - m_use)
+        l_i = l_i * alpha + gl.sum(p, 1)
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        m_i = m_new
     return p, m_i, l_i, acc
-
-
-@gluon.jit
-def _softmax_stats(qk, m_i, l_i, qk_scale, m_new):
-    """P, the new running max and sum, and the accumulator's rescale factor ``alpha`` of one key block (base 2;
-    ``m_new`` = max(m_i, the block's row max)); the accumulator itself is not touched."""
-    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # no allowed key yet: keep exp2 finite
-    p = gl.exp2(qk * qk_scale - m_use[:, None])
-    alpha = gl.exp2(m_i - m_use)
-    l_i = l_i * alpha + gl.sum(p, 1)
-    return p, m_new, l_i, alpha
 
 
 @gluon.jit
@@ -214,36 +207,63 @@ def _zero_stale_v(v_buf, j, seq_len, offs_vn, v_blk: gl.constexpr, BLOCK_N: gl.c
 
 
 @gluon.jit
-def _softmax_consumer(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
-                      lo, hi, a, b_mid, c_mid, d_end, seq_len, qk_scale,
-                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr,
-                      V_STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, v_blk: gl.constexpr,
-                      LAZY: gl.constexpr):
-    """Consumer warpgroups: the online softmax over key blocks ``[a, d_end)`` (boundary blocks masked)."""
+def _consumer_state(BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr, s_layout: gl.constexpr,
+                    o_layout: gl.constexpr, v_blk: gl.constexpr):
+    """A consumer's starting running max / sum / accumulator, the zero S operand and a key block's offsets (S's
+    columns, V's rows)."""
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
     l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
     acc = gl.zeros([BLOCK_M, DV], gl.float32, o_layout)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     offs_vn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, v_blk))
+    return m_i, l_i, acc, s_zero, offs_n, offs_vn
+
+
+@gluon.jit
+def _qk_retired(q_smem, k_buf, ready, phase, empty, s_zero):
+    """QK^T of one key block (``k_buf``: the block, or its head-dim slice) once it arrived, retired, the buffer
+    released."""
+    mbarrier.wait(ready, phase)
+    qk = warpgroup_mma(q_smem, k_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
+    mbarrier.arrive(empty, count=1)
+    return qk
+
+
+@gluon.jit
+def _softmax_pv(qk, m_i, l_i, acc, j, lo, hi, qk_scale, masked, offs_n, offs_vn, v_buf, v_ready, v_phase, seq_len,
+                BLOCK_N: gl.constexpr, o_layout: gl.constexpr, v_blk: gl.constexpr, LAZY: gl.constexpr):
+    """The online-softmax update of key block ``j``, then PV issued once its V (``v_buf``: the block, or its
+    column slice) arrived, stale rows zeroed; returns the accumulator in flight (retire it with
+    ``warpgroup_mma_wait``) and the row statistics."""
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    p, m_i, l_i, acc = _softmax_step(qk, m_i, l_i, acc, j, lo, hi, qk_scale, masked, offs_n, BLOCK_N, row_o, LAZY)
+    p_op = gl.convert_layout(p.to(v_buf.dtype), p_layout)
+    mbarrier.wait(v_ready, v_phase)
+    _zero_stale_v(v_buf, j, seq_len, offs_vn, v_blk, BLOCK_N)
+    acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _softmax_consumer(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
+                      lo, hi, a, b_mid, c_mid, d_end, seq_len, qk_scale,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr,
+                      V_STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, v_blk: gl.constexpr,
+                      LAZY: gl.constexpr):
+    """Consumer warpgroups: the online softmax over key blocks ``[a, d_end)`` (boundary blocks masked)."""
+    m_i, l_i, acc, s_zero, offs_n, offs_vn = _consumer_state(BLOCK_M, BLOCK_N, DV, s_layout, o_layout, v_blk)
     for j in range(a, d_end):
         it = j - a
         ks = it % STAGES
         vs = it % V_STAGES
-        mbarrier.wait(k_ready.index(ks), (it // STAGES) & 1)
-        qk = warpgroup_mma(q_smem, k_bufs.index(ks).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
-        mbarrier.arrive(k_empty.index(ks), count=1)
-        p, m_i, l_i, acc = _softmax_step(qk, m_i, l_i, acc, j, lo, hi, qk_scale, (j < b_mid) | (j >= c_mid),
-                                           offs_n, BLOCK_N, row_o, LAZY)
-        p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
-        v_buf = v_bufs.index(vs)
-        mbarrier.wait(v_ready.index(vs), (it // V_STAGES) & 1)
-        _zero_stale_v(v_buf, j, seq_len, offs_vn, v_blk, BLOCK_N)
-        acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
+        qk = _qk_retired(q_smem, k_bufs.index(ks), k_ready.index(ks), (it // STAGES) & 1, k_empty.index(ks), s_zero)
+        acc, m_i, l_i = _softmax_pv(qk, m_i, l_i, acc, j, lo, hi, qk_scale, (j < b_mid) | (j >= c_mid), offs_n,
+                                    offs_vn, v_bufs.index(vs), v_ready.index(vs), (it // V_STAGES) & 1, seq_len,
+                                    BLOCK_N, o_layout, v_blk, LAZY)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(v_empty.index(vs), count=1)
     return acc, l_i, m_i
@@ -258,20 +278,9 @@ def _softmax_consumer_overlap(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready,
     """Consumer with part of FA3's intra-warpgroup overlap: QK^T of block j + 1 runs on the tensor cores while
     the softmax of block j runs. Both wgmma groups retire inside the iteration (an accumulator still in flight
     across the loop's back edge makes ptxas serialise every wgmma, warning C7514)."""
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
-    l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
-    acc = gl.zeros([BLOCK_M, DV], gl.float32, o_layout)
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    offs_vn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, v_blk))
+    m_i, l_i, acc, s_zero, offs_n, offs_vn = _consumer_state(BLOCK_M, BLOCK_N, DV, s_layout, o_layout, v_blk)
     if d_end > a:
-        mbarrier.wait(k_ready.index(0), 0)
-        qk = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
-        mbarrier.arrive(k_empty.index(0), count=1)
+        qk = _qk_retired(q_smem, k_bufs.index(0), k_ready.index(0), 0, k_empty.index(0), s_zero)
         for j in range(a, d_end):
             it = j - a
             vs = it % V_STAGES
@@ -280,13 +289,9 @@ def _softmax_consumer_overlap(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready,
             mbarrier.wait(k_ready.index(k1), ((it + 1) // STAGES) & 1, pred=nxt)
             qk_next = warpgroup_mma(q_smem, k_bufs.index(k1).permute((1, 0)), s_zero, use_acc=False,
                                     is_async=True)
-            p, m_i, l_i, acc = _softmax_step(qk, m_i, l_i, acc, j, lo, hi, qk_scale, (j < b_mid) | (j >= c_mid),
-                                               offs_n, BLOCK_N, row_o, LAZY)
-            p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
-            v_buf = v_bufs.index(vs)
-            mbarrier.wait(v_ready.index(vs), (it // V_STAGES) & 1)
-            _zero_stale_v(v_buf, j, seq_len, offs_vn, v_blk, BLOCK_N)
-            acc_t = warpgroup_mma(p_op, v_buf, acc, is_async=True)
+            acc_t, m_i, l_i = _softmax_pv(qk, m_i, l_i, acc, j, lo, hi, qk_scale, (j < b_mid) | (j >= c_mid), offs_n,
+                                          offs_vn, v_bufs.index(vs), v_ready.index(vs), (it // V_STAGES) & 1,
+                                          seq_len, BLOCK_N, o_layout, v_blk, LAZY)
             qk, acc = warpgroup_mma_wait(num_outstanding=0, deps=(qk_next, acc_t))
             mbarrier.arrive(k_empty.index(k1), count=1, pred=nxt)
             mbarrier.arrive(v_empty.index(vs), count=1)
@@ -303,31 +308,16 @@ def _softmax_consumer_chain(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v
     (``OVERLAP="chain"``): the tensor cores see the two wgmma groups without the retire / issue gap between
     them; no softmax overlaps either, so the live registers are the sequential consumer's (the last block's
     PV runs alone, outside the loop)."""
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
-    l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
-    acc = gl.zeros([BLOCK_M, DV], gl.float32, o_layout)
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    offs_vn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, v_blk))
+    m_i, l_i, acc, s_zero, offs_n, offs_vn = _consumer_state(BLOCK_M, BLOCK_N, DV, s_layout, o_layout, v_blk)
     if d_end > a:
-        mbarrier.wait(k_ready.index(0), 0)
-        qk = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
-        mbarrier.arrive(k_empty.index(0), count=1)
+        qk = _qk_retired(q_smem, k_bufs.index(0), k_ready.index(0), 0, k_empty.index(0), s_zero)
         for j in range(a, d_end - 1):
             it = j - a
             vs = it % V_STAGES
             k1 = (it + 1) % STAGES
-            p, m_i, l_i, acc = _softmax_step(qk, m_i, l_i, acc, j, lo, hi, qk_scale, (j < b_mid) | (j >= c_mid),
-                                               offs_n, BLOCK_N, row_o, LAZY)
-            p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
-            v_buf = v_bufs.index(vs)
-            mbarrier.wait(v_ready.index(vs), (it // V_STAGES) & 1)
-            _zero_stale_v(v_buf, j, seq_len, offs_vn, v_blk, BLOCK_N)
-            acc_t = warpgroup_mma(p_op, v_buf, acc, is_async=True)
+            acc_t, m_i, l_i = _softmax_pv(qk, m_i, l_i, acc, j, lo, hi, qk_scale, (j < b_mid) | (j >= c_mid), offs_n,
+                                          offs_vn, v_bufs.index(vs), v_ready.index(vs), (it // V_STAGES) & 1,
+                                          seq_len, BLOCK_N, o_layout, v_blk, LAZY)
             mbarrier.wait(k_ready.index(k1), ((it + 1) // STAGES) & 1)
             qk_t = warpgroup_mma(q_smem, k_bufs.index(k1).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             acc, qk = warpgroup_mma_wait(num_outstanding=0, deps=(acc_t, qk_t))
@@ -336,13 +326,9 @@ def _softmax_consumer_chain(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v
         j = d_end - 1
         it = j - a
         vs = it % V_STAGES
-        p, m_i, l_i, acc = _softmax_step(qk, m_i, l_i, acc, j, lo, hi, qk_scale, (j < b_mid) | (j >= c_mid),
-                                           offs_n, BLOCK_N, row_o, LAZY)
-        p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
-        v_buf = v_bufs.index(vs)
-        mbarrier.wait(v_ready.index(vs), (it // V_STAGES) & 1)
-        _zero_stale_v(v_buf, j, seq_len, offs_vn, v_blk, BLOCK_N)
-        acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
+        acc, m_i, l_i = _softmax_pv(qk, m_i, l_i, acc, j, lo, hi, qk_scale, (j < b_mid) | (j >= c_mid), offs_n,
+                                    offs_vn, v_bufs.index(vs), v_ready.index(vs), (it // V_STAGES) & 1, seq_len,
+                                    BLOCK_N, o_layout, v_blk, LAZY)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(v_empty.index(vs), count=1)
     return acc, l_i, m_i
@@ -528,35 +514,21 @@ def _wide_half(W: gl.constexpr, q_half, x_mine, x_other, k_bufs, v_bufs, k_ready
                                                        instr_shape=[16, DVH, 16])
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
 
     _load_q(q_half, Q, q_start, q_len, tile, kvh, stride_qt, stride_qh, G, GP, DH, BLOCK_M, BLOCK_Q, blk, W * DH)
     offs_m = gl.arange(0, BLOCK_M, layout=row_s)
     lo, hi = _row_key_interval(tile * BLOCK_Q + offs_m // GP, ctx, ncq, seq_len, window, HAS_WINDOW, PREFIX)
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
-    l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
-    acc = gl.zeros([BLOCK_M, DVH], gl.float32, o_layout)
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    offs_vn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, blk))
+    m_i, l_i, acc, s_zero, offs_n, offs_vn = _consumer_state(BLOCK_M, BLOCK_N, DVH, s_layout, o_layout, blk)
     for j in range(a, d_end):
         it = j - a
         ks = it % STAGES
         vs = it % V_STAGES
-        mbarrier.wait(k_ready.index(ks * 2 + W), (it // STAGES) & 1)
-        part = warpgroup_mma(q_half, k_bufs.index(ks).slice(W * DH, DH, dim=1).permute((1, 0)), s_zero,
-                             use_acc=False, is_async=True)
-        part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
-        mbarrier.arrive(k_empty.index(ks * 2 + W), count=1)
+        part = _qk_retired(q_half, k_bufs.index(ks).slice(W * DH, DH, dim=1), k_ready.index(ks * 2 + W),
+                           (it // STAGES) & 1, k_empty.index(ks * 2 + W), s_zero)
         qk = _exchange_s(W, part, x_mine, x_other, x_ready, x_free, it, s_layout)
-        p, m_i, l_i, acc = _softmax_step(qk, m_i, l_i, acc, j, lo, hi, qk_scale, (j < b_mid) | (j >= c_mid),
-                                           offs_n, BLOCK_N, row_o, LAZY)
-        p_op = gl.convert_layout(p.to(q_half.dtype), p_layout)
-        v_half = v_bufs.index(vs).slice(W * DVH, DVH, dim=1)
-        mbarrier.wait(v_ready.index(vs * 2 + W), (it // V_STAGES) & 1)
-        _zero_stale_v(v_half, j, seq_len, offs_vn, blk, BLOCK_N)
-        acc = warpgroup_mma(p_op, v_half, acc, is_async=True)
+        acc, m_i, l_i = _softmax_pv(qk, m_i, l_i, acc, j, lo, hi, qk_scale, (j < b_mid) | (j >= c_mid), offs_n,
+                                    offs_vn, v_bufs.index(vs).slice(W * DVH, DVH, dim=1), v_ready.index(vs * 2 + W),
+                                    (it // V_STAGES) & 1, seq_len, BLOCK_N, o_layout, blk, LAZY)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(v_empty.index(vs * 2 + W), count=1)
     _epilogue(acc, l_i, m_i, O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads,

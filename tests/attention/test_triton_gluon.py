@@ -234,6 +234,17 @@ def _check(inp, config, **kw):
     return check_close(o, **clean, lse=lse, **kw)
 
 
+def _check_splits_and_windows(inp, cfgs, splits, window_0=False):
+    """Each config at the automatic and the given split counts, then windowed: symmetric 127, prefix 100 (and 0)."""
+    for cfg in cfgs:
+        for ns in splits:
+            _check(inp, dict(cfg, num_splits=ns))
+        _check(inp, cfg, window_size=127)
+        _check(inp, cfg, window_size=100, bidirectional_window="prefix")
+        if window_0:
+            _check(inp, cfg, window_size=0)
+
+
 GPU_CASES = [
     # seq_lens, q_lens, num_causal_q: canvases over context, prefill, commit, a mixed-row sequence, empty, 1 token
     ([1500, 700, 333, 9, 0, 1], [256, 700, 0, 9, 0, 1], [0, 700, 0, 4, 0, 1]),
@@ -253,12 +264,7 @@ def test_gpu_gluon_paged_matches_reference_with_nan_in_stale_rows(D, H, Hkv, pag
                         OVERLAP=case == 0)]
     if D <= 128:
         cfgs.append(dict(GLUON, BLOCK_M=128, num_warps=8, BLOCK_N=128 if page_size % 128 == 0 else 64))
-    for cfg in cfgs:
-        for ns in (None, 1, 3, 8):
-            _check(inp, dict(cfg, num_splits=ns))
-        _check(inp, cfg, window_size=127)
-        _check(inp, cfg, window_size=100, bidirectional_window="prefix")
-        _check(inp, cfg, window_size=0)
+    _check_splits_and_windows(inp, cfgs, (None, 1, 3, 8), window_0=True)
 
 
 @pytest.mark.gpu
@@ -272,13 +278,10 @@ def test_gpu_gluon_key_blocks_spanning_several_pages(D, H, Hkv, page_size):
     inp = poison_stale_rows(make_batch(sl, ql, num_causal_q=ncq, H=H, Hkv=Hkv, D=D, page_size=page_size,
                                        device="cuda", seed=7 * D + page_size))
     inp["block_table"] = inp["block_table"][:, :-(-max(sl) // page_size)].contiguous()
-    for cfg in (dict(GLUON, BLOCK_N=128, num_stages=1), dict(GLUON, BLOCK_N=128, V_STAGES=1),
-                dict(GLUON, BLOCK_N=128, OVERLAP=True), dict(GLUON, BLOCK_M=128, num_warps=8, BLOCK_N=128),
-                dict(GLUON, BLOCK_N=64)):
-        for ns in (None, 1, 3):
-            _check(inp, dict(cfg, num_splits=ns))
-        _check(inp, cfg, window_size=127)
-        _check(inp, cfg, window_size=100, bidirectional_window="prefix")
+    cfgs = (dict(GLUON, BLOCK_N=128, num_stages=1), dict(GLUON, BLOCK_N=128, V_STAGES=1),
+            dict(GLUON, BLOCK_N=128, OVERLAP=True), dict(GLUON, BLOCK_M=128, num_warps=8, BLOCK_N=128),
+            dict(GLUON, BLOCK_N=64))
+    _check_splits_and_windows(inp, cfgs, (None, 1, 3))
 
 
 @pytest.mark.gpu
@@ -291,12 +294,9 @@ def test_gpu_gluon_head_dim_512_two_warpgroups_split_the_head_dim(page_size, cas
     inp = poison_stale_rows(make_batch(sl, ql, num_causal_q=ncq, H=16, Hkv=2, D=512, page_size=page_size,
                                        device="cuda", seed=512 + page_size + case))
     base = dict(IMPL="gluon", BLOCK_M=64, num_warps=8, OVERLAP=False, BLOCK_DV=512)
-    for cfg in (dict(base, BLOCK_N=32, num_stages=2), dict(base, BLOCK_N=32, num_stages=3, V_STAGES=1),
-                dict(base, BLOCK_N=64, num_stages=1, LAZY_RESCALE=case == 1)):
-        for ns in (None, 1, 5):
-            _check(inp, dict(cfg, num_splits=ns))
-        _check(inp, cfg, window_size=127)
-        _check(inp, cfg, window_size=100, bidirectional_window="prefix")
+    cfgs = (dict(base, BLOCK_N=32, num_stages=2), dict(base, BLOCK_N=32, num_stages=3, V_STAGES=1),
+            dict(base, BLOCK_N=64, num_stages=1, LAZY_RESCALE=case == 1))
+    _check_splits_and_windows(inp, cfgs, (None, 1, 5))
 
 
 @pytest.mark.gpu
@@ -313,12 +313,7 @@ def test_gpu_gluon_chained_consumer_matches_reference(D, H, Hkv, page_size, case
             dict(GLUON, OVERLAP="chain", BLOCK_M=128, num_warps=8, LAZY_RESCALE=True)]
     if D <= 128:
         cfgs.append(dict(GLUON, OVERLAP="chain", BLOCK_N=128, V_STAGES=1))
-    for cfg in cfgs:
-        for ns in (None, 1, 3, 8):
-            _check(inp, dict(cfg, num_splits=ns))
-        _check(inp, cfg, window_size=127)
-        _check(inp, cfg, window_size=100, bidirectional_window="prefix")
-        _check(inp, cfg, window_size=0)
+    _check_splits_and_windows(inp, cfgs, (None, 1, 3, 8), window_0=True)
 
 
 @pytest.mark.gpu
