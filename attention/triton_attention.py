@@ -566,7 +566,7 @@ _MERGE_PDL = True
 
 _CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "num_splits", "BLOCK_DV", "LAZY_RESCALE",
                 "BT_PREFETCH", "IMPL", "OVERLAP", "V_STAGES")
-_DEVICE_SMS: dict = {}
+_DEVICE_PROPS: dict = {}  # per CUDA device index
 _MAX_SPLITS = 65535  # num_splits is grid dimension z (CUDA: at most 65535)
 
 
@@ -574,17 +574,20 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
 
 
+def _device_props(device: torch.device):
+    """``torch.cuda.get_device_properties`` of a CUDA device, cached per index (host only, no sync)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _DEVICE_PROPS:
+        _DEVICE_PROPS[idx] = torch.cuda.get_device_properties(idx)
+    return _DEVICE_PROPS[idx]
+
+
 def _capability(device: torch.device) -> tuple:
-    """(major, minor) compute capability of a CUDA device, cached per index ((0, 0) off CUDA)."""
+    """(major, minor) compute capability of a device ((0, 0) off CUDA)."""
     if device.type != "cuda":
         return (0, 0)
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _DEVICE_CAP:
-        _DEVICE_CAP[idx] = tuple(torch.cuda.get_device_capability(idx))
-    return _DEVICE_CAP[idx]
-
-
-_DEVICE_CAP: dict = {}
+    p = _device_props(device)
+    return (p.major, p.minor)
 
 
 def _merge_pdl(device: torch.device) -> bool:
@@ -595,10 +598,7 @@ def _merge_pdl(device: torch.device) -> bool:
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 132  # H200; only the split heuristic uses it
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _DEVICE_SMS:
-        _DEVICE_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _DEVICE_SMS[idx]
+    return _device_props(device).multi_processor_count
 
 
 def default_config(head_dim: int, head_dim_v: int, group: int, dtype: torch.dtype, interpret: bool = False) -> dict:
