@@ -772,8 +772,8 @@ class TritonAttention:
             raise ValueError(f"config['BT_PREFETCH'] must be a bool, got {cfg['BT_PREFETCH']!r}")
         cfg.setdefault("BT_PREFETCH", True)   # H200: prefill16k_hd128 paged 2.909 -> 2.430 ms (see _attn_range)
         cfg.setdefault("IMPL", "triton")
-        if not (isinstance(cfg.get("OVERLAP", True), bool) or cfg.get("OVERLAP") == "chain"):
-            raise ValueError(f"config['OVERLAP'] must be a bool or 'chain', got {cfg['OVERLAP']!r}")
+        if not (isinstance(cfg.get("OVERLAP", True), bool) or cfg.get("OVERLAP") in ("chain", "roles")):
+            raise ValueError(f"config['OVERLAP'] must be a bool, 'chain' or 'roles', got {cfg['OVERLAP']!r}")
         # Gluon only: the QK^T / softmax overlap by default where its consumer compiles without spills (64-key
         # blocks, V head dim <= 128; the 64x128 consumer spills ~1.3 KB with it), else the chained consumer up to
         # V head dim 256 (prefill16k_hd128 1.80 vs 2.18 ms sequential; hd 256 neutral), else (the wide hd-512
@@ -921,9 +921,11 @@ def attention_triton(
             program), LAZY_RESCALE (bool, default False), BT_PREFETCH (bool, default True), IMPL ("triton" or
             "gluon": the warp-specialised Hopper kernel; default: chosen per input, see TUNED_GLUON_CONFIGS) and
             OVERLAP (Gluon only: True: QK^T of the next key block overlaps the softmax; "chain": PV of a key block
-            and QK^T of the next issued back to back; default True for BLOCK_N <= 64 and head_dim_v <= 128, else
-            "chain" up to head_dim_v 256, else False; head_dim_v > 256 (the wide kernel) takes only False, and
-            any other value raises ValueError there, also when the automatic choice picked the Gluon kernel),
+            and QK^T of the next issued back to back; "roles": a softmax warpgroup hands P through shared memory
+            to PV warpgroups that own the output, BLOCK_M=64 and num_warps=8 (hd <= 256) or 12 (hd 512),
+            LAZY_RESCALE=False; default True for BLOCK_N <= 64 and head_dim_v <= 128, else "chain" up to
+            head_dim_v 256, else False; head_dim_v > 256 takes False (the wide kernel) or "roles", and any other
+            value raises ValueError there, also when the automatic choice picked the Gluon kernel),
             V_STAGES (Gluon only: V ring depth; default None =
             num_stages, the K ring depth). With IMPL unset the Gluon-only keys apply when the automatic choice
             runs the Gluon kernel (``LAST_LAUNCH["impl"]``); with IMPL="triton" they are a ValueError.
@@ -1068,8 +1070,10 @@ def attention_triton(
     if impl == "gluon":
         from . import triton_gluon as _tg
         box_n = _tg.tma_box_rows(info.paged, info.page_size, BN)
-        wide = DV > 256  # two consumer warpgroups split the head dim (triton_gluon._attn_fwd_gluon_wide)
-        k_desc, v_desc = _tg.make_kv_descriptors(k_cache, v_cache, box_n, 2 if wide else 1, 2 if wide else 1)
+        roles = cfg["OVERLAP"] == "roles"  # softmax + PV warpgroups (triton_gluon._attn_fwd_gluon_roles)
+        wide = DV > 256 and not roles  # two consumer warpgroups split the head dim (triton_gluon._attn_fwd_gluon_wide)
+        chunks = 2 if DV > 256 else 1  # K / V streamed as head-dim halves (TMA boxes are <= 256 wide)
+        k_desc, v_desc = _tg.make_kv_descriptors(k_cache, v_cache, box_n, chunks, chunks)
         args = (q, k_desc, v_desc, dst, lse_arg, opart, lsepart,
                 cu_q, sl, ncq, bt, cu_k,
                 q.stride(0), q.stride(1), dst.stride(0), dst.stride(1), stride_bt,
@@ -1077,13 +1081,18 @@ def attention_triton(
         consts = dict(G=group, GP=gp, D=D, DV=DV, BLOCK_M=BM, BLOCK_N=BN, BLOCK_Q=BQ, BOX_N=box_n, PAGE=page,
                       PAGED=info.paged, HAS_WINDOW=has_window, PREFIX=prefix, NCQ_FLAGS=ncq_flags, SPLIT=ns > 1,
                       STORE_LSE=return_lse, SEARCH_STEPS=search_steps, STAGES=cfg["num_stages"],
-                      V_STAGES=cfg["V_STAGES"] or cfg["num_stages"], LOADER_REGS=_tg.LOADER_REGS,
-                      LAZY=bool(cfg["LAZY_RESCALE"]), maxnreg=_tg.gluon_max_regs(cfg["num_warps"], gluon_ctas))
-        if wide:
-            handle = _tg._attn_fwd_gluon_wide[grid](*args, **consts, CONSUMER_REGS=_tg.WIDE_CONSUMER_REGS,
+                      V_STAGES=cfg["V_STAGES"] or cfg["num_stages"])
+        ws = dict(LOADER_REGS=_tg.LOADER_REGS, LAZY=bool(cfg["LAZY_RESCALE"]),
+                  maxnreg=_tg.gluon_max_regs(cfg["num_warps"], gluon_ctas))  # the producer-warp kernels
+        if roles:
+            handle = _tg._attn_fwd_gluon_roles[grid](*args, **consts, PV_REGS=_tg.roles_pv_regs(DV),
+                                                      P_STAGES=_tg.ROLES_P_STAGES, maxnreg=_tg.roles_max_regs(DV),
+                                                      num_warps=4)
+        elif wide:
+            handle = _tg._attn_fwd_gluon_wide[grid](*args, **consts, **ws, CONSUMER_REGS=_tg.WIDE_CONSUMER_REGS,
                                                      num_warps=4)
         else:
-            handle = _tg._attn_fwd_gluon[grid](*args, **consts, OVERLAP=_tg.overlap_mode(cfg["OVERLAP"]),
+            handle = _tg._attn_fwd_gluon[grid](*args, **consts, **ws, OVERLAP=_tg.overlap_mode(cfg["OVERLAP"]),
                                                num_warps=cfg["num_warps"])
     else:
         handle = _attn_fwd_kernel[grid](

@@ -104,24 +104,31 @@ def _tma_key_block(desc, bufs, ready, empty, it, j, col, bt_row, k_base, seq_len
     """Key block ``j`` (the ``it``-th of this program) of one cache into slot ``it % RING`` of its ring, in
     ``CHUNKS`` head-dim chunks of ``desc``'s box width, each with its own empty / ready barrier pair (index
     ``slot * CHUNKS + c``): wait for the chunk's space, one expect-tx, one TMA box per ``BOX_N`` rows."""
-    NSUB: gl.constexpr = BLOCK_N // BOX_N
-    DC: gl.constexpr = desc.block_type.shape[1]
     slot = it % RING
     for c in gl.static_range(CHUNKS):
-        bar = slot * CHUNKS + c
-        mbarrier.wait(empty.index(bar), ((it // RING) & 1) ^ 1)
-        mbarrier.expect(ready.index(bar), NSUB * desc.block_type.nbytes)
-        for u in gl.static_range(NSUB):
-            start = j * BLOCK_N + u * BOX_N
-            if PAGED:
-                row = gl.load(bt_row + gl.minimum(start, seq_len - 1) // PAGE) * PAGE + start % PAGE
-            else:
-                row = k_base + start
-            dst = bufs.index(slot)
-            if CHUNKS > 1:
-                dst = dst.slice(c * DC, DC, dim=1)
-            tma.async_copy_global_to_shared(desc, [row, col + c * DC], ready.index(bar),
-                                            dst.slice(u * BOX_N, BOX_N))
+        mbarrier.wait(empty.index(slot * CHUNKS + c), ((it // RING) & 1) ^ 1)
+        _tma_chunk(desc, bufs, ready, slot, c, j, col, bt_row, k_base, seq_len, BLOCK_N, BOX_N, PAGE, PAGED, CHUNKS)
+
+
+@gluon.jit
+def _tma_chunk(desc, bufs, ready, slot, c, j, col, bt_row, k_base, seq_len, BLOCK_N: gl.constexpr,
+               BOX_N: gl.constexpr, PAGE: gl.constexpr, PAGED: gl.constexpr, CHUNKS: gl.constexpr):
+    """Head-dim chunk ``c`` of key block ``j`` into ring slot ``slot`` (its ready barrier ``slot * CHUNKS + c``):
+    one expect-tx, one TMA box per ``BOX_N`` rows (see :func:`_tma_key_block`; the slot must be free)."""
+    NSUB: gl.constexpr = BLOCK_N // BOX_N
+    DC: gl.constexpr = desc.block_type.shape[1]
+    bar = slot * CHUNKS + c
+    mbarrier.expect(ready.index(bar), NSUB * desc.block_type.nbytes)
+    for u in gl.static_range(NSUB):
+        start = j * BLOCK_N + u * BOX_N
+        if PAGED:
+            row = gl.load(bt_row + gl.minimum(start, seq_len - 1) // PAGE) * PAGE + start % PAGE
+        else:
+            row = k_base + start
+        dst = bufs.index(slot)
+        if CHUNKS > 1:
+            dst = dst.slice(c * DC, DC, dim=1)
+        tma.async_copy_global_to_shared(desc, [row, col + c * DC], ready.index(bar), dst.slice(u * BOX_N, BOX_N))
 
 
 @gluon.jit
@@ -606,6 +613,228 @@ def _attn_fwd_gluon_wide(
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
+@gluon.jit
+def _zero_stale_v_cols(v_buf, j, seq_len, offs_vn, v_blk: gl.constexpr, BLOCK_N: gl.constexpr, COLS: gl.constexpr,
+                       CHUNK: gl.constexpr):
+    """:func:`_zero_stale_v` in column chunks of ``CHUNK`` (a chunk's registers, not the whole block's, next to a
+    live accumulator)."""
+    if (j + 1) * BLOCK_N > seq_len:
+        keep = ((j * BLOCK_N + offs_vn) < seq_len)[:, None]
+        for c in gl.static_range(COLS // CHUNK):
+            part = v_buf.slice(c * CHUNK, CHUNK, dim=1)
+            vv = part.load(v_blk)
+            part.store(gl.where(keep, vv, gl.zeros_like(vv)))
+        fence_async_shared()
+        gl.thread_barrier()
+
+
+@gluon.jit
+def _roles_softmax(q_smem, k_desc, k_bufs, k_ready, p_smem, a_smem, st_smem, p_ready, p_free, st_ready,
+                   Q, q_start, q_len, tile, kvh, stride_qt, stride_qh, lo, hi, a, b_mid, c_mid, d_end, qk_scale,
+                   bt_row, k_base, seq_len,
+                   G: gl.constexpr, GP: gl.constexpr, D: gl.constexpr, KC: gl.constexpr, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr, BOX_N: gl.constexpr, PAGE: gl.constexpr,
+                   PAGED: gl.constexpr, STAGES: gl.constexpr, P_STAGES: gl.constexpr, s_layout: gl.constexpr):
+    """The roles kernel's softmax warpgroup (the default partition). It streams its own K ring (TMA into the slot
+    whose QK^T just retired, ``STAGES`` blocks ahead), loads the Q tile, and per key block runs QK^T over the whole
+    head dim (``KC`` chunks) and the online softmax's statistics; P (bf16 / fp16) and the block's row rescale
+    factors go to the PV warpgroups through a ring of ``P_STAGES`` shared-memory slots, and at the end the row max
+    and sum. It holds no output accumulator, so it runs up to ``P_STAGES`` blocks ahead of PV."""
+    DC: gl.constexpr = D // KC
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    for st in gl.static_range(STAGES):
+        if a + st < d_end:
+            for c in gl.static_range(KC):
+                _tma_chunk(k_desc, k_bufs, k_ready, st, c, a + st, kvh * D, bt_row, k_base, seq_len, BLOCK_N, BOX_N,
+                           PAGE, PAGED, KC)
+    QW: gl.constexpr = 64 if DC > 64 else DC  # Q in 64-column pieces: a whole [64, 256] load holds 64 data and
+    for c in gl.static_range(KC):            # 32 address registers, which this warpgroup's budget cannot spare
+        for u in gl.static_range(DC // QW):
+            _load_q(q_smem.index(c).slice(u * QW, QW, dim=1), Q, q_start, q_len, tile, kvh, stride_qt, stride_qh,
+                    G, GP, QW, BLOCK_M, BLOCK_Q, blk, c * DC + u * QW)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    for j in range(a, d_end):
+        it = j - a
+        ks = it % STAGES
+        qk = s_zero
+        for c in gl.static_range(KC):
+            mbarrier.wait(k_ready.index(ks * KC + c), (it // STAGES) & 1)
+            qk = warpgroup_mma(q_smem.index(c), k_bufs.index(ks).slice(c * DC, DC, dim=1).permute((1, 0)), qk,
+                               use_acc=c > 0, is_async=True)
+        qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
+        if j + STAGES < d_end:  # the slot is free once its QK^T retired: refill it
+            for c in gl.static_range(KC):
+                _tma_chunk(k_desc, k_bufs, k_ready, ks, c, j + STAGES, kvh * D, bt_row, k_base, seq_len, BLOCK_N,
+                           BOX_N, PAGE, PAGED, KC)
+        if (j < b_mid) | (j >= c_mid):
+            kpos = j * BLOCK_N + offs_n
+            allowed = (kpos[None, :] >= lo[:, None]) & (kpos[None, :] <= hi[:, None])
+            qk = gl.where(allowed, qk, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # no allowed key yet: keep exp2 finite
+        p = gl.exp2(qk * qk_scale - m_use[:, None])
+        alpha = gl.exp2(m_i - m_use)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        m_i = m_new
+        ps = it % P_STAGES
+        mbarrier.wait(p_free.index(ps), ((it // P_STAGES) & 1) ^ 1)
+        p_smem.index(ps).store(p.to(p_smem.dtype))
+        a_smem.index(ps).store(alpha)
+        fence_async_shared()  # P is read by the PV warpgroups' wgmma (the async proxy)
+        gl.thread_barrier()
+        mbarrier.arrive(p_ready.index(ps), count=1)
+    st_smem.index(0).store(m_i)
+    st_smem.index(1).store(l_i)
+    gl.thread_barrier()
+    mbarrier.arrive(st_ready.index(0), count=1)
+
+
+@gluon.jit
+def _roles_pv(W: gl.constexpr, p_smem, a_smem, st_smem, v_desc, v_bufs, v_ready, p_ready, p_free, st_ready,
+              O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads, stride_ot, stride_oh,
+              a, d_end, seq_len, bt_row, k_base, G: gl.constexpr, GP: gl.constexpr, DV: gl.constexpr,
+              NPV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr,
+              BOX_N: gl.constexpr, PAGE: gl.constexpr, PAGED: gl.constexpr, V_STAGES: gl.constexpr,
+              P_STAGES: gl.constexpr, SPLIT: gl.constexpr, STORE_LSE: gl.constexpr):
+    """PV warpgroup ``W`` of the roles kernel (a worker partition): V columns ``[W * DV / NPV, (W + 1) * DV / NPV)``
+    of the output. It streams its own V column slice (TMA into the slot whose PV just retired, ``V_STAGES`` blocks
+    ahead); per key block it waits for P and the row rescale factors, rescales its accumulator and runs PV (P from
+    shared memory), then releases the P slot; at the end it normalises with the softmax warpgroup's statistics and
+    stores its columns (the LSE from warpgroup 0 only)."""
+    PVW: gl.constexpr = DV // NPV
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, PVW, 16])
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    for st in gl.static_range(V_STAGES):
+        if a + st < d_end:
+            _tma_chunk(v_desc, v_bufs, v_ready, st, W, a + st, kvh * DV, bt_row, k_base, seq_len, BLOCK_N, BOX_N,
+                       PAGE, PAGED, NPV)
+    acc = gl.zeros([BLOCK_M, PVW], gl.float32, o_layout)
+    offs_vn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, blk))
+    for j in range(a, d_end):
+        it = j - a
+        ps = it % P_STAGES
+        vs = it % V_STAGES
+        mbarrier.wait(p_ready.index(ps), (it // P_STAGES) & 1)
+        alpha = a_smem.index(ps).load(row_o)
+        acc = acc * alpha[:, None]
+        v_buf = v_bufs.index(vs)
+        if NPV > 1:
+            v_buf = v_buf.slice(W * PVW, PVW, dim=1)
+        mbarrier.wait(v_ready.index(vs * NPV + W), (it // V_STAGES) & 1)
+        _zero_stale_v_cols(v_buf, j, seq_len, offs_vn, blk, BLOCK_N, PVW, 64)
+        acc = warpgroup_mma(p_smem.index(ps), v_buf, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(p_free.index(ps), count=1)
+        if j + V_STAGES < d_end:  # the slot is free once its PV retired: refill it
+            _tma_chunk(v_desc, v_bufs, v_ready, vs, W, j + V_STAGES, kvh * DV, bt_row, k_base, seq_len, BLOCK_N,
+                       BOX_N, PAGE, PAGED, NPV)
+    mbarrier.wait(st_ready.index(0), 0)
+    m_i = st_smem.index(0).load(row_o)
+    l_i = st_smem.index(1).load(row_o)
+    _epilogue(acc, l_i, m_i, O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads,
+              stride_ot, stride_oh, G, GP, PVW, BLOCK_M, BLOCK_Q, SPLIT, STORE_LSE, o_layout, W * PVW, DV, W == 0)
+
+
+@gluon.jit(do_not_specialize=["total_q", "num_seqs", "n_tiles", "window", "num_splits"])
+def _attn_fwd_gluon_roles(
+    Q, k_desc, v_desc, O, LSE, OPART, LSEPART,
+    CU_Q, SEQ_LENS, NCQ, BT, CU_K,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+    total_q, num_heads, num_seqs, n_tiles, window, qk_scale, num_splits,
+    G: gl.constexpr, GP: gl.constexpr, D: gl.constexpr, DV: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr,
+    BOX_N: gl.constexpr, PAGE: gl.constexpr, PAGED: gl.constexpr, HAS_WINDOW: gl.constexpr, PREFIX: gl.constexpr,
+    NCQ_FLAGS: gl.constexpr,
+    SPLIT: gl.constexpr, STORE_LSE: gl.constexpr, SEARCH_STEPS: gl.constexpr, STAGES: gl.constexpr,
+    V_STAGES: gl.constexpr, PV_REGS: gl.constexpr, P_STAGES: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """The roles kernel (``OVERLAP="roles"``): FA4's division of labour between a softmax warpgroup and the
+    warpgroups that own the output accumulator (Dao et al., FlashAttention-4, 2026; the flash-attention ``cute``
+    sources), on Hopper's wgmma. The softmax warpgroup (the default partition, 4 warps) runs QK^T and the online
+    softmax and hands P through shared memory to ``NPV`` PV warpgroups (2 for hd 512, else 1), each owning a
+    256- (or DV-) column slice of the output accumulator, so the softmax of block j + 1 runs while the PV
+    warpgroups multiply block j. There is no producer warp: ptxas needs >= 154 registers a thread at launch for the
+    64 x 256 PV wgmma, which 16 warps (a padded loader warpgroup) would leave at 128; each warpgroup refills its
+    own ring with TMA as a slot retires."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    KC: gl.constexpr = 2 if D > 256 else 1
+    NPV: gl.constexpr = 2 if DV > 256 else 1
+    gl.static_assert(KC == NPV, "the roles kernel's K and V rings share their chunking (D == DV)")
+
+    t = n_tiles - 1 - gl.program_id(0)  # reverse: long causal tiles (end of a prefill) first
+    kvh = gl.program_id(1)
+    split = gl.program_id(2)
+    ks = gl.arange(0, 16, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
+    b, q_start, q_len, tile = _tile_sequence(CU_Q, t, num_seqs, ks, BLOCK_Q, SEARCH_STEPS)
+    if tile * BLOCK_Q >= q_len:
+        return
+    seq_len, ncq, ctx, lo, hi, a, b_mid, c_mid, d_end = _tile_keys(
+        SEQ_LENS, NCQ, b, q_len, tile, split, window, num_splits, G, GP, BLOCK_M, BLOCK_N, BLOCK_Q, HAS_WINDOW,
+        PREFIX, NCQ_FLAGS, SPLIT, row_s)
+
+    q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D // KC], Q.dtype.element_ty)
+    q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [KC, BLOCK_M, D // KC], q_sl)
+    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, D], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [V_STAGES, BLOCK_N, DV], v_desc.layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES * KC, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES * NPV, 1], mbarrier.MBarrierLayout())
+    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], Q.dtype.element_ty)
+    p_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [P_STAGES, BLOCK_M, BLOCK_N], p_sl)
+    r_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    a_smem = gl.allocate_shared_memory(gl.float32, [P_STAGES, BLOCK_M], r_sl)
+    st_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], r_sl)
+    p_ready = gl.allocate_shared_memory(gl.int64, [P_STAGES, 1], mbarrier.MBarrierLayout())
+    p_free = gl.allocate_shared_memory(gl.int64, [P_STAGES, 1], mbarrier.MBarrierLayout())
+    st_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    for st in gl.static_range(STAGES * KC):
+        mbarrier.init(k_ready.index(st), count=1)
+    for st in gl.static_range(V_STAGES * NPV):
+        mbarrier.init(v_ready.index(st), count=1)
+    for st in gl.static_range(P_STAGES):
+        mbarrier.init(p_ready.index(st), count=1)
+        mbarrier.init(p_free.index(st), count=NPV)
+    mbarrier.init(st_ready.index(0), count=1)
+
+    bt_row, k_base = _kv_base(BT, CU_K, b, stride_bt, PAGED)
+    W0: gl.constexpr = 0
+    W1: gl.constexpr = 1
+    if NPV == 2:
+        gl.warp_specialize([
+            (_roles_softmax, (q_smem, k_desc, k_bufs, k_ready, p_smem, a_smem, st_smem, p_ready, p_free, st_ready,
+                              Q, q_start, q_len, tile, kvh, stride_qt, stride_qh, lo, hi, a, b_mid, c_mid, d_end,
+                              qk_scale, bt_row, k_base, seq_len, G, GP, D, KC, BLOCK_M, BLOCK_N, BLOCK_Q, BOX_N, PAGE,
+                              PAGED, STAGES, P_STAGES, s_layout)),
+            (_roles_pv, (W0, p_smem, a_smem, st_smem, v_desc, v_bufs, v_ready, p_ready, p_free, st_ready,
+                         O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads, stride_ot,
+                         stride_oh, a, d_end, seq_len, bt_row, k_base, G, GP, DV, NPV, BLOCK_M, BLOCK_N, BLOCK_Q,
+                         BOX_N, PAGE, PAGED, V_STAGES, P_STAGES, SPLIT, STORE_LSE)),
+            (_roles_pv, (W1, p_smem, a_smem, st_smem, v_desc, v_bufs, v_ready, p_ready, p_free, st_ready,
+                         O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads, stride_ot,
+                         stride_oh, a, d_end, seq_len, bt_row, k_base, G, GP, DV, NPV, BLOCK_M, BLOCK_N, BLOCK_Q,
+                         BOX_N, PAGE, PAGED, V_STAGES, P_STAGES, SPLIT, STORE_LSE)),
+        ], [4, 4], [PV_REGS, PV_REGS])
+    else:
+        gl.warp_specialize([
+            (_roles_softmax, (q_smem, k_desc, k_bufs, k_ready, p_smem, a_smem, st_smem, p_ready, p_free, st_ready,
+                              Q, q_start, q_len, tile, kvh, stride_qt, stride_qh, lo, hi, a, b_mid, c_mid, d_end,
+                              qk_scale, bt_row, k_base, seq_len, G, GP, D, KC, BLOCK_M, BLOCK_N, BLOCK_Q, BOX_N, PAGE,
+                              PAGED, STAGES, P_STAGES, s_layout)),
+            (_roles_pv, (W0, p_smem, a_smem, st_smem, v_desc, v_bufs, v_ready, p_ready, p_free, st_ready,
+                         O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads, stride_ot,
+                         stride_oh, a, d_end, seq_len, bt_row, k_base, G, GP, DV, NPV, BLOCK_M, BLOCK_N, BLOCK_Q,
+                         BOX_N, PAGE, PAGED, V_STAGES, P_STAGES, SPLIT, STORE_LSE)),
+        ], [4], [PV_REGS])
+
+
 def _gl_dtype(dtype: torch.dtype):
     return gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
 
@@ -704,6 +933,28 @@ def make_kv_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, box_rows: 
     return descs
 
 
+ROLES_P_STAGES = 2  # P / row-rescale slots between the roles kernel's softmax and PV warpgroups
+
+
+def roles_pv_warpgroups(head_dim_v: int) -> int:
+    """PV warpgroups of the roles kernel: one per 256 output columns (a 64 x 256 fp32 accumulator is 128 registers
+    a thread)."""
+    return 2 if head_dim_v > 256 else 1
+
+
+def roles_pv_regs(head_dim_v: int) -> int:
+    """setmaxnreg of each PV warpgroup of the roles kernel. Two PV warpgroups (hd 512): 12 warps share the register
+    file at 168 a thread; 2 x 200 leaves 104 for the softmax warpgroup (S, P and the row statistics). One
+    (hd <= 256): 8 warps, no launch cap; 240."""
+    return 200 if roles_pv_warpgroups(head_dim_v) == 2 else 240
+
+
+def roles_max_regs(head_dim_v: int) -> int | None:
+    """``maxnreg`` at launch of the roles kernel (4 softmax + 4 per PV warpgroup warps; None: no cap)."""
+    regs = (65536 // (32 * 4 * (1 + roles_pv_warpgroups(head_dim_v)))) // 8 * 8
+    return regs if regs < 255 else None
+
+
 WIDE_SMEM_LIMIT = 232448 - 1024  # 227 KB per block on sm_90, less barriers and alignment
 WIDE_CONSUMER_REGS = 232  # setmaxnreg of the wide kernel's worker warpgroup (ptxas gives both consumers 232)
 LOADER_REGS = 40  # registers per thread of the producer warp (setmaxnreg; scalar address math and TMA issue)
@@ -715,9 +966,10 @@ def check_gluon_config(cfg: dict, head_dim: int, head_dim_v: int) -> None:
         if isinstance(cfg[name], bool) or not isinstance(cfg[name], int):
             raise ValueError(f"config[{name!r}] must be an int with IMPL='gluon', got {cfg[name]!r}")
     nw, bm, bn, st = cfg["num_warps"], cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_stages"]
-    if nw not in (4, 8):
+    roles = cfg.get("OVERLAP") == "roles"
+    if nw not in (4, 8) and not roles:
         raise ValueError(f"config['num_warps'] must be 4 or 8 (consumer warpgroups) with IMPL='gluon', got {nw!r}")
-    if head_dim_v <= 256 and (bm not in (64, 128) or bm < 16 * nw):
+    if head_dim_v <= 256 and not roles and (bm not in (64, 128) or bm < 16 * nw):
         raise ValueError(f"config['BLOCK_M'] must be 64 or 128 and >= 16 * num_warps with IMPL='gluon', got {bm!r}")
     if bn not in (32, 64, 128):
         raise ValueError(f"config['BLOCK_N'] must be 32, 64 or 128 with IMPL='gluon', got {bn!r}")
@@ -727,7 +979,21 @@ def check_gluon_config(cfg: dict, head_dim: int, head_dim_v: int) -> None:
     if vst is not None and (isinstance(vst, bool) or not isinstance(vst, int) or not 1 <= vst <= 4):
         raise ValueError(f"config['V_STAGES'] (V ring depth; None: num_stages) must be an int in [1, 4] or None "
                          f"with IMPL='gluon', got {vst!r}")
-    if head_dim_v > 256:
+    if cfg.get("OVERLAP") == "roles":
+        npv = roles_pv_warpgroups(head_dim_v)
+        if bm != 64 or nw != 4 * (1 + npv):
+            raise ValueError(f"OVERLAP='roles' at head_dim_v {head_dim_v} needs BLOCK_M=64 and num_warps={4 * (1 + npv)} "
+                             f"(a softmax warpgroup + {npv} PV warpgroup(s)), got BLOCK_M={bm!r}, num_warps={nw!r}")
+        if cfg.get("LAZY_RESCALE"):
+            raise ValueError("OVERLAP='roles' takes LAZY_RESCALE=False (its PV warpgroups rescale every block)")
+        vst = cfg.get("V_STAGES") or st
+        smem = 2 * (bm * head_dim + bn * (st * head_dim + vst * head_dim_v) + ROLES_P_STAGES * bm * bn) \
+            + 4 * (ROLES_P_STAGES + 2) * bm
+        if smem > WIDE_SMEM_LIMIT:
+            raise ValueError(f"config BLOCK_N={bn}, num_stages={st}, V_STAGES={vst} needs {smem} B of shared memory "
+                             f"at head_dim {head_dim} with OVERLAP='roles' (Q + K / V rings + the P ring); the limit "
+                             f"is {WIDE_SMEM_LIMIT}")
+    elif head_dim_v > 256:
         if nw != 8 or bm != 64:
             raise ValueError(f"head_dim_v {head_dim_v} with IMPL='gluon' needs num_warps=8 and BLOCK_M=64 (two "
                              f"warpgroups splitting the head dim), got num_warps={nw!r}, BLOCK_M={bm!r}")
@@ -746,9 +1012,12 @@ def check_gluon_config(cfg: dict, head_dim: int, head_dim_v: int) -> None:
 def overlap_mode(overlap) -> int:
     """The kernels' ``OVERLAP`` constexpr of a config value: 0 (False: sequential), 1 (True: QK^T of block j + 1
     overlaps the softmax of block j), 2 ("chain": PV of block j and QK^T of block j + 1 issued back to back and
-    retired together)."""
+    retired together), 3 ("roles": the separate kernel :func:`_attn_fwd_gluon_roles`, a softmax warpgroup feeding
+    PV warpgroups)."""
     if overlap == "chain":
         return 2
+    if overlap == "roles":
+        return 3
     if not isinstance(overlap, bool):
         raise ValueError(f"OVERLAP must be a bool or 'chain', got {overlap!r}")
     return int(overlap)
@@ -808,10 +1077,11 @@ def compile_for_sm90(*, block_m: int, block_n: int, num_warps: int, num_stages: 
     kc = torch.empty(8, page, num_kv_heads, D, dtype=torch.bfloat16) if paged else \
         torch.empty(1024, num_kv_heads, D, dtype=torch.bfloat16)
     box = tma_box_rows(paged, page, block_n)
-    wide = D > 256
-    kd, vd = make_kv_descriptors(kc, kc, box, 2 if wide else 1, 2 if wide else 1)
+    roles = overlap == "roles"
+    wide = D > 256 and not roles
+    kd, vd = make_kv_descriptors(kc, kc, box, 2 if D > 256 else 1, 2 if D > 256 else 1)
     i32, f32 = torch.empty(4, dtype=torch.int32), torch.empty(4, dtype=torch.float32)
-    fn = _attn_fwd_gluon_wide if wide else _attn_fwd_gluon
+    fn = _attn_fwd_gluon_roles if roles else _attn_fwd_gluon_wide if wide else _attn_fwd_gluon
     args = dict(Q=q, k_desc=kd, v_desc=vd, O=q, LSE=f32, OPART=f32, LSEPART=f32, CU_Q=i32, SEQ_LENS=i32,
                 NCQ=torch.empty(4, dtype=torch.bool) if causal_flags else i32,
                 BT=i32, CU_K=i32, stride_qt=H * D, stride_qh=D, stride_ot=H * D, stride_oh=D, stride_bt=7,
@@ -824,12 +1094,16 @@ def compile_for_sm90(*, block_m: int, block_n: int, num_warps: int, num_stages: 
     if wide:
         del consts["OVERLAP"]
         consts.update(num_warps=4, CONSUMER_REGS=WIDE_CONSUMER_REGS)
+    if roles:
+        del consts["OVERLAP"], consts["LAZY"], consts["LOADER_REGS"]
+        consts.update(num_warps=4, PV_REGS=roles_pv_regs(D), P_STAGES=ROLES_P_STAGES)
     ints = {"total_q", "num_seqs", "n_tiles", "window", "num_splits"}
     sig = {n: "constexpr" if n in consts else "i32" if n in ints else mangle_type(args[n]) for n in fn.arg_names}
     src = GluonASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
     ctas = gluon_ctas_per_sm(block_m, block_n, num_warps, num_stages, D, D, 2, v_stages=v_stages)
+    maxnreg = roles_max_regs(D) if roles else gluon_max_regs(num_warps, ctas)
     ck = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                        options=dict(num_warps=consts["num_warps"], maxnreg=gluon_max_regs(num_warps, ctas)))
+                        options=dict(num_warps=consts["num_warps"], maxnreg=maxnreg))
     ptx = ck.asm["ptx"]
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
@@ -847,6 +1121,6 @@ def compile_for_sm90(*, block_m: int, block_n: int, num_warps: int, num_stages: 
                                          re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)})}
 
 
-__all__ = ["GLUON_HEAD_DIMS", "compile_for_sm90", "LOADER_REGS", "check_gluon_config", "gluon_ctas_per_sm",
-           "gluon_ineligible",
+__all__ = ["GLUON_HEAD_DIMS", "compile_for_sm90", "LOADER_REGS", "ROLES_P_STAGES", "check_gluon_config",
+           "gluon_ctas_per_sm", "gluon_ineligible", "roles_max_regs", "roles_pv_regs", "roles_pv_warpgroups",
            "gluon_max_regs", "layout_ineligible", "make_kv_descriptors", "tma_box_rows"]

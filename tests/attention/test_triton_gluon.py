@@ -221,6 +221,49 @@ def test_wide_gluon_kernel_compiles_for_sm90_at_the_automatic_tile(lazy):
     assert 224 * 1024 <= rep["shared"] <= tg.WIDE_SMEM_LIMIT
 
 
+ROLES = dict(IMPL="gluon", BLOCK_M=64, BLOCK_N=64, num_warps=12, num_stages=1, OVERLAP="roles")
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(num_warps=8), "num_warps=12"), (dict(BLOCK_M=128), "BLOCK_M=64"), (dict(LAZY_RESCALE=True), "LAZY"),
+    (dict(num_stages=2), "shared memory"), (dict(OVERLAP="Roles"), "OVERLAP"),
+])
+def test_bad_roles_configs_name_the_rule(bad, match):
+    # OVERLAP="roles" at hd 512: a softmax warpgroup + two PV warpgroups (12 warps), 64 rows, no lazy rescale,
+    # Q + K / V rings + the P ring within 227 KB
+    kern = TA.get_kernel(512, 512, 8, torch.bfloat16, True, 64, False, False)
+    with pytest.raises(ValueError, match=match):
+        kern.config(dict(ROLES, **bad))
+    assert kern.config(ROLES)["OVERLAP"] == "roles"
+    assert kern.config(dict(ROLES, BLOCK_N=32, num_stages=2, V_STAGES=2))["num_warps"] == 12
+    hd256 = TA.get_kernel(256, 256, 2, torch.bfloat16, True, 64, True, False)
+    assert hd256.config(dict(ROLES, num_warps=8, num_stages=2))["OVERLAP"] == "roles"  # one PV warpgroup
+    with pytest.raises(ValueError, match="num_warps=8"):
+        hd256.config(ROLES)
+    assert tg.overlap_mode("roles") == 3
+    assert [tg.roles_pv_warpgroups(d) for d in (128, 256, 512)] == [1, 1, 2]
+    assert tg.roles_max_regs(512) == 168 and tg.roles_max_regs(256) is None
+    # two PV warpgroups at their setmaxnreg leave >= 96 registers a thread for the softmax warpgroup
+    assert 4 * tg.roles_max_regs(512) * 3 // 4 - 2 * tg.roles_pv_regs(512) >= 96
+
+
+@pytest.mark.parametrize("kw,max_spill", [
+    (dict(block_n=64, num_stages=1, head_dim=512, group=8, num_kv_heads=2, page_size=64, causal_flags=True), 0),
+    (dict(block_n=64, num_stages=1, head_dim=512, group=8, num_kv_heads=2, window=True), 0),
+    (dict(block_n=32, num_stages=2, v_stages=2, head_dim=512, group=8, num_kv_heads=2, page_size=32), 8),
+    (dict(block_n=64, num_stages=2, head_dim=256, page_size=64, causal_flags=True, window=True), 0),
+    (dict(block_n=128, num_stages=2, v_stages=1, head_dim=128, paged=False), 0),
+])
+def test_roles_kernel_compiles_for_sm90(kw, max_spill):
+    # the softmax warpgroup loads Q in 64-column pieces: whole 256-column loads spilled ~700 B at its 104 registers
+    kw = dict(dict(block_m=64, paged=True, split=True, window=False, overlap="roles"), **kw)
+    kw["num_warps"] = 4 * (1 + tg.roles_pv_warpgroups(kw["head_dim"]))
+    rep, spills = _compile_offline(kw)
+    assert "C751" not in rep["ptxas"], rep["ptxas"]
+    assert max(spills) <= max_spill, rep["ptxas"]
+    assert rep["shared"] <= tg.WIDE_SMEM_LIMIT
+
+
 # ---------------------------------------------------------------- GPU (H200)
 
 
@@ -314,6 +357,25 @@ def test_gpu_gluon_chained_consumer_matches_reference(D, H, Hkv, page_size, case
     if D <= 128:
         cfgs.append(dict(GLUON, OVERLAP="chain", BLOCK_N=128, V_STAGES=1))
     _check_splits_and_windows(inp, cfgs, (None, 1, 3, 8), window_0=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D,H,Hkv,page_size", [(512, 16, 2, 64), (512, 16, 2, 32), (256, 16, 8, 64),
+                                               (128, 16, 8, 128), (128, 32, 4, 16)])
+@pytest.mark.parametrize("case", [0, 1])
+def test_gpu_gluon_roles_kernel_matches_reference(D, H, Hkv, page_size, case):
+    # OVERLAP="roles": the softmax warpgroup hands P and the row rescale factors through a shared-memory ring to the
+    # PV warpgroups, each warpgroup refilling its own K / V ring; programs with 0, 1 and many key blocks (splits,
+    # windows), NaN in stale cache rows, key blocks of several pages
+    sl, ql, ncq = GPU_CASES[case]
+    inp = poison_stale_rows(make_batch(sl, ql, num_causal_q=ncq, H=H, Hkv=Hkv, D=D, page_size=page_size,
+                                       device="cuda", seed=11 * D + page_size + case))
+    base = dict(ROLES, num_warps=4 * (1 + tg.roles_pv_warpgroups(D)))
+    if D > 256:
+        cfgs = [base, dict(base, BLOCK_N=32, num_stages=2, V_STAGES=2)]
+    else:
+        cfgs = [dict(base, num_stages=2), dict(base, BLOCK_N=128, num_stages=2, V_STAGES=1)]
+    _check_splits_and_windows(inp, cfgs, (None, 1, 3), window_0=case == 0)
 
 
 @pytest.mark.gpu
