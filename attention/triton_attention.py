@@ -664,7 +664,7 @@ TUNED_SPLIT_CONFIGS: dict = {
 
 _GLUON_64 = dict(IMPL="gluon", BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, OVERLAP=True)
 _GLUON_HD128 = dict(IMPL="gluon", BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2, V_STAGES=1, OVERLAP="chain")
-_GLUON_HD512 = dict(IMPL="gluon", BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=1, BLOCK_DV=512, OVERLAP=False)
+_GLUON_HD512 = dict(IMPL="gluon", BLOCK_M=64, BLOCK_N=64, num_warps=12, num_stages=1, BLOCK_DV=512, OVERLAP="roles")
 #: The warp-specialised Gluon kernel (:mod:`blockdiff.attention.triton_gluon`) as the automatic choice
 #: {(head_dim, group, has_window, prefix): (base regime config or None, split regime config or None)}, bf16/fp16 on
 #: sm_90 when the caches suit TMA with boxes of >= 64 rows (else the tables above). H200 CUDA-graph medians, page 64:
@@ -681,7 +681,12 @@ _GLUON_HD512 = dict(IMPL="gluon", BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stage
 #:   the chained consumer 26.9 us (gluon_chain_sliding-h200.json). hd 256 runs one
 #:   program per SM (the PV wgmma needs >= 158 registers a thread at launch). The hd-256 base regime stays on the
 #:   portable kernel: mixed_sliding_ctx8k 0.210 ms vs 0.250 ms in Gluon.
-#: - hd 512, group 8 (global layers), both regimes: the wide kernel (two consumer warpgroups splitting the head
+#: - hd 512, group 8 (global layers), both regimes: the roles kernel (``OVERLAP="roles"``: a softmax warpgroup
+#:   hands P through shared memory to two PV warpgroups of 256 output columns each), 64x64, one K and one V buffer
+#:   (Q 64 KB + K 64 KB + V 64 KB + two P slots 16 KB). Same run (bench/results/gluon_roles_hd512-h200.json,
+#:   f8bcc40, 100 ms windows): mixed_global_ctx8k 1.037 ms against 1.094-1.097 for the wide kernel,
+#:   canvas_bs1_ctx32k_global 0.534 against 0.582 ms; 64x32 with two K / V buffers 1.270 / 0.716 ms.
+#:   Before, the wide kernel (two consumer warpgroups splitting the head
 #:   dim), 64x64, one K and one V buffer (Q 64 KB + K 64 KB + V 64 KB + the partial-S exchange 32 KB). Same run
 #:   in the sweep's then 40 ms windows (boost clock, 3-8 % fast; bench/results/gluon_hd512_lazy-h200.json,
 #:   2a25e46): mixed_global_ctx8k 1.009 ms, canvas_bs1_ctx32k_global 0.569 ms (2 splits); the (removed) 8-warp
@@ -1087,7 +1092,7 @@ def attention_triton(
         if roles:
             handle = _tg._attn_fwd_gluon_roles[grid](*args, **consts, PV_REGS=_tg.roles_pv_regs(DV),
                                                       P_STAGES=_tg.ROLES_P_STAGES, maxnreg=_tg.roles_max_regs(DV),
-                                                      num_warps=4)
+                                                      EARLY_REFILL=_tg.roles_early_refill(), num_warps=4)
         elif wide:
             handle = _tg._attn_fwd_gluon_wide[grid](*args, **consts, **ws, CONSUMER_REGS=_tg.WIDE_CONSUMER_REGS,
                                                      num_warps=4)

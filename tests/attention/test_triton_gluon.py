@@ -98,6 +98,9 @@ def test_hd512_configs_resolve_to_the_kernel_that_can_take_them():
     assert kern.base["BLOCK_DV"] == 256 and kern.gluon_base is not None
     cfg = kern.config(dict(IMPL="gluon", BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=1, OVERLAP=False))
     assert cfg["BLOCK_DV"] == 512
+    # the automatic hd-512 choice is the roles kernel, in both regimes
+    assert kern.gluon_base["OVERLAP"] == kern.gluon_split["OVERLAP"] == "roles"
+    assert kern.config(kern.gluon_base)["num_warps"] == 12
 
 
 def test_layout_rules_name_what_tma_needs():
@@ -374,7 +377,7 @@ def test_gpu_gluon_roles_kernel_matches_reference(D, H, Hkv, page_size, case):
     if D > 256:
         cfgs = [base, dict(base, BLOCK_N=32, num_stages=2, V_STAGES=2)]
     else:
-        cfgs = [dict(base, num_stages=2), dict(base, BLOCK_N=128, num_stages=2, V_STAGES=1)]
+        cfgs = [dict(base, num_stages=2), dict(base, BLOCK_N=128, num_stages=1 if D > 128 else 2, V_STAGES=1)]
     _check_splits_and_windows(inp, cfgs, (None, 1, 3), window_0=case == 0)
 
 
