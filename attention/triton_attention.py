@@ -1078,7 +1078,8 @@ def attention_triton(
         roles = cfg["OVERLAP"] == "roles"  # softmax + PV warpgroups (triton_gluon._attn_fwd_gluon_roles)
         wide = DV > 256 and not roles  # two consumer warpgroups split the head dim (triton_gluon._attn_fwd_gluon_wide)
         chunks = 2 if DV > 256 else 1  # K / V streamed as head-dim halves (TMA boxes are <= 256 wide)
-        k_desc, v_desc = _tg.make_kv_descriptors(k_cache, v_cache, box_n, chunks, chunks)
+        k_chunks = _tg.roles_k_chunks(D) if roles else chunks
+        k_desc, v_desc = _tg.make_kv_descriptors(k_cache, v_cache, box_n, k_chunks, chunks)
         args = (q, k_desc, v_desc, dst, lse_arg, opart, lsepart,
                 cu_q, sl, ncq, bt, cu_k,
                 q.stride(0), q.stride(1), dst.stride(0), dst.stride(1), stride_bt,
@@ -1092,7 +1093,8 @@ def attention_triton(
         if roles:
             handle = _tg._attn_fwd_gluon_roles[grid](*args, **consts, PV_REGS=_tg.roles_pv_regs(DV),
                                                       P_STAGES=_tg.ROLES_P_STAGES, maxnreg=_tg.roles_max_regs(DV),
-                                                      EARLY_REFILL=_tg.roles_early_refill(), num_warps=4)
+                                                      EARLY_REFILL=_tg.roles_early_refill(), K_CHUNKS=k_chunks,
+                                                      num_warps=4)
         elif wide:
             handle = _tg._attn_fwd_gluon_wide[grid](*args, **consts, **ws, CONSUMER_REGS=_tg.WIDE_CONSUMER_REGS,
                                                      num_warps=4)

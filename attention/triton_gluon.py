@@ -762,7 +762,7 @@ def _attn_fwd_gluon_roles(
     NCQ_FLAGS: gl.constexpr,
     SPLIT: gl.constexpr, STORE_LSE: gl.constexpr, SEARCH_STEPS: gl.constexpr, STAGES: gl.constexpr,
     V_STAGES: gl.constexpr, PV_REGS: gl.constexpr, P_STAGES: gl.constexpr, EARLY_REFILL: gl.constexpr,
-    num_warps: gl.constexpr,
+    K_CHUNKS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """The roles kernel (``OVERLAP="roles"``): FA4's division of labour between a softmax warpgroup and the
     warpgroups that own the output accumulator (Dao et al., FlashAttention-4, 2026; the flash-attention ``cute``
@@ -775,9 +775,9 @@ def _attn_fwd_gluon_roles(
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    KC: gl.constexpr = 2 if D > 256 else 1
+    KC: gl.constexpr = K_CHUNKS
     NPV: gl.constexpr = 2 if DV > 256 else 1
-    gl.static_assert(KC == NPV, "the roles kernel's K and V rings share their chunking (D == DV)")
+    gl.static_assert(D // KC <= 256, "a K chunk is one TMA box column range (<= 256)")
 
     t = n_tiles - 1 - gl.program_id(0)  # reverse: long causal tiles (end of a prefill) first
     kvh = gl.program_id(1)
@@ -965,6 +965,14 @@ def roles_early_refill() -> bool:
     return os.environ.get("BLOCKDIFF_ROLES_EARLY_REFILL", "1") == "1"
 
 
+def roles_k_chunks(head_dim: int) -> int:
+    """TEMPORARY A/B knob (env ``BLOCKDIFF_ROLES_KC``): head-dim chunks of the roles kernel's K ring (default
+    ``head_dim // 256``, at least 1)."""
+    import os
+    v = os.environ.get("BLOCKDIFF_ROLES_KC")
+    return int(v) if v and head_dim > 256 else max(1, head_dim // 256)
+
+
 def roles_max_regs(head_dim_v: int) -> int | None:
     """``maxnreg`` at launch of the roles kernel (4 softmax + 4 per PV warpgroup warps; None: no cap)."""
     regs = (65536 // (32 * 4 * (1 + roles_pv_warpgroups(head_dim_v)))) // 8 * 8
@@ -1095,7 +1103,8 @@ def compile_for_sm90(*, block_m: int, block_n: int, num_warps: int, num_stages: 
     box = tma_box_rows(paged, page, block_n)
     roles = overlap == "roles"
     wide = D > 256 and not roles
-    kd, vd = make_kv_descriptors(kc, kc, box, 2 if D > 256 else 1, 2 if D > 256 else 1)
+    kd, vd = make_kv_descriptors(kc, kc, box, roles_k_chunks(D) if roles else 2 if D > 256 else 1,
+                                 2 if D > 256 else 1)
     i32, f32 = torch.empty(4, dtype=torch.int32), torch.empty(4, dtype=torch.float32)
     fn = _attn_fwd_gluon_roles if roles else _attn_fwd_gluon_wide if wide else _attn_fwd_gluon
     args = dict(Q=q, k_desc=kd, v_desc=vd, O=q, LSE=f32, OPART=f32, LSEPART=f32, CU_Q=i32, SEQ_LENS=i32,
@@ -1113,7 +1122,7 @@ def compile_for_sm90(*, block_m: int, block_n: int, num_warps: int, num_stages: 
     if roles:
         del consts["OVERLAP"], consts["LAZY"], consts["LOADER_REGS"]
         consts.update(num_warps=4, PV_REGS=roles_pv_regs(D), P_STAGES=ROLES_P_STAGES,
-                      EARLY_REFILL=roles_early_refill())
+                      EARLY_REFILL=roles_early_refill(), K_CHUNKS=roles_k_chunks(D))
     ints = {"total_q", "num_seqs", "n_tiles", "window", "num_splits"}
     sig = {n: "constexpr" if n in consts else "i32" if n in ints else mangle_type(args[n]) for n in fn.arg_names}
     src = GluonASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
