@@ -634,8 +634,7 @@ def _roles_softmax(q_smem, k_desc, k_bufs, k_ready, p_smem, a_smem, st_smem, p_r
                    bt_row, k_base, seq_len,
                    G: gl.constexpr, GP: gl.constexpr, D: gl.constexpr, KC: gl.constexpr, BLOCK_M: gl.constexpr,
                    BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr, BOX_N: gl.constexpr, PAGE: gl.constexpr,
-                   PAGED: gl.constexpr, STAGES: gl.constexpr, P_STAGES: gl.constexpr, s_layout: gl.constexpr,
-                   EARLY_REFILL: gl.constexpr):
+                   PAGED: gl.constexpr, STAGES: gl.constexpr, P_STAGES: gl.constexpr, s_layout: gl.constexpr):
     """The roles kernel's softmax warpgroup (the default partition). It streams its own K ring (TMA into the slot
     whose QK^T just retired, ``STAGES`` blocks ahead), loads the Q tile, and per key block runs QK^T over the whole
     head dim (``KC`` chunks) and the online softmax's statistics; P (bf16 / fp16) and the block's row rescale
@@ -666,19 +665,15 @@ def _roles_softmax(q_smem, k_desc, k_bufs, k_ready, p_smem, a_smem, st_smem, p_r
             mbarrier.wait(k_ready.index(ks * KC + c), (it // STAGES) & 1)
             qk = warpgroup_mma(q_smem.index(c), k_bufs.index(ks).slice(c * DC, DC, dim=1).permute((1, 0)), qk,
                                use_acc=c > 0, is_async=True)
-        refill = j + STAGES < d_end
-        if EARLY_REFILL:
-            # each chunk's slot refilled as soon as its QK^T group retired (chunk 0 while chunk 1 multiplies)
-            for c in gl.static_range(KC):
-                warpgroup_mma_wait(num_outstanding=KC - 1 - c, deps=(qk,))
-                if refill:
-                    _tma_chunk(k_desc, k_bufs, k_ready, ks, c, j + STAGES, kvh * D, bt_row, k_base, seq_len,
-                               BLOCK_N, BOX_N, PAGE, PAGED, KC)
-        qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
-        if (not EARLY_REFILL) and refill:  # the slot is free once its QK^T retired: refill it
-            for c in gl.static_range(KC):
+        # each chunk's slot is refilled as soon as its QK^T group retired (chunk 0 while chunk 1 multiplies):
+        # mixed_global_ctx8k 1.001-1.040 against 1.054-1.063 ms refilling after the whole QK^T (two alternating
+        # rounds, bench/results/gluon_roles_early.md)
+        for c in gl.static_range(KC):
+            warpgroup_mma_wait(num_outstanding=KC - 1 - c, deps=(qk,))
+            if j + STAGES < d_end:
                 _tma_chunk(k_desc, k_bufs, k_ready, ks, c, j + STAGES, kvh * D, bt_row, k_base, seq_len, BLOCK_N,
                            BOX_N, PAGE, PAGED, KC)
+        qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
         if (j < b_mid) | (j >= c_mid):
             kpos = j * BLOCK_N + offs_n
             allowed = (kpos[None, :] >= lo[:, None]) & (kpos[None, :] <= hi[:, None])
@@ -761,8 +756,8 @@ def _attn_fwd_gluon_roles(
     BOX_N: gl.constexpr, PAGE: gl.constexpr, PAGED: gl.constexpr, HAS_WINDOW: gl.constexpr, PREFIX: gl.constexpr,
     NCQ_FLAGS: gl.constexpr,
     SPLIT: gl.constexpr, STORE_LSE: gl.constexpr, SEARCH_STEPS: gl.constexpr, STAGES: gl.constexpr,
-    V_STAGES: gl.constexpr, PV_REGS: gl.constexpr, P_STAGES: gl.constexpr, EARLY_REFILL: gl.constexpr,
-    K_CHUNKS: gl.constexpr, num_warps: gl.constexpr,
+    V_STAGES: gl.constexpr, PV_REGS: gl.constexpr, P_STAGES: gl.constexpr, K_CHUNKS: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     """The roles kernel (``OVERLAP="roles"``): FA4's division of labour between a softmax warpgroup and the
     warpgroups that own the output accumulator (Dao et al., FlashAttention-4, 2026; the flash-attention ``cute``
@@ -821,7 +816,7 @@ def _attn_fwd_gluon_roles(
             (_roles_softmax, (q_smem, k_desc, k_bufs, k_ready, p_smem, a_smem, st_smem, p_ready, p_free, st_ready,
                               Q, q_start, q_len, tile, kvh, stride_qt, stride_qh, lo, hi, a, b_mid, c_mid, d_end,
                               qk_scale, bt_row, k_base, seq_len, G, GP, D, KC, BLOCK_M, BLOCK_N, BLOCK_Q, BOX_N, PAGE,
-                              PAGED, STAGES, P_STAGES, s_layout, EARLY_REFILL)),
+                              PAGED, STAGES, P_STAGES, s_layout)),
             (_roles_pv, (W0, p_smem, a_smem, st_smem, v_desc, v_bufs, v_ready, p_ready, p_free, st_ready,
                          O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads, stride_ot,
                          stride_oh, a, d_end, seq_len, bt_row, k_base, G, GP, DV, NPV, BLOCK_M, BLOCK_N, BLOCK_Q,
@@ -836,7 +831,7 @@ def _attn_fwd_gluon_roles(
             (_roles_softmax, (q_smem, k_desc, k_bufs, k_ready, p_smem, a_smem, st_smem, p_ready, p_free, st_ready,
                               Q, q_start, q_len, tile, kvh, stride_qt, stride_qh, lo, hi, a, b_mid, c_mid, d_end,
                               qk_scale, bt_row, k_base, seq_len, G, GP, D, KC, BLOCK_M, BLOCK_N, BLOCK_Q, BOX_N, PAGE,
-                              PAGED, STAGES, P_STAGES, s_layout, EARLY_REFILL)),
+                              PAGED, STAGES, P_STAGES, s_layout)),
             (_roles_pv, (W0, p_smem, a_smem, st_smem, v_desc, v_bufs, v_ready, p_ready, p_free, st_ready,
                          O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads, stride_ot,
                          stride_oh, a, d_end, seq_len, bt_row, k_base, G, GP, DV, NPV, BLOCK_M, BLOCK_N, BLOCK_Q,
@@ -958,19 +953,11 @@ def roles_pv_regs(head_dim_v: int) -> int:
     return 200 if roles_pv_warpgroups(head_dim_v) == 2 else 240
 
 
-def roles_early_refill() -> bool:
-    """TEMPORARY A/B knob (env ``BLOCKDIFF_ROLES_EARLY_REFILL``, default on): the roles kernel's softmax warpgroup
-    refills each K head-dim chunk as soon as its QK^T group retired, instead of after the whole QK^T."""
-    import os
-    return os.environ.get("BLOCKDIFF_ROLES_EARLY_REFILL", "1") == "1"
-
-
 def roles_k_chunks(head_dim: int) -> int:
-    """TEMPORARY A/B knob (env ``BLOCKDIFF_ROLES_KC``): head-dim chunks of the roles kernel's K ring (default
-    ``head_dim // 256``, at least 1)."""
-    import os
-    v = os.environ.get("BLOCKDIFF_ROLES_KC")
-    return int(v) if v and head_dim > 256 else max(1, head_dim // 256)
+    """Head-dim chunks of the roles kernel's K ring (one TMA box column range and one QK^T wgmma group each, the
+    slot refilled per chunk): ``head_dim // 256``, at least 1. 128-column chunks at hd 512 measured slower
+    (mixed_global_ctx8k 1.041-1.046 against 0.959-0.965 ms, two alternating rounds, gluon_roles_kc.md)."""
+    return max(1, head_dim // 256)
 
 
 def roles_max_regs(head_dim_v: int) -> int | None:
@@ -1122,7 +1109,7 @@ def compile_for_sm90(*, block_m: int, block_n: int, num_warps: int, num_stages: 
     if roles:
         del consts["OVERLAP"], consts["LAZY"], consts["LOADER_REGS"]
         consts.update(num_warps=4, PV_REGS=roles_pv_regs(D), P_STAGES=ROLES_P_STAGES,
-                      EARLY_REFILL=roles_early_refill(), K_CHUNKS=roles_k_chunks(D))
+                      K_CHUNKS=roles_k_chunks(D))
     ints = {"total_q", "num_seqs", "n_tiles", "window", "num_splits"}
     sig = {n: "constexpr" if n in consts else "i32" if n in ints else mangle_type(args[n]) for n in fn.arg_names}
     src = GluonASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
@@ -1148,5 +1135,5 @@ def compile_for_sm90(*, block_m: int, block_n: int, num_warps: int, num_stages: 
 
 
 __all__ = ["GLUON_HEAD_DIMS", "compile_for_sm90", "LOADER_REGS", "ROLES_P_STAGES", "check_gluon_config",
-           "gluon_ctas_per_sm", "gluon_ineligible", "roles_max_regs", "roles_pv_regs", "roles_pv_warpgroups",
+           "gluon_ctas_per_sm", "gluon_ineligible", "roles_k_chunks", "roles_max_regs", "roles_pv_regs", "roles_pv_warpgroups",
            "gluon_max_regs", "layout_ineligible", "make_kv_descriptors", "tma_box_rows"]
