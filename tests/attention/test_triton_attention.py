@@ -637,12 +637,12 @@ def test_gpu_config_grid_is_correct(D):
         _check_gpu(inp, window_size=300, config=cfg)
 
 
-def graph_replay_check(metas, *, page_size, max_k, window_size, config=None, max_q=None):
+def graph_replay_check(metas, *, page_size, max_k, window_size, config=None, max_q=None, H=16, Hkv=8, D=128):
     """Capture one launch in a CUDA graph over persistent metadata buffers (static capacities: 700 query tokens,
     4 sequences, ``max_k`` keys each), then replay it after rewriting flags, lengths and block tables with each of
     ``metas`` = [(q_lens, seq_lens, num_causal_q), ...]; every replay is checked against the oracle."""
     torch.manual_seed(0)
-    H, Hkv, D, P = 16, 8, 128, page_size
+    P = page_size
     B, total_q = 4, 700
     nblk = B * (max_k // P) + 8
     kc = torch.randn(nblk, P, Hkv, D, device="cuda", dtype=torch.bfloat16)

@@ -420,6 +420,16 @@ def test_gpu_gluon_cuda_graph_replay_with_changed_flags_lengths_and_block_tables
 
 
 @pytest.mark.gpu
+def test_gpu_roles_kernel_cuda_graph_replay_with_changed_flags_lengths_and_block_tables():
+    # hd 512 (the automatic choice there): one capture, replays with new flags, lengths and block tables
+    graph_replay_check([([300, 256, 100, 44], [300, 1800, 4096, 44], [300, 0, 50, 44]),
+                        ([256, 256, 0, 188], [1024, 4000, 7, 188], [0, 256, 0, 100]),
+                        ([0, 0, 0, 700], [0, 0, 0, 3999], [0, 0, 0, 0])],
+                       page_size=64, max_k=4096, window_size=None, config=dict(ROLES, num_splits=3), H=16, Hkv=2,
+                       D=512)
+
+
+@pytest.mark.gpu
 def test_gpu_automatic_choice_takes_gluon_only_where_tuned_and_tma_can_read_the_cache():
     from blockdiff.attention import triton_attention as TA
 
@@ -439,6 +449,11 @@ def test_gpu_automatic_choice_takes_gluon_only_where_tuned_and_tma_can_read_the_
     inp = make_batch(sl, ql, num_causal_q=ncq, H=16, Hkv=8, D=256, page_size=64, device="cuda")
     attention(**inp, backend="triton")
     assert TA.LAST_LAUNCH["impl"] == "triton"
+    # hd 512 (Gemma 4 global layers): the roles kernel
+    inp = poison_stale_rows(make_batch(sl, ql, num_causal_q=ncq, H=16, Hkv=2, D=512, page_size=64, device="cuda"))
+    o = attention(**inp, backend="triton")
+    assert TA.LAST_LAUNCH["impl"] == "gluon" and TA.LAST_LAUNCH["config"]["OVERLAP"] == "roles"
+    check_close(o, **dict(inp, k_cache=torch.nan_to_num(inp["k_cache"]), v_cache=torch.nan_to_num(inp["v_cache"])))
 
 
 @pytest.mark.parametrize("key", sorted(TA.TUNED_GLUON_CONFIGS, key=str))
