@@ -41,8 +41,10 @@ Design
   shapes: programs vs resident-program slots, SM count x :func:`ctas_per_sm`, and the key capacity; 4 there).
   Partials (normalised out in fp32 + LSE) are merged exactly by a second small kernel. ``num_splits = 1``
   writes ``out`` directly.
-* **head_dim 512** (Gemma 4 global layers, 2 KV heads for 16 q heads). Automatically the Gluon kernel's wide
-  variant (two consumer warpgroups split the head dim; :mod:`blockdiff.attention.triton_gluon`). The portable
+* **head_dim 512** (Gemma 4 global layers, 2 KV heads for 16 q heads). Automatically the Gluon roles kernel (a
+  softmax warpgroup hands P to two PV warpgroups of 256 output columns each; ``OVERLAP="roles"``,
+  :mod:`blockdiff.attention.triton_gluon`); its wide variant (two consumer warpgroups split the head dim,
+  ``OVERLAP=False``) stays selectable. The portable
   kernel (``IMPL="triton"``, or inputs TMA cannot read) keeps either the whole V head dim per program
   (``BLOCK_M 64, BLOCK_N 32``, 8 warps: the fp32 accumulator is 64x512 = 128 registers/thread) or
   ``BLOCK_DV < head_dim_v`` splits the V head dim across programs (QK^T recomputed per V slice).
@@ -61,8 +63,11 @@ Design
   dialect): a producer warp streams K / V with TMA into mbarrier rings (``num_stages`` K and ``V_STAGES`` V
   buffers; a key block spanning several pages is one TMA box per page), consumer warpgroups run ``wgmma``,
   optionally with QK^T of block j + 1 overlapping the softmax of block j (``OVERLAP=True``) or with PV of block j
-  and QK^T of block j + 1 issued back to back (``OVERLAP="chain"``, the hd-128 choice); head dims > 256 (hd 512)
-  run its wide variant, two consumer warpgroups splitting the head dim. Chosen automatically where it measured
+  and QK^T of block j + 1 issued back to back (``OVERLAP="chain"``, the hd-128 choice). ``OVERLAP="roles"`` (the
+  hd-512 choice) is a separate kernel without a producer warp: a softmax warpgroup runs QK^T and the softmax and
+  hands P with the row rescale factors through shared memory to PV warpgroups that own the output (FA4's
+  division of labour on wgmma). Head dims > 256 otherwise run the wide variant, two consumer warpgroups
+  splitting the head dim. Chosen automatically where it measured
   faster (:data:`TUNED_GLUON_CONFIGS`: hd 128, hd 512, and the hd-256 split regime) when the caches suit TMA
   (evenly strided pages of >= 64 tokens holding or tiling BLOCK_N, bf16/fp16, sm_90); ``LAST_LAUNCH["impl"]``
   says which kernel ran. ``config={"IMPL": "gluon"}`` on an input it cannot take raises ``ValueError`` (no
@@ -89,26 +94,27 @@ Predictions (H200, bf16; ceilings ~790 TFLOP/s dense bf16, ~4.3 TB/s; FLOPs = 4 
   latency bound (two kernels with the merge).
 * ``prefill16k_hd128``: 134 M pairs x 8192 FLOP = 1.1 TFLOP; at 450 TFLOP/s ~2.4 ms (target 2.47 ms).
 
-Measured (H200, CUDA-graph medians, 100 ms do_bench windows, paged KV page 64, same run as FA4 at f928727:
-bench/results/attention-targets-h200.json; the c514fe9 run in brackets. The H200 runs 1.7-1.98 GHz in these
+Measured (H200, CUDA-graph medians, 100 ms do_bench windows, paged KV page 64, same run as FA4 at dcaa61f:
+bench/results/attention-targets-h200.json; the f928727 run in brackets. The H200 runs 1.7-1.98 GHz in these
 windows; run to run the hd-512 and hd-128 rows move by up to ~8 %: bench/results/clock_windows-h200.md)
 ------------------------------------------------------------------------------------------------------
-* ``mixed_sliding_ctx8k`` 0.201 ms, 368 TFLOP/s, portable kernel [0.201] (FA4 0.164 paged / 0.164 contiguous:
-  1.23x): 128-row tiles of 8 warps hold one program per SM at 255 registers, and the 608 programs make 4.6
+* ``mixed_sliding_ctx8k`` 0.200 ms, 370 TFLOP/s, portable kernel [0.201] (FA4 0.165 paged / 0.164 contiguous:
+  1.21x / 1.22x): 128-row tiles of 8 warps hold one program per SM at 255 registers, and the 608 programs make 4.6
   waves. The Gluon kernel measured 0.250 ms here (64-row hd-256 tiles, one program per SM).
-* ``mixed_global_ctx8k`` 1.100 ms, 442 TFLOP/s [1.096] (the issue asks >= 450), the Gluon kernel's wide variant
-  64x64 with one K and one V buffer. The same kernel read 1.008-1.112 ms in the sweep harness's 100 ms windows
-  this session (gluon_pv_hd512 / gluon_chain_hd512-h200.json: 482-437 TFLOP/s; the two ``{}`` rows of one run
-  differ by 9 %), 1.081 ms in a bench_attention run of its own (attention-head-h200.json, ed16d11), and 1.0095
-  ms in 40 ms windows at the 1980 MHz boost. The portable kernel measured 2.00 ms, 243 TFLOP/s: it keeps 128 x
+* ``mixed_global_ctx8k`` 1.034 ms, 471 TFLOP/s (the issue asks >= 450), the Gluon roles kernel 64x64 with one K
+  and one V buffer and two P slots (dcaa61f, attention-targets-h200.json). Across this session's processes it read
+  0.959-1.040 ms (510-468 TFLOP/s; gluon_roles_early.md, gluon_roles_kc.md); the wide kernel it replaced read
+  1.091-1.102 ms in the same processes (446-442) and 1.100 ms in the previous targets run (f928727). On the
+  global-layer ladders (attention-roles_{batch,ctx}_ladder_global-h200.json, same run): 7-11 % faster at 1-32
+  canvases over 8k and at 4k-128k contexts, equal at 1k-2k. The portable kernel measured 2.00 ms, 243 TFLOP/s: it keeps 128 x
   256 fp32 accumulator elements per V slice in registers (255 per thread, one program per SM) and recomputes
   QK^T for each of the two V slices.
-* ``canvas_bs1_ctx32k_hd128`` 0.134 ms, 517 TFLOP/s, Gluon kernel 64x128 with the chained consumer, 4 splits
-  [0.141]: 0.33x paged FA4 (0.404), 0.39x contiguous FA4 (0.343). The merge runs with programmatic dependent
+* ``canvas_bs1_ctx32k_hd128`` 0.131 ms, 527 TFLOP/s, Gluon kernel 64x128 with the chained consumer, 4 splits
+  [0.134]: 0.32x paged FA4 (0.406), 0.38x contiguous FA4 (0.345). The merge runs with programmatic dependent
   launch (PDL; three alternating rounds: 131-134 against 133-135 us without, a gain within the run noise;
   bench/results/merge_pdl-h200.md). Eager (no graph) the call costs ~0.15-0.42 ms:
   Python launch overhead of the Gluon JIT path with TMA descriptors, not yet reduced.
-* ``canvas_bs1_ctx32k_sliding`` 27 us [31] (FA4 35 us), Gluon kernel 64x64 without the overlap, 2 splits, merge
+* ``canvas_bs1_ctx32k_sliding`` 26.8 us [26.8] (FA4 35.3 / 35.2 us), Gluon kernel 64x64 without the overlap, 2 splits, merge
   with PDL (26.0-26.7 against 26.6-26.9 us without, within noise; merge_pdl-h200.md). The c514fe9 run's 31 us
   was a regression: the automatic Gluon config inherited the portable table's LAZY_RESCALE (30.2 against 26.8 us without it, same run,
   gluon_pv_sliding-h200.json). ncu (with its cache flush; bench/results/ncu_sliding-h200.md): the kernel 23 us,
@@ -116,10 +122,11 @@ windows; run to run the hd-512 and hd-128 rows move by up to ~8 %: bench/results
   and 2 splits), a third of the consumer's samples in the prologue (tile search, causal flags, the Q load) and
   half in the loop. 128-row tiles, 3-4 splits, 32- or 128-key blocks, 3-4 K / V stages and the chained consumer
   measured 26.1-34 us (gluon_stages_sliding / gluon_chain_sliding / gluon_overlap2-h200.json); merging the splits
-  in-kernel by the last split of each tile measured 35.6 against ~30 us (gluon_merge-h200.json). The issue's
-  15 us is not reached.
-* ``prefill16k_hd128`` 1.972 ms, 557 TFLOP/s [2.132], Gluon kernel 64x128 with the chained consumer (FA4 1.936
-  paged / 1.731 contiguous: 0.98x / 0.88x of FA4's throughput). The sweep measured it at 1.803 ms (610 TFLOP/s)
+  in-kernel by the last split of each tile measured 35.6 against ~30 us (gluon_merge-h200.json); the roles kernel
+  (one PV warpgroup at hd 256) 29.5 against 25.9-26.6 us (gluon_roles_hd256-h200.json). The issue's 15 us is not
+  reached.
+* ``prefill16k_hd128`` 1.949 ms, 564 TFLOP/s [1.972], Gluon kernel 64x128 with the chained consumer (FA4 1.913
+  paged / 1.725 contiguous: 0.98x / 0.89x of FA4's throughput). The sweep measured it at 1.803 ms (610 TFLOP/s)
   against 2.177 ms for the sequential consumer in the same run (gluon_chain_hd128-h200.json).
 """
 from __future__ import annotations

@@ -39,6 +39,20 @@ the portable kernel; in the sweep's 40 ms windows (boost clock; gluon_hd512_lazy
 1.208 ms for a (removed) 8-warp kernel that split S's keys and O's columns across the warpgroups, whose row
 statistics and P crossed through shared memory every block.
 
+The roles kernel :func:`_attn_fwd_gluon_roles` (``OVERLAP="roles"``, the automatic hd-512 choice) divides the
+work as FA4 does on Blackwell: a softmax warpgroup runs QK^T over the whole head dim and the online softmax, and
+hands P (bf16 / fp16) with each row's rescale factor through a ring of two shared-memory slots to PV warpgroups
+(two at hd 512, 256 output columns each; one below), which rescale their accumulators and run PV with P from
+shared memory. The softmax of block j + 1 thus overlaps PV of block j, and neither warpgroup waits for a partial
+S. There is no producer warp (ptxas needs >= 154 registers a thread at launch for the 64 x 256 PV wgmma, which
+16 warps would cap at 128): each warpgroup refills its own ring with TMA as a slot's wgmma retires, the softmax
+warpgroup chunk by chunk (mixed_global_ctx8k 1.001-1.040 against 1.054-1.063 ms refilling after the whole QK^T,
+gluon_roles_early.md). H200, same processes: mixed_global_ctx8k 0.959-1.040 ms against 1.091-1.102 ms for the
+wide kernel; 7-11 % faster on the global-layer ladders beyond 2k keys. At hd <= 256 it measured slower than the
+kernels above (canvas_bs1_ctx32k_sliding 29.5 against 26 us, mixed_sliding_ctx8k 0.263 against 0.203 ms,
+prefill16k_hd128 2.74 against 1.95 ms: gluon_roles_hd256-h200.json): there one consumer warpgroup holds the whole
+accumulator and keeps P in registers, and the extra shared-memory round trip of P is not repaid.
+
 The varlen tile -> sequence mapping, the per-row key intervals, the full / boundary block split, the split-KV
 partial layout and the merge are those of :mod:`blockdiff.attention.triton_attention` (which launches this
 kernel and documents the contract).
