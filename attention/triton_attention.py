@@ -103,10 +103,11 @@ windows; run to run the hd-512 and hd-128 rows move by up to ~8 %: bench/results
   waves. The Gluon kernel measured 0.250 ms here (64-row hd-256 tiles, one program per SM).
 * ``mixed_global_ctx8k`` 1.034 ms, 471 TFLOP/s (the issue asks >= 450), the Gluon roles kernel 64x64 with one K
   and one V buffer and two P slots (dcaa61f, attention-targets-h200.json). Across this session's processes it read
-  0.959-1.040 ms (510-468 TFLOP/s; gluon_roles_early.md, gluon_roles_kc.md); the wide kernel it replaced read
-  1.091-1.102 ms in the same processes (446-442) and 1.100 ms in the previous targets run (f928727). On the
-  global-layer ladders (attention-roles_{batch,ctx}_ladder_global-h200.json, same run): 7-11 % faster at 1-32
-  canvases over 8k and at 4k-128k contexts, equal at 1k-2k. The portable kernel measured 2.00 ms, 243 TFLOP/s: it keeps 128 x
+  0.959-1.040 ms (507-468 TFLOP/s; gluon_roles_early.md, gluon_roles_kc.md); the wide kernel it replaced read
+  1.091-1.102 ms in the gluon_roles_early processes, where the roles kernel read 1.001-1.040 ms, and 1.100 ms in
+  the previous targets run (f928727). On the global-layer ladders (attention-roles_{batch,ctx}_ladder_global-h200
+  .json, same run): 6.8-11 % less time at 1-32 canvases over 8k, 6.3-11 % at 4k-128k contexts, 1.5 / 3.6 % at
+  1k / 2k. The portable kernel measured 2.00 ms, 243 TFLOP/s: it keeps 128 x
   256 fp32 accumulator elements per V slice in registers (255 per thread, one program per SM) and recomputes
   QK^T for each of the two V slices.
 * ``canvas_bs1_ctx32k_hd128`` 0.131 ms, 527 TFLOP/s, Gluon kernel 64x128 with the chained consumer, 4 splits
@@ -672,6 +673,10 @@ TUNED_SPLIT_CONFIGS: dict = {
 _GLUON_64 = dict(IMPL="gluon", BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, OVERLAP=True)
 _GLUON_HD128 = dict(IMPL="gluon", BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2, V_STAGES=1, OVERLAP="chain")
 _GLUON_HD512 = dict(IMPL="gluon", BLOCK_M=64, BLOCK_N=64, num_warps=12, num_stages=1, BLOCK_DV=512, OVERLAP="roles")
+#: the wide hd-512 kernel's tiles: the automatic choice before the roles kernel, and what it gives way to when a
+#: caller asks for keys only the wide kernel takes (:func:`_gluon_auto`)
+_GLUON_HD512_WIDE = dict(IMPL="gluon", BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=1, BLOCK_DV=512,
+                         OVERLAP=False)
 #: The warp-specialised Gluon kernel (:mod:`blockdiff.attention.triton_gluon`) as the automatic choice
 #: {(head_dim, group, has_window, prefix): (base regime config or None, split regime config or None)}, bf16/fp16 on
 #: sm_90 when the caches suit TMA with boxes of >= 64 rows (else the tables above). H200 CUDA-graph medians, page 64:
@@ -706,6 +711,18 @@ TUNED_GLUON_CONFIGS: dict = {
     (512, 8, False, False): (_GLUON_HD512, _GLUON_HD512),
     (256, 2, True, False): (None, dict(_GLUON_64, OVERLAP=False)),
 }
+
+
+def _gluon_auto(entry: dict, override: dict | None) -> dict:
+    """An automatic Gluon table entry merged with the caller's config keys. The hd-512 roles entry gives way to the
+    wide kernel's (:data:`_GLUON_HD512_WIDE`) when the caller sets ``OVERLAP`` to anything but "roles" or asks
+    for ``LAZY_RESCALE``: keys the roles kernel refuses but the wide kernel takes (or, for ``OVERLAP`` True /
+    "chain", refuses with an error naming the caller's key rather than a table field)."""
+    override = override or {}
+    if entry.get("OVERLAP") == "roles" and entry.get("BLOCK_DV", 0) > 256 and (
+            override.get("OVERLAP", "roles") != "roles" or override.get("LAZY_RESCALE")):
+        entry = _GLUON_HD512_WIDE
+    return dict(entry, **override)
 
 
 @dataclass(frozen=True)
@@ -1015,7 +1032,7 @@ def attention_triton(
         if gluon_ineligible(q, k_cache, v_cache, paged=info.paged, page_size=info.page_size, head_dim_v=DV,
                             scale=info.scale, block_n=gluon_cfg["BLOCK_N"]) is None \
                 and tma_box_rows(info.paged, info.page_size, gluon_cfg["BLOCK_N"]) >= 64:
-            cfg = kern.config(dict(gluon_cfg, **(config or {})))
+            cfg = kern.config(_gluon_auto(gluon_cfg, config))
             checked_gluon = True
     BM, BN = cfg["BLOCK_M"], cfg["BLOCK_N"]
     BQ = BM // gp

@@ -47,8 +47,8 @@ shared memory. The softmax of block j + 1 thus overlaps PV of block j, and neith
 S. There is no producer warp (ptxas needs >= 154 registers a thread at launch for the 64 x 256 PV wgmma, which
 16 warps would cap at 128): each warpgroup refills its own ring with TMA as a slot's wgmma retires, the softmax
 warpgroup chunk by chunk (mixed_global_ctx8k 1.001-1.040 against 1.054-1.063 ms refilling after the whole QK^T,
-gluon_roles_early.md). H200, same processes: mixed_global_ctx8k 0.959-1.040 ms against 1.091-1.102 ms for the
-wide kernel; 7-11 % faster on the global-layer ladders beyond 2k keys. At hd <= 256 it measured slower than the
+gluon_roles_early.md). H200: mixed_global_ctx8k 1.001-1.040 ms against 1.091-1.102 ms for the wide kernel in the
+same processes (0.959-0.965 ms in a later run); 6-11 % less time on the global-layer ladders from 4k keys. At hd <= 256 it measured slower than the
 kernels above (canvas_bs1_ctx32k_sliding 29.5 against 26 us, mixed_sliding_ctx8k 0.263 against 0.203 ms,
 prefill16k_hd128 2.74 against 1.95 ms: gluon_roles_hd256-h200.json): there one consumer warpgroup holds the whole
 accumulator and keeps P in registers, and the extra shared-memory round trip of P is not repaid.
@@ -685,6 +685,7 @@ def _roles_softmax(q_smem, k_desc, k_bufs, k_ready, p_smem, a_smem, st_smem, p_r
         for c in gl.static_range(KC):
             warpgroup_mma_wait(num_outstanding=KC - 1 - c, deps=(qk,))
             if j + STAGES < d_end:
+                gl.thread_barrier()  # every warp's part of the chunk's wgmma retired before any warp's TMA box
                 _tma_chunk(k_desc, k_bufs, k_ready, ks, c, j + STAGES, kvh * D, bt_row, k_base, seq_len, BLOCK_N,
                            BOX_N, PAGE, PAGED, KC)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
@@ -786,7 +787,8 @@ def _attn_fwd_gluon_roles(
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     KC: gl.constexpr = K_CHUNKS
     NPV: gl.constexpr = 2 if DV > 256 else 1
-    gl.static_assert(D // KC <= 256, "a K chunk is one TMA box column range (<= 256)")
+    gl.static_assert(k_desc.block_type.shape[1] * KC == D, "K chunks: the descriptor's box width x K_CHUNKS == D")
+    gl.static_assert(v_desc.block_type.shape[1] * NPV == DV, "V chunks: the descriptor's box width x PV warpgroups")
 
     t = n_tiles - 1 - gl.program_id(0)  # reverse: long causal tiles (end of a prefill) first
     kvh = gl.program_id(1)
@@ -1044,7 +1046,7 @@ def overlap_mode(overlap) -> int:
     if overlap == "roles":
         return 3
     if not isinstance(overlap, bool):
-        raise ValueError(f"OVERLAP must be a bool or 'chain', got {overlap!r}")
+        raise ValueError(f"OVERLAP must be a bool, 'chain' or 'roles', got {overlap!r}")
     return int(overlap)
 
 
@@ -1078,7 +1080,8 @@ def compile_for_sm90(*, block_m: int, block_n: int, num_warps: int, num_stages: 
     For CPU checks and pre-screening tiles. ``page_size`` (default max(128, block_n)) sets the TMA box rows
     (:func:`tma_box_rows`), ``v_stages`` the V ring depth (None: ``num_stages``), ``causal_flags`` whether the
     kernel reads ``[B]`` bool causal flags instead of ``num_causal_q``, ``lazy`` the conditional rescaling
-    (``config["LAZY_RESCALE"]``); ``head_dim > 256`` compiles the wide kernel. Must run in a process where
+    (``config["LAZY_RESCALE"]``); ``overlap="roles"`` compiles the roles kernel (``num_warps`` = 4 x (1 + its PV
+    warpgroups)), else ``head_dim > 256`` the wide kernel. Must run in a process where
     ``TRITON_INTERPRET`` is unset (the interpreter replaces the ``@triton.jit`` helpers Gluon calls). Returns
     ``{"shared": bytes, "ptxas": report,
     "wgmma": bool, "tma": bool, "setmaxnreg": bool, "setmaxnreg_values": [int]}``.

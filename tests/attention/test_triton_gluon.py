@@ -250,6 +250,28 @@ def test_bad_roles_configs_name_the_rule(bad, match):
     assert 4 * tg.roles_max_regs(512) * 3 // 4 - 2 * tg.roles_pv_regs(512) >= 96
 
 
+def test_hd512_automatic_choice_gives_way_to_the_wide_kernel_for_the_keys_only_it_takes():
+    # regression (review of the roles switch): the automatic hd-512 entry is the roles kernel; a caller's
+    # OVERLAP=False or LAZY_RESCALE=True used to run the wide kernel and then raised about num_warps / OVERLAP keys
+    # the caller never set. They resolve against the wide kernel's tiles again; OVERLAP=True / "chain" still raise,
+    # naming the caller's key; other keys keep the roles kernel
+    kern = TA.TritonAttention(TA._StaticKey(512, 512, 8, torch.bfloat16, True, 64, False, False, False))
+    for entry in (kern.gluon_base, kern.gluon_split):
+        wide = kern.config(TA._gluon_auto(entry, {"OVERLAP": False}))
+        assert wide["OVERLAP"] is False and wide["num_warps"] == 8 and wide["BLOCK_DV"] == 512
+        lazy = kern.config(TA._gluon_auto(entry, {"LAZY_RESCALE": True}))
+        assert lazy["LAZY_RESCALE"] is True and lazy["OVERLAP"] is False and lazy["num_warps"] == 8
+        for bad in (True, "chain"):
+            with pytest.raises(ValueError, match="OVERLAP=False"):
+                kern.config(TA._gluon_auto(entry, {"OVERLAP": bad}))
+        for keep in ({}, None, {"num_splits": 2}, {"OVERLAP": "roles"}, {"V_STAGES": 1}):
+            cfg = kern.config(TA._gluon_auto(entry, keep))
+            assert cfg["OVERLAP"] == "roles" and cfg["num_warps"] == 12, keep
+    # entries below hd 512 merge as before
+    k128 = TA.TritonAttention(TA._StaticKey(128, 128, 2, torch.bfloat16, True, 64, False, False, False))
+    assert TA._gluon_auto(k128.gluon_base, {"OVERLAP": False}) == dict(k128.gluon_base, OVERLAP=False)
+
+
 @pytest.mark.parametrize("kw,max_spill", [
     (dict(block_n=64, num_stages=1, head_dim=512, group=8, num_kv_heads=2, page_size=64, causal_flags=True), 0),
     (dict(block_n=64, num_stages=1, head_dim=512, group=8, num_kv_heads=2, window=True), 0),
@@ -420,6 +442,17 @@ def test_gpu_gluon_cuda_graph_replay_with_changed_flags_lengths_and_block_tables
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("D,H,Hkv", [(512, 16, 2), (256, 16, 8)])
+def test_gpu_roles_kernel_contiguous_form_and_dtypes(dtype, D, H, Hkv):
+    sl, ql, ncq = GPU_CASES[0]
+    inp = make_batch(sl, ql, num_causal_q=ncq, H=H, Hkv=Hkv, D=D, paged=False, dtype=dtype, device="cuda")
+    cfg = dict(ROLES, num_warps=4 * (1 + tg.roles_pv_warpgroups(D)), num_stages=1 if D > 256 else 2)
+    _check(inp, cfg)
+    _check(inp, dict(cfg, num_splits=3), window_size=127)
+
+
+@pytest.mark.gpu
 def test_gpu_roles_kernel_cuda_graph_replay_with_changed_flags_lengths_and_block_tables():
     # hd 512 (the automatic choice there): one capture, replays with new flags, lengths and block tables
     graph_replay_check([([300, 256, 100, 44], [300, 1800, 4096, 44], [300, 0, 50, 44]),
@@ -451,9 +484,15 @@ def test_gpu_automatic_choice_takes_gluon_only_where_tuned_and_tma_can_read_the_
     assert TA.LAST_LAUNCH["impl"] == "triton"
     # hd 512 (Gemma 4 global layers): the roles kernel
     inp = poison_stale_rows(make_batch(sl, ql, num_causal_q=ncq, H=16, Hkv=2, D=512, page_size=64, device="cuda"))
+    clean = dict(inp, k_cache=torch.nan_to_num(inp["k_cache"]), v_cache=torch.nan_to_num(inp["v_cache"]))
     o = attention(**inp, backend="triton")
     assert TA.LAST_LAUNCH["impl"] == "gluon" and TA.LAST_LAUNCH["config"]["OVERLAP"] == "roles"
-    check_close(o, **dict(inp, k_cache=torch.nan_to_num(inp["k_cache"]), v_cache=torch.nan_to_num(inp["v_cache"])))
+    check_close(o, **clean)
+    # a caller's OVERLAP=False / LAZY_RESCALE=True runs the wide kernel (keys the roles kernel refuses)
+    for user in ({"OVERLAP": False}, {"LAZY_RESCALE": True}):
+        o = attention(**inp, backend="triton", config=user)
+        assert TA.LAST_LAUNCH["impl"] == "gluon" and TA.LAST_LAUNCH["config"]["OVERLAP"] is False, user
+        check_close(o, **clean)
 
 
 @pytest.mark.parametrize("key", sorted(TA.TUNED_GLUON_CONFIGS, key=str))
