@@ -342,6 +342,19 @@ def make_blockdiff(batch: wl.Batch, args, backend: str, config: dict | None = No
 
 
 # ----------------------------------------------------------------------------------------------- one measurement
+def triton_launch() -> dict:
+    """What the triton backend's last call ran (its ``LAST_LAUNCH``): the kernel (``impl``: "triton" portable or
+    "gluon"), the split count and the resolved tile config, so that a row of the automatic choice names its
+    kernel."""
+    from blockdiff.attention import triton_attention as TA
+
+    ll = TA.LAST_LAUNCH
+    cfg = ll.get("config") or {}
+    keys = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "V_STAGES", "OVERLAP", "LAZY_RESCALE")
+    return {"impl": ll.get("impl"), "num_splits": ll.get("num_splits"),
+            "launch_config": {k: cfg[k] for k in keys if k in cfg}}
+
+
 def measure(batch: wl.Batch, backend: str, maker: Callable, args, gold: torch.Tensor, base_err: float,
             extra: dict | None = None) -> dict:
     w = batch.workload
@@ -366,6 +379,8 @@ def measure(batch: wl.Batch, backend: str, maker: Callable, args, gold: torch.Te
         if dev.type == "cuda":
             torch.cuda.synchronize()
         first_ms = (time.perf_counter() - t0) * 1e3
+        if backend == "triton":
+            row.update(triton_launch())
         out = to_packed(raw)
         del raw
         finite = bool(torch.isfinite(out).all())

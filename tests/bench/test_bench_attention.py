@@ -93,6 +93,11 @@ def test_tile_sweep_passes_configs_to_the_triton_backend(tmp_path):
     assert len(rows) == 2 and rows[1]["config"] == cfg
     assert rows[1]["status"] == "ok" and rows[1]["correct"] is True, rows[1]
     assert ba.label_of(rows[1]) == "triton[32,16,4,2]"
+    # each triton row names the kernel that ran and its resolved tiles (the automatic choice's row included)
+    for r in rows:
+        assert r["impl"] == "triton" and r["num_splits"] >= 1, r
+    assert {k: rows[1]["launch_config"][k] for k in cfg} == cfg
+    assert set(rows[0]["launch_config"]) >= {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
 
 
 def test_ladder_plot_one_png_per_layer_with_a_line_per_backend(tmp_path):
