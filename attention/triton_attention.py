@@ -1117,8 +1117,7 @@ def attention_triton(
         if roles:
             handle = _tg._attn_fwd_gluon_roles[grid](*args, **consts, PV_REGS=_tg.roles_pv_regs(DV),
                                                       P_STAGES=_tg.ROLES_P_STAGES, maxnreg=_tg.roles_max_regs(DV),
-                                                      K_CHUNKS=k_chunks, BT_AHEAD_OK=_tg.roles_bt_ahead(),
-                                                      num_warps=4)
+                                                      K_CHUNKS=k_chunks, num_warps=4)
         elif wide:
             handle = _tg._attn_fwd_gluon_wide[grid](*args, **consts, **ws, CONSUMER_REGS=_tg.WIDE_CONSUMER_REGS,
                                                      num_warps=4)

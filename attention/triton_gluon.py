@@ -648,8 +648,7 @@ def _roles_softmax(q_smem, k_desc, k_bufs, k_ready, p_smem, a_smem, st_smem, p_r
                    bt_row, k_base, seq_len,
                    G: gl.constexpr, GP: gl.constexpr, D: gl.constexpr, KC: gl.constexpr, BLOCK_M: gl.constexpr,
                    BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr, BOX_N: gl.constexpr, PAGE: gl.constexpr,
-                   PAGED: gl.constexpr, STAGES: gl.constexpr, P_STAGES: gl.constexpr, s_layout: gl.constexpr,
-                   BT_AHEAD: gl.constexpr):
+                   PAGED: gl.constexpr, STAGES: gl.constexpr, P_STAGES: gl.constexpr, s_layout: gl.constexpr):
     """The roles kernel's softmax warpgroup (the default partition). It streams its own K ring (TMA into the slot
     whose QK^T just retired, ``STAGES`` blocks ahead), loads the Q tile, and per key block runs QK^T over the whole
     head dim (``KC`` chunks) and the online softmax's statistics; P (bf16 / fp16) and the block's row rescale
@@ -675,8 +674,6 @@ def _roles_softmax(q_smem, k_desc, k_bufs, k_ready, p_smem, a_smem, st_smem, p_r
     for j in range(a, d_end):
         it = j - a
         ks = it % STAGES
-        if BT_AHEAD:  # the refill's page id, loaded before this block's K wait and QK^T instead of after them
-            page_next = gl.load(bt_row + gl.minimum((j + STAGES) * BLOCK_N, seq_len - 1) // PAGE)
         qk = s_zero
         for c in gl.static_range(KC):
             mbarrier.wait(k_ready.index(ks * KC + c), (it // STAGES) & 1)
@@ -689,15 +686,8 @@ def _roles_softmax(q_smem, k_desc, k_bufs, k_ready, p_smem, a_smem, st_smem, p_r
             warpgroup_mma_wait(num_outstanding=KC - 1 - c, deps=(qk,))
             if j + STAGES < d_end:
                 gl.thread_barrier()  # every warp's part of the chunk's wgmma retired before any warp's TMA box
-                if BT_AHEAD:
-                    bar = ks * KC + c
-                    mbarrier.expect(k_ready.index(bar), k_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(
-                        k_desc, [page_next * PAGE + ((j + STAGES) * BLOCK_N) % PAGE, kvh * D + c * DC],
-                        k_ready.index(bar), k_bufs.index(ks).slice(c * DC, DC, dim=1))
-                else:
-                    _tma_chunk(k_desc, k_bufs, k_ready, ks, c, j + STAGES, kvh * D, bt_row, k_base, seq_len,
-                               BLOCK_N, BOX_N, PAGE, PAGED, KC)
+                _tma_chunk(k_desc, k_bufs, k_ready, ks, c, j + STAGES, kvh * D, bt_row, k_base, seq_len, BLOCK_N,
+                           BOX_N, PAGE, PAGED, KC)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
         if (j < b_mid) | (j >= c_mid):
             kpos = j * BLOCK_N + offs_n
@@ -782,7 +772,7 @@ def _attn_fwd_gluon_roles(
     NCQ_FLAGS: gl.constexpr,
     SPLIT: gl.constexpr, STORE_LSE: gl.constexpr, SEARCH_STEPS: gl.constexpr, STAGES: gl.constexpr,
     V_STAGES: gl.constexpr, PV_REGS: gl.constexpr, P_STAGES: gl.constexpr, K_CHUNKS: gl.constexpr,
-    BT_AHEAD_OK: gl.constexpr, num_warps: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     """The roles kernel (``OVERLAP="roles"``): FA4's division of labour between a softmax warpgroup and the
     warpgroups that own the output accumulator (Dao et al., FlashAttention-4, 2026; the flash-attention ``cute``
@@ -797,7 +787,6 @@ def _attn_fwd_gluon_roles(
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     KC: gl.constexpr = K_CHUNKS
     NPV: gl.constexpr = 2 if DV > 256 else 1
-    BT_AHEAD: gl.constexpr = BT_AHEAD_OK and PAGED and BOX_N == BLOCK_N  # one page holds the whole key block
     gl.static_assert(k_desc.block_type.shape[1] * KC == D, "K chunks: the descriptor's box width x K_CHUNKS == D")
     gl.static_assert(v_desc.block_type.shape[1] * NPV == DV, "V chunks: the descriptor's box width x PV warpgroups")
 
@@ -843,7 +832,7 @@ def _attn_fwd_gluon_roles(
             (_roles_softmax, (q_smem, k_desc, k_bufs, k_ready, p_smem, a_smem, st_smem, p_ready, p_free, st_ready,
                               Q, q_start, q_len, tile, kvh, stride_qt, stride_qh, lo, hi, a, b_mid, c_mid, d_end,
                               qk_scale, bt_row, k_base, seq_len, G, GP, D, KC, BLOCK_M, BLOCK_N, BLOCK_Q, BOX_N, PAGE,
-                              PAGED, STAGES, P_STAGES, s_layout, BT_AHEAD)),
+                              PAGED, STAGES, P_STAGES, s_layout)),
             (_roles_pv, (W0, p_smem, a_smem, st_smem, v_desc, v_bufs, v_ready, p_ready, p_free, st_ready,
                          O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads, stride_ot,
                          stride_oh, a, d_end, seq_len, bt_row, k_base, G, GP, DV, NPV, BLOCK_M, BLOCK_N, BLOCK_Q,
@@ -858,7 +847,7 @@ def _attn_fwd_gluon_roles(
             (_roles_softmax, (q_smem, k_desc, k_bufs, k_ready, p_smem, a_smem, st_smem, p_ready, p_free, st_ready,
                               Q, q_start, q_len, tile, kvh, stride_qt, stride_qh, lo, hi, a, b_mid, c_mid, d_end,
                               qk_scale, bt_row, k_base, seq_len, G, GP, D, KC, BLOCK_M, BLOCK_N, BLOCK_Q, BOX_N, PAGE,
-                              PAGED, STAGES, P_STAGES, s_layout, BT_AHEAD)),
+                              PAGED, STAGES, P_STAGES, s_layout)),
             (_roles_pv, (W0, p_smem, a_smem, st_smem, v_desc, v_bufs, v_ready, p_ready, p_free, st_ready,
                          O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads, stride_ot,
                          stride_oh, a, d_end, seq_len, bt_row, k_base, G, GP, DV, NPV, BLOCK_M, BLOCK_N, BLOCK_Q,
@@ -985,13 +974,6 @@ def roles_k_chunks(head_dim: int) -> int:
     slot refilled per chunk): ``head_dim // 256``, at least 1. 128-column chunks at hd 512 measured slower
     (mixed_global_ctx8k 1.041-1.046 against 0.959-0.965 ms, two alternating rounds, gluon_roles_kc.md)."""
     return max(1, head_dim // 256)
-
-
-def roles_bt_ahead() -> bool:
-    """TEMPORARY A/B knob (env ``BLOCKDIFF_ROLES_BT_AHEAD``, default on): the softmax warpgroup loads the next
-    refill's page id at the top of the iteration (one page per key block only)."""
-    import os
-    return os.environ.get("BLOCKDIFF_ROLES_BT_AHEAD", "1") == "1"
 
 
 def roles_max_regs(head_dim_v: int) -> int | None:
@@ -1144,7 +1126,7 @@ def compile_for_sm90(*, block_m: int, block_n: int, num_warps: int, num_stages: 
     if roles:
         del consts["OVERLAP"], consts["LAZY"], consts["LOADER_REGS"]
         consts.update(num_warps=4, PV_REGS=roles_pv_regs(D), P_STAGES=ROLES_P_STAGES,
-                      K_CHUNKS=roles_k_chunks(D), BT_AHEAD_OK=roles_bt_ahead())
+                      K_CHUNKS=roles_k_chunks(D))
     ints = {"total_q", "num_seqs", "n_tiles", "window", "num_splits"}
     sig = {n: "constexpr" if n in consts else "i32" if n in ints else mangle_type(args[n]) for n in fn.arg_names}
     src = GluonASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
