@@ -146,6 +146,17 @@ def _tma_chunk(desc, bufs, ready, slot, c, j, col, bt_row, k_base, seq_len, BLOC
 
 
 @gluon.jit
+def _program_tile(CU_Q, n_tiles, num_seqs, BLOCK_Q: gl.constexpr, SEARCH_STEPS: gl.constexpr,
+                  num_warps: gl.constexpr):
+    """This program's KV head, split and q tile (tiles in reverse: the long causal tiles at the end of a prefill
+    first), mapped to its sequence by the portable kernel's search: ``(kvh, split, b, q_start, q_len, tile)``."""
+    t = n_tiles - 1 - gl.program_id(0)
+    ks = gl.arange(0, 16, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
+    b, q_start, q_len, tile = _tile_sequence(CU_Q, t, num_seqs, ks, BLOCK_Q, SEARCH_STEPS)
+    return gl.program_id(1), gl.program_id(2), b, q_start, q_len, tile
+
+
+@gluon.jit
 def _tile_keys(SEQ_LENS, NCQ, b, q_len, tile, split, window, num_splits, G: gl.constexpr, GP: gl.constexpr,
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr, HAS_WINDOW: gl.constexpr,
                PREFIX: gl.constexpr, NCQ_FLAGS: gl.constexpr, SPLIT: gl.constexpr, row_s: gl.constexpr):
@@ -458,13 +469,8 @@ def _attn_fwd_gluon(
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
 
-    t = n_tiles - 1 - gl.program_id(0)  # reverse: long causal tiles (end of a prefill) first
-    kvh = gl.program_id(1)
-    split = gl.program_id(2)
-
     # ---- tile -> sequence, per-row key intervals, key block ranges: the portable kernel's helpers
-    ks = gl.arange(0, 16, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
-    b, q_start, q_len, tile = _tile_sequence(CU_Q, t, num_seqs, ks, BLOCK_Q, SEARCH_STEPS)
+    kvh, split, b, q_start, q_len, tile = _program_tile(CU_Q, n_tiles, num_seqs, BLOCK_Q, SEARCH_STEPS, num_warps)
     if tile * BLOCK_Q >= q_len:
         return
     seq_len, ncq, ctx, lo, hi, a, b_mid, c_mid, d_end = _tile_keys(
@@ -578,11 +584,7 @@ def _attn_fwd_gluon_wide(
     warpgroup releases its half independently."""
     row_s: gl.constexpr = gl.SliceLayout(1, gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                                       instr_shape=[16, BLOCK_N, 16]))
-    t = n_tiles - 1 - gl.program_id(0)  # reverse: long causal tiles (end of a prefill) first
-    kvh = gl.program_id(1)
-    split = gl.program_id(2)
-    ks = gl.arange(0, 16, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
-    b, q_start, q_len, tile = _tile_sequence(CU_Q, t, num_seqs, ks, BLOCK_Q, SEARCH_STEPS)
+    kvh, split, b, q_start, q_len, tile = _program_tile(CU_Q, n_tiles, num_seqs, BLOCK_Q, SEARCH_STEPS, num_warps)
     if tile * BLOCK_Q >= q_len:
         return
     seq_len, ncq, ctx, lo, hi, a, b_mid, c_mid, d_end = _tile_keys(
@@ -790,11 +792,7 @@ def _attn_fwd_gluon_roles(
     gl.static_assert(k_desc.block_type.shape[1] * KC == D, "K chunks: the descriptor's box width x K_CHUNKS == D")
     gl.static_assert(v_desc.block_type.shape[1] * NPV == DV, "V chunks: the descriptor's box width x PV warpgroups")
 
-    t = n_tiles - 1 - gl.program_id(0)  # reverse: long causal tiles (end of a prefill) first
-    kvh = gl.program_id(1)
-    split = gl.program_id(2)
-    ks = gl.arange(0, 16, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
-    b, q_start, q_len, tile = _tile_sequence(CU_Q, t, num_seqs, ks, BLOCK_Q, SEARCH_STEPS)
+    kvh, split, b, q_start, q_len, tile = _program_tile(CU_Q, n_tiles, num_seqs, BLOCK_Q, SEARCH_STEPS, num_warps)
     if tile * BLOCK_Q >= q_len:
         return
     seq_len, ncq, ctx, lo, hi, a, b_mid, c_mid, d_end = _tile_keys(
