@@ -432,11 +432,15 @@ def test_gpu_gluon_contiguous_form_and_dtypes(dtype):
         _check(inp, dict(cfg, num_splits=4), window_size=300)
 
 
+# (q_lens, seq_lens, num_causal_q) per replay: mixed rows, then a commit + denoise step, then one long sequence
+GRAPH_METAS = [([300, 256, 100, 44], [300, 1800, 4096, 44], [300, 0, 50, 44]),
+               ([256, 256, 0, 188], [1024, 4000, 7, 188], [0, 256, 0, 100]),
+               ([0, 0, 0, 700], [0, 0, 0, 3999], [0, 0, 0, 0])]
+
+
 @pytest.mark.gpu
 def test_gpu_gluon_cuda_graph_replay_with_changed_flags_lengths_and_block_tables():
-    graph_replay_check([([300, 256, 100, 44], [300, 1800, 4096, 44], [300, 0, 50, 44]),
-                        ([256, 256, 0, 188], [1024, 4000, 7, 188], [0, 256, 0, 100]),
-                        ([0, 0, 0, 700], [0, 0, 0, 3999], [0, 0, 0, 0])],
+    graph_replay_check(GRAPH_METAS,
                        page_size=64, max_k=4096, window_size=1023,
                        config=dict(GLUON, BLOCK_M=128, num_warps=8, num_splits=4))
 
@@ -455,9 +459,7 @@ def test_gpu_roles_kernel_contiguous_form_and_dtypes(dtype, D, H, Hkv):
 @pytest.mark.gpu
 def test_gpu_roles_kernel_cuda_graph_replay_with_changed_flags_lengths_and_block_tables():
     # hd 512 (the automatic choice there): one capture, replays with new flags, lengths and block tables
-    graph_replay_check([([300, 256, 100, 44], [300, 1800, 4096, 44], [300, 0, 50, 44]),
-                        ([256, 256, 0, 188], [1024, 4000, 7, 188], [0, 256, 0, 100]),
-                        ([0, 0, 0, 700], [0, 0, 0, 3999], [0, 0, 0, 0])],
+    graph_replay_check(GRAPH_METAS,
                        page_size=64, max_k=4096, window_size=None, config=dict(ROLES, num_splits=3), H=16, Hkv=2,
                        D=512)
 
