@@ -228,12 +228,15 @@ def _softmax_step(qk, m_i, l_i, acc, j, lo, hi, qk_scale, masked, offs_n, BLOCK_
 
 
 @gluon.jit
-def _zero_stale_v(v_buf, j, seq_len, offs_vn, v_blk: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Zero the V rows of block ``j`` at or beyond ``seq_len`` (stale cache rows may hold NaN; 0 * NaN = NaN)."""
+def _zero_stale_v(v_buf, j, seq_len, offs_vn, v_blk: gl.constexpr, BLOCK_N: gl.constexpr, CHUNK: gl.constexpr):
+    """Zero the V rows of block ``j`` at or beyond ``seq_len`` (stale cache rows may hold NaN; 0 * NaN = NaN), in
+    column chunks of ``CHUNK`` (the whole width, or a chunk's registers next to a live accumulator)."""
     if (j + 1) * BLOCK_N > seq_len:
-        vv = v_buf.load(v_blk)
-        vv = gl.where(((j * BLOCK_N + offs_vn) < seq_len)[:, None], vv, gl.zeros_like(vv))
-        v_buf.store(vv)
+        keep = ((j * BLOCK_N + offs_vn) < seq_len)[:, None]
+        for c in gl.static_range(v_buf.shape[1] // CHUNK):
+            part = v_buf.slice(c * CHUNK, CHUNK, dim=1)
+            vv = part.load(v_blk)
+            part.store(gl.where(keep, vv, gl.zeros_like(vv)))
         fence_async_shared()
         gl.thread_barrier()
 
@@ -275,7 +278,7 @@ def _softmax_pv(qk, m_i, l_i, acc, j, lo, hi, qk_scale, masked, offs_n, offs_vn,
     p, m_i, l_i, acc = _softmax_step(qk, m_i, l_i, acc, j, lo, hi, qk_scale, masked, offs_n, BLOCK_N, row_o, LAZY)
     p_op = gl.convert_layout(p.to(v_buf.dtype), p_layout)
     mbarrier.wait(v_ready, v_phase)
-    _zero_stale_v(v_buf, j, seq_len, offs_vn, v_blk, BLOCK_N)
+    _zero_stale_v(v_buf, j, seq_len, offs_vn, v_blk, BLOCK_N, v_buf.shape[1])
     acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
     return acc, m_i, l_i
 
@@ -630,21 +633,6 @@ def _attn_fwd_gluon_wide(
 
 
 @gluon.jit
-def _zero_stale_v_cols(v_buf, j, seq_len, offs_vn, v_blk: gl.constexpr, BLOCK_N: gl.constexpr, COLS: gl.constexpr,
-                       CHUNK: gl.constexpr):
-    """:func:`_zero_stale_v` in column chunks of ``CHUNK`` (a chunk's registers, not the whole block's, next to a
-    live accumulator)."""
-    if (j + 1) * BLOCK_N > seq_len:
-        keep = ((j * BLOCK_N + offs_vn) < seq_len)[:, None]
-        for c in gl.static_range(COLS // CHUNK):
-            part = v_buf.slice(c * CHUNK, CHUNK, dim=1)
-            vv = part.load(v_blk)
-            part.store(gl.where(keep, vv, gl.zeros_like(vv)))
-        fence_async_shared()
-        gl.thread_barrier()
-
-
-@gluon.jit
 def _roles_softmax(q_smem, k_desc, k_bufs, k_ready, p_smem, a_smem, st_smem, p_ready, p_free, st_ready,
                    Q, q_start, q_len, tile, kvh, stride_qt, stride_qh, lo, hi, a, b_mid, c_mid, d_end, qk_scale,
                    bt_row, k_base, seq_len,
@@ -748,7 +736,7 @@ def _roles_pv(W: gl.constexpr, p_smem, a_smem, st_smem, v_desc, v_bufs, v_ready,
         if NPV > 1:
             v_buf = v_buf.slice(W * PVW, PVW, dim=1)
         mbarrier.wait(v_ready.index(vs * NPV + W), (it // V_STAGES) & 1)
-        _zero_stale_v_cols(v_buf, j, seq_len, offs_vn, blk, BLOCK_N, PVW, 64)
+        _zero_stale_v(v_buf, j, seq_len, offs_vn, blk, BLOCK_N, 64)
         acc = warpgroup_mma(p_smem.index(ps), v_buf, acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(p_free.index(ps), count=1)
