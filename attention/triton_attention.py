@@ -132,6 +132,7 @@ windows; run to run the hd-512 and hd-128 rows move by up to ~8 %: bench/results
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -969,12 +970,126 @@ def attention_triton(
     if isinstance(q, torch.Tensor) and q.device.type != "cuda" and not _interpreting():
         raise ValueError(f"backend 'triton' needs CUDA tensors, got q on {q.device}; on the CPU set "
                          "TRITON_INTERPRET=1 before importing triton to run the kernel in the Triton interpreter")
+    calls = (cu_seqlens_q, seq_lens, causal, num_causal_q, block_table, cu_seqlens_k)
+    plan_key = None
+    if check_values is False:
+        # the launch plan of an earlier call with the same key (host work only; see _plan_key)
+        plan_key = _plan_key(q, k_cache, v_cache, calls, window_size, bidirectional_window, scale, out, return_lse,
+                             max_seqlen_k, config)
+        plan = _PLANS.get(plan_key) if plan_key is not None else None
+        if plan is not None:
+            return _run_plan(plan, q, k_cache, v_cache, calls, out)
     info = check_attention_inputs(
         q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens, causal=causal,
         num_causal_q=num_causal_q, block_table=block_table, cu_seqlens_k=cu_seqlens_k,
         window_size=window_size, bidirectional_window=bidirectional_window, scale=scale, out=out,
         check_values=check_values, allowed_dtypes=(torch.bfloat16, torch.float16, torch.float32),
     )
+    plan = _make_plan(q, k_cache, v_cache, info, block_table, window_size, bidirectional_window, out, return_lse,
+                      max_seqlen_k, config)
+    if plan_key is not None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[plan_key] = plan
+    return _run_plan(plan, q, k_cache, v_cache, calls, out)
+
+
+#: Launch plans by call key (:func:`_plan_key`), for calls with ``check_values=False``: the validation, config
+#: choice, split count, grid and kernel arguments that follow from the key are computed once, and later calls
+#: launch the compiled kernels directly (no Triton argument binding). Cleared when full.
+_PLANS: dict = {}
+_MAX_PLANS = 1024
+
+
+def _tensor_key(t):
+    """What a plan may depend on of a tensor argument: shape, strides, dtype, device and whether its address is
+    16-byte aligned (Triton specialises pointer arguments on that); None for None. Raises for a non-tensor."""
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        raise TypeError
+    return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0
+
+
+def _plan_key(q, k_cache, v_cache, calls, window_size, bidirectional_window, scale, out, return_lse, max_seqlen_k,
+              config):
+    """The key of a call's launch plan, or None (then the call takes the full path, which raises for bad input).
+
+    Everything the plan is computed from: the tensor arguments' :func:`_tensor_key`, the host scalars with their
+    types (``True`` and ``1`` differ), the config items, whether ``out`` overlaps an input (the kernel then writes
+    a private buffer), and the module switches read while planning. Data pointers are not in it (beyond their
+    alignment): they change every call and only the kernels read them.
+    """
+    try:
+        aliased = out is not None and any(_overlaps(out, t) for t in (q, k_cache, v_cache))
+        cfg = None if config is None else tuple(sorted((k, type(v), v) for k, v in config.items()))
+        key = (tuple(_tensor_key(t) for t in (q, k_cache, v_cache, out) + tuple(calls)),
+               type(window_size), window_size, type(bidirectional_window), bidirectional_window, type(scale), scale,
+               type(return_lse), return_lse, type(max_seqlen_k), max_seqlen_k, type(config), cfg, aliased,
+               bool(_MERGE_PDL), _interpreting())
+        hash(key)
+        return key
+    except Exception:  # not a tensor / dict, unhashable values, ...: no plan
+        return None
+
+
+class _Launch:
+    """One kernel launch of a plan: the JIT function, its grid and its keyword arguments (constexprs and launch
+    options). The first launch goes through Triton's JIT (compiling once); later ones call the compiled kernel
+    with the constexpr values appended in parameter order (the launcher skips them), which is what the JIT does
+    after binding the arguments, without re-binding them. Not under the interpreter (it has no compiled kernel).
+    """
+
+    __slots__ = ("fn", "grid", "kwargs", "compiled", "consts")
+
+    def __init__(self, fn, grid, kwargs):
+        self.fn, self.grid, self.kwargs = fn, grid, kwargs
+        self.compiled = self.consts = None
+
+    def __call__(self, *args):
+        if self.compiled is not None:
+            self.compiled[self.grid](*args, *self.consts)
+            return self.compiled
+        handle = self.fn[self.grid](*args, **self.kwargs)
+        if not _interpreting() and hasattr(handle, "packed_metadata"):
+            consts = []
+            for p in self.fn.params[len(args):]:
+                if p.name in self.kwargs:
+                    consts.append(self.kwargs[p.name])
+                elif p.default is not inspect.Parameter.empty:
+                    consts.append(p.default)
+                else:
+                    return handle
+            self.compiled, self.consts = handle, tuple(consts)
+        return handle
+
+
+@dataclass
+class _Plan:
+    """The host-side result of planning one call (see :func:`_plan_key`)."""
+
+    total_q: int
+    num_heads: int
+    head_dim_v: int
+    empty: bool  # no query token or no sequence: nothing to launch
+    return_lse: bool
+    private_dst: bool = False  # the kernel writes a private buffer, copied into ``out``
+    paged: bool = False
+    ncq_flags: bool = True  # the kernel reads the causal flags (else num_causal_q)
+    impl: str = "triton"
+    cfg: dict | None = None
+    num_splits: int = 1
+    grid: tuple = ()
+    descriptors: tuple | None = None  # Gluon: (box rows, K chunks, V chunks) of the TMA descriptors
+    tail: tuple = ()  # the main kernel's host-int arguments after the tensors
+    main: _Launch | None = None
+    merge: _Launch | None = None
+    merge_tail: tuple = ()
+
+
+def _make_plan(q, k_cache, v_cache, info, block_table, window_size, bidirectional_window, out, return_lse,
+               max_seqlen_k, config) -> _Plan:
+    """Plan a validated call: config, kernel (portable or Gluon), split count, grid, host-int arguments."""
     if config is not None and not isinstance(config, dict):
         raise TypeError(f"config must be a dict or None, got {type(config).__name__}")
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
@@ -984,16 +1099,194 @@ def attention_triton(
     Hkv, DV = info.num_kv_heads, info.head_dim_v
     B = info.batch_size
     group = H // Hkv
-    if out is None:
-        out = torch.empty(total_q, H, DV, dtype=q.dtype, device=q.device)
-    unit = out.numel() == 0 or out.stride(-1) == 1
     # an out that overlaps an input (e.g. out=q) would be overwritten while other programs still read it (V
     # head-dim slices re-read the Q tile): write a private buffer and copy back (host pointer math, no sync)
-    aliased = any(_overlaps(out, t) for t in (q, k_cache, v_cache))
-    dst = out if unit and not aliased else torch.empty_like(out, memory_format=torch.contiguous_format)
-    lse = torch.empty(H, total_q, dtype=torch.float32, device=q.device) if return_lse else None
-    if total_q == 0 or B == 0:
-        return (out, lse) if return_lse else out
+    private = out is not None and (not (out.numel() == 0 or out.stride(-1) == 1)
+                                   or any(_overlaps(out, t) for t in (q, k_cache, v_cache)))
+    plan = _Plan(total_q=total_q, num_heads=H, head_dim_v=DV, empty=total_q == 0 or B == 0, return_lse=return_lse,
+                 private_dst=private, paged=info.paged, ncq_flags=info.causal is not None)
+    if plan.empty:
+        return plan
+
+    has_window = window_size is not None
+    prefix = bidirectional_window == "prefix"
+    kern = get_kernel(D, DV, group, q.dtype, info.paged, info.page_size, has_window, prefix)
+    cfg = kern.config(config)
+    gp = _next_pow2(group)
+    if max_seqlen_k is not None:
+        kcap = int(max_seqlen_k)
+    elif info.paged:
+        kcap = block_table.shape[1] * info.page_size
+    else:
+        kcap = k_cache.shape[0]
+    split_cfg = kern.split_base
+
+    def auto_splits(c: dict) -> int:  # the automatic split count of tile config c for this batch (host ints)
+        n_dv_c = -(-max(16, _next_pow2(DV)) // c["BLOCK_DV"])
+        ctas = ctas_per_sm(c["BLOCK_M"], c["BLOCK_N"], c["num_warps"], c["num_stages"], max(16, _next_pow2(D)),
+                           c["BLOCK_DV"], q.element_size())
+        return choose_num_splits(_tile_estimate(total_q, B, c["BLOCK_M"] // gp) * Hkv * n_dv_c, kcap, c["BLOCK_N"],
+                                 _num_sms(q.device), ctas)
+
+    # a tile override (BLOCK_DV included: the Gluon kernels never split V) keeps the tables' portable kernel
+    auto_tiles = not (config and set(config) & {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "IMPL", "BLOCK_DV"})
+    split_regime = auto_tiles and cfg.get("num_splits") is None and auto_splits(cfg) > 1
+    if split_regime and split_cfg is not None:
+        # decode-like regime (the base tiles would split the keys: few q tiles over a long context): the tuned
+        # split-regime tiles instead (host shapes only; a graph replays the config it was captured with)
+        cfg = kern.config(dict(split_cfg, **(config or {})))
+    gluon_cfg = (kern.gluon_split if split_regime else kern.gluon_base) if auto_tiles else None
+    checked_gluon = False  # the input's Gluon eligibility already checked (for this BLOCK_N)
+    if gluon_cfg is not None:
+        # the warp-specialised Gluon kernel where it was measured faster and the input suits TMA (host
+        # attributes only); otherwise the portable kernel above. LAST_LAUNCH["impl"] says which ran.
+        # (and TMA boxes of >= 64 rows: smaller pages were not measured, they cost one box per page)
+        from .triton_gluon import gluon_ineligible, tma_box_rows
+        if gluon_ineligible(q, k_cache, v_cache, paged=info.paged, page_size=info.page_size, head_dim_v=DV,
+                            scale=info.scale, block_n=gluon_cfg["BLOCK_N"]) is None \
+                and tma_box_rows(info.paged, info.page_size, gluon_cfg["BLOCK_N"]) >= 64:
+            cfg = kern.config(_gluon_auto(gluon_cfg, config))
+            checked_gluon = True
+    BM, BN = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    BQ = BM // gp
+    BD = max(16, _next_pow2(D))
+    BDV = cfg["BLOCK_DV"]
+    n_dv = -(-max(16, _next_pow2(DV)) // BDV)
+    n_tiles = total_q // BQ + B
+
+    impl = cfg["IMPL"]
+    gluon_ctas = 1
+    if impl == "gluon":
+        from .triton_gluon import gluon_ctas_per_sm, gluon_ineligible
+        why = None if checked_gluon else gluon_ineligible(q, k_cache, v_cache, paged=info.paged,
+                                                          page_size=info.page_size, head_dim_v=DV,
+                                                          scale=info.scale, block_n=BN)
+        if why is not None:
+            raise ValueError(f"config['IMPL'] = 'gluon' cannot run this input: {why}")
+        gluon_ctas = gluon_ctas_per_sm(BM, BN, cfg["num_warps"], cfg["num_stages"], D, DV, q.element_size(),
+                                       v_stages=cfg["V_STAGES"])
+    ns = cfg.get("num_splits")
+    if ns is None:
+        if impl == "gluon":
+            ns = choose_num_splits(_tile_estimate(total_q, B, BQ) * Hkv, kcap, BN, _num_sms(q.device), gluon_ctas)
+        else:
+            ns = auto_splits(cfg)
+
+    # strides of what the kernel writes: out, or the private (contiguous) buffer
+    st_o = (H * DV, DV) if private or out is None else (out.stride(0), out.stride(1))
+    # block_table rows by stride(0), columns densely (a strided view gets a dense copy per call, _run_plan)
+    if info.paged:
+        stride_kb, stride_kp, stride_kh = k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
+        stride_vb, stride_vp, stride_vh = v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)
+        stride_bt = block_table.stride(0) if block_table.stride(1) == 1 else block_table.shape[1]
+        page = info.page_size
+    else:
+        stride_kb, stride_kp, stride_kh = k_cache.stride(0), 0, k_cache.stride(1)
+        stride_vb, stride_vp, stride_vh = v_cache.stride(0), 0, v_cache.stride(1)
+        stride_bt = 0
+        page = 1
+    W = min(int(window_size), _WINDOW_CLAMP) if has_window else 0
+    qk_scale = info.scale * LOG2E
+    dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    # 16-ary tile -> sequence search: ceil(bits(B) / 4) steps, so batches of 1..15 (16..255, ...) sequences
+    # share one compiled kernel
+    search_steps = -(-max(1, int(B).bit_length()) // 4)
+    ncq_flags = plan.ncq_flags
+    grid = (n_tiles, Hkv * n_dv, ns)
+    plan.impl, plan.cfg, plan.num_splits, plan.grid = impl, cfg, ns, grid
+    common_tail = (total_q, H, B, n_tiles, W, qk_scale, ns)
+    if impl == "gluon":
+        from . import triton_gluon as _tg
+        box_n = _tg.tma_box_rows(info.paged, info.page_size, BN)
+        roles = cfg["OVERLAP"] == "roles"  # softmax + PV warpgroups (triton_gluon._attn_fwd_gluon_roles)
+        wide = DV > 256 and not roles  # two consumer warpgroups split the head dim (triton_gluon._attn_fwd_gluon_wide)
+        chunks = 2 if DV > 256 else 1  # K / V streamed as head-dim halves (TMA boxes are <= 256 wide)
+        k_chunks = _tg.roles_k_chunks(D) if roles else chunks
+        plan.descriptors = (box_n, k_chunks, chunks)
+        plan.tail = (q.stride(0), q.stride(1), st_o[0], st_o[1], stride_bt) + common_tail
+        consts = dict(G=group, GP=gp, D=D, DV=DV, BLOCK_M=BM, BLOCK_N=BN, BLOCK_Q=BQ, BOX_N=box_n, PAGE=page,
+                      PAGED=info.paged, HAS_WINDOW=has_window, PREFIX=prefix, NCQ_FLAGS=ncq_flags, SPLIT=ns > 1,
+                      STORE_LSE=return_lse, SEARCH_STEPS=search_steps, STAGES=cfg["num_stages"],
+                      V_STAGES=cfg["V_STAGES"] or cfg["num_stages"])
+        ws = dict(LOADER_REGS=_tg.LOADER_REGS, LAZY=bool(cfg["LAZY_RESCALE"]),
+                  maxnreg=_tg.gluon_max_regs(cfg["num_warps"], gluon_ctas))  # the producer-warp kernels
+        if roles:
+            plan.main = _Launch(_tg._attn_fwd_gluon_roles, grid, dict(
+                consts, PV_REGS=_tg.roles_pv_regs(DV), P_STAGES=_tg.ROLES_P_STAGES, maxnreg=_tg.roles_max_regs(DV),
+                K_CHUNKS=k_chunks, num_warps=4))
+        elif wide:
+            plan.main = _Launch(_tg._attn_fwd_gluon_wide, grid, dict(
+                consts, **ws, CONSUMER_REGS=_tg.WIDE_CONSUMER_REGS, num_warps=4))
+        else:
+            plan.main = _Launch(_tg._attn_fwd_gluon, grid, dict(
+                consts, **ws, OVERLAP=_tg.overlap_mode(cfg["OVERLAP"]), num_warps=cfg["num_warps"]))
+    else:
+        plan.tail = (q.stride(0), q.stride(1), stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh,
+                     st_o[0], st_o[1], stride_bt) + common_tail
+        plan.main = _Launch(_attn_fwd_kernel, grid, dict(
+            G=group, GP=gp, D=D, DV=DV, BLOCK_D=BD, BLOCK_DV=BDV, N_DV=n_dv,
+            BLOCK_M=BM, BLOCK_N=BN, BLOCK_Q=BQ, PAGE=page, PAGED=info.paged, HAS_WINDOW=has_window,
+            NCQ_FLAGS=ncq_flags,
+            PREFIX=prefix, SPLIT=ns > 1, STORE_LSE=return_lse, SEARCH_STEPS=search_steps, DOT_PREC=dot_prec,
+            INTERPRET=_interpreting(), SCALE_POS=qk_scale > 0, LAZY=bool(cfg["LAZY_RESCALE"]),
+            BT_PREFETCH=bool(cfg["BT_PREFETCH"]),
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        ))
+    if ns > 1:
+        bdv_m = max(16, _next_pow2(DV))
+        block_r = max(1, min(64, 4096 // bdv_m))  # <= 4096 fp32 partial elements per program per split
+        n_rows = total_q * H
+        pdl = _merge_pdl(q.device)
+        plan.merge_tail = (total_q, H, n_rows, st_o[0], st_o[1])
+        plan.merge = _Launch(_merge_kernel, (triton.cdiv(n_rows, block_r),), dict(
+            NUM_SPLITS=ns, DV=DV, BLOCK_DV=bdv_m, BLOCK_R=block_r, STORE_LSE=return_lse,
+            INTERPRET=_interpreting(), PDL=pdl, num_warps=4, launch_pdl=pdl))
+    return plan
+
+
+def _run_plan(plan: _Plan, q, k_cache, v_cache, calls, out):
+    """Launch a planned call on this call's tensors (allocations and dtype / layout conversions of the metadata
+    are per call: device ops without a host sync)."""
+    cu_seqlens_q, seq_lens, causal, num_causal_q, block_table, cu_seqlens_k = calls
+    if out is None:
+        out = torch.empty(plan.total_q, plan.num_heads, plan.head_dim_v, dtype=q.dtype, device=q.device)
+    lse = torch.empty(plan.num_heads, plan.total_q, dtype=torch.float32, device=q.device) if plan.return_lse \
+        else None
+    if plan.empty:
+        return (out, lse) if plan.return_lse else out
+    dst = torch.empty_like(out, memory_format=torch.contiguous_format) if plan.private_dst else out
+    # the kernel indexes metadata as dense 1-D arrays: strided views get a dense copy (a device copy, no host
+    # sync; capturable); the causal flags go to the kernel as they are (no conversion op per call)
+    cu_q = cu_seqlens_q.to(torch.int32).contiguous()
+    if seq_lens is None:  # the contiguous form without seq_lens
+        seq_lens = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    sl = seq_lens.to(torch.int32).contiguous()
+    ncq = (causal if plan.ncq_flags else num_causal_q.to(torch.int32)).contiguous()
+    if plan.paged:
+        bt = block_table if block_table.stride(1) == 1 else block_table.contiguous()
+        cu_k = cu_q  # unused
+    else:
+        bt = cu_q  # unused
+        cu_k = cu_seqlens_k.to(torch.int32).contiguous()
+    ns = plan.num_splits
+    if ns > 1:
+        opart = torch.empty(ns, plan.total_q, plan.num_heads, plan.head_dim_v, dtype=torch.float32, device=q.device)
+        lsepart = torch.empty(ns, plan.num_heads, plan.total_q, dtype=torch.float32, device=q.device)
+    else:
+        opart = lsepart = dst  # unused
+    lse_arg = lse if lse is not None else dst
+    if plan.descriptors is not None:
+        from .triton_gluon import make_kv_descriptors
+        k_arg, v_arg = make_kv_descriptors(k_cache, v_cache, *plan.descriptors)
+    else:
+        k_arg, v_arg = k_cache, v_cache
+    handle = plan.main(q, k_arg, v_arg, dst, lse_arg, opart, lsepart, cu_q, sl, ncq, bt, cu_k, *plan.tail)
+    LAST_LAUNCH.update(kernel=handle, num_splits=ns, grid=plan.grid, config=plan.cfg, impl=plan.impl)
+    if plan.merge is not None:
+        plan.merge(opart, lsepart, dst, lse_arg, *plan.merge_tail)
+    if dst is not out:
+        out.copy_(dst)
+    return (out, lse) if plan.return_lse else out
 
     has_window = window_size is not None
     prefix = bidirectional_window == "prefix"
