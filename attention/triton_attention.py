@@ -1043,7 +1043,8 @@ class _Launch:
     __slots__ = ("fn", "grid", "kwargs", "compiled", "consts")
 
     def __init__(self, fn, grid, kwargs):
-        self.fn, self.grid, self.kwargs = fn, grid, kwargs
+        # (x, y, z): a compiled kernel's launcher reads all three
+        self.fn, self.grid, self.kwargs = fn, tuple(grid) + (1,) * (3 - len(grid)), kwargs
         self.compiled = self.consts = None
 
     def __call__(self, *args):

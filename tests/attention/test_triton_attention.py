@@ -326,6 +326,15 @@ def test_launch_plan_key_separates_what_the_plan_depends_on():
     assert len(_plans()) == len(variants) + 2
 
 
+def test_planned_launch_grids_have_three_dimensions_for_the_compiled_launcher():
+    """A compiled kernel's launcher reads grid[0..2] (the merge's grid is one-dimensional: an IndexError on the
+    H200 before this was normalised)."""
+    from blockdiff.attention.triton_attention import _Launch, _merge_kernel
+    assert _Launch(_merge_kernel, (7,), {}).grid == (7, 1, 1)
+    assert _Launch(_merge_kernel, (7, 2), {}).grid == (7, 2, 1)
+    assert _Launch(_merge_kernel, (7, 2, 3), {}).grid == (7, 2, 3)
+
+
 def test_launch_plans_never_skip_value_checks_or_type_errors():
     """A plan exists for a shape, yet bad values still raise where values are checked (check_values default),
     and bad types raise the full path's TypeError under check_values=False (no key is formed)."""
