@@ -113,8 +113,9 @@ windows; run to run the hd-512 and hd-128 rows move by up to ~8 %: bench/results
 * ``canvas_bs1_ctx32k_hd128`` 0.131 ms, 527 TFLOP/s, Gluon kernel 64x128 with the chained consumer, 4 splits
   [0.134]: 0.32x paged FA4 (0.406), 0.38x contiguous FA4 (0.345). The merge runs with programmatic dependent
   launch (PDL; three alternating rounds: 131-134 against 133-135 us without, a gain within the run noise;
-  bench/results/merge_pdl-h200.md). Eager (no graph) the call costs ~0.15-0.42 ms:
-  Python launch overhead of the Gluon JIT path with TMA descriptors, not yet reduced.
+  bench/results/merge_pdl-h200.md). Eager (no graph), calls with ``check_values=False`` reuse a launch plan
+  (``_PLANS``) and launch the compiled kernels directly: 83-114 us of host time per call against 381-423 us for
+  the full path, eager 134-137 us (bench/results/host_plans-h200.md).
 * ``canvas_bs1_ctx32k_sliding`` 26.8 us [26.8] (FA4 35.3 / 35.2 us), Gluon kernel 64x64 without the overlap, 2 splits, merge
   with PDL (26.0-26.7 against 26.6-26.9 us without, within noise; merge_pdl-h200.md). The c514fe9 run's 31 us
   was a regression: the automatic Gluon config inherited the portable table's LAZY_RESCALE (30.2 against 26.8 us without it, same run,
@@ -125,7 +126,10 @@ windows; run to run the hd-512 and hd-128 rows move by up to ~8 %: bench/results
   measured 26.1-34 us (gluon_stages_sliding / gluon_chain_sliding / gluon_overlap2-h200.json); merging the splits
   in-kernel by the last split of each tile measured 35.6 against ~30 us (gluon_merge-h200.json); the roles kernel
   (one PV warpgroup at hd 256) 29.5 against 25.9-26.6 us (gluon_roles_hd256-h200.json). The issue's 15 us is not
-  reached.
+  reached. Where the time goes (bench/results/floor_sliding-h200.md, window varied): the attention kernel
+  costs 5.9 us + 1.18 us per key block of a program (10 blocks here), the merge 3.5 us, and an empty two-kernel
+  CUDA graph 5.7 us in this timing; at one key block per program (window 0) the call already takes 16.3 us.
+  Eager, planned calls take 46-48 us (240-248 us for the full path; host_plans-h200.md).
 * ``prefill16k_hd128`` 1.949 ms, 564 TFLOP/s [1.972], Gluon kernel 64x128 with the chained consumer (FA4 1.913
   paged / 1.725 contiguous: 0.98x / 0.89x of FA4's throughput). The sweep measured it at 1.803 ms (610 TFLOP/s)
   against 2.177 ms for the sequential consumer in the same run (gluon_chain_hd128-h200.json).
@@ -945,7 +949,10 @@ def attention_triton(
         max_seqlen_k: host int >= every seq_len (static capacity is fine); sizes the split-KV count. Default:
             the block table's capacity (``max_blocks * page_size``) or ``total_k``.
         check_values: host-side value checks (default: on, except under CUDA-graph capture). False keeps
-            the launch path free of host syncs.
+            the launch path free of host syncs, and plans the call once per key (shapes, strides, dtypes,
+            devices, 16-byte alignment of the tensors, the host scalars, config, whether ``out`` overlaps an
+            input): later calls with the same key skip validation and planning and launch the compiled kernels
+            directly (``_PLANS``; values, flags, lengths and block tables may change between them).
         config: optional dict overriding BLOCK_M (rows = tokens x padded GQA group), BLOCK_N (keys per block),
             num_warps, num_stages, num_splits (split-KV count; None = automatic), BLOCK_DV (V head-dim slice per
             program), LAZY_RESCALE (bool, default False), BT_PREFETCH (bool, default True), IMPL ("triton" or
