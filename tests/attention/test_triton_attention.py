@@ -615,6 +615,27 @@ def test_fuzz_against_reference(case):
     run_and_check(inp, **call_kw)
 
 
+@settings(max_examples=60, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(batches(), st.integers(0, 2 ** 16))
+def test_fuzz_planned_calls_equal_the_full_path(case, seed2):
+    """Random batches: a second call with the same shapes and new values (K / V / q, block table permutation,
+    causal row counts) reuses the first call's plan and gives bitwise the full path's out and lse."""
+    from blockdiff.attention import triton_attention as ta
+    make_kw, call_kw = case
+    ta._PLANS.clear()
+    attention_triton(**make_batch(**make_kw), **call_kw, check_values=False, return_lse=True)
+    g = torch.Generator().manual_seed(seed2)
+    ncq = [int(torch.randint(0, ql + 1, (1,), generator=g)) for ql in make_kw["q_lens"]]
+    inp = make_batch(**dict(make_kw, seed=seed2, num_causal_q=ncq))
+    plans = dict(ta._PLANS)
+    o, lse = attention_triton(**inp, **call_kw, check_values=False, return_lse=True)
+    assert ta._PLANS == plans  # reused, no new plan
+    ref, ref_lse = attention_triton(**inp, **call_kw, return_lse=True)
+    torch.testing.assert_close(o, ref, rtol=0, atol=0)
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=0)
+
+
 # ---------------------------------------------------------------- GPU (H200)
 
 
