@@ -74,8 +74,9 @@ Design
   silent fallback).
 * **Configs.** ``config=dict(BLOCK_M, BLOCK_N, num_warps, num_stages, num_splits, BLOCK_DV, LAZY_RESCALE,
   BT_PREFETCH, IMPL, OVERLAP, V_STAGES)``
-  overrides the defaults; resolved launch plans are cached per static key (head dims, group size, dtype, paged,
+  overrides the defaults; resolved configs are cached per static key (head dims, group size, dtype, paged,
   page size, window, mode) in :class:`TritonAttention` instances; Triton caches the compiled kernels per constexpr.
+  Calls with ``check_values=False`` also cache their whole launch (``_PLANS``, see :func:`attention_triton`).
 * **CUDA graphs.** Everything per step (cu_seqlens_q, seq_lens, num_causal_q/causal, block_table) is read on
   the device; grid and split count depend only on shapes and host ints (``max_seqlen_k``), so a graph captured
   once replays correctly with new flags, lengths and block tables (the capacities must not grow).
@@ -744,7 +745,8 @@ class _StaticKey:
 
 
 class TritonAttention:
-    """A launch plan for one static signature (head dims, group size, dtype, paged/page size, window, mode).
+    """The resolved tile configs of one static signature (head dims, group size, dtype, paged/page size, window,
+    mode).
 
     Instances are cached by :func:`get_kernel`; :meth:`config` resolves tile configs (defaults, tuned table,
     per-call overrides) and validates them; Triton caches compiled binaries per constexpr set.
@@ -771,7 +773,8 @@ class TritonAttention:
     def config(self, override: dict | None) -> dict:
         # the value's type is part of the key: True == 1 == 1.0 hash alike, and a cached {BT_PREFETCH: True}
         # must not let {BT_PREFETCH: 1} (or num_splits=True after num_splits=1) skip validation
-        okey = tuple(sorted((k, type(v).__name__, v) for k, v in (override or {}).items()))
+        # (the type itself, not its name: numpy's bool_ is also named "bool")
+        okey = tuple(sorted((k, type(v), v) for k, v in (override or {}).items()))
         try:
             hit = self._resolved.get(okey)
         except TypeError:  # an unhashable value (e.g. a list): not cacheable, validation below rejects it
@@ -998,7 +1001,9 @@ def attention_triton(
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
         _PLANS[plan_key] = plan
-    return _run_plan(plan, q, k_cache, v_cache, calls, out)
+    # the validated seq_lens / causal row counts (already int32): not converted again
+    return _run_plan(plan, q, k_cache, v_cache, calls, out, seq_lens=info.seq_lens,
+                     causal_rows=None if info.causal is not None else info.num_causal_q)
 
 
 #: Launch plans by call key (:func:`_plan_key`), for calls with ``check_values=False``: the validation, config
@@ -1023,10 +1028,14 @@ def _plan_key(q, k_cache, v_cache, calls, window_size, bidirectional_window, sca
     """The key of a call's launch plan, or None (then the call takes the full path, which raises for bad input).
 
     Everything the plan is computed from: the tensor arguments' :func:`_tensor_key`, the host scalars with their
-    types (``True`` and ``1`` differ), the config items, whether ``out`` overlaps an input (the kernel then writes
-    a private buffer), and the module switches read while planning. Data pointers are not in it (beyond their
-    alignment): they change every call and only the kernels read them.
+    types (``True`` and ``1`` differ; ``max_seqlen_k`` must be a Python int), the config items, whether ``out``
+    overlaps an input (the kernel then writes a private buffer), and the module switches read while planning.
+    Data pointers are not in it (beyond their alignment): they change every call and only the kernels read them.
+    ``max_seqlen_k`` is: a caller passing each step's actual maximum gets one plan per step (reused by the
+    step's layers), a static capacity one plan in all.
     """
+    if max_seqlen_k is not None and type(max_seqlen_k) is not int:
+        return None  # e.g. a 0-d tensor, whose value may change in place: no plan (the full path reads it)
     try:
         aliased = out is not None and any(_overlaps(out, t) for t in (q, k_cache, v_cache))
         cfg = None if config is None else tuple(sorted((k, type(v), v) for k, v in config.items()))
@@ -1045,6 +1054,11 @@ class _Launch:
     options). The first launch goes through Triton's JIT (compiling once); later ones call the compiled kernel
     with the constexpr values appended in parameter order (the launcher skips them), which is what the JIT does
     after binding the arguments, without re-binding them. Not under the interpreter (it has no compiled kernel).
+    What the JIT does per launch and this skips: its argument specialisation (every integer argument and pointer
+    alignment is fixed by the plan key), its check that the kernel's global variables did not change, its
+    pre-run hooks and debug / instrumentation knobs (read at the first launch), and re-selecting the binary for
+    the current device (the plan key holds q's device; the compiled kernel is loaded on the device current at the
+    first launch, as the JIT would for a call from that device).
     """
 
     __slots__ = ("fn", "grid", "kwargs", "compiled", "consts")
@@ -1252,10 +1266,12 @@ def _make_plan(q, k_cache, v_cache, info, block_table, window_size, bidirectiona
     return plan
 
 
-def _run_plan(plan: _Plan, q, k_cache, v_cache, calls, out):
+def _run_plan(plan: _Plan, q, k_cache, v_cache, calls, out, seq_lens=None, causal_rows=None):
     """Launch a planned call on this call's tensors (allocations and dtype / layout conversions of the metadata
     are per call: device ops without a host sync)."""
-    cu_seqlens_q, seq_lens, causal, num_causal_q, block_table, cu_seqlens_k = calls
+    cu_seqlens_q, seq_lens_arg, causal, num_causal_q, block_table, cu_seqlens_k = calls
+    seq_lens = seq_lens_arg if seq_lens is None else seq_lens
+    num_causal_q = num_causal_q if causal_rows is None else causal_rows
     if out is None:
         out = torch.empty(plan.total_q, plan.num_heads, plan.head_dim_v, dtype=q.dtype, device=q.device)
     lse = torch.empty(plan.num_heads, plan.total_q, dtype=torch.float32, device=q.device) if plan.return_lse \
@@ -1289,171 +1305,13 @@ def _run_plan(plan: _Plan, q, k_cache, v_cache, calls, out):
     else:
         k_arg, v_arg = k_cache, v_cache
     handle = plan.main(q, k_arg, v_arg, dst, lse_arg, opart, lsepart, cu_q, sl, ncq, bt, cu_k, *plan.tail)
-    LAST_LAUNCH.update(kernel=handle, num_splits=ns, grid=plan.grid, config=plan.cfg, impl=plan.impl)
+    # a copy: the resolved config is shared by the plan and the config cache
+    LAST_LAUNCH.update(kernel=handle, num_splits=ns, grid=plan.grid, config=dict(plan.cfg), impl=plan.impl)
     if plan.merge is not None:
         plan.merge(opart, lsepart, dst, lse_arg, *plan.merge_tail)
     if dst is not out:
         out.copy_(dst)
     return (out, lse) if plan.return_lse else out
-
-    has_window = window_size is not None
-    prefix = bidirectional_window == "prefix"
-    kern = get_kernel(D, DV, group, q.dtype, info.paged, info.page_size, has_window, prefix)
-    cfg = kern.config(config)
-    gp = _next_pow2(group)
-    if max_seqlen_k is not None:
-        kcap = int(max_seqlen_k)
-    elif info.paged:
-        kcap = block_table.shape[1] * info.page_size
-    else:
-        kcap = k_cache.shape[0]
-    split_cfg = kern.split_base
-
-    def auto_splits(c: dict) -> int:  # the automatic split count of tile config c for this batch (host ints)
-        n_dv_c = -(-max(16, _next_pow2(DV)) // c["BLOCK_DV"])
-        ctas = ctas_per_sm(c["BLOCK_M"], c["BLOCK_N"], c["num_warps"], c["num_stages"], max(16, _next_pow2(D)),
-                           c["BLOCK_DV"], q.element_size())
-        return choose_num_splits(_tile_estimate(total_q, B, c["BLOCK_M"] // gp) * Hkv * n_dv_c, kcap, c["BLOCK_N"],
-                                 _num_sms(q.device), ctas)
-
-    # a tile override (BLOCK_DV included: the Gluon kernels never split V) keeps the tables' portable kernel
-    auto_tiles = not (config and set(config) & {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "IMPL", "BLOCK_DV"})
-    split_regime = auto_tiles and cfg.get("num_splits") is None and auto_splits(cfg) > 1
-    if split_regime and split_cfg is not None:
-        # decode-like regime (the base tiles would split the keys: few q tiles over a long context): the tuned
-        # split-regime tiles instead (host shapes only; a graph replays the config it was captured with)
-        cfg = kern.config(dict(split_cfg, **(config or {})))
-    gluon_cfg = (kern.gluon_split if split_regime else kern.gluon_base) if auto_tiles else None
-    checked_gluon = False  # the input's Gluon eligibility already checked (for this BLOCK_N)
-    if gluon_cfg is not None:
-        # the warp-specialised Gluon kernel where it was measured faster and the input suits TMA (host
-        # attributes only); otherwise the portable kernel above. LAST_LAUNCH["impl"] says which ran.
-        # (and TMA boxes of >= 64 rows: smaller pages were not measured, they cost one box per page)
-        from .triton_gluon import gluon_ineligible, tma_box_rows
-        if gluon_ineligible(q, k_cache, v_cache, paged=info.paged, page_size=info.page_size, head_dim_v=DV,
-                            scale=info.scale, block_n=gluon_cfg["BLOCK_N"]) is None \
-                and tma_box_rows(info.paged, info.page_size, gluon_cfg["BLOCK_N"]) >= 64:
-            cfg = kern.config(_gluon_auto(gluon_cfg, config))
-            checked_gluon = True
-    BM, BN = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    BQ = BM // gp
-    BD = max(16, _next_pow2(D))
-    BDV = cfg["BLOCK_DV"]
-    n_dv = -(-max(16, _next_pow2(DV)) // BDV)
-    n_tiles = total_q // BQ + B
-
-    impl = cfg["IMPL"]
-    gluon_ctas = 1
-    if impl == "gluon":
-        from .triton_gluon import gluon_ctas_per_sm, gluon_ineligible
-        why = None if checked_gluon else gluon_ineligible(q, k_cache, v_cache, paged=info.paged,
-                                                          page_size=info.page_size, head_dim_v=DV,
-                                                          scale=info.scale, block_n=BN)
-        if why is not None:
-            raise ValueError(f"config['IMPL'] = 'gluon' cannot run this input: {why}")
-        gluon_ctas = gluon_ctas_per_sm(BM, BN, cfg["num_warps"], cfg["num_stages"], D, DV, q.element_size(),
-                                       v_stages=cfg["V_STAGES"])
-    ns = cfg.get("num_splits")
-    if ns is None:
-        if impl == "gluon":
-            ns = choose_num_splits(_tile_estimate(total_q, B, BQ) * Hkv, kcap, BN, _num_sms(q.device), gluon_ctas)
-        else:
-            ns = auto_splits(cfg)
-
-    # the kernel indexes metadata as dense 1-D arrays (block_table rows by stride(0), columns densely):
-    # strided views get a dense copy (a device copy, no host sync; capturable)
-    cu_q = cu_seqlens_q.to(torch.int32).contiguous()
-    sl = info.seq_lens.contiguous()
-    # the causal flags go to the kernel as they are (no conversion op per call); num_causal_q when given
-    ncq_flags = info.causal is not None
-    ncq = (info.causal if ncq_flags else info.num_causal_q).contiguous()
-    if info.paged and block_table.stride(1) != 1:
-        block_table = block_table.contiguous()
-    if info.paged:
-        bt = block_table
-        cu_k = cu_q  # unused
-        stride_kb, stride_kp, stride_kh = k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
-        stride_vb, stride_vp, stride_vh = v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)
-        stride_bt = block_table.stride(0)
-        page = info.page_size
-    else:
-        bt = cu_q  # unused
-        cu_k = cu_seqlens_k.to(torch.int32).contiguous()
-        stride_kb, stride_kp, stride_kh = k_cache.stride(0), 0, k_cache.stride(1)
-        stride_vb, stride_vp, stride_vh = v_cache.stride(0), 0, v_cache.stride(1)
-        stride_bt = 0
-        page = 1
-    W = min(int(window_size), _WINDOW_CLAMP) if has_window else 0
-    qk_scale = info.scale * LOG2E
-    dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
-    # 16-ary tile -> sequence search: ceil(bits(B) / 4) steps, so batches of 1..15 (16..255, ...) sequences
-    # share one compiled kernel
-    search_steps = -(-max(1, int(B).bit_length()) // 4)
-
-    if ns > 1:
-        opart = torch.empty(ns, total_q, H, DV, dtype=torch.float32, device=q.device)
-        lsepart = torch.empty(ns, H, total_q, dtype=torch.float32, device=q.device)
-    else:
-        opart = lsepart = dst  # unused
-    lse_arg = lse if lse is not None else dst
-    grid = (n_tiles, Hkv * n_dv, ns)
-    if impl == "gluon":
-        from . import triton_gluon as _tg
-        box_n = _tg.tma_box_rows(info.paged, info.page_size, BN)
-        roles = cfg["OVERLAP"] == "roles"  # softmax + PV warpgroups (triton_gluon._attn_fwd_gluon_roles)
-        wide = DV > 256 and not roles  # two consumer warpgroups split the head dim (triton_gluon._attn_fwd_gluon_wide)
-        chunks = 2 if DV > 256 else 1  # K / V streamed as head-dim halves (TMA boxes are <= 256 wide)
-        k_chunks = _tg.roles_k_chunks(D) if roles else chunks
-        k_desc, v_desc = _tg.make_kv_descriptors(k_cache, v_cache, box_n, k_chunks, chunks)
-        args = (q, k_desc, v_desc, dst, lse_arg, opart, lsepart,
-                cu_q, sl, ncq, bt, cu_k,
-                q.stride(0), q.stride(1), dst.stride(0), dst.stride(1), stride_bt,
-                total_q, H, B, n_tiles, W, qk_scale, ns)
-        consts = dict(G=group, GP=gp, D=D, DV=DV, BLOCK_M=BM, BLOCK_N=BN, BLOCK_Q=BQ, BOX_N=box_n, PAGE=page,
-                      PAGED=info.paged, HAS_WINDOW=has_window, PREFIX=prefix, NCQ_FLAGS=ncq_flags, SPLIT=ns > 1,
-                      STORE_LSE=return_lse, SEARCH_STEPS=search_steps, STAGES=cfg["num_stages"],
-                      V_STAGES=cfg["V_STAGES"] or cfg["num_stages"])
-        ws = dict(LOADER_REGS=_tg.LOADER_REGS, LAZY=bool(cfg["LAZY_RESCALE"]),
-                  maxnreg=_tg.gluon_max_regs(cfg["num_warps"], gluon_ctas))  # the producer-warp kernels
-        if roles:
-            handle = _tg._attn_fwd_gluon_roles[grid](*args, **consts, PV_REGS=_tg.roles_pv_regs(DV),
-                                                      P_STAGES=_tg.ROLES_P_STAGES, maxnreg=_tg.roles_max_regs(DV),
-                                                      K_CHUNKS=k_chunks, num_warps=4)
-        elif wide:
-            handle = _tg._attn_fwd_gluon_wide[grid](*args, **consts, **ws, CONSUMER_REGS=_tg.WIDE_CONSUMER_REGS,
-                                                     num_warps=4)
-        else:
-            handle = _tg._attn_fwd_gluon[grid](*args, **consts, **ws, OVERLAP=_tg.overlap_mode(cfg["OVERLAP"]),
-                                               num_warps=cfg["num_warps"])
-    else:
-        handle = _attn_fwd_kernel[grid](
-            q, k_cache, v_cache, dst, lse_arg, opart, lsepart,
-            cu_q, sl, ncq, bt, cu_k,
-            q.stride(0), q.stride(1), stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh,
-            dst.stride(0), dst.stride(1), stride_bt,
-            total_q, H, B, n_tiles, W, qk_scale, ns,
-            G=group, GP=gp, D=D, DV=DV, BLOCK_D=BD, BLOCK_DV=BDV, N_DV=n_dv,
-            BLOCK_M=BM, BLOCK_N=BN, BLOCK_Q=BQ, PAGE=page, PAGED=info.paged, HAS_WINDOW=has_window,
-            NCQ_FLAGS=ncq_flags,
-            PREFIX=prefix, SPLIT=ns > 1, STORE_LSE=return_lse, SEARCH_STEPS=search_steps, DOT_PREC=dot_prec,
-            INTERPRET=_interpreting(), SCALE_POS=qk_scale > 0, LAZY=bool(cfg["LAZY_RESCALE"]),
-            BT_PREFETCH=bool(cfg["BT_PREFETCH"]),
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        )
-    LAST_LAUNCH.update(kernel=handle, num_splits=ns, grid=grid, config=cfg, impl=impl)
-    if ns > 1:
-        bdv_m = max(16, _next_pow2(DV))
-        block_r = max(1, min(64, 4096 // bdv_m))  # <= 4096 fp32 partial elements per program per split
-        n_rows = total_q * H
-        pdl = _merge_pdl(q.device)
-        _merge_kernel[(triton.cdiv(n_rows, block_r),)](
-            opart, lsepart, dst, lse_arg, total_q, H, n_rows, dst.stride(0), dst.stride(1),
-            NUM_SPLITS=ns, DV=DV, BLOCK_DV=bdv_m, BLOCK_R=block_r, STORE_LSE=return_lse,
-            INTERPRET=_interpreting(), PDL=pdl, num_warps=4, launch_pdl=pdl,
-        )
-    if dst is not out:
-        out.copy_(dst)
-    return (out, lse) if return_lse else out
 
 
 __all__ = ["attention_triton", "default_config", "choose_num_splits", "ctas_per_sm", "get_kernel",

@@ -335,6 +335,47 @@ def test_planned_launch_grids_have_three_dimensions_for_the_compiled_launcher():
     assert _Launch(_merge_kernel, (7, 2, 3), {}).grid == (7, 2, 3)
 
 
+def test_max_seqlen_k_that_is_not_a_python_int_is_never_planned():
+    """A 0-d tensor max_seqlen_k changed in place must not keep a stale split count (review finding): only a
+    Python int enters a plan key; anything else takes the full path, which reads its value."""
+    from blockdiff.attention import triton_attention as ta
+    _plans().clear()
+    inp = make_batch(seq_lens=[600], q_lens=[8], causal=[False], page_size=16)
+    m = torch.tensor(16)
+    attention_triton(**inp, config=SMALL, check_values=False, max_seqlen_k=m)
+    assert ta.LAST_LAUNCH["num_splits"] == 1 and not _plans()
+    m.fill_(600)
+    o = attention_triton(**inp, config=SMALL, check_values=False, max_seqlen_k=m)
+    ns = ta.LAST_LAUNCH["num_splits"]
+    ref = attention_triton(**inp, config=SMALL, max_seqlen_k=600)
+    assert ns == ta.LAST_LAUNCH["num_splits"] > 1
+    torch.testing.assert_close(o, ref, rtol=0, atol=0)
+
+
+def test_mutating_last_launch_config_changes_no_later_call():
+    """LAST_LAUNCH["config"] is a copy: editing it changes neither planned calls nor the full path's cached
+    resolved config (review finding: the two paths disagreed)."""
+    from blockdiff.attention import triton_attention as ta
+    _plans().clear()
+    inp = make_batch(**MIXED)
+    attention_triton(**inp, config=SMALL, check_values=False)
+    ta.LAST_LAUNCH["config"]["num_splits"] = 3
+    attention_triton(**inp, config=SMALL, check_values=False)
+    assert ta.LAST_LAUNCH["num_splits"] == 1
+    attention_triton(**inp, config=SMALL)
+    assert ta.LAST_LAUNCH["num_splits"] == 1
+
+
+def test_config_cache_tells_numpy_bool_from_bool():
+    """The resolved-config cache keys on the value's type, not its name: numpy's bool_ is named "bool", and a
+    cached {BT_PREFETCH: True} let {BT_PREFETCH: np.True_} skip the bool check (review finding)."""
+    np = pytest.importorskip("numpy")
+    inp = make_batch(**MIXED)
+    attention_triton(**inp, config=dict(SMALL, BT_PREFETCH=True))
+    with pytest.raises(ValueError, match="BT_PREFETCH"):
+        attention_triton(**inp, config=dict(SMALL, BT_PREFETCH=np.True_))
+
+
 def test_launch_plans_never_skip_value_checks_or_type_errors():
     """A plan exists for a shape, yet bad values still raise where values are checked (check_values default),
     and bad types raise the full path's TypeError under check_values=False (no key is formed)."""
