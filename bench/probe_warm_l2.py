@@ -28,28 +28,32 @@ def warm_graph_us(fn, n=200):
     return s.elapsed_time(e) * 1e3 / n
 
 
-names = sys.argv[1].split(",")
-warm_up_gpu("cuda", 2.0)
-args = types.SimpleNamespace()
-rows = []
-for name in names:
-    w = {x.name: x for x in wl.named_workloads()}[name]
-    b = wl.build(w, device=torch.device("cuda"), dtype=torch.bfloat16, page_size=64)
-    makers = [("triton", lambda: ba.make_blockdiff(b, args, "triton")[0])]
-    for layout in ("paged", "contiguous"):
-        makers.append((f"fa4[{layout}]", lambda layout=layout: ba.make_fa4(b, args, layout)[0]))
-    for label, mk in makers:
-        try:
-            fn = mk()
-            fn(); torch.cuda.synchronize()
-            cold = time_graph_ms(fn) * 1e3
-            warm = warm_graph_us(fn)
-            cold2 = time_graph_ms(fn) * 1e3
-            warm2 = warm_graph_us(fn)
-        except Exception as ex:  # noqa: BLE001
-            print(name, label, "ERR", type(ex).__name__, str(ex)[:200], flush=True)
-            continue
-        row = dict(workload=name, backend=label, cold_us=[cold, cold2], warm_us=[warm, warm2])
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-json.dump(rows, open(os.path.join(os.environ.get("OUT", "."), "warm_l2.json"), "w"), indent=1)
+def main(names):
+    warm_up_gpu("cuda", 2.0)
+    args = types.SimpleNamespace()
+    rows = []
+    for name in names:
+        w = {x.name: x for x in wl.named_workloads()}[name]
+        b = wl.build(w, device=torch.device("cuda"), dtype=torch.bfloat16, page_size=64)
+        makers = [("triton", lambda: ba.make_blockdiff(b, args, "triton")[0])]
+        for layout in ("paged", "contiguous"):
+            makers.append((f"fa4[{layout}]", lambda layout=layout: ba.make_fa4(b, args, layout)[0]))
+        for label, mk in makers:
+            try:
+                fn = mk()
+                fn(); torch.cuda.synchronize()
+                cold = time_graph_ms(fn) * 1e3
+                warm = warm_graph_us(fn)
+                cold2 = time_graph_ms(fn) * 1e3
+                warm2 = warm_graph_us(fn)
+            except Exception as ex:  # noqa: BLE001
+                print(name, label, "ERR", type(ex).__name__, str(ex)[:200], flush=True)
+                continue
+            row = dict(workload=name, backend=label, cold_us=[cold, cold2], warm_us=[warm, warm2])
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    json.dump(rows, open(os.path.join(os.environ.get("OUT", "."), "warm_l2.json"), "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1].split(","))
