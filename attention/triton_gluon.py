@@ -72,8 +72,6 @@ Keys at or beyond ``seq_len`` inside the last key block (stale cache rows, which
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 from triton.experimental import gluon
@@ -371,20 +369,6 @@ def _softmax_consumer_chain(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v
     return acc, l_i, m_i
 
 
-#: Split programs signal programmatic dependent launch (``griddepcontrol.launch_dependents``) as their epilogue
-#: starts, so the merge kernel (launched with PDL, waiting in ``griddepcontrol.wait`` for this grid's completion
-#: and its writes) is dispatched while the last programs store their partials instead of after the grid ends.
-#: ``BLOCKDIFF_GDC_TRIGGER=0`` (read at import) compiles it out, for A/B runs.
-_GDC_TRIGGER = gl.constexpr(os.environ.get("BLOCKDIFF_GDC_TRIGGER", "1") not in ("", "0"))
-
-
-@gluon.jit
-def _launch_dependents():
-    """``griddepcontrol.launch_dependents`` (sm_90+; a no-op without a PDL dependent; repeats have no effect)."""
-    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
-                              is_pure=False, pack=1)
-
-
 @gluon.jit
 def _epilogue(acc, l_i, m_i, O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads,
               stride_ot, stride_oh, G: gl.constexpr, GP: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -411,8 +395,6 @@ def _epilogue(acc, l_i, m_i, O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, 
         if STORE_LSE and ROW_STATS:
             gl.store(LSE + lse_off, lse, mask=o_ok)
     else:
-        if _GDC_TRIGGER:
-            _launch_dependents()
         s64 = split.to(gl.int64)
         p_row = (s64 * total_q + tok_g) * num_heads + oh
         gl.store(OPART + p_row[:, None] * DV_ROW + od[None, :], out, mask=o_ok[:, None])
