@@ -130,7 +130,10 @@ windows; run to run the hd-512 and hd-128 rows move by up to ~8 %: bench/results
   reached. Where the time goes (bench/results/floor_sliding-h200.md, window varied): the attention kernel
   costs 5.9 us + 1.18 us per key block of a program (10 blocks here), the merge 3.5 us, and an empty two-kernel
   CUDA graph 5.7 us in this timing; at one key block per program (window 0) the call already takes 16.3 us.
-  Eager, planned calls take 46-48 us (240-248 us for the full path; host_plans-h200.md).
+  Eager, planned calls take 46-48 us (240-248 us for the full path; host_plans-h200.md). Without the
+  benchmarks' L2 flush between replays (Q and metadata in L2, as in a serving step): 21.7 us against FA4's 31 us
+  (warm_l2-h200.md). Signalling the merge's PDL launch from the split programs' epilogue
+  (griddepcontrol.launch_dependents) measured no gain and was dropped (gdc_trigger_ab-h200.md).
 * ``prefill16k_hd128`` 1.949 ms, 564 TFLOP/s [1.972], Gluon kernel 64x128 with the chained consumer (FA4 1.913
   paged / 1.725 contiguous: 0.98x / 0.89x of FA4's throughput). The sweep measured it at 1.803 ms (610 TFLOP/s)
   against 2.177 ms for the sequential consumer in the same run (gluon_chain_hd128-h200.json).
