@@ -985,7 +985,7 @@ def attention_triton(
                          "TRITON_INTERPRET=1 before importing triton to run the kernel in the Triton interpreter")
     calls = (cu_seqlens_q, seq_lens, causal, num_causal_q, block_table, cu_seqlens_k)
     plan_key = None
-    if check_values is False:
+    if check_values is False and _PLANS_ENABLED:
         # the launch plan of an earlier call with the same key (host work only; see _plan_key)
         plan_key = _plan_key(q, k_cache, v_cache, calls, window_size, bidirectional_window, scale, out, return_lse,
                              max_seqlen_k, config)
@@ -1014,6 +1014,9 @@ def attention_triton(
 #: launch the compiled kernels directly (no Triton argument binding). Cleared when full.
 _PLANS: dict = {}
 _MAX_PLANS = 1024
+#: a module switch for A/B runs (bench/probe_host_overhead.py, bench/probe_e2e_plans.py): off, every call takes
+#: the full path and no plan is stored
+_PLANS_ENABLED = True
 
 
 def _tensor_key(t):

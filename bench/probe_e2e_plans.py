@@ -1,20 +1,12 @@
 """bench_e2e with the triton backend's launch plans off or on (H200 probe; record:
 bench/results/e2e_plans-h200.{json,md}). One process per mode: ``python3 bench/probe_e2e_plans.py off|on
 --attn-backends triton --sampler-backend triton --out DIR``; the other arguments go to bench_e2e.py. "off"
-replaces ``triton_attention._PLANS`` with a cache that never hits, so every call takes the full path.
+clears ``triton_attention._PLANS_ENABLED``, so every call takes the full path.
 """
 import os, runpy, sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from blockdiff.attention import triton_attention as TA
 
-class NoPlans(dict):
-    def get(self, k, d=None):
-        return None
-    def __setitem__(self, k, v):
-        pass
-
-mode = sys.argv[1]
-if mode == "off":
-    TA._PLANS = NoPlans()
+TA._PLANS_ENABLED = sys.argv[1] != "off"
 sys.argv = ["bench_e2e.py"] + sys.argv[2:]
 runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_e2e.py"), run_name="__main__")

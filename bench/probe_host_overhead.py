@@ -1,6 +1,7 @@
-"""Host time per eager call of the triton backend (``check_values=False``): the full path (launch plans off) vs
-planned calls (:data:`blockdiff.attention.triton_attention._PLANS`), two alternating rounds in one process, with
-the do_bench eager and CUDA-graph times of both and a bitwise comparison of their outputs (H200 probe; record:
+"""Host time per eager call of the triton backend (``check_values=False``): the full path (launch plans off:
+``triton_attention._PLANS_ENABLED = False``) vs planned calls (``triton_attention._PLANS``), two alternating
+rounds in one process, with the do_bench eager and CUDA-graph times of both and a bitwise comparison of their
+outputs (H200 probe; record:
 bench/results/host_plans-h200.{json,md}). Usage (GPU): ``OUT=/tmp python3 bench/probe_host_overhead.py
 canvas_bs1_ctx32k_sliding,mixed_sliding_ctx8k`` writes ``$OUT/host_ab.json``.
 """
@@ -9,12 +10,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import workloads as wl
 from common import time_eager_ms, time_graph_ms, warm_up_gpu
 from blockdiff.attention import triton_attention as TA
-
-class NoPlans(dict):
-    def get(self, k, d=None):
-        return None
-    def __setitem__(self, k, v):
-        pass
 
 names = sys.argv[1].split(",")
 warm_up_gpu("cuda", 2.0)
@@ -29,7 +24,8 @@ for name in names:
     outs = {}
     for rnd in range(2):
         for mode in ("full", "plan"):
-            TA._PLANS = NoPlans() if mode == "full" else {}
+            TA._PLANS_ENABLED = mode == "plan"
+            TA._PLANS.clear()
             for _ in range(10): f()
             torch.cuda.synchronize()
             ts = []

@@ -326,6 +326,19 @@ def test_launch_plan_key_separates_what_the_plan_depends_on():
     assert len(_plans()) == len(variants) + 2
 
 
+def test_launch_plans_switched_off_store_nothing_and_give_the_same_result(monkeypatch):
+    """``_PLANS_ENABLED = False`` (the probes' A/B switch): every call takes the full path, no plan is stored."""
+    from blockdiff.attention import triton_attention as ta
+    _plans().clear()
+    inp = make_batch(**MIXED)
+    planned = [attention_triton(**inp, config=SMALL, window_size=3, check_values=False) for _ in range(2)]
+    monkeypatch.setattr(ta, "_PLANS_ENABLED", False)
+    _plans().clear()
+    full = attention_triton(**inp, config=SMALL, window_size=3, check_values=False)
+    assert not _plans()
+    torch.testing.assert_close(full, planned[1], rtol=0, atol=0)
+
+
 def test_planned_launch_grids_have_three_dimensions_for_the_compiled_launcher():
     """A compiled kernel's launcher reads grid[0..2] (the merge's grid is one-dimensional: an IndexError on the
     H200 before this was normalised)."""
