@@ -3,9 +3,14 @@
     pip install -e .[dev]      # CPU: tests, notebooks, parity tests
     pip install -e .[cute]     # GPU: FlashAttention-4 + CuTe DSL backend
 """
+import os
+
 from setuptools import setup
 
-PACKAGES = ["attention", "sampler", "model", "integration"]
+TOP = ["attention", "sampler", "model", "integration"]
+# every folder with an __init__.py below a top-level folder is a subpackage (blockdiff.attention.triton, ...)
+PACKAGES = [os.path.join(root).replace(os.sep, ".") for top in TOP for root, _, files in os.walk(top)
+            if "__init__.py" in files]
 
 setup(
     name="blockdiff",
@@ -13,7 +18,7 @@ setup(
     description="Kernels, sampler and vLLM integration for block-diffusion language models (DiffusionGemma)",
     python_requires=">=3.10",
     packages=[f"blockdiff.{p}" for p in PACKAGES],  # "blockdiff" itself is a PEP 420 namespace
-    package_dir={f"blockdiff.{p}": p for p in PACKAGES},
+    package_dir={f"blockdiff.{p}": p.replace(".", "/") for p in PACKAGES},
     # trained checkpoints ship inside the package: model/checkpoints/<name>/{model.safetensors, config.json,
     # tokenizer.json, loss.png, train_log.json} (blockdiff.model.pretrained; <= 10 MB each, tests/model check)
     package_data={"blockdiff.model": ["checkpoints/*/*"]},

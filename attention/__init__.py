@@ -22,8 +22,8 @@ from .validate import causal_row_counts
 BACKENDS = ("reference", "triton", "cute")
 _MODULES = {
     "reference": ("blockdiff.attention.reference", "attention_reference"),
-    "triton": ("blockdiff.attention.triton_attention", "attention_triton"),
-    "cute": ("blockdiff.attention.cute_attention", "attention_cute"),
+    "triton": ("blockdiff.attention.triton.interface", "attention_triton"),
+    "cute": ("blockdiff.attention.cute.interface", "attention_cute"),
 }
 
 

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_attention as ba  # noqa: E402
 import workloads as wl  # noqa: E402
 from blockdiff.attention import causal_row_counts  # noqa: E402
-from blockdiff.attention import cute_attention as ca  # noqa: E402
+from blockdiff.attention.cute import interface as ca  # noqa: E402
 
 
 def rows_for(name: str, variants: dict) -> tuple[dict, dict]:

@@ -346,7 +346,7 @@ def triton_launch() -> dict:
     """What the triton backend's last call ran (its ``LAST_LAUNCH``): the kernel (``impl``: "triton" portable or
     "gluon"), the split count and the resolved tile config, so that a row of the automatic choice names its
     kernel."""
-    from blockdiff.attention import triton_attention as TA
+    from blockdiff.attention.triton import interface as TA
 
     ll = TA.LAST_LAUNCH
     cfg = ll.get("config") or {}

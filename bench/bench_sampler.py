@@ -19,13 +19,13 @@ Backends (one row each, all measured in the same run):
              softmax, int64 Philox words), ``p.bf16() @ E`` on cuBLAS.
   compile    torch.compile of the same reference step (the anchor; H200 batch 1: 7.35 ms graph, 4.83 GB extra).
              Every row carries ``vs_compile_same_run`` = its time / this run's compile time.
-  fused      blockdiff.sampler.triton_sampler with its defaults: (a) streaming stats kernel (256 x 4-token tiles,
+  fused      blockdiff.sampler.triton.kernels with its defaults: (a) streaming stats kernel (256 x 4-token tiles,
              4 warps, 3-deep loads), (b) [N, CL] torch decisions, (c) split-K soft-embedding GEMM (128 x 256 x 64,
              8 warps, 3 stages, split-K 3) + ordered reduce. ``fused[<tile>]`` rows (GPU, unless --no-compare) time
              the previous default GEMM tile 128x128x64 and a two-CTAs-per-SM tile 64x256x64 (4 warps, 2 stages)
              beside it; ``fused:stats`` / ``fused:soft_gemm`` time stages (a) and (c) alone (all rows computed).
   fused (default on CUDA since the chunked path measured faster) uses ``soft_impl="chunked"``
-  (blockdiff.sampler.soft_chunked); ``fused[triton_gemm]`` is the same step with the split-K Triton GEMM; the
+  (blockdiff.sampler.triton.soft_embedding); ``fused[triton_gemm]`` is the same step with the split-K Triton GEMM; the
   chunked path:
              (c) as bf16 probability chunks [N * CL, 16384] (<= 32 MiB, written by a Triton kernel from the stats)
              + ``torch.addmm(acc, P_c, E_c, out_dtype=float32, out=acc)`` on cuBLAS; checked like every row, an
@@ -112,7 +112,7 @@ ALL_BACKENDS = ("reference", "compile", "fused")
 
 
 def _chunked_config():
-    from blockdiff.sampler.triton_sampler import SamplerConfig
+    from blockdiff.sampler.triton.kernels import SamplerConfig
 
     return SamplerConfig(soft_impl="chunked"), SamplerConfig(soft_impl="triton_gemm")
 
@@ -165,7 +165,8 @@ def make_state(params, CL, V, H, device):
 
 def step_fn(backend: str, config=None, compile_backend: str = "inductor"):
     """The callable ``f(state, slots, logits, prefill_done, E)`` of a benchmark backend."""
-    from blockdiff.sampler import reference, triton_sampler
+    from blockdiff.sampler import reference
+    from blockdiff.sampler.triton import kernels as triton_sampler
 
     if backend == "reference":
         return reference.sampler_step
@@ -265,7 +266,7 @@ def measure_parts(x, E, params, slots, shape, device, config, chunked=False) -> 
     """Stages (a) and (c) of the fused backend alone (same inputs as one full step); ``chunked``: also (c) of
     the chunked path (``fused:soft_chunked``)."""
     from blockdiff.sampler.common import temperature
-    from blockdiff.sampler import triton_sampler as ts
+    from blockdiff.sampler.triton import kernels as ts
 
     rows = []
     st = make_state(params, shape["CL"], shape["V"], shape["H"], device)
@@ -344,7 +345,7 @@ def tune(x, E, params, slots, shape, device) -> tuple[dict, list[dict]]:
     combined into the SamplerConfig of the ``fused[tuned]`` row, which then runs the full step check as well.
     """
     from blockdiff.sampler.common import temperature
-    from blockdiff.sampler import triton_sampler as ts
+    from blockdiff.sampler.triton import kernels as ts
 
     st = make_state(params, shape["CL"], shape["V"], shape["H"], device)
     T = temperature(st, slots)
@@ -436,7 +437,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--out", default=None, help="output folder (default $OUT or bench/results/)")
     args = ap.parse_args(argv)
 
-    from blockdiff.sampler.triton_sampler import SamplerConfig
+    from blockdiff.sampler.triton.kernels import SamplerConfig
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
     quick = args.quick or device.type != "cuda"

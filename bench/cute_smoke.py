@@ -190,7 +190,7 @@ def record(name, **fields):
 
 
 def correctness_case(name, q_lens, ctxs, ncqs, H, Hkv, D, page_size, window, mode, contiguous=False):
-    from blockdiff.attention.cute_attention import attention_cute
+    from blockdiff.attention.cute.interface import attention_cute
     from blockdiff.attention.testing import check_close
 
     t = time.time()
@@ -206,7 +206,7 @@ def correctness_case(name, q_lens, ctxs, ncqs, H, Hkv, D, page_size, window, mod
 
 
 def workload_case(name, q_lens, ctxs, causal, H, Hkv, D, window, mode, check="reference", iters=30):
-    from blockdiff.attention.cute_attention import attention_cute
+    from blockdiff.attention.cute.interface import attention_cute
     from blockdiff.attention.masks import count_allowed_pairs
     from blockdiff.attention.testing import check_close
 
@@ -223,7 +223,7 @@ def workload_case(name, q_lens, ctxs, causal, H, Hkv, D, window, mode, check="re
     pairs = count_allowed_pairs(torch.tensor(q_lens), torch.tensor(b["seq_lens_list"]), torch.tensor(ncqs),
                                 window, mode)
     row["allowed_pairs"] = pairs
-    from blockdiff.attention.cute_attention import kv_load_path, resolve_config
+    from blockdiff.attention.cute.interface import kv_load_path, resolve_config
     cfg = resolve_config(D, D, window)
     row["cute_tile_mn"] = (cfg.tile_m, cfg.tile_n)
     row["cute_kv_load_path"] = kv_load_path(64, cfg.tile_n)  # page size 64 here

@@ -19,8 +19,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import workloads as wl
 import bench_attention as ba
 from blockdiff.attention import causal_row_counts
-from blockdiff.attention import cute_attention as ca
-from blockdiff.attention import cute_kernel as ck
+from blockdiff.attention.cute import interface as ca
+from blockdiff.attention.cute import kernel as ck
 from flash_attn.cute import flash_fwd_sm90 as F
 OUT = os.environ.get("OUT", ".")
 fa = ca._fa4()

@@ -5,7 +5,7 @@ clears ``triton_attention._PLANS_ENABLED``, so every call takes the full path.
 """
 import os, runpy, sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from blockdiff.attention import triton_attention as TA
+from blockdiff.attention.triton import interface as TA
 
 TA._PLANS_ENABLED = sys.argv[1] != "off"
 sys.argv = ["bench_e2e.py"] + sys.argv[2:]

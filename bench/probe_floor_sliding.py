@@ -11,7 +11,7 @@ import dataclasses, json, os, sys, torch, triton, triton.language as tl
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import workloads as wl
 from common import time_graph_ms, warm_up_gpu
-from blockdiff.attention import triton_attention as TA
+from blockdiff.attention.triton import interface as TA
 from torch.profiler import profile, ProfilerActivity
 
 out_rows = []

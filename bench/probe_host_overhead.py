@@ -9,7 +9,7 @@ import json, os, statistics, sys, time, torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import workloads as wl
 from common import time_eager_ms, time_graph_ms, warm_up_gpu
-from blockdiff.attention import triton_attention as TA
+from blockdiff.attention.triton import interface as TA
 
 names = sys.argv[1].split(",")
 warm_up_gpu("cuda", 2.0)

@@ -53,7 +53,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import workloads as wl  # noqa: E402
-from blockdiff.attention.cute_attention import (  # noqa: E402
+from blockdiff.attention.cute.interface import (  # noqa: E402
     SMEM_LIMIT_BYTES, CuteConfig, config_smem_bytes, kv_load_path)
 
 SUITE = "cute_sweep"
@@ -172,7 +172,7 @@ def feasibility(cfg: dict, head_dim: int, head_dim_v: int) -> tuple[bool, str, i
 
 def work_estimate(w: wl.Workload, cfg: dict) -> dict:
     """CTAs (work tiles) and K/V block iterations of the kernel for workload ``w`` (host mirror tile_plan)."""
-    from blockdiff.attention.cute_attention import tile_plan
+    from blockdiff.attention.cute.interface import tile_plan
 
     qpk = w.num_heads // w.num_kv_heads
     heads = w.num_kv_heads if qpk > 1 else w.num_heads  # PackGQA: one tile row block per KV head
@@ -260,7 +260,7 @@ def base_row(w: wl.Workload, batch, backend: str) -> dict:
 
 def measure_cute(batch, cand: Candidate, gold, base_err: float, args) -> dict:
     """One candidate on one workload: poisoned checked call (compiles first time), then graph/eager medians."""
-    from blockdiff.attention.cute_attention import attention_cute, resolve_config
+    from blockdiff.attention.cute.interface import attention_cute, resolve_config
 
     w = batch.workload
     row = base_row(w, batch, "cute")

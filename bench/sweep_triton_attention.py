@@ -138,7 +138,7 @@ def reference_check(batch, device):
 
 
 def run_config(batch, cfg, oracle, rows, bound, device, args) -> dict:
-    from blockdiff.attention import triton_attention as TA
+    from blockdiff.attention.triton import interface as TA
 
     w = batch.workload
     out = torch.full((w.total_q, w.num_heads, w.head_dim_v), float("nan"), dtype=batch.q.dtype, device=device)

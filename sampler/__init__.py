@@ -22,7 +22,7 @@ from .state import (COMMIT, DENOISE, FAILED, FINISHED, NO_MAX_TOKENS, PHASE_NAME
                     StepOutput)
 
 BACKENDS = ("reference", "triton")
-_MODULES = {"reference": ".reference", "triton": ".triton_sampler"}
+_MODULES = {"reference": ".reference", "triton": ".triton"}
 
 
 def resolve_backend(backend: str, device: torch.device | str | None = None) -> str:

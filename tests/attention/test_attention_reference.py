@@ -312,7 +312,7 @@ def test_causal_row_counts_convert_flags_like_attention_and_check_them_the_same_
     torch.testing.assert_close(attention(**kw, num_causal_q=ncq, backend="reference"), ref, rtol=0, atol=0)
     for be in ("reference", "triton", "cute"):
         fn = get_backend(be) if be != "cute" else __import__(
-            "blockdiff.attention.cute_attention", fromlist=["attention_cute"]).attention_cute
+            "blockdiff.attention.cute.interface", fromlist=["attention_cute"]).attention_cute
         params = inspect.signature(fn).parameters
         assert "causal" in params and "num_causal_q" in params, be
     for bad, exc in ((torch.tensor([1, 0]), TypeError), (torch.tensor([0.0, 1.0]), TypeError),

@@ -28,7 +28,7 @@ def test_quick_run_writes_records_and_plot(tmp_path, capsys):
 def test_chunked_part_error_does_not_abort_the_run(tmp_path, monkeypatch):
     """A failure of the chunked soft-embedding path (the CUDA default; here it raises) is an error row; the other
     rows still run."""
-    from blockdiff.sampler import soft_chunked
+    from blockdiff.sampler.triton import soft_embedding as soft_chunked
 
     def boom(*a, **k):
         raise RuntimeError("chunked path broken")
@@ -60,7 +60,7 @@ def test_tune_discards_a_candidate_that_fails_its_check(monkeypatch):
     """A tune candidate whose output is wrong (here: NaN in the soft-embedding workspace, as a tuned 128 x 256
     GEMM gave on the H200) is recorded as a discarded error row and never chosen, even when it is the fastest."""
     import torch
-    from blockdiff.sampler import triton_sampler as ts
+    from blockdiff.sampler.triton import kernels as ts
 
     good, bad = dict(block_m=16, block_n=16, block_k=64, split_k=1), dict(block_m=16, block_n=32, block_k=64, split_k=2)
     monkeypatch.setattr(bs, "TUNE_STATS", [dict(block_g=16)])

@@ -12,8 +12,8 @@ import torch
 from blockdiff.sampler import sampler_step
 from blockdiff.sampler.reference import entropy_reference
 from blockdiff.sampler.tp import local_statistics, make_shards
-from blockdiff.sampler.tp_triton import local_statistics_triton
-from blockdiff.sampler.triton_sampler import SamplerConfig, row_stats
+from blockdiff.sampler.tp.triton import local_statistics_triton
+from blockdiff.sampler.triton.kernels import SamplerConfig, row_stats
 
 from sampler_helpers import P, make_state, start_denoise
 

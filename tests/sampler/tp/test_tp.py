@@ -173,7 +173,7 @@ def test_masked_logit_at_float32_min_keeps_entropy_finite_as_in_the_reference():
 
 
 def test_sharded_step_rejects_wrong_shapes():
-    from blockdiff.sampler.tp import _check_tp_args
+    from blockdiff.sampler.tp.reference import _check_tp_args
     params = W.scenario_params(CL)
     st, _ = W.make_states(params, CL, 100, HID, "cpu", copies=1)[0], None
     slots = torch.arange(1, 5)
@@ -202,8 +202,8 @@ def test_tp_step_without_process_group_raises():
 # ------------------------------------------------------------------------------------------------ triton local pass
 def test_triton_shard_stats_match_torch_at_unaligned_shard_start():
     """Shard starting at id 33 (not a multiple of 4): Philox groups straddle the boundary; ids are global."""
-    from blockdiff.sampler.tp_triton import local_statistics_triton
-    from blockdiff.sampler.triton_sampler import SamplerConfig
+    from blockdiff.sampler.tp.triton import local_statistics_triton
+    from blockdiff.sampler.triton.kernels import SamplerConfig
     g = torch.Generator().manual_seed(0)
     N, cl, V = 3, 4, 70
     x = torch.randn(N, cl, V, generator=g) * 5
@@ -227,7 +227,7 @@ def test_triton_shard_stats_match_torch_at_unaligned_shard_start():
 
 
 def test_triton_sharded_step_matches_reference():
-    from blockdiff.sampler.triton_sampler import SamplerConfig
+    from blockdiff.sampler.triton.kernels import SamplerConfig
     cfg = SamplerConfig(block_g=16, split_v=1, block_m=32, block_n=16, block_k=64, split_k=1)
     W.run_scenario(lambda st, sl, x, pd, E: sampler_step_sharded(st, sl, x, pd, E, bounds=(0, 33, 70),
                                                                 backend="triton", config=cfg),

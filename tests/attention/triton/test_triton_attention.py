@@ -20,7 +20,7 @@ from blockdiff.attention.testing import check_close  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from blockdiff.attention.triton_attention import (  # noqa: E402
+from blockdiff.attention.triton.interface import (  # noqa: E402
     _tile_sequence, attention_triton, choose_num_splits, default_config,
 )
 
@@ -275,7 +275,7 @@ def test_no_host_reads_when_check_values_is_false(monkeypatch):
 
 
 def _plans():
-    from blockdiff.attention import triton_attention as ta
+    from blockdiff.attention.triton import interface as ta
     return ta._PLANS
 
 
@@ -328,7 +328,7 @@ def test_launch_plan_key_separates_what_the_plan_depends_on():
 
 def test_launch_plans_switched_off_store_nothing_and_give_the_same_result(monkeypatch):
     """``_PLANS_ENABLED = False`` (the probes' A/B switch): every call takes the full path, no plan is stored."""
-    from blockdiff.attention import triton_attention as ta
+    from blockdiff.attention.triton import interface as ta
     _plans().clear()
     inp = make_batch(**MIXED)
     planned = [attention_triton(**inp, config=SMALL, window_size=3, check_values=False) for _ in range(2)]
@@ -342,7 +342,7 @@ def test_launch_plans_switched_off_store_nothing_and_give_the_same_result(monkey
 def test_planned_launch_grids_have_three_dimensions_for_the_compiled_launcher():
     """A compiled kernel's launcher reads grid[0..2] (the merge's grid is one-dimensional: an IndexError on the
     H200 before this was normalised)."""
-    from blockdiff.attention.triton_attention import _Launch, _merge_kernel
+    from blockdiff.attention.triton.interface import _Launch, _merge_kernel
     assert _Launch(_merge_kernel, (7,), {}).grid == (7, 1, 1)
     assert _Launch(_merge_kernel, (7, 2), {}).grid == (7, 2, 1)
     assert _Launch(_merge_kernel, (7, 2, 3), {}).grid == (7, 2, 3)
@@ -351,7 +351,7 @@ def test_planned_launch_grids_have_three_dimensions_for_the_compiled_launcher():
 def test_max_seqlen_k_that_is_not_a_python_int_is_never_planned():
     """A 0-d tensor max_seqlen_k changed in place must not keep a stale split count (review finding): only a
     Python int enters a plan key; anything else takes the full path, which reads its value."""
-    from blockdiff.attention import triton_attention as ta
+    from blockdiff.attention.triton import interface as ta
     _plans().clear()
     inp = make_batch(seq_lens=[600], q_lens=[8], causal=[False], page_size=16)
     m = torch.tensor(16)
@@ -368,7 +368,7 @@ def test_max_seqlen_k_that_is_not_a_python_int_is_never_planned():
 def test_mutating_last_launch_config_changes_no_later_call():
     """LAST_LAUNCH["config"] is a copy: editing it changes neither planned calls nor the full path's cached
     resolved config (review finding: the two paths disagreed)."""
-    from blockdiff.attention import triton_attention as ta
+    from blockdiff.attention.triton import interface as ta
     _plans().clear()
     inp = make_batch(**MIXED)
     attention_triton(**inp, config=SMALL, check_values=False)
@@ -440,7 +440,7 @@ def test_split_heuristic_uses_only_host_shapes():
 
 def test_resident_programs_per_sm_estimate():
     """Registers (~255 per thread: 8 // num_warps programs) and shared memory (Q + stages x (K + V)) bound it."""
-    from blockdiff.attention.triton_attention import ctas_per_sm
+    from blockdiff.attention.triton.interface import ctas_per_sm
 
     assert ctas_per_sm(64, 64, 4, 3, 128, 128, 2) == 2     # 112 KB, 4 warps
     assert ctas_per_sm(128, 64, 8, 2, 256, 256, 2) == 1    # 8 warps
@@ -454,7 +454,7 @@ def test_resident_program_estimate_sees_the_kernels_tile_widths(monkeypatch):
     """The split count's shared-memory estimate is given the widths the kernel's tiles have: the head dim padded
     to a power of two (24 -> 32) and the V slice of one program (BLOCK_DV 16 of head_dim_v 40), not the raw
     head dims (which under-count padded tiles and over-count V-sliced ones)."""
-    from blockdiff.attention import triton_attention as ta
+    from blockdiff.attention.triton import interface as ta
 
     seen = []
     real = ta.ctas_per_sm
@@ -468,7 +468,7 @@ def test_many_short_sequences_do_not_split_a_full_grid():
     """The automatic split count counts every non-empty sequence as at least one q tile: 150 one-token rows with a
     4096-key capacity are 150 tiles x 2 KV heads = 300 programs (more than 264 slots: no split); estimating
     cdiv(150, BLOCK_Q) = 19 tiles split them 6 ways."""
-    from blockdiff.attention import triton_attention as ta
+    from blockdiff.attention.triton import interface as ta
 
     n = 150
     inp = make_batch(seq_lens=[40] * n, q_lens=[1] * n, causal=[False] * n, H=4, Hkv=2, D=16, page_size=16)
@@ -542,7 +542,7 @@ def test_split_regime_uses_its_tuned_tiles_only_when_the_base_tiles_would_split(
     """A kernel with split-regime tiles (TUNED_SPLIT_CONFIGS; here set on an interpreter kernel) uses them for a
     few q tiles over a long context and keeps the base tiles otherwise or when the caller pins tiles; results
     equal the oracle either way."""
-    from blockdiff.attention import triton_attention as ta
+    from blockdiff.attention.triton import interface as ta
 
     inp = make_batch(seq_lens=[600], q_lens=[8], causal=[False], H=4, Hkv=2, D=16, page_size=16)
     kern = ta.get_kernel(16, 16, 2, torch.bfloat16, True, 16, False, False)
@@ -579,7 +579,7 @@ def test_split_merge_equals_a_logsumexp_merge_of_the_partials(ns, T, H, DV, dtyp
     BLOCK_R, head_dim_v not a power of two, an out view with strided rows (columns around it stay untouched)."""
     import triton
 
-    from blockdiff.attention.triton_attention import _merge_kernel, _next_pow2
+    from blockdiff.attention.triton.interface import _merge_kernel, _next_pow2
 
     g = torch.Generator().manual_seed(ns * 1000 + DV)
     opart = torch.randn(ns, T, H, DV, generator=g)
@@ -621,7 +621,7 @@ def test_split_counts_up_to_64_equal_one_split_for_odd_head_dim_v_into_a_strided
     big = torch.full((total_q, 3, 56), float("nan"), dtype=one.dtype, device=one.device)
     view = big[:, :, 8:48]
     many, lsen = attention_triton(**inp, config=dict(SMALL, num_splits=num_splits), out=view, return_lse=True, **kw)
-    from blockdiff.attention.triton_attention import LAST_LAUNCH
+    from blockdiff.attention.triton.interface import LAST_LAUNCH
 
     assert many.data_ptr() == view.data_ptr() and LAST_LAUNCH["num_splits"] == num_splits
     assert torch.isnan(big[:, :, :8]).all() and torch.isnan(big[:, :, 48:]).all()
@@ -675,7 +675,7 @@ def test_fuzz_against_reference(case):
 def test_fuzz_planned_calls_equal_the_full_path(case, seed2):
     """Random batches: a second call with the same shapes and new values (K / V / q, block table permutation,
     causal row counts) reuses the first call's plan and gives bitwise the full path's out and lse."""
-    from blockdiff.attention import triton_attention as ta
+    from blockdiff.attention.triton import interface as ta
     make_kw, call_kw = case
     ta._PLANS.clear()
     attention_triton(**make_batch(**make_kw), **call_kw, check_values=False, return_lse=True)
@@ -768,7 +768,7 @@ def test_gpu_head_dims_and_dtypes(D, dtype):
 def test_gpu_planned_calls_launch_the_compiled_kernels_and_match_the_reference(D, config):
     """With check_values=False the first call plans and compiles; the later ones (same shapes, new values,
     causal row counts and block tables) launch the compiled kernels directly, and each matches the oracle."""
-    from blockdiff.attention import triton_attention as ta
+    from blockdiff.attention.triton import interface as ta
     ta._PLANS.clear()
     H, Hkv = GPU_HEADS[D]
     sl, ql, _ = GPU_BATCH
@@ -1003,7 +1003,7 @@ def test_split_merge_uses_pdl_only_where_griddepcontrol_compiles():
     import subprocess
     import sys
 
-    from blockdiff.attention import triton_attention as ta
+    from blockdiff.attention.triton import interface as ta
 
     assert ta._capability(torch.device("cpu")) == (0, 0)
     # the host's decision: PDL on sm_90+ only, never under the interpreter or with the module switch off
@@ -1020,7 +1020,7 @@ def test_split_merge_uses_pdl_only_where_griddepcontrol_compiles():
 import json, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from blockdiff.attention.triton_attention import _merge_kernel as fn
+from blockdiff.attention.triton.interface import _merge_kernel as fn
 sig = dict(OPART="*fp32", LSEPART="*fp32", O="*bf16", LSE="*fp32", total_q="i32", num_heads="i32", n_rows="i32",
            stride_ot="i32", stride_oh="i32")
 res = {}

@@ -1,4 +1,4 @@
-"""Tests of backend "cute" (blockdiff.attention.cute_attention, FA4 SM90 kernel extended).
+"""Tests of backend "cute" (blockdiff.attention.cute.interface, FA4 SM90 kernel extended).
 
 CPU (CI): the module imports without flash-attn-4 / the CuTe DSL and names them when called; the kernel's
 key-block plan (host mirror of cute_kernel.MixedBlockInfo) covers exactly the blocks that intersect each
@@ -22,7 +22,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from blockdiff.attention import cute_attention as ca
+from blockdiff.attention.cute import interface as ca
 from blockdiff.attention import get_backend
 from blockdiff.attention.masks import key_range
 
@@ -63,7 +63,7 @@ def test_bad_input_is_a_value_error_before_anything_else():
 
 
 def test_module_import_in_fresh_interpreter_does_not_import_flash_attn():
-    code = ("import sys; import blockdiff.attention.cute_attention as m; "
+    code = ("import sys; import blockdiff.attention.cute.interface as m; "
             "assert 'flash_attn' not in sys.modules and 'cutlass' not in sys.modules; print('ok')")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr
@@ -158,7 +158,7 @@ def test_configs_that_overflow_sm90_shared_memory_are_a_value_error():
 COMPILE_SCRIPT = textwrap.dedent("""
     import os, time
     os.environ.update(FLASH_ATTENTION_ARCH="sm_90", CUTE_DSL_ARCH="sm_90a", FLASH_ATTENTION_NUM_SMS="132")
-    from blockdiff.attention import cute_attention as ca
+    from blockdiff.attention.cute import interface as ca
     t0 = time.time()
     ca.compile_only(head_dim=128, num_heads=16, num_kv_heads=8, page_size=64, window_size=1023,
                     bidirectional_window="prefix", return_lse=True)
@@ -188,7 +188,7 @@ def test_smoke_script_plumbing_dry_run_on_cpu(monkeypatch, tmp_path):
 
     from blockdiff.attention.reference import attention_reference
 
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "cute_smoke.py")
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "..", "bench", "cute_smoke.py")
     spec = iu.spec_from_file_location("cute_smoke_dry", path)
     sm = iu.module_from_spec(spec)
     spec.loader.exec_module(sm)

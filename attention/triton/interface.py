@@ -43,7 +43,7 @@ Design
   writes ``out`` directly.
 * **head_dim 512** (Gemma 4 global layers, 2 KV heads for 16 q heads). Automatically the Gluon roles kernel (a
   softmax warpgroup hands P to two PV warpgroups of 256 output columns each; ``OVERLAP="roles"``,
-  :mod:`blockdiff.attention.triton_gluon`); its wide variant (two consumer warpgroups split the head dim,
+  :mod:`blockdiff.attention.triton.gluon`); its wide variant (two consumer warpgroups split the head dim,
   ``OVERLAP=False``) stays selectable. The portable
   kernel (``IMPL="triton"``, or inputs TMA cannot read) keeps either the whole V head dim per program
   (``BLOCK_M 64, BLOCK_N 32``, 8 warps: the fp32 accumulator is 64x512 = 128 registers/thread) or
@@ -58,7 +58,7 @@ Design
   mixed_sliding_ctx8k 0.239 -> 0.215 ms; the paged path had been 16-29 % slower than the contiguous one).
 * **Lazy rescaling (opt-in, ``LAZY_RESCALE``).** FA4's trick: the accumulator is rescaled only when some row's
   max grew by more than 8 (log2 units); otherwise the stale max is kept (p <= 2^8, exact after normalising).
-* **Warp-specialised Gluon kernel (``IMPL="gluon"``, :mod:`blockdiff.attention.triton_gluon`).** The same tile
+* **Warp-specialised Gluon kernel (``IMPL="gluon"``, :mod:`blockdiff.attention.triton.gluon`).** The same tile
   mapping, row intervals, boundary/full split and split-KV partials, written in Gluon (Triton's explicit-layout
   dialect): a producer warp streams K / V with TMA into mbarrier rings (``num_stages`` K and ``V_STAGES`` V
   buffers; a key block spanning several pages is one TMA box per page), consumer warpgroups run ``wgmma``,
@@ -147,7 +147,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .validate import check_attention_inputs
+from ..validate import check_attention_inputs
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -686,7 +686,7 @@ _GLUON_HD512 = dict(IMPL="gluon", BLOCK_M=64, BLOCK_N=64, num_warps=12, num_stag
 #: caller asks for keys only the wide kernel takes (:func:`_gluon_auto`)
 _GLUON_HD512_WIDE = dict(IMPL="gluon", BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=1, BLOCK_DV=512,
                          OVERLAP=False)
-#: The warp-specialised Gluon kernel (:mod:`blockdiff.attention.triton_gluon`) as the automatic choice
+#: The warp-specialised Gluon kernel (:mod:`blockdiff.attention.triton.gluon`) as the automatic choice
 #: {(head_dim, group, has_window, prefix): (base regime config or None, split regime config or None)}, bf16/fp16 on
 #: sm_90 when the caches suit TMA with boxes of >= 64 rows (else the tables above). H200 CUDA-graph medians, page 64:
 #: - hd 128: 64x128 tiles (a 128-key block is two 64-token pages, one TMA box each), 4 consumer warps, two K and
@@ -828,7 +828,7 @@ class TritonAttention:
             raise ValueError("config keys OVERLAP and V_STAGES apply to the Gluon kernel; IMPL='triton' (the portable "
                              "kernel) pipelines K and V with num_stages")
         if cfg["IMPL"] == "gluon":
-            from .triton_gluon import check_gluon_config
+            from .gluon import check_gluon_config
             check_gluon_config(cfg, self.key.head_dim, self.key.head_dim_v)
         ns = cfg.get("num_splits")
         if ns is not None and (isinstance(ns, bool) or not isinstance(ns, int) or not 1 <= ns <= _MAX_SPLITS):
@@ -1169,7 +1169,7 @@ def _make_plan(q, k_cache, v_cache, info, block_table, window_size, bidirectiona
         # the warp-specialised Gluon kernel where it was measured faster and the input suits TMA (host
         # attributes only); otherwise the portable kernel above. LAST_LAUNCH["impl"] says which ran.
         # (and TMA boxes of >= 64 rows: smaller pages were not measured, they cost one box per page)
-        from .triton_gluon import gluon_ineligible, tma_box_rows
+        from .gluon import gluon_ineligible, tma_box_rows
         if gluon_ineligible(q, k_cache, v_cache, paged=info.paged, page_size=info.page_size, head_dim_v=DV,
                             scale=info.scale, block_n=gluon_cfg["BLOCK_N"]) is None \
                 and tma_box_rows(info.paged, info.page_size, gluon_cfg["BLOCK_N"]) >= 64:
@@ -1185,7 +1185,7 @@ def _make_plan(q, k_cache, v_cache, info, block_table, window_size, bidirectiona
     impl = cfg["IMPL"]
     gluon_ctas = 1
     if impl == "gluon":
-        from .triton_gluon import gluon_ctas_per_sm, gluon_ineligible
+        from .gluon import gluon_ctas_per_sm, gluon_ineligible
         why = None if checked_gluon else gluon_ineligible(q, k_cache, v_cache, paged=info.paged,
                                                           page_size=info.page_size, head_dim_v=DV,
                                                           scale=info.scale, block_n=BN)
@@ -1224,7 +1224,7 @@ def _make_plan(q, k_cache, v_cache, info, block_table, window_size, bidirectiona
     plan.impl, plan.cfg, plan.num_splits, plan.grid = impl, cfg, ns, grid
     common_tail = (total_q, H, B, n_tiles, W, qk_scale, ns)
     if impl == "gluon":
-        from . import triton_gluon as _tg
+        from . import gluon as _tg
         box_n = _tg.tma_box_rows(info.paged, info.page_size, BN)
         roles = cfg["OVERLAP"] == "roles"  # softmax + PV warpgroups (triton_gluon._attn_fwd_gluon_roles)
         wide = DV > 256 and not roles  # two consumer warpgroups split the head dim (triton_gluon._attn_fwd_gluon_wide)
@@ -1306,7 +1306,7 @@ def _run_plan(plan: _Plan, q, k_cache, v_cache, calls, out, seq_lens=None, causa
         opart = lsepart = dst  # unused
     lse_arg = lse if lse is not None else dst
     if plan.descriptors is not None:
-        from .triton_gluon import make_kv_descriptors
+        from .gluon import make_kv_descriptors
         k_arg, v_arg = make_kv_descriptors(k_cache, v_cache, *plan.descriptors)
     else:
         k_arg, v_arg = k_cache, v_cache

@@ -1,6 +1,6 @@
 """CuTe DSL kernel of the ``"cute"`` backend: FlashAttention-4's SM90 forward kernel, extended.
 
-Imported only by :mod:`blockdiff.attention.cute_attention` (lazily: this module needs flash-attn-4 and
+Imported only by :mod:`blockdiff.attention.cute.interface` (lazily: this module needs flash-attn-4 and
 nvidia-cutlass-dsl at import time).
 
 What is FA4's and what is ours
@@ -369,7 +369,7 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         if kv_page_size is not None:
             if not self.use_tma_KV:
                 raise ValueError("kv_page_size is for the TMA paged path; pass paged_kv_non_tma=False")
-            from .cute_attention import page_box_tma_ok
+            from .interface import page_box_tma_ok
 
             if not page_box_tma_ok(kv_page_size, self.tile_n):
                 raise ValueError(

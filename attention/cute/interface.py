@@ -6,7 +6,7 @@ bidirectional rows), paged (any page size; TMA loads when the page size is a mul
 the key tile or is a multiple of it, see :func:`kv_load_path`) or contiguous KV, GQA (FA4's PackGQA),
 head_dim up to 256 (128 and 256 are the tested ones). Tile skipping follows each tile's allowed key range
 in both directions. Semantics: ARCHITECTURE.md, "Attention semantics"; the kernel is
-:class:`blockdiff.attention.cute_kernel.FlashAttentionForwardSm90Mixed` (FA4's kernel, tile scheduler,
+:class:`blockdiff.attention.cute.kernel.FlashAttentionForwardSm90Mixed` (FA4's kernel, tile scheduler,
 paged-KV loads and PackGQA kept; block ranges and masks replaced), algorithm from FlashAttention-3
 (Shah et al., 2024) as implemented in flash-attn-4 (Dao-AILab/flash-attention, ``flash_attn/cute``).
 
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .validate import check_attention_inputs
+from ..validate import check_attention_inputs
 
 REQUIRED = "flash-attn-4==4.0.0b36 and nvidia-cutlass-dsl==4.8.1"
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
@@ -68,7 +68,7 @@ def _fa4():
         from flash_attn.cute.testing import is_fake_mode
         from flash_attn.cute.utils import AuxData
 
-        from .cute_kernel import FlashAttentionForwardSm90Mixed
+        from .kernel import FlashAttentionForwardSm90Mixed
     except ImportError as e:
         raise ImportError(
             f"attention backend 'cute' needs {REQUIRED}; importing them failed (wrong versions?): {e}") from e

@@ -11,7 +11,7 @@ import torch
 
 from blockdiff.sampler import DENOISE, FAILED, SamplerState, SamplingParams, rng, sampler_step
 from blockdiff.sampler.reference import entropy_reference
-from blockdiff.sampler.triton_sampler import SamplerConfig, row_stats, soft_embedding
+from blockdiff.sampler.triton.kernels import SamplerConfig, row_stats, soft_embedding
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 STATE_FIELDS = ("phase", "canvas", "commit_canvas", "prev_argmax", "stable_count", "step", "canvas_index",
@@ -359,7 +359,7 @@ def test_fuzz_random_batches_match_reference(data):
 @pytest.mark.parametrize("stream", [rng.RENOISE, rng.INITIAL])
 @pytest.mark.parametrize("V", [1, 7, 262144, 2**31 - 1])
 def test_random_ids_kernel_equals_torch_rng(stream, V):
-    from blockdiff.sampler.triton_sampler import random_ids
+    from blockdiff.sampler.triton.kernels import random_ids
 
     g = torch.Generator().manual_seed(V)
     seed, rid, ci, st = _coords(5, g)
@@ -432,7 +432,7 @@ import re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from blockdiff.sampler import triton_sampler as ts
+from blockdiff.sampler.triton import kernels as ts
 
 fn = ts._soft_embedding_kernel
 bm, bn, bk = 128, 256, 64
@@ -474,7 +474,7 @@ def test_sampler_config_flags_must_be_bools_and_stats_overlap_refuses_the_triton
     """Regression: SamplerConfig(stats_overlap="no") silently meant True, and stats_overlap with the Triton GEMM
     soft embedding (explicit, or soft_impl=None resolving to it: CPU / fp32 E) silently did nothing. Now a
     TypeError / ValueError names the field, and sampler_step refuses before touching the state."""
-    from blockdiff.sampler import triton_sampler as ts
+    from blockdiff.sampler.triton import kernels as ts
 
     for name in ("use_tma", "soft_overlap", "stats_overlap"):
         with pytest.raises(TypeError, match=name):
@@ -495,8 +495,8 @@ _COMPILE_STREAMING_SM90 = r"""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from blockdiff.sampler import triton_sampler as ts
-from blockdiff.sampler import soft_chunked as sc
+from blockdiff.sampler.triton import kernels as ts
+from blockdiff.sampler.triton import soft_embedding as sc
 
 
 def build(fn, sig, consts, **opts):

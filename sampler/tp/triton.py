@@ -1,7 +1,7 @@
 """Triton local pass of the tensor-parallel sampler step (``blockdiff.sampler.tp``, ``backend="triton"``).
 
 A rank's statistics over its vocabulary shard ``[vocab_start, vocab_end)`` need two things the single-GPU
-statistics kernel of :mod:`blockdiff.sampler.triton_sampler` does not expose: the Gumbel noise and the ids at
+statistics kernel of :mod:`blockdiff.sampler.triton.kernels` does not expose: the Gumbel noise and the ids at
 the GLOBAL token id (a vocabulary offset), and the raw online-softmax accumulators ``(m, s, u)`` rather than the
 finished entropy. :func:`_shard_stats_kernel` is that kernel: one program per (canvas position, split of the
 shard) streams the shard once in ``[BLOCK_G, 4]`` tiles aligned to the global Philox token groups (group
@@ -10,7 +10,7 @@ shard) streams the shard once in ``[BLOCK_G, 4]`` tiles aligned to the global Ph
 ``m = max z``, ``s = sum exp(z - m)``, ``u = sum exp(z - m)(z - m)`` (rescaled when the max moves), the first
 argmax of z, the Gumbel-max candidate and a non-finite flag; splits are merged exactly in torch.
 
-The soft-embedding partial is the fused split-K GEMM :func:`blockdiff.sampler.triton_sampler.soft_embedding`
+The soft-embedding partial is the fused split-K GEMM :func:`blockdiff.sampler.triton.kernels.soft_embedding`
 run on the shard with the shard's own ``(m, 1 / s)`` and local argmax (locally normalised partial; the TP combine
 rescales it per position). Memory: ``N * CL * SPLIT_V * 32`` bytes of split stats and the GEMM workspace; no
 [N, CL, V] temporary. No host sync: capturable in a CUDA graph.
@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .tp import F_ARGMAX, F_BAD, F_GID, F_GVAL, F_MAX, F_SUM, F_U, NUM_FIELDS, LocalStats, VocabShard
-from .triton_sampler import _FLT_LOWEST, SamplerConfig, _philox4x32_10, soft_embedding
+from .reference import F_ARGMAX, F_BAD, F_GID, F_GVAL, F_MAX, F_SUM, F_U, NUM_FIELDS, LocalStats, VocabShard
+from ..triton.kernels import _FLT_LOWEST, SamplerConfig, _philox4x32_10, soft_embedding
 
 __all__ = ["local_statistics_triton", "soft_partial_triton"]
 
@@ -178,7 +178,7 @@ def local_statistics_triton(logits: torch.Tensor, T: torch.Tensor, seed: torch.T
 def soft_partial_triton(logits: torch.Tensor, embedding: torch.Tensor, T: torch.Tensor, local: LocalStats,
                         active: torch.Tensor, config: SamplerConfig | None = None) -> torch.Tensor:
     """Locally normalised soft partial ``p_r @ E_r`` float32 [N, CL, hidden] with the fused split-K GEMM of
-    :mod:`blockdiff.sampler.triton_sampler` (p rounded to E's dtype, fp32 accumulation); inactive rows 0."""
+    :mod:`blockdiff.sampler.triton.kernels` (p rounded to E's dtype, fp32 accumulation); inactive rows 0."""
     N, CL, Vs = logits.shape
     hidden = embedding.shape[-1]
     if Vs == 0 or N * CL == 0:

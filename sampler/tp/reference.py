@@ -47,8 +47,8 @@ partial GEMMs keep fp32 outputs (the reference rounds its output to E's dtype on
 the reference's.
 
 Backends of the local pass (explicit; no fallback): ``"reference"`` (dense torch over the shard, this module)
-and ``"triton"`` (:mod:`blockdiff.sampler.tp_triton`: a streaming statistics kernel with a vocabulary offset,
-plus the fused soft-embedding GEMM of :mod:`blockdiff.sampler.triton_sampler`).
+and ``"triton"`` (:mod:`blockdiff.sampler.tp.triton`: a streaming statistics kernel with a vocabulary offset,
+plus the fused soft-embedding GEMM of :mod:`blockdiff.sampler.triton.kernels`).
 
 Sources: online softmax (Milakov & Gimelshein 2018, arXiv:1805.02867); Gumbel-max; vocabulary-parallel
 LM head / embedding (Megatron-LM, Shoeybi et al. 2019; vLLM ``VocabParallelEmbedding``); sampler semantics:
@@ -63,9 +63,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from . import rng
-from .common import DenoiseResult, accept_by_entropy, apply_step, convergence, temperature
-from .state import SamplerState, StepOutput
+from .. import rng
+from ..common import DenoiseResult, accept_by_entropy, apply_step, convergence, temperature
+from ..state import SamplerState, StepOutput
 
 __all__ = [
     "VocabShard", "vocab_shard_bounds", "make_shards", "gumbel_noise_shard", "local_statistics",
@@ -392,7 +392,7 @@ def _local_pass(backend: str, logits, embedding, T, seed, rid, cidx, step, activ
         local = local_statistics(logits, T, seed, rid, cidx, step, shard)
         return local, lambda: soft_partial(logits, embedding, T, local)
     if backend == "triton":
-        from . import tp_triton
+        from . import triton as tp_triton
         local = tp_triton.local_statistics_triton(logits, T, seed, rid, cidx, step, active, shard, config)
         return local, lambda: tp_triton.soft_partial_triton(logits, embedding, T, local, active, config)
     raise ValueError(f"backend must be one of {STATS_BACKENDS}, got {backend!r}")
@@ -431,7 +431,7 @@ def _check_tp_args(state, slots, logits, prefill_done, embedding, shard: VocabSh
 
 
 def _row_inputs(state: SamplerState, slots: torch.Tensor):
-    from .state import DENOISE
+    from ..state import DENOISE
     phase = state.phase[slots].clone()
     T = temperature(state, slots)
     return (phase, T, state.seed[slots], state.request_id[slots], state.canvas_index[slots], state.step[slots],
@@ -458,7 +458,7 @@ def sampler_step_tp(state: SamplerState, slots: torch.Tensor, logits: torch.Tens
         group: ``torch.distributed`` process group (None: the default group).
         backend: local pass, ``"reference"`` (dense torch) or ``"triton"`` (streaming kernels; CUDA or the
             Triton interpreter).
-        config: optional ``blockdiff.sampler.triton_sampler.SamplerConfig`` for the triton backend.
+        config: optional ``blockdiff.sampler.triton.kernels.SamplerConfig`` for the triton backend.
 
     Returns:
         :class:`blockdiff.sampler.StepOutput` — identical to ``reference.sampler_step`` on the unsharded logits

@@ -54,7 +54,7 @@ prefill16k_hd128 2.74 against 1.95 ms: gluon_roles_hd256-h200.json): there one c
 accumulator and keeps P in registers, and the extra shared-memory round trip of P is not repaid.
 
 The varlen tile -> sequence mapping, the per-row key intervals, the full / boundary block split, the split-KV
-partial layout and the merge are those of :mod:`blockdiff.attention.triton_attention` (which launches this
+partial layout and the merge are those of :mod:`blockdiff.attention.triton.interface` (which launches this
 kernel and documents the contract).
 
 Eligibility (:func:`gluon_ineligible` names the first rule an input breaks; ``IMPL="gluon"`` on an
@@ -85,7 +85,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .triton_attention import _causal_rows, _key_block_ranges, _kv_base, _row_key_interval, _tile_sequence
+from .interface import _causal_rows, _key_block_ranges, _kv_base, _row_key_interval, _tile_sequence
 
 GLUON_HEAD_DIMS = (64, 128, 256, 512)
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from blockdiff.sampler import rng
-from blockdiff.sampler import triton_sampler as ts
+from blockdiff.sampler.triton import kernels as ts
 from blockdiff.sampler.reference import entropy_reference
-from blockdiff.sampler.triton_sampler import SamplerConfig, row_stats
+from blockdiff.sampler.triton.kernels import SamplerConfig, row_stats
 
 
 def _coords(n, g):

@@ -1,4 +1,4 @@
-"""Chunked soft embedding (SamplerConfig(soft_impl="chunked"), blockdiff.sampler.soft_chunked) vs the reference.
+"""Chunked soft embedding (SamplerConfig(soft_impl="chunked"), blockdiff.sampler.triton.soft_embedding) vs the reference.
 
 CPU: Triton interpreter for the probability-chunk kernel, fp32 matmul of the bf16-rounded chunk. Chunk sizes that
 divide V, that do not, of 1 token and larger than V; T = 0 rows; skipped (converged / failed / inactive) rows with
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from blockdiff.sampler import FAILED, SamplerState, SamplingParams, sampler_step
-from blockdiff.sampler import triton_sampler as ts
-from blockdiff.sampler.soft_chunked import MAX_CHUNK_BYTES, chunk_size, soft_embedding_chunked
-from blockdiff.sampler.triton_sampler import SamplerConfig, row_stats, soft_embedding
+from blockdiff.sampler.triton import kernels as ts
+from blockdiff.sampler.triton.soft_embedding import MAX_CHUNK_BYTES, chunk_size, soft_embedding_chunked
+from blockdiff.sampler.triton.kernels import SamplerConfig, row_stats, soft_embedding
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 STATE_FIELDS = ("phase", "canvas", "commit_canvas", "prev_argmax", "stable_count", "step", "canvas_index",
@@ -233,7 +233,7 @@ def test_overlap_flag_gives_identical_sums():
 def test_row_moments_normalise_the_sampling_rows_only():
     """row_moments: m = max(x / T) and inv_s = 1 / sum exp(x / T - m) within float32 rounding on active T > 0 rows;
     greedy and inactive rows untouched (0), NaN logits stay in their row."""
-    from blockdiff.sampler.triton_sampler import row_moments
+    from blockdiff.sampler.triton.kernels import row_moments
 
     g = torch.Generator().manual_seed(3)
     N, CL, V = 4, 3, 150
@@ -288,7 +288,7 @@ def test_stats_overlap_same_decisions_and_soft_within_rounding(soft_overlap):
 def test_default_soft_impl_is_chunked_on_cuda_for_half_embeddings_regression():
     """Regression: the default was once decided on the unresolved config and never picked the chunked path."""
     import torch
-    from blockdiff.sampler.triton_sampler import default_soft_impl
+    from blockdiff.sampler.triton.kernels import default_soft_impl
 
     assert default_soft_impl(torch.device("cuda"), torch.bfloat16) == "chunked"
     assert default_soft_impl(torch.device("cuda"), torch.float16) == "chunked"

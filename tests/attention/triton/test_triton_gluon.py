@@ -20,8 +20,8 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from blockdiff.attention import attention  # noqa: E402
-from blockdiff.attention import triton_gluon as tg  # noqa: E402
-from blockdiff.attention import triton_attention as TA  # noqa: E402
+from blockdiff.attention.triton import gluon as tg  # noqa: E402
+from blockdiff.attention.triton import interface as TA  # noqa: E402
 from blockdiff.attention.testing import check_close  # noqa: E402
 
 from test_triton_attention import graph_replay_check, make_batch  # noqa: E402  (pytest prepends this folder to sys.path)
@@ -92,7 +92,7 @@ def test_bad_wide_gluon_configs_name_the_rule(bad, match):
 def test_hd512_configs_resolve_to_the_kernel_that_can_take_them():
     # the H200 tables (not the interpreter's): the portable kernel's hd-512 entry splits V (BLOCK_DV 256); an
     # explicit IMPL="gluon" holds all of V without being told
-    from blockdiff.attention import triton_attention as TA
+    from blockdiff.attention.triton import interface as TA
 
     kern = TA.TritonAttention(TA._StaticKey(512, 512, 8, torch.bfloat16, True, 64, False, False, False))
     assert kern.base["BLOCK_DV"] == 256 and kern.gluon_base is not None
@@ -123,7 +123,7 @@ def test_layout_rules_name_what_tma_needs():
 def test_overlap_defaults_follow_the_measured_consumers():
     # the QK^T / softmax overlap where its consumer fits the registers (64-key blocks, hd <= 128), else the chained
     # consumer up to hd 256, and the wide hd-512 kernel sequential (it takes nothing else)
-    from blockdiff.attention.triton_attention import get_kernel
+    from blockdiff.attention.triton.interface import get_kernel
     for D, bn, want in [(128, 64, True), (128, 128, "chain"), (256, 64, "chain"), (64, 32, True)]:
         kern = get_kernel(D, D, 2, torch.bfloat16, True, 64, False, False)
         assert kern.config(dict(GLUON, BLOCK_N=bn))["OVERLAP"] == want, (D, bn)
@@ -168,7 +168,7 @@ def _compile_offline(kw):
     @triton.jit helpers Gluon calls); asserts it built with wgmma, TMA and setmaxnreg; returns (report, spill
     bytes per function)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("import json, sys; from blockdiff.attention.triton_gluon import compile_for_sm90; "
+    code = ("import json, sys; from blockdiff.attention.triton.gluon import compile_for_sm90; "
             "print(json.dumps(compile_for_sm90(**json.loads(sys.argv[1]))))")
     r = subprocess.run([sys.executable, "-c", code, json.dumps(kw)], capture_output=True, text=True, env=env,
                        timeout=600)
@@ -296,7 +296,7 @@ def _check(inp, config, **kw):
     q, vc = inp["q"], inp["v_cache"]
     out = torch.full((q.shape[0], q.shape[1], vc.shape[-1]), float("nan"), dtype=q.dtype, device=q.device)
     o, lse = attention(**inp, out=out, return_lse=True, backend="triton", config=config, **kw)
-    from blockdiff.attention import triton_attention as TA
+    from blockdiff.attention.triton import interface as TA
     assert TA.LAST_LAUNCH["impl"] == "gluon"
     clean = dict(inp, k_cache=torch.nan_to_num(inp["k_cache"]), v_cache=torch.nan_to_num(inp["v_cache"]))
     return check_close(o, **clean, lse=lse, **kw)
@@ -466,7 +466,7 @@ def test_gpu_roles_kernel_cuda_graph_replay_with_changed_flags_lengths_and_block
 
 @pytest.mark.gpu
 def test_gpu_automatic_choice_takes_gluon_only_where_tuned_and_tma_can_read_the_cache():
-    from blockdiff.attention import triton_attention as TA
+    from blockdiff.attention.triton import interface as TA
 
     sl, ql, ncq = GPU_CASES[1]
     # page 16: eligible explicitly (one TMA box per page) but not chosen automatically (not measured)

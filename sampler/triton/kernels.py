@@ -80,9 +80,9 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from . import rng
-from .common import check_step_args, entropy_order, temperature
-from .state import COMMIT, DENOISE, FAILED, FINISHED, PREFILL, SamplerState, StepOutput
+from .. import rng
+from ..common import check_step_args, entropy_order, temperature
+from ..state import COMMIT, DENOISE, FAILED, FINISHED, PREFILL, SamplerState, StepOutput
 
 __all__ = ["sampler_step", "SamplerConfig", "SOFT_IMPLS", "row_stats", "soft_embedding", "random_ids"]
 
@@ -802,7 +802,7 @@ class SamplerConfig:
     block_g: token groups of 4 per stats tile (tile = block_p x 4 * block_g tokens). split_v: vocabulary splits of the
     stats pass. block_m/n/k, split_k, num_warps/num_stages: the soft-embedding GEMM.
     soft_impl: the soft-embedding path, ``"chunked"`` (default on CUDA with a bf16/fp16 embedding:
-    :mod:`blockdiff.sampler.soft_chunked`, bf16 probabilities per vocabulary chunk + cuBLAS with fp32
+    :mod:`blockdiff.sampler.triton.soft_embedding`, bf16 probabilities per vocabulary chunk + cuBLAS with fp32
     accumulation; H200 sampler_n4 soft part 2.48 ms vs 4.72 ms, whole step 3.93 vs 5.86 ms) or ``"triton_gemm"``
     (default otherwise: the split-K Triton GEMM of this module);
     soft_chunk: its vocabulary chunk in tokens (None: the buffer [N * CL, chunk] stays <= 32 MiB);
@@ -959,7 +959,7 @@ def soft_embedding(logits: torch.Tensor, embedding: torch.Tensor, T: torch.Tenso
                    config: SamplerConfig | None = None, greedy_onehot: bool = True) -> torch.Tensor:
     """Stage (c) partial sums: fp32 workspace ``[SPLIT_K, N * CL, hidden]`` of ``p @ E`` (unscaled).
 
-    ``config.soft_impl == "chunked"``: :func:`blockdiff.sampler.soft_chunked.soft_embedding_chunked` instead
+    ``config.soft_impl == "chunked"``: :func:`blockdiff.sampler.triton.soft_embedding.soft_embedding_chunked` instead
     (workspace [1, N * CL, hidden]; inactive rows 0).
 
     ``p = exp(logits / T - m) * inv_s`` (one-hot(argmax) where T = 0), rows of inactive requests skipped (their
@@ -974,7 +974,7 @@ def soft_embedding(logits: torch.Tensor, embedding: torch.Tensor, T: torch.Tenso
     cfg = config or SamplerConfig()
     impl = cfg.soft_impl or default_soft_impl(logits.device, embedding.dtype)
     if impl == "chunked":
-        from .soft_chunked import soft_embedding_chunked
+        from .soft_embedding import soft_embedding_chunked
 
         return soft_embedding_chunked(logits, embedding, T, m, inv_s, argmax, active, chunk=cfg.soft_chunk,
                                       greedy_onehot=greedy_onehot, overlap=bool(cfg.soft_overlap))
@@ -1145,7 +1145,7 @@ def sampler_step(state: SamplerState, slots: torch.Tensor, logits: torch.Tensor,
         # stream and fills the SMs the GEMMs leave free. Every tensor used on both streams (the workspace, the
         # normalisers, T) is allocated on this stream; the side stream's own buffers (the P chunks) are used and
         # freed there only.
-        from .soft_chunked import _side_stream, soft_embedding_chunked
+        from .soft_embedding import _side_stream, soft_embedding_chunked
 
         m2, inv_s2 = row_moments(logits, T, is_den)
         amax0 = torch.zeros_like(m2, dtype=torch.int32)

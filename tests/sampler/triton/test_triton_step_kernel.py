@@ -12,7 +12,7 @@ import torch
 from blockdiff.sampler import (COMMIT, DENOISE, FAILED, FINISHED, NO_MAX_TOKENS, PREFILL, SamplerState,
                                SamplingParams, rng, sampler_step)
 from blockdiff.sampler.common import DenoiseResult, accept_by_entropy, apply_step, convergence, temperature
-from blockdiff.sampler.triton_sampler import _apply_step
+from blockdiff.sampler.triton.kernels import _apply_step
 
 STATE_FIELDS = ("phase", "canvas", "commit_canvas", "prev_argmax", "stable_count", "step", "canvas_index",
                 "num_emitted", "soft")

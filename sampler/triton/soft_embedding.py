@@ -2,7 +2,7 @@
 written once per vocabulary chunk by a Triton kernel, the product on cuBLAS.
 
 ``soft = softmax(z) @ E * sqrt(hidden)`` for the M = N * CL rows of a step, z = x / T, as an alternative to the
-split-K Triton GEMM of :mod:`blockdiff.sampler.triton_sampler` (whose A operand is recomputed from the logits in
+split-K Triton GEMM of :mod:`blockdiff.sampler.triton.kernels` (whose A operand is recomputed from the logits in
 registers per column tile and, after the Triton 3.6 register-A wgmma hazard fix, waits for every wgmma). Here:
 
 for each chunk ``[v0, v0 + Vc)`` of the vocabulary (Vc = 16384 for M = 1024: the buffer is <= 32 MiB):
@@ -70,7 +70,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_sampler import _interpret, _round_to
+from .kernels import _interpret, _round_to
 
 __all__ = ["soft_embedding_chunked", "chunk_size", "MAX_CHUNK_BYTES"]
 
