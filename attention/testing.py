@@ -1,4 +1,7 @@
-"""Tolerance rule shared by every backend's tests and by ``blockdiff demo --check``.
+"""Test support shared by every backend's tests, the benchmarks, the notebooks and ``blockdiff demo --check``.
+
+- :func:`make_batch` / :func:`make_batch_from_rows`: the one random batch builder (paged or contiguous K/V).
+- :func:`check_close`: the tolerance rule, below.
 
 A backend output is accepted when its error against the high-precision oracle (fp64 on the same inputs) is at
 most ``2 x`` the error of the same-precision eager PyTorch computation plus a representation tolerance
@@ -52,3 +55,227 @@ def check_close(out, q, k_cache, v_cache, *, lse=None, factor: float = 2.0, **kw
         assert lerr <= 1e-2 if q.dtype in (torch.bfloat16, torch.float16) else lerr <= 1e-4, f"lse error {lerr}"
         res["lse_err"] = lerr
     return res
+
+
+# ----------------------------------------------------------------------------------------------- batch builder
+BLOCK_TABLE_PADS = ("garbage", "zeros", "nan_page")
+
+
+def _int_list(name: str, values, n: int | None = None) -> list[int]:
+    if isinstance(values, torch.Tensor):
+        values = values.tolist()
+    try:
+        out = list(values)
+    except TypeError:
+        raise TypeError(f"{name} must be a sequence of ints, got {type(values).__name__}") from None
+    for v in out:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{name} must hold ints, got {type(v).__name__} ({v!r})")
+    if n is not None and len(out) != n:
+        raise ValueError(f"{name} has {len(out)} entries, expected one per sequence ({n})")
+    return out
+
+
+def _positive_int(name: str, v) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+    if v < 1:
+        raise ValueError(f"{name} must be >= 1, got {v}")
+    return v
+
+
+def _nonnegative_int(name: str, v) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+    if v < 0:
+        raise ValueError(f"{name} must be >= 0, got {v}")
+    return v
+
+
+def make_batch(
+    seq_lens,
+    q_lens,
+    *,
+    causal=None,
+    num_causal_q=None,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 16,
+    head_dim_v: int | None = None,
+    page_size: int = 4,
+    paged: bool = True,
+    dtype: torch.dtype = torch.bfloat16,
+    device="cpu",
+    seed: int = 0,
+    extra_blocks: int = 1,
+    extra_columns: int = 1,
+    block_table_pad: str = "garbage",
+    permute: bool = True,
+    poison_unused: bool = False,
+) -> dict:
+    """Random batch in the attention contract's layout: the keyword arguments of ``attention(**batch)``.
+
+    The one batch builder of tests, benchmarks and notebooks (docs/ARCHITECTURE.md, "Attention semantics").
+    The K/V of every query token is already in the cache (``seq_lens`` include the query tokens), as vLLM
+    writes it before attention. Values are N(0, 1), drawn in float32 and rounded to ``dtype``.
+
+    Args:
+        seq_lens: per sequence, keys including its query tokens (ints >= q_len; a list or a 1-D tensor).
+        q_lens: per sequence, query tokens (ints >= 0).
+        causal: bool, or one bool per sequence: every row of the sequence causal (prefill, commit) or
+            bidirectional (denoise canvas). Give this or ``num_causal_q``.
+        num_causal_q: int, or one int per sequence in ``[0, q_len]``: the first rows causal, the rest
+            bidirectional (commit rows then the next canvas in one sequence).
+        num_heads, num_kv_heads: query and KV heads (>= 1; not checked for divisibility, so error paths of
+            the backends stay testable).
+        head_dim, head_dim_v: head dimension of q/k and of v (``head_dim_v=None``: ``head_dim``).
+        page_size: tokens per cache page (>= 1); also the row unit of ``extra_blocks`` in the contiguous form.
+        paged: paged cache with ``block_table`` (True) or contiguous varlen K/V with ``cu_seqlens_k`` (False).
+        dtype: dtype of q, k_cache and v_cache.
+        device: where every tensor lives.
+        seed: same seed, device and arguments -> the same tensors. Page ids and padding come from a CPU
+            generator seeded ``seed``; q, k, v (in that order) from a generator on ``device`` seeded
+            ``seed + 1`` (drawing on the device keeps 100k-token benchmark caches fast to build).
+        extra_blocks: unused pages in the pool beyond the sequences' own (paged), or unused trailing rows
+            ``extra_blocks * page_size`` (contiguous): a kernel that reads past its keys reads real numbers.
+        extra_columns: block-table columns beyond the longest sequence's pages.
+        block_table_pad: what fills each block-table row past the sequence's pages: ``"garbage"`` (random
+            valid page ids: a kernel that follows them computes a wrong, detectable result), ``"zeros"``
+            (page 0, vLLM's padding) or ``"nan_page"`` (one more all-NaN page appended to the pool).
+        permute: page ids of a sequence are a random permutation of the pool (a long-running serving
+            cache) rather than consecutive.
+        poison_unused: NaN in every K/V cache row no sequence owns (past ``seq_len`` in its last page,
+            unused pages, unused contiguous rows): reading one poisons the output.
+
+    Returns:
+        dict with ``q`` [total_q, num_heads, head_dim]; ``k_cache`` [num_blocks, page_size, num_kv_heads,
+        head_dim] and ``v_cache`` [..., head_dim_v] with ``block_table`` [B, max_blocks] int32 (paged), or
+        ``k_cache`` [total_k, num_kv_heads, head_dim] / ``v_cache`` with ``cu_seqlens_k`` [B + 1] int32
+        (contiguous); ``cu_seqlens_q`` [B + 1] int32; ``seq_lens`` [B] int32; and ``causal`` [B] bool or
+        ``num_causal_q`` [B] int32 (whichever was given). Everything on ``device``.
+
+    Raises:
+        TypeError: a length, count or size is not an int (bool is rejected), ``dtype`` is not a torch dtype.
+        ValueError: ``seq_lens`` / ``q_lens`` / the causal spec differ in length; ``q_len < 0`` or
+            ``seq_len < q_len``; both or neither of ``causal`` / ``num_causal_q``; ``num_causal_q`` outside
+            ``[0, q_len]``; a size < 1; ``extra_blocks`` / ``extra_columns`` < 0; an unknown
+            ``block_table_pad``.
+    """
+    q_lens = _int_list("q_lens", q_lens)
+    B = len(q_lens)
+    seq_lens = _int_list("seq_lens", seq_lens, B)
+    for b, (s, ql) in enumerate(zip(seq_lens, q_lens)):
+        if ql < 0 or s < ql:
+            raise ValueError(f"sequence {b}: need 0 <= q_len <= seq_len (seq_lens include the query tokens), "
+                             f"got q_len {ql}, seq_len {s}")
+    if (causal is None) == (num_causal_q is None):
+        raise ValueError("give exactly one of causal (bool per sequence) or num_causal_q (int per sequence)")
+    if causal is not None:
+        flags = [causal] * B if isinstance(causal, bool) else (
+            causal.tolist() if isinstance(causal, torch.Tensor) else list(causal))
+        if len(flags) != B:
+            raise ValueError(f"causal has {len(flags)} entries, expected one per sequence ({B})")
+        if not all(isinstance(c, bool) for c in flags):
+            raise TypeError(f"causal must be a bool or bools per sequence, got {flags!r}")
+    else:
+        counts = [num_causal_q] * B if isinstance(num_causal_q, int) and not isinstance(num_causal_q, bool) \
+            else _int_list("num_causal_q", num_causal_q, B)
+        for b, (n, ql) in enumerate(zip(counts, q_lens)):
+            if not 0 <= n <= ql:
+                raise ValueError(f"num_causal_q[{b}] must be in [0, q_len={ql}], got {n}")
+    num_heads, num_kv_heads, head_dim, page_size = (
+        _positive_int(k, v) for k, v in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
+                                         ("head_dim", head_dim), ("page_size", page_size)))
+    head_dim_v = head_dim if head_dim_v is None else _positive_int("head_dim_v", head_dim_v)
+    extra_blocks = _nonnegative_int("extra_blocks", extra_blocks)
+    extra_columns = _nonnegative_int("extra_columns", extra_columns)
+    if block_table_pad not in BLOCK_TABLE_PADS:
+        raise ValueError(f"block_table_pad must be one of {BLOCK_TABLE_PADS}, got {block_table_pad!r}")
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
+    device = torch.device(device)
+
+    index_gen = torch.Generator(device="cpu").manual_seed(seed)
+    data_gen = torch.Generator(device=device).manual_seed(seed + 1)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=data_gen, device=device, dtype=torch.float32).to(dtype)
+
+    def int32(values):
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    cu_q = [0]
+    for ql in q_lens:
+        cu_q.append(cu_q[-1] + ql)
+    out = {"q": randn(cu_q[-1], num_heads, head_dim)}
+    if paged:
+        pages = [-(-s // page_size) for s in seq_lens]
+        used = sum(pages)
+        num_blocks = used + extra_blocks
+        ids = torch.randperm(num_blocks, generator=index_gen) if permute else torch.arange(num_blocks)
+        width = max(1, max(pages, default=0) + extra_columns)
+        if block_table_pad == "garbage" and num_blocks > 0:
+            table = torch.randint(0, num_blocks, (B, width), generator=index_gen, dtype=torch.int32)
+        else:  # "zeros"; "nan_page" fills below once the page exists
+            table = torch.zeros(B, width, dtype=torch.int32)
+        off = 0
+        for b, n in enumerate(pages):
+            table[b, :n] = ids[off:off + n].to(torch.int32)
+            if block_table_pad == "nan_page":
+                table[b, n:] = num_blocks
+            off += n
+        k = randn(num_blocks, page_size, num_kv_heads, head_dim)
+        v = randn(num_blocks, page_size, num_kv_heads, head_dim_v)
+        if block_table_pad == "nan_page":
+            k = torch.cat([k, torch.full_like(k[:1], float("nan"))])
+            v = torch.cat([v, torch.full_like(v[:1], float("nan"))])
+        if poison_unused:
+            owned = torch.zeros(k.shape[0], page_size, dtype=torch.bool)
+            for b, s in enumerate(seq_lens):
+                pos = torch.arange(s)
+                owned[table[b, pos // page_size].long(), pos % page_size] = True
+            owned = owned.to(device)
+            k[~owned] = float("nan")
+            v[~owned] = float("nan")
+        out.update(k_cache=k, v_cache=v, block_table=table.to(device))
+    else:
+        cu_k = [0]
+        for s in seq_lens:
+            cu_k.append(cu_k[-1] + s)
+        rows = cu_k[-1] + extra_blocks * page_size
+        k = randn(rows, num_kv_heads, head_dim)
+        v = randn(rows, num_kv_heads, head_dim_v)
+        if poison_unused:
+            k[cu_k[-1]:] = float("nan")
+            v[cu_k[-1]:] = float("nan")
+        out.update(k_cache=k, v_cache=v, cu_seqlens_k=int32(cu_k))
+    out.update(cu_seqlens_q=int32(cu_q), seq_lens=int32(seq_lens))
+    if causal is not None:
+        out["causal"] = torch.tensor(flags, dtype=torch.bool, device=device)
+    else:
+        out["num_causal_q"] = int32(counts)
+    return out
+
+
+def make_batch_from_rows(rows, **kwargs) -> dict:
+    """:func:`make_batch` from ``(context_len, q_len, num_causal_q)`` triples, one per sequence.
+
+    ``seq_len = context_len + q_len`` (the context is the keys before the first query token). Every other
+    keyword goes to :func:`make_batch` (``causal`` / ``num_causal_q`` must not be given: the triples carry it).
+
+    Raises:
+        TypeError / ValueError: a row is not a triple of ints, plus whatever :func:`make_batch` raises.
+    """
+    if "causal" in kwargs or "num_causal_q" in kwargs or "seq_lens" in kwargs or "q_lens" in kwargs:
+        raise TypeError("make_batch_from_rows takes lengths and causal row counts from the rows only")
+    ctxs, q_lens, counts = [], [], []
+    for i, row in enumerate(rows):
+        if not isinstance(row, (tuple, list)) or len(row) != 3:
+            raise TypeError(f"rows[{i}] must be a (context_len, q_len, num_causal_q) triple, got {row!r}")
+        c, ql, n = _int_list(f"rows[{i}]", row)
+        if c < 0:
+            raise ValueError(f"rows[{i}]: context_len must be >= 0, got {c}")
+        ctxs.append(c)
+        q_lens.append(ql)
+        counts.append(n)
+    return make_batch([c + ql for c, ql in zip(ctxs, q_lens)], q_lens, num_causal_q=counts, **kwargs)

@@ -1,8 +1,9 @@
-"""The shared tolerance rule (attention/testing.py)."""
+"""attention/testing.py: the shared tolerance rule and the one batch builder."""
+import pytest
 import torch
 
 from blockdiff.attention import attention
-from blockdiff.attention.testing import check_close
+from blockdiff.attention.testing import check_close, make_batch, make_batch_from_rows
 
 
 def test_tolerance_defined_when_eager_fp16_scores_overflow():
@@ -25,3 +26,152 @@ def test_tolerance_defined_when_eager_fp16_scores_overflow():
         pass
     else:
         raise AssertionError("a wrong output passed")
+
+
+# ---------------------------------------------------------------- the batch builder
+MIXED = dict(seq_lens=[9, 13, 6, 1, 5, 30], q_lens=[9, 4, 6, 1, 0, 12],
+             causal=[True, False, True, False, False, False])
+
+
+def _pages_of(batch, b):
+    n = -(-int(batch["seq_lens"][b]) // batch["k_cache"].shape[1])
+    return batch["block_table"][b, :n].tolist()
+
+
+def test_paged_batch_shapes_dtypes_and_metadata():
+    b = make_batch(**MIXED, num_heads=6, num_kv_heads=3, head_dim=8, head_dim_v=12, page_size=4)
+    assert set(b) == {"q", "k_cache", "v_cache", "block_table", "cu_seqlens_q", "seq_lens", "causal"}
+    assert b["q"].shape == (32, 6, 8) and b["q"].dtype == torch.bfloat16
+    pages = [3, 4, 2, 1, 2, 8]
+    assert b["k_cache"].shape == (sum(pages) + 1, 4, 3, 8) and b["v_cache"].shape == (sum(pages) + 1, 4, 3, 12)
+    assert b["block_table"].shape == (6, 9) and b["block_table"].dtype == torch.int32
+    assert b["cu_seqlens_q"].tolist() == [0, 9, 13, 19, 20, 20, 32] and b["cu_seqlens_q"].dtype == torch.int32
+    assert b["seq_lens"].tolist() == MIXED["seq_lens"] and b["causal"].tolist() == MIXED["causal"]
+    used = [p for s in range(6) for p in _pages_of(b, s)]
+    assert len(set(used)) == len(used) == sum(pages), "every sequence owns distinct pages"
+    assert used != sorted(used), "page ids are permuted"
+    assert int(b["block_table"].max()) < b["k_cache"].shape[0], "garbage past the used part is a valid page id"
+
+
+def test_same_seed_same_tensors_other_seed_other_tensors():
+    a, b, c = make_batch(**MIXED), make_batch(**MIXED), make_batch(**MIXED, seed=1)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["q"], c["q"]) and not torch.equal(a["block_table"], c["block_table"])
+
+
+def test_contiguous_form_and_num_causal_q():
+    b = make_batch(**{**MIXED, "causal": None}, num_causal_q=[5, 0, 6, 1, 0, 3], paged=False, page_size=4,
+                   dtype=torch.float32)
+    assert "block_table" not in b and "causal" not in b
+    assert b["cu_seqlens_k"].tolist() == [0, 9, 22, 28, 29, 34, 64] and b["cu_seqlens_k"].dtype == torch.int32
+    assert b["k_cache"].shape == (64 + 4, 2, 16) and b["k_cache"].dtype == torch.float32
+    assert b["num_causal_q"].tolist() == [5, 0, 6, 1, 0, 3] and b["num_causal_q"].dtype == torch.int32
+
+
+def test_batch_runs_through_every_cpu_backend_path_and_matches_the_oracle():
+    for paged in (True, False):
+        inp = make_batch(**MIXED, paged=paged, dtype=torch.float32)
+        out = attention(**inp, backend="reference", window_size=3)
+        check_close(out, **inp, window_size=3)
+
+
+def test_paged_and_contiguous_forms_agree_on_the_same_keys():
+    """The paged cache gathered through the block table is a valid contiguous batch of the same keys."""
+    inp = make_batch(**MIXED, dtype=torch.float64, page_size=3)
+    ks, vs = [], []
+    for s, n in enumerate(inp["seq_lens"].tolist()):
+        pages = torch.tensor(_pages_of(inp, s), dtype=torch.long)
+        ks.append(inp["k_cache"][pages].flatten(0, 1)[:n])
+        vs.append(inp["v_cache"][pages].flatten(0, 1)[:n])
+    cu_k = torch.tensor([0] + torch.tensor(inp["seq_lens"].tolist()).cumsum(0).tolist(), dtype=torch.int32)
+    contig = dict(inp, k_cache=torch.cat(ks), v_cache=torch.cat(vs), cu_seqlens_k=cu_k)
+    del contig["block_table"]
+    torch.testing.assert_close(attention(**contig, backend="reference"), attention(**inp, backend="reference"),
+                               rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("pad", ["zeros", "nan_page"])
+def test_block_table_padding_modes(pad):
+    b = make_batch([5, 9], [5, 1], causal=False, page_size=4, block_table_pad=pad, extra_columns=2,
+                   dtype=torch.float32)
+    assert b["block_table"].shape == (2, 5)
+    if pad == "zeros":
+        assert b["block_table"][0, 2:].tolist() == [0, 0, 0]
+    else:
+        nan_page = b["k_cache"].shape[0] - 1
+        assert b["block_table"][0, 2:].tolist() == [nan_page] * 3 and b["block_table"][1, 3:].tolist() == [nan_page] * 2
+        assert torch.isnan(b["k_cache"][nan_page]).all() and torch.isnan(b["v_cache"][nan_page]).all()
+        assert torch.isfinite(b["k_cache"][:nan_page]).all()
+
+
+def test_unpermuted_pages_are_consecutive_and_no_extra_columns():
+    b = make_batch([5, 9], [5, 1], causal=[True, False], page_size=4, permute=False, extra_columns=0,
+                   extra_blocks=0, block_table_pad="zeros")
+    assert b["block_table"].tolist() == [[0, 1, 0], [2, 3, 4]] and b["k_cache"].shape[0] == 5
+
+
+@pytest.mark.parametrize("paged", [True, False])
+def test_poison_unused_marks_exactly_the_rows_no_sequence_owns(paged):
+    b = make_batch([5, 9], [5, 2], causal=[True, False], page_size=4, poison_unused=True, paged=paged,
+                   dtype=torch.float32, extra_blocks=2)
+    k = b["k_cache"].reshape(-1, *b["k_cache"].shape[-2:])
+    assert int(torch.isnan(k[:, 0, 0]).sum()) == k.shape[0] - 14  # 14 keys owned, the rest poisoned
+    assert torch.isfinite(attention(**b, backend="reference")).all()
+
+
+def test_make_batch_from_rows_matches_make_batch():
+    rows = [(0, 9, 9), (4, 4, 0), (3, 3, 1)]
+    a = make_batch_from_rows(rows, page_size=8, seed=3)
+    b = make_batch([9, 8, 6], [9, 4, 3], num_causal_q=[9, 0, 1], page_size=8, seed=3)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_empty_batch_and_empty_sequences():
+    for paged in (True, False):
+        e = make_batch([], [], causal=[], paged=paged)
+        assert e["q"].shape == (0, 4, 16) and e["cu_seqlens_q"].tolist() == [0] and e["seq_lens"].numel() == 0
+        z = make_batch([0, 4, 0], [0, 2, 0], causal=True, paged=paged, dtype=torch.float32)
+        assert attention(**z, backend="reference").shape == (2, 4, 16)
+
+
+def test_scalar_causal_spec_applies_to_every_sequence():
+    assert make_batch([3, 4], [1, 2], causal=True)["causal"].tolist() == [True, True]
+    assert make_batch([3, 4], [1, 2], num_causal_q=1)["num_causal_q"].tolist() == [1, 1]
+
+
+@pytest.mark.parametrize("kw,exc,match", [
+    (dict(seq_lens=[3, 4], q_lens=[1]), ValueError, "one per sequence"),
+    (dict(seq_lens=[3], q_lens=[4]), ValueError, "q_len <= seq_len"),
+    (dict(seq_lens=[3], q_lens=[-1]), ValueError, "0 <= q_len"),
+    (dict(seq_lens=[3.0], q_lens=[1]), TypeError, "seq_lens must hold ints"),
+    (dict(seq_lens=[True], q_lens=[1]), TypeError, "seq_lens must hold ints"),
+    (dict(seq_lens=3, q_lens=[1]), TypeError, "seq_lens must be a sequence"),
+    (dict(seq_lens=[3], q_lens=[1], causal=None), ValueError, "exactly one"),
+    (dict(seq_lens=[3], q_lens=[1], num_causal_q=[1]), ValueError, "exactly one"),
+    (dict(seq_lens=[3], q_lens=[1], causal=[True, False]), ValueError, "causal has 2"),
+    (dict(seq_lens=[3], q_lens=[1], causal=[1]), TypeError, "causal must be a bool"),
+    (dict(seq_lens=[3], q_lens=[2], causal=None, num_causal_q=[3]), ValueError, r"num_causal_q\[0\]"),
+    (dict(seq_lens=[3], q_lens=[1], page_size=0), ValueError, "page_size must be >= 1"),
+    (dict(seq_lens=[3], q_lens=[1], head_dim=16.0), TypeError, "head_dim must be an int"),
+    (dict(seq_lens=[3], q_lens=[1], head_dim_v=0), ValueError, "head_dim_v"),
+    (dict(seq_lens=[3], q_lens=[1], extra_blocks=-1), ValueError, "extra_blocks"),
+    (dict(seq_lens=[3], q_lens=[1], extra_columns=-1), ValueError, "extra_columns"),
+    (dict(seq_lens=[3], q_lens=[1], block_table_pad="nan"), ValueError, "block_table_pad"),
+    (dict(seq_lens=[3], q_lens=[1], dtype="bf16"), TypeError, "dtype"),
+])
+def test_bad_arguments_are_clear_errors(kw, exc, match):
+    kw.setdefault("causal", [False] * len(kw["q_lens"]) if isinstance(kw["q_lens"], list) else False)
+    with pytest.raises(exc, match=match):
+        make_batch(**kw)
+
+
+@pytest.mark.parametrize("rows,exc,match", [
+    ([(0, 1)], TypeError, "triple"),
+    ([(-1, 1, 0)], ValueError, "context_len"),
+    ([(0, 2, 3)], ValueError, "num_causal_q"),
+])
+def test_make_batch_from_rows_bad_rows(rows, exc, match):
+    with pytest.raises(exc, match=match):
+        make_batch_from_rows(rows)
+    with pytest.raises(TypeError, match="rows only"):
+        make_batch_from_rows([(0, 1, 1)], causal=True)
