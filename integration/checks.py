@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import threading
 
+import blockdiff.attention as A
+from blockdiff.attention.testing import check_close
+
 
 class AttentionMismatch(AssertionError):
     """An attention backend disagreed with the reference (``--check``)."""
@@ -40,8 +43,6 @@ class AttentionChecker:
             fn = get_backend(backend)
 
             def checked(q, k_cache, v_cache, **kw):
-                from blockdiff.attention.testing import check_close
-
                 res = fn(q, k_cache, v_cache, **kw)
                 out, lse = (res if isinstance(res, tuple) else (res, None))
                 ckw = {k: v for k, v in kw.items() if k not in ("out", "return_lse", "config", "check_values")}
@@ -60,16 +61,12 @@ class AttentionChecker:
         return checked_get_backend
 
     def __enter__(self) -> "AttentionChecker":
-        import blockdiff.attention as A
-
         _lock.acquire()
         self._saved = A.get_backend
         A.get_backend = self._wrap(self._saved)
         return self
 
     def __exit__(self, *exc) -> None:
-        import blockdiff.attention as A
-
         A.get_backend = self._saved
         self._saved = None
         _lock.release()

@@ -29,9 +29,12 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from blockdiff.sampler import COMMIT, DENOISE, PHASE_NAMES, PREFILL, SamplingParams
+
 from .batch import HarnessInputBatch, NewRequest
+from .checks import AttentionChecker
 from .kv_alloc import BlockAllocator, OutOfBlocks
-from .model_state import COMMIT, DENOISE, FAILED, FINISHED, PHASE_NAMES, PREFILL, DiffusionModelState
+from .model_state import DiffusionModelState
 
 
 @dataclass
@@ -59,8 +62,9 @@ class RequestResult:
 
 @dataclass
 class RowRecord:
-    """One row of a step: request, phase at entry, query tokens, keys (incl. the query), causal flag, and the
-    sampler's accounting for it."""
+    """One row of a step: request, phase at entry (``"prefill"``, ``"denoise"`` or ``"commit"``: the lower-case
+    :data:`blockdiff.sampler.PHASE_NAMES`), query tokens, keys (incl. the query), causal flag, and the sampler's
+    accounting for it."""
 
     req_id: str
     slot: int
@@ -160,8 +164,6 @@ class HarnessRunner:
                  max_model_len: int = 512, device: torch.device | str | None = None,
                  kv_dtype: torch.dtype | None = None, attn_backend: str = "reference",
                  sampler_backend: str = "reference", check: bool = False) -> None:
-        from blockdiff.sampler import SamplingParams
-
         self.default_params = default_params if default_params is not None else SamplingParams()
         cl = self.default_params.canvas_length
         for name, v in (("max_num_reqs", max_num_reqs), ("max_num_batched_tokens", max_num_batched_tokens),
@@ -198,8 +200,6 @@ class HarnessRunner:
         self.sampler.check = check
         self.attention_checker = None
         if check:
-            from .checks import AttentionChecker
-
             self.attention_checker = AttentionChecker()
         self.step_index = 0
         self.num_forward = 0
@@ -417,7 +417,8 @@ class HarnessRunner:
             r.num_computed += q - n_r[i]
             num_computed[r.slot] = r.num_computed
             r.output.extend(emitted[i][: n_e[i]])
-            row = RowRecord(r.req_id, r.slot, PHASE_NAMES[ph], q, seq_len, bool(causal[i]), n_s[i], n_r[i], n_e[i])
+            row = RowRecord(r.req_id, r.slot, PHASE_NAMES[ph].lower(), q, seq_len, bool(causal[i]), n_s[i], n_r[i],
+                            n_e[i])
             if ph == DENOISE:
                 r.num_denoise_steps += 1
                 row.accepted, row.mean_entropy, row.converged = int(acc[i]), float(ment[i]), bool(conv[i])

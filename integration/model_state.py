@@ -25,15 +25,18 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from typing import Any, ClassVar
 
 import torch
 
+from blockdiff.attention import AttentionMetadata
 from blockdiff.sampler import COMMIT, DENOISE, FAILED, FINISHED, PREFILL  # phases of SamplerState.phase
+from blockdiff.sampler import SamplerState, SamplingParams
+
+from .sampler import DiffusionSampler
 
 _log = logging.getLogger(__name__)
-
-PHASE_NAMES = {PREFILL: "prefill", DENOISE: "denoise", COMMIT: "commit", FINISHED: "finished", FAILED: "failed"}
 
 try:  # vLLM is optional: subclass its ModelState when present.
     from vllm.v1.worker.gpu.model_states.interface import ModelState as _VllmModelState  # type: ignore
@@ -185,8 +188,6 @@ def to_diffusion_params(sampling_params: Any, defaults: Any = None, *, canvas_le
             is neither 0 nor 1, or 0 together with a nonzero ``extra_args`` t_min / t_max.
         TypeError: a field has the wrong type.
     """
-    from blockdiff.sampler import SamplingParams
-
     if isinstance(sampling_params, SamplingParams):
         p = sampling_params
     else:
@@ -261,8 +262,6 @@ class DiffusionModelState(_Base):
         canvas_length = getattr(dcfg, "canvas_length", None) or 256
         text_cfg = self.model_config.hf_text_config
         gen = self.model_config.try_get_generation_config() or {}
-        from blockdiff.sampler import SamplingParams
-
         sc = gen.get("sampler_config") or {}
         kw = {k: gen[k] for k in ("t_min", "t_max", "confidence_threshold", "stability_threshold") if k in gen}
         if sc.get("entropy_bound") is not None:
@@ -311,8 +310,6 @@ class DiffusionModelState(_Base):
 
     def _init_diffusion(self, *, mode, max_num_reqs, max_num_tokens, canvas_length, vocab_size, hidden_size,
                         default_params, embed_dtype, max_stop_token_ids=DEFAULT_MAX_STOP_TOKEN_IDS) -> None:
-        from blockdiff.sampler import SamplerState
-
         for name, v in (("max_num_reqs", max_num_reqs), ("max_num_tokens", max_num_tokens),
                         ("canvas_length", canvas_length), ("max_stop_token_ids", max_stop_token_ids)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -545,13 +542,12 @@ class DiffusionModelState(_Base):
             raise ValueError(f"ubatch_idx must be 0 (dual-batch overlap is not supported), got {ubatch_idx}")
         n = input_batch.num_reqs
         if self.mode == "harness":
-            from blockdiff.attention import AttentionMetadata
-
             causal = self.fill_causal(input_batch)
             return AttentionMetadata(
                 cu_seqlens_q=input_batch.query_start_loc[: n + 1], seq_lens=input_batch.seq_lens[:n],
                 causal=causal, block_table=block_tables[0][:n], slot_mapping=slot_mappings,
                 max_seqlen_q=int(input_batch.max_query_len), max_seqlen_k=int(input_batch.max_seq_len))
+        # vLLM is optional: imported only in vLLM mode
         from vllm.config.compilation import CUDAGraphMode  # type: ignore
         from vllm.v1.worker.gpu.attn_utils import build_attn_metadata  # type: ignore
 
@@ -595,10 +591,6 @@ class DiffusionModelState(_Base):
             backend: sampler backend (``"reference"`` or ``"triton"``); default ``"reference"`` in the harness
                 and ``$BLOCKDIFF_SAMPLER_BACKEND`` (default ``"triton"``) under vLLM.
         """
-        import os
-
-        from .sampler import DiffusionSampler
-
         if backend is None:
             backend = os.environ.get("BLOCKDIFF_SAMPLER_BACKEND", "triton") if self.mode == "vllm" else "reference"
 

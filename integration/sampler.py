@@ -19,13 +19,14 @@ that scheduler the request is never finished (``VLLM_RAISE_ON_LOGIT_NANS=1`` at 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
-from .model_state import COMMIT, DENOISE, FAILED, PREFILL
+from blockdiff.sampler import COMMIT, FAILED, PREFILL, sampler_step
 
 
 @dataclass
@@ -229,8 +230,6 @@ class DiffusionSampler:
             num_emitted=out.num_emitted_now.to(torch.int32), phase=phase, step=out, num_nans=acc["num_nans"])
 
     def _step(self, st, slots, logits3, prefill_done):
-        from blockdiff.sampler import sampler_step
-
         snapshot = copy.deepcopy(st) if self.check else None
         out = sampler_step(st, slots, logits3, prefill_done, self.embedding, backend=self.backend)
         if self.check:
@@ -246,6 +245,7 @@ class DiffusionSampler:
         so a commit row returns the whole committed canvas; the next step's draft tokens (the canvas vLLM
         schedules) are the renoised / fresh canvas, or the argmax canvas of a row about to commit.
         ``num_nans`` > 0 marks a failed request (see the module docstring)."""
+        # vLLM is optional: imported only in vLLM mode
         from vllm.v1.worker.gpu.sample.output import SamplerOutput  # type: ignore
 
         st = self.model_state.state
@@ -266,8 +266,6 @@ class DiffusionSampler:
 def _expand_step_output(out, keep: torch.Tensor, n: int):
     """Scatter a StepOutput over the kept rows back to ``n`` rows; skipped rows read as a no-op step (nothing
     sampled, emitted, finished or failed; tokens -1, entropies 0)."""
-    import dataclasses
-
     fields = {}
     for f in dataclasses.fields(out):
         v = getattr(out, f.name)
