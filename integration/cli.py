@@ -1,8 +1,15 @@
-"""Command line: ``blockdiff demo`` (console script ``blockdiff = blockdiff.integration.cli:main``); see
-:mod:`blockdiff.integration.demo` for what it runs."""
+"""Command line: ``blockdiff demo`` and ``blockdiff train`` (console script ``blockdiff =
+blockdiff.integration.cli:main``; from a checkout without it: ``python3 -m blockdiff.integration.cli``). See
+:mod:`blockdiff.integration.demo` and :mod:`blockdiff.model.train` for what they run.
+
+Argument errors come first and fast: this module imports only the standard library at its top; each command
+imports its torch-heavy modules once the arguments that need no torch are checked.
+"""
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 
 ATTENTION_BACKENDS = ("reference", "triton", "cute")
@@ -23,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     m = d.add_mutually_exclusive_group()
     m.add_argument("--checkpoint", metavar="FOLDER", default=None,
                    help="trained checkpoint folder (model.safetensors, config.json, tokenizer.json, as written by "
-                        "python3 -m blockdiff.model.train --out FOLDER); default: the shipped one")
+                        "blockdiff train --out FOLDER); default: the shipped one")
     m.add_argument("--random-weights", action="store_true",
                    help="tiny random-weight model with random prompt ids (no checkpoint)")
     d.add_argument("--backend", choices=ATTENTION_BACKENDS, default="reference",
@@ -43,28 +50,48 @@ def build_parser() -> argparse.ArgumentParser:
                    help="random weights only: scale of the random tied embedding, peaking the toy logits "
                         "(default 30; 1 = raw init)")
     d.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+
+    t = sub.add_parser("train", help="train a small byte-level DiffusionGemma on the Python standard library",
+                       description="Train a small DiffusionGemma (blockdiff.model.train) on the Python standard "
+                                   "library's sources, save the checkpoint folder (model.safetensors, config.json, "
+                                   "tokenizer.json, loss.png, train_log.json) and evaluate it by generation "
+                                   "through the harness (blockdiff.integration.evaluate).")
+    t.add_argument("--out", required=True, help="output folder (checkpoint, config, tokenizer, loss.png, log)")
+    t.add_argument("--minutes", type=float, default=8.0, help="wall-clock training budget (default 8)")
+    t.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (overrides --minutes)")
+    t.add_argument("--batch-size", type=int, default=1024)
+    t.add_argument("--prefix", type=int, default=64, help="longest clean prefix P (tokens)")
+    t.add_argument("--prefix-min", type=int, default=16, help="shortest clean prefix (P drawn per batch)")
+    t.add_argument("--lr", type=float, default=2e-3)
+    t.add_argument("--warmup-steps", type=int, default=200)
+    t.add_argument("--self-cond-prob", type=float, default=0.5)
+    t.add_argument("--log-every", type=int, default=50)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--device", default=None, help="torch device (default cuda when available, else cpu)")
+    t.add_argument("--corpus", default=None, help="folder of .py files or one text file (default: the stdlib)")
+    t.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts of the evaluation (0: none)")
+    t.add_argument("--eval-steps", type=int, default=16, help="max_denoising_steps of the evaluation")
+    t.add_argument("--attn-backend", default="reference", choices=ATTENTION_BACKENDS,
+                   help="attention backend of the evaluation harness")
+    t.add_argument("--smoke", action="store_true", help="tiny config, ~20 steps on the CPU")
     return ap
 
 
-def resolve_checkpoint(args, stream=None) -> tuple[str | None, str | None]:
+def resolve_checkpoint(args, shipped: str, stream=None) -> tuple[str | None, str | None]:
     """The model ``blockdiff demo`` runs: ``(checkpoint folder or None for random weights, error or None)``.
 
     ``--random-weights``: None. ``--checkpoint FOLDER``: FOLDER, which must exist (else an error naming
-    ``--checkpoint``). Neither: the shipped checkpoint when the package has it; otherwise random weights, and a
+    ``--checkpoint``). Neither: ``shipped`` (the package's checkpoint folder,
+    :func:`blockdiff.model.pretrained.shipped_checkpoint_dir`) when it exists; otherwise random weights, and a
     line saying so is printed to ``stream`` (default stdout) -- documented behaviour, not a silent fallback.
     """
-    import os
-
-    from blockdiff.model.pretrained import shipped_checkpoint_dir
-
     if args.random_weights:
         return None, None
     if args.checkpoint is not None:
         if not os.path.isdir(args.checkpoint):
             return None, f"--checkpoint {args.checkpoint!r} is not a folder (expected a checkpoint folder written " \
-                         "by python3 -m blockdiff.model.train --out FOLDER)"
+                         "by blockdiff train --out FOLDER)"
         return args.checkpoint, None
-    shipped = shipped_checkpoint_dir()
     if os.path.isdir(shipped):
         return shipped, None
     print(f"blockdiff demo: no trained checkpoint shipped at {shipped}; running tiny RANDOM weights instead "
@@ -72,70 +99,98 @@ def resolve_checkpoint(args, stream=None) -> tuple[str | None, str | None]:
     return None, None
 
 
+def _errors(command: str, problems: list[str]) -> int:
+    for msg in problems:
+        print(f"blockdiff {command}: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def _demo(args) -> int:
+    problems = []
+    if args.canvas_length is not None and not 1 <= args.canvas_length <= 4096:
+        problems.append(f"--canvas-length must be in [1, 4096] tokens, got {args.canvas_length}")
+    if not 0 <= args.seed < 2 ** 63:
+        problems.append(f"--seed must be in [0, 2**63), got {args.seed}")
+    if args.embedding_scale is not None:
+        if not (math.isfinite(args.embedding_scale) and args.embedding_scale > 0):
+            problems.append(f"--embedding-scale must be a finite number > 0, got {args.embedding_scale}")
+        elif args.checkpoint is not None:
+            problems.append("--embedding-scale scales random weights; it cannot be used with --checkpoint")
+    try:
+        os.makedirs(args.out, exist_ok=True)
+        if not os.access(args.out, os.W_OK):
+            raise PermissionError("not writable")
+    except OSError as e:
+        problems.append(f"--out {args.out!r} is not a writable folder ({e})")
+    if problems:
+        return _errors("demo", problems)
+    # torch-heavy modules only now, after the checks above: argument errors stay fast
+    from blockdiff.model.pretrained import shipped_checkpoint_dir
+    from blockdiff.sampler.rng import MAX_STEPS
+
+    from .checks import AttentionMismatch
+    from .demo import BackendUnavailable, CheckpointError, run_demo
+    from .sampler import SamplerMismatch
+
+    if args.max_denoising_steps is not None and not 1 <= args.max_denoising_steps < MAX_STEPS:
+        return _errors("demo", [f"--max-denoising-steps must be in [1, {MAX_STEPS}), got {args.max_denoising_steps}"])
+    checkpoint, err = resolve_checkpoint(args, shipped_checkpoint_dir())
+    if err:
+        return _errors("demo", [err])
+    if checkpoint is not None and args.embedding_scale is not None:
+        return _errors("demo", [f"--embedding-scale scales random weights; the demo runs the trained checkpoint "
+                                f"{checkpoint} (add --random-weights)"])
+    try:
+        result = run_demo(backend=args.backend, sampler_backend=args.sampler_backend, check=args.check,
+                          device=args.device, seed=args.seed, out=args.out, checkpoint=checkpoint,
+                          canvas_length=args.canvas_length, max_denoising_steps=args.max_denoising_steps,
+                          progress=not args.no_progress, embedding_scale=args.embedding_scale)
+    except BackendUnavailable as e:
+        print(f"blockdiff demo: error: {e}", file=sys.stderr)
+        return 2
+    except CheckpointError as e:
+        what = "--checkpoint" if args.checkpoint is not None else "shipped checkpoint"
+        print(f"blockdiff demo: error: {what} {checkpoint!r} cannot be loaded: {e}", file=sys.stderr)
+        return 2
+    except (AttentionMismatch, SamplerMismatch) as e:
+        print(f"blockdiff demo: CHECK FAILED: {e}", file=sys.stderr)
+        return 1
+    reasons = [r.finish_reason for r in result.results.values()]
+    if reasons and all(str(x).startswith("fail") for x in reasons):
+        print(f"blockdiff demo: error: all {len(reasons)} requests failed (non-finite logits)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _train(a) -> int:
+    # torch-heavy modules only now, after argument parsing: argument errors stay fast
+    import torch
+
+    from blockdiff.model.train import TrainArgs, smoke_args, train
+
+    from .evaluate import evaluate_generation
+
+    device = a.device if a.device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    args = TrainArgs(out=a.out, minutes=a.minutes, max_steps=a.max_steps, batch_size=a.batch_size, prefix=a.prefix,
+                     prefix_min=a.prefix_min, lr=a.lr, warmup_steps=a.warmup_steps, self_cond_prob=a.self_cond_prob,
+                     log_every=a.log_every, seed=a.seed, device=device, corpus=a.corpus,
+                     eval_prompts=a.eval_prompts, eval_steps=a.eval_steps, attn_backend=a.attn_backend,
+                     smoke=a.smoke)
+    if a.smoke:
+        args = smoke_args(args)
+        torch.set_num_threads(min(2, torch.get_num_threads()))
+    train(args, evaluate=evaluate_generation)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the exit code (0 ok, 1 check mismatch or every request failed, 2 usage / unavailable
-    backend / unusable checkpoint)."""
+    """Entry point; returns the exit code (0 ok; 1 check mismatch or every request failed; 2 usage, unavailable
+    backend or unusable checkpoint)."""
     args = build_parser().parse_args(argv)
     if args.command == "demo":
-        from .checks import AttentionMismatch
-        from .demo import BackendUnavailable, CheckpointError, run_demo
-        from .sampler import SamplerMismatch
-
-        import math
-        import os
-
-        problems = []
-        if args.canvas_length is not None and not 1 <= args.canvas_length <= 4096:
-            problems.append(f"--canvas-length must be in [1, 4096] tokens, got {args.canvas_length}")
-        from blockdiff.sampler.rng import MAX_STEPS
-
-        if args.max_denoising_steps is not None and not 1 <= args.max_denoising_steps < MAX_STEPS:
-            problems.append(f"--max-denoising-steps must be in [1, {MAX_STEPS}), got {args.max_denoising_steps}")
-        if not 0 <= args.seed < 2 ** 63:
-            problems.append(f"--seed must be in [0, 2**63), got {args.seed}")
-        if args.embedding_scale is not None:
-            if not (math.isfinite(args.embedding_scale) and args.embedding_scale > 0):
-                problems.append(f"--embedding-scale must be a finite number > 0, got {args.embedding_scale}")
-            elif args.checkpoint is not None:
-                problems.append("--embedding-scale scales random weights; it cannot be used with --checkpoint")
-        try:
-            os.makedirs(args.out, exist_ok=True)
-            if not os.access(args.out, os.W_OK):
-                raise PermissionError("not writable")
-        except OSError as e:
-            problems.append(f"--out {args.out!r} is not a writable folder ({e})")
-        checkpoint = None
-        if not problems:
-            checkpoint, err = resolve_checkpoint(args)
-            if err:
-                problems.append(err)
-            elif checkpoint is not None and args.embedding_scale is not None:
-                problems.append(f"--embedding-scale scales random weights; the demo runs the trained checkpoint "
-                                f"{checkpoint} (add --random-weights)")
-        if problems:
-            for msg in problems:
-                print(f"blockdiff demo: error: {msg}", file=sys.stderr)
-            return 2
-        try:
-            result = run_demo(backend=args.backend, sampler_backend=args.sampler_backend, check=args.check,
-                              device=args.device, seed=args.seed, out=args.out, checkpoint=checkpoint,
-                              canvas_length=args.canvas_length, max_denoising_steps=args.max_denoising_steps,
-                              progress=not args.no_progress, embedding_scale=args.embedding_scale)
-        except BackendUnavailable as e:
-            print(f"blockdiff demo: error: {e}", file=sys.stderr)
-            return 2
-        except CheckpointError as e:
-            what = "--checkpoint" if args.checkpoint is not None else "shipped checkpoint"
-            print(f"blockdiff demo: error: {what} {checkpoint!r} cannot be loaded: {e}", file=sys.stderr)
-            return 2
-        except (AttentionMismatch, SamplerMismatch) as e:
-            print(f"blockdiff demo: CHECK FAILED: {e}", file=sys.stderr)
-            return 1
-        reasons = [r.finish_reason for r in result.results.values()]
-        if reasons and all(str(x).startswith("fail") for x in reasons):
-            print(f"blockdiff demo: error: all {len(reasons)} requests failed (non-finite logits)", file=sys.stderr)
-            return 1
-        return 0
+        return _demo(args)
+    if args.command == "train":
+        return _train(args)
     return 2
 
 

@@ -500,7 +500,7 @@ class HarnessRunner:
         return dict(self.results)
 
     def totals(self) -> dict[str, Any]:
-        """Run totals (the figures ``blockdiff demo`` and ``model/train.py``'s evaluation report).
+        """Run totals (the figures ``blockdiff demo`` and ``blockdiff train``'s evaluation, :mod:`.evaluate`, report).
 
         Returns:
             dict: ``steps``; ``forward_passes`` (harness steps that ran the model: one pass serves every

@@ -1,6 +1,6 @@
 """Trained checkpoints shipped inside the package, and loading of a trained checkpoint folder.
 
-A checkpoint folder is what ``python3 -m blockdiff.model.train --out FOLDER`` writes: ``model.safetensors``
+A checkpoint folder is what ``blockdiff train --out FOLDER`` (:func:`blockdiff.model.train.train`) writes: ``model.safetensors``
 (transformers DiffusionGemma names), ``config.json``, ``tokenizer.json`` (:class:`ByteTokenizer`), and, for the
 record, ``loss.png`` and ``train_log.json``. The shipped one lives at ``model/checkpoints/stdlib-byte/`` in the
 repository (``blockdiff/model/checkpoints/stdlib-byte/`` once installed; ``setup.py`` ships

@@ -1,7 +1,10 @@
 """Train a small DiffusionGemma (this project's model code) on the Python standard library's own sources.
 
-    source bench/device_env.sh && python3 -m blockdiff.model.train --out $OUT/stdlib-byte --minutes 8   # H200
-    python3 -m blockdiff.model.train --smoke --out /tmp/smoke                                          # CPU, < 60 s
+The command is ``blockdiff train`` (:mod:`blockdiff.integration.cli`: it adds the evaluation by generation,
+:func:`blockdiff.integration.evaluate.evaluate_generation`, which drives the harness this package must not import):
+
+    blockdiff train --smoke --out /tmp/smoke                                                  # CPU, < 60 s
+    source bench/device_env.sh && python3 -m blockdiff.integration.cli train --out $OUT/stdlib-byte --minutes 8  # H200
 
 ``--minutes`` defaults to 8: the device tool runs one command for at most 10 minutes, and corpus loading (~1 s),
 CUDA start-up and the held-out evaluation must fit beside the training. ``$OUT`` returns at most 8 files; a run
@@ -41,14 +44,10 @@ the served forward (reference backend, paged cache, prefill then denoise) to fp3
 
 Default config (:func:`default_train_config`): hidden 256, 6 layers (sliding W = 63 / full alternating), 4 query
 heads, intermediate 256, 4 experts top-2 x 64, vocab 259, canvas 32, prefix 16-64 tokens (drawn per batch):
-4.12 M parameters, 8.2 MB of bf16 safetensors, batch 1024 windows. Measured on one H200 (bf16 autocast, batch
-256 x ~72 tokens, one no-grad pass + one graded forward/backward, commit a2f4b4b): 7 steps/s after warm-up (4 in
-the first 150 steps), i.e. launch-bound (~2500 small kernels per step and the loop MoE's host syncs; ~0.6 TFLOP
-per step is negligible for the GPU), 3099 steps in 7.4 minutes, held-out loss 1.15 nats per canvas byte. Hence the
-default batch of 1024 windows (more tokens per launch-bound step) and a cosine schedule over the wall-clock budget.
-The shipped checkpoint (``model/checkpoints/stdlib-byte``, commit 68232c8, ``--minutes 6.6``): 4.3 steps/s at
-batch 1024 (4x the tokens per step at 0.6x the step rate), 1706 steps in 6.6 minutes, held-out loss 1.0685.
-``train_log.json`` records the measured steps/s.
+4.12 M parameters, 8.2 MB of bf16 safetensors, batch 1024 windows. Training this model is launch-bound on a GPU
+(thousands of small kernels per step, the loop MoE's host syncs), hence the large batch (more tokens per step) and a
+cosine schedule over the wall-clock budget rather than over an estimated step count. The shipped checkpoint's run
+and its measured throughput: ``model/checkpoints/README.md`` and the checkpoint's ``train_log.json``.
 
 Outputs in ``--out``: ``model.safetensors`` (transformers names, so :meth:`DiffusionGemma.load_safetensors`
 loads the folder), ``config.json``, ``tokenizer.json``, ``loss.png``, ``train_log.json`` (losses, throughput,
@@ -56,7 +55,7 @@ held-out evaluation).
 """
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import math
 import os
@@ -65,10 +64,14 @@ import sysconfig
 import time
 import zlib
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_file
+
+from blockdiff.attention import build_mask
 
 from .config import DiffusionGemmaConfig, tiny_config
 from .modeling import DiffusionGemma
@@ -220,8 +223,6 @@ def training_masks(model: DiffusionGemma, prefix_len: int, canvas_length: int, d
     """Per layer type, the ``[P + CL, P + CL]`` bool mask of the encoder pass (prefix rows: causal over the
     prefix) stacked on the decoder pass (canvas rows: bidirectional over prefix + canvas, ``ctx = P``), both
     from :func:`blockdiff.attention.build_mask` with the layer's window and the config's bidirectional window."""
-    from blockdiff.attention import build_mask
-
     cfg = model.config
     P, CL = prefix_len, canvas_length
     out = {}
@@ -342,8 +343,6 @@ def hf_state_dict(model: DiffusionGemma, dtype: torch.dtype = torch.bfloat16) ->
 def save_checkpoint(model: DiffusionGemma, out: str, tokenizer: ByteTokenizer, dtype=torch.bfloat16) -> str:
     """Write ``model.safetensors``, ``config.json`` and ``tokenizer.json`` to the folder ``out``; returns the
     safetensors path. Load with ``DiffusionGemma.load_safetensors(out)``."""
-    from safetensors.torch import save_file
-
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, "model.safetensors")
     save_file(hf_state_dict(model, dtype), path, metadata={"format": "pt", "source": "blockdiff.model.train"})
@@ -355,6 +354,7 @@ def save_checkpoint(model: DiffusionGemma, out: str, tokenizer: ByteTokenizer, d
 
 def plot_loss(log: list[dict], path: str, title: str) -> str:
     """PNG of training loss (per log interval) and held-out loss against steps."""
+    # matplotlib only to draw: the Agg backend must be chosen before pyplot is imported (no display needed)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -393,68 +393,6 @@ def held_out_loss(model, stream: torch.Tensor, prefix_len: int, canvas_length: i
     return tot / batches
 
 
-def evaluate_generation(model: DiffusionGemma, tokenizer: ByteTokenizer, held_out: np.ndarray, *,
-                        num_prompts: int = 8, prompt_len: int = 48, canvases: int = 2, max_denoising_steps: int = 16,
-                        seed: int = 0, attn_backend: str = "reference", sampler_backend: str = "reference",
-                        device=None) -> dict:
-    """Generate from held-out prompts with :class:`blockdiff.integration.HarnessRunner` (the project's harness
-    and sampler, default :class:`~blockdiff.sampler.SamplingParams` except canvas length / step cap / eos).
-
-    Prompts: ``num_prompts`` held-out windows of ``prompt_len`` tokens starting at a line start (specials
-    dropped). Each request generates up to ``canvases * canvas_length`` tokens (stops at eos).
-
-    Returns:
-        dict: ``tokens_per_forward`` (tokens committed / harness forward passes, one pass serving every running
-        request; prefill and commit passes included), ``tokens_per_request_pass`` (tokens committed / rows of all
-        passes: a request's own prefill, denoise and commit rows), ``tokens_per_denoise_step`` (tokens committed
-        / denoise rows), ``denoise_steps_per_canvas`` (mean),
-        ``forward_passes``, ``tokens_emitted``, ``canvases``, ``samples`` ([{prompt, completion}] text).
-    """
-    from blockdiff.integration import HarnessRunner
-    from blockdiff.sampler import SamplingParams
-
-    cfg = model.config
-    CL = cfg.canvas_length
-    rng = np.random.default_rng(seed)
-    prompts = []
-    tries = 0
-    while len(prompts) < num_prompts and tries < 10_000:
-        tries += 1
-        off = int(rng.integers(0, max(1, len(held_out) - prompt_len - 1)))
-        nl = np.nonzero(held_out[off: off + 4 * prompt_len] == tokenizer.byte_offset + 10)[0]  # '\n'
-        if len(nl) == 0:
-            continue
-        s = off + int(nl[0]) + 1
-        w = held_out[s: s + prompt_len]
-        if len(w) < prompt_len or (w < tokenizer.byte_offset).any():
-            continue
-        prompts.append([int(x) for x in w])
-    if not prompts:
-        raise ValueError("no held-out prompt found (held-out stream too short)")
-    params = SamplingParams(canvas_length=CL, max_denoising_steps=max_denoising_steps, seed=seed,
-                            eos_token_ids=(tokenizer.eos_token_id,), max_tokens=canvases * CL)
-    dev = device or model.embed_tokens.weight.device
-    runner = HarnessRunner(model, default_params=params, max_num_reqs=len(prompts),
-                           max_num_batched_tokens=max(len(prompts) * CL, prompt_len * len(prompts)),
-                           page_size=16, max_model_len=prompt_len + (canvases + 1) * CL, device=dev,
-                           attn_backend=attn_backend, sampler_backend=sampler_backend)
-    for i, p in enumerate(prompts):
-        runner.add_request(f"eval-{i}", p, params)
-    res = runner.run(max_steps=100_000)
-    tot = runner.totals()  # the accounting blockdiff demo prints (HarnessRunner.totals)
-    samples = [{"prompt": tokenizer.decode(prompts[i]), "completion": tokenizer.decode(res[f"eval-{i}"].output_token_ids)}
-               for i in range(len(prompts))]
-    return {
-        "num_prompts": len(prompts), "prompt_len": prompt_len, "canvas_length": CL,
-        "max_denoising_steps": max_denoising_steps, "forward_passes": tot["forward_passes"],
-        "tokens_emitted": tot["tokens_emitted"], "tokens_per_forward": tot["tokens_per_forward"],
-        "denoise_passes": tot["denoise_rows"], "canvases": tot["canvases_committed"],
-        "request_rows": tot["request_rows"], "tokens_per_request_pass": tot["tokens_per_request_pass"],
-        "tokens_per_denoise_step": tot["tokens_per_denoise_step"],
-        "denoise_steps_per_canvas": tot["denoise_steps_per_canvas"], "samples": samples,
-    }
-
-
 # ---------------------------------------------------------------------------------------------- training
 def _autocast(dev):
     dev = torch.device(dev)
@@ -463,8 +401,26 @@ def _autocast(dev):
     return torch.autocast("cpu", enabled=False)
 
 
-def train(args: TrainArgs, config: DiffusionGemmaConfig | None = None, stream=sys.stdout) -> dict:
-    """Train, save and evaluate (see the module docstring). Returns the ``train_log.json`` dict."""
+def train(args: TrainArgs, config: DiffusionGemmaConfig | None = None, stream=sys.stdout, *,
+          evaluate: Callable[..., dict] | None = None) -> dict:
+    """Train, save and evaluate (see the module docstring). Returns the ``train_log.json`` dict.
+
+    Args:
+        args: the run's settings. config: the model config (default :func:`default_train_config`, or
+            :func:`smoke_config` with ``args.smoke``). stream: where progress lines go.
+        evaluate: evaluation by generation, run on the saved checkpoint when ``args.eval_prompts > 0``:
+            ``evaluate(model, tokenizer, held_out, *, num_prompts, prompt_len, canvases, max_denoising_steps,
+            seed, attn_backend, device) -> dict`` (recorded as ``"eval"``); ``blockdiff train`` passes
+            :func:`blockdiff.integration.evaluate.evaluate_generation` (it drives the harness, which this
+            package does not import).
+
+    Raises:
+        ValueError: ``args.eval_prompts > 0`` without ``evaluate`` (checked before training); the config's
+            vocabulary is not the byte tokenizer's.
+    """
+    if args.eval_prompts > 0 and evaluate is None:
+        raise ValueError(f"args.eval_prompts = {args.eval_prompts} needs evaluate= (e.g. "
+                         "blockdiff.integration.evaluate.evaluate_generation); set eval_prompts = 0 to skip it")
     p = lambda *a: print(*a, file=stream, flush=True)  # noqa: E731
     t_start = time.perf_counter()
     torch.manual_seed(args.seed)
@@ -563,7 +519,7 @@ def train(args: TrainArgs, config: DiffusionGemmaConfig | None = None, stream=sy
         ev_model = DiffusionGemma.load_safetensors(args.out, device=dev,
                                                    dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)
         ev_model.eval()
-        ev = evaluate_generation(ev_model, tok, held if len(held) > 4 * args.eval_prompt_len else train_ids,
+        ev = evaluate(ev_model, tok, held if len(held) > 4 * args.eval_prompt_len else train_ids,
                                  num_prompts=args.eval_prompts, prompt_len=args.eval_prompt_len,
                                  canvases=args.eval_canvases, max_denoising_steps=args.eval_steps, seed=args.seed,
                                  attn_backend=args.attn_backend, device=dev)
@@ -580,47 +536,19 @@ def train(args: TrainArgs, config: DiffusionGemmaConfig | None = None, stream=sy
     return result
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, help="output folder (checkpoint, config, tokenizer, loss.png, log)")
-    ap.add_argument("--minutes", type=float, default=8.0, help="wall-clock training budget (default 8)")
-    ap.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (overrides --minutes)")
-    ap.add_argument("--batch-size", type=int, default=1024)
-    ap.add_argument("--prefix", type=int, default=64, help="longest clean prefix P (tokens)")
-    ap.add_argument("--prefix-min", type=int, default=16, help="shortest clean prefix (P drawn per batch)")
-    ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--warmup-steps", type=int, default=200)
-    ap.add_argument("--self-cond-prob", type=float, default=0.5)
-    ap.add_argument("--log-every", type=int, default=50)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--corpus", default=None, help="folder of .py files or one text file (default: the stdlib)")
-    ap.add_argument("--eval-prompts", type=int, default=8)
-    ap.add_argument("--eval-steps", type=int, default=16, help="max_denoising_steps of the evaluation")
-    ap.add_argument("--attn-backend", default="reference", help="attention backend of the evaluation harness")
-    ap.add_argument("--smoke", action="store_true", help="tiny config, ~20 steps on the CPU")
-    a = ap.parse_args(argv)
-    args = TrainArgs(out=a.out, minutes=a.minutes, max_steps=a.max_steps, batch_size=a.batch_size, prefix=a.prefix,
-                     prefix_min=a.prefix_min, lr=a.lr, warmup_steps=a.warmup_steps, self_cond_prob=a.self_cond_prob, log_every=a.log_every,
-                     seed=a.seed, device=a.device, corpus=a.corpus, eval_prompts=a.eval_prompts,
-                     eval_steps=a.eval_steps, attn_backend=a.attn_backend, smoke=a.smoke)
-    if a.smoke:
-        args.device = "cpu"
-        args.max_steps = a.max_steps or 20
-        args.batch_size = min(a.batch_size, 8)
-        args.prefix, args.prefix_min = min(a.prefix, 16), min(a.prefix_min, 8)
-        args.warmup_steps = 2
-        args.lr = 3e-3
-        args.eval_prompts = min(a.eval_prompts, 2)
-        args.eval_prompt_len = 12
-        args.eval_canvases = 1
-        args.eval_steps = min(a.eval_steps, 4)
-        if a.corpus is None:  # a slice of the stdlib keeps the smoke run fast
-            args.corpus = os.path.join(sysconfig.get_paths()["stdlib"], "json")
-        torch.set_num_threads(min(2, torch.get_num_threads()))
-    train(args)
-    return 0
+def smoke_args(args: TrainArgs) -> TrainArgs:
+    """``blockdiff train --smoke``: ``args`` cut down to a CPU run of under a minute (at most 20 steps unless
+    ``max_steps`` is set, batch <= 8, prefix 8-16, 2 warm-up steps, lr 3e-3, <= 2 evaluation prompts of 12
+    tokens, one canvas, <= 4 denoising steps; corpus default: the stdlib's ``json`` package)."""
+    corpus = args.corpus if args.corpus is not None else os.path.join(sysconfig.get_paths()["stdlib"], "json")
+    return dataclasses.replace(
+        args, smoke=True, device="cpu", max_steps=args.max_steps or 20, batch_size=min(args.batch_size, 8),
+        prefix=min(args.prefix, 16), prefix_min=min(args.prefix_min, 8), warmup_steps=2, lr=3e-3,
+        eval_prompts=min(args.eval_prompts, 2), eval_prompt_len=12, eval_canvases=1,
+        eval_steps=min(args.eval_steps, 4), corpus=corpus)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit("blockdiff.model.train is the training library; run it with `blockdiff train --out FOLDER ...` "
+             "(or python3 -m blockdiff.integration.cli train ...), which also evaluates by generation through "
+             "the harness")

@@ -1,7 +1,8 @@
 """``blockdiff demo`` end to end on random weights (``--random-weights``): table, totals, PNG, ``--check``, backend
-errors. The trained-checkpoint path is in test_demo.py."""
+errors; ``blockdiff train --smoke``. The trained-checkpoint path is in test_demo.py."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -119,3 +120,22 @@ def test_demo_rejects_out_of_range_seed_and_step_cap_with_a_message_not_a_traceb
     out = capsys.readouterr()
     assert "--seed must be in [0, 2**63), got -1" in out.err and "--max-denoising-steps must be in [1, 16384)" in out.err
     assert "blockdiff demo:" not in out.out  # nothing ran
+
+
+def test_train_smoke_runs_and_records_the_evaluation(tmp_path):
+    """``blockdiff train --smoke`` (moved from ``python3 -m blockdiff.model.train``): trains, saves, and evaluates
+    by generation through the harness (train_log.json's "eval")."""
+    assert cli.main(["train", "--smoke", "--out", str(tmp_path), "--max-steps", "3", "--eval-prompts", "1"]) == 0
+    assert (tmp_path / "model.safetensors").exists()
+    log = json.loads((tmp_path / "train_log.json").read_text())
+    assert log["steps"] == 3 and log["args"]["smoke"] and log["eval"]["num_prompts"] == 1
+
+
+def test_train_argument_errors_come_before_torch():
+    """An argument error of ``blockdiff train`` exits 2 from argparse, in a process that never imported torch."""
+    code = ("import sys; from blockdiff.integration import cli\n"
+            "try:\n    cli.main(['train', '--attn-backend', 'flash9000', '--out', '/tmp/x'])\n"
+            "except SystemExit as e:\n    print('exit', e.code, 'torch' in sys.modules)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.stdout.strip() == "exit 2 False", p.stdout + p.stderr
+    assert "invalid choice: 'flash9000'" in p.stderr

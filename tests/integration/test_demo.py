@@ -23,7 +23,7 @@ METRIC_LINES = ("tokens committed per forward pass: ", "denoising steps per canv
 
 @pytest.fixture(scope="session")
 def smoke_checkpoint(tmp_path_factory):
-    """A checkpoint folder as ``python3 -m blockdiff.model.train --smoke`` writes it (smoke config, bf16,
+    """A checkpoint folder as ``blockdiff train --smoke`` writes it (smoke config, bf16,
     byte tokenizer), without the training steps."""
     from blockdiff.model import DiffusionGemma
     from blockdiff.model.tokenizer import ByteTokenizer

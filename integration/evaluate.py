@@ -1,0 +1,105 @@
+"""Evaluation by generation: a trained DiffusionGemma serves held-out prompts through :class:`HarnessRunner`.
+
+``blockdiff train`` (:func:`blockdiff.integration.cli.main`) hands :func:`evaluate_generation` to
+:func:`blockdiff.model.train.train` as its ``evaluate`` callback, which runs it on the saved checkpoint and
+records the result under ``"eval"`` in ``train_log.json``. It lives here, not in ``blockdiff.model``, because it
+drives the harness and the sampler: the model package imports neither (docs/ARCHITECTURE.md "Packages").
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from blockdiff.model import DiffusionGemma
+from blockdiff.model.tokenizer import ByteTokenizer
+from blockdiff.sampler import SamplingParams
+
+from .harness import HarnessRunner
+
+__all__ = ["held_out_prompts", "evaluate_generation"]
+
+NEWLINE = 10  # byte value of '\n': prompts start at a line start
+
+
+def held_out_prompts(tokenizer: ByteTokenizer, held_out: np.ndarray, num_prompts: int, prompt_len: int,
+                     seed: int = 0) -> list[list[int]]:
+    """Up to ``num_prompts`` windows of ``prompt_len`` byte tokens from ``held_out``, each starting just after a
+    newline and holding no special token (bos / eos / pad), at offsets drawn from ``numpy.random.default_rng(seed)``
+    (10,000 draws at most).
+
+    Args:
+        tokenizer: the :class:`ByteTokenizer` that encoded ``held_out``.
+        held_out: 1-D integer token stream (``blockdiff.model.train.load_corpus``'s held-out part).
+        num_prompts, prompt_len: prompts wanted and their length in tokens.
+
+    Returns:
+        the prompts, as lists of token ids (fewer than ``num_prompts`` when the stream has too few line starts).
+    """
+    rng = np.random.default_rng(seed)
+    prompts: list[list[int]] = []
+    tries = 0
+    while len(prompts) < num_prompts and tries < 10_000:
+        tries += 1
+        off = int(rng.integers(0, max(1, len(held_out) - prompt_len - 1)))
+        nl = np.nonzero(held_out[off: off + 4 * prompt_len] == tokenizer.byte_offset + NEWLINE)[0]
+        if len(nl) == 0:
+            continue
+        s = off + int(nl[0]) + 1
+        w = held_out[s: s + prompt_len]
+        if len(w) < prompt_len or (w < tokenizer.byte_offset).any():
+            continue
+        prompts.append([int(x) for x in w])
+    return prompts
+
+
+def evaluate_generation(model: DiffusionGemma, tokenizer: ByteTokenizer, held_out: np.ndarray, *,
+                        num_prompts: int = 8, prompt_len: int = 48, canvases: int = 2, max_denoising_steps: int = 16,
+                        seed: int = 0, attn_backend: str = "reference", sampler_backend: str = "reference",
+                        device=None) -> dict:
+    """Generate from held-out prompts with :class:`HarnessRunner` (the project's harness and sampler, default
+    :class:`~blockdiff.sampler.SamplingParams` except canvas length / step cap / eos).
+
+    Prompts: :func:`held_out_prompts` (``num_prompts`` windows of ``prompt_len`` tokens at line starts). Each
+    request generates up to ``canvases * canvas_length`` tokens (stops at eos); all run at once, one slot each.
+
+    Args:
+        model: the trained model (eval mode). tokenizer: its byte tokenizer. held_out: 1-D token stream.
+        max_denoising_steps: step cap per canvas. seed: prompt choice and sampling seed.
+        attn_backend / sampler_backend: the harness's backends. device: default the model's.
+
+    Returns:
+        dict: ``tokens_per_forward`` (tokens committed / harness forward passes, one pass serving every running
+        request; prefill and commit passes included), ``tokens_per_request_pass`` (tokens committed / rows of all
+        passes: a request's own prefill, denoise and commit rows), ``tokens_per_denoise_step`` (tokens committed
+        / denoise rows), ``denoise_steps_per_canvas`` (mean), ``forward_passes``, ``tokens_emitted``,
+        ``canvases``, ``samples`` ([{prompt, completion}] text); the figures of :meth:`HarnessRunner.totals`.
+
+    Raises:
+        ValueError: no prompt found (held-out stream too short or without line starts).
+    """
+    cfg = model.config
+    CL = cfg.canvas_length
+    prompts = held_out_prompts(tokenizer, held_out, num_prompts, prompt_len, seed)
+    if not prompts:
+        raise ValueError("no held-out prompt found (held-out stream too short)")
+    params = SamplingParams(canvas_length=CL, max_denoising_steps=max_denoising_steps, seed=seed,
+                            eos_token_ids=(tokenizer.eos_token_id,), max_tokens=canvases * CL)
+    dev = device or model.embed_tokens.weight.device
+    runner = HarnessRunner(model, default_params=params, max_num_reqs=len(prompts),
+                           max_num_batched_tokens=max(len(prompts) * CL, prompt_len * len(prompts)),
+                           page_size=16, max_model_len=prompt_len + (canvases + 1) * CL, device=dev,
+                           attn_backend=attn_backend, sampler_backend=sampler_backend)
+    for i, p in enumerate(prompts):
+        runner.add_request(f"eval-{i}", p, params)
+    res = runner.run(max_steps=100_000)
+    tot = runner.totals()  # the accounting blockdiff demo prints (HarnessRunner.totals)
+    samples = [{"prompt": tokenizer.decode(prompts[i]), "completion": tokenizer.decode(res[f"eval-{i}"].output_token_ids)}
+               for i in range(len(prompts))]
+    return {
+        "num_prompts": len(prompts), "prompt_len": prompt_len, "canvas_length": CL,
+        "max_denoising_steps": max_denoising_steps, "forward_passes": tot["forward_passes"],
+        "tokens_emitted": tot["tokens_emitted"], "tokens_per_forward": tot["tokens_per_forward"],
+        "denoise_passes": tot["denoise_rows"], "canvases": tot["canvases_committed"],
+        "request_rows": tot["request_rows"], "tokens_per_request_pass": tot["tokens_per_request_pass"],
+        "tokens_per_denoise_step": tot["tokens_per_denoise_step"],
+        "denoise_steps_per_canvas": tot["denoise_steps_per_canvas"], "samples": samples,
+    }
