@@ -9,7 +9,7 @@ Two models:
   with :func:`blockdiff.model.pretrained.load_pretrained` (``DiffusionGemma.load_safetensors`` +
   ``ByteTokenizer.load``), weights as trained. The prompts are short Python snippets (:data:`TEXT_REQUESTS`),
   encoded by the checkpoint's tokenizer; its eos id ends a request; the canvas length defaults to the one it was
-  trained with and the step cap to 16 (``model/train.py``'s evaluation cap).
+  trained with and the step cap to 16 (``blockdiff train``'s evaluation cap).
 * tiny random weights (``checkpoint=None``; ``blockdiff demo --random-weights``): random prompt ids
   (:data:`DEFAULT_REQUESTS`), a 16-token canvas and a step cap of 6. Random weights give near-uniform logits
   (entropy ~ log V, one position accepted per step); the tied embedding is scaled (``embedding_scale``, default
@@ -20,11 +20,23 @@ into four slots, under a step budget of four canvases (long prompts are chunked)
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from blockdiff.attention import attention, build_mask
+from blockdiff.model import DiffusionGemma, tiny_config
+from blockdiff.model.pretrained import load_pretrained
+from blockdiff.sampler import SamplingParams
+from blockdiff.sampler import get_backend as sampler_get_backend
+
+from .harness import HarnessRunner
 
 # Random weights: (req_id, prompt_len, arrival_step, max_tokens, greedy); prompts are random ids.
 DEFAULT_REQUESTS: tuple[tuple[str, int, int, int, bool], ...] = (
@@ -47,7 +59,7 @@ TEXT_REQUESTS: tuple[tuple[str, str, int, int, bool], ...] = (
     ("req-4", "        if not isinstance(name, str):\n            raise ", 9, 1, False),
     ("req-5", "    def __repr__(self):\n        return ", 12, 2, False),
 )
-TRAINED_MAX_DENOISING_STEPS = 16  # model/train.py's evaluation cap (--eval-steps default)
+TRAINED_MAX_DENOISING_STEPS = 16  # blockdiff train's evaluation cap (its --eval-steps default)
 RANDOM_CANVAS_LENGTH, RANDOM_MAX_DENOISING_STEPS, RANDOM_EMBEDDING_SCALE = 16, 6, 30.0
 
 
@@ -75,10 +87,6 @@ def check_attention_backend(backend: str, device) -> None:
     """Run the chosen attention backend once on a tiny mixed batch; raise :class:`BackendUnavailable` with the
     reason if it cannot run on ``device`` (e.g. ``cute`` without CUDA, ``triton`` on CPU without
     ``TRITON_INTERPRET=1``)."""
-    import torch
-
-    from blockdiff.attention import attention
-
     interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     if backend == "triton" and torch.device(device).type == "cpu" and not interp:
         raise BackendUnavailable("attention backend 'triton' on CPU needs TRITON_INTERPRET=1 (Triton interpreter)")
@@ -133,12 +141,11 @@ def plot_attention_pattern(rec, config, path: str) -> str:
     Returns:
         the path written.
     """
+    # matplotlib only to draw: the Agg backend must be chosen before pyplot is imported (no display needed)
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from blockdiff.attention import build_mask
 
     kinds = []
     if "sliding_attention" in config.layer_types:
@@ -207,13 +214,6 @@ def run_demo(*, backend: str = "reference", sampler_backend: str = "reference", 
         blockdiff.integration.checks.AttentionMismatch, blockdiff.integration.sampler.SamplerMismatch:
             ``check`` found a disagreement with the reference.
     """
-    import torch
-
-    from blockdiff.model import DiffusionGemma, tiny_config
-    from blockdiff.sampler import SamplingParams
-
-    from .harness import HarnessRunner
-
     stream = stream or sys.stdout
     p = lambda *a: print(*a, file=stream, flush=True)  # noqa: E731
     if checkpoint is not None and embedding_scale is not None:
@@ -225,8 +225,6 @@ def run_demo(*, backend: str = "reference", sampler_backend: str = "reference", 
     interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     if sampler_backend == "triton" and dev.type == "cpu" and not interp:
         raise BackendUnavailable("sampler backend 'triton' on CPU needs TRITON_INTERPRET=1 (Triton interpreter)")
-    from blockdiff.sampler import get_backend as sampler_get_backend
-
     try:
         sampler_get_backend(sampler_backend)
     except (ImportError, ValueError) as e:
@@ -239,8 +237,6 @@ def run_demo(*, backend: str = "reference", sampler_backend: str = "reference", 
     torch.manual_seed(seed)
     tokenizer = None
     if checkpoint is not None:
-        from blockdiff.model.pretrained import load_pretrained
-
         try:  # fp32 on the CPU (the reference path); the stored bf16 on a GPU
             model, tokenizer = load_pretrained(checkpoint, device=dev,
                                                dtype=torch.float32 if dev.type == "cpu" else None)
@@ -301,8 +297,6 @@ def run_demo(*, backend: str = "reference", sampler_backend: str = "reference", 
     t0 = time.perf_counter()
     bar = None
     if progress:
-        from tqdm import tqdm
-
         bar = tqdm(total=sum(max_tokens), unit="tok", desc="generating", file=sys.stderr, leave=False,
                    disable=None)  # None: shown on a terminal only
 
@@ -377,8 +371,6 @@ def format_generation_metrics(totals: dict) -> str:
 def _train_summary(folder: str) -> str:
     """``", trained N steps, held-out loss L nats per canvas byte"`` from the folder's ``train_log.json`` (model/train.py's
     record), or ``""`` when the folder has no readable log (the log is optional)."""
-    import json
-
     try:
         with open(os.path.join(folder, "train_log.json")) as f:
             log = json.load(f)

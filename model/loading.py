@@ -22,6 +22,7 @@ import json
 import os
 
 import torch
+from safetensors import safe_open
 
 SKIPPED_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
 _DEC = "model.decoder."
@@ -164,8 +165,6 @@ def read_safetensors(path, device=None) -> dict[str, torch.Tensor]:
     Raises:
         FileNotFoundError: nothing loadable at ``path``.
     """
-    from safetensors import safe_open
-
     path = os.fspath(path)
     if os.path.isdir(path):
         index = os.path.join(path, "model.safetensors.index.json")

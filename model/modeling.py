@@ -18,12 +18,17 @@ rows reads the cached context plus the canvas's own (just written) K/V.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
+
+from blockdiff.attention import attention, causal_row_counts, write_kv_cache
 
 from .config import DiffusionGemmaConfig
 from .layers import (MOE_IMPLS, DecoderLayer, GatedMLP, RMSNorm, acc_dtype, default_moe_impl, init_weights_,
                      rope_cos_sin, rope_inv_freq)
+from .loading import load_hf_state_dict, read_safetensors
 
 
 class SelfConditioning(nn.Module):
@@ -245,8 +250,6 @@ class DiffusionGemma(nn.Module):
             TypeError: attn_backend not a str.
             ValueError: a shape/dtype rule of an argument is broken (named in the message).
         """
-        from blockdiff.attention import attention, causal_row_counts, write_kv_cache
-
         bw = self.config.bidirectional_window if bidirectional_window is None else bidirectional_window
         self._validate(input_ids, positions, meta, kv_caches, self_cond, attn_backend, bw)
         T = input_ids.shape[0]
@@ -302,8 +305,6 @@ class DiffusionGemma(nn.Module):
         state dict; see :func:`blockdiff.model.loading.convert_hf_state_dict` for the name mapping and
         errors. ``config`` or ``hf_config`` (anything :meth:`DiffusionGemmaConfig.from_hf` takes) is required.
         """
-        from .loading import load_hf_state_dict
-
         if config is None:
             if hf_config is None:
                 raise ValueError("pass config= (DiffusionGemmaConfig) or hf_config= (transformers config)")
@@ -323,9 +324,6 @@ class DiffusionGemma(nn.Module):
             FileNotFoundError: no checkpoint or config at ``path``.
             ValueError: missing / unexpected / mis-shaped tensors (all listed), or unsupported config.
         """
-        from .loading import read_safetensors
-
-        import os
         if config is None:
             folder = path if os.path.isdir(path) else os.path.dirname(os.fspath(path))
             cfg_path = os.path.join(folder, "config.json")

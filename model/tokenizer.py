@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
+
 __all__ = ["ByteTokenizer"]
 
 
@@ -36,8 +38,6 @@ class ByteTokenizer:
 
     def encode_bytes(self, data: bytes):
         """``numpy`` int16 ids ``[len(data)]`` of raw bytes (fast path for corpora)."""
-        import numpy as np
-
         return np.frombuffer(data, dtype=np.uint8).astype(np.int16) + self.byte_offset
 
     def decode(self, ids, *, stop_at_eos: bool = False) -> str:

@@ -6,7 +6,8 @@ import copy
 import pytest
 import torch
 
-from blockdiff.model import DiffusionGemma, DiffusionGemmaConfig, tiny_config
+from blockdiff.model import DiffusionGemma, DiffusionGemmaConfig, modeling, tiny_config
+from blockdiff.model.layers import default_moe_impl
 from model_testutils import build_meta, randomize_
 
 PS = 4  # page size that does not divide the window or canvas evenly in every test
@@ -347,8 +348,6 @@ def test_grouped_mm_forward_reads_no_tensor_values_after_warmup(monkeypatch):
     host (no .item/.tolist/bool/int/float/nonzero/numpy: under CUDA-graph capture such a read would sync, or
     bake the capture-time value into every replay) and equals an unpatched forward. blockdiff.attention's own
     calls are exempt (its reference backend reads metadata on the host; its kernels have their own tests)."""
-    import blockdiff.attention as battn
-
     torch.manual_seed(0)
     m = randomize_(DiffusionGemma(tiny_config(), moe_impl="grouped_mm"), seed=2).eval()
     cfg = m.config
@@ -389,8 +388,9 @@ def test_grouped_mm_forward_reads_no_tensor_values_after_warmup(monkeypatch):
                 armed[0] = True
         return f
 
-    monkeypatch.setattr(battn, "attention", exempt(battn.attention))
-    monkeypatch.setattr(battn, "write_kv_cache", exempt(battn.write_kv_cache))
+    # patched where the model looks them up (blockdiff.model.modeling imports them by name)
+    monkeypatch.setattr(modeling, "attention", exempt(modeling.attention))
+    monkeypatch.setattr(modeling, "write_kv_cache", exempt(modeling.write_kv_cache))
     restore()
     try:
         got = m(ids2, pos, meta, caches, soft2, attn_backend="reference")
@@ -436,8 +436,6 @@ def test_moe_output_independent_of_accumulation_order_of_atomics(monkeypatch, dt
 
 @torch.no_grad()
 def test_default_moe_impl_is_loop_on_cpu(model):
-    from blockdiff.model.layers import default_moe_impl
-
     assert model.moe_impl is None  # the default: chosen per forward
     for dt in (torch.float32, torch.bfloat16, torch.float64):
         assert default_moe_impl(torch.zeros(2, 3, dtype=dt)) == "loop"
