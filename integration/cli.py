@@ -1,6 +1,6 @@
-"""Command line: ``blockdiff demo`` and ``blockdiff train`` (console script ``blockdiff =
+"""Command line: ``blockdiff demo``, ``blockdiff train`` and ``blockdiff export`` (console script ``blockdiff =
 blockdiff.integration.cli:main``; from a checkout without it: ``python3 -m blockdiff.integration.cli``). See
-:mod:`blockdiff.integration.demo` and :mod:`blockdiff.model.train` for what they run.
+:mod:`blockdiff.integration.demo`, :mod:`blockdiff.model.train` and :mod:`blockdiff.model.export` for what they run.
 
 Argument errors come first and fast: this module imports only the standard library at its top; each command
 imports its torch-heavy modules once the arguments that need no torch are checked.
@@ -74,6 +74,28 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--attn-backend", default="reference", choices=ATTENTION_BACKENDS,
                    help="attention backend of the evaluation harness")
     t.add_argument("--smoke", action="store_true", help="tiny config, ~20 steps on the CPU")
+
+    e = sub.add_parser("export", help="write a checkpoint as a Hugging Face DiffusionGemma folder (transformers, vLLM)",
+                       description="Write a trained checkpoint (default: the shipped stdlib-byte one) as a Hugging "
+                                   "Face DiffusionGemma folder that transformers and vLLM load by path: config.json, "
+                                   "model.safetensors, generation_config.json (the sampling defaults), tokenizer.json "
+                                   "and tokenizer_config.json (the byte tokenizer). See blockdiff.model.export. "
+                                   "Serve it with: vllm serve OUT --language-model-only")
+    e.add_argument("out", metavar="OUT", help="folder to write (created if missing)")
+    e.add_argument("--checkpoint", metavar="FOLDER", default=None,
+                   help="trained checkpoint folder (as blockdiff train --out writes it); default: the shipped one")
+    e.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default=None,
+                   help="dtype of the written weights (default: as stored, bfloat16)")
+    e.add_argument("--max-denoising-steps", type=int, default=None,
+                   help="step cap per canvas in generation_config.json (default 16, blockdiff demo's for a trained "
+                        "checkpoint)")
+    e.add_argument("--t-min", type=float, default=None, help="temperature of the last denoising step (default 0.4)")
+    e.add_argument("--t-max", type=float, default=None, help="temperature of the first denoising step (default 0.8)")
+    e.add_argument("--entropy-bound", type=float, default=None, help="acceptance budget, nats (default 0.1)")
+    e.add_argument("--confidence-threshold", type=float, default=None,
+                   help="mean-entropy convergence threshold, nats (default 0.005)")
+    e.add_argument("--stability-threshold", type=int, default=None, help="stable steps to converge (default 1)")
+    e.add_argument("--overwrite", action="store_true", help="replace an earlier export in OUT")
     return ap
 
 
@@ -183,6 +205,45 @@ def _train(a) -> int:
     return 0
 
 
+def _export(a) -> int:
+    problems = []
+    for flag, v in (("--t-min", a.t_min), ("--t-max", a.t_max)):
+        if v is not None and not (math.isfinite(v) and v >= 0):
+            problems.append(f"{flag} must be a finite number >= 0, got {v}")
+    for flag, v in (("--entropy-bound", a.entropy_bound), ("--confidence-threshold", a.confidence_threshold)):
+        if v is not None and not (math.isfinite(v) and v > 0):
+            problems.append(f"{flag} must be a finite number > 0 (nats), got {v}")
+    if a.max_denoising_steps is not None and a.max_denoising_steps < 1:
+        problems.append(f"--max-denoising-steps must be >= 1, got {a.max_denoising_steps}")
+    if a.stability_threshold is not None and a.stability_threshold < 0:
+        problems.append(f"--stability-threshold must be >= 0, got {a.stability_threshold}")
+    if a.checkpoint is not None and not os.path.isdir(a.checkpoint):
+        problems.append(f"--checkpoint {a.checkpoint!r} is not a folder")
+    if os.path.exists(a.out) and not os.path.isdir(a.out):
+        problems.append(f"OUT {a.out!r} is a file, not a folder")
+    if problems:
+        return _errors("export", problems)
+    # torch-heavy modules only now, after the checks above: argument errors stay fast
+    from blockdiff.model.export import export_hf
+    from blockdiff.model.pretrained import shipped_checkpoint_dir
+
+    from .demo import TRAINED_MAX_DENOISING_STEPS
+
+    source = a.checkpoint if a.checkpoint is not None else shipped_checkpoint_dir()
+    steps = TRAINED_MAX_DENOISING_STEPS if a.max_denoising_steps is None else a.max_denoising_steps
+    gen = {k: v for k, v in (("t_min", a.t_min), ("t_max", a.t_max), ("entropy_bound", a.entropy_bound),
+                             ("confidence_threshold", a.confidence_threshold),
+                             ("stability_threshold", a.stability_threshold)) if v is not None}
+    try:
+        written = export_hf(source, a.out, dtype=a.dtype, overwrite=a.overwrite, max_denoising_steps=steps, **gen)
+    except (OSError, ValueError) as e:
+        return _errors("export", [str(e)])
+    for name, path in written.items():
+        print(f"{path}  {os.path.getsize(path)} bytes")
+    print(f"serve with: vllm serve {a.out} --language-model-only")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code (0 ok; 1 check mismatch or every request failed; 2 usage, unavailable
     backend or unusable checkpoint)."""
@@ -191,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
         return _demo(args)
     if args.command == "train":
         return _train(args)
+    if args.command == "export":
+        return _export(args)
     return 2
 
 

@@ -1,0 +1,397 @@
+"""model/export.py: the shipped stdlib-byte checkpoint exported as a Hugging Face DiffusionGemma folder, loaded back by
+transformers 5.24 (``DiffusionGemmaForBlockDiffusion``, ``AutoConfig``, ``AutoTokenizer``, the generation config) and
+by blockdiff; logits compared in encoder and decoder modes; the fields vLLM 0.26 reads; errors; ``blockdiff export``.
+
+Logits: blockdiff from the export equals blockdiff from the shipped folder bitwise (same tensors, same math). Against
+transformers the rule of test_model_hf_parity.py applies (float64 runs agree to ``F64_AGREE``; our float32 error
+against the float64 oracle <= 2 x transformers' + 4 eps), and the float32 logits are also compared directly.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from blockdiff.model import DiffusionGemma, DiffusionGemmaConfig, tiny_config
+from blockdiff.model.export import (ARCHITECTURE, EXPORT_FILES, GENERATION_DEFAULTS, export_hf, hf_config_dict,
+                                    hf_tokenizer_json)
+from blockdiff.model.pretrained import load_pretrained, shipped_checkpoint_dir
+from blockdiff.model.tokenizer import ByteTokenizer
+
+transformers = pytest.importorskip("transformers")
+from transformers import DynamicCache  # noqa: E402
+from test_model_hf_parity import (F64_AGREE, _fro, check_tol, hf_denoise, hf_encode, our_denoise,  # noqa: E402
+                                  our_encode)
+
+SHIPPED = shipped_checkpoint_dir()
+STEPS = 16  # blockdiff demo's step cap for the trained checkpoint (TRAINED_MAX_DENOISING_STEPS)
+
+# config.json fields vLLM 0.26.0 reads (transformers_utils/configs/diffusion_gemma.py, model_executor/models/
+# diffusion_gemma.py, models/gemma4.py, models/config.py DiffusionGemmaModelForBlockDiffusionConfig,
+# transformers_utils/model_arch_config_convertor.py Gemma4ModelArchConfigConvertor, the model registry).
+VLLM_TOP_FIELDS = ("architectures", "model_type", "canvas_length", "text_config", "vision_config",
+                   "tie_word_embeddings")
+VLLM_TEXT_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads", "num_key_value_heads", "head_dim", "global_head_dim",
+                    "num_global_key_value_heads", "layer_types", "sliding_window", "rope_parameters", "rms_norm_eps",
+                    "hidden_activation", "max_position_embeddings", "attention_bias", "final_logit_softcapping",
+                    "num_experts", "top_k_experts", "moe_intermediate_size", "tie_word_embeddings",
+                    "use_bidirectional_attention", "eos_token_id", "bos_token_id", "pad_token_id")
+# generation_config.json keys vLLM 0.26's DiffusionGemmaModelState / custom_sampler read (gen_config[...] raises
+# KeyError on a missing one) and blockdiff's DiffusionModelState reads.
+VLLM_GENERATION_KEYS = ("max_denoising_steps", "t_min", "t_max", "sampler_config", "confidence_threshold",
+                        "stability_threshold")
+
+TEXTS = ["", "hello world", "import os\nimport sys\n\n\ndef main(argv=None):\n    ", "\tx = {'a': [1, 2]}\r\n",
+         "héllo ✓ 𝄞 日本語", "<eos><bos><pad> literal specials", "\x00\x01\x7f\x80", "  leading and trailing  "]
+
+
+def _tiny_vision():
+    from transformers.models.gemma4.configuration_gemma4 import Gemma4VisionConfig
+
+    return Gemma4VisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                              num_key_value_heads=2, head_dim=8)
+
+
+def load_transformers(folder, dtype):
+    """transformers' DiffusionGemmaForBlockDiffusion from the folder (offline), with a tiny vision tower in place of
+    the default-size one transformers builds for ``vision_config: null`` (the text path never runs it)."""
+    from transformers import AutoConfig, DiffusionGemmaForBlockDiffusion
+
+    cfg = AutoConfig.from_pretrained(folder, local_files_only=True)
+    cfg.vision_config = _tiny_vision()
+    model, info = DiffusionGemmaForBlockDiffusion.from_pretrained(
+        folder, config=cfg, dtype=dtype, attn_implementation="eager", local_files_only=True,
+        output_loading_info=True)
+    model.config.text_config._experts_implementation = "eager"  # runs in float64 too (the oracle)
+    return model.eval(), info
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    assert os.path.isdir(SHIPPED), f"the shipped checkpoint {SHIPPED} is missing"
+    out = tmp_path_factory.mktemp("export") / "stdlib-byte-hf"
+    written = export_hf(SHIPPED, out, max_denoising_steps=STEPS)
+    assert sorted(written) == sorted(EXPORT_FILES)
+    return out
+
+
+# ---- files, weights, blockdiff round trip -----------------------------------------------------------------------
+def test_export_writes_the_files_and_the_same_tensors_under_transformers_names(exported):
+    assert sorted(os.listdir(exported)) == sorted(EXPORT_FILES)
+    with safe_open(os.path.join(SHIPPED, "model.safetensors"), "pt") as a, \
+            safe_open(os.path.join(exported, "model.safetensors"), "pt") as b:
+        assert sorted(a.keys()) == sorted(b.keys())
+        for k in a.keys():
+            ta, tb = a.get_tensor(k), b.get_tensor(k)
+            assert ta.dtype == tb.dtype == torch.bfloat16 and torch.equal(ta, tb), k
+        assert b.metadata()["format"] == "pt"
+    mode = os.stat(exported / "config.json").st_mode & 0o777
+    assert os.stat(exported / "model.safetensors").st_mode & 0o777 == mode
+
+
+def test_blockdiff_loads_the_export_to_the_same_model_and_logits(exported):
+    shipped, _ = load_pretrained(SHIPPED, dtype=torch.float32)
+    ours = DiffusionGemma.load_safetensors(str(exported), dtype=torch.float32)
+    assert ours.config == shipped.config and ours.config.canvas_length == 32
+    sa, sb = shipped.state_dict(), ours.state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    tok = ByteTokenizer()
+    prompt = torch.tensor(tok.encode(TEXTS[2] * 3), dtype=torch.int64)
+    canvas = torch.randint(0, 259, (32,), generator=torch.Generator().manual_seed(0))
+    P = prompt.shape[0]
+    res = []
+    for m in (shipped, ours):
+        caches = m.allocate_kv_caches(64, 4)
+        enc = our_encode(m, caches, prompt, 0)
+        dec = our_denoise(m, caches, canvas, P, enc[-32:] / 0.8)
+        res.append((enc, dec))
+    assert torch.equal(res[0][0], res[1][0]) and torch.equal(res[0][1], res[1][1])
+
+
+# ---- transformers ----------------------------------------------------------------------------------------------
+def test_transformers_config_describes_the_model(exported):
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(exported, local_files_only=True)
+    assert type(cfg).__name__ == "DiffusionGemmaConfig" and cfg.canvas_length == 32
+    tc = cfg.text_config.to_dict()  # (per-layer attributes such as head_dim are not readable off the object)
+    ours = load_pretrained(SHIPPED)[0].config
+    for name in ("vocab_size", "hidden_size", "num_hidden_layers", "head_dim", "sliding_window", "num_experts",
+                 "moe_intermediate_size", "final_logit_softcapping", "layer_types", "rope_parameters"):
+        assert tc[name] == getattr(ours, name), name
+    full = {str(i): {"head_dim": 128, "num_key_value_heads": 1} for i in (1, 3, 5)}
+    assert tc["per_layer_config"] == full  # transformers' form of global_head_dim / num_global_key_value_heads
+    assert DiffusionGemmaConfig.from_hf(cfg) == ours  # and back
+
+
+def test_transformers_loads_every_text_weight(exported):
+    hf, info = load_transformers(exported, torch.float32)
+    assert not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert info["missing_keys"] and all(".vision_tower." in k or ".embed_vision." in k for k in info["missing_keys"])
+    assert torch.equal(hf.lm_head.weight, hf.model.decoder.embed_tokens.weight)  # tied on load
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("P", [20, 100])  # inside / past the sliding window (W = 63) with the canvas (CL = 32)
+def test_transformers_and_blockdiff_logits_agree_in_encoder_and_decoder_modes(exported, P):
+    """Prefill P prompt bytes, denoise a canvas without and then with self-conditioning, commit it, denoise the next
+    canvas: transformers and blockdiff, both loaded from the export, float32 and float64, same inputs."""
+    text = (TEXTS[2] + TEXTS[3]) * 8
+    prompt = torch.tensor(ByteTokenizer().encode(text)[:P], dtype=torch.int64)
+    g = torch.Generator().manual_seed(P)
+    canvases = [torch.randint(0, 259, (32,), generator=g) for _ in range(3)]
+    runs = {}
+    for name, dt in (("32", torch.float32), ("64", torch.float64)):
+        hf, _ = load_transformers(exported, dt)
+        ours = DiffusionGemma.load_safetensors(str(exported), dtype=dt)
+        cache, caches = DynamicCache(config=hf.config.text_config), ours.allocate_kv_caches(64, 4)
+        out = {"hf": [], "ours": []}
+        out["hf"].append(hf_encode(hf, cache, prompt, 0))
+        out["ours"].append(our_encode(ours, caches, prompt, 0))
+        out["hf"].append(hf_denoise(hf, cache, canvases[0], P, None))
+        out["ours"].append(our_denoise(ours, caches, canvases[0], P, None))
+        z = out["ours"][-1].double() / 0.7  # the same self-conditioning logits for both (from ours, per dtype)
+        out["hf"].append(hf_denoise(hf, cache, canvases[1], P, z.to(dt)))
+        out["ours"].append(our_denoise(ours, caches, canvases[1], P, z.to(dt)))
+        commit = out["ours"][-1].argmax(-1)
+        out["hf"].append(hf_encode(hf, cache, commit, P))
+        out["ours"].append(our_encode(ours, caches, commit, P))
+        out["hf"].append(hf_denoise(hf, cache, canvases[2], P + 32, None))
+        out["ours"].append(our_denoise(ours, caches, canvases[2], P + 32, None))
+        runs[name] = out
+    names = ["prefill", "denoise", "denoise+sc", "commit", "denoise canvas 2"]
+    for i, what in enumerate(names):
+        hf32, ours32 = runs["32"]["hf"][i], runs["32"]["ours"][i]
+        hf64, ours64 = runs["64"]["hf"][i], runs["64"]["ours"][i]
+        assert _fro(hf64, ours64) < F64_AGREE, what
+        e, e_hf = check_tol(ours32, hf32, ours64, f"P={P} {what}")
+        d = (ours32 - hf32).abs().max().item()
+        print(f"P={P} {what}: ours fp32 err {e:.2e}, transformers fp32 err {e_hf:.2e}, max |ours - hf| fp32 {d:.2e}")
+        assert d < 1e-3, what  # |logits| <= 30 (softcap)
+
+
+# ---- tokenizer -------------------------------------------------------------------------------------------------
+def test_autotokenizer_encodes_and_decodes_exactly_as_the_byte_tokenizer(exported):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(exported, local_files_only=True)
+    bt = ByteTokenizer()
+    assert hf.is_fast and len(hf) == 259
+    assert (hf.pad_token_id, hf.eos_token_id, hf.bos_token_id) == (0, 1, 2)
+    with open(os.__file__, encoding="utf-8") as f:
+        source = f.read()  # a whole stdlib file, the training distribution
+    for text in TEXTS + [source]:
+        ids = bt.encode(text)
+        assert hf.encode(text) == ids, text[:40]
+        assert hf(text)["input_ids"] == ids and hf.encode(text, add_special_tokens=False) == ids
+        assert hf.decode(ids) == text and hf.decode(ids, skip_special_tokens=True) == text
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 2, 7, 64, 300):  # any ids: specials dropped, invalid UTF-8 replaced by U+FFFD as ByteTokenizer does
+        ids = torch.randint(0, 259, (n,), generator=g).tolist()
+        assert hf.decode(ids, skip_special_tokens=True) == bt.decode(ids), ids
+
+
+def test_tokenizers_backend_and_incremental_decoding_match(exported):
+    """What vLLM drives: the Rust tokenizer itself, and ``DecodeStream`` (vLLM's fast incremental detokenizer)."""
+    from tokenizers import Tokenizer
+    from tokenizers.decoders import DecodeStream
+
+    tk = Tokenizer.from_file(str(exported / "tokenizer.json"))
+    bt = ByteTokenizer()
+    text = TEXTS[4] + TEXTS[2]
+    assert tk.encode(TEXTS[2]).ids == bt.encode(TEXTS[2])
+    stream, pieces = DecodeStream(skip_special_tokens=True), []
+    for i in bt.encode(text):
+        piece = stream.step(tk, i)
+        if piece is not None:
+            pieces.append(piece)
+    assert "".join(pieces) == text
+
+
+def test_tokenizer_padded_to_a_larger_vocabulary_keeps_the_byte_ids(tmp_path):
+    from transformers import PreTrainedTokenizerFast
+
+    (tmp_path / "tokenizer.json").write_text(json.dumps(hf_tokenizer_json(300)))
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"), split_special_tokens=True)
+    assert len(hf) == 300 and hf.encode(TEXTS[4]) == ByteTokenizer().encode(TEXTS[4])
+    assert hf.convert_ids_to_tokens(299) == "<unused_299>"
+    with pytest.raises(ValueError, match="vocab_size must be an int >= 259"):
+        hf_tokenizer_json(258)
+
+
+# ---- generation_config.json ------------------------------------------------------------------------------------
+def test_generation_config_holds_the_sampling_defaults(exported):
+    from transformers import GenerationConfig
+    from transformers.models.diffusion_gemma.generation_diffusion_gemma import (DiffusionGemmaGenerationConfig,
+                                                                               EntropyBoundSamplerConfig)
+
+    g = DiffusionGemmaGenerationConfig.from_pretrained(exported, local_files_only=True)
+    assert g.max_denoising_steps == STEPS and (g.t_min, g.t_max) == (0.4, 0.8)
+    assert g.sampler_config == EntropyBoundSamplerConfig(entropy_bound=0.1)
+    assert (g.confidence_threshold, g.stability_threshold) == (0.005, 1)
+    assert (g.eos_token_id, g.bos_token_id, g.pad_token_id) == (1, 2, 0)
+    hf, _ = load_transformers(exported, torch.float32)
+    assert isinstance(hf.generation_config, DiffusionGemmaGenerationConfig)
+    assert hf.generation_config.max_denoising_steps == STEPS
+    # vLLM 0.26: model_config.try_get_generation_config() = GenerationConfig.from_pretrained(path).to_diff_dict()
+    d = GenerationConfig.from_pretrained(exported, local_files_only=True).to_diff_dict()
+    for key in VLLM_GENERATION_KEYS:
+        assert key in d, key
+    assert "EntropyBound" in d["sampler_config"]["_cls_name"] and d["sampler_config"]["entropy_bound"] == 0.1
+    assert d["eos_token_id"] == 1
+    # the same values make blockdiff's sampling parameters (what blockdiff's DiffusionModelState builds)
+    from blockdiff.sampler import SamplingParams
+
+    sp = SamplingParams(canvas_length=32, max_denoising_steps=d["max_denoising_steps"], t_min=d["t_min"],
+                        t_max=d["t_max"], entropy_bound=d["sampler_config"]["entropy_bound"],
+                        confidence_threshold=d["confidence_threshold"], stability_threshold=d["stability_threshold"])
+    assert sp.max_denoising_steps == STEPS and sp.entropy_bound == GENERATION_DEFAULTS["entropy_bound"]
+
+
+# ---- config.json fields vLLM reads -----------------------------------------------------------------------------
+def test_config_json_has_every_field_vllm_0_26_reads(exported):
+    with open(exported / "config.json") as f:
+        cfg = json.load(f)
+    ours = load_pretrained(SHIPPED)[0].config
+    for name in VLLM_TOP_FIELDS:
+        assert name in cfg, name
+    assert cfg["architectures"] == [ARCHITECTURE] == ["DiffusionGemmaForBlockDiffusion"]
+    assert cfg["model_type"] == "diffusion_gemma" and cfg["canvas_length"] == ours.canvas_length
+    assert cfg["vision_config"] is None  # vLLM builds no vision tower
+    tc = cfg["text_config"]
+    for name in VLLM_TEXT_FIELDS:
+        assert name in tc, name
+        if name != "model_type":
+            assert tc[name] == getattr(ours, name), name
+    assert tc["model_type"] == "diffusion_gemma_text"
+    assert "per_layer_config" not in tc  # global_head_dim / num_global_key_value_heads are the one source
+    assert cfg["dtype"] == tc["dtype"] == "bfloat16"
+
+
+def test_vllm_0_26_reads_the_folder(exported):
+    """Runs where vLLM 0.26's Python interface is importable (tests/integration/vllm_cpu_env.sh 0.26.0)."""
+    vllm = pytest.importorskip("vllm")
+    if not vllm.__version__.startswith("0.26."):
+        pytest.skip(f"vLLM {vllm.__version__} (this test reads 0.26's interface)")
+    from vllm.model_executor.models.registry import ModelRegistry
+    from vllm.tokenizers.registry import get_tokenizer
+    from vllm.transformers_utils.config import get_config, try_get_generation_config
+
+    cfg = get_config(str(exported), trust_remote_code=False)
+    assert type(cfg).__name__ == "DiffusionGemmaConfig" and cfg.canvas_length == 32 and cfg.vision_config is None
+    tc = cfg.text_config
+    assert (tc.head_dim, tc.global_head_dim, tc.num_key_value_heads, tc.num_global_key_value_heads) == (64, 128, 2, 1)
+    assert tc.final_logit_softcapping == 30.0 and tc.enable_moe_block and tc.attention_k_eq_v
+    assert ARCHITECTURE in ModelRegistry.get_supported_archs()
+    gen = try_get_generation_config(str(exported), trust_remote_code=False).to_diff_dict()
+    assert all(k in gen for k in VLLM_GENERATION_KEYS)
+    tok = get_tokenizer(str(exported))
+    assert tok.encode(TEXTS[4]) == ByteTokenizer().encode(TEXTS[4]) and tok.eos_token_id == 1
+    # what `vllm serve OUT --language-model-only --dtype bfloat16` builds first (the flag: no vision tower here)
+    from vllm.config import ModelConfig
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+
+    mc = ModelConfig(model=str(exported), tokenizer=str(exported), dtype="bfloat16", language_model_only=True)
+    assert mc.architectures == [ARCHITECTURE] and mc.max_model_len == 4096 and mc.get_vocab_size() == 259
+    assert not MULTIMODAL_REGISTRY.supports_multimodal_inputs(mc)
+    assert mc.get_diff_sampling_param() == {}  # no server-wide sampling overrides from generation_config.json
+    assert mc.try_get_generation_config()["max_denoising_steps"] == STEPS
+
+
+# ---- other sources, errors -------------------------------------------------------------------------------------
+def test_model_and_config_sources(tmp_path):
+    cfg = tiny_config(vocab_size=259, canvas_length=8)
+    model = DiffusionGemma(cfg, seed=3)
+    w = export_hf(model, tmp_path / "m", dtype="float32")
+    assert sorted(w) == sorted(EXPORT_FILES)
+    back = DiffusionGemma.load_safetensors(str(tmp_path / "m"))
+    assert back.embed_tokens.weight.dtype == torch.float32 and back.config == cfg
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), back.state_dict().values()))
+    # a config alone: no weights (vllm serve --load-format dummy); a 256-id vocabulary: no byte tokenizer
+    w = export_hf(tiny_config(), tmp_path / "c", write_tokenizer=False)
+    assert sorted(w) == ["config.json", "generation_config.json"]
+    assert DiffusionGemmaConfig.from_hf(str(tmp_path / "c")) == tiny_config()
+    with open(tmp_path / "c" / "generation_config.json") as f:
+        assert json.load(f)["max_denoising_steps"] == GENERATION_DEFAULTS["max_denoising_steps"]
+    with pytest.raises(FileExistsError, match="config.json, generation_config.json"):
+        export_hf(tiny_config(), tmp_path / "c", write_tokenizer=False)
+    export_hf(tiny_config(), tmp_path / "c", write_tokenizer=False, overwrite=True)
+
+
+def test_errors_name_the_argument(tmp_path, exported):
+    cfg = tiny_config(vocab_size=259)
+    with pytest.raises(ValueError, match="is the source checkpoint folder"):
+        export_hf(exported, exported)  # not a blockdiff checkpoint anyway, but never overwrite the source
+    with pytest.raises(FileNotFoundError, match="lacks"):
+        export_hf(tmp_path, tmp_path / "o")
+    with pytest.raises(TypeError, match="source must be"):
+        export_hf({"a": 1}, tmp_path / "o")
+    with pytest.raises(TypeError, match="unknown generation keywords"):
+        export_hf(cfg, tmp_path / "o", temperature=1.0)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        export_hf(cfg, tmp_path / "o", dtype="int8")
+    for kw, match in ((dict(t_min=0.8, t_max=0.8), "t_max must be > t_min"), (dict(t_min=-1.0), "t_min must be >= 0"),
+                      (dict(entropy_bound=0.0), "entropy_bound must be > 0"),
+                      (dict(confidence_threshold=float("nan")), "confidence_threshold must be finite"),
+                      (dict(max_denoising_steps=0), "max_denoising_steps must be >= 1"),
+                      (dict(stability_threshold=-1), "stability_threshold must be >= 0"),
+                      (dict(max_new_tokens=0), "max_new_tokens must be")):
+        with pytest.raises(ValueError, match=match):
+            export_hf(cfg, tmp_path / "o", **kw)
+    with pytest.raises(TypeError, match="max_denoising_steps must be an int"):
+        export_hf(cfg, tmp_path / "o", max_denoising_steps=2.0)
+    with pytest.raises(ValueError, match="vocab_size must be an int >= 259"):
+        export_hf(tiny_config(), tmp_path / "o")
+    with pytest.raises(ValueError, match="special ids"):
+        export_hf(tiny_config(vocab_size=259, eos_token_id=5), tmp_path / "o")
+    with pytest.raises(ValueError, match="final_logit_softcapping=None"):
+        hf_config_dict(tiny_config(final_logit_softcapping=None))
+    with pytest.raises(ValueError, match="hidden_activation 'silu'"):
+        export_hf(tiny_config(vocab_size=259, hidden_activation="silu"), tmp_path / "o")
+    export_hf(tiny_config(vocab_size=259, hidden_activation="silu"), tmp_path / "o", check_vllm=False)
+    model = DiffusionGemma(cfg, seed=0)
+    with torch.no_grad():
+        model.layers[2].encoder_layer_scalar.fill_(0.5)
+    with pytest.raises(ValueError, match=r"layers \[2\] have encoder and decoder layer_scalar that differ"):
+        export_hf(model, tmp_path / "s")
+    assert not os.path.exists(tmp_path / "s")  # nothing written on a refused export
+
+
+# ---- blockdiff export ------------------------------------------------------------------------------------------
+def test_cli_export_writes_the_folder_and_refuses_to_overwrite(tmp_path, capsys):
+    from blockdiff.integration import cli
+
+    out = tmp_path / "hf"
+    assert cli.main(["export", str(out), "--entropy-bound", "0.2"]) == 0
+    printed = capsys.readouterr().out
+    assert sorted(os.listdir(out)) == sorted(EXPORT_FILES)
+    assert "vllm serve" in printed and "--language-model-only" in printed
+    with open(out / "generation_config.json") as f:
+        g = json.load(f)
+    assert g["max_denoising_steps"] == STEPS and g["sampler_config"]["entropy_bound"] == 0.2 and g["t_min"] == 0.4
+    assert cli.main(["export", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "blockdiff export: error:" in err[0] and "already holds" in err[0]
+    assert cli.main(["export", str(out), "--overwrite", "--t-min", "0.9"]) == 2  # t_max (0.8) must exceed it
+    assert "t_max must be > t_min" in capsys.readouterr().err
+
+
+def test_cli_export_argument_errors_come_before_torch(tmp_path):
+    """Argument errors of ``blockdiff export`` exit 2, one line each, in a process that never imported torch."""
+    code = ("import sys; from blockdiff.integration import cli\n"
+            f"rc = cli.main(['export', {str(tmp_path / 'o')!r}, '--t-min', '-1', '--entropy-bound', 'nan', "
+            "'--max-denoising-steps', '0', '--checkpoint', '/nonexistent/ckpt'])\n"
+            "print('exit', rc, 'torch' in sys.modules)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.stdout.strip() == "exit 2 False", p.stdout + p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 4 and all(ln.startswith("blockdiff export: error: ") for ln in lines)
+    for flag in ("--t-min", "--entropy-bound", "--max-denoising-steps", "--checkpoint"):
+        assert any(flag in ln for ln in lines), flag
+    assert not (tmp_path / "o").exists()
