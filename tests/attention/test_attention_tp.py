@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from blockdiff.attention import attention, write_kv_cache
+from blockdiff.attention.reference import gather_kv
 from blockdiff.attention.tp import (attention_head_parallel, attention_tp, gather_heads, head_shard,
                                     shard_heads)
 
@@ -80,7 +81,6 @@ def test_concatenated_ranks_equal_unsharded(H, Hkv, W, window_size, mode):
 def test_contiguous_kv_form_and_bf16():
     q, kc, vc, meta = mixed_batch(8, 2, dtype=torch.bfloat16)
     # contiguous varlen form of the same keys
-    from blockdiff.attention.reference import gather_kv
     ks, vs, cuk = [], [], [0]
     for b, S in enumerate(meta["seq_lens"].tolist()):
         ks.append(gather_kv(kc, meta["block_table"][b], S))

@@ -5,6 +5,9 @@ import pytest
 import torch
 from integration_helpers import _MISSING, CL, params
 
+from blockdiff.integration.harness import HarnessRunner
+from blockdiff.model import DiffusionGemma, tiny_config
+
 
 @pytest.fixture(autouse=True)
 def _one_thread():
@@ -20,15 +23,11 @@ def tiny_model():
     if _MISSING:
         pytest.skip(_MISSING)
     torch.manual_seed(1234)
-    from blockdiff.model import DiffusionGemma, tiny_config
-
     return DiffusionGemma(tiny_config(canvas_length=CL)).eval()
 
 
 @pytest.fixture
 def make_runner(tiny_model):
-    from blockdiff.integration.harness import HarnessRunner
-
     def make(**kw):
         kw.setdefault("default_params", params())
         kw.setdefault("max_num_reqs", 4)

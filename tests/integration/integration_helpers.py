@@ -1,9 +1,13 @@
 """Helpers of the integration tests (imported by conftest.py and the test modules)."""
 from __future__ import annotations
 
+from types import SimpleNamespace as NS
+
 import numpy as np
 import pytest
 import torch
+
+from blockdiff.integration.batch import HarnessInputBatch
 
 try:
     from blockdiff.sampler import SamplerState, SamplingParams, sampler_step  # noqa: F401
@@ -47,8 +51,6 @@ def make_batch(rows):
     slots = np.array([r[1] for r in rows], dtype=np.int64)
     plen = np.array([r[4] for r in rows], dtype=np.int32)
     t = torch.as_tensor
-    from blockdiff.integration.batch import HarnessInputBatch
-
     return HarnessInputBatch(
         req_ids=[r[0] for r in rows], num_reqs=N, num_tokens=T, idx_mapping=t(slots), idx_mapping_np=slots,
         num_scheduled_tokens=q, query_start_loc=t(qsl), query_start_loc_np=qsl, seq_lens=t(ctx + q),
@@ -65,8 +67,6 @@ class FakeRequest:
     """What finish_stuck_requests reads of vLLM's Request."""
 
     def __init__(self, rid, num_tokens, width=None):
-        from types import SimpleNamespace as NS
-
         self.request_id, self.num_tokens, self.status = rid, num_tokens, "RUNNING"
         self.client_index, self.stop_reason, self.num_nans_in_logits = 0, None, 0
         self.sampling_params = NS(extra_args={"diffusion_canvas_length": width} if width else None)
@@ -105,8 +105,6 @@ class FakeScheduler:
 
 
 def _fake_types():
-    from types import SimpleNamespace as NS
-
     class Outputs:
         def __init__(self, outputs):
             self.outputs = outputs

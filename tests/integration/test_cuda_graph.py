@@ -7,14 +7,14 @@ import pytest
 import torch
 from integration_helpers import needs_stack
 
+from blockdiff.integration.harness import HarnessRunner
+from blockdiff.model import DiffusionGemma, tiny_config
+from blockdiff.sampler import DENOISE, SamplingParams, sampler_step
+
 pytestmark = needs_stack
 
 
 def _build(device, attn_backend, sampler_backend, dtype, moe_impl, canvas_length):
-    from blockdiff.integration.harness import HarnessRunner
-    from blockdiff.model import DiffusionGemma, tiny_config
-    from blockdiff.sampler import SamplingParams
-
     torch.manual_seed(0)
     model = DiffusionGemma(tiny_config(canvas_length=canvas_length), device=device, dtype=dtype,
                            moe_impl=moe_impl).eval()
@@ -25,8 +25,6 @@ def _build(device, attn_backend, sampler_backend, dtype, moe_impl, canvas_length
     g = torch.Generator().manual_seed(3)
     for rid, n in (("a", 20), ("b", 9)):
         r.add_request(rid, torch.randint(3, 256, (n,), generator=g).tolist(), p)
-    from blockdiff.sampler import DENOISE
-
     # run until both requests are denoising with a non-zero self-conditioning input (step >= 1)
     for _ in range(10):
         r.step()
@@ -40,8 +38,6 @@ def _build(device, attn_backend, sampler_backend, dtype, moe_impl, canvas_length
 
 
 def _replay_protocol(device, *, use_graph, attn_backend, sampler_backend, dtype, moe_impl, canvas_length=16):
-    from blockdiff.sampler import sampler_step
-
     r = _build(device, attn_backend, sampler_backend, dtype, moe_impl, canvas_length)
     ms, model = r.model_state, r.model
     st = ms.state

@@ -6,6 +6,7 @@ a trained run, smoke config): these tests check the plumbing, not the quality of
 """
 from __future__ import annotations
 
+import io
 import os
 import re
 
@@ -13,8 +14,14 @@ import pytest
 import torch
 from integration_helpers import needs_stack
 
+import blockdiff.model.pretrained as pretrained
 from blockdiff.integration import cli
 from blockdiff.integration.demo import TEXT_REQUESTS, run_demo
+from blockdiff.integration.harness import HarnessRunner
+from blockdiff.model import DiffusionGemma
+from blockdiff.model.pretrained import load_pretrained
+from blockdiff.model.tokenizer import ByteTokenizer
+from blockdiff.model.train import save_checkpoint, smoke_config
 
 pytestmark = needs_stack
 
@@ -25,10 +32,6 @@ METRIC_LINES = ("tokens committed per forward pass: ", "denoising steps per canv
 def smoke_checkpoint(tmp_path_factory):
     """A checkpoint folder as ``blockdiff train --smoke`` writes it (smoke config, bf16,
     byte tokenizer), without the training steps."""
-    from blockdiff.model import DiffusionGemma
-    from blockdiff.model.tokenizer import ByteTokenizer
-    from blockdiff.model.train import save_checkpoint, smoke_config
-
     folder = tmp_path_factory.mktemp("ckpt") / "smoke-byte"
     save_checkpoint(DiffusionGemma(smoke_config(), seed=5, moe_impl="loop"), str(folder), ByteTokenizer())
     return str(folder)
@@ -61,11 +64,6 @@ def test_demo_serves_a_checkpoint_folder_and_prints_the_metrics_and_text(smoke_c
 
 def test_checkpoint_weights_are_served_as_trained_with_the_tokenizer_eos(smoke_checkpoint, tmp_path, monkeypatch):
     """No random-weight embedding scaling on a checkpoint; eos from the tokenizer; text prompts encoded by it."""
-    import io
-
-    from blockdiff.integration.harness import HarnessRunner
-    from blockdiff.model.pretrained import load_pretrained
-
     added = []
     real_add = HarnessRunner.add_request
 
@@ -103,8 +101,6 @@ def test_random_weights_flag_keeps_the_old_demo(tmp_path, capsys):
 
 def test_default_is_the_shipped_checkpoint_else_random_weights_with_a_notice(smoke_checkpoint, tmp_path, capsys,
                                                                                  monkeypatch):
-    import blockdiff.model.pretrained as pretrained
-
     monkeypatch.setattr(pretrained, "shipped_checkpoint_dir", lambda *a: smoke_checkpoint)
     rc, out, err = _run(["--out", str(tmp_path), "--max-denoising-steps", "2"], capsys)
     assert rc == 0, err

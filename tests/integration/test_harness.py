@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from blockdiff.sampler import COMMIT, DENOISE, FINISHED
 from integration_helpers import CL, needs_stack, params, prompt
 
 pytestmark = needs_stack
@@ -116,8 +117,6 @@ def test_slot_and_page_reuse_after_removal(make_runner):
     assert slots_used == {0, 1}
     assert r.allocator.num_free == total_pages  # every page back in the pool
     assert not r.model_state.req_id_to_index
-    from blockdiff.integration.model_state import FINISHED
-
     assert (r.model_state.state.phase == FINISHED).all()
     # a request that reused a slot behaves as if alone (no stale state or KV)
     for i, n in enumerate(names):
@@ -162,8 +161,6 @@ def test_per_request_sampling_params(make_runner):
 def test_isolation_commit_and_converge_in_one_step(make_runner):
     """A step where one request commits while another converges: rows not in the batch are untouched, and the
     converging request's state equals its state when run alone."""
-    from blockdiff.integration.model_state import COMMIT, DENOISE
-
     greedy = params(max_tokens=2 * CL, t_min=0.0, t_max=0.0, max_denoising_steps=6)
     r = make_runner(max_num_batched_tokens=2 * CL)
     r.add_request("c", prompt(6, 60), greedy)
@@ -302,8 +299,6 @@ def test_preempted_request_resumes_with_the_output_of_an_unpreempted_run(make_ru
     committed tokens count toward max_tokens and the next canvas continues the request's RNG stream after them.
     (Was: add_request reset the canvas index and the emitted count, so a resumed request restarted canvas 0's
     noise and could emit max_tokens more tokens.) Output, finish reason and length equal an unpreempted run."""
-    from blockdiff.sampler import DENOISE
-
     reqs = [("a", prompt(13, 60), params(max_tokens=2 * CL + CL // 2, seed=11)),
             ("b", prompt(6, 61), params(max_tokens=2 * CL, seed=12))]
     ref = make_runner()
@@ -355,8 +350,6 @@ def test_denoise_steps_per_canvas_do_not_count_a_canvas_interrupted_by_preemptio
     from step 0 after readmission; the interrupted attempt's rows are not added to the committed canvas (was: they
     were, so max denoise steps per canvas exceeded the step cap). The per-canvas figures equal an unpreempted
     run's, while denoise_rows still counts every pass."""
-    from blockdiff.sampler import COMMIT
-
     cap = 5
     reqs = [("a", prompt(13, 70), params(max_tokens=2 * CL, seed=11, max_denoising_steps=cap)),
             ("b", prompt(6, 71), params(max_tokens=CL, seed=12, max_denoising_steps=cap))]

@@ -14,6 +14,8 @@ from integration_helpers import CL, make_batch, needs_stack, params
 from blockdiff.integration import model_state as MS
 from blockdiff.integration.batch import NewRequest
 from blockdiff.integration.model_state import DiffusionModelState
+from blockdiff.integration.sampler import DiffusionSampler
+from blockdiff.sampler import COMMIT, DENOISE, FINISHED, PREFILL, SamplingParams
 
 HERE = os.path.dirname(__file__)
 with open(os.path.join(HERE, "vllm_0_33_0_model_state_interface.json")) as f:
@@ -54,7 +56,7 @@ def test_diffusion_accounting_attributes():
                     reason=f"vLLM is not importable here ({MS.VLLM_IMPORT_ERROR}); conformance against the "
                            "recorded 0.33.0 signatures runs above")
 def test_conformance_with_installed_vllm_model_state():
-    from vllm.v1.worker.gpu.model_states.interface import ModelState
+    from vllm.v1.worker.gpu.model_states.interface import ModelState  # vLLM is optional: this test skips without it
 
     assert issubclass(DiffusionModelState, ModelState)
     assert not getattr(DiffusionModelState, "__abstractmethods__", frozenset())
@@ -77,8 +79,6 @@ def ms(tiny_model):
 
 @needs_stack
 def test_prepare_inputs_reads_canvas_commit_prompt_and_self_conditioning(ms):
-    from blockdiff.sampler import COMMIT, DENOISE
-
     st = ms.state
     for slot, rid in ((2, "den"), (0, "com"), (1, "pre")):
         ms.add_request(slot, NewRequest(rid, [5, 6, 7], params()))
@@ -103,8 +103,6 @@ def test_prepare_inputs_reads_canvas_commit_prompt_and_self_conditioning(ms):
 
 @needs_stack
 def test_prepare_attn_causal_flags_from_phase_in_persistent_buffer(ms):
-    from blockdiff.sampler import COMMIT, DENOISE
-
     for slot, rid in ((3, "a"), (1, "b"), (0, "c")):
         ms.add_request(slot, NewRequest(rid, [1, 2], params()))
     ms.state.phase[3], ms.state.phase[1] = DENOISE, COMMIT
@@ -123,8 +121,6 @@ def test_prepare_attn_causal_flags_from_phase_in_persistent_buffer(ms):
 
 @needs_stack
 def test_add_remove_request_slots(ms):
-    from blockdiff.sampler import FINISHED, PREFILL
-
     ms.add_request(2, NewRequest("x", [1], params()))
     assert ms.state.phase[2].item() == PREFILL and ms.req_id_to_index == {"x": 2}
     with pytest.raises(ValueError, match="already"):
@@ -166,8 +162,6 @@ def test_postprocess_state_records_kv_length(ms):
 
 @needs_stack
 def test_custom_sampler_replaces_sampler_and_rejection_sampler(ms):
-    from blockdiff.integration.sampler import DiffusionSampler
-
     s, rej = ms.custom_sampler(object())
     assert isinstance(s, DiffusionSampler) and rej is None
     assert s.embedding is ms.model.embedding_weight
@@ -175,8 +169,6 @@ def test_custom_sampler_replaces_sampler_and_rejection_sampler(ms):
 
 @needs_stack
 def test_vllm_style_sampling_params_conversion():
-    from blockdiff.sampler import SamplingParams
-
     defaults = SamplingParams(canvas_length=CL, max_denoising_steps=9, entropy_bound=0.2)
     sp = SimpleNamespace(seed=None, max_tokens=40, ignore_eos=False, eos_token_id=1, stop_token_ids=[106],
                          extra_args={"diffusion_max_steps": 4, "t_min": 0.1})
@@ -224,7 +216,7 @@ def test_unsupported_vllm_options_are_refused_not_silently_ignored():
 @pytest.mark.skipif(not MS.VLLM_AVAILABLE, reason=f"vLLM is not importable here ({MS.VLLM_IMPORT_ERROR})")
 def test_unsupported_option_check_passes_vllm_default_sampling_params():
     """vLLM's own SamplingParams with defaults (and greedy) are accepted; a set option is refused by name."""
-    from vllm import SamplingParams as VllmSP
+    from vllm import SamplingParams as VllmSP  # vLLM is optional: this test skips without it
 
     assert MS.unsupported_vllm_options(VllmSP()) == []
     assert MS.unsupported_vllm_options(VllmSP(temperature=0.0)) == []
@@ -254,7 +246,7 @@ def test_stop_set_matches_vllm_sampling_params_after_generation_config():
     """With vLLM's own SamplingParams, as its input processor prepares them (update_from_generation_config with
     the tokenizer's EOS and the generation config's extra EOS ids): our stop set is exactly what check_stop
     stops on."""
-    from vllm import SamplingParams as VllmSP
+    from vllm import SamplingParams as VllmSP  # vLLM is optional: this test skips without it
 
     for ignore_eos in (False, True):
         sp = VllmSP(max_tokens=32, stop_token_ids=[50, 60], ignore_eos=ignore_eos)

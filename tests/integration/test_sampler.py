@@ -7,6 +7,7 @@ from integration_helpers import CL, make_batch, needs_stack, params
 
 from blockdiff.integration.batch import NewRequest
 from blockdiff.integration.model_state import DiffusionModelState
+from blockdiff.sampler import DENOISE
 
 pytestmark = needs_stack
 
@@ -14,8 +15,6 @@ pytestmark = needs_stack
 def test_canvas_row_with_fewer_than_canvas_length_tokens_raises(tiny_model):
     """A denoise/commit row (prompt already prefilled) scheduled with q_len != canvas_length raises ValueError
     naming the row. (Was silent: the row's missing canvas positions read the next row's logits.)"""
-    from blockdiff.sampler import DENOISE
-
     ms = DiffusionModelState.for_harness(tiny_model, max_num_reqs=4, max_num_tokens=64, canvas_length=CL,
                                          device="cpu", default_params=params())
     ms.add_request(0, NewRequest("den", [5, 6, 7], params()))

@@ -9,16 +9,15 @@ import pytest
 import torch
 from integration_helpers import CL, needs_stack, params, prompt
 
+import blockdiff.attention as A
+import blockdiff.sampler as S
+
 pytestmark = needs_stack
 
 
 def _available(kind, backend):
     try:
-        if kind == "attention":
-            from blockdiff.attention import get_backend
-        else:
-            from blockdiff.sampler import get_backend
-        get_backend(backend)
+        (A if kind == "attention" else S).get_backend(backend)
         return None
     except ImportError as e:
         return str(e)

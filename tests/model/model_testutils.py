@@ -1,6 +1,8 @@
 """Shared helpers for tests/model: metadata builders and a tiny random transformers DiffusionGemma twin."""
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from blockdiff.attention import AttentionMetadata
@@ -61,6 +63,7 @@ def randomize_(model: DiffusionGemma, seed: int = 0) -> DiffusionGemma:
 
 # ---- transformers twin ---------------------------------------------------------------------------------
 def hf_config_from(cfg: DiffusionGemmaConfig, attn_implementation: str = "eager"):
+    # transformers is a dev extra: only the parity tests (which importorskip it) call this
     from transformers import DiffusionGemmaConfig as HFConfig
 
     tc = dict(
@@ -86,6 +89,7 @@ def hf_config_from(cfg: DiffusionGemmaConfig, attn_implementation: str = "eager"
 def make_hf_twin(cfg: DiffusionGemmaConfig, seed: int = 0, attn_implementation: str = "eager",
                  dtype=torch.float32):
     """A random transformers DiffusionGemmaForBlockDiffusion and our model loaded from its state dict."""
+    # transformers is a dev extra: only the parity tests (which importorskip it) call this
     from transformers import DiffusionGemmaForBlockDiffusion
 
     hc = hf_config_from(cfg, attn_implementation)
@@ -118,8 +122,6 @@ def hf_cache_kwargs(fn, cache) -> dict:
     """``{name: cache}`` for a transformers DiffusionGemma module (its forward) or method: ``cache=`` from
     transformers 5.24 on, ``past_key_values=`` before (5.17: a ``cache=`` there lands in ``**kwargs`` and is
     ignored, so the encoder's KV never reaches the decoder)."""
-    import inspect
-
     params = inspect.signature(getattr(fn, "forward", fn)).parameters
     return {"cache": cache} if "cache" in params else {"past_key_values": cache}
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from blockdiff.model import DiffusionGemma, tiny_config
+from blockdiff.model.layers import default_moe_impl
 from model_testutils import build_meta, hf_cache_kwargs, make_hf_twin
 
 pytestmark = pytest.mark.gpu
@@ -161,8 +162,6 @@ def test_moe_is_deterministic_on_cuda(setup, moe_impl):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_default_moe_impl_is_grouped_mm_for_bf16_on_hopper():
-    from blockdiff.model.layers import default_moe_impl
-
     x = torch.zeros(2, 8, device="cuda", dtype=torch.bfloat16)
     want = "grouped_mm" if torch.cuda.get_device_capability()[0] in (9, 10) else "loop"
     assert default_moe_impl(x) == want

@@ -17,7 +17,11 @@ from blockdiff.model import DiffusionGemma, tiny_config
 from model_testutils import build_meta, hf_cache_kwargs, hf_softcap_logits, make_hf_twin
 
 transformers = pytest.importorskip("transformers")
-from transformers import DynamicCache  # noqa: E402
+from transformers import DynamicCache, StaticCache  # noqa: E402
+from transformers.cache_utils import DynamicSlidingWindowLayer  # noqa: E402
+from transformers.masking_utils import sliding_window_causal_mask_function  # noqa: E402
+
+from blockdiff.attention import build_mask  # noqa: E402
 
 PS = 4
 
@@ -206,11 +210,6 @@ def test_multi_canvas_teacher_forced_generation(twins):
 def test_window_convention_matches_transformers_masks():
     """transformers' sliding causal mask is kv > q - sliding_window and its sliding cache keeps the last
     sliding_window - 1 keys: FlashAttention's W = sliding_window - 1 (Gemma 1024 -> 1023)."""
-    from transformers.cache_utils import DynamicSlidingWindowLayer
-    from transformers.masking_utils import sliding_window_causal_mask_function
-
-    from blockdiff.attention import build_mask
-
     sw = 8
     fn = sliding_window_causal_mask_function(sw)
     n = 20
@@ -230,8 +229,6 @@ def test_window_convention_matches_transformers_masks():
                    "the DynamicCache path")
 @torch.no_grad()
 def test_transformers_static_cache_path_agrees_with_dynamic():
-    from transformers import StaticCache
-
     cfg = tiny_config(canvas_length=4)
     hf, _ = make_hf_twin(cfg, seed=4)
     canvas, P = _ids(4, cfg.vocab_size, 5), 12

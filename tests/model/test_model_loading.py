@@ -5,11 +5,13 @@ import json
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from blockdiff.model import DiffusionGemma, DiffusionGemmaConfig, convert_hf_state_dict, tiny_config
 from model_testutils import build_meta, hf_config_from, make_hf_twin
 
 transformers = pytest.importorskip("transformers")
+from transformers import DiffusionGemmaConfig as HFConfig, DiffusionGemmaForBlockDiffusion  # noqa: E402
 
 PS = 4
 
@@ -47,8 +49,6 @@ def test_config_from_transformers(twin, tmp_path):
 def test_state_dict_and_safetensors_load_identically(twin, tmp_path):
     cfg, hf, ours = twin
     hf.save_pretrained(tmp_path)
-    keys = set()
-    from safetensors import safe_open
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
         keys = set(f.keys())
     # what transformers saves: the decoder stack, the encoder's layer_scalar buffers, the vision tower
@@ -113,8 +113,6 @@ def test_real_26b_a4b_geometry_names_and_shapes():
     """transformers' DiffusionGemma-26B-A4B (on the meta device: no memory) maps onto ours without a single
     missing, unexpected or mis-shaped tensor (geometry from the released config: hidden 2816, 30 layers,
     16 heads, sliding 8 KV x 256, full 2 KV x 512, 128 experts top-8, vocab 262144)."""
-    from transformers import DiffusionGemmaConfig as HFConfig, DiffusionGemmaForBlockDiffusion
-
     tc = dict(hidden_size=2816, num_hidden_layers=30, num_attention_heads=16, num_key_value_heads=8,
               num_global_key_value_heads=2, head_dim=256, global_head_dim=512, intermediate_size=2112,
               moe_intermediate_size=704, num_experts=128, top_k_experts=8, vocab_size=262144, sliding_window=1024,

@@ -2,6 +2,7 @@
 loads, byte tokenizer), and setup.py shipping ``checkpoints/*/*`` in a non-editable install."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -14,7 +15,7 @@ import torch
 from blockdiff.model import DiffusionGemma
 from blockdiff.model.pretrained import CHECKPOINT_FILES, load_pretrained, shipped_checkpoint_dir
 from blockdiff.model.tokenizer import ByteTokenizer
-from blockdiff.model.train import save_checkpoint, smoke_config
+from blockdiff.model.train import dense_forward, save_checkpoint, smoke_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MAX_CHECKPOINT_BYTES = 10_000_000  # the size rule for anything shipped in the repository
@@ -44,8 +45,6 @@ def test_load_pretrained_errors_name_the_folder_and_the_problem(ckpt, tmp_path):
     with pytest.raises(FileNotFoundError, match=r"lacks config\.json, tokenizer\.json"):
         load_pretrained(ckpt)
     ByteTokenizer().save(ckpt)
-    import json
-
     cfg = smoke_config(vocab_size=300).to_dict()
     (ckpt / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError):  # weights [259, ...] do not fit a vocab-300 config
@@ -55,8 +54,6 @@ def test_load_pretrained_errors_name_the_folder_and_the_problem(ckpt, tmp_path):
 def _check_servable_checkpoint(folder: str) -> None:
     """At most 10 MB in all, the served files present, the byte tokenizer, loads through the project's loader, and
     one forward pass (prefix + canvas) gives finite logits."""
-    from blockdiff.model.train import dense_forward
-
     files = sorted(os.listdir(folder))
     for f in CHECKPOINT_FILES:
         assert f in files, f
