@@ -103,22 +103,32 @@ def check_attention_backend(backend: str, device) -> None:
         raise BackendUnavailable(f"attention backend {backend!r} is not available on {device}: {e}") from e
 
 
+#: What each column of :func:`format_table` counts (printed under the table).
+TABLE_LEGEND = (
+    "columns: pre / den / com = prefill, denoise and commit rows in the step (a commit row commits one canvas); "
+    "q_tok = query tokens of the step; acc_this_step = canvas positions the entropy bound accepted in this step, "
+    "summed over the denoise rows (each denoise step samples every canvas position again and keeps the accepted "
+    "ones' samples, renoising the rest: a count per step, not of newly fixed positions); mean_H = mean entropy of "
+    "the denoise rows (nats); emitted = tokens emitted (commit rows, after EOS / max_tokens trimming)")
+
+
 def format_table(history) -> str:
-    """Per-step table: rows per phase (prefill/denoise/commit), query tokens, positions accepted, mean
-    entropy (nats) of the denoise rows, canvases committed, tokens emitted, arrivals and finishes."""
-    head = (f"{'step':>4} {'pre':>3} {'den':>3} {'com':>3} {'tok':>4} {'accepted':>8} {'mean H':>7} "
-            f"{'commit':>6} {'emit':>4}  events")
+    """Per-step table (:data:`TABLE_LEGEND` says what each column counts): rows per phase (prefill / denoise /
+    commit), query tokens, canvas positions accepted in the step (:attr:`StepRecord.positions_accepted`), mean
+    entropy (nats) of the denoise rows, tokens emitted, arrivals and finishes."""
+    head = (f"{'step':>4} {'pre':>3} {'den':>3} {'com':>3} {'q_tok':>5} {'acc_this_step':>13} {'mean_H':>7} "
+            f"{'emitted':>7}  events")
     lines = [head, "-" * len(head)]
     for h in history:
         if not h.forward:
             ev = " ".join([f"+{a}" for a in h.arrived]) or "(idle)"
-            lines.append(f"{h.step:>4} {'':>3} {'':>3} {'':>3} {'':>4} {'':>8} {'':>7} {'':>6} {'':>4}  {ev}")
+            lines.append(f"{h.step:>4} {'':>3} {'':>3} {'':>3} {'':>5} {'':>13} {'':>7} {'':>7}  {ev}")
             continue
         me = h.mean_entropy
         ev = " ".join([f"+{a}" for a in h.arrived] + [f"done:{f}" for f in h.finished])
         lines.append(f"{h.step:>4} {h.count('prefill'):>3} {h.count('denoise'):>3} {h.count('commit'):>3} "
-                     f"{h.num_tokens:>4} {h.positions_accepted:>8} {(f'{me:.3f}' if me is not None else '-'):>7} "
-                     f"{h.canvases_committed:>6} {h.tokens_emitted:>4}  {ev}")
+                     f"{h.num_tokens:>5} {h.positions_accepted:>13} {(f'{me:.3f}' if me is not None else '-'):>7} "
+                     f"{h.tokens_emitted:>7}  {ev}")
     return "\n".join(lines)
 
 
@@ -317,9 +327,7 @@ def run_demo(*, backend: str = "reference", sampler_backend: str = "reference", 
     table = format_table(runner.history)
     p("")
     p(table)
-    p("columns: pre/den/com = prefill, denoise, commit rows in the step; tok = query tokens; accepted = canvas "
-      "positions accepted; mean H = mean entropy of the denoise rows (nats); commit = canvases committed; "
-      "emit = tokens emitted")
+    p(TABLE_LEGEND)
     p("")
     p("requests:")
     greedy_ids = {r[0] for r in requests if r[4]}

@@ -75,7 +75,7 @@ class RowRecord:
     num_sampled: int = 0
     num_rejected: int = 0
     num_emitted: int = 0
-    accepted: int = 0
+    accepted: int = 0  # denoise rows: canvas positions accepted in this step (not newly fixed ones)
     mean_entropy: float | None = None
     converged: bool = False
 
@@ -96,6 +96,9 @@ class StepRecord:
 
     @property
     def positions_accepted(self) -> int:
+        """Canvas positions the entropy bound accepted in this step, summed over the denoise rows. Each denoise
+        step samples every position again (accepted ones keep their sample, the rest are renoised), so this
+        counts acceptances per step, not newly fixed positions."""
         return sum(r.accepted for r in self.rows if r.phase == "denoise")
 
     @property

@@ -10,6 +10,8 @@ import sys
 import pytest
 from integration_helpers import needs_stack
 
+import blockdiff.attention as A
+import blockdiff.sampler as S
 from blockdiff.integration import cli
 
 pytestmark = needs_stack
@@ -22,8 +24,10 @@ def test_demo_main_runs_end_to_end_with_check_and_writes_png(tmp_path, capsys):
     png = tmp_path / "attention_pattern.png"
     assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "attention backend: reference" in out and "sampler backend: reference" in out
-    for col in ("pre", "den", "com", "accepted", "mean H", "commit"):
-        assert col in out
+    head = next(ln for ln in out.splitlines() if ln.lstrip().startswith("step "))
+    assert head.split()[:8] == ["step", "pre", "den", "com", "q_tok", "acc_this_step", "mean_H", "emitted"]
+    assert "acc_this_step = canvas positions the entropy bound accepted in this step" in out
+    assert "not of newly fixed positions" in out
     assert "forward passes" in out and "tokens/forward" in out and "wall" in out
     assert "check:" in out and "matched the references" in out
     # the drawn step mixes phases
@@ -63,8 +67,6 @@ def test_unavailable_backend_is_an_error_not_a_fallback(tmp_path, capsys, monkey
 
 def test_check_mismatch_exits_nonzero_with_message(tmp_path, capsys, monkeypatch):
     """A backend that disagrees with the reference makes --check fail loudly (exit 1)."""
-    import blockdiff.attention as A
-
     real = A.get_backend
 
     def bad_get_backend(backend):
@@ -78,8 +80,6 @@ def test_check_mismatch_exits_nonzero_with_message(tmp_path, capsys, monkeypatch
 
 def test_sampler_check_mismatch_exits_nonzero_with_message(tmp_path, capsys, monkeypatch):
     """A sampler backend that disagrees with the reference makes --check fail loudly (exit 1)."""
-    import blockdiff.sampler as S
-
     real = S.get_backend
 
     def bad_get_backend(backend):
@@ -101,11 +101,9 @@ def test_sampler_check_mismatch_exits_nonzero_with_message(tmp_path, capsys, mon
 
 
 def test_demo_rejects_bad_arguments_before_running(tmp_path, capsys):
-    from blockdiff.integration.cli import main
-
-    assert main(["demo", "--random-weights", "--embedding-scale", "nan", "--out", str(tmp_path)]) == 2
-    assert main(["demo", "--canvas-length", "100000", "--out", str(tmp_path)]) == 2
-    assert main(["demo", "--out", "/proc/no-such-folder/x"]) == 2
+    assert cli.main(["demo", "--random-weights", "--embedding-scale", "nan", "--out", str(tmp_path)]) == 2
+    assert cli.main(["demo", "--canvas-length", "100000", "--out", str(tmp_path)]) == 2
+    assert cli.main(["demo", "--out", "/proc/no-such-folder/x"]) == 2
     err = capsys.readouterr().err
     assert "--embedding-scale" in err and "--canvas-length" in err and "--out" in err
 
@@ -113,10 +111,8 @@ def test_demo_rejects_bad_arguments_before_running(tmp_path, capsys):
 def test_demo_rejects_out_of_range_seed_and_step_cap_with_a_message_not_a_traceback(tmp_path, capsys):
     """Regression: --seed -1 and --max-denoising-steps 20000 passed the CLI checks and died in SamplingParams
     with a ValueError traceback; now exit 2 naming the option, before anything runs."""
-    from blockdiff.integration.cli import main
-
-    assert main(["demo", "--seed", "-1", "--out", str(tmp_path)]) == 2
-    assert main(["demo", "--max-denoising-steps", "20000", "--out", str(tmp_path)]) == 2
+    assert cli.main(["demo", "--seed", "-1", "--out", str(tmp_path)]) == 2
+    assert cli.main(["demo", "--max-denoising-steps", "20000", "--out", str(tmp_path)]) == 2
     out = capsys.readouterr()
     assert "--seed must be in [0, 2**63), got -1" in out.err and "--max-denoising-steps must be in [1, 16384)" in out.err
     assert "blockdiff demo:" not in out.out  # nothing ran
