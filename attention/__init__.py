@@ -2,8 +2,8 @@
 
 One launch serves a serving batch that mixes prefill (causal), denoise (bidirectional over a canvas) and commit
 (causal) sequences, with a per-sequence causal flag, sliding windows (one-sided for causal rows; symmetric or
-prefix for bidirectional rows), paged or contiguous KV and GQA. The semantics are ARCHITECTURE.md's
-"Attention semantics"; :mod:`blockdiff.attention.reference` is the oracle.
+prefix for bidirectional rows), paged or contiguous KV and GQA. The semantics are docs/ARCHITECTURE.md's
+"The attention contract"; :mod:`blockdiff.attention.reference` is the oracle.
 
 Backends (explicit, never a silent fallback): ``"reference"`` (dense PyTorch), ``"triton"`` (fused Triton
 kernel), ``"cute"`` (CuTe DSL on FlashAttention-4). ``backend="auto"`` picks triton on CUDA and reference
@@ -20,6 +20,8 @@ from .masks import build_mask, count_allowed_pairs, key_range
 from .validate import causal_row_counts
 
 BACKENDS = ("reference", "triton", "cute")
+# Backends load by name at first use (importlib in get_backend), on purpose: importing this package imports
+# neither Triton nor the CuTe DSL, so a CPU entry point can set TRITON_INTERPRET=1 before Triton is first imported.
 _MODULES = {
     "reference": ("blockdiff.attention.reference", "attention_reference"),
     "triton": ("blockdiff.attention.triton.interface", "attention_triton"),

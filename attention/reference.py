@@ -2,7 +2,7 @@
 
 Loops over sequences, gathers each sequence's keys from the paged (or contiguous) cache, builds its dense
 mask with :func:`blockdiff.attention.masks.build_mask` and runs a plain softmax. Readable first, exact always:
-every other backend is tested against it. Semantics: ARCHITECTURE.md, "Attention semantics";
+every other backend is tested against it. Semantics: docs/ARCHITECTURE.md, "The attention contract";
 the algorithm is standard scaled dot-product attention (Vaswani et al., 2017) with a natural-log LSE.
 """
 from __future__ import annotations

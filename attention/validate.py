@@ -120,7 +120,7 @@ def check_attention_inputs(
     check_values: bool | None = None,
     allowed_dtypes=FLOAT_DTYPES,
 ) -> CheckedInputs:
-    """Validate an attention call against the contract (ARCHITECTURE.md, "Attention semantics").
+    """Validate an attention call against the contract (docs/ARCHITECTURE.md, "The attention contract").
 
     Returns:
         CheckedInputs with the per-sequence causal row counts ``num_causal_q`` [B] int32 (derived from

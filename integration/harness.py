@@ -1,6 +1,6 @@
 """HarnessRunner: replays vLLM model runner v2's call order for a block-diffusion model, without vLLM.
 
-Per step (ARCHITECTURE.md "Integration"):
+Per step (docs/ARCHITECTURE.md "Integration and vLLM accounting"):
 
 1. arrivals: requests whose ``arrival_step`` has come get a free slot -> ``model_state.add_request``;
 2. schedule, under a token budget (``max_num_batched_tokens``): every denoise / commit row (a whole canvas of

@@ -4,8 +4,8 @@ Interface: ``vllm/v1/worker/gpu/model_states/interface.py`` of vLLM 0.33.0 (``Mo
 ``add_request`` -> ``prepare_inputs_embeds`` / ``prepare_inputs`` -> ``prepare_attn`` -> forward -> sampler ->
 ``postprocess_state``; ``remove_request`` when a request finishes; ``custom_sampler`` once after loading).
 When vLLM is importable :class:`DiffusionModelState` subclasses vLLM's ``ModelState``; otherwise a plain base
-class with the same methods (:class:`ModelStateBase`). Semantics: ARCHITECTURE.md "Integration" and "Sampler
-semantics".
+class with the same methods (:class:`ModelStateBase`). Semantics: docs/ARCHITECTURE.md "Integration and vLLM
+accounting" and "Sampler semantics".
 
 Per-request state lives in a preallocated :class:`blockdiff.sampler.SamplerState` (device tensors indexed by
 slot = vLLM's ``req_index``), updated in place by the sampler. Each step:
@@ -434,6 +434,11 @@ class DiffusionModelState(_Base):
                               req_states: Any) -> torch.Tensor | None:
         """No multimodal inputs: the embeddings are built in :meth:`prepare_inputs`. Returns None."""
         return None
+
+    def get_mm_embeddings(self, scheduled_encoder_inputs: dict[str, list[int]], input_batch: Any,
+                          req_states: Any) -> torch.Tensor | None:
+        """vLLM 0.26.0's name of :meth:`prepare_inputs_embeds` (see :mod:`blockdiff.integration.vllm_compat`)."""
+        return self.prepare_inputs_embeds(scheduled_encoder_inputs, input_batch, req_states)
 
     def _token_views(self, input_batch: Any):
         """Per-token (slot, offset in row, phase) on the device, from query_start_loc (no host sync)."""

@@ -2,9 +2,9 @@
 
 It replaces vLLM's sampler *and* its rejection sampler (``custom_sampler`` returns ``(DiffusionSampler, None)``)
 and maps one :func:`blockdiff.sampler.sampler_step` per forward pass onto vLLM's spec-decode accounting
-(ARCHITECTURE.md "Sampler semantics"): prefill rows ``num_sampled = 0``, ``num_rejected = 0``; denoise rows
-``num_sampled = 0``, ``num_rejected = query_len`` (the canvas is rejected, the KV position does not move);
-commit rows ``num_sampled = canvas_length``, ``num_rejected = 0``. A canvas row that does not progress (its
+(docs/ARCHITECTURE.md "Integration and vLLM accounting"): prefill rows ``num_sampled = 0``,
+``num_rejected = 0``; denoise rows ``num_sampled = 0``, ``num_rejected = query_len`` (the canvas is rejected, the
+KV position does not move); commit rows ``num_sampled = canvas_length``, ``num_rejected = 0``. A canvas row that does not progress (its
 request FAILED or FINISHED in an earlier step, or, under vLLM, a canvas vLLM truncated) also reports
 ``num_sampled = 0``, ``num_rejected = query_len``.
 
@@ -146,8 +146,9 @@ class DiffusionSampler:
             output_bin_counts = None
         return _NoPenalties()
 
-    def add_request(self, req_idx: int, sampling_params: Any) -> None:
-        """vLLM calls this after ModelState.add_request; the params already live in the SamplerState."""
+    def add_request(self, req_idx: int, *args: Any) -> None:
+        """vLLM calls this after ModelState.add_request, with ``(req_idx, sampling_params)`` (0.33.0) or
+        ``(req_idx, prompt_len, sampling_params)`` (0.26.0); the params already live in the SamplerState."""
         return None
 
     def apply_staged_writes(self) -> None:

@@ -19,7 +19,7 @@ Objective (uniform-noise discrete diffusion over canvases that follow a clean pr
   batch from ``[prefix_min, prefix]`` so short prompts are in distribution) and a canvas of ``CL`` tokens.
 * noise: ``t ~ U(0, 1)`` per example; every canvas token is independently replaced by a uniform random id in
   ``[0, V)`` with probability ``t`` (D3PM's uniform transition, Austin et al. 2021, arXiv:2107.03006; the
-  sampler's renoising draws the same uniform ids, ARCHITECTURE.md "Sampler semantics" step 5).
+  sampler's renoising draws the same uniform ids, docs/ARCHITECTURE.md "Sampler semantics" rule 5).
 * model: the encoder pass (causal) over the prefix and the decoder pass (bidirectional, reads the prefix K/V)
   over the noisy canvas, with the model's own layers and weights.
 * loss: cross-entropy of the canvas logits (softcapped, as served) against the clean canvas, over every canvas

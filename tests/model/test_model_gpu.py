@@ -1,6 +1,6 @@
 """GPU tests of blockdiff.model on a mid-size random config (run on the H200: python3 -m pytest -m gpu).
 
-Tolerance (DEVELOPERS.md): relative Frobenius error against our float64 model (reference attention, loop MoE)
+Tolerance (docs/ARCHITECTURE.md "Test discipline"): relative Frobenius error against our float64 model (reference attention, loop MoE)
 <= 2 x that of transformers at the same precision + representation tolerance.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Parity with transformers 5.24 DiffusionGemmaForBlockDiffusion (tiny random configs, CPU).
 
-Tolerance (DEVELOPERS.md): err(ours) <= 2 * err(transformers, same dtype) + representation tolerance, with
+Tolerance (docs/ARCHITECTURE.md "Test discipline"): err(ours) <= 2 * err(transformers, same dtype) + representation tolerance, with
 err = relative Frobenius error against an oracle. The oracle is our model in float64 (every op in float64):
 transformers keeps fp32 islands even in float64 (RMSNorm's ``.float()``, the attention softmax's
 ``dtype=float32``, fp32 RoPE and router softmax), so its float64 run is only ~1e-6-accurate; we check that
@@ -42,7 +42,7 @@ def _fro(a, o):
 
 
 def check_tol(ours, hf, oracle, what, eps=torch.finfo(torch.float32).eps):
-    """Assert the DEVELOPERS.md tolerance rule; return (our error, eager error) (relative Frobenius)."""
+    """Assert the tolerance rule (docs/ARCHITECTURE.md "Test discipline"); return (our error, eager error) (relative Frobenius)."""
     e_ours, e_hf = _fro(ours, oracle), _fro(hf, oracle)
     rep = 4 * eps
     assert torch.isfinite(ours).all(), what
