@@ -7,7 +7,7 @@ import os
 
 from setuptools import setup
 
-TOP = ["attention", "sampler", "model", "integration"]
+TOP = ["attention", "sampler", "model", "integration", "bench"]
 # every folder with an __init__.py below a top-level folder is a subpackage (blockdiff.attention.triton, ...)
 PACKAGES = [os.path.join(root).replace(os.sep, ".") for top in TOP for root, _, files in os.walk(top)
             if "__init__.py" in files]

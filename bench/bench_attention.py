@@ -2,10 +2,10 @@
 
 Usage (H200; PYTHONPATH must make ``blockdiff.*`` importable, results go to $OUT or bench/results/):
 
-    python3 bench/bench_attention.py                               # named workloads, all backends
-    python3 bench/bench_attention.py --suite batch_ladder --backends triton,fa4
-    python3 bench/bench_attention.py --workloads 'canvas_*' --tile-sweep
-    python3 bench/bench_attention.py --quick                       # CPU smoke run (< 60 s)
+    python3 -m blockdiff.bench.bench_attention                               # named workloads, all backends
+    python3 -m blockdiff.bench.bench_attention --suite batch_ladder --backends triton,fa4
+    python3 -m blockdiff.bench.bench_attention --workloads 'canvas_*' --tile-sweep
+    python3 -m blockdiff.bench.bench_attention --quick                       # CPU smoke run (< 60 s)
 
 Backends (one row per workload, backend and configuration; all measured in the same run):
   sdpa       torch SDPA, one call per sequence with a dense boolean mask built per batch (outside the timing)
@@ -47,9 +47,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-import workloads as wl  # noqa: E402
+from blockdiff.bench import common
+from blockdiff.bench import workloads as wl
 
 SUITE = "attention"
 ALL_BACKENDS = ("sdpa", "flex", "fa4", "triton", "cute")

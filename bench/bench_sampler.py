@@ -3,10 +3,10 @@
 Usage (H200; PYTHONPATH must make ``blockdiff.*`` importable, e.g. ``source bench/device_env.sh``; results go to
 $OUT or bench/results/):
 
-    python3 bench/bench_sampler.py                       # reference, compile, fused (defaults) + comparison tiles
-    python3 bench/bench_sampler.py --tune                # + checked config sweep first (~1-2 min more)
-    python3 bench/bench_sampler.py --backends fused --split-k 1,2,3,4
-    python3 bench/bench_sampler.py --quick               # CPU smoke run (< 60 s, Triton interpreter)
+    python3 -m blockdiff.bench.bench_sampler                       # reference, compile, fused (defaults) + comparison tiles
+    python3 -m blockdiff.bench.bench_sampler --tune                # + checked config sweep first (~1-2 min more)
+    python3 -m blockdiff.bench.bench_sampler --backends fused --split-k 1,2,3,4
+    python3 -m blockdiff.bench.bench_sampler --quick               # CPU smoke run (< 60 s, Triton interpreter)
 
 Workload ``sampler_n4`` (ARCHITECTURE.md "Named workloads"): N = 4 requests, canvas CL = 256, vocabulary
 V = 262144, fp32 logits [4, 256, 262144] (1.07 GB), tied embedding E [262144, 2816] bf16 (1.48 GB), hidden 2816.
@@ -19,7 +19,7 @@ Backends (one row each, all measured in the same run):
              softmax, int64 Philox words), ``p.bf16() @ E`` on cuBLAS.
   compile    torch.compile of the same reference step (the anchor; H200 batch 1: 7.35 ms graph, 4.83 GB extra).
              Every row carries ``vs_compile_same_run`` = its time / this run's compile time.
-  fused      blockdiff.sampler.triton.kernels with its defaults: (a) streaming stats kernel (256 x 4-token tiles,
+  fused      blockdiff.sampler.triton.sampler_step with its defaults: (a) streaming stats kernel (256 x 4-token tiles,
              4 warps, 3-deep loads), (b) [N, CL] torch decisions, (c) split-K soft-embedding GEMM (128 x 256 x 64,
              8 warps, 3 stages, split-K 3) + ordered reduce. ``fused[<tile>]`` rows (GPU, unless --no-compare) time
              the previous default GEMM tile 128x128x64 and a two-CTAs-per-SM tile 64x256x64 (4 warps, 2 stages)
@@ -85,7 +85,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import os
 import sys
 import time
@@ -94,10 +93,15 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-import common  # noqa: E402
+from blockdiff.bench import common  # noqa: E402
+from blockdiff.sampler import DENOISE, SamplerState, SamplingParams, reference  # noqa: E402
+from blockdiff.sampler.common import fresh_canvas, temperature  # noqa: E402
+from blockdiff.sampler.triton import SamplerConfig  # noqa: E402
+from blockdiff.sampler.triton import sampler_step as triton_sampler_step  # noqa: E402
+from blockdiff.sampler.triton.soft_embedding import soft_embedding  # noqa: E402
+from blockdiff.sampler.triton.stats import row_moments, row_stats  # noqa: E402
 
 SUITE = "sampler"
 WORKLOAD = "sampler_n4"
@@ -112,8 +116,6 @@ ALL_BACKENDS = ("reference", "compile", "fused")
 
 
 def _chunked_config():
-    from blockdiff.sampler.triton.kernels import SamplerConfig
-
     return SamplerConfig(soft_impl="chunked"), SamplerConfig(soft_impl="triton_gemm")
 
 
@@ -132,8 +134,6 @@ STATE_FIELDS = ("phase", "canvas", "commit_canvas", "prev_argmax", "stable_count
 
 def make_inputs(N, CL, V, H, device, seed=0):
     """Logits [N, CL, V] fp32 (soft-capped), E [V, H] bf16, prefill_done, slots and the per-request params."""
-    from blockdiff.sampler import SamplingParams
-
     g = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn(N, CL, V, device=device, generator=g) * 4.0
     x = 30.0 * torch.tanh(x / 30.0)
@@ -151,9 +151,6 @@ def make_state(params, CL, V, H, device):
 
     The PREFILL -> DENOISE pass reads no logits; it runs the shared phase bookkeeping only (no [N, CL, V] work).
     """
-    from blockdiff.sampler import DENOISE, SamplerState
-    from blockdiff.sampler.common import fresh_canvas
-
     st = SamplerState(len(params), CL, V, H, device=device)
     for i, p in enumerate(params):
         st.add_request(i, 5000 + i, p)
@@ -165,22 +162,17 @@ def make_state(params, CL, V, H, device):
 
 def step_fn(backend: str, config=None, compile_backend: str = "inductor"):
     """The callable ``f(state, slots, logits, prefill_done, E)`` of a benchmark backend."""
-    from blockdiff.sampler import reference
-    from blockdiff.sampler.triton import kernels as triton_sampler
-
     if backend == "reference":
         return reference.sampler_step
     if backend == "compile":
         return torch.compile(reference.sampler_step, dynamic=False, backend=compile_backend)
     if backend == "fused":
-        return lambda st, s, x, pd, E: triton_sampler.sampler_step(st, s, x, pd, E, config=config)
+        return lambda st, s, x, pd, E: triton_sampler_step(st, s, x, pd, E, config=config)
     raise ValueError(f"unknown backend {backend!r}")
 
 
 def check_against_reference(fn, x, E, params, slots, pd, CL, V, H, device) -> dict:
     """Run one step with ``fn`` and the reference from identical states; raise AssertionError on a mismatch."""
-    from blockdiff.sampler import reference
-
     a = make_state(params, CL, V, H, device)
     b = make_state(params, CL, V, H, device)
     oa = reference.sampler_step(a, slots, x, pd, E)
@@ -265,24 +257,21 @@ def config_label(cfg) -> str:
 def measure_parts(x, E, params, slots, shape, device, config, chunked=False) -> list[dict]:
     """Stages (a) and (c) of the fused backend alone (same inputs as one full step); ``chunked``: also (c) of
     the chunked path (``fused:soft_chunked``)."""
-    from blockdiff.sampler.common import temperature
-    from blockdiff.sampler.triton import kernels as ts
-
     rows = []
     st = make_state(params, shape["CL"], shape["V"], shape["H"], device)
     T = temperature(st, slots)
     act = torch.ones(len(params), dtype=torch.bool, device=device)
     args = (x, T, st.seed[slots], st.request_id[slots], st.canvas_index[slots], st.step[slots], act)
-    stats = ts.row_stats(*args, config=config)
-    gemm_cfg = dataclasses.replace(config or ts.SamplerConfig(), soft_impl="triton_gemm")
+    stats = row_stats(*args, config=config)
+    gemm_cfg = dataclasses.replace(config or SamplerConfig(), soft_impl="triton_gemm")
     parts = {
-        "stats": lambda: ts.row_stats(*args, config=config),
-        "soft_gemm": lambda: ts.soft_embedding(x, E, T, stats["m"], stats["inv_s"], stats["argmax"], act, gemm_cfg),
+        "stats": lambda: row_stats(*args, config=config),
+        "soft_gemm": lambda: soft_embedding(x, E, T, stats["m"], stats["inv_s"], stats["argmax"], act, gemm_cfg),
     }
     if chunked:
-        parts["soft_chunked"] = lambda: ts.soft_embedding(x, E, T, stats["m"], stats["inv_s"], stats["argmax"], act,
+        parts["soft_chunked"] = lambda: soft_embedding(x, E, T, stats["m"], stats["inv_s"], stats["argmax"], act,
                                                           CHUNKED)
-        parts["moments"] = lambda: ts.row_moments(x, T, act)
+        parts["moments"] = lambda: row_moments(x, T, act)
     for part, call in parts.items():
         row = {"workload": WORKLOAD if shape is SHAPES["full"] else WORKLOAD + "-quick", "backend": f"fused:{part}",
                "part": part, "status": "ok"}
@@ -344,23 +333,20 @@ def tune(x, E, params, slots, shape, device) -> tuple[dict, list[dict]]:
     that fails or raises is recorded (status "error", ``discarded``) and never chosen. The best of each stage is
     combined into the SamplerConfig of the ``fused[tuned]`` row, which then runs the full step check as well.
     """
-    from blockdiff.sampler.common import temperature
-    from blockdiff.sampler.triton import kernels as ts
-
     st = make_state(params, shape["CL"], shape["V"], shape["H"], device)
     T = temperature(st, slots)
     act = torch.ones(len(params), dtype=torch.bool, device=device)
     args = (x, T, st.seed[slots], st.request_id[slots], st.canvas_index[slots], st.step[slots], act)
-    ref_stats = ts.row_stats(*args)
+    ref_stats = row_stats(*args)
     rows, best = [], {}
     for stage, cands in (("stats", TUNE_STATS), ("soft_gemm", TUNE_GEMM)):
         best_ms = None
         for kw in cands:
-            cfg = ts.SamplerConfig(**kw)
+            cfg = SamplerConfig(**kw)
             if stage == "stats":
-                call = lambda: ts.row_stats(*args, config=cfg)  # noqa: E731
+                call = lambda: row_stats(*args, config=cfg)  # noqa: E731
             else:
-                call = lambda: ts.soft_embedding(x, E, T, ref_stats["m"], ref_stats["inv_s"],  # noqa: E731
+                call = lambda: soft_embedding(x, E, T, ref_stats["m"], ref_stats["inv_s"],  # noqa: E731
                                                  ref_stats["argmax"], act, cfg)
             row = {"workload": WORKLOAD, "backend": f"fused:tune:{stage}", "part": stage, "config": kw,
                    "status": "ok"}
@@ -436,8 +422,6 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--out", default=None, help="output folder (default $OUT or bench/results/)")
     args = ap.parse_args(argv)
-
-    from blockdiff.sampler.triton.kernels import SamplerConfig
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
     quick = args.quick or device.type != "cuda"

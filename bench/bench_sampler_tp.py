@@ -3,9 +3,9 @@
 Usage (2-GPU H200 host; ``source bench/device_env.sh`` makes ``blockdiff.*`` importable; results go to $OUT or
 bench/results/):
 
-    python3 bench/bench_sampler_tp.py                  # spawns 2 processes (one per GPU, NCCL), sampler_n4
-    python3 bench/bench_sampler_tp.py --nproc 2 --backends reference,fused --reps 30
-    python3 bench/bench_sampler_tp.py --quick          # CPU smoke run: 2 gloo processes, tiny shapes
+    python3 -m blockdiff.bench.bench_sampler_tp                  # spawns 2 processes (one per GPU, NCCL), sampler_n4
+    python3 -m blockdiff.bench.bench_sampler_tp --nproc 2 --backends reference,fused --reps 30
+    python3 -m blockdiff.bench.bench_sampler_tp --quick          # CPU smoke run: 2 gloo processes, tiny shapes
 
 Workload ``sampler_n4`` (ARCHITECTURE.md): N = 4 requests x canvas 256 x V = 262144, fp32 logits
 ``30 tanh(4 randn / 30)`` (as bench/bench_sampler.py), E [V, 2816] bf16; one greedy request, S = 10000 and
@@ -30,26 +30,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
-import sys
 import tempfile
 import traceback
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 if not torch.cuda.is_available():  # CPU smoke run: Triton kernels through the interpreter (before triton loads)
     os.environ.setdefault("TRITON_INTERPRET", "1")
-import common  # noqa: E402
+from blockdiff.bench import common  # noqa: E402
 
 SUITE = "sampler_tp"
 WORKLOAD = "sampler_n4"
 SHAPES = {"full": dict(N=4, CL=256, V=262144, H=2816), "quick": dict(N=2, CL=16, V=1000, H=64)}
-from bench_sampler import DECISIONS, STATE_FIELDS  # noqa: E402,F401  (one definition of what is compared)
-from bench_sampler import make_inputs as _make_inputs  # noqa: E402
+from blockdiff.bench.bench_sampler import DECISIONS, STATE_FIELDS  # noqa: E402,F401  (one definition of what is compared)
+from blockdiff.bench.bench_sampler import make_inputs as _make_inputs  # noqa: E402
 
 
 def make_inputs(N, CL, V, H, device, seed=0):
@@ -136,8 +133,9 @@ def worker(rank, world, init_file, args, result_file):
 
     from blockdiff.sampler import sampler_step
     from blockdiff.sampler.tp import (NUM_FIELDS, check_shards_consistent, communication_bytes, make_shards,
-                                      sampler_step_tp, set_safe_nccl_env, vocab_shard_bounds, _local_pass,
-                                      _row_inputs)
+                                      sampler_step_tp, set_safe_nccl_env, vocab_shard_bounds)
+    # private: the local pass of one rank alone has no public entry point yet (the tp:<b>:local rows)
+    from blockdiff.sampler.tp.reference import _local_pass, _row_inputs
 
     set_safe_nccl_env()
     quick = args["quick"]

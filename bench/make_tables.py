@@ -1,7 +1,7 @@
 """Render the benchmark records (bench/results/*.json) as markdown tables into bench/README.md.
 
-    python3 bench/make_tables.py                      # bench/results -> bench/README.md (between the markers)
-    python3 bench/make_tables.py --results $OUT --stdout
+    python3 -m blockdiff.bench.make_tables                      # bench/results -> bench/README.md (between the markers)
+    python3 -m blockdiff.bench.make_tables --results $OUT --stdout
 
 The tables replace whatever stands between ``<!-- BEGIN RESULTS -->`` and ``<!-- END RESULTS -->`` in the README;
 the rest of the file is left as it is. One section per JSON file (suite and GPU), with the environment line
@@ -132,7 +132,7 @@ def render(results: Path, include_cpu: bool = False, link_base: Path = BENCH_DIR
             continue
         parts.append(section(path, link_base))
     if not parts:
-        return "_No GPU records yet: run the commands above on the H200, then `python3 bench/make_tables.py`._"
+        return "_No GPU records yet: run the commands above on the H200, then `python3 -m blockdiff.bench.make_tables`._"
     return "\n\n".join(parts)
 
 

@@ -27,7 +27,7 @@ for s in $stages; do
   esac
 done
 stages=$expanded
-BA="python3 bench/bench_attention.py --budget-s ${BUDGET_S:-540}"
+BA="python3 -m blockdiff.bench.bench_attention --budget-s ${BUDGET_S:-540}"
 status=0
 for stage in $stages; do
   echo "=== $stage ($(date -u +%H:%M:%S))"
@@ -45,9 +45,9 @@ for stage in $stages; do
         --suite-name attention-batch_ladder_global
       $BA --suite ctx_ladder --workloads '*global' --backends sdpa,flex,triton \
         --suite-name attention-ctx_ladder_global ;;
-    sampler)   python3 bench/bench_sampler.py ;;
-    e2e)       python3 bench/bench_e2e.py --attn-backends triton,cute --sampler-backend triton ;;
-    tables)    python3 bench/make_tables.py --results "$RESULTS" ;;
+    sampler)   python3 -m blockdiff.bench.bench_sampler ;;
+    e2e)       python3 -m blockdiff.bench.bench_e2e --attn-backends triton,cute --sampler-backend triton ;;
+    tables)    python3 -m blockdiff.bench.make_tables --results "$RESULTS" ;;
     *) echo "unknown stage $stage (attention[-mixed|-single] sweep ladders ladder-batch ladder-ctx ladder-global sampler e2e tables)"; status=2; continue ;;
   esac || { echo "stage $stage failed"; status=1; }
 done

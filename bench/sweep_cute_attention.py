@@ -2,9 +2,9 @@
 
 Usage (GPU; ``source bench/device_env.sh`` and flash-attn-4 + CuTe DSL importable):
 
-    python3 bench/sweep_cute_attention.py --budget-s 200
-    python3 bench/sweep_cute_attention.py --candidates default,hd128_n64_tma --workloads 'canvas_*'
-    python3 bench/sweep_cute_attention.py --quick        # CPU dry run: print the plan, exit 0 (no CUDA, no FA4)
+    python3 -m blockdiff.bench.sweep_cute_attention --budget-s 200
+    python3 -m blockdiff.bench.sweep_cute_attention --candidates default,hd128_n64_tma --workloads 'canvas_*'
+    python3 -m blockdiff.bench.sweep_cute_attention --quick        # CPU dry run: print the plan, exit 0 (no CUDA, no FA4)
 
 What runs, in one process and one GPU warm-up:
   1. Workloads ``mixed_sliding_ctx8k``, ``canvas_bs4_ctx4k_hd128``, ``prefill16k_hd128``,
@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import math
-import os
 import sys
 import time
 import traceback
@@ -50,10 +49,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-import workloads as wl  # noqa: E402
-from blockdiff.attention.cute.interface import (  # noqa: E402
+from blockdiff.bench import bench_attention as ba
+from blockdiff.bench import common
+from blockdiff.bench import workloads as wl
+from blockdiff.attention.cute.interface import (
     SMEM_LIMIT_BYTES, CuteConfig, config_smem_bytes, kv_load_path)
 
 SUITE = "cute_sweep"
@@ -448,8 +447,6 @@ def main(argv=None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: nothing to measure (use --quick for the plan)", file=sys.stderr)
         return 2
-
-    import bench_attention as ba  # noqa: E402 - GPU path only
 
     dtype = getattr(torch, args.dtype)
     env = common.env_record(device)

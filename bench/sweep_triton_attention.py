@@ -1,10 +1,10 @@
 """Tile-config sweep of the Triton attention backend on the named workloads (H200; bounded to ~5.5 min).
 
 Usage (GPU; PYTHONPATH must make ``blockdiff.*`` importable, e.g. ``source bench/device_env.sh``):
-    python3 bench/sweep_triton_attention.py                      # the target workloads, ~5.5 min budget
-    python3 bench/sweep_triton_attention.py --workloads 'canvas_*' --budget-s 200
-    python3 bench/sweep_triton_attention.py --quick              # CPU smoke run (interpreter, tiny shapes)
-    python3 bench/sweep_triton_attention.py --workloads 'canvas_*' --suite-name gluon_probe \
+    python3 -m blockdiff.bench.sweep_triton_attention                      # the target workloads, ~5.5 min budget
+    python3 -m blockdiff.bench.sweep_triton_attention --workloads 'canvas_*' --budget-s 200
+    python3 -m blockdiff.bench.sweep_triton_attention --quick              # CPU smoke run (interpreter, tiny shapes)
+    python3 -m blockdiff.bench.sweep_triton_attention --workloads 'canvas_*' --suite-name gluon_probe \
         --configs '[{}, {"IMPL": "gluon", "BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}]'
                                                                  # given configs only ({}: the automatic choice)
 
@@ -32,16 +32,14 @@ import os
 import sys
 import time
 import traceback
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import common  # noqa: E402
-import workloads as wl  # noqa: E402
+from blockdiff.bench import common  # noqa: E402
+from blockdiff.bench import workloads as wl  # noqa: E402
 
 SUITE = "triton_sweep"
 

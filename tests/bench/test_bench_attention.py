@@ -1,14 +1,11 @@
 """bench/bench_attention.py --quick on the CPU: runs, checks every backend, records rows, never crashes."""
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import bench_attention as ba  # noqa: E402
-import workloads as wl  # noqa: E402
+from blockdiff.bench import bench_attention as ba
+from blockdiff.bench import workloads as wl
 
 
 def test_quick_run_writes_records_and_plots(tmp_path, capsys):

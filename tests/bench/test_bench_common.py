@@ -1,16 +1,12 @@
 """bench/common.py: exact allowed-pair counts (against build_mask), FLOP/s arithmetic, result files."""
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import common  # noqa: E402
-
-from blockdiff.attention import build_mask  # noqa: E402
+from blockdiff.bench import common
+from blockdiff.attention import build_mask
 
 
 def _dense_pairs(q_lens, seq_lens, causal=None, num_causal_q=None, **kw):

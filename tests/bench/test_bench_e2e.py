@@ -1,12 +1,7 @@
 """bench/bench_e2e.py --quick on the CPU: a tiny DiffusionGemma through the harness, 16 denoise steps."""
 import json
-import sys
-from pathlib import Path
 
-import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import bench_e2e  # noqa: E402
+from blockdiff.bench import bench_e2e
 
 
 def test_quick_e2e_runs_16_denoise_steps_and_records_shares(tmp_path):

@@ -4,16 +4,13 @@ either measures correctly (eager and CUDA-graph times) or says why it was skippe
 skipped even where the benchmark records its ImportError as an error row)."""
 import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import bench_attention as ba  # noqa: E402
-import bench_e2e  # noqa: E402
-import common  # noqa: E402
+from blockdiff.bench import bench_attention as ba
+from blockdiff.bench import bench_e2e
+from blockdiff.bench import common
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

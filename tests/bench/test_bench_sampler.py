@@ -1,11 +1,8 @@
 """bench/bench_sampler.py --quick on the CPU: runs every backend (Triton through the interpreter), checks them
 against the reference, writes the JSON/CSV/PNG records and prints the summary table last."""
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import bench_sampler as bs  # noqa: E402
+from blockdiff.bench import bench_sampler as bs
 
 
 def test_quick_run_writes_records_and_plot(tmp_path, capsys):
@@ -60,12 +57,11 @@ def test_tune_discards_a_candidate_that_fails_its_check(monkeypatch):
     """A tune candidate whose output is wrong (here: NaN in the soft-embedding workspace, as a tuned 128 x 256
     GEMM gave on the H200) is recorded as a discarded error row and never chosen, even when it is the fastest."""
     import torch
-    from blockdiff.sampler.triton import kernels as ts
 
     good, bad = dict(block_m=16, block_n=16, block_k=64, split_k=1), dict(block_m=16, block_n=32, block_k=64, split_k=2)
     monkeypatch.setattr(bs, "TUNE_STATS", [dict(block_g=16)])
     monkeypatch.setattr(bs, "TUNE_GEMM", [good, bad])
-    real = ts.soft_embedding
+    real = bs.soft_embedding
 
     def soft_embedding(*a, **k):
         cfg = a[7] if len(a) > 7 else k.get("config")
@@ -74,7 +70,7 @@ def test_tune_discards_a_candidate_that_fails_its_check(monkeypatch):
             ws[0, 0, 0] = float("nan")   # the broken candidate
         return ws
 
-    monkeypatch.setattr(ts, "soft_embedding", soft_embedding)
+    monkeypatch.setattr(bs, "soft_embedding", soft_embedding)
     s = bs.SHAPES["quick"]
     x, E, params, slots, pd = bs.make_inputs(s["N"], s["CL"], s["V"], s["H"], torch.device("cpu"))
     best, rows = bs.tune(x, E, params, slots, s, torch.device("cpu"))

@@ -1,10 +1,7 @@
 """bench/bench_sampler_tp.py --quick on the CPU: 2 gloo ranks, tiny shapes; runs, self-checks, records rows."""
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import bench_sampler_tp as bst  # noqa: E402
+from blockdiff.bench import bench_sampler_tp as bst
 
 
 def test_quick_run_checks_and_writes_records(tmp_path, capsys):

@@ -1,14 +1,9 @@
 """bench/workloads.py: named workloads match ARCHITECTURE.md; built batches are valid paged caches."""
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import workloads as wl  # noqa: E402
-
-from blockdiff.attention.reference import gather_kv  # noqa: E402
+from blockdiff.bench import workloads as wl
+from blockdiff.attention.reference import gather_kv
 
 NAMES = ["mixed_sliding_ctx8k", "mixed_sliding_prefix_ctx8k", "mixed_global_ctx8k", "canvas_bs1_ctx32k_global",
          "canvas_bs1_ctx32k_sliding", "canvas_bs1_ctx32k_hd128", "canvas_bs4_ctx4k_hd128", "prefill16k_hd128"]

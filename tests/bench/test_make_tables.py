@@ -1,10 +1,8 @@
 """bench/make_tables.py: markdown tables from records, written between the README markers only."""
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import make_tables  # noqa: E402
+from blockdiff.bench import make_tables
 
 
 def _record(path, gpu="NVIDIA H200", suite="attention", rows=None, **extra):

@@ -3,8 +3,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import sweep_cute_attention as sw  # noqa: E402
+from blockdiff.bench import sweep_cute_attention as sw
 
 
 def test_quick_dry_run_prints_the_plan_and_exits_zero(capsys):
@@ -20,7 +19,7 @@ def test_quick_dry_run_prints_the_plan_and_exits_zero(capsys):
 
 
 def test_quick_needs_neither_cuda_nor_flash_attn():
-    code = ("import sys; sys.path.insert(0, 'bench'); import sweep_cute_attention as sw; "
+    code = ("import sys; from blockdiff.bench import sweep_cute_attention as sw; "
             "assert sw.main(['--quick']) == 0; "
             "assert 'flash_attn' not in sys.modules and 'cutlass' not in sys.modules; "
             "import torch; assert not torch.cuda.is_initialized(); print('ok')")
