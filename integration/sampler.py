@@ -4,9 +4,9 @@ It replaces vLLM's sampler *and* its rejection sampler (``custom_sampler`` retur
 and maps one :func:`blockdiff.sampler.sampler_step` per forward pass onto vLLM's spec-decode accounting
 (docs/ARCHITECTURE.md "Integration and vLLM accounting"): prefill rows ``num_sampled = 0``,
 ``num_rejected = 0``; denoise rows ``num_sampled = 0``, ``num_rejected = query_len`` (the canvas is rejected, the
-KV position does not move); commit rows ``num_sampled = canvas_length``, ``num_rejected = 0``. A canvas row that does not progress (its
-request FAILED or FINISHED in an earlier step, or, under vLLM, a canvas vLLM truncated) also reports
-``num_sampled = 0``, ``num_rejected = query_len``.
+KV position does not move); commit rows ``num_sampled = canvas_length``, ``num_rejected = 0``. A canvas row that
+does not progress (its request FAILED or FINISHED in an earlier step, or, under vLLM, a canvas vLLM truncated)
+also reports ``num_sampled = 0``, ``num_rejected = query_len``.
 
 Failed requests under vLLM: a request whose logits are non-finite goes to phase FAILED. The vLLM-mode output
 reports it in ``SamplerOutput.num_nans`` (vLLM's per-request NaN channel: the runner forwards it as
