@@ -1,79 +1,49 @@
-"""Warp-specialised Hopper kernel of the Triton backend (``config["IMPL"] = "gluon"``), written in Gluon.
+"""The warp-specialised Hopper kernels of the Triton backend (``config["IMPL"] = "gluon"``), written in Gluon.
 
 Gluon is Triton's explicit-layout dialect (``triton.experimental.gluon``, shipped with Triton 3.6): the same
-compiler, with TMA, mbarriers, ``wgmma`` and warp specialisation under the kernel's control. This kernel is the
-FlashAttention-3 structure (Shah et al., 2024, arXiv:2407.08608, section 3.1) applied to the blockdiff
-contract: one producer warp streams K / V blocks with TMA into rings of ``STAGES`` K and ``V_STAGES`` V
-shared-memory buffers (a key block spanning several pages is one TMA box per page, into slices of one buffer:
-128-key blocks over 64-token pages), and the consumer warpgroups (``num_warps`` = 4 or 8: 64 or 128 packed
-rows; head dims > 256: the wide variant below) load the Q tile, run QK^T and PV on ``wgmma`` with the online
-softmax in between, and store the tile, all under their raised register budget (setmaxnreg). With ``OVERLAP``
-(FA3's intra-warpgroup overlap, in part) QK^T of key block j + 1 is issued before the softmax of block j and
-both wgmma groups retire inside the iteration:
-keeping PV's accumulator in flight across the loop's back edge made ptxas serialise every wgmma (warning C7514;
-measured 0.201 vs 0.152 ms on canvas_bs1_ctx32k_hd128, bench/results/gluon_overlap-h200.json) and is not done.
-``OVERLAP="chain"`` keeps the sequential consumer's registers but issues PV of block j and QK^T of block j + 1
-back to back and retires them together (no retire / issue gap between the two wgmma groups): the automatic
-hd-128 choice (prefill16k_hd128 1.80 against 2.18 ms sequential, bench/results/gluon_chain_hd128-h200.json).
-Two other orders were measured and dropped (their code is in the history, 3297f56): PV of block j overlapping
-the softmax of block j + 1 (FA3's other half; no gain at hd 128 / 256, slower at hd 512 where it spills), and
-the chained order in the wide kernel (416 B of spills at 64x64; mixed_global_ctx8k 1.144-1.147 against
-1.021-1.112 ms in two rounds of one run).
-``LAZY_RESCALE`` (FA4's conditional rescaling) applies here as in the portable kernel; at hd 512 it measured
-slower (the conditional accumulator rescale spills). Two programs share an SM when shared memory allows and
-``head_dim_v <= 128`` (:func:`gluon_ctas_per_sm`): the 64x128 hd-128 tile with 2 K + 1 V buffers (115 KB) is
-the automatic hd-128 choice (bench/results/gluon_kv_stages-h200.json).
+compiler, with TMA, mbarriers, ``wgmma`` and warp specialisation under the kernel's control. The varlen tile ->
+sequence mapping, the per-row key intervals, the full / boundary block split, the split-KV partial layout and the
+merge are the portable kernel's (:mod:`.common`); the host side is :mod:`.config` (tiles, validation,
+constexprs), :mod:`.tma` (eligibility, descriptors) and :mod:`.plans` (launch). Three kernels
+(:data:`KERNELS`, named by :func:`.config.kernel_variant`):
 
-Head dims > 256 (Gemma 4's global layers: hd 512) run the wide variant :func:`_attn_fwd_gluon_wide`: a 64 x 512
-fp32 accumulator is 256 registers a thread for one warpgroup, so two consumer warpgroups (two partitions, 4
-warps each; ``num_warps=8`` and ``BLOCK_M=64`` in the config) split the head dim. Warpgroup w computes the
-partial QK^T over head-dim half w (wgmma N = BLOCK_N) and PV into V columns half w; the two partials are summed
-through shared memory in the same order by both, so both hold the same S and the same row statistics without
-exchanging them, and P never leaves registers. K and V stream as head-dim halves with a barrier pair each, so
-each warpgroup releases its half independently. Q (64 KB), one K and one V buffer of 64 keys (64 KB each) and
-the exchange (32 KB) fill the 227 KB of shared memory. H200, mixed_global_ctx8k: 1.08-1.10 ms (442-450
-TFLOP/s; bench_attention's 100 ms windows, attention-hd512 / attention-head / attention-targets-h200.json; the
-sweep harness read 1.008-1.112 ms across runs of one session, gluon_pv_hd512 / gluon_chain_hd512-h200.json) against
-2.00 ms for
-the portable kernel; in the sweep's 40 ms windows (boost clock; gluon_hd512_lazy-h200.json) 1.009 ms against
-1.208 ms for a (removed) 8-warp kernel that split S's keys and O's columns across the warpgroups, whose row
-statistics and P crossed through shared memory every block.
+* :func:`_attn_fwd_gluon` (``"gluon"``): FlashAttention-3's structure (Shah et al., 2024, arXiv:2407.08608,
+  section 3.1). One producer warp streams K / V blocks with TMA into rings of ``STAGES`` K and ``V_STAGES`` V
+  shared-memory buffers (a key block spanning several pages is one TMA box per page, into slices of one buffer),
+  and the consumer warpgroups (``num_warps`` = 4 or 8: 64 or 128 packed rows) load the Q tile, run QK^T and PV
+  on ``wgmma`` with the online softmax in between, and store the tile, all under their raised register budget
+  (setmaxnreg). The consumer order is the ``OVERLAP`` constexpr (:func:`.config.overlap_mode`):
 
-The roles kernel :func:`_attn_fwd_gluon_roles` (``OVERLAP="roles"``, the automatic hd-512 choice) divides the
-work as FA4 does on Blackwell: a softmax warpgroup runs QK^T over the whole head dim and the online softmax, and
-hands P (bf16 / fp16) with each row's rescale factor through a ring of two shared-memory slots to PV warpgroups
-(two at hd 512, 256 output columns each; one below), which rescale their accumulators and run PV with P from
-shared memory. The softmax of block j + 1 thus overlaps PV of block j, and neither warpgroup waits for a partial
-S. There is no producer warp (ptxas needs >= 154 registers a thread at launch for the 64 x 256 PV wgmma, which
-16 warps would cap at 128): each warpgroup refills its own ring with TMA as a slot's wgmma retires, the softmax
-warpgroup chunk by chunk (mixed_global_ctx8k 1.001-1.040 against 1.054-1.063 ms refilling after the whole QK^T,
-gluon_roles_early.md). H200: mixed_global_ctx8k 1.001-1.040 ms against 1.091-1.102 ms for the wide kernel in the
-same processes (0.959-0.965 ms in a later run); 6-11 % less time on the global-layer ladders from 4k keys. At hd <= 256 it measured slower than the
-kernels above (canvas_bs1_ctx32k_sliding 29.5 against 26 us, mixed_sliding_ctx8k 0.263 against 0.203 ms,
-prefill16k_hd128 2.74 against 1.95 ms: gluon_roles_hd256-h200.json): there one consumer warpgroup holds the whole
-accumulator and keeps P in registers, and the extra shared-memory round trip of P is not repaid.
+  - 0, sequential;
+  - 1, FA3's intra-warpgroup overlap in part: QK^T of key block j + 1 is issued before the softmax of block j and
+    both wgmma groups retire inside the iteration (an accumulator in flight across the loop's back edge makes
+    ptxas serialise every wgmma, warning C7514, so PV is not kept in flight);
+  - 2, chained: the sequential consumer's registers, with PV of block j and QK^T of block j + 1 issued back to
+    back and retired together (no retire / issue gap between the two wgmma groups).
 
-The varlen tile -> sequence mapping, the per-row key intervals, the full / boundary block split, the split-KV
-partial layout and the merge are those of :mod:`blockdiff.attention.triton.interface` (which launches this
-kernel and documents the contract).
-
-Eligibility (:func:`gluon_ineligible` names the first rule an input breaks; ``IMPL="gluon"`` on an
-ineligible input raises ``ValueError``, it never falls back silently):
-
-* a CUDA device of compute capability 9.x, bf16 or fp16, ``head_dim == head_dim_v`` in {64, 128, 256, 512};
-* ``scale > 0``;
-* K / V rows addressable as one 2-D TMA tensor ``[rows, num_kv_heads * head_dim]`` (contiguous last two dims,
-  16-byte aligned): paged caches with ``stride(0) == page_size * stride(1)`` and either ``page_size % BLOCK_N
-  == 0`` (one page holds whole key blocks) or a ``page_size`` that is a multiple of 8 dividing ``BLOCK_N`` (one
-  box per page), or the contiguous varlen form.
+  ``LAZY_RESCALE`` (FA4's conditional rescaling) applies as in the portable kernel. Two programs share an SM when
+  shared memory allows and ``head_dim_v <= 128`` (:func:`.config.gluon_ctas_per_sm`).
+* :func:`_attn_fwd_gluon_wide` (``"gluon_wide"``, head dims > 256: Gemma 4's global layers, hd 512). A 64 x 512
+  fp32 accumulator is 256 registers a thread for one warpgroup, so two consumer warpgroups (``num_warps=8`` and
+  ``BLOCK_M=64`` in the config) split the head dim: warpgroup w computes the partial QK^T over head-dim half w
+  and PV into V columns half w; the two partials are summed through shared memory in the same order by both, so
+  both hold the same S and the same row statistics without exchanging them, and P never leaves registers. K and V
+  stream as head-dim halves with a barrier pair each, so each warpgroup releases its half independently. Q
+  (64 KB), one K and one V buffer of 64 keys (64 KB each) and the exchange (32 KB) fill the 227 KB of shared
+  memory.
+* :func:`_attn_fwd_gluon_roles` (``"gluon_roles"``, ``OVERLAP="roles"``, the automatic hd-512 choice). FA4's
+  division of labour on Blackwell, on wgmma: a softmax warpgroup runs QK^T over the whole head dim and the online
+  softmax, and hands P (bf16 / fp16) with each row's rescale factor through a ring of two shared-memory slots to
+  PV warpgroups (two at hd 512, 256 output columns each; one below), which rescale their accumulators and run PV
+  with P from shared memory. The softmax of block j + 1 thus overlaps PV of block j, and neither warpgroup waits
+  for a partial S. There is no producer warp (ptxas needs >= 154 registers a thread at launch for the 64 x 256 PV
+  wgmma, which 16 warps would cap at 128): each warpgroup refills its own ring with TMA as a slot's wgmma
+  retires, the softmax warpgroup chunk by chunk. At hd <= 256 one consumer warpgroup holds the whole accumulator
+  and keeps P in registers, so the extra shared-memory round trip of P does not pay there.
 
 Keys at or beyond ``seq_len`` inside the last key block (stale cache rows, which may hold NaN) are masked to
 -inf in QK^T and their V rows are zeroed in shared memory before PV, so they never reach the output.
 """
-from __future__ import annotations
-
-import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -83,11 +53,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .interface import _causal_rows, _key_block_ranges, _kv_base, _row_key_interval, _tile_sequence
-
-GLUON_HEAD_DIMS = (64, 128, 256, 512)
+from .common import causal_rows, key_block_ranges, kv_base, row_key_interval, tile_sequence
 
 
 @gluon.jit
@@ -149,10 +116,10 @@ def _tma_chunk(desc, bufs, ready, slot, c, j, col, bt_row, k_base, seq_len, BLOC
 def _program_tile(CU_Q, n_tiles, num_seqs, BLOCK_Q: gl.constexpr, SEARCH_STEPS: gl.constexpr,
                   num_warps: gl.constexpr):
     """This program's KV head, split and q tile (tiles in reverse: the long causal tiles at the end of a prefill
-    first), mapped to its sequence by the portable kernel's search: ``(kvh, split, b, q_start, q_len, tile)``."""
+    first), mapped to its sequence by :func:`.common.tile_sequence`: ``(kvh, split, b, q_start, q_len, tile)``."""
     t = n_tiles - 1 - gl.program_id(0)
     ks = gl.arange(0, 16, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
-    b, q_start, q_len, tile = _tile_sequence(CU_Q, t, num_seqs, ks, BLOCK_Q, SEARCH_STEPS)
+    b, q_start, q_len, tile = tile_sequence(CU_Q, t, num_seqs, ks, BLOCK_Q, SEARCH_STEPS)
     return gl.program_id(1), gl.program_id(2), b, q_start, q_len, tile
 
 
@@ -161,16 +128,16 @@ def _tile_keys(SEQ_LENS, NCQ, b, q_len, tile, split, window, num_splits, G: gl.c
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr, HAS_WINDOW: gl.constexpr,
                PREFIX: gl.constexpr, NCQ_FLAGS: gl.constexpr, SPLIT: gl.constexpr, row_s: gl.constexpr):
     """A tile's sequence length, causal rows and context, its rows' key intervals ``[lo, hi]`` (in the softmax's
-    row layout ``row_s``; rows = (token, head in group)) and its key block ranges: the portable kernel's
-    helpers, shared by both Gluon kernels."""
+    row layout ``row_s``; rows = (token, head in group)) and its key block ranges (:mod:`.common`'s helpers),
+    for every Gluon kernel."""
     seq_len = gl.load(SEQ_LENS + b)
-    ncq = _causal_rows(NCQ, b, q_len, NCQ_FLAGS)
+    ncq = causal_rows(NCQ, b, q_len, NCQ_FLAGS)
     ctx = seq_len - q_len
     offs_m = gl.arange(0, BLOCK_M, layout=row_s)
     i = tile * BLOCK_Q + offs_m // GP
     row_valid = (i < q_len) & ((offs_m % GP) < G)
-    lo, hi = _row_key_interval(i, ctx, ncq, seq_len, window, HAS_WINDOW, PREFIX)
-    a, b_mid, c_mid, d_end = _key_block_ranges(lo, hi, row_valid, split, num_splits, BLOCK_N, SPLIT)
+    lo, hi = row_key_interval(i, ctx, ncq, seq_len, window, HAS_WINDOW, PREFIX)
+    a, b_mid, c_mid, d_end = key_block_ranges(lo, hi, row_valid, split, num_splits, BLOCK_N, SPLIT)
     return seq_len, ncq, ctx, lo, hi, a, b_mid, c_mid, d_end
 
 
@@ -472,7 +439,7 @@ def _attn_fwd_gluon(
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
 
-    # ---- tile -> sequence, per-row key intervals, key block ranges: the portable kernel's helpers
+    # ---- tile -> sequence, per-row key intervals, key block ranges: the shared helpers (.common)
     kvh, split, b, q_start, q_len, tile = _program_tile(CU_Q, n_tiles, num_seqs, BLOCK_Q, SEARCH_STEPS, num_warps)
     if tile * BLOCK_Q >= q_len:
         return
@@ -489,7 +456,7 @@ def _attn_fwd_gluon(
     k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty = _kv_rings(k_desc, v_desc, BLOCK_N, D, DV, STAGES,
                                                                    V_STAGES, ONE)
 
-    bt_row, k_base = _kv_base(BT, CU_K, b, stride_bt, PAGED)
+    bt_row, k_base = kv_base(BT, CU_K, b, stride_bt, PAGED)
 
     gl.warp_specialize([
         (_consumer, (q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
@@ -547,7 +514,7 @@ def _wide_half(W: gl.constexpr, q_half, x_mine, x_other, k_bufs, v_bufs, k_ready
 
     _load_q(q_half, Q, q_start, q_len, tile, kvh, stride_qt, stride_qh, G, GP, DH, BLOCK_M, BLOCK_Q, blk, W * DH)
     offs_m = gl.arange(0, BLOCK_M, layout=row_s)
-    lo, hi = _row_key_interval(tile * BLOCK_Q + offs_m // GP, ctx, ncq, seq_len, window, HAS_WINDOW, PREFIX)
+    lo, hi = row_key_interval(tile * BLOCK_Q + offs_m // GP, ctx, ncq, seq_len, window, HAS_WINDOW, PREFIX)
     m_i, l_i, acc, s_zero, offs_n, offs_vn = _consumer_state(BLOCK_M, BLOCK_N, DVH, s_layout, o_layout, blk)
     for j in range(a, d_end):
         it = j - a
@@ -602,7 +569,7 @@ def _attn_fwd_gluon_wide(
     k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty = _kv_rings(k_desc, v_desc, BLOCK_N, D, DV, STAGES,
                                                                    V_STAGES, HALVES)
     # the partial-S exchange: an accumulator store covers 8 rows x 8 columns; 32-byte groups XOR-swizzled by
-    # row % 4 put 4 rows in disjoint banks (2 wavefronts, the minimum; 8-byte groups by row % 8 measured 4x that)
+    # row % 4 put 4 rows in disjoint banks (2 wavefronts, the minimum; 8-byte groups by row % 8 take 4x that)
     x_sl: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 4, [1, 0])
     x0 = gl.allocate_shared_memory(gl.float32, [BLOCK_M, BLOCK_N], x_sl)
     x1 = gl.allocate_shared_memory(gl.float32, [BLOCK_M, BLOCK_N], x_sl)
@@ -612,7 +579,7 @@ def _attn_fwd_gluon_wide(
         mbarrier.init(x_ready.index(w), count=1)
         mbarrier.init(x_free.index(w), count=1)
 
-    bt_row, k_base = _kv_base(BT, CU_K, b, stride_bt, PAGED)
+    bt_row, k_base = kv_base(BT, CU_K, b, stride_bt, PAGED)
     W0: gl.constexpr = 0
     W1: gl.constexpr = 1
     gl.warp_specialize([
@@ -669,9 +636,8 @@ def _roles_softmax(q_smem, k_desc, k_bufs, k_ready, p_smem, a_smem, st_smem, p_r
             mbarrier.wait(k_ready.index(ks * KC + c), (it // STAGES) & 1)
             qk = warpgroup_mma(q_smem.index(c), k_bufs.index(ks).slice(c * DC, DC, dim=1).permute((1, 0)), qk,
                                use_acc=c > 0, is_async=True)
-        # each chunk's slot is refilled as soon as its QK^T group retired (chunk 0 while chunk 1 multiplies):
-        # mixed_global_ctx8k 1.001-1.040 against 1.054-1.063 ms refilling after the whole QK^T (two alternating
-        # rounds, bench/results/gluon_roles_early.md)
+        # each chunk's slot is refilled as soon as its QK^T group retired (chunk 0 while chunk 1 multiplies), which
+        # was faster than refilling after the whole QK^T
         for c in gl.static_range(KC):
             warpgroup_mma_wait(num_outstanding=KC - 1 - c, deps=(qk,))
             if j + STAGES < d_end:
@@ -810,7 +776,7 @@ def _attn_fwd_gluon_roles(
         mbarrier.init(p_free.index(st), count=NPV)
     mbarrier.init(st_ready.index(0), count=1)
 
-    bt_row, k_base = _kv_base(BT, CU_K, b, stride_bt, PAGED)
+    bt_row, k_base = kv_base(BT, CU_K, b, stride_bt, PAGED)
     W0: gl.constexpr = 0
     W1: gl.constexpr = 1
     if NPV == 2:
@@ -841,302 +807,7 @@ def _attn_fwd_gluon_roles(
         ], [4], [PV_REGS])
 
 
-def _gl_dtype(dtype: torch.dtype):
-    return gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+#: The Gluon kernels by :func:`.config.kernel_variant` name.
+KERNELS = {"gluon": _attn_fwd_gluon, "gluon_wide": _attn_fwd_gluon_wide, "gluon_roles": _attn_fwd_gluon_roles}
 
-
-def gluon_ineligible(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, paged: bool,
-                     page_size: int | None, head_dim_v: int, scale: float, block_n: int) -> str | None:
-    """Why this input cannot run the Gluon kernel (the first rule it breaks), or None when it can.
-
-    Host attributes only (device capability, dtypes, shapes, strides, alignment); no device sync.
-    """
-    if q.device.type != "cuda":
-        return f"q is on {q.device}, the Gluon kernel needs a CUDA device"
-    if torch.cuda.get_device_capability(q.device)[0] != 9:
-        cc = "".join(map(str, torch.cuda.get_device_capability(q.device)))
-        return f"the Gluon kernel is written for sm_90 (Hopper); this device is sm_{cc}"
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        return f"the Gluon kernel takes bf16/fp16, got {q.dtype}"
-    D = q.shape[-1]
-    if D != head_dim_v or D not in GLUON_HEAD_DIMS:
-        return f"the Gluon kernel needs head_dim == head_dim_v in {GLUON_HEAD_DIMS}, got {D}/{head_dim_v}"
-    if not scale > 0:
-        return f"the Gluon kernel needs scale > 0, got {scale}"
-    return layout_ineligible(k_cache, v_cache, paged=paged, page_size=page_size, block_n=block_n)
-
-
-def layout_ineligible(k_cache: torch.Tensor, v_cache: torch.Tensor, *, paged: bool, page_size: int | None,
-                      block_n: int) -> str | None:
-    """The TMA rules of :func:`gluon_ineligible` on the caches' shapes and strides (any device)."""
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        hkv, d = t.shape[-2], t.shape[-1]
-        if t.stride(-1) != 1 or t.stride(-2) != d:
-            return f"{name} must have contiguous [num_kv_heads, head_dim] rows for TMA, got strides {t.stride()}"
-        row_stride = t.stride(-3)
-        if paged and t.stride(0) != page_size * row_stride:
-            return f"{name}: pages must be evenly strided rows (stride(0) == page_size * stride(1)) for TMA"
-        if row_stride < hkv * d or (row_stride * t.element_size()) % 16 or t.data_ptr() % 16:
-            return f"{name} rows must be 16-byte aligned and not overlap for TMA, got strides {t.stride()}"
-    if paged and page_size % block_n and (block_n % page_size or page_size % 8):
-        return (f"page_size {page_size} must hold whole key blocks of BLOCK_N = {block_n}, or be a multiple of 8 "
-                f"that divides BLOCK_N (a block of several pages, one TMA box each)")
-    return None
-
-
-def tma_box_rows(paged: bool, page_size: int | None, block_n: int) -> int:
-    """Rows of one K / V TMA box: ``BLOCK_N``, or the page when a key block spans several pages."""
-    return min(block_n, page_size) if paged else block_n
-
-
-class _CacheAddress:
-    """What a TMA descriptor and Triton's launcher read of a cache tensor (``dtype``, ``data_ptr()``), without
-    holding the tensor: a cached descriptor must not keep a freed cache alive."""
-
-    __slots__ = ("dtype", "_ptr")
-
-    def __init__(self, t: torch.Tensor):
-        self.dtype, self._ptr = t.dtype, t.data_ptr()
-
-    def data_ptr(self) -> int:
-        return self._ptr
-
-
-_DESCRIPTORS: dict = {}
-_MAX_DESCRIPTORS = 64
-
-
-def make_kv_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, box_rows: int, k_chunks: int = 1,
-                        v_chunks: int = 1):
-    """2-D TMA descriptors ``[rows, num_kv_heads * head_dim]`` over the K and V caches, box ``[box_rows, head_dim]``
-    (``[box_rows, head_dim // k_chunks]`` / ``[box_rows, head_dim_v // v_chunks]``: the wide kernel loads
-    head-dim halves)
-    (:func:`tma_box_rows`).
-
-    Cached by (address, shape, strides, dtype, device, box_rows): a serving loop reuses the same caches every step.
-    An entry depends only on its key (it holds no tensor), so a new tensor at a freed address with the same key
-    gets a correct descriptor. H200, canvas_bs4 eager (host + GPU per call, bench/results/gluon_review-h200.json
-    session): Gluon 291 us vs the portable kernel's 208 us; before the cache, in another session, 264 vs 148 us.
-    Not an interleaved A/B: most of the Gluon path's extra host time is in Triton's launcher, which encodes a
-    CUtensorMap for every launch.
-    """
-    key = tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device) for t in (k_cache, v_cache)) + (
-        box_rows, k_chunks, v_chunks)
-    descs = _DESCRIPTORS.get(key)
-    if descs is None:
-        descs = []
-        for t, chunks in ((k_cache, k_chunks), (v_cache, v_chunks)):
-            hkv, d = t.shape[-2], t.shape[-1]
-            if d % chunks or d // chunks > 256:
-                raise ValueError(f"head dim {d} must split into {chunks} TMA box columns of <= 256")
-            rows = t.shape[0] * t.shape[1] if t.dim() == 4 else t.shape[0]
-            box = [box_rows, d // chunks]
-            layout = gl.NVMMASharedLayout.get_default_for(box, _gl_dtype(t.dtype))
-            descs.append(TensorDescriptor(_CacheAddress(t), [rows, hkv * d], [t.stride(-3), 1], box, layout))
-        if len(_DESCRIPTORS) >= _MAX_DESCRIPTORS:
-            _DESCRIPTORS.clear()
-        descs = _DESCRIPTORS[key] = tuple(descs)
-    return descs
-
-
-ROLES_P_STAGES = 2  # P / row-rescale slots between the roles kernel's softmax and PV warpgroups
-
-
-def roles_pv_warpgroups(head_dim_v: int) -> int:
-    """PV warpgroups of the roles kernel: one per 256 output columns (a 64 x 256 fp32 accumulator is 128 registers
-    a thread)."""
-    return 2 if head_dim_v > 256 else 1
-
-
-def roles_pv_regs(head_dim_v: int) -> int:
-    """setmaxnreg of each PV warpgroup of the roles kernel. Two PV warpgroups (hd 512): 12 warps share the register
-    file at 168 a thread; 2 x 200 leaves 104 for the softmax warpgroup (S, P and the row statistics). One
-    (hd <= 256): 8 warps, no launch cap; 240."""
-    return 200 if roles_pv_warpgroups(head_dim_v) == 2 else 240
-
-
-def roles_k_chunks(head_dim: int) -> int:
-    """Head-dim chunks of the roles kernel's K ring (one TMA box column range and one QK^T wgmma group each, the
-    slot refilled per chunk): ``head_dim // 256``, at least 1. 128-column chunks at hd 512 measured slower
-    (mixed_global_ctx8k 1.041-1.046 against 0.959-0.965 ms, two alternating rounds, gluon_roles_kc.md)."""
-    return max(1, head_dim // 256)
-
-
-def roles_max_regs(head_dim_v: int) -> int | None:
-    """``maxnreg`` at launch of the roles kernel (4 softmax + 4 per PV warpgroup warps; None: no cap)."""
-    regs = (65536 // (32 * 4 * (1 + roles_pv_warpgroups(head_dim_v)))) // 8 * 8
-    return regs if regs < 255 else None
-
-
-WIDE_SMEM_LIMIT = 232448 - 1024  # 227 KB per block on sm_90, less barriers and alignment
-WIDE_CONSUMER_REGS = 232  # setmaxnreg of the wide kernel's worker warpgroup (ptxas gives both consumers 232)
-LOADER_REGS = 40  # registers per thread of the producer warp (setmaxnreg; scalar address math and TMA issue)
-
-
-def check_gluon_config(cfg: dict, head_dim: int, head_dim_v: int) -> None:
-    """Validate the tile fields of a config with ``IMPL="gluon"`` (raises ``ValueError`` naming the field)."""
-    for name in ("num_warps", "BLOCK_M", "BLOCK_N", "num_stages", "BLOCK_DV"):
-        if isinstance(cfg[name], bool) or not isinstance(cfg[name], int):
-            raise ValueError(f"config[{name!r}] must be an int with IMPL='gluon', got {cfg[name]!r}")
-    nw, bm, bn, st = cfg["num_warps"], cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_stages"]
-    roles = cfg.get("OVERLAP") == "roles"
-    if nw not in (4, 8) and not roles:
-        raise ValueError(f"config['num_warps'] must be 4 or 8 (consumer warpgroups) with IMPL='gluon', got {nw!r}")
-    if head_dim_v <= 256 and not roles and (bm not in (64, 128) or bm < 16 * nw):
-        raise ValueError(f"config['BLOCK_M'] must be 64 or 128 and >= 16 * num_warps with IMPL='gluon', got {bm!r}")
-    if bn not in (32, 64, 128):
-        raise ValueError(f"config['BLOCK_N'] must be 32, 64 or 128 with IMPL='gluon', got {bn!r}")
-    if not 1 <= st <= 4:
-        raise ValueError(f"config['num_stages'] (K ring depth) must be in [1, 4] with IMPL='gluon', got {st!r}")
-    vst = cfg.get("V_STAGES")
-    if vst is not None and (isinstance(vst, bool) or not isinstance(vst, int) or not 1 <= vst <= 4):
-        raise ValueError(f"config['V_STAGES'] (V ring depth; None: num_stages) must be an int in [1, 4] or None "
-                         f"with IMPL='gluon', got {vst!r}")
-    if cfg.get("OVERLAP") == "roles":
-        npv = roles_pv_warpgroups(head_dim_v)
-        if bm != 64 or nw != 4 * (1 + npv):
-            raise ValueError(f"OVERLAP='roles' at head_dim_v {head_dim_v} needs BLOCK_M=64 and num_warps={4 * (1 + npv)} "
-                             f"(a softmax warpgroup + {npv} PV warpgroup(s)), got BLOCK_M={bm!r}, num_warps={nw!r}")
-        if cfg.get("LAZY_RESCALE"):
-            raise ValueError("OVERLAP='roles' takes LAZY_RESCALE=False (its PV warpgroups rescale every block)")
-        vst = cfg.get("V_STAGES") or st
-        smem = 2 * (bm * head_dim + bn * (st * head_dim + vst * head_dim_v) + ROLES_P_STAGES * bm * bn) \
-            + 4 * (ROLES_P_STAGES + 2) * bm
-        if smem > WIDE_SMEM_LIMIT:
-            raise ValueError(f"config BLOCK_N={bn}, num_stages={st}, V_STAGES={vst} needs {smem} B of shared memory "
-                             f"at head_dim {head_dim} with OVERLAP='roles' (Q + K / V rings + the P ring); the limit "
-                             f"is {WIDE_SMEM_LIMIT}")
-    elif head_dim_v > 256:
-        if nw != 8 or bm != 64:
-            raise ValueError(f"head_dim_v {head_dim_v} with IMPL='gluon' needs num_warps=8 and BLOCK_M=64 (two "
-                             f"warpgroups splitting the head dim), got num_warps={nw!r}, BLOCK_M={bm!r}")
-        if cfg.get("OVERLAP"):
-            raise ValueError(f"head_dim_v {head_dim_v} with IMPL='gluon' takes OVERLAP=False, got {cfg['OVERLAP']!r}")
-        vst = cfg.get("V_STAGES") or st
-        smem = 2 * (bm * head_dim + bn * (st * head_dim + vst * head_dim_v)) + 2 * bm * bn * 4
-        if smem > WIDE_SMEM_LIMIT:
-            raise ValueError(f"config BLOCK_N={bn}, num_stages={st}, V_STAGES={vst} needs {smem} B of shared memory "
-                             f"at head_dim {head_dim} with IMPL='gluon' (Q + K / V rings + the partial-S exchange); "
-                             f"the limit is {WIDE_SMEM_LIMIT}")
-    if cfg["BLOCK_DV"] < head_dim_v:
-        raise ValueError("config['BLOCK_DV'] cannot split the V head dim with IMPL='gluon' (one program holds it all)")
-
-
-def overlap_mode(overlap) -> int:
-    """The kernels' ``OVERLAP`` constexpr of a config value: 0 (False: sequential), 1 (True: QK^T of block j + 1
-    overlaps the softmax of block j), 2 ("chain": PV of block j and QK^T of block j + 1 issued back to back and
-    retired together), 3 ("roles": the separate kernel :func:`_attn_fwd_gluon_roles`, a softmax warpgroup feeding
-    PV warpgroups)."""
-    if overlap == "chain":
-        return 2
-    if overlap == "roles":
-        return 3
-    if not isinstance(overlap, bool):
-        raise ValueError(f"OVERLAP must be a bool, 'chain' or 'roles', got {overlap!r}")
-    return int(overlap)
-
-
-def gluon_ctas_per_sm(block_m: int, block_n: int, num_warps: int, num_stages: int, head_dim: int, head_dim_v: int,
-                      itemsize: int, v_stages: int | None = None) -> int:
-    """Resident Gluon programs per SM: shared memory (Q tile + ``num_stages`` K blocks + ``v_stages`` V blocks,
-    default ``num_stages``; 227 KB per SM) and registers: two programs only for 64 rows x 4 consumer warps with
-    ``head_dim_v <= 128`` (128 registers a thread at launch, 216 for a consumer thread after setmaxnreg; the
-    hd-256 PV wgmma needs >= 158 at launch), else one."""
-    v_stages = num_stages if v_stages is None else v_stages
-    smem = (block_m * head_dim + block_n * (num_stages * head_dim + v_stages * head_dim_v)) * itemsize + 1024
-    # two programs leave 128 registers a thread at launch (.maxnreg), which ptxas needs to fit the widest wgmma:
-    # 64-row tiles with head_dim_v <= 128 only (hd-256 PV needs >= 158: ptxas C7602)
-    regs_cap = 2 if (num_warps == 4 and block_m == 64 and head_dim_v <= 128) else 1
-    return max(1, min(regs_cap, (227 * 1024) // smem))
-
-
-def gluon_max_regs(num_warps: int, ctas_per_sm: int) -> int | None:
-    """``maxnreg`` so that ``ctas_per_sm`` programs of ``num_warps`` consumer warps + one loader warpgroup fit
-    the 64 K-register file (multiple of 8); None (no cap) when the share reaches the 255-register limit."""
-    regs = (65536 // (ctas_per_sm * (num_warps + 4) * 32)) // 8 * 8
-    return regs if regs < 255 else None
-
-
-def compile_for_sm90(*, block_m: int, block_n: int, num_warps: int, num_stages: int, head_dim: int, paged: bool,
-                     split: bool, window: bool, group: int = 2, num_kv_heads: int = 8,
-                     overlap: bool | str = True, page_size: int | None = None, v_stages: int | None = None,
-                     causal_flags: bool = False, lazy: bool = False) -> dict:
-    """Compile the kernel for sm_90a without a GPU (Triton ``GPUTarget``) and run ``ptxas -v`` on the PTX.
-
-    For CPU checks and pre-screening tiles. ``page_size`` (default max(128, block_n)) sets the TMA box rows
-    (:func:`tma_box_rows`), ``v_stages`` the V ring depth (None: ``num_stages``), ``causal_flags`` whether the
-    kernel reads ``[B]`` bool causal flags instead of ``num_causal_q``, ``lazy`` the conditional rescaling
-    (``config["LAZY_RESCALE"]``); ``overlap="roles"`` compiles the roles kernel (``num_warps`` = 4 x (1 + its PV
-    warpgroups)), else ``head_dim > 256`` the wide kernel. Must run in a process where
-    ``TRITON_INTERPRET`` is unset (the interpreter replaces the ``@triton.jit`` helpers Gluon calls). Returns
-    ``{"shared": bytes, "ptxas": report,
-    "wgmma": bool, "tma": bool, "setmaxnreg": bool, "setmaxnreg_values": [int]}``.
-    """
-    import os
-    import re
-    import subprocess
-    import tempfile
-
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
-
-    check_gluon_config(dict(num_warps=num_warps, BLOCK_M=block_m, BLOCK_N=block_n, num_stages=num_stages,
-                            V_STAGES=v_stages, OVERLAP=overlap, BLOCK_DV=head_dim, LAZY_RESCALE=lazy), head_dim,
-                       head_dim)
-    H, D = num_kv_heads * group, head_dim
-    gp = 1 << max(0, (group - 1).bit_length())
-    q = torch.empty(256, H, D, dtype=torch.bfloat16)
-    page = page_size or max(128, block_n)
-    kc = torch.empty(8, page, num_kv_heads, D, dtype=torch.bfloat16) if paged else \
-        torch.empty(1024, num_kv_heads, D, dtype=torch.bfloat16)
-    box = tma_box_rows(paged, page, block_n)
-    roles = overlap == "roles"
-    wide = D > 256 and not roles
-    kd, vd = make_kv_descriptors(kc, kc, box, roles_k_chunks(D) if roles else 2 if D > 256 else 1,
-                                 2 if D > 256 else 1)
-    i32, f32 = torch.empty(4, dtype=torch.int32), torch.empty(4, dtype=torch.float32)
-    fn = _attn_fwd_gluon_roles if roles else _attn_fwd_gluon_wide if wide else _attn_fwd_gluon
-    args = dict(Q=q, k_desc=kd, v_desc=vd, O=q, LSE=f32, OPART=f32, LSEPART=f32, CU_Q=i32, SEQ_LENS=i32,
-                NCQ=torch.empty(4, dtype=torch.bool) if causal_flags else i32,
-                BT=i32, CU_K=i32, stride_qt=H * D, stride_qh=D, stride_ot=H * D, stride_oh=D, stride_bt=7,
-                qk_scale=0.1, num_heads=H)
-    consts = dict(G=group, GP=gp, D=D, DV=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_Q=block_m // gp, BOX_N=box,
-                  PAGE=page if paged else 1, PAGED=paged, HAS_WINDOW=window, PREFIX=False, NCQ_FLAGS=causal_flags,
-                  SPLIT=split,
-                  STORE_LSE=True, SEARCH_STEPS=1, STAGES=num_stages, V_STAGES=v_stages or num_stages,
-                  LOADER_REGS=LOADER_REGS, OVERLAP=overlap_mode(overlap), LAZY=lazy, num_warps=num_warps)
-    if wide:
-        del consts["OVERLAP"]
-        consts.update(num_warps=4, CONSUMER_REGS=WIDE_CONSUMER_REGS)
-    if roles:
-        del consts["OVERLAP"], consts["LAZY"], consts["LOADER_REGS"]
-        consts.update(num_warps=4, PV_REGS=roles_pv_regs(D), P_STAGES=ROLES_P_STAGES,
-                      K_CHUNKS=roles_k_chunks(D))
-    ints = {"total_q", "num_seqs", "n_tiles", "window", "num_splits"}
-    sig = {n: "constexpr" if n in consts else "i32" if n in ints else mangle_type(args[n]) for n in fn.arg_names}
-    src = GluonASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
-    ctas = gluon_ctas_per_sm(block_m, block_n, num_warps, num_stages, D, D, 2, v_stages=v_stages)
-    maxnreg = roles_max_regs(D) if roles else gluon_max_regs(num_warps, ctas)
-    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                        options=dict(num_warps=consts["num_warps"], maxnreg=maxnreg))
-    ptx = ck.asm["ptx"]
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(ptx)
-    try:
-        r = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull], capture_output=True,
-                           text=True, timeout=600)
-    finally:
-        os.unlink(f.name)
-    if r.returncode:
-        raise RuntimeError(f"ptxas failed: {r.stderr[-2000:]}")
-    return {"shared": ck.metadata.shared, "ptxas": r.stderr, "wgmma": "wgmma.mma_async" in ptx,
-            "tma": "cp.async.bulk.tensor" in ptx, "setmaxnreg": "setmaxnreg" in ptx,
-            "setmaxnreg_values": sorted({int(v) for v in
-                                         re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)})}
-
-
-__all__ = ["GLUON_HEAD_DIMS", "compile_for_sm90", "LOADER_REGS", "ROLES_P_STAGES", "check_gluon_config",
-           "gluon_ctas_per_sm", "gluon_ineligible", "roles_k_chunks", "roles_max_regs", "roles_pv_regs", "roles_pv_warpgroups",
-           "gluon_max_regs", "layout_ineligible", "make_kv_descriptors", "tma_box_rows"]
+__all__ = ["KERNELS"]

@@ -20,8 +20,9 @@ from blockdiff.attention.testing import check_close  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from blockdiff.attention.triton.common import tile_sequence  # noqa: E402
 from blockdiff.attention.triton.interface import (  # noqa: E402
-    _tile_sequence, attention_triton, choose_num_splits, default_config,
+    attention_triton, choose_num_splits, default_config,
 )
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -276,7 +277,7 @@ def test_no_host_reads_when_check_values_is_false(monkeypatch):
 
 def _plans():
     from blockdiff.attention.triton import interface as ta
-    return ta._PLANS
+    return ta.PLANS
 
 
 def test_launch_plan_is_reused_across_new_values_and_matches_the_full_path():
@@ -327,12 +328,12 @@ def test_launch_plan_key_separates_what_the_plan_depends_on():
 
 
 def test_launch_plans_switched_off_store_nothing_and_give_the_same_result(monkeypatch):
-    """``_PLANS_ENABLED = False`` (the probes' A/B switch): every call takes the full path, no plan is stored."""
+    """``PLANS_ENABLED = False`` (the probes' A/B switch): every call takes the full path, no plan is stored."""
     from blockdiff.attention.triton import interface as ta
     _plans().clear()
     inp = make_batch(**MIXED)
     planned = [attention_triton(**inp, config=SMALL, window_size=3, check_values=False) for _ in range(2)]
-    monkeypatch.setattr(ta, "_PLANS_ENABLED", False)
+    monkeypatch.setattr(ta, "PLANS_ENABLED", False)
     _plans().clear()
     full = attention_triton(**inp, config=SMALL, window_size=3, check_values=False)
     assert not _plans()
@@ -342,10 +343,11 @@ def test_launch_plans_switched_off_store_nothing_and_give_the_same_result(monkey
 def test_planned_launch_grids_have_three_dimensions_for_the_compiled_launcher():
     """A compiled kernel's launcher reads grid[0..2] (the merge's grid is one-dimensional: an IndexError on the
     H200 before this was normalised)."""
-    from blockdiff.attention.triton.interface import _Launch, _merge_kernel
-    assert _Launch(_merge_kernel, (7,), {}).grid == (7, 1, 1)
-    assert _Launch(_merge_kernel, (7, 2), {}).grid == (7, 2, 1)
-    assert _Launch(_merge_kernel, (7, 2, 3), {}).grid == (7, 2, 3)
+    from blockdiff.attention.triton.common import _merge_kernel
+    from blockdiff.attention.triton.plans import Launch
+    assert Launch(_merge_kernel, (7,), {}).grid == (7, 1, 1)
+    assert Launch(_merge_kernel, (7, 2), {}).grid == (7, 2, 1)
+    assert Launch(_merge_kernel, (7, 2, 3), {}).grid == (7, 2, 3)
 
 
 def test_max_seqlen_k_that_is_not_a_python_int_is_never_planned():
@@ -454,11 +456,11 @@ def test_resident_program_estimate_sees_the_kernels_tile_widths(monkeypatch):
     """The split count's shared-memory estimate is given the widths the kernel's tiles have: the head dim padded
     to a power of two (24 -> 32) and the V slice of one program (BLOCK_DV 16 of head_dim_v 40), not the raw
     head dims (which under-count padded tiles and over-count V-sliced ones)."""
-    from blockdiff.attention.triton import interface as ta
+    from blockdiff.attention.triton import config
 
     seen = []
-    real = ta.ctas_per_sm
-    monkeypatch.setattr(ta, "ctas_per_sm", lambda *a: seen.append(a) or real(*a))
+    real = config.ctas_per_sm
+    monkeypatch.setattr(config, "ctas_per_sm", lambda *a: seen.append(a) or real(*a))
     inp = make_batch(seq_lens=[14, 6], q_lens=[4, 6], causal=[False, True], D=24, Dv=40, H=4, Hkv=2)
     run_and_check(inp, config=dict(SMALL, BLOCK_DV=16), window_size=3)
     assert seen and all(a[4:6] == (32, 16) for a in seen), seen
@@ -505,7 +507,7 @@ def test_causal_flags_reach_the_kernel_without_a_conversion_op(monkeypatch):
 @triton.jit
 def _tile_search_probe(CU_Q, OUT, num_seqs, BLOCK_Q: tl.constexpr, SEARCH_STEPS: tl.constexpr):
     t = tl.program_id(0)
-    b, q_start, q_len, tile = _tile_sequence(CU_Q, t, num_seqs, tl.arange(0, 16), BLOCK_Q, SEARCH_STEPS)
+    b, q_start, q_len, tile = tile_sequence(CU_Q, t, num_seqs, tl.arange(0, 16), BLOCK_Q, SEARCH_STEPS)
     tl.store(OUT + 2 * t, b)
     tl.store(OUT + 2 * t + 1, tile)
 
@@ -579,7 +581,8 @@ def test_split_merge_equals_a_logsumexp_merge_of_the_partials(ns, T, H, DV, dtyp
     BLOCK_R, head_dim_v not a power of two, an out view with strided rows (columns around it stay untouched)."""
     import triton
 
-    from blockdiff.attention.triton.interface import _merge_kernel, _next_pow2
+    from blockdiff.attention.triton.common import _merge_kernel
+    from blockdiff.attention.triton.config import merge_constexprs
 
     g = torch.Generator().manual_seed(ns * 1000 + DV)
     opart = torch.randn(ns, T, H, DV, generator=g)
@@ -591,12 +594,11 @@ def test_split_merge_equals_a_logsumexp_merge_of_the_partials(ns, T, H, DV, dtyp
     big = torch.full((T, H, DV + 9), float("nan"), dtype=dtype)
     out = big[:, :, 3:3 + DV]
     lse = torch.full((H, T), float("nan"))
-    bdv = max(16, _next_pow2(DV))
-    block_r = max(1, min(64, 4096 // bdv))                                # as attention_triton launches it
+    consts = merge_constexprs(ns, DV, store_lse=True, pdl=False, interpret=True)  # as attention_triton launches it
+    block_r = consts["BLOCK_R"]
     assert (T * H) % block_r != 0
     _merge_kernel[(triton.cdiv(T * H, block_r),)](
-        opart, lsepart, out, lse, T, H, T * H, out.stride(0), out.stride(1), NUM_SPLITS=ns, DV=DV, BLOCK_DV=bdv,
-        BLOCK_R=block_r, STORE_LSE=True, INTERPRET=True, num_warps=4)
+        opart, lsepart, out, lse, T, H, T * H, out.stride(0), out.stride(1), **consts)
     ref_o, ref_lse = _merge_oracle(opart, lsepart)
     tol = 1e-5 if dtype == torch.float32 else 2 ** -7
     torch.testing.assert_close(out.float(), ref_o, rtol=tol, atol=tol)
@@ -677,14 +679,14 @@ def test_fuzz_planned_calls_equal_the_full_path(case, seed2):
     causal row counts) reuses the first call's plan and gives bitwise the full path's out and lse."""
     from blockdiff.attention.triton import interface as ta
     make_kw, call_kw = case
-    ta._PLANS.clear()
+    ta.PLANS.clear()
     attention_triton(**make_batch(**make_kw), **call_kw, check_values=False, return_lse=True)
     g = torch.Generator().manual_seed(seed2)
     ncq = [int(torch.randint(0, ql + 1, (1,), generator=g)) for ql in make_kw["q_lens"]]
     inp = make_batch(**dict(make_kw, seed=seed2, num_causal_q=ncq))
-    plans = dict(ta._PLANS)
+    plans = dict(ta.PLANS)
     o, lse = attention_triton(**inp, **call_kw, check_values=False, return_lse=True)
-    assert ta._PLANS == plans  # reused, no new plan
+    assert ta.PLANS == plans  # reused, no new plan
     ref, ref_lse = attention_triton(**inp, **call_kw, return_lse=True)
     torch.testing.assert_close(o, ref, rtol=0, atol=0)
     torch.testing.assert_close(lse, ref_lse, rtol=0, atol=0)
@@ -769,7 +771,7 @@ def test_gpu_planned_calls_launch_the_compiled_kernels_and_match_the_reference(D
     """With check_values=False the first call plans and compiles; the later ones (same shapes, new values,
     causal row counts and block tables) launch the compiled kernels directly, and each matches the oracle."""
     from blockdiff.attention.triton import interface as ta
-    ta._PLANS.clear()
+    ta.PLANS.clear()
     H, Hkv = GPU_HEADS[D]
     sl, ql, _ = GPU_BATCH
     for seed, ncq in enumerate(([700, 0, 0, 4], [0, 256, 0, 9], [700, 256, 0, 0])):
@@ -779,7 +781,7 @@ def test_gpu_planned_calls_launch_the_compiled_kernels_and_match_the_reference(D
         o, lse = attention_triton(**inp, out=out, return_lse=True, check_values=False, window_size=127,
                                   config=config)
         check_close(o, **inp, lse=lse, window_size=127)
-    (plan,) = ta._PLANS.values()
+    (plan,) = ta.PLANS.values()
     assert plan.main.compiled is not None and ta.LAST_LAUNCH["kernel"] is plan.main.compiled
     assert (plan.merge is None) == (plan.num_splits == 1)
     assert plan.merge is None or plan.merge.compiled is not None
@@ -1003,24 +1005,24 @@ def test_split_merge_uses_pdl_only_where_griddepcontrol_compiles():
     import subprocess
     import sys
 
-    from blockdiff.attention.triton import interface as ta
+    from blockdiff.attention.triton import plans
 
-    assert ta._capability(torch.device("cpu")) == (0, 0)
-    # the host's decision: PDL on sm_90+ only, never under the interpreter or with the module switch off
+    assert plans._capability(torch.device("cpu")) == (0, 0)
+    # the host's decision: PDL on sm_90+ only, never under the interpreter or with the switch off
     for cap, interp, switch, want in (((9, 0), False, True, True), ((10, 0), False, True, True),
                                       ((8, 0), False, True, False), ((9, 0), True, True, False),
                                       ((9, 0), False, False, False)):
-        saved = ta._capability, ta._interpreting, ta._MERGE_PDL
-        ta._capability, ta._interpreting, ta._MERGE_PDL = (lambda d, c=cap: c), (lambda i=interp: i), switch
+        saved = plans._capability, plans.interpreting
+        plans._capability, plans.interpreting = (lambda d, c=cap: c), (lambda i=interp: i)
         try:
-            assert ta._merge_pdl(torch.device("cuda", 0)) is want, (cap, interp, switch)
+            assert plans.merge_pdl(torch.device("cuda", 0), switch) is want, (cap, interp, switch)
         finally:
-            ta._capability, ta._interpreting, ta._MERGE_PDL = saved
+            plans._capability, plans.interpreting = saved
     code = r'''
 import json, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from blockdiff.attention.triton.interface import _merge_kernel as fn
+from blockdiff.attention.triton.common import _merge_kernel as fn
 sig = dict(OPART="*fp32", LSEPART="*fp32", O="*bf16", LSE="*fp32", total_q="i32", num_heads="i32", n_rows="i32",
            stride_ot="i32", stride_oh="i32")
 res = {}

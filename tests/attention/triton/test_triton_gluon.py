@@ -20,8 +20,9 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from blockdiff.attention import attention  # noqa: E402
-from blockdiff.attention.triton import gluon as tg  # noqa: E402
+from blockdiff.attention.triton import config as tc  # noqa: E402
 from blockdiff.attention.triton import interface as TA  # noqa: E402
+from blockdiff.attention.triton import tma  # noqa: E402
 from blockdiff.attention.testing import check_close  # noqa: E402
 
 from test_triton_attention import graph_replay_check, make_batch  # noqa: E402  (pytest prepends this folder to sys.path)
@@ -85,8 +86,9 @@ def test_bad_wide_gluon_configs_name_the_rule(bad, match):
     inp = make_batch([9], [4], causal=[False], H=16, Hkv=2, D=512, page_size=64, device="cpu")
     with pytest.raises(ValueError, match=match):
         attention(**inp, backend="triton", config=dict(WIDE, **bad))
-    tg.check_gluon_config(dict(WIDE, V_STAGES=None), 512, 512)            # the automatic hd-512 choice fits
-    tg.check_gluon_config(dict(WIDE, BLOCK_N=32, num_stages=2, V_STAGES=2), 512, 512)
+    tc.check_gluon_config(tc.TritonConfig(**dict(WIDE, V_STAGES=None)), 512, 512)            # the automatic hd-512 choice fits
+    tc.check_gluon_config(tc.TritonConfig(**dict(WIDE, BLOCK_N=32, num_stages=2, V_STAGES=2)),
+                          512, 512)
 
 
 def test_hd512_configs_resolve_to_the_kernel_that_can_take_them():
@@ -94,30 +96,30 @@ def test_hd512_configs_resolve_to_the_kernel_that_can_take_them():
     # explicit IMPL="gluon" holds all of V without being told
     from blockdiff.attention.triton import interface as TA
 
-    kern = TA.TritonAttention(TA._StaticKey(512, 512, 8, torch.bfloat16, True, 64, False, False, False))
+    kern = tc.TritonAttention(tc.StaticKey(512, 512, 8, torch.bfloat16, True, 64, False, False, False))
     assert kern.base["BLOCK_DV"] == 256 and kern.gluon_base is not None
     cfg = kern.config(dict(IMPL="gluon", BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=1, OVERLAP=False))
-    assert cfg["BLOCK_DV"] == 512
+    assert cfg.BLOCK_DV == 512
     # the automatic hd-512 choice is the roles kernel, in both regimes
     assert kern.gluon_base["OVERLAP"] == kern.gluon_split["OVERLAP"] == "roles"
-    assert kern.config(kern.gluon_base)["num_warps"] == 12
+    assert kern.config(kern.gluon_base).num_warps == 12
 
 
 def test_layout_rules_name_what_tma_needs():
     kc = torch.zeros(4, 64, 2, 128, dtype=torch.bfloat16)
-    assert tg.layout_ineligible(kc, kc, paged=True, page_size=64, block_n=64) is None
-    assert tg.layout_ineligible(kc, kc, paged=True, page_size=64, block_n=128) is None  # two pages, two boxes
-    assert tg.tma_box_rows(True, 64, 128) == 64 and tg.tma_box_rows(True, 256, 128) == 128
-    assert tg.tma_box_rows(False, None, 128) == 128
+    assert tma.layout_ineligible(kc, kc, paged=True, page_size=64, block_n=64) is None
+    assert tma.layout_ineligible(kc, kc, paged=True, page_size=64, block_n=128) is None  # two pages, two boxes
+    assert tma.tma_box_rows(True, 64, 128) == 64 and tma.tma_box_rows(True, 256, 128) == 128
+    assert tma.tma_box_rows(False, None, 128) == 128
     for page in (4, 12, 48):  # not a multiple of 8 (swizzle atom), or neither divides the other
         kp = torch.zeros(4, page, 2, 128, dtype=torch.bfloat16)
-        assert "BLOCK_N" in tg.layout_ineligible(kp, kp, paged=True, page_size=page, block_n=64)
+        assert "BLOCK_N" in tma.layout_ineligible(kp, kp, paged=True, page_size=page, block_n=64)
     both = torch.zeros(4, 2, 64, 2, 128, dtype=torch.bfloat16)  # [blocks, K/V, page, heads, dim]: pages strided
-    assert "stride(0)" in tg.layout_ineligible(both[:, 0], both[:, 1], paged=True, page_size=64, block_n=64)
+    assert "stride(0)" in tma.layout_ineligible(both[:, 0], both[:, 1], paged=True, page_size=64, block_n=64)
     heads_strided = torch.zeros(4, 64, 128, 4, dtype=torch.bfloat16).transpose(2, 3)[..., :2, :]
-    assert "contiguous" in tg.layout_ineligible(heads_strided, heads_strided, paged=True, page_size=64, block_n=64)
+    assert "contiguous" in tma.layout_ineligible(heads_strided, heads_strided, paged=True, page_size=64, block_n=64)
     flat = torch.zeros(100, 2, 128, dtype=torch.bfloat16)
-    assert tg.layout_ineligible(flat, flat, paged=False, page_size=None, block_n=128) is None
+    assert tma.layout_ineligible(flat, flat, paged=False, page_size=None, block_n=128) is None
 
 
 def test_overlap_defaults_follow_the_measured_consumers():
@@ -126,24 +128,24 @@ def test_overlap_defaults_follow_the_measured_consumers():
     from blockdiff.attention.triton.interface import get_kernel
     for D, bn, want in [(128, 64, True), (128, 128, "chain"), (256, 64, "chain"), (64, 32, True)]:
         kern = get_kernel(D, D, 2, torch.bfloat16, True, 64, False, False)
-        assert kern.config(dict(GLUON, BLOCK_N=bn))["OVERLAP"] == want, (D, bn)
-        assert type(kern.config(dict(GLUON, BLOCK_N=bn))["OVERLAP"]) is type(want)
-    assert kern.config(dict(GLUON, OVERLAP=False))["OVERLAP"] is False
+        assert kern.config(dict(GLUON, BLOCK_N=bn)).OVERLAP == want, (D, bn)
+        assert type(kern.config(dict(GLUON, BLOCK_N=bn)).OVERLAP) is type(want)
+    assert kern.config(dict(GLUON, OVERLAP=False)).OVERLAP is False
     wide = get_kernel(512, 512, 8, torch.bfloat16, True, 64, False, False)
-    assert wide.config({k: v for k, v in WIDE.items() if k != "OVERLAP"})["OVERLAP"] is False
+    assert wide.config({k: v for k, v in WIDE.items() if k != "OVERLAP"}).OVERLAP is False
     with pytest.raises(ValueError, match="OVERLAP"):
-        tg.overlap_mode("pv")
-    assert [tg.overlap_mode(v) for v in (False, True, "chain")] == [0, 1, 2]
-    assert kern.config({"V_STAGES": 1})["V_STAGES"] == 1  # IMPL unset: applies if the Gluon kernel is chosen
+        tc.overlap_mode("pv")
+    assert [tc.overlap_mode(v) for v in (False, True, "chain")] == [0, 1, 2]
+    assert kern.config({"V_STAGES": 1}).V_STAGES == 1  # IMPL unset: applies if the Gluon kernel is chosen
 
 
 def test_resident_programs_per_sm_follow_shared_memory_and_the_launch_register_budget():
     # 64x128 hd 128 with 2 K + 1 V buffers: 115 KB, two programs per SM (the automatic hd-128 choice)
-    assert tg.gluon_ctas_per_sm(64, 128, 4, 2, 128, 128, 2, v_stages=1) == 2
-    assert tg.gluon_ctas_per_sm(64, 128, 4, 2, 128, 128, 2) == 1          # 2 + 2 buffers: 148 KB
+    assert tc.gluon_ctas_per_sm(64, 128, 4, 2, 128, 128, 2, v_stages=1) == 2
+    assert tc.gluon_ctas_per_sm(64, 128, 4, 2, 128, 128, 2) == 1          # 2 + 2 buffers: 148 KB
     # hd 256 fits twice by shared memory with one stage, but its PV wgmma needs > 128 registers at launch
-    assert tg.gluon_ctas_per_sm(64, 64, 4, 1, 256, 256, 2) == 1
-    assert tg.gluon_max_regs(4, 2) == 128 and tg.gluon_max_regs(4, 1) is None
+    assert tc.gluon_ctas_per_sm(64, 64, 4, 1, 256, 256, 2) == 1
+    assert tc.gluon_max_regs(4, 2) == 128 and tc.gluon_max_regs(4, 1) is None
 
 
 def test_cached_kv_descriptors_are_reused_and_do_not_keep_the_cache_alive():
@@ -152,9 +154,9 @@ def test_cached_kv_descriptors_are_reused_and_do_not_keep_the_cache_alive():
 
     kc = torch.zeros(4, 64, 2, 128, dtype=torch.bfloat16)
     vc = torch.zeros_like(kc)
-    first = tg.make_kv_descriptors(kc, vc, 64)
-    assert tg.make_kv_descriptors(kc, vc, 64) is first
-    assert tg.make_kv_descriptors(kc, vc, 32) is not first  # the box rows are part of the key
+    first = tma.make_kv_descriptors(kc, vc, 64)
+    assert tma.make_kv_descriptors(kc, vc, 64) is first
+    assert tma.make_kv_descriptors(kc, vc, 32) is not first  # the box rows are part of the key
     assert first[0].base.data_ptr() == kc.data_ptr() and first[1].base.data_ptr() == vc.data_ptr()
     assert first[0].shape == [256, 256] and first[0].strides == [256, 1] and first[0].block_shape == [64, 128]
     ref = weakref.ref(kc)
@@ -168,7 +170,7 @@ def _compile_offline(kw):
     @triton.jit helpers Gluon calls); asserts it built with wgmma, TMA and setmaxnreg; returns (report, spill
     bytes per function)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("import json, sys; from blockdiff.attention.triton.gluon import compile_for_sm90; "
+    code = ("import json, sys; from blockdiff.attention.triton.compile_check import compile_for_sm90; "
             "print(json.dumps(compile_for_sm90(**json.loads(sys.argv[1]))))")
     r = subprocess.run([sys.executable, "-c", code, json.dumps(kw)], capture_output=True, text=True, env=env,
                        timeout=600)
@@ -221,7 +223,7 @@ def test_wide_gluon_kernel_compiles_for_sm90_at_the_automatic_tile(lazy):
                                         page_size=64, lazy=lazy))
     assert "C751" not in rep["ptxas"], rep["ptxas"]
     assert max(spills) <= 256, rep["ptxas"]
-    assert 224 * 1024 <= rep["shared"] <= tg.WIDE_SMEM_LIMIT
+    assert 224 * 1024 <= rep["shared"] <= tc.WIDE_SMEM_LIMIT
 
 
 ROLES = dict(IMPL="gluon", BLOCK_M=64, BLOCK_N=64, num_warps=12, num_stages=1, OVERLAP="roles")
@@ -237,17 +239,17 @@ def test_bad_roles_configs_name_the_rule(bad, match):
     kern = TA.get_kernel(512, 512, 8, torch.bfloat16, True, 64, False, False)
     with pytest.raises(ValueError, match=match):
         kern.config(dict(ROLES, **bad))
-    assert kern.config(ROLES)["OVERLAP"] == "roles"
-    assert kern.config(dict(ROLES, BLOCK_N=32, num_stages=2, V_STAGES=2))["num_warps"] == 12
+    assert kern.config(ROLES).OVERLAP == "roles"
+    assert kern.config(dict(ROLES, BLOCK_N=32, num_stages=2, V_STAGES=2)).num_warps == 12
     hd256 = TA.get_kernel(256, 256, 2, torch.bfloat16, True, 64, True, False)
-    assert hd256.config(dict(ROLES, num_warps=8, num_stages=2))["OVERLAP"] == "roles"  # one PV warpgroup
+    assert hd256.config(dict(ROLES, num_warps=8, num_stages=2)).OVERLAP == "roles"  # one PV warpgroup
     with pytest.raises(ValueError, match="num_warps=8"):
         hd256.config(ROLES)
-    assert tg.overlap_mode("roles") == 3
-    assert [tg.roles_pv_warpgroups(d) for d in (128, 256, 512)] == [1, 1, 2]
-    assert tg.roles_max_regs(512) == 168 and tg.roles_max_regs(256) is None
+    assert tc.overlap_mode("roles") == 3
+    assert [tc.roles_pv_warpgroups(d) for d in (128, 256, 512)] == [1, 1, 2]
+    assert tc.roles_max_regs(512) == 168 and tc.roles_max_regs(256) is None
     # two PV warpgroups at their setmaxnreg leave >= 96 registers a thread for the softmax warpgroup
-    assert 4 * tg.roles_max_regs(512) * 3 // 4 - 2 * tg.roles_pv_regs(512) >= 96
+    assert 4 * tc.roles_max_regs(512) * 3 // 4 - 2 * tc.roles_pv_regs(512) >= 96
 
 
 def test_hd512_automatic_choice_gives_way_to_the_wide_kernel_for_the_keys_only_it_takes():
@@ -255,21 +257,21 @@ def test_hd512_automatic_choice_gives_way_to_the_wide_kernel_for_the_keys_only_i
     # OVERLAP=False or LAZY_RESCALE=True used to run the wide kernel and then raised about num_warps / OVERLAP keys
     # the caller never set. They resolve against the wide kernel's tiles again; OVERLAP=True / "chain" still raise,
     # naming the caller's key; other keys keep the roles kernel
-    kern = TA.TritonAttention(TA._StaticKey(512, 512, 8, torch.bfloat16, True, 64, False, False, False))
+    kern = tc.TritonAttention(tc.StaticKey(512, 512, 8, torch.bfloat16, True, 64, False, False, False))
     for entry in (kern.gluon_base, kern.gluon_split):
-        wide = kern.config(TA._gluon_auto(entry, {"OVERLAP": False}))
-        assert wide["OVERLAP"] is False and wide["num_warps"] == 8 and wide["BLOCK_DV"] == 512
-        lazy = kern.config(TA._gluon_auto(entry, {"LAZY_RESCALE": True}))
-        assert lazy["LAZY_RESCALE"] is True and lazy["OVERLAP"] is False and lazy["num_warps"] == 8
+        wide = kern.config(tc.gluon_auto(entry, {"OVERLAP": False}))
+        assert wide.OVERLAP is False and wide.num_warps == 8 and wide.BLOCK_DV == 512
+        lazy = kern.config(tc.gluon_auto(entry, {"LAZY_RESCALE": True}))
+        assert lazy.LAZY_RESCALE is True and lazy.OVERLAP is False and lazy.num_warps == 8
         for bad in (True, "chain"):
             with pytest.raises(ValueError, match="OVERLAP=False"):
-                kern.config(TA._gluon_auto(entry, {"OVERLAP": bad}))
+                kern.config(tc.gluon_auto(entry, {"OVERLAP": bad}))
         for keep in ({}, None, {"num_splits": 2}, {"OVERLAP": "roles"}, {"V_STAGES": 1}):
-            cfg = kern.config(TA._gluon_auto(entry, keep))
-            assert cfg["OVERLAP"] == "roles" and cfg["num_warps"] == 12, keep
+            cfg = kern.config(tc.gluon_auto(entry, keep))
+            assert cfg.OVERLAP == "roles" and cfg.num_warps == 12, keep
     # entries below hd 512 merge as before
-    k128 = TA.TritonAttention(TA._StaticKey(128, 128, 2, torch.bfloat16, True, 64, False, False, False))
-    assert TA._gluon_auto(k128.gluon_base, {"OVERLAP": False}) == dict(k128.gluon_base, OVERLAP=False)
+    k128 = tc.TritonAttention(tc.StaticKey(128, 128, 2, torch.bfloat16, True, 64, False, False, False))
+    assert tc.gluon_auto(k128.gluon_base, {"OVERLAP": False}) == dict(k128.gluon_base, OVERLAP=False)
 
 
 @pytest.mark.parametrize("kw,max_spill", [
@@ -282,11 +284,11 @@ def test_hd512_automatic_choice_gives_way_to_the_wide_kernel_for_the_keys_only_i
 def test_roles_kernel_compiles_for_sm90(kw, max_spill):
     # the softmax warpgroup loads Q in 64-column pieces: whole 256-column loads spilled ~700 B at its 104 registers
     kw = dict(dict(block_m=64, paged=True, split=True, window=False, overlap="roles"), **kw)
-    kw["num_warps"] = 4 * (1 + tg.roles_pv_warpgroups(kw["head_dim"]))
+    kw["num_warps"] = 4 * (1 + tc.roles_pv_warpgroups(kw["head_dim"]))
     rep, spills = _compile_offline(kw)
     assert "C751" not in rep["ptxas"], rep["ptxas"]
     assert max(spills) <= max_spill, rep["ptxas"]
-    assert rep["shared"] <= tg.WIDE_SMEM_LIMIT
+    assert rep["shared"] <= tc.WIDE_SMEM_LIMIT
 
 
 # ---------------------------------------------------------------- GPU (H200)
@@ -395,7 +397,7 @@ def test_gpu_gluon_roles_kernel_matches_reference(D, H, Hkv, page_size, case):
     sl, ql, ncq = GPU_CASES[case]
     inp = poison_stale_rows(make_batch(sl, ql, num_causal_q=ncq, H=H, Hkv=Hkv, D=D, page_size=page_size,
                                        device="cuda", seed=11 * D + page_size + case))
-    base = dict(ROLES, num_warps=4 * (1 + tg.roles_pv_warpgroups(D)))
+    base = dict(ROLES, num_warps=4 * (1 + tc.roles_pv_warpgroups(D)))
     if D > 256:
         cfgs = [base, dict(base, BLOCK_N=32, num_stages=2, V_STAGES=2)]
     else:
@@ -451,7 +453,7 @@ def test_gpu_gluon_cuda_graph_replay_with_changed_flags_lengths_and_block_tables
 def test_gpu_roles_kernel_contiguous_form_and_dtypes(dtype, D, H, Hkv):
     sl, ql, ncq = GPU_CASES[0]
     inp = make_batch(sl, ql, num_causal_q=ncq, H=H, Hkv=Hkv, D=D, paged=False, dtype=dtype, device="cuda")
-    cfg = dict(ROLES, num_warps=4 * (1 + tg.roles_pv_warpgroups(D)), num_stages=1 if D > 256 else 2)
+    cfg = dict(ROLES, num_warps=4 * (1 + tc.roles_pv_warpgroups(D)), num_stages=1 if D > 256 else 2)
     _check(inp, cfg)
     _check(inp, dict(cfg, num_splits=3), window_size=127)
 
@@ -503,17 +505,17 @@ def test_automatic_gluon_configs_do_not_inherit_the_portable_kernels_lazy_rescal
     # tuned table (canvas_bs1_ctx32k_sliding 30.2 us against 26.8 without it); the automatic Gluon configs resolve
     # to exactly their table entries, LAZY_RESCALE off unless the caller asks for it
     D, group, has_window, prefix = key
-    kern = TA.TritonAttention(TA._StaticKey(D, D, group, torch.bfloat16, True, 64, has_window, prefix, False))
+    kern = tc.TritonAttention(tc.StaticKey(D, D, group, torch.bfloat16, True, 64, has_window, prefix, False))
     for entry in (kern.gluon_base, kern.gluon_split):
         if entry is None:
             continue
         cfg = kern.config(dict(entry))
-        assert {k: cfg[k] for k in entry} == entry
-        assert cfg["LAZY_RESCALE"] is False and cfg["BLOCK_DV"] == D
+        assert {k: getattr(cfg, k) for k in entry} == entry
+        assert cfg.LAZY_RESCALE is False and cfg.BLOCK_DV == D
         if entry["OVERLAP"] == "roles":  # its PV warpgroups rescale every block: lazy rescaling is refused
             with pytest.raises(ValueError, match="LAZY_RESCALE"):
                 kern.config(dict(entry, LAZY_RESCALE=True))
         else:
-            assert kern.config(dict(entry, LAZY_RESCALE=True))["LAZY_RESCALE"] is True
+            assert kern.config(dict(entry, LAZY_RESCALE=True)).LAZY_RESCALE is True
     if key == (256, 2, True, False):
-        assert kern.config(None)["LAZY_RESCALE"] is True  # the portable kernel keeps its tuned setting
+        assert kern.config(None).LAZY_RESCALE is True  # the portable kernel keeps its tuned setting

@@ -1,0 +1,87 @@
+"""Offline sm_90a compile check of the Gluon kernels: compile one configuration for a ``GPUTarget`` without a GPU
+and run ``ptxas -v`` on its PTX (registers, spills, shared memory), for CPU tests and for pre-screening tiles.
+The constexprs are :func:`.config.kernel_constexprs`', as a launch plan's.
+"""
+import os
+import re
+import subprocess
+import tempfile
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.runtime.jit import mangle_type
+
+from .config import KernelShape, TritonConfig, check_gluon_config, kernel_constexprs, kernel_variant, tma_boxes
+from .gluon import KERNELS
+from .tma import make_kv_descriptors
+
+#: the kernels' per-step integer arguments (Triton does not specialise them: ``do_not_specialize``)
+_INT_ARGS = {"total_q", "num_seqs", "n_tiles", "window", "num_splits"}
+
+
+def compile_for_sm90(*, block_m: int, block_n: int, num_warps: int, num_stages: int, head_dim: int, paged: bool,
+                     split: bool, window: bool, group: int = 2, num_kv_heads: int = 8,
+                     overlap: bool | str = True, page_size: int | None = None, v_stages: int | None = None,
+                     causal_flags: bool = False, lazy: bool = False) -> dict:
+    """Compile the Gluon kernel of a config for sm_90a without a GPU (Triton ``GPUTarget``) and run ``ptxas -v``.
+
+    bf16, ``head_dim == head_dim_v``, ``num_kv_heads * group`` query heads. ``page_size`` (default
+    max(128, block_n)) sets the TMA box rows (:func:`.tma.tma_box_rows`), ``v_stages`` the V ring depth (None:
+    ``num_stages``), ``causal_flags`` whether the kernel reads ``[B]`` bool causal flags instead of
+    ``num_causal_q``, ``lazy`` the conditional rescaling (``config["LAZY_RESCALE"]``); ``overlap="roles"``
+    compiles the roles kernel (``num_warps`` = 4 x (1 + its PV warpgroups)), else ``head_dim > 256`` the wide
+    kernel. Must run in a process where ``TRITON_INTERPRET`` is unset (the interpreter replaces the
+    ``@triton.jit`` helpers Gluon calls).
+
+    Returns:
+        ``{"shared": bytes, "ptxas": report, "wgmma": bool, "tma": bool, "setmaxnreg": bool,
+        "setmaxnreg_values": [int]}``.
+
+    Raises:
+        ValueError: a config the Gluon kernels refuse (:func:`.config.check_gluon_config`).
+        RuntimeError: ptxas failed.
+    """
+    cfg = TritonConfig(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
+                       BLOCK_DV=head_dim, LAZY_RESCALE=lazy, IMPL="gluon", OVERLAP=overlap, V_STAGES=v_stages)
+    check_gluon_config(cfg, head_dim, head_dim)
+    H, D = num_kv_heads * group, head_dim
+    page = page_size or max(128, block_n)
+    shape = KernelShape(group=group, head_dim=D, head_dim_v=D, dtype=torch.bfloat16, paged=paged, page_size=page,
+                        has_window=window, prefix=False, causal_flags=causal_flags, split=split, store_lse=True,
+                        search_steps=1)
+    q = torch.empty(256, H, D, dtype=torch.bfloat16)
+    kc = torch.empty(8, page, num_kv_heads, D, dtype=torch.bfloat16) if paged else \
+        torch.empty(1024, num_kv_heads, D, dtype=torch.bfloat16)
+    kd, vd = make_kv_descriptors(kc, kc, *tma_boxes(cfg, shape))
+    i32, f32 = torch.empty(4, dtype=torch.int32), torch.empty(4, dtype=torch.float32)
+    fn = KERNELS[kernel_variant(cfg, D)]
+    args = dict(Q=q, k_desc=kd, v_desc=vd, O=q, LSE=f32, OPART=f32, LSEPART=f32, CU_Q=i32, SEQ_LENS=i32,
+                NCQ=torch.empty(4, dtype=torch.bool) if causal_flags else i32,
+                BT=i32, CU_K=i32, stride_qt=H * D, stride_qh=D, stride_ot=H * D, stride_oh=D, stride_bt=7,
+                qk_scale=0.1, num_heads=H)
+    consts = kernel_constexprs(cfg, shape)
+    maxnreg = consts.pop("maxnreg")  # a launch option, not a kernel argument
+    sig = {n: "constexpr" if n in consts else "i32" if n in _INT_ARGS else mangle_type(args[n]) for n in fn.arg_names}
+    src = GluonASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                        options=dict(num_warps=consts["num_warps"], maxnreg=maxnreg))
+    ptx = ck.asm["ptx"]
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    try:
+        r = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull], capture_output=True,
+                           text=True, timeout=600)
+    finally:
+        os.unlink(f.name)
+    if r.returncode:
+        raise RuntimeError(f"ptxas failed: {r.stderr[-2000:]}")
+    return {"shared": ck.metadata.shared, "ptxas": r.stderr, "wgmma": "wgmma.mma_async" in ptx,
+            "tma": "cp.async.bulk.tensor" in ptx, "setmaxnreg": "setmaxnreg" in ptx,
+            "setmaxnreg_values": sorted({int(v) for v in
+                                         re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)})}
+
+
+__all__ = ["compile_for_sm90"]

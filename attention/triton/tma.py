@@ -1,0 +1,119 @@
+"""Host side of the Gluon kernels' TMA loads: which inputs they can read (eligibility), the box geometry, and the
+cached 2-D TMA descriptors over the K / V caches.
+
+Eligibility (:func:`gluon_ineligible` names the first rule an input breaks; ``IMPL="gluon"`` on an ineligible
+input raises ``ValueError``, it never falls back silently):
+
+* a CUDA device of compute capability 9.x, bf16 or fp16, ``head_dim == head_dim_v`` in :data:`GLUON_HEAD_DIMS`;
+* ``scale > 0``;
+* K / V rows addressable as one 2-D TMA tensor ``[rows, num_kv_heads * head_dim]`` (contiguous last two dims,
+  16-byte aligned): paged caches with ``stride(0) == page_size * stride(1)`` and either ``page_size % BLOCK_N
+  == 0`` (one page holds whole key blocks) or a ``page_size`` that is a multiple of 8 dividing ``BLOCK_N`` (one
+  box per page), or the contiguous varlen form.
+"""
+import torch
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+GLUON_HEAD_DIMS = (64, 128, 256, 512)
+
+
+def _gl_dtype(dtype: torch.dtype):
+    return gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+
+
+def gluon_ineligible(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, paged: bool,
+                     page_size: int | None, head_dim_v: int, scale: float, block_n: int) -> str | None:
+    """Why this input cannot run the Gluon kernel (the first rule it breaks), or None when it can.
+
+    Host attributes only (device capability, dtypes, shapes, strides, alignment); no device sync.
+    """
+    if q.device.type != "cuda":
+        return f"q is on {q.device}, the Gluon kernel needs a CUDA device"
+    if torch.cuda.get_device_capability(q.device)[0] != 9:
+        cc = "".join(map(str, torch.cuda.get_device_capability(q.device)))
+        return f"the Gluon kernel is written for sm_90 (Hopper); this device is sm_{cc}"
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"the Gluon kernel takes bf16/fp16, got {q.dtype}"
+    D = q.shape[-1]
+    if D != head_dim_v or D not in GLUON_HEAD_DIMS:
+        return f"the Gluon kernel needs head_dim == head_dim_v in {GLUON_HEAD_DIMS}, got {D}/{head_dim_v}"
+    if not scale > 0:
+        return f"the Gluon kernel needs scale > 0, got {scale}"
+    return layout_ineligible(k_cache, v_cache, paged=paged, page_size=page_size, block_n=block_n)
+
+
+def layout_ineligible(k_cache: torch.Tensor, v_cache: torch.Tensor, *, paged: bool, page_size: int | None,
+                      block_n: int) -> str | None:
+    """The TMA rules of :func:`gluon_ineligible` on the caches' shapes and strides (any device)."""
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        hkv, d = t.shape[-2], t.shape[-1]
+        if t.stride(-1) != 1 or t.stride(-2) != d:
+            return f"{name} must have contiguous [num_kv_heads, head_dim] rows for TMA, got strides {t.stride()}"
+        row_stride = t.stride(-3)
+        if paged and t.stride(0) != page_size * row_stride:
+            return f"{name}: pages must be evenly strided rows (stride(0) == page_size * stride(1)) for TMA"
+        if row_stride < hkv * d or (row_stride * t.element_size()) % 16 or t.data_ptr() % 16:
+            return f"{name} rows must be 16-byte aligned and not overlap for TMA, got strides {t.stride()}"
+    if paged and page_size % block_n and (block_n % page_size or page_size % 8):
+        return (f"page_size {page_size} must hold whole key blocks of BLOCK_N = {block_n}, or be a multiple of 8 "
+                f"that divides BLOCK_N (a block of several pages, one TMA box each)")
+    return None
+
+
+def tma_box_rows(paged: bool, page_size: int | None, block_n: int) -> int:
+    """Rows of one K / V TMA box: ``BLOCK_N``, or the page when a key block spans several pages."""
+    return min(block_n, page_size) if paged else block_n
+
+
+class _CacheAddress:
+    """What a TMA descriptor and Triton's launcher read of a cache tensor (``dtype``, ``data_ptr()``), without
+    holding the tensor: a cached descriptor must not keep a freed cache alive."""
+
+    __slots__ = ("dtype", "_ptr")
+
+    def __init__(self, t: torch.Tensor):
+        self.dtype, self._ptr = t.dtype, t.data_ptr()
+
+    def data_ptr(self) -> int:
+        return self._ptr
+
+
+_DESCRIPTORS: dict = {}
+_MAX_DESCRIPTORS = 64
+
+
+def make_kv_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, box_rows: int, k_chunks: int = 1,
+                        v_chunks: int = 1):
+    """2-D TMA descriptors ``[rows, num_kv_heads * head_dim]`` over the K and V caches, boxes of ``box_rows`` rows
+    (:func:`tma_box_rows`) and ``head_dim // k_chunks`` / ``head_dim_v // v_chunks`` columns (the wide and roles
+    kernels load head-dim chunks; a box is at most 256 columns wide).
+
+    Cached by (address, shape, strides, dtype, device, box_rows, chunks): a serving loop reuses the same caches
+    every step, and building descriptors per call is host time on every launch. An entry depends only on its key
+    (it holds no tensor), so a new tensor at a freed address with the same key gets a correct descriptor.
+
+    Raises:
+        ValueError: a head dim that does not split into ``chunks`` boxes of <= 256 columns.
+    """
+    key = tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device) for t in (k_cache, v_cache)) + (
+        box_rows, k_chunks, v_chunks)
+    descs = _DESCRIPTORS.get(key)
+    if descs is None:
+        descs = []
+        for t, chunks in ((k_cache, k_chunks), (v_cache, v_chunks)):
+            hkv, d = t.shape[-2], t.shape[-1]
+            if d % chunks or d // chunks > 256:
+                raise ValueError(f"head dim {d} must split into {chunks} TMA box columns of <= 256")
+            rows = t.shape[0] * t.shape[1] if t.dim() == 4 else t.shape[0]
+            box = [box_rows, d // chunks]
+            layout = gl.NVMMASharedLayout.get_default_for(box, _gl_dtype(t.dtype))
+            descs.append(TensorDescriptor(_CacheAddress(t), [rows, hkv * d], [t.stride(-3), 1], box, layout))
+        if len(_DESCRIPTORS) >= _MAX_DESCRIPTORS:
+            _DESCRIPTORS.clear()
+        descs = _DESCRIPTORS[key] = tuple(descs)
+    return descs
+
+
+
+__all__ = ["GLUON_HEAD_DIMS", "gluon_ineligible", "layout_ineligible", "make_kv_descriptors", "tma_box_rows"]
