@@ -27,6 +27,7 @@ setup(
         "dev": [
             "pytest", "hypothesis", "pytest-benchmark", "matplotlib",
             "nbclient", "nbformat", "ipykernel", "transformers>=5.12",
+            "import-linter>=2.17,<3",  # the layering contracts (.importlinter, tests/test_layering.py); brings grimp
         ],
         "cute": ["flash-attn-4==4.0.0b36", "nvidia-cutlass-dsl[cu13]==4.8.1"],
         "vllm": ["vllm>=0.24"],
