@@ -17,14 +17,22 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from blockdiff.integration import cli
 from blockdiff.model import DiffusionGemma, DiffusionGemmaConfig, tiny_config
 from blockdiff.model.export import (ARCHITECTURE, EXPORT_FILES, GENERATION_DEFAULTS, export_hf, hf_config_dict,
                                     hf_tokenizer_json)
 from blockdiff.model.pretrained import load_pretrained, shipped_checkpoint_dir
 from blockdiff.model.tokenizer import ByteTokenizer
+from blockdiff.sampler import SamplingParams
 
 transformers = pytest.importorskip("transformers")
-from transformers import DynamicCache  # noqa: E402
+from tokenizers import Tokenizer  # noqa: E402  (a transformers dependency)
+from tokenizers.decoders import DecodeStream  # noqa: E402
+from transformers import (AutoConfig, AutoTokenizer, DiffusionGemmaForBlockDiffusion, DynamicCache,  # noqa: E402
+                          GenerationConfig, PreTrainedTokenizerFast)
+from transformers.models.diffusion_gemma.generation_diffusion_gemma import (  # noqa: E402
+    DiffusionGemmaGenerationConfig, EntropyBoundSamplerConfig)
+from transformers.models.gemma4.configuration_gemma4 import Gemma4VisionConfig  # noqa: E402
 from test_model_hf_parity import (F64_AGREE, _fro, check_tol, hf_denoise, hf_encode, our_denoise,  # noqa: E402
                                   our_encode)
 
@@ -52,8 +60,6 @@ TEXTS = ["", "hello world", "import os\nimport sys\n\n\ndef main(argv=None):\n  
 
 
 def _tiny_vision():
-    from transformers.models.gemma4.configuration_gemma4 import Gemma4VisionConfig
-
     return Gemma4VisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                               num_key_value_heads=2, head_dim=8)
 
@@ -61,8 +67,6 @@ def _tiny_vision():
 def load_transformers(folder, dtype):
     """transformers' DiffusionGemmaForBlockDiffusion from the folder (offline), with a tiny vision tower in place of
     the default-size one transformers builds for ``vision_config: null`` (the text path never runs it)."""
-    from transformers import AutoConfig, DiffusionGemmaForBlockDiffusion
-
     cfg = AutoConfig.from_pretrained(folder, local_files_only=True)
     cfg.vision_config = _tiny_vision()
     model, info = DiffusionGemmaForBlockDiffusion.from_pretrained(
@@ -116,8 +120,6 @@ def test_blockdiff_loads_the_export_to_the_same_model_and_logits(exported):
 
 # ---- transformers ----------------------------------------------------------------------------------------------
 def test_transformers_config_describes_the_model(exported):
-    from transformers import AutoConfig
-
     cfg = AutoConfig.from_pretrained(exported, local_files_only=True)
     assert type(cfg).__name__ == "DiffusionGemmaConfig" and cfg.canvas_length == 32
     tc = cfg.text_config.to_dict()  # (per-layer attributes such as head_dim are not readable off the object)
@@ -178,8 +180,6 @@ def test_transformers_and_blockdiff_logits_agree_in_encoder_and_decoder_modes(ex
 
 # ---- tokenizer -------------------------------------------------------------------------------------------------
 def test_autotokenizer_encodes_and_decodes_exactly_as_the_byte_tokenizer(exported):
-    from transformers import AutoTokenizer
-
     hf = AutoTokenizer.from_pretrained(exported, local_files_only=True)
     bt = ByteTokenizer()
     assert hf.is_fast and len(hf) == 259
@@ -199,9 +199,6 @@ def test_autotokenizer_encodes_and_decodes_exactly_as_the_byte_tokenizer(exporte
 
 def test_tokenizers_backend_and_incremental_decoding_match(exported):
     """What vLLM drives: the Rust tokenizer itself, and ``DecodeStream`` (vLLM's fast incremental detokenizer)."""
-    from tokenizers import Tokenizer
-    from tokenizers.decoders import DecodeStream
-
     tk = Tokenizer.from_file(str(exported / "tokenizer.json"))
     bt = ByteTokenizer()
     text = TEXTS[4] + TEXTS[2]
@@ -215,8 +212,6 @@ def test_tokenizers_backend_and_incremental_decoding_match(exported):
 
 
 def test_tokenizer_padded_to_a_larger_vocabulary_keeps_the_byte_ids(tmp_path):
-    from transformers import PreTrainedTokenizerFast
-
     (tmp_path / "tokenizer.json").write_text(json.dumps(hf_tokenizer_json(300)))
     hf = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"), split_special_tokens=True)
     assert len(hf) == 300 and hf.encode(TEXTS[4]) == ByteTokenizer().encode(TEXTS[4])
@@ -227,10 +222,6 @@ def test_tokenizer_padded_to_a_larger_vocabulary_keeps_the_byte_ids(tmp_path):
 
 # ---- generation_config.json ------------------------------------------------------------------------------------
 def test_generation_config_holds_the_sampling_defaults(exported):
-    from transformers import GenerationConfig
-    from transformers.models.diffusion_gemma.generation_diffusion_gemma import (DiffusionGemmaGenerationConfig,
-                                                                               EntropyBoundSamplerConfig)
-
     g = DiffusionGemmaGenerationConfig.from_pretrained(exported, local_files_only=True)
     assert g.max_denoising_steps == STEPS and (g.t_min, g.t_max) == (0.4, 0.8)
     assert g.sampler_config == EntropyBoundSamplerConfig(entropy_bound=0.1)
@@ -246,8 +237,6 @@ def test_generation_config_holds_the_sampling_defaults(exported):
     assert "EntropyBound" in d["sampler_config"]["_cls_name"] and d["sampler_config"]["entropy_bound"] == 0.1
     assert d["eos_token_id"] == 1
     # the same values make blockdiff's sampling parameters (what blockdiff's DiffusionModelState builds)
-    from blockdiff.sampler import SamplingParams
-
     sp = SamplingParams(canvas_length=32, max_denoising_steps=d["max_denoising_steps"], t_min=d["t_min"],
                         t_max=d["t_max"], entropy_bound=d["sampler_config"]["entropy_bound"],
                         confidence_threshold=d["confidence_threshold"], stability_threshold=d["stability_threshold"])
@@ -276,7 +265,7 @@ def test_config_json_has_every_field_vllm_0_26_reads(exported):
 
 def test_vllm_0_26_reads_the_folder(exported):
     """Runs where vLLM 0.26's Python interface is importable (tests/integration/vllm_cpu_env.sh 0.26.0)."""
-    vllm = pytest.importorskip("vllm")
+    vllm = pytest.importorskip("vllm")  # optional: imported here so the rest of the file runs without it
     if not vllm.__version__.startswith("0.26."):
         pytest.skip(f"vLLM {vllm.__version__} (this test reads 0.26's interface)")
     from vllm.model_executor.models.registry import ModelRegistry
@@ -365,8 +354,6 @@ def test_errors_name_the_argument(tmp_path, exported):
 
 # ---- blockdiff export ------------------------------------------------------------------------------------------
 def test_cli_export_writes_the_folder_and_refuses_to_overwrite(tmp_path, capsys):
-    from blockdiff.integration import cli
-
     out = tmp_path / "hf"
     assert cli.main(["export", str(out), "--entropy-bound", "0.2"]) == 0
     printed = capsys.readouterr().out
