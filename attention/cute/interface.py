@@ -3,12 +3,14 @@
 One launch serves a mixed serving batch: per-sequence causal row counts (``causal`` / ``num_causal_q``, read
 from a device tensor by every work tile), sliding windows (one-sided for causal rows; symmetric or prefix for
 bidirectional rows), paged (any page size; TMA loads when the page size is a multiple of 8 that divides
-the key tile or is a multiple of it, see :func:`kv_load_path`) or contiguous KV, GQA (FA4's PackGQA),
-head_dim up to 256 (128 and 256 are the tested ones). Tile skipping follows each tile's allowed key range
-in both directions. Semantics: ARCHITECTURE.md, "Attention semantics"; the kernel is
+the key tile or is a multiple of it, see :func:`blockdiff.attention.cute.config.kv_load_path`) or contiguous KV,
+GQA (FA4's PackGQA), head_dim up to 256 (128 and 256 are the tested ones). Tile skipping follows each tile's
+allowed key range in both directions (:func:`blockdiff.attention.cute.blocks.tile_plan` mirrors it on the host).
+Semantics: docs/ARCHITECTURE.md "The attention contract"; the kernel is
 :class:`blockdiff.attention.cute.kernel.FlashAttentionForwardSm90Mixed` (FA4's kernel, tile scheduler,
 paged-KV loads and PackGQA kept; block ranges and masks replaced), algorithm from FlashAttention-3
-(Shah et al., 2024) as implemented in flash-attn-4 (Dao-AILab/flash-attention, ``flash_attn/cute``).
+(Shah et al., 2024) as implemented in flash-attn-4 (Dao-AILab/flash-attention, ``flash_attn/cute``); its tile
+configuration: :mod:`blockdiff.attention.cute.config`.
 
 Needs an NVIDIA Hopper GPU (SM90), flash-attn-4==4.0.0b36 and nvidia-cutlass-dsl==4.8.1. This module imports
 without them; :func:`attention_cute` raises ``ImportError`` naming the missing package.
@@ -21,26 +23,16 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
 
 import torch
 
 from ..validate import check_attention_inputs
+from .config import REQUIRED, kv_load_path, resolve_config
+# re-exported for bench/, which imports them from this module (their home is config.py / blocks.py)
+from .blocks import tile_plan  # noqa: F401
+from .config import SMEM_LIMIT_BYTES, CuteConfig, config_smem_bytes  # noqa: F401
 
-REQUIRED = "flash-attn-4==4.0.0b36 and nvidia-cutlass-dsl==4.8.1"
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
-
-
-@dataclass(frozen=True)
-class CuteConfig:
-    """Static tile configuration (part of the compile key). None fields take FA4's SM90 heuristic."""
-
-    tile_m: int | None = None
-    tile_n: int | None = None
-    mma_pv_is_rs: bool | None = None
-    intra_wg_overlap: bool | None = None
-    num_stages: int = 2
-    lpt: bool | None = None  # longest-first tile order; None: from max_seqlen_q (LPT_MIN_SEQLEN_Q)
 
 
 _FA4 = None
@@ -61,10 +53,10 @@ def _fa4():
         raise ImportError(
             f"attention backend 'cute' needs {REQUIRED}; missing: " + "; ".join(missing))
     try:
+        # flash-attn-4 and the CuTe DSL are optional: imported at first use (kernel.py needs them at import)
         import cutlass
         import cutlass.cute as cute
         from flash_attn.cute.cute_dsl_utils import maybe_contiguous, to_cute_tensor
-        from flash_attn.cute.interface import _tile_size_fwd_sm90
         from flash_attn.cute.testing import is_fake_mode
         from flash_attn.cute.utils import AuxData
 
@@ -73,9 +65,8 @@ def _fa4():
         raise ImportError(
             f"attention backend 'cute' needs {REQUIRED}; importing them failed (wrong versions?): {e}") from e
     dtypes = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
-    _FA4 = dict(cutlass=cutlass, cute=cute, to_cute_tensor=to_cute_tensor, maybe_contiguous=maybe_contiguous, tile_size=_tile_size_fwd_sm90,
-                is_fake_mode=is_fake_mode, AuxData=AuxData, Kernel=FlashAttentionForwardSm90Mixed,
-                dtypes=dtypes)
+    _FA4 = dict(cutlass=cutlass, cute=cute, to_cute_tensor=to_cute_tensor, maybe_contiguous=maybe_contiguous,
+                is_fake_mode=is_fake_mode, AuxData=AuxData, Kernel=FlashAttentionForwardSm90Mixed, dtypes=dtypes)
     return _FA4
 
 
@@ -86,112 +77,6 @@ def _arch(device) -> int:
         return int(digits[:2]) if len(digits) >= 2 else int(digits)
     major, minor = torch.cuda.get_device_capability(device)
     return major * 10 + minor
-
-
-#: Long causal prefills at hd 128 without a window run faster with three MMA warpgroups (192-row tiles, no
-#: intra-warpgroup overlap): H200 sweep (bench/results/cute_sweep-h200.json, batch 2) prefill16k_hd128
-#: 1.765 ms vs 1.910 ms with FA4's 128x128 default, while 1024-token canvas batches lose with it
-#: (canvas_bs4_ctx4k_hd128 0.094 vs 0.074 ms). Chosen from the host-side query-length hint only.
-LONG_PREFILL_Q = 4096
-LONG_PREFILL_CONFIG = dict(tile_m=192, tile_n=128, intra_wg_overlap=False)
-#: Other hd-128 calls without a window (canvases, short prefills) keep FA4's 128 x 128 tiles with a third K/V stage: the same sweep
-#: measured hd128_s3 at 0.073 vs 0.074 ms on canvas_bs4_ctx4k_hd128 (geomean 0.990x over the hd-128 workloads).
-#: Both configs were swept with cp.async paged loads; since a00fb26 they load pages of 64 by TMA boxes
-#: (``kv_load_path``): canvas_bs4_ctx4k_hd128 0.061 ms, prefill16k_hd128 1.686 ms (cute_pagebox-h200.json);
-#: with FA4's plain tile order for canvases (4c857ab, cute_lpt-h200.json) 0.060 ms paged / 0.059 contiguous.
-#: 2 vs 3 stages there: 63.5 vs 63.6 us contiguous, 64.1 vs 64.3 us paged (cute_lpt_ab-h200.json), a tie.
-HD128_CONFIG = dict(num_stages=3)
-
-
-#: FA4 orders the tiles of causal and local kernels longest first, in L2 sections of heads (``lpt``); our kernel
-#: is built ``is_local`` (per-row intervals), so FA4 would always pick that order. It pays off only when one
-#: sequence's causal tiles differ in length (long prefills); for canvases it costs: canvas_bs4_ctx4k_hd128 on the
-#: H200 (interleaved CUDA-graph A/B, 4c862ef, 2 stages) 65.0 -> 61.7 us contiguous, 65.7 -> 62.7 us paged without
-#: it. Chosen from the host-side ``max_seqlen_q`` (tokens): longest-first from this length on.
-LPT_MIN_SEQLEN_Q = 512
-
-
-def longest_first_tiles(max_seqlen_q: int | None) -> bool:
-    """Whether a call with this host hint (tokens; None: unknown) uses FA4's longest-first tile order."""
-    return max_seqlen_q is None or max_seqlen_q >= LPT_MIN_SEQLEN_Q
-
-
-#: Largest dynamic shared memory one block may use on SM90 (H100 / H200: 227 KB).
-SMEM_LIMIT_BYTES = 232448
-
-
-def config_smem_bytes(cfg: CuteConfig, head_dim: int, head_dim_v: int) -> int:
-    """Shared memory (bytes) of a resolved config in FA4's SM90 forward: Q (the output tile reuses it) +
-    ``num_stages`` x (K + V) tiles + P when it goes through shared memory (not ``mma_pv_is_rs``), 2-byte
-    elements, plus 1 KB for barriers and alignment (FA4's sm90_config_search rule, with num_stages)."""
-    p_tile = 0 if cfg.mma_pv_is_rs else cfg.tile_m * cfg.tile_n
-    return 2 * (cfg.tile_m * head_dim + cfg.num_stages * cfg.tile_n * (head_dim + head_dim_v) + p_tile) + 1024
-
-
-def check_config_fits(cfg: CuteConfig, head_dim: int, head_dim_v: int) -> None:
-    """ValueError naming the config when its shared memory exceeds what one SM90 block can have (the
-    launch would otherwise fail with a CUDA invalid-configuration error after compiling)."""
-    smem = config_smem_bytes(cfg, head_dim, head_dim_v)
-    if smem > SMEM_LIMIT_BYTES:
-        raise ValueError(
-            f"config {cfg} needs ~{smem} bytes of shared memory at head_dim {head_dim} / head_dim_v "
-            f"{head_dim_v}, more than the {SMEM_LIMIT_BYTES} an SM90 block can use: lower num_stages, "
-            "tile_n or tile_m")
-
-
-def resolve_config(head_dim: int, head_dim_v: int, window_size, config=None, max_seqlen_q: int | None = None
-                   ) -> CuteConfig:
-    """Tile shape for a call: FA4's SM90 forward heuristic (local variant when windowed) unless overridden.
-
-    ``max_seqlen_q`` (host int, tokens) selects the long-prefill tiles at hd 128 without a window (see
-    ``LONG_PREFILL_CONFIG``) and the longest-first tile order (``LPT_MIN_SEQLEN_Q``; None counts as long).
-    Any upper bound gives correct results, but a static capacity >= 512 gives canvas batches the long-prefill
-    choices: pass the step's true maximum query length. Explicit ``config`` fields always win. Raises ValueError
-    when the resolved tiles do not fit SM90 shared memory (:func:`check_config_fits`), TypeError for a
-    ``config`` that is not a CuteConfig / dict / None.
-    """
-    fa = _fa4()
-    if config is None:
-        config = CuteConfig()
-        if (head_dim == head_dim_v == 128 and window_size is None and max_seqlen_q is not None
-                and max_seqlen_q >= LONG_PREFILL_Q):
-            config = CuteConfig(**LONG_PREFILL_CONFIG)
-        elif head_dim == head_dim_v == 128 and window_size is None:
-            config = CuteConfig(**HD128_CONFIG)
-    elif isinstance(config, dict):
-        config = CuteConfig(**config)
-    elif not isinstance(config, CuteConfig):
-        raise TypeError(f"config must be a CuteConfig, a dict or None, got {type(config).__name__}")
-    base = fa["tile_size"](head_dim, head_dim_v, False, window_size is not None)
-    resolved = CuteConfig(
-        tile_m=config.tile_m or base.m_block_size,
-        tile_n=config.tile_n or base.n_block_size,
-        mma_pv_is_rs=base.mma_pv_is_rs if config.mma_pv_is_rs is None else config.mma_pv_is_rs,
-        intra_wg_overlap=base.intra_wg_overlap if config.intra_wg_overlap is None else config.intra_wg_overlap,
-        num_stages=config.num_stages,
-        lpt=longest_first_tiles(max_seqlen_q) if config.lpt is None else bool(config.lpt),
-    )
-    check_config_fits(resolved, head_dim, head_dim_v)
-    return resolved
-
-
-def page_box_tma_ok(page_size: int, tile_n: int) -> bool:
-    """Whether paged K/V with ``page_size``-token pages load by TMA in boxes of ``min(page_size, tile_n)`` rows.
-
-    The boxes must tile both the page and the key tile (one divides the other) and start 1 KB-aligned in a
-    128-byte-swizzled K/V stage (a multiple of 8 rows). ``page_size == tile_n`` is one box per stage.
-    """
-    return page_size % 8 == 0 and (tile_n % page_size == 0 or page_size % tile_n == 0)
-
-
-def kv_load_path(page_size: int | None, tile_n: int) -> str:
-    """How the kernel loads K/V: ``"tma"`` (contiguous K/V, FA4's producer), ``"tma_boxes"`` (paged, our
-    producer: one TMA box per page slice, ``tile_n // page_size`` boxes per K/V stage, one box when
-    ``page_size == tile_n``, one box per ``tile_n`` rows of a larger page; V rows past a sequence's last key
-    zeroed) or ``"cp.async"`` (FA4's paged fallback, per-row page lookups, zero-filled past the last key)."""
-    if page_size is None:
-        return "tma"
-    return "tma_boxes" if page_box_tma_ok(page_size, tile_n) else "cp.async"
 
 
 _COMPILE_CACHE: dict = {}
@@ -235,10 +120,12 @@ def attention_cute(
         return_lse: also return ``lse [num_heads, total_q]`` fp32 (natural log).
         max_seqlen_q, max_seqlen_k: host hints (tokens). ``max_seqlen_q`` (default ``q.shape[0]``, i.e. total
             tokens, which turns the longest-first order on for a batch of four 256-token canvases) picks the
-            long-prefill tile shape at hd 128 and the tile order (see :func:`resolve_config`): pass the true
+            long-prefill tile shape at hd 128 and the tile order (see
+            :func:`~blockdiff.attention.cute.config.resolve_config`): pass the true
             maximum query length. The grid is sized from ``q.shape[0]``, so any value gives the right result.
         check_values: run the host-side value checks (default: yes unless a CUDA graph is being captured).
-        config: :class:`CuteConfig` or dict (tile_m, tile_n, mma_pv_is_rs, intra_wg_overlap, num_stages, lpt).
+        config: :class:`~blockdiff.attention.cute.config.CuteConfig` or dict (tile_m, tile_n, mma_pv_is_rs,
+            intra_wg_overlap, num_stages, lpt); None: :func:`~blockdiff.attention.cute.config.resolve_config`.
 
     Returns:
         ``out [total_q, num_heads, head_dim_v]`` (q's dtype) or ``(out, lse)``.
@@ -416,47 +303,4 @@ def compile_only(head_dim: int = 128, num_heads: int = 16, num_kv_heads: int = 8
              scale=head_dim ** -0.5, arch=_arch(None), config=config, max_seqlen_q=max_seqlen_q)
 
 
-def _row_range(row: int, q_len: int, seq_len: int, num_causal_q: int, window_size, prefix: bool):
-    ctx = seq_len - q_len
-    q_abs = ctx + row
-    causal_row = row < num_causal_q
-    lo, hi_bi = 0, seq_len - 1
-    if window_size is not None:
-        lo_sliding = max(q_abs - window_size, 0)
-        if prefix:
-            lo = lo_sliding if causal_row else max(ctx + num_causal_q - window_size, 0)
-        else:
-            lo = lo_sliding
-            hi_bi = min(q_abs + window_size, seq_len - 1)
-    return lo, (q_abs if causal_row else hi_bi)
-
-
-def tile_plan(q_len: int, seq_len: int, num_causal_q: int, window_size=None, bidirectional_window="symmetric",
-              *, tile_m: int = 128, tile_n: int = 128, qhead_per_kvhead: int = 1) -> list[dict]:
-    """The kernel's key-block plan for one sequence (host mirror of ``cute_kernel.MixedBlockInfo``).
-
-    For each query tile ``m_block`` (PackGQA: ``tile_m`` packed rows = ``tile_m / qhead_per_kvhead`` query
-    rows): ``n_block_min``/``n_block_max`` (key blocks loaded by the producer and consumed by the MMA warps,
-    ``[min, max)``), ``right_mask_from`` (blocks ``>=`` it are masked on the right), ``left_mask_below``
-    (blocks ``<`` it are masked on the left); blocks in between run unmasked. Same integer formulas as the
-    device code, used by tests (coverage and exactness against :func:`blockdiff.attention.masks.key_range`)
-    and by benchmarks (blocks actually computed).
-    """
-    prefix = bidirectional_window == "prefix" and window_size is not None
-    qpk = qhead_per_kvhead
-    plan = []
-    for m_block in range(-(-q_len * qpk // tile_m)):
-        r0 = m_block * tile_m // qpk
-        r1 = min(-(-(m_block + 1) * tile_m // qpk), q_len) - 1
-        lo0, hi0 = _row_range(r0, q_len, seq_len, num_causal_q, window_size, prefix)
-        lo1, hi1 = _row_range(r1, q_len, seq_len, num_causal_q, window_size, prefix)
-        n_min = lo0 // tile_n
-        n_max = max((hi1 + tile_n) // tile_n, n_min + 1)
-        right = max(n_min, (hi0 + 1) // tile_n)
-        left = n_min if window_size is None else max(n_min, -(-lo1 // tile_n))
-        plan.append(dict(m_block=m_block, rows=(r0, r1), n_block_min=n_min, n_block_max=n_max,
-                         right_mask_from=right, left_mask_below=left))
-    return plan
-
-
-__all__ = ["attention_cute", "CuteConfig", "resolve_config", "compile_only", "tile_plan", "REQUIRED"]
+__all__ = ["attention_cute", "compile_only"]

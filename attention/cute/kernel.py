@@ -1,7 +1,7 @@
 """CuTe DSL kernel of the ``"cute"`` backend: FlashAttention-4's SM90 forward kernel, extended.
 
 Imported only by :mod:`blockdiff.attention.cute.interface` (lazily: this module needs flash-attn-4 and
-nvidia-cutlass-dsl at import time).
+nvidia-cutlass-dsl at import time). Its tile configuration and K/V load rule: :mod:`blockdiff.attention.cute.config`.
 
 What is FA4's and what is ours
 ------------------------------
@@ -16,29 +16,24 @@ softmax, epilogue) run unchanged. We replace three small pieces that FA4 builds 
   tile's sequence, read from a device tensor (one load per tile);
 - ``block_info`` -> :class:`MixedBlockInfo`: the key-block range ``[n_block_min, n_block_max)`` of a query
   tile and the bounds of its masked / unmasked sub-ranges, from the per-row allowed key interval
-  ``[lo(i), hi(i)]`` of ARCHITECTURE.md ("Attention semantics"). Producer and consumer call the same
+  ``[lo(i), hi(i)]`` of docs/ARCHITECTURE.md ("Which keys a row sees"). Producer and consumer call the same
   function, so they agree on the blocks (a disagreement would deadlock the K/V pipeline);
 - ``AttentionMaskCls`` -> :class:`MixedAttentionMask`: per-row ``[lo, hi]`` masking with FA4's R2P
   bitmask helpers (rows of one tile may mix causal and bidirectional rows when ``0 < num_causal_q < q_len``).
 
 The tile order. FA4's ``__call__`` gives its varlen scheduler ``lpt=is_causal or is_local`` (longest tiles
 first, heads grouped in L2 sections); built ``is_local``, our kernel would always get that order. ``lpt`` is a
-constructor argument instead (default on; ``cute_attention.resolve_config`` turns it off below 512 query tokens,
-``longest_first_tiles``), applied by :class:`_SchedulerArgsLpt` while ``__call__`` is traced. H200 A/B (bench/results/cute_lpt_ab-h200.json):
-``canvas_bs4_ctx4k_hd128`` 65.0 -> 61.7 us contiguous without it, while it still pays on causal prefills
-(``prefill16k_hd128`` 1.720 vs 1.818 ms paged) and mixed batches (153 vs 155 us). With it off, FA4's own
-mask, block info and loop structure put back into our kernel (``bench/probe_cute_canvas_gap.py``) gain <= 0.6 us.
+constructor argument instead (default on; ``config.resolve_config`` turns it off below 512 query tokens,
+``config.longest_first_tiles``), applied by :class:`_SchedulerArgsLpt` while ``__call__`` is traced. It pays on
+causal prefills and mixed batches, and costs canvases, hence a config field.
 
 The producer for paged K/V. When the page size is not the key tile (``tile_n``), FA4 loads K/V with cp.async
-and a page-table lookup per row (its TMA path needs ``page_size == tile_n``); that path made paged hd-128
-canvases 16 % slower than contiguous ones (FA4 itself: 0.069 vs 0.059 ms on ``canvas_bs4_ctx4k_hd128``). With
+and a page-table lookup per row (its TMA path needs ``page_size == tile_n``); that path is slower than TMA. With
 ``kv_page_size`` set, FA4's ``__call__`` builds its K and V TMA atoms with a ``(min(page_size, tile_n),
 head_dim)`` box (:class:`_PageBoxTmaAtoms`, active only while ``cute.compile`` traces it) and
 :meth:`FlashAttentionForwardSm90Mixed._load_paged_boxes` (FA4's TMA producer loop, K/V stage order unchanged)
 fills each K/V stage with ``tile_n // box`` page boxes that complete on the stage's one barrier. Pages must be
-multiples of 8 rows that divide ``tile_n`` or are multiples of it (``cute_attention.kv_load_path``). Measured
-on the H200 at a00fb26 (``bench/results/cute_pagebox-h200.json``): ``canvas_bs4_ctx4k_hd128`` 0.061 ms (FA4
-paged 0.068, contiguous 0.060), ``prefill16k_hd128`` 1.686 ms (FA4 contiguous 1.684).
+multiples of 8 rows that divide ``tile_n`` or are multiples of it (``config.kv_load_path``).
 
 Every paged TMA load goes through this producer, ``page_size == tile_n`` included (one box per stage), because
 FA4's own paged TMA path has a hole: a box holding the sequence's last key also brings in the rest of that
@@ -105,6 +100,8 @@ from flash_attn.cute.pack_gqa import PackGQA
 from flash_attn.cute.seqlen_info import SeqlenInfoQK
 from flash_attn.cute.utils import AuxData
 
+from .config import page_box_tma_ok
+
 
 @cute.jit
 def row_key_range(
@@ -117,8 +114,9 @@ def row_key_range(
 ):
     """Allowed keys ``[lo, hi]`` (inclusive, absolute key positions) of query row ``row`` of a sequence.
 
-    Same formulas as :func:`blockdiff.attention.masks.key_range` (ARCHITECTURE.md). ``window`` None means
-    no window (a compile-time property).
+    Same formulas as :func:`blockdiff.attention.masks.key_range` (the host implementation; docs/ARCHITECTURE.md
+    "Which keys a row sees"), here in CuTe DSL integers on the device. ``window`` None means no window (a
+    compile-time property).
     """
     ctx = seqlen_k - seqlen_q
     q_abs = ctx + row
@@ -369,8 +367,6 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         if kv_page_size is not None:
             if not self.use_tma_KV:
                 raise ValueError("kv_page_size is for the TMA paged path; pass paged_kv_non_tma=False")
-            from .interface import page_box_tma_ok
-
             if not page_box_tma_ok(kv_page_size, self.tile_n):
                 raise ValueError(
                     f"kv_page_size={kv_page_size} with tile_n={self.tile_n}: TMA page boxes need one to divide "

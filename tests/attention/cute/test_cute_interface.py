@@ -1,13 +1,12 @@
 """Tests of backend "cute" (blockdiff.attention.cute.interface, FA4 SM90 kernel extended).
 
-CPU (CI): the module imports without flash-attn-4 / the CuTe DSL and names them when called; the kernel's
-key-block plan (host mirror of cute_kernel.MixedBlockInfo) covers exactly the blocks that intersect each
-tile's allowed region and runs unmasked only on fully allowed blocks; a compile-only build for sm_90a when
-the packages are installed (skipped otherwise). GPU (H200, ``python3 -m pytest -m gpu``): fuzz against the
-fp64 reference with the check_close rule on bf16 mixed batches (hd 128/256, both window modes, paged with
-page sizes 8-256 through all three K/V load paths: TMA page boxes, FA4's paged TMA, cp.async; contiguous KV,
-GQA), NaN-poisoned outputs, LSE, cache rows past seq_lens (finite or NaN: no effect), and a CUDA-graph replay
-with metadata changed in place.
+CPU (CI): the module imports without flash-attn-4 / the CuTe DSL and names them when called; a compile-only build
+for sm_90a when the packages are installed (skipped otherwise); the smoke script's plumbing. GPU (H200,
+``python3 -m pytest -m gpu``): fuzz against the fp64 reference with the check_close rule on bf16 mixed batches
+(hd 128/256, both window modes, paged with page sizes 8-256 through all three K/V load paths: TMA page boxes,
+FA4's paged TMA, cp.async; contiguous KV, GQA), NaN-poisoned outputs, LSE, cache rows past seq_lens (finite or
+NaN: no effect), and a CUDA-graph replay with metadata changed in place. Batches come from the public builder
+(blockdiff.attention.testing.make_batch_from_rows).
 """
 from __future__ import annotations
 
@@ -22,9 +21,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from blockdiff.attention.cute import interface as ca
 from blockdiff.attention import get_backend
-from blockdiff.attention.masks import key_range
+from blockdiff.attention.cute import config as cc
+from blockdiff.attention.cute import interface as ca
+from blockdiff.attention.testing import check_close, make_batch_from_rows
 
 HAVE_FA4 = all(importlib.util.find_spec(m) is not None for m in ("flash_attn", "cutlass"))
 
@@ -67,92 +67,6 @@ def test_module_import_in_fresh_interpreter_does_not_import_flash_attn():
             "assert 'flash_attn' not in sys.modules and 'cutlass' not in sys.modules; print('ok')")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr
-
-
-def _check_plan(q_len, ctx, ncq, window, mode, tile_m, tile_n, qpk):
-    seq_len = ctx + q_len
-    plan = ca.tile_plan(q_len, seq_len, ncq, window, mode, tile_m=tile_m, tile_n=tile_n, qhead_per_kvhead=qpk)
-    assert len(plan) == -(-q_len * qpk // tile_m)
-    rows = torch.arange(q_len)
-    t = lambda v: torch.tensor(v)  # noqa: E731
-    lo, hi = key_range(rows, t(q_len), t(seq_len), t(ncq), window, mode)
-    for p in plan:
-        r0, r1 = p["rows"]
-        m_rows = torch.arange(p["m_block"] * tile_m, (p["m_block"] + 1) * tile_m) // qpk
-        m_rows = m_rows[m_rows < q_len]
-        assert (r0, r1) == (int(m_rows.min()), int(m_rows.max()))
-        tlo, thi = lo[r0:r1 + 1], hi[r0:r1 + 1]
-        assert bool((thi >= tlo).all()), "every row allows at least its own key"
-        n_min, n_max = p["n_block_min"], p["n_block_max"]
-        # exact: first and last loaded block hold the tile's extreme allowed keys (cost follows the mask)
-        assert n_min == int(tlo.min()) // tile_n
-        assert n_max - 1 == int(thi.max()) // tile_n
-        # unmasked blocks are fully allowed for every row of the tile
-        for n in range(max(n_min, p["left_mask_below"]), min(n_max, p["right_mask_from"])):
-            k0, k1 = n * tile_n, (n + 1) * tile_n - 1
-            assert bool((tlo <= k0).all()) and bool((thi >= k1).all()), (p, n)
-        # masked ranges are a prefix / suffix of [n_min, n_max): the three loops partition it
-        assert n_min <= p["left_mask_below"] and p["right_mask_from"] >= n_min
-
-
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    q_len=st.integers(1, 600),
-    ctx=st.one_of(st.just(0), st.integers(0, 1500)),
-    ncq_frac=st.sampled_from([0.0, 1.0, 0.5, 0.01, 0.99]),
-    window=st.one_of(st.none(), st.sampled_from([0, 1, 15, 63, 64, 127, 128, 129, 1023]), st.integers(0, 3000)),
-    mode=st.sampled_from(["symmetric", "prefix"]),
-    tiles=st.sampled_from([(128, 128), (128, 64), (128, 80), (64, 128)]),
-    qpk=st.sampled_from([1, 2, 3, 8]),
-)
-def test_tile_plan_covers_exactly_the_allowed_blocks(q_len, ctx, ncq_frac, window, mode, tiles, qpk):
-    _check_plan(q_len, ctx, int(round(ncq_frac * q_len)), window, mode, tiles[0], tiles[1], qpk)
-
-
-@pytest.mark.parametrize("q_len,ctx,ncq,window,mode", [
-    (1, 0, 1, None, "symmetric"), (1, 0, 0, 0, "prefix"), (1, 8191, 0, 1023, "symmetric"),
-    (256, 8192, 0, 1023, "prefix"), (256, 8192, 256, 1023, "symmetric"), (4096, 0, 4096, 1023, "symmetric"),
-    (300, 10, 150, 0, "symmetric"), (300, 10, 150, 5, "prefix"), (129, 127, 1, 128, "prefix"),
-])
-def test_tile_plan_edges(q_len, ctx, ncq, window, mode):
-    for tiles in ((128, 128), (128, 64), (128, 80)):
-        for qpk in (1, 2):
-            _check_plan(q_len, ctx, ncq, window, mode, tiles[0], tiles[1], qpk)
-
-
-@pytest.mark.parametrize("page,tile_n,path", [
-    (None, 128, "tma"), (None, 64, "tma"), (128, 128, "tma_boxes"), (64, 64, "tma_boxes"),
-    (64, 128, "tma_boxes"), (16, 128, "tma_boxes"), (8, 64, "tma_boxes"), (256, 128, "tma_boxes"),
-    (128, 64, "tma_boxes"), (4, 128, "cp.async"), (1, 128, "cp.async"), (48, 128, "cp.async"),
-    (64, 80, "cp.async"), (160, 80, "tma_boxes"), (24, 48, "tma_boxes"), (12, 48, "cp.async"),
-])
-def test_kv_load_path_uses_tma_boxes_only_where_boxes_tile_page_and_key_tile(page, tile_n, path):
-    """Pages that are multiples of 8 rows and divide (or are multiples of) the key tile load by TMA boxes;
-    everything else keeps FA4's cp.async paged loads."""
-    assert ca.kv_load_path(page, tile_n) == path
-
-
-def test_longest_first_tile_order_only_from_512_query_tokens_on():
-    """Canvas and commit batches (max_seqlen_q < 512) take FA4's plain tile order; long prefills, and an unknown
-    length (None; attention_cute itself falls back to total tokens), its longest-first order."""
-    assert ca.longest_first_tiles(256) is False and ca.longest_first_tiles(511) is False
-    assert ca.longest_first_tiles(512) is True and ca.longest_first_tiles(16384) is True
-    assert ca.longest_first_tiles(None) is True
-
-
-def test_configs_that_overflow_sm90_shared_memory_are_a_value_error():
-    """hd 128 with 128 x 128 tiles: 3 K/V stages fit (the default canvas config), 4 would need ~290 KB and
-    failed at launch with a CUDA invalid-configuration error after compiling."""
-    fits = ca.CuteConfig(tile_m=128, tile_n=128, mma_pv_is_rs=True, intra_wg_overlap=True, num_stages=3)
-    ca.check_config_fits(fits, 128, 128)
-    ca.check_config_fits(ca.CuteConfig(tile_m=128, tile_n=64, mma_pv_is_rs=True, intra_wg_overlap=True), 256, 256)
-    ca.check_config_fits(ca.CuteConfig(tile_m=192, tile_n=128, mma_pv_is_rs=True, intra_wg_overlap=False), 128, 128)
-    with pytest.raises(ValueError, match="num_stages"):
-        ca.check_config_fits(ca.CuteConfig(tile_m=128, tile_n=128, mma_pv_is_rs=True, intra_wg_overlap=True,
-                                           num_stages=4), 128, 128)
-    with pytest.raises(ValueError, match="shared memory"):
-        ca.check_config_fits(ca.CuteConfig(tile_m=128, tile_n=128, mma_pv_is_rs=False, intra_wg_overlap=True,
-                                           num_stages=2), 256, 256)
 
 
 COMPILE_SCRIPT = textwrap.dedent("""
@@ -238,38 +152,16 @@ def needs_gpu(f):
     return f
 
 
-def _make_batch(q_lens, ctxs, ncqs, H, Hkv, D, page_size, dtype=torch.bfloat16, device="cuda", seed=0,
-                permute=True, contiguous=False, nan_pad_page=False):
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    seq_lens = [c + q for c, q in zip(ctxs, q_lens)]
-    B = len(q_lens)
-    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.int32)
-    q = torch.randn(int(cu[-1]), H, D, generator=g).to(dtype)
-    kw = dict(cu_seqlens_q=cu.to(device), seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-              num_causal_q=torch.tensor(ncqs, dtype=torch.int32, device=device))
-    if contiguous:
-        cuk = torch.tensor([0] + list(torch.tensor(seq_lens).cumsum(0).tolist()), dtype=torch.int32)
-        k = torch.randn(int(cuk[-1]), Hkv, D, generator=g).to(dtype)
-        v = torch.randn(int(cuk[-1]), Hkv, D, generator=g).to(dtype)
-        kw["cu_seqlens_k"] = cuk.to(device)
-    else:
-        nblk = [max(1, -(-s // page_size)) for s in seq_lens]
-        total = sum(nblk) + 3  # a few unused pages
-        ids = torch.randperm(total, generator=g) if permute else torch.arange(total)
-        bt = torch.zeros(B, max(nblk), dtype=torch.int32)
-        off = 0
-        for b, n in enumerate(nblk):
-            bt[b, :n] = ids[off:off + n]
-            off += n
-        k = torch.randn(total, page_size, Hkv, D, generator=g).to(dtype)
-        v = torch.randn(total, page_size, Hkv, D, generator=g).to(dtype)
-        if nan_pad_page:  # one more page, all NaN, in every block-table slot after a sequence's pages
-            k = torch.cat([k, torch.full_like(k[:1], float("nan"))])
-            v = torch.cat([v, torch.full_like(v[:1], float("nan"))])
-            for b, n in enumerate(nblk):
-                bt[b, n:] = total
-        kw["block_table"] = bt.to(device)
-    return q.to(device), k.to(device), v.to(device), kw
+
+def _batch(q_lens, ctxs, ncqs, H, Hkv, D, page_size, seed=0, contiguous=False, nan_pad_page=False):
+    """A bf16 GPU batch of :func:`blockdiff.attention.testing.make_batch_from_rows` unpacked as ``(q, k_cache,
+    v_cache, kwargs)``: sequences of ``q_lens`` query tokens after ``ctxs`` context keys, ``ncqs`` causal rows;
+    paged (permuted pages, 3 unused ones, block-table slots past a sequence's pages 0, or with ``nan_pad_page``
+    an all-NaN page) or contiguous."""
+    b = make_batch_from_rows(list(zip(ctxs, q_lens, ncqs)), num_heads=H, num_kv_heads=Hkv, head_dim=D,
+                             page_size=page_size, paged=not contiguous, device="cuda", seed=seed, extra_blocks=3,
+                             extra_columns=0, block_table_pad="nan_page" if nan_pad_page else "zeros")
+    return b.pop("q"), b.pop("k_cache"), b.pop("v_cache"), b
 
 
 def _run_and_check(q, k, v, kw, window, mode, return_lse=True, **extra):
@@ -278,7 +170,6 @@ def _run_and_check(q, k, v, kw, window, mode, return_lse=True, **extra):
                             return_lse=return_lse, **kw, **extra)
     o, lse = res if return_lse else (res, None)
     assert o is out
-    from blockdiff.attention.testing import check_close
     return check_close(o, q, k, v, lse=lse, window_size=window, bidirectional_window=mode, **kw)
 
 
@@ -311,7 +202,7 @@ def test_gpu_fuzz_mixed_batch_matches_reference(hd, H, Hkv, page, window, mode, 
     seed = data.draw(st.integers(0, 2 ** 16))
     # the true max_seqlen_q (<= 300 here: plain tile order) or none (total_q: longest-first from 512 rows on)
     hint = data.draw(st.sampled_from([None, max(q_lens)]), label="max_seqlen_q")
-    q, k, v, kw = _make_batch(q_lens, ctxs, ncqs, H, Hkv, hd, page or 64, seed=seed, contiguous=page is None)
+    q, k, v, kw = _batch(q_lens, ctxs, ncqs, H, Hkv, hd, page or 64, seed=seed, contiguous=page is None)
     _run_and_check(q, k, v, kw, window, mode, max_seqlen_q=hint)
 
 
@@ -322,18 +213,17 @@ def test_gpu_plain_and_longest_first_tile_orders_match_reference(lpt, hd, page, 
     """Both tile orders of FA4's varlen scheduler (lpt False: FA4's non-causal order, the canvas default; True:
     longest-first in L2 head sections) cover every tile of a batch mixing causal, bidirectional and split
     sequences, with page-box TMA, contiguous and cp.async K/V."""
-    q, k, v, kw = _make_batch([700, 256, 256, 3, 0], [0, 4000, 1000, 77, 5], [700, 0, 100, 1, 0], 16, 8, hd,
-                              page or 64, seed=5, contiguous=page is None)
+    q, k, v, kw = _batch([700, 256, 256, 3, 0], [0, 4000, 1000, 77, 5], [700, 0, 100, 1, 0], 16, 8, hd,
+                         page or 64, seed=5, contiguous=page is None)
     _run_and_check(q, k, v, kw, window, "symmetric", config=dict(lpt=lpt))
 
 
 @needs_gpu
 def test_gpu_causal_bool_flag_form_and_scale():
-    q, k, v, kw = _make_batch([256, 256, 1, 40], [0, 4096, 300, 0], [0, 0, 0, 0], 16, 8, 128, 64, seed=3)
+    q, k, v, kw = _batch([256, 256, 1, 40], [0, 4096, 300, 0], [0, 0, 0, 0], 16, 8, 128, 64, seed=3)
     ncq = kw.pop("num_causal_q")
     kw["causal"] = torch.tensor([True, False, True, False], device="cuda")
     out = ca.attention_cute(q, k, v, scale=1.0, **kw)
-    from blockdiff.attention.testing import check_close
     check_close(out, q, k, v, scale=1.0, **kw)
     assert ncq.dtype == torch.int32
 
@@ -341,8 +231,7 @@ def test_gpu_causal_bool_flag_form_and_scale():
 @needs_gpu
 def test_gpu_strided_q_and_noncontiguous_out_through_dispatcher():
     from blockdiff.attention import attention
-    from blockdiff.attention.testing import check_close
-    q0, k, v, kw = _make_batch([256, 100], [1000, 0], [0, 100], 16, 8, 128, 64, seed=11)
+    q0, k, v, kw = _batch([256, 100], [1000, 0], [0, 100], 16, 8, 128, 64, seed=11)
     qkv = torch.randn(q0.shape[0], 16 + 2 * 8, 128, device="cuda", dtype=q0.dtype)
     qkv[:, :16] = q0
     q = qkv[:, :16]  # strided view, as from a fused QKV projection
@@ -361,7 +250,7 @@ def test_gpu_tile_skipping_never_reads_keys_left_of_the_window(hd, page, mode):
     """K/V left of every row's window are NaN: a kernel that loaded those blocks would turn out NaN
     (0 * NaN in P @ V), so a finite, unchanged output shows the left tile skipping for every row type."""
     W, ctx = 1023, 4096
-    q, k, v, kw = _make_batch([256, 256, 256], [ctx, ctx, ctx], [0, 256, 128], 16, 8, hd, page, seed=5)
+    q, k, v, kw = _batch([256, 256, 256], [ctx, ctx, ctx], [0, 256, 128], 16, 8, hd, page, seed=5)
     clean = ca.attention_cute(q, k, v, window_size=W, bidirectional_window=mode, **kw)
     bt = kw["block_table"].cpu()
     # Every row allows keys >= ctx - W = 3073 (causal and bidirectional, both modes); the first key block
@@ -386,7 +275,7 @@ def test_gpu_more_than_31_sequences_in_one_launch(lpt):
     q_lens = [[256, 256, 0, 1, 130, 33, 7][b % 7] for b in range(B)]
     ctxs = [[300, 40, 5, 0, 1000, 64, 2][b % 7] for b in range(B)]
     ncqs = [[0, 256, 0, 1, 65, 33, 0][b % 7] for b in range(B)]
-    q, k, v, kw = _make_batch(q_lens, ctxs, ncqs, 16, 8, 128, 64, seed=70)
+    q, k, v, kw = _batch(q_lens, ctxs, ncqs, 16, 8, 128, 64, seed=70)
     _run_and_check(q, k, v, kw, None, "symmetric", config=dict(lpt=lpt))
 
 
@@ -394,7 +283,7 @@ def test_gpu_more_than_31_sequences_in_one_launch(lpt):
 @pytest.mark.parametrize("page", [8, 16, 32, 48, 64, 128, 256])
 def test_gpu_page_sizes_hd128(page):
     """128-key tiles: pages 8-256 load by TMA page boxes (one box per stage at 128), 48 by cp.async."""
-    q, k, v, kw = _make_batch([512, 256, 256, 3], [0, 3000, 3001, 77], [512, 0, 256, 1], 16, 8, 128, page, seed=page)
+    q, k, v, kw = _batch([512, 256, 256, 3], [0, 3000, 3001, 77], [512, 0, 256, 1], 16, 8, 128, page, seed=page)
     _run_and_check(q, k, v, kw, None, "symmetric")
 
 
@@ -402,9 +291,8 @@ def test_gpu_page_sizes_hd128(page):
 @pytest.mark.parametrize("page,window", [(64, None), (16, 200), (256, None)])
 def test_gpu_page_boxes_with_the_long_prefill_tiles(page, window):
     """192 x 128 tiles without intra-warpgroup overlap: the page-box producer's other K/V stage order."""
-    q, k, v, kw = _make_batch([700, 256, 1], [0, 2000, 64], [700, 0, 1], 16, 8, 128, page, seed=page + 1)
-    out = ca.attention_cute(q, k, v, window_size=window, return_lse=True, config=ca.LONG_PREFILL_CONFIG, **kw)
-    from blockdiff.attention.testing import check_close
+    q, k, v, kw = _batch([700, 256, 1], [0, 2000, 64], [700, 0, 1], 16, 8, 128, page, seed=page + 1)
+    out = ca.attention_cute(q, k, v, window_size=window, return_lse=True, config=cc.LONG_PREFILL_CONFIG, **kw)
     check_close(out[0], q, k, v, lse=out[1], window_size=window, **kw)
 
 
@@ -414,10 +302,9 @@ def test_gpu_page_boxes_with_the_long_prefill_tiles(page, window):
 def test_gpu_gqa_3_packs_q_without_tma_and_pages_load_by_boxes(page, long_prefill):
     """12 q heads on 4 KV heads: PackGQA tiles of 128 / 192 rows are not a multiple of 3, so FA4 loads Q with
     all four producer warps (no TMA) while warp 0 alone loads K/V (page boxes at 16 / 64, cp.async at 48)."""
-    q, k, v, kw = _make_batch([300, 256, 1], [0, 1500, 77], [300, 0, 1], 12, 4, 128, page, seed=page)
-    cfg = ca.LONG_PREFILL_CONFIG if long_prefill else None
+    q, k, v, kw = _batch([300, 256, 1], [0, 1500, 77], [300, 0, 1], 12, 4, 128, page, seed=page)
+    cfg = cc.LONG_PREFILL_CONFIG if long_prefill else None
     out, lse = ca.attention_cute(q, k, v, return_lse=True, config=cfg, **kw)
-    from blockdiff.attention.testing import check_close
     check_close(out, q, k, v, lse=lse, **kw)
 
 
@@ -426,8 +313,8 @@ def test_gpu_gqa_3_packs_q_without_tma_and_pages_load_by_boxes(page, long_prefil
 def test_gpu_block_table_slots_past_a_sequence_are_never_read(hd, page):
     """Unused block-table slots point at a page full of NaN: no load path may touch them."""
     window = 1023 if hd == 256 else None
-    q, k, v, kw = _make_batch([256, 100, 5], [1000, 5, 3000], [0, 0, 5], 16, 8, hd, page, seed=hd + page,
-                              nan_pad_page=True)
+    q, k, v, kw = _batch([256, 100, 5], [1000, 5, 3000], [0, 0, 5], 16, 8, hd, page, seed=hd + page,
+                         nan_pad_page=True)
     _run_and_check(q, k, v, kw, window, "symmetric")
 
 
@@ -444,7 +331,7 @@ def _fill_past_seq_lens(k, v, kw, page, value):
 def _outputs_before_and_after_filling_past_seq_lens(hd, page, value):
     """The cute output of one mixed batch, then again after ``value`` went into the cache rows past seq_lens."""
     window = 1023 if hd == 256 else None
-    q, k, v, kw = _make_batch([256, 100, 5], [1000, 5, 300], [0, 0, 5], 16, 8, hd, page, seed=hd + page)
+    q, k, v, kw = _batch([256, 100, 5], [1000, 5, 300], [0, 0, 5], 16, 8, hd, page, seed=hd + page)
     clean = ca.attention_cute(q, k, v, window_size=window, **kw)
     _fill_past_seq_lens(k, v, kw, page, value)
     return clean, ca.attention_cute(q, k, v, window_size=window, **kw)
@@ -511,7 +398,6 @@ def test_gpu_cuda_graph_replay_with_metadata_changed_in_place():
     torch.cuda.current_stream().wait_stream(s)
     with torch.cuda.graph(graph):
         step()
-    from blockdiff.attention.testing import check_close
     for q_lens, ctxs, flags in steps:
         set_step(q_lens, ctxs, flags)
         out.fill_(float("nan"))
