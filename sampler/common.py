@@ -4,14 +4,13 @@ Backends (``reference``, ``triton``) never import each other; both import this m
 :mod:`.state`. Everything here is vectorised over the N rows of a step with ``torch.where`` (no host sync, no
 data-dependent shapes), so a step stays capturable in a CUDA graph.
 
-Phase machine per row (INTERFACES.md "blockdiff.sampler"):
+Phase machine per row (docs/ARCHITECTURE.md "Sampler semantics"):
 PREFILL --prefill_done--> DENOISE (fresh canvas 0) --converged--> COMMIT --EOS or max_tokens--> FINISHED
                                   \\--non-finite logit--> FAILED     \\--else--> DENOISE (fresh canvas, index + 1)
 (A request resumed after preemption starts at the canvas index ``SamplerState.add_request`` gave it, not 0.)
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -24,8 +23,12 @@ __all__ = ["check_step_args", "temperature", "DenoiseResult", "apply_step", "fre
 
 
 def check_step_args(state: SamplerState, slots: torch.Tensor, logits: torch.Tensor, prefill_done: torch.Tensor,
-                    embedding: torch.Tensor) -> None:
+                    embedding: torch.Tensor, *, vocab_slice: tuple[int, int] | None = None) -> None:
     """Validate shapes/dtypes/devices of ``sampler_step``'s arguments (host metadata only; no device sync).
+
+    ``vocab_slice``: ``(start, end)`` of a tensor-parallel rank's vocabulary slice (``blockdiff.sampler.tp``):
+    logits then hold the ``end - start`` columns of that slice and embedding its rows, and a tensor need only be
+    on the state's device type (None: the full vocabulary, on the state's device).
 
     Raises:
         TypeError: wrong types or dtypes (names the argument).
@@ -36,29 +39,40 @@ def check_step_args(state: SamplerState, slots: torch.Tensor, logits: torch.Tens
     for name, t in (("slots", slots), ("logits", logits), ("prefill_done", prefill_done), ("embedding", embedding)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.device != state.device and not (t.device.type == state.device.type == "cuda"
-                                             and (state.device.index is None or t.device.index == state.device.index)):
+        if vocab_slice is not None:
+            same = t.device.type == state.device.type
+        else:
+            same = t.device == state.device or (
+                t.device.type == state.device.type == "cuda"
+                and (state.device.index is None or t.device.index == state.device.index))
+        if not same:
             raise ValueError(f"{name} is on {t.device}, the state on {state.device}")
     if slots.dtype != torch.int64 or slots.dim() != 1:
         raise TypeError(f"slots must be a 1-D int64 tensor, got {slots.dtype} of shape {tuple(slots.shape)}")
     n = slots.shape[0]
+    if vocab_slice is None:
+        cols, cols_name, logits_note, rows_note = state.vocab_size, "vocab_size", "", ""
+    else:
+        lo, hi = vocab_slice
+        cols, cols_name = hi - lo, "shard size"
+        logits_note, rows_note = f" (this rank's vocabulary slice [{lo}, {hi}))", f" (rows [{lo}, {hi}) of E)"
     if not logits.is_floating_point():
         raise TypeError(f"logits must be floating point, got {logits.dtype}")
-    if logits.dim() != 3 or tuple(logits.shape) != (n, state.canvas_length, state.vocab_size):
+    if logits.dim() != 3 or tuple(logits.shape) != (n, state.canvas_length, cols):
         raise ValueError(f"logits must have shape [N={n}, canvas_length={state.canvas_length}, "
-                         f"vocab_size={state.vocab_size}], got {tuple(logits.shape)}")
+                         f"{cols_name}={cols}]{logits_note}, got {tuple(logits.shape)}")
     if prefill_done.dtype != torch.bool or tuple(prefill_done.shape) != (n,):
         raise ValueError(f"prefill_done must be a bool tensor of shape [{n}], got {prefill_done.dtype} "
                          f"{tuple(prefill_done.shape)}")
     if not embedding.is_floating_point():
         raise TypeError(f"embedding must be floating point, got {embedding.dtype}")
-    if embedding.dim() != 2 or tuple(embedding.shape) != (state.vocab_size, state.hidden_size):
-        raise ValueError(f"embedding must have shape [vocab_size={state.vocab_size}, hidden_size={state.hidden_size}]"
-                         f", got {tuple(embedding.shape)}")
+    if embedding.dim() != 2 or tuple(embedding.shape) != (cols, state.hidden_size):
+        raise ValueError(f"embedding must have shape [{cols_name}={cols}, hidden_size={state.hidden_size}]"
+                         f"{rows_note}, got {tuple(embedding.shape)}")
 
 
 def temperature(state: SamplerState, slots: torch.Tensor) -> torch.Tensor:
-    """Temperature of each row's current step, float32 [N] (ARCHITECTURE.md step 1).
+    """Temperature of each row's current step, float32 [N] (docs/ARCHITECTURE.md "Sampler semantics", rule 1).
 
     ``T = t_min + (t_max - t_min) * (S - s) / S`` evaluated in float32 in exactly this order (every backend calls
     this function, so T is bit-identical across backends). Equals transformers'
@@ -84,7 +98,7 @@ def entropy_order(entropy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
 
 
 def accept_by_entropy(entropy: torch.Tensor, entropy_bound: torch.Tensor) -> torch.Tensor:
-    """Entropy-bound acceptance (ARCHITECTURE.md step 4; arXiv:2505.24857), bool [N, CL].
+    """Entropy-bound acceptance (docs/ARCHITECTURE.md "Sampler semantics", rule 4; arXiv:2505.24857), bool [N, CL].
 
     Positions sorted by entropy ascending, ties by position (stable sort); the j-th accepted iff
     ``cumsum_j - H_j <= entropy_bound`` (inclusive, float32 cumsum as in transformers' EntropyBoundSampler).
@@ -134,7 +148,8 @@ class DenoiseResult:
 
 
 def convergence(state: SamplerState, slots: torch.Tensor, argmax: torch.Tensor, mean_entropy: torch.Tensor):
-    """(converged [N] bool, stable_count [N] int32) of ARCHITECTURE.md step 6, before masking by phase/failure.
+    """(converged [N] bool, stable_count [N] int32) of docs/ARCHITECTURE.md "Sampler semantics" rule 6, before
+    masking by phase/failure.
 
     ``stable_count`` counts consecutive steps whose argmax canvas equals the previous one (prev_argmax is -1 at
     step 0, so step 0 never matches); k + 1 identical canvases <=> stable_count >= k. Converged iff

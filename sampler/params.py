@@ -2,7 +2,8 @@
 
 Defaults are those of transformers' ``DiffusionGemmaGenerationConfig._get_default_generation_params`` (HF
 DiffusionGemma generation): canvas 256, 48 denoising steps, linear temperature 0.8 -> 0.4, entropy bound 0.1
-nats, confidence threshold 0.005 nats, stability threshold 1. Semantics: ARCHITECTURE.md "Sampler semantics".
+nats, confidence threshold 0.005 nats, stability threshold 1. Semantics: docs/ARCHITECTURE.md
+"Sampler semantics".
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ class SamplingParams:
         canvas_length: tokens per canvas (CL), 1 <= CL < 2**16; must equal the SamplerState's.
         max_denoising_steps: step cap S per canvas, 1 <= S < 2**14 (counter layout of :mod:`.rng`).
         t_min, t_max: temperature at the last / first step; 0 <= t_min <= t_max, finite. ``t_max == 0`` is greedy
-            (T = 0: no noise, all entropies 0). (transformers requires t_max > t_min strictly; ARCHITECTURE.md
+            (T = 0: no noise, all entropies 0). (transformers requires t_max > t_min strictly; docs/ARCHITECTURE.md
             allows t_min == t_max, which T = 0 needs.)
         entropy_bound: acceptance budget in nats, >= 0 and finite (the lowest-entropy position is always accepted).
         confidence_threshold: mean-entropy threshold in nats for convergence (strict ``<``), >= 0 and finite.

@@ -1,10 +1,10 @@
 """Dense PyTorch reference of the denoising sampler step: the oracle every other backend is tested against.
 
-Semantics: ARCHITECTURE.md "Sampler semantics" (HF transformers DiffusionGemma generation:
+Semantics: docs/ARCHITECTURE.md "Sampler semantics" (HF transformers DiffusionGemma generation:
 ``EntropyBoundSampler``, ``StableAndConfidentStoppingCriteria``, ``LinearTemperatureScheduleLogitsProcessor``,
-self-conditioning in ``DiffusionGemmaDecoder``), with the phase machine of INTERFACES.md. Readable, vectorised
-over rows and phases, and memory-hungry on purpose: it materialises [N, CL, V] float32 temporaries (z, Gumbel
-noise, probabilities) — use the ``triton`` backend for serving.
+self-conditioning in ``DiffusionGemmaDecoder``), with its phase machine (:mod:`blockdiff.sampler.common`).
+Readable, vectorised over rows and phases, and memory-hungry on purpose: it materialises [N, CL, V] float32
+temporaries (z, Gumbel noise, probabilities) — use the ``triton`` backend for serving.
 
 Per DENOISE row with step s, temperature T (:func:`blockdiff.sampler.common.temperature`):
 
@@ -18,7 +18,7 @@ Per DENOISE row with step s, temperature T (:func:`blockdiff.sampler.common.temp
    accumulation), as transformers does; the same-precision eager computation the fused kernel is held to.
 8. T = 0: no noise, ``sampled = argmax``, H = 0, p = one-hot(argmax).
 
-Where this (ARCHITECTURE.md) differs from transformers' DiffusionGemma generation (5.x), on purpose:
+Where this (docs/ARCHITECTURE.md) differs from transformers' DiffusionGemma generation (5.x), on purpose:
 
 - Sampling: Gumbel-max with counter-based Philox noise keyed on the request (reproducible, batch invariant) instead
   of ``torch.multinomial`` on the global RNG: the same distribution, different draws.
@@ -116,7 +116,7 @@ def denoise_reference(state: SamplerState, slots: torch.Tensor, logits: torch.Te
 
 def sampler_step(state: SamplerState, slots: torch.Tensor, logits: torch.Tensor, prefill_done: torch.Tensor,
                  embedding: torch.Tensor) -> StepOutput:
-    """One sampler step over N rows, dense PyTorch (see the module docstring and INTERFACES.md).
+    """One sampler step over N rows, dense PyTorch (see the module docstring).
 
     Args:
         state: :class:`SamplerState`, mutated in place.

@@ -3,7 +3,8 @@
 Source: Salmon, Moraes, Dror, Shaw, "Parallel random numbers: as easy as 1, 2, 3" (SC'11) and the Random123
 library (philox4x32, 10 rounds; known-answer vectors in Random123's ``kat_vectors``). Every draw is a pure
 function of its coordinates, so a request's noise does not depend on its slot, on the other requests in the
-batch, on the launch grid or on the backend (batch invariance, ARCHITECTURE.md "Sampler semantics" step 2).
+batch, on the launch grid or on the backend (batch invariance, docs/ARCHITECTURE.md "Sampler semantics", "Random
+numbers").
 
 Arithmetic: uint32 words live in ``int64`` tensors (values in [0, 2**32)); the 32 x 32 -> 64-bit products of a
 Philox round are split into 16-bit halves so that no intermediate leaves the int64 range (:func:`_mulhilo`).

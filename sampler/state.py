@@ -3,7 +3,7 @@
 One :class:`SamplerState` holds every running request of a serving engine in fixed-size device tensors
 (``max_num_reqs`` slots), updated in place by ``sampler_step`` so that a step is capturable in a CUDA graph.
 A slot's RNG identity is its ``request_id`` (not the slot number), so a request draws the same noise alone or in
-any batch (ARCHITECTURE.md "Sampler semantics"; INTERFACES.md "blockdiff.sampler").
+any batch (docs/ARCHITECTURE.md "Sampler semantics").
 """
 from __future__ import annotations
 

@@ -1,11 +1,10 @@
-"""Semantics of the dense reference sampler step (ARCHITECTURE.md "Sampler semantics", INTERFACES.md)."""
+"""Semantics of the dense reference sampler step (docs/ARCHITECTURE.md "Sampler semantics")."""
 import math
 
 import pytest
 import torch
 
-from blockdiff.sampler import (COMMIT, DENOISE, FAILED, FINISHED, PREFILL, SamplerState, SamplingParams, rng,
-                               sampler_step)
+from blockdiff.sampler import COMMIT, DENOISE, FAILED, FINISHED, PREFILL, rng, sampler_step
 from blockdiff.sampler.common import accept_by_entropy, temperature
 from blockdiff.sampler.reference import entropy_reference
 
@@ -400,7 +399,7 @@ from hypothesis import strategies as hst  # noqa: E402
 @given(data=hst.data())
 def test_acceptance_property_equals_a_naive_sequential_oracle(data):
     """accept_by_entropy vs a plain loop: sort by (H, position), float32 running (inclusive) sum c_j, accept iff
-    ``c_j - H_j <= bound`` evaluated in float32 exactly as ARCHITECTURE.md / transformers write it (NOT the
+    ``c_j - H_j <= bound`` evaluated in float32 exactly as docs/ARCHITECTURE.md / transformers write it (NOT the
     exclusive sum: e.g. H = 0.05 x 3, bound 0.1 rejects the third, 0.15f - 0.05f > 0.1f); NaN never accepted;
     with a finite entropy the lowest is always accepted. Entropies from a few values so ties are frequent."""
     import numpy as np
