@@ -1,9 +1,10 @@
 """Mask semantics of the blockdiff attention contract, as allowed key intervals.
 
-Every row type of the contract (ARCHITECTURE.md, "Attention semantics") allows one contiguous interval of
-keys ``[lo, hi]`` (inclusive; empty when ``hi < lo``). This module computes those intervals, vectorised, and
-the dense boolean mask built from them. Backends use the same formulas for tile skipping; tests, notebooks
-and benchmarks (allowed-pair counts for effective TFLOP/s) use them directly.
+Every row type of the contract (docs/ARCHITECTURE.md, "Which keys a row sees") allows one contiguous interval
+of keys ``[lo, hi]`` (inclusive; empty when ``hi < lo``). This module computes those intervals, vectorised
+(:func:`key_range` for a set of rows, :func:`batch_key_ranges` for every row of a packed batch), and the dense
+boolean mask built from them. It is the one host implementation: backends use the same formulas in their
+kernels for tile skipping; tests, notebooks and benchmarks (allowed-pair counts for effective TFLOP/s) call it.
 
 For query row ``i`` (0-based within its sequence) of a sequence with ``q_len`` query tokens, ``seq_len`` keys
 (including the query tokens) and ``num_causal_q`` causal rows (``causal=True`` is ``num_causal_q = q_len``):
@@ -131,6 +132,55 @@ def build_mask(
     return (keys[None, :] >= lo[:, None]) & (keys[None, :] <= hi[:, None])
 
 
+def batch_key_ranges(
+    q_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_causal_q: torch.Tensor,
+    window_size: int | None,
+    bidirectional_window: str = "symmetric",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per query row of a packed batch: its sequence and allowed key interval ``[lo, hi]`` (inclusive).
+
+    :func:`key_range` applied to every row of a varlen batch (rows in ``cu_seqlens_q`` order), in O(total_q)
+    memory (no dense mask: fine for 100k-token contexts). Benchmarks use it for allowed-pair counts and for
+    FlexAttention / SDPA masks; backends' host code for per-row bounds.
+
+    Args:
+        q_lens, seq_lens, num_causal_q: integer tensors ``[B]`` (tokens; any device, any integer dtype);
+            ``seq_lens`` include the query tokens; ``num_causal_q`` = causal rows per sequence (a causal
+            sequence has ``num_causal_q = q_len``, a denoise canvas 0).
+        window_size: None or int >= 0; bidirectional_window: ``"symmetric"`` or ``"prefix"``.
+
+    Returns:
+        ``(seq_id, lo, hi)``: int64 tensors ``[total_q]`` on the CPU; a row with ``hi < lo`` allows no key.
+
+    Raises:
+        TypeError: a length tensor is not an integer tensor; ``window_size`` not None or an int.
+        ValueError: shapes differ or are not 1-D; ``q_lens < 0``, ``seq_lens < q_lens`` or ``num_causal_q``
+            outside ``[0, q_len]`` (a mask the contract does not define); a bad window or mode.
+    """
+    for name, t in (("q_lens", q_lens), ("seq_lens", seq_lens), ("num_causal_q", num_causal_q)):
+        if not isinstance(t, torch.Tensor) or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            raise TypeError(f"{name} must be an integer tensor [B], got {getattr(t, 'dtype', type(t).__name__)}")
+        if t.dim() != 1 or t.shape != q_lens.shape:
+            raise ValueError(f"q_lens, seq_lens, num_causal_q must be 1-D of equal length, got {name} "
+                             f"{tuple(t.shape)} vs q_lens {tuple(q_lens.shape)}")
+    check_window(window_size, bidirectional_window)
+    q_lens = q_lens.to(torch.int64).cpu()
+    seq_lens = seq_lens.to(torch.int64).cpu()
+    num_causal_q = num_causal_q.to(torch.int64).cpu()
+    if bool((q_lens < 0).any()) or bool((seq_lens < q_lens).any()):
+        raise ValueError("need 0 <= q_lens <= seq_lens (seq_lens include the query tokens)")
+    if bool(((num_causal_q < 0) | (num_causal_q > q_lens)).any()):
+        raise ValueError("num_causal_q must be in [0, q_len] for every sequence")
+    seq_id = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens)
+    starts = torch.cumsum(q_lens, 0) - q_lens
+    rows = torch.arange(int(q_lens.sum())) - starts[seq_id]
+    lo, hi = key_range(rows, q_lens[seq_id], seq_lens[seq_id], num_causal_q[seq_id], window_size,
+                       bidirectional_window)
+    return seq_id, lo, hi
+
+
 def count_allowed_pairs(
     q_lens: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -140,33 +190,14 @@ def count_allowed_pairs(
 ) -> int:
     """Number of allowed (query, key) pairs of a batch, summed over sequences (per head).
 
-    Exact, in O(total_q) memory (no dense mask). Used for effective TFLOP/s:
-    ``4 * num_heads * head_dim * pairs / time``.
+    Exact, in O(total_q) memory (no dense mask; :func:`batch_key_ranges`). Used for effective TFLOP/s:
+    ``4 * num_heads * head_dim * pairs / time``; equals ``sum_b build_mask(q_len_b, seq_len_b, ...).sum()``.
 
     Args:
         q_lens, seq_lens, num_causal_q: int tensors ``[B]`` (tokens).
 
     Raises:
-        TypeError: a length tensor is not an integer tensor.
-        ValueError: shapes differ or are not 1-D; ``q_lens < 0``, ``seq_lens < q_lens`` or ``num_causal_q``
-            outside ``[0, q_len]`` (the count would be of a mask the contract does not define).
+        TypeError, ValueError: as :func:`batch_key_ranges`.
     """
-    for name, t in (("q_lens", q_lens), ("seq_lens", seq_lens), ("num_causal_q", num_causal_q)):
-        if not isinstance(t, torch.Tensor) or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
-            raise TypeError(f"{name} must be an integer tensor [B], got {getattr(t, 'dtype', type(t).__name__)}")
-        if t.dim() != 1 or t.shape != q_lens.shape:
-            raise ValueError(f"q_lens, seq_lens, num_causal_q must be 1-D of equal length, got {name} "
-                             f"{tuple(t.shape)} vs q_lens {tuple(q_lens.shape)}")
-    q_lens = q_lens.to(torch.int64).cpu()
-    seq_lens = seq_lens.to(torch.int64).cpu()
-    num_causal_q = num_causal_q.to(torch.int64).cpu()
-    if bool((q_lens < 0).any()) or bool((seq_lens < q_lens).any()):
-        raise ValueError("need 0 <= q_lens <= seq_lens (seq_lens include the query tokens)")
-    if bool(((num_causal_q < 0) | (num_causal_q > q_lens)).any()):
-        raise ValueError("num_causal_q must be in [0, q_len] for every sequence")
-    seq_of_row = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens)
-    starts = torch.cumsum(q_lens, 0) - q_lens
-    rows = torch.arange(int(q_lens.sum())) - starts[seq_of_row]
-    lo, hi = key_range(rows, q_lens[seq_of_row], seq_lens[seq_of_row], num_causal_q[seq_of_row],
-                       window_size, bidirectional_window)
+    _, lo, hi = batch_key_ranges(q_lens, seq_lens, num_causal_q, window_size, bidirectional_window)
     return int((hi - lo + 1).clamp_min(0).sum())

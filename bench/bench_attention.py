@@ -67,7 +67,7 @@ class Skip(Exception):
 def row_masks(batch: wl.Batch) -> list[torch.Tensor]:
     """Dense boolean masks [q_len_b, seq_len_b] per sequence, on the batch's device (from the row bounds)."""
     w = batch.workload
-    seq_id, lo, hi = common.row_key_bounds(w.q_lens, w.seq_lens, **w.mask_kwargs())
+    seq_id, lo, hi = w.key_ranges()
     dev = batch.q.device
     masks, start = [], 0
     for b, (ql, sl) in enumerate(zip(w.q_lens, w.seq_lens)):
@@ -163,7 +163,7 @@ def make_flex(batch: wl.Batch, args) -> tuple:
     blk = 128
     tq, tk = w.total_q, k.shape[0]
     pq, pk = math.ceil(tq / blk) * blk, math.ceil(tk / blk) * blk
-    seq_id, lo, hi = common.row_key_bounds(w.q_lens, w.seq_lens, **w.mask_kwargs())
+    seq_id, lo, hi = w.key_ranges()
     q_doc = torch.full((pq,), -1, dtype=torch.int32)
     q_doc[:tq] = seq_id.to(torch.int32)
     q_lo = torch.zeros(pq, dtype=torch.int32)
@@ -358,7 +358,7 @@ def measure(batch: wl.Batch, backend: str, maker: Callable, args, gold: torch.Te
             extra: dict | None = None) -> dict:
     w = batch.workload
     dev = batch.q.device
-    pairs = common.allowed_pairs(w.q_lens, w.seq_lens, **w.mask_kwargs())
+    pairs = w.allowed_pairs()
     flops = common.attention_flops(w.num_heads, w.head_dim, pairs, w.head_dim_v)
     row = {"workload": w.name, "backend": backend, "status": "ok", "eager_ms": None, "graph_ms": None,
            "effective_tflops": None, "share_of_peak": None, "extra_memory_bytes": None,

@@ -170,58 +170,7 @@ def peak_extra_memory_bytes(fn: Callable[[], object], device: torch.device | str
 
 
 # ----------------------------------------------------------------------------------------------- FLOPs
-def row_key_bounds(q_lens, seq_lens, *, causal=None, num_causal_q=None, window_size: int | None = None,
-                   bidirectional_window: str = "symmetric"):
-    """Per query row of a packed batch, its sequence and inclusive allowed key range ``[lo, hi]``.
-
-    Vectorised over all rows (O(total_q) memory, no dense mask: fine for 32k contexts), with the contract's own
-    formulas (:func:`blockdiff.attention.masks.key_range`, ARCHITECTURE.md "Attention semantics").
-
-    Args:
-        q_lens, seq_lens: [B] ints (tokens); ``seq_lens`` includes the query tokens (``seq_lens >= q_lens``).
-        causal: [B] bools per sequence, or ``num_causal_q``: [B] ints (first n rows causal); default: all
-            rows bidirectional.
-        window_size: None or W >= 0 keys per side, not counting the query's own position.
-        bidirectional_window: "symmetric" or "prefix".
-
-    Returns:
-        (seq_id, lo, hi): int64 tensors [total_q] on the CPU; a row with ``hi < lo`` allows no key.
-
-    Raises:
-        ValueError: lengths of different sizes, ``seq_lens < q_lens``, or (from key_range) a bad window/mode.
-    """
-    from blockdiff.attention.masks import key_range
-
-    ql = torch.as_tensor(q_lens, dtype=torch.int64).cpu().reshape(-1)
-    sl = torch.as_tensor(seq_lens, dtype=torch.int64).cpu().reshape(-1)
-    if ql.shape != sl.shape:
-        raise ValueError(f"q_lens {tuple(ql.shape)} and seq_lens {tuple(sl.shape)} must have the same length")
-    if bool((ql < 0).any()) or bool((sl < ql).any()):
-        raise ValueError("seq_lens must be >= q_lens >= 0 (seq_lens includes the query tokens)")
-    if num_causal_q is not None:
-        ncq = torch.as_tensor(num_causal_q, dtype=torch.int64).cpu().reshape(-1)
-    elif causal is not None:
-        ncq = torch.where(torch.as_tensor(causal, dtype=torch.bool).cpu().reshape(-1), ql, 0)
-    else:
-        ncq = torch.zeros_like(ql)
-    if ncq.shape != ql.shape:
-        raise ValueError(f"causal/num_causal_q must have {ql.numel()} entries, got {ncq.numel()}")
-    seq_id = torch.repeat_interleave(torch.arange(ql.numel()), ql)
-    rows = torch.arange(seq_id.numel()) - (torch.cumsum(ql, 0) - ql)[seq_id]
-    lo, hi = key_range(rows, ql[seq_id], sl[seq_id], ncq[seq_id], window_size, bidirectional_window)
-    return seq_id, lo, hi
-
-
-def allowed_pairs(q_lens, seq_lens, **mask_kwargs) -> int:
-    """Exact number of allowed (query, key) pairs of a batch (per head) under the contract's mask semantics.
-
-    Same arguments as :func:`row_key_bounds`; equals ``sum_b build_mask(q_len_b, seq_len_b, ...).sum()``
-    without building any mask.
-    """
-    _, lo, hi = row_key_bounds(q_lens, seq_lens, **mask_kwargs)
-    return int((hi - lo + 1).clamp(min=0).sum())
-
-
+# allowed-pair counts: blockdiff.attention.masks.count_allowed_pairs (Workload.allowed_pairs)
 def attention_flops(num_heads: int, head_dim: int, pairs: int, head_dim_v: int | None = None) -> float:
     """FLOPs of attention forward over ``pairs`` allowed pairs: 2·H·(D + Dv)·pairs (= 4·H·D·pairs for Dv = D)."""
     dv = head_dim if head_dim_v is None else head_dim_v

@@ -249,7 +249,7 @@ def _cuda_ok() -> bool:
 
 
 def base_row(w: wl.Workload, batch, backend: str) -> dict:
-    pairs = common.allowed_pairs(w.q_lens, w.seq_lens, **w.mask_kwargs())
+    pairs = w.allowed_pairs()
     return {"workload": w.name, "backend": backend, "status": "ok", "config": None, "graph_ms": None,
             "eager_ms": None, "effective_tflops": None, "correct": None, "allowed_pairs": pairs,
             "flops": common.attention_flops(w.num_heads, w.head_dim, pairs, w.head_dim_v),

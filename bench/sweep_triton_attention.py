@@ -182,7 +182,7 @@ _FLOPS: dict = {}
 
 def w_flops(w) -> float:
     if w.name not in _FLOPS:
-        pairs = common.allowed_pairs(list(w.q_lens), list(w.seq_lens), **w.mask_kwargs())
+        pairs = w.allowed_pairs()
         _FLOPS[w.name] = common.attention_flops(w.num_heads, w.head_dim, pairs, w.head_dim_v)
     return _FLOPS[w.name]
 

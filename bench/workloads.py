@@ -1,9 +1,9 @@
-"""Named attention workloads of ARCHITECTURE.md ("Named workloads"), ladders, and their tensor builders.
+"""Named attention workloads of docs/ARCHITECTURE.md ("Named workloads"), ladders, and their tensor batches.
 
 A :class:`Workload` is a pure shape description (no tensors); :func:`build` turns it into a :class:`Batch` of
-random tensors on any device/dtype: packed ``q``, paged ``k_cache``/``v_cache`` with a *permuted*
-``block_table`` (page ids of one sequence are not consecutive, as in a long-running serving cache) and the
-metadata ``attention()`` takes. The K/V of every query token is already in the cache (``seq_lens`` includes the
+random tensors on any device/dtype through :func:`blockdiff.attention.testing.make_batch`: packed ``q``, paged
+``k_cache``/``v_cache`` with a *permuted* ``block_table`` (page ids of one sequence are not consecutive, as in a
+long-running serving cache) and the metadata ``attention()`` takes. The K/V of every query token is already in the cache (``seq_lens`` includes the
 query tokens), as vLLM writes it before attention.
 
 Page size: 64 tokens by default (``DEFAULT_PAGE_SIZE``). It is a multiple of 16 (what FlashAttention's paged
@@ -28,6 +28,9 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
+
+from blockdiff.attention.masks import batch_key_ranges, count_allowed_pairs
+from blockdiff.attention.testing import make_batch
 
 DEFAULT_PAGE_SIZE = 64
 QUICK_PAGE_SIZE = 16
@@ -89,10 +92,22 @@ class Workload:
     def total_q(self) -> int:
         return sum(self.q_lens)
 
-    def mask_kwargs(self) -> dict:
-        """Keyword arguments of bench.common.allowed_pairs / row_key_bounds for this workload."""
-        return dict(causal=list(self.causal), window_size=self.window_size,
-                    bidirectional_window=self.bidirectional_window)
+    @property
+    def num_causal_q(self) -> tuple[int, ...]:
+        """Causal rows per sequence (``q_len`` for prefill / commit, 0 for a denoise canvas)."""
+        return tuple(q if c else 0 for q, c in zip(self.q_lens, self.causal))
+
+    def key_ranges(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(seq_id, lo, hi)`` int64 [total_q] of every query row (:func:`blockdiff.attention.masks.batch_key_ranges`)."""
+        return batch_key_ranges(*self._length_tensors(), self.window_size, self.bidirectional_window)
+
+    def allowed_pairs(self) -> int:
+        """Exact allowed (query, key) pairs per head (:func:`blockdiff.attention.masks.count_allowed_pairs`)."""
+        return count_allowed_pairs(*self._length_tensors(), self.window_size, self.bidirectional_window)
+
+    def _length_tensors(self):
+        return (torch.tensor(self.q_lens, dtype=torch.int64), torch.tensor(self.seq_lens, dtype=torch.int64),
+                torch.tensor(self.num_causal_q, dtype=torch.int64))
 
     def describe(self) -> str:
         parts = [f"{k}:{q}/{s}" for k, q, s in zip(self.kinds, self.q_lens, self.seq_lens)]
@@ -303,37 +318,20 @@ def build(w: Workload, device: torch.device | str = "cpu", dtype: torch.dtype = 
           page_size: int = DEFAULT_PAGE_SIZE, seed: int = 0, spare_blocks: int = 1) -> Batch:
     """Random tensors for workload ``w`` (N(0, 1) q/k/v), paged with a permuted block table.
 
+    The tensors come from :func:`blockdiff.attention.testing.make_batch` (the one batch builder; drawn on
+    ``device``), with block-table rows padded with page 0 up to the longest sequence's pages.
+
     Args:
         w: the workload; device/dtype: where and how (bf16/fp16/fp32); page_size: tokens per page (>= 1);
         seed: generator seed (same seed -> same tensors on a device); spare_blocks: extra unused pages.
 
     Raises:
-        ValueError: page_size < 1.
+        ValueError: page_size < 1 (from make_batch).
     """
-    if page_size < 1:
-        raise ValueError(f"page_size must be >= 1, got {page_size}")
-    device = torch.device(device)
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    pages_per_seq = [math.ceil(s / page_size) for s in w.seq_lens]
-    num_blocks = sum(pages_per_seq) + spare_blocks
-    perm = torch.randperm(num_blocks, generator=gen)
-    max_blocks = max(1, max(pages_per_seq))
-    block_table = torch.zeros(w.batch_size, max_blocks, dtype=torch.int32)
-    off = 0
-    for b, n in enumerate(pages_per_seq):
-        block_table[b, :n] = perm[off: off + n].to(torch.int32)
-        off += n
-    dgen = torch.Generator(device=device).manual_seed(seed + 1)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=dgen, device=device, dtype=torch.float32).to(dtype)
-
-    q = randn(w.total_q, w.num_heads, w.head_dim)
-    k_cache = randn(num_blocks, page_size, w.num_kv_heads, w.head_dim)
-    v_cache = randn(num_blocks, page_size, w.num_kv_heads, w.head_dim_v)
-    cu = torch.tensor([0] + list(_cumsum(w.q_lens)), dtype=torch.int32, device=device)
-    return Batch(workload=w, q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table.to(device),
-                 cu_seqlens_q=cu, seq_lens=torch.tensor(w.seq_lens, dtype=torch.int32, device=device),
-                 causal=torch.tensor(w.causal, dtype=torch.bool, device=device), page_size=page_size,
+    t = make_batch(w.seq_lens, w.q_lens, causal=list(w.causal), num_heads=w.num_heads,
+                   num_kv_heads=w.num_kv_heads, head_dim=w.head_dim, head_dim_v=w.head_dim_v, page_size=page_size,
+                   dtype=dtype, device=device, seed=seed, extra_blocks=spare_blocks, extra_columns=0,
+                   block_table_pad="zeros")
+    return Batch(workload=w, q=t["q"], k_cache=t["k_cache"], v_cache=t["v_cache"], block_table=t["block_table"],
+                 cu_seqlens_q=t["cu_seqlens_q"], seq_lens=t["seq_lens"], causal=t["causal"], page_size=page_size,
                  scale=w.head_dim ** -0.5, q_lens_host=list(w.q_lens), seq_lens_host=list(w.seq_lens))
-

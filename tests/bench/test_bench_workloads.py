@@ -68,3 +68,29 @@ def test_small_suite_keeps_heads_window_and_canvas():
     m = small["mixed_sliding_ctx8k"]
     assert m.q_lens == (512, 256, 256, 256) and m.seq_lens == (512, 1280, 1280, 1280)
     assert (m.num_heads, m.num_kv_heads, m.head_dim, m.window_size) == (16, 8, 256, 1023) and not m.anchors_ms
+
+
+def test_workload_key_ranges_and_pairs_come_from_the_mask_semantics():
+    from blockdiff.attention import build_mask
+
+    w = wl.named_workloads(quick=True)[1]  # mixed, prefix window
+    assert w.num_causal_q == tuple(q if c else 0 for q, c in zip(w.q_lens, w.causal))
+    dense = sum(int(build_mask(q, s, causal=c, window_size=w.window_size,
+                               bidirectional_window=w.bidirectional_window).sum())
+                for q, s, c in zip(w.q_lens, w.seq_lens, w.causal))
+    assert w.allowed_pairs() == dense
+    seq_id, lo, hi = w.key_ranges()
+    assert seq_id.shape == lo.shape == hi.shape == (w.total_q,) and int((hi - lo + 1).clamp_min(0).sum()) == dense
+
+
+def test_build_is_the_public_batch_builder_with_zero_padding():
+    from blockdiff.attention.testing import make_batch
+
+    w = wl.named_workloads(quick=True)[0]
+    b = wl.build(w, "cpu", torch.float32, page_size=16, seed=5)
+    t = make_batch(w.seq_lens, w.q_lens, causal=list(w.causal), num_heads=w.num_heads, num_kv_heads=w.num_kv_heads,
+                   head_dim=w.head_dim, page_size=16, dtype=torch.float32, seed=5, extra_columns=0,
+                   block_table_pad="zeros")
+    for k in ("q", "k_cache", "v_cache", "block_table", "cu_seqlens_q", "seq_lens", "causal"):
+        assert torch.equal(getattr(b, k), t[k]), k
+    assert b.block_table.shape[1] == max(-(-s // 16) for s in w.seq_lens)
