@@ -1,19 +1,21 @@
-"""Triton local pass of the tensor-parallel sampler step (``blockdiff.sampler.tp``, ``backend="triton"``).
+"""Triton local pass of the tensor-parallel sampler step (``backend="triton"``; the driver is
+:mod:`blockdiff.sampler.tp.step`, the oracle :mod:`blockdiff.sampler.tp.reference`).
 
 A rank's statistics over its vocabulary shard ``[vocab_start, vocab_end)`` need two things the single-GPU
-statistics kernel of :mod:`blockdiff.sampler.triton.kernels` does not expose: the Gumbel noise and the ids at
-the GLOBAL token id (a vocabulary offset), and the raw online-softmax accumulators ``(m, s, u)`` rather than the
+statistics kernel of :mod:`blockdiff.sampler.triton.stats` does not expose: the Gumbel noise and the ids at the
+GLOBAL token id (a vocabulary offset), and the raw online-softmax accumulators ``(m, s, u)`` rather than the
 finished entropy. :func:`_shard_stats_kernel` is that kernel: one program per (canvas position, split of the
 shard) streams the shard once in ``[BLOCK_G, 4]`` tiles aligned to the global Philox token groups (group
-``id >> 2``, word ``id & 3``, the Philox rounds of ``triton_sampler._philox4x32_10``, so the noise equals
-:func:`blockdiff.sampler.rng.gumbel_noise` bit for bit on CUDA) and keeps in float32 registers
+``id >> 2``, word ``id & 3``, the Philox rounds of :func:`blockdiff.sampler.triton.common.philox4x32_10`, so the
+noise equals :func:`blockdiff.sampler.rng.gumbel_noise` bit for bit on CUDA) and keeps in float32 registers
 ``m = max z``, ``s = sum exp(z - m)``, ``u = sum exp(z - m)(z - m)`` (rescaled when the max moves), the first
 argmax of z, the Gumbel-max candidate and a non-finite flag; splits are merged exactly in torch.
 
-The soft-embedding partial is the fused split-K GEMM :func:`blockdiff.sampler.triton.kernels.soft_embedding`
-run on the shard with the shard's own ``(m, 1 / s)`` and local argmax (locally normalised partial; the TP combine
-rescales it per position). Memory: ``N * CL * SPLIT_V * 32`` bytes of split stats and the GEMM workspace; no
-[N, CL, V] temporary. No host sync: capturable in a CUDA graph.
+The soft-embedding partial is :func:`blockdiff.sampler.triton.soft_embedding.soft_embedding` (the path
+``SamplerConfig.soft_impl`` selects: the split-K Triton GEMM or the chunked cuBLAS product) run on the shard with
+the shard's own ``(m, 1 / s)`` and local argmax (locally normalised partial; the TP combine rescales it per
+position). Memory: ``N * CL * SPLIT_V * 32`` bytes of split stats and the soft-embedding workspace; no [N, CL, V]
+temporary. No host sync: capturable in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -21,8 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import F_ARGMAX, F_BAD, F_GID, F_GVAL, F_MAX, F_SUM, F_U, NUM_FIELDS, LocalStats, VocabShard
-from ..triton.kernels import _FLT_LOWEST, SamplerConfig, _philox4x32_10, soft_embedding
+from ..triton.common import FLT_LOWEST, philox4x32_10
+from ..triton.config import SamplerConfig
+from ..triton.soft_embedding import soft_embedding
+from .common import LocalStats, VocabShard
 
 __all__ = ["local_statistics_triton", "soft_partial_triton"]
 
@@ -64,7 +68,7 @@ def _shard_stats_kernel(
     lo = tl.maximum(start, VS)
     hi = tl.minimum(VE, start + CHUNK)
 
-    m = _FLT_LOWEST                                              # lowest finite float32: <= every finite z
+    m = FLT_LOWEST                                              # lowest finite float32: <= every finite z
     s = 0.0
     u = 0.0
     best = -float("inf")
@@ -93,7 +97,7 @@ def _shard_stats_kernel(
         take = tmax > best
         best_i = tl.where(take, ti, best_i)
         best = tl.where(take, tmax, best)
-        w0, w1, w2, w3 = _philox4x32_10(grp.to(tl.uint32), tl.zeros_like(grp).to(tl.uint32) + c1,
+        w0, w1, w2, w3 = philox4x32_10(grp.to(tl.uint32), tl.zeros_like(grp).to(tl.uint32) + c1,
                                         tl.zeros_like(grp).to(tl.uint32) + c2, tl.zeros_like(grp).to(tl.uint32) + c3,
                                         k0, k1)
         jj = j[None, :]
@@ -121,8 +125,8 @@ def _shard_stats_kernel(
 def local_statistics_triton(logits: torch.Tensor, T: torch.Tensor, seed: torch.Tensor, request_id: torch.Tensor,
                             canvas_index: torch.Tensor, step: torch.Tensor, active: torch.Tensor,
                             shard: VocabShard, config: SamplerConfig | None = None) -> LocalStats:
-    """Streaming local pass of one shard: :class:`blockdiff.sampler.tp.LocalStats` (same fields as the torch
-    :func:`blockdiff.sampler.tp.local_statistics`).
+    """Streaming local pass of one shard: :class:`blockdiff.sampler.tp.common.LocalStats` (same fields as the torch
+    :func:`blockdiff.sampler.tp.reference.local_statistics`).
 
     Args:
         logits: float [N, CL, shard.size] (last dim contiguous; fp32/bf16/fp16). T: float32 [N] (0 = greedy).
@@ -131,15 +135,8 @@ def local_statistics_triton(logits: torch.Tensor, T: torch.Tensor, seed: torch.T
     """
     N, CL, Vs = logits.shape
     dev = logits.device
-    V = shard.vocab_size
-    packed = torch.zeros(N, CL, NUM_FIELDS, dtype=torch.float64, device=dev)
     if Vs == 0 or N * CL == 0:
-        packed[..., F_MAX] = float("-inf")
-        packed[..., F_GVAL] = float("-inf")
-        packed[..., F_ARGMAX] = V
-        packed[..., F_GID] = V
-        zf = torch.zeros(N, CL, dtype=torch.float32, device=dev)
-        return LocalStats(packed, zf, zf, torch.zeros(N, CL, dtype=torch.int64, device=dev))
+        return LocalStats.empty(N, CL, shard.vocab_size, dev)
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     cfg = (config or SamplerConfig()).resolve(N * CL, Vs, 1, dev)
@@ -177,8 +174,9 @@ def local_statistics_triton(logits: torch.Tensor, T: torch.Tensor, seed: torch.T
 
 def soft_partial_triton(logits: torch.Tensor, embedding: torch.Tensor, T: torch.Tensor, local: LocalStats,
                         active: torch.Tensor, config: SamplerConfig | None = None) -> torch.Tensor:
-    """Locally normalised soft partial ``p_r @ E_r`` float32 [N, CL, hidden] with the fused split-K GEMM of
-    :mod:`blockdiff.sampler.triton.kernels` (p rounded to E's dtype, fp32 accumulation); inactive rows 0."""
+    """Locally normalised soft partial ``p_r @ E_r`` float32 [N, CL, hidden] with
+    :func:`blockdiff.sampler.triton.soft_embedding.soft_embedding` (p rounded to E's dtype, fp32 accumulation);
+    inactive rows 0."""
     N, CL, Vs = logits.shape
     hidden = embedding.shape[-1]
     if Vs == 0 or N * CL == 0:

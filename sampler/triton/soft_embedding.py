@@ -1,79 +1,279 @@
-"""Chunked soft embedding of the fused sampler (``SamplerConfig(soft_impl="chunked")``): bf16 probabilities
-written once per vocabulary chunk by a Triton kernel, the product on cuBLAS.
+"""Stage (c) of the Triton sampler step: the self-conditioning soft embedding ``soft = softmax(z) @ E * sqrt(hidden)``
+for the M = N * CL canvas positions of a step, from the logits and the row statistics of stage (a)
+(:func:`blockdiff.sampler.triton.stats.row_stats`: ``m`` = max z, ``inv_s`` = 1 / sum exp(z - m)). Two paths
+(``SamplerConfig.soft_impl``; :func:`blockdiff.sampler.triton.config.default_soft_impl` picks one), both writing an
+fp32 workspace that :func:`write_soft` reduces into ``state.soft`` in place:
 
-``soft = softmax(z) @ E * sqrt(hidden)`` for the M = N * CL rows of a step, z = x / T, as an alternative to the
-split-K Triton GEMM of :mod:`blockdiff.sampler.triton.kernels` (whose A operand is recomputed from the logits in
-registers per column tile and, after the Triton 3.6 register-A wgmma hazard fix, waits for every wgmma). Here:
+``"triton_gemm"`` (:func:`soft_embedding`, :func:`_soft_embedding_kernel`): a split-K GEMM over the vocabulary,
+M = N * CL, N = hidden. Its A operand ``exp2((x / T - m) * log2e) * inv_s`` is computed on the fly from the fp32
+logits (an IEEE division, a subtraction, ex2 and a mul per element, recomputed once per column tile; z = x / T as
+in stage (a), so z - m does not cancel at small T) and rounded to E's dtype (bf16 wgmma, fp32 accumulation).
+Logits ([N * CL, V] view) and E are read through TMA tensor descriptors when their rows are 16-byte aligned
+(pointer loads otherwise). No [CL, V] probability buffer: partial sums go to a ``[SPLIT_K, N * CL, hidden]`` fp32
+workspace, and :func:`_soft_reduce_kernel` adds them in a fixed order (deterministic, batch invariant) and writes
+``state.soft`` rows (continuing rows: the sum; T = 0 rows: ``E[argmax]``, exact; fresh canvases: 0; others
+untouched). M tiles with no continuing row return at once. p is zeroed outside the split's vocabulary range and
+on skipped rows (TMA zero-fills x past V, and exp(0 - m) overflows for m < -88). Each iteration waits for its
+wgmma: the accumulator is used in the loop, so Triton makes the dot synchronous and stages the bf16 A tile in
+shared memory (an "SS" wgmma); left to itself, Triton 3.6 kept A in registers with wgmmas in flight while the
+next iteration overwrote them (a RAW hazard, NaN soft embeddings; triton-lang/triton#9433). TMA loads stay
+multi-buffered; the MMA of one CTA / warpgroup overlaps the exp2 of the others only.
 
-for each chunk ``[v0, v0 + Vc)`` of the vocabulary (Vc = 16384 for M = 1024: the buffer is <= 32 MiB):
-  1. :func:`_prob_chunk_kernel` writes ``P_c[r, j] = exp2((x / T - m) * log2e) * (1 / s)`` rounded to E's
-     dtype into one reusable buffer [M, Vc] (m, 1/s: the row max and sum of the stats pass, the same formula as
-     the Triton GEMM's A operand). P is 0 past V, on rows not computed (inactive / converged / failed requests:
-     whatever their logits hold, even NaN) and, unless ``greedy_onehot``, on T = 0 rows (their soft row is
-     gathered as ``E[argmax]`` exactly by the reduce kernel); with ``greedy_onehot`` T = 0 rows get one-hot(argmax).
-  2. ``acc = acc + P_c @ E_c`` with fp32 accumulation and fp32 output on cuBLAS:
-     ``torch.addmm(acc, P_c, E_c, out_dtype=torch.float32, out=acc)`` (the ``aten::addmm.dtype`` overload; on the
-     H200 with torch 2.11.0+cu130 it runs in place at 676 TFLOP/s for a 1024 x 16384 x 2816 chunk, error vs an
-     fp32 product 2.7e-4 on unit-scale data: fp32 accumulation). torch 2.13's CPU build has no CPU kernel for
-     ``mm.dtype`` / ``addmm.dtype`` ("Could not run 'aten::addmm.dtype' with arguments from the 'CPU' backend"),
-     so on the CPU (tests, Triton interpreter) P is kept in fp32 holding bf16-rounded values and the product is
-     an fp32 ``addmm`` of the upcast chunk (the same products, fp32 sums). A bf16-output matmul is never used:
-     it would round every chunk's partial sum to bf16.
-  3. the caller's reduce kernel writes ``state.soft[slot] = acc * sqrt(hidden)`` in place (``acc`` is returned as a
-     [1, M, hidden] workspace, the shape of the split-K workspace with SPLIT_K = 1).
+``"chunked"`` (:func:`soft_embedding_chunked`): for each chunk ``[v0, v0 + Vc)`` of the vocabulary (the buffer
+``[M, Vc]`` stays <= :data:`MAX_CHUNK_BYTES`):
 
-Ordering (default): one stream, one buffer: the P kernel of chunk c + 1 waits for the GEMM of chunk c.
-``overlap=True`` (``SamplerConfig.soft_overlap``): two half-size buffers, P of chunk c + 1 on a side stream during
-the GEMM of chunk c (fork / join with events; CUDA-graph capture tested). On the H200 it did NOT pay off for the
-soft part alone (graph 2.91 ms at Vc 8192, 2.79 ms at Vc 4096, vs 2.49 ms without; eager 3.3-6.3 ms: the
-stream / event traffic and the smaller GEMMs cost more than the ~0.3 ms of P writes hidden, since cuBLAS already
-fills the SMs), while a full step measured 3.72 vs 3.86 ms graph in the same run (within run-to-run noise), so it
-stays off by default. Vc 32768 (64 MiB buffer, over the budget) gave 2.47 ms: chunking costs ~nothing. No host
-sync, fixed buffer shapes (all from static shapes): capturable in a CUDA graph.
+1. :func:`_prob_chunk_kernel` writes ``P_c[r, j] = exp2((x / T - m) * log2e) * inv_s`` rounded to E's dtype into
+   one reusable buffer [M, Vc] (the same formula as the Triton GEMM's A operand). P is 0 past V, on rows not
+   computed (inactive / converged / failed requests: whatever their logits hold, even NaN) and, unless
+   ``greedy_onehot``, on T = 0 rows (their soft row is gathered as ``E[argmax]`` exactly by the reduce kernel);
+   with ``greedy_onehot`` T = 0 rows get one-hot(argmax).
+2. ``acc = acc + P_c @ E_c`` with fp32 accumulation and fp32 output on cuBLAS:
+   ``torch.addmm(acc, P_c, E_c, out_dtype=torch.float32, out=acc)`` (the ``aten::addmm.dtype`` overload, in
+   place). torch's CPU build has no CPU kernel for ``addmm.dtype``, so on the CPU (tests, Triton interpreter) P is
+   kept in fp32 holding E-dtype-rounded values and the product is an fp32 ``addmm`` of the upcast chunk (the same
+   products, fp32 sums). A bf16-output matmul is never used: it would round every chunk's partial sum to bf16.
+3. :func:`write_soft` writes ``state.soft[slot] = acc * sqrt(hidden)`` (``acc`` is returned as a [1, M, hidden]
+   workspace, the shape of the split-K workspace with SPLIT_K = 1).
 
-Cost model for sampler_n4 (M = 1024, V = 262144, hidden 2816, H200 4.3 TB/s, ~790 TFLOP/s bf16):
-  - P writes read the 1.07 GB of fp32 logits a second time (+0.25 ms) and write 0.54 GB of bf16 that the GEMM reads
-    back (+0.25 ms): ~0.5 ms.
-  - GEMM: 2 * 1024 * 262144 * 2816 = 1.51 TFLOP (all rows: cuBLAS cannot skip the greedy / finished requests' rows
-    without data-dependent shapes; their P rows are zero) at the measured 676 TFLOP/s -> 2.24 ms (16 chunks, same
-    rate as one 2.31 ms full-K product).
-  - so the soft part ~2.7-2.8 ms vs ~3.6 ms for the Triton GEMM, and the step ~1.25 (stats) + ~0.15 (decisions)
-    + ~2.75 = ~4.1-4.2 ms. That still MISSES the 0.5x target (3.67 ms vs compile 7.35 ms) by ~0.5 ms: the GEMM
-    alone at ~2.2 ms plus the compute-bound stats pass at 1.25 ms leave ~0.2 ms for everything else. Closing it
-    needs overlapping the P pass with the GEMM (the GEMM is tensor-core bound, the P pass HBM/MUFU bound: ~0.5 ms
-    to hide) and the exact Gumbel tile skip in the stats pass (triton_sampler docstring), or fusing the P write
-    into the stats pass (needs the final row max: a second pass anyway).
+Ordering: one stream, one buffer: the P kernel of chunk c + 1 waits for the GEMM of chunk c. ``overlap=True``
+(``SamplerConfig.soft_overlap``): two half-size buffers, P of chunk c + 1 on a side stream during the GEMM of chunk
+c (fork / join with events; CUDA-graph capture tested); off by default (no gain while cuBLAS fills the SMs). No
+host sync, fixed buffer shapes (all from static shapes): capturable in a CUDA graph. The GEMM runs over all rows
+(cuBLAS cannot skip the greedy / finished requests' rows without data-dependent shapes; their P rows are zero).
 
-Measured later (H200, same tools, bench/results/sampler-h200.json at 8b669b3 and sampler_overlap-h200.json at
-116da61): with the stats kernel's greedy skip (stats 1.03 ms), the default step is 3.683 / 3.644 ms against
-torch.compile's 7.350 / 7.321 ms in the same runs: 0.501x / 0.498x. ``SamplerConfig(stats_overlap=True)``
-(normalisers from a 0.25 ms memory-bound pre-pass, GEMMs on a high-priority side stream beside the stats pass)
-measured 3.88 / 3.87 ms: no overlap happens, since cuBLAS's GEMMs hold every SM (an SM carveout of 16 or 33 SMs
-for the GEMMs changed nothing: 3.88 / 3.89 ms), so the pre-pass is pure cost. It stays off.
-
-Latest (H200, bench/results/sampler-h200.json at 857ded9): with the bookkeeping in one Triton step kernel (260 ->
-56 kernels per step) and the stats pass's exact Gumbel prefilter (stats 0.80 ms), the default step is 3.335 ms
-against torch.compile's 7.352 ms: 0.454x. Of it, the 16 cuBLAS GEMMs take 1.95 ms (~775 TFLOP/s) and the 16 P
-chunks 0.42 ms (~3.8 TB/s of logits read + P written): both at their ceilings, so what is left is the second
-read of the logits (the P pass needs the final row max) and the stats pass's ALU work.
-
-Measured (H200, torch 2.11.0+cu130, triton 3.6, bench_sampler sampler_n4, CUDA-graph medians, same run):
-soft part alone 2.49-2.53 ms (~600 TFLOP/s effective) vs 4.67 ms for the split-K Triton GEMM (after its wgmma-wait fix);
-full step fused[chunked] 3.86-3.94 ms vs fused (triton_gemm) 5.86 ms; extra memory 45.2 MB (<= 64 MiB). Against the
-historical compile anchor 7.35 ms that is 0.54x: the 0.5x target (3.67 ms) is still missed by ~0.27 ms.
-
-Extra memory: the P buffer (<= 32 MiB; fp32 on the CPU) + acc [M, hidden] fp32 (11.5 MB for sampler_n4).
+Extra memory: split-K workspace ``SPLIT_K * N * CL * hidden * 4`` bytes (34.6 MB for sampler_n4 at SPLIT_K = 3);
+chunked: the P buffer (<= 32 MiB; fp32 on the CPU) + acc [M, hidden] fp32 (11.5 MB for sampler_n4).
+Semantics: docs/ARCHITECTURE.md "Sampler semantics", rule 7.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .kernels import _interpret, _round_to
+from ..state import SamplerState
+from .common import interpret_mode, round_to, side_stream
+from .config import SamplerConfig
 
-__all__ = ["soft_embedding_chunked", "chunk_size", "MAX_CHUNK_BYTES"]
+__all__ = ["soft_embedding", "soft_embedding_chunked", "write_soft", "chunk_size", "MAX_CHUNK_BYTES"]
 
+
+# ---------------------------------------------------------------------------------------------- split-K GEMM
+@triton.jit
+def _soft_embedding_kernel(
+    x_ptr, stride_xn, stride_xp,
+    e_ptr, stride_ev, stride_eh,
+    x_desc, e_desc,
+    ws_ptr,
+    t_ptr, active_ptr, m_ptr, inv_s_ptr, amax_ptr,
+    M, CL, V, HID, UNIT,
+    K_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EXACT_FP32: tl.constexpr, INTERPRET: tl.constexpr, USE_TMA: tl.constexpr, GREEDY_ONEHOT: tl.constexpr,
+):
+    """Grid (cdiv(M, BM), cdiv(HID, BN), SPLIT_K). ws[split, row, col] = sum_{v in split} p[row, v] E[v, col].
+
+    USE_TMA: logits viewed as [M, V] and E [V, HID] are read through tensor descriptors (TMA on Hopper; no
+    per-element 64-bit address registers, which spill at 128 x 256 tiles); else masked pointer loads.
+    GREEDY_ONEHOT: T = 0 rows use p = one-hot(argmax) here; else they are skipped (the reduce kernel gathers
+    E[argmax] for them, cheaper and exact).
+    """
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < M
+    n = rows // CL
+    p = rows % CL
+    act = tl.load(active_ptr + n, mask=rmask, other=0)
+    T = tl.load(t_ptr + n, mask=rmask, other=0.0)
+    greedy = T == 0.0
+    if GREEDY_ONEHOT:
+        rvalid = rmask & (act != 0)
+    else:
+        rvalid = rmask & (act != 0) & (T != 0.0)       # T = 0 rows: E[argmax] gathered by the reduce kernel
+    if tl.max(rvalid.to(tl.int32), 0) == 0:
+        return
+    # p = exp(z - m) / s = exp2((z - m) * log2e) * inv_s with z = x / T rounded as in the stats pass and the
+    # reference (IEEE division): z - m is exact for the entries that matter, whatever T
+    # (exp2(x * log2e / T - m log2e) would cancel two values of size |x| / T).
+    # Rows not computed: T -> 1, m = inv_s = 0, and p is zeroed below.
+    tdiv = tl.where(rvalid & ~greedy, T, 1.0)
+    mrow = tl.load(m_ptr + rows, mask=rvalid, other=0.0)
+    inv_s = tl.load(inv_s_ptr + rows, mask=rvalid, other=0.0)
+    amax = tl.load(amax_ptr + rows, mask=rvalid, other=-1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < HID
+    kk = tl.arange(0, BLOCK_K)
+    xrow = x_ptr + n.to(tl.int64) * stride_xn + p.to(tl.int64) * stride_xp      # [BM] row bases
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_start = pid_k * K_PER_SPLIT
+    k_end = tl.minimum(V, k_start + K_PER_SPLIT)
+    for k in range(0, K_PER_SPLIT, BLOCK_K):
+        if USE_TMA:
+            # no masks: K_PER_SPLIT is a multiple of BLOCK_K, so a tile never straddles two splits, and past V
+            # both x (-> finite p) and E (-> 0) come back as zeros
+            x = x_desc.load([pid_m * BLOCK_M, k_start + k]).to(tl.float32)
+            prob = tl.exp2((tl.math.div_rn(x, tdiv[:, None]) - mrow[:, None]) * 1.4426950408889634) * inv_s[:, None]
+            ev = e_desc.load([k_start + k, pid_n * BLOCK_N])
+            if GREEDY_ONEHOT:
+                onehot = ((k_start + k + kk)[None, :] == amax[:, None]).to(tl.float32)
+                prob = tl.where(greedy[:, None], onehot, prob)
+            # p = 0 outside [k_start, k_end) and on rows not computed, whatever x is there: past V the zero-filled
+            # x gives p = exp(-m) / s, which overflows to inf for rows with m < -88 (inf * 0 = NaN in the dot),
+            # and garbage / non-finite logits of skipped rows would put NaN in their workspace rows
+            prob = tl.where(rvalid[:, None] & ((k_start + k + kk) < k_end)[None, :], prob, 0.0)
+        else:
+            tok = k_start + k + kk
+            kmask = tok < k_end
+            lmask = rvalid[:, None] & kmask[None, :]
+            x = tl.load(xrow[:, None] + tok[None, :], mask=lmask, other=0.0).to(tl.float32)
+            prob = tl.exp2((tl.math.div_rn(x, tdiv[:, None]) - mrow[:, None]) * 1.4426950408889634) * inv_s[:, None]
+            if GREEDY_ONEHOT:
+                prob = tl.where(greedy[:, None], (tok[None, :] == amax[:, None]).to(tl.float32), prob)
+            prob = tl.where(lmask, prob, 0.0)
+            ev = tl.load(e_ptr + tok[:, None].to(tl.int64) * stride_ev + cols[None, :] * stride_eh,
+                         mask=kmask[:, None] & cmask[None, :], other=0.0)
+        if EXACT_FP32:
+            acc += tl.dot(prob, ev.to(tl.float32), input_precision="ieee")
+        elif INTERPRET:  # the interpreter truncates fp32 -> bf16 and multiplies bf16 as raw bits: round by hand
+            acc += tl.dot(round_to(prob, ev.dtype), ev.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(prob.to(ev.dtype), ev)
+            # UNIT = 1.0 at run time (exact). Using the accumulator inside the loop makes Triton's pipeliner wait
+            # for this wgmma (wait_group 0; A then goes through shared memory) before the next iteration writes
+            # the next A operand: Triton 3.6 otherwise splits the register-A dot into K = 16 wgmmas with 3 left in
+            # flight, and the next iteration's loads/exp2 overwrite their A registers while they still read them
+            # (a RAW hazard: garbage A fragments, NaN soft embeddings at 128 x 256 tiles; triton-lang/triton#9433).
+            acc = acc * UNIT
+    out = ws_ptr + (pid_k.to(tl.int64) * M + rows[:, None].to(tl.int64)) * HID + cols[None, :]
+    tl.store(out, acc, mask=rmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _soft_reduce_kernel(
+    ws_ptr, soft_ptr, slots_ptr, mode_ptr, amax_ptr, e_ptr, stride_ev, stride_eh,
+    M, CL, HID, SCALE,
+    SPLIT_K: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """Grid (M, cdiv(HID, BH)). Per row n, mode[n]: 1 -> soft[slot] = SCALE * sum_k ws[k] (fixed order),
+    3 -> soft[slot] = SCALE * E[argmax] (T = 0: p is one-hot), 2 -> 0 (fresh canvas), 0 -> untouched."""
+    row = tl.program_id(0)
+    hb = tl.program_id(1)
+    n = row // CL
+    p = row % CL
+    mode = tl.load(mode_ptr + n)
+    if mode == 0:
+        return
+    cols = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    cmask = cols < HID
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    if mode == 1:
+        for k in tl.static_range(SPLIT_K):
+            acc += tl.load(ws_ptr + (k * M + row).to(tl.int64) * HID + cols, mask=cmask, other=0.0)
+        acc = acc * SCALE
+    if mode == 3:
+        tok = tl.load(amax_ptr + row).to(tl.int64)
+        acc = tl.load(e_ptr + tok * stride_ev + cols * stride_eh, mask=cmask, other=0.0).to(tl.float32) * SCALE
+    slot = tl.load(slots_ptr + n)
+    tl.store(soft_ptr + (slot * CL + p).to(tl.int64) * HID + cols, acc, mask=cmask)
+
+
+def soft_embedding(logits: torch.Tensor, embedding: torch.Tensor, T: torch.Tensor, m: torch.Tensor,
+                   inv_s: torch.Tensor, argmax: torch.Tensor, active: torch.Tensor,
+                   config: SamplerConfig | None = None, greedy_onehot: bool = True) -> torch.Tensor:
+    """Stage (c) partial sums: fp32 workspace ``[SPLIT_K, N * CL, hidden]`` of ``p @ E`` (unscaled).
+
+    The path is ``config.soft_impl_for(device, E dtype)``: ``"triton_gemm"`` the split-K :func:`_soft_embedding_kernel`
+    here, ``"chunked"`` :func:`soft_embedding_chunked` (workspace [1, N * CL, hidden]; inactive rows 0).
+
+    ``p = exp(logits / T - m) * inv_s`` (one-hot(argmax) where T = 0), rows of inactive requests skipped (their
+    workspace rows are left unwritten). Args: logits [N, CL, V]; embedding [V, hidden] (bf16/fp16: p is rounded
+    to it, fp32 accumulation; fp32: exact fp32 products); T [N] float32; m, inv_s float32 [N, CL]; argmax int
+    [N, CL]; active [N] bool/int32.
+    """
+    N, CL, V = logits.shape
+    hidden = embedding.shape[1]
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    cfg = config or SamplerConfig()
+    if cfg.soft_impl_for(logits.device, embedding.dtype) == "chunked":
+        return soft_embedding_chunked(logits, embedding, T, m, inv_s, argmax, active, chunk=cfg.soft_chunk,
+                                      greedy_onehot=greedy_onehot, overlap=bool(cfg.soft_overlap))
+    cfg = cfg.resolve(N * CL, V, hidden, logits.device, embedding.dtype)   # fp32 E: the exact-products tiles
+    M = N * CL
+    k_per = triton.cdiv(triton.cdiv(V, cfg.split_k), cfg.block_k) * cfg.block_k
+    split_k = triton.cdiv(V, k_per)
+    ws = torch.empty(split_k, M, hidden, dtype=torch.float32, device=logits.device)
+    if M > 0:
+        grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(hidden, cfg.block_n), split_k)
+        x_desc = e_desc = None
+        use_tma = _tma_ok(logits, embedding, cfg)
+        if use_tma:
+            x_desc = TensorDescriptor.from_tensor(logits.view(M, V), [cfg.block_m, cfg.block_k])
+            e_desc = TensorDescriptor.from_tensor(embedding, [cfg.block_k, cfg.block_n])
+        args = (logits, logits.stride(0), logits.stride(1), embedding, embedding.stride(0), embedding.stride(1),
+                x_desc, e_desc, ws,
+                T.contiguous(), active.to(torch.int32).contiguous(), m.contiguous(), inv_s.contiguous(),
+                argmax.to(torch.int32).contiguous(), M, CL, V, hidden, 1.0)
+        meta = dict(K_PER_SPLIT=k_per, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                    EXACT_FP32=embedding.dtype == torch.float32, INTERPRET=interpret_mode(), USE_TMA=use_tma,
+                    GREEDY_ONEHOT=greedy_onehot,
+                    num_warps=cfg.gemm_warps)
+        key = (cfg.block_m, cfg.block_n, cfg.block_k, cfg.gemm_warps, cfg.gemm_stages, embedding.dtype, use_tma,
+               greedy_onehot)
+        stages = _STAGES_THAT_FIT.get(key, cfg.gemm_stages)
+        while True:
+            try:
+                _soft_embedding_kernel[grid](*args, **meta, num_stages=stages)
+                break
+            except triton.runtime.errors.OutOfResources:
+                # shared memory of the software pipeline: same kernel with one buffer less (same results)
+                if stages <= 1:
+                    raise
+                stages -= 1
+        _STAGES_THAT_FIT[key] = stages
+    return ws
+
+
+def _tma_ok(logits: torch.Tensor, embedding: torch.Tensor, cfg: SamplerConfig) -> bool:
+    """Tensor descriptors apply: logits viewable as a row-major [N*CL, V], E row-major, 16-byte aligned rows and
+    bases (TMA's rules), and the config allows it (``use_tma`` None = wherever it applies, the interpreter too)."""
+    if cfg.use_tma is False:
+        return False
+    N, CL, V = logits.shape
+    ok = (logits.stride(2) == 1 and logits.stride(1) == V and logits.stride(0) == CL * V
+          and embedding.stride(1) == 1 and embedding.stride(0) == embedding.shape[1]
+          and (V * logits.element_size()) % 16 == 0 and (embedding.shape[1] * embedding.element_size()) % 16 == 0
+          and logits.data_ptr() % 16 == 0 and embedding.data_ptr() % 16 == 0)
+    if cfg.use_tma and not ok:
+        raise ValueError("SamplerConfig(use_tma=True) needs row-major logits/E with 16-byte aligned rows")
+    return ok
+
+
+#: Pipeline depth that fitted in shared memory per GEMM tile configuration (filled at the first launch).
+_STAGES_THAT_FIT: dict = {}
+
+
+def write_soft(state: SamplerState, slots: torch.Tensor, ws: torch.Tensor, mode: torch.Tensor,
+               argmax: torch.Tensor, embedding: torch.Tensor) -> None:
+    """Write ``state.soft[slots]`` in place from a workspace ``ws`` [SPLIT_K, N * CL, hidden] (fp32), one launch of
+    :func:`_soft_reduce_kernel`. ``mode`` int32 [N] per row (the step kernel's output): 1 = the workspace sum times
+    ``sqrt(hidden)``, 3 = ``E[argmax] * sqrt(hidden)`` (T = 0, exact), 2 = zeros (fresh canvas), 0 = untouched."""
+    split_k, M, hidden = ws.shape
+    CL = state.canvas_length
+    block_h = min(1024, triton.next_power_of_2(hidden))
+    if M > 0:
+        _soft_reduce_kernel[(M, triton.cdiv(hidden, block_h))](
+            ws, state.soft, slots.contiguous(), mode.to(torch.int32).contiguous(), argmax.contiguous(),
+            embedding, embedding.stride(0), embedding.stride(1), M, CL, hidden,
+            math.sqrt(hidden), SPLIT_K=split_k, BLOCK_H=block_h, num_warps=4,
+        )
+
+
+# ---------------------------------------------------------------------------------------------- chunked
 #: Upper bound of the bf16 probability buffer [M, Vc] in bytes.
 MAX_CHUNK_BYTES = 32 * 2**20
 
@@ -100,8 +300,8 @@ def _prob_chunk_kernel(
         rvalid = rmask & act & ~greedy
     soft_rows = rvalid & ~greedy
     # z = x / T rounded as the stats pass and the reference compute it, then exp(z - m): z - m is exact for
-    # the entries that matter (Sterbenz), whatever T. (exp2(x * log2e / T - m log2e) cancels two values of size
-    # |x| / T: at T = 1e-5 its exponent was off by ~1, at T <= 1e-8 p overflowed.)
+    # the entries that matter (Sterbenz), whatever T (exp2(x * log2e / T - m log2e) would cancel two values of
+    # size |x| / T).
     tdiv = tl.where(soft_rows, T, 1.0)
     mrow = tl.load(m_ptr + rows, mask=soft_rows, other=0.0)
     inv_s = tl.load(inv_s_ptr + rows, mask=soft_rows, other=0.0)
@@ -117,14 +317,14 @@ def _prob_chunk_kernel(
         onehot = (tok[None, :] == amax[:, None]) & (rvalid & greedy)[:, None]
         prob = tl.where(onehot, 1.0, prob)
     if ROUND_TO is not None:                 # CPU: fp32 buffer holding E-dtype-rounded values
-        prob = _round_to(prob, ROUND_TO)
+        prob = round_to(prob, ROUND_TO)
     omask = rmask[:, None] & (j < VC)[None, :]
     tl.store(p_ptr + rows[:, None].to(tl.int64) * VC + j[None, :], prob.to(p_ptr.dtype.element_ty), mask=omask)
 
 
 def chunk_size(M: int, V: int, requested: int | None = None, itemsize: int = 2) -> int:
-    """Vocabulary chunk Vc: ``requested`` (clipped to V), else the largest power of two <= 16384... such that the
-    [M, Vc] buffer of ``itemsize``-byte elements fits :data:`MAX_CHUNK_BYTES` (at least 64), clipped to V.
+    """Vocabulary chunk Vc: ``requested`` (clipped to V), else the largest power of two in [64, 65536] such that the
+    [M, Vc] buffer of ``itemsize``-byte elements fits :data:`MAX_CHUNK_BYTES` (64 if none does), clipped to V.
 
     Raises:
         ValueError: ``requested`` < 1.
@@ -137,18 +337,6 @@ def chunk_size(M: int, V: int, requested: int | None = None, itemsize: int = 2) 
     while vc * 2 * max(M, 1) * itemsize <= MAX_CHUNK_BYTES and vc * 2 <= 65536:
         vc *= 2
     return max(1, min(vc, V))
-
-
-_SIDE_STREAMS: dict = {}
-
-
-def _side_stream(device: torch.device, priority: int = 0) -> "torch.cuda.Stream":
-    """One cached side stream per (device, priority): priority 0 writes the P chunks here (``overlap``);
-    priority -1 (high) runs ``SamplerConfig.stats_overlap``'s soft embedding, so the two never coincide."""
-    key = (device.index if device.index is not None else torch.cuda.current_device(), priority)
-    if key not in _SIDE_STREAMS:
-        _SIDE_STREAMS[key] = torch.cuda.Stream(device=device, priority=priority)
-    return _SIDE_STREAMS[key]
 
 
 def soft_embedding_chunked(logits: torch.Tensor, embedding: torch.Tensor, T: torch.Tensor, m: torch.Tensor,
@@ -193,17 +381,18 @@ def soft_embedding_chunked(logits: torch.Tensor, embedding: torch.Tensor, T: tor
         return acc
     pbufs = [torch.empty(M, vc, dtype=buf_dtype, device=dev) for _ in range(2 if overlap else 1)]
     a2 = acc[0]
+    # GPU: 4 rows x 1024 tokens per program; interpreter: tiles sized to the problem
     block_r, block_v = (4, 1024) if cuda else (min(32, triton.next_power_of_2(M)), min(64, triton.next_power_of_2(vc)))
-    round_to = None
+    round_dtype = None
     if not cuda and lowp:
-        round_to = tl.bfloat16 if embedding.dtype == torch.bfloat16 else tl.float16
+        round_dtype = tl.bfloat16 if embedding.dtype == torch.bfloat16 else tl.float16
     args = (T.contiguous(), active.to(torch.int32).contiguous(), m.contiguous(), inv_s.contiguous(),
             argmax.to(torch.int32).contiguous())
     grid = (triton.cdiv(M, block_r), triton.cdiv(vc, block_v))
 
     def write_p(pbuf, v0):
         _prob_chunk_kernel[grid](logits, logits.stride(0), logits.stride(1), pbuf, *args, M, CL, V, v0, vc,
-                                 GREEDY_ONEHOT=greedy_onehot, ROUND_TO=round_to, BLOCK_R=block_r, BLOCK_V=block_v,
+                                 GREEDY_ONEHOT=greedy_onehot, ROUND_TO=round_dtype, BLOCK_R=block_r, BLOCK_V=block_v,
                                  num_warps=4)
 
     def gemm(pbuf, v0):
@@ -222,7 +411,7 @@ def soft_embedding_chunked(logits: torch.Tensor, embedding: torch.Tensor, T: tor
             gemm(pbufs[0], v0)
         return acc
     main = torch.cuda.current_stream(dev)
-    side = _side_stream(dev)
+    side = side_stream(dev)
     p_ready = [torch.cuda.Event(), torch.cuda.Event()]
     p_free = [torch.cuda.Event(), torch.cuda.Event()]
     side.wait_stream(main)                    # fork: stats, acc = 0 and the logits are ready

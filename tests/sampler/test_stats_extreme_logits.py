@@ -13,7 +13,8 @@ from blockdiff.sampler import sampler_step
 from blockdiff.sampler.reference import entropy_reference
 from blockdiff.sampler.tp import local_statistics, make_shards
 from blockdiff.sampler.tp.triton import local_statistics_triton
-from blockdiff.sampler.triton.kernels import SamplerConfig, row_stats
+from blockdiff.sampler.triton.config import SamplerConfig
+from blockdiff.sampler.triton.stats import row_stats
 
 from sampler_helpers import P, make_state, start_denoise
 
@@ -67,7 +68,7 @@ def test_extreme_finite_logits_do_not_fail_the_request():
 
 
 def test_extreme_finite_logits_keep_the_reference_entropy_in_the_tp_shard_pass():
-    """The tensor-parallel shard kernel (tp_triton) runs the same streaming softmax."""
+    """The tensor-parallel shard kernel (blockdiff.sampler.tp.triton) runs the same streaming softmax."""
     g = torch.Generator().manual_seed(3)
     V = 64
     x = _extreme(V, g)

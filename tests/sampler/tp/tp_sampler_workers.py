@@ -7,7 +7,6 @@ boundary, a request that converges (-> COMMIT -> emission -> a fresh canvas) and
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
@@ -107,7 +106,8 @@ def compare_step(o_ref, o_tp, st_ref, st_tp, *, soft_oracle=None, slots=None, en
             err_ref = float((st_ref.soft[sl].double() - ora).abs().max())
             err_tp = float((st_tp.soft[sl].double() - ora).abs().max())
             scale = float(ora.abs().max())
-            # DEVELOPERS.md: error <= 2x that of the same-precision eager computation + representation tolerance
+            # docs/ARCHITECTURE.md "Test discipline": error <= 2x that of the same-precision eager computation
+            # + representation tolerance
             assert err_tp <= 2 * err_ref + 1e-6 * scale + 1e-7, f"{what}: soft error {err_tp} vs reference {err_ref}"
     return ent_diff, err_ref, err_tp
 

@@ -1,8 +1,11 @@
-"""Chunked soft embedding (SamplerConfig(soft_impl="chunked"), blockdiff.sampler.triton.soft_embedding) vs the reference.
+"""Stage (c) of the Triton sampler (blockdiff.sampler.triton.soft_embedding) vs the reference: the split-K Triton
+GEMM (``soft_impl="triton_gemm"``) and the chunked path (``soft_impl="chunked"``).
 
-CPU: Triton interpreter for the probability-chunk kernel, fp32 matmul of the bf16-rounded chunk. Chunk sizes that
-divide V, that do not, of 1 token and larger than V; T = 0 rows; skipped (converged / failed / inactive) rows with
-NaN logits; NaN-poisoned state.soft; batch invariance; decisions identical to the default triton path.
+CPU: Triton interpreter for the GEMM and the probability-chunk kernel, fp32 matmul of the bf16-rounded chunk.
+Split-K counts, TMA and pointer loads, split tails past V; chunk sizes that divide V, that do not, of 1 token and
+larger than V; T = 0 rows; skipped (converged / failed / inactive) rows with NaN logits; NaN-poisoned state.soft;
+decisions identical to the default triton path; the GEMM's sm_90a wgmma wait (offline compile). Batch invariance
+of both paths: test_triton_sampler.py.
 """
 import math
 
@@ -10,24 +13,135 @@ import pytest
 import torch
 
 from blockdiff.sampler import FAILED, SamplerState, SamplingParams, sampler_step
-from blockdiff.sampler.triton import kernels as ts
-from blockdiff.sampler.triton.soft_embedding import MAX_CHUNK_BYTES, chunk_size, soft_embedding_chunked
-from blockdiff.sampler.triton.kernels import SamplerConfig, row_stats, soft_embedding
-
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-STATE_FIELDS = ("phase", "canvas", "commit_canvas", "prev_argmax", "stable_count", "step", "canvas_index",
-                "num_emitted")
-DECISIONS = ("accepted", "argmax", "sampled", "next_canvas", "converged", "failed", "finished", "emitted",
-             "num_emitted_now", "num_sampled", "num_rejected", "temperature")
+from blockdiff.sampler import triton as ts
+from blockdiff.sampler.triton.config import SamplerConfig
+from blockdiff.sampler.triton.soft_embedding import MAX_CHUNK_BYTES, chunk_size, soft_embedding, soft_embedding_chunked
+from blockdiff.sampler.triton.stats import row_stats
+from triton_sampler_helpers import DECISIONS, DEV, STATE_FIELDS, big_case, mk_state, soft_truth
 
 
-def _mk_state(specs, CL, V, H, R=6, device=DEV):
-    st = SamplerState(R, CL, V, H, device=device)
-    for slot, rid, p in specs:
-        st.add_request(slot, rid, p)
-    return st
+# ---------------------------------------------------------------------------------------------- split-K GEMM
+@pytest.mark.parametrize("edtype,split_k,use_tma", [(torch.bfloat16, 1, True), (torch.bfloat16, 3, False),
+                                                    (torch.bfloat16, 3, True), (torch.float32, 2, None)])
+def test_soft_embedding_within_twice_eager_error(edtype, split_k, use_tma):
+    g = torch.Generator().manual_seed(split_k)
+    N, CL, V, H = 2, 8, 200, 48
+    x = torch.randn(N, CL, V, generator=g) * 3
+    E = torch.randn(V, H, generator=g).to(edtype)
+    T = torch.tensor([0.7, 0.45])
+    z = torch.zeros(N, dtype=torch.int64)
+    act = torch.ones(N, dtype=torch.bool)
+    r = row_stats(x, T, z, z, z, z, act)
+    cfg = SamplerConfig(split_k=split_k, block_k=32, use_tma=use_tma)
+    ws = soft_embedding(x, E, T, r["m"], r["inv_s"], r["argmax"], act, cfg)
+    assert ws.shape[0] == split_k
+    ours = ws.sum(0).view(N, CL, H) * math.sqrt(H)
+    truth = soft_truth(x, T, E)
+    p = torch.softmax(x / T[:, None, None], -1)
+    eager = (p.to(edtype) @ E).float() * math.sqrt(H)
+    err, err_eager = (ours - truth).abs().max().item(), (eager - truth).abs().max().item()
+    tol = 1e-5 * truth.abs().max().item()
+    assert err <= 2 * err_eager + tol, (err, err_eager)
 
 
+@pytest.mark.parametrize("use_tma", [True, False])
+def test_soft_embedding_finite_when_split_tail_runs_past_vocab_with_very_negative_logits(use_tma):
+    """Regression (H200 NaN): the last split-K range runs past V (K_PER_SPLIT * SPLIT_K > V, here 3 x 96 > 200); the
+    zero-filled logits there gave p = exp(0 / T - m) / s = inf for rows whose max z is below -88 (inf * E's zero
+    fill = NaN). Rows of skipped requests hold non-finite logits and share a tile with computed rows."""
+    g = torch.Generator().manual_seed(7)
+    N, CL, V, H = 3, 8, 200, 48
+    x = torch.randn(N, CL, V, generator=g) * 2 - 80.0     # all logits ~ -80: m = -800 at T = 0.1
+    x[1] = float("nan")                                   # a skipped (inactive) request's garbage row
+    E = torch.randn(V, H, generator=g).bfloat16()
+    T = torch.tensor([0.1, 0.5, 0.7])
+    act = torch.tensor([True, False, True])
+    z = torch.zeros(N, dtype=torch.int64)
+    r = row_stats(x, T, z, z, z, z, act)
+    cfg = SamplerConfig(split_k=3, block_k=32, block_m=16, use_tma=use_tma)
+    ws = soft_embedding(x, E, T, r["m"], r["inv_s"], r["argmax"], act, cfg)
+    assert ws.shape[0] == 3
+    assert torch.isfinite(ws).all()
+    ours = ws.sum(0).view(N, CL, H) * math.sqrt(H)
+    for n in (0, 2):
+        truth = soft_truth(x[n:n + 1], T[n:n + 1], E)[0]
+        assert (ours[n] - truth).abs().max().item() <= 0.02 * truth.abs().max().item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", [None, (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 256, 64, 4, 2),
+                                  (64, 256, 32, 4, 4)])
+def test_gpu_soft_embedding_tiles_finite_and_close(tile):
+    """Every GEMM tile the benchmark times or tunes, on the full sampler_n4 shape: workspace finite everywhere
+    (poisoned with NaN first: unwritten rows show) and the first 64 positions of every request within 2 % of
+    ``softmax(z).bf16() @ E`` (one-hot for the greedy request). Regression for the 128 x 256 NaN (RAW hazard)."""
+    N, CL, V, H = 4, 256, 262144, 2816
+    x, E, _ = big_case(N, CL, V, H, seed=2)
+    T = torch.tensor([0.8, 0.6, 0.4, 0.0], device="cuda")
+    act = torch.ones(N, dtype=torch.bool, device="cuda")
+    z = torch.zeros(N, dtype=torch.int64, device="cuda")
+    r = row_stats(x, T, z, z, z, z, act)
+    kw = {} if tile is None else dict(zip(("block_m", "block_n", "block_k", "gemm_warps", "gemm_stages"), tile))
+    cfg = SamplerConfig(split_k=3, **kw)
+    torch.cuda.empty_cache()
+    filler = torch.full((3 * N * CL * H,), float("nan"), device="cuda")  # the workspace reuses this memory
+    del filler
+    ws = soft_embedding(x, E, T, r["m"], r["inv_s"], r["argmax"], act, cfg)
+    torch.cuda.synchronize()
+    assert torch.isfinite(ws).all()
+    rows = 64
+    zz = x[:, :rows] / torch.where(T == 0, 1.0, T)[:, None, None]
+    p = torch.softmax(zz, -1)
+    p[3] = torch.zeros_like(p[3]).scatter_(-1, zz[3].argmax(-1, keepdim=True), 1.0)
+    truth = (p.reshape(-1, V).bfloat16() @ E).float().view(N, rows, H)
+    ours = ws.sum(0).view(N, CL, H)[:, :rows]
+    assert (ours - truth).abs().max().item() <= 0.02 * truth.abs().max().item()
+
+
+_COMPILE_SOFT_GEMM_SM90 = r"""
+import re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from blockdiff.sampler.triton import soft_embedding as se
+
+fn = se._soft_embedding_kernel
+bm, bn, bk = 128, 256, 64
+sig = {"x_ptr": "*fp32", "stride_xn": "i64", "stride_xp": "i64", "e_ptr": "*bf16", "stride_ev": "i32",
+       "stride_eh": "i32", "x_desc": f"tensordesc<fp32[{bm},{bk}]>", "e_desc": f"tensordesc<bf16[{bk},{bn}]>",
+       "ws_ptr": "*fp32", "t_ptr": "*fp32", "active_ptr": "*i32", "m_ptr": "*fp32", "inv_s_ptr": "*fp32",
+       "amax_ptr": "*i32", "M": "i32", "CL": "i32", "V": "i32", "HID": "i32", "UNIT": "fp32"}
+consts = dict(K_PER_SPLIT=87424, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EXACT_FP32=False, INTERPRET=False,
+              USE_TMA=True, GREEDY_ONEHOT=False)
+sig.update({k: "constexpr" for k in consts})
+assert list(sig) == list(fn.arg_names), ("test signature out of date with the kernel", fn.arg_names)
+src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, num_stages=3))
+ttgir = k.asm["ttgir"]
+assert "warp_group_dot " in ttgir, "no wgmma in the sm_90a code"
+print("PENDINGS", [int(p) for p in re.findall(r"warp_group_dot_wait[^\n]*pendings = (\d+)", ttgir)])
+"""
+
+
+def test_soft_gemm_register_a_wgmma_is_waited_before_the_next_iteration_writes_its_registers():
+    """Regression (H200 NaN at 128 x 256 tiles): compiled for sm_90a on the CPU (no GPU needed; a subprocess
+    without TRITON_INTERPRET), the soft-embedding loop must not leave register-A wgmmas in flight across
+    iterations. Triton 3.6 split the dot into K = 16 wgmmas and waited with pendings = 3, so the next iteration's
+    loads / exp2 overwrote A registers that in-flight wgmmas still read (SASS: LDS into them before any
+    WARPGROUP.DEPBAR; triton-lang/triton#9433)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _COMPILE_SOFT_GEMM_SM90], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    pendings = eval(r.stdout.split("PENDINGS", 1)[1].strip())
+    assert pendings and max(pendings) == 0, pendings
+
+
+# ---------------------------------------------------------------------------------------------- chunked
 def test_chunk_size_fits_the_buffer_budget():
     assert chunk_size(1024, 262144) == 16384 and 1024 * 16384 * 2 <= MAX_CHUNK_BYTES
     assert chunk_size(1024, 1000) == 1000 and chunk_size(8, 262144) == 65536
@@ -101,7 +215,7 @@ def test_chunked_step_decisions_equal_default_and_soft_rows_written_where_due(ch
     reference's exactly; continuing rows within tolerance of the reference (T = 0: E[argmax] exact), fresh
     canvases 0, converged / failed / untouched rows keep their poison."""
     CL, V, H = 8, 64, 16
-    states = [_mk_state(_specs(CL), CL, V, H) for _ in range(3)]
+    states = [mk_state(_specs(CL), CL, V, H) for _ in range(3)]
     E = torch.randn(V, H, device=DEV).bfloat16()
     slots = torch.arange(5, device=DEV)
     pd = torch.tensor([True, True, True, True, False], device=DEV)
@@ -134,29 +248,6 @@ def test_chunked_step_decisions_equal_default_and_soft_rows_written_where_due(ch
         assert torch.isnan(c.soft[s]).all(), s
 
 
-def test_chunked_batch_invariance():
-    """A request's soft embedding and decisions do not depend on its slot or on the other rows of the batch."""
-    CL, V, H = 8, 50, 16
-    cfg = SamplerConfig(soft_impl="chunked", soft_chunk=24)
-    pa = SamplingParams(canvas_length=CL, seed=9, max_denoising_steps=3)
-    a = _mk_state([(0, 777, pa)], CL, V, H)
-    b = _mk_state([(2, 1, SamplingParams(canvas_length=CL, seed=1)), (4, 777, pa),
-                   (0, 3, SamplingParams(canvas_length=CL, t_min=0.0, t_max=0.0))], CL, V, H)
-    E = torch.randn(V, H, device=DEV).bfloat16()
-    sa, sb = torch.tensor([0], device=DEV), torch.tensor([2, 4, 0], device=DEV)
-    g = torch.Generator().manual_seed(5)
-    for it in range(3):
-        x = (torch.randn(3, CL, V, generator=g) * 2).to(DEV)
-        oa = ts.sampler_step(a, sa, x[1:2], torch.ones(1, dtype=torch.bool, device=DEV), E, config=cfg)
-        ob = ts.sampler_step(b, sb, x, torch.ones(3, dtype=torch.bool, device=DEV), E, config=cfg)
-        for f in DECISIONS + ("entropy", "mean_entropy"):
-            assert torch.equal(getattr(oa, f)[0], getattr(ob, f)[1]), f
-        for f in STATE_FIELDS:
-            assert torch.equal(getattr(a, f)[0], getattr(b, f)[4]), f
-        assert torch.allclose(a.soft[0], b.soft[4], rtol=0, atol=1e-6)
-
-
-# ---------------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("overlap,stats_overlap", [(False, False), (True, False), (False, True)])
 def test_gpu_chunked_sampler_n4_finite_close_to_default_and_graph_capturable(overlap, stats_overlap):
@@ -173,7 +264,7 @@ def test_gpu_chunked_sampler_n4_finite_close_to_default_and_graph_capturable(ove
     cfg = SamplerConfig(soft_impl="chunked", soft_overlap=overlap, stats_overlap=stats_overlap)
     slots = torch.arange(N, device="cuda")
     pd = torch.ones(N, dtype=torch.bool, device="cuda")
-    a, b = _mk_state(specs, CL, V, H, R=N, device="cuda"), _mk_state(specs, CL, V, H, R=N, device="cuda")
+    a, b = mk_state(specs, CL, V, H, R=N, device="cuda"), mk_state(specs, CL, V, H, R=N, device="cuda")
     for st in (a, b):
         ts.sampler_step(st, slots, x, pd, E)          # PREFILL -> DENOISE
         st.soft.fill_(float("nan"))
@@ -187,8 +278,8 @@ def test_gpu_chunked_sampler_n4_finite_close_to_default_and_graph_capturable(ove
     assert (a.soft - b.soft).abs().max().item() <= 0.02 * scale
     assert torch.equal(a.soft[3], b.soft[3])          # greedy: E[argmax] * sqrt(hidden)
     # CUDA graph: capture one step on a copy of the state, replay, compare with eager from the same state
-    c = _mk_state(specs, CL, V, H, R=N, device="cuda")
-    d = _mk_state(specs, CL, V, H, R=N, device="cuda")
+    c = mk_state(specs, CL, V, H, R=N, device="cuda")
+    d = mk_state(specs, CL, V, H, R=N, device="cuda")
     for st in (c, d):
         ts.sampler_step(st, slots, x, pd, E)
     s = torch.cuda.Stream()
@@ -230,29 +321,6 @@ def test_overlap_flag_gives_identical_sums():
     assert torch.equal(a, b)
 
 
-def test_row_moments_normalise_the_sampling_rows_only():
-    """row_moments: m = max(x / T) and inv_s = 1 / sum exp(x / T - m) within float32 rounding on active T > 0 rows;
-    greedy and inactive rows untouched (0), NaN logits stay in their row."""
-    from blockdiff.sampler.triton.kernels import row_moments
-
-    g = torch.Generator().manual_seed(3)
-    N, CL, V = 4, 3, 150
-    x = (torch.randn(N, CL, V, generator=g) * 5).to(DEV)
-    x[1, 0, 7] = float("nan")
-    T = torch.tensor([0.7, 1.0, 0.0, 2.5], device=DEV)
-    act = torch.tensor([True, True, True, False], device=DEV)
-    m, inv_s = row_moments(x, T, act)
-    z = x.double() / T.double().clamp_min(1e-30)[:, None, None]
-    zm = z.max(-1).values
-    ref_inv = 1 / torch.exp(z - zm[..., None]).sum(-1)
-    ok = torch.tensor([True, True, False, False], device=DEV)[:, None].expand(N, CL).clone()
-    ok[1, 0] = False
-    assert torch.allclose(m[ok].double(), zm[ok], rtol=1e-6)
-    assert torch.allclose(inv_s[ok].double(), ref_inv[ok], rtol=1e-5)
-    assert (m[2:] == 0).all() and (inv_s[2:] == 0).all()
-    assert torch.isnan(m[1, 0]) or torch.isnan(inv_s[1, 0])
-
-
 @pytest.mark.parametrize("soft_overlap", [False, True])
 def test_stats_overlap_same_decisions_and_soft_within_rounding(soft_overlap):
     """SamplerConfig(stats_overlap=True) (normalisers from row_moments, GEMM over every denoising row, stats on a
@@ -267,8 +335,8 @@ def test_stats_overlap_same_decisions_and_soft_within_rounding(soft_overlap):
     E = (torch.randn(V_, H_, generator=g) * 0.3).bfloat16().to(DEV)
     slots = torch.arange(4, device=DEV)
     pd = torch.ones(4, dtype=torch.bool, device=DEV)
-    a = _mk_state(specs, CL_, V_, H_, R=4, device=DEV)
-    b = _mk_state(specs, CL_, V_, H_, R=4, device=DEV)
+    a = mk_state(specs, CL_, V_, H_, R=4, device=DEV)
+    b = mk_state(specs, CL_, V_, H_, R=4, device=DEV)
     base = SamplerConfig(soft_impl="chunked", soft_chunk=32, soft_overlap=soft_overlap)
     ovl = SamplerConfig(soft_impl="chunked", soft_chunk=32, soft_overlap=soft_overlap, stats_overlap=True)
     for it in range(4):
@@ -283,17 +351,6 @@ def test_stats_overlap_same_decisions_and_soft_within_rounding(soft_overlap):
             assert torch.equal(getattr(a, f), getattr(b, f)), (it, f)
         assert torch.isfinite(b.soft).all() == torch.isfinite(a.soft).all()
         assert torch.allclose(a.soft, b.soft, rtol=1e-3, atol=1e-3), (it, (a.soft - b.soft).abs().max())
-
-
-def test_default_soft_impl_is_chunked_on_cuda_for_half_embeddings_regression():
-    """Regression: the default was once decided on the unresolved config and never picked the chunked path."""
-    import torch
-    from blockdiff.sampler.triton.kernels import default_soft_impl
-
-    assert default_soft_impl(torch.device("cuda"), torch.bfloat16) == "chunked"
-    assert default_soft_impl(torch.device("cuda"), torch.float16) == "chunked"
-    assert default_soft_impl(torch.device("cuda"), torch.float32) == "triton_gemm"
-    assert default_soft_impl(torch.device("cpu"), torch.bfloat16) == "triton_gemm"
 
 
 @pytest.mark.parametrize("T", [1e-4, 1e-6, 1e-8])
@@ -314,8 +371,8 @@ def test_soft_embedding_at_tiny_temperature_matches_the_reference_without_cancel
                                    confidence_threshold=0.0))]
     configs = {"triton_gemm": SamplerConfig(soft_impl="triton_gemm"), "chunked": SamplerConfig(soft_impl="chunked"),
                "stats_overlap": SamplerConfig(soft_impl="chunked", stats_overlap=True)}
-    ref = _mk_state(specs, CL_, V_, H_, R=2, device="cpu")
-    states = {k: _mk_state(specs, CL_, V_, H_, R=2, device="cpu") for k in configs}
+    ref = mk_state(specs, CL_, V_, H_, R=2, device="cpu")
+    states = {k: mk_state(specs, CL_, V_, H_, R=2, device="cpu") for k in configs}
     for _ in range(4):                                        # prefill, 3 denoising steps (cap) -> commit
         sampler_step(ref, slots, x, pd, E, backend="reference")
         for k, cfg in configs.items():

@@ -1,10 +1,10 @@
-"""Tensor-parallel sampler step (blockdiff.sampler.tp): vocabulary shards combine into the single-GPU decisions.
+"""Tensor-parallel sampler step (blockdiff.sampler.tp.step): the combine of the ranks' statistics and the sharded
+step equal the single-GPU decisions.
 
 CPU: in-process shards (every split, incl. uneven and empty shards) and 2 gloo processes (torch.multiprocessing
 spawn). GPU (@pytest.mark.gpu): 2 processes on 2 GPUs over NCCL, vocab 262144, canvas 256.
 """
 import json
-import math
 import os
 import sys
 
@@ -14,48 +14,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # spawn children import the workers module by name
 
 import tp_sampler_workers as W  # noqa: E402
-from blockdiff.sampler import rng  # noqa: E402
-from blockdiff.sampler.tp import (CombinedStats, VocabShard, combine_statistics, communication_bytes,  # noqa: E402
-                                  gumbel_noise_shard, local_statistics, make_shards, sampler_step_sharded,
-                                  vocab_shard_bounds)
+from blockdiff.sampler import sampler_step  # noqa: E402
+from blockdiff.sampler.tp import (combine_statistics, local_statistics, make_shards, sampler_step_sharded,  # noqa: E402
+                                  sampler_step_tp, set_safe_nccl_env, vocab_shard_bounds)
+from blockdiff.sampler.tp.step import _check_tp_args  # noqa: E402
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, settings, strategies as hst  # noqa: E402
-
-
-# ------------------------------------------------------------------------------------------------ shards / rng
-def test_vocab_shard_bounds_follow_vllm_padding():
-    assert vocab_shard_bounds(1000, 2) == (0, 500, 1000)
-    assert vocab_shard_bounds(1000, 3) == (0, 334, 668, 1000)
-    assert vocab_shard_bounds(1000, 2, pad_to=64) == (0, 512, 1000)           # V_pad 1024
-    assert vocab_shard_bounds(100, 4, pad_to=64) == (0, 32, 64, 96, 100)
-    assert vocab_shard_bounds(10, 4, pad_to=64) == (0, 10, 10, 10, 10)        # ranks holding padding only
-    with pytest.raises(ValueError, match="world_size"):
-        vocab_shard_bounds(10, 0)
-
-
-def test_make_shards_rejects_bad_bounds():
-    with pytest.raises(ValueError, match="non-decreasing"):
-        make_shards(10, (0, 6, 4, 10))
-    with pytest.raises(ValueError, match="non-decreasing"):
-        make_shards(10, (0, 5, 9))
-    with pytest.raises(ValueError, match="rank"):
-        VocabShard(10, 0, 5, rank=2, world_size=2)
-    with pytest.raises(TypeError, match="start"):
-        VocabShard(10, 0.0, 5)
-
-
-@pytest.mark.parametrize("a,b", [(0, 37), (1, 5), (3, 4), (5, 37), (4, 8), (7, 7), (36, 37), (13, 30)])
-def test_gumbel_noise_shard_equals_global_noise_slice(a, b):
-    args = (torch.tensor([3, 4]), torch.tensor([5, 2**40 + 6]), torch.tensor([0, 9]), torch.tensor([2, 3]))
-    full = rng.gumbel_noise(*args, 8, 37)
-    assert torch.equal(gumbel_noise_shard(*args, 8, a, b), full[..., a:b])
-
-
-def test_communication_is_independent_of_vocab():
-    c = communication_bytes(4, 256, 2816, 2)
-    assert c["all_gather_bytes"] == 2 * 4 * 256 * 7 * 8
-    assert c["all_reduce_bytes"] == 4 * 256 * 2816 * 4
 
 
 # ------------------------------------------------------------------------------------------------ combine
@@ -127,17 +92,23 @@ def test_sharded_step_single_shard_is_the_reference():
                    V=1000, cl=16, hidden=HID, steps=6, device="cpu", e_dtype=torch.bfloat16, tie_ids=(3, 4))
 
 
+def _denoising_pair(V=50):
+    """Two identical states of the TP scenario's four requests (slots 1-4) moved PREFILL -> DENOISE by a
+    reference step: ``(st_ref, st_tp, slots, prefill_done, E)``, vocabulary V, fp32 E."""
+    params = W.scenario_params(CL)
+    st_ref, st_tp = W.make_states(params, CL, V, HID, "cpu")
+    slots = torch.arange(1, 5)
+    pd = torch.ones(4, dtype=torch.bool)
+    E = torch.randn(V, HID)
+    for st in (st_ref, st_tp):
+        sampler_step(st, slots, torch.zeros(4, CL, V), pd, E)
+    return st_ref, st_tp, slots, pd, E
+
+
 def test_overflowing_z_fails_as_in_the_reference():
     """A finite logit whose z = x / T overflows to +inf leaves softmax undefined: the reference fails the row (NaN
     entropy), never continuing with a NaN soft embedding; so do we. z = -inf (finfo.min / T) is p = 0: no failure."""
-    from blockdiff.sampler import sampler_step
-    params = W.scenario_params(CL)
-    st_ref, st_tp = W.make_states(params, CL, 50, HID, "cpu")
-    slots = torch.arange(1, 5)
-    pd = torch.ones(4, dtype=torch.bool)
-    E = torch.randn(50, HID)
-    for st in (st_ref, st_tp):
-        sampler_step(st, slots, torch.zeros(4, CL, 50), pd, E)           # PREFILL -> DENOISE
+    st_ref, st_tp, slots, pd, E = _denoising_pair()
     x = torch.randn(4, CL, 50)
     x[0, 2, 30] = 3e38                                                   # / T (0.8) -> inf
     o_ref = sampler_step(st_ref, slots, x, pd, E)
@@ -152,14 +123,7 @@ def test_overflowing_z_fails_as_in_the_reference():
 def test_masked_logit_at_float32_min_keeps_entropy_finite_as_in_the_reference():
     """finfo(float32).min logits (a common mask) / T < 1 overflow to z = -inf: p = 0 there, entropies stay finite,
     nothing fails, and the sharded step matches the reference."""
-    from blockdiff.sampler import sampler_step
-    params = W.scenario_params(CL)
-    st_ref, st_tp = W.make_states(params, CL, 50, HID, "cpu")
-    slots = torch.arange(1, 5)
-    pd = torch.ones(4, dtype=torch.bool)
-    E = torch.randn(50, HID)
-    for st in (st_ref, st_tp):
-        sampler_step(st, slots, torch.zeros(4, CL, 50), pd, E)
+    st_ref, st_tp, slots, pd, E = _denoising_pair()
     x = torch.randn(4, CL, 50)
     x[:, :, 7] = torch.finfo(torch.float32).min
     x[:, :, 33] = torch.finfo(torch.float32).min
@@ -173,7 +137,6 @@ def test_masked_logit_at_float32_min_keeps_entropy_finite_as_in_the_reference():
 
 
 def test_sharded_step_rejects_wrong_shapes():
-    from blockdiff.sampler.tp.reference import _check_tp_args
     params = W.scenario_params(CL)
     st, _ = W.make_states(params, CL, 100, HID, "cpu", copies=1)[0], None
     slots = torch.arange(1, 5)
@@ -190,48 +153,12 @@ def test_sharded_step_rejects_wrong_shapes():
 
 
 def test_tp_step_without_process_group_raises():
-    from blockdiff.sampler.tp import sampler_step_tp
     params = W.scenario_params(CL)
     st = W.make_states(params, CL, 100, HID, "cpu", copies=1)[0]
     sh = make_shards(100, (0, 100))[0]
     with pytest.raises(RuntimeError, match="process group"):
         sampler_step_tp(st, torch.arange(1, 5), torch.zeros(4, CL, 100), torch.ones(4, dtype=torch.bool),
                         torch.zeros(100, HID), shard=sh)
-
-
-# ------------------------------------------------------------------------------------------------ triton local pass
-def test_triton_shard_stats_match_torch_at_unaligned_shard_start():
-    """Shard starting at id 33 (not a multiple of 4): Philox groups straddle the boundary; ids are global."""
-    from blockdiff.sampler.tp.triton import local_statistics_triton
-    from blockdiff.sampler.triton.kernels import SamplerConfig
-    g = torch.Generator().manual_seed(0)
-    N, cl, V = 3, 4, 70
-    x = torch.randn(N, cl, V, generator=g) * 5
-    x[0, 1, [40, 60]] = 100.0                     # tie inside shard 1: lowest id
-    x[1, 2, 47] = float("nan")
-    T = torch.tensor([0.8, 0.0, 0.41])
-    seed, rid = torch.tensor([1, 2**40, 3]), torch.tensor([5, 6, -7])
-    ci, st = torch.tensor([0, 3, 1]), torch.tensor([0, 5, 9])
-    act = torch.ones(N, dtype=torch.bool)
-    for sh in make_shards(V, (0, 33, 70)):
-        a = local_statistics(x[..., sh.start:sh.end], T, seed, rid, ci, st, sh).packed
-        b = local_statistics_triton(x[..., sh.start:sh.end].contiguous(), T, seed, rid, ci, st, act, sh,
-                                    SamplerConfig(block_g=4, split_v=2)).packed
-        assert torch.equal(a[..., 6], b[..., 6])
-        ok = a[..., 6] == 0
-        for f in (0, 3, 5):                        # max, argmax id, Gumbel id: exact
-            assert torch.equal(a[..., f][ok], b[..., f][ok]), (sh, f)
-        for f in (1, 2, 4):                        # sums; z + g (interpreter log may differ by 1 ulp)
-            assert torch.allclose(a[..., f][ok], b[..., f][ok], rtol=1e-5, atol=1e-5), (sh, f)
-    assert b[0, 1, 3].item() == 40
-
-
-def test_triton_sharded_step_matches_reference():
-    from blockdiff.sampler.triton.kernels import SamplerConfig
-    cfg = SamplerConfig(block_g=16, split_v=1, block_m=32, block_n=16, block_k=64, split_k=1)
-    W.run_scenario(lambda st, sl, x, pd, E: sampler_step_sharded(st, sl, x, pd, E, bounds=(0, 33, 70),
-                                                                backend="triton", config=cfg),
-                   V=70, cl=8, hidden=16, steps=4, device="cpu", e_dtype=torch.bfloat16, tie_ids=(32, 33))
 
 
 # ------------------------------------------------------------------------------------------------ 2 processes
@@ -255,7 +182,6 @@ def test_two_gpus_nccl_match_single_gpu_reference(tmp_path):
     """2 NCCL ranks (one per GPU), V = 262144 split evenly, canvas 256, bf16 E hidden 2816."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    from blockdiff.sampler.tp import set_safe_nccl_env
     set_safe_nccl_env()
     V = 262144
     for stats_backend in ("reference", "triton"):

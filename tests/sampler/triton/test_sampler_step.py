@@ -1,5 +1,6 @@
-"""The Triton backend's step kernel (``triton_sampler._apply_step``: decisions after the stats pass + the phase
-bookkeeping of ``common.apply_step`` in one launch) against the torch code it replaces, on random and crafted states.
+"""The Triton backend's step kernel (``blockdiff.sampler.triton.step._apply_step``: decisions after the stats pass
++ the phase bookkeeping of ``common.apply_step`` in one launch) against the torch code it replaces, on random and
+crafted states.
 
 The oracle is the former torch path: ``accept_by_entropy``, ``rng.random_ids(RENOISE)``, ``convergence`` and
 ``common.apply_step`` (which the reference backend still runs). Every StepOutput field and every state field must be
@@ -12,7 +13,7 @@ import torch
 from blockdiff.sampler import (COMMIT, DENOISE, FAILED, FINISHED, NO_MAX_TOKENS, PREFILL, SamplerState,
                                SamplingParams, rng, sampler_step)
 from blockdiff.sampler.common import DenoiseResult, accept_by_entropy, apply_step, convergence, temperature
-from blockdiff.sampler.triton.kernels import _apply_step
+from blockdiff.sampler.triton.step import _apply_step
 
 STATE_FIELDS = ("phase", "canvas", "commit_canvas", "prev_argmax", "stable_count", "step", "canvas_index",
                 "num_emitted", "soft")
@@ -21,7 +22,7 @@ OUT_FIELDS = ("num_sampled", "num_rejected", "emitted", "num_emitted_now", "fini
 
 
 def _torch_step(state, slots, pd, st):
-    """The torch code the step kernel replaced (triton_sampler.sampler_step between row_stats and apply_step)."""
+    """The torch path the step kernel implements (between row_stats and apply_step of the reference)."""
     CL, V = state.canvas_length, state.vocab_size
     phase = state.phase[slots].clone()
     seed, rid = state.seed[slots], state.request_id[slots]

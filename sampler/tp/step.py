@@ -1,0 +1,320 @@
+"""Tensor-parallel sampler step: the denoising step on vocabulary shards, exactly the single-GPU decisions; the
+combine of the ranks' statistics, the driver, and the choice of the local-pass backend.
+
+Under tensor parallelism (vLLM TP) rank r of W holds the logits of a contiguous vocabulary slice
+``[vocab_start_r, vocab_end_r)`` (the LM head is column-parallel) and the same rows of the tied embedding E.
+Gathering the logits would move ``N * CL * V * 4`` bytes per step; a step moves only per-position statistics and
+one hidden-sized vector per position:
+
+1. Local pass (per rank, per canvas position, over the shard only) of ``z = float32(logits) / T``:
+   ``m_r = max z``, ``s_r = sum exp(z - m_r)``, ``u_r = sum exp(z - m_r) (z - m_r)``, the argmax of z with its
+   GLOBAL id (first maximum), the Gumbel-max candidate ``max(z + g)`` with its GLOBAL id — the noise g is drawn
+   by :mod:`blockdiff.sampler.rng` at the global token id, so it is bit-identical to the single-GPU noise —
+   and a non-finite flag (:class:`~blockdiff.sampler.tp.common.LocalStats`). Plus the locally normalised
+   soft-embedding partial ``q_r = (exp(z - m_r) / s_r) @ E_r`` ([N, CL, hidden] fp32; one-hot(argmax_r) for
+   T = 0 rows). Backends (explicit; no fallback, :data:`STATS_BACKENDS`): ``"reference"`` (dense torch,
+   :mod:`blockdiff.sampler.tp.reference`) and ``"triton"`` (:mod:`blockdiff.sampler.tp.triton`: a streaming
+   statistics kernel with a vocabulary offset, plus the soft embedding of
+   :mod:`blockdiff.sampler.triton.soft_embedding`).
+2. ``all_gather`` of the 7 statistics (float64, 56 bytes per position and rank), overlapped with the partial
+   GEMM of step 1.
+3. Combine, identically on every rank (:func:`combine_statistics`): ``M = max_r m_r``; argmax and Gumbel
+   winner = the lowest global id among the ranks holding the maximum (= ``argmax`` over the full vocabulary,
+   ties to the lowest id); with ``w_r = exp(m_r - M)``: ``Z = sum_r w_r s_r`` and the exact entropy
+   ``H = log Z - E_p[z - M] = log Z - sum_r w_r (u_r + (m_r - M) s_r) / Z`` (nats, combined in float64).
+4. Soft embedding: ``softmax(z) @ E = sum_r (w_r s_r / Z) q_r`` — the global-max/global-sum softmax applied to
+   each shard, written as a per-position rescale of the local partial so the GEMM need not wait for step 2 —
+   ``all_reduce(SUM)`` of ``[N, CL, hidden]`` fp32, times ``sqrt(hidden)``. T = 0 rows: weight 1 on the rank
+   owning the global argmax, 0 elsewhere (exact: one-hot(argmax) @ E).
+5. The rest of the step — entropy-bound acceptance, RENOISE ids, argmax stability, convergence, phase
+   transitions — is the sampler's own shared code (:func:`blockdiff.sampler.common.accept_by_entropy`,
+   :func:`~blockdiff.sampler.common.convergence`, :func:`~blockdiff.sampler.common.apply_step`), run on the
+   replicated :class:`~blockdiff.sampler.state.SamplerState` of every rank with identical inputs, so every rank
+   reaches identical decisions and state.
+
+On 2 GPUs (one process per GPU, NCCL; every process sets NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1,
+NVSHMEM_DISABLE_NVLS=1 first, :func:`set_safe_nccl_env`): ``python3 -m pytest -m gpu tests/sampler/tp -s``
+(decisions identical to one GPU at V = 262144, canvas 256) and ``python3 -m blockdiff.bench.bench_sampler_tp`` (2 GPUs
+vs 1). CI runs the combine over 2 gloo processes on the CPU.
+
+Communication per step (N rows, CL positions, W ranks, payload sizes;
+:func:`~blockdiff.sampler.tp.common.communication_bytes`): all_gather of ``N * CL * 56`` bytes per rank into
+``W * N * CL * 56`` (56 KiB sent / 112 KiB gathered at N = 4, CL = 256, W = 2) and one all_reduce of
+``N * CL * hidden * 4`` bytes (11.5 MB at hidden 2816; a ring moves ~``2 (W - 1) / W`` of it per rank),
+independent of the vocabulary size (gathering the logits instead: ``N * CL * V * 4`` = 1 GiB at V = 262144).
+No host synchronisation on the step path.
+
+Exactness (vs :func:`blockdiff.sampler.reference.sampler_step` on the unsharded logits): argmax, Gumbel sample,
+renoise ids, failure flags are bit-identical (elementwise float32 z and z + g are computed by the same
+operations; maxima and first-index ties combine exactly). Entropies agree to float32 rounding (summation
+order differs), hence acceptance and convergence are identical unless an entropy sum lies within rounding of
+a threshold. Soft embeddings: p is rounded to E's dtype as in the reference, the partial GEMMs keep fp32 outputs
+(the reference rounds its output to E's dtype once), so the error is at most the reference's.
+
+Sources: online softmax (Milakov & Gimelshein 2018, arXiv:1805.02867); Gumbel-max; vocabulary-parallel
+LM head / embedding (Megatron-LM, Shoeybi et al. 2019; vLLM ``VocabParallelEmbedding``); sampler semantics:
+docs/ARCHITECTURE.md "Sampler semantics".
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .. import rng
+from ..common import DenoiseResult, accept_by_entropy, apply_step, check_step_args, convergence, temperature
+from ..state import DENOISE, SamplerState, StepOutput
+from .common import NUM_FIELDS, LocalStats, VocabShard, make_shards
+from .reference import local_statistics, soft_partial
+from .triton import local_statistics_triton, soft_partial_triton
+
+__all__ = ["STATS_BACKENDS", "set_safe_nccl_env", "CombinedStats", "combine_statistics", "finish_step",
+           "local_pass", "row_inputs", "sampler_step_tp", "sampler_step_sharded", "check_shards_consistent"]
+
+
+STATS_BACKENDS = ("reference", "triton")
+
+
+def set_safe_nccl_env() -> None:
+    """Disable NVLink SHARP / multicast paths (NVLS, symmetric-memory multicast, NVSHMEM NVLS).
+
+    Sets ``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``, ``NVSHMEM_DISABLE_NVLS=1`` in
+    ``os.environ``; call in every process BEFORE ``torch.distributed.init_process_group("nccl")``.
+    """
+    os.environ["NCCL_NVLS_ENABLE"] = "0"
+    os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
+    os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
+
+
+# ---------------------------------------------------------------------------------------------- combine
+@dataclass
+class CombinedStats:
+    """Global per-position results combined from every rank's statistics (identical on every rank).
+
+    argmax, sampled: int64 [N, CL] global ids (sampled = argmax on T = 0 rows). entropy: float32 [N, CL] nats
+    (0 on T = 0 rows, NaN where any logit of the position is non-finite). bad: bool [N, CL] non-finite.
+    soft_weight: float32 [W, N, CL] — rank r's locally normalised partial times ``soft_weight[r]`` summed over
+    ranks is ``softmax(z) @ E`` (one-hot on the owner of the argmax for T = 0 rows).
+    """
+
+    argmax: torch.Tensor
+    sampled: torch.Tensor
+    entropy: torch.Tensor
+    bad: torch.Tensor
+    soft_weight: torch.Tensor
+
+
+def combine_statistics(gathered: torch.Tensor, T: torch.Tensor, vocab_size: int) -> CombinedStats:
+    """Exact merge of the per-rank statistics (docs/ARCHITECTURE.md "Sampler semantics", rules 2-3, over the whole
+    vocabulary).
+
+    Args:
+        gathered: float64 [W, N, CL, NUM_FIELDS], rank-major (see :class:`LocalStats`.packed).
+        T: float32 [N] temperatures (0 = greedy).
+        vocab_size: global V (ids >= V are "no candidate").
+
+    Returns:
+        :class:`CombinedStats`. Ties of the maximum across ranks go to the lowest global id, which is what
+        ``argmax`` over the unsharded vocabulary returns. Entropy: ``log Z - sum_r w_r (u_r + (m_r - M) s_r) / Z``
+        with ``w_r = exp(m_r - M)``, ``Z = sum_r w_r s_r``, in float64, then float32.
+    """
+    m, s, u, aid, gv, gid, badf = gathered.unbind(-1)             # each [W, N, CL]
+    bad = (badf != 0).any(0)
+    M = m.max(0).values
+    none = torch.full_like(aid, float(vocab_size))
+    argmax = torch.where(m == M, aid, none).min(0).values
+    G = gv.max(0).values
+    sampled = torch.where(gv == G, gid, none).min(0).values
+    found = argmax < vocab_size
+    argmax = torch.where(found, argmax, 0.0).to(torch.int64)
+    sampled = torch.where(sampled < vocab_size, sampled, 0.0).to(torch.int64)
+    w = torch.exp(m - M)                                          # 0 for empty shards (m = -inf)
+    live = w > 0
+    ws = torch.where(live, w * s, 0.0)
+    Z = ws.sum(0)
+    A = torch.where(live, w * (u + (m - M) * s), 0.0).sum(0)
+    H = (torch.log(Z) - A / Z).to(torch.float32)
+    greedy = (T == 0)[:, None]
+    entropy = torch.where(greedy, 0.0, H)
+    entropy = torch.where(bad, float("nan"), entropy)
+    sampled = torch.where(greedy, argmax, sampled)
+    owner = (aid == argmax.to(torch.float64)[None]).to(torch.float64)
+    weight = torch.where(greedy[None], owner, ws / Z[None]).to(torch.float32)
+    return CombinedStats(argmax=argmax, sampled=sampled, entropy=entropy, bad=bad, soft_weight=weight)
+
+
+def finish_step(state: SamplerState, slots: torch.Tensor, prefill_done: torch.Tensor, phase: torch.Tensor,
+                T: torch.Tensor, comb: CombinedStats, soft: torch.Tensor) -> StepOutput:
+    """Steps 4-7 and the phase machine from combined statistics, with the sampler's shared code.
+
+    Args:
+        phase: int32 [N] phases read at entry. T: float32 [N]. comb: :class:`CombinedStats`.
+        soft: float32 [N, CL, hidden], the full soft embedding (already times ``sqrt(hidden)``).
+    """
+    CL, V = state.canvas_length, state.vocab_size
+    seed, rid = state.seed[slots], state.request_id[slots]
+    cidx, step = state.canvas_index[slots], state.step[slots]
+    # as the reference: non-finite logits, or a softmax left undefined by z = x / T overflowing (NaN entropy)
+    row_failed = comb.bad.any(-1) | torch.isnan(comb.entropy).any(-1)
+    accepted = accept_by_entropy(comb.entropy, state.entropy_bound[slots]) & ~row_failed[:, None]
+    renoise = rng.random_ids(seed, rid, cidx, step, CL, V, rng.RENOISE)
+    next_canvas = torch.where(accepted, comb.sampled, renoise)
+    mean_entropy = comb.entropy.mean(-1)
+    converged, stable_count = convergence(state, slots, comb.argmax, mean_entropy)
+    res = DenoiseResult(accepted=accepted, entropy=comb.entropy, argmax=comb.argmax, sampled=comb.sampled,
+                        next_canvas=next_canvas, row_failed=row_failed, converged=converged,
+                        stable_count=stable_count, mean_entropy=mean_entropy, temperature=T, soft=soft)
+    return apply_step(state, slots, prefill_done, res, phase)
+
+
+# ---------------------------------------------------------------------------------------------- backends
+def local_pass(backend: str, logits, embedding, T, seed, rid, cidx, step, active, shard: VocabShard,
+               config=None) -> tuple[LocalStats, Callable[[], torch.Tensor]]:
+    """One rank's local pass (step 1 of the module docstring) with the chosen backend: ``(LocalStats, thunk)``,
+    the thunk computing the unscaled soft partial float32 [N, CL, hidden] (run it while the all_gather is in
+    flight).
+
+    Args:
+        backend: ``"reference"`` or ``"triton"`` (:data:`STATS_BACKENDS`).
+        logits: float [N, CL, shard.size]; embedding: [shard.size, hidden]; T, seed, rid, cidx, step, active:
+            the [N] per-row inputs of :func:`row_inputs`; shard: :class:`~blockdiff.sampler.tp.common.VocabShard`;
+            config: optional ``SamplerConfig`` (triton only).
+
+    Raises:
+        ValueError: unknown backend.
+    """
+    if backend == "reference":
+        local = local_statistics(logits, T, seed, rid, cidx, step, shard)
+        return local, lambda: soft_partial(logits, embedding, T, local)
+    if backend == "triton":
+        local = local_statistics_triton(logits, T, seed, rid, cidx, step, active, shard, config)
+        return local, lambda: soft_partial_triton(logits, embedding, T, local, active, config)
+    raise ValueError(f"backend must be one of {STATS_BACKENDS}, got {backend!r}")
+
+
+def _check_tp_args(state, slots, logits, prefill_done, embedding, shard: VocabShard) -> None:
+    """Shapes/dtypes of a sharded step (host metadata only): :func:`blockdiff.sampler.common.check_step_args` on
+    the shard's vocabulary slice. Raises TypeError / ValueError naming the argument."""
+    if not isinstance(state, SamplerState):
+        raise TypeError(f"state must be a SamplerState, got {type(state).__name__}")
+    if not isinstance(shard, VocabShard):
+        raise TypeError(f"shard must be a VocabShard, got {type(shard).__name__}")
+    if shard.vocab_size != state.vocab_size:
+        raise ValueError(f"shard.vocab_size ({shard.vocab_size}) must equal state.vocab_size ({state.vocab_size})")
+    check_step_args(state, slots, logits, prefill_done, embedding, vocab_slice=(shard.start, shard.end))
+
+
+def row_inputs(state: SamplerState, slots: torch.Tensor):
+    """Per-row inputs of the local passes, read from the state rows ``slots`` [N]: ``(phase, T, seed, request_id,
+    canvas_index, step, active)`` — phase int32 (a copy, at entry), T float32, seed / request_id int64,
+    canvas_index / step int32, active bool (phase == DENOISE)."""
+    phase = state.phase[slots].clone()
+    T = temperature(state, slots)
+    return (phase, T, state.seed[slots], state.request_id[slots], state.canvas_index[slots], state.step[slots],
+            phase == DENOISE)
+
+
+def sampler_step_tp(state: SamplerState, slots: torch.Tensor, logits: torch.Tensor, prefill_done: torch.Tensor,
+                    embedding: torch.Tensor, *, shard: VocabShard, group=None, backend: str = "reference",
+                    config=None) -> StepOutput:
+    """One sampler step on this rank's vocabulary shard; every rank of ``group`` calls it with its own shard.
+
+    Collective: issues one ``all_gather`` (float64 ``[N, CL, 7]`` per rank) and one ``all_reduce(SUM)``
+    (float32 ``[N, CL, hidden]``) on ``group``; no host sync. Every rank must pass the same ``slots`` /
+    ``prefill_done`` and hold an identical replicated ``state`` (as all ranks do when they all run this step
+    from the same start); every rank's state and returned :class:`StepOutput` are then identical.
+
+    Args:
+        state: :class:`SamplerState` replicated on every rank (``vocab_size`` = the GLOBAL V), mutated in place.
+        slots: int64 [N]. prefill_done: bool [N].
+        logits: float [N, CL, shard.size] — the logits of global ids ``[shard.start, shard.end)`` (soft-capped;
+            vLLM's vocabulary padding columns removed).
+        embedding: [shard.size, hidden] — the same rows of the tied embedding E.
+        shard: this rank's :class:`VocabShard` (``shard.rank`` / ``world_size`` must match the group).
+        group: ``torch.distributed`` process group (None: the default group).
+        backend: local pass, ``"reference"`` (dense torch) or ``"triton"`` (streaming kernels; CUDA or the
+            Triton interpreter).
+        config: optional :class:`blockdiff.sampler.triton.config.SamplerConfig` for the triton backend.
+
+    Returns:
+        :class:`blockdiff.sampler.StepOutput` — identical to ``reference.sampler_step`` on the unsharded logits
+        up to the rounding notes in the module docstring.
+
+    Raises:
+        TypeError / ValueError: bad arguments; a shard whose rank/world size disagrees with ``group``.
+        RuntimeError: torch.distributed not initialised.
+    """
+    _check_tp_args(state, slots, logits, prefill_done, embedding, shard)
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("sampler_step_tp needs an initialised torch.distributed process group")
+    W, rank = dist.get_world_size(group), dist.get_rank(group)
+    if (shard.rank, shard.world_size) != (rank, W):
+        raise ValueError(f"shard is rank {shard.rank} of {shard.world_size}, the group says rank {rank} of {W}")
+    phase, T, seed, rid, cidx, step, active = row_inputs(state, slots)
+    local, partial_fn = local_pass(backend, logits, embedding, T, seed, rid, cidx, step, active, shard, config)
+    N, CL = slots.shape[0], state.canvas_length
+    gathered = torch.empty(W * N, CL, NUM_FIELDS, dtype=torch.float64, device=logits.device)
+    ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    work = ag(gathered, local.packed.contiguous(), group=group, async_op=True)
+    partial = partial_fn()                                        # overlaps the all_gather
+    work.wait()
+    comb = combine_statistics(gathered.view(W, N, CL, NUM_FIELDS), T, state.vocab_size)
+    soft = (partial * comb.soft_weight[rank][..., None]).contiguous()
+    dist.all_reduce(soft, op=dist.ReduceOp.SUM, group=group)
+    soft = soft * math.sqrt(state.hidden_size)
+    return finish_step(state, slots, prefill_done, phase, T, comb, soft)
+
+
+def sampler_step_sharded(state: SamplerState, slots: torch.Tensor, logits: torch.Tensor,
+                         prefill_done: torch.Tensor, embedding: torch.Tensor, *, bounds: Sequence[int],
+                         backend: str = "reference", config=None) -> StepOutput:
+    """All shards of a TP step in ONE process (no torch.distributed): the same local passes, the same combine,
+    the all_gather replaced by a stack and the all_reduce by a rank-ordered sum. For tests and debugging.
+
+    Args:
+        logits: float [N, CL, V] and embedding [V, hidden] UNSHARDED; ``bounds`` (0, b_1, ..., V) split them.
+        Others: as :func:`sampler_step_tp`.
+
+    Raises:
+        TypeError / ValueError: bad arguments or bounds.
+    """
+    shards = make_shards(state.vocab_size, bounds)
+    for sh in shards:
+        _check_tp_args(state, slots, logits[..., sh.start:sh.end], prefill_done, embedding[sh.start:sh.end], sh)
+    phase, T, seed, rid, cidx, step, active = row_inputs(state, slots)
+    locals_, partials = [], []
+    for sh in shards:
+        lg, em = logits[..., sh.start:sh.end], embedding[sh.start:sh.end]
+        loc, pf = local_pass(backend, lg, em, T, seed, rid, cidx, step, active, sh, config)
+        locals_.append(loc)
+        partials.append(pf())
+    comb = combine_statistics(torch.stack([lo.packed for lo in locals_]), T, state.vocab_size)
+    soft = partials[0] * comb.soft_weight[0][..., None]
+    for r in range(1, len(shards)):
+        soft = soft + partials[r] * comb.soft_weight[r][..., None]
+    soft = soft * math.sqrt(state.hidden_size)
+    return finish_step(state, slots, prefill_done, phase, T, comb, soft)
+
+
+def check_shards_consistent(shard: VocabShard, group=None, device: torch.device | str = "cpu") -> None:
+    """Collective, once at start-up (host sync): every rank's shard tiles ``[0, V)`` in rank order.
+
+    Raises:
+        ValueError: shards overlap, leave gaps, disagree on V, or disagree with the group's rank/size.
+    """
+    W, rank = dist.get_world_size(group), dist.get_rank(group)
+    if (shard.rank, shard.world_size) != (rank, W):
+        raise ValueError(f"shard is rank {shard.rank} of {shard.world_size}, the group says rank {rank} of {W}")
+    mine = torch.tensor([shard.vocab_size, shard.start, shard.end], dtype=torch.int64, device=device)
+    allb = torch.empty(W * 3, dtype=torch.int64, device=device)
+    ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    ag(allb, mine, group=group)
+    rows = allb.view(W, 3).tolist()
+    if any(r[0] != shard.vocab_size for r in rows):
+        raise ValueError(f"ranks disagree on vocab_size: {[r[0] for r in rows]}")
+    if rows[0][1] != 0 or rows[-1][2] != shard.vocab_size or any(rows[i][2] != rows[i + 1][1] for i in range(W - 1)):
+        raise ValueError(f"shards must tile [0, {shard.vocab_size}) in rank order, got {[(r[1], r[2]) for r in rows]}")

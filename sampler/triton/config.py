@@ -1,0 +1,146 @@
+"""Launch configuration of the Triton sampler backend: :class:`SamplerConfig`, its validation, its defaults and the
+choice of the soft-embedding path. The one owner of every tunable of :mod:`blockdiff.sampler.triton`; the
+measured history of the defaults is in docs/tuning.md.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+__all__ = ["SamplerConfig", "SOFT_IMPLS", "default_soft_impl"]
+
+#: Soft-embedding implementations selectable by ``SamplerConfig.soft_impl``.
+SOFT_IMPLS = ("triton_gemm", "chunked")
+
+
+def default_soft_impl(device: torch.device, embedding_dtype: torch.dtype) -> str:
+    """The soft-embedding path used when ``SamplerConfig.soft_impl`` is None: ``"chunked"`` (bf16 probability
+    chunks + cuBLAS, fp32 accumulation) on CUDA with a bf16/fp16 embedding, else ``"triton_gemm"``.
+
+    Rationale: on the GPU cuBLAS runs the product near the tensor-core peak, faster than the split-K Triton GEMM
+    that recomputes p per column tile; elsewhere (the interpreter, fp32 E) the Triton GEMM is the exact path.
+    """
+    cuda = torch.device(device).type == "cuda"
+    return "chunked" if cuda and embedding_dtype in (torch.bfloat16, torch.float16) else "triton_gemm"
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    """Static launch parameters (compile-cache keys). ``None`` = chosen from the shapes by :meth:`resolve`.
+
+    block_p: canvas positions per stats program (1 on the GPU; many under the interpreter, whose cost is per op).
+    block_g: token groups of 4 per stats tile (tile = block_p x 4 * block_g tokens). split_v: vocabulary splits of
+    the stats pass. stats_warps / stats_stages: warps and load pipeline depth of the stats kernel.
+    block_m/n/k, split_k, gemm_warps / gemm_stages: the split-K soft-embedding GEMM.
+    use_tma: the GEMM reads logits and E through TMA tensor descriptors (None: wherever they apply; True: required,
+    ValueError where they do not apply).
+    soft_impl: the soft-embedding path, ``"chunked"`` (:func:`default_soft_impl` on CUDA with a bf16/fp16
+    embedding: bf16 probabilities per vocabulary chunk + cuBLAS with fp32 accumulation) or ``"triton_gemm"``
+    (otherwise: the split-K Triton GEMM); both in :mod:`blockdiff.sampler.triton.soft_embedding`.
+    soft_chunk: the chunked path's vocabulary chunk in tokens (None: the buffer [N * CL, chunk] stays <= 32 MiB).
+    soft_overlap: chunked path on CUDA: write the next chunk's probabilities on a side stream during the GEMM.
+    stats_overlap: chunked path: take the soft embedding's normalisers from a memory-bound pre-pass
+    (:func:`blockdiff.sampler.triton.stats.row_moments`) and run the soft embedding's GEMMs on a high-priority
+    side stream while the compute-bound stats pass (Philox, logs) runs beside them (CUDA; on the CPU the same
+    computation runs in order). Decisions are unchanged (exact); the soft rows differ from the default path by
+    float rounding of the normalisers. None: off (cuBLAS's GEMMs hold every SM, so nothing overlaps; an option
+    for GEMMs that leave SMs free). With the Triton GEMM it is an error (ValueError here for an explicit
+    ``soft_impl="triton_gemm"``, in :meth:`check_stats_overlap` where None resolves to it).
+
+    Raises:
+        ValueError: unknown ``soft_impl``, ``soft_chunk < 1``, ``stats_overlap`` with ``soft_impl="triton_gemm"``.
+        TypeError: ``use_tma`` / ``soft_overlap`` / ``stats_overlap`` not a bool or None.
+    """
+
+    block_p: int | None = None
+    block_g: int | None = None
+    split_v: int | None = None
+    stats_warps: int | None = None
+    stats_stages: int | None = None
+    block_m: int | None = None
+    block_n: int | None = None
+    block_k: int | None = None
+    split_k: int | None = None
+    gemm_warps: int | None = None
+    gemm_stages: int | None = None
+    use_tma: bool | None = None
+    soft_impl: str | None = None
+    soft_chunk: int | None = None
+    soft_overlap: bool | None = None
+    stats_overlap: bool | None = None
+
+    def __post_init__(self):
+        if self.soft_impl not in SOFT_IMPLS + (None,):
+            raise ValueError(f"SamplerConfig.soft_impl must be one of {SOFT_IMPLS}, got {self.soft_impl!r}")
+        if self.soft_chunk is not None and int(self.soft_chunk) < 1:
+            raise ValueError(f"SamplerConfig.soft_chunk must be >= 1 tokens, got {self.soft_chunk}")
+        for name in ("use_tma", "soft_overlap", "stats_overlap"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, bool):
+                raise TypeError(f"SamplerConfig.{name} must be a bool or None, got {type(v).__name__} ({v!r})")
+        if self.stats_overlap and self.soft_impl == "triton_gemm":
+            raise ValueError("SamplerConfig.stats_overlap=True needs the chunked soft embedding (soft_impl='chunked' "
+                             "or None where that is the default), got soft_impl='triton_gemm'")
+
+    def soft_impl_for(self, device: torch.device, embedding_dtype: torch.dtype) -> str:
+        """The soft-embedding path of a call: ``soft_impl``, else :func:`default_soft_impl`."""
+        return self.soft_impl or default_soft_impl(device, embedding_dtype)
+
+    def check_stats_overlap(self, device: torch.device, embedding_dtype: torch.dtype) -> None:
+        """No silent no-op: ``stats_overlap`` needs the chunked path, also where ``soft_impl=None`` resolves to the
+        Triton GEMM (CPU logits, fp32 E).
+
+        Raises:
+            ValueError: ``stats_overlap`` and the call's soft-embedding path is ``"triton_gemm"``.
+        """
+        if self.stats_overlap and self.soft_impl_for(device, embedding_dtype) != "chunked":
+            raise ValueError("config.stats_overlap=True needs the chunked soft embedding; soft_impl=None resolves "
+                             f"to 'triton_gemm' for {torch.device(device).type} logits and a {embedding_dtype} "
+                             "embedding (set soft_impl='chunked')")
+
+    def resolve(self, rows: int, V: int, hidden: int, device: torch.device,
+                embedding_dtype: torch.dtype | None = None) -> "SamplerConfig":
+        """Every ``None`` field filled in for a call of ``rows`` canvas positions, vocabulary ``V``, ``hidden`` and
+        the GEMM's embedding dtype (``torch.float32``: the exact-products tiles), on ``device``.
+
+        Defaults (GPU; the interpreter takes tiles sized to the problem, whose cost is per op):
+        - stats: one position per program, 256 x 4-token tiles (1024 tokens per iteration), 4 warps (8 were
+          slower), 3-deep loads;
+        - vocabulary splits: enough (<= 8) programs for two per SM;
+        - soft GEMM, bf16/fp16 E: 128 x 256 x 64 tiles, 8 warps, 3 stages (a wide N tile halves how often the
+          A operand's exp2 is recomputed: once per column tile); fp32 E (exact fp32 products on the FMA units):
+          64 x 64 x 16, 4 warps (larger tiles spill the accumulators);
+        - split_k: the count <= 4 (workspace) whose CTAs best fill whole waves over the SMs (sampler_n4 on 132
+          SMs: 88 tiles x 3 = 2 waves).
+        """
+        cuda = device.type == "cuda"
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 4
+        block_p = self.block_p or (1 if cuda else min(64, triton.next_power_of_2(max(rows, 1))))
+        block_g = self.block_g or (256 if cuda else min(64, triton.next_power_of_2(max(1, (V + 3) // 4))))
+        split_v = self.split_v or max(1, min(8, (2 * sms * block_p + rows - 1) // max(rows, 1)))
+        gemm_warps = self.gemm_warps
+        if cuda and embedding_dtype == torch.float32:
+            bm, bn, bk = self.block_m or 64, self.block_n or 64, self.block_k or 16
+            gemm_warps = gemm_warps or 4
+        elif cuda:
+            bm, bn, bk = self.block_m or 128, self.block_n or 256, self.block_k or 64
+        else:
+            bm = self.block_m or max(16, min(64, triton.next_power_of_2(max(rows, 1))))
+            bn = self.block_n or max(16, min(64, triton.next_power_of_2(hidden)))
+            bk = self.block_k or 64
+        tiles = triton.cdiv(rows, bm) * triton.cdiv(hidden, bn)
+        if self.split_k:
+            split_k = self.split_k
+        elif not cuda:
+            split_k = 1
+        else:
+            def eff(k):
+                return tiles * k / (triton.cdiv(tiles * k, sms) * sms)
+            split_k = max(range(1, 5), key=lambda k: (round(eff(k), 3), -k))
+        split_k = max(1, min(split_k, triton.cdiv(V, bk)))
+        return SamplerConfig(block_p, block_g, split_v, self.stats_warps or 4,
+                             self.stats_stages or (3 if cuda else 1), bm, bn, bk, split_k,
+                             gemm_warps or (8 if cuda else 4), self.gemm_stages or (3 if cuda else 1),
+                             self.use_tma, self.soft_impl, self.soft_chunk, self.soft_overlap, self.stats_overlap)

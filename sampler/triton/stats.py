@@ -1,0 +1,440 @@
+"""Stage (a) of the Triton sampler step: per-position streaming statistics of ``z = logits / T`` in one read of
+the logits, and the softmax normalisers of the soft embedding's pre-pass.
+
+:func:`row_stats` launches :func:`_stats_kernel`, one program per (BLOCK_P canvas positions, vocabulary split),
+streaming the logits in ``[BLOCK_P, BLOCK_G, 4]`` tiles (GPU: 1 x 256 x 4 = 1024 tokens per iteration, loads
+pipelined 3 deep through cp.async, 4 warps; :class:`~blockdiff.sampler.triton.config.SamplerConfig`), then
+:func:`_stats_merge_kernel` over the splits. Rows not in DENOISE are never read.
+
+- Gumbel noise: one Philox4x32-10 call per (position, group of 4 tokens), word ``t & 3`` for token ``t``, exactly
+  :mod:`blockdiff.sampler.rng` (:func:`~blockdiff.sampler.triton.common.philox4x32_10`).
+- Online softmax per tile element (lane), float32, of ``z = x / T`` (IEEE division, ``div_rn``, as the
+  reference): max ``m``, ``s = sum exp(z - m)``, ``u = sum exp(z - m) (z - m)`` with one exp per element
+  (``d = z - m``; d > 0: ``u = e^-d (u - d s)``, ``s = e^-d s + 1``, ``m = z``; else ``s += e^d``,
+  ``u += e^d d``) (Milakov & Gimelshein 2018, arXiv:1805.02867); the lane's first argmax of z and of ``z + g``
+  (Gumbel-max), and a non-finite flag (a float accumulator of ``x * 0``: NaN iff inf / NaN). Splits made of whole
+  tiles (V % CHUNK == 0, e.g. 262144) run without token masks.
+- Gumbel prefilter (exact; docs/ARCHITECTURE.md "Sampler semantics", rule 2): the accurate logs of
+  ``g = -log(-log u)`` (libdevice logf, as torch on CUDA: ~20 instructions each) are taken only for tiles holding
+  a *candidate*, an element with ``z + g_up + 0.01 + 1e-5 |z| >= `` the row's best ``z + g`` so far, where
+  ``g_up`` comes from two ``lg2.approx`` (within ~1e-3 of g; 16.7 >= max g for u > 1 - 2**-11); one block-wide
+  max of the flag per tile decides. Elements of other tiles cannot be, or tie with, the maximum, so the sample
+  is the full computation's; only the tiles that move the running best (~ln(#tiles) per row on random logits,
+  fewer on peaked ones) pay.
+- Greedy rows (T = 0; rule 8): a program whose rows are all greedy (on the GPU a program is one position) runs
+  the loop without Philox, the logs and the division (its Gumbel sample is never used; z = x / 1 = x).
+- Lanes are merged once at the end (``s = sum_l e^(m_l - M) s_l``, ``u = sum_l e^(m_l - M) (u_l + (m_l - M)
+  s_l)``, argmax = lowest id among the lanes holding the maximum), vocabulary splits (small batches) the same way
+  in :func:`_stats_merge_kernel`; ``H = log s - u / s`` nats (= ``-sum p log p``).
+
+The row coordinates the kernel reads (active, seed, request id, canvas index, step) come from the step's row
+gather (:mod:`blockdiff.sampler.triton.step`). :func:`row_moments` is the memory-bound normaliser pre-pass of
+``SamplerConfig.stats_overlap``.
+
+Exactness: Philox words, ``u`` and the float32 ``z`` are bit-identical to the reference; ``g`` uses the
+platform's float32 log (torch's SLEEF on CPU vs numpy in the Triton interpreter differ by <= 1 ulp on ~1/3 of the
+2**23 possible ``u``; on CUDA both call libdevice ``logf``), so a sampled id can differ only where two candidates
+of ``z + g`` lie within an ulp. Entropies differ from the reference at float32 rounding level (summation order).
+Extra memory: ``N * CL * SPLIT_V * 32`` bytes of split statistics.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from .common import FLT_LOWEST, interpret_mode, philox4x32_10
+from .config import SamplerConfig
+
+__all__ = ["row_stats", "row_moments", "GUMBEL_MAX_BOUND", "GUMBEL_NEAR_ONE", "PREFILTER_ABS", "PREFILTER_REL",
+           "PREFILTER_LOG_MODE"]
+
+#: Gumbel prefilter constants (see :func:`_stats_tile`): ``u > 1 - 2**-11`` takes the bound GUMBEL_MAX_BOUND
+#: (>= the largest g, -log(-log(1 - 2**-24)) = 16.635); below it the fast bound is within ~1e-3 of g.
+GUMBEL_MAX_BOUND = tl.constexpr(16.7)
+GUMBEL_NEAR_ONE = tl.constexpr(1.0 - 2.0 ** -11)
+
+
+#: Prefilter slack: an element is a candidate iff ``z + g_up + (PREFILTER_ABS + PREFILTER_REL |z|) >= best``.
+PREFILTER_ABS = tl.constexpr(0.01)
+PREFILTER_REL = tl.constexpr(1e-5)
+
+
+#: Tests only: force the prefilter's log mode of :func:`_gumbel_upper` (None: 1 on the GPU, 0 in the interpreter).
+PREFILTER_LOG_MODE: int | None = None
+
+
+@triton.jit
+def _gumbel_upper(uni, FAST_LOG: tl.constexpr):
+    """Cheap stand-in for ``g = -log(-log u)`` (float32, same shape as ``uni``), within PREFILTER_ABS / 2 of g
+    where ``u <= 1 - 2**-11`` and GUMBEL_MAX_BOUND (>= every g) above, for the prefilter of :func:`_stats_tile`.
+
+    FAST_LOG 1 (GPU): two ``lg2.approx.ftz.f32`` (libdevice ``fast_log2f``, absolute error ~2**-22): ``-log u``
+    >= 4.9e-4 below the cut, so g is off by <= ~7e-4. 0 (the Triton interpreter, which has no libdevice): the
+    exact logs. 2 (tests only): the exact g moved by up to +-0.0049, the error the margin allows, to show that
+    the result does not depend on how good the bound is.
+    """
+    if FAST_LOG == 1:
+        la = libdevice.fast_log2f(uni) * -0.6931471805599453                  # -ln u
+        g = libdevice.fast_log2f(la) * -0.6931471805599453
+    elif FAST_LOG == 2:
+        g = -tl.log(-tl.log(uni)) + (((uni * 8388608.0).to(tl.int32) % 7) - 3).to(tl.float32) * 0.00163
+    else:
+        g = -tl.log(-tl.log(uni))
+    return tl.where(uni > GUMBEL_NEAR_ONE, GUMBEL_MAX_BOUND, g)
+
+
+@triton.jit
+def _stats_tile(x, tok, mask, tdiv3, grp, c1, c2, c3, k0, k1,
+                m, s, u, best, best_i, gbest, gbest_i, bad, rbest,
+                BLOCK_P: tl.constexpr, BLOCK_G: tl.constexpr, MASKED: tl.constexpr, GUMBEL: tl.constexpr,
+                FAST_LOG: tl.constexpr):
+    """One ``[BLOCK_P, BLOCK_G, 4]`` tile of :func:`_stats_loop`: updates the per-lane accumulators and the
+    per-row best Gumbel score ``rbest`` [P] (float32; the exact max of z + g over the elements taken so far).
+
+    ``bad`` is a float32 accumulator of ``x * 0`` (NaN iff a logit was inf or NaN: one FMA per element instead of
+    two compares). ``MASKED`` False: every element of the tile is a real token (no masks, no selects).
+    """
+    j3 = tl.arange(0, 4)[None, None, :]
+    bad = bad + x * 0.0
+    if GUMBEL:
+        z = tl.math.div_rn(x, tdiv3)
+    else:                                                            # every valid row has T = 0: x / 1 = x
+        z = x
+    if MASKED:
+        z = tl.where(mask, z, -float("inf"))
+    # online softmax per lane: d > 0 moves the lane's max to z (rescale by exp(-d)), else add exp(d)
+    d = z - m                                                        # masked: -inf
+    up = d > 0
+    e = tl.exp(-tl.abs(d))
+    # e == 0 contributes nothing, in both directions (p log p -> 0): z = -inf (a -inf logit, a masked token or
+    # x / T overflowing) has d = -inf; a finite z far above m has d = +inf (every z > 0 against the initial max
+    # -FLT_MAX, and z - m > FLT_MAX later), where e * d * s would be 0 * inf = NaN and fail a valid row.
+    # ed = e d (0 where e = 0); up: u = e (u - d s) = e u - ed s.
+    ed = tl.where(e > 0.0, e * d, 0.0)
+    u = tl.where(up, e * u - ed * s, u + ed)
+    s = tl.where(up, e * s + 1.0, s + e)
+    m = tl.where(up, z, m)
+    take = z > best
+    best_i = tl.where(take, tok, best_i)
+    best = tl.where(take, z, best)
+    if GUMBEL:
+        # Gumbel-max sample: one Philox call per (position, group of 4 tokens), word t & 3 for token t
+        cg = grp.to(tl.uint32)[None, :]                              # [1, G]
+        zero = tl.zeros((BLOCK_P, BLOCK_G), tl.uint32)
+        w0, w1, w2, w3 = philox4x32_10(cg + zero, c1 + zero, c2 + zero, c3 + zero, k0 + zero, k1 + zero)
+        w = tl.where(j3 == 0, w0[:, :, None], tl.where(j3 == 1, w1[:, :, None],
+                     tl.where(j3 == 2, w2[:, :, None], w3[:, :, None])))
+        uni = ((w >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07          # ((w >> 9) + 0.5) * 2**-23
+        # Prefilter (exact): an element can only become the sample if z + g >= rbest. With the cheap bound
+        # g_up >= g - PREFILTER_ABS / 2, a non-candidate has z + g < rbest with room for the float32 rounding of
+        # the sums (PREFILTER_REL |z|). Only a tile holding a candidate takes the two accurate logs (libdevice
+        # logf, as torch on CUDA) and updates the lanes; every element that can be the maximum, and the lowest id
+        # among equal maxima, passes through that path, so the sample equals the full computation. NaN / -inf z:
+        # never a candidate (their z + g never wins either); +inf: always.
+        gup = _gumbel_upper(uni, FAST_LOG)
+        cand = (z + gup + (PREFILTER_ABS + PREFILTER_REL * tl.abs(z))) >= rbest[:, None, None]
+        if tl.max(tl.max(tl.max(cand.to(tl.int32), 2), 1), 0) > 0:
+            gum = -tl.log(-tl.log(uni))
+            y = z + gum
+            if MASKED:
+                y = tl.where(mask, y, -float("inf"))
+            gtake = y > gbest
+            gbest_i = tl.where(gtake, tok, gbest_i)
+            gbest = tl.where(gtake, y, gbest)
+            rbest = tl.maximum(rbest, tl.max(tl.max(tl.where(y == y, y, -float("inf")), 2), 1))
+    return m, s, u, best, best_i, gbest, gbest_i, bad, rbest
+
+
+@triton.jit
+def _stats_loop(base, tdiv3, start, end, c1, c2, c3, k0, k1,
+                CHUNK: tl.constexpr, MASKED: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_G: tl.constexpr,
+                LOAD_STAGES: tl.constexpr, GUMBEL: tl.constexpr, FAST_LOG: tl.constexpr):
+    """The streaming loop of :func:`_stats_kernel` over one vocabulary split; ``GUMBEL`` False: no Gumbel-max
+    (greedy rows), z = x (T = 0 divides by 1). Returns the per-lane accumulators [P, G, 4] (``bad`` float32)."""
+    g_off = tl.arange(0, BLOCK_G)
+    j3 = tl.arange(0, 4)[None, None, :]                               # [1, 1, 4]
+    # Per-lane accumulators ([P, G, 4]: one slot per tile element, merged across lanes once at the end), so the
+    # loop body has no block-wide reduction besides the prefilter's flag: each lane keeps its own online softmax
+    # (m, s, u) with one exp per element, its first argmax of z and of z + g (a lane sees increasing token ids, so
+    # strict > keeps the first).
+    m = tl.full((BLOCK_P, BLOCK_G, 4), FLT_LOWEST, tl.float32)      # every finite z >= it
+    s = tl.zeros((BLOCK_P, BLOCK_G, 4), tl.float32)
+    u = tl.zeros((BLOCK_P, BLOCK_G, 4), tl.float32)
+    best = tl.full((BLOCK_P, BLOCK_G, 4), -float("inf"), tl.float32)
+    best_i = tl.zeros((BLOCK_P, BLOCK_G, 4), tl.int32)
+    gbest = tl.full((BLOCK_P, BLOCK_G, 4), -float("inf"), tl.float32)
+    gbest_i = tl.zeros((BLOCK_P, BLOCK_G, 4), tl.int32)
+    bad = tl.zeros((BLOCK_P, BLOCK_G, 4), tl.float32)
+    rbest = tl.full((BLOCK_P,), -float("inf"), tl.float32)
+    for i in tl.range(0, CHUNK, 4 * BLOCK_G, num_stages=LOAD_STAGES):
+        grp = (start + i) // 4 + g_off                               # [G] token-group ids
+        tok = grp[None, :, None] * 4 + j3                            # [1, G, 4]
+        if MASKED:                                                   # a split is not whole tiles (host decides)
+            mask = tok < end
+            x = tl.load(base + tok, mask=mask, other=0.0).to(tl.float32)
+        else:
+            mask = tok                                               # placeholder: read only when MASKED
+            x = tl.load(base + tok).to(tl.float32)
+        m, s, u, best, best_i, gbest, gbest_i, bad, rbest = _stats_tile(
+            x, tok, mask, tdiv3, grp, c1, c2, c3, k0, k1, m, s, u, best, best_i, gbest, gbest_i, bad, rbest,
+            BLOCK_P, BLOCK_G, MASKED, GUMBEL, FAST_LOG)
+    return m, s, u, best, best_i, gbest, gbest_i, bad
+
+
+@triton.jit
+def _stats_kernel(
+    x_ptr, stride_xn, stride_xp,
+    t_ptr, seed_ptr, rid_ptr, cidx_ptr, step_ptr, active_ptr,
+    stats_f_ptr, stats_i_ptr,
+    R, CL, V,
+    CHUNK: tl.constexpr, SPLIT_V: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_G: tl.constexpr,
+    LOAD_STAGES: tl.constexpr, MASKED: tl.constexpr, FAST_LOG: tl.constexpr,
+):
+    """Grid (cdiv(N * CL, BLOCK_P), SPLIT_V); tile [BLOCK_P positions, BLOCK_G groups, 4 tokens].
+
+    Writes per (position, split): f32 [m, s, u, best_z, best_y], i32 [argmax, gumbel_argmax, bad].
+    ``MASKED`` False (the host's choice when every split is whole tiles: V % CHUNK == 0): no token masks.
+    ``FAST_LOG``: the prefilter's logs (:func:`_gumbel_upper`; 1 on the GPU, 0 in the interpreter).
+    """
+    pid = tl.program_id(0)
+    sp = tl.program_id(1)
+    r = pid * BLOCK_P + tl.arange(0, BLOCK_P)                       # [P] flat positions
+    rmask = r < R
+    n = r // CL
+    p = r % CL
+    active = tl.load(active_ptr + n, mask=rmask, other=0) != 0
+    if tl.max(active.to(tl.int32), 0) == 0:
+        return
+    pvalid = rmask & active
+    T = tl.load(t_ptr + n, mask=rmask, other=1.0)
+    tdiv = tl.where(T == 0.0, 1.0, T)
+    seed = tl.load(seed_ptr + n, mask=rmask, other=0).to(tl.int64)
+    rid = tl.load(rid_ptr + n, mask=rmask, other=0).to(tl.int64)
+    cidx = tl.load(cidx_ptr + n, mask=rmask, other=0).to(tl.int64)
+    step = tl.load(step_ptr + n, mask=rmask, other=0).to(tl.int64)
+    # key / counter of blockdiff.sampler.rng (stream GUMBEL = 0), as [P, 1] uint32
+    k0 = (seed & 0xFFFFFFFF).to(tl.uint32)[:, None]
+    k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)[:, None]
+    c1 = ((p.to(tl.int64) & 0xFFFF) | ((step & 16383) << 18)).to(tl.uint32)[:, None]
+    c2 = (rid & 0xFFFFFFFF).to(tl.uint32)[:, None]
+    c3 = (((rid >> 32) & 0xFFFF) | ((cidx & 0xFFFF) << 16)).to(tl.uint32)[:, None]
+
+    # Rows are not masked in the loop: a row past R (a partial last block) reads row R - 1, an inactive row its own
+    # logits; neither is stored.
+    ra = tl.minimum(r, R - 1)
+    base = (x_ptr + (ra // CL).to(tl.int64) * stride_xn + (ra % CL).to(tl.int64) * stride_xp)[:, None, None]
+    start = sp * CHUNK
+    end = tl.minimum(start + CHUNK, V)
+    tdiv3 = tdiv[:, None, None]
+    # Greedy rows (T = 0) take the argmax: their Gumbel sample is never used, so a program whose valid rows are all
+    # greedy skips Philox, both logs and the division (T = 0 divides by 1: z = x exactly). Exact: every value the
+    # step reads is the same. (On the GPU a program is one position, so the branch is per row.)
+    need_g = tl.max(((T != 0.0) & pvalid).to(tl.int32), 0) != 0
+    if need_g:
+        m, s, u, best, best_i, gbest, gbest_i, bad = _stats_loop(
+            base, tdiv3, start, end, c1, c2, c3, k0, k1, CHUNK, MASKED, BLOCK_P, BLOCK_G, LOAD_STAGES, True,
+            FAST_LOG)
+    else:
+        m, s, u, best, best_i, gbest, gbest_i, bad = _stats_loop(
+            base, tdiv3, start, end, c1, c2, c3, k0, k1, CHUNK, MASKED, BLOCK_P, BLOCK_G, LOAD_STAGES, False,
+            FAST_LOG)
+
+    # merge the lanes: exact online-softmax merge, and the lowest id among the lanes holding the maximum
+    mrow = tl.max(tl.max(m, 2), 1)                                   # [P]
+    a = tl.exp(m - mrow[:, None, None])
+    srow = tl.sum(tl.sum(a * s, 2), 1)
+    # a = 0: the lane adds nothing (m - mrow may overflow to -inf: -inf * s would be NaN); a NaN lane (m = +inf)
+    # keeps srow NaN, so H stays NaN there
+    urow = tl.sum(tl.sum(tl.where(a > 0.0, a * (u + (m - mrow[:, None, None]) * s), 0.0), 2), 1)
+    bmax = tl.max(tl.max(best, 2), 1)
+    bidx = tl.min(tl.min(tl.where(best == bmax[:, None, None], best_i, 2147483647), 2), 1)
+    gmax = tl.max(tl.max(gbest, 2), 1)
+    gidx = tl.min(tl.min(tl.where(gbest == gmax[:, None, None], gbest_i, 2147483647), 2), 1)
+    badrow = tl.max(tl.max((bad != bad).to(tl.int32), 2), 1)
+
+    o = r * SPLIT_V + sp
+    tl.store(stats_f_ptr + o * 5 + 0, mrow, mask=pvalid)
+    tl.store(stats_f_ptr + o * 5 + 1, srow, mask=pvalid)
+    tl.store(stats_f_ptr + o * 5 + 2, urow, mask=pvalid)
+    tl.store(stats_f_ptr + o * 5 + 3, bmax, mask=pvalid)
+    tl.store(stats_f_ptr + o * 5 + 4, gmax, mask=pvalid)
+    tl.store(stats_i_ptr + o * 3 + 0, bidx, mask=pvalid)
+    tl.store(stats_i_ptr + o * 3 + 1, gidx, mask=pvalid)
+    tl.store(stats_i_ptr + o * 3 + 2, badrow, mask=pvalid)
+
+
+@triton.jit
+def _stats_merge_kernel(
+    stats_f_ptr, stats_i_ptr, t_ptr, active_ptr,
+    m_ptr, inv_s_ptr, h_ptr, hstep_ptr, amax_ptr, gamax_ptr, sampled_ptr, bad_ptr,
+    R, CL,
+    SPLIT_V: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """Grid (cdiv(N * CL, BLOCK_R),): merge the SPLIT_V vocabulary splits of :func:`_stats_kernel` per position
+    (tile [BLOCK_R positions, BLOCK_S >= SPLIT_V splits]) and write the [N, CL] results of :func:`row_stats`.
+
+    ``M = max_k m_k``, ``a_k = exp(m_k - M)``, ``s = sum_k a_k s_k``, ``u = sum_k a_k (u_k + (m_k - M) s_k)`` (the
+    sum over splits is a tree, float32 rounding level),
+    ``H = log s - u / s`` (NaN where a logit is non-finite), ``inv_s = 1 / s`` (IEEE divisions, as torch); argmax
+    and Gumbel argmax: the id of the first split holding the maximum (splits are in increasing id order; the
+    maxima are never NaN: a lane only takes ``z > best``), exact. Step inputs besides: ``hstep`` = H, except
+    greedy rows (T = 0): 0, NaN where bad (docs/ARCHITECTURE.md "Sampler semantics", rule 8); ``sampled`` =
+    Gumbel argmax, greedy rows: argmax. Rows of inactive requests (their stats were never written) get zeros.
+    """
+    pid = tl.program_id(0)
+    r = pid * BLOCK_R + tl.arange(0, BLOCK_R)                       # [R] flat positions
+    rmask = r < R
+    n = r // CL
+    act = tl.load(active_ptr + n, mask=rmask, other=0) != 0
+    valid = rmask & act
+    T = tl.load(t_ptr + n, mask=rmask, other=1.0)
+    k = tl.arange(0, BLOCK_S)
+    v2 = valid[:, None] & (k < SPLIT_V)[None, :]                    # [R, S]
+    o = r.to(tl.int64)[:, None] * SPLIT_V + k[None, :]
+    m_k = tl.load(stats_f_ptr + o * 5 + 0, mask=v2, other=-float("inf"))
+    s_k = tl.load(stats_f_ptr + o * 5 + 1, mask=v2, other=0.0)
+    u_k = tl.load(stats_f_ptr + o * 5 + 2, mask=v2, other=0.0)
+    best_k = tl.load(stats_f_ptr + o * 5 + 3, mask=v2, other=-float("inf"))
+    gbest_k = tl.load(stats_f_ptr + o * 5 + 4, mask=v2, other=-float("inf"))
+    i_k = tl.load(stats_i_ptr + o * 3 + 0, mask=v2, other=0)
+    gi_k = tl.load(stats_i_ptr + o * 3 + 1, mask=v2, other=0)
+    bad_k = tl.load(stats_i_ptr + o * 3 + 2, mask=v2, other=0)
+
+    m = tl.max(m_k, 1)
+    d = m_k - m[:, None]
+    a = tl.exp(d)
+    s = tl.sum(tl.where(v2, a * s_k, 0.0), 1)
+    u = tl.sum(tl.where(v2 & (a > 0.0), a * (u_k + d * s_k), 0.0), 1)   # a = 0: nothing (d = -inf: -inf * s_k)
+    s = tl.where(valid, s, 1.0)                                     # rows not computed: no log(0) / 0 / 0
+    h = tl.log(s) - tl.math.div_rn(u, s)
+    bmax = tl.max(best_k, 1)
+    ksel = tl.min(tl.where(v2 & (best_k == bmax[:, None]), k[None, :], BLOCK_S), 1)
+    amax = tl.sum(tl.where(k[None, :] == ksel[:, None], i_k, 0), 1).to(tl.int64)
+    gmax = tl.max(gbest_k, 1)
+    gsel = tl.min(tl.where(v2 & (gbest_k == gmax[:, None]), k[None, :], BLOCK_S), 1)
+    gamax = tl.sum(tl.where(k[None, :] == gsel[:, None], gi_k, 0), 1).to(tl.int64)
+    bad = tl.max(bad_k, 1) != 0
+    h = tl.where(bad, float("nan"), h)
+    greedy = T == 0.0
+    hstep = tl.where(greedy, tl.where(bad, float("nan"), 0.0), h)
+    sampled = tl.where(greedy, amax, gamax)
+
+    tl.store(m_ptr + r, tl.where(valid, m, 0.0), mask=rmask)
+    tl.store(inv_s_ptr + r, tl.where(valid, tl.math.div_rn(1.0, s), 0.0), mask=rmask)
+    tl.store(h_ptr + r, tl.where(valid, h, 0.0), mask=rmask)
+    tl.store(hstep_ptr + r, tl.where(valid, hstep, 0.0), mask=rmask)
+    tl.store(amax_ptr + r, tl.where(valid, amax, 0), mask=rmask)
+    tl.store(gamax_ptr + r, tl.where(valid, gamax, 0), mask=rmask)
+    tl.store(sampled_ptr + r, tl.where(valid, sampled, 0), mask=rmask)
+    tl.store(bad_ptr + r, (valid & bad).to(tl.uint8), mask=rmask)
+
+
+def row_stats(logits: torch.Tensor, T: torch.Tensor, seed: torch.Tensor, request_id: torch.Tensor,
+              canvas_index: torch.Tensor, step: torch.Tensor, active: torch.Tensor,
+              config: SamplerConfig | None = None) -> dict:
+    """Stage (a): per-position streaming statistics of ``z = logits / T``.
+
+    Args:
+        logits: float [N, CL, V] (last dim contiguous). T: float32 [N] (0 = greedy). seed, request_id,
+            canvas_index, step: [N] integer RNG coordinates. active: int32/bool [N] (0 rows are skipped).
+
+    Returns:
+        dict of [N, CL] tensors: ``m`` (max z) and ``inv_s`` (1 / sum exp(z - m)) float32, ``entropy`` float32
+        nats (NaN where a logit is non-finite), ``argmax``/``gumbel_argmax`` int64, ``bad`` bool. Values of
+        inactive rows are undefined (zeros today), and so is ``gumbel_argmax`` of greedy rows (T = 0: a program
+        whose rows are all greedy skips the Gumbel pass; the step uses ``argmax`` there). What the step decides
+        on besides: ``step_entropy`` float32 (``entropy``; greedy rows: 0, NaN where bad) and ``sampled`` int64
+        (``gumbel_argmax``; greedy rows: ``argmax``).
+
+    Two launches: :func:`_stats_kernel` (per position and vocabulary split) and :func:`_stats_merge_kernel` (the
+    splits merged per position).
+    """
+    N, CL, V = logits.shape
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    cfg = (config or SamplerConfig()).resolve(N * CL, V, 1, logits.device)
+    tile = 4 * cfg.block_g
+    chunk = triton.cdiv(triton.cdiv(V, cfg.split_v), tile) * tile
+    split_v = triton.cdiv(V, chunk)
+    dev = logits.device
+    sf = torch.empty(N * CL * split_v * 5, dtype=torch.float32, device=dev)
+    si = torch.empty(N * CL * split_v * 3, dtype=torch.int32, device=dev)
+    act = active.to(torch.int32).contiguous()
+    if N * CL > 0:
+        _stats_kernel[(triton.cdiv(N * CL, cfg.block_p), split_v)](
+            logits, logits.stride(0), logits.stride(1),
+            T.contiguous(), seed.contiguous(), request_id.contiguous(), canvas_index.contiguous(),
+            step.contiguous(), act, sf, si, N * CL, CL, V,
+            CHUNK=chunk, SPLIT_V=split_v, BLOCK_P=cfg.block_p, BLOCK_G=cfg.block_g, LOAD_STAGES=cfg.stats_stages,
+            MASKED=V % chunk != 0,
+            FAST_LOG=PREFILTER_LOG_MODE if PREFILTER_LOG_MODE is not None else (0 if interpret_mode() else 1),
+            num_warps=cfg.stats_warps,
+        )
+    # the [N, CL] results in two buffers (one allocation per dtype): f32 m, inv_s, entropy, step_entropy;
+    # i64 argmax, gumbel_argmax, sampled
+    f = torch.empty(4, N, CL, dtype=torch.float32, device=dev)
+    i = torch.empty(3, N, CL, dtype=torch.int64, device=dev)
+    bad = torch.empty(N, CL, dtype=torch.bool, device=dev)
+    if N * CL > 0:
+        block_r = 128 if logits.is_cuda else min(256, triton.next_power_of_2(N * CL))
+        _stats_merge_kernel[(triton.cdiv(N * CL, block_r),)](
+            sf, si, T.contiguous(), act, f[0], f[1], f[2], f[3], i[0], i[1], i[2], bad.view(torch.uint8),
+            N * CL, CL, SPLIT_V=split_v, BLOCK_S=triton.next_power_of_2(split_v), BLOCK_R=block_r, num_warps=4)
+    return dict(m=f[0], inv_s=f[1], entropy=f[2], argmax=i[0], gumbel_argmax=i[1], bad=bad, step_entropy=f[3],
+                sampled=i[2])
+
+
+@triton.jit
+def _moments_kernel(x_ptr, stride_xn, stride_xp, t_ptr, active_ptr, m_ptr, inv_s_ptr, R, CL, V,
+                    NUM_TILES: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Grid (R,): row max m = max(z) and inv_s = 1 / sum exp(z - m) of z = x / T (IEEE division, as the stats pass)
+    for one position whose request is active and samples (T > 0); other rows are not written. Per-lane online
+    max / sum (one exp2 per logit), merged once: the normaliser of the chunked soft embedding's probabilities,
+    so its GEMM can start before the stats pass ends (``SamplerConfig.stats_overlap``). Memory-bound: one read
+    of the logits."""
+    r = tl.program_id(0)
+    n = r // CL
+    p = r % CL
+    act = tl.load(active_ptr + n) != 0
+    T = tl.load(t_ptr + n)
+    if act & (T > 0.0):
+        base = x_ptr + n.to(tl.int64) * stride_xn + p.to(tl.int64) * stride_xp
+        offs = tl.arange(0, BLOCK_V)
+        mx = tl.full((BLOCK_V,), FLT_LOWEST, tl.float32)
+        sm = tl.zeros((BLOCK_V,), tl.float32)
+        for i in tl.range(0, NUM_TILES):          # NUM_TILES = cdiv(V, BLOCK_V) (a runtime bound fails the interpreter)
+            tok = i * BLOCK_V + offs
+            x = tl.load(base + tok, mask=tok < V, other=0.0).to(tl.float32)
+            z = tl.where(tok < V, tl.math.div_rn(x, T), -float("inf"))
+            d = z - mx
+            up = d > 0
+            e = tl.exp2(-tl.abs(d) * 1.4426950408889634)
+            sm = tl.where(up, e * sm + 1.0, sm + e)
+            mx = tl.where(up, z, mx)
+        mrow = tl.max(mx, 0)
+        srow = tl.sum(sm * tl.exp2((mx - mrow) * 1.4426950408889634), 0)
+        tl.store(m_ptr + r, mrow)
+        tl.store(inv_s_ptr + r, 1.0 / srow)
+
+
+def row_moments(logits: torch.Tensor, T: torch.Tensor, active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax normalisers of ``z = logits / T`` for the soft embedding only: ``(m, inv_s)`` float32 [N, CL], the
+    row max of z (bit-equal to :func:`row_stats`' m: the same IEEE z) and 1 / sum exp(z - m) (within float32
+    rounding of row_stats' value: lane order), on rows of active requests with T > 0; other rows are 0. One
+    memory-bound pass over the logits.
+
+    Args: logits float [N, CL, V] (contiguous last dim); T float32 [N]; active bool/int [N].
+    """
+    N, CL, V = logits.shape
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    m = torch.zeros(N, CL, dtype=torch.float32, device=logits.device)
+    inv_s = torch.zeros(N, CL, dtype=torch.float32, device=logits.device)
+    if N * CL > 0 and V > 0:
+        block_v = 2048 if logits.is_cuda else min(64, triton.next_power_of_2(V))
+        _moments_kernel[(N * CL,)](logits, logits.stride(0), logits.stride(1), T.contiguous(),
+                                   active.to(torch.int32).contiguous(), m, inv_s, N * CL, CL, V,
+                                   NUM_TILES=triton.cdiv(V, block_v), BLOCK_V=block_v, num_warps=4)
+    return m, inv_s

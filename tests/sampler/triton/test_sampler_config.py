@@ -1,0 +1,63 @@
+"""SamplerConfig (blockdiff.sampler.triton.config): field validation, resolution of the defaults, the default
+soft-embedding path, and the stats_overlap rule (no silent no-op on the Triton GEMM path)."""
+import pytest
+import torch
+
+from blockdiff.sampler import SamplerState, SamplingParams
+from blockdiff.sampler import triton as ts
+from blockdiff.sampler.triton.config import SamplerConfig, default_soft_impl
+
+
+def test_sampler_config_flags_must_be_bools_and_stats_overlap_refuses_the_triton_gemm_path():
+    """Regression: SamplerConfig(stats_overlap="no") silently meant True, and stats_overlap with the Triton GEMM
+    soft embedding (explicit, or soft_impl=None resolving to it: CPU / fp32 E) silently did nothing. Now a
+    TypeError / ValueError names the field, and sampler_step refuses before touching the state."""
+    for name in ("use_tma", "soft_overlap", "stats_overlap"):
+        with pytest.raises(TypeError, match=name):
+            SamplerConfig(**{name: "no"})
+        SamplerConfig(**{name: False})
+    with pytest.raises(ValueError, match="stats_overlap"):
+        SamplerConfig(soft_impl="triton_gemm", stats_overlap=True)
+    st = SamplerState(1, 4, 30, 8)
+    st.add_request(0, 3, SamplingParams(canvas_length=4))
+    before = st.phase.clone()
+    with pytest.raises(ValueError, match="stats_overlap"):   # CPU: soft_impl=None resolves to triton_gemm
+        ts.sampler_step(st, torch.tensor([0]), torch.zeros(1, 4, 30), torch.tensor([True]), torch.zeros(30, 8),
+                        config=SamplerConfig(stats_overlap=True))
+    assert torch.equal(st.phase, before)
+
+
+def test_default_soft_impl_is_chunked_on_cuda_for_half_embeddings_regression():
+    """Regression: the default was once decided on the unresolved config and never picked the chunked path."""
+    assert default_soft_impl(torch.device("cuda"), torch.bfloat16) == "chunked"
+    assert default_soft_impl(torch.device("cuda"), torch.float16) == "chunked"
+    assert default_soft_impl(torch.device("cuda"), torch.float32) == "triton_gemm"
+    assert default_soft_impl(torch.device("cpu"), torch.bfloat16) == "triton_gemm"
+
+
+def test_resolve_fills_every_field_and_keeps_explicit_ones():
+    """resolve() leaves no None launch parameter and never overrides a given field; on the CPU the embedding dtype
+    does not change the tiles (the fp32-E tiles are a GPU choice); split_k is clipped to the vocabulary's K tiles."""
+    cpu = torch.device("cpu")
+    r = SamplerConfig().resolve(64, 1000, 48, cpu)
+    for name in ("block_p", "block_g", "split_v", "stats_warps", "stats_stages", "block_m", "block_n", "block_k",
+                 "split_k", "gemm_warps", "gemm_stages"):
+        assert getattr(r, name) is not None and getattr(r, name) >= 1, name
+    assert r.resolve(64, 1000, 48, cpu) == r
+    assert SamplerConfig().resolve(64, 1000, 48, cpu, torch.float32) == r
+    mine = SamplerConfig(block_g=8, split_v=3, block_m=16, block_n=32, block_k=16, gemm_warps=2, soft_chunk=7)
+    rm = mine.resolve(64, 1000, 48, cpu, torch.float32)
+    assert (rm.block_g, rm.split_v, rm.block_m, rm.block_n, rm.block_k, rm.gemm_warps, rm.soft_chunk) == \
+        (8, 3, 16, 32, 16, 2, 7)
+    assert SamplerConfig(split_k=9).resolve(4, 100, 8, cpu).split_k == 2     # cdiv(V = 100, block_k = 64)
+
+
+def test_check_stats_overlap_names_the_resolved_path():
+    """check_stats_overlap passes without the option or with the chunked path, and names the path None resolved to
+    otherwise; soft_impl_for follows default_soft_impl unless soft_impl is given."""
+    SamplerConfig(stats_overlap=True, soft_impl="chunked").check_stats_overlap(torch.device("cpu"), torch.float32)
+    SamplerConfig().check_stats_overlap(torch.device("cpu"), torch.bfloat16)
+    with pytest.raises(ValueError, match="resolves to 'triton_gemm' for cpu"):
+        SamplerConfig(stats_overlap=True).check_stats_overlap(torch.device("cpu"), torch.bfloat16)
+    assert SamplerConfig().soft_impl_for(torch.device("cuda"), torch.bfloat16) == "chunked"
+    assert SamplerConfig(soft_impl="triton_gemm").soft_impl_for(torch.device("cuda"), torch.bfloat16) == "triton_gemm"
