@@ -2,7 +2,7 @@
 bidirectional rows over paged or contiguous KV, split-KV with an exact LSE merge, and warp-specialised Gluon
 kernels on sm_90. Semantics: docs/ARCHITECTURE.md §4 "The attention contract".
 
-Modules (each imports only those above it; tests in tests/attention/triton/test_<module>.py):
+Modules (each imports only those above it; tests in tests/attention/triton/test_triton_<module>.py):
 
 * :mod:`.common`: the ``@triton.jit`` helpers both kernel families share (tile -> sequence search, causal rows,
   KV base, per-row key interval, key-block ranges, rounding cast) and the split-KV merge kernel ``_merge_kernel``.

@@ -1,0 +1,90 @@
+"""The offline sm_90a compile check (attention/triton/compile_check.py): every Gluon configuration the automatic
+choice and the tests use compiles with wgmma, TMA and setmaxnreg, within shared memory, without serialised
+wgmma pipelines (ptxas C7512 / C7514) and without spills beyond the stated bounds (ptxas -v, no GPU needed)."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from blockdiff.attention.triton import config as tc
+
+
+def _compile_offline(kw):
+    """compile_for_sm90(**kw) in a fresh process without TRITON_INTERPRET (the interpreter replaces the
+    @triton.jit helpers Gluon calls); asserts it built with wgmma, TMA and setmaxnreg; returns (report, spill
+    bytes per function)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import json, sys; from blockdiff.attention.triton.compile_check import compile_for_sm90; "
+            "print(json.dumps(compile_for_sm90(**json.loads(sys.argv[1]))))")
+    r = subprocess.run([sys.executable, "-c", code, json.dumps(kw)], capture_output=True, text=True, env=env,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads(r.stdout.strip().splitlines()[-1])
+    assert rep["wgmma"] and rep["tma"] and rep["setmaxnreg"]
+    return rep, [int(x) for x in re.findall(r"(\d+) bytes spill stores", rep["ptxas"])]
+
+
+@pytest.mark.parametrize("bm,bn,nw,stages,D,paged,split,window,overlap,extra", [
+    # the automatic hd-128 choice: 128-key blocks of two 64-token pages, 2 K + 1 V buffers, split and not
+    (64, 128, 4, 2, 128, True, True, False, False, dict(page_size=64, v_stages=1)),
+    (64, 128, 4, 2, 128, True, False, False, False, dict(page_size=64, v_stages=1, causal_flags=True)),
+    (64, 64, 4, 2, 128, True, True, False, True, {}),     # the overlapped consumer, split
+    (128, 128, 8, 2, 128, True, True, False, False, {}),  # one consumer partition of two warpgroups, no overlap
+    (64, 64, 4, 3, 128, False, False, True, True, {}),    # contiguous, windowed
+    (64, 64, 4, 2, 256, True, False, True, False, {}),    # hd 256 sliding layers (the overlap spills ~100 B there)
+    (64, 64, 4, 2, 64, True, True, True, True, dict(lazy=True)),  # conditional rescaling in the overlapped consumer
+    # the wide hd-512 kernel (two consumer partitions): 64x32 with 2 K + 2 V buffers compiles without spills;
+    # the automatic 64x64 / one buffer each spills ~116 B (checked below, on the GPU it is the faster one)
+    (64, 32, 8, 2, 512, True, True, True, False, dict(group=8, num_kv_heads=2, page_size=64)),
+    # the chained consumer (PV of block j and QK^T of block j + 1 back to back): hd 256 and contiguous hd 128
+    (64, 64, 4, 2, 256, True, True, True, "chain", dict(page_size=64)),
+    (64, 128, 4, 2, 128, False, False, True, "chain", dict(v_stages=1)),
+])
+def test_gluon_kernel_compiles_for_sm90_without_spills(bm, bn, nw, stages, D, paged, split, window, overlap, extra):
+    rep, spills = _compile_offline(dict(block_m=bm, block_n=bn, num_warps=nw, num_stages=stages, head_dim=D,
+                                        paged=paged, split=split, window=window, overlap=overlap, **extra))
+    assert spills and max(spills) == 0, rep["ptxas"]  # (a substring test would also pass "120 bytes ...")
+    assert "C751" not in rep["ptxas"], rep["ptxas"]  # C7512 / C7514: ptxas serialised the wgmma pipeline
+    assert rep["shared"] <= 227 * 1024
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_chained_hd128_consumer_compiles_for_sm90_at_the_automatic_tile(split):
+    # the automatic hd-128 choice: 64x128, 2 K + 1 V buffers, OVERLAP="chain", paged with 64-token pages; ptxas
+    # spills one register (4 B) there, outside the wgmma pipeline
+    rep, spills = _compile_offline(dict(block_m=64, block_n=128, num_warps=4, num_stages=2, v_stages=1, head_dim=128,
+                                        paged=True, split=split, window=False, overlap="chain", page_size=64,
+                                        causal_flags=True))
+    assert "C751" not in rep["ptxas"], rep["ptxas"]
+    assert max(spills) <= 8, rep["ptxas"]
+    assert rep["shared"] <= 227 * 1024 // 2  # two programs per SM
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_wide_gluon_kernel_compiles_for_sm90_at_the_automatic_tile(lazy):
+    rep, spills = _compile_offline(dict(block_m=64, block_n=64, num_warps=8, num_stages=1, head_dim=512, paged=True,
+                                        split=True, window=False, overlap=False, group=8, num_kv_heads=2,
+                                        page_size=64, lazy=lazy))
+    assert "C751" not in rep["ptxas"], rep["ptxas"]
+    assert max(spills) <= 256, rep["ptxas"]
+    assert 224 * 1024 <= rep["shared"] <= tc.WIDE_SMEM_LIMIT
+
+
+@pytest.mark.parametrize("kw,max_spill", [
+    (dict(block_n=64, num_stages=1, head_dim=512, group=8, num_kv_heads=2, page_size=64, causal_flags=True), 0),
+    (dict(block_n=64, num_stages=1, head_dim=512, group=8, num_kv_heads=2, window=True), 0),
+    (dict(block_n=32, num_stages=2, v_stages=2, head_dim=512, group=8, num_kv_heads=2, page_size=32), 8),
+    (dict(block_n=64, num_stages=2, head_dim=256, page_size=64, causal_flags=True, window=True), 0),
+    (dict(block_n=128, num_stages=2, v_stages=1, head_dim=128, paged=False), 0),
+])
+def test_roles_kernel_compiles_for_sm90(kw, max_spill):
+    # the softmax warpgroup loads Q in 64-column pieces: whole 256-column loads spilled ~700 B at its 104 registers
+    kw = dict(dict(block_m=64, paged=True, split=True, window=False, overlap="roles"), **kw)
+    kw["num_warps"] = 4 * (1 + tc.roles_pv_warpgroups(kw["head_dim"]))
+    rep, spills = _compile_offline(kw)
+    assert "C751" not in rep["ptxas"], rep["ptxas"]
+    assert max(spills) <= max_spill, rep["ptxas"]
+    assert rep["shared"] <= tc.WIDE_SMEM_LIMIT

@@ -1,0 +1,49 @@
+"""Host side of the Gluon kernels' TMA loads (attention/triton/tma.py): eligibility rules, box rows, the cached
+descriptors."""
+import gc
+import weakref
+
+import pytest
+import torch
+
+from blockdiff.attention import attention
+from blockdiff.attention.triton import tma
+
+from triton_helpers import GLUON, make_batch
+
+
+def test_gluon_on_a_cpu_tensor_is_a_clear_error_not_a_fallback():
+    inp = make_batch([9, 5], [4, 5], causal=[False, True], D=64, page_size=64, device="cpu")
+    with pytest.raises(ValueError, match="IMPL.*gluon.*CUDA"):
+        attention(**inp, backend="triton", config=GLUON)
+
+
+def test_layout_rules_name_what_tma_needs():
+    kc = torch.zeros(4, 64, 2, 128, dtype=torch.bfloat16)
+    assert tma.layout_ineligible(kc, kc, paged=True, page_size=64, block_n=64) is None
+    assert tma.layout_ineligible(kc, kc, paged=True, page_size=64, block_n=128) is None  # two pages, two boxes
+    assert tma.tma_box_rows(True, 64, 128) == 64 and tma.tma_box_rows(True, 256, 128) == 128
+    assert tma.tma_box_rows(False, None, 128) == 128
+    for page in (4, 12, 48):  # not a multiple of 8 (swizzle atom), or neither divides the other
+        kp = torch.zeros(4, page, 2, 128, dtype=torch.bfloat16)
+        assert "BLOCK_N" in tma.layout_ineligible(kp, kp, paged=True, page_size=page, block_n=64)
+    both = torch.zeros(4, 2, 64, 2, 128, dtype=torch.bfloat16)  # [blocks, K/V, page, heads, dim]: pages strided
+    assert "stride(0)" in tma.layout_ineligible(both[:, 0], both[:, 1], paged=True, page_size=64, block_n=64)
+    heads_strided = torch.zeros(4, 64, 128, 4, dtype=torch.bfloat16).transpose(2, 3)[..., :2, :]
+    assert "contiguous" in tma.layout_ineligible(heads_strided, heads_strided, paged=True, page_size=64, block_n=64)
+    flat = torch.zeros(100, 2, 128, dtype=torch.bfloat16)
+    assert tma.layout_ineligible(flat, flat, paged=False, page_size=None, block_n=128) is None
+
+
+def test_cached_kv_descriptors_are_reused_and_do_not_keep_the_cache_alive():
+    kc = torch.zeros(4, 64, 2, 128, dtype=torch.bfloat16)
+    vc = torch.zeros_like(kc)
+    first = tma.make_kv_descriptors(kc, vc, 64)
+    assert tma.make_kv_descriptors(kc, vc, 64) is first
+    assert tma.make_kv_descriptors(kc, vc, 32) is not first  # the box rows are part of the key
+    assert first[0].base.data_ptr() == kc.data_ptr() and first[1].base.data_ptr() == vc.data_ptr()
+    assert first[0].shape == [256, 256] and first[0].strides == [256, 1] and first[0].block_shape == [64, 128]
+    ref = weakref.ref(kc)
+    del kc, vc
+    gc.collect()
+    assert ref() is None

@@ -1,0 +1,166 @@
+"""Builders and checks shared by the Triton backend's tests (tests/attention/triton/test_*.py import this module;
+no test file imports another).
+
+On the CPU the kernels run through the Triton interpreter (TRITON_INTERPRET=1, set by tests/conftest.py before
+triton is imported) on tiny shapes; GPU tests use the same builders on the H200. Every checked launch writes into
+an output poisoned with NaN, so an unwritten element fails ``check_close``.
+"""
+import torch
+from hypothesis import strategies as st
+
+from blockdiff.attention import attention
+from blockdiff.attention.testing import check_close
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+SMALL = dict(BLOCK_M=16, BLOCK_N=16)  # interpreter-sized tiles (tl.dot minimum)
+MIXED = dict(seq_lens=[9, 13, 6, 1, 5, 30], q_lens=[9, 4, 6, 1, 0, 12],
+             causal=[True, False, True, False, False, False])
+#: Gluon configs: the producer-warp kernel at 64 rows, the wide hd-512 kernel, the roles kernel (hd 512)
+GLUON = dict(IMPL="gluon", BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
+WIDE = dict(IMPL="gluon", BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=1, BLOCK_DV=512, OVERLAP=False)
+ROLES = dict(IMPL="gluon", BLOCK_M=64, BLOCK_N=64, num_warps=12, num_stages=1, OVERLAP="roles")
+GPU_BATCH = ([1500, 700, 333, 9], [700, 256, 0, 9], [700, 0, 0, 4])  # seq_lens, q_lens, num_causal_q
+GPU_HEADS = {64: (8, 8), 128: (16, 8), 256: (16, 8), 512: (16, 2)}  # head_dim: (num_heads, num_kv_heads)
+
+
+def make_batch(seq_lens, q_lens, *, causal=None, num_causal_q=None, H=4, Hkv=2, D=16, Dv=None, page_size=4,
+               dtype=torch.bfloat16, seed=0, paged=True, device=DEV, extra_blocks=1):
+    """Random mixed batch; paged with a permuted block table (plus unused blocks) or contiguous varlen."""
+    g = torch.Generator().manual_seed(seed)
+    Dv = Dv or D
+    B = len(seq_lens)
+    kw = {}
+    if paged:
+        blocks = [(s + page_size - 1) // page_size for s in seq_lens]
+        nblk = max(1, sum(blocks) + extra_blocks)
+        perm = torch.randperm(nblk, generator=g)
+        width = max(1, max(blocks, default=1) + 1)
+        bt = torch.randint(0, nblk, (B, width), generator=g, dtype=torch.int32)  # garbage beyond the used part
+        i = 0
+        for b, n in enumerate(blocks):
+            bt[b, :n] = perm[i:i + n]
+            i += n
+        kc = torch.randn(nblk, page_size, Hkv, D, generator=g)
+        vc = torch.randn(nblk, page_size, Hkv, Dv, generator=g)
+        kw["block_table"] = bt.to(device)
+    else:
+        total_k = sum(seq_lens) + 3
+        kc = torch.randn(total_k, Hkv, D, generator=g)
+        vc = torch.randn(total_k, Hkv, Dv, generator=g)
+        kw["cu_seqlens_k"] = torch.tensor([0] + torch.tensor(list(seq_lens) or [0]).cumsum(0).tolist()[:B],
+                                          dtype=torch.int32, device=device)
+    q = torch.randn(sum(q_lens), H, D, generator=g)
+    cu = torch.tensor([0] + (torch.tensor(list(q_lens)).cumsum(0).tolist() if B else []), dtype=torch.int32)
+    kw.update(q=q.to(dtype).to(device), k_cache=kc.to(dtype).to(device), v_cache=vc.to(dtype).to(device),
+              cu_seqlens_q=cu.to(device), seq_lens=torch.tensor(list(seq_lens), dtype=torch.int32, device=device))
+    if num_causal_q is not None:
+        kw["num_causal_q"] = torch.tensor(list(num_causal_q), dtype=torch.int32, device=device)
+    else:
+        kw["causal"] = torch.tensor(list(causal), dtype=torch.bool, device=device)
+    return kw
+
+
+def run_and_check(inp, *, config=None, window_size=None, bidirectional_window="symmetric", scale=None,
+                  check_lse=True):
+    """Launch into a NaN-poisoned ``out``; compare out and lse with the oracle; return (out, lse)."""
+    q, vc = inp["q"], inp["v_cache"]
+    out = torch.full((q.shape[0], q.shape[1], vc.shape[-1]), float("nan"), dtype=q.dtype, device=q.device)
+    o, lse = attention(**inp, window_size=window_size, bidirectional_window=bidirectional_window, scale=scale,
+                       out=out, return_lse=True, backend="triton", config=config)
+    assert o.data_ptr() == out.data_ptr()
+    check_close(o.cpu(), **{k: v.cpu() for k, v in inp.items()}, lse=lse.cpu() if check_lse else None,
+                window_size=window_size, bidirectional_window=bidirectional_window, scale=scale)
+    return o, lse
+
+
+def poison_stale_rows(inp):
+    """NaN in every cache row a sequence does not own: beyond seq_len in its last page, and in unused pages."""
+    kc, vc = inp["k_cache"], inp["v_cache"]
+    if "block_table" not in inp:
+        return inp
+    P = kc.shape[1]
+    used = torch.zeros(kc.shape[0], P, dtype=torch.bool, device=kc.device)
+    bt = inp["block_table"].tolist()
+    for b, n in enumerate(inp["seq_lens"].tolist()):
+        for pos in range(n):
+            used[bt[b][pos // P], pos % P] = True
+    kc[~used] = float("nan")
+    vc[~used] = float("nan")
+    return inp
+
+
+@st.composite
+def batches(draw):
+    B = draw(st.integers(0, 4))
+    q_lens, seq_lens, ncq = [], [], []
+    for _ in range(B):
+        ql = draw(st.sampled_from([0, 1, 2, 3, 5, 8, 13, 17]))
+        ctx = draw(st.sampled_from([0, 1, 2, 4, 9, 16, 23]))
+        q_lens.append(ql)
+        seq_lens.append(ql + ctx)
+        kind = draw(st.sampled_from(["causal", "bidir", "mixed"]))
+        ncq.append(ql if kind == "causal" else 0 if kind == "bidir" else draw(st.integers(0, ql)))
+    Hkv = draw(st.sampled_from([1, 2]))
+    group = draw(st.sampled_from([1, 2, 4, 8]))
+    return dict(
+        seq_lens=seq_lens, q_lens=q_lens, num_causal_q=ncq, H=Hkv * group, Hkv=Hkv,
+        D=draw(st.sampled_from([16, 32])), page_size=draw(st.sampled_from([1, 2, 3, 4, 5, 8, 16, 32])),
+        dtype=draw(st.sampled_from([torch.bfloat16, torch.float16, torch.float32])),
+        paged=draw(st.booleans()), seed=draw(st.integers(0, 2 ** 16)),
+    ), dict(
+        window_size=draw(st.sampled_from([None, 0, 1, 2, 3, 5, 8, 16, 40])),
+        bidirectional_window=draw(st.sampled_from(["symmetric", "prefix"])),
+        config=dict(BLOCK_M=max(16, group) * draw(st.sampled_from([1, 2])),
+                    BLOCK_N=draw(st.sampled_from([16, 32])),
+                    num_splits=draw(st.sampled_from([None, 1, 2, 3])),
+                    LAZY_RESCALE=draw(st.booleans()), BT_PREFETCH=draw(st.booleans())),
+    )
+
+
+def graph_replay_check(metas, *, page_size, max_k, window_size, config=None, max_q=None, H=16, Hkv=8, D=128):
+    """Capture one launch in a CUDA graph over persistent metadata buffers (static capacities: 700 query tokens,
+    4 sequences, ``max_k`` keys each), then replay it after rewriting flags, lengths and block tables with each of
+    ``metas`` = [(q_lens, seq_lens, num_causal_q), ...]; every replay is checked against the oracle."""
+    torch.manual_seed(0)
+    P = page_size
+    B, total_q = 4, 700
+    nblk = B * (max_k // P) + 8
+    kc = torch.randn(nblk, P, Hkv, D, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    q = torch.randn(total_q, H, D, device="cuda", dtype=torch.bfloat16)
+    cu = torch.zeros(B + 1, dtype=torch.int32, device="cuda")
+    sl = torch.zeros(B, dtype=torch.int32, device="cuda")
+    ncq = torch.zeros(B, dtype=torch.int32, device="cuda")
+    bt = torch.zeros(B, max_k // P, dtype=torch.int32, device="cuda")
+    out = torch.empty(total_q, H, D, device="cuda", dtype=torch.bfloat16)
+    lse = torch.empty(H, total_q, device="cuda")
+
+    def set_meta(q_lens, seq_lens, n_causal, seed):
+        g = torch.Generator().manual_seed(seed)
+        cu.copy_(torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32))
+        sl.copy_(torch.tensor(seq_lens, dtype=torch.int32))
+        ncq.copy_(torch.tensor(n_causal, dtype=torch.int32))
+        bt.copy_(torch.randperm(nblk, generator=g)[:bt.numel()].view_as(bt).to(torch.int32))
+
+    kw = dict(cu_seqlens_q=cu, seq_lens=sl, num_causal_q=ncq, block_table=bt, window_size=window_size)
+
+    def launch():
+        o, lv = attention(q, kc, vc, **kw, out=out, return_lse=True, check_values=False, backend="triton",
+                          config=config, max_seqlen_q=max_q, max_seqlen_k=max_k)
+        lse.copy_(lv)
+
+    set_meta(*metas[0], 1)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        launch()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        launch()
+    for step, meta in enumerate(metas):
+        set_meta(*meta, seed=10 + step)
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        check_close(out, q, kc, vc, lse=lse, **kw)
