@@ -13,17 +13,21 @@
    by ``BLOCKDIFF_ATTN_BACKEND`` (``triton`` default, or ``cute``; no fallback).
 
 The scheduler is chosen on the command line, not here: ``--scheduler-cls`` :data:`SCHEDULER_CLASS`
-(:mod:`blockdiff.integration.vllm_scheduler`) finishes the requests vLLM's own diffusion scheduler never would: a
+(:mod:`blockdiff.integration.vllm_scheduler`) finishes the requests vLLM's own scheduler never would: a
 request whose logits went non-finite (reported by the sampler through ``num_nans``; finish reason ``error``) and
 one whose next canvas no longer fits in ``max_model_len`` (finish reason ``length``). Without it such requests
 are scheduled forever.
 
 vLLM is imported lazily: importing this module never needs vLLM; calling :func:`register` without vLLM raises
-ImportError. Serving command (vLLM >= 0.24; interface read from 0.33.0): see :data:`SERVE_COMMAND`.
+ImportError. Checked with vLLM 0.26.0 and 0.33.0: what differs between them (ModelState hook names, the sampler's
+``add_request``, the scheduler classes) is in :mod:`blockdiff.integration.vllm_compat`; :func:`register` refuses
+a version it has no profile for. Serving command (the same for both): see :data:`SERVE_COMMAND`.
 """
 from __future__ import annotations
 
 import os
+
+from . import vllm_compat
 
 ARCHITECTURES = ("DiffusionGemmaForBlockDiffusion", "DiffusionGemmaForConditionalGeneration")
 MODEL_CLASS = "blockdiff.integration.vllm_model:BlockdiffDiffusionGemmaForConditionalGeneration"
@@ -44,7 +48,7 @@ SERVE_COMMAND = (
     "    --max-num-seqs 64 --max-num-batched-tokens 16384 --max-model-len 32768 --dtype bfloat16"
 )
 """The ``vllm serve`` command for the README. ``$DIFFUSIONGEMMA_CHECKPOINT``: a DiffusionGemma checkpoint
-(architecture ``DiffusionGemmaForBlockDiffusion``); ``--diffusion-config`` turns on vLLM's diffusion scheduler
+(architecture ``DiffusionGemmaForBlockDiffusion``); ``--diffusion-config`` turns on vLLM's diffusion path
 (canvas scheduled as draft tokens); ``--scheduler-cls`` picks :data:`SCHEDULER_CLASS` (with async scheduling:
 :data:`ASYNC_SCHEDULER_CLASS` instead); ``VLLM_PLUGINS=blockdiff`` loads only this plugin."""
 
@@ -56,8 +60,8 @@ def _require_vllm():
         import vllm  # noqa: F401
     except ImportError as e:
         raise ImportError(
-            "blockdiff's vLLM plugin needs vLLM (pip install -e '.[vllm]', vllm>=0.24; the ModelState interface "
-            f"was read from vLLM 0.33.0); vLLM could not be imported: {e}") from e
+            "blockdiff's vLLM plugin needs vLLM (pip install -e '.[vllm]'; checked with vLLM 0.26.0 and 0.33.0); "
+            f"vLLM could not be imported: {e}") from e
 
 
 def register() -> None:
@@ -66,10 +70,12 @@ def register() -> None:
 
     Raises:
         ImportError: vLLM is not installed (the message says how to install it).
-        ValueError: ``BLOCKDIFF_ATTN_BACKEND`` / ``BLOCKDIFF_SAMPLER_BACKEND`` name an unknown backend.
+        ValueError: ``BLOCKDIFF_ATTN_BACKEND`` / ``BLOCKDIFF_SAMPLER_BACKEND`` name an unknown backend; the
+            installed vLLM is a version the plugin has no profile for (:func:`.vllm_compat.profile_for`).
     """
     global _registered
     _require_vllm()
+    vllm_compat.current()  # refuses an unsupported vLLM version here, at plugin load, with the checked ones named
     attn = os.environ.get(ATTN_BACKEND_ENV, "triton")
     if attn not in ("triton", "cute", "reference"):
         raise ValueError(f"{ATTN_BACKEND_ENV} must be 'triton', 'cute' or 'reference', got {attn!r}")

@@ -1,5 +1,9 @@
-"""vLLM scheduler for blockdiff's DiffusionModelState: vLLM's diffusion scheduler, plus the two ways a
-block-diffusion request ends that vLLM's own stop checks never see.
+"""vLLM scheduler for blockdiff's DiffusionModelState: the scheduler vLLM itself runs a diffusion model with, plus
+the two ways a block-diffusion request ends that vLLM's own stop checks never see.
+
+The base classes depend on the vLLM version (:func:`blockdiff.integration.vllm_compat.scheduler_base_classes`):
+vLLM 0.33.0's ``DiffusionScheduler`` / ``DiffusionAsyncScheduler`` (``vllm/v1/core/sched/diffusion_scheduler.py``);
+vLLM 0.26.0 schedules diffusion in its main ``Scheduler`` / ``AsyncScheduler``.
 
 Select it with ``--scheduler-cls blockdiff.integration.vllm_scheduler.BlockdiffDiffusionScheduler`` (or
 ``BlockdiffDiffusionAsyncScheduler`` with ``--async-scheduling``); importing the classes needs vLLM, the helper
@@ -19,12 +23,14 @@ After every step (``update_from_output``) it finishes:
 Finishing goes through vLLM's ``Scheduler.finish_requests`` (the path a client abort takes): the request leaves
 the queues, its KV blocks are freed, and its id reaches the worker in the next ``finished_req_ids``, where model
 runner v2 calls ``DiffusionModelState.remove_request`` and frees the slot. Each gets an ``EngineCoreOutput`` with
-its finish reason, so the client is answered (no lost request). Interface read from vLLM 0.33.0
-(``vllm/v1/core/sched/scheduler.py``, ``diffusion_scheduler.py``).
+its finish reason, so the client is answered (no lost request). Interface read from vLLM 0.26.0 and 0.33.0
+(``vllm/v1/core/sched/scheduler.py``; 0.33.0's ``diffusion_scheduler.py``): the same in both.
 """
 from __future__ import annotations
 
 from typing import Any
+
+from .vllm_compat import scheduler_base_classes
 
 
 def diffusion_canvas_width(request: Any, canvas_length: int) -> int:
@@ -93,14 +99,11 @@ def _vllm_types():
 
 def _make_classes() -> dict[str, type]:
     try:
-        from vllm.v1.core.sched.diffusion_scheduler import (  # type: ignore
-            DiffusionAsyncScheduler,
-            DiffusionScheduler,
-        )
+        sync_base, async_base = scheduler_base_classes()
     except ImportError as e:
         raise ImportError(
-            "blockdiff.integration.vllm_scheduler's scheduler classes need vLLM (pip install -e '.[vllm]', "
-            f"vllm>=0.24; read from vLLM 0.33.0): {e}") from e
+            "blockdiff.integration.vllm_scheduler's scheduler classes need vLLM (pip install -e '.[vllm]'; "
+            f"checked with vLLM 0.26.0 and 0.33.0): {e}") from e
 
     def with_finish(base: type, name: str) -> type:
         class Scheduler(base):  # type: ignore[misc, valid-type]
@@ -115,9 +118,8 @@ def _make_classes() -> dict[str, type]:
                              "finish_stuck_requests` after each step.")
         return Scheduler
 
-    return {"BlockdiffDiffusionScheduler": with_finish(DiffusionScheduler, "BlockdiffDiffusionScheduler"),
-            "BlockdiffDiffusionAsyncScheduler": with_finish(DiffusionAsyncScheduler,
-                                                            "BlockdiffDiffusionAsyncScheduler")}
+    return {"BlockdiffDiffusionScheduler": with_finish(sync_base, "BlockdiffDiffusionScheduler"),
+            "BlockdiffDiffusionAsyncScheduler": with_finish(async_base, "BlockdiffDiffusionAsyncScheduler")}
 
 
 _classes: dict[str, type] = {}

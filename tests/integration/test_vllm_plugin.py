@@ -156,7 +156,8 @@ def test_vllm_mode_state_and_sampler_with_real_vllm_types():
 @pytest.fixture
 def vllm_sampler_output(monkeypatch):
     """vLLM's SamplerOutput class: the real one when vLLM is importable, else a stand-in module with the same
-    fields (vllm/v1/worker/gpu/sample/output.py, 0.33.0), so the vLLM-mode sampler path runs on CPU CI."""
+    fields (vllm/v1/worker/gpu/sample/output.py, the same in 0.26.0 and 0.33.0), so the vLLM-mode sampler path
+    runs on CPU CI."""
     if HAVE_VLLM:
         from vllm.v1.worker.gpu.sample.output import SamplerOutput
 
@@ -197,14 +198,67 @@ def _vllm_mode_state(R=3):
     return ms, sampler
 
 
-def _vllm_batch(rows):
-    """make_batch + vLLM's logits layout: prefill rows have no logits rows, canvas rows one per query token."""
+def _vllm_batch(rows, prefill_logits=0):
+    """make_batch + vLLM's logits layout: canvas rows one logits row per query token, prefill rows none, or
+    ``prefill_logits`` = 1 (vLLM 0.26.0's layout of a step that schedules no draft token: one row per request)."""
     import numpy as np
 
     b = make_batch(rows)
-    n_logits = np.array([0 if r[5] is not None else r[2] for r in rows], dtype=np.int32)
+    n_logits = np.array([prefill_logits if r[5] is not None else r[2] for r in rows], dtype=np.int32)
     b.cu_num_logits_np = np.concatenate([[0], np.cumsum(n_logits)]).astype(np.int32)
     return b, int(n_logits.sum())
+
+
+@needs_stack
+def test_vllm_0_26_prefill_only_step_with_one_logits_row_per_request(vllm_sampler_output):
+    """vLLM 0.26.0 gives every request one logits row when the step schedules no draft token (0.33.0 gives a
+    diffusion model none): the prefill rows still report num_sampled 0 / num_rejected 0 and move to DENOISE with
+    the same canvas as under 0.33.0's layout, and the next canvas step is unaffected."""
+    from types import SimpleNamespace as NS
+
+    from blockdiff.sampler import DENOISE
+
+    outs = []
+    for prefill_logits in (1, 0):
+        ms, sampler = _vllm_mode_state()
+        sp = NS(seed=3, max_tokens=None, ignore_eos=True, stop_token_ids=None, extra_args=None)
+        for slot, rid, prompt in ((0, "a", [1, 2, 3]), (2, "b", [1, 2, 3, 4])):
+            ms.add_request(slot, NS(req_id=rid, prompt_token_ids=prompt, sampling_params=sp))
+        b, n = _vllm_batch([("a", 0, 3, 0, 3, [1, 2, 3]), ("b", 2, 4, 0, 4, [1, 2, 3, 4])], prefill_logits)
+        assert n == 2 * prefill_logits
+        ms.prepare_inputs(b, None)
+        out = sampler(torch.randn(n, 64, generator=torch.Generator().manual_seed(5)), b)
+        assert out.num_sampled.tolist() == [0, 0] and out.num_rejected.tolist() == [0, 0]
+        assert ms.state.phase[[0, 2]].tolist() == [DENOISE, DENOISE]
+        canvas = ms.state.canvas[[0, 2]].clone()
+        b, n = _vllm_batch([("a", 0, CL, 3, 3, None), ("b", 2, CL, 4, 4, None)])
+        ms.prepare_inputs(b, None)
+        out2 = sampler(torch.randn(n, 64, generator=torch.Generator().manual_seed(6)), b)
+        outs.append((canvas, ms.state.canvas[[0, 2]].clone(), out2.num_rejected.tolist()))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert outs[0][2] == outs[1][2] == [CL, CL]
+
+
+def test_vllm_sampler_add_request_takes_either_versions_call():
+    """model runner v2 calls sampler.add_request(req_idx, sampling_params) in vLLM 0.33.0 and
+    add_request(req_idx, prompt_len, sampling_params) in 0.26.0."""
+    from blockdiff.integration.sampler import DiffusionSampler
+
+    s = object.__new__(DiffusionSampler)
+    assert s.add_request(0, object()) is None and s.add_request(0, 12, object()) is None
+
+
+@pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed here (pip install -e '.[vllm]' on a GPU host)")
+def test_register_refuses_a_vllm_version_without_profile(monkeypatch):
+    import vllm
+
+    from blockdiff.integration import vllm_compat
+
+    monkeypatch.setattr(vllm_compat, "_current", None)
+    monkeypatch.setattr(vllm, "__version__", "0.30.0")
+    monkeypatch.setattr(vllm_plugin, "_registered", False)
+    with pytest.raises(ValueError, match="0.26.x and >= 0.33"):
+        vllm_plugin.register()
 
 
 @needs_stack

@@ -55,18 +55,25 @@ def test_scheduler_classes_without_vllm_raise_clear_import_error():
 
 @pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed here (pip install -e '.[vllm]' on a GPU host)")
 def test_scheduler_classes_with_vllm():
-    """The classes resolve by the --scheduler-cls path, subclass vLLM's diffusion schedulers, and the helper
-    builds vLLM's own EngineCoreOutput with the error / length finish reasons."""
+    """The classes resolve by the --scheduler-cls path, subclass the schedulers the installed vLLM runs a
+    diffusion model with (0.33.0: DiffusionScheduler / DiffusionAsyncScheduler; 0.26.0: Scheduler /
+    AsyncScheduler), and the helper builds vLLM's own EngineCoreOutput with the error / length finish reasons."""
     from vllm.utils.import_utils import resolve_obj_by_qualname
-    from vllm.v1.core.sched.diffusion_scheduler import DiffusionAsyncScheduler, DiffusionScheduler
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.engine import EngineCoreOutput, FinishReason
     from vllm.v1.request import RequestStatus
 
-    from blockdiff.integration import vllm_plugin
+    from blockdiff.integration import vllm_compat, vllm_plugin
 
     sync = resolve_obj_by_qualname(vllm_plugin.SCHEDULER_CLASS)
     asyn = resolve_obj_by_qualname(vllm_plugin.ASYNC_SCHEDULER_CLASS)
-    assert issubclass(sync, DiffusionScheduler) and issubclass(asyn, DiffusionAsyncScheduler)
+    sync_base, async_base = vllm_compat.scheduler_base_classes()
+    assert sync.__bases__ == (sync_base,) and asyn.__bases__ == (async_base,)
+    assert issubclass(asyn, AsyncScheduler) and not issubclass(sync, AsyncScheduler)
+    if vllm_compat.current().diffusion_scheduler:
+        from vllm.v1.core.sched.diffusion_scheduler import DiffusionAsyncScheduler, DiffusionScheduler
+
+        assert issubclass(sync, DiffusionScheduler) and issubclass(asyn, DiffusionAsyncScheduler)
     assert "update_from_output" in vars(sync) and "update_from_output" in vars(asyn)
 
     class Req(FakeRequest):
