@@ -6,13 +6,23 @@ fills in place from the phase). Only the attention call changes: one :func:`bloc
 launch over the whole mixed batch, with the backend named by ``BLOCKDIFF_ATTN_BACKEND`` (default ``triton``;
 ``cute``; no fallback). Sliding windows: vLLM's ``sliding_window`` (Gemma's 1024) is W = sliding_window - 1
 keys per side, symmetric for bidirectional rows (vLLM's convention).
+
+Two things are not FlashAttention's (the same in vLLM 0.26.0 and 0.33.0): the metadata builder never computes
+FA3's ahead-of-time schedule (:class:`BlockdiffAttentionMetadataBuilder`: vLLM's builder passes the per-request
+``causal`` tensor to ``get_scheduler_metadata``, which takes a bool, whenever FA3 is the installed FlashAttention),
+and the head sizes the backend accepts are blockdiff's (:meth:`BlockdiffAttentionBackend.supports_head_size`:
+FlashAttention's own refuses head size 512, DiffusionGemma's global layers, unless FA4 is importable).
 """
 from __future__ import annotations
 
 import os
 
 import torch
-from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend, FlashAttentionImpl  # type: ignore
+from vllm.v1.attention.backends.flash_attn import (  # type: ignore
+    FlashAttentionBackend,
+    FlashAttentionImpl,
+    FlashAttentionMetadataBuilder,
+)
 
 from .vllm_plugin import ATTN_BACKEND_ENV
 
@@ -61,6 +71,21 @@ class BlockdiffAttentionImpl(FlashAttentionImpl):
         return output
 
 
+#: Largest head size per ``BLOCKDIFF_ATTN_BACKEND`` (the CuTe kernel's tested head sizes stop at 256; the Triton
+#: kernels are tuned for 128 and 512).
+MAX_HEAD_SIZE = {"triton": 512, "reference": 512, "cute": 256}
+
+
+class BlockdiffAttentionMetadataBuilder(FlashAttentionMetadataBuilder):
+    """vLLM's FlashAttention metadata builder without FA3's ahead-of-time scheduling (``aot_schedule``): blockdiff's
+    kernel does not read ``scheduler_metadata``, and FA3's ``get_scheduler_metadata`` takes ``causal`` as a bool
+    while a diffusion step's is a per-request tensor."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.aot_schedule = False
+
+
 class BlockdiffAttentionBackend(FlashAttentionBackend):
     """vLLM's FlashAttention backend (metadata, KV layout, KV write) with blockdiff's attention kernel."""
 
@@ -71,3 +96,14 @@ class BlockdiffAttentionBackend(FlashAttentionBackend):
     @staticmethod
     def get_impl_cls():
         return BlockdiffAttentionImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return BlockdiffAttentionMetadataBuilder
+
+    @classmethod
+    def supports_head_size(cls, head_size: int) -> bool:
+        """Multiples of 8 up to :data:`MAX_HEAD_SIZE` of the ``BLOCKDIFF_ATTN_BACKEND`` backend (vLLM's backend
+        selector reports "head_size not supported" otherwise)."""
+        limit = MAX_HEAD_SIZE.get(os.environ.get(ATTN_BACKEND_ENV, "triton"), 0)
+        return head_size % 8 == 0 and 0 < head_size <= limit
