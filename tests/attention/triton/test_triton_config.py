@@ -52,7 +52,8 @@ def test_resident_program_estimate_sees_the_kernels_tile_widths(monkeypatch):
     seen = []
     real = tc.ctas_per_sm
     monkeypatch.setattr(tc, "ctas_per_sm", lambda *a: seen.append(a) or real(*a))
-    inp = make_batch(seq_lens=[14, 6], q_lens=[4, 6], causal=[False, True], D=24, Dv=40, H=4, Hkv=2)
+    inp = make_batch(seq_lens=[14, 6], q_lens=[4, 6], causal=[False, True], head_dim=24, head_dim_v=40, num_heads=4,
+                     num_kv_heads=2)
     run_and_check(inp, config=dict(SMALL, BLOCK_DV=16), window_size=3)
     assert seen and all(a[4:6] == (32, 16) for a in seen), seen
 
@@ -62,13 +63,15 @@ def test_many_short_sequences_do_not_split_a_full_grid():
     4096-key capacity are 150 tiles x 2 KV heads = 300 programs (more than 264 slots: no split); estimating
     cdiv(150, BLOCK_Q) = 19 tiles split them 6 ways."""
     n = 150
-    inp = make_batch(seq_lens=[40] * n, q_lens=[1] * n, causal=[False] * n, H=4, Hkv=2, D=16, page_size=16)
+    inp = make_batch(seq_lens=[40] * n, q_lens=[1] * n, causal=[False] * n, num_heads=4, num_kv_heads=2, head_dim=16,
+                     page_size=16)
     bt = inp["block_table"]   # a block table of 256 pages per row (capacity 4096 keys, as a serving cache has)
     inp["block_table"] = torch.cat([bt, torch.zeros(bt.shape[0], 256 - bt.shape[1], dtype=bt.dtype,
                                                     device=bt.device)], 1)
     run_and_check(inp, config=SMALL)
     assert ta.LAST_LAUNCH["num_splits"] == 1
-    one = make_batch(seq_lens=[2000], q_lens=[16], causal=[False], H=4, Hkv=2, D=16, page_size=16)
+    one = make_batch(seq_lens=[2000], q_lens=[16], causal=[False], num_heads=4, num_kv_heads=2, head_dim=16,
+                     page_size=16)
     run_and_check(one, config=SMALL)                      # one sequence over a long context still splits
     assert ta.LAST_LAUNCH["num_splits"] > 1
 
@@ -85,7 +88,7 @@ def test_split_regime_uses_its_tuned_tiles_only_when_the_base_tiles_would_split(
     """A kernel with split-regime tiles (TUNED_SPLIT_CONFIGS; here set on an interpreter kernel) uses them for a
     few q tiles over a long context and keeps the base tiles otherwise or when the caller pins tiles; results
     equal the oracle either way."""
-    inp = make_batch(seq_lens=[600], q_lens=[8], causal=[False], H=4, Hkv=2, D=16, page_size=16)
+    inp = make_batch(seq_lens=[600], q_lens=[8], causal=[False], num_heads=4, num_kv_heads=2, head_dim=16, page_size=16)
     kern = tc.get_kernel(16, 16, 2, torch.bfloat16, True, 16, False, False)
     split_tiles = dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=1)
     old = kern.split_base
@@ -96,8 +99,8 @@ def test_split_regime_uses_its_tuned_tiles_only_when_the_base_tiles_would_split(
         assert ta.LAST_LAUNCH["num_splits"] > 1
         run_and_check(inp, config=dict(BLOCK_M=16, BLOCK_N=16))          # pinned tiles win
         assert ta.LAST_LAUNCH["config"]["BLOCK_M"] == 16
-        many = make_batch(seq_lens=[20] * 40, q_lens=[20] * 40, causal=[True] * 40, H=4, Hkv=2, D=16,
-                          page_size=16)
+        many = make_batch(seq_lens=[20] * 40, q_lens=[20] * 40, causal=[True] * 40, num_heads=4, num_kv_heads=2,
+                          head_dim=16, page_size=16)
         run_and_check(many)                                               # enough programs: no split, base tiles
         assert ta.LAST_LAUNCH["num_splits"] == 1 and ta.LAST_LAUNCH["config"]["BLOCK_N"] == kern.base["BLOCK_N"]
     finally:
@@ -117,7 +120,7 @@ def test_block_table_prefetch_option_must_be_a_bool():
 def test_a_cached_valid_config_does_not_let_an_equal_value_of_the_wrong_type_through(good, bad, name):
     """The resolved-config cache was keyed by the override's items: True == 1 == 1.0 hash alike, so after a call
     with {BT_PREFETCH: True} a call with {BT_PREFETCH: 1} hit the cache and skipped validation."""
-    inp = make_batch(seq_lens=[8], q_lens=[8], causal=[True], page_size=16, D=32)
+    inp = make_batch(seq_lens=[8], q_lens=[8], causal=[True], page_size=16, head_dim=32)
     attention(**inp, backend="triton", config=good)
     with pytest.raises(ValueError, match=name):
         attention(**inp, backend="triton", config=bad)
@@ -135,7 +138,7 @@ def test_a_cached_valid_config_does_not_let_an_equal_value_of_the_wrong_type_thr
     (dict(IMPL="triton", OVERLAP=False), "OVERLAP"), (dict(IMPL="cuda", V_STAGES=1), "IMPL"),
 ])
 def test_bad_gluon_configs_name_the_field(bad, match):
-    inp = make_batch([9], [4], causal=[False], D=64, page_size=64, device="cpu")
+    inp = make_batch([9], [4], causal=[False], head_dim=64, page_size=64, device="cpu")
     with pytest.raises(ValueError, match=match):
         attention(**inp, backend="triton", config=dict(GLUON, **bad))
 
@@ -150,7 +153,7 @@ def test_bad_gluon_configs_name_the_field(bad, match):
 def test_bad_wide_gluon_configs_name_the_rule(bad, match):
     # hd 512 (Gemma 4 global layers): two consumer warpgroups of 64 rows, Q + K / V rings + the partial-S
     # exchange within 227 KB of shared memory
-    inp = make_batch([9], [4], causal=[False], H=16, Hkv=2, D=512, page_size=64, device="cpu")
+    inp = make_batch([9], [4], causal=[False], num_heads=16, num_kv_heads=2, head_dim=512, page_size=64, device="cpu")
     with pytest.raises(ValueError, match=match):
         attention(**inp, backend="triton", config=dict(WIDE, **bad))
     tc.check_gluon_config(tc.TritonConfig(**dict(WIDE, V_STAGES=None)), 512, 512)  # the automatic hd-512 choice fits

@@ -11,7 +11,7 @@ from blockdiff.attention.testing import check_close
 from blockdiff.attention.triton import config as tc
 from blockdiff.attention.triton import interface as TA
 
-from triton_helpers import GLUON, ROLES, graph_replay_check, make_batch, poison_stale_rows
+from triton_helpers import GLUON, ROLES, graph_replay_check, make_batch
 
 
 def _check(inp, config, **kw):
@@ -47,8 +47,8 @@ GPU_CASES = [
 @pytest.mark.parametrize("case", [0, 1])
 def test_gpu_gluon_paged_matches_reference_with_nan_in_stale_rows(D, H, Hkv, page_size, case):
     sl, ql, ncq = GPU_CASES[case]
-    inp = poison_stale_rows(make_batch(sl, ql, num_causal_q=ncq, H=H, Hkv=Hkv, D=D, page_size=page_size,
-                                       device="cuda", seed=D + page_size + case))
+    inp = make_batch(sl, ql, num_causal_q=ncq, num_heads=H, num_kv_heads=Hkv, head_dim=D, page_size=page_size,
+                     device="cuda", seed=D + page_size + case, poison_unused=True)
     cfgs = [GLUON, dict(GLUON, BLOCK_M=128, num_warps=8, BLOCK_N=64, num_stages=3 if D <= 128 else 2,
                         OVERLAP=case == 0)]
     if D <= 128:
@@ -64,8 +64,8 @@ def test_gpu_gluon_key_blocks_spanning_several_pages(D, H, Hkv, page_size):
     # exactly as wide as the longest sequence needs (boxes past seq_len re-read the last page, never a column
     # beyond the table)
     sl, ql, ncq = GPU_CASES[0]
-    inp = poison_stale_rows(make_batch(sl, ql, num_causal_q=ncq, H=H, Hkv=Hkv, D=D, page_size=page_size,
-                                       device="cuda", seed=7 * D + page_size))
+    inp = make_batch(sl, ql, num_causal_q=ncq, num_heads=H, num_kv_heads=Hkv, head_dim=D, page_size=page_size,
+                     device="cuda", seed=7 * D + page_size, poison_unused=True)
     inp["block_table"] = inp["block_table"][:, :-(-max(sl) // page_size)].contiguous()
     cfgs = (dict(GLUON, BLOCK_N=128, num_stages=1), dict(GLUON, BLOCK_N=128, V_STAGES=1),
             dict(GLUON, BLOCK_N=128, OVERLAP=True), dict(GLUON, BLOCK_M=128, num_warps=8, BLOCK_N=128),
@@ -80,8 +80,8 @@ def test_gpu_gluon_head_dim_512_two_warpgroups_split_the_head_dim(page_size, cas
     # Gemma 4 global layers: hd 512, 16 query heads on 2 KV heads; the wide kernel's two consumer warpgroups split
     # the head dim (partial S summed through shared memory, each warpgroup half of the V columns)
     sl, ql, ncq = GPU_CASES[case]
-    inp = poison_stale_rows(make_batch(sl, ql, num_causal_q=ncq, H=16, Hkv=2, D=512, page_size=page_size,
-                                       device="cuda", seed=512 + page_size + case))
+    inp = make_batch(sl, ql, num_causal_q=ncq, num_heads=16, num_kv_heads=2, head_dim=512, page_size=page_size,
+                     device="cuda", seed=512 + page_size + case, poison_unused=True)
     base = dict(IMPL="gluon", BLOCK_M=64, num_warps=8, OVERLAP=False, BLOCK_DV=512)
     cfgs = (dict(base, BLOCK_N=32, num_stages=2), dict(base, BLOCK_N=32, num_stages=3, V_STAGES=1),
             dict(base, BLOCK_N=64, num_stages=1, LAZY_RESCALE=case == 1))
@@ -96,8 +96,8 @@ def test_gpu_gluon_chained_consumer_matches_reference(D, H, Hkv, page_size, case
     # OVERLAP="chain": PV of block j and QK^T of block j + 1 issued back to back and retired together, the last
     # block's PV alone; programs with 0, 1 and many key blocks (splits, windows), NaN in stale cache rows
     sl, ql, ncq = GPU_CASES[case]
-    inp = poison_stale_rows(make_batch(sl, ql, num_causal_q=ncq, H=H, Hkv=Hkv, D=D, page_size=page_size,
-                                       device="cuda", seed=3 * D + page_size + case))
+    inp = make_batch(sl, ql, num_causal_q=ncq, num_heads=H, num_kv_heads=Hkv, head_dim=D, page_size=page_size,
+                     device="cuda", seed=3 * D + page_size + case, poison_unused=True)
     cfgs = [dict(GLUON, OVERLAP="chain"), dict(GLUON, OVERLAP="chain", num_stages=1, V_STAGES=1),
             dict(GLUON, OVERLAP="chain", BLOCK_M=128, num_warps=8, LAZY_RESCALE=True)]
     if D <= 128:
@@ -114,8 +114,8 @@ def test_gpu_gluon_roles_kernel_matches_reference(D, H, Hkv, page_size, case):
     # PV warpgroups, each warpgroup refilling its own K / V ring; programs with 0, 1 and many key blocks (splits,
     # windows), NaN in stale cache rows, key blocks of several pages
     sl, ql, ncq = GPU_CASES[case]
-    inp = poison_stale_rows(make_batch(sl, ql, num_causal_q=ncq, H=H, Hkv=Hkv, D=D, page_size=page_size,
-                                       device="cuda", seed=11 * D + page_size + case))
+    inp = make_batch(sl, ql, num_causal_q=ncq, num_heads=H, num_kv_heads=Hkv, head_dim=D, page_size=page_size,
+                     device="cuda", seed=11 * D + page_size + case, poison_unused=True)
     base = dict(ROLES, num_warps=4 * (1 + tc.roles_pv_warpgroups(D)))
     if D > 256:
         cfgs = [base, dict(base, BLOCK_N=32, num_stages=2, V_STAGES=2)]
@@ -129,12 +129,13 @@ def test_gpu_gluon_roles_kernel_matches_reference(D, H, Hkv, page_size, case):
 def test_gpu_gluon_head_dim_512_contiguous_fp16_window_0_and_an_exact_block_table(dtype):
     sl, ql, ncq = GPU_CASES[0]
     cfg = dict(IMPL="gluon", BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=1, OVERLAP=False)  # BLOCK_DV: all of V
-    inp = make_batch(sl, ql, num_causal_q=ncq, H=16, Hkv=2, D=512, paged=False, dtype=dtype, device="cuda")
+    inp = make_batch(sl, ql, num_causal_q=ncq, num_heads=16, num_kv_heads=2, head_dim=512, paged=False, dtype=dtype,
+                     device="cuda")
     _check(inp, cfg)
     _check(inp, dict(cfg, num_splits=3), window_size=0)
     # 32-token pages (two TMA boxes per 64-key block), the block table exactly cdiv(seq_len, 32) wide
-    inp = poison_stale_rows(make_batch(sl, ql, num_causal_q=ncq, H=16, Hkv=2, D=512, page_size=32, dtype=dtype,
-                                       device="cuda", seed=5))
+    inp = make_batch(sl, ql, num_causal_q=ncq, num_heads=16, num_kv_heads=2, head_dim=512, page_size=32, dtype=dtype,
+                     device="cuda", seed=5, poison_unused=True)
     inp["block_table"] = inp["block_table"][:, :-(-max(sl) // 32)].contiguous()
     _check(inp, cfg, window_size=127)
     clean = dict(inp, k_cache=torch.nan_to_num(inp["k_cache"]), v_cache=torch.nan_to_num(inp["v_cache"]))
@@ -146,7 +147,8 @@ def test_gpu_gluon_head_dim_512_contiguous_fp16_window_0_and_an_exact_block_tabl
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_gluon_contiguous_form_and_dtypes(dtype):
     sl, ql, ncq = GPU_CASES[0]
-    inp = make_batch(sl, ql, num_causal_q=ncq, H=16, Hkv=8, D=128, paged=False, dtype=dtype, device="cuda")
+    inp = make_batch(sl, ql, num_causal_q=ncq, num_heads=16, num_kv_heads=8, head_dim=128, paged=False, dtype=dtype,
+                     device="cuda")
     for cfg in (GLUON, dict(GLUON, BLOCK_M=128, num_warps=8, BLOCK_N=128), dict(GLUON, OVERLAP=False),
                 dict(GLUON, LAZY_RESCALE=True), dict(GLUON, BLOCK_N=128, OVERLAP=False, LAZY_RESCALE=True)):
         _check(inp, cfg)
@@ -171,7 +173,8 @@ def test_gpu_gluon_cuda_graph_replay_with_changed_flags_lengths_and_block_tables
 @pytest.mark.parametrize("D,H,Hkv", [(512, 16, 2), (256, 16, 8)])
 def test_gpu_roles_kernel_contiguous_form_and_dtypes(dtype, D, H, Hkv):
     sl, ql, ncq = GPU_CASES[0]
-    inp = make_batch(sl, ql, num_causal_q=ncq, H=H, Hkv=Hkv, D=D, paged=False, dtype=dtype, device="cuda")
+    inp = make_batch(sl, ql, num_causal_q=ncq, num_heads=H, num_kv_heads=Hkv, head_dim=D, paged=False, dtype=dtype,
+                     device="cuda")
     cfg = dict(ROLES, num_warps=4 * (1 + tc.roles_pv_warpgroups(D)), num_stages=1 if D > 256 else 2)
     _check(inp, cfg)
     _check(inp, dict(cfg, num_splits=3), window_size=127)
@@ -191,8 +194,8 @@ def test_gpu_automatic_choice_takes_gluon_only_where_tuned_and_tma_can_read_the_
     # page 16: eligible explicitly (one TMA box per page) but not chosen automatically (not measured)
     for page_size, dtype, want in [(64, torch.bfloat16, "gluon"), (16, torch.bfloat16, "triton"),
                                    (64, torch.float32, "triton")]:
-        inp = poison_stale_rows(make_batch(sl, ql, num_causal_q=ncq, H=16, Hkv=8, D=128, page_size=page_size,
-                                           dtype=dtype, device="cuda"))
+        inp = make_batch(sl, ql, num_causal_q=ncq, num_heads=16, num_kv_heads=8, head_dim=128, page_size=page_size,
+                         dtype=dtype, device="cuda", poison_unused=True)
         q, vc = inp["q"], inp["v_cache"]
         out = torch.full((q.shape[0], q.shape[1], vc.shape[-1]), float("nan"), dtype=q.dtype, device=q.device)
         o, lse = attention(**inp, out=out, return_lse=True, backend="triton")
@@ -200,11 +203,12 @@ def test_gpu_automatic_choice_takes_gluon_only_where_tuned_and_tma_can_read_the_
         clean = dict(inp, k_cache=torch.nan_to_num(inp["k_cache"]), v_cache=torch.nan_to_num(inp["v_cache"]))
         check_close(o, **clean, lse=lse)
     # hd 256 without a window (no tuned Gluon entry) stays on the portable kernel
-    inp = make_batch(sl, ql, num_causal_q=ncq, H=16, Hkv=8, D=256, page_size=64, device="cuda")
+    inp = make_batch(sl, ql, num_causal_q=ncq, num_heads=16, num_kv_heads=8, head_dim=256, page_size=64, device="cuda")
     attention(**inp, backend="triton")
     assert TA.LAST_LAUNCH["impl"] == "triton"
     # hd 512 (Gemma 4 global layers): the roles kernel
-    inp = poison_stale_rows(make_batch(sl, ql, num_causal_q=ncq, H=16, Hkv=2, D=512, page_size=64, device="cuda"))
+    inp = make_batch(sl, ql, num_causal_q=ncq, num_heads=16, num_kv_heads=2, head_dim=512, page_size=64, device="cuda",
+                     poison_unused=True)
     clean = dict(inp, k_cache=torch.nan_to_num(inp["k_cache"]), v_cache=torch.nan_to_num(inp["v_cache"]))
     o = attention(**inp, backend="triton")
     assert TA.LAST_LAUNCH["impl"] == "gluon" and TA.LAST_LAUNCH["config"]["OVERLAP"] == "roles"

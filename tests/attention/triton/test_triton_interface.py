@@ -37,7 +37,7 @@ def test_non_contiguous_metadata_is_read_by_value_not_by_layout(name):
 @pytest.mark.parametrize("config", [dict(SMALL, BLOCK_DV=16), dict(SMALL, num_splits=2), SMALL])
 def test_out_aliasing_q_gives_the_unaliased_result(config):
     """out=q (or any out overlapping an input): V head-dim slices re-read Q after another slice wrote out."""
-    inp = make_batch(**MIXED, D=32)
+    inp = make_batch(**MIXED, head_dim=32)
     ref = attention_triton(**inp, config=config, window_size=3)
     o = attention_triton(**inp, config=config, window_size=3, out=inp["q"])
     assert o.data_ptr() == inp["q"].data_ptr()
@@ -77,7 +77,7 @@ def test_bad_config_and_dtype_raise_clear_errors():
     with pytest.raises(ValueError, match="LAZY_RESCALE"):
         attention_triton(**inp, config=dict(LAZY_RESCALE=1))
     with pytest.raises(ValueError, match="BLOCK_M"):
-        attention_triton(**make_batch(**MIXED, H=32, Hkv=1), config=dict(BLOCK_M=16))
+        attention_triton(**make_batch(**MIXED, num_heads=32, num_kv_heads=1), config=dict(BLOCK_M=16))
     with pytest.raises(TypeError, match="q must be"):
         attention_triton(**make_batch(**MIXED, dtype=torch.float64))
     with pytest.raises(ValueError, match="include the query"):
@@ -89,7 +89,8 @@ def test_bad_config_and_dtype_raise_clear_errors():
 def test_causal_flags_reach_the_kernel_without_a_conversion_op(monkeypatch):
     """``causal`` [B] bool is read by the kernel itself (q_len if set, else 0): no num_causal_q conversion op per
     call; the result equals the reference (which converts) and the num_causal_q form."""
-    inp = make_batch(seq_lens=[20, 17, 9, 0], q_lens=[11, 9, 9, 0], causal=[True, False, True, False], H=4, Hkv=2)
+    inp = make_batch(seq_lens=[20, 17, 9, 0], q_lens=[11, 9, 9, 0], causal=[True, False, True, False], num_heads=4,
+                     num_kv_heads=2)
     ncq = validate.causal_row_counts(inp["causal"], inp["cu_seqlens_q"])
 
     def forbidden(*a, **k):
@@ -120,8 +121,8 @@ def _named(name, dtype=torch.bfloat16, page_size=64, seed=0):
     }
     layer, (ql, sl, c) = shapes[name]
     H, Hkv, D, W, mode = layers[layer]
-    inp = make_batch(sl, ql, causal=c, H=H, Hkv=Hkv, D=D, page_size=page_size, dtype=dtype, seed=seed,
-                     device="cuda")
+    inp = make_batch(sl, ql, causal=c, num_heads=H, num_kv_heads=Hkv, head_dim=D, page_size=page_size, dtype=dtype,
+                     seed=seed, device="cuda")
     return inp, dict(window_size=W, bidirectional_window=mode, scale=1.0 if D == 512 else None)
 
 
@@ -163,7 +164,8 @@ def test_gpu_named_workloads_bf16(name):
 def test_gpu_head_dims_and_dtypes(D, dtype):
     H, Hkv = GPU_HEADS[D]
     sl, ql, ncq = GPU_BATCH
-    inp = make_batch(sl, ql, num_causal_q=ncq, H=H, Hkv=Hkv, D=D, dtype=dtype, page_size=64, device="cuda", seed=D)
+    inp = make_batch(sl, ql, num_causal_q=ncq, num_heads=H, num_kv_heads=Hkv, head_dim=D, dtype=dtype, page_size=64,
+                     device="cuda", seed=D)
     _check_gpu(inp)
     _check_gpu(inp, window_size=127)
 
@@ -173,7 +175,8 @@ def test_gpu_head_dims_and_dtypes(D, dtype):
 def test_gpu_prefix_window_and_split(D):
     H, Hkv = GPU_HEADS[D]
     sl, ql, ncq = GPU_BATCH
-    inp = make_batch(sl, ql, num_causal_q=ncq, H=H, Hkv=Hkv, D=D, page_size=16, device="cuda", seed=D)
+    inp = make_batch(sl, ql, num_causal_q=ncq, num_heads=H, num_kv_heads=Hkv, head_dim=D, page_size=16, device="cuda",
+                     seed=D)
     _check_gpu(inp, window_size=127, bidirectional_window="prefix")
     _check_gpu(inp, window_size=100, config=dict(num_splits=4))
 
@@ -181,8 +184,8 @@ def test_gpu_prefix_window_and_split(D):
 @pytest.mark.gpu
 @pytest.mark.parametrize("page_size", [1, 16, 128, 256])
 def test_gpu_page_sizes_and_splits(page_size):
-    inp = make_batch([5000, 300], [256, 300], causal=[False, True], H=16, Hkv=8, D=128, page_size=page_size,
-                     device="cuda")
+    inp = make_batch([5000, 300], [256, 300], causal=[False, True], num_heads=16, num_kv_heads=8, head_dim=128,
+                     page_size=page_size, device="cuda")
     for ns in (1, 3, 8):
         _check_gpu(inp, window_size=1023, config=dict(num_splits=ns))
     _check_gpu(inp)
@@ -192,7 +195,8 @@ def test_gpu_page_sizes_and_splits(page_size):
 @pytest.mark.parametrize("D", [64, 128, 256, 512])
 def test_gpu_config_grid_is_correct(D):
     H, Hkv = GPU_HEADS[D]
-    inp = make_batch([2000, 600], [512, 600], num_causal_q=[100, 600], H=H, Hkv=Hkv, D=D, device="cuda")
+    inp = make_batch([2000, 600], [512, 600], num_causal_q=[100, 600], num_heads=H, num_kv_heads=Hkv, head_dim=D,
+                     device="cuda")
     grid = [(32, 16), (64, 64), (128, 32)] if D < 512 else [(32, 16), (64, 32), (128, 16)]
     for bm, bn in grid:
         cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_stages=2)

@@ -181,7 +181,8 @@ def test_gpu_planned_calls_launch_the_compiled_kernels_and_match_the_reference(D
     H, Hkv = GPU_HEADS[D]
     sl, ql, _ = GPU_BATCH
     for seed, ncq in enumerate(([700, 0, 0, 4], [0, 256, 0, 9], [700, 256, 0, 0])):
-        inp = make_batch(sl, ql, num_causal_q=ncq, H=H, Hkv=Hkv, D=D, page_size=64, device="cuda", seed=seed)
+        inp = make_batch(sl, ql, num_causal_q=ncq, num_heads=H, num_kv_heads=Hkv, head_dim=D, page_size=64,
+                         device="cuda", seed=seed)
         q, vc = inp["q"], inp["v_cache"]
         out = torch.full((q.shape[0], H, vc.shape[-1]), float("nan"), dtype=q.dtype, device="cuda")
         o, lse = attention_triton(**inp, out=out, return_lse=True, check_values=False, window_size=127,

@@ -23,14 +23,14 @@ def test_mixed_prefill_denoise_commit_batch_in_one_launch(window_size, mode):
 @pytest.mark.parametrize("mode", ["symmetric", "prefix"])
 def test_num_causal_q_mixes_causal_and_bidirectional_rows_in_one_tile(mode):
     # commit rows then the next canvas in one sequence, tiles straddle the boundary
-    inp = make_batch(seq_lens=[20, 17, 9], q_lens=[11, 9, 9], num_causal_q=[5, 9, 0], H=4, Hkv=1)
+    inp = make_batch(seq_lens=[20, 17, 9], q_lens=[11, 9, 9], num_causal_q=[5, 9, 0], num_heads=4, num_kv_heads=1)
     for w in (None, 2, 6):
         run_and_check(inp, config=dict(BLOCK_M=16, BLOCK_N=16), window_size=w, bidirectional_window=mode)
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 5])
 def test_any_split_count_equals_one_split(num_splits):
-    inp = make_batch(seq_lens=[40, 7], q_lens=[6, 7], causal=[False, True], H=4, Hkv=1, page_size=8)
+    inp = make_batch(seq_lens=[40, 7], q_lens=[6, 7], causal=[False, True], num_heads=4, num_kv_heads=1, page_size=8)
     one, lse1 = run_and_check(inp, config=dict(SMALL, num_splits=1))
     many, lsen = run_and_check(inp, config=dict(SMALL, num_splits=num_splits))
     torch.testing.assert_close(many.float(), one.float(), rtol=0, atol=2 ** -7)
@@ -56,7 +56,7 @@ def test_contiguous_varlen_form():
 
 @pytest.mark.parametrize("H,Hkv", [(2, 2), (4, 2), (4, 1), (8, 1), (6, 2)])
 def test_gqa_ratios_pack_query_heads_of_one_kv_head(H, Hkv):
-    inp = make_batch(seq_lens=[12, 9], q_lens=[5, 9], causal=[False, True], H=H, Hkv=Hkv)
+    inp = make_batch(seq_lens=[12, 9], q_lens=[5, 9], causal=[False, True], num_heads=H, num_kv_heads=Hkv)
     run_and_check(inp, config=dict(BLOCK_M=16, BLOCK_N=16))
 
 
@@ -94,7 +94,8 @@ def test_window_zero_and_window_at_or_beyond_length(window_size):
 
 
 def test_scale_head_dim_v_and_non_power_of_two_head_dim():
-    inp = make_batch(seq_lens=[14, 6], q_lens=[4, 6], causal=[False, True], D=24, Dv=40, H=4, Hkv=2)
+    inp = make_batch(seq_lens=[14, 6], q_lens=[4, 6], causal=[False, True], head_dim=24, head_dim_v=40, num_heads=4,
+                     num_kv_heads=2)
     run_and_check(inp, config=SMALL, scale=1.0, window_size=3)
     run_and_check(inp, config=dict(SMALL, BLOCK_DV=16), scale=0.3)  # V head dim split over programs
 
@@ -102,7 +103,7 @@ def test_scale_head_dim_v_and_non_power_of_two_head_dim():
 @pytest.mark.parametrize("scale", [None, 6.0, -3.0])
 def test_lazy_rescaling_matches_reference(scale):
     # large |scale| makes row maxima jump by more than 2^8 between key blocks (the rescale branch)
-    inp = make_batch(seq_lens=[40, 13, 30], q_lens=[9, 13, 30], num_causal_q=[0, 13, 11], H=4, Hkv=2)
+    inp = make_batch(seq_lens=[40, 13, 30], q_lens=[9, 13, 30], num_causal_q=[0, 13, 11], num_heads=4, num_kv_heads=2)
     for w in (None, 5):
         run_and_check(inp, config=dict(SMALL, LAZY_RESCALE=True), scale=scale, window_size=w)
     run_and_check(inp, config=dict(SMALL, LAZY_RESCALE=True, num_splits=3), scale=scale)
@@ -115,13 +116,15 @@ def test_zero_and_negative_scale(scale):
 
 
 def test_v_head_dim_split_across_programs():
-    inp = make_batch(seq_lens=[19, 8], q_lens=[7, 8], causal=[False, True], D=32, Dv=64, H=4, Hkv=1)
+    inp = make_batch(seq_lens=[19, 8], q_lens=[7, 8], causal=[False, True], head_dim=32, head_dim_v=64, num_heads=4,
+                     num_kv_heads=1)
     run_and_check(inp, config=dict(SMALL, BLOCK_DV=32))
     run_and_check(inp, config=dict(SMALL, BLOCK_DV=16, num_splits=2), window_size=4)
 
 
 def test_default_configs_and_larger_tiles():
-    inp = make_batch(seq_lens=[70, 33], q_lens=[40, 33], causal=[False, True], H=2, Hkv=1, page_size=16)
+    inp = make_batch(seq_lens=[70, 33], q_lens=[40, 33], causal=[False, True], num_heads=2, num_kv_heads=1,
+                     page_size=16)
     run_and_check(inp)  # interpreter defaults
     run_and_check(inp, config=dict(BLOCK_M=32, BLOCK_N=32), window_size=20)
     run_and_check(inp, config=dict(BLOCK_M=64, BLOCK_N=16, num_splits=2))
@@ -140,8 +143,8 @@ def test_split_counts_up_to_64_equal_one_split_for_odd_head_dim_v_into_a_strided
     """End to end through the merge: head_dim_v 40 (not a power of two), GQA 3, (token, head) rows not a multiple
     of the merge's BLOCK_R, pages not dividing BLOCK_N (the vector block-table prefetch), windows in both modes,
     return_lse, and an out view with strided rows; equal to num_splits=1 and to the oracle."""
-    inp = make_batch(seq_lens=[61, 0, 9, 23], q_lens=[5, 0, 9, 3], num_causal_q=[2, 0, 9, 0], H=3, Hkv=1, D=24,
-                     Dv=40, page_size=page_size, seed=page_size)
+    inp = make_batch(seq_lens=[61, 0, 9, 23], q_lens=[5, 0, 9, 3], num_causal_q=[2, 0, 9, 0], num_heads=3,
+                     num_kv_heads=1, head_dim=24, head_dim_v=40, page_size=page_size, seed=page_size)
     kw = dict(window_size=window, bidirectional_window=mode)
     one, lse1 = attention_triton(**inp, config=dict(SMALL, num_splits=1), return_lse=True, **kw)
     total_q = one.shape[0]

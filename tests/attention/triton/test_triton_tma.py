@@ -13,7 +13,7 @@ from triton_helpers import GLUON, make_batch
 
 
 def test_gluon_on_a_cpu_tensor_is_a_clear_error_not_a_fallback():
-    inp = make_batch([9, 5], [4, 5], causal=[False, True], D=64, page_size=64, device="cpu")
+    inp = make_batch([9, 5], [4, 5], causal=[False, True], head_dim=64, page_size=64, device="cpu")
     with pytest.raises(ValueError, match="IMPL.*gluon.*CUDA"):
         attention(**inp, backend="triton", config=GLUON)
 

@@ -9,6 +9,7 @@ import torch
 from hypothesis import strategies as st
 
 from blockdiff.attention import attention
+from blockdiff.attention import testing
 from blockdiff.attention.testing import check_close
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -23,41 +24,10 @@ GPU_BATCH = ([1500, 700, 333, 9], [700, 256, 0, 9], [700, 0, 0, 4])  # seq_lens,
 GPU_HEADS = {64: (8, 8), 128: (16, 8), 256: (16, 8), 512: (16, 2)}  # head_dim: (num_heads, num_kv_heads)
 
 
-def make_batch(seq_lens, q_lens, *, causal=None, num_causal_q=None, H=4, Hkv=2, D=16, Dv=None, page_size=4,
-               dtype=torch.bfloat16, seed=0, paged=True, device=DEV, extra_blocks=1):
-    """Random mixed batch; paged with a permuted block table (plus unused blocks) or contiguous varlen."""
-    g = torch.Generator().manual_seed(seed)
-    Dv = Dv or D
-    B = len(seq_lens)
-    kw = {}
-    if paged:
-        blocks = [(s + page_size - 1) // page_size for s in seq_lens]
-        nblk = max(1, sum(blocks) + extra_blocks)
-        perm = torch.randperm(nblk, generator=g)
-        width = max(1, max(blocks, default=1) + 1)
-        bt = torch.randint(0, nblk, (B, width), generator=g, dtype=torch.int32)  # garbage beyond the used part
-        i = 0
-        for b, n in enumerate(blocks):
-            bt[b, :n] = perm[i:i + n]
-            i += n
-        kc = torch.randn(nblk, page_size, Hkv, D, generator=g)
-        vc = torch.randn(nblk, page_size, Hkv, Dv, generator=g)
-        kw["block_table"] = bt.to(device)
-    else:
-        total_k = sum(seq_lens) + 3
-        kc = torch.randn(total_k, Hkv, D, generator=g)
-        vc = torch.randn(total_k, Hkv, Dv, generator=g)
-        kw["cu_seqlens_k"] = torch.tensor([0] + torch.tensor(list(seq_lens) or [0]).cumsum(0).tolist()[:B],
-                                          dtype=torch.int32, device=device)
-    q = torch.randn(sum(q_lens), H, D, generator=g)
-    cu = torch.tensor([0] + (torch.tensor(list(q_lens)).cumsum(0).tolist() if B else []), dtype=torch.int32)
-    kw.update(q=q.to(dtype).to(device), k_cache=kc.to(dtype).to(device), v_cache=vc.to(dtype).to(device),
-              cu_seqlens_q=cu.to(device), seq_lens=torch.tensor(list(seq_lens), dtype=torch.int32, device=device))
-    if num_causal_q is not None:
-        kw["num_causal_q"] = torch.tensor(list(num_causal_q), dtype=torch.int32, device=device)
-    else:
-        kw["causal"] = torch.tensor(list(causal), dtype=torch.bool, device=device)
-    return kw
+def make_batch(seq_lens, q_lens, *, device=DEV, **kwargs):
+    """:func:`blockdiff.attention.testing.make_batch` on the tests' device (the GPU when there is one, where the
+    kernels run compiled; else the CPU, through the interpreter)."""
+    return testing.make_batch(seq_lens, q_lens, device=device, **kwargs)
 
 
 def run_and_check(inp, *, config=None, window_size=None, bidirectional_window="symmetric", scale=None,
@@ -71,22 +41,6 @@ def run_and_check(inp, *, config=None, window_size=None, bidirectional_window="s
     check_close(o.cpu(), **{k: v.cpu() for k, v in inp.items()}, lse=lse.cpu() if check_lse else None,
                 window_size=window_size, bidirectional_window=bidirectional_window, scale=scale)
     return o, lse
-
-
-def poison_stale_rows(inp):
-    """NaN in every cache row a sequence does not own: beyond seq_len in its last page, and in unused pages."""
-    kc, vc = inp["k_cache"], inp["v_cache"]
-    if "block_table" not in inp:
-        return inp
-    P = kc.shape[1]
-    used = torch.zeros(kc.shape[0], P, dtype=torch.bool, device=kc.device)
-    bt = inp["block_table"].tolist()
-    for b, n in enumerate(inp["seq_lens"].tolist()):
-        for pos in range(n):
-            used[bt[b][pos // P], pos % P] = True
-    kc[~used] = float("nan")
-    vc[~used] = float("nan")
-    return inp
 
 
 @st.composite
@@ -103,8 +57,8 @@ def batches(draw):
     Hkv = draw(st.sampled_from([1, 2]))
     group = draw(st.sampled_from([1, 2, 4, 8]))
     return dict(
-        seq_lens=seq_lens, q_lens=q_lens, num_causal_q=ncq, H=Hkv * group, Hkv=Hkv,
-        D=draw(st.sampled_from([16, 32])), page_size=draw(st.sampled_from([1, 2, 3, 4, 5, 8, 16, 32])),
+        seq_lens=seq_lens, q_lens=q_lens, num_causal_q=ncq, num_heads=Hkv * group, num_kv_heads=Hkv,
+        head_dim=draw(st.sampled_from([16, 32])), page_size=draw(st.sampled_from([1, 2, 3, 4, 5, 8, 16, 32])),
         dtype=draw(st.sampled_from([torch.bfloat16, torch.float16, torch.float32])),
         paged=draw(st.booleans()), seed=draw(st.integers(0, 2 ** 16)),
     ), dict(
