@@ -629,7 +629,7 @@ def main(argv=None) -> list[dict]:
     t_start = time.perf_counter()
     suite = args.suite_name or (SUITE + ("-quick" if args.quick else "") +
                                 ("" if args.suite == "named" else f"-{args.suite}"))
-    out_dir = Path(args.out) if args.out else common.results_dir()
+    out_dir = Path(args.out) if args.out else common.results_dir(local=args.quick or device.type == "cpu")
     extra = {"page_size": page_size, "dtype": args.dtype, "quick": args.quick, "suite_workloads": args.suite,
              "peak_tflops": common.PEAK_TFLOPS, "anchors_ms": wl.ANCHORS_MS,
              "flex_build_anchor_ms": list(wl.FLEX_BUILD_ANCHOR_MS), "argv": sys.argv[1:] if argv is None else argv}

@@ -280,7 +280,7 @@ def main(argv=None) -> list[dict]:
         common.log(f"  bs {batch} {ab}: {row['status']} step {common.fmt(row.get('denoise_step_ms'))} ms, "
                    f"{common.fmt(row.get('tokens_per_s'), 1)} tok/s {row.get('error', '')}")
     suite = SUITE + ("-quick" if args.quick else "")
-    out_dir = Path(args.out) if args.out else common.results_dir()
+    out_dir = Path(args.out) if args.out else common.results_dir(local=args.quick or device.type == "cpu")
     path = common.write_records(suite, rows, env=env, out_dir=out_dir,
                                 extra={"model_config": cfg.to_dict(), "denoising_steps": DENOISING_STEPS,
                                        "quick": args.quick, "argv": sys.argv[1:] if argv is None else argv})

@@ -295,7 +295,7 @@ def main(argv=None) -> list[dict]:
     env = common.env_record("cuda:0" if not a.quick else "cpu")
     suite = SUITE if not a.quick else SUITE + "-quick"
     path = common.write_records(suite, rows, env=env, extra={"checks": checks, "nproc": a.nproc},
-                                out_dir=a.out)
+                                out_dir=a.out or common.results_dir(local=a.quick))
     ok = all(c.get("ok") for c in checks.values())
     print(f"records: {path}")
     for b, c in checks.items():

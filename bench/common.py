@@ -2,9 +2,9 @@
 
 Every benchmark in bench/ follows docs/ARCHITECTURE.md "Benchmark records": one JSON per suite and GPU
 (``<suite>-<gpu>.json``) plus a CSV and PNG plots beside it, written to ``$OUT`` when that variable is set,
-else to ``bench/results/``. Rows are plain dicts; ``write_records`` adds the environment record.
+else to ``bench/results/`` (``--quick`` / CPU runs: the git-ignored ``bench/results/local/``). Rows are plain dicts; ``write_records`` adds the environment record.
 
-Timing (DEVELOPERS.md "Performance"): after a 1-3 s matmul warm-up, eager medians come from
+Timing (docs/ARCHITECTURE.md "Benchmark records"): after a 1-3 s matmul warm-up, eager medians come from
 ``triton.testing.do_bench(..., return_mode="median")`` (CUDA events, L2 flushed between calls) and CUDA-graph
 medians from the same timer around ``graph.replay()`` of one captured call. On the CPU (``--quick`` smoke
 runs) a ``time.perf_counter`` median stands in; those numbers only prove the script runs.
@@ -31,6 +31,8 @@ import torch
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_DIR = BENCH_DIR.parent
 DEFAULT_RESULTS_DIR = BENCH_DIR / "results"
+#: Git-ignored folder of runs that are not records: ``--quick`` / CPU smoke runs and experiments' output.
+LOCAL_RESULTS_DIR = DEFAULT_RESULTS_DIR / "local"
 
 #: Measured dense bf16 ceiling of one H200 (DEVELOPERS.md), TFLOP/s.
 PEAK_TFLOPS = 790.0
@@ -271,10 +273,12 @@ def _flash_attn_cute_version() -> str | None:
 
 
 # ----------------------------------------------------------------------------------------------- records
-def results_dir() -> Path:
-    """``$OUT`` when set (the GPU machine's output folder), else bench/results/ (created)."""
+def results_dir(local: bool = False) -> Path:
+    """Output folder (created): ``$OUT`` when set (the GPU machine's output folder); else bench/results/ for a
+    record, or with ``local=True`` (``--quick`` / CPU smoke runs, experiments) the git-ignored
+    bench/results/local/, so a smoke run never overwrites a tracked record."""
     out = os.environ.get("OUT")
-    d = Path(out) if out else DEFAULT_RESULTS_DIR
+    d = Path(out) if out else (LOCAL_RESULTS_DIR if local else DEFAULT_RESULTS_DIR)
     d.mkdir(parents=True, exist_ok=True)
     return d
 
@@ -293,9 +297,11 @@ def _jsonable(x):
 
 def write_records(suite: str, rows: list[dict], *, env: dict | None = None, extra: dict | None = None,
                   out_dir: Path | str | None = None) -> Path:
-    """Write ``<suite>-<gpu>.json`` (env + rows) and ``<suite>-<gpu>.csv`` (rows); return the JSON path."""
+    """Write ``<suite>-<gpu>.json`` (env + rows) and ``<suite>-<gpu>.csv`` (rows); return the JSON path.
+
+    Without ``out_dir``: :func:`results_dir`, the local folder when the record is from the CPU."""
     env = env_record() if env is None else env
-    d = Path(out_dir) if out_dir is not None else results_dir()
+    d = Path(out_dir) if out_dir is not None else results_dir(local=env["gpu"] == "cpu")
     d.mkdir(parents=True, exist_ok=True)
     stem = f"{suite}-{gpu_slug(env['gpu'])}"
     doc = {**env, "suite": suite, **(extra or {}), "rows": rows}

@@ -450,7 +450,7 @@ def main(argv=None) -> int:
 
     dtype = getattr(torch, args.dtype)
     env = common.env_record(device)
-    out_dir = Path(args.out) if args.out else common.results_dir()
+    out_dir = Path(args.out) if args.out else common.results_dir(local=device.type == "cpu")
     common.log(f"device {env['gpu']}, torch {env['torch']}, fa4 {env['flash_attn_4']}, commit {env['commit']}")
     common.log(f"warm-up {common.warm_up_gpu(device):.1f} s")
     rows: list[dict] = []

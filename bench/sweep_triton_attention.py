@@ -308,7 +308,7 @@ def main(argv=None) -> int:
             traceback.print_exc()
             rows.append({"workload": name, "backend": "triton", "status": "error", "error": repr(e)[:300]})
             best_rows[name] = None
-    out_dir = common.results_dir()
+    out_dir = common.results_dir(local=args.quick or device.type == "cpu")
     extra = {"targets": TARGETS, "page_size": args.page_size, "elapsed_s": round(args.budget_s - budget.left(), 1),
              "best": {k: (v and {"config": v["config"], "num_splits": v.get("num_splits"),
                                  "graph_ms": v["graph_ms"]}) for k, v in best_rows.items()}}

@@ -1,17 +1,25 @@
-"""CUDA-graph times with and without the L2 flush between replays, triton vs FA4 (H200 probe; record:
-bench/results/warm_l2-h200.{json,md}).
+"""CUDA-graph times with and without the L2 flush between replays, triton vs FA4 (GPU experiment; record of the
+H200 run: bench/results/history/warm_l2-h200.{json,md}).
 
 The benchmarks time each replay after ``do_bench`` zeroes a 256 MB buffer, so metadata, Q and K / V come from
 HBM. A serving step's attention finds Q and the metadata just written by the kernels before it, in L2. This
 probe times both: ``cold_us`` = ``common.time_graph_ms`` (flush before every replay), ``warm_us`` = the mean of
 200 back-to-back replays of the same graph between two CUDA events. Usage (GPU, FA4 importable):
-``OUT=/tmp python3 bench/probe_warm_l2.py canvas_bs1_ctx32k_sliding,mixed_sliding_ctx8k``.
+
+    python3 -m blockdiff.bench.experiments.probe_warm_l2 canvas_bs1_ctx32k_sliding,mixed_sliding_ctx8k
+
+Writes ``warm_l2.json`` to ``--out`` (default ``$OUT``, else the git-ignored bench/results/local/).
 """
-import json, os, sys, types, torch
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import workloads as wl
-import bench_attention as ba
-from common import capture_cuda_graph, time_graph_ms, warm_up_gpu
+import argparse
+import json
+import types
+from pathlib import Path
+
+import torch
+
+from blockdiff.bench import bench_attention as ba
+from blockdiff.bench import workloads as wl
+from blockdiff.bench.common import capture_cuda_graph, results_dir, time_graph_ms, warm_up_gpu
 
 
 def warm_graph_us(fn, n=200):
@@ -28,7 +36,12 @@ def warm_graph_us(fn, n=200):
     return s.elapsed_time(e) * 1e3 / n
 
 
-def main(names):
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("workloads", help="comma-separated named workloads")
+    p.add_argument("--out", default=None, help="output folder (default $OUT, else bench/results/local/)")
+    a = p.parse_args(argv)
+    names = a.workloads.split(",")
     warm_up_gpu("cuda", 2.0)
     args = types.SimpleNamespace()
     rows = []
@@ -41,7 +54,8 @@ def main(names):
         for label, mk in makers:
             try:
                 fn = mk()
-                fn(); torch.cuda.synchronize()
+                fn()
+                torch.cuda.synchronize()
                 cold = time_graph_ms(fn) * 1e3
                 warm = warm_graph_us(fn)
                 cold2 = time_graph_ms(fn) * 1e3
@@ -52,8 +66,10 @@ def main(names):
             row = dict(workload=name, backend=label, cold_us=[cold, cold2], warm_us=[warm, warm2])
             rows.append(row)
             print(json.dumps(row), flush=True)
-    json.dump(rows, open(os.path.join(os.environ.get("OUT", "."), "warm_l2.json"), "w"), indent=1)
+    path = (Path(a.out) if a.out else results_dir(local=True)) / "warm_l2.json"
+    path.write_text(json.dumps(rows, indent=1))
+    return rows
 
 
 if __name__ == "__main__":
-    main(sys.argv[1].split(","))
+    main()

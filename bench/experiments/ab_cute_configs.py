@@ -1,14 +1,16 @@
 #!/usr/bin/env python3
-"""ab_cute_configs.py: interleaved A/B of cute backend configs against FA4, both KV layouts, one process (GPU).
+"""Interleaved A/B of cute backend configs against FA4, both KV layouts, one process (GPU experiment).
 
 For each named workload: FA4 (``flash_attn.cute.flash_attn_varlen_func`` as in bench_attention.py, paged and
 contiguous) and the cute backend under every config variant (paged and contiguous K/V) are compiled and checked
 first (max difference to the first row, isfinite), then ``--rounds`` rounds time every row in turn with
 ``triton.testing.do_bench_cudagraph(rep=200)`` (single-launch CUDA-graph replays, microseconds); the medians
-of the rounds are printed and written to ``$OUT/ab_<workloads>.json`` (else ./). Interleaving the rows puts
-clock and thermal drift on every row alike; H200 results: bench/results/cute_lpt_ab-h200.json.
+of the rounds are printed and written to ``ab_<workloads>.json`` in ``--out`` (default ``$OUT``, else the
+git-ignored bench/results/local/). Interleaving the rows puts clock and thermal drift on every row alike.
+Record of an H200 run: bench/results/history/cute_lpt_ab-h200.json.
 
-    python3 bench/ab_cute_configs.py canvas_bs4_ctx4k_hd128 '{"s2": {"num_stages": 2}, "s3": {"num_stages": 3}}'
+    python3 -m blockdiff.bench.experiments.ab_cute_configs canvas_bs4_ctx4k_hd128 \
+        '{"s2": {"num_stages": 2}, "s3": {"num_stages": 3}}'
 
 Variants are ``config`` dicts of ``attention_cute`` (CuteConfig fields: tile_m, tile_n, mma_pv_is_rs,
 intra_wg_overlap, num_stages, lpt); a given dict replaces the default config (unset fields take FA4's heuristic).
@@ -17,17 +19,17 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import types
+from pathlib import Path
 
 import torch
 import triton.testing as tt
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_attention as ba  # noqa: E402
-import workloads as wl  # noqa: E402
-from blockdiff.attention import causal_row_counts  # noqa: E402
-from blockdiff.attention.cute import interface as ca  # noqa: E402
+from blockdiff.attention import causal_row_counts
+from blockdiff.attention.cute import attention_cute
+from blockdiff.bench import bench_attention as ba
+from blockdiff.bench import common
+from blockdiff.bench import workloads as wl
 
 
 def rows_for(name: str, variants: dict) -> tuple[dict, dict]:
@@ -47,7 +49,7 @@ def rows_for(name: str, variants: dict) -> tuple[dict, dict]:
             out = torch.empty(b.q.shape[0], w.num_heads, w.head_dim_v, dtype=b.q.dtype, device="cuda")
 
             def f(k=k, v=v, a=a, out=out, cfg=cfg):
-                return ca.attention_cute(b.q, k, v, out=out, check_values=False, config=cfg, **a)
+                return attention_cute(b.q, k, v, out=out, check_values=False, config=cfg, **a)
             fns[f"cute_{vn}_{lay}"], packs[f"cute_{vn}_{lay}"] = f, (lambda o: o)
     return fns, packs
 
@@ -57,6 +59,7 @@ def main(argv=None):
     p.add_argument("workloads", help="comma-separated named workloads")
     p.add_argument("variants", help='JSON {"name": config dict, ...}')
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--out", default=None, help="output folder (default $OUT, else bench/results/local/)")
     a = p.parse_args(argv)
     names, variants = a.workloads.split(","), json.loads(a.variants)
     res = {}
@@ -81,7 +84,7 @@ def main(argv=None):
             print(f"{name} {n:28s} median {statistics.median(t):8.2f} us  rounds {[round(x, 1) for x in t]}",
                   flush=True)
         res[name] = times
-    path = os.path.join(os.environ.get("OUT", "."), "ab_" + "_".join(names) + ".json")
+    path = (Path(a.out) if a.out else common.results_dir(local=True)) / ("ab_" + "_".join(names) + ".json")
     json.dump(dict(commit=os.environ.get("BLOCKDIFF_COMMIT"), gpu=torch.cuda.get_device_name(),
                    variants=variants, res=res), open(path, "w"), indent=1)
 

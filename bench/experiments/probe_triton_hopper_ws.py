@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""probe_triton_hopper_ws.py: does Triton 3.6's Hopper automatic warp specialization speed up our non-causal attention forward?
+"""Experiment: does Triton 3.6's Hopper automatic warp specialization speed up our non-causal attention forward?
 
 Workload ``canvas_bs1_ctx32k_hd128``: one sequence, 256 query tokens, 16 query heads / 8 KV heads (GQA 2, the two
 query heads of a KV head packed into one program's rows: row r -> token r // 2, head 2 * kvh + r % 2, 512 rows per
@@ -30,19 +30,20 @@ Per (config, num_splits) the probe reports: correctness vs an fp32 torch referen
 max |ref|, allclose at atol 2e-2), CUDA-graph timing (median of 200 single-launch graph replays, plus a
 10-launch graph for back-to-back time), TFLOP/s = 4 * 4096 * 32768 * 128 / t, registers / spills of the compiled
 kernel, shared memory, total warps after WS and whether the TTGIR holds ``ttg.warp_specialize``.
-Results: one line per (config, split) on stdout, JSON in ``$OUT/ws_probe.json`` (else ./ws_probe.json).
+Results: one line per (config, split) on stdout, JSON in ``$OUT/ws_probe.json`` (else in the git-ignored
+bench/results/local/).
 
 Robustness: the parent process never touches CUDA. It first compiles every config in parallel worker processes
 (``JITFunction.warmup`` fills Triton's on-disk cache), then runs the measurements in a child process; if the child
 crashes (illegal address from a WS miscompile, ...) or hangs (mbarrier deadlock), it is killed and a new child
 resumes at the next config. Total wall time is bounded by ``--budget`` (default 140 s).
 
-Modes:
-  python3 bench/probe_triton_hopper_ws.py              GPU run (the default; what the H200 session runs)
-  python3 bench/probe_triton_hopper_ws.py --tiny       CPU check of the math through TRITON_INTERPRET=1 (tiny shapes, all variants)
-  python3 bench/probe_triton_hopper_ws.py --aot        CPU: compile every config for sm_90a (no GPU), report WS ops / ptxas regs
-  python3 bench/probe_triton_hopper_ws.py --list       list the configs
-  --only a,b,...                   restrict to named configs
+Modes (``P = python3 -m blockdiff.bench.experiments.probe_triton_hopper_ws``):
+  P              GPU run (the default)
+  P --tiny       CPU check of the math through TRITON_INTERPRET=1 (tiny shapes, all variants)
+  P --aot        CPU: compile every config for sm_90a (no GPU), report WS ops / ptxas regs
+  P --list       list the configs
+  --only a,b,... restrict to named configs
 """
 import argparse
 import json
@@ -62,6 +63,8 @@ if "--tiny" in sys.argv:
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+
+from blockdiff.bench.common import LOCAL_RESULTS_DIR  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 LOG2E = 1.4426950408889634
@@ -723,7 +726,7 @@ def run_child(cmd, on_line, line_timeout_check, hard_deadline, err_fh):
 
 def parent_main(args):
     t_start = time.time()
-    json_dir = os.environ.get("OUT") or "."
+    json_dir = os.environ.get("OUT") or str(LOCAL_RESULTS_DIR)
     os.makedirs(json_dir, exist_ok=True)
     json_path = os.path.join(json_dir, "ws_probe.json")
     out_dir = aux_dir()  # partial results, precompile records, child stderr logs

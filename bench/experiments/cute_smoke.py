@@ -1,20 +1,21 @@
 #!/usr/bin/env python3
 """GPU smoke run of attention backend "cute": PASS/FAIL per case and timings against FA4's two-launch split.
 
-Run on the H200 from the repository root (flash-attn-4 + CuTe DSL importable, see shared/device/README.md):
+Run on the H200 from the repository root (flash-attn-4 + CuTe DSL importable):
 
-    source bench/device_env.sh && python3 bench/cute_smoke.py            # ~1-3 min including compiles
+    source bench/device_env.sh && python3 -m blockdiff.bench.experiments.cute_smoke   # ~1-3 min with compiles
 
 Cases (each in its own try/except; a failure prints the full traceback and the run goes on):
   correctness, small bf16 mixed batches against the fp64 reference with the check_close rule
   (hd 128/256, paged page sizes 16/64/128/256, contiguous KV, symmetric and prefix windows, a split
-  causal/bidirectional sequence, GQA 16/8 and 16/2); then the named workloads of ARCHITECTURE.md
+  causal/bidirectional sequence, GQA 16/8 and 16/2); then the named workloads of docs/ARCHITECTURE.md
   ``mixed_sliding_ctx8k``, ``prefill16k_hd128``, ``canvas_bs4_ctx4k_hd128`` (paged, page 64, permuted
   block table): correctness (reference where it fits, else FA4), eager and CUDA-graph medians of the
   one-launch cute kernel and of FA4 ``flash_attn.cute.flash_attn_varlen_func`` called twice (causal
   sequences, then bidirectional ones, on pre-split inputs), effective TFLOP/s
   (4 * heads * head_dim * allowed pairs / time).
-Writes ``$OUT/cute_smoke.json`` when ``OUT`` is set (else bench/results/cute_smoke-<gpu>.json), after every
+Batches come from :func:`blockdiff.attention.testing.make_batch_from_rows`. Writes ``cute_smoke.json`` to
+``--out`` (default ``$OUT``, else ``cute_smoke-<gpu>.json`` in the git-ignored bench/results/local/) after every
 case. Stops starting new cases after ``--budget`` seconds (default 165); a case running longer than
 ``--case-timeout`` (default 90 s; a pipeline deadlock would hang) dumps all stacks and ends the run.
 """
@@ -32,80 +33,37 @@ import traceback
 
 import torch
 
+from blockdiff.attention.cute import attention_cute
+from blockdiff.attention.cute.config import kv_load_path, resolve_config
+from blockdiff.attention.masks import count_allowed_pairs
+from blockdiff.attention.testing import check_close, make_batch_from_rows
+from blockdiff.bench.common import results_dir
+
 T0 = time.time()
 DEVICE = "cuda"  # tests may point this elsewhere for a dry run
 RESULTS: dict = {"cases": []}
-
-
-def _ensure_blockdiff_importable():
-    """Make `import blockdiff.<pkg>` resolve to this checkout (what bench/device_env.sh does) if it does not."""
-    try:
-        import blockdiff.attention  # noqa: F401
-        return
-    except ImportError:
-        pass
-    import tempfile
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    ns = Path(tempfile.gettempdir()) / "bdpath_cute_smoke" / "blockdiff"
-    ns.mkdir(parents=True, exist_ok=True)
-    for pkg in ("attention", "sampler", "model", "integration"):
-        link = ns / pkg
-        if not link.exists():
-            link.symlink_to(root / pkg)
-    sys.path.insert(0, str(ns.parent))
 
 
 def log(*a):
     print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
 
 
-def make_batch(q_lens, ctxs, ncqs, H, Hkv, D, page_size=64, seed=0, contiguous=False, dtype=torch.bfloat16):
-    """Random paged (permuted block table) or contiguous batch; K/V of the query tokens already cached."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    dev = DEVICE
-    seq_lens = [c + q for c, q in zip(ctxs, q_lens)]
-    cu = [0]
-    for ql in q_lens:
-        cu.append(cu[-1] + ql)
-    b = dict(
-        q=torch.randn(cu[-1], H, D, generator=g).to(dtype).to(dev),
-        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-        num_causal_q=torch.tensor(ncqs, dtype=torch.int32, device=dev),
-        q_lens=list(q_lens), seq_lens_list=seq_lens, ncqs=list(ncqs),
-    )
-    if contiguous:
-        cuk = [0]
-        for s in seq_lens:
-            cuk.append(cuk[-1] + s)
-        b["k"] = torch.randn(cuk[-1], Hkv, D, generator=g).to(dtype).to(dev)
-        b["v"] = torch.randn(cuk[-1], Hkv, D, generator=g).to(dtype).to(dev)
-        b["cu_seqlens_k"] = torch.tensor(cuk, dtype=torch.int32, device=dev)
-    else:
-        nblk = [max(1, -(-s // page_size)) for s in seq_lens]
-        total = sum(nblk) + 2
-        ids = torch.randperm(total, generator=g)
-        bt = torch.zeros(len(q_lens), max(nblk), dtype=torch.int32)
-        off = 0
-        for i, n in enumerate(nblk):
-            bt[i, :n] = ids[off:off + n]
-            off += n
-        b["k"] = torch.randn(total, page_size, Hkv, D, generator=g).to(dtype).to(dev)
-        b["v"] = torch.randn(total, page_size, Hkv, D, generator=g).to(dtype).to(dev)
-        b["block_table"] = bt.to(dev)
-    return b
+def make_case_batch(q_lens, ctxs, ncqs, H, Hkv, D, page_size=64, seed=0, contiguous=False, dtype=torch.bfloat16):
+    """Random paged (permuted block table, garbage past each row's pages) or contiguous batch on ``DEVICE``: the
+    keyword arguments of ``attention`` (make_batch_from_rows); K/V of the query tokens already cached."""
+    return make_batch_from_rows(list(zip(ctxs, q_lens, ncqs)), num_heads=H, num_kv_heads=Hkv, head_dim=D,
+                                page_size=page_size, paged=not contiguous, dtype=dtype, device=DEVICE, seed=seed,
+                                extra_blocks=2)
+
+
+def host_lengths(b):
+    """(q_lens, seq_lens, num_causal_q) of a batch as Python lists."""
+    return (b["cu_seqlens_q"].diff().tolist(), b["seq_lens"].tolist(), b["num_causal_q"].tolist())
 
 
 def attn_kwargs(b, window, mode):
-    kw = dict(cu_seqlens_q=b["cu_seqlens_q"], seq_lens=b["seq_lens"], num_causal_q=b["num_causal_q"],
-              window_size=window, bidirectional_window=mode)
-    if "block_table" in b:
-        kw["block_table"] = b["block_table"]
-    else:
-        kw["cu_seqlens_k"] = b["cu_seqlens_k"]
-    return kw
+    kw = {k: b[k] for k in ("cu_seqlens_q", "seq_lens", "num_causal_q", "block_table", "cu_seqlens_k") if k in b}
+    return dict(kw, window_size=window, bidirectional_window=mode)
 
 
 def median_ms_eager(fn, iters):
@@ -144,23 +102,23 @@ def median_ms_graph(fn, iters):
 
 def fa4_two_launch(b, window, scale):
     """Closure running FA4 varlen twice (causal sequences, bidirectional sequences) on pre-split inputs."""
-    from flash_attn.cute import flash_attn_varlen_func
+    from flash_attn.cute import flash_attn_varlen_func  # optional dependency: FA4
 
-    assert all(n in (0, ql) for n, ql in zip(b["ncqs"], b["q_lens"])), "FA4 split needs whole-sequence flags"
+    q_lens, seq_lens, ncqs = host_lengths(b)
+    assert all(n in (0, ql) for n, ql in zip(ncqs, q_lens)), "FA4 split needs whole-sequence flags"
     groups = []
     for is_causal in (True, False):
-        idx = [i for i, (n, ql) in enumerate(zip(b["ncqs"], b["q_lens"])) if (n == ql and ql > 0) == is_causal
-               and b["q_lens"][i] > 0]
+        idx = [i for i, (n, ql) in enumerate(zip(ncqs, q_lens)) if (n == ql and ql > 0) == is_causal and ql > 0]
         if not idx:
             continue
-        cu = torch.tensor([0] + list(torch.tensor([b["q_lens"][i] for i in idx]).cumsum(0).tolist()),
+        cu = torch.tensor([0] + list(torch.tensor([q_lens[i] for i in idx]).cumsum(0).tolist()),
                           dtype=torch.int32, device=DEVICE)
         starts = b["cu_seqlens_q"].tolist()
         rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in idx]).to(DEVICE)
         q = b["q"].index_select(0, rows).contiguous()
         g = dict(q=q, cu=cu, rows=rows, seqused_k=b["seq_lens"][idx].contiguous(),
                  page_table=b["block_table"][idx].contiguous(), causal=is_causal,
-                 max_q=max(b["q_lens"][i] for i in idx), max_k=max(b["seq_lens_list"][i] for i in idx))
+                 max_q=max(q_lens[i] for i in idx), max_k=max(seq_lens[i] for i in idx))
         g["window"] = (None, None) if window is None else ((window, 0) if is_causal else (window, window))
         groups.append(g)
 
@@ -168,7 +126,7 @@ def fa4_two_launch(b, window, scale):
 
     def run():
         for j, g in enumerate(groups):
-            r = flash_attn_varlen_func(g["q"], b["k"], b["v"], cu_seqlens_q=g["cu"], seqused_k=g["seqused_k"],
+            r = flash_attn_varlen_func(g["q"], b["k_cache"], b["v_cache"], cu_seqlens_q=g["cu"], seqused_k=g["seqused_k"],
                                        page_table=g["page_table"], max_seqlen_q=g["max_q"],
                                        max_seqlen_k=g["max_k"], softmax_scale=scale, causal=g["causal"],
                                        window_size=g["window"])
@@ -190,40 +148,31 @@ def record(name, **fields):
 
 
 def correctness_case(name, q_lens, ctxs, ncqs, H, Hkv, D, page_size, window, mode, contiguous=False):
-    from blockdiff.attention.cute.interface import attention_cute
-    from blockdiff.attention.testing import check_close
-
     t = time.time()
-    b = make_batch(q_lens, ctxs, ncqs, H, Hkv, D, page_size, seed=len(RESULTS["cases"]), contiguous=contiguous)
+    b = make_case_batch(q_lens, ctxs, ncqs, H, Hkv, D, page_size, seed=len(RESULTS["cases"]), contiguous=contiguous)
     kw = attn_kwargs(b, window, mode)
     out = torch.full((b["q"].shape[0], H, D), float("nan"), dtype=b["q"].dtype, device=DEVICE)
-    o, lse = attention_cute(b["q"], b["k"], b["v"], out=out, return_lse=True, **kw)
+    o, lse = attention_cute(b["q"], b["k_cache"], b["v_cache"], out=out, return_lse=True, **kw)
     torch.cuda.synchronize()
-    res = check_close(o, b["q"], b["k"], b["v"], lse=lse, **kw)
+    res = check_close(o, b["q"], b["k_cache"], b["v_cache"], lse=lse, **kw)
     log(f"PASS {name}: err {res['err']:.3e} (bound {res['bound']:.3e}), lse err {res.get('lse_err', 0):.2e}, "
         f"{time.time() - t:.1f}s incl. compile")
     record(name, status="PASS", **res, seconds=time.time() - t)
 
 
 def workload_case(name, q_lens, ctxs, causal, H, Hkv, D, window, mode, check="reference", iters=30):
-    from blockdiff.attention.cute.interface import attention_cute
-    from blockdiff.attention.masks import count_allowed_pairs
-    from blockdiff.attention.testing import check_close
-
     t = time.time()
     ncqs = [ql if c else 0 for ql, c in zip(q_lens, causal)]
-    b = make_batch(q_lens, ctxs, ncqs, H, Hkv, D, 64, seed=1)
+    b = make_case_batch(q_lens, ctxs, ncqs, H, Hkv, D, 64, seed=1)
     kw = attn_kwargs(b, window, mode)
     scale = D ** -0.5
     out = torch.full((b["q"].shape[0], H, D), float("nan"), dtype=b["q"].dtype, device=DEVICE)
-    attention_cute(b["q"], b["k"], b["v"], out=out, scale=scale, **kw)  # compile + validate once
+    attention_cute(b["q"], b["k_cache"], b["v_cache"], out=out, scale=scale, **kw)  # compile + validate once
     torch.cuda.synchronize()
     row = dict(workload=name, batch=f"q_lens={q_lens} ctx={ctxs} causal={causal}", H=H, Hkv=Hkv, D=D,
                window=window, mode=mode)
-    pairs = count_allowed_pairs(torch.tensor(q_lens), torch.tensor(b["seq_lens_list"]), torch.tensor(ncqs),
-                                window, mode)
+    pairs = count_allowed_pairs(b["cu_seqlens_q"].diff(), b["seq_lens"], b["num_causal_q"], window, mode)
     row["allowed_pairs"] = pairs
-    from blockdiff.attention.cute.interface import kv_load_path, resolve_config
     cfg = resolve_config(D, D, window)
     row["cute_tile_mn"] = (cfg.tile_m, cfg.tile_n)
     row["cute_kv_load_path"] = kv_load_path(64, cfg.tile_n)  # page size 64 here
@@ -246,7 +195,7 @@ def workload_case(name, q_lens, ctxs, causal, H, Hkv, D, window, mode, check="re
         row["error"] = "non-finite output"
     if check == "reference":
         try:
-            res = check_close(out, b["q"], b["k"], b["v"], scale=scale, **kw)
+            res = check_close(out, b["q"], b["k_cache"], b["v_cache"], scale=scale, **kw)
             row.update(res)
         except AssertionError as e:
             status = "FAIL"
@@ -256,7 +205,7 @@ def workload_case(name, q_lens, ctxs, causal, H, Hkv, D, window, mode, check="re
         row["error"] = f"differs from FA4 by {row['max_abs_diff_vs_fa4']:.3e}"
 
     def cute_call():
-        attention_cute(b["q"], b["k"], b["v"], out=out, scale=scale, check_values=False, **kw)
+        attention_cute(b["q"], b["k_cache"], b["v_cache"], out=out, scale=scale, check_values=False, **kw)
 
     for label, fn in (("cute", cute_call), ("fa4", fa_run)):
         if fn is None:
@@ -292,14 +241,14 @@ def env_info():
     return info
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--budget", type=float, default=165.0, help="seconds after which no new case starts")
     ap.add_argument("--only", default="", help="comma-separated substrings of case names to run")
     ap.add_argument("--case-timeout", type=float, default=90.0,
                     help="seconds before a hung case dumps all stacks and ends the run (exit code 1)")
-    args = ap.parse_args()
-    _ensure_blockdiff_importable()
+    ap.add_argument("--out", default=None, help="output folder (default $OUT, else bench/results/local/)")
+    args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("FAIL: no CUDA device")
         return 2
@@ -337,7 +286,7 @@ def main():
          ([256, 100], [1500, 0], [0, 100], 16, 8, 256, 16, None, "symmetric")),
     ]
     only = [s for s in args.only.split(",") if s]
-    out_path = _json_path()
+    out_path = _json_path(args.out)
     for case in cases:
         name, fn, cargs = case[:3]
         ckw = case[3] if len(case) > 3 else {}
@@ -374,12 +323,11 @@ def main():
     return 1 if n_fail else 0
 
 
-def _json_path():
-    out_dir = os.environ.get("OUT")
-    if out_dir:
-        return os.path.join(out_dir, "cute_smoke.json")
+def _json_path(out=None):
+    if out or os.environ.get("OUT"):
+        return os.path.join(out or os.environ["OUT"], "cute_smoke.json")
     gpu = RESULTS.get("env", {}).get("gpu", "gpu").replace(" ", "_")
-    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"cute_smoke-{gpu}.json")
+    return str(results_dir(local=True) / f"cute_smoke-{gpu}.json")
 
 
 def _write_json(path):
