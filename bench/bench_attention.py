@@ -47,6 +47,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from blockdiff.attention import causal_row_counts, get_backend
+from blockdiff.attention.testing import REPRESENTATION_ATOL, reference_pair
 from blockdiff.bench import common
 from blockdiff.bench import workloads as wl
 
@@ -119,8 +121,6 @@ def ground_truth(batch: wl.Batch, against: str) -> tuple[torch.Tensor, float, st
     ``against="sdpa"``: fp32 SDPA as gold and SDPA in the batch dtype as baseline (big shapes on the GPU).
     """
     if against == "reference":
-        from blockdiff.attention.testing import reference_pair
-
         o64, _, eager = reference_pair(batch.q, batch.k_cache, batch.v_cache, **batch.attn_kwargs())
         return o64, float((eager.to(torch.float64) - o64).abs().max()), "reference-fp64"
     masks = row_masks(batch)
@@ -130,8 +130,6 @@ def ground_truth(batch: wl.Batch, against: str) -> tuple[torch.Tensor, float, st
 
 
 def representation_tol(dtype: torch.dtype) -> float:
-    from blockdiff.attention.testing import REPRESENTATION_ATOL
-
     return REPRESENTATION_ATOL.get(dtype, 1e-6)
 
 
@@ -286,10 +284,6 @@ def make_fa4(batch: wl.Batch, args, layout: str) -> tuple:
 def _blockdiff_backend(backend: str):
     """The backend's attention function; Skip (with the reason) when it is missing here."""
     try:
-        from blockdiff.attention import get_backend
-    except ImportError as e:
-        raise Skip(f"blockdiff.attention not importable: {e}") from None
-    try:
         return get_backend(backend)
     except ImportError as e:
         raise Skip(str(e)) from None
@@ -319,8 +313,6 @@ def make_blockdiff(batch: wl.Batch, args, backend: str, config: dict | None = No
     if "causal" in kwargs:
         # per-step metadata built once outside the timing, as a serving engine builds it once per step for all
         # layers (and as FA4's q is pre-split by flag outside its timing): the flags as causal row counts
-        from blockdiff.attention import causal_row_counts
-
         kwargs["num_causal_q"] = causal_row_counts(kwargs.pop("causal"), kwargs["cu_seqlens_q"])
     if config is not None:
         kwargs[triton_config_kwarg()] = config
@@ -345,6 +337,7 @@ def triton_launch() -> dict:
     """What the triton backend's last call ran (its ``LAST_LAUNCH``): the kernel (``impl``: "triton" portable or
     "gluon"), the split count and the resolved tile config, so that a row of the automatic choice names its
     kernel."""
+    # imported at first use: on the CPU, main() sets TRITON_INTERPRET before triton loads
     from blockdiff.attention.triton import interface as TA
 
     ll = TA.LAST_LAUNCH

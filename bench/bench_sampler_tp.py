@@ -132,10 +132,9 @@ def worker(rank, world, init_file, args, result_file):
     import torch.distributed as dist
 
     from blockdiff.sampler import sampler_step
-    from blockdiff.sampler.tp import (NUM_FIELDS, check_shards_consistent, communication_bytes, make_shards,
-                                      sampler_step_tp, set_safe_nccl_env, vocab_shard_bounds)
-    # private: the local pass of one rank alone has no public entry point yet (the tp:<b>:local rows)
-    from blockdiff.sampler.tp.reference import _local_pass, _row_inputs
+    from blockdiff.sampler.tp import (NUM_FIELDS, check_shards_consistent, communication_bytes, local_pass,
+                                      make_shards, row_inputs, sampler_step_tp, set_safe_nccl_env,
+                                      vocab_shard_bounds)
 
     set_safe_nccl_env()
     quick = args["quick"]
@@ -217,8 +216,8 @@ def worker(rank, world, init_file, args, result_file):
                                  eager_ms_max_rank=max(meds), per_rank_ms=meds, **comm))
 
                 def local_only():
-                    phase, T, seed, rid, cidx, step, active = _row_inputs(st, slots)
-                    local, pf = _local_pass(local_name[b], x, E, T, seed, rid, cidx, step, active, shard)
+                    phase, T, seed, rid, cidx, step, active = row_inputs(st, slots)
+                    local, pf = local_pass(local_name[b], x, E, T, seed, rid, cidx, step, active, shard)
                     return local.packed, pf()
 
                 t = timed(local_only, args["reps"], args["warmup"], device, dist, before=lambda: restore(st, snap))

@@ -49,11 +49,15 @@ from pathlib import Path
 
 import torch
 
+from blockdiff.attention import causal_row_counts
+from blockdiff.attention.cute import attention_cute
+from blockdiff.attention.cute.blocks import tile_plan
+from blockdiff.attention.cute.config import (SMEM_LIMIT_BYTES, CuteConfig, config_smem_bytes, kv_load_path,
+                                            resolve_config)
+from blockdiff.attention.testing import REPRESENTATION_ATOL
 from blockdiff.bench import bench_attention as ba
 from blockdiff.bench import common
 from blockdiff.bench import workloads as wl
-from blockdiff.attention.cute.interface import (
-    SMEM_LIMIT_BYTES, CuteConfig, config_smem_bytes, kv_load_path)
 
 SUITE = "cute_sweep"
 DEFAULT_WORKLOADS = ("mixed_sliding_ctx8k", "canvas_bs4_ctx4k_hd128", "prefill16k_hd128", "canvas_bs1_ctx32k_sliding")
@@ -171,7 +175,6 @@ def feasibility(cfg: dict, head_dim: int, head_dim_v: int) -> tuple[bool, str, i
 
 def work_estimate(w: wl.Workload, cfg: dict) -> dict:
     """CTAs (work tiles) and K/V block iterations of the kernel for workload ``w`` (host mirror tile_plan)."""
-    from blockdiff.attention.cute.interface import tile_plan
 
     qpk = w.num_heads // w.num_kv_heads
     heads = w.num_kv_heads if qpk > 1 else w.num_heads  # PackGQA: one tile row block per KV head
@@ -259,7 +262,6 @@ def base_row(w: wl.Workload, batch, backend: str) -> dict:
 
 def measure_cute(batch, cand: Candidate, gold, base_err: float, args) -> dict:
     """One candidate on one workload: poisoned checked call (compiles first time), then graph/eager medians."""
-    from blockdiff.attention.cute.interface import attention_cute, resolve_config
 
     w = batch.workload
     row = base_row(w, batch, "cute")
@@ -282,8 +284,6 @@ def measure_cute(batch, cand: Candidate, gold, base_err: float, args) -> dict:
     kwargs["config"] = cand.config()
     # per-step metadata outside the timing, as bench_attention.make_blockdiff does (the flags as causal row
     # counts); before 3a39a6d the conversion ran inside every timed call (about 5 us more per cute row)
-    from blockdiff.attention import causal_row_counts
-
     kwargs["num_causal_q"] = causal_row_counts(kwargs.pop("causal"), kwargs["cu_seqlens_q"])
 
     def fn():
@@ -310,8 +310,6 @@ def measure_cute(batch, cand: Candidate, gold, base_err: float, args) -> dict:
 
 
 def _repr_tol(dtype) -> float:
-    from blockdiff.attention.testing import REPRESENTATION_ATOL
-
     return REPRESENTATION_ATOL.get(dtype, 1e-6)
 
 
