@@ -1,13 +1,17 @@
-"""Render the benchmark records (bench/results/*.json) as markdown tables into bench/README.md.
+"""Render the current benchmark records (bench/results/*.json) as markdown tables into bench/README.md.
 
-    python3 -m blockdiff.bench.make_tables                      # bench/results -> bench/README.md (between the markers)
+    python3 -m blockdiff.bench.make_tables               # bench/results -> bench/README.md (between the markers)
     python3 -m blockdiff.bench.make_tables --results $OUT --stdout
 
-The tables replace whatever stands between ``<!-- BEGIN RESULTS -->`` and ``<!-- END RESULTS -->`` in the README;
-the rest of the file is left as it is. One section per JSON file (suite and GPU), with the environment line
-(GPU, driver, torch, triton, flash_attn_4, commit, date) and links to the PNG plots beside it. CPU records
-(``--quick`` smoke runs) are left out unless ``--include-cpu``. Tile-sweep rows (a ``config`` per row) are
-summarised as the best three configurations per workload.
+Only the JSON files directly in ``--results`` are read: bench/results/ holds one current record per suite;
+superseded and exploratory records live in bench/results/history/ and are never rendered. The tables replace
+whatever stands between ``<!-- BEGIN RESULTS -->`` and ``<!-- END RESULTS -->`` in the README; the rest of the
+file is left as it is. One section per JSON file (suite and GPU), with the environment line (GPU, driver, torch,
+triton, flash_attn_4, commit, date) and links to the PNG plots beside it. Attention records (every suite but
+sampler / e2e) are shown as one row per workload and one column per backend (CUDA-graph median in ms, the eager
+median when there is no graph); sampler and e2e records row by row. CPU records (``--quick`` smoke runs) are
+left out unless ``--include-cpu``. Tile-sweep rows (a ``config`` per row) are summarised as the best
+configuration per workload. Every other field is in the record's JSON / CSV.
 """
 from __future__ import annotations
 
@@ -23,8 +27,6 @@ BEGIN, END = "<!-- BEGIN RESULTS -->", "<!-- END RESULTS -->"
 
 #: Columns per suite family, in order; only columns present in some row are shown.
 COLUMNS = {
-    "attention": ["workload", "backend", "status", "graph_ms", "eager_ms", "anchor_ms", "effective_tflops",
-                  "share_of_peak", "build_ms", "extra_memory_bytes", "correct", "note"],
     "sampler": ["workload", "backend", "status", "graph_ms", "eager_ms", "anchor_ms", "gbps", "effective_tflops",
                 "extra_memory_bytes", "correct", "note"],
     "e2e": ["workload", "backend", "sampler_backend", "status", "denoise_step_ms", "tokens_per_s",
@@ -77,7 +79,33 @@ def table(rows: list[dict], columns: list[str]) -> str:
     return "\n".join(lines)
 
 
-def sweep_summary(rows: list[dict], top: int = 3) -> str:
+#: Suite families rendered row by row (all others: one row per workload, one column per backend).
+ROW_FAMILIES = ("sampler", "e2e")
+
+
+def _cell(row: dict) -> str:
+    if row.get("status") != "ok":
+        return str(row.get("status") or "–")
+    ms = row.get("graph_ms") if row.get("graph_ms") is not None else row.get("eager_ms")
+    text = _fmt("graph_ms", ms)
+    if row.get("graph_ms") is None and ms is not None:
+        text += " (eager)"
+    return text + (" **wrong**" if row.get("correct") is False else "")
+
+
+def pivot(rows: list[dict]) -> str:
+    """Markdown table: one row per workload, one column per backend label (:func:`_cell`: ms or the status)."""
+    labels = list(dict.fromkeys(_label(r) for r in rows))
+    cells: dict = {}
+    for r in rows:
+        cells.setdefault(r.get("workload"), {})[_label(r)] = _cell(r)
+    lines = ["| workload | " + " | ".join(f"{lab} ms" for lab in labels) + " |", "|" + "---|" * (len(labels) + 1)]
+    for w, by in cells.items():
+        lines.append(f"| {w} | " + " | ".join(by.get(lab, "") for lab in labels) + " |")
+    return "\n".join(lines)
+
+
+def sweep_summary(rows: list[dict], top: int = 1) -> str:
     """Best ``top`` tile configs per workload (by graph_ms, else eager_ms) among rows carrying a ``config``."""
     out = []
     for name in dict.fromkeys(r["workload"] for r in rows):
@@ -106,9 +134,14 @@ def section(path: Path, link_base: Path = BENCH_DIR) -> str:
             ""]
     main_rows = [r for r in rows if not r.get("config")]
     sweep_rows = [r for r in rows if r.get("config")]
-    body = [table(main_rows, COLUMNS.get(family, DEFAULT_COLUMNS))] if main_rows else []
+    if not main_rows:
+        body = []
+    elif family in ROW_FAMILIES:
+        body = [table(main_rows, COLUMNS.get(family, DEFAULT_COLUMNS))]
+    else:
+        body = [pivot(main_rows)]
     if sweep_rows:
-        body += ["", "Tile sweep (best 3 configurations per workload):", "", sweep_summary(sweep_rows)]
+        body += ["", "Tile sweep (best configuration per workload):", "", sweep_summary(sweep_rows)]
     pngs = sorted(p.name for p in path.parent.glob(f"{path.stem}*.png"))
     if pngs:
         rel = os.path.relpath(path.parent.resolve(), Path(link_base).resolve())

@@ -25,14 +25,25 @@ def test_tables_between_markers(tmp_path):
     _record(res / "attention-quick-cpu.json", gpu="cpu", rows=[{"workload": "x", "backend": "sdpa"}])
     readme = tmp_path / "README.md"
     readme.write_text("intro\n<!-- BEGIN RESULTS -->\nold\n<!-- END RESULTS -->\noutro\n")
+    _record(res / "sampler-h200.json", suite="sampler", rows=[
+        {"workload": "sampler_n4", "backend": "fused", "status": "ok", "graph_ms": 3.37, "extra_memory_bytes": 2**20,
+         "correct": True},
+        {"workload": "sampler_n4", "backend": "compile", "status": "error", "error": "boom | x"}])
+    (res / "history").mkdir()
+    _record(res / "history" / "attention-old-h200.json", rows=[{"workload": "old_workload", "backend": "sdpa"}])
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n<!-- BEGIN RESULTS -->\nold\n<!-- END RESULTS -->\noutro\n")
     make_tables.main(["--results", str(res), "--readme", str(readme)])
     text = readme.read_text()
-    assert text.startswith("intro\n") and text.endswith("outro\n") and "old" not in text
-    assert "| workload | backend | status | graph ms |" in text
-    assert "| mixed_sliding_ctx8k | fa4 (paged) | ok | 0.1700 |" in text
-    assert "54.4 %" in text and "hd 512 \\| unsupported" in text
+    assert text.startswith("intro\n") and text.endswith("outro\n") and "old\n" not in text
+    # attention records: one row per workload, one column per backend (graph ms, else the status)
+    assert "| workload | fa4 (paged) ms | fa4 ms |" in text
+    assert "| mixed_sliding_ctx8k | 0.1700 |  |" in text and "| mixed_global_ctx8k |  | skipped |" in text
     assert "BLOCK_M=64, BLOCK_N=64" in text  # tile sweep summary
+    # sampler / e2e records: row by row
+    assert "| sampler_n4 | fused | ok | 3.370 |" in text and "1.0 MiB" in text and "boom \\| x" in text
     assert "attention-quick-cpu" not in text  # CPU smoke records left out
+    assert "old_workload" not in text  # history/ is never rendered
     assert "(results/attention-h200-mixed_sliding_ctx8k.png)" in text
     # idempotent
     make_tables.main(["--results", str(res), "--readme", str(readme)])
@@ -51,3 +62,12 @@ def test_placeholder_and_missing_markers(tmp_path):
 def test_repository_readme_has_the_markers():
     text = (Path(make_tables.BENCH_DIR) / "README.md").read_text()
     assert text.count(make_tables.BEGIN) == 1 and text.count(make_tables.END) == 1
+
+
+def test_pivot_marks_eager_only_and_wrong_results():
+    text = make_tables.pivot([
+        {"workload": "w", "backend": "triton", "status": "ok", "graph_ms": None, "eager_ms": 0.5},
+        {"workload": "w", "backend": "cute", "status": "ok", "graph_ms": 0.25, "correct": False},
+        {"workload": "v", "backend": "cute", "status": "error"}])
+    assert text.splitlines()[0] == "| workload | triton ms | cute ms |"
+    assert "| w | 0.5000 (eager) | 0.2500 **wrong** |" in text and "| v |  | error |" in text
