@@ -31,7 +31,7 @@ import torch
 from tqdm import tqdm
 
 from blockdiff.attention import attention, build_mask
-from blockdiff.model import DiffusionGemma, tiny_config
+from blockdiff.model import CheckpointError, DiffusionGemma, tiny_config  # CheckpointError: re-exported here
 from blockdiff.model.pretrained import load_pretrained
 from blockdiff.sampler import SamplingParams
 from blockdiff.sampler import get_backend as sampler_get_backend
@@ -65,11 +65,6 @@ RANDOM_CANVAS_LENGTH, RANDOM_MAX_DENOISING_STEPS, RANDOM_EMBEDDING_SCALE = 16, 6
 
 class BackendUnavailable(RuntimeError):
     """The requested backend cannot run here (no silent fallback)."""
-
-
-class CheckpointError(ValueError):
-    """The checkpoint folder cannot be served (missing files, wrong tokenizer, weights not matching the
-    config); the message names the folder and what is wrong."""
 
 
 @dataclass

@@ -9,10 +9,11 @@ capturable) for bf16 on sm90 / sm100 GPUs and ``"loop"`` elsewhere (:func:`block
 both are deterministic (each token's expert outputs summed in ascending expert order, no atomics).
 """
 from .config import DiffusionGemmaConfig, tiny_config
+from .errors import CheckpointError
 from .loading import convert_hf_state_dict, load_hf_state_dict, read_safetensors
 from .modeling import DiffusionGemma
 
 __all__ = [
-    "DiffusionGemmaConfig", "tiny_config", "DiffusionGemma", "convert_hf_state_dict", "load_hf_state_dict",
-    "read_safetensors",
+    "CheckpointError", "DiffusionGemmaConfig", "tiny_config", "DiffusionGemma", "convert_hf_state_dict",
+    "load_hf_state_dict", "read_safetensors",
 ]
