@@ -127,9 +127,10 @@ def section(path: Path, link_base: Path = BENCH_DIR) -> str:
     suite = doc.get("suite", path.stem)
     family = suite.split("-")[0]
     env = ", ".join(f"{k} {doc.get(k)}" for k in ("driver", "torch", "triton", "flash_attn_4") if doc.get(k))
-    head = [f"### `{path.name}` — {doc.get('gpu', '?')}",
-            "",
-            f"commit `{doc.get('commit', '?')}`, {doc.get('date', '?')}; {env}"
+    commit = str(doc.get("commit", "?"))
+    commit = commit[:7] + commit[40:] if len(commit) >= 40 else commit  # short hash, "+dirty" kept
+    head = [f"### `{path.name}`",
+            f"{doc.get('gpu', '?')}, commit `{commit}`, {str(doc.get('date', '?'))[:16]}; {env}"
             + ("" if doc.get("complete", True) else " — **incomplete run**"),
             ""]
     main_rows = [r for r in rows if not r.get("config")]
