@@ -33,3 +33,13 @@ def test_notebook_executes_on_cpu(name, monkeypatch):
     images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
               if o.get("output_type") == "display_data" and "image/png" in o.get("data", {})]
     assert images, f"{name} drew no figure"
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebook_uses_the_installed_package_and_is_listed(name):
+    """No sys.path edits (blockdiff.bench is a package) and a line in notebooks/README.md."""
+    nb = nbformat.read(NB_DIR / name, as_version=4)
+    code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
+    assert "sys.path" not in code
+    assert f"`{name}`" in (NB_DIR / "README.md").read_text()
+    assert sorted(p.name for p in NB_DIR.glob("*.ipynb")) == sorted(NOTEBOOKS)
