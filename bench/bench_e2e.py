@@ -16,7 +16,7 @@ DiffusionGemma benchmark fixes 16 steps), then its commit. A first identical run
 
 Recorded per (batch, attention backend): median denoise step time (ms), its attention and sampler shares (CUDA
 events around every ``attention()`` call of the model and every sampler call; perf_counter on the CPU),
-tokens/s = batch * 256 / (16 denoise steps + commit), prefill time. Rows follow ARCHITECTURE.md "Benchmark
+tokens/s = batch * 256 / (16 denoise steps + commit), prefill time. Rows follow docs/ARCHITECTURE.md "Benchmark
 records" (suite ``e2e``): ``eager_ms`` is the median denoise step.
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ from blockdiff.bench import common
 SUITE = "e2e"
 DENOISING_STEPS = 16
 
-#: DiffusionGemma-26B-A4B text widths (ARCHITECTURE.md shapes; MoE/MLP widths from the Gemma 4 26B-A4B model
+#: DiffusionGemma-26B-A4B text widths (docs/ARCHITECTURE.md shapes; MoE/MLP widths from the Gemma 4 26B-A4B model
 #: card summaries: verify against the checkpoint's config.json when one is at hand).
 DIFFUSIONGEMMA_26B_A4B = dict(
     vocab_size=262_144, hidden_size=2816, intermediate_size=2112, num_attention_heads=16,

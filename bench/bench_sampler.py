@@ -1,14 +1,14 @@
 """Sampler benchmark: one denoising step of ``sampler_n4`` with the reference, torch.compile and fused backends.
 
-Usage (H200; PYTHONPATH must make ``blockdiff.*`` importable, e.g. ``source bench/device_env.sh``; results go to
-$OUT or bench/results/):
+Usage (H200; ``source bench/device_env.sh`` makes ``blockdiff.*`` importable; results go to $OUT or bench/results/,
+``--quick`` ones to bench/results/local/):
 
     python3 -m blockdiff.bench.bench_sampler                       # reference, compile, fused (defaults) + comparison tiles
     python3 -m blockdiff.bench.bench_sampler --tune                # + checked config sweep first (~1-2 min more)
     python3 -m blockdiff.bench.bench_sampler --backends fused --split-k 1,2,3,4
     python3 -m blockdiff.bench.bench_sampler --quick               # CPU smoke run (< 60 s, Triton interpreter)
 
-Workload ``sampler_n4`` (ARCHITECTURE.md "Named workloads"): N = 4 requests, canvas CL = 256, vocabulary
+Workload ``sampler_n4`` (docs/ARCHITECTURE.md "Named workloads"): N = 4 requests, canvas CL = 256, vocabulary
 V = 262144, fp32 logits [4, 256, 262144] (1.07 GB), tied embedding E [262144, 2816] bf16 (1.48 GB), hidden 2816.
 Logits are ``30 * tanh(4 * randn / 30)`` (Gemma's final soft-cap 30 over a wide Gaussian: dense softmax, the
 worst case for the soft-embedding GEMM; real LM rows are far more peaked). One request is greedy (T = 0), three
@@ -17,20 +17,15 @@ sample at T = 0.8 -> 0.4 (S = 10000 steps so no row converges while being timed:
 Backends (one row each, all measured in the same run):
   reference  blockdiff.sampler.reference.sampler_step, eager: dense [N, CL, V] fp32 temporaries (z, Gumbel noise,
              softmax, int64 Philox words), ``p.bf16() @ E`` on cuBLAS.
-  compile    torch.compile of the same reference step (the anchor; H200 batch 1: 7.35 ms graph, 4.83 GB extra).
-             Every row carries ``vs_compile_same_run`` = its time / this run's compile time.
-  fused      blockdiff.sampler.triton.sampler_step with its defaults: (a) streaming stats kernel (256 x 4-token tiles,
-             4 warps, 3-deep loads), (b) [N, CL] torch decisions, (c) split-K soft-embedding GEMM (128 x 256 x 64,
-             8 warps, 3 stages, split-K 3) + ordered reduce. ``fused[<tile>]`` rows (GPU, unless --no-compare) time
-             the previous default GEMM tile 128x128x64 and a two-CTAs-per-SM tile 64x256x64 (4 warps, 2 stages)
-             beside it; ``fused:stats`` / ``fused:soft_gemm`` time stages (a) and (c) alone (all rows computed).
-  fused (default on CUDA since the chunked path measured faster) uses ``soft_impl="chunked"``
-  (blockdiff.sampler.triton.soft_embedding); ``fused[triton_gemm]`` is the same step with the split-K Triton GEMM; the
-  chunked path:
-             (c) as bf16 probability chunks [N * CL, 16384] (<= 32 MiB, written by a Triton kernel from the stats)
-             + ``torch.addmm(acc, P_c, E_c, out_dtype=float32, out=acc)`` on cuBLAS; checked like every row, an
-             error is a row; ``fused:soft_chunked`` times its stage (c) alone. --no-chunked skips both.
-             H200 (torch 2.11): step 3.94 ms graph (fused 5.86 ms in the same run), stage (c) 2.53 ms, 45.2 MB.
+  compile    torch.compile of the same reference step (the anchor, ``ANCHORS_MS``). Every row carries
+             ``vs_compile_same_run`` = its time / this run's compile time.
+  fused      blockdiff.sampler.triton.sampler_step with its defaults (SamplerConfig): (a) the streaming stats
+             kernel, (b) the decisions, (c) the soft embedding (on CUDA ``soft_impl="chunked"``: bf16 probability
+             chunks [N * CL, 16384] written by a Triton kernel from the stats + ``torch.addmm`` on cuBLAS).
+             ``fused[triton_gemm]``: the same step with the split-K Triton GEMM for (c); ``fused[stats_overlap]``:
+             the stats pass on a side stream beside the GEMMs; ``fused[<tile>]`` (GPU, unless --no-compare): the
+             GEMM tiles of ``COMPARE_GEMM``; ``fused:stats`` / ``fused:soft_gemm`` / ``fused:soft_chunked`` /
+             ``fused:moments``: one stage alone. --no-chunked skips the chunked rows.
   --tune     sweeps stats and GEMM candidates (``fused:tune:*`` rows). Every candidate is checked before it is timed
              (stats: ids and m exact, inv_s / entropy to rounding; GEMM: finite workspace, 2 % of a bf16 torch
              product); one that fails is recorded (status error, ``discarded``) and never applied. The winner runs
@@ -44,42 +39,8 @@ failed its check. A summary table is printed last.
 
 Metrics: eager_ms (triton.testing.do_bench median, L2 flushed), graph_ms (CUDA-graph replay median),
 extra_memory_bytes (peak allocation of one call above the live state), gbps = (logit bytes + E bytes) / time
-(the read floor), effective_tflops = 2 * N * CL * V * hidden / time (the soft-embedding GEMM).
-
-H200 history (torch 2.11, triton 3.6): compile 7.35 ms; fused 5.13 ms (0.70x; stats 8 warps, GEMM 128 x 128 x 64);
-the sweep found stats 1.249 ms (4 warps) and GEMM 3.58 ms (128 x 256, split-K 3, 424 TFLOP/s) —
-but that GEMM gave NaN in the step check. Cause: Triton 3.6 splits a register-A dot (our A operand is computed:
-exp2 of the logits) into K = 16 wgmmas and leaves 3 in flight across the loop's back edge, while the next
-iteration's loads / exp2 already overwrite their A registers (SASS: LDS into the HGMMA source registers before any
-WARPGROUP.DEPBAR; triton-lang/triton#9433). Every tile had the hazard; the longer 64 x 256 wgmmas lost the race.
-Fixed by using the accumulator inside the loop: Triton then waits for each iteration's dot (pendings = 0) and
-stages the bf16 A tile in shared memory (SS wgmma); tests/sampler compiles the kernel for sm_90a on the CPU and
-checks the waits.
-
-What each part should take now (132 SMs at ~1.98 GHz, 4.3 TB/s, 790 TFLOP/s bf16):
-  - (a) stats: 1.07 GB of logits = 0.25 ms of HBM, but compute bound: Philox4x32-10 (~25 integer ops/token, half
-    of them IMAD.HI / IMAD at half rate), IEEE divide (~8), two logs + one exp on the MUFU (3/token at 16/clk/SM =
-    0.19 ms), ~20 select/compare/FMA ops of the lane accumulators -> ~65 issue slots/token x 268 M = 17 G lane-ops
-    over ~33 T/s = 0.5 ms issue-bound floor; measured 1.25 ms (~40 % of issue rate: IMAD.HI throughput, the
-    division's slow-path check and register pressure at 168 registers). Exactness pins the formula (z = x / T
-    rounded, g = -log(-log u) in fp32), so the remaining cut is skipping work, not rewriting it: a tile whose max z
-    plus the largest possible Gumbel value (16.64 at u = 1 - 2^-24) is below the best z + g so far cannot hold the
-    sample, so Philox and both logs can be skipped for it exactly. On the dense benchmark rows that never fires
-    (z spans ~+-20 nats); on peaked LM rows it removes most of the Gumbel cost (predicted stats ~0.5-0.6 ms). Not
-    done yet: it needs a block-wide max per tile, which costs ~5 % on the dense case.
-  - (c) soft-embedding GEMM: 2 * 1024 * 262144 * 2816 = 1.51 TFLOP (the step skips the greedy request: 1.13) ->
-    1.43 ms at 790 TFLOP/s. With the dot now waited each iteration, a warpgroup's MMA (~1400 clk per 128 x 256 x 64
-    step for both warpgroups) no longer overlaps its own exp2 / convert work (~600-800 clk), only other CTAs'
-    work: predicted ~3.6-4.2 ms for the all-rows part (was 3.58 ms with the hazard) and ~2.7-3.2 ms inside the
-    step. The 64x256x64 two-CTA row tests the alternative: 2 CTAs per SM (90 KB smem, 255 registers x 128 threads
-    each) overlap one CTA's exp2 with the other's MMA, at 1.5x the L2 bytes per FLOP.
-  - (b) decisions: ~0.1-0.15 ms in a CUDA graph.
-  => fused ~4.0-4.6 ms vs 7.35 ms compile (0.55-0.63x); the 0.5x target (3.67 ms) needs ~0.5 ms more. Next steps:
-  the exact Gumbel tile skip above (real rows), and in (c) computing the bf16 probabilities once per vocabulary
-  chunk (a streaming pass writing p for 16 K tokens x 1024 rows = 32 MB, then a shared-memory-operand GEMM: no
-  register-A wgmma, no 11x exp2 recompute; predicted (c) ~1.9-2.2 ms).
-  Extra memory: workspace SPLIT_K x 1024 x 2816 x 4 B (34.6 MB at split-K 3) + stats (~33 KB) + [4, 256]
-  decision tensors: 34.8 MB measured, target <= 64 MiB.
+(the read floor), effective_tflops = 2 * N * CL * V * hidden / time (the soft-embedding GEMM). Measured history
+and the per-stage predictions: docs/tuning-bench.md ("bench_sampler.py").
 """
 from __future__ import annotations
 

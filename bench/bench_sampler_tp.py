@@ -7,7 +7,7 @@ bench/results/):
     python3 -m blockdiff.bench.bench_sampler_tp --nproc 2 --backends reference,fused --reps 30
     python3 -m blockdiff.bench.bench_sampler_tp --quick          # CPU smoke run: 2 gloo processes, tiny shapes
 
-Workload ``sampler_n4`` (ARCHITECTURE.md): N = 4 requests x canvas 256 x V = 262144, fp32 logits
+Workload ``sampler_n4`` (docs/ARCHITECTURE.md): N = 4 requests x canvas 256 x V = 262144, fp32 logits
 ``30 tanh(4 randn / 30)`` (as bench/bench_sampler.py), E [V, 2816] bf16; one greedy request, S = 10000 and
 confidence 0.005 so no row converges while timed. Rank r holds logits[..., V_r] and E[V_r] (vLLM's even split).
 

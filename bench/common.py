@@ -34,7 +34,7 @@ DEFAULT_RESULTS_DIR = BENCH_DIR / "results"
 #: Git-ignored folder of runs that are not records: ``--quick`` / CPU smoke runs and experiments' output.
 LOCAL_RESULTS_DIR = DEFAULT_RESULTS_DIR / "local"
 
-#: Measured dense bf16 ceiling of one H200 (DEVELOPERS.md), TFLOP/s.
+#: Measured dense bf16 ceiling of one H200 (8192² matmuls), TFLOP/s.
 PEAK_TFLOPS = 790.0
 #: Measured HBM bandwidth ceiling of one H200, GB/s.
 PEAK_GBPS = 4300.0
@@ -66,8 +66,7 @@ def log(msg: str) -> None:
 def warm_up_gpu(device: torch.device | str = "cuda", seconds: float = 2.0, n: int = 8192) -> float:
     """Run bf16 ``n x n`` matmuls for about ``seconds`` (clock ramp-up, lazy CUDA init); return seconds spent.
 
-    No-op (returns 0.0) for a non-CUDA device. The first case of a cold H200 run measured 2-3x slow without it
-    (shared/device/README.md).
+    No-op (returns 0.0) for a non-CUDA device. Without it the first case of a cold H200 runs 2-3x slow.
     """
     device = torch.device(device)
     if device.type != "cuda":

@@ -9,7 +9,7 @@
 # Results go to $OUT when set, else bench/results/, written after every workload; each attention run stops
 # starting workloads after $BUDGET_S seconds (default 540; the rest are recorded as skipped). A failing stage is
 # reported and the next one runs.
-# For FA4 / CuTe, make flash_attn.cute importable first (shared/device/README.md), e.g. by exporting
+# For FA4 / CuTe, make flash_attn.cute importable first (staged on the GPU machine), e.g. by exporting
 # PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages before calling this script.
 set -u
 cd "$(dirname "$0")/.."

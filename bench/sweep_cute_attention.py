@@ -111,9 +111,9 @@ def fa4_sm90_default(head_dim: int, head_dim_v: int, is_causal: bool, is_local: 
 
 
 #: Candidates, best guess first within each head dim; the run interleaves the head dims in this order.
-#: Page size 64 (bench/workloads.py). The ``why`` notes are from the 60a1efe sweep (cute_sweep-h200.json), when
-#: tile_n == 64 was the only width with TMA paged K/V loads (FA4's producer: TMA only when page_size == tile_n,
-#: else cp.async with per-row page lookups). Since the page-box producer (cute_attention.kv_load_path) every
+#: Page size 64 (bench/workloads.py). The ``why`` notes are from the sweep of bench/results/cute_sweep-h200.json,
+#: when tile_n == 64 was the only width with TMA paged K/V loads (FA4's producer: TMA only when page_size == tile_n,
+#: else cp.async with per-row page lookups). Since the page-box producer (attention.cute.config.kv_load_path) every
 #: tile_n that is a multiple of 64 loads by TMA at page 64; 80, 160 and 176 stay cp.async.
 CANDIDATES = [
     Candidate("default", 128, why="FA4 SM90 heuristic (hd128: 128x128 RS+overlap, 2 stages); non-TMA paged at page 64"),
@@ -282,8 +282,7 @@ def measure_cute(batch, cand: Candidate, gold, base_err: float, args) -> dict:
     out = torch.empty(w.total_q, w.num_heads, w.head_dim_v, dtype=batch.q.dtype, device=batch.q.device)
     kwargs = batch.attn_kwargs()
     kwargs["config"] = cand.config()
-    # per-step metadata outside the timing, as bench_attention.make_blockdiff does (the flags as causal row
-    # counts); before 3a39a6d the conversion ran inside every timed call (about 5 us more per cute row)
+    # per-step metadata outside the timing, as bench_attention.make_blockdiff does (the flags as causal row counts)
     kwargs["num_causal_q"] = causal_row_counts(kwargs.pop("causal"), kwargs["cu_seqlens_q"])
 
     def fn():

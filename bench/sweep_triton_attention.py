@@ -14,15 +14,14 @@ config with ``LAZY_RESCALE=True`` (skip the accumulator rescale unless a row max
 Every config is first checked against the dense reference (isfinite; max abs error <= 2x the same-dtype eager
 error + bf16 representation tolerance, as blockdiff.attention.testing) on a NaN-poisoned ``out``; then one
 call (``check_values=False``) is captured in a CUDA graph and its replay timed (median of
-``triton.testing.do_bench`` over 100 ms, after a GPU warm-up; the same window as bench_attention.py: before
-2026-11-30 the sweep timed 40 ms windows, which ran at the boost clock and read 3-8 % faster, so sweep records
-from before then are not comparable with bench_attention's). Compile errors (e.g. shared memory) are recorded, not fatal.
+``triton.testing.do_bench`` over 100 ms, after a GPU warm-up: the same window as bench_attention.py, since shorter
+windows run at the boost clock and read faster). Compile errors (e.g. shared memory) are recorded, not fatal.
 A global time budget (``--budget-s``) skips the remaining candidates (recorded as skipped) so the run stays
 bounded; candidates are ordered best-guess first.
 
 Outputs (to ``$OUT`` if set, else bench/results/): ``triton_sweep-<gpu>.json`` (+ csv) with every row, and
 ``triton_configs.md`` with the best config per workload, its time, effective TFLOP/s and the target.
-Effective TFLOP/s = 4·H·D·(allowed pairs)/time (ARCHITECTURE.md).
+Effective TFLOP/s = 4·H·D·(allowed pairs)/time (docs/ARCHITECTURE.md).
 """
 from __future__ import annotations
 
@@ -273,8 +272,7 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=330.0, help="wall budget of the whole sweep (s)")
     p.add_argument("--reserve-s", type=float, default=8.0, help="stop starting candidates when less is left")
     p.add_argument("--page-size", type=int, default=wl.DEFAULT_PAGE_SIZE)
-    # bench_attention.py's windows: 40 ms windows ran at the 1980 MHz boost clock and read 3-8 % faster than 100 ms
-    # ones at the sustained 1830-1920 MHz (H200, same kernel back to back; bench/results/clock_windows-h200.md)
+    # bench_attention.py's windows (shorter ones run at the boost clock: docs/tuning-bench.md)
     p.add_argument("--warmup-ms", type=int, default=25)
     p.add_argument("--rep-ms", type=int, default=100)
     p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny shapes through the interpreter")

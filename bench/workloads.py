@@ -17,7 +17,7 @@ head dims / 8, W = 1023 -> 7) keeping its structure: same batch composition, cau
 window mode.
 
 Shapes: DiffusionGemma-26B-A4B attention (16 query heads; sliding layers 8 KV heads, hd 256, W = 1023;
-global layers 2 KV heads, hd 512), from the model card / HF config as summarised in ARCHITECTURE.md.
+global layers 2 KV heads, hd 512), from the model card / HF config as summarised in docs/ARCHITECTURE.md.
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ LAYERS = {
     "hd128": (16, 8, 128, None, "symmetric"),
 }
 
-#: Anchors measured on this H200 (ARCHITECTURE.md): CUDA-graph medians in ms, per workload and backend.
+#: Anchors measured on this H200 (docs/ARCHITECTURE.md): CUDA-graph medians in ms, per workload and backend.
 ANCHORS_MS = {
     "mixed_sliding_ctx8k": {"fa4": 0.164, "flex": 0.372},
     "canvas_bs1_ctx32k_hd128": {"fa4": 0.345, "flex": 0.629},
@@ -61,7 +61,7 @@ class Workload:
     """Shape of one attention batch (no tensors).
 
     Attributes:
-        name: workload name (ARCHITECTURE.md table, or a ladder name).
+        name: workload name (docs/ARCHITECTURE.md table, or a ladder name).
         q_lens, seq_lens: per sequence, query tokens and keys (keys include the query tokens).
         causal: per sequence causal flag (prefill/commit True, denoise False).
         kinds: per sequence "prefill" / "denoise" / "commit" (documentation and plots only).
@@ -162,7 +162,7 @@ def _mixed(ctx: int = 8192):
 
 
 def named_workloads(quick: bool = False, small: bool = False) -> list[Workload]:
-    """The eight attention workloads of ARCHITECTURE.md (``sampler_n4`` belongs to bench_sampler.py).
+    """The eight attention workloads of docs/ARCHITECTURE.md (``sampler_n4`` belongs to bench_sampler.py).
 
     ``quick``: CPU-sized shapes; ``small``: real heads/head dims/window/canvas, other lengths / 8 (GPU smoke).
     """
