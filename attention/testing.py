@@ -76,19 +76,11 @@ def _int_list(name: str, values, n: int | None = None) -> list[int]:
     return out
 
 
-def _positive_int(name: str, v) -> int:
+def _int_at_least(name: str, v, minimum: int) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
         raise TypeError(f"{name} must be an int, got {type(v).__name__}")
-    if v < 1:
-        raise ValueError(f"{name} must be >= 1, got {v}")
-    return v
-
-
-def _nonnegative_int(name: str, v) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise TypeError(f"{name} must be an int, got {type(v).__name__}")
-    if v < 0:
-        raise ValueError(f"{name} must be >= 0, got {v}")
+    if v < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {v}")
     return v
 
 
@@ -184,11 +176,11 @@ def make_batch(
             if not 0 <= n <= ql:
                 raise ValueError(f"num_causal_q[{b}] must be in [0, q_len={ql}], got {n}")
     num_heads, num_kv_heads, head_dim, page_size = (
-        _positive_int(k, v) for k, v in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
-                                         ("head_dim", head_dim), ("page_size", page_size)))
-    head_dim_v = head_dim if head_dim_v is None else _positive_int("head_dim_v", head_dim_v)
-    extra_blocks = _nonnegative_int("extra_blocks", extra_blocks)
-    extra_columns = _nonnegative_int("extra_columns", extra_columns)
+        _int_at_least(k, v, 1) for k, v in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
+                                            ("head_dim", head_dim), ("page_size", page_size)))
+    head_dim_v = head_dim if head_dim_v is None else _int_at_least("head_dim_v", head_dim_v, 1)
+    extra_blocks = _int_at_least("extra_blocks", extra_blocks, 0)
+    extra_columns = _int_at_least("extra_columns", extra_columns, 0)
     if block_table_pad not in BLOCK_TABLE_PADS:
         raise ValueError(f"block_table_pad must be one of {BLOCK_TABLE_PADS}, got {block_table_pad!r}")
     if not isinstance(dtype, torch.dtype):

@@ -317,6 +317,16 @@ def write_records(suite: str, rows: list[dict], *, env: dict | None = None, extr
     return path
 
 
+def write_experiment_json(name: str, obj, out: str | Path | None = None) -> Path:
+    """Write an experiment's result ``obj`` as ``<name>`` (JSON) to ``out``, else :func:`results_dir` with
+    ``local=True`` ($OUT, else the git-ignored bench/results/local/); print and return the path."""
+    path = (Path(out) if out else results_dir(local=True)) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(_jsonable(obj), indent=1, default=str) + "\n")
+    print(f"wrote {path}", flush=True)
+    return path
+
+
 def fmt(x, nd: int = 3) -> str:
     """Short number for tables: None -> "-", floats with ``nd`` significant decimals."""
     if x is None:

@@ -29,6 +29,7 @@ from typing import Sequence
 
 import torch
 
+from blockdiff.attention import causal_row_counts
 from blockdiff.attention.masks import batch_key_ranges, count_allowed_pairs
 from blockdiff.attention.testing import make_batch
 
@@ -301,6 +302,16 @@ class Batch:
         ks, vs = zip(*(self.kv_of(b) for b in range(len(self.q_lens_host))))
         cu = torch.tensor([0] + list(_cumsum(self.seq_lens_host)), dtype=torch.int32, device=self.q.device)
         return torch.cat(ks), torch.cat(vs), cu
+
+    def layouts(self) -> dict:
+        """``{"paged": (k_cache, v_cache, kwargs), "contiguous": (k, v, kwargs)}``: both KV layouts of the batch
+        with the keyword arguments of ``attention`` (:meth:`attn_kwargs`; the causal flags as ``num_causal_q`` row
+        counts, built once outside any timing as a serving step builds its metadata)."""
+        kw = self.attn_kwargs()
+        kw["num_causal_q"] = causal_row_counts(kw.pop("causal"), kw["cu_seqlens_q"])
+        kwc = {k: v for k, v in kw.items() if k != "block_table"}
+        k, v, kwc["cu_seqlens_k"] = self.contiguous_kv()
+        return {"paged": (self.k_cache, self.v_cache, kw), "contiguous": (k, v, kwc)}
 
     def q_of(self, b: int) -> torch.Tensor:
         s = sum(self.q_lens_host[:b])

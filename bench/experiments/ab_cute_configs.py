@@ -20,12 +20,10 @@ import json
 import os
 import statistics
 import types
-from pathlib import Path
 
 import torch
 import triton.testing as tt
 
-from blockdiff.attention import causal_row_counts
 from blockdiff.attention.cute import attention_cute
 from blockdiff.bench import bench_attention as ba
 from blockdiff.bench import common
@@ -36,16 +34,11 @@ def rows_for(name: str, variants: dict) -> tuple[dict, dict]:
     """(row name -> callable, row name -> to_packed) for one workload."""
     w = next(x for x in wl.named_workloads() if x.name == name)
     b = wl.build(w, device="cuda", dtype=torch.bfloat16)
-    kw = b.attn_kwargs()
-    kw["num_causal_q"] = causal_row_counts(kw.pop("causal"), kw["cu_seqlens_q"])
-    kwc = dict(kw)
-    kwc.pop("block_table")
-    kc, vc, kwc["cu_seqlens_k"] = b.contiguous_kv()
     fns, packs = {}, {}
     for lay in ("paged", "contiguous"):
         fns[f"fa4_{lay}"], packs[f"fa4_{lay}"], _ = ba.make_fa4(b, types.SimpleNamespace(), lay)
     for vn, cfg in variants.items():
-        for lay, (k, v, a) in (("paged", (b.k_cache, b.v_cache, kw)), ("contiguous", (kc, vc, kwc))):
+        for lay, (k, v, a) in b.layouts().items():
             out = torch.empty(b.q.shape[0], w.num_heads, w.head_dim_v, dtype=b.q.dtype, device="cuda")
 
             def f(k=k, v=v, a=a, out=out, cfg=cfg):
@@ -84,9 +77,9 @@ def main(argv=None):
             print(f"{name} {n:28s} median {statistics.median(t):8.2f} us  rounds {[round(x, 1) for x in t]}",
                   flush=True)
         res[name] = times
-    path = (Path(a.out) if a.out else common.results_dir(local=True)) / ("ab_" + "_".join(names) + ".json")
-    json.dump(dict(commit=os.environ.get("BLOCKDIFF_COMMIT"), gpu=torch.cuda.get_device_name(),
-                   variants=variants, res=res), open(path, "w"), indent=1)
+    common.write_experiment_json("ab_" + "_".join(names) + ".json",
+                                 dict(commit=os.environ.get("BLOCKDIFF_COMMIT"), gpu=torch.cuda.get_device_name(),
+                                      variants=variants, res=res), a.out)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ import argparse
 import faulthandler
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -37,7 +36,7 @@ from blockdiff.attention.cute import attention_cute
 from blockdiff.attention.cute.config import kv_load_path, resolve_config
 from blockdiff.attention.masks import count_allowed_pairs
 from blockdiff.attention.testing import check_close, make_batch_from_rows
-from blockdiff.bench.common import results_dir
+from blockdiff.bench.common import results_dir, time_eager_ms, time_graph_ms
 
 T0 = time.time()
 DEVICE = "cuda"  # tests may point this elsewhere for a dry run
@@ -64,40 +63,6 @@ def host_lengths(b):
 def attn_kwargs(b, window, mode):
     kw = {k: b[k] for k in ("cu_seqlens_q", "seq_lens", "num_causal_q", "block_table", "cu_seqlens_k") if k in b}
     return dict(kw, window_size=window, bidirectional_window=mode)
-
-
-def median_ms_eager(fn, iters):
-    times = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
-
-
-def median_ms_graph(fn, iters):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        st.record()
-        graph.replay()
-        en.record()
-        en.synchronize()
-        times.append(st.elapsed_time(en))
-    return statistics.median(times)
 
 
 def fa4_two_launch(b, window, scale):
@@ -160,7 +125,8 @@ def correctness_case(name, q_lens, ctxs, ncqs, H, Hkv, D, page_size, window, mod
     record(name, status="PASS", **res, seconds=time.time() - t)
 
 
-def workload_case(name, q_lens, ctxs, causal, H, Hkv, D, window, mode, check="reference", iters=30):
+def workload_case(name, q_lens, ctxs, causal, H, Hkv, D, window, mode, check="reference", rep_ms=50):
+    """Correctness and eager / CUDA-graph medians (``common`` timers over ``rep_ms`` ms windows) of one workload."""
     t = time.time()
     ncqs = [ql if c else 0 for ql, c in zip(q_lens, causal)]
     b = make_case_batch(q_lens, ctxs, ncqs, H, Hkv, D, 64, seed=1)
@@ -211,8 +177,8 @@ def workload_case(name, q_lens, ctxs, causal, H, Hkv, D, window, mode, check="re
         if fn is None:
             continue
         try:
-            eager = median_ms_eager(fn, iters)
-            graph = median_ms_graph(fn, iters)
+            eager = time_eager_ms(fn, DEVICE, warmup=5, rep=rep_ms)
+            graph = time_graph_ms(fn, warmup=5, rep=rep_ms)
             row[f"{label}_eager_ms"] = eager
             row[f"{label}_graph_ms"] = graph
             row[f"{label}_graph_tflops"] = 4 * H * D * pairs / (graph * 1e-3) / 1e12
@@ -269,7 +235,7 @@ def main(argv=None):
         ("canvas_bs4_ctx4k_hd128", workload_case,
          ([256] * 4, [4096] * 4, [False] * 4, 16, 8, 128, None, "symmetric")),
         ("prefill16k_hd128", workload_case,
-         ([16384], [0], [True], 16, 8, 128, None, "symmetric"), {"check": "fa4", "iters": 15}),
+         ([16384], [0], [True], 16, 8, 128, None, "symmetric"), {"check": "fa4", "rep_ms": 30}),
         ("corr_hd128_page128_tma_gqa8", correctness_case,
          ([256, 130, 5], [1000, 0, 129], [0, 130, 2], 16, 2, 128, 128, 100, "symmetric")),
         ("corr_hd128_page16_prefix", correctness_case,

@@ -25,12 +25,10 @@ import os
 import statistics
 import types
 from functools import partial
-from pathlib import Path
 
 import torch
 import triton.testing as tt
 
-from blockdiff.attention import causal_row_counts
 from blockdiff.attention.cute import attention_cute
 from blockdiff.attention.cute import interface as ca
 from blockdiff.bench import bench_attention as ba
@@ -105,18 +103,13 @@ def main(argv=None):
     }[a.variants]
     w = {x.name: x for x in wl.named_workloads()}[a.workload]
     b = wl.build(w, device="cuda", dtype=torch.bfloat16)
-    kw = b.attn_kwargs()
-    kw["num_causal_q"] = causal_row_counts(kw.pop("causal"), kw["cu_seqlens_q"])
-    kwc = dict(kw)
-    kwc.pop("block_table")
-    kc, vc, kwc["cu_seqlens_k"] = b.contiguous_kv()
     fns = {}
     for lay in ("paged", "contiguous"):
         f, to_packed, _ = ba.make_fa4(b, types.SimpleNamespace(), lay)
         fns[f"fa4_{lay}"] = (f, to_packed)
     for vn, (K, lpt, cfg_lpt) in variants.items():
         cache: dict = {}
-        for lay, (k, v, kwa) in (("paged", (b.k_cache, b.v_cache, kw)), ("contiguous", (kc, vc, kwc))):
+        for lay, (k, v, kwa) in b.layouts().items():
             out = torch.empty(b.q.shape[0], w.num_heads, w.head_dim_v, dtype=b.q.dtype, device="cuda")
 
             def f(k=k, v=v, kwa=kwa, out=out, K=K, lpt=lpt, cache=cache, cfg_lpt=cfg_lpt):
@@ -142,9 +135,9 @@ def main(argv=None):
     for n, t in times.items():
         print(f"{a.workload} {n:28s} median {statistics.median(t):7.2f} us  all {['%.1f' % x for x in t]}",
               flush=True)
-    path = (Path(a.out) if a.out else common.results_dir(local=True)) / "ab_variants.json"
-    path.write_text(json.dumps(dict(commit=os.environ.get("BLOCKDIFF_COMMIT"), gpu=torch.cuda.get_device_name(),
-                                    workload=a.workload, variants=a.variants, res=times), indent=1))
+    common.write_experiment_json("ab_variants.json", dict(commit=os.environ.get("BLOCKDIFF_COMMIT"),
+                                                          gpu=torch.cuda.get_device_name(), workload=a.workload,
+                                                          variants=a.variants, res=times), a.out)
 
 
 if __name__ == "__main__":

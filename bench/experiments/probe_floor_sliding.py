@@ -13,7 +13,6 @@ Writes ``floor_sliding.json`` to ``--out`` (default ``$OUT``, else the git-ignor
 import argparse
 import dataclasses
 import json
-from pathlib import Path
 
 import torch
 import triton
@@ -88,8 +87,7 @@ def main(argv=None):
                        num_splits=ll.get("num_splits"), grid=str(ll.get("grid")), kernels_us=k)
             rows.append(row)
             print(json.dumps(row), flush=True)
-    path = (Path(a.out) if a.out else common.results_dir(local=True)) / "floor_sliding.json"
-    path.write_text(json.dumps(rows, indent=1))
+    common.write_experiment_json("floor_sliding.json", rows, a.out)
     return rows
 
 

@@ -12,7 +12,6 @@ import argparse
 import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
@@ -69,8 +68,7 @@ def main(argv=None):
                    bitwise_equal=bool(torch.equal(outs["full"], outs["plan"])), **res)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    path = (Path(a.out) if a.out else common.results_dir(local=True)) / "host_ab.json"
-    path.write_text(json.dumps(rows, indent=1))
+    common.write_experiment_json("host_ab.json", rows, a.out)
     return rows
 
 

@@ -13,13 +13,12 @@ Writes ``warm_l2.json`` to ``--out`` (default ``$OUT``, else the git-ignored ben
 import argparse
 import json
 import types
-from pathlib import Path
 
 import torch
 
 from blockdiff.bench import bench_attention as ba
 from blockdiff.bench import workloads as wl
-from blockdiff.bench.common import capture_cuda_graph, results_dir, time_graph_ms, warm_up_gpu
+from blockdiff.bench.common import capture_cuda_graph, time_graph_ms, warm_up_gpu, write_experiment_json
 
 
 def warm_graph_us(fn, n=200):
@@ -66,8 +65,7 @@ def main(argv=None):
             row = dict(workload=name, backend=label, cold_us=[cold, cold2], warm_us=[warm, warm2])
             rows.append(row)
             print(json.dumps(row), flush=True)
-    path = (Path(a.out) if a.out else results_dir(local=True)) / "warm_l2.json"
-    path.write_text(json.dumps(rows, indent=1))
+    write_experiment_json("warm_l2.json", rows, a.out)
     return rows
 
 

@@ -41,3 +41,12 @@ def test_cpu_timing_and_summary():
     table = common.summary_table([{"a": 1.23456, "b": None}], ["a", "b"])
     assert "1.235" in table and "-" in table
     assert common.gpu_slug("NVIDIA H200") == "h200"
+
+
+def test_write_experiment_json_goes_to_out_or_the_local_folder(tmp_path, monkeypatch):
+    monkeypatch.delenv("OUT", raising=False)
+    p = common.write_experiment_json("x.json", {"a": float("nan")}, tmp_path)
+    assert p == tmp_path / "x.json" and p.read_text().strip().startswith("{")
+    assert common.results_dir(local=True) == common.LOCAL_RESULTS_DIR
+    monkeypatch.setenv("OUT", str(tmp_path / "o"))
+    assert common.write_experiment_json("y.json", [1]).parent == tmp_path / "o"

@@ -94,3 +94,19 @@ def test_build_is_the_public_batch_builder_with_zero_padding():
     for k in ("q", "k_cache", "v_cache", "block_table", "cu_seqlens_q", "seq_lens", "causal"):
         assert torch.equal(getattr(b, k), t[k]), k
     assert b.block_table.shape[1] == max(-(-s // 16) for s in w.seq_lens)
+
+
+def test_batch_layouts_give_the_same_attention_in_both_kv_forms():
+    from blockdiff.attention import attention
+
+    w = wl.named_workloads(quick=True)[0]
+    b = wl.build(w, "cpu", torch.float64, page_size=16, seed=2)
+    lay = b.layouts()
+    assert set(lay) == {"paged", "contiguous"}
+    k, v, kw = lay["paged"]
+    kc, vc, kwc = lay["contiguous"]
+    assert "block_table" in kw and "cu_seqlens_k" in kwc and "block_table" not in kwc and "causal" not in kw
+    assert kw["num_causal_q"].tolist() == list(w.num_causal_q)
+    torch.testing.assert_close(attention(b.q, k, v, backend="reference", **kw),
+                               attention(b.q, kc, vc, backend="reference", **kwc), rtol=0, atol=0)
+

@@ -42,7 +42,7 @@ def test_smoke_script_plumbing_dry_run_on_cpu(monkeypatch, tmp_path):
     sm.correctness_case("dry_corr", [30, 16, 9, 0], [0, 100, 5, 3], [30, 0, 4, 0], 4, 2, 32, 16, 7, "prefix")
     sm.correctness_case("dry_contig", [20, 9], [0, 40], [20, 0], 4, 4, 32, 16, None, "symmetric", True)
     sm.workload_case("dry_workload", [64, 16, 16, 5], [0, 200, 200, 0], [True, False, True, False], 4, 2, 32, 15,
-                     "symmetric", iters=1)
+                     "symmetric", rep_ms=1)
     cases = {c["case"]: c for c in sm.RESULTS["cases"]}
     assert [c["status"] for c in cases.values()] == ["PASS"] * 3, cases
     assert cases["dry_workload"]["max_abs_diff_vs_fa4"] == 0.0
