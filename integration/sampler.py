@@ -232,9 +232,13 @@ class DiffusionSampler:
 
     def _step(self, st, slots, logits3, prefill_done):
         snapshot = copy.deepcopy(st) if self.check else None
-        out = sampler_step(st, slots, logits3, prefill_done, self.embedding, backend=self.backend)
+        # vLLM pads the embedding table's rows to a multiple of 64 (its vocab padding); the logits carry the real
+        # vocabulary, and the soft embedding takes exactly those rows
+        embedding = self.embedding[: logits3.shape[-1]] if self.embedding.shape[0] > logits3.shape[-1] else \
+            self.embedding
+        out = sampler_step(st, slots, logits3, prefill_done, embedding, backend=self.backend)
         if self.check:
-            ref_out = sampler_step(snapshot, slots, logits3, prefill_done, self.embedding, backend="reference")
+            ref_out = sampler_step(snapshot, slots, logits3, prefill_done, embedding, backend="reference")
             compare_sampler(snapshot, st, ref_out, out)
             self.num_checked += 1
             if self.on_check is not None:

@@ -133,7 +133,7 @@ class SamplerConfig:
         tiles = triton.cdiv(rows, bm) * triton.cdiv(hidden, bn)
         if self.split_k:
             split_k = self.split_k
-        elif not cuda:
+        elif not cuda or tiles == 0:  # no rows (e.g. a step without denoise rows): nothing to split
             split_k = 1
         else:
             def eff(k):
