@@ -7,13 +7,19 @@ Reference implementation matched: transformers 5.24 ``transformers.models.diffus
 MoE: ``DiffusionGemma(..., moe_impl=None)`` (the default) runs ``"grouped_mm"`` (no host sync, CUDA-graph
 capturable) for bf16 on sm90 / sm100 GPUs and ``"loop"`` elsewhere (:func:`blockdiff.model.layers.default_moe_impl`);
 both are deterministic (each token's expert outputs summed in ascending expert order, no atomics).
+
+A bad checkpoint (config, weights, shard index, tokenizer, generation config) raises :class:`CheckpointError` (a
+``ValueError``) naming the file and the rule; a missing file :class:`CheckpointFileNotFoundError` (both a
+CheckpointError and a ``FileNotFoundError``). A checkpoint's default sampling parameters:
+:func:`load_generation_config` (``DiffusionGemma.generation_config`` once loaded).
 """
 from .config import DiffusionGemmaConfig, tiny_config
-from .errors import CheckpointError
+from .errors import CheckpointError, CheckpointFileNotFoundError
+from .generation import load_generation_config
 from .loading import convert_hf_state_dict, load_hf_state_dict, read_safetensors
 from .modeling import DiffusionGemma
 
 __all__ = [
-    "CheckpointError", "DiffusionGemmaConfig", "tiny_config", "DiffusionGemma", "convert_hf_state_dict",
-    "load_hf_state_dict", "read_safetensors",
+    "CheckpointError", "CheckpointFileNotFoundError", "DiffusionGemmaConfig", "tiny_config", "DiffusionGemma",
+    "convert_hf_state_dict", "load_generation_config", "load_hf_state_dict", "read_safetensors",
 ]

@@ -8,13 +8,75 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
+import numbers
 import os
 from dataclasses import dataclass
 from typing import Any
 
+from .errors import CheckpointError, CheckpointFileNotFoundError
+
 LAYER_TYPES = ("sliding_attention", "full_attention")
 BIDIRECTIONAL_WINDOWS = ("prefix", "symmetric")
 ACTIVATIONS = ("gelu_pytorch_tanh", "gelu", "gelu_new", "silu")
+#: Largest canvas_length: the sampler's position counters hold positions < 2**16
+#: (``blockdiff.sampler.rng.MAX_POSITIONS``; tests/model checks the two agree).
+MAX_CANVAS_LENGTH = (1 << 16) - 1
+_INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "global_head_dim", "num_global_key_value_heads",
+               "max_position_embeddings", "sliding_window", "num_experts", "top_k_experts", "moe_intermediate_size",
+               "canvas_length")
+
+
+def _show(v) -> str:
+    return f"{type(v).__name__} {v!r}"
+
+
+def _check_int(name: str, v, lo: int, *, allow_none: bool = False) -> None:
+    """``v`` is an int (not bool / float / str) >= lo; TypeError / ValueError naming ``name`` otherwise."""
+    if v is None and allow_none:
+        return
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise TypeError(f"{name} must be an int >= {lo}, got {_show(v)}")
+    if v < lo:
+        raise ValueError(f"{name} must be an int >= {lo}, got {v}")
+
+
+def _check_real(name: str, v, *, positive: bool, none_hint: str = "") -> None:
+    """``v`` is a finite real number (int or float, not bool / str), > 0 if ``positive`` else >= 0."""
+    rule = "> 0" if positive else ">= 0"
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise TypeError(f"{name} must be a finite number {rule}{none_hint}, got {_show(v)}")
+    if not math.isfinite(v) or not (v > 0 if positive else v >= 0):
+        raise ValueError(f"{name} must be a finite number {rule}{none_hint}, got {v!r}")
+
+
+def read_json_object(path: str, what: str | None = None) -> dict:
+    """The JSON object (dict) in the file ``path``.
+
+    Raises:
+        CheckpointFileNotFoundError: no file at ``path``.
+        CheckpointError: the file cannot be read, is not UTF-8 JSON, or holds something other than an object
+            (the message names the file, and the line / column of a syntax error).
+    """
+    what = what or os.path.basename(path)
+    if not os.path.exists(path):
+        raise CheckpointFileNotFoundError(f"{what}: no file at {path}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{what} ({path}) cannot be read: {e}") from e
+    if not text.strip():
+        raise CheckpointError(f"{what} ({path}) is empty: it must hold a JSON object")
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{what} ({path}) is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") \
+            from e
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{what} ({path}) must hold a JSON object, got a JSON {type(d).__name__}")
+    return d
 
 
 def default_rope_parameters() -> dict[str, dict[str, Any]]:
@@ -45,8 +107,9 @@ class DiffusionGemmaConfig:
             causal sliding mask is ``kv > q - sliding_window`` and its sliding cache keeps the last
             ``sliding_window - 1`` tokens, so Gemma's ``sliding_window=1024`` is FlashAttention's ``W = 1023``.
 
-    Raises (in ``__post_init__``):
-        ValueError: an inconsistent or unsupported field (named in the message).
+    Raises (in ``__post_init__``, see :meth:`validate` for the rules):
+        TypeError: a field of the wrong type (named in the message).
+        ValueError: an out-of-range, inconsistent or unsupported field (named in the message, with the rule).
     """
 
     vocab_size: int = 262_144
@@ -79,47 +142,94 @@ class DiffusionGemmaConfig:
     bidirectional_window: str = "prefix"
 
     def __post_init__(self):
+        # normalisation first (defaults that depend on other fields), then every rule in validate()
+        _check_int("num_hidden_layers", self.num_hidden_layers, 1)
+        self.num_hidden_layers = int(self.num_hidden_layers)
         if self.layer_types is None:
             # transformers' default pattern: 5 sliding : 1 full
             self.layer_types = [
                 "sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(self.num_hidden_layers)
             ]
+        if not isinstance(self.layer_types, (list, tuple)):
+            raise TypeError(f"layer_types must be a list of str, got {type(self.layer_types).__name__}")
         self.layer_types = list(self.layer_types)
+        if self.rope_parameters is None:
+            self.rope_parameters = default_rope_parameters()
+        if not isinstance(self.rope_parameters, dict):
+            raise TypeError(f"rope_parameters must be a dict (layer type -> RoPE settings), got "
+                            f"{type(self.rope_parameters).__name__}")
+        self.rope_parameters = copy.deepcopy(self.rope_parameters)
+        if self.num_global_key_value_heads is None:
+            self.num_global_key_value_heads = self.num_key_value_heads
+        if isinstance(self.eos_token_id, tuple):
+            self.eos_token_id = list(self.eos_token_id)
+        for name in _INT_FIELDS:  # numpy / torch integer scalars -> int (bool and float stay refused)
+            v = getattr(self, name)
+            if isinstance(v, numbers.Integral) and not isinstance(v, bool):
+                setattr(self, name, int(v))
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field's type and range (also after a field was changed in place;
+        :class:`~blockdiff.model.DiffusionGemma` calls it on construction).
+
+        Rules: the integer sizes are ints (not bool / float / str) >= 1; ``num_attention_heads`` a multiple of
+        both KV-head counts; ``head_dim`` / ``global_head_dim`` even; ``top_k_experts <= num_experts``;
+        ``1 <= canvas_length <= min(max_position_embeddings, MAX_CANVAS_LENGTH)``; ``rms_norm_eps > 0`` and
+        finite; ``initializer_range >= 0`` and finite; ``final_logit_softcapping`` None (off) or > 0 and finite;
+        per used layer type ``rope_parameters[type]`` holds ``rope_theta > 0`` (finite), an optional
+        ``partial_rotary_factor`` in (0, 1] (``"default"`` RoPE: rotating an even number >= 2 of dims) and an
+        optional ``factor > 0``; token ids (``pad_token_id``, ``bos_token_id``, each ``eos_token_id``) None or
+        in [0, vocab_size); booleans are bools; strings are one of their listed values.
+
+        Raises:
+            TypeError: a field of the wrong type (named, with the value).
+            ValueError: a field breaking its rule (named, with the rule and the value).
+        """
+        for name in _INT_FIELDS:
+            _check_int(name, getattr(self, name), 1, allow_none=name == "num_global_key_value_heads")
+        if self.num_global_key_value_heads is None:
+            raise ValueError("num_global_key_value_heads must be an int >= 1 (None is only a constructor "
+                             "default: num_key_value_heads)")
+        for name in ("tie_word_embeddings", "attention_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {_show(getattr(self, name))}")
+        if not isinstance(self.layer_types, list) or not all(isinstance(t, str) for t in self.layer_types):
+            raise TypeError(f"layer_types must be a list of str, got {self.layer_types!r}")
         if len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(
                 f"layer_types has {len(self.layer_types)} entries, num_hidden_layers is {self.num_hidden_layers}")
         bad = sorted({t for t in self.layer_types if t not in LAYER_TYPES})
         if bad:
             raise ValueError(f"layer_types entries must be in {LAYER_TYPES}, got {bad}")
-        if self.layer_types and self.layer_types[-1] != "full_attention":
+        if self.layer_types[-1] != "full_attention":
             # transformers forces this too (with a warning); we refuse silent rewrites.
             raise ValueError("layer_types[-1] must be 'full_attention' (transformers forces the last layer full)")
-        if self.rope_parameters is None:
-            self.rope_parameters = default_rope_parameters()
-        self.rope_parameters = copy.deepcopy(self.rope_parameters)
-        for lt in set(self.layer_types):
-            rp = self.rope_parameters.get(lt)
-            if rp is None:
-                raise ValueError(f"rope_parameters has no entry for layer type {lt!r}")
-            if rp.get("rope_type", "default") not in ("default", "proportional"):
-                raise ValueError(f"rope_parameters[{lt!r}].rope_type must be 'default' or 'proportional', "
-                                 f"got {rp.get('rope_type')!r}")
-        if self.num_global_key_value_heads is None:
-            self.num_global_key_value_heads = self.num_key_value_heads
-        for name in ("num_key_value_heads", "num_global_key_value_heads"):
-            kv = getattr(self, name)
-            if kv <= 0 or self.num_attention_heads % kv:
+        for name, kv in (("num_key_value_heads", self.num_key_value_heads),
+                         ("num_global_key_value_heads", self.num_global_key_value_heads)):
+            if self.num_attention_heads % kv:
                 raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                                  f"{name} ({kv})")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "head_dim",
-                     "global_head_dim", "num_experts", "top_k_experts", "moe_intermediate_size", "canvas_length",
-                     "sliding_window"):
-            if int(getattr(self, name)) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.head_dim % 2 or self.global_head_dim % 2:
             raise ValueError("head_dim and global_head_dim must be even (RoPE rotates halves)")
         if self.top_k_experts > self.num_experts:
             raise ValueError(f"top_k_experts ({self.top_k_experts}) must be <= num_experts ({self.num_experts})")
+        cap = min(self.max_position_embeddings, MAX_CANVAS_LENGTH)
+        if self.canvas_length > cap:
+            raise ValueError(f"canvas_length must be <= min(max_position_embeddings = {self.max_position_embeddings}"
+                             f", {MAX_CANVAS_LENGTH}), got {self.canvas_length}")
+        _check_real("rms_norm_eps", self.rms_norm_eps, positive=True)
+        _check_real("initializer_range", self.initializer_range, positive=False)
+        if self.final_logit_softcapping is not None:
+            # 0 would make every logit 0 (cap * tanh(x / cap)); None is "no softcapping"
+            _check_real("final_logit_softcapping", self.final_logit_softcapping, positive=True,
+                        none_hint=" (or None: no softcapping)")
+        self._validate_rope()
+        self._validate_token_ids()
+        for name, allowed in (("hidden_activation", ACTIVATIONS), ("bidirectional_window", BIDIRECTIONAL_WINDOWS)):
+            v = getattr(self, name)
+            if not isinstance(v, str) or v not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {v!r}")
         if self.use_bidirectional_attention == "all":
             raise ValueError(
                 "use_bidirectional_attention='all' (a bidirectional encoder with transformers' halved sliding "
@@ -127,13 +237,50 @@ class DiffusionGemmaConfig:
         if self.use_bidirectional_attention not in (None, "vision"):
             raise ValueError(f"use_bidirectional_attention must be None or 'vision', got "
                              f"{self.use_bidirectional_attention!r}")
-        if self.hidden_activation not in ACTIVATIONS:
-            raise ValueError(f"hidden_activation must be one of {ACTIVATIONS}, got {self.hidden_activation!r}")
-        if self.bidirectional_window not in BIDIRECTIONAL_WINDOWS:
-            raise ValueError(f"bidirectional_window must be one of {BIDIRECTIONAL_WINDOWS}, got "
-                             f"{self.bidirectional_window!r}")
         if not self.tie_word_embeddings:
             raise ValueError("tie_word_embeddings=False is not supported (DiffusionGemma ties lm_head to E)")
+
+    def _validate_rope(self) -> None:
+        if not isinstance(self.rope_parameters, dict):
+            raise TypeError(f"rope_parameters must be a dict, got {type(self.rope_parameters).__name__}")
+        for lt in sorted(set(self.layer_types)):
+            rp = self.rope_parameters.get(lt)
+            where = f"rope_parameters[{lt!r}]"
+            if rp is None:
+                raise ValueError(f"rope_parameters has no entry for layer type {lt!r}")
+            if not isinstance(rp, dict):
+                raise TypeError(f"{where} must be a dict, got {type(rp).__name__}")
+            rope_type = rp.get("rope_type", "default")
+            if rope_type not in ("default", "proportional"):
+                raise ValueError(f"{where}.rope_type must be 'default' or 'proportional', got {rope_type!r}")
+            if "rope_theta" not in rp:
+                raise ValueError(f"{where} has no rope_theta (the RoPE base, > 0)")
+            _check_real(f"{where}.rope_theta", rp["rope_theta"], positive=True)
+            prf = rp.get("partial_rotary_factor", 1.0)
+            _check_real(f"{where}.partial_rotary_factor", prf, positive=True)
+            if prf > 1:
+                raise ValueError(f"{where}.partial_rotary_factor must be in (0, 1], got {prf}")
+            head_dim = self.head_dim if lt == "sliding_attention" else self.global_head_dim
+            if rope_type == "default":
+                rotated = int(head_dim * prf)
+                if rotated < 2 or rotated % 2:
+                    raise ValueError(f"{where}.partial_rotary_factor {prf} rotates int({head_dim} * {prf}) = "
+                                     f"{rotated} dims of head_dim {head_dim}: must be an even number >= 2")
+            if "factor" in rp:
+                _check_real(f"{where}.factor", rp["factor"], positive=True)
+
+    def _validate_token_ids(self) -> None:
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            v = getattr(self, name)
+            ids = v if name == "eos_token_id" and isinstance(v, list) else [v]
+            for t in ids:
+                if t is None and not isinstance(v, list):
+                    continue
+                if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+                    raise TypeError(f"{name} must be an int{' or a list of ints' if name == 'eos_token_id' else ''}"
+                                    f" or None, got {_show(v)}")
+                if not 0 <= t < self.vocab_size:
+                    raise ValueError(f"{name} must be in [0, vocab_size = {self.vocab_size}), got {v!r}")
 
     # ---- derived geometry -------------------------------------------------------------------------------
     @property
@@ -162,22 +309,38 @@ class DiffusionGemmaConfig:
         ``config.json`` dict of either, or a path to a ``config.json`` file or checkpoint folder.
 
         Raises:
-            ValueError: unsupported values (see ``__post_init__``), or no text config found.
+            CheckpointFileNotFoundError: a path without a ``config.json``.
+            CheckpointError: from a path: the file is not a JSON object, or any of the errors below (the message
+                names the file and the field).
+            TypeError, ValueError: a field of the wrong type or breaking its rule (see :meth:`validate`), a
+                ``text_config`` / ``per_layer_config`` that is not a dict, or no text config found.
         """
         if isinstance(hf_config, (str, os.PathLike)):
             path = os.fspath(hf_config)
             if os.path.isdir(path):
                 path = os.path.join(path, "config.json")
-            with open(path) as f:
-                hf_config = json.load(f)
+            d = read_json_object(path, "config.json")
+            try:
+                return cls.from_hf(d, **overrides)
+            except (TypeError, ValueError) as e:
+                raise CheckpointError(f"config.json ({path}): {e}") from e
         canvas_length = None
         if not isinstance(hf_config, dict):
             canvas_length = getattr(hf_config, "canvas_length", None)
             text = getattr(hf_config, "text_config", None) or hf_config
-            d = text.to_dict() if hasattr(text, "to_dict") else dict(vars(text))
+            if hasattr(text, "to_dict"):
+                d = text.to_dict()
+            elif hasattr(text, "__dict__"):
+                d = dict(vars(text))
+            else:
+                raise TypeError(f"hf_config must be a transformers config, a config.json dict or a path, got "
+                                f"{type(hf_config).__name__}")
         else:
             canvas_length = hf_config.get("canvas_length")
-            d = dict(hf_config.get("text_config") or hf_config)
+            text = hf_config.get("text_config")
+            if text is not None and not isinstance(text, dict):
+                raise TypeError(f"text_config must be a dict (a JSON object), got {type(text).__name__}")
+            d = dict(text or hf_config)
         if "hidden_size" not in d:
             raise ValueError("hf_config has no text config (no hidden_size)")
         kwargs = {}
@@ -190,6 +353,8 @@ class DiffusionGemmaConfig:
             kwargs.pop("num_global_key_value_heads", None)
         # transformers folds the full-layer geometry into per_layer_config; recover it.
         plc = d.get("per_layer_config") or {}
+        if not isinstance(plc, dict):
+            raise TypeError(f"per_layer_config must be a dict (layer index -> overrides), got {type(plc).__name__}")
         for layer_idx, lc in plc.items():
             if not isinstance(lc, dict):
                 continue
@@ -211,7 +376,11 @@ def tiny_config(**overrides) -> DiffusionGemmaConfig:
     head x head_dim 32 with partial RoPE; 4 experts top-2; vocab 256; canvas_length 16.
 
     Args:
-        **overrides: any :class:`DiffusionGemmaConfig` field.
+        **overrides: any :class:`DiffusionGemmaConfig` field (``num_hidden_layers`` alone: alternating sliding /
+            full layers, the last full).
+
+    Raises:
+        TypeError, ValueError: a field breaking its rule (see :meth:`DiffusionGemmaConfig.validate`).
     """
     kw: dict[str, Any] = dict(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
@@ -223,6 +392,7 @@ def tiny_config(**overrides) -> DiffusionGemmaConfig:
     kw.update(overrides)
     if "num_hidden_layers" in overrides and "layer_types" not in overrides:
         n = kw["num_hidden_layers"]
+        _check_int("num_hidden_layers", n, 1)
         kw["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
         kw["layer_types"][-1] = "full_attention"
     return DiffusionGemmaConfig(**kw)

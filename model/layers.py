@@ -224,6 +224,11 @@ class Attention(nn.Module):
     Sliding layers: ``q/k/v_proj`` with ``head_dim`` and ``num_key_value_heads``. Full layers:
     ``global_head_dim``, ``num_global_key_value_heads`` and no ``v_proj``: V = v_norm(k_proj x) (unscaled
     RMSNorm, no RoPE) while K = rope(k_norm(k_proj x)). q_norm / k_norm are scaled RMSNorms over head_dim.
+
+    ``attention_bias=True``: each projection has the decoder's ``bias`` and the encoder's own ``encoder_bias``
+    (``[out_features]``): transformers ties the encoder's projection weights to the decoder's but not their biases
+    (``DiffusionGemmaModel._tied_weights_keys``), so encoder (causal) rows add ``encoder_bias`` and decoder
+    (bidirectional) rows ``bias``; :meth:`qkv` and :meth:`out` take the ``[T, 1]`` bool decoder-row mask.
     """
 
     def __init__(self, cfg: DiffusionGemmaConfig, layer_idx: int, device=None, dtype=None):
@@ -241,20 +246,40 @@ class Attention(nn.Module):
         self.v_proj = (nn.Linear(hs, self.num_kv_heads * self.head_dim, bias=b, device=device, dtype=dtype)
                        if self.is_sliding else None)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hs, bias=b, device=device, dtype=dtype)
+        self.has_bias = b
+        if b:
+            for proj in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
+                if proj is not None:
+                    proj.encoder_bias = nn.Parameter(torch.zeros(proj.out_features, device=device, dtype=dtype))
         self.q_norm = RMSNorm(self.head_dim, eps=cfg.rms_norm_eps, device=device, dtype=dtype)
         self.k_norm = RMSNorm(self.head_dim, eps=cfg.rms_norm_eps, device=device, dtype=dtype)
         self.v_norm = RMSNorm(self.head_dim, eps=cfg.rms_norm_eps, with_scale=False)
 
-    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """q ``[T, H, D]``, k ``[T, Hkv, D]``, v ``[T, Hkv, D]`` (x's dtype) from normed hidden ``x [T, hidden]``."""
+    def _project(self, proj: nn.Linear, x: torch.Tensor, is_dec: torch.Tensor | None) -> torch.Tensor:
+        """``proj(x)`` with the decoder's bias on decoder rows and ``encoder_bias`` on encoder rows."""
+        if not self.has_bias:
+            return proj(x)
+        if is_dec is None:
+            raise ValueError("is_dec ([T, 1] bool, True on decoder rows) is required with attention_bias=True: the "
+                             "encoder and decoder keep separate attention biases")
+        return F.linear(x, proj.weight) + torch.where(is_dec, proj.bias, proj.encoder_bias)
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_dec: torch.Tensor | None = None):
+        """q ``[T, H, D]``, k ``[T, Hkv, D]``, v ``[T, Hkv, D]`` (x's dtype) from normed hidden ``x [T, hidden]``;
+        ``is_dec [T, 1]`` bool (True on decoder rows) picks each row's biases (required with attention_bias)."""
         T = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(T, self.num_heads, self.head_dim))
+        q = self.q_norm(self._project(self.q_proj, x, is_dec).view(T, self.num_heads, self.head_dim))
         q = apply_rope(q, cos, sin)
-        k_raw = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim) if self.v_proj is not None else k_raw
+        k_raw = self._project(self.k_proj, x, is_dec).view(T, self.num_kv_heads, self.head_dim)
+        v = (self._project(self.v_proj, x, is_dec).view(T, self.num_kv_heads, self.head_dim)
+             if self.v_proj is not None else k_raw)
         k = apply_rope(self.k_norm(k_raw), cos, sin)
         v = self.v_norm(v)
         return q, k, v
+
+    def out(self, o: torch.Tensor, is_dec: torch.Tensor | None = None) -> torch.Tensor:
+        """``o_proj`` of the attention output ``o [T, H * D]`` (``is_dec`` as in :meth:`qkv`)."""
+        return self._project(self.o_proj, o, is_dec)
 
 
 class DecoderLayer(nn.Module):
@@ -297,8 +322,8 @@ class DecoderLayer(nn.Module):
 
 def init_weights_(module: nn.Module, std: float = 0.02, generator: torch.Generator | None = None) -> None:
     """transformers-like init in place: normal(0, std) for linear / embedding / expert weights, ones for norm
-    weights, router scales and layer scalars, zeros for biases. Draws fp32 on the current default device
-    (or ``generator``'s device) and casts to each parameter's dtype; meta tensors are skipped."""
+    weights, router scales and layer scalars, zeros for biases (the encoder's too). Draws fp32 on the current
+    default device (or ``generator``'s device) and casts to each parameter's dtype; meta tensors are skipped."""
     with torch.no_grad():
         for name, p in module.named_parameters():
             leaf = name.rsplit(".", 1)[-1]
@@ -306,7 +331,7 @@ def init_weights_(module: nn.Module, std: float = 0.02, generator: torch.Generat
                 continue
             if leaf in ("scale", "per_expert_scale") or (leaf == "weight" and p.dim() == 1):
                 p.fill_(1.0)
-            elif leaf == "bias":
+            elif leaf in ("bias", "encoder_bias"):
                 p.zero_()
             else:
                 p.copy_(torch.randn(p.shape, generator=generator, dtype=torch.float32).mul_(std).to(p.dtype))

@@ -1,33 +1,83 @@
 """Load transformers DiffusionGemma weights (state dict or safetensors) into :class:`DiffusionGemma`.
 
 Names (transformers 5.24 ``DiffusionGemmaForBlockDiffusion``; a saved checkpoint holds the decoder stack, the
-self-conditioning block, the encoder's ``layer_scalar`` buffers and the vision tower, because the encoder's
-weights and ``lm_head`` are tied to the decoder's):
+self-conditioning block, the encoder's own tensors -- its ``layer_scalar`` buffers and, with ``attention_bias``, its
+attention biases -- and the vision tower, because the encoder's weights and ``lm_head`` are tied to the decoder's).
+``E = model.encoder.language_model.``; ``{p}`` is ``q_proj``, ``k_proj``, ``v_proj`` or ``o_proj``:
 
-=========================================================  ====================================================
-transformers                                               blockdiff.model
-=========================================================  ====================================================
-``model.decoder.<name>``                                   ``<name>`` (embed_tokens, layers.*, norm, self_conditioning.*)
-``model.encoder.language_model.layers.{i}.layer_scalar``   ``layers.{i}.encoder_layer_scalar``
-``model.encoder.language_model.<name>`` (other)            tied copy of ``<name>``: must equal it if both given
-``lm_head.weight``                                         tied copy of ``embed_tokens.weight``: must equal it
-``model.encoder.vision_tower.*``, ``model.encoder.embed_vision.*``   skipped (vision is out of scope)
-=========================================================  ====================================================
+===============================================  ================================================================
+transformers                                     blockdiff.model
+===============================================  ================================================================
+``model.decoder.<name>``                         ``<name>`` (embed_tokens, layers.*, norm, self_conditioning.*)
+``E layers.{i}.layer_scalar``                    ``layers.{i}.encoder_layer_scalar``
+``E layers.{i}.self_attn.{p}.bias``              ``layers.{i}.self_attn.{p}.encoder_bias``
+``E <name>`` (other)                             tied copy of ``<name>``: must equal it if both given
+``lm_head.weight``                               tied copy of ``embed_tokens.weight``: must equal it
+``model.encoder.vision_tower.*``                 skipped (vision is out of scope), as ``model.encoder.embed_vision.*``
+===============================================  ================================================================
+
+transformers ties the encoder's weights to the decoder's (``DiffusionGemmaModel._tied_weights_keys``: every
+``weight``, ``scale``, ``per_expert_scale``, ``gate_up_proj``, ``down_proj``) but not its buffers (``layer_scalar``)
+nor the attention biases (``attention_bias=True``): those are separate tensors per mode, and a checkpoint must hold
+both copies (transformers saves both; a missing one is a missing tensor, as transformers reports it).
 
 A ``DiffusionGemmaModel`` state dict (keys starting ``encoder.`` / ``decoder.``) is accepted too.
+
+Every bad checkpoint raises :class:`~blockdiff.model.errors.CheckpointError` (a ``ValueError``) naming the file and
+tensor; a missing file :class:`~blockdiff.model.errors.CheckpointFileNotFoundError` (also a ``FileNotFoundError``).
 """
 from __future__ import annotations
 
-import json
 import os
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
+
+from .config import read_json_object
+from .errors import CheckpointError, CheckpointFileNotFoundError
 
 SKIPPED_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
 _DEC = "model.decoder."
 _ENC = "model.encoder.language_model."
 _MAX_LIST = 20
+INDEX_FILE = "model.safetensors.index.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+def hf_name(name: str) -> str:
+    """transformers' checkpoint name of our parameter / buffer ``name`` (the table in the module docstring):
+    ``layers.{i}.encoder_layer_scalar`` and ``*.encoder_bias`` are the encoder's own tensors, the rest the
+    decoder's."""
+    if name.endswith("encoder_layer_scalar"):
+        return _ENC + name[: -len("encoder_layer_scalar")] + "layer_scalar"
+    if name.endswith(".encoder_bias"):
+        return _ENC + name[: -len("encoder_bias")] + "bias"
+    return _DEC + name
+
+
+def check_device(device, name: str = "device") -> torch.device:
+    """``device`` (None: cpu; a ``torch.device``, its string, or a CUDA index) as a ``torch.device``.
+
+    Raises:
+        TypeError: not a str / int / torch.device / None.
+        ValueError: a string torch cannot parse (e.g. ``"bogus"``), or a CUDA device that is not there (no CUDA,
+            or an index >= the device count); the message names ``name``.
+    """
+    if device is None:
+        return torch.device("cpu")
+    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+        raise TypeError(f"{name} must be a torch.device, a device string or a CUDA index, got "
+                        f"{type(device).__name__} {device!r}")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise ValueError(f"{name} {device!r} is not a torch device (e.g. 'cpu', 'cuda', 'cuda:0'): {e}") from e
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{name} {device!r}: CUDA is not available here")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"{name} {device!r}: only {torch.cuda.device_count()} CUDA device(s) here")
+    return dev
 
 
 def _fmt(names) -> str:
@@ -55,12 +105,12 @@ def convert_hf_state_dict(state_dict, expected: dict[str, tuple[torch.Size, torc
         ``(tensors, skipped)``: our name -> tensor, and the sorted list of skipped (vision) names.
 
     Raises:
-        ValueError: one message listing every missing, unexpected, mis-shaped, wrongly typed (an integer tensor
-            for a float parameter, a value that is not a tensor) or untied-but-different tensor.
+        CheckpointError: one message listing every missing, unexpected, mis-shaped, wrongly typed (an integer
+            tensor for a float parameter, a value that is not a tensor) or tied-but-different tensor.
     """
     out: dict[str, torch.Tensor] = {}
     tied: dict[str, list[tuple[str, torch.Tensor]]] = {}
-    unexpected, skipped, not_tensor, bad_dtype = [], [], [], []
+    unexpected, skipped, not_tensor, bad_dtype, twice = [], [], [], [], []
     for key, t in state_dict.items():
         k = key
         if k.startswith(("encoder.", "decoder.")):
@@ -75,7 +125,9 @@ def convert_hf_state_dict(state_dict, expected: dict[str, tuple[torch.Size, torc
             continue
         if k.startswith(_DEC):
             ours = k[len(_DEC):]
-            if ours in expected:
+            if ours in expected and hf_name(ours) == k:  # not our encoder-only names under model.decoder.
+                if ours in out:
+                    twice.append(key)
                 out[ours] = t
                 continue
         elif k.startswith(_ENC):
@@ -83,8 +135,16 @@ def convert_hf_state_dict(state_dict, expected: dict[str, tuple[torch.Size, torc
             if name.endswith(".layer_scalar"):
                 ours = name[: -len("layer_scalar")] + "encoder_layer_scalar"
                 if ours in expected:
+                    if ours in out:
+                        twice.append(key)
                     out[ours] = t
                     continue
+            elif name.endswith(".bias") and name[: -len("bias")] + "encoder_bias" in expected:
+                ours = name[: -len("bias")] + "encoder_bias"  # untied in transformers: the encoder's own
+                if ours in out:
+                    twice.append(key)
+                out[ours] = t
+                continue
             elif name in expected and not name.startswith("self_conditioning."):
                 tied.setdefault(name, []).append((key, t))
                 continue
@@ -100,8 +160,7 @@ def convert_hf_state_dict(state_dict, expected: dict[str, tuple[torch.Size, torc
             if copies:  # only the tied (encoder / lm_head) copy was given: use it
                 out[name] = copies[0][1]
             else:
-                missing.append(_DEC + name if not name.endswith("encoder_layer_scalar")
-                               else _ENC + name.replace("encoder_layer_scalar", "layer_scalar"))
+                missing.append(hf_name(name))
                 continue
         t = out[name]
         if tuple(t.shape) != tuple(shape):
@@ -116,20 +175,24 @@ def convert_hf_state_dict(state_dict, expected: dict[str, tuple[torch.Size, torc
                     differ.append(key)
     errors = []
     if missing:
-        errors.append(f"missing tensors ({len(missing)}): {_fmt(missing)}")
+        why = (" (transformers keeps the encoder's attention biases apart from the decoder's, and saves both)"
+               if any(m.startswith(_ENC) and m.endswith(".bias") for m in missing) else "")
+        errors.append(f"missing tensors ({len(missing)}){why}: {_fmt(missing)}")
     if unexpected:
         errors.append(f"unexpected tensors ({len(unexpected)}): {_fmt(unexpected)}")
     if bad_shape:
         errors.append(f"mis-shaped tensors ({len(bad_shape)}): {_fmt(bad_shape)}")
     if bad_dtype:
         errors.append(f"tensors of the wrong kind of dtype ({len(bad_dtype)}): {_fmt(bad_dtype)}")
+    if twice:
+        errors.append(f"tensors given twice (as model.* and as encoder. / decoder.) ({len(twice)}): {_fmt(twice)}")
     if not_tensor:
         errors.append(f"values that are not tensors ({len(not_tensor)}): {_fmt(not_tensor)}")
     if differ:
-        errors.append(f"tied tensors that differ from the decoder's copy ({len(differ)}; untied encoder/decoder "
-                      f"or lm_head weights are not supported): {_fmt(differ)}")
+        errors.append(f"tied tensors that differ from the decoder's copy ({len(differ)}; transformers ties these "
+                      f"encoder weights and lm_head to the decoder's): {_fmt(differ)}")
     if errors:
-        raise ValueError("cannot load DiffusionGemma state dict: " + "; ".join(errors))
+        raise CheckpointError("cannot load DiffusionGemma state dict: " + "; ".join(errors))
     return out, sorted(skipped)
 
 
@@ -141,8 +204,14 @@ def load_hf_state_dict(model, state_dict, *, device=None, dtype=None) -> list[st
     for meta). Returns the skipped (vision) names.
 
     Raises:
-        ValueError: see :func:`convert_hf_state_dict`.
+        CheckpointError: see :func:`convert_hf_state_dict`.
+        TypeError: ``dtype`` is not a floating torch dtype (or None).
+        ValueError: a bad ``device`` (see :func:`check_device`).
     """
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dtype must be a floating torch.dtype (e.g. torch.bfloat16) or None, got {dtype!r}")
+    if device is not None:
+        device = check_device(device)
     expected = {n: (p.shape, p.dtype) for n, p in model.state_dict().items()}
     tensors, skipped = convert_hf_state_dict(state_dict, expected)
     ref = model.embed_tokens.weight
@@ -159,34 +228,93 @@ def load_hf_state_dict(model, state_dict, *, device=None, dtype=None) -> list[st
 
 def read_safetensors(path, device=None) -> dict[str, torch.Tensor]:
     """All tensors of a safetensors checkpoint: a file, or a folder with ``model.safetensors`` or
-    ``model.safetensors.index.json`` (+ shards), read straight onto ``device`` (default cpu). Vision-tower
-    tensors are not read (an empty placeholder keeps their names for the skipped list).
+    ``model.safetensors.index.json`` (+ shards), read onto ``device`` (default cpu). Vision-tower tensors are not
+    read (an empty placeholder keeps their names for the skipped list).
+
+    The index must be a JSON object whose ``weight_map`` maps tensor names (str) to shard file names (str) inside
+    the folder: relative names whose folder, after symlinks (``os.path.realpath``), is the checkpoint folder or
+    under it (``../x`` and absolute names are refused before anything is opened; the shard entry itself may be a
+    symlink, as in the Hugging Face cache). Every tensor it names must be in its shard, and no tensor may be in two
+    files.
 
     Raises:
-        FileNotFoundError: nothing loadable at ``path``.
+        TypeError: ``path`` is not a str / os.PathLike.
+        ValueError: a bad ``device`` (see :func:`check_device`).
+        CheckpointFileNotFoundError: nothing at ``path``, no ``model.safetensors`` / index in the folder, or a
+            shard the index names is missing.
+        CheckpointError: an index that is not JSON / not that layout / names a shard outside the folder; a file
+            that is not a readable safetensors file (truncated, not safetensors, a folder); a tensor in two files
+            or missing from its shard. The message names the file (and tensor).
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike (a .safetensors file or a checkpoint folder), got "
+                        f"{type(path).__name__}")
+    dev = check_device(device)
     path = os.fspath(path)
+    expected_in: dict[str, str] = {}  # tensor -> shard (index only)
     if os.path.isdir(path):
-        index = os.path.join(path, "model.safetensors.index.json")
-        single = os.path.join(path, "model.safetensors")
+        index = os.path.join(path, INDEX_FILE)
+        single = os.path.join(path, WEIGHTS_FILE)
         if os.path.exists(index):
-            with open(index) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
-            files = [os.path.join(path, fn) for fn in files]
+            files, expected_in = _index_shards(path, index)
         elif os.path.exists(single):
             files = [single]
         else:
-            raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
+            raise CheckpointFileNotFoundError(f"no {WEIGHTS_FILE} or {INDEX_FILE} in {path}")
     elif os.path.exists(path):
         files = [path]
     else:
-        raise FileNotFoundError(f"no safetensors checkpoint at {path}")
+        raise CheckpointFileNotFoundError(f"no safetensors checkpoint at {path}")
     out: dict[str, torch.Tensor] = {}
+    where: dict[str, str] = {}
     for fn in files:
-        with safe_open(fn, framework="pt", device=str(device or "cpu")) as f:
-            for k in f.keys():
-                if k.startswith(SKIPPED_PREFIXES):
-                    out[k] = torch.empty(0)  # listed as skipped, never read
-                else:
-                    out[k] = f.get_tensor(k)
+        if os.path.isdir(fn):
+            raise CheckpointError(f"{fn} is a folder, not a safetensors file")
+        try:
+            with safe_open(fn, framework="pt", device="cpu") as f:
+                for k in f.keys():
+                    if k in where:
+                        raise CheckpointError(f"tensor {k!r} is in two files: {where[k]} and {fn}")
+                    where[k] = fn
+                    if k.startswith(SKIPPED_PREFIXES):
+                        out[k] = torch.empty(0)  # listed as skipped, never read
+                    else:
+                        t = f.get_tensor(k)
+                        out[k] = t if dev.type == "cpu" else t.to(dev)
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{fn} is not a readable safetensors file "
+                                  f"(truncated, not safetensors, or unreadable): {e}") from e
+    absent = sorted(f"{k} (in {os.path.basename(shard)})" for k, shard in expected_in.items() if where.get(k) != shard)
+    if absent:
+        raise CheckpointError(f"{INDEX_FILE} in {path} maps tensors to shard files that do not hold them "
+                              f"({len(absent)}): {_fmt(absent)}")
     return out
+
+
+def _index_shards(folder: str, index: str) -> tuple[list[str], dict[str, str]]:
+    """Shard paths (sorted, each inside ``folder``) and tensor -> shard of a ``model.safetensors.index.json``."""
+    d = read_json_object(index, INDEX_FILE)
+    wm = d.get("weight_map")
+    if not isinstance(wm, dict):
+        raise CheckpointError(f"{INDEX_FILE} ({index}): weight_map must be a JSON object (tensor name -> shard file), "
+                              f"got {type(wm).__name__ if 'weight_map' in d else 'no weight_map'}")
+    bad = [f"{k!r}: {v!r}" for k, v in wm.items() if not isinstance(v, str) or not v]
+    if bad:
+        raise CheckpointError(f"{INDEX_FILE} ({index}): weight_map values must be shard file names (str), got "
+                              f"{_fmt(bad)}")
+    root = os.path.realpath(folder)
+    files, full = [], {}
+    for shard in sorted(set(wm.values())):
+        # containment of the shard's folder after symlinks (realpath); the shard entry itself may be a symlink, as
+        # in the Hugging Face cache, whose snapshot folders hold symlinks to ../../blobs/<sha256>
+        name = os.path.basename(shard)
+        parent = os.path.realpath(os.path.join(root, os.path.dirname(shard)))
+        if os.path.isabs(shard) or name in ("", ".", "..") or os.path.commonpath([root, parent]) != root:
+            raise CheckpointError(f"{INDEX_FILE} ({index}): shard {shard!r} resolves outside the checkpoint folder "
+                                  f"{root}; shard names must be relative paths inside it")
+        full[shard] = os.path.join(parent, name)
+        if not os.path.exists(full[shard]):
+            raise CheckpointFileNotFoundError(f"{INDEX_FILE} ({index}) names shard {shard!r}, which is missing "
+                                              f"({full[shard]})")
+        files.append(full[shard])
+    return files, {k: full[v] for k, v in wm.items()}

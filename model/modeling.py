@@ -24,11 +24,14 @@ import torch
 from torch import nn
 
 from blockdiff.attention import attention, causal_row_counts, write_kv_cache
+from blockdiff.attention.validate import capturing
 
 from .config import DiffusionGemmaConfig
+from .errors import CheckpointError, CheckpointFileNotFoundError
+from .generation import generation_defaults, load_generation_config
 from .layers import (MOE_IMPLS, DecoderLayer, GatedMLP, RMSNorm, acc_dtype, default_moe_impl, init_weights_,
                      rope_cos_sin, rope_inv_freq)
-from .loading import load_hf_state_dict, read_safetensors
+from .loading import check_device, load_hf_state_dict, read_safetensors
 
 
 class SelfConditioning(nn.Module):
@@ -68,6 +71,17 @@ class DiffusionGemma(nn.Module):
     Attributes:
         embedding_weight: ``E [vocab_size, hidden_size]`` (tied input/output embedding) for the sampler's soft
             embedding ``softmax(z) @ E * sqrt(hidden)``.
+        generation_config: the checkpoint's default sampling parameters as
+            :class:`blockdiff.sampler.SamplingParams` keywords (:func:`blockdiff.model.load_generation_config`:
+            ``canvas_length``, ``max_denoising_steps``, ``t_min``, ``t_max``, ``entropy_bound``,
+            ``confidence_threshold``, ``stability_threshold``, ``eos_token_ids``, ``max_tokens``); from the folder's
+            ``generation_config.json`` when loaded by :meth:`load_safetensors`, else
+            :func:`blockdiff.model.generation.generation_defaults` of ``config``.
+
+    Raises:
+        TypeError: ``config`` is not a DiffusionGemmaConfig; a config field of the wrong type.
+        ValueError: ``moe_impl`` unknown; a config field breaking its rule (``config.validate()`` runs here too,
+            so a field changed in place after construction is checked).
     """
 
     def __init__(self, config: DiffusionGemmaConfig, *, device=None, dtype=None, moe_impl: str | None = None,
@@ -77,7 +91,9 @@ class DiffusionGemma(nn.Module):
             raise TypeError(f"config must be a DiffusionGemmaConfig, got {type(config).__name__}")
         if moe_impl is not None and moe_impl not in MOE_IMPLS:
             raise ValueError(f"moe_impl must be one of {MOE_IMPLS} or None (auto), got {moe_impl!r}")
+        config.validate()
         self.config = config
+        self.generation_config = generation_defaults(config)
         self.moe_impl = moe_impl
         hs = config.hidden_size
         self.embed_tokens = nn.Embedding(config.vocab_size, hs, device=device, dtype=dtype)
@@ -150,12 +166,20 @@ class DiffusionGemma(nn.Module):
             ``num_key_value_heads x head_dim``, full layers ``num_global_key_value_heads x global_head_dim``.
 
         Raises:
-            ValueError: non-positive num_blocks or page_size.
+            TypeError: num_blocks / page_size not ints (bool, float and str are refused), dtype not a floating
+                torch.dtype, device not a device.
+            ValueError: non-positive num_blocks or page_size; a device string torch cannot parse or a CUDA device
+                that is not there.
         """
-        if int(num_blocks) <= 0 or int(page_size) <= 0:
-            raise ValueError(f"num_blocks and page_size must be > 0, got {num_blocks}, {page_size}")
+        for name, v in (("num_blocks", num_blocks), ("page_size", page_size)):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name} must be an int > 0, got {type(v).__name__} {v!r}")
+            if v <= 0:
+                raise ValueError(f"{name} must be an int > 0, got {v}")
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise TypeError(f"dtype must be a floating torch.dtype (e.g. torch.bfloat16) or None, got {dtype!r}")
         w = self.embed_tokens.weight
-        device = w.device if device is None else device
+        device = w.device if device is None else check_device(device)
         dtype = w.dtype if dtype is None else dtype
         return [(torch.zeros(ks, device=device, dtype=dtype), torch.zeros(vs, device=device, dtype=dtype))
                 for ks, vs in self.kv_cache_shapes(num_blocks, page_size)]
@@ -182,7 +206,8 @@ class DiffusionGemma(nn.Module):
             return (t - cu[seq]) >= ncq.to(cu.device)[seq]
         return ~meta.causal.to(cu.device, torch.bool)[seq]
 
-    def _validate(self, input_ids, positions, meta, kv_caches, self_cond, attn_backend, bidirectional_window):
+    def _validate(self, input_ids, positions, meta, kv_caches, self_cond, attn_backend, bidirectional_window,
+                  check_values):
         if not isinstance(attn_backend, str):
             raise TypeError(f"attn_backend must be a str (e.g. 'reference', 'triton'), got {attn_backend!r}")
         if not torch.is_tensor(input_ids) or input_ids.dim() != 1 or input_ids.dtype != torch.int64:
@@ -226,9 +251,19 @@ class DiffusionGemma(nn.Module):
                                  f"{tuple(getattr(self_cond, 'shape', ()))}")
         if bidirectional_window not in ("prefix", "symmetric"):
             raise ValueError(f"bidirectional_window must be 'prefix' or 'symmetric', got {bidirectional_window!r}")
+        if check_values and T:
+            # one host read (a sync on a GPU) for the whole check; skipped under CUDA-graph capture
+            V = self.config.vocab_size
+            bad = (input_ids < 0) | (input_ids >= V)
+            if bool(bad.any()):
+                where = torch.nonzero(bad).flatten()[:8].tolist()
+                ids = input_ids[where].tolist()
+                raise ValueError(f"input_ids must be in [0, vocab_size = {V}): {int(bad.sum())} are not, e.g. "
+                                 f"ids {ids} at rows {where}")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, kv_caches, self_cond=None, *,
-                attn_backend: str, bidirectional_window: str | None = None) -> torch.Tensor:
+                attn_backend: str, bidirectional_window: str | None = None,
+                check_values: bool | None = None) -> torch.Tensor:
         """One forward pass over a flat mixed batch.
 
         Args:
@@ -241,17 +276,26 @@ class DiffusionGemma(nn.Module):
                 zero). Read only on decoder rows; a zero row contributes exactly nothing.
             attn_backend: ``blockdiff.attention`` backend (``"reference"``, ``"triton"``, ``"cute"``); required.
             bidirectional_window: override of ``config.bidirectional_window`` for sliding layers.
+            check_values: run the value checks that read tensors on the host (``input_ids`` in
+                ``[0, vocab_size)``, and attention's / the KV-cache writer's metadata checks, once per cache
+                geometry). None (default): on unless a CUDA graph is being captured
+                (:func:`blockdiff.attention.validate.capturing`); False trusts the caller (an out-of-vocabulary id is
+                then an out-of-bounds embedding read: an IndexError on the CPU, a device-side assert on CUDA).
 
         Returns:
             logits ``[T, vocab_size]`` fp32 (fp64 for a float64 model), softcapped (``cap * tanh(logits / cap)``)
             in fp32.
 
         Raises:
-            TypeError: attn_backend not a str.
-            ValueError: a shape/dtype rule of an argument is broken (named in the message).
+            TypeError: attn_backend not a str, check_values not a bool / None.
+            ValueError: a shape/dtype rule of an argument is broken (named in the message); with value checks,
+                input ids outside ``[0, vocab_size)`` (the ids and their rows named).
         """
         bw = self.config.bidirectional_window if bidirectional_window is None else bidirectional_window
-        self._validate(input_ids, positions, meta, kv_caches, self_cond, attn_backend, bw)
+        if check_values is not None and not isinstance(check_values, bool):
+            raise TypeError(f"check_values must be a bool or None, got {check_values!r}")
+        values = (not capturing()) if check_values is None else check_values
+        self._validate(input_ids, positions, meta, kv_caches, self_cond, attn_backend, bw, values)
         T = input_ids.shape[0]
         dtype = self.embed_tokens.weight.dtype
         is_dec = self.decoder_row_mask(meta, T)[:, None]  # [T, 1]
@@ -277,14 +321,14 @@ class DiffusionGemma(nn.Module):
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             a = layer.self_attn
             x = layer.input_layernorm(h)
-            q, k, v = a.qkv(x, *cs[a.layer_type])
+            q, k, v = a.qkv(x, *cs[a.layer_type], is_dec)
             geometry = tuple(k_cache.shape[:2])
-            cv = False if geometry in checked else None  # None: the default (on unless capturing a graph)
+            cv = False if geometry in checked else check_values  # None: the default (on unless capturing a graph)
             checked.add(geometry)
             write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, check_values=cv)
             o = attention(q, k_cache, v_cache, **attn_kwargs, window_size=a.window_size,
                           bidirectional_window=bw, scale=1.0, backend=attn_backend, check_values=cv)
-            o = a.o_proj(o.reshape(T, a.num_heads * a.head_dim).to(dtype))
+            o = a.out(o.reshape(T, a.num_heads * a.head_dim).to(dtype), is_dec)
             h = h + layer.post_attention_layernorm(o)
             h = layer.feed_forward(h, moe_impl)
             h = h * torch.where(is_dec, layer.layer_scalar, layer.encoder_layer_scalar)
@@ -318,17 +362,43 @@ class DiffusionGemma(nn.Module):
                          moe_impl: str | None = None):
         """Build a model from a safetensors checkpoint: a ``.safetensors`` file, or a folder with
         ``model.safetensors`` or ``model.safetensors.index.json`` shards (and ``config.json`` when ``config``
-        is None). Vision-tower tensors are skipped.
+        is None). Vision-tower tensors are skipped. The folder's (the file's folder's) ``generation_config.json``,
+        when there, gives :attr:`generation_config` (:func:`blockdiff.model.load_generation_config`).
 
         Raises:
-            FileNotFoundError: no checkpoint or config at ``path``.
-            ValueError: missing / unexpected / mis-shaped tensors (all listed), or unsupported config.
+            TypeError: ``path`` not a str / os.PathLike, ``config`` not a DiffusionGemmaConfig, ``dtype`` not a
+                floating torch.dtype.
+            ValueError: a bad ``device`` (see :func:`blockdiff.model.loading.check_device`), ``moe_impl``.
+            CheckpointFileNotFoundError: no checkpoint at ``path``, or no ``config.json`` beside it (and no
+                ``config``); also a ``FileNotFoundError``.
+            CheckpointError: a bad ``config.json`` / ``generation_config.json`` field, an unreadable or malformed
+                safetensors file or index, missing / unexpected / mis-shaped / wrongly typed tensors (all listed);
+                the message names the file.
         """
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"path must be a str or os.PathLike (a .safetensors file or a checkpoint folder), got "
+                            f"{type(path).__name__}")
+        if config is not None and not isinstance(config, DiffusionGemmaConfig):
+            raise TypeError(f"config must be a DiffusionGemmaConfig or None, got {type(config).__name__}")
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise TypeError(f"dtype must be a floating torch.dtype (e.g. torch.bfloat16) or None, got {dtype!r}")
+        if moe_impl is not None and moe_impl not in MOE_IMPLS:
+            raise ValueError(f"moe_impl must be one of {MOE_IMPLS} or None (auto), got {moe_impl!r}")
+        device = check_device(device) if device is not None else None
+        path = os.fspath(path)
+        if not os.path.exists(path):
+            raise CheckpointFileNotFoundError(f"no safetensors checkpoint at {path}")
+        folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
         if config is None:
-            folder = path if os.path.isdir(path) else os.path.dirname(os.fspath(path))
             cfg_path = os.path.join(folder, "config.json")
             if not os.path.exists(cfg_path):
-                raise FileNotFoundError(f"no config.json beside {path}; pass config=")
+                raise CheckpointFileNotFoundError(f"no config.json beside {path}; pass config=")
             config = DiffusionGemmaConfig.from_hf(cfg_path)
-        return cls.from_pretrained_state_dict(read_safetensors(path, device=device), config, device=device,
-                                              dtype=dtype, moe_impl=moe_impl)
+        generation = load_generation_config(folder, config)
+        tensors = read_safetensors(path, device=device)
+        try:
+            model = cls.from_pretrained_state_dict(tensors, config, device=device, dtype=dtype, moe_impl=moe_impl)
+        except CheckpointError as e:
+            raise CheckpointError(f"{path}: {e}") from e
+        model.generation_config = generation
+        return model

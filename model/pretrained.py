@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+from .errors import CheckpointError, CheckpointFileNotFoundError
 from .modeling import DiffusionGemma
 from .tokenizer import ByteTokenizer
 
@@ -37,24 +38,32 @@ def load_pretrained(folder, *, device=None, dtype=None, moe_impl: str | None = N
         moe_impl: passed to :class:`DiffusionGemma` (None: its default for the device and dtype).
 
     Returns:
-        ``(model, tokenizer)``: a :class:`DiffusionGemma` in eval mode and its :class:`ByteTokenizer`.
+        ``(model, tokenizer)``: a :class:`DiffusionGemma` in eval mode (its ``generation_config`` from the folder's
+        optional ``generation_config.json``, see :func:`blockdiff.model.load_generation_config`) and its
+        :class:`ByteTokenizer`. The folder may be a trained checkpoint or a Hugging Face export of one
+        (:func:`blockdiff.model.export.export_hf`: nested ``config.json``, ``tokenizers``-format ``tokenizer.json``).
 
     Raises:
-        FileNotFoundError: ``folder`` is not a folder, or lacks one of :data:`CHECKPOINT_FILES` (all missing
-            ones are named).
-        ValueError: the tokenizer is not the byte tokenizer, its vocabulary differs from the config's, or the
-            weights do not match the config (from :meth:`DiffusionGemma.load_safetensors`).
+        TypeError: ``folder`` not a str / os.PathLike; a bad ``dtype`` / ``device`` type.
+        ValueError: a bad ``device`` or ``moe_impl``.
+        CheckpointFileNotFoundError: ``folder`` is not a folder, or lacks one of :data:`CHECKPOINT_FILES` (all
+            missing ones are named); also a ``FileNotFoundError``.
+        CheckpointError: the tokenizer is not the byte tokenizer, its vocabulary differs from the config's, a bad
+            config / generation config, or weights that do not match the config (from
+            :meth:`DiffusionGemma.load_safetensors`); also a ``ValueError``.
     """
+    if not isinstance(folder, (str, os.PathLike)):
+        raise TypeError(f"folder must be a str or os.PathLike (a checkpoint folder), got {type(folder).__name__}")
     folder = os.fspath(folder)
     if not os.path.isdir(folder):
-        raise FileNotFoundError(f"checkpoint folder {folder!r} does not exist or is not a folder")
+        raise CheckpointFileNotFoundError(f"checkpoint folder {folder!r} does not exist or is not a folder")
     missing = [f for f in CHECKPOINT_FILES if not os.path.isfile(os.path.join(folder, f))]
     if missing:
-        raise FileNotFoundError(f"checkpoint folder {folder!r} lacks {', '.join(missing)} "
-                                f"(a checkpoint holds {', '.join(CHECKPOINT_FILES)})")
+        raise CheckpointFileNotFoundError(f"checkpoint folder {folder!r} lacks {', '.join(missing)} "
+                                          f"(a checkpoint holds {', '.join(CHECKPOINT_FILES)})")
     tokenizer = ByteTokenizer.load(folder)
     model = DiffusionGemma.load_safetensors(folder, device=device, dtype=dtype, moe_impl=moe_impl)
     if model.config.vocab_size != tokenizer.vocab_size:
-        raise ValueError(f"checkpoint {folder!r}: config vocab_size {model.config.vocab_size} != tokenizer "
-                         f"vocab_size {tokenizer.vocab_size}")
+        raise CheckpointError(f"checkpoint {folder!r}: config vocab_size {model.config.vocab_size} != tokenizer "
+                              f"vocab_size {tokenizer.vocab_size}")
     return model.eval(), tokenizer

@@ -76,6 +76,7 @@ from blockdiff.attention import build_mask
 from .config import DiffusionGemmaConfig, tiny_config
 from .modeling import DiffusionGemma
 from .layers import rope_cos_sin
+from .loading import hf_name
 from .tokenizer import ByteTokenizer
 
 HELD_OUT_MOD = 20
@@ -278,14 +279,14 @@ def dense_forward(model: DiffusionGemma, ids: torch.Tensor, prefix_len: int, sel
     for layer in model.layers:
         a = layer.self_attn
         x = layer.input_layernorm(h)
-        q, k, v = a.qkv(x, *cs[a.layer_type])
+        q, k, v = a.qkv(x, *cs[a.layer_type], is_dec)
         q = q.view(B, L, a.num_heads, a.head_dim).transpose(1, 2)
         rep = a.num_heads // a.num_kv_heads
         k = k.view(B, L, a.num_kv_heads, a.head_dim).transpose(1, 2).repeat_interleave(rep, dim=1)
         v = v.view(B, L, a.num_kv_heads, a.head_dim).transpose(1, 2).repeat_interleave(rep, dim=1)
         dt = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
         o = F.scaled_dot_product_attention(q.to(dt), k.to(dt), v.to(dt), attn_mask=masks[a.layer_type], scale=1.0)
-        o = a.o_proj(o.transpose(1, 2).reshape(B * L, a.num_heads * a.head_dim))
+        o = a.out(o.transpose(1, 2).reshape(B * L, a.num_heads * a.head_dim), is_dec)
         h = h + layer.post_attention_layernorm(o)
         h = layer.feed_forward(h, "loop")
         h = h * torch.where(is_dec, layer.layer_scalar, layer.encoder_layer_scalar)
@@ -326,17 +327,14 @@ def diffusion_loss(model: DiffusionGemma, batch: torch.Tensor, prefix_len: int, 
 
 # ---------------------------------------------------------------------------------------------- checkpoint
 def hf_state_dict(model: DiffusionGemma, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-    """Our parameters under transformers' DiffusionGemma names (``model.decoder.*``; the encoder's
-    ``layer_scalar`` buffers as ``model.encoder.language_model.layers.{i}.layer_scalar``), as contiguous
+    """Our parameters under transformers' DiffusionGemma names (``model.decoder.*``; the encoder's own tensors,
+    its ``layer_scalar`` buffers and, with ``attention_bias``, its attention biases, as
+    ``model.encoder.language_model.layers.{i}.*``: :func:`blockdiff.model.loading.hf_name`), as contiguous
     CPU tensors of ``dtype`` -- what :func:`blockdiff.model.loading.convert_hf_state_dict` maps back."""
     out = {}
     for name, t in model.state_dict().items():
-        if name.endswith("encoder_layer_scalar"):
-            key = "model.encoder.language_model." + name.replace("encoder_layer_scalar", "layer_scalar")
-        else:
-            key = "model.decoder." + name
         t = t.detach().to("cpu")
-        out[key] = (t.to(dtype) if t.is_floating_point() else t).contiguous()
+        out[hf_name(name)] = (t.to(dtype) if t.is_floating_point() else t).contiguous()
     return out
 
 

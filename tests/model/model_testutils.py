@@ -88,7 +88,8 @@ def hf_config_from(cfg: DiffusionGemmaConfig, attn_implementation: str = "eager"
 
 def make_hf_twin(cfg: DiffusionGemmaConfig, seed: int = 0, attn_implementation: str = "eager",
                  dtype=torch.float32):
-    """A random transformers DiffusionGemmaForBlockDiffusion and our model loaded from its state dict."""
+    """A random transformers DiffusionGemmaForBlockDiffusion and our model loaded from its state dict (every
+    untied tensor -- layer scalars, attention biases -- drawn apart for the encoder and the decoder)."""
     # transformers is a dev extra: only the parity tests (which importorskip it) call this
     from transformers import DiffusionGemmaForBlockDiffusion
 
@@ -107,12 +108,8 @@ def make_hf_twin(cfg: DiffusionGemmaConfig, seed: int = 0, attn_implementation: 
         for name, b in hf.named_buffers():
             if name.endswith("layer_scalar"):  # encoder and decoder copies differ on purpose
                 b.copy_(0.5 + torch.rand(b.shape, generator=g))
-        # transformers ties weights but not biases between its encoder and decoder stacks (attention_bias=True
-        # only; the released model has no biases): tie them as one set of weights implies.
-        params = dict(hf.named_parameters(remove_duplicate=False))
-        for name, p in params.items():
-            if name.startswith("model.encoder.language_model.") and name.endswith(".bias"):
-                p.copy_(params["model.decoder." + name[len("model.encoder.language_model."):]])
+        # transformers ties the encoder's weights to the decoder's but not its attention biases (attention_bias=True
+        # only): named_parameters() lists them apart, so the loop above drew the two copies independently.
     hf = hf.to(dtype)
     ours = DiffusionGemma.from_pretrained_state_dict(hf.state_dict(), cfg, dtype=dtype)
     return hf, ours

@@ -1,14 +1,447 @@
-"""CheckpointError: the one error type of every bad checkpoint (config, weights, index, tokenizer, generation
-config), named after the file and the rule it breaks."""
+"""CheckpointError: the one error type of every bad checkpoint (config, weights, shard index, tokenizer, generation
+config), naming the file and the rule broken; config validation at load time; the checkpoint's sampling defaults.
+
+The bad checkpoints are the shipped one (weights symlinked) with one file changed.
+"""
 from __future__ import annotations
 
+import json
+import os
+import re
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
 import blockdiff.model
-from blockdiff.model import CheckpointError
+from blockdiff.model import (CheckpointError, CheckpointFileNotFoundError, DiffusionGemma, DiffusionGemmaConfig,
+                             load_generation_config, read_safetensors, tiny_config)
+from blockdiff.model import config as config_mod
+from blockdiff.model import generation
+from blockdiff.model.export import GENERATION_DEFAULTS as EXPORT_GENERATION_DEFAULTS
+from blockdiff.model.pretrained import load_pretrained, shipped_checkpoint_dir
+from blockdiff.model.tokenizer import ByteTokenizer
+from blockdiff.model.train import hf_state_dict
+from blockdiff.sampler import SamplingParams
+from blockdiff.sampler.rng import MAX_POSITIONS, MAX_STEPS
+
+SHIPPED = shipped_checkpoint_dir()
+
+
+def _shipped_config() -> dict:
+    with open(os.path.join(SHIPPED, "config.json")) as f:
+        return json.load(f)
+
+
+def make_ckpt(folder, *, mutate=None, raw_config=None, weights="link", tokenizer=True):
+    """A checkpoint folder: the shipped weights (symlinked, or the given bytes) with a changed config.json."""
+    os.makedirs(folder, exist_ok=True)
+    cfg = _shipped_config()
+    if mutate:
+        mutate(cfg)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        f.write(raw_config if raw_config is not None else json.dumps(cfg))
+    dst = os.path.join(folder, "model.safetensors")
+    if weights == "link":
+        os.symlink(os.path.join(SHIPPED, "model.safetensors"), dst)
+    elif isinstance(weights, bytes):
+        with open(dst, "wb") as f:
+            f.write(weights)
+    if tokenizer:
+        shutil.copy(os.path.join(SHIPPED, "tokenizer.json"), os.path.join(folder, "tokenizer.json"))
+    return str(folder)
+
+
+def _set(*path_and_value):
+    *path, value = path_and_value
+
+    def f(cfg):
+        d = cfg
+        for k in path[:-1]:
+            d = d[k]
+        d[path[-1]] = value
+    return f
+
+
+def _pop(*path):
+    def f(cfg):
+        d = cfg
+        for k in path[:-1]:
+            d = d[k]
+        d.pop(path[-1])
+    return f
 
 
 def test_checkpoint_error_is_a_public_value_error_of_the_model_package():
     assert issubclass(CheckpointError, ValueError)
-    assert "CheckpointError" in blockdiff.model.__all__
+    assert issubclass(CheckpointFileNotFoundError, CheckpointError)
+    assert issubclass(CheckpointFileNotFoundError, FileNotFoundError)
+    assert {"CheckpointError", "CheckpointFileNotFoundError", "load_generation_config"} <= set(blockdiff.model.__all__)
     from blockdiff.integration.demo import CheckpointError as demo_error  # the CLI's old import path
 
     assert demo_error is CheckpointError
+
+
+# ---- config.json fields --------------------------------------------------------------------------------------------
+def test_zero_final_logit_softcapping_is_a_checkpoint_error_naming_the_field(tmp_path):
+    """0 made every logit 0 (cap * tanh(x / cap)); None is transformers' and our 'no softcapping'."""
+    with pytest.raises(CheckpointError, match=r"config\.json .*final_logit_softcapping must be a finite number > 0"):
+        DiffusionGemma.load_safetensors(make_ckpt(tmp_path, mutate=_set("final_logit_softcapping", 0)))
+    assert tiny_config(final_logit_softcapping=None).final_logit_softcapping is None
+
+
+BAD_FIELDS = [  # (id, mutation of config.json, field named in the message, rule named in the message)
+    ("softcap-negative", _set("final_logit_softcapping", -30.0), "final_logit_softcapping", "> 0"),
+    ("softcap-str", _set("final_logit_softcapping", "thirty"), "final_logit_softcapping", "number"),
+    ("softcap-inf", _set("final_logit_softcapping", float("inf")), "final_logit_softcapping", "finite"),
+    ("prf-above-1", _set("rope_parameters", "full_attention", "partial_rotary_factor", 1.5), "partial_rotary_factor",
+     r"\(0, 1\]"),
+    ("prf-negative", _set("rope_parameters", "full_attention", "partial_rotary_factor", -0.25),
+     "partial_rotary_factor", "> 0"),
+    ("prf-zero", _set("rope_parameters", "sliding_attention", "partial_rotary_factor", 0), "partial_rotary_factor",
+     "> 0"),
+    ("prf-str", _set("rope_parameters", "full_attention", "partial_rotary_factor", "0.25"), "partial_rotary_factor",
+     "number"),
+    ("prf-odd-rotation", _set("rope_parameters", "sliding_attention", "partial_rotary_factor", 0.5 + 1 / 64),
+     "partial_rotary_factor", "even"),
+    ("head_dim-str", _set("head_dim", "64"), "head_dim", "int"),
+    ("hidden_size-float", _set("hidden_size", 256.0), "hidden_size", "int"),
+    ("num_experts-str", _set("num_experts", "4"), "num_experts", "int"),
+    ("num_experts-null", _set("num_experts", None), "num_experts", "int"),
+    ("intermediate_size-float", _set("intermediate_size", 256.5), "intermediate_size", "int"),
+    ("layers-str", _set("num_hidden_layers", "6"), "num_hidden_layers", "int"),
+    ("layers-zero", _set("num_hidden_layers", 0), "num_hidden_layers", ">= 1"),
+    ("layers-bool", _set("num_hidden_layers", True), "num_hidden_layers", "int"),
+    ("eps-negative", _set("rms_norm_eps", -1e-6), "rms_norm_eps", "> 0"),
+    ("eps-str", _set("rms_norm_eps", "1e-6"), "rms_norm_eps", "number"),
+    ("eps-nan", _set("rms_norm_eps", float("nan")), "rms_norm_eps", "finite"),
+    ("theta-zero", _set("rope_parameters", "sliding_attention", "rope_theta", 0), "rope_theta", "> 0"),
+    ("theta-negative", _set("rope_parameters", "full_attention", "rope_theta", -1e6), "rope_theta", "> 0"),
+    ("theta-str", _set("rope_parameters", "sliding_attention", "rope_theta", "big"), "rope_theta", "number"),
+    ("theta-missing", _pop("rope_parameters", "sliding_attention", "rope_theta"), "rope_theta", "no rope_theta"),
+    ("rope-factor-zero", _set("rope_parameters", "full_attention", "factor", 0.0), "factor", "> 0"),
+    ("rope-list", _set("rope_parameters", [1, 2]), "rope_parameters", "dict"),
+    ("rope-entry-list", _set("rope_parameters", "full_attention", [1]), "rope_parameters", "dict"),
+    ("canvas-absurd", _set("canvas_length", 10 ** 9), "canvas_length", "max_position_embeddings"),
+    ("canvas-2**16", _set("canvas_length", 1 << 16), "canvas_length", "65535"),
+    ("canvas-above-max-pos", _set("canvas_length", 4097), "canvas_length", "max_position_embeddings = 4096"),
+    ("canvas-float", _set("canvas_length", 32.5), "canvas_length", "int"),
+    ("canvas-zero", _set("canvas_length", 0), "canvas_length", ">= 1"),
+    ("max-pos-negative", _set("max_position_embeddings", -1), "max_position_embeddings", ">= 1"),
+    ("sliding-window-str", _set("sliding_window", "64"), "sliding_window", "int"),
+    ("vocab-float", _set("vocab_size", 259.0), "vocab_size", "int"),
+    ("eos-negative", _set("eos_token_id", -5), "eos_token_id", r"\[0, vocab_size = 259\)"),
+    ("eos-out-of-vocab", _set("eos_token_id", 10 ** 6), "eos_token_id", "vocab_size"),
+    ("eos-list-out-of-vocab", _set("eos_token_id", [1, 259]), "eos_token_id", "vocab_size"),
+    ("eos-str", _set("eos_token_id", "1"), "eos_token_id", "int"),
+    ("pad-out-of-vocab", _set("pad_token_id", 259), "pad_token_id", "vocab_size"),
+    ("bos-float", _set("bos_token_id", 2.0), "bos_token_id", "int"),
+    ("tie-str", _set("tie_word_embeddings", "yes"), "tie_word_embeddings", "bool"),
+    ("bias-int", _set("attention_bias", 0), "attention_bias", "bool"),
+    ("init-range-negative", _set("initializer_range", -0.02), "initializer_range", ">= 0"),
+    ("layer_types-str", _set("layer_types", "full_attention"), "layer_types", "list"),
+    ("activation-int", _set("hidden_activation", 3), "hidden_activation", "one of"),
+    ("per-layer-config-list", _set("per_layer_config", [1]), "per_layer_config", "dict"),
+    ("text_config-list", lambda c: c.update(text_config=[1]), "text_config", "dict"),
+]
+
+
+@pytest.mark.parametrize("mutate,field,rule", [b[1:] for b in BAD_FIELDS], ids=[b[0] for b in BAD_FIELDS])
+def test_bad_config_field_is_a_checkpoint_error_at_load_naming_the_field_and_rule(tmp_path, mutate, field, rule):
+    """Every field type- and range-checked when the checkpoint loads (not at the first forward pass, not a silent
+    wrong model); the message names config.json, the field and the rule."""
+    folder = make_ckpt(tmp_path, mutate=mutate)
+    with pytest.raises(CheckpointError) as e:
+        DiffusionGemma.load_safetensors(folder)
+    msg = str(e.value)
+    assert "config.json" in msg and field in msg, msg
+    assert re.search(rule, msg), msg
+
+
+@pytest.mark.parametrize("raw,what", [("[1, 2, 3]", "JSON list"), ('"hello"', "JSON str"),
+                                      ("{not json", "not valid JSON.*line 1 column 2"), ("", "empty"),
+                                      ("\xff\xfe", "not valid JSON")])
+def test_config_json_that_is_not_an_object_is_a_checkpoint_error_naming_the_file(tmp_path, raw, what):
+    folder = make_ckpt(tmp_path, raw_config=raw)
+    with pytest.raises(CheckpointError, match=rf"config\.json \(.*config\.json\).*{what}"):
+        DiffusionGemma.load_safetensors(folder)
+    with pytest.raises(CheckpointError, match=r"config\.json"):
+        DiffusionGemmaConfig.from_hf(folder)
+
+
+def test_config_fields_are_checked_on_construction_with_type_and_value_errors():
+    """Constructed in code: TypeError for a wrong type (str / float / bool sizes), ValueError for a broken rule."""
+    with pytest.raises(TypeError, match=r"head_dim must be an int >= 1, got str '16'"):
+        tiny_config(head_dim="16")
+    with pytest.raises(TypeError, match=r"vocab_size must be an int >= 1, got bool True"):
+        tiny_config(vocab_size=True)
+    with pytest.raises(ValueError, match=r"rope_theta must be a finite number > 0, got 0"):
+        tiny_config(rope_parameters={"sliding_attention": {"rope_theta": 0},
+                                     "full_attention": {"rope_type": "proportional", "rope_theta": 1e6}})
+    with pytest.raises(ValueError, match=r"num_hidden_layers must be an int >= 1, got 0"):
+        tiny_config(num_hidden_layers=0)  # was an IndexError building the layer pattern
+    with pytest.raises(TypeError, match="hf_config must be a transformers config"):
+        DiffusionGemmaConfig.from_hf([("hidden_size", 64)])
+
+
+def test_config_changed_in_place_is_checked_when_the_model_is_built():
+    cfg = tiny_config()
+    cfg.canvas_length = 10 ** 9
+    with pytest.raises(ValueError, match="canvas_length"):
+        DiffusionGemma(cfg)
+
+
+def test_numpy_integer_sizes_are_accepted_as_ints():
+    np = pytest.importorskip("numpy")
+    cfg = tiny_config(hidden_size=np.int64(64), canvas_length=np.int32(8))
+    assert type(cfg.hidden_size) is int and type(cfg.canvas_length) is int
+
+
+def test_model_package_limits_equal_the_samplers():
+    """The model cannot import the sampler (layering), so its copies of the sampler's limits are checked here."""
+    assert config_mod.MAX_CANVAS_LENGTH == MAX_POSITIONS - 1
+    assert generation.MAX_DENOISING_STEPS == MAX_STEPS
+    assert generation.GENERATION_DEFAULTS == EXPORT_GENERATION_DEFAULTS
+    p = SamplingParams()
+    assert {k: getattr(p, k) for k in generation.GENERATION_DEFAULTS} == generation.GENERATION_DEFAULTS
+
+
+# ---- safetensors files and the shard index -------------------------------------------------------------------------
+def _shipped_bytes() -> bytes:
+    with open(os.path.join(SHIPPED, "model.safetensors"), "rb") as f:
+        return f.read()
+
+
+@pytest.mark.parametrize("kind", ["truncated", "header-cut", "text", "empty", "folder"])
+def test_unreadable_safetensors_file_is_a_checkpoint_error_naming_the_file(tmp_path, kind):
+    data = _shipped_bytes()
+    weights = {"truncated": data[:-1000], "header-cut": data[:100], "text": b"not safetensors\n" * 10,
+               "empty": b"", "folder": None}[kind]
+    folder = make_ckpt(tmp_path, weights=weights)
+    if kind == "folder":
+        os.mkdir(os.path.join(folder, "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors (is not a readable safetensors file|is a folder)"):
+        DiffusionGemma.load_safetensors(folder)
+
+
+def _index_ckpt(root, shard_names: dict[str, str] | None = None, *, outside=False):
+    """root/ckpt with the shipped weights as one shard; the index maps every tensor to ``shard`` (default
+    'model-00001.safetensors')."""
+    d = os.path.join(root, "ckpt")
+    make_ckpt(d, weights=None)
+    shard = os.path.join(root if outside else d, "model-00001.safetensors")
+    shutil.copy(os.path.join(SHIPPED, "model.safetensors"), shard)
+    with safe_open(shard, "pt") as f:
+        keys = list(f.keys())
+    name = "model-00001.safetensors"
+    wm = {k: (shard_names or {}).get(k, name) for k in keys}
+    with open(os.path.join(d, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": wm}, f)
+    return d, keys, shard
+
+
+def _write_index(folder, obj):
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        f.write(obj if isinstance(obj, str) else json.dumps(obj))
+
+
+def test_index_shards_must_resolve_inside_the_checkpoint_folder(tmp_path):
+    """'../x' and absolute shard names, and names under a symlinked folder pointing outside, are refused before
+    any file is opened."""
+    d, keys, shard = _index_ckpt(tmp_path, outside=True)
+    for name in ("../model-00001.safetensors", shard):
+        _write_index(d, {"weight_map": {k: name for k in keys}})
+        with pytest.raises(CheckpointError, match=r"shard .* resolves outside the checkpoint folder"):
+            DiffusionGemma.load_safetensors(d)
+    os.symlink(str(tmp_path), os.path.join(d, "sub"))
+    _write_index(d, {"weight_map": {k: "sub/model-00001.safetensors" for k in keys}})
+    with pytest.raises(CheckpointError, match="resolves outside"):
+        read_safetensors(d)
+
+
+def test_index_shard_that_is_a_symlink_inside_the_folder_loads(tmp_path):
+    """The Hugging Face cache layout: the snapshot folder's shard entries are symlinks to ../../blobs/<sha>."""
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    shutil.copy(os.path.join(SHIPPED, "model.safetensors"), blobs / "sha256-abc")
+    snap = tmp_path / "snapshots" / "rev"
+    make_ckpt(snap, weights=None)
+    os.symlink("../../blobs/sha256-abc", snap / "model-00001-of-00001.safetensors")
+    with safe_open(str(blobs / "sha256-abc"), "pt") as f:
+        keys = list(f.keys())
+    _write_index(snap, {"weight_map": {k: "model-00001-of-00001.safetensors" for k in keys}})
+    m = DiffusionGemma.load_safetensors(str(snap), dtype=torch.float32)
+    ref = DiffusionGemma.load_safetensors(SHIPPED, dtype=torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), ref.state_dict().values()))
+
+
+def test_malformed_index_is_a_checkpoint_error_naming_the_index_and_the_rule(tmp_path):
+    d, keys, _ = _index_ckpt(tmp_path)
+    for obj, what in ((["a"], "must hold a JSON object"), ({"weight_map": ["a"]}, "weight_map must be a JSON object"),
+                      ({"metadata": {}}, "no weight_map"), ("{", "not valid JSON"),
+                      ({"weight_map": {keys[0]: 3}}, "weight_map values must be shard file names")):
+        _write_index(d, obj)
+        with pytest.raises(CheckpointError, match=r"model\.safetensors\.index\.json.*" + what):
+            DiffusionGemma.load_safetensors(d)
+    _write_index(d, {"weight_map": {k: "missing.safetensors" for k in keys}})
+    with pytest.raises(CheckpointFileNotFoundError, match=r"names shard 'missing\.safetensors', which is missing"):
+        DiffusionGemma.load_safetensors(d)
+    # a tensor mapped to a shard that does not hold it; a tensor in two shards
+    save_file({"x": torch.zeros(1)}, os.path.join(d, "model-00002.safetensors"))
+    _write_index(d, {"weight_map": {**{k: "model-00001.safetensors" for k in keys}, "y": "model-00002.safetensors"}})
+    with pytest.raises(CheckpointError, match=r"maps tensors to shard files that do not hold them \(1\): y"):
+        read_safetensors(d)
+    save_file({keys[0]: torch.zeros(1)}, os.path.join(d, "model-00002.safetensors"))
+    wm = {k: "model-00001.safetensors" for k in keys}
+    _write_index(d, {"weight_map": {**wm, keys[0]: "model-00002.safetensors"}})
+    with pytest.raises(CheckpointError, match=rf"tensor '{keys[0]}' is in two files"):
+        read_safetensors(d)
+
+
+def test_mismatched_tensors_are_a_checkpoint_error_naming_the_file_and_tensor(tmp_path):
+    cfg = tiny_config(vocab_size=259)
+    t = hf_state_dict(DiffusionGemma(cfg), torch.float32)
+    t.pop("model.decoder.norm.weight")
+    t["model.decoder.layers.0.mlp.up_proj.weight"] = torch.zeros(3, 3)
+    t["model.decoder.layers.1.mlp.up_proj.weight"] = t["model.decoder.layers.1.mlp.up_proj.weight"].to(torch.int32)
+    t["model.decoder.layers.0.encoder_layer_scalar"] = torch.ones(1)  # our internal name, not transformers'
+    save_file(t, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
+    with pytest.raises(CheckpointError) as e:
+        DiffusionGemma.load_safetensors(tmp_path)
+    msg = str(e.value)
+    for part in (str(tmp_path), "missing tensors (1): model.decoder.norm.weight",
+                 "unexpected tensors (1): model.decoder.layers.0.encoder_layer_scalar",
+                 "mis-shaped tensors (1): layers.0.mlp.up_proj.weight: got (3, 3)",
+                 "wrong kind of dtype (1): layers.1.mlp.up_proj.weight: got torch.int32"):
+        assert part in msg, msg
+
+
+def test_missing_checkpoint_files_are_file_not_found_and_checkpoint_errors(tmp_path):
+    for call in (lambda: DiffusionGemma.load_safetensors(tmp_path / "nope"),
+                 lambda: DiffusionGemma.load_safetensors(tmp_path),  # no config.json
+                 lambda: read_safetensors(tmp_path),  # no model.safetensors
+                 lambda: load_pretrained(tmp_path / "nope"),
+                 lambda: ByteTokenizer.load(tmp_path)):
+        with pytest.raises(CheckpointFileNotFoundError) as e:
+            call()
+        assert isinstance(e.value, FileNotFoundError) and isinstance(e.value, ValueError)
+
+
+def test_bogus_device_is_a_value_error_naming_device():
+    for call in (lambda d: read_safetensors(SHIPPED, device=d),
+                 lambda d: DiffusionGemma.load_safetensors(SHIPPED, device=d),
+                 lambda d: DiffusionGemma(tiny_config()).allocate_kv_caches(2, 4, device=d)):
+        for bad in ("bogus", "", "cuda:x"):
+            with pytest.raises(ValueError, match=rf"device {bad!r} is not a torch device"):
+                call(bad)
+        with pytest.raises(TypeError, match="device must be a torch.device"):
+            call(1.5)
+        if not torch.cuda.is_available():
+            with pytest.raises(ValueError, match=r"device 'cuda:3': CUDA is not available"):
+                call("cuda:3")
+
+
+def test_load_safetensors_argument_types_are_type_errors_naming_them():
+    with pytest.raises(TypeError, match="path must be a str or os.PathLike"):
+        DiffusionGemma.load_safetensors(None)
+    with pytest.raises(TypeError, match="dtype must be a floating torch.dtype"):
+        DiffusionGemma.load_safetensors(SHIPPED, dtype="float32")
+    with pytest.raises(TypeError, match="dtype must be a floating torch.dtype"):
+        DiffusionGemma.load_safetensors(SHIPPED, dtype=torch.int32)
+    with pytest.raises(TypeError, match="config must be a DiffusionGemmaConfig"):
+        DiffusionGemma.load_safetensors(SHIPPED, config={"hidden_size": 4})
+
+
+def test_garbage_tokenizer_json_is_a_checkpoint_error_naming_it(tmp_path):
+    folder = make_ckpt(tmp_path)
+    for raw, what in (("[]", "must hold a JSON object"), ("{", "not valid JSON"), ('{"type": "byte"}', "describes")):
+        with open(os.path.join(folder, "tokenizer.json"), "w") as f:
+            f.write(raw)
+        with pytest.raises(CheckpointError, match=rf"tokenizer\.json .*{what}"):
+            load_pretrained(folder)
+
+
+# ---- generation_config.json: the checkpoint's sampling defaults ----------------------------------------------------
+GEN = {"max_denoising_steps": 7, "t_min": 0.3, "t_max": 0.9, "stability_threshold": 2, "confidence_threshold": 0.01,
+       "eos_token_id": [5, 1], "max_new_tokens": 64, "bos_token_id": 2, "pad_token_id": 0,
+       "transformers_version": "5.24.0",
+       "sampler_config": {"entropy_bound": 0.2, "_cls_name": "EntropyBoundSamplerConfig"}}
+GEN_PARAMS = {"canvas_length": 32, "max_denoising_steps": 7, "t_min": 0.3, "t_max": 0.9, "entropy_bound": 0.2,
+              "confidence_threshold": 0.01, "stability_threshold": 2, "eos_token_ids": (1, 5), "max_tokens": 64}
+
+
+def test_generation_config_json_gives_the_models_sampling_defaults_as_sampling_params_keywords(tmp_path):
+    folder = make_ckpt(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps(GEN))
+    assert load_generation_config(folder) == GEN_PARAMS
+    p = SamplingParams(**load_generation_config(folder))
+    assert (p.canvas_length, p.max_denoising_steps, p.eos_token_ids, p.entropy_bound) == (32, 7, (1, 5), 0.2)
+    assert DiffusionGemma.load_safetensors(folder).generation_config == GEN_PARAMS
+    assert load_pretrained(folder)[0].generation_config == GEN_PARAMS
+    partial = {"t_min": 0.1, "sampler_config": {"entropy_bound": 1}}  # the rest: transformers' defaults
+    (tmp_path / "generation_config.json").write_text(json.dumps(partial))
+    want = {"canvas_length": 32, **EXPORT_GENERATION_DEFAULTS, "t_min": 0.1, "entropy_bound": 1.0,
+            "eos_token_ids": (), "max_tokens": None}
+    assert load_generation_config(folder) == want
+
+
+def test_without_generation_config_json_the_defaults_are_transformers_and_the_config_canvas_length(tmp_path):
+    """transformers then builds an empty DiffusionGemmaGenerationConfig (its from_model_config is not implemented):
+    the global defaults and no eos ids."""
+    folder = make_ckpt(tmp_path)
+    want = {"canvas_length": 32, **EXPORT_GENERATION_DEFAULTS, "eos_token_ids": (), "max_tokens": None}
+    assert load_generation_config(folder) == want
+    assert DiffusionGemma.load_safetensors(folder).generation_config == want
+    assert DiffusionGemma(tiny_config()).generation_config == dict(want, canvas_length=16)
+    SamplingParams(**want)
+
+
+BAD_GENERATION = [
+    ("unknown-key", {"tmin": 0.1}, r"unknown keys \['tmin'\]"),
+    ("t_max-equal-t_min", {"t_min": 0.5, "t_max": 0.5}, r"t_max must be > t_min"),
+    ("t_min-negative", {"t_min": -0.1}, r"t_min must be >= 0"),
+    ("t_max-below-default-t_min", {"t_max": 0.2}, r"t_max must be > t_min"),
+    ("t_min-str", {"t_min": "0.1"}, r"t_min must be a number"),
+    ("t_max-huge", {"t_max": 1e39}, r"t_max must be finite in float32"),
+    ("steps-zero", {"max_denoising_steps": 0}, r"max_denoising_steps must be in \[1, 2\*\*14\)"),
+    ("steps-2**14", {"max_denoising_steps": 1 << 14}, r"max_denoising_steps must be in"),
+    ("steps-float", {"max_denoising_steps": 4.0}, r"max_denoising_steps must be an int"),
+    ("stability-negative", {"stability_threshold": -1}, r"stability_threshold must be in \[0, 2\*\*31\)"),
+    ("confidence-zero", {"confidence_threshold": 0.0}, r"confidence_threshold must be > 0"),
+    ("entropy-bound-zero", {"sampler_config": {"entropy_bound": 0.0}}, r"entropy_bound must be > 0"),
+    ("entropy-bound-nan", {"sampler_config": {"entropy_bound": float("nan")}}, r"entropy_bound must be finite"),
+    ("sampler-other-class", {"sampler_config": {"entropy_bound": 0.1, "_cls_name": "TopK"}},
+     r"sampler_config._cls_name must be"),
+    ("sampler-extra-key", {"sampler_config": {"entropy_bound": 0.1, "k": 2}}, r"sampler_config must hold"),
+    ("sampler-list", {"sampler_config": [0.1]}, r"sampler_config must be an EntropyBoundSamplerConfig"),
+    ("eos-out-of-vocab", {"eos_token_id": [1, 259]}, r"eos_token_id must be in \[0, vocab_size = 259\)"),
+    ("eos-str", {"eos_token_id": "1"}, r"eos_token_id must be an int"),
+    ("max-new-tokens-zero", {"max_new_tokens": 0}, r"max_new_tokens must be None or an int in \[1, 2\*\*62\]"),
+    ("max-length", {"max_length": 100}, r"max_length 100 is not supported"),
+    ("pad-out-of-vocab", {"pad_token_id": 300}, r"pad_token_id must be None or an int"),
+]
+
+
+@pytest.mark.parametrize("gen,what", [b[1:] for b in BAD_GENERATION], ids=[b[0] for b in BAD_GENERATION])
+def test_bad_generation_config_is_a_checkpoint_error_naming_the_file_and_field(tmp_path, gen, what):
+    folder = make_ckpt(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps(gen))
+    with pytest.raises(CheckpointError, match=r"generation_config\.json \(.*\): " + what):
+        load_generation_config(folder)
+    with pytest.raises(CheckpointError, match=r"generation_config\.json"):
+        DiffusionGemma.load_safetensors(folder)
+
+
+def test_generation_config_json_that_is_not_an_object_is_a_checkpoint_error(tmp_path):
+    folder = make_ckpt(tmp_path)
+    for raw in ("[1]", "{", ""):
+        (tmp_path / "generation_config.json").write_text(raw)
+        with pytest.raises(CheckpointError, match=r"generation_config\.json \("):
+            load_generation_config(folder)
+    with pytest.raises(CheckpointFileNotFoundError, match="not a folder"):
+        load_generation_config(tmp_path / "nope")
+    with pytest.raises(TypeError, match="folder must be a str"):
+        load_generation_config(None)

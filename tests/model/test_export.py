@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 from blockdiff.integration import cli
-from blockdiff.model import DiffusionGemma, DiffusionGemmaConfig, tiny_config
+from blockdiff.model import CheckpointError, DiffusionGemma, DiffusionGemmaConfig, load_generation_config, tiny_config
 from blockdiff.model.export import (ARCHITECTURE, EXPORT_FILES, GENERATION_DEFAULTS, export_hf, hf_config_dict,
                                     hf_tokenizer_json)
 from blockdiff.model.pretrained import load_pretrained, shipped_checkpoint_dir
@@ -218,6 +218,63 @@ def test_tokenizer_padded_to_a_larger_vocabulary_keeps_the_byte_ids(tmp_path):
     assert hf.convert_ids_to_tokens(299) == "<unused_299>"
     with pytest.raises(ValueError, match="vocab_size must be an int >= 259"):
         hf_tokenizer_json(258)
+
+
+def test_byte_tokenizer_loads_the_hf_tokenizer_json_the_export_writes(exported, tmp_path):
+    """So an exported folder serves like a trained one (``blockdiff demo --checkpoint EXPORTED``): the file
+    encodes and decodes as ByteTokenizer, padded or not; a tokenizers file that would not is refused, named."""
+    tok = ByteTokenizer.load(exported)
+    assert tok.vocab_size == 259
+    for text in TEXTS:
+        assert tok.encode(text) == ByteTokenizer().encode(text) and tok.decode(tok.encode(text)) == text
+    (tmp_path / "tokenizer.json").write_text(json.dumps(hf_tokenizer_json(300)))
+    padded = ByteTokenizer.load(tmp_path)
+    assert padded.vocab_size == 300 and padded.decode([299, 3 + ord("a"), 1]) == "a"  # unused ids dropped
+    base = hf_tokenizer_json(259)
+
+    def variant(change):
+        d = json.loads(json.dumps(base))
+        change(d)
+        return d
+    vocab = base["model"]["vocab"]
+    swapped = {**vocab, "a": vocab["b"], "b": vocab["a"]}
+    bad = [(variant(lambda d: d["model"].update(merges=[["a", "b"]])), "merges must be empty"),
+           (variant(lambda d: d["pre_tokenizer"].update(add_prefix_space=True)), "pre_tokenizer must be ByteLevel"),
+           (variant(lambda d: d["model"].update(vocab=swapped)), "model.vocab differs at 2 ids"),
+           (variant(lambda d: d["model"].update(type="WordPiece")), "model.type must be 'BPE'"),
+           (variant(lambda d: d["added_tokens"].append({"id": 5, "content": "x"})), "added_tokens"),
+           (variant(lambda d: d.update(post_processor={"type": "TemplateProcessing"})), "post_processor"),
+           (variant(lambda d: d["model"]["vocab"].update({"extra": 400})), "ids must be 0 .. 259")]
+    for d, what in bad:
+        (tmp_path / "tokenizer.json").write_text(json.dumps(d))
+        with pytest.raises(CheckpointError, match=rf"tokenizer\.json \(.*\) is a Hugging Face tokenizer.*{what}"):
+            ByteTokenizer.load(tmp_path)
+
+
+def test_load_pretrained_serves_an_exported_folder_with_its_generation_config(exported):
+    model, tok = load_pretrained(exported, dtype=torch.float32)
+    shipped, _ = load_pretrained(SHIPPED, dtype=torch.float32)
+    assert model.config == shipped.config and tok.vocab_size == 259
+    sa, sb = shipped.state_dict(), model.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    want = {"canvas_length": 32, **GENERATION_DEFAULTS, "max_denoising_steps": STEPS, "eos_token_ids": (1,),
+            "max_tokens": None}
+    assert model.generation_config == want == load_generation_config(exported)
+    assert shipped.generation_config == dict(want, max_denoising_steps=48, eos_token_ids=())  # no file shipped
+    SamplingParams(**model.generation_config)
+
+
+def test_generation_config_saved_by_transformers_loads(tmp_path):
+    """What ``DiffusionGemmaGenerationConfig.save_pretrained`` writes (transformers_version and all) is read back
+    with the same values."""
+    g = DiffusionGemmaGenerationConfig(max_denoising_steps=7, t_min=0.3, t_max=0.9, eos_token_id=[1, 5],
+                                       sampler_config=EntropyBoundSamplerConfig(entropy_bound=0.2),
+                                       confidence_threshold=0.01, stability_threshold=2, max_new_tokens=40)
+    g.save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(hf_config_dict(load_pretrained(SHIPPED)[0].config)))
+    assert load_generation_config(tmp_path) == {
+        "canvas_length": 32, "max_denoising_steps": 7, "t_min": 0.3, "t_max": 0.9, "entropy_bound": 0.2,
+        "confidence_threshold": 0.01, "stability_threshold": 2, "eos_token_ids": (1, 5), "max_tokens": 40}
 
 
 # ---- generation_config.json ------------------------------------------------------------------------------------

@@ -345,8 +345,8 @@ def _mixed_batch(cfg, seed):
 @torch.no_grad()
 def test_grouped_mm_forward_reads_no_tensor_values_after_warmup(monkeypatch):
     """After one warm-up forward, a grouped_mm forward with new ids / self_cond reads no tensor value on the
-    host (no .item/.tolist/bool/int/float/nonzero/numpy: under CUDA-graph capture such a read would sync, or
-    bake the capture-time value into every replay) and equals an unpatched forward. blockdiff.attention's own
+    host while a CUDA graph is being captured (no .item/.tolist/bool/int/float/nonzero/numpy: such a read would
+    sync, or bake the capture-time value into every replay) and equals an unpatched forward. blockdiff.attention's own
     calls are exempt (its reference backend reads metadata on the host; its kernels have their own tests)."""
     torch.manual_seed(0)
     m = randomize_(DiffusionGemma(tiny_config(), moe_impl="grouped_mm"), seed=2).eval()
@@ -391,6 +391,8 @@ def test_grouped_mm_forward_reads_no_tensor_values_after_warmup(monkeypatch):
     # patched where the model looks them up (blockdiff.model.modeling imports them by name)
     monkeypatch.setattr(modeling, "attention", exempt(modeling.attention))
     monkeypatch.setattr(modeling, "write_kv_cache", exempt(modeling.write_kv_cache))
+    # as under CUDA-graph capture, where the model's own value checks (input ids in the vocabulary) are skipped
+    monkeypatch.setattr(modeling, "capturing", lambda: True)
     restore()
     try:
         got = m(ids2, pos, meta, caches, soft2, attn_backend="reference")
@@ -461,3 +463,49 @@ def test_non_bool_causal_flags_are_rejected_naming_causal(model, good, flags):
     meta.causal = flags
     with pytest.raises(TypeError, match="causal"):
         model(ids, pos, meta, caches, attn_backend="reference")
+
+
+@pytest.mark.parametrize("bad_id", [256, 10 ** 6, -1])
+def test_out_of_vocab_or_negative_input_ids_are_a_value_error_naming_the_ids(model, good, bad_id):
+    """Was an IndexError from nn.Embedding on the CPU (a device-side assert on CUDA)."""
+    cfg, caches, meta, pos, ids = good
+    ids = ids.clone()
+    ids[1] = bad_id
+    with pytest.raises(ValueError, match=rf"input_ids must be in \[0, vocab_size = 256\).*ids \[{bad_id}\] at rows "
+                                         r"\[1\]"):
+        model(ids, pos, meta, caches, attn_backend="reference")
+    with pytest.raises(ValueError, match="input_ids"):
+        model(ids, pos, meta, caches, attn_backend="reference", check_values=True)
+
+
+def test_input_id_check_is_skipped_under_graph_capture_and_with_check_values_false(model, good, monkeypatch):
+    """The id check reads the ids on the host, so it runs only when value checks run: not while a CUDA graph is
+    captured (capturing() true), not with check_values=False; those trust the caller (here: the embedding's own
+    IndexError on the CPU)."""
+    cfg, caches, meta, pos, ids = good
+    ids = ids.clone()
+    ids[0] = cfg.vocab_size
+    with pytest.raises(IndexError):
+        model(ids, pos, meta, caches, attn_backend="reference", check_values=False)
+    monkeypatch.setattr(modeling, "capturing", lambda: True)
+    with pytest.raises(IndexError):
+        model(ids, pos, meta, caches, attn_backend="reference")
+    with pytest.raises(TypeError, match="check_values must be a bool or None"):
+        model(ids, pos, meta, caches, attn_backend="reference", check_values=1)
+
+
+def test_allocate_kv_caches_argument_types_are_checked(model):
+    for bad in (2.5, "2", True, None):
+        with pytest.raises(TypeError, match="num_blocks must be an int > 0"):
+            model.allocate_kv_caches(bad, 4)
+        with pytest.raises(TypeError, match="page_size must be an int > 0"):
+            model.allocate_kv_caches(2, bad)
+    with pytest.raises(ValueError, match="page_size must be an int > 0, got -4"):
+        model.allocate_kv_caches(2, -4)
+    for bad in ("float32", torch.int32):
+        with pytest.raises(TypeError, match="dtype must be a floating torch.dtype"):
+            model.allocate_kv_caches(2, 4, dtype=bad)
+    with pytest.raises(ValueError, match="device 'bogus'"):
+        model.allocate_kv_caches(2, 4, device="bogus")
+    caches = model.allocate_kv_caches(2, 4, device="cpu", dtype=torch.bfloat16)
+    assert caches[0][0].dtype == torch.bfloat16 and caches[0][0].shape == (2, 4, 2, 16)

@@ -266,3 +266,38 @@ def test_variant_config_bias_and_vision_flag():
     caches = ours.allocate_kv_caches(32, PS)
     assert _rel(our_encode(ours, caches, prompt, 0), hf_enc) < 2e-5
     assert _rel(our_denoise(ours, caches, canvas, P, None), hf_dec) < 2e-5
+
+
+@torch.no_grad()
+def test_untied_encoder_and_decoder_attention_biases_load_and_match_transformers_in_both_modes():
+    """transformers keeps the encoder's attention biases apart from the decoder's (only weights are tied): a
+    checkpoint whose copies differ loads, each mode uses its own, and the logits match transformers for encoder
+    rows, for decoder rows reading the encoder's cache, and for both kinds of rows in one flat mixed batch."""
+    cfg = tiny_config(attention_bias=True)
+    hf, ours = make_hf_twin(cfg, seed=9)
+    sd = hf.state_dict()
+    enc = [k for k in sd if k.startswith("model.encoder.language_model.") and k.endswith("_proj.bias")]
+    assert len(enc) == 14  # q, k, o on every layer and v on the 2 sliding ones
+    for k in enc:
+        ours_name = k[len("model.encoder.language_model."):].replace(".bias", ".encoder_bias")
+        dec = sd["model.decoder." + k[len("model.encoder.language_model."):]]
+        assert not torch.equal(sd[k], dec), k  # really untied
+        assert torch.equal(ours.state_dict()[ours_name], sd[k]), k
+    P, CL = 11, cfg.canvas_length
+    prompt, canvas = _ids(P, cfg.vocab_size, 1), _ids(CL, cfg.vocab_size, 2)
+    cache = DynamicCache(config=hf.config.text_config)
+    hf_enc = hf_encode(hf, cache, prompt, 0)
+    hf_dec = hf_denoise(hf, cache, canvas, P, None)
+    caches = ours.allocate_kv_caches(32, PS)
+    assert _rel(our_encode(ours, caches, prompt, 0), hf_enc) < 2e-5
+    assert _rel(our_denoise(ours, caches, canvas, P, None), hf_dec) < 2e-5
+    # one flat batch: sequence 0 prefills the prompt (encoder rows), sequence 1 denoises a canvas over the same
+    # prompt already in its own pages (decoder rows)
+    caches = ours.allocate_kv_caches(32, PS)
+    meta1, pos1 = build_meta([P], [P], [True], PS, block_ids=[[8, 9, 10]])
+    ours(prompt, pos1, meta1, caches, attn_backend="reference")
+    meta, pos = build_meta([P, CL], [P, P + CL], [True, False], PS,
+                           block_ids=[[0, 1, 2], [8, 9, 10, 11, 12, 13, 14]])
+    out = ours(torch.cat([prompt, canvas]), pos, meta, caches, attn_backend="reference")
+    assert _rel(out[:P], hf_enc) < 2e-5
+    assert _rel(out[P:], hf_dec) < 2e-5

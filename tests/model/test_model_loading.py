@@ -7,8 +7,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from blockdiff.model import DiffusionGemma, DiffusionGemmaConfig, convert_hf_state_dict, tiny_config
-from model_testutils import build_meta, hf_config_from, make_hf_twin
+from blockdiff.model import CheckpointError, DiffusionGemma, DiffusionGemmaConfig, convert_hf_state_dict, tiny_config
+from blockdiff.model.train import hf_state_dict
+from model_testutils import build_meta, make_hf_twin
 
 transformers = pytest.importorskip("transformers")
 from transformers import DiffusionGemmaConfig as HFConfig, DiffusionGemmaForBlockDiffusion  # noqa: E402
@@ -152,3 +153,49 @@ def test_integer_tensor_or_non_tensor_value_is_a_listed_load_error(twin):
     bad = dict(sd, **{dec: sd[dec].numpy()})
     with pytest.raises(ValueError, match=r"not tensors \(1\): model\.decoder\.layers\.0\.mlp\.gate_proj\.weight: ndarray"):
         DiffusionGemma.from_pretrained_state_dict(bad, cfg)
+
+
+def test_checkpoint_with_untied_encoder_attention_biases_loads_as_transformers_saves_it(tmp_path):
+    """transformers saves the encoder's attention biases beside the decoder's (they are not tied); such a folder
+    loads (it was refused as 'tied tensors that differ'), each mode keeps its own copy, and our writer
+    (train.hf_state_dict, used by export) writes both back under transformers' names."""
+    cfg = tiny_config(attention_bias=True)
+    hf, ours = make_hf_twin(cfg, seed=12)
+    hf.save_pretrained(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        saved = {k: f.get_tensor(k) for k in f.keys()}
+    enc = sorted(k for k in saved if k.startswith("model.encoder.language_model.") and k.endswith(".bias"))
+    assert len(enc) == 14
+    loaded = DiffusionGemma.load_safetensors(tmp_path)
+    ids = torch.randint(0, cfg.vocab_size, (10,))
+    assert torch.equal(_logits(loaded, ids), _logits(ours, ids))
+    ours_sd = loaded.state_dict()
+    for k in enc:
+        ours_name = k[len("model.encoder.language_model."):].replace(".bias", ".encoder_bias")
+        assert torch.equal(ours_sd[ours_name], saved[k]), k
+    written = hf_state_dict(loaded, torch.float32)
+    for k in enc + [k.replace("model.encoder.language_model.", "model.decoder.") for k in enc]:
+        assert torch.equal(written[k], saved[k]), k
+    again = DiffusionGemma.from_pretrained_state_dict(written, cfg)
+    assert torch.equal(_logits(again, ids), _logits(ours, ids))
+
+
+def test_checkpoint_missing_the_encoders_attention_biases_is_refused_naming_them():
+    """A missing encoder bias is a missing tensor (transformers would report it missing and initialise it to
+    zero), not silently the decoder's copy."""
+    cfg = tiny_config(attention_bias=True)
+    hf, _ = make_hf_twin(cfg, seed=13)
+    sd = {k: v for k, v in hf.state_dict().items()
+          if not (k.startswith("model.encoder.language_model.") and k.endswith("k_proj.bias"))}
+    with pytest.raises(CheckpointError, match=r"missing tensors \(4\) \(transformers keeps the encoder's attention "
+                                              r"biases apart.*model\.encoder\.language_model\.layers\.0\.self_attn\."
+                                              r"k_proj\.bias"):
+        DiffusionGemma.from_pretrained_state_dict(sd, cfg)
+
+
+def test_transformers_default_text_config_with_experts_converts():
+    """transformers' own defaults (26B-like geometry; our validation must accept every valid HF config)."""
+    hc = HFConfig(text_config=dict(num_experts=8, top_k_experts=2, moe_intermediate_size=256))
+    cfg = DiffusionGemmaConfig.from_hf(hc)
+    assert cfg.canvas_length == 256 and cfg.final_logit_softcapping == 30.0 and cfg.num_hidden_layers == 30
+    assert DiffusionGemmaConfig.from_hf(hc.to_dict()) == cfg
