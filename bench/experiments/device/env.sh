@@ -1,0 +1,17 @@
+# GPU-machine environment after ../../../shared/device staging (vLLM 0.26.0 chunks, optionally the CuTe DSL).
+# Sourced from the repo root. Differences from shared/device/README.md found on the H200 (2026-12-01):
+#  - run vLLM as `python3 -m vllm.entrypoints.cli.main` (the staged bin/vllm has no __main__ guard, and the
+#    engine core is started with spawn, which re-runs it: "start a new process before ... bootstrapping");
+#  - VLLM_USE_FLASHINFER_SAMPLER=0 (model runner v2 imports flashinfer, which is not staged, otherwise);
+#  - a dist-info with the vllm.general_plugins entry point, since blockdiff runs from the tree, not installed.
+# sourced from the repo root on the GPU machine
+source bench/device_env.sh
+export PYTHONPATH=$PYTHONPATH:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages PATH=/tmp/site/bin:$PATH \
+  HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 PYTHONUNBUFFERED=1 \
+  FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 VLLM_USE_DEEP_GEMM=0 VLLM_USE_FLASHINFER_SAMPLER=0
+d=/tmp/site/blockdiff-0.1.0.dist-info
+if [ -d /tmp/site ] && [ ! -d $d ]; then
+  mkdir -p $d
+  printf 'Metadata-Version: 2.1\nName: blockdiff\nVersion: 0.1.0\n' > $d/METADATA
+  printf '[vllm.general_plugins]\nblockdiff = blockdiff.integration.vllm_plugin:register\n' > $d/entry_points.txt
+fi

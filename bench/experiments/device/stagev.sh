@@ -1,0 +1,2 @@
+# One of the consecutive runs that bring the vLLM 0.26.0 chunks (carry .device/vK); the last unpacks them.
+mkdir -p /tmp/vparts && cp .device/v[0-9]/vllm.tar.xz.* /tmp/vparts/ && set -- $(head -1 .device/v[0-9]/MANIFEST | tail -1) && c=$(ls /tmp/vparts | wc -l) && echo "vLLM chunks here: $c of $1" && if [ "$c" = "$1" ]; then [ "$(cat /tmp/vparts/* | sha256sum | cut -c1-64)" = "$2" ] || { echo BAD-SHA; exit 3; }; mkdir -p /tmp/site && cat /tmp/vparts/* | tar -xJ -C /tmp/site && echo STAGED-VLLM; fi
