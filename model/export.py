@@ -54,7 +54,7 @@ from safetensors.torch import save_file
 from .config import DiffusionGemmaConfig
 from .modeling import DiffusionGemma
 from .pretrained import load_pretrained
-from .tokenizer import ByteTokenizer
+from .tokenizer import ByteTokenizer, bytes_to_unicode
 from .train import hf_state_dict
 
 __all__ = ["ARCHITECTURE", "EXPORT_FILES", "GENERATION_DEFAULTS", "export_hf", "hf_config_dict",
@@ -166,18 +166,6 @@ def hf_generation_config_dict(config: DiffusionGemmaConfig, *, max_denoising_ste
 
 
 # ------------------------------------------------------------------------------------------------- tokenizer
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character map (the ``tokenizers`` ByteLevel alphabet): printable Latin-1 bytes map to
-    themselves, the other 68 to U+0100.. in byte order."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    out, n = {b: chr(b) for b in keep}, 0
-    for b in range(256):
-        if b not in out:
-            out[b] = chr(256 + n)
-            n += 1
-    return out
-
-
 def hf_tokenizer_json(vocab_size: int = ByteTokenizer.vocab_size) -> dict:
     """``tokenizer.json`` (Hugging Face ``tokenizers`` format) of :class:`ByteTokenizer`'s ids, padded with
     ``<unused_{id}>`` tokens (never produced by encoding) up to ``vocab_size``.
@@ -189,7 +177,7 @@ def hf_tokenizer_json(vocab_size: int = ByteTokenizer.vocab_size) -> dict:
         raise ValueError(f"vocab_size must be an int >= {ByteTokenizer.vocab_size} (the byte tokenizer's ids), got "
                          f"{vocab_size!r}")
     vocab = {content: i for i, content in SPECIAL_TOKENS.items()}
-    for b, ch in _bytes_to_unicode().items():
+    for b, ch in bytes_to_unicode().items():
         vocab[ch] = ByteTokenizer.byte_offset + b
     for i in range(ByteTokenizer.vocab_size, vocab_size):
         vocab[f"<unused_{i}>"] = i
