@@ -10,14 +10,32 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import torch
+
 from .rng import MAX_POSITIONS, MAX_STEPS
 
-__all__ = ["SamplingParams"]
+__all__ = ["SamplingParams", "MIN_TEMPERATURE", "schedule_extremes"]
 
+#: Smallest nonzero temperature of a schedule: float32's smallest normal number, 2**-126 (1.18e-38). Below it T would
+#: be a denormal divisor (a GPU may flush it to zero) or 0 (silently greedy). Tiny temperatures above it are well
+#: defined: where z = x / T overflows, the shifted form of docs/ARCHITECTURE.md "Sampler semantics" rule 1 gives the
+#: greedy limit.
+MIN_TEMPERATURE = 2.0 ** -126
 #: Largest finite float32 (the float fields are stored as float32 tensors in :class:`SamplerState`).
 _FLOAT32_MAX = 3.4028234663852886e38
 #: Upper bound of ``max_tokens`` (int64 counters on the device; 2**62 is SamplerState's "no cap" value).
 _MAX_TOKENS_LIMIT = 1 << 62
+
+
+def schedule_extremes(t_min: float, t_max: float, max_denoising_steps: int) -> tuple[float, float]:
+    """(lowest, highest) temperature of rule 1's schedule ``T = t_min + (t_max - t_min) * (S - s) / S`` over
+    s in [0, S), evaluated in float32 in that order, as :func:`blockdiff.sampler.common.temperature` does: T is
+    non-increasing in s (every float32 operation is monotone), so they are T at s = S - 1 and at s = 0."""
+    t = torch.tensor([t_min, t_max], dtype=torch.float32)
+    S = torch.tensor(max_denoising_steps, dtype=torch.int32)
+    k = torch.tensor([1, max_denoising_steps], dtype=torch.int32)       # S - s at s = S - 1 and s = 0
+    T = t[0] + ((t[1] - t[0]) * k.to(torch.float32)) / S.to(torch.float32)
+    return float(T[0]), float(T[1])
 
 
 def _is_int(x) -> bool:
@@ -36,8 +54,10 @@ class SamplingParams:
         canvas_length: tokens per canvas (CL), 1 <= CL < 2**16; must equal the SamplerState's.
         max_denoising_steps: step cap S per canvas, 1 <= S < 2**14 (counter layout of :mod:`.rng`).
         t_min, t_max: temperature at the last / first step; 0 <= t_min <= t_max, finite. ``t_max == 0`` is greedy
-            (T = 0: no noise, all entropies 0). (transformers requires t_max > t_min strictly; docs/ARCHITECTURE.md
-            allows t_min == t_max, which T = 0 needs.)
+            (T = 0: no noise, all entropies 0); otherwise every temperature of the float32 schedule (rule 1,
+            :func:`schedule_extremes`) must be finite and >= :data:`MIN_TEMPERATURE` (2**-126, float32's smallest
+            normal): e.g. t_min = t_max = 1e-38 is refused, (0, 1e-30) accepted. (transformers requires
+            t_max > t_min strictly; docs/ARCHITECTURE.md allows t_min == t_max, which T = 0 needs.)
         entropy_bound: acceptance budget in nats, >= 0 and finite (the lowest-entropy position is always accepted).
         confidence_threshold: mean-entropy threshold in nats for convergence (strict ``<``), >= 0 and finite.
         stability_threshold: k in [0, 2**31); convergence needs the last k + 1 argmax canvases identical.
@@ -89,10 +109,20 @@ class SamplingParams:
             raise ValueError(f"canvas_length must be in [1, {MAX_POSITIONS}), got {self.canvas_length}")
         if not 1 <= self.max_denoising_steps < MAX_STEPS:
             raise ValueError(f"max_denoising_steps must be in [1, {MAX_STEPS}), got {self.max_denoising_steps}")
-        if self.t_min < 0:
-            raise ValueError(f"t_min must be >= 0, got {self.t_min}")
+        for name in ("t_min", "t_max"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.t_max < self.t_min:
             raise ValueError(f"t_max must be >= t_min, got t_max={self.t_max} < t_min={self.t_min}")
+        if self.t_max != 0:
+            lo, hi = schedule_extremes(self.t_min, self.t_max, self.max_denoising_steps)
+            if not math.isfinite(hi):
+                raise ValueError(f"t_max={self.t_max} with t_min={self.t_min} gives the temperature {hi} at step 0 "
+                                 f"((t_max - t_min) * max_denoising_steps overflows float32)")
+            if lo < MIN_TEMPERATURE:
+                raise ValueError(f"t_min={self.t_min} / t_max={self.t_max} give the temperature {lo:.4g} at the last "
+                                 f"step, below MIN_TEMPERATURE = 2**-126 (float32's smallest normal); use "
+                                 f"t_min = t_max = 0 for greedy")
         if self.entropy_bound < 0:
             raise ValueError(f"entropy_bound must be >= 0 nats, got {self.entropy_bound}")
         if self.confidence_threshold < 0:

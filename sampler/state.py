@@ -7,7 +7,6 @@ any batch (docs/ARCHITECTURE.md "Sampler semantics").
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +15,7 @@ from .params import SamplingParams
 from .rng import MAX_POSITIONS, MAX_VOCAB
 
 __all__ = ["PREFILL", "DENOISE", "COMMIT", "FINISHED", "FAILED", "PHASE_NAMES", "NO_MAX_TOKENS",
-           "SamplerState", "StepOutput"]
+           "SamplerState", "StepOutput", "parse_device"]
 
 PREFILL = 0
 DENOISE = 1
@@ -27,6 +26,26 @@ PHASE_NAMES = {PREFILL: "PREFILL", DENOISE: "DENOISE", COMMIT: "COMMIT", FINISHE
 
 #: ``max_tokens`` stored for a request without a cap.
 NO_MAX_TOKENS = 1 << 62
+
+
+def parse_device(device) -> torch.device:
+    """``torch.device(device)`` for a ``torch.device`` or a device string, checked against this machine.
+
+    Raises:
+        TypeError: neither a ``torch.device`` nor a str. ValueError: a string torch cannot parse (``"bogus"``), or a
+            CUDA device this machine does not have (names ``device``).
+    """
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be a torch.device or a str, got {type(device).__name__}")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"device must name a torch device ('cpu', 'cuda', 'cuda:0', ...), got {device!r}") from e
+    if dev.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0 or (dev.index is not None and dev.index >= n):
+            raise ValueError(f"device {device!r} is not available here ({n} CUDA device{'s' if n != 1 else ''})")
+    return dev
 
 
 class SamplerState:
@@ -46,27 +65,33 @@ class SamplerState:
       ``max_denoising_steps``, ``stability_threshold`` [R] int32; ``eos_token_ids`` [R, max_eos] int64 padded -1;
       ``max_tokens`` [R] int64 (:data:`NO_MAX_TOKENS` when None).
 
+    Args:
+        max_num_reqs: R, the number of slots, an int in [1, 2**31). canvas_length: CL, an int in [1, 2**16).
+        vocab_size: V, an int in [1, 2**31). hidden_size: an int in [1, 2**31). max_eos: eos ids per slot, an int
+            in [0, 2**31) (:meth:`reserve_eos` grows it). device: a ``torch.device`` or a device string (``"cpu"``,
+            ``"cuda:0"``).
+
     Raises:
-        ValueError: sizes out of range (max_num_reqs < 1, canvas_length outside [1, 2**16), vocab_size outside
-            [1, 2**31), hidden_size < 1, max_eos < 0).
+        TypeError: a size that is not an int (bool, float, str: no coercion), or a device that is neither a
+            ``torch.device`` nor a str.
+        ValueError: a size out of range, or a device string torch cannot parse or this machine does not have.
     """
 
     def __init__(self, max_num_reqs: int, canvas_length: int, vocab_size: int, hidden_size: int,
                  device: torch.device | str = "cpu", max_eos: int = 8):
-        if int(max_num_reqs) < 1:
-            raise ValueError(f"max_num_reqs must be >= 1, got {max_num_reqs}")
-        if not 1 <= int(canvas_length) < MAX_POSITIONS:
-            raise ValueError(f"canvas_length must be in [1, {MAX_POSITIONS}), got {canvas_length}")
-        if not 1 <= int(vocab_size) < MAX_VOCAB:
-            raise ValueError(f"vocab_size must be in [1, 2**31), got {vocab_size}")
-        if int(hidden_size) < 1:
-            raise ValueError(f"hidden_size must be >= 1, got {hidden_size}")
-        if int(max_eos) < 0:
-            raise ValueError(f"max_eos must be >= 0, got {max_eos}")
-        R, CL = int(max_num_reqs), int(canvas_length)
+        lim = 1 << 31                                                # int32 grids and counters on the device
+        sizes = (("max_num_reqs", max_num_reqs, 1, lim), ("canvas_length", canvas_length, 1, MAX_POSITIONS),
+                 ("vocab_size", vocab_size, 1, MAX_VOCAB), ("hidden_size", hidden_size, 1, lim),
+                 ("max_eos", max_eos, 0, lim))
+        for name, v, lo, hi in sizes:
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name} must be an int, got {type(v).__name__} ({v!r})")
+            if not lo <= v < hi:
+                raise ValueError(f"{name} must be in [{lo}, {'2**31' if hi == lim else hi}), got {v}")
+        R, CL = max_num_reqs, canvas_length
         self.max_num_reqs, self.canvas_length = R, CL
-        self.vocab_size, self.hidden_size, self.max_eos = int(vocab_size), int(hidden_size), int(max_eos)
-        self.device = torch.device(device)
+        self.vocab_size, self.hidden_size, self.max_eos = vocab_size, hidden_size, max_eos
+        self.device = parse_device(device)
         dev = self.device
         i32, i64, f32 = torch.int32, torch.int64, torch.float32
         self.phase = torch.full((R,), FINISHED, dtype=i32, device=dev)

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from blockdiff.sampler import FINISHED, PREFILL, NO_MAX_TOKENS, SamplerState, SamplingParams
+from blockdiff.sampler.params import MIN_TEMPERATURE, schedule_extremes
 
 
 def test_defaults_match_transformers():
@@ -75,6 +76,81 @@ def test_state_rejects_bad_sizes(kw, match):
     args.update(kw)
     with pytest.raises(ValueError, match=match):
         SamplerState(**args)
+
+
+@pytest.mark.parametrize("t_min,t_max,S", [(1e-38, 1e-38, 48), (0.0, 1e-38, 48), (0.0, 1e-36, 16383),
+                                           (1e-40, 1e-40, 1), (0.0, 5e-324, 48), (5e-324, 5e-324, 3)])
+def test_temperatures_whose_schedule_leaves_the_normal_float32_range_are_refused(t_min, t_max, S):
+    """A nonzero schedule reaching a temperature below 2**-126 (a denormal divisor, or 0: silently greedy) is a
+    ValueError naming t_min / t_max. t_min = t_max = 1e-38 used to be accepted, and every request failed (z = x / T
+    overflowed)."""
+    with pytest.raises(ValueError, match="t_min=.* / t_max=.* give the temperature .* below MIN_TEMPERATURE"):
+        SamplingParams(t_min=t_min, t_max=t_max, max_denoising_steps=S)
+
+
+def test_a_schedule_overflowing_float32_is_refused():
+    """(t_max - t_min) * S in float32 overflowed: T = inf at step 0."""
+    with pytest.raises(ValueError, match="t_max=.* with t_min=0.0 gives the temperature inf at step 0"):
+        SamplingParams(t_min=0.0, t_max=3e38, max_denoising_steps=48)
+
+
+@pytest.mark.parametrize("t_min,t_max,S", [(1e-30, 1e-30, 48), (0.0, 1e-30, 16383), (1e-40, 0.5, 48),
+                                           (MIN_TEMPERATURE, MIN_TEMPERATURE, 1), (3.4e38, 3.4e38, 48),
+                                           (1e30, 1e30 * 1.5, 16383), (0.0, 0.0, 48)])
+def test_every_accepted_schedule_is_zero_or_finite_normal_float32(t_min, t_max, S):
+    """Tiny temperatures are valid (z = x / T overflowing takes rule 1's shifted form): the whole float32 schedule
+    the sampler computes is finite and normal, or 0 (greedy)."""
+    from blockdiff.sampler.common import temperature
+    p = SamplingParams(canvas_length=8, t_min=t_min, t_max=t_max, max_denoising_steps=S)
+    st = SamplerState(1, 8, 10, 4)
+    st.add_request(0, 0, p)
+    T = []
+    for s in (0, S // 2, S - 1):
+        st.step[0] = s
+        T.append(temperature(st, torch.tensor([0])).item())
+    assert all(t == 0 for t in T) if p.greedy else all(MIN_TEMPERATURE <= t < float("inf") for t in T), T
+    lo, hi = schedule_extremes(t_min, t_max, S)
+    assert (lo, hi) == (T[-1], T[0])
+
+
+@pytest.mark.parametrize("field", ["max_num_reqs", "canvas_length", "vocab_size", "hidden_size", "max_eos"])
+@pytest.mark.parametrize("value", ["4", 2.7, 4.0, True, None])
+def test_state_sizes_must_be_ints_never_coerced(field, value):
+    """SamplerState('4', ...) / SamplerState(2.7, ...) were accepted through int(): now a TypeError naming the size."""
+    args = dict(max_num_reqs=2, canvas_length=8, vocab_size=10, hidden_size=4)
+    args[field] = value
+    with pytest.raises(TypeError, match=f"{field} must be an int"):
+        SamplerState(**args)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(max_num_reqs=1 << 31), "max_num_reqs"), (dict(max_eos=-1), "max_eos"),
+    (dict(hidden_size=1 << 31), "hidden_size"), (dict(vocab_size=1 << 31), "vocab_size"),
+    (dict(canvas_length=1 << 16), "canvas_length")])
+def test_state_sizes_out_of_range_name_the_size(kw, match):
+    args = dict(max_num_reqs=2, canvas_length=8, vocab_size=10, hidden_size=4)
+    args.update(kw)
+    with pytest.raises(ValueError, match=match):
+        SamplerState(**args)
+
+
+@pytest.mark.parametrize("device,exc", [("bogus", ValueError), ("cuda:bogus", ValueError), ("", ValueError),
+                                        (3, TypeError), (None, TypeError)])
+def test_state_device_is_parsed_into_an_error_naming_device(device, exc):
+    """SamplerState(device='bogus') raised torch's RuntimeError from deep inside."""
+    with pytest.raises(exc, match="device"):
+        SamplerState(2, 8, 10, 4, device=device)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_state_on_a_missing_cuda_device_is_a_value_error():
+    with pytest.raises(ValueError, match="device 'cuda:0' is not available"):
+        SamplerState(2, 8, 10, 4, device="cuda:0")
+
+
+def test_state_accepts_torch_device_objects_and_strings():
+    assert SamplerState(2, 8, 10, 4, device=torch.device("cpu")).device == torch.device("cpu")
+    assert SamplerState(2, 8, 10, 4, device="cpu").phase.device.type == "cpu"
 
 
 def test_check_params_refuses_what_add_request_refuses_without_touching_state():
