@@ -53,24 +53,32 @@ def get_backend(backend: str):
 
 
 def sampler_step(state: SamplerState, slots: torch.Tensor, logits: torch.Tensor, prefill_done: torch.Tensor,
-                 embedding: torch.Tensor, *, backend: str = "reference") -> StepOutput:
+                 embedding: torch.Tensor, *, backend: str = "reference",
+                 check_values: bool | None = None) -> StepOutput:
     """One sampler step for the N rows of a forward pass; mutates ``state`` in place.
 
     Args:
         state: :class:`SamplerState`.
-        slots: int64 [N] distinct slots of the rows.
+        slots: int64 [N] distinct slots of the rows, in [0, max_num_reqs).
         logits: float [N, CL, V] final (soft-capped) logits of the canvas tokens; ignored for non-DENOISE rows.
         prefill_done: bool [N]; PREFILL rows with True move to DENOISE with a fresh canvas.
         embedding: E [V, hidden] (tied embedding), for ``soft = softmax(z) @ E * sqrt(hidden)``.
         backend: ``"reference"``, ``"triton"`` or ``"auto"``.
+        check_values: check the slot ids on the host (range, distinct: one host read of ``slots``). None
+            (default): yes unless a CUDA graph is being captured; False: the caller vouches for them (what the
+            backend then does with a bad id: its ``sampler_step``).
 
     Returns:
         :class:`StepOutput` (shapes/dtypes in its docstring).
 
     Raises:
-        ValueError: unknown backend, bad shapes. TypeError: bad types/dtypes. ImportError: backend unavailable.
+        ValueError: unknown backend, bad shapes, bad slot ids. TypeError: bad types/dtypes. ImportError: backend
+            unavailable.
     """
-    return get_backend(resolve_backend(backend, logits.device))(state, slots, logits, prefill_done, embedding)
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
+    return get_backend(resolve_backend(backend, logits.device))(state, slots, logits, prefill_done, embedding,
+                                                                check_values=check_values)
 
 
 __all__ = [

@@ -1,8 +1,10 @@
-"""Pieces every sampler backend shares: argument checks, the temperature schedule, and the phase bookkeeping.
+"""Pieces every sampler backend shares: argument checks, the temperature schedule, the overflow shift of z, and
+the phase bookkeeping.
 
 Backends (``reference``, ``triton``) never import each other; both import this module, :mod:`.rng` and
 :mod:`.state`. Everything here is vectorised over the N rows of a step with ``torch.where`` (no host sync, no
-data-dependent shapes), so a step stays capturable in a CUDA graph.
+data-dependent shapes), so a step stays capturable in a CUDA graph; the one host read is the slot-id check of
+:func:`check_step_args`, which is off while a graph is being captured.
 
 Phase machine per row (docs/ARCHITECTURE.md "Sampler semantics"):
 PREFILL --prefill_done--> DENOISE (fresh canvas 0) --converged--> COMMIT --EOS or max_tokens--> FINISHED
@@ -18,22 +20,55 @@ import torch
 from . import rng
 from .state import COMMIT, DENOISE, FAILED, FINISHED, PREFILL, SamplerState, StepOutput
 
-__all__ = ["check_step_args", "temperature", "DenoiseResult", "apply_step", "fresh_canvas", "accept_by_entropy",
-           "entropy_order"]
+__all__ = ["check_step_args", "check_slot_values", "capturing", "temperature", "overflow_shift", "DenoiseResult",
+           "apply_step", "fresh_canvas", "accept_by_entropy", "entropy_order"]
+
+
+def capturing() -> bool:
+    """True while a CUDA graph is being captured on the current stream (host reads are not allowed then)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def check_slot_values(state: SamplerState, slots: torch.Tensor) -> None:
+    """Value rule of ``slots`` (one host read of the ids): distinct slot ids in ``[0, max_num_reqs)``.
+
+    Raises:
+        ValueError: an id out of range or repeated (names ``slots``, the id and the rule).
+    """
+    ids = slots.tolist()
+    R = state.max_num_reqs
+    for i in ids:
+        if not 0 <= i < R:
+            raise ValueError(f"slots must hold slot ids in [0, max_num_reqs={R}), got {i}")
+    if len(set(ids)) != len(ids):
+        seen = set()
+        dup = next(i for i in ids if i in seen or seen.add(i))
+        raise ValueError(f"slots must be distinct (one row per request), got slot {dup} more than once")
 
 
 def check_step_args(state: SamplerState, slots: torch.Tensor, logits: torch.Tensor, prefill_done: torch.Tensor,
-                    embedding: torch.Tensor, *, vocab_slice: tuple[int, int] | None = None) -> None:
-    """Validate shapes/dtypes/devices of ``sampler_step``'s arguments (host metadata only; no device sync).
+                    embedding: torch.Tensor, *, vocab_slice: tuple[int, int] | None = None,
+                    check_values: bool | None = None) -> bool:
+    """Validate ``sampler_step``'s arguments: types, dtypes, shapes and devices from host metadata (no device sync),
+    and, when ``check_values`` holds, the slot ids (:func:`check_slot_values`: one host read of ``slots``).
 
     ``vocab_slice``: ``(start, end)`` of a tensor-parallel rank's vocabulary slice (``blockdiff.sampler.tp``):
     logits then hold the ``end - start`` columns of that slice and embedding its rows, and a tensor need only be
     on the state's device type (None: the full vocabulary, on the state's device).
+    ``check_values``: None (default) checks the ids unless a CUDA graph is being captured (:func:`capturing`), as
+    the attention contract does; False trusts them (the fast path: a caller that allocates the slots itself).
+
+    Returns:
+        Whether the slot ids were checked (False: callers index only with ids they clamp or mask themselves).
 
     Raises:
         TypeError: wrong types or dtypes (names the argument).
-        ValueError: wrong shapes or devices (names the argument and the rule).
+        ValueError: wrong shapes, devices or slot ids (names the argument and the rule).
     """
+    if check_values is None:
+        check_values = not capturing()
+    elif not isinstance(check_values, bool):
+        raise TypeError(f"check_values must be a bool or None, got {type(check_values).__name__}")
     if not isinstance(state, SamplerState):
         raise TypeError(f"state must be a SamplerState, got {type(state).__name__}")
     for name, t in (("slots", slots), ("logits", logits), ("prefill_done", prefill_done), ("embedding", embedding)):
@@ -69,6 +104,9 @@ def check_step_args(state: SamplerState, slots: torch.Tensor, logits: torch.Tens
     if embedding.dim() != 2 or tuple(embedding.shape) != (cols, state.hidden_size):
         raise ValueError(f"embedding must have shape [{cols_name}={cols}, hidden_size={state.hidden_size}]"
                          f"{rows_note}, got {tuple(embedding.shape)}")
+    if check_values:
+        check_slot_values(state, slots)
+    return check_values
 
 
 def temperature(state: SamplerState, slots: torch.Tensor) -> torch.Tensor:
@@ -83,6 +121,24 @@ def temperature(state: SamplerState, slots: torch.Tensor) -> torch.Tensor:
     S = state.max_denoising_steps[slots]
     s = state.step[slots]
     return t_min + ((t_max - t_min) * (S - s).to(torch.float32)) / S.to(torch.float32)
+
+
+def overflow_shift(x: torch.Tensor, tdiv: torch.Tensor) -> torch.Tensor:
+    """The shift c of docs/ARCHITECTURE.md "Sampler semantics" rule 1, float32 [...]: ``z = fl((x - c) / T)``.
+
+    c = 0, so ``z = fl(x / T)`` bit for bit (``x - 0.0 == x``), except at a position whose logits are all finite
+    and whose largest z overflows (``fl(max x / T)`` is +inf, or -inf: every z would be -inf): there c = max x,
+    so z <= 0 with max 0. (``max_v fl(x_v / T) = fl(max x / T)``: the division by T > 0 and the rounding are
+    monotone.) Every other z of such a position is <= -FLT_MAX * 2**-24 (about -2e31: two distinct float32 values
+    near max x differ by at least |max x| * 2**-24 >= T * FLT_MAX * 2**-24), so p is uniform over the tokens tied
+    at max x, exactly, and the Gumbel sample is the tie with the largest g.
+
+    Args:
+        x: float32 [..., V] logits, V >= 1. tdiv: float32 [..., 1] divisor (T; 1 on greedy rows, where z = x).
+    """
+    xmax = x.amax(-1)
+    ovf = torch.isfinite(x).all(-1) & torch.isinf(xmax / tdiv[..., 0])
+    return torch.where(ovf, xmax, 0.0)
 
 
 def entropy_order(entropy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

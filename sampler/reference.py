@@ -8,7 +8,8 @@ temporaries (z, Gumbel noise, probabilities) — use the ``triton`` backend for 
 
 Per DENOISE row with step s, temperature T (:func:`blockdiff.sampler.common.temperature`):
 
-1. ``z = float32(logits) / T`` (the logits are the model's final, already soft-capped, logits).
+1. ``z = (float32(logits) - c) / T`` (the logits are the model's final, already soft-capped, logits), c = 0
+   except where the position's largest z would overflow (:func:`blockdiff.sampler.common.overflow_shift`).
 2. ``sampled = argmax(z + g)``, g Gumbel noise of :func:`blockdiff.sampler.rng.gumbel_noise`.
 3. ``argmax = argmax(z)`` (ties to the lowest id); ``H = -sum p log p``, ``p = softmax(z)`` (nats).
 4. :func:`blockdiff.sampler.common.accept_by_entropy`; a row with any non-finite logit fails (nothing accepted).
@@ -45,8 +46,9 @@ import math
 import torch
 
 from . import rng
-from .common import DenoiseResult, accept_by_entropy, apply_step, check_step_args, convergence, temperature
-from .state import DENOISE, SamplerState, StepOutput
+from .common import (DenoiseResult, accept_by_entropy, apply_step, check_step_args, convergence, overflow_shift,
+                     temperature)
+from .state import SamplerState, StepOutput
 
 __all__ = ["sampler_step", "denoise_reference", "soft_embedding_reference", "entropy_reference"]
 
@@ -88,7 +90,8 @@ def denoise_reference(state: SamplerState, slots: torch.Tensor, logits: torch.Te
     x = logits.to(torch.float32)
     finite = torch.isfinite(x).all(-1)                               # [N, CL]
     row_failed = ~finite.all(-1)
-    z = x / torch.where(greedy, torch.ones_like(T), T)[:, None, None]
+    tdiv = torch.where(greedy, torch.ones_like(T), T)[:, None, None]
+    z = (x - overflow_shift(x, tdiv)[..., None]) / tdiv              # = x / T unless max z would overflow
 
     argmax = z.argmax(-1)                                            # first maximum: ties to the lowest id
     g = rng.gumbel_noise(seed, rid, cidx, step, CL, V)
@@ -96,8 +99,8 @@ def denoise_reference(state: SamplerState, slots: torch.Tensor, logits: torch.Te
     entropy = torch.where(greedy[:, None], 0.0, entropy_reference(z))
     entropy = torch.where(finite, entropy, float("nan"))
 
-    # z = x / T can overflow for finite x: -inf entries are p = 0 (entropy stays finite), but +inf entries or a
-    # position whose every z is -inf leave softmax undefined (NaN entropy): such rows fail too, never commit garbage
+    # a finite z entry can still overflow to -inf (p = 0, the entropy stays finite); a NaN entropy (an undefined
+    # softmax) fails the row, never commits garbage
     row_failed = row_failed | torch.isnan(entropy).any(-1)
     accepted = accept_by_entropy(entropy, state.entropy_bound[slots]) & ~row_failed[:, None]
     renoise = rng.random_ids(seed, rid, cidx, step, CL, V, rng.RENOISE)
@@ -115,24 +118,28 @@ def denoise_reference(state: SamplerState, slots: torch.Tensor, logits: torch.Te
 
 
 def sampler_step(state: SamplerState, slots: torch.Tensor, logits: torch.Tensor, prefill_done: torch.Tensor,
-                 embedding: torch.Tensor) -> StepOutput:
+                 embedding: torch.Tensor, *, check_values: bool | None = None) -> StepOutput:
     """One sampler step over N rows, dense PyTorch (see the module docstring).
 
     Args:
         state: :class:`SamplerState`, mutated in place.
-        slots: int64 [N], distinct slot ids (duplicates are not detected: that would need a host sync).
+        slots: int64 [N], distinct slot ids in [0, max_num_reqs).
         logits: float [N, CL, V], the model's final logits for the canvas tokens; rows whose phase is not
             DENOISE are ignored (may be garbage).
         prefill_done: bool [N]; a PREFILL row with True starts denoising.
         embedding: E [V, hidden], the tied input embedding.
+        check_values: check the slot ids (one host read; None: unless a CUDA graph is being captured). Unchecked
+            ids are trusted: this backend indexes the state with them as torch does (an id >= max_num_reqs
+            raises, a negative one counts from the end).
 
     Returns:
         :class:`StepOutput`.
 
     Raises:
-        TypeError / ValueError: bad argument types/shapes (see :func:`blockdiff.sampler.common.check_step_args`).
+        TypeError / ValueError: bad argument types, shapes or slot ids (see
+            :func:`blockdiff.sampler.common.check_step_args`).
     """
-    check_step_args(state, slots, logits, prefill_done, embedding)
+    check_step_args(state, slots, logits, prefill_done, embedding, check_values=check_values)
     phase = state.phase[slots].clone()
     res = denoise_reference(state, slots, logits, embedding)
     return apply_step(state, slots, prefill_done, res, phase)

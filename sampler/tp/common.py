@@ -12,11 +12,19 @@ import torch
 from .. import rng
 
 __all__ = ["VocabShard", "vocab_shard_bounds", "make_shards", "communication_bytes", "LocalStats", "NUM_FIELDS",
-           "F_MAX", "F_SUM", "F_U", "F_ARGMAX", "F_GVAL", "F_GID", "F_BAD"]
+           "F_MAX", "F_SUM", "F_U", "F_ARGMAX", "F_GVAL", "F_GID", "F_STATUS", "STATUS_FINITE", "STATUS_BAD",
+           "STATUS_ZMAX_INF", "STATUS_ZMAX_NEG_INF"]
 
 #: Fields of the per-position statistics exchanged between ranks (float64 [N, CL, NUM_FIELDS]).
-F_MAX, F_SUM, F_U, F_ARGMAX, F_GVAL, F_GID, F_BAD = range(7)
+F_MAX, F_SUM, F_U, F_ARGMAX, F_GVAL, F_GID, F_STATUS = range(7)
 NUM_FIELDS = 7
+
+#: F_STATUS values: which statistics a rank holds for a position (docs/ARCHITECTURE.md "Sampler semantics", rule 1).
+#: FINITE: of z = x / T, whose shard max is finite. BAD: a NaN / inf logit in the shard. ZMAX_INF: the shard's max
+#: z = x / T is +inf; ZMAX_NEG_INF: it is -inf (every z is -inf, or no tokens). For ZMAX_INF / ZMAX_NEG_INF the fields
+#: are of the shard's shifted z = (x - c) / T with c = the shard's max logit (F_MAX holds c; m = 0, s = the ties at
+#: c, u = 0), which the combine compares across ranks.
+STATUS_FINITE, STATUS_BAD, STATUS_ZMAX_INF, STATUS_ZMAX_NEG_INF = 0, 1, 2, 3
 
 
 @dataclass(frozen=True)
@@ -94,25 +102,30 @@ def communication_bytes(num_rows: int, canvas_length: int, hidden_size: int, wor
 class LocalStats:
     """Result of a rank's local pass over its shard.
 
-    packed: float64 [N, CL, NUM_FIELDS] — m (max z), s (sum exp(z - m)), u (sum exp(z - m)(z - m)), global id of
-    the argmax, max(z + g), its global id, non-finite flag (1.0 / 0.0). Empty shard: m = max(z+g) = -inf,
-    s = u = 0, ids = vocab_size (never chosen). m, inv_s: float32 [N, CL] (local softmax normalisers);
-    local_argmax: int64 [N, CL] (shard-local id of the argmax, 0 for an empty shard).
+    packed: float64 [N, CL, NUM_FIELDS] — m (max z; ZMAX_INF / ZMAX_NEG_INF: the shift c, the shard's max logit),
+    s (sum exp(z - m)), u (sum exp(z - m)(z - m)), global id of the argmax, max(z + g), its global id, the status
+    (``STATUS_*``). Empty shard: m = max(z+g) = -inf, s = u = 0, ids = vocab_size (never chosen), ZMAX_NEG_INF.
+    m, inv_s: float32 [N, CL] (local softmax normalisers of z: 0 and 1 / ties where shifted); local_argmax: int64
+    [N, CL] (shard-local id of the argmax, 0 for an empty shard); shift: float32 [N, CL], c of z = (x - c) / T
+    (0 unless the shard's max z overflows).
     """
 
     packed: torch.Tensor
     m: torch.Tensor
     inv_s: torch.Tensor
     local_argmax: torch.Tensor
+    shift: torch.Tensor
 
     @classmethod
     def empty(cls, N: int, CL: int, vocab_size: int, device: torch.device | str) -> "LocalStats":
         """The statistics of a shard without tokens (or of a step without positions): m = max(z + g) = -inf,
-        s = u = 0, ids = ``vocab_size`` (never chosen by the combine), zero normalisers and local argmax."""
+        s = u = 0, ids = ``vocab_size`` (never chosen by the combine), status ZMAX_NEG_INF (max z over no tokens), zero
+        normalisers, shift and local argmax."""
         packed = torch.zeros(N, CL, NUM_FIELDS, dtype=torch.float64, device=device)
         packed[..., F_MAX] = float("-inf")
         packed[..., F_GVAL] = float("-inf")
         packed[..., F_ARGMAX] = vocab_size
         packed[..., F_GID] = vocab_size
+        packed[..., F_STATUS] = STATUS_ZMAX_NEG_INF
         zf = torch.zeros(N, CL, dtype=torch.float32, device=device)
-        return cls(packed, zf, zf, torch.zeros(N, CL, dtype=torch.int64, device=device))
+        return cls(packed, zf, zf, torch.zeros(N, CL, dtype=torch.int64, device=device), zf)

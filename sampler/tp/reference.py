@@ -1,7 +1,9 @@
 """Reference local pass of the tensor-parallel sampler step (``backend="reference"``): dense PyTorch over one
 rank's vocabulary shard, the oracle of :mod:`blockdiff.sampler.tp.triton`.
 
-For the shard's logits, ``z = float32(logits) / T``: ``m = max z``, ``s = sum exp(z - m)``,
+For the shard's logits, ``z = (float32(logits) - c) / T`` (c = 0, except c = the shard's max logit where the shard's
+max z would overflow: :func:`blockdiff.sampler.common.overflow_shift`, status in :mod:`.common`): ``m = max z``,
+``s = sum exp(z - m)``,
 ``u = sum exp(z - m) (z - m)``, the argmax of z and the Gumbel-max candidate ``max(z + g)`` with their GLOBAL ids
 (the noise g drawn by :mod:`blockdiff.sampler.rng` at the global token id: bit-identical to the single-GPU
 noise), a non-finite flag, and the locally normalised soft-embedding partial ``(exp(z - m) / s) @ E_shard``.
@@ -12,7 +14,8 @@ from __future__ import annotations
 import torch
 
 from .. import rng
-from .common import LocalStats, VocabShard
+from ..common import overflow_shift
+from .common import STATUS_BAD, STATUS_FINITE, STATUS_ZMAX_INF, STATUS_ZMAX_NEG_INF, LocalStats, VocabShard
 
 __all__ = ["gumbel_noise_shard", "local_statistics", "soft_partial"]
 
@@ -51,10 +54,9 @@ def gumbel_noise_shard(seed, request_id, canvas_index, step, canvas_length: int,
     return rng.gumbel_from_word(w[..., off:off + vocab_end - vocab_start])
 
 
-def _scaled_logits(logits: torch.Tensor, T: torch.Tensor) -> torch.Tensor:
-    """``z = float32(logits) / T`` ([N, CL, Vs] float32), T = 0 rows divided by 1 — as the reference."""
-    greedy = T == 0
-    return logits.to(torch.float32) / torch.where(greedy, torch.ones_like(T), T)[:, None, None]
+def _divisor(T: torch.Tensor) -> torch.Tensor:
+    """T as the divisor of z, float32 [N, 1, 1]: T = 0 (greedy) rows divide by 1, as the reference."""
+    return torch.where(T == 0, torch.ones_like(T), T)[:, None, None]
 
 
 def local_statistics(logits: torch.Tensor, T: torch.Tensor, seed: torch.Tensor, request_id: torch.Tensor,
@@ -76,7 +78,12 @@ def local_statistics(logits: torch.Tensor, T: torch.Tensor, seed: torch.Tensor, 
         return LocalStats.empty(N, CL, shard.vocab_size, logits.device)
     x = logits.to(torch.float32)
     bad = ~torch.isfinite(x).all(-1)        # on the logits, as the reference (not on z, which may overflow)
-    z = x / torch.where(T == 0, torch.ones_like(T), T)[:, None, None]
+    tdiv = _divisor(T)
+    shift = overflow_shift(x, tdiv)                              # 0 unless the shard's max z overflows
+    zmax = x.amax(-1) / tdiv[..., 0]                             # the shard's max of x / T
+    status = torch.where(bad, STATUS_BAD, torch.where(torch.isinf(zmax), torch.where(
+        zmax > 0, STATUS_ZMAX_INF, STATUS_ZMAX_NEG_INF), STATUS_FINITE))
+    z = (x - shift[..., None]) / tdiv
     amax = z.argmax(-1)                                          # first maximum: ties to the lowest id
     m = z.gather(-1, amax[..., None]).squeeze(-1)
     d = z - m[..., None]
@@ -87,9 +94,11 @@ def local_statistics(logits: torch.Tensor, T: torch.Tensor, seed: torch.Tensor, 
     y = z + g
     gi = y.argmax(-1)
     gv = y.gather(-1, gi[..., None]).squeeze(-1)
-    packed = torch.stack([m.to(f64), s.to(f64), u.to(f64), (amax + shard.start).to(f64), gv.to(f64),
-                          (gi + shard.start).to(f64), bad.to(f64)], dim=-1)
-    return LocalStats(packed, m, 1.0 / s, amax)
+    shifted = (status == STATUS_ZMAX_INF) | (status == STATUS_ZMAX_NEG_INF)
+    key = torch.where(shifted, shift, m)                         # shifted: the combine compares the shifts c
+    packed = torch.stack([key.to(f64), s.to(f64), u.to(f64), (amax + shard.start).to(f64), gv.to(f64),
+                          (gi + shard.start).to(f64), status.to(f64)], dim=-1)
+    return LocalStats(packed, m, 1.0 / s, amax, shift)
 
 
 def soft_partial(logits: torch.Tensor, embedding: torch.Tensor, T: torch.Tensor, local: LocalStats) -> torch.Tensor:
@@ -103,7 +112,7 @@ def soft_partial(logits: torch.Tensor, embedding: torch.Tensor, T: torch.Tensor,
     hidden = embedding.shape[-1]
     if Vs == 0:
         return torch.zeros(N, CL, hidden, dtype=torch.float32, device=logits.device)
-    z = _scaled_logits(logits, T)
+    z = (logits.to(torch.float32) - local.shift[..., None]) / _divisor(T)
     p = torch.exp(z - local.m[..., None]) * local.inv_s[..., None]
     onehot = torch.nn.functional.one_hot(local.local_argmax, Vs).to(torch.float32)
     p = torch.where((T == 0)[:, None, None], onehot, p)

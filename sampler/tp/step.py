@@ -6,7 +6,8 @@ Under tensor parallelism (vLLM TP) rank r of W holds the logits of a contiguous 
 Gathering the logits would move ``N * CL * V * 4`` bytes per step; a step moves only per-position statistics and
 one hidden-sized vector per position:
 
-1. Local pass (per rank, per canvas position, over the shard only) of ``z = float32(logits) / T``:
+1. Local pass (per rank, per canvas position, over the shard only) of ``z = float32(logits) / T`` (where the
+   shard's max z overflows, z = (x - c) / T with c the shard's max logit and a status saying so: rule 1):
    ``m_r = max z``, ``s_r = sum exp(z - m_r)``, ``u_r = sum exp(z - m_r) (z - m_r)``, the argmax of z with its
    GLOBAL id (first maximum), the Gumbel-max candidate ``max(z + g)`` with its GLOBAL id — the noise g is drawn
    by :mod:`blockdiff.sampler.rng` at the global token id, so it is bit-identical to the single-GPU noise —
@@ -68,7 +69,8 @@ import torch.distributed as dist
 from .. import rng
 from ..common import DenoiseResult, accept_by_entropy, apply_step, check_step_args, convergence, temperature
 from ..state import DENOISE, SamplerState, StepOutput
-from .common import NUM_FIELDS, LocalStats, VocabShard, make_shards
+from .common import (NUM_FIELDS, STATUS_BAD, STATUS_FINITE, STATUS_ZMAX_INF, STATUS_ZMAX_NEG_INF, LocalStats,
+                     VocabShard, make_shards)
 from .reference import local_statistics, soft_partial
 from .triton import local_statistics_triton, soft_partial_triton
 
@@ -120,23 +122,36 @@ def combine_statistics(gathered: torch.Tensor, T: torch.Tensor, vocab_size: int)
     Returns:
         :class:`CombinedStats`. Ties of the maximum across ranks go to the lowest global id, which is what
         ``argmax`` over the unsharded vocabulary returns. Entropy: ``log Z - sum_r w_r (u_r + (m_r - M) s_r) / Z``
-        with ``w_r = exp(m_r - M)``, ``Z = sum_r w_r s_r``, in float64, then float32.
+        with ``w_r = exp(m_r - M)``, ``Z = sum_r w_r s_r``, in float64, then float32. Where the position's max z
+        overflows (rule 1; the ranks' ``F_STATUS``), the ranks' shifted statistics combine with ``w_r = 1`` on the
+        ranks whose shift is the global max logit and 0 elsewhere (exactly the shifted z of the whole vocabulary).
     """
-    m, s, u, aid, gv, gid, badf = gathered.unbind(-1)             # each [W, N, CL]
-    bad = (badf != 0).any(0)
+    m, s, u, aid, gv, gid, status = gathered.unbind(-1)          # each [W, N, CL]
+    bad = (status == STATUS_BAD).any(0)
+    # rule 1: the position's max z overflows to +inf where a rank's does, to -inf where every rank's is -inf; then
+    # z = (x - c) / T with c = max x, and the ranks holding the shifted statistics take part, with their own c in
+    # F_MAX: those whose c is the global max logit hold the ties, p = 0 elsewhere
+    up = (status == STATUS_ZMAX_INF).any(0)
+    shifted = ~bad & (up | (status == STATUS_ZMAX_NEG_INF).all(0))
+    part = torch.where(shifted, status == torch.where(up, STATUS_ZMAX_INF, STATUS_ZMAX_NEG_INF),
+                       (status == STATUS_FINITE) | (status == STATUS_BAD))
+    m = torch.where(part, m, float("-inf"))
     M = m.max(0).values
+    top = part & (m == M)
     none = torch.full_like(aid, float(vocab_size))
-    argmax = torch.where(m == M, aid, none).min(0).values
+    argmax = torch.where(top, aid, none).min(0).values
+    gv = torch.where(torch.where(shifted, top, part), gv, float("-inf"))   # shifted: only the ties' g compare
     G = gv.max(0).values
     sampled = torch.where(gv == G, gid, none).min(0).values
     found = argmax < vocab_size
     argmax = torch.where(found, argmax, 0.0).to(torch.int64)
     sampled = torch.where(sampled < vocab_size, sampled, 0.0).to(torch.int64)
-    w = torch.exp(m - M)                                          # 0 for empty shards (m = -inf)
+    w = torch.where(shifted, top.to(m.dtype), torch.exp(m - M))    # 0 for ranks not taking part (m = -inf)
+    d = torch.where(shifted, 0.0, m - M)
     live = w > 0
     ws = torch.where(live, w * s, 0.0)
     Z = ws.sum(0)
-    A = torch.where(live, w * (u + (m - M) * s), 0.0).sum(0)
+    A = torch.where(live, w * (u + d * s), 0.0).sum(0)
     H = (torch.log(Z) - A / Z).to(torch.float32)
     greedy = (T == 0)[:, None]
     entropy = torch.where(greedy, 0.0, H)
@@ -158,7 +173,7 @@ def finish_step(state: SamplerState, slots: torch.Tensor, prefill_done: torch.Te
     CL, V = state.canvas_length, state.vocab_size
     seed, rid = state.seed[slots], state.request_id[slots]
     cidx, step = state.canvas_index[slots], state.step[slots]
-    # as the reference: non-finite logits, or a softmax left undefined by z = x / T overflowing (NaN entropy)
+    # as the reference: non-finite logits, or an undefined softmax (NaN entropy)
     row_failed = comb.bad.any(-1) | torch.isnan(comb.entropy).any(-1)
     accepted = accept_by_entropy(comb.entropy, state.entropy_bound[slots]) & ~row_failed[:, None]
     renoise = rng.random_ids(seed, rid, cidx, step, CL, V, rng.RENOISE)
@@ -196,16 +211,18 @@ def local_pass(backend: str, logits, embedding, T, seed, rid, cidx, step, active
     raise ValueError(f"backend must be one of {STATS_BACKENDS}, got {backend!r}")
 
 
-def _check_tp_args(state, slots, logits, prefill_done, embedding, shard: VocabShard) -> None:
-    """Shapes/dtypes of a sharded step (host metadata only): :func:`blockdiff.sampler.common.check_step_args` on
-    the shard's vocabulary slice. Raises TypeError / ValueError naming the argument."""
+def _check_tp_args(state, slots, logits, prefill_done, embedding, shard: VocabShard, check_values=None) -> bool:
+    """Arguments of a sharded step: :func:`blockdiff.sampler.common.check_step_args` on the shard's vocabulary slice
+    (shapes / dtypes from host metadata; the slot ids when ``check_values`` holds). Returns whether the ids were
+    checked. Raises TypeError / ValueError naming the argument."""
     if not isinstance(state, SamplerState):
         raise TypeError(f"state must be a SamplerState, got {type(state).__name__}")
     if not isinstance(shard, VocabShard):
         raise TypeError(f"shard must be a VocabShard, got {type(shard).__name__}")
     if shard.vocab_size != state.vocab_size:
         raise ValueError(f"shard.vocab_size ({shard.vocab_size}) must equal state.vocab_size ({state.vocab_size})")
-    check_step_args(state, slots, logits, prefill_done, embedding, vocab_slice=(shard.start, shard.end))
+    return check_step_args(state, slots, logits, prefill_done, embedding, vocab_slice=(shard.start, shard.end),
+                           check_values=check_values)
 
 
 def row_inputs(state: SamplerState, slots: torch.Tensor):
@@ -220,7 +237,7 @@ def row_inputs(state: SamplerState, slots: torch.Tensor):
 
 def sampler_step_tp(state: SamplerState, slots: torch.Tensor, logits: torch.Tensor, prefill_done: torch.Tensor,
                     embedding: torch.Tensor, *, shard: VocabShard, group=None, backend: str = "reference",
-                    config=None) -> StepOutput:
+                    config=None, check_values: bool | None = None) -> StepOutput:
     """One sampler step on this rank's vocabulary shard; every rank of ``group`` calls it with its own shard.
 
     Collective: issues one ``all_gather`` (float64 ``[N, CL, 7]`` per rank) and one ``all_reduce(SUM)``
@@ -239,6 +256,8 @@ def sampler_step_tp(state: SamplerState, slots: torch.Tensor, logits: torch.Tens
         backend: local pass, ``"reference"`` (dense torch) or ``"triton"`` (streaming kernels; CUDA or the
             Triton interpreter).
         config: optional :class:`blockdiff.sampler.triton.config.SamplerConfig` for the triton backend.
+        check_values: check the slot ids (one host read; None: unless a CUDA graph is being captured). Unchecked
+            ids are trusted, as in ``reference.sampler_step`` (the state is indexed with them by torch).
 
     Returns:
         :class:`blockdiff.sampler.StepOutput` — identical to ``reference.sampler_step`` on the unsharded logits
@@ -248,7 +267,7 @@ def sampler_step_tp(state: SamplerState, slots: torch.Tensor, logits: torch.Tens
         TypeError / ValueError: bad arguments; a shard whose rank/world size disagrees with ``group``.
         RuntimeError: torch.distributed not initialised.
     """
-    _check_tp_args(state, slots, logits, prefill_done, embedding, shard)
+    _check_tp_args(state, slots, logits, prefill_done, embedding, shard, check_values)
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("sampler_step_tp needs an initialised torch.distributed process group")
     W, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -271,7 +290,7 @@ def sampler_step_tp(state: SamplerState, slots: torch.Tensor, logits: torch.Tens
 
 def sampler_step_sharded(state: SamplerState, slots: torch.Tensor, logits: torch.Tensor,
                          prefill_done: torch.Tensor, embedding: torch.Tensor, *, bounds: Sequence[int],
-                         backend: str = "reference", config=None) -> StepOutput:
+                         backend: str = "reference", config=None, check_values: bool | None = None) -> StepOutput:
     """All shards of a TP step in ONE process (no torch.distributed): the same local passes, the same combine,
     the all_gather replaced by a stack and the all_reduce by a rank-ordered sum. For tests and debugging.
 
@@ -282,9 +301,8 @@ def sampler_step_sharded(state: SamplerState, slots: torch.Tensor, logits: torch
     Raises:
         TypeError / ValueError: bad arguments or bounds.
     """
+    check_step_args(state, slots, logits, prefill_done, embedding, check_values=check_values)   # the whole V
     shards = make_shards(state.vocab_size, bounds)
-    for sh in shards:
-        _check_tp_args(state, slots, logits[..., sh.start:sh.end], prefill_done, embedding[sh.start:sh.end], sh)
     phase, T, seed, rid, cidx, step, active = row_inputs(state, slots)
     locals_, partials = [], []
     for sh in shards:

@@ -9,7 +9,10 @@ shard) streams the shard once in ``[BLOCK_G, 4]`` tiles aligned to the global Ph
 ``id >> 2``, word ``id & 3``, the Philox rounds of :func:`blockdiff.sampler.triton.common.philox4x32_10`, so the
 noise equals :func:`blockdiff.sampler.rng.gumbel_noise` bit for bit on CUDA) and keeps in float32 registers
 ``m = max z``, ``s = sum exp(z - m)``, ``u = sum exp(z - m)(z - m)`` (rescaled when the max moves), the first
-argmax of z, the Gumbel-max candidate and a non-finite flag; splits are merged exactly in torch.
+argmax of z, the Gumbel-max candidate and a non-finite flag; splits are merged exactly in torch. Where the shard's
+max z overflows (+inf, or every z -inf: docs/ARCHITECTURE.md "Sampler semantics" rule 1), one more launch,
+:func:`_shard_ties_kernel`, gives the shard's shifted statistics (status in
+:mod:`blockdiff.sampler.tp.common`); its programs return at once elsewhere.
 
 The soft-embedding partial is :func:`blockdiff.sampler.triton.soft_embedding.soft_embedding` (the path
 ``SamplerConfig.soft_impl`` selects: the split-K Triton GEMM or the chunked cuBLAS product) run on the shard with
@@ -26,7 +29,8 @@ import triton.language as tl
 from ..triton.common import FLT_LOWEST, philox4x32_10
 from ..triton.config import SamplerConfig
 from ..triton.soft_embedding import soft_embedding
-from .common import LocalStats, VocabShard
+from ..triton.stats import tie_statistics
+from .common import STATUS_BAD, STATUS_FINITE, STATUS_ZMAX_INF, STATUS_ZMAX_NEG_INF, LocalStats, VocabShard
 
 __all__ = ["local_statistics_triton", "soft_partial_triton"]
 
@@ -122,6 +126,28 @@ def _shard_stats_kernel(
     tl.store(stats_i_ptr + o * 3 + 2, bad)
 
 
+@triton.jit
+def _shard_ties_kernel(x_ptr, stride_xn, stride_xp, flag_ptr, seed_ptr, rid_ptr, cidx_ptr, step_ptr,
+                       out_f_ptr, out_i_ptr, CL, VS, VE, NUM_TILES: tl.constexpr, BLOCK: tl.constexpr):
+    """Grid (N * CL,): the shard's statistics in the shifted form of rule 1 (:func:`tie_statistics` over the global
+    ids [VS, VE)) at the positions whose flag is set (the shard's max z overflows); others return at once. Writes
+    f32 [c, g_best] and i32 [ties, first, g_id] (global ids) per position."""
+    r = tl.program_id(0)
+    if tl.load(flag_ptr + r) == 0:
+        return
+    n = r // CL
+    p = r % CL
+    base = x_ptr + n.to(tl.int64) * stride_xn + p.to(tl.int64) * stride_xp
+    c, ties, first, g_best, g_id = tie_statistics(base, VS, VE, VS, tl.load(seed_ptr + n), tl.load(rid_ptr + n),
+                                                  tl.load(cidx_ptr + n), tl.load(step_ptr + n), p, NUM_TILES, BLOCK,
+                                                  True)
+    tl.store(out_f_ptr + r * 2 + 0, c)
+    tl.store(out_f_ptr + r * 2 + 1, g_best)
+    tl.store(out_i_ptr + r * 3 + 0, ties)
+    tl.store(out_i_ptr + r * 3 + 1, first)
+    tl.store(out_i_ptr + r * 3 + 2, g_id)
+
+
 def local_statistics_triton(logits: torch.Tensor, T: torch.Tensor, seed: torch.Tensor, request_id: torch.Tensor,
                             canvas_index: torch.Tensor, step: torch.Tensor, active: torch.Tensor,
                             shard: VocabShard, config: SamplerConfig | None = None) -> LocalStats:
@@ -166,10 +192,31 @@ def local_statistics_triton(logits: torch.Tensor, T: torch.Tensor, seed: torch.T
     gid = si[..., 1].gather(-1, gsel).squeeze(-1).to(torch.int64)
     gval = gbest_k.gather(-1, gsel).squeeze(-1)
     bad = si[..., 2].amax(-1) != 0
+    # rule 1: where the shard's max z = x / T is +inf, or every z is -inf (s = 0), the shifted form (one launch;
+    # positions without overflow return at once)
+    flag = active.to(torch.bool)[:, None] & ~bad & (torch.isinf(m) | (s == 0))
+    tf = torch.zeros(N * CL, 2, dtype=torch.float32, device=dev)
+    ti = torch.zeros(N * CL, 3, dtype=torch.int32, device=dev)
+    block = 1024 if logits.is_cuda else min(64, triton.next_power_of_2(Vs))
+    _shard_ties_kernel[(N * CL,)](
+        logits, logits.stride(0), logits.stride(1), flag.to(torch.int32).contiguous(), seed.contiguous(),
+        request_id.contiguous(), canvas_index.contiguous(), step.contiguous(), tf, ti, CL, shard.start, shard.end,
+        NUM_TILES=triton.cdiv(Vs, block), BLOCK=block, num_warps=4)
+    c, g_best = tf.view(N, CL, 2).unbind(-1)
+    ties, first, g_id = ti.view(N, CL, 3).to(torch.int64).unbind(-1)
+    status = torch.where(bad, STATUS_BAD, torch.where(flag, torch.where(m > 0, STATUS_ZMAX_INF, STATUS_ZMAX_NEG_INF),
+                                                      STATUS_FINITE))
+    key = torch.where(flag, c, m)                                 # shifted: the combine compares the shifts c
+    m = torch.where(flag, 0.0, m)
+    s = torch.where(flag, ties.to(torch.float32), s)
+    u = torch.where(flag, 0.0, u)
+    argmax = torch.where(flag, first, argmax)
+    gval = torch.where(flag, g_best, gval)
+    gid = torch.where(flag, g_id, gid)
     f64 = torch.float64
-    packed = torch.stack([m.to(f64), s.to(f64), u.to(f64), argmax.to(f64), gval.to(f64), gid.to(f64),
-                          bad.to(f64)], dim=-1)
-    return LocalStats(packed, m, 1.0 / s, argmax - shard.start)
+    packed = torch.stack([key.to(f64), s.to(f64), u.to(f64), argmax.to(f64), gval.to(f64), gid.to(f64),
+                          status.to(f64)], dim=-1)
+    return LocalStats(packed, m, 1.0 / s, argmax - shard.start, torch.where(flag, c, 0.0))
 
 
 def soft_partial_triton(logits: torch.Tensor, embedding: torch.Tensor, T: torch.Tensor, local: LocalStats,
@@ -182,6 +229,6 @@ def soft_partial_triton(logits: torch.Tensor, embedding: torch.Tensor, T: torch.
     if Vs == 0 or N * CL == 0:
         return torch.zeros(N, CL, hidden, dtype=torch.float32, device=logits.device)
     ws = soft_embedding(logits, embedding, T, local.m.contiguous(), local.inv_s.contiguous(),
-                        local.local_argmax, active, config)
+                        local.local_argmax, active, config, shift=local.shift)
     part = ws.sum(0).view(N, CL, hidden) if ws.shape[0] > 1 else ws[0].view(N, CL, hidden)
     return torch.where(active[:, None, None], part, 0.0)

@@ -5,9 +5,11 @@ for the M = N * CL canvas positions of a step, from the logits and the row stati
 fp32 workspace that :func:`write_soft` reduces into ``state.soft`` in place:
 
 ``"triton_gemm"`` (:func:`soft_embedding`, :func:`_soft_embedding_kernel`): a split-K GEMM over the vocabulary,
-M = N * CL, N = hidden. Its A operand ``exp2((x / T - m) * log2e) * inv_s`` is computed on the fly from the fp32
-logits (an IEEE division, a subtraction, ex2 and a mul per element, recomputed once per column tile; z = x / T as
-in stage (a), so z - m does not cancel at small T) and rounded to E's dtype (bf16 wgmma, fp32 accumulation).
+M = N * CL, N = hidden. Its A operand ``exp2(((x - c) / T - m) * log2e) * inv_s`` is computed on the fly from the
+fp32 logits (a subtraction, an IEEE division, a subtraction, ex2 and a mul per element, recomputed once per column
+tile; z = (x - c) / T as in stage (a), c the stats' shift of docs/ARCHITECTURE.md "Sampler semantics" rule 1, 0
+unless the position's max z overflows, so z - m does not cancel at small T) and rounded to E's dtype (bf16 wgmma,
+fp32 accumulation).
 Logits ([N * CL, V] view) and E are read through TMA tensor descriptors when their rows are 16-byte aligned
 (pointer loads otherwise). No [CL, V] probability buffer: partial sums go to a ``[SPLIT_K, N * CL, hidden]`` fp32
 workspace, and :func:`_soft_reduce_kernel` adds them in a fixed order (deterministic, batch invariant) and writes
@@ -22,7 +24,7 @@ multi-buffered; the MMA of one CTA / warpgroup overlaps the exp2 of the others o
 ``"chunked"`` (:func:`soft_embedding_chunked`): for each chunk ``[v0, v0 + Vc)`` of the vocabulary (the buffer
 ``[M, Vc]`` stays <= :data:`MAX_CHUNK_BYTES`):
 
-1. :func:`_prob_chunk_kernel` writes ``P_c[r, j] = exp2((x / T - m) * log2e) * inv_s`` rounded to E's dtype into
+1. :func:`_prob_chunk_kernel` writes ``P_c[r, j] = exp2(((x - c) / T - m) * log2e) * inv_s`` rounded to E's dtype into
    one reusable buffer [M, Vc] (the same formula as the Triton GEMM's A operand). P is 0 past V, on rows not
    computed (inactive / converged / failed requests: whatever their logits hold, even NaN) and, unless
    ``greedy_onehot``, on T = 0 rows (their soft row is gathered as ``E[argmax]`` exactly by the reduce kernel);
@@ -68,7 +70,7 @@ def _soft_embedding_kernel(
     e_ptr, stride_ev, stride_eh,
     x_desc, e_desc,
     ws_ptr,
-    t_ptr, active_ptr, m_ptr, inv_s_ptr, amax_ptr,
+    t_ptr, active_ptr, m_ptr, inv_s_ptr, shift_ptr, amax_ptr,
     M, CL, V, HID, UNIT,
     K_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EXACT_FP32: tl.constexpr, INTERPRET: tl.constexpr, USE_TMA: tl.constexpr, GREEDY_ONEHOT: tl.constexpr,
@@ -103,6 +105,7 @@ def _soft_embedding_kernel(
     tdiv = tl.where(rvalid & ~greedy, T, 1.0)
     mrow = tl.load(m_ptr + rows, mask=rvalid, other=0.0)
     inv_s = tl.load(inv_s_ptr + rows, mask=rvalid, other=0.0)
+    shift = tl.load(shift_ptr + rows, mask=rvalid, other=0.0)[:, None]   # rule 1: 0 unless max z overflows
     amax = tl.load(amax_ptr + rows, mask=rvalid, other=-1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < HID
@@ -116,7 +119,8 @@ def _soft_embedding_kernel(
             # no masks: K_PER_SPLIT is a multiple of BLOCK_K, so a tile never straddles two splits, and past V
             # both x (-> finite p) and E (-> 0) come back as zeros
             x = x_desc.load([pid_m * BLOCK_M, k_start + k]).to(tl.float32)
-            prob = tl.exp2((tl.math.div_rn(x, tdiv[:, None]) - mrow[:, None]) * 1.4426950408889634) * inv_s[:, None]
+            prob = tl.exp2((tl.math.div_rn(x - shift, tdiv[:, None]) - mrow[:, None]) * 1.4426950408889634) * \
+                inv_s[:, None]
             ev = e_desc.load([k_start + k, pid_n * BLOCK_N])
             if GREEDY_ONEHOT:
                 onehot = ((k_start + k + kk)[None, :] == amax[:, None]).to(tl.float32)
@@ -130,7 +134,8 @@ def _soft_embedding_kernel(
             kmask = tok < k_end
             lmask = rvalid[:, None] & kmask[None, :]
             x = tl.load(xrow[:, None] + tok[None, :], mask=lmask, other=0.0).to(tl.float32)
-            prob = tl.exp2((tl.math.div_rn(x, tdiv[:, None]) - mrow[:, None]) * 1.4426950408889634) * inv_s[:, None]
+            prob = tl.exp2((tl.math.div_rn(x - shift, tdiv[:, None]) - mrow[:, None]) * 1.4426950408889634) * \
+                inv_s[:, None]
             if GREEDY_ONEHOT:
                 prob = tl.where(greedy[:, None], (tok[None, :] == amax[:, None]).to(tl.float32), prob)
             prob = tl.where(lmask, prob, 0.0)
@@ -155,17 +160,19 @@ def _soft_embedding_kernel(
 @triton.jit
 def _soft_reduce_kernel(
     ws_ptr, soft_ptr, slots_ptr, mode_ptr, amax_ptr, e_ptr, stride_ev, stride_eh,
-    M, CL, HID, SCALE,
+    M, CL, HID, SCALE, NUM_SLOTS,
     SPLIT_K: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     """Grid (M, cdiv(HID, BH)). Per row n, mode[n]: 1 -> soft[slot] = SCALE * sum_k ws[k] (fixed order),
-    3 -> soft[slot] = SCALE * E[argmax] (T = 0: p is one-hot), 2 -> 0 (fresh canvas), 0 -> untouched."""
+    3 -> soft[slot] = SCALE * E[argmax] (T = 0: p is one-hot), 2 -> 0 (fresh canvas), 0 -> untouched. A slot id
+    outside [0, NUM_SLOTS) (unchecked ids: the step kernel already made its row inert) is never written."""
     row = tl.program_id(0)
     hb = tl.program_id(1)
     n = row // CL
     p = row % CL
     mode = tl.load(mode_ptr + n)
-    if mode == 0:
+    slot = tl.load(slots_ptr + n)
+    if (mode == 0) | (slot < 0) | (slot >= NUM_SLOTS):
         return
     cols = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     cmask = cols < HID
@@ -177,22 +184,23 @@ def _soft_reduce_kernel(
     if mode == 3:
         tok = tl.load(amax_ptr + row).to(tl.int64)
         acc = tl.load(e_ptr + tok * stride_ev + cols * stride_eh, mask=cmask, other=0.0).to(tl.float32) * SCALE
-    slot = tl.load(slots_ptr + n)
     tl.store(soft_ptr + (slot * CL + p).to(tl.int64) * HID + cols, acc, mask=cmask)
 
 
 def soft_embedding(logits: torch.Tensor, embedding: torch.Tensor, T: torch.Tensor, m: torch.Tensor,
                    inv_s: torch.Tensor, argmax: torch.Tensor, active: torch.Tensor,
-                   config: SamplerConfig | None = None, greedy_onehot: bool = True) -> torch.Tensor:
+                   config: SamplerConfig | None = None, greedy_onehot: bool = True, *,
+                   shift: torch.Tensor | None = None) -> torch.Tensor:
     """Stage (c) partial sums: fp32 workspace ``[SPLIT_K, N * CL, hidden]`` of ``p @ E`` (unscaled).
 
     The path is ``config.soft_impl_for(device, E dtype)``: ``"triton_gemm"`` the split-K :func:`_soft_embedding_kernel`
     here, ``"chunked"`` :func:`soft_embedding_chunked` (workspace [1, N * CL, hidden]; inactive rows 0).
 
-    ``p = exp(logits / T - m) * inv_s`` (one-hot(argmax) where T = 0), rows of inactive requests skipped (their
-    workspace rows are left unwritten). Args: logits [N, CL, V]; embedding [V, hidden] (bf16/fp16: p is rounded
-    to it, fp32 accumulation; fp32: exact fp32 products); T [N] float32; m, inv_s float32 [N, CL]; argmax int
-    [N, CL]; active [N] bool/int32.
+    ``p = exp((logits - shift) / T - m) * inv_s`` (one-hot(argmax) where T = 0), rows of inactive requests skipped
+    (their workspace rows are left unwritten). Args: logits [N, CL, V]; embedding [V, hidden] (bf16/fp16: p is
+    rounded to it, fp32 accumulation; fp32: exact fp32 products); T [N] float32; m, inv_s float32 [N, CL]; argmax
+    int [N, CL]; active [N] bool/int32; shift float32 [N, CL], the stats' c of docs/ARCHITECTURE.md "Sampler
+    semantics" rule 1 (None: 0, z = logits / T).
     """
     N, CL, V = logits.shape
     hidden = embedding.shape[1]
@@ -201,7 +209,7 @@ def soft_embedding(logits: torch.Tensor, embedding: torch.Tensor, T: torch.Tenso
     cfg = config or SamplerConfig()
     if cfg.soft_impl_for(logits.device, embedding.dtype) == "chunked":
         return soft_embedding_chunked(logits, embedding, T, m, inv_s, argmax, active, chunk=cfg.soft_chunk,
-                                      greedy_onehot=greedy_onehot, overlap=bool(cfg.soft_overlap))
+                                      greedy_onehot=greedy_onehot, overlap=bool(cfg.soft_overlap), shift=shift)
     cfg = cfg.resolve(N * CL, V, hidden, logits.device, embedding.dtype)   # fp32 E: the exact-products tiles
     M = N * CL
     k_per = triton.cdiv(triton.cdiv(V, cfg.split_k), cfg.block_k) * cfg.block_k
@@ -217,7 +225,7 @@ def soft_embedding(logits: torch.Tensor, embedding: torch.Tensor, T: torch.Tenso
         args = (logits, logits.stride(0), logits.stride(1), embedding, embedding.stride(0), embedding.stride(1),
                 x_desc, e_desc, ws,
                 T.contiguous(), active.to(torch.int32).contiguous(), m.contiguous(), inv_s.contiguous(),
-                argmax.to(torch.int32).contiguous(), M, CL, V, hidden, 1.0)
+                _shift_or_zeros(shift, m), argmax.to(torch.int32).contiguous(), M, CL, V, hidden, 1.0)
         meta = dict(K_PER_SPLIT=k_per, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                     EXACT_FP32=embedding.dtype == torch.float32, INTERPRET=interpret_mode(), USE_TMA=use_tma,
                     GREEDY_ONEHOT=greedy_onehot,
@@ -236,6 +244,11 @@ def soft_embedding(logits: torch.Tensor, embedding: torch.Tensor, T: torch.Tenso
                 stages -= 1
         _STAGES_THAT_FIT[key] = stages
     return ws
+
+
+def _shift_or_zeros(shift: torch.Tensor | None, m: torch.Tensor) -> torch.Tensor:
+    """The shift operand of the soft kernels: ``shift`` (contiguous float32), or zeros shaped as ``m``."""
+    return torch.zeros_like(m, dtype=torch.float32) if shift is None else shift.to(torch.float32).contiguous()
 
 
 def _tma_ok(logits: torch.Tensor, embedding: torch.Tensor, cfg: SamplerConfig) -> bool:
@@ -269,7 +282,7 @@ def write_soft(state: SamplerState, slots: torch.Tensor, ws: torch.Tensor, mode:
         _soft_reduce_kernel[(M, triton.cdiv(hidden, block_h))](
             ws, state.soft, slots.contiguous(), mode.to(torch.int32).contiguous(), argmax.contiguous(),
             embedding, embedding.stride(0), embedding.stride(1), M, CL, hidden,
-            math.sqrt(hidden), SPLIT_K=split_k, BLOCK_H=block_h, num_warps=4,
+            math.sqrt(hidden), state.max_num_reqs, SPLIT_K=split_k, BLOCK_H=block_h, num_warps=4,
         )
 
 
@@ -281,7 +294,7 @@ MAX_CHUNK_BYTES = 32 * 2**20
 @triton.jit
 def _prob_chunk_kernel(
     x_ptr, stride_xn, stride_xp, p_ptr,
-    t_ptr, active_ptr, m_ptr, inv_s_ptr, amax_ptr,
+    t_ptr, active_ptr, m_ptr, inv_s_ptr, shift_ptr, amax_ptr,
     M, CL, V, v0, VC,
     GREEDY_ONEHOT: tl.constexpr, ROUND_TO: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
@@ -305,11 +318,12 @@ def _prob_chunk_kernel(
     tdiv = tl.where(soft_rows, T, 1.0)
     mrow = tl.load(m_ptr + rows, mask=soft_rows, other=0.0)
     inv_s = tl.load(inv_s_ptr + rows, mask=soft_rows, other=0.0)
+    shift = tl.load(shift_ptr + rows, mask=soft_rows, other=0.0)    # rule 1: 0 unless the max z overflows
     tok = v0 + j
     lmask = soft_rows[:, None] & (tok < V)[None, :]
     xrow = x_ptr + n.to(tl.int64) * stride_xn + p.to(tl.int64) * stride_xp
     x = tl.load(xrow[:, None] + tok[None, :], mask=lmask, other=0.0).to(tl.float32)
-    z = tl.math.div_rn(x, tdiv[:, None])
+    z = tl.math.div_rn(x - shift[:, None], tdiv[:, None])                # x - 0.0 == x: z = x / T bit for bit
     prob = tl.exp2((z - mrow[:, None]) * 1.4426950408889634) * inv_s[:, None]
     prob = tl.where(lmask, prob, 0.0)        # 0 past V, on skipped rows (even for NaN logits) and T = 0 rows
     if GREEDY_ONEHOT:
@@ -342,13 +356,16 @@ def chunk_size(M: int, V: int, requested: int | None = None, itemsize: int = 2) 
 def soft_embedding_chunked(logits: torch.Tensor, embedding: torch.Tensor, T: torch.Tensor, m: torch.Tensor,
                            inv_s: torch.Tensor, argmax: torch.Tensor, active: torch.Tensor,
                            chunk: int | None = None, greedy_onehot: bool = True,
-                           overlap: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+                           overlap: bool = False, out: torch.Tensor | None = None, *,
+                           shift: torch.Tensor | None = None) -> torch.Tensor:
     """``p @ E`` (unscaled) of the rows of active requests, float32 workspace [1, N * CL, hidden].
 
     Args:
         logits: float [N, CL, V] (contiguous last dim). embedding: E [V, hidden] bf16/fp16 (P rounded to it, fp32
             accumulation) or fp32. T: float32 [N] (0 = greedy). m, inv_s: float32 [N, CL] row max of z and
-            1 / sum exp(z - m) from the stats pass. argmax: int [N, CL]. active: bool/int [N].
+            1 / sum exp(z - m) from the stats pass, z = (logits - shift) / T. argmax: int [N, CL].
+            active: bool/int [N]. shift: float32 [N, CL], the stats' c of docs/ARCHITECTURE.md "Sampler semantics"
+            rule 1 (None: 0).
         chunk: vocabulary chunk Vc in tokens (None: :func:`chunk_size`). greedy_onehot: T = 0 rows use
             p = one-hot(argmax) (else their rows are 0 and the caller gathers E[argmax]).
         out: optional float32 [1, N * CL, hidden] workspace to accumulate into (zeroed here on the current stream),
@@ -387,7 +404,7 @@ def soft_embedding_chunked(logits: torch.Tensor, embedding: torch.Tensor, T: tor
     if not cuda and lowp:
         round_dtype = tl.bfloat16 if embedding.dtype == torch.bfloat16 else tl.float16
     args = (T.contiguous(), active.to(torch.int32).contiguous(), m.contiguous(), inv_s.contiguous(),
-            argmax.to(torch.int32).contiguous())
+            _shift_or_zeros(shift, m), argmax.to(torch.int32).contiguous())
     grid = (triton.cdiv(M, block_r), triton.cdiv(vc, block_v))
 
     def write_p(pbuf, v0):

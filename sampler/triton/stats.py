@@ -23,6 +23,11 @@ pipelined 3 deep through cp.async, 4 warps; :class:`~blockdiff.sampler.triton.co
   fewer on peaked ones) pay.
 - Greedy rows (T = 0; rule 8): a program whose rows are all greedy (on the GPU a program is one position) runs
   the loop without Philox, the logs and the division (its Gumbel sample is never used; z = x / 1 = x).
+- Overflow (docs/ARCHITECTURE.md "Sampler semantics", rule 1): the streaming loop is unchanged; the split merge
+  (:func:`_stats_merge_kernel`) recognises a position with finite logits whose max z is +inf or whose every z is
+  -inf, and recomputes it from its logits in the shifted form z = (x - max x) / T (:func:`tie_statistics`: p
+  uniform over the logits tied at the max, exactly), so finite logits never fail a request; every other position
+  keeps z = x / T bit for bit. Its ``shift`` output is the soft embedding's c of z = (x - c) / T.
 - Lanes are merged once at the end (``s = sum_l e^(m_l - M) s_l``, ``u = sum_l e^(m_l - M) (u_l + (m_l - M)
   s_l)``, argmax = lowest id among the lanes holding the maximum), vocabulary splits (small batches) the same way
   in :func:`_stats_merge_kernel`; ``H = log s - u / s`` nats (= ``-sum p log p``).
@@ -47,8 +52,8 @@ from triton.language.extra import libdevice
 from .common import FLT_LOWEST, interpret_mode, philox4x32_10
 from .config import SamplerConfig
 
-__all__ = ["row_stats", "row_moments", "GUMBEL_MAX_BOUND", "GUMBEL_NEAR_ONE", "PREFILTER_ABS", "PREFILTER_REL",
-           "PREFILTER_LOG_MODE"]
+__all__ = ["row_stats", "row_moments", "tie_statistics", "GUMBEL_MAX_BOUND", "GUMBEL_NEAR_ONE", "PREFILTER_ABS",
+           "PREFILTER_REL", "PREFILTER_LOG_MODE"]
 
 #: Gumbel prefilter constants (see :func:`_stats_tile`): ``u > 1 - 2**-11`` takes the bound GUMBEL_MAX_BOUND
 #: (>= the largest g, -log(-log(1 - 2**-24)) = 16.635); below it the fast bound is within ~1e-3 of g.
@@ -265,12 +270,74 @@ def _stats_kernel(
     tl.store(stats_i_ptr + o * 3 + 2, badrow, mask=pvalid)
 
 
+
+@triton.jit
+def tie_statistics(base, lo, hi, vs, seed, rid, cidx, step, p, NUM_TILES: tl.constexpr, BLOCK: tl.constexpr,
+                   GUMBEL: tl.constexpr):
+    """Statistics of one position in the shifted form of docs/ARCHITECTURE.md "Sampler semantics" rule 1, for a
+    position whose largest z = x / T overflows (finite logits): z = (x - c) / T with c = max x is 0 on the tokens
+    tied at c and <= -2e31 elsewhere (:func:`blockdiff.sampler.common.overflow_shift`), so p is uniform over the
+    ties, exactly, and the Gumbel-max sample is the tie with the largest g.
+
+    Reads the logits of global token ids t in ``[lo, hi)`` at ``base + (t - vs)`` (scalar pointer, any float
+    dtype) in ``NUM_TILES >= cdiv(hi - lo, BLOCK)`` tiles, twice: the max, then the ties. Returns scalars
+    ``(c, ties, first, g_best, g_id)``: c float32 (max x), ties int32 (tokens equal to c), first int32 (the lowest
+    tied id: argmax z), and with ``GUMBEL`` the largest g among the ties and its lowest id (the Gumbel noise of
+    :mod:`blockdiff.sampler.rng` at the global id of the row's coordinates seed, rid, cidx, step, position p: the
+    stats kernel's Philox words, u and logs); without it g_best = -inf, g_id = 2**31 - 1. Only tiles holding a
+    tie draw the noise. Cold path (a program whose positions do not overflow never calls it).
+    """
+    f = tl.arange(0, BLOCK)
+    c = -float("inf")
+    for i in range(0, NUM_TILES):
+        tok = lo + i * BLOCK + f
+        x = tl.load(base + (tok - vs), mask=tok < hi, other=-float("inf")).to(tl.float32)
+        c = tl.maximum(c, tl.max(x, 0))
+    if GUMBEL:                                    # key / counter of blockdiff.sampler.rng (stream GUMBEL = 0)
+        seed = seed.to(tl.int64)
+        rid = rid.to(tl.int64)
+        k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
+        k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+        c1 = ((p.to(tl.int64) & 0xFFFF) | ((step.to(tl.int64) & 16383) << 18)).to(tl.uint32)
+        c2 = (rid & 0xFFFFFFFF).to(tl.uint32)
+        c3 = (((rid >> 32) & 0xFFFF) | ((cidx.to(tl.int64) & 0xFFFF) << 16)).to(tl.uint32)
+    ties = 0
+    first = 2147483647
+    g_best = -float("inf")
+    g_id = 2147483647
+    for i in range(0, NUM_TILES):
+        tok = lo + i * BLOCK + f
+        msk = tok < hi
+        x = tl.load(base + (tok - vs), mask=msk, other=-float("inf")).to(tl.float32)
+        tie = msk & (x == c)
+        nt = tl.sum(tie.to(tl.int32), 0)
+        if nt > 0:
+            ties += nt
+            first = tl.minimum(first, tl.min(tl.where(tie, tok, 2147483647), 0))
+            if GUMBEL:
+                zero = tl.zeros((BLOCK,), tl.uint32)
+                w0, w1, w2, w3 = philox4x32_10((tok >> 2).to(tl.uint32), c1 + zero, c2 + zero, c3 + zero, k0 + zero,
+                                               k1 + zero)
+                j = tok & 3
+                w = tl.where(j == 0, w0, tl.where(j == 1, w1, tl.where(j == 2, w2, w3)))
+                uni = ((w >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07          # ((w >> 9) + 0.5) * 2**-23
+                g = tl.where(tie, -tl.log(-tl.log(uni)), -float("inf"))
+                gm = tl.max(g, 0)
+                gi = tl.min(tl.where(tie & (g == gm), tok, 2147483647), 0)
+                take = gm > g_best
+                g_id = tl.where(take, gi, g_id)
+                g_best = tl.where(take, gm, g_best)
+    return c, ties, first, g_best, g_id
+
+
 @triton.jit
 def _stats_merge_kernel(
     stats_f_ptr, stats_i_ptr, t_ptr, active_ptr,
-    m_ptr, inv_s_ptr, h_ptr, hstep_ptr, amax_ptr, gamax_ptr, sampled_ptr, bad_ptr,
-    R, CL,
-    SPLIT_V: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
+    x_ptr, stride_xn, stride_xp, seed_ptr, rid_ptr, cidx_ptr, step_ptr,
+    m_ptr, inv_s_ptr, h_ptr, hstep_ptr, amax_ptr, gamax_ptr, sampled_ptr, bad_ptr, shift_ptr,
+    R, CL, V,
+    SPLIT_V: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, TIE_TILES: tl.constexpr,
+    TIE_BLOCK: tl.constexpr,
 ):
     """Grid (cdiv(N * CL, BLOCK_R),): merge the SPLIT_V vocabulary splits of :func:`_stats_kernel` per position
     (tile [BLOCK_R positions, BLOCK_S >= SPLIT_V splits]) and write the [N, CL] results of :func:`row_stats`.
@@ -282,6 +349,12 @@ def _stats_merge_kernel(
     maxima are never NaN: a lane only takes ``z > best``), exact. Step inputs besides: ``hstep`` = H, except
     greedy rows (T = 0): 0, NaN where bad (docs/ARCHITECTURE.md "Sampler semantics", rule 8); ``sampled`` =
     Gumbel argmax, greedy rows: argmax. Rows of inactive requests (their stats were never written) get zeros.
+
+    Overflow (rule 1): a position with finite logits whose merged max z is +inf, or whose every z is -inf (s = 0),
+    is recomputed from its logits in the shifted form z = (x - c) / T, c = max x (:func:`tie_statistics`, reading
+    the row's logits ``x_ptr`` and RNG coordinates; ``TIE_TILES`` tiles of ``TIE_BLOCK`` tokens cover V): m = 0,
+    s = the ties at c, u = 0 (H = log ties), the first tie and the Gumbel-max tie; ``shift`` = c there, 0 elsewhere
+    (the soft embedding's z = (x - shift) / T). Only a program holding such a position runs it.
     """
     pid = tl.program_id(0)
     r = pid * BLOCK_R + tl.arange(0, BLOCK_R)                       # [R] flat positions
@@ -317,6 +390,26 @@ def _stats_merge_kernel(
     gamax = tl.sum(tl.where(k[None, :] == gsel[:, None], gi_k, 0), 1).to(tl.int64)
     bad = tl.max(bad_k, 1) != 0
     h = tl.where(bad, float("nan"), h)
+    shift = tl.zeros((BLOCK_R,), tl.float32)
+    ovf = valid & ~bad & ((m == float("inf")) | (s == 0.0))     # max z = +inf, or every z = -inf (finite x)
+    if tl.max(ovf.to(tl.int32), 0) != 0:
+        idx = tl.arange(0, BLOCK_R)
+        for i in range(0, BLOCK_R):
+            if tl.sum(tl.where(idx == i, ovf.to(tl.int32), 0), 0) != 0:
+                ri = pid * BLOCK_R + i
+                ni = ri // CL
+                pi = ri % CL
+                base = x_ptr + ni.to(tl.int64) * stride_xn + pi.to(tl.int64) * stride_xp
+                c, ties, first, _, g_id = tie_statistics(
+                    base, 0, V, 0, tl.load(seed_ptr + ni), tl.load(rid_ptr + ni), tl.load(cidx_ptr + ni),
+                    tl.load(step_ptr + ni), pi, TIE_TILES, TIE_BLOCK, True)
+                sel = idx == i
+                shift = tl.where(sel, c, shift)
+                m = tl.where(sel, 0.0, m)
+                s = tl.where(sel, ties.to(tl.float32), s)
+                h = tl.where(sel, tl.log(ties.to(tl.float32)), h)              # log s - u / s with u = 0
+                amax = tl.where(sel, first.to(tl.int64), amax)
+                gamax = tl.where(sel, g_id.to(tl.int64), gamax)
     greedy = T == 0.0
     hstep = tl.where(greedy, tl.where(bad, float("nan"), 0.0), h)
     sampled = tl.where(greedy, amax, gamax)
@@ -329,6 +422,7 @@ def _stats_merge_kernel(
     tl.store(gamax_ptr + r, tl.where(valid, gamax, 0), mask=rmask)
     tl.store(sampled_ptr + r, tl.where(valid, sampled, 0), mask=rmask)
     tl.store(bad_ptr + r, (valid & bad).to(tl.uint8), mask=rmask)
+    tl.store(shift_ptr + r, shift, mask=rmask)
 
 
 def row_stats(logits: torch.Tensor, T: torch.Tensor, seed: torch.Tensor, request_id: torch.Tensor,
@@ -346,10 +440,11 @@ def row_stats(logits: torch.Tensor, T: torch.Tensor, seed: torch.Tensor, request
         inactive rows are undefined (zeros today), and so is ``gumbel_argmax`` of greedy rows (T = 0: a program
         whose rows are all greedy skips the Gumbel pass; the step uses ``argmax`` there). What the step decides
         on besides: ``step_entropy`` float32 (``entropy``; greedy rows: 0, NaN where bad) and ``sampled`` int64
-        (``gumbel_argmax``; greedy rows: ``argmax``).
+        (``gumbel_argmax``; greedy rows: ``argmax``). ``shift`` float32: c of z = (x - c) / T (0, except where the
+        position's max z = x / T overflows: docs/ARCHITECTURE.md "Sampler semantics" rule 1; ``m`` is then 0).
 
     Two launches: :func:`_stats_kernel` (per position and vocabulary split) and :func:`_stats_merge_kernel` (the
-    splits merged per position).
+    splits merged per position, and the shifted form where z overflows).
     """
     N, CL, V = logits.shape
     if logits.stride(-1) != 1:
@@ -372,28 +467,38 @@ def row_stats(logits: torch.Tensor, T: torch.Tensor, seed: torch.Tensor, request
             FAST_LOG=PREFILTER_LOG_MODE if PREFILTER_LOG_MODE is not None else (0 if interpret_mode() else 1),
             num_warps=cfg.stats_warps,
         )
-    # the [N, CL] results in two buffers (one allocation per dtype): f32 m, inv_s, entropy, step_entropy;
+    # the [N, CL] results in two buffers (one allocation per dtype): f32 m, inv_s, entropy, step_entropy, shift;
     # i64 argmax, gumbel_argmax, sampled
-    f = torch.empty(4, N, CL, dtype=torch.float32, device=dev)
+    f = torch.empty(5, N, CL, dtype=torch.float32, device=dev)
     i = torch.empty(3, N, CL, dtype=torch.int64, device=dev)
     bad = torch.empty(N, CL, dtype=torch.bool, device=dev)
     if N * CL > 0:
         block_r = 128 if logits.is_cuda else min(256, triton.next_power_of_2(N * CL))
+        tie_block = _tie_block(V, logits.is_cuda)
         _stats_merge_kernel[(triton.cdiv(N * CL, block_r),)](
-            sf, si, T.contiguous(), act, f[0], f[1], f[2], f[3], i[0], i[1], i[2], bad.view(torch.uint8),
-            N * CL, CL, SPLIT_V=split_v, BLOCK_S=triton.next_power_of_2(split_v), BLOCK_R=block_r, num_warps=4)
+            sf, si, T.contiguous(), act, logits, logits.stride(0), logits.stride(1), seed.contiguous(),
+            request_id.contiguous(), canvas_index.contiguous(), step.contiguous(),
+            f[0], f[1], f[2], f[3], i[0], i[1], i[2], bad.view(torch.uint8), f[4],
+            N * CL, CL, V, SPLIT_V=split_v, BLOCK_S=triton.next_power_of_2(split_v), BLOCK_R=block_r,
+            TIE_TILES=triton.cdiv(V, tie_block), TIE_BLOCK=tie_block, num_warps=4)
     return dict(m=f[0], inv_s=f[1], entropy=f[2], argmax=i[0], gumbel_argmax=i[1], bad=bad, step_entropy=f[3],
-                sampled=i[2])
+                sampled=i[2], shift=f[4])
+
+
+def _tie_block(V: int, cuda: bool) -> int:
+    """Tokens per tile of :func:`tie_statistics` (GPU: 1024; the interpreter: sized to V)."""
+    return 1024 if cuda else min(64, triton.next_power_of_2(V))
 
 
 @triton.jit
-def _moments_kernel(x_ptr, stride_xn, stride_xp, t_ptr, active_ptr, m_ptr, inv_s_ptr, R, CL, V,
+def _moments_kernel(x_ptr, stride_xn, stride_xp, t_ptr, active_ptr, m_ptr, inv_s_ptr, shift_ptr, R, CL, V,
                     NUM_TILES: tl.constexpr, BLOCK_V: tl.constexpr):
     """Grid (R,): row max m = max(z) and inv_s = 1 / sum exp(z - m) of z = x / T (IEEE division, as the stats pass)
     for one position whose request is active and samples (T > 0); other rows are not written. Per-lane online
     max / sum (one exp2 per logit), merged once: the normaliser of the chunked soft embedding's probabilities,
     so its GEMM can start before the stats pass ends (``SamplerConfig.stats_overlap``). Memory-bound: one read
-    of the logits."""
+    of the logits. Where the max z overflows (+inf, or every z -inf: rule 1), the shifted form of
+    :func:`tie_statistics` instead: m = 0, inv_s = 1 / ties, shift = c (two more reads of that position only)."""
     r = tl.program_id(0)
     n = r // CL
     p = r % CL
@@ -415,15 +520,23 @@ def _moments_kernel(x_ptr, stride_xn, stride_xp, t_ptr, active_ptr, m_ptr, inv_s
             mx = tl.where(up, z, mx)
         mrow = tl.max(mx, 0)
         srow = tl.sum(sm * tl.exp2((mx - mrow) * 1.4426950408889634), 0)
-        tl.store(m_ptr + r, mrow)
-        tl.store(inv_s_ptr + r, 1.0 / srow)
+        if (mrow == float("inf")) | (srow == 0.0):
+            c, ties, _, _, _ = tie_statistics(base, 0, V, 0, None, None, None, None, p, NUM_TILES, BLOCK_V, False)
+            tl.store(shift_ptr + r, c)
+            tl.store(m_ptr + r, 0.0)
+            tl.store(inv_s_ptr + r, 1.0 / ties.to(tl.float32))
+        else:
+            tl.store(m_ptr + r, mrow)
+            tl.store(inv_s_ptr + r, 1.0 / srow)
 
 
-def row_moments(logits: torch.Tensor, T: torch.Tensor, active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax normalisers of ``z = logits / T`` for the soft embedding only: ``(m, inv_s)`` float32 [N, CL], the
-    row max of z (bit-equal to :func:`row_stats`' m: the same IEEE z) and 1 / sum exp(z - m) (within float32
-    rounding of row_stats' value: lane order), on rows of active requests with T > 0; other rows are 0. One
-    memory-bound pass over the logits.
+def row_moments(logits: torch.Tensor, T: torch.Tensor,
+                active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Softmax normalisers of ``z = (logits - shift) / T`` for the soft embedding only: ``(m, inv_s, shift)``
+    float32 [N, CL], the row max of z (bit-equal to :func:`row_stats`' m: the same IEEE z), 1 / sum exp(z - m)
+    (within float32 rounding of row_stats' value: lane order) and the shift of rule 1 (0 unless the position's max
+    z = logits / T overflows: then row_stats' shift, m = 0), on rows of active requests with T > 0; other rows
+    are 0. One memory-bound pass over the logits.
 
     Args: logits float [N, CL, V] (contiguous last dim); T float32 [N]; active bool/int [N].
     """
@@ -432,9 +545,10 @@ def row_moments(logits: torch.Tensor, T: torch.Tensor, active: torch.Tensor) -> 
         logits = logits.contiguous()
     m = torch.zeros(N, CL, dtype=torch.float32, device=logits.device)
     inv_s = torch.zeros(N, CL, dtype=torch.float32, device=logits.device)
+    shift = torch.zeros(N, CL, dtype=torch.float32, device=logits.device)
     if N * CL > 0 and V > 0:
         block_v = 2048 if logits.is_cuda else min(64, triton.next_power_of_2(V))
         _moments_kernel[(N * CL,)](logits, logits.stride(0), logits.stride(1), T.contiguous(),
-                                   active.to(torch.int32).contiguous(), m, inv_s, N * CL, CL, V,
+                                   active.to(torch.int32).contiguous(), m, inv_s, shift, N * CL, CL, V,
                                    NUM_TILES=triton.cdiv(V, block_v), BLOCK_V=block_v, num_warps=4)
-    return m, inv_s
+    return m, inv_s, shift

@@ -44,18 +44,19 @@ _FAILED = tl.constexpr(FAILED)
 
 @triton.jit
 def _gather_rows_kernel(slots_ptr, phase_ptr, seed_ptr, rid_ptr, cidx_ptr, step_ptr,
-                        o_active, o_seed, o_rid, o_cidx, o_step, N, BLOCK: tl.constexpr):
+                        o_active, o_seed, o_rid, o_cidx, o_step, N, NUM_SLOTS, BLOCK: tl.constexpr):
     """Grid (cdiv(N, BLOCK),): the per-row inputs of the stats pass from the state rows ``slots`` in one launch:
     active = (phase == DENOISE) int32, seed / request_id int64,
-    canvas_index / step int32."""
+    canvas_index / step int32. A slot id outside [0, NUM_SLOTS) is never read (an inactive row of zeros)."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    msk = i < N
-    slot = tl.load(slots_ptr + i, mask=msk, other=0)
-    tl.store(o_active + i, (tl.load(phase_ptr + slot, mask=msk, other=0) == _DENOISE).to(tl.int32), mask=msk)
-    tl.store(o_seed + i, tl.load(seed_ptr + slot, mask=msk, other=0), mask=msk)
-    tl.store(o_rid + i, tl.load(rid_ptr + slot, mask=msk, other=0), mask=msk)
-    tl.store(o_cidx + i, tl.load(cidx_ptr + slot, mask=msk, other=0), mask=msk)
-    tl.store(o_step + i, tl.load(step_ptr + slot, mask=msk, other=0), mask=msk)
+    slot = tl.load(slots_ptr + i, mask=i < N, other=0)
+    msk = (i < N) & (slot >= 0) & (slot < NUM_SLOTS)
+    row = i < N
+    tl.store(o_active + i, (tl.load(phase_ptr + slot, mask=msk, other=0) == _DENOISE).to(tl.int32), mask=row)
+    tl.store(o_seed + i, tl.load(seed_ptr + slot, mask=msk, other=0), mask=row)
+    tl.store(o_rid + i, tl.load(rid_ptr + slot, mask=msk, other=0), mask=row)
+    tl.store(o_cidx + i, tl.load(cidx_ptr + slot, mask=msk, other=0), mask=row)
+    tl.store(o_step + i, tl.load(step_ptr + slot, mask=msk, other=0), mask=row)
 
 
 @triton.jit
@@ -67,7 +68,7 @@ def _step_kernel(
     o_emitted, o_argmax, o_sampled, o_next, o_accepted, o_entropy,
     o_num_sampled, o_num_rejected, o_num_now, o_finished, o_failed, o_converged, o_mean, o_temp,
     o_cont, o_mode,
-    CL, CLF, V, E,
+    CL, CLF, V, E, NUM_SLOTS,
     BLOCK: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     """Grid (N,): the bookkeeping of one request per program after the stats pass and the entropy sort (stage b).
@@ -87,9 +88,15 @@ def _step_kernel(
     argmax stability, mean entropy, first EOS as the minimum EOS position) do not depend on the lane order.
     Random ids: RENOISE stream with the row's step, INITIAL with step 0 and the new canvas index (fresh canvases),
     bit for bit :mod:`blockdiff.sampler.rng` (:func:`position_ids`). ``mean_entropy`` is a tl.sum / CL.
+
+    A slot id outside [0, NUM_SLOTS) (one the host did not check: CUDA-graph capture, ``check_values=False``)
+    makes the row inert: no state is read or written there (the loads go to slot 0, the stores are masked), and
+    its StepOutput row is that of a FINISHED slot.
     """
     n = tl.program_id(0)
-    slot = tl.load(slots_ptr + n).to(tl.int64)
+    slot_id = tl.load(slots_ptr + n).to(tl.int64)
+    in_range = (slot_id >= 0) & (slot_id < NUM_SLOTS)
+    slot = tl.where(in_range, slot_id, 0)
     j = tl.arange(0, BLOCK)
     jm = j < CL
     row = n.to(tl.int64) * CL
@@ -97,7 +104,7 @@ def _step_kernel(
     q = tl.load(order_ptr + row + j, mask=jm, other=0).to(tl.int64)     # position of the j-th lowest entropy
 
     # ---- the row at entry
-    phase = tl.load(phase_ptr + slot)
+    phase = tl.where(in_range, tl.load(phase_ptr + slot), _FINISHED)
     pd = tl.load(pd_ptr + n) != 0
     T = tl.load(t_ptr + n)
     step = tl.load(step_ptr + slot)
@@ -176,14 +183,15 @@ def _step_kernel(
     # every load of the state row precedes its writes (a lane's loads and stores share addresses; the barrier
     # keeps that true whatever thread a layout gives an element)
     tl.debug_barrier()
-    tl.store(canvas_ptr + srow + q, new_canvas, mask=jm)
-    tl.store(prev_ptr + srow + q, prev_new, mask=jm)
-    tl.store(commit_ptr + srow + q, cc_new, mask=jm)
-    tl.store(stable_ptr + slot, sc_new.to(tl.int32))
-    tl.store(step_ptr + slot, step_new.to(tl.int32))
-    tl.store(cidx_ptr + slot, cidx_new.to(tl.int32))
-    tl.store(nemit_ptr + slot, nem_new.to(tl.int64))
-    tl.store(phase_ptr + slot, new_phase.to(tl.int32))
+    jw = jm & in_range
+    tl.store(canvas_ptr + srow + q, new_canvas, mask=jw)
+    tl.store(prev_ptr + srow + q, prev_new, mask=jw)
+    tl.store(commit_ptr + srow + q, cc_new, mask=jw)
+    tl.store(stable_ptr + slot, sc_new.to(tl.int32), mask=in_range)
+    tl.store(step_ptr + slot, step_new.to(tl.int32), mask=in_range)
+    tl.store(cidx_ptr + slot, cidx_new.to(tl.int32), mask=in_range)
+    tl.store(nemit_ptr + slot, nem_new.to(tl.int64), mask=in_range)
+    tl.store(phase_ptr + slot, new_phase.to(tl.int32), mask=in_range)
 
     # ---- StepOutput row n (apply_step's masks: diagnostics only on DENOISE rows, -1 / 0 / False elsewhere)
     tl.store(o_emitted + row + q, emitted, mask=jm)
@@ -215,7 +223,7 @@ def _gather_rows(state: SamplerState, slots: torch.Tensor) -> tuple[torch.Tensor
         block = min(1024, triton.next_power_of_2(N))
         _gather_rows_kernel[(triton.cdiv(N, block),)](
             slots.contiguous(), state.phase, state.seed, state.request_id, state.canvas_index, state.step,
-            i32[0], i64[0], i64[1], i32[1], i32[2], N, BLOCK=block, num_warps=1)
+            i32[0], i64[0], i64[1], i32[1], i32[2], N, state.max_num_reqs, BLOCK=block, num_warps=1)
     return i32[0], i64[0], i64[1], i32[1], i32[2]
 
 
@@ -251,7 +259,7 @@ def _apply_step(state: SamplerState, slots: torch.Tensor, prefill_done: torch.Te
             i64[0], i64[1], i64[2], i64[3], u8[:R0], entropy,
             i32[0], i32[1], i32[2], u8[R0:R0 + N], u8[R0 + N:R0 + 2 * N], u8[R0 + 2 * N:],
             mean_entropy, temp, i32[3], i32[4],
-            CL, float(CL), state.vocab_size, eos.shape[1],
+            CL, float(CL), state.vocab_size, eos.shape[1], state.max_num_reqs,
             BLOCK=triton.next_power_of_2(CL), BLOCK_E=triton.next_power_of_2(eos.shape[1]),
             num_warps=4 if CL >= 128 else 1,
         )
@@ -263,13 +271,18 @@ def _apply_step(state: SamplerState, slots: torch.Tensor, prefill_done: torch.Te
 
 
 def sampler_step(state: SamplerState, slots: torch.Tensor, logits: torch.Tensor, prefill_done: torch.Tensor,
-                 embedding: torch.Tensor, config: SamplerConfig | None = None) -> StepOutput:
+                 embedding: torch.Tensor, config: SamplerConfig | None = None, *,
+                 check_values: bool | None = None) -> StepOutput:
     """One sampler step with the fused Triton kernels (same contract as ``reference.sampler_step``).
 
     Args:
         state, slots, logits, prefill_done, embedding: see :func:`blockdiff.sampler.sampler_step`. logits may be
             fp32/bf16/fp16 with a contiguous last dim; E bf16/fp16 (tensor cores) or fp32 (exact products).
         config: optional :class:`SamplerConfig` (tile shapes, splits).
+        check_values: check the slot ids (one host read; None: unless a CUDA graph is being captured). Unchecked
+            ids never index the state out of bounds: the kernels make a row whose id is outside
+            [0, max_num_reqs) inert (its StepOutput row is that of a FINISHED slot, no state touched; the torch
+            gathers read slot ids clamped into range). Duplicated unchecked ids leave that slot's state unspecified.
 
     Returns:
         :class:`blockdiff.sampler.StepOutput`. ``state.soft`` is written in place by the reduce kernel.
@@ -278,9 +291,11 @@ def sampler_step(state: SamplerState, slots: torch.Tensor, logits: torch.Tensor,
         TypeError / ValueError: bad arguments (as the reference).
         ValueError: ``config.stats_overlap`` where the soft embedding resolves to the Triton GEMM path.
     """
-    check_step_args(state, slots, logits, prefill_done, embedding)
+    checked = check_step_args(state, slots, logits, prefill_done, embedding, check_values=check_values)
     is_den, seed, rid, cidx, step = _gather_rows(state, slots)      # is_den: int32 (1 = DENOISE)
-    T = temperature(state, slots)
+    # torch indexing (the shared temperature) needs ids in range: unchecked ones are clamped for it, the kernels
+    # mask them
+    T = temperature(state, slots if checked else slots.clamp(0, state.max_num_reqs - 1))
 
     cfg = config or SamplerConfig()
     cfg.check_stats_overlap(logits.device, embedding.dtype)        # no silent no-op on the Triton GEMM path
@@ -292,7 +307,7 @@ def sampler_step(state: SamplerState, slots: torch.Tensor, logits: torch.Tensor,
         # stream and fills the SMs the GEMMs leave free. Every tensor used on both streams (the workspace, the
         # normalisers, T) is allocated on this stream; the side stream's own buffers (the P chunks) are used and
         # freed there only.
-        m2, inv_s2 = row_moments(logits, T, is_den)
+        m2, inv_s2, shift2 = row_moments(logits, T, is_den)
         amax0 = torch.zeros_like(m2, dtype=torch.int32)
         ws = torch.empty(1, m2.numel(), embedding.shape[1], dtype=torch.float32, device=logits.device)
         cuda = logits.is_cuda
@@ -302,7 +317,7 @@ def sampler_step(state: SamplerState, slots: torch.Tensor, logits: torch.Tensor,
             side.wait_stream(main)
         with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
             soft_embedding_chunked(logits, embedding, T, m2, inv_s2, amax0, is_den, chunk=cfg.soft_chunk,
-                                   greedy_onehot=False, overlap=bool(cfg.soft_overlap), out=ws)   # (c)
+                                   greedy_onehot=False, overlap=bool(cfg.soft_overlap), out=ws, shift=shift2)  # (c)
         st = row_stats(logits, T, seed, rid, cidx, step, is_den, config)                      # (a)
         if cuda:
             main.wait_stream(side)
@@ -314,6 +329,6 @@ def sampler_step(state: SamplerState, slots: torch.Tensor, logits: torch.Tensor,
     argmax = st["argmax"]
     if not overlap:
         ws = soft_embedding(logits, embedding, T, st["m"], st["inv_s"], argmax, cont, config,
-                            greedy_onehot=False)                                                 # (c)
+                            greedy_onehot=False, shift=st["shift"])                             # (c)
     write_soft(state, slots, ws, mode, argmax, embedding)
     return out

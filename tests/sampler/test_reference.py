@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from blockdiff.sampler import COMMIT, DENOISE, FAILED, FINISHED, PREFILL, rng, sampler_step
-from blockdiff.sampler.common import accept_by_entropy, temperature
+from blockdiff.sampler.common import accept_by_entropy, overflow_shift, temperature
 from blockdiff.sampler.reference import entropy_reference
 
 from sampler_helpers import CL, HID, V, P, make_state, peaked_logits, start_denoise
@@ -220,19 +220,71 @@ def test_float32_min_masked_logits_keep_entropy_finite_and_accept_the_lowest():
     assert torch.isfinite(st.soft).all()
 
 
-def test_logits_overflowing_to_plus_inf_fail_the_request():
-    """A finite logit whose z = x / T overflows to +inf leaves softmax undefined (NaN entropy): the request fails
-    instead of continuing with a NaN soft embedding."""
+def test_logits_whose_z_overflows_take_the_shifted_form_and_do_not_fail():
+    """Finite logits near float32's max at T < 1 (z = x / T would be +inf) used to fail the request (NaN entropy).
+    Rule 1: such a position takes z = (x - max x) / T: p is one-hot at the largest logit (uniform over exact
+    ties), the entropy is log(ties), the Gumbel sample is a tie; the other positions keep z = x / T."""
     st, slots = make_state([P(), P()])
     start_denoise(st, slots)
-    soft_before = st.soft.clone()
-    x = torch.randn(2, CL, V)
-    x[1, 3, 5] = 3e38
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, CL, V, generator=g)
+    x[1, 3, 5] = 3e38                           # unique max: one-hot
+    x[1, 4, [9, 2]] = 3.4e38                    # a tie at the max: p = 1/2 on ids 2 and 9
+    x[1, 4, 11] = -3.4e38
     out = step(st, slots, x)
-    assert out.failed.tolist() == [False, True]
-    assert st.phase[slots].tolist() == [DENOISE, FAILED]
-    assert not out.accepted[1].any()
-    assert torch.equal(st.soft[1], soft_before[1]) and torch.isfinite(st.soft).all()
+    assert out.failed.tolist() == [False, False]
+    assert st.phase[slots].tolist() == [DENOISE, DENOISE]
+    assert out.argmax[1, 3].item() == 5 and out.sampled[1, 3].item() == 5
+    assert out.argmax[1, 4].item() == 2 and out.sampled[1, 4].item() in (2, 9)
+    assert out.entropy[1, 3].item() == 0.0
+    assert out.entropy[1, 4].item() == pytest.approx(math.log(2), rel=1e-6)
+    others = [i for i in range(CL) if i not in (3, 4)]
+    T = st.t_max[1]
+    assert torch.equal(out.entropy[1, others], entropy_reference(x[1, others] / T))
+    assert torch.isfinite(st.soft).all()
+    sq = math.sqrt(HID)
+    torch.testing.assert_close(st.soft[1, 3], E[5] * sq, rtol=1e-6, atol=1e-6)   # p one-hot at 5 (fp32 E)
+    torch.testing.assert_close(st.soft[1, 4], (E[2] + E[9]) / 2 * sq, rtol=1e-5, atol=1e-5)
+
+
+def test_every_z_overflowing_to_minus_inf_takes_the_shifted_form():
+    """Every logit of a position below -T * FLT_MAX (z = x / T all -inf: softmax undefined, the request failed):
+    z = (x - max x) / T puts p on the largest logit, as the limit of softmax."""
+    st, slots = make_state([P(t_min=0.5, t_max=0.5)])
+    start_denoise(st, slots)
+    x = torch.randn(1, CL, V)
+    x[0, 2] = -3.3e38
+    x[0, 2, 17] = -3.0e38
+    out = step(st, slots, x)
+    assert not out.failed.any()
+    assert out.argmax[0, 2].item() == 17 and out.sampled[0, 2].item() == 17 and out.entropy[0, 2].item() == 0.0
+
+
+def test_ordinary_positions_keep_z_bit_identical_to_x_over_t():
+    """The shift is 0 wherever max z is finite, so z = (x - 0) / T is bit for bit the accepted fl(x / T)
+    (docs/ARCHITECTURE.md Decisions), including finite logits whose own z overflows to -inf (p = 0)."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(3, CL, V, generator=g) * 30
+    x[0, :, 3] = torch.finfo(torch.float32).min                  # z = -inf at T < 1: p = 0, no shift
+    x[1, 1, :] = -0.0
+    T = torch.tensor([0.4, 1.7, 1e-5])[:, None, None]
+    c = overflow_shift(x, T)
+    assert (c == 0).all()
+    assert torch.equal(((x - c[..., None]) / T).view(torch.int32), (x / T).view(torch.int32))
+
+
+def test_tiny_temperature_in_the_state_is_the_greedy_limit_not_a_failure():
+    """A temperature the params refuse (1e-38, written into the state directly) divides finite logits to +inf: the
+    shifted form makes every position's p one-hot at its argmax (no exact ties here), so nothing fails and the
+    sample is the argmax."""
+    st, slots = make_state([P()])
+    start_denoise(st, slots)
+    st.t_min[0] = st.t_max[0] = 1e-38
+    x = torch.randn(1, CL, V, generator=torch.Generator().manual_seed(2)) * 3
+    out = step(st, slots, x)
+    assert not out.failed.any()
+    assert torch.equal(out.argmax[0], x[0].argmax(-1)) and torch.equal(out.sampled[0], x[0].argmax(-1))
+    assert (out.entropy == 0).all()
 
 
 def test_garbage_logits_of_non_denoise_rows_are_ignored():

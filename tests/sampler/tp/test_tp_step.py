@@ -5,6 +5,7 @@ CPU: in-process shards (every split, incl. uneven and empty shards) and 2 gloo p
 spawn). GPU (@pytest.mark.gpu): 2 processes on 2 GPUs over NCCL, vocab 262144, canvas 256.
 """
 import json
+import math
 import os
 import sys
 
@@ -105,19 +106,45 @@ def _denoising_pair(V=50):
     return st_ref, st_tp, slots, pd, E
 
 
-def test_overflowing_z_fails_as_in_the_reference():
-    """A finite logit whose z = x / T overflows to +inf leaves softmax undefined: the reference fails the row (NaN
-    entropy), never continuing with a NaN soft embedding; so do we. z = -inf (finfo.min / T) is p = 0: no failure."""
+def test_overflowing_z_takes_the_shifted_form_as_in_the_reference():
+    """A finite logit whose z = x / T overflows to +inf used to fail the row in the reference and here (NaN
+    entropy). Rule 1: the position takes z = (x - max x) / T; the shard holding the max logit sends its shifted
+    statistics, the others (finite max z) take no part, and the decisions equal the reference's."""
     st_ref, st_tp, slots, pd, E = _denoising_pair()
     x = torch.randn(4, CL, 50)
-    x[0, 2, 30] = 3e38                                                   # / T (0.8) -> inf
+    x[0, 2, 30] = 3e38                                                   # / T (0.8) -> inf, on shard [20, 50)
+    x[3, 1, [19, 20]] = 3.4e38                                           # a tie across the shard boundary
     o_ref = sampler_step(st_ref, slots, x, pd, E)
     o_tp = sampler_step_sharded(st_tp, slots, x, pd, E, bounds=(0, 20, 50))
-    assert o_ref.failed[0] and o_tp.failed[0]
-    assert not o_ref.failed[1:].any() and not o_tp.failed[1:].any()
+    assert not o_ref.failed.any() and not o_tp.failed.any()
+    assert o_tp.argmax[0, 2].item() == 30 and o_tp.argmax[3, 1].item() == 19
     for k in W.INT_OUT_FIELDS:
         assert torch.equal(getattr(o_ref, k), getattr(o_tp, k)), k
-    assert torch.equal(torch.isnan(o_ref.entropy), torch.isnan(o_tp.entropy))
+    torch.testing.assert_close(o_tp.entropy, o_ref.entropy, rtol=1e-5, atol=1e-6)
+    assert o_tp.entropy[3, 1].item() == pytest.approx(math.log(2), rel=1e-6)
+    torch.testing.assert_close(st_tp.soft, st_ref.soft, rtol=1e-5, atol=1e-5)
+
+
+def test_combine_of_shifted_ranks_uses_only_the_ranks_holding_the_max_logit():
+    """combine_statistics on the ranks' F_STATUS: a rank whose max z overflows (+inf) beside ranks whose max is
+    finite; every rank's z all -inf (each shifted by its own max); a rank holding only -inf z beside finite ones
+    (p = 0 there, no shift)."""
+    V = 12
+    T = torch.tensor([0.5])
+    x = torch.randn(1, 3, V)
+    x[0, 0, 8] = 3e38
+    x[0, 1] = -3.3e38
+    x[0, 1, 2] = -3.2e38
+    x[0, 1, 9] = -3.1e38
+    x[0, 2, :6] = -3.3e38
+    c = combine_statistics(_stats_for(x, T, (0, 6, V), V), T, V)
+    assert c.argmax.tolist() == [[8, 9, int(x[0, 2, 6:].argmax()) + 6]]
+    assert not c.bad.any() and torch.isfinite(c.entropy).all()
+    assert c.entropy[0, :2].tolist() == [0.0, 0.0]
+    assert c.soft_weight[:, 0, :2].tolist() == [[0.0, 0.0], [1.0, 1.0]]
+    z = x[0, 2, 6:] / T
+    torch.testing.assert_close(c.entropy[0, 2], -(torch.softmax(z, -1) * torch.log_softmax(z, -1)).sum(),
+                               rtol=1e-5, atol=1e-6)
 
 
 def test_masked_logit_at_float32_min_keeps_entropy_finite_as_in_the_reference():

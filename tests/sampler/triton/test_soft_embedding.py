@@ -110,7 +110,7 @@ bm, bn, bk = 128, 256, 64
 sig = {"x_ptr": "*fp32", "stride_xn": "i64", "stride_xp": "i64", "e_ptr": "*bf16", "stride_ev": "i32",
        "stride_eh": "i32", "x_desc": f"tensordesc<fp32[{bm},{bk}]>", "e_desc": f"tensordesc<bf16[{bk},{bn}]>",
        "ws_ptr": "*fp32", "t_ptr": "*fp32", "active_ptr": "*i32", "m_ptr": "*fp32", "inv_s_ptr": "*fp32",
-       "amax_ptr": "*i32", "M": "i32", "CL": "i32", "V": "i32", "HID": "i32", "UNIT": "fp32"}
+       "shift_ptr": "*fp32", "amax_ptr": "*i32", "M": "i32", "CL": "i32", "V": "i32", "HID": "i32", "UNIT": "fp32"}
 consts = dict(K_PER_SPLIT=87424, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EXACT_FP32=False, INTERPRET=False,
               USE_TMA=True, GREEDY_ONEHOT=False)
 sig.update({k: "constexpr" for k in consts})

@@ -1,0 +1,150 @@
+"""Rule 1 of docs/ARCHITECTURE.md "Sampler semantics": where the largest z = x / T of a position overflows (finite
+logits near float32's max at T < 1, every z below -FLT_MAX, a tiny temperature written into the state), the position
+takes z = (x - max x) / T instead of failing the request, and every backend (reference, triton with each soft path
+and split, tensor-parallel with either local pass) decides exactly as the reference: decisions and state bit for
+bit, entropies to float32 rounding, soft rows close. Positions that do not overflow keep z = x / T.
+
+Before: the reference and the TP combine failed such rows (NaN entropy) and the triton stats pass did too, so
+every request with such logits ended FAILED. CPU: Triton interpreter.
+"""
+import math
+
+import pytest
+import torch
+
+from blockdiff.sampler import DENOISE, SamplerState, SamplingParams, sampler_step
+from blockdiff.sampler.tp import sampler_step_sharded
+from blockdiff.sampler.triton import SamplerConfig
+from blockdiff.sampler.triton import sampler_step as triton_sampler_step
+from blockdiff.sampler.triton.stats import row_moments, row_stats
+
+CL, V, H = 6, 40, 8
+DECISIONS = ("accepted", "argmax", "sampled", "next_canvas", "converged", "failed", "finished", "emitted",
+             "num_emitted_now", "num_sampled", "num_rejected", "temperature")
+STATE = ("phase", "canvas", "commit_canvas", "prev_argmax", "stable_count", "step", "canvas_index", "num_emitted")
+FMAX = torch.finfo(torch.float32).max
+
+
+def overflow_logits(step, g):
+    """[4, CL, V] finite logits. Row 0 (T 0.8 -> 0.4): a unique max at 3e38 (z = +inf), a tie at float32's max on
+    ids 3 and V - 2 (across every split and shard boundary below), every logit below -3.3e38 with ties by rounding
+    (every z = -inf), an ordinary position, finfo.min masks (z = -inf, no shift). Row 1: ordinary. Row 2: greedy
+    with the same huge logits (T = 0: z = x, never shifted). Row 3: T = 1e-38 in the state: every z overflows."""
+    x = torch.randn(4, CL, V, generator=g) * 3
+    x[0, 0, 7 + step] = 3e38
+    x[0, 1, [3, V - 2]] = FMAX
+    x[0, 1, 5] = -FMAX
+    x[0, 2] = -3.3e38 + torch.arange(V, dtype=torch.float32).flip(0) * 1.3e31
+    x[0, 4, :10] = torch.finfo(torch.float32).min
+    x[0, 5, 11] = 1e38                                # z = 2.5e38 at T = 0.4: finite, no shift
+    x[2, 0, 9] = 3e38
+    x[2, 1, [4, 30]] = FMAX
+    return x
+
+
+def states():
+    st = SamplerState(5, CL, V, H)
+    st.add_request(4, 101, SamplingParams(canvas_length=CL, seed=1, t_min=0.4, t_max=0.8, max_denoising_steps=3))
+    st.add_request(0, 102, SamplingParams(canvas_length=CL, seed=2, entropy_bound=1.0))
+    st.add_request(2, 103, SamplingParams(canvas_length=CL, seed=3, t_min=0.0, t_max=0.0))
+    st.add_request(1, 104, SamplingParams(canvas_length=CL, seed=4, entropy_bound=50.0))
+    st.t_min[1] = st.t_max[1] = 1e-38                # below the params' floor: the kernels must still cope
+    return st
+
+
+SLOTS = torch.tensor([4, 0, 2, 1])
+
+
+def run(step_fn, e_dtype=torch.float32, steps=3):
+    """Prefill then ``steps`` denoising steps of overflow_logits: (outputs, state)."""
+    st = states()
+    E = torch.randn(V, H, generator=torch.Generator().manual_seed(7)).to(e_dtype)
+    g = torch.Generator().manual_seed(11)
+    pd = torch.ones(4, dtype=torch.bool)
+    outs = [step_fn(st, SLOTS, torch.zeros(4, CL, V), pd, E)]
+    for s in range(steps):
+        outs.append(step_fn(st, SLOTS, overflow_logits(s, g), pd, E))
+    return outs, st
+
+
+def assert_same(a, b, soft_tol):
+    (oa, sa), (ob, sb) = a, b
+    for x, y in zip(oa, ob):
+        for f in DECISIONS:
+            assert torch.equal(getattr(x, f), getattr(y, f)), f
+        torch.testing.assert_close(x.entropy, y.entropy, rtol=1e-5, atol=1e-6, equal_nan=True)
+    for f in STATE:
+        assert torch.equal(getattr(sa, f), getattr(sb, f)), f
+    assert torch.isfinite(sb.soft).all()
+    torch.testing.assert_close(sb.soft, sa.soft, rtol=0, atol=soft_tol)
+
+
+def reference_step(st, sl, x, pd, E):
+    return sampler_step(st, sl, x, pd, E, backend="reference")
+
+
+def test_reference_overflowing_positions_are_the_softmax_limit():
+    """The reference on these logits: no failure; one-hot at a unique max (entropy 0), uniform over the exact ties
+    (entropy log 2, the first tie as argmax, a tie as the sample), the largest logit where every z is -inf."""
+    outs, st = run(reference_step, steps=1)
+    o = outs[-1]
+    assert not o.failed.any() and (st.phase[SLOTS] == DENOISE).all()
+    assert o.argmax[0, 0].item() == 7 and o.sampled[0, 0].item() == 7 and o.entropy[0, 0].item() == 0.0
+    assert o.argmax[0, 1].item() == 3 and o.sampled[0, 1].item() in (3, V - 2)
+    assert o.entropy[0, 1].item() == pytest.approx(math.log(2), rel=1e-6)
+    assert o.argmax[0, 2].item() == 0                  # the ramp's top (its first ties by rounding)
+    assert o.argmax[2, 0].item() == 9 and o.argmax[2, 1].item() == 4 and (o.entropy[2] == 0).all()
+    assert torch.isfinite(o.entropy).all() and torch.isfinite(st.soft).all()
+
+
+@pytest.mark.parametrize("config", [
+    None,
+    SamplerConfig(block_g=4, split_v=3, block_p=2),      # splits; two positions per stats program
+    SamplerConfig(block_g=2, split_v=5, block_p=4, soft_impl="triton_gemm"),
+    SamplerConfig(soft_impl="chunked", soft_chunk=16),
+    SamplerConfig(soft_impl="chunked", stats_overlap=True),
+])
+def test_triton_overflowing_positions_match_the_reference(config):
+    ref = run(reference_step)
+    tri = run(lambda st, sl, x, pd, E: triton_sampler_step(st, sl, x, pd, E, config=config))
+    assert_same(ref, tri, soft_tol=1e-5)
+
+
+def test_triton_overflowing_positions_match_the_reference_bf16():
+    ref = run(reference_step, torch.bfloat16)
+    tri = run(lambda st, sl, x, pd, E: sampler_step(st, sl, x, pd, E, backend="triton"), torch.bfloat16)
+    assert_same(ref, tri, soft_tol=0.05)
+
+
+@pytest.mark.parametrize("backend,bounds", [
+    ("reference", (0, V)), ("reference", (0, 3, 4, V)), ("reference", (0, 20, V - 2, V)),
+    ("reference", (0, 0, 17, V, V)), ("triton", (0, 3, 4, V)), ("triton", (0, 0, 17, V - 2, V, V)),
+])
+def test_tensor_parallel_overflowing_positions_match_the_reference(backend, bounds):
+    """Ties straddling shards, shards whose own max z is finite beside one whose max overflows, shards holding
+    only logits whose z is -inf, empty shards: the combine takes the shifted statistics of the ranks that hold
+    the global max logit."""
+    ref = run(reference_step)
+    tp = run(lambda st, sl, x, pd, E: sampler_step_sharded(st, sl, x, pd, E, bounds=bounds, backend=backend,
+                                                           config=SamplerConfig(block_g=4, split_v=2)))
+    assert_same(ref, tp, soft_tol=1e-5)
+
+
+def test_stats_shift_is_zero_and_m_bit_identical_where_z_does_not_overflow():
+    """row_stats / row_moments: shift = max x exactly where the max z overflows (m = 0 there); elsewhere shift = 0
+    and m = max(x / T) bit for bit (the accepted fl(x / T))."""
+    g = torch.Generator().manual_seed(3)
+    x = overflow_logits(0, g)
+    T = torch.tensor([0.4, 0.7, 0.5, 1e-38])
+    c = torch.zeros(4, dtype=torch.int64)
+    act = torch.ones(4, dtype=torch.bool)
+    xmax = x.amax(-1)
+    ovf = torch.isinf(xmax / T[:, None])
+    for cfg in (SamplerConfig(block_g=4, split_v=1, block_p=1), SamplerConfig(block_g=2, split_v=3, block_p=8)):
+        r = row_stats(x, T, c, c, c.int(), c.int(), act, cfg)
+        assert torch.equal(r["shift"], torch.where(ovf, xmax, 0.0))
+        assert torch.equal(r["m"], torch.where(ovf, 0.0, (x / T[:, None, None]).amax(-1)))
+        assert not r["bad"].any() and torch.isfinite(r["entropy"]).all()
+    m2, inv_s2, shift2 = row_moments(x, T, act)
+    assert torch.equal(shift2, r["shift"]) and torch.equal(m2, r["m"])
+    torch.testing.assert_close(inv_s2, r["inv_s"], rtol=1e-6, atol=0)
