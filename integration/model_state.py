@@ -23,9 +23,12 @@ move); commit rows ``num_sampled = canvas_length``.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
+import numbers
 import os
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -113,6 +116,10 @@ def request_key(req_id: str) -> int:
     return int.from_bytes(hashlib.blake2b(req_id.encode(), digest_size=8).digest(), "little") & (2 ** 63 - 1)
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
 def stop_token_ids_of(sampling_params: Any) -> tuple[int, ...]:
     """The token ids that end a request under vLLM's rules, sorted: vLLM's ``check_stop``
     (``vllm/v1/core/sched/utils.py``, 0.33.0) stops on ``sampling_params.eos_token_id`` (None when ``ignore_eos``)
@@ -122,17 +129,17 @@ def stop_token_ids_of(sampling_params: Any) -> tuple[int, ...]:
     with ``ignore_eos``, for ``min_tokens``) and is not read.
 
     Raises:
-        TypeError: a stop id is not an int.
+        TypeError: a stop id is not an int (numpy integers count as ints; bools, floats and strings do not).
     """
-    ids: set[int] = set()
+    ids = []
     eos = getattr(sampling_params, "eos_token_id", None)
     if eos is not None and not getattr(sampling_params, "ignore_eos", False):
-        ids.add(eos)
-    ids.update(getattr(sampling_params, "stop_token_ids", None) or ())
+        ids.append(eos)
+    ids.extend(getattr(sampling_params, "stop_token_ids", None) or ())
     for t in ids:
-        if isinstance(t, bool) or not isinstance(t, int):
+        if not _is_int(t):
             raise TypeError(f"stop_token_ids must hold ints, got {type(t).__name__} ({t!r})")
-    return tuple(sorted(ids))
+    return tuple(sorted({int(t) for t in ids}))
 
 
 #: vLLM ``SamplingParams`` options blockdiff's diffusion sampler does not implement, with their no-op values
@@ -167,61 +174,112 @@ def unsupported_vllm_options(sampling_params: Any) -> list[str]:
     return bad
 
 
+#: vLLM ``SamplingParams.extra_args`` keys blockdiff reads, and the :class:`blockdiff.sampler.SamplingParams` field
+#: each sets. Any other key is refused (a misspelled key would otherwise be ignored silently).
+VLLM_EXTRA_ARGS: dict[str, str] = {
+    "diffusion_max_steps": "max_denoising_steps", "t_min": "t_min", "t_max": "t_max",
+    "entropy_bound": "entropy_bound", "confidence_threshold": "confidence_threshold",
+    "stability_threshold": "stability_threshold", "diffusion_canvas_length": "canvas_length",
+}
+#: Attributes of a vLLM ``SamplingParams`` that :func:`to_diffusion_params` reads: an object with none of them is
+#: not taken for one.
+_VLLM_PARAM_ATTRS = ("temperature", "seed", "max_tokens", "eos_token_id", "stop_token_ids", "ignore_eos", "extra_args")
+#: vLLM's greedy threshold (``vllm.sampling_params._SAMPLING_EPS``): a temperature below it samples greedily.
+_VLLM_SAMPLING_EPS = 1e-5
+
+
+def _vllm_int(sp: Any, name: str) -> int | None:
+    """``sp.<name>`` as an int, or None when unset; TypeError for a bool, float or str (no truncation)."""
+    v = getattr(sp, name, None)
+    if v is None:
+        return None
+    if not _is_int(v):
+        raise TypeError(f"sampling_params.{name} must be an int or None, got {type(v).__name__} ({v!r})")
+    return int(v)
+
+
 def to_diffusion_params(sampling_params: Any, defaults: Any = None, *, canvas_length: int | None = None):
     """Convert request sampling parameters to :class:`blockdiff.sampler.SamplingParams`.
 
-    Accepts a blockdiff ``SamplingParams`` (returned as is, after checking its canvas length), or a vLLM
-    ``SamplingParams``: ``seed`` -> seed (None -> 0), ``max_tokens``, EOS ids = vLLM's stop set
+    Accepts a blockdiff ``SamplingParams`` (returned as is, after checking its canvas length), None (``defaults``),
+    or a vLLM ``SamplingParams`` (any object with at least one of its attributes ``temperature``, ``seed``,
+    ``max_tokens``, ``eos_token_id``, ``stop_token_ids``, ``ignore_eos``, ``extra_args``; a dict, str or number is
+    not one): ``seed`` -> seed (None -> the default's), ``max_tokens``, EOS ids = vLLM's stop set
     (:func:`stop_token_ids_of`: ``eos_token_id`` unless ``ignore_eos``, plus every ``stop_token_ids`` entry), and
-    ``extra_args`` keys ``diffusion_max_steps`` -> max_denoising_steps, ``t_min``, ``t_max``, ``entropy_bound``,
-    ``confidence_threshold``, ``stability_threshold``; everything else from ``defaults``. Temperature: the
-    sampler follows a per-step schedule from ``t_max`` down to ``t_min`` (``extra_args``); vLLM's
-    ``temperature`` = 0 means greedy (t_min = t_max = 0), its default 1.0 leaves the schedule alone, and any other
-    value is refused (it has no single meaning for a schedule). Options the sampler does not implement
+    the ``extra_args`` keys of :data:`VLLM_EXTRA_ARGS` (``diffusion_max_steps`` -> max_denoising_steps, ``t_min``,
+    ``t_max``, ``entropy_bound``, ``confidence_threshold``, ``stability_threshold``, ``diffusion_canvas_length``);
+    every other field from ``defaults``. Temperature: the sampler follows a per-step schedule from ``t_max``
+    down to ``t_min`` (``extra_args``); vLLM's ``temperature`` = 0 (below vLLM's 1e-5) means greedy
+    (t_min = t_max = 0), its default 1.0 leaves the schedule alone, and any other value, negative ones included,
+    is refused (it has no single meaning for a schedule). Options the sampler does not implement
     (:func:`unsupported_vllm_options`: penalties, top-k / top-p / min-p, min_tokens, logprobs, logit_bias,
     allowed / bad words, structured outputs, n > 1) are refused when set. Stop strings (``stop``) are applied by
-    vLLM's output processor and work.
+    vLLM's output processor and work. Nothing is coerced: ints must be ints (not bools, floats or strings).
+
+    Args:
+        sampling_params: see above.
+        defaults: a blockdiff ``SamplingParams`` (default ``SamplingParams()``): the fields a vLLM request leaves
+            unset.
+        canvas_length: the served canvas length (None: not checked).
 
     Raises:
         ValueError: ``canvas_length`` of the request differs from the served canvas length; a field breaks a
-            :class:`~blockdiff.sampler.SamplingParams` rule; an unsupported vLLM option is set; ``temperature``
-            is neither 0 nor 1, or 0 together with a nonzero ``extra_args`` t_min / t_max.
-        TypeError: a field has the wrong type.
+            :class:`~blockdiff.sampler.SamplingParams` rule; an unsupported vLLM option is set; ``extra_args``
+            holds a key outside :data:`VLLM_EXTRA_ARGS`; ``temperature`` is neither 0 nor 1 (negative, NaN, 0.5),
+            or 0 together with a nonzero ``extra_args`` t_min / t_max.
+        TypeError: ``sampling_params`` / ``defaults`` is neither kind of SamplingParams; ``extra_args`` is not a
+            dict; ``seed`` / ``max_tokens`` not an int; ``temperature`` not a number; a field has the wrong type.
     """
     if isinstance(sampling_params, SamplingParams):
         p = sampling_params
     else:
         base = defaults if defaults is not None else SamplingParams()
-        kw = dict(vars(base)) if not hasattr(base, "__dataclass_fields__") else {
-            f: getattr(base, f) for f in base.__dataclass_fields__}
+        if not isinstance(base, SamplingParams):
+            raise TypeError(f"defaults must be a blockdiff.sampler.SamplingParams or None, got {type(base).__name__}")
+        kw = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
         sp = sampling_params
         if sp is not None:
-            seed = getattr(sp, "seed", None)
-            kw["seed"] = int(seed) if seed is not None else kw.get("seed", 0)
-            if getattr(sp, "max_tokens", None) is not None:
-                kw["max_tokens"] = int(sp.max_tokens)
+            if isinstance(sp, (Mapping, str, bytes, numbers.Number, list, tuple)) or not any(
+                    hasattr(sp, a) for a in _VLLM_PARAM_ATTRS):
+                raise TypeError(f"sampling_params must be a blockdiff.sampler.SamplingParams, a vLLM SamplingParams "
+                                f"or None, got {type(sp).__name__}")
+            seed = _vllm_int(sp, "seed")
+            if seed is not None:
+                kw["seed"] = seed
+            max_tokens = _vllm_int(sp, "max_tokens")
+            if max_tokens is not None:
+                kw["max_tokens"] = max_tokens
             kw["eos_token_ids"] = stop_token_ids_of(sp)
-            extra = getattr(sp, "extra_args", None) or {}
+            extra = getattr(sp, "extra_args", None)
+            if extra is None:
+                extra = {}
+            elif not isinstance(extra, Mapping):
+                raise TypeError(f"sampling_params.extra_args must be a dict (keys {sorted(VLLM_EXTRA_ARGS)}) or None, "
+                                f"got {type(extra).__name__}")
+            unknown = sorted(repr(k) for k in extra if k not in VLLM_EXTRA_ARGS)
+            if unknown:
+                raise ValueError(f"sampling_params.extra_args has unknown key(s) {', '.join(unknown)}: blockdiff reads "
+                                 f"{sorted(VLLM_EXTRA_ARGS)}")
+            temperature = getattr(sp, "temperature", 1.0)
+            temperature = 1.0 if temperature is None else temperature
+            if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+                raise TypeError(f"sampling_params.temperature must be a number (0 greedy, 1.0 the schedule), got "
+                                f"{type(temperature).__name__} ({temperature!r})")
             bad = unsupported_vllm_options(sp)
             if bad:
                 raise ValueError(f"sampling_params sets options blockdiff's diffusion sampler does not implement: "
                                  f"{', '.join(bad)} (leave them at vLLM's defaults)")
-            temperature = getattr(sp, "temperature", 1.0)
-            if temperature is not None and temperature < 1e-5:      # vLLM's greedy threshold (_SAMPLING_EPS)
+            if 0 <= temperature < _VLLM_SAMPLING_EPS:  # greedy, as vLLM takes it
                 if any(extra.get(k) not in (None, 0, 0.0) for k in ("t_min", "t_max")):
                     raise ValueError(f"sampling_params.temperature = {temperature} (greedy) conflicts with "
                                      f"extra_args t_min = {extra.get('t_min')!r}, t_max = {extra.get('t_max')!r}")
                 kw["t_min"], kw["t_max"] = 0.0, 0.0
-            elif temperature is not None and temperature != 1.0:
+            elif temperature != 1.0:
                 raise ValueError(f"sampling_params.temperature must be 0 (greedy) or 1.0 (vLLM's default: the "
                                  f"diffusion temperature schedule applies), got {temperature}; set the schedule "
                                  f"with extra_args t_min / t_max")
-            mapping = {"diffusion_max_steps": "max_denoising_steps", "t_min": "t_min", "t_max": "t_max",
-                       "entropy_bound": "entropy_bound", "confidence_threshold": "confidence_threshold",
-                       "stability_threshold": "stability_threshold",
-                       "diffusion_canvas_length": "canvas_length"}
-            for k, f in mapping.items():
-                if k in extra and extra[k] is not None:
+            for k, f in VLLM_EXTRA_ARGS.items():
+                if extra.get(k) is not None:
                     kw[f] = extra[k]
         p = SamplingParams(**kw)
     if canvas_length is not None and p.canvas_length != canvas_length:

@@ -7,6 +7,7 @@ import json
 import os
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from integration_helpers import CL, make_batch, needs_stack, params
@@ -214,6 +215,50 @@ def test_unsupported_vllm_options_are_refused_not_silently_ignored():
     ok = MS.to_diffusion_params(SimpleNamespace(**dict(base, extra_args={"t_min": 0.2, "t_max": 0.6})), defaults,
                                 canvas_length=CL)
     assert (ok.t_min, ok.t_max) == (0.2, 0.6)
+
+
+@needs_stack
+@pytest.mark.parametrize("field,value,err,name", [
+    ("temperature", -1.0, ValueError, "temperature"),        # was: greedy
+    ("temperature", float("inf"), ValueError, "temperature"),
+    ("temperature", "1.0", TypeError, "temperature"),
+    ("temperature", True, TypeError, "temperature"),
+    ("extra_args", {"tmin": 0.1}, ValueError, "tmin"),      # was: the misspelled key ignored
+    ("extra_args", {"t_min": 0.1, "diffusion_steps": 3}, ValueError, "diffusion_steps"),
+    ("extra_args", ["t_min"], TypeError, "extra_args"),     # was: "list indices must be integers"
+    ("extra_args", "t_min=0.1", TypeError, "extra_args"),
+    ("max_tokens", 4.5, TypeError, "max_tokens"),           # was: truncated to 4
+    ("max_tokens", True, TypeError, "max_tokens"),
+    ("max_tokens", "8", TypeError, "max_tokens"),
+    ("seed", 1.5, TypeError, "seed"),                       # was: int(1.5)
+    ("seed", "3", TypeError, "seed"),
+])
+def test_vllm_style_params_are_not_coerced(field, value, err, name):
+    defaults = params()
+    base = dict(temperature=1.0, seed=None, max_tokens=None, eos_token_id=None, stop_token_ids=None, extra_args=None,
+                ignore_eos=False)
+    with pytest.raises(err, match=name):
+        MS.to_diffusion_params(SimpleNamespace(**dict(base, **{field: value})), defaults, canvas_length=CL)
+
+
+@needs_stack
+@pytest.mark.parametrize("bad", [{"temperature": 1.0}, "greedy", 0, [1.0], (1.0,)])
+def test_sampling_params_of_neither_kind_are_a_type_error(bad):
+    with pytest.raises(TypeError, match="sampling_params"):
+        MS.to_diffusion_params(bad, params(), canvas_length=CL)
+    with pytest.raises(TypeError, match="defaults"):
+        MS.to_diffusion_params(SimpleNamespace(temperature=1.0), {"canvas_length": CL})
+
+
+@needs_stack
+def test_every_documented_extra_args_key_is_read():
+    sp = SimpleNamespace(temperature=1.0, seed=np.int64(4), max_tokens=np.int64(9), extra_args={
+        "diffusion_max_steps": 5, "t_min": 0.1, "t_max": 0.7, "entropy_bound": 0.3, "confidence_threshold": 0.02,
+        "stability_threshold": 2, "diffusion_canvas_length": CL})
+    p = MS.to_diffusion_params(sp, params(), canvas_length=CL)
+    assert sorted(MS.VLLM_EXTRA_ARGS) == sorted(sp.extra_args)
+    assert (p.max_denoising_steps, p.t_min, p.t_max, p.entropy_bound, p.confidence_threshold, p.stability_threshold,
+            p.canvas_length, p.seed, p.max_tokens) == (5, 0.1, 0.7, 0.3, 0.02, 2, CL, 4, 9)
 
 
 @pytest.mark.skipif(not MS.VLLM_AVAILABLE, reason=f"vLLM is not importable here ({MS.VLLM_IMPORT_ERROR})")
