@@ -12,29 +12,125 @@ Per step (docs/ARCHITECTURE.md "Integration and vLLM accounting"):
    position, a denoise row does not), tokens emitted by commit rows appended to the request's output;
 5. ``postprocess_state``; finished / failed requests are removed and their slots and pages freed for reuse.
 
-Preemption is explicit (:meth:`HarnessRunner.preempt`) and replays vLLM's: the request is removed (slot and KV
-pages freed) and queued first; when readmitted, ``add_request`` gets ``prefill_token_ids`` = prompt + the tokens
-it already emitted, which are prefilled again (causally, as their commit wrote them) before the next canvas.
+KV pages and preemption (vLLM's scheduler: ``vllm/v1/core/sched/scheduler.py``, FCFS policy). A request's priority
+is its arrival (``arrival_step``, then submission order). A waiting request is admitted only when the free pages,
+less those the running requests need for their next row, hold its prefill and its first canvas (vLLM admits from
+the pages left after the running requests). When a running request's row cannot get its pages, lower-priority
+running requests not yet scheduled in the step are preempted, lowest priority first, until it can (vLLM preempts
+the lowest-priority running request); a request never preempts a higher-priority one. A preempted request (also
+:meth:`HarnessRunner.preempt`, explicitly) is removed (slot and KV pages freed) and queued by its priority; when
+readmitted, ``add_request`` gets ``prefill_token_ids`` = prompt + the tokens it already emitted, which are
+prefilled again (causally, as their commit wrote them) before the next canvas. ``add_request`` refuses a request
+whose largest KV footprint (prompt + every canvas it may commit) exceeds the pool, so every request admitted fits
+the pool alone, and the highest-priority running request always progresses: every request finishes.
 
-It is a test and demo harness, not a serving engine: no prefix caching, no automatic preemption, one process.
-A request is never dropped silently: one that cannot be scheduled makes :meth:`HarnessRunner.run` raise.
+It is a test and demo harness, not a serving engine: no prefix caching, one process. A request is never dropped
+silently: it finishes (``eos`` / ``length`` / ``failed``), is cancelled by :meth:`HarnessRunner.abort`
+(``aborted``), or :meth:`HarnessRunner.run` raises naming it.
 """
 from __future__ import annotations
 
 import math
+import numbers
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
+from blockdiff.attention import get_backend as get_attention_backend
+from blockdiff.attention import resolve_backend as resolve_attention_backend
+from blockdiff.model.loading import check_device
 from blockdiff.sampler import COMMIT, DENOISE, PHASE_NAMES, PREFILL, SamplingParams
+from blockdiff.sampler import get_backend as get_sampler_backend
+from blockdiff.sampler import resolve_backend as resolve_sampler_backend
 
 from .batch import HarnessInputBatch, NewRequest
 from .checks import AttentionChecker
 from .kv_alloc import BlockAllocator, OutOfBlocks
-from .model_state import DiffusionModelState
+from .model_state import DiffusionModelState, to_diffusion_params
+
+
+def checkpoint_sampling_params(model: torch.nn.Module, **overrides) -> SamplingParams:
+    """The default request of ``model``'s checkpoint, as transformers' ``generate`` takes it from the model's
+    ``generation_config``: ``SamplingParams(**model.generation_config)`` (a :class:`blockdiff.model.DiffusionGemma`
+    reads it from the checkpoint's ``generation_config.json`` and ``config.json``'s ``canvas_length``, see
+    :func:`blockdiff.model.load_generation_config`), with ``overrides`` on top. A model without
+    ``generation_config`` gives ``SamplingParams(canvas_length=model.config.canvas_length)`` (or
+    ``SamplingParams()`` without a canvas length either).
+
+    Raises:
+        TypeError / ValueError: an override (or a generation_config value) breaks a SamplingParams rule.
+    """
+    gen = getattr(model, "generation_config", None)
+    if isinstance(gen, Mapping):
+        kw = dict(gen)
+    else:
+        cl = getattr(getattr(model, "config", None), "canvas_length", None)
+        kw = {} if cl is None else {"canvas_length": cl}
+    kw.update(overrides)
+    return SamplingParams(**kw)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _token_ids(prompt_token_ids, req_id: str) -> list[int]:
+    """``prompt_token_ids`` as a list of Python ints: a list / tuple of ints, or a 1-D integer tensor / ndarray.
+    Nothing is coerced (a str, floats, bools or None are a TypeError naming prompt_token_ids)."""
+    x = prompt_token_ids
+    where = f"request {req_id!r}: prompt_token_ids"
+    if isinstance(x, torch.Tensor):
+        if x.dim() != 1 or x.dtype == torch.bool or x.is_floating_point() or x.is_complex():
+            raise TypeError(f"{where} must be a 1-D integer tensor, got {x.dim()}-D {x.dtype}")
+        return [int(t) for t in x.tolist()]
+    if isinstance(x, np.ndarray):
+        if x.ndim != 1 or x.dtype.kind not in "iu":
+            raise TypeError(f"{where} must be a 1-D integer array, got {x.ndim}-D {x.dtype}")
+        return [int(t) for t in x.tolist()]
+    if not isinstance(x, (list, tuple)):
+        raise TypeError(f"{where} must be a list of token ids (ints) or a 1-D integer tensor, got "
+                        f"{type(x).__name__} ({x!r:.40})")
+    for t in x:
+        if not _is_int(t):
+            raise TypeError(f"{where} must hold ints, got {type(t).__name__} ({t!r})")
+    return [int(t) for t in x]
+
+
+def _resolve_device(device, p0: torch.Tensor | None) -> torch.device:
+    """``device`` as a torch.device (default: where the model's parameters are), parsed by
+    :func:`blockdiff.model.loading.check_device`. Raises TypeError / ValueError naming ``device`` for a value
+    torch cannot parse, a CUDA device that is not there, or a device other than the model's."""
+    model_dev = p0.device if p0 is not None else torch.device("cpu")
+    if device is None:
+        return model_dev
+    dev = check_device(device, "device")
+
+    def index(d: torch.device) -> int:
+        if d.index is not None:
+            return d.index
+        return torch.cuda.current_device() if d.type == "cuda" and torch.cuda.is_available() else 0
+
+    if p0 is not None and (dev.type, index(dev)) != (model_dev.type, index(model_dev)):
+        raise ValueError(f"device {str(dev)!r} differs from the model's ({model_dev}): move the model there first")
+    return dev
+
+
+def _resolve_backend(name: str, backend, resolve: Callable, load: Callable, device: torch.device) -> str:
+    """The concrete backend name for ``backend`` (``"auto"`` resolved for ``device``), imported once now so a bad
+    name fails at construction, not after the first forward pass. Raises TypeError / ValueError naming ``name``;
+    ImportError when the backend cannot be imported here."""
+    if not isinstance(backend, str):
+        raise TypeError(f"{name} must be a str, got {type(backend).__name__} ({backend!r})")
+    try:
+        backend = resolve(backend, device)
+        load(backend)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
+    return backend
 
 
 @dataclass
@@ -43,9 +139,9 @@ class RequestResult:
 
     Attributes:
         req_id, prompt_len (tokens), output_token_ids (emitted tokens, trimmed after the first EOS and at
-        max_tokens), finish_reason ("eos", "length" = max_tokens or max_model_len, "failed"), num_canvases
-        committed, num_denoise_steps (forward passes in denoise mode), arrival_step / admit_step (the last
-        admission) / finish_step, num_preemptions.
+        max_tokens), finish_reason ("eos", "length" = max_tokens or max_model_len, "failed", "aborted" =
+        :meth:`HarnessRunner.abort`), num_canvases committed, num_denoise_steps (forward passes in denoise mode),
+        arrival_step / admit_step (the last admission; -1 if never admitted) / finish_step, num_preemptions.
     """
 
     req_id: str
@@ -82,12 +178,15 @@ class RowRecord:
 
 @dataclass
 class StepRecord:
-    """What one harness step did (one forward pass, or none when nothing was runnable yet)."""
+    """What one harness step did (one forward pass, or none when nothing was runnable yet); ``preempted``: the
+    requests preempted since the previous step (by the scheduler for KV pages while this step, or a
+    :meth:`HarnessRunner.schedule_batch` before it, was scheduled; or by :meth:`HarnessRunner.preempt`)."""
 
     step: int
     rows: list[RowRecord] = field(default_factory=list)
     arrived: list[str] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
     forward: bool = False
     wall_ms: float = 0.0
 
@@ -123,8 +222,9 @@ class StepRecord:
 class _Req:
     req_id: str
     prompt: list[int]
-    params: Any
+    params: SamplingParams
     arrival_step: int
+    priority: tuple[int, int]  # (arrival_step, submission index): lower is served first (FCFS)
     slot: int | None = None
     num_computed: int = 0
     output: list[int] = field(default_factory=list)
@@ -144,22 +244,40 @@ class HarnessRunner:
     """Drives a :class:`blockdiff.model.DiffusionGemma` through :class:`DiffusionModelState` and
     :class:`~blockdiff.integration.sampler.DiffusionSampler` in model runner v2's call order.
 
+    Sampling parameters, lowest precedence first (transformers' ``generate``: the model's ``generation_config``,
+    replaced by a ``generation_config`` argument, fields overridden by keyword arguments):
+
+    1. the checkpoint's defaults, :func:`checkpoint_sampling_params` (``generation_config.json`` and
+       ``config.json``'s ``canvas_length``), when ``default_params`` is None;
+    2. ``default_params``, which replaces them whole (its ``canvas_length`` is then the served one, even where it
+       differs from the checkpoint's);
+    3. per request, a blockdiff ``SamplingParams`` replaces the defaults whole; a vLLM-style ``SamplingParams``
+       overrides only the fields it sets (:func:`~blockdiff.integration.model_state.to_diffusion_params`).
+
     Args:
         model: the model (forward ``model(input_ids, positions, meta, kv_caches, self_cond, *, attn_backend)``,
-            ``allocate_kv_caches``, ``embedding_weight``, ``config.vocab_size`` / ``hidden_size``).
-        default_params: :class:`blockdiff.sampler.SamplingParams` for requests added without params; its
-            ``canvas_length`` is the served canvas length.
+            ``allocate_kv_caches``, ``embedding_weight``, ``config.vocab_size`` / ``hidden_size``, optional
+            ``generation_config``).
+        default_params: :class:`blockdiff.sampler.SamplingParams` for requests added without params, or None (the
+            checkpoint's, see above); its ``canvas_length`` is the served canvas length.
         max_num_reqs: request slots (>= 1).
         max_num_batched_tokens: token budget of one step (>= canvas_length).
         page_size: KV page size in tokens. num_blocks: KV pages (default: enough for every slot at
             ``max_model_len``). max_model_len: longest sequence in tokens (prompt + emitted + one canvas).
-        device: torch device (default: the model's). kv_dtype: cache dtype (default: the model's).
-        attn_backend: ``"reference"``, ``"triton"`` or ``"cute"`` (passed to the model; no fallback).
-        sampler_backend: ``"reference"`` or ``"triton"``.
+        device: torch device (default: the model's; must be where the model's parameters are).
+        kv_dtype: cache dtype (default, and the only one accepted: the model's parameter dtype, which the attention
+            backends require of K/V).
+        attn_backend: ``"reference"``, ``"triton"``, ``"cute"`` or ``"auto"`` (resolved here for ``device``;
+            passed to the model; no fallback).
+        sampler_backend: ``"reference"``, ``"triton"`` or ``"auto"`` (resolved here).
         check: compare every attention call and every sampler step with the references; a mismatch raises.
 
     Raises:
-        ValueError: bad capacities.
+        TypeError: ``default_params`` not a SamplingParams; ``kv_dtype`` not a floating torch.dtype; ``device``,
+            a backend or ``check`` of the wrong type.
+        ValueError: bad capacities; a device torch cannot parse or other than the model's; ``kv_dtype`` other than
+            the model's dtype; an unknown backend name.
+        ImportError: a backend that cannot be imported here (no fallback).
     """
 
     def __init__(self, model: torch.nn.Module, *, default_params: Any = None, max_num_reqs: int = 4,
@@ -167,19 +285,37 @@ class HarnessRunner:
                  max_model_len: int = 512, device: torch.device | str | None = None,
                  kv_dtype: torch.dtype | None = None, attn_backend: str = "reference",
                  sampler_backend: str = "reference", check: bool = False) -> None:
-        self.default_params = default_params if default_params is not None else SamplingParams()
+        if default_params is None:
+            default_params = checkpoint_sampling_params(model)
+        elif not isinstance(default_params, SamplingParams):
+            raise TypeError(f"default_params must be a blockdiff.sampler.SamplingParams or None (the checkpoint's "
+                            f"defaults), got {type(default_params).__name__}")
+        self.default_params = default_params
         cl = self.default_params.canvas_length
         for name, v in (("max_num_reqs", max_num_reqs), ("max_num_batched_tokens", max_num_batched_tokens),
                         ("page_size", page_size), ("max_model_len", max_model_len)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            if not _is_int(v) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
         if max_num_batched_tokens < cl:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= canvas_length ({cl})")
         if max_model_len < cl + 1:
             raise ValueError(f"max_model_len ({max_model_len}) must leave room for a prompt and a canvas ({cl})")
+        if not isinstance(check, bool):
+            raise TypeError(f"check must be a bool, got {type(check).__name__}")
         p0 = next(iter(model.parameters()), None)
-        self.device = torch.device(device) if device is not None else (p0.device if p0 is not None else
-                                                                         torch.device("cpu"))
+        self.device = _resolve_device(device, p0)
+        model_dtype = p0.dtype if p0 is not None else torch.float32
+        if kv_dtype is None:
+            kv_dtype = model_dtype
+        elif not (isinstance(kv_dtype, torch.dtype) and kv_dtype.is_floating_point):
+            raise TypeError(f"kv_dtype must be a floating torch.dtype or None, got {kv_dtype!r}")
+        elif kv_dtype != model_dtype:
+            raise ValueError(f"kv_dtype {kv_dtype} must equal the model's dtype {model_dtype} (the attention "
+                             "backends take K/V in q's dtype)")
+        self.attn_backend = _resolve_backend("attn_backend", attn_backend, resolve_attention_backend,
+                                             get_attention_backend, self.device)
+        self.sampler_backend = _resolve_backend("sampler_backend", sampler_backend, resolve_sampler_backend,
+                                                get_sampler_backend, self.device)
         self.model = model
         self.canvas_length = cl
         self.max_num_reqs = max_num_reqs
@@ -190,15 +326,12 @@ class HarnessRunner:
         if num_blocks is None:
             num_blocks = max_num_reqs * self.max_blocks_per_req
         self.allocator = BlockAllocator(num_blocks, page_size)
-        self.attn_backend = attn_backend
-        self.sampler_backend = sampler_backend
         self.check = check
-        kv_dtype = kv_dtype if kv_dtype is not None else (p0.dtype if p0 is not None else torch.float32)
         self.kv_caches = model.allocate_kv_caches(num_blocks, page_size, self.device, kv_dtype)
         self.model_state = DiffusionModelState.for_harness(
             model, max_num_reqs=max_num_reqs, max_num_tokens=max_num_batched_tokens, canvas_length=cl,
             device=self.device, default_params=self.default_params)
-        self.sampler, rejection = self.model_state.custom_sampler(None, backend=sampler_backend)
+        self.sampler, rejection = self.model_state.custom_sampler(None, backend=self.sampler_backend)
         assert rejection is None
         self.sampler.check = check
         self.attention_checker = None
@@ -213,6 +346,8 @@ class HarnessRunner:
         self._running: dict[str, _Req] = {}
         self._free_slots = list(range(max_num_reqs))
         self._ids: set[str] = set()
+        self._num_submitted = 0
+        self._preempted: list[str] = []  # preemptions for KV pages not yet reported in a StepRecord
         self.last_batch: HarnessInputBatch | None = None
         self.last_output = None
 
@@ -220,17 +355,29 @@ class HarnessRunner:
     def add_request(self, req_id: str, prompt_token_ids, params: Any = None, *, arrival_step: int | None = None
                     ) -> None:
         """Queue a request; it is admitted (gets a slot) at step ``arrival_step`` (default: the next step) or
-        later if no slot is free.
+        later, when a slot and its KV pages are free.
+
+        Args:
+            req_id: a new, non-empty str.
+            prompt_token_ids: a list / tuple of ints or a 1-D integer tensor / ndarray, each id in [0, vocab).
+            params: None (``default_params``), a blockdiff ``SamplingParams`` (used as is) or a vLLM-style
+                ``SamplingParams`` (converted over ``default_params``, see
+                :func:`~blockdiff.integration.model_state.to_diffusion_params`).
+            arrival_step: an int >= 0, or None.
 
         Raises:
-            ValueError: duplicate id, empty prompt, token id outside [0, vocab), prompt too long for
-                ``max_model_len``, or a canvas length other than the served one.
+            TypeError: a prompt that is not a sequence of ints (a str, floats, bools, None), params of another
+                type (a dict), an ``arrival_step`` that is not an int.
+            ValueError: duplicate or empty id, empty prompt, token id outside [0, vocab), prompt too long for
+                ``max_model_len``, a canvas length other than the served one, a SamplingParams rule broken, a
+                negative ``arrival_step``, or a request whose KV footprint exceeds the pool (``num_blocks``): it
+                could never finish.
         """
         if not isinstance(req_id, str) or not req_id:
             raise ValueError(f"req_id must be a non-empty str, got {req_id!r}")
         if req_id in self._ids:
             raise ValueError(f"duplicate req_id {req_id!r}")
-        prompt = [int(t) for t in prompt_token_ids]
+        prompt = _token_ids(prompt_token_ids, req_id)
         if not prompt:
             raise ValueError(f"request {req_id!r}: prompt_token_ids must not be empty")
         V = self.model_state.vocab_size
@@ -239,7 +386,13 @@ class HarnessRunner:
         if len(prompt) + self.canvas_length > self.max_model_len:
             raise ValueError(f"request {req_id!r}: prompt ({len(prompt)}) + canvas ({self.canvas_length}) exceeds "
                              f"max_model_len ({self.max_model_len})")
-        params = params if params is not None else self.default_params
+        if arrival_step is not None and (not _is_int(arrival_step) or arrival_step < 0):
+            kind = TypeError if not _is_int(arrival_step) else ValueError
+            raise kind(f"request {req_id!r}: arrival_step must be an int >= 0 or None, got {arrival_step!r}")
+        try:
+            params = to_diffusion_params(params, self.default_params)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"request {req_id!r}: params: {e}") from None
         if params.canvas_length != self.canvas_length:
             raise ValueError(f"request {req_id!r}: canvas_length {params.canvas_length} != served "
                              f"{self.canvas_length}")
@@ -247,10 +400,30 @@ class HarnessRunner:
             self.model_state.check_params(params)  # where the request would be lost mid-step
         except ValueError as e:
             raise ValueError(f"request {req_id!r}: {e}") from None
+        tokens, canvases = self._kv_footprint(len(prompt), params)
+        pages = -(-tokens // self.page_size)
+        if pages > self.allocator.num_blocks:
+            raise ValueError(f"request {req_id!r} needs up to {pages} KV pages of {self.page_size} tokens (prompt "
+                             f"{len(prompt)} + {canvases} canvas(es) of {self.canvas_length}) but the pool has "
+                             f"num_blocks={self.allocator.num_blocks}: it could never finish; enlarge num_blocks or "
+                             "lower max_tokens / max_model_len")
         arrival = self.step_index if arrival_step is None else int(arrival_step)
         self._ids.add(req_id)
-        self._waiting.append(_Req(req_id, prompt, params, arrival))
-        self._waiting.sort(key=lambda r: r.arrival_step)
+        self._queue(_Req(req_id, prompt, params, arrival, (arrival, self._num_submitted)))
+        self._num_submitted += 1
+
+    def _kv_footprint(self, prompt_len: int, params: SamplingParams) -> tuple[int, int]:
+        """``(tokens, canvases)``: the most KV a request can hold (prompt + every canvas it may commit: up to
+        ``ceil(max_tokens / CL)``, and no canvas past ``max_model_len``, where the harness finishes it)."""
+        CL = self.canvas_length
+        canvases = (self.max_model_len - prompt_len) // CL
+        if params.max_tokens is not None:
+            canvases = min(canvases, -(-params.max_tokens // CL))
+        return prompt_len + canvases * CL, canvases
+
+    def _queue(self, r: _Req) -> None:
+        self._waiting.append(r)
+        self._waiting.sort(key=lambda w: w.priority)
 
     def slot_of(self, req_id: str) -> int | None:
         r = self._running.get(req_id)
@@ -261,9 +434,23 @@ class HarnessRunner:
         return bool(self._waiting or self._running)
 
     # ------------------------------------------------------------------ one step
+    def _pages_for(self, r: _Req, num_tokens: int) -> int:
+        return self.allocator.blocks_needed(r.req_id, num_tokens)
+
+    def _next_row_tokens(self, r: _Req) -> int:
+        """KV tokens ``r`` needs for its next row: the rest of its prefill and its first canvas while prefilling,
+        else the current canvas."""
+        return max(len(r.prefill), r.num_computed) + self.canvas_length
+
     def _admit(self, rec: StepRecord) -> None:
+        """Admit arrived requests in priority order while a slot is free and the KV pool, less what the running
+        requests need for their next row, holds the request's prefill and first canvas (FCFS: a request that does
+        not fit yet blocks the ones behind it)."""
         while self._waiting and self._waiting[0].arrival_step <= self.step_index and self._free_slots:
             r = self._waiting[0]
+            reserved = sum(self._pages_for(x, self._next_row_tokens(x)) for x in self._running.values())
+            if self._pages_for(r, self._next_row_tokens(r)) > self.allocator.num_free - reserved:
+                break
             self._free_slots.sort()
             slot = self._free_slots[0]
             # claim the slot only once the model state accepted the request: if add_request raises, the request
@@ -276,36 +463,74 @@ class HarnessRunner:
             self._running[r.req_id] = r
             rec.arrived.append(r.req_id)
 
+    def _grow(self, r: _Req, num_tokens: int, scheduled: set[str]) -> bool:
+        """Give ``r`` pages for ``num_tokens`` tokens, preempting lower-priority running requests that hold pages
+        and are not yet scheduled in this step (lowest priority first) while the pool is short. Returns whether
+        ``r`` got them (nothing is allocated when not)."""
+        while True:
+            try:
+                self.allocator.ensure(r.req_id, num_tokens)
+                return True
+            except OutOfBlocks:
+                victims = [x for x in self._running.values() if x.priority > r.priority
+                           and x.req_id not in scheduled and self.allocator.blocks(x.req_id)]
+                if not victims:
+                    return False
+                self._preempt(max(victims, key=lambda x: x.priority))
+
     def _schedule(self, phases: list[int]) -> list[tuple[_Req, int, int]]:
-        """Rows ``(req, phase, q_len)`` within the token budget; allocates KV pages."""
+        """Rows ``(req, phase, q_len)`` within the token budget; allocates KV pages, preempting lower-priority
+        requests when the pool is short (see the module docstring)."""
         budget = self.max_num_batched_tokens
         rows: list[tuple[_Req, int, int]] = []
+        scheduled: set[str] = set()
         CL = self.canvas_length
         canvas = [r for r in self._running.values() if phases[r.slot] in (DENOISE, COMMIT)]
         canvas.sort(key=lambda r: (r.last_scheduled, r.admit_step, r.slot))
         for r in canvas:
             if budget < CL:
                 break
-            try:
-                self.allocator.ensure(r.req_id, r.num_computed + CL)
-            except OutOfBlocks:
+            if r.req_id not in self._running or not self._grow(r, r.num_computed + CL, scheduled):
                 continue
             rows.append((r, phases[r.slot], CL))
+            scheduled.add(r.req_id)
             budget -= CL
         prefills = [r for r in self._running.values() if phases[r.slot] == PREFILL]
         prefills.sort(key=lambda r: (r.admit_step, r.slot))
         for r in prefills:
             chunk = min(len(r.prefill) - r.num_computed, budget)
-            if chunk <= 0:
+            if r.req_id not in self._running or chunk <= 0:
                 continue
-            pages_free = self.allocator.num_free + len(self.allocator.blocks(r.req_id))
-            chunk = min(chunk, pages_free * self.page_size - r.num_computed)
-            if chunk <= 0:
-                continue
-            self.allocator.ensure(r.req_id, r.num_computed + chunk)
+            if not self._grow(r, r.num_computed + chunk, scheduled):  # a shorter chunk, as the free pages allow
+                pages_free = self.allocator.num_free + len(self.allocator.blocks(r.req_id))
+                chunk = min(chunk, pages_free * self.page_size - r.num_computed)
+                if chunk <= 0:
+                    continue
+                self.allocator.ensure(r.req_id, r.num_computed + chunk)
             rows.append((r, PREFILL, chunk))
+            scheduled.add(r.req_id)
             budget -= chunk
         return rows
+
+    def _schedule_or_preempt(self) -> list[tuple[_Req, int, int]]:
+        """:meth:`_schedule`; while it finds no row, preempt the lowest-priority running request and schedule
+        again (the highest-priority one fits the pool alone, see :meth:`add_request`)."""
+        while True:
+            rows = self._schedule(self.model_state.state.phase.tolist())
+            if rows or len(self._running) <= 1:
+                return rows
+            self._preempt(max(self._running.values(), key=lambda x: x.priority))
+
+    def _check_slots(self) -> None:
+        """Every running request must still hold its slot in the model state (else: a clear error, not a
+        misleading one about the page pool later)."""
+        held = self.model_state.req_id_to_index
+        lost = [r.req_id for r in self._running.values() if held.get(r.req_id) != r.slot]
+        if lost:
+            raise RuntimeError(
+                f"step {self.step_index}: running request(s) {lost} no longer hold their slot in the model state "
+                "(removed with model_state.remove_request behind the harness's back?); cancel a request with "
+                "HarnessRunner.abort(req_id)")
 
     def _build_batch(self, rows) -> HarnessInputBatch:
         dev = self.device
@@ -349,12 +574,14 @@ class HarnessRunner:
 
     def schedule_batch(self) -> HarnessInputBatch | None:
         """Admit arrivals and build the batch the next :meth:`step` would run, without running it (for tests
-        and CUDA-graph capture; :meth:`step` schedules again, to the same rows while nothing changed).
-        Returns None when nothing is runnable."""
+        and CUDA-graph capture; :meth:`step` schedules again, to the same rows while nothing changed). Scheduling
+        may preempt requests for KV pages (reported in the next step's ``preempted``). Returns None when nothing
+        is runnable."""
         self._admit(StepRecord(step=self.step_index))
         if not self._running:
             return None
-        rows = self._schedule(self.model_state.state.phase.tolist())
+        self._check_slots()
+        rows = self._schedule_or_preempt()
         return self._build_batch(rows) if rows else None
 
     def _forward(self, batch: HarnessInputBatch, inputs: dict, meta) -> torch.Tensor:
@@ -372,7 +599,9 @@ class HarnessRunner:
             the :class:`StepRecord` (also appended to ``history``).
 
         Raises:
-            RuntimeError: requests are runnable but none could be scheduled (KV pool too small).
+            RuntimeError: a running request lost its model-state slot (``model_state.remove_request`` called
+                behind the harness; use :meth:`abort`), or, which :meth:`add_request`'s footprint check rules out,
+                a request alone cannot get its KV pages.
             blockdiff.integration.sampler.SamplerMismatch / checks.AttentionMismatch: ``check`` found a
                 backend disagreeing with the reference.
         """
@@ -380,13 +609,14 @@ class HarnessRunner:
         rec = StepRecord(step=self.step_index)
         self._admit(rec)
         ms = self.model_state
-        st = ms.state
         if not self._running:
+            rec.preempted, self._preempted = self._preempted, []
             self.step_index += 1
             self.history.append(rec)
             return rec
-        phases = st.phase.tolist()
-        rows = self._schedule(phases)
+        self._check_slots()
+        rows = self._schedule_or_preempt()
+        rec.preempted, self._preempted = self._preempted, []
         if not rows:
             raise RuntimeError(
                 f"step {self.step_index}: {len(self._running)} running request(s) but none could be scheduled "
@@ -445,20 +675,38 @@ class HarnessRunner:
         self.history.append(rec)
         return rec
 
-    def _finish(self, r: _Req, reason: str) -> None:
+    def _record(self, r: _Req, reason: str) -> None:
         self.results[r.req_id] = RequestResult(
             r.req_id, len(r.prompt), list(r.output), reason, r.num_canvases, r.num_denoise_steps, r.arrival_step,
             r.admit_step, self.step_index, r.num_preemptions)
+
+    def _release(self, r: _Req) -> None:
+        """Free a running request's model-state slot, KV pages and harness slot."""
         self.model_state.remove_request(r.req_id)
         self.allocator.free(r.req_id)
         self._free_slots.append(r.slot)
         del self._running[r.req_id]
+        r.slot = None
+
+    def _finish(self, r: _Req, reason: str) -> None:
+        self._record(r, reason)
+        self._release(r)
+
+    def _preempt(self, r: _Req) -> None:
+        """Preempt running ``r`` (see :meth:`preempt`); recorded in the next StepRecord's ``preempted``."""
+        self._release(r)
+        r.num_computed = 0
+        r.prefill = list(r.prompt) + list(r.output)
+        r.num_preemptions += 1
+        self._queue(r)
+        self._preempted.append(r.req_id)
 
     def preempt(self, req_id: str) -> None:
         """Preempt a running request as vLLM's scheduler does: ``remove_request``, its slot and KV pages freed,
-        and the request queued first, to be readmitted with ``prefill_token_ids`` = prompt + its emitted tokens
-        (re-prefilled; those tokens count toward max_tokens and the next canvas continues after them). Call it
-        between steps.
+        and the request queued by its priority (ahead of every request that arrived after it), to be readmitted
+        with ``prefill_token_ids`` = prompt + its emitted tokens (re-prefilled; those tokens count toward
+        max_tokens and the next canvas continues after them). Call it between steps. The scheduler also preempts
+        on its own when the KV pool is short (see the module docstring).
 
         Raises:
             ValueError: ``req_id`` is not running.
@@ -466,16 +714,31 @@ class HarnessRunner:
         r = self._running.get(req_id)
         if r is None:
             raise ValueError(f"request {req_id!r} is not running (waiting, finished or unknown)")
-        self.model_state.remove_request(req_id)
-        self.allocator.free(req_id)
-        self._free_slots.append(r.slot)
-        del self._running[req_id]
-        r.slot = None
-        r.num_computed = 0
-        r.prefill = list(r.prompt) + list(r.output)
-        r.num_preemptions += 1
-        r.arrival_step = min(r.arrival_step, self.step_index)
-        self._waiting.insert(0, r)
+        self._preempt(r)
+
+    def abort(self, req_id: str) -> RequestResult:
+        """Cancel a waiting or running request (vLLM's ``abort_requests``): a running one is removed from the model
+        state and its slot and KV pages are freed; a waiting one leaves the queue. It is recorded in ``results``
+        with finish_reason ``"aborted"`` and the tokens it emitted so far. Call it between steps.
+
+        Returns:
+            its :class:`RequestResult`.
+
+        Raises:
+            ValueError: ``req_id`` is unknown or already finished.
+        """
+        r = self._running.get(req_id)
+        if r is not None:
+            self._release(r)
+        else:
+            r = next((w for w in self._waiting if w.req_id == req_id), None)
+            if r is None:
+                done = self.results.get(req_id)
+                state = f"already finished ({done.finish_reason})" if done is not None else "unknown"
+                raise ValueError(f"request {req_id!r} cannot be aborted: {state}")
+            self._waiting.remove(r)
+        self._record(r, "aborted")
+        return self.results[req_id]
 
     # ------------------------------------------------------------------ whole runs
     def run(self, max_steps: int = 100_000, on_step: Callable[[StepRecord], None] | None = None
@@ -483,15 +746,23 @@ class HarnessRunner:
         """Step until every request has finished.
 
         Args:
-            max_steps: safety cap on steps (>= 1).
-            on_step: called with each :class:`StepRecord`.
+            max_steps: safety cap on steps (an int >= 1).
+            on_step: called with each :class:`StepRecord`, or None.
 
         Returns:
             ``{req_id: RequestResult}`` for every request added.
 
         Raises:
-            RuntimeError: unfinished requests after ``max_steps`` steps (none is dropped silently).
+            TypeError: ``max_steps`` not an int, ``on_step`` not callable.
+            ValueError: ``max_steps`` < 1.
+            RuntimeError: unfinished requests after ``max_steps`` steps (none is dropped silently); see :meth:`step`.
         """
+        if not _is_int(max_steps):
+            raise TypeError(f"max_steps must be an int >= 1, got {type(max_steps).__name__} ({max_steps!r})")
+        if max_steps < 1:
+            raise ValueError(f"max_steps must be an int >= 1, got {max_steps}")
+        if on_step is not None and not callable(on_step):
+            raise TypeError(f"on_step must be callable or None, got {type(on_step).__name__}")
         start = self.step_index
         while self.has_unfinished:
             if self.step_index - start >= max_steps:

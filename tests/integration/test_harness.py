@@ -235,11 +235,18 @@ def test_bad_requests_raise(make_runner):
         r.add_request("x", [5], params())
 
 
-def test_kv_pool_too_small_raises_instead_of_hanging(make_runner):
-    r = make_runner(num_blocks=2)  # 8 tokens of KV
-    r.add_request("a", prompt(6, 80), params(max_tokens=CL))
-    with pytest.raises(RuntimeError, match="none could be scheduled"):
-        r.run(max_steps=50)
+def test_request_larger_than_the_kv_pool_is_refused_at_submission(make_runner):
+    """A request whose KV footprint (prompt + every canvas it may commit, up to max_tokens or max_model_len)
+    exceeds the pool could never finish: add_request refuses it naming num_blocks (was: accepted, then run()
+    raised 'none could be scheduled'). One that fits finishes."""
+    r = make_runner(num_blocks=3)  # 12 tokens of KV in pages of 4
+    with pytest.raises(ValueError, match="num_blocks=3"):
+        r.add_request("a", prompt(6, 80), params(max_tokens=CL))  # 6 + 8 tokens: 4 pages
+    with pytest.raises(ValueError, match="max_tokens"):
+        r.add_request("a", prompt(4, 80), params())  # no max_tokens: canvases up to max_model_len 160
+    r.add_request("a", prompt(4, 80), params(max_tokens=CL))  # 4 + 8 tokens: 3 pages
+    res = r.run(max_steps=50)
+    assert len(res["a"].output_token_ids) == CL and r.allocator.num_free == 3
 
 
 def test_request_the_slot_would_refuse_is_rejected_at_submission_not_lost(make_runner):
@@ -431,3 +438,85 @@ def test_totals_count_denoise_steps_of_committed_canvases_only(make_runner):
     assert r2.history[-1].rows[0].phase == "denoise"
     assert r2.totals()["denoise_steps_per_canvas"] == first
     assert r2.totals()["denoise_rows"] == first + 1
+
+
+def _outputs(res):
+    return {k: (v.finish_reason, v.output_token_ids) for k, v in res.items()}
+
+
+@pytest.mark.parametrize("plen,max_tokens", [(4, 2 * CL), (5, CL)])
+def test_more_requests_than_the_kv_pool_holds_all_finish_none_lost(make_runner, plen, max_tokens):
+    """8 slots and a pool of 9 pages of 4 tokens, 8 requests that each fit alone (was: all 8 admitted, the pool
+    ran dry and run() stopped with 'enlarge num_blocks'). Admission waits for free pages and the scheduler
+    preempts lower-priority requests when a row cannot grow; every request finishes with the output it has in
+    a roomy pool, and every page and slot comes back."""
+    reqs = [(f"r{i}", prompt(plen, 90 + i), params(max_tokens=max_tokens, max_denoising_steps=2, seed=i))
+            for i in range(8)]
+    roomy = make_runner(max_num_reqs=8)
+    tight = make_runner(max_num_reqs=8, num_blocks=9)
+    for r in (roomy, tight):
+        for rid, toks, p in reqs:
+            r.add_request(rid, toks, p)
+    want, got = _outputs(roomy.run(max_steps=500)), _outputs(tight.run(max_steps=500))
+    assert got == want and len(got) == 8
+    assert all(len(out) == max_tokens for _, out in got.values())
+    assert tight.allocator.num_free == 9 and sorted(tight._free_slots) == list(range(8))
+    assert max(len({row.req_id for row in h.rows}) for h in tight.history) < 8  # the pool, not the slots, limits
+
+
+def test_scheduler_preempts_the_lowest_priority_request_and_resumes_it(make_runner):
+    """Two requests that each fit the pool alone but not together once their KV grows: the later one is preempted
+    (never the earlier), readmitted with prompt + output, and yields the output of an unpreempted run."""
+    reqs = [("first", prompt(4, 95), params(max_tokens=3 * CL, seed=1)),
+            ("second", prompt(4, 96), params(max_tokens=3 * CL, seed=2))]
+    roomy, tight = make_runner(max_num_reqs=2), make_runner(max_num_reqs=2, num_blocks=10)  # 28 tokens each: 7 pages
+    for r in (roomy, tight):
+        for rid, toks, p in reqs:
+            r.add_request(rid, toks, p)
+    want, res = roomy.run(max_steps=500), tight.run(max_steps=500)
+    assert _outputs(res) == _outputs(want)
+    preempted = [x for h in tight.history for x in h.preempted]
+    assert preempted and set(preempted) == {"second"} and res["first"].num_preemptions == 0
+    assert res["second"].num_preemptions == len(preempted)
+
+
+def test_abort_frees_the_slot_and_pages_of_a_running_request(make_runner):
+    """abort(): the request leaves the model state, its slot and KV pages return to the pool, and it is recorded
+    with finish_reason 'aborted' and the tokens emitted so far; the request beside it is unaffected."""
+    r = make_runner(max_num_reqs=2)
+    r.add_request("a", prompt(5, 97), params(max_tokens=3 * CL))
+    r.add_request("b", prompt(6, 98), params(max_tokens=CL))
+    while "a" not in r._running or len(r._running["a"].output) < CL:
+        r.step()
+    res_a = r.abort("a")
+    assert res_a.finish_reason == "aborted" and len(res_a.output_token_ids) == CL
+    assert "a" not in r.model_state.req_id_to_index and not r.allocator.blocks("a")
+    res = r.run(max_steps=200)
+    assert res["a"].finish_reason == "aborted" and res["b"].finish_reason == "length"
+    assert res["b"].output_token_ids == _solo(make_runner, "b", prompt(6, 98), params(max_tokens=CL)).output_token_ids
+    assert r.allocator.num_free == r.allocator.num_blocks and sorted(r._free_slots) == [0, 1]
+
+
+def test_abort_of_a_waiting_request_and_of_unknown_or_finished_ones(make_runner):
+    r = make_runner()
+    r.add_request("later", prompt(4), params(max_tokens=2), arrival_step=5)
+    assert r.abort("later").admit_step == -1 and not r.has_unfinished
+    with pytest.raises(ValueError, match="unknown"):
+        r.abort("nobody")
+    r.add_request("done", prompt(4), params(max_tokens=2))
+    r.run(max_steps=100)
+    with pytest.raises(ValueError, match="already finished"):
+        r.abort("done")
+
+
+def test_slot_removed_behind_the_harness_is_a_clear_error_not_a_page_pool_error(make_runner):
+    """model_state.remove_request() of a running request (instead of HarnessRunner.abort): the next step names the
+    request and abort (was: 'none could be scheduled ... enlarge num_blocks')."""
+    r = make_runner()
+    r.add_request("a", prompt(3), params(max_tokens=CL))
+    r.add_request("b", prompt(2), params(max_tokens=CL))
+    r.step()
+    r.model_state.remove_request("a")
+    with pytest.raises(RuntimeError, match=r"\['a'\].*abort") as e:
+        r.run(max_steps=100)
+    assert "num_blocks" not in str(e.value)

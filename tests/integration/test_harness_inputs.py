@@ -1,0 +1,120 @@
+"""HarnessRunner's arguments: nothing is coerced (a str prompt, float / bool ids, float or str steps, params of
+the wrong type are TypeErrors naming the argument), backends / device / kv_dtype are resolved at construction
+(not after the first forward pass), and default sampling parameters come from the checkpoint."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from integration_helpers import CL, needs_stack, params, prompt
+
+from blockdiff.integration.harness import HarnessRunner, checkpoint_sampling_params
+from blockdiff.model import DiffusionGemma, tiny_config
+from blockdiff.sampler import SamplingParams
+
+pytestmark = needs_stack
+
+
+@pytest.mark.parametrize("bad", ["123", b"12", [1.7, 2.2], [True, False], [5, None], None, 7, {"a": 1},
+                                 torch.tensor([5.0, 6.5]), torch.tensor([True]), torch.tensor([[5, 6]]),
+                                 np.array([1.5, 2.0]), np.array([[5, 6]])],
+                         ids=["str", "bytes", "floats", "bools", "None-id", "None", "int", "dict", "float-tensor",
+                              "bool-tensor", "2d-tensor", "float-array", "2d-array"])
+def test_prompt_token_ids_are_not_coerced(make_runner, bad):
+    """Was: '123' became the ids [1, 2, 3], floats and bools were truncated, None / 7 gave "not iterable"."""
+    r = make_runner()
+    with pytest.raises(TypeError, match="prompt_token_ids"):
+        r.add_request("a", bad)
+    assert not r.has_unfinished
+
+
+def test_prompt_token_ids_as_tuple_tensor_or_array_of_ints_are_the_same_request(make_runner):
+    toks = prompt(7, 3)
+    outs = []
+    for form in (toks, tuple(toks), torch.tensor(toks, dtype=torch.int32), np.array(toks, dtype=np.int64),
+                 [np.int64(t) for t in toks]):
+        r = make_runner()
+        r.add_request("a", form, params(max_tokens=CL))
+        outs.append(r.run(max_steps=100)["a"].output_token_ids)
+    assert all(o == outs[0] for o in outs)
+
+
+@pytest.mark.parametrize("bad,err", [("3", TypeError), (2.5, TypeError), (True, TypeError), (-1, ValueError)])
+def test_arrival_step_must_be_an_int_at_least_zero(make_runner, bad, err):
+    with pytest.raises(err, match="arrival_step"):
+        make_runner().add_request("a", [5], arrival_step=bad)
+
+
+@pytest.mark.parametrize("bad,err", [(0, ValueError), (-3, ValueError), ("10", TypeError), (2.0, TypeError),
+                                     (True, TypeError)])
+def test_run_max_steps_must_be_an_int_at_least_one(make_runner, bad, err):
+    r = make_runner()
+    r.add_request("a", [5])
+    with pytest.raises(err, match="max_steps"):
+        r.run(max_steps=bad)
+    with pytest.raises(TypeError, match="on_step"):
+        r.run(on_step=5)
+
+
+def test_params_of_the_wrong_type_are_refused_and_vllm_style_params_are_converted(make_runner):
+    """A dict (was: AttributeError 'canvas_length') is a TypeError naming params; a vLLM-style SamplingParams
+    overrides only the fields it sets over default_params (its eos ids: vLLM's stop set)."""
+    r = make_runner(default_params=params(max_denoising_steps=2, t_min=0.3))
+    with pytest.raises(TypeError, match="params"):
+        r.add_request("a", [5], {"canvas_length": CL})
+    with pytest.raises(TypeError, match="default_params"):
+        make_runner(default_params={"canvas_length": CL})
+    r.add_request("v", [5, 6], SimpleNamespace(temperature=1.0, seed=3, max_tokens=CL, extra_args={"t_max": 0.9}))
+    p = r._waiting[0].params
+    assert (p.seed, p.max_tokens, p.t_min, p.t_max, p.max_denoising_steps, p.eos_token_ids) == (3, CL, 0.3, 0.9, 2, ())
+    assert len(r.run(max_steps=100)["v"].output_token_ids) == CL
+
+
+@pytest.mark.parametrize("kw,err,name", [
+    (dict(attn_backend="bogus"), ValueError, "attn_backend"),
+    (dict(attn_backend=3), TypeError, "attn_backend"),
+    (dict(sampler_backend="bogus"), ValueError, "sampler_backend"),
+    (dict(sampler_backend="Reference"), ValueError, "sampler_backend"),
+    (dict(kv_dtype=torch.int32), TypeError, "kv_dtype"),
+    (dict(kv_dtype="float32"), TypeError, "kv_dtype"),
+    (dict(kv_dtype=torch.float16), ValueError, "kv_dtype"),
+    (dict(device="bogus"), ValueError, "device"),
+    (dict(device=""), ValueError, "device"),
+    (dict(device="meta"), ValueError, "device"),
+    (dict(device=1.5), TypeError, "device"),
+    (dict(check=1), TypeError, "check"),
+])
+def test_backends_device_and_kv_dtype_are_checked_at_construction(make_runner, kw, err, name):
+    """Was: a bogus sampler backend failed after the first forward pass, a bogus attention backend or an int32 KV
+    cache at the first step, a bogus device with torch's RuntimeError."""
+    with pytest.raises(err, match=name):
+        make_runner(**kw)
+
+
+def test_auto_backends_resolve_for_the_device(make_runner):
+    r = make_runner(attn_backend="auto", sampler_backend="auto")
+    assert (r.attn_backend, r.sampler_backend) == ("reference", "reference")  # CPU
+
+
+def test_default_params_come_from_the_checkpoint_and_explicit_params_win():
+    """Without default_params the served canvas length and every default come from the model's generation_config
+    (the checkpoint's generation_config.json and config.json canvas_length; was: SamplingParams() with canvas 256
+    whatever the checkpoint said), as transformers' generate does; default_params replaces them whole."""
+    torch.manual_seed(0)
+    model = DiffusionGemma(tiny_config(canvas_length=4)).eval()
+    kw = dict(max_num_reqs=1, max_num_batched_tokens=64, page_size=4, max_model_len=64)
+    r = HarnessRunner(model, **kw)
+    assert r.canvas_length == 4 and r.default_params == SamplingParams(**model.generation_config)
+    model.generation_config = dict(model.generation_config, max_denoising_steps=3, t_min=0.1, t_max=0.2,
+                                   entropy_bound=0.3, eos_token_ids=(7,), max_tokens=5)
+    r = HarnessRunner(model, **kw)
+    p = r.default_params
+    assert (p.canvas_length, p.max_denoising_steps, p.t_min, p.t_max, p.entropy_bound, p.eos_token_ids,
+            p.max_tokens) == (4, 3, 0.1, 0.2, 0.3, (7,), 5)
+    assert checkpoint_sampling_params(model, seed=9) == SamplingParams(**dict(model.generation_config, seed=9))
+    explicit = SamplingParams(canvas_length=8, max_denoising_steps=2)
+    assert HarnessRunner(model, default_params=explicit, **kw).default_params is explicit
+    r.add_request("a", [5, 6])
+    assert r._waiting[0].params == p
