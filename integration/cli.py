@@ -10,10 +10,27 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import sys
 
 ATTENTION_BACKENDS = ("reference", "triton", "cute")
 SAMPLER_BACKENDS = ("reference", "triton")
+#: ``--max-denoising-steps`` must be below this: the sampler's RNG counter layout (``blockdiff.sampler.rng.MAX_STEPS``;
+#: a constant here so the check needs no torch; tests/integration/test_cli.py checks the two agree).
+MAX_DENOISING_STEPS = 1 << 14
+#: Devices the commands compute on: ``cpu`` or ``cuda``, optionally with an index (torch's ``TYPE[:INDEX]``).
+_DEVICE_RE = re.compile(r"(cpu|cuda)(:\d+)?")
+
+
+def device_problem(flag: str, device: str) -> str | None:
+    """Why ``device`` is not a device the commands can run on (``cpu``, ``cuda``, ``cuda:N``), or None; checked
+    without torch, so the error comes before the heavy imports (whether a CUDA device is there is checked later)."""
+    if _DEVICE_RE.fullmatch(device):
+        return None
+    what = "must not be empty" if not device.strip() else f"must be cpu, cuda or cuda:N, got {device!r}"
+    if device == "meta":
+        what += " (meta holds shapes only, no data to compute with)"
+    return f"{flag} {what}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,15 +56,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sampler backend (default reference)")
     d.add_argument("--check", action="store_true",
                    help="compare every attention call and sampler step with the references; exit 1 on mismatch")
-    d.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    d.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:N (default cpu)")
     d.add_argument("--seed", type=int, default=0, help="seed of weights, prompts and sampling (default 0)")
     d.add_argument("--out", default="./demo_out", help="folder for attention_pattern.png (default ./demo_out/)")
     d.add_argument("--canvas-length", type=int, default=None,
-                   help="tokens per canvas (default: the checkpoint's trained canvas length; 16 for random weights)")
+                   help="tokens per canvas (default: the checkpoint's trained canvas length, which this overrides; "
+                        "16 for random weights)")
     d.add_argument("--max-denoising-steps", type=int, default=None,
-                   help="denoising step cap per canvas (default 16 with a checkpoint, 6 for random weights)")
+                   help="denoising step cap per canvas (default: the checkpoint's generation_config.json, else 16; "
+                        "6 for random weights)")
     d.add_argument("--embedding-scale", type=float, default=None,
-                   help="random weights only: scale of the random tied embedding, peaking the toy logits "
+                   help="with --random-weights: scale of the random tied embedding, peaking the toy logits "
                         "(default 30; 1 = raw init)")
     d.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
 
@@ -122,8 +141,10 @@ def resolve_checkpoint(args, shipped: str, stream=None) -> tuple[str | None, str
 
 
 def _errors(command: str, problems: list[str]) -> int:
+    """Print each problem as one line ``blockdiff COMMAND: error: ...`` on stderr; returns exit code 2."""
     for msg in problems:
-        print(f"blockdiff {command}: error: {msg}", file=sys.stderr)
+        line = "; ".join(part.strip() for part in str(msg).splitlines() if part.strip())
+        print(f"blockdiff {command}: error: {line}", file=sys.stderr)
     return 2
 
 
@@ -131,13 +152,24 @@ def _demo(args) -> int:
     problems = []
     if args.canvas_length is not None and not 1 <= args.canvas_length <= 4096:
         problems.append(f"--canvas-length must be in [1, 4096] tokens, got {args.canvas_length}")
+    if args.max_denoising_steps is not None and not 1 <= args.max_denoising_steps < MAX_DENOISING_STEPS:
+        problems.append(f"--max-denoising-steps must be in [1, {MAX_DENOISING_STEPS}), got {args.max_denoising_steps}")
     if not 0 <= args.seed < 2 ** 63:
         problems.append(f"--seed must be in [0, 2**63), got {args.seed}")
+    dev = device_problem("--device", args.device)
+    if dev:
+        problems.append(dev)
     if args.embedding_scale is not None:
         if not (math.isfinite(args.embedding_scale) and args.embedding_scale > 0):
             problems.append(f"--embedding-scale must be a finite number > 0, got {args.embedding_scale}")
         elif args.checkpoint is not None:
             problems.append("--embedding-scale scales random weights; it cannot be used with --checkpoint")
+        elif not args.random_weights:
+            problems.append("--embedding-scale scales random weights: add --random-weights (without it the demo "
+                            "runs the shipped trained checkpoint)")
+    if args.checkpoint is not None and not os.path.isdir(args.checkpoint):
+        problems.append(f"--checkpoint {args.checkpoint!r} is not a folder (expected a checkpoint folder written by "
+                        "blockdiff train --out FOLDER)")
     try:
         os.makedirs(args.out, exist_ok=True)
         if not os.access(args.out, os.W_OK):
@@ -147,33 +179,29 @@ def _demo(args) -> int:
     if problems:
         return _errors("demo", problems)
     # torch-heavy modules only now, after the checks above: argument errors stay fast
+    from blockdiff.model import CheckpointError
     from blockdiff.model.pretrained import shipped_checkpoint_dir
-    from blockdiff.sampler.rng import MAX_STEPS
 
     from .checks import AttentionMismatch
-    from .demo import BackendUnavailable, CheckpointError, run_demo
+    from .demo import BackendUnavailable, DeviceUnavailable, run_demo
     from .sampler import SamplerMismatch
 
-    if args.max_denoising_steps is not None and not 1 <= args.max_denoising_steps < MAX_STEPS:
-        return _errors("demo", [f"--max-denoising-steps must be in [1, {MAX_STEPS}), got {args.max_denoising_steps}"])
     checkpoint, err = resolve_checkpoint(args, shipped_checkpoint_dir())
     if err:
         return _errors("demo", [err])
-    if checkpoint is not None and args.embedding_scale is not None:
-        return _errors("demo", [f"--embedding-scale scales random weights; the demo runs the trained checkpoint "
-                                f"{checkpoint} (add --random-weights)"])
     try:
         result = run_demo(backend=args.backend, sampler_backend=args.sampler_backend, check=args.check,
                           device=args.device, seed=args.seed, out=args.out, checkpoint=checkpoint,
                           canvas_length=args.canvas_length, max_denoising_steps=args.max_denoising_steps,
                           progress=not args.no_progress, embedding_scale=args.embedding_scale)
+    except DeviceUnavailable as e:  # its message starts "device 'X' ...": name the option
+        msg = str(e)
+        return _errors("demo", ["--" + msg if msg.startswith("device ") else f"--device {args.device!r}: {msg}"])
     except BackendUnavailable as e:
-        print(f"blockdiff demo: error: {e}", file=sys.stderr)
-        return 2
+        return _errors("demo", [str(e)])
     except CheckpointError as e:
         what = "--checkpoint" if args.checkpoint is not None else "shipped checkpoint"
-        print(f"blockdiff demo: error: {what} {checkpoint!r} cannot be loaded: {e}", file=sys.stderr)
-        return 2
+        return _errors("demo", [f"{what} {checkpoint!r} cannot be loaded: {e}"])
     except (AttentionMismatch, SamplerMismatch) as e:
         print(f"blockdiff demo: CHECK FAILED: {e}", file=sys.stderr)
         return 1
@@ -185,6 +213,9 @@ def _demo(args) -> int:
 
 
 def _train(a) -> int:
+    dev = device_problem("--device", a.device) if a.device is not None else None
+    if dev:
+        return _errors("train", [dev])
     # torch-heavy modules only now, after argument parsing: argument errors stay fast
     import torch
 

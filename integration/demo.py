@@ -8,8 +8,10 @@ Two models:
   trained by ``model/train.py`` on the Python standard library's sources; or ``checkpoint=`` a folder): loaded
   with :func:`blockdiff.model.pretrained.load_pretrained` (``DiffusionGemma.load_safetensors`` +
   ``ByteTokenizer.load``), weights as trained. The prompts are short Python snippets (:data:`TEXT_REQUESTS`),
-  encoded by the checkpoint's tokenizer; its eos id ends a request; the canvas length defaults to the one it was
-  trained with and the step cap to 16 (``blockdiff train``'s evaluation cap).
+  encoded by the checkpoint's tokenizer. Sampling parameters are the checkpoint's (its ``generation_config.json``
+  and trained canvas length, as transformers takes them); without a ``generation_config.json`` the step cap is 16
+  (``blockdiff train``'s evaluation cap), and the tokenizer's eos id ends a request unless the generation config
+  names eos ids. ``canvas_length`` / ``max_denoising_steps`` override them, and the header says so.
 * tiny random weights (``checkpoint=None``; ``blockdiff demo --random-weights``): random prompt ids
   (:data:`DEFAULT_REQUESTS`), a 16-token canvas and a step cap of 6. Random weights give near-uniform logits
   (entropy ~ log V, one position accepted per step); the tied embedding is scaled (``embedding_scale``, default
@@ -20,6 +22,7 @@ into four slots, under a step budget of four canvases (long prompts are chunked)
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -32,11 +35,13 @@ from tqdm import tqdm
 
 from blockdiff.attention import attention, build_mask
 from blockdiff.model import CheckpointError, DiffusionGemma, tiny_config  # CheckpointError: re-exported here
+from blockdiff.model.generation import GENERATION_FILE
+from blockdiff.model.loading import check_device
 from blockdiff.model.pretrained import load_pretrained
 from blockdiff.sampler import SamplingParams
 from blockdiff.sampler import get_backend as sampler_get_backend
 
-from .harness import HarnessRunner
+from .harness import HarnessRunner, checkpoint_sampling_params
 
 # Random weights: (req_id, prompt_len, arrival_step, max_tokens, greedy); prompts are random ids.
 DEFAULT_REQUESTS: tuple[tuple[str, int, int, int, bool], ...] = (
@@ -65,6 +70,26 @@ RANDOM_CANVAS_LENGTH, RANDOM_MAX_DENOISING_STEPS, RANDOM_EMBEDDING_SCALE = 16, 6
 
 class BackendUnavailable(RuntimeError):
     """The requested backend cannot run here (no silent fallback)."""
+
+
+class DeviceUnavailable(BackendUnavailable):
+    """The requested device cannot run the demo (not a torch device, not present here, or ``meta``)."""
+
+
+def resolve_device(device) -> torch.device:
+    """``device`` as a torch.device the demo can compute on.
+
+    Raises:
+        DeviceUnavailable: a string torch cannot parse, a CUDA device that is not there
+            (:func:`blockdiff.model.loading.check_device`), or ``meta`` (shapes only, no data to compute with).
+    """
+    try:
+        dev = check_device(device, "device")
+    except (TypeError, ValueError) as e:
+        raise DeviceUnavailable(str(e)) from None
+    if dev.type == "meta":
+        raise DeviceUnavailable("device 'meta' holds no data (shapes only): the demo computes; use cpu or cuda")
+    return dev
 
 
 @dataclass
@@ -104,13 +129,14 @@ TABLE_LEGEND = (
     "q_tok = query tokens of the step; acc_this_step = canvas positions the entropy bound accepted in this step, "
     "summed over the denoise rows (each denoise step samples every canvas position again and keeps the accepted "
     "ones' samples, renoising the rest: a count per step, not of newly fixed positions); mean_H = mean entropy of "
-    "the denoise rows (nats); emitted = tokens emitted (commit rows, after EOS / max_tokens trimming)")
+    "the denoise rows (nats); emitted = tokens emitted (commit rows, after EOS / max_tokens trimming); events: "
+    "+id admitted, preempt:id preempted for KV pages (re-prefilled later), done:id finished")
 
 
 def format_table(history) -> str:
     """Per-step table (:data:`TABLE_LEGEND` says what each column counts): rows per phase (prefill / denoise /
     commit), query tokens, canvas positions accepted in the step (:attr:`StepRecord.positions_accepted`), mean
-    entropy (nats) of the denoise rows, tokens emitted, arrivals and finishes."""
+    entropy (nats) of the denoise rows, tokens emitted, arrivals, preemptions and finishes."""
     head = (f"{'step':>4} {'pre':>3} {'den':>3} {'com':>3} {'q_tok':>5} {'acc_this_step':>13} {'mean_H':>7} "
             f"{'emitted':>7}  events")
     lines = [head, "-" * len(head)]
@@ -120,7 +146,8 @@ def format_table(history) -> str:
             lines.append(f"{h.step:>4} {'':>3} {'':>3} {'':>3} {'':>5} {'':>13} {'':>7} {'':>7}  {ev}")
             continue
         me = h.mean_entropy
-        ev = " ".join([f"+{a}" for a in h.arrived] + [f"done:{f}" for f in h.finished])
+        ev = " ".join([f"+{a}" for a in h.arrived] + [f"preempt:{x}" for x in h.preempted] +
+                      [f"done:{f}" for f in h.finished])
         lines.append(f"{h.step:>4} {h.count('prefill'):>3} {h.count('denoise'):>3} {h.count('commit'):>3} "
                      f"{h.num_tokens:>5} {h.positions_accepted:>13} {(f'{me:.3f}' if me is not None else '-'):>7} "
                      f"{h.tokens_emitted:>7}  {ev}")
@@ -200,8 +227,13 @@ def run_demo(*, backend: str = "reference", sampler_backend: str = "reference", 
         checkpoint: a trained checkpoint folder (``model.safetensors``, ``config.json``, ``tokenizer.json``, as
             ``model/train.py`` writes), or None for tiny random weights. Choosing the shipped checkpoint is the
             caller's job (``blockdiff demo`` does it).
+        device: a torch device string (``"cpu"``, ``"cuda"``, ``"cuda:N"``; not ``"meta"``).
         canvas_length: tokens per canvas (default: the checkpoint's trained ``canvas_length``; 16 for random
-            weights). max_denoising_steps: step cap per canvas (default 16 with a checkpoint, 6 without).
+            weights). max_denoising_steps: step cap per canvas (default: the checkpoint's
+            ``generation_config.json``, else 16; 6 for random weights). With a checkpoint, every other sampling
+            parameter (temperatures, entropy bound, thresholds, eos ids: else the tokenizer's) is the
+            checkpoint's (:func:`~blockdiff.integration.harness.checkpoint_sampling_params`); the header says
+            where an argument overrides the checkpoint.
         requests: the workload (default :data:`TEXT_REQUESTS` with a checkpoint, :data:`DEFAULT_REQUESTS`
             without); a prompt is a str (encoded by the checkpoint's tokenizer) or an int length (random ids).
         embedding_scale: random weights only: factor on the tied embedding (default 30).
@@ -213,6 +245,7 @@ def run_demo(*, backend: str = "reference", sampler_backend: str = "reference", 
         ``max_denoising_steps``; ``samples`` the decoded text (empty for random weights).
 
     Raises:
+        DeviceUnavailable: ``device`` cannot be parsed, is not here, or is ``meta``.
         BackendUnavailable: the attention or sampler backend cannot run on ``device``.
         CheckpointError: ``checkpoint`` cannot be loaded (the message names the folder and the problem).
         ValueError: ``embedding_scale`` with a checkpoint; a text prompt with random weights.
@@ -223,9 +256,7 @@ def run_demo(*, backend: str = "reference", sampler_backend: str = "reference", 
     p = lambda *a: print(*a, file=stream, flush=True)  # noqa: E731
     if checkpoint is not None and embedding_scale is not None:
         raise ValueError("embedding_scale scales random weights; it cannot be used with a trained checkpoint")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise BackendUnavailable("--device cuda but CUDA is not available here")
+    dev = resolve_device(device)
     check_attention_backend(backend, dev)
     interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     if sampler_backend == "triton" and dev.type == "cpu" and not interp:
@@ -245,13 +276,13 @@ def run_demo(*, backend: str = "reference", sampler_backend: str = "reference", 
         try:  # fp32 on the CPU (the reference path); the stored bf16 on a GPU
             model, tokenizer = load_pretrained(checkpoint, device=dev,
                                                dtype=torch.float32 if dev.type == "cpu" else None)
-        except (OSError, ValueError) as e:
+        except CheckpointError:
+            raise
+        except (OSError, ValueError, TypeError) as e:  # what loading a folder's files can raise besides
             raise CheckpointError(str(e)) from e
         cfg = model.config
-        canvas_length = cfg.canvas_length if canvas_length is None else canvas_length
-        max_denoising_steps = TRAINED_MAX_DENOISING_STEPS if max_denoising_steps is None else max_denoising_steps
+        base, notes = _checkpoint_defaults(model, checkpoint, tokenizer, canvas_length, max_denoising_steps)
         requests = TEXT_REQUESTS if requests is None else requests
-        eos = (tokenizer.eos_token_id,)
     else:
         canvas_length = RANDOM_CANVAS_LENGTH if canvas_length is None else canvas_length
         max_denoising_steps = RANDOM_MAX_DENOISING_STEPS if max_denoising_steps is None else max_denoising_steps
@@ -261,7 +292,10 @@ def run_demo(*, backend: str = "reference", sampler_backend: str = "reference", 
         model = DiffusionGemma(cfg).to(dev).eval()
         with torch.no_grad():
             model.embedding_weight.mul_(embedding_scale)  # tied: peaks the toy logits (random weights)
-        eos = ()
+        base = checkpoint_sampling_params(model, max_denoising_steps=max_denoising_steps)
+        notes = {}
+    base = dataclasses.replace(base, seed=seed)
+    canvas_length, max_denoising_steps = base.canvas_length, base.max_denoising_steps
     g = torch.Generator().manual_seed(seed)
     prompts, max_tokens = [], []
     for rid, prompt, _, n, _ in requests:
@@ -274,24 +308,22 @@ def run_demo(*, backend: str = "reference", sampler_backend: str = "reference", 
         else:
             prompts.append(torch.randint(3, cfg.vocab_size, (int(prompt),), generator=g).tolist())
             max_tokens.append(n)
-    params = SamplingParams(canvas_length=canvas_length, max_denoising_steps=max_denoising_steps, seed=seed,
-                            eos_token_ids=eos)
     max_model_len = max(256, max(len(x) for x in prompts) + max(max_tokens) + canvas_length)
-    runner = HarnessRunner(model, default_params=params, max_num_reqs=4, max_num_batched_tokens=4 * canvas_length,
+    runner = HarnessRunner(model, default_params=base, max_num_reqs=4, max_num_batched_tokens=4 * canvas_length,
                            page_size=8, max_model_len=max_model_len, device=dev, attn_backend=backend,
                            sampler_backend=sampler_backend, check=check)
     for (rid, _, arrival, _, greedy), ids, mt in zip(requests, prompts, max_tokens):
         temps = dict(t_min=0.0, t_max=0.0) if greedy else {}
-        rp = SamplingParams(canvas_length=canvas_length, max_denoising_steps=max_denoising_steps, seed=seed,
-                            eos_token_ids=eos, max_tokens=mt, **temps)
-        runner.add_request(rid, ids, rp, arrival_step=arrival)
+        runner.add_request(rid, ids, dataclasses.replace(base, max_tokens=mt, **temps), arrival_step=arrival)
 
     shape = (f"{cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, "
              f"{sum(t.numel() for t in model.parameters()):,} parameters")
     if checkpoint is not None:
+        eos = ", ".join(str(t) for t in base.eos_token_ids) or "none"
         p(f"blockdiff demo: trained DiffusionGemma from {checkpoint} ({shape}, "
           f"{str(model.embed_tokens.weight.dtype).replace('torch.', '')}){_train_summary(checkpoint)}, "
-          f"canvas {canvas_length}, step cap {max_denoising_steps}, eos id {tokenizer.eos_token_id}")
+          f"canvas {canvas_length}{notes.get('canvas_length', '')}, step cap {max_denoising_steps}"
+          f"{notes.get('max_denoising_steps', '')}, eos id {eos}")
     else:
         p(f"blockdiff demo: tiny random-weight DiffusionGemma ({shape}, tied embedding x{embedding_scale:g}), "
           f"canvas {canvas_length}, step cap {max_denoising_steps}")
@@ -357,6 +389,35 @@ def run_demo(*, backend: str = "reference", sampler_backend: str = "reference", 
         png = plot_attention_pattern(rec, cfg, os.path.join(out, "attention_pattern.png"))
         p(f"attention pattern of step {rec.step} ({len(rec.rows)} sequences) written to {png}")
     return DemoResult(runner, results, totals, png, table, rec.step if rec is not None else None, samples)
+
+
+def _checkpoint_defaults(model, folder: str, tokenizer, canvas_length: int | None,
+                         max_denoising_steps: int | None) -> tuple[SamplingParams, dict[str, str]]:
+    """The demo's base request for a trained checkpoint, and header notes where a value is not the checkpoint's.
+
+    Base: :func:`~blockdiff.integration.harness.checkpoint_sampling_params` (the checkpoint's
+    ``generation_config.json`` and ``config.json`` ``canvas_length``; transformers' defaults for what the file
+    leaves out). Then: without a ``generation_config.json`` the step cap is :data:`TRAINED_MAX_DENOISING_STEPS`
+    (``blockdiff train``'s evaluation cap) and, when the generation config names no eos id, the tokenizer's eos
+    id ends a request; explicit ``canvas_length`` / ``max_denoising_steps`` win over both, and the note says
+    which value they override.
+    """
+    has_file = os.path.isfile(os.path.join(folder, GENERATION_FILE))
+    ckpt = checkpoint_sampling_params(model)
+    default_steps = ckpt.max_denoising_steps if has_file else TRAINED_MAX_DENOISING_STEPS
+    steps_src = f"the checkpoint's {default_steps}" if has_file else \
+        f"the default {default_steps}, blockdiff train's evaluation cap"
+    kw: dict[str, Any] = {"max_denoising_steps": default_steps}
+    notes: dict[str, str] = {}
+    if max_denoising_steps is not None and max_denoising_steps != default_steps:
+        kw["max_denoising_steps"] = max_denoising_steps
+        notes["max_denoising_steps"] = f" (overrides {steps_src})"
+    if canvas_length is not None and canvas_length != ckpt.canvas_length:
+        kw["canvas_length"] = canvas_length
+        notes["canvas_length"] = f" (overrides the checkpoint's trained canvas length {ckpt.canvas_length})"
+    if not ckpt.eos_token_ids:
+        kw["eos_token_ids"] = (tokenizer.eos_token_id,)
+    return dataclasses.replace(ckpt, **kw), notes
 
 
 def format_generation_metrics(totals: dict) -> str:

@@ -11,9 +11,8 @@ import numpy as np
 
 from blockdiff.model import DiffusionGemma
 from blockdiff.model.tokenizer import ByteTokenizer
-from blockdiff.sampler import SamplingParams
 
-from .harness import HarnessRunner
+from .harness import HarnessRunner, checkpoint_sampling_params
 
 __all__ = ["held_out_prompts", "evaluate_generation"]
 
@@ -55,8 +54,9 @@ def evaluate_generation(model: DiffusionGemma, tokenizer: ByteTokenizer, held_ou
                         num_prompts: int = 8, prompt_len: int = 48, canvases: int = 2, max_denoising_steps: int = 16,
                         seed: int = 0, attn_backend: str = "reference", sampler_backend: str = "reference",
                         device=None) -> dict:
-    """Generate from held-out prompts with :class:`HarnessRunner` (the project's harness and sampler, default
-    :class:`~blockdiff.sampler.SamplingParams` except canvas length / step cap / eos).
+    """Generate from held-out prompts with :class:`HarnessRunner` (the project's harness and sampler, the
+    checkpoint's sampling parameters, :func:`~blockdiff.integration.harness.checkpoint_sampling_params`, except
+    canvas length (``model.config``'s), step cap, seed, eos (the tokenizer's) and max_tokens).
 
     Prompts: :func:`held_out_prompts` (``num_prompts`` windows of ``prompt_len`` tokens at line starts). Each
     request generates up to ``canvases * canvas_length`` tokens (stops at eos); all run at once, one slot each.
@@ -81,8 +81,8 @@ def evaluate_generation(model: DiffusionGemma, tokenizer: ByteTokenizer, held_ou
     prompts = held_out_prompts(tokenizer, held_out, num_prompts, prompt_len, seed)
     if not prompts:
         raise ValueError("no held-out prompt found (held-out stream too short)")
-    params = SamplingParams(canvas_length=CL, max_denoising_steps=max_denoising_steps, seed=seed,
-                            eos_token_ids=(tokenizer.eos_token_id,), max_tokens=canvases * CL)
+    params = checkpoint_sampling_params(model, canvas_length=CL, max_denoising_steps=max_denoising_steps, seed=seed,
+                                        eos_token_ids=(tokenizer.eos_token_id,), max_tokens=canvases * CL)
     dev = device or model.embed_tokens.weight.device
     runner = HarnessRunner(model, default_params=params, max_num_reqs=len(prompts),
                            max_num_batched_tokens=max(len(prompts) * CL, prompt_len * len(prompts)),

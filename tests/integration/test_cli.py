@@ -87,8 +87,8 @@ def test_sampler_check_mismatch_exits_nonzero_with_message(tmp_path, capsys, mon
         if backend != "triton":
             return ref
 
-        def corrupted(state, slots, logits, prefill_done, embedding):
-            out = ref(state, slots, logits, prefill_done, embedding)
+        def corrupted(state, slots, logits, prefill_done, embedding, **kw):
+            out = ref(state, slots, logits, prefill_done, embedding, **kw)
             state.canvas.add_(1).remainder_(state.vocab_size)  # a wrong next canvas
             return out
         return corrupted
@@ -135,3 +135,47 @@ def test_train_argument_errors_come_before_torch():
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.stdout.strip() == "exit 2 False", p.stdout + p.stderr
     assert "invalid choice: 'flash9000'" in p.stderr
+
+
+_NO_TORCH = ("import sys; from blockdiff.integration import cli\n"
+             "rc = cli.main({argv!r})\n"
+             "print('exit', rc, 'torch' in sys.modules)")
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["demo", "--device", "bogus"], "--device"),
+    (["demo", "--device", ""], "--device"),
+    (["demo", "--device", "meta"], "--device"),
+    (["demo", "--max-denoising-steps", "0"], "--max-denoising-steps"),
+    (["demo", "--max-denoising-steps", "16384"], "--max-denoising-steps"),
+    (["demo", "--embedding-scale", "2"], "--embedding-scale"),        # the shipped checkpoint: needs --random-weights
+    (["demo", "--checkpoint", "/nonexistent-blockdiff"], "--checkpoint"),
+    (["demo", "--checkpoint", "/etc/hostname"], "--checkpoint"),      # a file, not a folder
+    (["train", "--device", "cuda:x", "--out", "/tmp/x"], "--device"),
+])
+def test_argument_errors_exit_2_with_one_line_before_torch(tmp_path, argv, flag):
+    """Each argument error is one line naming the option, exit 2, in a process that never imported torch (was:
+    --device bogus / '' printed a traceback (exit 1); --max-denoising-steps, --embedding-scale with the shipped
+    checkpoint and --checkpoint not a folder took the 2-6 s of the heavy imports)."""
+    if argv[0] == "demo":
+        argv = argv + ["--out", str(tmp_path)]
+    p = subprocess.run([sys.executable, "-c", _NO_TORCH.format(argv=argv)], capture_output=True, text=True,
+                       timeout=120)
+    assert p.stdout.strip() == "exit 2 False", p.stdout + p.stderr
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and flag in lines[0] and "Traceback" not in p.stderr, p.stderr
+
+
+def test_step_cap_bound_equals_the_samplers():
+    from blockdiff.sampler.rng import MAX_STEPS
+
+    assert cli.MAX_DENOISING_STEPS == MAX_STEPS
+
+
+def test_a_cuda_device_that_is_not_here_is_one_line_naming_device(tmp_path, capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    rc = cli.main(["demo", "--random-weights", "--device", "cuda:3", "--out", str(tmp_path), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "--device 'cuda:3'" in err and "CUDA is not available" in err

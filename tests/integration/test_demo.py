@@ -7,6 +7,7 @@ a trained run, smoke config): these tests check the plumbing, not the quality of
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 
@@ -145,3 +146,97 @@ def test_bad_checkpoint_is_a_clear_error_naming_the_argument(smoke_checkpoint, t
 def test_text_prompts_need_a_tokenizer(tmp_path):
     with pytest.raises(ValueError, match="text prompt needs a checkpoint"):
         run_demo(out=str(tmp_path), progress=False, requests=(("r", "def f():", 0, 1, False),))
+
+
+def _copy_checkpoint(src, dst):
+    os.makedirs(dst)
+    for f in os.listdir(src):
+        with open(os.path.join(src, f), "rb") as a, open(os.path.join(dst, f), "wb") as b:
+            b.write(a.read())
+    return str(dst)
+
+
+def test_canvas_length_override_is_said_in_the_header(smoke_checkpoint, tmp_path, capsys):
+    """--canvas-length 16 on a checkpoint trained with 8-token canvases runs, and the header says it overrides the
+    checkpoint's 8 (was: 'canvas 16' as if it were the checkpoint's own)."""
+    rc, out, err = _run(["--checkpoint", smoke_checkpoint, "--out", str(tmp_path), "--canvas-length", "16",
+                         "--max-denoising-steps", "2"], capsys)
+    assert rc == 0, err
+    head = out.splitlines()[0]
+    assert "canvas 16 (overrides the checkpoint's trained canvas length 8)" in head
+    assert "step cap 2 (overrides the default 16, blockdiff train's evaluation cap)" in head
+    rc, out, err = _run(["--checkpoint", smoke_checkpoint, "--out", str(tmp_path), "--canvas-length", "8",
+                         "--max-denoising-steps", "2"], capsys)
+    assert rc == 0 and "overrides the checkpoint" not in out.splitlines()[0]
+
+
+def test_generation_config_json_gives_the_demo_defaults(smoke_checkpoint, tmp_path, monkeypatch, capsys):
+    """A checkpoint's generation_config.json sets the step cap, temperatures, entropy bound and eos ids of every
+    demo request (transformers' generation defaults; was: ignored); --max-denoising-steps still wins."""
+    folder = _copy_checkpoint(smoke_checkpoint, tmp_path / "with-gen")
+    with open(os.path.join(folder, "generation_config.json"), "w") as f:
+        json.dump({"max_denoising_steps": 2, "t_min": 0.2, "t_max": 0.5, "eos_token_id": [1, 5],
+                   "sampler_config": {"entropy_bound": 0.25, "_cls_name": "EntropyBoundSamplerConfig"}}, f)
+    added = []
+    real_add = HarnessRunner.add_request
+
+    def add_request(self, req_id, prompt, params=None, **kw):
+        added.append(params)
+        return real_add(self, req_id, prompt, params, **kw)
+    monkeypatch.setattr(HarnessRunner, "add_request", add_request)
+    rc, out, err = _run(["--checkpoint", folder, "--out", str(tmp_path)], capsys)
+    assert rc == 0, err
+    assert "step cap 2, eos id 1, 5" in out.splitlines()[0] and "overrides" not in out.splitlines()[0]
+    noisy = [p for p in added if p.t_max > 0]
+    assert noisy and all((p.max_denoising_steps, p.t_min, p.t_max, p.entropy_bound, p.eos_token_ids)
+                         == (2, 0.2, 0.5, 0.25, (1, 5)) for p in noisy)
+    added.clear()
+    rc, out, err = _run(["--checkpoint", folder, "--out", str(tmp_path), "--max-denoising-steps", "3"], capsys)
+    assert rc == 0 and "step cap 3 (overrides the checkpoint's 2)" in out.splitlines()[0]
+    assert all(p.max_denoising_steps == 3 for p in added)
+
+
+def _truncate(path):
+    data = open(path, "rb").read()
+    with open(path, "wb") as f:
+        f.write(data[:-100])
+
+
+def _write(path, text):
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _text(path):
+    _write(path, "not safetensors\n" * 20)
+
+
+def _config(change):
+    def edit(path):
+        with open(path) as f:
+            cfg = json.load(f)
+        cfg = change(cfg)
+        with open(path, "w") as f:
+            json.dump(cfg, f)
+    return edit
+
+
+@pytest.mark.parametrize("name,edit", [
+    ("model.safetensors", _truncate),
+    ("model.safetensors", _text),
+    ("config.json", _config(lambda c: [1, 2])),
+    ("config.json", _config(lambda c: dict(c, final_logit_softcapping=0))),
+    ("config.json", _config(lambda c: dict(c, head_dim="64"))),
+    ("config.json", _config(lambda c: dict(c, canvas_length=10 ** 9))),
+    ("generation_config.json", lambda p: _write(p, '{"tmin": 0.1}')),
+], ids=["truncated-weights", "text-weights", "config-list", "softcap-0", "str-head-dim", "huge-canvas",
+        "generation-typo"])
+def test_unusable_checkpoint_exits_2_with_one_line_naming_checkpoint(smoke_checkpoint, tmp_path, capsys, name, edit):
+    """Was: a SafetensorError / TypeError traceback (exit 1), or a config that loaded and failed every request."""
+    folder = _copy_checkpoint(smoke_checkpoint, tmp_path / "bad")
+    edit(os.path.join(folder, name))
+    rc, out, err = _run(["--checkpoint", folder, "--out", str(tmp_path)], capsys)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert rc == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith(f"blockdiff demo: error: --checkpoint {folder!r} cannot be loaded")
+    assert "blockdiff demo: trained" not in out
