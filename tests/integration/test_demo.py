@@ -38,6 +38,18 @@ def smoke_checkpoint(tmp_path_factory):
     return str(folder)
 
 
+def _record_params(monkeypatch) -> list:
+    """The SamplingParams of every HarnessRunner.add_request from now on (appended to the returned list)."""
+    added = []
+    real_add = HarnessRunner.add_request
+
+    def add_request(self, req_id, prompt, params=None, **kw):
+        added.append(params)
+        return real_add(self, req_id, prompt, params, **kw)
+    monkeypatch.setattr(HarnessRunner, "add_request", add_request)
+    return added
+
+
 def _run(args, capsys):
     rc = cli.main(["demo", "--no-progress", *args])
     out = capsys.readouterr()
@@ -65,13 +77,7 @@ def test_demo_serves_a_checkpoint_folder_and_prints_the_metrics_and_text(smoke_c
 
 def test_checkpoint_weights_are_served_as_trained_with_the_tokenizer_eos(smoke_checkpoint, tmp_path, monkeypatch):
     """No random-weight embedding scaling on a checkpoint; eos from the tokenizer; text prompts encoded by it."""
-    added = []
-    real_add = HarnessRunner.add_request
-
-    def add_request(self, req_id, prompt, params=None, **kw):
-        added.append(params)
-        return real_add(self, req_id, prompt, params, **kw)
-    monkeypatch.setattr(HarnessRunner, "add_request", add_request)
+    added = _record_params(monkeypatch)
     res = run_demo(checkpoint=smoke_checkpoint, out=str(tmp_path), max_denoising_steps=2, progress=False,
                    stream=io.StringIO())
     assert len(added) == len(TEXT_REQUESTS) and all(p.eos_token_ids == (1,) for p in added)
@@ -177,13 +183,7 @@ def test_generation_config_json_gives_the_demo_defaults(smoke_checkpoint, tmp_pa
     with open(os.path.join(folder, "generation_config.json"), "w") as f:
         json.dump({"max_denoising_steps": 2, "t_min": 0.2, "t_max": 0.5, "eos_token_id": [1, 5],
                    "sampler_config": {"entropy_bound": 0.25, "_cls_name": "EntropyBoundSamplerConfig"}}, f)
-    added = []
-    real_add = HarnessRunner.add_request
-
-    def add_request(self, req_id, prompt, params=None, **kw):
-        added.append(params)
-        return real_add(self, req_id, prompt, params, **kw)
-    monkeypatch.setattr(HarnessRunner, "add_request", add_request)
+    added = _record_params(monkeypatch)
     rc, out, err = _run(["--checkpoint", folder, "--out", str(tmp_path)], capsys)
     assert rc == 0, err
     assert "step cap 2, eos id 1, 5" in out.splitlines()[0] and "overrides" not in out.splitlines()[0]
