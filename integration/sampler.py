@@ -236,7 +236,11 @@ class DiffusionSampler:
         # vocabulary, and the soft embedding takes exactly those rows
         embedding = self.embedding[: logits3.shape[-1]] if self.embedding.shape[0] > logits3.shape[-1] else \
             self.embedding
-        out = sampler_step(st, slots, logits3, prefill_done, embedding, backend=self.backend)
+        # On a GPU the slots (DiffusionModelState's own slot table: distinct, in range) are not read back every step
+        # (a host sync); the triton kernels still mask an out-of-range id. On the CPU and under --check they are.
+        trusted = slots.device.type == "cuda" and not self.check
+        out = sampler_step(st, slots, logits3, prefill_done, embedding, backend=self.backend,
+                           check_values=False if trusted else None)
         if self.check:
             ref_out = sampler_step(snapshot, slots, logits3, prefill_done, embedding, backend="reference")
             compare_sampler(snapshot, st, ref_out, out)
