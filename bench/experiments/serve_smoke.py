@@ -1,16 +1,30 @@
 """Serving smoke check of issue 25: send the demo's text prompts to an OpenAI-compatible server (``vllm serve``)
 and compare its completions with blockdiff's harness on the same checkpoint, token for token.
 
-    # the harness side (GPU or CPU), greedy, writes JSON
-    python3 -m blockdiff.bench.experiments.serve_smoke harness --out harness.json [--device cuda]
+    # the harness side (GPU or CPU), greedy, writes JSON; --dtype float32 for the token-for-token check (below)
+    python3 -m blockdiff.bench.experiments.serve_smoke harness --out harness.json [--device cuda] [--dtype float32]
     # a server side: one completion per prompt, greedy through vllm_xargs (t_min = t_max = 0)
     python3 -m blockdiff.bench.experiments.serve_smoke client --base-url http://127.0.0.1:8022 --model MODEL --out srv.json
-    # agreement of two sides (exit 0 always; prints per-prompt equality and the common prefix length)
+    # agreement of two sides (exit 0 always; prints per-prompt equality of the prompt and output token ids and the
+    # index of the first differing output token)
     python3 -m blockdiff.bench.experiments.serve_smoke compare harness.json srv.json
 
-Greedy under vLLM is ``vllm_xargs {"t_min": 0, "t_max": 0}`` (vLLM refuses temperature != 1 and seeds for diffusion
-models); the step cap rides in ``diffusion_max_steps``. ``--sampled`` sends the checkpoint's schedule instead and
-reports agreement only as a rate. Uses only the standard library on the client side.
+What makes the two sides comparable:
+
+* Greedy under vLLM is ``vllm_xargs {"t_min": 0, "t_max": 0}`` (vLLM refuses temperature != 1 and seeds for
+  diffusion models). Every other diffusion parameter (:data:`PARAMS`: step cap, entropy bound, confidence and
+  stability thresholds) is sent explicitly too, so the server's ``generation_config.json`` does not matter.
+* Greedy still starts each canvas from random tokens, keyed by the request's RNG identity: the client sends
+  ``vllm_xargs["rng_request_id"]`` = the harness's request id (``req-0`` ...), since vLLM's own request ids end in
+  random characters (:data:`blockdiff.integration.model_state.VLLM_RNG_REQUEST_ID`).
+* The plugin's CUSTOM attention applies the checkpoint's bidirectional window rule (``"prefix"``), as the harness.
+* The two sides run different implementations of the model (vLLM's Gemma 4 layers vs blockdiff's), which round
+  differently in bf16; on this small checkpoint a 1-ulp change (RMSNorm's rounding order alone) changes greedy
+  outputs from the second token on. Token-for-token equality is the check in float32 (``vllm serve --dtype
+  float32`` and ``harness --dtype float32``); in bf16 ``compare`` reports the agreement only.
+
+``--sampled`` sends the :data:`PARAMS` schedule instead of greedy and reports agreement only as a rate. The client
+side uses only the standard library.
 """
 from __future__ import annotations
 
@@ -24,39 +38,69 @@ from blockdiff.integration.demo import TEXT_REQUESTS
 
 MAX_TOKENS = 64
 STEP_CAP = 16
+#: Diffusion parameters both sides set explicitly (blockdiff SamplingParams field -> value); greedy overrides
+#: t_min / t_max with 0. The values are SamplingParams' defaults with the demo's step cap for the trained checkpoint.
+PARAMS = {"max_denoising_steps": STEP_CAP, "t_min": 0.4, "t_max": 0.8, "entropy_bound": 0.1,
+          "confidence_threshold": 0.005, "stability_threshold": 1}
+GREEDY = {"t_min": 0.0, "t_max": 0.0}
+#: SamplingParams field -> vllm_xargs key (blockdiff.integration.model_state.VLLM_EXTRA_ARGS, inverted; a test
+#: checks the two agree: the client imports no blockdiff module that needs torch).
+XARGS_KEYS = {"max_denoising_steps": "diffusion_max_steps", "t_min": "t_min", "t_max": "t_max",
+              "entropy_bound": "entropy_bound", "confidence_threshold": "confidence_threshold",
+              "stability_threshold": "stability_threshold"}
+#: vllm_xargs key of the request's RNG identity (blockdiff.integration.model_state.VLLM_RNG_REQUEST_ID).
+RNG_REQUEST_ID = "rng_request_id"
+DTYPES = ("bfloat16", "float32")
 
 
 def _prompts():
     return [(rid, text) for rid, text, *_ in TEXT_REQUESTS]
 
 
-def run_harness(out: str, device: str, attn_backend: str, sampler_backend: str, sampled: bool) -> dict:
-    """Greedy (or sampled) completions of the demo prompts through HarnessRunner on the shipped checkpoint."""
+def diffusion_params(sampled: bool) -> dict:
+    """The SamplingParams fields both sides set: :data:`PARAMS`, with :data:`GREEDY` unless ``sampled``."""
+    return {**PARAMS, **({} if sampled else GREEDY)}
+
+
+def vllm_xargs(rid: str, sampled: bool) -> dict:
+    """The ``vllm_xargs`` of the request for harness request ``rid``: :func:`diffusion_params` under vLLM's keys and
+    the RNG identity ``rid``."""
+    out = {XARGS_KEYS[k]: v for k, v in diffusion_params(sampled).items()}
+    out[RNG_REQUEST_ID] = rid
+    return out
+
+
+def run_harness(out: str, device: str, attn_backend: str, sampler_backend: str, sampled: bool,
+                dtype: str = "bfloat16") -> dict:
+    """Greedy (or sampled) completions of the demo prompts through HarnessRunner on the shipped checkpoint, in
+    ``dtype`` (``"bfloat16"``: as stored; ``"float32"``: for the token-for-token check against a float32 server)."""
     import torch  # heavy; the client side needs none of it
 
     from blockdiff.integration import HarnessRunner
     from blockdiff.model.pretrained import load_pretrained, shipped_checkpoint_dir
     from blockdiff.sampler import SamplingParams
 
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     dev = torch.device(device)
-    model, tok = load_pretrained(shipped_checkpoint_dir(), device=dev)
+    model, tok = load_pretrained(shipped_checkpoint_dir(), device=dev, dtype=getattr(torch, dtype))
     cl = model.config.canvas_length
-    temps = {} if sampled else dict(t_min=0.0, t_max=0.0)
-    params = SamplingParams(canvas_length=cl, max_denoising_steps=STEP_CAP, eos_token_ids=(tok.eos_token_id,),
-                            max_tokens=MAX_TOKENS, **temps)
+    params = SamplingParams(canvas_length=cl, eos_token_ids=(tok.eos_token_id,), max_tokens=MAX_TOKENS,
+                            **diffusion_params(sampled))
     prompts = _prompts()
     runner = HarnessRunner(model, default_params=params, max_num_reqs=len(prompts),
                            max_num_batched_tokens=len(prompts) * max(cl, 64), page_size=16,
                            max_model_len=256 + MAX_TOKENS + cl, device=dev, attn_backend=attn_backend,
                            sampler_backend=sampler_backend)
-    for rid, text in prompts:
-        runner.add_request(rid, tok.encode(text), params)
+    ids = {rid: tok.encode(text) for rid, text in prompts}
+    for rid, _ in prompts:
+        runner.add_request(rid, ids[rid], params)
     res = runner.run()
-    rows = {rid: {"prompt": text, "token_ids": list(res[rid].output_token_ids),
+    rows = {rid: {"prompt": text, "prompt_token_ids": ids[rid], "token_ids": list(res[rid].output_token_ids),
                   "text": tok.decode(list(res[rid].output_token_ids)), "finish_reason": res[rid].finish_reason}
             for rid, text in prompts}
-    rec = {"side": "harness", "device": device, "attn_backend": attn_backend, "sampler_backend": sampler_backend,
-           "sampled": sampled, "rows": rows}
+    rec = {"side": "harness", "device": device, "dtype": dtype, "attn_backend": attn_backend,
+           "sampler_backend": sampler_backend, "sampled": sampled, "rows": rows}
     json.dump(rec, open(out, "w"), indent=1)
     return rec
 
@@ -68,21 +112,19 @@ def _post(url: str, body: dict, timeout: float) -> dict:
 
 
 def run_client(base_url: str, model: str, out: str, sampled: bool, timeout: float) -> dict:
-    """One completion per demo prompt from the server; records text, token ids (via ``return_token_ids``) and
-    errors."""
-    xargs = {"diffusion_max_steps": STEP_CAP}
-    if not sampled:
-        xargs.update(t_min=0.0, t_max=0.0)
+    """One completion per demo prompt from the server (:func:`vllm_xargs` per request); records text, prompt and
+    output token ids (via ``return_token_ids``) and errors."""
     rows = {}
     for rid, text in _prompts():
-        body = {"model": model, "prompt": text, "max_tokens": MAX_TOKENS, "vllm_xargs": xargs,
+        body = {"model": model, "prompt": text, "max_tokens": MAX_TOKENS, "vllm_xargs": vllm_xargs(rid, sampled),
                 "return_token_ids": True}
         t0 = time.perf_counter()
         try:
             r = _post(base_url.rstrip("/") + "/v1/completions", body, timeout)
             ch = r["choices"][0]
-            rows[rid] = {"prompt": text, "text": ch.get("text"), "token_ids": ch.get("token_ids"),
-                         "finish_reason": ch.get("finish_reason"), "seconds": time.perf_counter() - t0}
+            rows[rid] = {"prompt": text, "prompt_token_ids": ch.get("prompt_token_ids"), "text": ch.get("text"),
+                         "token_ids": ch.get("token_ids"), "finish_reason": ch.get("finish_reason"),
+                         "seconds": time.perf_counter() - t0}
         except Exception as e:  # recorded, never lost: a failed request is a row with its error
             detail = getattr(e, "read", lambda: b"")()
             rows[rid] = {"prompt": text, "error": f"{type(e).__name__}: {e} {detail[:500]!r}"}
@@ -91,19 +133,42 @@ def run_client(base_url: str, model: str, out: str, sampled: bool, timeout: floa
     return rec
 
 
-def compare(a: str, b: str) -> dict:
-    """Per-prompt agreement of two records: equal text, common prefix length in characters."""
-    ra, rb = json.load(open(a))["rows"], json.load(open(b))["rows"]
+def _common_prefix(a, b) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def compare_rows(ra: dict, rb: dict) -> dict:
+    """Per-prompt agreement of two records' rows: ``equal`` (output token ids when both sides have them, else the
+    text), ``first_diff_token`` (index of the first differing output token, None when equal), the common text
+    prefix in characters, and ``prompt_equal`` (the prompt token ids agree: a server that added a BOS would not);
+    a row missing or failed on either side is ``equal: False`` with its error."""
     out = {}
     for rid in ra:
-        ta, tb = ra[rid].get("text"), rb.get(rid, {}).get("text")
+        a, b = ra[rid], rb.get(rid, {})
+        ta, tb = a.get("text"), b.get("text")
         if ta is None or tb is None:
-            out[rid] = {"equal": False, "error": ra[rid].get("error") or rb.get(rid, {}).get("error")}
+            out[rid] = {"equal": False, "error": a.get("error") or b.get("error") or "missing"}
             continue
-        n = 0
-        while n < min(len(ta), len(tb)) and ta[n] == tb[n]:
-            n += 1
-        out[rid] = {"equal": ta == tb, "common_prefix_chars": n, "len": [len(ta), len(tb)]}
+        row = {"common_prefix_chars": _common_prefix(ta, tb), "len": [len(ta), len(tb)]}
+        ia, ib = a.get("token_ids"), b.get("token_ids")
+        if ia is not None and ib is not None:
+            n = _common_prefix(ia, ib)
+            row.update(equal=ia == ib, first_diff_token=None if ia == ib else n, num_tokens=[len(ia), len(ib)])
+        else:
+            row["equal"] = ta == tb
+        pa, pb = a.get("prompt_token_ids"), b.get("prompt_token_ids")
+        if pa is not None and pb is not None:
+            row["prompt_equal"] = pa == pb
+        out[rid] = row
+    return out
+
+
+def compare(a: str, b: str) -> dict:
+    """:func:`compare_rows` of two record files, printed with the count of equal prompts."""
+    out = compare_rows(json.load(open(a))["rows"], json.load(open(b))["rows"])
     eq = sum(v["equal"] for v in out.values())
     print(json.dumps(out, indent=1))
     print(f"equal: {eq} of {len(out)}")
@@ -116,6 +181,8 @@ def main(argv=None) -> int:
     h = sub.add_parser("harness")
     h.add_argument("--out", required=True)
     h.add_argument("--device", default="cuda")
+    h.add_argument("--dtype", choices=DTYPES, default="bfloat16",
+                   help="model dtype (float32 for the token-for-token check against vllm serve --dtype float32)")
     h.add_argument("--attn-backend", default="triton")
     h.add_argument("--sampler-backend", default="triton")
     h.add_argument("--sampled", action="store_true")
@@ -130,7 +197,7 @@ def main(argv=None) -> int:
     m.add_argument("b")
     args = ap.parse_args(argv)
     if args.cmd == "harness":
-        run_harness(args.out, args.device, args.attn_backend, args.sampler_backend, args.sampled)
+        run_harness(args.out, args.device, args.attn_backend, args.sampler_backend, args.sampled, args.dtype)
     elif args.cmd == "client":
         run_client(args.base_url, args.model, args.out, args.sampled, args.timeout)
     else:
