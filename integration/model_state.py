@@ -116,6 +116,33 @@ def request_key(req_id: str) -> int:
     return int.from_bytes(hashlib.blake2b(req_id.encode(), digest_size=8).digest(), "little") & (2 ** 63 - 1)
 
 
+#: vLLM ``SamplingParams.extra_args`` key naming the request's RNG identity: a non-empty str that
+#: :func:`request_key` hashes in place of the id vLLM gives the request. vLLM's ids end in 8 random characters
+#: (``InputProcessor.assign_request_id``), so without the key a served request's noise (its initial canvases,
+#: renoise and Gumbel draws) differs from run to run; with it, the request draws the noise of the harness request
+#: with that ``req_id`` (and the same seed), so a greedy served request can equal the harness's token for token.
+VLLM_RNG_REQUEST_ID = "rng_request_id"
+
+
+def rng_request_id(sampling_params: Any, req_id: str) -> str:
+    """The id whose :func:`request_key` keys a request's noise: ``extra_args["rng_request_id"]`` of a vLLM
+    ``SamplingParams`` when set (:data:`VLLM_RNG_REQUEST_ID`), else ``req_id``.
+
+    Raises:
+        TypeError: the extra_args value is not a str. ValueError: it is the empty string.
+    """
+    extra = getattr(sampling_params, "extra_args", None)
+    v = extra.get(VLLM_RNG_REQUEST_ID) if isinstance(extra, Mapping) else None
+    if v is None:
+        return req_id
+    if not isinstance(v, str):
+        raise TypeError(f"sampling_params.extra_args[{VLLM_RNG_REQUEST_ID!r}] must be a str (the request's RNG "
+                        f"identity), got {type(v).__name__} ({v!r})")
+    if not v:
+        raise ValueError(f"sampling_params.extra_args[{VLLM_RNG_REQUEST_ID!r}] must not be empty")
+    return v
+
+
 def _is_int(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
@@ -207,8 +234,9 @@ def to_diffusion_params(sampling_params: Any, defaults: Any = None, *, canvas_le
     not one): ``seed`` -> seed (None -> the default's), ``max_tokens``, EOS ids = vLLM's stop set
     (:func:`stop_token_ids_of`: ``eos_token_id`` unless ``ignore_eos``, plus every ``stop_token_ids`` entry), and
     the ``extra_args`` keys of :data:`VLLM_EXTRA_ARGS` (``diffusion_max_steps`` -> max_denoising_steps, ``t_min``,
-    ``t_max``, ``entropy_bound``, ``confidence_threshold``, ``stability_threshold``, ``diffusion_canvas_length``);
-    every other field from ``defaults``. Temperature: the sampler follows a per-step schedule from ``t_max``
+    ``t_max``, ``entropy_bound``, ``confidence_threshold``, ``stability_threshold``, ``diffusion_canvas_length``;
+    ``rng_request_id`` is accepted too and read by :func:`rng_request_id`, not here); every other field from
+    ``defaults``. Temperature: the sampler follows a per-step schedule from ``t_max``
     down to ``t_min`` (``extra_args``); vLLM's ``temperature`` = 0 (below vLLM's 1e-5) means greedy
     (t_min = t_max = 0), its default 1.0 leaves the schedule alone, and any other value, negative ones included,
     is refused (it has no single meaning for a schedule). Options the sampler does not implement
@@ -256,10 +284,10 @@ def to_diffusion_params(sampling_params: Any, defaults: Any = None, *, canvas_le
             elif not isinstance(extra, Mapping):
                 raise TypeError(f"sampling_params.extra_args must be a dict (keys {sorted(VLLM_EXTRA_ARGS)}) or None, "
                                 f"got {type(extra).__name__}")
-            unknown = sorted(repr(k) for k in extra if k not in VLLM_EXTRA_ARGS)
+            unknown = sorted(repr(k) for k in extra if k not in VLLM_EXTRA_ARGS and k != VLLM_RNG_REQUEST_ID)
             if unknown:
                 raise ValueError(f"sampling_params.extra_args has unknown key(s) {', '.join(unknown)}: blockdiff reads "
-                                 f"{sorted(VLLM_EXTRA_ARGS)}")
+                                 f"{sorted([*VLLM_EXTRA_ARGS, VLLM_RNG_REQUEST_ID])}")
             temperature = getattr(sp, "temperature", 1.0)
             temperature = 1.0 if temperature is None else temperature
             if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
@@ -410,7 +438,8 @@ class DiffusionModelState(_Base):
             req_index: slot in [0, max_num_reqs).
             new_req_data: has ``req_id`` (str), ``prompt_token_ids`` and ``sampling_params`` (blockdiff or vLLM
                 SamplingParams); optional ``prefill_token_ids`` (prompt + generated tokens of a resumed request;
-                None or the prompt for a new one).
+                None or the prompt for a new one). The request's noise is keyed by :func:`request_key` of
+                :func:`rng_request_id` (``extra_args["rng_request_id"]`` of a vLLM request, else ``req_id``).
 
         Under vLLM a request whose sampling parameters blockdiff refuses (e.g. ``extra_args`` with t_min > t_max)
         does not raise (vLLM admitted it, and an exception here would take the engine and every request down):
@@ -443,14 +472,16 @@ class DiffusionModelState(_Base):
         CL = self.canvas_length
         try:
             params = to_diffusion_params(new_req_data.sampling_params, self.default_params, canvas_length=CL)
+            rng_id = rng_request_id(new_req_data.sampling_params, req_id)
             self.reserve_stop_token_ids(len(params.eos_token_ids))
             self.state.check_params(params)
             failed = None
         except (TypeError, ValueError) as e:
             if self.mode != "vllm":
                 raise
-            params, failed = self.default_params, f"request {req_id!r} refused: {type(e).__name__}: {e}"
-        self.state.add_request(req_index, request_key(req_id), params, num_emitted=num_generated,
+            params, rng_id = self.default_params, req_id
+            failed = f"request {req_id!r} refused: {type(e).__name__}: {e}"
+        self.state.add_request(req_index, request_key(rng_id), params, num_emitted=num_generated,
                                canvas_index=-(-num_generated // CL))
         if failed is not None:
             self.state.phase[req_index] = FAILED

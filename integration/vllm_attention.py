@@ -5,13 +5,18 @@ Metadata, KV layout and the KV write are vLLM's FlashAttention backend's (the bu
 fills in place from the phase). Only the attention call changes: one :func:`blockdiff.attention.attention`
 launch over the whole mixed batch, with the backend named by ``BLOCKDIFF_ATTN_BACKEND`` (default ``triton``;
 ``cute``; no fallback). Sliding windows: vLLM's ``sliding_window`` (Gemma's 1024) is W = sliding_window - 1
-keys per side, symmetric for bidirectional rows (vLLM's convention).
+keys; bidirectional (denoise) rows follow the model's rule, :attr:`BlockdiffAttentionImpl.bidirectional_window`:
+``"prefix"`` (transformers' DiffusionGemma decoder: the last W context keys plus the whole canvas) unless the
+checkpoint's ``text_config.bidirectional_window`` says ``"symmetric"`` (vLLM's own convention, ``|q - k| <= W``);
+blockdiff's model class sets it on every layer from the config
+(:class:`~blockdiff.integration.vllm_model.BlockdiffDiffusionGemmaForConditionalGeneration`).
 
 Two things are not FlashAttention's (the same in vLLM 0.26.0 and 0.33.0): the metadata builder never computes
 FA3's ahead-of-time schedule (:class:`BlockdiffAttentionMetadataBuilder`: vLLM's builder passes the per-request
 ``causal`` tensor to ``get_scheduler_metadata``, which takes a bool, whenever FA3 is the installed FlashAttention),
-and the head sizes the backend accepts are blockdiff's (:meth:`BlockdiffAttentionBackend.supports_head_size`:
-FlashAttention's own refuses head size 512, DiffusionGemma's global layers, unless FA4 is importable).
+and the head sizes and dtypes the backend accepts are blockdiff's (:meth:`BlockdiffAttentionBackend.supports_head_size`:
+FlashAttention's own refuses head size 512, DiffusionGemma's global layers, unless FA4 is importable;
+:meth:`BlockdiffAttentionBackend.supports_dtype`: float32 too with the triton backend, for ``--dtype float32``).
 """
 from __future__ import annotations
 
@@ -24,12 +29,20 @@ from vllm.v1.attention.backends.flash_attn import (  # type: ignore
     FlashAttentionMetadataBuilder,
 )
 
-from .vllm_plugin import ATTN_BACKEND_ENV
+from .vllm_plugin import ATTN_BACKEND_ENV, DEFAULT_BIDIRECTIONAL_WINDOW
 
 
 class BlockdiffAttentionImpl(FlashAttentionImpl):
     """FlashAttentionImpl whose forward calls :func:`blockdiff.attention.attention` (one launch, per-request
-    causal flags)."""
+    causal flags).
+
+    Attributes:
+        bidirectional_window: window rule of the bidirectional rows on a sliding-window layer (``"prefix"`` or
+            ``"symmetric"``, see the module docstring); the class default is transformers' ``"prefix"``, and
+            blockdiff's model class sets each layer's from the checkpoint's config.
+    """
+
+    bidirectional_window: str = DEFAULT_BIDIRECTIONAL_WINDOW
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -65,7 +78,7 @@ class BlockdiffAttentionImpl(FlashAttentionImpl):
         attention(query[:n].view(n, self.num_heads, self.head_size), key_cache, value_cache,
                   cu_seqlens_q=attn_metadata.query_start_loc, seq_lens=attn_metadata.seq_lens, num_causal_q=ncq,
                   block_table=attn_metadata.block_table, window_size=None if left < 0 else int(left),
-                  bidirectional_window="symmetric", scale=self.scale, out=out,
+                  bidirectional_window=self.bidirectional_window, scale=self.scale, out=out,
                   max_seqlen_q=attn_metadata.max_query_len, max_seqlen_k=attn_metadata.max_seq_len,
                   backend=self.blockdiff_backend)
         return output
@@ -74,6 +87,11 @@ class BlockdiffAttentionImpl(FlashAttentionImpl):
 #: Largest head size per ``BLOCKDIFF_ATTN_BACKEND`` (the CuTe kernel's tested head sizes stop at 256; the Triton
 #: kernels are tuned for 128 and 512).
 MAX_HEAD_SIZE = {"triton": 512, "reference": 512, "cute": 256}
+#: Model dtypes per ``BLOCKDIFF_ATTN_BACKEND`` (what :func:`blockdiff.attention.attention` runs: the CuTe kernel
+#: bf16 / fp16 only, the Triton kernels and the reference float32 too).
+DTYPES = {"triton": (torch.float16, torch.bfloat16, torch.float32),
+          "reference": (torch.float16, torch.bfloat16, torch.float32),
+          "cute": (torch.float16, torch.bfloat16)}
 
 
 class BlockdiffAttentionMetadataBuilder(FlashAttentionMetadataBuilder):
@@ -107,3 +125,10 @@ class BlockdiffAttentionBackend(FlashAttentionBackend):
         selector reports "head_size not supported" otherwise)."""
         limit = MAX_HEAD_SIZE.get(os.environ.get(ATTN_BACKEND_ENV, "triton"), 0)
         return head_size % 8 == 0 and 0 < head_size <= limit
+
+    @classmethod
+    def supports_dtype(cls, dtype: torch.dtype) -> bool:
+        """:data:`DTYPES` of the ``BLOCKDIFF_ATTN_BACKEND`` backend (FlashAttention's are bf16 / fp16 only, so
+        ``--dtype float32`` would be refused: the float32 run is where a served greedy output can equal the
+        harness's token for token, see ``bench/experiments/serve_smoke.py``)."""
+        return dtype in DTYPES.get(os.environ.get(ATTN_BACKEND_ENV, "triton"), ())

@@ -10,7 +10,8 @@
 2. registers :class:`blockdiff.integration.vllm_attention.BlockdiffAttentionBackend` as vLLM's ``CUSTOM``
    attention backend (select it with ``--attention-backend CUSTOM``); it runs
    :func:`blockdiff.attention.attention` with the per-request causal flags in one launch, on the backend named
-   by ``BLOCKDIFF_ATTN_BACKEND`` (``triton`` default, or ``cute``; no fallback).
+   by ``BLOCKDIFF_ATTN_BACKEND`` (``triton`` default, or ``cute``; no fallback), with the model's bidirectional
+   window rule (:func:`bidirectional_window_of`: transformers' ``"prefix"`` unless the checkpoint says otherwise).
 
 The scheduler is chosen on the command line, not here: ``--scheduler-cls`` :data:`SCHEDULER_CLASS`
 (:mod:`blockdiff.integration.vllm_scheduler`) finishes the requests vLLM's own scheduler never would: a
@@ -51,6 +52,39 @@ SERVE_COMMAND = (
 (architecture ``DiffusionGemmaForBlockDiffusion``); ``--diffusion-config`` turns on vLLM's diffusion path
 (canvas scheduled as draft tokens); ``--scheduler-cls`` picks :data:`SCHEDULER_CLASS` (with async scheduling:
 :data:`ASYNC_SCHEDULER_CLASS` instead); ``VLLM_PLUGINS=blockdiff`` loads only this plugin."""
+
+#: Window rule of bidirectional (denoise) rows on sliding-window layers when the checkpoint names none: ``"prefix"``,
+#: transformers' DiffusionGemma decoder (the last W context keys plus every canvas key, W = sliding_window - 1), the
+#: rule the model was trained with. vLLM's own convention (its Triton attention) is symmetric, ``|q - k| <= W``.
+DEFAULT_BIDIRECTIONAL_WINDOW = "prefix"
+BIDIRECTIONAL_WINDOWS = ("prefix", "symmetric")
+
+
+def bidirectional_window_of(text_config) -> str:
+    """The bidirectional window rule the CUSTOM backend applies for a model: ``text_config.bidirectional_window``
+    (blockdiff's key, which :func:`blockdiff.model.export.export_hf` writes into ``config.json``'s
+    ``text_config``), else :data:`DEFAULT_BIDIRECTIONAL_WINDOW`.
+
+    Args:
+        text_config: vLLM's ``model_config.hf_text_config`` (a transformers config: the key is an attribute), a
+            ``text_config`` dict, or None (the default).
+
+    Raises:
+        ValueError: the key is set to something other than ``"prefix"`` / ``"symmetric"``.
+    """
+    if text_config is None:
+        return DEFAULT_BIDIRECTIONAL_WINDOW
+    if isinstance(text_config, dict):
+        bw = text_config.get("bidirectional_window")
+    else:
+        bw = getattr(text_config, "bidirectional_window", None)
+    if bw is None:
+        return DEFAULT_BIDIRECTIONAL_WINDOW
+    if bw not in BIDIRECTIONAL_WINDOWS:
+        raise ValueError(f"text_config.bidirectional_window must be one of {BIDIRECTIONAL_WINDOWS} (or unset: "
+                         f"{DEFAULT_BIDIRECTIONAL_WINDOW!r}), got {bw!r}")
+    return bw
+
 
 _registered = False
 

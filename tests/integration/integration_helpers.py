@@ -62,6 +62,36 @@ def make_batch(rows):
         max_seq_len=int((ctx + q).max()))
 
 
+def vllm_sampler_output_class(monkeypatch):
+    """vLLM's SamplerOutput class: the real one when vLLM is importable, else a stand-in module with the same
+    fields (vllm/v1/worker/gpu/sample/output.py, the same in 0.26.0 and 0.33.0) put in ``sys.modules`` through
+    ``monkeypatch``, so the vLLM-mode sampler path runs on CPU CI."""
+    import importlib.util
+    import sys
+    import types
+    from dataclasses import dataclass
+
+    if importlib.util.find_spec("vllm") is not None:
+        from vllm.v1.worker.gpu.sample.output import SamplerOutput
+
+        return SamplerOutput
+
+    @dataclass
+    class SamplerOutput:
+        sampled_token_ids: torch.Tensor
+        logprobs_tensors: object
+        num_nans: object
+        num_sampled: torch.Tensor
+        num_rejected: torch.Tensor
+
+    names = ["vllm", "vllm.v1", "vllm.v1.worker", "vllm.v1.worker.gpu", "vllm.v1.worker.gpu.sample",
+             "vllm.v1.worker.gpu.sample.output"]
+    for n in names:
+        monkeypatch.setitem(sys.modules, n, types.ModuleType(n))
+    sys.modules["vllm.v1.worker.gpu.sample.output"].SamplerOutput = SamplerOutput
+    return SamplerOutput
+
+
 # ------------------------------------------------------------------------------------- scheduler stand-ins
 class FakeRequest:
     """What finish_stuck_requests reads of vLLM's Request."""

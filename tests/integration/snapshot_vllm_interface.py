@@ -48,6 +48,7 @@ CLASSES: dict[str, dict] = {
                                                   "init_attributes": ["req_states", "sampling_states"]},
     "vllm.v1.worker.gpu.states:RequestState": {"init_attributes": ["draft_tokens"]},
     "vllm.v1.worker.gpu.input_batch:InputBatch": {"fields": True},
+    "vllm.v1.attention.backend:AttentionBackend": {"methods": ["supports_dtype"]},
     "vllm.v1.attention.backends.flash_attn:FlashAttentionBackend": {
         "methods": ["get_name", "get_impl_cls", "get_builder_cls", "supports_head_size"]},
     "vllm.v1.attention.backends.flash_attn:FlashAttentionImpl": {
@@ -74,7 +75,7 @@ CLASSES: dict[str, dict] = {
     "vllm.v1.outputs:ModelRunnerOutput": {"fields": True},
     "vllm.model_executor.models.registry:_ModelRegistry": {"methods": ["register_model", "get_supported_archs"]},
     "vllm.model_executor.models.diffusion_gemma:DiffusionGemmaForConditionalGeneration": {
-        "methods": ["get_model_state_cls", "compute_self_conditioning", "forward", "compute_logits"],
+        "methods": ["__init__", "get_model_state_cls", "compute_self_conditioning", "forward", "compute_logits"],
         "init_attributes": ["model", "self_conditioning", "lm_head"]},
     "vllm.model_executor.models.diffusion_gemma:DiffusionGemmaModelState": {"methods": "*"},
     "vllm.model_executor.models.diffusion_gemma:DiffusionSampler": {"methods": "*"},

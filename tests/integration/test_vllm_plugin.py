@@ -7,7 +7,8 @@ from importlib.metadata import entry_points
 
 import pytest
 import torch
-from integration_helpers import CL, FAKE_VLLM_TYPES, FakeRequest, FakeScheduler, make_batch, needs_stack, params
+from integration_helpers import (CL, FAKE_VLLM_TYPES, FakeRequest, FakeScheduler, make_batch, needs_stack, params,
+                                 vllm_sampler_output_class)
 
 from blockdiff.integration import vllm_plugin
 
@@ -155,31 +156,8 @@ def test_vllm_mode_state_and_sampler_with_real_vllm_types():
 # ------------------------------------------------------------------------------------ vLLM-mode sampler output
 @pytest.fixture
 def vllm_sampler_output(monkeypatch):
-    """vLLM's SamplerOutput class: the real one when vLLM is importable, else a stand-in module with the same
-    fields (vllm/v1/worker/gpu/sample/output.py, the same in 0.26.0 and 0.33.0), so the vLLM-mode sampler path
-    runs on CPU CI."""
-    if HAVE_VLLM:
-        from vllm.v1.worker.gpu.sample.output import SamplerOutput
-
-        return SamplerOutput
-    import sys
-    import types
-    from dataclasses import dataclass
-
-    @dataclass
-    class SamplerOutput:
-        sampled_token_ids: torch.Tensor
-        logprobs_tensors: object
-        num_nans: object
-        num_sampled: torch.Tensor
-        num_rejected: torch.Tensor
-
-    names = ["vllm", "vllm.v1", "vllm.v1.worker", "vllm.v1.worker.gpu", "vllm.v1.worker.gpu.sample",
-             "vllm.v1.worker.gpu.sample.output"]
-    for n in names:
-        monkeypatch.setitem(sys.modules, n, types.ModuleType(n))
-    sys.modules["vllm.v1.worker.gpu.sample.output"].SamplerOutput = SamplerOutput
-    return SamplerOutput
+    """vLLM's SamplerOutput (a stand-in module without vLLM: integration_helpers.vllm_sampler_output_class)."""
+    return vllm_sampler_output_class(monkeypatch)
 
 
 def _vllm_mode_state(R=3):
