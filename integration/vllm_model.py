@@ -8,12 +8,15 @@ window rule handed to blockdiff's ``CUSTOM`` attention layers (vLLM's attention 
 """
 from __future__ import annotations
 
+from vllm.logger import init_logger  # type: ignore
 from vllm.model_executor.models.diffusion_gemma import (  # type: ignore
     DiffusionGemmaForConditionalGeneration as _VllmDiffusionGemma,
 )
 
 from .vllm_attention import BlockdiffAttentionImpl
 from .vllm_plugin import bidirectional_window_of
+
+_log = init_logger(f"vllm.{__name__}")  # under vLLM's "vllm" logger: its handler prints INFO to the server log
 
 
 class BlockdiffDiffusionGemmaForConditionalGeneration(_VllmDiffusionGemma):
@@ -31,7 +34,8 @@ class BlockdiffDiffusionGemmaForConditionalGeneration(_VllmDiffusionGemma):
     def __init__(self, *, vllm_config, prefix: str = ""):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         window = bidirectional_window_of(vllm_config.model_config.hf_text_config)
-        set_bidirectional_window(self, window)
+        n = set_bidirectional_window(self, window)
+        _log.info("blockdiff: bidirectional window rule %r on %d CUSTOM attention layers", window, n)
 
     @staticmethod
     def get_model_state_cls():

@@ -24,4 +24,4 @@ echo "== float32 (must be 6 of 6)"; [ -f $OUT/plugin32.json ] && python3 $M comp
 echo "== bfloat16 (agreement only)"; [ -f $OUT/plugin16.json ] && python3 $M compare $OUT/harness16.json $OUT/plugin16.json | tail -1
 for d in 32 16; do tail -c 200000 /tmp/plugin$d.log > $OUT/plugin$d.log; done
 grep -E "Traceback|Error:|ERROR|refused" /tmp/plugin32.log /tmp/plugin16.log | grep -v "ulimit\|_warmup_" | head -20
-grep -h "Mean denoising steps" /tmp/plugin32.log /tmp/plugin16.log | tail -2
+grep -h "bidirectional window rule\|Mean denoising steps" /tmp/plugin32.log /tmp/plugin16.log | tail -4
