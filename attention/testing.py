@@ -107,7 +107,7 @@ def make_batch(
 ) -> dict:
     """Random batch in the attention contract's layout: the keyword arguments of ``attention(**batch)``.
 
-    The one batch builder of tests, benchmarks and notebooks (docs/ARCHITECTURE.md, "Attention semantics").
+    The one batch builder of tests, benchmarks and notebooks (docs/ARCHITECTURE.md, "The attention contract").
     The K/V of every query token is already in the cache (``seq_lens`` include the query tokens), as vLLM
     writes it before attention. Values are N(0, 1), drawn in float32 and rounded to ``dtype``.
 

@@ -40,7 +40,7 @@ failed its check. A summary table is printed last.
 Metrics: eager_ms (triton.testing.do_bench median, L2 flushed), graph_ms (CUDA-graph replay median),
 extra_memory_bytes (peak allocation of one call above the live state), gbps = (logit bytes + E bytes) / time
 (the read floor), effective_tflops = 2 * N * CL * V * hidden / time (the soft-embedding GEMM). Measured history
-and the per-stage predictions: docs/tuning-bench.md ("bench_sampler.py").
+and the per-stage predictions: docs/tuning.md ("bench_sampler.py").
 """
 from __future__ import annotations
 

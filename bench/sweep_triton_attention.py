@@ -272,7 +272,7 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=330.0, help="wall budget of the whole sweep (s)")
     p.add_argument("--reserve-s", type=float, default=8.0, help="stop starting candidates when less is left")
     p.add_argument("--page-size", type=int, default=wl.DEFAULT_PAGE_SIZE)
-    # bench_attention.py's windows (shorter ones run at the boost clock: docs/tuning-bench.md)
+    # bench_attention.py's windows (shorter ones run at the boost clock: docs/tuning.md)
     p.add_argument("--warmup-ms", type=int, default=25)
     p.add_argument("--rep-ms", type=int, default=100)
     p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny shapes through the interpreter")

@@ -3,7 +3,7 @@
 ``blockdiff train`` (:func:`blockdiff.integration.cli.main`) hands :func:`evaluate_generation` to
 :func:`blockdiff.model.train.train` as its ``evaluate`` callback, which runs it on the saved checkpoint and
 records the result under ``"eval"`` in ``train_log.json``. It lives here, not in ``blockdiff.model``, because it
-drives the harness and the sampler: the model package imports neither (docs/ARCHITECTURE.md "Packages").
+drives the harness and the sampler: the model package imports neither (docs/ARCHITECTURE.md "Packages and data flow").
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ this all-bidirectional batch without a window. Interleaved CUDA-graph rounds as 
   bisect: base (lpt off), nolocal, famask (+ FA4's seqlen-only mask), faall (+ FA4's non-causal block info and
           no num_causal_q load: FA4's mainloop inside our kernel wrapper).
 
-Record of the H200 run: bench/results/history/cute_lpt_ab-h200.json (docs/tuning-bench.md).
+Record of the H200 run: bench/results/history/cute_lpt_ab-h200.json (docs/tuning.md).
 
     python3 -m blockdiff.bench.experiments.probe_cute_canvas_gap --variants bisect --rounds 5
 

@@ -6,7 +6,7 @@
 Everything after ``--`` goes to :func:`blockdiff.bench.bench_e2e.main` (``--out`` defaults to ``$OUT``, else the
 git-ignored bench/results/local/). ``--plans off`` sets the triton
 backend's switch ``PLANS_ENABLED`` to False, so every call takes the full path. Record of the H200 run:
-bench/results/history/e2e_plans-h200.{json,md} (docs/tuning-bench.md).
+bench/results/history/e2e_plans-h200.{json,md} (docs/tuning.md).
 """
 import argparse
 

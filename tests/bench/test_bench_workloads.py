@@ -1,4 +1,4 @@
-"""bench/workloads.py: named workloads match ARCHITECTURE.md; built batches are valid paged caches."""
+"""bench/workloads.py: named workloads match docs/ARCHITECTURE.md; built batches are valid paged caches."""
 import pytest
 import torch
 

@@ -33,8 +33,8 @@ from transformers import (AutoConfig, AutoTokenizer, DiffusionGemmaForBlockDiffu
 from transformers.models.diffusion_gemma.generation_diffusion_gemma import (  # noqa: E402
     DiffusionGemmaGenerationConfig, EntropyBoundSamplerConfig)
 from transformers.models.gemma4.configuration_gemma4 import Gemma4VisionConfig  # noqa: E402
-from test_model_hf_parity import (F64_AGREE, _fro, check_tol, hf_denoise, hf_encode, our_denoise,  # noqa: E402
-                                  our_encode)
+from hf_parity_helpers import (F64_AGREE, _fro, check_tol, hf_denoise, hf_encode, our_denoise,  # noqa: E402
+                               our_encode)
 
 SHIPPED = shipped_checkpoint_dir()
 STEPS = 16  # blockdiff demo's step cap for the trained checkpoint (TRAINED_MAX_DENOISING_STEPS)

@@ -1,5 +1,5 @@
-# GPU-machine environment after ../../../shared/device staging (vLLM 0.26.0 chunks, optionally the CuTe DSL).
-# Sourced from the repo root. Differences from shared/device/README.md found on the H200 (2026-12-01):
+# GPU-machine environment once vLLM 0.26.0 (and optionally the CuTe DSL) is staged into /tmp/site by the consecutive runs of stagev.sh.
+# Sourced from the repo root. What the first H200 run (2026-12-01) needed beyond the staging notes:
 #  - run vLLM as `python3 -m vllm.entrypoints.cli.main` (the staged bin/vllm has no __main__ guard, and the
 #    engine core is started with spawn, which re-runs it: "start a new process before ... bootstrapping");
 #  - VLLM_USE_FLASHINFER_SAMPLER=0 (model runner v2 imports flashinfer, which is not staged, otherwise);

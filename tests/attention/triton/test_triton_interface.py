@@ -106,7 +106,7 @@ def test_causal_flags_reach_the_kernel_without_a_conversion_op(monkeypatch):
 
 
 def _named(name, dtype=torch.bfloat16, page_size=64, seed=0):
-    """A named workload of ARCHITECTURE.md as a batch on the GPU."""
+    """A named workload of docs/ARCHITECTURE.md as a batch on the GPU."""
     layers = {"sliding": (16, 8, 256, 1023, "symmetric"), "sliding_prefix": (16, 8, 256, 1023, "prefix"),
               "global": (16, 2, 512, None, "symmetric"), "hd128": (16, 8, 128, None, "symmetric")}
     mixed = ([4096, 256, 256, 256], [4096, 8448, 8448, 8448], [True, False, False, True])
