@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 import time
 import urllib.request
 
@@ -111,11 +112,14 @@ def _post(url: str, body: dict, timeout: float) -> dict:
         return json.loads(r.read())
 
 
-def run_client(base_url: str, model: str, out: str, sampled: bool, timeout: float) -> dict:
+def run_client(base_url: str, model: str, out: str, sampled: bool, timeout: float, concurrent: bool = False) -> dict:
     """One completion per demo prompt from the server (:func:`vllm_xargs` per request); records text, prompt and
-    output token ids (via ``return_token_ids``) and errors."""
+    output token ids (via ``return_token_ids``) and errors. ``concurrent``: all prompts at once (one thread each), so
+    the server's batches mix prefill, denoise and commit rows (per-request causal flags that change from step to
+    step); otherwise one request at a time."""
     rows = {}
-    for rid, text in _prompts():
+
+    def one(rid, text):
         body = {"model": model, "prompt": text, "max_tokens": MAX_TOKENS, "vllm_xargs": vllm_xargs(rid, sampled),
                 "return_token_ids": True}
         t0 = time.perf_counter()
@@ -128,7 +132,18 @@ def run_client(base_url: str, model: str, out: str, sampled: bool, timeout: floa
         except Exception as e:  # recorded, never lost: a failed request is a row with its error
             detail = getattr(e, "read", lambda: b"")()
             rows[rid] = {"prompt": text, "error": f"{type(e).__name__}: {e} {detail[:500]!r}"}
-    rec = {"side": base_url, "model": model, "sampled": sampled, "rows": rows}
+
+    if concurrent:
+        threads = [threading.Thread(target=one, args=p) for p in _prompts()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        rows = {rid: rows[rid] for rid, _ in _prompts()}
+    else:
+        for rid, text in _prompts():
+            one(rid, text)
+    rec = {"side": base_url, "model": model, "sampled": sampled, "concurrent": concurrent, "rows": rows}
     json.dump(rec, open(out, "w"), indent=1)
     return rec
 
@@ -192,6 +207,7 @@ def main(argv=None) -> int:
     c.add_argument("--out", required=True)
     c.add_argument("--sampled", action="store_true")
     c.add_argument("--timeout", type=float, default=120.0)
+    c.add_argument("--concurrent", action="store_true", help="send every prompt at once (mixed batches)")
     m = sub.add_parser("compare")
     m.add_argument("a")
     m.add_argument("b")
@@ -199,7 +215,7 @@ def main(argv=None) -> int:
     if args.cmd == "harness":
         run_harness(args.out, args.device, args.attn_backend, args.sampler_backend, args.sampled, args.dtype)
     elif args.cmd == "client":
-        run_client(args.base_url, args.model, args.out, args.sampled, args.timeout)
+        run_client(args.base_url, args.model, args.out, args.sampled, args.timeout, args.concurrent)
     else:
         compare(args.a, args.b)
     return 0

@@ -373,6 +373,48 @@ def test_compare_rows_reports_tokens_prompts_and_errors():
     assert out["z"] == {"equal": False, "error": "HTTPError: 500"}
 
 
+
+@pytest.mark.parametrize("concurrent", [False, True])
+def test_serve_smoke_client_sends_every_prompt_and_keeps_failures(tmp_path, concurrent):
+    """The client (sequential, or every prompt at once for mixed batches) records one row per demo prompt in the
+    prompts' order, with the request's vllm_xargs, and a failed request as a row with its error."""
+    import http.server
+    import threading
+
+    seen = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append(body)
+            rid = body["vllm_xargs"]["rng_request_id"]
+            if rid == "req-1":
+                self.send_response(500)
+                self.end_headers()
+                return
+            out = json.dumps({"choices": [{"text": rid, "token_ids": [1, 2], "prompt_token_ids": [3],
+                                           "finish_reason": "length"}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        rec = serve_smoke.run_client(f"http://127.0.0.1:{srv.server_address[1]}", "m", str(tmp_path / "c.json"),
+                                     sampled=False, timeout=10, concurrent=concurrent)
+    finally:
+        srv.shutdown()
+    rids = [rid for rid, _ in serve_smoke._prompts()]
+    assert list(rec["rows"]) == rids and len(seen) == len(rids) and rec["concurrent"] is concurrent
+    assert "error" in rec["rows"]["req-1"]
+    assert all(rec["rows"][r]["text"] == r for r in rids if r != "req-1")
+    assert json.load(open(tmp_path / "c.json"))["rows"].keys() == rec["rows"].keys()
+
 # ------------------------------------------------------------------------------------------ with vLLM installed
 @pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (source tests/integration/vllm_cpu_env.sh VERSION)")
 def test_vllm_custom_backend_window_rule_and_dtypes(monkeypatch):
