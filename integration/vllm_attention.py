@@ -34,7 +34,9 @@ from .vllm_plugin import ATTN_BACKEND_ENV, DEFAULT_BIDIRECTIONAL_WINDOW
 
 class BlockdiffAttentionImpl(FlashAttentionImpl):
     """FlashAttentionImpl whose forward calls :func:`blockdiff.attention.attention` (one launch, per-request
-    causal flags).
+    causal flags) with ``check_values=False``: vLLM builds the metadata (sequence lengths, block table, flags), so
+    the per-call value checks, which read the metadata back to the host once per layer, are skipped, as vLLM's own
+    backends do; types, shapes and devices are still checked.
 
     Attributes:
         bidirectional_window: window rule of the bidirectional rows on a sliding-window layer (``"prefix"`` or
@@ -80,7 +82,7 @@ class BlockdiffAttentionImpl(FlashAttentionImpl):
                   block_table=attn_metadata.block_table, window_size=None if left < 0 else int(left),
                   bidirectional_window=self.bidirectional_window, scale=self.scale, out=out,
                   max_seqlen_q=attn_metadata.max_query_len, max_seqlen_k=attn_metadata.max_seq_len,
-                  backend=self.blockdiff_backend)
+                  backend=self.blockdiff_backend, check_values=False)
         return output
 
 

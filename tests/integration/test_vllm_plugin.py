@@ -378,6 +378,12 @@ def test_vllm_attention_converts_causal_flags_once_per_metadata_object(monkeypat
     m1 = meta([1, 0, 1])
     outs = [impl.forward(None, q, None, None, kv_cache, m1, torch.zeros(n, H * D)) for _ in range(3)]
     assert len(calls) == 1 and all(torch.equal(o, outs[0]) for o in outs)
+    kwargs = []
+    real_attention = A.attention
+    monkeypatch.setattr(A, "attention", lambda *a, **kw: kwargs.append(kw) or real_attention(*a, **kw))
+    impl.forward(None, q, None, None, kv_cache, m1, torch.zeros(n, H * D))
+    assert kwargs[0]["check_values"] is False  # vLLM's metadata: no host read per layer
+    monkeypatch.setattr(A, "attention", real_attention)
     k, v = kv_cache.transpose(1, 2).split(D, dim=-1)
     want = A.attention(q.view(n, H, D), k, v, cu_seqlens_q=m1.query_start_loc, seq_lens=m1.seq_lens,
                        causal=torch.tensor([True, False, True]), block_table=bt, backend="reference")
