@@ -81,6 +81,58 @@ def accounting(phase: torch.Tensor, q_lens: torch.Tensor, num_sampled: torch.Ten
     return {"num_sampled": num_sampled.to(torch.int32), "num_rejected": num_rejected, "num_nans": num_nans}
 
 
+class HostStaging:
+    """Per-step host metadata (numpy rows) to the device without a host sync.
+
+    ``torch.as_tensor(numpy_array, device="cuda")`` copies from pageable memory, and CUDA synchronizes the stream
+    before such a copy: the host waits for the whole forward pass, then launches the sampler's kernels one wait
+    at a time. Here the rows go through page-locked (pinned) host buffers with ``non_blocking`` copies into one
+    persistent device buffer, in stream order. Two pinned buffers alternate; a buffer is rewritten only after
+    the copy that last read it has run (its CUDA event, two steps old, is normally done already), so the host may
+    run one step ahead of the GPU (vLLM's async scheduling). On a CPU device it is a plain copy.
+
+    Args:
+        num_fields: rows per call (int64 each). max_len: longest row (``max_num_reqs``).
+        device: the device the rows go to.
+    """
+
+    def __init__(self, num_fields: int, max_len: int, device: torch.device) -> None:
+        self.num_fields, self.max_len, self.device = num_fields, max_len, torch.device(device)
+        self._cuda = self.device.type == "cuda"
+        self._dev = torch.zeros(num_fields, max_len, dtype=torch.int64, device=self.device)
+        self._host = [torch.zeros(num_fields, max_len, dtype=torch.int64, pin_memory=self._cuda)
+                      for _ in range(2 if self._cuda else 1)]
+        self._events: list = [None] * len(self._host)
+        self._next = 0
+
+    def to_device(self, *rows: np.ndarray) -> torch.Tensor:
+        """``[num_fields, n]`` int64 device view of ``rows`` (each ``[n]``, n <= max_len), valid in stream order
+        until the next call.
+
+        Raises:
+            ValueError: a row count other than ``num_fields``, rows of different lengths, or n > max_len.
+        """
+        n = len(rows[0]) if rows else 0
+        if len(rows) != self.num_fields or any(len(r) != n for r in rows) or n > self.max_len:
+            raise ValueError(f"to_device needs {self.num_fields} rows of one length <= {self.max_len}, got "
+                             f"lengths {[len(r) for r in rows]}")
+        i = self._next
+        self._next = (i + 1) % len(self._host)
+        if self._events[i] is not None:
+            self._events[i].synchronize()
+        host = self._host[i]
+        hn = host.numpy()
+        for k, r in enumerate(rows):
+            hn[k, :n] = r
+        dev = self._dev[:, :n]
+        dev.copy_(host[:, :n], non_blocking=self._cuda)
+        if self._cuda:
+            ev = self._events[i] or torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.device))
+            self._events[i] = ev
+        return dev
+
+
 class SamplerMismatch(AssertionError):
     """A sampler backend disagreed with the reference (``--check``)."""
 
@@ -139,6 +191,7 @@ class DiffusionSampler:
         self.check = check
         self.on_check = on_check
         self.num_checked = 0
+        self._staging = None  # HostStaging of (logit starts, prefill_done, q_lens), built on the first step
 
     @property
     def penalties_state(self):  # vLLM's post_update reads .output_bin_counts; no penalties here
@@ -154,16 +207,14 @@ class DiffusionSampler:
     def apply_staged_writes(self) -> None:
         return None
 
-    def _canvas_logits(self, logits: torch.Tensor, input_batch) -> torch.Tensor:
-        """``[N, CL, V]`` view/gather of each row's canvas logits (rows without logits read row 0: ignored
-        by the sampler, which reads DENOISE rows only)."""
-        N, CL = input_batch.num_reqs, self.model_state.canvas_length
+    def _canvas_logits(self, logits: torch.Tensor, N: int, starts: torch.Tensor) -> torch.Tensor:
+        """``[N, CL, V]`` gather of each row's canvas logits from the rows' first logit indices ``starts`` (``[N]``
+        int64 on the device; rows without logits read row 0: ignored by the sampler, which reads DENOISE rows
+        only)."""
+        CL = self.model_state.canvas_length
         V = self.model_state.vocab_size
-        if logits.dim() != 2 or logits.shape[-1] != V:
-            raise ValueError(f"logits must be [num_logits, vocab_size={V}], got {tuple(logits.shape)}")
         if logits.shape[0] == 0:
             return logits.new_zeros(1, 1, V).expand(N, CL, V)
-        starts = torch.as_tensor(np.asarray(input_batch.cu_num_logits_np[:N], dtype=np.int64), device=logits.device)
         idx = (starts[:, None] + torch.arange(CL, device=logits.device)[None, :]).clamp_(max=logits.shape[0] - 1)
         return logits[idx.reshape(-1)].view(N, CL, V)
 
@@ -209,9 +260,15 @@ class DiffusionSampler:
                 raise ValueError(f"row {i}{name} is a denoise/commit row (prompt fully prefilled) with "
                                  f"{int(q_lens_np[i])} query tokens; it must schedule canvas_length="
                                  f"{ms.canvas_length} tokens")
-        prefill_done = torch.as_tensor(prefill_done_np, dtype=torch.bool, device=dev)
-        q_lens = torch.as_tensor(q_lens_np, dtype=torch.int32, device=dev)
-        logits3 = self._canvas_logits(logits, input_batch)
+        V = ms.vocab_size
+        if logits.dim() != 2 or logits.shape[-1] != V:
+            raise ValueError(f"logits must be [num_logits, vocab_size={V}], got {tuple(logits.shape)}")
+        if self._staging is None or self._staging.max_len < N:
+            self._staging = HostStaging(3, max(N, st.max_num_reqs), dev)
+        starts_np = np.asarray(input_batch.cu_num_logits_np[:N], dtype=np.int64)
+        rows = self._staging.to_device(starts_np, prefill_done_np, q_lens_np)  # no host sync (pinned, in order)
+        starts, prefill_done, q_lens = rows[0], rows[1].bool(), rows[2].to(torch.int32)
+        logits3 = self._canvas_logits(logits, N, starts)
 
         commit_in = st.commit_canvas[slots].clone() if ms.mode == "vllm" else None
         stalled = None
