@@ -542,6 +542,10 @@ class KernelShape:
     search_steps: int  # 16-ary tile -> sequence search steps: ceil(bits(B) / 4)
     scale_positive: bool = True
     interpret: bool = False
+    # elements between consecutive KV heads in one token row of K / V (TMA column of head h = h * stride); None:
+    # head_dim / head_dim_v (separate K and V caches). vLLM's FlashAttention layout packs K and V: 2 * head_dim.
+    k_head_stride: int | None = None
+    v_head_stride: int | None = None
 
 
 def kernel_variant(cfg: TritonConfig, head_dim_v: int) -> str:
@@ -584,7 +588,8 @@ def kernel_constexprs(cfg: TritonConfig, shape: KernelShape) -> dict:
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     box_n, k_chunks, _ = tma_boxes(cfg, shape)
-    consts = dict(G=shape.group, GP=gp, D=D, DV=DV, BLOCK_M=BM, BLOCK_N=BN, BLOCK_Q=BM // gp, BOX_N=box_n, PAGE=page,
+    consts = dict(G=shape.group, GP=gp, D=D, DV=DV, KS=shape.k_head_stride or D, VS=shape.v_head_stride or DV,
+                  BLOCK_M=BM, BLOCK_N=BN, BLOCK_Q=BM // gp, BOX_N=box_n, PAGE=page,
                   PAGED=shape.paged, HAS_WINDOW=shape.has_window, PREFIX=shape.prefix, NCQ_FLAGS=shape.causal_flags,
                   SPLIT=shape.split, STORE_LSE=shape.store_lse, SEARCH_STEPS=shape.search_steps,
                   STAGES=cfg.num_stages, V_STAGES=cfg.V_STAGES or cfg.num_stages)

@@ -41,6 +41,11 @@ constexprs), :mod:`.tma` (eligibility, descriptors) and :mod:`.plans` (launch). 
   retires, the softmax warpgroup chunk by chunk. At hd <= 256 one consumer warpgroup holds the whole accumulator
   and keeps P in registers, so the extra shared-memory round trip of P does not pay there.
 
+K / V reach every kernel as 2-D TMA descriptors over the caches' token rows (:func:`.tma.make_kv_descriptors`); KV
+head ``h`` starts at column ``h * KS`` of K and ``h * VS`` of V (constexprs: ``head_dim`` for separate caches, ``2 *
+head_dim`` for vLLM's FlashAttention layout, which packs a token's K and V of one head into one
+``[num_kv_heads, 2 * head_dim]`` row).
+
 Keys at or beyond ``seq_len`` inside the last key block (stale cache rows, which may hold NaN) are masked to
 -inf in QK^T and their V rows are zeroed in shared memory before PV, so they never reach the output.
 """
@@ -424,7 +429,7 @@ def _attn_fwd_gluon(
     CU_Q, SEQ_LENS, NCQ, BT, CU_K,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     total_q, num_heads, num_seqs, n_tiles, window, qk_scale, num_splits,
-    G: gl.constexpr, GP: gl.constexpr, D: gl.constexpr, DV: gl.constexpr,
+    G: gl.constexpr, GP: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, KS: gl.constexpr, VS: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr,
     BOX_N: gl.constexpr, PAGE: gl.constexpr, PAGED: gl.constexpr, HAS_WINDOW: gl.constexpr, PREFIX: gl.constexpr,
     NCQ_FLAGS: gl.constexpr,
@@ -465,7 +470,7 @@ def _attn_fwd_gluon(
                      stride_qt, stride_qh, stride_ot, stride_oh, G, GP, D, BLOCK_Q, SPLIT, STORE_LSE,
                      BLOCK_M, BLOCK_N, DV, STAGES, V_STAGES, s_layout, o_layout, blk, OVERLAP, LAZY)),
         (_kv_loader, (k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
-                      bt_row, k_base, a, d_end, kvh * D, kvh * DV, seq_len, BLOCK_N, BOX_N, PAGE, PAGED, STAGES,
+                      bt_row, k_base, a, d_end, kvh * KS, kvh * VS, seq_len, BLOCK_N, BOX_N, PAGE, PAGED, STAGES,
                       V_STAGES, ONE, ONE)),
     ], [1], [LOADER_REGS])
 
@@ -538,7 +543,7 @@ def _attn_fwd_gluon_wide(
     CU_Q, SEQ_LENS, NCQ, BT, CU_K,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     total_q, num_heads, num_seqs, n_tiles, window, qk_scale, num_splits,
-    G: gl.constexpr, GP: gl.constexpr, D: gl.constexpr, DV: gl.constexpr,
+    G: gl.constexpr, GP: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, KS: gl.constexpr, VS: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr,
     BOX_N: gl.constexpr, PAGE: gl.constexpr, PAGED: gl.constexpr, HAS_WINDOW: gl.constexpr, PREFIX: gl.constexpr,
     NCQ_FLAGS: gl.constexpr,
@@ -594,7 +599,7 @@ def _attn_fwd_gluon_wide(
                       a, b_mid, c_mid, d_end, G, GP, D, DV, BLOCK_M, BLOCK_N, BLOCK_Q, STAGES, V_STAGES,
                       HAS_WINDOW, PREFIX, SPLIT, STORE_LSE, LAZY)),
         (_kv_loader, (k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
-                      bt_row, k_base, a, d_end, kvh * D, kvh * DV, seq_len, BLOCK_N, BOX_N, PAGE, PAGED, STAGES,
+                      bt_row, k_base, a, d_end, kvh * KS, kvh * VS, seq_len, BLOCK_N, BOX_N, PAGE, PAGED, STAGES,
                       V_STAGES, HALVES, HALVES)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
@@ -603,7 +608,8 @@ def _attn_fwd_gluon_wide(
 def _roles_softmax(q_smem, k_desc, k_bufs, k_ready, p_smem, a_smem, st_smem, p_ready, p_free, st_ready,
                    Q, q_start, q_len, tile, kvh, stride_qt, stride_qh, lo, hi, a, b_mid, c_mid, d_end, qk_scale,
                    bt_row, k_base, seq_len,
-                   G: gl.constexpr, GP: gl.constexpr, D: gl.constexpr, KC: gl.constexpr, BLOCK_M: gl.constexpr,
+                   G: gl.constexpr, GP: gl.constexpr, D: gl.constexpr, KS: gl.constexpr, KC: gl.constexpr,
+                   BLOCK_M: gl.constexpr,
                    BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr, BOX_N: gl.constexpr, PAGE: gl.constexpr,
                    PAGED: gl.constexpr, STAGES: gl.constexpr, P_STAGES: gl.constexpr, s_layout: gl.constexpr):
     """The roles kernel's softmax warpgroup (the default partition). It streams its own K ring (TMA into the slot
@@ -617,7 +623,7 @@ def _roles_softmax(q_smem, k_desc, k_bufs, k_ready, p_smem, a_smem, st_smem, p_r
     for st in gl.static_range(STAGES):
         if a + st < d_end:
             for c in gl.static_range(KC):
-                _tma_chunk(k_desc, k_bufs, k_ready, st, c, a + st, kvh * D, bt_row, k_base, seq_len, BLOCK_N, BOX_N,
+                _tma_chunk(k_desc, k_bufs, k_ready, st, c, a + st, kvh * KS, bt_row, k_base, seq_len, BLOCK_N, BOX_N,
                            PAGE, PAGED, KC)
     QW: gl.constexpr = 64 if DC > 64 else DC  # Q in 64-column pieces: a whole [64, 256] load holds 64 data and
     for c in gl.static_range(KC):            # 32 address registers, which this warpgroup's budget cannot spare
@@ -642,7 +648,7 @@ def _roles_softmax(q_smem, k_desc, k_bufs, k_ready, p_smem, a_smem, st_smem, p_r
             warpgroup_mma_wait(num_outstanding=KC - 1 - c, deps=(qk,))
             if j + STAGES < d_end:
                 gl.thread_barrier()  # every warp's part of the chunk's wgmma retired before any warp's TMA box
-                _tma_chunk(k_desc, k_bufs, k_ready, ks, c, j + STAGES, kvh * D, bt_row, k_base, seq_len, BLOCK_N,
+                _tma_chunk(k_desc, k_bufs, k_ready, ks, c, j + STAGES, kvh * KS, bt_row, k_base, seq_len, BLOCK_N,
                            BOX_N, PAGE, PAGED, KC)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
         if (j < b_mid) | (j >= c_mid):
@@ -672,7 +678,7 @@ def _roles_softmax(q_smem, k_desc, k_bufs, k_ready, p_smem, a_smem, st_smem, p_r
 def _roles_pv(W: gl.constexpr, p_smem, a_smem, st_smem, v_desc, v_bufs, v_ready, p_ready, p_free, st_ready,
               O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads, stride_ot, stride_oh,
               a, d_end, seq_len, bt_row, k_base, G: gl.constexpr, GP: gl.constexpr, DV: gl.constexpr,
-              NPV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr,
+              VS: gl.constexpr, NPV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr,
               BOX_N: gl.constexpr, PAGE: gl.constexpr, PAGED: gl.constexpr, V_STAGES: gl.constexpr,
               P_STAGES: gl.constexpr, SPLIT: gl.constexpr, STORE_LSE: gl.constexpr):
     """PV warpgroup ``W`` of the roles kernel (a worker partition): V columns ``[W * DV / NPV, (W + 1) * DV / NPV)``
@@ -687,7 +693,7 @@ def _roles_pv(W: gl.constexpr, p_smem, a_smem, st_smem, v_desc, v_bufs, v_ready,
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     for st in gl.static_range(V_STAGES):
         if a + st < d_end:
-            _tma_chunk(v_desc, v_bufs, v_ready, st, W, a + st, kvh * DV, bt_row, k_base, seq_len, BLOCK_N, BOX_N,
+            _tma_chunk(v_desc, v_bufs, v_ready, st, W, a + st, kvh * VS, bt_row, k_base, seq_len, BLOCK_N, BOX_N,
                        PAGE, PAGED, NPV)
     acc = gl.zeros([BLOCK_M, PVW], gl.float32, o_layout)
     offs_vn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, blk))
@@ -707,7 +713,7 @@ def _roles_pv(W: gl.constexpr, p_smem, a_smem, st_smem, v_desc, v_bufs, v_ready,
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(p_free.index(ps), count=1)
         if j + V_STAGES < d_end:  # the slot is free once its PV retired: refill it
-            _tma_chunk(v_desc, v_bufs, v_ready, vs, W, j + V_STAGES, kvh * DV, bt_row, k_base, seq_len, BLOCK_N,
+            _tma_chunk(v_desc, v_bufs, v_ready, vs, W, j + V_STAGES, kvh * VS, bt_row, k_base, seq_len, BLOCK_N,
                        BOX_N, PAGE, PAGED, NPV)
     mbarrier.wait(st_ready.index(0), 0)
     m_i = st_smem.index(0).load(row_o)
@@ -722,7 +728,7 @@ def _attn_fwd_gluon_roles(
     CU_Q, SEQ_LENS, NCQ, BT, CU_K,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     total_q, num_heads, num_seqs, n_tiles, window, qk_scale, num_splits,
-    G: gl.constexpr, GP: gl.constexpr, D: gl.constexpr, DV: gl.constexpr,
+    G: gl.constexpr, GP: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, KS: gl.constexpr, VS: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr,
     BOX_N: gl.constexpr, PAGE: gl.constexpr, PAGED: gl.constexpr, HAS_WINDOW: gl.constexpr, PREFIX: gl.constexpr,
     NCQ_FLAGS: gl.constexpr,
@@ -783,26 +789,26 @@ def _attn_fwd_gluon_roles(
         gl.warp_specialize([
             (_roles_softmax, (q_smem, k_desc, k_bufs, k_ready, p_smem, a_smem, st_smem, p_ready, p_free, st_ready,
                               Q, q_start, q_len, tile, kvh, stride_qt, stride_qh, lo, hi, a, b_mid, c_mid, d_end,
-                              qk_scale, bt_row, k_base, seq_len, G, GP, D, KC, BLOCK_M, BLOCK_N, BLOCK_Q, BOX_N, PAGE,
+                              qk_scale, bt_row, k_base, seq_len, G, GP, D, KS, KC, BLOCK_M, BLOCK_N, BLOCK_Q, BOX_N, PAGE,
                               PAGED, STAGES, P_STAGES, s_layout)),
             (_roles_pv, (W0, p_smem, a_smem, st_smem, v_desc, v_bufs, v_ready, p_ready, p_free, st_ready,
                          O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads, stride_ot,
-                         stride_oh, a, d_end, seq_len, bt_row, k_base, G, GP, DV, NPV, BLOCK_M, BLOCK_N, BLOCK_Q,
+                         stride_oh, a, d_end, seq_len, bt_row, k_base, G, GP, DV, VS, NPV, BLOCK_M, BLOCK_N, BLOCK_Q,
                          BOX_N, PAGE, PAGED, V_STAGES, P_STAGES, SPLIT, STORE_LSE)),
             (_roles_pv, (W1, p_smem, a_smem, st_smem, v_desc, v_bufs, v_ready, p_ready, p_free, st_ready,
                          O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads, stride_ot,
-                         stride_oh, a, d_end, seq_len, bt_row, k_base, G, GP, DV, NPV, BLOCK_M, BLOCK_N, BLOCK_Q,
+                         stride_oh, a, d_end, seq_len, bt_row, k_base, G, GP, DV, VS, NPV, BLOCK_M, BLOCK_N, BLOCK_Q,
                          BOX_N, PAGE, PAGED, V_STAGES, P_STAGES, SPLIT, STORE_LSE)),
         ], [4, 4], [PV_REGS, PV_REGS])
     else:
         gl.warp_specialize([
             (_roles_softmax, (q_smem, k_desc, k_bufs, k_ready, p_smem, a_smem, st_smem, p_ready, p_free, st_ready,
                               Q, q_start, q_len, tile, kvh, stride_qt, stride_qh, lo, hi, a, b_mid, c_mid, d_end,
-                              qk_scale, bt_row, k_base, seq_len, G, GP, D, KC, BLOCK_M, BLOCK_N, BLOCK_Q, BOX_N, PAGE,
+                              qk_scale, bt_row, k_base, seq_len, G, GP, D, KS, KC, BLOCK_M, BLOCK_N, BLOCK_Q, BOX_N, PAGE,
                               PAGED, STAGES, P_STAGES, s_layout)),
             (_roles_pv, (W0, p_smem, a_smem, st_smem, v_desc, v_bufs, v_ready, p_ready, p_free, st_ready,
                          O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads, stride_ot,
-                         stride_oh, a, d_end, seq_len, bt_row, k_base, G, GP, DV, NPV, BLOCK_M, BLOCK_N, BLOCK_Q,
+                         stride_oh, a, d_end, seq_len, bt_row, k_base, G, GP, DV, VS, NPV, BLOCK_M, BLOCK_N, BLOCK_Q,
                          BOX_N, PAGE, PAGED, V_STAGES, P_STAGES, SPLIT, STORE_LSE)),
         ], [4], [PV_REGS])
 

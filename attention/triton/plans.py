@@ -238,7 +238,7 @@ def make_plan(q, k_cache, v_cache, info, block_table, window_size, bidirectional
     shape = KernelShape(group=group, head_dim=D, head_dim_v=DV, dtype=q.dtype, paged=info.paged,
                         page_size=info.page_size, has_window=has_window, prefix=prefix, causal_flags=plan.ncq_flags,
                         split=ns > 1, store_lse=return_lse, search_steps=search_steps, scale_positive=qk_scale > 0,
-                        interpret=interpreting())
+                        interpret=interpreting(), k_head_stride=k_cache.stride(-2), v_head_stride=v_cache.stride(-2))
     consts = kernel_constexprs(cfg, shape)
     common_tail = (total_q, H, B, n_tiles, W, qk_scale, ns)
     variant = kernel_variant(cfg, DV)

@@ -6,10 +6,13 @@ input raises ``ValueError``, it never falls back silently):
 
 * a CUDA device of compute capability 9.x, bf16 or fp16, ``head_dim == head_dim_v`` in :data:`GLUON_HEAD_DIMS`;
 * ``scale > 0``;
-* K / V rows addressable as one 2-D TMA tensor ``[rows, num_kv_heads * head_dim]`` (contiguous last two dims,
-  16-byte aligned): paged caches with ``stride(0) == page_size * stride(1)`` and either ``page_size % BLOCK_N
-  == 0`` (one page holds whole key blocks) or a ``page_size`` that is a multiple of 8 dividing ``BLOCK_N`` (one
-  box per page), or the contiguous varlen form.
+* K / V rows addressable as one 2-D TMA tensor ``[rows, (num_kv_heads - 1) * head_stride + head_dim]``
+  (``head_stride = stride(-2)``: a dense head dim, heads that do not overlap, 16-byte aligned rows and heads; head
+  ``h`` is the column range ``[h * head_stride, h * head_stride + head_dim)``, so separate caches, ``head_stride ==
+  head_dim``, and vLLM's FlashAttention layout, which packs a token's K and V of one head into one row of ``2 *
+  head_dim`` (``kv_cache.transpose(1, 2).split(head_dim, -1)``), both qualify): paged caches with ``stride(0) ==
+  page_size * stride(1)`` and either ``page_size % BLOCK_N == 0`` (one page holds whole key blocks) or a
+  ``page_size`` that is a multiple of 8 dividing ``BLOCK_N`` (one box per page), or the contiguous varlen form.
 """
 import torch
 from triton.experimental.gluon import language as gl
@@ -48,17 +51,24 @@ def layout_ineligible(k_cache: torch.Tensor, v_cache: torch.Tensor, *, paged: bo
     """The TMA rules of :func:`gluon_ineligible` on the caches' shapes and strides (any device)."""
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         hkv, d = t.shape[-2], t.shape[-1]
-        if t.stride(-1) != 1 or t.stride(-2) != d:
-            return f"{name} must have contiguous [num_kv_heads, head_dim] rows for TMA, got strides {t.stride()}"
-        row_stride = t.stride(-3)
+        head_stride, row_stride, esize = t.stride(-2), t.stride(-3), t.element_size()
+        if t.stride(-1) != 1 or (hkv > 1 and head_stride < d) or (head_stride * esize) % 16:
+            return (f"{name} must have a contiguous head dim and 16-byte aligned, non-overlapping KV heads in a token row "
+                    f"for TMA, got strides {t.stride()}")
         if paged and t.stride(0) != page_size * row_stride:
             return f"{name}: pages must be evenly strided rows (stride(0) == page_size * stride(1)) for TMA"
-        if row_stride < hkv * d or (row_stride * t.element_size()) % 16 or t.data_ptr() % 16:
+        if row_stride < row_width(t) or (row_stride * esize) % 16 or t.data_ptr() % 16:
             return f"{name} rows must be 16-byte aligned and not overlap for TMA, got strides {t.stride()}"
     if paged and page_size % block_n and (block_n % page_size or page_size % 8):
         return (f"page_size {page_size} must hold whole key blocks of BLOCK_N = {block_n}, or be a multiple of 8 "
                 f"that divides BLOCK_N (a block of several pages, one TMA box each)")
     return None
+
+
+def row_width(t: torch.Tensor) -> int:
+    """Columns of a token row of a K / V cache that its KV heads span: ``(num_kv_heads - 1) * stride(-2) +
+    head_dim`` (the TMA tensor's inner dimension; :func:`layout_ineligible` checks the rest)."""
+    return (t.shape[-2] - 1) * t.stride(-2) + t.shape[-1]
 
 
 def tma_box_rows(paged: bool, page_size: int | None, block_n: int) -> int:
@@ -85,7 +95,8 @@ _MAX_DESCRIPTORS = 64
 
 def make_kv_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, box_rows: int, k_chunks: int = 1,
                         v_chunks: int = 1):
-    """2-D TMA descriptors ``[rows, num_kv_heads * head_dim]`` over the K and V caches, boxes of ``box_rows`` rows
+    """2-D TMA descriptors ``[rows, row_width]`` (:func:`row_width`: KV head ``h`` at column ``h * stride(-2)``) over
+    the K and V caches, boxes of ``box_rows`` rows
     (:func:`tma_box_rows`) and ``head_dim // k_chunks`` / ``head_dim_v // v_chunks`` columns (the wide and roles
     kernels load head-dim chunks; a box is at most 256 columns wide).
 
@@ -102,13 +113,13 @@ def make_kv_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, box_rows: 
     if descs is None:
         descs = []
         for t, chunks in ((k_cache, k_chunks), (v_cache, v_chunks)):
-            hkv, d = t.shape[-2], t.shape[-1]
+            d = t.shape[-1]
             if d % chunks or d // chunks > 256:
                 raise ValueError(f"head dim {d} must split into {chunks} TMA box columns of <= 256")
             rows = t.shape[0] * t.shape[1] if t.dim() == 4 else t.shape[0]
             box = [box_rows, d // chunks]
             layout = gl.NVMMASharedLayout.get_default_for(box, _gl_dtype(t.dtype))
-            descs.append(TensorDescriptor(_CacheAddress(t), [rows, hkv * d], [t.stride(-3), 1], box, layout))
+            descs.append(TensorDescriptor(_CacheAddress(t), [rows, row_width(t)], [t.stride(-3), 1], box, layout))
         if len(_DESCRIPTORS) >= _MAX_DESCRIPTORS:
             _DESCRIPTORS.clear()
         descs = _DESCRIPTORS[key] = tuple(descs)
@@ -116,4 +127,5 @@ def make_kv_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, box_rows: 
 
 
 
-__all__ = ["GLUON_HEAD_DIMS", "gluon_ineligible", "layout_ineligible", "make_kv_descriptors", "tma_box_rows"]
+__all__ = ["GLUON_HEAD_DIMS", "gluon_ineligible", "layout_ineligible", "make_kv_descriptors", "row_width",
+           "tma_box_rows"]

@@ -189,6 +189,21 @@ def test_gpu_roles_kernel_cuda_graph_replay_with_changed_flags_lengths_and_block
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("D,H,Hkv,cfg", [(512, 16, 2, ROLES), (512, 16, 2, tc._GLUON_HD512_WIDE),
+                                         (256, 16, 8, dict(GLUON, OVERLAP=False)), (128, 16, 8, GLUON)])
+def test_gpu_gluon_reads_vllms_packed_kv_layout(D, H, Hkv, cfg):
+    """vLLM's FlashAttention layout packs a token's K and V of one head into one [num_kv_heads, 2 * head_dim] row:
+    the K / V views have a head column stride of 2 * head_dim (KS / VS). Same results as separate caches, with NaN
+    in the stale rows of both halves, every split count and window mode."""
+    sl, ql, ncq = GPU_CASES[1]
+    inp = make_batch(sl, ql, num_causal_q=ncq, num_heads=H, num_kv_heads=Hkv, head_dim=D, page_size=64,
+                     device="cuda", seed=7 * D + Hkv, poison_unused=True)
+    k, v = torch.cat([inp["k_cache"], inp["v_cache"]], dim=-1).split(D, dim=-1)
+    assert k.stride(-2) == 2 * D
+    _check_splits_and_windows(dict(inp, k_cache=k, v_cache=v), [cfg], (None, 1, 3))
+
+
+@pytest.mark.gpu
 def test_gpu_automatic_choice_takes_gluon_only_where_tuned_and_tma_can_read_the_cache():
     sl, ql, ncq = GPU_CASES[1]
     # page 16: eligible explicitly (one TMA box per page) but not chosen automatically (not measured)

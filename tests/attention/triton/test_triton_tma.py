@@ -35,6 +35,27 @@ def test_layout_rules_name_what_tma_needs():
     assert tma.layout_ineligible(flat, flat, paged=False, page_size=None, block_n=128) is None
 
 
+def test_vllm_packed_kv_layout_runs_on_tma_with_a_head_column_stride():
+    """vLLM's FlashAttention layout packs a token's K and V of one head into one row [num_kv_heads, 2 * head_dim]
+    (K and V are views split off the last dim, stride(-2) = 2 * head_dim). It was refused ("contiguous
+    [num_kv_heads, head_dim] rows"), so every serving call ran the portable kernel. KV head h is the column range
+    [h * stride(-2), h * stride(-2) + head_dim) of a [rows, row_width] TMA tensor; overlapping heads stay refused."""
+    kv = torch.zeros(4, 64, 2, 2 * 128, dtype=torch.bfloat16)  # vLLM NHD: [blocks, page, kv heads, 2 * head_dim]
+    k, v = kv.split(128, dim=-1)
+    assert tma.layout_ineligible(k, v, paged=True, page_size=64, block_n=64) is None
+    assert tma.row_width(k) == 128 + 256 and tma.row_width(torch.zeros(4, 64, 2, 128)) == 256
+    kd, vd = tma.make_kv_descriptors(k, v, 64)
+    assert kd.shape == [256, 384] and kd.strides == [512, 1] and kd.block_shape == [64, 128]
+    assert vd.base.data_ptr() == kv.data_ptr() + 128 * 2 and vd.shape == [256, 384]
+    one_head = torch.zeros(4, 64, 1, 2 * 128, dtype=torch.bfloat16).split(128, dim=-1)
+    assert tma.layout_ineligible(*one_head, paged=True, page_size=64, block_n=64) is None
+    overlap = torch.zeros(4, 64, 384, dtype=torch.bfloat16).as_strided((4, 64, 2, 128), (64 * 384, 384, 64, 1))
+    assert "non-overlapping KV heads" in tma.layout_ineligible(overlap, overlap, paged=True, page_size=64,
+                                                                block_n=64)
+    odd = torch.zeros(4, 64, 2, 128 + 4, dtype=torch.bfloat16)[..., :128]  # head stride 264 bytes: not 16-aligned
+    assert "16-byte aligned" in tma.layout_ineligible(odd, odd, paged=True, page_size=64, block_n=64)
+
+
 def test_cached_kv_descriptors_are_reused_and_do_not_keep_the_cache_alive():
     kc = torch.zeros(4, 64, 2, 128, dtype=torch.bfloat16)
     vc = torch.zeros_like(kc)
