@@ -284,6 +284,12 @@ def results_dir(local: bool = False) -> Path:
     return d
 
 
+def jsonable(x):
+    """``x`` with what JSON cannot hold replaced: non-finite floats -> None, torch dtypes / devices -> str, tuples ->
+    lists, dict keys -> str (what :func:`write_records` writes)."""
+    return _jsonable(x)
+
+
 def _jsonable(x):
     if isinstance(x, float) and not math.isfinite(x):
         return None

@@ -9,8 +9,8 @@ whatever stands between ``<!-- BEGIN RESULTS -->`` and ``<!-- END RESULTS -->`` 
 file is left as it is. One section per JSON file (suite and GPU), with the environment line (GPU, driver, torch,
 triton, flash_attn_4, vllm, commit, date) and links to the PNG plots beside it. Attention records (every suite but
 sampler / e2e / serve) are shown as one row per workload and one column per backend (CUDA-graph median in ms, the
-eager median when there is no graph); sampler, e2e and serve records row by row. CPU records (``--quick`` smoke runs) are
-left out unless ``--include-cpu``. Tile-sweep rows (a ``config`` per row) are summarised as the best
+eager median when there is no graph); sampler, e2e and serve records row by row. CPU records (``--quick`` smoke runs)
+are left out unless ``--include-cpu``. Tile-sweep rows (a ``config`` per row) are summarised as the best
 configuration per workload. Every other field is in the record's JSON / CSV.
 """
 from __future__ import annotations
