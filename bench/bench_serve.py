@@ -508,10 +508,22 @@ def sweep(args) -> list[dict]:
                                                           "denoising_steps": DENOISING_STEPS, "geometry": GEOMETRY})
     append_jsonl(rows_path, {"env": env})
     rows = []
+    t_sweep = time.perf_counter()
     for c in args.concurrency:
         n = num_prompts_for(c, args.num_prompts_per_concurrency, args.min_prompts)
         warm = min(c, args.warmup_cap)
         name = f"serve_c{c}_{args.quant}-{args.backend}"
+        timeout_s = args.run_timeout
+        if args.deadline_s is not None:
+            left = args.deadline_s - (time.perf_counter() - t_sweep)
+            if left < args.min_run_s:
+                row = {"workload": f"serve_c{c}_{args.quant}", "backend": args.backend, "quant": args.quant,
+                       "status": "skipped", "concurrency": c, "max_num_seqs": args.max_num_seqs, "num_prompts": n,
+                       "complete": False, "reason": f"past the sweep's deadline ({args.deadline_s:.0f} s)"}
+                append_jsonl(rows_path, row)
+                rows.append(row)
+                continue
+            timeout_s = min(timeout_s, left)
         bargs = bench_serve_args(base_url=args.base_url, model=args.model, concurrency=c, num_prompts=n,
                                  num_warmups=warm, result_dir=str(work), result_filename=f"{name}.json",
                                  seed=args.seed + c, metadata={"blockdiff_backend": args.backend,
@@ -520,7 +532,7 @@ def sweep(args) -> list[dict]:
         t0 = time.perf_counter()
         with MemorySampler(args.server_pid, interval_s=args.memory_interval, smi=args.nvidia_smi) as mem:
             result, why = run_bench_serve(args.bench_cmd, bargs, result_path=work / f"{name}.json",
-                                          log_path=work / f"{name}.log", timeout_s=args.run_timeout)
+                                          log_path=work / f"{name}.log", timeout_s=timeout_s)
         if result is None:
             row = {"workload": f"serve_c{c}_{args.quant}", "backend": args.backend, "quant": args.quant,
                    "status": "error", "concurrency": c, "max_num_seqs": args.max_num_seqs, "num_prompts": n,
@@ -1012,6 +1024,11 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--rows", required=True, help="JSON-lines file the rows are appended to")
     sw.add_argument("--nvidia-smi", type=_cmd, default=["nvidia-smi"])
     sw.add_argument("--memory-interval", type=float, default=0.5, help="seconds between memory samples")
+    sw.add_argument("--deadline-s", type=float, default=None,
+                    help="no run starts later than this many seconds after the sweep began (its rows: skipped); a "
+                         "run's timeout is cut to the time left")
+    sw.add_argument("--min-run-s", type=float, default=20.0, help="with --deadline-s: the least time a run is "
+                                                                   "started with")
     pr = sub.choices["profile"]
     pr.add_argument("--trace-dir", required=True, help="the server's torch_profiler_dir")
     pr.add_argument("--requests", type=int, default=2, help="requests of the profiled load (all concurrent)")

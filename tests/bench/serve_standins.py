@@ -8,6 +8,7 @@ and ``[DONE]``, as vLLM streams a diffusion model), ``/metrics`` with the ``vllm
 prompt alignment) and ``/start_profile`` / ``/stop_profile`` (the latter writes :func:`synthetic_trace` into
 ``trace_dir``). It never models timing beyond ``canvas_s`` of sleep per canvas.
 
+``python3 tests/bench/serve_standins.py serve PORT TRACE_DIR`` runs the server alone (the shell script's test).
 ``python3 tests/bench/serve_standins.py fixture OUT.json MODEL`` regenerates ``data/vllm_0_26_bench_serve_result.json``
 with vLLM 0.26's own client code against this server (needs vLLM 0.26's Python packages importable:
 ``source tests/integration/vllm_cpu_env.sh 0.26.0``; the model folder from ``bench_serve model``).
@@ -105,10 +106,11 @@ class FakeVllmServer:
         trace_dir: where ``/stop_profile`` writes a trace (``fake.pt.trace.json.gz``); None: no profiler endpoints.
         fail_every: every n-th completion request (1-based) answers 500 (0: none).
         trace_steps: the steps of that trace (:func:`synthetic_trace`).
+        port: TCP port (0: any free one).
     """
 
     def __init__(self, *, steps_per_canvas: int = 16, canvas_s: float = 0.0, trace_dir: str | None = None,
-                 fail_every: int = 0, trace_steps=None):
+                 fail_every: int = 0, trace_steps=None, port: int = 0):
         self.steps_per_canvas, self.canvas_s, self.trace_dir, self.fail_every = (steps_per_canvas, canvas_s,
                                                                                  trace_dir, fail_every)
         self.trace_steps = trace_steps or [(4096 * 2, [("fused_moe_kernel", 30.0, "forward")])] + [
@@ -119,6 +121,7 @@ class FakeVllmServer:
         self.profiling = False
         self.calls: list[str] = []
         self.httpd: ThreadingHTTPServer | None = None
+        self.port = port
 
     def __enter__(self) -> "FakeVllmServer":
         server = self
@@ -209,7 +212,7 @@ class FakeVllmServer:
                 self.wfile.write(b"0\r\n\r\n")
                 self.wfile.flush()
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
         self.httpd.daemon_threads = True
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
         return self
@@ -249,7 +252,17 @@ def _fixture(out: str, model: str) -> None:
         f.write("\n")
 
 
+def _serve(port: int, trace_dir: str) -> None:
+    """Serve :class:`FakeVllmServer` on ``port`` until killed (prints ``ready`` once listening)."""
+    with FakeVllmServer(port=port, trace_dir=trace_dir):
+        print("ready", flush=True)
+        threading.Event().wait()
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 4 or sys.argv[1] != "fixture":
-        sys.exit("usage: python3 tests/bench/serve_standins.py fixture OUT.json MODEL_FOLDER")
-    _fixture(sys.argv[2], sys.argv[3])
+    if len(sys.argv) == 4 and sys.argv[1] == "fixture":
+        _fixture(sys.argv[2], sys.argv[3])
+    elif len(sys.argv) == 4 and sys.argv[1] == "serve":
+        _serve(int(sys.argv[2]), sys.argv[3])
+    else:
+        sys.exit("usage: python3 tests/bench/serve_standins.py fixture OUT.json MODEL_FOLDER | serve PORT TRACE_DIR")

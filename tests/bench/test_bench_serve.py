@@ -375,6 +375,9 @@ def test_sweep_with_a_stand_in_client(tmp_path, monkeypatch, capsys):
     assert bs.main(argv[:-2] + ["--concurrency", "16"]) == 1
     lost = _read(rows)[-1]
     assert lost["num_prompts"] == 32 and lost["failed"] == 2 and not lost["complete"] and "fake" in lost["reason"]
+    assert bs.main(argv + ["--concurrency", "8", "--deadline-s", "0"]) == 1
+    late = _read(rows)[-1]
+    assert late["status"] == "skipped" and "deadline" in late["reason"]
     monkeypatch.setenv("FAKE_BENCH_EXIT", "3")
     assert bs.main(argv + ["--concurrency", "2"]) == 1
     err = _read(rows)[-1]
