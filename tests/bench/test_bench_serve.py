@@ -475,3 +475,58 @@ def test_read_rows_names_a_bad_line(tmp_path):
         bs.read_rows([p])
     p.write_text('{"env": {"gpu": "x"}}\n{"workload": "a"}\n')
     assert bs.read_rows([p]) == ([{"gpu": "x"}], [{"workload": "a"}])
+
+
+@pytest.mark.parametrize("k, want", [(1, 2), (bs.BENCH_GENERATION["stability_threshold"], bs.DENOISING_STEPS)])
+def test_stability_threshold_of_the_setting_forces_every_step_in_blockdiff(k, want):
+    """A model whose argmax canvas never changes and that is always confident (zero weights: uniform logits, and a
+    confidence threshold above log V) converges after 2 steps with transformers' k = 1, and after exactly the cap of
+    16 with the setting's k = 16 (blockdiff's rule: k + 1 identical argmax canvases, the first at step 0)."""
+    import torch
+
+    from blockdiff.integration import HarnessRunner
+    from blockdiff.model import DiffusionGemma, tiny_config
+    from blockdiff.sampler import SamplingParams
+
+    model = DiffusionGemma(tiny_config()).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    params = SamplingParams(canvas_length=16, max_denoising_steps=bs.DENOISING_STEPS, stability_threshold=k,
+                            confidence_threshold=100.0, max_tokens=16)
+    runner = HarnessRunner(model, default_params=params, max_num_reqs=2, max_num_batched_tokens=64)
+    runner.add_request("a", [5, 6, 7], params)
+    runner.run()
+    t = runner.totals()
+    assert t["canvases_committed"] == 1 and t["denoise_steps_per_canvas"] == t["max_denoise_steps_per_canvas"] == want
+
+
+@needs_vllm
+def test_stability_threshold_of_the_setting_forces_every_step_in_stock_vllm():
+    """The same on vLLM 0.26's own sampler step (``_compiled_sample_step`` run eagerly): uniform logits (a constant
+    argmax) and an always-met confidence converge after 2 steps with k = 1 (history of k + 1 = 2), after exactly 16
+    with the setting's k = 16 (history of 17: only the step cap can end the canvas)."""
+    import torch
+    from vllm.model_executor.models.diffusion_gemma import _compiled_sample_step
+
+    step_fn = getattr(_compiled_sample_step, "_torchdynamo_orig_callable", None) or _compiled_sample_step.__wrapped__
+
+    def steps_to_converge(k, S=bs.DENOISING_STEPS, CL=8, V=32, H=4):
+        ST = k + 1  # DiffusionGemmaModelState: stability_threshold = generation_config's + 1
+        z = lambda *s, dt=torch.int64: torch.zeros(*s, dtype=dt)  # noqa: E731
+        canvas, argmax_canvas, hist, draft = z(1, CL), z(1, CL), z(1, ST, CL), z(1, CL)
+        step, hist_len, num_sampled = z(1, dt=torch.int32), z(1, dt=torch.int32), z(1, dt=torch.int32)
+        is_enc, conf, sampled = z(1, dt=torch.bool), z(1, dt=torch.bool), z(1, CL, dt=torch.int32)
+        slot = torch.tensor([0])
+        for n in range(1, 4 * S):
+            step_fn(torch.zeros(CL, V), slot, slot, slot, torch.tensor([CL]), canvas, argmax_canvas, step, is_enc, conf,
+                    torch.zeros(1, CL, H), torch.zeros(V, H), torch.tensor(1.0), hist, hist_len, sampled, num_sampled,
+                    draft, max_denoising_steps=float(S), t_min=0.4, t_max=0.8, confidence_threshold=100.0,
+                    vocab_size=V, CL=CL, ST=ST, entropy_bound=0.1, sc_vocab_start=0, sc_vocab_end=V, tp_size=1,
+                    tp_group_name="")
+            if bool(is_enc[0]):  # converged: the next pass commits
+                return n
+        return None
+
+    assert steps_to_converge(1) == 2
+    assert steps_to_converge(bs.BENCH_GENERATION["stability_threshold"]) == bs.DENOISING_STEPS
