@@ -25,8 +25,10 @@ the run, written by ``vllm bench serve``) and must be 16.
 Subcommands:
   model       write the benchmark's model folder (:func:`write_model_folder`).
   server-cmd  print the ``vllm serve`` command line of one side (:func:`server_command`; what the device script runs).
-  sweep       for each concurrency C: ``vllm bench serve`` (``--max-concurrency C``, ``--num-prompts`` P = max(K * C,
-              M), ``--num-warmups`` min(C, 4) first, a seed per C, ``--save-detailed``), its result JSON parsed into
+  sweep       first a warm-up run (max-num-seqs one-canvas requests at once: the batch sizes the server will see
+              compile here, not in a timed run), then for each concurrency C: ``vllm bench serve``
+              (``--max-concurrency C``, ``--num-prompts`` P = max(K * C, M), ``--num-warmups`` min(C, 4) first, a
+              seed per C, ``--save-detailed``), its result JSON parsed into
               one row (:func:`row_from_result`) appended to ``--rows`` (JSON lines; the first line of a sweep is the
               environment record), while :class:`MemorySampler` reads the server's GPU memory.
   profile     vLLM's torch profiler (the server started with :func:`profiler_config`): ``/start_profile``, a short
@@ -225,12 +227,13 @@ def num_prompts_for(concurrency: int, per_concurrency: int = 2, minimum: int = 8
 
 
 def bench_serve_args(*, base_url: str, model: str, concurrency: int, num_prompts: int, num_warmups: int,
-                     result_dir: str, result_filename: str, seed: int = 0, metadata: dict | None = None) -> list[str]:
+                     result_dir: str, result_filename: str, seed: int = 0, metadata: dict | None = None,
+                     output_len: int = OUTPUT_LEN) -> list[str]:
     """Arguments of ``vllm bench serve`` (vLLM 0.26) for one run of the benchmark's setting: the ``random``
-    dataset, 4096 prompt and 512 output tokens (range ratio 0), EOS ignored, no sampling options (the servers'
-    defaults), TTFT / TPOT / ITL / end-to-end percentiles 50 and 99, the detailed result saved."""
+    dataset, 4096 prompt and ``output_len`` (512) output tokens (range ratio 0), EOS ignored, no sampling options
+    (the servers' defaults), TTFT / TPOT / ITL / end-to-end percentiles 50 and 99, the detailed result saved."""
     args = ["--backend", "openai", "--base-url", base_url, "--endpoint", "/v1/completions", "--model", model,
-            "--dataset-name", "random", "--random-input-len", str(INPUT_LEN), "--random-output-len", str(OUTPUT_LEN),
+            "--dataset-name", "random", "--random-input-len", str(INPUT_LEN), "--random-output-len", str(output_len),
             "--random-range-ratio", "0", "--ignore-eos", "--max-concurrency", str(concurrency),
             "--num-prompts", str(num_prompts), "--num-warmups", str(num_warmups), "--seed", str(seed),
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
@@ -506,9 +509,21 @@ def sweep(args) -> list[dict]:
                bench_cmd=" ".join(args.bench_cmd), setting={"input_len": INPUT_LEN, "output_len": OUTPUT_LEN,
                                                           "canvas_length": CANVAS_LENGTH,
                                                           "denoising_steps": DENOISING_STEPS, "geometry": GEOMETRY})
+    t_sweep = time.perf_counter()
+    warm_c = args.max_num_seqs if args.warm_concurrency is None else args.warm_concurrency
+    if warm_c > 0:  # every batch size up to max-num-seqs once, so no compile lands in a timed run
+        name = f"warm_c{warm_c}_{args.quant}-{args.backend}"
+        common.log(f"{name}: {warm_c} one-canvas requests at once (not recorded)")
+        result, why = run_bench_serve(
+            args.bench_cmd, bench_serve_args(base_url=args.base_url, model=args.model, concurrency=warm_c,
+                                             num_prompts=warm_c, num_warmups=1, result_dir=str(work),
+                                             result_filename=f"{name}.json", seed=args.seed + 999,
+                                             output_len=CANVAS_LENGTH),
+            result_path=work / f"{name}.json", log_path=work / f"{name}.log", timeout_s=args.run_timeout)
+        env["warm_up"] = {"concurrency": warm_c, "s": time.perf_counter() - t_sweep, "ok": result is not None,
+                          "completed": None if result is None else result.get("completed"), "error": why}
     append_jsonl(rows_path, {"env": env})
     rows = []
-    t_sweep = time.perf_counter()
     for c in args.concurrency:
         n = num_prompts_for(c, args.num_prompts_per_concurrency, args.min_prompts)
         warm = min(c, args.warmup_cap)
@@ -1020,6 +1035,9 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--num-prompts-per-concurrency", type=int, default=2, help="K: prompts = max(K * C, M)")
     sw.add_argument("--min-prompts", type=int, default=8, help="M: prompts = max(K * C, M)")
     sw.add_argument("--warmup-cap", type=int, default=WARMUP_CAP, help="warm-up requests per run: min(C, this)")
+    sw.add_argument("--warm-concurrency", type=int, default=None,
+                    help="before the runs: this many one-canvas requests at once, not recorded (default "
+                         "--max-num-seqs, so every batch size the server runs has compiled; 0: none)")
     sw.add_argument("--seed", type=int, default=0, help="dataset seed base (run at C uses seed + C)")
     sw.add_argument("--rows", required=True, help="JSON-lines file the rows are appended to")
     sw.add_argument("--nvidia-smi", type=_cmd, default=["nvidia-smi"])
