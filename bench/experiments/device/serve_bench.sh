@@ -21,10 +21,9 @@
 # CUDA graphs (~50 sizes up to 512 tokens, ~1 min) and, on blockdiff's side, JIT-compiles its Triton kernels: `wait`
 # should see both healthy after ~4-7 min (it gives up at WAIT_S, 560 s; run it again if both are still starting).
 # `bench`: per side first a warm-up (max-num-seqs one-canvas requests at once: every batch size compiles there,
-# not in a timed run), then ~10-15 s per `vllm bench serve` start (imports) and ~2-40 s per concurrency (c64: 128
-# prompts);
-# blockdiff first, then stock, each side's runs started within SIDE_S (250 s); the stock sampler's torch.compile runs
-# on its first requests (the warm-ups of c1 / c4). `profile`: ~1-2 min per side (2 requests, trace export, parse).
+# not in a timed run; the stock sampler's torch.compile runs there and in c1's warm-up request), then ~10-15 s per
+# `vllm bench serve` start (imports) and ~2-40 s per concurrency (c64: 128 prompts); blockdiff first, then stock,
+# each side's runs started within SIDE_S (250 s): expected ~2 min for blockdiff, ~3-4 min for stock. `profile`: ~1-2 min per side (2 requests, trace export, parse).
 #
 # Memory (GiB of the H200's ~139.8; vLLM's --kv-cache-memory-bytes fixes each KV cache, because two servers starting
 # together would count each other's allocations in vLLM's memory profile; --gpu-memory-utilization then only sets
