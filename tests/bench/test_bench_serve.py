@@ -532,3 +532,60 @@ def test_stability_threshold_of_the_setting_forces_every_step_in_stock_vllm():
 
     assert steps_to_converge(1) == 2
     assert steps_to_converge(bs.BENCH_GENERATION["stability_threshold"]) == bs.DENOISING_STEPS
+
+
+#: Builds one side's VllmConfig with vLLM 0.26 on the CPU platform (set before vLLM resolves it: in a fresh process)
+#: and prints what the test checks.
+_BUILD_CONFIG = """
+import json, sys
+import vllm.platforms
+from vllm.platforms.cpu import CpuPlatform
+vllm.platforms._current_platform = CpuPlatform()
+import vllm.config.vllm
+vllm.config.vllm.HAS_TRITON = True  # model runner v2 asks for Triton, which the CPU platform turns off
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+from blockdiff.bench import bench_serve as bs
+backend, model = sys.argv[1], sys.argv[2]
+if backend != "vllm":
+    from blockdiff.integration.vllm_plugin import register
+    register()  # what VLLM_PLUGINS=blockdiff does in the server
+_, argv = bs.server_command(backend, "fp8", model=model, port=8041, max_num_seqs=16, kv_cache_bytes=8 << 30,
+                            gpu_memory_utilization=0.35, trace_dir="/tmp/tr")
+rest = argv[argv.index("serve") + 2:]
+i = rest.index("--port")
+del rest[i:i + 2]
+ns = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(["--model", model, *rest])
+c = AsyncEngineArgs.from_cli_args(ns).create_engine_config()
+gen = c.model_config.try_get_generation_config()
+print("CONFIG " + json.dumps({
+    "arch": c.model_config.architectures, "max_model_len": c.model_config.max_model_len,
+    "quant": c.model_config.quantization, "vocab": c.model_config.get_vocab_size(),
+    "diffusion": [c.diffusion_config.canvas_length, c.diffusion_config.max_denoising_steps],
+    "kv_bytes": c.cache_config.kv_cache_memory_bytes, "prefix_caching": c.cache_config.enable_prefix_caching,
+    "v2": c.use_v2_model_runner, "async": c.scheduler_config.async_scheduling,
+    "hma_off": c.scheduler_config.disable_hybrid_kv_cache_manager, "scheduler": str(c.scheduler_config.scheduler_cls),
+    "gen": [gen["max_denoising_steps"], gen["stability_threshold"]], "profiler": c.profiler_config.profiler}))
+"""
+
+
+@needs_vllm
+@pytest.mark.parametrize("backend", ["vllm", "blockdiff-triton"])
+def test_vllm_0_26_builds_the_server_config(backend, model_dir):
+    """The whole ``vllm serve`` configuration of each side from the model folder and the flags (vLLM 0.26's
+    ``create_engine_config`` on the CPU platform; needs ``compressed_tensors``, which the staged GPU vLLM ships):
+    FP8, the diffusion config, the fixed KV size, model runner v2, the hybrid KV manager, blockdiff's scheduler."""
+    pytest.importorskip("compressed_tensors")
+    env = dict(os.environ, **bs.server_command(backend, "fp8", model=str(model_dir), port=1, max_num_seqs=1,
+                                               kv_cache_bytes=1, gpu_memory_utilization=0.5)[0])
+    p = subprocess.run([sys.executable, "-c", _BUILD_CONFIG, backend, str(model_dir)], capture_output=True, text=True,
+                       timeout=300, env=env)
+    line = [x for x in p.stdout.splitlines() if x.startswith("CONFIG ")]
+    assert p.returncode == 0 and line, p.stdout[-2000:] + p.stderr[-3000:]
+    c = json.loads(line[0][len("CONFIG "):])
+    assert c["arch"] == ["DiffusionGemmaForBlockDiffusion"] and c["max_model_len"] == 8192 and c["vocab"] == 262144
+    assert c["quant"] == "fp8" and c["diffusion"] == [256, 16] and c["gen"] == [16, 16] and c["profiler"] == "torch"
+    assert c["kv_bytes"] == 8 << 30 and c["prefix_caching"] is False and c["v2"] and c["async"] is False
+    assert c["hma_off"] is False  # the sliding layers keep their window only (the memory arithmetic assumes it)
+    want = "None" if backend == "vllm" else "blockdiff.integration.vllm_scheduler.BlockdiffDiffusionScheduler"
+    assert c["scheduler"] == want
