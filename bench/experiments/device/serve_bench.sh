@@ -36,9 +36,12 @@
 #   sampler: stock's compiled step keeps ~10 fp32 [256, 262144] per request of a tile = 2.5 per request, tiles sized to
 #     half the free memory (so it takes what is left, at least one request = 2.5); blockdiff's fused step ~0.011 per
 #     canvas (45 MB at 4, bench/results/sampler-h200.json).
-#   KV per request (4608 tokens; vLLM's hybrid KV manager keeps only the window of the 25 sliding layers: 5 groups x
-#     ~81 blocks of 16 tokens, the 5 full layers 144 blocks of 32; 640 KiB per block) ~0.35, ~0.85 while its 4096
-#     prompt tokens are in the sliding layers (the prefill step; 16384-token steps hold 4 prompts).
+#   KV per request (4608 tokens; vLLM 0.26's kv_cache_utils on these layer specs, run on a CPU: 6 groups of 5 layers,
+#     640 KiB per block; its hybrid KV manager keeps only the window of the 25 sliding layers: 5 groups x ~81 blocks
+#     of 16 tokens, the 5 full layers 144 blocks of 32) 549 blocks = 0.34; 1408 blocks = 0.86 during its prefill
+#     step, while all 4096 prompt tokens sit in the sliding layers (16384-token steps hold 4 prompts). vLLM's start-up
+#     line "Maximum concurrency for 8,192 tokens per request" assumes 8192-token requests and a whole 16384-token step
+#     in every window: 4.65x for 8 GiB, 16.3x for 28 GiB; 4608-token requests fit ~23 and ~80.
 #   FP8: blockdiff 64 seqs: 26 + 4 + KV 28 (64 x 0.35 + 4 x 0.5 prefill, 2.5 spare) + 64 x 0.375 + 0.7 = 82.7;
 #        stock 16 seqs: 26 + 4 + KV 8 (16 x 0.35 + 2.4 spare) + 16 x 0.375 + 2.5 = 46.5   -> 129 of 139.8, the rest
 #        for stock's sampler tiles (it sizes them to what is free). Stock at 64 seqs would need 26 + 4 + 24 + 24 + 2.5
