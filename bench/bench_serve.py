@@ -636,7 +636,8 @@ def summarize_trace(events: Iterable[dict], *, canvas_length: int = CANVAS_LENGT
     belongs to the step during or after whose annotation it was launched (its launch is the CPU runtime / driver
     event with the kernel's ``correlation`` id; a kernel inside a CUDA graph shares the graph launch's); launched
     inside the annotation it is part of the forward, after it (the runner's ``sample_tokens``: LM head, logits
-    softcap, the diffusion sampler, bookkeeping) part of the sample phase. Buckets: by kernel name
+    softcap, the diffusion sampler, bookkeeping) part of the sample phase; a kernel whose launch is not in the trace
+    is placed by its GPU start and classified by name alone (``phase_ms["no_launch"]``). Buckets: by kernel name
     (:func:`classify_kernel`), except in the sample phase, where the first GEMM is the LM head (``gemm``) and
     everything else not attention / MoE by name is ``sampler`` (stock vLLM's sampler is torch.compile'd Triton code
     whose kernel names do not say so; blockdiff's soft-embedding GEMM runs on cuBLAS). A step of at most
@@ -688,19 +689,21 @@ def summarize_trace(events: Iterable[dict], *, canvas_length: int = CANVAS_LENGT
     first_gemm_done = [False] * len(steps)
     totals = {b: 0.0 for b in BUCKETS}
     outside = 0.0
-    phase_ms = {"forward": 0.0, "sample": 0.0}
+    phase_ms = {"forward": 0.0, "sample": 0.0, "no_launch": 0.0}
     unknown: dict[str, list] = {}
     names: dict[str, dict[str, list]] = {b: {} for b in BUCKETS}
-    for k in sorted(gpu, key=lambda e: launches.get((e.get("args") or {}).get("correlation"), float(e["ts"]))):
+    for k in sorted(gpu, key=lambda e: (launches.get((e.get("args") or {}).get("correlation"), float(e["ts"])),
+                                        float(e["ts"]))):
         name = str(k.get("name", ""))
         ms = float(k.get("dur", 0)) / 1e3
-        launch = launches.get((k.get("args") or {}).get("correlation"), float(k["ts"]))
-        i = bisect.bisect_right(starts, launch) - 1
+        launch = launches.get((k.get("args") or {}).get("correlation"))
+        i = bisect.bisect_right(starts, float(k["ts"]) if launch is None else launch) - 1
         bucket, known = classify_kernel(name)
         if i < 0:
             outside += ms
             continue
-        phase = "forward" if launch <= steps[i][1] else "sample"
+        # without its launch event the phase is unknown (GPU time lags the CPU's): the name alone decides
+        phase = "no_launch" if launch is None else "forward" if launch <= steps[i][1] else "sample"
         if phase == "sample" and bucket not in ("attention", "moe"):
             if bucket == "gemm" and not first_gemm_done[i]:
                 first_gemm_done[i] = True

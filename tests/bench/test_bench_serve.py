@@ -334,10 +334,20 @@ def test_summarize_trace_buckets_per_canvas_step(graph_steps):
     assert s["unknown_ms"] == pytest.approx(0.04) and s["unknown_kernels"][0][0] == "some_new_kernel_nobody_knows"
     assert 0 < s["unknown_share"] < 0.01 and sum(s["canvas_step_share"].values()) == pytest.approx(1.0)
     assert s["top_kernels"]["moe"][0][0] == "fused_moe_kernel"
+    assert s["phase_ms"]["no_launch"] == 0 and s["phase_ms"]["sample"] == pytest.approx(4 * 2.7)
     b = bs.summarize_trace(synthetic_trace([(256, BLOCKDIFF_CANVAS_STEP)] * 3)["traceEvents"], max_canvases=1)
     bm = b["canvas_step_ms"]
     assert bm["attention"] == pytest.approx(0.12) and bm["sampler"] == pytest.approx(0.2 + 0.4 + 0.2 + 0.3 + 0.05)
     assert bm["gemm"] == pytest.approx(1.2) and b["unknown_ms"] == 0
+
+
+def test_kernels_without_their_launch_are_classified_by_name():
+    ev = synthetic_trace([(256, [("nvjet_x", 1.0, "sample"), ("nvjet_y", 2.0, "sample"), ("_step_kernel", 0.5,
+                                                                                          "sample")])])["traceEvents"]
+    ev = [e for e in ev if e.get("cat") not in ("cuda_runtime", "cuda_driver")]  # the launches lost
+    s = bs.summarize_trace(ev, max_canvases=1)
+    assert s["phase_ms"]["no_launch"] == pytest.approx(3.5) and s["canvas_step_ms"]["gemm"] == pytest.approx(3.0)
+    assert s["canvas_step_ms"]["sampler"] == pytest.approx(0.5)
 
 
 def test_summarize_trace_refuses_traces_without_steps_or_kernels(tmp_path):
