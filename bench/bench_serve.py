@@ -494,6 +494,7 @@ def environment() -> dict:
 
 
 def append_jsonl(path: Path, obj: dict) -> None:
+    """Append ``obj`` as one JSON line to ``path`` (folders created; values made JSON-safe)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
         f.write(json.dumps(common.jsonable(obj)) + "\n")
@@ -944,7 +945,8 @@ def record(args) -> dict:
     if not rows:
         raise ValueError(f"no rows in {args.rows}")
     env = dict(envs[0]) if envs else environment()
-    for k in ("kind", "backend", "quant", "max_num_seqs", "base_url", "server_pid", "bench_cmd"):
+    for k in ("kind", "backend", "quant", "max_num_seqs", "base_url", "server_pid", "bench_cmd", "warm_up", "setting",
+              "model"):
         env.pop(k, None)
     notes = []
     gpus = {e.get("gpu") for e in envs}
@@ -963,7 +965,7 @@ def record(args) -> dict:
     servers = {}
     for e in envs:
         servers[f"{e.get('backend')}-{e.get('quant')}"] = {"max_num_seqs": e.get("max_num_seqs"),
-                                                             "model": e.get("model")}
+                                                             "model": e.get("model"), "warm_up": e.get("warm_up")}
     extra = {"setting": envs[0].get("setting") if envs else None, "servers": servers, "goals": goals,
              "profiles": profiles, "notes": notes}
     out = Path(args.out)
