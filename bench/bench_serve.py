@@ -17,7 +17,8 @@ with 4096 prompt tokens and 512 output tokens (two canvases), EOS ignored. Both 
 ``--diffusion-config {"canvas_length": 256, "max_denoising_steps": 16}`` (vLLM's ``DiffusionGemmaModelState`` and
 blockdiff's ``DiffusionModelState`` take it before ``generation_config.json``, which says 16 too). Early
 convergence is ruled out by ``stability_threshold`` = 16 in ``generation_config.json`` (both read it when they
-build the sampler; no request sets a diffusion option): blockdiff converges early only after ``k`` + 1 = 17
+build the sampler; no request sets a diffusion option: vLLM's sampler reads none per request, and ``vllm bench
+serve``'s ``--extra-body`` stays unused): blockdiff converges early only after ``k`` + 1 = 17
 identical argmax canvases, vLLM's compiled step only once its history holds ``k`` + 1 = 17 entries, and both hit
 the cap of 16 first. ``diffusion_steps_per_canvas`` of every row is vLLM's own count (``/metrics`` before and after
 the run, written by ``vllm bench serve``) and must be 16.
@@ -28,9 +29,9 @@ Subcommands:
   sweep       first a warm-up run (max-num-seqs one-canvas requests at once: the batch sizes the server will see
               compile here, not in a timed run), then for each concurrency C: ``vllm bench serve``
               (``--max-concurrency C``, ``--num-prompts`` P = max(K * C, M), ``--num-warmups`` min(C, 4) first, a
-              seed per C, ``--save-detailed``), its result JSON parsed into
-              one row (:func:`row_from_result`) appended to ``--rows`` (JSON lines; the first line of a sweep is the
-              environment record), while :class:`MemorySampler` reads the server's GPU memory.
+              seed per C, ``--save-detailed``), its result JSON parsed into one row (:func:`row_from_result`)
+              appended to ``--rows`` (JSON lines; the first line of a sweep is the environment record), while
+              :class:`MemorySampler` reads the server's GPU memory.
   profile     vLLM's torch profiler (the server started with :func:`profiler_config`): ``/start_profile``, a short
               load (2 requests), ``/stop_profile``, then the trace's GPU kernel time per forward step and bucket
               (:func:`summarize_trace`).
