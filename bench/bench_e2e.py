@@ -31,17 +31,13 @@ from pathlib import Path
 import torch
 
 from blockdiff.bench import common
+from blockdiff.model.config import DIFFUSIONGEMMA_26B_A4B as _GEOMETRY
 
 SUITE = "e2e"
 DENOISING_STEPS = 16
 
-#: DiffusionGemma-26B-A4B text widths (docs/ARCHITECTURE.md shapes; MoE/MLP widths from the Gemma 4 26B-A4B model
-#: card summaries: verify against the checkpoint's config.json when one is at hand).
-DIFFUSIONGEMMA_26B_A4B = dict(
-    vocab_size=262_144, hidden_size=2816, intermediate_size=2112, num_attention_heads=16,
-    num_key_value_heads=8, head_dim=256, global_head_dim=512, num_global_key_value_heads=2,
-    num_experts=128, top_k_experts=8, moe_intermediate_size=704, sliding_window=1024, canvas_length=256,
-)
+#: DiffusionGemma-26B-A4B text widths, without the depth (``--layers``): blockdiff.model.config's named geometry.
+DIFFUSIONGEMMA_26B_A4B = {k: v for k, v in _GEOMETRY.items() if k != "num_hidden_layers"}
 
 
 class Unavailable(RuntimeError):

@@ -240,7 +240,8 @@ def gpu_slug(name: str) -> str:
 
 
 def env_record(device: torch.device | str | None = None) -> dict:
-    """Environment of a run: gpu, driver, torch, triton, flash_attn_4, commit, date (UTC ISO), python, host."""
+    """Environment of a run: gpu, driver, cuda, torch, triton, flash_attn_4, vllm (None when not installed; read
+    from the package metadata, vLLM is not imported), commit, date (UTC ISO), python, host."""
     driver = None
     if torch.cuda.is_available():
         try:
@@ -255,6 +256,7 @@ def env_record(device: torch.device | str | None = None) -> dict:
         "torch": torch.__version__,
         "triton": _version(["triton"], "triton"),
         "flash_attn_4": _version(["flash-attn-4", "flash_attn_4"]) or _flash_attn_cute_version(),
+        "vllm": _version(["vllm"]),
         "commit": git_commit(),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "python": platform.python_version(),
@@ -280,6 +282,12 @@ def results_dir(local: bool = False) -> Path:
     d = Path(out) if out else (LOCAL_RESULTS_DIR if local else DEFAULT_RESULTS_DIR)
     d.mkdir(parents=True, exist_ok=True)
     return d
+
+
+def jsonable(x):
+    """``x`` with what JSON cannot hold replaced: non-finite floats -> None, torch dtypes / devices -> str, tuples ->
+    lists, dict keys -> str (what :func:`write_records` writes)."""
+    return _jsonable(x)
 
 
 def _jsonable(x):

@@ -7,10 +7,10 @@ Only the JSON files directly in ``--results`` are read: bench/results/ holds one
 superseded and exploratory records live in bench/results/history/ and are never rendered. The tables replace
 whatever stands between ``<!-- BEGIN RESULTS -->`` and ``<!-- END RESULTS -->`` in the README; the rest of the
 file is left as it is. One section per JSON file (suite and GPU), with the environment line (GPU, driver, torch,
-triton, flash_attn_4, commit, date) and links to the PNG plots beside it. Attention records (every suite but
-sampler / e2e) are shown as one row per workload and one column per backend (CUDA-graph median in ms, the eager
-median when there is no graph); sampler and e2e records row by row. CPU records (``--quick`` smoke runs) are
-left out unless ``--include-cpu``. Tile-sweep rows (a ``config`` per row) are summarised as the best
+triton, flash_attn_4, vllm, commit, date) and links to the PNG plots beside it. Attention records (every suite but
+sampler / e2e / serve) are shown as one row per workload and one column per backend (CUDA-graph median in ms, the
+eager median when there is no graph); sampler, e2e and serve records row by row. CPU records (``--quick`` smoke runs)
+are left out unless ``--include-cpu``. Tile-sweep rows (a ``config`` per row) are summarised as the best
 configuration per workload. Every other field is in the record's JSON / CSV.
 """
 from __future__ import annotations
@@ -31,6 +31,8 @@ COLUMNS = {
                 "extra_memory_bytes", "correct", "note"],
     "e2e": ["workload", "backend", "sampler_backend", "status", "denoise_step_ms", "tokens_per_s",
             "attention_share", "sampler_share", "prefill_ms", "layers", "note"],
+    "serve": ["workload", "backend", "status", "max_num_seqs", "output_tok_s", "ttft_ms", "time_per_canvas_ms",
+              "completed", "failed", "diffusion_steps_per_canvas", "peak_memory_bytes", "note"],
 }
 DEFAULT_COLUMNS = ["workload", "backend", "status", "graph_ms", "eager_ms", "effective_tflops", "note"]
 
@@ -80,7 +82,7 @@ def table(rows: list[dict], columns: list[str]) -> str:
 
 
 #: Suite families rendered row by row (all others: one row per workload, one column per backend).
-ROW_FAMILIES = ("sampler", "e2e")
+ROW_FAMILIES = ("sampler", "e2e", "serve")
 
 
 def _cell(row: dict) -> str:
@@ -126,7 +128,8 @@ def section(path: Path, link_base: Path = BENCH_DIR) -> str:
     rows = doc.get("rows", [])
     suite = doc.get("suite", path.stem)
     family = suite.split("-")[0]
-    env = ", ".join(f"{k} {doc.get(k)}" for k in ("driver", "torch", "triton", "flash_attn_4") if doc.get(k))
+    env = ", ".join(f"{k} {doc.get(k)}" for k in ("driver", "torch", "triton", "flash_attn_4", "vllm")
+                   if doc.get(k))
     commit = str(doc.get("commit", "?"))
     commit = commit[:7] + commit[40:] if len(commit) >= 40 else commit  # short hash, "+dirty" kept
     head = [f"### `{path.name}`",

@@ -18,6 +18,9 @@ SAMPLER_BACKENDS = ("reference", "triton")
 #: ``--max-denoising-steps`` must be below this: the sampler's RNG counter layout (``blockdiff.sampler.rng.MAX_STEPS``;
 #: a constant here so the check needs no torch; tests/integration/test_cli.py checks the two agree).
 MAX_DENOISING_STEPS = 1 << 14
+#: ``blockdiff export --geometry`` names: the keys of ``blockdiff.model.config.GEOMETRIES`` (repeated here so
+#: argument errors need no torch; tests/model/test_export.py checks the two agree).
+GEOMETRY_NAMES = ("diffusiongemma-26b-a4b",)
 #: Devices the commands compute on: ``cpu`` or ``cuda``, optionally with an index (torch's ``TYPE[:INDEX]``).
 _DEVICE_RE = re.compile(r"(cpu|cuda)(:\d+)?")
 
@@ -99,10 +102,16 @@ def build_parser() -> argparse.ArgumentParser:
                                    "Face DiffusionGemma folder that transformers and vLLM load by path: config.json, "
                                    "model.safetensors, generation_config.json (the sampling defaults), tokenizer.json "
                                    "and tokenizer_config.json (the byte tokenizer). See blockdiff.model.export. "
-                                   "Serve it with: vllm serve OUT --language-model-only")
+                                   "Serve it with: vllm serve OUT --language-model-only. With --geometry NAME: a "
+                                   "named geometry's config and tokenizer without weights (vllm serve OUT "
+                                   "--load-format dummy --language-model-only).")
     e.add_argument("out", metavar="OUT", help="folder to write (created if missing)")
-    e.add_argument("--checkpoint", metavar="FOLDER", default=None,
-                   help="trained checkpoint folder (as blockdiff train --out writes it); default: the shipped one")
+    src = e.add_mutually_exclusive_group()
+    src.add_argument("--checkpoint", metavar="FOLDER", default=None,
+                     help="trained checkpoint folder (as blockdiff train --out writes it); default: the shipped one")
+    src.add_argument("--geometry", choices=GEOMETRY_NAMES, default=None,
+                     help="write a named model geometry's config alone, no weights (blockdiff.model.config.GEOMETRIES; "
+                          "serve it with vllm serve OUT --load-format dummy --language-model-only)")
     e.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default=None,
                    help="dtype of the written weights (default: as stored, bfloat16)")
     e.add_argument("--max-denoising-steps", type=int, default=None,
@@ -260,7 +269,12 @@ def _export(a) -> int:
 
     from .demo import TRAINED_MAX_DENOISING_STEPS
 
-    source = a.checkpoint if a.checkpoint is not None else shipped_checkpoint_dir()
+    if a.geometry is not None:
+        from blockdiff.model.config import geometry_config
+
+        source = geometry_config(a.geometry)
+    else:
+        source = a.checkpoint if a.checkpoint is not None else shipped_checkpoint_dir()
     steps = TRAINED_MAX_DENOISING_STEPS if a.max_denoising_steps is None else a.max_denoising_steps
     gen = {k: v for k, v in (("t_min", a.t_min), ("t_max", a.t_max), ("entropy_bound", a.entropy_bound),
                              ("confidence_threshold", a.confidence_threshold),
@@ -271,7 +285,8 @@ def _export(a) -> int:
         return _errors("export", [str(e)])
     for name, path in written.items():
         print(f"{path}  {os.path.getsize(path)} bytes")
-    print(f"serve with: vllm serve {a.out} --language-model-only")
+    dummy = " --load-format dummy" if a.geometry is not None else ""
+    print(f"serve with: vllm serve {a.out}{dummy} --language-model-only")
     return 0
 
 

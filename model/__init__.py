@@ -13,7 +13,7 @@ A bad checkpoint (config, weights, shard index, tokenizer, generation config) ra
 CheckpointError and a ``FileNotFoundError``). A checkpoint's default sampling parameters:
 :func:`load_generation_config` (``DiffusionGemma.generation_config`` once loaded).
 """
-from .config import DiffusionGemmaConfig, tiny_config
+from .config import DIFFUSIONGEMMA_26B_A4B, GEOMETRIES, DiffusionGemmaConfig, geometry_config, tiny_config
 from .errors import CheckpointError, CheckpointFileNotFoundError
 from .generation import load_generation_config
 from .loading import convert_hf_state_dict, load_hf_state_dict, read_safetensors
@@ -21,5 +21,6 @@ from .modeling import DiffusionGemma
 
 __all__ = [
     "CheckpointError", "CheckpointFileNotFoundError", "DiffusionGemmaConfig", "tiny_config", "DiffusionGemma",
+    "DIFFUSIONGEMMA_26B_A4B", "GEOMETRIES", "geometry_config",
     "convert_hf_state_dict", "load_generation_config", "load_hf_state_dict", "read_safetensors",
 ]

@@ -370,6 +370,43 @@ class DiffusionGemmaConfig:
         return cls(**kwargs)
 
 
+#: DiffusionGemma-26B-A4B text geometry (docs/ARCHITECTURE.md "Named workloads": 16 query heads; sliding layers
+#: 8 KV heads x head_dim 256 with sliding_window 1024; full layers 2 KV heads x head_dim 512; 128 experts top-8 of
+#: width 704; vocabulary 262144; 30 layers, 5 sliding : 1 full). MoE / MLP widths are the Gemma 4 26B-A4B model
+#: card's; verify against the checkpoint's config.json when one is at hand. Keyword arguments of
+#: :class:`DiffusionGemmaConfig`; ``bench_e2e`` and ``bench_serve`` build the model from it.
+DIFFUSIONGEMMA_26B_A4B: dict[str, Any] = dict(
+    vocab_size=262_144, hidden_size=2816, intermediate_size=2112, num_hidden_layers=30, num_attention_heads=16,
+    num_key_value_heads=8, head_dim=256, global_head_dim=512, num_global_key_value_heads=2,
+    num_experts=128, top_k_experts=8, moe_intermediate_size=704, sliding_window=1024, canvas_length=256,
+)
+#: Named geometries (``blockdiff export --geometry NAME``): name -> :class:`DiffusionGemmaConfig` keywords.
+GEOMETRIES: dict[str, dict[str, Any]] = {"diffusiongemma-26b-a4b": DIFFUSIONGEMMA_26B_A4B}
+
+
+def geometry_config(name: str, **overrides) -> DiffusionGemmaConfig:
+    """The :class:`DiffusionGemmaConfig` of the named geometry (:data:`GEOMETRIES`), with ``overrides`` applied.
+
+    ``num_hidden_layers`` alone in ``overrides`` keeps transformers' layer pattern (5 sliding : 1 full, the last
+    layer full).
+
+    Raises:
+        ValueError: ``name`` is not in :data:`GEOMETRIES` (the known names are listed); a field breaking its rule.
+        TypeError: ``name`` is not a str; a field of the wrong type.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str (one of {sorted(GEOMETRIES)}), got {_show(name)}")
+    if name not in GEOMETRIES:
+        raise ValueError(f"unknown geometry {name!r}; known: {sorted(GEOMETRIES)}")
+    kw = {**GEOMETRIES[name], **overrides}
+    if "num_hidden_layers" in overrides and "layer_types" not in overrides:
+        _check_int("num_hidden_layers", kw["num_hidden_layers"], 1)
+        n = kw["num_hidden_layers"]
+        kw["layer_types"] = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n)]
+        kw["layer_types"][-1] = "full_attention"
+    return DiffusionGemmaConfig(**kw)
+
+
 def tiny_config(**overrides) -> DiffusionGemmaConfig:
     """A tiny random-weights config for CPU tests: 4 layers (sliding, full, sliding, full), hidden 64,
     4 query heads; sliding layers 2 KV heads x head_dim 16, window W = 7 (sliding_window 8); full layers 1 KV

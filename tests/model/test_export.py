@@ -439,3 +439,35 @@ def test_cli_export_argument_errors_come_before_torch(tmp_path):
     for flag in ("--t-min", "--entropy-bound", "--max-denoising-steps", "--checkpoint"):
         assert any(flag in ln for ln in lines), flag
     assert not (tmp_path / "o").exists()
+
+
+def test_cli_export_geometry_writes_the_26b_config_without_weights(tmp_path, capsys):
+    from blockdiff.model.config import DIFFUSIONGEMMA_26B_A4B, GEOMETRIES, geometry_config
+
+    assert tuple(sorted(GEOMETRIES)) == tuple(sorted(cli.GEOMETRY_NAMES))  # the CLI's torch-free copy of the names
+    out = tmp_path / "g"
+    assert cli.main(["export", str(out), "--geometry", "diffusiongemma-26b-a4b", "--stability-threshold", "16"]) == 0
+    assert "--load-format dummy" in capsys.readouterr().out
+    assert sorted(os.listdir(out)) == sorted(n for n in EXPORT_FILES if n != "model.safetensors")
+    cfg = DiffusionGemmaConfig.from_hf(str(out))
+    assert cfg == geometry_config("diffusiongemma-26b-a4b")
+    assert all(getattr(cfg, k) == v for k, v in DIFFUSIONGEMMA_26B_A4B.items())
+    assert cfg.layer_types.count("full_attention") == 5 and cfg.layer_types[-1] == "full_attention"
+    with open(out / "generation_config.json") as f:
+        g = json.load(f)
+    assert (g["max_denoising_steps"], g["stability_threshold"]) == (STEPS, 16)
+    with pytest.raises(SystemExit):
+        cli.main(["export", str(tmp_path / "x"), "--geometry", "nope"])
+    with pytest.raises(SystemExit):  # a geometry has no checkpoint
+        cli.main(["export", str(tmp_path / "x"), "--geometry", "diffusiongemma-26b-a4b", "--checkpoint", str(out)])
+
+
+def test_geometry_config_names_and_depth():
+    from blockdiff.model.config import geometry_config
+
+    cfg = geometry_config("diffusiongemma-26b-a4b", num_hidden_layers=8)
+    assert cfg.num_hidden_layers == 8 and cfg.layer_types[-1] == "full_attention" and cfg.layer_types[5] == "full_attention"
+    with pytest.raises(ValueError, match="unknown geometry 'x'"):
+        geometry_config("x")
+    with pytest.raises(TypeError, match="name must be a str"):
+        geometry_config(3)

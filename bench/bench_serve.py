@@ -1,0 +1,1130 @@
+"""Serving benchmark: stock vLLM 0.26 DiffusionGemma against vLLM + blockdiff, driven by vLLM's own client.
+
+Usage (the H200 after staging; ``bench/experiments/device/serve_bench.sh`` runs these in phases):
+
+    python3 -m blockdiff.bench.bench_serve model /tmp/dg26b                      # the benchmark's model folder
+    python3 -m blockdiff.bench.bench_serve server-cmd --backend vllm --quant fp8 --model /tmp/dg26b --port 8041 ...
+    python3 -m blockdiff.bench.bench_serve sweep --base-url http://127.0.0.1:8041 --model /tmp/dg26b \\
+        --backend vllm --quant fp8 --concurrency 1,4,16,64 --max-num-seqs 16 --server-pid PID --rows $OUT/rows.jsonl
+    python3 -m blockdiff.bench.bench_serve profile --base-url ... --backend vllm --quant fp8 --trace-dir /tmp/tr_vllm
+    python3 -m blockdiff.bench.bench_serve trace TRACE.json.gz --out P.json       # classify a saved trace again
+    python3 -m blockdiff.bench.bench_serve record ROWS.jsonl... --profile P.json... --out bench/results/serve-h200.json
+
+The setting, the same on both sides (issue 25): DiffusionGemma-26B-A4B geometry with random weights (``vllm serve
+FOLDER --load-format dummy``; the folder from ``model``: config, byte tokenizer padded to the vocabulary with
+``<unused_N>`` tokens, no weights), canvas 256 and exactly 16 denoising steps per canvas, vLLM's ``random`` dataset
+with 4096 prompt tokens and 512 output tokens (two canvases), EOS ignored. Both sides read the step cap from
+``--diffusion-config {"canvas_length": 256, "max_denoising_steps": 16}`` (vLLM's ``DiffusionGemmaModelState`` and
+blockdiff's ``DiffusionModelState`` take it before ``generation_config.json``, which says 16 too). Early
+convergence is ruled out by ``stability_threshold`` = 16 in ``generation_config.json`` (both read it when they
+build the sampler; no request sets a diffusion option: vLLM's sampler reads none per request, and ``vllm bench
+serve``'s ``--extra-body`` stays unused): blockdiff converges early only after ``k`` + 1 = 17
+identical argmax canvases, vLLM's compiled step only once its history holds ``k`` + 1 = 17 entries, and both hit
+the cap of 16 first. ``diffusion_steps_per_canvas`` of every row is vLLM's own count (``/metrics`` before and after
+the run, written by ``vllm bench serve``) and must be 16.
+
+Subcommands:
+  model       write the benchmark's model folder (:func:`write_model_folder`).
+  server-cmd  print the ``vllm serve`` command line of one side (:func:`server_command`; what the device script runs).
+  sweep       first a warm-up run (max-num-seqs one-canvas requests at once: the batch sizes the server will see
+              compile here, not in a timed run), then for each concurrency C: ``vllm bench serve``
+              (``--max-concurrency C``, ``--num-prompts`` P = max(K * C, M), ``--num-warmups`` min(C, 4) first, a
+              seed per C, ``--save-detailed``), its result JSON parsed into one row (:func:`row_from_result`)
+              appended to ``--rows`` (JSON lines; the first line of a sweep is the environment record), while
+              :class:`MemorySampler` reads the server's GPU memory.
+  profile     vLLM's torch profiler (the server started with :func:`profiler_config`): ``/start_profile``, a short
+              load (2 requests), ``/stop_profile``, then the trace's GPU kernel time per forward step and bucket
+              (:func:`summarize_trace`).
+  trace       the same classification of saved traces.
+  record      rows + profiles -> ``serve-<gpu>.json`` (docs/ARCHITECTURE.md "Benchmark records"), a CSV and a PNG of
+              output tokens/s against concurrency beside it, the issue's goals evaluated (:func:`evaluate_goals`).
+
+Row fields: ``workload`` (``serve_c{C}_{quant}``), ``backend`` (``vllm`` | ``blockdiff-triton`` |
+``blockdiff-cute``), ``quant``, ``concurrency``, ``max_num_seqs``, ``num_prompts``, ``completed``, ``failed``,
+``errors`` (the first few), ``output_tokens`` / ``expected_output_tokens``, ``complete`` (every request answered in
+full), ``output_tok_s``, ``total_tok_s``, ``request_throughput`` (req/s), ``duration_s``, ``ttft_ms`` (mean),
+``ttft_median_ms``, ``ttft_p99_ms``, ``e2e_ms`` / ``e2e_median_ms`` (end-to-end latency per request),
+``time_per_canvas_ms`` / ``time_per_canvas_median_ms``, ``diffusion_steps_per_canvas``, ``peak_memory_bytes``
+(the server's processes, :class:`MemorySampler`), ``gpu_memory_used_peak_bytes`` (the whole GPU).
+
+Time per canvas: per request, (end-to-end latency - TTFT) / (canvases - 1), with canvases = ceil(output tokens /
+256): the time of each canvas after the first (whose time TTFT holds, with the queueing and the prefill). vLLM
+streams a canvas's tokens in one chunk when it commits, so end-to-end latency - TTFT is the sum of the request's
+inter-chunk latencies (``itls`` of the detailed result). Mean and median over the completed requests.
+
+Sources: vLLM 0.26.0 ``vllm/benchmarks/serve.py`` (arguments, the result JSON and its diffusion metrics),
+``vllm/benchmarks/datasets/datasets.py`` (``RandomDataset``), ``vllm/config/profiler.py`` and
+``vllm/profiler/wrapper.py`` (the torch profiler, ``execute_context_*`` step annotations of
+``vllm/v1/worker/gpu_worker.py``), ``vllm/model_executor/models/diffusion_gemma.py`` (the stock sampler).
+"""
+from __future__ import annotations
+
+import argparse
+import bisect
+import gzip
+import json
+import math
+import os
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from blockdiff.bench import common
+
+SUITE = "serve"
+CANVAS_LENGTH = 256
+DENOISING_STEPS = 16
+INPUT_LEN = 4096
+OUTPUT_LEN = 512
+MAX_MODEL_LEN = 8192
+GEOMETRY = "diffusiongemma-26b-a4b"
+BACKENDS = ("vllm", "blockdiff-triton", "blockdiff-cute")
+QUANTS = ("bf16", "fp8")
+#: ``generation_config.json`` of the benchmark's folder (see the module docstring): the step cap, and a stability
+#: threshold no canvas can reach before it.
+BENCH_GENERATION = {"max_denoising_steps": DENOISING_STEPS, "stability_threshold": DENOISING_STEPS}
+#: ``vllm bench serve`` as the GPU machine runs it (the staged vLLM has no usable ``vllm`` script).
+VLLM_CLI = ("-m", "vllm.entrypoints.cli.main")
+#: ``--num-warmups`` of a run at concurrency C: min(C, WARMUP_CAP) requests before the timed ones (vLLM compiles the
+#: stock sampler step on its first call, once for one request and once for more).
+WARMUP_CAP = 4
+#: Bucket names of the profile (:data:`KERNEL_RULES`).
+BUCKETS = ("attention", "sampler", "moe", "gemm", "rest")
+
+
+# --------------------------------------------------------------------------------------------- the setting
+def diffusion_config() -> dict:
+    """``--diffusion-config`` of both servers: canvas 256, 16 denoising steps."""
+    return {"canvas_length": CANVAS_LENGTH, "max_denoising_steps": DENOISING_STEPS}
+
+
+def write_model_folder(out: str | os.PathLike, *, overwrite: bool = False) -> dict[str, str]:
+    """Write the benchmark's model folder: DiffusionGemma-26B-A4B's config (no weights), the byte tokenizer padded
+    to its vocabulary, and ``generation_config.json`` with :data:`BENCH_GENERATION`.
+
+    Returns:
+        file name -> path (``blockdiff.model.export.export_hf``).
+
+    Raises:
+        FileExistsError: ``out`` holds an earlier export and ``overwrite`` is False.
+    """
+    from blockdiff.model.config import geometry_config
+    from blockdiff.model.export import export_hf
+
+    return export_hf(geometry_config(GEOMETRY), out, overwrite=overwrite, **BENCH_GENERATION)
+
+
+def profiler_config(trace_dir: str | os.PathLike) -> dict:
+    """``--profiler-config`` that lets ``/start_profile`` and ``/stop_profile`` run vLLM 0.26's torch profiler
+    (``vllm/config/profiler.py``): worker traces (CPU + CUDA, gzip) to ``trace_dir``, no Python stacks, shapes or
+    summary tables (they slow the export), the API server's own profiler off, at most 400 engine steps.
+
+    Raises:
+        ValueError: ``trace_dir`` is not an absolute path (vLLM resolves a relative one against the server's
+            working directory, which the client may not share).
+    """
+    trace_dir = os.fspath(trace_dir)
+    if not os.path.isabs(trace_dir):
+        raise ValueError(f"trace_dir must be an absolute path, got {trace_dir!r}")
+    return {"profiler": "torch", "torch_profiler_dir": trace_dir, "torch_profiler_with_stack": False,
+            "torch_profiler_record_shapes": False, "torch_profiler_dump_cuda_time_total": False,
+            "torch_profiler_use_gzip": True, "ignore_frontend": True, "max_iterations": 400}
+
+
+def _check_choice(name: str, value, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+
+
+def _check_int(name: str, value, lo: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
+    return value
+
+
+def server_command(backend: str, quant: str, *, model: str, port: int, max_num_seqs: int, kv_cache_bytes: int,
+                   gpu_memory_utilization: float, trace_dir: str | None = None,
+                   max_num_batched_tokens: int = 16384, max_model_len: int = MAX_MODEL_LEN,
+                   enforce_eager: bool = False, async_scheduling: bool = False,
+                   python: str = sys.executable) -> tuple[dict[str, str], list[str]]:
+    """Environment and argv of ``vllm serve`` for one side of the benchmark.
+
+    Both sides: ``--load-format dummy --language-model-only``, :func:`diffusion_config`, ``--no-enable-prefix-caching``
+    (runs must not reuse each other's prompts), ``--no-async-scheduling`` (unless ``async_scheduling``; blockdiff's
+    scheduler class then is ``BlockdiffDiffusionAsyncScheduler``), ``--kv-cache-memory-bytes`` (a fixed KV cache: two
+    servers starting together on one GPU would count each other's allocations in vLLM's memory profile) and
+    ``--gpu-memory-utilization`` (with a KV size given, vLLM uses it only to check the free memory at start-up),
+    ``--quantization fp8`` for ``fp8`` (dynamic FP8 weights; the KV cache stays bf16), the torch profiler when
+    ``trace_dir`` is given. ``vllm``: ``VLLM_PLUGINS=none``, ``--attention-backend TRITON_ATTN`` (its default on
+    Hopper for this model). ``blockdiff-*``: ``VLLM_USE_V2_MODEL_RUNNER=1 VLLM_PLUGINS=blockdiff``,
+    ``BLOCKDIFF_ATTN_BACKEND`` = triton | cute, ``BLOCKDIFF_SAMPLER_BACKEND=triton``, ``--attention-backend CUSTOM``,
+    blockdiff's ``--scheduler-cls``.
+
+    Args:
+        backend: one of :data:`BACKENDS`. quant: ``bf16`` or ``fp8``.
+        model: the folder of :func:`write_model_folder`. port: TCP port (1..65535).
+        max_num_seqs: >= 1. kv_cache_bytes: KV cache size in bytes (>= 1). gpu_memory_utilization: in (0, 1].
+        trace_dir: absolute folder for profiler traces, or None (no profiler).
+        max_num_batched_tokens: token budget of one engine step (>= canvas_length * max_num_seqs lets every running
+            canvas into one step). max_model_len: tokens per request.
+        enforce_eager: no CUDA graphs / torch.compile. async_scheduling: keep vLLM's asynchronous scheduling.
+        python: the interpreter that runs vLLM.
+
+    Returns:
+        (environment variables to set, argv).
+
+    Raises:
+        ValueError: an argument out of its range (named).
+    """
+    _check_choice("backend", backend, BACKENDS)
+    _check_choice("quant", quant, QUANTS)
+    _check_int("port", port, 1)
+    if port > 65535:
+        raise ValueError(f"port must be <= 65535, got {port}")
+    _check_int("max_num_seqs", max_num_seqs, 1)
+    _check_int("kv_cache_bytes", kv_cache_bytes, 1)
+    _check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
+    _check_int("max_model_len", max_model_len, INPUT_LEN + OUTPUT_LEN)
+    if isinstance(gpu_memory_utilization, bool) or not isinstance(gpu_memory_utilization, (int, float)) or not (
+            0 < gpu_memory_utilization <= 1):
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+    argv = [python, *VLLM_CLI, "serve", str(model), "--load-format", "dummy", "--language-model-only",
+            "--port", str(port), "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
+            "--max-num-batched-tokens", str(max_num_batched_tokens), "--kv-cache-memory-bytes", str(kv_cache_bytes),
+            "--gpu-memory-utilization", f"{gpu_memory_utilization:g}", "--dtype", "bfloat16",
+            "--diffusion-config", json.dumps(diffusion_config(), separators=(",", ":")),
+            "--no-enable-prefix-caching"]
+    if not async_scheduling:
+        argv.append("--no-async-scheduling")
+    if quant == "fp8":
+        argv += ["--quantization", "fp8"]
+    if enforce_eager:
+        argv.append("--enforce-eager")
+    if trace_dir is not None:
+        argv += ["--profiler-config", json.dumps(profiler_config(trace_dir), separators=(",", ":"))]
+    if backend == "vllm":
+        env = {"VLLM_PLUGINS": "none"}
+        argv += ["--attention-backend", "TRITON_ATTN"]
+    else:
+        env = {"VLLM_USE_V2_MODEL_RUNNER": "1", "VLLM_PLUGINS": "blockdiff",
+               "BLOCKDIFF_ATTN_BACKEND": backend.split("-", 1)[1], "BLOCKDIFF_SAMPLER_BACKEND": "triton"}
+        sched = "BlockdiffDiffusionAsyncScheduler" if async_scheduling else "BlockdiffDiffusionScheduler"
+        argv += ["--attention-backend", "CUSTOM", "--scheduler-cls", f"blockdiff.integration.vllm_scheduler.{sched}"]
+    return env, argv
+
+
+# --------------------------------------------------------------------------------------------- client runs
+def num_prompts_for(concurrency: int, per_concurrency: int = 2, minimum: int = 8) -> int:
+    """Prompts of a run at ``concurrency``: max(per_concurrency * concurrency, minimum)."""
+    return max(per_concurrency * concurrency, minimum)
+
+
+def bench_serve_args(*, base_url: str, model: str, concurrency: int, num_prompts: int, num_warmups: int,
+                     result_dir: str, result_filename: str, seed: int = 0, metadata: dict | None = None,
+                     output_len: int = OUTPUT_LEN) -> list[str]:
+    """Arguments of ``vllm bench serve`` (vLLM 0.26) for one run of the benchmark's setting: the ``random``
+    dataset, 4096 prompt and ``output_len`` (512) output tokens (range ratio 0), EOS ignored, no sampling options
+    (the servers' defaults), TTFT / TPOT / ITL / end-to-end percentiles 50 and 99, the detailed result saved."""
+    args = ["--backend", "openai", "--base-url", base_url, "--endpoint", "/v1/completions", "--model", model,
+            "--dataset-name", "random", "--random-input-len", str(INPUT_LEN), "--random-output-len", str(output_len),
+            "--random-range-ratio", "0", "--ignore-eos", "--max-concurrency", str(concurrency),
+            "--num-prompts", str(num_prompts), "--num-warmups", str(num_warmups), "--seed", str(seed),
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+            "--save-result", "--save-detailed", "--result-dir", result_dir, "--result-filename", result_filename,
+            "--disable-tqdm"]
+    if metadata:
+        args += ["--metadata", *[f"{k}={v}" for k, v in metadata.items()]]
+    return args
+
+
+def _stats(xs: list[float]) -> tuple[float | None, float | None]:
+    return (statistics.fmean(xs), statistics.median(xs)) if xs else (None, None)
+
+
+def row_from_result(result: dict, *, backend: str, quant: str, max_num_seqs: int | None,
+                    canvas_length: int = CANVAS_LENGTH, expected_output_len: int = OUTPUT_LEN) -> dict:
+    """One benchmark row from a ``vllm bench serve`` result JSON (vLLM 0.26's field names; see the module
+    docstring for the row fields and the time-per-canvas definition).
+
+    Raises:
+        ValueError: ``result`` lacks a field every 0.26 result has (``completed``, ``failed``, ``num_prompts``,
+            ``duration``, ``output_throughput``, ``max_concurrency``), or ``canvas_length`` < 1.
+        TypeError: ``result`` is not a dict.
+    """
+    if not isinstance(result, dict):
+        raise TypeError(f"result must be a dict (a vllm bench serve result JSON), got {type(result).__name__}")
+    _check_int("canvas_length", canvas_length, 1)
+    missing = [k for k in ("completed", "failed", "num_prompts", "duration", "output_throughput", "max_concurrency")
+               if k not in result]
+    if missing:
+        raise ValueError(f"result lacks {missing}: not a vllm bench serve (0.26) result")
+    c = result["max_concurrency"]
+    n = result["num_prompts"]
+    ttfts = result.get("ttfts")
+    itls = result.get("itls")
+    out_lens = result.get("output_lens")
+    errors = [e for e in (result.get("errors") or []) if e]
+    canvas_ms = []
+    if ttfts is not None and itls is not None and out_lens is not None:
+        for ttft, itl, n_out, err in zip(ttfts, itls, out_lens, result.get("errors") or [""] * len(ttfts)):
+            canvases = math.ceil((n_out or 0) / canvas_length)
+            if err or not ttft or canvases < 2:
+                continue
+            canvas_ms.append(1e3 * sum(itl) / (canvases - 1))
+    elif result.get("mean_e2el_ms") is not None and result.get("mean_ttft_ms") is not None:  # not --save-detailed
+        canvases = math.ceil(expected_output_len / canvas_length)
+        if canvases >= 2:
+            canvas_ms.append((result["mean_e2el_ms"] - result["mean_ttft_ms"]) / (canvases - 1))
+    tpc_mean, tpc_median = _stats(canvas_ms)
+    expected = n * expected_output_len
+    total_out = result.get("total_output_tokens")
+    steps = result.get("diffusion_steps_per_canvas")
+    row = {
+        "workload": f"serve_c{c}_{quant}", "backend": backend, "quant": quant, "status": "ok",
+        "concurrency": c, "max_num_seqs": max_num_seqs, "num_prompts": n,
+        "completed": result["completed"], "failed": result["failed"], "errors": [str(e)[-300:] for e in errors[:3]],
+        "output_tokens": total_out, "expected_output_tokens": expected,
+        "complete": bool(result["failed"] == 0 and result["completed"] == n and total_out == expected),
+        "output_tok_s": result["output_throughput"], "total_tok_s": result.get("total_token_throughput"),
+        "request_throughput": result.get("request_throughput"), "duration_s": result["duration"],
+        "ttft_ms": result.get("mean_ttft_ms"), "ttft_median_ms": result.get("median_ttft_ms"),
+        "ttft_p99_ms": result.get("p99_ttft_ms"),
+        "e2e_ms": result.get("mean_e2el_ms"), "e2e_median_ms": result.get("median_e2el_ms"),
+        "time_per_canvas_ms": tpc_mean, "time_per_canvas_median_ms": tpc_median,
+        "tpot_ms": result.get("mean_tpot_ms"),
+        "max_output_tokens_per_s": result.get("max_output_tokens_per_s"),
+        "max_concurrent_requests": result.get("max_concurrent_requests"),
+        "diffusion_steps_per_canvas": steps,
+        "diffusion_denoising_steps": result.get("diffusion_denoising_steps"),
+        "diffusion_committed_tokens": result.get("diffusion_committed_tokens"),
+        "steps_ok": None if steps is None else abs(steps - DENOISING_STEPS) < 1e-6,
+    }
+    if not row["complete"]:
+        row["reason"] = (f"{n - result['completed']} of {n} requests lost or failed, {total_out} of {expected} "
+                         f"output tokens" + (f": {errors[0][-200:]}" if errors else ""))
+    return row
+
+
+# --------------------------------------------------------------------------------------------- GPU memory
+def read_proc_table(proc_root: str | os.PathLike = "/proc") -> dict[int, tuple[int, int]]:
+    """pid -> (parent pid, session id) of every process in ``proc_root`` (Linux ``/proc/<pid>/stat`` fields 4 and
+    6; a process that exits while being read is left out)."""
+    table = {}
+    for entry in os.scandir(proc_root):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(os.path.join(entry.path, "stat"), encoding="utf-8", errors="replace") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        rest = stat[stat.rfind(")") + 2:].split()  # the command name may hold spaces and parentheses
+        if len(rest) >= 4:
+            table[int(entry.name)] = (int(rest[1]), int(rest[3]))
+    return table
+
+
+def process_tree(root: int, table: dict[int, tuple[int, int]]) -> set[int]:
+    """``root``, its descendants, and every process in the session ``root`` leads (a server started with
+    ``setsid``: vLLM's engine core is a spawned child of the API server, its workers children of that)."""
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    tree, todo = {root}, [root]
+    while todo:
+        for c in children.get(todo.pop(), ()):
+            if c not in tree:
+                tree.add(c)
+                todo.append(c)
+    tree |= {pid for pid, (_, sid) in table.items() if sid == root}
+    return tree
+
+
+def parse_compute_apps(text: str) -> dict[int, int]:
+    """pid -> used GPU memory in bytes from ``nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,
+    nounits`` output (MiB per line; lines without a number, e.g. ``[N/A]``, are skipped; a pid on several GPUs is
+    summed)."""
+    out: dict[int, int] = {}
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) < 2 or not parts[0].isdigit():
+            continue
+        try:
+            mib = float(parts[1])
+        except ValueError:
+            continue
+        out[int(parts[0])] = out.get(int(parts[0]), 0) + int(mib * 2**20)
+    return out
+
+
+class MemorySampler:
+    """Peak GPU memory of a server's processes while a run goes on, read by ``nvidia-smi`` in a background thread.
+
+    Every ``interval_s`` seconds: ``nvidia-smi --query-compute-apps=pid,used_memory`` (per process) and
+    ``--query-gpu=memory.used`` (the whole GPU, first GPU). The server's memory is the sum over the pids of
+    :func:`process_tree` of ``root_pid``. In a container whose pid namespace differs from the driver's, nvidia-smi
+    reports pids that are not ours: then no pid matches, ``peak_memory_bytes`` stays None and ``pids_seen`` shows
+    what the driver reported (the whole-GPU peak is still there).
+
+    Args:
+        root_pid: the server's process (``vllm serve``), or None (the whole GPU only).
+        interval_s: seconds between samples (> 0).
+        smi: the nvidia-smi command (argv prefix).
+        proc_root: where the process table is read.
+    """
+
+    def __init__(self, root_pid: int | None, *, interval_s: float = 0.5, smi: Sequence[str] = ("nvidia-smi",),
+                 proc_root: str | os.PathLike = "/proc"):
+        if root_pid is not None:
+            _check_int("root_pid", root_pid, 1)
+        if not (isinstance(interval_s, (int, float)) and interval_s > 0):
+            raise ValueError(f"interval_s must be > 0, got {interval_s!r}")
+        self.root_pid, self.interval_s, self.smi, self.proc_root = root_pid, interval_s, list(smi), proc_root
+        self.peak_tree = None
+        self.peak_gpu = None
+        self.samples = 0
+        self.pids_seen: set[int] = set()
+        self.pids_matched: set[int] = set()
+        self.error: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _smi(self, *query: str) -> str:
+        return subprocess.run(self.smi + list(query) + ["--format=csv,noheader,nounits"], capture_output=True,
+                              text=True, timeout=30, check=True).stdout
+
+    def sample(self) -> None:
+        """Take one sample (also what the thread calls)."""
+        try:
+            apps = parse_compute_apps(self._smi("--query-compute-apps=pid,used_memory"))
+            gpu = self._smi("--query-gpu=memory.used").split()
+        except (OSError, subprocess.SubprocessError) as e:
+            self.error = f"{type(e).__name__}: {e}"[:300]
+            return
+        self.samples += 1
+        self.pids_seen |= set(apps)
+        if gpu:
+            try:
+                used = int(float(gpu[0].strip(",")) * 2**20)
+                self.peak_gpu = used if self.peak_gpu is None else max(self.peak_gpu, used)
+            except ValueError:
+                pass
+        if self.root_pid is not None:
+            tree = process_tree(self.root_pid, read_proc_table(self.proc_root))
+            mine = {p: b for p, b in apps.items() if p in tree}
+            if mine:
+                self.pids_matched |= set(mine)
+                total = sum(mine.values())
+                self.peak_tree = total if self.peak_tree is None else max(self.peak_tree, total)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> "MemorySampler":
+        self._thread = threading.Thread(target=self._run, name="MemorySampler", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+        self.sample()  # one last reading after the run
+
+    def result(self) -> dict:
+        """``peak_memory_bytes`` (server tree), ``gpu_memory_used_peak_bytes``, ``memory_samples``,
+        ``memory_pids`` (matched / seen) and ``memory_error`` (the last failure of nvidia-smi, if any)."""
+        return {"peak_memory_bytes": self.peak_tree, "gpu_memory_used_peak_bytes": self.peak_gpu,
+                "memory_samples": self.samples,
+                "memory_pids": {"root": self.root_pid, "matched": sorted(self.pids_matched),
+                                "seen": sorted(self.pids_seen)},
+                "memory_error": self.error}
+
+
+# --------------------------------------------------------------------------------------------- sweep
+def _work_dir(args) -> Path:
+    """``--work-dir``, else ``$TMPDIR/bench_serve/BACKEND_QUANT`` (created)."""
+    default = Path(os.environ.get("TMPDIR", "/tmp")) / "bench_serve" / f"{args.backend}_{args.quant}"
+    work = Path(args.work_dir) if args.work_dir else default
+    work.mkdir(parents=True, exist_ok=True)
+    return work
+
+
+def _tail(path: Path, n: int = 1500) -> str:
+    try:
+        return path.read_text(errors="replace")[-n:]
+    except OSError:
+        return ""
+
+
+def run_bench_serve(bench_cmd: Sequence[str], args: Sequence[str], *, result_path: Path, log_path: Path,
+                    timeout_s: float) -> tuple[dict | None, str | None]:
+    """Run ``bench_cmd + args``; (result JSON, None) or (None, why not)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    if result_path.exists():
+        result_path.unlink()
+    with open(log_path, "w") as log:
+        try:
+            p = subprocess.run(list(bench_cmd) + list(args), stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None, f"vllm bench serve ran past {timeout_s:.0f} s; log tail: {_tail(log_path, 600)}"
+        except OSError as e:
+            return None, f"cannot run {bench_cmd[0]}: {e}"
+    if p.returncode != 0 or not result_path.exists():
+        return None, f"vllm bench serve exit {p.returncode}, {'no result' if not result_path.exists() else ''}; " \
+                     f"log tail: {_tail(log_path, 600)}"
+    try:
+        return json.loads(result_path.read_text()), None
+    except (OSError, json.JSONDecodeError) as e:
+        return None, f"unreadable result {result_path}: {e}"
+
+
+def environment() -> dict:
+    """The environment record of a run (:func:`blockdiff.bench.common.env_record`, with vLLM's version)."""
+    return common.env_record()
+
+
+def append_jsonl(path: Path, obj: dict) -> None:
+    """Append ``obj`` as one JSON line to ``path`` (folders created; values made JSON-safe)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(common.jsonable(obj)) + "\n")
+
+
+def sweep(args) -> list[dict]:
+    """The ``sweep`` subcommand (see the module docstring); returns the rows."""
+    rows_path = Path(args.rows)
+    work = _work_dir(args)
+    env = environment()
+    env.update(kind="env", backend=args.backend, quant=args.quant, max_num_seqs=args.max_num_seqs,
+               base_url=args.base_url, model=args.model, server_pid=args.server_pid,
+               bench_cmd=" ".join(args.bench_cmd), setting={"input_len": INPUT_LEN, "output_len": OUTPUT_LEN,
+                                                          "canvas_length": CANVAS_LENGTH,
+                                                          "denoising_steps": DENOISING_STEPS, "geometry": GEOMETRY})
+    t_sweep = time.perf_counter()
+    warm_c = args.max_num_seqs if args.warm_concurrency is None else args.warm_concurrency
+    if warm_c > 0:  # every batch size up to max-num-seqs once, so no compile lands in a timed run
+        name = f"warm_c{warm_c}_{args.quant}-{args.backend}"
+        common.log(f"{name}: {warm_c} one-canvas requests at once (not recorded)")
+        result, why = run_bench_serve(
+            args.bench_cmd, bench_serve_args(base_url=args.base_url, model=args.model, concurrency=warm_c,
+                                             num_prompts=warm_c, num_warmups=1, result_dir=str(work),
+                                             result_filename=f"{name}.json", seed=args.seed + 999,
+                                             output_len=CANVAS_LENGTH),
+            result_path=work / f"{name}.json", log_path=work / f"{name}.log", timeout_s=args.run_timeout)
+        env["warm_up"] = {"concurrency": warm_c, "s": time.perf_counter() - t_sweep, "ok": result is not None,
+                          "completed": None if result is None else result.get("completed"), "error": why}
+    append_jsonl(rows_path, {"env": env})
+    rows = []
+    for c in args.concurrency:
+        n = num_prompts_for(c, args.num_prompts_per_concurrency, args.min_prompts)
+        warm = min(c, args.warmup_cap)
+        name = f"serve_c{c}_{args.quant}-{args.backend}"
+        timeout_s = args.run_timeout
+        if args.deadline_s is not None:
+            left = args.deadline_s - (time.perf_counter() - t_sweep)
+            if left < args.min_run_s:
+                row = {"workload": f"serve_c{c}_{args.quant}", "backend": args.backend, "quant": args.quant,
+                       "status": "skipped", "concurrency": c, "max_num_seqs": args.max_num_seqs, "num_prompts": n,
+                       "complete": False, "reason": f"past the sweep's deadline ({args.deadline_s:.0f} s)"}
+                append_jsonl(rows_path, row)
+                rows.append(row)
+                continue
+            timeout_s = min(timeout_s, left)
+        bargs = bench_serve_args(base_url=args.base_url, model=args.model, concurrency=c, num_prompts=n,
+                                 num_warmups=warm, result_dir=str(work), result_filename=f"{name}.json",
+                                 seed=args.seed + c, metadata={"blockdiff_backend": args.backend,
+                                                               "blockdiff_quant": args.quant})
+        common.log(f"{name}: {n} prompts, {warm} warm-up, concurrency {c}")
+        t0 = time.perf_counter()
+        with MemorySampler(args.server_pid, interval_s=args.memory_interval, smi=args.nvidia_smi) as mem:
+            result, why = run_bench_serve(args.bench_cmd, bargs, result_path=work / f"{name}.json",
+                                          log_path=work / f"{name}.log", timeout_s=timeout_s)
+        if result is None:
+            row = {"workload": f"serve_c{c}_{args.quant}", "backend": args.backend, "quant": args.quant,
+                   "status": "error", "concurrency": c, "max_num_seqs": args.max_num_seqs, "num_prompts": n,
+                   "complete": False, "reason": why}
+        else:
+            row = row_from_result(result, backend=args.backend, quant=args.quant, max_num_seqs=args.max_num_seqs)
+        row.update(mem.result(), num_warmups=warm, wall_s=time.perf_counter() - t0)
+        append_jsonl(rows_path, row)
+        rows.append(row)
+        common.log(f"  {row['status']}: {common.fmt(row.get('output_tok_s'), 1)} tok/s, ttft "
+                   f"{common.fmt(row.get('ttft_ms'), 1)} ms, {row.get('completed')}/{n} done, steps/canvas "
+                   f"{row.get('diffusion_steps_per_canvas')} {row.get('reason', '')[:200]}")
+    return rows
+
+
+# --------------------------------------------------------------------------------------------- trace classifier
+#: Kernel-name rules of the profile, first match wins: (bucket, regular expression, what it catches). Names are
+#: those of the torch profiler's chrome trace (Triton kernels by their function name, CUDA kernels demangled).
+#: ``rest`` rules name the kernels known to belong there; a name no rule matches counts as rest too and is reported
+#: as unknown (:func:`summarize_trace`), so a missing rule shows.
+KERNEL_RULES: tuple[tuple[str, str, str], ...] = (
+    ("attention", r"^_attn_fwd|^_merge_kernel$", "blockdiff triton attention (portable / Gluon) and its split merge"),
+    ("attention", r"FlashAttentionForwardSm90Mixed|flash_fwd|flash::|FlashAttn|fmha",
+     "blockdiff cute (FA4-derived), FlashAttention"),
+    ("attention", r"kernel_unified_attention|reduce_segments|unified_attention", "vLLM TRITON_ATTN"),
+    ("attention", r"reshape_and_cache", "KV cache write (vLLM's, both sides)"),
+    ("sampler", r"^_(stats|stats_merge|step|gather_rows|random_ids|soft_embedding|soft_reduce|prob_chunk|moments|"
+                r"shard_stats|shard_ties)_kernel", "blockdiff sampler kernels"),
+    ("moe", r"fused_moe|moe|MoE|Moe|expert|Expert|topk|TopK|topKPerRow|GroupProblemShape|grouped_gemm|ep_scatter|"
+            r"ep_gather|write_zeros_to_output|compute_identity", "MoE: routing, top-k, align/sort, expert GEMMs"),
+    ("gemm", r"nvjet|xmma|gemm|Gemm|GEMM|cutlass|cublas|Cublas|wgmma|scaled_mm|splitKreduce|_mm_|matmul",
+     "dense GEMMs (cuBLAS nvjet / sm90_xmma, CUTLASS, FP8 scaled_mm)"),
+    ("gemm", r"fp8_quant|quant_fp8|scaled_fp8|per_token.*quant|quantize|dynamic_.*quant",
+     "FP8 activation quantisation feeding the FP8 GEMMs"),
+    ("rest", r"triton_(poi|red|per|tem)_|elementwise|vectorized|reduce_kernel|Reduce|[Nn]orm|rms|rotary|Rotary|"
+             r"act_and_mul|gelu|silu|[Ss]oftmax|Memcpy|Memset|[Cc]opy|fill|cat_|CatArray|index|[Gg]ather|[Ss]catter|"
+             r"embedding|Embedding|[Ss]ort|cumsum|[Ss]can|arange|tanh|distribution|philox|[Rr]andom|radix|compare|"
+             r"where|post_update|prepare|_expand|bincount|argmax|max_|min_", "elementwise, norms, copies, small ops"),
+)
+_RULES = tuple((b, re.compile(p)) for b, p, _ in KERNEL_RULES)
+_STEP_RE = re.compile(r"^execute_(?:(\d+)_)?context_(\d+)\(\D*?(\d+)[^)]*\)_generation_(\d+)\(\D*?(\d+)")
+
+
+def classify_kernel(name: str) -> tuple[str, bool]:
+    """(bucket, known) of a GPU kernel name by :data:`KERNEL_RULES`; an unmatched name is ``("rest", False)``."""
+    for bucket, rx in _RULES:
+        if rx.search(name):
+            return bucket, True
+    return "rest", False
+
+
+def parse_step_annotation(name: str) -> int | None:
+    """Tokens of an engine step from vLLM's profiler annotation (``execute_context_A(T)_generation_B(U)``, or the
+    detailed form ``execute_N_context_A(sqT...)_generation_B(sqU...)``): T + U; None if ``name`` is not one."""
+    m = _STEP_RE.match(name)
+    if not m:
+        return None
+    return int(m.group(3)) + int(m.group(5))
+
+
+def load_trace(path: str | os.PathLike) -> list[dict]:
+    """The ``traceEvents`` of a chrome trace file (``.json`` or ``.json.gz``).
+
+    Raises:
+        ValueError: the file holds no ``traceEvents`` list.
+    """
+    path = os.fspath(path)
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        doc = json.load(f)
+    events = doc.get("traceEvents") if isinstance(doc, dict) else doc
+    if not isinstance(events, list):
+        raise ValueError(f"{path}: no traceEvents list (not a chrome trace)")
+    return events
+
+
+_GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+_LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
+
+
+def summarize_trace(events: Iterable[dict], *, canvas_length: int = CANVAS_LENGTH, max_canvases: int = 2,
+                    top: int = 8) -> dict:
+    """GPU kernel time per forward step and bucket (:data:`BUCKETS`) of a vLLM torch-profiler trace.
+
+    Steps are vLLM's ``execute_*`` annotations (one per engine step, on the worker's CPU timeline). A kernel
+    belongs to the step during or after whose annotation it was launched (its launch is the CPU runtime / driver
+    event with the kernel's ``correlation`` id; a kernel inside a CUDA graph shares the graph launch's); launched
+    inside the annotation it is part of the forward, after it (the runner's ``sample_tokens``: LM head, logits
+    softcap, the diffusion sampler, bookkeeping) part of the sample phase; a kernel whose launch is not in the trace
+    is placed by its GPU start and classified by name alone (``phase_ms["no_launch"]``). Buckets: by kernel name
+    (:func:`classify_kernel`), except in the sample phase, where the first GEMM is the LM head (``gemm``) and
+    everything else not attention / MoE by name is ``sampler`` (stock vLLM's sampler is torch.compile'd Triton code
+    whose kernel names do not say so; blockdiff's soft-embedding GEMM runs on cuBLAS). A step of at most
+    ``canvas_length * max_canvases`` tokens, a multiple of ``canvas_length``, is a canvas step (denoise / commit
+    rows only); the others are prefill steps (the profile's prompts must be longer than that).
+
+    Args:
+        events: chrome trace events (:func:`load_trace`).
+        canvas_length: tokens per canvas. max_canvases: the most canvases one step of the profiled load holds (its
+            concurrency).
+        top: how many kernel names to list per bucket and among the unknown ones.
+
+    Returns:
+        dict: ``steps``, ``canvas_steps``, ``prefill_steps``; ``canvas_step_ms`` / ``prefill_step_ms``: bucket ->
+        mean kernel ms per step (``total`` too), ``canvas_step_median_ms``; ``canvas_step_share``; ``total_ms``
+        per bucket over all steps, ``outside_ms`` (kernels before the first step); ``unknown_ms``,
+        ``unknown_share`` and ``unknown_kernels`` (name, ms, count); ``top_kernels`` per bucket;
+        ``phase_ms`` (forward / sample); ``rules`` (the table used).
+
+    Raises:
+        ValueError: the trace has no ``execute_*`` step annotation or no GPU kernel, or an argument < 1.
+    """
+    _check_int("canvas_length", canvas_length, 1)
+    _check_int("max_canvases", max_canvases, 1)
+    launches: dict[int, float] = {}
+    steps: list[tuple[float, float, int]] = []
+    gpu: list[dict] = []
+    for e in events:
+        if not isinstance(e, dict) or e.get("ph") != "X":
+            continue
+        cat = e.get("cat")
+        if cat in _GPU_CATS:
+            gpu.append(e)
+        elif cat in _LAUNCH_CATS:
+            corr = (e.get("args") or {}).get("correlation")
+            if corr is not None:
+                launches[corr] = float(e["ts"])
+        elif cat == "user_annotation":
+            tokens = parse_step_annotation(str(e.get("name", "")))
+            if tokens is not None:
+                steps.append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), tokens))
+    if not steps:
+        raise ValueError("the trace has no execute_* step annotation (was the server profiled by vLLM's worker?)")
+    if not gpu:
+        raise ValueError("the trace has no GPU kernel (profiled without CUDA activity?)")
+    steps.sort()
+    starts = [s[0] for s in steps]
+    per_step = [{b: 0.0 for b in BUCKETS} for _ in steps]
+    first_gemm_done = [False] * len(steps)
+    totals = {b: 0.0 for b in BUCKETS}
+    outside = 0.0
+    phase_ms = {"forward": 0.0, "sample": 0.0, "no_launch": 0.0}
+    unknown: dict[str, list] = {}
+    names: dict[str, dict[str, list]] = {b: {} for b in BUCKETS}
+    for k in sorted(gpu, key=lambda e: (launches.get((e.get("args") or {}).get("correlation"), float(e["ts"])),
+                                        float(e["ts"]))):
+        name = str(k.get("name", ""))
+        ms = float(k.get("dur", 0)) / 1e3
+        launch = launches.get((k.get("args") or {}).get("correlation"))
+        i = bisect.bisect_right(starts, float(k["ts"]) if launch is None else launch) - 1
+        bucket, known = classify_kernel(name)
+        if i < 0:
+            outside += ms
+            continue
+        # without its launch event the phase is unknown (GPU time lags the CPU's): the name alone decides
+        phase = "no_launch" if launch is None else "forward" if launch <= steps[i][1] else "sample"
+        if phase == "sample" and bucket not in ("attention", "moe"):
+            if bucket == "gemm" and not first_gemm_done[i]:
+                first_gemm_done[i] = True
+            else:
+                bucket, known = "sampler", True
+        phase_ms[phase] += ms
+        per_step[i][bucket] += ms
+        totals[bucket] += ms
+        ent = names[bucket].setdefault(name, [0.0, 0])
+        ent[0] += ms
+        ent[1] += 1
+        if not known:
+            u = unknown.setdefault(name, [0.0, 0])
+            u[0] += ms
+            u[1] += 1
+    limit = canvas_length * max_canvases
+    canvas = [i for i, s in enumerate(steps) if s[2] <= limit and s[2] % canvas_length == 0 and s[2] > 0]
+    canvas_set = set(canvas)
+    prefill = [i for i, s in enumerate(steps) if i not in canvas_set and s[2] > 0]
+
+    def mean_of(idx):
+        if not idx:
+            return None
+        out = {b: statistics.fmean(per_step[i][b] for i in idx) for b in BUCKETS}
+        out["total"] = statistics.fmean(sum(per_step[i].values()) for i in idx)
+        return out
+
+    cmean = mean_of(canvas)
+    grand = sum(totals.values())
+    unk_ms = sum(v[0] for v in unknown.values())
+    return {
+        "steps": len(steps), "canvas_steps": len(canvas), "prefill_steps": len(prefill),
+        "canvas_step_tokens": sorted({steps[i][2] for i in canvas}),
+        "canvas_step_ms": cmean,
+        "canvas_step_median_ms": ({b: statistics.median(per_step[i][b] for i in canvas) for b in BUCKETS}
+                                  | {"total": statistics.median(sum(per_step[i].values()) for i in canvas)}
+                                  if canvas else None),
+        "canvas_step_share": ({b: cmean[b] / cmean["total"] for b in BUCKETS} if cmean and cmean["total"] else None),
+        "prefill_step_ms": mean_of(prefill),
+        "total_ms": totals, "outside_ms": outside, "phase_ms": phase_ms,
+        "unknown_ms": unk_ms, "unknown_share": unk_ms / grand if grand else None,
+        "unknown_kernels": [(n, v[0], v[1]) for n, v in sorted(unknown.items(), key=lambda kv: -kv[1][0])[:top]],
+        "top_kernels": {b: [(n, v[0], v[1]) for n, v in sorted(d.items(), key=lambda kv: -kv[1][0])[:top]]
+                        for b, d in names.items()},
+        "rules": [list(r) for r in KERNEL_RULES],
+    }
+
+
+def find_traces(trace_dir: str | os.PathLike, since: float = 0.0) -> list[Path]:
+    """Chrome trace files (``*.json`` / ``*.json.gz``) under ``trace_dir`` modified at or after ``since`` (epoch
+    seconds), oldest first."""
+    d = Path(trace_dir)
+    if not d.is_dir():
+        return []
+    files = [p for p in d.rglob("*") if p.is_file() and (p.name.endswith(".json") or p.name.endswith(".json.gz"))
+             and p.stat().st_mtime >= since]
+    return sorted(files, key=lambda p: p.stat().st_mtime)
+
+
+def summarize_traces(paths: Sequence[str | os.PathLike], **kw) -> dict:
+    """:func:`summarize_trace` of the one trace among ``paths`` that holds step annotations and GPU kernels (the
+    engine core's worker; vLLM writes one per worker, plus the API server's unless ``ignore_frontend``).
+
+    Raises:
+        ValueError: no such trace among ``paths`` (each file's problem named).
+    """
+    problems = []
+    for p in paths:
+        try:
+            out = summarize_trace(load_trace(p), **kw)
+        except (OSError, ValueError, json.JSONDecodeError) as e:
+            problems.append(f"{p}: {e}")
+            continue
+        out["trace_file"] = str(p)
+        return out
+    raise ValueError("no usable trace: " + ("; ".join(problems) if problems else "no files"))
+
+
+def _post(url: str, timeout: float) -> int:
+    req = urllib.request.Request(url, data=b"", method="POST")
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return r.status
+
+
+def profile(args) -> dict:
+    """The ``profile`` subcommand: returns the summary written to ``--out``."""
+    base = args.base_url.rstrip("/")
+    work = _work_dir(args)
+    t0 = time.time()
+    summary: dict = {"backend": args.backend, "quant": args.quant, "requests": args.requests,
+                     "trace_dir": str(args.trace_dir), "env": environment()}
+    try:
+        _post(base + "/start_profile", timeout=120)
+        name = f"profile_{args.quant}-{args.backend}"
+        bargs = bench_serve_args(base_url=base, model=args.model, concurrency=args.requests, num_prompts=args.requests,
+                                 num_warmups=0, result_dir=str(work), result_filename=f"{name}.json", seed=12345)
+        result, why = run_bench_serve(args.bench_cmd, bargs, result_path=work / f"{name}.json",
+                                      log_path=work / f"{name}.log", timeout_s=args.run_timeout)
+    finally:
+        try:
+            _post(base + "/stop_profile", timeout=args.stop_timeout)  # the worker writes its trace before answering
+        except (OSError, urllib.error.URLError) as e:
+            summary["stop_error"] = str(e)
+    summary["load"] = (row_from_result(result, backend=args.backend, quant=args.quant, max_num_seqs=None)
+                       if result is not None else {"status": "error", "reason": why})
+    traces = find_traces(args.trace_dir, since=t0 - 1)
+    summary["trace_files"] = [str(p) for p in traces]
+    try:
+        summary.update(summarize_traces(list(reversed(traces)), max_canvases=args.requests))
+        summary["status"] = "ok"
+    except ValueError as e:
+        summary.update(status="error", reason=str(e))
+    return summary
+
+
+# --------------------------------------------------------------------------------------------- record
+def read_rows(paths: Sequence[str | os.PathLike]) -> tuple[list[dict], list[dict]]:
+    """(environment records, rows) from sweep JSON-lines files (a line ``{"env": ...}`` is an environment).
+
+    Raises:
+        ValueError: a line that is not a JSON object (file and line named).
+    """
+    envs, rows = [], []
+    for p in paths:
+        with open(p) as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{p}:{n}: not JSON ({e})") from e
+                if not isinstance(obj, dict):
+                    raise ValueError(f"{p}:{n}: not a JSON object")
+                (envs if "env" in obj else rows).append(obj.get("env", obj))
+    return envs, rows
+
+
+def _is_blockdiff(row: dict) -> bool:
+    return str(row.get("backend", "")).startswith("blockdiff")
+
+
+def _tok_s(row: dict) -> float | None:
+    v = row.get("output_tok_s")
+    return v if row.get("status") == "ok" and row.get("complete") and isinstance(v, (int, float)) else None
+
+
+def evaluate_goals(rows: list[dict]) -> list[dict]:
+    """Issue 25's goals on the rows (``met`` None when the rows to judge are missing):
+
+    - ``c1_fp8_vs_vllm``: at concurrency 1, FP8, blockdiff's best output tokens/s >= 1.25x stock vLLM's;
+    - ``c1_fp8_tok_s``: the same >= 1600 tokens/s;
+    - ``c16_<quant>`` / ``c64_<quant>`` (each quant measured): blockdiff at that concurrency >= 2x stock's best
+      output tokens/s over every row stock ran completely in that quant;
+    - ``no_request_lost``: every row complete (all requests answered in full, none failed);
+    and the setting check ``steps_per_canvas_16``: vLLM's own count of denoising steps per canvas is 16 in every row.
+    Only rows whose run was complete count as throughput.
+    """
+    goals = []
+
+    def best(pred):
+        vals = [_tok_s(r) for r in rows if pred(r)]
+        vals = [v for v in vals if v is not None]
+        return max(vals) if vals else None
+
+    def goal(name, desc, value, target, ok):
+        goals.append({"name": name, "description": desc, "value": value, "target": target,
+                      "met": None if value is None else bool(ok)})
+
+    bd1 = best(lambda r: _is_blockdiff(r) and r.get("workload") == "serve_c1_fp8")
+    v1 = best(lambda r: r.get("backend") == "vllm" and r.get("workload") == "serve_c1_fp8")
+    ratio = bd1 / v1 if bd1 is not None and v1 else None
+    goal("c1_fp8_vs_vllm", "concurrency 1, FP8: blockdiff output tok/s / stock vLLM's (same run)", ratio, 1.25,
+         ratio is not None and ratio >= 1.25)
+    goal("c1_fp8_tok_s", "concurrency 1, FP8: blockdiff output tok/s", bd1, 1600.0, bd1 is not None and bd1 >= 1600)
+    for quant in sorted({r.get("quant") for r in rows if r.get("quant")}):
+        stock = best(lambda r: r.get("backend") == "vllm" and r.get("quant") == quant)
+        for c in (16, 64):
+            bd = best(lambda r: _is_blockdiff(r) and r.get("workload") == f"serve_c{c}_{quant}")
+            ratio = bd / stock if bd is not None and stock else None
+            goal(f"c{c}_{quant}", f"concurrency {c}, {quant}: blockdiff output tok/s / stock vLLM's best in {quant} "
+                 f"(any concurrency)", ratio, 2.0, ratio is not None and ratio >= 2.0)
+    lost = [r.get("workload", "?") + "/" + str(r.get("backend")) for r in rows if not r.get("complete")]
+    goals.append({"name": "no_request_lost", "description": "every request of every run answered in full, none failed",
+                  "value": len(lost), "target": 0, "met": (not lost) if rows else None, "rows": lost})
+    steps = [r.get("diffusion_steps_per_canvas") for r in rows if r.get("status") == "ok"]
+    bad = [r.get("workload", "?") + "/" + str(r.get("backend")) for r in rows
+           if r.get("status") == "ok" and not r.get("steps_ok")]
+    goals.append({"name": "steps_per_canvas_16", "description": "setting check: vLLM's count of denoising steps per "
+                  "canvas (diffusion_steps_per_canvas) is 16 in every row", "value": steps, "target": DENOISING_STEPS,
+                  "met": (not bad) if steps else None, "rows": bad})
+    return goals
+
+
+def plot_throughput(rows: list[dict], path: Path) -> Path | None:
+    """PNG of output tokens/s against concurrency, one line per (backend, quant); None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    series: dict[tuple, list] = {}
+    for r in rows:
+        if r.get("status") == "ok" and r.get("output_tok_s") is not None:
+            series.setdefault((r.get("backend"), r.get("quant"), r.get("max_num_seqs")), []).append(
+                (r["concurrency"], r["output_tok_s"], bool(r.get("complete"))))
+    cs = sorted({c for pts in series.values() for c, _, _ in pts})
+    for (backend, quant, seqs), pts in sorted(series.items(), key=lambda kv: tuple(map(str, kv[0]))):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                linestyle="-" if backend == "vllm" else "--" if quant == "bf16" else "-",
+                label=f"{backend} {quant} (max-num-seqs {seqs})")
+        for c, v, ok in pts:
+            if not ok:
+                ax.annotate("lost", (c, v), fontsize=7, color="red")
+    if cs:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(cs)
+        ax.set_xticklabels([str(c) for c in cs])
+    ax.set_xlabel("max concurrency (requests)")
+    ax.set_ylabel("output tokens / s")
+    ax.set_title("DiffusionGemma-26B-A4B (random weights), 4096 in / 512 out, 16 steps")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def record(args) -> dict:
+    """The ``record`` subcommand: writes the record, its CSV and PNG; returns the record."""
+    envs, rows = read_rows(args.rows)
+    if not rows:
+        raise ValueError(f"no rows in {args.rows}")
+    env = dict(envs[0]) if envs else environment()
+    for k in ("kind", "backend", "quant", "max_num_seqs", "base_url", "server_pid", "bench_cmd", "warm_up", "setting",
+              "model"):
+        env.pop(k, None)
+    notes = []
+    gpus = {e.get("gpu") for e in envs}
+    if len(gpus) > 1:
+        notes.append(f"rows come from different GPUs: {sorted(map(str, gpus))}")
+    if str(env.get("commit", "unknown")).startswith("unknown"):
+        env["commit"] = common.git_commit()
+        notes.append("commit: the GPU copy had none; this is the checkout that recorded the rows")
+    profiles = []
+    for p in args.profile or ():
+        with open(p) as f:
+            prof = json.load(f)
+        prof.pop("env", None)
+        profiles.append(prof)
+    goals = evaluate_goals(rows)
+    servers = {}
+    for e in envs:
+        servers[f"{e.get('backend')}-{e.get('quant')}"] = {"max_num_seqs": e.get("max_num_seqs"),
+                                                             "model": e.get("model"), "warm_up": e.get("warm_up")}
+    extra = {"setting": envs[0].get("setting") if envs else None, "servers": servers, "goals": goals,
+             "profiles": profiles, "notes": notes}
+    out = Path(args.out)
+    suite = out.name[:-len(".json")].rsplit("-", 1)[0] if out.name.endswith(".json") else SUITE
+    path = common.write_records(suite, rows, env=env, extra=extra, out_dir=out.parent)
+    if path != out:  # the GPU slug of env differs from the name asked for: keep the name asked for
+        path.replace(out)
+        path.with_suffix(".csv").replace(out.with_suffix(".csv"))
+    png = plot_throughput(rows, out.with_suffix(".png"))
+    doc = json.loads(out.read_text())
+    print(f"wrote {out} (+ .csv{', .png' if png else ''})")
+    return doc
+
+
+# --------------------------------------------------------------------------------------------- CLI
+def _ints(s: str) -> list[int]:
+    try:
+        vals = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {s!r}") from None
+    if not vals or any(v < 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected ints >= 1, got {s!r}")
+    return vals
+
+
+def _cmd(s: str) -> list[str]:
+    parts = shlex.split(s)
+    if not parts:
+        raise argparse.ArgumentTypeError("empty command")
+    return parts
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python3 -m blockdiff.bench.bench_serve", description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+    default_bench = " ".join(shlex.quote(x) for x in (sys.executable, *VLLM_CLI, "bench", "serve"))
+
+    m = sub.add_parser("model", help="write the benchmark's model folder (config + tokenizer, no weights)")
+    m.add_argument("out")
+    m.add_argument("--overwrite", action="store_true")
+
+    s = sub.add_parser("server-cmd", help="print one side's vllm serve command line")
+    s.add_argument("--backend", choices=BACKENDS, required=True)
+    s.add_argument("--quant", choices=QUANTS, required=True)
+    s.add_argument("--model", required=True)
+    s.add_argument("--port", type=int, required=True)
+    s.add_argument("--max-num-seqs", type=int, required=True)
+    s.add_argument("--kv-cache-gib", type=float, required=True, help="KV cache size, GiB")
+    s.add_argument("--gpu-memory-utilization", type=float, required=True)
+    s.add_argument("--trace-dir", default=None, help="absolute folder for profiler traces (enables the profiler)")
+    s.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    s.add_argument("--enforce-eager", action="store_true")
+    s.add_argument("--async-scheduling", action="store_true")
+
+    for name, helptext in (("sweep", "vllm bench serve at each concurrency -> rows"),
+                           ("profile", "torch-profile a short load, classify the trace")):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("--base-url", required=True)
+        p.add_argument("--model", required=True, help="the served folder (also the client's tokenizer)")
+        p.add_argument("--backend", choices=BACKENDS, required=True)
+        p.add_argument("--quant", choices=QUANTS, required=True)
+        p.add_argument("--bench-cmd", type=_cmd, default=_cmd(default_bench),
+                       help=f"the vllm bench serve command (default: {default_bench})")
+        p.add_argument("--work-dir", default=None, help="result JSONs and logs of the client (default "
+                                                        "$TMPDIR/bench_serve/BACKEND_QUANT)")
+        p.add_argument("--run-timeout", type=float, default=300.0, help="seconds one client run may take")
+    sw = sub.choices["sweep"]
+    sw.add_argument("--concurrency", type=_ints, default=[1, 4, 16, 64])
+    sw.add_argument("--max-num-seqs", type=int, required=True, help="the server's --max-num-seqs (recorded)")
+    sw.add_argument("--server-pid", type=int, default=None, help="the vllm serve process (GPU memory of its tree)")
+    sw.add_argument("--num-prompts-per-concurrency", type=int, default=2, help="K: prompts = max(K * C, M)")
+    sw.add_argument("--min-prompts", type=int, default=8, help="M: prompts = max(K * C, M)")
+    sw.add_argument("--warmup-cap", type=int, default=WARMUP_CAP, help="warm-up requests per run: min(C, this)")
+    sw.add_argument("--warm-concurrency", type=int, default=None,
+                    help="before the runs: this many one-canvas requests at once, not recorded (default "
+                         "--max-num-seqs, so every batch size the server runs has compiled; 0: none)")
+    sw.add_argument("--seed", type=int, default=0, help="dataset seed base (run at C uses seed + C)")
+    sw.add_argument("--rows", required=True, help="JSON-lines file the rows are appended to")
+    sw.add_argument("--nvidia-smi", type=_cmd, default=["nvidia-smi"])
+    sw.add_argument("--memory-interval", type=float, default=0.5, help="seconds between memory samples")
+    sw.add_argument("--deadline-s", type=float, default=None,
+                    help="no run starts later than this many seconds after the sweep began (its rows: skipped); a "
+                         "run's timeout is cut to the time left")
+    sw.add_argument("--min-run-s", type=float, default=20.0, help="with --deadline-s: the least time a run is "
+                                                                   "started with")
+    pr = sub.choices["profile"]
+    pr.add_argument("--trace-dir", required=True, help="the server's torch_profiler_dir")
+    pr.add_argument("--requests", type=int, default=2, help="requests of the profiled load (all concurrent)")
+    pr.add_argument("--stop-timeout", type=float, default=300.0, help="seconds /stop_profile may take (trace export)")
+    pr.add_argument("--out", required=True, help="summary JSON")
+
+    t = sub.add_parser("trace", help="classify saved trace files")
+    t.add_argument("traces", nargs="+")
+    t.add_argument("--max-canvases", type=int, default=2)
+    t.add_argument("--out", default=None)
+
+    r = sub.add_parser("record", help="rows + profiles -> the record, CSV and PNG")
+    r.add_argument("rows", nargs="+")
+    r.add_argument("--profile", nargs="*", default=[])
+    r.add_argument("--out", default=str(common.DEFAULT_RESULTS_DIR / "serve-h200.json"))
+    return ap
+
+
+SUMMARY_COLUMNS = ["workload", "backend", "max_num_seqs", "output_tok_s", "ttft_ms", "time_per_canvas_ms",
+                   "completed", "failed", "diffusion_steps_per_canvas", "peak_memory_bytes"]
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    if args.command == "model":
+        for name, path in write_model_folder(args.out, overwrite=args.overwrite).items():
+            print(f"{path}  {os.path.getsize(path)} bytes")
+        return 0
+    if args.command == "server-cmd":
+        env, argv_ = server_command(args.backend, args.quant, model=args.model, port=args.port,
+                                    max_num_seqs=args.max_num_seqs, kv_cache_bytes=int(args.kv_cache_gib * 2**30),
+                                    gpu_memory_utilization=args.gpu_memory_utilization, trace_dir=args.trace_dir,
+                                    max_num_batched_tokens=args.max_num_batched_tokens,
+                                    enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling)
+        print(shlex.join(["env", *[f"{k}={v}" for k, v in env.items()], *argv_]))
+        return 0
+    if args.command == "sweep":
+        rows = sweep(args)
+        print(common.summary_table(rows, SUMMARY_COLUMNS))
+        return 0 if all(r.get("complete") for r in rows) else 1
+    if args.command == "profile":
+        summary = profile(args)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        common.write_experiment_json(Path(args.out).name, summary, Path(args.out).parent)
+        _print_profile(summary)
+        return 0 if summary.get("status") == "ok" else 1
+    if args.command == "trace":
+        summary = summarize_traces(args.traces, max_canvases=args.max_canvases)
+        if args.out:
+            common.write_experiment_json(Path(args.out).name, summary, Path(args.out).parent)
+        _print_profile(summary)
+        return 0
+    if args.command == "record":
+        doc = record(args)
+        print(common.summary_table(doc["rows"], SUMMARY_COLUMNS))
+        for g in doc["goals"]:
+            print(f"goal {g['name']}: value {g['value'] if not isinstance(g['value'], float) else round(g['value'], 3)}"
+                  f" target {g['target']} met {g['met']}")
+        return 0
+    return 2
+
+
+def _print_profile(s: dict) -> None:
+    cm = s.get("canvas_step_ms")
+    print(f"{s.get('backend', '')} {s.get('quant', '')}: {s.get('steps')} steps ({s.get('canvas_steps')} canvas, "
+          f"{s.get('prefill_steps')} prefill), status {s.get('status', 'ok')} {s.get('reason', '')}")
+    if cm:
+        print("  per canvas step (kernel ms): " + ", ".join(f"{b} {cm[b]:.3f}" for b in (*BUCKETS, "total")))
+    if s.get("unknown_share") is not None:
+        print(f"  unknown kernel names: {100 * s['unknown_share']:.1f} % of kernel time; top: "
+              + ", ".join(f"{n[:40]} {ms:.2f} ms" for n, ms, _ in (s.get("unknown_kernels") or [])[:4]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

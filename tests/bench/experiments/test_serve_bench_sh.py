@@ -1,0 +1,82 @@
+"""bench/experiments/device/serve_bench.sh on the CPU: its wait / bench / profile / stop phases against two fake vLLM
+servers (tests/bench/serve_standins.py) and the stand-in client (tests/bench/fake_bench_serve.py), so a shell
+mistake shows here and not in the GPU lease. ``start`` launches real servers and is not run here."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[2]
+SCRIPT = REPO / "bench" / "experiments" / "device" / "serve_bench.sh"
+STANDINS = REPO / "tests" / "bench" / "serve_standins.py"
+
+
+def _two_free_ports() -> int:
+    for base in range(18041, 19041, 7):
+        socks = []
+        try:
+            for p in (base, base + 1):
+                s = socket.socket()
+                s.bind(("127.0.0.1", p))
+                socks.append(s)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    pytest.skip("no two consecutive free ports")
+
+
+def _run(phase, env, *args, timeout=120):
+    return subprocess.run(["bash", str(SCRIPT), phase, *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@contextlib.contextmanager
+def _fake_server(port: int, trace_dir: Path):
+    p = subprocess.Popen([sys.executable, str(STANDINS), "serve", str(port), str(trace_dir)], stdout=subprocess.PIPE,
+                         text=True)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        yield p
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_phases_against_fake_servers(tmp_path):
+    base = _two_free_ports()
+    work, out = tmp_path / "w", tmp_path / "out"
+    env = dict(os.environ, SERVE_BENCH_ENV="0", SERVE_BENCH_DIR=str(work), OUT=str(out), PORT0=str(base),
+               BENCH_CMD=f"{sys.executable} {REPO / 'tests' / 'bench' / 'fake_bench_serve.py'}", CONC="1,4",
+               WAIT_S="10", PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}", TMPDIR=str(tmp_path))
+    with _fake_server(base, work / "trace_vllm-fp8"), _fake_server(base + 1, work / "trace_blockdiff-triton-fp8"):
+        p = _run("wait", env)
+        assert p.returncode == 0 and "blockdiff-triton-fp8 healthy" in p.stdout and "vllm-fp8 healthy" in p.stdout, \
+            p.stdout + p.stderr
+        p = _run("bench", env)
+        assert p.returncode == 0, p.stdout + p.stderr
+        lines = [json.loads(x) for x in (out / "serve_rows_fp8.jsonl").read_text().splitlines()]
+        rows = [x for x in lines if "env" not in x]
+        assert [(r["backend"], r["concurrency"]) for r in rows] == [("blockdiff-triton", 1), ("blockdiff-triton", 4),
+                                                                    ("vllm", 1), ("vllm", 4)]
+        assert sum("env" in x for x in lines) == 2 and all(r["complete"] for r in rows)
+        assert [r["max_num_seqs"] for r in rows] == [64, 64, 16, 16]
+        assert "goal c1_fp8_vs_vllm" in p.stdout  # the provisional record's goals, printed last
+        p = _run("profile", env, "fp8", "triton", "vllm")
+        assert p.returncode == 0, p.stdout + p.stderr
+        prof = json.loads((out / "serve_profile_vllm_fp8.json").read_text())
+        assert prof["status"] == "ok" and prof["canvas_steps"] == 4
+    p = _run("bench", env)
+    assert "not healthy: skipped" in p.stdout
+    assert _run("stop", env).returncode == 0
+    assert _run("bench", env, "int4").returncode == 2

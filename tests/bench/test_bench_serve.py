@@ -1,0 +1,601 @@
+"""bench/bench_serve.py on the CPU: vLLM 0.26's result JSON into rows, the GPU-memory sampler's process tree, the trace
+classifier, the record with its goals and PNG, the benchmark's model folder, and the sweep / profile paths end to end
+against stand-ins (tests/bench/serve_standins.py, tests/bench/fake_bench_serve.py). Tests marked so run the real
+vLLM 0.26 client code where it is importable (``source tests/integration/vllm_cpu_env.sh 0.26.0``)."""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from blockdiff.bench import bench_serve as bs
+from serve_standins import (BLOCKDIFF_CANVAS_STEP, STOCK_CANVAS_STEP, VLLM_CLIENT_CODE, FakeVllmServer,
+                            synthetic_trace)
+
+HERE = Path(__file__).resolve().parent
+FIXTURE = HERE / "data" / "vllm_0_26_bench_serve_result.json"
+FAKE_BENCH = f"{sys.executable} {HERE / 'fake_bench_serve.py'}"
+
+
+def _vllm_026():
+    try:
+        import vllm
+    except Exception:  # noqa: BLE001 - any import failure means: not here
+        return None
+    return vllm if vllm.__version__.startswith("0.26.") else None
+
+
+needs_vllm = pytest.mark.skipif(_vllm_026() is None, reason="vLLM 0.26's Python packages are not importable here")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("dg26b")
+    bs.write_model_folder(d)
+    return d
+
+
+# ---- vllm bench serve result -> row ----------------------------------------------------------------------------
+def test_fixture_holds_the_fields_vllm_0_26_writes_and_the_row_reads_them():
+    r = json.loads(FIXTURE.read_text())
+    for k in ("completed", "failed", "num_prompts", "duration", "output_throughput", "total_token_throughput",
+              "request_throughput", "max_concurrency", "total_output_tokens", "mean_ttft_ms", "median_ttft_ms",
+              "p99_ttft_ms", "mean_e2el_ms", "median_e2el_ms", "ttfts", "itls", "output_lens", "errors",
+              "diffusion_steps_per_canvas", "diffusion_denoising_steps", "diffusion_committed_tokens"):
+        assert k in r, k
+    row = bs.row_from_result(r, backend="vllm", quant="fp8", max_num_seqs=16)
+    assert row["workload"] == "serve_c4_fp8" and row["backend"] == "vllm" and row["status"] == "ok"
+    assert (row["completed"], row["failed"], row["num_prompts"], row["max_num_seqs"]) == (8, 0, 8, 16)
+    assert row["complete"] and row["output_tokens"] == row["expected_output_tokens"] == 8 * 512
+    assert row["output_tok_s"] == r["output_throughput"] and row["duration_s"] == r["duration"]
+    assert (row["ttft_ms"], row["ttft_median_ms"], row["ttft_p99_ms"]) == (r["mean_ttft_ms"], r["median_ttft_ms"],
+                                                                           r["p99_ttft_ms"])
+    assert row["e2e_ms"] == r["mean_e2el_ms"]
+    assert row["diffusion_steps_per_canvas"] == 16 and row["steps_ok"]
+    want = [1e3 * sum(itl) for itl in r["itls"]]  # 512 tokens: 2 canvases, one after the first
+    assert row["time_per_canvas_ms"] == pytest.approx(sum(want) / len(want))
+    # what vLLM's own numbers say: e2e latency = TTFT + the inter-chunk latencies, so the means agree
+    assert row["e2e_ms"] - row["ttft_ms"] == pytest.approx(row["time_per_canvas_ms"], abs=0.01)  # two clock reads
+    assert "reason" not in row and row["errors"] == []
+
+
+def test_time_per_canvas_counts_canvases_after_the_first_and_skips_failed_requests():
+    r = {"completed": 2, "failed": 1, "num_prompts": 3, "duration": 2.0, "output_throughput": 640.0,
+         "max_concurrency": 3, "total_output_tokens": 1280, "mean_ttft_ms": 100.0,
+         "ttfts": [0.1, 0.1, 0.0], "itls": [[0.2, 0.2], [0.3], []], "output_lens": [768, 512, 0],
+         "errors": ["", "", "boom"]}
+    row = bs.row_from_result(r, backend="blockdiff-triton", quant="bf16", max_num_seqs=4)
+    assert row["time_per_canvas_ms"] == pytest.approx((200.0 + 300.0) / 2)   # (0.4 s / 2) and (0.3 s / 1)
+    assert row["time_per_canvas_median_ms"] == pytest.approx(250.0)
+    assert not row["complete"] and "1 of 3 requests lost" in row["reason"] and "boom" in row["reason"]
+    assert row["steps_ok"] is None and row["diffusion_steps_per_canvas"] is None
+    brief = {k: r[k] for k in ("completed", "failed", "num_prompts", "duration", "output_throughput",
+                               "max_concurrency")} | {"mean_e2el_ms": 900.0, "mean_ttft_ms": 100.0}
+    assert bs.row_from_result(brief, backend="vllm", quant="fp8", max_num_seqs=1)["time_per_canvas_ms"] == 800.0
+    with pytest.raises(ValueError, match=r"lacks \['duration'\]"):
+        bs.row_from_result({k: v for k, v in r.items() if k != "duration"}, backend="vllm", quant="fp8",
+                           max_num_seqs=1)
+    with pytest.raises(TypeError, match="result must be a dict"):
+        bs.row_from_result([], backend="vllm", quant="fp8", max_num_seqs=1)
+
+
+def test_bench_serve_args_are_the_setting():
+    a = bs.bench_serve_args(base_url="http://h:1", model="/m", concurrency=16, num_prompts=32, num_warmups=4,
+                            result_dir="/r", result_filename="x.json", seed=16)
+    s = " ".join(a)
+    for part in ("--dataset-name random", "--random-input-len 4096", "--random-output-len 512", "--ignore-eos",
+                 "--max-concurrency 16", "--num-prompts 32", "--num-warmups 4", "--save-detailed",
+                 "--percentile-metrics ttft,tpot,itl,e2el", "--result-dir /r", "--result-filename x.json"):
+        assert part in s, part
+    assert "--temperature" not in s and "--extra-body" not in s  # the servers' defaults: generation_config.json
+    assert [bs.num_prompts_for(c) for c in (1, 4, 16, 64)] == [8, 8, 32, 128]
+    assert bs.num_prompts_for(4, 3, 2) == 12
+
+
+@needs_vllm
+def test_vllm_0_26_parses_the_client_arguments():
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    p = FlexibleArgumentParser()
+    add_cli_args(p)
+    ns = p.parse_args(bs.bench_serve_args(base_url="http://h:1", model="/m", concurrency=4, num_prompts=8,
+                                          num_warmups=1, result_dir="/r", result_filename="x.json",
+                                          metadata={"a": "b"}))
+    assert (ns.random_input_len, ns.random_output_len, ns.max_concurrency, ns.num_prompts) == (4096, 512, 4, 8)
+    assert ns.ignore_eos and ns.save_detailed and ns.backend == "openai" and ns.metadata == ["a=b"]
+
+
+# ---- server command line ---------------------------------------------------------------------------------------
+def test_server_command_of_each_side():
+    kw = dict(model="/tmp/dg26b", port=8041, max_num_seqs=16, kv_cache_bytes=8 << 30, gpu_memory_utilization=0.35)
+    env, argv = bs.server_command("vllm", "fp8", trace_dir="/tmp/tr", **kw)
+    s = " ".join(argv)
+    assert env == {"VLLM_PLUGINS": "none"} and argv[1:5] == ["-m", "vllm.entrypoints.cli.main", "serve", "/tmp/dg26b"]
+    for part in ("--load-format dummy", "--language-model-only", "--quantization fp8",
+                 "--attention-backend TRITON_ATTN", "--max-num-seqs 16", f"--kv-cache-memory-bytes {8 << 30}",
+                 "--gpu-memory-utilization 0.35",
+                 '--diffusion-config {"canvas_length":256,"max_denoising_steps":16}', "--no-async-scheduling",
+                 "--no-enable-prefix-caching", "--max-model-len 8192"):
+        assert part in s, part
+    prof = json.loads(argv[argv.index("--profiler-config") + 1])
+    assert prof["profiler"] == "torch" and prof["torch_profiler_dir"] == "/tmp/tr" and prof["ignore_frontend"]
+    env, argv = bs.server_command("blockdiff-cute", "bf16", enforce_eager=True, async_scheduling=True, **kw)
+    s = " ".join(argv)
+    assert env["BLOCKDIFF_ATTN_BACKEND"] == "cute" and env["VLLM_PLUGINS"] == "blockdiff"
+    assert env["VLLM_USE_V2_MODEL_RUNNER"] == "1" and env["BLOCKDIFF_SAMPLER_BACKEND"] == "triton"
+    assert "--attention-backend CUSTOM" in s and "BlockdiffDiffusionAsyncScheduler" in s
+    assert "--quantization" not in s and "--no-async-scheduling" not in s and "--enforce-eager" in s
+    assert "--profiler-config" not in s
+    for bad, match in ((dict(kw, port=0), "port must be"), (dict(kw, max_num_seqs=0), "max_num_seqs must be"),
+                       (dict(kw, gpu_memory_utilization=1.5), "gpu_memory_utilization must be"),
+                       (dict(kw, kv_cache_bytes=0), "kv_cache_bytes must be")):
+        with pytest.raises(ValueError, match=match):
+            bs.server_command("vllm", "fp8", **bad)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        bs.server_command("sglang", "fp8", **kw)
+    with pytest.raises(ValueError, match="quant must be one of"):
+        bs.server_command("vllm", "int4", **kw)
+    with pytest.raises(ValueError, match="trace_dir must be an absolute path"):
+        bs.profiler_config("rel/dir")
+
+
+def test_server_cmd_prints_a_shell_line(capsys):
+    assert bs.main(["server-cmd", "--backend", "blockdiff-triton", "--quant", "fp8", "--model", "/m", "--port", "8042",
+                    "--max-num-seqs", "64", "--kv-cache-gib", "28", "--gpu-memory-utilization", "0.6",
+                    "--trace-dir", "/tmp/tr"]) == 0
+    line = capsys.readouterr().out.strip()
+    parts = shlex.split(line)
+    assert parts[0] == "env" and "BLOCKDIFF_ATTN_BACKEND=triton" in parts
+    assert parts[parts.index("--kv-cache-memory-bytes") + 1] == str(28 << 30)
+
+
+@needs_vllm
+def test_vllm_0_26_engine_arguments_accept_the_server_flags(monkeypatch):
+    """The flags parse with vLLM 0.26's own engine-argument parser (on the CPU platform: the parser's defaults need
+    one) into its configs."""
+    import vllm.platforms
+    from vllm.config import DiffusionConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    monkeypatch.setattr(vllm.platforms, "_current_platform", CpuPlatform())
+    p = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
+    p.add_argument("--port", type=int)
+    for backend in ("vllm", "blockdiff-triton"):
+        _, argv = bs.server_command(backend, "fp8", model="/tmp/dg26b", port=8041, max_num_seqs=16,
+                                    kv_cache_bytes=8 << 30, gpu_memory_utilization=0.35, trace_dir="/tmp/tr")
+        rest = argv[argv.index("serve") + 2:]
+        ns = p.parse_args(["--model", "/tmp/dg26b", *rest])
+        assert ns.load_format == "dummy" and ns.kv_cache_memory_bytes == 8 << 30 and ns.enable_prefix_caching is False
+        assert ns.quantization == "fp8" and ns.max_num_seqs == 16 and ns.async_scheduling is False
+        dc = DiffusionConfig(**ns.diffusion_config)
+        assert (dc.max_denoising_steps, dc.canvas_length) == (16, 256)
+        assert ns.profiler_config.profiler == "torch" and ns.profiler_config.torch_profiler_dir == "/tmp/tr"
+        assert ns.profiler_config.ignore_frontend and not ns.profiler_config.torch_profiler_with_stack
+        assert ns.attention_backend == ("TRITON_ATTN" if backend == "vllm" else "CUSTOM")
+
+
+# ---- the model folder ------------------------------------------------------------------------------------------
+def test_model_folder_sets_16_fixed_steps(model_dir):
+    gen = json.loads((model_dir / "generation_config.json").read_text())
+    assert gen["max_denoising_steps"] == 16 and gen["stability_threshold"] == 16
+    cfg = json.loads((model_dir / "config.json").read_text())
+    assert cfg["canvas_length"] == 256 and cfg["text_config"]["num_hidden_layers"] == 30
+    assert not (model_dir / "model.safetensors").exists()
+    from blockdiff.model import load_generation_config
+
+    # blockdiff's reading: no canvas converges before step 16 (stable_count <= s < 16 = k at step s < 16)
+    assert load_generation_config(str(model_dir))["stability_threshold"] >= bs.DENOISING_STEPS
+
+
+def test_random_dataset_prompts_round_trip_to_4096_tokens(model_dir):
+    """vLLM's random dataset draws consecutive ids of the vocabulary (nearly all ``<unused_N>``), decodes them and
+    re-encodes; with the byte tokenizer the text re-encodes byte by byte, so it truncates and converges to exactly
+    the asked length (RandomDataset's gen_prompt_decode_to_target_len loop, with transformers' tokenizer)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    assert tok.vocab_size == 262144 and sorted(tok.all_special_ids) == [0, 1, 2]
+    ids = [(123_457 + i) % (262144 - 3) + 3 for i in range(4096)]
+    for _ in range(3):
+        text = tok.decode(ids)
+        ids = tok.encode(text, add_special_tokens=False)
+        if len(ids) == 4096:
+            break
+        ids = ids[:4096]
+    assert len(ids) == 4096 and len(tok.encode(text)) == 4096 and text.startswith("<unused_")
+
+
+@needs_vllm
+def test_vllm_0_26_random_dataset_and_generation_config(model_dir):
+    from vllm.benchmarks.datasets import RandomDataset
+    from vllm.tokenizers.registry import get_tokenizer
+    from vllm.transformers_utils.config import try_get_generation_config
+
+    tok = get_tokenizer(str(model_dir))
+    reqs = RandomDataset(random_seed=3).sample(tok, 3, input_len=4096, output_len=512, range_ratio=0.0)
+    assert [r.prompt_len for r in reqs] == [4096] * 3
+    assert all(len(tok.encode(r.prompt)) == 4096 and r.expected_output_len == 512 for r in reqs)
+    gen = try_get_generation_config(str(model_dir), trust_remote_code=False).to_diff_dict()
+    assert gen["max_denoising_steps"] == 16 and gen["stability_threshold"] == 16  # stock reads both at start-up
+    assert "EntropyBound" in gen["sampler_config"]["_cls_name"] and gen["sampler_config"]["entropy_bound"] > 0
+
+
+# ---- GPU memory of the server's process tree -------------------------------------------------------------------
+def test_process_tree_follows_children_and_the_session():
+    table = {100: (1, 100), 101: (100, 100), 102: (101, 100), 103: (1, 100), 104: (102, 104), 200: (1, 200),
+             201: (200, 200)}
+    assert bs.process_tree(100, table) == {100, 101, 102, 103, 104}  # 104: a child that made its own session
+    assert bs.process_tree(101, table) == {101, 102, 104}  # not a session leader: descendants only
+    assert bs.process_tree(999, table) == {999}
+
+
+def test_read_proc_table_parses_stat_lines(tmp_path):
+    for pid, stat in ((7, "7 (python3 (x) y) S 1 7 7 0"), (8, "8 (sh) R 7 7 7 0"), (9, "9 (z")):
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "stat").write_text(stat)
+    (tmp_path / "self").mkdir()
+    assert bs.read_proc_table(tmp_path) == {7: (1, 7), 8: (7, 7)}
+    me = bs.read_proc_table()
+    assert me[os.getpid()][0] == os.getppid()
+
+
+def test_parse_compute_apps():
+    text = "123, 1024\n456, [N/A]\n123, 10\nbogus\n789 , 2.5\n"
+    assert bs.parse_compute_apps(text) == {123: 1034 << 20, 789: int(2.5 * 2**20)}
+
+
+def _fake_smi(tmp_path, lines: str, gpu_mib: int = 4096) -> list[str]:
+    script = tmp_path / "fake_smi.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        if any(a.startswith("--query-compute-apps") for a in sys.argv):
+            print({lines!r}, end="")
+        else:
+            print("{gpu_mib}")
+    """))
+    return [sys.executable, str(script)]
+
+
+def test_memory_sampler_sums_the_server_tree(tmp_path):
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        smi = _fake_smi(tmp_path, f"{os.getpid()}, 1000\n{child.pid}, 24\n{2**22 + 7}, 5\n")
+        with bs.MemorySampler(os.getpid(), interval_s=0.05, smi=smi) as m:
+            pass
+        r = m.result()
+        assert r["peak_memory_bytes"] == 1024 << 20 and r["gpu_memory_used_peak_bytes"] == 4096 << 20
+        assert r["memory_pids"]["matched"] == sorted([os.getpid(), child.pid]) and r["memory_samples"] >= 1
+        # another pid namespace: nothing matches, the whole GPU is still measured
+        with bs.MemorySampler(os.getpid(), interval_s=0.05, smi=_fake_smi(tmp_path, "4194311, 5\n")) as m:
+            pass
+        r = m.result()
+        assert r["peak_memory_bytes"] is None and r["memory_pids"]["seen"] == [4194311]
+        assert r["gpu_memory_used_peak_bytes"] == 4096 << 20
+        with bs.MemorySampler(None, interval_s=0.05, smi=[str(tmp_path / "missing-smi")]) as m:
+            pass
+        assert m.result()["memory_error"] and m.result()["peak_memory_bytes"] is None
+    finally:
+        child.kill()
+        child.wait()
+    with pytest.raises(ValueError, match="interval_s must be > 0"):
+        bs.MemorySampler(1, interval_s=0)
+
+
+# ---- profile trace classifier ----------------------------------------------------------------------------------
+def test_classify_kernel_names():
+    cases = {"_attn_fwd_gluon_roles": "attention", "_attn_fwd_kernel": "attention", "_merge_kernel": "attention",
+             "kernel_unified_attention": "attention", "reduce_segments": "attention",
+             "void vllm::reshape_and_cache_flash_kernel<__nv_bfloat16>": "attention",
+             "kernel_cutlass_FlashAttentionForwardSm90Mixed_0": "attention",
+             "_stats_kernel": "sampler", "_step_kernel": "sampler", "_prob_chunk_kernel": "sampler",
+             "fused_moe_kernel": "moe", "void vllm::moe::topkGatingSoftmax<4>": "moe",
+             "void vllm::moe::moe_align_block_size_kernel<int>": "moe",
+             "cutlass::device_kernel<GemmUniversal<GroupProblemShape<>>>": "moe",
+             "nvjet_tst_128x64_64x8_1x1_v_bz_TNT": "gemm", "sm90_xmma_gemm_bf16bf16_bf16f32": "gemm",
+             "void vllm::dynamic_per_token_scaled_fp8_quant_kernel<>": "gemm",
+             "triton_red_fused_add_mean_mul_pow_rsqrt_0": "rest", "Memcpy HtoD (Pinned -> Device)": "rest",
+             "void at::native::vectorized_elementwise_kernel<4>": "rest"}
+    for name, bucket in cases.items():
+        assert bs.classify_kernel(name) == (bucket, True), name
+    assert bs.classify_kernel("some_new_kernel_nobody_knows") == ("rest", False)
+    assert {b for b, _, _ in bs.KERNEL_RULES} == set(bs.BUCKETS)
+
+
+def test_parse_step_annotation():
+    assert bs.parse_step_annotation("execute_context_1(4096)_generation_0(0)") == 4096
+    assert bs.parse_step_annotation("execute_context_0(0)_generation_2(512)") == 512
+    assert bs.parse_step_annotation("execute_4352_context_1(sq4096sk4096sqsq1sqsk2)_generation_1(sq256sk4352sqsq3"
+                                    "sqsk4)") == 4352
+    assert bs.parse_step_annotation("aten::mm") is None
+
+
+@pytest.mark.parametrize("graph_steps", [True, False])
+def test_summarize_trace_buckets_per_canvas_step(graph_steps):
+    steps = [(None, [("Memset (Device)", 0.5, "forward")]), (8192, [("fused_moe_kernel", 30.0, "forward"),
+                                                                     ("nvjet_big", 5.0, "forward")])]
+    steps += [(512, STOCK_CANVAS_STEP)] * 4
+    s = bs.summarize_trace(synthetic_trace(steps, graph_steps=graph_steps)["traceEvents"], max_canvases=2)
+    assert (s["steps"], s["canvas_steps"], s["prefill_steps"], s["canvas_step_tokens"]) == (5, 4, 1, [512])
+    cm = s["canvas_step_ms"]
+    assert cm["attention"] == pytest.approx(0.32) and cm["moe"] == pytest.approx(4.03)
+    assert cm["gemm"] == pytest.approx(0.80 + 0.05 + 0.40)  # dense FP8 GEMM + its quantisation + the LM head
+    assert cm["sampler"] == pytest.approx(0.20 + 1.50 + 0.60)  # softcap, compiled step, its soft-embedding matmul
+    assert cm["rest"] == pytest.approx(0.11) and cm["total"] == pytest.approx(sum(k[1] for k in STOCK_CANVAS_STEP))
+    assert s["prefill_step_ms"]["moe"] == pytest.approx(30.0) and s["outside_ms"] == pytest.approx(0.5)
+    assert s["unknown_ms"] == pytest.approx(0.04) and s["unknown_kernels"][0][0] == "some_new_kernel_nobody_knows"
+    assert 0 < s["unknown_share"] < 0.01 and sum(s["canvas_step_share"].values()) == pytest.approx(1.0)
+    assert s["top_kernels"]["moe"][0][0] == "fused_moe_kernel"
+    assert s["phase_ms"]["no_launch"] == 0 and s["phase_ms"]["sample"] == pytest.approx(4 * 2.7)
+    b = bs.summarize_trace(synthetic_trace([(256, BLOCKDIFF_CANVAS_STEP)] * 3)["traceEvents"], max_canvases=1)
+    bm = b["canvas_step_ms"]
+    assert bm["attention"] == pytest.approx(0.12) and bm["sampler"] == pytest.approx(0.2 + 0.4 + 0.2 + 0.3 + 0.05)
+    assert bm["gemm"] == pytest.approx(1.2) and b["unknown_ms"] == 0
+
+
+def test_kernels_without_their_launch_are_classified_by_name():
+    ev = synthetic_trace([(256, [("nvjet_x", 1.0, "sample"), ("nvjet_y", 2.0, "sample"), ("_step_kernel", 0.5,
+                                                                                          "sample")])])["traceEvents"]
+    ev = [e for e in ev if e.get("cat") not in ("cuda_runtime", "cuda_driver")]  # the launches lost
+    s = bs.summarize_trace(ev, max_canvases=1)
+    assert s["phase_ms"]["no_launch"] == pytest.approx(3.5) and s["canvas_step_ms"]["gemm"] == pytest.approx(3.0)
+    assert s["canvas_step_ms"]["sampler"] == pytest.approx(0.5)
+
+
+def test_summarize_trace_refuses_traces_without_steps_or_kernels(tmp_path):
+    with pytest.raises(ValueError, match="no execute_"):
+        bs.summarize_trace([{"ph": "X", "cat": "kernel", "name": "k", "ts": 1, "dur": 1}])
+    with pytest.raises(ValueError, match="no GPU kernel"):
+        bs.summarize_trace(synthetic_trace([(256, [])])["traceEvents"])
+    bad = tmp_path / "a.json"
+    bad.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="no usable trace"):
+        bs.summarize_traces([bad])
+
+
+# ---- sweep and profile end to end against stand-ins -----------------------------------------------------------
+def _read(path):
+    return [json.loads(x) for x in Path(path).read_text().splitlines()]
+
+
+def test_sweep_with_a_stand_in_client(tmp_path, monkeypatch, capsys):
+    rows = tmp_path / "rows.jsonl"
+    smi = _fake_smi(tmp_path, f"{os.getpid()}, 2000\n")
+    argv = ["sweep", "--base-url", "http://127.0.0.1:9", "--model", "/tmp/dg26b", "--backend", "blockdiff-triton",
+            "--quant", "fp8", "--concurrency", "1,4", "--max-num-seqs", "64", "--server-pid", str(os.getpid()),
+            "--rows", str(rows), "--bench-cmd", FAKE_BENCH, "--nvidia-smi", " ".join(smi),
+            "--work-dir", str(tmp_path / "w"), "--memory-interval", "0.05"]
+    assert bs.main(argv) == 0
+    lines = _read(rows)
+    assert "env" in lines[0] and lines[0]["env"]["backend"] == "blockdiff-triton" and "vllm" in lines[0]["env"]
+    assert lines[0]["env"]["warm_up"]["concurrency"] == 64 and lines[0]["env"]["warm_up"]["ok"]
+    assert (tmp_path / "w" / "warm_c64_fp8-blockdiff-triton.json").exists()
+    r1, r4 = lines[1:]
+    assert (r1["workload"], r4["workload"], r1["num_prompts"], r4["num_warmups"]) == ("serve_c1_fp8", "serve_c4_fp8",
+                                                                                      8, 4)
+    assert r1["complete"] and r1["peak_memory_bytes"] == 2000 << 20 and r1["time_per_canvas_ms"] == 250.0
+    assert "serve_c4_fp8" in capsys.readouterr().out  # the summary table
+    monkeypatch.setenv("FAKE_BENCH_FAILED", "2")
+    assert bs.main(argv[:-2] + ["--concurrency", "16"]) == 1
+    lost = _read(rows)[-1]
+    assert lost["num_prompts"] == 32 and lost["failed"] == 2 and not lost["complete"] and "fake" in lost["reason"]
+    assert bs.main(argv + ["--concurrency", "8", "--deadline-s", "0"]) == 1
+    late = _read(rows)[-1]
+    assert late["status"] == "skipped" and "deadline" in late["reason"]
+    monkeypatch.setenv("FAKE_BENCH_EXIT", "3")
+    assert bs.main(argv + ["--concurrency", "2"]) == 1
+    err = _read(rows)[-1]
+    assert err["status"] == "error" and "exit 3" in err["reason"] and not err["complete"]
+
+
+@needs_vllm
+def test_sweep_with_vllm_0_26_client_against_a_fake_server(tmp_path, model_dir):
+    rows = tmp_path / "rows.jsonl"
+    with FakeVllmServer(canvas_s=0.02) as srv:
+        rc = bs.main(["sweep", "--base-url", srv.base_url, "--model", str(model_dir), "--backend", "vllm", "--quant",
+                      "fp8", "--concurrency", "2", "--min-prompts", "2", "--num-prompts-per-concurrency", "1",
+                      "--max-num-seqs", "4", "--rows", str(rows), "--bench-cmd",
+                      shlex.join([sys.executable, "-c", VLLM_CLIENT_CODE]), "--nvidia-smi", "false",
+                      "--work-dir", str(tmp_path / "w")])
+    row = _read(rows)[-1]
+    assert rc == 0, row
+    assert row["complete"] and row["num_prompts"] == 2 and row["num_warmups"] == 2 and row["steps_ok"]
+    assert row["time_per_canvas_ms"] >= 15 and row["memory_error"]
+
+
+def test_profile_against_a_fake_server(tmp_path):
+    trace_dir = tmp_path / "traces"
+    out = tmp_path / "prof.json"
+    with FakeVllmServer(trace_dir=str(trace_dir)) as srv:
+        rc = bs.main(["profile", "--base-url", srv.base_url, "--model", "/tmp/dg26b", "--backend", "vllm",
+                      "--quant", "fp8", "--trace-dir", str(trace_dir), "--bench-cmd", FAKE_BENCH,
+                      "--work-dir", str(tmp_path / "w"), "--out", str(out)])
+        calls = list(srv.calls)
+    s = json.loads(out.read_text())
+    assert rc == 0 and s["status"] == "ok", s.get("reason")
+    assert calls == ["POST /start_profile", "POST /stop_profile"]
+    assert s["canvas_steps"] == 4 and s["prefill_steps"] == 1 and s["load"]["complete"]
+    assert s["canvas_step_ms"]["sampler"] == pytest.approx(2.3) and s["trace_file"].endswith(".json.gz")
+    assert bs.main(["trace", s["trace_file"], "--out", str(tmp_path / "again.json")]) == 0
+    assert json.loads((tmp_path / "again.json").read_text())["canvas_step_ms"] == s["canvas_step_ms"]
+
+
+# ---- record, goals, PNG ----------------------------------------------------------------------------------------
+def _row(backend, quant, c, tok_s, complete=True, seqs=64, steps=16.0):
+    return {"workload": f"serve_c{c}_{quant}", "backend": backend, "quant": quant, "status": "ok", "concurrency": c,
+            "max_num_seqs": seqs, "output_tok_s": tok_s, "complete": complete, "completed": 8, "failed": 0,
+            "diffusion_steps_per_canvas": steps, "steps_ok": steps == 16.0, "ttft_ms": 100.0}
+
+
+def test_goals():
+    rows = [_row("vllm", "fp8", 1, 1200.0, seqs=16), _row("vllm", "fp8", 16, 2000.0, seqs=16),
+            _row("vllm", "fp8", 64, 2500.0, seqs=16), _row("blockdiff-triton", "fp8", 1, 1650.0),
+            _row("blockdiff-triton", "fp8", 16, 4800.0), _row("blockdiff-triton", "fp8", 64, 5200.0)]
+    g = {x["name"]: x for x in bs.evaluate_goals(rows)}
+    assert g["c1_fp8_vs_vllm"]["value"] == pytest.approx(1.375) and g["c1_fp8_vs_vllm"]["met"]
+    assert g["c1_fp8_tok_s"]["met"] and g["c64_fp8"]["met"] and g["c64_fp8"]["value"] == pytest.approx(2.08)
+    assert g["c16_fp8"]["met"] is False and g["no_request_lost"]["met"] and g["steps_per_canvas_16"]["met"]
+    rows[2] = _row("vllm", "fp8", 64, 9000.0, complete=False, seqs=16)  # a lossy run is no throughput
+    rows.append(_row("blockdiff-cute", "bf16", 1, 10.0, steps=12.0))
+    g = {x["name"]: x for x in bs.evaluate_goals(rows)}
+    assert g["c64_fp8"]["value"] == pytest.approx(2.6) and g["no_request_lost"]["met"] is False
+    assert g["no_request_lost"]["rows"] == ["serve_c64_fp8/vllm"] and g["steps_per_canvas_16"]["met"] is False
+    assert g["c16_bf16"]["met"] is None  # nothing measured
+    assert {x["met"] for x in bs.evaluate_goals([])} == {None}
+
+
+def test_record_writes_json_csv_png_and_goals(tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    env = dict(bs.environment(), kind="env", backend="vllm", quant="fp8", max_num_seqs=16, model="/tmp/dg26b",
+               setting={"input_len": 4096}, commit="unknown", gpu="NVIDIA H200")
+    with open(rows, "w") as f:
+        f.write(json.dumps({"env": env}) + "\n")
+        for c, v in ((1, 1000.0), (4, 1800.0), (16, 2000.0), (64, 2100.0)):
+            f.write(json.dumps(_row("vllm", "fp8", c, v, seqs=16)) + "\n")
+            f.write(json.dumps(_row("blockdiff-triton", "fp8", c, 1.5 * v * (1 + c / 16))) + "\n")
+    prof = tmp_path / "p.json"
+    prof.write_text(json.dumps({"backend": "vllm", "canvas_step_ms": {"sampler": 2.0}, "env": {"gpu": "x"}}))
+    out = tmp_path / "res" / "serve-h200.json"
+    assert bs.main(["record", str(rows), "--profile", str(prof), "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["suite"] == "serve" and doc["gpu"] == "NVIDIA H200" and len(doc["rows"]) == 8
+    assert doc["commit"] != "unknown" and any("commit" in n for n in doc["notes"])
+    assert doc["profiles"][0]["canvas_step_ms"]["sampler"] == 2.0 and "env" not in doc["profiles"][0]
+    assert doc["servers"]["vllm-fp8"]["max_num_seqs"] == 16 and doc["setting"] == {"input_len": 4096}
+    goals = {g["name"]: g for g in doc["goals"]}
+    assert goals["c1_fp8_vs_vllm"]["met"] and goals["c1_fp8_tok_s"]["met"] is False
+    assert out.with_suffix(".csv").exists() and out.with_suffix(".png").stat().st_size > 1000
+    assert sorted(p.name for p in out.parent.iterdir()) == ["serve-h200.csv", "serve-h200.json", "serve-h200.png"]
+    from blockdiff.bench import make_tables
+
+    text = make_tables.render(out.parent)
+    assert "serve_c64_fp8" in text and "output tok s" in text
+
+
+def test_read_rows_names_a_bad_line(tmp_path):
+    p = tmp_path / "r.jsonl"
+    p.write_text('{"env": {"gpu": "x"}}\n\n{"workload": "a"}\n[1]\n')
+    with pytest.raises(ValueError, match=r"r.jsonl:4: not a JSON object"):
+        bs.read_rows([p])
+    p.write_text('{"env": {"gpu": "x"}}\n{"workload": "a"}\n')
+    assert bs.read_rows([p]) == ([{"gpu": "x"}], [{"workload": "a"}])
+
+
+@pytest.mark.parametrize("k, want", [(1, 2), (bs.BENCH_GENERATION["stability_threshold"], bs.DENOISING_STEPS)])
+def test_stability_threshold_of_the_setting_forces_every_step_in_blockdiff(k, want):
+    """A model whose argmax canvas never changes and that is always confident (zero weights: uniform logits, and a
+    confidence threshold above log V) converges after 2 steps with transformers' k = 1, and after exactly the cap of
+    16 with the setting's k = 16 (blockdiff's rule: k + 1 identical argmax canvases, the first at step 0)."""
+    import torch
+
+    from blockdiff.integration import HarnessRunner
+    from blockdiff.model import DiffusionGemma, tiny_config
+    from blockdiff.sampler import SamplingParams
+
+    model = DiffusionGemma(tiny_config()).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    params = SamplingParams(canvas_length=16, max_denoising_steps=bs.DENOISING_STEPS, stability_threshold=k,
+                            confidence_threshold=100.0, max_tokens=16)
+    runner = HarnessRunner(model, default_params=params, max_num_reqs=2, max_num_batched_tokens=64)
+    runner.add_request("a", [5, 6, 7], params)
+    runner.run()
+    t = runner.totals()
+    assert t["canvases_committed"] == 1 and t["denoise_steps_per_canvas"] == t["max_denoise_steps_per_canvas"] == want
+
+
+@needs_vllm
+def test_stability_threshold_of_the_setting_forces_every_step_in_stock_vllm():
+    """The same on vLLM 0.26's own sampler step (``_compiled_sample_step`` run eagerly): uniform logits (a constant
+    argmax) and an always-met confidence converge after 2 steps with k = 1 (history of k + 1 = 2), after exactly 16
+    with the setting's k = 16 (history of 17: only the step cap can end the canvas)."""
+    import torch
+    from vllm.model_executor.models.diffusion_gemma import _compiled_sample_step
+
+    step_fn = getattr(_compiled_sample_step, "_torchdynamo_orig_callable", None) or _compiled_sample_step.__wrapped__
+
+    def steps_to_converge(k, S=bs.DENOISING_STEPS, CL=8, V=32, H=4):
+        ST = k + 1  # DiffusionGemmaModelState: stability_threshold = generation_config's + 1
+        z = lambda *s, dt=torch.int64: torch.zeros(*s, dtype=dt)  # noqa: E731
+        canvas, argmax_canvas, hist, draft = z(1, CL), z(1, CL), z(1, ST, CL), z(1, CL)
+        step, hist_len, num_sampled = z(1, dt=torch.int32), z(1, dt=torch.int32), z(1, dt=torch.int32)
+        is_enc, conf, sampled = z(1, dt=torch.bool), z(1, dt=torch.bool), z(1, CL, dt=torch.int32)
+        slot = torch.tensor([0])
+        for n in range(1, 4 * S):
+            step_fn(torch.zeros(CL, V), slot, slot, slot, torch.tensor([CL]), canvas, argmax_canvas, step, is_enc, conf,
+                    torch.zeros(1, CL, H), torch.zeros(V, H), torch.tensor(1.0), hist, hist_len, sampled, num_sampled,
+                    draft, max_denoising_steps=float(S), t_min=0.4, t_max=0.8, confidence_threshold=100.0,
+                    vocab_size=V, CL=CL, ST=ST, entropy_bound=0.1, sc_vocab_start=0, sc_vocab_end=V, tp_size=1,
+                    tp_group_name="")
+            if bool(is_enc[0]):  # converged: the next pass commits
+                return n
+        return None
+
+    assert steps_to_converge(1) == 2
+    assert steps_to_converge(bs.BENCH_GENERATION["stability_threshold"]) == bs.DENOISING_STEPS
+
+
+#: Builds one side's VllmConfig with vLLM 0.26 on the CPU platform (set before vLLM resolves it: in a fresh process)
+#: and prints what the test checks.
+_BUILD_CONFIG = """
+import json, sys
+import vllm.platforms
+from vllm.platforms.cpu import CpuPlatform
+vllm.platforms._current_platform = CpuPlatform()
+import vllm.config.vllm
+vllm.config.vllm.HAS_TRITON = True  # model runner v2 asks for Triton, which the CPU platform turns off
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+from blockdiff.bench import bench_serve as bs
+backend, model = sys.argv[1], sys.argv[2]
+if backend != "vllm":
+    from blockdiff.integration.vllm_plugin import register
+    register()  # what VLLM_PLUGINS=blockdiff does in the server
+_, argv = bs.server_command(backend, "fp8", model=model, port=8041, max_num_seqs=16, kv_cache_bytes=8 << 30,
+                            gpu_memory_utilization=0.35, trace_dir="/tmp/tr")
+rest = argv[argv.index("serve") + 2:]
+i = rest.index("--port")
+del rest[i:i + 2]
+ns = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(["--model", model, *rest])
+c = AsyncEngineArgs.from_cli_args(ns).create_engine_config()
+gen = c.model_config.try_get_generation_config()
+print("CONFIG " + json.dumps({
+    "arch": c.model_config.architectures, "max_model_len": c.model_config.max_model_len,
+    "quant": c.model_config.quantization, "vocab": c.model_config.get_vocab_size(),
+    "diffusion": [c.diffusion_config.canvas_length, c.diffusion_config.max_denoising_steps],
+    "kv_bytes": c.cache_config.kv_cache_memory_bytes, "prefix_caching": c.cache_config.enable_prefix_caching,
+    "v2": c.use_v2_model_runner, "async": c.scheduler_config.async_scheduling,
+    "hma_off": c.scheduler_config.disable_hybrid_kv_cache_manager, "scheduler": str(c.scheduler_config.scheduler_cls),
+    "gen": [gen["max_denoising_steps"], gen["stability_threshold"]], "profiler": c.profiler_config.profiler}))
+"""
+
+
+@needs_vllm
+@pytest.mark.parametrize("backend", ["vllm", "blockdiff-triton"])
+def test_vllm_0_26_builds_the_server_config(backend, model_dir):
+    """The whole ``vllm serve`` configuration of each side from the model folder and the flags (vLLM 0.26's
+    ``create_engine_config`` on the CPU platform; needs ``compressed_tensors``, which the staged GPU vLLM ships):
+    FP8, the diffusion config, the fixed KV size, model runner v2, the hybrid KV manager, blockdiff's scheduler."""
+    pytest.importorskip("compressed_tensors")
+    env = dict(os.environ, **bs.server_command(backend, "fp8", model=str(model_dir), port=1, max_num_seqs=1,
+                                               kv_cache_bytes=1, gpu_memory_utilization=0.5)[0])
+    p = subprocess.run([sys.executable, "-c", _BUILD_CONFIG, backend, str(model_dir)], capture_output=True, text=True,
+                       timeout=300, env=env)
+    line = [x for x in p.stdout.splitlines() if x.startswith("CONFIG ")]
+    assert p.returncode == 0 and line, p.stdout[-2000:] + p.stderr[-3000:]
+    c = json.loads(line[0][len("CONFIG "):])
+    assert c["arch"] == ["DiffusionGemmaForBlockDiffusion"] and c["max_model_len"] == 8192 and c["vocab"] == 262144
+    assert c["quant"] == "fp8" and c["diffusion"] == [256, 16] and c["gen"] == [16, 16] and c["profiler"] == "torch"
+    assert c["kv_bytes"] == 8 << 30 and c["prefix_caching"] is False and c["v2"] and c["async"] is False
+    assert c["hma_off"] is False  # the sliding layers keep their window only (the memory arithmetic assumes it)
+    want = "None" if backend == "vllm" else "blockdiff.integration.vllm_scheduler.BlockdiffDiffusionScheduler"
+    assert c["scheduler"] == want
