@@ -150,16 +150,39 @@ def _check_int(name: str, value, lo: int) -> int:
     return value
 
 
+#: KV cache page of both sides (``--block-size``): the triton backend's automatic Gluon choice (the hd-512 roles
+#: kernel) needs TMA boxes of >= 64 rows, i.e. pages of >= 64 tokens; vLLM's default (16) would leave every
+#: blockdiff layer on the portable kernel. Stock vLLM's TRITON_ATTN takes any multiple of 16.
+BLOCK_SIZE = 64
+
+
+def cudagraph_capture_sizes(max_num_seqs: int, max_num_batched_tokens: int,
+                            canvas_length: int = CANVAS_LENGTH) -> list[int]:
+    """CUDA-graph batch sizes (tokens) for a diffusion server: multiples of ``canvas_length`` up to
+    ``max_num_seqs`` canvases (every canvas, then every other above 16 and every fourth above 32), capped at
+    ``max_num_batched_tokens``. vLLM's default sizes stop at 512 tokens (two canvases), so a step of three or more
+    canvases ran without graphs, bound by the host's launch time (stock vLLM's c = 4 below its c = 1 in the first
+    H200 serve, docs/tuning.md section 7)."""
+    _check_int("max_num_seqs", max_num_seqs, 1)
+    _check_int("max_num_batched_tokens", max_num_batched_tokens, canvas_length)
+    ks = [k for k in range(1, max_num_seqs + 1) if k <= 16 or (k <= 32 and k % 2 == 0) or k % 4 == 0]
+    if ks[-1] != max_num_seqs:
+        ks.append(max_num_seqs)
+    return [k * canvas_length for k in ks if k * canvas_length <= max_num_batched_tokens]
+
+
 def server_command(backend: str, quant: str, *, model: str, port: int, max_num_seqs: int, kv_cache_bytes: int,
                    gpu_memory_utilization: float, trace_dir: str | None = None,
                    max_num_batched_tokens: int = 16384, max_model_len: int = MAX_MODEL_LEN,
-                   enforce_eager: bool = False, async_scheduling: bool = False,
+                   enforce_eager: bool = False, async_scheduling: bool = True,
                    python: str = sys.executable) -> tuple[dict[str, str], list[str]]:
     """Environment and argv of ``vllm serve`` for one side of the benchmark.
 
     Both sides: ``--load-format dummy --language-model-only``, :func:`diffusion_config`, ``--no-enable-prefix-caching``
-    (runs must not reuse each other's prompts), ``--no-async-scheduling`` (unless ``async_scheduling``; blockdiff's
-    scheduler class then is ``BlockdiffDiffusionAsyncScheduler``), ``--kv-cache-memory-bytes`` (a fixed KV cache: two
+    (runs must not reuse each other's prompts), ``--block-size`` :data:`BLOCK_SIZE`, CUDA graphs of
+    :func:`cudagraph_capture_sizes` (unless ``enforce_eager``), vLLM's asynchronous scheduling (its default; with
+    ``async_scheduling=False`` ``--no-async-scheduling``; blockdiff's scheduler class follows:
+    ``BlockdiffDiffusionAsyncScheduler`` / ``BlockdiffDiffusionScheduler``), ``--kv-cache-memory-bytes`` (a fixed KV cache: two
     servers starting together on one GPU would count each other's allocations in vLLM's memory profile) and
     ``--gpu-memory-utilization`` (with a KV size given, vLLM uses it only to check the free memory at start-up),
     ``--quantization fp8`` for ``fp8`` (dynamic FP8 weights; the KV cache stays bf16), the torch profiler when
@@ -201,13 +224,15 @@ def server_command(backend: str, quant: str, *, model: str, port: int, max_num_s
             "--max-num-batched-tokens", str(max_num_batched_tokens), "--kv-cache-memory-bytes", str(kv_cache_bytes),
             "--gpu-memory-utilization", f"{gpu_memory_utilization:g}", "--dtype", "bfloat16",
             "--diffusion-config", json.dumps(diffusion_config(), separators=(",", ":")),
-            "--no-enable-prefix-caching"]
-    if not async_scheduling:
-        argv.append("--no-async-scheduling")
+            "--no-enable-prefix-caching", "--block-size", str(BLOCK_SIZE)]
+    argv.append("--async-scheduling" if async_scheduling else "--no-async-scheduling")  # explicit: vLLM's default
     if quant == "fp8":
         argv += ["--quantization", "fp8"]
     if enforce_eager:
         argv.append("--enforce-eager")
+    else:
+        sizes = cudagraph_capture_sizes(max_num_seqs, max_num_batched_tokens)
+        argv += ["--compilation-config", json.dumps({"cudagraph_capture_sizes": sizes}, separators=(",", ":"))]
     if trace_dir is not None:
         argv += ["--profiler-config", json.dumps(profiler_config(trace_dir), separators=(",", ":"))]
     if backend == "vllm":
@@ -1020,7 +1045,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--trace-dir", default=None, help="absolute folder for profiler traces (enables the profiler)")
     s.add_argument("--max-num-batched-tokens", type=int, default=16384)
     s.add_argument("--enforce-eager", action="store_true")
-    s.add_argument("--async-scheduling", action="store_true")
+    s.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                   help="vLLM's synchronous scheduling (default: asynchronous, vLLM's default)")
 
     for name, helptext in (("sweep", "vllm bench serve at each concurrency -> rows"),
                            ("profile", "torch-profile a short load, classify the trace")):

@@ -121,13 +121,19 @@ def test_server_command_of_each_side():
     for part in ("--load-format dummy", "--language-model-only", "--quantization fp8",
                  "--attention-backend TRITON_ATTN", "--max-num-seqs 16", f"--kv-cache-memory-bytes {8 << 30}",
                  "--gpu-memory-utilization 0.35",
-                 '--diffusion-config {"canvas_length":256,"max_denoising_steps":16}', "--no-async-scheduling",
+                 '--diffusion-config {"canvas_length":256,"max_denoising_steps":16}', "--block-size 64",
                  "--no-enable-prefix-caching", "--max-model-len 8192"):
         assert part in s, part
+    assert "--no-async-scheduling" not in s  # vLLM's default on both sides
+    graphs = json.loads(argv[argv.index("--compilation-config") + 1])["cudagraph_capture_sizes"]
+    assert graphs == [256 * k for k in range(1, 17)]
     prof = json.loads(argv[argv.index("--profiler-config") + 1])
     assert prof["profiler"] == "torch" and prof["torch_profiler_dir"] == "/tmp/tr" and prof["ignore_frontend"]
-    env, argv = bs.server_command("blockdiff-cute", "bf16", enforce_eager=True, async_scheduling=True, **kw)
+    env, argv = bs.server_command("blockdiff-cute", "bf16", enforce_eager=True, **kw)
     s = " ".join(argv)
+    assert "--compilation-config" not in s
+    _, sync = bs.server_command("blockdiff-triton", "bf16", async_scheduling=False, **kw)
+    assert "--no-async-scheduling" in sync and sync[-1].endswith(".BlockdiffDiffusionScheduler")
     assert env["BLOCKDIFF_ATTN_BACKEND"] == "cute" and env["VLLM_PLUGINS"] == "blockdiff"
     assert env["VLLM_USE_V2_MODEL_RUNNER"] == "1" and env["BLOCKDIFF_SAMPLER_BACKEND"] == "triton"
     assert "--attention-backend CUSTOM" in s and "BlockdiffDiffusionAsyncScheduler" in s
@@ -144,6 +150,18 @@ def test_server_command_of_each_side():
         bs.server_command("vllm", "int4", **kw)
     with pytest.raises(ValueError, match="trace_dir must be an absolute path"):
         bs.profiler_config("rel/dir")
+
+
+def test_cudagraph_capture_sizes_cover_every_canvas_count():
+    """Regression (first H200 serve): vLLM's default capture sizes stop at 512 tokens, so steps of 3+ canvases ran
+    without CUDA graphs. Sizes are canvas multiples up to max_num_seqs canvases, within the token budget."""
+    assert bs.cudagraph_capture_sizes(4, 16384) == [256, 512, 768, 1024]
+    big = bs.cudagraph_capture_sizes(64, 16384)
+    assert big[:16] == [256 * k for k in range(1, 17)] and big[-1] == 16384 and len(big) == 16 + 8 + 8
+    assert all(b % 256 == 0 for b in big) and big == sorted(set(big))
+    assert bs.cudagraph_capture_sizes(64, 4096)[-1] == 4096
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        bs.cudagraph_capture_sizes(0, 4096)
 
 
 def test_server_cmd_prints_a_shell_line(capsys):
@@ -175,7 +193,8 @@ def test_vllm_0_26_engine_arguments_accept_the_server_flags(monkeypatch):
         rest = argv[argv.index("serve") + 2:]
         ns = p.parse_args(["--model", "/tmp/dg26b", *rest])
         assert ns.load_format == "dummy" and ns.kv_cache_memory_bytes == 8 << 30 and ns.enable_prefix_caching is False
-        assert ns.quantization == "fp8" and ns.max_num_seqs == 16 and ns.async_scheduling is False
+        assert ns.quantization == "fp8" and ns.max_num_seqs == 16 and ns.async_scheduling is True
+        assert ns.block_size == 64 and ns.compilation_config.cudagraph_capture_sizes[-1] == 16 * 256
         dc = DiffusionConfig(**ns.diffusion_config)
         assert (dc.max_denoising_steps, dc.canvas_length) == (16, 256)
         assert ns.profiler_config.profiler == "torch" and ns.profiler_config.torch_profiler_dir == "/tmp/tr"
@@ -595,7 +614,9 @@ def test_vllm_0_26_builds_the_server_config(backend, model_dir):
     c = json.loads(line[0][len("CONFIG "):])
     assert c["arch"] == ["DiffusionGemmaForBlockDiffusion"] and c["max_model_len"] == 8192 and c["vocab"] == 262144
     assert c["quant"] == "fp8" and c["diffusion"] == [256, 16] and c["gen"] == [16, 16] and c["profiler"] == "torch"
-    assert c["kv_bytes"] == 8 << 30 and c["prefix_caching"] is False and c["v2"] and c["async"] is False
+    # async scheduling: asked for on the command line (test above); vLLM's CPU platform turns it off here, the GPU
+    # server logs "Asynchronous scheduling is enabled"
+    assert c["kv_bytes"] == 8 << 30 and c["prefix_caching"] is False and c["v2"]
     assert c["hma_off"] is False  # the sliding layers keep their window only (the memory arithmetic assumes it)
-    want = "None" if backend == "vllm" else "blockdiff.integration.vllm_scheduler.BlockdiffDiffusionScheduler"
+    want = "None" if backend == "vllm" else "blockdiff.integration.vllm_scheduler.BlockdiffDiffusionAsyncScheduler"
     assert c["scheduler"] == want

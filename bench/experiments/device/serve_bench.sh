@@ -53,8 +53,10 @@
 # blockdiff-cute (second argument cute): BLOCKDIFF_ATTN_BACKEND=cute refuses head size 512 (the 5 global layers;
 #   integration/vllm_attention.py MAX_HEAD_SIZE), so that server is expected to fail at start-up until cute serves
 #   hd 512; it runs on port +4 in place of blockdiff-triton.
-# Other switches: ENFORCE_EAGER=1 (both servers without CUDA graphs / compile), STOCK_ASYNC=1 (stock with vLLM's
-#   asynchronous scheduling; default off on both sides, as blockdiff runs), WAIT_S, SIDE_S, CONC (default 1,4,16,64).
+# Both sides run vLLM's asynchronous scheduling (its default; blockdiff's BlockdiffDiffusionAsyncScheduler), pages of
+#   64 tokens and CUDA graphs for every canvas count (bench_serve.server_command).
+# Other switches: ENFORCE_EAGER=1 (both servers without CUDA graphs / compile), ASYNC=0 (both with
+#   --no-async-scheduling), WAIT_S, SIDE_S, CONC (default 1,4,16,64).
 # CPU dry runs (tests/bench/experiments/test_serve_bench_sh.py): SERVE_BENCH_ENV=0 (do not source env.sh),
 #   SERVE_BENCH_DIR (work folder, default /tmp/serve_bench), PORT0 (first port), BENCH_CMD (stand-in client).
 set -u
@@ -96,7 +98,7 @@ start)
     set -- $(info $s); name=$s-$quant
     if alive $name; then echo "$name already running (pid $(cat $W/$name.pid))"; continue; fi
     extra=""; [ "${ENFORCE_EAGER:-0}" = 1 ] && extra="$extra --enforce-eager"
-    [ $s = vllm ] && [ "${STOCK_ASYNC:-0}" = 1 ] && extra="$extra --async-scheduling"
+    [ "${ASYNC:-1}" = 0 ] && extra="$extra --no-async-scheduling"
     cmd=$($BS server-cmd --backend $1 --quant $quant --model $MODEL --port $2 --max-num-seqs $3 --kv-cache-gib $4 \
           --gpu-memory-utilization $5 --trace-dir $W/trace_$name $extra) || exit 1
     echo "$cmd" > $W/$name.cmd
