@@ -56,7 +56,8 @@
 # Both sides run vLLM's asynchronous scheduling (its default; blockdiff's BlockdiffDiffusionAsyncScheduler), pages of
 #   64 tokens and CUDA graphs for every canvas count (bench_serve.server_command).
 # Other switches: ENFORCE_EAGER=1 (both servers without CUDA graphs / compile), ASYNC=0 (both with
-#   --no-async-scheduling), WAIT_S, SIDE_S, CONC (default 1,4,16,64).
+#   --no-async-scheduling), WAIT_S, SIDE_S, CONC (default 1,4,16,64), INTERLEAVE=1 (bench: one concurrency at a
+#   time on both sides, the whole phase within TOTAL_S, default 400 s).
 # CPU dry runs (tests/bench/experiments/test_serve_bench_sh.py): SERVE_BENCH_ENV=0 (do not source env.sh),
 #   SERVE_BENCH_DIR (work folder, default /tmp/serve_bench), PORT0 (first port), BENCH_CMD (stand-in client).
 set -u
@@ -122,6 +123,24 @@ wait)
     kvlines $s-$quant; done
   logtail; exit $rc ;;
 bench)
+  if [ "${INTERLEAVE:-0}" = 1 ]; then
+    # one concurrency at a time, both sides (so a lease that ends early still holds same-run pairs); each side's
+    # warm-up once, before its first run; prompts max(2C, 4) up to C = 16, C at 64; the whole phase within TOTAL_S
+    t0=$(date +%s); warmed=""
+    for c in $(echo ${CONC:-1,4,16,64} | tr , ' '); do
+      for s in $(order); do
+        set -- $(info $s); name=$s-$quant
+        if ! up $2; then echo "== $name not healthy: skipped c$c"; continue; fi
+        left=$(( ${TOTAL_S:-400} - ($(date +%s) - t0) )); [ $left -lt 25 ] && { echo "== out of time before $name c$c"; continue; }
+        warm=0; case " $warmed " in *" $s "*) ;; *) warm=$3; warmed="$warmed $s" ;; esac
+        k=2; [ $c -ge 64 ] && k=1
+        timeout $left $BS sweep --base-url http://127.0.0.1:$2 --model $MODEL --backend $1 --quant $quant \
+          --concurrency $c --max-num-seqs $3 $(pidarg $name) ${BC[@]+"${BC[@]}"} --warm-concurrency $warm \
+          --num-prompts-per-concurrency $k --min-prompts 4 --deadline-s $(( left - 10 )) \
+          --rows $OUT/serve_rows_$quant.jsonl --work-dir $W/runs_$name 2>&1 | grep -vE "^\s*$" | tail -4
+      done
+    done
+  else
   for s in $(order); do
     set -- $(info $s); name=$s-$quant
     if ! up $2; then echo "== $name not healthy: skipped"; kvlines $name 20; continue; fi
@@ -129,6 +148,7 @@ bench)
       --quant $quant --concurrency ${CONC:-1,4,16,64} --max-num-seqs $3 $(pidarg $name) ${BC[@]+"${BC[@]}"} \
       --deadline-s ${SIDE_S:-250} --rows $OUT/serve_rows_$quant.jsonl --work-dir $W/runs_$name 2>&1 | tail -30
   done
+  fi
   logtail
   [ -s $OUT/serve_rows_$quant.jsonl ] && $BS record $OUT/serve_rows_$quant.jsonl --out $W/record/serve-h200.json 2>&1 \
     | tail -20 ;;

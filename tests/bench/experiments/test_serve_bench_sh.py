@@ -80,3 +80,24 @@ def test_phases_against_fake_servers(tmp_path):
     assert "not healthy: skipped" in p.stdout
     assert _run("stop", env).returncode == 0
     assert _run("bench", env, "int4").returncode == 2
+
+
+def test_interleaved_bench_runs_one_concurrency_at_a_time_on_both_sides(tmp_path):
+    """INTERLEAVE=1: c1 on both sides, then c4 on both (a lease that ends early keeps same-run pairs); each side's
+    warm-up only before its first run; the record is built from the rows of the several sweeps."""
+    base = _two_free_ports()
+    work, out = tmp_path / "w", tmp_path / "out"
+    env = dict(os.environ, SERVE_BENCH_ENV="0", SERVE_BENCH_DIR=str(work), OUT=str(out), PORT0=str(base),
+               BENCH_CMD=f"{sys.executable} {REPO / 'tests' / 'bench' / 'fake_bench_serve.py'}", CONC="1,4",
+               INTERLEAVE="1", TOTAL_S="200", PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+               TMPDIR=str(tmp_path))
+    with _fake_server(base, work / "trace_vllm-fp8"), _fake_server(base + 1, work / "trace_blockdiff-triton-fp8"):
+        p = _run("bench", env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    lines = [json.loads(x) for x in (out / "serve_rows_fp8.jsonl").read_text().splitlines()]
+    rows = [x for x in lines if "env" not in x]
+    assert [(r["backend"], r["concurrency"]) for r in rows] == [("blockdiff-triton", 1), ("vllm", 1),
+                                                                ("blockdiff-triton", 4), ("vllm", 4)]
+    envs = [x["env"] for x in lines if "env" in x]
+    assert [e.get("warm_up", {}).get("concurrency") for e in envs] == [64, 16, None, None]
+    assert "goal c1_fp8_vs_vllm" in p.stdout
