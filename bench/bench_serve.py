@@ -235,11 +235,14 @@ def server_command(backend: str, quant: str, *, model: str, port: int, max_num_s
         argv += ["--compilation-config", json.dumps({"cudagraph_capture_sizes": sizes}, separators=(",", ":"))]
     if trace_dir is not None:
         argv += ["--profiler-config", json.dumps(profiler_config(trace_dir), separators=(",", ":"))]
+    # both sides: the caching allocator's expandable segments (the first co-hosted 26B run on the H200 had 13 GiB
+    # reserved but unallocated in blockdiff's server when a 15.75 GiB logits buffer did not fit)
+    alloc = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     if backend == "vllm":
-        env = {"VLLM_PLUGINS": "none"}
+        env = {"VLLM_PLUGINS": "none", **alloc}
         argv += ["--attention-backend", "TRITON_ATTN"]
     else:
-        env = {"VLLM_USE_V2_MODEL_RUNNER": "1", "VLLM_PLUGINS": "blockdiff",
+        env = {**alloc, "VLLM_USE_V2_MODEL_RUNNER": "1", "VLLM_PLUGINS": "blockdiff",
                "BLOCKDIFF_ATTN_BACKEND": backend.split("-", 1)[1], "BLOCKDIFF_SAMPLER_BACKEND": "triton"}
         sched = "BlockdiffDiffusionAsyncScheduler" if async_scheduling else "BlockdiffDiffusionScheduler"
         argv += ["--attention-backend", "CUSTOM", "--scheduler-cls", f"blockdiff.integration.vllm_scheduler.{sched}"]

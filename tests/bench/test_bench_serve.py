@@ -117,7 +117,7 @@ def test_server_command_of_each_side():
     kw = dict(model="/tmp/dg26b", port=8041, max_num_seqs=16, kv_cache_bytes=8 << 30, gpu_memory_utilization=0.35)
     env, argv = bs.server_command("vllm", "fp8", trace_dir="/tmp/tr", **kw)
     s = " ".join(argv)
-    assert env == {"VLLM_PLUGINS": "none"} and argv[1:5] == ["-m", "vllm.entrypoints.cli.main", "serve", "/tmp/dg26b"]
+    assert env == {"VLLM_PLUGINS": "none", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"} and argv[1:5] == ["-m", "vllm.entrypoints.cli.main", "serve", "/tmp/dg26b"]
     for part in ("--load-format dummy", "--language-model-only", "--quantization fp8",
                  "--attention-backend TRITON_ATTN", "--max-num-seqs 16", f"--kv-cache-memory-bytes {8 << 30}",
                  "--gpu-memory-utilization 0.35",

@@ -42,6 +42,10 @@
 #     step, while all 4096 prompt tokens sit in the sliding layers (16384-token steps hold 4 prompts). vLLM's start-up
 #     line "Maximum concurrency for 8,192 tokens per request" assumes 8192-token requests and a whole 16384-token step
 #     in every window: 4.65x for 8 GiB, 16.3x for 28 GiB; 4608-token requests fit ~23 and ~80.
+#   Measured (H200, 2026-12-02, docs/tuning.md 7.2): at 64 seqs blockdiff's server ran out of memory in vLLM's
+#     warm-up (a [16384, 262144] fp32 logits buffer, 15.75 GiB, with 80.75 GiB in use: 66.7 allocated, 13.1
+#     reserved-unallocated) beside stock's 50.5 GiB: the default is now 32 seqs with 16 GiB of KV, and both servers
+#     run with expandable segments. The estimate below for 64 seqs was ~15 GiB short.
 #   FP8: blockdiff 64 seqs: 26 + 4 + KV 28 (64 x 0.35 + 4 x 0.5 prefill, 2.5 spare) + 64 x 0.375 + 0.7 = 82.7;
 #        stock 16 seqs: 26 + 4 + KV 8 (16 x 0.35 + 2.4 spare) + 16 x 0.375 + 2.5 = 46.5   -> 129 of 139.8, the rest
 #        for stock's sampler tiles (it sizes them to what is free). Stock at 64 seqs would need 26 + 4 + 24 + 24 + 2.5
@@ -69,7 +73,7 @@ case $sides in both|blockdiff|vllm) ;; *) echo "sides must be both, blockdiff or
 W=${SERVE_BENCH_DIR:-/tmp/serve_bench}; OUT=${OUT:-$W/out}; mkdir -p $W $OUT
 MODEL=$W/dg26b; BS="python3 -m blockdiff.bench.bench_serve"
 if [ $quant = fp8 ]; then
-  BD_SEQS=${BD_SEQS:-64} BD_KV_GIB=${BD_KV_GIB:-28} BD_UTIL=${BD_UTIL:-0.60} STOCK_SEQS=${STOCK_SEQS:-16}
+  BD_SEQS=${BD_SEQS:-32} BD_KV_GIB=${BD_KV_GIB:-16} BD_UTIL=${BD_UTIL:-0.55} STOCK_SEQS=${STOCK_SEQS:-16}
   STOCK_KV_GIB=${STOCK_KV_GIB:-8} STOCK_UTIL=${STOCK_UTIL:-0.35} PORT0=${PORT0:-8041}
 else
   BD_SEQS=${BD_SEQS:-16} BD_KV_GIB=${BD_KV_GIB:-8} BD_UTIL=${BD_UTIL:-0.47} STOCK_SEQS=${STOCK_SEQS:-4}

@@ -70,7 +70,7 @@ def test_phases_against_fake_servers(tmp_path):
         assert [(r["backend"], r["concurrency"]) for r in rows] == [("blockdiff-triton", 1), ("blockdiff-triton", 4),
                                                                     ("vllm", 1), ("vllm", 4)]
         assert sum("env" in x for x in lines) == 2 and all(r["complete"] for r in rows)
-        assert [r["max_num_seqs"] for r in rows] == [64, 64, 16, 16]
+        assert [r["max_num_seqs"] for r in rows] == [32, 32, 16, 16]
         assert "goal c1_fp8_vs_vllm" in p.stdout  # the provisional record's goals, printed last
         p = _run("profile", env, "fp8", "triton", "vllm")
         assert p.returncode == 0, p.stdout + p.stderr
@@ -99,5 +99,5 @@ def test_interleaved_bench_runs_one_concurrency_at_a_time_on_both_sides(tmp_path
     assert [(r["backend"], r["concurrency"]) for r in rows] == [("blockdiff-triton", 1), ("vllm", 1),
                                                                 ("blockdiff-triton", 4), ("vllm", 4)]
     envs = [x["env"] for x in lines if "env" in x]
-    assert [e.get("warm_up", {}).get("concurrency") for e in envs] == [64, 16, None, None]
+    assert [e.get("warm_up", {}).get("concurrency") for e in envs] == [32, 16, None, None]
     assert "goal c1_fp8_vs_vllm" in p.stdout
