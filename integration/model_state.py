@@ -123,6 +123,13 @@ def request_key(req_id: str) -> int:
 #: with that ``req_id`` (and the same seed), so a greedy served request can equal the harness's token for token.
 VLLM_RNG_REQUEST_ID = "rng_request_id"
 
+#: Request-id prefixes of the dummy requests vLLM's model runner v2 sends at start-up (``v1/worker/gpu/warmup.py``
+#: in vLLM 0.26: ``_warmup_<i>_`` with ``SamplingParams.for_sampler_warmup()``, which sets penalties, top-k / top-p,
+#: logprobs and a logit bias to warm vLLM's sampler kernels; ``_v2_mixed_warmup_*``). Under vLLM such a request runs
+#: with the served default parameters, so the start-up warm-up runs blockdiff's sampler on real rows (instead of
+#: failing every request on options a user request may not set).
+VLLM_WARMUP_REQ_PREFIXES = ("_warmup_", "_v2_mixed_warmup")
+
 
 def rng_request_id(sampling_params: Any, req_id: str) -> str:
     """The id whose :func:`request_key` keys a request's noise: ``extra_args["rng_request_id"]`` of a vLLM
@@ -470,9 +477,13 @@ class DiffusionModelState(_Base):
                 raise ValueError(f"request {req_id!r}: prefill_token_ids ({len(prefill)} tokens) must be the prompt "
                                  f"({len(prompt)} tokens) followed by the tokens already generated")
         CL = self.canvas_length
+        warmup = self.mode == "vllm" and isinstance(req_id, str) and req_id.startswith(VLLM_WARMUP_REQ_PREFIXES)
         try:
-            params = to_diffusion_params(new_req_data.sampling_params, self.default_params, canvas_length=CL)
-            rng_id = rng_request_id(new_req_data.sampling_params, req_id)
+            if warmup:  # vLLM's start-up dummy: the served defaults (VLLM_WARMUP_REQ_PREFIXES)
+                params, rng_id = self.default_params, req_id
+            else:
+                params = to_diffusion_params(new_req_data.sampling_params, self.default_params, canvas_length=CL)
+                rng_id = rng_request_id(new_req_data.sampling_params, req_id)
             self.reserve_stop_token_ids(len(params.eos_token_ids))
             self.state.check_params(params)
             failed = None

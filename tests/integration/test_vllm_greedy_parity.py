@@ -42,7 +42,7 @@ from blockdiff.model import DiffusionGemmaConfig
 from blockdiff.model.export import export_hf
 from blockdiff.model.generation import load_generation_config
 from blockdiff.model.pretrained import load_pretrained, shipped_checkpoint_dir
-from blockdiff.sampler import FAILED, SamplingParams
+from blockdiff.sampler import FAILED, PREFILL, SamplingParams
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 
@@ -305,6 +305,30 @@ def test_vllm_mode_refuses_a_bad_rng_request_id_as_a_failed_request(served, samp
     ms.mode = "vllm"
     ms.add_request(0, NS(req_id="a", prompt_token_ids=[5, 6], sampling_params=sp))
     assert ms.state.phase[0].item() == FAILED and "rng_request_id" in ms.failed_reasons["a"]
+
+
+def test_vllm_start_up_warmup_requests_run_with_the_served_defaults(served, sampler_output_class):
+    """Regression (26B serve on the H200): vLLM 0.26's start-up warm-up sends requests ``_warmup_<i>_`` with
+    ``SamplingParams.for_sampler_warmup()`` (penalties, top-k, logprobs, logit bias); each was refused and failed
+    with a warning. Under vLLM they now run with the served defaults; a user request with those options still fails,
+    and the harness still raises."""
+    model, _ = served
+    defaults = SamplingParams(canvas_length=32, max_denoising_steps=5)
+    ms = DiffusionModelState.for_harness(model, max_num_reqs=3, max_num_tokens=64, canvas_length=32, device="cpu",
+                                         default_params=defaults)
+    sp = vllm_sampling_params({}, 64, 1)
+    sp.top_k, sp.presence_penalty = 50, 0.5
+    ms.mode = "vllm"
+    ms.add_request(0, NS(req_id="_warmup_0_", prompt_token_ids=[5, 6], sampling_params=sp))
+    ms.add_request(1, NS(req_id="_v2_mixed_warmup_decode_", prompt_token_ids=[5, 6], sampling_params=sp))
+    ms.add_request(2, NS(req_id="user", prompt_token_ids=[5, 6], sampling_params=sp))
+    assert ms.state.phase[:2].tolist() == [PREFILL, PREFILL] and not {"_warmup_0_", "_v2_mixed_warmup_decode_"} & set(
+        ms.failed_reasons)
+    assert ms.state.max_denoising_steps[0].item() == 5 and ms.state.phase[2].item() == FAILED
+    ms.mode = "harness"
+    ms.remove_request("_warmup_0_")
+    with pytest.raises(ValueError, match="top_k"):
+        ms.add_request(0, NS(req_id="_warmup_0_", prompt_token_ids=[5, 6], sampling_params=sp))
 
 
 @needs_stack
