@@ -243,17 +243,14 @@ def test_vllm_026_greedy_equals_the_harness_token_for_token(export_dir, served, 
 
 @needs_stack
 @pytest.mark.slow
-@pytest.mark.parametrize("cause", ["vllm_request_id", "symmetric_window"])
-def test_vllm_026_greedy_differs_under_either_first_serve_behaviour(export_dir, served, sampler_output_class,
-                                                                    cause):
+def test_vllm_026_greedy_differs_when_keyed_by_vllms_request_ids(export_dir, served, sampler_output_class):
     """The first H200 serve's result, reproduced: keyed by vLLM's request ids, every output differs from the
-    harness's within its first canvas; with the symmetric window alone, some outputs differ."""
-    if cause == "vllm_request_id":
-        diff = replay_vs_harness(export_dir, served, rng_request_ids=False)
-        assert all(d["first_diff_token"] is not None and d["first_diff_token"] < 32 for d in diff.values()), diff
-    else:
-        diff = replay_vs_harness(export_dir, served, bidirectional_window="symmetric")
-        assert not all(d["equal"] for d in diff.values()), diff
+    harness's within its first canvas. (The other cause, the symmetric window, changes the shipped model's logits,
+    test_window_rule_of_the_export_is_prefix_and_changes_the_shipped_models_logits; whether that flips a greedy
+    token of the demo prompts depends on rounding: it did with one attention reference and not with another, on
+    the same machine, so greedy outputs are not asserted for it.)"""
+    diff = replay_vs_harness(export_dir, served, rng_request_ids=False)
+    assert all(d["first_diff_token"] is not None and d["first_diff_token"] < 32 for d in diff.values()), diff
 
 
 @needs_stack
