@@ -161,7 +161,7 @@ def attention_cute(
     return _run(fa, q, k_cache, v_cache, out=out, return_lse=return_lse, cu_seqlens_q=cu_seqlens_q,
                 num_causal_q=info.num_causal_q, seq_lens=info.seq_lens,
                 block_table=block_table if info.paged else None, cu_seqlens_k=cu_seqlens_k,
-                window_size=window_size, bidirectional_window=bidirectional_window, scale=info.scale,
+                window_size=info.window_size, bidirectional_window=bidirectional_window, scale=info.scale,
                 arch=arch, config=config, max_seqlen_q=max_seqlen_q)
 
 
