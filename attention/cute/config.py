@@ -14,7 +14,8 @@ from dataclasses import dataclass
 __all__ = [
     "REQUIRED", "CuteConfig", "resolve_config", "check_config_fits", "config_smem_bytes", "SMEM_LIMIT_BYTES",
     "LONG_PREFILL_Q", "LONG_PREFILL_CONFIG", "HD128_CONFIG", "LPT_MIN_SEQLEN_Q", "longest_first_tiles",
-    "page_box_tma_ok", "kv_load_path",
+    "page_box_tma_ok", "kv_load_path", "MAX_HEAD_DIM", "WIDE_MIN_HEAD_DIM_V", "WIDE_CONFIG", "is_wide",
+    "unsupported_head_dims", "resolve_wide_config", "WIDE_MAX_PAGE_BOXES",
 ]
 
 #: The optional packages this backend runs on (the ``cute`` extra of setup.py).
@@ -63,11 +64,46 @@ def longest_first_tiles(max_seqlen_q: int | None) -> bool:
 #: Largest dynamic shared memory one block may use on SM90 (H100 / H200: 227 KB).
 SMEM_LIMIT_BYTES = 232448
 
+#: Largest head dim of the backend. Value head dims from WIDE_MIN_HEAD_DIM_V on run the split-value kernel
+#: (kernel_wide.py): one warpgroup cannot hold a 64 x 512 fp32 output tile (256 registers a thread), so two
+#: consumer warpgroups own half of the value columns each (docs/tuning.md, section 2.1).
+MAX_HEAD_DIM = 512
+WIDE_MIN_HEAD_DIM_V = 257
+#: Split-value tiles: 64 query rows (one wgmma M block per consumer warpgroup); 32-key blocks, because two K/V
+#: stages of them fit beside Q in 227 KB (a 64-key block fits one stage only, which serialises load and MMA).
+WIDE_CONFIG = dict(tile_m=64, tile_n=32, num_stages=2)
+#: P slots and fp32 row-factor slots (2 + the final one, 2 rows x 128 threads each) of the split-value kernel.
+_WIDE_P_SLOTS, _WIDE_SCALE_BYTES = 2, 3 * 2 * 128 * 4
+
+
+def is_wide(head_dim: int, head_dim_v: int) -> bool:
+    """Whether a call runs the split-value kernel (either head dim above FA4 SM90's 256)."""
+    return head_dim > 256 or head_dim_v > 256
+
+
+def unsupported_head_dims(head_dim: int, head_dim_v: int) -> str | None:
+    """Why the backend cannot run these head dims (None: it can). FA4's kernel takes 8..256 (multiples of 8);
+    the split-value kernel equal head dims in (256, 512], multiples of 32 (two 16-aligned halves of V)."""
+    if not is_wide(head_dim, head_dim_v):
+        for name, d in (("head_dim", head_dim), ("head_dim_v", head_dim_v)):
+            if not (8 <= d and d % 8 == 0):
+                return f"{name} must be a multiple of 8 in [8, 256] (FA4 SM90), got {d}"
+        return None
+    if head_dim != head_dim_v or not (256 < head_dim <= MAX_HEAD_DIM and head_dim % 32 == 0):
+        return ("head dims above 256 run the split-value kernel, which needs head_dim == head_dim_v, a multiple "
+                f"of 32 in (256, {MAX_HEAD_DIM}]; got head_dim {head_dim}, head_dim_v {head_dim_v}")
+    return None
+
 
 def config_smem_bytes(cfg: CuteConfig, head_dim: int, head_dim_v: int) -> int:
     """Shared memory (bytes) of a resolved config in FA4's SM90 forward: Q (the output tile reuses it) +
     ``num_stages`` x (K + V) tiles + P when it goes through shared memory (not ``mma_pv_is_rs``), 2-byte
-    elements, plus 1 KB for barriers and alignment (FA4's sm90_config_search rule, with num_stages)."""
+    elements, plus 1 KB for barriers and alignment (FA4's sm90_config_search rule, with num_stages). The
+    split-value kernel (:func:`is_wide`) has two P slots and 3 KB of fp32 row factors."""
+    if is_wide(head_dim, head_dim_v):
+        p_tiles = _WIDE_P_SLOTS * cfg.tile_m * cfg.tile_n
+        return (2 * (cfg.tile_m * head_dim + cfg.num_stages * cfg.tile_n * (head_dim + head_dim_v) + p_tiles)
+                + _WIDE_SCALE_BYTES + 1024)
     p_tile = 0 if cfg.mma_pv_is_rs else cfg.tile_m * cfg.tile_n
     return 2 * (cfg.tile_m * head_dim + cfg.num_stages * cfg.tile_n * (head_dim + head_dim_v) + p_tile) + 1024
 
@@ -103,11 +139,16 @@ def resolve_config(head_dim: int, head_dim_v: int, window_size, config=None, max
     Any upper bound gives correct results, but a static capacity >= 512 gives canvas batches the long-prefill
     choices: pass the step's true maximum query length. Explicit ``config`` fields always win.
 
+    Head dims above 256 (:func:`is_wide`) resolve through :func:`resolve_wide_config` (no flash-attn-4 needed).
+
     Raises:
-        ValueError: the resolved tiles do not fit SM90 shared memory (:func:`check_config_fits`).
+        ValueError: the resolved tiles do not fit SM90 shared memory (:func:`check_config_fits`), or a
+            split-value config field outside what that kernel takes.
         TypeError: ``config`` is not a CuteConfig, a dict or None.
         ImportError: flash-attn-4 is not installed (its heuristic gives the unset fields).
     """
+    if is_wide(head_dim, head_dim_v):
+        return resolve_wide_config(head_dim, head_dim_v, config, max_seqlen_q)
     if config is None:
         config = CuteConfig()
         if (head_dim == head_dim_v == 128 and window_size is None and max_seqlen_q is not None
@@ -132,6 +173,49 @@ def resolve_config(head_dim: int, head_dim_v: int, window_size, config=None, max
     return resolved
 
 
+def resolve_wide_config(head_dim: int, head_dim_v: int, config=None, max_seqlen_q: int | None = None
+                        ) -> CuteConfig:
+    """Tile shape of the split-value kernel (head dims above 256): :data:`WIDE_CONFIG` unless overridden.
+
+    ``tile_m`` must be 64 and ``tile_n`` a multiple of 16; ``mma_pv_is_rs`` / ``intra_wg_overlap`` are fixed
+    by the kernel (WG0 keeps P in registers, WG1 reads it from shared memory; overlap on) and resolve to
+    False / True (an explicit other value is a ValueError). ``lpt`` as :func:`resolve_config`. A dict without
+    ``num_stages`` gets the most stages that fit (a 64-key block fits one).
+
+    Raises:
+        TypeError: ``config`` is not a CuteConfig, a dict or None.
+        ValueError: a field outside the above, or the tiles do not fit SM90 shared memory.
+    """
+    if config is None:
+        config = CuteConfig(**WIDE_CONFIG)
+    elif isinstance(config, dict):
+        fields_ = {**WIDE_CONFIG, **config}
+        if "num_stages" not in config:  # the most K/V stages that fit (2 at 32-key blocks, 1 at 64)
+            fields_["num_stages"] = max(
+                [1] + [s for s in (1, 2) if config_smem_bytes(CuteConfig(**{**fields_, "num_stages": s}),
+                                                               head_dim, head_dim_v) <= SMEM_LIMIT_BYTES])
+        config = CuteConfig(**fields_)
+    elif not isinstance(config, CuteConfig):
+        raise TypeError(f"config must be a CuteConfig, a dict or None, got {type(config).__name__}")
+    tile_m = config.tile_m or WIDE_CONFIG["tile_m"]
+    tile_n = config.tile_n or WIDE_CONFIG["tile_n"]
+    if tile_m != 64:
+        raise ValueError(f"config tile_m must be 64 for head dims above 256 (one wgmma row block per consumer "
+                         f"warpgroup), got {tile_m}")
+    if tile_n % 16 != 0 or tile_n <= 0:
+        raise ValueError(f"config tile_n must be a positive multiple of 16 for head dims above 256, got {tile_n}")
+    if config.mma_pv_is_rs not in (None, False) or config.intra_wg_overlap not in (None, True):
+        raise ValueError("config mma_pv_is_rs / intra_wg_overlap are fixed by the split-value kernel (head dims "
+                         f"above 256): leave them None, got {config.mma_pv_is_rs} / {config.intra_wg_overlap}")
+    if config.num_stages < 1:
+        raise ValueError(f"config num_stages must be >= 1, got {config.num_stages}")
+    resolved = CuteConfig(tile_m=tile_m, tile_n=tile_n, mma_pv_is_rs=False, intra_wg_overlap=True,
+                          num_stages=config.num_stages,
+                          lpt=longest_first_tiles(max_seqlen_q) if config.lpt is None else bool(config.lpt))
+    check_config_fits(resolved, head_dim, head_dim_v)
+    return resolved
+
+
 def page_box_tma_ok(page_size: int, tile_n: int) -> bool:
     """Whether paged K/V with ``page_size``-token pages load by TMA in boxes of ``min(page_size, tile_n)`` rows.
 
@@ -141,15 +225,25 @@ def page_box_tma_ok(page_size: int, tile_n: int) -> bool:
     return page_size % 8 == 0 and (tile_n % page_size == 0 or page_size % tile_n == 0)
 
 
-def kv_load_path(page_size: int | None, tile_n: int) -> str:
+#: Page boxes per K / V stage the split-value kernel's producer takes (2 x 8 TMA copies of 64 columns at hd 512;
+#: more spill its registers): smaller pages load by cp.async there.
+WIDE_MAX_PAGE_BOXES = 2
+
+
+def kv_load_path(page_size: int | None, tile_n: int, max_boxes: int | None = None) -> str:
     """How the kernel loads K/V: ``"tma"`` (contiguous K/V, FA4's producer), ``"tma_boxes"`` (paged, our
     producer: one TMA box per page slice, ``tile_n // page_size`` boxes per K/V stage, one box when
     ``page_size == tile_n``, one box per ``tile_n`` rows of a larger page; V rows past a sequence's last key
     zeroed) or ``"cp.async"`` (FA4's paged fallback, per-row page lookups, zero-filled past the last key).
+
+    ``max_boxes`` (None: any) caps the boxes per stage (``tile_n // page_size``); pages smaller than
+    ``tile_n // max_boxes`` go to cp.async (the split-value kernel: :data:`WIDE_MAX_PAGE_BOXES`).
 
     Rationale: FA4's own paged TMA path needs ``page_size == tile_n``, and its cp.async path is markedly slower
     than contiguous loads on hd-128 canvases; page-sized boxes bring paged loads to contiguous speed.
     """
     if page_size is None:
         return "tma"
+    if max_boxes is not None and page_size * max_boxes < tile_n:
+        return "cp.async"
     return "tma_boxes" if page_box_tma_ok(page_size, tile_n) else "cp.async"

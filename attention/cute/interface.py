@@ -4,7 +4,9 @@ One launch serves a mixed serving batch: per-sequence causal row counts (``causa
 from a device tensor by every work tile), sliding windows (one-sided for causal rows; symmetric or prefix for
 bidirectional rows), paged (any page size; TMA loads when the page size is a multiple of 8 that divides
 the key tile or is a multiple of it, see :func:`blockdiff.attention.cute.config.kv_load_path`) or contiguous KV,
-GQA (FA4's PackGQA), head_dim up to 256 (128 and 256 are the tested ones). Tile skipping follows each tile's
+GQA (FA4's PackGQA), head_dim up to 256 on FA4's kernel (128 and 256 are the tested ones) and equal head dims in
+(256, 512] (multiples of 32; Gemma 4's global layers: 512) on the split-value kernel
+(:class:`blockdiff.attention.cute.kernel_wide.FlashAttentionForwardSm90WideV`). Tile skipping follows each tile's
 allowed key range in both directions (:func:`blockdiff.attention.cute.blocks.tile_plan` mirrors it on the host).
 Semantics: docs/ARCHITECTURE.md "The attention contract"; the kernel is
 :class:`blockdiff.attention.cute.kernel.FlashAttentionForwardSm90Mixed` (FA4's kernel, tile scheduler,
@@ -27,7 +29,8 @@ import os
 import torch
 
 from ..validate import check_attention_inputs
-from .config import REQUIRED, kv_load_path, resolve_config
+from .config import (REQUIRED, WIDE_MAX_PAGE_BOXES, is_wide, kv_load_path, resolve_config,
+                     unsupported_head_dims)
 # re-exported for bench/, which imports them from this module (their home is config.py / blocks.py)
 from .blocks import tile_plan  # noqa: F401
 from .config import SMEM_LIMIT_BYTES, CuteConfig, config_smem_bytes  # noqa: F401
@@ -61,12 +64,14 @@ def _fa4():
         from flash_attn.cute.utils import AuxData
 
         from .kernel import FlashAttentionForwardSm90Mixed
+        from .kernel_wide import FlashAttentionForwardSm90WideV
     except ImportError as e:
         raise ImportError(
             f"attention backend 'cute' needs {REQUIRED}; importing them failed (wrong versions?): {e}") from e
     dtypes = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
     _FA4 = dict(cutlass=cutlass, cute=cute, to_cute_tensor=to_cute_tensor, maybe_contiguous=maybe_contiguous,
-                is_fake_mode=is_fake_mode, AuxData=AuxData, Kernel=FlashAttentionForwardSm90Mixed, dtypes=dtypes)
+                is_fake_mode=is_fake_mode, AuxData=AuxData, Kernel=FlashAttentionForwardSm90Mixed,
+                KernelWide=FlashAttentionForwardSm90WideV, dtypes=dtypes)
     return _FA4
 
 
@@ -134,8 +139,9 @@ def attention_cute(
         ImportError: flash-attn-4 / nvidia-cutlass-dsl missing (the message names them).
         TypeError, ValueError: contract violations (see :mod:`blockdiff.attention.validate`); tensors not on
             a CUDA device.
-        NotImplementedError: valid input outside this backend: dtype other than bf16/fp16, head_dim outside
-            FA4 SM90's range (8..256, multiple of 8; e.g. Gemma's global layers, hd 512), a GPU other than SM90.
+        NotImplementedError: valid input outside this backend: dtype other than bf16/fp16, head dims outside
+            8..256 (multiples of 8) and outside equal multiples of 32 in (256, 512]
+            (:func:`~blockdiff.attention.cute.config.unsupported_head_dims`), a GPU other than SM90.
     """
     info = check_attention_inputs(
         q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens, causal=causal,
@@ -146,10 +152,9 @@ def attention_cute(
     # Valid inputs this backend does not cover raise NotImplementedError (benchmarks record a skip).
     if q.dtype not in SUPPORTED_DTYPES:
         raise NotImplementedError(f"backend 'cute' (FA4 SM90) runs bf16/fp16 only, got {q.dtype}")
-    for name, d in (("head_dim", info.head_dim), ("head_dim_v", info.head_dim_v)):
-        if not (8 <= d <= 256 and d % 8 == 0):
-            raise NotImplementedError(
-                f"backend 'cute' (FA4 SM90) supports {name} in [8, 256], a multiple of 8; got {d}")
+    why = unsupported_head_dims(info.head_dim, info.head_dim_v)
+    if why is not None:
+        raise NotImplementedError(f"backend 'cute': {why}")
     fa = _fa4()
     if q.device.type != "cuda":
         raise ValueError(f"backend 'cute' needs CUDA tensors, got q on {q.device}")
@@ -193,7 +198,8 @@ def _run(fa, q, k_cache, v_cache, *, out, return_lse, cu_seqlens_q, num_causal_q
         page_table = mc(block_table.to(torch.int32), align_bytes=4)
         seqused_k = seq_lens.to(torch.int32).contiguous()
         cu_k = None
-        kv_path = kv_load_path(k_cache.shape[1], cfg.tile_n)
+        kv_path = kv_load_path(k_cache.shape[1], cfg.tile_n,
+                               WIDE_MAX_PAGE_BOXES if is_wide(head_dim, head_dim_v) else None)
         paged_kv_non_tma = kv_path == "cp.async"
         kv_page_size = k_cache.shape[1] if kv_path == "tma_boxes" else None
     else:
@@ -225,7 +231,8 @@ def _compile(fa, key, q, k, v, out, lse, scale, cu_q, cu_k, seqused_k, page_tabl
     (dtype, head_dim, head_dim_v, qhead_per_kvhead, pack_gqa, cfg, paged, paged_kv_non_tma, kv_page_size,
      has_window, prefix, return_lse, arch) = key
     cute, tct = fa["cute"], fa["to_cute_tensor"]
-    kernel = fa["Kernel"](
+    kernel_cls = fa["KernelWide"] if is_wide(head_dim, head_dim_v) else fa["Kernel"]
+    kernel = kernel_cls(
         fa["dtypes"][dtype],
         head_dim,
         head_dim_v,
@@ -266,7 +273,8 @@ def compile_only(head_dim: int = 128, num_heads: int = 16, num_kv_heads: int = 8
                  config=None, max_seqlen_q: int | None = None):
     """Compile the kernel for one static configuration without a GPU (FA4's fake-tensor route).
 
-    The batch is 2 sequences of 256 query tokens; ``max_seqlen_q`` is the host hint of :func:`attention_cute`
+    The batch is 2 sequences of 256 query tokens (head dims above 256 compile the split-value kernel);
+    ``max_seqlen_q`` is the host hint of :func:`attention_cute`
     (default: total tokens, 512: longest-first order; 256: the canvas tiles and plain order).
 
     Sets FA4's CPU-compile variables when unset (FLASH_ATTENTION_ARCH=sm_90, CUTE_DSL_ARCH=sm_90a,

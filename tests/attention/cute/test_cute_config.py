@@ -57,3 +57,64 @@ def test_resolve_config_rejects_bad_config_types_and_names_the_missing_package(m
 def test_page_boxes_need_multiples_of_8_rows_that_tile_the_key_tile():
     assert cc.page_box_tma_ok(64, 128) and cc.page_box_tma_ok(256, 128) and cc.page_box_tma_ok(128, 128)
     assert not cc.page_box_tma_ok(4, 128) and not cc.page_box_tma_ok(48, 128) and not cc.page_box_tma_ok(64, 80)
+
+
+# ----------------------------------------------------------------------------- head dims above 256 (kernel_wide)
+def test_head_dims_above_256_take_the_split_value_kernel_with_equal_multiples_of_32():
+    """FA4's kernel covers 8..256 (multiples of 8); above that only equal head dims that split into two
+    16-aligned value halves of <= 256 run (Gemma 4's global layers: 512)."""
+    assert not cc.is_wide(256, 256) and cc.is_wide(512, 512) and cc.is_wide(128, 512)
+    assert cc.unsupported_head_dims(128, 128) is None and cc.unsupported_head_dims(256, 256) is None
+    assert cc.unsupported_head_dims(512, 512) is None and cc.unsupported_head_dims(384, 384) is None
+    for hd, hdv in ((12, 12), (576, 576), (512, 256), (256, 512), (320 + 16, 320 + 16), (1024, 1024)):
+        assert cc.unsupported_head_dims(hd, hdv) is not None, (hd, hdv)
+    assert "head_dim" in cc.unsupported_head_dims(12, 12)
+
+
+def test_wide_config_resolves_without_flash_attn(monkeypatch):
+    """The split-value tiles come from this module alone (no FA4 heuristic): 64 x 32 with two K/V stages by
+    default; a dict asking for 64-key blocks gets the one stage that fits; lpt follows the query-length hint."""
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", None)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", None)
+    cfg = cc.resolve_config(512, 512, None, None, max_seqlen_q=256)
+    assert (cfg.tile_m, cfg.tile_n, cfg.num_stages, cfg.lpt) == (64, 32, 2, False)
+    assert (cfg.mma_pv_is_rs, cfg.intra_wg_overlap) == (False, True)
+    cfg64 = cc.resolve_config(512, 512, 1023, dict(tile_n=64), max_seqlen_q=4096)
+    assert (cfg64.tile_n, cfg64.num_stages, cfg64.lpt) == (64, 1, True)
+    assert cc.resolve_config(512, 512, None, cc.CuteConfig(tile_m=64, tile_n=16, num_stages=3)).num_stages == 3
+
+
+def test_wide_shared_memory_arithmetic():
+    """Q 64 KB + stages x (K + V) + two P slots + 3 KB of row factors + 1 KB (equal to the CuTe DSL's
+    allocation for these tiles, checked by the compile test): 32-key blocks fit twice, 64-key blocks once."""
+    c32 = cc.CuteConfig(tile_m=64, tile_n=32, mma_pv_is_rs=False, intra_wg_overlap=True, num_stages=2)
+    c64 = cc.CuteConfig(tile_m=64, tile_n=64, mma_pv_is_rs=False, intra_wg_overlap=True, num_stages=1)
+    assert cc.config_smem_bytes(c32, 512, 512) == 2 * (64 * 512 + 2 * 32 * 1024 + 2 * 64 * 32) + 3072 + 1024
+    assert cc.config_smem_bytes(c32, 512, 512) == 208896
+    assert cc.config_smem_bytes(c64, 512, 512) == 217088
+    cc.check_config_fits(c64, 512, 512)
+    with pytest.raises(ValueError, match="num_stages"):
+        cc.check_config_fits(cc.CuteConfig(tile_m=64, tile_n=64, num_stages=2), 512, 512)
+
+
+@pytest.mark.parametrize("config,match", [
+    (dict(tile_m=128), "tile_m"), (dict(tile_n=40), "tile_n"), (dict(mma_pv_is_rs=True), "mma_pv_is_rs"),
+    (dict(intra_wg_overlap=False), "intra_wg_overlap"), (dict(tile_n=64, num_stages=2), "shared memory"),
+    (dict(num_stages=0), "num_stages"),
+])
+def test_wide_config_errors_name_the_field(config, match):
+    with pytest.raises(ValueError, match=match):
+        cc.resolve_config(512, 512, None, config)
+    with pytest.raises(TypeError, match="CuteConfig"):
+        cc.resolve_wide_config(512, 512, [64, 32])
+
+
+@pytest.mark.parametrize("page,tile_n,path", [
+    (64, 32, "tma_boxes"), (16, 32, "tma_boxes"), (8, 32, "cp.async"), (32, 64, "tma_boxes"), (16, 64, "cp.async"),
+    (256, 32, "tma_boxes"), (48, 32, "cp.async"), (None, 32, "tma"),
+])
+def test_split_value_kernel_takes_at_most_two_page_boxes_per_stage(page, tile_n, path):
+    """At hd 512 each page box is eight 64-column TMA copies; the producer's registers hold two boxes' worth."""
+    assert cc.kv_load_path(page, tile_n, cc.WIDE_MAX_PAGE_BOXES) == path
+    assert cc.kv_load_path(8, 32) == "tma_boxes"  # no cap for the other kernels
