@@ -348,6 +348,19 @@ def triton_launch() -> dict:
             "launch_config": {k: cfg[k] for k in keys if k in cfg}}
 
 
+def cute_launch() -> dict:
+    """What the cute backend's last call ran (its ``LAST_LAUNCH``): the kernel class, the split count and the
+    resolved tiles, so that a row names its kernel (the split-value kernel at hd 512, split-KV)."""
+    from blockdiff.attention.cute import interface as CA  # the cute backend module (imports no CuTe DSL itself)
+
+    ll = CA.LAST_LAUNCH
+    cfg = ll.get("config")
+    return {"impl": ll.get("kernel"), "num_splits": None if cfg is None else cfg.num_splits,
+            "kv_path": ll.get("kv_path"),
+            "launch_config": None if cfg is None else {k: getattr(cfg, k) for k in
+                                                       ("tile_m", "tile_n", "num_stages", "lpt")}}
+
+
 def measure(batch: wl.Batch, backend: str, maker: Callable, args, gold: torch.Tensor, base_err: float,
             extra: dict | None = None) -> dict:
     w = batch.workload
@@ -374,6 +387,8 @@ def measure(batch: wl.Batch, backend: str, maker: Callable, args, gold: torch.Te
         first_ms = (time.perf_counter() - t0) * 1e3
         if backend == "triton":
             row.update(triton_launch())
+        elif backend == "cute":
+            row.update(cute_launch())
         out = to_packed(raw)
         del raw
         finite = bool(torch.isfinite(out).all())

@@ -27,19 +27,29 @@ import tempfile
 __all__ = ["compile_for_sm90", "parse_ptxas_report", "sass_spills_by_role", "SPEC_KEYS", "WIDE_MATRIX",
            "wide_report"]
 
+#: Part of the name of every attention kernel of this backend (FA4's class name prefix; the combine kernel of a
+#: split-KV configuration is ``FlashAttentionForwardCombine``).
+_ATTENTION_KERNEL = "FlashAttentionForwardSm90"
+
 #: The keyword arguments of :func:`.interface.compile_only` a spec may set.
 SPEC_KEYS = ("head_dim", "num_heads", "num_kv_heads", "page_size", "window_size", "bidirectional_window",
-             "return_lse", "config", "max_seqlen_q")
+             "return_lse", "config", "max_seqlen_q", "max_seqlen_k")
 
 
-def parse_ptxas_report(text: str) -> dict:
-    """Registers, stack frame and spill bytes from ``ptxas -v`` lines (the last kernel reported wins).
+def parse_ptxas_report(text: str, kernel_substring: str | None = None) -> dict:
+    """Registers, stack frame and spill bytes from ``ptxas -v`` lines.
 
-    Returns ``{"registers", "stack_bytes", "spill_store_bytes", "spill_load_bytes"}`` (None where absent)."""
+    ``kernel_substring``: take the report of the first entry function whose name contains it (None: the last
+    one reported). Returns ``{"registers", "stack_bytes", "spill_store_bytes", "spill_load_bytes"}`` (None
+    where absent)."""
+    sections = re.split(r"Compiling entry function\s+'", text)[1:] or [text]
+    if kernel_substring is not None:
+        sections = [sec for sec in sections if kernel_substring in sec.split("'", 1)[0]][:1] or [""]
+    sec = sections[-1]
     out = dict(registers=None, stack_bytes=None, spill_store_bytes=None, spill_load_bytes=None)
-    for m in re.finditer(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", text):
+    for m in re.finditer(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", sec):
         out.update(stack_bytes=int(m.group(1)), spill_store_bytes=int(m.group(2)), spill_load_bytes=int(m.group(3)))
-    for m in re.finditer(r"Used (\d+) registers", text):
+    for m in re.finditer(r"Used (\d+) registers", sec):
         out["registers"] = int(m.group(1))
     return out
 
@@ -87,7 +97,8 @@ def compile_for_sm90(timeout: float = 900, **spec) -> dict:
 
     Returns:
         ``{"kernel", "registers", "stack_bytes", "spill_store_bytes", "spill_load_bytes", "smem_bytes",
-        "smem_formula_bytes", "wgmma", "sass_spills": {...}, "setmaxreg": [...], "config"}``.
+        "smem_formula_bytes", "wgmma", "sass_spills": {...}, "setmaxreg": [...], "config", "merge"}`` (the
+        attention kernel's; ``merge``: ptxas' report of FA4's combine kernel for split-KV configurations).
 
     Raises:
         ValueError: a spec key outside :data:`SPEC_KEYS`.
@@ -135,9 +146,11 @@ def _child(spec: dict) -> dict:
     finally:
         cute.compile = real_compile
     text = re.sub(r"\x1b\[[0-9;]*m", "", log.getvalue())
-    report = parse_ptxas_report(text)
+    # the attention kernel (first compile); a split-KV configuration also compiles FA4's combine kernel
+    report = parse_ptxas_report(text, _ATTENTION_KERNEL)
+    merge = parse_ptxas_report(text, "FlashAttentionForwardCombine") if len(captured) > 1 else None
     if captured:
-        ir = str(captured[-1].ir_module)
+        ir = str(captured[0].ir_module)
     else:
         raise RuntimeError("compile_only compiled nothing (already in the compile cache?)")
     hd = spec.get("head_dim", 128)
@@ -147,18 +160,19 @@ def _child(spec: dict) -> dict:
     smem = formula if formula in consts else None
     sass, kernel = "", None
     tool = _cuobjdump()
-    cubins = glob.glob(os.path.join(dump, "*.cubin"))
+    cubins = [c for c in glob.glob(os.path.join(dump, "*.cubin")) if _ATTENTION_KERNEL in os.path.basename(c)]
     if tool and cubins:
         sass = subprocess.run([tool, "-sass", cubins[-1]], capture_output=True, text=True).stdout
         m = re.search(r"Function : (\S+)", sass)
         kernel = m.group(1) if m else None
     by_role = sass_spills_by_role(sass) if sass else None
     shutil.rmtree(dump, ignore_errors=True)
-    return dict(report, kernel=kernel, smem_bytes=smem, smem_formula_bytes=formula,
+    return dict(report, kernel=kernel, smem_bytes=smem, smem_formula_bytes=formula, merge=merge,
                 wgmma=len(re.findall(r"\bHGMMA\b", sass)) if sass else None,
                 sass_spills=None if by_role is None else {k: by_role[k] for k in ("setup", "producer", "consumer")},
                 setmaxreg=None if by_role is None else by_role["setmaxreg"],
-                config=dict(tile_m=cfg.tile_m, tile_n=cfg.tile_n, num_stages=cfg.num_stages, lpt=cfg.lpt))
+                config=dict(tile_m=cfg.tile_m, tile_n=cfg.tile_n, num_stages=cfg.num_stages, lpt=cfg.lpt,
+                            num_splits=cfg.num_splits))
 
 
 #: The split-value (hd 512, 16 q / 2 KV heads) configurations the report compiles: both KV layouts, every load
@@ -202,7 +216,8 @@ def main(argv=None) -> None:
               f"{'spills p/c':>10} {'smem':>7} {'wgmma':>5}  extra")
         for r in rows:
             sp, cfg = r["spec"], r["config"]
-            win = "-" if sp.get("window_size") is None else f"{sp['window_size']} {sp.get('bidirectional_window', 'sym')[:3]}"
+            mode = sp.get("bidirectional_window", "sym")[:3]
+            win = "-" if sp.get("window_size") is None else f"{sp['window_size']} {mode}"
             regs = "/".join(str(v) for _, v in (r["setmaxreg"] or []))
             extra = {k: v for k, v in sp.items() if k in ("num_heads", "num_kv_heads", "return_lse", "max_seqlen_q")
                      and v != dict(num_heads=16, num_kv_heads=2, return_lse=True, max_seqlen_q=256)[k]}

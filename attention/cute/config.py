@@ -9,13 +9,14 @@ docs/tuning.md.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 __all__ = [
     "REQUIRED", "CuteConfig", "resolve_config", "check_config_fits", "config_smem_bytes", "SMEM_LIMIT_BYTES",
     "LONG_PREFILL_Q", "LONG_PREFILL_CONFIG", "HD128_CONFIG", "LPT_MIN_SEQLEN_Q", "longest_first_tiles",
     "page_box_tma_ok", "kv_load_path", "MAX_HEAD_DIM", "WIDE_MIN_HEAD_DIM_V", "WIDE_CONFIG", "is_wide",
-    "unsupported_head_dims", "resolve_wide_config", "WIDE_MAX_PAGE_BOXES",
+    "unsupported_head_dims", "resolve_wide_config", "WIDE_MAX_PAGE_BOXES", "MAX_SPLITS", "MIN_KEYS_PER_SPLIT",
+    "grid_tiles", "choose_num_splits", "key_bound", "resolve_launch_config",
 ]
 
 #: The optional packages this backend runs on (the ``cute`` extra of setup.py).
@@ -29,7 +30,8 @@ class CuteConfig:
     tile_m / tile_n: query rows (PackGQA: packed rows) / keys per tile; mma_pv_is_rs: P stays in registers for
     the PV GEMM (else it goes through shared memory); intra_wg_overlap: FA4's overlap of the QK and PV GEMMs
     within a warpgroup; num_stages: K/V pipeline stages; lpt: FA4's longest-first tile order (None: from
-    ``max_seqlen_q``, :func:`longest_first_tiles`).
+    ``max_seqlen_q``, :func:`longest_first_tiles`); num_splits: split-KV chunks per query tile (None: from the
+    call's host shapes, :func:`choose_num_splits`; 1: no split).
     """
 
     tile_m: int | None = None
@@ -38,6 +40,7 @@ class CuteConfig:
     intra_wg_overlap: bool | None = None
     num_stages: int = 2
     lpt: bool | None = None
+    num_splits: int | None = None
 
 
 #: Long causal prefills at hd 128 without a window run faster with three MMA warpgroups (192-row tiles, no
@@ -168,9 +171,17 @@ def resolve_config(head_dim: int, head_dim_v: int, window_size, config=None, max
         intra_wg_overlap=base.intra_wg_overlap if config.intra_wg_overlap is None else config.intra_wg_overlap,
         num_stages=config.num_stages,
         lpt=longest_first_tiles(max_seqlen_q) if config.lpt is None else bool(config.lpt),
+        num_splits=_check_num_splits(config.num_splits),
     )
     check_config_fits(resolved, head_dim, head_dim_v)
     return resolved
+
+
+def _check_num_splits(num_splits):
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
+                                   or not 1 <= num_splits <= MAX_SPLITS):
+        raise ValueError(f"config num_splits must be None or an int in [1, {MAX_SPLITS}], got {num_splits!r}")
+    return num_splits
 
 
 def resolve_wide_config(head_dim: int, head_dim_v: int, config=None, max_seqlen_q: int | None = None
@@ -211,7 +222,8 @@ def resolve_wide_config(head_dim: int, head_dim_v: int, config=None, max_seqlen_
         raise ValueError(f"config num_stages must be >= 1, got {config.num_stages}")
     resolved = CuteConfig(tile_m=tile_m, tile_n=tile_n, mma_pv_is_rs=False, intra_wg_overlap=True,
                           num_stages=config.num_stages,
-                          lpt=longest_first_tiles(max_seqlen_q) if config.lpt is None else bool(config.lpt))
+                          lpt=longest_first_tiles(max_seqlen_q) if config.lpt is None else bool(config.lpt),
+                          num_splits=_check_num_splits(config.num_splits))
     check_config_fits(resolved, head_dim, head_dim_v)
     return resolved
 
@@ -247,3 +259,61 @@ def kv_load_path(page_size: int | None, tile_n: int, max_boxes: int | None = Non
     if max_boxes is not None and page_size * max_boxes < tile_n:
         return "cp.async"
     return "tma_boxes" if page_box_tma_ok(page_size, tile_n) else "cp.async"
+
+
+#: Split-KV (kernel_split.py): at most this many splits (FA4's combine takes up to 256; more than 16 only adds
+#: merge traffic), each with at least MIN_KEYS_PER_SPLIT keys (a split's prologue, epilogue and share of the
+#: merge cost about as much as that many keys of its loop).
+MAX_SPLITS = 16
+MIN_KEYS_PER_SPLIT = 1024
+
+
+def grid_tiles(total_q: int, num_seqs: int, num_kv_heads: int, qhead_per_kvhead: int, tile_m: int) -> int:
+    """Query tiles FA4's varlen scheduler launches (its grid: packed rows plus one partial tile per sequence,
+    times the KV heads; PackGQA packs ``qhead_per_kvhead`` query heads into a tile's rows). Host ints only."""
+    return (total_q * qhead_per_kvhead + num_seqs * (tile_m - 1)) // tile_m * num_kv_heads
+
+
+def choose_num_splits(num_tiles: int, max_keys: int, num_sms: int) -> int:
+    """Split-KV chunks per query tile, from host shapes (no device read, so a CUDA graph keeps it).
+
+    Splits only a grid that fills at most half of the SMs (few long sequences: batch-1 canvases over a long
+    context), to at most one wave (``num_sms // num_tiles``, one CTA per SM), with at least
+    :data:`MIN_KEYS_PER_SPLIT` keys of the longest sequence's bound ``max_keys`` per split, and at most
+    :data:`MAX_SPLITS`. Rationale: a grid of at least half a wave gains less from filling the rest than the
+    workspace and merge cost; within one wave every split runs concurrently.
+
+    Raises:
+        ValueError: a count below 1 or a negative key bound.
+    """
+    if num_tiles < 1 or num_sms < 1 or max_keys < 0:
+        raise ValueError(f"num_tiles / num_sms must be >= 1 and max_keys >= 0, got {num_tiles}, {num_sms}, "
+                         f"{max_keys}")
+    if 2 * num_tiles > num_sms:
+        return 1
+    return max(1, min(num_sms // num_tiles, max_keys // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
+
+
+def key_bound(keys_capacity: int, max_seqlen_k: int | None, window_size, max_seqlen_q: int) -> int:
+    """Upper bound on the keys one query tile visits, from host ints: the cache capacity of a sequence (paged:
+    block-table width x page size; contiguous: all cache rows), the ``max_seqlen_k`` hint when given, and with
+    a window ``W`` the widest row span ``2 W + max_seqlen_q + 1`` (symmetric bidirectional rows)."""
+    bound = keys_capacity if max_seqlen_k is None else min(keys_capacity, max_seqlen_k)
+    if window_size is not None:
+        bound = min(bound, 2 * window_size + max_seqlen_q + 1)
+    return max(bound, 0)
+
+
+def resolve_launch_config(head_dim: int, head_dim_v: int, window_size, config=None, *, total_q: int,
+                          num_seqs: int, num_kv_heads: int, qhead_per_kvhead: int, keys_capacity: int,
+                          max_seqlen_q: int, max_seqlen_k: int | None, num_sms: int) -> CuteConfig:
+    """:func:`resolve_config` plus the split count when the config leaves it None (:func:`choose_num_splits` on
+    :func:`grid_tiles` and :func:`key_bound`). Host ints only: ``total_q`` (``q.shape[0]``), ``num_seqs``
+    (``cu_seqlens_q.shape[0] - 1``), ``keys_capacity`` (paged: block-table width x page size; contiguous: cache
+    rows), the hints, ``num_sms``. Raises as :func:`resolve_config`."""
+    cfg = resolve_config(head_dim, head_dim_v, window_size, config, max_seqlen_q)
+    if cfg.num_splits is None:
+        tiles = grid_tiles(total_q, num_seqs, num_kv_heads, qhead_per_kvhead, cfg.tile_m)
+        keys = key_bound(keys_capacity, max_seqlen_k, window_size, max_seqlen_q)
+        cfg = replace(cfg, num_splits=choose_num_splits(max(tiles, 1), keys, num_sms))
+    return cfg

@@ -13,11 +13,12 @@ must be split over two warpgroups along the value dimension (256 columns, 128 re
 
 The division of labour (FlashAttention-3's ``LargeHeadDimV`` arrangement)
 ------------------------------------------------------------------------
-:class:`FlashAttentionForwardSm90WideV` subclasses :class:`blockdiff.attention.cute.kernel.FlashAttentionForwardSm90Mixed`
-(itself FA4's ``FlashAttentionForwardSm90``): FA4's ``__call__`` (TMA atoms, PackGQA layouts, the varlen tile
-scheduler, grid), its kernel body (pipelines, shared memory, warp specialisation, register reallocation), its
-producers (contiguous TMA, cp.async paged) and ours (page-box TMA, V rows past the last key zeroed), our per-row
-block ranges and masks, and FA4's epilogue run unchanged. Replaced: the consumer (:meth:`mma`), the two tiled
+:class:`FlashAttentionForwardSm90WideV` subclasses
+:class:`blockdiff.attention.cute.kernel.FlashAttentionForwardSm90Mixed` (itself FA4's ``FlashAttentionForwardSm90``):
+FA4's ``__call__`` (TMA atoms, PackGQA layouts, the varlen tile scheduler, grid), its kernel body (pipelines,
+shared memory, warp specialisation, register reallocation), its producers (contiguous TMA, cp.async paged) and
+ours (page-box TMA, V rows past the last key zeroed), our per-row block ranges and masks, and FA4's epilogue run
+unchanged. Replaced: the consumer (:meth:`mma`), the two tiled
 MMAs, the shared-storage struct, and the thread-count attributes ``__call__`` derives (``_setup_attributes``).
 
 One 64-row query tile (PackGQA: 64 packed rows), 384 threads:
@@ -149,10 +150,14 @@ class FlashAttentionForwardSm90WideV(FlashAttentionForwardSm90Mixed):
         # one box per K / V stage, 80 for two (config.kv_load_path sends more boxes to cp.async); the consumers
         # compile without spills at 216 (compile_check.py).
         boxes = self.tile_n // self.kv_box_rows if self.kv_box_rows is not None else 1
-        self.num_mma_regs, self.num_producer_regs = (216, 80) if boxes > 1 else (232, 40)
+        self.num_mma_regs, self.num_producer_regs = (216, 80) if boxes > 1 else self._regs_one_box()
         self.use_scheduler_barrier = False
         self.rescale_O_before_gemm = False
         super()._setup_attributes()
+
+    def _regs_one_box(self):
+        """(consumer, producer) registers with at most one page box per K / V stage."""
+        return 232, 40
 
     def _get_shared_storage_cls(self):
         """FA4's fields (plus the page-box producer's tail barrier) with two P slots and the scale slots after

@@ -68,3 +68,43 @@ def fill_past_seq_lens(k, v, kw, page, value):
         if s % page:
             k[bt[b, (s - 1) // page].long(), s % page:] = value
             v[bt[b, (s - 1) // page].long(), s % page:] = value
+
+
+def graph_replay_check(steps, *, H, Hkv, D, page, B, cap_q, max_blocks, **attn_kwargs):
+    """Capture one cute call over persistent metadata buffers (``B`` sequences, ``cap_q`` query tokens,
+    ``max_blocks`` pages each, a NaN-poisoned ``out``), then replay it for each of ``steps`` = [(q_lens, ctxs,
+    num_causal_q, block-table permutation seed), ...] rewritten in place; every replay is finite and matches the
+    reference (output and LSE). ``attn_kwargs`` go to every call (window, config, hints)."""
+    torch.manual_seed(0)
+    k = torch.randn(B * max_blocks, page, Hkv, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    q = torch.randn(cap_q, H, D, device="cuda", dtype=torch.bfloat16)
+    bt = torch.zeros(B, max_blocks, dtype=torch.int32, device="cuda")
+    cu = torch.zeros(B + 1, dtype=torch.int32, device="cuda")
+    sl = torch.zeros(B, dtype=torch.int32, device="cuda")
+    ncq = torch.zeros(B, dtype=torch.int32, device="cuda")
+    out = torch.empty(cap_q, H, D, device="cuda", dtype=torch.bfloat16)
+    lse_buf = torch.empty(H, cap_q, device="cuda")
+
+    def set_step(q_lens, ctxs, ncqs, perm_seed):
+        cu.copy_(torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.int32))
+        sl.copy_(torch.tensor([c + ql for c, ql in zip(ctxs, q_lens)], dtype=torch.int32))
+        ncq.copy_(torch.tensor(ncqs, dtype=torch.int32))
+        g = torch.Generator().manual_seed(perm_seed)
+        bt.copy_(torch.randperm(B * max_blocks, generator=g).to(torch.int32).view(B, max_blocks))
+
+    def step():
+        o, lse = ca.attention_cute(q, k, v, cu_seqlens_q=cu, seq_lens=sl, num_causal_q=ncq, block_table=bt,
+                                   out=out, return_lse=True, check_values=False, **attn_kwargs)
+        lse_buf.copy_(lse)
+
+    set_step(*steps[0])
+    graph = capture_graph(step)
+    for st in steps:
+        set_step(*st)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check_close(out, q, k, v, lse=lse_buf, cu_seqlens_q=cu, seq_lens=sl, num_causal_q=ncq, block_table=bt,
+                    window_size=attn_kwargs.get("window_size"),
+                    bidirectional_window=attn_kwargs.get("bidirectional_window", "symmetric"))

@@ -118,3 +118,65 @@ def test_split_value_kernel_takes_at_most_two_page_boxes_per_stage(page, tile_n,
     """At hd 512 each page box is eight 64-column TMA copies; the producer's registers hold two boxes' worth."""
     assert cc.kv_load_path(page, tile_n, cc.WIDE_MAX_PAGE_BOXES) == path
     assert cc.kv_load_path(8, 32) == "tma_boxes"  # no cap for the other kernels
+
+
+# ----------------------------------------------------------------------------------------- split-KV (kernel_split)
+def test_grid_tiles_is_fa4s_varlen_grid():
+    """Packed rows plus one partial tile per sequence, times the KV heads: one 256-token canvas is 32 tiles at hd
+    512 (8 query heads per KV head in 64-row tiles, 2 KV heads) and 32 at hd 128 (2 per KV head, 128 rows, 8)."""
+    assert cc.grid_tiles(256, 1, 2, 8, 64) == 64
+    assert cc.grid_tiles(256, 1, 8, 2, 128) == 32
+    assert cc.grid_tiles(4 * 256, 4, 8, 2, 128) == 152
+
+
+@pytest.mark.parametrize("tiles,keys,sms,want", [
+    (64, 32768, 132, 2),     # canvas_bs1_ctx32k_global: 2 x 64 = 128 CTAs, one wave
+    (32, 32768, 132, 4),     # canvas_bs1_ctx32k_hd128
+    (32, 2303, 132, 2),      # canvas_bs1_ctx32k_sliding: the window bounds the keys (2 x 1023 + 256 + 1)
+    (152, 4096, 132, 1),     # canvas_bs4_ctx4k_hd128 fills more than half a wave: no split
+    (66, 32768, 132, 2), (67, 32768, 132, 1),
+    (32, 1500, 132, 1),      # fewer than 2 x 1024 keys: a split would not pay for itself
+    (1, 10 ** 6, 132, 16),   # at most MAX_SPLITS
+])
+def test_split_count_from_host_shapes(tiles, keys, sms, want):
+    assert cc.choose_num_splits(tiles, keys, sms) == want
+
+
+def test_split_count_rejects_bad_counts():
+    with pytest.raises(ValueError, match="num_tiles"):
+        cc.choose_num_splits(0, 100, 132)
+    with pytest.raises(ValueError, match="max_keys"):
+        cc.choose_num_splits(4, -1, 132)
+
+
+def test_key_bound_takes_capacity_hint_and_window():
+    assert cc.key_bound(33024, None, None, 256) == 33024
+    assert cc.key_bound(33024, 20000, None, 256) == 20000
+    assert cc.key_bound(33024, None, 1023, 256) == 2 * 1023 + 256 + 1
+    assert cc.key_bound(100, None, 1023, 256) == 100
+
+
+@pytest.mark.parametrize("bad", [0, 17, True, 2.0, "2"])
+def test_config_num_splits_is_validated(bad):
+    with pytest.raises(ValueError, match="num_splits"):
+        cc.resolve_wide_config(512, 512, dict(num_splits=bad))
+
+
+def test_config_num_splits_passes_through_resolution(monkeypatch):
+    assert cc.resolve_wide_config(512, 512, dict(num_splits=3)).num_splits == 3
+    assert cc.resolve_wide_config(512, 512, None).num_splits is None  # chosen per call from host shapes
+
+
+def test_launch_config_splits_a_batch_1_canvas_over_a_long_context_only():
+    """hd 512: one canvas over 32k keys (64 tiles) takes 2 splits, four canvases over 8k (>= half a wave of
+    tiles) none; an explicit count wins; a window bounds the keys."""
+    kw = dict(num_kv_heads=2, qhead_per_kvhead=8, max_seqlen_q=256, max_seqlen_k=None, num_sms=132)
+    one = cc.resolve_launch_config(512, 512, None, None, total_q=256, num_seqs=1, keys_capacity=33024, **kw)
+    assert one.num_splits == 2 and one.tile_n == 32
+    four = cc.resolve_launch_config(512, 512, None, None, total_q=1024, num_seqs=4, keys_capacity=8448, **kw)
+    assert four.num_splits == 1
+    forced = cc.resolve_launch_config(512, 512, None, dict(num_splits=5), total_q=1024, num_seqs=4,
+                                      keys_capacity=8448, **kw)
+    assert forced.num_splits == 5
+    short = cc.resolve_launch_config(512, 512, 100, None, total_q=256, num_seqs=1, keys_capacity=33024, **kw)
+    assert short.num_splits == 1  # 2 x 100 + 256 + 1 keys at most

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from blockdiff.attention.cute import interface as ca
 from blockdiff.attention.testing import check_close
 
-from cute_helpers import capture_graph, fill_past_seq_lens, gpu_batch, needs_gpu, run_and_check
+from cute_helpers import fill_past_seq_lens, gpu_batch, graph_replay_check, needs_gpu, run_and_check
 
 H, HKV, D = 16, 2, 512
 
@@ -113,40 +113,8 @@ def test_gpu_wide_cache_rows_past_seq_lens_and_unused_table_slots_stay_out(page)
 
 @needs_gpu
 def test_gpu_wide_cuda_graph_replay_with_metadata_changed_in_place():
-    """One capture, replayed with other lengths, causal row counts, window-free prefills and a permuted block
-    table written in place: each replay matches the reference (output poisoned before each replay)."""
-    cap_q, max_blocks, B, page = 768, 48, 3, 64
-    torch.manual_seed(0)
-    k = torch.randn(B * max_blocks, page, HKV, D, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    q = torch.randn(cap_q, H, D, device="cuda", dtype=torch.bfloat16)
-    bt = torch.randperm(B * max_blocks, device="cuda").to(torch.int32).view(B, max_blocks)
-    cu = torch.zeros(B + 1, dtype=torch.int32, device="cuda")
-    sl = torch.zeros(B, dtype=torch.int32, device="cuda")
-    ncq = torch.zeros(B, dtype=torch.int32, device="cuda")
-    out = torch.empty(cap_q, H, D, device="cuda", dtype=torch.bfloat16)
-    lse_buf = torch.empty(H, cap_q, device="cuda")
-
-    def set_step(q_lens, ctxs, ncqs, perm_seed):
-        cu.copy_(torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.int32))
-        sl.copy_(torch.tensor([c + ql for c, ql in zip(ctxs, q_lens)], dtype=torch.int32))
-        ncq.copy_(torch.tensor(ncqs, dtype=torch.int32))
-        g = torch.Generator().manual_seed(perm_seed)
-        bt.copy_(torch.randperm(B * max_blocks, generator=g).to(torch.int32).view(B, max_blocks))
-
-    def step():
-        o, lse = ca.attention_cute(q, k, v, cu_seqlens_q=cu, seq_lens=sl, num_causal_q=ncq, block_table=bt,
-                                   out=out, return_lse=True, check_values=False, max_seqlen_q=512)
-        lse_buf.copy_(lse)
-
+    """One capture, replayed with other lengths, causal row counts and a permuted block table written in place:
+    each replay matches the reference (output poisoned before each replay)."""
     steps = [([512, 128, 128], [0, 2000, 100], [512, 0, 64], 1),
              ([256, 256, 256], [2800, 1000, 0], [0, 256, 100], 2)]
-    set_step(*steps[0])
-    graph = capture_graph(step)
-    for st_ in steps:
-        set_step(*st_)
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.isfinite(out).all()
-        check_close(out, q, k, v, lse=lse_buf, cu_seqlens_q=cu, seq_lens=sl, num_causal_q=ncq, block_table=bt)
+    graph_replay_check(steps, H=H, Hkv=HKV, D=D, page=64, B=3, cap_q=768, max_blocks=48, max_seqlen_q=512)
