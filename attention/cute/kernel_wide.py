@@ -47,8 +47,8 @@ load needs WG0's release of it). The V stages are released by both warpgroups af
 
 Shared memory (2-byte elements): Q ``64 x d`` (the output tile reuses it), ``num_stages`` x (K + V)
 ``tile_n x d``, 2 P slots ``64 x tile_n``, the scale slots (3 x 128 threads x 2 rows x 4 B). Registers per
-thread: 232 per consumer and 40 for the producer, or 216 / 80 when a K / V stage takes two page boxes
-(``_setup_attributes``).
+thread: 232 per consumer and 40 for the producer, or 224 / 56 when a K / V stage takes two page boxes
+(``_setup_attributes``; the three warpgroups share the 3 x 168 registers a thread they launch with).
 
 Named barriers: FA4's ``NamedBarrierFwd`` uses ids 1-6 (only ``Epilogue`` here); this kernel adds ids 7-11.
 Each key block of a tile goes through both consumer warpgroups in the same order, and every row allows at
@@ -145,12 +145,16 @@ class FlashAttentionForwardSm90WideV(FlashAttentionForwardSm90Mixed):
         self.num_wg_mma = 2
         self.num_threads = 3 * _WG
         self.num_epilogue_threads = self.num_mma_threads
-        # 2 x consumer + producer <= 512 registers a thread of a warpgroup (64 K registers for 384 threads). At
-        # hd 512 the producer spills at FA4's 24 (each K / V box is 8 TMA copies of 64 columns): 40 suffice for
-        # one box per K / V stage, 80 for two (config.kv_load_path sends more boxes to cp.async); the consumers
-        # compile without spills at 216 (compile_check.py).
+        # setmaxnreg moves registers within the CTA's launch allocation: 384 threads launch with 168 each (64 K
+        # registers / 384, rounded down to 8), so producer + 2 x consumer <= 3 x 168 = 504 a thread of a
+        # warpgroup, or the consumers' increase waits forever. At hd 512 the producer spills at FA4's 24 (each
+        # K / V box is 8 TMA copies of 64 columns): 40 suffice for one box per K / V stage; with two it keeps
+        # a few spills at 56 (config.kv_load_path sends more boxes to cp.async), which cost less than the
+        # consumers' spills at 216 (compile_check.py).
         boxes = self.tile_n // self.kv_box_rows if self.kv_box_rows is not None else 1
-        self.num_mma_regs, self.num_producer_regs = (216, 80) if boxes > 1 else self._regs_one_box()
+        self.num_mma_regs, self.num_producer_regs = (224, 56) if boxes > 1 else self._regs_one_box()
+        launch_regs = 65536 // self.num_threads // 8 * 8
+        assert self.num_producer_regs + 2 * self.num_mma_regs <= 3 * launch_regs, "setmaxnreg over the CTA pool"
         self.use_scheduler_barrier = False
         self.rescale_O_before_gemm = False
         super()._setup_attributes()
