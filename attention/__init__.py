@@ -16,8 +16,8 @@ import importlib
 import torch
 
 from .cache import AttentionMetadata, write_kv_cache
-from .masks import build_mask, count_allowed_pairs, key_range
-from .validate import causal_row_counts
+from .masks import MAX_SEQ_LEN, WINDOW_NO_BOUND, build_mask, count_allowed_pairs, key_range
+from .validate import MAX_SCALE, causal_row_counts, debug_checks, set_debug_checks
 
 BACKENDS = ("reference", "triton", "cute")
 # Backends load by name at first use (importlib in get_backend), on purpose: importing this package imports
@@ -73,11 +73,27 @@ def attention(q, k_cache, v_cache, *, backend: str, **kwargs):
 
     Returns:
         ``out [total_q, num_heads, head_dim_v]`` (q's dtype), or ``(out, lse [num_heads, total_q] fp32)``.
+
+    Raises:
+        TypeError: ``q`` is not a tensor (checked first: ``backend="auto"`` reads its device); every other
+            argument as the backend's validation (:func:`blockdiff.attention.validate.check_attention_inputs`).
+        ValueError: an unknown backend; a contract rule broken.
+
+    ``check_values=False`` (the fast path: no host reads, the triton backend's launch plans) trusts the caller
+    for the value rules: ``cu_seqlens_q`` starts at 0, never decreases and ends at ``total_q``;
+    ``q_len <= seq_lens <= MAX_SEQ_LEN``; ``num_causal_q`` in ``[0, q_len]``; every block-table entry a sequence
+    uses (its first ``cdiv(seq_len, page_size)`` columns, which the table must have) a page id in
+    ``[0, num_blocks)``; in the contiguous form ``cu_seqlens_k`` starts at 0, never decreases, stays within the
+    cache and matches ``seq_lens``. Breaking one is undefined behaviour (each backend's docstring says what its
+    kernels still guard). :func:`set_debug_checks` (or ``BLOCKDIFF_CHECK_VALUES=1``) checks them on every call.
     """
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
     return get_backend(resolve_backend(backend, q.device))(q, k_cache, v_cache, **kwargs)
 
 
 __all__ = [
     "attention", "build_mask", "key_range", "count_allowed_pairs", "write_kv_cache", "AttentionMetadata",
-    "BACKENDS", "resolve_backend", "get_backend", "causal_row_counts",
+    "BACKENDS", "resolve_backend", "get_backend", "causal_row_counts", "set_debug_checks", "debug_checks",
+    "MAX_SEQ_LEN", "WINDOW_NO_BOUND", "MAX_SCALE",
 ]

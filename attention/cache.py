@@ -5,29 +5,46 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .validate import capturing
+from .validate import capturing, memory_overlaps, resolve_check_values
+
+
+def _aliased(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two caches certainly share elements: the same start address, or both contiguous with overlapping
+    spans (strided views that interleave, e.g. the head-dim halves of one ``[..., 2 * head_dim]`` tensor, pass)."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+    return a.data_ptr() == b.data_ptr() or (a.is_contiguous() and b.is_contiguous() and memory_overlaps(a, b))
 
 
 def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, check_values: bool | None = None) -> None:
     """Write new keys/values into a paged cache in place, as vLLM does before attention.
 
     Args:
-        k: ``[T, num_kv_heads, head_dim]``; v: ``[T, num_kv_heads, head_dim_v]`` (cache dtype).
-        k_cache: ``[num_blocks, page_size, num_kv_heads, head_dim]``; v_cache likewise with head_dim_v.
+        k: ``[T, num_kv_heads, head_dim]``; v: ``[T, num_kv_heads, head_dim_v]``: floating point, rounded to the
+            cache dtype (e.g. a bf16 model writing an fp16 cache).
+        k_cache: ``[num_blocks, page_size, num_kv_heads, head_dim]``; v_cache likewise with head_dim_v; floating
+            point, not sharing memory (the same tensor, or overlapping contiguous views, are refused).
         slot_mapping: ``[T]`` int64 flat slot ``block_id * page_size + offset``; a negative slot skips
             its token (padding).
-        check_values: run the host-side slot checks (default: yes unless a CUDA graph is being captured);
-            a caller writing the same ``slot_mapping`` into many layers' caches checks it once.
+        check_values: run the host-side slot checks (default: yes unless a CUDA graph is being captured; the
+            debug switch, :func:`blockdiff.attention.set_debug_checks`, forces them); a caller writing the same
+            ``slot_mapping`` into many layers' caches checks it once. Unchecked, a slot beyond the cache is an
+            ``IndexError`` of torch's bounds-checked ``index_copy_``.
 
     Raises:
-        TypeError: ``slot_mapping`` is not an int32/int64 tensor (a float or bool mapping would be truncated).
-        ValueError: shapes disagree (k/v vs caches, k_cache vs v_cache pages), a slot is out of range, or two
-            tokens share a slot (the surviving write would be unspecified). Value rules are checked on the
-            host unless a CUDA graph is being captured (under capture every slot must be >= 0).
+        TypeError: ``slot_mapping`` is not an int32/int64 tensor (a float or bool mapping would be truncated);
+            k, v, k_cache or v_cache not floating point (integer K/V would be cast silently).
+        ValueError: shapes disagree (k/v vs caches, k_cache vs v_cache pages), k_cache and v_cache share memory
+            (one write would overwrite the other), a slot is out of range, or two tokens share a slot (the
+            surviving write would be unspecified). Value rules are checked on the host unless a CUDA graph is
+            being captured (under capture every slot must be >= 0).
     """
     for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache), ("slot_mapping", slot_mapping)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
     if slot_mapping.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"slot_mapping must be int64 (or int32), got {slot_mapping.dtype}")
     if k.dim() != 3 or v.dim() != 3 or k.shape[0] != v.shape[0]:
@@ -42,9 +59,10 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, check_values: bool |
         raise ValueError(
             f"cache head shapes {tuple(k_cache.shape[2:])}/{tuple(v_cache.shape[2:])} must match "
             f"k/v {tuple(k.shape[1:])}/{tuple(v.shape[1:])}")
+    if _aliased(k_cache, v_cache):
+        raise ValueError("k_cache and v_cache must not share memory (writing v would overwrite k)")
     n_slots = k_cache.shape[0] * k_cache.shape[1]
-    if check_values is None:
-        check_values = not capturing()
+    check_values = resolve_check_values(check_values)
     if check_values and slot_mapping.numel():
         if int(slot_mapping.max()) >= n_slots:
             raise ValueError(f"slot_mapping has a slot >= num_blocks * page_size = {n_slots}")

@@ -19,19 +19,32 @@ For query row ``i`` (0-based within its sequence) of a sequence with ``q_len`` q
 
 ``W`` counts keys on a side *not counting the query's own position* (FlashAttention's ``window_size_left``;
 Gemma's ``sliding_window = 1024`` is ``W = 1023``).
+
+One window rule for every backend and helper (:func:`check_window`): a sequence holds at most
+:data:`MAX_SEQ_LEN` = 2**30 keys (the kernels' int32 positions; ``check_attention_inputs`` checks it with the
+value checks), so any ``W >= WINDOW_NO_BOUND`` (= 2**30) admits every key of every sequence: it *is* ``None``.
+:func:`check_window` returns ``None`` for it, and every backend and helper does its arithmetic with that
+effective window, so no huge W reaches int64 (or the kernels' int32) arithmetic.
 """
 from __future__ import annotations
 
 import torch
 
 BIDIRECTIONAL_WINDOW_MODES = ("symmetric", "prefix")
+#: The most keys a sequence may hold (seq_lens <= MAX_SEQ_LEN): the kernels keep key positions, and position + W,
+#: in int32.
+MAX_SEQ_LEN = 1 << 30
+#: Windows at least this wide bound no key of a sequence of at most MAX_SEQ_LEN keys: they mean "no window".
+WINDOW_NO_BOUND = MAX_SEQ_LEN
 
 
-def check_window(window_size, bidirectional_window) -> None:
-    """Validate ``window_size`` (None or int >= 0) and ``bidirectional_window`` (a known mode).
+def check_window(window_size, bidirectional_window) -> int | None:
+    """Validate ``window_size`` (None or an int >= 0) and ``bidirectional_window`` (a known mode); return the
+    effective window: ``None`` (no bound) for ``None`` and for any ``window_size >= WINDOW_NO_BOUND`` (such a
+    window admits every key of every sequence the contract allows), else ``window_size``.
 
     Raises:
-        TypeError: ``window_size`` is not None or an int (bool is rejected).
+        TypeError: ``window_size`` is not None or an int (bool, float, NaN, numpy and tensor scalars are rejected).
         ValueError: ``window_size < 0`` or an unknown ``bidirectional_window``.
     """
     if window_size is not None:
@@ -39,10 +52,22 @@ def check_window(window_size, bidirectional_window) -> None:
             raise TypeError(f"window_size must be None or an int >= 0, got {type(window_size).__name__}")
         if window_size < 0:
             raise ValueError(f"window_size must be >= 0 (keys per side, excluding the query), got {window_size}")
-    if bidirectional_window not in BIDIRECTIONAL_WINDOW_MODES:
+    if not isinstance(bidirectional_window, str) or bidirectional_window not in BIDIRECTIONAL_WINDOW_MODES:
         raise ValueError(
             f"bidirectional_window must be one of {BIDIRECTIONAL_WINDOW_MODES}, got {bidirectional_window!r}"
         )
+    if window_size is None or window_size >= WINDOW_NO_BOUND:
+        return None
+    return int(window_size)
+
+
+def _int_tensor(name: str, t) -> torch.Tensor:
+    """``t`` as int64, after checking it is an integer tensor (no silent truncation of floats, no bools)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be an integer torch.Tensor, got {type(t).__name__}")
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")
+    return t.to(torch.int64)
 
 
 def key_range(
@@ -56,32 +81,60 @@ def key_range(
     """Allowed key interval ``[lo, hi]`` (inclusive) for query rows, vectorised.
 
     Args:
-        row: int64 tensor, query row index within its sequence (0-based), any shape.
-        q_len, seq_len, num_causal_q: int64 tensors broadcastable to ``row`` (tokens).
-        window_size: None or int >= 0.
+        row: integer tensor, query row index within its sequence (0-based), any shape.
+        q_len, seq_len, num_causal_q: integer tensors broadcastable to ``row`` (tokens).
+        window_size: None or int >= 0 (any ``W >= WINDOW_NO_BOUND`` is None: :func:`check_window`).
         bidirectional_window: ``"symmetric"`` or ``"prefix"``.
 
     Returns:
         ``(lo, hi)`` int64 tensors of the broadcast shape; the row allows no key when ``hi < lo``.
+
+    Raises:
+        TypeError: an argument is not an integer tensor (floats are not truncated); a bad ``window_size``.
+        ValueError: a bad ``window_size`` or ``bidirectional_window``.
     """
-    check_window(window_size, bidirectional_window)
-    row, q_len, seq_len, num_causal_q = (t.to(torch.int64) for t in (row, q_len, seq_len, num_causal_q))
+    w = check_window(window_size, bidirectional_window)
+    row, q_len, seq_len, num_causal_q = (_int_tensor(n, t) for n, t in (
+        ("row", row), ("q_len", q_len), ("seq_len", seq_len), ("num_causal_q", num_causal_q)))
     ctx = seq_len - q_len
     q_abs = ctx + row
     is_causal = row < num_causal_q
-    big = torch.iinfo(torch.int64).max // 4
-    w = big if window_size is None else window_size
     zero = torch.zeros_like(q_abs)
-    lo_sliding = torch.maximum(zero, q_abs - w)
-    if bidirectional_window == "symmetric":
-        lo_bi = lo_sliding
-        hi_bi = torch.minimum(seq_len - 1, q_abs + w)
+    if w is None:
+        lo_sliding = zero
+        lo_bi, hi_bi = zero, seq_len - 1 + zero
     else:
-        lo_bi = torch.maximum(zero, ctx + num_causal_q - w)
-        hi_bi = seq_len - 1
+        lo_sliding = torch.maximum(zero, q_abs - w)
+        if bidirectional_window == "symmetric":
+            lo_bi = lo_sliding
+            hi_bi = torch.minimum(seq_len - 1, q_abs + w)
+        else:
+            lo_bi = torch.maximum(zero, ctx + num_causal_q - w)
+            hi_bi = seq_len - 1 + zero
     lo = torch.where(is_causal, lo_sliding, lo_bi)
     hi = torch.where(is_causal, q_abs, hi_bi)
     return lo, hi
+
+
+def _parse_device(device) -> torch.device | None:
+    """``None`` or a ``torch.device`` / device string as a ``torch.device``.
+
+    Raises:
+        TypeError: neither None, a str nor a ``torch.device``.
+        ValueError: a string torch cannot parse (``"bogus"``), or a CUDA device this machine lacks.
+    """
+    if device is None:
+        return None
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be None, a str or a torch.device, got {type(device).__name__}")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"device must name a torch device ('cpu', 'cuda', 'cuda:1', ...), got {device!r}") from e
+    if dev.type == "cuda" and (not torch.cuda.is_available()
+                               or (dev.index is not None and dev.index >= torch.cuda.device_count())):
+        raise ValueError(f"device {device!r} is not available on this machine")
+    return dev
 
 
 def build_mask(
@@ -109,8 +162,10 @@ def build_mask(
         bool tensor ``[q_len, seq_len]``.
 
     Raises:
+        TypeError: ``q_len`` / ``seq_len`` / ``num_causal_q`` not ints, ``causal`` not a bool (no truthiness,
+            no truncation), a bad ``window_size`` or ``device`` type.
         ValueError: lengths negative or ``seq_len < q_len``; both or neither of causal/num_causal_q;
-            ``num_causal_q`` outside [0, q_len]; bad window or mode.
+            ``num_causal_q`` outside [0, q_len]; bad window or mode; a device string torch cannot parse.
     """
     for name, v in (("q_len", q_len), ("seq_len", seq_len)):
         if isinstance(v, bool) or not isinstance(v, int):
@@ -121,10 +176,15 @@ def build_mask(
         raise ValueError(f"seq_len ({seq_len}) must be >= q_len ({q_len}): seq_lens include the query tokens")
     if (causal is None) == (num_causal_q is None):
         raise ValueError("give exactly one of causal (bool) or num_causal_q (int)")
-    n_causal = (q_len if causal else 0) if causal is not None else int(num_causal_q)
+    if causal is not None and not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if num_causal_q is not None and (isinstance(num_causal_q, bool) or not isinstance(num_causal_q, int)):
+        raise TypeError(f"num_causal_q must be an int, got {type(num_causal_q).__name__}")
+    n_causal = (q_len if causal else 0) if causal is not None else num_causal_q
     if not 0 <= n_causal <= q_len:
         raise ValueError(f"num_causal_q must be in [0, q_len={q_len}], got {n_causal}")
     check_window(window_size, bidirectional_window)
+    device = _parse_device(device)
     rows = torch.arange(q_len, device=device)
     t = lambda v: torch.tensor(v, device=device)  # noqa: E731
     lo, hi = key_range(rows, t(q_len), t(seq_len), t(n_causal), window_size, bidirectional_window)

@@ -30,6 +30,31 @@ def gather_kv(cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int) 
     return cache.index_select(0, blocks).reshape(-1, *cache.shape[2:])[:seq_len]
 
 
+def masked_pv(p: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``sum_k p[h, i, k] * v[h, k, :]`` over the allowed keys ``mask[i, k]`` only, exactly: a key outside a row's
+    set contributes nothing even when its V row holds NaN / Inf (``p @ v`` would add ``0 * NaN``).
+
+    Finite ``v``: ``p @ v`` itself (bit for bit). Otherwise ``p @ v`` with the non-finite entries zeroed, plus, for
+    the keys holding one, ``p * v`` of those entries selected by the mask (IEEE: ``p * NaN = NaN``,
+    ``p * Inf = +-Inf``, ``0 * Inf = NaN`` for an allowed key of weight 0), so an allowed non-finite entry reaches
+    exactly its column of the rows that allow it.
+
+    Args:
+        p: ``[H, L, S]`` weights, 0 where ``mask`` is False. v: ``[H, S, Dv]`` (p's dtype). mask: ``[L, S]`` bool.
+
+    Returns:
+        ``[H, L, Dv]`` in p's dtype.
+    """
+    finite = torch.isfinite(v)
+    if bool(finite.all()):
+        return p @ v
+    out = p @ torch.where(finite, v, torch.zeros_like(v))
+    bad = torch.nonzero((~finite).any(dim=2).any(dim=0)).squeeze(1)  # keys with a non-finite V entry
+    v_bad = torch.where(finite, torch.zeros_like(v), v)[:, bad]  # [H, nb, Dv]: the non-finite entries only
+    terms = p[:, :, bad, None] * v_bad[:, None]  # [H, L, nb, Dv]
+    return out + torch.where(mask[None, :, bad, None], terms, torch.zeros_like(terms)).sum(dim=2)
+
+
 def attention_reference(
     q,
     k_cache,
@@ -64,18 +89,24 @@ def attention_reference(
         cu_seqlens_k: ``[B+1]`` int32 (contiguous form).
         window_size: None or int W >= 0 (keys per side, excluding the query's own position).
         bidirectional_window: ``"symmetric"`` or ``"prefix"``.
-        scale: softmax scale, default ``head_dim ** -0.5``.
+        scale: softmax scale, default ``head_dim ** -0.5``; a finite int or float with
+            ``|scale| <= MAX_SCALE`` (2**16). Scores are ``(q . k) * scale`` in fp32 (fp64 for fp64 input); a
+            score that overflows (``|q . k * scale| >= 2**128``, e.g. K entries near the fp32 maximum) is outside
+            the contract: ``+inf`` makes its row non-finite, ``-inf`` weighs 0, in every backend.
         out: optional preallocated ``[total_q, num_heads, head_dim_v]`` of q's dtype.
         return_lse: also return ``lse [num_heads, total_q]`` fp32 (natural log; ``-inf`` for rows with no key).
         upcast: True computes in fp32 (fp64 for fp64 inputs): the oracle. False mimics eager low-precision
             PyTorch (QK^T and PV in the input dtype, softmax in fp32): the baseline whose error sets the
             tolerance of every kernel test.
-        check_values: run the host-side value checks (see :mod:`blockdiff.attention.validate`).
+        check_values: run the host-side value checks (see :mod:`blockdiff.attention.validate`; the debug
+            switch forces them). Unchecked, a bad page id or length is an ``IndexError`` / ``RuntimeError`` of
+            torch's bounds-checked indexing.
         max_seqlen_q, max_seqlen_k: host hints accepted for interface parity with the kernels; unused.
 
     Returns:
         ``out`` ``[total_q, num_heads, head_dim_v]`` in q's dtype, or ``(out, lse)``. Rows with no allowed key
-        are 0 (lse ``-inf``), never NaN.
+        are 0 (lse ``-inf``), never NaN. Keys outside a row's allowed set contribute exactly nothing, NaN / Inf
+        in their K or V included (:func:`masked_pv`).
 
     Raises:
         TypeError, ValueError: see :func:`blockdiff.attention.validate.check_attention_inputs`.
@@ -114,14 +145,14 @@ def attention_reference(
         scores = (qb @ kb.transpose(1, 2)).to(acc_dtype) * info.scale  # [H, L, S]
         rows = torch.arange(L, device=q.device)
         t = lambda x: torch.tensor(x, device=q.device)  # noqa: E731
-        lo, hi = key_range(rows, t(L), t(S), t(ncq[b]), window_size, bidirectional_window)
+        lo, hi = key_range(rows, t(L), t(S), t(ncq[b]), info.window_size, bidirectional_window)
         keys = torch.arange(S, device=q.device)
         mask = (keys[None, :] >= lo[:, None]) & (keys[None, :] <= hi[:, None])  # [L, S]
         scores = scores.masked_fill(~mask, float("-inf"))
         row_lse = torch.logsumexp(scores, dim=-1)  # [H, L]; -inf where no key
         safe = torch.where(torch.isfinite(row_lse), row_lse, torch.zeros_like(row_lse))
         p = torch.exp(scores - safe[..., None]).masked_fill(~mask, 0.0)
-        ob = (p.to(mm_dtype) @ vb).to(acc_dtype)  # [H, L, Dv]
+        ob = masked_pv(p.to(mm_dtype), vb, mask).to(acc_dtype)  # [H, L, Dv]
         out[q0:q1] = ob.transpose(0, 1).to(q.dtype)
         lse[:, q0:q1] = row_lse.to(torch.float32)
     return (out, lse) if return_lse else out

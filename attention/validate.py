@@ -1,19 +1,67 @@
 """Input validation shared by every attention backend (one rule set, one set of messages).
 
 Shape, dtype and device rules are checked without touching tensor values (no host sync), so they also run
-under CUDA-graph capture. Value rules (``cu_seqlens_q`` starts at 0 and never decreases, ``seq_lens >= q_len``,
-block tables long enough, block ids in range, ``num_causal_q`` within ``[0, q_len]``) read the metadata
+under CUDA-graph capture. Value rules (``cu_seqlens_q`` starts at 0 and never decreases,
+``q_len <= seq_lens <= MAX_SEQ_LEN``, block tables long enough, block ids in range, ``num_causal_q`` within
+``[0, q_len]``, ``cu_seqlens_k`` from 0, non-decreasing and within the cache) read the metadata
 on the host: they run when ``check_values`` is True (backends default to True except while a CUDA graph is
 being captured, where a host read is not allowed).
+
+**Debug switch.** ``BLOCKDIFF_CHECK_VALUES=1`` in the environment (read once, at import; ``0``, ``false``,
+``no``, ``off`` or empty: off) or
+:func:`set_debug_checks` ``(True)`` makes every call run the value checks, ``check_values=False`` included (the
+triton backend's launch plans are bypassed then), except while a CUDA graph is being captured (no host reads
+there). :func:`resolve_check_values` is the one place this is decided.
 """
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
 
-from .masks import check_window
+from .masks import MAX_SEQ_LEN, check_window
+
+#: The largest softmax scale magnitude accepted: far above any model's (head_dim ** -0.5 <= 1, Gemma's 1.0), and
+#: low enough that fp32 scores (q.k) * scale stay finite for every |q.k| < 2**112 (a huge scale overflowed them
+#: into NaN rows for ordinary q, k).
+MAX_SCALE = float(2 ** 16)
+
+_DEBUG_CHECKS = os.environ.get("BLOCKDIFF_CHECK_VALUES", "0").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def set_debug_checks(enabled: bool) -> None:
+    """Turn the debug switch on or off: on, every attention call (and :func:`.cache.write_kv_cache`) runs the host
+    value checks whatever its ``check_values``, except under CUDA-graph capture. Starts as the environment
+    variable ``BLOCKDIFF_CHECK_VALUES`` (``1`` = on) said at import.
+
+    Raises:
+        TypeError: ``enabled`` is not a bool.
+    """
+    global _DEBUG_CHECKS
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
+    _DEBUG_CHECKS = enabled
+
+
+def debug_checks() -> bool:
+    """Whether the debug switch (:func:`set_debug_checks`, ``BLOCKDIFF_CHECK_VALUES``) is on."""
+    return _DEBUG_CHECKS
+
+
+def resolve_check_values(check_values) -> bool:
+    """Whether a call runs the host value checks: ``check_values`` (None: yes unless a CUDA graph is being
+    captured), forced on by the debug switch except under capture.
+
+    Raises:
+        TypeError: ``check_values`` is not None, True or False.
+    """
+    if check_values is not None and not isinstance(check_values, bool):
+        raise TypeError(f"check_values must be None, True or False, got {type(check_values).__name__}")
+    if check_values is None or (check_values is False and _DEBUG_CHECKS):
+        return not capturing()
+    return check_values
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 INT_DTYPES = (torch.int32, torch.int64)
@@ -32,6 +80,7 @@ class CheckedInputs:
     page_size: int | None
     seq_lens: torch.Tensor  # [B] int32
     scale: float
+    window_size: int | None = None  # the effective window (masks.check_window: None = no bound)
     causal: torch.Tensor | None = None  # [B] bool when the call gave ``causal`` (kernels may read it directly)
     _num_causal_q: torch.Tensor | None = None
     _cu_seqlens_q: torch.Tensor | None = None
@@ -69,6 +118,22 @@ def _self_overlapping(t: torch.Tensor) -> bool:
             return True
         extent = st * (n - 1) + extent
     return False
+
+
+def memory_overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors' memory spans intersect (host pointer arithmetic only, no sync; conservative: spans,
+    not elements)."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+
+    def span(t):
+        start = t.data_ptr()
+        extent = sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) + 1
+        return start, start + extent * t.element_size()
+
+    a0, a1 = span(a)
+    b0, b1 = span(b)
+    return a0 < b1 and b0 < a1
 
 
 def causal_row_counts(causal, cu_seqlens_q) -> torch.Tensor:
@@ -127,12 +192,13 @@ def check_attention_inputs(
         ``causal`` on first use when given; ``causal`` itself is kept for kernels that read the flags) and
         ``seq_lens`` [B] int32 (derived from ``cu_seqlens_k`` in the contiguous form when not given).
 
+    ``check_values``: see :func:`resolve_check_values` (None: unless capturing; the debug switch forces it).
+
     Raises:
         TypeError: a wrong Python or tensor type / dtype.
         ValueError: a shape, device or value rule broken; the message names the argument and the rule.
     """
-    if check_values is None:
-        check_values = not capturing()
+    check_values = resolve_check_values(check_values)
     _need_tensor("q", q, 3)
     if q.dtype not in allowed_dtypes:
         raise TypeError(f"q must be one of {allowed_dtypes}, got {q.dtype}")
@@ -221,14 +287,21 @@ def check_attention_inputs(
         _check_b("num_causal_q", num_causal_q)
         ncq = num_causal_q.to(torch.int32)
 
-    check_window(window_size, bidirectional_window)
+    window_size = check_window(window_size, bidirectional_window)
     if scale is None:
         scale = head_dim ** -0.5
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-    scale = float(scale)
+    try:
+        scale = float(scale)
+    except OverflowError:  # an int beyond the float range
+        raise ValueError(f"scale must be finite with |scale| <= {MAX_SCALE:g}, got an int of "
+                         f"{scale.bit_length()} bits") from None
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
+    if abs(scale) > MAX_SCALE:
+        raise ValueError(f"|scale| must be <= MAX_SCALE = {MAX_SCALE:g} (fp32 scores (q.k) * scale would overflow "
+                         f"for moderate q.k), got {scale:g}")
 
     if out is not None:
         _need_tensor("out", out)
@@ -249,7 +322,16 @@ def check_attention_inputs(
         if int(cq[-1]) != total_q:
             raise ValueError(f"cu_seqlens_q[-1] ({int(cq[-1])}) must equal q.shape[0] ({total_q})")
         ql = cq[1:] - cq[:-1]
+        if not paged:  # cu_seqlens_k first: a bad one must not be reported as a seq_lens derived from it
+            ck = cu_seqlens_k.to(torch.int64).cpu()
+            if ck[0] != 0 or (batch > 0 and bool((ck[1:] < ck[:-1]).any())):
+                raise ValueError("cu_seqlens_k must start at 0 and be non-decreasing")
+            if int(ck[-1]) > k_cache.shape[0]:
+                raise ValueError(f"cu_seqlens_k[-1] ({int(ck[-1])}) exceeds k rows ({k_cache.shape[0]})")
         sl = seq_lens.to(torch.int64).cpu()
+        if bool((sl > MAX_SEQ_LEN).any()):
+            b = int(torch.nonzero(sl > MAX_SEQ_LEN)[0])
+            raise ValueError(f"seq_lens[{b}] = {int(sl[b])} exceeds MAX_SEQ_LEN = {MAX_SEQ_LEN} keys per sequence")
         if bool((sl < ql).any()):
             b = int(torch.nonzero(sl < ql)[0])
             raise ValueError(
@@ -274,18 +356,12 @@ def check_attention_inputs(
                 b, c = (int(x) for x in torch.nonzero(bad)[0])
                 raise ValueError(
                     f"block_table[{b}, {c}] = {int(bt[b, c])} is out of range [0, num_blocks={k_cache.shape[0]})")
-        else:
-            ck = cu_seqlens_k.to(torch.int64).cpu()
-            if ck[0] != 0 or (batch > 0 and bool((ck[1:] < ck[:-1]).any())):
-                raise ValueError("cu_seqlens_k must start at 0 and be non-decreasing")
-            if int(ck[-1]) > k_cache.shape[0]:
-                raise ValueError(f"cu_seqlens_k[-1] ({int(ck[-1])}) exceeds k rows ({k_cache.shape[0]})")
-            if not torch.equal(sl, ck[1:] - ck[:-1]):
+        elif not torch.equal(sl, ck[1:] - ck[:-1]):
                 raise ValueError("seq_lens must equal cu_seqlens_k[1:] - cu_seqlens_k[:-1]")
 
     return CheckedInputs(
         batch_size=batch, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
         head_dim_v=head_dim_v, paged=paged, page_size=page_size,
-        seq_lens=seq_lens.to(torch.int32), scale=scale, causal=causal, _num_causal_q=ncq,
+        seq_lens=seq_lens.to(torch.int32), scale=scale, window_size=window_size, causal=causal, _num_causal_q=ncq,
         _cu_seqlens_q=cu_seqlens_q,
     )

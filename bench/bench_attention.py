@@ -21,7 +21,8 @@ Backends (one row per workload, backend and configuration; all measured in the s
   cute       the packed varlen K/V (cu_seqlens_k; rows labelled ``kv_layout=contiguous``); skipped with a reason
              when the backend is missing or raises NotImplementedError. The per-sequence flags are passed as
              ``num_causal_q`` built once outside the timing (a step's metadata, shared by all layers).
-             ``--tile-sweep`` rows use the paged cache.
+             ``--tile-sweep`` rows use the paged cache; ``--cute-configs`` adds cute rows with other CuteConfig
+             dicts (paged cache), e.g. the split-value kernel's 64-key tiles at hd 512.
   reference  blockdiff.attention's dense reference (``--quick`` only).
 
 Before timing, each backend's output is checked (isfinite; max abs error <= 2x that of the same-dtype eager
@@ -315,7 +316,7 @@ def make_blockdiff(batch: wl.Batch, args, backend: str, config: dict | None = No
         # layers (and as FA4's q is pre-split by flag outside its timing): the flags as causal row counts
         kwargs["num_causal_q"] = causal_row_counts(kwargs.pop("causal"), kwargs["cu_seqlens_q"])
     if config is not None:
-        kwargs[triton_config_kwarg()] = config
+        kwargs[triton_config_kwarg() if backend == "triton" else "config"] = config
     info = {"config": config} if config else {}
     if layout != "paged":
         info["kv_layout"] = layout
@@ -347,6 +348,19 @@ def triton_launch() -> dict:
             "launch_config": {k: cfg[k] for k in keys if k in cfg}}
 
 
+def cute_launch() -> dict:
+    """What the cute backend's last call ran (its ``LAST_LAUNCH``): the kernel class, the split count and the
+    resolved tiles, so that a row names its kernel (the split-value kernel at hd 512, split-KV)."""
+    from blockdiff.attention.cute import interface as CA  # the cute backend module (imports no CuTe DSL itself)
+
+    ll = CA.LAST_LAUNCH
+    cfg = ll.get("config")
+    return {"impl": ll.get("kernel"), "num_splits": None if cfg is None else cfg.num_splits,
+            "kv_path": ll.get("kv_path"),
+            "launch_config": None if cfg is None else {k: getattr(cfg, k) for k in
+                                                       ("tile_m", "tile_n", "num_stages", "lpt")}}
+
+
 def measure(batch: wl.Batch, backend: str, maker: Callable, args, gold: torch.Tensor, base_err: float,
             extra: dict | None = None) -> dict:
     w = batch.workload
@@ -373,6 +387,8 @@ def measure(batch: wl.Batch, backend: str, maker: Callable, args, gold: torch.Te
         first_ms = (time.perf_counter() - t0) * 1e3
         if backend == "triton":
             row.update(triton_launch())
+        elif backend == "cute":
+            row.update(cute_launch())
         out = to_packed(raw)
         del raw
         finite = bool(torch.isfinite(out).all())
@@ -431,6 +447,9 @@ def jobs_for(batch: wl.Batch, backends, args):
             if be != "reference" and "contiguous" in args.blockdiff_layouts:
                 yield be, (lambda be=be: make_blockdiff(batch, args, be, layout="contiguous")), \
                     {"kv_layout": "contiguous"}
+            if be == "cute":
+                for cfg in args.cute_configs:  # extra rows: cute with a CuteConfig dict, on the paged cache
+                    yield be, (lambda cfg=cfg: make_blockdiff(batch, args, "cute", cfg)), {"config": cfg}
             if be == "triton" and args.tile_sweep:
                 if triton_config_kwarg() is None:
                     continue  # message printed once in main()
@@ -566,6 +585,8 @@ def parse_args(argv=None):
                    help="KV layouts of the triton / cute rows: paged (default) and/or contiguous (packed varlen K/V)")
     p.add_argument("--tile-sweep", action="store_true", help="also time the triton backend per tile config")
     p.add_argument("--tile-configs", default="", help="JSON list of tile config dicts for --tile-sweep")
+    p.add_argument("--cute-configs", default="",
+                   help='JSON list of CuteConfig dicts timed as extra cute rows, e.g. \'[{"tile_n": 64}]\'')
     p.add_argument("--no-graph", action="store_true", help="skip CUDA-graph timings")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--check-against", choices=["auto", "reference", "sdpa"], default="auto",
@@ -586,6 +607,9 @@ def parse_args(argv=None):
     if bad:
         p.error(f"--fa4-layouts: unknown layout(s) {bad}; use paged and/or contiguous")
     a.tile_configs = json.loads(a.tile_configs) if a.tile_configs else DEFAULT_TILE_SWEEP
+    a.cute_configs = json.loads(a.cute_configs) if a.cute_configs else []
+    if not isinstance(a.cute_configs, list) or not all(isinstance(c, dict) for c in a.cute_configs):
+        p.error(f"--cute-configs: a JSON list of dicts, got {a.cute_configs!r}")
     return a
 
 

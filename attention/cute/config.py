@@ -9,12 +9,14 @@ docs/tuning.md.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 __all__ = [
     "REQUIRED", "CuteConfig", "resolve_config", "check_config_fits", "config_smem_bytes", "SMEM_LIMIT_BYTES",
     "LONG_PREFILL_Q", "LONG_PREFILL_CONFIG", "HD128_CONFIG", "LPT_MIN_SEQLEN_Q", "longest_first_tiles",
-    "page_box_tma_ok", "kv_load_path",
+    "page_box_tma_ok", "kv_load_path", "MAX_HEAD_DIM", "WIDE_MIN_HEAD_DIM_V", "WIDE_CONFIG", "is_wide",
+    "unsupported_head_dims", "resolve_wide_config", "WIDE_MAX_PAGE_BOXES", "MAX_SPLITS", "MIN_KEYS_PER_SPLIT",
+    "grid_tiles", "choose_num_splits", "key_bound", "resolve_launch_config",
 ]
 
 #: The optional packages this backend runs on (the ``cute`` extra of setup.py).
@@ -28,7 +30,8 @@ class CuteConfig:
     tile_m / tile_n: query rows (PackGQA: packed rows) / keys per tile; mma_pv_is_rs: P stays in registers for
     the PV GEMM (else it goes through shared memory); intra_wg_overlap: FA4's overlap of the QK and PV GEMMs
     within a warpgroup; num_stages: K/V pipeline stages; lpt: FA4's longest-first tile order (None: from
-    ``max_seqlen_q``, :func:`longest_first_tiles`).
+    ``max_seqlen_q``, :func:`longest_first_tiles`); num_splits: split-KV chunks per query tile (None: from the
+    call's host shapes, :func:`choose_num_splits`; 1: no split).
     """
 
     tile_m: int | None = None
@@ -37,6 +40,7 @@ class CuteConfig:
     intra_wg_overlap: bool | None = None
     num_stages: int = 2
     lpt: bool | None = None
+    num_splits: int | None = None
 
 
 #: Long causal prefills at hd 128 without a window run faster with three MMA warpgroups (192-row tiles, no
@@ -63,11 +67,46 @@ def longest_first_tiles(max_seqlen_q: int | None) -> bool:
 #: Largest dynamic shared memory one block may use on SM90 (H100 / H200: 227 KB).
 SMEM_LIMIT_BYTES = 232448
 
+#: Largest head dim of the backend. Value head dims from WIDE_MIN_HEAD_DIM_V on run the split-value kernel
+#: (kernel_wide.py): one warpgroup cannot hold a 64 x 512 fp32 output tile (256 registers a thread), so two
+#: consumer warpgroups own half of the value columns each (docs/tuning.md, section 2.1).
+MAX_HEAD_DIM = 512
+WIDE_MIN_HEAD_DIM_V = 257
+#: Split-value tiles: 64 query rows (one wgmma M block per consumer warpgroup); 32-key blocks, because two K/V
+#: stages of them fit beside Q in 227 KB (a 64-key block fits one stage only, which serialises load and MMA).
+WIDE_CONFIG = dict(tile_m=64, tile_n=32, num_stages=2)
+#: P slots and fp32 row-factor slots (2 + the final one, 2 rows x 128 threads each) of the split-value kernel.
+_WIDE_P_SLOTS, _WIDE_SCALE_BYTES = 2, 3 * 2 * 128 * 4
+
+
+def is_wide(head_dim: int, head_dim_v: int) -> bool:
+    """Whether a call runs the split-value kernel (either head dim above FA4 SM90's 256)."""
+    return head_dim > 256 or head_dim_v > 256
+
+
+def unsupported_head_dims(head_dim: int, head_dim_v: int) -> str | None:
+    """Why the backend cannot run these head dims (None: it can). FA4's kernel takes 8..256 (multiples of 8);
+    the split-value kernel equal head dims in (256, 512], multiples of 32 (two 16-aligned halves of V)."""
+    if not is_wide(head_dim, head_dim_v):
+        for name, d in (("head_dim", head_dim), ("head_dim_v", head_dim_v)):
+            if not (8 <= d and d % 8 == 0):
+                return f"{name} must be a multiple of 8 in [8, 256] (FA4 SM90), got {d}"
+        return None
+    if head_dim != head_dim_v or not (256 < head_dim <= MAX_HEAD_DIM and head_dim % 32 == 0):
+        return ("head dims above 256 run the split-value kernel, which needs head_dim == head_dim_v, a multiple "
+                f"of 32 in (256, {MAX_HEAD_DIM}]; got head_dim {head_dim}, head_dim_v {head_dim_v}")
+    return None
+
 
 def config_smem_bytes(cfg: CuteConfig, head_dim: int, head_dim_v: int) -> int:
     """Shared memory (bytes) of a resolved config in FA4's SM90 forward: Q (the output tile reuses it) +
     ``num_stages`` x (K + V) tiles + P when it goes through shared memory (not ``mma_pv_is_rs``), 2-byte
-    elements, plus 1 KB for barriers and alignment (FA4's sm90_config_search rule, with num_stages)."""
+    elements, plus 1 KB for barriers and alignment (FA4's sm90_config_search rule, with num_stages). The
+    split-value kernel (:func:`is_wide`) has two P slots and 3 KB of fp32 row factors."""
+    if is_wide(head_dim, head_dim_v):
+        p_tiles = _WIDE_P_SLOTS * cfg.tile_m * cfg.tile_n
+        return (2 * (cfg.tile_m * head_dim + cfg.num_stages * cfg.tile_n * (head_dim + head_dim_v) + p_tiles)
+                + _WIDE_SCALE_BYTES + 1024)
     p_tile = 0 if cfg.mma_pv_is_rs else cfg.tile_m * cfg.tile_n
     return 2 * (cfg.tile_m * head_dim + cfg.num_stages * cfg.tile_n * (head_dim + head_dim_v) + p_tile) + 1024
 
@@ -103,11 +142,16 @@ def resolve_config(head_dim: int, head_dim_v: int, window_size, config=None, max
     Any upper bound gives correct results, but a static capacity >= 512 gives canvas batches the long-prefill
     choices: pass the step's true maximum query length. Explicit ``config`` fields always win.
 
+    Head dims above 256 (:func:`is_wide`) resolve through :func:`resolve_wide_config` (no flash-attn-4 needed).
+
     Raises:
-        ValueError: the resolved tiles do not fit SM90 shared memory (:func:`check_config_fits`).
+        ValueError: the resolved tiles do not fit SM90 shared memory (:func:`check_config_fits`), or a
+            split-value config field outside what that kernel takes.
         TypeError: ``config`` is not a CuteConfig, a dict or None.
         ImportError: flash-attn-4 is not installed (its heuristic gives the unset fields).
     """
+    if is_wide(head_dim, head_dim_v):
+        return resolve_wide_config(head_dim, head_dim_v, config, max_seqlen_q)
     if config is None:
         config = CuteConfig()
         if (head_dim == head_dim_v == 128 and window_size is None and max_seqlen_q is not None
@@ -127,7 +171,59 @@ def resolve_config(head_dim: int, head_dim_v: int, window_size, config=None, max
         intra_wg_overlap=base.intra_wg_overlap if config.intra_wg_overlap is None else config.intra_wg_overlap,
         num_stages=config.num_stages,
         lpt=longest_first_tiles(max_seqlen_q) if config.lpt is None else bool(config.lpt),
+        num_splits=_check_num_splits(config.num_splits),
     )
+    check_config_fits(resolved, head_dim, head_dim_v)
+    return resolved
+
+
+def _check_num_splits(num_splits):
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
+                                   or not 1 <= num_splits <= MAX_SPLITS):
+        raise ValueError(f"config num_splits must be None or an int in [1, {MAX_SPLITS}], got {num_splits!r}")
+    return num_splits
+
+
+def resolve_wide_config(head_dim: int, head_dim_v: int, config=None, max_seqlen_q: int | None = None
+                        ) -> CuteConfig:
+    """Tile shape of the split-value kernel (head dims above 256): :data:`WIDE_CONFIG` unless overridden.
+
+    ``tile_m`` must be 64 and ``tile_n`` a multiple of 16; ``mma_pv_is_rs`` / ``intra_wg_overlap`` are fixed
+    by the kernel (WG0 keeps P in registers, WG1 reads it from shared memory; overlap on) and resolve to
+    False / True (an explicit other value is a ValueError). ``lpt`` as :func:`resolve_config`. A dict without
+    ``num_stages`` gets the most stages that fit (a 64-key block fits one).
+
+    Raises:
+        TypeError: ``config`` is not a CuteConfig, a dict or None.
+        ValueError: a field outside the above, or the tiles do not fit SM90 shared memory.
+    """
+    if config is None:
+        config = CuteConfig(**WIDE_CONFIG)
+    elif isinstance(config, dict):
+        fields_ = {**WIDE_CONFIG, **config}
+        if "num_stages" not in config:  # the most K/V stages that fit (2 at 32-key blocks, 1 at 64)
+            fields_["num_stages"] = max(
+                [1] + [s for s in (1, 2) if config_smem_bytes(CuteConfig(**{**fields_, "num_stages": s}),
+                                                               head_dim, head_dim_v) <= SMEM_LIMIT_BYTES])
+        config = CuteConfig(**fields_)
+    elif not isinstance(config, CuteConfig):
+        raise TypeError(f"config must be a CuteConfig, a dict or None, got {type(config).__name__}")
+    tile_m = config.tile_m or WIDE_CONFIG["tile_m"]
+    tile_n = config.tile_n or WIDE_CONFIG["tile_n"]
+    if tile_m != 64:
+        raise ValueError(f"config tile_m must be 64 for head dims above 256 (one wgmma row block per consumer "
+                         f"warpgroup), got {tile_m}")
+    if tile_n % 16 != 0 or tile_n <= 0:
+        raise ValueError(f"config tile_n must be a positive multiple of 16 for head dims above 256, got {tile_n}")
+    if config.mma_pv_is_rs not in (None, False) or config.intra_wg_overlap not in (None, True):
+        raise ValueError("config mma_pv_is_rs / intra_wg_overlap are fixed by the split-value kernel (head dims "
+                         f"above 256): leave them None, got {config.mma_pv_is_rs} / {config.intra_wg_overlap}")
+    if config.num_stages < 1:
+        raise ValueError(f"config num_stages must be >= 1, got {config.num_stages}")
+    resolved = CuteConfig(tile_m=tile_m, tile_n=tile_n, mma_pv_is_rs=False, intra_wg_overlap=True,
+                          num_stages=config.num_stages,
+                          lpt=longest_first_tiles(max_seqlen_q) if config.lpt is None else bool(config.lpt),
+                          num_splits=_check_num_splits(config.num_splits))
     check_config_fits(resolved, head_dim, head_dim_v)
     return resolved
 
@@ -141,15 +237,83 @@ def page_box_tma_ok(page_size: int, tile_n: int) -> bool:
     return page_size % 8 == 0 and (tile_n % page_size == 0 or page_size % tile_n == 0)
 
 
-def kv_load_path(page_size: int | None, tile_n: int) -> str:
+#: Page boxes per K / V stage the split-value kernel's producer takes (2 x 8 TMA copies of 64 columns at hd 512;
+#: more spill its registers): smaller pages load by cp.async there.
+WIDE_MAX_PAGE_BOXES = 2
+
+
+def kv_load_path(page_size: int | None, tile_n: int, max_boxes: int | None = None) -> str:
     """How the kernel loads K/V: ``"tma"`` (contiguous K/V, FA4's producer), ``"tma_boxes"`` (paged, our
     producer: one TMA box per page slice, ``tile_n // page_size`` boxes per K/V stage, one box when
     ``page_size == tile_n``, one box per ``tile_n`` rows of a larger page; V rows past a sequence's last key
     zeroed) or ``"cp.async"`` (FA4's paged fallback, per-row page lookups, zero-filled past the last key).
+
+    ``max_boxes`` (None: any) caps the boxes per stage (``tile_n // page_size``); pages smaller than
+    ``tile_n // max_boxes`` go to cp.async (the split-value kernel: :data:`WIDE_MAX_PAGE_BOXES`).
 
     Rationale: FA4's own paged TMA path needs ``page_size == tile_n``, and its cp.async path is markedly slower
     than contiguous loads on hd-128 canvases; page-sized boxes bring paged loads to contiguous speed.
     """
     if page_size is None:
         return "tma"
+    if max_boxes is not None and page_size * max_boxes < tile_n:
+        return "cp.async"
     return "tma_boxes" if page_box_tma_ok(page_size, tile_n) else "cp.async"
+
+
+#: Split-KV (kernel_split.py): at most this many splits (FA4's combine takes up to 256; more than 16 only adds
+#: merge traffic), each with at least MIN_KEYS_PER_SPLIT keys (a split's prologue, epilogue and share of the
+#: merge cost about as much as that many keys of its loop).
+MAX_SPLITS = 16
+MIN_KEYS_PER_SPLIT = 1024
+
+
+def grid_tiles(total_q: int, num_seqs: int, num_kv_heads: int, qhead_per_kvhead: int, tile_m: int) -> int:
+    """Query tiles FA4's varlen scheduler launches (its grid: packed rows plus one partial tile per sequence,
+    times the KV heads; PackGQA packs ``qhead_per_kvhead`` query heads into a tile's rows). Host ints only."""
+    return (total_q * qhead_per_kvhead + num_seqs * (tile_m - 1)) // tile_m * num_kv_heads
+
+
+def choose_num_splits(num_tiles: int, max_keys: int, num_sms: int) -> int:
+    """Split-KV chunks per query tile, from host shapes (no device read, so a CUDA graph keeps it).
+
+    Splits only a grid that fills at most half of the SMs (few long sequences: batch-1 canvases over a long
+    context), to at most one wave (``num_sms // num_tiles``, one CTA per SM), with at least
+    :data:`MIN_KEYS_PER_SPLIT` keys of the longest sequence's bound ``max_keys`` per split, and at most
+    :data:`MAX_SPLITS`. Rationale: a grid of at least half a wave gains less from filling the rest than the
+    workspace and merge cost; within one wave every split runs concurrently.
+
+    Raises:
+        ValueError: a count below 1 or a negative key bound.
+    """
+    if num_tiles < 1 or num_sms < 1 or max_keys < 0:
+        raise ValueError(f"num_tiles / num_sms must be >= 1 and max_keys >= 0, got {num_tiles}, {num_sms}, "
+                         f"{max_keys}")
+    if 2 * num_tiles > num_sms:
+        return 1
+    return max(1, min(num_sms // num_tiles, max_keys // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
+
+
+def key_bound(keys_capacity: int, max_seqlen_k: int | None, window_size, max_seqlen_q: int) -> int:
+    """Upper bound on the keys one query tile visits, from host ints: the cache capacity of a sequence (paged:
+    block-table width x page size; contiguous: all cache rows), the ``max_seqlen_k`` hint when given, and with
+    a window ``W`` the widest row span ``2 W + max_seqlen_q + 1`` (symmetric bidirectional rows)."""
+    bound = keys_capacity if max_seqlen_k is None else min(keys_capacity, max_seqlen_k)
+    if window_size is not None:
+        bound = min(bound, 2 * window_size + max_seqlen_q + 1)
+    return max(bound, 0)
+
+
+def resolve_launch_config(head_dim: int, head_dim_v: int, window_size, config=None, *, total_q: int,
+                          num_seqs: int, num_kv_heads: int, qhead_per_kvhead: int, keys_capacity: int,
+                          max_seqlen_q: int, max_seqlen_k: int | None, num_sms: int) -> CuteConfig:
+    """:func:`resolve_config` plus the split count when the config leaves it None (:func:`choose_num_splits` on
+    :func:`grid_tiles` and :func:`key_bound`). Host ints only: ``total_q`` (``q.shape[0]``), ``num_seqs``
+    (``cu_seqlens_q.shape[0] - 1``), ``keys_capacity`` (paged: block-table width x page size; contiguous: cache
+    rows), the hints, ``num_sms``. Raises as :func:`resolve_config`."""
+    cfg = resolve_config(head_dim, head_dim_v, window_size, config, max_seqlen_q)
+    if cfg.num_splits is None:
+        tiles = grid_tiles(total_q, num_seqs, num_kv_heads, qhead_per_kvhead, cfg.tile_m)
+        keys = key_bound(keys_capacity, max_seqlen_k, window_size, max_seqlen_q)
+        cfg = replace(cfg, num_splits=choose_num_splits(max(tiles, 1), keys, num_sms))
+    return cfg

@@ -4,7 +4,9 @@ One launch serves a mixed serving batch: per-sequence causal row counts (``causa
 from a device tensor by every work tile), sliding windows (one-sided for causal rows; symmetric or prefix for
 bidirectional rows), paged (any page size; TMA loads when the page size is a multiple of 8 that divides
 the key tile or is a multiple of it, see :func:`blockdiff.attention.cute.config.kv_load_path`) or contiguous KV,
-GQA (FA4's PackGQA), head_dim up to 256 (128 and 256 are the tested ones). Tile skipping follows each tile's
+GQA (FA4's PackGQA), head_dim up to 256 on FA4's kernel (128 and 256 are the tested ones) and equal head dims in
+(256, 512] (multiples of 32; Gemma 4's global layers: 512) on the split-value kernel
+(:class:`blockdiff.attention.cute.kernel_wide.FlashAttentionForwardSm90WideV`). Tile skipping follows each tile's
 allowed key range in both directions (:func:`blockdiff.attention.cute.blocks.tile_plan` mirrors it on the host).
 Semantics: docs/ARCHITECTURE.md "The attention contract"; the kernel is
 :class:`blockdiff.attention.cute.kernel.FlashAttentionForwardSm90Mixed` (FA4's kernel, tile scheduler,
@@ -27,7 +29,8 @@ import os
 import torch
 
 from ..validate import check_attention_inputs
-from .config import REQUIRED, kv_load_path, resolve_config
+from .config import (REQUIRED, WIDE_MAX_PAGE_BOXES, is_wide, kv_load_path, resolve_launch_config,
+                     unsupported_head_dims)
 # re-exported for bench/, which imports them from this module (their home is config.py / blocks.py)
 from .blocks import tile_plan  # noqa: F401
 from .config import SMEM_LIMIT_BYTES, CuteConfig, config_smem_bytes  # noqa: F401
@@ -60,13 +63,19 @@ def _fa4():
         from flash_attn.cute.testing import is_fake_mode
         from flash_attn.cute.utils import AuxData
 
+        from flash_attn.cute.interface import flash_attn_combine
+
         from .kernel import FlashAttentionForwardSm90Mixed
+        from .kernel_split import FlashAttentionForwardSm90MixedSplit, FlashAttentionForwardSm90WideVSplit
+        from .kernel_wide import FlashAttentionForwardSm90WideV
     except ImportError as e:
         raise ImportError(
             f"attention backend 'cute' needs {REQUIRED}; importing them failed (wrong versions?): {e}") from e
     dtypes = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
     _FA4 = dict(cutlass=cutlass, cute=cute, to_cute_tensor=to_cute_tensor, maybe_contiguous=maybe_contiguous,
-                is_fake_mode=is_fake_mode, AuxData=AuxData, Kernel=FlashAttentionForwardSm90Mixed, dtypes=dtypes)
+                is_fake_mode=is_fake_mode, AuxData=AuxData, Kernel=FlashAttentionForwardSm90Mixed,
+                KernelWide=FlashAttentionForwardSm90WideV, KernelSplit=FlashAttentionForwardSm90MixedSplit,
+                KernelWideSplit=FlashAttentionForwardSm90WideVSplit, combine=flash_attn_combine, dtypes=dtypes)
     return _FA4
 
 
@@ -80,6 +89,10 @@ def _arch(device) -> int:
 
 
 _COMPILE_CACHE: dict = {}
+#: What the last call ran (host-side record, for benchmarks and tests): ``kernel`` (the kernel class name),
+#: ``config`` (the resolved :class:`~blockdiff.attention.cute.config.CuteConfig`, ``num_splits`` filled in) and
+#: ``kv_path`` (:func:`~blockdiff.attention.cute.config.kv_load_path`).
+LAST_LAUNCH: dict = {}
 
 
 def attention_cute(
@@ -123,9 +136,15 @@ def attention_cute(
             long-prefill tile shape at hd 128 and the tile order (see
             :func:`~blockdiff.attention.cute.config.resolve_config`): pass the true
             maximum query length. The grid is sized from ``q.shape[0]``, so any value gives the right result.
+            Both bound the keys a tile visits for the split-KV count
+            (:func:`~blockdiff.attention.cute.config.choose_num_splits`; ``max_seqlen_k`` default: the cache
+            capacity of a sequence), which any upper bound keeps correct.
         check_values: run the host-side value checks (default: yes unless a CUDA graph is being captured).
         config: :class:`~blockdiff.attention.cute.config.CuteConfig` or dict (tile_m, tile_n, mma_pv_is_rs,
-            intra_wg_overlap, num_stages, lpt); None: :func:`~blockdiff.attention.cute.config.resolve_config`.
+            intra_wg_overlap, num_stages, lpt, num_splits); None:
+            :func:`~blockdiff.attention.cute.config.resolve_config`.
+            ``num_splits`` > 1 runs split-KV (:mod:`~blockdiff.attention.cute.kernel_split`: the kernel writes
+            fp32 partial outputs and LSEs per split, FA4's combine kernel merges them; two launches).
 
     Returns:
         ``out [total_q, num_heads, head_dim_v]`` (q's dtype) or ``(out, lse)``.
@@ -134,8 +153,9 @@ def attention_cute(
         ImportError: flash-attn-4 / nvidia-cutlass-dsl missing (the message names them).
         TypeError, ValueError: contract violations (see :mod:`blockdiff.attention.validate`); tensors not on
             a CUDA device.
-        NotImplementedError: valid input outside this backend: dtype other than bf16/fp16, head_dim outside
-            FA4 SM90's range (8..256, multiple of 8; e.g. Gemma's global layers, hd 512), a GPU other than SM90.
+        NotImplementedError: valid input outside this backend: dtype other than bf16/fp16, head dims outside
+            8..256 (multiples of 8) and outside equal multiples of 32 in (256, 512]
+            (:func:`~blockdiff.attention.cute.config.unsupported_head_dims`), a GPU other than SM90.
     """
     info = check_attention_inputs(
         q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens, causal=causal,
@@ -146,10 +166,9 @@ def attention_cute(
     # Valid inputs this backend does not cover raise NotImplementedError (benchmarks record a skip).
     if q.dtype not in SUPPORTED_DTYPES:
         raise NotImplementedError(f"backend 'cute' (FA4 SM90) runs bf16/fp16 only, got {q.dtype}")
-    for name, d in (("head_dim", info.head_dim), ("head_dim_v", info.head_dim_v)):
-        if not (8 <= d <= 256 and d % 8 == 0):
-            raise NotImplementedError(
-                f"backend 'cute' (FA4 SM90) supports {name} in [8, 256], a multiple of 8; got {d}")
+    why = unsupported_head_dims(info.head_dim, info.head_dim_v)
+    if why is not None:
+        raise NotImplementedError(f"backend 'cute': {why}")
     fa = _fa4()
     if q.device.type != "cuda":
         raise ValueError(f"backend 'cute' needs CUDA tensors, got q on {q.device}")
@@ -161,12 +180,13 @@ def attention_cute(
     return _run(fa, q, k_cache, v_cache, out=out, return_lse=return_lse, cu_seqlens_q=cu_seqlens_q,
                 num_causal_q=info.num_causal_q, seq_lens=info.seq_lens,
                 block_table=block_table if info.paged else None, cu_seqlens_k=cu_seqlens_k,
-                window_size=window_size, bidirectional_window=bidirectional_window, scale=info.scale,
-                arch=arch, config=config, max_seqlen_q=max_seqlen_q)
+                window_size=info.window_size, bidirectional_window=bidirectional_window, scale=info.scale,
+                arch=arch, config=config, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
 
 
 def _run(fa, q, k_cache, v_cache, *, out, return_lse, cu_seqlens_q, num_causal_q, seq_lens, block_table,
-         cu_seqlens_k, window_size, bidirectional_window, scale, arch, config, max_seqlen_q=None):
+         cu_seqlens_k, window_size, bidirectional_window, scale, arch, config, max_seqlen_q=None,
+         max_seqlen_k=None):
     """Launch (compiling on first use) on validated inputs. No host sync."""
     total_q, H, head_dim = q.shape
     num_kv_heads, head_dim_v = v_cache.shape[-2], v_cache.shape[-1]
@@ -183,8 +203,13 @@ def _run(fa, q, k_cache, v_cache, *, out, return_lse, cu_seqlens_q, num_causal_q
 
     qhead_per_kvhead = H // num_kv_heads
     pack_gqa = qhead_per_kvhead > 1
-    cfg = resolve_config(head_dim, head_dim_v, window_size, config,
-                         max_seqlen_q if max_seqlen_q is not None else q.shape[0])
+    # tiles and the split count from host shapes only (config.choose_num_splits)
+    cfg = resolve_launch_config(
+        head_dim, head_dim_v, window_size, config, total_q=total_q, num_seqs=cu_seqlens_q.shape[0] - 1,
+        num_kv_heads=num_kv_heads, qhead_per_kvhead=qhead_per_kvhead,
+        keys_capacity=block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[0],
+        max_seqlen_q=max_seqlen_q if max_seqlen_q is not None else q.shape[0], max_seqlen_k=max_seqlen_k,
+        num_sms=_num_sms(q.device))
     # Strided q / caches are fine (dynamic strides) as long as the last dim is dense and 16-byte aligned.
     q, k_cache, v_cache = mc(q), mc(k_cache), mc(v_cache)
     cu_q = cu_seqlens_q.to(torch.int32).contiguous()
@@ -193,7 +218,8 @@ def _run(fa, q, k_cache, v_cache, *, out, return_lse, cu_seqlens_q, num_causal_q
         page_table = mc(block_table.to(torch.int32), align_bytes=4)
         seqused_k = seq_lens.to(torch.int32).contiguous()
         cu_k = None
-        kv_path = kv_load_path(k_cache.shape[1], cfg.tile_n)
+        kv_path = kv_load_path(k_cache.shape[1], cfg.tile_n,
+                               WIDE_MAX_PAGE_BOXES if is_wide(head_dim, head_dim_v) else None)
         paged_kv_non_tma = kv_path == "cp.async"
         kv_page_size = k_cache.shape[1] if kv_path == "tma_boxes" else None
     else:
@@ -202,30 +228,66 @@ def _run(fa, q, k_cache, v_cache, *, out, return_lse, cu_seqlens_q, num_causal_q
         cu_k = cu_seqlens_k.to(torch.int32).contiguous()
         paged_kv_non_tma = False
         kv_page_size = None
+        kv_path = "tma"
     has_window = window_size is not None
     # Without a window the prefix/symmetric choice is moot: one compiled kernel serves both.
     prefix = bidirectional_window == "prefix" and has_window
 
+    split = cfg.num_splits > 1
+    LAST_LAUNCH.clear()
+    LAST_LAUNCH.update(kernel=("FlashAttentionForwardSm90WideV" if is_wide(head_dim, head_dim_v)
+                               else "FlashAttentionForwardSm90Mixed") + ("Split" if split else ""),
+                       config=cfg, kv_path=kv_path)
     key = (q.dtype, head_dim, head_dim_v, qhead_per_kvhead, pack_gqa, cfg, paged, paged_kv_non_tma,
-           kv_page_size, has_window, prefix, return_lse, arch)
+           kv_page_size, has_window, prefix, return_lse and not split, arch)
+    aux = [ncq]
+    if split:  # each split's normalised fp32 output and LSE, merged by FA4's combine kernel below
+        aux += [torch.empty(cfg.num_splits, total_q, H, head_dim_v, dtype=torch.float32, device=q.device),
+                torch.empty(cfg.num_splits, H, total_q, dtype=torch.float32, device=q.device)]
+    lse_k = None if split else lse
     compiled = _COMPILE_CACHE.get(key)
     if compiled is None:
-        compiled = _compile(fa, key, q, k_cache, v_cache, out_k, lse, scale, cu_q, cu_k, seqused_k,
-                            page_table, window_size, ncq)
+        compiled = _compile(fa, key, q, k_cache, v_cache, out_k, lse_k, scale, cu_q, cu_k, seqused_k,
+                            page_table, window_size, aux)
         _COMPILE_CACHE[key] = compiled
     if not fa["is_fake_mode"]():
-        compiled(q, k_cache, v_cache, out_k, lse, scale, cu_q, cu_k, None, seqused_k, page_table,
-                 window_size, window_size, None, None, fa["AuxData"]([ncq], None), None, None)
-        if out_k is not out:
-            out.copy_(out_k)
+        compiled(q, k_cache, v_cache, out_k, lse_k, scale, cu_q, cu_k, None, seqused_k, page_table,
+                 window_size, window_size, None, None, fa["AuxData"](aux, None), None, None)
+    fake = fa["is_fake_mode"]()
+    if split:
+        # (splits, total_q, H) views with total_q contiguous, FA4's combine layout for the LSEs
+        _, lse_merged = fa["combine"](aux[1], aux[2].permute(0, 2, 1), out=out_k, cu_seqlens=cu_q,
+                                      return_lse=return_lse)
+        if return_lse and not fake:
+            lse.copy_(lse_merged.t())
+    if out_k is not out and not fake:
+        out.copy_(out_k)
     return (out, lse) if return_lse else out
 
 
-def _compile(fa, key, q, k, v, out, lse, scale, cu_q, cu_k, seqused_k, page_table, window_size, ncq):
+_NUM_SMS: dict = {}
+
+
+def _num_sms(device) -> int:
+    """Streaming multiprocessors of ``device`` (FLASH_ATTENTION_NUM_SMS when set: compile-only runs)."""
+    env = os.environ.get("FLASH_ATTENTION_NUM_SMS")
+    if env is not None:
+        return int(env)
+    idx = torch.device(device).index
+    idx = torch.cuda.current_device() if idx is None else idx
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
+
+
+def _compile(fa, key, q, k, v, out, lse, scale, cu_q, cu_k, seqused_k, page_table, window_size, aux):
     (dtype, head_dim, head_dim_v, qhead_per_kvhead, pack_gqa, cfg, paged, paged_kv_non_tma, kv_page_size,
      has_window, prefix, return_lse, arch) = key
     cute, tct = fa["cute"], fa["to_cute_tensor"]
-    kernel = fa["Kernel"](
+    wide = is_wide(head_dim, head_dim_v)
+    split = dict(num_splits=cfg.num_splits) if cfg.num_splits > 1 else {}
+    kernel_cls = fa[("KernelWide" if wide else "Kernel") + ("Split" if split else "")]
+    kernel = kernel_cls(
         fa["dtypes"][dtype],
         head_dim,
         head_dim_v,
@@ -242,6 +304,7 @@ def _compile(fa, key, q, k, v, out, lse, scale, cu_q, cu_k, seqused_k, page_tabl
         prefix_window=prefix,
         kv_page_size=kv_page_size,
         lpt=cfg.lpt,
+        **split,
     )
     small = lambda t, lead=0: None if t is None else tct(t, assumed_align=4, leading_dim=lead)  # noqa: E731
     with kernel.trace_patches():  # page-box K/V TMA atoms (kv_page_size), FA4's tile order off (not lpt)
@@ -254,7 +317,7 @@ def _compile(fa, key, q, k, v, out, lse, scale, cu_q, cu_k, seqused_k, page_tabl
             window_size, window_size,
             None,  # learnable_sink
             None,  # block-sparse tensors
-            fa["AuxData"]([small(ncq)], None),
+            fa["AuxData"]([small(aux[0])] + [tct(t, assumed_align=16) for t in aux[1:]], None),
             None, None,  # cu_total_m_blocks (batch-lookup aid, not used)
             cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
             options="--enable-tvm-ffi",
@@ -263,10 +326,11 @@ def _compile(fa, key, q, k, v, out, lse, scale, cu_q, cu_k, seqused_k, page_tabl
 
 def compile_only(head_dim: int = 128, num_heads: int = 16, num_kv_heads: int = 8, page_size: int | None = 128,
                  window_size=None, bidirectional_window="symmetric", return_lse=False, dtype=torch.bfloat16,
-                 config=None, max_seqlen_q: int | None = None):
+                 config=None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None):
     """Compile the kernel for one static configuration without a GPU (FA4's fake-tensor route).
 
-    The batch is 2 sequences of 256 query tokens; ``max_seqlen_q`` is the host hint of :func:`attention_cute`
+    The batch is 2 sequences of 256 query tokens (head dims above 256 compile the split-value kernel);
+    ``max_seqlen_q`` is the host hint of :func:`attention_cute`
     (default: total tokens, 512: longest-first order; 256: the canvas tiles and plain order).
 
     Sets FA4's CPU-compile variables when unset (FLASH_ATTENTION_ARCH=sm_90, CUTE_DSL_ARCH=sm_90a,
@@ -300,7 +364,8 @@ def compile_only(head_dim: int = 128, num_heads: int = 16, num_kv_heads: int = 8
         _run(fa, q, k, v, out=None, return_lse=return_lse, cu_seqlens_q=cu, num_causal_q=ncq,
              seq_lens=kw["seq_lens"], block_table=kw.get("block_table"), cu_seqlens_k=kw.get("cu_seqlens_k"),
              window_size=window_size, bidirectional_window=bidirectional_window,
-             scale=head_dim ** -0.5, arch=_arch(None), config=config, max_seqlen_q=max_seqlen_q)
+             scale=head_dim ** -0.5, arch=_arch(None), config=config, max_seqlen_q=max_seqlen_q,
+             max_seqlen_k=max_seqlen_k)
 
 
-__all__ = ["attention_cute", "compile_only"]
+__all__ = ["attention_cute", "compile_only", "LAST_LAUNCH"]

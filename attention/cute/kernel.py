@@ -502,8 +502,10 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         aux_data: AuxData = AuxData(),
         fastdiv_mods=None,
     ):
-        # Trace-time hand-off: the num_causal_q tensor (a value of this kernel) for load() and mma().
+        # Trace-time hand-off: the num_causal_q tensor (a value of this kernel) for load() and mma(); the aux
+        # tensors after it belong to subclasses (kernel_split.py's workspace).
         self._mNumCausalQ = aux_data.tensors[0]
+        self._aux_tensors = aux_data.tensors
         _call_fa4_kernel_body(
             self,
             mQ,

@@ -8,7 +8,8 @@ The helpers are ``@triton.jit`` functions (Gluon kernels call them too; they are
 * :func:`kv_base`: where a sequence's keys are (block-table row, or first row of the contiguous caches);
 * :func:`row_key_interval`: each query row's allowed key interval ``[lo, hi]`` (the device form of
   :func:`blockdiff.attention.masks.key_range`);
-* :func:`key_block_ranges`: the key blocks a tile visits, of which the full (unmasked) ones;
+* :func:`tile_key_bounds` / :func:`key_block_ranges`: a tile's key bounds; the key blocks it visits, of which the
+  full (unmasked) ones;
 * :func:`cast`: ``x.to(dtype)`` rounding to nearest even under the interpreter too.
 
 :func:`_merge_kernel` merges the split-KV partials exactly (flash-decoding's LSE merge: Dao et al., 2023,
@@ -94,14 +95,22 @@ def row_key_interval(i, ctx, ncq, seq_len, window, HAS_WINDOW: tl.constexpr, PRE
 
 
 @triton.jit
-def key_block_ranges(lo, hi, row_valid, split, num_splits, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
-    """Key blocks a tile visits: ``[a, d_end)`` (this split's share of the blocks between the valid rows'
-    min lo and max hi), of which ``[b_mid, c_mid)`` are full (every row allows every key: no mask)."""
+def tile_key_bounds(lo, hi, row_valid):
+    """A tile's key bounds over its valid rows: ``(kmin, kmax)`` (the union of their intervals: keys outside it
+    are allowed by no row) and ``(lo_max, hi_min)`` (keys in ``[lo_max, hi_min]`` are allowed by every row)."""
     BIG: tl.constexpr = 1 << 30
     kmin = tl.min(tl.where(row_valid, lo, BIG), 0)
     kmax = tl.max(tl.where(row_valid, hi, -1), 0)
     lo_max = tl.max(tl.where(row_valid, lo, 0), 0)
     hi_min = tl.min(tl.where(row_valid, hi, BIG), 0)
+    return kmin, kmax, lo_max, hi_min
+
+
+@triton.jit
+def key_block_ranges(lo, hi, row_valid, split, num_splits, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+    """Key blocks a tile visits: ``[a, d_end)`` (this split's share of the blocks between the valid rows'
+    min lo and max hi), of which ``[b_mid, c_mid)`` are full (every row allows every key: no mask)."""
+    kmin, kmax, lo_max, hi_min = tile_key_bounds(lo, hi, row_valid)
     blk_lo = kmin // BLOCK_N
     blk_hi = tl.maximum(tl.where(kmax >= kmin, kmax // BLOCK_N + 1, blk_lo), blk_lo)
     if SPLIT:

@@ -1,6 +1,6 @@
-"""Offline sm_90a compile check of the Gluon kernels: compile one configuration for a ``GPUTarget`` without a GPU
-and run ``ptxas -v`` on its PTX (registers, spills, shared memory), for CPU tests and for pre-screening tiles.
-The constexprs are :func:`.config.kernel_constexprs`', as a launch plan's.
+"""Offline sm_90a compile check of the Gluon kernels and of the portable kernel: compile one configuration for a
+``GPUTarget`` without a GPU and run ``ptxas -v`` on its PTX (registers, spills, shared memory), for CPU tests and
+for pre-screening tiles. The constexprs are :func:`.config.kernel_constexprs`', as a launch plan's.
 """
 import os
 import re
@@ -10,11 +10,13 @@ import tempfile
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import mangle_type
 
 from .config import KernelShape, TritonConfig, check_gluon_config, kernel_constexprs, kernel_variant, tma_boxes
 from .gluon import KERNELS
+from .portable import _attn_fwd_kernel
 from .tma import make_kv_descriptors
 
 #: the kernels' per-step integer arguments (Triton does not specialise them: ``do_not_specialize``)
@@ -68,6 +70,15 @@ def compile_for_sm90(*, block_m: int, block_n: int, num_warps: int, num_stages: 
     ck = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                         options=dict(num_warps=consts["num_warps"], maxnreg=maxnreg))
     ptx = ck.asm["ptx"]
+    report = _ptxas(ptx)
+    return {"shared": ck.metadata.shared, "ptxas": report, "wgmma": "wgmma.mma_async" in ptx,
+            "tma": "cp.async.bulk.tensor" in ptx, "setmaxnreg": "setmaxnreg" in ptx,
+            "setmaxnreg_values": sorted({int(v) for v in
+                                         re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)})}
+
+
+def _ptxas(ptx: str) -> str:
+    """``ptxas -v`` for sm_90a on a PTX text: its report (stderr). Raises RuntimeError if ptxas fails."""
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
@@ -78,10 +89,48 @@ def compile_for_sm90(*, block_m: int, block_n: int, num_warps: int, num_stages: 
         os.unlink(f.name)
     if r.returncode:
         raise RuntimeError(f"ptxas failed: {r.stderr[-2000:]}")
-    return {"shared": ck.metadata.shared, "ptxas": r.stderr, "wgmma": "wgmma.mma_async" in ptx,
-            "tma": "cp.async.bulk.tensor" in ptx, "setmaxnreg": "setmaxnreg" in ptx,
-            "setmaxnreg_values": sorted({int(v) for v in
-                                         re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)})}
+    return r.stderr
 
 
-__all__ = ["compile_for_sm90"]
+def compile_portable_for_sm90(*, block_m: int, block_n: int, num_warps: int, num_stages: int, head_dim: int,
+                              paged: bool, page_size: int | None = None, window: bool = False, prefix: bool = False,
+                              split: bool = False, group: int = 2, lazy: bool = False) -> dict:
+    """Compile the portable kernel (:func:`.portable._attn_fwd_kernel`) of a config for sm_90a without a GPU and
+    run ``ptxas -v``: bf16, ``head_dim == head_dim_v`` (no V slices), ``num_causal_q`` counts, LSE stored, with
+    the 16-byte divisibility a GPU launch specialises pointers and strides on (so loads vectorise as they do
+    there). Must run where ``TRITON_INTERPRET`` is unset.
+
+    Returns:
+        ``{"ptxas": report, "registers": int (the kernel's), "kernel_spills": bytes of spill stores in the kernel,
+        "cold_spills": those of its non-inlined cold functions (:func:`.portable._nonfinite_tile`)}``.
+
+    Raises:
+        RuntimeError: ptxas failed.
+    """
+    BV = max(16, 1 << (head_dim - 1).bit_length())
+    cfg = TritonConfig(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, BLOCK_DV=BV,
+                       LAZY_RESCALE=lazy)
+    shape = KernelShape(group=group, head_dim=head_dim, head_dim_v=head_dim, dtype=torch.bfloat16, paged=paged,
+                        page_size=page_size if paged else None, has_window=window, prefix=prefix,
+                        causal_flags=False, split=split, store_lse=True, search_steps=1)
+    consts = kernel_constexprs(cfg, shape)
+    options = dict(num_warps=consts.pop("num_warps"), num_stages=consts.pop("num_stages"))
+    fn = _attn_fwd_kernel
+    pointers = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "LSE": "*fp32", "OPART": "*fp32",
+                "LSEPART": "*fp32", "CU_Q": "*i32", "SEQ_LENS": "*i32", "NCQ": "*i32", "BT": "*i32", "CU_K": "*i32"}
+    sig = {n: "constexpr" if n in consts else pointers.get(n, "fp32" if n == "qk_scale" else "i32")
+           for n in fn.arg_names}
+    aligned = [n for n in fn.arg_names if n in pointers or n == "num_heads"
+               or (n.startswith("stride_") and n != "stride_bt")]
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
+                    attrs={(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in aligned})
+    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    report = _ptxas(ck.asm["ptx"])
+    regs = [int(x) for x in re.findall(r"Used (\d+) registers", report)]
+    spills = {name.strip(): int(n) for name, n in
+              re.findall(r"Function properties for (\S+)\s+\d+ bytes stack frame, (\d+) bytes spill stores", report)}
+    return {"ptxas": report, "registers": regs[0] if regs else 0, "kernel_spills": spills.get(fn.__name__, 0),
+            "cold_spills": sum(n for name, n in spills.items() if name != fn.__name__)}
+
+
+__all__ = ["compile_for_sm90", "compile_portable_for_sm90"]

@@ -48,6 +48,21 @@ head_dim`` for vLLM's FlashAttention layout, which packs a token's K and V of on
 
 Keys at or beyond ``seq_len`` inside the last key block (stale cache rows, which may hold NaN) are masked to
 -inf in QK^T and their V rows are zeroed in shared memory before PV, so they never reach the output.
+
+Known gap of the attention contract (issue 26; the portable kernel closes it, :func:`.portable._attn_block`):
+keys *inside* ``seq_len`` that a row may not see (a causal row's future keys on the diagonal block, keys past a
+window edge) are masked to -inf in S, so their weight is 0, but their V rows enter the PV wgmma unselected: a NaN /
+Inf in such a V row gives ``0 * NaN = NaN`` in every row of the tile whose key block holds it (finite V is exact).
+The fix that fits these kernels: in masked blocks only, zero the V rows of keys outside the tile's key union in
+shared memory (as :func:`_zero_stale_v` does past ``seq_len``) and, for ragged blocks, scan V for a non-finite
+entry and route such tiles to a cold fix-up of the stored output (the portable kernel's :func:`_nonfinite_tile`);
+it costs a shared-memory pass over V per masked block in the consumer warpgroups, which already run at their
+register budgets, so it waits for a GPU A/B run.
+
+Unchecked metadata (``check_values=False``): K / V are read through TMA descriptors, which bounds-check (a bad page
+id reads zeros), but the block-table reads follow ``seq_lens`` and the Q loads / output stores follow
+``cu_seqlens_q`` unguarded: a ``seq_lens`` beyond the block table or a ``cu_seqlens_q`` beyond ``q`` is an
+out-of-bounds access here (the portable kernel guards both).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl

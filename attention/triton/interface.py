@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import torch
 
-from ..validate import check_attention_inputs
+from ..validate import check_attention_inputs, debug_checks
 from .config import (TUNED_CONFIGS, TUNED_GLUON_CONFIGS, TUNED_SPLIT_CONFIGS, TritonAttention, choose_num_splits,
                      ctas_per_sm, default_config, get_kernel, interpreting)
 from .plans import make_plan, plan_key, run_plan
@@ -102,9 +102,11 @@ def attention_triton(
         cu_seqlens_q: ``[B+1]`` int32 (int64 accepted).
         seq_lens: ``[B]`` int32 keys per sequence including its query tokens.
         causal: ``[B]`` bool, or ``num_causal_q`` ``[B]`` int32 (the first n rows causal). Device tensors.
-        window_size: None or int W >= 0 (keys per side, excluding the query's own position).
+        window_size: None or int W >= 0 (keys per side, excluding the query's own position); any
+            ``W >= WINDOW_NO_BOUND`` is None (:func:`blockdiff.attention.masks.check_window`).
         bidirectional_window: ``"symmetric"`` or ``"prefix"``.
-        scale: softmax scale (default ``head_dim ** -0.5``).
+        scale: softmax scale (default ``head_dim ** -0.5``), ``|scale| <= MAX_SCALE``; scores in fp32 as the
+            reference's (an overflowing score is outside the contract).
         out: optional preallocated ``[total_q, num_heads, head_dim_v]`` (q's dtype) written in place.
         return_lse: also return ``lse [num_heads, total_q]`` fp32 (natural log; -inf for rows with no key).
         max_seqlen_q: unused (the grid is sized from ``total_q`` and B).
@@ -115,6 +117,18 @@ def attention_triton(
             devices, 16-byte alignment of the tensors, the host scalars, config, whether ``out`` overlaps an
             input): later calls with the same key skip validation and planning and launch the compiled kernels
             directly (:data:`PLANS`; values, flags, lengths and block tables may change between them).
+            The fast path trusts the value rules (:func:`blockdiff.attention.attention`: ``cu_seqlens_q`` from
+            0, non-decreasing, ending at ``total_q``; ``q_len <= seq_lens <= MAX_SEQ_LEN``; ``num_causal_q`` in
+            ``[0, q_len]``; the block table covering ``cdiv(seq_len, page_size)`` columns of page ids in
+            ``[0, num_blocks)``; in the contiguous form ``cu_seqlens_k`` from 0, non-decreasing, within the cache,
+            matching ``seq_lens``): results for input breaking them are unspecified. What the kernels still
+            guard: the portable kernel clamps page ids into ``[0, num_blocks)``, ``seq_lens`` to the block
+            table's capacity (contiguous: ``cu_seqlens_k`` and ``seq_lens`` to the cache rows) and query rows to
+            ``[0, total_q)``, so it never reads or writes outside its tensors; the Gluon kernels read K / V
+            through TMA descriptors, which bounds-check (a bad page id reads zeros), but a ``seq_lens`` beyond
+            the block table or a ``cu_seqlens_q`` beyond ``q`` is an out-of-bounds access there. The debug
+            switch (:func:`blockdiff.attention.set_debug_checks`, ``BLOCKDIFF_CHECK_VALUES=1``) makes
+            ``check_values=False`` calls take the full, checked path (no plan), except under capture.
         config: optional dict overriding BLOCK_M (rows = tokens x padded GQA group), BLOCK_N (keys per block),
             num_warps, num_stages, num_splits (split-KV count; None = automatic), BLOCK_DV (V head-dim slice per
             program), LAZY_RESCALE (bool, default False), BT_PREFETCH (bool, default True), IMPL ("triton" or
@@ -131,7 +145,11 @@ def attention_triton(
             runs the Gluon kernel (``LAST_LAUNCH["impl"]``); with IMPL="triton" they are a ValueError.
 
     Returns:
-        ``out`` or ``(out, lse)``; rows with no allowed key are 0 with lse -inf.
+        ``out`` or ``(out, lse)``; rows with no allowed key are 0 with lse -inf. Keys outside a row's allowed
+        set contribute nothing, NaN / Inf in their K or V included, in the portable kernel. The Gluon kernels
+        zero only stale V rows (at or past ``seq_len``): a non-finite V entry of a key inside ``seq_len`` that a
+        row may not see, in a key block the row's tile visits (a causal diagonal, a window edge), reaches that
+        row's output (see :mod:`.gluon`); finite V is exact there too.
 
     Raises:
         TypeError, ValueError: see :func:`blockdiff.attention.validate.check_attention_inputs`; also a bad
@@ -141,6 +159,8 @@ def attention_triton(
         raise ValueError(f"backend 'triton' needs CUDA tensors, got q on {q.device}; on the CPU set "
                          "TRITON_INTERPRET=1 before importing triton to run the kernel in the Triton interpreter")
     calls = (cu_seqlens_q, seq_lens, causal, num_causal_q, block_table, cu_seqlens_k)
+    if check_values is False and debug_checks():
+        check_values = None  # the debug switch: the full path, value checks included (unless capturing)
     key = None
     if check_values is False and PLANS_ENABLED:
         # the launch plan of an earlier call with the same key (host work only; see plans.plan_key)

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from ..masks import MAX_SEQ_LEN
+from ..validate import memory_overlaps
 from .common import _merge_kernel
 from .config import (CallShape, KernelShape, TritonConfig, choose_launch_config, get_kernel, interpreting,
                      kernel_constexprs, kernel_variant, merge_constexprs, next_pow2, tma_boxes)
@@ -22,7 +24,6 @@ from .portable import _attn_fwd_kernel
 from .tma import gluon_ineligible, make_kv_descriptors
 
 LOG2E = 1.4426950408889634
-_WINDOW_CLAMP = 1 << 30  # windows wider than any sequence behave as "no window"; keeps q_abs + W in int32
 _DEVICE_PROPS: dict = {}  # per CUDA device index
 
 
@@ -54,21 +55,6 @@ def _num_sms(device: torch.device) -> int:
     return _device_props(device).multi_processor_count
 
 
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors' memory spans intersect (host pointer arithmetic only; conservative)."""
-    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
-        return False
-
-    def span(t):
-        start = t.data_ptr()
-        extent = sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) + 1
-        return start, start + extent * t.element_size()
-
-    a0, a1 = span(a)
-    b0, b1 = span(b)
-    return a0 < b1 and b0 < a1
-
-
 def _tensor_key(t):
     """What a plan may depend on of a tensor argument: shape, strides, dtype, device and whether its address is
     16-byte aligned (Triton specialises pointer arguments on that); None for None. Raises for a non-tensor."""
@@ -94,7 +80,7 @@ def plan_key(q, k_cache, v_cache, calls, window_size, bidirectional_window, scal
     if max_seqlen_k is not None and type(max_seqlen_k) is not int:
         return None  # e.g. a 0-d tensor, whose value may change in place: no plan (the full path reads it)
     try:
-        aliased = out is not None and any(_overlaps(out, t) for t in (q, k_cache, v_cache))
+        aliased = out is not None and any(memory_overlaps(out, t) for t in (q, k_cache, v_cache))
         cfg = None if config is None else tuple(sorted((k, type(v), v) for k, v in config.items()))
         key = (tuple(_tensor_key(t) for t in (q, k_cache, v_cache, out) + tuple(calls)),
                type(window_size), window_size, type(bidirectional_window), bidirectional_window, type(scale), scale,
@@ -190,12 +176,15 @@ def make_plan(q, k_cache, v_cache, info, block_table, window_size, bidirectional
     # an out that overlaps an input (e.g. out=q) would be overwritten while other programs still read it (V
     # head-dim slices re-read the Q tile): write a private buffer and copy back (host pointer math, no sync)
     private = out is not None and (not (out.numel() == 0 or out.stride(-1) == 1)
-                                   or any(_overlaps(out, t) for t in (q, k_cache, v_cache)))
+                                   or any(memory_overlaps(out, t) for t in (q, k_cache, v_cache)))
     plan = Plan(total_q=total_q, num_heads=H, head_dim_v=DV, empty=total_q == 0 or B == 0, return_lse=return_lse,
                 private_dst=private, paged=info.paged, ncq_flags=info.causal is not None)
     if plan.empty:
         return plan
 
+    # the effective window (masks.check_window): None for None and for any W >= WINDOW_NO_BOUND (no bound), so the
+    # kernels' int32 q_abs + W cannot overflow
+    window_size = info.window_size
     has_window = window_size is not None
     prefix = bidirectional_window == "prefix"
     kern = get_kernel(D, DV, group, q.dtype, info.paged, info.page_size, has_window, prefix)
@@ -228,7 +217,7 @@ def make_plan(q, k_cache, v_cache, info, block_table, window_size, bidirectional
         stride_kb, stride_kp, stride_kh = k_cache.stride(0), 0, k_cache.stride(1)
         stride_vb, stride_vp, stride_vh = v_cache.stride(0), 0, v_cache.stride(1)
         stride_bt = 0
-    W = min(int(window_size), _WINDOW_CLAMP) if has_window else 0
+    W = window_size if has_window else 0
     qk_scale = info.scale * LOG2E
     # 16-ary tile -> sequence search: ceil(bits(B) / 4) steps, so batches of 1..15 (16..255, ...) sequences
     # share one compiled kernel
@@ -243,8 +232,15 @@ def make_plan(q, k_cache, v_cache, info, block_table, window_size, bidirectional
     common_tail = (total_q, H, B, n_tiles, W, qk_scale, ns)
     variant = kernel_variant(cfg, DV)
     if variant == "portable":
+        # the portable kernel's metadata guards: the caches' leading extent (pages, or rows) and the keys a
+        # sequence may have (the block table's capacity, <= MAX_SEQ_LEN; 0 without pages)
+        kv_rows = k_cache.shape[0]
+        if info.paged:
+            kv_cap = min(block_table.shape[1] * info.page_size, MAX_SEQ_LEN) if kv_rows else 0
+        else:
+            kv_cap = MAX_SEQ_LEN
         plan.tail = (q.stride(0), q.stride(1), stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh,
-                     st_o[0], st_o[1], stride_bt) + common_tail
+                     st_o[0], st_o[1], stride_bt) + common_tail + (kv_rows, kv_cap)
         plan.main = Launch(_attn_fwd_kernel, grid, consts)
     else:  # the Gluon kernels read K / V through TMA descriptors (made per call from the cached boxes)
         plan.descriptors = tma_boxes(cfg, shape)

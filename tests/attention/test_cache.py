@@ -48,3 +48,47 @@ def test_out_of_range_slot_and_empty_write():
     with pytest.raises(ValueError, match="slot_mapping has a slot >="):
         write_kv_cache(k, k, kc, vc, torch.tensor([8]))
     write_kv_cache(k[:0], k[:0], kc, vc, torch.zeros(0, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("which", ["k", "v"])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool])
+def test_integer_k_or_v_is_a_type_error_not_a_silent_cast(which, dtype):
+    kc, vc = _caches()
+    k = torch.zeros(2, 1, 2)
+    kw = dict(k=k, v=k)
+    kw[which] = torch.ones(2, 1, 2, dtype=dtype)
+    with pytest.raises(TypeError, match=f"{which} must be a floating-point tensor"):
+        write_kv_cache(kw["k"], kw["v"], kc, vc, torch.tensor([0, 1]))
+
+
+def test_float_k_is_rounded_to_the_cache_dtype():
+    kc, vc = (c.bfloat16() for c in _caches())
+    k = torch.full((1, 1, 2), 1.0 + 2 ** -12, dtype=torch.float64)
+    write_kv_cache(k, k, kc, vc, torch.tensor([3]))
+    assert kc.view(8, 1, 2)[3].eq(1.0).all()
+
+
+def test_k_cache_and_v_cache_sharing_memory_is_a_value_error():
+    """Was: v written over k silently (the same tensor passed twice)."""
+    kc, _ = _caches()
+    k = torch.ones(1, 1, 2)
+    with pytest.raises(ValueError, match="must not share memory"):
+        write_kv_cache(k, k, kc, kc, torch.tensor([0]))
+    flat = torch.zeros(17, 1, 2)
+    with pytest.raises(ValueError, match="must not share memory"):  # overlapping contiguous views
+        write_kv_cache(k, k, flat[:8].view(2, 4, 1, 2), flat[1:9].view(2, 4, 1, 2), torch.tensor([0]))
+
+
+def test_interleaved_k_and_v_halves_of_one_tensor_are_fine():
+    kv = torch.zeros(2, 4, 1, 4)  # [..., k | v] in the last dim: strided views that never share an element
+    kc, vc = kv[..., :2], kv[..., 2:]
+    k = torch.arange(2.).reshape(1, 1, 2)
+    write_kv_cache(k, -k, kc, vc, torch.tensor([5]))
+    assert kv.view(8, 1, 4)[5].tolist() == [[0.0, 1.0, -0.0, -1.0]]
+
+
+def test_debug_switch_checks_slots_of_check_values_false_calls(debug_on):
+    kc, vc = _caches()
+    k = torch.zeros(1, 1, 2)
+    with pytest.raises(ValueError, match="slot_mapping has a slot >="):
+        write_kv_cache(k, k, kc, vc, torch.tensor([8]), check_values=False)

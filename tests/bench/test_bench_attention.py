@@ -128,3 +128,15 @@ def test_blockdiff_layouts_time_exactly_the_requested_kv_layouts(tmp_path, layou
     assert [r.get("kv_layout") for r in rows if r["backend"] == "triton"] == expect
     assert [r.get("kv_layout") for r in rows if r["backend"] == "reference"] == [None]
     assert all(r["status"] == "ok" and r["correct"] is True for r in rows), rows
+
+
+def test_cute_configs_add_cute_rows_with_their_config(tmp_path):
+    """--cute-configs: one extra cute row per CuteConfig dict (label names it); on the CPU the cute rows do not
+    run (no GPU / CuTe DSL) and are recorded, the run goes on."""
+    rows = ba.main(["--quick", "--out", str(tmp_path), "--no-plots", "--backends", "cute",
+                    "--cute-configs", json.dumps([{"tile_n": 64}]), "--workloads", "canvas_bs4_ctx4k_hd128"])
+    assert len(rows) == 2 and "config" not in rows[0] and rows[1]["config"] == {"tile_n": 64}
+    assert ba.label_of(rows[1]) == "cute[64]"
+    assert all(r["status"] in ("skipped", "error") for r in rows)
+    with pytest.raises(SystemExit):
+        ba.main(["--quick", "--cute-configs", '{"tile_n": 64}'])

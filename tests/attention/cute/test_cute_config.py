@@ -57,3 +57,126 @@ def test_resolve_config_rejects_bad_config_types_and_names_the_missing_package(m
 def test_page_boxes_need_multiples_of_8_rows_that_tile_the_key_tile():
     assert cc.page_box_tma_ok(64, 128) and cc.page_box_tma_ok(256, 128) and cc.page_box_tma_ok(128, 128)
     assert not cc.page_box_tma_ok(4, 128) and not cc.page_box_tma_ok(48, 128) and not cc.page_box_tma_ok(64, 80)
+
+
+# ----------------------------------------------------------------------------- head dims above 256 (kernel_wide)
+def test_head_dims_above_256_take_the_split_value_kernel_with_equal_multiples_of_32():
+    """FA4's kernel covers 8..256 (multiples of 8); above that only equal head dims that split into two
+    16-aligned value halves of <= 256 run (Gemma 4's global layers: 512)."""
+    assert not cc.is_wide(256, 256) and cc.is_wide(512, 512) and cc.is_wide(128, 512)
+    assert cc.unsupported_head_dims(128, 128) is None and cc.unsupported_head_dims(256, 256) is None
+    assert cc.unsupported_head_dims(512, 512) is None and cc.unsupported_head_dims(384, 384) is None
+    for hd, hdv in ((12, 12), (576, 576), (512, 256), (256, 512), (320 + 16, 320 + 16), (1024, 1024)):
+        assert cc.unsupported_head_dims(hd, hdv) is not None, (hd, hdv)
+    assert "head_dim" in cc.unsupported_head_dims(12, 12)
+
+
+def test_wide_config_resolves_without_flash_attn(monkeypatch):
+    """The split-value tiles come from this module alone (no FA4 heuristic): 64 x 32 with two K/V stages by
+    default; a dict asking for 64-key blocks gets the one stage that fits; lpt follows the query-length hint."""
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", None)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", None)
+    cfg = cc.resolve_config(512, 512, None, None, max_seqlen_q=256)
+    assert (cfg.tile_m, cfg.tile_n, cfg.num_stages, cfg.lpt) == (64, 32, 2, False)
+    assert (cfg.mma_pv_is_rs, cfg.intra_wg_overlap) == (False, True)
+    cfg64 = cc.resolve_config(512, 512, 1023, dict(tile_n=64), max_seqlen_q=4096)
+    assert (cfg64.tile_n, cfg64.num_stages, cfg64.lpt) == (64, 1, True)
+    assert cc.resolve_config(512, 512, None, cc.CuteConfig(tile_m=64, tile_n=16, num_stages=3)).num_stages == 3
+
+
+def test_wide_shared_memory_arithmetic():
+    """Q 64 KB + stages x (K + V) + two P slots + 3 KB of row factors + 1 KB (equal to the CuTe DSL's
+    allocation for these tiles, checked by the compile test): 32-key blocks fit twice, 64-key blocks once."""
+    c32 = cc.CuteConfig(tile_m=64, tile_n=32, mma_pv_is_rs=False, intra_wg_overlap=True, num_stages=2)
+    c64 = cc.CuteConfig(tile_m=64, tile_n=64, mma_pv_is_rs=False, intra_wg_overlap=True, num_stages=1)
+    assert cc.config_smem_bytes(c32, 512, 512) == 2 * (64 * 512 + 2 * 32 * 1024 + 2 * 64 * 32) + 3072 + 1024
+    assert cc.config_smem_bytes(c32, 512, 512) == 208896
+    assert cc.config_smem_bytes(c64, 512, 512) == 217088
+    cc.check_config_fits(c64, 512, 512)
+    with pytest.raises(ValueError, match="num_stages"):
+        cc.check_config_fits(cc.CuteConfig(tile_m=64, tile_n=64, num_stages=2), 512, 512)
+
+
+@pytest.mark.parametrize("config,match", [
+    (dict(tile_m=128), "tile_m"), (dict(tile_n=40), "tile_n"), (dict(mma_pv_is_rs=True), "mma_pv_is_rs"),
+    (dict(intra_wg_overlap=False), "intra_wg_overlap"), (dict(tile_n=64, num_stages=2), "shared memory"),
+    (dict(num_stages=0), "num_stages"),
+])
+def test_wide_config_errors_name_the_field(config, match):
+    with pytest.raises(ValueError, match=match):
+        cc.resolve_config(512, 512, None, config)
+    with pytest.raises(TypeError, match="CuteConfig"):
+        cc.resolve_wide_config(512, 512, [64, 32])
+
+
+@pytest.mark.parametrize("page,tile_n,path", [
+    (64, 32, "tma_boxes"), (16, 32, "tma_boxes"), (8, 32, "cp.async"), (32, 64, "tma_boxes"), (16, 64, "cp.async"),
+    (256, 32, "tma_boxes"), (48, 32, "cp.async"), (None, 32, "tma"),
+])
+def test_split_value_kernel_takes_at_most_two_page_boxes_per_stage(page, tile_n, path):
+    """At hd 512 each page box is eight 64-column TMA copies; the producer's registers hold two boxes' worth."""
+    assert cc.kv_load_path(page, tile_n, cc.WIDE_MAX_PAGE_BOXES) == path
+    assert cc.kv_load_path(8, 32) == "tma_boxes"  # no cap for the other kernels
+
+
+# ----------------------------------------------------------------------------------------- split-KV (kernel_split)
+def test_grid_tiles_is_fa4s_varlen_grid():
+    """Packed rows plus one partial tile per sequence, times the KV heads: one 256-token canvas is 32 tiles at hd
+    512 (8 query heads per KV head in 64-row tiles, 2 KV heads) and 32 at hd 128 (2 per KV head, 128 rows, 8)."""
+    assert cc.grid_tiles(256, 1, 2, 8, 64) == 64
+    assert cc.grid_tiles(256, 1, 8, 2, 128) == 32
+    assert cc.grid_tiles(4 * 256, 4, 8, 2, 128) == 152
+
+
+@pytest.mark.parametrize("tiles,keys,sms,want", [
+    (64, 32768, 132, 2),     # canvas_bs1_ctx32k_global: 2 x 64 = 128 CTAs, one wave
+    (32, 32768, 132, 4),     # canvas_bs1_ctx32k_hd128
+    (32, 2303, 132, 2),      # canvas_bs1_ctx32k_sliding: the window bounds the keys (2 x 1023 + 256 + 1)
+    (152, 4096, 132, 1),     # canvas_bs4_ctx4k_hd128 fills more than half a wave: no split
+    (66, 32768, 132, 2), (67, 32768, 132, 1),
+    (32, 1500, 132, 1),      # fewer than 2 x 1024 keys: a split would not pay for itself
+    (1, 10 ** 6, 132, 16),   # at most MAX_SPLITS
+])
+def test_split_count_from_host_shapes(tiles, keys, sms, want):
+    assert cc.choose_num_splits(tiles, keys, sms) == want
+
+
+def test_split_count_rejects_bad_counts():
+    with pytest.raises(ValueError, match="num_tiles"):
+        cc.choose_num_splits(0, 100, 132)
+    with pytest.raises(ValueError, match="max_keys"):
+        cc.choose_num_splits(4, -1, 132)
+
+
+def test_key_bound_takes_capacity_hint_and_window():
+    assert cc.key_bound(33024, None, None, 256) == 33024
+    assert cc.key_bound(33024, 20000, None, 256) == 20000
+    assert cc.key_bound(33024, None, 1023, 256) == 2 * 1023 + 256 + 1
+    assert cc.key_bound(100, None, 1023, 256) == 100
+
+
+@pytest.mark.parametrize("bad", [0, 17, True, 2.0, "2"])
+def test_config_num_splits_is_validated(bad):
+    with pytest.raises(ValueError, match="num_splits"):
+        cc.resolve_wide_config(512, 512, dict(num_splits=bad))
+
+
+def test_config_num_splits_passes_through_resolution(monkeypatch):
+    assert cc.resolve_wide_config(512, 512, dict(num_splits=3)).num_splits == 3
+    assert cc.resolve_wide_config(512, 512, None).num_splits is None  # chosen per call from host shapes
+
+
+def test_launch_config_splits_a_batch_1_canvas_over_a_long_context_only():
+    """hd 512: one canvas over 32k keys (64 tiles) takes 2 splits, four canvases over 8k (>= half a wave of
+    tiles) none; an explicit count wins; a window bounds the keys."""
+    kw = dict(num_kv_heads=2, qhead_per_kvhead=8, max_seqlen_q=256, max_seqlen_k=None, num_sms=132)
+    one = cc.resolve_launch_config(512, 512, None, None, total_q=256, num_seqs=1, keys_capacity=33024, **kw)
+    assert one.num_splits == 2 and one.tile_n == 32
+    four = cc.resolve_launch_config(512, 512, None, None, total_q=1024, num_seqs=4, keys_capacity=8448, **kw)
+    assert four.num_splits == 1
+    forced = cc.resolve_launch_config(512, 512, None, dict(num_splits=5), total_q=1024, num_seqs=4,
+                                      keys_capacity=8448, **kw)
+    assert forced.num_splits == 5
+    short = cc.resolve_launch_config(512, 512, 100, None, total_q=256, num_seqs=1, keys_capacity=33024, **kw)
+    assert short.num_splits == 1  # 2 x 100 + 256 + 1 keys at most

@@ -10,7 +10,6 @@ NaN: no effect), and a CUDA-graph replay with metadata changed in place. Batches
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -24,9 +23,12 @@ from hypothesis import strategies as st
 from blockdiff.attention import get_backend
 from blockdiff.attention.cute import config as cc
 from blockdiff.attention.cute import interface as ca
-from blockdiff.attention.testing import check_close, make_batch_from_rows
+from blockdiff.attention.testing import check_close
 
-HAVE_FA4 = all(importlib.util.find_spec(m) is not None for m in ("flash_attn", "cutlass"))
+from cute_helpers import HAVE_FA4, capture_graph, fill_past_seq_lens, needs_gpu
+from cute_helpers import gpu_batch as _batch
+from cute_helpers import run_and_check as _run_and_check
+
 
 
 # ----------------------------------------------------------------------------------------------- CPU tests
@@ -44,13 +46,30 @@ def test_module_imports_without_flash_attn_and_names_it_when_called(monkeypatch)
     assert "nvidia-cutlass-dsl" in str(e.value)
 
 
-@pytest.mark.parametrize("dtype,hd", [(torch.float32, 64), (torch.bfloat16, 512), (torch.float16, 12)])
+@pytest.mark.parametrize("dtype,hd", [(torch.float32, 64), (torch.bfloat16, 576), (torch.float16, 12),
+                                      (torch.bfloat16, 336)])
 def test_valid_inputs_outside_the_backend_raise_not_implemented(dtype, hd):
-    """fp32, hd 512 (Gemma's global layers) and head dims FA4 SM90 cannot tile are contract-valid: the backend
-    says NotImplementedError (benchmarks record a skip), before needing the GPU packages."""
+    """fp32, head dims FA4 SM90 cannot tile and head dims above 256 the split-value kernel does not take (576:
+    above 512; 336: not a multiple of 32) are contract-valid: the backend says NotImplementedError (benchmarks
+    record a skip), before needing the GPU packages."""
     q = torch.zeros(4, 2, hd, dtype=dtype)
     with pytest.raises(NotImplementedError, match="cute"):
         ca.attention_cute(q, q, q, cu_seqlens_q=torch.tensor([0, 4], dtype=torch.int32),
+                          cu_seqlens_k=torch.tensor([0, 4], dtype=torch.int32), causal=torch.tensor([True]))
+
+
+@pytest.mark.parametrize("hd", [512, 384])
+def test_head_dim_512_is_inside_the_backend(monkeypatch, hd):
+    """Gemma 4's global layers (hd 512, 16 q / 2 KV heads) pass the backend's own checks and only then need the
+    GPU packages (ImportError naming them here, where they are blocked)."""
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", None)
+    monkeypatch.setitem(sys.modules, "cutlass", None)
+    monkeypatch.setattr(ca, "_FA4", None)
+    q = torch.zeros(4, 16, hd, dtype=torch.bfloat16)
+    k = torch.zeros(4, 2, hd, dtype=torch.bfloat16)
+    with pytest.raises(ImportError, match="flash-attn-4"):
+        ca.attention_cute(q, k, k, cu_seqlens_q=torch.tensor([0, 4], dtype=torch.int32),
                           cu_seqlens_k=torch.tensor([0, 4], dtype=torch.int32), causal=torch.tensor([True]))
 
 
@@ -92,35 +111,6 @@ def test_compile_only_for_sm90_without_gpu():
         pytest.skip(f"the CuTe DSL cannot compile without a CUDA driver here: {r.stderr[-300:]}")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "compiled in" in r.stdout
-
-
-def needs_gpu(f):
-    """GPU test; with pytest-timeout installed, a hang (e.g. a producer/consumer pipeline deadlock) ends the
-    process after 300 s with every thread's stack dumped instead of eating the whole GPU session."""
-    f = pytest.mark.gpu(f)
-    if importlib.util.find_spec("pytest_timeout") is not None:
-        f = pytest.mark.timeout(300, method="thread")(f)
-    return f
-
-
-def _batch(q_lens, ctxs, ncqs, H, Hkv, D, page_size, seed=0, contiguous=False, nan_pad_page=False):
-    """A bf16 GPU batch of :func:`blockdiff.attention.testing.make_batch_from_rows` unpacked as ``(q, k_cache,
-    v_cache, kwargs)``: sequences of ``q_lens`` query tokens after ``ctxs`` context keys, ``ncqs`` causal rows;
-    paged (permuted pages, 3 unused ones, block-table slots past a sequence's pages 0, or with ``nan_pad_page``
-    an all-NaN page) or contiguous."""
-    b = make_batch_from_rows(list(zip(ctxs, q_lens, ncqs)), num_heads=H, num_kv_heads=Hkv, head_dim=D,
-                             page_size=page_size, paged=not contiguous, device="cuda", seed=seed, extra_blocks=3,
-                             extra_columns=0, block_table_pad="nan_page" if nan_pad_page else "zeros")
-    return b.pop("q"), b.pop("k_cache"), b.pop("v_cache"), b
-
-
-def _run_and_check(q, k, v, kw, window, mode, return_lse=True, **extra):
-    out = torch.full((q.shape[0], q.shape[1], v.shape[-1]), float("nan"), dtype=q.dtype, device=q.device)
-    res = ca.attention_cute(q, k, v, out=out, window_size=window, bidirectional_window=mode,
-                            return_lse=return_lse, **kw, **extra)
-    o, lse = res if return_lse else (res, None)
-    assert o is out
-    return check_close(o, q, k, v, lse=lse, window_size=window, bidirectional_window=mode, **kw)
 
 
 GPU_CONFIGS = [
@@ -268,22 +258,12 @@ def test_gpu_block_table_slots_past_a_sequence_are_never_read(hd, page):
     _run_and_check(q, k, v, kw, window, "symmetric")
 
 
-def _fill_past_seq_lens(k, v, kw, page, value):
-    """Write ``value`` into every cache row after each sequence's last key, in its last page."""
-    seq, bt = kw["seq_lens"].cpu(), kw["block_table"].cpu()
-    for b in range(len(seq)):
-        s = int(seq[b])
-        if s % page:
-            k[bt[b, (s - 1) // page].long(), s % page:] = value
-            v[bt[b, (s - 1) // page].long(), s % page:] = value
-
-
 def _outputs_before_and_after_filling_past_seq_lens(hd, page, value):
     """The cute output of one mixed batch, then again after ``value`` went into the cache rows past seq_lens."""
     window = 1023 if hd == 256 else None
     q, k, v, kw = _batch([256, 100, 5], [1000, 5, 300], [0, 0, 5], 16, 8, hd, page, seed=hd + page)
     clean = ca.attention_cute(q, k, v, window_size=window, **kw)
-    _fill_past_seq_lens(k, v, kw, page, value)
+    fill_past_seq_lens(k, v, kw, page, value)
     return clean, ca.attention_cute(q, k, v, window_size=window, **kw)
 
 
@@ -338,16 +318,7 @@ def test_gpu_cuda_graph_replay_with_metadata_changed_in_place():
     steps = [([512, 256, 128, 128], [0, 4096, 4096, 100], [True, False, True, False]),
              ([256, 256, 256, 256], [4096, 4096, 4096, 0], [False, False, True, True])]
     set_step(*steps[0])
-    step()  # compile + warm up outside capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture_graph(step)  # compiles and warms up outside the capture first
     for q_lens, ctxs, flags in steps:
         set_step(q_lens, ctxs, flags)
         out.fill_(float("nan"))

@@ -1,6 +1,7 @@
 """The offline sm_90a compile check (attention/triton/compile_check.py): every Gluon configuration the automatic
 choice and the tests use compiles with wgmma, TMA and setmaxnreg, within shared memory, without serialised
-wgmma pipelines (ptxas C7512 / C7514) and without spills beyond the stated bounds (ptxas -v, no GPU needed)."""
+wgmma pipelines (ptxas C7512 / C7514) and without spills beyond the stated bounds (ptxas -v, no GPU needed); the
+portable kernel's tuned tiles compile without spills in the kernel (its cold paths included)."""
 import json
 import os
 import re
@@ -12,17 +13,22 @@ import pytest
 from blockdiff.attention.triton import config as tc
 
 
-def _compile_offline(kw):
-    """compile_for_sm90(**kw) in a fresh process without TRITON_INTERPRET (the interpreter replaces the
-    @triton.jit helpers Gluon calls); asserts it built with wgmma, TMA and setmaxnreg; returns (report, spill
-    bytes per function)."""
+def _run_offline(fn: str, kw: dict) -> dict:
+    """``compile_check.<fn>(**kw)`` in a fresh process without TRITON_INTERPRET (the interpreter replaces the
+    @triton.jit helpers the kernels call); its report."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("import json, sys; from blockdiff.attention.triton.compile_check import compile_for_sm90; "
-            "print(json.dumps(compile_for_sm90(**json.loads(sys.argv[1]))))")
+    code = (f"import json, sys; from blockdiff.attention.triton.compile_check import {fn}; "
+            f"print(json.dumps({fn}(**json.loads(sys.argv[1]))))")
     r = subprocess.run([sys.executable, "-c", code, json.dumps(kw)], capture_output=True, text=True, env=env,
-                       timeout=600)
+                       timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
-    rep = json.loads(r.stdout.strip().splitlines()[-1])
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _compile_offline(kw):
+    """compile_for_sm90(**kw) offline; asserts it built with wgmma, TMA and setmaxnreg; returns (report, spill
+    bytes per function)."""
+    rep = _run_offline("compile_for_sm90", kw)
     assert rep["wgmma"] and rep["tma"] and rep["setmaxnreg"]
     return rep, [int(x) for x in re.findall(r"(\d+) bytes spill stores", rep["ptxas"])]
 
@@ -88,3 +94,21 @@ def test_roles_kernel_compiles_for_sm90(kw, max_spill):
     assert "C751" not in rep["ptxas"], rep["ptxas"]
     assert max(spills) <= max_spill, rep["ptxas"]
     assert rep["shared"] <= tc.WIDE_SMEM_LIMIT
+
+
+@pytest.mark.parametrize("kw,max_spill", [
+    # the tuned hd-128 tiles (base and split regime) and a small-page layout: the NaN / Inf scan of ragged blocks,
+    # the page-id clamps and the cold pass (not inlined) leave the kernel without spills
+    (dict(block_m=128, block_n=64, num_warps=8, num_stages=4, head_dim=128, paged=True, page_size=64), 0),
+    (dict(block_m=64, block_n=64, num_warps=4, num_stages=3, head_dim=128, paged=True, page_size=64, split=True), 0),
+    (dict(block_m=128, block_n=64, num_warps=8, num_stages=3, head_dim=128, paged=True, page_size=16), 0),
+    (dict(block_m=128, block_n=64, num_warps=4, num_stages=3, head_dim=64, paged=False, window=True, prefix=True,
+          split=True, group=1), 0),
+    # the tuned hd-256 sliding tile (lazy rescaling) spilled ~100 B before the hardening too
+    (dict(block_m=128, block_n=64, num_warps=8, num_stages=2, head_dim=256, paged=True, page_size=64, window=True,
+          lazy=True), 128),
+])
+def test_portable_kernel_compiles_for_sm90_without_new_spills(kw, max_spill):
+    rep = _run_offline("compile_portable_for_sm90", kw)
+    assert rep["kernel_spills"] <= max_spill, rep["ptxas"]
+    assert rep["registers"] <= 255

@@ -1,0 +1,236 @@
+"""Offline sm_90a compile check of the ``"cute"`` kernels: compile one static configuration without a GPU (FA4's
+fake-tensor route, :func:`.interface.compile_only`) and report what ptxas made of it, for CPU tests and for
+screening tiles before GPU time is spent on them.
+
+Per compiled kernel: registers at launch, stack frame, spill stores / loads (ptxas' own report, through the CuTe
+DSL's ``remarks{ptx}`` diagnostics), the same spills located in the SASS by warp role (the producer runs after
+``setmaxnreg.dec``, the consumers after ``setmaxnreg.inc``), the register counts the roles ask for, the number of
+wgmma instructions, and the dynamic shared memory (the DSL's launch-time allocation, checked against
+:func:`.config.config_smem_bytes`).
+
+The DSL reads its artifact switches (``CUTE_DSL_KEEP``, ``CUTE_DSL_DUMP_DIR``) once per process, so every check
+runs in a fresh interpreter: :func:`compile_for_sm90` spawns ``python -m blockdiff.attention.cute.compile_check``.
+Needs flash-attn-4 and nvidia-cutlass-dsl (``ImportError`` in the child otherwise, a RuntimeError here), and
+``cuobjdump`` (Triton's, or on ``PATH``) for the SASS part.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+__all__ = ["compile_for_sm90", "parse_ptxas_report", "sass_spills_by_role", "SPEC_KEYS", "WIDE_MATRIX",
+           "wide_report"]
+
+#: Part of the name of every attention kernel of this backend (FA4's class name prefix; the combine kernel of a
+#: split-KV configuration is ``FlashAttentionForwardCombine``).
+_ATTENTION_KERNEL = "FlashAttentionForwardSm90"
+
+#: The keyword arguments of :func:`.interface.compile_only` a spec may set.
+SPEC_KEYS = ("head_dim", "num_heads", "num_kv_heads", "page_size", "window_size", "bidirectional_window",
+             "return_lse", "config", "max_seqlen_q", "max_seqlen_k")
+
+
+def parse_ptxas_report(text: str, kernel_substring: str | None = None) -> dict:
+    """Registers, stack frame and spill bytes from ``ptxas -v`` lines.
+
+    ``kernel_substring``: take the report of the first entry function whose name contains it (None: the last
+    one reported). Returns ``{"registers", "stack_bytes", "spill_store_bytes", "spill_load_bytes"}`` (None
+    where absent)."""
+    sections = re.split(r"Compiling entry function\s+'", text)[1:] or [text]
+    if kernel_substring is not None:
+        sections = [sec for sec in sections if kernel_substring in sec.split("'", 1)[0]][:1] or [""]
+    sec = sections[-1]
+    out = dict(registers=None, stack_bytes=None, spill_store_bytes=None, spill_load_bytes=None)
+    for m in re.finditer(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", sec):
+        out.update(stack_bytes=int(m.group(1)), spill_store_bytes=int(m.group(2)), spill_load_bytes=int(m.group(3)))
+    for m in re.finditer(r"Used (\d+) registers", sec):
+        out["registers"] = int(m.group(1))
+    return out
+
+
+def sass_spills_by_role(sass: str) -> dict:
+    """Local-memory spill instructions (``STL`` / ``LDL``) of a warp-specialised kernel's SASS, by role.
+
+    The producer's code follows its ``USETMAXREG.DEALLOC`` and ends where the consumers' ``USETMAXREG``
+    (``TRY_ALLOC``) section begins; code before the first one (set-up) counts as ``"setup"``.
+
+    Returns ``{"setup": n, "producer": n, "consumer": n, "setmaxreg": [(kind, registers), ...]}``.
+    """
+    counts = {"setup": 0, "producer": 0, "consumer": 0}
+    regs = []
+    role = "setup"
+    for line in sass.splitlines():
+        m = re.search(r"USETMAXREG\.(\w+)[.\w]*\s+(?:\w+,\s*)?(0x[0-9a-f]+|\d+)", line)
+        if m:
+            kind = "producer" if m.group(1) == "DEALLOC" else "consumer"
+            regs.append((kind, int(m.group(2), 0)))
+            role = kind
+            continue
+        if re.search(r"\b(STL|LDL)(\.\w+)*\s", line):
+            counts[role] += 1
+    return dict(counts, setmaxreg=regs)
+
+
+def _cuobjdump() -> str | None:
+    try:
+        import triton  # optional: Triton ships cuobjdump (the GPU stack and the CPU test env have it)
+        path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        if os.path.exists(path):
+            return path
+    except ImportError:
+        pass
+    return shutil.which("cuobjdump")
+
+
+def compile_for_sm90(timeout: float = 900, **spec) -> dict:
+    """Compile one configuration of the cute backend for sm_90a in a fresh process and report its resources.
+
+    Args:
+        timeout: seconds for the child process.
+        **spec: keyword arguments of :func:`.interface.compile_only` (:data:`SPEC_KEYS`); ``config`` as a dict.
+
+    Returns:
+        ``{"kernel", "registers", "stack_bytes", "spill_store_bytes", "spill_load_bytes", "smem_bytes",
+        "smem_formula_bytes", "wgmma", "sass_spills": {...}, "setmaxreg": [...], "config", "merge"}`` (the
+        attention kernel's; ``merge``: ptxas' report of FA4's combine kernel for split-KV configurations).
+
+    Raises:
+        ValueError: a spec key outside :data:`SPEC_KEYS`.
+        RuntimeError: the child failed (its stderr tail in the message; a missing package names it).
+    """
+    bad = set(spec) - set(SPEC_KEYS)
+    if bad:
+        raise ValueError(f"unknown compile spec keys {sorted(bad)}; allowed: {SPEC_KEYS}")
+    r = subprocess.run([sys.executable, "-m", "blockdiff.attention.cute.compile_check", "--child", json.dumps(spec)],
+                       capture_output=True, text=True, timeout=timeout)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    if r.returncode or not lines:
+        raise RuntimeError(f"cute compile check failed (rc {r.returncode}): {r.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
+def _child(spec: dict) -> dict:
+    """In the fresh process: set the DSL's switches, compile, collect the report."""
+    dump = tempfile.mkdtemp(prefix="cute_compile_check_")
+    os.environ.update(FLASH_ATTENTION_ARCH="sm_90", CUTE_DSL_ARCH="sm_90a", FLASH_ATTENTION_NUM_SMS="132",
+                      CUTE_DSL_KEEP="cubin", CUTE_DSL_DUMP_DIR=dump)
+    os.environ.pop("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", None)  # a cached kernel would skip ptxas
+    import io
+    from contextlib import redirect_stderr, redirect_stdout
+
+    import cutlass.cute as cute  # optional dependency: the CuTe DSL (this is the compile check's child)
+
+    from . import interface
+    from .config import config_smem_bytes, resolve_config
+
+    real_compile = cute.compile
+    captured: list = []
+
+    def compile_with_ptxas_remarks(*args, **kwargs):
+        kwargs["options"] = (kwargs.get("options", "") + " remarks{ptx}").strip()
+        result = real_compile(*args, **kwargs)
+        captured.append(result)
+        return result
+
+    log = io.StringIO()
+    cute.compile = compile_with_ptxas_remarks
+    try:
+        with redirect_stdout(log), redirect_stderr(log):
+            interface.compile_only(**spec)
+    finally:
+        cute.compile = real_compile
+    text = re.sub(r"\x1b\[[0-9;]*m", "", log.getvalue())
+    # the attention kernel (first compile); a split-KV configuration also compiles FA4's combine kernel
+    report = parse_ptxas_report(text, _ATTENTION_KERNEL)
+    merge = parse_ptxas_report(text, "FlashAttentionForwardCombine") if len(captured) > 1 else None
+    if captured:
+        ir = str(captured[0].ir_module)
+    else:
+        raise RuntimeError("compile_only compiled nothing (already in the compile cache?)")
+    hd = spec.get("head_dim", 128)
+    cfg = resolve_config(hd, hd, spec.get("window_size"), spec.get("config"), spec.get("max_seqlen_q", 512))
+    formula = config_smem_bytes(cfg, hd, hd)
+    consts = [int(v) for v in re.findall(r"llvm\.mlir\.constant\((\d+) : i64\)", ir)]
+    smem = formula if formula in consts else None
+    sass, kernel = "", None
+    tool = _cuobjdump()
+    cubins = [c for c in glob.glob(os.path.join(dump, "*.cubin")) if _ATTENTION_KERNEL in os.path.basename(c)]
+    if tool and cubins:
+        sass = subprocess.run([tool, "-sass", cubins[-1]], capture_output=True, text=True).stdout
+        m = re.search(r"Function : (\S+)", sass)
+        kernel = m.group(1) if m else None
+    by_role = sass_spills_by_role(sass) if sass else None
+    shutil.rmtree(dump, ignore_errors=True)
+    return dict(report, kernel=kernel, smem_bytes=smem, smem_formula_bytes=formula, merge=merge,
+                wgmma=len(re.findall(r"\bHGMMA\b", sass)) if sass else None,
+                sass_spills=None if by_role is None else {k: by_role[k] for k in ("setup", "producer", "consumer")},
+                setmaxreg=None if by_role is None else by_role["setmaxreg"],
+                config=dict(tile_m=cfg.tile_m, tile_n=cfg.tile_n, num_stages=cfg.num_stages, lpt=cfg.lpt,
+                            num_splits=cfg.num_splits))
+
+
+#: The split-value (hd 512, 16 q / 2 KV heads) configurations the report compiles: both KV layouts, every load
+#: path (page boxes: one / two per stage; cp.async), both window modes, both tile shapes, GQA without TMA Q.
+WIDE_MATRIX = [
+    dict(page_size=None, window_size=None),
+    dict(page_size=None, window_size=1023, bidirectional_window="prefix"),
+    dict(page_size=64, window_size=None),
+    dict(page_size=64, window_size=1023),
+    dict(page_size=16, window_size=1023, bidirectional_window="prefix"),
+    dict(page_size=256, window_size=None),
+    dict(page_size=8, window_size=None),
+    dict(page_size=48, window_size=1023),
+    dict(page_size=64, window_size=None, config=dict(tile_n=64)),
+    dict(page_size=None, window_size=1023, config=dict(tile_n=64)),
+    dict(page_size=64, window_size=None, num_heads=12, num_kv_heads=4),
+    dict(page_size=64, window_size=None, return_lse=False, max_seqlen_q=4096),
+]
+
+
+def wide_report(matrix=None) -> list[dict]:
+    """Compile every spec of ``matrix`` (default :data:`WIDE_MATRIX`, hd 512 / 16 q / 2 KV heads, LSE, canvas
+    hint 256 unless a spec says otherwise) and return one row per spec: the spec plus :func:`compile_for_sm90`."""
+    rows = []
+    for extra in matrix or WIDE_MATRIX:
+        spec = dict(dict(head_dim=512, num_heads=16, num_kv_heads=2, return_lse=True, max_seqlen_q=256), **extra)
+        rows.append(dict(spec=spec, **compile_for_sm90(**spec)))
+    return rows
+
+
+def main(argv=None) -> None:
+    """``--child SPEC``: compile one JSON spec in this process (what :func:`compile_for_sm90` spawns) and print
+    its report as JSON. ``--report [OUT.json]``: compile :data:`WIDE_MATRIX`, print a table, write the rows."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--child"]:
+        print(json.dumps(_child(json.loads(argv[1]))))
+        return
+    if argv[:1] == ["--report"]:
+        rows = wide_report()
+        print(f"{'page':>5} {'window':>12} {'tile':>8} {'regs':>4} {'prod/cons':>9} {'spill st/ld':>11} "
+              f"{'spills p/c':>10} {'smem':>7} {'wgmma':>5}  extra")
+        for r in rows:
+            sp, cfg = r["spec"], r["config"]
+            mode = sp.get("bidirectional_window", "sym")[:3]
+            win = "-" if sp.get("window_size") is None else f"{sp['window_size']} {mode}"
+            regs = "/".join(str(v) for _, v in (r["setmaxreg"] or []))
+            extra = {k: v for k, v in sp.items() if k in ("num_heads", "num_kv_heads", "return_lse", "max_seqlen_q")
+                     and v != dict(num_heads=16, num_kv_heads=2, return_lse=True, max_seqlen_q=256)[k]}
+            print(f"{str(sp.get('page_size')):>5} {win:>12} {cfg['tile_m']}x{cfg['tile_n']}/{cfg['num_stages']:<2} "
+                  f"{r['registers']:>4} {regs:>9} {r['spill_store_bytes']:>5}/{r['spill_load_bytes']:<5} "
+                  f"{r['sass_spills']['producer']:>4}/{r['sass_spills']['consumer']:<5} {r['smem_bytes']:>7} "
+                  f"{r['wgmma']:>5}  {extra or ''}")
+        if len(argv) > 1:
+            with open(argv[1], "w") as f:
+                json.dump(rows, f, indent=1)
+        return
+    raise SystemExit("usage: python -m blockdiff.attention.cute.compile_check --report [OUT.json] | --child SPEC")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""Shared pieces of the cute backend's tests: the GPU marker with a hang guard, the bf16 batch builder and the
+checked call (NaN-poisoned output, the fp64 reference with attention.testing's tolerance rule)."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from blockdiff.attention.cute import interface as ca
+from blockdiff.attention.testing import check_close, make_batch_from_rows
+
+HAVE_FA4 = all(importlib.util.find_spec(m) is not None for m in ("flash_attn", "cutlass"))
+
+
+def needs_gpu(f):
+    """GPU test; with pytest-timeout installed, a hang (e.g. a producer/consumer pipeline deadlock) ends the
+    process after 300 s with every thread's stack dumped instead of eating the whole GPU session."""
+    f = pytest.mark.gpu(f)
+    if importlib.util.find_spec("pytest_timeout") is not None:
+        f = pytest.mark.timeout(300, method="thread")(f)
+    return f
+
+
+def gpu_batch(q_lens, ctxs, ncqs, H, Hkv, D, page_size, seed=0, contiguous=False, nan_pad_page=False):
+    """A bf16 GPU batch of :func:`blockdiff.attention.testing.make_batch_from_rows` unpacked as ``(q, k_cache,
+    v_cache, kwargs)``: sequences of ``q_lens`` query tokens after ``ctxs`` context keys, ``ncqs`` causal rows;
+    paged (permuted pages, 3 unused ones, block-table slots past a sequence's pages 0, or with ``nan_pad_page``
+    an all-NaN page) or contiguous."""
+    b = make_batch_from_rows(list(zip(ctxs, q_lens, ncqs)), num_heads=H, num_kv_heads=Hkv, head_dim=D,
+                             page_size=page_size, paged=not contiguous, device="cuda", seed=seed, extra_blocks=3,
+                             extra_columns=0, block_table_pad="nan_page" if nan_pad_page else "zeros")
+    return b.pop("q"), b.pop("k_cache"), b.pop("v_cache"), b
+
+
+def run_and_check(q, k, v, kw, window, mode, return_lse=True, **extra):
+    """One cute call into a NaN-poisoned ``out`` (finite everywhere afterwards), checked against the fp64
+    reference (output and LSE) with the tolerance rule; returns check_close's report."""
+    out = torch.full((q.shape[0], q.shape[1], v.shape[-1]), float("nan"), dtype=q.dtype, device=q.device)
+    res = ca.attention_cute(q, k, v, out=out, window_size=window, bidirectional_window=mode,
+                            return_lse=return_lse, **kw, **extra)
+    o, lse = res if return_lse else (res, None)
+    assert o is out
+    assert torch.isfinite(o).all(), "unwritten (NaN-poisoned) or non-finite output elements"
+    return check_close(o, q, k, v, lse=lse, window_size=window, bidirectional_window=mode, **kw)
+
+
+def capture_graph(step) -> torch.cuda.CUDAGraph:
+    """Run ``step`` once (compile, warm-up), once more on a side stream, then capture it in a CUDA graph."""
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
+def fill_past_seq_lens(k, v, kw, page, value):
+    """Write ``value`` into every paged cache row after each sequence's last key, in its last page."""
+    seq, bt = kw["seq_lens"].cpu(), kw["block_table"].cpu()
+    for b in range(len(seq)):
+        s = int(seq[b])
+        if s % page:
+            k[bt[b, (s - 1) // page].long(), s % page:] = value
+            v[bt[b, (s - 1) // page].long(), s % page:] = value
+
+
+def graph_replay_check(steps, *, H, Hkv, D, page, B, cap_q, max_blocks, **attn_kwargs):
+    """Capture one cute call over persistent metadata buffers (``B`` sequences, ``cap_q`` query tokens,
+    ``max_blocks`` pages each, a NaN-poisoned ``out``), then replay it for each of ``steps`` = [(q_lens, ctxs,
+    num_causal_q, block-table permutation seed), ...] rewritten in place; every replay is finite and matches the
+    reference (output and LSE). ``attn_kwargs`` go to every call (window, config, hints)."""
+    torch.manual_seed(0)
+    k = torch.randn(B * max_blocks, page, Hkv, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    q = torch.randn(cap_q, H, D, device="cuda", dtype=torch.bfloat16)
+    bt = torch.zeros(B, max_blocks, dtype=torch.int32, device="cuda")
+    cu = torch.zeros(B + 1, dtype=torch.int32, device="cuda")
+    sl = torch.zeros(B, dtype=torch.int32, device="cuda")
+    ncq = torch.zeros(B, dtype=torch.int32, device="cuda")
+    out = torch.empty(cap_q, H, D, device="cuda", dtype=torch.bfloat16)
+    lse_buf = torch.empty(H, cap_q, device="cuda")
+
+    def set_step(q_lens, ctxs, ncqs, perm_seed):
+        cu.copy_(torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.int32))
+        sl.copy_(torch.tensor([c + ql for c, ql in zip(ctxs, q_lens)], dtype=torch.int32))
+        ncq.copy_(torch.tensor(ncqs, dtype=torch.int32))
+        g = torch.Generator().manual_seed(perm_seed)
+        bt.copy_(torch.randperm(B * max_blocks, generator=g).to(torch.int32).view(B, max_blocks))
+
+    def step():
+        o, lse = ca.attention_cute(q, k, v, cu_seqlens_q=cu, seq_lens=sl, num_causal_q=ncq, block_table=bt,
+                                   out=out, return_lse=True, check_values=False, **attn_kwargs)
+        lse_buf.copy_(lse)
+
+    set_step(*steps[0])
+    graph = capture_graph(step)
+    for st in steps:
+        set_step(*st)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check_close(out, q, k, v, lse=lse_buf, cu_seqlens_q=cu, seq_lens=sl, num_causal_q=ncq, block_table=bt,
+                    window_size=attn_kwargs.get("window_size"),
+                    bidirectional_window=attn_kwargs.get("bidirectional_window", "symmetric"))

@@ -1,0 +1,87 @@
+"""The cute backend's offline sm_90a compile check (blockdiff.attention.cute.compile_check): the report parsers
+on the CPU without the CuTe DSL, and, where flash-attn-4 and nvidia-cutlass-dsl are installed (not in CI), the
+split-value kernel (hd 512, 16 q / 2 KV heads) compiled for sm_90a with no spills in its consumers and the
+shared memory the config module computes."""
+from __future__ import annotations
+
+import pytest
+
+from blockdiff.attention.cute import compile_check as cchk
+from blockdiff.attention.cute import config as cc
+
+from cute_helpers import HAVE_FA4
+
+PTXAS = """
+ptxas info    : Compiling entry function 'kernel_x' for 'sm_90a'
+ptxas info    : Function properties for kernel_x
+ptxas         .     16 bytes stack frame, 12 bytes spill stores, 20 bytes spill loads
+ptxas info    : Used 168 registers, used 16 barriers, 16 bytes cumulative stack size
+"""
+
+SASS = """
+        /*0010*/                   MOV R1, c[0x0][0x28] ;
+        /*0020*/                   STL [R1+0x4], R3 ;
+        /*0560*/                   USETMAXREG.DEALLOC.CTAPOOL 0x28 ;
+        /*0570*/                   STL [R1+0x8], R2 ;
+        /*0580*/                   LDL R2, [R1+0x8] ;
+        /*7680*/                   USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xe8 ;
+        /*7690*/                   LDL.64 R4, [R1+0x10] ;
+        /*76a0*/                   HGMMA.64x32x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT ;
+"""
+
+
+def test_ptxas_report_parser():
+    assert cchk.parse_ptxas_report(PTXAS) == dict(registers=168, stack_bytes=16, spill_store_bytes=12,
+                                                  spill_load_bytes=20)
+    assert cchk.parse_ptxas_report("nothing") == dict(registers=None, stack_bytes=None, spill_store_bytes=None,
+                                                      spill_load_bytes=None)
+
+
+def test_sass_spills_are_attributed_to_the_warp_role_after_each_setmaxnreg():
+    r = cchk.sass_spills_by_role(SASS)
+    assert (r["setup"], r["producer"], r["consumer"]) == (1, 2, 1)
+    assert [tuple(x) for x in r["setmaxreg"]] == [("producer", 40), ("consumer", 232)]
+
+
+def test_unknown_spec_keys_are_a_value_error():
+    with pytest.raises(ValueError, match="head_dims"):
+        cchk.compile_for_sm90(head_dims=512)
+
+
+@pytest.mark.skipif(not HAVE_FA4, reason="compiling needs flash-attn-4==4.0.0b36 and nvidia-cutlass-dsl==4.8.1 "
+                    "(not installed here)")
+@pytest.mark.parametrize("extra", [dict(page_size=64, window_size=1023, bidirectional_window="prefix"),
+                                   dict(page_size=None, window_size=None, config=dict(tile_n=64))])
+def test_split_value_kernel_compiles_for_sm90_without_consumer_spills(extra):
+    """hd 512 on paged (one TMA page box per stage) and contiguous K/V, 32- and 64-key tiles: the consumers keep
+    their 128-register half of O and S without spilling, and the DSL allocates what config_smem_bytes says."""
+    spec = dict(head_dim=512, num_heads=16, num_kv_heads=2, return_lse=True, max_seqlen_q=256, **extra)
+    try:
+        r = cchk.compile_for_sm90(**spec)
+    except RuntimeError as e:
+        if "cuda" in str(e).lower() and "driver" in str(e).lower():
+            pytest.skip(f"the CuTe DSL cannot compile without a CUDA driver here: {str(e)[-300:]}")
+        raise
+    cfg = cc.resolve_config(512, 512, spec["window_size"], spec.get("config"), 256)
+    assert r["smem_bytes"] == cc.config_smem_bytes(cfg, 512, 512) <= cc.SMEM_LIMIT_BYTES
+    assert r["sass_spills"]["consumer"] == 0 and r["spill_store_bytes"] == 0, r
+    assert [tuple(x) for x in r["setmaxreg"]] == [("producer", 40), ("consumer", 232)]
+    assert r["wgmma"] > 0
+
+
+@pytest.mark.skipif(not HAVE_FA4, reason="compiling needs flash-attn-4==4.0.0b36 and nvidia-cutlass-dsl==4.8.1 "
+                    "(not installed here)")
+@pytest.mark.parametrize("spec", [dict(head_dim=128, num_kv_heads=8, config=dict(num_splits=3)),
+                                  dict(head_dim=512, num_kv_heads=2, config=dict(num_splits=2))])
+def test_split_kv_kernels_and_the_merge_compile_without_spills(spec):
+    """Split-KV on page boxes (page 64): the attention kernel with its fp32 workspace epilogue and FA4's combine
+    kernel both compile for sm_90a without spills."""
+    try:
+        r = cchk.compile_for_sm90(num_heads=16, page_size=64, return_lse=True, max_seqlen_q=256, **spec)
+    except RuntimeError as e:
+        if "cuda" in str(e).lower() and "driver" in str(e).lower():
+            pytest.skip(f"the CuTe DSL cannot compile without a CUDA driver here: {str(e)[-300:]}")
+        raise
+    assert r["config"]["num_splits"] == spec["config"]["num_splits"]
+    assert r["spill_store_bytes"] == 0 and sum(r["sass_spills"].values()) == 0, r
+    assert r["merge"] is not None and r["merge"]["spill_store_bytes"] == 0, r

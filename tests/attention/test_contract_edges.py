@@ -1,0 +1,227 @@
+"""Edges of the attention contract that every backend and helper must agree on (issue 26): the one window rule,
+keys outside a row's set contributing nothing even with NaN / Inf V, the scale bound, type checks before anything
+else, the value checks' order and the debug switch; reference backend and mask helpers here (the triton kernel's
+side: tests/attention/triton/test_triton_portable.py)."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from blockdiff.attention import (MAX_SCALE, MAX_SEQ_LEN, WINDOW_NO_BOUND, attention, build_mask, count_allowed_pairs,
+                                 key_range, set_debug_checks)
+from blockdiff.attention.masks import batch_key_ranges, check_window
+from blockdiff.attention.reference import masked_pv
+from blockdiff.attention.testing import make_batch
+from blockdiff.attention.validate import resolve_check_values
+
+
+def _t(v):
+    return torch.tensor(v, dtype=torch.int64)
+
+
+def _f64(b):
+    return {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in b.items()}
+
+
+HUGE_WINDOWS = [WINDOW_NO_BOUND, 2 ** 31, 2 ** 62, 2 ** 63 - 1, 2 ** 63, 2 ** 64 + 5, 10 ** 30]
+
+
+# ---------------------------------------------------------------- one window rule
+@pytest.mark.parametrize("W", HUGE_WINDOWS)
+@pytest.mark.parametrize("mode", ["symmetric", "prefix"])
+def test_any_window_of_at_least_window_no_bound_is_no_window_in_every_helper(W, mode):
+    """Was an int64 overflow for 2**63-1 / 2**63 (0 allowed pairs, all-zero output) and OverflowError above."""
+    assert check_window(W, mode) is None
+    assert torch.equal(build_mask(3, 6, causal=False, window_size=W, bidirectional_window=mode),
+                       build_mask(3, 6, causal=False, bidirectional_window=mode))
+    lens = (_t([3, 2, 4]), _t([5, 6, 9]), _t([3, 0, 2]))
+    assert count_allowed_pairs(*lens, W, mode) == count_allowed_pairs(*lens, None, mode) == 55
+    for got, want in zip(batch_key_ranges(*lens, W, mode), batch_key_ranges(*lens, None, mode)):
+        assert torch.equal(got, want)
+    lo, hi = key_range(_t([0, 1]), _t(2), _t(6), _t(0), W, mode)
+    assert lo.tolist() == [0, 0] and hi.tolist() == [5, 5]
+
+
+@pytest.mark.parametrize("W", HUGE_WINDOWS)
+def test_reference_with_a_huge_window_equals_no_window(W):
+    b = make_batch([6, 9], [3, 2], num_causal_q=[3, 0], dtype=torch.float32)
+    assert torch.equal(attention(**b, window_size=W, backend="reference"), attention(**b, backend="reference"))
+
+
+def test_windows_below_the_bound_are_kept():
+    assert check_window(0, "prefix") == 0 and check_window(WINDOW_NO_BOUND - 1, "symmetric") == WINDOW_NO_BOUND - 1
+    assert WINDOW_NO_BOUND >= MAX_SEQ_LEN  # so no sequence the contract allows sees a difference
+
+
+@pytest.mark.parametrize("W,exc", [(True, TypeError), (1.0, TypeError), (float("nan"), TypeError),
+                                   (float("inf"), TypeError), ("3", TypeError), (-1, ValueError),
+                                   (-2 ** 70, ValueError)])
+def test_bad_window_size_is_an_error_naming_window_size_in_every_helper(W, exc):
+    b = make_batch([6], [2], causal=[True], dtype=torch.float32)
+    for call in (lambda: check_window(W, "symmetric"), lambda: build_mask(2, 6, causal=True, window_size=W),
+                 lambda: count_allowed_pairs(_t([2]), _t([6]), _t([2]), W),
+                 lambda: key_range(_t([0]), _t(2), _t(6), _t(2), W),
+                 lambda: attention(**b, window_size=W, backend="reference")):
+        with pytest.raises(exc, match="window_size"):
+            call()
+
+
+# ---------------------------------------------------------------- mask helpers: no coercion
+@pytest.mark.parametrize("kw,exc,name", [
+    (dict(num_causal_q=1.7), TypeError, "num_causal_q"), (dict(num_causal_q="2"), TypeError, "num_causal_q"),
+    (dict(num_causal_q=True), TypeError, "num_causal_q"), (dict(causal="no"), TypeError, "causal"),
+    (dict(causal=1), TypeError, "causal"), (dict(causal=True, device="bogus"), ValueError, "device"),
+    (dict(causal=True, device=3), TypeError, "device"),
+])
+def test_build_mask_refuses_coercing_its_arguments(kw, exc, name):
+    """Was: 1.7 truncated to 1, '2' parsed, 'no' taken as causal=True, torch's RuntimeError for 'bogus'."""
+    with pytest.raises(exc, match=name):
+        build_mask(3, 5, **kw)
+
+
+@pytest.mark.parametrize("args,name", [
+    ((torch.tensor([0.5, 1.9]), _t(2), _t(6), _t(0)), "row"), ((0, 2, 6, 0), "row"),
+    ((_t([0]), 2, _t(6), _t(0)), "q_len"), ((_t([0]), _t(2), torch.tensor(6.0), _t(0)), "seq_len"),
+    ((_t([0]), _t(2), _t(6), torch.tensor([False])), "num_causal_q"),
+])
+def test_key_range_needs_integer_tensors(args, name):
+    """Was: float rows truncated, AttributeError on Python ints."""
+    with pytest.raises(TypeError, match=name):
+        key_range(*args, None)
+
+
+# ---------------------------------------------------------------- keys outside a row's set
+def _poison(b, seq, key, value, head=0, col=None):
+    """b with V of key ``key`` of sequence ``seq`` (kv head ``head``; column ``col`` or all) set to ``value``."""
+    v = b["v_cache"].clone()
+    P = v.shape[1]
+    page = int(b["block_table"][seq, key // P])
+    if col is None:
+        v[page, key % P, head] = value
+    else:
+        v[page, key % P, head, col] = value
+    return dict(b, v_cache=v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("case", ["future_causal", "outside_window", "outside_symmetric", "outside_prefix"])
+def test_keys_outside_a_rows_set_contribute_nothing_even_nan_or_inf_v(dtype, value, case):
+    """Was 0 * NaN = NaN through P @ V for every row of the sequence."""
+    # seq 0: causal, ctx 2, rows at 2..4; seq 1: bidirectional, ctx 4, rows at 4, 5
+    b = make_batch([5, 6], [3, 2], causal=[True, False], dtype=dtype, page_size=4)
+    seq, key, W, mode = {"future_causal": (0, 4, None, "symmetric"), "outside_window": (0, 0, 1, "symmetric"),
+                         "outside_symmetric": (1, 0, 1, "symmetric"), "outside_prefix": (1, 0, 1, "prefix")}[case]
+    kw = dict(window_size=W, bidirectional_window=mode)
+    bad = _poison(b, seq, key, value)
+    out = attention(**bad, **kw, backend="reference")
+    clean = attention(**_poison(b, seq, key, 0.0), **kw, backend="reference")
+    mask = torch.zeros(out.shape[0], dtype=torch.bool)  # rows that see the key (head group of kv head 0)
+    q0 = [0, 3][seq]
+    S, L = [5, 6][seq], [3, 2][seq]
+    m = build_mask(L, S, causal=seq == 0, **kw)
+    mask[q0:q0 + L] = m[:, key]
+    assert mask.sum() < L  # some rows of the sequence do not see the key
+    blind = ~mask
+    assert torch.equal(out[blind], clean[blind])  # exactly nothing from the key
+    assert not torch.isfinite(out[mask][:, :2]).any()  # kv head 0 serves query heads 0, 1
+    assert torch.isfinite(out[:, 2:]).all()
+
+
+def test_visible_nonfinite_v_reaches_exactly_its_column_of_the_rows_that_see_it():
+    b = make_batch([5], [3], causal=[True], dtype=torch.float64, page_size=4)
+    bad = _poison(_poison(b, 0, 3, float("inf"), col=1), 0, 4, -float("inf"), col=2)
+    bad = _poison(bad, 0, 4, float("nan"), col=5)
+    out = attention(**bad, backend="reference")
+    # rows 0, 1, 2 see keys 0..2, 0..3, 0..4
+    assert torch.isfinite(out[0, :2]).all()
+    assert out[1, :2, 1].eq(float("inf")).all() and torch.isfinite(out[1, :2, [0, 2, 5]]).all()
+    assert out[2, :2, 1].eq(float("inf")).all() and out[2, :2, 2].eq(-float("inf")).all()
+    assert torch.isnan(out[2, :2, 5]).all() and torch.isfinite(out[2, :2, [0, 3, 4]]).all()
+
+
+def test_masked_pv_is_p_at_v_bit_for_bit_for_finite_v():
+    g = torch.Generator().manual_seed(0)
+    p = torch.rand(2, 5, 7, generator=g)
+    v = torch.randn(2, 7, 3, generator=g)
+    mask = torch.rand(5, 7, generator=g) > 0.3
+    p = p * mask
+    assert torch.equal(masked_pv(p, v, mask), p @ v)
+    v[1, 2, 0] = float("nan")
+    got = masked_pv(p, v, mask)
+    want = torch.where(mask[None, :, :, None], p[..., None] * v[:, None], 0.0).sum(2)
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+
+
+# ---------------------------------------------------------------- scale, q, value checks
+@pytest.mark.parametrize("scale", [1e38, -1e38, 3.4e38, MAX_SCALE * 2, 10 ** 400, -(10 ** 400)])
+def test_scale_beyond_max_scale_is_a_value_error_naming_scale(scale):
+    """Was NaN output (fp32 scores overflowing) and OverflowError for ints beyond the float range."""
+    with pytest.raises(ValueError, match="scale"):
+        attention(**make_batch([5], [3], causal=[True], dtype=torch.float32), scale=scale, backend="reference")
+
+
+def test_scale_up_to_max_scale_is_accepted():
+    b = make_batch([5], [3], causal=[True], dtype=torch.float32)
+    out = attention(**b, scale=MAX_SCALE, backend="reference")
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), attention(**_f64(b), scale=MAX_SCALE, backend="reference"),
+                               atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference", "triton"])
+@pytest.mark.parametrize("q", [None, [[[0.0]]], 3.0])
+def test_non_tensor_q_is_a_type_error_naming_q_before_anything_else(backend, q):
+    """Was AttributeError ('list' object has no attribute 'device') from resolving the backend."""
+    b = make_batch([5], [3], causal=[True], dtype=torch.float32)
+    with pytest.raises(TypeError, match="q must be a torch.Tensor"):
+        attention(**dict(b, q=q), backend=backend)
+
+
+def test_non_monotone_cu_seqlens_k_is_reported_as_cu_seqlens_k():
+    """Was 'seq_lens[1] = -1 < query length' about seq_lens the caller never passed."""
+    b = make_batch([4, 3], [2, 2], causal=[True, False], dtype=torch.float32, paged=False)
+    bad = dict(b, cu_seqlens_k=torch.tensor([0, 4, 3], dtype=torch.int32))
+    with pytest.raises(ValueError, match="cu_seqlens_k must start at 0 and be non-decreasing"):
+        attention(**bad, backend="reference")
+
+
+def test_seq_lens_beyond_max_seq_len_is_a_value_error():
+    b = make_batch([5], [3], causal=[True], dtype=torch.float32)
+    big = dict(b, seq_lens=torch.tensor([MAX_SEQ_LEN + 1], dtype=torch.int64))
+    with pytest.raises(ValueError, match="MAX_SEQ_LEN"):
+        attention(**big, backend="reference")
+
+
+@pytest.mark.parametrize("cv", [0, 1, "no", torch.tensor(True)])
+def test_check_values_must_be_none_or_a_bool(cv):
+    with pytest.raises(TypeError, match="check_values"):
+        attention(**make_batch([5], [3], causal=[True], dtype=torch.float32), check_values=cv, backend="reference")
+
+
+# ---------------------------------------------------------------- the debug switch
+def test_debug_switch_checks_values_of_check_values_false_calls(debug_on):
+    b = make_batch([5, 6], [3, 2], causal=[True, False], dtype=torch.float32)
+    bt = b["block_table"].clone()
+    bt[1, 1] = 10 ** 6
+    with pytest.raises(ValueError, match=r"block_table\[1, 1\] = 1000000 is out of range"):
+        attention(**dict(b, block_table=bt), check_values=False, backend="reference")
+    assert resolve_check_values(False) is True
+    set_debug_checks(False)
+    assert resolve_check_values(False) is False and resolve_check_values(None) is True
+
+
+def test_debug_switch_is_a_bool():
+    with pytest.raises(TypeError, match="enabled"):
+        set_debug_checks(1)
+
+
+def test_blockdiff_check_values_env_turns_the_debug_switch_on_at_import():
+    code = "import blockdiff.attention as A; print(A.debug_checks())"
+    env = dict(os.environ, BLOCKDIFF_CHECK_VALUES="1")
+    on = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    env["BLOCKDIFF_CHECK_VALUES"] = "0"
+    off = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert (on.stdout.strip(), off.stdout.strip()) == ("True", "False"), (on.stderr, off.stderr)

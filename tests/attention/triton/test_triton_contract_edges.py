@@ -1,0 +1,126 @@
+"""The triton backend on the contract's edges (issue 26), portable kernel under the interpreter: keys outside a
+row's set contribute nothing even with NaN / Inf V, the one window rule, unchecked metadata never leaving the
+tensors, the debug switch bypassing launch plans (the sm_90a compile of the kernel with its cold paths:
+test_triton_compile_check.py)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from blockdiff.attention import attention, set_debug_checks
+from blockdiff.attention.triton.interface import PLANS, attention_triton
+
+from triton_helpers import DEV, SMALL, make_batch
+
+
+def _f64(b):
+    return {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in b.items()}
+
+
+def _poison(b, seqs, classes, seed):
+    """b with random V entries of keys inside seq_len set to NaN / +Inf / -Inf (``classes`` of them per sequence)."""
+    v = b["v_cache"].clone()
+    P = v.shape[1]
+    g = torch.Generator().manual_seed(seed)
+    paged = "block_table" in b and b["block_table"] is not None
+    for s, S in enumerate(seqs):
+        for c in range(classes):
+            key = int(torch.randint(0, S, (1,), generator=g))
+            head = int(torch.randint(0, v.shape[-2], (1,), generator=g))
+            col = int(torch.randint(0, v.shape[-1], (1,), generator=g))
+            val = (float("nan"), float("inf"), -float("inf"))[c % 3]
+            if paged:
+                v[int(b["block_table"][s, key // P]), key % P, head, col] = val
+            else:
+                v[int(b["cu_seqlens_k"][s]) + key, head, col] = val
+    return dict(b, v_cache=v)
+
+
+@pytest.mark.parametrize("layout", [dict(page_size=3), dict(page_size=16), dict(paged=False)])
+@pytest.mark.parametrize("dtype,config", [(torch.float32, dict(SMALL)), (torch.bfloat16, dict(SMALL, num_splits=2)),
+                                          (torch.bfloat16, dict(SMALL, LAZY_RESCALE=True, BT_PREFETCH=False))])
+@pytest.mark.parametrize("window_size,mode", [(None, "symmetric"), (1, "symmetric"), (5, "prefix")])
+def test_keys_outside_a_rows_set_contribute_nothing_even_nan_or_inf_v(layout, dtype, config, window_size, mode):
+    """Was 0 * NaN = NaN in P.V for rows that may not see the key (causal future keys, window edges). Rows that
+    do see a non-finite entry get exactly the reference's NaN / +-Inf in exactly its column."""
+    seqs = [13, 20, 6]
+    b = make_batch(seqs, [9, 5, 6], num_causal_q=[9, 2, 3], dtype=dtype, num_heads=4, num_kv_heads=2, **layout)
+    b = _poison(b, seqs, 3, seed=len(layout) * 31 + (window_size or 0))
+    kw = dict(window_size=window_size, bidirectional_window=mode)
+    ref = attention(**_f64({k: v.cpu() if torch.is_tensor(v) else v for k, v in b.items()}), **kw,
+                    backend="reference")
+    out = attention(**b, **kw, backend="triton", config=config).cpu().double()
+    assert not torch.isfinite(ref).all() and torch.isfinite(ref).any()
+    assert torch.equal(torch.isnan(out), torch.isnan(ref))
+    assert torch.equal(torch.isposinf(out), torch.isposinf(ref))
+    assert torch.equal(torch.isneginf(out), torch.isneginf(ref))
+    fin = torch.isfinite(ref)
+    torch.testing.assert_close(out[fin], ref[fin], atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("W", [2 ** 30, 2 ** 63 - 1, 2 ** 63, 10 ** 30])
+@pytest.mark.parametrize("mode", ["symmetric", "prefix"])
+def test_huge_window_is_exactly_no_window(W, mode):
+    """One rule with the reference and the mask helpers: any W >= WINDOW_NO_BOUND is None (the same kernel)."""
+    b = make_batch([9, 13], [9, 4], causal=[True, False], dtype=torch.float32)
+    none = attention(**b, bidirectional_window=mode, backend="triton", config=SMALL)
+    assert torch.equal(attention(**b, window_size=W, bidirectional_window=mode, backend="triton", config=SMALL), none)
+
+
+_UNCHECKED = r'''
+import json, sys, torch
+from blockdiff.attention import attention
+from blockdiff.attention.testing import make_batch
+res = {}
+for case in ("page_big", "page_neg", "seq_big", "cu_q_past_q", "cu_q_negative", "contig_cu_k_past_k", "contig_seq_big"):
+    paged = not case.startswith("contig")
+    b = make_batch([5, 6], [3, 2], causal=[True, False], dtype=torch.float32, paged=paged)
+    if case == "page_big":
+        b["block_table"] = b["block_table"].clone(); b["block_table"][1, 1] = 10 ** 6
+    elif case == "page_neg":
+        b["block_table"] = b["block_table"].clone(); b["block_table"][0, 0] = -10 ** 6
+    elif case == "seq_big":
+        b["seq_lens"] = torch.tensor([5, 4000], dtype=torch.int32)
+    elif case == "cu_q_past_q":
+        b["cu_seqlens_q"] = torch.tensor([0, 50, 5], dtype=torch.int32)
+    elif case == "cu_q_negative":
+        b["cu_seqlens_q"] = torch.tensor([-40, 3, 5], dtype=torch.int32)
+    elif case == "contig_cu_k_past_k":
+        b["cu_seqlens_k"] = torch.tensor([0, 5, 10 ** 6], dtype=torch.int32)
+        b["seq_lens"] = torch.tensor([5, 10 ** 6 - 5], dtype=torch.int32)
+    else:
+        b["seq_lens"] = torch.tensor([5, 3000], dtype=torch.int32)
+    T, H, D = b["q"].shape
+    buf = torch.full((T + 2, H, b["v_cache"].shape[-1]), 7.0)
+    out = buf[1:-1]
+    attention(**b, out=out, check_values=False, backend="triton", config=dict(BLOCK_M=16, BLOCK_N=16))
+    res[case] = bool((buf[0] == 7).all() and (buf[-1] == 7).all())
+print(json.dumps(res))
+'''
+
+
+@pytest.mark.skipif(DEV != "cpu", reason="the interpreter's bounds are what the test observes")
+def test_unchecked_bad_metadata_reads_and_writes_only_inside_the_tensors():
+    """check_values=False trusts the metadata; the portable kernel still clamps page ids, seq_lens and query rows
+    (was: a segfault under the interpreter for a page id of 10**6). Run in a subprocess: a regression crashes it."""
+    r = subprocess.run([sys.executable, "-c", _UNCHECKED], capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, TRITON_INTERPRET="1"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert all(res.values()), res  # the rows around ``out`` untouched
+
+
+def test_debug_switch_makes_planned_unchecked_calls_check_values(debug_on):
+    b = make_batch([5, 6], [3, 2], causal=[True, False], dtype=torch.float32)
+    set_debug_checks(False)
+    PLANS.clear()
+    attention_triton(**b, check_values=False, config=SMALL)  # planned
+    assert len(PLANS) == 1
+    bad = dict(b, block_table=b["block_table"].clone())
+    bad["block_table"][1, 1] = 10 ** 6
+    set_debug_checks(True)
+    with pytest.raises(ValueError, match=r"block_table\[1, 1\] = 1000000 is out of range"):
+        attention_triton(**bad, check_values=False, config=SMALL)
