@@ -44,14 +44,15 @@ SERVE_COMMAND = (
     "BLOCKDIFF_ATTN_BACKEND=triton BLOCKDIFF_SAMPLER_BACKEND=triton \\\n"
     "vllm serve $DIFFUSIONGEMMA_CHECKPOINT \\\n"
     "    --attention-backend CUSTOM \\\n"
-    "    --scheduler-cls blockdiff.integration.vllm_scheduler.BlockdiffDiffusionScheduler --no-async-scheduling \\\n"
-    "    --diffusion-config '{\"canvas_length\": 256, \"max_denoising_steps\": 48}' \\\n"
-    "    --max-num-seqs 64 --max-num-batched-tokens 16384 --max-model-len 32768 --dtype bfloat16"
+    "    --scheduler-cls blockdiff.integration.vllm_scheduler.BlockdiffDiffusionAsyncScheduler \\\n"
+    "    --diffusion-config '{\"canvas_length\": 256, \"max_denoising_steps\": 48}' --block-size 64 \\\n"
+    "    --max-num-seqs 32 --max-num-batched-tokens 16384 --max-model-len 32768 --dtype bfloat16"
 )
 """The ``vllm serve`` command for the README. ``$DIFFUSIONGEMMA_CHECKPOINT``: a DiffusionGemma checkpoint
 (architecture ``DiffusionGemmaForBlockDiffusion``); ``--diffusion-config`` turns on vLLM's diffusion path
-(canvas scheduled as draft tokens); ``--scheduler-cls`` picks :data:`SCHEDULER_CLASS` (with async scheduling:
-:data:`ASYNC_SCHEDULER_CLASS` instead); ``VLLM_PLUGINS=blockdiff`` loads only this plugin."""
+(canvas scheduled as draft tokens); ``--scheduler-cls`` picks :data:`ASYNC_SCHEDULER_CLASS` (vLLM's asynchronous
+scheduling, its default; with ``--no-async-scheduling``: :data:`SCHEDULER_CLASS`); ``--block-size 64`` gives the
+triton backend's Gluon kernels pages they can read with TMA; ``VLLM_PLUGINS=blockdiff`` loads only this plugin."""
 
 #: Window rule of bidirectional (denoise) rows on sliding-window layers when the checkpoint names none: ``"prefix"``,
 #: transformers' DiffusionGemma decoder (the last W context keys plus every canvas key, W = sliding_window - 1), the
