@@ -23,7 +23,8 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, check_values: bool |
         k: ``[T, num_kv_heads, head_dim]``; v: ``[T, num_kv_heads, head_dim_v]``: floating point, rounded to the
             cache dtype (e.g. a bf16 model writing an fp16 cache).
         k_cache: ``[num_blocks, page_size, num_kv_heads, head_dim]``; v_cache likewise with head_dim_v; floating
-            point, not sharing memory (the same tensor, or overlapping contiguous views, are refused).
+            point, not sharing memory (the same tensor, or overlapping contiguous views, are refused); any strides
+            (pages that are not one row stride apart are written by page and row index).
         slot_mapping: ``[T]`` int64 flat slot ``block_id * page_size + offset``; a negative slot skips
             its token (padding).
         check_values: run the host-side slot checks (default: yes unless a CUDA graph is being captured; the
@@ -34,8 +35,9 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, check_values: bool |
     Raises:
         TypeError: ``slot_mapping`` is not an int32/int64 tensor (a float or bool mapping would be truncated);
             k, v, k_cache or v_cache not floating point (integer K/V would be cast silently).
-        ValueError: shapes disagree (k/v vs caches, k_cache vs v_cache pages), k_cache and v_cache share memory
-            (one write would overwrite the other), a slot is out of range, or two tokens share a slot (the
+        ValueError: shapes disagree (k/v vs caches, k_cache vs v_cache pages), a tensor on another device than
+            k_cache or on the meta device, k_cache and v_cache share memory (one write would overwrite the other),
+            a slot is out of range, or two tokens share a slot (the
             surviving write would be unspecified). Value rules are checked on the host unless a CUDA graph is
             being captured (under capture every slot must be >= 0).
     """
@@ -59,6 +61,11 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, check_values: bool |
         raise ValueError(
             f"cache head shapes {tuple(k_cache.shape[2:])}/{tuple(v_cache.shape[2:])} must match "
             f"k/v {tuple(k.shape[1:])}/{tuple(v.shape[1:])}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v), ("slot_mapping", slot_mapping)):
+        if t.device.type == "meta":
+            raise ValueError(f"{name} is on the meta device (no data): pass tensors with values")
+        if t.device != k_cache.device:
+            raise ValueError(f"{name} is on {t.device} but k_cache is on {k_cache.device}")
     if _aliased(k_cache, v_cache):
         raise ValueError("k_cache and v_cache must not share memory (writing v would overwrite k)")
     n_slots = k_cache.shape[0] * k_cache.shape[1]
@@ -70,19 +77,27 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, check_values: bool |
         if torch.unique(used).numel() != used.numel():
             raise ValueError("slot_mapping has a slot used by two tokens (duplicate non-negative slots)")
     slots = slot_mapping.to(torch.int64)
-    kf = k_cache.view(n_slots, *k_cache.shape[2:])
-    vf = v_cache.view(n_slots, *v_cache.shape[2:])
     k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
-    if capturing():
-        # Graph capture: no host reads, so padding (negative slots) is not supported here.
-        kf.index_copy_(0, slots, k)
-        vf.index_copy_(0, slots, v)
+    if not capturing():
+        valid = slots >= 0
+        if not bool(valid.all()):
+            slots, k, v = slots[valid], k[valid], v[valid]
+    # (under graph capture: no host reads, so padding (negative slots) is not supported there)
+    for cache, x in ((k_cache, k), (v_cache, v)):
+        _write_rows(cache, slots, x)
+
+
+def _write_rows(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+    """``cache[slot // page_size, slot % page_size] = x`` for each slot: one ``index_copy_`` into the cache viewed as
+    ``[num_blocks * page_size, ...]`` rows where its strides allow that view, else (pages not one row stride apart:
+    a transposed or reversed storage) an ``index_put_`` on page and row indices."""
+    nb, ps = cache.shape[:2]
+    try:
+        rows = cache.view(nb * ps, *cache.shape[2:])
+    except RuntimeError:
+        cache.index_put_((slots // ps, slots % ps), x)
         return
-    valid = slots >= 0
-    if not bool(valid.all()):
-        slots, k, v = slots[valid], k[valid], v[valid]
-    kf.index_copy_(0, slots, k)
-    vf.index_copy_(0, slots, v)
+    rows.index_copy_(0, slots, x)
 
 
 @dataclass

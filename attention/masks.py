@@ -62,11 +62,14 @@ def check_window(window_size, bidirectional_window) -> int | None:
 
 
 def _int_tensor(name: str, t) -> torch.Tensor:
-    """``t`` as int64, after checking it is an integer tensor (no silent truncation of floats, no bools)."""
+    """``t`` as int64, after checking it is an integer tensor with values (no silent truncation of floats, no
+    bools, not on the meta device)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be an integer torch.Tensor, got {type(t).__name__}")
     if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
         raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")
+    if t.device.type == "meta":
+        raise ValueError(f"{name} is on the meta device (no data): pass tensors with values")
     return t.to(torch.int64)
 
 
@@ -91,11 +94,27 @@ def key_range(
 
     Raises:
         TypeError: an argument is not an integer tensor (floats are not truncated); a bad ``window_size``.
-        ValueError: a bad ``window_size`` or ``bidirectional_window``.
+        ValueError: a bad ``window_size`` or ``bidirectional_window``; shapes that do not broadcast; tensors on
+            different devices or on the meta device; values outside the contract (``0 <= q_len <= seq_len <=
+            MAX_SEQ_LEN``, ``0 <= num_causal_q <= q_len``: read on the host).
     """
     w = check_window(window_size, bidirectional_window)
     row, q_len, seq_len, num_causal_q = (_int_tensor(n, t) for n, t in (
         ("row", row), ("q_len", q_len), ("seq_len", seq_len), ("num_causal_q", num_causal_q)))
+    named = (("row", row), ("q_len", q_len), ("seq_len", seq_len), ("num_causal_q", num_causal_q))
+    if len({t.device for _, t in named}) > 1:
+        raise ValueError("row, q_len, seq_len and num_causal_q must be on one device, got "
+                         + ", ".join(f"{n} on {t.device}" for n, t in named))
+    try:
+        torch.broadcast_shapes(*(t.shape for _, t in named))
+    except RuntimeError:
+        raise ValueError("row, q_len, seq_len and num_causal_q must broadcast to one shape, got "
+                         + ", ".join(f"{n} {tuple(t.shape)}" for n, t in named)) from None
+    if bool((q_len < 0).any()) or bool((seq_len < q_len).any()) or bool((seq_len > MAX_SEQ_LEN).any()):
+        raise ValueError(f"need 0 <= q_len <= seq_len <= MAX_SEQ_LEN = {MAX_SEQ_LEN} (seq_len includes the query "
+                         "tokens)")
+    if bool(((num_causal_q < 0) | (num_causal_q > q_len)).any()):
+        raise ValueError("num_causal_q must be in [0, q_len]")
     ctx = seq_len - q_len
     q_abs = ctx + row
     is_causal = row < num_causal_q
@@ -164,7 +183,8 @@ def build_mask(
     Raises:
         TypeError: ``q_len`` / ``seq_len`` / ``num_causal_q`` not ints, ``causal`` not a bool (no truthiness,
             no truncation), a bad ``window_size`` or ``device`` type.
-        ValueError: lengths negative or ``seq_len < q_len``; both or neither of causal/num_causal_q;
+        ValueError: lengths negative, ``seq_len < q_len`` or ``seq_len > MAX_SEQ_LEN``; both or neither of
+            causal/num_causal_q;
             ``num_causal_q`` outside [0, q_len]; bad window or mode; a device string torch cannot parse.
     """
     for name, v in (("q_len", q_len), ("seq_len", seq_len)):
@@ -174,6 +194,8 @@ def build_mask(
             raise ValueError(f"{name} must be >= 0, got {v}")
     if seq_len < q_len:
         raise ValueError(f"seq_len ({seq_len}) must be >= q_len ({q_len}): seq_lens include the query tokens")
+    if seq_len > MAX_SEQ_LEN:
+        raise ValueError(f"seq_len ({seq_len}) must be <= MAX_SEQ_LEN = {MAX_SEQ_LEN} keys")
     if (causal is None) == (num_causal_q is None):
         raise ValueError("give exactly one of causal (bool) or num_causal_q (int)")
     if causal is not None and not isinstance(causal, bool):
@@ -216,8 +238,9 @@ def batch_key_ranges(
 
     Raises:
         TypeError: a length tensor is not an integer tensor; ``window_size`` not None or an int.
-        ValueError: shapes differ or are not 1-D; ``q_lens < 0``, ``seq_lens < q_lens`` or ``num_causal_q``
-            outside ``[0, q_len]`` (a mask the contract does not define); a bad window or mode.
+        ValueError: shapes differ or are not 1-D; tensors on the meta device; ``q_lens < 0``,
+            ``seq_lens < q_lens``, ``seq_lens > MAX_SEQ_LEN`` or ``num_causal_q`` outside ``[0, q_len]`` (a mask
+            the contract does not define); a bad window or mode.
     """
     for name, t in (("q_lens", q_lens), ("seq_lens", seq_lens), ("num_causal_q", num_causal_q)):
         if not isinstance(t, torch.Tensor) or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
@@ -225,12 +248,15 @@ def batch_key_ranges(
         if t.dim() != 1 or t.shape != q_lens.shape:
             raise ValueError(f"q_lens, seq_lens, num_causal_q must be 1-D of equal length, got {name} "
                              f"{tuple(t.shape)} vs q_lens {tuple(q_lens.shape)}")
+        if t.device.type == "meta":
+            raise ValueError(f"{name} is on the meta device (no data): pass tensors with values")
     check_window(window_size, bidirectional_window)
     q_lens = q_lens.to(torch.int64).cpu()
     seq_lens = seq_lens.to(torch.int64).cpu()
     num_causal_q = num_causal_q.to(torch.int64).cpu()
-    if bool((q_lens < 0).any()) or bool((seq_lens < q_lens).any()):
-        raise ValueError("need 0 <= q_lens <= seq_lens (seq_lens include the query tokens)")
+    if bool((q_lens < 0).any()) or bool((seq_lens < q_lens).any()) or bool((seq_lens > MAX_SEQ_LEN).any()):
+        raise ValueError(f"need 0 <= q_lens <= seq_lens <= MAX_SEQ_LEN = {MAX_SEQ_LEN} (seq_lens include the "
+                         "query tokens)")
     if bool(((num_causal_q < 0) | (num_causal_q > q_lens)).any()):
         raise ValueError("num_causal_q must be in [0, q_len] for every sequence")
     seq_id = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens)

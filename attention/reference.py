@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .masks import key_range
-from .validate import check_attention_inputs
+from .validate import check_attention_inputs, check_flag
 
 
 def gather_kv(cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -94,14 +94,16 @@ def attention_reference(
             score that overflows (``|q . k * scale| >= 2**128``, e.g. K entries near the fp32 maximum) is outside
             the contract: ``+inf`` makes its row non-finite, ``-inf`` weighs 0, in every backend.
         out: optional preallocated ``[total_q, num_heads, head_dim_v]`` of q's dtype.
-        return_lse: also return ``lse [num_heads, total_q]`` fp32 (natural log; ``-inf`` for rows with no key).
+        return_lse: a bool: also return ``lse [num_heads, total_q]`` fp32 (natural log; ``-inf`` for rows with
+            no key).
         upcast: True computes in fp32 (fp64 for fp64 inputs): the oracle. False mimics eager low-precision
             PyTorch (QK^T and PV in the input dtype, softmax in fp32): the baseline whose error sets the
             tolerance of every kernel test.
         check_values: run the host-side value checks (see :mod:`blockdiff.attention.validate`; the debug
             switch forces them). Unchecked, a bad page id or length is an ``IndexError`` / ``RuntimeError`` of
             torch's bounds-checked indexing.
-        max_seqlen_q, max_seqlen_k: host hints accepted for interface parity with the kernels; unused.
+        max_seqlen_q, max_seqlen_k: host hints accepted for interface parity with the kernels (None, an int >= 0
+            or a 0-d int tensor: :func:`blockdiff.attention.validate.check_length_hint`); unused.
 
     Returns:
         ``out`` ``[total_q, num_heads, head_dim_v]`` in q's dtype, or ``(out, lse)``. Rows with no allowed key
@@ -115,8 +117,9 @@ def attention_reference(
         q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens, causal=causal,
         num_causal_q=num_causal_q, block_table=block_table, cu_seqlens_k=cu_seqlens_k,
         window_size=window_size, bidirectional_window=bidirectional_window, scale=scale, out=out,
-        check_values=check_values,
+        check_values=check_values, return_lse=return_lse, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
     )
+    check_flag("upcast", upcast)
     total_q, H = q.shape[0], info.num_heads
     group = H // info.num_kv_heads
     acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32

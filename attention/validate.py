@@ -107,6 +107,50 @@ def _need_int(name, t):
         raise TypeError(f"{name} must be int32 or int64, got {t.dtype}")
 
 
+def check_flag(name: str, v) -> bool:
+    """``v`` if it is a bool (``return_lse``, ``upcast``, ...): no truthiness of strings or ints.
+
+    Raises:
+        TypeError: ``v`` is not a bool.
+    """
+    if not isinstance(v, bool):
+        raise TypeError(f"{name} must be True or False, got {type(v).__name__} ({v!r})")
+    return v
+
+
+def check_length_hint(name: str, v):
+    """A host hint such as ``max_seqlen_q`` / ``max_seqlen_k``: None, an int >= 0 (bool rejected), or a 0-d integer
+    tensor (read on the host by the paths that use it; its value is not checked here: no sync).
+
+    Raises:
+        TypeError: anything else (a str, a float, a numpy scalar, a float or multi-element tensor).
+        ValueError: a negative int.
+    """
+    if v is None:
+        return v
+    if isinstance(v, torch.Tensor):
+        if v.dim() != 0 or v.dtype not in INT_DTYPES:
+            raise TypeError(f"{name} must be None, an int >= 0 or a 0-d int32 / int64 tensor, got a tensor of "
+                            f"shape {tuple(v.shape)} and dtype {v.dtype}")
+        return v
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{name} must be None, an int >= 0 or a 0-d int32 / int64 tensor, got {type(v).__name__} "
+                        f"({v!r})")
+    if v < 0:
+        raise ValueError(f"{name} must be >= 0 (a host hint: an upper bound of the step's lengths), got {v}")
+    return v
+
+
+def check_has_data(name: str, t: torch.Tensor) -> None:
+    """Tensors on the ``meta`` device hold no values to compute with or check.
+
+    Raises:
+        ValueError: ``t`` is on the meta device.
+    """
+    if t.device.type == "meta":
+        raise ValueError(f"{name} is on the meta device (no data): pass tensors with values")
+
+
 def _self_overlapping(t: torch.Tensor) -> bool:
     """Whether two elements of ``t`` share memory (from shape and strides only: no host sync)."""
     dims = sorted((abs(st), n) for n, st in zip(t.shape, t.stride()) if n > 1)
@@ -184,6 +228,9 @@ def check_attention_inputs(
     out=None,
     check_values: bool | None = None,
     allowed_dtypes=FLOAT_DTYPES,
+    return_lse=False,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
 ) -> CheckedInputs:
     """Validate an attention call against the contract (docs/ARCHITECTURE.md, "The attention contract").
 
@@ -193,15 +240,21 @@ def check_attention_inputs(
         ``seq_lens`` [B] int32 (derived from ``cu_seqlens_k`` in the contiguous form when not given).
 
     ``check_values``: see :func:`resolve_check_values` (None: unless capturing; the debug switch forces it).
+    ``return_lse`` must be a bool, ``max_seqlen_q`` / ``max_seqlen_k`` host hints (:func:`check_length_hint`).
 
     Raises:
         TypeError: a wrong Python or tensor type / dtype.
-        ValueError: a shape, device or value rule broken; the message names the argument and the rule.
+        ValueError: a shape, device or value rule broken (tensors on the meta device included: they hold no
+            values); the message names the argument and the rule.
     """
     check_values = resolve_check_values(check_values)
+    check_flag("return_lse", return_lse)
+    check_length_hint("max_seqlen_q", max_seqlen_q)
+    check_length_hint("max_seqlen_k", max_seqlen_k)
     _need_tensor("q", q, 3)
     if q.dtype not in allowed_dtypes:
         raise TypeError(f"q must be one of {allowed_dtypes}, got {q.dtype}")
+    check_has_data("q", q)
     total_q, num_heads, head_dim = q.shape
     paged = block_table is not None
     kdim = 4 if paged else 3

@@ -130,7 +130,7 @@ def attention_cute(
         bidirectional_window: ``"symmetric"`` or ``"prefix"`` (a compile-time property).
         scale: softmax scale, default ``head_dim ** -0.5``.
         out: optional preallocated ``[total_q, num_heads, head_dim_v]`` of q's dtype.
-        return_lse: also return ``lse [num_heads, total_q]`` fp32 (natural log).
+        return_lse: a bool: also return ``lse [num_heads, total_q]`` fp32 (natural log).
         max_seqlen_q, max_seqlen_k: host hints (tokens). ``max_seqlen_q`` (default ``q.shape[0]``, i.e. total
             tokens, which turns the longest-first order on for a batch of four 256-token canvases) picks the
             long-prefill tile shape at hd 128 and the tile order (see
@@ -161,7 +161,7 @@ def attention_cute(
         q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens, causal=causal,
         num_causal_q=num_causal_q, block_table=block_table, cu_seqlens_k=cu_seqlens_k,
         window_size=window_size, bidirectional_window=bidirectional_window, scale=scale, out=out,
-        check_values=check_values,
+        check_values=check_values, return_lse=return_lse, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
     )
     # Valid inputs this backend does not cover raise NotImplementedError (benchmarks record a skip).
     if q.dtype not in SUPPORTED_DTYPES:

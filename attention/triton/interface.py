@@ -108,8 +108,10 @@ def attention_triton(
         scale: softmax scale (default ``head_dim ** -0.5``), ``|scale| <= MAX_SCALE``; scores in fp32 as the
             reference's (an overflowing score is outside the contract).
         out: optional preallocated ``[total_q, num_heads, head_dim_v]`` (q's dtype) written in place.
-        return_lse: also return ``lse [num_heads, total_q]`` fp32 (natural log; -inf for rows with no key).
-        max_seqlen_q: unused (the grid is sized from ``total_q`` and B).
+        return_lse: a bool: also return ``lse [num_heads, total_q]`` fp32 (natural log; -inf for rows with no
+            key).
+        max_seqlen_q: unused (the grid is sized from ``total_q`` and B). Both hints: None, an int >= 0 or a 0-d
+            int tensor (:func:`blockdiff.attention.validate.check_length_hint`).
         max_seqlen_k: host int >= every seq_len (static capacity is fine); sizes the split-KV count. Default:
             the block table's capacity (``max_blocks * page_size``) or ``total_k``.
         check_values: host-side value checks (default: on, except under CUDA-graph capture). False keeps
@@ -174,6 +176,7 @@ def attention_triton(
         num_causal_q=num_causal_q, block_table=block_table, cu_seqlens_k=cu_seqlens_k,
         window_size=window_size, bidirectional_window=bidirectional_window, scale=scale, out=out,
         check_values=check_values, allowed_dtypes=(torch.bfloat16, torch.float16, torch.float32),
+        return_lse=return_lse, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
     )
     plan = make_plan(q, k_cache, v_cache, info, block_table, window_size, bidirectional_window, out, return_lse,
                      max_seqlen_k, config, MERGE_PDL)

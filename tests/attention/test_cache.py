@@ -92,3 +92,36 @@ def test_debug_switch_checks_slots_of_check_values_false_calls(debug_on):
     k = torch.zeros(1, 1, 2)
     with pytest.raises(ValueError, match="slot_mapping has a slot >="):
         write_kv_cache(k, k, kc, vc, torch.tensor([8]), check_values=False)
+
+
+def _kv(T=3, H=2, D=4, NB=3, P=4):
+    return torch.randn(T, H, D), torch.randn(T, H, D), torch.tensor([0, 5, 11])[:T]
+
+
+@pytest.mark.parametrize("which", ["k", "v", "slot_mapping", "caches"])
+def test_tensors_on_another_device_or_without_data_are_a_value_error_naming_them(which):
+    """Were torch RuntimeErrors from index_copy / .item() (the meta device stands in for another device)."""
+    k, v, sm = _kv()
+    kc, vc = torch.zeros(3, 4, 2, 4), torch.zeros(3, 4, 2, 4)
+    if which == "caches":
+        kc, vc = kc.to("meta"), vc.to("meta")
+    else:
+        k, v, sm = (x.to("meta") if name == which else x for name, x in (("k", k), ("v", v), ("slot_mapping", sm)))
+    with pytest.raises(ValueError, match="meta"):
+        write_kv_cache(k, v, kc, vc, sm)
+
+
+@pytest.mark.parametrize("layout", ["transposed", "reversed_pages", "strided_rows"])
+def test_caches_whose_pages_are_not_one_row_stride_apart_are_written_at_the_right_rows(layout):
+    """Was a RuntimeError of view() for caches whose pages cannot be viewed as [num_blocks * page_size] rows."""
+    k, v, sm = _kv()
+    if layout == "transposed":
+        kc, vc = torch.zeros(4, 3, 2, 4).transpose(0, 1), torch.zeros(4, 3, 2, 4).transpose(0, 1)
+    elif layout == "reversed_pages":
+        kc, vc = torch.zeros(3, 4, 2, 4).flip(0), torch.zeros(3, 4, 2, 4).flip(0)
+    else:
+        kc, vc = torch.zeros(3, 8, 2, 4)[:, ::2], torch.zeros(3, 8, 2, 4)[:, ::2]
+    write_kv_cache(k, v, kc, vc, sm)
+    for i, slot in enumerate(sm.tolist()):
+        assert torch.equal(kc[slot // 4, slot % 4], k[i]) and torch.equal(vc[slot // 4, slot % 4], v[i])
+    assert int(kc.ne(0).any(-1).any(-1).sum()) == 3

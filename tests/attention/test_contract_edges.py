@@ -225,3 +225,78 @@ def test_blockdiff_check_values_env_turns_the_debug_switch_on_at_import():
     env["BLOCKDIFF_CHECK_VALUES"] = "0"
     off = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert (on.stdout.strip(), off.stdout.strip()) == ("True", "False"), (on.stderr, off.stderr)
+
+
+# ---------------------------------------------------------------- issue 26, adversarial pass: flags, hints, meta
+def _batch():
+    return make_batch([9, 13, 5], [9, 4, 5], num_causal_q=[9, 0, 2], num_heads=4, num_kv_heads=2, head_dim=16,
+                      page_size=4, dtype=torch.float32, seed=1)
+
+
+@pytest.mark.parametrize("kw,name", [(dict(return_lse="yes"), "return_lse"), (dict(return_lse=1), "return_lse"),
+                                     (dict(upcast="no"), "upcast"), (dict(upcast=0), "upcast")])
+def test_return_lse_and_upcast_must_be_bools_not_truthy_values(kw, name):
+    """Were taken by truthiness ('yes' returned (out, lse), 'no' upcast)."""
+    with pytest.raises(TypeError, match=name):
+        attention(**_batch(), backend="reference", **kw)
+
+
+@pytest.mark.parametrize("hint", ["max_seqlen_q", "max_seqlen_k"])
+@pytest.mark.parametrize("value,exc", [(-5, ValueError), ("100", TypeError), (1.5, TypeError), (True, TypeError),
+                                       (torch.tensor(13.5), TypeError), (torch.tensor([13]), TypeError)])
+def test_length_hints_must_be_none_a_non_negative_int_or_a_0d_int_tensor(hint, value, exc):
+    """Were ignored by the reference and int()-ed by the triton backend ('100' -> 100, 1.5 -> 1, -5 a negative key
+    capacity)."""
+    with pytest.raises(exc, match=hint):
+        attention(**_batch(), backend="reference", **{hint: value})
+
+
+def test_length_hints_accept_ints_and_0d_int_tensors():
+    b = _batch()
+    want = attention(**b, backend="reference")
+    for v in (0, 13, 10 ** 12, torch.tensor(13), torch.tensor(7, dtype=torch.int32)):
+        assert torch.equal(attention(**b, backend="reference", max_seqlen_q=v, max_seqlen_k=v), want)
+
+
+@pytest.mark.parametrize("which", ["all", "q", "cu_seqlens_q", "seq_lens", "block_table"])
+def test_tensors_on_the_meta_device_are_a_value_error_naming_them(which):
+    """Were a NotImplementedError ('Cannot copy out of meta tensor') from inside the value checks."""
+    b = _batch()
+    if which == "all":
+        b = {k: v.to("meta") if torch.is_tensor(v) else v for k, v in b.items()}
+    else:
+        b[which] = b[which].to("meta")
+    with pytest.raises(ValueError, match="meta|is on"):
+        attention(**b, backend="reference")
+
+
+def test_mask_helpers_refuse_tensors_on_the_meta_device():
+    m = torch.tensor([2]).to("meta")
+    with pytest.raises(ValueError, match="q_lens is on the meta device"):
+        count_allowed_pairs(m, m, m, None)
+    with pytest.raises(ValueError, match="row is on the meta device"):
+        key_range(torch.tensor([0]).to("meta"), m, m, m, None)
+
+
+def test_key_range_refuses_shapes_that_do_not_broadcast():
+    """Was torch's RuntimeError 'The size of tensor a (2) must match ...', naming no argument."""
+    with pytest.raises(ValueError, match=r"must broadcast to one shape, got row \(3,\), q_len \(2,\)"):
+        key_range(_t([0, 1, 2]), _t([3, 3]), _t([3, 3]), _t([0, 0]), None)
+
+
+@pytest.mark.parametrize("q_len,seq_len,ncq,match", [(3, 1, 0, "q_len <= seq_len"), (-1, 2, 0, "0 <= q_len"),
+                                                     (2, 5, 3, "num_causal_q"), (2, 5, -1, "num_causal_q"),
+                                                     (1, MAX_SEQ_LEN + 1, 0, "MAX_SEQ_LEN")])
+def test_key_range_refuses_values_outside_the_contract(q_len, seq_len, ncq, match):
+    """Were silently turned into intervals of a mask the contract does not define (seq_len < q_len gave
+    bidirectional rows the keys [0, seq_len - 1])."""
+    with pytest.raises(ValueError, match=match):
+        key_range(_t([0]), _t(q_len), _t(seq_len), _t(ncq), None)
+
+
+def test_build_mask_refuses_seq_len_beyond_max_seq_len():
+    """Was an attempt to allocate q_len x seq_len bools (8 TB for 2**40: a RuntimeError from the allocator)."""
+    with pytest.raises(ValueError, match="seq_len .* MAX_SEQ_LEN"):
+        build_mask(1, 2 ** 40, causal=True)
+    with pytest.raises(ValueError, match="MAX_SEQ_LEN"):
+        count_allowed_pairs(_t([1]), _t([MAX_SEQ_LEN + 1]), _t([0]), None)

@@ -124,3 +124,19 @@ def test_debug_switch_makes_planned_unchecked_calls_check_values(debug_on):
     set_debug_checks(True)
     with pytest.raises(ValueError, match=r"block_table\[1, 1\] = 1000000 is out of range"):
         attention_triton(**bad, check_values=False, config=SMALL)
+
+
+@pytest.mark.parametrize("kw,exc,name", [(dict(return_lse="yes"), TypeError, "return_lse"),
+                                         (dict(max_seqlen_k="100"), TypeError, "max_seqlen_k"),
+                                         (dict(max_seqlen_k=1.5), TypeError, "max_seqlen_k"),
+                                         (dict(max_seqlen_k=-5), ValueError, "max_seqlen_k"),
+                                         (dict(max_seqlen_q="a"), TypeError, "max_seqlen_q")])
+@pytest.mark.parametrize("check_values", [None, False])
+def test_non_bool_return_lse_and_bad_length_hints_are_errors_planned_or_not(kw, exc, name, check_values):
+    """Were truthiness ('yes' -> (out, lse)) and int() ('100' -> 100, 1.5 -> 1) in the triton backend; a call that
+    would be planned (check_values=False) sees the same checks on its first, full-path call."""
+    PLANS.clear()
+    b = make_batch([5, 6], [3, 2], causal=[True, False], dtype=torch.float32)
+    with pytest.raises(exc, match=name):
+        attention_triton(**b, config=SMALL, check_values=check_values, **kw)
+    assert not PLANS
