@@ -196,6 +196,16 @@ def convert_hf_state_dict(state_dict, expected: dict[str, tuple[torch.Size, torc
     return out, sorted(skipped)
 
 
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """``t``, copied into its own (allocator-aligned) storage when it is a CPU tensor that does not start on a
+    64-byte boundary: safetensors hands out views into the file's buffer at any offset, and CPU BLAS picks
+    alignment-dependent kernels, so a model assigned such views computed logits 1 ulp away from the same weights
+    in ordinary tensors."""
+    if t.device.type == "cpu" and t.numel() and t.data_ptr() % 64:
+        return t.clone()
+    return t
+
+
 def load_hf_state_dict(model, state_dict, *, device=None, dtype=None) -> list[str]:
     """Load a transformers DiffusionGemma state dict into ``model`` (which may live on the meta device).
 
@@ -221,7 +231,8 @@ def load_hf_state_dict(model, state_dict, *, device=None, dtype=None) -> list[st
         dtype = ref.dtype
     if dtype is None:
         dtype = tensors["embed_tokens.weight"].dtype
-    final = {n: t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype) for n, t in tensors.items()}
+    final = {n: _own_storage(t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype))
+             for n, t in tensors.items()}
     model.load_state_dict(final, strict=True, assign=True)
     return skipped
 
