@@ -20,19 +20,21 @@ from .portable import _attn_fwd_kernel
 from .tma import make_kv_descriptors
 
 #: the kernels' per-step integer arguments (Triton does not specialise them: ``do_not_specialize``)
-_INT_ARGS = {"total_q", "num_seqs", "n_tiles", "window", "num_splits"}
+_INT_ARGS = {"total_q", "num_seqs", "n_tiles", "window", "num_splits", "v_rows"}
 
 
 def compile_for_sm90(*, block_m: int, block_n: int, num_warps: int, num_stages: int, head_dim: int, paged: bool,
                      split: bool, window: bool, group: int = 2, num_kv_heads: int = 8,
                      overlap: bool | str = True, page_size: int | None = None, v_stages: int | None = None,
-                     causal_flags: bool = False, lazy: bool = False) -> dict:
+                     causal_flags: bool = False, lazy: bool = False, nan_safe_v: bool = False) -> dict:
     """Compile the Gluon kernel of a config for sm_90a without a GPU (Triton ``GPUTarget``) and run ``ptxas -v``.
 
     bf16, ``head_dim == head_dim_v``, ``num_kv_heads * group`` query heads. ``page_size`` (default
     max(128, block_n)) sets the TMA box rows (:func:`.tma.tma_box_rows`), ``v_stages`` the V ring depth (None:
     ``num_stages``), ``causal_flags`` whether the kernel reads ``[B]`` bool causal flags instead of
-    ``num_causal_q``, ``lazy`` the conditional rescaling (``config["LAZY_RESCALE"]``); ``overlap="roles"``
+    ``num_causal_q``, ``lazy`` the conditional rescaling (``config["LAZY_RESCALE"]``), ``nan_safe_v`` the NaN /
+    Inf V clean-up and fix-up (``config["NAN_SAFE_V"]``: the kernel arguments ``V``, ``v_row_stride``, ``v_rows``;
+    off, they are None, as a launch passes them, so no kernel parameter); ``overlap="roles"``
     compiles the roles kernel (``num_warps`` = 4 x (1 + its PV warpgroups)), else ``head_dim > 256`` the wide
     kernel. Must run in a process where ``TRITON_INTERPRET`` is unset (the interpreter replaces the
     ``@triton.jit`` helpers Gluon calls).
@@ -46,7 +48,8 @@ def compile_for_sm90(*, block_m: int, block_n: int, num_warps: int, num_stages: 
         RuntimeError: ptxas failed.
     """
     cfg = TritonConfig(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
-                       BLOCK_DV=head_dim, LAZY_RESCALE=lazy, IMPL="gluon", OVERLAP=overlap, V_STAGES=v_stages)
+                       BLOCK_DV=head_dim, LAZY_RESCALE=lazy, IMPL="gluon", OVERLAP=overlap, V_STAGES=v_stages,
+                       NAN_SAFE_V=nan_safe_v)
     check_gluon_config(cfg, head_dim, head_dim)
     H, D = num_kv_heads * group, head_dim
     page = page_size or max(128, block_n)
@@ -62,9 +65,11 @@ def compile_for_sm90(*, block_m: int, block_n: int, num_warps: int, num_stages: 
     args = dict(Q=q, k_desc=kd, v_desc=vd, O=q, LSE=f32, OPART=f32, LSEPART=f32, CU_Q=i32, SEQ_LENS=i32,
                 NCQ=torch.empty(4, dtype=torch.bool) if causal_flags else i32,
                 BT=i32, CU_K=i32, stride_qt=H * D, stride_qh=D, stride_ot=H * D, stride_oh=D, stride_bt=7,
-                qk_scale=0.1, num_heads=H)
+                qk_scale=0.1, num_heads=H, V=kc, v_row_stride=num_kv_heads * D)
     consts = kernel_constexprs(cfg, shape)
     maxnreg = consts.pop("maxnreg")  # a launch option, not a kernel argument
+    if not nan_safe_v:  # plans.run_plan passes None: constexprs
+        consts.update(V=None, v_row_stride=None, v_rows=None)
     sig = {n: "constexpr" if n in consts else "i32" if n in _INT_ARGS else mangle_type(args[n]) for n in fn.arg_names}
     src = GluonASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
     ck = triton.compile(src, target=GPUTarget("cuda", 90, 32),

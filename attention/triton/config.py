@@ -27,7 +27,7 @@ from .tma import tma_box_rows
 
 #: the keys a call's ``config`` dict may set (the fields of :class:`TritonConfig`)
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "num_splits", "BLOCK_DV", "LAZY_RESCALE",
-               "BT_PREFETCH", "IMPL", "OVERLAP", "V_STAGES")
+               "BT_PREFETCH", "IMPL", "OVERLAP", "V_STAGES", "NAN_SAFE_V")
 MAX_SPLITS = 65535  # num_splits is grid dimension z (CUDA: at most 65535)
 #: config keys that pin the tiles or the kernel: the tuned tables (split regime, Gluon) then stay out of the way
 _TILE_KEYS = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "IMPL", "BLOCK_DV"}
@@ -65,6 +65,10 @@ class TritonConfig:
         OVERLAP: Gluon consumer order: False (sequential), True (QK^T of block j + 1 overlaps the softmax of block
             j), ``"chain"`` (PV of block j and QK^T of block j + 1 back to back), ``"roles"`` (the roles kernel).
         V_STAGES: Gluon V ring depth (None: ``num_stages``).
+        NAN_SAFE_V: Gluon kernels: keys a row may not see contribute nothing even when their V holds NaN / Inf (a
+            masked block's V cleaned in shared memory before PV, a cold fix-up of the rows that do see a non-finite
+            entry: :mod:`.gluon`). Off, the Gluon kernels zero V only past ``seq_len`` (their PTX is that of the
+            kernels without the switch). The portable kernel always keeps such V out; it ignores the field.
     """
 
     BLOCK_M: int
@@ -78,6 +82,9 @@ class TritonConfig:
     IMPL: str = "triton"
     OVERLAP: bool | str = True
     V_STAGES: int | None = None
+    # off by default: the Gluon NaN / Inf V clean-up compiles offline (docs/tuning.md 1.11) but waits for its H200
+    # test run (tests/attention/triton/test_triton_gluon.py -k "may_not_see or disallowed_keys")
+    NAN_SAFE_V: bool = False
 
     def as_dict(self) -> dict:
         """The fields as a new dict (e.g. ``LAST_LAUNCH["config"]``)."""
@@ -351,6 +358,8 @@ def resolve_config(base: dict, override: dict | None, *, group: int, head_dim: i
     if not isinstance(cfg.get("BT_PREFETCH", False), bool):
         raise ValueError(f"config['BT_PREFETCH'] must be a bool, got {cfg['BT_PREFETCH']!r}")
     cfg.setdefault("BT_PREFETCH", True)  # on: paged K / V addresses never wait on a block-table load
+    if not isinstance(cfg.get("NAN_SAFE_V", False), bool):
+        raise ValueError(f"config['NAN_SAFE_V'] must be a bool, got {cfg['NAN_SAFE_V']!r}")
     cfg.setdefault("IMPL", "triton")
     if not (isinstance(cfg.get("OVERLAP", True), bool) or cfg.get("OVERLAP") in ("chain", "roles")):
         raise ValueError(f"config['OVERLAP'] must be a bool, 'chain' or 'roles', got {cfg['OVERLAP']!r}")
@@ -592,7 +601,7 @@ def kernel_constexprs(cfg: TritonConfig, shape: KernelShape) -> dict:
                   BLOCK_M=BM, BLOCK_N=BN, BLOCK_Q=BM // gp, BOX_N=box_n, PAGE=page,
                   PAGED=shape.paged, HAS_WINDOW=shape.has_window, PREFIX=shape.prefix, NCQ_FLAGS=shape.causal_flags,
                   SPLIT=shape.split, STORE_LSE=shape.store_lse, SEARCH_STEPS=shape.search_steps,
-                  STAGES=cfg.num_stages, V_STAGES=cfg.V_STAGES or cfg.num_stages)
+                  STAGES=cfg.num_stages, V_STAGES=cfg.V_STAGES or cfg.num_stages, NAN_SAFE_V=bool(cfg.NAN_SAFE_V))
     if variant == "gluon_roles":
         return dict(consts, PV_REGS=roles_pv_regs(DV), P_STAGES=ROLES_P_STAGES, maxnreg=roles_max_regs(DV),
                     K_CHUNKS=k_chunks, num_warps=4)

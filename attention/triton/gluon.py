@@ -49,15 +49,24 @@ head_dim`` for vLLM's FlashAttention layout, which packs a token's K and V of on
 Keys at or beyond ``seq_len`` inside the last key block (stale cache rows, which may hold NaN) are masked to
 -inf in QK^T and their V rows are zeroed in shared memory before PV, so they never reach the output.
 
-Known gap of the attention contract (issue 26; the portable kernel closes it, :func:`.portable._attn_block`):
-keys *inside* ``seq_len`` that a row may not see (a causal row's future keys on the diagonal block, keys past a
-window edge) are masked to -inf in S, so their weight is 0, but their V rows enter the PV wgmma unselected: a NaN /
-Inf in such a V row gives ``0 * NaN = NaN`` in every row of the tile whose key block holds it (finite V is exact).
-The fix that fits these kernels: in masked blocks only, zero the V rows of keys outside the tile's key union in
-shared memory (as :func:`_zero_stale_v` does past ``seq_len``) and, for ragged blocks, scan V for a non-finite
-entry and route such tiles to a cold fix-up of the stored output (the portable kernel's :func:`_nonfinite_tile`);
-it costs a shared-memory pass over V per masked block in the consumer warpgroups, which already run at their
-register budgets, so it waits for a GPU A/B run.
+Keys a row may not see contribute nothing, NaN / Inf V included (the contract; the portable kernel does the same,
+:func:`.portable._attn_block`), here only with the ``NAN_SAFE_V`` constexpr (``config["NAN_SAFE_V"]``, off by
+default until its GPU tests pass on the H200; off, the kernels compile to the PTX they had without the switch, and
+the contract's gap described next stays open). Their scores are -inf, so their weight is 0, but PV multiplies the
+whole V tile in shared memory and 0 * NaN = NaN: without the switch a NaN / Inf V entry of a key inside ``seq_len``
+that a row may not see (a causal row's future keys on the diagonal block, keys past a window edge) reaches every row
+of the tile whose key block holds it (finite V is exact). With it, full key blocks (every row allows every key) need
+nothing: the clean-up sits in the masked branch the softmax already takes (docs/tuning.md 1.11). In a masked block
+the warpgroup that runs PV on a V tile first cleans it in shared memory (:func:`_clean_v`): the last block's rows at
+or past ``seq_len`` (stale cache rows) are zeroed, as before; the NaN / Inf entries of the others are zeroed (each
+thread rewrites the chunk it loaded, in chunks small enough to sit next to the live accumulator) and their rows'
+largest exponent bits are folded into a per-thread flag. After the epilogue one reduction over the warpgroup decides
+whether the tile runs a cold pass (:func:`_nonfinite_fixup`), which derives the tile again from the kernel's
+arguments (so nothing of it is held in registers across the key loop), reads those V rows again from global memory
+(the ``V`` pointer, its row stride and rows: the TMA descriptor's view, KV head ``h`` at column ``h * VS``) and adds
+each entry to the stored output of exactly the rows that allow its key, in exactly its column. Cost: the scan reads
+a masked block's V tile once more from shared memory (a causal tile's diagonal blocks, a window's two edge blocks, a
+sequence's last block). Off, ``V``, ``v_row_stride`` and ``v_rows`` are None (constexprs: no kernel parameters).
 
 Unchecked metadata (``check_values=False``): K / V are read through TMA descriptors, which bounds-check (a bad page
 id reads zeros), but the block-table reads follow ``seq_lens`` and the Q loads / output stores follow
@@ -217,7 +226,8 @@ def _softmax_step(qk, m_i, l_i, acc, j, lo, hi, qk_scale, masked, offs_n, BLOCK_
 @gluon.jit
 def _zero_stale_v(v_buf, j, seq_len, offs_vn, v_blk: gl.constexpr, BLOCK_N: gl.constexpr, CHUNK: gl.constexpr):
     """Zero the V rows of block ``j`` at or beyond ``seq_len`` (stale cache rows may hold NaN; 0 * NaN = NaN), in
-    column chunks of ``CHUNK`` (the whole width, or a chunk's registers next to a live accumulator)."""
+    column chunks of ``CHUNK`` (the whole width, or a chunk's registers next to a live accumulator). The V
+    clean-up of ``NAN_SAFE_V`` off; on, :func:`_clean_v` does this in masked blocks."""
     if (j + 1) * BLOCK_N > seq_len:
         keep = ((j * BLOCK_N + offs_vn) < seq_len)[:, None]
         for c in gl.static_range(v_buf.shape[1] // CHUNK):
@@ -226,6 +236,160 @@ def _zero_stale_v(v_buf, j, seq_len, offs_vn, v_blk: gl.constexpr, BLOCK_N: gl.c
             part.store(gl.where(keep, vv, gl.zeros_like(vv)))
         fence_async_shared()
         gl.thread_barrier()
+
+
+@gluon.jit
+def _nonfinite_bits(vv):
+    """Per element of a bf16 / fp16 tile: its exponent-and-mantissa bits (int16, sign cleared), and the all-ones
+    exponent they reach exactly for NaN / +-Inf (``bits >= inf_bits``)."""
+    bits = vv.to(gl.int16, bitcast=True) & 0x7FFF
+    if vv.dtype == gl.bfloat16:
+        inf_bits: gl.constexpr = 0x7F80
+    else:
+        inf_bits: gl.constexpr = 0x7C00
+    return bits, inf_bits
+
+
+@gluon.jit
+def _nf_flag_init(BLOCK_N: gl.constexpr, WIDTH: gl.constexpr):
+    """The per-thread NaN / Inf flag :func:`_clean_v` accumulates over a tile's masked blocks (the largest
+    exponent-and-mantissa bits seen per key row, in :func:`_clean_v`'s row layout: one element a thread): zero."""
+    NW: gl.constexpr = gl.num_warps()
+    CHUNK: gl.constexpr = min(WIDTH, max(8, min(64, 8 * 32 * NW // BLOCK_N)))
+    v_blk: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (CHUNK // 8), CHUNK // 8], [NW, 1], [1, 0])
+    return gl.zeros([BLOCK_N], gl.int32, gl.SliceLayout(1, v_blk))
+
+
+@gluon.jit
+def _nf_flag_any(flag, dtype: gl.constexpr):
+    """Whether :func:`_clean_v` met a NaN / Inf in the tile (one reduction over the warps, after the key loop)."""
+    if dtype == gl.bfloat16:
+        inf_bits: gl.constexpr = 0x7F80
+    else:
+        inf_bits: gl.constexpr = 0x7C00
+    return gl.max(flag, 0) >= inf_bits
+
+
+@gluon.jit
+def _clean_v(v_buf, j, seq_len, flag, BLOCK_N: gl.constexpr):
+    """Key block ``j``'s V in shared memory before PV, for a *masked* block only (full blocks never call this):
+    rows at or past ``seq_len`` (stale cache rows, which may hold anything) and NaN / Inf entries of the others are
+    zeroed; returns ``flag`` with the block's largest exponent bits per row (of rows inside ``seq_len``) folded in.
+
+    PV multiplies the whole V tile, so a key a row may not see still enters it with weight 0, and 0 * NaN = NaN. The
+    tile is rewritten in column chunks small enough to sit next to a live accumulator (8 elements a thread), each
+    thread storing what it loaded (its finite entries unchanged): no reduction over the warps here, one fence and
+    barrier a block. After the key loop the caller reduces ``flag`` once (:func:`_nf_flag_any`) and, when a NaN /
+    Inf was met, adds those entries to exactly the rows (and columns) that allow their keys
+    (:func:`_nonfinite_fixup`)."""
+    # column chunks of 8 contiguous elements a thread, at most 8 a thread a chunk: after the row max, a key
+    # block's rows are one element a thread (the flag's layout, :func:`_nf_flag_init`)
+    NW: gl.constexpr = gl.num_warps()
+    WIDTH: gl.constexpr = v_buf.shape[1]
+    CHUNK: gl.constexpr = min(WIDTH, max(8, min(64, 8 * 32 * NW // BLOCK_N)))
+    v_blk: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (CHUNK // 8), CHUNK // 8], [NW, 1], [1, 0])
+    keep = ((j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, v_blk))) < seq_len)[:, None]
+    for c in gl.static_range(WIDTH // CHUNK):
+        part = v_buf.slice(c * CHUNK, CHUNK, dim=1)
+        vv = part.load(v_blk)
+        bits, inf_bits = _nonfinite_bits(vv)
+        bits = gl.where(keep, bits, gl.zeros_like(bits))
+        flag = gl.maximum(flag, gl.max(bits, 1).to(gl.int32))
+        part.store(gl.where(keep & (bits < inf_bits), vv, gl.zeros_like(vv)))
+    fence_async_shared()
+    gl.thread_barrier()
+    return flag
+
+
+@gluon.jit
+def _opaque(x):
+    """``x`` (an int32 scalar) through an inline-asm move with side effects: the compiler cannot merge what is
+    computed from it with the same computation elsewhere (Triton's global loads are pure inline asm, merged
+    freely across a loop)."""
+    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _fixup_key(kpos, v, bad, O, OPART, q_start, q_len, tile, kvh, split, ctx, ncq, seq_len, window, total_q,
+               num_heads, stride_ot, stride_oh, cols, G: gl.constexpr, GP: gl.constexpr, DV: gl.constexpr,
+               BLOCK_M: gl.constexpr, BLOCK_Q: gl.constexpr, HAS_WINDOW: gl.constexpr, PREFIX: gl.constexpr,
+               SPLIT: gl.constexpr):
+    """Add key ``kpos``'s NaN / Inf entries (``v`` where ``bad``, columns ``cols``) to the stored output rows of the
+    tile that allow the key, one row at a time (scalar row intervals, :func:`.common.row_key_interval`)."""
+    for r in range(0, BLOCK_M):
+        i = tile * BLOCK_Q + r // GP
+        hh = r % GP
+        lo, hi = row_key_interval(i, ctx, ncq, seq_len, window, HAS_WINDOW, PREFIX)
+        if (i < q_len) & (hh < G) & (lo <= kpos) & (kpos <= hi):
+            tok = q_start.to(gl.int64) + i
+            head = kvh * G + hh
+            if SPLIT:
+                ptr = OPART + ((split.to(gl.int64) * total_q + tok) * num_heads + head) * DV + cols
+            else:
+                ptr = O + tok * stride_ot + head.to(gl.int64) * stride_oh + cols
+            cur = gl.load(ptr, mask=bad, other=0.0).to(gl.float32)
+            gl.store(ptr, (cur + v).to(ptr.dtype.element_ty), mask=bad)
+
+
+@gluon.jit
+def _nonfinite_fixup(V, v_row_stride, v_rows, O, OPART, CU_Q, SEQ_LENS, NCQ, BT, CU_K, stride_ot, stride_oh,
+                     stride_bt, total_q, num_heads, num_seqs, n_tiles, window, num_splits,
+                     G: gl.constexpr, GP: gl.constexpr, DV: gl.constexpr, VS: gl.constexpr, COL0: gl.constexpr,
+                     WIDTH: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr,
+                     PAGE: gl.constexpr,
+                     PAGED: gl.constexpr, HAS_WINDOW: gl.constexpr, PREFIX: gl.constexpr, NCQ_FLAGS: gl.constexpr,
+                     SPLIT: gl.constexpr, SEARCH_STEPS: gl.constexpr, NW: gl.constexpr):
+    """The cold pass of a tile whose masked key blocks held NaN / Inf V entries (zeroed for PV by :func:`_clean_v`),
+    run by the warps that stored output columns ``[COL0, COL0 + WIDTH)`` after their epilogue, on the stored
+    output (``O``, or the split's fp32 partial): each such entry is added to exactly the rows that allow its key,
+    in exactly its column (IEEE: NaN, +-Inf; an allowed key's weight is > 0 unless it underflowed, where the
+    reference's ``0 * Inf`` is NaN and this gives +-Inf), as the reference's P.V gives them.
+
+    Everything is derived again from the kernel's arguments (the tile, its key blocks, where its keys are), so
+    nothing of it is held in registers across the key loop, and the pass works on scalars and one column vector
+    (one element a thread) so it needs few registers; V is read from global memory (``V``: the cache as
+    ``v_rows`` token rows of stride ``v_row_stride``, KV head ``h`` at column ``h * VS``: the TMA descriptor's view,
+    :func:`.tma.make_kv_descriptors`, so vLLM's packed layout, whose V view starts ``head_dim`` elements into a
+    row with ``VS = 2 * head_dim``, reads the same entries the TMA loads do; page ids and rows clamped into it),
+    one key of the masked blocks at a time, and a key holding a non-finite entry is added to the
+    rows that allow it one row at a time. Slow, and only run on a cache holding NaN / Inf."""
+    # Layouts of this pass only, and the program ids through an opaque copy: every value below is computed here,
+    # after the key loop, not merged with the kernel's identical computations before it (which would keep them
+    # live, in registers, across the loop).
+    CWN: gl.constexpr = 32 * NW
+    vec: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+    gl.thread_barrier()  # the epilogue's stores (another layout) are read back below
+    kvh = _opaque(gl.program_id(1))
+    split = _opaque(gl.program_id(2))
+    t = n_tiles - 1 - _opaque(gl.program_id(0))
+    ks = gl.arange(0, 16, layout=gl.BlockedLayout([2], [32], [NW], [0]))
+    b, q_start, q_len, tile = tile_sequence(CU_Q, t, num_seqs, ks, BLOCK_Q, SEARCH_STEPS)
+    seq_len, ncq, ctx, lo, hi, a, b_mid, c_mid, d_end = _tile_keys(
+        SEQ_LENS, NCQ, b, q_len, tile, split, window, num_splits, G, GP, BLOCK_M, BLOCK_N, BLOCK_Q, HAS_WINDOW,
+        PREFIX, NCQ_FLAGS, SPLIT, gl.BlockedLayout([2], [32], [NW], [0]))
+    bt_row, k_base = kv_base(BT, CU_K, b, stride_bt, PAGED)
+    last_row = v_rows - 1
+    n_left = (b_mid - a) * BLOCK_N
+    for c in range(0, (WIDTH + CWN - 1) // CWN):
+        offs = c * CWN + gl.arange(0, CWN, layout=vec)
+        in_w = offs < WIDTH
+        cols = COL0 + offs
+        for m in range(0, n_left + (d_end - c_mid) * BLOCK_N):  # the masked blocks' keys (full ones kept their V)
+            kpos = gl.where(m < n_left, a * BLOCK_N + m, c_mid * BLOCK_N + (m - n_left))
+            if kpos < seq_len:
+                if PAGED:
+                    page = gl.minimum(gl.maximum(gl.load(bt_row + kpos // PAGE), 0), last_row // PAGE)
+                    row = page.to(gl.int64) * PAGE + kpos % PAGE
+                else:
+                    row = (k_base + kpos).to(gl.int64)
+                row = gl.minimum(gl.maximum(row, 0), last_row)
+                v = gl.load(V + row * v_row_stride + kvh * VS + cols, mask=in_w, other=0.0)
+                bits, inf_bits = _nonfinite_bits(v)
+                bad = in_w & (bits >= inf_bits)
+                if gl.max(bad.to(gl.int32), 0) > 0:
+                    _fixup_key(kpos, v.to(gl.float32), bad, O, OPART, q_start, q_len, tile, kvh, split, ctx, ncq,
+                               seq_len, window, total_q, num_heads, stride_ot, stride_oh, cols, G, GP, DV, BLOCK_M,
+                               BLOCK_Q, HAS_WINDOW, PREFIX, SPLIT)
 
 
 @gluon.jit
@@ -256,18 +420,26 @@ def _qk_retired(q_smem, k_buf, ready, phase, empty, s_zero):
 
 @gluon.jit
 def _softmax_pv(qk, m_i, l_i, acc, j, lo, hi, qk_scale, masked, offs_n, offs_vn, v_buf, v_ready, v_phase, seq_len,
-                BLOCK_N: gl.constexpr, o_layout: gl.constexpr, v_blk: gl.constexpr, LAZY: gl.constexpr):
+                had_nf, BLOCK_N: gl.constexpr, o_layout: gl.constexpr, v_blk: gl.constexpr, LAZY: gl.constexpr,
+                NAN_SAFE_V: gl.constexpr):
     """The online-softmax update of key block ``j``, then PV issued once its V (``v_buf``: the block, or its
-    column slice) arrived, stale rows zeroed; returns the accumulator in flight (retire it with
-    ``warpgroup_mma_wait``) and the row statistics."""
+    column slice) arrived; returns the accumulator in flight (retire it with ``warpgroup_mma_wait``), the row
+    statistics and ``had_nf``. ``NAN_SAFE_V``: a masked block's V is cleaned first (:func:`_clean_v`: stale rows
+    and NaN / Inf entries zeroed) and ``had_nf``, the NaN / Inf flag (:func:`_nf_flag_init`), is updated inside
+    the masked branch only (a full block passes it through untouched); off: stale rows zeroed
+    (:func:`_zero_stale_v`), ``had_nf`` (an empty tuple: no value) passed through."""
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     p, m_i, l_i, acc = _softmax_step(qk, m_i, l_i, acc, j, lo, hi, qk_scale, masked, offs_n, BLOCK_N, row_o, LAZY)
     p_op = gl.convert_layout(p.to(v_buf.dtype), p_layout)
     mbarrier.wait(v_ready, v_phase)
-    _zero_stale_v(v_buf, j, seq_len, offs_vn, v_blk, BLOCK_N, v_buf.shape[1])
+    if NAN_SAFE_V:
+        if masked:
+            had_nf = _clean_v(v_buf, j, seq_len, had_nf, BLOCK_N)
+    else:
+        _zero_stale_v(v_buf, j, seq_len, offs_vn, v_blk, BLOCK_N, v_buf.shape[1])
     acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
-    return acc, m_i, l_i
+    return acc, m_i, l_i, had_nf
 
 
 @gluon.jit
@@ -275,20 +447,22 @@ def _softmax_consumer(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty
                       lo, hi, a, b_mid, c_mid, d_end, seq_len, qk_scale,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr,
                       V_STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, v_blk: gl.constexpr,
-                      LAZY: gl.constexpr):
+                      LAZY: gl.constexpr, NAN_SAFE_V: gl.constexpr):
     """Consumer warpgroups: the online softmax over key blocks ``[a, d_end)`` (boundary blocks masked)."""
     m_i, l_i, acc, s_zero, offs_n, offs_vn = _consumer_state(BLOCK_M, BLOCK_N, DV, s_layout, o_layout, v_blk)
+    had_nf = _nf_flag_init(BLOCK_N, DV) if NAN_SAFE_V else ()
     for j in range(a, d_end):
         it = j - a
         ks = it % STAGES
         vs = it % V_STAGES
         qk = _qk_retired(q_smem, k_bufs.index(ks), k_ready.index(ks), (it // STAGES) & 1, k_empty.index(ks), s_zero)
-        acc, m_i, l_i = _softmax_pv(qk, m_i, l_i, acc, j, lo, hi, qk_scale, (j < b_mid) | (j >= c_mid), offs_n,
-                                    offs_vn, v_bufs.index(vs), v_ready.index(vs), (it // V_STAGES) & 1, seq_len,
-                                    BLOCK_N, o_layout, v_blk, LAZY)
+        acc, m_i, l_i, had_nf = _softmax_pv(qk, m_i, l_i, acc, j, lo, hi, qk_scale, (j < b_mid) | (j >= c_mid),
+                                            offs_n, offs_vn, v_bufs.index(vs), v_ready.index(vs),
+                                            (it // V_STAGES) & 1, seq_len, had_nf, BLOCK_N, o_layout, v_blk, LAZY,
+                                            NAN_SAFE_V)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(v_empty.index(vs), count=1)
-    return acc, l_i, m_i
+    return acc, l_i, m_i, had_nf
 
 
 @gluon.jit
@@ -296,11 +470,13 @@ def _softmax_consumer_overlap(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready,
                               lo, hi, a, b_mid, c_mid, d_end, seq_len, qk_scale,
                               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr,
                               STAGES: gl.constexpr, V_STAGES: gl.constexpr, s_layout: gl.constexpr,
-                              o_layout: gl.constexpr, v_blk: gl.constexpr, LAZY: gl.constexpr):
+                              o_layout: gl.constexpr, v_blk: gl.constexpr, LAZY: gl.constexpr,
+                              NAN_SAFE_V: gl.constexpr):
     """Consumer with part of FA3's intra-warpgroup overlap: QK^T of block j + 1 runs on the tensor cores while
     the softmax of block j runs. Both wgmma groups retire inside the iteration (an accumulator still in flight
     across the loop's back edge makes ptxas serialise every wgmma, warning C7514)."""
     m_i, l_i, acc, s_zero, offs_n, offs_vn = _consumer_state(BLOCK_M, BLOCK_N, DV, s_layout, o_layout, v_blk)
+    had_nf = _nf_flag_init(BLOCK_N, DV) if NAN_SAFE_V else ()
     if d_end > a:
         qk = _qk_retired(q_smem, k_bufs.index(0), k_ready.index(0), 0, k_empty.index(0), s_zero)
         for j in range(a, d_end):
@@ -311,13 +487,14 @@ def _softmax_consumer_overlap(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready,
             mbarrier.wait(k_ready.index(k1), ((it + 1) // STAGES) & 1, pred=nxt)
             qk_next = warpgroup_mma(q_smem, k_bufs.index(k1).permute((1, 0)), s_zero, use_acc=False,
                                     is_async=True)
-            acc_t, m_i, l_i = _softmax_pv(qk, m_i, l_i, acc, j, lo, hi, qk_scale, (j < b_mid) | (j >= c_mid), offs_n,
-                                          offs_vn, v_bufs.index(vs), v_ready.index(vs), (it // V_STAGES) & 1,
-                                          seq_len, BLOCK_N, o_layout, v_blk, LAZY)
+            acc_t, m_i, l_i, had_nf = _softmax_pv(qk, m_i, l_i, acc, j, lo, hi, qk_scale, (j < b_mid) | (j >= c_mid),
+                                                  offs_n, offs_vn, v_bufs.index(vs), v_ready.index(vs),
+                                                  (it // V_STAGES) & 1, seq_len, had_nf, BLOCK_N, o_layout, v_blk,
+                                                  LAZY, NAN_SAFE_V)
             qk, acc = warpgroup_mma_wait(num_outstanding=0, deps=(qk_next, acc_t))
             mbarrier.arrive(k_empty.index(k1), count=1, pred=nxt)
             mbarrier.arrive(v_empty.index(vs), count=1)
-    return acc, l_i, m_i
+    return acc, l_i, m_i, had_nf
 
 
 @gluon.jit
@@ -325,21 +502,24 @@ def _softmax_consumer_chain(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v
                             lo, hi, a, b_mid, c_mid, d_end, seq_len, qk_scale,
                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr,
                             STAGES: gl.constexpr, V_STAGES: gl.constexpr, s_layout: gl.constexpr,
-                            o_layout: gl.constexpr, v_blk: gl.constexpr, LAZY: gl.constexpr):
+                            o_layout: gl.constexpr, v_blk: gl.constexpr, LAZY: gl.constexpr,
+                            NAN_SAFE_V: gl.constexpr):
     """The sequential consumer with PV of block j and QK^T of block j + 1 issued back to back and retired together
     (``OVERLAP="chain"``): the tensor cores see the two wgmma groups without the retire / issue gap between
     them; no softmax overlaps either, so the live registers are the sequential consumer's (the last block's
     PV runs alone, outside the loop)."""
     m_i, l_i, acc, s_zero, offs_n, offs_vn = _consumer_state(BLOCK_M, BLOCK_N, DV, s_layout, o_layout, v_blk)
+    had_nf = _nf_flag_init(BLOCK_N, DV) if NAN_SAFE_V else ()
     if d_end > a:
         qk = _qk_retired(q_smem, k_bufs.index(0), k_ready.index(0), 0, k_empty.index(0), s_zero)
         for j in range(a, d_end - 1):
             it = j - a
             vs = it % V_STAGES
             k1 = (it + 1) % STAGES
-            acc_t, m_i, l_i = _softmax_pv(qk, m_i, l_i, acc, j, lo, hi, qk_scale, (j < b_mid) | (j >= c_mid), offs_n,
-                                          offs_vn, v_bufs.index(vs), v_ready.index(vs), (it // V_STAGES) & 1,
-                                          seq_len, BLOCK_N, o_layout, v_blk, LAZY)
+            acc_t, m_i, l_i, had_nf = _softmax_pv(qk, m_i, l_i, acc, j, lo, hi, qk_scale, (j < b_mid) | (j >= c_mid),
+                                                  offs_n, offs_vn, v_bufs.index(vs), v_ready.index(vs),
+                                                  (it // V_STAGES) & 1, seq_len, had_nf, BLOCK_N, o_layout, v_blk,
+                                                  LAZY, NAN_SAFE_V)
             mbarrier.wait(k_ready.index(k1), ((it + 1) // STAGES) & 1)
             qk_t = warpgroup_mma(q_smem, k_bufs.index(k1).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             acc, qk = warpgroup_mma_wait(num_outstanding=0, deps=(acc_t, qk_t))
@@ -348,12 +528,13 @@ def _softmax_consumer_chain(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v
         j = d_end - 1
         it = j - a
         vs = it % V_STAGES
-        acc, m_i, l_i = _softmax_pv(qk, m_i, l_i, acc, j, lo, hi, qk_scale, (j < b_mid) | (j >= c_mid), offs_n,
-                                    offs_vn, v_bufs.index(vs), v_ready.index(vs), (it // V_STAGES) & 1, seq_len,
-                                    BLOCK_N, o_layout, v_blk, LAZY)
+        acc, m_i, l_i, had_nf = _softmax_pv(qk, m_i, l_i, acc, j, lo, hi, qk_scale, (j < b_mid) | (j >= c_mid),
+                                            offs_n, offs_vn, v_bufs.index(vs), v_ready.index(vs),
+                                            (it // V_STAGES) & 1, seq_len, had_nf, BLOCK_N, o_layout, v_blk, LAZY,
+                                            NAN_SAFE_V)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(v_empty.index(vs), count=1)
-    return acc, l_i, m_i
+    return acc, l_i, m_i, had_nf
 
 
 @gluon.jit
@@ -413,9 +594,15 @@ def _consumer(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, lo, hi
               BLOCK_Q: gl.constexpr, SPLIT: gl.constexpr,
               STORE_LSE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr,
               STAGES: gl.constexpr, V_STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
-              v_blk: gl.constexpr, OVERLAP: gl.constexpr, LAZY: gl.constexpr):
+              v_blk: gl.constexpr, OVERLAP: gl.constexpr, LAZY: gl.constexpr,
+              V, v_row_stride, v_rows, CU_Q, SEQ_LENS, NCQ, BT, CU_K, stride_bt, num_seqs, n_tiles, window,
+              num_splits, VS: gl.constexpr, PAGE: gl.constexpr, PAGED: gl.constexpr, HAS_WINDOW: gl.constexpr,
+              PREFIX: gl.constexpr, NCQ_FLAGS: gl.constexpr, SEARCH_STEPS: gl.constexpr, NW: gl.constexpr,
+              NAN_SAFE_V: gl.constexpr):
     """The default partition: the sequential (``OVERLAP`` 0), the overlapped (1) or the chained (2) consumer, then
-    the epilogue.
+    the epilogue, then (``NAN_SAFE_V`` only), for a tile whose masked key blocks held NaN / Inf V entries, the
+    cold fix-up (:func:`_nonfinite_fixup`; its arguments from ``V`` on are kernel arguments, which cost no
+    registers in the key loop).
 
     The Q load and the epilogue run here, under the consumer's raised register budget (setmaxnreg), not in the
     parent before / after the partitions: the loader's first K / V loads overlap the Q load, and the
@@ -423,34 +610,43 @@ def _consumer(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, lo, hi
     gl.static_assert((OVERLAP == 0) | (OVERLAP == 1) | (OVERLAP == 2), "OVERLAP: 0, 1 or 2 (overlap_mode)")
     _load_q(q_smem, Q, q_start, q_len, tile, kvh, stride_qt, stride_qh, G, GP, D, BLOCK_M, BLOCK_Q, v_blk, 0)
     if OVERLAP == 2:
-        acc, l_i, m_i = _softmax_consumer_chain(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, lo, hi,
-                                                a, b_mid, c_mid, d_end, seq_len, qk_scale, BLOCK_M, BLOCK_N, DV,
-                                                STAGES, V_STAGES, s_layout, o_layout, v_blk, LAZY)
+        acc, l_i, m_i, had_nf = _softmax_consumer_chain(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
+                                                        lo, hi, a, b_mid, c_mid, d_end, seq_len, qk_scale, BLOCK_M,
+                                                        BLOCK_N, DV, STAGES, V_STAGES, s_layout, o_layout, v_blk,
+                                                        LAZY, NAN_SAFE_V)
     elif OVERLAP == 1:
-        acc, l_i, m_i = _softmax_consumer_overlap(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, lo,
-                                                  hi, a, b_mid, c_mid, d_end, seq_len, qk_scale, BLOCK_M, BLOCK_N,
-                                                  DV, STAGES, V_STAGES, s_layout, o_layout, v_blk, LAZY)
+        acc, l_i, m_i, had_nf = _softmax_consumer_overlap(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready,
+                                                          v_empty, lo, hi, a, b_mid, c_mid, d_end, seq_len, qk_scale,
+                                                          BLOCK_M, BLOCK_N, DV, STAGES, V_STAGES, s_layout, o_layout,
+                                                          v_blk, LAZY, NAN_SAFE_V)
     else:
-        acc, l_i, m_i = _softmax_consumer(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, lo, hi, a,
-                                          b_mid, c_mid, d_end, seq_len, qk_scale, BLOCK_M, BLOCK_N, DV, STAGES,
-                                          V_STAGES, s_layout, o_layout, v_blk, LAZY)
+        acc, l_i, m_i, had_nf = _softmax_consumer(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, lo,
+                                                  hi, a, b_mid, c_mid, d_end, seq_len, qk_scale, BLOCK_M, BLOCK_N,
+                                                  DV, STAGES, V_STAGES, s_layout, o_layout, v_blk, LAZY,
+                                                  NAN_SAFE_V)
     _epilogue(acc, l_i, m_i, O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads,
               stride_ot, stride_oh, G, GP, DV, BLOCK_M, BLOCK_Q, SPLIT, STORE_LSE, o_layout, 0, DV, True)
+    if NAN_SAFE_V:
+        if _nf_flag_any(had_nf, Q.dtype.element_ty):
+            _nonfinite_fixup(V, v_row_stride, v_rows, O, OPART, CU_Q, SEQ_LENS, NCQ, BT, CU_K, stride_ot, stride_oh,
+                             stride_bt, total_q, num_heads, num_seqs, n_tiles, window, num_splits, G, GP, DV, VS, 0,
+                             DV, BLOCK_M, BLOCK_N, BLOCK_Q, PAGE, PAGED, HAS_WINDOW, PREFIX, NCQ_FLAGS, SPLIT,
+                             SEARCH_STEPS, NW)
 
 
-@gluon.jit(do_not_specialize=["total_q", "num_seqs", "n_tiles", "window", "num_splits"])
+@gluon.jit(do_not_specialize=["total_q", "num_seqs", "n_tiles", "window", "num_splits", "v_rows"])
 def _attn_fwd_gluon(
     Q, k_desc, v_desc, O, LSE, OPART, LSEPART,
     CU_Q, SEQ_LENS, NCQ, BT, CU_K,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
-    total_q, num_heads, num_seqs, n_tiles, window, qk_scale, num_splits,
+    total_q, num_heads, num_seqs, n_tiles, window, qk_scale, num_splits, V, v_row_stride, v_rows,
     G: gl.constexpr, GP: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, KS: gl.constexpr, VS: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr,
     BOX_N: gl.constexpr, PAGE: gl.constexpr, PAGED: gl.constexpr, HAS_WINDOW: gl.constexpr, PREFIX: gl.constexpr,
     NCQ_FLAGS: gl.constexpr,
     SPLIT: gl.constexpr, STORE_LSE: gl.constexpr, SEARCH_STEPS: gl.constexpr, STAGES: gl.constexpr,
     V_STAGES: gl.constexpr, LOADER_REGS: gl.constexpr, OVERLAP: gl.constexpr, LAZY: gl.constexpr,
-    num_warps: gl.constexpr,
+    NAN_SAFE_V: gl.constexpr, num_warps: gl.constexpr,
 ):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -483,7 +679,10 @@ def _attn_fwd_gluon(
                      lo, hi, a, b_mid, c_mid, d_end, seq_len, qk_scale,
                      Q, O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads,
                      stride_qt, stride_qh, stride_ot, stride_oh, G, GP, D, BLOCK_Q, SPLIT, STORE_LSE,
-                     BLOCK_M, BLOCK_N, DV, STAGES, V_STAGES, s_layout, o_layout, blk, OVERLAP, LAZY)),
+                     BLOCK_M, BLOCK_N, DV, STAGES, V_STAGES, s_layout, o_layout, blk, OVERLAP, LAZY,
+                     V, v_row_stride, v_rows, CU_Q, SEQ_LENS, NCQ, BT, CU_K, stride_bt, num_seqs, n_tiles, window,
+                     num_splits, VS, PAGE, PAGED, HAS_WINDOW, PREFIX, NCQ_FLAGS, SEARCH_STEPS, num_warps,
+                     NAN_SAFE_V)),
         (_kv_loader, (k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
                       bt_row, k_base, a, d_end, kvh * KS, kvh * VS, seq_len, BLOCK_N, BOX_N, PAGE, PAGED, STAGES,
                       V_STAGES, ONE, ONE)),
@@ -518,11 +717,15 @@ def _wide_half(W: gl.constexpr, q_half, x_mine, x_other, k_bufs, v_bufs, k_ready
                G: gl.constexpr, GP: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr,
                BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
                HAS_WINDOW: gl.constexpr, PREFIX: gl.constexpr, SPLIT: gl.constexpr, STORE_LSE: gl.constexpr,
-               LAZY: gl.constexpr):
+               LAZY: gl.constexpr, V, v_row_stride, v_rows, CU_Q, SEQ_LENS, NCQ, BT, CU_K, stride_bt, num_seqs,
+               n_tiles, num_splits, VS: gl.constexpr, PAGE: gl.constexpr, PAGED: gl.constexpr,
+               NCQ_FLAGS: gl.constexpr, SEARCH_STEPS: gl.constexpr, NAN_SAFE_V: gl.constexpr):
     """One consumer warpgroup of the wide kernel (``W`` = 0: the default partition, 1: a worker): QK^T over its
     head-dim half (a partial S), the partials summed through shared memory (both warpgroups then hold the same
     full S, summed in the same order, so their softmax statistics agree bit for bit), the online softmax, and PV
-    into its half of the V columns, then its half of the output."""
+    into its half of the V columns, then its half of the output; then (``NAN_SAFE_V`` only), for a tile whose
+    masked key blocks held NaN / Inf entries in its V half, the cold fix-up of its columns
+    (:func:`_nonfinite_fixup`)."""
     DH: gl.constexpr = D // 2
     DVH: gl.constexpr = DV // 2
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -536,6 +739,7 @@ def _wide_half(W: gl.constexpr, q_half, x_mine, x_other, k_bufs, v_bufs, k_ready
     offs_m = gl.arange(0, BLOCK_M, layout=row_s)
     lo, hi = row_key_interval(tile * BLOCK_Q + offs_m // GP, ctx, ncq, seq_len, window, HAS_WINDOW, PREFIX)
     m_i, l_i, acc, s_zero, offs_n, offs_vn = _consumer_state(BLOCK_M, BLOCK_N, DVH, s_layout, o_layout, blk)
+    had_nf = _nf_flag_init(BLOCK_N, DVH) if NAN_SAFE_V else ()
     for j in range(a, d_end):
         it = j - a
         ks = it % STAGES
@@ -543,28 +747,35 @@ def _wide_half(W: gl.constexpr, q_half, x_mine, x_other, k_bufs, v_bufs, k_ready
         part = _qk_retired(q_half, k_bufs.index(ks).slice(W * DH, DH, dim=1), k_ready.index(ks * 2 + W),
                            (it // STAGES) & 1, k_empty.index(ks * 2 + W), s_zero)
         qk = _exchange_s(W, part, x_mine, x_other, x_ready, x_free, it, s_layout)
-        acc, m_i, l_i = _softmax_pv(qk, m_i, l_i, acc, j, lo, hi, qk_scale, (j < b_mid) | (j >= c_mid), offs_n,
-                                    offs_vn, v_bufs.index(vs).slice(W * DVH, DVH, dim=1), v_ready.index(vs * 2 + W),
-                                    (it // V_STAGES) & 1, seq_len, BLOCK_N, o_layout, blk, LAZY)
+        acc, m_i, l_i, had_nf = _softmax_pv(qk, m_i, l_i, acc, j, lo, hi, qk_scale, (j < b_mid) | (j >= c_mid),
+                                            offs_n, offs_vn, v_bufs.index(vs).slice(W * DVH, DVH, dim=1),
+                                            v_ready.index(vs * 2 + W), (it // V_STAGES) & 1, seq_len, had_nf,
+                                            BLOCK_N, o_layout, blk, LAZY, NAN_SAFE_V)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(v_empty.index(vs * 2 + W), count=1)
     _epilogue(acc, l_i, m_i, O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads,
               stride_ot, stride_oh, G, GP, DVH, BLOCK_M, BLOCK_Q, SPLIT, STORE_LSE, o_layout, W * DVH, DV, W == 0)
+    if NAN_SAFE_V:
+        if _nf_flag_any(had_nf, Q.dtype.element_ty):
+            _nonfinite_fixup(V, v_row_stride, v_rows, O, OPART, CU_Q, SEQ_LENS, NCQ, BT, CU_K, stride_ot, stride_oh,
+                             stride_bt, total_q, num_heads, num_seqs, n_tiles, window, num_splits, G, GP, DV, VS,
+                             W * DVH, DVH, BLOCK_M, BLOCK_N, BLOCK_Q, PAGE, PAGED, HAS_WINDOW, PREFIX, NCQ_FLAGS,
+                             SPLIT, SEARCH_STEPS, 4)
 
 
-@gluon.jit(do_not_specialize=["total_q", "num_seqs", "n_tiles", "window", "num_splits"])
+@gluon.jit(do_not_specialize=["total_q", "num_seqs", "n_tiles", "window", "num_splits", "v_rows"])
 def _attn_fwd_gluon_wide(
     Q, k_desc, v_desc, O, LSE, OPART, LSEPART,
     CU_Q, SEQ_LENS, NCQ, BT, CU_K,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
-    total_q, num_heads, num_seqs, n_tiles, window, qk_scale, num_splits,
+    total_q, num_heads, num_seqs, n_tiles, window, qk_scale, num_splits, V, v_row_stride, v_rows,
     G: gl.constexpr, GP: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, KS: gl.constexpr, VS: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr,
     BOX_N: gl.constexpr, PAGE: gl.constexpr, PAGED: gl.constexpr, HAS_WINDOW: gl.constexpr, PREFIX: gl.constexpr,
     NCQ_FLAGS: gl.constexpr,
     SPLIT: gl.constexpr, STORE_LSE: gl.constexpr, SEARCH_STEPS: gl.constexpr, STAGES: gl.constexpr,
     V_STAGES: gl.constexpr, LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, LAZY: gl.constexpr,
-    num_warps: gl.constexpr,
+    NAN_SAFE_V: gl.constexpr, num_warps: gl.constexpr,
 ):
     """The Gluon kernel for head dims > 256 (Gemma 4 global layers: hd 512): 64 packed rows, two consumer
     warpgroups (the default partition and a worker, ``num_warps`` = 4 each) that split the head dim. Warpgroup w
@@ -607,12 +818,16 @@ def _attn_fwd_gluon_wide(
                       Q, O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads,
                       stride_qt, stride_qh, stride_ot, stride_oh, ctx, ncq, seq_len, window, qk_scale,
                       a, b_mid, c_mid, d_end, G, GP, D, DV, BLOCK_M, BLOCK_N, BLOCK_Q, STAGES, V_STAGES,
-                      HAS_WINDOW, PREFIX, SPLIT, STORE_LSE, LAZY)),
+                      HAS_WINDOW, PREFIX, SPLIT, STORE_LSE, LAZY, V, v_row_stride, v_rows, CU_Q, SEQ_LENS, NCQ, BT,
+                      CU_K, stride_bt, num_seqs, n_tiles, num_splits, VS, PAGE, PAGED, NCQ_FLAGS, SEARCH_STEPS,
+                      NAN_SAFE_V)),
         (_wide_half, (W1, q1, x1, x0, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, x_ready, x_free,
                       Q, O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads,
                       stride_qt, stride_qh, stride_ot, stride_oh, ctx, ncq, seq_len, window, qk_scale,
                       a, b_mid, c_mid, d_end, G, GP, D, DV, BLOCK_M, BLOCK_N, BLOCK_Q, STAGES, V_STAGES,
-                      HAS_WINDOW, PREFIX, SPLIT, STORE_LSE, LAZY)),
+                      HAS_WINDOW, PREFIX, SPLIT, STORE_LSE, LAZY, V, v_row_stride, v_rows, CU_Q, SEQ_LENS, NCQ, BT,
+                      CU_K, stride_bt, num_seqs, n_tiles, num_splits, VS, PAGE, PAGED, NCQ_FLAGS, SEARCH_STEPS,
+                      NAN_SAFE_V)),
         (_kv_loader, (k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
                       bt_row, k_base, a, d_end, kvh * KS, kvh * VS, seq_len, BLOCK_N, BOX_N, PAGE, PAGED, STAGES,
                       V_STAGES, HALVES, HALVES)),
@@ -692,15 +907,21 @@ def _roles_softmax(q_smem, k_desc, k_bufs, k_ready, p_smem, a_smem, st_smem, p_r
 @gluon.jit
 def _roles_pv(W: gl.constexpr, p_smem, a_smem, st_smem, v_desc, v_bufs, v_ready, p_ready, p_free, st_ready,
               O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads, stride_ot, stride_oh,
-              a, d_end, seq_len, bt_row, k_base, G: gl.constexpr, GP: gl.constexpr, DV: gl.constexpr,
+              a, b_mid, c_mid, d_end, seq_len, bt_row, k_base, G: gl.constexpr, GP: gl.constexpr, DV: gl.constexpr,
               VS: gl.constexpr, NPV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr,
               BOX_N: gl.constexpr, PAGE: gl.constexpr, PAGED: gl.constexpr, V_STAGES: gl.constexpr,
-              P_STAGES: gl.constexpr, SPLIT: gl.constexpr, STORE_LSE: gl.constexpr):
+              P_STAGES: gl.constexpr, SPLIT: gl.constexpr, STORE_LSE: gl.constexpr,
+              V, v_row_stride, v_rows, CU_Q, SEQ_LENS, NCQ, BT, CU_K, stride_bt, num_seqs, n_tiles, window,
+              num_splits, HAS_WINDOW: gl.constexpr, PREFIX: gl.constexpr, NCQ_FLAGS: gl.constexpr,
+              SEARCH_STEPS: gl.constexpr, NAN_SAFE_V: gl.constexpr):
     """PV warpgroup ``W`` of the roles kernel (a worker partition): V columns ``[W * DV / NPV, (W + 1) * DV / NPV)``
     of the output. It streams its own V column slice (TMA into the slot whose PV just retired, ``V_STAGES`` blocks
-    ahead); per key block it waits for P and the row rescale factors, rescales its accumulator and runs PV (P from
-    shared memory), then releases the P slot; at the end it normalises with the softmax warpgroup's statistics and
-    stores its columns (the LSE from warpgroup 0 only)."""
+    ahead); per key block it waits for P and the row rescale factors, rescales its accumulator, cleans its V
+    slice (``NAN_SAFE_V``: a masked block's, :func:`_clean_v`; off: the last block's stale rows,
+    :func:`_zero_stale_v`) and runs PV (P from shared memory), then releases the P slot; at the end it normalises
+    with the softmax warpgroup's statistics and stores its columns (the LSE from warpgroup 0 only), then
+    (``NAN_SAFE_V`` only), for a tile whose masked blocks held NaN / Inf in its V slice, the cold fix-up of its
+    columns (:func:`_nonfinite_fixup`)."""
     PVW: gl.constexpr = DV // NPV
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, PVW, 16])
@@ -712,6 +933,7 @@ def _roles_pv(W: gl.constexpr, p_smem, a_smem, st_smem, v_desc, v_bufs, v_ready,
                        PAGE, PAGED, NPV)
     acc = gl.zeros([BLOCK_M, PVW], gl.float32, o_layout)
     offs_vn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, blk))
+    had_nf = _nf_flag_init(BLOCK_N, PVW) if NAN_SAFE_V else ()
     for j in range(a, d_end):
         it = j - a
         ps = it % P_STAGES
@@ -723,7 +945,11 @@ def _roles_pv(W: gl.constexpr, p_smem, a_smem, st_smem, v_desc, v_bufs, v_ready,
         if NPV > 1:
             v_buf = v_buf.slice(W * PVW, PVW, dim=1)
         mbarrier.wait(v_ready.index(vs * NPV + W), (it // V_STAGES) & 1)
-        _zero_stale_v(v_buf, j, seq_len, offs_vn, blk, BLOCK_N, 64)
+        if NAN_SAFE_V:
+            if (j < b_mid) | (j >= c_mid):
+                had_nf = _clean_v(v_buf, j, seq_len, had_nf, BLOCK_N)
+        else:
+            _zero_stale_v(v_buf, j, seq_len, offs_vn, blk, BLOCK_N, 64)
         acc = warpgroup_mma(p_smem.index(ps), v_buf, acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(p_free.index(ps), count=1)
@@ -735,21 +961,27 @@ def _roles_pv(W: gl.constexpr, p_smem, a_smem, st_smem, v_desc, v_bufs, v_ready,
     l_i = st_smem.index(1).load(row_o)
     _epilogue(acc, l_i, m_i, O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads,
               stride_ot, stride_oh, G, GP, PVW, BLOCK_M, BLOCK_Q, SPLIT, STORE_LSE, o_layout, W * PVW, DV, W == 0)
+    if NAN_SAFE_V:
+        if _nf_flag_any(had_nf, v_desc.dtype):
+            _nonfinite_fixup(V, v_row_stride, v_rows, O, OPART, CU_Q, SEQ_LENS, NCQ, BT, CU_K, stride_ot, stride_oh,
+                             stride_bt, total_q, num_heads, num_seqs, n_tiles, window, num_splits, G, GP, DV, VS,
+                             W * PVW, PVW, BLOCK_M, BLOCK_N, BLOCK_Q, PAGE, PAGED, HAS_WINDOW, PREFIX, NCQ_FLAGS,
+                             SPLIT, SEARCH_STEPS, 4)
 
 
-@gluon.jit(do_not_specialize=["total_q", "num_seqs", "n_tiles", "window", "num_splits"])
+@gluon.jit(do_not_specialize=["total_q", "num_seqs", "n_tiles", "window", "num_splits", "v_rows"])
 def _attn_fwd_gluon_roles(
     Q, k_desc, v_desc, O, LSE, OPART, LSEPART,
     CU_Q, SEQ_LENS, NCQ, BT, CU_K,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
-    total_q, num_heads, num_seqs, n_tiles, window, qk_scale, num_splits,
+    total_q, num_heads, num_seqs, n_tiles, window, qk_scale, num_splits, V, v_row_stride, v_rows,
     G: gl.constexpr, GP: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, KS: gl.constexpr, VS: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr,
     BOX_N: gl.constexpr, PAGE: gl.constexpr, PAGED: gl.constexpr, HAS_WINDOW: gl.constexpr, PREFIX: gl.constexpr,
     NCQ_FLAGS: gl.constexpr,
     SPLIT: gl.constexpr, STORE_LSE: gl.constexpr, SEARCH_STEPS: gl.constexpr, STAGES: gl.constexpr,
     V_STAGES: gl.constexpr, PV_REGS: gl.constexpr, P_STAGES: gl.constexpr, K_CHUNKS: gl.constexpr,
-    num_warps: gl.constexpr,
+    NAN_SAFE_V: gl.constexpr, num_warps: gl.constexpr,
 ):
     """The roles kernel (``OVERLAP="roles"``): FA4's division of labour between a softmax warpgroup and the
     warpgroups that own the output accumulator (Dao et al., FlashAttention-4, 2026; the flash-attention ``cute``
@@ -808,12 +1040,16 @@ def _attn_fwd_gluon_roles(
                               PAGED, STAGES, P_STAGES, s_layout)),
             (_roles_pv, (W0, p_smem, a_smem, st_smem, v_desc, v_bufs, v_ready, p_ready, p_free, st_ready,
                          O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads, stride_ot,
-                         stride_oh, a, d_end, seq_len, bt_row, k_base, G, GP, DV, VS, NPV, BLOCK_M, BLOCK_N, BLOCK_Q,
-                         BOX_N, PAGE, PAGED, V_STAGES, P_STAGES, SPLIT, STORE_LSE)),
+                         stride_oh, a, b_mid, c_mid, d_end, seq_len, bt_row, k_base, G, GP, DV, VS, NPV, BLOCK_M,
+                         BLOCK_N, BLOCK_Q, BOX_N, PAGE, PAGED, V_STAGES, P_STAGES, SPLIT, STORE_LSE, V,
+                         v_row_stride, v_rows, CU_Q, SEQ_LENS, NCQ, BT, CU_K, stride_bt, num_seqs, n_tiles, window,
+                         num_splits, HAS_WINDOW, PREFIX, NCQ_FLAGS, SEARCH_STEPS, NAN_SAFE_V)),
             (_roles_pv, (W1, p_smem, a_smem, st_smem, v_desc, v_bufs, v_ready, p_ready, p_free, st_ready,
                          O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads, stride_ot,
-                         stride_oh, a, d_end, seq_len, bt_row, k_base, G, GP, DV, VS, NPV, BLOCK_M, BLOCK_N, BLOCK_Q,
-                         BOX_N, PAGE, PAGED, V_STAGES, P_STAGES, SPLIT, STORE_LSE)),
+                         stride_oh, a, b_mid, c_mid, d_end, seq_len, bt_row, k_base, G, GP, DV, VS, NPV, BLOCK_M,
+                         BLOCK_N, BLOCK_Q, BOX_N, PAGE, PAGED, V_STAGES, P_STAGES, SPLIT, STORE_LSE, V,
+                         v_row_stride, v_rows, CU_Q, SEQ_LENS, NCQ, BT, CU_K, stride_bt, num_seqs, n_tiles, window,
+                         num_splits, HAS_WINDOW, PREFIX, NCQ_FLAGS, SEARCH_STEPS, NAN_SAFE_V)),
         ], [4, 4], [PV_REGS, PV_REGS])
     else:
         gl.warp_specialize([
@@ -823,8 +1059,10 @@ def _attn_fwd_gluon_roles(
                               PAGED, STAGES, P_STAGES, s_layout)),
             (_roles_pv, (W0, p_smem, a_smem, st_smem, v_desc, v_bufs, v_ready, p_ready, p_free, st_ready,
                          O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads, stride_ot,
-                         stride_oh, a, d_end, seq_len, bt_row, k_base, G, GP, DV, VS, NPV, BLOCK_M, BLOCK_N, BLOCK_Q,
-                         BOX_N, PAGE, PAGED, V_STAGES, P_STAGES, SPLIT, STORE_LSE)),
+                         stride_oh, a, b_mid, c_mid, d_end, seq_len, bt_row, k_base, G, GP, DV, VS, NPV, BLOCK_M,
+                         BLOCK_N, BLOCK_Q, BOX_N, PAGE, PAGED, V_STAGES, P_STAGES, SPLIT, STORE_LSE, V,
+                         v_row_stride, v_rows, CU_Q, SEQ_LENS, NCQ, BT, CU_K, stride_bt, num_seqs, n_tiles, window,
+                         num_splits, HAS_WINDOW, PREFIX, NCQ_FLAGS, SEARCH_STEPS, NAN_SAFE_V)),
         ], [4], [PV_REGS])
 
 

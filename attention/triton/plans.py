@@ -147,6 +147,9 @@ class Plan:
     grid: tuple = ()
     descriptors: tuple | None = None  # Gluon: (box rows, K chunks, V chunks) of the TMA descriptors
     tail: tuple = ()  # the main kernel's host-int arguments after the tensors
+    # Gluon with NAN_SAFE_V: after ``tail`` and the V cache, its TMA view's row stride and rows (empty: the switch
+    # off, the three arguments None)
+    v_tail: tuple = ()
     main: Launch | None = None
     merge: Launch | None = None
     merge_tail: tuple = ()
@@ -245,6 +248,12 @@ def make_plan(q, k_cache, v_cache, info, block_table, window_size, bidirectional
     else:  # the Gluon kernels read K / V through TMA descriptors (made per call from the cached boxes)
         plan.descriptors = tma_boxes(cfg, shape)
         plan.tail = (q.stride(0), q.stride(1), st_o[0], st_o[1], stride_bt) + common_tail
+        if cfg.NAN_SAFE_V:
+            # and V once more, in a tile's cold NaN / Inf fix-up only (gluon._nonfinite_fixup), as the descriptor's
+            # view (tma.make_kv_descriptors: token rows, KV head h at column h * v_cache.stride(-2), the kernel's
+            # VS): its row stride and rows
+            plan.v_tail = (v_cache.stride(-3), v_cache.shape[0] * v_cache.shape[1] if info.paged
+                           else v_cache.shape[0])
         plan.main = Launch(GLUON_KERNELS[variant], grid, consts)
     if ns > 1:
         merge = merge_constexprs(ns, DV, return_lse, merge_pdl(q.device, merge_pdl_enabled), interpreting())
@@ -297,7 +306,10 @@ def run_plan(plan: Plan, q, k_cache, v_cache, calls, out, last_launch: dict, seq
         k_arg, v_arg = make_kv_descriptors(k_cache, v_cache, *plan.descriptors)
     else:
         k_arg, v_arg = k_cache, v_cache
-    handle = plan.main(q, k_arg, v_arg, dst, lse_arg, opart, lsepart, cu_q, sl, ncq, bt, cu_k, *plan.tail)
+    v_extra = ()
+    if plan.descriptors is not None:  # the Gluon kernels' V, v_row_stride, v_rows: None (constexprs, no kernel
+        v_extra = (v_cache,) + plan.v_tail if plan.v_tail else (None, None, None)  # parameters) unless NAN_SAFE_V
+    handle = plan.main(q, k_arg, v_arg, dst, lse_arg, opart, lsepart, cu_q, sl, ncq, bt, cu_k, *plan.tail, *v_extra)
     # a dict copy: the resolved config is shared by the plan and the config cache
     last_launch.update(kernel=handle, num_splits=ns, grid=plan.grid, config=plan.cfg.as_dict(), impl=plan.impl)
     if plan.merge is not None:

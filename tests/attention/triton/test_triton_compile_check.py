@@ -96,6 +96,48 @@ def test_roles_kernel_compiles_for_sm90(kw, max_spill):
     assert rep["shared"] <= tc.WIDE_SMEM_LIMIT
 
 
+# config["NAN_SAFE_V"] (off by default until its H200 test run; off, every configuration above compiles to the PTX
+# of the kernels without the switch: bench/experiments/ptx_snapshot.py): the NaN / Inf V clean-up of masked key
+# blocks and the cold fix-up after the epilogue (gluon._clean_v / _nonfinite_fixup) for the automatic configs and
+# the consumers its GPU tests run, with spill bounds of their own (ptxas -v, Triton 3.6; the switch-off bound of the
+# same tile in brackets). The spills sit in the prologue, the epilogue, masked blocks and the fix-up, none on a full
+# key block's path (docs/tuning.md 1.11).
+_GLUON_AUTO = dict(block_m=64, num_warps=4, num_stages=2, paged=True, page_size=64)
+_ROLES_AUTO = dict(block_m=64, block_n=64, num_warps=12, num_stages=1, head_dim=512, group=8, num_kv_heads=2,
+                   paged=True, page_size=64, window=False, overlap="roles")
+_WIDE_AUTO = dict(block_m=64, block_n=64, num_warps=8, num_stages=1, head_dim=512, group=8, num_kv_heads=2,
+                  paged=True, page_size=64, split=True, window=False, overlap=False)
+
+
+@pytest.mark.parametrize("kw,max_spill", [
+    # hd 128, the automatic chain 64x128 (causal flags, split and not): 0 (4 B off)
+    (dict(_GLUON_AUTO, block_n=128, v_stages=1, head_dim=128, split=False, window=False, overlap="chain",
+          causal_flags=True), 0),
+    (dict(_GLUON_AUTO, block_n=128, v_stages=1, head_dim=128, split=True, window=False, overlap="chain",
+          causal_flags=True), 0),
+    (dict(_GLUON_AUTO, block_n=128, v_stages=1, head_dim=128, paged=False, split=True, window=True,
+          overlap="chain"), 0),
+    # hd 512, the automatic roles kernel (split and not; 32-token pages: two TMA boxes a block): 32 / 40 B (0 off)
+    (dict(_ROLES_AUTO, split=False), 32),
+    (dict(_ROLES_AUTO, split=True), 32),
+    (dict(_ROLES_AUTO, split=False, page_size=32), 40),
+    # hd 512, the wide kernel at its automatic tile: 16 / 24 B (116 / 248 B off)
+    (dict(_WIDE_AUTO, lazy=False), 16),
+    (dict(_WIDE_AUTO, lazy=True), 24),
+    # hd 256 sliding, the automatic split-regime tile (the sequential consumer): 0 (0 off)
+    (dict(_GLUON_AUTO, block_n=64, head_dim=256, split=True, window=True, overlap=False, causal_flags=True), 0),
+    # the overlapped consumer and two sequential warpgroups with lazy rescaling (hd 128): 0 (0 off)
+    (dict(_GLUON_AUTO, block_n=64, head_dim=128, split=True, window=True, overlap=True), 0),
+    (dict(_GLUON_AUTO, block_m=128, num_warps=8, block_n=64, head_dim=128, split=True, window=True, overlap=False,
+          lazy=True), 0),
+])
+def test_nan_safe_v_gluon_kernels_compile_for_sm90(kw, max_spill):
+    rep, spills = _compile_offline(dict(kw, nan_safe_v=True))
+    assert spills and max(spills) <= max_spill, rep["ptxas"]
+    assert "C751" not in rep["ptxas"], rep["ptxas"]  # C7512 / C7514: ptxas serialised the wgmma pipeline
+    assert rep["shared"] <= (tc.WIDE_SMEM_LIMIT if kw["head_dim"] > 256 else 227 * 1024)
+
+
 @pytest.mark.parametrize("kw,max_spill", [
     # the tuned hd-128 tiles (base and split regime) and a small-page layout: the NaN / Inf scan of ragged blocks,
     # the page-id clamps and the cold pass (not inlined) leave the kernel without spills

@@ -136,6 +136,7 @@ def test_a_cached_valid_config_does_not_let_an_equal_value_of_the_wrong_type_thr
     (dict(V_STAGES=True), "V_STAGES"),
     (dict(V_STAGES=2.0), "V_STAGES"), (dict(IMPL="triton", V_STAGES=1), "V_STAGES"),
     (dict(IMPL="triton", OVERLAP=False), "OVERLAP"), (dict(IMPL="cuda", V_STAGES=1), "IMPL"),
+    (dict(NAN_SAFE_V=1), "NAN_SAFE_V"), (dict(NAN_SAFE_V="yes"), "NAN_SAFE_V"),
 ])
 def test_bad_gluon_configs_name_the_field(bad, match):
     inp = make_batch([9], [4], causal=[False], head_dim=64, page_size=64, device="cpu")
@@ -187,6 +188,23 @@ def test_overlap_defaults_follow_the_measured_consumers():
         tc.overlap_mode("pv")
     assert [tc.overlap_mode(v) for v in (False, True, "chain")] == [0, 1, 2]
     assert kern.config({"V_STAGES": 1}).V_STAGES == 1  # IMPL unset: applies if the Gluon kernel is chosen
+
+
+def test_nan_safe_v_is_off_by_default_and_keeps_the_automatic_choice():
+    """config["NAN_SAFE_V"] (the Gluon kernels' NaN / Inf V clean-up): off unless asked for, a Gluon constexpr
+    only (the portable kernel always keeps such V out), and not a tile key, so the tuned Gluon entries still
+    apply with it."""
+    kern = tc.TritonAttention(tc.StaticKey(128, 128, 2, torch.bfloat16, True, 64, False, False, False))
+    assert kern.config(None).NAN_SAFE_V is False and kern.config(kern.gluon_base).NAN_SAFE_V is False
+    auto = kern.config(tc.gluon_auto(kern.gluon_base, {"NAN_SAFE_V": True}))
+    assert auto.NAN_SAFE_V is True and auto.IMPL == "gluon" and auto.OVERLAP == "chain"
+    assert "NAN_SAFE_V" not in tc._TILE_KEYS
+    shape = tc.KernelShape(group=2, head_dim=128, head_dim_v=128, dtype=torch.bfloat16, paged=True, page_size=64,
+                           has_window=False, prefix=False, causal_flags=True, split=False, store_lse=True,
+                           search_steps=1)
+    assert tc.kernel_constexprs(auto, shape)["NAN_SAFE_V"] is True
+    assert tc.kernel_constexprs(kern.config(kern.gluon_base), shape)["NAN_SAFE_V"] is False
+    assert "NAN_SAFE_V" not in tc.kernel_constexprs(kern.config({"IMPL": "triton", "NAN_SAFE_V": True}), shape)
 
 
 def test_resident_programs_per_sm_follow_shared_memory_and_the_launch_register_budget():

@@ -1,8 +1,12 @@
 """The warp-specialised Gluon kernels (attention/triton/gluon.py) on the H200 (``-m gpu``): against the dense
 reference on a NaN-poisoned ``out`` and with NaN in every stale cache row (beyond ``seq_lens`` and in unused
 pages), over page sizes, the contiguous form, GQA ratios, windows in both modes, mixed causal rows, split counts,
-fp16, CUDA-graph replays with changed flags, lengths and block tables, and the automatic kernel choice. CPU checks
-of these kernels: test_triton_config.py, test_triton_tma.py, test_triton_compile_check.py."""
+fp16, CUDA-graph replays with changed flags, lengths and block tables, the automatic kernel choice, and NaN / Inf V
+of keys a row may not see (``config["NAN_SAFE_V"]``, separate caches and vLLM's packed layout). CPU checks of these
+kernels: test_triton_config.py, test_triton_tma.py, test_triton_compile_check.py, and here the NaN / Inf V checks
+themselves with the portable kernel as a stand-in."""
+import sys
+
 import pytest
 import torch
 
@@ -11,7 +15,7 @@ from blockdiff.attention.testing import check_close
 from blockdiff.attention.triton import config as tc
 from blockdiff.attention.triton import interface as TA
 
-from triton_helpers import GLUON, ROLES, graph_replay_check, make_batch
+from triton_helpers import GLUON, ROLES, WIDE, graph_replay_check, make_batch
 
 
 def _check(inp, config, **kw):
@@ -233,3 +237,232 @@ def test_gpu_automatic_choice_takes_gluon_only_where_tuned_and_tma_can_read_the_
         o = attention(**inp, backend="triton", config=user)
         assert TA.LAST_LAUNCH["impl"] == "gluon" and TA.LAST_LAUNCH["config"]["OVERLAP"] is False, user
         check_close(o, **clean)
+
+
+# ------------------------------------------------- NaN / Inf V of keys a row may not see (issue 26, the contract)
+# The Gluon kernels keep them out with config["NAN_SAFE_V"] = True only (off by default until these tests pass on
+# the H200): every check below runs with it. On the CPU, test_nonfinite_v_checks_hold_for_the_portable_kernel runs
+# the same helpers with the portable kernel (which always keeps them out) as a stand-in.
+def _nan_safe(config):
+    """``config`` with the Gluon kernels' NaN / Inf V clean-up switched on (the portable kernel ignores it)."""
+    return dict(config, NAN_SAFE_V=True)
+
+
+def _packed(inp):
+    """``inp`` with K and V in vLLM's FlashAttention layout: one ``[..., num_kv_heads, 2 * head_dim]`` cache, K
+    and V its two halves (views with a head column stride of ``2 * head_dim``; V starts ``head_dim`` elements into
+    a token row)."""
+    D = inp["k_cache"].shape[-1]
+    k, v = torch.cat([inp["k_cache"], inp["v_cache"]], dim=-1).split(D, dim=-1)
+    assert k.stride(-2) == v.stride(-2) == 2 * D and v.storage_offset() == D
+    return dict(inp, k_cache=k, v_cache=v)
+
+
+def _poison_v(inp, seed, per_seq=6):
+    """``inp`` with V entries of keys inside ``seq_lens`` set to NaN / +Inf / -Inf (a copy of the cache): per
+    sequence, keys among its query rows (a causal row's future keys, on the diagonal key blocks), keys up to 300
+    before its first query row (window edges) and keys anywhere, each at a random KV head and column."""
+    v = inp["v_cache"].clone()
+    g = torch.Generator().manual_seed(seed)
+    paged = inp.get("block_table") is not None
+    seq_lens = inp["seq_lens"].tolist()
+    cu_q = inp["cu_seqlens_q"].tolist()
+    vals = (float("nan"), float("inf"), -float("inf"))
+    n = 0
+    for b, S in enumerate(seq_lens):
+        if S == 0:
+            continue
+        q_len = cu_q[b + 1] - cu_q[b]
+        ctx = S - q_len
+        spans = [(ctx, S), (max(0, ctx - 300), max(ctx, 1)), (0, S)]
+        for i in range(per_seq):
+            lo, hi = spans[i % 3]
+            key = min(S - 1, lo + int(torch.randint(0, max(1, hi - lo), (1,), generator=g)))
+            head = int(torch.randint(0, v.shape[-2], (1,), generator=g))
+            col = int(torch.randint(0, v.shape[-1], (1,), generator=g))
+            if paged:
+                P = v.shape[1]
+                v[int(inp["block_table"][b, key // P]), key % P, head, col] = vals[n % 3]
+            else:
+                v[int(inp["cu_seqlens_k"][b]) + key, head, col] = vals[n % 3]
+            n += 1
+    return dict(inp, v_cache=v)
+
+
+def _check_nonfinite_v(inp, config, seed, packed=False, impl="gluon", **kw):
+    """The Gluon kernel (``config`` with ``NAN_SAFE_V``) on caches whose V holds NaN / +-Inf entries of keys
+    inside ``seq_lens`` (``packed``: in vLLM's packed KV layout, :func:`_packed`), into a NaN-poisoned ``out``:
+    exactly the reference's NaN / +Inf / -Inf entries (the rows that allow a poisoned key, in its column: a key a
+    row may not see contributes nothing), every other entry (and the LSE) within the tolerance rule of the oracle
+    of the caches with those entries zeroed. ``impl``: the kernel that must run (``"triton"``: the portable
+    kernel, the CPU stand-in). Returns the number of non-finite entries."""
+    bad = _poison_v(inp, seed)
+    if packed:
+        bad = _packed(bad)
+    q, vc = bad["q"], bad["v_cache"]
+    out = torch.full((q.shape[0], q.shape[1], vc.shape[-1]), float("nan"), dtype=q.dtype, device=q.device)
+    o, lse = attention(**bad, out=out, return_lse=True, backend="triton", config=_nan_safe(config), **kw)
+    assert TA.LAST_LAUNCH["impl"] == impl and TA.LAST_LAUNCH["config"]["NAN_SAFE_V"] is True
+    ref = attention(**bad, backend="reference", **kw)  # fp32, NaN / Inf of disallowed keys kept out exactly
+    for f in (torch.isnan, torch.isposinf, torch.isneginf):
+        assert torch.equal(f(o), f(ref)), f"{f.__name__}: {int((f(o) != f(ref)).sum())} entries differ"
+    fin = torch.isfinite(ref)
+    assert fin.any()
+    clean = dict(bad, v_cache=torch.where(torch.isfinite(vc), vc, torch.zeros_like(vc)),
+                 k_cache=torch.nan_to_num(bad["k_cache"]))  # (stale rows: NaN in both caches)
+    o_clean = attention(**clean, backend="reference", **kw).to(o.dtype)
+    check_close(torch.where(fin, o, o_clean), **clean, lse=lse, **kw)
+    return int((~fin).sum())
+
+
+def _nonfinite_cases(D, H, Hkv, page_size, seed, paged=True, small=False):
+    """Mixed batches (canvases over context, a prefill, a commit + canvas sequence, a short causal one, an empty
+    one) with NaN in the stale cache rows too; ``small``: the same shape of batch at interpreter sizes, on the
+    CPU."""
+    sl, ql, ncq = [1500, 700, 333, 9, 0, 1300], [256, 700, 64, 9, 0, 300], [0, 700, 64, 4, 0, 40]
+    if small:
+        sl, ql, ncq = [70, 21, 40, 9, 0, 52], [16, 21, 8, 9, 0, 20], [0, 21, 8, 4, 0, 5]
+    return make_batch(sl, ql, num_causal_q=ncq, num_heads=H, num_kv_heads=Hkv, head_dim=D, page_size=page_size,
+                      paged=paged, device="cpu" if small else "cuda", seed=seed, poison_unused=paged)
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_hd128_keys_a_row_may_not_see_contribute_nothing_even_nan_or_inf_v():
+    """The automatic hd-128 Gluon config (the chained consumer, 64 x 128): causal diagonals, mixed rows, splits,
+    both window modes, paged and contiguous: NaN / Inf V of a key a row may not see never reaches that row (was
+    0 * NaN = NaN in every row of the tile whose masked block held it)."""
+    cfg = dict(tc.TUNED_GLUON_CONFIGS[(128, 2, False, False)][0])
+    inp = _nonfinite_cases(128, 16, 8, 64, seed=21)
+    nf = _check_nonfinite_v(inp, cfg, seed=1)
+    nf += _check_nonfinite_v(inp, dict(cfg, num_splits=3), seed=2)
+    nf += _check_nonfinite_v(inp, cfg, seed=3, window_size=127)
+    nf += _check_nonfinite_v(inp, dict(cfg, num_splits=2), seed=4, window_size=100, bidirectional_window="prefix")
+    nf += _check_nonfinite_v(_nonfinite_cases(128, 16, 8, 64, seed=27, paged=False), cfg, seed=14)
+    assert nf > 0  # some rows do see a poisoned key
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_roles_hd512_keys_a_row_may_not_see_contribute_nothing_even_nan_or_inf_v():
+    """The automatic hd-512 config (the roles kernel: the PV warpgroups clean V and run the fix-up, each on its
+    256 columns; 64-token pages, then 32-token pages: two TMA boxes a block), and the wide kernel (two consumer
+    warpgroups, each on its V half)."""
+    cfg = dict(tc.TUNED_GLUON_CONFIGS[(512, 8, False, False)][0])
+    inp = _nonfinite_cases(512, 16, 2, 64, seed=22)
+    _check_nonfinite_v(inp, cfg, seed=5)
+    _check_nonfinite_v(inp, dict(cfg, num_splits=3), seed=6, window_size=127)
+    _check_nonfinite_v(inp, dict(cfg, num_splits=2), seed=7, window_size=100, bidirectional_window="prefix")
+    _check_nonfinite_v(inp, WIDE, seed=8)
+    _check_nonfinite_v(inp, dict(WIDE, num_splits=3), seed=9, window_size=127)
+    _check_nonfinite_v(_nonfinite_cases(512, 16, 2, 32, seed=26), cfg, seed=13)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["symmetric", "prefix"])
+def test_gpu_gluon_sliding_canvas_keys_a_row_may_not_see_contribute_nothing_even_nan_or_inf_v(mode):
+    """The automatic sliding-layer Gluon config (hd 256, W 1023, split regime: the sequential consumer): one canvas
+    over 8k of context, and the mixed batch; then keys no row of the batch may see (just outside the window, in the
+    key block the window edge falls in): the output is finite everywhere."""
+    cfg = dict(tc.TUNED_GLUON_CONFIGS[(256, 2, True, False)][1])
+    S, W = 8423, 1023  # ctx - W = 7144: 40 keys into key block 111 (7104..7167), which the first tile visits
+    canvas = make_batch([S], [256], causal=[False], num_heads=16, num_kv_heads=8, head_dim=256, page_size=64,
+                        device="cuda", seed=23, poison_unused=True)
+    _check_nonfinite_v(canvas, cfg, seed=10, window_size=W, bidirectional_window=mode)
+    _check_nonfinite_v(canvas, dict(cfg, num_splits=4), seed=11, window_size=W, bidirectional_window=mode)
+    mixed = _nonfinite_cases(256, 16, 8, 64, seed=24)
+    _check_nonfinite_v(mixed, cfg, seed=12, window_size=W, bidirectional_window=mode)
+    # every V entry of keys 7104..7143 (before every row's window, inside seq_len) NaN / +Inf / -Inf
+    v = canvas["v_cache"].clone()
+    lo = S - 256 - W
+    bt = canvas["block_table"][0].tolist()
+    for key in range(lo // 64 * 64, lo):
+        v[bt[key // 64], key % 64] = (float("nan"), float("inf"), -float("inf"))[key % 3]
+    bad = dict(canvas, v_cache=v)
+    clean = dict(canvas, v_cache=torch.nan_to_num(canvas["v_cache"]), k_cache=torch.nan_to_num(canvas["k_cache"]))
+    for c in (_nan_safe(cfg), _nan_safe(dict(cfg, num_splits=4))):
+        q = bad["q"]
+        out = torch.full((q.shape[0], q.shape[1], 256), float("nan"), dtype=q.dtype, device=q.device)
+        o = attention(**bad, out=out, backend="triton", config=c, window_size=W, bidirectional_window=mode)
+        assert TA.LAST_LAUNCH["impl"] == "gluon"
+        assert torch.isfinite(o).all()
+        check_close(o, **clean, window_size=W, bidirectional_window=mode)
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_overlapped_and_sequential_consumers_keep_nan_v_of_disallowed_keys_out():
+    """The other consumers of the producer-warp kernel (OVERLAP True / False, 64 x 64, 128 x 64 of 8 warps)."""
+    inp = _nonfinite_cases(128, 16, 8, 64, seed=25)
+    for i, cfg in enumerate((GLUON, dict(GLUON, OVERLAP=False, BLOCK_M=128, num_warps=8, LAZY_RESCALE=True))):
+        _check_nonfinite_v(inp, cfg, seed=30 + i)
+        _check_nonfinite_v(inp, dict(cfg, num_splits=3), seed=40 + i, window_size=127)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D,H,Hkv,cfg,page_size", [
+    (128, 16, 8, tc.TUNED_GLUON_CONFIGS[(128, 2, False, False)][0], 64),  # the automatic hd-128 chain
+    (512, 16, 2, tc.TUNED_GLUON_CONFIGS[(512, 8, False, False)][0], 64),  # the automatic hd-512 roles kernel
+    (512, 16, 2, tc.TUNED_GLUON_CONFIGS[(512, 8, False, False)][0], 32),  # two TMA boxes a key block
+    (512, 16, 2, WIDE, 64),
+    (128, 16, 8, GLUON, 64),  # the overlapped consumer
+])
+def test_gpu_gluon_packed_kv_layout_keys_a_row_may_not_see_contribute_nothing_even_nan_or_inf_v(D, H, Hkv, cfg,
+                                                                                                 page_size):
+    """vLLM's packed KV layout (``torch.cat([k, v], -1).split(D, -1)``: KV head h of V at column h * 2D of a row
+    that starts D elements into the cache row): the cold fix-up reads the V entries the TMA loads read (head
+    column stride VS, as the descriptors), so a NaN / Inf of KV head h > 0 reaches exactly the rows that allow its
+    key (with the separate caches' head stride D it would read another head's K or V and miss it)."""
+    inp = _nonfinite_cases(D, H, Hkv, page_size, seed=50 + D + page_size)
+    nf = _check_nonfinite_v(inp, cfg, seed=51, packed=True)
+    nf += _check_nonfinite_v(inp, dict(cfg, num_splits=3), seed=52, packed=True, window_size=127)
+    nf += _check_nonfinite_v(inp, dict(cfg, num_splits=2), seed=53, packed=True, window_size=100,
+                             bidirectional_window="prefix")
+    assert nf > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["symmetric", "prefix"])
+def test_gpu_gluon_sliding_packed_kv_layout_keeps_nan_v_of_disallowed_keys_out(mode):
+    """The automatic sliding-layer config (hd 256, W 1023, the sequential consumer) on vLLM's packed layout."""
+    cfg = dict(tc.TUNED_GLUON_CONFIGS[(256, 2, True, False)][1])
+    mixed = _nonfinite_cases(256, 16, 8, 64, seed=54)
+    _check_nonfinite_v(mixed, cfg, seed=55, packed=True, window_size=1023, bidirectional_window=mode)
+    _check_nonfinite_v(mixed, dict(cfg, num_splits=3), seed=56, packed=True, window_size=127,
+                       bidirectional_window=mode)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("paged", [True, False])
+def test_nonfinite_v_checks_hold_for_the_portable_kernel(packed, paged):
+    """CPU stand-in for the GPU tests above: the same batch construction, poisoning and reference checks, with the
+    portable kernel (which keeps NaN / Inf V of keys a row may not see out whatever NAN_SAFE_V says) at
+    interpreter sizes, separate caches and vLLM's packed layout, splits and both window modes. Checks the checks:
+    poisoned keys inside and outside rows' intervals, some rows seeing one."""
+    inp = _nonfinite_cases(32, 4, 2, 8, seed=60, paged=paged, small=True)
+    cfg = dict(IMPL="triton", BLOCK_M=16, BLOCK_N=16)
+    nf = _check_nonfinite_v(inp, cfg, seed=61, packed=packed, impl="triton")
+    nf += _check_nonfinite_v(inp, dict(cfg, num_splits=2), seed=62, packed=packed, impl="triton", window_size=7)
+    nf += _check_nonfinite_v(inp, cfg, seed=63, packed=packed, impl="triton", window_size=5,
+                             bidirectional_window="prefix")
+    assert nf > 0
+
+
+@pytest.mark.parametrize("mutation", ["leak", "drop"])
+def test_nonfinite_v_checks_catch_a_kernel_that_leaks_or_drops_nonfinite_v(monkeypatch, mutation):
+    """The checks fail for a kernel whose output has a NaN where the reference has a finite entry (``0 * NaN`` of a
+    key a row may not see) or a finite entry where the reference has NaN / Inf (an allowed key's entry lost)."""
+    real = attention
+
+    def faulty(**kw):
+        res = real(**kw)
+        if kw["backend"] == "triton":
+            o = res[0]
+            fin = torch.isfinite(o)
+            if mutation == "leak":
+                o.view(-1)[int(fin.view(-1).nonzero()[0])] = float("nan")
+            else:
+                o[~fin] = 0.0
+        return res
+
+    monkeypatch.setattr(sys.modules[__name__], "attention", faulty)
+    inp = _nonfinite_cases(32, 4, 2, 8, seed=60, small=True)
+    with pytest.raises(AssertionError, match=r"is(nan|posinf|neginf): \d+ entries differ"):
+        _check_nonfinite_v(inp, dict(IMPL="triton", BLOCK_M=16, BLOCK_N=16), seed=61, impl="triton")

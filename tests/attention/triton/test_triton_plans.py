@@ -192,3 +192,56 @@ def test_gpu_planned_calls_launch_the_compiled_kernels_and_match_the_reference(D
     assert plan.main.compiled is not None and ta.LAST_LAUNCH["kernel"] is plan.main.compiled
     assert (plan.merge is None) == (plan.num_splits == 1)
     assert plan.merge is None or plan.merge.compiled is not None
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("paged", [True, False])
+@pytest.mark.parametrize("nan_safe", [False, True])
+def test_gluon_launch_passes_the_fixups_v_view_only_with_nan_safe_v(monkeypatch, nan_safe, paged, packed):
+    """The Gluon kernels' last three arguments (V, v_row_stride, v_rows): None with config["NAN_SAFE_V"] off
+    (constexprs, so no kernel parameter: the kernels compile as without the switch), else the V cache as its TMA
+    descriptor views it, so the cold fix-up's address ``row * v_row_stride + kvh * VS + col`` of a key is the
+    entry the TMA loads read of it: separate caches and vLLM's packed layout (V starts head_dim elements into a
+    token row, VS = 2 * head_dim). CPU: the launch is recorded, not run."""
+    from blockdiff.attention.triton import plans
+
+    launches = []
+
+    class Recorder:  # stands in for the Gluon kernel: fn[grid](*args, **constexprs)
+        def __getitem__(self, grid):
+            return lambda *args, **consts: launches.append((args, consts))
+
+    monkeypatch.setattr(plans, "gluon_ineligible", lambda *a, **k: None)  # TMA rules need a CUDA device
+    monkeypatch.setitem(plans.GLUON_KERNELS, "gluon", Recorder())
+    D, Hkv, P = 64, 4, 64
+    inp = make_batch([150, 70, 9], [64, 70, 9], num_causal_q=[0, 70, 4], num_heads=8, num_kv_heads=Hkv, head_dim=D,
+                     page_size=P, paged=paged, device="cpu", seed=3)
+    if packed:
+        inp["k_cache"], inp["v_cache"] = torch.cat([inp["k_cache"], inp["v_cache"]], -1).split(D, -1)
+    cfg = dict(IMPL="gluon", BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, num_splits=1, NAN_SAFE_V=nan_safe)
+    attention_triton(**inp, config=cfg)
+    (args, consts), = launches
+    assert consts["NAN_SAFE_V"] is nan_safe and consts["VS"] == (2 * D if packed else D)
+    V, v_row_stride, v_rows = args[-3:]
+    if not nan_safe:
+        assert (V, v_row_stride, v_rows) == (None, None, None)
+        return
+    vc = inp["v_cache"]
+    v_desc = args[2]
+    assert V is vc and list(v_desc.shape) == [v_rows, (Hkv - 1) * consts["VS"] + D]
+    assert v_desc.strides[0] == v_row_stride and v_desc.base.data_ptr() == V.data_ptr()
+    # the last entry the fix-up may read (rows clamped to v_rows - 1) lies inside the cache's storage
+    assert V.storage_offset() + (v_rows - 1) * v_row_stride + (Hkv - 1) * consts["VS"] + D <= \
+        V.untyped_storage().nbytes() // V.element_size()
+    g = torch.Generator().manual_seed(0)
+    for b, S in enumerate(inp["seq_lens"].tolist()):
+        for _ in range(20):
+            key, kvh, col = (int(torch.randint(0, n, (1,), generator=g)) for n in (S, Hkv, D))
+            if paged:
+                page, slot = int(inp["block_table"][b, key // P]), key % P
+                row, want = page * P + slot, vc[page, slot, kvh, col]
+            else:
+                row = int(inp["cu_seqlens_k"][b]) + key
+                want = vc[row, kvh, col]
+            off = V.storage_offset() + row * v_row_stride + kvh * consts["VS"] + col
+            assert torch.equal(torch.as_strided(V, (), (), off), want)
