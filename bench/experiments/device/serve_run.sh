@@ -1,7 +1,8 @@
 # Issue 25 on the H200 in one command after stagev.sh, within a device budget (BUDGET_S seconds, default 540):
 #  1. serve_bench.sh start fp8: stock vLLM 0.26 and vLLM + blockdiff (triton) on the 26B-A4B geometry, FP8,
 #     both with asynchronous scheduling, pages of 64 tokens, CUDA graphs for every canvas count;
-#  2. beside their start: the GPU tests of this session's changes (GPU_TESTS: pytest -k expression) and the
+#  2. beside their start: the GPU tests of this session's changes (GPU_TESTS: pytest -k expression; with the CuTe
+#     DSL staged also the cute backend's hd-512 and split-KV kernel tests, CUTE_TESTS=0 to skip) and the
 #     asynchronous-scheduling parity check: vLLM + blockdiff with BlockdiffDiffusionAsyncScheduler (CUDA graphs,
 #     float32) on the exported stdlib-byte model against the harness, greedy, one at a time and all at once
 #     (must be 6 of 6, as the synchronous server was on 2026-12-02);
@@ -15,8 +16,17 @@ up() { python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$1/he
 bash $S start fp8
 L=/tmp/checks; mkdir -p $L
 timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider -rf tests/integration/test_sampler.py \
-  tests/attention/triton/test_triton_gluon.py -k "${GPU_TESTS:-never_synchronizes or packed_kv_layout}" \
+  tests/attention/triton/test_triton_gluon.py \
+  -k "${GPU_TESTS:-never_synchronizes or packed_kv_layout or may_not_see or disallowed_keys}" \
   > $L/gpu_tests.log 2>&1 & TP=$!
+# the cute backend's hd-512 and split-KV GPU tests (issue 27), when the CuTe DSL is staged too (stage-cutlass runs)
+CP=""
+if [ -d /tmp/site/nvidia_cutlass_dsl ] && [ "${CUTE_TESTS:-1}" = 1 ]; then
+  for f in wide split; do
+    timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --maxfail=3 \
+      tests/attention/cute/test_cute_kernel_$f.py > $L/gpu_cute_$f.log 2>&1 & CP="$CP $!"
+  done
+fi
 (
   [ -d /tmp/exp ] || python3 -m blockdiff.integration.cli export /tmp/exp --overwrite > $L/export.log 2>&1
   B="VLLM_USE_V2_MODEL_RUNNER=1 VLLM_PLUGINS=blockdiff BLOCKDIFF_ATTN_BACKEND=triton BLOCKDIFF_SAMPLER_BACKEND=triton"
@@ -36,7 +46,7 @@ timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider -rf tests/integratio
   pkill -f "port 8035"
 ) > $L/async.log 2>&1 &
 WAIT_S=$(( BUDGET / 2 )) bash $S wait fp8
-el "servers up"; wait $TP; tail -2 $L/gpu_tests.log
+el "servers up"; wait $TP $CP; for f in $L/gpu_*.log; do echo "== $f"; tail -3 $f; done
 INTERLEAVE=1 TOTAL_S=$(( BUDGET - ($(date +%s) - T0) - 25 )) bash $S bench fp8
 el "bench done"; cat $L/async.log
 grep -hE "Asynchronous scheduling is|Graph capturing finished|init engine" /tmp/serve_bench/*-fp8.log | head -6
