@@ -130,7 +130,7 @@ bench)
   if [ "${INTERLEAVE:-0}" = 1 ]; then
     # one concurrency at a time, both sides (so a lease that ends early still holds same-run pairs); each side's
     # warm-up once, before its first run; prompts max(2C, 4) up to C = 16, C at 64; the whole phase within TOTAL_S
-    t0=$(date +%s); warmed=""
+    t0=$(date +%s); warmed="${WARMED:-}"  # WARMED: sides already warmed by an earlier bench phase
     for c in $(echo ${CONC:-1,4,16,64} | tr , ' '); do
       for s in $(order); do
         set -- $(info $s); name=$s-$quant
