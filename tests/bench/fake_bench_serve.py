@@ -3,17 +3,20 @@ where vLLM is not installed): reads the arguments the sweep passes, writes a res
 (``data/vllm_0_26_bench_serve_result.json`` resized to ``--num-prompts``) and exits 0.
 
 Environment: ``FAKE_BENCH_FAILED`` = failed requests per run (default 0); ``FAKE_BENCH_EXIT`` = exit with this status
-before writing anything; ``FAKE_BENCH_TOK_S`` = output tokens/s per unit of concurrency (default 100).
+before writing anything; ``FAKE_BENCH_TOK_S`` = output tokens/s per unit of concurrency (default 100);
+``FAKE_BENCH_SLEEP`` = seconds to sleep first (a client that outruns the sweep's budget).
 """
 import argparse
 import json
 import os
 import sys
+import time
 
 FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "vllm_0_26_bench_serve_result.json")
 
 
 def main(argv):
+    time.sleep(float(os.environ.get("FAKE_BENCH_SLEEP", "0")))
     if os.environ.get("FAKE_BENCH_EXIT"):
         print("fake bench serve: failing as asked")
         return int(os.environ["FAKE_BENCH_EXIT"])

@@ -415,6 +415,22 @@ def test_sweep_with_a_stand_in_client(tmp_path, monkeypatch, capsys):
     assert err["status"] == "error" and "exit 3" in err["reason"] and not err["complete"]
 
 
+def test_a_client_cut_by_the_sweep_budget_is_timeout_not_a_lost_request(tmp_path, monkeypatch):
+    rows = tmp_path / "rows.jsonl"
+    monkeypatch.setenv("FAKE_BENCH_SLEEP", "5")
+    argv = ["sweep", "--base-url", "http://127.0.0.1:9", "--model", "/tmp/dg26b", "--backend", "vllm",
+            "--quant", "fp8", "--concurrency", "64", "--max-num-seqs", "16", "--rows", str(rows),
+            "--bench-cmd", FAKE_BENCH, "--work-dir", str(tmp_path / "w"), "--warm-concurrency", "0",
+            "--deadline-s", "1.5", "--min-run-s", "0.5"]
+    assert bs.main(argv) == 1
+    row = _read(rows)[-1]
+    assert row["status"] == "timeout" and row["reason"].startswith(bs.TIMED_OUT) and not row["complete"]
+    g = {x["name"]: x for x in bs.evaluate_goals([row, _row("blockdiff-triton", "fp8", 64, 1000.0)])}
+    assert g["no_request_lost"]["met"] is True and g["no_request_lost"]["value"] == 0
+    assert g["no_request_lost"]["not_measured"] == ["serve_c64_fp8/vllm"]
+    assert g["c64_fp8"]["met"] is None  # stock measured nothing in fp8: no ratio
+
+
 @needs_vllm
 def test_sweep_with_vllm_0_26_client_against_a_fake_server(tmp_path, model_dir):
     rows = tmp_path / "rows.jsonl"
@@ -468,6 +484,9 @@ def test_goals():
     assert g["c64_fp8"]["value"] == pytest.approx(2.6) and g["no_request_lost"]["met"] is False
     assert g["no_request_lost"]["rows"] == ["serve_c64_fp8/vllm"] and g["steps_per_canvas_16"]["met"] is False
     assert g["c16_bf16"]["met"] is None  # nothing measured
+    skipped = dict(_row("vllm", "fp8", 4, 1.0, seqs=16), status="skipped", complete=False)
+    g = {x["name"]: x for x in bs.evaluate_goals([skipped])}
+    assert g["no_request_lost"]["met"] is None and g["no_request_lost"]["not_measured"] == ["serve_c4_fp8/vllm"]
     assert {x["met"] for x in bs.evaluate_goals([])} == {None}
 
 
