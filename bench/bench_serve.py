@@ -943,7 +943,8 @@ def evaluate_goals(rows: list[dict]) -> list[dict]:
 
 
 def plot_throughput(rows: list[dict], path: Path) -> Path | None:
-    """PNG of output tokens/s against concurrency, one line per (backend, quant); None without matplotlib."""
+    """PNG of output tokens/s against concurrency, one line per (backend, quant, max-num-seqs, eager), rows with
+    ``enforce_eager`` labelled eager; None without matplotlib."""
     try:
         import matplotlib
 
@@ -955,14 +956,15 @@ def plot_throughput(rows: list[dict], path: Path) -> Path | None:
     series: dict[tuple, list] = {}
     for r in rows:
         if r.get("status") == "ok" and r.get("output_tok_s") is not None:
-            series.setdefault((r.get("backend"), r.get("quant"), r.get("max_num_seqs")), []).append(
+            series.setdefault((r.get("backend"), r.get("quant"), r.get("max_num_seqs"),
+                               bool(r.get("enforce_eager"))), []).append(
                 (r["concurrency"], r["output_tok_s"], bool(r.get("complete"))))
     cs = sorted({c for pts in series.values() for c, _, _ in pts})
-    for (backend, quant, seqs), pts in sorted(series.items(), key=lambda kv: tuple(map(str, kv[0]))):
+    for (backend, quant, seqs, eager), pts in sorted(series.items(), key=lambda kv: tuple(map(str, kv[0]))):
         pts.sort()
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
                 linestyle="-" if backend == "vllm" else "--" if quant == "bf16" else "-",
-                label=f"{backend} {quant} (max-num-seqs {seqs})")
+                label=f"{backend} {quant} (max-num-seqs {seqs}{', eager' if eager else ''})")
         for c, v, ok in pts:
             if not ok:
                 ax.annotate("lost", (c, v), fontsize=7, color="red")
@@ -972,7 +974,8 @@ def plot_throughput(rows: list[dict], path: Path) -> Path | None:
         ax.set_xticklabels([str(c) for c in cs])
     ax.set_xlabel("max concurrency (requests)")
     ax.set_ylabel("output tokens / s")
-    ax.set_title("DiffusionGemma-26B-A4B (random weights), 4096 in / 512 out, 16 steps")
+    ax.set_title("DiffusionGemma-26B-A4B (random weights)\n4096 in / 512 out, 16 denoising steps per canvas",
+                 fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()

@@ -86,9 +86,10 @@ class BlockdiffAttentionImpl(FlashAttentionImpl):
         return output
 
 
-#: Largest head size per ``BLOCKDIFF_ATTN_BACKEND`` (the CuTe kernel's tested head sizes stop at 256; the Triton
-#: kernels are tuned for 128 and 512).
-MAX_HEAD_SIZE = {"triton": 512, "reference": 512, "cute": 256}
+#: Largest head size per ``BLOCKDIFF_ATTN_BACKEND`` (the Triton kernels are tuned for 128 and 512; the CuTe backend
+#: runs FA4's SM90 kernel up to 256 and its split-value kernel above, multiples of 32 up to 512, whose GPU tests
+#: passed on the H200 on 2026-12-02: attention/cute/config.py ``unsupported_head_dims``).
+MAX_HEAD_SIZE = {"triton": 512, "reference": 512, "cute": 512}
 #: Model dtypes per ``BLOCKDIFF_ATTN_BACKEND`` (what :func:`blockdiff.attention.attention` runs: the CuTe kernel
 #: bf16 / fp16 only, the Triton kernels and the reference float32 too).
 DTYPES = {"triton": (torch.float16, torch.bfloat16, torch.float32),
@@ -123,10 +124,18 @@ class BlockdiffAttentionBackend(FlashAttentionBackend):
 
     @classmethod
     def supports_head_size(cls, head_size: int) -> bool:
-        """Multiples of 8 up to :data:`MAX_HEAD_SIZE` of the ``BLOCKDIFF_ATTN_BACKEND`` backend (vLLM's backend
-        selector reports "head_size not supported" otherwise)."""
-        limit = MAX_HEAD_SIZE.get(os.environ.get(ATTN_BACKEND_ENV, "triton"), 0)
-        return head_size % 8 == 0 and 0 < head_size <= limit
+        """Multiples of 8 up to :data:`MAX_HEAD_SIZE` of the ``BLOCKDIFF_ATTN_BACKEND`` backend, for the CuTe backend
+        multiples of 32 above 256 (its split-value kernel); vLLM's backend selector reports "head_size not
+        supported" otherwise."""
+        backend = os.environ.get(ATTN_BACKEND_ENV, "triton")
+        limit = MAX_HEAD_SIZE.get(backend, 0)
+        if not (head_size % 8 == 0 and 0 < head_size <= limit):
+            return False
+        if backend == "cute":
+            from blockdiff.attention.cute.config import unsupported_head_dims
+
+            return unsupported_head_dims(head_size, head_size) is None
+        return True
 
     @classmethod
     def supports_dtype(cls, dtype: torch.dtype) -> bool:

@@ -15,7 +15,7 @@ __all__ = [
     "REQUIRED", "CuteConfig", "resolve_config", "check_config_fits", "config_smem_bytes", "SMEM_LIMIT_BYTES",
     "LONG_PREFILL_Q", "LONG_PREFILL_CONFIG", "HD128_CONFIG", "LPT_MIN_SEQLEN_Q", "longest_first_tiles",
     "page_box_tma_ok", "kv_load_path", "MAX_HEAD_DIM", "WIDE_MIN_HEAD_DIM_V", "WIDE_CONFIG", "is_wide",
-    "unsupported_head_dims", "resolve_wide_config", "WIDE_MAX_PAGE_BOXES", "MAX_SPLITS", "MIN_KEYS_PER_SPLIT",
+    "unsupported_head_dims", "resolve_wide_config", "WIDE_LONG_Q_CONFIG", "WIDE_MAX_PAGE_BOXES", "MAX_SPLITS", "MIN_KEYS_PER_SPLIT",
     "grid_tiles", "choose_num_splits", "key_bound", "resolve_launch_config",
 ]
 
@@ -75,6 +75,12 @@ WIDE_MIN_HEAD_DIM_V = 257
 #: Split-value tiles: 64 query rows (one wgmma M block per consumer warpgroup); 32-key blocks, because two K/V
 #: stages of them fit beside Q in 227 KB (a 64-key block fits one stage only, which serialises load and MMA).
 WIDE_CONFIG = dict(tile_m=64, tile_n=32, num_stages=2)
+#: Split-value tiles when the query-length hint is long (``longest_first_tiles``: >= LPT_MIN_SEQLEN_Q or unknown):
+#: 64-key blocks in the one stage that fits. A long query tile walks many key blocks and is MMA-bound, so halving
+#: the blocks (softmax passes, barriers) per key beats the second stage; a 256-row canvas over a split key range is
+#: latency-bound and keeps two stages (H200: mixed_global_ctx8k 1.114 vs 1.208 ms, canvas_bs1_ctx32k_global
+#: 0.674 vs 0.625 ms; bench/results/attention-cute_issue27-h200.json).
+WIDE_LONG_Q_CONFIG = dict(tile_m=64, tile_n=64, num_stages=1)
 #: P slots and fp32 row-factor slots (2 + the final one, 2 rows x 128 threads each) of the split-value kernel.
 _WIDE_P_SLOTS, _WIDE_SCALE_BYTES = 2, 3 * 2 * 128 * 4
 
@@ -186,7 +192,9 @@ def _check_num_splits(num_splits):
 
 def resolve_wide_config(head_dim: int, head_dim_v: int, config=None, max_seqlen_q: int | None = None
                         ) -> CuteConfig:
-    """Tile shape of the split-value kernel (head dims above 256): :data:`WIDE_CONFIG` unless overridden.
+    """Tile shape of the split-value kernel (head dims above 256): without a config :data:`WIDE_LONG_Q_CONFIG`
+    when :func:`longest_first_tiles` holds for ``max_seqlen_q`` (long or unknown), else :data:`WIDE_CONFIG`; a
+    dict overrides fields of :data:`WIDE_CONFIG`.
 
     ``tile_m`` must be 64 and ``tile_n`` a multiple of 16; ``mma_pv_is_rs`` / ``intra_wg_overlap`` are fixed
     by the kernel (WG0 keeps P in registers, WG1 reads it from shared memory; overlap on) and resolve to
@@ -198,7 +206,7 @@ def resolve_wide_config(head_dim: int, head_dim_v: int, config=None, max_seqlen_
         ValueError: a field outside the above, or the tiles do not fit SM90 shared memory.
     """
     if config is None:
-        config = CuteConfig(**WIDE_CONFIG)
+        config = CuteConfig(**(WIDE_LONG_Q_CONFIG if longest_first_tiles(max_seqlen_q) else WIDE_CONFIG))
     elif isinstance(config, dict):
         fields_ = {**WIDE_CONFIG, **config}
         if "num_stages" not in config:  # the most K/V stages that fit (2 at 32-key blocks, 1 at 64)

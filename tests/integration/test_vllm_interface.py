@@ -262,4 +262,5 @@ def test_vllm_custom_backend_builder_and_head_sizes(monkeypatch):
     assert B.supports_head_size(512) and B.supports_head_size(256) and not B.supports_head_size(516)
     assert not B.supports_head_size(1024) and not B.supports_head_size(100)
     monkeypatch.setenv("BLOCKDIFF_ATTN_BACKEND", "cute")
-    assert B.supports_head_size(256) and not B.supports_head_size(512)
+    assert B.supports_head_size(256) and B.supports_head_size(512) and B.supports_head_size(288)
+    assert not B.supports_head_size(264) and not B.supports_head_size(520)  # above 256: multiples of 32 to 512

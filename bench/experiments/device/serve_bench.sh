@@ -54,9 +54,9 @@
 #   BF16: blockdiff 16 seqs: 47 + 4 + KV 8 + 6 + 0.2 = 65.2; stock 4 seqs: 47 + 4 + KV 3 + 1.5 + 2.5 = 58 -> 123.
 #   Sweep order: blockdiff first (fixed transients, kept by its caching allocator), then stock (tiles to what is free).
 #   Overrides: BD_SEQS, BD_KV_GIB, BD_UTIL, STOCK_SEQS, STOCK_KV_GIB, STOCK_UTIL.
-# blockdiff-cute (second argument cute): BLOCKDIFF_ATTN_BACKEND=cute refuses head size 512 (the 5 global layers;
-#   integration/vllm_attention.py MAX_HEAD_SIZE), so that server is expected to fail at start-up until cute serves
-#   hd 512; it runs on port +4 in place of blockdiff-triton.
+# blockdiff-cute (second argument cute): BLOCKDIFF_ATTN_BACKEND=cute serves every layer since head size 512 runs its
+#   split-value kernel (integration/vllm_attention.py MAX_HEAD_SIZE, 2026-12-02; not yet served on the GPU); it runs
+#   on port +4 in place of blockdiff-triton.
 # Both sides run vLLM's asynchronous scheduling (its default; blockdiff's BlockdiffDiffusionAsyncScheduler), pages of
 #   64 tokens and CUDA graphs for every canvas count (bench_serve.server_command).
 # Other switches: ENFORCE_EAGER=1 (both servers without CUDA graphs / compile), ASYNC=0 (both with

@@ -85,6 +85,17 @@ def test_wide_config_resolves_without_flash_attn(monkeypatch):
     assert cc.resolve_config(512, 512, None, cc.CuteConfig(tile_m=64, tile_n=16, num_stages=3)).num_stages == 3
 
 
+@pytest.mark.parametrize("max_seqlen_q,tiles", [(256, (32, 2, False)), (511, (32, 2, False)), (512, (64, 1, True)),
+                                                 (8192, (64, 1, True)), (None, (64, 1, True))])
+def test_wide_default_tiles_follow_the_query_length_hint(max_seqlen_q, tiles):
+    """Without a config, long (or unknown) query lengths take 64-key blocks in one stage, canvases 32-key
+    blocks in two (the H200 record of 2026-12-02); an explicit config is kept as given."""
+    cfg = cc.resolve_wide_config(512, 512, None, max_seqlen_q)
+    assert (cfg.tile_n, cfg.num_stages, cfg.lpt) == tiles
+    cc.check_config_fits(cfg, 512, 512)
+    assert cc.resolve_wide_config(512, 512, dict(tile_n=32), 8192).tile_n == 32
+
+
 def test_wide_shared_memory_arithmetic():
     """Q 64 KB + stages x (K + V) + two P slots + 3 KB of row factors + 1 KB (equal to the CuTe DSL's
     allocation for these tiles, checked by the compile test): 32-key blocks fit twice, 64-key blocks once."""
