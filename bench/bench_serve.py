@@ -690,7 +690,11 @@ def summarize_trace(events: Iterable[dict], *, canvas_length: int = CANVAS_LENGT
         mean kernel ms per step (``total`` too), ``canvas_step_median_ms``; ``canvas_step_share``; ``total_ms``
         per bucket over all steps, ``outside_ms`` (kernels before the first step); ``unknown_ms``,
         ``unknown_share`` and ``unknown_kernels`` (name, ms, count); ``top_kernels`` per bucket;
-        ``phase_ms`` (forward / sample); ``rules`` (the table used).
+        ``phase_ms`` (forward / sample); ``timeline``: ``gpu_span_ms`` (first kernel at or after the first step
+        to the last kernel's end), ``gpu_busy_ms`` (the union of kernel intervals in it), ``gpu_busy_share``,
+        ``idle_gaps_over_1ms`` / ``idle_gaps_over_1ms_total_ms`` / ``idle_gap_max_ms`` (gaps between busy
+        intervals), ``canvas_step_cadence_median_ms`` (a canvas step's annotation start to the next step's: the
+        host's pace, against ``canvas_step_ms["total"]``); ``rules`` (the table used).
 
     Raises:
         ValueError: the trace has no ``execute_*`` step annotation or no GPU kernel, or an argument < 1.
@@ -768,6 +772,30 @@ def summarize_trace(events: Iterable[dict], *, canvas_length: int = CANVAS_LENGT
 
     cmean = mean_of(canvas)
     grand = sum(totals.values())
+    # the timeline: how busy the GPU was from the first step's first kernel to the last kernel, and the host's
+    # cadence (one step annotation start to the next) against each canvas step's kernel time
+    ivs = sorted((float(k["ts"]), float(k["ts"]) + float(k.get("dur", 0))) for k in gpu
+                 if float(k["ts"]) >= starts[0])
+    busy, gaps, cur_s, cur_e = 0.0, [], None, None
+    for a, b in ivs:
+        if cur_e is None or a > cur_e:
+            if cur_e is not None:
+                busy += cur_e - cur_s
+                gaps.append(a - cur_e)
+            cur_s, cur_e = a, b
+        else:
+            cur_e = max(cur_e, b)
+    if cur_e is not None:
+        busy += cur_e - cur_s
+    span = max(b for _, b in ivs) - ivs[0][0] if ivs else 0.0
+    cadence = [(steps[i + 1][0] - steps[i][0]) / 1e3 for i in canvas if i + 1 < len(steps)]
+    big = [g / 1e3 for g in gaps if g >= 1000.0]
+    timeline = {
+        "gpu_span_ms": span / 1e3, "gpu_busy_ms": busy / 1e3, "gpu_busy_share": busy / span if span else None,
+        "idle_gaps_over_1ms": len(big), "idle_gaps_over_1ms_total_ms": sum(big),
+        "idle_gap_max_ms": max(gaps, default=0.0) / 1e3,
+        "canvas_step_cadence_median_ms": statistics.median(cadence) if cadence else None,
+    }
     unk_ms = sum(v[0] for v in unknown.values())
     return {
         "steps": len(steps), "canvas_steps": len(canvas), "prefill_steps": len(prefill),
@@ -778,7 +806,7 @@ def summarize_trace(events: Iterable[dict], *, canvas_length: int = CANVAS_LENGT
                                   if canvas else None),
         "canvas_step_share": ({b: cmean[b] / cmean["total"] for b in BUCKETS} if cmean and cmean["total"] else None),
         "prefill_step_ms": mean_of(prefill),
-        "total_ms": totals, "outside_ms": outside, "phase_ms": phase_ms,
+        "total_ms": totals, "outside_ms": outside, "phase_ms": phase_ms, "timeline": timeline,
         "unknown_ms": unk_ms, "unknown_share": unk_ms / grand if grand else None,
         "unknown_kernels": [(n, v[0], v[1]) for n, v in sorted(unknown.items(), key=lambda kv: -kv[1][0])[:top]],
         "top_kernels": {b: [(n, v[0], v[1]) for n, v in sorted(d.items(), key=lambda kv: -kv[1][0])[:top]]
@@ -1167,6 +1195,11 @@ def _print_profile(s: dict) -> None:
           f"{s.get('prefill_steps')} prefill), status {s.get('status', 'ok')} {s.get('reason', '')}")
     if cm:
         print("  per canvas step (kernel ms): " + ", ".join(f"{b} {cm[b]:.3f}" for b in (*BUCKETS, "total")))
+    tl = s.get("timeline") or {}
+    if tl.get("gpu_busy_share") is not None:
+        print(f"  timeline: GPU busy {100 * tl['gpu_busy_share']:.0f} % of {tl['gpu_span_ms']:.1f} ms; "
+              f"{tl['idle_gaps_over_1ms']} idle gaps >= 1 ms ({tl['idle_gaps_over_1ms_total_ms']:.1f} ms, max "
+              f"{tl['idle_gap_max_ms']:.1f}); canvas step every {common.fmt(tl.get('canvas_step_cadence_median_ms'), 2)} ms")
     if s.get("unknown_share") is not None:
         print(f"  unknown kernel names: {100 * s['unknown_share']:.1f} % of kernel time; top: "
               + ", ".join(f"{n[:40]} {ms:.2f} ms" for n, ms, _ in (s.get("unknown_kernels") or [])[:4]))

@@ -360,6 +360,19 @@ def test_summarize_trace_buckets_per_canvas_step(graph_steps):
     assert bm["gemm"] == pytest.approx(1.2) and b["unknown_ms"] == 0
 
 
+def test_summarize_trace_timeline_measures_gpu_idle_and_the_hosts_step_cadence():
+    """Three 256-token steps 10 ms apart; kernels busy 3 + 6 + 1 ms with gaps of 8.9 and 4 ms (times in us)."""
+    ev = [{"ph": "X", "cat": "user_annotation", "name": "execute_context_0(0)_generation_1(256)", "ts": t,
+           "dur": 1000} for t in (0, 10000, 20000)]
+    for ts, dur in ((100, 2000), (2100, 1000), (12000, 6000), (22000, 1000)):
+        ev.append({"ph": "X", "cat": "kernel", "name": "fused_moe_kernel", "ts": ts, "dur": dur})
+    t = bs.summarize_trace(ev, max_canvases=1)["timeline"]
+    assert t["gpu_span_ms"] == pytest.approx(22.9) and t["gpu_busy_ms"] == pytest.approx(10.0)
+    assert t["gpu_busy_share"] == pytest.approx(10.0 / 22.9) and t["idle_gaps_over_1ms"] == 2
+    assert t["idle_gaps_over_1ms_total_ms"] == pytest.approx(12.9) and t["idle_gap_max_ms"] == pytest.approx(8.9)
+    assert t["canvas_step_cadence_median_ms"] == pytest.approx(10.0)
+
+
 def test_kernels_without_their_launch_are_classified_by_name():
     ev = synthetic_trace([(256, [("nvjet_x", 1.0, "sample"), ("nvjet_y", 2.0, "sample"), ("_step_kernel", 0.5,
                                                                                           "sample")])])["traceEvents"]

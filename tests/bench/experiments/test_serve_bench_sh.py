@@ -72,7 +72,7 @@ def test_phases_against_fake_servers(tmp_path):
         assert sum("env" in x for x in lines) == 2 and all(r["complete"] for r in rows)
         assert [r["max_num_seqs"] for r in rows] == [32, 32, 16, 16]
         assert "goal c1_fp8_vs_vllm" in p.stdout  # the provisional record's goals, printed last
-        p = _run("profile", env, "fp8", "triton", "vllm")
+        p = _run("profile", dict(env, PROFILE_REQUESTS="2"), "fp8", "triton", "vllm")  # the fake trace: 2 canvases
         assert p.returncode == 0, p.stdout + p.stderr
         prof = json.loads((out / "serve_profile_vllm_fp8.json").read_text())
         assert prof["status"] == "ok" and prof["canvas_steps"] == 4
