@@ -64,7 +64,8 @@
 #   --no-async-scheduling), WAIT_S, SIDE_S, CONC (default 1,4,16,64), INTERLEAVE=1 (bench: one concurrency at a
 #   time on both sides, the whole phase within TOTAL_S, default 400 s).
 # CPU dry runs (tests/bench/experiments/test_serve_bench_sh.py): SERVE_BENCH_ENV=0 (do not source env.sh),
-#   SERVE_BENCH_DIR (work folder, default /tmp/serve_bench), PORT0 (first port), BENCH_CMD (stand-in client).
+#   SERVE_BENCH_DIR (work folder, default /tmp/serve_bench), PORT0 (first port), BENCH_CMD (stand-in client),
+#   SERVER_CMD (stand-in server, run as `$SERVER_CMD PORT TRACE_DIR`; `start` skips the model folder then).
 set -u
 [ "${SERVE_BENCH_ENV:-1}" = 1 ] && source bench/experiments/device/env.sh
 phase=${1:-status}; quant=${2:-fp8}; attn=${3:-triton}; sides=${4:-both}
@@ -99,14 +100,16 @@ kvlines() { grep -hE "$KV_RE" $W/$1.log 2>/dev/null | grep -v ulimit | tail -${2
 
 case $phase in
 start)
-  [ -f $MODEL/config.json ] || $BS model $MODEL > $W/model.log 2>&1 || { cat $W/model.log; exit 1; }
+  [ -n "${SERVER_CMD:-}" ] || [ -f $MODEL/config.json ] || $BS model $MODEL > $W/model.log 2>&1 \
+    || { cat $W/model.log; exit 1; }
   for s in $(order); do
     set -- $(info $s); name=$s-$quant
     if alive $name; then echo "$name already running (pid $(cat $W/$name.pid))"; continue; fi
     extra=""; [ "${ENFORCE_EAGER:-0}" = 1 ] && extra="$extra --enforce-eager"
     [ "${ASYNC:-1}" = 0 ] && extra="$extra --no-async-scheduling"
-    cmd=$($BS server-cmd --backend $1 --quant $quant --model $MODEL --port $2 --max-num-seqs $3 --kv-cache-gib $4 \
-          --gpu-memory-utilization $5 --trace-dir $W/trace_$name $extra) || exit 1
+    if [ -n "${SERVER_CMD:-}" ]; then cmd="$SERVER_CMD $2 $W/trace_$name"  # a stand-in server (CPU tests)
+    else cmd=$($BS server-cmd --backend $1 --quant $quant --model $MODEL --port $2 --max-num-seqs $3 --kv-cache-gib $4 \
+          --gpu-memory-utilization $5 --trace-dir $W/trace_$name $extra) || exit 1; fi
     echo "$cmd" > $W/$name.cmd
     rm -rf $W/trace_$name
     # the inner shell writes its own pid, then becomes the server (exec): the pid of vllm serve, session leader

@@ -101,3 +101,27 @@ def test_interleaved_bench_runs_one_concurrency_at_a_time_on_both_sides(tmp_path
     envs = [x["env"] for x in lines if "env" in x]
     assert [e.get("warm_up", {}).get("concurrency") for e in envs] == [32, 16, None, None]
     assert "goal c1_fp8_vs_vllm" in p.stdout
+
+
+def test_serve_alone_runs_one_side_start_to_stop_with_64_seqs(tmp_path):
+    """serve_alone.sh: start (a stand-in server through SERVER_CMD), wait, the sweep at max-num-seqs 64, a
+    profile, stop: rows of that side only, the server gone afterwards."""
+    base = _two_free_ports()
+    work, out = tmp_path / "w", tmp_path / "out"
+    env = dict(os.environ, SERVE_BENCH_ENV="0", SERVE_BENCH_DIR=str(work), OUT=str(out), PORT0=str(base),
+               BENCH_CMD=f"{sys.executable} {REPO / 'tests' / 'bench' / 'fake_bench_serve.py'}", CONC="1,4",
+               SERVER_CMD=f"{sys.executable} {STANDINS} serve", PROFILE_REQUESTS="2", BUDGET_S="200",
+               WAIT_S="30", PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}", TMPDIR=str(tmp_path))
+    p = subprocess.run(["bash", str(SCRIPT.parent / "serve_alone.sh"), "blockdiff", "fp8"], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "blockdiff-triton-fp8 healthy" in p.stdout and "stopped blockdiff-triton-fp8" in p.stdout
+    rows = [json.loads(x) for x in (out / "serve_rows_fp8.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "env" not in r]
+    assert [(r["backend"], r["concurrency"], r["max_num_seqs"]) for r in rows] == [("blockdiff-triton", 1, 64),
+                                                                                   ("blockdiff-triton", 4, 64)]
+    assert json.loads((out / "serve_profile_blockdiff-triton_fp8.json").read_text())["status"] == "ok"
+    assert not list(work.glob("*.pid"))
+    bad = subprocess.run(["bash", str(SCRIPT.parent / "serve_alone.sh"), "both"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=30)
+    assert bad.returncode == 2 and "side must be" in bad.stdout

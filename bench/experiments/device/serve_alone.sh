@@ -1,0 +1,29 @@
+# Issue 25 on the H200, one side alone on the GPU per command (after stagev.sh; the CuTe DSL staged too for cute):
+# each side at the largest --max-num-seqs the sweep needs (64, the top concurrency) with the whole GPU's memory, as
+# the issue asks ("each side at the largest --max-num-seqs it serves without running out of memory"); 2026-12-02's
+# run shared the GPU between both servers (blockdiff 32 seqs / 16 GiB KV, stock 16 / 8), which capped both.
+#
+#   BLOCKDIFF_COMMIT=<hash> bash bench/experiments/device/serve_alone.sh blockdiff [fp8|bf16] [triton|cute]
+#   BLOCKDIFF_COMMIT=<hash> bash bench/experiments/device/serve_alone.sh vllm [fp8|bf16]
+#
+# One command each (~8-10 min): start, wait until healthy, the sweep (CONC, default 1,4,16,64; warm-up first), a
+# one-request profile, stop; everything within BUDGET_S (default 570). Rows and the profile under $OUT
+# (serve_rows_<quant>.jsonl, serve_profile_<side>_<quant>.json, the server's log tail). Sizes (GiB; serve_bench.sh has
+# the arithmetic): fp8 weights ~26 + ~4 + KV 40 + logits 64 x 0.375 = 24 (+ vLLM's 15.75 GiB fp32 warm-up logits
+# buffer on blockdiff's side; stock's sampler tiles take what is left) -> well inside 139.8. Overrides: SEQS, KV_GIB,
+# UTIL.
+set -u
+side=${1:?side: blockdiff or vllm}; quant=${2:-fp8}; attn=${3:-triton}
+case $side in blockdiff) sides=blockdiff ;; vllm) sides=vllm ;; *) echo "side must be blockdiff or vllm"; exit 2 ;; esac
+T0=$(date +%s); BUDGET=${BUDGET_S:-570}; el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
+S=bench/experiments/device/serve_bench.sh
+export BD_SEQS=${SEQS:-64} BD_KV_GIB=${KV_GIB:-40} BD_UTIL=${UTIL:-0.9} STOCK_SEQS=${SEQS:-64} \
+  STOCK_KV_GIB=${KV_GIB:-40} STOCK_UTIL=${UTIL:-0.9}
+bash $S start $quant $attn $sides
+WAIT_S=${WAIT_S:-330} bash $S wait $quant $attn $sides || { el "not healthy"; bash $S stop; exit 1; }
+el "healthy"
+INTERLEAVE=1 TOTAL_S=$(( BUDGET - ($(date +%s) - T0) - 100 )) bash $S bench $quant $attn $sides
+el "bench done"
+timeout $(( BUDGET - ($(date +%s) - T0) - 15 )) bash $S profile $quant $attn $sides
+bash $S stop
+el end
