@@ -36,6 +36,7 @@ import os
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from blockdiff.attention import AttentionMetadata
@@ -606,8 +607,6 @@ class DiffusionModelState(_Base):
         """``[N]`` bool host array: the rows of ``input_batch`` scheduled as fused commits (:attr:`fuse_commit` on,
         the prompt prefilled before the step, ``2 * canvas_length`` query tokens), from host data only (no sync).
         All False when :attr:`fuse_commit` is off."""
-        import numpy as np
-
         N = input_batch.num_reqs
         q = np.asarray(input_batch.num_scheduled_tokens[:N], dtype=np.int64)
         if not self._fuse_commit:

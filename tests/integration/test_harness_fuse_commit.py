@@ -337,3 +337,30 @@ def test_vllm_mode_fused_row_is_cl_accepted_and_cl_rejected_drafts(monkeypatch):
     assert st.phase.tolist()[:2] == [DENOISE, DENOISE] and st.step.tolist()[:2] == [1, 1]
     assert st.canvas_index[0] == 1 and st.num_emitted[0] == CL
     assert torch.equal(draft[0], st.canvas[0]) and torch.equal(draft[1], st.canvas[1])
+
+
+def test_non_finite_logits_in_the_fused_step_fail_the_request_after_its_commit(make_runner):
+    """NaN logits on the next canvas's rows of a fused row: the commit's tokens are emitted, then the request
+    fails (reported, slot and pages freed, num_nans > 0); the request beside it is unaffected."""
+    r = make_runner(fuse_commit=True, max_num_batched_tokens=6 * CL)
+    r.add_request("ok", prompt(5, 72), params(max_tokens=2 * CL, **GREEDY))
+    r.add_request("bad", prompt(5, 73), params(max_tokens=3 * CL, **GREEDY))
+    inner = r.sampler
+    nans = []
+
+    def poisoned(logits, batch):
+        logits = logits.clone()
+        for i, rid in enumerate(batch.req_ids):
+            if rid == "bad" and batch.num_scheduled_tokens[i] == 2 * CL:  # the fused row's next-canvas half
+                logits[batch.query_start_loc_np[i] + CL: batch.query_start_loc_np[i + 1]] = float("nan")
+        out = inner(logits, batch)
+        nans.append(dict(zip(batch.req_ids, out.num_nans.tolist())))
+        return out
+
+    r.sampler = poisoned
+    res = r.run(max_steps=200)
+    assert res["bad"].finish_reason == "failed" and len(res["bad"].output_token_ids) == CL
+    assert any(n.get("bad", 0) > 0 for n in nans)
+    _, ref = _run(make_runner, [("ok", prompt(5, 72), params(max_tokens=2 * CL, **GREEDY), None)], fuse=False)
+    assert _outputs(res)["ok"] == _outputs(ref)["ok"]
+    assert not r.has_unfinished and r.allocator.num_free == r.allocator.num_blocks
