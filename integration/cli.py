@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --random-weights: scale of the random tied embedding, peaking the toy logits "
                         "(default 30; 1 = raw init)")
     d.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    d.add_argument("--fuse-commit", action="store_true",
+                   help="commit a converged canvas and take the next canvas's first denoising step in one forward "
+                        "pass (HarnessRunner fuse_commit; same tokens, one forward fewer per non-final canvas)")
 
     t = sub.add_parser("train", help="train a small byte-level DiffusionGemma on the Python standard library",
                        description="Train a small DiffusionGemma (blockdiff.model.train) on the Python standard "
@@ -202,7 +205,8 @@ def _demo(args) -> int:
         result = run_demo(backend=args.backend, sampler_backend=args.sampler_backend, check=args.check,
                           device=args.device, seed=args.seed, out=args.out, checkpoint=checkpoint,
                           canvas_length=args.canvas_length, max_denoising_steps=args.max_denoising_steps,
-                          progress=not args.no_progress, embedding_scale=args.embedding_scale)
+                          progress=not args.no_progress, embedding_scale=args.embedding_scale,
+                          fuse_commit=args.fuse_commit)
     except DeviceUnavailable as e:  # its message starts "device 'X' ...": name the option
         msg = str(e)
         return _errors("demo", ["--" + msg if msg.startswith("device ") else f"--device {args.device!r}: {msg}"])

@@ -220,7 +220,7 @@ def run_demo(*, backend: str = "reference", sampler_backend: str = "reference", 
              device: str = "cpu", seed: int = 0, out: str = "./demo_out", checkpoint: str | None = None,
              canvas_length: int | None = None, max_denoising_steps: int | None = None, progress: bool = True,
              requests=None, stream=None, threads: int | None = 1,
-             embedding_scale: float | None = None) -> DemoResult:
+             embedding_scale: float | None = None, fuse_commit: bool = False) -> DemoResult:
     """Run the demo and print its report to ``stream`` (default stdout).
 
     Args:
@@ -237,6 +237,8 @@ def run_demo(*, backend: str = "reference", sampler_backend: str = "reference", 
         requests: the workload (default :data:`TEXT_REQUESTS` with a checkpoint, :data:`DEFAULT_REQUESTS`
             without); a prompt is a str (encoded by the checkpoint's tokenizer) or an int length (random ids).
         embedding_scale: random weights only: factor on the tied embedding (default 30).
+        fuse_commit: a bool: fuse each non-final commit with the next canvas's first denoising step
+            (:class:`~blockdiff.integration.harness.HarnessRunner`'s ``fuse_commit``; TypeError for a non-bool).
         threads: torch intra-op threads on CPU (default 1, fastest for the small models; None leaves torch's
             setting).
 
@@ -311,7 +313,7 @@ def run_demo(*, backend: str = "reference", sampler_backend: str = "reference", 
     max_model_len = max(256, max(len(x) for x in prompts) + max(max_tokens) + canvas_length)
     runner = HarnessRunner(model, default_params=base, max_num_reqs=4, max_num_batched_tokens=4 * canvas_length,
                            page_size=8, max_model_len=max_model_len, device=dev, attn_backend=backend,
-                           sampler_backend=sampler_backend, check=check)
+                           sampler_backend=sampler_backend, check=check, fuse_commit=fuse_commit)
     for (rid, _, arrival, _, greedy), ids, mt in zip(requests, prompts, max_tokens):
         temps = dict(t_min=0.0, t_max=0.0) if greedy else {}
         runner.add_request(rid, ids, dataclasses.replace(base, max_tokens=mt, **temps), arrival_step=arrival)
@@ -328,7 +330,7 @@ def run_demo(*, backend: str = "reference", sampler_backend: str = "reference", 
         p(f"blockdiff demo: tiny random-weight DiffusionGemma ({shape}, tied embedding x{embedding_scale:g}), "
           f"canvas {canvas_length}, step cap {max_denoising_steps}")
     p(f"attention backend: {backend} | sampler backend: {sampler_backend} | device: {dev} | seed: {seed} | "
-      f"check: {'on' if check else 'off'}")
+      f"check: {'on' if check else 'off'}" + (" | fused commits: on" if fuse_commit else ""))
     p(f"{len(requests)} requests ({sum(r[4] for r in requests)} greedy), {runner.max_num_reqs} slots, step budget "
       f"{runner.max_num_batched_tokens} tokens, KV pages of {runner.page_size} tokens")
     t0 = time.perf_counter()

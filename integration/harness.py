@@ -24,6 +24,13 @@ prefilled again (causally, as their commit wrote them) before the next canvas. `
 whose largest KV footprint (prompt + every canvas it may commit) exceeds the pool, so every request admitted fits
 the pool alone, and the highest-priority running request always progresses: every request finishes.
 
+Fused commit (``fuse_commit=True``, off by default): a converged canvas whose commit does not finish its request
+(no stop id in it, ``max_tokens`` not reached) and whose next canvas fits ``max_model_len`` is scheduled with
+``2 * canvas_length`` query tokens, its commit (causal) and the next canvas's first denoising step (bidirectional)
+in one forward pass (one forward fewer per non-final canvas); only with the token budget and free KV pages left
+after every other row of the step (it never preempts nor displaces a row), else it is a plain commit. The step
+records it as two rows (``RowRecord.fused``): a commit and a denoise row.
+
 It is a test and demo harness, not a serving engine: no prefix caching, one process. A request is never dropped
 silently: it finishes (``eos`` / ``length`` / ``failed``), is cancelled by :meth:`HarnessRunner.abort`
 (``aborted``), or :meth:`HarnessRunner.run` raises naming it.
@@ -160,7 +167,10 @@ class RequestResult:
 class RowRecord:
     """One row of a step: request, phase at entry (``"prefill"``, ``"denoise"`` or ``"commit"``: the lower-case
     :data:`blockdiff.sampler.PHASE_NAMES`), query tokens, keys (incl. the query), causal flag, and the sampler's
-    accounting for it."""
+    accounting for it. A fused commit row (``HarnessRunner(fuse_commit=True)``) is recorded as two records with
+    ``fused`` True, in the batch row's order: its commit (``"commit"``, CL causal query tokens, ``num_sampled`` CL)
+    and its next canvas's first denoising step (``"denoise"``, CL bidirectional query tokens over the context and
+    the committed canvas, ``num_rejected`` CL)."""
 
     req_id: str
     slot: int
@@ -174,6 +184,7 @@ class RowRecord:
     accepted: int = 0  # denoise rows: canvas positions accepted in this step (not newly fixed ones)
     mean_entropy: float | None = None
     converged: bool = False
+    fused: bool = False  # one half of a fused commit row (fuse_commit): its commit, or its next canvas's step 0
 
 
 @dataclass
@@ -271,10 +282,14 @@ class HarnessRunner:
             passed to the model; no fallback).
         sampler_backend: ``"reference"``, ``"triton"`` or ``"auto"`` (resolved here).
         check: compare every attention call and every sampler step with the references; a mismatch raises.
+        fuse_commit: a bool (default False): commit a converged canvas and take the next canvas's first denoising
+            step in one forward pass (see the module docstring and
+            :attr:`~blockdiff.integration.model_state.DiffusionModelState.fuse_commit`); the outputs are those of
+            the unfused run, with one forward pass fewer per non-final canvas.
 
     Raises:
         TypeError: ``default_params`` not a SamplingParams; ``kv_dtype`` not a floating torch.dtype; ``device``,
-            a backend or ``check`` of the wrong type.
+            a backend, ``check`` or ``fuse_commit`` of the wrong type (``fuse_commit`` must be a bool).
         ValueError: bad capacities; a device torch cannot parse or other than the model's; ``kv_dtype`` other than
             the model's dtype; an unknown backend name.
         ImportError: a backend that cannot be imported here (no fallback).
@@ -284,7 +299,7 @@ class HarnessRunner:
                  max_num_batched_tokens: int = 256, page_size: int = 16, num_blocks: int | None = None,
                  max_model_len: int = 512, device: torch.device | str | None = None,
                  kv_dtype: torch.dtype | None = None, attn_backend: str = "reference",
-                 sampler_backend: str = "reference", check: bool = False) -> None:
+                 sampler_backend: str = "reference", check: bool = False, fuse_commit: bool = False) -> None:
         if default_params is None:
             default_params = checkpoint_sampling_params(model)
         elif not isinstance(default_params, SamplingParams):
@@ -302,6 +317,8 @@ class HarnessRunner:
             raise ValueError(f"max_model_len ({max_model_len}) must leave room for a prompt and a canvas ({cl})")
         if not isinstance(check, bool):
             raise TypeError(f"check must be a bool, got {type(check).__name__}")
+        if not isinstance(fuse_commit, bool):
+            raise TypeError(f"fuse_commit must be a bool, got {type(fuse_commit).__name__} ({fuse_commit!r})")
         p0 = next(iter(model.parameters()), None)
         self.device = _resolve_device(device, p0)
         model_dtype = p0.dtype if p0 is not None else torch.float32
@@ -330,7 +347,8 @@ class HarnessRunner:
         self.kv_caches = model.allocate_kv_caches(num_blocks, page_size, self.device, kv_dtype)
         self.model_state = DiffusionModelState.for_harness(
             model, max_num_reqs=max_num_reqs, max_num_tokens=max_num_batched_tokens, canvas_length=cl,
-            device=self.device, default_params=self.default_params)
+            device=self.device, default_params=self.default_params, fuse_commit=fuse_commit)
+        self.fuse_commit = fuse_commit
         self.sampler, rejection = self.model_state.custom_sampler(None, backend=self.sampler_backend)
         assert rejection is None
         self.sampler.check = check
@@ -510,7 +528,29 @@ class HarnessRunner:
             rows.append((r, PREFILL, chunk))
             scheduled.add(r.req_id)
             budget -= chunk
+        if self.fuse_commit:
+            budget = self._fuse_commits(rows, budget)
         return rows
+
+    def _fuse_commits(self, rows: list[tuple[_Req, int, int]], budget: int) -> int:
+        """Turn commit rows into fused commit rows (``2 * canvas_length`` tokens, see the module docstring) in
+        place, in row order, while the budget left and the free KV pages (no preemption) allow; only commits that
+        do not finish their request and whose next canvas fits ``max_model_len``. Returns the budget left."""
+        CL = self.canvas_length
+        for i, (r, ph, q) in enumerate(rows):
+            if budget < CL:
+                break
+            if ph != COMMIT or q != CL or r.num_computed + 2 * CL > self.max_model_len:
+                continue
+            if self.model_state.commit_finishes(r.slot):  # the request's last canvas: a plain commit
+                continue
+            try:
+                self.allocator.ensure(r.req_id, r.num_computed + 2 * CL)
+            except OutOfBlocks:
+                continue
+            rows[i] = (r, COMMIT, 2 * CL)
+            budget -= CL
+        return budget
 
     def _schedule_or_preempt(self) -> list[tuple[_Req, int, int]]:
         """:meth:`_schedule`; while it finds no row, preempt the lowest-priority running request and schedule
@@ -642,20 +682,37 @@ class HarnessRunner:
         acc = so.accepted.sum(-1).tolist() if any(den) else [0] * len(rows)
         ment = so.mean_entropy.tolist() if any(den) else [None] * len(rows)
         conv = so.converged.tolist() if any(den) else [False] * len(rows)
+        fz = out.fused.tolist() if out.fused is not None else [False] * len(rows)
+        if any(fz):
+            fs = out.fused_step
+            f_acc, f_ment = fs.accepted.sum(-1).tolist(), fs.mean_entropy.tolist()
+            f_conv, f_failed = fs.converged.tolist(), fs.failed.tolist()
         num_computed = ms.num_computed_tokens.clone()
         done: list[tuple[_Req, str]] = []
         for i, (r, ph, q) in enumerate(rows):
             r.last_scheduled = self.step_index
             seq_len = r.num_computed + q
+            ctx = r.num_computed
             r.num_computed += q - n_r[i]
             num_computed[r.slot] = r.num_computed
             r.output.extend(emitted[i][: n_e[i]])
-            row = RowRecord(r.req_id, r.slot, PHASE_NAMES[ph].lower(), q, seq_len, bool(causal[i]), n_s[i], n_r[i],
-                            n_e[i])
+            if fz[i]:  # fused commit: its commit and its next canvas's first denoising step, as two records
+                CL = self.canvas_length
+                rec.rows.append(RowRecord(r.req_id, r.slot, "commit", CL, ctx + CL, True, n_s[i], 0, n_e[i],
+                                          fused=True))
+                row = RowRecord(r.req_id, r.slot, "denoise", q - CL, seq_len, False, 0, n_r[i], 0, fused=True)
+                row.accepted, row.mean_entropy = int(f_acc[i]), float(f_ment[i])
+                row.converged = bool(f_conv[i])
+                r.num_canvases += 1
+                r.num_denoise_steps += 1
+                failed[i] = failed[i] or bool(f_failed[i])
+            else:
+                row = RowRecord(r.req_id, r.slot, PHASE_NAMES[ph].lower(), q, seq_len, bool(causal[i]), n_s[i],
+                                n_r[i], n_e[i])
             if ph == DENOISE:
                 r.num_denoise_steps += 1
                 row.accepted, row.mean_entropy, row.converged = int(acc[i]), float(ment[i]), bool(conv[i])
-            if ph == COMMIT:
+            if ph == COMMIT and not fz[i]:
                 r.num_canvases += 1
             rec.rows.append(row)
             if failed[i]:
@@ -782,7 +839,8 @@ class HarnessRunner:
             ``tokens_per_forward`` (tokens emitted / forward passes); ``wall_s``; ``request_rows`` (rows of all
             passes: prefill chunks, denoise and commit rows); ``tokens_per_request_pass`` (tokens emitted /
             request rows); ``denoise_rows``; ``tokens_per_denoise_step`` (tokens emitted / denoise rows);
-            ``canvases_committed``; ``denoise_steps_per_canvas`` (mean denoise rows of the committed canvases;
+            ``canvases_committed``; ``fused_commits`` (commits fused with the next canvas's first denoising step,
+            ``fuse_commit``; their step counts as a denoise row of that canvas); ``denoise_steps_per_canvas`` (mean denoise rows of the committed canvases;
             a canvas still being denoised, or of a failed request, is not counted, nor are the rows of a canvas
             a preemption interrupted: the resumed request denoises that canvas again from step 0) and
             ``max_denoise_steps_per_canvas`` (0 when none committed). A ratio with a zero denominator is NaN
@@ -790,7 +848,8 @@ class HarnessRunner:
         """
         emitted = sum(len(r.output_token_ids) for r in self.results.values()) + sum(
             len(r.output) for r in self._running.values())
-        rows = sum(len(h.rows) for h in self.history)
+        # a fused commit row is one request row (recorded as two RowRecords: its commit and its denoise step)
+        rows = sum(len(h.rows) - sum(x.fused and x.phase == "denoise" for x in h.rows) for h in self.history)
         denoise_rows = sum(h.count("denoise") for h in self.history)
         per_canvas: list[int] = []  # denoise rows of each committed canvas, in commit order
         pending: dict[str, int] = {}
@@ -810,6 +869,7 @@ class HarnessRunner:
             "request_rows": rows, "tokens_per_request_pass": ratio(emitted, rows),
             "denoise_rows": denoise_rows, "tokens_per_denoise_step": ratio(emitted, denoise_rows),
             "canvases_committed": sum(h.canvases_committed for h in self.history),
+            "fused_commits": sum(x.fused and x.phase == "commit" for h in self.history for x in h.rows),
             "denoise_steps_per_canvas": ratio(sum(per_canvas), len(per_canvas)),
             "max_denoise_steps_per_canvas": max(per_canvas, default=0),
         }

@@ -20,6 +20,11 @@ slot = vLLM's ``req_index``), updated in place by the sampler. Each step:
 vLLM accounting (spec-decode path, ``num_new_sampled_tokens_per_step = 0``): prefill rows report
 ``num_sampled = 0``; denoise rows ``num_sampled = 0`` and ``num_rejected = query_len`` (the KV position does not
 move); commit rows ``num_sampled = canvas_length``.
+
+Fused commit (opt-in, :attr:`DiffusionModelState.fuse_commit`): a COMMIT row scheduled with ``2 * canvas_length``
+query tokens commits its canvas (the first CL rows, causal, writing its KV) and takes the first denoising step of
+the next canvas (the last CL rows, bidirectional, a fresh canvas) in the same forward pass; it is accounted as CL
+accepted and CL rejected drafts (``num_sampled = num_rejected = canvas_length``).
 """
 from __future__ import annotations
 
@@ -31,11 +36,13 @@ import os
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from blockdiff.attention import AttentionMetadata
 from blockdiff.sampler import COMMIT, DENOISE, FAILED, FINISHED, PREFILL  # phases of SamplerState.phase
 from blockdiff.sampler import SamplerState, SamplingParams
+from blockdiff.sampler.common import fresh_canvas
 
 from .sampler import DiffusionSampler
 
@@ -92,6 +99,20 @@ class ModelStateBase:
 
     def prepare_dummy_inputs(self, num_reqs: int, num_tokens: int) -> dict[str, Any]:
         raise NotImplementedError
+
+    def num_causal_q(self, input_batch: Any) -> torch.Tensor:
+        """``[N]`` int32 device tensor: causal query rows per row of ``input_batch`` from the phase (no host
+        sync): prefill rows and FINISHED / FAILED rows all their rows, DENOISE rows 0, COMMIT rows
+        ``min(query_len, canvas_length)`` (a fused commit row: its CL commit rows, then CL bidirectional rows).
+        The harness's attention metadata carries it when :attr:`fuse_commit` is on."""
+        n = input_batch.num_reqs
+        slots = input_batch.idx_mapping[:n].to(torch.int64)
+        qsl = input_batch.query_start_loc[: n + 1].to(torch.int64)
+        q = qsl[1:] - qsl[:-1]
+        ph = self.state.phase[slots]
+        ncq = torch.where(ph == DENOISE, torch.zeros_like(q),
+                          torch.where(ph == COMMIT, q.clamp(max=self.canvas_length), q))
+        return ncq.to(torch.int32)
 
     def prepare_attn(self, input_batch: Any, cudagraph_mode: Any, block_tables: tuple[torch.Tensor, ...],
                      slot_mappings: torch.Tensor, attn_groups: Any, kv_cache_config: Any,
@@ -372,7 +393,8 @@ class DiffusionModelState(_Base):
     @classmethod
     def for_harness(cls, model: torch.nn.Module, *, max_num_reqs: int, max_num_tokens: int, canvas_length: int,
                     device: torch.device | str, default_params: Any = None,
-                    max_stop_token_ids: int = DEFAULT_MAX_STOP_TOKEN_IDS) -> "DiffusionModelState":
+                    max_stop_token_ids: int = DEFAULT_MAX_STOP_TOKEN_IDS,
+                    fuse_commit: bool = False) -> "DiffusionModelState":
         """Build the state without vLLM (harness, tests, demo).
 
         Args:
@@ -384,9 +406,11 @@ class DiffusionModelState(_Base):
             default_params: :class:`blockdiff.sampler.SamplingParams` used for vLLM-style params.
             max_stop_token_ids: initial width of the per-slot stop-id buffer (>= 1); a request with more stop ids
                 grows it (see :meth:`reserve_stop_token_ids`).
+            fuse_commit: accept fused commit rows (:attr:`fuse_commit`), a bool; default False.
 
         Raises:
             ValueError: a capacity < 1, or max_num_tokens < canvas_length.
+            TypeError: ``fuse_commit`` is not a bool.
         """
         self = cls.__new__(cls)
         self.vllm_config = None
@@ -399,6 +423,7 @@ class DiffusionModelState(_Base):
                              canvas_length=canvas_length, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
                              default_params=default_params, embed_dtype=torch.float32,
                              max_stop_token_ids=max_stop_token_ids)
+        self.fuse_commit = fuse_commit
         return self
 
     def _init_diffusion(self, *, mode, max_num_reqs, max_num_tokens, canvas_length, vocab_size, hidden_size,
@@ -411,6 +436,7 @@ class DiffusionModelState(_Base):
             raise ValueError(f"max_num_tokens ({max_num_tokens}) must be >= canvas_length ({canvas_length}): "
                              "a denoise row schedules a whole canvas")
         self.mode = mode
+        self._fuse_commit = False
         self.canvas_length = canvas_length
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
@@ -529,6 +555,66 @@ class DiffusionModelState(_Base):
     def get_supported_generation_tasks(self):
         return ("generate",)
 
+    # ------------------------------------------------------------------ fused commit
+    @property
+    def fuse_commit(self) -> bool:
+        """Whether a COMMIT row may be scheduled *fused*: ``2 * canvas_length`` query tokens, the commit's CL
+        causal rows (the argmax canvas, writing its KV at ``[ctx, ctx + CL)``) followed by the first denoising step
+        of the request's next canvas (CL bidirectional rows: the fresh canvas of ``canvas_index + 1``, no
+        self-conditioning input, reading the context and the canvas just committed). The sampler commits the row,
+        then runs the next canvas's step 0 on the last CL logits rows; the row reports ``num_sampled = CL``
+        (accepted drafts: the committed canvas) and ``num_rejected = CL`` (the next canvas), so the KV position
+        moves by CL. A scheduler fuses only a commit that does not finish its request (:meth:`commit_finishes`)
+        and whose next canvas fits. Default False: a canvas row must then carry exactly CL tokens.
+
+        Raises (setter):
+            TypeError: the value is not a bool.
+        """
+        return self._fuse_commit
+
+    @fuse_commit.setter
+    def fuse_commit(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"fuse_commit must be a bool, got {type(value).__name__} ({value!r})")
+        self._fuse_commit = value
+
+    def commit_finishes(self, req_index: int) -> bool:
+        """Whether the commit of slot ``req_index``'s converged canvas (``state.commit_canvas``) ends its request
+        (a stop id inside the canvas, or ``max_tokens`` reached), exactly as the sampler's commit decides it. A
+        scheduler fuses only a commit that does not (:attr:`fuse_commit`): the last canvas of a request is a
+        plain commit. Reads the slot's state on the host (a device sync on a GPU).
+
+        Raises:
+            ValueError: ``req_index`` is not an int in ``[0, max_num_reqs)`` or its slot is not in phase COMMIT.
+        """
+        if isinstance(req_index, bool) or not isinstance(req_index, int) or not 0 <= req_index < self.max_num_reqs:
+            raise ValueError(f"req_index must be an int in [0, {self.max_num_reqs}), got {req_index!r}")
+        st = self.state
+        if int(st.phase[req_index]) != COMMIT:
+            raise ValueError(f"slot {req_index} is not in phase COMMIT (phase {int(st.phase[req_index])})")
+        CL = self.canvas_length
+        canvas = st.commit_canvas[req_index]
+        eos = st.eos_token_ids[req_index]
+        eos = eos[eos >= 0]
+        hits = torch.isin(canvas, eos).nonzero().flatten().tolist() if eos.numel() else []
+        remaining = int(st.max_tokens[req_index]) - int(st.num_emitted[req_index])
+        if hits and hits[0] < remaining:
+            return True  # the stop id is emitted
+        n_now = min(hits[0] + 1, CL) if hits else CL
+        return n_now >= remaining
+
+    def fused_rows_np(self, input_batch: Any):
+        """``[N]`` bool host array: the rows of ``input_batch`` scheduled as fused commits (:attr:`fuse_commit` on,
+        the prompt prefilled before the step, ``2 * canvas_length`` query tokens), from host data only (no sync).
+        All False when :attr:`fuse_commit` is off."""
+        N = input_batch.num_reqs
+        q = np.asarray(input_batch.num_scheduled_tokens[:N], dtype=np.int64)
+        if not self._fuse_commit:
+            return np.zeros(N, dtype=bool)
+        done = np.asarray(input_batch.num_computed_prefill_tokens_np[:N], dtype=np.int64)
+        plen = np.asarray(input_batch.prefill_len_np[:N], dtype=np.int64)
+        return (done >= plen) & (q == 2 * self.canvas_length)
+
     # ------------------------------------------------------------------ inputs
     def prepare_inputs_embeds(self, scheduled_encoder_inputs: dict[str, list[int]], input_batch: Any,
                               req_states: Any) -> torch.Tensor | None:
@@ -540,16 +626,20 @@ class DiffusionModelState(_Base):
         """vLLM 0.26.0's name of :meth:`prepare_inputs_embeds` (see :mod:`blockdiff.integration.vllm_compat`)."""
         return self.prepare_inputs_embeds(scheduled_encoder_inputs, input_batch, req_states)
 
-    def _token_views(self, input_batch: Any):
-        """Per-token (slot, offset in row, phase) on the device, from query_start_loc (no host sync)."""
+    def _token_views(self, input_batch: Any, *, with_rows: bool = False):
+        """Per-token (slot, offset in row clamped to the canvas, phase) on the device, from query_start_loc (no
+        host sync); ``with_rows``: also the token's row index and its unclamped offset in the row."""
         T, N = input_batch.num_tokens, input_batch.num_reqs
         CL = self.canvas_length
         ar = self._arange[:T]
         qsl = input_batch.query_start_loc[: N + 1].to(torch.int64)
         row = torch.searchsorted(qsl[1:], ar, right=True).clamp_(max=max(N - 1, 0))
         slots_tok = input_batch.idx_mapping[:N].to(torch.int64)[row]
-        off = (ar - qsl[row]).clamp_(min=0, max=CL - 1)
+        raw = ar - qsl[row]
+        off = raw.clamp(min=0, max=CL - 1)
         phase_tok = self.state.phase[slots_tok]
+        if with_rows:
+            return slots_tok, off, phase_tok, row, raw
         return slots_tok, off, phase_tok
 
     def prepare_inputs(self, input_batch: Any, req_states: Any) -> dict[str, Any]:
@@ -565,23 +655,39 @@ class DiffusionModelState(_Base):
             vLLM: ``{"inputs_embeds": [T, hidden]}`` (embedding + self-conditioning MLP on denoise tokens).
             Denoise tokens read ``state.canvas``, commit tokens ``state.commit_canvas``, prefill tokens keep
             ``input_batch.input_ids``; ``self_cond`` is ``state.soft`` on denoise tokens and exactly 0 elsewhere.
+            With :attr:`fuse_commit`, the last CL tokens of a fused commit row (a COMMIT row of ``2 * CL``
+            tokens) read the fresh canvas of the request's next canvas (``canvas_index + 1``, the INITIAL stream:
+            what the commit's sampler step starts) with ``self_cond`` 0, and count as decoder tokens.
         """
         T = input_batch.num_tokens
         ids = self.input_ids_buf[:T]
         sc = self.self_cond_buf[:T]
         if T == 0:
             return self._inputs_dict(input_batch, ids, sc, None)
-        slots_tok, off, phase_tok = self._token_views(input_batch)
         st = self.state
+        if self._fuse_commit:
+            slots_tok, off, phase_tok, row, raw = self._token_views(input_batch, with_rows=True)
+        else:
+            slots_tok, off, phase_tok = self._token_views(input_batch)
         is_den = phase_tok == DENOISE
         is_com = phase_tok == COMMIT
         canvas_tok = st.canvas[slots_tok, off]
         commit_tok = st.commit_canvas[slots_tok, off]
-        ids.copy_(torch.where(is_den, canvas_tok,
+        if self._fuse_commit:
+            CL = self.canvas_length
+            tail = is_com & (raw >= CL)  # the next canvas's first step of a fused commit row
+            N = input_batch.num_reqs
+            slots = input_batch.idx_mapping[:N].to(torch.int64)
+            nxt = fresh_canvas(st, slots, st.canvas_index[slots] + 1)  # [N, CL], what the commit will start
+            canvas_tok = torch.where(tail, nxt[row, (raw - CL).clamp(min=0, max=CL - 1)], canvas_tok)
+            is_den_in = is_den | tail  # tokens whose input is a canvas being denoised
+        else:
+            is_den_in = is_den
+        ids.copy_(torch.where(is_den_in, canvas_tok,
                               torch.where(is_com, commit_tok, input_batch.input_ids[:T].to(torch.int64))))
         soft = st.soft[slots_tok, off]
         sc.copy_(torch.where(is_den[:, None], soft, torch.zeros((), dtype=soft.dtype, device=soft.device)))
-        return self._inputs_dict(input_batch, ids, sc, is_den)
+        return self._inputs_dict(input_batch, ids, sc, is_den_in)
 
     def _inputs_dict(self, input_batch, ids, sc, is_den) -> dict[str, Any]:
         T = ids.shape[0]
@@ -637,21 +743,29 @@ class DiffusionModelState(_Base):
             ubatch_idx: must be 0 (no dual-batch overlap).
 
         Returns:
-            harness: :class:`blockdiff.attention.AttentionMetadata`; vLLM: the per-layer metadata dict of
-            ``vllm.v1.worker.gpu.attn_utils.build_attn_metadata`` with ``causal=`` this buffer.
+            harness: :class:`blockdiff.attention.AttentionMetadata` (with :attr:`fuse_commit` also
+            ``num_causal_q``, :meth:`num_causal_q`, which the model and attention then read instead of
+            ``causal``); vLLM: the per-layer metadata dict of ``vllm.v1.worker.gpu.attn_utils.build_attn_metadata``
+            with ``causal=`` this buffer.
 
         Raises:
             ValueError: ubatch_idx != 0.
+            NotImplementedError: vLLM mode with :attr:`fuse_commit` on (not wired for vLLM's attention backend).
         """
         if ubatch_idx != 0:
             raise ValueError(f"ubatch_idx must be 0 (dual-batch overlap is not supported), got {ubatch_idx}")
         n = input_batch.num_reqs
         if self.mode == "harness":
             causal = self.fill_causal(input_batch)
+            ncq = self.num_causal_q(input_batch) if self._fuse_commit else None
             return AttentionMetadata(
                 cu_seqlens_q=input_batch.query_start_loc[: n + 1], seq_lens=input_batch.seq_lens[:n],
                 causal=causal, block_table=block_tables[0][:n], slot_mapping=slot_mappings,
-                max_seqlen_q=int(input_batch.max_query_len), max_seqlen_k=int(input_batch.max_seq_len))
+                max_seqlen_q=int(input_batch.max_query_len), max_seqlen_k=int(input_batch.max_seq_len),
+                num_causal_q=ncq)
+        if self._fuse_commit:
+            raise NotImplementedError("fuse_commit under vLLM: the CUSTOM attention backend reads per-request causal "
+                                      "flags, not causal row counts (the harness path only)")
         # vLLM is optional: imported only in vLLM mode
         from vllm.config.compilation import CUDAGraphMode  # type: ignore
         from vllm.v1.worker.gpu.attn_utils import build_attn_metadata  # type: ignore

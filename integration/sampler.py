@@ -43,6 +43,10 @@ class DiffusionSamplerOutput:
         step: the :class:`blockdiff.sampler.StepOutput` (accepted, entropy, converged, finished, failed, ...).
         num_nans: ``[N]`` int32, see :func:`accounting` (> 0: the request failed on non-finite logits).
         logprobs_tensors: None (not produced).
+        fused: ``[N]`` bool, the fused commit rows (``DiffusionModelState.fuse_commit``), or None when the step
+            had none.
+        fused_step: the :class:`blockdiff.sampler.StepOutput` of the next canvas's first denoising step on the
+            fused rows (other rows: a no-op step), or None; ``step`` holds their commit.
     """
 
     sampled_token_ids: torch.Tensor
@@ -53,10 +57,13 @@ class DiffusionSamplerOutput:
     step: Any
     logprobs_tensors: Any = None
     num_nans: Any = None
+    fused: Any = None
+    fused_step: Any = None
 
 
 def accounting(phase: torch.Tensor, q_lens: torch.Tensor, num_sampled: torch.Tensor, failed: torch.Tensor,
-               entropy: torch.Tensor, stalled: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+               entropy: torch.Tensor, stalled: torch.Tensor | None = None, *, fused: torch.Tensor | None = None,
+               canvas_length: int | None = None) -> dict[str, torch.Tensor]:
     """vLLM's per-row accounting of one step (no host sync).
 
     Args:
@@ -64,18 +71,28 @@ def accounting(phase: torch.Tensor, q_lens: torch.Tensor, num_sampled: torch.Ten
         num_sampled: ``[N]`` from the sampler step (commit rows CL, else 0). failed: ``[N]`` bool, rows that
             failed in this step. entropy: ``[N, CL]`` float32 (NaN where a logit was non-finite).
         stalled: ``[N]`` bool, rows the sampler skipped (a truncated canvas under vLLM), or None.
+        fused: ``[N]`` bool, fused commit rows (a commit and the next canvas's first step, ``2 * canvas_length``
+            query tokens), or None. canvas_length: CL, required with ``fused``.
 
     Returns:
         ``num_sampled`` ``[N]`` int32 (0 on stalled rows); ``num_rejected`` ``[N]`` int32: 0 for prefill and
-        commit rows, ``q_len`` for every other row (denoise, FAILED, FINISHED, stalled: the KV position does not
-        move); ``num_nans`` ``[N]`` int32: non-finite canvas positions (>= 1) on a row that failed now, 1 on a row
-        already FAILED at entry, else 0.
+        commit rows, ``q_len - canvas_length`` (CL: the next canvas's drafts) for fused commit rows (which sample
+        CL: the committed canvas is accepted, so the KV position moves by CL), ``q_len`` for every other row
+        (denoise, FAILED, FINISHED, stalled: the KV position does not move); ``num_nans`` ``[N]`` int32:
+        non-finite canvas positions (>= 1) on a row that failed now, 1 on a row already FAILED at entry, else 0.
+
+    Raises:
+        ValueError: ``fused`` given without ``canvas_length``.
     """
     moves = (phase == PREFILL) | (phase == COMMIT)
     if stalled is not None:
         moves = moves & ~stalled
         num_sampled = torch.where(stalled, torch.zeros_like(num_sampled), num_sampled)
     num_rejected = torch.where(moves, torch.zeros_like(q_lens), q_lens).to(torch.int32)
+    if fused is not None:
+        if canvas_length is None:
+            raise ValueError("accounting: canvas_length is required with fused")
+        num_rejected = torch.where(fused & moves, (q_lens - canvas_length).to(torch.int32), num_rejected)
     n_bad = torch.isnan(entropy).sum(-1).clamp(min=1).to(torch.int32)
     num_nans = torch.where(failed, n_bad, (phase == FAILED).to(torch.int32)).to(torch.int32)
     return {"num_sampled": num_sampled.to(torch.int32), "num_rejected": num_rejected, "num_nans": num_nans}
@@ -245,7 +262,8 @@ class DiffusionSampler:
         prefill_done_np = done_np + q_lens_np >= plen_np
         # a row whose prompt was prefilled before this step is a canvas row (denoise / commit): it must carry the
         # whole canvas, or _canvas_logits would read the next row's logits for its tail (host data only, no sync)
-        short = (done_np >= plen_np) & (q_lens_np != ms.canvas_length)
+        fused_np = ms.fused_rows_np(input_batch)  # fused commit rows (2 * CL tokens); all False unless fuse_commit
+        short = (done_np >= plen_np) & (q_lens_np != ms.canvas_length) & ~fused_np
         stalled_np = None
         if short.any():
             if ms.mode == "vllm":
@@ -269,6 +287,15 @@ class DiffusionSampler:
         rows = self._staging.to_device(starts_np, prefill_done_np, q_lens_np)  # no host sync (pinned, in order)
         starts, prefill_done, q_lens = rows[0], rows[1].bool(), rows[2].to(torch.int32)
         logits3 = self._canvas_logits(logits, N, starts)
+        fused_idx = np.flatnonzero(fused_np)
+        if fused_idx.size and ms.mode != "vllm":
+            # harness: a 2 * CL canvas row must be a commit (one host read of the phases; vLLM mode trusts its
+            # scheduler, which schedules 2 * CL tokens only for a converged canvas)
+            ph = phase.tolist()
+            bad = [int(i) for i in fused_idx if ph[i] != COMMIT]
+            if bad:
+                raise ValueError(f"row {bad[0]} has 2 * canvas_length = {2 * ms.canvas_length} query tokens but is "
+                                 f"not a commit row: only a fused commit (fuse_commit) schedules 2 * canvas_length")
 
         commit_in = st.commit_canvas[slots].clone() if ms.mode == "vllm" else None
         stalled = None
@@ -280,12 +307,27 @@ class DiffusionSampler:
         else:
             out = self._step(st, slots, logits3, prefill_done)
 
-        acc = accounting(phase, q_lens, out.num_sampled, out.failed, out.entropy, stalled)
+        fused = fused_step = None
+        failed, entropy = out.failed, out.entropy
+        if fused_idx.size:
+            # fused commit rows: the step above committed them and started their next canvas (phase DENOISE, step
+            # 0, the fresh canvas prepare_inputs fed to the last CL rows); now that canvas's first denoising step
+            # on the last CL logits rows of each such row
+            keep = torch.as_tensor(fused_idx, dtype=torch.int64, device=dev)
+            tail = self._canvas_logits(logits, N, starts + ms.canvas_length)
+            fused_step = _expand_step_output(
+                self._step(st, slots[keep], tail[keep], torch.zeros_like(prefill_done[keep])), keep, N)
+            fused = torch.as_tensor(fused_np, dtype=torch.bool, device=dev)
+            failed = failed | fused_step.failed
+            entropy = torch.where(fused[:, None], fused_step.entropy, entropy)
+        acc = accounting(phase, q_lens, out.num_sampled, failed, entropy, stalled, fused=fused,
+                         canvas_length=ms.canvas_length)
         if ms.mode == "vllm":
             return self._vllm_output(slots, phase, commit_in, acc, stalled)
         return DiffusionSamplerOutput(
             sampled_token_ids=out.emitted, num_sampled=acc["num_sampled"], num_rejected=acc["num_rejected"],
-            num_emitted=out.num_emitted_now.to(torch.int32), phase=phase, step=out, num_nans=acc["num_nans"])
+            num_emitted=out.num_emitted_now.to(torch.int32), phase=phase, step=out, num_nans=acc["num_nans"],
+            fused=fused, fused_step=fused_step)
 
     def _step(self, st, slots, logits3, prefill_done):
         snapshot = copy.deepcopy(st) if self.check else None

@@ -106,6 +106,24 @@ def test_random_weights_flag_keeps_the_old_demo(tmp_path, capsys):
     assert "(step cap 2)" in out and "generated text: none" in out
 
 
+def test_fuse_commit_flag_serves_the_same_tokens_in_fewer_forward_passes(tmp_path, capsys):
+    """``blockdiff demo --fuse-commit``: the header says so, and run_demo(fuse_commit=True) emits every request's
+    tokens of the unfused demo in fewer forward passes (one fewer per commit the step budget had room to fuse)."""
+    rc, out, err = _run(["--random-weights", "--out", str(tmp_path), "--canvas-length", "8",
+                         "--max-denoising-steps", "2", "--fuse-commit"], capsys)
+    assert rc == 0, err
+    assert "fused commits: on" in out
+    runs = [run_demo(checkpoint=None, out=str(tmp_path), canvas_length=8, max_denoising_steps=2, progress=False,
+                     stream=io.StringIO(), fuse_commit=f) for f in (False, True)]
+    outputs = [{k: v.output_token_ids for k, v in r.results.items()} for r in runs]
+    assert outputs[0] == outputs[1]
+    fused = runs[1].totals["fused_commits"]
+    assert fused > 0 and runs[0].totals["forward_passes"] > runs[1].totals["forward_passes"]
+    with pytest.raises(TypeError, match="fuse_commit must be a bool"):
+        run_demo(checkpoint=None, out=str(tmp_path), canvas_length=8, max_denoising_steps=2, progress=False,
+                 stream=io.StringIO(), fuse_commit="yes")
+
+
 def test_default_is_the_shipped_checkpoint_else_random_weights_with_a_notice(smoke_checkpoint, tmp_path, capsys,
                                                                                  monkeypatch):
     monkeypatch.setattr(pretrained, "shipped_checkpoint_dir", lambda *a: smoke_checkpoint)
