@@ -93,14 +93,25 @@ STATE_FIELDS = ("phase", "canvas", "commit_canvas", "prev_argmax", "stable_count
                 "num_emitted")
 
 
-def make_inputs(N, CL, V, H, device, seed=0):
-    """Logits [N, CL, V] fp32 (soft-capped), E [V, H] bf16, prefill_done, slots and the per-request params."""
+def workload_name(shape: dict, quick: bool) -> str:
+    """The workload of a shape: ``sampler_n4`` (the named one, also for the smaller ``--quick`` shape) unless the
+    shape says ``named`` False, then ``sampler_n{N}`` (``-sampled`` when every row is sampled); ``-quick`` on the
+    CPU shape."""
+    name = WORKLOAD if shape.get("named", True) else \
+        f"sampler_n{shape['N']}" + ("-sampled" if shape.get("all_sampled") else "")
+    return name + ("-quick" if quick else "")
+
+
+def make_inputs(N, CL, V, H, device, seed=0, all_sampled=False):
+    """Logits [N, CL, V] fp32 (soft-capped), E [V, H] bf16, prefill_done, slots and the per-request params (the
+    last request greedy unless ``all_sampled``)."""
     g = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn(N, CL, V, device=device, generator=g) * 4.0
     x = 30.0 * torch.tanh(x / 30.0)
     E = (torch.randn(V, H, device=device, generator=g) * 0.02).to(torch.bfloat16)
     params = [SamplingParams(canvas_length=CL, seed=100 + i, max_denoising_steps=10000,
-                             t_min=0.0 if i == N - 1 else 0.4, t_max=0.0 if i == N - 1 else 0.8)
+                             t_min=0.0 if i == N - 1 and not all_sampled else 0.4,
+                             t_max=0.0 if i == N - 1 and not all_sampled else 0.8)
               for i in range(N)]
     slots = torch.arange(N, device=device, dtype=torch.int64)
     pd = torch.ones(N, dtype=torch.bool, device=device)
@@ -161,7 +172,7 @@ def check_against_reference(fn, x, E, params, slots, pd, CL, V, H, device) -> di
 
 def measure(name, fn, x, E, params, slots, pd, shape, device, quick, graphs=True, check=True) -> dict:
     N, CL, V, H = shape["N"], shape["CL"], shape["V"], shape["H"]
-    row = {"workload": WORKLOAD if not quick else WORKLOAD + "-quick", "backend": name, "N": N,
+    row = {"workload": workload_name(shape, quick), "backend": name, "N": N,
            "canvas_length": CL, "vocab_size": V, "hidden_size": H, "status": "ok"}
     try:
         t0 = time.perf_counter()
@@ -212,7 +223,8 @@ def config_label(cfg) -> str:
     if "block_m" in d:
         tile = f"{d['block_m']}x{d.get('block_n', '?')}x{d.get('block_k', '?')}w{d.get('gemm_warps', '?')}" \
                f"s{d.get('gemm_stages', '?')}"
-    return tile + (f"sk{d['split_k']}" if "split_k" in d else "") or "custom"
+    return tile + (f"sk{d['split_k']}" if "split_k" in d else "") + (f"sv{d['split_v']}" if "split_v" in d
+                                                                      else "") or "custom"
 
 
 def measure_parts(x, E, params, slots, shape, device, config, chunked=False) -> list[dict]:
@@ -234,7 +246,8 @@ def measure_parts(x, E, params, slots, shape, device, config, chunked=False) -> 
                                                           CHUNKED)
         parts["moments"] = lambda: row_moments(x, T, act)
     for part, call in parts.items():
-        row = {"workload": WORKLOAD if shape is SHAPES["full"] else WORKLOAD + "-quick", "backend": f"fused:{part}",
+        row = {"workload": workload_name(shape, shape is SHAPES["quick"] or bool(shape.get("quick"))),
+               "backend": f"fused:{part}",
                "part": part, "status": "ok"}
         try:
             call()
@@ -309,7 +322,8 @@ def tune(x, E, params, slots, shape, device) -> tuple[dict, list[dict]]:
             else:
                 call = lambda: soft_embedding(x, E, T, ref_stats["m"], ref_stats["inv_s"],  # noqa: E731
                                                  ref_stats["argmax"], act, cfg)
-            row = {"workload": WORKLOAD, "backend": f"fused:tune:{stage}", "part": stage, "config": kw,
+            row = {"workload": workload_name(shape, False), "backend": f"fused:tune:{stage}", "part": stage,
+                   "config": kw,
                    "status": "ok"}
             try:
                 out = call()
@@ -380,20 +394,40 @@ def main(argv=None) -> list[dict]:
                     help="skip the fused[chunked] row (SamplerConfig(soft_impl='chunked'): bf16 probability chunks + "
                          "cuBLAS) and its fused:soft_chunked part row")
     ap.add_argument("--no-parts", action="store_true", help="skip the fused:stats / fused:soft_gemm rows")
+    ap.add_argument("--canvases", type=int, default=None,
+                    help="N canvases of the step (default: 4 on the GPU, the named sampler_n4; 2 with --quick); "
+                         "other N record as suite sampler_n{N}")
+    ap.add_argument("--all-sampled", action="store_true",
+                    help="every request sampled (default: the last one greedy, as sampler_n4), as in serving")
+    ap.add_argument("--split-v", default="", help="comma list of the stats pass's vocabulary splits to run as fused "
+                                                   "rows (default: the automatic count only)")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--out", default=None, help="output folder (default $OUT or bench/results/)")
     args = ap.parse_args(argv)
+    if args.canvases is not None and (isinstance(args.canvases, bool) or args.canvases < 1):
+        ap.error(f"--canvases must be >= 1, got {args.canvases}")
+    try:
+        split_vs = [int(v) for v in args.split_v.split(",") if v.strip()]
+    except ValueError:
+        ap.error(f"--split-v must be a comma list of ints, got {args.split_v!r}")
+    if any(v < 1 for v in split_vs):
+        ap.error(f"--split-v values must be >= 1, got {args.split_v!r}")
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
     quick = args.quick or device.type != "cuda"
-    shape = SHAPES["quick" if quick else "full"]
+    shape = dict(SHAPES["quick" if quick else "full"], quick=quick, all_sampled=args.all_sampled)
+    if args.canvases is not None:
+        shape["N"] = args.canvases
+    named = args.canvases is None and not args.all_sampled  # the named workload sampler_n4
+    shape["named"] = named
     backends = [b for b in args.backends.split(",") if b]
     for b in backends:
         if b not in ALL_BACKENDS:
             raise SystemExit(f"unknown backend {b!r}; choose from {ALL_BACKENDS}")
     if device.type == "cuda":
         common.log(f"warm-up {common.warm_up_gpu(device):.1f} s")
-    x, E, params, slots, pd = make_inputs(shape["N"], shape["CL"], shape["V"], shape["H"], device)
+    x, E, params, slots, pd = make_inputs(shape["N"], shape["CL"], shape["V"], shape["H"], device,
+                                          all_sampled=args.all_sampled)
 
     configs = [None]
     if args.split_k or args.gemm_tiles:
@@ -416,6 +450,7 @@ def main(argv=None) -> list[dict]:
             configs = [None, tuned]
     if configs == [None] and device.type == "cuda" and not args.no_compare:
         configs = [None] + [SamplerConfig(**kw) for kw in COMPARE_GEMM]
+    configs = configs + [SamplerConfig(split_v=v) for v in split_vs]
     if not args.no_chunked and configs[0] is None:
         configs = configs + [TRITON_GEMM]   # fused[triton_gemm]: the Triton GEMM soft-embedding path, checked too
         configs = configs + [STATS_OVERLAP]  # fused[stats_overlap]: stats on a side stream beside the GEMMs
@@ -425,7 +460,8 @@ def main(argv=None) -> list[dict]:
             try:
                 fn = step_fn(b, cfg, compile_backend)
             except Exception as e:  # noqa: BLE001
-                rows.append({"workload": WORKLOAD, "backend": b, "status": "error", "error": str(e)[:300]})
+                rows.append({"workload": workload_name(shape, quick), "backend": b, "status": "error",
+                             "error": str(e)[:300]})
                 continue
             graphs = b != "compile" or device.type == "cuda"
             name = b if cfg is None else (f"{b}[tuned]" if cfg is tuned else
@@ -451,11 +487,12 @@ def main(argv=None) -> list[dict]:
             r["vs_compile_same_run"] = r["time_ms"] / compile_ms
 
     env = common.env_record(device)
-    suite = SUITE + ("-quick" if quick else "")
+    suite = (SUITE if named else workload_name(shape, False)) + ("-quick" if quick else "")
     extra = {"anchors_ms": ANCHORS_MS, "anchor_extra_memory_bytes": ANCHOR_EXTRA_MEMORY_BYTES,
              "targets": {"fused_vs_compile": 0.5, "fused_extra_memory_bytes": 64 * 2**20},
              "workload_spec": {**shape, "logits": "fp32 30*tanh(4*randn/30)", "embedding": "bf16 0.02*randn",
-                               "rows": "N-1 sampled (T 0.8->0.4), 1 greedy"}}
+                               "rows": "all sampled (T 0.8->0.4)" if args.all_sampled else
+                               "N-1 sampled (T 0.8->0.4), 1 greedy"}}
     out_dir = Path(args.out) if args.out else common.results_dir(local=quick)
     path = common.write_records(suite, rows, env=env, extra=extra, out_dir=out_dir)
     pngs = [] if args.no_plots else plot(rows, out_dir, path.stem)

@@ -2,6 +2,8 @@
 against the reference, writes the JSON/CSV/PNG records and prints the summary table last."""
 import json
 
+import pytest
+
 from blockdiff.bench import bench_sampler as bs
 
 
@@ -79,3 +81,19 @@ def test_tune_discards_a_candidate_that_fails_its_check(monkeypatch):
     rb = by[("soft_gemm", tuple(sorted(bad.items())))]
     assert rb["status"] == "error" and rb["discarded"] and "non-finite" in rb["error"]
     assert best["block_n"] == 16 and best["block_g"] == 16
+
+
+def test_other_canvas_counts_all_sampled_and_a_split_v_sweep_record_their_own_suite(tmp_path):
+    """--canvases / --all-sampled name the workload sampler_n{N}[-sampled] and its own record; --split-v adds
+    checked fused rows with that stats split (the small-batch question of docs/tuning.md 7.3)."""
+    rows = bs.main(["--quick", "--out", str(tmp_path), "--backends", "reference,fused", "--no-plots", "--no-parts",
+                    "--no-chunked", "--canvases", "1", "--all-sampled", "--split-v", "1,3"])
+    doc = json.loads((tmp_path / "sampler_n1-sampled-quick-cpu.json").read_text())
+    assert {r["workload"] for r in doc["rows"]} == {"sampler_n1-sampled-quick"}
+    assert doc["workload_spec"]["N"] == 1 and doc["workload_spec"]["rows"].startswith("all sampled")
+    sv = {r["backend"]: r for r in rows if r["backend"].startswith("fused[sv")}
+    assert set(sv) == {"fused[sv1]", "fused[sv3]"} and all(r["correct"] for r in sv.values())
+    assert all(r["accepted_per_row"] and r["N"] == 1 for r in sv.values())
+    for bad in (["--canvases", "0"], ["--split-v", "a"], ["--split-v", "0"]):
+        with pytest.raises(SystemExit):
+            bs.main(["--quick", "--out", str(tmp_path), *bad])
