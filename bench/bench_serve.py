@@ -860,6 +860,10 @@ def profile(args) -> dict:
                      "trace_dir": str(args.trace_dir), "env": environment()}
     try:
         _post(base + "/start_profile", timeout=120)
+    except (OSError, urllib.error.URLError, ValueError) as e:  # nothing started: no /stop_profile to send
+        raise _UserError(f"--base-url {args.base_url!r}: POST /start_profile failed ({e}); is the server up with "
+                         "the profiler on (server-cmd --trace-dir)?") from None
+    try:
         name = f"profile_{args.quant}-{args.backend}"
         bargs = bench_serve_args(base_url=base, model=args.model, concurrency=args.requests, num_prompts=args.requests,
                                  num_warmups=0, result_dir=str(work), result_filename=f"{name}.json", seed=12345)
@@ -883,11 +887,18 @@ def profile(args) -> dict:
 
 
 # --------------------------------------------------------------------------------------------- record
+#: Row fields that are numbers (or null) in every sweep row; :func:`read_rows` refuses other values.
+ROW_NUMBERS = ("concurrency", "max_num_seqs", "num_prompts", "completed", "failed", "output_tok_s", "total_tok_s",
+               "ttft_ms", "time_per_canvas_ms", "diffusion_steps_per_canvas", "peak_memory_bytes")
+
+
 def read_rows(paths: Sequence[str | os.PathLike]) -> tuple[list[dict], list[dict]]:
     """(environment records, rows) from sweep JSON-lines files (a line ``{"env": ...}`` is an environment).
 
     Raises:
-        ValueError: a line that is not a JSON object (file and line named).
+        ValueError: a line that is not a JSON object, an ``env`` that is not one, a row without a ``workload``
+            string or with a non-numeric :data:`ROW_NUMBERS` field (file and line named).
+        OSError: a file that cannot be read.
     """
     envs, rows = [], []
     for p in paths:
@@ -901,7 +912,19 @@ def read_rows(paths: Sequence[str | os.PathLike]) -> tuple[list[dict], list[dict
                     raise ValueError(f"{p}:{n}: not JSON ({e})") from e
                 if not isinstance(obj, dict):
                     raise ValueError(f"{p}:{n}: not a JSON object")
-                (envs if "env" in obj else rows).append(obj.get("env", obj))
+                if "env" in obj:
+                    if not isinstance(obj["env"], dict):
+                        raise ValueError(f"{p}:{n}: env must be a JSON object, got {type(obj['env']).__name__}")
+                    envs.append(obj["env"])
+                    continue
+                if not isinstance(obj.get("workload"), str):
+                    raise ValueError(f"{p}:{n}: a row needs a 'workload' string (a sweep row), got "
+                                     f"{obj.get('workload')!r}")
+                for k in ROW_NUMBERS:
+                    v = obj.get(k)
+                    if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                        raise ValueError(f"{p}:{n}: {k} must be a number or null, got {v!r}")
+                rows.append(obj)
     return envs, rows
 
 
@@ -1017,7 +1040,7 @@ def record(args) -> dict:
     """The ``record`` subcommand: writes the record, its CSV and PNG; returns the record."""
     envs, rows = read_rows(args.rows)
     if not rows:
-        raise ValueError(f"no rows in {args.rows}")
+        raise ValueError(f"no rows in {', '.join(map(str, args.rows))} (only blank lines or env records)")
     env = dict(envs[0]) if envs else environment()
     for k in ("kind", "backend", "quant", "max_num_seqs", "base_url", "server_pid", "bench_cmd", "warm_up", "setting",
               "model"):
@@ -1032,7 +1055,12 @@ def record(args) -> dict:
     profiles = []
     for p in args.profile or ():
         with open(p) as f:
-            prof = json.load(f)
+            try:
+                prof = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--profile {p}: not JSON ({e})") from None
+        if not isinstance(prof, dict):
+            raise ValueError(f"--profile {p}: not a JSON object (a profile summary)")
         prof.pop("env", None)
         profiles.append(prof)
     goals = evaluate_goals(rows)
@@ -1065,6 +1093,25 @@ def _ints(s: str) -> list[int]:
     return vals
 
 
+def _number(kind, lo: float, strict: bool):
+    """argparse type: a finite ``kind`` (int / float) >= ``lo`` (> ``lo`` when ``strict``)."""
+    def parse(s: str):
+        try:
+            v = kind(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an int' if kind is int else 'a number'}, got {s!r}") from None
+        if not math.isfinite(v) or (v <= lo if strict else v < lo):
+            what = "an int" if kind is int else "a finite number"
+            raise argparse.ArgumentTypeError(f"expected {what} {'>' if strict else '>='} {lo:g}, got {s!r}")
+        return v
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
+
+
+_pos_int, _nonneg_int = _number(int, 0, True), _number(int, 0, False)
+_pos_float, _nonneg_float = _number(float, 0, True), _number(float, 0, False)
+
+
 def _cmd(s: str) -> list[str]:
     parts = shlex.split(s)
     if not parts:
@@ -1087,11 +1134,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--quant", choices=QUANTS, required=True)
     s.add_argument("--model", required=True)
     s.add_argument("--port", type=int, required=True)
-    s.add_argument("--max-num-seqs", type=int, required=True)
-    s.add_argument("--kv-cache-gib", type=float, required=True, help="KV cache size, GiB")
-    s.add_argument("--gpu-memory-utilization", type=float, required=True)
+    s.add_argument("--max-num-seqs", type=_pos_int, required=True)
+    s.add_argument("--kv-cache-gib", type=_pos_float, required=True, help="KV cache size, GiB")
+    s.add_argument("--gpu-memory-utilization", type=_pos_float, required=True)
     s.add_argument("--trace-dir", default=None, help="absolute folder for profiler traces (enables the profiler)")
-    s.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    s.add_argument("--max-num-batched-tokens", type=_pos_int, default=16384)
     s.add_argument("--enforce-eager", action="store_true")
     s.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                    help="vLLM's synchronous scheduling (default: asynchronous, vLLM's default)")
@@ -1107,35 +1154,35 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"the vllm bench serve command (default: {default_bench})")
         p.add_argument("--work-dir", default=None, help="result JSONs and logs of the client (default "
                                                         "$TMPDIR/bench_serve/BACKEND_QUANT)")
-        p.add_argument("--run-timeout", type=float, default=300.0, help="seconds one client run may take")
+        p.add_argument("--run-timeout", type=_pos_float, default=300.0, help="seconds one client run may take")
     sw = sub.choices["sweep"]
     sw.add_argument("--concurrency", type=_ints, default=[1, 4, 16, 64])
-    sw.add_argument("--max-num-seqs", type=int, required=True, help="the server's --max-num-seqs (recorded)")
-    sw.add_argument("--server-pid", type=int, default=None, help="the vllm serve process (GPU memory of its tree)")
-    sw.add_argument("--num-prompts-per-concurrency", type=int, default=2, help="K: prompts = max(K * C, M)")
-    sw.add_argument("--min-prompts", type=int, default=8, help="M: prompts = max(K * C, M)")
-    sw.add_argument("--warmup-cap", type=int, default=WARMUP_CAP, help="warm-up requests per run: min(C, this)")
-    sw.add_argument("--warm-concurrency", type=int, default=None,
+    sw.add_argument("--max-num-seqs", type=_pos_int, required=True, help="the server's --max-num-seqs (recorded)")
+    sw.add_argument("--server-pid", type=_pos_int, default=None, help="the vllm serve process (GPU memory of its tree)")
+    sw.add_argument("--num-prompts-per-concurrency", type=_pos_int, default=2, help="K: prompts = max(K * C, M)")
+    sw.add_argument("--min-prompts", type=_nonneg_int, default=8, help="M: prompts = max(K * C, M)")
+    sw.add_argument("--warmup-cap", type=_nonneg_int, default=WARMUP_CAP, help="warm-up requests per run: min(C, this)")
+    sw.add_argument("--warm-concurrency", type=_nonneg_int, default=None,
                     help="before the runs: this many one-canvas requests at once, not recorded (default "
                          "--max-num-seqs, so every batch size the server runs has compiled; 0: none)")
-    sw.add_argument("--seed", type=int, default=0, help="dataset seed base (run at C uses seed + C)")
+    sw.add_argument("--seed", type=_nonneg_int, default=0, help="dataset seed base (run at C uses seed + C)")
     sw.add_argument("--rows", required=True, help="JSON-lines file the rows are appended to")
     sw.add_argument("--nvidia-smi", type=_cmd, default=["nvidia-smi"])
-    sw.add_argument("--memory-interval", type=float, default=0.5, help="seconds between memory samples")
-    sw.add_argument("--deadline-s", type=float, default=None,
+    sw.add_argument("--memory-interval", type=_pos_float, default=0.5, help="seconds between memory samples")
+    sw.add_argument("--deadline-s", type=_nonneg_float, default=None,
                     help="no run starts later than this many seconds after the sweep began (its rows: skipped); a "
                          "run's timeout is cut to the time left")
-    sw.add_argument("--min-run-s", type=float, default=20.0, help="with --deadline-s: the least time a run is "
+    sw.add_argument("--min-run-s", type=_nonneg_float, default=20.0, help="with --deadline-s: the least time a run is "
                                                                    "started with")
     pr = sub.choices["profile"]
     pr.add_argument("--trace-dir", required=True, help="the server's torch_profiler_dir")
-    pr.add_argument("--requests", type=int, default=2, help="requests of the profiled load (all concurrent)")
-    pr.add_argument("--stop-timeout", type=float, default=300.0, help="seconds /stop_profile may take (trace export)")
+    pr.add_argument("--requests", type=_pos_int, default=2, help="requests of the profiled load (all concurrent)")
+    pr.add_argument("--stop-timeout", type=_pos_float, default=300.0, help="seconds /stop_profile may take (trace export)")
     pr.add_argument("--out", required=True, help="summary JSON")
 
     t = sub.add_parser("trace", help="classify saved trace files")
     t.add_argument("traces", nargs="+")
-    t.add_argument("--max-canvases", type=int, default=2)
+    t.add_argument("--max-canvases", type=_pos_int, default=2)
     t.add_argument("--out", default=None)
 
     r = sub.add_parser("record", help="rows + profiles -> the record, CSV and PNG")
@@ -1149,14 +1196,53 @@ SUMMARY_COLUMNS = ["workload", "backend", "max_num_seqs", "output_tok_s", "ttft_
                    "completed", "failed", "diffusion_steps_per_canvas", "peak_memory_bytes"]
 
 
+def _error(command: str, msg) -> int:
+    """One line ``python3 -m blockdiff.bench.bench_serve COMMAND: error: MSG`` on stderr; returns exit code 2."""
+    line = "; ".join(part.strip() for part in str(msg).splitlines() if part.strip())
+    print(f"python3 -m blockdiff.bench.bench_serve {command}: error: {line}", file=sys.stderr)
+    return 2
+
+
 def main(argv=None):
+    """Entry point; returns the exit code (0 ok; 1 a sweep with incomplete rows or a failed profile; 2 a usage
+    error: bad arguments, unreadable or malformed input files, an unwritable output, an unreachable server)."""
     args = build_parser().parse_args(argv)
+    try:
+        return _main(args)
+    except _UserError as e:
+        return _error(args.command, e.args[0])
+
+
+class _UserError(Exception):
+    """A problem with the command's arguments or input files (exit 2, one line)."""
+
+
+def _user(fn, *a, what: str = "", **kw):
+    """``fn(*a, **kw)``, its ValueError / OSError (bad input files, unwritable outputs) as a :class:`_UserError`."""
+    try:
+        return fn(*a, **kw)
+    except (ValueError, OSError) as e:
+        raise _UserError(f"{what}{e}") from None
+
+
+def _check_writable(path: str, flag: str) -> None:
+    """``flag``'s file can be created (its folder made if missing): checked before a long run starts."""
+    parent = Path(path).parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        if not os.access(parent, os.W_OK):
+            raise PermissionError("not writable")
+    except OSError as e:
+        raise _UserError(f"{flag} {path!r}: its folder {str(parent)!r} cannot be written ({e})") from None
+
+
+def _main(args) -> int:
     if args.command == "model":
-        for name, path in write_model_folder(args.out, overwrite=args.overwrite).items():
+        for name, path in _user(write_model_folder, args.out, overwrite=args.overwrite).items():
             print(f"{path}  {os.path.getsize(path)} bytes")
         return 0
     if args.command == "server-cmd":
-        env, argv_ = server_command(args.backend, args.quant, model=args.model, port=args.port,
+        env, argv_ = _user(server_command, args.backend, args.quant, model=args.model, port=args.port,
                                     max_num_seqs=args.max_num_seqs, kv_cache_bytes=int(args.kv_cache_gib * 2**30),
                                     gpu_memory_utilization=args.gpu_memory_utilization, trace_dir=args.trace_dir,
                                     max_num_batched_tokens=args.max_num_batched_tokens,
@@ -1164,23 +1250,26 @@ def main(argv=None):
         print(shlex.join(["env", *[f"{k}={v}" for k, v in env.items()], *argv_]))
         return 0
     if args.command == "sweep":
+        _check_writable(args.rows, "--rows")
         rows = sweep(args)
         print(common.summary_table(rows, SUMMARY_COLUMNS))
         return 0 if all(r.get("complete") for r in rows) else 1
     if args.command == "profile":
+        _check_writable(args.out, "--out")
         summary = profile(args)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         common.write_experiment_json(Path(args.out).name, summary, Path(args.out).parent)
         _print_profile(summary)
         return 0 if summary.get("status") == "ok" else 1
     if args.command == "trace":
-        summary = summarize_traces(args.traces, max_canvases=args.max_canvases)
+        summary = _user(summarize_traces, args.traces, max_canvases=args.max_canvases)
         if args.out:
             common.write_experiment_json(Path(args.out).name, summary, Path(args.out).parent)
         _print_profile(summary)
         return 0
     if args.command == "record":
-        doc = record(args)
+        _check_writable(args.out, "--out")
+        doc = _user(record, args)
         print(common.summary_table(doc["rows"], SUMMARY_COLUMNS))
         for g in doc["goals"]:
             print(f"goal {g['name']}: value {g['value'] if not isinstance(g['value'], float) else round(g['value'], 3)}"

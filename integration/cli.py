@@ -21,6 +21,8 @@ MAX_DENOISING_STEPS = 1 << 14
 #: ``blockdiff export --geometry`` names: the keys of ``blockdiff.model.config.GEOMETRIES`` (repeated here so
 #: argument errors need no torch; tests/model/test_export.py checks the two agree).
 GEOMETRY_NAMES = ("diffusiongemma-26b-a4b",)
+#: Largest finite float32: the sampler keeps the float sampling parameters in float32.
+_FLOAT32_MAX = 3.4028234663852886e38
 #: Devices the commands compute on: ``cpu`` or ``cuda``, optionally with an index (torch's ``TYPE[:INDEX]``).
 _DEVICE_RE = re.compile(r"(cpu|cuda)(:\d+)?")
 
@@ -257,17 +259,31 @@ def _export(a) -> int:
     for flag, v in (("--entropy-bound", a.entropy_bound), ("--confidence-threshold", a.confidence_threshold)):
         if v is not None and not (math.isfinite(v) and v > 0):
             problems.append(f"{flag} must be a finite number > 0 (nats), got {v}")
-    if a.max_denoising_steps is not None and a.max_denoising_steps < 1:
-        problems.append(f"--max-denoising-steps must be >= 1, got {a.max_denoising_steps}")
-    if a.stability_threshold is not None and a.stability_threshold < 0:
-        problems.append(f"--stability-threshold must be >= 0, got {a.stability_threshold}")
+    for flag, v in (("--t-min", a.t_min), ("--t-max", a.t_max), ("--entropy-bound", a.entropy_bound),
+                    ("--confidence-threshold", a.confidence_threshold)):
+        if v is not None and math.isfinite(v) and abs(v) > _FLOAT32_MAX:  # the sampler's float32 state
+            problems.append(f"{flag} must be at most {_FLOAT32_MAX:.4e} (float32), got {v}")
+    if a.max_denoising_steps is not None and not 1 <= a.max_denoising_steps < MAX_DENOISING_STEPS:
+        problems.append(f"--max-denoising-steps must be in [1, {MAX_DENOISING_STEPS}), got {a.max_denoising_steps}")
+    if a.stability_threshold is not None and not 0 <= a.stability_threshold < 2 ** 31:
+        problems.append(f"--stability-threshold must be in [0, 2**31), got {a.stability_threshold}")
     if a.checkpoint is not None and not os.path.isdir(a.checkpoint):
         problems.append(f"--checkpoint {a.checkpoint!r} is not a folder")
-    if os.path.exists(a.out) and not os.path.isdir(a.out):
+    if not a.out.strip():
+        problems.append("OUT must not be empty")
+    elif os.path.exists(a.out) and not os.path.isdir(a.out):
         problems.append(f"OUT {a.out!r} is a file, not a folder")
+    else:
+        parent = os.path.dirname(os.path.abspath(a.out))
+        while not os.path.exists(parent) and os.path.dirname(parent) != parent:  # the nearest folder that exists
+            parent = os.path.dirname(parent)
+        target = a.out if os.path.isdir(a.out) else parent
+        if not os.path.isdir(target) or not os.access(target, os.W_OK):
+            problems.append(f"OUT {a.out!r} cannot be written ({target!r} is not a writable folder)")
     if problems:
         return _errors("export", problems)
     # torch-heavy modules only now, after the checks above: argument errors stay fast
+    from blockdiff.model import CheckpointError
     from blockdiff.model.export import export_hf
     from blockdiff.model.pretrained import shipped_checkpoint_dir
 
@@ -285,7 +301,11 @@ def _export(a) -> int:
                              ("stability_threshold", a.stability_threshold)) if v is not None}
     try:
         written = export_hf(source, a.out, dtype=a.dtype, overwrite=a.overwrite, max_denoising_steps=steps, **gen)
-    except (OSError, ValueError) as e:
+    except CheckpointError as e:  # the source (also a FileNotFoundError when a file is missing): not OUT's fault
+        return _errors("export", [str(e)])
+    except OSError as e:  # writing OUT
+        return _errors("export", [f"OUT {a.out!r}: {e}"])
+    except ValueError as e:
         return _errors("export", [str(e)])
     for name, path in written.items():
         print(f"{path}  {os.path.getsize(path)} bytes")

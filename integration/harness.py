@@ -400,7 +400,9 @@ class HarnessRunner:
             raise ValueError(f"request {req_id!r}: prompt_token_ids must not be empty")
         V = self.model_state.vocab_size
         if min(prompt) < 0 or max(prompt) >= V:
-            raise ValueError(f"request {req_id!r}: token ids must be in [0, {V})")
+            i, t = next((i, t) for i, t in enumerate(prompt) if not 0 <= t < V)
+            raise ValueError(f"request {req_id!r}: prompt_token_ids: token ids must be in [0, vocab_size={V}), got {t} at "
+                             f"position {i}")
         if len(prompt) + self.canvas_length > self.max_model_len:
             raise ValueError(f"request {req_id!r}: prompt ({len(prompt)}) + canvas ({self.canvas_length}) exceeds "
                              f"max_model_len ({self.max_model_len})")

@@ -20,8 +20,6 @@ FlashAttention's own refuses head size 512, DiffusionGemma's global layers, unle
 """
 from __future__ import annotations
 
-import os
-
 import torch
 from vllm.v1.attention.backends.flash_attn import (  # type: ignore
     FlashAttentionBackend,
@@ -29,7 +27,7 @@ from vllm.v1.attention.backends.flash_attn import (  # type: ignore
     FlashAttentionMetadataBuilder,
 )
 
-from .vllm_plugin import ATTN_BACKEND_ENV, DEFAULT_BIDIRECTIONAL_WINDOW
+from .vllm_plugin import DEFAULT_BIDIRECTIONAL_WINDOW, attn_backend_from_env
 
 
 class BlockdiffAttentionImpl(FlashAttentionImpl):
@@ -48,7 +46,7 @@ class BlockdiffAttentionImpl(FlashAttentionImpl):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.blockdiff_backend = os.environ.get(ATTN_BACKEND_ENV, "triton")
+        self.blockdiff_backend = attn_backend_from_env()
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
@@ -126,9 +124,10 @@ class BlockdiffAttentionBackend(FlashAttentionBackend):
     def supports_head_size(cls, head_size: int) -> bool:
         """Multiples of 8 up to :data:`MAX_HEAD_SIZE` of the ``BLOCKDIFF_ATTN_BACKEND`` backend, for the CuTe backend
         multiples of 32 above 256 (its split-value kernel); vLLM's backend selector reports "head_size not
-        supported" otherwise."""
-        backend = os.environ.get(ATTN_BACKEND_ENV, "triton")
-        limit = MAX_HEAD_SIZE.get(backend, 0)
+        supported" otherwise. Raises ValueError when ``BLOCKDIFF_ATTN_BACKEND`` names no backend (was: False for
+        every head size, which vLLM reported as an unsupported head size)."""
+        backend = attn_backend_from_env()  # an unknown value is a ValueError naming the variable, not "unsupported"
+        limit = MAX_HEAD_SIZE[backend]
         if not (head_size % 8 == 0 and 0 < head_size <= limit):
             return False
         if backend == "cute":
@@ -141,5 +140,6 @@ class BlockdiffAttentionBackend(FlashAttentionBackend):
     def supports_dtype(cls, dtype: torch.dtype) -> bool:
         """:data:`DTYPES` of the ``BLOCKDIFF_ATTN_BACKEND`` backend (FlashAttention's are bf16 / fp16 only, so
         ``--dtype float32`` would be refused: the float32 run is where a served greedy output can equal the
-        harness's token for token, see ``bench/experiments/serve_smoke.py``)."""
-        return dtype in DTYPES.get(os.environ.get(ATTN_BACKEND_ENV, "triton"), ())
+        harness's token for token, see ``bench/experiments/serve_smoke.py``). Raises ValueError as
+        :meth:`supports_head_size`."""
+        return dtype in DTYPES[attn_backend_from_env()]

@@ -54,6 +54,20 @@ SERVE_COMMAND = (
 scheduling, its default; with ``--no-async-scheduling``: :data:`SCHEDULER_CLASS`); ``--block-size 64`` gives the
 triton backend's Gluon kernels pages they can read with TMA; ``VLLM_PLUGINS=blockdiff`` loads only this plugin."""
 
+#: ``BLOCKDIFF_ATTN_BACKEND`` / ``BLOCKDIFF_SAMPLER_BACKEND`` values (exact, lower case; unset: ``triton``).
+ATTN_BACKENDS = ("triton", "cute", "reference")
+SAMPLER_BACKENDS = ("triton", "reference")
+
+
+def attn_backend_from_env() -> str:
+    """``BLOCKDIFF_ATTN_BACKEND`` (default ``triton``). Raises ValueError naming the variable for another value
+    (``Triton``, ``" triton"``, ``""``, ``auto``: no normalisation, no fallback)."""
+    attn = os.environ.get(ATTN_BACKEND_ENV, "triton")
+    if attn not in ATTN_BACKENDS:
+        raise ValueError(f"{ATTN_BACKEND_ENV} must be 'triton', 'cute' or 'reference', got {attn!r}")
+    return attn
+
+
 #: Window rule of bidirectional (denoise) rows on sliding-window layers when the checkpoint names none: ``"prefix"``,
 #: transformers' DiffusionGemma decoder (the last W context keys plus every canvas key, W = sliding_window - 1), the
 #: rule the model was trained with. vLLM's own convention (its Triton attention) is symmetric, ``|q - k| <= W``.
@@ -111,11 +125,9 @@ def register() -> None:
     global _registered
     _require_vllm()
     vllm_compat.current()  # refuses an unsupported vLLM version here, at plugin load, with the checked ones named
-    attn = os.environ.get(ATTN_BACKEND_ENV, "triton")
-    if attn not in ("triton", "cute", "reference"):
-        raise ValueError(f"{ATTN_BACKEND_ENV} must be 'triton', 'cute' or 'reference', got {attn!r}")
+    attn_backend_from_env()
     smp = os.environ.get(SAMPLER_BACKEND_ENV, "triton")
-    if smp not in ("triton", "reference"):
+    if smp not in SAMPLER_BACKENDS:
         raise ValueError(f"{SAMPLER_BACKEND_ENV} must be 'triton' or 'reference', got {smp!r}")
     if _registered:
         return

@@ -52,6 +52,7 @@ import torch
 from safetensors.torch import save_file
 
 from .config import DiffusionGemmaConfig
+from .generation import parse_generation_config
 from .modeling import DiffusionGemma
 from .pretrained import load_pretrained
 from .tokenizer import ByteTokenizer, bytes_to_unicode
@@ -120,7 +121,9 @@ def hf_generation_config_dict(config: DiffusionGemmaConfig, *, max_denoising_ste
             vLLM 0.26 drops it for DiffusionGemma anyway).
 
     Raises:
-        TypeError: a value of the wrong type (named). ValueError: a value breaking its rule (named).
+        TypeError: a value of the wrong type (named). ValueError: a value breaking its rule (named), or one
+            blockdiff's loader refuses (:func:`blockdiff.model.generation.parse_generation_config`: e.g.
+            ``max_denoising_steps`` >= 2**14, ``stability_threshold`` >= 2**31, a float beyond float32).
     """
     p = dict(GENERATION_DEFAULTS)
     given = dict(max_denoising_steps=max_denoising_steps, t_min=t_min, t_max=t_max, entropy_bound=entropy_bound,
@@ -162,6 +165,9 @@ def hf_generation_config_dict(config: DiffusionGemmaConfig, *, max_denoising_ste
         if not _is_int(max_new_tokens) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1 or None, got {max_new_tokens!r}")
         out["max_new_tokens"] = max_new_tokens
+    # what blockdiff's loader reads back (the sampler's ranges too: max_denoising_steps < 2**14, stability_threshold
+    # < 2**31, floats finite in float32): never write a file blockdiff refuses to load
+    parse_generation_config(out, config)
     return out
 
 

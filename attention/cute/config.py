@@ -16,7 +16,7 @@ __all__ = [
     "LONG_PREFILL_Q", "LONG_PREFILL_CONFIG", "HD128_CONFIG", "LPT_MIN_SEQLEN_Q", "longest_first_tiles",
     "page_box_tma_ok", "kv_load_path", "MAX_HEAD_DIM", "WIDE_MIN_HEAD_DIM_V", "WIDE_CONFIG", "is_wide",
     "unsupported_head_dims", "resolve_wide_config", "WIDE_LONG_Q_CONFIG", "WIDE_MAX_PAGE_BOXES", "MAX_SPLITS", "MIN_KEYS_PER_SPLIT",
-    "grid_tiles", "choose_num_splits", "key_bound", "resolve_launch_config",
+    "grid_tiles", "choose_num_splits", "key_bound", "resolve_launch_config", "check_config",
 ]
 
 #: The optional packages this backend runs on (the ``cute`` extra of setup.py).
@@ -151,11 +151,16 @@ def resolve_config(head_dim: int, head_dim_v: int, window_size, config=None, max
     Head dims above 256 (:func:`is_wide`) resolve through :func:`resolve_wide_config` (no flash-attn-4 needed).
 
     Raises:
-        ValueError: the resolved tiles do not fit SM90 shared memory (:func:`check_config_fits`), or a
-            split-value config field outside what that kernel takes.
-        TypeError: ``config`` is not a CuteConfig, a dict or None.
+        ValueError: head dims the backend does not run (:func:`unsupported_head_dims`), a config field outside
+            its range (:func:`check_config`; checked before flash-attn-4 is imported), the resolved tiles do not
+            fit SM90 shared memory (:func:`check_config_fits`), or a split-value config field outside what that
+            kernel takes.
+        TypeError: ``config`` is not a CuteConfig, a dict or None, or a field of the wrong type / an unknown
+            field (:func:`check_config`).
         ImportError: flash-attn-4 is not installed (its heuristic gives the unset fields).
     """
+    _check_head_dims(head_dim, head_dim_v)
+    config = check_config(config)
     if is_wide(head_dim, head_dim_v):
         return resolve_wide_config(head_dim, head_dim_v, config, max_seqlen_q)
     if config is None:
@@ -167,8 +172,6 @@ def resolve_config(head_dim: int, head_dim_v: int, window_size, config=None, max
             config = CuteConfig(**HD128_CONFIG)
     elif isinstance(config, dict):
         config = CuteConfig(**config)
-    elif not isinstance(config, CuteConfig):
-        raise TypeError(f"config must be a CuteConfig, a dict or None, got {type(config).__name__}")
     base = _fa4_tile_size(head_dim, head_dim_v, window_size is not None)
     resolved = CuteConfig(
         tile_m=config.tile_m or base.m_block_size,
@@ -190,6 +193,69 @@ def _check_num_splits(num_splits):
     return num_splits
 
 
+def _check_head_dims(head_dim, head_dim_v) -> None:
+    for name, d in (("head_dim", head_dim), ("head_dim_v", head_dim_v)):
+        if isinstance(d, bool) or not isinstance(d, int):
+            raise TypeError(f"{name} must be an int, got {type(d).__name__} ({d!r})")
+    why = unsupported_head_dims(head_dim, head_dim_v)
+    if why is not None:
+        raise ValueError(f"backend 'cute': {why}")
+
+
+_CONFIG_FIELDS = ("tile_m", "tile_n", "mma_pv_is_rs", "intra_wg_overlap", "num_stages", "lpt", "num_splits")
+
+
+def _check_field(name: str, v) -> None:
+    if name in ("mma_pv_is_rs", "intra_wg_overlap", "lpt"):
+        if v is not None and not isinstance(v, bool):
+            raise TypeError(f"config {name} must be None or a bool, got {type(v).__name__} ({v!r})")
+        return
+    if name == "num_splits":
+        _check_num_splits(v)
+        return
+    if name == "num_stages" and v is None:
+        raise TypeError("config num_stages must be an int >= 1, got None")
+    if v is None:
+        return
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"config {name} must be {'an int' if name == 'num_stages' else 'None or an int'}, got "
+                        f"{type(v).__name__} ({v!r})")
+    # wgmma: 64 query rows per MMA warpgroup, key tiles in steps of 8 (the MMA's N granularity)
+    step = {"tile_m": 64, "tile_n": 8, "num_stages": 1}[name]
+    if v < 1 or v % step:
+        rule = ">= 1" if step == 1 else f"a positive multiple of {step}"
+        raise ValueError(f"config {name} must be {rule}, got {v}")
+
+
+def check_config(config):
+    """The ``config`` argument checked field by field, before anything is resolved or imported: None, a dict
+    with :class:`CuteConfig` field names, or a CuteConfig (returned as given). ``tile_m`` / ``tile_n``: None or a
+    positive int, ``tile_m`` a multiple of 64 (query rows of one MMA warpgroup), ``tile_n`` a multiple of 8 (the
+    MMA's N step); ``num_stages``: an int >= 1; ``mma_pv_is_rs`` / ``intra_wg_overlap`` / ``lpt``: None or a
+    bool; ``num_splits``: None or an int in [1, :data:`MAX_SPLITS`]. Kernel-specific rules (the split-value
+    kernel's tiles, shared memory) are :func:`resolve_config`'s.
+
+    Raises:
+        TypeError: ``config`` of another type, an unknown field, a field of the wrong type (bool for an int, a
+            float, a str: no coercion).
+        ValueError: a field out of its range (0 is not "unset": use None).
+    """
+    if config is None:
+        return None
+    if isinstance(config, dict):
+        unknown = sorted(map(str, set(config) - set(_CONFIG_FIELDS)))
+        if unknown:
+            raise TypeError(f"config has unknown fields {unknown}; CuteConfig fields: {list(_CONFIG_FIELDS)}")
+        items = config.items()
+    elif isinstance(config, CuteConfig):
+        items = ((f, getattr(config, f)) for f in _CONFIG_FIELDS)
+    else:
+        raise TypeError(f"config must be a CuteConfig, a dict or None, got {type(config).__name__}")
+    for name, v in items:
+        _check_field(name, v)
+    return config
+
+
 def resolve_wide_config(head_dim: int, head_dim_v: int, config=None, max_seqlen_q: int | None = None
                         ) -> CuteConfig:
     """Tile shape of the split-value kernel (head dims above 256): without a config :data:`WIDE_LONG_Q_CONFIG`
@@ -202,9 +268,13 @@ def resolve_wide_config(head_dim: int, head_dim_v: int, config=None, max_seqlen_
     ``num_stages`` gets the most stages that fit (a 64-key block fits one).
 
     Raises:
-        TypeError: ``config`` is not a CuteConfig, a dict or None.
-        ValueError: a field outside the above, or the tiles do not fit SM90 shared memory.
+        TypeError: ``config`` is not a CuteConfig, a dict or None; a field of the wrong type or an unknown field
+            (:func:`check_config`).
+        ValueError: head dims outside the split-value kernel's (:func:`unsupported_head_dims`), a field outside
+            the above, or the tiles do not fit SM90 shared memory.
     """
+    _check_head_dims(head_dim, head_dim_v)
+    config = check_config(config)
     if config is None:
         config = CuteConfig(**(WIDE_LONG_Q_CONFIG if longest_first_tiles(max_seqlen_q) else WIDE_CONFIG))
     elif isinstance(config, dict):
@@ -214,10 +284,8 @@ def resolve_wide_config(head_dim: int, head_dim_v: int, config=None, max_seqlen_
                 [1] + [s for s in (1, 2) if config_smem_bytes(CuteConfig(**{**fields_, "num_stages": s}),
                                                                head_dim, head_dim_v) <= SMEM_LIMIT_BYTES])
         config = CuteConfig(**fields_)
-    elif not isinstance(config, CuteConfig):
-        raise TypeError(f"config must be a CuteConfig, a dict or None, got {type(config).__name__}")
-    tile_m = config.tile_m or WIDE_CONFIG["tile_m"]
-    tile_n = config.tile_n or WIDE_CONFIG["tile_n"]
+    tile_m = WIDE_CONFIG["tile_m"] if config.tile_m is None else config.tile_m
+    tile_n = WIDE_CONFIG["tile_n"] if config.tile_n is None else config.tile_n
     if tile_m != 64:
         raise ValueError(f"config tile_m must be 64 for head dims above 256 (one wgmma row block per consumer "
                          f"warpgroup), got {tile_m}")
@@ -292,8 +360,12 @@ def choose_num_splits(num_tiles: int, max_keys: int, num_sms: int) -> int:
     workspace and merge cost; within one wave every split runs concurrently.
 
     Raises:
-        ValueError: a count below 1 or a negative key bound.
+        TypeError: an argument that is not an int (bool, float, None). ValueError: a count below 1 or a negative
+            key bound.
     """
+    for name, v in (("num_tiles", num_tiles), ("max_keys", max_keys), ("num_sms", num_sms)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{name} must be an int, got {type(v).__name__} ({v!r})")
     if num_tiles < 1 or num_sms < 1 or max_keys < 0:
         raise ValueError(f"num_tiles / num_sms must be >= 1 and max_keys >= 0, got {num_tiles}, {num_sms}, "
                          f"{max_keys}")

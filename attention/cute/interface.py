@@ -29,7 +29,7 @@ import os
 import torch
 
 from ..validate import check_attention_inputs
-from .config import (REQUIRED, WIDE_MAX_PAGE_BOXES, is_wide, kv_load_path, resolve_launch_config,
+from .config import (REQUIRED, WIDE_MAX_PAGE_BOXES, check_config, is_wide, kv_load_path, resolve_launch_config,
                      unsupported_head_dims)
 # re-exported for bench/, which imports them from this module (their home is config.py / blocks.py)
 from .blocks import tile_plan  # noqa: F401
@@ -151,8 +151,9 @@ def attention_cute(
 
     Raises:
         ImportError: flash-attn-4 / nvidia-cutlass-dsl missing (the message names them).
-        TypeError, ValueError: contract violations (see :mod:`blockdiff.attention.validate`); tensors not on
-            a CUDA device.
+        TypeError, ValueError: contract violations (see :mod:`blockdiff.attention.validate`); a bad ``config``
+            field (:func:`~blockdiff.attention.cute.config.check_config`, checked before the CuTe DSL import);
+            tensors not on a CUDA device.
         NotImplementedError: valid input outside this backend: dtype other than bf16/fp16, head dims outside
             8..256 (multiples of 8) and outside equal multiples of 32 in (256, 512]
             (:func:`~blockdiff.attention.cute.config.unsupported_head_dims`), a GPU other than SM90.
@@ -169,6 +170,7 @@ def attention_cute(
     why = unsupported_head_dims(info.head_dim, info.head_dim_v)
     if why is not None:
         raise NotImplementedError(f"backend 'cute': {why}")
+    check_config(config)  # a bad config field is refused here, before the CuTe DSL import and any GPU work
     fa = _fa4()
     if q.device.type != "cuda":
         raise ValueError(f"backend 'cute' needs CUDA tensors, got q on {q.device}")

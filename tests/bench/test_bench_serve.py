@@ -652,3 +652,99 @@ def test_vllm_0_26_builds_the_server_config(backend, model_dir):
     assert c["hma_off"] is False  # the sliding layers keep their window only (the memory arithmetic assumes it)
     want = "None" if backend == "vllm" else "blockdiff.integration.vllm_scheduler.BlockdiffDiffusionAsyncScheduler"
     assert c["scheduler"] == want
+
+
+@pytest.fixture
+def cli(capsys):
+    """bs.main in this process (an exception other than argparse's exit fails the test: it would be a traceback);
+    returns (exit code, stderr)."""
+    def run(*argv):
+        try:
+            rc = bs.main([str(a) for a in argv])
+        except SystemExit as e:
+            rc = e.code
+        return rc, capsys.readouterr().err
+
+    return run
+
+
+def _one_clear_line(res, *words):
+    rc, err = res
+    assert rc == 2, (rc, err[-2000:])
+    last = err.strip().splitlines()[-1]
+    assert "error:" in last and all(w in last for w in words), last
+
+
+_GOOD_ROW = {"workload": "serve_c1_bf16", "backend": "vllm", "quant": "bf16", "status": "ok", "concurrency": 1,
+             "output_tok_s": 10.0, "complete": True, "completed": 8, "failed": 0, "num_prompts": 8}
+
+
+@pytest.mark.parametrize("rows,profile,words", [
+    ("", None, ["no rows"]), ("\n \n", None, ["no rows"]), ('{"env": {"gpu": "x"}}\n', None, ["no rows"]),
+    ('{"nope": 1}\n', None, ["r.jsonl:1", "workload"]), ('{"env": 5}\n', None, ["r.jsonl:1", "env"]),
+    (json.dumps({**_GOOD_ROW, "output_tok_s": "fast"}) + "\n", None, ["r.jsonl:1", "output_tok_s"]),
+    (json.dumps(_GOOD_ROW) + "\n{bad\n", None, ["r.jsonl:2", "not JSON"]),
+    (json.dumps(_GOOD_ROW) + "\n", "garbage", ["--profile", "p.json", "not JSON"]),
+    (json.dumps(_GOOD_ROW) + "\n", "[1]", ["--profile", "p.json", "JSON object"]),
+])
+def test_record_with_bad_rows_or_profiles_exits_2_with_one_line(cli, tmp_path, rows, profile, words):
+    """Was: ValueError / JSONDecodeError / TypeError ('pop expected at most 1 argument') tracebacks with exit 1, and a
+    row without any sweep field (or a string throughput) written into the record with exit 0."""
+    r = tmp_path / "r.jsonl"
+    r.write_text(rows)
+    argv = ["record", r, "--out", tmp_path / "rec" / "serve-x.json"]
+    if profile is not None:
+        (tmp_path / "p.json").write_text(profile)
+        argv += ["--profile", tmp_path / "p.json"]
+    _one_clear_line(cli(*argv), *words)
+    assert not (tmp_path / "rec" / "serve-x.json").exists()
+
+
+def test_record_with_missing_inputs_or_unwritable_out_exits_2(cli, tmp_path):
+    r = tmp_path / "r.jsonl"
+    r.write_text(json.dumps(_GOOD_ROW) + "\n")
+    _one_clear_line(cli("record", tmp_path / "none.jsonl", "--out", tmp_path / "serve-x.json"), "none.jsonl")
+    _one_clear_line(cli("record", r, "--profile", tmp_path / "none.json", "--out", tmp_path / "serve-x.json"),
+                    "none.json")
+    _one_clear_line(cli("record", r, "--out", "/proc/nope/serve-x.json"), "--out")
+
+
+@pytest.mark.parametrize("flag,value", [("--max-num-seqs", "0"), ("--max-num-seqs", "-1"), ("--kv-cache-gib", "0"),
+                                        ("--kv-cache-gib", "nan"), ("--kv-cache-gib", "inf"),
+                                        ("--gpu-memory-utilization", "1.5"), ("--gpu-memory-utilization", "0"),
+                                        ("--port", "0"), ("--trace-dir", "rel/dir")])
+def test_server_cmd_bad_numbers_exit_2_with_one_line(cli, flag, value):
+    """Was: server_command's ValueError (and int(nan * 2**30)'s) as a traceback with exit 1."""
+    args = {"--backend": "vllm", "--quant": "bf16", "--model": "/m", "--port": "8000", "--max-num-seqs": "4",
+            "--kv-cache-gib": "8", "--gpu-memory-utilization": "0.5", flag: value}
+    p = cli("server-cmd", *[x for kv in args.items() for x in kv])
+    _one_clear_line(p, flag.strip("-").replace("-", "_").split("_")[0])
+
+
+@pytest.mark.parametrize("flag,value", [("--deadline-s", "-5"), ("--deadline-s", "nan"), ("--run-timeout", "0"),
+                                        ("--min-run-s", "-1"), ("--memory-interval", "0"), ("--max-num-seqs", "0"),
+                                        ("--warm-concurrency", "-3"), ("--num-prompts-per-concurrency", "0"),
+                                        ("--rows", "/proc/nope/rows.jsonl")])
+def test_sweep_bad_numbers_and_paths_exit_2_before_any_run(cli, tmp_path, flag, value):
+    """Was: a negative deadline skipped every run (exit 1), a NaN one was ignored, --run-timeout 0 timed every run
+    out, --memory-interval 0 a traceback after the env record was written, --rows in a missing folder a traceback."""
+    args = {"--base-url": "http://127.0.0.1:9", "--model": "/m", "--backend": "vllm", "--quant": "bf16",
+            "--max-num-seqs": "2", "--rows": str(tmp_path / "rows.jsonl"), "--bench-cmd": "false",
+            "--concurrency": "1", flag: value}
+    _one_clear_line(cli("sweep", *[x for kv in args.items() for x in kv]), flag)
+    assert not (tmp_path / "rows.jsonl").exists()
+
+
+def test_profile_against_an_unreachable_server_exits_2_naming_base_url(cli, tmp_path):
+    """Was: urllib's URLError traceback (connection refused) from /start_profile."""
+    p = cli("profile", "--base-url", "http://127.0.0.1:9", "--model", "/m", "--backend", "vllm", "--quant", "bf16",
+             "--trace-dir", tmp_path, "--out", tmp_path / "p.json")
+    _one_clear_line(p, "--base-url")
+
+
+def test_trace_and_model_input_errors_exit_2(cli, tmp_path):
+    (tmp_path / "t.json").write_text("nope")
+    _one_clear_line(cli("trace", tmp_path / "t.json"), "t.json")
+    _one_clear_line(cli("trace", tmp_path / "t.json", "--max-canvases", "0"), "--max-canvases")
+    (tmp_path / "afile").write_text("x")
+    _one_clear_line(cli("model", tmp_path / "afile"), "afile")

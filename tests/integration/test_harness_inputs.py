@@ -118,3 +118,10 @@ def test_default_params_come_from_the_checkpoint_and_explicit_params_win():
     assert HarnessRunner(model, default_params=explicit, **kw).default_params is explicit
     r.add_request("a", [5, 6])
     assert r._waiting[0].params == p
+
+
+@pytest.mark.parametrize("ids,bad,pos", [([5, 256], 256, 1), ([-1, 5], -1, 0), ([5, 6, 10 ** 6], 10 ** 6, 2)])
+def test_out_of_vocab_prompt_id_is_named_with_its_position(make_runner, ids, bad, pos):
+    """Was: "token ids must be in [0, 256)" without the argument, the id or where it is."""
+    with pytest.raises(ValueError, match=rf"prompt_token_ids: token ids must be in \[0, vocab_size=256\), got {bad} at position {pos}"):
+        make_runner().add_request("a", ids)

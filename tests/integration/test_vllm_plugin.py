@@ -390,3 +390,30 @@ def test_vllm_attention_converts_causal_flags_once_per_metadata_object(monkeypat
     assert torch.allclose(outs[0].view(n, H, D), want, atol=1e-5)
     impl.forward(None, q, None, None, kv_cache, meta([0, 0, 0]), torch.zeros(n, H * D))
     assert len(calls) == 2
+
+
+@pytest.mark.parametrize("value", ["", "Triton", " triton", "cute ", "gluon", "auto"])
+def test_attn_backend_env_is_exact_and_names_the_variable(monkeypatch, value):
+    monkeypatch.setenv("BLOCKDIFF_ATTN_BACKEND", value)
+    with pytest.raises(ValueError, match="BLOCKDIFF_ATTN_BACKEND"):
+        vllm_plugin.attn_backend_from_env()
+    monkeypatch.delenv("BLOCKDIFF_ATTN_BACKEND")
+    assert vllm_plugin.attn_backend_from_env() == "triton"
+
+
+@pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed here (tests/integration/vllm_cpu_env.sh)")
+@pytest.mark.parametrize("value", ["", "Triton", "gluon"])
+def test_vllm_backend_support_queries_refuse_an_unknown_attn_backend_env(monkeypatch, value):
+    """Was: supports_head_size / supports_dtype returned False for every head size and dtype, which vLLM's selector
+    reported as "head_size not supported" instead of naming the variable."""
+    from blockdiff.integration.vllm_attention import BlockdiffAttentionBackend as B
+
+    monkeypatch.setenv("BLOCKDIFF_ATTN_BACKEND", value)
+    with pytest.raises(ValueError, match="BLOCKDIFF_ATTN_BACKEND"):
+        B.supports_head_size(128)
+    with pytest.raises(ValueError, match="BLOCKDIFF_ATTN_BACKEND"):
+        B.supports_dtype(torch.bfloat16)
+    monkeypatch.setenv("BLOCKDIFF_ATTN_BACKEND", "cute")
+    assert B.supports_head_size(512) and not B.supports_head_size(264) and not B.supports_dtype(torch.float32)
+    monkeypatch.setenv("BLOCKDIFF_ATTN_BACKEND", "triton")
+    assert B.supports_head_size(264) and B.supports_dtype(torch.float32) and not B.supports_head_size(520)

@@ -20,7 +20,7 @@ from safetensors import safe_open
 from blockdiff.integration import cli
 from blockdiff.model import CheckpointError, DiffusionGemma, DiffusionGemmaConfig, load_generation_config, tiny_config
 from blockdiff.model.export import (ARCHITECTURE, EXPORT_FILES, GENERATION_DEFAULTS, export_hf, hf_config_dict,
-                                    hf_tokenizer_json)
+                                    hf_generation_config_dict, hf_tokenizer_json)
 from blockdiff.model.pretrained import load_pretrained, shipped_checkpoint_dir
 from blockdiff.model.tokenizer import ByteTokenizer
 from blockdiff.sampler import SamplingParams
@@ -471,3 +471,42 @@ def test_geometry_config_names_and_depth():
         geometry_config("x")
     with pytest.raises(TypeError, match="name must be a str"):
         geometry_config(3)
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--max-denoising-steps", "16384"], ["--max-denoising-steps", "16384"]),
+    (["--stability-threshold", str(2 ** 31)], ["--stability-threshold"]),
+    (["--t-max", "1e39"], ["--t-max", "float32"]),
+    (["--confidence-threshold", "1e39"], ["--confidence-threshold"]),
+])
+def test_cli_export_refuses_values_blockdiff_cannot_load_back(tmp_path, capsys, argv, words):
+    """Was: --max-denoising-steps 16384 (the sampler takes < 2**14), --stability-threshold 2**31 and --t-max 1e39
+    were written into generation_config.json, which blockdiff's own loader then refused (CheckpointError)."""
+    assert cli.main(["export", str(tmp_path / "o"), *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and all(w in err[0] for w in words), err
+    assert not os.path.exists(tmp_path / "o" / "config.json")
+
+
+@pytest.mark.parametrize("kw,match", [(dict(max_denoising_steps=2 ** 14), "max_denoising_steps"),
+                                      (dict(stability_threshold=2 ** 31), "stability_threshold"),
+                                      (dict(t_max=1e39), "t_max"), (dict(entropy_bound=1e39), "entropy_bound")])
+def test_generation_config_written_is_one_the_loader_reads_back(kw, match):
+    """hf_generation_config_dict checks its result with the loader's parse_generation_config."""
+    with pytest.raises(ValueError, match=match):
+        hf_generation_config_dict(tiny_config(), **kw)
+    ok = hf_generation_config_dict(tiny_config(), max_denoising_steps=2 ** 14 - 1, stability_threshold=2 ** 31 - 1)
+    assert ok["max_denoising_steps"] == 2 ** 14 - 1
+
+
+def test_cli_export_out_errors_name_out_and_checkpoint_errors_do_not(tmp_path, capsys):
+    """Was: OUT '' gave "[Errno 2] No such file or directory: ''", OUT below a file "[Errno 20] Not a directory"."""
+    (tmp_path / "afile").write_text("x")
+    for out, words in (("", ["OUT must not be empty"]), (str(tmp_path / "afile" / "sub"), ["OUT", "afile"])):
+        assert cli.main(["export", out]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and all(w in err[0] for w in words), err
+    (tmp_path / "ck").mkdir()
+    assert cli.main(["export", str(tmp_path / "o"), "--checkpoint", str(tmp_path / "ck")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "checkpoint folder" in err and "OUT" not in err, err

@@ -191,3 +191,54 @@ def test_launch_config_splits_a_batch_1_canvas_over_a_long_context_only():
     assert forced.num_splits == 5
     short = cc.resolve_launch_config(512, 512, 100, None, total_q=256, num_seqs=1, keys_capacity=33024, **kw)
     assert short.num_splits == 1  # 2 x 100 + 256 + 1 keys at most
+
+
+@pytest.mark.parametrize("config,err,match", [
+    (dict(tile_n=0), ValueError, "tile_n"), (dict(tile_m=0), ValueError, "tile_m"),
+    (dict(tile_n=16.0), TypeError, "tile_n"), (dict(tile_m=-64), ValueError, "tile_m"),
+    (dict(tile_n=17), ValueError, "tile_n"), (dict(tile_m=96), ValueError, "tile_m"),
+    (dict(num_stages=True), TypeError, "num_stages"), (dict(num_stages=1.5), TypeError, "num_stages"),
+    (dict(num_stages="2"), TypeError, "num_stages"), (dict(num_stages=None), TypeError, "num_stages"),
+    (dict(num_stages=0), ValueError, "num_stages"),
+    (dict(lpt="no"), TypeError, "lpt"), (dict(lpt=2), TypeError, "lpt"),
+    (dict(intra_wg_overlap="yes"), TypeError, "intra_wg_overlap"), (dict(mma_pv_is_rs=1), TypeError, "mma_pv_is_rs"),
+    (dict(num_splits=True), ValueError, "num_splits"), (dict(bogus=1), TypeError, "bogus"),
+    (cc.CuteConfig(tile_n=0), ValueError, "tile_n"), (cc.CuteConfig(lpt="x"), TypeError, "lpt"),
+])
+@pytest.mark.parametrize("hd", [128, 512])
+def test_config_fields_are_checked_before_resolution_without_coercion(monkeypatch, config, err, match, hd):
+    """Was: 0 tiles silently took the default (``config.tile_n or ...``), float tiles / bool or float stages
+    passed through to the kernel, lpt='no' became True, num_stages='2' a bare '<' TypeError; at hd 128 every
+    field went unchecked behind FA4's import. Now every field is checked first, at both head-dim ranges, with
+    flash-attn-4 absent."""
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", None)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", None)
+    with pytest.raises(err, match=match):
+        cc.resolve_config(hd, hd, None, config)
+    with pytest.raises(err, match=match):
+        cc.check_config(config)
+
+
+def test_valid_configs_pass_check_config_unchanged():
+    for cfg in (None, {}, dict(tile_m=192, tile_n=128, intra_wg_overlap=False), dict(num_stages=3, lpt=False),
+                cc.CuteConfig(tile_m=64, tile_n=48, num_stages=1), dict(tile_n=40), dict(num_splits=16)):
+        assert cc.check_config(cfg) is cfg
+
+
+@pytest.mark.parametrize("hd,hv", [(264, 264), (520, 520), (288, 256), (4, 4), (136, 12)])
+def test_resolve_config_refuses_head_dims_the_backend_does_not_run(hd, hv):
+    """Was: resolve_config(264, 264) / (520, 520) returned a split-value config for head dims no kernel runs."""
+    with pytest.raises(ValueError, match="head_dim"):
+        cc.resolve_config(hd, hv, None)
+    with pytest.raises(ValueError, match="head_dim"):
+        cc.resolve_wide_config(hd, hv)
+
+
+@pytest.mark.parametrize("args,match", [((1.5, 1024, 132), "num_tiles"), ((True, 4096, 132), "num_tiles"),
+                                        ((None, 10, 132), "num_tiles"), ((1, 10.0, 132), "max_keys"),
+                                        ((1, 10, "132"), "num_sms")])
+def test_split_count_takes_ints_only(args, match):
+    """Was: choose_num_splits(True, 4096, 132) returned 4, (1.5, ...) returned 1, None a bare '<' TypeError."""
+    with pytest.raises(TypeError, match=match):
+        cc.choose_num_splits(*args)

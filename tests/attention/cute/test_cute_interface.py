@@ -81,6 +81,25 @@ def test_bad_input_is_a_value_error_before_anything_else():
                           cu_seqlens_k=torch.tensor([0, 4], dtype=torch.int32), causal=torch.tensor([True]))
 
 
+@pytest.mark.parametrize("hd", [128, 512])
+@pytest.mark.parametrize("config,err,match", [(dict(tile_n=17), ValueError, "tile_n"),
+                                              (dict(num_stages=0), ValueError, "num_stages"),
+                                              (dict(num_splits=True), ValueError, "num_splits"),
+                                              (dict(lpt="no"), TypeError, "lpt"), ("fast", TypeError, "config")])
+def test_bad_config_is_refused_before_the_cute_dsl_import(monkeypatch, hd, config, err, match):
+    """Was: the config was first read inside the launch, after the CuTe DSL import and the CUDA checks (here an
+    ImportError hid it; on a GPU an odd hd-128 tile reached FA4's compiler)."""
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", None)
+    monkeypatch.setitem(sys.modules, "cutlass", None)
+    monkeypatch.setattr(ca, "_FA4", None)
+    q = torch.zeros(4, 2, hd, dtype=torch.bfloat16)
+    with pytest.raises(err, match=match):
+        ca.attention_cute(q, q, q, cu_seqlens_q=torch.tensor([0, 4], dtype=torch.int32),
+                          cu_seqlens_k=torch.tensor([0, 4], dtype=torch.int32), causal=torch.tensor([True]),
+                          config=config)
+
+
 def test_module_import_in_fresh_interpreter_does_not_import_flash_attn():
     code = ("import sys; import blockdiff.attention.cute.interface as m; "
             "assert 'flash_attn' not in sys.modules and 'cutlass' not in sys.modules; print('ok')")
