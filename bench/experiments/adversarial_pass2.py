@@ -623,8 +623,22 @@ def sec_harness():
 SECTIONS = {"cute": sec_cute, "vllm": sec_vllm, "serve": sec_serve, "export": sec_export, "sampler": sec_sampler,
             "harness": sec_harness}
 
-if __name__ == "__main__":
-    for name in sys.argv[1:] or SECTIONS:
+def main(argv=None) -> int:
+    """Run the named sections (all by default); prints one row per input and the BAD count; exit 1 on any BAD."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("sections", nargs="*", metavar="SECTION", help=f"sections to run (default all): {' '.join(SECTIONS)}")
+    args = ap.parse_args(argv)
+    unknown = [n for n in args.sections if n not in SECTIONS]
+    if unknown:
+        ap.error(f"unknown SECTION {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
+    for name in args.sections or SECTIONS:
         SECTIONS[name]()
     bad = [r for r in ROWS if r[2].startswith("BAD")]
     print(f"\n{len(ROWS)} inputs, {len(bad)} BAD")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
