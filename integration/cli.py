@@ -303,6 +303,9 @@ def _export(a) -> int:
         written = export_hf(source, a.out, dtype=a.dtype, overwrite=a.overwrite, max_denoising_steps=steps, **gen)
     except CheckpointError as e:  # the source (also a FileNotFoundError when a file is missing): not OUT's fault
         return _errors("export", [str(e)])
+    except FileExistsError as e:  # OUT already holds an export: the CLI's switch, not export_hf's keyword
+        msg = str(e).replace("pass overwrite=True to replace them", "pass --overwrite to replace them")
+        return _errors("export", [f"OUT {a.out!r}: {msg}"])
     except OSError as e:  # writing OUT
         return _errors("export", [f"OUT {a.out!r}: {e}"])
     except ValueError as e:

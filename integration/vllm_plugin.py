@@ -42,14 +42,15 @@ SERVE_COMMAND = (
     "pip install -e '.[vllm,cute]'   # installs the vllm.general_plugins entry point\n"
     "VLLM_USE_V2_MODEL_RUNNER=1 VLLM_PLUGINS=blockdiff \\\n"
     "BLOCKDIFF_ATTN_BACKEND=triton BLOCKDIFF_SAMPLER_BACKEND=triton \\\n"
-    "vllm serve $DIFFUSIONGEMMA_CHECKPOINT \\\n"
+    "vllm serve $DIFFUSIONGEMMA_CHECKPOINT --language-model-only \\\n"
     "    --attention-backend CUSTOM \\\n"
     "    --scheduler-cls blockdiff.integration.vllm_scheduler.BlockdiffDiffusionAsyncScheduler \\\n"
     "    --diffusion-config '{\"canvas_length\": 256, \"max_denoising_steps\": 48}' --block-size 64 \\\n"
     "    --max-num-seqs 32 --max-num-batched-tokens 16384 --max-model-len 32768 --dtype bfloat16"
 )
 """The ``vllm serve`` command for the README. ``$DIFFUSIONGEMMA_CHECKPOINT``: a DiffusionGemma checkpoint
-(architecture ``DiffusionGemmaForBlockDiffusion``); ``--diffusion-config`` turns on vLLM's diffusion path
+(architecture ``DiffusionGemmaForBlockDiffusion``; ``blockdiff export`` writes one), served as a language model only
+(vLLM registers the architecture as multimodal: ``--language-model-only``); ``--diffusion-config`` turns on vLLM's diffusion path
 (canvas scheduled as draft tokens); ``--scheduler-cls`` picks :data:`ASYNC_SCHEDULER_CLASS` (vLLM's asynchronous
 scheduling, its default; with ``--no-async-scheduling``: :data:`SCHEDULER_CLASS`); ``--block-size 64`` gives the
 triton backend's Gluon kernels pages they can read with TMA; ``VLLM_PLUGINS=blockdiff`` loads only this plugin."""

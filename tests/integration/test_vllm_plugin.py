@@ -52,7 +52,8 @@ def test_serve_command_names_the_plugin_pieces():
     cmd = vllm_plugin.SERVE_COMMAND
     for piece in ("vllm serve", "--attention-backend CUSTOM", "--diffusion-config", "canvas_length",
                   "VLLM_USE_V2_MODEL_RUNNER=1", "BLOCKDIFF_ATTN_BACKEND",
-                  f"--scheduler-cls {vllm_plugin.ASYNC_SCHEDULER_CLASS}", "--block-size 64"):
+                  f"--scheduler-cls {vllm_plugin.ASYNC_SCHEDULER_CLASS}", "--block-size 64",
+                  "--language-model-only"):
         assert piece in cmd
 
 

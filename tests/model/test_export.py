@@ -422,6 +422,7 @@ def test_cli_export_writes_the_folder_and_refuses_to_overwrite(tmp_path, capsys)
     assert cli.main(["export", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "blockdiff export: error:" in err[0] and "already holds" in err[0]
+    assert "--overwrite" in err[0] and "overwrite=True" not in err[0]  # the CLI's switch, not the keyword
     assert cli.main(["export", str(out), "--overwrite", "--t-min", "0.9"]) == 2  # t_max (0.8) must exceed it
     assert "t_max must be > t_min" in capsys.readouterr().err
 
