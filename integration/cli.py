@@ -46,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "commit batches, a per-step table, totals, tokens committed per forward pass, "
                                    "denoising steps per canvas, the generated text and a PNG of one mixed step's "
                                    "attention pattern. Model: the trained checkpoint shipped in the package "
-                                   "(blockdiff/model/checkpoints/stdlib-byte/), --checkpoint FOLDER, or "
+                                   "(blockdiff/model/checkpoints/stdlib-byte/; model/checkpoints/stdlib-byte/ in a "
+                                   "checkout), --checkpoint FOLDER, or "
                                    "--random-weights. Without a shipped checkpoint and without either flag it "
                                    "runs random weights and prints that it does.")
     m = d.add_mutually_exclusive_group()

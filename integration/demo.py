@@ -323,7 +323,7 @@ def run_demo(*, backend: str = "reference", sampler_backend: str = "reference", 
     if checkpoint is not None:
         eos = ", ".join(str(t) for t in base.eos_token_ids) or "none"
         p(f"blockdiff demo: trained DiffusionGemma from {checkpoint} ({shape}, "
-          f"{str(model.embed_tokens.weight.dtype).replace('torch.', '')}){_train_summary(checkpoint)}, "
+          f"run in {str(model.embed_tokens.weight.dtype).replace('torch.', '')}){_train_summary(checkpoint)}, "
           f"canvas {canvas_length}{notes.get('canvas_length', '')}, step cap {max_denoising_steps}"
           f"{notes.get('max_denoising_steps', '')}, eos id {eos}")
     else:
