@@ -1288,7 +1288,8 @@ def _print_profile(s: dict) -> None:
     if tl.get("gpu_busy_share") is not None:
         print(f"  timeline: GPU busy {100 * tl['gpu_busy_share']:.0f} % of {tl['gpu_span_ms']:.1f} ms; "
               f"{tl['idle_gaps_over_1ms']} idle gaps >= 1 ms ({tl['idle_gaps_over_1ms_total_ms']:.1f} ms, max "
-              f"{tl['idle_gap_max_ms']:.1f}); canvas step every {common.fmt(tl.get('canvas_step_cadence_median_ms'), 2)} ms")
+              f"{tl['idle_gap_max_ms']:.1f}); canvas step every "
+              f"{common.fmt(tl.get('canvas_step_cadence_median_ms'), 2)} ms")
     if s.get("unknown_share") is not None:
         print(f"  unknown kernel names: {100 * s['unknown_share']:.1f} % of kernel time; top: "
               + ", ".join(f"{n[:40]} {ms:.2f} ms" for n, ms, _ in (s.get("unknown_kernels") or [])[:4]))

@@ -842,8 +842,8 @@ class HarnessRunner:
             passes: prefill chunks, denoise and commit rows); ``tokens_per_request_pass`` (tokens emitted /
             request rows); ``denoise_rows``; ``tokens_per_denoise_step`` (tokens emitted / denoise rows);
             ``canvases_committed``; ``fused_commits`` (commits fused with the next canvas's first denoising step,
-            ``fuse_commit``; their step counts as a denoise row of that canvas); ``denoise_steps_per_canvas`` (mean denoise rows of the committed canvases;
-            a canvas still being denoised, or of a failed request, is not counted, nor are the rows of a canvas
+            ``fuse_commit``; their step counts as a denoise row of that canvas); ``denoise_steps_per_canvas`` (mean
+            denoise rows of the committed canvases; a canvas still being denoised, or of a failed request, is not counted, nor are the rows of a canvas
             a preemption interrupted: the resumed request denoises that canvas again from step 0) and
             ``max_denoise_steps_per_canvas`` (0 when none committed). A ratio with a zero denominator is NaN
             (undefined: nothing ran).

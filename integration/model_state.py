@@ -608,9 +608,9 @@ class DiffusionModelState(_Base):
         the prompt prefilled before the step, ``2 * canvas_length`` query tokens), from host data only (no sync).
         All False when :attr:`fuse_commit` is off."""
         N = input_batch.num_reqs
-        q = np.asarray(input_batch.num_scheduled_tokens[:N], dtype=np.int64)
         if not self._fuse_commit:
             return np.zeros(N, dtype=bool)
+        q = np.asarray(input_batch.num_scheduled_tokens[:N], dtype=np.int64)
         done = np.asarray(input_batch.num_computed_prefill_tokens_np[:N], dtype=np.int64)
         plen = np.asarray(input_batch.prefill_len_np[:N], dtype=np.int64)
         return (done >= plen) & (q == 2 * self.canvas_length)

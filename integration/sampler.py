@@ -314,9 +314,9 @@ class DiffusionSampler:
             # 0, the fresh canvas prepare_inputs fed to the last CL rows); now that canvas's first denoising step
             # on the last CL logits rows of each such row
             keep = torch.as_tensor(fused_idx, dtype=torch.int64, device=dev)
-            tail = self._canvas_logits(logits, N, starts + ms.canvas_length)
+            tail = self._canvas_logits(logits, len(fused_idx), starts[keep] + ms.canvas_length)  # fused rows only
             fused_step = _expand_step_output(
-                self._step(st, slots[keep], tail[keep], torch.zeros_like(prefill_done[keep])), keep, N)
+                self._step(st, slots[keep], tail, torch.zeros_like(prefill_done[keep])), keep, N)
             fused = torch.as_tensor(fused_np, dtype=torch.bool, device=dev)
             failed = failed | fused_step.failed
             entropy = torch.where(fused[:, None], fused_step.entropy, entropy)

@@ -49,9 +49,9 @@ SERVE_COMMAND = (
     "    --max-num-seqs 32 --max-num-batched-tokens 16384 --max-model-len 32768 --dtype bfloat16"
 )
 """The ``vllm serve`` command for the README. ``$DIFFUSIONGEMMA_CHECKPOINT``: a DiffusionGemma checkpoint
-(architecture ``DiffusionGemmaForBlockDiffusion``; ``blockdiff export`` writes one), served as a language model only
-(vLLM registers the architecture as multimodal: ``--language-model-only``); ``--diffusion-config`` turns on vLLM's diffusion path
-(canvas scheduled as draft tokens); ``--scheduler-cls`` picks :data:`ASYNC_SCHEDULER_CLASS` (vLLM's asynchronous
+(architecture ``DiffusionGemmaForBlockDiffusion``; ``blockdiff export`` writes one), served as a language model
+only (vLLM registers the architecture as multimodal: ``--language-model-only``); ``--diffusion-config`` turns on
+vLLM's diffusion path (canvas scheduled as draft tokens); ``--scheduler-cls`` picks :data:`ASYNC_SCHEDULER_CLASS` (vLLM's asynchronous
 scheduling, its default; with ``--no-async-scheduling``: :data:`SCHEDULER_CLASS`); ``--block-size 64`` gives the
 triton backend's Gluon kernels pages they can read with TMA; ``VLLM_PLUGINS=blockdiff`` loads only this plugin."""
 

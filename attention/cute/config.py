@@ -15,8 +15,8 @@ __all__ = [
     "REQUIRED", "CuteConfig", "resolve_config", "check_config_fits", "config_smem_bytes", "SMEM_LIMIT_BYTES",
     "LONG_PREFILL_Q", "LONG_PREFILL_CONFIG", "HD128_CONFIG", "LPT_MIN_SEQLEN_Q", "longest_first_tiles",
     "page_box_tma_ok", "kv_load_path", "MAX_HEAD_DIM", "WIDE_MIN_HEAD_DIM_V", "WIDE_CONFIG", "is_wide",
-    "unsupported_head_dims", "resolve_wide_config", "WIDE_LONG_Q_CONFIG", "WIDE_MAX_PAGE_BOXES", "MAX_SPLITS", "MIN_KEYS_PER_SPLIT",
-    "grid_tiles", "choose_num_splits", "key_bound", "resolve_launch_config", "check_config",
+    "unsupported_head_dims", "resolve_wide_config", "WIDE_LONG_Q_CONFIG", "WIDE_MAX_PAGE_BOXES", "MAX_SPLITS",
+    "MIN_KEYS_PER_SPLIT", "grid_tiles", "choose_num_splits", "key_bound", "resolve_launch_config", "check_config",
 ]
 
 #: The optional packages this backend runs on (the ``cute`` extra of setup.py).
@@ -162,7 +162,7 @@ def resolve_config(head_dim: int, head_dim_v: int, window_size, config=None, max
     _check_head_dims(head_dim, head_dim_v)
     config = check_config(config)
     if is_wide(head_dim, head_dim_v):
-        return resolve_wide_config(head_dim, head_dim_v, config, max_seqlen_q)
+        return _resolve_wide(head_dim, head_dim_v, config, max_seqlen_q)  # head dims and config checked above
     if config is None:
         config = CuteConfig()
         if (head_dim == head_dim_v == 128 and window_size is None and max_seqlen_q is not None
@@ -274,7 +274,11 @@ def resolve_wide_config(head_dim: int, head_dim_v: int, config=None, max_seqlen_
             the above, or the tiles do not fit SM90 shared memory.
     """
     _check_head_dims(head_dim, head_dim_v)
-    config = check_config(config)
+    return _resolve_wide(head_dim, head_dim_v, check_config(config), max_seqlen_q)
+
+
+def _resolve_wide(head_dim: int, head_dim_v: int, config, max_seqlen_q: int | None) -> CuteConfig:
+    """:func:`resolve_wide_config` after its argument checks (head dims, :func:`check_config`)."""
     if config is None:
         config = CuteConfig(**(WIDE_LONG_Q_CONFIG if longest_first_tiles(max_seqlen_q) else WIDE_CONFIG))
     elif isinstance(config, dict):
