@@ -85,8 +85,8 @@ class BlockdiffAttentionImpl(FlashAttentionImpl):
 
 
 #: Largest head size per ``BLOCKDIFF_ATTN_BACKEND`` (the Triton kernels are tuned for 128 and 512; the CuTe backend
-#: runs FA4's SM90 kernel up to 256 and its split-value kernel above, multiples of 32 up to 512, whose GPU tests
-#: passed on the H200 on 2026-12-02: attention/cute/config.py ``unsupported_head_dims``).
+#: runs FA4's SM90 kernel up to 256 and its split-value kernel above, multiples of 32 up to 512:
+#: attention/cute/config.py ``unsupported_head_dims``).
 MAX_HEAD_SIZE = {"triton": 512, "reference": 512, "cute": 512}
 #: Model dtypes per ``BLOCKDIFF_ATTN_BACKEND`` (what :func:`blockdiff.attention.attention` runs: the CuTe kernel
 #: bf16 / fp16 only, the Triton kernels and the reference float32 too).

@@ -78,8 +78,7 @@ WIDE_CONFIG = dict(tile_m=64, tile_n=32, num_stages=2)
 #: Split-value tiles when the query-length hint is long (``longest_first_tiles``: >= LPT_MIN_SEQLEN_Q or unknown):
 #: 64-key blocks in the one stage that fits. A long query tile walks many key blocks and is MMA-bound, so halving
 #: the blocks (softmax passes, barriers) per key beats the second stage; a 256-row canvas over a split key range is
-#: latency-bound and keeps two stages (H200: mixed_global_ctx8k 1.114 vs 1.208 ms, canvas_bs1_ctx32k_global
-#: 0.674 vs 0.625 ms; bench/results/attention-cute_issue27-h200.json).
+#: latency-bound and keeps two stages (measured: docs/tuning.md section 2.3).
 WIDE_LONG_Q_CONFIG = dict(tile_m=64, tile_n=64, num_stages=1)
 #: P slots and fp32 row-factor slots (2 + the final one, 2 rows x 128 threads each) of the split-value kernel.
 _WIDE_P_SLOTS, _WIDE_SCALE_BYTES = 2, 3 * 2 * 128 * 4
