@@ -84,7 +84,7 @@ def key_range(
     """Allowed key interval ``[lo, hi]`` (inclusive) for query rows, vectorised.
 
     Args:
-        row: integer tensor, query row index within its sequence (0-based), any shape.
+        row: integer tensor, query row index within its sequence (0-based, ``< q_len``), any shape.
         q_len, seq_len, num_causal_q: integer tensors broadcastable to ``row`` (tokens).
         window_size: None or int >= 0 (any ``W >= WINDOW_NO_BOUND`` is None: :func:`check_window`).
         bidirectional_window: ``"symmetric"`` or ``"prefix"``.
@@ -96,7 +96,7 @@ def key_range(
         TypeError: an argument is not an integer tensor (floats are not truncated); a bad ``window_size``.
         ValueError: a bad ``window_size`` or ``bidirectional_window``; shapes that do not broadcast; tensors on
             different devices or on the meta device; values outside the contract (``0 <= q_len <= seq_len <=
-            MAX_SEQ_LEN``, ``0 <= num_causal_q <= q_len``: read on the host).
+            MAX_SEQ_LEN``, ``0 <= num_causal_q <= q_len``, ``0 <= row < q_len``: read on the host).
     """
     w = check_window(window_size, bidirectional_window)
     row, q_len, seq_len, num_causal_q = (_int_tensor(n, t) for n, t in (
@@ -115,6 +115,8 @@ def key_range(
                          "tokens)")
     if bool(((num_causal_q < 0) | (num_causal_q > q_len)).any()):
         raise ValueError("num_causal_q must be in [0, q_len]")
+    if bool(((row < 0) | (row >= q_len)).any()):  # a row outside the sequence has no defined key interval
+        raise ValueError("row must be in [0, q_len) (a query row of its sequence, 0-based)")
     ctx = seq_len - q_len
     q_abs = ctx + row
     is_causal = row < num_causal_q

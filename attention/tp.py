@@ -15,6 +15,7 @@ mapping ``h // (H / Hkv)`` restricted to the rank (checked by the tests).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,24 @@ class HeadShard:
     kv_start: int
     kv_end: int
 
+    def __post_init__(self):
+        """Checks the fields against :func:`head_shard`'s rules: a shard built by hand must be the one it returns.
+
+        Raises:
+            TypeError: a non-int field. ValueError: fields that are not ``head_shard(num_heads, num_kv_heads,
+                world_size, rank)``.
+        """
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"HeadShard.{f.name} must be an int, got {type(v).__name__} ({v!r})")
+        want = _shard_bounds(self.num_heads, self.num_kv_heads, self.world_size, self.rank)
+        if want != (self.q_start, self.q_end, self.kv_start, self.kv_end):
+            raise ValueError(f"HeadShard fields are inconsistent: rank {self.rank} of {self.world_size} with "
+                             f"{self.num_heads} / {self.num_kv_heads} heads has q heads [{want[0]}, {want[1]}) "
+                             f"and KV heads [{want[2]}, {want[3]}), got q_start={self.q_start}, "
+                             f"q_end={self.q_end}, kv_start={self.kv_start}, kv_end={self.kv_end} (use head_shard)")
+
     @property
     def num_heads_local(self) -> int:
         return self.q_end - self.q_start
@@ -57,6 +76,12 @@ def head_shard(num_heads: int, num_kv_heads: int, world_size: int, rank: int) ->
     Raises:
         TypeError: a non-int argument. ValueError: a rule above broken, or rank outside [0, world_size).
     """
+    return HeadShard(rank, world_size, num_heads, num_kv_heads, *_shard_bounds(num_heads, num_kv_heads, world_size,
+                                                                               rank))
+
+
+def _shard_bounds(num_heads: int, num_kv_heads: int, world_size: int, rank: int) -> tuple[int, int, int, int]:
+    """``(q_start, q_end, kv_start, kv_end)`` of ``rank`` after checking :func:`head_shard`'s rules."""
     for name, v in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("world_size", world_size),
                     ("rank", rank)):
         if isinstance(v, bool) or not isinstance(v, int):
@@ -80,7 +105,18 @@ def head_shard(num_heads: int, num_kv_heads: int, world_size: int, rank: int) ->
     else:
         raise ValueError(f"num_kv_heads ({num_kv_heads}) and world_size ({world_size}) must divide one another "
                          "(KV heads are partitioned or replicated across ranks)")
-    return HeadShard(rank, world_size, num_heads, num_kv_heads, rank * hq, (rank + 1) * hq, kv0, kv0 + hkv)
+    return rank * hq, (rank + 1) * hq, kv0, kv0 + hkv
+
+
+def _check_shard(shard) -> None:
+    if not isinstance(shard, HeadShard):
+        raise TypeError(f"shard must be a HeadShard (blockdiff.attention.tp.head_shard), got {type(shard).__name__}")
+
+
+def _check_tensors(q, k_cache, v_cache) -> None:
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
 
 
 def shard_heads(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, shard: HeadShard, *,
@@ -92,8 +128,11 @@ def shard_heads(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s
     local tensors); False returns strided views.
 
     Raises:
+        TypeError: ``shard`` is not a :class:`HeadShard`; q / k_cache / v_cache not tensors.
         ValueError: head counts of the tensors disagree with ``shard``.
     """
+    _check_shard(shard)
+    _check_tensors(q, k_cache, v_cache)
     if q.dim() != 3 or q.shape[1] != shard.num_heads:
         raise ValueError(f"q must be [total_q, num_heads={shard.num_heads}, head_dim], got {tuple(q.shape)}")
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -123,8 +162,11 @@ def attention_tp(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         ``out [total_q, H_local, Dv]`` or ``(out, lse [H_local, total_q])``.
 
     Raises:
+        TypeError: ``shard`` is not a :class:`HeadShard`; q / k_cache / v_cache not tensors.
         ValueError: local head counts disagree with ``shard``; plus every error of ``attention``.
     """
+    _check_shard(shard)
+    _check_tensors(q, k_cache, v_cache)
     if q.dim() != 3 or q.shape[1] != shard.num_heads_local:
         raise ValueError(f"q must have num_heads_local={shard.num_heads_local} heads, got {tuple(q.shape)}")
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -136,9 +178,31 @@ def attention_tp(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 def gather_heads(outs):
     """Concatenate per-rank results in rank order: outs ``[total_q, H_local, Dv]`` along dim 1, or
-    ``(out, lse)`` pairs (lse ``[H_local, total_q]`` along dim 0)."""
+    ``(out, lse)`` pairs (lse ``[H_local, total_q]`` along dim 0).
+
+    Raises:
+        TypeError: ``outs`` mixes tensors and pairs, or holds something else.
+        ValueError: ``outs`` is empty; the ranks' results disagree in ``total_q``, ``Dv``, dtype or device.
+    """
     outs = list(outs)
-    if outs and isinstance(outs[0], tuple):
+    if not outs:
+        raise ValueError("outs must hold one result per rank, got none")
+    pairs = isinstance(outs[0], tuple)
+    for r, o in enumerate(outs):
+        ok = (isinstance(o, tuple) and len(o) == 2 and all(isinstance(t, torch.Tensor) for t in o)) if pairs \
+            else isinstance(o, torch.Tensor)
+        if not ok:
+            raise TypeError(f"outs must all be out tensors or all (out, lse) pairs (as attention_tp returns), got "
+                            f"{type(o).__name__} at rank {r}")
+    o0 = outs[0][0] if pairs else outs[0]
+    for r, o in enumerate(outs):
+        o = o[0] if pairs else o
+        if o.dim() != 3 or o.shape[0] != o0.shape[0] or o.shape[2] != o0.shape[2] or o.dtype != o0.dtype \
+                or o.device != o0.device:
+            raise ValueError(f"outs must be [total_q, H_local, Dv] with one total_q, Dv, dtype and device: rank 0 "
+                             f"has {tuple(o0.shape)} {o0.dtype} on {o0.device}, rank {r} {tuple(o.shape)} {o.dtype} "
+                             f"on {o.device}")
+    if pairs:
         return torch.cat([o for o, _ in outs], dim=1), torch.cat([l for _, l in outs], dim=0)
     return torch.cat(outs, dim=1)
 
@@ -149,10 +213,17 @@ def attention_head_parallel(q, k_cache, v_cache, *, world_size: int, backend: st
     Same arguments as :func:`blockdiff.attention.attention` plus ``world_size``; ``out=`` is not supported.
 
     Raises:
-        ValueError: see :func:`head_shard`; ``out`` given.
+        TypeError: q / k_cache / v_cache not tensors; see :func:`head_shard`.
+        ValueError: see :func:`head_shard` (``world_size >= 1`` included); ``out`` given.
     """
     if kwargs.get("out") is not None:
         raise ValueError("attention_head_parallel does not take out=")
+    _check_tensors(q, k_cache, v_cache)
+    for name, t in (("q", q), ("k_cache", k_cache)):
+        if t.dim() < 2:
+            raise ValueError(f"{name} must have its heads at dim {1 if name == 'q' else -2}, got shape "
+                             f"{tuple(t.shape)}")
+    head_shard(q.shape[1], k_cache.shape[-2], world_size, 0)  # world_size and the head counts, before any rank
     res = []
     for r in range(world_size):
         sh = head_shard(q.shape[1], k_cache.shape[-2], world_size, r)

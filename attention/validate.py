@@ -141,6 +141,21 @@ def check_length_hint(name: str, v):
     return v
 
 
+def length_hint_value(name: str, v) -> int | None:
+    """The host int of a hint :func:`check_length_hint` accepted (a 0-d tensor is read on the host here, where a
+    path uses its value), checked like the int form.
+
+    Raises:
+        ValueError: a negative value (an int is refused earlier, by :func:`check_length_hint`; a tensor here).
+    """
+    if v is None:
+        return None
+    n = int(v)
+    if n < 0:
+        raise ValueError(f"{name} must be >= 0 (a host hint: an upper bound of the step's lengths), got {n}")
+    return n
+
+
 def check_has_data(name: str, t: torch.Tensor) -> None:
     """Tensors on the ``meta`` device hold no values to compute with or check.
 

@@ -606,10 +606,34 @@ def parse_args(argv=None):
     bad = [x for x in a.fa4_layouts if x not in ("paged", "contiguous")]
     if bad:
         p.error(f"--fa4-layouts: unknown layout(s) {bad}; use paged and/or contiguous")
-    a.tile_configs = json.loads(a.tile_configs) if a.tile_configs else DEFAULT_TILE_SWEEP
-    a.cute_configs = json.loads(a.cute_configs) if a.cute_configs else []
-    if not isinstance(a.cute_configs, list) or not all(isinstance(c, dict) for c in a.cute_configs):
-        p.error(f"--cute-configs: a JSON list of dicts, got {a.cute_configs!r}")
+    for flag in ("tile_configs", "cute_configs"):
+        text = getattr(a, flag)
+        try:
+            v = json.loads(text) if text else (DEFAULT_TILE_SWEEP if flag == "tile_configs" else [])
+        except json.JSONDecodeError as e:
+            p.error(f"--{flag.replace('_', '-')}: not JSON ({e.msg} at column {e.colno}): {text!r}")
+        if not isinstance(v, list) or not all(isinstance(c, dict) for c in v):
+            p.error(f"--{flag.replace('_', '-')}: a JSON list of dicts, got {text!r}")
+        setattr(a, flag, v)
+    backends = [b.strip() for b in a.backends.split(",") if b.strip()]
+    unknown = [b for b in backends if b not in ALL_BACKENDS + ("reference",)]
+    if unknown:
+        p.error(f"--backends: unknown backend(s) {unknown}; choose from {ALL_BACKENDS + ('reference',)}")
+    if a.page_size is not None and a.page_size < 1:
+        p.error(f"--page-size must be an int >= 1 (tokens per KV page), got {a.page_size}")
+    if a.cpu_reps < 0:
+        p.error(f"--cpu-reps must be >= 0, got {a.cpu_reps}")
+    if a.budget_s is not None and math.isnan(a.budget_s):  # (NaN would never stop; <= 0 skips every workload)
+        p.error(f"--budget-s must be a number of seconds, got {a.budget_s}")
+    if a.device is not None:
+        try:
+            torch.device(a.device)
+        except (RuntimeError, ValueError):
+            p.error(f"--device must name a torch device (cpu, cuda, cuda:N), got {a.device!r}")
+    try:  # a pattern matching no workload is a usage error (typos must not silently measure nothing)
+        wl.select(wl.SUITES[a.suite](quick=a.quick), a.workloads)
+    except ValueError as e:
+        p.error(str(e))
     return a
 
 
@@ -624,15 +648,13 @@ def main(argv=None) -> list[dict]:
     dtype = getattr(torch, args.dtype)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()] or \
         list(QUICK_BACKENDS if args.quick else ALL_BACKENDS)
-    for b in backends:
-        if b not in ALL_BACKENDS + ("reference",):
-            raise SystemExit(f"--backends: unknown backend {b!r}; choose from {ALL_BACKENDS + ('reference',)}")
     if "reference" in backends and not args.quick:
         common.log("note: the reference backend is meant for --quick runs (dense, slow on big shapes)")
     if args.tile_sweep and triton_config_kwarg() is None:
         common.log("--tile-sweep: blockdiff.attention.attention takes no tile config keyword "
                    "(config/tile_config/kernel_config); sweep skipped (no-op)")
-    page_size = args.page_size or (wl.QUICK_PAGE_SIZE if args.quick else wl.DEFAULT_PAGE_SIZE)
+    page_size = args.page_size if args.page_size is not None else (
+        wl.QUICK_PAGE_SIZE if args.quick else wl.DEFAULT_PAGE_SIZE)
     suite_fn = wl.SUITES[args.suite]
     workloads = wl.select(suite_fn(quick=args.quick), args.workloads)
     check_against = args.check_against if args.check_against != "auto" else ("reference" if args.quick else "sdpa")

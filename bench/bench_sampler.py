@@ -412,6 +412,22 @@ def main(argv=None) -> list[dict]:
         ap.error(f"--split-v must be a comma list of ints, got {args.split_v!r}")
     if any(v < 1 for v in split_vs):
         ap.error(f"--split-v values must be >= 1, got {args.split_v!r}")
+    try:
+        split_ks = [int(v) for v in args.split_k.split(",") if v.strip()]
+    except ValueError:
+        ap.error(f"--split-k must be a comma list of ints, got {args.split_k!r}")
+    if any(v < 1 for v in split_ks):
+        ap.error(f"--split-k values must be >= 1, got {args.split_k!r}")
+    gemm_tiles = []
+    for t in (t for t in args.gemm_tiles.split(",") if t.strip()):
+        parts = t.strip().split("x")
+        if len(parts) != 5 or not all(p.isdigit() and int(p) >= 1 for p in parts):
+            ap.error(f"--gemm-tiles must be a comma list of BMxBNxBKxWARPSxSTAGES (5 ints >= 1), got {t!r}")
+        gemm_tiles.append([int(p) for p in parts])
+    backends = [b for b in args.backends.split(",") if b]
+    unknown = [b for b in backends if b not in ALL_BACKENDS]
+    if unknown:
+        ap.error(f"--backends: unknown backend(s) {unknown}; choose from {ALL_BACKENDS}")
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
     quick = args.quick or device.type != "cuda"
@@ -420,10 +436,6 @@ def main(argv=None) -> list[dict]:
         shape["N"] = args.canvases
     named = args.canvases is None and not args.all_sampled  # the named workload sampler_n4
     shape["named"] = named
-    backends = [b for b in args.backends.split(",") if b]
-    for b in backends:
-        if b not in ALL_BACKENDS:
-            raise SystemExit(f"unknown backend {b!r}; choose from {ALL_BACKENDS}")
     if device.type == "cuda":
         common.log(f"warm-up {common.warm_up_gpu(device):.1f} s")
     x, E, params, slots, pd = make_inputs(shape["N"], shape["CL"], shape["V"], shape["H"], device,
@@ -432,11 +444,11 @@ def main(argv=None) -> list[dict]:
     configs = [None]
     if args.split_k or args.gemm_tiles:
         configs = []
-        tiles = [t.split("x") for t in args.gemm_tiles.split(",") if t] or [None]
-        for sk in ([int(s) for s in args.split_k.split(",") if s] or [None]):
+        tiles = gemm_tiles or [None]
+        for sk in (split_ks or [None]):
             for t in tiles:
-                kw = {} if t is None else dict(block_m=int(t[0]), block_n=int(t[1]), block_k=int(t[2]),
-                                                gemm_warps=int(t[3]), gemm_stages=int(t[4]))
+                kw = {} if t is None else dict(block_m=t[0], block_n=t[1], block_k=t[2], gemm_warps=t[3],
+                                                gemm_stages=t[4])
                 configs.append(SamplerConfig(split_k=sk, **kw))
 
     compile_backend = args.compile_backend or ("aot_eager" if quick else "inductor")

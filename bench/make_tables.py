@@ -165,6 +165,9 @@ def render(results: Path, include_cpu: bool = False, link_base: Path = BENCH_DIR
             continue
         if not isinstance(doc, dict) or "rows" not in doc:
             continue
+        if not isinstance(doc["rows"], list) or not all(isinstance(r, dict) for r in doc["rows"]):
+            print(f"make_tables: skipping {path.name}: rows must be a list of JSON objects", file=sys.stderr)
+            continue
         if doc.get("gpu") == "cpu" and not include_cpu:
             continue
         parts.append(section(path, link_base))
@@ -192,11 +195,16 @@ def main(argv=None) -> str:
     p.add_argument("--include-cpu", action="store_true", help="also render CPU (--quick) records")
     p.add_argument("--stdout", action="store_true", help="print instead of writing the README")
     a = p.parse_args(argv)
+    if not Path(a.results).is_dir():
+        p.error(f"--results {a.results!r} is not a folder (of JSON records)")
     text = render(Path(a.results), include_cpu=a.include_cpu, link_base=Path(a.readme).parent)
     if a.stdout:
         print(text)
     else:
-        update_readme(Path(a.readme), text)
+        try:
+            update_readme(Path(a.readme), text)
+        except OSError as e:
+            p.error(f"--readme {a.readme!r} cannot be written: {e}")
         print(f"updated {a.readme}")
     return text
 

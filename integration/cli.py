@@ -12,6 +12,7 @@ import math
 import os
 import re
 import sys
+import types
 
 ATTENTION_BACKENDS = ("reference", "triton", "cute")
 SAMPLER_BACKENDS = ("reference", "triton")
@@ -198,7 +199,7 @@ def _demo(args) -> int:
     from blockdiff.model.pretrained import shipped_checkpoint_dir
 
     from .checks import AttentionMismatch
-    from .demo import BackendUnavailable, DeviceUnavailable, run_demo
+    from .demo import BackendUnavailable, DemoInputError, DeviceUnavailable, run_demo
     from .sampler import SamplerMismatch
 
     checkpoint, err = resolve_checkpoint(args, shipped_checkpoint_dir())
@@ -213,7 +214,7 @@ def _demo(args) -> int:
     except DeviceUnavailable as e:  # its message starts "device 'X' ...": name the option
         msg = str(e)
         return _errors("demo", ["--" + msg if msg.startswith("device ") else f"--device {args.device!r}: {msg}"])
-    except BackendUnavailable as e:
+    except (BackendUnavailable, DemoInputError) as e:
         return _errors("demo", [str(e)])
     except CheckpointError as e:
         what = "--checkpoint" if args.checkpoint is not None else "shipped checkpoint"
@@ -235,20 +236,28 @@ def _train(a) -> int:
     # torch-heavy modules only now, after argument parsing: argument errors stay fast
     import torch
 
-    from blockdiff.model.train import TrainArgs, smoke_args, train
+    from blockdiff.model.train import CorpusError, TrainArgs, smoke_args, train, train_args_problems
 
     from .evaluate import evaluate_generation
 
     device = a.device if a.device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
-    args = TrainArgs(out=a.out, minutes=a.minutes, max_steps=a.max_steps, batch_size=a.batch_size, prefix=a.prefix,
-                     prefix_min=a.prefix_min, lr=a.lr, warmup_steps=a.warmup_steps, self_cond_prob=a.self_cond_prob,
-                     log_every=a.log_every, seed=a.seed, device=device, corpus=a.corpus,
-                     eval_prompts=a.eval_prompts, eval_steps=a.eval_steps, attn_backend=a.attn_backend,
-                     smoke=a.smoke)
+    fields = dict(out=a.out, minutes=a.minutes, max_steps=a.max_steps, batch_size=a.batch_size, prefix=a.prefix,
+                  prefix_min=a.prefix_min, lr=a.lr, warmup_steps=a.warmup_steps, self_cond_prob=a.self_cond_prob,
+                  log_every=a.log_every, seed=a.seed, device=device, corpus=a.corpus, eval_prompts=a.eval_prompts,
+                  eval_steps=a.eval_steps, attn_backend=a.attn_backend, smoke=a.smoke)
+    # the user's values are checked before --smoke caps them (a bad flag is an error, not silently replaced)
+    given = types.SimpleNamespace(**{**vars(TrainArgs(out=".")), **fields})
+    problems = [f"--{name.replace('_', '-')}: {msg}" for _, name, msg in train_args_problems(given, paths=True)]
+    if problems:
+        return _errors("train", problems)
+    args = TrainArgs(**fields)
     if a.smoke:
         args = smoke_args(args)
         torch.set_num_threads(min(2, torch.get_num_threads()))
-    train(args, evaluate=evaluate_generation)
+    try:
+        train(args, evaluate=evaluate_generation)
+    except CorpusError as e:
+        return _errors("train", [f"--corpus: {e}"])
     return 0
 
 

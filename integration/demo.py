@@ -72,6 +72,11 @@ class BackendUnavailable(RuntimeError):
     """The requested backend cannot run here (no silent fallback)."""
 
 
+class DemoInputError(ValueError):
+    """A demo option the model cannot serve (e.g. a canvas length whose requests reach past the checkpoint's
+    ``max_position_embeddings``); the message names the option."""
+
+
 class DeviceUnavailable(BackendUnavailable):
     """The requested device cannot run the demo (not a torch device, not present here, or ``meta``)."""
 
@@ -251,6 +256,8 @@ def run_demo(*, backend: str = "reference", sampler_backend: str = "reference", 
         BackendUnavailable: the attention or sampler backend cannot run on ``device``.
         CheckpointError: ``checkpoint`` cannot be loaded (the message names the folder and the problem).
         ValueError: ``embedding_scale`` with a checkpoint; a text prompt with random weights.
+        DemoInputError: the requests need more positions than the checkpoint's ``max_position_embeddings`` (a
+            ValueError naming ``--canvas-length``).
         blockdiff.integration.checks.AttentionMismatch, blockdiff.integration.sampler.SamplerMismatch:
             ``check`` found a disagreement with the reference.
     """
@@ -290,7 +297,10 @@ def run_demo(*, backend: str = "reference", sampler_backend: str = "reference", 
         max_denoising_steps = RANDOM_MAX_DENOISING_STEPS if max_denoising_steps is None else max_denoising_steps
         embedding_scale = RANDOM_EMBEDDING_SCALE if embedding_scale is None else embedding_scale
         requests = DEFAULT_REQUESTS if requests is None else requests
-        cfg = tiny_config(canvas_length=canvas_length)
+        # positions for every request of the workload (random weights: no trained length to respect)
+        longest = max((0 if isinstance(p, str) else int(p)) for _, p, _, _, _ in requests)
+        need = max(256, longest + max(n for *_, n, _ in requests) + canvas_length)
+        cfg = tiny_config(canvas_length=canvas_length, max_position_embeddings=max(4096, need))
         model = DiffusionGemma(cfg).to(dev).eval()
         with torch.no_grad():
             model.embedding_weight.mul_(embedding_scale)  # tied: peaks the toy logits (random weights)
@@ -311,6 +321,12 @@ def run_demo(*, backend: str = "reference", sampler_backend: str = "reference", 
             prompts.append(torch.randint(3, cfg.vocab_size, (int(prompt),), generator=g).tolist())
             max_tokens.append(n)
     max_model_len = max(256, max(len(x) for x in prompts) + max(max_tokens) + canvas_length)
+    if max_model_len > cfg.max_position_embeddings:
+        max_model_len = max(len(x) for x in prompts) + max(max_tokens) + canvas_length
+    if max_model_len > cfg.max_position_embeddings:
+        raise DemoInputError(f"--canvas-length {canvas_length}: the demo's requests need {max_model_len} positions "
+                             f"(prompt + canvases), more than the model's max_position_embeddings "
+                             f"({cfg.max_position_embeddings})")
     runner = HarnessRunner(model, default_params=base, max_num_reqs=4, max_num_batched_tokens=4 * canvas_length,
                            page_size=8, max_model_len=max_model_len, device=dev, attn_backend=backend,
                            sampler_backend=sampler_backend, check=check, fuse_commit=fuse_commit)

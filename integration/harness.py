@@ -290,8 +290,9 @@ class HarnessRunner:
     Raises:
         TypeError: ``default_params`` not a SamplingParams; ``kv_dtype`` not a floating torch.dtype; ``device``,
             a backend, ``check`` or ``fuse_commit`` of the wrong type (``fuse_commit`` must be a bool).
-        ValueError: bad capacities; a device torch cannot parse or other than the model's; ``kv_dtype`` other than
-            the model's dtype; an unknown backend name.
+        ValueError: bad capacities (``max_model_len`` above the model config's ``max_position_embeddings``
+            included); a device torch cannot parse or other than the model's; ``kv_dtype`` other than the model's
+            dtype; an unknown backend name.
         ImportError: a backend that cannot be imported here (no fallback).
     """
 
@@ -315,6 +316,10 @@ class HarnessRunner:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= canvas_length ({cl})")
         if max_model_len < cl + 1:
             raise ValueError(f"max_model_len ({max_model_len}) must leave room for a prompt and a canvas ({cl})")
+        max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        if _is_int(max_pos) and max_model_len > max_pos:  # vLLM refuses it too (its derived max_model_len)
+            raise ValueError(f"max_model_len ({max_model_len}) must be <= the model's max_position_embeddings "
+                             f"({max_pos}): positions past it were never trained")
         if not isinstance(check, bool):
             raise TypeError(f"check must be a bool, got {type(check).__name__}")
         if not isinstance(fuse_commit, bool):

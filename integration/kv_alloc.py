@@ -37,7 +37,15 @@ class BlockAllocator:
         return self._owned.get(owner, [])
 
     def blocks_needed(self, owner: str, num_tokens: int) -> int:
-        """Extra pages ``owner`` needs so that positions ``[0, num_tokens)`` have a page."""
+        """Extra pages ``owner`` needs so that positions ``[0, num_tokens)`` have a page.
+
+        Raises:
+            TypeError: ``num_tokens`` is not an int. ValueError: ``num_tokens < 0``.
+        """
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
+            raise TypeError(f"num_tokens must be an int >= 0, got {type(num_tokens).__name__} ({num_tokens!r})")
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens}")
         need = -(-num_tokens // self.page_size)
         return max(0, need - len(self._owned.get(owner, [])))
 
@@ -46,6 +54,7 @@ class BlockAllocator:
 
         Raises:
             OutOfBlocks: not enough free pages (nothing is allocated then).
+            TypeError / ValueError: ``num_tokens`` not an int >= 0.
         """
         extra = self.blocks_needed(owner, num_tokens)
         if extra > len(self._free):

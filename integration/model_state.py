@@ -184,13 +184,17 @@ def stop_token_ids_of(sampling_params: Any) -> tuple[int, ...]:
     with ``ignore_eos``, for ``min_tokens``) and is not read.
 
     Raises:
-        TypeError: a stop id is not an int (numpy integers count as ints; bools, floats and strings do not).
+        TypeError: ``stop_token_ids`` is not a list / tuple / set (or None); a stop id is not an int (numpy
+            integers count as ints; bools, floats and strings do not).
     """
     ids = []
     eos = getattr(sampling_params, "eos_token_id", None)
     if eos is not None and not getattr(sampling_params, "ignore_eos", False):
         ids.append(eos)
-    ids.extend(getattr(sampling_params, "stop_token_ids", None) or ())
+    stops = getattr(sampling_params, "stop_token_ids", None)
+    if stops is not None and not isinstance(stops, (list, tuple, set, frozenset)):
+        raise TypeError(f"stop_token_ids must be a list of ints or None, got {type(stops).__name__} ({stops!r:.40})")
+    ids.extend(stops or ())
     for t in ids:
         if not _is_int(t):
             raise TypeError(f"stop_token_ids must hold ints, got {type(t).__name__} ({t!r})")
@@ -224,7 +228,8 @@ def unsupported_vllm_options(sampling_params: Any) -> list[str]:
         bad.append(f"{name}={v!r}")
     temperature = getattr(sampling_params, "temperature", 1.0)
     top_p = getattr(sampling_params, "top_p", 1.0)
-    if top_p is not None and top_p != 1.0 and not (temperature is not None and temperature < 1e-5):
+    greedy = isinstance(temperature, numbers.Real) and not isinstance(temperature, bool) and temperature < 1e-5
+    if top_p is not None and top_p != 1.0 and not greedy:  # (a temperature that is no number: not greedy)
         bad.append(f"top_p={top_p!r}")
     return bad
 

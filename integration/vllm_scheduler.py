@@ -14,7 +14,9 @@ After every step (``update_from_output``) it finishes:
 * a request the worker reported with non-finite logits (``ModelRunnerOutput.num_nans_in_logits[req_id] > 0``,
   which :class:`~blockdiff.integration.sampler.DiffusionSampler` sets for a request in phase FAILED): status
   ``FINISHED_ERROR`` (finish reason ``error``), no further tokens. vLLM's own scheduler only records that count,
-  so the request would be scheduled forever and never freed;
+  so the request would be scheduled forever and never freed; likewise a request whose
+  ``extra_args["diffusion_canvas_length"]`` is no canvas width (:func:`diffusion_canvas_width` raises: the model
+  state refuses it too);
 * a request whose next canvas no longer fits in ``max_model_len`` (``num_tokens + canvas_length >
   max_model_len``): status ``FINISHED_LENGTH_CAPPED`` (finish reason ``length``), as the harness does. vLLM would
   schedule it truncated canvases, which the blockdiff sampler skips (a canvas is denoised whole), so it would never
@@ -28,18 +30,34 @@ its finish reason, so the client is answered (no lost request). Interface read f
 """
 from __future__ import annotations
 
+import numbers
+from collections.abc import Mapping
 from typing import Any
 
 from .vllm_compat import scheduler_base_classes
 
+#: Canvas widths above this are refused (the sampler's canvas_length < 2**16, blockdiff.sampler.rng.MAX_POSITIONS).
+MAX_CANVAS_WIDTH = 1 << 16
+
 
 def diffusion_canvas_width(request: Any, canvas_length: int) -> int:
     """Canvas tokens the request schedules: ``extra_args["diffusion_canvas_length"]`` or the served one (vLLM's
-    ``diffusion_scheduler.diffusion_canvas_width``)."""
+    ``diffusion_scheduler.diffusion_canvas_width``).
+
+    Raises:
+        ValueError: ``extra_args["diffusion_canvas_length"]`` is set to something other than an int in
+            ``[1, 2**16)`` (a str, a float, a bool, 0 or a negative count: never truncated, never read as unset);
+            :func:`finish_stuck_requests` finishes such a request with an error.
+    """
     params = getattr(request, "sampling_params", None)
     extra = getattr(params, "extra_args", None) if params is not None else None
-    width = extra.get("diffusion_canvas_length") if extra else None
-    return int(width) if width else int(canvas_length)
+    width = extra.get("diffusion_canvas_length") if isinstance(extra, Mapping) else None
+    if width is None:
+        return int(canvas_length)
+    if isinstance(width, bool) or not isinstance(width, numbers.Integral) or not 1 <= width < MAX_CANVAS_WIDTH:
+        raise ValueError(f"sampling_params.extra_args['diffusion_canvas_length'] must be an int in [1, 2**16) "
+                         f"(canvas tokens), got {width!r}")
+    return int(width)
 
 
 def finish_stuck_requests(scheduler: Any, num_nans_in_logits: dict[str, int] | None, outputs: dict,
@@ -66,7 +84,11 @@ def finish_stuck_requests(scheduler: Any, num_nans_in_logits: dict[str, int] | N
     for req in list(scheduler.running):
         if req.request_id in failed or req.is_finished():
             continue
-        width = diffusion_canvas_width(req, scheduler.num_spec_tokens)
+        try:
+            width = diffusion_canvas_width(req, scheduler.num_spec_tokens)
+        except ValueError:  # a canvas width no model state serves: the request can only fail (answered, not lost)
+            failed.append(req.request_id)
+            continue
         if req.num_tokens + width > scheduler.max_model_len:
             too_long.append(req.request_id)
     done: list[tuple[str, str]] = []

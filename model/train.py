@@ -107,8 +107,18 @@ def smoke_config(**overrides) -> DiffusionGemmaConfig:
     return tiny_config(**kw)
 
 
+class CorpusError(ValueError):
+    """The training corpus (``TrainArgs.corpus``) holds no text, or too little for one example."""
+
+
 @dataclass
 class TrainArgs:
+    """Settings of one :func:`train` run, checked on construction (:meth:`problems`).
+
+    Raises:
+        TypeError / ValueError: the first field breaking its rule (named, with the rule and the value).
+    """
+
     out: str
     minutes: float = 8.0
     max_steps: int | None = None
@@ -130,6 +140,82 @@ class TrainArgs:
     eval_canvases: int = 2
     eval_steps: int = 16
     attn_backend: str = "reference"
+
+    def __post_init__(self):
+        probs = self.problems()
+        if probs:
+            kind, _, msg = probs[0]
+            raise kind(msg)
+
+    def problems(self, paths: bool = False) -> list[tuple[type, str, str]]:
+        """Every field breaking its rule: :func:`train_args_problems`."""
+        return train_args_problems(self, paths)
+
+
+def train_args_problems(self, paths: bool = False) -> list[tuple[type, str, str]]:
+    """Every field of ``self`` breaking its rule, as ``(TypeError | ValueError, field, message)`` (the message
+    starts with the field name). ``self``: a :class:`TrainArgs`, or any object with its attributes (the CLI checks
+    the user's values before ``--smoke`` caps them). ``paths=True`` also checks the file system (:func:`train`
+    does, before any work): ``out`` not a file, ``corpus`` an existing file or folder.
+
+    Rules: ``out`` a non-empty path; ``minutes`` finite > 0; ``max_steps`` None or an int >= 1; ``batch_size``,
+    ``log_every``, ``eval_prompt_len``, ``eval_canvases`` ints >= 1;
+    ``prefix_min`` an int >= 0 and ``prefix >= prefix_min``; ``warmup_steps``, ``eval_prompts`` ints >= 0;
+    ``eval_steps`` in [1, 2**14); ``seed`` in [0, 2**63); ``lr`` finite > 0; ``weight_decay`` finite >= 0;
+    ``min_lr_frac`` and ``self_cond_prob`` in [0, 1]; ``smoke`` a bool; ``device`` a str; ``corpus`` None
+    or a path; ``attn_backend`` one of blockdiff.attention's backends."""
+    out: list[tuple[type, str, str]] = []
+
+    def bad(kind, name, rule):
+        out.append((kind, name, f"{name} must be {rule}, got {getattr(self, name)!r}"))
+
+    def is_int(v):
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    def is_real(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    if not isinstance(self.out, (str, os.PathLike)) or not os.fspath(self.out):
+        bad(TypeError if not isinstance(self.out, (str, os.PathLike)) else ValueError, "out", "a non-empty path")
+    elif paths and os.path.exists(self.out) and not os.path.isdir(self.out):
+        bad(ValueError, "out", "a folder (it is a file)")
+    for name, lo in (("batch_size", 1), ("log_every", 1), ("eval_prompt_len", 1), ("eval_canvases", 1),
+                     ("prefix_min", 0), ("prefix", 0), ("warmup_steps", 0), ("eval_prompts", 0)):
+        v = getattr(self, name)
+        if not is_int(v):
+            bad(TypeError, name, f"an int >= {lo}")
+        elif v < lo:
+            bad(ValueError, name, f"an int >= {lo}")
+    if is_int(self.prefix) and is_int(self.prefix_min) and 0 <= self.prefix_min and 0 <= self.prefix < self.prefix_min:
+        bad(ValueError, "prefix", f">= prefix_min ({self.prefix_min}): P is drawn from [prefix_min, prefix]")
+    if self.max_steps is not None and (not is_int(self.max_steps) or self.max_steps < 1):
+        bad(TypeError if not is_int(self.max_steps) else ValueError, "max_steps", "None or an int >= 1")
+    if not is_int(self.eval_steps) or not 1 <= self.eval_steps < 2 ** 14:
+        bad(TypeError if not is_int(self.eval_steps) else ValueError, "eval_steps", "an int in [1, 2**14)")
+    if not is_int(self.seed) or not 0 <= self.seed < 2 ** 63:
+        bad(TypeError if not is_int(self.seed) else ValueError, "seed", "an int in [0, 2**63)")
+    for name, rule, ok in (("minutes", "a finite number > 0", lambda v: v > 0),
+                           ("lr", "a finite number > 0", lambda v: v > 0),
+                           ("weight_decay", "a finite number >= 0", lambda v: v >= 0),
+                           ("min_lr_frac", "a number in [0, 1]", lambda v: 0 <= v <= 1),
+                           ("self_cond_prob", "a number in [0, 1] (a probability)", lambda v: 0 <= v <= 1)):
+        v = getattr(self, name)
+        if not is_real(v):
+            bad(TypeError, name, rule)
+        elif not (math.isfinite(v) and ok(v)):
+            bad(ValueError, name, rule)
+    if not isinstance(self.smoke, bool):
+        bad(TypeError, "smoke", "True or False")
+    if not isinstance(self.device, str):
+        bad(TypeError, "device", "a str ('cpu', 'cuda', 'cuda:N')")
+    if self.corpus is not None:
+        if not isinstance(self.corpus, (str, os.PathLike)):
+            bad(TypeError, "corpus", "None or a path")
+        elif paths and not os.path.exists(self.corpus):
+            bad(ValueError, "corpus", "None (the stdlib) or an existing folder of .py files or text file")
+    if self.attn_backend not in ("reference", "triton", "cute", "auto"):
+        bad(ValueError, "attn_backend", "one of 'reference', 'triton', 'cute', 'auto'")
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- corpus
@@ -160,7 +246,7 @@ def load_corpus(root: str | None = None, tokenizer: ByteTokenizer | None = None,
         max_bytes: stop reading after this many bytes (None: all).
 
     Raises:
-        ValueError: no text found.
+        CorpusError: no text found (a ValueError).
     """
     tok = tokenizer or ByteTokenizer()
     if root is not None and os.path.isfile(root):
@@ -184,7 +270,7 @@ def load_corpus(root: str | None = None, tokenizer: ByteTokenizer | None = None,
         if max_bytes is not None and total >= max_bytes:
             break
     if not parts[False]:
-        raise ValueError(f"no .py text found under {base}")
+        raise CorpusError(f"no .py text found under {base}")
     cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, np.int16)  # noqa: E731
     return cat(parts[False]), cat(parts[True])
 
@@ -415,7 +501,11 @@ def train(args: TrainArgs, config: DiffusionGemmaConfig | None = None, stream=sy
     Raises:
         ValueError: ``args.eval_prompts > 0`` without ``evaluate`` (checked before training); the config's
             vocabulary is not the byte tokenizer's.
+        CorpusError: the corpus is missing, holds no text, or fewer tokens than one example (a ValueError).
+        TypeError / ValueError: a field of ``args`` breaking its rule (:meth:`TrainArgs.problems`), ``out`` a file.
     """
+    for kind, name, msg in args.problems(paths=True)[:1]:  # fields changed after construction; the paths
+        raise (CorpusError if name == "corpus" and kind is ValueError else kind)(msg)
     if args.eval_prompts > 0 and evaluate is None:
         raise ValueError(f"args.eval_prompts = {args.eval_prompts} needs evaluate= (e.g. "
                          "blockdiff.integration.evaluate.evaluate_generation); set eval_prompts = 0 to skip it")
@@ -432,6 +522,9 @@ def train(args: TrainArgs, config: DiffusionGemmaConfig | None = None, stream=sy
     CL = cfg.canvas_length
     train_ids, held = load_corpus(args.corpus, tok)
     p(f"corpus: {len(train_ids):,} train tokens, {len(held):,} held-out tokens ({args.corpus or 'stdlib'})")
+    if len(train_ids) <= args.prefix + CL:
+        raise CorpusError(f"the corpus ({args.corpus or 'stdlib'}) has {len(train_ids)} training tokens, fewer "
+                          f"than one example (prefix {args.prefix} + canvas {CL} + 1)")
     train_t = torch.from_numpy(train_ids.astype(np.int64))
     held_t = torch.from_numpy(held.astype(np.int64)) if len(held) > args.prefix + CL + 1 else train_t
     if held_t is train_t:

@@ -85,6 +85,10 @@ class SamplingParams:
     def __post_init__(self):
         if not isinstance(self.eos_token_ids, tuple):
             if isinstance(self.eos_token_ids, (list, set, frozenset)) or _is_int(self.eos_token_ids):
+                if isinstance(self.eos_token_ids, (set, frozenset)):  # sorted below: check the items first
+                    for t in self.eos_token_ids:
+                        if not _is_int(t):
+                            raise TypeError(f"eos_token_ids must hold ints, got {type(t).__name__} ({t!r})")
                 ids = (self.eos_token_ids,) if _is_int(self.eos_token_ids) else tuple(sorted(self.eos_token_ids))
                 object.__setattr__(self, "eos_token_ids", ids)
             else:

@@ -15,7 +15,7 @@ import torch
 import triton
 
 from ..masks import MAX_SEQ_LEN
-from ..validate import memory_overlaps
+from ..validate import length_hint_value, memory_overlaps
 from .common import _merge_kernel
 from .config import (CallShape, KernelShape, TritonConfig, choose_launch_config, get_kernel, interpreting,
                      kernel_constexprs, kernel_variant, merge_constexprs, next_pow2, tma_boxes)
@@ -165,7 +165,8 @@ def make_plan(q, k_cache, v_cache, info, block_table, window_size, bidirectional
 
     Raises:
         TypeError: ``config`` not a dict or None.
-        ValueError: a bad ``config``, an input the chosen kernel cannot take, or a non-unit last-dim stride.
+        ValueError: a bad ``config``, an input the chosen kernel cannot take, a non-unit last-dim stride, or a
+            negative ``max_seqlen_k`` (a 0-d tensor, read here).
     """
     if config is not None and not isinstance(config, dict):
         raise TypeError(f"config must be a dict or None, got {type(config).__name__}")
@@ -192,7 +193,7 @@ def make_plan(q, k_cache, v_cache, info, block_table, window_size, bidirectional
     prefix = bidirectional_window == "prefix"
     kern = get_kernel(D, DV, group, q.dtype, info.paged, info.page_size, has_window, prefix)
     if max_seqlen_k is not None:
-        kcap = int(max_seqlen_k)
+        kcap = length_hint_value("max_seqlen_k", max_seqlen_k)  # (a 0-d tensor is read here, checked like an int)
     elif info.paged:
         kcap = block_table.shape[1] * info.page_size
     else:

@@ -50,8 +50,10 @@ class SamplerConfig:
     ``soft_impl="triton_gemm"``, in :meth:`check_stats_overlap` where None resolves to it).
 
     Raises:
-        ValueError: unknown ``soft_impl``, ``soft_chunk < 1``, ``stats_overlap`` with ``soft_impl="triton_gemm"``.
-        TypeError: ``use_tma`` / ``soft_overlap`` / ``stats_overlap`` not a bool or None.
+        ValueError: unknown ``soft_impl``, ``soft_chunk < 1``, ``stats_overlap`` with ``soft_impl="triton_gemm"``,
+            an integer field (``block_p`` ... ``gemm_stages``) < 1.
+        TypeError: ``use_tma`` / ``soft_overlap`` / ``stats_overlap`` not a bool or None; an integer field not an
+            int or None.
     """
 
     block_p: int | None = None
@@ -72,6 +74,13 @@ class SamplerConfig:
     stats_overlap: bool | None = None
 
     def __post_init__(self):
+        for name in ("block_p", "block_g", "split_v", "stats_warps", "stats_stages", "block_m", "block_n", "block_k",
+                     "split_k", "gemm_warps", "gemm_stages"):
+            v = getattr(self, name)  # None chooses from the shapes; 0 is not a second spelling of it
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+                raise TypeError(f"SamplerConfig.{name} must be an int >= 1 or None, got {type(v).__name__} ({v!r})")
+            if v is not None and v < 1:
+                raise ValueError(f"SamplerConfig.{name} must be an int >= 1 or None (chosen from the shapes), got {v}")
         if self.soft_impl not in SOFT_IMPLS + (None,):
             raise ValueError(f"SamplerConfig.soft_impl must be one of {SOFT_IMPLS}, got {self.soft_impl!r}")
         if self.soft_chunk is not None and int(self.soft_chunk) < 1:

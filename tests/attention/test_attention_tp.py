@@ -124,3 +124,42 @@ def test_num_causal_q_and_window_edges_per_rank():
             out, lse = attention_head_parallel(q, kc, vc, world_size=world, backend="reference", **kw)
             torch.testing.assert_close(out, full[0], atol=1e-6, rtol=1e-6)
             torch.testing.assert_close(lse, full[1], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("world_size, exc", [(0, ValueError), (-2, ValueError), (2.0, TypeError), (True, TypeError)])
+def test_head_parallel_refuses_a_bad_world_size_naming_it(world_size, exc):
+    q, kc, vc, meta = mixed_batch(8, 2)
+    with pytest.raises(exc, match="world_size"):
+        attention_head_parallel(q, kc, vc, world_size=world_size, backend="reference", **meta)
+
+
+def test_tp_helpers_refuse_non_tensors_and_non_shards():
+    q, kc, vc, meta = mixed_batch(8, 2)
+    sh = head_shard(8, 2, 2, 0)
+    with pytest.raises(TypeError, match="q must be a torch.Tensor"):
+        attention_head_parallel([q], kc, vc, world_size=2, backend="reference", **meta)
+    with pytest.raises(TypeError, match="q must be a torch.Tensor"):
+        shard_heads(None, kc, vc, sh)
+    with pytest.raises(TypeError, match="shard must be a HeadShard"):
+        shard_heads(q, kc, vc, "rank0")
+    with pytest.raises(TypeError, match="shard must be a HeadShard"):
+        attention_tp(q, kc, vc, shard=None, backend="reference", **meta)
+
+
+def test_head_shard_built_by_hand_must_match_head_shard():
+    from blockdiff.attention.tp import HeadShard
+    assert HeadShard(1, 2, 8, 2, 4, 8, 1, 2) == head_shard(8, 2, 2, 1)
+    with pytest.raises(ValueError, match="inconsistent"):
+        HeadShard(0, 2, 8, 2, 4, 0, 0, 1)
+    with pytest.raises(TypeError, match="HeadShard.rank"):
+        HeadShard(0.0, 2, 8, 2, 0, 4, 0, 1)
+
+
+def test_gather_heads_refuses_empty_mixed_and_mismatched_results():
+    out = torch.zeros(5, 2, 4)
+    with pytest.raises(ValueError, match="one result per rank"):
+        gather_heads([])
+    with pytest.raises(ValueError, match="total_q"):
+        gather_heads([out, out[:3]])
+    with pytest.raises(TypeError, match="must all be out tensors or all"):
+        gather_heads([out, (out, torch.zeros(2, 5))])

@@ -294,6 +294,14 @@ def test_key_range_refuses_values_outside_the_contract(q_len, seq_len, ncq, matc
         key_range(_t([0]), _t(q_len), _t(seq_len), _t(ncq), None)
 
 
+@pytest.mark.parametrize("row", [-1, 4, 10])
+def test_key_range_refuses_rows_outside_the_sequence(row):
+    """A row outside [0, q_len) has no key interval in the contract; was silently answered (row -1 of a q_len-4
+    sequence over 6 keys got [0, 1])."""
+    with pytest.raises(ValueError, match=r"row must be in \[0, q_len\)"):
+        key_range(_t([0, row]), _t(4), _t(6), _t(0), None)
+
+
 def test_build_mask_refuses_seq_len_beyond_max_seq_len():
     """Was an attempt to allocate q_len x seq_len bools (8 TB for 2**40: a RuntimeError from the allocator)."""
     with pytest.raises(ValueError, match="seq_len .* MAX_SEQ_LEN"):

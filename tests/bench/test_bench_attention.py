@@ -140,3 +140,17 @@ def test_cute_configs_add_cute_rows_with_their_config(tmp_path):
     assert all(r["status"] in ("skipped", "error") for r in rows)
     with pytest.raises(SystemExit):
         ba.main(["--quick", "--cute-configs", '{"tile_n": 64}'])
+
+
+@pytest.mark.parametrize("flags, word", [
+    (["--tile-configs", "{bad"], "--tile-configs: not JSON"), (["--tile-configs", "5"], "--tile-configs: a JSON list"),
+    (["--cute-configs", "[{"], "--cute-configs: not JSON"), (["--backends", "bogus"], "--backends: unknown"),
+    (["--page-size", "0"], "--page-size must be"), (["--cpu-reps", "-1"], "--cpu-reps must be"),
+    (["--budget-s", "nan"], "--budget-s must be"), (["--device", "bogus"], "--device must name"),
+    (["--workloads", "no-such-workload"], "--workloads pattern")])
+def test_flag_errors_exit_2_with_a_line_naming_the_flag(capsys, flags, word):
+    """Were a JSONDecodeError / ValueError / RuntimeError traceback, exit 1 (--backends), or silently the default
+    (--page-size 0)."""
+    with pytest.raises(SystemExit) as e:
+        ba.main(["--quick", "--no-plots", *flags])
+    assert e.value.code == 2 and word in capsys.readouterr().err

@@ -97,3 +97,14 @@ def test_other_canvas_counts_all_sampled_and_a_split_v_sweep_record_their_own_su
     for bad in (["--canvases", "0"], ["--split-v", "a"], ["--split-v", "0"]):
         with pytest.raises(SystemExit):
             bs.main(["--quick", "--out", str(tmp_path), *bad])
+
+
+@pytest.mark.parametrize("flags, word", [
+    (["--split-k", "abc"], "--split-k must be"), (["--split-k", "0"], "--split-k values"),
+    (["--gemm-tiles", "1x2"], "--gemm-tiles must be"), (["--gemm-tiles", "axbxcxdxe"], "--gemm-tiles must be"),
+    (["--backends", "bogus"], "--backends: unknown")])
+def test_flag_errors_exit_2_with_a_line_naming_the_flag(tmp_path, capsys, flags, word):
+    """Were int() / IndexError tracebacks, exit 1 (--backends), or silently automatic (--split-k 0)."""
+    with pytest.raises(SystemExit) as e:
+        bs.main(["--quick", "--out", str(tmp_path), *flags])
+    assert e.value.code == 2 and word in capsys.readouterr().err

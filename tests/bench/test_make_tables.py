@@ -71,3 +71,25 @@ def test_pivot_marks_eager_only_and_wrong_results():
         {"workload": "v", "backend": "cute", "status": "error"}])
     assert text.splitlines()[0] == "| workload | triton ms | cute ms |"
     assert "| w | 0.5000 (eager) | 0.2500 **wrong** |" in text and "| v |  | error |" in text
+
+
+def test_missing_results_folder_exits_2_and_leaves_the_readme(tmp_path, capsys):
+    """Was rc 0 with the README's tables replaced by the "No GPU records yet" placeholder (a typo in --results
+    wiped the tables)."""
+    import pytest
+    readme = tmp_path / "README.md"
+    readme.write_text("keep\n")
+    for results in (tmp_path / "nope", readme):
+        with pytest.raises(SystemExit) as e:
+            make_tables.main(["--results", str(results), "--readme", str(readme)])
+        assert e.value.code == 2 and "--results" in capsys.readouterr().err
+    assert readme.read_text() == "keep\n"
+
+
+def test_record_whose_rows_are_not_objects_is_skipped_with_a_note(tmp_path, capsys):
+    """Was a TypeError / AttributeError traceback (rows 5, rows [1, "x"])."""
+    for i, rows in enumerate((5, [1, "x"])):
+        (tmp_path / f"r{i}.json").write_text(json.dumps({"gpu": "NVIDIA H200", "rows": rows}))
+    text = make_tables.main(["--results", str(tmp_path), "--stdout"])
+    err = capsys.readouterr().err
+    assert "No GPU records yet" in text and err.count("rows must be a list of JSON objects") == 2

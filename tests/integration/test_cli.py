@@ -108,6 +108,34 @@ def test_demo_rejects_bad_arguments_before_running(tmp_path, capsys):
     assert "--embedding-scale" in err and "--canvas-length" in err and "--out" in err
 
 
+@pytest.mark.parametrize("flags, flag", [
+    (["--batch-size", "0"], "--batch-size"), (["--lr", "nan"], "--lr"), (["--max-steps", "0"], "--max-steps"),
+    (["--prefix", "10", "--prefix-min", "20"], "--prefix"), (["--log-every", "0"], "--log-every"),
+    (["--self-cond-prob", "1.5"], "--self-cond-prob"), (["--eval-steps", "0"], "--eval-steps"),
+    (["--seed", "-1"], "--seed"), (["--corpus", "/no/such/corpus"], "--corpus")])
+def test_train_flag_errors_exit_2_naming_the_flag_before_training(tmp_path, capsys, flags, flag):
+    """Regression: these trained silently (--smoke replaced --lr nan, --max-steps 0 ran 20 steps, batch 0 trained on
+    nothing) or died with a traceback (--log-every 0: ZeroDivisionError; --seed -1, --corpus missing)."""
+    rc = cli.main(["train", "--smoke", "--eval-prompts", "0", "--out", str(tmp_path / "o"), *flags])
+    out = capsys.readouterr()
+    assert rc == 2 and out.err.startswith(f"blockdiff train: error: {flag}: ") and "trained" not in out.out
+    assert not (tmp_path / "o").exists()
+
+
+def test_train_corpus_with_no_text_exits_2_naming_corpus(tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    rc = cli.main(["train", "--smoke", "--eval-prompts", "0", "--out", str(tmp_path / "o"), "--corpus", str(empty)])
+    assert rc == 2 and "blockdiff train: error: --corpus: no .py text found" in capsys.readouterr().err
+
+
+def test_demo_canvas_longer_than_the_checkpoint_s_positions_exits_2(tmp_path, capsys):
+    """--canvas-length 2000 with the shipped checkpoint (max_position_embeddings 4096) needs 6000+ positions: the
+    harness refuses max_model_len past them; the demo says so in one line instead of a traceback."""
+    assert cli.main(["demo", "--canvas-length", "2000", "--no-progress", "--out", str(tmp_path)]) == 2
+    assert "--canvas-length 2000" in capsys.readouterr().err
+
+
 def test_demo_rejects_out_of_range_seed_and_step_cap_with_a_message_not_a_traceback(tmp_path, capsys):
     """Regression: --seed -1 and --max-denoising-steps 20000 passed the CLI checks and died in SamplingParams
     with a ValueError traceback; now exit 2 naming the option, before anything runs."""

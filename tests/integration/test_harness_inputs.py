@@ -125,3 +125,27 @@ def test_out_of_vocab_prompt_id_is_named_with_its_position(make_runner, ids, bad
     """Was: "token ids must be in [0, 256)" without the argument, the id or where it is."""
     with pytest.raises(ValueError, match=rf"prompt_token_ids: token ids must be in \[0, vocab_size=256\), got {bad} at position {pos}"):
         make_runner().add_request("a", ids)
+
+
+def test_max_model_len_past_the_model_s_positions_is_refused(make_runner, tiny_model):
+    """Was accepted (a 10**6-token max_model_len over a 4096-position model): positions never trained, which vLLM
+    refuses too."""
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        make_runner(max_model_len=tiny_model.config.max_position_embeddings + 1, num_blocks=8)
+    make_runner(max_model_len=tiny_model.config.max_position_embeddings, num_blocks=8)  # the limit itself is fine
+
+
+def test_vllm_style_stop_token_ids_that_is_not_a_list_names_it(make_runner):
+    """Was "TypeError: 'int' object is not iterable" (stop_token_ids=5)."""
+    sp = SimpleNamespace(temperature=1.0, stop_token_ids=5)
+    with pytest.raises(TypeError, match="request 'a': params: stop_token_ids must be a list of ints"):
+        make_runner().add_request("a", prompt(3), sp)
+
+
+@pytest.mark.parametrize("n, err", [(2.5, TypeError), (-3, ValueError), (True, TypeError)])
+def test_block_allocator_num_tokens_must_be_an_int_at_least_zero(n, err):
+    from blockdiff.integration.kv_alloc import BlockAllocator
+    a = BlockAllocator(4, 16)
+    with pytest.raises(err, match="num_tokens must be an int >= 0"):
+        a.ensure("r", n)
+    assert a.num_free == 4

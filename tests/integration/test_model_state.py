@@ -342,3 +342,13 @@ def test_harness_construction_rejects_bad_capacities(tiny_model):
     with pytest.raises(ValueError, match="max_num_reqs"):
         DiffusionModelState.for_harness(tiny_model, max_num_reqs=0, max_num_tokens=64, canvas_length=CL,
                                         device="cpu")
+
+
+def test_stop_token_ids_that_is_not_a_list_and_a_non_number_temperature_are_handled():
+    """stop_token_ids=7 was "TypeError: 'int' object is not iterable"; unsupported_vllm_options with top_p set and a
+    str temperature was "'<' not supported between 'str' and 'float'" (a temperature that is no number is not
+    greedy: top_p is reported)."""
+    with pytest.raises(TypeError, match="stop_token_ids must be a list of ints or None, got int"):
+        MS.stop_token_ids_of(SimpleNamespace(stop_token_ids=7))
+    assert MS.stop_token_ids_of(SimpleNamespace(stop_token_ids=(3, 1), eos_token_id=2)) == (1, 2, 3)
+    assert MS.unsupported_vllm_options(SimpleNamespace(top_p=0.9, temperature="x")) == ["top_p=0.9"]

@@ -88,3 +88,17 @@ def test_scheduler_classes_with_vllm():
     assert all(isinstance(o, EngineCoreOutput) for o in outs)
     assert [o.finish_reason for o in outs] == [FinishReason.ERROR, FinishReason.LENGTH]
     assert s.requests["n"].status == RequestStatus.FINISHED_ERROR
+
+
+@pytest.mark.parametrize("width", ["abc", 2.7, -4, True, 0, 1 << 16])
+def test_bad_canvas_width_extra_arg_is_refused_and_the_request_finished_with_error(width):
+    """extra_args diffusion_canvas_length that is no canvas width: a ValueError naming it (no truncation of 2.7,
+    no 0 read as unset), and finish_stuck_requests answers that request with an error instead of crashing."""
+    bad = FakeRequest("bad", 5)
+    bad.sampling_params.extra_args = {"diffusion_canvas_length": width}
+    with pytest.raises(ValueError, match="diffusion_canvas_length"):
+        VS.diffusion_canvas_width(bad, CL)
+    s = FakeScheduler([bad, FakeRequest("ok", 5)], max_model_len=100, canvas=CL)
+    outputs = {}
+    assert VS.finish_stuck_requests(s, None, outputs, types=FAKE_VLLM_TYPES) == [("bad", "error")]
+    assert s.requests["ok"].status == "RUNNING" and [o.request_id for o in outputs[0].outputs] == ["bad"]

@@ -168,3 +168,33 @@ def test_running_the_library_module_points_to_the_command():
     r = subprocess.run([sys.executable, "-m", "blockdiff.model.train", "--smoke"], capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 1 and "blockdiff train" in r.stderr
+
+
+@pytest.mark.parametrize("field, value, exc", [
+    ("batch_size", 0, ValueError), ("lr", float("nan"), ValueError), ("lr", -1.0, ValueError),
+    ("minutes", -1.0, ValueError), ("max_steps", 0, ValueError), ("log_every", 0, ValueError),
+    ("self_cond_prob", 1.5, ValueError), ("eval_prompts", -1, ValueError), ("eval_steps", 0, ValueError),
+    ("warmup_steps", -1, ValueError), ("seed", -1, ValueError), ("prefix_min", -1, ValueError),
+    ("batch_size", 8.0, TypeError), ("smoke", 1, TypeError), ("attn_backend", "flash", ValueError)])
+def test_train_args_refuse_a_field_breaking_its_rule(tmp_path, field, value, exc):
+    """Were trained with silently (batch 0, lr NaN, --max-steps 0 read as 20 by smoke_args) or failed deep inside
+    (log_every 0: ZeroDivisionError; prefix < prefix_min: torch.randint's RuntimeError)."""
+    with pytest.raises(exc, match=f"^{field} must be"):
+        TrainArgs(out=str(tmp_path), **{field: value})
+    with pytest.raises(ValueError, match="prefix must be >= prefix_min"):
+        TrainArgs(out=str(tmp_path), prefix=10, prefix_min=20)
+
+
+def test_train_refuses_a_missing_empty_or_tiny_corpus_and_an_out_file(tmp_path):
+    from blockdiff.model.train import CorpusError, train
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text("x = 1\n")
+    for corpus, match in ((tmp_path / "none", "corpus must be"), (empty, "no .py text"), (tiny, "fewer than one")):
+        with pytest.raises(CorpusError, match=match):
+            train(smoke_args(TrainArgs(out=str(tmp_path / "o"), corpus=str(corpus), eval_prompts=0)))
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(ValueError, match="out must be a folder"):
+        train(smoke_args(TrainArgs(out=str(afile), eval_prompts=0)))

@@ -228,3 +228,11 @@ def test_resumed_request_starts_at_its_canvas_index_and_emitted_count():
         st.add_request(1, 6, p, num_emitted=-1)
     with pytest.raises(TypeError, match="canvas_index"):
         st.add_request(1, 6, p, canvas_index=1.0)
+
+
+@pytest.mark.parametrize("ids", [{1, "a"}, {1, None}, frozenset({2, 1.5})])
+def test_eos_token_ids_set_with_a_non_int_names_the_field(ids):
+    """A set is sorted into a tuple: a non-int in it was sorted first (TypeError "'<' not supported between
+    instances of 'str' and 'int'", naming nothing)."""
+    with pytest.raises(TypeError, match="eos_token_ids must hold ints"):
+        SamplingParams(eos_token_ids=ids)

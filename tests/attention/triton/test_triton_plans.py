@@ -245,3 +245,13 @@ def test_gluon_launch_passes_the_fixups_v_view_only_with_nan_safe_v(monkeypatch,
                 want = vc[row, kvh, col]
             off = V.storage_offset() + row * v_row_stride + kvh * consts["VS"] + col
             assert torch.equal(torch.as_strided(V, (), (), off), want)
+
+
+@pytest.mark.parametrize("check_values", [None, False])
+def test_negative_max_seqlen_k_tensor_is_refused_like_the_int(check_values):
+    """A 0-d tensor hint is read on the host where the plan uses it: a negative one is the int form's ValueError
+    (was accepted silently)."""
+    inp = make_batch(**MIXED)
+    for hint in (-5, torch.tensor(-5)):
+        with pytest.raises(ValueError, match="max_seqlen_k must be >= 0"):
+            attention_triton(**inp, config=SMALL, max_seqlen_k=hint, check_values=check_values)

@@ -61,3 +61,11 @@ def test_check_stats_overlap_names_the_resolved_path():
         SamplerConfig(stats_overlap=True).check_stats_overlap(torch.device("cpu"), torch.bfloat16)
     assert SamplerConfig().soft_impl_for(torch.device("cuda"), torch.bfloat16) == "chunked"
     assert SamplerConfig(soft_impl="triton_gemm").soft_impl_for(torch.device("cuda"), torch.bfloat16) == "triton_gemm"
+
+
+@pytest.mark.parametrize("name, value, exc", [("split_k", 0, ValueError), ("gemm_warps", -1, ValueError),
+                                              ("block_m", True, TypeError), ("split_v", 2.0, TypeError)])
+def test_sampler_config_int_fields_must_be_ints_of_at_least_one(name, value, exc):
+    """``split_k=0`` silently meant "automatic" (the same as None); a float or bool reached the launch."""
+    with pytest.raises(exc, match=f"SamplerConfig.{name} must be an int >= 1"):
+        SamplerConfig(**{name: value})
