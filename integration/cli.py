@@ -224,7 +224,8 @@ def _demo(args) -> int:
         return 1
     reasons = [r.finish_reason for r in result.results.values()]
     if reasons and all(str(x).startswith("fail") for x in reasons):
-        print(f"blockdiff demo: error: all {len(reasons)} requests failed (non-finite logits)", file=sys.stderr)
+        print(f"blockdiff demo: error: all {len(reasons)} requests failed (NaN / +inf logits, or a position whose "
+              "every logit is -inf)", file=sys.stderr)
         return 1
     return 0
 

@@ -8,7 +8,8 @@ KV position does not move); commit rows ``num_sampled = canvas_length``, ``num_r
 does not progress (its request FAILED or FINISHED in an earlier step, or, under vLLM, a canvas vLLM truncated)
 also reports ``num_sampled = 0``, ``num_rejected = query_len``.
 
-Failed requests under vLLM: a request whose logits are non-finite goes to phase FAILED. The vLLM-mode output
+Failed requests under vLLM: a request whose logits have no softmax at some canvas position (a NaN or +inf logit,
+or every logit -inf; a -inf logit alone is p = 0, vLLM's token mask) goes to phase FAILED. The vLLM-mode output
 reports it in ``SamplerOutput.num_nans`` (vLLM's per-request NaN channel: the runner forwards it as
 ``ModelRunnerOutput.num_nans_in_logits``), on the failing step and on every later step the request is still
 scheduled. vLLM's own scheduler only records that count, so the plugin's scheduler
@@ -41,7 +42,8 @@ class DiffusionSamplerOutput:
         num_emitted: ``[N]`` int32, valid entries of ``sampled_token_ids`` per row.
         phase: ``[N]`` int32, each row's phase at entry.
         step: the :class:`blockdiff.sampler.StepOutput` (accepted, entropy, converged, finished, failed, ...).
-        num_nans: ``[N]`` int32, see :func:`accounting` (> 0: the request failed on non-finite logits).
+        num_nans: ``[N]`` int32, see :func:`accounting` (> 0: the request failed: a NaN / +inf logit, or a position
+            whose every logit is -inf).
         logprobs_tensors: None (not produced).
         fused: ``[N]`` bool, the fused commit rows (``DiffusionModelState.fuse_commit``), or None when the step
             had none.
@@ -69,7 +71,8 @@ def accounting(phase: torch.Tensor, q_lens: torch.Tensor, num_sampled: torch.Ten
     Args:
         phase: ``[N]`` int32, each row's phase at entry. q_lens: ``[N]`` int32 query tokens (tokens).
         num_sampled: ``[N]`` from the sampler step (commit rows CL, else 0). failed: ``[N]`` bool, rows that
-            failed in this step. entropy: ``[N, CL]`` float32 (NaN where a logit was non-finite).
+            failed in this step. entropy: ``[N, CL]`` float32 (NaN where the position's softmax is undefined: a NaN
+            or +inf logit, or every logit -inf; finite beside -inf logits, which are p = 0).
         stalled: ``[N]`` bool, rows the sampler skipped (a truncated canvas under vLLM), or None.
         fused: ``[N]`` bool, fused commit rows (a commit and the next canvas's first step, ``2 * canvas_length``
             query tokens), or None. canvas_length: CL, required with ``fused``.
@@ -79,7 +82,8 @@ def accounting(phase: torch.Tensor, q_lens: torch.Tensor, num_sampled: torch.Ten
         commit rows, ``q_len - canvas_length`` (CL: the next canvas's drafts) for fused commit rows (which sample
         CL: the committed canvas is accepted, so the KV position moves by CL), ``q_len`` for every other row
         (denoise, FAILED, FINISHED, stalled: the KV position does not move); ``num_nans`` ``[N]`` int32:
-        non-finite canvas positions (>= 1) on a row that failed now, 1 on a row already FAILED at entry, else 0.
+        canvas positions without a softmax (NaN entropy; >= 1) on a row that failed now, 1 on a row already FAILED
+        at entry, else 0 (-inf-masked logits alone report 0).
 
     Raises:
         ValueError: ``fused`` given without ``canvas_length``.

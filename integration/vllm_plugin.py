@@ -15,7 +15,8 @@
 
 The scheduler is chosen on the command line, not here: ``--scheduler-cls`` :data:`SCHEDULER_CLASS`
 (:mod:`blockdiff.integration.vllm_scheduler`) finishes the requests vLLM's own scheduler never would: a
-request whose logits went non-finite (reported by the sampler through ``num_nans``; finish reason ``error``) and
+request whose logits went NaN / +inf or all -inf at a position (reported by the sampler through ``num_nans``;
+-inf token masks alone are p = 0, not a failure; finish reason ``error``) and
 one whose next canvas no longer fits in ``max_model_len`` (finish reason ``length``). Without it such requests
 are scheduled forever.
 

@@ -11,7 +11,8 @@ Select it with ``--scheduler-cls blockdiff.integration.vllm_scheduler.BlockdiffD
 
 After every step (``update_from_output``) it finishes:
 
-* a request the worker reported with non-finite logits (``ModelRunnerOutput.num_nans_in_logits[req_id] > 0``,
+* a request the worker reported with NaN / +inf logits or a position whose every logit is -inf
+  (``ModelRunnerOutput.num_nans_in_logits[req_id] > 0``,
   which :class:`~blockdiff.integration.sampler.DiffusionSampler` sets for a request in phase FAILED): status
   ``FINISHED_ERROR`` (finish reason ``error``), no further tokens. vLLM's own scheduler only records that count,
   so the request would be scheduled forever and never freed; likewise a request whose

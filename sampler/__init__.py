@@ -3,8 +3,9 @@
 Per forward pass, :func:`sampler_step` turns the canvas logits of every DENOISE row into Gumbel-max samples,
 accepts the lowest-entropy positions within an entropy budget, renoises the rest, tracks argmax stability and
 mean entropy for convergence, computes the self-conditioning soft embedding, and drives each request's phase
-(PREFILL -> DENOISE -> COMMIT -> DENOISE ... -> FINISHED, or FAILED on non-finite logits). Semantics and
-interface: docs/ARCHITECTURE.md "Sampler semantics".
+(PREFILL -> DENOISE -> COMMIT -> DENOISE ... -> FINISHED, or FAILED where a canvas position has no softmax: a NaN
+or +inf logit, or every logit -inf; a -inf logit alone is p = 0). Semantics and interface: docs/ARCHITECTURE.md
+"Sampler semantics".
 
 Backends (explicit; no silent fallback): ``"reference"`` (dense PyTorch, :mod:`.reference`) and ``"triton"``
 (streaming fused kernels, :mod:`.triton`). ``"auto"`` picks triton on CUDA, reference elsewhere, and

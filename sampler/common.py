@@ -8,7 +8,8 @@ data-dependent shapes), so a step stays capturable in a CUDA graph; the one host
 
 Phase machine per row (docs/ARCHITECTURE.md "Sampler semantics"):
 PREFILL --prefill_done--> DENOISE (fresh canvas 0) --converged--> COMMIT --EOS or max_tokens--> FINISHED
-                                  \\--non-finite logit--> FAILED     \\--else--> DENOISE (fresh canvas, index + 1)
+                                  \\--undefined softmax--> FAILED   \\--else--> DENOISE (fresh canvas, index + 1)
+(undefined softmax: a NaN or +inf logit, or every logit of a position -inf; a -inf logit alone is p = 0.)
 (A request resumed after preemption starts at the canvas index ``SamplerState.add_request`` gave it, not 0.)
 """
 from __future__ import annotations
@@ -126,18 +127,20 @@ def temperature(state: SamplerState, slots: torch.Tensor) -> torch.Tensor:
 def overflow_shift(x: torch.Tensor, tdiv: torch.Tensor) -> torch.Tensor:
     """The shift c of docs/ARCHITECTURE.md "Sampler semantics" rule 1, float32 [...]: ``z = fl((x - c) / T)``.
 
-    c = 0, so ``z = fl(x / T)`` bit for bit (``x - 0.0 == x``), except at a position whose logits are all finite
-    and whose largest z overflows (``fl(max x / T)`` is +inf, or -inf: every z would be -inf): there c = max x,
-    so z <= 0 with max 0. (``max_v fl(x_v / T) = fl(max x / T)``: the division by T > 0 and the rounding are
-    monotone.) Every other z of such a position is <= -FLT_MAX * 2**-24 (about -2e31: two distinct float32 values
-    near max x differ by at least |max x| * 2**-24 >= T * FLT_MAX * 2**-24), so p is uniform over the tokens tied
-    at max x, exactly, and the Gumbel sample is the tie with the largest g.
+    c = 0, so ``z = fl(x / T)`` bit for bit (``x - 0.0 == x``), except at a position whose largest logit is finite
+    (no NaN or +inf, not every logit -inf; -inf logits beside it are p = 0 and stay -inf in z) and whose largest z
+    overflows (``fl(max x / T)`` is +inf, or -inf: every z would be -inf): there c = max x, so z <= 0 with max 0.
+    (``max_v fl(x_v / T) = fl(max x / T)``: the division by T > 0 and the rounding are monotone.) Every other z of
+    such a position is <= -FLT_MAX * 2**-24 (about -2e31: two distinct float32 values near max x differ by at least
+    |max x| * 2**-24 >= T * FLT_MAX * 2**-24), so p is uniform over the tokens tied at max x, exactly, and the
+    Gumbel sample is the tie with the largest g. Where the softmax is undefined (a NaN or +inf logit, every logit
+    -inf: ``max x`` is not finite, torch's ``amax`` propagates NaN) c = 0; the caller fails such positions.
 
     Args:
         x: float32 [..., V] logits, V >= 1. tdiv: float32 [..., 1] divisor (T; 1 on greedy rows, where z = x).
     """
     xmax = x.amax(-1)
-    ovf = torch.isfinite(x).all(-1) & torch.isinf(xmax / tdiv[..., 0])
+    ovf = torch.isfinite(xmax) & torch.isinf(xmax / tdiv[..., 0])
     return torch.where(ovf, xmax, 0.0)
 
 
@@ -185,9 +188,10 @@ class DenoiseResult:
     """What a backend computed for the rows of a step (meaningful on DENOISE rows; others are ignored).
 
     accepted [N, CL] bool, entropy [N, CL] float32, argmax / sampled / next_canvas [N, CL] int64,
-    row_failed [N] bool (a non-finite logit), converged [N] bool, stable_count [N] int32 (new value),
-    mean_entropy [N] float32, temperature [N] float32, soft [N, CL, hidden] float32 or None (None: the backend
-    already wrote ``state.soft`` for continuing rows itself, and zeroed it for fresh canvases).
+    row_failed [N] bool (an undefined softmax: a NaN / +inf logit, or every logit of a position -inf),
+    converged [N] bool, stable_count [N] int32 (new value), mean_entropy [N] float32, temperature [N] float32,
+    soft [N, CL, hidden] float32 or None (None: the backend already wrote ``state.soft`` for continuing rows itself,
+    and zeroed it for fresh canvases).
     """
 
     accepted: torch.Tensor

@@ -12,7 +12,9 @@ Per DENOISE row with step s, temperature T (:func:`blockdiff.sampler.common.temp
    except where the position's largest z would overflow (:func:`blockdiff.sampler.common.overflow_shift`).
 2. ``sampled = argmax(z + g)``, g Gumbel noise of :func:`blockdiff.sampler.rng.gumbel_noise`.
 3. ``argmax = argmax(z)`` (ties to the lowest id); ``H = -sum p log p``, ``p = softmax(z)`` (nats).
-4. :func:`blockdiff.sampler.common.accept_by_entropy`; a row with any non-finite logit fails (nothing accepted).
+4. :func:`blockdiff.sampler.common.accept_by_entropy`; a row with a position whose softmax is undefined (a NaN or
+   +inf logit, or every logit -inf) fails (nothing accepted). A -inf logit alone is p = 0 (vLLM's token mask):
+   never sampled, never the argmax, nothing in H or soft.
 5. next canvas: accepted positions keep ``sampled``, the rest get RENOISE-stream ids.
 6. :func:`blockdiff.sampler.common.convergence`.
 7. ``soft = (bf16(p) @ E).float() * sqrt(hidden)`` — p cast to E's dtype, the product in E's dtype (fp32
@@ -26,8 +28,9 @@ Where this (docs/ARCHITECTURE.md) differs from transformers' DiffusionGemma gene
 - T = 0 (t_min = t_max = 0) is greedy here; transformers' config validation requires ``t_max > t_min`` (its error
   message says ``>=``) and a zero temperature would divide by zero.
 - Ties: sort by entropy is stable (ties by position); transformers' ``torch.sort`` is unstable.
-- Non-finite logits fail the request; in transformers ``Categorical(logits=...)`` raises on NaN (or, without
-  argument validation, NaN entropies are never accepted and the step goes on with garbage).
+- NaN / +inf logits (or a position whose every logit is -inf) fail the request; in transformers
+  ``Categorical(logits=...)`` raises on NaN (or, without argument validation, NaN entropies are never accepted and
+  the step goes on with garbage). -inf logits are p = 0 in both.
 - max_tokens trims the emitted canvas; transformers emits whole canvases (``ceil(max_new_tokens / CL)``) and pads
   after the first EOS of a canvas with pad_token_id (the EOS kept, as here).
 - Self-conditioning: ``soft = softmax(z) @ E * sqrt(hidden)`` kept in float32 with the float32 scale; transformers
@@ -56,8 +59,8 @@ __all__ = ["sampler_step", "denoise_reference", "soft_embedding_reference", "ent
 def entropy_reference(z: torch.Tensor) -> torch.Tensor:
     """``H = -sum_v p log p`` with ``p = softmax(z)`` over the last dim, float32 nats.
 
-    Tokens with p = 0 contribute 0 (the limit of p log p), also where ``z = -inf`` (a finite logit such as
-    ``finfo(float32).min`` divided by T < 1 overflows to -inf): ``0 * -inf`` would be NaN. NaN only where the
+    Tokens with p = 0 contribute 0 (the limit of p log p), also where ``z = -inf`` (a -inf logit, a masked token,
+    or a finite logit such as ``finfo(float32).min`` divided by T < 1): ``0 * -inf`` would be NaN. NaN only where the
     distribution is undefined (some z = +inf, or every z = -inf); the caller fails such rows.
     """
     logp = torch.log_softmax(z, dim=-1)
@@ -88,8 +91,10 @@ def denoise_reference(state: SamplerState, slots: torch.Tensor, logits: torch.Te
     T = temperature(state, slots)                                    # [N] float32
     greedy = T == 0
     x = logits.to(torch.float32)
-    finite = torch.isfinite(x).all(-1)                               # [N, CL]
-    row_failed = ~finite.all(-1)
+    # the softmax is defined iff the largest logit is finite: no NaN (amax propagates it), no +inf, not every
+    # logit -inf; a -inf logit beside finite ones is p = 0 (z = -inf: never the argmax or the sample, 0 in H)
+    defined = torch.isfinite(x.amax(-1))                             # [N, CL]
+    row_failed = ~defined.all(-1)
     tdiv = torch.where(greedy, torch.ones_like(T), T)[:, None, None]
     z = (x - overflow_shift(x, tdiv)[..., None]) / tdiv              # = x / T unless max z would overflow
 
@@ -97,7 +102,7 @@ def denoise_reference(state: SamplerState, slots: torch.Tensor, logits: torch.Te
     g = rng.gumbel_noise(seed, rid, cidx, step, CL, V)
     sampled = torch.where(greedy[:, None], argmax, (z + g).argmax(-1))
     entropy = torch.where(greedy[:, None], 0.0, entropy_reference(z))
-    entropy = torch.where(finite, entropy, float("nan"))
+    entropy = torch.where(defined, entropy, float("nan"))           # greedy rows too: their entropy is 0
 
     # a finite z entry can still overflow to -inf (p = 0, the entropy stays finite); a NaN entropy (an undefined
     # softmax) fails the row, never commits garbage

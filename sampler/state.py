@@ -242,10 +242,11 @@ class StepOutput:
     vLLM accounting: ``num_sampled`` int32 (COMMIT rows: CL, else 0), ``num_rejected`` int32 (DENOISE rows:
     CL, else 0). Emission: ``emitted`` [N, CL] int64 padded -1 (COMMIT rows: the commit canvas trimmed after the
     first EOS, kept, and at max_tokens), ``num_emitted_now`` int32, ``finished`` bool, ``failed`` bool (a
-    DENOISE row with a non-finite logit).
+    DENOISE row with a position whose softmax is undefined: a NaN or +inf logit, or every logit -inf; -inf logits
+    beside finite ones are p = 0).
 
     Diagnostics of DENOISE rows (other rows: False / 0 / -1): ``accepted`` [N, CL] bool, ``entropy`` [N, CL]
-    float32 nats (NaN at positions with a non-finite logit), ``argmax`` / ``sampled`` / ``next_canvas``
+    float32 nats (NaN at positions whose softmax is undefined), ``argmax`` / ``sampled`` / ``next_canvas``
     [N, CL] int64 (next_canvas: the renoised canvas, the next denoise input unless the row converged or
     failed), ``converged`` bool, ``mean_entropy`` float32 nats, ``temperature`` float32.
     """

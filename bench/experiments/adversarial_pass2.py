@@ -452,14 +452,19 @@ def sec_sampler():
           check=failed_ok, expect_error=False)
     probe(S, "logits +inf at one id", lambda: run(7, 4, lambda n, c, v: torch.zeros(n, c, v).index_fill_(
         2, torch.tensor([3]), math.inf)), check=failed_ok, expect_error=False)
-    # docs/ARCHITECTURE.md "Non-finite logits": -inf means p = 0, but "Gap, open: the code still fails a request on
-    # a -inf logit" -- recorded as a known gap, not a new finding
-    try:
-        r = run(7, 4, lambda n, c, v: torch.full((n, c, v), -math.inf).index_fill_(2, torch.tensor([2]), 0.0))
-        row(S, "logits -inf except one", "known gap (documented)" if bool(r[1][-1].failed.all()) else "ok",
-            "request FAILED on -inf logits (ARCHITECTURE.md: open gap)" if bool(r[1][-1].failed.all()) else "")
-    except Exception as e:  # noqa: BLE001
-        row(S, "logits -inf except one", "BAD: traceback", f"{type(e).__name__}: {e}")
+    # docs/ARCHITECTURE.md "Non-finite logits": -inf means p = 0 (issue 26, closed): the request goes on, and the
+    # one finite token is the only one ever sampled
+    def only_id_2(res):
+        return finite_ok(res) or (None if bool((res[1][-1].sampled == 2).all()) else
+                                  f"sampled a -inf token {res[1][-1].sampled.tolist()}")
+
+    probe(S, "logits -inf except one", lambda: run(7, 4, lambda n, c, v: torch.full((n, c, v), -math.inf).index_fill_(
+        2, torch.tensor([2]), 0.0)), check=only_id_2, expect_error=False)
+    probe(S, "logits -inf except one, greedy", lambda: run(
+        7, 4, lambda n, c, v: torch.full((n, c, v), -math.inf).index_fill_(2, torch.tensor([2]), 0.0),
+        params=SamplingParams(canvas_length=4, t_min=0.0, t_max=0.0)), check=only_id_2, expect_error=False)
+    probe(S, "logits -inf except one at 3e38", lambda: run(7, 4, lambda n, c, v: torch.full(
+        (n, c, v), -math.inf).index_fill_(2, torch.tensor([2]), 3e38)), check=only_id_2, expect_error=False)
     probe(S, "logits 3e38 / -3e38", lambda: run(7, 4, lambda n, c, v: torch.full((n, c, v), -3e38).index_fill_(
         2, torch.tensor([5]), 3e38)), check=finite_ok, expect_error=False)
     probe(S, "entropy_bound=0 (lowest accepted only)", lambda: run(7, 4, lambda n, c, v: torch.randn(n, c, v),

@@ -20,10 +20,11 @@ F_MAX, F_SUM, F_U, F_ARGMAX, F_GVAL, F_GID, F_STATUS = range(7)
 NUM_FIELDS = 7
 
 #: F_STATUS values: which statistics a rank holds for a position (docs/ARCHITECTURE.md "Sampler semantics", rule 1).
-#: FINITE: of z = x / T, whose shard max is finite. BAD: a NaN / inf logit in the shard. ZMAX_INF: the shard's max
-#: z = x / T is +inf; ZMAX_NEG_INF: it is -inf (every z is -inf, or no tokens). For ZMAX_INF / ZMAX_NEG_INF the fields
-#: are of the shard's shifted z = (x - c) / T with c = the shard's max logit (F_MAX holds c; m = 0, s = the ties at
-#: c, u = 0), which the combine compares across ranks.
+#: FINITE: of z = x / T, whose shard max is finite. BAD: a NaN / +inf logit in the shard (-inf is p = 0). ZMAX_INF: the
+#: shard's max z = x / T is +inf; ZMAX_NEG_INF: it is -inf (every z is -inf, or no tokens, or every logit -inf). For
+#: ZMAX_INF / ZMAX_NEG_INF the fields are of the shard's shifted z = (x - c) / T with c = the shard's max logit (F_MAX
+#: holds c; m = 0, s = the ties at c, u = 0), which the combine compares across ranks; where every logit is -inf,
+#: those of an empty shard (:meth:`LocalStats.empty`: c = -inf, s = 0, ids vocab_size).
 STATUS_FINITE, STATUS_BAD, STATUS_ZMAX_INF, STATUS_ZMAX_NEG_INF = 0, 1, 2, 3
 
 

@@ -6,7 +6,10 @@ max z would overflow: :func:`blockdiff.sampler.common.overflow_shift`, status in
 ``s = sum exp(z - m)``,
 ``u = sum exp(z - m) (z - m)``, the argmax of z and the Gumbel-max candidate ``max(z + g)`` with their GLOBAL ids
 (the noise g drawn by :mod:`blockdiff.sampler.rng` at the global token id: bit-identical to the single-GPU
-noise), a non-finite flag, and the locally normalised soft-embedding partial ``(exp(z - m) / s) @ E_shard``.
+noise), a bad-logit flag (NaN / +inf), and the locally normalised soft-embedding partial
+``(exp(z - m) / s) @ E_shard``. A -inf logit is p = 0 (docs/ARCHITECTURE.md "Non-finite logits"); a shard whose
+every logit of a position is -inf gives that position the statistics of an empty shard
+(:meth:`~blockdiff.sampler.tp.common.LocalStats.empty`), so it takes no part in the combine.
 Memory: a few ``[N, CL, shard.size]`` float32 temporaries.
 """
 from __future__ import annotations
@@ -69,18 +72,24 @@ def local_statistics(logits: torch.Tensor, T: torch.Tensor, seed: torch.Tensor, 
         shard: the :class:`VocabShard` (its ``start`` turns local ids into global ids).
 
     Returns:
-        :class:`LocalStats`. Memory: a few ``[N, CL, shard.size]`` float32 temporaries (and the Philox int64
-        temporaries of :func:`gumbel_noise_shard`).
+        :class:`LocalStats`. Status BAD where a logit of the position is NaN or +inf; where every logit of the
+        position is -inf, the fields of :meth:`LocalStats.empty` (status ZMAX_NEG_INF, max -inf, s = u = 0, ids
+        ``vocab_size``, zero normalisers). Memory: a few ``[N, CL, shard.size]`` float32 temporaries (and the
+        Philox int64 temporaries of :func:`gumbel_noise_shard`).
     """
     N, CL, Vs = logits.shape
     f64 = torch.float64
     if Vs == 0:
         return LocalStats.empty(N, CL, shard.vocab_size, logits.device)
     x = logits.to(torch.float32)
-    bad = ~torch.isfinite(x).all(-1)        # on the logits, as the reference (not on z, which may overflow)
+    xmax = x.amax(-1)                       # NaN where a logit is NaN (amax propagates it)
+    # on the logits, as the reference (not on z, which may overflow): NaN / +inf is bad, -inf is p = 0, and a shard
+    # whose every logit is -inf holds no probability (an empty shard)
+    bad = torch.isnan(xmax) | (xmax == float("inf"))
+    empty = xmax == float("-inf")
     tdiv = _divisor(T)
     shift = overflow_shift(x, tdiv)                              # 0 unless the shard's max z overflows
-    zmax = x.amax(-1) / tdiv[..., 0]                             # the shard's max of x / T
+    zmax = xmax / tdiv[..., 0]                                   # the shard's max of x / T
     status = torch.where(bad, STATUS_BAD, torch.where(torch.isinf(zmax), torch.where(
         zmax > 0, STATUS_ZMAX_INF, STATUS_ZMAX_NEG_INF), STATUS_FINITE))
     z = (x - shift[..., None]) / tdiv
@@ -96,9 +105,15 @@ def local_statistics(logits: torch.Tensor, T: torch.Tensor, seed: torch.Tensor, 
     gv = y.gather(-1, gi[..., None]).squeeze(-1)
     shifted = (status == STATUS_ZMAX_INF) | (status == STATUS_ZMAX_NEG_INF)
     key = torch.where(shifted, shift, m)                         # shifted: the combine compares the shifts c
-    packed = torch.stack([key.to(f64), s.to(f64), u.to(f64), (amax + shard.start).to(f64), gv.to(f64),
-                          (gi + shard.start).to(f64), status.to(f64)], dim=-1)
-    return LocalStats(packed, m, 1.0 / s, amax, shift)
+    # every logit -inf: LocalStats.empty's fields (z - m = -inf - -inf would put NaN in s, u and the soft partial)
+    neg_inf, none = torch.full_like(key, float("-inf")), torch.full_like(amax, shard.vocab_size)
+    key, gv = torch.where(empty, neg_inf, key), torch.where(empty, neg_inf, gv)
+    s, u, m = torch.where(empty, 0.0, s), torch.where(empty, 0.0, u), torch.where(empty, 0.0, m)
+    aid, gid = torch.where(empty, none, amax + shard.start), torch.where(empty, none, gi + shard.start)
+    inv_s = torch.where(empty, 0.0, 1.0 / s)
+    packed = torch.stack([key.to(f64), s.to(f64), u.to(f64), aid.to(f64), gv.to(f64), gid.to(f64),
+                          status.to(f64)], dim=-1)
+    return LocalStats(packed, m, inv_s, torch.where(empty, 0, amax), shift)
 
 
 def soft_partial(logits: torch.Tensor, embedding: torch.Tensor, T: torch.Tensor, local: LocalStats) -> torch.Tensor:

@@ -11,7 +11,9 @@ one hidden-sized vector per position:
    ``m_r = max z``, ``s_r = sum exp(z - m_r)``, ``u_r = sum exp(z - m_r) (z - m_r)``, the argmax of z with its
    GLOBAL id (first maximum), the Gumbel-max candidate ``max(z + g)`` with its GLOBAL id — the noise g is drawn
    by :mod:`blockdiff.sampler.rng` at the global token id, so it is bit-identical to the single-GPU noise —
-   and a non-finite flag (:class:`~blockdiff.sampler.tp.common.LocalStats`). Plus the locally normalised
+   and a bad-logit flag (NaN / +inf; a -inf logit is p = 0, and a shard whose every logit of a position is -inf
+   holds that position's statistics of an empty shard) (:class:`~blockdiff.sampler.tp.common.LocalStats`). Plus
+   the locally normalised
    soft-embedding partial ``q_r = (exp(z - m_r) / s_r) @ E_r`` ([N, CL, hidden] fp32; one-hot(argmax_r) for
    T = 0 rows). Backends (explicit; no fallback, :data:`STATS_BACKENDS`): ``"reference"`` (dense torch,
    :mod:`blockdiff.sampler.tp.reference`) and ``"triton"`` (:mod:`blockdiff.sampler.tp.triton`: a streaming
@@ -98,7 +100,8 @@ class CombinedStats:
     """Global per-position results combined from every rank's statistics (identical on every rank).
 
     argmax, sampled: int64 [N, CL] global ids (sampled = argmax on T = 0 rows). entropy: float32 [N, CL] nats
-    (0 on T = 0 rows, NaN where any logit of the position is non-finite). bad: bool [N, CL] non-finite.
+    (0 on T = 0 rows, NaN where ``bad``). bad: bool [N, CL], the position's softmax is undefined: a NaN / +inf
+    logit on some rank, or every logit -inf (every rank's shard empty of probability).
     soft_weight: float32 [W, N, CL] — rank r's locally normalised partial times ``soft_weight[r]`` summed over
     ranks is ``softmax(z) @ E`` (one-hot on the owner of the argmax for T = 0 rows).
     """
@@ -125,6 +128,8 @@ def combine_statistics(gathered: torch.Tensor, T: torch.Tensor, vocab_size: int)
         with ``w_r = exp(m_r - M)``, ``Z = sum_r w_r s_r``, in float64, then float32. Where the position's max z
         overflows (rule 1; the ranks' ``F_STATUS``), the ranks' shifted statistics combine with ``w_r = 1`` on the
         ranks whose shift is the global max logit and 0 elsewhere (exactly the shifted z of the whole vocabulary).
+        A rank whose logits of a position are all -inf holds an empty shard's statistics (max -inf, s = 0): it
+        takes no part; where every rank does, the position is ``bad`` (no softmax, entropy NaN, greedy rows too).
     """
     m, s, u, aid, gv, gid, status = gathered.unbind(-1)          # each [W, N, CL]
     bad = (status == STATUS_BAD).any(0)
@@ -137,6 +142,7 @@ def combine_statistics(gathered: torch.Tensor, T: torch.Tensor, vocab_size: int)
                        (status == STATUS_FINITE) | (status == STATUS_BAD))
     m = torch.where(part, m, float("-inf"))
     M = m.max(0).values
+    bad = bad | (shifted & (M == float("-inf")))              # every logit -inf (every rank empty): no softmax
     top = part & (m == M)
     none = torch.full_like(aid, float(vocab_size))
     argmax = torch.where(top, aid, none).min(0).values
@@ -173,7 +179,7 @@ def finish_step(state: SamplerState, slots: torch.Tensor, prefill_done: torch.Te
     CL, V = state.canvas_length, state.vocab_size
     seed, rid = state.seed[slots], state.request_id[slots]
     cidx, step = state.canvas_index[slots], state.step[slots]
-    # as the reference: non-finite logits, or an undefined softmax (NaN entropy)
+    # as the reference: an undefined softmax (a NaN / +inf logit, every logit -inf: comb.bad) or a NaN entropy
     row_failed = comb.bad.any(-1) | torch.isnan(comb.entropy).any(-1)
     accepted = accept_by_entropy(comb.entropy, state.entropy_bound[slots]) & ~row_failed[:, None]
     renoise = rng.random_ids(seed, rid, cidx, step, CL, V, rng.RENOISE)

@@ -9,7 +9,8 @@ shard) streams the shard once in ``[BLOCK_G, 4]`` tiles aligned to the global Ph
 ``id >> 2``, word ``id & 3``, the Philox rounds of :func:`blockdiff.sampler.triton.common.philox4x32_10`, so the
 noise equals :func:`blockdiff.sampler.rng.gumbel_noise` bit for bit on CUDA) and keeps in float32 registers
 ``m = max z``, ``s = sum exp(z - m)``, ``u = sum exp(z - m)(z - m)`` (rescaled when the max moves), the first
-argmax of z, the Gumbel-max candidate and a non-finite flag; splits are merged exactly in torch. Where the shard's
+argmax of z, the Gumbel-max candidate and a bad-logit flag (NaN / +inf; a -inf logit is p = 0); splits are merged
+exactly in torch. Where the shard's
 max z overflows (+inf, or every z -inf: docs/ARCHITECTURE.md "Sampler semantics" rule 1), one more launch,
 :func:`_shard_ties_kernel`, gives the shard's shifted statistics (status in
 :mod:`blockdiff.sampler.tp.common`); its programs return at once elsewhere.
@@ -85,8 +86,8 @@ def _shard_stats_kernel(
         tok = grp[:, None] * 4 + j[None, :]                       # [G, 4] global ids
         mask = (tok >= lo) & (tok < hi)
         x = tl.load(base + (tok - VS), mask=mask, other=0.0).to(tl.float32)
-        nonfinite = (x != x) | (tl.abs(x) == float("inf"))
-        bad = tl.maximum(bad, tl.max(tl.max((mask & nonfinite).to(tl.int32), 1), 0))
+        nanpinf = (x != x) | (x == float("inf"))                   # -inf is p = 0 (z = -inf adds nothing), not bad
+        bad = tl.maximum(bad, tl.max(tl.max((mask & nanpinf).to(tl.int32), 1), 0))
         z = tl.where(mask, tl.math.div_rn(x, tdiv), -float("inf"))
         tmax = tl.max(tl.max(z, 1), 0)
         m_new = tl.maximum(m, tmax)
@@ -152,7 +153,8 @@ def local_statistics_triton(logits: torch.Tensor, T: torch.Tensor, seed: torch.T
                             canvas_index: torch.Tensor, step: torch.Tensor, active: torch.Tensor,
                             shard: VocabShard, config: SamplerConfig | None = None) -> LocalStats:
     """Streaming local pass of one shard: :class:`blockdiff.sampler.tp.common.LocalStats` (same fields as the torch
-    :func:`blockdiff.sampler.tp.reference.local_statistics`).
+    :func:`blockdiff.sampler.tp.reference.local_statistics`: status BAD on a NaN / +inf logit; a position whose
+    every logit in the shard is -inf gets :meth:`LocalStats.empty`'s fields).
 
     Args:
         logits: float [N, CL, shard.size] (last dim contiguous; fp32/bf16/fp16). T: float32 [N] (0 = greedy).
@@ -213,10 +215,17 @@ def local_statistics_triton(logits: torch.Tensor, T: torch.Tensor, seed: torch.T
     argmax = torch.where(flag, first, argmax)
     gval = torch.where(flag, g_best, gval)
     gid = torch.where(flag, g_id, gid)
+    # every logit of the shard -inf (c = -inf, every token a "tie"): LocalStats.empty's fields, no part in the combine
+    empty = flag & (c == float("-inf"))
+    s = torch.where(empty, 0.0, s)
+    gval = torch.where(empty, float("-inf"), gval)
+    argmax = torch.where(empty, shard.vocab_size, argmax)
+    gid = torch.where(empty, shard.vocab_size, gid)
     f64 = torch.float64
     packed = torch.stack([key.to(f64), s.to(f64), u.to(f64), argmax.to(f64), gval.to(f64), gid.to(f64),
                           status.to(f64)], dim=-1)
-    return LocalStats(packed, m, 1.0 / s, argmax - shard.start, torch.where(flag, c, 0.0))
+    return LocalStats(packed, m, torch.where(empty, 0.0, 1.0 / s), torch.where(empty, 0, argmax - shard.start),
+                      torch.where(flag & ~empty, c, 0.0))
 
 
 def soft_partial_triton(logits: torch.Tensor, embedding: torch.Tensor, T: torch.Tensor, local: LocalStats,

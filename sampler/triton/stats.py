@@ -12,8 +12,10 @@ pipelined 3 deep through cp.async, 4 warps; :class:`~blockdiff.sampler.triton.co
   reference): max ``m``, ``s = sum exp(z - m)``, ``u = sum exp(z - m) (z - m)`` with one exp per element
   (``d = z - m``; d > 0: ``u = e^-d (u - d s)``, ``s = e^-d s + 1``, ``m = z``; else ``s += e^d``,
   ``u += e^d d``) (Milakov & Gimelshein 2018, arXiv:1805.02867); the lane's first argmax of z and of ``z + g``
-  (Gumbel-max), and a non-finite flag (a float accumulator of ``x * 0``: NaN iff inf / NaN). Splits made of whole
-  tiles (V % CHUNK == 0, e.g. 262144) run without token masks.
+  (Gumbel-max), and a bad-logit flag (a float accumulator of ``(x < 0 ? 0 : x) * 0``: NaN iff a logit is NaN or
+  +inf; a -inf logit is p = 0, docs/ARCHITECTURE.md "Non-finite logits": z = -inf adds nothing to the sums and is
+  never the argmax or a Gumbel candidate). Splits made of whole tiles (V % CHUNK == 0, e.g. 262144) run without
+  token masks.
 - Gumbel prefilter (exact; docs/ARCHITECTURE.md "Sampler semantics", rule 2): the accurate logs of
   ``g = -log(-log u)`` (libdevice logf, as torch on CUDA: ~20 instructions each) are taken only for tiles holding
   a *candidate*, an element with ``z + g_up + 0.01 + 1e-5 |z| >= `` the row's best ``z + g`` so far, where
@@ -24,10 +26,11 @@ pipelined 3 deep through cp.async, 4 warps; :class:`~blockdiff.sampler.triton.co
 - Greedy rows (T = 0; rule 8): a program whose rows are all greedy (on the GPU a program is one position) runs
   the loop without Philox, the logs and the division (its Gumbel sample is never used; z = x / 1 = x).
 - Overflow (docs/ARCHITECTURE.md "Sampler semantics", rule 1): the streaming loop is unchanged; the split merge
-  (:func:`_stats_merge_kernel`) recognises a position with finite logits whose max z is +inf or whose every z is
-  -inf, and recomputes it from its logits in the shifted form z = (x - max x) / T (:func:`tie_statistics`: p
-  uniform over the logits tied at the max, exactly), so finite logits never fail a request; every other position
-  keeps z = x / T bit for bit. Its ``shift`` output is the soft embedding's c of z = (x - c) / T.
+  (:func:`_stats_merge_kernel`) recognises a position without NaN / +inf logits whose max z is +inf or whose
+  every z is -inf, and recomputes it from its logits in the shifted form z = (x - max x) / T
+  (:func:`tie_statistics`: p uniform over the logits tied at the max, exactly), so finite logits never fail a
+  request; every other position keeps z = x / T bit for bit. Its ``shift`` output is the soft embedding's c of
+  z = (x - c) / T. A position whose every logit is -inf (max x = -inf: no softmax) is flagged bad instead.
 - Lanes are merged once at the end (``s = sum_l e^(m_l - M) s_l``, ``u = sum_l e^(m_l - M) (u_l + (m_l - M)
   s_l)``, argmax = lowest id among the lanes holding the maximum), vocabulary splits (small batches) the same way
   in :func:`_stats_merge_kernel`; ``H = log s - u / s`` nats (= ``-sum p log p``).
@@ -98,11 +101,12 @@ def _stats_tile(x, tok, mask, tdiv3, grp, c1, c2, c3, k0, k1,
     """One ``[BLOCK_P, BLOCK_G, 4]`` tile of :func:`_stats_loop`: updates the per-lane accumulators and the
     per-row best Gumbel score ``rbest`` [P] (float32; the exact max of z + g over the elements taken so far).
 
-    ``bad`` is a float32 accumulator of ``x * 0`` (NaN iff a logit was inf or NaN: one FMA per element instead of
-    two compares). ``MASKED`` False: every element of the tile is a real token (no masks, no selects).
+    ``bad`` is a float32 accumulator of ``(x < 0 ? 0 : x) * 0`` (NaN iff a logit was NaN or +inf; -inf is p = 0,
+    not bad: one compare, one select and one FMA per element). ``MASKED`` False: every element of the tile is a
+    real token (no masks, no selects).
     """
     j3 = tl.arange(0, 4)[None, None, :]
-    bad = bad + x * 0.0
+    bad = bad + tl.where(x < 0.0, 0.0, x) * 0.0                    # NaN < 0 is false: NaN and +inf stay NaN
     if GUMBEL:
         z = tl.math.div_rn(x, tdiv3)
     else:                                                            # every valid row has T = 0: x / 1 = x
@@ -275,9 +279,10 @@ def _stats_kernel(
 def tie_statistics(base, lo, hi, vs, seed, rid, cidx, step, p, NUM_TILES: tl.constexpr, BLOCK: tl.constexpr,
                    GUMBEL: tl.constexpr):
     """Statistics of one position in the shifted form of docs/ARCHITECTURE.md "Sampler semantics" rule 1, for a
-    position whose largest z = x / T overflows (finite logits): z = (x - c) / T with c = max x is 0 on the tokens
-    tied at c and <= -2e31 elsewhere (:func:`blockdiff.sampler.common.overflow_shift`), so p is uniform over the
-    ties, exactly, and the Gumbel-max sample is the tie with the largest g.
+    position whose largest z = x / T overflows (no NaN / +inf logits): z = (x - c) / T with c = max x is 0 on the
+    tokens tied at c and <= -2e31 elsewhere, -inf at -inf logits (:func:`blockdiff.sampler.common.overflow_shift`),
+    so p is uniform over the ties, exactly, and the Gumbel-max sample is the tie with the largest g. Where every
+    logit is -inf, c = -inf (and every token counts as a tie): the callers flag that position instead.
 
     Reads the logits of global token ids t in ``[lo, hi)`` at ``base + (t - vs)`` (scalar pointer, any float
     dtype) in ``NUM_TILES >= cdiv(hi - lo, BLOCK)`` tiles, twice: the max, then the ties. Returns scalars
@@ -344,17 +349,19 @@ def _stats_merge_kernel(
 
     ``M = max_k m_k``, ``a_k = exp(m_k - M)``, ``s = sum_k a_k s_k``, ``u = sum_k a_k (u_k + (m_k - M) s_k)`` (the
     sum over splits is a tree, float32 rounding level),
-    ``H = log s - u / s`` (NaN where a logit is non-finite), ``inv_s = 1 / s`` (IEEE divisions, as torch); argmax
+    ``H = log s - u / s`` (NaN where the softmax is undefined), ``inv_s = 1 / s`` (IEEE divisions, as torch); argmax
     and Gumbel argmax: the id of the first split holding the maximum (splits are in increasing id order; the
     maxima are never NaN: a lane only takes ``z > best``), exact. Step inputs besides: ``hstep`` = H, except
     greedy rows (T = 0): 0, NaN where bad (docs/ARCHITECTURE.md "Sampler semantics", rule 8); ``sampled`` =
     Gumbel argmax, greedy rows: argmax. Rows of inactive requests (their stats were never written) get zeros.
 
-    Overflow (rule 1): a position with finite logits whose merged max z is +inf, or whose every z is -inf (s = 0),
-    is recomputed from its logits in the shifted form z = (x - c) / T, c = max x (:func:`tie_statistics`, reading
-    the row's logits ``x_ptr`` and RNG coordinates; ``TIE_TILES`` tiles of ``TIE_BLOCK`` tokens cover V): m = 0,
-    s = the ties at c, u = 0 (H = log ties), the first tie and the Gumbel-max tie; ``shift`` = c there, 0 elsewhere
-    (the soft embedding's z = (x - shift) / T). Only a program holding such a position runs it.
+    Overflow (rule 1): a position without NaN / +inf logits whose merged max z is +inf, or whose every z is -inf
+    (s = 0), is recomputed from its logits in the shifted form z = (x - c) / T, c = max x (:func:`tie_statistics`,
+    reading the row's logits ``x_ptr`` and RNG coordinates; ``TIE_TILES`` tiles of ``TIE_BLOCK`` tokens cover V):
+    m = 0, s = the ties at c, u = 0 (H = log ties), the first tie and the Gumbel-max tie; ``shift`` = c there, 0
+    elsewhere (the soft embedding's z = (x - shift) / T). Where c = -inf (every logit -inf: no softmax, the request
+    fails) the position is flagged ``bad`` with H = NaN and shift 0 instead. Only a program holding such a position
+    runs it.
     """
     pid = tl.program_id(0)
     r = pid * BLOCK_R + tl.arange(0, BLOCK_R)                       # [R] flat positions
@@ -404,10 +411,13 @@ def _stats_merge_kernel(
                     base, 0, V, 0, tl.load(seed_ptr + ni), tl.load(rid_ptr + ni), tl.load(cidx_ptr + ni),
                     tl.load(step_ptr + ni), pi, TIE_TILES, TIE_BLOCK, True)
                 sel = idx == i
-                shift = tl.where(sel, c, shift)
+                cv = tl.zeros((BLOCK_R,), tl.float32) + c
+                und = sel & (cv == -float("inf"))     # every logit -inf: the softmax is undefined (fails)
+                shift = tl.where(sel & ~und, cv, shift)
                 m = tl.where(sel, 0.0, m)
                 s = tl.where(sel, ties.to(tl.float32), s)
-                h = tl.where(sel, tl.log(ties.to(tl.float32)), h)              # log s - u / s with u = 0
+                h = tl.where(sel, tl.where(und, float("nan"), tl.log(ties.to(tl.float32))), h)  # u = 0
+                bad = bad | und
                 amax = tl.where(sel, first.to(tl.int64), amax)
                 gamax = tl.where(sel, g_id.to(tl.int64), gamax)
     greedy = T == 0.0
@@ -436,7 +446,8 @@ def row_stats(logits: torch.Tensor, T: torch.Tensor, seed: torch.Tensor, request
 
     Returns:
         dict of [N, CL] tensors: ``m`` (max z) and ``inv_s`` (1 / sum exp(z - m)) float32, ``entropy`` float32
-        nats (NaN where a logit is non-finite), ``argmax``/``gumbel_argmax`` int64, ``bad`` bool. Values of
+        nats (NaN where ``bad``), ``argmax``/``gumbel_argmax`` int64, ``bad`` bool (the position's softmax is
+        undefined: a NaN or +inf logit, or every logit -inf; a -inf logit beside finite ones is p = 0). Values of
         inactive rows are undefined (zeros today), and so is ``gumbel_argmax`` of greedy rows (T = 0: a program
         whose rows are all greedy skips the Gumbel pass; the step uses ``argmax`` there). What the step decides
         on besides: ``step_entropy`` float32 (``entropy``; greedy rows: 0, NaN where bad) and ``sampled`` int64
@@ -498,7 +509,8 @@ def _moments_kernel(x_ptr, stride_xn, stride_xp, t_ptr, active_ptr, m_ptr, inv_s
     max / sum (one exp2 per logit), merged once: the normaliser of the chunked soft embedding's probabilities,
     so its GEMM can start before the stats pass ends (``SamplerConfig.stats_overlap``). Memory-bound: one read
     of the logits. Where the max z overflows (+inf, or every z -inf: rule 1), the shifted form of
-    :func:`tie_statistics` instead: m = 0, inv_s = 1 / ties, shift = c (two more reads of that position only)."""
+    :func:`tie_statistics` instead: m = 0, inv_s = 1 / ties, shift = c (two more reads of that position only);
+    where every logit is -inf (no softmax: the request fails) m = inv_s = shift = 0, so p = 0 there."""
     r = tl.program_id(0)
     n = r // CL
     p = r % CL
@@ -522,9 +534,10 @@ def _moments_kernel(x_ptr, stride_xn, stride_xp, t_ptr, active_ptr, m_ptr, inv_s
         srow = tl.sum(sm * tl.exp2((mx - mrow) * 1.4426950408889634), 0)
         if (mrow == float("inf")) | (srow == 0.0):
             c, ties, _, _, _ = tie_statistics(base, 0, V, 0, None, None, None, None, p, NUM_TILES, BLOCK_V, False)
-            tl.store(shift_ptr + r, c)
+            und = c == -float("inf")                  # every logit -inf: no softmax (the step fails the row)
+            tl.store(shift_ptr + r, tl.where(und, 0.0, c))
             tl.store(m_ptr + r, 0.0)
-            tl.store(inv_s_ptr + r, 1.0 / ties.to(tl.float32))
+            tl.store(inv_s_ptr + r, tl.where(und, 0.0, 1.0 / ties.to(tl.float32)))
         else:
             tl.store(m_ptr + r, mrow)
             tl.store(inv_s_ptr + r, 1.0 / srow)
@@ -535,8 +548,9 @@ def row_moments(logits: torch.Tensor, T: torch.Tensor,
     """Softmax normalisers of ``z = (logits - shift) / T`` for the soft embedding only: ``(m, inv_s, shift)``
     float32 [N, CL], the row max of z (bit-equal to :func:`row_stats`' m: the same IEEE z), 1 / sum exp(z - m)
     (within float32 rounding of row_stats' value: lane order) and the shift of rule 1 (0 unless the position's max
-    z = logits / T overflows: then row_stats' shift, m = 0), on rows of active requests with T > 0; other rows
-    are 0. One memory-bound pass over the logits.
+    z = logits / T overflows: then row_stats' shift, m = 0), on rows of active requests with T > 0; other rows,
+    and positions whose every logit is -inf (no softmax: row_stats flags them bad), are 0. One memory-bound pass
+    over the logits.
 
     Args: logits float [N, CL, V] (contiguous last dim); T float32 [N]; active bool/int [N].
     """

@@ -131,7 +131,7 @@ def _step_kernel(
     prev_old = tl.load(prev_ptr + srow + q, mask=jm, other=0)
 
     # ---- decisions of a DENOISE row (entropy bound, renoise, convergence)
-    row_failed = tl.max((jm & (h != h)).to(tl.int32), 0) != 0     # a NaN entropy: non-finite logit / softmax
+    row_failed = tl.max((jm & (h != h)).to(tl.int32), 0) != 0     # a NaN entropy: an undefined softmax
     sel = ((cum - sh) <= bound) & (sh == sh)                         # accept_by_entropy, inclusive, NaN never
     accepted = sel & ~row_failed
     renoise = position_ids(seed, rid, cidx.to(tl.int64), step.to(tl.int64), q, V, 1)     # rng.RENOISE

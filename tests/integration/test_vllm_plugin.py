@@ -290,6 +290,44 @@ def test_vllm_mode_failed_request_reports_num_nans_until_the_scheduler_finishes_
 
 
 @needs_stack
+def test_vllm_mode_minus_inf_masked_logits_report_no_nans_and_keep_denoising(vllm_sampler_output):
+    """vLLM masks tokens with -inf logits: p = 0 there (docs/ARCHITECTURE.md "Non-finite logits", issue 26), so a
+    request whose logits carry -inf masks (half the vocabulary, all but one token) keeps denoising and reports
+    num_nans 0 (was: FAILED, num_nans > 0, finished with an error by the plugin's scheduler). A position whose every
+    logit is -inf has no softmax: that request fails and reports num_nans > 0; the request beside it goes on."""
+    from types import SimpleNamespace as NS
+
+    from blockdiff.sampler import DENOISE, FAILED
+
+    ms, sampler = _vllm_mode_state()
+    sp = NS(seed=3, max_tokens=None, ignore_eos=True, stop_token_ids=None, extra_args=None)
+    for slot, rid in ((0, "masked"), (1, "ok")):
+        ms.add_request(slot, NS(req_id=rid, prompt_token_ids=[1, 2, 3], sampling_params=sp))
+    g = torch.Generator().manual_seed(0)
+    b, n = _vllm_batch([("masked", 0, 3, 0, 3, [1, 2, 3]), ("ok", 1, 3, 0, 3, [1, 2, 3])])
+    ms.prepare_inputs(b, None)
+    sampler(torch.randn(n, 64, generator=g), b)
+    reports = []
+    for step in range(2):
+        b, n = _vllm_batch([("masked", 0, CL, 3, 3, None), ("ok", 1, CL, 3, 3, None)])
+        ms.prepare_inputs(b, None)
+        logits = torch.randn(n, 64, generator=g)
+        logits[:CL, 32:] = float("-inf")                 # half the vocabulary masked
+        logits[2, :] = float("-inf")
+        logits[2, 7] = 1.0                               # all but one token masked
+        if step == 1:
+            logits[5, :] = float("-inf")                 # no finite logit: no softmax
+        out = sampler(logits, b)
+        reports.append(out.num_nans.tolist())
+        if step == 0:
+            assert ms.state.phase[:2].tolist() == [DENOISE, DENOISE]
+            amax = ms.state.prev_argmax[0]                # this step's argmax canvas
+            assert (amax < 32).all() and amax[2].item() == 7 and torch.isfinite(ms.state.soft[:2]).all()
+    assert reports[0] == [0, 0] and reports[1][0] >= 1 and reports[1][1] == 0
+    assert ms.state.phase[0].item() == FAILED and ms.state.phase[1].item() == DENOISE
+
+
+@needs_stack
 def test_vllm_mode_truncated_canvas_row_is_skipped_not_raised(vllm_sampler_output):
     """vLLM schedules fewer than canvas_length tokens for a canvas near max_model_len. In vLLM mode that row is
     skipped (state untouched, num_sampled 0, num_rejected = its query_len) instead of raising ValueError inside

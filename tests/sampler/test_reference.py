@@ -182,8 +182,8 @@ def test_step_cap():
 
 
 # ------------------------------------------------------------------------------------------ failure
-@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
-def test_non_finite_logits_never_accepted_request_failed(bad):
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nan_or_plus_inf_logit_never_accepted_request_failed(bad):
     st, slots = make_state([P(), P()])
     start_denoise(st, slots)
     canvas_before = st.canvas.clone()
@@ -199,6 +199,81 @@ def test_non_finite_logits_never_accepted_request_failed(bad):
     # a failed request stays failed; its logits are ignored afterwards
     out = step(st, slots, torch.randn(2, CL, V))
     assert st.phase[1].item() == FAILED and out.num_rejected[1].item() == 0
+
+
+def test_minus_inf_logits_mean_probability_zero_and_do_not_fail():
+    """docs/ARCHITECTURE.md "Non-finite logits": a -inf logit (vLLM's token mask) is p = 0, not a failure. Half the
+    vocabulary -inf, all but one token -inf, -inf beside logits near float32's max (rule 1's shifted form): the
+    request denoises, a masked id is never the argmax or the sample, entropies are those of the unmasked logits,
+    and every output equals, bit for bit, the same step with finfo(float32).min in place of -inf (at T < 1 that
+    logit's z = x / T is -inf too). (Was: the request FAILED on the first -inf logit.)"""
+    def logits(neg):
+        x = torch.randn(2, CL, V, generator=torch.Generator().manual_seed(5)) * 3
+        x[:, 0, : V // 2] = neg                     # half the vocabulary masked
+        x[:, 1, :] = neg
+        x[:, 1, 11] = 0.5                           # all but one token masked: p one-hot there
+        x[:, 2, ::3] = neg
+        x[:, 2, 4] = 3e38                           # -inf beside a logit whose z overflows: shifted form
+        x[:, 3, 1::2] = neg
+        x[:, 3, 2] = -3.3e38                        # huge negative finite logits beside -inf
+        x[:, 4, -1] = neg                           # the last id masked
+        return x
+
+    outs, states = [], []
+    for neg in (-math.inf, torch.finfo(torch.float32).min):
+        st, slots = make_state([P(t_min=0.4, t_max=0.8), P(t_min=0.0, t_max=0.0)])
+        start_denoise(st, slots)
+        outs.append([step(st, slots, logits(neg)) for _ in range(2)])
+        states.append(st)
+    for oa, ob in zip(*outs):
+        for f in ("accepted", "argmax", "sampled", "next_canvas", "converged", "failed", "entropy", "mean_entropy"):
+            assert torch.equal(getattr(oa, f), getattr(ob, f)), f
+    for f in ("phase", "canvas", "prev_argmax", "stable_count", "step", "soft"):
+        assert torch.equal(getattr(states[0], f), getattr(states[1], f)), f
+    x = logits(-math.inf)
+    for out in outs[0]:
+        assert not out.failed.any() and torch.isfinite(out.entropy).all() and torch.isfinite(out.mean_entropy).all()
+        masked = x == -math.inf
+        for ids in (out.argmax, out.sampled):
+            assert not masked.gather(-1, ids[..., None]).any()
+        assert out.argmax[:, 1].tolist() == [11, 11] and out.sampled[:, 1].tolist() == [11, 11]
+        assert out.argmax[:, 2].tolist() == [4, 4] and out.entropy[0, 1].item() == 0.0
+        keep = ~masked[0, 0]
+        torch.testing.assert_close(out.entropy[0, 0], entropy_reference(x[0, 0, keep] / out.temperature[0]))
+    assert (states[0].phase[:2] != FAILED).all() and torch.isfinite(states[0].soft).all()
+    assert states[0].phase[0].item() == DENOISE
+    torch.testing.assert_close(states[0].soft[0, 1], E[11] * math.sqrt(HID))    # p one-hot at the only token
+
+
+def test_minus_inf_masked_tokens_are_never_sampled_and_the_rest_follow_the_softmax():
+    n = 256
+    st, slots = make_state([P(seed=i, canvas_length=64) for i in range(n)], cl=64, v=5)
+    start_denoise(st, slots)
+    x = torch.tensor([0.0, -math.inf, 2.0, -math.inf, 0.5]).expand(n, 64, 5).contiguous()
+    out = sampler_step(st, slots, x, torch.ones(n, dtype=torch.bool), torch.zeros(5, HID))
+    freq = torch.bincount(out.sampled.flatten(), minlength=5).float() / (n * 64)
+    assert freq[1].item() == 0.0 and freq[3].item() == 0.0
+    assert torch.allclose(freq, torch.softmax(x[0, 0] / 0.8, -1), atol=0.01)
+
+
+@pytest.mark.parametrize("greedy", [False, True])
+def test_position_with_every_logit_minus_inf_fails_the_request(greedy):
+    """Every logit of a position -inf: the softmax is undefined, so the request fails (nothing accepted, NaN
+    entropy there), greedy rows too (whose entropies are otherwise 0)."""
+    t = 0.0 if greedy else 0.8
+    st, slots = make_state([P(t_min=t, t_max=t), P(t_min=t, t_max=t)])
+    start_denoise(st, slots)
+    canvas_before = st.canvas.clone()
+    x = torch.randn(2, CL, V)
+    x[:, :, : V // 2] = -math.inf
+    x[1, 6, :] = -math.inf
+    out = step(st, slots, x)
+    assert out.failed.tolist() == [False, True]
+    assert st.phase[slots].tolist() == [DENOISE, FAILED]
+    assert not out.accepted[1].any() and out.accepted[0].any()
+    assert torch.equal(st.canvas[1], canvas_before[1])
+    assert torch.isnan(out.entropy[1, 6]) and torch.isfinite(out.entropy[1, :6]).all()
+    assert torch.isfinite(out.entropy[0]).all()
 
 
 def test_float32_min_masked_logits_keep_entropy_finite_and_accept_the_lowest():

@@ -163,6 +163,40 @@ def test_masked_logit_at_float32_min_keeps_entropy_finite_as_in_the_reference():
     torch.testing.assert_close(o_tp.entropy, o_ref.entropy, rtol=1e-5, atol=1e-5)
 
 
+def test_minus_inf_logits_mean_probability_zero_in_the_combine():
+    """-inf logits are p = 0 (issue 26): a rank whose logits of a position are all -inf sends an empty shard's
+    statistics and takes no part (beside a finite rank, beside a rank whose max z overflows, beside ranks whose z
+    are all -inf); the entropy is the unmasked logits'. Every logit -inf on every rank: bad, NaN entropy, greedy
+    rows too."""
+    V = 12
+    x = torch.randn(2, 5, V)
+    x[:, 0, :6] = -math.inf                       # rank 0 all -inf, rank 1 finite
+    x[:, 1, 6:] = -math.inf
+    x[:, 1, 2] = 3e38                             # rank 1 all -inf, rank 0's max z overflows (T 0.5)
+    x[:, 2, :6] = -math.inf
+    x[:, 2, 6:] = -3.3e38                         # rank 0 all -inf, rank 1's z all -inf (T 0.5): shifted
+    x[:, 2, 10] = -3.2e38
+    x[:, 3, ::2] = -math.inf                      # half of each rank
+    x[:, 4] = -math.inf                           # no softmax
+    for T in (torch.tensor([0.5, 0.5]), torch.tensor([0.0, 0.0])):
+        loc = _stats_for(x, T, (0, 6, V), V)
+        assert loc[0, :, 0, 0].eq(-math.inf).all() and loc[0, :, 0, 1].eq(0).all() and loc[0, :, 0, 3].eq(V).all()
+        c = combine_statistics(loc, T, V)
+        assert c.bad[:, :4].logical_not().all() and c.bad[:, 4].all()
+        assert torch.isfinite(c.entropy[:, :4]).all() and torch.isnan(c.entropy[:, 4]).all()
+        assert torch.equal(c.argmax[:, :4], x[:, :4].argmax(-1))
+        assert c.argmax[0, 1].item() == 2 and c.argmax[0, 2].item() == 10
+        if T[0] > 0:
+            assert c.entropy[0, 1].item() == 0.0 and c.entropy[0, 2].item() == 0.0
+            for p in (0, 3):
+                keep = x[0, p] != -math.inf
+                z = x[0, p, keep] / T[0]
+                torch.testing.assert_close(c.entropy[0, p], -(torch.softmax(z, -1) * torch.log_softmax(z, -1)).sum(),
+                                           rtol=1e-5, atol=1e-6)
+            assert torch.allclose(c.soft_weight[:, :, :4].sum(0), torch.ones(2, 4), atol=1e-6)
+            assert (c.soft_weight[0, :, 0] == 0).all() and (c.soft_weight[1, :, 1] == 0).all()
+
+
 def test_sharded_step_rejects_wrong_shapes():
     params = W.scenario_params(CL)
     st, _ = W.make_states(params, CL, 100, HID, "cpu", copies=1)[0], None

@@ -46,7 +46,9 @@ def step_logits(step: int, N: int, cl: int, V: int, tie_ids: tuple[int, int], de
     Row 0/3: Gaussian logits with a per-position scale in [0, 40) (entropies from ~0 to ~log V), row 0 position
     0 with an exact tie of the maximum at ``tie_ids`` (one id per side of a shard boundary); row 1 (greedy): ties
     at ``tie_ids`` on every 3rd position; row 2: peaked (one-hot softmax) at fixed ids from step 1 on, so it
-    converges at step 2; row 3: a NaN at step 2 (fails).
+    converges at step 2; row 3: a NaN at step 2 (fails). -inf masks (p = 0) from step 1 on: row 0's odd positions
+    on ids [V/4, 3V/4) (whole shards of some splits), row 1's (greedy) position 1 on its first half, row 3's
+    position 0 on every id but V - 1.
     """
     g = torch.Generator(device=device).manual_seed(1234 + step)
     x = torch.randn(N, cl, V, generator=g, device=device)
@@ -63,6 +65,11 @@ def step_logits(step: int, N: int, cl: int, V: int, tie_ids: tuple[int, int], de
         ids[ids == 5] = 6   # no EOS in the converged canvas
         x[2] = 0.0
         x[2].scatter_(-1, ids[:, None], 1000.0)
+    if step >= 1:
+        x[0, 1::2, V // 4: 3 * V // 4] = float("-inf")
+        if cl > 1:
+            x[1, 1, : V // 2] = float("-inf")
+        x[3, 0, : V - 1] = float("-inf")
     if step == 2:
         x[3, cl // 2, V // 3] = float("nan")
     return x

@@ -1,16 +1,20 @@
 """Stage (a) of the Triton sampler (blockdiff.sampler.triton.stats) against the dense reference: row_stats'
-argmax, Gumbel-max sample, entropy, normalisers and non-finite flags; the greedy skip; the exact Gumbel prefilter
-(tiles whose elements cannot reach the row's best ``z + g`` skip the two accurate logs: the sample must be the full
-computation's, whatever the bound's quality within its stated error, for whole-tile (unmasked) and masked splits,
-one or several positions per program); row_moments' normalisers.
+argmax, Gumbel-max sample, entropy, normalisers and bad flags (NaN / +inf, or every logit -inf; a -inf logit alone
+is p = 0); the greedy skip; the exact Gumbel prefilter (tiles whose elements cannot reach the row's best ``z + g``
+skip the two accurate logs: the sample must be the full computation's, whatever the bound's quality within its
+stated error, for whole-tile (unmasked) and masked splits, one or several positions per program); row_moments'
+normalisers.
 
 CPU: Triton interpreter. ``PREFILTER_LOG_MODE`` 2 moves the bound by up to +-0.0049 (the error the margin allows);
 mode 0 uses the exact logs as the bound. Both must give the reference's Gumbel argmax.
 """
+import math
+
 import pytest
 import torch
 
 from blockdiff.sampler import rng
+from blockdiff.sampler.common import overflow_shift
 from blockdiff.sampler.reference import entropy_reference
 from blockdiff.sampler.triton import stats
 from blockdiff.sampler.triton.config import SamplerConfig
@@ -123,20 +127,66 @@ def test_prefilter_bound_is_an_upper_bound_up_to_the_margin():
     assert 3 * 0.00163 < float(stats.PREFILTER_ABS.value) / 2          # mode 2's perturbation
 
 
-def test_non_finite_logits_still_flagged_with_unmasked_tiles():
-    """Whole-tile splits (no masks) flag inf / NaN through the x * 0 accumulator, per position."""
+def test_nan_and_plus_inf_logits_still_flagged_with_unmasked_tiles_minus_inf_is_not():
+    """Whole-tile splits (no masks) flag +inf / NaN through the (x < 0 ? 0 : x) * 0 accumulator, per position; a
+    -inf logit is p = 0, not bad (issue 26), unless every logit of the position is -inf (no softmax)."""
     g = torch.Generator().manual_seed(3)
-    N, CL, V = 2, 3, 256
+    N, CL, V = 2, 4, 256
     x = torch.randn(N, CL, V, generator=g)
     x[0, 1, 17] = float("inf")
     x[1, 2, 255] = float("nan")
     x[1, 0, 0] = float("-inf")
+    x[0, 2, 5] = float("-inf")
+    x[0, 3] = float("-inf")
+    x[1, 3] = float("-inf")
     T = torch.tensor([0.7, 0.0])
     seed, rid, ci, st = coords(N, g, 0, 2**40)
     r = row_stats(x, T, seed, rid, ci, st, torch.ones(N, dtype=torch.bool), SamplerConfig(block_g=16, split_v=2))
     expect = torch.zeros(N, CL, dtype=torch.bool)
-    expect[0, 1] = expect[1, 2] = expect[1, 0] = True
+    expect[0, 1] = expect[1, 2] = expect[0, 3] = expect[1, 3] = True
     assert torch.equal(r["bad"], expect)
+    assert torch.equal(torch.isnan(r["entropy"]), expect) and torch.equal(torch.isnan(r["step_entropy"]), expect)
+
+
+@pytest.mark.parametrize("V,split_v,block_p", [(256, 1, 1), (256, 2, 4), (70, 3, 2), (70, 1, 8)])
+def test_minus_inf_logits_mean_probability_zero_in_row_stats(V, split_v, block_p):
+    """-inf logits (half the vocabulary, all but one token, a whole split, beside 3e38 or -3.3e38 finite logits whose
+    z overflows): argmax, Gumbel-max sample, m and shift bit for bit the reference's (z = (x - c) / T of rule 1),
+    entropies to float32 rounding, never bad; a position whose every logit is -inf is bad (H = NaN, greedy rows
+    too). row_moments: the same m and shift, 0 on the all -inf position. Masked and whole-tile splits."""
+    g = torch.Generator().manual_seed(V + split_v)
+    N, CL = 3, 7
+    x = torch.randn(N, CL, V, generator=g) * 3
+    x[:, 0, : V // 2] = -math.inf
+    x[:, 1] = -math.inf
+    x[:, 1, 13] = 0.3
+    x[:, 2, ::3] = -math.inf
+    x[:, 2, 4] = 3e38
+    x[:, 3] = -3.3e38 + torch.arange(V, dtype=torch.float32) * 1e31
+    x[:, 3, 1::2] = -math.inf
+    x[:, 4, : V - V // split_v] = -math.inf      # every split but the last all -inf
+    x[:, 5, -8:] = -math.inf
+    x[:, 6] = -math.inf                          # no finite logit: bad
+    T = torch.tensor([0.4, 0.0, 1.0])
+    seed, rid, ci, st = coords(N, g, 0, 2**40)
+    r = row_stats(x, T, seed, rid, ci, st, torch.ones(N, dtype=torch.bool),
+                  SamplerConfig(block_g=16 if V == 256 else 4, split_v=split_v, block_p=block_p))
+    tdiv = torch.where(T == 0, 1.0, T)[:, None, None]
+    c = overflow_shift(x, tdiv)
+    z = (x - c[..., None]) / tdiv
+    ok = torch.ones(N, CL, dtype=torch.bool)
+    ok[:, 6] = False
+    smp = ok & (T != 0)[:, None]
+    assert torch.equal(r["bad"], ~ok) and torch.isnan(r["step_entropy"][:, 6]).all()
+    assert torch.equal(r["shift"], c) and (c[0, 2:4] != 0).all()     # T = 0.4: shifted form
+    assert torch.equal(r["argmax"][ok], z.argmax(-1)[ok]) and (r["argmax"][:, 1] == 13).all()
+    assert torch.equal(r["gumbel_argmax"][smp], (z + rng.gumbel_noise(seed, rid, ci, st, CL, V)).argmax(-1)[smp])
+    assert torch.equal(r["m"][ok], z.amax(-1)[ok])
+    assert torch.allclose(r["entropy"][ok], entropy_reference(z)[ok], rtol=1e-5, atol=1e-5)
+    m2, inv_s2, shift2 = row_moments(x, T, torch.ones(N, dtype=torch.bool))
+    assert torch.equal(m2[smp], r["m"][smp]) and torch.equal(shift2[smp], r["shift"][smp])
+    torch.testing.assert_close(inv_s2[smp], r["inv_s"][smp], rtol=1e-6, atol=0)
+    assert (m2[:, 6] == 0).all() and (inv_s2[:, 6] == 0).all() and (shift2[:, 6] == 0).all()
 
 
 @pytest.mark.gpu

@@ -151,8 +151,8 @@ def test_soft_rows_written_exactly_where_due_poisoned_state():
 def test_fuzz_random_batches_match_reference(data):
     """Random batch compositions: sizes 1..3 rows, canvas 1..9, vocab 1..70 (not multiples of the tiles),
     random params (greedy, temperatures 1e-30..50, 1e-38 written into the state, bound 0, k 0..2, tiny caps),
-    random phases, NaN rows, logits overflowing z = x / T, bf16 or fp32 logits; soft rows to fp32 rounding with an
-    fp32 embedding."""
+    random phases, NaN rows, logits overflowing z = x / T, -inf masks (p = 0; a position all -inf fails), bf16 or
+    fp32 logits; soft rows to fp32 rounding with an fp32 embedding."""
     N = data.draw(hst.integers(1, 3))
     CL = data.draw(hst.integers(1, 9))
     V = data.draw(hst.integers(1, 70))
@@ -189,6 +189,13 @@ def test_fuzz_random_batches_match_reference(data):
         if data.draw(hst.booleans()):   # finite logits whose z = x / T overflows (rule 1's shifted form)
             x[data.draw(hst.integers(0, N - 1)), data.draw(hst.integers(0, CL - 1)),
               data.draw(hst.integers(0, V - 1))] = data.draw(hst.sampled_from([3e38, -3.3e38]))
+        if data.draw(hst.booleans()):   # -inf masks (p = 0), on one position or a whole row; all -inf: fails
+            mask = torch.rand(V, generator=g) < data.draw(hst.sampled_from([0.3, 0.5, 0.9, 1.0]))
+            n_ = data.draw(hst.integers(0, N - 1))
+            if data.draw(hst.booleans()):
+                x[n_, :, mask] = float("-inf")
+            else:
+                x[n_, data.draw(hst.integers(0, CL - 1)), mask] = float("-inf")
         pd = torch.tensor([data.draw(hst.booleans()) or it > 0 for _ in range(N)], device=DEV)
         x = x.to(DEV)
         oa = sampler_step(a, sl, x, pd, E, backend="reference")
