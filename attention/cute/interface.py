@@ -246,6 +246,8 @@ def _run(fa, q, k_cache, v_cache, *, out, return_lse, cu_seqlens_q, num_causal_q
     if split:  # each split's normalised fp32 output and LSE, merged by FA4's combine kernel below
         aux += [torch.empty(cfg.num_splits, total_q, H, head_dim_v, dtype=torch.float32, device=q.device),
                 torch.empty(cfg.num_splits, H, total_q, dtype=torch.float32, device=q.device)]
+    if cfg.nan_safe_v:  # the NaN-safe fix-up reads V itself (kernel.py, "NaN-safe V"): the last aux tensor
+        aux.append(v_cache)
     lse_k = None if split else lse
     compiled = _COMPILE_CACHE.get(key)
     if compiled is None:
@@ -306,6 +308,7 @@ def _compile(fa, key, q, k, v, out, lse, scale, cu_q, cu_k, seqused_k, page_tabl
         prefix_window=prefix,
         kv_page_size=kv_page_size,
         lpt=cfg.lpt,
+        nan_safe_v=cfg.nan_safe_v,
         **split,
     )
     small = lambda t, lead=0: None if t is None else tct(t, assumed_align=4, leading_dim=lead)  # noqa: E731
