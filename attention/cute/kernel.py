@@ -45,6 +45,21 @@ own mbarrier, its rows past the last key are zeroed, and only then is the stage 
 backend zero-fill those rows too. Tested by
 ``test_gpu_nonfinite_cache_rows_past_seq_lens_stay_out_of_the_output``.
 
+NaN-safe V (constructor ``nan_safe_v``, config ``nan_safe_v``; off by default until its GPU tests pass; off, the
+kernel is the one built without it). Keys inside ``seq_lens`` that a row may not see (a causal row's future keys
+on the diagonal block, keys past a window edge) have P = 0, but FA4's PV wgmma multiplies the whole V stage, so a
+NaN / Inf there gave ``0 * NaN = NaN`` in every row of the tile. Only masked key blocks can hold such keys, and
+FA4's consumer hands a ``mask_fn`` exactly to their calls (the tile's first block, the right- and left-masked
+loops; the interior loop gets None). With the switch, in every such call each consumer warpgroup cleans that
+block's V stage in shared memory before its PV wgmma reads it (:meth:`FlashAttentionForwardSm90Mixed._clean_v_stage`:
+NaN / Inf entries zeroed, a ``bar.red.or`` over the warpgroup ORs "there was one" into a per-warpgroup flag);
+with FA4's intra-warpgroup overlap at the end of the block's call (its PV runs in the next call), without it right
+before the PV. The epilogue hook (:meth:`~FlashAttentionForwardSm90Mixed._nonfinite_fixup`) then, only for a
+flagged tile, adds each non-finite V entry of the masked blocks' keys to exactly the accumulator rows that allow
+the key, in its column, reading V from global memory (the cache is appended to the aux tensors: on its TMA paths
+FA4 hands the kernel coordinate tensors as ``mV``). The interior loop's code is unchanged. Design and expected
+cost: docs/tuning.md 2.4.
+
 The device tensor ``num_causal_q`` reaches the kernel through FA4's own ``aux_data`` argument (its
 FlexAttention aux-tensor channel); :meth:`FlashAttentionForwardSm90Mixed.kernel` takes it out and runs FA4's
 kernel body with an empty ``AuxData``, so FA4 does no aux-tensor work. The kernel is built with

@@ -50,7 +50,9 @@ Shared memory (2-byte elements): Q ``64 x d`` (the output tile reuses it), ``num
 thread: 232 per consumer and 40 for the producer, or 224 / 56 when a K / V stage takes two page boxes
 (``_setup_attributes``; the three warpgroups share the 3 x 168 registers a thread they launch with).
 
-Named barriers: FA4's ``NamedBarrierFwd`` uses ids 1-6 (only ``Epilogue`` here); this kernel adds ids 7-11.
+Named barriers: FA4's ``NamedBarrierFwd`` uses ids 1-6 (only ``Epilogue`` here); this kernel adds ids 7-11 (and
+12-13 for the NaN-safe V clean-up, ``nan_safe_v``: WG0 and WG1 each clean their own half of a masked block's V
+stage, WG0 at the end of the block's step, WG1 before its PV; WG1's block loop then runs as WG0's three ranges).
 Each key block of a tile goes through both consumer warpgroups in the same order, and every row allows at
 least its own key, so a tile has at least one block.
 """
