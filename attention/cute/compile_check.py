@@ -16,6 +16,7 @@ Needs flash-attn-4 and nvidia-cutlass-dsl (``ImportError`` in the child otherwis
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import os
 import re
@@ -24,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 
-__all__ = ["compile_for_sm90", "parse_ptxas_report", "sass_spills_by_role", "SPEC_KEYS", "WIDE_MATRIX",
+__all__ = ["compile_for_sm90", "parse_ptxas_report", "strip_ptx", "sass_spills_by_role", "SPEC_KEYS", "WIDE_MATRIX",
            "wide_report"]
 
 #: Part of the name of every attention kernel of this backend (FA4's class name prefix; the combine kernel of a
@@ -88,11 +89,14 @@ def _cuobjdump() -> str | None:
     return shutil.which("cuobjdump")
 
 
-def compile_for_sm90(timeout: float = 900, **spec) -> dict:
+def compile_for_sm90(timeout: float = 900, ptx_dir: str | None = None, **spec) -> dict:
     """Compile one configuration of the cute backend for sm_90a in a fresh process and report its resources.
 
     Args:
         timeout: seconds for the child process.
+        ptx_dir: also keep the attention kernel's PTX there (``<kernel>.ptx``, without ``.loc`` / ``.file`` lines,
+            comments and debug sections: :func:`strip_ptx`) and report its file and sha256 (``ptx_file``,
+            ``ptx_sha256``), to compare the instruction streams of two trees.
         **spec: keyword arguments of :func:`.interface.compile_only` (:data:`SPEC_KEYS`); ``config`` as a dict.
 
     Returns:
@@ -107,19 +111,32 @@ def compile_for_sm90(timeout: float = 900, **spec) -> dict:
     bad = set(spec) - set(SPEC_KEYS)
     if bad:
         raise ValueError(f"unknown compile spec keys {sorted(bad)}; allowed: {SPEC_KEYS}")
-    r = subprocess.run([sys.executable, "-m", "blockdiff.attention.cute.compile_check", "--child", json.dumps(spec)],
-                       capture_output=True, text=True, timeout=timeout)
+    argv = [sys.executable, "-m", "blockdiff.attention.cute.compile_check", "--child", json.dumps(spec)]
+    r = subprocess.run(argv + ([ptx_dir] if ptx_dir else []), capture_output=True, text=True, timeout=timeout)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     if r.returncode or not lines:
         raise RuntimeError(f"cute compile check failed (rc {r.returncode}): {r.stderr[-3000:]}")
     return json.loads(lines[-1])
 
 
-def _child(spec: dict) -> dict:
-    """In the fresh process: set the DSL's switches, compile, collect the report."""
+def strip_ptx(ptx: str) -> str:
+    """PTX without ``.loc`` / ``.file`` lines, ``//`` comments and ``.section .debug_*`` blocks (source line info
+    changes with any edit of the Python sources; the instructions must not)."""
+    ptx = re.sub(r"^\s*\.section\s+\.debug_\w+\s*\{.*?^\s*\}", "", ptx, flags=re.S | re.M)
+    out = []
+    for line in ptx.splitlines():
+        line = re.sub(r"//.*", "", line).rstrip()
+        if not line or re.match(r"\s*\.(loc|file)\b", line):
+            continue
+        out.append(line)
+    return "\n".join(out) + "\n"
+
+
+def _child(spec: dict, ptx_dir: str | None = None) -> dict:
+    """In the fresh process: set the DSL's switches, compile, collect the report (and the PTX into ``ptx_dir``)."""
     dump = tempfile.mkdtemp(prefix="cute_compile_check_")
     os.environ.update(FLASH_ATTENTION_ARCH="sm_90", CUTE_DSL_ARCH="sm_90a", FLASH_ATTENTION_NUM_SMS="132",
-                      CUTE_DSL_KEEP="cubin", CUTE_DSL_DUMP_DIR=dump)
+                      CUTE_DSL_KEEP="cubin,ptx" if ptx_dir else "cubin", CUTE_DSL_DUMP_DIR=dump)
     os.environ.pop("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", None)  # a cached kernel would skip ptxas
     import io
     from contextlib import redirect_stderr, redirect_stdout
@@ -166,8 +183,20 @@ def _child(spec: dict) -> dict:
         m = re.search(r"Function : (\S+)", sass)
         kernel = m.group(1) if m else None
     by_role = sass_spills_by_role(sass) if sass else None
+    ptx = {}
+    if ptx_dir:
+        ptxs = [c for c in glob.glob(os.path.join(dump, "*.ptx")) if _ATTENTION_KERNEL in os.path.basename(c)]
+        if not ptxs:
+            raise RuntimeError(f"no PTX of the attention kernel in {dump}")
+        with open(ptxs[-1]) as f:
+            text_ptx = strip_ptx(f.read())
+        os.makedirs(ptx_dir, exist_ok=True)
+        path = os.path.join(ptx_dir, os.path.basename(ptxs[-1]))
+        with open(path, "w") as f:
+            f.write(text_ptx)
+        ptx = dict(ptx_file=path, ptx_sha256=hashlib.sha256(text_ptx.encode()).hexdigest())
     shutil.rmtree(dump, ignore_errors=True)
-    return dict(report, kernel=kernel, smem_bytes=smem, smem_formula_bytes=formula, merge=merge,
+    return dict(report, **ptx, kernel=kernel, smem_bytes=smem, smem_formula_bytes=formula, merge=merge,
                 wgmma=len(re.findall(r"\bHGMMA\b", sass)) if sass else None,
                 sass_spills=None if by_role is None else {k: by_role[k] for k in ("setup", "producer", "consumer")},
                 setmaxreg=None if by_role is None else by_role["setmaxreg"],
@@ -208,7 +237,7 @@ def main(argv=None) -> None:
     its report as JSON. ``--report [OUT.json]``: compile :data:`WIDE_MATRIX`, print a table, write the rows."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--child"]:
-        print(json.dumps(_child(json.loads(argv[1]))))
+        print(json.dumps(_child(json.loads(argv[1]), argv[2] if len(argv) > 2 else None)))
         return
     if argv[:1] == ["--report"]:
         rows = wide_report()

@@ -31,7 +31,10 @@ class CuteConfig:
     the PV GEMM (else it goes through shared memory); intra_wg_overlap: FA4's overlap of the QK and PV GEMMs
     within a warpgroup; num_stages: K/V pipeline stages; lpt: FA4's longest-first tile order (None: from
     ``max_seqlen_q``, :func:`longest_first_tiles`); num_splits: split-KV chunks per query tile (None: from the
-    call's host shapes, :func:`choose_num_splits`; 1: no split).
+    call's host shapes, :func:`choose_num_splits`; 1: no split); nan_safe_v: keys a row may not see contribute
+    nothing even when their V holds NaN / Inf (masked key blocks' V cleaned in shared memory before P V, a cold
+    fix-up of the rows that do see such a key; docs/tuning.md 2.4). Off by default until its GPU tests pass; off,
+    the kernels are the ones built without it. Not a tile field: setting only it keeps the automatic tiles.
     """
 
     tile_m: int | None = None
@@ -41,6 +44,7 @@ class CuteConfig:
     num_stages: int = 2
     lpt: bool | None = None
     num_splits: int | None = None
+    nan_safe_v: bool = False
 
 
 #: Long causal prefills at hd 128 without a window run faster with three MMA warpgroups (192-row tiles, no
@@ -159,9 +163,9 @@ def resolve_config(head_dim: int, head_dim_v: int, window_size, config=None, max
         ImportError: flash-attn-4 is not installed (its heuristic gives the unset fields).
     """
     _check_head_dims(head_dim, head_dim_v)
-    config = check_config(config)
-    if is_wide(head_dim, head_dim_v):
-        return _resolve_wide(head_dim, head_dim_v, config, max_seqlen_q)  # head dims and config checked above
+    config, nan_safe_v = _split_nan_safe_v(check_config(config))
+    if is_wide(head_dim, head_dim_v):  # head dims and config checked above
+        return replace(_resolve_wide(head_dim, head_dim_v, config, max_seqlen_q), nan_safe_v=nan_safe_v)
     if config is None:
         config = CuteConfig()
         if (head_dim == head_dim_v == 128 and window_size is None and max_seqlen_q is not None
@@ -180,9 +184,22 @@ def resolve_config(head_dim: int, head_dim_v: int, window_size, config=None, max
         num_stages=config.num_stages,
         lpt=longest_first_tiles(max_seqlen_q) if config.lpt is None else bool(config.lpt),
         num_splits=_check_num_splits(config.num_splits),
+        nan_safe_v=nan_safe_v,
     )
     check_config_fits(resolved, head_dim, head_dim_v)
     return resolved
+
+
+def _split_nan_safe_v(config):
+    """``(config without nan_safe_v, nan_safe_v)``: the switch is not a tile field, so a config that sets only it
+    resolves the tiles as None does (the tuned automatic choices)."""
+    if config is None:
+        return None, False
+    if isinstance(config, dict):
+        rest = {k: v for k, v in config.items() if k != "nan_safe_v"}
+        return (rest or None), bool(config.get("nan_safe_v", False))
+    rest = replace(config, nan_safe_v=False)
+    return (None if rest == CuteConfig() else rest), config.nan_safe_v
 
 
 def _check_num_splits(num_splits):
@@ -201,10 +218,15 @@ def _check_head_dims(head_dim, head_dim_v) -> None:
         raise ValueError(f"backend 'cute': {why}")
 
 
-_CONFIG_FIELDS = ("tile_m", "tile_n", "mma_pv_is_rs", "intra_wg_overlap", "num_stages", "lpt", "num_splits")
+_CONFIG_FIELDS = ("tile_m", "tile_n", "mma_pv_is_rs", "intra_wg_overlap", "num_stages", "lpt", "num_splits",
+                  "nan_safe_v")
 
 
 def _check_field(name: str, v) -> None:
+    if name == "nan_safe_v":
+        if not isinstance(v, bool):
+            raise TypeError(f"config nan_safe_v must be a bool, got {type(v).__name__} ({v!r})")
+        return
     if name in ("mma_pv_is_rs", "intra_wg_overlap", "lpt"):
         if v is not None and not isinstance(v, bool):
             raise TypeError(f"config {name} must be None or a bool, got {type(v).__name__} ({v!r})")
@@ -231,8 +253,8 @@ def check_config(config):
     with :class:`CuteConfig` field names, or a CuteConfig (returned as given). ``tile_m`` / ``tile_n``: None or a
     positive int, ``tile_m`` a multiple of 64 (query rows of one MMA warpgroup), ``tile_n`` a multiple of 8 (the
     MMA's N step); ``num_stages``: an int >= 1; ``mma_pv_is_rs`` / ``intra_wg_overlap`` / ``lpt``: None or a
-    bool; ``num_splits``: None or an int in [1, :data:`MAX_SPLITS`]. Kernel-specific rules (the split-value
-    kernel's tiles, shared memory) are :func:`resolve_config`'s.
+    bool; ``num_splits``: None or an int in [1, :data:`MAX_SPLITS`]; ``nan_safe_v``: a bool. Kernel-specific
+    rules (the split-value kernel's tiles, shared memory) are :func:`resolve_config`'s.
 
     Raises:
         TypeError: ``config`` of another type, an unknown field, a field of the wrong type (bool for an int, a
@@ -273,7 +295,8 @@ def resolve_wide_config(head_dim: int, head_dim_v: int, config=None, max_seqlen_
             the above, or the tiles do not fit SM90 shared memory.
     """
     _check_head_dims(head_dim, head_dim_v)
-    return _resolve_wide(head_dim, head_dim_v, check_config(config), max_seqlen_q)
+    config, nan_safe_v = _split_nan_safe_v(check_config(config))
+    return replace(_resolve_wide(head_dim, head_dim_v, config, max_seqlen_q), nan_safe_v=nan_safe_v)
 
 
 def _resolve_wide(head_dim: int, head_dim_v: int, config, max_seqlen_q: int | None) -> CuteConfig:

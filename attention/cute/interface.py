@@ -240,12 +240,18 @@ def _run(fa, q, k_cache, v_cache, *, out, return_lse, cu_seqlens_q, num_causal_q
     LAST_LAUNCH.update(kernel=("FlashAttentionForwardSm90WideV" if is_wide(head_dim, head_dim_v)
                                else "FlashAttentionForwardSm90Mixed") + ("Split" if split else ""),
                        config=cfg, kv_path=kv_path)
+    # nan_safe_v on a dense V cache: its fix-up reads V through a layout with static strides (only the base pointer
+    # stays live in the kernel: dynamic strides cost the hd-256 / paged hd-512 kernels spills), so the compile key
+    # holds the cache's inner shape
+    v_static = tuple(v_cache.shape[1:]) if cfg.nan_safe_v and v_cache.is_contiguous() else None
     key = (q.dtype, head_dim, head_dim_v, qhead_per_kvhead, pack_gqa, cfg, paged, paged_kv_non_tma,
-           kv_page_size, has_window, prefix, return_lse and not split, arch)
+           kv_page_size, has_window, prefix, return_lse and not split, arch, v_static)
     aux = [ncq]
     if split:  # each split's normalised fp32 output and LSE, merged by FA4's combine kernel below
         aux += [torch.empty(cfg.num_splits, total_q, H, head_dim_v, dtype=torch.float32, device=q.device),
                 torch.empty(cfg.num_splits, H, total_q, dtype=torch.float32, device=q.device)]
+    if cfg.nan_safe_v:  # the NaN-safe fix-up reads V itself (kernel.py, "NaN-safe V"): the last aux tensor
+        aux.append(v_cache)
     lse_k = None if split else lse
     compiled = _COMPILE_CACHE.get(key)
     if compiled is None:
@@ -284,7 +290,7 @@ def _num_sms(device) -> int:
 
 def _compile(fa, key, q, k, v, out, lse, scale, cu_q, cu_k, seqused_k, page_table, window_size, aux):
     (dtype, head_dim, head_dim_v, qhead_per_kvhead, pack_gqa, cfg, paged, paged_kv_non_tma, kv_page_size,
-     has_window, prefix, return_lse, arch) = key
+     has_window, prefix, return_lse, arch, v_static) = key
     cute, tct = fa["cute"], fa["to_cute_tensor"]
     wide = is_wide(head_dim, head_dim_v)
     split = dict(num_splits=cfg.num_splits) if cfg.num_splits > 1 else {}
@@ -306,9 +312,11 @@ def _compile(fa, key, q, k, v, out, lse, scale, cu_q, cu_k, seqused_k, page_tabl
         prefix_window=prefix,
         kv_page_size=kv_page_size,
         lpt=cfg.lpt,
+        nan_safe_v=cfg.nan_safe_v,
         **split,
     )
     small = lambda t, lead=0: None if t is None else tct(t, assumed_align=4, leading_dim=lead)  # noqa: E731
+    nan_v = 1 if cfg.nan_safe_v else 0  # the V cache appended to the aux tensors (the NaN-safe fix-up's reads)
     with kernel.trace_patches():  # page-box K/V TMA atoms (kv_page_size), FA4's tile order off (not lpt)
         return cute.compile(
             kernel,
@@ -319,11 +327,22 @@ def _compile(fa, key, q, k, v, out, lse, scale, cu_q, cu_k, seqused_k, page_tabl
             window_size, window_size,
             None,  # learnable_sink
             None,  # block-sparse tensors
-            fa["AuxData"]([small(aux[0])] + [tct(t, assumed_align=16) for t in aux[1:]], None),
+            fa["AuxData"]([small(aux[0])] + [tct(t, assumed_align=16) for t in aux[1:len(aux) - nan_v]]
+                          + ([_nan_safe_v_tensor(fa, aux[-1], v_static)] if nan_v else []), None),
             None, None,  # cu_total_m_blocks (batch-lookup aid, not used)
             cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
             options="--enable-tvm-ffi",
         )
+
+
+def _nan_safe_v_tensor(fa, v, v_static):
+    """The NaN-safe fix-up's view of the V cache: static strides when the cache is dense (``v_static``, its inner
+    shape, is then part of the compile key; only the outer extent is dynamic), else fully dynamic strides."""
+    if v_static is None:
+        return fa["to_cute_tensor"](v, assumed_align=16)
+    from cutlass.cute.runtime import from_dlpack  # optional dependency (imported with the rest in _fa4)
+    return from_dlpack(v.detach(), assumed_align=16, enable_tvm_ffi=True).mark_compact_shape_dynamic(
+        mode=0, stride_order=v.dim_order())
 
 
 def compile_only(head_dim: int = 128, num_heads: int = 16, num_kv_heads: int = 8, page_size: int | None = 128,

@@ -45,6 +45,21 @@ own mbarrier, its rows past the last key are zeroed, and only then is the stage 
 backend zero-fill those rows too. Tested by
 ``test_gpu_nonfinite_cache_rows_past_seq_lens_stay_out_of_the_output``.
 
+NaN-safe V (constructor ``nan_safe_v``, config ``nan_safe_v``; off by default until its GPU tests pass; off, the
+kernel is the one built without it). Keys inside ``seq_lens`` that a row may not see (a causal row's future keys
+on the diagonal block, keys past a window edge) have P = 0, but FA4's PV wgmma multiplies the whole V stage, so a
+NaN / Inf there gave ``0 * NaN = NaN`` in every row of the tile. Only masked key blocks can hold such keys, and
+FA4's consumer hands a ``mask_fn`` exactly to their calls (the tile's first block, the right- and left-masked
+loops; the interior loop gets None). With the switch, in every such call each consumer warpgroup cleans that
+block's V stage in shared memory before its PV wgmma reads it (:meth:`FlashAttentionForwardSm90Mixed._clean_v_stage`:
+NaN / Inf entries zeroed, a ``bar.red.or`` over the warpgroup ORs "there was one" into a per-warpgroup flag);
+with FA4's intra-warpgroup overlap at the end of the block's call (its PV runs in the next call), without it right
+before the PV. The epilogue hook (:meth:`~FlashAttentionForwardSm90Mixed._nonfinite_fixup`) then, only for a
+flagged tile, adds each non-finite V entry of the masked blocks' keys to exactly the accumulator rows that allow
+the key, in its column, reading V from global memory (the cache is appended to the aux tensors: on its TMA paths
+FA4 hands the kernel coordinate tensors as ``mV``). The interior loop's code is unchanged. Design and expected
+cost: docs/tuning.md 2.4.
+
 The device tensor ``num_causal_q`` reaches the kernel through FA4's own ``aux_data`` argument (its
 FlexAttention aux-tensor channel); :meth:`FlashAttentionForwardSm90Mixed.kernel` takes it out and runs FA4's
 kernel body with an empty ``AuxData``, so FA4 does no aux-tensor work. The kernel is built with
@@ -79,8 +94,10 @@ from typing import Callable, Optional
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, const_expr, pipeline
+from cutlass import Float32, Int32, Uint32, const_expr, pipeline
+from cutlass._mlir.dialects import llvm
 from cutlass.base_dsl.dsl import BaseDSL
+from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.cute.nvgpu import cpasync
 
 from quack import copy_utils, layout_utils
@@ -133,6 +150,38 @@ def row_key_range(
             hi_bi = cutlass.min(q_abs + window, seqlen_k - 1)
     hi = q_abs if is_causal_row else hi_bi
     return lo, hi
+
+
+#: Named barriers of the NaN-safe V clean-up, one per consumer warpgroup (ids 12-14: FA4's ``NamedBarrierFwd`` uses
+#: 1-6, the split-value kernel 7-11).
+NAN_CLEAN_BARRIER_WG1 = 12
+
+
+@dsl_user_op
+def barrier_or(pred: Int32, barrier_id: Int32, number_of_threads: int, *, loc=None, ip=None) -> Int32:
+    """``bar.red.or.pred`` over a named barrier: every participating thread gets 1 when any passed a non-zero
+    ``pred`` (and the barrier orders their prior shared-memory accesses, as ``bar.sync`` does)."""
+    return Int32(llvm.inline_asm(
+        T.i32(),
+        [Int32(pred).ir_value(loc=loc, ip=ip), Int32(barrier_id).ir_value(loc=loc, ip=ip)],
+        "{\n.reg .pred p, q;\nsetp.ne.u32 p, $1, 0;\n"
+        f"bar.red.or.pred q, $2, {int(number_of_threads)}, p;\n"
+        "selp.u32 $0, 1, 0, q;\n}",
+        "=r,r,r",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+    ))
+
+
+@dsl_user_op
+def is_finite_f32(x: Float32, *, loc=None, ip=None) -> Int32:
+    """1 when ``x`` is finite (``testp.finite``), 0 for NaN / +-Inf."""
+    return Int32(llvm.inline_asm(
+        T.i32(),
+        [Float32(x).ir_value(loc=loc, ip=ip)],
+        "{\n.reg .pred p;\ntestp.finite.f32 p, $1;\nselp.u32 $0, 1, 0, p;\n}",
+        "=r,f",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+    ))
 
 
 @dataclass(frozen=True)
@@ -350,16 +399,24 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
     ``lpt`` (compile-time, default True): FA4's longest-first tile order with L2 head sections (FA4 uses it for
     causal / local kernels); False: its plain order (heads of a sequence in turn, m-blocks inner), as for FA4's
     non-causal kernel.
-    Runtime extra input: ``aux_data = AuxData([num_causal_q])`` with ``num_causal_q`` ``[B]`` int32.
+    ``nan_safe_v`` (compile-time, default False): keys a row may not see contribute nothing even when their V
+    holds NaN / Inf (masked key blocks' V stages cleaned before P V, a cold fix-up in the epilogue; see "NaN-safe
+    V" in the module docstring). Off, the kernel is the one built without it.
+    Runtime extra input: ``aux_data = AuxData([num_causal_q])`` with ``num_causal_q`` ``[B]`` int32 (with
+    ``nan_safe_v``, the V cache as the last aux tensor: ``AuxData([num_causal_q, ..., v_cache])``).
     """
 
     def __init__(self, *args, prefix_window: bool = False, kv_page_size: Optional[int] = None, lpt: bool = True,
-                 **kwargs):
+                 nan_safe_v: bool = False, **kwargs):
         kwargs["is_causal"] = False
         kwargs["is_local"] = True
         super().__init__(*args, **kwargs)
         self.prefix_window = prefix_window
         self.lpt = lpt
+        self.nan_safe_v = bool(nan_safe_v)
+        # trace-time hand-offs of the NaN-safe V path (set in kernel() / mma(); see _nan_safe_setup)
+        self._mV = self._mPageTable = None
+        self._nf_flag = self._nf_sVt = self._nf_pipeline_v = self._nf_block_info = None
         self._mNumCausalQ = None
         # Paged TMA (any page size page_box_tma_ok accepts): K / V stages filled box by box (_PageBoxTmaAtoms).
         self.kv_page_size = None
@@ -506,6 +563,10 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         # tensors after it belong to subclasses (kernel_split.py's workspace).
         self._mNumCausalQ = aux_data.tensors[0]
         self._aux_tensors = aux_data.tensors
+        if const_expr(self.nan_safe_v):
+            # the NaN-safe fix-up reads V itself: the caller's cache, appended to the aux tensors (FA4 hands the
+            # kernel TMA coordinate tensors as mK / mV on its TMA paths), and the page table
+            self._mV, self._mPageTable = aux_data.tensors[-1], mPageTable
         _call_fa4_kernel_body(
             self,
             mQ,
@@ -835,6 +896,8 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         aux_data=AuxData(),
         fastdiv_mods=None,
     ):
+        if const_expr(self.nan_safe_v):
+            self._nan_safe_setup(sVt, pipeline_v, self._mixed_block_info(block_info))
         return FlashAttentionForwardSm90.mma(
             self,
             tiled_mma_qk,
@@ -863,3 +926,170 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
             aux_data,
             fastdiv_mods,
         )
+
+    # --- NaN-safe V (config nan_safe_v; docs/tuning.md 2.4) ---------------------------------------------------
+    # FA4's consumer passes a mask_fn exactly to the calls of masked key blocks (the tile's first block, the
+    # right- and left-masked loops); the interior loop's calls are passed through untouched.
+    def _nan_safe_setup(self, sVt, pipeline_v, block_info) -> None:
+        """Trace-time, at the consumers' entry: the per-warpgroup flag "a masked block's V held NaN / Inf" (one
+        Int32 register, carried through FA4's loops as a register tensor), and what the clean-up and the fix-up
+        need (V's shared-memory view, the V pipeline, the consumers' block info: the split's range too)."""
+        self._nf_flag = cute.make_rmem_tensor((1,), Int32)
+        self._nf_flag[0] = Int32(0)
+        self._nf_sVt, self._nf_pipeline_v, self._nf_block_info = sVt, pipeline_v, block_info
+
+    def first_half_block_overlap(self, *args, **kwargs):
+        state = FlashAttentionForwardSm90.first_half_block_overlap(self, *args, **kwargs)
+        if const_expr(self.nan_safe_v):  # the tile's first block is always masked; its PV runs in the next call
+            self._wait_clean_v(state, 0, self.tile_hdimv)
+        return state
+
+    def mma_one_n_block_intrawg_overlap(self, *args, **kwargs):
+        state = FlashAttentionForwardSm90.mma_one_n_block_intrawg_overlap(self, *args, **kwargs)
+        if const_expr(self.nan_safe_v and kwargs.get("mask_fn") is not None):
+            self._wait_clean_v(state, 0, self.tile_hdimv)  # V of this call's block; its PV runs in the next call
+        return state
+
+    def mma_one_n_block(self, *args, **kwargs):
+        if const_expr(self.nan_safe_v and kwargs.get("mask_fn") is not None):
+            pv = kwargs["mma_pv_fn"]
+
+            def clean_then_pv(B_idx, **kw):  # no overlap: this call's PV reads this call's block
+                self._clean_v_stage(self._nf_sVt, B_idx, 0, self.tile_hdimv)
+                return pv(B_idx=B_idx, **kw)
+
+            kwargs["mma_pv_fn"] = clean_then_pv
+        return FlashAttentionForwardSm90.mma_one_n_block(self, *args, **kwargs)
+
+    def epilogue(self, acc_O, lse, mO, mLSE, sO, seqlen, gmem_tiled_copy_O, tma_atom_O, tiled_mma, tidx, m_block,
+                 head_idx, batch_idx):
+        if const_expr(self.nan_safe_v):
+            self._nonfinite_fixup(acc_O, seqlen, tiled_mma, tidx, m_block, head_idx, batch_idx)
+        return FlashAttentionForwardSm90.epilogue(self, acc_O, lse, mO, mLSE, sO, seqlen, gmem_tiled_copy_O,
+                                                  tma_atom_O, tiled_mma, tidx, m_block, head_idx, batch_idx)
+
+    @cute.jit
+    def _wait_clean_v(self, state, col0: cutlass.Constexpr[int], width: cutlass.Constexpr[int]):
+        """Wait for V of the stage of ``state`` (a completed phase waits no longer: its consumers have not
+        released it) and clean columns ``[col0, col0 + width)`` of it (:meth:`_clean_v_stage`)."""
+        pipeline_v = self._nf_pipeline_v
+        pipeline_v.consumer_wait(state, pipeline_v.consumer_try_wait(state))
+        self._clean_v_stage(self._nf_sVt, state.index, col0, width)
+
+    @cute.jit
+    def _clean_v_stage(self, sVt: cute.Tensor, stage: Int32, col0: cutlass.Constexpr[int],
+                       width: cutlass.Constexpr[int]):
+        """Zero the NaN / Inf entries of value columns ``[col0, col0 + width)`` of V stage ``stage`` in shared
+        memory, for this warpgroup's PV wgmma, and OR "there was one" into the warpgroup's flag.
+
+        One warpgroup, 16-byte chunks (8 elements, never split by the 128-byte swizzle), chunk ``t + 128 j`` for
+        thread ``t``; an element is non-finite when its exponent bits are all ones, found per 32-bit word with
+        ``((x & E) + ONE) & 0x80008000`` (bit 15 / 31: the low / high half; no carry crosses a half). Only chunks
+        holding one are written back (finite entries unchanged). Then ``fence.proxy.async`` (the wgmma reads
+        through the async proxy) and one ``bar.red.or`` over the warpgroup, which also gives every thread the
+        warpgroup's result. Another warpgroup cleaning the same stage concurrently writes the same bytes."""
+        exp_bits = 0x7F807F80 if const_expr(self.dtype == cutlass.BFloat16) else 0x7C007C00
+        one = 0x00800080 if const_expr(self.dtype == cutlass.BFloat16) else 0x04000400
+        high = Uint32(0x80008000)
+        tid = cute.arch.thread_idx()[0]
+        t_wg = tid % 128
+        wg = cute.arch.make_warp_uniform(tid // 128)  # consumer warpgroups are 1..3 (0 is the producer)
+        chunks = cute.zipped_divide(sVt[None, None, stage], (8, 1))  # ((8, 1), (head_dim_v / 8, tile_n))
+        n_col_chunks = width // 8
+        n_chunks = n_col_chunks * self.tile_n
+        found = Int32(0)
+        for j in cutlass.range((n_chunks + 127) // 128, unroll=2):
+            i = t_wg + j * 128
+            if const_expr(n_chunks % 128 != 0):
+                i = cutlass.min(i, n_chunks - 1)  # a repeated chunk is harmless (idempotent)
+            src = chunks[None, (col0 // 8 + i % n_col_chunks, i // n_col_chunks)]
+            r = cute.make_rmem_tensor((8, 1), self.dtype)
+            cute.autovec_copy(src, r)
+            w = cute.recast_tensor(r, Uint32)
+            bad = Uint32(0)
+            for k in cutlass.range_constexpr(4):
+                bad = bad | ((w[k] & Uint32(exp_bits)) + Uint32(one))
+            if (bad & high) != Uint32(0):
+                for k in cutlass.range_constexpr(4):
+                    x = w[k]
+                    m = ((((x & Uint32(exp_bits)) + Uint32(one)) & high) >> Uint32(15)) * Uint32(0xFFFF)
+                    w[k] = x & (m ^ Uint32(0xFFFFFFFF))
+                cute.autovec_copy(r, src)
+                found = Int32(1)
+        if found != 0:
+            cute.arch.fence_view_async_shared()
+        any_wg = barrier_or(found, NAN_CLEAN_BARRIER_WG1 - 1 + wg, 128)
+        self._nf_flag[0] = self._nf_flag[0] | any_wg
+
+    @cute.jit
+    def _nonfinite_fixup(self, acc_O: cute.Tensor, seqlen: MixedSeqlenInfoQK, tiled_mma: cute.TiledMma,
+                         tidx: Int32, m_block: Int32, head_idx: Int32, batch_idx: Int32):
+        """Cold pass before the epilogue, only when this warpgroup's clean-up met a NaN / Inf (its flag; reset
+        here): every key of the tile's masked blocks (the same block-info functions as FA4's loops) that one of
+        this thread's accumulator rows allows gets its V row read from global memory (the caller's cache, the last
+        aux tensor: paged through the page table, contiguous at ``cu_seqlens_k``), and each non-finite entry in this thread's columns is added to
+        the normalised accumulator of exactly the rows that allow the key: NaN stays NaN, +-Inf gives +-Inf (or
+        NaN with the opposite sign), as the reference's ``p * v`` does for a weight p > 0. Keys past
+        ``seq_lens`` are no row's keys."""
+        flag = self._nf_flag
+        if flag[0] != 0:
+            bi = self._nf_block_info
+            n_min, n_max = bi.get_n_block_min_max(seqlen, m_block)
+            n_right = bi.get_n_block_min_causal_local_mask(seqlen, m_block, n_min)
+            r0 = cutlass.min(n_right, n_max - 1) * self.tile_n  # the first block and the right-masked ones
+            r1 = n_max * self.tile_n
+            l0 = n_min * self.tile_n
+            l1 = l0
+            if const_expr(bi.window_size_left is not None):  # the left-masked ones
+                n_left = bi.get_n_block_min_before_local_mask(seqlen, m_block, n_min)
+                l1 = cutlass.max(cutlass.min(cutlass.min(n_max - 1, n_right), n_left) * self.tile_n, l0)
+            n_l = l1 - l0
+            qpk = self.qhead_per_kvhead if const_expr(self.pack_gqa) else 1
+            head_kv = head_idx if const_expr(self.pack_gqa) else head_idx // self.qhead_per_kvhead
+            tOcO = layout_utils.reshape_acc_to_mn(
+                tiled_mma.get_slice(tidx).partition_C(cute.make_identity_tensor((self.tile_m, self.tile_hdimv))))
+            acc = layout_utils.reshape_acc_to_mn(acc_O)
+            n_rows = cute.size(tOcO, mode=[0])
+            lo_r = cute.make_rmem_tensor((n_rows,), Int32)
+            hi_r = cute.make_rmem_tensor((n_rows,), Int32)
+            for r in cutlass.range_constexpr(n_rows):
+                token = (m_block * self.tile_m + tOcO[r, 0][0]) // qpk
+                lo, hi = row_key_range(token, seqlen.seqlen_q, seqlen.seqlen_k, seqlen.num_causal_q,
+                                       bi.window_size_left, self.prefix_window)
+                lo_r[r] = lo
+                hi_r[r] = hi
+                if token >= seqlen.seqlen_q:  # padding rows of the tile: no keys
+                    lo_r[r] = Int32(1)
+                    hi_r[r] = Int32(0)
+            mV = self._mV
+            for m in cutlass.range(n_l + r1 - r0, unroll=1):
+                key = l0 + m
+                if m >= n_l:
+                    key = r0 + (m - n_l)
+                sees = Int32(0)
+                for r in cutlass.range_constexpr(n_rows):
+                    if lo_r[r] <= key:
+                        if key <= hi_r[r]:
+                            sees = Int32(1)
+                if sees != 0:
+                    self._fixup_key(acc, tOcO, lo_r, hi_r, mV, seqlen, key, head_kv, batch_idx)
+        flag[0] = Int32(0)
+
+    @cute.jit
+    def _fixup_key(self, acc: cute.Tensor, tOcO: cute.Tensor, lo_r: cute.Tensor, hi_r: cute.Tensor,
+                   mV: cute.Tensor, seqlen: MixedSeqlenInfoQK, key: Int32, head_kv: Int32, batch_idx: Int32):
+        """Key ``key``'s non-finite V entries in this thread's columns, added to the rows that allow it."""
+        # mV: the caller's cache, paged [num_pages, page_size, h_kv, d_v] or contiguous [total_k, h_kv, d_v]
+        if const_expr(self._mPageTable is not None):
+            page_size = self.kv_page_size if const_expr(self.kv_page_size is not None) else mV.shape[1]
+            page = self._mPageTable[batch_idx, key // page_size]
+            v_row = mV[page, key % page_size, head_kv, None]
+        else:
+            v_row = mV[seqlen.offset_k + key, head_kv, None]
+        for c in cutlass.range_constexpr(cute.size(tOcO, mode=[1])):
+            v = Float32(v_row[tOcO[0, c][1]])
+            if is_finite_f32(v) == 0:
+                for r in cutlass.range_constexpr(cute.size(tOcO, mode=[0])):
+                    if lo_r[r] <= key:
+                        if key <= hi_r[r]:
+                            acc[r, c] = acc[r, c] + v

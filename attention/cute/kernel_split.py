@@ -167,7 +167,10 @@ class SplitKVMixin:
         """This split's normalised fp32 output and LSE into the workspace (FA4's epilogue signature; ``mO``,
         ``mLSE``, ``sO`` unused): ``o_partial[split, offset_q + token, q_head, col]`` per accumulator element,
         ``lse_partial[split, q_head, offset_q + token]`` from the threads holding column 0 of their rows. An
-        empty split writes zeros and -inf."""
+        empty split writes zeros and -inf. With ``nan_safe_v``, the NaN-safe fix-up runs first (this split's
+        masked blocks)."""
+        if const_expr(self.nan_safe_v):
+            self._nonfinite_fixup(acc_O, seqlen, tiled_mma, tidx, m_block, head_idx, batch_idx)
         mO_part, mLSE_part = self._aux_tensors[1], self._aux_tensors[2]
         split = cute.arch.block_idx()[1]
         _, _, empty = self._split_block_info.split_range(seqlen, m_block)

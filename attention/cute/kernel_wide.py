@@ -50,7 +50,9 @@ Shared memory (2-byte elements): Q ``64 x d`` (the output tile reuses it), ``num
 thread: 232 per consumer and 40 for the producer, or 224 / 56 when a K / V stage takes two page boxes
 (``_setup_attributes``; the three warpgroups share the 3 x 168 registers a thread they launch with).
 
-Named barriers: FA4's ``NamedBarrierFwd`` uses ids 1-6 (only ``Epilogue`` here); this kernel adds ids 7-11.
+Named barriers: FA4's ``NamedBarrierFwd`` uses ids 1-6 (only ``Epilogue`` here); this kernel adds ids 7-11 (and
+12-13 for the NaN-safe V clean-up, ``nan_safe_v``: WG0 and WG1 each clean their own half of a masked block's V
+stage, WG0 at the end of the block's step, WG1 before its PV; WG1's block loop then runs as WG0's three ranges).
 Each key block of a tile goes through both consumer warpgroups in the same order, and every row allows at
 least its own key, so a tile has at least one block.
 """
@@ -233,6 +235,8 @@ class FlashAttentionForwardSm90WideV(FlashAttentionForwardSm90Mixed):
         """Consumer entry (FA4's ``mma`` signature): ``tidx`` in ``[0, 256)``; warpgroup 0 of them runs
         :meth:`_mma_wg0`, warpgroup 1 :meth:`_mma_wg1`, both with the shared pieces bundled in ``ctx``."""
         block_info = self._mixed_block_info(block_info)
+        if const_expr(self.nan_safe_v):
+            self._nan_safe_setup(sVt, pipeline_v, block_info)
         ctx = SimpleNamespace(
             tiled_mma_pv=tiled_mma_pv, mO=mO, mLSE=mLSE, sVt=sVt, sP=sP, sScale=self._scale_tensor(sP), sO=sO,
             pipeline_k=pipeline_k, pipeline_v=pipeline_v, pipeline_q=pipeline_q,
@@ -291,6 +295,8 @@ class FlashAttentionForwardSm90WideV(FlashAttentionForwardSm90Mixed):
             mask_fn(acc_S, n_block=n_block_max - 1, mask_seqlen=True)
             row_scale = softmax.online_softmax(acc_S, is_first=True)
             hand_off(acc_S, row_scale, Int32(0))
+            if const_expr(self.nan_safe_v):  # masked: clean this warpgroup's half of its V before the next PV
+                self._wait_clean_v(kv_consumer_state, 0, self.half_v)
             block_i = Int32(1)  # blocks handed to WG1 so far
             n_block_max -= 1
             # Blocks that may hold keys right of some row's hi (masked), interior blocks (unmasked), blocks
@@ -358,6 +364,9 @@ class FlashAttentionForwardSm90WideV(FlashAttentionForwardSm90Mixed):
         pipeline_v.consumer_release(smem_pipe_read_v)
         hand_off(acc_S, row_scale, block_i)
         softmax.rescale_O(acc_O, row_scale)
+        if const_expr(self.nan_safe_v and mask_fn is not None):
+            # a masked block: this warpgroup's half of its V cleaned before its PV (the next step)
+            self._wait_clean_v(kv_consumer_state, 0, self.half_v)
         return kv_consumer_state, block_i + 1
 
     @cute.jit
@@ -410,21 +419,25 @@ class FlashAttentionForwardSm90WideV(FlashAttentionForwardSm90Mixed):
             n_block_min, n_block_max = block_info.get_n_block_min_max(seqlen, m_block)
             num_blocks = n_block_max - n_block_min
             pipeline_q.consumer_wait_w_index_phase(0, q_consumer_phase)
-            for block_i in cutlass.range(num_blocks, unroll=1):
-                # K is WG0's; this warpgroup's arrival completes each K stage's release (module docstring).
-                pipeline_k.consumer_wait(kv_consumer_state, pipeline_k.consumer_try_wait(kv_consumer_state))
-                pipeline_k.consumer_release(kv_consumer_state)
-                slot = block_i % _P_SLOTS
-                cute.arch.barrier(barrier_id=int(NamedBarrierWideV.P_FULL_0) + slot, number_of_threads=2 * _WG)
-                if block_i > 0:
-                    softmax.rescale_O(acc_O, self._load_scale(sScale, softmax.row_sum, t_wg, slot))
-                pipeline_v.consumer_wait(kv_consumer_state, pipeline_v.consumer_try_wait(kv_consumer_state))
-                mma_pv_fn(A_idx=slot, B_idx=kv_consumer_state.index, zero_init=block_i == 0, wg_wait=0)
-                pipeline_v.consumer_release(kv_consumer_state)
-                kv_consumer_state.advance()
-                if block_i + _P_SLOTS < num_blocks:
-                    cute.arch.barrier_arrive(barrier_id=int(NamedBarrierWideV.P_EMPTY_0) + slot,
-                                             number_of_threads=2 * _WG)
+            block = partial(self._wg1_block, pipeline_k=pipeline_k, pipeline_v=pipeline_v, mma_pv_fn=mma_pv_fn,
+                            acc_O=acc_O, softmax=softmax, sScale=sScale, t_wg=t_wg, num_blocks=num_blocks)
+            if const_expr(not self.nan_safe_v):
+                for block_i in cutlass.range(num_blocks, unroll=1):
+                    kv_consumer_state = block(kv_consumer_state, block_i)
+            else:
+                # WG0's three loops in hand-off order: the first block and the right-masked ones, the interior
+                # ones, the left-masked ones; this warpgroup cleans its half of V in the masked ones.
+                n_block_right = block_info.get_n_block_min_causal_local_mask(seqlen, m_block, n_block_min)
+                n_block_left = block_info.get_n_block_min_before_local_mask(seqlen, m_block, n_block_min)
+                end_right = 1 + cutlass.max(n_block_max - 1 - n_block_right, 0)
+                end_interior = end_right + cutlass.max(
+                    cutlass.min(n_block_max - 1, n_block_right) - n_block_left, 0)
+                for block_i in cutlass.range(0, end_right, unroll=1):
+                    kv_consumer_state = block(kv_consumer_state, block_i, clean=True)
+                for block_i in cutlass.range(end_right, end_interior, unroll=1):
+                    kv_consumer_state = block(kv_consumer_state, block_i)
+                for block_i in cutlass.range(end_interior, num_blocks, unroll=1):
+                    kv_consumer_state = block(kv_consumer_state, block_i, clean=True)
             pipeline_q.consumer_release_w_index(0)
             q_consumer_phase ^= 1
             cute.arch.barrier(barrier_id=int(NamedBarrierWideV.FINAL), number_of_threads=2 * _WG)
@@ -432,6 +445,31 @@ class FlashAttentionForwardSm90WideV(FlashAttentionForwardSm90Mixed):
             epilogue(acc_O, softmax.row_sum, seqlen, m_block, head_idx, batch_idx)
             tile_scheduler.advance_to_next_work()
             work_tile = tile_scheduler.get_current_work()
+
+    @cute.jit
+    def _wg1_block(self, kv_consumer_state, block_i: Int32, pipeline_k, pipeline_v, mma_pv_fn: Callable,
+                   acc_O: cute.Tensor, softmax: Softmax, sScale: cute.Tensor, t_wg: Int32, num_blocks: Int32,
+                   clean: cutlass.Constexpr[bool] = False):
+        """One WG1 iteration (hand-off ``block_i``): K stage released, P and the factors from their slot, O
+        rescaled, PV (with ``clean``: the NaN-safe clean-up of this warpgroup's half of V first). Returns the
+        advanced consumer state."""
+        # K is WG0's; this warpgroup's arrival completes each K stage's release (module docstring).
+        pipeline_k.consumer_wait(kv_consumer_state, pipeline_k.consumer_try_wait(kv_consumer_state))
+        pipeline_k.consumer_release(kv_consumer_state)
+        slot = block_i % _P_SLOTS
+        cute.arch.barrier(barrier_id=int(NamedBarrierWideV.P_FULL_0) + slot, number_of_threads=2 * _WG)
+        if block_i > 0:
+            softmax.rescale_O(acc_O, self._load_scale(sScale, softmax.row_sum, t_wg, slot))
+        pipeline_v.consumer_wait(kv_consumer_state, pipeline_v.consumer_try_wait(kv_consumer_state))
+        if const_expr(clean):
+            self._clean_v_stage(self._nf_sVt, kv_consumer_state.index, self.half_v, self.half_v)
+        mma_pv_fn(A_idx=slot, B_idx=kv_consumer_state.index, zero_init=block_i == 0, wg_wait=0)
+        pipeline_v.consumer_release(kv_consumer_state)
+        kv_consumer_state.advance()
+        if block_i + _P_SLOTS < num_blocks:
+            cute.arch.barrier_arrive(barrier_id=int(NamedBarrierWideV.P_EMPTY_0) + slot,
+                                     number_of_threads=2 * _WG)
+        return kv_consumer_state
 
     @cute.jit
     def _epilogue(self, ctx: SimpleNamespace, acc_O: cute.Tensor, lse: cute.Tensor, seqlen, m_block: Int32,
