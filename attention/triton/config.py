@@ -67,8 +67,10 @@ class TritonConfig:
         V_STAGES: Gluon V ring depth (None: ``num_stages``).
         NAN_SAFE_V: Gluon kernels: keys a row may not see contribute nothing even when their V holds NaN / Inf (a
             masked block's V cleaned in shared memory before PV, a cold fix-up of the rows that do see a non-finite
-            entry: :mod:`.gluon`). Off, the Gluon kernels zero V only past ``seq_len`` (their PTX is that of the
-            kernels without the switch). The portable kernel always keeps such V out; it ignores the field.
+            entry: :mod:`.gluon`). On by default. Off, the Gluon kernels zero V only past ``seq_len`` (their PTX
+            is that of the kernels without the switch), so a non-finite V entry of a key inside ``seq_len`` that
+            a row may not see reaches that row. The portable kernel always keeps such V out; it ignores the
+            field.
     """
 
     BLOCK_M: int
@@ -82,9 +84,9 @@ class TritonConfig:
     IMPL: str = "triton"
     OVERLAP: bool | str = True
     V_STAGES: int | None = None
-    # off by default: the Gluon NaN / Inf V clean-up compiles offline (docs/tuning.md 1.11) but waits for its H200
-    # test run (tests/attention/triton/test_triton_gluon.py -k "may_not_see or disallowed_keys")
-    NAN_SAFE_V: bool = False
+    # on by default (the contract: keys a row may not see contribute nothing); its cost and GPU tests:
+    # docs/tuning.md 1.11. False trades the guarantee for that cost where V inside seq_len is known finite.
+    NAN_SAFE_V: bool = True
 
     def as_dict(self) -> dict:
         """The fields as a new dict (e.g. ``LAST_LAUNCH["config"]``)."""

@@ -50,9 +50,8 @@ Keys at or beyond ``seq_len`` inside the last key block (stale cache rows, which
 -inf in QK^T and their V rows are zeroed in shared memory before PV, so they never reach the output.
 
 Keys a row may not see contribute nothing, NaN / Inf V included (the contract; the portable kernel does the same,
-:func:`.portable._attn_block`), here only with the ``NAN_SAFE_V`` constexpr (``config["NAN_SAFE_V"]``, off by
-default until its GPU tests pass on the H200; off, the kernels compile to the PTX they had without the switch, and
-the contract's gap described next stays open). Their scores are -inf, so their weight is 0, but PV multiplies the
+:func:`.portable._attn_block`), here with the ``NAN_SAFE_V`` constexpr (``config["NAN_SAFE_V"]``, on by default;
+off, the kernels compile to the PTX they had without the switch, and the contract's gap described next is open). Their scores are -inf, so their weight is 0, but PV multiplies the
 whole V tile in shared memory and 0 * NaN = NaN: without the switch a NaN / Inf V entry of a key inside ``seq_len``
 that a row may not see (a causal row's future keys on the diagonal block, keys past a window edge) reaches every row
 of the tile whose key block holds it (finite V is exact). With it, full key blocks (every row allows every key) need

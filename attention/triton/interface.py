@@ -149,9 +149,9 @@ def attention_triton(
     Returns:
         ``out`` or ``(out, lse)``; rows with no allowed key are 0 with lse -inf. Keys outside a row's allowed
         set contribute nothing, NaN / Inf in their K or V included, in the portable kernel, and in the Gluon
-        kernels with ``config["NAN_SAFE_V"] = True`` (a masked block's V cleaned in shared memory and a cold
-        fix-up of the rows that do allow a non-finite entry: :mod:`.gluon`; off by default until its GPU tests
-        pass). With it off the Gluon kernels zero only stale V rows (at or past ``seq_len``): a non-finite V
+        kernels with ``config["NAN_SAFE_V"]`` (the default; a masked block's V cleaned in shared memory and a
+        cold fix-up of the rows that do allow a non-finite entry: :mod:`.gluon`). With it set to False the Gluon
+        kernels zero only stale V rows (at or past ``seq_len``): a non-finite V
         entry of a key inside ``seq_len`` that a row may not see, in a key block the row's tile visits (a causal
         diagonal, a window edge), reaches that row's output; finite V is exact there too.
 

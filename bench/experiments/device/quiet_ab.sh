@@ -4,8 +4,8 @@
 #     (docs/tuning.md 3.2, 7.3): bench_sampler at 1 and 2 all-sampled canvases with the automatic split and
 #     split_v 1 / 2 / 4 / 8 (checked rows). Expected if the split rule (2 x SMs programs) leaves a partial second
 #     wave: a larger split lowers the 1-canvas time towards a quarter of sampler_n4's stats time.
-#  2. issue 26: the cost of config["NAN_SAFE_V"] (off by default until measured, docs/tuning.md 1.11):
-#     bench_attention, triton, switch off (the automatic row) against on (the `triton[True]` tile-sweep row).
+#  2. issue 26: the cost of config["NAN_SAFE_V"] (docs/tuning.md 1.11; measured 2026-12-02 and on by default since):
+#     bench_attention, triton, switch on (the automatic row) against off (the `triton[False]` tile-sweep row).
 # Sourced from the repo root:  BLOCKDIFF_COMMIT=<hash> source bench/experiments/device/quiet_ab.sh
 source bench/device_env.sh
 for n in 1 2; do
@@ -14,6 +14,6 @@ for n in 1 2; do
   echo "sampler n=$n rc=$?"; tail -12 $OUT/sampler_n$n.log
 done
 timeout 200 python3 -m blockdiff.bench.bench_attention --backends triton --tile-sweep \
-  --tile-configs '[{"NAN_SAFE_V": true}]' --workloads prefill16k_hd128,canvas_bs1_ctx32k_sliding,mixed_global_ctx8k,canvas_bs1_ctx32k_hd128 \
+  --tile-configs '[{"NAN_SAFE_V": false}]' --workloads prefill16k_hd128,canvas_bs1_ctx32k_sliding,mixed_global_ctx8k,canvas_bs1_ctx32k_hd128 \
   --no-plots --suite-name attention-nan_safe_v --out $OUT > $OUT/nan_safe_v.log 2>&1
 echo "nan_safe_v rc=$?"; tail -14 $OUT/nan_safe_v.log

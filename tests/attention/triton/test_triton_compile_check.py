@@ -96,7 +96,7 @@ def test_roles_kernel_compiles_for_sm90(kw, max_spill):
     assert rep["shared"] <= tc.WIDE_SMEM_LIMIT
 
 
-# config["NAN_SAFE_V"] (off by default until its H200 test run; off, every configuration above compiles to the PTX
+# config["NAN_SAFE_V"] (on by default since its H200 test run; off, every configuration above compiles to the PTX
 # of the kernels without the switch: bench/experiments/ptx_snapshot.py): the NaN / Inf V clean-up of masked key
 # blocks and the cold fix-up after the epilogue (gluon._clean_v / _nonfinite_fixup) for the automatic configs and
 # the consumers its GPU tests run, with spill bounds of their own (ptxas -v, Triton 3.6; the switch-off bound of the

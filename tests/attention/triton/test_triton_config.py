@@ -190,20 +190,23 @@ def test_overlap_defaults_follow_the_measured_consumers():
     assert kern.config({"V_STAGES": 1}).V_STAGES == 1  # IMPL unset: applies if the Gluon kernel is chosen
 
 
-def test_nan_safe_v_is_off_by_default_and_keeps_the_automatic_choice():
-    """config["NAN_SAFE_V"] (the Gluon kernels' NaN / Inf V clean-up): off unless asked for, a Gluon constexpr
+def test_nan_safe_v_is_on_by_default_and_keeps_the_automatic_choice():
+    """config["NAN_SAFE_V"] (the Gluon kernels' NaN / Inf V clean-up): on unless switched off, a Gluon constexpr
     only (the portable kernel always keeps such V out), and not a tile key, so the tuned Gluon entries still
-    apply with it."""
+    apply with it either way."""
     kern = tc.TritonAttention(tc.StaticKey(128, 128, 2, torch.bfloat16, True, 64, False, False, False))
-    assert kern.config(None).NAN_SAFE_V is False and kern.config(kern.gluon_base).NAN_SAFE_V is False
+    assert kern.config(None).NAN_SAFE_V is True and kern.config(kern.gluon_base).NAN_SAFE_V is True
     auto = kern.config(tc.gluon_auto(kern.gluon_base, {"NAN_SAFE_V": True}))
     assert auto.NAN_SAFE_V is True and auto.IMPL == "gluon" and auto.OVERLAP == "chain"
+    off = kern.config(tc.gluon_auto(kern.gluon_base, {"NAN_SAFE_V": False}))
+    assert off.NAN_SAFE_V is False and off.IMPL == "gluon" and off.OVERLAP == "chain"
     assert "NAN_SAFE_V" not in tc._TILE_KEYS
     shape = tc.KernelShape(group=2, head_dim=128, head_dim_v=128, dtype=torch.bfloat16, paged=True, page_size=64,
                            has_window=False, prefix=False, causal_flags=True, split=False, store_lse=True,
                            search_steps=1)
     assert tc.kernel_constexprs(auto, shape)["NAN_SAFE_V"] is True
-    assert tc.kernel_constexprs(kern.config(kern.gluon_base), shape)["NAN_SAFE_V"] is False
+    assert tc.kernel_constexprs(kern.config(kern.gluon_base), shape)["NAN_SAFE_V"] is True
+    assert tc.kernel_constexprs(off, shape)["NAN_SAFE_V"] is False
     assert "NAN_SAFE_V" not in tc.kernel_constexprs(kern.config({"IMPL": "triton", "NAN_SAFE_V": True}), shape)
 
 

@@ -240,8 +240,8 @@ def test_gpu_automatic_choice_takes_gluon_only_where_tuned_and_tma_can_read_the_
 
 
 # ------------------------------------------------- NaN / Inf V of keys a row may not see (issue 26, the contract)
-# The Gluon kernels keep them out with config["NAN_SAFE_V"] = True only (off by default until these tests pass on
-# the H200): every check below runs with it. On the CPU, test_nonfinite_v_checks_hold_for_the_portable_kernel runs
+# The Gluon kernels keep them out with config["NAN_SAFE_V"] (on by default since these tests passed on the H200,
+# docs/tuning.md 1.11): every check below sets it explicitly. On the CPU, test_nonfinite_v_checks_hold_for_the_portable_kernel runs
 # the same helpers with the portable kernel (which always keeps them out) as a stand-in.
 def _nan_safe(config):
     """``config`` with the Gluon kernels' NaN / Inf V clean-up switched on (the portable kernel ignores it)."""
