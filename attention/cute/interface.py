@@ -28,7 +28,7 @@ import os
 
 import torch
 
-from ..validate import check_attention_inputs
+from ..validate import check_attention_inputs, length_hint_value
 from .config import (REQUIRED, WIDE_MAX_PAGE_BOXES, check_config, is_wide, kv_load_path, resolve_launch_config,
                      unsupported_head_dims)
 # re-exported for bench/, which imports them from this module (their home is config.py / blocks.py)
@@ -153,7 +153,8 @@ def attention_cute(
         ImportError: flash-attn-4 / nvidia-cutlass-dsl missing (the message names them).
         TypeError, ValueError: contract violations (see :mod:`blockdiff.attention.validate`); a bad ``config``
             field (:func:`~blockdiff.attention.cute.config.check_config`, checked before the CuTe DSL import);
-            tensors not on a CUDA device.
+            tensors not on a CUDA device; a negative 0-d tensor ``max_seqlen_q`` / ``max_seqlen_k`` (read on the
+            host at launch).
         NotImplementedError: valid input outside this backend: dtype other than bf16/fp16, head dims outside
             8..256 (multiples of 8) and outside equal multiples of 32 in (256, 512]
             (:func:`~blockdiff.attention.cute.config.unsupported_head_dims`), a GPU other than SM90.
@@ -205,6 +206,9 @@ def _run(fa, q, k_cache, v_cache, *, out, return_lse, cu_seqlens_q, num_causal_q
 
     qhead_per_kvhead = H // num_kv_heads
     pack_gqa = qhead_per_kvhead > 1
+    # the hints as host ints (a 0-d tensor is read here and checked like the int form)
+    max_seqlen_q = length_hint_value("max_seqlen_q", max_seqlen_q)
+    max_seqlen_k = length_hint_value("max_seqlen_k", max_seqlen_k)
     # tiles and the split count from host shapes only (config.choose_num_splits)
     cfg = resolve_launch_config(
         head_dim, head_dim_v, window_size, config, total_q=total_q, num_seqs=cu_seqlens_q.shape[0] - 1,

@@ -188,6 +188,16 @@ def test_gpu_causal_bool_flag_form_and_scale():
 
 
 @needs_gpu
+def test_gpu_negative_tensor_length_hints_are_refused_by_name():
+    """A 0-d tensor ``max_seqlen_q`` / ``max_seqlen_k`` is read where the launch uses it and checked like the int
+    form: a negative one is a ValueError naming it (the int form is refused earlier, by validate)."""
+    q, k, v, kw = _batch([64], [128], [0], 16, 8, 128, 64, seed=4)
+    for name in ("max_seqlen_q", "max_seqlen_k"):
+        with pytest.raises(ValueError, match=name):
+            ca.attention_cute(q, k, v, **kw, **{name: torch.tensor(-5)})
+
+
+@needs_gpu
 def test_gpu_strided_q_and_noncontiguous_out_through_dispatcher():
     from blockdiff.attention import attention
     q0, k, v, kw = _batch([256, 100], [1000, 0], [0, 100], 16, 8, 128, 64, seed=11)
