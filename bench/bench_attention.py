@@ -22,7 +22,9 @@ Backends (one row per workload, backend and configuration; all measured in the s
              when the backend is missing or raises NotImplementedError. The per-sequence flags are passed as
              ``num_causal_q`` built once outside the timing (a step's metadata, shared by all layers).
              ``--tile-sweep`` rows use the paged cache; ``--cute-configs`` adds cute rows with other CuteConfig
-             dicts (paged cache), e.g. the split-value kernel's 64-key tiles at hd 512.
+             dicts (paged cache), e.g. the split-value kernel's 64-key tiles at hd 512. With ``--tile-sweep``,
+             ``--tile-configs`` dicts made of CuteConfig fields also time cute on each ``--blockdiff-layouts``
+             layout, e.g. ``--backends cute --tile-sweep --tile-configs '[{"split_merge": "cluster"}]'``.
   reference  blockdiff.attention's dense reference (``--quick`` only).
 
 Before timing, each backend's output is checked (isfinite; max abs error <= 2x that of the same-dtype eager
@@ -34,6 +36,7 @@ A failing backend records an error row; the run continues. A summary table is pr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import itertools
 import json
@@ -300,6 +303,12 @@ def triton_config_kwarg() -> str | None:
     return next((n for n in ("config", "tile_config", "kernel_config") if n in params), None)
 
 
+def cute_config_fields() -> tuple:
+    """Field names of the cute backend's CuteConfig (its config module imports without flash-attn-4)."""
+    from blockdiff.attention.cute.config import CuteConfig
+    return tuple(f.name for f in dataclasses.fields(CuteConfig))
+
+
 def make_blockdiff(batch: wl.Batch, args, backend: str, config: dict | None = None, layout: str = "paged") -> tuple:
     attention = _blockdiff_backend(backend)
     w = batch.workload
@@ -450,6 +459,14 @@ def jobs_for(batch: wl.Batch, backends, args):
             if be == "cute":
                 for cfg in args.cute_configs:  # extra rows: cute with a CuteConfig dict, on the paged cache
                     yield be, (lambda cfg=cfg: make_blockdiff(batch, args, "cute", cfg)), {"config": cfg}
+                if args.tile_sweep:
+                    # --tile-configs dicts made of CuteConfig fields (e.g. {"split_merge": "cluster"}) also time
+                    # cute, on each requested layout; the triton tile dicts (the default sweep) are not cute's
+                    for cfg in (c for c in args.tile_configs if c and set(c) <= set(cute_config_fields())):
+                        for layout in args.blockdiff_layouts:
+                            yield be, (lambda cfg=cfg, layout=layout: make_blockdiff(
+                                batch, args, "cute", cfg, layout=layout)), \
+                                {"config": cfg, **({"kv_layout": layout} if layout != "paged" else {})}
             if be == "triton" and args.tile_sweep:
                 if triton_config_kwarg() is None:
                     continue  # message printed once in main()
@@ -583,7 +600,7 @@ def parse_args(argv=None):
     p.add_argument("--fa4-layouts", default="paged,contiguous", help="fa4 KV layouts: paged and/or contiguous")
     p.add_argument("--blockdiff-layouts", default="paged",
                    help="KV layouts of the triton / cute rows: paged (default) and/or contiguous (packed varlen K/V)")
-    p.add_argument("--tile-sweep", action="store_true", help="also time the triton backend per tile config")
+    p.add_argument("--tile-sweep", action="store_true", help="also time the triton backend per tile config (and cute per --tile-configs dict of CuteConfig fields)")
     p.add_argument("--tile-configs", default="", help="JSON list of tile config dicts for --tile-sweep")
     p.add_argument("--cute-configs", default="",
                    help='JSON list of CuteConfig dicts timed as extra cute rows, e.g. \'[{"tile_n": 64}]\'')

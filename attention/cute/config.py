@@ -17,6 +17,7 @@ __all__ = [
     "page_box_tma_ok", "kv_load_path", "MAX_HEAD_DIM", "WIDE_MIN_HEAD_DIM_V", "WIDE_CONFIG", "is_wide",
     "unsupported_head_dims", "resolve_wide_config", "WIDE_LONG_Q_CONFIG", "WIDE_MAX_PAGE_BOXES", "MAX_SPLITS",
     "MIN_KEYS_PER_SPLIT", "grid_tiles", "choose_num_splits", "key_bound", "resolve_launch_config", "check_config",
+    "SPLIT_MERGES", "MAX_CLUSTER_SPLITS", "cluster_merge_fits",
 ]
 
 #: The optional packages this backend runs on (the ``cute`` extra of setup.py).
@@ -35,6 +36,11 @@ class CuteConfig:
     nothing even when their V holds NaN / Inf (masked key blocks' V cleaned in shared memory before P V, a cold
     fix-up of the rows that do see such a key; docs/tuning.md 2.4). Off by default until its GPU tests pass; off,
     the kernels are the ones built without it. Not a tile field: setting only it keeps the automatic tiles.
+    split_merge: how split-KV partial outputs are merged: ``"combine"`` (default: FA4's combine kernel, a second
+    launch) or ``"cluster"`` (the splits of a tile as a thread-block cluster reducing through distributed shared
+    memory inside the one launch; 2 .. :data:`MAX_CLUSTER_SPLITS` splits, and the fp32 tile must fit the Q / K / V
+    buffers: :func:`cluster_merge_fits`; docs/tuning.md 2.5). Not a tile field either; with one split it resolves
+    to ``"combine"`` (the plain kernel).
     """
 
     tile_m: int | None = None
@@ -45,6 +51,13 @@ class CuteConfig:
     lpt: bool | None = None
     num_splits: int | None = None
     nan_safe_v: bool = False
+    split_merge: str = "combine"
+
+
+#: The merges of split-KV partial outputs (CuteConfig.split_merge).
+SPLIT_MERGES = ("combine", "cluster")
+#: Most splits of the cluster merge: the portable thread-block cluster size (8 CTAs).
+MAX_CLUSTER_SPLITS = 8
 
 
 #: Long causal prefills at hd 128 without a window run faster with three MMA warpgroups (192-row tiles, no
@@ -163,9 +176,9 @@ def resolve_config(head_dim: int, head_dim_v: int, window_size, config=None, max
         ImportError: flash-attn-4 is not installed (its heuristic gives the unset fields).
     """
     _check_head_dims(head_dim, head_dim_v)
-    config, nan_safe_v = _split_nan_safe_v(check_config(config))
+    config, switches = _split_switches(check_config(config))
     if is_wide(head_dim, head_dim_v):  # head dims and config checked above
-        return replace(_resolve_wide(head_dim, head_dim_v, config, max_seqlen_q), nan_safe_v=nan_safe_v)
+        return replace(_resolve_wide(head_dim, head_dim_v, config, max_seqlen_q), **switches)
     if config is None:
         config = CuteConfig()
         if (head_dim == head_dim_v == 128 and window_size is None and max_seqlen_q is not None
@@ -184,22 +197,26 @@ def resolve_config(head_dim: int, head_dim_v: int, window_size, config=None, max
         num_stages=config.num_stages,
         lpt=longest_first_tiles(max_seqlen_q) if config.lpt is None else bool(config.lpt),
         num_splits=_check_num_splits(config.num_splits),
-        nan_safe_v=nan_safe_v,
+        **switches,
     )
     check_config_fits(resolved, head_dim, head_dim_v)
     return resolved
 
 
-def _split_nan_safe_v(config):
-    """``(config without nan_safe_v, nan_safe_v)``: the switch is not a tile field, so a config that sets only it
-    resolves the tiles as None does (the tuned automatic choices)."""
+#: CuteConfig fields that are switches, not tile fields, with their defaults.
+_SWITCHES = dict(nan_safe_v=False, split_merge="combine")
+
+
+def _split_switches(config):
+    """``(config without the switches, {switch: value})`` (``nan_safe_v``, ``split_merge``): they are not tile
+    fields, so a config that sets only them resolves the tiles as None does (the tuned automatic choices)."""
     if config is None:
-        return None, False
+        return None, dict(_SWITCHES)
     if isinstance(config, dict):
-        rest = {k: v for k, v in config.items() if k != "nan_safe_v"}
-        return (rest or None), bool(config.get("nan_safe_v", False))
-    rest = replace(config, nan_safe_v=False)
-    return (None if rest == CuteConfig() else rest), config.nan_safe_v
+        rest = {k: v for k, v in config.items() if k not in _SWITCHES}
+        return (rest or None), {k: config.get(k, d) for k, d in _SWITCHES.items()}
+    rest = replace(config, **_SWITCHES)
+    return (None if rest == CuteConfig() else rest), {k: getattr(config, k) for k in _SWITCHES}
 
 
 def _check_num_splits(num_splits):
@@ -219,10 +236,17 @@ def _check_head_dims(head_dim, head_dim_v) -> None:
 
 
 _CONFIG_FIELDS = ("tile_m", "tile_n", "mma_pv_is_rs", "intra_wg_overlap", "num_stages", "lpt", "num_splits",
-                  "nan_safe_v")
+                  "nan_safe_v", "split_merge")
 
 
 def _check_field(name: str, v) -> None:
+    if name == "split_merge":
+        if not isinstance(v, str):
+            raise TypeError(f"config split_merge must be a str, one of {SPLIT_MERGES}, got {type(v).__name__} "
+                            f"({v!r})")
+        if v not in SPLIT_MERGES:
+            raise ValueError(f"config split_merge must be one of {SPLIT_MERGES}, got {v!r}")
+        return
     if name == "nan_safe_v":
         if not isinstance(v, bool):
             raise TypeError(f"config nan_safe_v must be a bool, got {type(v).__name__} ({v!r})")
@@ -253,8 +277,10 @@ def check_config(config):
     with :class:`CuteConfig` field names, or a CuteConfig (returned as given). ``tile_m`` / ``tile_n``: None or a
     positive int, ``tile_m`` a multiple of 64 (query rows of one MMA warpgroup), ``tile_n`` a multiple of 8 (the
     MMA's N step); ``num_stages``: an int >= 1; ``mma_pv_is_rs`` / ``intra_wg_overlap`` / ``lpt``: None or a
-    bool; ``num_splits``: None or an int in [1, :data:`MAX_SPLITS`]; ``nan_safe_v``: a bool. Kernel-specific
-    rules (the split-value kernel's tiles, shared memory) are :func:`resolve_config`'s.
+    bool; ``num_splits``: None or an int in [1, :data:`MAX_SPLITS`]; ``nan_safe_v``: a bool; ``split_merge``:
+    one of :data:`SPLIT_MERGES`, and ``"cluster"`` with an explicit ``num_splits`` at most
+    :data:`MAX_CLUSTER_SPLITS`. Kernel-specific rules (the split-value kernel's tiles, shared memory, whether the
+    cluster merge's tile fits) are :func:`resolve_config`'s and :func:`resolve_launch_config`'s.
 
     Raises:
         TypeError: ``config`` of another type, an unknown field, a field of the wrong type (bool for an int, a
@@ -272,8 +298,14 @@ def check_config(config):
         items = ((f, getattr(config, f)) for f in _CONFIG_FIELDS)
     else:
         raise TypeError(f"config must be a CuteConfig, a dict or None, got {type(config).__name__}")
+    values = {}
     for name, v in items:
         _check_field(name, v)
+        values[name] = v
+    n = values.get("num_splits")
+    if values.get("split_merge") == "cluster" and n is not None and n > MAX_CLUSTER_SPLITS:
+        raise ValueError(f"config split_merge 'cluster' takes at most {MAX_CLUSTER_SPLITS} splits (the portable "
+                         f"cluster size), got num_splits {n}; use split_merge 'combine'")
     return config
 
 
@@ -295,8 +327,8 @@ def resolve_wide_config(head_dim: int, head_dim_v: int, config=None, max_seqlen_
             the above, or the tiles do not fit SM90 shared memory.
     """
     _check_head_dims(head_dim, head_dim_v)
-    config, nan_safe_v = _split_nan_safe_v(check_config(config))
-    return replace(_resolve_wide(head_dim, head_dim_v, config, max_seqlen_q), nan_safe_v=nan_safe_v)
+    config, switches = _split_switches(check_config(config))
+    return replace(_resolve_wide(head_dim, head_dim_v, config, max_seqlen_q), **switches)
 
 
 def _resolve_wide(head_dim: int, head_dim_v: int, config, max_seqlen_q: int | None) -> CuteConfig:
@@ -418,8 +450,24 @@ def resolve_launch_config(head_dim: int, head_dim_v: int, window_size, config=No
     (``cu_seqlens_q.shape[0] - 1``), ``keys_capacity`` (paged: block-table width x page size; contiguous: cache
     rows), the hints, ``num_sms``. Raises as :func:`resolve_config`."""
     cfg = resolve_config(head_dim, head_dim_v, window_size, config, max_seqlen_q)
+    cluster = cfg.split_merge == "cluster"
     if cfg.num_splits is None:
         tiles = grid_tiles(total_q, num_seqs, num_kv_heads, qhead_per_kvhead, cfg.tile_m)
         keys = key_bound(keys_capacity, max_seqlen_k, window_size, max_seqlen_q)
-        cfg = replace(cfg, num_splits=choose_num_splits(max(tiles, 1), keys, num_sms))
+        n = choose_num_splits(max(tiles, 1), keys, num_sms)
+        cfg = replace(cfg, num_splits=min(n, MAX_CLUSTER_SPLITS) if cluster else n)
+    if cluster and cfg.num_splits == 1:
+        cfg = replace(cfg, split_merge="combine")  # one split: the plain kernel, one compiled kernel for both
+    elif cluster and not cluster_merge_fits(cfg, head_dim, head_dim_v):
+        raise ValueError(
+            f"config {cfg}: the cluster merge's fp32 output tile ({cfg.tile_m} x {head_dim_v} x 4 B plus the LSEs) "
+            "does not fit the Q / K / V shared-memory buffers it reuses: use split_merge 'combine' or larger tiles")
     return cfg
+
+
+def cluster_merge_fits(cfg: CuteConfig, head_dim: int, head_dim_v: int) -> bool:
+    """Whether the cluster merge's fp32 output tile and LSEs (``tile_m x (head_dim_v + 1) x 4`` bytes) fit the Q,
+    K and V buffers of a resolved config (2-byte elements; the kernel re-checks against FA4's struct at trace
+    time, ``kernel_cluster.ClusterMergeMixin._get_shared_storage_cls``)."""
+    qkv = 2 * (cfg.tile_m * head_dim + cfg.num_stages * cfg.tile_n * (head_dim + head_dim_v))
+    return cfg.tile_m * (head_dim_v + 1) * 4 <= qkv

@@ -66,6 +66,7 @@ def _fa4():
         from flash_attn.cute.interface import flash_attn_combine
 
         from .kernel import FlashAttentionForwardSm90Mixed
+        from .kernel_cluster import FlashAttentionForwardSm90MixedCluster, FlashAttentionForwardSm90WideVCluster
         from .kernel_split import FlashAttentionForwardSm90MixedSplit, FlashAttentionForwardSm90WideVSplit
         from .kernel_wide import FlashAttentionForwardSm90WideV
     except ImportError as e:
@@ -75,7 +76,8 @@ def _fa4():
     _FA4 = dict(cutlass=cutlass, cute=cute, to_cute_tensor=to_cute_tensor, maybe_contiguous=maybe_contiguous,
                 is_fake_mode=is_fake_mode, AuxData=AuxData, Kernel=FlashAttentionForwardSm90Mixed,
                 KernelWide=FlashAttentionForwardSm90WideV, KernelSplit=FlashAttentionForwardSm90MixedSplit,
-                KernelWideSplit=FlashAttentionForwardSm90WideVSplit, combine=flash_attn_combine, dtypes=dtypes)
+                KernelWideSplit=FlashAttentionForwardSm90WideVSplit, KernelCluster=FlashAttentionForwardSm90MixedCluster,
+                KernelWideCluster=FlashAttentionForwardSm90WideVCluster, combine=flash_attn_combine, dtypes=dtypes)
     return _FA4
 
 
@@ -144,7 +146,9 @@ def attention_cute(
             intra_wg_overlap, num_stages, lpt, num_splits); None:
             :func:`~blockdiff.attention.cute.config.resolve_config`.
             ``num_splits`` > 1 runs split-KV (:mod:`~blockdiff.attention.cute.kernel_split`: the kernel writes
-            fp32 partial outputs and LSEs per split, FA4's combine kernel merges them; two launches).
+            fp32 partial outputs and LSEs per split, FA4's combine kernel merges them; two launches), or with
+            ``split_merge="cluster"`` one launch whose splits of a tile form a thread-block cluster merging
+            through distributed shared memory (:mod:`~blockdiff.attention.cute.kernel_cluster`).
 
     Returns:
         ``out [total_q, num_heads, head_dim_v]`` (q's dtype) or ``(out, lse)``.
@@ -240,18 +244,22 @@ def _run(fa, q, k_cache, v_cache, *, out, return_lse, cu_seqlens_q, num_causal_q
     prefix = bidirectional_window == "prefix" and has_window
 
     split = cfg.num_splits > 1
+    cluster = split and cfg.split_merge == "cluster"  # the merge inside the launch (kernel_cluster.py)
     LAST_LAUNCH.clear()
     LAST_LAUNCH.update(kernel=("FlashAttentionForwardSm90WideV" if is_wide(head_dim, head_dim_v)
-                               else "FlashAttentionForwardSm90Mixed") + ("Split" if split else ""),
+                               else "FlashAttentionForwardSm90Mixed")
+                       + ("Cluster" if cluster else "Split" if split else ""),
                        config=cfg, kv_path=kv_path)
     # nan_safe_v on a dense V cache: its fix-up reads V through a layout with static strides (only the base pointer
     # stays live in the kernel: dynamic strides cost the hd-256 / paged hd-512 kernels spills), so the compile key
     # holds the cache's inner shape
     v_static = tuple(v_cache.shape[1:]) if cfg.nan_safe_v and v_cache.is_contiguous() else None
     key = (q.dtype, head_dim, head_dim_v, qhead_per_kvhead, pack_gqa, cfg, paged, paged_kv_non_tma,
-           kv_page_size, has_window, prefix, return_lse and not split, arch, v_static)
+           kv_page_size, has_window, prefix, return_lse and (cluster or not split), arch, v_static)
     aux = [ncq]
-    if split:  # each split's normalised fp32 output and LSE, merged by FA4's combine kernel below
+    if cluster:  # the kernel merges and writes out (and the LSE) itself: no workspace
+        aux += [out_k] + ([lse] if return_lse else [])
+    elif split:  # each split's normalised fp32 output and LSE, merged by FA4's combine kernel below
         aux += [torch.empty(cfg.num_splits, total_q, H, head_dim_v, dtype=torch.float32, device=q.device),
                 torch.empty(cfg.num_splits, H, total_q, dtype=torch.float32, device=q.device)]
     if cfg.nan_safe_v:  # the NaN-safe fix-up reads V itself (kernel.py, "NaN-safe V"): the last aux tensor
@@ -266,7 +274,7 @@ def _run(fa, q, k_cache, v_cache, *, out, return_lse, cu_seqlens_q, num_causal_q
         compiled(q, k_cache, v_cache, out_k, lse_k, scale, cu_q, cu_k, None, seqused_k, page_table,
                  window_size, window_size, None, None, fa["AuxData"](aux, None), None, None)
     fake = fa["is_fake_mode"]()
-    if split:
+    if split and not cluster:
         # (splits, total_q, H) views with total_q contiguous, FA4's combine layout for the LSEs
         _, lse_merged = fa["combine"](aux[1], aux[2].permute(0, 2, 1), out=out_k, cu_seqlens=cu_q,
                                       return_lse=return_lse)
@@ -298,7 +306,10 @@ def _compile(fa, key, q, k, v, out, lse, scale, cu_q, cu_k, seqused_k, page_tabl
     cute, tct = fa["cute"], fa["to_cute_tensor"]
     wide = is_wide(head_dim, head_dim_v)
     split = dict(num_splits=cfg.num_splits) if cfg.num_splits > 1 else {}
-    kernel_cls = fa[("KernelWide" if wide else "Kernel") + ("Split" if split else "")]
+    cluster = bool(split) and cfg.split_merge == "cluster"
+    if cluster:  # the kernel writes the merged LSE (an aux tensor) when the call returns it
+        split["merge_lse"] = return_lse
+    kernel_cls = fa[("KernelWide" if wide else "Kernel") + ("Cluster" if cluster else "Split" if split else "")]
     kernel = kernel_cls(
         fa["dtypes"][dtype],
         head_dim,
@@ -325,7 +336,7 @@ def _compile(fa, key, q, k, v, out, lse, scale, cu_q, cu_k, seqused_k, page_tabl
         return cute.compile(
             kernel,
             tct(q), tct(k), tct(v), tct(out, assumed_align=16),
-            None if lse is None else tct(lse, assumed_align=4),
+            None if lse is None or cluster else tct(lse, assumed_align=4),
             scale,
             small(cu_q), small(cu_k), None, small(seqused_k), small(page_table, 1),
             window_size, window_size,

@@ -242,3 +242,55 @@ def test_split_count_takes_ints_only(args, match):
     """Was: choose_num_splits(True, 4096, 132) returned 4, (1.5, ...) returned 1, None a bare '<' TypeError."""
     with pytest.raises(TypeError, match=match):
         cc.choose_num_splits(*args)
+
+
+@pytest.mark.parametrize("config,err,match", [
+    (dict(split_merge="dsmem"), ValueError, "split_merge"), (dict(split_merge=1), TypeError, "split_merge"),
+    (dict(split_merge=None), TypeError, "split_merge"),
+    (dict(split_merge="cluster", num_splits=9), ValueError, "at most 8"),
+    (cc.CuteConfig(split_merge="cluster", num_splits=16), ValueError, "at most 8"),
+])
+def test_split_merge_is_validated(config, err, match):
+    with pytest.raises(err, match=match):
+        cc.check_config(config)
+
+
+def test_split_merge_is_a_switch_not_a_tile_field():
+    """Setting only split_merge keeps the automatic tiles (as nan_safe_v); the value resolves through."""
+    wide = cc.resolve_wide_config(512, 512, dict(split_merge="cluster"), max_seqlen_q=256)
+    assert wide.split_merge == "cluster" and (wide.tile_m, wide.tile_n, wide.num_stages) == (64, 32, 2)
+    assert cc.resolve_wide_config(512, 512, None).split_merge == "combine"
+    assert cc.check_config(dict(split_merge="cluster", num_splits=8)) is not None
+
+
+def test_cluster_merge_split_count_is_capped_at_8_and_one_split_is_the_plain_kernel():
+    """hd 512, one canvas: the automatic count (2) passes; a tiny grid that would take 16 splits takes 8 with
+    the cluster merge; one split resolves to 'combine' (the plain kernel, one compile key)."""
+    kw = dict(num_kv_heads=2, qhead_per_kvhead=8, max_seqlen_q=256, max_seqlen_k=None, num_sms=132)
+    one = cc.resolve_launch_config(512, 512, None, dict(split_merge="cluster"), total_q=256, num_seqs=1,
+                                   keys_capacity=33024, **kw)
+    assert (one.num_splits, one.split_merge) == (2, "cluster")
+    tiny = dict(kw, num_kv_heads=1, qhead_per_kvhead=1)
+    capped = cc.resolve_launch_config(512, 512, None, dict(split_merge="cluster"), total_q=64, num_seqs=1,
+                                      keys_capacity=1 << 20, **tiny)
+    assert (capped.num_splits, capped.split_merge) == (8, "cluster")
+    combine = cc.resolve_launch_config(512, 512, None, None, total_q=64, num_seqs=1, keys_capacity=1 << 20, **tiny)
+    assert combine.num_splits == 16
+    four = cc.resolve_launch_config(512, 512, None, dict(split_merge="cluster"), total_q=1024, num_seqs=4,
+                                    keys_capacity=8448, **kw)
+    assert (four.num_splits, four.split_merge) == (1, "combine")
+
+
+def test_cluster_merge_tile_fits_the_qkv_buffers():
+    """The fp32 output tile plus LSEs against Q + K + V (docs/tuning.md 2.5): the tuned configs fit; a 64-row
+    hd-256 tile with one 16-key stage does not, and the launch config refuses it by name."""
+    C = cc.CuteConfig
+    assert cc.cluster_merge_fits(C(tile_m=128, tile_n=128, num_stages=3), 128, 128)
+    assert cc.cluster_merge_fits(C(tile_m=128, tile_n=64, num_stages=2), 256, 256)
+    assert cc.cluster_merge_fits(C(tile_m=64, tile_n=32, num_stages=2), 512, 512)
+    assert cc.cluster_merge_fits(C(tile_m=64, tile_n=64, num_stages=1), 512, 512)
+    assert not cc.cluster_merge_fits(C(tile_m=64, tile_n=16, num_stages=1), 256, 256)
+    kw = dict(num_kv_heads=2, qhead_per_kvhead=8, max_seqlen_q=256, max_seqlen_k=None, num_sms=132)
+    with pytest.raises(ValueError, match="cluster merge"):
+        cc.resolve_launch_config(512, 512, None, dict(tile_n=16, num_stages=1, num_splits=2, split_merge="cluster"),
+                                 total_q=256, num_seqs=1, keys_capacity=33024, **kw)
