@@ -52,7 +52,8 @@ NaN / Inf there gave ``0 * NaN = NaN`` in every row of the tile. Only masked key
 FA4's consumer hands a ``mask_fn`` exactly to their calls (the tile's first block, the right- and left-masked
 loops; the interior loop gets None). With the switch, in every such call each consumer warpgroup cleans that
 block's V stage in shared memory before its PV wgmma reads it (:meth:`FlashAttentionForwardSm90Mixed._clean_v_stage`:
-NaN / Inf entries zeroed, a ``bar.red.or`` over the warpgroup ORs "there was one" into a per-warpgroup flag);
+NaN / Inf entries zeroed, a ``bar.red.or`` over the warpgroup ORs "there was one" into a per-warpgroup flag, and
+a per-stage tag in shared memory tells the warpgroup that cleans second, which finds the stage already clean);
 with FA4's intra-warpgroup overlap at the end of the block's call (its PV runs in the next call), without it right
 before the PV. The epilogue hook (:meth:`~FlashAttentionForwardSm90Mixed._nonfinite_fixup`) then, only for a
 flagged tile, adds each non-finite V entry of the masked blocks' keys to exactly the accumulator rows that allow
@@ -1012,7 +1013,7 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
 
         ``shared_tag`` (FA4's consumer: every warpgroup cleans the whole stage, unsynchronised): the warpgroup
         that cleans a chunk second reads it already cleaned, so its own scan alone would miss the entry and skip
-        its rows' fix-up (issue 26, docs/tuning.md 2.4, 2026-12-03). So a thread that finds a non-finite entry
+        its rows' fix-up (issue 26, docs/tuning.md 2.4, 2026-12-02). So a thread that finds a non-finite entry
         first writes this use's tag (a per-warpgroup counter, advanced once a call: every consumer warpgroup
         makes the same calls in the same order, so the counters agree) into the stage's tag slot, then
         ``fence.acq_rel.cta``, then the cleaned chunk; after its barrier every thread ORs "the slot holds this
