@@ -52,7 +52,8 @@ NaN / Inf there gave ``0 * NaN = NaN`` in every row of the tile. Only masked key
 FA4's consumer hands a ``mask_fn`` exactly to their calls (the tile's first block, the right- and left-masked
 loops; the interior loop gets None). With the switch, in every such call each consumer warpgroup cleans that
 block's V stage in shared memory before its PV wgmma reads it (:meth:`FlashAttentionForwardSm90Mixed._clean_v_stage`:
-NaN / Inf entries zeroed, a ``bar.red.or`` over the warpgroup ORs "there was one" into a per-warpgroup flag);
+NaN / Inf entries zeroed, a ``bar.red.or`` over the warpgroup ORs "there was one" into a per-warpgroup flag, and
+a per-stage tag in shared memory tells the warpgroup that cleans second, which finds the stage already clean);
 with FA4's intra-warpgroup overlap at the end of the block's call (its PV runs in the next call), without it right
 before the PV. The epilogue hook (:meth:`~FlashAttentionForwardSm90Mixed._nonfinite_fixup`) then, only for a
 flagged tile, adds each non-finite V entry of the masked blocks' keys to exactly the accumulator rows that allow
@@ -155,6 +156,10 @@ def row_key_range(
 #: Named barriers of the NaN-safe V clean-up, one per consumer warpgroup (ids 12-14: FA4's ``NamedBarrierFwd`` uses
 #: 1-6, the split-value kernel 7-11).
 NAN_CLEAN_BARRIER_WG1 = 12
+
+#: First value of the clean-up's per-warpgroup use counter (the tags of :meth:`FlashAttentionForwardSm90Mixed.
+#: _clean_v_stage`); any value works, this one makes a stale shared-memory word unlikely to match.
+NAN_TAG_BASE = 0x4E614E00
 
 
 @dsl_user_op
@@ -465,11 +470,12 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
 
     def _get_shared_storage_cls(self):
         """FA4's shared storage; with the page-box producer, one more mbarrier right after the V pipeline's
-        2 x num_stages (the producer's ``tail_bar``, see ``_acquire_load_v``). Same size otherwise: the
-        barriers sit before 1024-byte-aligned buffers."""
-        if self.kv_box_rows is None:
+        2 x num_stages (the producer's ``tail_bar``, see ``_acquire_load_v``); with ``nan_safe_v`` that slot
+        and ``num_stages`` tag slots after it (:meth:`_clean_v_stage`). Same size otherwise: the barriers sit
+        before 1024-byte-aligned buffers."""
+        if self.kv_box_rows is None and not self.nan_safe_v:
             return super()._get_shared_storage_cls()
-        assert not self.Q_in_regs, "the page-box producer is built with Q_in_regs=False"
+        assert not self.Q_in_regs, "the page-box producer and nan_safe_v are built with Q_in_regs=False"
         sQ_struct, sK_struct, sV_struct = [
             cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layout)], self.buffer_align_bytes]
             for layout in (self.sQ_layout, self.sK_layout, self.sV_layout)
@@ -478,7 +484,10 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         sP_struct = cute.struct.Align[cute.struct.MemRange[self.dtype, cosize_sP], 1024]
         mbar_ptr_Q_struct = cute.struct.MemRange[cutlass.Int64, 1 * 2]
         mbar_ptr_K_struct = cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
-        mbar_ptr_V_struct = cute.struct.MemRange[cutlass.Int64, self.num_stages * 2 + 1]
+        # V: full / empty barriers, the page-box producer's tail barrier, and with nan_safe_v one tag slot per stage
+        # (the clean-up's "a non-finite entry was zeroed in this use of the stage", _clean_v_stage)
+        n_tags = self.num_stages if self.nan_safe_v else 0
+        mbar_ptr_V_struct = cute.struct.MemRange[cutlass.Int64, self.num_stages * 2 + 1 + n_tags]
 
         # Built with type(): this module's `from __future__ import annotations` would turn class-body annotations
         # into strings, which cute.struct does not resolve. Field order is FA4's.
@@ -897,7 +906,7 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         fastdiv_mods=None,
     ):
         if const_expr(self.nan_safe_v):
-            self._nan_safe_setup(sVt, pipeline_v, self._mixed_block_info(block_info))
+            self._nan_safe_setup(sVt, pipeline_v, self._mixed_block_info(block_info), shared_tags=True)
         return FlashAttentionForwardSm90.mma(
             self,
             tiled_mma_qk,
@@ -930,24 +939,36 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
     # --- NaN-safe V (config nan_safe_v; docs/tuning.md 2.4) ---------------------------------------------------
     # FA4's consumer passes a mask_fn exactly to the calls of masked key blocks (the tile's first block, the
     # right- and left-masked loops); the interior loop's calls are passed through untouched.
-    def _nan_safe_setup(self, sVt, pipeline_v, block_info) -> None:
+    def _nan_safe_setup(self, sVt, pipeline_v, block_info, shared_tags: bool = False) -> None:
         """Trace-time, at the consumers' entry: the per-warpgroup flag "a masked block's V held NaN / Inf" (one
         Int32 register, carried through FA4's loops as a register tensor), and what the clean-up and the fix-up
-        need (V's shared-memory view, the V pipeline, the consumers' block info: the split's range too)."""
+        need (V's shared-memory view, the V pipeline, the consumers' block info: the split's range too).
+
+        ``shared_tags`` (FA4's consumer, where every warpgroup cleans the whole stage): the per-stage tag slots in
+        shared memory (after the V barriers, :meth:`_get_shared_storage_cls`) and the per-warpgroup use counter
+        that names a stage's current use (see :meth:`_clean_v_stage`)."""
         self._nf_flag = cute.make_rmem_tensor((1,), Int32)
         self._nf_flag[0] = Int32(0)
         self._nf_sVt, self._nf_pipeline_v, self._nf_block_info = sVt, pipeline_v, block_info
+        self._nf_tags = self._nf_use = None
+        if shared_tags:
+            base = pipeline_v.sync_object_empty.get_barrier(0) + self.num_stages + 1  # past full, empty, tail
+            self._nf_tags = cute.make_tensor(cute.recast_ptr(base, dtype=Int32),
+                                             cute.make_layout((self.num_stages,), stride=(2,)))
+            self._nf_use = cute.make_rmem_tensor((1,), Int32)
+            self._nf_use[0] = Int32(NAN_TAG_BASE)
 
     def first_half_block_overlap(self, *args, **kwargs):
         state = FlashAttentionForwardSm90.first_half_block_overlap(self, *args, **kwargs)
         if const_expr(self.nan_safe_v):  # the tile's first block is always masked; its PV runs in the next call
-            self._wait_clean_v(state, 0, self.tile_hdimv)
+            self._wait_clean_v(state, 0, self.tile_hdimv, shared_tag=True)
         return state
 
     def mma_one_n_block_intrawg_overlap(self, *args, **kwargs):
         state = FlashAttentionForwardSm90.mma_one_n_block_intrawg_overlap(self, *args, **kwargs)
         if const_expr(self.nan_safe_v and kwargs.get("mask_fn") is not None):
-            self._wait_clean_v(state, 0, self.tile_hdimv)  # V of this call's block; its PV runs in the next call
+            # V of this call's block; its PV runs in the next call
+            self._wait_clean_v(state, 0, self.tile_hdimv, shared_tag=True)
         return state
 
     def mma_one_n_block(self, *args, **kwargs):
@@ -955,7 +976,7 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
             pv = kwargs["mma_pv_fn"]
 
             def clean_then_pv(B_idx, **kw):  # no overlap: this call's PV reads this call's block
-                self._clean_v_stage(self._nf_sVt, B_idx, 0, self.tile_hdimv)
+                self._clean_v_stage(self._nf_sVt, B_idx, 0, self.tile_hdimv, shared_tag=True)
                 return pv(B_idx=B_idx, **kw)
 
             kwargs["mma_pv_fn"] = clean_then_pv
@@ -969,16 +990,17 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
                                                   tma_atom_O, tiled_mma, tidx, m_block, head_idx, batch_idx)
 
     @cute.jit
-    def _wait_clean_v(self, state, col0: cutlass.Constexpr[int], width: cutlass.Constexpr[int]):
+    def _wait_clean_v(self, state, col0: cutlass.Constexpr[int], width: cutlass.Constexpr[int],
+                      shared_tag: cutlass.Constexpr[bool] = False):
         """Wait for V of the stage of ``state`` (a completed phase waits no longer: its consumers have not
         released it) and clean columns ``[col0, col0 + width)`` of it (:meth:`_clean_v_stage`)."""
         pipeline_v = self._nf_pipeline_v
         pipeline_v.consumer_wait(state, pipeline_v.consumer_try_wait(state))
-        self._clean_v_stage(self._nf_sVt, state.index, col0, width)
+        self._clean_v_stage(self._nf_sVt, state.index, col0, width, shared_tag=shared_tag)
 
     @cute.jit
     def _clean_v_stage(self, sVt: cute.Tensor, stage: Int32, col0: cutlass.Constexpr[int],
-                       width: cutlass.Constexpr[int]):
+                       width: cutlass.Constexpr[int], shared_tag: cutlass.Constexpr[bool] = False):
         """Zero the NaN / Inf entries of value columns ``[col0, col0 + width)`` of V stage ``stage`` in shared
         memory, for this warpgroup's PV wgmma, and OR "there was one" into the warpgroup's flag.
 
@@ -987,7 +1009,19 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         ``((x & E) + ONE) & 0x80008000`` (bit 15 / 31: the low / high half; no carry crosses a half). Only chunks
         holding one are written back (finite entries unchanged). Then ``fence.proxy.async`` (the wgmma reads
         through the async proxy) and one ``bar.red.or`` over the warpgroup, which also gives every thread the
-        warpgroup's result. Another warpgroup cleaning the same stage concurrently writes the same bytes."""
+        warpgroup's result. Another warpgroup cleaning the same stage concurrently writes the same bytes.
+
+        ``shared_tag`` (FA4's consumer: every warpgroup cleans the whole stage, unsynchronised): the warpgroup
+        that cleans a chunk second reads it already cleaned, so its own scan alone would miss the entry and skip
+        its rows' fix-up (issue 26, docs/tuning.md 2.4, 2026-12-02). So a thread that finds a non-finite entry
+        first writes this use's tag (a per-warpgroup counter, advanced once a call: every consumer warpgroup
+        makes the same calls in the same order, so the counters agree) into the stage's tag slot, then
+        ``fence.acq_rel.cta``, then the cleaned chunk; after its barrier every thread ORs "the slot holds this
+        use's tag" into the flag. A warpgroup that read a cleaned chunk therefore sees the tag (the other's
+        fence orders it before the chunk; the barrier orders this warpgroup's reads before the slot's). A stage
+        is refilled only after every warpgroup has released it, after its clean-up, so a slot is not
+        overwritten before it is read; a stale or uninitialised slot that matches costs a fix-up that adds
+        nothing (it adds only non-finite entries it reads from global memory)."""
         exp_bits = 0x7F807F80 if const_expr(self.dtype == cutlass.BFloat16) else 0x7C007C00
         one = 0x00800080 if const_expr(self.dtype == cutlass.BFloat16) else 0x04000400
         high = Uint32(0x80008000)
@@ -998,6 +1032,10 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         n_col_chunks = width // 8
         n_chunks = n_col_chunks * self.tile_n
         found = Int32(0)
+        tag = Int32(0)
+        if const_expr(shared_tag):
+            tag = self._nf_use[0] + 1
+            self._nf_use[0] = tag
         for j in cutlass.range((n_chunks + 127) // 128, unroll=2):
             i = t_wg + j * 128
             if const_expr(n_chunks % 128 != 0):
@@ -1014,12 +1052,25 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
                     x = w[k]
                     m = ((((x & Uint32(exp_bits)) + Uint32(one)) & high) >> Uint32(15)) * Uint32(0xFFFF)
                     w[k] = x & (m ^ Uint32(0xFFFFFFFF))
+                if const_expr(shared_tag):  # the tag before the cleaned chunk (docstring)
+                    self._publish_tag(stage, tag)
                 cute.autovec_copy(r, src)
                 found = Int32(1)
         if found != 0:
             cute.arch.fence_view_async_shared()
         any_wg = barrier_or(found, NAN_CLEAN_BARRIER_WG1 - 1 + wg, 128)
+        if const_expr(shared_tag):  # another warpgroup zeroed an entry of this use first
+            if self._nf_tags[stage] == tag:
+                any_wg = Int32(1)
         self._nf_flag[0] = self._nf_flag[0] | any_wg
+
+    @cute.jit
+    def _publish_tag(self, stage: Int32, tag: Int32):
+        """Stage ``stage``'s tag slot := ``tag``, ordered before this thread's later shared-memory writes (the
+        cleaned chunk) by ``fence.acq_rel.cta`` (:meth:`_clean_v_stage`)."""
+        tags = self._nf_tags
+        tags[stage] = tag
+        cute.arch.fence_acq_rel_cta()
 
     @cute.jit
     def _nonfinite_fixup(self, acc_O: cute.Tensor, seqlen: MixedSeqlenInfoQK, tiled_mma: cute.TiledMma,
