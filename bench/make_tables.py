@@ -176,8 +176,8 @@ def render(results: Path, include_cpu: bool = False, link_base: Path = BENCH_DIR
     return "\n\n".join(parts)
 
 
-def update_readme(readme: Path, text: str) -> None:
-    """Replace the text between the markers of ``readme`` (appending the markers when missing)."""
+def update_readme(readme: Path, text: str) -> bool:
+    """Replace the text between the markers of ``readme`` (appending the markers when missing); True if it changed."""
     old = readme.read_text() if readme.exists() else ""
     block = f"{BEGIN}\n{text}\n{END}"
     if BEGIN in old and END in old:
@@ -185,7 +185,10 @@ def update_readme(readme: Path, text: str) -> None:
         new = old[:a] + block + old[b:]
     else:
         new = old.rstrip("\n") + "\n\n" + block + "\n"
+    if new == old:
+        return False
     readme.write_text(new)
+    return True
 
 
 def main(argv=None) -> str:
@@ -202,10 +205,10 @@ def main(argv=None) -> str:
         print(text)
     else:
         try:
-            update_readme(Path(a.readme), text)
+            changed = update_readme(Path(a.readme), text)
         except OSError as e:
             p.error(f"--readme {a.readme!r} cannot be written: {e}")
-        print(f"updated {a.readme}")
+        print(f"updated {a.readme}" if changed else f"{a.readme}: tables already current, not rewritten")
     return text
 
 

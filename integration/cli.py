@@ -316,7 +316,9 @@ def _export(a) -> int:
         return _errors("export", [str(e)])
     except FileExistsError as e:  # OUT already holds an export: the CLI's switch, not export_hf's keyword
         msg = str(e).replace("pass overwrite=True to replace them", "pass --overwrite to replace them")
-        return _errors("export", [f"OUT {a.out!r}: {msg}"])
+        if msg.startswith("out_dir ") and " already holds " in msg:  # name OUT once, not as OUT and as out_dir
+            msg = "already holds " + msg.split(" already holds ", 1)[1]
+        return _errors("export", [f"OUT {a.out!r} {msg}"])
     except OSError as e:  # writing OUT
         return _errors("export", [f"OUT {a.out!r}: {e}"])
     except ValueError as e:
