@@ -271,3 +271,44 @@ def make_batch_from_rows(rows, **kwargs) -> dict:
         q_lens.append(ql)
         counts.append(n)
     return make_batch([c + ql for c, ql in zip(ctxs, q_lens)], q_lens, num_causal_q=counts, **kwargs)
+
+
+def poison_v_inside_seq_lens(inp: dict, seed: int, per_seq: int = 6) -> tuple[dict, list[tuple]]:
+    """A copy of a :func:`make_batch` batch whose V cache holds NaN / +Inf / -Inf at keys *inside* ``seq_lens``
+    (the contract's "keys a row may not see contribute nothing" checks, docs/ARCHITECTURE.md section 4).
+
+    Per non-empty sequence, ``per_seq`` entries, cycling over three key spans: among its query rows (a causal
+    row's future keys, on the diagonal key blocks), up to 300 keys before its first query row (window edges) and
+    anywhere in ``[0, seq_len)``; each at a random KV head and column, the values cycling NaN, +Inf, -Inf.
+    Paged (``block_table``) or contiguous (``cu_seqlens_k``) caches; deterministic for a ``seed`` (a CPU
+    ``torch.Generator``).
+
+    Returns:
+        ``(batch, positions)``: the batch with a poisoned clone of ``v_cache`` (other tensors shared), and one
+        ``(sequence, key, kv_head, column, value)`` per entry, keys relative to the sequence.
+    """
+    v = inp["v_cache"].clone()
+    g = torch.Generator().manual_seed(seed)
+    paged = inp.get("block_table") is not None
+    seq_lens = inp["seq_lens"].tolist()
+    cu_q = inp["cu_seqlens_q"].tolist()
+    vals = (float("nan"), float("inf"), -float("inf"))
+    positions = []
+    for b, S in enumerate(seq_lens):
+        if S == 0:
+            continue
+        ctx = S - (cu_q[b + 1] - cu_q[b])
+        spans = [(ctx, S), (max(0, ctx - 300), max(ctx, 1)), (0, S)]
+        for i in range(per_seq):
+            lo, hi = spans[i % 3]
+            key = min(S - 1, lo + int(torch.randint(0, max(1, hi - lo), (1,), generator=g)))
+            head = int(torch.randint(0, v.shape[-2], (1,), generator=g))
+            col = int(torch.randint(0, v.shape[-1], (1,), generator=g))
+            val = vals[len(positions) % 3]
+            if paged:
+                P = v.shape[1]
+                v[int(inp["block_table"][b, key // P]), key % P, head, col] = val
+            else:
+                v[int(inp["cu_seqlens_k"][b]) + key, head, col] = val
+            positions.append((b, key, head, col, val))
+    return dict(inp, v_cache=v), positions

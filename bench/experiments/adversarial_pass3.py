@@ -22,7 +22,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import types
@@ -33,58 +32,8 @@ if not __import__("torch").cuda.is_available():
 
 import torch  # noqa: E402
 
-ROWS: list[tuple[str, str, str, str]] = []
-CLEAR = (ValueError, TypeError, NotImplementedError, ImportError)
-
-
-def row(surface, inp, outcome, msg=""):
-    msg = str(msg).strip().splitlines()[0][:160] if str(msg).strip() else ""
-    ROWS.append((surface, inp, outcome, msg))
-    print(f"{surface} | {inp} | {outcome} | {msg}", flush=True)
-
-
-def probe(surface, inp, fn, word=None, check=None, expect_error=True):
-    """Run fn(); an exception in CLEAR naming ``word`` is a clear error; otherwise ``check(result)`` -> None (ok)
-    or a string (BAD: silent)."""
-    try:
-        res = fn()
-    except CLEAR as e:
-        if not expect_error:
-            return row(surface, inp, "BAD: refused valid input", f"{type(e).__name__}: {e}")
-        if word is not None and word.lower() not in str(e).lower():
-            return row(surface, inp, "BAD: unclear", f"{type(e).__name__}: {e}")
-        return row(surface, inp, "clear error", f"{type(e).__name__}: {e}")
-    except Exception as e:  # noqa: BLE001
-        return row(surface, inp, "BAD: traceback", f"{type(e).__name__}: {e}")
-    if check is not None:
-        why = check(res)
-        if why:
-            return row(surface, inp, "BAD: silent", why)
-        return row(surface, inp, "ok", repr(res)[:100])
-    if expect_error:
-        return row(surface, inp, "BAD: silent", f"accepted: {res!r}"[:160])
-    return row(surface, inp, "ok", repr(res)[:100])
-
-
-def cli(surface, inp, argv, *, env=None, timeout=120, want_rc=2, word=None, cwd=None):
-    """A CLI run: rc ``want_rc`` with a one-line stderr and no traceback is a clear error (rc 0 with want_rc 0: ok)."""
-    e = dict(os.environ, **(env or {}))
-    try:
-        p = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=timeout, env=e, cwd=cwd)
-    except subprocess.TimeoutExpired:
-        return row(surface, inp, "BAD: hang", f"no exit within {timeout} s")
-    err = p.stderr.strip()
-    last = err.splitlines()[-1] if err else p.stdout.strip().splitlines()[-1:] or [""]
-    last = last if isinstance(last, str) else last[0]
-    if "Traceback" in err:
-        return row(surface, inp, "BAD: traceback", f"rc {p.returncode}: {last}")
-    if p.returncode != want_rc:
-        return row(surface, inp, "BAD: exit code", f"rc {p.returncode} (want {want_rc}): {last}")
-    if want_rc == 0:
-        return row(surface, inp, "ok", last)
-    if word is not None and word.lower() not in err.lower():
-        return row(surface, inp, "BAD: unclear", f"rc {p.returncode}: {last}")
-    return row(surface, inp, "clear error", f"rc {p.returncode}: {last}")
+# one row per input, the same harness as the second pass (its ROWS list, row, probe, cli)
+from blockdiff.bench.experiments.adversarial_pass2 import ROWS, cli, probe, row  # noqa: E402
 
 
 

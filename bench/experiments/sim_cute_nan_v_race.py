@@ -24,33 +24,12 @@ import math
 import torch
 
 from blockdiff.attention import attention
-from blockdiff.attention.testing import make_batch
+from blockdiff.attention.testing import make_batch, poison_v_inside_seq_lens
 from blockdiff.attention.cute import config as cc
 
 TM, TN, QPK = 128, 128, 2
 
-def poison_v(inp, seed, per_seq=6):  # copy of the test's _poison_v, also returns the logical positions
-    v = inp["v_cache"].clone()
-    g = torch.Generator().manual_seed(seed)
-    paged = inp.get("block_table") is not None
-    seq_lens = inp["seq_lens"].tolist(); cu_q = inp["cu_seqlens_q"].tolist()
-    vals = (float("nan"), float("inf"), -float("inf"))
-    n = 0; pos = []
-    for b, S in enumerate(seq_lens):
-        if S == 0: continue
-        q_len = cu_q[b + 1] - cu_q[b]; ctx = S - q_len
-        spans = [(ctx, S), (max(0, ctx - 300), max(ctx, 1)), (0, S)]
-        for i in range(per_seq):
-            lo, hi = spans[i % 3]
-            key = min(S - 1, lo + int(torch.randint(0, max(1, hi - lo), (1,), generator=g)))
-            head = int(torch.randint(0, v.shape[-2], (1,), generator=g))
-            col = int(torch.randint(0, v.shape[-1], (1,), generator=g))
-            if paged:
-                P = v.shape[1]; v[int(inp["block_table"][b, key // P]), key % P, head, col] = vals[n % 3]
-            else:
-                v[int(inp["cu_seqlens_k"][b]) + key, head, col] = vals[n % 3]
-            pos.append((b, key, head, col, vals[n % 3])); n += 1
-    return dict(inp, v_cache=v), pos
+poison_v = poison_v_inside_seq_lens  # the tests' poisoning, with the logical positions
 
 def row_range(row, Lq, S, ncq, W, prefix):
     ctx = S - Lq; q_abs = ctx + row; causal = row < ncq
@@ -245,9 +224,15 @@ def enumerate_counts(model):
               f"({len(reach)} values); H200 log {LOG[name]} reachable: {LOG[name] in reach}", flush=True)
 
 
-if __name__ == "__main__":
+def main(argv=None) -> int:
     import argparse
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--enumerate", choices=["M", "any"], default=None)
-    a = ap.parse_args()
+    ap.add_argument("--enumerate", choices=["M", "any"], default=None,
+                    help="the isnan counts reachable per case under a flag model (default: the hypotheses table)")
+    a = ap.parse_args(argv)
     enumerate_counts(a.enumerate) if a.enumerate else hypotheses()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -175,3 +175,28 @@ def test_make_batch_from_rows_bad_rows(rows, exc, match):
         make_batch_from_rows(rows)
     with pytest.raises(TypeError, match="rows only"):
         make_batch_from_rows([(0, 1, 1)], causal=True)
+
+
+def test_poison_v_inside_seq_lens_puts_nonfinite_values_only_at_the_positions_it_reports():
+    """The NaN / +-Inf V poisoning of the contract checks: a copy (the batch's cache untouched), per_seq entries
+    per non-empty sequence at keys inside seq_lens, paged and contiguous, the same for a seed."""
+    from blockdiff.attention.testing import poison_v_inside_seq_lens
+
+    for paged in (True, False):
+        b = make_batch([0, 5, 40], [0, 5, 3], num_causal_q=[0, 5, 1], num_heads=4, num_kv_heads=2, head_dim=16,
+                       page_size=8, paged=paged, seed=1)
+        bad, pos = poison_v_inside_seq_lens(b, seed=3, per_seq=4)
+        assert torch.isfinite(b["v_cache"]).all() and bad["k_cache"] is b["k_cache"]
+        seq_lens = b["seq_lens"].tolist()
+        assert len(pos) == 4 * sum(1 for S in seq_lens if S > 0)
+        assert int((~torch.isfinite(bad["v_cache"])).sum()) == len({p[:4] for p in pos})
+        for s, key, head, col, val in pos:
+            assert 0 <= key < seq_lens[s]
+            if paged:
+                P = b["v_cache"].shape[1]
+                got = bad["v_cache"][int(b["block_table"][s, key // P]), key % P, head, col]
+            else:
+                got = bad["v_cache"][int(b["cu_seqlens_k"][s]) + key, head, col]
+            assert (torch.isnan(got) and val != val) or float(got) == val
+        again, pos2 = poison_v_inside_seq_lens(b, seed=3, per_seq=4)
+        assert [(*p[:4], str(p[4])) for p in pos2] == [(*p[:4], str(p[4])) for p in pos]

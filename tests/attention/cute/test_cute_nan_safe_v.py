@@ -17,7 +17,7 @@ import torch
 from blockdiff.attention import attention
 from blockdiff.attention.cute import config as cc
 from blockdiff.attention.cute import interface as ca
-from blockdiff.attention.testing import check_close, make_batch
+from blockdiff.attention.testing import check_close, make_batch, poison_v_inside_seq_lens
 
 from cute_helpers import HAVE_FA4, needs_gpu
 
@@ -37,35 +37,8 @@ def gpu_test(f):
 
 
 def _poison_v(inp, seed, per_seq=6):
-    """``inp`` with V entries of keys inside ``seq_lens`` set to NaN / +Inf / -Inf (a copy of the cache): per
-    sequence, keys among its query rows (a causal row's future keys, on the diagonal key blocks), keys up to 300
-    before its first query row (window edges) and keys anywhere, each at a random KV head and column (as the
-    triton backend's test, tests/attention/triton/test_triton_gluon.py)."""
-    v = inp["v_cache"].clone()
-    g = torch.Generator().manual_seed(seed)
-    paged = inp.get("block_table") is not None
-    seq_lens = inp["seq_lens"].tolist()
-    cu_q = inp["cu_seqlens_q"].tolist()
-    vals = (float("nan"), float("inf"), -float("inf"))
-    n = 0
-    for b, S in enumerate(seq_lens):
-        if S == 0:
-            continue
-        q_len = cu_q[b + 1] - cu_q[b]
-        ctx = S - q_len
-        spans = [(ctx, S), (max(0, ctx - 300), max(ctx, 1)), (0, S)]
-        for i in range(per_seq):
-            lo, hi = spans[i % 3]
-            key = min(S - 1, lo + int(torch.randint(0, max(1, hi - lo), (1,), generator=g)))
-            head = int(torch.randint(0, v.shape[-2], (1,), generator=g))
-            col = int(torch.randint(0, v.shape[-1], (1,), generator=g))
-            if paged:
-                P = v.shape[1]
-                v[int(inp["block_table"][b, key // P]), key % P, head, col] = vals[n % 3]
-            else:
-                v[int(inp["cu_seqlens_k"][b]) + key, head, col] = vals[n % 3]
-            n += 1
-    return dict(inp, v_cache=v)
+    """``inp`` with NaN / +-Inf V entries of keys inside ``seq_lens`` (:func:`poison_v_inside_seq_lens`)."""
+    return poison_v_inside_seq_lens(inp, seed, per_seq)[0]
 
 
 def _check_nonfinite_v(inp, config, seed, **kw):
