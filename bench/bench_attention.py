@@ -471,12 +471,23 @@ def jobs_for(batch: wl.Batch, backends, args):
                 if triton_config_kwarg() is None:
                     continue  # message printed once in main()
                 for cfg in args.tile_configs:
+                    if cfg and _cute_only(cfg):
+                        continue  # a dict of CuteConfig fields only (e.g. {"split_merge": "cluster"}): cute's
                     yield be, (lambda cfg=cfg, be=be: make_blockdiff(batch, args, be, cfg)), {"config": cfg}
         else:
             raise ValueError(f"unknown backend {be!r}; choose from {ALL_BACKENDS + ('reference',)}")
 
 
 # ----------------------------------------------------------------------------------------------- plots
+def _cute_only(cfg: dict) -> bool:
+    """Whether a --tile-configs dict names CuteConfig fields only and not one field of the triton backend's
+    config (``num_splits`` is both: a dict with other cute fields beside it is cute's)."""
+    from blockdiff.attention.triton.config import TritonConfig
+
+    triton_fields = {f.name for f in dataclasses.fields(TritonConfig)}
+    return set(cfg) <= set(cute_config_fields()) and not (set(cfg) - {"num_splits"}) <= triton_fields
+
+
 def _pyplot():
     """matplotlib.pyplot on the Agg backend, or None (logged) when matplotlib is missing."""
     try:

@@ -97,6 +97,22 @@ def test_tile_sweep_passes_configs_to_the_triton_backend(tmp_path):
     assert set(rows[0]["launch_config"]) >= {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
 
 
+def test_tile_sweep_gives_cute_only_dicts_to_cute_alone(tmp_path):
+    """--tile-configs dicts made of CuteConfig fields only ({"split_merge": ...}, {"nan_safe_v": ...}) time the cute
+    backend, not the triton backend's tile sweep; a triton dict is the triton backend's alone."""
+    assert ba._cute_only({"split_merge": "cluster"}) and ba._cute_only({"split_merge": "cluster", "num_splits": 4})
+    assert ba._cute_only({"nan_safe_v": True}) and not ba._cute_only({"NAN_SAFE_V": True})
+    assert not ba._cute_only({"num_splits": 2}) and not ba._cute_only({"BLOCK_M": 64})
+    cfgs = [{"split_merge": "cluster"}, {"NAN_SAFE_V": False}]
+    rows = ba.main(["--quick", "--out", str(tmp_path), "--no-plots", "--tile-sweep", "--backends", "triton,cute",
+                    "--tile-configs", json.dumps(cfgs), "--workloads", "canvas_bs4_ctx4k_hd128"])
+    by = [(r["backend"], r.get("config")) for r in rows]
+    assert ("cute", {"split_merge": "cluster"}) in by and ("triton", {"split_merge": "cluster"}) not in by
+    if ba.triton_config_kwarg() is not None:
+        assert ("triton", {"NAN_SAFE_V": False}) in by
+    assert ("cute", {"NAN_SAFE_V": False}) not in by
+
+
 def test_ladder_plot_one_png_per_layer_with_a_line_per_backend(tmp_path):
     """plot_ladder: batch ladder rows -> one PNG per layer type; context names with and without the k suffix
     parse; rows that are not ok, or a set that varies neither / both axes, give no ladder plot."""
