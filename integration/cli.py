@@ -295,7 +295,7 @@ def _export(a) -> int:
         return _errors("export", problems)
     # torch-heavy modules only now, after the checks above: argument errors stay fast
     from blockdiff.model import CheckpointError
-    from blockdiff.model.export import export_hf
+    from blockdiff.model.export import EXPORT_FILES, export_hf
     from blockdiff.model.pretrained import shipped_checkpoint_dir
 
     from .demo import TRAINED_MAX_DENOISING_STEPS
@@ -314,11 +314,12 @@ def _export(a) -> int:
         written = export_hf(source, a.out, dtype=a.dtype, overwrite=a.overwrite, max_denoising_steps=steps, **gen)
     except CheckpointError as e:  # the source (also a FileNotFoundError when a file is missing): not OUT's fault
         return _errors("export", [str(e)])
-    except FileExistsError as e:  # OUT already holds an export: the CLI's switch, not export_hf's keyword
-        msg = str(e).replace("pass overwrite=True to replace them", "pass --overwrite to replace them")
-        if msg.startswith("out_dir ") and " already holds " in msg:  # name OUT once, not as OUT and as out_dir
-            msg = "already holds " + msg.split(" already holds ", 1)[1]
-        return _errors("export", [f"OUT {a.out!r} {msg}"])
+    except FileExistsError as e:  # OUT already holds an export: named with the CLI's switch, not the keyword
+        present = [n for n in EXPORT_FILES if os.path.exists(os.path.join(a.out, n))]
+        if not present:
+            return _errors("export", [f"OUT {a.out!r}: {e}"])
+        return _errors("export", [f"OUT {a.out!r} already holds {', '.join(present)} (pass --overwrite to replace "
+                                  "them)"])
     except OSError as e:  # writing OUT
         return _errors("export", [f"OUT {a.out!r}: {e}"])
     except ValueError as e:
