@@ -320,13 +320,13 @@ def run_demo(*, backend: str = "reference", sampler_backend: str = "reference", 
         else:
             prompts.append(torch.randint(3, cfg.vocab_size, (int(prompt),), generator=g).tolist())
             max_tokens.append(n)
-    max_model_len = max(256, max(len(x) for x in prompts) + max(max_tokens) + canvas_length)
-    if max_model_len > cfg.max_position_embeddings:
-        max_model_len = max(len(x) for x in prompts) + max(max_tokens) + canvas_length
-    if max_model_len > cfg.max_position_embeddings:
-        raise DemoInputError(f"--canvas-length {canvas_length}: the demo's requests need {max_model_len} positions "
+    need = max(len(x) for x in prompts) + max(max_tokens) + canvas_length
+    if need > cfg.max_position_embeddings:
+        raise DemoInputError(f"--canvas-length {canvas_length}: the demo's requests need {need} positions "
                              f"(prompt + canvases), more than the model's max_position_embeddings "
                              f"({cfg.max_position_embeddings})")
+    # at least 256 positions where the model has them (the harness's page pool is sized from it)
+    max_model_len = max(256, need) if max(256, need) <= cfg.max_position_embeddings else need
     runner = HarnessRunner(model, default_params=base, max_num_reqs=4, max_num_batched_tokens=4 * canvas_length,
                            page_size=8, max_model_len=max_model_len, device=dev, attn_backend=backend,
                            sampler_backend=sampler_backend, check=check, fuse_commit=fuse_commit)
