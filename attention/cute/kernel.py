@@ -1013,7 +1013,7 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
 
         ``shared_tag`` (FA4's consumer: every warpgroup cleans the whole stage, unsynchronised): the warpgroup
         that cleans a chunk second reads it already cleaned, so its own scan alone would miss the entry and skip
-        its rows' fix-up (issue 26, docs/tuning.md 2.4, 2026-12-02). So a thread that finds a non-finite entry
+        its rows' fix-up (issue 26, docs/tuning.md 2.4). So a thread that finds a non-finite entry
         first writes this use's tag (a per-warpgroup counter, advanced once a call: every consumer warpgroup
         makes the same calls in the same order, so the counters agree) into the stage's tag slot, then
         ``fence.acq_rel.cta``, then the cleaned chunk; after its barrier every thread ORs "the slot holds this
