@@ -34,8 +34,9 @@ class CuteConfig:
     ``max_seqlen_q``, :func:`longest_first_tiles`); num_splits: split-KV chunks per query tile (None: from the
     call's host shapes, :func:`choose_num_splits`; 1: no split); nan_safe_v: keys a row may not see contribute
     nothing even when their V holds NaN / Inf (masked key blocks' V cleaned in shared memory before P V, a cold
-    fix-up of the rows that do see such a key; docs/tuning.md 2.4). Off by default until its GPU tests pass; off,
-    the kernels are the ones built without it. Not a tile field: setting only it keeps the automatic tiles.
+    fix-up of the rows that do see such a key; docs/tuning.md 2.4). On by default (the contract: a key outside a
+    row's allowed set contributes nothing); False opts out of its cost (3-8 % on the H200, docs/tuning.md 2.6) and
+    builds the kernels without it. Not a tile field: setting only it keeps the automatic tiles.
     split_merge: how split-KV partial outputs are merged: ``"combine"`` (default: FA4's combine kernel, a second
     launch) or ``"cluster"`` (the splits of a tile as a thread-block cluster reducing through distributed shared
     memory inside the one launch; 2 .. :data:`MAX_CLUSTER_SPLITS` splits, and the fp32 tile must fit the Q / K / V
@@ -50,7 +51,7 @@ class CuteConfig:
     num_stages: int = 2
     lpt: bool | None = None
     num_splits: int | None = None
-    nan_safe_v: bool = False
+    nan_safe_v: bool = True
     split_merge: str = "combine"
 
 
@@ -204,7 +205,7 @@ def resolve_config(head_dim: int, head_dim_v: int, window_size, config=None, max
 
 
 #: CuteConfig fields that are switches, not tile fields, with their defaults.
-_SWITCHES = dict(nan_safe_v=False, split_merge="combine")
+_SWITCHES = dict(nan_safe_v=True, split_merge="combine")
 
 
 def _split_switches(config):
