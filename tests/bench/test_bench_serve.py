@@ -311,10 +311,18 @@ def test_memory_sampler_sums_the_server_tree(tmp_path):
 
 # ---- profile trace classifier ----------------------------------------------------------------------------------
 def test_classify_kernel_names():
+    """Every cute kernel (the hd-512 WideV ones too, whose CUTLASS names the GEMM rule would catch) counts as
+    attention: 2026-12-02's first cute serving profile put WideVSplit under gemm."""
     cases = {"_attn_fwd_gluon_roles": "attention", "_attn_fwd_kernel": "attention", "_merge_kernel": "attention",
              "kernel_unified_attention": "attention", "reduce_segments": "attention",
              "void vllm::reshape_and_cache_flash_kernel<__nv_bfloat16>": "attention",
              "kernel_cutlass_FlashAttentionForwardSm90Mixed_0": "attention",
+             "kernel_cutlass_kernel_flash_attncuteflash_fwd_combineFlashAttentionForwardCombine_object_at_": "attention",
+             "kernel_cutlass_kernel_blockdiffattentioncutekernel_splitFlashAttentionForwardSm90MixedSplit_obj": "attention",
+             "kernel_cutlass_kernel_blockdiffattentioncutekernel_clusterFlashAttentionForwardSm90MixedCluster_": "attention",
+             "kernel_cutlass_kernel_blockdiffattentioncutekernel_widevFlashAttentionForwardSm90WideV_object_at": "attention",
+             "kernel_cutlass_kernel_blockdiffattentioncutekernel_splitFlashAttentionForwardSm90WideVSplit_obj": "attention",
+             "void cutlass::device_kernel<vllm::cutlass_3x_gemm_sm90_fp8<cutlass::float_e4m3_t>>": "gemm",
              "_stats_kernel": "sampler", "_step_kernel": "sampler", "_prob_chunk_kernel": "sampler",
              "fused_moe_kernel": "moe", "void vllm::moe::topkGatingSoftmax<4>": "moe",
              "void vllm::moe::moe_align_block_size_kernel<int>": "moe",
