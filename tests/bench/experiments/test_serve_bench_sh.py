@@ -125,3 +125,26 @@ def test_serve_alone_runs_one_side_start_to_stop_with_64_seqs(tmp_path):
     bad = subprocess.run(["bash", str(SCRIPT.parent / "serve_alone.sh"), "both"], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=30)
     assert bad.returncode == 2 and "side must be" in bad.stdout
+
+
+def test_serve_profiles_keeps_one_profile_per_batched_load_then_stops(tmp_path):
+    """serve_profiles.sh: start one side (a stand-in server), wait, a profile per request count in REQS, each kept
+    under its own name (the next does not overwrite it), stop; a bad side is refused before anything starts."""
+    base = _two_free_ports()
+    work, out = tmp_path / "w", tmp_path / "out"
+    env = dict(os.environ, SERVE_BENCH_ENV="0", SERVE_BENCH_DIR=str(work), OUT=str(out), PORT0=str(base),
+               BENCH_CMD=f"{sys.executable} {REPO / 'tests' / 'bench' / 'fake_bench_serve.py'}",
+               SERVER_CMD=f"{sys.executable} {STANDINS} serve", REQS="1,2", BUDGET_S="200",
+               WAIT_S="30", PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}", TMPDIR=str(tmp_path))
+    p = subprocess.run(["bash", str(SCRIPT.parent / "serve_profiles.sh"), "blockdiff", "fp8", "cute"], cwd=REPO,
+                       env=env, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "profile R=1 done" in p.stdout and "profile R=2 done" in p.stdout, p.stdout
+    for r in (1, 2):
+        prof = json.loads((out / f"serve_profile_blockdiff-cute_fp8_r{r}.json").read_text())
+        assert prof["status"] == "ok" and prof["requests"] == r, prof
+    assert not (out / "serve_profile_blockdiff-cute_fp8.json").exists()
+    assert "stopped blockdiff-cute-fp8" in p.stdout and not list(work.glob("*.pid"))
+    bad = subprocess.run(["bash", str(SCRIPT.parent / "serve_profiles.sh"), "both"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=30)
+    assert bad.returncode == 2 and "side must be" in bad.stdout
