@@ -13,17 +13,9 @@
 # buffer on blockdiff's side; stock's sampler tiles take what is left) -> well inside 139.8. Overrides: SEQS, KV_GIB,
 # UTIL.
 set -u
-side=${1:?side: blockdiff or vllm}; quant=${2:-fp8}; attn=${3:-triton}
-case $side in blockdiff) sides=blockdiff ;; vllm) sides=vllm ;; *) echo "side must be blockdiff or vllm"; exit 2 ;; esac
-T0=$(date +%s); BUDGET=${BUDGET_S:-570}; el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
-S=bench/experiments/device/serve_bench.sh
-export BD_SEQS=${SEQS:-64} BD_KV_GIB=${KV_GIB:-40} BD_UTIL=${UTIL:-0.9} STOCK_SEQS=${SEQS:-64} \
-  STOCK_KV_GIB=${KV_GIB:-40} STOCK_UTIL=${UTIL:-0.9}
-bash $S start $quant $attn $sides
-WAIT_S=${WAIT_S:-330} bash $S wait $quant $attn $sides || { el "not healthy"; bash $S stop; exit 1; }
-el "healthy"
-INTERLEAVE=1 TOTAL_S=$(( BUDGET - ($(date +%s) - T0) - 100 )) bash $S bench $quant $attn $sides
+source bench/experiments/device/alone_up.sh
+INTERLEAVE=1 TOTAL_S=$(( BUDGET - ($(date +%s) - T0) - 100 )) bash $S bench $quant $attn $side
 el "bench done"
-timeout $(( BUDGET - ($(date +%s) - T0) - 15 )) bash $S profile $quant $attn $sides
+timeout $(( BUDGET - ($(date +%s) - T0) - 15 )) bash $S profile $quant $attn $side
 bash $S stop
 el end

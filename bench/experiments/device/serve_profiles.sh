@@ -6,15 +6,7 @@
 #   BLOCKDIFF_COMMIT=<hash> bash bench/experiments/device/serve_profiles.sh vllm [fp8|bf16]
 #   BLOCKDIFF_COMMIT=<hash> bash bench/experiments/device/serve_profiles.sh blockdiff [fp8|bf16] [triton|cute]
 set -u
-side=${1:?side: blockdiff or vllm}; quant=${2:-fp8}; attn=${3:-triton}
-case $side in blockdiff|vllm) ;; *) echo "side must be blockdiff or vllm"; exit 2 ;; esac
-T0=$(date +%s); BUDGET=${BUDGET_S:-570}; el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
-S=bench/experiments/device/serve_bench.sh
-export BD_SEQS=${SEQS:-64} BD_KV_GIB=${KV_GIB:-40} BD_UTIL=${UTIL:-0.9} STOCK_SEQS=${SEQS:-64} \
-  STOCK_KV_GIB=${KV_GIB:-40} STOCK_UTIL=${UTIL:-0.9}
-bash $S start $quant $attn $side
-WAIT_S=${WAIT_S:-330} bash $S wait $quant $attn $side || { el "not healthy"; bash $S stop; exit 1; }
-el "healthy"
+source bench/experiments/device/alone_up.sh
 name=$side; [ $side = blockdiff ] && name=blockdiff-$attn
 for r in $(echo ${REQS:-16,64} | tr , ' '); do
   left=$(( BUDGET - ($(date +%s) - T0) - 20 )); [ $left -lt 60 ] && { el "budget left $left s: R=$r skipped"; continue; }
