@@ -635,13 +635,22 @@ def classify_kernel(name: str) -> tuple[str, bool]:
     return "rest", False
 
 
-def parse_step_annotation(name: str) -> int | None:
-    """Tokens of an engine step from vLLM's profiler annotation (``execute_context_A(T)_generation_B(U)``, or the
-    detailed form ``execute_N_context_A(sqT...)_generation_B(sqU...)``): T + U; None if ``name`` is not one."""
+def parse_step_counts(name: str) -> tuple[int, int, int, int] | None:
+    """``(A, T, B, U)`` of an engine step from vLLM's profiler annotation (``execute_context_A(T)_generation_B(U)``,
+    or the detailed form ``execute_N_context_A(sqT...)_generation_B(sqU...)``): A requests in prefill (context)
+    with T tokens, B past their prompt (generation: a diffusion request's canvas rows) with U tokens; None if
+    ``name`` is not one."""
     m = _STEP_RE.match(name)
     if not m:
         return None
-    return int(m.group(3)) + int(m.group(5))
+    return int(m.group(2)), int(m.group(3)), int(m.group(4)), int(m.group(5))
+
+
+def parse_step_annotation(name: str) -> int | None:
+    """Tokens of an engine step from vLLM's profiler annotation (:func:`parse_step_counts`): T + U; None if
+    ``name`` is not one."""
+    c = parse_step_counts(name)
+    return None if c is None else c[1] + c[3]
 
 
 def load_trace(path: str | os.PathLike) -> list[dict]:
@@ -677,8 +686,10 @@ def summarize_trace(events: Iterable[dict], *, canvas_length: int = CANVAS_LENGT
     (:func:`classify_kernel`), except in the sample phase, where the first GEMM is the LM head (``gemm``) and
     everything else not attention / MoE by name is ``sampler`` (stock vLLM's sampler is torch.compile'd Triton code
     whose kernel names do not say so; blockdiff's soft-embedding GEMM runs on cuBLAS). A step of at most
-    ``canvas_length * max_canvases`` tokens, a multiple of ``canvas_length``, is a canvas step (denoise / commit
-    rows only); the others are prefill steps (the profile's prompts must be longer than that).
+    ``canvas_length * max_canvases`` tokens, a multiple of ``canvas_length``, with no request in prefill (the
+    annotation's context count 0), is a canvas step (denoise / commit rows only); the others are prefill steps,
+    those that also hold canvas rows counted as ``mixed_steps`` too (a 4096-token prompt is a multiple of 256
+    within 64 canvases' tokens: the context count, not the size, tells it from canvas rows).
 
     Args:
         events: chrome trace events (:func:`load_trace`).
@@ -687,7 +698,8 @@ def summarize_trace(events: Iterable[dict], *, canvas_length: int = CANVAS_LENGT
         top: how many kernel names to list per bucket and among the unknown ones.
 
     Returns:
-        dict: ``steps``, ``canvas_steps``, ``prefill_steps``; ``canvas_step_ms`` / ``prefill_step_ms``: bucket ->
+        dict: ``steps``, ``canvas_steps``, ``prefill_steps`` (``mixed_steps`` of them also hold canvas rows);
+        ``canvas_step_ms`` / ``prefill_step_ms``: bucket ->
         mean kernel ms per step (``total`` too), ``canvas_step_median_ms``; ``canvas_step_share``; ``total_ms``
         per bucket over all steps, ``outside_ms`` (kernels before the first step); ``unknown_ms``,
         ``unknown_share`` and ``unknown_kernels`` (name, ms, count); ``top_kernels`` per bucket;
@@ -703,7 +715,7 @@ def summarize_trace(events: Iterable[dict], *, canvas_length: int = CANVAS_LENGT
     _check_int("canvas_length", canvas_length, 1)
     _check_int("max_canvases", max_canvases, 1)
     launches: dict[int, float] = {}
-    steps: list[tuple[float, float, int]] = []
+    steps: list[tuple[float, float, int, int, int]] = []  # start, end, tokens, prefill requests, canvas requests
     gpu: list[dict] = []
     for e in events:
         if not isinstance(e, dict) or e.get("ph") != "X":
@@ -716,9 +728,10 @@ def summarize_trace(events: Iterable[dict], *, canvas_length: int = CANVAS_LENGT
             if corr is not None:
                 launches[corr] = float(e["ts"])
         elif cat == "user_annotation":
-            tokens = parse_step_annotation(str(e.get("name", "")))
-            if tokens is not None:
-                steps.append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), tokens))
+            counts = parse_step_counts(str(e.get("name", "")))
+            if counts is not None:
+                steps.append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), counts[1] + counts[3],
+                              counts[0], counts[2]))
     if not steps:
         raise ValueError("the trace has no execute_* step annotation (was the server profiled by vLLM's worker?)")
     if not gpu:
@@ -760,9 +773,11 @@ def summarize_trace(events: Iterable[dict], *, canvas_length: int = CANVAS_LENGT
             u[0] += ms
             u[1] += 1
     limit = canvas_length * max_canvases
-    canvas = [i for i, s in enumerate(steps) if s[2] <= limit and s[2] % canvas_length == 0 and s[2] > 0]
+    canvas = [i for i, s in enumerate(steps)
+              if s[2] <= limit and s[2] % canvas_length == 0 and s[2] > 0 and s[3] == 0]
     canvas_set = set(canvas)
     prefill = [i for i, s in enumerate(steps) if i not in canvas_set and s[2] > 0]
+    mixed = [i for i in prefill if steps[i][3] > 0 and steps[i][4] > 0]
 
     def mean_of(idx):
         if not idx:
@@ -799,7 +814,7 @@ def summarize_trace(events: Iterable[dict], *, canvas_length: int = CANVAS_LENGT
     }
     unk_ms = sum(v[0] for v in unknown.values())
     return {
-        "steps": len(steps), "canvas_steps": len(canvas), "prefill_steps": len(prefill),
+        "steps": len(steps), "canvas_steps": len(canvas), "prefill_steps": len(prefill), "mixed_steps": len(mixed),
         "canvas_step_tokens": sorted({steps[i][2] for i in canvas}),
         "canvas_step_ms": cmean,
         "canvas_step_median_ms": ({b: statistics.median(per_step[i][b] for i in canvas) for b in BUCKETS}

@@ -19,6 +19,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -131,7 +132,8 @@ def section(path: Path, link_base: Path = BENCH_DIR) -> str:
     env = ", ".join(f"{k} {doc.get(k)}" for k in ("driver", "torch", "triton", "flash_attn_4", "vllm")
                    if doc.get(k))
     commit = str(doc.get("commit", "?"))
-    commit = commit[:7] + commit[40:] if len(commit) >= 40 else commit  # short hash, "+dirty" kept
+    if re.fullmatch(r"[0-9a-f]{40}(\+dirty)?", commit):  # a full hash: short, "+dirty" kept; free text as written
+        commit = commit[:7] + commit[40:]
     head = [f"### `{path.name}`",
             f"{doc.get('gpu', '?')}, commit `{commit}`, {str(doc.get('date', '?'))[:16]}; {env}"
             + ("" if doc.get("complete", True) else " — **incomplete run**"),

@@ -343,6 +343,28 @@ def test_parse_step_annotation():
     assert bs.parse_step_annotation("execute_4352_context_1(sq4096sk4096sqsq1sqsk2)_generation_1(sq256sk4352sqsq3"
                                     "sqsk4)") == 4352
     assert bs.parse_step_annotation("aten::mm") is None
+    assert bs.parse_step_counts("execute_4352_context_1(sq4096sk4096sqsq1sqsk2)_generation_1(sq256sk4352sqsq3"
+                                "sqsk4)") == (1, 4096, 1, 256)
+    assert bs.parse_step_counts("aten::mm") is None
+
+
+def test_a_prompt_step_within_the_canvas_token_limit_is_not_a_canvas_step():
+    """A profile of 64 requests allows canvas steps up to 64 x 256 tokens, so a 4096-token prompt step (a multiple
+    of 256) fits the size rule: the annotation's prefill count keeps it out of the canvas steps (a prompt step that
+    also holds canvases counts as mixed)."""
+    def ann(ctx_n, ctx_t, gen_n, gen_t, t):
+        return {"ph": "X", "cat": "user_annotation", "pid": 1, "tid": 1, "ts": t, "dur": 100.0,
+                "name": f"execute_context_{ctx_n}({ctx_t})_generation_{gen_n}({gen_t})"}
+    ev = [ann(1, 4096, 0, 0, 0.0), ann(0, 0, 16, 4096, 1000.0), ann(1, 4096, 4, 1024, 2000.0),
+          ann(0, 0, 64, 16384, 3000.0)]
+    for i in range(4):
+        ev.append({"ph": "X", "cat": "kernel", "name": "fused_moe_kernel", "pid": 0, "tid": 7, "ts": 1000.0 * i + 5,
+                   "dur": 10.0 * (i + 1), "args": {"correlation": 100 + i}})
+    s = bs.summarize_trace(ev, max_canvases=64)
+    assert (s["steps"], s["canvas_steps"], s["prefill_steps"], s["mixed_steps"]) == (4, 2, 2, 1)
+    assert s["canvas_step_tokens"] == [4096, 16384]
+    assert s["canvas_step_ms"]["moe"] == pytest.approx((0.02 + 0.04) / 2)
+    assert s["prefill_step_ms"]["moe"] == pytest.approx((0.01 + 0.03) / 2)
 
 
 @pytest.mark.parametrize("graph_steps", [True, False])

@@ -93,3 +93,20 @@ def test_record_whose_rows_are_not_objects_is_skipped_with_a_note(tmp_path, caps
     text = make_tables.main(["--results", str(tmp_path), "--stdout"])
     err = capsys.readouterr().err
     assert "No GPU records yet" in text and err.count("rows must be a list of JSON objects") == 2
+
+
+def test_commit_header_shortens_only_a_full_hash(tmp_path):
+    """A 40-hex commit is shortened (``+dirty`` kept); free text naming several commits (a record merged from two
+    leases) is printed as written, not cut at 7 + 40 characters."""
+    res = tmp_path / "results"
+    res.mkdir()
+    full = "0123456789abcdef0123456789abcdef01234567"
+    text_commit = "311f4b9 (blockdiff-triton, vllm), ab20295 (blockdiff-cute)"
+    rows = [{"workload": "w", "backend": "sdpa", "status": "ok", "graph_ms": 1.0}]
+    _record(res / "attention-a-h200.json", suite="attention-a", rows=rows, commit=full + "+dirty")
+    _record(res / "attention-b-h200.json", suite="attention-b", rows=rows, commit=text_commit)
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- BEGIN RESULTS -->\n<!-- END RESULTS -->\n")
+    make_tables.main(["--results", str(res), "--readme", str(readme)])
+    out = readme.read_text()
+    assert "commit `0123456+dirty`" in out and f"commit `{text_commit}`" in out
