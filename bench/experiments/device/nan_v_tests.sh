@@ -1,7 +1,8 @@
 # Issue 26 on the lent H200 (after the CuTe DSL's two staging runs, ../shared/device/README.md): the GPU tests of
 # the NaN / Inf V clean-up in both attention backends and of the sampler, three shards at once, each within T s
 # (default 280); logs under $OUT.
-#   cute: tests/attention/cute/test_cute_nan_safe_v.py (config nan_safe_v, off by default until these pass);
+#   cute: tests/attention/cute/test_cute_nan_safe_v.py (config nan_safe_v, off by default until these passed;
+#   on by default since, docs/tuning.md 2.6);
 #   triton: the whole Gluon file, where config["NAN_SAFE_V"] is now on by default;
 #   sampler: tests/sampler -m gpu (the -inf-as-p = 0 change).
 source bench/experiments/device/env.sh
