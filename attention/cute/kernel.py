@@ -46,11 +46,12 @@ backend zero-fill those rows too. Tested by
 ``test_gpu_nonfinite_cache_rows_past_seq_lens_stay_out_of_the_output``.
 
 NaN-safe V (constructor ``nan_safe_v``, default False; config ``CuteConfig.nan_safe_v``, on by default, which the
-interface passes; off, the kernel is the one built without it). Keys inside ``seq_lens`` that a row may not see (a causal row's future keys
-on the diagonal block, keys past a window edge) have P = 0, but FA4's PV wgmma multiplies the whole V stage, so a
-NaN / Inf there gave ``0 * NaN = NaN`` in every row of the tile. Only masked key blocks can hold such keys, and
-FA4's consumer hands a ``mask_fn`` exactly to their calls (the tile's first block, the right- and left-masked
-loops; the interior loop gets None). With the switch, in every such call each consumer warpgroup cleans that
+interface passes; off, the kernel is the one built without it). Keys inside ``seq_lens`` that a row may not see (a
+causal row's future keys on the diagonal block, keys past a window edge) have P = 0, but FA4's PV wgmma multiplies
+the whole V stage, so a NaN / Inf there gave ``0 * NaN = NaN`` in every row of the tile. Only masked key blocks can
+hold such keys, and FA4's consumer hands a ``mask_fn`` exactly to their calls (the tile's first block, the right-
+and left-masked loops; the interior loop gets None).
+With the switch, in every such call each consumer warpgroup cleans that
 block's V stage in shared memory before its PV wgmma reads it (:meth:`FlashAttentionForwardSm90Mixed._clean_v_stage`:
 NaN / Inf entries zeroed, a ``bar.red.or`` over the warpgroup ORs "there was one" into a per-warpgroup flag, and
 a per-stage tag in shared memory tells the warpgroup that cleans second, which finds the stage already clean);
