@@ -35,8 +35,8 @@ class CuteConfig:
     call's host shapes, :func:`choose_num_splits`; 1: no split); nan_safe_v: keys a row may not see contribute
     nothing even when their V holds NaN / Inf (masked key blocks' V cleaned in shared memory before P V, a cold
     fix-up of the rows that do see such a key; docs/tuning.md 2.4). On by default (the contract: a key outside a
-    row's allowed set contributes nothing); False opts out of its cost (3-8 % on the H200, docs/tuning.md 2.6) and
-    builds the kernels without it. Not a tile field: setting only it keeps the automatic tiles.
+    row's allowed set contributes nothing); False opts out of its cost (measured in docs/tuning.md 2.6) and builds
+    the kernels without it. Not a tile field: setting only it keeps the automatic tiles.
     split_merge: how split-KV partial outputs are merged: ``"combine"`` (default: FA4's combine kernel, a second
     launch) or ``"cluster"`` (the splits of a tile as a thread-block cluster reducing through distributed shared
     memory inside the one launch; 2 .. :data:`MAX_CLUSTER_SPLITS` splits, and the fp32 tile must fit the Q / K / V
