@@ -34,8 +34,8 @@ def _empty(x_ptr, n):
         tl.store(x_ptr, 1.0)
 
 
-def _kernel_times_us(f) -> dict:
-    """Median device time (us) per kernel name (first 20 characters) over 20 profiled calls."""
+def _kernel_times_us(f, width: int = 20) -> dict:
+    """Median device time (us) per kernel name (first ``width`` characters) over 20 profiled calls."""
     for _ in range(5):
         f()
     torch.cuda.synchronize()
@@ -46,7 +46,7 @@ def _kernel_times_us(f) -> dict:
     ev = {}
     for e in p.events():
         if e.device_type.name == "CUDA":
-            ev.setdefault(e.name[:20], []).append(e.device_time if hasattr(e, "device_time") else e.cuda_time)
+            ev.setdefault(e.name[:width], []).append(e.device_time if hasattr(e, "device_time") else e.cuda_time)
     return {k: round(sorted(v)[len(v) // 2], 2) for k, v in ev.items()}
 
 
