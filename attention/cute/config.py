@@ -17,7 +17,7 @@ __all__ = [
     "page_box_tma_ok", "kv_load_path", "MAX_HEAD_DIM", "WIDE_MIN_HEAD_DIM_V", "WIDE_CONFIG", "is_wide",
     "unsupported_head_dims", "resolve_wide_config", "WIDE_LONG_Q_CONFIG", "WIDE_MAX_PAGE_BOXES", "MAX_SPLITS",
     "MIN_KEYS_PER_SPLIT", "grid_tiles", "choose_num_splits", "key_bound", "resolve_launch_config", "check_config",
-    "SPLIT_MERGES", "MAX_CLUSTER_SPLITS", "cluster_merge_fits",
+    "SPLIT_MERGES", "MAX_CLUSTER_SPLITS", "AUTO_CLUSTER_SPLITS", "auto_split_merge", "cluster_merge_fits",
 ]
 
 #: The optional packages this backend runs on (the ``cute`` extra of setup.py).
@@ -37,11 +37,12 @@ class CuteConfig:
     fix-up of the rows that do see such a key; docs/tuning.md 2.4). On by default (the contract: a key outside a
     row's allowed set contributes nothing); False opts out of its cost (measured in docs/tuning.md 2.6) and builds
     the kernels without it. Not a tile field: setting only it keeps the automatic tiles.
-    split_merge: how split-KV partial outputs are merged: ``"combine"`` (default: FA4's combine kernel, a second
-    launch) or ``"cluster"`` (the splits of a tile as a thread-block cluster reducing through distributed shared
-    memory inside the one launch; 2 .. :data:`MAX_CLUSTER_SPLITS` splits, and the fp32 tile must fit the Q / K / V
-    buffers: :func:`cluster_merge_fits`; docs/tuning.md 2.5). Not a tile field either; with one split it resolves
-    to ``"combine"`` (the plain kernel).
+    split_merge: how split-KV partial outputs are merged: ``"auto"`` (default: ``"cluster"`` where it was
+    measured faster, else ``"combine"``; :func:`auto_split_merge`), ``"combine"`` (FA4's combine kernel, a
+    second launch) or ``"cluster"`` (the splits of a tile as a thread-block cluster reducing through distributed
+    shared memory inside the one launch; 2 .. :data:`MAX_CLUSTER_SPLITS` splits, and the fp32 tile must fit the
+    Q / K / V buffers: :func:`cluster_merge_fits`; docs/tuning.md 2.5). Not a tile field either; it resolves in
+    :func:`resolve_launch_config`, with one split to ``"combine"`` (the plain kernel).
     """
 
     tile_m: int | None = None
@@ -52,11 +53,11 @@ class CuteConfig:
     lpt: bool | None = None
     num_splits: int | None = None
     nan_safe_v: bool = True
-    split_merge: str = "combine"
+    split_merge: str = "auto"
 
 
 #: The merges of split-KV partial outputs (CuteConfig.split_merge).
-SPLIT_MERGES = ("combine", "cluster")
+SPLIT_MERGES = ("auto", "combine", "cluster")
 #: Most splits of the cluster merge: the portable thread-block cluster size (8 CTAs).
 MAX_CLUSTER_SPLITS = 8
 
@@ -205,7 +206,7 @@ def resolve_config(head_dim: int, head_dim_v: int, window_size, config=None, max
 
 
 #: CuteConfig fields that are switches, not tile fields, with their defaults.
-_SWITCHES = dict(nan_safe_v=True, split_merge="combine")
+_SWITCHES = dict(nan_safe_v=True, split_merge="auto")
 
 
 def _split_switches(config):
@@ -457,6 +458,9 @@ def resolve_launch_config(head_dim: int, head_dim_v: int, window_size, config=No
         keys = key_bound(keys_capacity, max_seqlen_k, window_size, max_seqlen_q)
         n = choose_num_splits(max(tiles, 1), keys, num_sms)
         cfg = replace(cfg, num_splits=min(n, MAX_CLUSTER_SPLITS) if cluster else n)
+    if cfg.split_merge == "auto":
+        cfg = replace(cfg, split_merge=auto_split_merge(cfg, head_dim, head_dim_v))
+        cluster = cfg.split_merge == "cluster"
     if cluster and cfg.num_splits == 1:
         cfg = replace(cfg, split_merge="combine")  # one split: the plain kernel, one compiled kernel for both
     elif cluster and not cluster_merge_fits(cfg, head_dim, head_dim_v):
@@ -464,6 +468,22 @@ def resolve_launch_config(head_dim: int, head_dim_v: int, window_size, config=No
             f"config {cfg}: the cluster merge's fp32 output tile ({cfg.tile_m} x {head_dim_v} x 4 B plus the LSEs) "
             "does not fit the Q / K / V shared-memory buffers it reuses: use split_merge 'combine' or larger tiles")
     return cfg
+
+
+#: The split count at which ``split_merge="auto"`` takes the cluster merge (H200, docs/tuning.md 2.6-2.7: at 2
+#: splits the one launch beat FA4's combine on the sliding canvas by 22 % and on the hd-128 canvas by 1.6 %;
+#: clusters of 4 lost 1.6x on the hd-128 canvas, and the split-value hd-512 kernel lost 5-9 % at 2).
+AUTO_CLUSTER_SPLITS = 2
+
+
+def auto_split_merge(cfg: CuteConfig, head_dim: int, head_dim_v: int) -> str:
+    """The merge ``split_merge="auto"`` resolves to for a config whose ``num_splits`` is set: ``"cluster"`` at
+    exactly :data:`AUTO_CLUSTER_SPLITS` splits, head dims <= 256 and a tile that fits the merge
+    (:func:`cluster_merge_fits`), else ``"combine"`` (one split: the plain kernel). Host ints only."""
+    if (cfg.num_splits == AUTO_CLUSTER_SPLITS and not is_wide(head_dim, head_dim_v)
+            and cluster_merge_fits(cfg, head_dim, head_dim_v)):
+        return "cluster"
+    return "combine"
 
 
 def cluster_merge_fits(cfg: CuteConfig, head_dim: int, head_dim_v: int) -> bool:

@@ -30,6 +30,10 @@ def max_active_clusters(size: int) -> int | None:
     if not torch.cuda.is_available():
         return None
     from flash_attn.cute.cute_dsl_utils import get_max_active_clusters
+    # The driver query needs a current context: without torch's primary context it fails with
+    # CUDA_ERROR_INVALID_CONTEXT (the first H200 run, docs/tuning.md 2.7).
+    torch.zeros(1, device="cuda")
+    torch.cuda.synchronize()
     return int(get_max_active_clusters(size))
 
 

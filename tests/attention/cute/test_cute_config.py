@@ -259,7 +259,7 @@ def test_split_merge_is_a_switch_not_a_tile_field():
     """Setting only split_merge keeps the automatic tiles (as nan_safe_v); the value resolves through."""
     wide = cc.resolve_wide_config(512, 512, dict(split_merge="cluster"), max_seqlen_q=256)
     assert wide.split_merge == "cluster" and (wide.tile_m, wide.tile_n, wide.num_stages) == (64, 32, 2)
-    assert cc.resolve_wide_config(512, 512, None).split_merge == "combine"
+    assert cc.resolve_wide_config(512, 512, None).split_merge == "auto"
     assert cc.check_config(dict(split_merge="cluster", num_splits=8)) is not None
 
 
@@ -279,6 +279,54 @@ def test_cluster_merge_split_count_is_capped_at_8_and_one_split_is_the_plain_ker
     four = cc.resolve_launch_config(512, 512, None, dict(split_merge="cluster"), total_q=1024, num_seqs=4,
                                     keys_capacity=8448, **kw)
     assert (four.num_splits, four.split_merge) == (1, "combine")
+
+
+def _fa4_tiles(monkeypatch):
+    """FA4's SM90 tile heuristic as it answers for these head dims (128 x 64 local at hd 256, 128 x 128 at hd
+    128), so the automatic merge resolves on a CPU without flash-attn-4."""
+    from types import SimpleNamespace
+
+    def tiles(head_dim, head_dim_v, is_local):
+        return SimpleNamespace(m_block_size=128, n_block_size=64 if head_dim > 128 else 128, mma_pv_is_rs=True,
+                               intra_wg_overlap=True)
+    monkeypatch.setattr(cc, "_fa4_tile_size", tiles)
+
+
+def test_auto_merge_takes_the_cluster_at_two_splits_where_it_was_measured_faster(monkeypatch):
+    """split_merge "auto" (the default): the cluster merge at exactly 2 splits with head dims <= 256 (the
+    sliding canvas over 32k keys: 22 % faster than the combine, docs/tuning.md 2.7), the combine at 4 splits
+    (hd-128 canvas: clusters of 4 lost 1.6x) and for the split-value hd-512 kernel (lost 5-9 % at 2), the plain
+    kernel at one split; an explicit merge always wins."""
+    _fa4_tiles(monkeypatch)
+    kw = dict(total_q=256, num_seqs=1, max_seqlen_q=256, max_seqlen_k=None, num_sms=132)
+    sliding = cc.resolve_launch_config(256, 256, 1023, None, num_kv_heads=8, qhead_per_kvhead=2,
+                                       keys_capacity=33024, **kw)
+    assert (sliding.num_splits, sliding.split_merge) == (2, "cluster")
+    hd128 = cc.resolve_launch_config(128, 128, None, None, num_kv_heads=8, qhead_per_kvhead=2, keys_capacity=33024,
+                                     **kw)
+    assert (hd128.num_splits, hd128.split_merge) == (4, "combine")
+    two = cc.resolve_launch_config(128, 128, None, dict(num_splits=2), num_kv_heads=8, qhead_per_kvhead=2,
+                                   keys_capacity=33024, **kw)
+    assert (two.num_splits, two.split_merge) == (2, "cluster")
+    wide = cc.resolve_launch_config(512, 512, None, None, num_kv_heads=2, qhead_per_kvhead=8, keys_capacity=33024,
+                                    **kw)
+    assert (wide.num_splits, wide.split_merge) == (2, "combine")
+    short = cc.resolve_launch_config(256, 256, 1023, None, num_kv_heads=8, qhead_per_kvhead=2, keys_capacity=1024,
+                                     **kw)
+    assert (short.num_splits, short.split_merge) == (1, "combine")
+    forced = cc.resolve_launch_config(256, 256, 1023, dict(split_merge="combine"), num_kv_heads=8,
+                                      qhead_per_kvhead=2, keys_capacity=33024, **kw)
+    assert (forced.num_splits, forced.split_merge) == (2, "combine")
+    assert cc.CuteConfig().split_merge == "auto" and "auto" in cc.SPLIT_MERGES
+
+
+def test_auto_merge_keeps_the_combine_where_the_cluster_tile_does_not_fit():
+    """A 64-row hd-256 tile with one 16-key stage cannot hold the fp32 merge tile: "auto" falls back to the
+    combine there instead of raising as an explicit "cluster" does."""
+    C = cc.CuteConfig
+    assert cc.auto_split_merge(C(tile_m=64, tile_n=16, num_stages=1, num_splits=2), 256, 256) == "combine"
+    assert cc.auto_split_merge(C(tile_m=128, tile_n=64, num_stages=2, num_splits=2), 256, 256) == "cluster"
+    assert cc.auto_split_merge(C(tile_m=128, tile_n=64, num_stages=2, num_splits=3), 256, 256) == "combine"
 
 
 def test_cluster_merge_tile_fits_the_qkv_buffers():

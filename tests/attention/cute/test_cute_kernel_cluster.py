@@ -56,7 +56,8 @@ def test_gpu_cluster_merge_matches_one_split_the_combine_merge_and_the_reference
     run_and_check(q, k, v, kw, window, mode, config=cfg, max_seqlen_q=256)
     assert ca.LAST_LAUNCH["config"].num_splits == num_splits and ca.LAST_LAUNCH["kernel"].endswith("Cluster")
     cluster = ca.attention_cute(q, k, v, config=cfg, **call)
-    combine = ca.attention_cute(q, k, v, config=dict(base or {}, num_splits=num_splits), **call)
+    combine = ca.attention_cute(q, k, v, config=dict(base or {}, num_splits=num_splits, split_merge="combine"),
+                                **call)
     assert ca.LAST_LAUNCH["kernel"].endswith("Split")
     for other in (one, combine):
         torch.testing.assert_close(cluster[0].float(), other[0].float(), atol=2 ** -6, rtol=2 ** -7)
@@ -94,6 +95,20 @@ def test_gpu_cluster_merge_splits_a_batch_1_canvas_automatically():
     q, k, v, kw = gpu_batch([256], [32768], [0], 16, 8, 128, 64, seed=2)
     run_and_check(q, k, v, kw, None, "symmetric", max_seqlen_q=256, max_seqlen_k=33024, config=CLUSTER)
     assert ca.LAST_LAUNCH["config"].num_splits == 4 and ca.LAST_LAUNCH["kernel"].endswith("Cluster")
+
+
+@needs_gpu
+@pytest.mark.parametrize("mode", ["symmetric", "prefix"])
+def test_gpu_default_auto_merge_runs_the_cluster_on_a_batch_1_sliding_canvas(mode):
+    """No config: hd 256, window 1023, one canvas over 8k keys takes 2 splits and split_merge "auto" resolves to
+    the cluster merge (config.auto_split_merge); the hd-512 canvas keeps FA4's combine. Both checked against the
+    reference."""
+    q, k, v, kw = gpu_batch([256], [8192], [0], 16, 8, 256, 64, seed=3)
+    run_and_check(q, k, v, kw, 1023, mode, max_seqlen_q=256, max_seqlen_k=8448)
+    assert ca.LAST_LAUNCH["config"].num_splits == 2 and ca.LAST_LAUNCH["kernel"].endswith("Cluster")
+    q, k, v, kw = gpu_batch([256], [20000], [0], 16, 2, 512, 64, seed=4)
+    run_and_check(q, k, v, kw, None, mode, max_seqlen_q=256, max_seqlen_k=20256)
+    assert ca.LAST_LAUNCH["config"].num_splits == 2 and ca.LAST_LAUNCH["kernel"].endswith("Split")
 
 
 @needs_gpu

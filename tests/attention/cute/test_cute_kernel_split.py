@@ -40,10 +40,12 @@ def test_gpu_every_split_count_matches_one_split_and_the_reference(hd, H, Hkv, p
     q, k, v, kw = _long_and_short_batch(hd, H, Hkv, page, seed=hd + num_splits)
     one = ca.attention_cute(q, k, v, window_size=window, bidirectional_window=mode, max_seqlen_q=256,
                             return_lse=True, config=dict(base or {}, num_splits=1), **kw)
-    run_and_check(q, k, v, kw, window, mode, config=dict(base or {}, num_splits=num_splits), max_seqlen_q=256)
+    # FA4's combine merge by name: "auto" (the default) would take the cluster merge at 2 splits
+    cfg = dict(base or {}, num_splits=num_splits, split_merge="combine")
+    run_and_check(q, k, v, kw, window, mode, config=cfg, max_seqlen_q=256)
     assert ca.LAST_LAUNCH["config"].num_splits == num_splits and ca.LAST_LAUNCH["kernel"].endswith("Split")
     split = ca.attention_cute(q, k, v, window_size=window, bidirectional_window=mode, max_seqlen_q=256,
-                              return_lse=True, config=dict(base or {}, num_splits=num_splits), **kw)
+                              return_lse=True, config=cfg, **kw)
     torch.testing.assert_close(split[0].float(), one[0].float(), atol=2 ** -6, rtol=2 ** -7)
     torch.testing.assert_close(split[1], one[1], atol=1e-4, rtol=1e-5)
 
