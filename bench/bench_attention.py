@@ -531,7 +531,7 @@ def plot(rows: list[dict], out_dir: Path, stem: str) -> list[Path]:
         fig.suptitle(name)
         fig.tight_layout()
         p = out_dir / f"{stem}-{name}.png"
-        fig.savefig(p, dpi=110)
+        common.save_png(fig, p, dpi=110)
         plt.close(fig)
         paths.append(p)
     return paths
@@ -579,7 +579,7 @@ def plot_ladder(rows: list[dict], out_dir: Path, stem: str) -> list[Path]:
         fig.suptitle(f"{stem}: {layer} layer, {axis} ladder")
         fig.tight_layout()
         p = out_dir / f"{stem}-{layer}.png"
-        fig.savefig(p, dpi=110)
+        common.save_png(fig, p, dpi=110)
         plt.close(fig)
         paths.append(p)
     return paths

@@ -370,7 +370,7 @@ def plot(rows, out_dir: Path, stem: str) -> list[Path]:
     ax.set_title(f"{ok[0]['workload']}: sampler step")
     fig.tight_layout()
     p = out_dir / f"{stem}.png"
-    fig.savefig(p, dpi=120)
+    common.save_png(fig, p, dpi=120)
     plt.close(fig)
     return [p]
 

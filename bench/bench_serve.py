@@ -1047,7 +1047,7 @@ def plot_throughput(rows: list[dict], path: Path) -> Path | None:
     ax.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    common.save_png(fig, path, dpi=120)
     plt.close(fig)
     return path
 

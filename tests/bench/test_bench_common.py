@@ -50,3 +50,24 @@ def test_write_experiment_json_goes_to_out_or_the_local_folder(tmp_path, monkeyp
     assert common.results_dir(local=True) == common.LOCAL_RESULTS_DIR
     monkeypatch.setenv("OUT", str(tmp_path / "o"))
     assert common.write_experiment_json("y.json", [1]).parent == tmp_path / "o"
+
+
+def test_save_png_writes_a_palette_png_smaller_than_matplotlibs(tmp_path):
+    """Records travel inside the GPU run's 64 MiB working tree: charts are saved as 256-colour palettes."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from PIL import Image
+
+    from blockdiff.bench import common
+
+    fig, ax = plt.subplots(figsize=(6, 3))
+    ax.plot(range(50), [i * i for i in range(50)], label="x")
+    ax.bar(range(10), range(10), color="tab:green")
+    ax.legend()
+    fig.savefig(tmp_path / "rgba.png", dpi=110)
+    p = common.save_png(fig, tmp_path / "chart.png", dpi=110)
+    plt.close(fig)
+    with Image.open(p) as im:
+        assert im.mode == "P" and im.size == Image.open(tmp_path / "rgba.png").size
+    assert p.stat().st_size < (tmp_path / "rgba.png").stat().st_size
