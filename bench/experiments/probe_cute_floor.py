@@ -129,7 +129,7 @@ def main(argv=None):
                        error=f"{type(e).__name__}: {str(e)[:300]}")
         rows.append(row)
         print(json.dumps(common.jsonable(row)), flush=True)
-    common.write_experiment_json("cute_floor.json", dict(device=torch.cuda.get_device_name(), rows=rows), a.out)
+    common.write_experiment_json("cute_floor.json", dict(env=common.env_record("cuda"), rows=rows), a.out)
     return rows
 
 

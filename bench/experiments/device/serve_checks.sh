@@ -26,18 +26,18 @@ export_hf(DiffusionGemmaConfig(num_hidden_layers=30, **DIFFUSIONGEMMA_26B_A4B), 
 D='{"canvas_length":256,"max_denoising_steps":16}'
 C26="--load-format dummy --quantization fp8 --language-model-only --max-model-len 8192 --gpu-memory-utilization 0.42 --kv-cache-memory-bytes 16G"
 B="VLLM_USE_V2_MODEL_RUNNER=1 VLLM_PLUGINS=blockdiff BLOCKDIFF_ATTN_BACKEND=triton BLOCKDIFF_SAMPLER_BACKEND=triton"
-up 8041 || setsid env VLLM_PLUGINS=none $V serve /tmp/dg26 $C26 --diffusion-config "$D" --attention-backend TRITON_ATTN \
-  --max-num-seqs 4 --port 8041 > $L/stock26.log 2>&1 < /dev/null &
-up 8042 || setsid env $B $V serve /tmp/dg26 $C26 --diffusion-config "$D" --attention-backend CUSTOM --no-async-scheduling \
+(up 8041 || setsid env VLLM_PLUGINS=none $V serve /tmp/dg26 $C26 --diffusion-config "$D" --attention-backend TRITON_ATTN \
+  --max-num-seqs 4 --port 8041 > $L/stock26.log 2>&1 < /dev/null) > /dev/null 2>&1 &
+(up 8042 || setsid env $B $V serve /tmp/dg26 $C26 --diffusion-config "$D" --attention-backend CUSTOM --no-async-scheduling \
   --scheduler-cls blockdiff.integration.vllm_scheduler.BlockdiffDiffusionScheduler --max-num-seqs 16 --port 8042 \
-  > $L/bd26.log 2>&1 < /dev/null &
+  > $L/bd26.log 2>&1 < /dev/null) > /dev/null 2>&1 &
 # -- 1, 2. small servers: float32 eager, bfloat16 eager, float32 with CUDA graphs
 [ -d /tmp/exp ] || python3 -m blockdiff.integration.cli export /tmp/exp --overwrite > $L/export.log 2>&1
 C="--language-model-only --max-model-len 512 --gpu-memory-utilization 0.05 --kv-cache-memory-bytes 1G --max-num-seqs 8 --attention-backend CUSTOM"
 C="$C --no-async-scheduling --scheduler-cls blockdiff.integration.vllm_scheduler.BlockdiffDiffusionScheduler"
-up 8031 || setsid env $B $V serve /tmp/exp $C --enforce-eager --dtype float32 --port 8031 > $L/p32.log 2>&1 < /dev/null &
-up 8032 || setsid env $B $V serve /tmp/exp $C --enforce-eager --dtype bfloat16 --port 8032 > $L/p16.log 2>&1 < /dev/null &
-up 8033 || setsid env $B $V serve /tmp/exp $C --dtype float32 --port 8033 > $L/g32.log 2>&1 < /dev/null &
+(up 8031 || setsid env $B $V serve /tmp/exp $C --enforce-eager --dtype float32 --port 8031 > $L/p32.log 2>&1 < /dev/null) > /dev/null 2>&1 &
+(up 8032 || setsid env $B $V serve /tmp/exp $C --enforce-eager --dtype bfloat16 --port 8032 > $L/p16.log 2>&1 < /dev/null) > /dev/null 2>&1 &
+(up 8033 || setsid env $B $V serve /tmp/exp $C --dtype float32 --port 8033 > $L/g32.log 2>&1 < /dev/null) > /dev/null 2>&1 &
 # -- 4. GPU tests (not the Gluon or cute ones) beside it
 P="timeout 330 python3 -m pytest -m gpu -q -p no:cacheprovider -rf"
 $P tests/sampler tests/model tests/integration tests/bench > $L/gpu_tests_rest.log 2>&1 & T1=$!

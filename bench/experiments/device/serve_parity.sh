@@ -15,8 +15,10 @@ C="--language-model-only --max-model-len 512 --gpu-memory-utilization 0.2 --no-a
 C="$C --enforce-eager --attention-backend CUSTOM --scheduler-cls blockdiff.integration.vllm_scheduler.BlockdiffDiffusionScheduler"
 ATTN=${ATTN:-triton}; case $ATTN in triton) P32=8031; P16=8032 ;; cute) P32=; P16=8034 ;; *) echo "ATTN must be triton or cute"; exit 2 ;; esac
 E="VLLM_USE_V2_MODEL_RUNNER=1 VLLM_PLUGINS=blockdiff BLOCKDIFF_ATTN_BACKEND=$ATTN BLOCKDIFF_SAMPLER_BACKEND=triton"
-[ -n "$P32" ] && { up $P32 || setsid env $E $V serve /tmp/exp $C --dtype float32 --port $P32 > /tmp/plugin32_$ATTN.log 2>&1 < /dev/null & }
-up $P16 || setsid env $E $V serve /tmp/exp $C --dtype bfloat16 --port $P16 > /tmp/plugin16_$ATTN.log 2>&1 < /dev/null &
+# each background list's own stdout goes to /dev/null: a list that holds the caller's pipe while its server runs
+# keeps `serve_parity.sh | tail` waiting until the command's limit (the sixth lease)
+[ -n "$P32" ] && { (up $P32 || setsid env $E $V serve /tmp/exp $C --dtype float32 --port $P32 > /tmp/plugin32_$ATTN.log 2>&1 < /dev/null) > /dev/null 2>&1 & }
+(up $P16 || setsid env $E $V serve /tmp/exp $C --dtype bfloat16 --port $P16 > /tmp/plugin16_$ATTN.log 2>&1 < /dev/null) > /dev/null 2>&1 &
 M="-m blockdiff.bench.experiments.serve_smoke"
 [ -n "$P32" ] && python3 $M harness --dtype float32 --out $OUT/harness32.json > $OUT/harness32.log 2>&1
 python3 $M harness --dtype bfloat16 --out $OUT/harness16.json > $OUT/harness16.log 2>&1

@@ -148,3 +148,22 @@ def test_serve_profiles_keeps_one_profile_per_batched_load_then_stops(tmp_path):
     bad = subprocess.run(["bash", str(SCRIPT.parent / "serve_profiles.sh"), "both"], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=30)
     assert bad.returncode == 2 and "side must be" in bad.stdout
+
+
+def test_device_scripts_background_servers_never_hold_the_callers_output():
+    """`up PORT || setsid ... &` backgrounds a subshell that keeps the caller's stdout open while the server runs,
+    so `script | tail` waits until the command's limit (serve_parity.sh, sixth lease): every such list is wrapped
+    as `(up PORT || setsid ...) > /dev/null 2>&1 &`."""
+    import re
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parents[3] / "bench" / "experiments" / "device"
+    for script in sorted(folder.glob("*.sh")):
+        text = script.read_text()
+        for m in re.finditer(r"\|\| setsid", text):
+            line_start = text.rfind("\n", 0, m.start()) + 1
+            assert text[line_start] == "(" or text[line_start:m.start()].lstrip().startswith(("{ (", "[ ")), \
+                f"{script.name}: {text[line_start:m.start() + 20]!r}"
+            close = text.find("< /dev/null)", m.start())
+            end = text.find("\n", close)
+            assert close > 0 and ") > /dev/null 2>&1 &" in text[close:end], f"{script.name}: {text[line_start:end]!r}"
