@@ -448,9 +448,16 @@ def resolve_launch_config(head_dim: int, head_dim_v: int, window_size, config=No
                           num_seqs: int, num_kv_heads: int, qhead_per_kvhead: int, keys_capacity: int,
                           max_seqlen_q: int, max_seqlen_k: int | None, num_sms: int) -> CuteConfig:
     """:func:`resolve_config` plus the split count when the config leaves it None (:func:`choose_num_splits` on
-    :func:`grid_tiles` and :func:`key_bound`). Host ints only: ``total_q`` (``q.shape[0]``), ``num_seqs``
+    :func:`grid_tiles` and :func:`key_bound`) and the split merge: ``"auto"`` resolves here
+    (:func:`auto_split_merge`), so the result's ``split_merge`` is ``"combine"`` or ``"cluster"``, and
+    ``"combine"`` whenever there is one split. Host ints only: ``total_q`` (``q.shape[0]``), ``num_seqs``
     (``cu_seqlens_q.shape[0] - 1``), ``keys_capacity`` (paged: block-table width x page size; contiguous: cache
-    rows), the hints, ``num_sms``. Raises as :func:`resolve_config`."""
+    rows), the hints, ``num_sms``.
+
+    Raises:
+        As :func:`resolve_config`; ValueError also when an explicit ``split_merge="cluster"`` meets a tile whose
+        fp32 merge tile does not fit (:func:`cluster_merge_fits`).
+    """
     cfg = resolve_config(head_dim, head_dim_v, window_size, config, max_seqlen_q)
     cluster = cfg.split_merge == "cluster"
     if cfg.num_splits is None:
@@ -471,19 +478,30 @@ def resolve_launch_config(head_dim: int, head_dim_v: int, window_size, config=No
 
 
 #: The split count at which ``split_merge="auto"`` takes the cluster merge (H200, docs/tuning.md 2.6-2.7: at 2
-#: splits the one launch beat FA4's combine on the sliding canvas by 22 % and on the hd-128 canvas by 1.6 %;
-#: clusters of 4 lost 1.6x on the hd-128 canvas, and the split-value hd-512 kernel lost 5-9 % at 2).
+#: splits the one launch beat FA4's combine on the sliding canvas by 22 % (64 CTAs) and on the hd-128 canvas by
+#: 1.5 % (128 CTAs); clusters of 4 lost 1.6x on the hd-128 canvas, and the split-value hd-512 kernel lost 5-9 % at 2).
 AUTO_CLUSTER_SPLITS = 2
 
 
 def auto_split_merge(cfg: CuteConfig, head_dim: int, head_dim_v: int) -> str:
-    """The merge ``split_merge="auto"`` resolves to for a config whose ``num_splits`` is set: ``"cluster"`` at
-    exactly :data:`AUTO_CLUSTER_SPLITS` splits, head dims <= 256 and a tile that fits the merge
-    (:func:`cluster_merge_fits`), else ``"combine"`` (one split: the plain kernel). Host ints only."""
-    if (cfg.num_splits == AUTO_CLUSTER_SPLITS and not is_wide(head_dim, head_dim_v)
-            and cluster_merge_fits(cfg, head_dim, head_dim_v)):
-        return "cluster"
-    return "combine"
+    """The merge ``split_merge="auto"`` resolves to, for a resolved config (tile fields and ``num_splits`` set).
+
+    ``"cluster"`` at exactly :data:`AUTO_CLUSTER_SPLITS` splits, head dims <= 256, P kept in registers
+    (``mma_pv_is_rs``, as in every measured configuration: a P buffer in shared memory may lie inside the Q / K / V
+    span the merge reuses, which the kernel refuses at trace time) and a tile that fits the merge
+    (:func:`cluster_merge_fits`); else ``"combine"`` (with one split: the plain kernel). Host ints only.
+
+    Returns:
+        ``"cluster"`` or ``"combine"``, never ``"auto"``.
+
+    Raises:
+        TypeError: ``cfg`` is not a resolved config (``tile_m`` / ``tile_n`` None where the rule needs them).
+    """
+    if cfg.num_splits != AUTO_CLUSTER_SPLITS or is_wide(head_dim, head_dim_v) or cfg.mma_pv_is_rs is not True:
+        return "combine"
+    if cfg.tile_m is None or cfg.tile_n is None:
+        raise TypeError(f"auto_split_merge needs a resolved config (tile_m and tile_n set), got {cfg}")
+    return "cluster" if cluster_merge_fits(cfg, head_dim, head_dim_v) else "combine"
 
 
 def cluster_merge_fits(cfg: CuteConfig, head_dim: int, head_dim_v: int) -> bool:

@@ -143,12 +143,14 @@ def attention_cute(
             capacity of a sequence), which any upper bound keeps correct.
         check_values: run the host-side value checks (default: yes unless a CUDA graph is being captured).
         config: :class:`~blockdiff.attention.cute.config.CuteConfig` or dict (tile_m, tile_n, mma_pv_is_rs,
-            intra_wg_overlap, num_stages, lpt, num_splits); None:
-            :func:`~blockdiff.attention.cute.config.resolve_config`.
-            ``num_splits`` > 1 runs split-KV (:mod:`~blockdiff.attention.cute.kernel_split`: the kernel writes
-            fp32 partial outputs and LSEs per split, FA4's combine kernel merges them; two launches), or with
-            ``split_merge="cluster"`` one launch whose splits of a tile form a thread-block cluster merging
-            through distributed shared memory (:mod:`~blockdiff.attention.cute.kernel_cluster`).
+            intra_wg_overlap, num_stages, lpt, num_splits, nan_safe_v, split_merge); None:
+            :func:`~blockdiff.attention.cute.config.resolve_launch_config`.
+            ``num_splits`` > 1 runs split-KV: with ``split_merge="combine"`` the kernel writes fp32 partial
+            outputs and LSEs per split and FA4's combine kernel merges them (two launches,
+            :mod:`~blockdiff.attention.cute.kernel_split`); with ``"cluster"`` one launch whose splits of a tile
+            form a thread-block cluster merging through distributed shared memory
+            (:mod:`~blockdiff.attention.cute.kernel_cluster`); ``"auto"`` (the default) picks one
+            (:func:`~blockdiff.attention.cute.config.auto_split_merge`).
 
     Returns:
         ``out [total_q, num_heads, head_dim_v]`` (q's dtype) or ``(out, lse)``.

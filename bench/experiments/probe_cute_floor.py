@@ -7,9 +7,10 @@ torch.profiler: the split kernel alone, the combine alone), what the cute backen
 difference from the triton backend's output on the same inputs (``max_abs_diff_vs_triton``; both backends are
 checked against the dense reference by the tests). Also the empty CUDA-graph floor. The cases:
 
-- ``canvas_bs1_ctx32k_sliding``: combine (automatic 2 splits), cluster, one split, cluster without ``nan_safe_v``,
-  and the window ladder (511 / 255 / 63; the workload has 1023): the automatic choice (one split below 1024 keys)
-  and the cluster at 2 splits, the fixed cost against the per-key-block cost of the 15 us goal.
+- ``canvas_bs1_ctx32k_sliding``: combine and cluster (the automatic 2 splits), one split, cluster without
+  ``nan_safe_v``, and the window ladder (511 / 255 / 63; the workload has 1023): the automatic choice (one split
+  while a row's key bound stays below 2048) and the cluster at 2 splits, the fixed cost against the per-key-block
+  cost of the 15 us goal. (At b89fc42 the default merge was the combine; ``"auto"`` takes the cluster since.)
 - ``canvas_bs1_ctx32k_hd128`` / ``_global``: combine, cluster at 2, one split, the triton backend.
 - ``canvas_bs4_ctx4k_hd128``: cute paged and contiguous against FA4 contiguous, the 0.95x goal's anchor.
 - ``canvas_bs16_ctx8k_global``: a batch that fills the GPU without splits, so each backend's hd-512 kernel runs
@@ -37,24 +38,23 @@ from blockdiff.bench.experiments.probe_floor_sliding import _empty, _kernel_time
 from blockdiff.bench.experiments.probe_warm_l2 import warm_graph_us
 
 CLUSTER = {"split_merge": "cluster"}
+COMBINE = {"split_merge": "combine"}
 SPLIT1 = {"num_splits": 1}
 
 
 def cases() -> list[tuple]:
     """``(workload name, window override or None, backend, config, layout)`` in the order they run."""
-    out = []
-    s = "canvas_bs1_ctx32k_sliding"
-    out += [(s, None, "triton", None, "paged"), (s, None, "cute", None, "paged"), (s, None, "cute", CLUSTER, "paged"),
-            (s, None, "cute", SPLIT1, "paged"), (s, None, "cute", dict(CLUSTER, nan_safe_v=False), "paged"),
-            (s, None, "fa4", None, "contiguous")]
+    s, b4, g16 = "canvas_bs1_ctx32k_sliding", "canvas_bs4_ctx4k_hd128", "canvas_bs16_ctx8k_global"
+    out = [(s, None, "triton", None, "paged"), (s, None, "cute", COMBINE, "paged"),
+           (s, None, "cute", CLUSTER, "paged"), (s, None, "cute", SPLIT1, "paged"),
+           (s, None, "cute", dict(CLUSTER, nan_safe_v=False), "paged"), (s, None, "fa4", None, "contiguous")]
     for name in ("canvas_bs1_ctx32k_hd128", "canvas_bs1_ctx32k_global"):
         out += [(name, None, "triton", None, "paged"), (name, None, "cute", None, "paged"),
-                (name, None, "cute", dict(CLUSTER, num_splits=2), "paged"), (name, None, "cute", {"num_splits": 2}, "paged"),
-                (name, None, "cute", SPLIT1, "paged")]
-    b4 = "canvas_bs4_ctx4k_hd128"
-    out += [(b4, None, "triton", None, "paged"), (b4, None, "cute", None, "paged"), (b4, None, "cute", None, "contiguous"),
-            (b4, None, "fa4", None, "contiguous"), (b4, None, "fa4", None, "paged")]
-    g16 = "canvas_bs16_ctx8k_global"
+                (name, None, "cute", dict(CLUSTER, num_splits=2), "paged"),
+                (name, None, "cute", dict(COMBINE, num_splits=2), "paged"), (name, None, "cute", SPLIT1, "paged")]
+    out += [(b4, None, "triton", None, "paged"), (b4, None, "cute", None, "paged"),
+            (b4, None, "cute", None, "contiguous"), (b4, None, "fa4", None, "contiguous"),
+            (b4, None, "fa4", None, "paged")]
     out += [(g16, None, "triton", None, "paged"), (g16, None, "cute", None, "paged")]
     for w in (511, 255, 63):
         out += [(s, w, "triton", None, "paged"), (s, w, "cute", None, "paged"),
@@ -118,9 +118,10 @@ def main(argv=None):
             if backend == "triton" and layout == "paged" and cfg is None:
                 ref[key] = o.clone()
             launch = ba.cute_launch() if backend == "cute" else {}
-            row = dict(kind="case", workload=name, window_size=window if window is not None else b.workload.window_size,
-                       backend=backend, config=cfg, kv_layout=layout, launch=launch,
-                       cold_us=common.time_graph_ms(fn) * 1e3, warm_us=warm_graph_us(fn), kernels_us=_kernel_times_us(fn, 200))
+            row = dict(kind="case", workload=name,
+                       window_size=window if window is not None else b.workload.window_size, backend=backend,
+                       config=cfg, kv_layout=layout, launch=launch, cold_us=common.time_graph_ms(fn) * 1e3,
+                       warm_us=warm_graph_us(fn), kernels_us=_kernel_times_us(fn, width=200))
             if key in ref and backend != "fa4":
                 row["max_abs_diff_vs_triton"] = float((o.float() - ref[key].float()).abs().max())
                 row["isfinite"] = bool(torch.isfinite(o).all())

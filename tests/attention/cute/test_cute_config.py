@@ -324,9 +324,23 @@ def test_auto_merge_keeps_the_combine_where_the_cluster_tile_does_not_fit():
     """A 64-row hd-256 tile with one 16-key stage cannot hold the fp32 merge tile: "auto" falls back to the
     combine there instead of raising as an explicit "cluster" does."""
     C = cc.CuteConfig
-    assert cc.auto_split_merge(C(tile_m=64, tile_n=16, num_stages=1, num_splits=2), 256, 256) == "combine"
-    assert cc.auto_split_merge(C(tile_m=128, tile_n=64, num_stages=2, num_splits=2), 256, 256) == "cluster"
-    assert cc.auto_split_merge(C(tile_m=128, tile_n=64, num_stages=2, num_splits=3), 256, 256) == "combine"
+    rs = dict(mma_pv_is_rs=True)
+    assert cc.auto_split_merge(C(tile_m=64, tile_n=16, num_stages=1, num_splits=2, **rs), 256, 256) == "combine"
+    assert cc.auto_split_merge(C(tile_m=128, tile_n=64, num_stages=2, num_splits=2, **rs), 256, 256) == "cluster"
+    assert cc.auto_split_merge(C(tile_m=128, tile_n=64, num_stages=2, num_splits=3, **rs), 256, 256) == "combine"
+
+
+def test_auto_merge_keeps_the_combine_when_p_goes_through_shared_memory():
+    """With P in shared memory (mma_pv_is_rs False) its buffer may lie inside the Q / K / V span the merge reuses,
+    which the kernel refuses at trace time: "auto" never picks the cluster there (no measured config has it)."""
+    C = cc.CuteConfig
+    cfg = C(tile_m=128, tile_n=64, num_stages=2, num_splits=2, mma_pv_is_rs=False)
+    assert cc.auto_split_merge(cfg, 256, 256) == "combine"
+
+
+def test_auto_merge_of_an_unresolved_config_is_a_type_error():
+    with pytest.raises(TypeError, match="resolved config"):
+        cc.auto_split_merge(cc.CuteConfig(num_splits=2, mma_pv_is_rs=True), 256, 256)
 
 
 def test_cluster_merge_tile_fits_the_qkv_buffers():

@@ -76,7 +76,10 @@ HD128_CASES = [  # (id, page size or None, config, call kwargs)
     ("pagebox64", 64, None, {}),
     ("pagebox64_split3", 64, dict(num_splits=3), {}),
     ("pagebox64_window127", 64, None, dict(window_size=127)),
-    ("pagebox64_split2_prefix100", 64, dict(num_splits=2), dict(window_size=100, bidirectional_window="prefix")),
+    ("pagebox64_split2_prefix100", 64, dict(num_splits=2, split_merge="combine"),
+     dict(window_size=100, bidirectional_window="prefix")),
+    ("pagebox64_split2_cluster_prefix100", 64, dict(num_splits=2, split_merge="cluster"),
+     dict(window_size=100, bidirectional_window="prefix")),
     ("contiguous", None, None, {}),
     ("cpasync48_window127", 48, None, dict(window_size=127)),
     ("no_overlap_192x128", 64, dict(cc.LONG_PREFILL_CONFIG), {}),
@@ -99,7 +102,8 @@ def test_gpu_cute_nan_safe_v_hd128_keys_a_row_may_not_see_contribute_nothing(pag
 HD256_CASES = [
     ("pagebox64", 64, None, {}),
     ("contiguous_window1023_prefix", None, None, dict(window_size=1023, bidirectional_window="prefix")),
-    ("pagebox64_split2_window127", 64, dict(num_splits=2), dict(window_size=127)),
+    ("pagebox64_split2_window127", 64, dict(num_splits=2, split_merge="combine"), dict(window_size=127)),
+    ("pagebox64_split2_cluster_window127", 64, dict(num_splits=2, split_merge="cluster"), dict(window_size=127)),
 ]
 
 
@@ -132,8 +136,8 @@ def test_gpu_cute_nan_safe_v_hd512_keys_a_row_may_not_see_contribute_nothing(pag
 
 @gpu_test
 @pytest.mark.parametrize("mode", ["symmetric", "prefix"])
-@pytest.mark.parametrize("num_splits", [1, 2])
-def test_gpu_cute_nan_safe_v_keys_no_row_sees_leave_the_output_finite(mode, num_splits):
+@pytest.mark.parametrize("num_splits,merge", [(1, "auto"), (2, "combine"), (2, "cluster")])
+def test_gpu_cute_nan_safe_v_keys_no_row_sees_leave_the_output_finite(mode, num_splits, merge):
     """The sliding canvas (hd 256, W 1023, one 256-token canvas over 8k of context, paged 64): every V entry of
     the keys just left of every row's window, in the key block the window edge falls in, NaN / +Inf / -Inf: the
     output is finite everywhere and matches the reference of the cleaned cache (no row sees them; without the
@@ -150,13 +154,14 @@ def test_gpu_cute_nan_safe_v_keys_no_row_sees_leave_the_output_finite(mode, num_
     clean = dict(canvas, v_cache=torch.nan_to_num(canvas["v_cache"]), k_cache=torch.nan_to_num(canvas["k_cache"]))
     q = bad["q"]
     out = torch.full((q.shape[0], q.shape[1], 256), float("nan"), dtype=q.dtype, device=q.device)
-    o = attention(**bad, out=out, backend="cute", config=dict(num_splits=num_splits, nan_safe_v=True),
+    cfg = dict(num_splits=num_splits, split_merge=merge)
+    o = attention(**bad, out=out, backend="cute", config=dict(cfg, nan_safe_v=True),
                   window_size=W, bidirectional_window=mode, max_seqlen_q=256)
     assert ca.LAST_LAUNCH["config"].num_splits == num_splits
     assert torch.isfinite(o).all()
     check_close(o, **clean, window_size=W, bidirectional_window=mode)
     # and with the poisoned keys seen by some rows too (the mixed checks above on this canvas)
-    assert _check_nonfinite_v(canvas, dict(num_splits=num_splits), seed=12 + num_splits, window_size=W,
+    assert _check_nonfinite_v(canvas, cfg, seed=12 + num_splits, window_size=W,
                               bidirectional_window=mode, max_seqlen_q=256) > 0
 
 

@@ -153,17 +153,16 @@ def test_serve_profiles_keeps_one_profile_per_batched_load_then_stops(tmp_path):
 def test_device_scripts_background_servers_never_hold_the_callers_output():
     """`up PORT || setsid ... &` backgrounds a subshell that keeps the caller's stdout open while the server runs,
     so `script | tail` waits until the command's limit (serve_parity.sh, sixth lease): every such list is wrapped
-    as `(up PORT || setsid ...) > /dev/null 2>&1 &`."""
+    as `(up PORT || setsid ... < /dev/null) > /dev/null 2>&1 &`, optionally behind a `[ ... ] && { ... }` guard."""
     import re
     from pathlib import Path
 
     folder = Path(__file__).resolve().parents[3] / "bench" / "experiments" / "device"
+    wrapped = re.compile(r"^(\[ [^]]* \] && \{ )?\(up \S+ \|\| setsid [^()]*< /dev/null\) > /dev/null 2>&1 &( \})?$")
+    seen = 0
     for script in sorted(folder.glob("*.sh")):
-        text = script.read_text()
-        for m in re.finditer(r"\|\| setsid", text):
-            line_start = text.rfind("\n", 0, m.start()) + 1
-            assert text[line_start] == "(" or text[line_start:m.start()].lstrip().startswith(("{ (", "[ ")), \
-                f"{script.name}: {text[line_start:m.start() + 20]!r}"
-            close = text.find("< /dev/null)", m.start())
-            end = text.find("\n", close)
-            assert close > 0 and ") > /dev/null 2>&1 &" in text[close:end], f"{script.name}: {text[line_start:end]!r}"
+        for line in script.read_text().replace("\\\n", " ").splitlines():  # continuation lines joined
+            if "|| setsid" in line:
+                seen += 1
+                assert wrapped.match(line.strip()), f"{script.name}: {line.strip()[:160]!r}"
+    assert seen >= 5
