@@ -477,9 +477,9 @@ def resolve_launch_config(head_dim: int, head_dim_v: int, window_size, config=No
     return cfg
 
 
-#: The split count at which ``split_merge="auto"`` takes the cluster merge (H200, docs/tuning.md 2.6-2.7: at 2
-#: splits the one launch beat FA4's combine on the sliding canvas by 22 % (64 CTAs) and on the hd-128 canvas by
-#: 1.5 % (128 CTAs); clusters of 4 lost 1.6x on the hd-128 canvas, and the split-value hd-512 kernel lost 5-9 % at 2).
+#: The split count at which ``split_merge="auto"`` takes the cluster merge: the one count at which the one launch
+#: was measured faster than FA4's combine (hd <= 256); clusters of 4, and the split-value hd-512 kernel at 2, were
+#: slower (docs/tuning.md 2.6, 2.7).
 AUTO_CLUSTER_SPLITS = 2
 
 
