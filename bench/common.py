@@ -328,13 +328,16 @@ def write_records(suite: str, rows: list[dict], *, env: dict | None = None, extr
 def save_png(fig, path: str | Path, dpi: int = 110) -> Path:
     """Write a matplotlib figure as a 256-colour palette PNG (~3x smaller than matplotlib's RGBA for these
     charts; the records travel to the GPU machine inside a 64 MiB working tree). Pillow comes with matplotlib."""
+    import io
+
     from PIL import Image
 
     path = Path(path)
-    fig.savefig(path, dpi=dpi)
-    with Image.open(path) as im:
-        pal = im.convert("RGB").quantize(256)
-    pal.save(path, optimize=True)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    buf.seek(0)
+    with Image.open(buf) as im:
+        im.convert("RGB").quantize(256).save(path, optimize=True)
     return path
 
 
