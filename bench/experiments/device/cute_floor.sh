@@ -4,10 +4,7 @@
 # and without the L2 flush, the window ladder, the hd-512 kernels' own rate, contiguous FA4 beside the bs-4 canvas.
 #   BLOCKDIFF_COMMIT=<hash> STAGE2=1 bash bench/experiments/device/cute_floor.sh
 set -u
-if [ "${STAGE2:-0}" = 1 ]; then
-  test -d /tmp/site/nvidia_cutlass_dsl || { echo COLD; exit 3; }
-  tar -xJf .device/p2/part2.tar.xz -C /tmp/site || exit 3
-fi
+source bench/experiments/device/stage2.sh
 source bench/experiments/device/env.sh
 timeout 60 python3 -m blockdiff.bench.experiments.probe_cluster_occupancy 'canvas_bs1_ctx32k_*,canvas_bs4_*' \
   --out $OUT > $OUT/cluster_occupancy.log 2>&1; echo "occupancy rc=$?"; tail -20 $OUT/cluster_occupancy.log

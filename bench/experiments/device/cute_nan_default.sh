@@ -1,5 +1,6 @@
 # Historical (ran in the fifth lease, docs/tuning.md 2.6): since 774a866 the default is on in the tree, so the sed
-# below matches nothing and DEFAULT_ON=0 no longer turns it off. After cute_next.sh's nan_safe_v shard passed (docs/tuning.md 2.4): the whole cute GPU suite with CuteConfig
+# below matches nothing and DEFAULT_ON=0 no longer turns it off. After cute_next.sh's nan_safe_v shard passed
+# (docs/tuning.md 2.4): the whole cute GPU suite with CuteConfig
 # nan_safe_v switched on by default in this run's copy of the tree only (DEFAULT_ON=1, the default; 0 keeps the
 # tree as committed), three shards at once within T s (default 240); then, on a quiet GPU, the switch's cost on the
 # workloads of docs/tuning.md 1.11 and the issue-27 goal rows (cute with the switch off and on, FA4 beside them)

@@ -1,5 +1,6 @@
 # Ran in the fifth lease (docs/tuning.md 2.6; the xfail marks it mentions are gone since, nan_safe_v is on by
-# default). The next lease's cute / Gluon work in one command (docs/tuning.md 7.5 steps 1-2), after the CuTe DSL's first
+# default). The next lease's cute / Gluon work in one command (docs/tuning.md 7.5 steps 1-2), after the CuTe DSL's
+# first
 # staging run (this is the second: it unpacks part 2 first when STAGE2=1, carrying .device/p2). Logs and records
 # under $OUT; each test shard within T s (default 240), the timing within B s (default 200).
 #  1. GPU tests, four shards at once: cute nan_safe_v after the race fix (xfail until they pass: XPASS expected),
@@ -8,10 +9,7 @@
 #     canvases, and the cute nan_safe_v cost on the workloads of docs/tuning.md 1.11.
 #   BLOCKDIFF_COMMIT=<hash> STAGE2=1 bash bench/experiments/device/cute_next.sh
 set -u
-if [ "${STAGE2:-0}" = 1 ]; then
-  test -d /tmp/site/nvidia_cutlass_dsl || { echo COLD; exit 3; }
-  tar -xJf .device/p2/part2.tar.xz -C /tmp/site || exit 3
-fi
+source bench/experiments/device/stage2.sh
 source bench/experiments/device/env.sh
 t=${T:-240}; b=${B:-200}
 P="python3 -m pytest -m gpu -q -p no:cacheprovider --maxfail=5 -rfX"

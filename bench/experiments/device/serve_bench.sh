@@ -55,8 +55,8 @@
 #   Sweep order: blockdiff first (fixed transients, kept by its caching allocator), then stock (tiles to what is free).
 #   Overrides: BD_SEQS, BD_KV_GIB, BD_UTIL, STOCK_SEQS, STOCK_KV_GIB, STOCK_UTIL.
 # blockdiff-cute (second argument cute): BLOCKDIFF_ATTN_BACKEND=cute serves every layer since head size 512 runs its
-#   split-value kernel (integration/vllm_attention.py MAX_HEAD_SIZE, 2026-12-02; served on the H200 in the fifth lease, docs/tuning.md 7.6); it runs
-#   on port +4 in place of blockdiff-triton.
+#   split-value kernel (integration/vllm_attention.py MAX_HEAD_SIZE, 2026-12-02; served on the H200 in the fifth
+#   lease, docs/tuning.md 7.6); it runs on port +4 in place of blockdiff-triton.
 # Both sides run vLLM's asynchronous scheduling (its default; blockdiff's BlockdiffDiffusionAsyncScheduler), pages of
 #   64 tokens and CUDA graphs for every canvas count (bench_serve.server_command).
 # PROFILE_REQUESTS: requests of the profiled load (default 1: the concurrency-1 goal's step; 2026-12-02 profiled 2).
