@@ -1,8 +1,7 @@
 # Ran in the fifth lease (docs/tuning.md 2.6; the xfail marks it mentions are gone since, nan_safe_v is on by
 # default). The next lease's cute / Gluon work in one command (docs/tuning.md 7.5 steps 1-2), after the CuTe DSL's
-# first
-# staging run (this is the second: it unpacks part 2 first when STAGE2=1, carrying .device/p2). Logs and records
-# under $OUT; each test shard within T s (default 240), the timing within B s (default 200).
+# first staging run (this is the second: it unpacks part 2 first when STAGE2=1, carrying .device/p2). Logs and
+# records under $OUT; each test shard within T s (default 240), the timing within B s (default 200).
 #  1. GPU tests, four shards at once: cute nan_safe_v after the race fix (xfail until they pass: XPASS expected),
 #     the cluster merge, the whole Gluon file (NAN_SAFE_V on by default), the cute interface file;
 #  2. on a quiet GPU: the cluster merge against the combine path (and the triton backend) on the three batch-1
