@@ -674,7 +674,7 @@ _LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
 
 
 def summarize_trace(events: Iterable[dict], *, canvas_length: int = CANVAS_LENGTH, max_canvases: int = 2,
-                    top: int = 8) -> dict:
+                    top: int = 8, min_gap_us: float = 1000.0) -> dict:
     """GPU kernel time per forward step and bucket (:data:`BUCKETS`) of a vLLM torch-profiler trace.
 
     Steps are vLLM's ``execute_*`` annotations (one per engine step, on the worker's CPU timeline). A kernel
@@ -695,7 +695,9 @@ def summarize_trace(events: Iterable[dict], *, canvas_length: int = CANVAS_LENGT
         events: chrome trace events (:func:`load_trace`).
         canvas_length: tokens per canvas. max_canvases: the most canvases one step of the profiled load holds (its
             concurrency).
-        top: how many kernel names to list per bucket and among the unknown ones.
+        top: how many kernel names to list per bucket and among the unknown ones (and gaps / CPU labels in
+            ``timeline["idle_attribution"]``).
+        min_gap_us: the shortest GPU idle gap (us) that :func:`attribute_idle_gaps` attributes.
 
     Returns:
         dict: ``steps``, ``canvas_steps``, ``prefill_steps`` (``mixed_steps`` of them also hold canvas rows);
@@ -707,13 +709,15 @@ def summarize_trace(events: Iterable[dict], *, canvas_length: int = CANVAS_LENGT
         to the last kernel's end), ``gpu_busy_ms`` (the union of kernel intervals in it), ``gpu_busy_share``,
         ``idle_gaps_over_1ms`` / ``idle_gaps_over_1ms_total_ms`` / ``idle_gap_max_ms`` (gaps between busy
         intervals), ``canvas_step_cadence_median_ms`` (a canvas step's annotation start to the next step's: the
-        host's pace, against ``canvas_step_ms["total"]``); ``rules`` (the table used).
+        host's pace, against ``canvas_step_ms["total"]``), ``idle_attribution`` (:func:`attribute_idle_gaps` of
+        the gaps of at least ``min_gap_us``); ``rules`` (the table used).
 
     Raises:
         ValueError: the trace has no ``execute_*`` step annotation or no GPU kernel, or an argument < 1.
     """
     _check_int("canvas_length", canvas_length, 1)
     _check_int("max_canvases", max_canvases, 1)
+    events = events if isinstance(events, list) else list(events)
     launches: dict[int, float] = {}
     steps: list[tuple[float, float, int, int, int]] = []  # start, end, tokens, prefill requests, canvas requests
     gpu: list[dict] = []
@@ -792,12 +796,13 @@ def summarize_trace(events: Iterable[dict], *, canvas_length: int = CANVAS_LENGT
     # cadence (one step annotation start to the next) against each canvas step's kernel time
     ivs = sorted((float(k["ts"]), float(k["ts"]) + float(k.get("dur", 0))) for k in gpu
                  if float(k["ts"]) >= starts[0])
-    busy, gaps, cur_s, cur_e = 0.0, [], None, None
+    busy, gaps, gap_ivs, cur_s, cur_e = 0.0, [], [], None, None
     for a, b in ivs:
         if cur_e is None or a > cur_e:
             if cur_e is not None:
                 busy += cur_e - cur_s
                 gaps.append(a - cur_e)
+                gap_ivs.append((cur_e, a))
             cur_s, cur_e = a, b
         else:
             cur_e = max(cur_e, b)
@@ -811,6 +816,8 @@ def summarize_trace(events: Iterable[dict], *, canvas_length: int = CANVAS_LENGT
         "idle_gaps_over_1ms": len(big), "idle_gaps_over_1ms_total_ms": sum(big),
         "idle_gap_max_ms": max(gaps, default=0.0) / 1e3,
         "canvas_step_cadence_median_ms": statistics.median(cadence) if cadence else None,
+        "idle_attribution": attribute_idle_gaps(events, steps, [g for g in gap_ivs if g[1] - g[0] >= min_gap_us],
+                                                span_start=ivs[0][0] if ivs else 0.0, top=top),
     }
     unk_ms = sum(v[0] for v in unknown.values())
     return {
@@ -828,6 +835,115 @@ def summarize_trace(events: Iterable[dict], *, canvas_length: int = CANVAS_LENGT
         "top_kernels": {b: [(n, v[0], v[1]) for n, v in sorted(d.items(), key=lambda kv: -kv[1][0])[:top]]
                         for b, d in names.items()},
         "rules": [list(r) for r in KERNEL_RULES],
+    }
+
+
+#: CPU-side trace categories :func:`attribute_idle_gaps` reads (the torch profiler's names).
+_CPU_CATS = ("cpu_op", "user_annotation", "python_function", "cuda_runtime", "cuda_driver")
+
+
+def _step_kind(prefill_requests: int, canvas_requests: int) -> str:
+    if prefill_requests and canvas_requests:
+        return "mixed"
+    return "prefill" if prefill_requests else "canvas"
+
+
+def attribute_idle_gaps(events: Sequence[dict], steps: Sequence[tuple[float, float, int, int, int]],
+                        gaps: Sequence[tuple[float, float]], *, span_start: float = 0.0, top: int = 8) -> dict:
+    """What the host was doing while the GPU sat idle: each GPU idle gap against the CPU side of the same trace.
+
+    A gap is placed relative to vLLM's step annotations (``execute_*``, the worker's forward): ``in_step`` when it
+    starts inside one (the forward's host side ran behind the GPU: launches, Python, a host sync), otherwise
+    ``between_steps`` (after a forward's annotation: the runner's sample phase, output processing, the scheduler,
+    or no work). The CPU events (:data:`_CPU_CATS`, every thread) that overlap a gap are summed by label, the
+    overlap counted once per label (nested events each count for their own label); a step annotation's label is
+    ``step:<kind>`` (prefill / mixed / canvas). ``covered_ms`` is the part of the gaps inside at least one CPU event
+    of any thread; the rest (``uncovered_ms``) is host time the profiler does not record (pure Python: the
+    scheduler, the engine core's loop, input preparation) or waiting for requests.
+
+    Args:
+        events: chrome trace events (:func:`load_trace`).
+        steps: ``(start_us, end_us, tokens, prefill_requests, canvas_requests)`` of each step annotation, sorted.
+        gaps: ``(start_us, end_us)`` GPU idle intervals, sorted and disjoint.
+        span_start: the GPU span's start (us), the origin of each listed gap's ``at_ms``.
+        top: how many labels and gaps to list.
+
+    Returns:
+        dict: ``gaps``, ``total_ms``; ``by_position`` (``in_step`` / ``between_steps`` -> ms); ``after_step_kind``
+        (the kind of the step the gap starts in or follows -> ms); ``covered_ms``, ``uncovered_ms``;
+        ``cpu_labels`` (label, overlap ms, events) by overlap; ``threads`` (thread name or id -> overlap ms);
+        ``longest`` (the ``top`` longest gaps: ``at_ms``, ``ms``, ``position``, ``step``, ``next_step``, ``labels``).
+    """
+    starts = [s[0] for s in steps]
+    gstarts = [g[0] for g in gaps]
+    names = {}
+    for e in events:
+        if isinstance(e, dict) and e.get("ph") == "M" and e.get("name") == "thread_name":
+            names[(e.get("pid"), e.get("tid"))] = str((e.get("args") or {}).get("name", e.get("tid")))
+    per_gap: list[dict[str, float]] = [{} for _ in gaps]
+    cover: list[list[tuple[float, float]]] = [[] for _ in gaps]
+    labels: dict[str, list] = {}
+    threads: dict[str, float] = {}
+    for e in events:
+        if not isinstance(e, dict) or e.get("ph") != "X" or e.get("cat") not in _CPU_CATS:
+            continue
+        a = float(e["ts"])
+        b = a + float(e.get("dur", 0))
+        j = max(bisect.bisect_right(gstarts, a) - 1, 0)
+        name = str(e.get("name", ""))
+        if e.get("cat") == "user_annotation":
+            c = parse_step_counts(name)
+            if c is not None:
+                name = "step:" + _step_kind(c[0], c[2])
+        while j < len(gaps) and gaps[j][0] < b:
+            lo, hi = max(a, gaps[j][0]), min(b, gaps[j][1])
+            if hi > lo:
+                d = per_gap[j]
+                d[name] = d.get(name, 0.0) + (hi - lo)
+                cover[j].append((lo, hi))
+                ent = labels.setdefault(name, [0.0, 0])
+                ent[0] += hi - lo
+                ent[1] += 1
+                t = names.get((e.get("pid"), e.get("tid")), str(e.get("tid")))
+                threads[t] = threads.get(t, 0.0) + (hi - lo)
+            j += 1
+    by_position = {"in_step": 0.0, "between_steps": 0.0}
+    after_kind: dict[str, float] = {}
+    covered = 0.0
+    listed = []
+    for j, (ga, gb) in enumerate(gaps):
+        ms = (gb - ga) / 1e3
+        i = bisect.bisect_right(starts, ga) - 1
+        pos = "in_step" if i >= 0 and ga < steps[i][1] else "between_steps"
+        by_position[pos] += ms
+        kind = _step_kind(steps[i][3], steps[i][4]) if i >= 0 else "before_first_step"
+        after_kind[kind] = after_kind.get(kind, 0.0) + ms
+        c, cur_s, cur_e = 0.0, None, None
+        for lo, hi in sorted(cover[j]):
+            if cur_e is None or lo > cur_e:
+                c += (cur_e - cur_s) if cur_e is not None else 0.0
+                cur_s, cur_e = lo, hi
+            else:
+                cur_e = max(cur_e, hi)
+        c += (cur_e - cur_s) if cur_e is not None else 0.0
+        covered += c / 1e3
+
+        def desc(k):
+            if k < 0 or k >= len(steps):
+                return None
+            s = steps[k]
+            return {"kind": _step_kind(s[3], s[4]), "tokens": s[2], "prefill_requests": s[3],
+                    "canvas_requests": s[4]}
+        listed.append({"at_ms": (ga - span_start) / 1e3, "ms": ms, "position": pos, "step": desc(i),
+                       "next_step": desc(i + 1), "covered_ms": c / 1e3,
+                       "labels": [(n, v / 1e3) for n, v in sorted(per_gap[j].items(), key=lambda kv: -kv[1])[:top]]})
+    total = sum((gb - ga) for ga, gb in gaps) / 1e3
+    return {
+        "gaps": len(gaps), "total_ms": total, "by_position": by_position, "after_step_kind": after_kind,
+        "covered_ms": covered, "uncovered_ms": total - covered,
+        "cpu_labels": [(n, v[0] / 1e3, v[1]) for n, v in sorted(labels.items(), key=lambda kv: -kv[1][0])[:3 * top]],
+        "threads": {k: v / 1e3 for k, v in sorted(threads.items(), key=lambda kv: -kv[1])},
+        "longest": sorted(listed, key=lambda g: -g["ms"])[:top],
     }
 
 
@@ -1306,6 +1422,13 @@ def _print_profile(s: dict) -> None:
               f"{tl['idle_gaps_over_1ms']} idle gaps >= 1 ms ({tl['idle_gaps_over_1ms_total_ms']:.1f} ms, max "
               f"{tl['idle_gap_max_ms']:.1f}); canvas step every "
               f"{common.fmt(tl.get('canvas_step_cadence_median_ms'), 2)} ms")
+    ia = tl.get("idle_attribution") or {}
+    if ia.get("gaps"):
+        pos = ia["by_position"]
+        print(f"  idle gaps: {ia['gaps']} ({ia['total_ms']:.1f} ms): in a step {pos['in_step']:.1f}, between steps "
+              f"{pos['between_steps']:.1f}; inside a recorded CPU event {ia['covered_ms']:.1f}, outside "
+              f"{ia['uncovered_ms']:.1f}; CPU labels: "
+              + ", ".join(f"{n[:40]} {ms:.1f}" for n, ms, _ in ia["cpu_labels"][:6]))
     if s.get("unknown_share") is not None:
         print(f"  unknown kernel names: {100 * s['unknown_share']:.1f} % of kernel time; top: "
               + ", ".join(f"{n[:40]} {ms:.2f} ms" for n, ms, _ in (s.get("unknown_kernels") or [])[:4]))

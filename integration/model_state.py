@@ -44,6 +44,7 @@ from blockdiff.sampler import COMMIT, DENOISE, FAILED, FINISHED, PREFILL  # phas
 from blockdiff.sampler import SamplerState, SamplingParams
 from blockdiff.sampler.common import fresh_canvas
 
+from .annotate import annotated
 from .sampler import DiffusionSampler
 
 _log = logging.getLogger(__name__)
@@ -462,6 +463,7 @@ class DiffusionModelState(_Base):
             self.inputs_embeds_buf = torch.zeros(max_num_tokens, hidden_size, dtype=embed_dtype, device=dev)
 
     # ------------------------------------------------------------------ requests
+    @annotated("blockdiff:add_request")
     def add_request(self, req_index: int, new_req_data: Any) -> None:
         """Claim slot ``req_index`` for a new or resumed request: phase PREFILL, params stored as device tensors.
 
@@ -549,6 +551,7 @@ class DiffusionModelState(_Base):
         self.reserve_stop_token_ids(n)
         self.state.check_params(params)
 
+    @annotated("blockdiff:remove_request")
     def remove_request(self, req_id: str) -> None:
         """Free the slot of ``req_id`` (unknown ids are ignored, as vLLM calls this for any finished id)."""
         idx = self.req_id_to_index.pop(req_id, None)
@@ -647,6 +650,7 @@ class DiffusionModelState(_Base):
             return slots_tok, off, phase_tok, row, raw
         return slots_tok, off, phase_tok
 
+    @annotated("blockdiff:prepare_inputs")
     def prepare_inputs(self, input_batch: Any, req_states: Any) -> dict[str, Any]:
         """Write this step's model inputs into persistent buffers from the device state.
 
@@ -732,6 +736,7 @@ class DiffusionModelState(_Base):
             self.causal_buf[n:num_reqs] = False
         return self.causal_buf[:num_reqs]
 
+    @annotated("blockdiff:prepare_attn")
     def prepare_attn(self, input_batch: Any, cudagraph_mode: Any, block_tables: tuple[torch.Tensor, ...],
                      slot_mappings: torch.Tensor, attn_groups: Any, kv_cache_config: Any,
                      for_capture: bool = False, ubatch_idx: int = 0) -> Any:
@@ -790,6 +795,7 @@ class DiffusionModelState(_Base):
             kv_cache_config=kv_cache_config, causal=causal, for_cudagraph_capture=for_capture)
 
     # ------------------------------------------------------------------ after the sampler
+    @annotated("blockdiff:postprocess_state")
     def postprocess_state(self, idx_mapping: torch.Tensor, num_sampled: torch.Tensor,
                           num_computed_tokens: torch.Tensor | None = None) -> None:
         """Record each row's KV length after the step (``num_computed_tokens`` [max_num_reqs] int32, indexed

@@ -29,6 +29,8 @@ import torch
 
 from blockdiff.sampler import COMMIT, FAILED, PREFILL, sampler_step
 
+from .annotate import annotated
+
 
 @dataclass
 class DiffusionSamplerOutput:
@@ -239,6 +241,7 @@ class DiffusionSampler:
         idx = (starts[:, None] + torch.arange(CL, device=logits.device)[None, :]).clamp_(max=logits.shape[0] - 1)
         return logits[idx.reshape(-1)].view(N, CL, V)
 
+    @annotated("blockdiff:sampler")
     def __call__(self, logits: torch.Tensor, input_batch, draft_logits: torch.Tensor | None = None
                  ) -> DiffusionSamplerOutput:
         """One sampler step.

@@ -35,6 +35,7 @@ import numbers
 from collections.abc import Mapping
 from typing import Any
 
+from .annotate import annotated
 from .vllm_compat import scheduler_base_classes
 
 #: Canvas widths above this are refused (the sampler's canvas_length < 2**16, blockdiff.sampler.rng.MAX_POSITIONS).
@@ -130,6 +131,11 @@ def _make_classes() -> dict[str, type]:
 
     def with_finish(base: type, name: str) -> type:
         class Scheduler(base):  # type: ignore[misc, valid-type]
+            @annotated("blockdiff:schedule")
+            def schedule(self, *args, **kwargs):
+                return super().schedule(*args, **kwargs)
+
+            @annotated("blockdiff:update_from_output")
             def update_from_output(self, scheduler_output, model_runner_output):
                 outputs = super().update_from_output(scheduler_output, model_runner_output)
                 finish_stuck_requests(self, model_runner_output.num_nans_in_logits, outputs, types=_vllm_types())
@@ -138,7 +144,8 @@ def _make_classes() -> dict[str, type]:
         Scheduler.__name__ = Scheduler.__qualname__ = name
         Scheduler.__module__ = __name__
         Scheduler.__doc__ = (f"vLLM's {base.__name__} plus :func:`blockdiff.integration.vllm_scheduler."
-                             "finish_stuck_requests` after each step.")
+                             "finish_stuck_requests` after each step; ``schedule`` and ``update_from_output`` "
+                             "are named ranges in a profiler trace (:mod:`blockdiff.integration.annotate`).")
         return Scheduler
 
     return {"BlockdiffDiffusionScheduler": with_finish(sync_base, "BlockdiffDiffusionScheduler"),

@@ -404,6 +404,38 @@ def test_summarize_trace_timeline_measures_gpu_idle_and_the_hosts_step_cadence()
     assert t["canvas_step_cadence_median_ms"] == pytest.approx(10.0)
 
 
+def test_idle_gaps_are_attributed_to_the_cpu_events_and_step_positions_around_them():
+    """Kernels busy 0-2 ms, 5-6 ms and 20-21 ms (gaps 2-5 and 6-20 ms); a prefill step annotation 0-3 ms, a canvas
+    step 10-12 ms; on the worker thread an aten::item 2.5-4.5 ms (partly inside the first gap) and a scheduler
+    annotation 13-15 ms inside the second gap; a thread name from the trace's metadata."""
+    ev = [{"ph": "X", "cat": "user_annotation", "name": "execute_context_1(4096)_generation_0(0)", "ts": 0,
+           "dur": 3000, "pid": 1, "tid": 2},
+          {"ph": "X", "cat": "user_annotation", "name": "execute_context_0(0)_generation_1(256)", "ts": 10000,
+           "dur": 2000, "pid": 1, "tid": 2},
+          {"ph": "X", "cat": "cpu_op", "name": "aten::item", "ts": 2500, "dur": 2000, "pid": 1, "tid": 2},
+          {"ph": "X", "cat": "user_annotation", "name": "schedule", "ts": 13000, "dur": 2000, "pid": 1, "tid": 3},
+          {"ph": "M", "name": "thread_name", "pid": 1, "tid": 3, "args": {"name": "engine"}}]
+    for ts, dur in ((0, 2000), (5000, 1000), (20000, 1000)):
+        ev.append({"ph": "X", "cat": "kernel", "name": "fused_moe_kernel", "ts": ts, "dur": dur})
+    ia = bs.summarize_trace(ev, max_canvases=1)["timeline"]["idle_attribution"]
+    assert ia["gaps"] == 2 and ia["total_ms"] == pytest.approx(3.0 + 14.0)
+    assert ia["by_position"] == {"in_step": pytest.approx(3.0), "between_steps": pytest.approx(14.0)}
+    assert ia["after_step_kind"] == {"prefill": pytest.approx(17.0)}  # the second gap starts before step 2
+    labels = {n: ms for n, ms, _ in ia["cpu_labels"]}
+    assert labels == {"step:prefill": pytest.approx(1.0), "step:canvas": pytest.approx(2.0),
+                      "aten::item": pytest.approx(2.0), "schedule": pytest.approx(2.0)}
+    # covered: 2.0-4.5 in gap 1 (2.5 ms), 10-12 and 13-15 in gap 2 (4 ms)
+    assert ia["covered_ms"] == pytest.approx(6.5) and ia["uncovered_ms"] == pytest.approx(10.5)
+    assert ia["threads"]["engine"] == pytest.approx(2.0) and ia["threads"]["2"] == pytest.approx(5.0)
+    longest = ia["longest"][0]
+    assert longest["ms"] == pytest.approx(14.0) and longest["at_ms"] == pytest.approx(6.0)
+    assert longest["position"] == "between_steps" and longest["step"]["kind"] == "prefill"
+    assert longest["next_step"] == {"kind": "canvas", "tokens": 256, "prefill_requests": 0, "canvas_requests": 1}
+    assert ia["longest"][1]["position"] == "in_step"
+    short = bs.summarize_trace(ev, max_canvases=1, min_gap_us=5000.0)["timeline"]["idle_attribution"]
+    assert short["gaps"] == 1 and short["by_position"]["in_step"] == 0.0
+
+
 def test_kernels_without_their_launch_are_classified_by_name():
     ev = synthetic_trace([(256, [("nvjet_x", 1.0, "sample"), ("nvjet_y", 2.0, "sample"), ("_step_kernel", 0.5,
                                                                                           "sample")])])["traceEvents"]
