@@ -32,8 +32,10 @@ Subcommands:
               seed per C, ``--save-detailed``), its result JSON parsed into one row (:func:`row_from_result`)
               appended to ``--rows`` (JSON lines; the first line of a sweep is the environment record), while
               :class:`MemorySampler` reads the server's GPU memory.
-  profile     vLLM's torch profiler (the server started with :func:`profiler_config`): ``/start_profile``, a short
-              load (2 requests), ``/stop_profile``, then the trace's GPU kernel time per forward step and bucket
+  profile     first an unprofiled warm-up load (``--warm-requests``, default the profiled load's size, another seed:
+              first-use JIT compiles of its batch shapes land there, docs/tuning.md 7.10), then vLLM's torch
+              profiler (the server started with :func:`profiler_config`): ``/start_profile``, a short load
+              (``--requests``, 2), ``/stop_profile``, then the trace's GPU kernel time per forward step and bucket
               (:func:`summarize_trace`).
   trace       the same classification of saved traces.
   record      rows + profiles -> ``serve-<gpu>.json`` (docs/ARCHITECTURE.md "Benchmark records"), a CSV and a PNG of
@@ -988,8 +990,19 @@ def profile(args) -> dict:
     base = args.base_url.rstrip("/")
     work = _work_dir(args)
     t0 = time.time()
+    warm = args.requests if args.warm_requests is None else args.warm_requests
     summary: dict = {"backend": args.backend, "quant": args.quant, "requests": args.requests,
-                     "trace_dir": str(args.trace_dir), "env": environment()}
+                     "warm_requests": warm, "trace_dir": str(args.trace_dir), "env": environment()}
+    if warm > 0:  # the same batch shapes once, unprofiled: first-use JIT compiles land here, not in the trace
+        name = f"profile_warm_{args.quant}-{args.backend}"
+        t_warm = time.perf_counter()
+        bargs = bench_serve_args(base_url=base, model=args.model, concurrency=warm, num_prompts=warm,
+                                 num_warmups=0, result_dir=str(work), result_filename=f"{name}.json", seed=54321)
+        result, why = run_bench_serve(args.bench_cmd, bargs, result_path=work / f"{name}.json",
+                                      log_path=work / f"{name}.log", timeout_s=args.run_timeout)
+        summary["warm_up"] = {"requests": warm, "s": round(time.perf_counter() - t_warm, 3), "ok": result is not None}
+        if result is None:
+            summary["warm_up"]["reason"] = why
     try:
         _post(base + "/start_profile", timeout=120)
     except (OSError, urllib.error.URLError, ValueError) as e:  # nothing started: no /stop_profile to send
@@ -1309,6 +1322,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr = sub.choices["profile"]
     pr.add_argument("--trace-dir", required=True, help="the server's torch_profiler_dir")
     pr.add_argument("--requests", type=_pos_int, default=2, help="requests of the profiled load (all concurrent)")
+    pr.add_argument("--warm-requests", type=_nonneg_int, default=None,
+                    help="requests of an unprofiled load sent first, all concurrent, another seed (default: "
+                         "--requests; 0: none): the profiled load's batch shapes compile there")
     pr.add_argument("--stop-timeout", type=_pos_float, default=300.0, help="seconds /stop_profile may take (trace export)")
     pr.add_argument("--out", required=True, help="summary JSON")
 

@@ -4,7 +4,8 @@ where vLLM is not installed): reads the arguments the sweep passes, writes a res
 
 Environment: ``FAKE_BENCH_FAILED`` = failed requests per run (default 0); ``FAKE_BENCH_EXIT`` = exit with this status
 before writing anything; ``FAKE_BENCH_TOK_S`` = output tokens/s per unit of concurrency (default 100);
-``FAKE_BENCH_SLEEP`` = seconds to sleep first (a client that outruns the sweep's budget).
+``FAKE_BENCH_SLEEP`` = seconds to sleep first (a client that outruns the sweep's budget); ``FAKE_BENCH_PING=1``: first
+``GET {--base-url}/fake_bench?seed=S`` (a stand-in server logs the call, so a test sees when each load ran).
 """
 import argparse
 import json
@@ -26,6 +27,13 @@ def main(argv):
     for name in ("--result-dir", "--result-filename", "--base-url", "--model"):
         p.add_argument(name)
     a, _ = p.parse_known_args(argv)
+    if os.environ.get("FAKE_BENCH_PING") == "1":
+        import urllib.error
+        import urllib.request
+        try:
+            urllib.request.urlopen(f"{a.base_url.rstrip('/')}/fake_bench?seed={a.seed}", timeout=10).close()
+        except urllib.error.HTTPError:  # the stand-in answers 404 after logging the call
+            pass
     with open(FIXTURE) as f:
         r = json.load(f)
     n, c, failed = a.num_prompts, a.max_concurrency, int(os.environ.get("FAKE_BENCH_FAILED", "0"))

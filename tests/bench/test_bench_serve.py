@@ -522,13 +522,39 @@ def test_sweep_with_vllm_0_26_client_against_a_fake_server(tmp_path, model_dir):
     assert row["time_per_canvas_ms"] >= 15 and row["memory_error"]
 
 
+def test_profile_warms_up_with_an_unprofiled_load_of_the_same_size_before_the_profiler_starts(tmp_path, monkeypatch):
+    """7.10: a profile on a fresh server traced the first-use JIT compiles (26 s idle of 40 s). The profiled load's
+    batch shapes now run once first, outside the profiler, with another seed; ``--warm-requests 0`` skips it."""
+    monkeypatch.setenv("FAKE_BENCH_PING", "1")
+    trace_dir = tmp_path / "traces"
+    for warm, expected in ((None, ["GET /fake_bench?seed=54321", "POST /start_profile", "GET /fake_bench?seed=12345",
+                                   "POST /stop_profile"]),
+                           ("0", ["POST /start_profile", "GET /fake_bench?seed=12345", "POST /stop_profile"])):
+        out = tmp_path / f"prof{warm}.json"
+        with FakeVllmServer(trace_dir=str(trace_dir)) as srv:
+            argv = ["profile", "--base-url", srv.base_url, "--model", "/tmp/dg26b", "--backend", "vllm",
+                    "--quant", "fp8", "--trace-dir", str(trace_dir), "--bench-cmd", FAKE_BENCH, "--requests", "3",
+                    "--work-dir", str(tmp_path / f"w{warm}"), "--out", str(out)]
+            rc = bs.main(argv + (["--warm-requests", warm] if warm else []))
+            calls = list(srv.calls)
+        s = json.loads(out.read_text())
+        assert rc == 0 and s["status"] == "ok", s.get("reason")
+        assert calls == expected
+        if warm is None:
+            assert s["warm_requests"] == 3 and s["warm_up"]["ok"] and s["warm_up"]["requests"] == 3
+            warm_result = json.loads((tmp_path / "wNone" / "profile_warm_fp8-vllm.json").read_text())
+            assert warm_result["num_prompts"] == 3 and warm_result["max_concurrency"] == 3
+        else:
+            assert s["warm_requests"] == 0 and "warm_up" not in s
+
+
 def test_profile_against_a_fake_server(tmp_path):
     trace_dir = tmp_path / "traces"
     out = tmp_path / "prof.json"
     with FakeVllmServer(trace_dir=str(trace_dir)) as srv:
         rc = bs.main(["profile", "--base-url", srv.base_url, "--model", "/tmp/dg26b", "--backend", "vllm",
                       "--quant", "fp8", "--trace-dir", str(trace_dir), "--bench-cmd", FAKE_BENCH,
-                      "--work-dir", str(tmp_path / "w"), "--out", str(out)])
+                      "--work-dir", str(tmp_path / "w"), "--out", str(out), "--warm-requests", "0"])
         calls = list(srv.calls)
     s = json.loads(out.read_text())
     assert rc == 0 and s["status"] == "ok", s.get("reason")

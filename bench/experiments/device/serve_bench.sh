@@ -60,6 +60,8 @@
 # Both sides run vLLM's asynchronous scheduling (its default; blockdiff's BlockdiffDiffusionAsyncScheduler), pages of
 #   64 tokens and CUDA graphs for every canvas count (bench_serve.server_command).
 # PROFILE_REQUESTS: requests of the profiled load (default 1: the concurrency-1 goal's step; 2026-12-02 profiled 2).
+#   PROFILE_WARM: requests of the unprofiled warm-up load sent just before it (default PROFILE_REQUESTS, 0: none;
+#   7.10's cold profile traced first-use JIT compiles); PROFILE_TIMEOUT_S: both loads and the trace export (400).
 # Other switches: ENFORCE_EAGER=1 (both servers without CUDA graphs / compile), ASYNC=0 (both with
 #   --no-async-scheduling), WAIT_S, SIDE_S, CONC (default 1,4,16,64), INTERLEAVE=1 (bench: one concurrency at a
 #   time on both sides, the whole phase within TOTAL_S, default 400 s).
@@ -164,8 +166,8 @@ profile)
   for s in $(order); do
     set -- $(info $s); name=$s-$quant
     if ! up $2; then echo "== $name not healthy: skipped"; continue; fi
-    timeout 280 $BS profile --base-url http://127.0.0.1:$2 --model $MODEL --backend $1 --quant $quant \
-      --requests ${PROFILE_REQUESTS:-1} \
+    timeout ${PROFILE_TIMEOUT_S:-400} $BS profile --base-url http://127.0.0.1:$2 --model $MODEL --backend $1 \
+      --quant $quant --requests ${PROFILE_REQUESTS:-1} --warm-requests ${PROFILE_WARM:-${PROFILE_REQUESTS:-1}} \
       --trace-dir $W/trace_$name --work-dir $W/runs_$name --out $OUT/serve_profile_${s}_$quant.json \
       ${BC[@]+"${BC[@]}"} 2>&1 | tail -8
   done ;;

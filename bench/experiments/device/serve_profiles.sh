@@ -1,6 +1,8 @@
 # Issue 25's batched profiles (docs/tuning.md 7.7 step 1): one side alone on the GPU as serve_alone.sh sizes it
 # (64 seqs, 40 GiB of KV), then the profile of a load of R requests at once for each R in REQS (default 16,64),
 # each kept as serve_profile_<side>_<quant>_r<R>.json under $OUT, then stop; everything within BUDGET_S (570).
+# Each profiled load follows an unprofiled load of the same size (PROFILE_WARM, serve_bench.sh), so first-use JIT
+# compiles of its batch shapes stay out of the trace (docs/tuning.md 7.10).
 # They measure how attention, sampler, MoE, GEMMs and the rest of a canvas step grow with the batch, which 7.4's
 # 2x floor assumed alike.
 #   BLOCKDIFF_COMMIT=<hash> bash bench/experiments/device/serve_profiles.sh vllm [fp8|bf16]

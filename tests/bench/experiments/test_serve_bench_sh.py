@@ -128,7 +128,8 @@ def test_serve_alone_runs_one_side_start_to_stop_with_64_seqs(tmp_path):
 
 
 def test_serve_profiles_keeps_one_profile_per_batched_load_then_stops(tmp_path):
-    """serve_profiles.sh: start one side (a stand-in server), wait, a profile per request count in REQS, each kept
+    """serve_profiles.sh: start one side (a stand-in server), wait, per request count R in REQS a warm-up load of R
+    then a profile of R, each kept
     under its own name (the next does not overwrite it), stop; a bad side is refused before anything starts."""
     base = _two_free_ports()
     work, out = tmp_path / "w", tmp_path / "out"
@@ -143,6 +144,7 @@ def test_serve_profiles_keeps_one_profile_per_batched_load_then_stops(tmp_path):
     for r in (1, 2):
         prof = json.loads((out / f"serve_profile_blockdiff-cute_fp8_r{r}.json").read_text())
         assert prof["status"] == "ok" and prof["requests"] == r, prof
+        assert prof["warm_up"] == dict(prof["warm_up"], requests=r, ok=True)  # an unprofiled load of R first
     assert not (out / "serve_profile_blockdiff-cute_fp8.json").exists()
     assert "stopped blockdiff-cute-fp8" in p.stdout and not list(work.glob("*.pid"))
     bad = subprocess.run(["bash", str(SCRIPT.parent / "serve_profiles.sh"), "both"], cwd=REPO, env=env,
