@@ -355,3 +355,29 @@ def test_gpu_cuda_graph_replay_with_metadata_changed_in_place():
         torch.cuda.synchronize()
         check_close(out, q, k, v, lse=lse_buf, cu_seqlens_q=cu, seq_lens=sl, causal=causal, block_table=bt,
                     window_size=1023)
+
+
+def test_a_first_use_compile_is_a_named_profiler_range_and_a_cached_launch_opens_none(monkeypatch):
+    """A serving profile's idle gaps were first-use JIT compiles (docs/tuning.md 7.10) that only their length told
+    apart: the compile path now opens ``blockdiff:cute_compile <kernel> <tiles> s<splits>``; the cached path none."""
+    monkeypatch.setenv("FLASH_ATTENTION_NUM_SMS", "132")
+    monkeypatch.setattr(ca, "_COMPILE_CACHE", {})
+    compiles = []
+    monkeypatch.setattr(ca, "_compile", lambda fa, key, *a: compiles.append(key) or (lambda *x: None))
+    fa = {"maybe_contiguous": lambda t, align_bytes=None: t, "is_fake_mode": lambda: True}
+    q = torch.zeros(256, 16, 512, dtype=torch.bfloat16)  # hd 512 resolves its tiles without flash-attn-4
+    k = torch.zeros(8, 64, 2, 512, dtype=torch.bfloat16)
+    kw = dict(out=None, return_lse=False, cu_seqlens_q=torch.tensor([0, 256], dtype=torch.int32),
+              num_causal_q=torch.zeros(1, dtype=torch.int32), seq_lens=torch.tensor([512], dtype=torch.int32),
+              block_table=torch.arange(8, dtype=torch.int32)[None], cu_seqlens_k=None, window_size=None,
+              bidirectional_window="symmetric", scale=512 ** -0.5, arch=90, config=None, max_seqlen_q=256)
+
+    def names():
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            ca._run(fa, q, k, k, **kw)
+        return [e.name for e in prof.events() if e.name.startswith("blockdiff:cute_compile")]
+
+    first = names()
+    assert len(compiles) == 1 and len(first) == 1, first
+    assert first[0] == "blockdiff:cute_compile FlashAttentionForwardSm90WideV 64x32 s1"
+    assert names() == [] and len(compiles) == 1  # cached: no compile, no range
