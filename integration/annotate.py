@@ -40,3 +40,58 @@ def annotated(label: str) -> Callable[[F], F]:
         return inner  # type: ignore[return-value]
 
     return wrap
+
+
+#: Profiler ranges of Triton compiles in flight (the pre-compile hook opens one, the post-compile hook closes it).
+_OPEN_COMPILES: list = []
+
+
+def _close_open_compiles() -> None:
+    while _OPEN_COMPILES:
+        rf = _OPEN_COMPILES.pop()
+        if rf is not None:
+            rf.__exit__(None, None, None)
+
+
+def install_triton_compile_ranges() -> bool:
+    """Name every Triton JIT compile of this process in a torch-profiler trace: ``triton_compile:<kernel>``.
+
+    A serving profile's GPU idle gaps were first-use compiles that only their length told apart (docs/tuning.md
+    7.10). Triton calls ``knobs.runtime.jit_cache_hook`` before it compiles a kernel missing from its in-memory
+    cache and ``jit_post_compile_hook`` after; the two open and close the range while a profiler records, so a
+    launch of an already compiled kernel pays nothing. Hooks installed before are kept and called first (pre) /
+    last (post); a pre-hook that answers True (skip the compile) is honoured. Idempotent. Compiles do not nest, so
+    a range left open by a compile that raised is closed by the next compile's pre-hook.
+
+    Returns:
+        True when the hooks are installed (now or before), False without Triton (``triton.knobs``, Triton >= 3.4).
+    """
+    try:
+        from triton import knobs
+    except ImportError:
+        return False
+    rt = knobs.runtime
+    if getattr(rt.jit_cache_hook, "_blockdiff_compile_range", False):
+        return True
+    prev_pre, prev_post = rt.jit_cache_hook, rt.jit_post_compile_hook
+
+    def pre(*, fn, **kw):
+        if prev_pre is not None and prev_pre(fn=fn, **kw):
+            return True  # an earlier hook skips this compile: no range
+        _close_open_compiles()
+        rf = None
+        if torch.autograd.profiler._is_profiler_enabled:
+            rf = torch.profiler.record_function(f"triton_compile:{getattr(fn, 'name', fn)}")
+            rf.__enter__()
+        _OPEN_COMPILES.append(rf)
+        return None
+
+    def post(*, fn, **kw):
+        _close_open_compiles()
+        if prev_post is not None:
+            return prev_post(fn=fn, **kw)
+        return None
+
+    pre._blockdiff_compile_range = True  # type: ignore[attr-defined]
+    rt.jit_cache_hook, rt.jit_post_compile_hook = pre, post
+    return True

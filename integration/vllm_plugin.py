@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 
 from . import vllm_compat
+from .annotate import install_triton_compile_ranges
 
 ARCHITECTURES = ("DiffusionGemmaForBlockDiffusion", "DiffusionGemmaForConditionalGeneration")
 MODEL_CLASS = "blockdiff.integration.vllm_model:BlockdiffDiffusionGemmaForConditionalGeneration"
@@ -117,7 +118,8 @@ def _require_vllm():
 
 def register() -> None:
     """Register the DiffusionGemma model class (with ``get_model_state_cls``) and the ``CUSTOM`` attention
-    backend with vLLM. Idempotent.
+    backend with vLLM, and name Triton's JIT compiles in profiler traces
+    (:func:`.annotate.install_triton_compile_ranges`). Idempotent.
 
     Raises:
         ImportError: vLLM is not installed (the message says how to install it).
@@ -139,4 +141,5 @@ def register() -> None:
     for arch in ARCHITECTURES:
         ModelRegistry.register_model(arch, MODEL_CLASS)
     register_backend(AttentionBackendEnum.CUSTOM, ATTENTION_BACKEND_CLASS)
+    install_triton_compile_ranges()  # first-use Triton compiles named in serving profiles (compile path only)
     _registered = True

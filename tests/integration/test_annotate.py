@@ -45,3 +45,45 @@ def test_annotated_keeps_the_signature_vllm_checks():
 def test_annotated_refuses_a_label_that_is_not_a_non_empty_str(label):
     with pytest.raises(TypeError, match="label must be a non-empty str"):
         annotated(label)
+
+
+def test_triton_compiles_are_named_ranges_and_earlier_hooks_still_run(tmp_path, monkeypatch):
+    """A first-use Triton compile opens ``triton_compile:<kernel>`` between Triton's pre- and post-compile hooks
+    (docs/tuning.md 7.10: idle gaps that were compiles); hooks set before are chained, a skip is honoured, a
+    second install changes nothing, and a range left open by a compile that raised is closed by the next one."""
+    knobs = pytest.importorskip("triton").knobs
+    from blockdiff.integration import annotate
+
+    seen = []
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", lambda *, fn, **kw: seen.append(("pre", fn.name)) or None)
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", lambda *, fn, **kw: seen.append(("post", fn.name)))
+    assert annotate.install_triton_compile_ranges() is True
+    pre = knobs.runtime.jit_cache_hook
+    assert annotate.install_triton_compile_ranges() is True and knobs.runtime.jit_cache_hook is pre
+
+    class Fn:
+        def __init__(self, name):
+            self.name = name
+
+    p = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    p.start()
+    assert knobs.runtime.jit_cache_hook(fn=Fn("_stats_kernel"), key=None) is None  # compile goes ahead
+    torch.ones(3).sum()  # inside the range
+    knobs.runtime.jit_post_compile_hook(fn=Fn("_stats_kernel"), key=None)
+    knobs.runtime.jit_cache_hook(fn=Fn("_raised_kernel"), key=None)  # its compile raises: no post hook
+    knobs.runtime.jit_cache_hook(fn=Fn("_next_kernel"), key=None)
+    knobs.runtime.jit_post_compile_hook(fn=Fn("_next_kernel"), key=None)
+    p.stop()
+    assert not annotate._OPEN_COMPILES
+    assert seen == [("pre", "_stats_kernel"), ("post", "_stats_kernel"), ("pre", "_raised_kernel"),
+                    ("pre", "_next_kernel"), ("post", "_next_kernel")]
+    p.export_chrome_trace(str(tmp_path / "t.json"))
+    ev = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    names = sorted(e["name"] for e in ev if str(e.get("name", "")).startswith("triton_compile:"))
+    assert names == ["triton_compile:_next_kernel", "triton_compile:_raised_kernel", "triton_compile:_stats_kernel"]
+    assert knobs.runtime.jit_cache_hook(fn=Fn("k"), key=None) is None and annotate._OPEN_COMPILES == [None]
+    knobs.runtime.jit_post_compile_hook(fn=Fn("k"), key=None)  # no profiler: nothing opened, nothing recorded
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", lambda *, fn, **kw: True)  # an earlier hook skips
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
+    assert annotate.install_triton_compile_ranges() and knobs.runtime.jit_cache_hook(fn=Fn("k"), key=None) is True
+    assert annotate._OPEN_COMPILES == []
