@@ -655,8 +655,9 @@ def parse_step_annotation(name: str) -> int | None:
     return None if c is None else c[1] + c[3]
 
 
-def load_trace(path: str | os.PathLike) -> list[dict]:
-    """The ``traceEvents`` of a chrome trace file (``.json`` or ``.json.gz``).
+def read_trace(path: str | os.PathLike) -> tuple[list[dict], int | None]:
+    """The ``traceEvents`` of a chrome trace file (``.json`` or ``.json.gz``) and its ``baseTimeNanoseconds`` (the
+    Unix time in ns of the events' ``ts`` origin, which the torch profiler writes; None when absent).
 
     Raises:
         ValueError: the file holds no ``traceEvents`` list.
@@ -668,7 +669,46 @@ def load_trace(path: str | os.PathLike) -> list[dict]:
     events = doc.get("traceEvents") if isinstance(doc, dict) else doc
     if not isinstance(events, list):
         raise ValueError(f"{path}: no traceEvents list (not a chrome trace)")
-    return events
+    base = doc.get("baseTimeNanoseconds") if isinstance(doc, dict) else None
+    return events, (int(base) if isinstance(base, (int, float)) and not isinstance(base, bool) else None)
+
+
+def load_trace(path: str | os.PathLike) -> list[dict]:
+    """The ``traceEvents`` of a chrome trace file (:func:`read_trace` without the base time)."""
+    return read_trace(path)[0]
+
+
+def clock_offset_s(samples: int = 5) -> float:
+    """``time.time() - time.perf_counter()`` (s), read where the two reads are closest: maps the client's
+    ``perf_counter`` request times (``start_times`` of ``vllm bench serve``'s result; CLOCK_MONOTONIC, shared by the
+    machine's processes) to Unix time, the trace's clock."""
+    best = None
+    for _ in range(max(1, samples)):
+        a = time.perf_counter()
+        w = time.time()
+        b = time.perf_counter()
+        if best is None or b - a < best[0]:
+            best = (b - a, w - (a + b) / 2)
+    return best[1]
+
+
+def request_windows(result: dict, offset_s: float) -> list[tuple[float, float, float]]:
+    """``(sent, first_output, done)`` Unix times (s) of each completed request of a ``vllm bench serve`` detailed
+    result: ``start_times`` (perf_counter) + ``offset_s`` (:func:`clock_offset_s`), + ``ttfts``, + the sum of
+    ``itls``. Requests with no output (failed) are left out; a result without the per-request lists gives []."""
+    starts, ttfts, itls = result.get("start_times"), result.get("ttfts"), result.get("itls")
+    lens = result.get("output_lens")
+    if not (isinstance(starts, list) and isinstance(ttfts, list) and isinstance(itls, list)):
+        return []
+    out = []
+    for i, (s0, t, gaps) in enumerate(zip(starts, ttfts, itls)):
+        if not isinstance(s0, (int, float)) or not isinstance(t, (int, float)) or t <= 0:
+            continue
+        if isinstance(lens, list) and i < len(lens) and not lens[i]:
+            continue
+        first = s0 + offset_s + t
+        out.append((s0 + offset_s, first, first + sum(g for g in (gaps or []) if isinstance(g, (int, float)))))
+    return sorted(out)
 
 
 _GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -676,7 +716,8 @@ _LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
 
 
 def summarize_trace(events: Iterable[dict], *, canvas_length: int = CANVAS_LENGTH, max_canvases: int = 2,
-                    top: int = 8, min_gap_us: float = 1000.0) -> dict:
+                    top: int = 8, min_gap_us: float = 1000.0,
+                    requests: Sequence[tuple[float, float, float]] | None = None, base_ns: int | None = None) -> dict:
     """GPU kernel time per forward step and bucket (:data:`BUCKETS`) of a vLLM torch-profiler trace.
 
     Steps are vLLM's ``execute_*`` annotations (one per engine step, on the worker's CPU timeline). A kernel
@@ -700,6 +741,9 @@ def summarize_trace(events: Iterable[dict], *, canvas_length: int = CANVAS_LENGT
         top: how many kernel names to list per bucket and among the unknown ones (and gaps / CPU labels in
             ``timeline["idle_attribution"]``).
         min_gap_us: the shortest GPU idle gap (us) that :func:`attribute_idle_gaps` attributes.
+        requests: ``(sent, first_output, done)`` Unix times (s) of the profiled load's requests
+            (:func:`request_windows`), with ``base_ns`` (:func:`read_trace`): adds ``timeline["load"]``
+            (:func:`load_window`), the client's view of the load against the GPU's.
 
     Returns:
         dict: ``steps``, ``canvas_steps``, ``prefill_steps`` (``mixed_steps`` of them also hold canvas rows);
@@ -821,6 +865,8 @@ def summarize_trace(events: Iterable[dict], *, canvas_length: int = CANVAS_LENGT
         "idle_attribution": attribute_idle_gaps(events, steps, [g for g in gap_ivs if g[1] - g[0] >= min_gap_us],
                                                 span_start=ivs[0][0] if ivs else 0.0, top=top),
     }
+    if requests and base_ns is not None:
+        timeline["load"] = load_window(events, steps, gpu, requests, base_ns, top=top)
     unk_ms = sum(v[0] for v in unknown.values())
     return {
         "steps": len(steps), "canvas_steps": len(canvas), "prefill_steps": len(prefill), "mixed_steps": len(mixed),
@@ -848,6 +894,64 @@ def _step_kind(prefill_requests: int, canvas_requests: int) -> str:
     if prefill_requests and canvas_requests:
         return "mixed"
     return "prefill" if prefill_requests else "canvas"
+
+
+def load_window(events: Sequence[dict], steps: Sequence[tuple[float, float, int, int, int]], gpu: Sequence[dict],
+                requests: Sequence[tuple[float, float, float]], base_ns: int, *, top: int = 8) -> dict:
+    """The profiled load as the client saw it, against the GPU timeline of the same trace.
+
+    The window runs from the first request sent to the last one done (the client's ``duration``, without its
+    start-up). ``lead_in_ms``: from the first request sent to the first GPU kernel after it; ``tail_ms``: from the
+    last kernel to the last request done; ``gpu_busy_ms`` / ``gpu_busy_share``: the union of kernel intervals inside
+    the window. ``lead_in`` / ``tail`` hold :func:`attribute_idle_gaps` of those two stretches (the engine's CPU
+    events there). ``admission``: the i-th ``blockdiff:add_request`` range in the window against the i-th request
+    sent (first come, first served): how long a request waited before its first scheduled step (the API server,
+    the engine's queue, the token budget of the prefill steps), median and max ms and the first / last pairs;
+    ``steps`` in the window and ``first_step_ms`` after the first send.
+
+    Args:
+        events: chrome trace events. steps: the step annotations (:func:`summarize_trace`). gpu: GPU events
+            (``ts``, ``dur`` in us). requests: ``(sent, first_output, done)`` Unix times (s), sorted by sent.
+        base_ns: the trace's ``baseTimeNanoseconds``. top: labels per stretch.
+    """
+    def us(t):  # Unix s -> trace us
+        return (t * 1e9 - base_ns) / 1e3
+
+    sent = sorted(us(r[0]) for r in requests)
+    ws, we = sent[0], max(us(r[2]) for r in requests)
+    ivs = sorted((float(k["ts"]), float(k["ts"]) + float(k.get("dur", 0))) for k in gpu)
+    busy, cur_s, cur_e = 0.0, None, None
+    for a, b in ivs:
+        a, b = max(a, ws), min(b, we)
+        if b <= a:
+            continue
+        if cur_e is None or a > cur_e:
+            if cur_e is not None:
+                busy += cur_e - cur_s
+            cur_s, cur_e = a, b
+        else:
+            cur_e = max(cur_e, b)
+    if cur_e is not None:
+        busy += cur_e - cur_s
+    first_k = next((a for a, _ in ivs if a >= ws), None)
+    last_k = max((b for a, b in ivs if a <= we), default=None)
+    lead = (first_k - ws) if first_k is not None else we - ws
+    tail = (we - last_k) if last_k is not None and last_k <= we else 0.0
+    in_steps = [st for st in steps if ws <= st[0] <= we]
+    adds = sorted(float(e["ts"]) for e in events if isinstance(e, dict) and e.get("ph") == "X"
+                  and e.get("name") == "blockdiff:add_request" and ws <= float(e["ts"]) <= we)
+    lags = [(a - s0) / 1e3 for s0, a in zip(sent, adds)]
+    span = we - ws
+    return {
+        "requests": len(requests), "window_ms": span / 1e3, "lead_in_ms": lead / 1e3, "tail_ms": tail / 1e3,
+        "gpu_busy_ms": busy / 1e3, "gpu_busy_share": busy / span if span > 0 else None,
+        "steps": len(in_steps), "first_step_ms": (in_steps[0][0] - ws) / 1e3 if in_steps else None,
+        "lead_in": attribute_idle_gaps(events, steps, [(ws, first_k)] if first_k is not None and first_k > ws
+                                       else [], span_start=ws, top=top),
+        "tail": attribute_idle_gaps(events, steps, [(last_k, we)] if tail > 0 else [], span_start=ws, top=top),
+        "admission": {"matched": len(lags), "median_ms": statistics.median(lags) if lags else None,
+                      "max_ms": max(lags) if lags else None, "first_ms": lags[:3], "last_ms": lags[-3:]},
+    }
 
 
 def attribute_idle_gaps(events: Sequence[dict], steps: Sequence[tuple[float, float, int, int, int]],
@@ -970,7 +1074,8 @@ def summarize_traces(paths: Sequence[str | os.PathLike], **kw) -> dict:
     problems = []
     for p in paths:
         try:
-            out = summarize_trace(load_trace(p), **kw)
+            events, base_ns = read_trace(p)
+            out = summarize_trace(events, base_ns=base_ns, **kw)
         except (OSError, ValueError, json.JSONDecodeError) as e:
             problems.append(f"{p}: {e}")
             continue
@@ -1012,6 +1117,7 @@ def profile(args) -> dict:
         name = f"profile_{args.quant}-{args.backend}"
         bargs = bench_serve_args(base_url=base, model=args.model, concurrency=args.requests, num_prompts=args.requests,
                                  num_warmups=0, result_dir=str(work), result_filename=f"{name}.json", seed=12345)
+        offset = clock_offset_s()
         result, why = run_bench_serve(args.bench_cmd, bargs, result_path=work / f"{name}.json",
                                       log_path=work / f"{name}.log", timeout_s=args.run_timeout)
     finally:
@@ -1024,7 +1130,8 @@ def profile(args) -> dict:
     traces = find_traces(args.trace_dir, since=t0 - 1)
     summary["trace_files"] = [str(p) for p in traces]
     try:
-        summary.update(summarize_traces(list(reversed(traces)), max_canvases=args.requests))
+        summary.update(summarize_traces(list(reversed(traces)), max_canvases=args.requests,
+                                        requests=request_windows(result, offset) if result is not None else None))
         summary["status"] = "ok"
     except ValueError as e:
         summary.update(status="error", reason=str(e))
@@ -1445,6 +1552,15 @@ def _print_profile(s: dict) -> None:
               f"{pos['between_steps']:.1f}; inside a recorded CPU event {ia['covered_ms']:.1f}, outside "
               f"{ia['uncovered_ms']:.1f}; CPU labels: "
               + ", ".join(f"{n[:40]} {ms:.1f}" for n, ms, _ in ia["cpu_labels"][:6]))
+    ld = tl.get("load")
+    if ld:
+        adm = ld["admission"]
+        lead = ", ".join(f"{n[:32]} {ms:.1f}" for n, ms, _ in (ld["lead_in"].get("cpu_labels") or [])[:4])
+        print(f"  load ({ld['requests']} requests, client window {ld['window_ms']:.1f} ms): GPU busy "
+              f"{100 * (ld['gpu_busy_share'] or 0):.0f} %; lead-in {ld['lead_in_ms']:.1f} ms ({lead or 'no CPU event'}),"
+              f" tail {ld['tail_ms']:.1f} ms; first step after {common.fmt(ld['first_step_ms'], 1)} ms; sent -> "
+              f"add_request median {common.fmt(adm['median_ms'], 1)} ms, max {common.fmt(adm['max_ms'], 1)} ms "
+              f"({adm['matched']} matched)")
     if s.get("unknown_share") is not None:
         print(f"  unknown kernel names: {100 * s['unknown_share']:.1f} % of kernel time; top: "
               + ", ".join(f"{n[:40]} {ms:.2f} ms" for n, ms, _ in (s.get("unknown_kernels") or [])[:4]))
