@@ -224,7 +224,8 @@ def config_label(cfg) -> str:
         tile = f"{d['block_m']}x{d.get('block_n', '?')}x{d.get('block_k', '?')}w{d.get('gemm_warps', '?')}" \
                f"s{d.get('gemm_stages', '?')}"
     return tile + (f"sk{d['split_k']}" if "split_k" in d else "") + (f"sv{d['split_v']}" if "split_v" in d
-                                                                      else "") or "custom"
+                                                                      else "") \
+        + (f"chunk{d['soft_chunk']}" if "soft_chunk" in d else "") or "custom"
 
 
 def measure_parts(x, E, params, slots, shape, device, config, chunked=False) -> list[dict]:
@@ -401,6 +402,9 @@ def main(argv=None) -> list[dict]:
                     help="every request sampled (default: the last one greedy, as sampler_n4), as in serving")
     ap.add_argument("--split-v", default="", help="comma list of the stats pass's vocabulary splits to run as fused "
                                                    "rows (default: the automatic count only)")
+    ap.add_argument("--soft-chunks", default="", help="comma list of the chunked soft embedding's vocabulary chunks "
+                                                      "(tokens) to run as checked fused[chunk<Vc>] rows (default: "
+                                                      "the automatic chunk only: a 32 MiB bf16 buffer)")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--out", default=None, help="output folder (default $OUT or bench/results/)")
     args = ap.parse_args(argv)
@@ -412,6 +416,12 @@ def main(argv=None) -> list[dict]:
         ap.error(f"--split-v must be a comma list of ints, got {args.split_v!r}")
     if any(v < 1 for v in split_vs):
         ap.error(f"--split-v values must be >= 1, got {args.split_v!r}")
+    try:
+        soft_chunks = [int(v) for v in args.soft_chunks.split(",") if v.strip()]
+    except ValueError:
+        ap.error(f"--soft-chunks must be a comma list of ints, got {args.soft_chunks!r}")
+    if any(v < 1 for v in soft_chunks):
+        ap.error(f"--soft-chunks values must be >= 1, got {args.soft_chunks!r}")
     try:
         split_ks = [int(v) for v in args.split_k.split(",") if v.strip()]
     except ValueError:
@@ -463,6 +473,7 @@ def main(argv=None) -> list[dict]:
     if configs == [None] and device.type == "cuda" and not args.no_compare:
         configs = [None] + [SamplerConfig(**kw) for kw in COMPARE_GEMM]
     configs = configs + [SamplerConfig(split_v=v) for v in split_vs]
+    configs = configs + [SamplerConfig(soft_impl="chunked", soft_chunk=v) for v in soft_chunks]
     if not args.no_chunked and configs[0] is None:
         configs = configs + [TRITON_GEMM]   # fused[triton_gemm]: the Triton GEMM soft-embedding path, checked too
         configs = configs + [STATS_OVERLAP]  # fused[stats_overlap]: stats on a side stream beside the GEMMs

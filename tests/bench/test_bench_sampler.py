@@ -83,6 +83,18 @@ def test_tune_discards_a_candidate_that_fails_its_check(monkeypatch):
     assert best["block_n"] == 16 and best["block_g"] == 16
 
 
+def test_a_soft_chunk_sweep_adds_checked_chunked_rows_of_each_vocabulary_chunk(tmp_path):
+    """--soft-chunks runs the chunked soft embedding at each chunk as a checked fused[chunk<Vc>] row: at serving
+    batches the automatic 32 MiB buffer gives 1-2k-token chunks, whose fp32 accumulator traffic is the question of
+    docs/tuning.md 7.11."""
+    rows = bs.main(["--quick", "--out", str(tmp_path), "--backends", "reference,fused", "--no-plots", "--no-parts",
+                    "--no-chunked", "--soft-chunks", "16,64"])
+    ch = {r["backend"]: r for r in rows if r["backend"].startswith("fused[chunk")}
+    assert set(ch) == {"fused[chunk16]", "fused[chunk64]"}, [r["backend"] for r in rows]
+    assert all(r["status"] == "ok" and r["correct"] for r in ch.values()), ch
+    assert ch["fused[chunk16]"]["config"] == {"soft_impl": "chunked", "soft_chunk": 16}
+
+
 def test_other_canvas_counts_all_sampled_and_a_split_v_sweep_record_their_own_suite(tmp_path):
     """--canvases / --all-sampled name the workload sampler_n{N}[-sampled] and its own record; --split-v adds
     checked fused rows with that stats split (the small-batch question of docs/tuning.md 7.3)."""
@@ -94,7 +106,8 @@ def test_other_canvas_counts_all_sampled_and_a_split_v_sweep_record_their_own_su
     sv = {r["backend"]: r for r in rows if r["backend"].startswith("fused[sv")}
     assert set(sv) == {"fused[sv1]", "fused[sv3]"} and all(r["correct"] for r in sv.values())
     assert all(r["accepted_per_row"] and r["N"] == 1 for r in sv.values())
-    for bad in (["--canvases", "0"], ["--split-v", "a"], ["--split-v", "0"]):
+    for bad in (["--canvases", "0"], ["--split-v", "a"], ["--split-v", "0"], ["--soft-chunks", "x"],
+                ["--soft-chunks", "0"]):
         with pytest.raises(SystemExit):
             bs.main(["--quick", "--out", str(tmp_path), *bad])
 
