@@ -42,7 +42,7 @@ _FINISHED = tl.constexpr(FINISHED)
 _FAILED = tl.constexpr(FAILED)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _gather_rows_kernel(slots_ptr, phase_ptr, seed_ptr, rid_ptr, cidx_ptr, step_ptr,
                         o_active, o_seed, o_rid, o_cidx, o_step, N, NUM_SLOTS, BLOCK: tl.constexpr):
     """Grid (cdiv(N, BLOCK),): the per-row inputs of the stats pass from the state rows ``slots`` in one launch:
@@ -213,18 +213,30 @@ def _step_kernel(
     tl.store(o_mode + n, tl.where(cont, tl.where(T == 0.0, 3, 1), tl.where(fresh, 2, 0)).to(tl.int32))
 
 
+#: Rows per program of :func:`_gather_rows_kernel`: fixed, so one compiled variant serves every batch size.
+GATHER_BLOCK = 128
+
+
+def _pad16(n: int) -> int:
+    """``n`` rounded up to a multiple of 16 elements. The step's output buffers place each segment at such an
+    offset, so every pointer argument is 16-byte aligned for any row count: Triton specializes a kernel on each
+    pointer's 16-byte alignment (and an int argument on == 1 / % 16), and offsets of ``k * N`` elements made every
+    residue class of N a new compile mid-serving (docs/tuning.md 7.11: ~1 s each on a cold cache)."""
+    return (n + 15) // 16 * 16
+
+
 def _gather_rows(state: SamplerState, slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``(active, seed, request_id, canvas_index, step)`` of the rows ``slots`` ([N]; active = phase is DENOISE,
     int32; seed / request_id int64; canvas_index / step int32) in one launch of :func:`_gather_rows_kernel`."""
     N = slots.shape[0]
-    i64 = torch.empty(2, N, dtype=torch.int64, device=state.device)
-    i32 = torch.empty(3, N, dtype=torch.int32, device=state.device)
+    Np = _pad16(N)  # every output row starts 16-byte aligned whatever N is (one compiled variant, see _pad16)
+    i64 = torch.empty(2, Np, dtype=torch.int64, device=state.device)
+    i32 = torch.empty(3, Np, dtype=torch.int32, device=state.device)
     if N > 0:
-        block = min(1024, triton.next_power_of_2(N))
-        _gather_rows_kernel[(triton.cdiv(N, block),)](
+        _gather_rows_kernel[(triton.cdiv(N, GATHER_BLOCK),)](
             slots.contiguous(), state.phase, state.seed, state.request_id, state.canvas_index, state.step,
-            i32[0], i64[0], i64[1], i32[1], i32[2], N, state.max_num_reqs, BLOCK=block, num_warps=1)
-    return i32[0], i64[0], i64[1], i32[1], i32[2]
+            i32[0], i64[0], i64[1], i32[1], i32[2], N, state.max_num_reqs, BLOCK=GATHER_BLOCK, num_warps=1)
+    return i32[0, :N], i64[0, :N], i64[1, :N], i32[1, :N], i32[2, :N]
 
 
 def _apply_step(state: SamplerState, slots: torch.Tensor, prefill_done: torch.Tensor, T: torch.Tensor,
@@ -239,13 +251,17 @@ def _apply_step(state: SamplerState, slots: torch.Tensor, prefill_done: torch.Te
     N, CL = slots.shape[0], state.canvas_length
     dev = state.device
     sorted_h, order, cum = entropy_order(st["step_entropy"])   # torch: the float32 cumsum defines the decisions
-    i64 = torch.empty(4, N, CL, dtype=torch.int64, device=dev)      # emitted, argmax, sampled, next_canvas
-    f32 = torch.empty(N * CL + 2 * N, dtype=torch.float32, device=dev)   # entropy, mean_entropy, temperature
-    i32 = torch.empty(5, N, dtype=torch.int32, device=dev)          # num_sampled, num_rejected, num_now, cont, mode
-    b = torch.empty(N * CL + 3 * N, dtype=torch.bool, device=dev)   # accepted, finished, failed, converged
-    entropy, mean_entropy, temp = f32[:N * CL].view(N, CL), f32[N * CL:N * CL + N], f32[N * CL + N:]
-    R0 = N * CL
-    accepted, finished, failed, converged = b[:R0].view(N, CL), b[R0:R0 + N], b[R0 + N:R0 + 2 * N], b[R0 + 2 * N:]
+    # segments at multiples of 16 elements (_pad16): the kernel's pointers are aligned for every N
+    R0, Rp, Np = N * CL, _pad16(N * CL), _pad16(N)
+    i64 = torch.empty(4, Rp, dtype=torch.int64, device=dev)         # emitted, argmax, sampled, next_canvas
+    f32 = torch.empty(Rp + 2 * Np, dtype=torch.float32, device=dev)  # entropy, mean_entropy, temperature
+    i32 = torch.empty(5, Np, dtype=torch.int32, device=dev)         # num_sampled, num_rejected, num_now, cont, mode
+    b = torch.empty(Rp + 3 * Np, dtype=torch.bool, device=dev)      # accepted, finished, failed, converged
+    entropy, mean_entropy, temp = f32[:R0].view(N, CL), f32[Rp:Rp + N], f32[Rp + Np:Rp + Np + N]
+    accepted, finished, failed, converged = (b[:R0].view(N, CL), b[Rp:Rp + N], b[Rp + Np:Rp + Np + N],
+                                             b[Rp + 2 * Np:Rp + 2 * Np + N])
+    i64 = i64[:, :R0].view(4, N, CL)
+    i32 = i32[:, :N]
     if N > 0:
         u8 = b.view(torch.uint8)
         eos = state.eos_token_ids
@@ -257,7 +273,7 @@ def _apply_step(state: SamplerState, slots: torch.Tensor, prefill_done: torch.Te
             state.confidence_threshold, state.max_denoising_steps, state.stability_threshold, eos, eos.stride(0),
             state.max_tokens,
             i64[0], i64[1], i64[2], i64[3], u8[:R0], entropy,
-            i32[0], i32[1], i32[2], u8[R0:R0 + N], u8[R0 + N:R0 + 2 * N], u8[R0 + 2 * N:],
+            i32[0], i32[1], i32[2], u8[Rp:Rp + N], u8[Rp + Np:Rp + Np + N], u8[Rp + 2 * Np:Rp + 2 * Np + N],
             mean_entropy, temp, i32[3], i32[4],
             CL, float(CL), state.vocab_size, eos.shape[1], state.max_num_reqs,
             BLOCK=triton.next_power_of_2(CL), BLOCK_E=triton.next_power_of_2(eos.shape[1]),

@@ -199,3 +199,57 @@ def test_sampler_steps_commit_trimming_resumed_requests_and_finished_rows_match_
     assert phases[2] == [FINISHED, FINISHED, DENOISE, FINISHED, FINISHED, PREFILL]
     assert b.canvas_index[[5, 0, 2, 6, 3]].tolist() == [0, 0, 1, 5, 2]
     assert b.num_emitted[2].item() == CL + 2 and b.phase[2].item() == FINISHED       # cut at the second commit
+
+
+def _specialization(args, skip_ints=()):
+    """What Triton keys a compiled variant on, per argument: a tensor's 16-byte alignment, an int's == 1 / % 16
+    (bools and floats as themselves are not keyed beyond their type)."""
+    out = []
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            out.append(("ptr", a.data_ptr() % 16 == 0))
+        elif isinstance(a, int) and not isinstance(a, bool):
+            out.append(("int", None) if i in skip_ints else ("int", a == 1, a % 16 == 0))
+        else:
+            out.append((type(a).__name__,))
+    return tuple(out)
+
+
+def test_the_step_and_row_gather_kernels_see_one_specialization_for_every_row_count(monkeypatch):
+    """7.11: a Triton compile (44 ms warm, ~1 s cold) stalled a serving step at a batch of 3 canvases: the row
+    gather's BLOCK followed the row count's power of two, and output views at offsets of k * N elements changed the
+    pointers' 16-byte alignment with N mod 16, each a new compiled variant. Now every row count N = 1..18 launches
+    both kernels with the same constexprs and the same alignment / int classes (N itself is not specialized)."""
+    import blockdiff.sampler.triton.step as step_mod
+
+    seen = {"gather": set(), "step": set()}
+
+    class Recorder:
+        def __init__(self, name, real, skip_ints=()):
+            self.name, self.real, self.skip = name, real, skip_ints
+
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen[self.name].add((_specialization(args, self.skip), tuple(sorted(kw.items()))))
+                return self.real[grid](*args, **kw)
+            return launch
+
+    gather_n = 11  # the position of N among _gather_rows_kernel's arguments (do_not_specialize)
+    monkeypatch.setattr(step_mod, "_gather_rows_kernel", Recorder("gather", step_mod._gather_rows_kernel, (gather_n,)))
+    monkeypatch.setattr(step_mod, "_step_kernel", Recorder("step", step_mod._step_kernel))
+    R, CL, V = 18, 4, 50  # N = 1..18: every residue of N mod 16, and past 16
+    st = SamplerState(R, CL, V, 4)
+    for s in range(R):
+        st.add_request(s, 1000 + s, SamplingParams(canvas_length=CL, seed=s, max_denoising_steps=4))
+    st.phase[:] = DENOISE
+    g = torch.Generator().manual_seed(0)
+    for N in range(1, R + 1):
+        slots = torch.randperm(R, generator=g)[:N]
+        stats = dict(step_entropy=torch.zeros(N, CL), argmax=torch.randint(0, V, (N, CL), generator=g),
+                     sampled=torch.randint(0, V, (N, CL), generator=g))
+        step_mod._gather_rows(st, slots)
+        _apply_step(_clone(st), slots, torch.ones(N, dtype=torch.bool), temperature(st, slots), stats)
+    assert len(seen["gather"]) == 1 and len(seen["step"]) == 1, {k: len(v) for k, v in seen.items()}
+    import inspect
+    src = inspect.getsource(step_mod)
+    assert '@triton.jit(do_not_specialize=["N"])\ndef _gather_rows_kernel(' in src  # the interpreter drops the flag
