@@ -11,11 +11,14 @@
 # (serve_rows_<quant>.jsonl, serve_profile_<side>_<quant>.json, the server's log tail). Sizes (GiB; serve_bench.sh has
 # the arithmetic): fp8 weights ~26 + ~4 + KV 40 + logits 64 x 0.375 = 24 (+ vLLM's 15.75 GiB fp32 warm-up logits
 # buffer on blockdiff's side; stock's sampler tiles take what is left) -> well inside 139.8. Overrides: SEQS, KV_GIB,
-# UTIL.
+# UTIL; PROFILE_S (seconds kept for the profile, 100); KEEP=1: the sweep only, the server left up for a next command
+# (e.g. a 64-request profile, `PROFILE_REQUESTS=64 bash serve_bench.sh profile ...; bash serve_bench.sh stop`).
 set -u
 source bench/experiments/device/alone_up.sh
-INTERLEAVE=1 TOTAL_S=$(( BUDGET - ($(date +%s) - T0) - 100 )) bash $S bench $quant $attn $side
+[ "${KEEP:-0}" = 1 ] && PROFILE_S=10  # KEEP=1: the sweep only; the server stays up for the next command
+INTERLEAVE=1 TOTAL_S=$(( BUDGET - ($(date +%s) - T0) - ${PROFILE_S:-100} )) bash $S bench $quant $attn $side
 el "bench done"
+if [ "${KEEP:-0}" = 1 ]; then el "server kept (KEEP=1): serve_bench.sh profile / stop next"; exit 0; fi
 timeout $(( BUDGET - ($(date +%s) - T0) - 15 )) bash $S profile $quant $attn $side
 bash $S stop
 el end

@@ -127,6 +127,29 @@ def test_serve_alone_runs_one_side_start_to_stop_with_64_seqs(tmp_path):
     assert bad.returncode == 2 and "side must be" in bad.stdout
 
 
+def test_serve_alone_keep_runs_the_sweep_only_and_leaves_the_server_for_the_next_command(tmp_path):
+    """KEEP=1 (docs/tuning.md 7.12: a 64-request profile does not fit after a sweep in one command): the sweep, no
+    profile, no stop; the next commands profile the same server and stop it."""
+    base = _two_free_ports()
+    work, out = tmp_path / "w", tmp_path / "out"
+    env = dict(os.environ, SERVE_BENCH_ENV="0", SERVE_BENCH_DIR=str(work), OUT=str(out), PORT0=str(base),
+               BENCH_CMD=f"{sys.executable} {REPO / 'tests' / 'bench' / 'fake_bench_serve.py'}", CONC="1",
+               SERVER_CMD=f"{sys.executable} {STANDINS} serve", BUDGET_S="200", KEEP="1",
+               WAIT_S="30", PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}", TMPDIR=str(tmp_path))
+    try:
+        p = subprocess.run(["bash", str(SCRIPT.parent / "serve_alone.sh"), "vllm", "fp8"], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=240)
+        assert p.returncode == 0, p.stdout + p.stderr
+        assert "server kept (KEEP=1)" in p.stdout and "stopped" not in p.stdout
+        assert not (out / "serve_profile_vllm_fp8.json").exists() and list(work.glob("*.pid"))
+        prof = _run("profile", dict(env, PROFILE_REQUESTS="2"), "fp8", "triton", "vllm")
+        assert prof.returncode == 0, prof.stdout + prof.stderr
+        assert json.loads((out / "serve_profile_vllm_fp8.json").read_text())["status"] == "ok"
+    finally:
+        stop = _run("stop", env)
+    assert "stopped vllm-fp8" in stop.stdout and not list(work.glob("*.pid"))
+
+
 def test_serve_profiles_keeps_one_profile_per_batched_load_then_stops(tmp_path):
     """serve_profiles.sh: start one side (a stand-in server), wait, per request count R in REQS a warm-up load of R
     then a profile of R, each kept
