@@ -417,7 +417,7 @@ def main(argv=None) -> list[dict]:
     if any(v < 1 for v in split_vs):
         ap.error(f"--split-v values must be >= 1, got {args.split_v!r}")
     try:
-        soft_chunks = [int(v) for v in args.soft_chunks.split(",") if v.strip()]
+        soft_chunks = list(dict.fromkeys(int(v) for v in args.soft_chunks.split(",") if v.strip()))  # unique
     except ValueError:
         ap.error(f"--soft-chunks must be a comma list of ints, got {args.soft_chunks!r}")
     if any(v < 1 for v in soft_chunks):

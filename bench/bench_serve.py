@@ -69,6 +69,7 @@ import math
 import os
 import re
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -191,7 +192,8 @@ def server_command(backend: str, quant: str, *, model: str, port: int, max_num_s
     ``trace_dir`` is given. ``vllm``: ``VLLM_PLUGINS=none``, ``--attention-backend TRITON_ATTN`` (its default on
     Hopper for this model). ``blockdiff-*``: ``VLLM_USE_V2_MODEL_RUNNER=1 VLLM_PLUGINS=blockdiff``,
     ``BLOCKDIFF_ATTN_BACKEND`` = triton | cute, ``BLOCKDIFF_SAMPLER_BACKEND=triton``, ``--attention-backend CUSTOM``,
-    blockdiff's ``--scheduler-cls``.
+    blockdiff's ``--scheduler-cls``, and with ``trace_dir`` ``BLOCKDIFF_PROFILE_COMPILES=1`` (Triton compiles named
+    in the trace, :func:`blockdiff.integration.annotate.install_triton_compile_ranges`).
 
     Args:
         backend: one of :data:`BACKENDS`. quant: ``bf16`` or ``fp8``.
@@ -246,6 +248,8 @@ def server_command(backend: str, quant: str, *, model: str, port: int, max_num_s
     else:
         env = {**alloc, "VLLM_USE_V2_MODEL_RUNNER": "1", "VLLM_PLUGINS": "blockdiff",
                "BLOCKDIFF_ATTN_BACKEND": backend.split("-", 1)[1], "BLOCKDIFF_SAMPLER_BACKEND": "triton"}
+        if trace_dir is not None:  # a profiled server names Triton's JIT compiles in its trace (integration/annotate.py)
+            env["BLOCKDIFF_PROFILE_COMPILES"] = "1"
         sched = "BlockdiffDiffusionAsyncScheduler" if async_scheduling else "BlockdiffDiffusionScheduler"
         argv += ["--attention-backend", "CUSTOM", "--scheduler-cls", f"blockdiff.integration.vllm_scheduler.{sched}"]
     return env, argv
@@ -866,7 +870,12 @@ def summarize_trace(events: Iterable[dict], *, canvas_length: int = CANVAS_LENGT
                                                 span_start=ivs[0][0] if ivs else 0.0, top=top),
     }
     if requests and base_ns is not None:
-        timeline["load"] = load_window(events, steps, gpu, requests, base_ns, top=top)
+        last_ev = max((float(e["ts"]) + float(e.get("dur", 0)) for e in events
+                       if isinstance(e, dict) and e.get("ph") == "X" and "ts" in e), default=None)
+        timeline["load"] = load_window(events, steps, gpu, requests, base_ns, top=top, trace_end_us=last_ev)
+    elif requests is not None:
+        timeline["load"] = {"reason": "no baseTimeNanoseconds in the trace: the client's window cannot be placed"
+                            if base_ns is None else "no completed request with per-request times"}
     unk_ms = sum(v[0] for v in unknown.values())
     return {
         "steps": len(steps), "canvas_steps": len(canvas), "prefill_steps": len(prefill), "mixed_steps": len(mixed),
@@ -897,34 +906,40 @@ def _step_kind(prefill_requests: int, canvas_requests: int) -> str:
 
 
 def load_window(events: Sequence[dict], steps: Sequence[tuple[float, float, int, int, int]], gpu: Sequence[dict],
-                requests: Sequence[tuple[float, float, float]], base_ns: int, *, top: int = 8) -> dict:
+                requests: Sequence[tuple[float, float, float]], base_ns: int, *, top: int = 8,
+                trace_end_us: float | None = None) -> dict:
     """The profiled load as the client saw it, against the GPU timeline of the same trace.
 
-    The window runs from the first request sent to the last one done (the client's ``duration``, without its
-    start-up). ``lead_in_ms``: from the first request sent to the first GPU kernel after it; ``tail_ms``: from the
-    last kernel to the last request done; ``gpu_busy_ms`` / ``gpu_busy_share``: the union of kernel intervals inside
-    the window. ``lead_in`` / ``tail`` hold :func:`attribute_idle_gaps` of those two stretches (the engine's CPU
-    events there). ``admission``: the i-th ``blockdiff:add_request`` range in the window against the i-th request
-    sent (first come, first served): how long a request waited before its first scheduled step (the API server,
-    the engine's queue, the token budget of the prefill steps), median and max ms and the first / last pairs;
+    The window runs from the first request sent to the last one done (the client's ``duration`` without its own
+    start-up), cut at ``trace_end_us`` when the trace stops earlier (``window_cut_ms`` says by how much).
+    ``lead_in_ms``: from the window's start to the first GPU activity inside it (0 when a kernel is already
+    running); ``tail_ms``: from the last GPU activity inside it to its end; the whole window (lead-in) when no
+    kernel overlaps it. ``gpu_busy_ms`` / ``gpu_busy_share``: the union of kernel intervals inside the window.
+    ``lead_in`` / ``tail`` hold :func:`attribute_idle_gaps` of those two stretches (the engine's CPU events there).
+    ``admission``: the i-th ``blockdiff:add_request`` CPU range (``user_annotation``; Kineto also writes a
+    ``gpu_user_annotation`` copy of a range that launches GPU work, not counted) in the window against the i-th
+    request sent, a rank match, not per request id (a failed request that reached the engine, or a preempted one
+    added again, shifts it): how long a request waited before its first scheduled step (the API server, the
+    engine's queue, the token budget of the prefill steps), median and max ms and the first / last pairs;
     ``steps`` in the window and ``first_step_ms`` after the first send.
 
     Args:
         events: chrome trace events. steps: the step annotations (:func:`summarize_trace`). gpu: GPU events
-            (``ts``, ``dur`` in us). requests: ``(sent, first_output, done)`` Unix times (s), sorted by sent.
-        base_ns: the trace's ``baseTimeNanoseconds``. top: labels per stretch.
+            (``ts``, ``dur`` in us). requests: ``(sent, first_output, done)`` Unix times (s).
+        base_ns: the trace's ``baseTimeNanoseconds``. top: labels per stretch. trace_end_us: the trace's last
+            event (us), None: no cut.
     """
     def us(t):  # Unix s -> trace us
         return (t * 1e9 - base_ns) / 1e3
 
     sent = sorted(us(r[0]) for r in requests)
-    ws, we = sent[0], max(us(r[2]) for r in requests)
-    ivs = sorted((float(k["ts"]), float(k["ts"]) + float(k.get("dur", 0))) for k in gpu)
+    ws, we_client = sent[0], max(us(r[2]) for r in requests)
+    we = we_client if trace_end_us is None else min(we_client, trace_end_us)
+    we = max(we, ws)
+    win = sorted((max(a, ws), min(b, we)) for a, b in
+                 ((float(k["ts"]), float(k["ts"]) + float(k.get("dur", 0))) for k in gpu) if b > ws and a < we)
     busy, cur_s, cur_e = 0.0, None, None
-    for a, b in ivs:
-        a, b = max(a, ws), min(b, we)
-        if b <= a:
-            continue
+    for a, b in win:
         if cur_e is None or a > cur_e:
             if cur_e is not None:
                 busy += cur_e - cur_s
@@ -933,22 +948,24 @@ def load_window(events: Sequence[dict], steps: Sequence[tuple[float, float, int,
             cur_e = max(cur_e, b)
     if cur_e is not None:
         busy += cur_e - cur_s
-    first_k = next((a for a, _ in ivs if a >= ws), None)
-    last_k = max((b for a, b in ivs if a <= we), default=None)
-    lead = (first_k - ws) if first_k is not None else we - ws
-    tail = (we - last_k) if last_k is not None and last_k <= we else 0.0
+    if win:
+        lead = win[0][0] - ws
+        tail = we - max(b for _, b in win)
+    else:
+        lead, tail = we - ws, 0.0
     in_steps = [st for st in steps if ws <= st[0] <= we]
     adds = sorted(float(e["ts"]) for e in events if isinstance(e, dict) and e.get("ph") == "X"
-                  and e.get("name") == "blockdiff:add_request" and ws <= float(e["ts"]) <= we)
+                  and e.get("cat") == "user_annotation" and e.get("name") == "blockdiff:add_request"
+                  and ws <= float(e["ts"]) <= we)
     lags = [(a - s0) / 1e3 for s0, a in zip(sent, adds)]
     span = we - ws
     return {
-        "requests": len(requests), "window_ms": span / 1e3, "lead_in_ms": lead / 1e3, "tail_ms": tail / 1e3,
+        "requests": len(requests), "window_ms": span / 1e3, "window_cut_ms": (we_client - we) / 1e3,
+        "lead_in_ms": lead / 1e3, "tail_ms": tail / 1e3,
         "gpu_busy_ms": busy / 1e3, "gpu_busy_share": busy / span if span > 0 else None,
         "steps": len(in_steps), "first_step_ms": (in_steps[0][0] - ws) / 1e3 if in_steps else None,
-        "lead_in": attribute_idle_gaps(events, steps, [(ws, first_k)] if first_k is not None and first_k > ws
-                                       else [], span_start=ws, top=top),
-        "tail": attribute_idle_gaps(events, steps, [(last_k, we)] if tail > 0 else [], span_start=ws, top=top),
+        "lead_in": attribute_idle_gaps(events, steps, [(ws, ws + lead)] if lead > 0 else [], span_start=ws, top=top),
+        "tail": attribute_idle_gaps(events, steps, [(we - tail, we)] if tail > 0 else [], span_start=ws, top=top),
         "admission": {"matched": len(lags), "median_ms": statistics.median(lags) if lags else None,
                       "max_ms": max(lags) if lags else None, "first_ms": lags[:3], "last_ms": lags[-3:]},
     }
@@ -1090,8 +1107,15 @@ def _post(url: str, timeout: float) -> int:
         return r.status
 
 
+def _terminate_as_exit(signum, frame):  # SIGTERM (a `timeout` around the command) unwinds: finally clauses run
+    raise SystemExit(128 + signum)
+
+
 def profile(args) -> dict:
-    """The ``profile`` subcommand: returns the summary written to ``--out``."""
+    """The ``profile`` subcommand: returns the summary written to ``--out``. A SIGTERM during the profiled load
+    still sends ``/stop_profile`` (the server's profiler is never left on)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminate_as_exit)
     base = args.base_url.rstrip("/")
     work = _work_dir(args)
     t0 = time.time()
@@ -1132,6 +1156,9 @@ def profile(args) -> dict:
     try:
         summary.update(summarize_traces(list(reversed(traces)), max_canvases=args.requests,
                                         requests=request_windows(result, offset) if result is not None else None))
+        if result is not None and isinstance(summary.get("timeline"), dict) and \
+                isinstance(summary["timeline"].get("load"), dict) and result.get("duration") is not None:
+            summary["timeline"]["load"]["client_duration_ms"] = float(result["duration"]) * 1e3
         summary["status"] = "ok"
     except ValueError as e:
         summary.update(status="error", reason=str(e))
@@ -1553,7 +1580,9 @@ def _print_profile(s: dict) -> None:
               f"{ia['uncovered_ms']:.1f}; CPU labels: "
               + ", ".join(f"{n[:40]} {ms:.1f}" for n, ms, _ in ia["cpu_labels"][:6]))
     ld = tl.get("load")
-    if ld:
+    if ld and "reason" in ld:
+        print(f"  load: not placed ({ld['reason']})")
+    elif ld:
         adm = ld["admission"]
         lead = ", ".join(f"{n[:32]} {ms:.1f}" for n, ms, _ in (ld["lead_in"].get("cpu_labels") or [])[:4])
         print(f"  load ({ld['requests']} requests, client window {ld['window_ms']:.1f} ms): GPU busy "

@@ -5,6 +5,7 @@ profile can attribute the GPU's idle time to the hook the host was in (``blockdi
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Callable, TypeVar
 
 import torch
@@ -42,13 +43,21 @@ def annotated(label: str) -> Callable[[F], F]:
     return wrap
 
 
-#: Profiler ranges of Triton compiles in flight (the pre-compile hook opens one, the post-compile hook closes it).
-_OPEN_COMPILES: list = []
+#: Profiler ranges of Triton compiles in flight, per thread (record_function ranges are thread-local): the
+#: pre-compile hook opens one, the post-compile hook closes it.
+_LOCAL = threading.local()
+
+
+def _open_compiles() -> list:
+    if not hasattr(_LOCAL, "open"):
+        _LOCAL.open = []
+    return _LOCAL.open
 
 
 def _close_open_compiles() -> None:
-    while _OPEN_COMPILES:
-        rf = _OPEN_COMPILES.pop()
+    stack = _open_compiles()
+    while stack:
+        rf = stack.pop()
         if rf is not None:
             rf.__exit__(None, None, None)
 
@@ -60,8 +69,14 @@ def install_triton_compile_ranges() -> bool:
     7.10). Triton calls ``knobs.runtime.jit_cache_hook`` before it compiles a kernel missing from its in-memory
     cache and ``jit_post_compile_hook`` after; the two open and close the range while a profiler records, so a
     launch of an already compiled kernel pays nothing. Hooks installed before are kept and called first (pre) /
-    last (post); a pre-hook that answers True (skip the compile) is honoured. Idempotent. Compiles do not nest, so
-    a range left open by a compile that raised is closed by the next compile's pre-hook.
+    last (post); a pre-hook that answers True (skip the compile) is honoured. Idempotent. Ranges are per thread.
+
+    Limits: a compile that raises (or fails inside an autotuner's benchmark loop) gets no post-hook, so its range
+    stays open until the thread's next compile (it then also covers the work between); Triton's asynchronous
+    compile mode calls the post-hook later (neither torch nor vLLM uses it); a hook installed later without
+    chaining (torch's NVSHMEM helpers replace ``jit_post_compile_hook``) leaves ranges open until the next compile.
+    With any hook set, Triton serializes each compile's specialization to JSON before calling it, which fails for
+    a kernel taking a ``@triton.jit`` function as a constexpr: install only in processes that are profiled.
 
     Returns:
         True when the hooks are installed (now or before), False without Triton (``triton.knobs``, Triton >= 3.4).
@@ -83,7 +98,7 @@ def install_triton_compile_ranges() -> bool:
         if torch.autograd.profiler._is_profiler_enabled:
             rf = torch.profiler.record_function(f"triton_compile:{getattr(fn, 'name', fn)}")
             rf.__enter__()
-        _OPEN_COMPILES.append(rf)
+        _open_compiles().append(rf)
         return None
 
     def post(*, fn, **kw):

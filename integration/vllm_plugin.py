@@ -62,6 +62,11 @@ ATTN_BACKENDS = ("triton", "cute", "reference")
 SAMPLER_BACKENDS = ("triton", "reference")
 
 
+#: Environment variable: "1" installs :func:`.annotate.install_triton_compile_ranges` at registration (the serving
+#: benchmark sets it on profiled servers, ``bench_serve server-cmd --trace-dir``).
+PROFILE_COMPILES_ENV = "BLOCKDIFF_PROFILE_COMPILES"
+
+
 def attn_backend_from_env() -> str:
     """``BLOCKDIFF_ATTN_BACKEND`` (default ``triton``). Raises ValueError naming the variable for another value
     (``Triton``, ``" triton"``, ``""``, ``auto``: no normalisation, no fallback)."""
@@ -118,8 +123,10 @@ def _require_vllm():
 
 def register() -> None:
     """Register the DiffusionGemma model class (with ``get_model_state_cls``) and the ``CUSTOM`` attention
-    backend with vLLM, and name Triton's JIT compiles in profiler traces
-    (:func:`.annotate.install_triton_compile_ranges`). Idempotent.
+    backend with vLLM, and with ``BLOCKDIFF_PROFILE_COMPILES=1`` name Triton's JIT compiles in profiler traces
+    (:func:`.annotate.install_triton_compile_ranges`; off by default: with a hook set, Triton serializes every
+    compile's specialization to JSON first, which fails for a kernel taking a ``@triton.jit`` function as a
+    constexpr). Idempotent.
 
     Raises:
         ImportError: vLLM is not installed (the message says how to install it).
@@ -141,5 +148,6 @@ def register() -> None:
     for arch in ARCHITECTURES:
         ModelRegistry.register_model(arch, MODEL_CLASS)
     register_backend(AttentionBackendEnum.CUSTOM, ATTENTION_BACKEND_CLASS)
-    install_triton_compile_ranges()  # first-use Triton compiles named in serving profiles (compile path only)
+    if os.environ.get(PROFILE_COMPILES_ENV) == "1":  # profiled servers only: the hooks change Triton's compile path
+        install_triton_compile_ranges()
     _registered = True

@@ -138,6 +138,9 @@ def test_server_command_of_each_side():
     assert env["VLLM_USE_V2_MODEL_RUNNER"] == "1" and env["BLOCKDIFF_SAMPLER_BACKEND"] == "triton"
     assert "--attention-backend CUSTOM" in s and "BlockdiffDiffusionAsyncScheduler" in s
     assert "--quantization" not in s and "--no-async-scheduling" not in s and "--enforce-eager" in s
+    assert "BLOCKDIFF_PROFILE_COMPILES" not in env  # Triton's compile hooks only on a profiled blockdiff server
+    env, _ = bs.server_command("blockdiff-cute", "fp8", trace_dir="/tmp/tr", **kw)
+    assert env["BLOCKDIFF_PROFILE_COMPILES"] == "1"
     assert "--profiler-config" not in s
     for bad, match in ((dict(kw, port=0), "port must be"), (dict(kw, max_num_seqs=0), "max_num_seqs must be"),
                        (dict(kw, gpu_memory_utilization=1.5), "gpu_memory_utilization must be"),
@@ -520,6 +523,124 @@ def test_sweep_with_vllm_0_26_client_against_a_fake_server(tmp_path, model_dir):
     assert rc == 0, row
     assert row["complete"] and row["num_prompts"] == 2 and row["num_warmups"] == 2 and row["steps_ok"]
     assert row["time_per_canvas_ms"] >= 15 and row["memory_error"]
+
+
+def _window_case():
+    """A synthetic trace (prefill step + a canvas step) with two blockdiff:add_request ranges, each with Kineto's
+    gpu_user_annotation copy."""
+    trace = synthetic_trace([(4096, [("fused_moe_kernel", 2.0, "forward")]), (256, BLOCKDIFF_CANVAS_STEP)])
+    ev = trace["traceEvents"]
+    for t in (1010.0, 1500.0):
+        ev.append({"ph": "X", "cat": "user_annotation", "name": "blockdiff:add_request", "pid": 1, "tid": 1, "ts": t,
+                   "dur": 3.0})
+        ev.append({"ph": "X", "cat": "gpu_user_annotation", "name": "blockdiff:add_request", "pid": 0, "tid": 7,
+                   "ts": t + 5, "dur": 2.0})
+    kernels = [e for e in ev if e.get("cat") == "kernel"]
+    last_end = max(e["ts"] + e["dur"] for e in kernels)
+    ev.append({"ph": "X", "cat": "cpu_op", "name": "aten::empty", "pid": 1, "tid": 1, "ts": last_end + 20000,
+               "dur": 1.0})  # the trace goes on past the load (until /stop_profile)
+    return trace, ev, min(e["ts"] for e in kernels), last_end
+
+
+BASE_NS = 5_000_000_000_000
+OFFSET = BASE_NS / 1e9  # perf_counter 0 is the trace's origin
+
+
+def _reqs(sent_us, done_us):
+    return [(OFFSET + a * 1e-6, OFFSET + a * 1e-6, OFFSET + b * 1e-6) for a, b in zip(sent_us, done_us)]
+
+
+def test_the_load_window_puts_the_clients_requests_on_the_trace_clock_lead_in_tail_and_admission(tmp_path):
+    """7.11: a warmed profile's GPU was busy 96 % of its span, yet the client's load took 4 s longer than the span.
+    The client's request times (perf_counter + the wall-clock offset) are placed on the trace's clock
+    (baseTimeNanoseconds): the stretch before the first kernel, after the last, and each request's wait until its
+    add_request (the CPU range only, not Kineto's GPU copy of it) are measured and attributed to the engine's CPU
+    events there."""
+    trace, ev, first_k, last_end = _window_case()
+    result = {"start_times": [900e-6, 950e-6, 960e-6], "ttfts": [1e-3, 1e-3, 0.0],
+              "itls": [[0.5e-3], [(last_end + 300 - 950) * 1e-6 - 1e-3], []], "output_lens": [512, 512, 0]}
+    reqs = bs.request_windows(result, OFFSET)
+    assert len(reqs) == 2 and reqs[0][0] == pytest.approx(OFFSET + 900e-6)  # the failed request is left out
+    assert reqs[1][2] == pytest.approx(OFFSET + (last_end + 300) * 1e-6)
+    assert bs.request_windows({"ttfts": [1.0]}, OFFSET) == []
+    s = bs.summarize_trace(ev, max_canvases=1, requests=reqs, base_ns=BASE_NS)
+    ld = s["timeline"]["load"]
+    assert ld["requests"] == 2 and ld["lead_in_ms"] == pytest.approx((first_k - 900) / 1e3, abs=1e-4)
+    assert ld["tail_ms"] == pytest.approx(0.3, abs=1e-4) and ld["window_cut_ms"] == 0
+    assert ld["window_ms"] == pytest.approx((last_end + 300 - 900) / 1e3, abs=1e-4)
+    assert ld["gpu_busy_ms"] == pytest.approx(s["timeline"]["gpu_busy_ms"], abs=1e-4) and 0 < ld["gpu_busy_share"] < 1
+    assert ld["steps"] == 2 and ld["first_step_ms"] == pytest.approx(0.1, abs=1e-4)
+    labels = {n for n, _, _ in ld["lead_in"]["cpu_labels"]}
+    assert "step:prefill" in labels and ld["tail"]["gaps"] == 1  # the step began 100 us into the lead-in
+    adm = ld["admission"]
+    assert adm["matched"] == 2 and adm["first_ms"] == pytest.approx([0.11, 0.55], abs=1e-4)
+    assert adm["median_ms"] == pytest.approx(0.33, abs=1e-4) and adm["max_ms"] == pytest.approx(0.55, abs=1e-4)
+    no_base = bs.summarize_trace(ev, max_canvases=1, requests=reqs)["timeline"]["load"]
+    assert "baseTimeNanoseconds" in no_base["reason"]
+    none_done = bs.summarize_trace(ev, max_canvases=1, requests=[], base_ns=BASE_NS)["timeline"]["load"]
+    assert "completed" in none_done["reason"]
+    assert "load" not in bs.summarize_trace(ev, max_canvases=1)["timeline"]
+    f = tmp_path / "t.json"
+    f.write_text(json.dumps(dict(trace, baseTimeNanoseconds=BASE_NS)))
+    assert bs.read_trace(f)[1] == BASE_NS and bs.load_trace(f) == bs.read_trace(f)[0]
+    assert bs.summarize_traces([f], max_canvases=1, requests=reqs)["timeline"]["load"]["requests"] == 2
+    import time
+    off = bs.clock_offset_s()
+    assert abs(time.time() - (time.perf_counter() + off)) < 0.05
+
+
+def test_the_load_window_at_its_edges_never_counts_busy_time_as_lead_in_or_gaps_outside_the_window():
+    """The review's edge cases: a kernel already running when the first request is sent (lead-in 0), kernels only
+    before or only after the window (the whole window is lead-in, no tail; nothing attributed outside it), one
+    kernel covering the whole window (busy 100 %), and a trace that stops before the last request is done (the
+    window is cut at the trace's end)."""
+    _, ev, first_k, last_end = _window_case()
+    steps = [(1000.0, 1100.0, 4096, 1, 0)]
+    gpu = [e for e in ev if e.get("cat") == "kernel"]
+
+    def lw(sent, done, g=gpu, end=None):
+        return bs.load_window(ev, steps, g, _reqs(sent, done), BASE_NS, trace_end_us=end)
+
+    mid = (first_k + last_end) / 2
+    a = lw([mid], [last_end + 100])
+    assert a["lead_in_ms"] == 0 and a["lead_in"]["gaps"] == 0 and a["tail_ms"] == pytest.approx(0.1, abs=1e-4)
+    b = lw([last_end + 1000], [last_end + 11000])  # kernels only before the window
+    assert b["lead_in_ms"] == pytest.approx(10.0, abs=1e-4) and b["tail_ms"] == 0 and b["gpu_busy_ms"] == 0
+    assert b["lead_in"]["gaps"] == 1 and b["tail"]["gaps"] == 0
+    c = lw([first_k - 20000], [first_k - 10000])  # kernels only after the window
+    assert c["lead_in_ms"] == pytest.approx(10.0, abs=1e-4) and c["tail_ms"] == 0 and c["gpu_busy_share"] == 0
+    whole = [{"ph": "X", "cat": "kernel", "name": "k", "ts": 0.0, "dur": 1e9}]
+    d = lw([first_k], [last_end], g=whole)
+    assert d["lead_in_ms"] == 0 and d["tail_ms"] == 0 and d["gpu_busy_share"] == pytest.approx(1.0)
+    e = lw([900.0], [last_end + 5000], end=last_end + 1000)
+    assert e["window_cut_ms"] == pytest.approx(4.0, abs=1e-4) and e["tail_ms"] == pytest.approx(1.0, abs=1e-4)
+    for r in (a, b, c, d, e):
+        assert 0 <= r["lead_in_ms"] <= r["window_ms"] and 0 <= r["tail_ms"] <= r["window_ms"]
+
+
+def test_a_profile_terminated_during_its_load_still_stops_the_servers_profiler(tmp_path):
+    """SIGTERM (the device script's timeout) during the profiled load unwinds bench_serve profile, so
+    /stop_profile is still sent: the server's profiler is never left recording."""
+    import signal
+    import time
+
+    trace_dir = tmp_path / "traces"
+    with FakeVllmServer(trace_dir=str(trace_dir)) as srv:
+        env = dict(os.environ, FAKE_BENCH_SLEEP="60")
+        p = subprocess.Popen([sys.executable, "-m", "blockdiff.bench.bench_serve", "profile", "--base-url",
+                              srv.base_url, "--model", "/tmp/dg26b", "--backend", "vllm", "--quant", "fp8",
+                              "--trace-dir", str(trace_dir), "--bench-cmd", FAKE_BENCH, "--warm-requests", "0",
+                              "--work-dir", str(tmp_path / "w"), "--out", str(tmp_path / "p.json")], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.time() + 60
+        while "POST /start_profile" not in srv.calls and time.time() < deadline and p.poll() is None:
+            time.sleep(0.1)
+        time.sleep(1.0)  # the client (sleeping) is running
+        p.send_signal(signal.SIGTERM)
+        out, _ = p.communicate(timeout=60)
+        calls = list(srv.calls)
+    assert "POST /start_profile" in calls and calls[-1] == "POST /stop_profile", (calls, out[-2000:])
+    assert p.returncode != 0
 
 
 def test_profile_warms_up_with_an_unprofiled_load_of_the_same_size_before_the_profiler_starts(tmp_path, monkeypatch):

@@ -74,16 +74,16 @@ def test_triton_compiles_are_named_ranges_and_earlier_hooks_still_run(tmp_path, 
     knobs.runtime.jit_cache_hook(fn=Fn("_next_kernel"), key=None)
     knobs.runtime.jit_post_compile_hook(fn=Fn("_next_kernel"), key=None)
     p.stop()
-    assert not annotate._OPEN_COMPILES
+    assert not annotate._open_compiles()
     assert seen == [("pre", "_stats_kernel"), ("post", "_stats_kernel"), ("pre", "_raised_kernel"),
                     ("pre", "_next_kernel"), ("post", "_next_kernel")]
     p.export_chrome_trace(str(tmp_path / "t.json"))
     ev = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
     names = sorted(e["name"] for e in ev if str(e.get("name", "")).startswith("triton_compile:"))
     assert names == ["triton_compile:_next_kernel", "triton_compile:_raised_kernel", "triton_compile:_stats_kernel"]
-    assert knobs.runtime.jit_cache_hook(fn=Fn("k"), key=None) is None and annotate._OPEN_COMPILES == [None]
+    assert knobs.runtime.jit_cache_hook(fn=Fn("k"), key=None) is None and annotate._open_compiles() == [None]
     knobs.runtime.jit_post_compile_hook(fn=Fn("k"), key=None)  # no profiler: nothing opened, nothing recorded
     monkeypatch.setattr(knobs.runtime, "jit_cache_hook", lambda *, fn, **kw: True)  # an earlier hook skips
     monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
     assert annotate.install_triton_compile_ranges() and knobs.runtime.jit_cache_hook(fn=Fn("k"), key=None) is True
-    assert annotate._OPEN_COMPILES == []
+    assert annotate._open_compiles() == []

@@ -19,6 +19,6 @@ source bench/experiments/device/alone_up.sh
 INTERLEAVE=1 TOTAL_S=$(( BUDGET - ($(date +%s) - T0) - ${PROFILE_S:-100} )) bash $S bench $quant $attn $side
 el "bench done"
 if [ "${KEEP:-0}" = 1 ]; then el "server kept (KEEP=1): serve_bench.sh profile / stop next"; exit 0; fi
-timeout $(( BUDGET - ($(date +%s) - T0) - 15 )) bash $S profile $quant $attn $side
+PROFILE_TIMEOUT_S=$(( BUDGET - ($(date +%s) - T0) - 15 )) bash $S profile $quant $attn $side  # one timeout, inside
 bash $S stop
 el end

@@ -13,7 +13,8 @@ source bench/experiments/device/alone_up.sh
 name=$side; [ $side = blockdiff ] && name=blockdiff-$attn
 for r in $(echo ${REQS:-16,64} | tr , ' '); do
   left=$(( BUDGET - ($(date +%s) - T0) - 20 )); [ $left -lt 60 ] && { el "budget left $left s: R=$r skipped"; continue; }
-  PROFILE_REQUESTS=$r timeout $left bash $S profile $quant $attn $side
+  # the budget goes down to serve_bench.sh's own timeout (a second timeout around it would orphan the inner one)
+  PROFILE_REQUESTS=$r PROFILE_TIMEOUT_S=$left bash $S profile $quant $attn $side
   f=$OUT/serve_profile_${name}_$quant.json
   if [ -f $f ]; then mv $f $OUT/serve_profile_${name}_${quant}_r$r.json; el "profile R=$r done"; else el "profile R=$r missing"; fi
 done
