@@ -26,7 +26,7 @@ import sys
 import tempfile
 
 __all__ = ["compile_for_sm90", "parse_ptxas_report", "strip_ptx", "sass_spills_by_role", "SPEC_KEYS", "WIDE_MATRIX",
-           "wide_report"]
+           "wide_report", "ROLES_MATRIX"]
 
 #: Part of the name of every attention kernel of this backend (FA4's class name prefix; the combine kernel of a
 #: split-KV configuration is ``FlashAttentionForwardCombine``).
@@ -201,7 +201,7 @@ def _child(spec: dict, ptx_dir: str | None = None) -> dict:
                 sass_spills=None if by_role is None else {k: by_role[k] for k in ("setup", "producer", "consumer")},
                 setmaxreg=None if by_role is None else by_role["setmaxreg"],
                 config=dict(tile_m=cfg.tile_m, tile_n=cfg.tile_n, num_stages=cfg.num_stages, lpt=cfg.lpt,
-                            num_splits=cfg.num_splits))
+                            num_splits=cfg.num_splits, wide_design=cfg.wide_design))
 
 
 #: The split-value (hd 512, 16 q / 2 KV heads) configurations the report compiles: both KV layouts, every load
@@ -222,6 +222,33 @@ WIDE_MATRIX = [
 ]
 
 
+#: The roles kernel's configurations (``wide_design="roles"``, hd 512, 16 q / 2 KV heads): both KV layouts, page boxes
+#: of 1 / 4 / 8 per stage (pages 64, 16, 8 at 64-key tiles), both window modes, both tile shapes, GQA without TMA
+#: Q, split-KV.
+ROLES_MATRIX = [
+    dict(page_size=None, window_size=None),
+    dict(page_size=None, window_size=1023, bidirectional_window="prefix"),
+    dict(page_size=64, window_size=None),
+    dict(page_size=64, window_size=1023),
+    dict(page_size=16, window_size=1023, bidirectional_window="prefix"),
+    dict(page_size=8, window_size=None),
+    dict(page_size=256, window_size=None),
+    dict(page_size=64, window_size=None, config=dict(tile_n=32)),
+    dict(page_size=16, window_size=1023, config=dict(tile_n=32)),
+    dict(page_size=64, window_size=None, num_heads=12, num_kv_heads=4),
+    dict(page_size=64, window_size=None, return_lse=False, max_seqlen_q=4096),
+    dict(page_size=64, window_size=None, config=dict(num_splits=2)),
+    dict(page_size=None, window_size=None, config=dict(nan_safe_v=False)),
+]
+
+
+def _with_design(matrix, design: str | None):
+    """The matrix's specs with ``config["wide_design"] = design`` (None: unchanged)."""
+    if design is None:
+        return matrix
+    return [dict(extra, config=dict(extra.get("config") or {}, wide_design=design)) for extra in matrix]
+
+
 def wide_report(matrix=None) -> list[dict]:
     """Compile every spec of ``matrix`` (default :data:`WIDE_MATRIX`, hd 512 / 16 q / 2 KV heads, LSE, canvas
     hint 256 unless a spec says otherwise) and return one row per spec: the spec plus :func:`compile_for_sm90`."""
@@ -234,13 +261,14 @@ def wide_report(matrix=None) -> list[dict]:
 
 def main(argv=None) -> None:
     """``--child SPEC``: compile one JSON spec in this process (what :func:`compile_for_sm90` spawns) and print
-    its report as JSON. ``--report [OUT.json]``: compile :data:`WIDE_MATRIX`, print a table, write the rows."""
+    its report as JSON. ``--report [OUT.json]``: compile :data:`WIDE_MATRIX`, print a table, write the rows;
+    ``--report-roles [OUT.json]``: the same for :data:`ROLES_MATRIX` with ``wide_design="roles"``."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--child"]:
         print(json.dumps(_child(json.loads(argv[1]), argv[2] if len(argv) > 2 else None)))
         return
-    if argv[:1] == ["--report"]:
-        rows = wide_report()
+    if argv[:1] in (["--report"], ["--report-roles"]):
+        rows = wide_report(_with_design(ROLES_MATRIX, "roles") if argv[0] == "--report-roles" else None)
         print(f"{'page':>5} {'window':>12} {'tile':>8} {'regs':>4} {'prod/cons':>9} {'spill st/ld':>11} "
               f"{'spills p/c':>10} {'smem':>7} {'wgmma':>5}  extra")
         for r in rows:
@@ -250,6 +278,7 @@ def main(argv=None) -> None:
             regs = "/".join(str(v) for _, v in (r["setmaxreg"] or []))
             extra = {k: v for k, v in sp.items() if k in ("num_heads", "num_kv_heads", "return_lse", "max_seqlen_q")
                      and v != dict(num_heads=16, num_kv_heads=2, return_lse=True, max_seqlen_q=256)[k]}
+            extra.update({k: v for k, v in (sp.get("config") or {}).items() if k not in ("tile_n", "wide_design")})
             print(f"{str(sp.get('page_size')):>5} {win:>12} {cfg['tile_m']}x{cfg['tile_n']}/{cfg['num_stages']:<2} "
                   f"{r['registers']:>4} {regs:>9} {r['spill_store_bytes']:>5}/{r['spill_load_bytes']:<5} "
                   f"{r['sass_spills']['producer']:>4}/{r['sass_spills']['consumer']:<5} {r['smem_bytes']:>7} "
@@ -258,7 +287,8 @@ def main(argv=None) -> None:
             with open(argv[1], "w") as f:
                 json.dump(rows, f, indent=1)
         return
-    raise SystemExit("usage: python -m blockdiff.attention.cute.compile_check --report [OUT.json] | --child SPEC")
+    raise SystemExit("usage: python -m blockdiff.attention.cute.compile_check --report [OUT.json] | --report-roles "
+                     "[OUT.json] | --child SPEC")
 
 
 if __name__ == "__main__":

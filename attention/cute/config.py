@@ -18,6 +18,7 @@ __all__ = [
     "unsupported_head_dims", "resolve_wide_config", "WIDE_LONG_Q_CONFIG", "WIDE_MAX_PAGE_BOXES", "MAX_SPLITS",
     "MIN_KEYS_PER_SPLIT", "grid_tiles", "choose_num_splits", "key_bound", "resolve_launch_config", "check_config",
     "SPLIT_MERGES", "MAX_CLUSTER_SPLITS", "AUTO_CLUSTER_SPLITS", "auto_split_merge", "cluster_merge_fits",
+    "WIDE_DESIGNS", "ROLES_CONFIG",
 ]
 
 #: The optional packages this backend runs on (the ``cute`` extra of setup.py).
@@ -43,6 +44,11 @@ class CuteConfig:
     shared memory inside the one launch; 2 .. :data:`MAX_CLUSTER_SPLITS` splits, and the fp32 tile must fit the
     Q / K / V buffers: :func:`cluster_merge_fits`; docs/tuning.md 2.5). Not a tile field either; it resolves in
     :func:`resolve_launch_config`, with one split to ``"combine"`` (the plain kernel).
+    wide_design: the kernel of head dims above 256 (:func:`is_wide`): ``"split_v"`` (default: two consumer
+    warpgroups, the first computing S, the softmax and half of P V; ``kernel_wide.py``, docs/tuning.md 2.1 design
+    (c2)) or ``"roles"`` (opt-in: one softmax warpgroup feeding two P V warpgroups through shared memory;
+    ``kernel_roles.py``, design (c1)). Its tile defaults differ (:data:`ROLES_CONFIG`); the cluster merge is
+    not built for it. Below head dim 257 it resolves to ``"split_v"`` (FA4's kernel either way).
     """
 
     tile_m: int | None = None
@@ -54,10 +60,14 @@ class CuteConfig:
     num_splits: int | None = None
     nan_safe_v: bool = True
     split_merge: str = "auto"
+    wide_design: str = "split_v"
 
 
 #: The merges of split-KV partial outputs (CuteConfig.split_merge).
 SPLIT_MERGES = ("auto", "combine", "cluster")
+#: The kernels of head dims above 256 (CuteConfig.wide_design): the split-value kernel (default) and the roles
+#: kernel (opt-in).
+WIDE_DESIGNS = ("split_v", "roles")
 #: Most splits of the cluster merge: the portable thread-block cluster size (8 CTAs).
 MAX_CLUSTER_SPLITS = 8
 
@@ -101,6 +111,12 @@ WIDE_CONFIG = dict(tile_m=64, tile_n=32, num_stages=2)
 WIDE_LONG_Q_CONFIG = dict(tile_m=64, tile_n=64, num_stages=1)
 #: P slots and fp32 row-factor slots (2 + the final one, 2 rows x 128 threads each) of the split-value kernel.
 _WIDE_P_SLOTS, _WIDE_SCALE_BYTES = 2, 3 * 2 * 128 * 4
+#: Tiles of the roles kernel (``wide_design="roles"``) without a config: 64-key blocks in the one K / V stage that
+#: fits beside Q and two P slots (the softmax warpgroup runs up to two blocks ahead of the P V warpgroups, which
+#: hides the single stage's refill behind the other role's work; kernel_roles.py). Whatever the query length.
+ROLES_CONFIG = dict(tile_m=64, tile_n=64, num_stages=1)
+#: The roles kernel's fp32 factor slots: two per block, the final 1 / rowsum, the LSE (2 rows x 128 threads each).
+_ROLES_SCALE_BYTES = 4 * 2 * 128 * 4
 
 
 def is_wide(head_dim: int, head_dim_v: int) -> bool:
@@ -126,11 +142,13 @@ def config_smem_bytes(cfg: CuteConfig, head_dim: int, head_dim_v: int) -> int:
     """Shared memory (bytes) of a resolved config in FA4's SM90 forward: Q (the output tile reuses it) +
     ``num_stages`` x (K + V) tiles + P when it goes through shared memory (not ``mma_pv_is_rs``), 2-byte
     elements, plus 1 KB for barriers and alignment (FA4's sm90_config_search rule, with num_stages). The
-    split-value kernel (:func:`is_wide`) has two P slots and 3 KB of fp32 row factors."""
+    split-value kernel (:func:`is_wide`) has two P slots and 3 KB of fp32 row factors; the roles kernel
+    (``cfg.wide_design == "roles"``) two P slots and 4 KB of factors (kernel_roles.py's table)."""
     if is_wide(head_dim, head_dim_v):
         p_tiles = _WIDE_P_SLOTS * cfg.tile_m * cfg.tile_n
+        scale = _ROLES_SCALE_BYTES if cfg.wide_design == "roles" else _WIDE_SCALE_BYTES
         return (2 * (cfg.tile_m * head_dim + cfg.num_stages * cfg.tile_n * (head_dim + head_dim_v) + p_tiles)
-                + _WIDE_SCALE_BYTES + 1024)
+                + scale + 1024)
     p_tile = 0 if cfg.mma_pv_is_rs else cfg.tile_m * cfg.tile_n
     return 2 * (cfg.tile_m * head_dim + cfg.num_stages * cfg.tile_n * (head_dim + head_dim_v) + p_tile) + 1024
 
@@ -180,7 +198,9 @@ def resolve_config(head_dim: int, head_dim_v: int, window_size, config=None, max
     _check_head_dims(head_dim, head_dim_v)
     config, switches = _split_switches(check_config(config))
     if is_wide(head_dim, head_dim_v):  # head dims and config checked above
-        return replace(_resolve_wide(head_dim, head_dim_v, config, max_seqlen_q), **switches)
+        return replace(_resolve_wide(head_dim, head_dim_v, config, max_seqlen_q, switches["wide_design"]),
+                       **switches)
+    switches["wide_design"] = "split_v"  # FA4's kernel below head dim 257: one compile key for both designs
     if config is None:
         config = CuteConfig()
         if (head_dim == head_dim_v == 128 and window_size is None and max_seqlen_q is not None
@@ -206,11 +226,12 @@ def resolve_config(head_dim: int, head_dim_v: int, window_size, config=None, max
 
 
 #: CuteConfig fields that are switches, not tile fields, with their defaults.
-_SWITCHES = dict(nan_safe_v=True, split_merge="auto")
+_SWITCHES = dict(nan_safe_v=True, split_merge="auto", wide_design="split_v")
 
 
 def _split_switches(config):
-    """``(config without the switches, {switch: value})`` (``nan_safe_v``, ``split_merge``): they are not tile
+    """``(config without the switches, {switch: value})`` (``nan_safe_v``, ``split_merge``, ``wide_design``): they
+    are not tile
     fields, so a config that sets only them resolves the tiles as None does (the tuned automatic choices)."""
     if config is None:
         return None, dict(_SWITCHES)
@@ -238,10 +259,17 @@ def _check_head_dims(head_dim, head_dim_v) -> None:
 
 
 _CONFIG_FIELDS = ("tile_m", "tile_n", "mma_pv_is_rs", "intra_wg_overlap", "num_stages", "lpt", "num_splits",
-                  "nan_safe_v", "split_merge")
+                  "nan_safe_v", "split_merge", "wide_design")
 
 
 def _check_field(name: str, v) -> None:
+    if name == "wide_design":
+        if not isinstance(v, str):
+            raise TypeError(f"config wide_design must be a str, one of {WIDE_DESIGNS}, got {type(v).__name__} "
+                            f"({v!r})")
+        if v not in WIDE_DESIGNS:
+            raise ValueError(f"config wide_design must be one of {WIDE_DESIGNS}, got {v!r}")
+        return
     if name == "split_merge":
         if not isinstance(v, str):
             raise TypeError(f"config split_merge must be a str, one of {SPLIT_MERGES}, got {type(v).__name__} "
@@ -281,8 +309,9 @@ def check_config(config):
     MMA's N step); ``num_stages``: an int >= 1; ``mma_pv_is_rs`` / ``intra_wg_overlap`` / ``lpt``: None or a
     bool; ``num_splits``: None or an int in [1, :data:`MAX_SPLITS`]; ``nan_safe_v``: a bool; ``split_merge``:
     one of :data:`SPLIT_MERGES`, and ``"cluster"`` with an explicit ``num_splits`` at most
-    :data:`MAX_CLUSTER_SPLITS`. Kernel-specific rules (the split-value kernel's tiles, shared memory, whether the
-    cluster merge's tile fits) are :func:`resolve_config`'s and :func:`resolve_launch_config`'s.
+    :data:`MAX_CLUSTER_SPLITS`; ``wide_design``: one of :data:`WIDE_DESIGNS`, not with ``split_merge="cluster"``.
+    Kernel-specific rules (the split-value kernel's tiles, shared memory, whether the cluster merge's tile fits)
+    are :func:`resolve_config`'s and :func:`resolve_launch_config`'s.
 
     Raises:
         TypeError: ``config`` of another type, an unknown field, a field of the wrong type (bool for an int, a
@@ -305,6 +334,9 @@ def check_config(config):
         _check_field(name, v)
         values[name] = v
     n = values.get("num_splits")
+    if values.get("split_merge") == "cluster" and values.get("wide_design") == "roles":
+        raise ValueError("config split_merge 'cluster' is not built for wide_design 'roles'; use split_merge "
+                         "'combine' or 'auto'")
     if values.get("split_merge") == "cluster" and n is not None and n > MAX_CLUSTER_SPLITS:
         raise ValueError(f"config split_merge 'cluster' takes at most {MAX_CLUSTER_SPLITS} splits (the portable "
                          f"cluster size), got num_splits {n}; use split_merge 'combine'")
@@ -330,19 +362,24 @@ def resolve_wide_config(head_dim: int, head_dim_v: int, config=None, max_seqlen_
     """
     _check_head_dims(head_dim, head_dim_v)
     config, switches = _split_switches(check_config(config))
-    return replace(_resolve_wide(head_dim, head_dim_v, config, max_seqlen_q), **switches)
+    return replace(_resolve_wide(head_dim, head_dim_v, config, max_seqlen_q, switches["wide_design"]), **switches)
 
 
-def _resolve_wide(head_dim: int, head_dim_v: int, config, max_seqlen_q: int | None) -> CuteConfig:
-    """:func:`resolve_wide_config` after its argument checks (head dims, :func:`check_config`)."""
+def _resolve_wide(head_dim: int, head_dim_v: int, config, max_seqlen_q: int | None,
+                  wide_design: str = "split_v") -> CuteConfig:
+    """:func:`resolve_wide_config` after its argument checks (head dims, :func:`check_config`). ``wide_design``
+    ``"roles"``: :data:`ROLES_CONFIG` without a config (and as the base of a dict), its shared-memory rule."""
+    roles = wide_design == "roles"
     if config is None:
-        config = CuteConfig(**(WIDE_LONG_Q_CONFIG if longest_first_tiles(max_seqlen_q) else WIDE_CONFIG))
+        config = CuteConfig(**(ROLES_CONFIG if roles else WIDE_LONG_Q_CONFIG if longest_first_tiles(max_seqlen_q)
+                               else WIDE_CONFIG))
     elif isinstance(config, dict):
-        fields_ = {**WIDE_CONFIG, **config}
+        fields_ = {**(ROLES_CONFIG if roles else WIDE_CONFIG), **config}
         if "num_stages" not in config:  # the most K/V stages that fit (2 at 32-key blocks, 1 at 64)
             fields_["num_stages"] = max(
-                [1] + [s for s in (1, 2) if config_smem_bytes(CuteConfig(**{**fields_, "num_stages": s}),
-                                                               head_dim, head_dim_v) <= SMEM_LIMIT_BYTES])
+                [1] + [s for s in (1, 2) if config_smem_bytes(
+                    CuteConfig(**{**fields_, "num_stages": s, "wide_design": wide_design}), head_dim, head_dim_v)
+                    <= SMEM_LIMIT_BYTES])
         config = CuteConfig(**fields_)
     tile_m = WIDE_CONFIG["tile_m"] if config.tile_m is None else config.tile_m
     tile_n = WIDE_CONFIG["tile_n"] if config.tile_n is None else config.tile_n
@@ -359,7 +396,7 @@ def _resolve_wide(head_dim: int, head_dim_v: int, config, max_seqlen_q: int | No
     resolved = CuteConfig(tile_m=tile_m, tile_n=tile_n, mma_pv_is_rs=False, intra_wg_overlap=True,
                           num_stages=config.num_stages,
                           lpt=longest_first_tiles(max_seqlen_q) if config.lpt is None else bool(config.lpt),
-                          num_splits=_check_num_splits(config.num_splits))
+                          num_splits=_check_num_splits(config.num_splits), wide_design=wide_design)
     check_config_fits(resolved, head_dim, head_dim_v)
     return resolved
 

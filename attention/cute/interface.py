@@ -69,6 +69,8 @@ def _fa4():
         from .kernel_cluster import FlashAttentionForwardSm90MixedCluster, FlashAttentionForwardSm90WideVCluster
         from .kernel_split import FlashAttentionForwardSm90MixedSplit, FlashAttentionForwardSm90WideVSplit
         from .kernel_wide import FlashAttentionForwardSm90WideV
+        # the roles kernel (wide_design="roles", opt-in) and its split-KV variant
+        from .kernel_roles import FlashAttentionForwardSm90Roles, FlashAttentionForwardSm90RolesSplit
     except ImportError as e:
         raise ImportError(
             f"attention backend 'cute' needs {REQUIRED}; importing them failed (wrong versions?): {e}") from e
@@ -77,7 +79,8 @@ def _fa4():
                 is_fake_mode=is_fake_mode, AuxData=AuxData, Kernel=FlashAttentionForwardSm90Mixed,
                 KernelWide=FlashAttentionForwardSm90WideV, KernelSplit=FlashAttentionForwardSm90MixedSplit,
                 KernelWideSplit=FlashAttentionForwardSm90WideVSplit, KernelCluster=FlashAttentionForwardSm90MixedCluster,
-                KernelWideCluster=FlashAttentionForwardSm90WideVCluster, combine=flash_attn_combine, dtypes=dtypes)
+                KernelWideCluster=FlashAttentionForwardSm90WideVCluster, KernelRoles=FlashAttentionForwardSm90Roles,
+                KernelRolesSplit=FlashAttentionForwardSm90RolesSplit, combine=flash_attn_combine, dtypes=dtypes)
     return _FA4
 
 
@@ -143,7 +146,7 @@ def attention_cute(
             capacity of a sequence), which any upper bound keeps correct.
         check_values: run the host-side value checks (default: yes unless a CUDA graph is being captured).
         config: :class:`~blockdiff.attention.cute.config.CuteConfig` or dict (tile_m, tile_n, mma_pv_is_rs,
-            intra_wg_overlap, num_stages, lpt, num_splits, nan_safe_v, split_merge); None:
+            intra_wg_overlap, num_stages, lpt, num_splits, nan_safe_v, split_merge, wide_design); None:
             :func:`~blockdiff.attention.cute.config.resolve_launch_config`.
             ``num_splits`` > 1 runs split-KV: with ``split_merge="combine"`` the kernel writes fp32 partial
             outputs and LSEs per split and FA4's combine kernel merges them (two launches,
@@ -163,7 +166,8 @@ def attention_cute(
             host at launch).
         NotImplementedError: valid input outside this backend: dtype other than bf16/fp16, head dims outside
             8..256 (multiples of 8) and outside equal multiples of 32 in (256, 512]
-            (:func:`~blockdiff.attention.cute.config.unsupported_head_dims`), a GPU other than SM90.
+            (:func:`~blockdiff.attention.cute.config.unsupported_head_dims`), a GPU other than SM90; with
+            ``wide_design="roles"`` at head dims above 256, a page size the TMA page boxes cannot load.
     """
     info = check_attention_inputs(
         q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens, causal=causal,
@@ -230,8 +234,14 @@ def _run(fa, q, k_cache, v_cache, *, out, return_lse, cu_seqlens_q, num_causal_q
         page_table = mc(block_table.to(torch.int32), align_bytes=4)
         seqused_k = seq_lens.to(torch.int32).contiguous()
         cu_k = None
+        roles = is_wide(head_dim, head_dim_v) and cfg.wide_design == "roles"
         kv_path = kv_load_path(k_cache.shape[1], cfg.tile_n,
-                               WIDE_MAX_PAGE_BOXES if is_wide(head_dim, head_dim_v) else None)
+                               WIDE_MAX_PAGE_BOXES if is_wide(head_dim, head_dim_v) and not roles else None)
+        if roles and kv_path == "cp.async":
+            raise NotImplementedError(
+                f"backend 'cute', wide_design 'roles': paged K/V load by TMA page boxes only (page size a multiple "
+                f"of 8 that divides tile_n {cfg.tile_n} or is a multiple of it), got page size {k_cache.shape[1]}; "
+                "use wide_design 'split_v'")
         paged_kv_non_tma = kv_path == "cp.async"
         kv_page_size = k_cache.shape[1] if kv_path == "tma_boxes" else None
     else:
@@ -248,10 +258,7 @@ def _run(fa, q, k_cache, v_cache, *, out, return_lse, cu_seqlens_q, num_causal_q
     split = cfg.num_splits > 1
     cluster = split and cfg.split_merge == "cluster"  # the merge inside the launch (kernel_cluster.py)
     LAST_LAUNCH.clear()
-    LAST_LAUNCH.update(kernel=("FlashAttentionForwardSm90WideV" if is_wide(head_dim, head_dim_v)
-                               else "FlashAttentionForwardSm90Mixed")
-                       + ("Cluster" if cluster else "Split" if split else ""),
-                       config=cfg, kv_path=kv_path)
+    LAST_LAUNCH.update(kernel=_kernel_name(head_dim, head_dim_v, cfg, split, cluster), config=cfg, kv_path=kv_path)
     # nan_safe_v on a dense V cache: its fix-up reads V through a layout with static strides (only the base pointer
     # stays live in the kernel: dynamic strides cost the hd-256 / paged hd-512 kernels spills), so the compile key
     # holds the cache's inner shape
@@ -288,6 +295,29 @@ def _run(fa, q, k_cache, v_cache, *, out, return_lse, cu_seqlens_q, num_causal_q
     return (out, lse) if return_lse else out
 
 
+def _kernel_name(head_dim: int, head_dim_v: int, cfg: CuteConfig, split: bool, cluster: bool) -> str:
+    """Class name of the kernel a resolved config runs (``LAST_LAUNCH["kernel"]``; also the key into the kernel
+    classes of :func:`_fa4`): FA4's family below head dim 257, above it the split-value kernel or, with
+    ``wide_design="roles"``, the roles kernel (no cluster variant: ``config.check_config`` refuses it)."""
+    if not is_wide(head_dim, head_dim_v):
+        base = "FlashAttentionForwardSm90Mixed"
+    elif cfg.wide_design == "roles":
+        base = "FlashAttentionForwardSm90Roles"
+    else:
+        base = "FlashAttentionForwardSm90WideV"
+    return base + ("Cluster" if cluster else "Split" if split else "")
+
+
+#: Kernel class names (:func:`_kernel_name`) -> keys of :func:`_fa4`'s classes.
+_KERNEL_KEYS = {
+    "FlashAttentionForwardSm90Mixed": "Kernel", "FlashAttentionForwardSm90MixedSplit": "KernelSplit",
+    "FlashAttentionForwardSm90MixedCluster": "KernelCluster", "FlashAttentionForwardSm90WideV": "KernelWide",
+    "FlashAttentionForwardSm90WideVSplit": "KernelWideSplit", "FlashAttentionForwardSm90WideVCluster":
+    "KernelWideCluster", "FlashAttentionForwardSm90Roles": "KernelRoles",
+    "FlashAttentionForwardSm90RolesSplit": "KernelRolesSplit",
+}
+
+
 def compile_range_name(kernel: str, cfg: CuteConfig) -> str:
     """Name of the profiler range around a first-use compile (``blockdiff:cute_compile <kernel> <tiles> s<splits>``):
     a serving profile's idle-gap attribution (``bench_serve.attribute_idle_gaps``) then names JIT compiles apart
@@ -314,12 +344,11 @@ def _compile(fa, key, q, k, v, out, lse, scale, cu_q, cu_k, seqused_k, page_tabl
     (dtype, head_dim, head_dim_v, qhead_per_kvhead, pack_gqa, cfg, paged, paged_kv_non_tma, kv_page_size,
      has_window, prefix, return_lse, arch, v_static) = key
     cute, tct = fa["cute"], fa["to_cute_tensor"]
-    wide = is_wide(head_dim, head_dim_v)
     split = dict(num_splits=cfg.num_splits) if cfg.num_splits > 1 else {}
     cluster = bool(split) and cfg.split_merge == "cluster"
     if cluster:  # the kernel writes the merged LSE (an aux tensor) when the call returns it
         split["merge_lse"] = return_lse
-    kernel_cls = fa[("KernelWide" if wide else "Kernel") + ("Cluster" if cluster else "Split" if split else "")]
+    kernel_cls = fa[_KERNEL_KEYS[_kernel_name(head_dim, head_dim_v, cfg, bool(split), cluster)]]
     kernel = kernel_cls(
         fa["dtypes"][dtype],
         head_dim,

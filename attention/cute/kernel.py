@@ -573,6 +573,10 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         # tensors after it belong to subclasses (kernel_split.py's workspace).
         self._mNumCausalQ = aux_data.tensors[0]
         self._aux_tensors = aux_data.tensors
+        # the softmax scales and P's layout, for a subclass whose producer warpgroup also computes the softmax
+        # (kernel_roles.py)
+        self._softmax_scales = (softmax_scale_log2, softmax_scale)
+        self._sP_layout_arg = sP_layout
         if const_expr(self.nan_safe_v):
             # the NaN-safe fix-up reads V itself: the caller's cache, appended to the aux tensors (FA4 hands the
             # kernel TMA coordinate tensors as mK / mV on its TMA paths), and the page table

@@ -1,0 +1,577 @@
+"""CuTe DSL "roles" kernel of the ``"cute"`` backend for value head dims in (256, 512] (Gemma 4's global layers).
+
+Imported only by :mod:`blockdiff.attention.cute.interface` (lazily: it needs flash-attn-4 and nvidia-cutlass-dsl),
+and only when a call asks for it (``CuteConfig.wide_design="roles"``; the default ``"split_v"`` runs
+:mod:`blockdiff.attention.cute.kernel_wide`). Design (c1) of docs/tuning.md 2.1: the division of labour of the
+triton backend's Gluon roles kernel (docs/tuning.md 1.7) and of FlashAttention-4 on Blackwell (a softmax
+warpgroup feeding MMA warpgroups through shared memory), on FA4's SM90 forward kernel body (flash-attn-4
+4.0.0b36: pipelines, shared memory, warp specialisation, tile scheduler, epilogue) and the split-value kernel's
+pieces (P slots, factor slots, tiled MMAs, NaN-safe V clean-up).
+
+Why the softmax warpgroup is also the producer
+----------------------------------------------
+ptxas (CuTe DSL 4.8.1) allocates every code region of a kernel within the register count a thread launches with
+(64 K / threads): ``setmaxnreg`` moves registers at run time but does not let a region's code use more (an
+m64n256 fp32 accumulator, 128 registers a thread, needs ~154 with its operands: "Insufficient registers (128)"
+at 512 threads, 90 needed for m64n128 at 768 threads with 80). So a P V warpgroup owning half of the 64 x 512
+output fits only in a CTA of at most 384 threads (168 registers), i.e. three warpgroups, and FA4's body gives
+warpgroup 0 to its producer. Here warpgroup 0 is the softmax warpgroup and issues the loads of Q and K itself
+(one warp of it), and the first P V warpgroup issues the loads of V: each buffer is refilled by the role that
+frees it, right when it frees it (K as soon as S's wgmma retires, the triton roles kernel's early refill at
+whole-block granularity; V as soon as both P V warpgroups released it).
+
+The division of labour
+----------------------
+One 64-row query tile (PackGQA: 64 packed rows), three warpgroups, 384 threads:
+
+* warpgroup 0 (**SM**, FA4's producer slot, :meth:`FlashAttentionForwardSm90Roles.load`): per key block, S = Q K^T
+  for all 64 x ``tile_n`` scores (both operands in shared memory), then (warp 0) the TMA load of the K block
+  ``num_stages`` blocks ahead into the stage S just freed, then the per-row mask and the online softmax (row max
+  and sum stay in its registers); P (bf16/fp16) goes to one of two shared-memory slots with each row's rescale
+  factor; after the last block 1 / rowsum and the LSE go through two more factor slots. Warp 0 also loads Q
+  (TMA; PackGQA tiles whose rows do not hold whole token groups load Q by cp.async over the warpgroup). SM never
+  touches V or O, so it runs ahead of the P V warpgroups by up to two blocks (the two P slots): the QK^T and
+  softmax of block j + 1 overlap the P V of block j;
+* consumer warpgroups 0 and 1 (**PV0**, **PV1**, :meth:`FlashAttentionForwardSm90Roles.mma`): per key block,
+  wait for P's slot, rescale their half of O by the factors beside P, and run ``O[:, half] += P V[:, half]``
+  with P and V from shared memory (SS wgmma, m64 x dv/2 x tile_n); after the last block the final 1 / rowsum and
+  the LSE, then FA4's epilogue (O through Q's shared memory, TMA store by warp 4, PV0's first). Warp 0 of PV0
+  (CTA warp 4) issues the V loads: ``num_stages`` blocks at the tile's start, then each block's
+  ``num_stages``-ahead block once both warpgroups released the stage.
+
+Loads: contiguous K / V by TMA (FA4's atoms), paged K / V by our page boxes (any page size
+:func:`~blockdiff.attention.cute.config.page_box_tma_ok` accepts, V rows past the last key zeroed before the
+stage is handed over: :meth:`~blockdiff.attention.cute.kernel.FlashAttentionForwardSm90Mixed._acquire_load_v`).
+FA4's cp.async paged path is not built for this kernel (the interface refuses those page sizes). Masks, windows,
+causal rows and block ranges are :class:`~blockdiff.attention.cute.kernel.MixedBlockInfo` /
+:class:`~blockdiff.attention.cute.kernel.MixedAttentionMask`, called in the split-value kernel's order (the tile's
+last block first, then FA4's right-masked / interior / left-masked loops, all in descending key order).
+
+Pipelines and hand-offs
+-----------------------
+FA4's kernel body creates the Q / K / V pipelines with one producer arrival (plus the TMA bytes) and the 8 warps of
+the two consumer warpgroups as consumers (one arrival per warp on a stage's empty barrier). Only SM reads K: it
+releases each K stage twice (its 4 warps x 2 = 8 arrivals) when S's wgmma retires, then acquires it for the next
+load. PV0 and PV1 each release a V stage once after their P V retires (FA4's count). Q: SM waits for it; the P V
+warpgroups release it once per tile after their epilogue (after waiting for its load, so never early).
+
+P hand-off (CTA named barriers, ids 7-11 as the split-value kernel): SM writes P and the factors into slot
+``i % 2``, fences for the async proxy (wgmma reads P) and arrives on ``P_FULL[slot]`` (128 arrive + 256 sync =
+384); PV0 and PV1 wait there and, after their P V retires, arrive on ``P_EMPTY[slot]``, on which SM waits before
+reusing the slot (from the third block on; the P V warpgroups skip arrivals SM would never consume, so every
+barrier generation completes). ``FINAL`` carries 1 / rowsum and the LSE after SM's last QK^T, so the P V
+warpgroups write O into Q's shared memory only after SM stopped reading Q. A thread's two accumulator rows are
+the same rows in every m64 wgmma fragment (S, either half of O), so thread t of a P V warpgroup reads exactly the
+factors thread t of SM wrote.
+
+NaN-safe V (``nan_safe_v``): each P V warpgroup cleans its own half of a masked block's V stage before its P V
+(named barriers 12 and 13) in SM's hand-off order, and the epilogue's fix-up adds the non-finite V entries of the
+rows that allow them, exactly as the split-value kernel's WG1.
+
+Registers
+---------
+384 threads launch with 168 registers each; every code region is compiled within 168 (above). ``setmaxnreg``
+(FA4's body): SM (producer slot) decreases to 152 (its code is compiled within 152), the P V warpgroups increase to
+176, 152 + 2 x 176 = 504 <= 3 x 168 (a larger sum would make an increase wait forever). A P V thread holds 128
+accumulator registers (64 x 256 fp32 over 128 threads); SM holds S (``tile_n / 2``) and P (``tile_n / 4``).
+
+Shared memory
+-------------
+Bytes, 2-byte elements (:func:`blockdiff.attention.cute.config.config_smem_bytes` with ``wide_design="roles"``;
+limit 232,448): Q ``64 x d`` (the output tile reuses it), ``num_stages`` x (K + V) ``tile_n x d``, two P slots
+``64 x tile_n``, four fp32 factor slots (two per block, 1 / rowsum, LSE; 2 rows x 128 threads each: 4 KB), 1 KB of
+barriers and alignment. At d = 512:
+
+==================  =======  =======  =======  ========  =======  =========
+tile_n x stages     Q        K + V    P        factors   barr.    total
+==================  =======  =======  =======  ========  =======  =========
+64 x 1 (default)    65,536   131,072  16,384   4,096     1,024    218,112
+32 x 2              65,536   131,072  8,192    4,096     1,024    209,920
+64 x 2, 48 x 2      -        -        -        -         -        do not fit
+==================  =======  =======  =======  ========  =======  =========
+
+Errors: the constructor raises ValueError for tiles / head dims outside the split-value kernel's and for FA4's
+cp.async paged path (``paged_kv_non_tma``).
+"""
+from __future__ import annotations
+
+from functools import partial
+from types import SimpleNamespace
+from typing import Callable, Optional
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass.cute.nvgpu import cpasync
+
+from quack import copy_utils, layout_utils
+from quack import sm90_utils
+
+from flash_attn.cute import utils as fa_utils
+from flash_attn.cute.pack_gqa import PackGQA
+from flash_attn.cute.softmax import Softmax
+from flash_attn.cute.utils import AuxData
+
+from .kernel_split import SplitKVMixin
+from .kernel_wide import FlashAttentionForwardSm90WideV, NamedBarrierWideV
+
+#: Threads per warpgroup; P slots; factor slots: two per-block slots, the final 1 / rowsum, the LSE.
+_WG = 128
+_P_SLOTS = 2
+_SCALE_SLOTS = 4
+_FINAL_SLOT, _LSE_SLOT = 2, 3
+#: Threads of every hand-off barrier: SM (arrives or waits) and the two P V warpgroups.
+_BAR_THREADS = 3 * _WG
+#: setmaxnreg (module docstring, "Registers"): SM (FA4's producer slot), P V warpgroups.
+ROLES_REGS = (152, 176)
+
+
+class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
+    """FA4 SM90 forward with a softmax warpgroup (also loading Q and K) feeding two P V warpgroups through shared
+    memory (module docstring).
+
+    Constructor arguments are :class:`~blockdiff.attention.cute.kernel_wide.FlashAttentionForwardSm90WideV`'s
+    (``tile_m`` 64, equal head dims in (256, 512], multiples of 32; ``tile_n`` a multiple of 16);
+    ``mma_pv_is_rs`` / ``intra_wg_overlap`` are fixed (P from shared memory) and ignored.
+
+    Raises:
+        ValueError: a tile shape or head dim outside the above, or ``paged_kv_non_tma=True`` (FA4's cp.async
+            paged loads are not built for this kernel).
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if not self.use_tma_KV:
+            raise ValueError("the roles kernel loads K / V by TMA (contiguous or page boxes), not by cp.async")
+
+    def _setup_attributes(self):
+        super()._setup_attributes()  # the split-value kernel's thread counts: 2 consumer warpgroups, 384 threads
+        self.num_producer_regs, self.num_mma_regs = ROLES_REGS
+        launch_regs = 65536 // self.num_threads // 8 * 8
+        assert self.num_producer_regs + 2 * self.num_mma_regs <= 3 * launch_regs, "setmaxnreg over the CTA pool"
+
+    def _scale_elems(self) -> int:
+        return self._rows_per_thread() * _WG * _SCALE_SLOTS
+
+    def _get_shared_storage_cls(self):
+        """The split-value kernel's struct (Q, K, V, two P slots, then the factor slots); K's size in bytes is
+        kept for :meth:`_sP_from_sK` (a Python int for the kernel trace)."""
+        self._sK_bytes = int(cute.cosize(self.sK_layout)) * self.dtype.width // 8
+        return super()._get_shared_storage_cls()
+
+    def _sP_from_sK(self, sK: cute.Tensor) -> cute.Tensor:
+        """The P slots in shared memory, found from K's buffer: the shared-storage struct places them right after
+        it, 1024-byte aligned (``_get_shared_storage_cls``; FA4's body hands the producer no P tensor)."""
+        base = (sK.iterator.toint() + (self._sK_bytes + 1023) // 1024 * 1024)
+        ptr = cute.make_ptr(self.dtype, base, cute.AddressSpace.smem, assumed_align=1024)
+        layout = self._sP_layout_arg  # the kernel's argument (FA4 passes layouts to the kernel)
+        return cute.make_tensor(cute.recast_ptr(ptr, layout.inner, dtype=self.dtype), layout.outer)
+
+    # --- warpgroup 0: SM, and the loads of Q and K ---------------------------------------------------------
+    def load(self, mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V, pipeline_k, pipeline_v, pipeline_q,
+             gmem_tiled_copy_Q, mPageTable, blocksparse_tensors, block_info, SeqlenInfoCls, TileSchedulerCls):
+        """FA4's producer slot (warpgroup 0, signature of FA4's ``load``): runs SM (:meth:`_softmax_and_load_qk`).
+        Also hands V's global tensor, shared buffer, TMA atom and the page table to the consumers' V loads (trace
+        time: FA4's body passes them to its producer only; this branch is traced first)."""
+        self._mV_load, self._sV_load, self._tma_atom_V, self._mPageTable_load = mV, sV, tma_atom_V, mPageTable
+        return self._softmax_and_load_qk(
+            mQ, mK, sQ, sK, tma_atom_Q, tma_atom_K, pipeline_k, pipeline_q, gmem_tiled_copy_Q, mPageTable,
+            self._mixed_block_info(block_info), self._mixed_seqlen_cls(SeqlenInfoCls), TileSchedulerCls,
+            self._mixed_mask_cls(block_info))
+
+    @cute.jit
+    def _softmax_and_load_qk(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        sQ: cute.Tensor,
+        sK: cute.Tensor,
+        tma_atom_Q: Optional[cute.CopyAtom],
+        tma_atom_K: cute.CopyAtom,
+        pipeline_k,
+        pipeline_q,
+        gmem_tiled_copy_Q: cute.TiledCopy,
+        mPageTable: Optional[cute.Tensor],
+        block_info,
+        SeqlenInfoCls: Callable,
+        TileSchedulerCls: Callable,
+        AttentionMaskCls: Callable,
+    ):
+        """SM: per key block S = Q K^T, the K stage released and refilled (warp 0) as soon as S retires, mask,
+        online softmax, P and the row factors into a slot; after the tile's last block 1 / rowsum and the LSE."""
+        t_sm, _, _ = cute.arch.thread_idx()
+        warp_idx_in_wg = cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4
+        softmax_scale_log2, softmax_scale = self._softmax_scales
+        sP = self._sP_from_sK(sK)
+        sScale = self._scale_tensor(sP)
+        tiled_mma_qk, _ = self._get_tiled_mma()
+        thr_mma_qk = tiled_mma_qk.get_slice(t_sm)
+        _, tSrQ, tSrK = sm90_utils.partition_fragment_ABC(
+            tiled_mma_qk.get_slice(0), (self.tile_m, self.tile_n, self.tile_hdim), sQ, sK)
+        mma_qk_fn = partial(sm90_utils.gemm_zero_init, tiled_mma_qk, (self.tile_m, self.tile_n), tSrQ, tSrK)
+        smem_copy_atom_P = fa_utils.get_smem_store_atom(self.arch.major * 10 + self.arch.minor, self.dtype)
+        smem_thr_copy_P = cute.make_tiled_copy_C(smem_copy_atom_P, tiled_mma_qk).get_slice(t_sm)
+        tPsP = smem_thr_copy_P.partition_D(sP)
+        softmax = Softmax.create(softmax_scale_log2, num_rows=self._rows_per_thread(), softmax_scale=softmax_scale)
+        hand_off = partial(self._hand_off_p_smem, smem_thr_copy_P, tPsP, sScale, t_sm)
+
+        q_producer_phase = Int32(1)
+        q_consumer_phase = Int32(0)
+        k_producer_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        kv_consumer_state = self._consumer_state()
+        tile_scheduler = TileSchedulerCls()
+        work_tile = tile_scheduler.initial_work_tile_info()
+        while work_tile.is_valid_tile:
+            m_block, head_idx, batch_idx, _ = work_tile.tile_idx
+            seqlen = SeqlenInfoCls(batch_idx)
+            mask = AttentionMaskCls(seqlen)
+            mask_fn = partial(mask.apply_mask, batch_idx=batch_idx, head_idx=head_idx, m_block=m_block,
+                              thr_mma=thr_mma_qk, mask_causal=False, mask_local=True)
+            n_block_min, n_block_max = block_info.get_n_block_min_max(seqlen, m_block)
+            head_idx_kv = head_idx // self.qhead_per_kvhead if const_expr(not self.pack_gqa) else head_idx
+            load_K = self._block_loader(mK, sK, tma_atom_K, pipeline_k, mPageTable, seqlen, batch_idx, head_idx_kv,
+                                        self.tile_hdim)
+            # The first num_stages K blocks (descending key order), then Q.
+            if warp_idx_in_wg == 0:
+                for i in cutlass.range(cutlass.min(self.num_stages, n_block_max - n_block_min), unroll=1):
+                    pipeline_k.producer_acquire(k_producer_state)
+                    load_K(n_block_max - 1 - i, k_producer_state)
+                    k_producer_state.advance()
+            self._load_q(mQ, sQ, tma_atom_Q, pipeline_q, gmem_tiled_copy_Q, seqlen, m_block, head_idx, batch_idx,
+                         q_producer_phase, warp_idx_in_wg, t_sm)
+            q_producer_phase ^= 1
+            refill = partial(self._refill_k, pipeline_k=pipeline_k, load_K=load_K, n_block_min=n_block_min,
+                             warp_idx_in_wg=warp_idx_in_wg)
+            qk = partial(self._sm_qk, mma_qk_fn=mma_qk_fn, pipeline_k=pipeline_k)
+            step = partial(self._sm_step, qk=qk, refill=refill, softmax=softmax, hand_off=hand_off)
+            pipeline_q.consumer_wait_w_index_phase(0, q_consumer_phase)
+            q_consumer_phase ^= 1
+            # First block (the tile's last key block): S, mask (sequence end included), softmax.
+            acc_S = qk(kv_consumer_state)
+            k_producer_state = refill(k_producer_state, n_block_max - 1)
+            mask_fn(acc_S, n_block=n_block_max - 1, mask_seqlen=True)
+            row_scale = softmax.online_softmax(acc_S, is_first=True)
+            hand_off(acc_S, row_scale, Int32(0))
+            kv_consumer_state.advance()
+            block_i = Int32(1)  # blocks handed to the P V warpgroups so far
+            n_block_max -= 1
+            # FA4's three loops with our per-row bounds (as kernel_wide's WG0): right-masked, interior,
+            # left-masked blocks.
+            n_block_right = block_info.get_n_block_min_causal_local_mask(seqlen, m_block, n_block_min)
+            for n_tile in cutlass.range(n_block_max - n_block_right, unroll=1):
+                kv_consumer_state, k_producer_state, block_i = step(
+                    kv_consumer_state, k_producer_state, n_block_max - 1 - n_tile, block_i,
+                    mask_fn=partial(mask_fn, mask_seqlen=False))
+            n_block_max = cutlass.min(n_block_max, n_block_right)
+            n_block_left = block_info.get_n_block_min_before_local_mask(seqlen, m_block, n_block_min)
+            for n_tile in cutlass.range(n_block_max - n_block_left, unroll=1):
+                kv_consumer_state, k_producer_state, block_i = step(
+                    kv_consumer_state, k_producer_state, n_block_max - 1 - n_tile, block_i, mask_fn=None)
+            if const_expr(block_info.window_size_left is not None):
+                n_block_max = cutlass.min(n_block_max, n_block_left)
+                for n_tile in cutlass.range(n_block_max - n_block_min, unroll=1):
+                    kv_consumer_state, k_producer_state, block_i = step(
+                        kv_consumer_state, k_producer_state, n_block_max - 1 - n_tile, block_i,
+                        mask_fn=partial(mask_fn, mask_seqlen=False))
+            # Every QK^T of the tile has retired: the P V warpgroups may write O into Q's buffer after FINAL.
+            row_scale = softmax.finalize()
+            self._store_scale(sScale, row_scale, t_sm, Int32(_FINAL_SLOT))
+            self._store_scale(sScale, softmax.row_sum, t_sm, Int32(_LSE_SLOT))  # finalize left the LSE there
+            cute.arch.barrier_arrive(barrier_id=int(NamedBarrierWideV.FINAL), number_of_threads=_BAR_THREADS)
+            tile_scheduler.prefetch_next_work()
+            tile_scheduler.advance_to_next_work()
+            work_tile = tile_scheduler.get_current_work()
+
+    @cute.jit
+    def _load_q(self, mQ: cute.Tensor, sQ: cute.Tensor, tma_atom_Q: Optional[cute.CopyAtom], pipeline_q,
+                gmem_tiled_copy_Q: cute.TiledCopy, seqlen, m_block: Int32, head_idx: Int32, batch_idx: Int32,
+                q_producer_phase: Int32, warp_idx_in_wg: Int32, t_sm: Int32):
+        """Q of the tile: TMA from warp 0, or (PackGQA rows without whole token groups) cp.async over SM's 128
+        threads, as FA4's producer does."""
+        mQ_cur = seqlen.offset_batch_Q(mQ, batch_idx, dim=3)[None, None, head_idx]
+        if const_expr(self.use_tma_Q):
+            if warp_idx_in_wg == 0:
+                gQ = cute.local_tile(mQ_cur, (self.tile_m, self.tile_hdim), (m_block, 0))
+                load_Q, _, _ = copy_utils.tma_get_copy_fn(tma_atom_Q, 0, cute.make_layout(1), gQ, sQ,
+                                                          single_stage=True)
+                pipeline_q.producer_acquire_w_index_phase(0, q_producer_phase)
+                load_Q(tma_bar_ptr=pipeline_q.sync_object_full.get_barrier(0))
+        else:
+            pack_gqa = PackGQA(self.tile_m, self.tile_hdim, self.check_hdim_oob, self.qhead_per_kvhead)
+            pipeline_q.producer_acquire_w_index_phase(0, q_producer_phase)
+            pack_gqa.load_Q(mQ_cur, sQ, gmem_tiled_copy_Q, t_sm, m_block, seqlen.seqlen_q)
+            cute.arch.cp_async_commit_group()
+            pipeline_q.producer_commit_w_index(0)
+
+    def _block_loader(self, mX, sX, tma_atom, pipeline_x, mPageTable, seqlen, batch_idx, head_idx_kv, width):
+        """``load(n_block, producer_state)`` for K (``width`` = head_dim) or V (head_dim_v): one acquired stage
+        by TMA, committed on the pipeline's barrier (contiguous: FA4's tile atom; paged: our page boxes). V's
+        page-box loads go through :meth:`_v_loader` instead (rows past the last key zeroed)."""
+        if const_expr(self.kv_box_rows is None):
+            mX_cur = seqlen.offset_batch_K(mX, batch_idx, dim=3)[None, None, head_idx_kv]
+            gX = cute.local_tile(mX_cur, (self.tile_n, width), (None, 0))
+            copy_fn, _, _ = copy_utils.tma_get_copy_fn(tma_atom, 0, cute.make_layout(1), gX, sX)
+            copy_fn = copy_utils.tma_producer_copy_fn(copy_fn, pipeline_x)
+
+            def load(n_block, producer_state):
+                copy_fn(src_idx=n_block, producer_state=producer_state)
+                pipeline_x.producer_commit(producer_state)
+            return load
+        tXsX, tXgX, last_box_row = self._box_partitions(mX, sX, tma_atom, seqlen, head_idx_kv, width)
+        return partial(self._load_kv_boxes, tma_atom, tXsX, tXgX, pipeline_x, mPageTable, batch_idx, last_box_row)
+
+    def _box_partitions(self, mX, sX, tma_atom, seqlen, head_idx_kv, width):
+        """Page-box TMA partitions of K or V (as ``_load_paged_boxes``) and the sequence's last box row."""
+        box_rows = self.kv_box_rows
+        sX_boxes = cute.zipped_divide(sX, (box_rows, width))
+        gX = cute.zipped_divide(mX[None, None, head_idx_kv, None], (box_rows, width))
+        tXsX, tXgX = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), sX_boxes, gX)
+        last_box_row = cutlass.max(seqlen.seqlen_k - 1, 0) // box_rows * box_rows
+        return tXsX, tXgX, last_box_row
+
+    @cute.jit
+    def _sm_qk(self, kv_consumer_state, mma_qk_fn: Callable, pipeline_k) -> cute.Tensor:
+        """S of the K stage of ``kv_consumer_state`` (waits for it, retires the wgmma, then releases the stage:
+        two arrivals per warp, the 8 of FA4's count)."""
+        pipeline_k.consumer_wait(kv_consumer_state, pipeline_k.consumer_try_wait(kv_consumer_state))
+        acc_S = mma_qk_fn(B_idx=kv_consumer_state.index, wg_wait=0)
+        pipeline_k.consumer_release(kv_consumer_state)
+        pipeline_k.consumer_release(kv_consumer_state)
+        return acc_S
+
+    @cute.jit
+    def _refill_k(self, k_producer_state, n_block: Int32, pipeline_k, load_K: Callable, n_block_min: Int32,
+                  warp_idx_in_wg: Int32):
+        """After S of key block ``n_block`` retired: warp 0 loads block ``n_block - num_stages`` (if in the
+        tile's range) into the stage just released. Returns the producer state (advanced when it loaded)."""
+        n_next = n_block - self.num_stages
+        if n_next >= n_block_min:
+            if warp_idx_in_wg == 0:
+                pipeline_k.producer_acquire(k_producer_state)
+                load_K(n_next, k_producer_state)
+            k_producer_state.advance()
+        return k_producer_state
+
+    @cute.jit
+    def _sm_step(self, kv_consumer_state, k_producer_state, n_block: Int32, block_i: Int32, qk: Callable,
+                 refill: Callable, softmax: Softmax, hand_off: Callable, mask_fn: Optional[Callable] = None):
+        """One SM iteration: S of key block ``n_block``, the K refill, its mask (``mask_fn`` None: an interior
+        block), the online softmax, hand-off ``block_i``. Returns the consumer and producer states and
+        ``block_i + 1``."""
+        acc_S = qk(kv_consumer_state)
+        k_producer_state = refill(k_producer_state, n_block)
+        if const_expr(mask_fn is not None):
+            mask_fn(acc_S=acc_S, n_block=n_block)
+        row_scale = softmax.online_softmax(acc_S, check_inf=True)
+        hand_off(acc_S, row_scale, block_i)
+        kv_consumer_state.advance()
+        return kv_consumer_state, k_producer_state, block_i + 1
+
+    @cute.jit
+    def _hand_off_p_smem(
+        self,
+        smem_thr_copy_P: cute.TiledCopy,
+        tPsP: cute.Tensor,
+        sScale: cute.Tensor,
+        t_sm: Int32,
+        acc_S: cute.Tensor,
+        row_scale: cute.Tensor,
+        block_i: Int32,
+    ):
+        """P of hand-off ``block_i`` (softmax numerators in ``acc_S``, converted to the input dtype) into P slot
+        ``block_i % 2`` and the row factors into factor slot ``block_i % 2``; fenced for wgmma, then
+        ``P_FULL``. From the third hand-off on, waits for both P V warpgroups to free the slot (``P_EMPTY``)."""
+        slot = block_i % _P_SLOTS
+        tOrP_acc = layout_utils.reshape_acc_to_frgA(acc_S)
+        tOrP = cute.make_fragment_like(tOrP_acc, self.dtype)
+        fa_utils.cvt_f16(tOrP_acc, tOrP)
+        if block_i >= _P_SLOTS:
+            cute.arch.barrier(barrier_id=int(NamedBarrierWideV.P_EMPTY_0) + slot, number_of_threads=_BAR_THREADS)
+        cute.copy(smem_thr_copy_P, smem_thr_copy_P.retile(tOrP), tPsP[None, None, None, slot])
+        self._store_scale(sScale, row_scale, t_sm, slot)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier_arrive(barrier_id=int(NamedBarrierWideV.P_FULL_0) + slot, number_of_threads=_BAR_THREADS)
+
+    # --- consumer warpgroups: P V, and the loads of V -------------------------------------------------------
+    @cute.jit
+    def mma(
+        self,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        mO: cute.Tensor,
+        mLSE: Optional[cute.Tensor],
+        sQ: cute.Tensor,
+        sK: cute.Tensor,
+        sVt: cute.Tensor,
+        sP: Optional[cute.Tensor],
+        sO: cute.Tensor,
+        learnable_sink: Optional[cute.Tensor],
+        pipeline_k,
+        pipeline_v,
+        pipeline_q,
+        gmem_tiled_copy_O: cute.TiledCopy,
+        tma_atom_O: Optional[cute.CopyAtom],
+        tidx: Int32,
+        softmax_scale_log2: Float32,
+        softmax_scale: Optional[Float32],
+        block_info,
+        SeqlenInfoCls: Callable,
+        AttentionMaskCls: Callable,
+        TileSchedulerCls: Callable,
+        blocksparse_tensors=None,
+        aux_data: AuxData = AuxData(),
+        fastdiv_mods=None,
+    ):
+        """Consumer entry (FA4's ``mma`` signature): ``tidx`` in ``[0, 256)``, warpgroup ``tidx // 128`` runs
+        :meth:`_mma_pv` on its half of V."""
+        block_info = self._mixed_block_info(block_info)
+        if const_expr(self.nan_safe_v):
+            self._nan_safe_setup(sVt, pipeline_v, block_info)
+        ctx = SimpleNamespace(
+            tiled_mma_pv=tiled_mma_pv, mO=mO, mLSE=mLSE, sVt=sVt, sP=sP, sScale=self._scale_tensor(sP), sO=sO,
+            pipeline_k=pipeline_k, pipeline_v=pipeline_v, pipeline_q=pipeline_q,
+            gmem_tiled_copy_O=gmem_tiled_copy_O, tma_atom_O=tma_atom_O, tidx=tidx,
+            softmax_scale_log2=softmax_scale_log2, softmax_scale=softmax_scale, block_info=block_info,
+            SeqlenInfoCls=self._mixed_seqlen_cls(SeqlenInfoCls), TileSchedulerCls=TileSchedulerCls,
+        )
+        self._mma_pv(ctx, cute.arch.make_warp_uniform(tidx // _WG))
+
+    @cute.jit
+    def _mma_pv(self, ctx: SimpleNamespace, pv: Int32):
+        """P V warpgroup ``pv`` (0 or 1): per key block, P and the factors from their slot, its half of O
+        rescaled and += P V[:, half]; PV0's warp 0 loads V; then the final factors and FA4's epilogue over both
+        P V warpgroups."""
+        tidx = ctx.tidx  # [0, 256): the epilogue's numbering
+        t_wg = tidx - pv * _WG
+        is_v_loader = cute.arch.make_warp_uniform(tidx // cute.arch.WARP_SIZE) == 0  # PV0's warp 0 (CTA warp 4)
+        # locals only inside the loops below: the DSL would try to carry the namespace's fields through them
+        block_info, sScale, SeqlenInfoCls = ctx.block_info, ctx.sScale, ctx.SeqlenInfoCls
+        pipeline_v, pipeline_q = ctx.pipeline_v, ctx.pipeline_q
+        epilogue = partial(self._epilogue, ctx)
+        # this thread's slice of the two-atom tiled MMA: atom `pv`, value columns [pv dv/2, (pv+1) dv/2)
+        acc_O, tOrP, tOrVt = sm90_utils.partition_fragment_ABC(
+            ctx.tiled_mma_pv.get_slice(tidx), (self.tile_m, self.tile_hdimv, self.tile_n), ctx.sP, ctx.sVt)
+        mma_pv_fn = partial(sm90_utils.gemm_w_idx, ctx.tiled_mma_pv, acc_O, tOrP, tOrVt)
+        # Only its rescale is used (the row statistics live in SM).
+        softmax = Softmax.create(ctx.softmax_scale_log2, num_rows=self._rows_per_thread(),
+                                 softmax_scale=ctx.softmax_scale)
+        softmax.reset()
+        mV, mPageTable, sV = self._mV_load, self._mPageTable_load, self._sV_load
+        # The page-box V loads' own barrier for a sequence's last block (_acquire_load_v), in the slot after the
+        # V pipeline's barriers (_get_shared_storage_cls), initialised by the loading warp.
+        tail_bar = pipeline_v.sync_object_empty.get_barrier(0) + self.num_stages
+        tail_phase = Int32(0)
+        if const_expr(self.kv_box_rows is not None):
+            if is_v_loader:
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_init(tail_bar, 1)
+                cute.arch.mbarrier_init_fence()
+                cute.arch.sync_warp()
+        q_consumer_phase = Int32(0)
+        v_producer_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        kv_consumer_state = self._consumer_state()
+        tile_scheduler = ctx.TileSchedulerCls()
+        work_tile = tile_scheduler.initial_work_tile_info()
+        while work_tile.is_valid_tile:
+            m_block, head_idx, batch_idx, _ = work_tile.tile_idx
+            seqlen = SeqlenInfoCls(batch_idx)
+            n_block_min, n_block_max = block_info.get_n_block_min_max(seqlen, m_block)
+            num_blocks = n_block_max - n_block_min
+            head_idx_kv = head_idx // self.qhead_per_kvhead if const_expr(not self.pack_gqa) else head_idx
+            load_V = self._v_loader(mV, sV, pipeline_v, mPageTable, seqlen, batch_idx, head_idx_kv, tail_bar)
+            if is_v_loader:  # the first num_stages V blocks (descending key order)
+                for i in cutlass.range(cutlass.min(self.num_stages, num_blocks), unroll=1):
+                    tail_phase = load_V(n_block_max - 1 - i, v_producer_state, tail_phase)
+                    v_producer_state.advance()
+            block = partial(self._pv_block, pipeline_v=pipeline_v, mma_pv_fn=mma_pv_fn, acc_O=acc_O,
+                            softmax=softmax, sScale=sScale, t_wg=t_wg, pv=pv, num_blocks=num_blocks,
+                            n_block_max=n_block_max, load_V=load_V, is_v_loader=is_v_loader)
+            if const_expr(not self.nan_safe_v):
+                for block_i in cutlass.range(num_blocks, unroll=1):
+                    kv_consumer_state, v_producer_state, tail_phase = block(
+                        kv_consumer_state, v_producer_state, tail_phase, block_i)
+            else:
+                # SM's three loops in hand-off order (kernel_wide's WG1): this warpgroup cleans its half of V in
+                # the masked ones.
+                n_block_right = block_info.get_n_block_min_causal_local_mask(seqlen, m_block, n_block_min)
+                n_block_left = block_info.get_n_block_min_before_local_mask(seqlen, m_block, n_block_min)
+                end_right = 1 + cutlass.max(n_block_max - 1 - n_block_right, 0)
+                end_interior = end_right + cutlass.max(
+                    cutlass.min(n_block_max - 1, n_block_right) - n_block_left, 0)
+                for block_i in cutlass.range(0, end_right, unroll=1):
+                    kv_consumer_state, v_producer_state, tail_phase = block(
+                        kv_consumer_state, v_producer_state, tail_phase, block_i, clean=True)
+                for block_i in cutlass.range(end_right, end_interior, unroll=1):
+                    kv_consumer_state, v_producer_state, tail_phase = block(
+                        kv_consumer_state, v_producer_state, tail_phase, block_i)
+                for block_i in cutlass.range(end_interior, num_blocks, unroll=1):
+                    kv_consumer_state, v_producer_state, tail_phase = block(
+                        kv_consumer_state, v_producer_state, tail_phase, block_i, clean=True)
+            cute.arch.barrier(barrier_id=int(NamedBarrierWideV.FINAL), number_of_threads=_BAR_THREADS)
+            softmax.rescale_O(acc_O, self._load_scale(sScale, softmax.row_sum, t_wg, Int32(_FINAL_SLOT)))
+            lse = self._load_scale(sScale, softmax.row_sum, t_wg, Int32(_LSE_SLOT))
+            epilogue(acc_O, lse, seqlen, m_block, head_idx, batch_idx)
+            # Q is SM's; the P V warpgroups' releases (after Q's load, so never early) free it for the next tile.
+            pipeline_q.consumer_wait_w_index_phase(0, q_consumer_phase)
+            pipeline_q.consumer_release_w_index(0)
+            q_consumer_phase ^= 1
+            tile_scheduler.advance_to_next_work()
+            work_tile = tile_scheduler.get_current_work()
+        if is_v_loader:
+            pipeline_v.producer_tail(v_producer_state)
+
+    def _v_loader(self, mV, sV, pipeline_v, mPageTable, seqlen, batch_idx, head_idx_kv, tail_bar):
+        """``load(n_block, producer_state, tail_phase) -> tail_phase``: acquire a V stage and load it
+        (contiguous: FA4's tile atom; paged: page boxes with the rows past the last key zeroed,
+        ``_acquire_load_v``)."""
+        tma_atom_V = self._tma_atom_V
+        if const_expr(self.kv_box_rows is None):
+            load = self._block_loader(mV, sV, tma_atom_V, pipeline_v, mPageTable, seqlen, batch_idx, head_idx_kv,
+                                      self.tile_hdimv)
+
+            def acquire_load(n_block, producer_state, tail_phase):
+                pipeline_v.producer_acquire(producer_state)
+                load(n_block, producer_state)
+                return tail_phase
+            return acquire_load
+        tVsV, tVgV, last_box_row = self._box_partitions(mV, sV, tma_atom_V, seqlen, head_idx_kv, self.tile_hdimv)
+        return partial(self._acquire_load_v, tma_atom_V, tVsV, tVgV, pipeline_v, mPageTable, batch_idx,
+                       last_box_row, sV, seqlen.seqlen_k, tail_bar)
+
+    @cute.jit
+    def _pv_block(self, kv_consumer_state, v_producer_state, tail_phase: Int32, block_i: Int32, pipeline_v,
+                  mma_pv_fn: Callable, acc_O: cute.Tensor, softmax: Softmax, sScale: cute.Tensor, t_wg: Int32,
+                  pv: Int32, num_blocks: Int32, n_block_max: Int32, load_V: Callable, is_v_loader,
+                  clean: cutlass.Constexpr[bool] = False):
+        """One P V iteration (hand-off ``block_i``): P and the factors from their slot, this half of O rescaled,
+        P V (with ``clean``: the NaN-safe clean-up of this half of V first), the V stage released; PV0's warp 0
+        then loads block ``block_i + num_stages`` into it (waiting for the other warpgroup's release). Returns the
+        consumer and producer states and the tail barrier's phase."""
+        slot = block_i % _P_SLOTS
+        cute.arch.barrier(barrier_id=int(NamedBarrierWideV.P_FULL_0) + slot, number_of_threads=_BAR_THREADS)
+        if block_i > 0:
+            softmax.rescale_O(acc_O, self._load_scale(sScale, softmax.row_sum, t_wg, slot))
+        pipeline_v.consumer_wait(kv_consumer_state, pipeline_v.consumer_try_wait(kv_consumer_state))
+        if const_expr(clean):
+            if pv == 0:
+                self._clean_v_stage(self._nf_sVt, kv_consumer_state.index, 0, self.half_v)
+            else:
+                self._clean_v_stage(self._nf_sVt, kv_consumer_state.index, self.half_v, self.half_v)
+        mma_pv_fn(A_idx=slot, B_idx=kv_consumer_state.index, zero_init=block_i == 0, wg_wait=0)
+        pipeline_v.consumer_release(kv_consumer_state)
+        kv_consumer_state.advance()
+        if block_i + _P_SLOTS < num_blocks:
+            cute.arch.barrier_arrive(barrier_id=int(NamedBarrierWideV.P_EMPTY_0) + slot,
+                                     number_of_threads=_BAR_THREADS)
+        j = block_i + self.num_stages
+        if j < num_blocks:
+            if is_v_loader:
+                tail_phase = load_V(n_block_max - 1 - j, v_producer_state, tail_phase)
+            v_producer_state.advance()
+        return kv_consumer_state, v_producer_state, tail_phase
+
+
+class FlashAttentionForwardSm90RolesSplit(SplitKVMixin, FlashAttentionForwardSm90Roles):
+    """:class:`FlashAttentionForwardSm90Roles` with split-KV (:class:`~blockdiff.attention.cute.kernel_split.
+    SplitKVMixin`: this CTA's chunk of the tile's key blocks, normalised fp32 partial output and LSE written by the
+    P V warpgroups' epilogue, merged by FA4's combine kernel)."""

@@ -1,0 +1,318 @@
+"""The cute backend's roles kernel (blockdiff.attention.cute.kernel_roles; ``CuteConfig.wide_design="roles"``, head
+dims above 256: a softmax warpgroup that also loads Q / K feeding two P V warpgroups through shared memory).
+
+* CPU (CI, no flash-attn-4): the ``wide_design`` field's validation, its tiles and shared-memory budget, and the
+  dispatch (kernel class, compile key, profiler range name) with ``_compile`` monkeypatched;
+* compile-only for sm_90a without a GPU (where flash-attn-4 and nvidia-cutlass-dsl are installed, skipped in CI):
+  contiguous and paged (pages of 64, 16, 8: 1, 4, 8 TMA boxes per stage) K/V, both window modes, LSE, no spills;
+* GPU (``python3 -m pytest -m gpu``, on the H200): the split-value kernel's tests (test_cute_kernel_wide.py) for
+  ``wide_design="roles"``: a hypothesis fuzz against the fp64 reference (page sizes 8/16/64/256 and contiguous;
+  48 is refused with NotImplementedError: no TMA page box), window modes, GQA, keys outside the allowed range
+  never loaded, split-KV, CUDA-graph replay with the metadata changed in place.
+"""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from blockdiff.attention.cute import compile_check as cchk
+from blockdiff.attention.cute import config as cc
+from blockdiff.attention.cute import interface as ca
+
+from cute_helpers import HAVE_FA4, fill_past_seq_lens, gpu_batch, graph_replay_check, needs_gpu, run_and_check
+
+H, HKV, D = 16, 2, 512
+ROLES = dict(wide_design="roles")
+
+
+# --- CPU: config ----------------------------------------------------------------------------------------------
+def test_wide_design_defaults_to_split_v_and_resolves_the_roles_tiles():
+    assert cc.CuteConfig().wide_design == "split_v"
+    assert cc.resolve_config(512, 512, None, None, 256).wide_design == "split_v"
+    r = cc.resolve_config(512, 512, None, ROLES, 256)
+    assert (r.tile_m, r.tile_n, r.num_stages, r.wide_design) == (64, 64, 1, "roles")
+    assert cc.resolve_config(512, 512, None, ROLES, 8192) == r.__class__(**{**r.__dict__, "lpt": True})
+    # a dict override keeps the roles base; num_stages: the most that fit (two at 32-key tiles)
+    r32 = cc.resolve_config(512, 512, 1023, dict(ROLES, tile_n=32), 256)
+    assert (r32.tile_n, r32.num_stages, r32.wide_design) == (32, 2, "roles")
+    # the CuteConfig form: only the switch set, the automatic roles tiles
+    assert cc.resolve_config(512, 512, None, cc.CuteConfig(wide_design="roles"), 256) == r
+
+
+@pytest.mark.parametrize("value,err", [("roles ", ValueError), ("wide", ValueError), (1, TypeError),
+                                       (None, TypeError), (True, TypeError)])
+def test_wide_design_is_validated_by_name(value, err):
+    with pytest.raises(err, match="wide_design"):
+        cc.check_config(dict(wide_design=value))
+    with pytest.raises(err, match="wide_design"):
+        cc.resolve_config(512, 512, None, dict(wide_design=value), 256)
+
+
+def test_roles_refuses_the_cluster_merge_and_takes_the_combine():
+    with pytest.raises(ValueError, match="cluster.*roles"):
+        cc.check_config(dict(wide_design="roles", split_merge="cluster"))
+    cfg = cc.resolve_launch_config(512, 512, None, ROLES, total_q=256, num_seqs=1, num_kv_heads=2,
+                                   qhead_per_kvhead=8, keys_capacity=32768, max_seqlen_q=256, max_seqlen_k=None,
+                                   num_sms=132)
+    assert (cfg.wide_design, cfg.num_splits, cfg.split_merge) == ("roles", 2, "combine")
+
+
+def test_wide_design_is_moot_below_head_dim_257(monkeypatch):
+    """FA4's kernel runs either way: the design resolves to the default, so both share one compile key."""
+    from types import SimpleNamespace
+    monkeypatch.setattr(cc, "_fa4_tile_size", lambda *a: SimpleNamespace(
+        m_block_size=128, n_block_size=128, mma_pv_is_rs=True, intra_wg_overlap=True))
+    assert cc.resolve_config(128, 128, None, ROLES, 256) == cc.resolve_config(128, 128, None, None, 256)
+
+
+def test_roles_shared_memory_budget():
+    """kernel_roles.py's table: Q 64 KB + (K + V) stages + two P slots + 4 KB of factors + 1 KB."""
+    roles = lambda **kw: cc.CuteConfig(tile_m=64, wide_design="roles", **kw)  # noqa: E731
+    assert cc.config_smem_bytes(roles(tile_n=64, num_stages=1), 512, 512) == 218_112
+    assert cc.config_smem_bytes(roles(tile_n=32, num_stages=2), 512, 512) == 209_920
+    # one factor slot (1 KB) more than the split-value kernel's
+    split_v = cc.CuteConfig(tile_m=64, tile_n=64, num_stages=1)
+    assert cc.config_smem_bytes(roles(tile_n=64, num_stages=1), 512, 512) == cc.config_smem_bytes(
+        split_v, 512, 512) + 1024
+    for tile_n, stages in ((64, 2), (48, 2)):
+        assert cc.config_smem_bytes(roles(tile_n=tile_n, num_stages=stages), 512, 512) > cc.SMEM_LIMIT_BYTES
+        with pytest.raises(ValueError, match="shared memory"):
+            cc.resolve_config(512, 512, None, dict(ROLES, tile_n=tile_n, num_stages=stages), 256)
+
+
+# --- CPU: dispatch ---------------------------------------------------------------------------------------------
+def _fake_run(monkeypatch, config, page=64, H_=16, Hkv=2):
+    """``ca._run`` on CPU tensors with ``_compile`` replaced: returns (compile keys, profiler range names)."""
+    monkeypatch.setenv("FLASH_ATTENTION_NUM_SMS", "132")
+    monkeypatch.setattr(ca, "_COMPILE_CACHE", {})
+    compiles = []
+    monkeypatch.setattr(ca, "_compile", lambda fa, key, *a: compiles.append(key) or (lambda *x: None))
+    fa = {"maybe_contiguous": lambda t, align_bytes=None: t, "is_fake_mode": lambda: True,
+          "combine": lambda *a, **k: (None, None)}  # split-KV: FA4's combine (not run here)
+    q = torch.zeros(256, H_, 512, dtype=torch.bfloat16)
+    k = torch.zeros(8 * 64 // page, page, Hkv, 512, dtype=torch.bfloat16)
+    kw = dict(out=None, return_lse=False, cu_seqlens_q=torch.tensor([0, 256], dtype=torch.int32),
+              num_causal_q=torch.zeros(1, dtype=torch.int32), seq_lens=torch.tensor([512], dtype=torch.int32),
+              block_table=torch.arange(8 * 64 // page, dtype=torch.int32)[None], cu_seqlens_k=None,
+              window_size=None, bidirectional_window="symmetric", scale=512 ** -0.5, arch=90, config=config,
+              max_seqlen_q=256)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        ca._run(fa, q, k, k, **kw)
+    return compiles, [e.name for e in prof.events() if e.name.startswith("blockdiff:cute_compile")]
+
+
+def test_roles_dispatch_kernel_name_and_compile_key(monkeypatch):
+    keys, names = _fake_run(monkeypatch, ROLES)
+    assert names == ["blockdiff:cute_compile FlashAttentionForwardSm90Roles 64x64 s1"]
+    assert ca.LAST_LAUNCH["kernel"] == "FlashAttentionForwardSm90Roles"
+    assert ca.LAST_LAUNCH["kv_path"] == "tma_boxes"
+    (key,) = keys
+    cfg = key[5]
+    assert cfg.wide_design == "roles"
+    # the default design is another compile key and the split-value kernel
+    keys_v, names_v = _fake_run(monkeypatch, None)
+    assert keys_v[0][5].wide_design == "split_v" and keys_v[0] != key
+    assert names_v == ["blockdiff:cute_compile FlashAttentionForwardSm90WideV 64x32 s1"]
+    assert ca._KERNEL_KEYS[ca.LAST_LAUNCH["kernel"]] == "KernelWide"
+
+
+def test_roles_page_boxes_of_any_count_and_split_kv_dispatch(monkeypatch):
+    """Pages of 16 are four TMA boxes per 64-key stage for the roles kernel (the split-value kernel sends more
+    than two to cp.async); an explicit split count runs the roles split-KV kernel."""
+    _fake_run(monkeypatch, ROLES, page=16)
+    assert ca.LAST_LAUNCH["kv_path"] == "tma_boxes"
+    _fake_run(monkeypatch, dict(tile_n=64), page=16)
+    assert ca.LAST_LAUNCH["kv_path"] == "cp.async"
+    _, names = _fake_run(monkeypatch, dict(ROLES, num_splits=2))
+    assert names == ["blockdiff:cute_compile FlashAttentionForwardSm90RolesSplit 64x64 s2"]
+    assert ca._KERNEL_KEYS[ca.LAST_LAUNCH["kernel"]] == "KernelRolesSplit"
+
+
+def test_roles_refuses_pages_without_a_tma_box(monkeypatch):
+    """Page 48 does not tile a 64-key stage: FA4's cp.async path is not built for the roles kernel."""
+    with pytest.raises(NotImplementedError, match="roles.*page size 48"):
+        _fake_run(monkeypatch, ROLES, page=48)
+
+
+def test_roles_config_is_refused_before_the_cute_dsl_import(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", None)
+    monkeypatch.setitem(sys.modules, "cutlass", None)
+    monkeypatch.setattr(ca, "_FA4", None)
+    q = torch.zeros(4, 16, 512, dtype=torch.bfloat16)
+    k = torch.zeros(4, 2, 512, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="wide_design"):
+        ca.attention_cute(q, k, k, cu_seqlens_q=torch.tensor([0, 4], dtype=torch.int32),
+                          cu_seqlens_k=torch.tensor([0, 4], dtype=torch.int32),
+                          seq_lens=torch.tensor([4], dtype=torch.int32), causal=torch.tensor([True]),
+                          config=dict(wide_design="rolez"))
+
+
+def test_roles_compile_matrix_names_the_design():
+    specs = cchk._with_design(cchk.ROLES_MATRIX, "roles")
+    assert all(s["config"]["wide_design"] == "roles" for s in specs)
+    assert {s["page_size"] for s in specs} >= {None, 64, 16, 8}
+    assert cchk._with_design(cchk.WIDE_MATRIX, None) is cchk.WIDE_MATRIX
+
+
+# --- compile only (flash-attn-4 and the CuTe DSL, no GPU) -------------------------------------------------------
+# (spec, spill bound in bytes): one TMA page box per stage (contiguous / page 64) spills nothing; the page-box
+# loads of 4 / 8 boxes per stage and the NaN-safe window clean-up on contiguous K/V spill a little (the report of
+# ``python -m blockdiff.attention.cute.compile_check --report-roles``).
+COMPILE_SPECS = [
+    (dict(page_size=None, window_size=None), 0),
+    (dict(page_size=None, window_size=1023, bidirectional_window="prefix"), 32),
+    (dict(page_size=64, window_size=1023), 0),
+    (dict(page_size=16, window_size=1023, bidirectional_window="prefix"), 320),
+    (dict(page_size=8, window_size=None), 192),
+]
+
+
+@pytest.mark.skipif(not HAVE_FA4, reason="compiling needs flash-attn-4==4.0.0b36 and nvidia-cutlass-dsl==4.8.1 "
+                    "(not installed here)")
+@pytest.mark.parametrize("extra,spill_bound", COMPILE_SPECS,
+                         ids=["contiguous", "contiguous_prefix", "page64_symmetric", "page16_prefix", "page8"])
+def test_roles_kernel_compiles_for_sm90(extra, spill_bound):
+    """hd 512, 16 q / 2 KV heads, LSE: 384 threads at 168 registers, setmaxnreg 152 (softmax + Q / K loads) /
+    176 (P V), the shared memory config_smem_bytes computes, spills within the bound (none with one page box)."""
+    spec = dict(head_dim=512, num_heads=16, num_kv_heads=2, return_lse=True, max_seqlen_q=256,
+                config=dict(ROLES), **extra)
+    try:
+        r = cchk.compile_for_sm90(**spec)
+    except RuntimeError as e:
+        if "cuda" in str(e).lower() and "driver" in str(e).lower():
+            pytest.skip(f"the CuTe DSL cannot compile without a CUDA driver here: {str(e)[-300:]}")
+        raise
+    assert "FlashAttentionForwardSm90Roles" in r["kernel"]
+    assert r["registers"] == 168
+    assert [tuple(x) for x in r["setmaxreg"]] == [("producer", 152), ("consumer", 176)]
+    assert r["spill_store_bytes"] <= spill_bound, r
+    if spill_bound == 0:
+        assert sum(r["sass_spills"].values()) == 0, r
+    cfg = cc.resolve_config(512, 512, extra["window_size"], spec["config"], 256)
+    assert r["smem_bytes"] == cc.config_smem_bytes(cfg, 512, 512) == 218_112
+    assert r["wgmma"] > 0
+
+
+# --- GPU ---------------------------------------------------------------------------------------------------------
+# (page size or None = contiguous, window mode or None = no window, config): one compile each. Pages of 64 and 256
+# load by one TMA box per K / V stage, 16 by four, 8 by eight; 32-key tiles with two stages in the last row.
+ROLES_CONFIGS = [
+    (64, None, ROLES),
+    (64, "symmetric", ROLES),
+    (None, "prefix", ROLES),
+    (16, "prefix", ROLES),
+    (8, "symmetric", ROLES),
+    (256, None, ROLES),
+    (64, "prefix", dict(ROLES, tile_n=32)),
+]
+
+
+def _kinds_to_ncq(q_lens, kinds):
+    return [ql if kd == "causal" else 0 if kd == "bidir" else ql // 2 for ql, kd in zip(q_lens, kinds)]
+
+
+@needs_gpu
+@pytest.mark.parametrize("page,mode,config", ROLES_CONFIGS)
+@settings(max_examples=4, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.data())
+def test_gpu_roles_fuzz_matches_reference(page, mode, config, data):
+    """Mixed batches (causal prefills, bidirectional canvases, split causal/bidirectional sequences, empty and
+    one-token sequences; contexts from 0 to past 2k) against the reference, windows drawn per example."""
+    B = data.draw(st.integers(1, 4), label="B")
+    q_lens = data.draw(st.lists(st.sampled_from([0, 1, 7, 64, 129, 256]), min_size=B, max_size=B), label="q_lens")
+    ctxs = data.draw(st.lists(st.sampled_from([0, 1, 31, 100, 1024, 2100]), min_size=B, max_size=B), label="ctx")
+    kinds = data.draw(st.lists(st.sampled_from(["causal", "bidir", "split"]), min_size=B, max_size=B),
+                      label="kinds")
+    window = None if mode is None else data.draw(st.sampled_from([0, 1, 33, 100, 1023]), label="window")
+    seed = data.draw(st.integers(0, 2 ** 16), label="seed")
+    q, k, v, kw = gpu_batch(q_lens, ctxs, _kinds_to_ncq(q_lens, kinds), H, HKV, D, page or 64, seed=seed,
+                            contiguous=page is None)
+    run_and_check(q, k, v, kw, window, mode or "symmetric", config=config, max_seqlen_q=256)
+    assert ca.LAST_LAUNCH["kernel"].startswith("FlashAttentionForwardSm90Roles")
+
+
+@needs_gpu
+def test_gpu_roles_page_48_is_refused():
+    q, k, v, kw = gpu_batch([64], [100], [0], H, HKV, D, 48, seed=1)
+    with pytest.raises(NotImplementedError, match="roles"):
+        ca.attention_cute(q, k, v, config=ROLES, max_seqlen_q=64, **kw)
+
+
+@needs_gpu
+@pytest.mark.parametrize("nan_safe_v", [True, False])
+def test_gpu_roles_long_prefill_and_many_blocks(nan_safe_v):
+    """A 1000-token causal prefill (longest-first order), a canvas over 3000 keys (about 50 key blocks: P slots
+    and the single K / V stages reused many times) and a one-token commit, in one launch."""
+    q, k, v, kw = gpu_batch([1000, 256, 1], [0, 3000, 77], [1000, 0, 1], H, HKV, D, 64, seed=7)
+    run_and_check(q, k, v, kw, None, "symmetric", max_seqlen_q=1000, config=dict(ROLES, nan_safe_v=nan_safe_v))
+
+
+@needs_gpu
+def test_gpu_roles_gqa_3_loads_q_without_tma():
+    """12 query heads on 4 KV heads: 64-row PackGQA tiles are not a multiple of 3, so the softmax warpgroup loads
+    Q by cp.async (all its 128 threads) and O is stored without TMA."""
+    q, k, v, kw = gpu_batch([300, 256, 1], [0, 1500, 77], [300, 0, 1], 12, 4, D, 64, seed=3)
+    run_and_check(q, k, v, kw, None, "symmetric", max_seqlen_q=300, config=ROLES)
+
+
+@needs_gpu
+@pytest.mark.parametrize("num_splits", [2, 3])
+def test_gpu_roles_split_kv_matches_reference(num_splits):
+    """Split-KV (FA4's combine) over a long canvas and short sequences (empty splits)."""
+    q, k, v, kw = gpu_batch([256, 7, 1], [5000, 10, 300], [0, 7, 1], H, HKV, D, 64, seed=11)
+    run_and_check(q, k, v, kw, 1023, "prefix", max_seqlen_q=256, config=dict(ROLES, num_splits=num_splits))
+    assert ca.LAST_LAUNCH["kernel"] == "FlashAttentionForwardSm90RolesSplit"
+
+
+@needs_gpu
+@pytest.mark.parametrize("page", [64, 16])
+def test_gpu_roles_keys_left_of_the_window_are_never_loaded(page):
+    """K/V left of every row's window are NaN: loading one of those blocks would turn the output NaN (0 * NaN in
+    P V), so an unchanged finite output shows the left tile skipping for causal, bidirectional and split rows."""
+    W, ctx = 1023, 4096
+    q, k, v, kw = gpu_batch([256, 256, 256], [ctx, ctx, ctx], [0, 256, 128], H, HKV, D, page, seed=5)
+    call = lambda: ca.attention_cute(q, k, v, window_size=W, bidirectional_window="prefix",  # noqa: E731
+                                     max_seqlen_q=256, return_lse=True, config=ROLES, **kw)[0]
+    clean = call()
+    bt = kw["block_table"].cpu()
+    poison_below = (ctx - W) // 64 * 64  # first key any tile loads: (ctx - W) rounded down to a 64-key block
+    for b in range(3):
+        pos = torch.arange(poison_below)
+        pages, offs = bt[b, pos // page].long().cuda(), (pos % page).cuda()
+        k[pages, offs] = float("nan")
+        v[pages, offs] = float("nan")
+    poisoned = call()
+    assert torch.isfinite(poisoned).all()
+    assert torch.equal(poisoned, clean)
+
+
+@needs_gpu
+@pytest.mark.parametrize("page", [64, 16, 8])
+def test_gpu_roles_cache_rows_past_seq_lens_and_unused_table_slots_stay_out(page):
+    """NaN after each sequence's last key (its last page) and an all-NaN page behind every unused block-table
+    slot: the page-box loads (one / four / eight boxes, V's tail zeroed by the P V warpgroup that loads it) keep
+    both out; the output equals the clean one."""
+    from blockdiff.attention.testing import check_close
+    q, k, v, kw = gpu_batch([256, 100, 5], [1000, 5, 300], [0, 0, 5], H, HKV, D, page, seed=page,
+                            nan_pad_page=True)
+    clean = ca.attention_cute(q, k, v, max_seqlen_q=256, return_lse=True, config=ROLES, **kw)[0]
+    fill_past_seq_lens(k, v, kw, page, float("nan"))
+    dirty = ca.attention_cute(q, k, v, max_seqlen_q=256, return_lse=True, config=ROLES, **kw)[0]
+    assert torch.equal(dirty, clean)
+    check_close(dirty, q, k, v, **kw)
+
+
+@needs_gpu
+def test_gpu_roles_cuda_graph_replay_with_metadata_changed_in_place():
+    """One capture, replayed with other lengths, causal row counts and a permuted block table written in place:
+    each replay matches the reference (output poisoned before each replay)."""
+    steps = [([512, 128, 128], [0, 2000, 100], [512, 0, 64], 1),
+             ([256, 256, 256], [2800, 1000, 0], [0, 256, 100], 2)]
+    graph_replay_check(steps, H=H, Hkv=HKV, D=D, page=64, B=3, cap_q=768, max_blocks=48, max_seqlen_q=512,
+                       config=ROLES)
