@@ -263,10 +263,12 @@ def num_prompts_for(concurrency: int, per_concurrency: int = 2, minimum: int = 8
 
 def bench_serve_args(*, base_url: str, model: str, concurrency: int, num_prompts: int, num_warmups: int,
                      result_dir: str, result_filename: str, seed: int = 0, metadata: dict | None = None,
-                     output_len: int = OUTPUT_LEN) -> list[str]:
+                     output_len: int = OUTPUT_LEN, ready_check_timeout_s: int | None = None) -> list[str]:
     """Arguments of ``vllm bench serve`` (vLLM 0.26) for one run of the benchmark's setting: the ``random``
     dataset, 4096 prompt and ``output_len`` (512) output tokens (range ratio 0), EOS ignored, no sampling options
-    (the servers' defaults), TTFT / TPOT / ITL / end-to-end percentiles 50 and 99, the detailed result saved."""
+    (the servers' defaults), TTFT / TPOT / ITL / end-to-end percentiles 50 and 99, the detailed result saved.
+    ``ready_check_timeout_s``: None keeps vLLM's ready check (0.26: a whole first request, untimed, before the
+    run); 0 skips it (``--ready-check-timeout-sec 0``: a profile's trace then holds only the load)."""
     args = ["--backend", "openai", "--base-url", base_url, "--endpoint", "/v1/completions", "--model", model,
             "--dataset-name", "random", "--random-input-len", str(INPUT_LEN), "--random-output-len", str(output_len),
             "--random-range-ratio", "0", "--ignore-eos", "--max-concurrency", str(concurrency),
@@ -274,6 +276,8 @@ def bench_serve_args(*, base_url: str, model: str, concurrency: int, num_prompts
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
             "--save-result", "--save-detailed", "--result-dir", result_dir, "--result-filename", result_filename,
             "--disable-tqdm"]
+    if ready_check_timeout_s is not None:
+        args += ["--ready-check-timeout-sec", str(int(ready_check_timeout_s))]
     if metadata:
         args += ["--metadata", *[f"{k}={v}" for k, v in metadata.items()]]
     return args
@@ -1140,7 +1144,8 @@ def profile(args) -> dict:
     try:
         name = f"profile_{args.quant}-{args.backend}"
         bargs = bench_serve_args(base_url=base, model=args.model, concurrency=args.requests, num_prompts=args.requests,
-                                 num_warmups=0, result_dir=str(work), result_filename=f"{name}.json", seed=12345)
+                                 num_warmups=0, result_dir=str(work), result_filename=f"{name}.json", seed=12345,
+                                 ready_check_timeout_s=0)  # no untimed test request inside the trace
         offset = clock_offset_s()
         result, why = run_bench_serve(args.bench_cmd, bargs, result_path=work / f"{name}.json",
                                       log_path=work / f"{name}.log", timeout_s=args.run_timeout)

@@ -95,6 +95,10 @@ def test_bench_serve_args_are_the_setting():
         assert part in s, part
     assert "--temperature" not in s and "--extra-body" not in s  # the servers' defaults: generation_config.json
     assert [bs.num_prompts_for(c) for c in (1, 4, 16, 64)] == [8, 8, 32, 128]
+    assert "--ready-check-timeout-sec" not in s
+    skip = bs.bench_serve_args(base_url="http://h:1", model="/m", concurrency=2, num_prompts=2, num_warmups=0,
+                               result_dir="/r", result_filename="x.json", ready_check_timeout_s=0)
+    assert skip[skip.index("--ready-check-timeout-sec") + 1] == "0"
     assert bs.num_prompts_for(4, 3, 2) == 12
 
 
@@ -110,6 +114,10 @@ def test_vllm_0_26_parses_the_client_arguments():
                                           metadata={"a": "b"}))
     assert (ns.random_input_len, ns.random_output_len, ns.max_concurrency, ns.num_prompts) == (4096, 512, 4, 8)
     assert ns.ignore_eos and ns.save_detailed and ns.backend == "openai" and ns.metadata == ["a=b"]
+    assert ns.ready_check_timeout_sec == 600  # vLLM's own ready check (a whole untimed request) unless asked
+    skip = bs.bench_serve_args(base_url="http://h:1", model="/m", concurrency=2, num_prompts=2, num_warmups=0,
+                               result_dir="/r", result_filename="x.json", ready_check_timeout_s=0)
+    assert p.parse_args(skip).ready_check_timeout_sec == 0  # a profile's trace holds only its load
 
 
 # ---- server command line ---------------------------------------------------------------------------------------
