@@ -177,7 +177,7 @@ def cudagraph_capture_sizes(max_num_seqs: int, max_num_batched_tokens: int,
 def server_command(backend: str, quant: str, *, model: str, port: int, max_num_seqs: int, kv_cache_bytes: int,
                    gpu_memory_utilization: float, trace_dir: str | None = None,
                    max_num_batched_tokens: int = 16384, max_model_len: int = MAX_MODEL_LEN,
-                   enforce_eager: bool = False, async_scheduling: bool = True,
+                   enforce_eager: bool = False, async_scheduling: bool = True, api_server_count: int = 1,
                    python: str = sys.executable) -> tuple[dict[str, str], list[str]]:
     """Environment and argv of ``vllm serve`` for one side of the benchmark.
 
@@ -203,6 +203,9 @@ def server_command(backend: str, quant: str, *, model: str, port: int, max_num_s
         max_num_batched_tokens: token budget of one engine step (>= canvas_length * max_num_seqs lets every running
             canvas into one step). max_model_len: tokens per request.
         enforce_eager: no CUDA graphs / torch.compile. async_scheduling: keep vLLM's asynchronous scheduling.
+        api_server_count: vLLM's API server processes (``--api-server-count``, >= 1; default 1, vLLM's without data
+            parallelism): more spread the requests' input processing (tokenization, rendering) over processes
+            (docs/tuning.md 7.12: the ~4 s per 64-request load outside the GPU's span).
         python: the interpreter that runs vLLM.
 
     Returns:
@@ -219,6 +222,7 @@ def server_command(backend: str, quant: str, *, model: str, port: int, max_num_s
     _check_int("max_num_seqs", max_num_seqs, 1)
     _check_int("kv_cache_bytes", kv_cache_bytes, 1)
     _check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
+    _check_int("api_server_count", api_server_count, 1)
     _check_int("max_model_len", max_model_len, INPUT_LEN + OUTPUT_LEN)
     if isinstance(gpu_memory_utilization, bool) or not isinstance(gpu_memory_utilization, (int, float)) or not (
             0 < gpu_memory_utilization <= 1):
@@ -230,6 +234,8 @@ def server_command(backend: str, quant: str, *, model: str, port: int, max_num_s
             "--diffusion-config", json.dumps(diffusion_config(), separators=(",", ":")),
             "--no-enable-prefix-caching", "--block-size", str(BLOCK_SIZE)]
     argv.append("--async-scheduling" if async_scheduling else "--no-async-scheduling")  # explicit: vLLM's default
+    if api_server_count != 1:
+        argv += ["--api-server-count", str(api_server_count)]
     if quant == "fp8":
         argv += ["--quantization", "fp8"]
     if enforce_eager:
@@ -1426,6 +1432,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--enforce-eager", action="store_true")
     s.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                    help="vLLM's synchronous scheduling (default: asynchronous, vLLM's default)")
+    s.add_argument("--api-server-count", type=_pos_int, default=1, help="vLLM's API server processes (default 1)")
 
     for name, helptext in (("sweep", "vllm bench serve at each concurrency -> rows"),
                            ("profile", "torch-profile a short load, classify the trace")):
@@ -1533,7 +1540,8 @@ def _main(args) -> int:
                                     max_num_seqs=args.max_num_seqs, kv_cache_bytes=int(args.kv_cache_gib * 2**30),
                                     gpu_memory_utilization=args.gpu_memory_utilization, trace_dir=args.trace_dir,
                                     max_num_batched_tokens=args.max_num_batched_tokens,
-                                    enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling)
+                                    enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
+                                    api_server_count=args.api_server_count)
         print(shlex.join(["env", *[f"{k}={v}" for k, v in env.items()], *argv_]))
         return 0
     if args.command == "sweep":

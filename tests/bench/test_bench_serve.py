@@ -147,6 +147,11 @@ def test_server_command_of_each_side():
     assert "--attention-backend CUSTOM" in s and "BlockdiffDiffusionAsyncScheduler" in s
     assert "--quantization" not in s and "--no-async-scheduling" not in s and "--enforce-eager" in s
     assert "BLOCKDIFF_PROFILE_COMPILES" not in env  # Triton's compile hooks only on a profiled blockdiff server
+    assert "--api-server-count" not in argv  # vLLM's default, 1
+    _, four = bs.server_command("vllm", "fp8", api_server_count=4, **kw)
+    assert four[four.index("--api-server-count") + 1] == "4"
+    with pytest.raises(ValueError, match="api_server_count"):
+        bs.server_command("vllm", "fp8", api_server_count=0, **kw)
     env, _ = bs.server_command("blockdiff-cute", "fp8", trace_dir="/tmp/tr", **kw)
     assert env["BLOCKDIFF_PROFILE_COMPILES"] == "1"
     assert "--profiler-config" not in s
@@ -183,6 +188,12 @@ def test_server_cmd_prints_a_shell_line(capsys):
     parts = shlex.split(line)
     assert parts[0] == "env" and "BLOCKDIFF_ATTN_BACKEND=triton" in parts
     assert parts[parts.index("--kv-cache-memory-bytes") + 1] == str(28 << 30)
+    assert "--api-server-count" not in parts
+    assert bs.main(["server-cmd", "--backend", "vllm", "--quant", "fp8", "--model", "/m", "--port", "8041",
+                    "--max-num-seqs", "64", "--kv-cache-gib", "28", "--gpu-memory-utilization", "0.6",
+                    "--api-server-count", "4"]) == 0
+    parts = shlex.split(capsys.readouterr().out.strip())
+    assert parts[parts.index("--api-server-count") + 1] == "4"
 
 
 @needs_vllm

@@ -62,6 +62,7 @@
 # PROFILE_REQUESTS: requests of the profiled load (default 1: the concurrency-1 goal's step; 2026-12-02 profiled 2).
 #   PROFILE_WARM: requests of the unprofiled warm-up load sent just before it (default PROFILE_REQUESTS, 0: none;
 #   7.10's cold profile traced first-use JIT compiles); PROFILE_TIMEOUT_S: both loads and the trace export (400).
+# API_SERVERS=N: vLLM's --api-server-count N on the servers started (docs/tuning.md 7.12).
 # Other switches: ENFORCE_EAGER=1 (both servers without CUDA graphs / compile), ASYNC=0 (both with
 #   --no-async-scheduling), WAIT_S, SIDE_S, CONC (default 1,4,16,64), INTERLEAVE=1 (bench: one concurrency at a
 #   time on both sides, the whole phase within TOTAL_S, default 400 s).
@@ -109,6 +110,7 @@ start)
     if alive $name; then echo "$name already running (pid $(cat $W/$name.pid))"; continue; fi
     extra=""; [ "${ENFORCE_EAGER:-0}" = 1 ] && extra="$extra --enforce-eager"
     [ "${ASYNC:-1}" = 0 ] && extra="$extra --no-async-scheduling"
+    [ -n "${API_SERVERS:-}" ] && extra="$extra --api-server-count $API_SERVERS"
     if [ -n "${SERVER_CMD:-}" ]; then cmd="$SERVER_CMD $2 $W/trace_$name"  # a stand-in server (CPU tests)
     else cmd=$($BS server-cmd --backend $1 --quant $quant --model $MODEL --port $2 --max-num-seqs $3 --kv-cache-gib $4 \
           --gpu-memory-utilization $5 --trace-dir $W/trace_$name $extra) || exit 1; fi
