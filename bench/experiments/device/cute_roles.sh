@@ -2,8 +2,8 @@
 # on the lent H200 in one command, within ~560 s, after the CuTe DSL's first staging run (this is the second: it
 # unpacks part 2 first when STAGE2=1, carrying .device/p2). Logs and records under $OUT.
 #  1. its GPU tests (tests/attention/cute/test_cute_kernel_roles.py) in three parallel shards of at most T s each
-#     (default 230): the fuzz against the reference, the rest, and the split-value kernel's file beside them;
-#  2. bench_attention within B s (default 300): the triton backend, cute split_v (the default) and cute roles at
+#     (default 200): the fuzz against the reference, the rest, and the split-value kernel's file beside them;
+#  2. bench_attention within B s (default 320): the triton backend, cute split_v (the default) and cute roles at
 #     64-key (its default) and 32-key tiles, on mixed_global_ctx8k and canvas_bs1_ctx32k_global (named suite),
 #     then canvas_bs16_ctx8k_global (batch ladder: a grid that fills the GPU without splits, each kernel's own
 #     rate). Roles rows are cute[{"wide_design": "roles"...}] beside the default cute row.
@@ -12,7 +12,7 @@ set -u
 source bench/experiments/device/stage2.sh
 source bench/experiments/device/env.sh
 export OUT=${OUT:-/tmp/out}; mkdir -p $OUT
-t=${T:-230}; b=${B:-300}
+t=${T:-200}; b=${B:-320}
 P="python3 -m pytest -m gpu -q -p no:cacheprovider -rf --maxfail=5"
 F=tests/attention/cute/test_cute_kernel_roles.py
 timeout $t $P $F -k fuzz > $OUT/gpu_roles_fuzz.log 2>&1 < /dev/null &
