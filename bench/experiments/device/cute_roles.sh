@@ -1,8 +1,8 @@
 # The cute backend's roles kernel (wide_design="roles", attention/cute/kernel_roles.py; issue 27 item 1 follow-up)
 # on the lent H200 in one command, within ~560 s, after the CuTe DSL's first staging run (this is the second: it
 # unpacks part 2 first when STAGE2=1, carrying .device/p2). Logs and records under $OUT.
-#  1. its GPU tests (tests/attention/cute/test_cute_kernel_roles.py) in three parallel shards of at most T s each
-#     (default 200): the fuzz against the reference, the rest, and the split-value kernel's file beside them;
+#  1. its GPU tests (tests/attention/cute/test_cute_kernel_roles.py) in four parallel shards of at most T s each
+#     (default 200): the fuzz against the reference (two shards), the rest, and the split-value kernel's file;
 #  2. bench_attention within B s (default 320): the triton backend, cute split_v (the default) and cute roles at
 #     64-key (its default) and 32-key tiles, on mixed_global_ctx8k and canvas_bs1_ctx32k_global (named suite),
 #     then canvas_bs16_ctx8k_global (batch ladder: a grid that fills the GPU without splits, each kernel's own
@@ -15,11 +15,13 @@ export OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 t=${T:-200}; b=${B:-320}
 P="python3 -m pytest -m gpu -q -p no:cacheprovider -rf --maxfail=5"
 F=tests/attention/cute/test_cute_kernel_roles.py
-timeout $t $P $F -k fuzz > $OUT/gpu_roles_fuzz.log 2>&1 < /dev/null &
+# the fuzz's seven configurations (one compile each, more with split-KV) in two shards
+timeout $t $P $F -k "fuzz and (config0 or config1 or config2 or config3)" > $OUT/gpu_roles_fuzz1.log 2>&1 < /dev/null &
+timeout $t $P $F -k "fuzz and (config4 or config5 or config6)" > $OUT/gpu_roles_fuzz2.log 2>&1 < /dev/null &
 timeout $t $P $F -k "not fuzz" > $OUT/gpu_roles_rest.log 2>&1 < /dev/null &
 timeout $t $P tests/attention/cute/test_cute_kernel_wide.py > $OUT/gpu_wide.log 2>&1 < /dev/null &
 wait
-for f in $OUT/gpu_roles_fuzz.log $OUT/gpu_roles_rest.log $OUT/gpu_wide.log; do
+for f in $OUT/gpu_roles_fuzz1.log $OUT/gpu_roles_fuzz2.log $OUT/gpu_roles_rest.log $OUT/gpu_wide.log; do
   echo "== $f"; grep -E "passed|failed|error" $f | tail -2; grep -E "^FAILED|Timeout" $f | head -5
 done
 CFGS='[{"wide_design": "roles"}, {"wide_design": "roles", "tile_n": 32}]'
