@@ -29,6 +29,7 @@ import os
 import torch
 
 from ..validate import check_attention_inputs, length_hint_value
+from .compile_cache import make_compile_cache
 from .config import (REQUIRED, WIDE_MAX_PAGE_BOXES, check_config, is_wide, kv_load_path, resolve_launch_config,
                      unsupported_head_dims)
 # re-exported for bench/, which imports them from this module (their home is config.py / blocks.py)
@@ -74,6 +75,9 @@ def _fa4():
     except ImportError as e:
         raise ImportError(
             f"attention backend 'cute' needs {REQUIRED}; importing them failed (wrong versions?): {e}") from e
+    global _COMPILE_CACHE
+    if _COMPILE_CACHE is _DEFAULT_CACHE and not _DEFAULT_CACHE:
+        _COMPILE_CACHE = make_compile_cache()
     dtypes = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
     _FA4 = dict(cutlass=cutlass, cute=cute, to_cute_tensor=to_cute_tensor, maybe_contiguous=maybe_contiguous,
                 is_fake_mode=is_fake_mode, AuxData=AuxData, Kernel=FlashAttentionForwardSm90Mixed,
@@ -93,7 +97,11 @@ def _arch(device) -> int:
     return major * 10 + minor
 
 
-_COMPILE_CACHE: dict = {}
+#: Compiled kernels by compile key. The module's own empty dict until the first launch loads flash-attn-4
+#: (:func:`_fa4`), which replaces it by :func:`.compile_cache.make_compile_cache` (FA4's JIT cache: on disk when
+#: ``FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1``); a cache a test put in its place stays.
+_DEFAULT_CACHE: dict = {}
+_COMPILE_CACHE = _DEFAULT_CACHE
 #: What the last call ran (host-side record, for benchmarks and tests): ``kernel`` (the kernel class name),
 #: ``config`` (the resolved :class:`~blockdiff.attention.cute.config.CuteConfig`, ``num_splits`` filled in) and
 #: ``kv_path`` (:func:`~blockdiff.attention.cute.config.kv_load_path`).
@@ -274,7 +282,7 @@ def _run(fa, q, k_cache, v_cache, *, out, return_lse, cu_seqlens_q, num_causal_q
     if cfg.nan_safe_v:  # the NaN-safe fix-up reads V itself (kernel.py, "NaN-safe V"): the last aux tensor
         aux.append(v_cache)
     lse_k = None if split else lse
-    compiled = _COMPILE_CACHE.get(key)
+    compiled = _COMPILE_CACHE[key] if key in _COMPILE_CACHE else None  # a dict or FA4's JIT cache (no .get)
     if compiled is None:
         with torch.profiler.record_function(compile_range_name(LAST_LAUNCH["kernel"], cfg)):
             compiled = _compile(fa, key, q, k_cache, v_cache, out_k, lse_k, scale, cu_q, cu_k, seqused_k,
