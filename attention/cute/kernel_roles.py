@@ -10,11 +10,12 @@ pieces (P slots, factor slots, tiled MMAs, NaN-safe V clean-up).
 
 Why the softmax warpgroup is also the producer
 ----------------------------------------------
-ptxas (CuTe DSL 4.8.1) allocates every code region of a kernel within the register count a thread launches with
-(64 K / threads): ``setmaxnreg`` moves registers at run time but does not let a region's code use more (an
-m64n256 fp32 accumulator, 128 registers a thread, needs ~154 with its operands: "Insufficient registers (128)"
-at 512 threads, 90 needed for m64n128 at 768 threads with 80). So a P V warpgroup owning half of the 64 x 512
-output fits only in a CTA of at most 384 threads (168 registers), i.e. three warpgroups, and FA4's body gives
+With the CuTe DSL 4.8.1, a separate producer warpgroup beside three compute warpgroups did not compile: at 512
+threads (128 registers each at launch) ptxas refused the P V multiply with an m64n256 fp32 accumulator
+("Insufficient registers (128) ... target of 154", NVIDIA/cutlass#2904), and at 768 threads four m64n128 quarters
+needed 90 against 80. (Why is not established: in this kernel's SASS the P V code uses registers up to R173,
+above its launch count of 168, after ``setmaxnreg``.) So a P V warpgroup owning half of the 64 x 512
+output is built in a CTA of 384 threads (168 registers), i.e. three warpgroups, and FA4's body gives
 warpgroup 0 to its producer. Here warpgroup 0 is the softmax warpgroup and issues the loads of Q and K itself
 (one warp of it), and the first P V warpgroup issues the loads of V: each buffer is refilled by the role that
 frees it, right when it frees it (K as soon as S's wgmma retires, the triton roles kernel's early refill at
@@ -70,9 +71,9 @@ rows that allow them, exactly as the split-value kernel's WG1.
 
 Registers
 ---------
-384 threads launch with 168 registers each; every code region is compiled within 168 (above). ``setmaxnreg``
-(FA4's body): SM (producer slot) decreases to 152 (its code is compiled within 152), the P V warpgroups increase to
-176, 152 + 2 x 176 = 504 <= 3 x 168 (a larger sum would make an increase wait forever). A P V thread holds 128
+384 threads launch with 168 registers each. ``setmaxnreg`` (FA4's body): SM (producer slot) decreases to 152, the
+P V warpgroups increase to 176 (their code uses up to R173 in the compiled configurations), 152 + 2 x 176 = 504 <=
+3 x 168 (a larger sum would make an increase wait forever). A P V thread holds 128
 accumulator registers (64 x 256 fp32 over 128 threads); SM holds S (``tile_n / 2``) and P (``tile_n / 4``).
 
 Shared memory
@@ -157,7 +158,11 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
         """The split-value kernel's struct (Q, K, V, two P slots, then the factor slots); K's size in bytes is
         kept for :meth:`_sP_from_sK` (a Python int for the kernel trace)."""
         self._sK_bytes = int(cute.cosize(self.sK_layout)) * self.dtype.width // 8
-        return super()._get_shared_storage_cls()
+        storage_cls = super()._get_shared_storage_cls()
+        offsets = storage_cls._offsets  # the struct's static byte offsets (cute.struct); _sP_from_sK relies on them
+        assert offsets["sP"] - offsets["sK"] == (self._sK_bytes + 1023) // 1024 * 1024, (
+            "_sP_from_sK: P no longer follows K in the shared-storage struct", offsets)
+        return storage_cls
 
     def _sP_from_sK(self, sK: cute.Tensor) -> cute.Tensor:
         """The P slots in shared memory, found from K's buffer: the shared-storage struct places them right after
