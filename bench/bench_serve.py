@@ -729,6 +729,17 @@ _GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 _LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
 
 
+def merge_intervals(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of ``(start, end)`` intervals as sorted, disjoint ``(start, end)`` intervals (touching ones merge)."""
+    out: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
 def summarize_trace(events: Iterable[dict], *, canvas_length: int = CANVAS_LENGTH, max_canvases: int = 2,
                     top: int = 8, min_gap_us: float = 1000.0,
                     requests: Sequence[tuple[float, float, float]] | None = None, base_ns: int | None = None) -> dict:
@@ -856,18 +867,10 @@ def summarize_trace(events: Iterable[dict], *, canvas_length: int = CANVAS_LENGT
     # cadence (one step annotation start to the next) against each canvas step's kernel time
     ivs = sorted((float(k["ts"]), float(k["ts"]) + float(k.get("dur", 0))) for k in gpu
                  if float(k["ts"]) >= starts[0])
-    busy, gaps, gap_ivs, cur_s, cur_e = 0.0, [], [], None, None
-    for a, b in ivs:
-        if cur_e is None or a > cur_e:
-            if cur_e is not None:
-                busy += cur_e - cur_s
-                gaps.append(a - cur_e)
-                gap_ivs.append((cur_e, a))
-            cur_s, cur_e = a, b
-        else:
-            cur_e = max(cur_e, b)
-    if cur_e is not None:
-        busy += cur_e - cur_s
+    merged = merge_intervals(ivs)
+    busy = sum(b - a for a, b in merged)
+    gap_ivs = [(merged[i][1], merged[i + 1][0]) for i in range(len(merged) - 1)]
+    gaps = [b - a for a, b in gap_ivs]
     span = max(b for _, b in ivs) - ivs[0][0] if ivs else 0.0
     cadence = [(steps[i + 1][0] - steps[i][0]) / 1e3 for i in canvas if i + 1 < len(steps)]
     big = [g / 1e3 for g in gaps if g >= 1000.0]
@@ -948,16 +951,7 @@ def load_window(events: Sequence[dict], steps: Sequence[tuple[float, float, int,
     we = max(we, ws)
     win = sorted((max(a, ws), min(b, we)) for a, b in
                  ((float(k["ts"]), float(k["ts"]) + float(k.get("dur", 0))) for k in gpu) if b > ws and a < we)
-    busy, cur_s, cur_e = 0.0, None, None
-    for a, b in win:
-        if cur_e is None or a > cur_e:
-            if cur_e is not None:
-                busy += cur_e - cur_s
-            cur_s, cur_e = a, b
-        else:
-            cur_e = max(cur_e, b)
-    if cur_e is not None:
-        busy += cur_e - cur_s
+    busy = sum(b - a for a, b in merge_intervals(win))
     if win:
         lead = win[0][0] - ws
         tail = we - max(b for _, b in win)
@@ -1051,14 +1045,7 @@ def attribute_idle_gaps(events: Sequence[dict], steps: Sequence[tuple[float, flo
         by_position[pos] += ms
         kind = _step_kind(steps[i][3], steps[i][4]) if i >= 0 else "before_first_step"
         after_kind[kind] = after_kind.get(kind, 0.0) + ms
-        c, cur_s, cur_e = 0.0, None, None
-        for lo, hi in sorted(cover[j]):
-            if cur_e is None or lo > cur_e:
-                c += (cur_e - cur_s) if cur_e is not None else 0.0
-                cur_s, cur_e = lo, hi
-            else:
-                cur_e = max(cur_e, hi)
-        c += (cur_e - cur_s) if cur_e is not None else 0.0
+        c = sum(hi - lo for lo, hi in merge_intervals(cover[j]))
         covered += c / 1e3
 
         def desc(k):

@@ -544,6 +544,12 @@ def test_sweep_with_vllm_0_26_client_against_a_fake_server(tmp_path, model_dir):
     assert row["time_per_canvas_ms"] >= 15 and row["memory_error"]
 
 
+def test_merge_intervals_is_the_sorted_disjoint_union():
+    assert bs.merge_intervals([]) == []
+    assert bs.merge_intervals([(5, 6), (0, 2), (1, 3), (3, 4), (7, 7)]) == [(0, 4), (5, 6), (7, 7)]
+    assert bs.merge_intervals([(0, 10), (2, 3)]) == [(0, 10)]
+
+
 def _window_case():
     """A synthetic trace (prefill step + a canvas step) with two blockdiff:add_request ranges, each with Kineto's
     gpu_user_annotation copy."""
