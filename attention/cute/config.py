@@ -263,19 +263,12 @@ _CONFIG_FIELDS = ("tile_m", "tile_n", "mma_pv_is_rs", "intra_wg_overlap", "num_s
 
 
 def _check_field(name: str, v) -> None:
-    if name == "wide_design":
+    choices = {"wide_design": WIDE_DESIGNS, "split_merge": SPLIT_MERGES}.get(name)
+    if choices is not None:  # a str switch with named values
         if not isinstance(v, str):
-            raise TypeError(f"config wide_design must be a str, one of {WIDE_DESIGNS}, got {type(v).__name__} "
-                            f"({v!r})")
-        if v not in WIDE_DESIGNS:
-            raise ValueError(f"config wide_design must be one of {WIDE_DESIGNS}, got {v!r}")
-        return
-    if name == "split_merge":
-        if not isinstance(v, str):
-            raise TypeError(f"config split_merge must be a str, one of {SPLIT_MERGES}, got {type(v).__name__} "
-                            f"({v!r})")
-        if v not in SPLIT_MERGES:
-            raise ValueError(f"config split_merge must be one of {SPLIT_MERGES}, got {v!r}")
+            raise TypeError(f"config {name} must be a str, one of {choices}, got {type(v).__name__} ({v!r})")
+        if v not in choices:
+            raise ValueError(f"config {name} must be one of {choices}, got {v!r}")
         return
     if name == "nan_safe_v":
         if not isinstance(v, bool):
