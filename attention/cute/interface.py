@@ -282,7 +282,10 @@ def _run(fa, q, k_cache, v_cache, *, out, return_lse, cu_seqlens_q, num_causal_q
     if cfg.nan_safe_v:  # the NaN-safe fix-up reads V itself (kernel.py, "NaN-safe V"): the last aux tensor
         aux.append(v_cache)
     lse_k = None if split else lse
-    compiled = _COMPILE_CACHE[key] if key in _COMPILE_CACHE else None  # a dict or FA4's JIT cache (no .get)
+    try:  # one lookup (a dict, or FA4's JIT cache, which has no .get and loads a disk entry inside [])
+        compiled = _COMPILE_CACHE[key]
+    except KeyError:
+        compiled = None
     if compiled is None:
         with torch.profiler.record_function(compile_range_name(LAST_LAUNCH["kernel"], cfg)):
             compiled = _compile(fa, key, q, k_cache, v_cache, out_k, lse_k, scale, cu_q, cu_k, seqused_k,
