@@ -1111,8 +1111,17 @@ def _terminate_as_exit(signum, frame):  # SIGTERM (a `timeout` around the comman
 def profile(args) -> dict:
     """The ``profile`` subcommand: returns the summary written to ``--out``. A SIGTERM during the profiled load
     still sends ``/stop_profile`` (the server's profiler is never left on)."""
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _terminate_as_exit)
+    if threading.current_thread() is not threading.main_thread():  # signal handlers belong to the main thread
+        return _profile(args)
+    previous = signal.signal(signal.SIGTERM, _terminate_as_exit)
+    try:
+        return _profile(args)
+    finally:  # the caller's handler back (bench_serve.main also runs inside other processes, e.g. the tests)
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _profile(args) -> dict:
+    """:func:`profile`'s body."""
     base = args.base_url.rstrip("/")
     work = _work_dir(args)
     t0 = time.time()

@@ -695,8 +695,11 @@ def test_profile_warms_up_with_an_unprofiled_load_of_the_same_size_before_the_pr
 
 
 def test_profile_against_a_fake_server(tmp_path):
+    import signal
+
     trace_dir = tmp_path / "traces"
     out = tmp_path / "prof.json"
+    handler = signal.getsignal(signal.SIGTERM)
     with FakeVllmServer(trace_dir=str(trace_dir)) as srv:
         rc = bs.main(["profile", "--base-url", srv.base_url, "--model", "/tmp/dg26b", "--backend", "vllm",
                       "--quant", "fp8", "--trace-dir", str(trace_dir), "--bench-cmd", FAKE_BENCH,
@@ -705,6 +708,7 @@ def test_profile_against_a_fake_server(tmp_path):
     s = json.loads(out.read_text())
     assert rc == 0 and s["status"] == "ok", s.get("reason")
     assert calls == ["POST /start_profile", "POST /stop_profile"]
+    assert signal.getsignal(signal.SIGTERM) is handler  # the caller's SIGTERM handler is back
     assert s["canvas_steps"] == 4 and s["prefill_steps"] == 1 and s["load"]["complete"]
     assert s["canvas_step_ms"]["sampler"] == pytest.approx(2.3) and s["trace_file"].endswith(".json.gz")
     assert bs.main(["trace", s["trace_file"], "--out", str(tmp_path / "again.json")]) == 0
