@@ -2,7 +2,7 @@
 FlashAttention-4's persistent cache is on (``FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1``, folder
 ``FLASH_ATTENTION_CUTE_DSL_CACHE_DIR``, default ``$TMPDIR/$USER/flash_attention_cute_dsl_cache``).
 
-A CuTe DSL compile of one of this backend's kernels takes 7-10 s on the serving machine (docs/tuning.md 7.10); a
+A CuTe DSL compile of one of this backend's kernels takes seconds (docs/tuning.md 7.10); a
 server restarted, or a second process (test shards, a second server), loads the exported object from disk
 instead. The disk cache is FA4's ``JITPersistentCache`` (ahead-of-time export of the tvm-ffi compiled function,
 file locks, an unloadable entry counts as a miss and is recompiled); its folder is namespaced by FA4's own source

@@ -13,8 +13,7 @@ Why the softmax warpgroup is also the producer
 With the CuTe DSL 4.8.1, a separate producer warpgroup beside three compute warpgroups did not compile: at 512
 threads (128 registers each at launch) ptxas refused the P V multiply with an m64n256 fp32 accumulator
 ("Insufficient registers (128) ... target of 154", NVIDIA/cutlass#2904), and at 768 threads four m64n128 quarters
-needed 90 against 80. (Why is not established: in this kernel's SASS the P V code uses registers up to R173,
-above its launch count of 168, after ``setmaxnreg``.) So a P V warpgroup owning half of the 64 x 512
+needed 90 against 80 (why is not established; the compile records are in docs/tuning.md 2.8). So a P V warpgroup owning half of the 64 x 512
 output is built in a CTA of 384 threads (168 registers), i.e. three warpgroups, and FA4's body gives
 warpgroup 0 to its producer. Here warpgroup 0 is the softmax warpgroup and issues the loads of Q and K itself
 (one warp of it), and the first P V warpgroup issues the loads of V: each buffer is refilled by the role that
@@ -72,7 +71,7 @@ rows that allow them, exactly as the split-value kernel's WG1.
 Registers
 ---------
 384 threads launch with 168 registers each. ``setmaxnreg`` (FA4's body): SM (producer slot) decreases to 152, the
-P V warpgroups increase to 176 (their code uses up to R173 in the compiled configurations), 152 + 2 x 176 = 504 <=
+P V warpgroups increase to 176, 152 + 2 x 176 = 504 <=
 3 x 168 (a larger sum would make an increase wait forever). A P V thread holds 128
 accumulator registers (64 x 256 fp32 over 128 threads); SM holds S (``tile_n / 2``) and P (``tile_n / 4``).
 

@@ -221,7 +221,7 @@ def _pad16(n: int) -> int:
     """``n`` rounded up to a multiple of 16 elements. The step's output buffers place each segment at such an
     offset, so every pointer argument is 16-byte aligned for any row count: Triton specializes a kernel on each
     pointer's 16-byte alignment (and an int argument on == 1 / % 16), and offsets of ``k * N`` elements made every
-    residue class of N a new compile mid-serving (docs/tuning.md 7.11: ~1 s each on a cold cache)."""
+    residue class of N a new compile mid-serving (docs/tuning.md 7.11)."""
     return (n + 15) // 16 * 16
 
 
