@@ -26,8 +26,9 @@ the run, written by ``vllm bench serve``) and must be 16.
 Subcommands:
   model       write the benchmark's model folder (:func:`write_model_folder`).
   server-cmd  print the ``vllm serve`` command line of one side (:func:`server_command`; what the device script runs).
-  sweep       first a warm-up run (max-num-seqs one-canvas requests at once: the batch sizes the server will see
-              compile here, not in a timed run), then for each concurrency C: ``vllm bench serve``
+  sweep       first a warm-up run (max-num-seqs requests at once, ``--warm-output-len`` tokens each, by default
+              the timed runs' 512: the largest timed load's shape, so the batch sizes and second-canvas contexts
+              the server will see compile here, not in a timed run; docs/tuning.md 7.11), then for each concurrency C: ``vllm bench serve``
               (``--max-concurrency C``, ``--num-prompts`` P = max(K * C, M), ``--num-warmups`` min(C, 4) first, a
               seed per C, ``--save-detailed``), its result JSON parsed into one row (:func:`row_from_result`)
               appended to ``--rows`` (JSON lines; the first line of a sweep is the environment record), while
@@ -564,14 +565,14 @@ def sweep(args) -> list[dict]:
     warm_c = args.max_num_seqs if args.warm_concurrency is None else args.warm_concurrency
     if warm_c > 0:  # every batch size up to max-num-seqs once, so no compile lands in a timed run
         name = f"warm_c{warm_c}_{args.quant}-{args.backend}"
-        common.log(f"{name}: {warm_c} one-canvas requests at once (not recorded)")
+        common.log(f"{name}: {warm_c} requests of {args.warm_output_len} tokens at once (not recorded)")
         result, why = run_bench_serve(
             args.bench_cmd, bench_serve_args(base_url=args.base_url, model=args.model, concurrency=warm_c,
                                              num_prompts=warm_c, num_warmups=1, result_dir=str(work),
                                              result_filename=f"{name}.json", seed=args.seed + 999,
-                                             output_len=CANVAS_LENGTH),
+                                             output_len=args.warm_output_len),
             result_path=work / f"{name}.json", log_path=work / f"{name}.log", timeout_s=args.run_timeout)
-        env["warm_up"] = {"concurrency": warm_c, "s": time.perf_counter() - t_sweep, "ok": result is not None,
+        env["warm_up"] = {"concurrency": warm_c, "output_len": args.warm_output_len, "s": time.perf_counter() - t_sweep, "ok": result is not None,
                           "completed": None if result is None else result.get("completed"), "error": why}
     append_jsonl(rows_path, {"env": env})
     rows = []
@@ -1398,6 +1399,14 @@ _pos_int, _nonneg_int = _number(int, 0, True), _number(int, 0, False)
 _pos_float, _nonneg_float = _number(float, 0, True), _number(float, 0, False)
 
 
+def _canvas_multiple(s: str) -> int:
+    """argparse type: a positive int that is a multiple of the canvas length (whole canvases)."""
+    v = _pos_int(s)
+    if v % CANVAS_LENGTH:
+        raise argparse.ArgumentTypeError(f"expected a multiple of the canvas length {CANVAS_LENGTH}, got {s!r}")
+    return v
+
+
 def _cmd(s: str) -> list[str]:
     parts = shlex.split(s)
     if not parts:
@@ -1450,8 +1459,11 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--min-prompts", type=_nonneg_int, default=8, help="M: prompts = max(K * C, M)")
     sw.add_argument("--warmup-cap", type=_nonneg_int, default=WARMUP_CAP, help="warm-up requests per run: min(C, this)")
     sw.add_argument("--warm-concurrency", type=_nonneg_int, default=None,
-                    help="before the runs: this many one-canvas requests at once, not recorded (default "
-                         "--max-num-seqs, so every batch size the server runs has compiled; 0: none)")
+                    help="before the runs: this many requests at once, not recorded (default --max-num-seqs, so "
+                         "every batch size the server runs has compiled; 0: none)")
+    sw.add_argument("--warm-output-len", type=_canvas_multiple, default=OUTPUT_LEN,
+                    help=f"output tokens of each warm-up request, a positive multiple of {CANVAS_LENGTH} (default "
+                         f"{OUTPUT_LEN}, the timed runs': a second canvas's context compiles there too)")
     sw.add_argument("--seed", type=_nonneg_int, default=0, help="dataset seed base (run at C uses seed + C)")
     sw.add_argument("--rows", required=True, help="JSON-lines file the rows are appended to")
     sw.add_argument("--nvidia-smi", type=_cmd, default=["nvidia-smi"])

@@ -494,6 +494,7 @@ def test_sweep_with_a_stand_in_client(tmp_path, monkeypatch, capsys):
     lines = _read(rows)
     assert "env" in lines[0] and lines[0]["env"]["backend"] == "blockdiff-triton" and "vllm" in lines[0]["env"]
     assert lines[0]["env"]["warm_up"]["concurrency"] == 64 and lines[0]["env"]["warm_up"]["ok"]
+    assert lines[0]["env"]["warm_up"]["output_len"] == bs.OUTPUT_LEN  # the largest timed load's shape
     assert (tmp_path / "w" / "warm_c64_fp8-blockdiff-triton.json").exists()
     r1, r4 = lines[1:]
     assert (r1["workload"], r4["workload"], r1["num_prompts"], r4["num_warmups"]) == ("serve_c1_fp8", "serve_c4_fp8",
@@ -511,6 +512,14 @@ def test_sweep_with_a_stand_in_client(tmp_path, monkeypatch, capsys):
     assert bs.main(argv + ["--concurrency", "2"]) == 1
     err = _read(rows)[-1]
     assert err["status"] == "error" and "exit 3" in err["reason"] and not err["complete"]
+
+
+@pytest.mark.parametrize("bad", ["0", "100", "-256", "x"])
+def test_the_sweep_warm_up_length_must_be_whole_canvases(bad, capsys):
+    with pytest.raises(SystemExit):
+        bs.main(["sweep", "--base-url", "http://127.0.0.1:9", "--model", "/m", "--backend", "vllm", "--quant", "fp8",
+                 "--max-num-seqs", "4", "--rows", "/tmp/r.jsonl", "--warm-output-len", bad])
+    assert "--warm-output-len" in capsys.readouterr().err
 
 
 def test_a_client_cut_by_the_sweep_budget_is_timeout_not_a_lost_request(tmp_path, monkeypatch):
