@@ -104,7 +104,8 @@ _DEFAULT_CACHE: dict = {}
 _COMPILE_CACHE = _DEFAULT_CACHE
 #: What the last call ran (host-side record, for benchmarks and tests): ``kernel`` (the kernel class name),
 #: ``config`` (the resolved :class:`~blockdiff.attention.cute.config.CuteConfig`, ``num_splits`` filled in) and
-#: ``kv_path`` (:func:`~blockdiff.attention.cute.config.kv_load_path`).
+#: ``kv_path`` (:func:`~blockdiff.attention.cute.config.kv_load_path`). An empty call (no query rows) launches
+#: nothing: ``kernel`` None, never the previous call's record.
 LAST_LAUNCH: dict = {}
 
 
@@ -216,6 +217,8 @@ def _run(fa, q, k_cache, v_cache, *, out, return_lse, cu_seqlens_q, num_causal_q
         out = torch.empty(total_q, H, head_dim_v, dtype=q.dtype, device=q.device)
     lse = torch.empty(H, total_q, dtype=torch.float32, device=q.device) if return_lse else None
     if total_q == 0:
+        LAST_LAUNCH.clear()
+        LAST_LAUNCH.update(kernel=None, config=None, kv_path=None)
         return (out, lse) if return_lse else out
     mc = fa["maybe_contiguous"]
     # The kernel writes a dense, 16-byte aligned out; any other caller-given out gets a copy back.

@@ -268,7 +268,8 @@ def run_plan(plan: Plan, q, k_cache, v_cache, calls, out, last_launch: dict, seq
     """Launch a planned call on this call's tensors (allocations and dtype / layout conversions of the metadata
     are per call: device ops without a host sync). ``calls``: (cu_seqlens_q, seq_lens, causal, num_causal_q,
     block_table, cu_seqlens_k) as passed; ``seq_lens`` / ``causal_rows``: their validated int32 forms, if any.
-    ``last_launch`` is updated with what ran (kernel handle, num_splits, grid, config as a dict, impl).
+    ``last_launch`` is updated with what ran (kernel handle, num_splits, grid, config as a dict, impl); an empty
+    call (no query rows) launches nothing and leaves every field None, never the previous call's record.
 
     Returns:
         ``out`` or ``(out, lse)``.
@@ -281,6 +282,8 @@ def run_plan(plan: Plan, q, k_cache, v_cache, calls, out, last_launch: dict, seq
     lse = torch.empty(plan.num_heads, plan.total_q, dtype=torch.float32, device=q.device) if plan.return_lse \
         else None
     if plan.empty:
+        last_launch.clear()
+        last_launch.update(kernel=None, num_splits=None, grid=None, config=None, impl=None)
         return (out, lse) if plan.return_lse else out
     dst = torch.empty_like(out, memory_format=torch.contiguous_format) if plan.private_dst else out
     # the kernel indexes metadata as dense 1-D arrays: strided views get a dense copy (a device copy, no host

@@ -381,3 +381,24 @@ def test_a_first_use_compile_is_a_named_profiler_range_and_a_cached_launch_opens
     assert len(compiles) == 1 and len(first) == 1, first
     assert first[0] == "blockdiff:cute_compile FlashAttentionForwardSm90WideV 64x32 s1"
     assert names() == [] and len(compiles) == 1  # cached: no compile, no range
+
+
+def test_an_empty_call_records_that_nothing_launched(monkeypatch):
+    """``LAST_LAUNCH`` after a call with no query rows is ``kernel`` None, not the previous call's record (H200,
+    2026-12-03: the roles fuzz read a stale or missing record after an empty batch)."""
+    monkeypatch.setenv("FLASH_ATTENTION_NUM_SMS", "132")
+    monkeypatch.setattr(ca, "_COMPILE_CACHE", {})
+    monkeypatch.setattr(ca, "_compile", lambda fa, key, *a: (lambda *x: None))
+    fa = {"maybe_contiguous": lambda t, align_bytes=None: t, "is_fake_mode": lambda: True}
+    k = torch.zeros(8, 64, 2, 512, dtype=torch.bfloat16)
+    kw = dict(out=None, return_lse=False, num_causal_q=torch.zeros(1, dtype=torch.int32),
+              seq_lens=torch.tensor([512], dtype=torch.int32), block_table=torch.arange(8, dtype=torch.int32)[None],
+              cu_seqlens_k=None, window_size=None, bidirectional_window="symmetric", scale=512 ** -0.5, arch=90,
+              config=None)
+    ca._run(fa, torch.zeros(256, 16, 512, dtype=torch.bfloat16), k, k,
+            cu_seqlens_q=torch.tensor([0, 256], dtype=torch.int32), max_seqlen_q=256, **kw)
+    assert ca.LAST_LAUNCH["kernel"] == "FlashAttentionForwardSm90WideV"
+    out = ca._run(fa, torch.zeros(0, 16, 512, dtype=torch.bfloat16), k, k,
+                  cu_seqlens_q=torch.tensor([0, 0], dtype=torch.int32), max_seqlen_q=0, **kw)
+    assert out.shape == (0, 16, 512)
+    assert ca.LAST_LAUNCH == {"kernel": None, "config": None, "kv_path": None}

@@ -234,7 +234,10 @@ def test_gpu_roles_fuzz_matches_reference(page, mode, config, data):
     q, k, v, kw = gpu_batch(q_lens, ctxs, _kinds_to_ncq(q_lens, kinds), H, HKV, D, page or 64, seed=seed,
                             contiguous=page is None)
     run_and_check(q, k, v, kw, window, mode or "symmetric", config=config, max_seqlen_q=256)
-    assert ca.LAST_LAUNCH["kernel"].startswith("FlashAttentionForwardSm90Roles")
+    if sum(q_lens):
+        assert ca.LAST_LAUNCH["kernel"].startswith("FlashAttentionForwardSm90Roles")
+    else:  # an empty batch launches nothing (H200, 2026-12-03: the record was the previous call's or missing)
+        assert ca.LAST_LAUNCH["kernel"] is None
 
 
 @needs_gpu

@@ -74,6 +74,15 @@ def test_zero_length_sequences_and_empty_batch():
     assert out.shape == (0, 4, 16) and lse.shape == (4, 0)
 
 
+def test_an_empty_call_records_that_nothing_launched():
+    """``LAST_LAUNCH`` after a call with no query rows is ``kernel`` None, not the previous call's record (the
+    cute backend's roles fuzz read a stale record after an empty batch on the H200, 2026-12-03)."""
+    run_and_check(make_batch(**MIXED), config=SMALL)
+    assert LAST_LAUNCH["grid"] is not None and LAST_LAUNCH["num_splits"] >= 1
+    attention_triton(**make_batch(seq_lens=[0, 5], q_lens=[0, 0], causal=[True, False]))
+    assert LAST_LAUNCH == dict.fromkeys(("kernel", "num_splits", "grid", "config", "impl"))
+
+
 def test_fewer_query_tokens_than_sequences():
     inp = make_batch(seq_lens=[4, 7, 2, 9, 5, 1], q_lens=[0, 1, 0, 1, 0, 1],
                      causal=[False, True, False, False, True, False])
