@@ -404,7 +404,7 @@ def main(argv=None) -> list[dict]:
                                                    "rows (default: the automatic count only)")
     ap.add_argument("--soft-chunks", default="", help="comma list of the chunked soft embedding's vocabulary chunks "
                                                       "(tokens) to run as checked fused[chunk<Vc>] rows (default: "
-                                                      "the automatic chunk only: a 32 MiB bf16 buffer)")
+                                                      "the automatic chunk only, soft_embedding.chunk_size)")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--out", default=None, help="output folder (default $OUT or bench/results/)")
     args = ap.parse_args(argv)

@@ -22,7 +22,8 @@ next iteration overwrote them (a RAW hazard, NaN soft embeddings; triton-lang/tr
 multi-buffered; the MMA of one CTA / warpgroup overlaps the exp2 of the others only.
 
 ``"chunked"`` (:func:`soft_embedding_chunked`): for each chunk ``[v0, v0 + Vc)`` of the vocabulary (the buffer
-``[M, Vc]`` stays <= :data:`MAX_CHUNK_BYTES`):
+``[M, Vc]`` stays <= :data:`MAX_CHUNK_BYTES`, or at large batches <= :data:`LARGE_BATCH_CHUNK_BYTES` so that a chunk
+keeps :data:`LARGE_BATCH_CHUNK` tokens: :func:`chunk_size`):
 
 1. :func:`_prob_chunk_kernel` writes ``P_c[r, j] = exp2(((x - c) / T - m) * log2e) * inv_s`` rounded to E's dtype into
    one reusable buffer [M, Vc] (the same formula as the Triton GEMM's A operand). P is 0 past V, on rows not
@@ -44,7 +45,7 @@ host sync, fixed buffer shapes (all from static shapes): capturable in a CUDA gr
 (cuBLAS cannot skip the greedy / finished requests' rows without data-dependent shapes; their P rows are zero).
 
 Extra memory: split-K workspace ``SPLIT_K * N * CL * hidden * 4`` bytes (34.6 MB for sampler_n4 at SPLIT_K = 3);
-chunked: the P buffer (<= 32 MiB; fp32 on the CPU) + acc [M, hidden] fp32 (11.5 MB for sampler_n4).
+chunked: the P buffer (<= 32 MiB, <= 256 MiB from 1,025 rows up; fp32 on the CPU) + acc [M, hidden] fp32 (11.5 MB for sampler_n4).
 Semantics: docs/ARCHITECTURE.md "Sampler semantics", rule 7.
 """
 from __future__ import annotations
@@ -60,7 +61,8 @@ from ..state import SamplerState
 from .common import interpret_mode, round_to, side_stream
 from .config import SamplerConfig
 
-__all__ = ["soft_embedding", "soft_embedding_chunked", "write_soft", "chunk_size", "MAX_CHUNK_BYTES"]
+__all__ = ["soft_embedding", "soft_embedding_chunked", "write_soft", "chunk_size", "MAX_CHUNK_BYTES",
+           "LARGE_BATCH_CHUNK", "LARGE_BATCH_CHUNK_BYTES"]
 
 
 # ---------------------------------------------------------------------------------------------- split-K GEMM
@@ -289,6 +291,11 @@ def write_soft(state: SamplerState, slots: torch.Tensor, ws: torch.Tensor, mode:
 # ---------------------------------------------------------------------------------------------- chunked
 #: Upper bound of the bf16 probability buffer [M, Vc] in bytes.
 MAX_CHUNK_BYTES = 32 * 2**20
+#: Large batches: the automatic chunk is raised towards LARGE_BATCH_CHUNK tokens while the buffer stays within
+#: LARGE_BATCH_CHUNK_BYTES. A chunk's cuBLAS GEMM reads and writes the fp32 accumulator [M, hidden] once, so its
+#: traffic per FLOP falls with the chunk (K) (measured at 8,192 rows, docs/tuning.md 7.13).
+LARGE_BATCH_CHUNK = 16384
+LARGE_BATCH_CHUNK_BYTES = 256 * 2**20
 
 
 @triton.jit
@@ -338,7 +345,9 @@ def _prob_chunk_kernel(
 
 def chunk_size(M: int, V: int, requested: int | None = None, itemsize: int = 2) -> int:
     """Vocabulary chunk Vc: ``requested`` (clipped to V), else the largest power of two in [64, 65536] such that the
-    [M, Vc] buffer of ``itemsize``-byte elements fits :data:`MAX_CHUNK_BYTES` (64 if none does), clipped to V.
+    [M, Vc] buffer of ``itemsize``-byte elements fits :data:`MAX_CHUNK_BYTES` (64 if none does), then doubled while
+    it is below :data:`LARGE_BATCH_CHUNK` tokens and the buffer still fits :data:`LARGE_BATCH_CHUNK_BYTES` (large
+    batches: 8,192 rows get 16,384-token chunks, 16,384 rows 8,192, in bf16), clipped to V.
 
     Raises:
         ValueError: ``requested`` < 1.
@@ -349,6 +358,8 @@ def chunk_size(M: int, V: int, requested: int | None = None, itemsize: int = 2) 
         return min(int(requested), V)
     vc = 64
     while vc * 2 * max(M, 1) * itemsize <= MAX_CHUNK_BYTES and vc * 2 <= 65536:
+        vc *= 2
+    while vc < LARGE_BATCH_CHUNK and vc * 2 * max(M, 1) * itemsize <= LARGE_BATCH_CHUNK_BYTES:
         vc *= 2
     return max(1, min(vc, V))
 
