@@ -27,8 +27,8 @@ Subcommands:
   model       write the benchmark's model folder (:func:`write_model_folder`).
   server-cmd  print the ``vllm serve`` command line of one side (:func:`server_command`; what the device script runs).
   sweep       first a warm-up run (max-num-seqs requests at once, ``--warm-output-len`` tokens each, by default
-              the timed runs' 512: the largest timed load's shape, so the batch sizes and second-canvas contexts
-              the server will see compile here, not in a timed run; docs/tuning.md 7.11), then for each concurrency C: ``vllm bench serve``
+              one canvas: the batch sizes the server will see compile here, not in a timed run; 512, the c64
+              load's shape, measured no faster c64 and cost stock's side 40 s, docs/tuning.md 7.13), then for each concurrency C: ``vllm bench serve``
               (``--max-concurrency C``, ``--num-prompts`` P = max(K * C, M), ``--num-warmups`` min(C, 4) first, a
               seed per C, ``--save-detailed``), its result JSON parsed into one row (:func:`row_from_result`)
               appended to ``--rows`` (JSON lines; the first line of a sweep is the environment record), while
@@ -1461,9 +1461,9 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--warm-concurrency", type=_nonneg_int, default=None,
                     help="before the runs: this many requests at once, not recorded (default --max-num-seqs, so "
                          "every batch size the server runs has compiled; 0: none)")
-    sw.add_argument("--warm-output-len", type=_canvas_multiple, default=OUTPUT_LEN,
+    sw.add_argument("--warm-output-len", type=_canvas_multiple, default=CANVAS_LENGTH,
                     help=f"output tokens of each warm-up request, a positive multiple of {CANVAS_LENGTH} (default "
-                         f"{OUTPUT_LEN}, the timed runs': a second canvas's context compiles there too)")
+                         f"{CANVAS_LENGTH}, one canvas; {OUTPUT_LEN}: the timed runs' shape)")
     sw.add_argument("--seed", type=_nonneg_int, default=0, help="dataset seed base (run at C uses seed + C)")
     sw.add_argument("--rows", required=True, help="JSON-lines file the rows are appended to")
     sw.add_argument("--nvidia-smi", type=_cmd, default=["nvidia-smi"])

@@ -494,7 +494,7 @@ def test_sweep_with_a_stand_in_client(tmp_path, monkeypatch, capsys):
     lines = _read(rows)
     assert "env" in lines[0] and lines[0]["env"]["backend"] == "blockdiff-triton" and "vllm" in lines[0]["env"]
     assert lines[0]["env"]["warm_up"]["concurrency"] == 64 and lines[0]["env"]["warm_up"]["ok"]
-    assert lines[0]["env"]["warm_up"]["output_len"] == bs.OUTPUT_LEN  # the largest timed load's shape
+    assert lines[0]["env"]["warm_up"]["output_len"] == bs.CANVAS_LENGTH  # one canvas (docs/tuning.md 7.13)
     assert (tmp_path / "w" / "warm_c64_fp8-blockdiff-triton.json").exists()
     r1, r4 = lines[1:]
     assert (r1["workload"], r4["workload"], r1["num_prompts"], r4["num_warmups"]) == ("serve_c1_fp8", "serve_c4_fp8",

@@ -20,8 +20,7 @@
 # torch.compiles the model (Dynamo + Inductor on a cold cache, both servers at once on 16 cores: ~2-4 min), captures
 # CUDA graphs (~50 sizes up to 512 tokens, ~1 min) and, on blockdiff's side, JIT-compiles its Triton kernels: `wait`
 # should see both healthy after ~4-7 min (it gives up at WAIT_S, 560 s; run it again if both are still starting).
-# `bench`: per side first a warm-up (max-num-seqs requests of 512 tokens at once, the c64 load's shape: every batch
-# size and second-canvas context compiles there,
+# `bench`: per side first a warm-up (max-num-seqs one-canvas requests at once: every batch size compiles there,
 # not in a timed run; the stock sampler's torch.compile runs there and in c1's warm-up request), then ~10-15 s per
 # `vllm bench serve` start (imports) and ~2-40 s per concurrency (c64: 128 prompts); blockdiff first, then stock,
 # each side's runs started within SIDE_S (250 s): expected ~2 min for blockdiff, ~3-4 min for stock. `profile`: ~1-2 min per side (2 requests, trace export, parse).
