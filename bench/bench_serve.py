@@ -496,6 +496,146 @@ class MemorySampler:
                 "memory_error": self.error}
 
 
+def read_thread_times(pids: Iterable[int], proc_root: str | os.PathLike = "/proc") -> dict[tuple[int, int], tuple]:
+    """(pid, tid) -> (process name, thread name, user + system CPU clock ticks) of every thread of ``pids``
+    (Linux ``/proc/<pid>/comm`` and ``/proc/<pid>/task/<tid>/stat`` fields 2, 14 and 15; a process or thread that
+    exits while being read is left out)."""
+    out = {}
+    for pid in pids:
+        base = os.path.join(proc_root, str(pid))
+        try:
+            with open(os.path.join(base, "comm"), encoding="utf-8", errors="replace") as f:
+                pname = f.read().strip()
+            tids = [e.name for e in os.scandir(os.path.join(base, "task")) if e.name.isdigit()]
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(os.path.join(base, "task", tid, "stat"), encoding="utf-8", errors="replace") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            lp, rp = stat.find("("), stat.rfind(")")
+            rest = stat[rp + 2:].split()
+            if lp < 0 or len(rest) < 13:
+                continue
+            out[(pid, int(tid))] = (pname, stat[lp + 1:rp], int(rest[11]) + int(rest[12]))
+    return out
+
+
+class HostCpuSampler:
+    """CPU time of a server's processes and threads while a run goes on (which host thread, if any, is saturated:
+    docs/tuning.md 7.13), read from ``/proc`` in a background thread every ``interval_s`` seconds.
+
+    Each sample reads every thread of :func:`process_tree` of ``root_pid`` (:func:`read_thread_times`); a thread's
+    busy share over an interval is its CPU ticks over the interval's ticks (1.0: one core all the time).
+
+    Args:
+        root_pid: the server's process (``vllm serve``), or None (nothing is sampled: :meth:`result` is empty).
+        interval_s: seconds between samples (> 0).
+        proc_root: where the process table is read.
+        clock_ticks: ticks per second of the counters (default ``os.sysconf("SC_CLK_TCK")``).
+    """
+
+    def __init__(self, root_pid: int | None, *, interval_s: float = 0.25, proc_root: str | os.PathLike = "/proc",
+                 clock_ticks: int | None = None):
+        if root_pid is not None:
+            _check_int("root_pid", root_pid, 1)
+        if not (isinstance(interval_s, (int, float)) and interval_s > 0):
+            raise ValueError(f"interval_s must be > 0, got {interval_s!r}")
+        self.root_pid, self.interval_s, self.proc_root = root_pid, interval_s, proc_root
+        self.hz = clock_ticks or os.sysconf("SC_CLK_TCK")
+        self._first: dict[tuple[int, int], tuple] = {}
+        self._prev: dict[tuple[int, int], tuple] | None = None
+        self._prev_t = None
+        self.t0 = self.t1 = None
+        #: per sample: (Unix time at the interval's end, {process name: busiest thread's share, summed share})
+        self.series: list[tuple[float, dict[str, tuple[float, float]]]] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def sample(self) -> None:
+        """Take one sample (also what the thread calls)."""
+        if self.root_pid is None:
+            return
+        now = time.time()
+        cur = read_thread_times(process_tree(self.root_pid, read_proc_table(self.proc_root)), self.proc_root)
+        for k, v in cur.items():
+            self._first.setdefault(k, v)
+        if self._prev is not None and now > self._prev_t:
+            ticks = (now - self._prev_t) * self.hz
+            per: dict[str, list[float]] = {}
+            for k, (pname, _, t) in cur.items():
+                d = (t - self._prev[k][2]) / ticks if k in self._prev else 0.0
+                ent = per.setdefault(f"{pname}[{k[0]}]", [0.0, 0.0])
+                ent[0], ent[1] = max(ent[0], d), ent[1] + d
+            self.series.append((now, {p: (round(a, 3), round(b, 3)) for p, (a, b) in per.items()}))
+        self._prev, self._prev_t = cur, now
+        self.t0 = now if self.t0 is None else self.t0
+        self.t1 = now
+        self._last = cur
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> "HostCpuSampler":
+        self._thread = threading.Thread(target=self._run, name="HostCpuSampler", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+        self.sample()
+
+    def result(self, *, top: int = 6, series: bool = False) -> dict:
+        """``host_cpu``: ``wall_s`` sampled; per process (``name[pid]``) its CPU seconds and share of the wall time
+        (1.0 = one core); the ``top`` threads by CPU seconds with the share of samples in which each was >= 90 %
+        busy (``saturated_share``: a thread that holds the GIL or spins); with ``series`` the per-sample busiest
+        thread and total share per process (Unix times, for placing against a profile's timeline). Empty without
+        a root pid or samples."""
+        if self.root_pid is None or self.t0 is None or self.t1 is None or not self._first:
+            return {}
+        wall = max(self.t1 - self.t0, 1e-9)
+        last = getattr(self, "_last", {})
+        procs: dict[str, float] = {}
+        threads = []
+        for k, (pname, tname, t) in last.items():
+            d = (t - self._first.get(k, (None, None, t))[2]) / self.hz
+            key = f"{pname}[{k[0]}]"
+            procs[key] = procs.get(key, 0.0) + d
+            threads.append((d, key, tname, k[1]))
+        threads.sort(reverse=True)
+        n = max(len(self.series), 1)
+        out = {"wall_s": round(wall, 3), "samples": len(self.series),
+               "processes": {p: {"cpu_s": round(c, 3), "share": round(c / wall, 3)}
+                             for p, c in sorted(procs.items(), key=lambda x: -x[1])},
+               "top_threads": [{"process": p, "thread": tn, "tid": tid, "cpu_s": round(d, 3),
+                                "share": round(d / wall, 3)} for d, p, tn, tid in threads[:top]]}
+        for p in out["processes"]:
+            hot = sum(1 for _, per in self.series if per.get(p, (0.0, 0.0))[0] >= 0.9)
+            out["processes"][p]["saturated_share"] = round(hot / n, 3)
+        if series:
+            out["series"] = [[round(t, 3), per] for t, per in self.series]
+        return out
+
+
+def host_cpu_between(series: Sequence, start: float, end: float) -> dict:
+    """Mean busiest-thread share and mean summed share per process over the samples of a
+    :meth:`HostCpuSampler.result` ``series`` whose interval ends in ``[start, end]`` (Unix s): ``{process:
+    {"busiest": x, "total": y}}``, plus ``samples``. Empty (``samples`` 0) when none falls there."""
+    rows = [per for t, per in series if start <= t <= end]
+    out: dict = {"samples": len(rows)}
+    for p in sorted({p for per in rows for p in per}):
+        vals = [per.get(p, (0.0, 0.0)) for per in rows]
+        out[p] = {"busiest": round(sum(v[0] for v in vals) / len(vals), 3),
+                  "total": round(sum(v[1] for v in vals) / len(vals), 3)}
+    return out
+
+
 # --------------------------------------------------------------------------------------------- sweep
 def _work_dir(args) -> Path:
     """``--work-dir``, else ``$TMPDIR/bench_serve/BACKEND_QUANT`` (created)."""
@@ -597,7 +737,8 @@ def sweep(args) -> list[dict]:
                                                                "blockdiff_quant": args.quant})
         common.log(f"{name}: {n} prompts, {warm} warm-up, concurrency {c}")
         t0 = time.perf_counter()
-        with MemorySampler(args.server_pid, interval_s=args.memory_interval, smi=args.nvidia_smi) as mem:
+        with MemorySampler(args.server_pid, interval_s=args.memory_interval, smi=args.nvidia_smi) as mem, \
+                HostCpuSampler(args.server_pid) as cpu:
             result, why = run_bench_serve(args.bench_cmd, bargs, result_path=work / f"{name}.json",
                                           log_path=work / f"{name}.log", timeout_s=timeout_s)
         if result is None:
@@ -606,7 +747,7 @@ def sweep(args) -> list[dict]:
                    "max_num_seqs": args.max_num_seqs, "num_prompts": n, "complete": False, "reason": why}
         else:
             row = row_from_result(result, backend=args.backend, quant=args.quant, max_num_seqs=args.max_num_seqs)
-        row.update(mem.result(), num_warmups=warm, wall_s=time.perf_counter() - t0)
+        row.update(mem.result(), num_warmups=warm, wall_s=time.perf_counter() - t0, host_cpu=cpu.result())
         append_jsonl(rows_path, row)
         rows.append(row)
         common.log(f"  {row['status']}: {common.fmt(row.get('output_tok_s'), 1)} tok/s, ttft "
@@ -1150,8 +1291,10 @@ def _profile(args) -> dict:
                                  num_warmups=0, result_dir=str(work), result_filename=f"{name}.json", seed=12345,
                                  ready_check_timeout_s=0)  # no untimed test request inside the trace
         offset = clock_offset_s()
-        result, why = run_bench_serve(args.bench_cmd, bargs, result_path=work / f"{name}.json",
-                                      log_path=work / f"{name}.log", timeout_s=args.run_timeout)
+        with HostCpuSampler(args.server_pid) as cpu:
+            result, why = run_bench_serve(args.bench_cmd, bargs, result_path=work / f"{name}.json",
+                                          log_path=work / f"{name}.log", timeout_s=args.run_timeout)
+        summary["host_cpu"] = cpu.result(series=True)
     finally:
         try:
             _post(base + "/stop_profile", timeout=args.stop_timeout)  # the worker writes its trace before answering
@@ -1166,7 +1309,12 @@ def _profile(args) -> dict:
                                         requests=request_windows(result, offset) if result is not None else None))
         if result is not None and isinstance(summary.get("timeline"), dict) and \
                 isinstance(summary["timeline"].get("load"), dict) and result.get("duration") is not None:
-            summary["timeline"]["load"]["client_duration_ms"] = float(result["duration"]) * 1e3
+            ld = summary["timeline"]["load"]
+            ld["client_duration_ms"] = float(result["duration"]) * 1e3
+            windows = request_windows(result, offset)
+            if windows and ld.get("tail_ms") and (summary.get("host_cpu") or {}).get("series"):
+                end = max(w[2] for w in windows)  # the host's threads while the GPU sat idle at the load's end
+                ld["tail_host_cpu"] = host_cpu_between(summary["host_cpu"]["series"], end - ld["tail_ms"] / 1e3, end)
         summary["status"] = "ok"
     except ValueError as e:
         summary.update(status="error", reason=str(e))
@@ -1479,6 +1627,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--warm-requests", type=_nonneg_int, default=None,
                     help="requests of an unprofiled load sent first, all concurrent, another seed (default: "
                          "--requests; 0: none): the profiled load's batch shapes compile there")
+    pr.add_argument("--server-pid", type=_pos_int, default=None,
+                    help="the vllm serve process: its processes' and threads' CPU time during the profiled load "
+                         "(host_cpu; none without it)")
     pr.add_argument("--stop-timeout", type=_pos_float, default=300.0, help="seconds /stop_profile may take (trace export)")
     pr.add_argument("--out", required=True, help="summary JSON")
 
@@ -1611,6 +1762,17 @@ def _print_profile(s: dict) -> None:
               f" tail {ld['tail_ms']:.1f} ms; first step after {common.fmt(ld['first_step_ms'], 1)} ms; sent -> "
               f"add_request median {common.fmt(adm['median_ms'], 1)} ms, max {common.fmt(adm['max_ms'], 1)} ms "
               f"({adm['matched']} matched)")
+    hc = s.get("host_cpu") or {}
+    if hc.get("processes"):
+        print(f"  host CPU over the load ({hc['wall_s']:.1f} s): " + "; ".join(
+            f"{p} {v['share']:.2f} cores, a thread >= 90 % busy in {100 * v['saturated_share']:.0f} % of samples"
+            for p, v in list(hc["processes"].items())[:3]))
+        print("  busiest threads: " + ", ".join(f"{t['process']}/{t['thread']} {t['share']:.2f}"
+                                                for t in hc.get("top_threads", [])[:5]))
+    if ld and ld.get("tail_host_cpu", {}).get("samples"):
+        th = ld["tail_host_cpu"]
+        print(f"  host CPU in the tail ({th['samples']} samples): " + ", ".join(
+            f"{p} busiest {v['busiest']:.2f} / total {v['total']:.2f}" for p, v in th.items() if p != "samples"))
     if s.get("unknown_share") is not None:
         print(f"  unknown kernel names: {100 * s['unknown_share']:.1f} % of kernel time; top: "
               + ", ".join(f"{n[:40]} {ms:.2f} ms" for n, ms, _ in (s.get("unknown_kernels") or [])[:4]))

@@ -10,6 +10,7 @@ import shlex
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -329,6 +330,62 @@ def test_memory_sampler_sums_the_server_tree(tmp_path):
         child.wait()
     with pytest.raises(ValueError, match="interval_s must be > 0"):
         bs.MemorySampler(1, interval_s=0)
+
+
+def _fake_proc(root, procs):
+    """A /proc with processes pid -> (ppid, sid, name, {tid: (thread name, utime, stime)})."""
+    for pid, (ppid, sid, name, threads) in procs.items():
+        d = root / str(pid)
+        (d / "task").mkdir(parents=True, exist_ok=True)
+        (d / "stat").write_text(f"{pid} ({name}) S {ppid} {pid} {sid} 0 0\n")
+        (d / "comm").write_text(name + "\n")
+        for tid, (tname, ut, st) in threads.items():
+            (d / "task" / str(tid)).mkdir(exist_ok=True)
+            fields = ["S", str(ppid)] + ["0"] * 9 + [str(ut), str(st)] + ["0"] * 5
+            (d / "task" / str(tid) / "stat").write_text(f"{tid} ({tname}) " + " ".join(fields) + "\n")
+
+
+def test_host_cpu_sampler_names_the_saturated_thread(tmp_path, monkeypatch):
+    """docs/tuning.md 7.13: the load's end lay 15 s after the GPU's last kernel; which host thread was busy there
+    is what the sampler records (per process, per thread, per sample)."""
+    api = {10: ("vllm", 0, 0), 11: ("asyncio_0", 0, 0)}
+    core = {20: ("VLLM::EngineCor", 0, 0), 21: ("zmq_out", 0, 0)}
+    _fake_proc(tmp_path, {10: (1, 10, "vllm", api), 20: (10, 10, "VLLM::EngineCor", core),
+                          30: (1, 30, "other", {30: ("other", 0, 0)})})
+    clock = iter([100.0, 101.0, 102.0])
+    monkeypatch.setattr(bs.time, "time", lambda: next(clock))
+    cpu = bs.HostCpuSampler(10, proc_root=tmp_path, clock_ticks=100)
+    cpu.sample()
+    _fake_proc(tmp_path, {10: (1, 10, "vllm", {10: ("vllm", 95, 3), 11: ("asyncio_0", 10, 0)}),
+                          20: (10, 10, "VLLM::EngineCor", {20: ("VLLM::EngineCor", 40, 0), 21: ("zmq_out", 5, 0)})})
+    cpu.sample()
+    _fake_proc(tmp_path, {10: (1, 10, "vllm", {10: ("vllm", 150, 3), 11: ("asyncio_0", 20, 0)}),
+                          20: (10, 10, "VLLM::EngineCor", {20: ("VLLM::EngineCor", 140, 0), 21: ("zmq_out", 5, 0)})})
+    cpu.sample()
+    r = cpu.result(series=True)
+    assert r["wall_s"] == 2.0 and r["samples"] == 2
+    assert r["processes"]["vllm[10]"] == {"cpu_s": 1.73, "share": 0.865, "saturated_share": 0.5}
+    assert r["processes"]["VLLM::EngineCor[20]"] == {"cpu_s": 1.45, "share": 0.725, "saturated_share": 0.5}
+    assert "other[30]" not in r["processes"]  # not in the server's tree
+    assert r["top_threads"][0] == {"process": "vllm[10]", "thread": "vllm", "tid": 10, "cpu_s": 1.53, "share": 0.765}
+    assert r["series"][0] == [101.0, {"vllm[10]": (0.98, 1.08), "VLLM::EngineCor[20]": (0.4, 0.45)}]
+    tail = bs.host_cpu_between(r["series"], 101.5, 102.0)
+    assert tail == {"samples": 1, "VLLM::EngineCor[20]": {"busiest": 1.0, "total": 1.0},
+                    "vllm[10]": {"busiest": 0.55, "total": 0.65}}
+    assert bs.host_cpu_between(r["series"], 200, 300) == {"samples": 0}
+    assert bs.HostCpuSampler(None).result() == {}
+    with pytest.raises(ValueError, match="interval_s must be > 0"):
+        bs.HostCpuSampler(1, interval_s=0)
+
+
+def test_host_cpu_sampler_reads_this_process(tmp_path):
+    with bs.HostCpuSampler(os.getpid(), interval_s=0.02) as cpu:
+        t = time.perf_counter()
+        while time.perf_counter() - t < 0.3:
+            pass
+    r = cpu.result()
+    key = next(k for k in r["processes"] if k.endswith(f"[{os.getpid()}]"))
+    assert r["processes"][key]["cpu_s"] > 0.1 and r["samples"] >= 3
 
 
 # ---- profile trace classifier ----------------------------------------------------------------------------------
@@ -712,10 +769,12 @@ def test_profile_against_a_fake_server(tmp_path):
     with FakeVllmServer(trace_dir=str(trace_dir)) as srv:
         rc = bs.main(["profile", "--base-url", srv.base_url, "--model", "/tmp/dg26b", "--backend", "vllm",
                       "--quant", "fp8", "--trace-dir", str(trace_dir), "--bench-cmd", FAKE_BENCH,
-                      "--work-dir", str(tmp_path / "w"), "--out", str(out), "--warm-requests", "0"])
+                      "--work-dir", str(tmp_path / "w"), "--out", str(out), "--warm-requests", "0",
+                      "--server-pid", str(os.getpid())])
         calls = list(srv.calls)
     s = json.loads(out.read_text())
     assert rc == 0 and s["status"] == "ok", s.get("reason")
+    assert s["host_cpu"]["samples"] >= 1 and any(p.endswith(f"[{os.getpid()}]") for p in s["host_cpu"]["processes"])
     assert calls == ["POST /start_profile", "POST /stop_profile"]
     assert signal.getsignal(signal.SIGTERM) is handler  # the caller's SIGTERM handler is back
     assert s["canvas_steps"] == 4 and s["prefill_steps"] == 1 and s["load"]["complete"]

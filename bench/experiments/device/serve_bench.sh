@@ -170,7 +170,7 @@ profile)
     if ! up $2; then echo "== $name not healthy: skipped"; continue; fi
     timeout ${PROFILE_TIMEOUT_S:-400} $BS profile --base-url http://127.0.0.1:$2 --model $MODEL --backend $1 \
       --quant $quant --requests ${PROFILE_REQUESTS:-1} --warm-requests ${PROFILE_WARM:-${PROFILE_REQUESTS:-1}} \
-      --trace-dir $W/trace_$name --work-dir $W/runs_$name --out $OUT/serve_profile_${s}_$quant.json \
+      --trace-dir $W/trace_$name --work-dir $W/runs_$name --out $OUT/serve_profile_${s}_$quant.json $(pidarg $name) \
       ${BC[@]+"${BC[@]}"} 2>&1 | tail -8
   done ;;
 stop)
