@@ -10,6 +10,7 @@
 #   bash bench/experiments/device/serve_bench.sh profile [fp8|bf16] [triton|cute] [both|blockdiff|vllm]
 #   bash bench/experiments/device/serve_bench.sh stop                               # ends the servers started here
 #   bash bench/experiments/device/serve_bench.sh status  [fp8|bf16] [triton|cute]   # health, pids, KV lines of the logs
+#   bash bench/experiments/device/serve_bench.sh info    [fp8|bf16] [triton|cute] [sides]  # backend port seqs kv util pidfile
 #
 # Defaults: fp8, triton, both. Outputs under $OUT (few files: at most 8 come back): serve_rows_<quant>.jsonl (the
 # environment line, then one row per side and concurrency), serve_<side>_<quant>.log (each server's log tail),
@@ -176,6 +177,8 @@ profile)
 stop)
   for f in $W/*.pid; do [ -f $f ] || continue; p=$(cat $f)
     kill -- -$p 2>/dev/null && echo "stopped $(basename $f .pid) (pid $p)"; rm -f $f; done ;;
+info)  # one line per side: backend port max-num-seqs kv-GiB utilization pid-file (device scripts read it)
+  for s in $(order); do echo "$(info $s) $W/$s-$quant.pid"; done ;;
 status)
   nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader
   nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader
@@ -183,6 +186,6 @@ status)
     echo "== $name pid $(cat $W/$name.pid 2>/dev/null) alive $(alive $name && echo yes || echo no)" \
          "health $(up $2 && echo ok || echo no)"
     kvlines $name; done ;;
-*) echo "phase must be start, wait, bench, profile, stop or status"; exit 2 ;;
+*) echo "phase must be start, wait, bench, profile, stop, status or info"; exit 2 ;;
 esac
 exit 0

@@ -191,3 +191,43 @@ def test_device_scripts_background_servers_never_hold_the_callers_output():
                 seen += 1
                 assert wrapped.match(line.strip()), f"{script.name}: {line.strip()[:160]!r}"
     assert seen >= 5
+
+
+def test_info_phase_names_each_sides_port_seqs_and_pid_file(tmp_path):
+    """serve_host.sh reads the side's backend, port, max-num-seqs and pid file from ``info`` (no duplicated port
+    arithmetic); cute moves blockdiff's port by 5, bf16 the base by 2."""
+    env = dict(os.environ, SERVE_BENCH_ENV="0", SERVE_BENCH_DIR=str(tmp_path), OUT=str(tmp_path / "out"))
+    r = _run("info", env, "fp8", "cute", "both")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == [f"blockdiff-cute 8046 32 16 0.55 {tmp_path}/blockdiff-cute-fp8.pid",
+                                     f"vllm 8041 16 8 0.35 {tmp_path}/vllm-fp8.pid"]
+    r = _run("info", dict(env, BD_SEQS="64"), "bf16", "triton", "blockdiff")
+    assert r.stdout.split() == ["blockdiff-triton", "8044", "64", "8", "0.47", f"{tmp_path}/blockdiff-triton-bf16.pid"]
+    assert "info" in _run("bogus", env).stdout
+
+
+@pytest.mark.parametrize("with_pyspy", [False, True])
+def test_serve_host_runs_two_c64_loads_with_host_cpu_then_stops(tmp_path, with_pyspy):
+    """serve_host.sh (docs/tuning.md 7.13): start a stand-in server, the warm-up and a c64 load, a second c64 load
+    (py-spy on the server's processes when its wheel is there, else without), rows with host_cpu, stop."""
+    wheels = REPO / ".device" / "pyspy"
+    if with_pyspy and not list(wheels.glob("py_spy-*.whl")):
+        pytest.skip("no py-spy wheel under .device/pyspy (the device staging brings it)")
+    base = _two_free_ports()
+    work, out = tmp_path / "w", tmp_path / "out"
+    env = dict(os.environ, SERVE_BENCH_ENV="0", SERVE_BENCH_DIR=str(work), OUT=str(out), PORT0=str(base),
+               BENCH_CMD=f"{sys.executable} {REPO / 'tests' / 'bench' / 'fake_bench_serve.py'}",
+               SERVER_CMD=f"{sys.executable} {STANDINS} serve", BUDGET_S="200", WAIT_S="30", PYSPY_S="2",
+               PYSPY_WHEEL_DIR=str(wheels if with_pyspy else tmp_path / "none"),
+               PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}", TMPDIR=str(tmp_path))
+    p = subprocess.run(["bash", str(SCRIPT.parent / "serve_host.sh"), "vllm", "fp8"], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = [json.loads(x) for x in (out / "host_rows_vllm_a1.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "env" not in r]
+    assert [(r["workload"], r["max_num_seqs"]) for r in rows] == [("serve_c64_fp8", 64)] * 2
+    assert all(r["host_cpu"]["samples"] >= 1 for r in rows), rows
+    assert ("no py-spy wheel" in p.stdout) is not with_pyspy
+    if with_pyspy:
+        assert (out / "pyspy_top_vllm_a1.txt").exists()
+    assert "stopped vllm-fp8" in p.stdout and not list(work.glob("*.pid"))
