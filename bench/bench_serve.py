@@ -28,7 +28,8 @@ Subcommands:
   server-cmd  print the ``vllm serve`` command line of one side (:func:`server_command`; what the device script runs).
   sweep       first a warm-up run (max-num-seqs requests at once, ``--warm-output-len`` tokens each, by default
               one canvas: the batch sizes the server will see compile here, not in a timed run; 512, the c64
-              load's shape, measured no faster c64 and cost stock's side 40 s, docs/tuning.md 7.13), then for each concurrency C: ``vllm bench serve``
+              load's shape, measured no faster c64 and cost stock's side 40 s, docs/tuning.md 7.13), then for
+              each concurrency C: ``vllm bench serve``
               (``--max-concurrency C``, ``--num-prompts`` P = max(K * C, M), ``--num-warmups`` min(C, 4) first, a
               seed per C, ``--save-detailed``), its result JSON parsed into one row (:func:`row_from_result`)
               appended to ``--rows`` (JSON lines; the first line of a sweep is the environment record), while
@@ -588,14 +589,13 @@ class HostCpuSampler(_PeriodicSampler):
         busy (``saturated_share``: a thread that holds the GIL or spins); with ``series`` the per-sample busiest
         thread and total share per process (Unix times, for placing against a profile's timeline). Empty without
         a root pid or samples."""
-        if self.root_pid is None or self.t0 is None or self.t1 is None or not self._first:
+        if self.root_pid is None or not self._last:
             return {}
         wall = max(self.t1 - self.t0, 1e-9)
-        last = self._last
         procs: dict[str, float] = {}
         threads = []
-        for k, (pname, tname, t) in last.items():
-            d = (t - self._first.get(k, (None, None, t))[2]) / self.hz
+        for k, (pname, tname, t) in self._last.items():
+            d = (t - self._first[k][2]) / self.hz  # every thread read is in _first
             key = f"{pname}[{k[0]}]"
             procs[key] = procs.get(key, 0.0) + d
             threads.append((d, key, tname, k[1]))
@@ -703,7 +703,8 @@ def sweep(args) -> list[dict]:
                                              result_filename=f"{name}.json", seed=args.seed + 999,
                                              output_len=args.warm_output_len),
             result_path=work / f"{name}.json", log_path=work / f"{name}.log", timeout_s=args.run_timeout)
-        env["warm_up"] = {"concurrency": warm_c, "output_len": args.warm_output_len, "s": time.perf_counter() - t_sweep, "ok": result is not None,
+        env["warm_up"] = {"concurrency": warm_c, "output_len": args.warm_output_len,
+                          "s": time.perf_counter() - t_sweep, "ok": result is not None,
                           "completed": None if result is None else result.get("completed"), "error": why}
     append_jsonl(rows_path, {"env": env})
     rows = []
@@ -1295,14 +1296,13 @@ def _profile(args) -> dict:
                        if result is not None else {"status": "error", "reason": why})
     traces = find_traces(args.trace_dir, since=t0 - 1)
     summary["trace_files"] = [str(p) for p in traces]
+    windows = request_windows(result, offset) if result is not None else None
     try:
-        summary.update(summarize_traces(list(reversed(traces)), max_canvases=args.requests,
-                                        requests=request_windows(result, offset) if result is not None else None))
+        summary.update(summarize_traces(list(reversed(traces)), max_canvases=args.requests, requests=windows))
         if result is not None and isinstance(summary.get("timeline"), dict) and \
                 isinstance(summary["timeline"].get("load"), dict) and result.get("duration") is not None:
             ld = summary["timeline"]["load"]
             ld["client_duration_ms"] = float(result["duration"]) * 1e3
-            windows = request_windows(result, offset)
             if windows and ld.get("tail_ms") and (summary.get("host_cpu") or {}).get("series"):
                 end = max(w[2] for w in windows)  # the host's threads while the GPU sat idle at the load's end
                 ld["tail_host_cpu"] = host_cpu_between(summary["host_cpu"]["series"], end - ld["tail_ms"] / 1e3, end)

@@ -39,7 +39,8 @@ class SamplerConfig:
     soft_impl: the soft-embedding path, ``"chunked"`` (:func:`default_soft_impl` on CUDA with a bf16/fp16
     embedding: bf16 probabilities per vocabulary chunk + cuBLAS with fp32 accumulation) or ``"triton_gemm"``
     (otherwise: the split-K Triton GEMM); both in :mod:`blockdiff.sampler.triton.soft_embedding`.
-    soft_chunk: the chunked path's vocabulary chunk in tokens (None: :func:`~blockdiff.sampler.triton.soft_embedding.chunk_size`: the buffer [N * CL, chunk] <= 32 MiB, up to
+    soft_chunk: the chunked path's vocabulary chunk in tokens (None:
+        :func:`~blockdiff.sampler.triton.soft_embedding.chunk_size`: the buffer [N * CL, chunk] <= 32 MiB, up to
         256 MiB at large batches for 16,384-token chunks).
     soft_overlap: chunked path on CUDA: write the next chunk's probabilities on a side stream during the GEMM.
     stats_overlap: chunked path: take the soft embedding's normalisers from a memory-bound pre-pass

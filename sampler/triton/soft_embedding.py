@@ -45,7 +45,8 @@ host sync, fixed buffer shapes (all from static shapes): capturable in a CUDA gr
 (cuBLAS cannot skip the greedy / finished requests' rows without data-dependent shapes; their P rows are zero).
 
 Extra memory: split-K workspace ``SPLIT_K * N * CL * hidden * 4`` bytes (34.6 MB for sampler_n4 at SPLIT_K = 3);
-chunked: the P buffer (<= 32 MiB, <= 256 MiB from 1,025 rows up; fp32 on the CPU) + acc [M, hidden] fp32 (11.5 MB for sampler_n4).
+chunked: the P buffer (<= 32 MiB, <= 256 MiB from 1,025 bf16 rows up; fp32 on the CPU) + acc [M, hidden] fp32
+(11.5 MB for sampler_n4).
 Semantics: docs/ARCHITECTURE.md "Sampler semantics", rule 7.
 """
 from __future__ import annotations

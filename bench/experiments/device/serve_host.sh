@@ -13,14 +13,15 @@ BS="python3 -m blockdiff.bench.bench_serve"; W=${SERVE_BENCH_DIR:-/tmp/serve_ben
 rows=$OUT/host_rows_$tag.jsonl
 PYSPY=""; WHEELS=${PYSPY_WHEEL_DIR:-.device/pyspy}  # PYSPY_WHEEL_DIR, PYSPY_S (seconds sampled, 75): CPU tests
 if ls $WHEELS/py_spy-*.whl > /dev/null 2>&1; then
-  python3 -c "import zipfile, glob; zipfile.ZipFile(sorted(glob.glob('$WHEELS/py_spy-*.whl'))[-1]).extractall('$W/pyspy')" \
+  python3 -m zipfile -e $(ls $WHEELS/py_spy-*.whl | tail -1) $W/pyspy \
     && PYSPY=$(ls $W/pyspy/py_spy-*.data/scripts/py-spy) && chmod +x $PYSPY
 fi
 BC=(); [ -n "${BENCH_CMD:-}" ] && BC=(--bench-cmd "$BENCH_CMD")
 c64() {  # $1 run name, $2 warm-up concurrency, $3 seed, $4 timeout s
   timeout $4 $BS sweep --base-url http://127.0.0.1:$port --model $W/dg26b --backend $be --quant $quant \
     --concurrency 64 --max-num-seqs $seqs --server-pid $pid --warm-concurrency $2 --num-prompts-per-concurrency 1 \
-    --min-prompts 4 --seed $3 --rows $rows --work-dir $W/host_$1 ${BC[@]+"${BC[@]}"} 2>&1 | grep -E "ok:|error|timeout|skipped" | tail -3
+    --min-prompts 4 --seed $3 --rows $rows --work-dir $W/host_$1 ${BC[@]+"${BC[@]}"} 2>&1 \
+    | grep -E "ok:|error|timeout|skipped" | tail -3
 }
 left() { echo $(( BUDGET - ($(date +%s) - T0) - 15 )); }
 c64 first $seqs 0 $(( $(left) / 2 ))
