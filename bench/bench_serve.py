@@ -28,7 +28,7 @@ Subcommands:
   server-cmd  print the ``vllm serve`` command line of one side (:func:`server_command`; what the device script runs).
   sweep       first a warm-up run (max-num-seqs requests at once, ``--warm-output-len`` tokens each, by default
               one canvas: the batch sizes the server will see compile here, not in a timed run; 512, the c64
-              load's shape, measured no faster c64 and cost stock's side 40 s, docs/tuning.md 7.13), then for
+              load's shape, was no faster and cost stock's side time: docs/tuning.md 7.13), then for
               each concurrency C: ``vllm bench serve``
               (``--max-concurrency C``, ``--num-prompts`` P = max(K * C, M), ``--num-warmups`` min(C, 4) first, a
               seed per C, ``--save-detailed``), its result JSON parsed into one row (:func:`row_from_result`)
