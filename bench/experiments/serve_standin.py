@@ -1,0 +1,455 @@
+"""The serving benchmark with the GPU replaced by a timed stand-in: real vLLM 0.26 (API server, engine core, output
+processing), blockdiff's scheduler and ``vllm bench serve`` as the client, with a worker that runs no kernel and
+answers each engine step after the time the H200 took for a step of that size (docs/tuning.md 7.15).
+
+What it answers: how much of a served load's time the serving stack costs on its own (the host side: HTTP,
+tokenization, scheduling, output processing, streaming, the client) when the GPU's work per step is the measured
+one and the model runner's host work is zero. On the CPU it runs anywhere vLLM 0.26's Python side imports; on the
+GPU machine (``device/serve_standin.sh``) it separates "the machine's host side is slow" from "the real model
+runner is slow" without using the GPU.
+
+    source tests/integration/vllm_cpu_env.sh 0.26.0          # vLLM's Python side on a CPU-only machine
+    python3 -m blockdiff.bench.experiments.serve_standin run --platform cpu --out DIR [--concurrency 1,64]
+
+The stand-in worker (:class:`StandinWorker`, ``--worker-cls``) follows vLLM's diffusion accounting as blockdiff's
+ModelState reports it (docs/ARCHITECTURE.md "Integration and vLLM accounting"): a prefill chunk samples 0 tokens;
+a row scheduled with the canvas as draft tokens is a denoising step (0 tokens, the whole canvas rejected) for
+:data:`DENOISING_STEPS` steps, then a commit (``canvas_length`` tokens accepted). Its "GPU" is a queue: a step
+starts when the previous one ended (or when it is launched, if later) and lasts ``a + p * prefill_tokens +
+q * canvas_tokens`` ms (``BLOCKDIFF_STANDIN_STEP_MS="a,p,q"``, default :data:`STEP_MS`: fitted to the H200's
+blockdiff-cute FP8 profiles, docs/tuning.md 7.4 / 7.13: a lone canvas step 13.0 ms, a 4096-token prefill 54.7 ms,
+the 64-request load's 80 steps 14.5 s). The engine core waits for a step's output as for the real runner's
+(vLLM's ``AsyncModelRunnerOutput``), so asynchronous scheduling overlaps the host with the "GPU" as it does there.
+``BLOCKDIFF_STANDIN_HOST_MS="h0,h1"``: Python busy time (holding the GIL) the worker spends per step (``h0``) and
+per scheduled request (``h1``) before launching it, to model a model runner's host work. Each step's (start, end,
+tokens, canvas tokens, requests) in ``perf_counter`` seconds goes to ``BLOCKDIFF_STANDIN_LOG`` when set.
+
+On a machine without a GPU the worker alone is not enough: vLLM finds no platform. ``--platform cpu`` writes a
+platform plugin (:class:`StandinPlatform`: vLLM's CPU platform with the executor and asynchronous scheduling the
+GPU server has: one process, ``uni``, asynchronous) as a ``vllm.platform_plugins`` entry point into the work
+folder and turns it on with ``BLOCKDIFF_STANDIN_PLATFORM=1``; ``--platform auto`` leaves vLLM's own (CUDA on the H200).
+
+Not part of the package's API: an experiment (bench/experiments/README.md).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from blockdiff.bench import bench_serve as bs
+from blockdiff.bench import common
+
+#: default step-time model ``a,p,q``: ms per step, per prefill token, per canvas token (module docstring)
+STEP_MS = "8,0.0114,0.0195"
+DENOISING_STEPS = bs.DENOISING_STEPS
+CANVAS_LENGTH = bs.CANVAS_LENGTH
+PLATFORM_ENV = "BLOCKDIFF_STANDIN_PLATFORM"
+STEP_ENV, HOST_ENV, LOG_ENV, TOKENS_ENV = ("BLOCKDIFF_STANDIN_STEP_MS", "BLOCKDIFF_STANDIN_HOST_MS",
+                                           "BLOCKDIFF_STANDIN_LOG", "BLOCKDIFF_STANDIN_TOKENS")
+#: ``BLOCKDIFF_STANDIN_TOKENS``: what a commit emits (``unused``: ids above the byte tokenizer's, as the 26B
+#: geometry's random weights give; ``bytes_high``: byte tokens of 0x80-0xff, mostly invalid UTF-8, the
+#: detokenizer's slow case)
+TOKEN_MODES = ("unused", "bytes_high")
+WORKER_CLASS = "blockdiff.bench.experiments.serve_standin.StandinWorker"
+PLATFORM_CLASS = "blockdiff.bench.experiments.serve_standin.StandinPlatform"
+
+
+def parse_floats(text: str, n: int, name: str) -> tuple[float, ...]:
+    """``n`` comma-separated finite floats >= 0 of the variable ``name``.
+
+    Raises:
+        ValueError: not ``n`` values, or one not a finite float >= 0 (the variable named).
+    """
+    parts = [p.strip() for p in str(text).split(",")]
+    if len(parts) != n:
+        raise ValueError(f"{name} must be {n} comma-separated numbers, got {text!r}")
+    try:
+        vals = tuple(float(p) for p in parts)
+    except ValueError:
+        raise ValueError(f"{name} must be {n} comma-separated numbers, got {text!r}") from None
+    if any(not (v >= 0 and v < float("inf")) for v in vals):
+        raise ValueError(f"{name}: every value must be finite and >= 0, got {text!r}")
+    return vals
+
+
+class DiffusionAccounting:
+    """Per-request phase of the stand-in: what one engine step samples for each scheduled request.
+
+    ``step(req_id, canvas_row)``: ``canvas_row`` True when the request is scheduled with draft tokens (its canvas);
+    returns the number of tokens the step samples for it: 0 for a prefill chunk and for each of the first
+    ``denoising_steps`` canvas steps, ``canvas_length`` for the next (the commit), then a new canvas begins.
+    """
+
+    def __init__(self, denoising_steps: int = DENOISING_STEPS, canvas_length: int = CANVAS_LENGTH):
+        bs._check_int("denoising_steps", denoising_steps, 1)
+        bs._check_int("canvas_length", canvas_length, 1)
+        self.denoising_steps, self.canvas_length = denoising_steps, canvas_length
+        self.steps: dict[str, int] = {}
+
+    def step(self, req_id: str, canvas_row: bool) -> int:
+        if not canvas_row:
+            return 0
+        n = self.steps.get(req_id, 0) + 1
+        if n > self.denoising_steps:
+            self.steps[req_id] = 0
+            return self.canvas_length
+        self.steps[req_id] = n
+        return 0
+
+    def finish(self, req_ids) -> None:
+        for r in req_ids:
+            self.steps.pop(r, None)
+
+
+def step_seconds(step_ms: tuple[float, float, float], prefill_tokens: int, canvas_tokens: int) -> float:
+    """Seconds of "GPU" time of one step under the model ``(a, p, q)`` ms (module docstring)."""
+    a, p, q = step_ms
+    return (a + p * prefill_tokens + q * canvas_tokens) / 1e3
+
+
+def _make_worker():
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, AsyncModelRunnerOutput, ModelRunnerOutput
+    from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
+
+    class _Pending(AsyncModelRunnerOutput):
+        def __init__(self, done: threading.Event, out):
+            self.done, self.out = done, out
+
+        def get_output(self):
+            self.done.wait()
+            return self.out
+
+    class StandinWorker(WorkerBase):
+        """vLLM worker that runs no kernel (module docstring)."""
+
+        def init_device(self):
+            self.device = torch.device("cpu")
+            self.step_ms = parse_floats(os.environ.get(STEP_ENV, STEP_MS), 3, STEP_ENV)
+            self.host_ms = parse_floats(os.environ.get(HOST_ENV, "0,0"), 2, HOST_ENV)
+            self.tokens = os.environ.get(TOKENS_ENV, "unused")
+            if self.tokens not in TOKEN_MODES:
+                raise ValueError(f"{TOKENS_ENV} must be one of {TOKEN_MODES}, got {self.tokens!r}")
+            dc = getattr(self.vllm_config, "diffusion_config", None)
+            steps = getattr(dc, "max_denoising_steps", None) or DENOISING_STEPS
+            self.accounting = DiffusionAccounting(int(steps), int(getattr(dc, "canvas_length", None) or CANVAS_LENGTH))
+            self.gpu_free_at = time.perf_counter()
+            self.rng = random.Random(0)
+            self.vocab = self.model_config.get_vocab_size()
+            path = os.environ.get(LOG_ENV)
+            self.log = open(path, "a") if path else None
+            self.pending = None
+
+        def load_model(self, *, load_dummy_weights: bool = False):
+            return None
+
+        def determine_available_memory(self) -> int:
+            return int(self.cache_config.kv_cache_memory_bytes or 40 << 30)
+
+        def get_kv_cache_spec(self):
+            hf = self.model_config.hf_text_config
+            return {"model.layers.0.self_attn.attn": FullAttentionSpec(
+                block_size=self.cache_config.block_size, num_kv_heads=int(getattr(hf, "num_key_value_heads", 8)),
+                head_size=int(getattr(hf, "head_dim", 256)), dtype=torch.bfloat16)}
+
+        def initialize_from_config(self, kv_cache_config):
+            return None
+
+        def initialize_cache(self, num_gpu_blocks, num_cpu_blocks):
+            return None
+
+        def compile_or_warm_up_model(self):
+            return CompilationTimes(0.0, 0.0)
+
+        def get_supported_tasks(self):
+            return ("generate",)
+
+        def get_cache_block_size_bytes(self) -> int:
+            return 0
+
+        def profile(self, is_start: bool = True, profile_prefix=None):
+            return None
+
+        def take_draft_token_ids(self):
+            return None
+
+        def reset_mm_cache(self):
+            return None
+
+        def shutdown(self):
+            if self.log is not None:
+                self.log.close()
+
+        def _token(self) -> int:
+            if self.tokens == "bytes_high":  # ByteTokenizer: ids 3.. are bytes 0..255
+                return 3 + self.rng.randrange(128, 256)
+            return self.rng.randrange(259, self.vocab)
+
+        def execute_model(self, scheduler_output):
+            self.accounting.finish(scheduler_output.finished_req_ids)
+            if scheduler_output.total_num_scheduled_tokens == 0:
+                return EMPTY_MODEL_RUNNER_OUTPUT
+            self.pending = scheduler_output
+            return None
+
+        def sample_tokens(self, grammar_output):
+            so, self.pending = self.pending, None
+            req_ids, sampled, canvas_tokens = [], [], 0
+            for rid, n in so.num_scheduled_tokens.items():
+                canvas_row = bool(so.scheduled_spec_decode_tokens.get(rid))
+                canvas_tokens += n if canvas_row else 0
+                req_ids.append(rid)
+                sampled.append([self._token() for _ in range(self.accounting.step(rid, canvas_row))])
+            out = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                    sampled_token_ids=sampled)
+            busy = (self.host_ms[0] + self.host_ms[1] * len(req_ids)) / 1e3
+            t_end = time.perf_counter() + busy
+            while time.perf_counter() < t_end:  # a model runner's host work: Python, holding the GIL
+                pass
+            dur = step_seconds(self.step_ms, so.total_num_scheduled_tokens - canvas_tokens, canvas_tokens)
+            now = time.perf_counter()
+            start = max(now, self.gpu_free_at)
+            self.gpu_free_at = end = start + dur
+            if self.log is not None:
+                self.log.write(f"{start:.6f} {end:.6f} {so.total_num_scheduled_tokens} {canvas_tokens} "
+                               f"{len(req_ids)}\n")
+                self.log.flush()
+            done = threading.Event()
+            timer = threading.Timer(end - now, done.set)
+            timer.daemon = True
+            timer.start()
+            return _Pending(done, out)
+
+    return StandinWorker
+
+
+def _make_platform():
+    from vllm.platforms.cpu import CpuPlatform
+
+    class StandinPlatform(CpuPlatform):
+        """vLLM's CPU platform, keeping the GPU server's executor (``uni``) and asynchronous scheduling, and letting
+        Model Runner V2's Triton check pass (the stand-in runs no kernel)."""
+
+        @classmethod
+        def check_and_update_config(cls, vllm_config):
+            import vllm.config.vllm as config_module
+            config_module.HAS_TRITON = True
+            sc, pc = vllm_config.scheduler_config, vllm_config.parallel_config
+            keep = sc.async_scheduling, pc.distributed_executor_backend
+            super().check_and_update_config(vllm_config)
+            sc.async_scheduling, pc.distributed_executor_backend = keep
+
+    return StandinPlatform
+
+
+_LAZY = {"StandinWorker": _make_worker, "StandinPlatform": _make_platform}
+
+
+def __getattr__(name: str):  # vLLM resolves the classes by qualified name; they need vLLM, imported only then
+    if name in _LAZY:
+        cls = _LAZY[name]()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(name)
+
+
+def platform_plugin() -> str | None:
+    """The ``vllm.platform_plugins`` entry point: :class:`StandinPlatform` when ``BLOCKDIFF_STANDIN_PLATFORM=1``,
+    else None (vLLM's own platform)."""
+    return PLATFORM_CLASS if os.environ.get(PLATFORM_ENV) == "1" else None
+
+
+def write_plugin_dir(folder: str | os.PathLike) -> Path:
+    """Write a ``blockdiff_standin`` dist-info with the ``vllm.platform_plugins`` entry point into ``folder`` (put
+    it on ``PYTHONPATH``); returns the dist-info folder."""
+    d = Path(folder) / "blockdiff_standin-0.1.0.dist-info"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "METADATA").write_text("Metadata-Version: 2.1\nName: blockdiff_standin\nVersion: 0.1.0\n")
+    (d / "entry_points.txt").write_text(
+        "[vllm.platform_plugins]\nblockdiff_standin = blockdiff.bench.experiments.serve_standin:platform_plugin\n")
+    return d
+
+
+def read_steps(path: str | os.PathLike) -> list[tuple[float, float, int, int, int]]:
+    """The stand-in's step log: (start, end, tokens, canvas tokens, requests) per step; [] if absent."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in lines:
+        f = line.split()
+        if len(f) == 5:
+            out.append((float(f[0]), float(f[1]), int(f[2]), int(f[3]), int(f[4])))
+    return out
+
+
+def load_timeline(result: dict, steps: list[tuple[float, float, int, int, int]]) -> dict:
+    """Where a load's client time went against the stand-in's "GPU": the client's window (first request sent to
+    last output, ``perf_counter`` s of ``vllm bench serve``'s detailed result), the steps inside it, their span and
+    busy time, the lead-in (sent -> first step starts) and the tail (last step ends -> last output; < 0: the last
+    step in the window produced nothing the client waited for). Empty dict without per-request times or steps."""
+    windows = bs.request_windows(result, 0.0)
+    if not windows:
+        return {}
+    s0, e1 = windows[0][0], max(w[2] for w in windows)
+    inside = [s for s in steps if s[1] >= s0 and s[0] <= e1]
+    if not inside:
+        return {"window_s": e1 - s0, "steps": 0}
+    g0, g1 = min(s[0] for s in inside), max(s[1] for s in inside)
+    return {"window_s": round(e1 - s0, 4), "steps": len(inside), "gpu_span_s": round(g1 - g0, 4),
+            "gpu_busy_s": round(sum(s[1] - s[0] for s in inside), 4), "lead_in_s": round(g0 - s0, 4),
+            "tail_s": round(e1 - g1, 4),
+            "ttft_median_s": round(statistics.median(w[1] - w[0] for w in windows), 4),
+            "e2e_median_s": round(statistics.median(w[2] - w[0] for w in windows), 4)}
+
+
+def server_command(*, model: str, port: int, max_num_seqs: int, kv_cache_gib: float, quant: str = "fp8",
+                   api_server_count: int = 1) -> tuple[dict[str, str], list[str]]:
+    """The benchmark's blockdiff server command (:func:`blockdiff.bench.bench_serve.server_command`, triton backend
+    named, no profiler) with the stand-in worker: (environment, argv)."""
+    env, argv = bs.server_command("blockdiff-triton", quant, model=model, port=port, max_num_seqs=max_num_seqs,
+                                  kv_cache_bytes=int(kv_cache_gib * 2**30), gpu_memory_utilization=0.9,
+                                  api_server_count=api_server_count)
+    return env, argv + ["--distributed-executor-backend", "uni", "--worker-cls", WORKER_CLASS]
+
+
+def _healthy(port: int) -> bool:
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+        return True
+    except OSError:
+        return False
+
+
+def run(args) -> dict:
+    """The ``run`` subcommand: start the stand-in server, one load per concurrency, stop; returns the summary."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = Path(args.model) if args.model else out / "dg26b"
+    if not (model / "config.json").exists():
+        bs.write_model_folder(model)
+    env = dict(os.environ)
+    if args.platform == "cpu":
+        write_plugin_dir(out / "plugin")
+        env[PLATFORM_ENV] = "1"
+        env["PYTHONPATH"] = os.pathsep.join([str(out / "plugin"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    steps_log = out / "steps.log"
+    steps_log.unlink(missing_ok=True)
+    env[LOG_ENV] = str(steps_log)
+    senv, argv = server_command(model=str(model), port=args.port, max_num_seqs=args.max_num_seqs,
+                                kv_cache_gib=args.kv_cache_gib, quant=args.quant, api_server_count=args.api_servers)
+    env.update(senv)
+    env["VLLM_PLUGINS"] = "blockdiff,blockdiff_standin"
+    (out / "server.cmd").write_text(shlex.join(argv) + "\n")
+    summary: dict = {"env": bs.environment(), "standin": {
+        "step_ms": os.environ.get(STEP_ENV, STEP_MS), "host_ms": os.environ.get(HOST_ENV, "0,0"),
+        "tokens": os.environ.get(TOKENS_ENV, "unused"), "platform": args.platform, "api_servers": args.api_servers},
+        "loads": []}
+    with open(out / "server.log", "w") as log:
+        server = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        t0 = time.time()
+        while not _healthy(args.port):
+            if server.poll() is not None or time.time() - t0 > args.start_timeout:
+                raise RuntimeError(f"the stand-in server did not come up (exit {server.poll()}); see "
+                                   f"{out / 'server.log'}")
+            time.sleep(2)
+        summary["start_s"] = round(time.time() - t0, 1)
+        bench_cmd = shlex.split(args.bench_cmd) if args.bench_cmd else [sys.executable, *bs.VLLM_CLI, "bench", "serve"]
+        for i, c in enumerate(args.concurrency):
+            n = args.prompts[i] if args.prompts else max(c, args.min_prompts)
+            name = f"standin_c{c}_{i}"
+            bargs = bs.bench_serve_args(base_url=f"http://127.0.0.1:{args.port}", model=str(model), concurrency=c,
+                                        num_prompts=n, num_warmups=0, result_dir=str(out), result_filename=f"{name}.json",
+                                        seed=1000 + i, ready_check_timeout_s=0)
+            with bs.HostCpuSampler(server.pid) as cpu:
+                result, why = bs.run_bench_serve(bench_cmd, bargs, result_path=out / f"{name}.json",
+                                                 log_path=out / f"{name}.log", timeout_s=args.run_timeout)
+            if result is None:
+                summary["loads"].append({"concurrency": c, "status": "error", "reason": why})
+                continue
+            row = bs.row_from_result(result, backend="standin", quant=args.quant, max_num_seqs=args.max_num_seqs)
+            row["timeline"] = load_timeline(result, read_steps(steps_log))
+            row["host_cpu"] = cpu.result()
+            summary["loads"].append(row)
+            t = row["timeline"]
+            print(f"c{c} ({n} prompts): {row['output_tok_s']:.0f} tok/s, window {t.get('window_s')} s, GPU span "
+                  f"{t.get('gpu_span_s')} s, lead-in {t.get('lead_in_s')} s, tail {t.get('tail_s')} s, TTFT median "
+                  f"{t.get('ttft_median_s')} s, failed {row['failed']}", flush=True)
+    finally:
+        try:
+            os.killpg(server.pid, signal.SIGTERM)
+            server.wait(timeout=30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(server.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    (out / "standin.json").write_text(json.dumps(common.jsonable(summary), indent=1, default=str))
+    return summary
+
+
+def _concurrency(text: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated ints >= 1, got {text!r}") from None
+    if not vals or any(v < 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"must be comma-separated ints >= 1, got {text!r}")
+    return vals
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="start the stand-in server, one load per concurrency, stop")
+    r.add_argument("--out", required=True, help="work folder: model, logs, results, standin.json")
+    r.add_argument("--platform", choices=("cpu", "auto"), default="cpu",
+                   help="cpu: the stand-in's CPU platform plugin (a machine without a GPU); auto: vLLM's own")
+    r.add_argument("--concurrency", type=_concurrency, default=[1, 64], help="loads, in order (default 1,64)")
+    r.add_argument("--min-prompts", type=int, default=4, help="prompts of a load: max(concurrency, this)")
+    r.add_argument("--prompts", type=_concurrency, default=None,
+                   help="prompts of each load instead (as many as --concurrency; the H200 sweep's: 4,8,32,64)")
+    r.add_argument("--model", help="model folder (default OUT/dg26b, written if missing)")
+    r.add_argument("--port", type=int, default=8190)
+    r.add_argument("--max-num-seqs", type=int, default=64)
+    r.add_argument("--kv-cache-gib", type=float, default=40.0)
+    r.add_argument("--quant", choices=bs.QUANTS, default="fp8")
+    r.add_argument("--api-servers", type=int, default=1)
+    r.add_argument("--bench-cmd", help="the client (default: this Python's `vllm bench serve`)")
+    r.add_argument("--start-timeout", type=float, default=300.0)
+    r.add_argument("--run-timeout", type=float, default=600.0)
+    p = sub.add_parser("plugin-dir", help="write the platform plugin's dist-info into a folder")
+    p.add_argument("folder")
+    a = ap.parse_args(argv)
+    if a.command == "plugin-dir":
+        print(write_plugin_dir(a.folder))
+        return 0
+    if a.min_prompts < 1:
+        ap.error(f"--min-prompts must be >= 1, got {a.min_prompts}")
+    if a.prompts is not None and len(a.prompts) != len(a.concurrency):
+        ap.error(f"--prompts must give one count per --concurrency value, got {len(a.prompts)} for "
+                 f"{len(a.concurrency)}")
+    try:
+        run(a)
+    except RuntimeError as e:
+        print(f"serve_standin: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,121 @@
+"""The serving stand-in (bench/experiments/serve_standin.py): its diffusion accounting, step-time model, step log,
+load timeline and plugin folder on the CPU without vLLM; the whole stand-in server against ``vllm bench serve``
+only where vLLM 0.26's Python side imports (tests/integration/vllm_cpu_env.sh 0.26.0; CI skips it)."""
+import importlib.metadata
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from blockdiff.bench.experiments import serve_standin as st
+
+
+def test_accounting_commits_a_canvas_after_the_denoising_steps():
+    acc = st.DiffusionAccounting(denoising_steps=3, canvas_length=4)
+    assert acc.step("a", canvas_row=False) == 0  # a prefill chunk samples nothing
+    assert [acc.step("a", True) for _ in range(8)] == [0, 0, 0, 4, 0, 0, 0, 4]  # 3 denoise, commit, again
+
+
+def test_accounting_keeps_requests_apart_and_forgets_finished_ones():
+    acc = st.DiffusionAccounting(denoising_steps=2, canvas_length=8)
+    assert [acc.step("a", True), acc.step("b", True), acc.step("a", True), acc.step("a", True)] == [0, 0, 0, 8]
+    acc.finish(["b"])
+    assert "b" not in acc.steps and acc.step("b", True) == 0
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_accounting_rejects_bad_sizes(bad):
+    with pytest.raises(ValueError, match="denoising_steps"):
+        st.DiffusionAccounting(denoising_steps=bad)
+    with pytest.raises(ValueError, match="canvas_length"):
+        st.DiffusionAccounting(canvas_length=bad)
+
+
+def test_step_time_model_matches_its_calibration():
+    model = st.parse_floats(st.STEP_MS, 3, st.STEP_ENV)
+    assert st.step_seconds(model, 0, 256) == pytest.approx(0.013, abs=2e-4)  # a lone canvas step (7.4)
+    assert st.step_seconds(model, 4096, 0) == pytest.approx(0.0547, abs=3e-4)  # a 4096-token prefill (7.4)
+    # the 64-request load: 64 prompts of 4096 tokens and 64 x 2 canvases of 17 steps in ~80 steps: ~14.5 s (7.13)
+    load = 80 * model[0] / 1e3 + st.step_seconds((0, model[1], model[2]), 64 * 4096, 64 * 2 * 17 * 256)
+    assert load == pytest.approx(14.5, rel=0.02)
+
+
+@pytest.mark.parametrize("text", ["1,2", "1,2,3,4", "a,b,c", "1,-2,3", "1,nan,3", "1,inf,3"])
+def test_parse_floats_names_the_variable(text):
+    with pytest.raises(ValueError, match=st.STEP_ENV):
+        st.parse_floats(text, 3, st.STEP_ENV)
+
+
+def test_platform_plugin_is_off_unless_asked(monkeypatch):
+    monkeypatch.delenv(st.PLATFORM_ENV, raising=False)
+    assert st.platform_plugin() is None
+    monkeypatch.setenv(st.PLATFORM_ENV, "1")
+    assert st.platform_plugin() == st.PLATFORM_CLASS
+
+
+def test_plugin_dir_declares_the_platform_entry_point(tmp_path):
+    st.write_plugin_dir(tmp_path)
+    dists = [d for d in importlib.metadata.distributions(path=[str(tmp_path)])]
+    assert [d.metadata["Name"] for d in dists] == ["blockdiff_standin"]
+    (ep,) = dists[0].entry_points
+    assert (ep.group, ep.value) == ("vllm.platform_plugins",
+                                    "blockdiff.bench.experiments.serve_standin:platform_plugin")
+
+
+def test_timeline_places_the_client_window_on_the_steps(tmp_path):
+    log = tmp_path / "steps.log"
+    log.write_text("10.00 10.50 4096 0 1\n10.50 11.00 256 256 1\n99 100 1 1 1\nbad line\n")
+    steps = st.read_steps(log)
+    assert len(steps) == 3 and st.read_steps(tmp_path / "missing") == []
+    # two requests: sent at 9.9 and 10.0; first outputs 0.6 / 0.7 s later; last at 11.2
+    result = {"start_times": [9.9, 10.0], "ttfts": [0.6, 0.7], "itls": [[0.7], [0.5]], "output_lens": [2, 2]}
+    t = st.load_timeline(result, steps)
+    assert t["steps"] == 2 and t["window_s"] == pytest.approx(1.3) and t["gpu_span_s"] == pytest.approx(1.0)
+    assert t["lead_in_s"] == pytest.approx(0.1) and t["tail_s"] == pytest.approx(0.2)
+    assert t["ttft_median_s"] == pytest.approx(0.65) and t["e2e_median_s"] == pytest.approx(1.25)
+    assert st.load_timeline({}, steps) == {}
+
+
+def test_server_command_is_the_benchmarks_with_the_standin_worker():
+    env, argv = st.server_command(model="/m", port=8190, max_num_seqs=64, kv_cache_gib=40)
+    assert argv[argv.index("--worker-cls") + 1] == st.WORKER_CLASS
+    assert argv[argv.index("--distributed-executor-backend") + 1] == "uni"
+    assert "--async-scheduling" in argv and argv[argv.index("--quantization") + 1] == "fp8"
+    assert env["VLLM_PLUGINS"] == "blockdiff"
+
+
+def test_cli_rejects_bad_concurrency(capsys):
+    with pytest.raises(SystemExit) as e:
+        st.main(["run", "--out", "/tmp/x", "--concurrency", "0"])
+    assert e.value.code == 2 and "--concurrency" in capsys.readouterr().err
+
+
+def _vllm_026() -> bool:
+    try:
+        return importlib.util.find_spec("vllm") is not None and importlib.metadata.version("vllm") == "0.26.0"
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not _vllm_026(), reason="needs vLLM 0.26.0's Python side (tests/integration/vllm_cpu_env.sh 0.26.0)")
+def test_standin_server_answers_a_load_with_the_accounting(tmp_path):
+    """The real vLLM 0.26 server with the stand-in worker on the CPU: every request answered in full, 16 denoising
+    steps a canvas (vLLM's own diffusion metrics), the client's window covering the stand-in's steps."""
+    env = dict(os.environ, BLOCKDIFF_STANDIN_STEP_MS="1,0.001,0.002")
+    p = subprocess.run([sys.executable, "-m", "blockdiff.bench.experiments.serve_standin", "run", "--platform", "cpu",
+                        "--out", str(tmp_path), "--concurrency", "2", "--min-prompts", "2", "--port", "8197"],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:] + (tmp_path / "server.log").read_text()[-3000:]
+    (row,) = json.loads((tmp_path / "standin.json").read_text())["loads"]
+    assert row["status"] == "ok" and row["failed"] == 0 and row["complete"]
+    assert row["diffusion_steps_per_canvas"] == 16.0
+    assert row["timeline"]["steps"] >= 2 * 17 and row["timeline"]["gpu_span_s"] <= row["timeline"]["window_s"]
+
+
+def test_cli_wants_one_prompt_count_per_concurrency(capsys):
+    with pytest.raises(SystemExit) as e:
+        st.main(["run", "--out", "/tmp/x", "--concurrency", "1,64", "--prompts", "4"])
+    assert e.value.code == 2 and "--prompts" in capsys.readouterr().err
