@@ -360,6 +360,7 @@ def run(args) -> dict:
         "loads": []}
     with open(out / "server.log", "w") as log:
         server = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    (out / "server.pid").write_text(f"{server.pid}\n")  # for a profiler attached from outside (serve_standin.sh)
     try:
         t0 = time.time()
         while not _healthy(args.port):

@@ -5,7 +5,8 @@
 # to 15 s later (7.13). A tail here puts the cause in this machine's host side (Python 3.12, its packages, the VM);
 # none puts it in the real model runner. ~2 min after vLLM's staging (stagev.sh):
 #   [STANDIN_CONC=1,64,64] [API_SERVERS=N] bash bench/experiments/device/serve_standin.sh
-# Writes $OUT/standin.json (rows with host_cpu and the timeline), the server's log tail and `pip list`.
+# Writes $OUT/standin.json (rows with host_cpu and the timeline), the server's log tail, `pip list`, and with
+# .device/pyspy carried a py-spy summary of the server's threads (pyspy_top_standin.txt).
 set -u
 source bench/experiments/device/env.sh
 W=${SERVE_BENCH_DIR:-/tmp/serve_bench}; OUT=${OUT:-$W/out}; mkdir -p $W $OUT
@@ -15,8 +16,23 @@ run() {  # $1 platform (auto: vLLM's own, CUDA here; cpu: the stand-in's), $2 fo
     --model $W/dg26b --concurrency ${STANDIN_CONC:-1,64,64} --api-servers ${API_SERVERS:-1} --start-timeout 240
 }
 [ -f $W/dg26b/config.json ] || python3 -m blockdiff.bench.bench_serve model $W/dg26b > /dev/null
+# py-spy (the wheel carried in .device/pyspy, as serve_host.sh) over the server's processes from its start for
+# PYSPY_S seconds (default 120: start-up ~40 s, then the loads)
+WHEELS=${PYSPY_WHEEL_DIR:-.device/pyspy}; rm -f $W/standin/server.pid
+if ls $WHEELS/py_spy-*.whl > /dev/null 2>&1; then
+  python3 -m zipfile -e $(ls $WHEELS/py_spy-*.whl | tail -1) $W/pyspy && PYSPY=$(ls $W/pyspy/py_spy-*.data/scripts/py-spy)
+  chmod +x $PYSPY
+  ( for i in $(seq 60); do [ -f $W/standin/server.pid ] && break; sleep 1; done
+    $PYSPY record --pid $(cat $W/standin/server.pid) --subprocesses --threads --rate 40 --nonblocking --format raw \
+      --duration ${PYSPY_S:-120} -o $OUT/pyspy_raw_standin.txt > $OUT/pyspy_standin.log 2>&1 ) &
+fi
 run auto $W/standin || { echo "the stand-in on vLLM's own platform failed; tail of its log:";
   tail -c 1500 $W/standin/server.log; echo "== again on the stand-in's CPU platform"; run cpu $W/standin; }
 cp $W/standin/standin.json $OUT/ 2>/dev/null
+wait
+if [ -f $OUT/pyspy_raw_standin.txt ]; then
+  python3 bench/experiments/pyspy_top.py $OUT/pyspy_raw_standin.txt --top 12 > $OUT/pyspy_top_standin.txt
+  gzip -f $OUT/pyspy_raw_standin.txt; head -40 $OUT/pyspy_top_standin.txt
+fi
 tail -c 400000 $W/standin/server.log > $OUT/standin_server.log 2>/dev/null
 true

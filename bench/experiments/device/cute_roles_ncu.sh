@@ -1,0 +1,29 @@
+# Issue 27: what bounds the cute roles kernel (docs/tuning.md 2.9: 430 TFLOP/s on mixed_global_ctx8k against
+# 2.8's predicted 520-600; no profile yet). After the CuTe DSL's staging (p1; this can be the p2 run with STAGE2=1),
+# one command, ~4 min: Nsight Compute's full set with source correlation (CUTE_DSL_LINEINFO=1, a fresh compile)
+# of one launch each of the roles kernel and of the default split-value kernel on mixed_global_ctx8k, then each
+# report's details and source pages as text: warp stall reasons by source line of the softmax and P V
+# warpgroups, pipe utilisation, shared-memory and L2 throughput. ncu leaves the clocks alone (METHOD.md).
+#   [STAGE2=1] bash bench/experiments/device/cute_roles_ncu.sh
+# Writes $OUT/ncu_roles.ncu-rep, $OUT/ncu_split_v.ncu-rep, their text pages, and the bench's own log.
+set -u
+[ "${STAGE2:-0}" = 1 ] && source bench/experiments/device/stage2.sh
+source bench/experiments/device/env.sh
+export OUT=${OUT:-/tmp/out}; mkdir -p $OUT
+command -v ncu > /dev/null || { echo "no ncu on this machine"; exit 3; }
+export CUTE_DSL_LINEINFO=1 FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=0  # line info needs a compile, not a cached cubin
+one() {  # $1 name, $2 kernel-name regex, $3 cute config JSON list
+  timeout ${NCU_S:-110} ncu --clock-control none --set full --import-source yes --kernel-name "regex:$2" \
+    --launch-skip 2 --launch-count 1 --target-processes all -f -o $OUT/ncu_$1 \
+    python3 -m blockdiff.bench.bench_attention --backends cute --workloads mixed_global_ctx8k --no-graph --no-plots \
+      --cute-configs "$3" --suite-name ncu_$1 --out /tmp/ncu_bench_$1 > $OUT/ncu_$1.log 2>&1 < /dev/null
+  echo "== $1: exit $?"; tail -3 $OUT/ncu_$1.log
+  if [ -f $OUT/ncu_$1.ncu-rep ]; then
+    ncu --import $OUT/ncu_$1.ncu-rep --page details > $OUT/ncu_$1_details.txt 2>&1
+    ncu --import $OUT/ncu_$1.ncu-rep --page source --csv --print-source sass > $OUT/ncu_$1_source.csv 2>&1
+    grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|Registers Per|Achieved Occ" \
+      $OUT/ncu_$1_details.txt | head -12
+  fi
+}
+one roles 'FlashAttentionForwardSm90Roles' '[{"wide_design": "roles"}]'
+one split_v 'FlashAttentionForwardSm90WideV' '[]'
