@@ -403,16 +403,6 @@ def run(args) -> dict:
     return summary
 
 
-def _concurrency(text: str) -> list[int]:
-    try:
-        vals = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be comma-separated ints >= 1, got {text!r}") from None
-    if not vals or any(v < 1 for v in vals):
-        raise argparse.ArgumentTypeError(f"must be comma-separated ints >= 1, got {text!r}")
-    return vals
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
@@ -420,16 +410,16 @@ def main(argv=None) -> int:
     r.add_argument("--out", required=True, help="work folder: model, logs, results, standin.json")
     r.add_argument("--platform", choices=("cpu", "auto"), default="cpu",
                    help="cpu: the stand-in's CPU platform plugin (a machine without a GPU); auto: vLLM's own")
-    r.add_argument("--concurrency", type=_concurrency, default=[1, 64], help="loads, in order (default 1,64)")
-    r.add_argument("--min-prompts", type=int, default=4, help="prompts of a load: max(concurrency, this)")
-    r.add_argument("--prompts", type=_concurrency, default=None,
+    r.add_argument("--concurrency", type=bs._ints, default=[1, 64], help="loads, in order (default 1,64)")
+    r.add_argument("--min-prompts", type=bs._pos_int, default=4, help="prompts of a load: max(concurrency, this)")
+    r.add_argument("--prompts", type=bs._ints, default=None,
                    help="prompts of each load instead (as many as --concurrency; the H200 sweep's: 4,8,32,64)")
     r.add_argument("--model", help="model folder (default OUT/dg26b, written if missing)")
-    r.add_argument("--port", type=int, default=8190)
-    r.add_argument("--max-num-seqs", type=int, default=64)
+    r.add_argument("--port", type=bs._pos_int, default=8190)
+    r.add_argument("--max-num-seqs", type=bs._pos_int, default=64)
     r.add_argument("--kv-cache-gib", type=float, default=40.0)
     r.add_argument("--quant", choices=bs.QUANTS, default="fp8")
-    r.add_argument("--api-servers", type=int, default=1)
+    r.add_argument("--api-servers", type=bs._pos_int, default=1)
     r.add_argument("--bench-cmd", help="the client (default: this Python's `vllm bench serve`)")
     r.add_argument("--start-timeout", type=float, default=300.0)
     r.add_argument("--run-timeout", type=float, default=600.0)
@@ -439,8 +429,6 @@ def main(argv=None) -> int:
     if a.command == "plugin-dir":
         print(write_plugin_dir(a.folder))
         return 0
-    if a.min_prompts < 1:
-        ap.error(f"--min-prompts must be >= 1, got {a.min_prompts}")
     if a.prompts is not None and len(a.prompts) != len(a.concurrency):
         ap.error(f"--prompts must give one count per --concurrency value, got {len(a.prompts)} for "
                  f"{len(a.concurrency)}")

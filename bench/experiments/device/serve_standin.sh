@@ -16,20 +16,28 @@ run() {  # $1 platform (auto: vLLM's own, CUDA here; cpu: the stand-in's), $2 fo
     --model $W/dg26b --concurrency ${STANDIN_CONC:-1,64,64} --api-servers ${API_SERVERS:-1} --start-timeout 240
 }
 [ -f $W/dg26b/config.json ] || python3 -m blockdiff.bench.bench_serve model $W/dg26b > /dev/null
-# py-spy (the wheel carried in .device/pyspy, as serve_host.sh) over the server's processes from its start for
-# PYSPY_S seconds (default 120: start-up ~40 s, then the loads)
-WHEELS=${PYSPY_WHEEL_DIR:-.device/pyspy}; rm -f $W/standin/server.pid
+# py-spy (the wheel carried in .device/pyspy, as serve_host.sh) over each stand-in server's processes while it runs
+# (the one that serves: a server that fails to start is followed by the next one's pid)
+WHEELS=${PYSPY_WHEEL_DIR:-.device/pyspy}; mkdir -p $W/standin; rm -f $W/standin/server.pid; spy=""
 if ls $WHEELS/py_spy-*.whl > /dev/null 2>&1; then
-  python3 -m zipfile -e $(ls $WHEELS/py_spy-*.whl | tail -1) $W/pyspy && PYSPY=$(ls $W/pyspy/py_spy-*.data/scripts/py-spy)
-  chmod +x $PYSPY
-  ( for i in $(seq 60); do [ -f $W/standin/server.pid ] && break; sleep 1; done
-    $PYSPY record --pid $(cat $W/standin/server.pid) --subprocesses --threads --rate 40 --nonblocking --format raw \
-      --duration ${PYSPY_S:-120} -o $OUT/pyspy_raw_standin.txt > $OUT/pyspy_standin.log 2>&1 ) &
+  python3 -m zipfile -e $(ls $WHEELS/py_spy-*.whl | tail -1) $W/pyspy
+  PYSPY=$(ls $W/pyspy/py_spy-*.data/scripts/py-spy); chmod +x $PYSPY; touch $W/standin/.running
+  ( last=""; while [ -f $W/standin/.running ]; do
+      p=$(cat $W/standin/server.pid 2>/dev/null)
+      if [ -n "$p" ] && [ "$p" != "$last" ] && kill -0 $p 2>/dev/null; then
+        last=$p
+        $PYSPY record --pid $p --subprocesses --threads --rate 40 --nonblocking --format raw --duration 600 \
+          -o $OUT/pyspy_raw_standin.txt > $OUT/pyspy_standin.log 2>&1
+      fi
+      sleep 1
+    done ) &
+  spy=$!
 fi
 run auto $W/standin || { echo "the stand-in on vLLM's own platform failed; tail of its log:";
   tail -c 1500 $W/standin/server.log; echo "== again on the stand-in's CPU platform"; run cpu $W/standin; }
 cp $W/standin/standin.json $OUT/ 2>/dev/null
-wait
+rm -f $W/standin/.running
+[ -n "$spy" ] && { pkill -INT -f "py-spy record" 2>/dev/null; wait $spy; }
 if [ -f $OUT/pyspy_raw_standin.txt ]; then
   python3 bench/experiments/pyspy_top.py $OUT/pyspy_raw_standin.txt --top 12 > $OUT/pyspy_top_standin.txt
   gzip -f $OUT/pyspy_raw_standin.txt; head -40 $OUT/pyspy_top_standin.txt
