@@ -17,9 +17,12 @@ a row scheduled with the canvas as draft tokens is a denoising step (0 tokens, t
 :data:`DENOISING_STEPS` steps, then a commit (``canvas_length`` tokens accepted). Its "GPU" is a queue: a step
 starts when the previous one ended (or when it is launched, if later) and lasts ``a + p * prefill_tokens +
 q * canvas_tokens`` ms (``BLOCKDIFF_STANDIN_STEP_MS="a,p,q"``, default :data:`STEP_MS`: fitted to the H200's
-blockdiff-cute FP8 profiles, docs/tuning.md 7.4 / 7.13: a lone canvas step 13.0 ms, a 4096-token prefill 54.7 ms,
-the 64-request load's 80 steps 14.5 s). The engine core waits for a step's output as for the real runner's
+blockdiff-cute FP8 profiles, docs/tuning.md 7.4 / 7.13: a lone canvas step 12.9 ms, a 4096-token prefill 54.7 ms,
+the 64-request load's ~80 steps 14.5 s, with the 2 x 17 canvas rows of each request and the one more row vLLM's
+asynchronous scheduling gives it after its last commit). The engine core waits for a step's output as for the real runner's
 (vLLM's ``AsyncModelRunnerOutput``), so asynchronous scheduling overlaps the host with the "GPU" as it does there.
+The KV cache is one layer's (the stand-in holds no tensors): ``--kv-cache-gib`` admits far more tokens than the
+real 30-layer model's cache, so the stand-in does not model KV-cache pressure or preemption for lack of pages.
 ``BLOCKDIFF_STANDIN_HOST_MS="h0,h1"``: Python busy time (holding the GIL) the worker spends per step (``h0``) and
 per scheduled request (``h1``) before launching it, to model a model runner's host work. Each step's (start, end,
 tokens, canvas tokens, requests) in ``perf_counter`` seconds goes to ``BLOCKDIFF_STANDIN_LOG`` when set.
@@ -39,6 +42,7 @@ import os
 import random
 import shlex
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -51,7 +55,7 @@ from blockdiff.bench import bench_serve as bs
 from blockdiff.bench import common
 
 #: default step-time model ``a,p,q``: ms per step, per prefill token, per canvas token (module docstring)
-STEP_MS = "8,0.0114,0.0195"
+STEP_MS = "8,0.0114,0.0190"
 DENOISING_STEPS = bs.DENOISING_STEPS
 CANVAS_LENGTH = bs.CANVAS_LENGTH
 PLATFORM_ENV = "BLOCKDIFF_STANDIN_PLATFORM"
@@ -198,7 +202,10 @@ def _make_worker():
             return self.rng.randrange(259, self.vocab)
 
         def execute_model(self, scheduler_output):
-            self.accounting.finish(scheduler_output.finished_req_ids)
+            # a finished or preempted request starts afresh (model runner v2 removes both; a resumed one
+            # re-prefills and begins a new canvas)
+            self.accounting.finish(set(scheduler_output.finished_req_ids)
+                                   | set(getattr(scheduler_output, "preempted_req_ids", None) or ()))
             if scheduler_output.total_num_scheduled_tokens == 0:
                 return EMPTY_MODEL_RUNNER_OUTPUT
             self.pending = scheduler_output
@@ -307,7 +314,7 @@ def load_timeline(result: dict, steps: list[tuple[float, float, int, int, int]])
     s0, e1 = windows[0][0], max(w[2] for w in windows)
     inside = [s for s in steps if s[1] >= s0 and s[0] <= e1]
     if not inside:
-        return {"window_s": e1 - s0, "steps": 0}
+        return {"window_s": round(e1 - s0, 4), "steps": 0}
     g0, g1 = min(s[0] for s in inside), max(s[1] for s in inside)
     return {"window_s": round(e1 - s0, 4), "steps": len(inside), "gpu_span_s": round(g1 - g0, 4),
             "gpu_busy_s": round(sum(s[1] - s[0] for s in inside), 4), "lead_in_s": round(g0 - s0, 4),
@@ -334,10 +341,42 @@ def _healthy(port: int) -> bool:
         return False
 
 
+def check_environment(environ=os.environ) -> dict:
+    """The stand-in's variables, checked before a server starts (the worker checks them again in the engine core).
+
+    Raises:
+        ValueError: a variable with a bad value (named).
+    """
+    step = environ.get(STEP_ENV, STEP_MS)
+    host = environ.get(HOST_ENV, "0,0")
+    parse_floats(step, 3, STEP_ENV)
+    parse_floats(host, 2, HOST_ENV)
+    tokens = environ.get(TOKENS_ENV, "unused")
+    if tokens not in TOKEN_MODES:
+        raise ValueError(f"{TOKENS_ENV} must be one of {TOKEN_MODES}, got {tokens!r}")
+    return {"step_ms": step, "host_ms": host, "tokens": tokens}
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        return sock.connect_ex(("127.0.0.1", port)) != 0
+
+
 def run(args) -> dict:
-    """The ``run`` subcommand: start the stand-in server, one load per concurrency, stop; returns the summary."""
+    """The ``run`` subcommand: start the stand-in server, one load per concurrency, stop; returns the summary.
+
+    Raises:
+        ValueError: a stand-in variable with a bad value (:func:`check_environment`).
+        RuntimeError: the port is taken, or the server did not come up.
+    """
+    standin = check_environment()
+    if not _port_free(args.port):
+        raise RuntimeError(f"--port {args.port} is in use (a server left from an earlier run?): stop it or pick "
+                           "another port")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    for stale in ("standin.json", "server.pid"):  # never report an earlier run's results as this one's
+        (out / stale).unlink(missing_ok=True)
     model = Path(args.model) if args.model else out / "dg26b"
     if not (model / "config.json").exists():
         bs.write_model_folder(model)
@@ -351,25 +390,25 @@ def run(args) -> dict:
     env[LOG_ENV] = str(steps_log)
     senv, argv = server_command(model=str(model), port=args.port, max_num_seqs=args.max_num_seqs,
                                 kv_cache_gib=args.kv_cache_gib, quant=args.quant, api_server_count=args.api_servers)
+    if args.server_cmd:  # a stand-in for the whole server (CPU tests of this driver), run as CMD PORT TRACE_DIR
+        argv = [*args.server_cmd, str(args.port), str(out / "trace")]
     env.update(senv)
     env["VLLM_PLUGINS"] = "blockdiff,blockdiff_standin"
     (out / "server.cmd").write_text(shlex.join(argv) + "\n")
     summary: dict = {"env": bs.environment(), "standin": {
-        "step_ms": os.environ.get(STEP_ENV, STEP_MS), "host_ms": os.environ.get(HOST_ENV, "0,0"),
-        "tokens": os.environ.get(TOKENS_ENV, "unused"), "platform": args.platform, "api_servers": args.api_servers},
-        "loads": []}
+        **standin, "platform": args.platform, "api_servers": args.api_servers}, "loads": []}
     with open(out / "server.log", "w") as log:
         server = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     (out / "server.pid").write_text(f"{server.pid}\n")  # for a profiler attached from outside (serve_standin.sh)
     try:
         t0 = time.time()
-        while not _healthy(args.port):
+        while not (_healthy(args.port) and server.poll() is None):  # healthy, and this run's server
             if server.poll() is not None or time.time() - t0 > args.start_timeout:
                 raise RuntimeError(f"the stand-in server did not come up (exit {server.poll()}); see "
                                    f"{out / 'server.log'}")
             time.sleep(2)
         summary["start_s"] = round(time.time() - t0, 1)
-        bench_cmd = shlex.split(args.bench_cmd) if args.bench_cmd else [sys.executable, *bs.VLLM_CLI, "bench", "serve"]
+        bench_cmd = args.bench_cmd or [sys.executable, *bs.VLLM_CLI, "bench", "serve"]
         for i, c in enumerate(args.concurrency):
             n = args.prompts[i] if args.prompts else max(c, args.min_prompts)
             name = f"standin_c{c}_{i}"
@@ -417,12 +456,13 @@ def main(argv=None) -> int:
     r.add_argument("--model", help="model folder (default OUT/dg26b, written if missing)")
     r.add_argument("--port", type=bs._pos_int, default=8190)
     r.add_argument("--max-num-seqs", type=bs._pos_int, default=64)
-    r.add_argument("--kv-cache-gib", type=float, default=40.0)
+    r.add_argument("--kv-cache-gib", type=bs._pos_float, default=40.0)
     r.add_argument("--quant", choices=bs.QUANTS, default="fp8")
     r.add_argument("--api-servers", type=bs._pos_int, default=1)
-    r.add_argument("--bench-cmd", help="the client (default: this Python's `vllm bench serve`)")
-    r.add_argument("--start-timeout", type=float, default=300.0)
-    r.add_argument("--run-timeout", type=float, default=600.0)
+    r.add_argument("--bench-cmd", type=bs._cmd, help="the client (default: this Python's `vllm bench serve`)")
+    r.add_argument("--server-cmd", type=bs._cmd, help=argparse.SUPPRESS)  # CPU tests: a fake server, CMD PORT DIR
+    r.add_argument("--start-timeout", type=bs._pos_float, default=300.0, help="seconds the server may take to start")
+    r.add_argument("--run-timeout", type=bs._pos_float, default=600.0, help="seconds one load's client may take")
     p = sub.add_parser("plugin-dir", help="write the platform plugin's dist-info into a folder")
     p.add_argument("folder")
     a = ap.parse_args(argv)
@@ -432,11 +472,15 @@ def main(argv=None) -> int:
     if a.prompts is not None and len(a.prompts) != len(a.concurrency):
         ap.error(f"--prompts must give one count per --concurrency value, got {len(a.prompts)} for "
                  f"{len(a.concurrency)}")
+    # a SIGTERM (`timeout`'s signal) unwinds run(), whose `finally` stops the server (its own process group)
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         run(a)
-    except RuntimeError as e:
+    except (RuntimeError, ValueError) as e:
         print(f"serve_standin: {e}", file=sys.stderr)
         return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
 
 

@@ -5,7 +5,8 @@
 # report's details and source pages as text: warp stall reasons by source line of the softmax and P V
 # warpgroups, pipe utilisation, shared-memory and L2 throughput. ncu leaves the clocks alone (METHOD.md).
 #   [STAGE2=1] bash bench/experiments/device/cute_roles_ncu.sh
-# Writes $OUT/ncu_roles.ncu-rep, $OUT/ncu_split_v.ncu-rep, their text pages, and the bench's own log.
+# Writes $OUT/ncu_roles.ncu-rep, $OUT/ncu_split_v.ncu-rep and per kernel ncu_<name>_text.tar.gz: the details page,
+# the source page as CSV (SASS alone, and with the Python lines), and the bench's own log.
 set -u
 [ "${STAGE2:-0}" = 1 ] && source bench/experiments/device/stage2.sh
 source bench/experiments/device/env.sh
@@ -20,10 +21,15 @@ one() {  # $1 name, $2 kernel-name regex, $3 cute config JSON list
   echo "== $1: exit $?"; tail -3 $OUT/ncu_$1.log
   if [ -f $OUT/ncu_$1.ncu-rep ]; then
     ncu --import $OUT/ncu_$1.ncu-rep --page details > $OUT/ncu_$1_details.txt 2>&1
-    ncu --import $OUT/ncu_$1.ncu-rep --page source --csv --print-source sass > $OUT/ncu_$1_source.csv 2>&1
+    ncu --import $OUT/ncu_$1.ncu-rep --page source --csv --print-source sass > $OUT/ncu_$1_sass.csv 2>&1
+    # the Python lines of the CuTe DSL source beside the SASS (line info); kept apart in case this ncu lacks the mode
+    ncu --import $OUT/ncu_$1.ncu-rep --page source --csv --print-source cuda,sass > $OUT/ncu_$1_source.csv 2>&1
     grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|Registers Per|Achieved Occ" \
       $OUT/ncu_$1_details.txt | head -12
   fi
+  # at most 8 files come back from a run: the text of each kernel in one archive
+  (cd $OUT && tar -czf ncu_$1_text.tar.gz ncu_$1.log ncu_$1_*.txt ncu_$1_*.csv 2>/dev/null \
+    && rm -f ncu_$1.log ncu_$1_*.txt ncu_$1_*.csv)
 }
 one roles 'FlashAttentionForwardSm90Roles' '[{"wide_design": "roles"}]'
 one split_v 'FlashAttentionForwardSm90WideV' '[]'
