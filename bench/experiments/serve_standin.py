@@ -14,18 +14,18 @@ runner is slow" without using the GPU.
 The stand-in worker (:class:`StandinWorker`, ``--worker-cls``) follows vLLM's diffusion accounting as blockdiff's
 ModelState reports it (docs/ARCHITECTURE.md "Integration and vLLM accounting"): a prefill chunk samples 0 tokens;
 a row scheduled with the canvas as draft tokens is a denoising step (0 tokens, the whole canvas rejected) for
-:data:`DENOISING_STEPS` steps, then a commit (``canvas_length`` tokens accepted). Its "GPU" is a queue: a step
-starts when the previous one ended (or when it is launched, if later) and lasts ``a + p * prefill_tokens +
-q * canvas_tokens`` ms (``BLOCKDIFF_STANDIN_STEP_MS="a,p,q"``, default :data:`STEP_MS`: fitted to the H200's
-blockdiff-cute FP8 profiles, docs/tuning.md 7.4 / 7.13: a lone canvas step 12.9 ms, a 4096-token prefill 54.7 ms,
-the 64-request load's ~80 steps 14.5 s, with the 2 x 17 canvas rows of each request and the one more row vLLM's
-asynchronous scheduling gives it after its last commit). The engine core waits for a step's output as for the real runner's
-(vLLM's ``AsyncModelRunnerOutput``), so asynchronous scheduling overlaps the host with the "GPU" as it does there.
-The KV cache is one layer's (the stand-in holds no tensors): ``--kv-cache-gib`` admits far more tokens than the
-real 30-layer model's cache, so the stand-in does not model KV-cache pressure or preemption for lack of pages.
-``BLOCKDIFF_STANDIN_HOST_MS="h0,h1"``: Python busy time (holding the GIL) the worker spends per step (``h0``) and
-per scheduled request (``h1``) before launching it, to model a model runner's host work. Each step's (start, end,
-tokens, canvas tokens, requests) in ``perf_counter`` seconds goes to ``BLOCKDIFF_STANDIN_LOG`` when set.
+:data:`DENOISING_STEPS` steps, then a commit (``canvas_length`` tokens accepted); a finished or preempted request
+starts afresh. Its "GPU" is a queue: a step starts when the previous one ended (or when it is launched, if later)
+and lasts ``a + p * prefill_tokens + q * canvas_tokens`` ms (``BLOCKDIFF_STANDIN_STEP_MS="a,p,q"``, default
+:data:`STEP_MS`, fitted to the H200's blockdiff-cute FP8 profiles: docs/tuning.md 7.15). The engine core waits
+for a step's output as for the real runner's (vLLM's ``AsyncModelRunnerOutput``), so asynchronous scheduling
+overlaps the host with the "GPU" as it does there. The KV cache is one layer's (the stand-in holds no tensors):
+``--kv-cache-gib`` admits far more tokens than the real 30-layer model's cache, so KV-cache pressure and
+preemption for lack of pages are not modelled. ``BLOCKDIFF_STANDIN_HOST_MS="h0,h1"``: Python busy time (holding
+the GIL) the worker spends per step (``h0``) and per scheduled request (``h1``) before launching it, to model a
+model runner's host work. ``BLOCKDIFF_STANDIN_TOKENS``: what a commit emits (:data:`TOKEN_MODES`). Each step's
+(start, end, tokens, canvas tokens, requests) in ``perf_counter`` seconds goes to ``BLOCKDIFF_STANDIN_LOG`` when
+set.
 
 On a machine without a GPU the worker alone is not enough: vLLM finds no platform. ``--platform cpu`` writes a
 platform plugin (:class:`StandinPlatform`: vLLM's CPU platform with the executor and asynchronous scheduling the
@@ -413,8 +413,8 @@ def run(args) -> dict:
             n = args.prompts[i] if args.prompts else max(c, args.min_prompts)
             name = f"standin_c{c}_{i}"
             bargs = bs.bench_serve_args(base_url=f"http://127.0.0.1:{args.port}", model=str(model), concurrency=c,
-                                        num_prompts=n, num_warmups=0, result_dir=str(out), result_filename=f"{name}.json",
-                                        seed=1000 + i, ready_check_timeout_s=0)
+                                        num_prompts=n, num_warmups=0, result_dir=str(out),
+                                        result_filename=f"{name}.json", seed=1000 + i, ready_check_timeout_s=0)
             with bs.HostCpuSampler(server.pid) as cpu:
                 result, why = bs.run_bench_serve(bench_cmd, bargs, result_path=out / f"{name}.json",
                                                  log_path=out / f"{name}.log", timeout_s=args.run_timeout)

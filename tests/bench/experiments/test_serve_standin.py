@@ -198,7 +198,8 @@ def _vllm_026() -> bool:
         return False
 
 
-@pytest.mark.skipif(not _vllm_026(), reason="needs vLLM 0.26.0's Python side (tests/integration/vllm_cpu_env.sh 0.26.0)")
+@pytest.mark.skipif(not _vllm_026(),
+                    reason="needs vLLM 0.26.0's Python side (tests/integration/vllm_cpu_env.sh 0.26.0)")
 def test_standin_server_answers_a_load_with_the_accounting(tmp_path):
     """The real vLLM 0.26 server with the stand-in worker on the CPU: every request answered in full, 16 denoising
     steps a canvas (vLLM's own diffusion metrics), the client's window covering the stand-in's steps."""
