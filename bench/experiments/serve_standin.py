@@ -141,11 +141,10 @@ def _make_worker():
 
         def init_device(self):
             self.device = torch.device("cpu")
-            self.step_ms = parse_floats(os.environ.get(STEP_ENV, STEP_MS), 3, STEP_ENV)
-            self.host_ms = parse_floats(os.environ.get(HOST_ENV, "0,0"), 2, HOST_ENV)
-            self.tokens = os.environ.get(TOKENS_ENV, "unused")
-            if self.tokens not in TOKEN_MODES:
-                raise ValueError(f"{TOKENS_ENV} must be one of {TOKEN_MODES}, got {self.tokens!r}")
+            cfg = check_environment()
+            self.step_ms = parse_floats(cfg["step_ms"], 3, STEP_ENV)
+            self.host_ms = parse_floats(cfg["host_ms"], 2, HOST_ENV)
+            self.tokens = cfg["tokens"]
             dc = getattr(self.vllm_config, "diffusion_config", None)
             steps = getattr(dc, "max_denoising_steps", None) or DENOISING_STEPS
             self.accounting = DiffusionAccounting(int(steps), int(getattr(dc, "canvas_length", None) or CANVAS_LENGTH))
@@ -342,7 +341,7 @@ def _healthy(port: int) -> bool:
 
 
 def check_environment(environ=os.environ) -> dict:
-    """The stand-in's variables, checked before a server starts (the worker checks them again in the engine core).
+    """The stand-in's variables as given, checked (by ``run`` before a server starts, and by the worker).
 
     Raises:
         ValueError: a variable with a bad value (named).
