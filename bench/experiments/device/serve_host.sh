@@ -5,7 +5,8 @@
 # alone_up.sh (the server healthy, 64 seqs, 40 GiB KV): the sweep's warm-up and a c64 load (row 1 with host_cpu:
 # per process and thread CPU from /proc), then a second c64 load (another seed) while py-spy samples every thread of
 # the server's processes (raw stacks gzipped and a text summary by bench/experiments/pyspy_top.py), then stop
-# (KEEP=1: left up). Rows: $OUT/host_rows_<side>_a<api servers>.jsonl; the server's log tail too.
+# (KEEP=1: left up). py-spy samples idle threads too (PYSPY_IDLE=0: busy ones only).
+# Rows: $OUT/host_rows_<side>_a<api servers>.jsonl; the server's log tail too.
 set -u
 source bench/experiments/device/alone_up.sh
 set -- $(bash $S info $quant $attn $side | tail -1); be=$1; port=$2; seqs=$3; pid=$(cat $6)
@@ -27,8 +28,11 @@ left() { echo $(( BUDGET - ($(date +%s) - T0) - 15 )); }
 c64 first $seqs 0 $(( $(left) / 2 ))
 el "first c64 done"
 if [ -n "$PYSPY" ]; then
-  $PYSPY record --pid $pid --subprocesses --threads --rate 40 --nonblocking --format raw --duration ${PYSPY_S:-75} \
-    -o $OUT/pyspy_raw_$tag.txt > $OUT/pyspy_$tag.log 2>&1 &
+  # --idle (PYSPY_IDLE=0 to leave it out): threads off the CPU are sampled too, so the summary says where each one
+  # waits as well as where it works (a tail with no busy thread is a wait; host_cpu says which threads are busy)
+  IDLE=(); [ "${PYSPY_IDLE:-1}" = 1 ] && IDLE=(--idle)
+  $PYSPY record --pid $pid --subprocesses --threads ${IDLE[@]+"${IDLE[@]}"} --rate 40 --nonblocking --format raw \
+    --duration ${PYSPY_S:-75} -o $OUT/pyspy_raw_$tag.txt > $OUT/pyspy_$tag.log 2>&1 &
   spy=$!
 else
   echo "no py-spy wheel under .device/pyspy: the second load runs without it"
