@@ -295,6 +295,30 @@ def _stats(xs: list[float]) -> tuple[float | None, float | None]:
     return (statistics.fmean(xs), statistics.median(xs)) if xs else (None, None)
 
 
+def output_text_summary(texts: Sequence, *, sample_chars: int = 80) -> dict:
+    """What the requests' texts looked like (``generated_texts`` of a ``--save-detailed`` result): the model's
+    tokens decide the detokenizer's cost in the API server (docs/tuning.md 7.19: tokens whose text never completes,
+    such as a repeated ``<pad>`` or a lone UTF-8 lead byte, make vLLM's incremental detokenizer quadratic).
+
+    Returns:
+        ``requests``, ``chars_median`` (characters a request), ``empty`` (requests with no text),
+        ``replacement_chars`` (U+FFFD, from invalid UTF-8, over all requests), ``unused_tokens`` (``<unused_``
+        pieces, the padded vocabulary's tokens), ``sample`` (the first ``sample_chars`` characters of the first
+        non-empty text, as ``ascii()`` writes them).
+
+    Raises:
+        TypeError: ``texts`` is not a list or tuple.
+    """
+    if not isinstance(texts, (list, tuple)):
+        raise TypeError(f"texts must be a list of strings, got {type(texts).__name__}")
+    strs = [t if isinstance(t, str) else "" for t in texts]
+    lens = [len(t) for t in strs]
+    first = next((t for t in strs if t), "")
+    return {"requests": len(strs), "chars_median": statistics.median(lens) if lens else None,
+            "empty": sum(1 for t in strs if not t), "replacement_chars": sum(t.count("\ufffd") for t in strs),
+            "unused_tokens": sum(t.count("<unused_") for t in strs), "sample": ascii(first[:sample_chars])}
+
+
 def row_from_result(result: dict, *, backend: str, quant: str, max_num_seqs: int | None,
                     canvas_length: int = CANVAS_LENGTH, expected_output_len: int = OUTPUT_LEN) -> dict:
     """One benchmark row from a ``vllm bench serve`` result JSON (vLLM 0.26's field names; see the module
@@ -353,6 +377,9 @@ def row_from_result(result: dict, *, backend: str, quant: str, max_num_seqs: int
         "diffusion_committed_tokens": result.get("diffusion_committed_tokens"),
         "steps_ok": None if steps is None else abs(steps - DENOISING_STEPS) < 1e-6,
     }
+    texts = result.get("generated_texts")
+    if isinstance(texts, list):
+        row["output_text"] = output_text_summary(texts)
     if not row["complete"]:
         row["reason"] = (f"{n - result['completed']} of {n} requests lost or failed, {total_out} of {expected} "
                          f"output tokens" + (f": {errors[0][-200:]}" if errors else ""))

@@ -10,6 +10,7 @@ runner is slow" without using the GPU.
 
     source tests/integration/vllm_cpu_env.sh 0.26.0          # vLLM's Python side on a CPU-only machine
     python3 -m blockdiff.bench.experiments.serve_standin run --platform cpu --out DIR [--concurrency 1,64]
+    python3 -m blockdiff.bench.experiments.serve_standin detok --model DIR   # the detokenizer's ms per request
 
 The stand-in worker (:class:`StandinWorker`, ``--worker-cls``) follows vLLM's diffusion accounting as blockdiff's
 ModelState reports it (docs/ARCHITECTURE.md "Integration and vLLM accounting"): a prefill chunk samples 0 tokens;
@@ -62,9 +63,11 @@ PLATFORM_ENV = "BLOCKDIFF_STANDIN_PLATFORM"
 STEP_ENV, HOST_ENV, LOG_ENV, TOKENS_ENV = ("BLOCKDIFF_STANDIN_STEP_MS", "BLOCKDIFF_STANDIN_HOST_MS",
                                            "BLOCKDIFF_STANDIN_LOG", "BLOCKDIFF_STANDIN_TOKENS")
 #: ``BLOCKDIFF_STANDIN_TOKENS``: what a commit emits (``unused``: ids above the byte tokenizer's, as the 26B
-#: geometry's random weights give; ``bytes_high``: byte tokens of 0x80-0xff, mostly invalid UTF-8, the
-#: detokenizer's slow case)
-TOKEN_MODES = ("unused", "bytes_high")
+#: geometry's random weights give; ``bytes_high``: byte tokens of 0x80-0xff, mostly invalid UTF-8; ``pad``: the
+#: ``<pad>`` id repeated and ``byte_e3``: the byte 0xe3 repeated, both text the incremental detokenizer can never
+#: complete, so that ``tokenizers.DecodeStream`` re-decodes a growing window at every token, quadratic in the
+#: output length: docs/tuning.md 7.19)
+TOKEN_MODES = ("unused", "bytes_high", "pad", "byte_e3")
 WORKER_CLASS = "blockdiff.bench.experiments.serve_standin.StandinWorker"
 PLATFORM_CLASS = "blockdiff.bench.experiments.serve_standin.StandinPlatform"
 
@@ -114,6 +117,26 @@ class DiffusionAccounting:
     def finish(self, req_ids) -> None:
         for r in req_ids:
             self.steps.pop(r, None)
+
+
+def commit_token(mode: str, rng: random.Random, vocab: int) -> int:
+    """One committed token id of the stand-in in token mode ``mode`` (:data:`TOKEN_MODES`; the benchmark's byte
+    tokenizer: 0-2 special, 3-258 the bytes 0-255, the rest ``<unused_N>``), ``vocab`` ids in all.
+
+    Raises:
+        ValueError: ``mode`` is not one of :data:`TOKEN_MODES`, or ``vocab`` <= 259.
+    """
+    if mode not in TOKEN_MODES:
+        raise ValueError(f"mode must be one of {TOKEN_MODES}, got {mode!r}")
+    if vocab <= 259:
+        raise ValueError(f"vocab must be > 259 (the byte tokenizer's special and byte ids), got {vocab}")
+    if mode == "bytes_high":
+        return 3 + rng.randrange(128, 256)
+    if mode == "pad":
+        return 0
+    if mode == "byte_e3":
+        return 3 + 0xE3
+    return rng.randrange(259, vocab)
 
 
 def step_seconds(step_ms: tuple[float, float, float], prefill_tokens: int, canvas_tokens: int) -> float:
@@ -196,9 +219,7 @@ def _make_worker():
                 self.log.close()
 
         def _token(self) -> int:
-            if self.tokens == "bytes_high":  # ByteTokenizer: ids 3.. are bytes 0..255
-                return 3 + self.rng.randrange(128, 256)
-            return self.rng.randrange(259, self.vocab)
+            return commit_token(self.tokens, self.rng, self.vocab)
 
         def execute_model(self, scheduler_output):
             # a finished or preempted request starts afresh (model runner v2 removes both; a resumed one
@@ -441,6 +462,37 @@ def run(args) -> dict:
     return summary
 
 
+def detokenizer_ms(tokenizer_json: str | os.PathLike, *, prompt_len: int = 4096, output_len: int = 512,
+                   modes: tuple[str, ...] = TOKEN_MODES, seed: int = 0) -> dict[str, float]:
+    """Milliseconds vLLM 0.26's fast incremental detokenizer path (``tokenizers.decoders.DecodeStream`` primed with
+    the prompt, ``skip_special_tokens``, one ``step`` per token, as ``FastIncrementalDetokenizer``) takes for one
+    request's ``output_len`` committed tokens of each token mode, after a prompt of ``prompt_len`` byte tokens:
+    the API server's cost per request (one thread, the GIL held; docs/tuning.md 7.19).
+
+    Raises:
+        ValueError: a mode is not one of :data:`TOKEN_MODES`, or a length is < 1.
+        TypeError: this ``tokenizers`` has no prompt-primed ``DecodeStream`` (``ids=``).
+    """
+    import tokenizers
+    from tokenizers.decoders import DecodeStream
+
+    if prompt_len < 1 or output_len < 1:
+        raise ValueError(f"prompt_len and output_len must be >= 1, got {prompt_len}, {output_len}")
+    tok = tokenizers.Tokenizer.from_file(os.fspath(tokenizer_json))
+    vocab = tok.get_vocab_size()
+    rng = random.Random(seed)
+    prompt = [3 + rng.randrange(32, 127) for _ in range(prompt_len)]
+    out = {}
+    for mode in modes:
+        ids = [commit_token(mode, rng, vocab) for _ in range(output_len)]
+        stream = DecodeStream(ids=prompt, skip_special_tokens=True)
+        t0 = time.perf_counter()
+        for i in ids:
+            stream.step(tok, i)
+        out[mode] = 1e3 * (time.perf_counter() - t0)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
@@ -464,9 +516,17 @@ def main(argv=None) -> int:
     r.add_argument("--run-timeout", type=bs._pos_float, default=600.0, help="seconds one load's client may take")
     p = sub.add_parser("plugin-dir", help="write the platform plugin's dist-info into a folder")
     p.add_argument("folder")
+    d = sub.add_parser("detok", help="ms the incremental detokenizer takes per request for each token mode")
+    d.add_argument("--model", required=True, help="model folder with tokenizer.json (bench_serve model)")
+    d.add_argument("--prompt-len", type=bs._pos_int, default=bs.INPUT_LEN)
+    d.add_argument("--output-len", type=bs._pos_int, default=bs.OUTPUT_LEN)
     a = ap.parse_args(argv)
     if a.command == "plugin-dir":
         print(write_plugin_dir(a.folder))
+        return 0
+    if a.command == "detok":
+        ms = detokenizer_ms(Path(a.model) / "tokenizer.json", prompt_len=a.prompt_len, output_len=a.output_len)
+        print(json.dumps({"prompt_len": a.prompt_len, "output_len": a.output_len, "ms_per_request": ms}))
         return 0
     if a.prompts is not None and len(a.prompts) != len(a.concurrency):
         ap.error(f"--prompts must give one count per --concurrency value, got {len(a.prompts)} for "

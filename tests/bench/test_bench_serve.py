@@ -86,6 +86,22 @@ def test_time_per_canvas_counts_canvases_after_the_first_and_skips_failed_reques
         bs.row_from_result([], backend="vllm", quant="fp8", max_num_seqs=1)
 
 
+def test_row_summarizes_the_generated_texts_whose_tokens_decide_the_detokenizers_cost():
+    """docs/tuning.md 7.19: a row says what the model's text looked like (a repeated <pad> decodes to nothing)."""
+    r = {"completed": 3, "failed": 0, "num_prompts": 3, "duration": 1.0, "output_throughput": 1.0,
+         "max_concurrency": 3, "generated_texts": ["", "ab\ufffd<unused_7><unused_9>", "\ufffd\ufffd"]}
+    t = bs.row_from_result(r, backend="vllm", quant="fp8", max_num_seqs=1)["output_text"]
+    assert t == {"requests": 3, "chars_median": 2, "empty": 1, "replacement_chars": 3, "unused_tokens": 2,
+                 "sample": ascii("ab\ufffd<unused_7><unused_9>")}
+    long = bs.output_text_summary(["x" * 500])
+    assert long["sample"] == ascii("x" * 80) and long["chars_median"] == 500
+    assert "output_text" not in bs.row_from_result({k: v for k, v in r.items() if k != "generated_texts"},
+                                                   backend="vllm", quant="fp8", max_num_seqs=1)
+    assert bs.output_text_summary([])["chars_median"] is None
+    with pytest.raises(TypeError, match="texts must be a list"):
+        bs.output_text_summary("abc")
+
+
 def test_bench_serve_args_are_the_setting():
     a = bs.bench_serve_args(base_url="http://h:1", model="/m", concurrency=16, num_prompts=32, num_warmups=4,
                             result_dir="/r", result_filename="x.json", seed=16)

@@ -5,6 +5,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import random
 import subprocess
 import sys
 
@@ -218,3 +219,52 @@ def test_cli_wants_one_prompt_count_per_concurrency(capsys):
     with pytest.raises(SystemExit) as e:
         st.main(["run", "--out", "/tmp/x", "--concurrency", "1,64", "--prompts", "4"])
     assert e.value.code == 2 and "--prompts" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode, ids", [("unused", range(259, 1000)), ("bytes_high", range(3 + 128, 3 + 256)),
+                                       ("pad", {0}), ("byte_e3", {3 + 0xE3})])
+def test_commit_token_gives_each_modes_ids(mode, ids):
+    rng = random.Random(0)
+    assert {st.commit_token(mode, rng, 1000) for _ in range(300)} <= set(ids)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        st.commit_token("zeros", rng, 1000)
+    with pytest.raises(ValueError, match="vocab must be > 259"):
+        st.commit_token(mode, rng, 259)
+
+
+def test_pad_and_byte_e3_commits_are_text_the_incremental_detokenizer_never_completes(tmp_path):
+    """docs/tuning.md 7.19: vLLM's fast incremental detokenizer (tokenizers' DecodeStream, primed with the prompt)
+    emits nothing for a repeated <pad> (skip_special_tokens) or a repeated UTF-8 lead byte, so it keeps a growing
+    window to re-decode at every token; random <unused_N> tokens give text at once."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers.decoders import DecodeStream
+
+    from blockdiff.bench import bench_serve as bs
+
+    bs.write_model_folder(tmp_path / "m")
+    tok = tokenizers.Tokenizer.from_file(str(tmp_path / "m" / "tokenizer.json"))
+    rng, prompt = random.Random(0), [3 + ord(c) for c in "def f(x):\n    return x\n" * 8]
+    texts = {}
+    for mode in ("unused", "pad", "byte_e3"):
+        try:
+            stream = DecodeStream(ids=prompt, skip_special_tokens=True)
+        except TypeError:  # tokenizers before the prompt-primed stream vLLM 0.26 uses
+            pytest.skip("this tokenizers' DecodeStream takes no ids")
+        texts[mode] = "".join(stream.step(tok, st.commit_token(mode, rng, 262144)) or "" for _ in range(64))
+    assert texts["pad"] == texts["byte_e3"] == "" and texts["unused"].count("<unused_") == 64
+
+
+def test_detok_times_each_token_mode_per_request(tmp_path, capsys):
+    pytest.importorskip("tokenizers")
+    from blockdiff.bench import bench_serve as bs
+
+    bs.write_model_folder(tmp_path / "m")
+    try:
+        assert st.main(["detok", "--model", str(tmp_path / "m"), "--prompt-len", "64", "--output-len", "32"]) == 0
+    except TypeError:
+        pytest.skip("this tokenizers' DecodeStream takes no ids")
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["ms_per_request"]) == set(st.TOKEN_MODES) and (out["prompt_len"], out["output_len"]) == (64, 32)
+    assert all(v >= 0 for v in out["ms_per_request"].values())
+    with pytest.raises(ValueError, match="prompt_len and output_len must be >= 1"):
+        st.detokenizer_ms(tmp_path / "m" / "tokenizer.json", prompt_len=0)
