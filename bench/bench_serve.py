@@ -18,10 +18,19 @@ with 4096 prompt tokens and 512 output tokens (two canvases), EOS ignored. Both 
 blockdiff's ``DiffusionModelState`` take it before ``generation_config.json``, which says 16 too). Early
 convergence is ruled out by ``stability_threshold`` = 16 in ``generation_config.json`` (both read it when they
 build the sampler; no request sets a diffusion option: vLLM's sampler reads none per request, and ``vllm bench
-serve``'s ``--extra-body`` stays unused): blockdiff converges early only after ``k`` + 1 = 17
+serve``'s ``--extra-body`` carries no diffusion option): blockdiff converges early only after ``k`` + 1 = 17
 identical argmax canvases, vLLM's compiled step only once its history holds ``k`` + 1 = 17 entries, and both hit
 the cap of 16 first. ``diffusion_steps_per_canvas`` of every row is vLLM's own count (``/metrics`` before and after
 the run, written by ``vllm bench serve``) and must be 16.
+
+The client asks both sides for ``skip_special_tokens: false`` (:data:`SKIP_SPECIAL_TOKENS`; ``--skip-special-tokens``
+gives vLLM's default, the rows before 2026-12-03's 7.19 of docs/tuning.md). With random weights the 26B geometry
+commits ``<pad>`` only: vLLM's dummy loader sets every layer's ``layer_scalar`` buffer to the same ~-7e-4, the
+residual underflows to zero by the 14th layer, every logit is 0 and the argmax is id 0. vLLM's incremental
+detokenizer skips such a token without emitting text and re-decodes the growing window at every step (quadratic:
+~0.3 s of the API server's one thread per 512-token request, against ~2 ms for text), which then bounds a served
+load (docs/tuning.md 7.19). Kept, ``<pad>`` decodes to text at once, as a checkpoint's text does; both sides get the
+same request.
 
 Subcommands:
   model       write the benchmark's model folder (:func:`write_model_folder`).
@@ -269,14 +278,28 @@ def num_prompts_for(concurrency: int, per_concurrency: int = 2, minimum: int = 8
     return max(per_concurrency * concurrency, minimum)
 
 
+#: ``skip_special_tokens`` the client asks for (module docstring: False, so the random-weight model's ``<pad>``
+#: commits detokenize in linear time); None: the server's default (True).
+SKIP_SPECIAL_TOKENS: bool | None = False
+
+
 def bench_serve_args(*, base_url: str, model: str, concurrency: int, num_prompts: int, num_warmups: int,
                      result_dir: str, result_filename: str, seed: int = 0, metadata: dict | None = None,
-                     output_len: int = OUTPUT_LEN, ready_check_timeout_s: int | None = None) -> list[str]:
+                     output_len: int = OUTPUT_LEN, ready_check_timeout_s: int | None = None,
+                     skip_special_tokens: bool | None = SKIP_SPECIAL_TOKENS) -> list[str]:
     """Arguments of ``vllm bench serve`` (vLLM 0.26) for one run of the benchmark's setting: the ``random``
     dataset, 4096 prompt and ``output_len`` (512) output tokens (range ratio 0), EOS ignored, no sampling options
     (the servers' defaults), TTFT / TPOT / ITL / end-to-end percentiles 50 and 99, the detailed result saved.
-    ``ready_check_timeout_s``: None keeps vLLM's ready check (0.26: a whole first request, untimed, before the
-    run); 0 skips it (``--ready-check-timeout-sec 0``: a profile's trace then holds only the load)."""
+    ``ready_check_timeout_s``: None leaves vLLM's default (0.26.0: 0, no ready check; a later vLLM may send a
+    whole untimed first request); 0 says so explicitly (``--ready-check-timeout-sec 0``: a profile's trace holds
+    only the load).
+    ``skip_special_tokens``: True / False go in ``--extra-body``; None leaves the server's default.
+
+    Raises:
+        TypeError: ``skip_special_tokens`` is not a bool or None.
+    """
+    if skip_special_tokens is not None and not isinstance(skip_special_tokens, bool):
+        raise TypeError(f"skip_special_tokens must be a bool or None, got {skip_special_tokens!r}")
     args = ["--backend", "openai", "--base-url", base_url, "--endpoint", "/v1/completions", "--model", model,
             "--dataset-name", "random", "--random-input-len", str(INPUT_LEN), "--random-output-len", str(output_len),
             "--random-range-ratio", "0", "--ignore-eos", "--max-concurrency", str(concurrency),
@@ -286,6 +309,8 @@ def bench_serve_args(*, base_url: str, model: str, concurrency: int, num_prompts
             "--disable-tqdm"]
     if ready_check_timeout_s is not None:
         args += ["--ready-check-timeout-sec", str(int(ready_check_timeout_s))]
+    if skip_special_tokens is not None:
+        args += ["--extra-body", json.dumps({"skip_special_tokens": skip_special_tokens})]
     if metadata:
         args += ["--metadata", *[f"{k}={v}" for k, v in metadata.items()]]
     return args
@@ -718,7 +743,8 @@ def sweep(args) -> list[dict]:
                base_url=args.base_url, model=args.model, server_pid=args.server_pid,
                bench_cmd=" ".join(args.bench_cmd), setting={"input_len": INPUT_LEN, "output_len": OUTPUT_LEN,
                                                           "canvas_length": CANVAS_LENGTH,
-                                                          "denoising_steps": DENOISING_STEPS, "geometry": GEOMETRY})
+                                                          "denoising_steps": DENOISING_STEPS, "geometry": GEOMETRY,
+                                                          "skip_special_tokens": args.skip_special_tokens})
     t_sweep = time.perf_counter()
     warm_c = args.max_num_seqs if args.warm_concurrency is None else args.warm_concurrency
     if warm_c > 0:  # every batch size up to max-num-seqs once, so no compile lands in a timed run
@@ -728,7 +754,8 @@ def sweep(args) -> list[dict]:
             args.bench_cmd, bench_serve_args(base_url=args.base_url, model=args.model, concurrency=warm_c,
                                              num_prompts=warm_c, num_warmups=1, result_dir=str(work),
                                              result_filename=f"{name}.json", seed=args.seed + 999,
-                                             output_len=args.warm_output_len),
+                                             output_len=args.warm_output_len,
+                                             skip_special_tokens=args.skip_special_tokens),
             result_path=work / f"{name}.json", log_path=work / f"{name}.log", timeout_s=args.run_timeout)
         env["warm_up"] = {"concurrency": warm_c, "output_len": args.warm_output_len,
                           "s": time.perf_counter() - t_sweep, "ok": result is not None,
@@ -753,7 +780,8 @@ def sweep(args) -> list[dict]:
         bargs = bench_serve_args(base_url=args.base_url, model=args.model, concurrency=c, num_prompts=n,
                                  num_warmups=warm, result_dir=str(work), result_filename=f"{name}.json",
                                  seed=args.seed + c, metadata={"blockdiff_backend": args.backend,
-                                                               "blockdiff_quant": args.quant})
+                                                               "blockdiff_quant": args.quant},
+                                 skip_special_tokens=args.skip_special_tokens)
         common.log(f"{name}: {n} prompts, {warm} warm-up, concurrency {c}")
         t0 = time.perf_counter()
         with MemorySampler(args.server_pid, interval_s=args.memory_interval, smi=args.nvidia_smi) as mem, \
@@ -766,7 +794,8 @@ def sweep(args) -> list[dict]:
                    "max_num_seqs": args.max_num_seqs, "num_prompts": n, "complete": False, "reason": why}
         else:
             row = row_from_result(result, backend=args.backend, quant=args.quant, max_num_seqs=args.max_num_seqs)
-        row.update(mem.result(), num_warmups=warm, wall_s=time.perf_counter() - t0, host_cpu=cpu.result())
+        row.update(mem.result(), num_warmups=warm, wall_s=time.perf_counter() - t0, host_cpu=cpu.result(),
+                   skip_special_tokens=args.skip_special_tokens)
         append_jsonl(rows_path, row)
         rows.append(row)
         common.log(f"  {row['status']}: {common.fmt(row.get('output_tok_s'), 1)} tok/s, ttft "
@@ -1288,12 +1317,14 @@ def _profile(args) -> dict:
     t0 = time.time()
     warm = args.requests if args.warm_requests is None else args.warm_requests
     summary: dict = {"backend": args.backend, "quant": args.quant, "requests": args.requests,
-                     "warm_requests": warm, "trace_dir": str(args.trace_dir), "env": environment()}
+                     "warm_requests": warm, "trace_dir": str(args.trace_dir), "env": environment(),
+                     "skip_special_tokens": args.skip_special_tokens}
     if warm > 0:  # the same batch shapes once, unprofiled: first-use JIT compiles land here, not in the trace
         name = f"profile_warm_{args.quant}-{args.backend}"
         t_warm = time.perf_counter()
         bargs = bench_serve_args(base_url=base, model=args.model, concurrency=warm, num_prompts=warm,
-                                 num_warmups=0, result_dir=str(work), result_filename=f"{name}.json", seed=54321)
+                                 num_warmups=0, result_dir=str(work), result_filename=f"{name}.json", seed=54321,
+                                 skip_special_tokens=args.skip_special_tokens)
         result, why = run_bench_serve(args.bench_cmd, bargs, result_path=work / f"{name}.json",
                                       log_path=work / f"{name}.log", timeout_s=args.run_timeout)
         summary["warm_up"] = {"requests": warm, "s": round(time.perf_counter() - t_warm, 3), "ok": result is not None}
@@ -1308,7 +1339,8 @@ def _profile(args) -> dict:
         name = f"profile_{args.quant}-{args.backend}"
         bargs = bench_serve_args(base_url=base, model=args.model, concurrency=args.requests, num_prompts=args.requests,
                                  num_warmups=0, result_dir=str(work), result_filename=f"{name}.json", seed=12345,
-                                 ready_check_timeout_s=0)  # no untimed test request inside the trace
+                                 ready_check_timeout_s=0,  # no untimed test request inside the trace
+                                 skip_special_tokens=args.skip_special_tokens)
         offset = clock_offset_s()
         with HostCpuSampler(args.server_pid) as cpu:
             result, why = run_bench_serve(args.bench_cmd, bargs, result_path=work / f"{name}.json",
@@ -1617,6 +1649,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--work-dir", default=None, help="result JSONs and logs of the client (default "
                                                         "$TMPDIR/bench_serve/BACKEND_QUANT)")
         p.add_argument("--run-timeout", type=_pos_float, default=300.0, help="seconds one client run may take")
+        p.add_argument("--skip-special-tokens", dest="skip_special_tokens", action="store_const", const=None,
+                       default=SKIP_SPECIAL_TOKENS,
+                       help="leave skip_special_tokens to the server (vLLM: true; the rows before docs/tuning.md "
+                            "7.19); default: ask for false, so the random-weight model's <pad> commits detokenize "
+                            "in linear time")
     sw = sub.choices["sweep"]
     sw.add_argument("--concurrency", type=_ints, default=[1, 4, 16, 64])
     sw.add_argument("--max-num-seqs", type=_pos_int, required=True, help="the server's --max-num-seqs (recorded)")

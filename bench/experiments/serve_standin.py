@@ -434,7 +434,8 @@ def run(args) -> dict:
             name = f"standin_c{c}_{i}"
             bargs = bs.bench_serve_args(base_url=f"http://127.0.0.1:{args.port}", model=str(model), concurrency=c,
                                         num_prompts=n, num_warmups=0, result_dir=str(out),
-                                        result_filename=f"{name}.json", seed=1000 + i, ready_check_timeout_s=0)
+                                        result_filename=f"{name}.json", seed=1000 + i, ready_check_timeout_s=0,
+                                        skip_special_tokens=args.skip_special_tokens)
             with bs.HostCpuSampler(server.pid) as cpu:
                 result, why = bs.run_bench_serve(bench_cmd, bargs, result_path=out / f"{name}.json",
                                                  log_path=out / f"{name}.log", timeout_s=args.run_timeout)
@@ -444,6 +445,7 @@ def run(args) -> dict:
             row = bs.row_from_result(result, backend="standin", quant=args.quant, max_num_seqs=args.max_num_seqs)
             row["timeline"] = load_timeline(result, read_steps(steps_log))
             row["host_cpu"] = cpu.result()
+            row["skip_special_tokens"] = args.skip_special_tokens
             summary["loads"].append(row)
             t = row["timeline"]
             print(f"c{c} ({n} prompts): {row['output_tok_s']:.0f} tok/s, window {t.get('window_s')} s, GPU span "
@@ -514,6 +516,10 @@ def main(argv=None) -> int:
     r.add_argument("--server-cmd", type=bs._cmd, help=argparse.SUPPRESS)  # CPU tests: a fake server, CMD PORT DIR
     r.add_argument("--start-timeout", type=bs._pos_float, default=300.0, help="seconds the server may take to start")
     r.add_argument("--run-timeout", type=bs._pos_float, default=600.0, help="seconds one load's client may take")
+    r.add_argument("--skip-special-tokens", dest="skip_special_tokens", action="store_const", const=None,
+                   default=bs.SKIP_SPECIAL_TOKENS,
+                   help="leave skip_special_tokens to the server (vLLM: true), as bench_serve's option; default: "
+                        "the benchmark's (false)")
     p = sub.add_parser("plugin-dir", help="write the platform plugin's dist-info into a folder")
     p.add_argument("folder")
     d = sub.add_parser("detok", help="ms the incremental detokenizer takes per request for each token mode")

@@ -110,7 +110,16 @@ def test_bench_serve_args_are_the_setting():
                  "--max-concurrency 16", "--num-prompts 32", "--num-warmups 4", "--save-detailed",
                  "--percentile-metrics ttft,tpot,itl,e2el", "--result-dir /r", "--result-filename x.json"):
         assert part in s, part
-    assert "--temperature" not in s and "--extra-body" not in s  # the servers' defaults: generation_config.json
+    assert "--temperature" not in s  # the servers' defaults: generation_config.json
+    # docs/tuning.md 7.19: <pad> commits of the random-weight model detokenize in linear time only when kept
+    assert json.loads(a[a.index("--extra-body") + 1]) == {"skip_special_tokens": False}
+    server_default = bs.bench_serve_args(base_url="http://h:1", model="/m", concurrency=1, num_prompts=1,
+                                         num_warmups=0, result_dir="/r", result_filename="x.json",
+                                         skip_special_tokens=None)
+    assert "--extra-body" not in server_default
+    with pytest.raises(TypeError, match="skip_special_tokens must be a bool or None"):
+        bs.bench_serve_args(base_url="http://h:1", model="/m", concurrency=1, num_prompts=1, num_warmups=0,
+                            result_dir="/r", result_filename="x.json", skip_special_tokens="no")
     assert [bs.num_prompts_for(c) for c in (1, 4, 16, 64)] == [8, 8, 32, 128]
     assert "--ready-check-timeout-sec" not in s
     skip = bs.bench_serve_args(base_url="http://h:1", model="/m", concurrency=2, num_prompts=2, num_warmups=0,
@@ -131,7 +140,8 @@ def test_vllm_0_26_parses_the_client_arguments():
                                           metadata={"a": "b"}))
     assert (ns.random_input_len, ns.random_output_len, ns.max_concurrency, ns.num_prompts) == (4096, 512, 4, 8)
     assert ns.ignore_eos and ns.save_detailed and ns.backend == "openai" and ns.metadata == ["a=b"]
-    assert ns.ready_check_timeout_sec == 600  # vLLM's own ready check (a whole untimed request) unless asked
+    assert ns.ready_check_timeout_sec == 0  # vLLM 0.26.0 sends no ready-check request unless asked
+    assert ns.extra_body == {"skip_special_tokens": False}  # vLLM parses the JSON itself
     skip = bs.bench_serve_args(base_url="http://h:1", model="/m", concurrency=2, num_prompts=2, num_warmups=0,
                                result_dir="/r", result_filename="x.json", ready_check_timeout_s=0)
     assert p.parse_args(skip).ready_check_timeout_sec == 0  # a profile's trace holds only its load

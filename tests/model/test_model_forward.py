@@ -509,3 +509,31 @@ def test_allocate_kv_caches_argument_types_are_checked(model):
         model.allocate_kv_caches(2, 4, device="bogus")
     caches = model.allocate_kv_caches(2, 4, device="cpu", dtype=torch.bfloat16)
     assert caches[0][0].dtype == torch.bfloat16 and caches[0][0].shape == (2, 4, 2, 16)
+
+
+def _vllm_dummy_init_(model: DiffusionGemma) -> DiffusionGemma:
+    """vLLM 0.26's ``--load-format dummy`` on the CPU (``initialize_dummy_weights``): every floating tensor of the
+    state dict, persistent buffers such as ``layer_scalar`` included, drawn from U(-1e-3, 1e-3) with a generator
+    seeded 1234 afresh for each tensor."""
+    with torch.no_grad():
+        for t in model.state_dict().values():
+            if torch.is_floating_point(t):
+                t.uniform_(-1e-3, 1e-3, generator=torch.Generator().manual_seed(1234))
+    return model
+
+
+@torch.no_grad()
+def test_vllm_dummy_weights_at_full_depth_give_zero_logits_so_every_commit_is_pad():
+    """docs/tuning.md 7.19: under vLLM's dummy weights each layer scales the residual by the same layer_scalar
+    (|x| <= 1e-3), so 30 layers (the 26B-A4B depth) underflow it to exactly 0: every logit is 0 and the argmax of
+    every position is id 0 (<pad>); 4 layers still give distinct, non-zero logits."""
+    def logits(layers):
+        model = _vllm_dummy_init_(DiffusionGemma(tiny_config(num_hidden_layers=layers))).eval()
+        assert all(model.state_dict()[k].abs().max() <= 1e-3 for k in model.state_dict() if "layer_scalar" in k)
+        ids = torch.randint(3, model.config.vocab_size, (9,), generator=torch.Generator().manual_seed(0))
+        meta, pos = build_meta([9], [9], [True], PS)
+        return model(ids, pos, meta, model.allocate_kv_caches(8, PS), attn_backend="reference")
+
+    deep, shallow = logits(30), logits(4)
+    assert torch.isfinite(deep).all() and (deep == 0).all() and (deep.argmax(-1) == 0).all()
+    assert (shallow != 0).any() and shallow.argmax(-1).unique().numel() > 1
