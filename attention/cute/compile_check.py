@@ -25,8 +25,8 @@ import subprocess
 import sys
 import tempfile
 
-__all__ = ["compile_for_sm90", "parse_ptxas_report", "strip_ptx", "sass_spills_by_role", "SPEC_KEYS", "WIDE_MATRIX",
-           "wide_report", "ROLES_MATRIX"]
+__all__ = ["compile_for_sm90", "parse_ptxas_report", "strip_ptx", "sass_spills_by_role", "sass_loops", "LOOP_OPS",
+           "SPEC_KEYS", "WIDE_MATRIX", "wide_report", "ROLES_MATRIX"]
 
 #: Part of the name of every attention kernel of this backend (FA4's class name prefix; the combine kernel of a
 #: split-KV configuration is ``FlashAttentionForwardCombine``).
@@ -78,6 +78,76 @@ def sass_spills_by_role(sass: str) -> dict:
     return dict(counts, setmaxreg=regs)
 
 
+#: The instruction classes :func:`sass_loops` counts in a key-block loop: (name, regular expression on the opcode).
+LOOP_OPS = (
+    ("HGMMA", r"HGMMA\b"),                         # warpgroup MMA (wgmma)
+    ("WARPGROUP.DEPBAR", r"WARPGROUP\.DEPBAR\b"),   # wgmma.wait_group
+    ("BAR.SYNC", r"BAR\.SYNC\b"),                   # named barrier: wait
+    ("BAR.ARV", r"BAR\.ARV\b"),                     # named barrier: arrive
+    ("MUFU.EX2", r"MUFU\.EX2\b"),                   # exp2 of the softmax
+    ("FMUL", r"FMUL\b"),                            # e.g. the rescale of O
+    ("SYNCS", r"SYNCS\b"),                          # mbarrier arrive / try-wait
+    ("UTMALDG", r"UTMALDG\b"),                      # TMA loads issued
+    ("LDG", r"LDG\b"),                              # global loads (page-table entries)
+    ("STL/LDL", r"(?:STL|LDL)\b"),                  # local-memory spills
+)
+
+_SASS_INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][\w.]*)([^;]*);")
+_SASS_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
+
+
+def sass_loops(sass: str, require: str = "HGMMA") -> list[dict]:
+    """The loops of a kernel's SASS (``cuobjdump -sass`` text, branch targets as addresses, or ``nvdisasm`` text,
+    targets as labels): every backward branch whose body holds a ``require`` instruction (default: the key-block
+    loops, which hold the warpgroup MMAs).
+
+    A backward branch whose body holds an ``EXIT`` or ``RET`` is not a loop but an out-of-line slow path (ptxas
+    puts e.g. mbarrier retries after the kernel's exits) jumping back, and is left out.
+
+    Returns one dict per loop, by start address: ``start`` / ``end`` (byte addresses of the label's instruction
+    and of the branch), ``instructions`` (static count in the body, nested loops included) and a count per class
+    of :data:`LOOP_OPS`. Static counts: what one pass issues depends on the branches taken inside.
+
+    Raises:
+        ValueError: ``require`` is not a class name of :data:`LOOP_OPS`.
+    """
+    if require not in dict(LOOP_OPS):
+        raise ValueError(f"require must be one of {[n for n, _ in LOOP_OPS]}, got {require!r}")
+    ins, labels, pending = [], {}, []
+    for line in sass.splitlines():
+        m = _SASS_LABEL.match(line)
+        if m:
+            pending.append(m.group(1))
+            continue
+        m = _SASS_INSTRUCTION.match(line)
+        if not m:
+            continue
+        addr = int(m.group(1), 16)
+        for name in pending:
+            labels[name] = addr
+        pending = []
+        ins.append((addr, m.group(2), m.group(3)))
+    loops = []
+    for addr, op, args in ins:
+        if not op.startswith("BRA"):
+            continue
+        t = re.search(r"\((\.L_x_\d+)\)", args)  # nvdisasm: a label; cuobjdump: the target's address
+        if t:
+            start = labels.get(t.group(1))
+        else:
+            hexes = re.findall(r"\b0x([0-9a-f]+)\b", args)
+            start = int(hexes[-1], 16) if hexes else None
+        if start is None or start > addr:
+            continue
+        body = [o for a, o, _ in ins if start <= a <= addr]
+        if any(o in ("EXIT", "RET") or o.startswith(("EXIT.", "RET.")) for o in body):
+            continue  # not a loop: an out-of-line slow path (e.g. an mbarrier retry) jumping back across an exit
+        counts = {name: sum(1 for o in body if re.match(rx, o)) for name, rx in LOOP_OPS}
+        if counts[require]:
+            loops.append(dict(start=start, end=addr, instructions=len(body), **counts))
+    return sorted(loops, key=lambda d: (d["start"], d["end"]))
+
+
 def _cuobjdump() -> str | None:
     try:
         import triton  # optional: Triton ships cuobjdump (the GPU stack and the CPU test env have it)
@@ -101,8 +171,11 @@ def compile_for_sm90(timeout: float = 900, ptx_dir: str | None = None, **spec) -
 
     Returns:
         ``{"kernel", "registers", "stack_bytes", "spill_store_bytes", "spill_load_bytes", "smem_bytes",
-        "smem_formula_bytes", "wgmma", "sass_spills": {...}, "setmaxreg": [...], "config", "merge"}`` (the
-        attention kernel's; ``merge``: ptxas' report of FA4's combine kernel for split-KV configurations).
+        "smem_formula_bytes", "wgmma", "sass_spills": {...}, "setmaxreg": [...], "loops": [...], "config",
+        "merge"}`` (the attention kernel's; ``loops``: :func:`sass_loops`, the key-block loops' instruction mix;
+        ``merge``: ptxas' report of FA4's combine kernel for split-KV configurations). ``config`` is the
+        configuration compiled, resolved for :func:`.interface.compile_only`'s own shapes: a partial ``config``
+        may resolve to other tiles than a workload's launch does (pass the launch's whole configuration).
 
     Raises:
         ValueError: a spec key outside :data:`SPEC_KEYS`.
@@ -200,6 +273,7 @@ def _child(spec: dict, ptx_dir: str | None = None) -> dict:
                 wgmma=len(re.findall(r"\bHGMMA\b", sass)) if sass else None,
                 sass_spills=None if by_role is None else {k: by_role[k] for k in ("setup", "producer", "consumer")},
                 setmaxreg=None if by_role is None else by_role["setmaxreg"],
+                loops=sass_loops(sass) if sass else None,
                 config=dict(tile_m=cfg.tile_m, tile_n=cfg.tile_n, num_stages=cfg.num_stages, lpt=cfg.lpt,
                             num_splits=cfg.num_splits, wide_design=cfg.wide_design))
 

@@ -4,6 +4,8 @@ split-value kernel (hd 512, 16 q / 2 KV heads) compiled for sm_90a with no spill
 shared memory the config module computes."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from blockdiff.attention.cute import compile_check as cchk
@@ -119,3 +121,44 @@ def test_nan_safe_v_kernels_compile_for_sm90_with_bounded_spills(spec, tmp_path)
     with open(r["ptx_file"]) as f:
         ptx = f.read()
     assert "bar.red.or.pred" in ptx and "testp.finite.f32" in ptx
+
+
+LOOP_SASS = """
+        /*0100*/                   MOV R2, RZ ;
+.L_x_7:
+        /*0110*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4+0x10], R3 ;
+        /*0120*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], R24 ;
+        /*0130*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR12], R24, gsb0 ;
+        /*0140*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+        /*0150*/                   MUFU.EX2 R40, R40 ;
+        /*0160*/                   FMUL R41, R41, R5 ;
+        /*0170*/                   BAR.ARV R6, 0x100 ;
+        /*0180*/               @P1 BAR.SYNC.DEFER_BLOCKING R7, 0x100 ;
+        /*0190*/                   UTMALDG.4D [UR16], [UR18] ;
+        /*01a0*/               @P2 BRA `(.L_x_7) ;
+.L_x_8:
+        /*01b0*/                   FMUL R9, R9, R9 ;
+        /*01c0*/               @P3 BRA `(.L_x_8) ;
+        /*01d0*/                   BRA `(.L_x_9) ;
+.L_x_9:
+        /*01e0*/                   EXIT ;
+        /*01f0*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4+0x10], R3 ;
+        /*0200*/                   BRA `(.L_x_7) ;
+"""
+
+
+def test_sass_loops_counts_the_key_block_loop_and_skips_loops_without_an_mma():
+    """The instruction mix of each key-block loop (docs/tuning.md 2.10): a backward branch whose body holds HGMMA;
+    a loop without one, a forward branch and an out-of-line retry jumping back across EXIT are left out;
+    predicated instructions count."""
+    (loop,) = cchk.sass_loops(LOOP_SASS)
+    assert (loop["start"], loop["end"], loop["instructions"]) == (0x110, 0x1A0, 10)
+    assert (loop["HGMMA"], loop["WARPGROUP.DEPBAR"], loop["MUFU.EX2"], loop["FMUL"]) == (2, 1, 1, 1)
+    assert (loop["BAR.SYNC"], loop["BAR.ARV"], loop["SYNCS"], loop["UTMALDG"], loop["STL/LDL"]) == (1, 1, 1, 1, 0)
+    assert [(d["start"], d["FMUL"]) for d in cchk.sass_loops(LOOP_SASS, require="FMUL")] == [(0x110, 1), (0x1B0, 1)]
+    assert cchk.sass_loops("") == []
+    # cuobjdump writes the branch target as an address (and the encoding after the instruction), not a label
+    cuobjdump = re.sub(r"`\(\.L_x_7\)", "0x110", LOOP_SASS).replace(" ;\n", " ;   /* 0x000000000058 */\n")
+    assert cchk.sass_loops(re.sub(r"^\.L_x_\d+:\n", "", cuobjdump, flags=re.M))[0] == loop
+    with pytest.raises(ValueError, match="require must be one of"):
+        cchk.sass_loops(LOOP_SASS, require="HMMA")
