@@ -283,6 +283,20 @@ def num_prompts_for(concurrency: int, per_concurrency: int = 2, minimum: int = 8
 SKIP_SPECIAL_TOKENS: bool | None = False
 
 
+def effective_skip_special_tokens(value) -> bool:
+    """The ``skip_special_tokens`` a request ran with: ``value`` as asked (a bool), or vLLM's default (True) for
+    None, i.e. not asked, as in every row before docs/tuning.md 7.19 (which lack the field).
+
+    Raises:
+        TypeError: ``value`` is neither a bool nor None.
+    """
+    if value is None:
+        return True
+    if not isinstance(value, bool):
+        raise TypeError(f"skip_special_tokens must be a bool or None, got {value!r}")
+    return value
+
+
 def bench_serve_args(*, base_url: str, model: str, concurrency: int, num_prompts: int, num_warmups: int,
                      result_dir: str, result_filename: str, seed: int = 0, metadata: dict | None = None,
                      output_len: int = OUTPUT_LEN, ready_check_timeout_s: int | None = None,
@@ -320,28 +334,40 @@ def _stats(xs: list[float]) -> tuple[float | None, float | None]:
     return (statistics.fmean(xs), statistics.median(xs)) if xs else (None, None)
 
 
-def output_text_summary(texts: Sequence, *, sample_chars: int = 80) -> dict:
+def output_text_summary(texts: Sequence, *, sample_chars: int = 80, errors: Sequence | None = None) -> dict:
     """What the requests' texts looked like (``generated_texts`` of a ``--save-detailed`` result): the model's
     tokens decide the detokenizer's cost in the API server (docs/tuning.md 7.19: tokens whose text never completes,
     such as a repeated ``<pad>`` or a lone UTF-8 lead byte, make vLLM's incremental detokenizer quadratic).
 
+    Args:
+        texts: one str per request. sample_chars: characters of the sample (int >= 0). errors: the result's
+            per-request errors (a non-empty one: the request failed, its "" text is not an answer), or None.
+
     Returns:
-        ``requests``, ``chars_median`` (characters a request), ``empty`` (requests with no text),
-        ``replacement_chars`` (U+FFFD, from invalid UTF-8, over all requests), ``unused_tokens`` (``<unused_``
-        pieces, the padded vocabulary's tokens), ``sample`` (the first ``sample_chars`` characters of the first
-        non-empty text, as ``ascii()`` writes them).
+        ``requests``, ``chars_median`` (characters a request), ``empty`` (answered requests with no text),
+        ``failed``, ``replacement_chars`` (U+FFFD, from invalid UTF-8, over all requests), ``unused_tokens``
+        (``<unused_`` pieces, the padded vocabulary's tokens), ``sample`` (the first ``sample_chars`` characters of
+        the first non-empty text, as ``ascii()`` writes them).
 
     Raises:
-        TypeError: ``texts`` is not a list or tuple.
+        TypeError: ``texts`` is not a list or tuple, or an entry is not a str.
+        ValueError: ``sample_chars`` is not an int >= 0.
     """
     if not isinstance(texts, (list, tuple)):
         raise TypeError(f"texts must be a list of strings, got {type(texts).__name__}")
-    strs = [t if isinstance(t, str) else "" for t in texts]
-    lens = [len(t) for t in strs]
-    first = next((t for t in strs if t), "")
-    return {"requests": len(strs), "chars_median": statistics.median(lens) if lens else None,
-            "empty": sum(1 for t in strs if not t), "replacement_chars": sum(t.count("\ufffd") for t in strs),
-            "unused_tokens": sum(t.count("<unused_") for t in strs), "sample": ascii(first[:sample_chars])}
+    for i, t in enumerate(texts):
+        if not isinstance(t, str):
+            raise TypeError(f"texts[{i}] must be a str, got {type(t).__name__}")
+    if isinstance(sample_chars, bool) or not isinstance(sample_chars, int) or sample_chars < 0:
+        raise ValueError(f"sample_chars must be an int >= 0, got {sample_chars!r}")
+    failed = [bool(e) for e in errors][:len(texts)] if errors is not None else []
+    failed += [False] * (len(texts) - len(failed))
+    lens = [len(t) for t in texts]
+    first = next((t for t in texts if t), "")
+    return {"requests": len(texts), "chars_median": statistics.median(lens) if lens else None,
+            "empty": sum(1 for t, f in zip(texts, failed) if not t and not f), "failed": sum(failed),
+            "replacement_chars": sum(t.count("\ufffd") for t in texts),
+            "unused_tokens": sum(t.count("<unused_") for t in texts), "sample": ascii(first[:sample_chars])}
 
 
 def row_from_result(result: dict, *, backend: str, quant: str, max_num_seqs: int | None,
@@ -404,7 +430,8 @@ def row_from_result(result: dict, *, backend: str, quant: str, max_num_seqs: int
     }
     texts = result.get("generated_texts")
     if isinstance(texts, list):
-        row["output_text"] = output_text_summary(texts)
+        row["output_text"] = output_text_summary([t if isinstance(t, str) else "" for t in texts],
+                                                 errors=result.get("errors"))
     if not row["complete"]:
         row["reason"] = (f"{n - result['completed']} of {n} requests lost or failed, {total_out} of {expected} "
                          f"output tokens" + (f": {errors[0][-200:]}" if errors else ""))
@@ -744,7 +771,8 @@ def sweep(args) -> list[dict]:
                bench_cmd=" ".join(args.bench_cmd), setting={"input_len": INPUT_LEN, "output_len": OUTPUT_LEN,
                                                           "canvas_length": CANVAS_LENGTH,
                                                           "denoising_steps": DENOISING_STEPS, "geometry": GEOMETRY,
-                                                          "skip_special_tokens": args.skip_special_tokens})
+                                                          "skip_special_tokens": effective_skip_special_tokens(
+                                                              args.skip_special_tokens)})
     t_sweep = time.perf_counter()
     warm_c = args.max_num_seqs if args.warm_concurrency is None else args.warm_concurrency
     if warm_c > 0:  # every batch size up to max-num-seqs once, so no compile lands in a timed run
@@ -795,7 +823,7 @@ def sweep(args) -> list[dict]:
         else:
             row = row_from_result(result, backend=args.backend, quant=args.quant, max_num_seqs=args.max_num_seqs)
         row.update(mem.result(), num_warmups=warm, wall_s=time.perf_counter() - t0, host_cpu=cpu.result(),
-                   skip_special_tokens=args.skip_special_tokens)
+                   skip_special_tokens=effective_skip_special_tokens(args.skip_special_tokens))
         append_jsonl(rows_path, row)
         rows.append(row)
         common.log(f"  {row['status']}: {common.fmt(row.get('output_tok_s'), 1)} tok/s, ttft "
@@ -1318,7 +1346,7 @@ def _profile(args) -> dict:
     warm = args.requests if args.warm_requests is None else args.warm_requests
     summary: dict = {"backend": args.backend, "quant": args.quant, "requests": args.requests,
                      "warm_requests": warm, "trace_dir": str(args.trace_dir), "env": environment(),
-                     "skip_special_tokens": args.skip_special_tokens}
+                     "skip_special_tokens": effective_skip_special_tokens(args.skip_special_tokens)}
     if warm > 0:  # the same batch shapes once, unprofiled: first-use JIT compiles land here, not in the trace
         name = f"profile_warm_{args.quant}-{args.backend}"
         t_warm = time.perf_counter()
@@ -1432,18 +1460,31 @@ def evaluate_goals(rows: list[dict]) -> list[dict]:
     - ``no_request_lost``: every measured row complete (all requests answered in full, none failed); rows with
       status ``skipped`` or ``timeout`` (the sweep's own budget cut them) are listed as ``not_measured``;
     and the setting check ``steps_per_canvas_16``: vLLM's own count of denoising steps per canvas is 16 in every row.
-    Only rows whose run was complete count as throughput.
+    Only rows whose run was complete count as throughput. Throughput is compared only between rows of one client
+    setting (:func:`effective_skip_special_tokens`): when the rows hold both, the throughput goals use the current
+    one (:data:`SKIP_SPECIAL_TOKENS`) and say which rows they left out (``left_out``); the setting changes what
+    bounds a load (docs/tuning.md 7.19).
     """
     goals = []
+    current = effective_skip_special_tokens(SKIP_SPECIAL_TOKENS)
+    settings = {effective_skip_special_tokens(r.get("skip_special_tokens")) for r in rows}
+    mixed = len(settings) > 1
+    left_out = sorted(r.get("workload", "?") + "/" + str(r.get("backend")) for r in rows
+                      if mixed and effective_skip_special_tokens(r.get("skip_special_tokens")) != current)
+    tput_rows = [r for r in rows if not mixed or effective_skip_special_tokens(r.get("skip_special_tokens")) == current]
 
     def best(pred):
-        vals = [_tok_s(r) for r in rows if pred(r)]
+        vals = [_tok_s(r) for r in tput_rows if pred(r)]
         vals = [v for v in vals if v is not None]
         return max(vals) if vals else None
 
     def goal(name, desc, value, target, ok):
-        goals.append({"name": name, "description": desc, "value": value, "target": target,
-                      "met": None if value is None else bool(ok)})
+        g = {"name": name, "description": desc, "value": value, "target": target,
+             "met": None if value is None else bool(ok),
+             "skip_special_tokens": current if mixed else next(iter(settings), current)}
+        if left_out:
+            g["left_out"] = left_out
+        goals.append(g)
 
     bd1 = best(lambda r: _is_blockdiff(r) and r.get("workload") == "serve_c1_fp8")
     v1 = best(lambda r: r.get("backend") == "vllm" and r.get("workload") == "serve_c1_fp8")
@@ -1451,7 +1492,7 @@ def evaluate_goals(rows: list[dict]) -> list[dict]:
     goal("c1_fp8_vs_vllm", "concurrency 1, FP8: blockdiff output tok/s / stock vLLM's (same run)", ratio, 1.25,
          ratio is not None and ratio >= 1.25)
     goal("c1_fp8_tok_s", "concurrency 1, FP8: blockdiff output tok/s", bd1, 1600.0, bd1 is not None and bd1 >= 1600)
-    for quant in sorted({r.get("quant") for r in rows if r.get("quant")}):
+    for quant in sorted({r.get("quant") for r in tput_rows if r.get("quant")}):
         stock = best(lambda r: r.get("backend") == "vllm" and r.get("quant") == quant)
         for c in (16, 64):
             bd = best(lambda r: _is_blockdiff(r) and r.get("workload") == f"serve_c{c}_{quant}")

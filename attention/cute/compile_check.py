@@ -92,29 +92,41 @@ LOOP_OPS = (
     ("STL/LDL", r"(?:STL|LDL)\b"),                  # local-memory spills
 )
 
-_SASS_INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][\w.]*)([^;]*);")
-_SASS_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
+_SASS_INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][\w.]*)([^;]*);")
+_SASS_LABEL = re.compile(r"^\s*(\.L\w+):")
+_SASS_FUNCTION = re.compile(r"^\s*(?:Function\s*:\s*(\S+)|\.text\.(\S+?):)")
 
 
 def sass_loops(sass: str, require: str = "HGMMA") -> list[dict]:
     """The loops of a kernel's SASS (``cuobjdump -sass`` text, branch targets as addresses, or ``nvdisasm`` text,
     targets as labels): every backward branch whose body holds a ``require`` instruction (default: the key-block
-    loops, which hold the warpgroup MMAs).
+    loops, which hold the warpgroup MMAs). Text with several functions (``Function :`` / ``.text.<name>:``
+    headers; their addresses restart) is read one function at a time.
 
-    A backward branch whose body holds an ``EXIT`` or ``RET`` is not a loop but an out-of-line slow path (ptxas
-    puts e.g. mbarrier retries after the kernel's exits) jumping back, and is left out.
+    A backward branch whose body holds an unpredicated ``EXIT`` or ``RET`` is not a loop but an out-of-line slow
+    path (ptxas puts e.g. mbarrier retries after the kernel's exits) jumping back, and is left out.
 
-    Returns one dict per loop, by start address: ``start`` / ``end`` (byte addresses of the label's instruction
-    and of the branch), ``instructions`` (static count in the body, nested loops included) and a count per class
-    of :data:`LOOP_OPS`. Static counts: what one pass issues depends on the branches taken inside.
+    Returns one dict per loop, by function and start address: ``function`` (None without a header), ``start`` /
+    ``end`` (byte addresses of the target instruction and of the branch), ``instructions`` (static count in the
+    body, nested loops included) and a count per class of :data:`LOOP_OPS`. Static counts: what one pass issues
+    depends on the branches taken inside.
 
     Raises:
+        TypeError: ``sass`` is not a str.
         ValueError: ``require`` is not a class name of :data:`LOOP_OPS`.
     """
+    if not isinstance(sass, str):
+        raise TypeError(f"sass must be a str (SASS text), got {type(sass).__name__}")
     if require not in dict(LOOP_OPS):
         raise ValueError(f"require must be one of {[n for n, _ in LOOP_OPS]}, got {require!r}")
-    ins, labels, pending = [], {}, []
+    functions: list[tuple[str | None, list, dict]] = [(None, [], {})]
+    pending: list[str] = []
     for line in sass.splitlines():
+        m = _SASS_FUNCTION.match(line)
+        if m:
+            functions.append((m.group(1) or m.group(2), [], {}))
+            pending = []
+            continue
         m = _SASS_LABEL.match(line)
         if m:
             pending.append(m.group(1))
@@ -123,29 +135,31 @@ def sass_loops(sass: str, require: str = "HGMMA") -> list[dict]:
         if not m:
             continue
         addr = int(m.group(1), 16)
+        _, ins, labels = functions[-1]
         for name in pending:
             labels[name] = addr
         pending = []
-        ins.append((addr, m.group(2), m.group(3)))
+        ins.append((addr, bool(m.group(2)), m.group(3), m.group(4)))
     loops = []
-    for addr, op, args in ins:
-        if not op.startswith("BRA"):
-            continue
-        t = re.search(r"\((\.L_x_\d+)\)", args)  # nvdisasm: a label; cuobjdump: the target's address
-        if t:
-            start = labels.get(t.group(1))
-        else:
-            hexes = re.findall(r"\b0x([0-9a-f]+)\b", args)
-            start = int(hexes[-1], 16) if hexes else None
-        if start is None or start > addr:
-            continue
-        body = [o for a, o, _ in ins if start <= a <= addr]
-        if any(o in ("EXIT", "RET") or o.startswith(("EXIT.", "RET.")) for o in body):
-            continue  # not a loop: an out-of-line slow path (e.g. an mbarrier retry) jumping back across an exit
-        counts = {name: sum(1 for o in body if re.match(rx, o)) for name, rx in LOOP_OPS}
-        if counts[require]:
-            loops.append(dict(start=start, end=addr, instructions=len(body), **counts))
-    return sorted(loops, key=lambda d: (d["start"], d["end"]))
+    for fname, ins, labels in functions:
+        for addr, _, op, args in ins:
+            if not op.startswith("BRA"):
+                continue
+            t = re.search(r"\((\.L\w+)\)", args)  # nvdisasm: a label; cuobjdump: the target's address
+            if t:
+                start = labels.get(t.group(1))
+            else:
+                hexes = re.findall(r"\b0x([0-9a-f]+)\b", args)
+                start = int(hexes[-1], 16) if hexes else None
+            if start is None or start > addr:
+                continue
+            body = [(pred, o) for a, pred, o, _ in ins if start <= a <= addr]
+            if any(not pred and (o in ("EXIT", "RET") or o.startswith(("EXIT.", "RET."))) for pred, o in body):
+                continue  # an out-of-line slow path (e.g. an mbarrier retry) jumping back across an exit
+            counts = {name: sum(1 for _, o in body if re.match(rx, o)) for name, rx in LOOP_OPS}
+            if counts[require]:
+                loops.append(dict(function=fname, start=start, end=addr, instructions=len(body), **counts))
+    return loops
 
 
 def _cuobjdump() -> str | None:

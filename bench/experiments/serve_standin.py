@@ -445,7 +445,7 @@ def run(args) -> dict:
             row = bs.row_from_result(result, backend="standin", quant=args.quant, max_num_seqs=args.max_num_seqs)
             row["timeline"] = load_timeline(result, read_steps(steps_log))
             row["host_cpu"] = cpu.result()
-            row["skip_special_tokens"] = args.skip_special_tokens
+            row["skip_special_tokens"] = bs.effective_skip_special_tokens(args.skip_special_tokens)
             summary["loads"].append(row)
             t = row["timeline"]
             print(f"c{c} ({n} prompts): {row['output_tok_s']:.0f} tok/s, window {t.get('window_s')} s, GPU span "
@@ -465,16 +465,21 @@ def run(args) -> dict:
 
 
 def detokenizer_ms(tokenizer_json: str | os.PathLike, *, prompt_len: int = 4096, output_len: int = 512,
-                   modes: tuple[str, ...] = TOKEN_MODES, seed: int = 0) -> dict[str, float]:
+                   modes: tuple[str, ...] = TOKEN_MODES, seed: int = 0,
+                   skip_special_tokens: bool = True) -> dict[str, float]:
     """Milliseconds vLLM 0.26's fast incremental detokenizer path (``tokenizers.decoders.DecodeStream`` primed with
-    the prompt, ``skip_special_tokens``, one ``step`` per token, as ``FastIncrementalDetokenizer``) takes for one
-    request's ``output_len`` committed tokens of each token mode, after a prompt of ``prompt_len`` byte tokens:
-    the API server's cost per request (one thread, the GIL held; docs/tuning.md 7.19).
+    the prompt, one ``step`` per token, as ``FastIncrementalDetokenizer``) takes for one request's ``output_len``
+    committed tokens of each token mode, after a prompt of ``prompt_len`` byte tokens, with
+    ``skip_special_tokens`` as the request asks (vLLM's default: True): the API server's cost per request (one
+    thread, the GIL held; docs/tuning.md 7.19).
 
     Raises:
         ValueError: a mode is not one of :data:`TOKEN_MODES`, or a length is < 1.
-        TypeError: this ``tokenizers`` has no prompt-primed ``DecodeStream`` (``ids=``).
+        TypeError: ``skip_special_tokens`` is not a bool, or this ``tokenizers`` has no prompt-primed
+            ``DecodeStream`` (``ids=``).
     """
+    if not isinstance(skip_special_tokens, bool):
+        raise TypeError(f"skip_special_tokens must be a bool, got {skip_special_tokens!r}")
     import tokenizers
     from tokenizers.decoders import DecodeStream
 
@@ -487,7 +492,7 @@ def detokenizer_ms(tokenizer_json: str | os.PathLike, *, prompt_len: int = 4096,
     out = {}
     for mode in modes:
         ids = [commit_token(mode, rng, vocab) for _ in range(output_len)]
-        stream = DecodeStream(ids=prompt, skip_special_tokens=True)
+        stream = DecodeStream(ids=prompt, skip_special_tokens=skip_special_tokens)
         t0 = time.perf_counter()
         for i in ids:
             stream.step(tok, i)
@@ -531,8 +536,11 @@ def main(argv=None) -> int:
         print(write_plugin_dir(a.folder))
         return 0
     if a.command == "detok":
-        ms = detokenizer_ms(Path(a.model) / "tokenizer.json", prompt_len=a.prompt_len, output_len=a.output_len)
-        print(json.dumps({"prompt_len": a.prompt_len, "output_len": a.output_len, "ms_per_request": ms}))
+        tj = Path(a.model) / "tokenizer.json"
+        ms = {("skipped" if skip else "kept"): detokenizer_ms(tj, prompt_len=a.prompt_len, output_len=a.output_len,
+                                                               skip_special_tokens=skip) for skip in (True, False)}
+        print(json.dumps({"prompt_len": a.prompt_len, "output_len": a.output_len,
+                          "ms_per_request_special_tokens": ms}))
         return 0
     if a.prompts is not None and len(a.prompts) != len(a.concurrency):
         ap.error(f"--prompts must give one count per --concurrency value, got {len(a.prompts)} for "

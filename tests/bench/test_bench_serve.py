@@ -91,8 +91,15 @@ def test_row_summarizes_the_generated_texts_whose_tokens_decide_the_detokenizers
     r = {"completed": 3, "failed": 0, "num_prompts": 3, "duration": 1.0, "output_throughput": 1.0,
          "max_concurrency": 3, "generated_texts": ["", "ab\ufffd<unused_7><unused_9>", "\ufffd\ufffd"]}
     t = bs.row_from_result(r, backend="vllm", quant="fp8", max_num_seqs=1)["output_text"]
-    assert t == {"requests": 3, "chars_median": 2, "empty": 1, "replacement_chars": 3, "unused_tokens": 2,
-                 "sample": ascii("ab\ufffd<unused_7><unused_9>")}
+    assert t == {"requests": 3, "chars_median": 2, "empty": 1, "failed": 0, "replacement_chars": 3,
+                 "unused_tokens": 2, "sample": ascii("ab\ufffd<unused_7><unused_9>")}
+    # a failed request's text ("" in vLLM's result) is not an empty answer
+    failed = bs.row_from_result(dict(r, errors=["boom", "", ""]), backend="vllm", quant="fp8", max_num_seqs=1)
+    assert (failed["output_text"]["empty"], failed["output_text"]["failed"]) == (0, 1)
+    with pytest.raises(TypeError, match=r"texts\[1\] must be a str"):
+        bs.output_text_summary(["a", None])
+    with pytest.raises(ValueError, match="sample_chars must be an int >= 0"):
+        bs.output_text_summary(["a"], sample_chars=-1)
     long = bs.output_text_summary(["x" * 500])
     assert long["sample"] == ascii("x" * 80) and long["chars_median"] == 500
     assert "output_text" not in bs.row_from_result({k: v for k, v in r.items() if k != "generated_texts"},
@@ -641,6 +648,7 @@ def test_sweep_with_vllm_0_26_client_against_a_fake_server(tmp_path, model_dir):
     assert rc == 0, row
     assert row["complete"] and row["num_prompts"] == 2 and row["num_warmups"] == 2 and row["steps_ok"]
     assert row["time_per_canvas_ms"] >= 15 and row["memory_error"]
+    assert row["skip_special_tokens"] is False and row["output_text"]["requests"] == 2  # docs/tuning.md 7.19
 
 
 def test_merge_intervals_is_the_sorted_disjoint_union():
@@ -841,6 +849,35 @@ def test_goals():
     g = {x["name"]: x for x in bs.evaluate_goals([skipped])}
     assert g["no_request_lost"]["met"] is None and g["no_request_lost"]["not_measured"] == ["serve_c4_fp8/vllm"]
     assert {x["met"] for x in bs.evaluate_goals([])} == {None}
+
+
+def test_goals_never_compare_rows_of_two_client_settings():
+    """docs/tuning.md 7.19: rows taken with the server's default skip_special_tokens (the field absent, or True) are
+    bounded by the detokenizer; a goal never divides a new row by one of them. Mixed rows: the current setting's."""
+    old_stock = _row("vllm", "fp8", 64, 936.0)  # before 7.19: no field, the server's default (True)
+    new_bd = dict(_row("blockdiff-cute", "fp8", 64, 2250.0), skip_special_tokens=False)
+    g = {x["name"]: x for x in bs.evaluate_goals([old_stock, new_bd])}
+    assert g["c64_fp8"]["met"] is None and g["c64_fp8"]["left_out"] == ["serve_c64_fp8/vllm"]
+    assert g["c64_fp8"]["skip_special_tokens"] is False
+    new_stock = dict(_row("vllm", "fp8", 16, 1100.0), skip_special_tokens=False)
+    g = {x["name"]: x for x in bs.evaluate_goals([old_stock, new_bd, new_stock])}
+    assert g["c64_fp8"]["value"] == pytest.approx(2250.0 / 1100.0) and g["c64_fp8"]["met"]
+    g = {x["name"]: x for x in bs.evaluate_goals([old_stock, _row("blockdiff-cute", "fp8", 64, 2000.0)])}
+    assert g["c64_fp8"]["value"] == pytest.approx(2000.0 / 936.0) and "left_out" not in g["c64_fp8"]
+    assert g["c64_fp8"]["skip_special_tokens"] is True
+    assert [bs.effective_skip_special_tokens(v) for v in (None, True, False)] == [True, True, False]
+    with pytest.raises(TypeError, match="skip_special_tokens must be a bool or None"):
+        bs.effective_skip_special_tokens("false")
+
+
+def test_skip_special_tokens_flag_restores_the_servers_default():
+    p = bs.build_parser()
+    common_args = ["--base-url", "http://h:1", "--model", "/m", "--backend", "vllm", "--quant", "fp8"]
+    sweep = common_args + ["--max-num-seqs", "4", "--rows", "/tmp/r.jsonl"]
+    assert p.parse_args(["sweep", *sweep]).skip_special_tokens is False
+    assert p.parse_args(["sweep", *sweep, "--skip-special-tokens"]).skip_special_tokens is None
+    prof = common_args + ["--trace-dir", "/t", "--out", "/o.json"]
+    assert p.parse_args(["profile", *prof, "--skip-special-tokens"]).skip_special_tokens is None
 
 
 def test_record_writes_json_csv_png_and_goals(tmp_path):

@@ -30,7 +30,7 @@ el "first c64 done"
 if [ -n "$PYSPY" ]; then
   # --idle (PYSPY_IDLE=0 to leave it out): threads off the CPU are sampled too, so the summary says where each one
   # waits as well as where it works (a tail with no busy thread is a wait; host_cpu says which threads are busy)
-  IDLE=(); [ "${PYSPY_IDLE:-1}" = 1 ] && IDLE=(--idle)
+  IDLE=(); [ "${PYSPY_IDLE:-1}" != 0 ] && IDLE=(--idle)
   $PYSPY record --pid $pid --subprocesses --threads ${IDLE[@]+"${IDLE[@]}"} --rate 40 --nonblocking --format raw \
     --duration ${PYSPY_S:-75} -o $OUT/pyspy_raw_$tag.txt > $OUT/pyspy_$tag.log 2>&1 &
   spy=$!

@@ -29,7 +29,10 @@ if ls $WHEELS/py_spy-*.whl > /dev/null 2>&1; then
       p=$(cat $W/standin/server.pid 2>/dev/null)
       if [ -n "$p" ] && [ "$p" != "$last" ] && kill -0 $p 2>/dev/null; then
         last=$p
-        $PYSPY record --pid $p --subprocesses --threads --rate 40 --nonblocking --format raw --duration 600 \
+        # --idle as serve_host.sh (PYSPY_IDLE=0: busy threads only; without it the stand-in's idle servers gave
+        # py-spy no samples during the loads, docs/tuning.md 7.17)
+        IDLE=(); [ "${PYSPY_IDLE:-1}" != 0 ] && IDLE=(--idle)
+        $PYSPY record --pid $p --subprocesses --threads ${IDLE[@]+"${IDLE[@]}"} --rate 40 --nonblocking --format raw --duration 600 \
           -o $OUT/pyspy_raw_standin.txt > $OUT/pyspy_standin.log 2>&1 &
         echo $! > $W/standin/pyspy.pid; wait $!
       fi

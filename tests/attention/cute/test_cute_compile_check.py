@@ -152,13 +152,24 @@ def test_sass_loops_counts_the_key_block_loop_and_skips_loops_without_an_mma():
     a loop without one, a forward branch and an out-of-line retry jumping back across EXIT are left out;
     predicated instructions count."""
     (loop,) = cchk.sass_loops(LOOP_SASS)
-    assert (loop["start"], loop["end"], loop["instructions"]) == (0x110, 0x1A0, 10)
+    assert (loop["function"], loop["start"], loop["end"], loop["instructions"]) == (None, 0x110, 0x1A0, 10)
     assert (loop["HGMMA"], loop["WARPGROUP.DEPBAR"], loop["MUFU.EX2"], loop["FMUL"]) == (2, 1, 1, 1)
     assert (loop["BAR.SYNC"], loop["BAR.ARV"], loop["SYNCS"], loop["UTMALDG"], loop["STL/LDL"]) == (1, 1, 1, 1, 0)
     assert [(d["start"], d["FMUL"]) for d in cchk.sass_loops(LOOP_SASS, require="FMUL")] == [(0x110, 1), (0x1B0, 1)]
     assert cchk.sass_loops("") == []
-    # cuobjdump writes the branch target as an address (and the encoding after the instruction), not a label
-    cuobjdump = re.sub(r"`\(\.L_x_7\)", "0x110", LOOP_SASS).replace(" ;\n", " ;   /* 0x000000000058 */\n")
-    assert cchk.sass_loops(re.sub(r"^\.L_x_\d+:\n", "", cuobjdump, flags=re.M))[0] == loop
+    # cuobjdump writes every branch target as an address (and the encoding after the instruction), not a label
+    targets = {"7": "0x110", "8": "0x1b0", "9": "0x1e0"}
+    cuobjdump = re.sub(r"`\(\.L_x_(\d)\)", lambda m: targets[m.group(1)], LOOP_SASS)
+    cuobjdump = re.sub(r"^\.L_x_\d+:\n", "", cuobjdump.replace(" ;\n", " ;   /* 0x000000000058 */\n"), flags=re.M)
+    assert cchk.sass_loops(cuobjdump) == [loop]
+    assert [d["start"] for d in cchk.sass_loops(cuobjdump, require="FMUL")] == [0x110, 0x1B0]
+    # two functions: addresses restart, each function's loops are its own
+    two = "        Function : kernA\n" + LOOP_SASS + "        Function : kernB\n" + LOOP_SASS.replace("HGMMA", "HMMA")
+    assert [(d["function"], d["start"]) for d in cchk.sass_loops(two)] == [("kernA", 0x110)]
+    # a predicated EXIT inside a loop keeps the loop
+    pred_exit = LOOP_SASS.replace("MUFU.EX2 R40, R40 ;", "@!P1 EXIT ;")
+    assert cchk.sass_loops(pred_exit)[0]["instructions"] == 10
+    with pytest.raises(TypeError, match="sass must be a str"):
+        cchk.sass_loops(b"SASS")
     with pytest.raises(ValueError, match="require must be one of"):
         cchk.sass_loops(LOOP_SASS, require="HMMA")

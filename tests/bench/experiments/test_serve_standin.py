@@ -264,7 +264,10 @@ def test_detok_times_each_token_mode_per_request(tmp_path, capsys):
     except TypeError:
         pytest.skip("this tokenizers' DecodeStream takes no ids")
     out = json.loads(capsys.readouterr().out)
-    assert set(out["ms_per_request"]) == set(st.TOKEN_MODES) and (out["prompt_len"], out["output_len"]) == (64, 32)
-    assert all(v >= 0 for v in out["ms_per_request"].values())
+    ms = out["ms_per_request_special_tokens"]
+    assert set(ms) == {"skipped", "kept"} and (out["prompt_len"], out["output_len"]) == (64, 32)
+    assert all(set(v) == set(st.TOKEN_MODES) and min(v.values()) >= 0 for v in ms.values())
     with pytest.raises(ValueError, match="prompt_len and output_len must be >= 1"):
         st.detokenizer_ms(tmp_path / "m" / "tokenizer.json", prompt_len=0)
+    with pytest.raises(TypeError, match="skip_special_tokens must be a bool"):
+        st.detokenizer_ms(tmp_path / "m" / "tokenizer.json", skip_special_tokens="no")
