@@ -297,6 +297,16 @@ def effective_skip_special_tokens(value) -> bool:
     return value
 
 
+def add_skip_special_tokens_option(parser: argparse.ArgumentParser) -> None:
+    """``--skip-special-tokens`` (``args.skip_special_tokens``): None, the server's default (vLLM: true; the rows
+    before docs/tuning.md 7.19), instead of :data:`SKIP_SPECIAL_TOKENS`."""
+    parser.add_argument("--skip-special-tokens", dest="skip_special_tokens", action="store_const", const=None,
+                        default=SKIP_SPECIAL_TOKENS,
+                        help="leave skip_special_tokens to the server (vLLM: true; the rows before docs/tuning.md "
+                             "7.19); default: ask for false, so the random-weight model's <pad> commits detokenize "
+                             "in linear time")
+
+
 def bench_serve_args(*, base_url: str, model: str, concurrency: int, num_prompts: int, num_warmups: int,
                      result_dir: str, result_filename: str, seed: int = 0, metadata: dict | None = None,
                      output_len: int = OUTPUT_LEN, ready_check_timeout_s: int | None = None,
@@ -312,8 +322,7 @@ def bench_serve_args(*, base_url: str, model: str, concurrency: int, num_prompts
     Raises:
         TypeError: ``skip_special_tokens`` is not a bool or None.
     """
-    if skip_special_tokens is not None and not isinstance(skip_special_tokens, bool):
-        raise TypeError(f"skip_special_tokens must be a bool or None, got {skip_special_tokens!r}")
+    effective_skip_special_tokens(skip_special_tokens)  # the type check
     args = ["--backend", "openai", "--base-url", base_url, "--endpoint", "/v1/completions", "--model", model,
             "--dataset-name", "random", "--random-input-len", str(INPUT_LEN), "--random-output-len", str(output_len),
             "--random-range-ratio", "0", "--ignore-eos", "--max-concurrency", str(concurrency),
@@ -1466,12 +1475,11 @@ def evaluate_goals(rows: list[dict]) -> list[dict]:
     bounds a load (docs/tuning.md 7.19).
     """
     goals = []
-    current = effective_skip_special_tokens(SKIP_SPECIAL_TOKENS)
-    settings = {effective_skip_special_tokens(r.get("skip_special_tokens")) for r in rows}
-    mixed = len(settings) > 1
-    left_out = sorted(r.get("workload", "?") + "/" + str(r.get("backend")) for r in rows
-                      if mixed and effective_skip_special_tokens(r.get("skip_special_tokens")) != current)
-    tput_rows = [r for r in rows if not mixed or effective_skip_special_tokens(r.get("skip_special_tokens")) == current]
+    setting = [effective_skip_special_tokens(r.get("skip_special_tokens")) for r in rows]
+    mixed = len(set(setting)) > 1
+    judged = effective_skip_special_tokens(SKIP_SPECIAL_TOKENS) if mixed else next(iter(setting), SKIP_SPECIAL_TOKENS)
+    tput_rows = [r for r, v in zip(rows, setting) if v == judged]
+    left_out = sorted(r.get("workload", "?") + "/" + str(r.get("backend")) for r, v in zip(rows, setting) if v != judged)
 
     def best(pred):
         vals = [_tok_s(r) for r in tput_rows if pred(r)]
@@ -1480,8 +1488,7 @@ def evaluate_goals(rows: list[dict]) -> list[dict]:
 
     def goal(name, desc, value, target, ok):
         g = {"name": name, "description": desc, "value": value, "target": target,
-             "met": None if value is None else bool(ok),
-             "skip_special_tokens": current if mixed else next(iter(settings), current)}
+             "met": None if value is None else bool(ok), "skip_special_tokens": judged}
         if left_out:
             g["left_out"] = left_out
         goals.append(g)
@@ -1690,11 +1697,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--work-dir", default=None, help="result JSONs and logs of the client (default "
                                                         "$TMPDIR/bench_serve/BACKEND_QUANT)")
         p.add_argument("--run-timeout", type=_pos_float, default=300.0, help="seconds one client run may take")
-        p.add_argument("--skip-special-tokens", dest="skip_special_tokens", action="store_const", const=None,
-                       default=SKIP_SPECIAL_TOKENS,
-                       help="leave skip_special_tokens to the server (vLLM: true; the rows before docs/tuning.md "
-                            "7.19); default: ask for false, so the random-weight model's <pad> commits detokenize "
-                            "in linear time")
+        add_skip_special_tokens_option(p)
     sw = sub.choices["sweep"]
     sw.add_argument("--concurrency", type=_ints, default=[1, 4, 16, 64])
     sw.add_argument("--max-num-seqs", type=_pos_int, required=True, help="the server's --max-num-seqs (recorded)")

@@ -521,10 +521,7 @@ def main(argv=None) -> int:
     r.add_argument("--server-cmd", type=bs._cmd, help=argparse.SUPPRESS)  # CPU tests: a fake server, CMD PORT DIR
     r.add_argument("--start-timeout", type=bs._pos_float, default=300.0, help="seconds the server may take to start")
     r.add_argument("--run-timeout", type=bs._pos_float, default=600.0, help="seconds one load's client may take")
-    r.add_argument("--skip-special-tokens", dest="skip_special_tokens", action="store_const", const=None,
-                   default=bs.SKIP_SPECIAL_TOKENS,
-                   help="leave skip_special_tokens to the server (vLLM: true), as bench_serve's option; default: "
-                        "the benchmark's (false)")
+    bs.add_skip_special_tokens_option(r)
     p = sub.add_parser("plugin-dir", help="write the platform plugin's dist-info into a folder")
     p.add_argument("folder")
     d = sub.add_parser("detok", help="ms the incremental detokenizer takes per request for each token mode")
