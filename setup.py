@@ -34,6 +34,8 @@ setup(
     },
     entry_points={
         "console_scripts": ["blockdiff = blockdiff.integration.cli:main"],
-        "vllm.general_plugins": ["blockdiff = blockdiff.integration.vllm_plugin:register"],
+        "vllm.general_plugins": ["blockdiff = blockdiff.integration.vllm_plugin:register",
+                                  # the serving benchmark's load format dummy_live (bench/dummy_weights.py)
+                                  "blockdiff_bench = blockdiff.bench.dummy_weights:register"],
     },
 )

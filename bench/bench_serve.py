@@ -32,6 +32,12 @@ detokenizer skips such a token without emitting text and re-decodes the growing 
 load (docs/tuning.md 7.19). Kept, ``<pad>`` decodes to text at once, as a checkpoint's text does; both sides get the
 same request.
 
+Load format (``--load-format``, :data:`LOAD_FORMATS`): ``dummy`` (default, the issue's setting) or ``dummy_live``
+(:mod:`blockdiff.bench.dummy_weights`: the same random draw with every layer's ``layer_scalar`` at 1.0, so the residual
+survives the 30 layers, the MoE routing spreads over the experts as a checkpoint's does and the logits differ by
+position; with ``dummy`` at least half the MoE layers send every token to the same 8 experts, docs/tuning.md 7.21).
+Both sides run the same format; rows record it (``load_format``) and goals never compare rows of two formats.
+
 Subcommands:
   model       write the benchmark's model folder (:func:`write_model_folder`).
   server-cmd  print the ``vllm serve`` command line of one side (:func:`server_command`; what the device script runs).
@@ -92,6 +98,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from blockdiff.bench import common
+from blockdiff.bench.dummy_weights import DUMMY, DUMMY_LIVE, LOAD_FORMATS
 
 SUITE = "serve"
 CANVAS_LENGTH = 256
@@ -189,10 +196,11 @@ def server_command(backend: str, quant: str, *, model: str, port: int, max_num_s
                    gpu_memory_utilization: float, trace_dir: str | None = None,
                    max_num_batched_tokens: int = 16384, max_model_len: int = MAX_MODEL_LEN,
                    enforce_eager: bool = False, async_scheduling: bool = True, api_server_count: int = 1,
-                   python: str = sys.executable) -> tuple[dict[str, str], list[str]]:
+                   load_format: str = DUMMY, python: str = sys.executable) -> tuple[dict[str, str], list[str]]:
     """Environment and argv of ``vllm serve`` for one side of the benchmark.
 
-    Both sides: ``--load-format dummy --language-model-only``, :func:`diffusion_config`, ``--no-enable-prefix-caching``
+    Both sides: ``--load-format`` ``load_format`` (``dummy_live`` also loads the ``blockdiff_bench`` general plugin
+    that registers it, on stock's side too: :mod:`blockdiff.bench.dummy_weights`), ``--language-model-only``, :func:`diffusion_config`, ``--no-enable-prefix-caching``
     (runs must not reuse each other's prompts), ``--block-size`` :data:`BLOCK_SIZE`, CUDA graphs of
     :func:`cudagraph_capture_sizes` (unless ``enforce_eager``), vLLM's asynchronous scheduling (its default; with
     ``async_scheduling=False`` ``--no-async-scheduling``; blockdiff's scheduler class follows:
@@ -200,8 +208,9 @@ def server_command(backend: str, quant: str, *, model: str, port: int, max_num_s
     servers starting together on one GPU would count each other's allocations in vLLM's memory profile) and
     ``--gpu-memory-utilization`` (with a KV size given, vLLM uses it only to check the free memory at start-up),
     ``--quantization fp8`` for ``fp8`` (dynamic FP8 weights; the KV cache stays bf16), the torch profiler when
-    ``trace_dir`` is given. ``vllm``: ``VLLM_PLUGINS=none``, ``--attention-backend TRITON_ATTN`` (its default on
-    Hopper for this model). ``blockdiff-*``: ``VLLM_USE_V2_MODEL_RUNNER=1 VLLM_PLUGINS=blockdiff``,
+    ``trace_dir`` is given. ``vllm``: ``VLLM_PLUGINS=none`` (``blockdiff_bench`` with ``dummy_live``),
+    ``--attention-backend TRITON_ATTN`` (its default on Hopper for this model). ``blockdiff-*``:
+    ``VLLM_USE_V2_MODEL_RUNNER=1 VLLM_PLUGINS=blockdiff`` (``blockdiff,blockdiff_bench`` with ``dummy_live``),
     ``BLOCKDIFF_ATTN_BACKEND`` = triton | cute, ``BLOCKDIFF_SAMPLER_BACKEND=triton``, ``--attention-backend CUSTOM``,
     blockdiff's ``--scheduler-cls``, and with ``trace_dir`` ``BLOCKDIFF_PROFILE_COMPILES=1`` (Triton compiles named
     in the trace, :func:`blockdiff.integration.annotate.install_triton_compile_ranges`).
@@ -217,6 +226,7 @@ def server_command(backend: str, quant: str, *, model: str, port: int, max_num_s
         api_server_count: vLLM's API server processes (``--api-server-count``, >= 1; default 1, vLLM's without data
             parallelism): more spread the requests' input processing (tokenization, rendering) over processes
             (docs/tuning.md 7.12: the ~4 s per 64-request load outside the GPU's span).
+        load_format: one of :data:`LOAD_FORMATS` (default ``dummy``, the issue's setting).
         python: the interpreter that runs vLLM.
 
     Returns:
@@ -227,6 +237,7 @@ def server_command(backend: str, quant: str, *, model: str, port: int, max_num_s
     """
     _check_choice("backend", backend, BACKENDS)
     _check_choice("quant", quant, QUANTS)
+    _check_choice("load_format", load_format, LOAD_FORMATS)
     _check_int("port", port, 1)
     if port > 65535:
         raise ValueError(f"port must be <= 65535, got {port}")
@@ -238,7 +249,7 @@ def server_command(backend: str, quant: str, *, model: str, port: int, max_num_s
     if isinstance(gpu_memory_utilization, bool) or not isinstance(gpu_memory_utilization, (int, float)) or not (
             0 < gpu_memory_utilization <= 1):
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
-    argv = [python, *VLLM_CLI, "serve", str(model), "--load-format", "dummy", "--language-model-only",
+    argv = [python, *VLLM_CLI, "serve", str(model), "--load-format", load_format, "--language-model-only",
             "--port", str(port), "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
             "--max-num-batched-tokens", str(max_num_batched_tokens), "--kv-cache-memory-bytes", str(kv_cache_bytes),
             "--gpu-memory-utilization", f"{gpu_memory_utilization:g}", "--dtype", "bfloat16",
@@ -259,11 +270,12 @@ def server_command(backend: str, quant: str, *, model: str, port: int, max_num_s
     # both sides: the caching allocator's expandable segments (the first co-hosted 26B run on the H200 had 13 GiB
     # reserved but unallocated in blockdiff's server when a 15.75 GiB logits buffer did not fit)
     alloc = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    live = load_format == DUMMY_LIVE  # its loader comes from the blockdiff_bench plugin, on both sides
     if backend == "vllm":
-        env = {"VLLM_PLUGINS": "none", **alloc}
+        env = {"VLLM_PLUGINS": "blockdiff_bench" if live else "none", **alloc}
         argv += ["--attention-backend", "TRITON_ATTN"]
     else:
-        env = {**alloc, "VLLM_USE_V2_MODEL_RUNNER": "1", "VLLM_PLUGINS": "blockdiff",
+        env = {**alloc, "VLLM_USE_V2_MODEL_RUNNER": "1", "VLLM_PLUGINS": "blockdiff,blockdiff_bench" if live else "blockdiff",
                "BLOCKDIFF_ATTN_BACKEND": backend.split("-", 1)[1], "BLOCKDIFF_SAMPLER_BACKEND": "triton"}
         if trace_dir is not None:  # a profiled server names Triton's JIT compiles in its trace (integration/annotate.py)
             env["BLOCKDIFF_PROFILE_COMPILES"] = "1"
@@ -295,6 +307,56 @@ def effective_skip_special_tokens(value) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"skip_special_tokens must be a bool or None, got {value!r}")
     return value
+
+
+def effective_load_format(value) -> str:
+    """The load format a row's server ran: ``value`` (one of :data:`LOAD_FORMATS`), or ``dummy`` for None, i.e. a
+    row from before docs/tuning.md 7.21 (which lacks the field; every server ran ``dummy`` then).
+
+    Raises:
+        ValueError: ``value`` is neither None nor one of :data:`LOAD_FORMATS`.
+    """
+    if value is None:
+        return DUMMY
+    _check_choice("load_format", value, LOAD_FORMATS)
+    return value
+
+
+def server_load_format(pid: int | None, proc_root: str | os.PathLike = "/proc") -> str | None:
+    """The ``--load-format`` on the command line of process ``pid`` (``/proc/PID/cmdline``; ``--load-format X`` or
+    ``--load-format=X``), or None when ``pid`` is None, the process cannot be read, or it names none."""
+    if pid is None:
+        return None
+    try:
+        argv = (Path(proc_root) / str(pid) / "cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    argv = [a.decode(errors="replace") for a in argv]
+    for i, a in enumerate(argv):
+        if a == "--load-format" and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--load-format="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def check_server_load_format(load_format: str, pid: int | None, proc_root: str | os.PathLike = "/proc") -> None:
+    """Refuse to label rows with a load format the server does not run: with ``pid`` given and readable, its
+    ``--load-format`` (:func:`server_load_format`) must equal ``load_format``.
+
+    Raises:
+        ValueError: the two differ (both named).
+    """
+    actual = server_load_format(pid, proc_root)
+    if actual is not None and actual != load_format:
+        raise ValueError(f"--load-format {load_format!r} does not match the server's --load-format {actual!r} "
+                         f"(--server-pid {pid}): the rows would be labelled with another setting")
+
+
+def add_load_format_option(parser: argparse.ArgumentParser, *, what: str) -> None:
+    """``--load-format`` (``args.load_format``, one of :data:`LOAD_FORMATS`, default ``dummy``)."""
+    parser.add_argument("--load-format", choices=LOAD_FORMATS, default=DUMMY,
+                        help=f"{what} (default {DUMMY}, the issue's setting; {DUMMY_LIVE}: blockdiff.bench.dummy_weights)")
 
 
 def add_skip_special_tokens_option(parser: argparse.ArgumentParser) -> None:
@@ -781,7 +843,8 @@ def sweep(args) -> list[dict]:
                                                           "canvas_length": CANVAS_LENGTH,
                                                           "denoising_steps": DENOISING_STEPS, "geometry": GEOMETRY,
                                                           "skip_special_tokens": effective_skip_special_tokens(
-                                                              args.skip_special_tokens)})
+                                                              args.skip_special_tokens),
+                                                          "load_format": args.load_format})
     t_sweep = time.perf_counter()
     warm_c = args.max_num_seqs if args.warm_concurrency is None else args.warm_concurrency
     if warm_c > 0:  # every batch size up to max-num-seqs once, so no compile lands in a timed run
@@ -809,7 +872,8 @@ def sweep(args) -> list[dict]:
             if left < args.min_run_s:
                 row = {"workload": f"serve_c{c}_{args.quant}", "backend": args.backend, "quant": args.quant,
                        "status": "skipped", "concurrency": c, "max_num_seqs": args.max_num_seqs, "num_prompts": n,
-                       "complete": False, "reason": f"past the sweep's deadline ({args.deadline_s:.0f} s)"}
+                       "complete": False, "reason": f"past the sweep's deadline ({args.deadline_s:.0f} s)",
+                       "load_format": args.load_format}
                 append_jsonl(rows_path, row)
                 rows.append(row)
                 continue
@@ -832,7 +896,8 @@ def sweep(args) -> list[dict]:
         else:
             row = row_from_result(result, backend=args.backend, quant=args.quant, max_num_seqs=args.max_num_seqs)
         row.update(mem.result(), num_warmups=warm, wall_s=time.perf_counter() - t0, host_cpu=cpu.result(),
-                   skip_special_tokens=effective_skip_special_tokens(args.skip_special_tokens))
+                   skip_special_tokens=effective_skip_special_tokens(args.skip_special_tokens),
+                   load_format=args.load_format)
         append_jsonl(rows_path, row)
         rows.append(row)
         common.log(f"  {row['status']}: {common.fmt(row.get('output_tok_s'), 1)} tok/s, ttft "
@@ -1355,7 +1420,8 @@ def _profile(args) -> dict:
     warm = args.requests if args.warm_requests is None else args.warm_requests
     summary: dict = {"backend": args.backend, "quant": args.quant, "requests": args.requests,
                      "warm_requests": warm, "trace_dir": str(args.trace_dir), "env": environment(),
-                     "skip_special_tokens": effective_skip_special_tokens(args.skip_special_tokens)}
+                     "skip_special_tokens": effective_skip_special_tokens(args.skip_special_tokens),
+                     "load_format": args.load_format}
     if warm > 0:  # the same batch shapes once, unprofiled: first-use JIT compiles land here, not in the trace
         name = f"profile_warm_{args.quant}-{args.backend}"
         t_warm = time.perf_counter()
@@ -1419,7 +1485,8 @@ def read_rows(paths: Sequence[str | os.PathLike]) -> tuple[list[dict], list[dict
 
     Raises:
         ValueError: a line that is not a JSON object, an ``env`` that is not one, a row without a ``workload``
-            string or with a non-numeric :data:`ROW_NUMBERS` field (file and line named).
+            string, with a non-numeric :data:`ROW_NUMBERS` field or a ``load_format`` outside :data:`LOAD_FORMATS`
+            (file and line named).
         OSError: a file that cannot be read.
     """
     envs, rows = [], []
@@ -1442,6 +1509,9 @@ def read_rows(paths: Sequence[str | os.PathLike]) -> tuple[list[dict], list[dict
                 if not isinstance(obj.get("workload"), str):
                     raise ValueError(f"{p}:{n}: a row needs a 'workload' string (a sweep row), got "
                                      f"{obj.get('workload')!r}")
+                if obj.get("load_format") is not None and obj["load_format"] not in LOAD_FORMATS:
+                    raise ValueError(f"{p}:{n}: load_format must be one of {list(LOAD_FORMATS)} or absent, got "
+                                     f"{obj['load_format']!r}")
                 for k in ROW_NUMBERS:
                     v = obj.get(k)
                     if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
@@ -1459,22 +1529,10 @@ def _tok_s(row: dict) -> float | None:
     return v if row.get("status") == "ok" and row.get("complete") and isinstance(v, (int, float)) else None
 
 
-def evaluate_goals(rows: list[dict]) -> list[dict]:
-    """Issue 25's goals on the rows (``met`` None when the rows to judge are missing):
-
-    - ``c1_fp8_vs_vllm``: at concurrency 1, FP8, blockdiff's best output tokens/s >= 1.25x stock vLLM's;
-    - ``c1_fp8_tok_s``: the same >= 1600 tokens/s;
-    - ``c16_<quant>`` / ``c64_<quant>`` (each quant measured): blockdiff at that concurrency >= 2x stock's best
-      output tokens/s over every row stock ran completely in that quant;
-    - ``no_request_lost``: every measured row complete (all requests answered in full, none failed); rows with
-      status ``skipped`` or ``timeout`` (the sweep's own budget cut them) are listed as ``not_measured``;
-    and the setting check ``steps_per_canvas_16``: vLLM's own count of denoising steps per canvas is 16 in every row.
-    Only rows whose run was complete count as throughput. Throughput is compared only between rows of one client
-    setting (:func:`effective_skip_special_tokens`): when the rows hold both, the throughput goals use the current
-    one (:data:`SKIP_SPECIAL_TOKENS`) and say which rows they left out (``left_out``); the setting changes what
-    bounds a load (docs/tuning.md 7.19).
-    """
+def _throughput_goals(rows: list[dict], load_format: str) -> list[dict]:
+    """:func:`evaluate_goals`' throughput goals on the rows of one load format."""
     goals = []
+    suffix = "" if load_format == DUMMY else f"@{load_format}"
     setting = [effective_skip_special_tokens(r.get("skip_special_tokens")) for r in rows]
     mixed = len(set(setting)) > 1
     judged = effective_skip_special_tokens(SKIP_SPECIAL_TOKENS) if mixed else next(iter(setting), SKIP_SPECIAL_TOKENS)
@@ -1487,8 +1545,8 @@ def evaluate_goals(rows: list[dict]) -> list[dict]:
         return max(vals) if vals else None
 
     def goal(name, desc, value, target, ok):
-        g = {"name": name, "description": desc, "value": value, "target": target,
-             "met": None if value is None else bool(ok), "skip_special_tokens": judged}
+        g = {"name": name + suffix, "description": desc, "value": value, "target": target,
+             "met": None if value is None else bool(ok), "skip_special_tokens": judged, "load_format": load_format}
         if left_out:
             g["left_out"] = left_out
         goals.append(g)
@@ -1506,6 +1564,35 @@ def evaluate_goals(rows: list[dict]) -> list[dict]:
             ratio = bd / stock if bd is not None and stock else None
             goal(f"c{c}_{quant}", f"concurrency {c}, {quant}: blockdiff output tok/s / stock vLLM's best in {quant} "
                  f"(any concurrency)", ratio, 2.0, ratio is not None and ratio >= 2.0)
+    return goals
+
+
+def evaluate_goals(rows: list[dict]) -> list[dict]:
+    """Issue 25's goals on the rows (``met`` None when the rows to judge are missing):
+
+    - ``c1_fp8_vs_vllm``: at concurrency 1, FP8, blockdiff's best output tokens/s >= 1.25x stock vLLM's;
+    - ``c1_fp8_tok_s``: the same >= 1600 tokens/s;
+    - ``c16_<quant>`` / ``c64_<quant>`` (each quant measured): blockdiff at that concurrency >= 2x stock's best
+      output tokens/s over every row stock ran completely in that quant;
+    - ``no_request_lost``: every measured row complete (all requests answered in full, none failed); rows with
+      status ``skipped`` or ``timeout`` (the sweep's own budget cut them) are listed as ``not_measured``;
+    and the setting check ``steps_per_canvas_16``: vLLM's own count of denoising steps per canvas is 16 in every row.
+    Only rows whose run was complete count as throughput. Throughput is compared only between rows of one client
+    setting (:func:`effective_skip_special_tokens`): when the rows hold both, the throughput goals use the current
+    one (:data:`SKIP_SPECIAL_TOKENS`) and say which rows they left out (``left_out``); the setting changes what
+    bounds a load (docs/tuning.md 7.19). Nor are rows of two load formats (:func:`effective_load_format`) compared:
+    the throughput goals are evaluated once per format present, ``dummy`` (the issue's setting) under the names
+    above and any other with ``@FORMAT`` appended (e.g. ``c1_fp8_vs_vllm@dummy_live``); each goal names its
+    ``load_format``.
+
+    Raises:
+        ValueError: a row's ``load_format`` is not one of :data:`LOAD_FORMATS`.
+    """
+    goals = []
+    formats = [effective_load_format(r.get("load_format")) for r in rows]
+    for fmt in sorted(set(formats) or {DUMMY}, key=lambda f: (f != DUMMY, f)):
+        goals += _throughput_goals([r for r, f in zip(rows, formats) if f == fmt], fmt)
+
     def key(r):
         return r.get("workload", "?") + "/" + str(r.get("backend"))
 
@@ -1527,8 +1614,9 @@ def evaluate_goals(rows: list[dict]) -> list[dict]:
 
 
 def plot_throughput(rows: list[dict], path: Path) -> Path | None:
-    """PNG of output tokens/s against concurrency, one line per (backend, quant, max-num-seqs, eager), rows with
-    ``enforce_eager`` labelled eager; None without matplotlib."""
+    """PNG of output tokens/s against concurrency, one line per (backend, quant, max-num-seqs, eager, load format),
+    rows with ``enforce_eager`` labelled eager and a load format other than ``dummy`` named; None without
+    matplotlib."""
     try:
         import matplotlib
 
@@ -1541,14 +1629,15 @@ def plot_throughput(rows: list[dict], path: Path) -> Path | None:
     for r in rows:
         if r.get("status") == "ok" and r.get("output_tok_s") is not None:
             series.setdefault((r.get("backend"), r.get("quant"), r.get("max_num_seqs"),
-                               bool(r.get("enforce_eager"))), []).append(
+                               bool(r.get("enforce_eager")), r.get("load_format") or DUMMY), []).append(
                 (r["concurrency"], r["output_tok_s"], bool(r.get("complete"))))
     cs = sorted({c for pts in series.values() for c, _, _ in pts})
-    for (backend, quant, seqs, eager), pts in sorted(series.items(), key=lambda kv: tuple(map(str, kv[0]))):
+    for (backend, quant, seqs, eager, fmt), pts in sorted(series.items(), key=lambda kv: tuple(map(str, kv[0]))):
         pts.sort()
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o" if fmt == DUMMY else "s",
                 linestyle="-" if backend == "vllm" else "--" if quant == "bf16" else "-",
-                label=f"{backend} {quant} (max-num-seqs {seqs}{', eager' if eager else ''})")
+                label=f"{backend} {quant} (max-num-seqs {seqs}{', eager' if eager else ''}"
+                      f"{'' if fmt == DUMMY else ', ' + fmt})")
         for c, v, ok in pts:
             if not ok:
                 ax.annotate("lost", (c, v), fontsize=7, color="red")
@@ -1684,6 +1773,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                    help="vLLM's synchronous scheduling (default: asynchronous, vLLM's default)")
     s.add_argument("--api-server-count", type=_pos_int, default=1, help="vLLM's API server processes (default 1)")
+    add_load_format_option(s, what="the server's random weights")
 
     for name, helptext in (("sweep", "vllm bench serve at each concurrency -> rows"),
                            ("profile", "torch-profile a short load, classify the trace")):
@@ -1698,6 +1788,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                         "$TMPDIR/bench_serve/BACKEND_QUANT)")
         p.add_argument("--run-timeout", type=_pos_float, default=300.0, help="seconds one client run may take")
         add_skip_special_tokens_option(p)
+        add_load_format_option(p, what="the server's --load-format, recorded with the results (checked against the "
+                                       "server's command line when --server-pid is given)")
     sw = sub.choices["sweep"]
     sw.add_argument("--concurrency", type=_ints, default=[1, 4, 16, 64])
     sw.add_argument("--max-num-seqs", type=_pos_int, required=True, help="the server's --max-num-seqs (recorded)")
@@ -1744,7 +1836,7 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-SUMMARY_COLUMNS = ["workload", "backend", "max_num_seqs", "output_tok_s", "ttft_ms", "time_per_canvas_ms",
+SUMMARY_COLUMNS = ["workload", "backend", "load_format", "max_num_seqs", "output_tok_s", "ttft_ms", "time_per_canvas_ms",
                    "completed", "failed", "diffusion_steps_per_canvas", "peak_memory_bytes"]
 
 
@@ -1799,16 +1891,18 @@ def _main(args) -> int:
                                     gpu_memory_utilization=args.gpu_memory_utilization, trace_dir=args.trace_dir,
                                     max_num_batched_tokens=args.max_num_batched_tokens,
                                     enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
-                                    api_server_count=args.api_server_count)
+                                    api_server_count=args.api_server_count, load_format=args.load_format)
         print(shlex.join(["env", *[f"{k}={v}" for k, v in env.items()], *argv_]))
         return 0
     if args.command == "sweep":
         _check_writable(args.rows, "--rows")
+        _user(check_server_load_format, args.load_format, args.server_pid)
         rows = sweep(args)
         print(common.summary_table(rows, SUMMARY_COLUMNS))
         return 0 if all(r.get("complete") for r in rows) else 1
     if args.command == "profile":
         _check_writable(args.out, "--out")
+        _user(check_server_load_format, args.load_format, args.server_pid)
         summary = profile(args)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         common.write_experiment_json(Path(args.out).name, summary, Path(args.out).parent)

@@ -143,7 +143,11 @@ def section(path: Path, link_base: Path = BENCH_DIR) -> str:
     if not main_rows:
         body = []
     elif family in ROW_FAMILIES:
-        body = [table(main_rows, COLUMNS.get(family, DEFAULT_COLUMNS))]
+        cols = list(COLUMNS.get(family, DEFAULT_COLUMNS))
+        if family == "serve" and any(r.get("load_format") not in (None, "dummy") for r in main_rows):
+            cols.insert(cols.index("backend") + 1, "load_format")  # rows of two load formats (docs/tuning.md 7.21)
+            main_rows = [dict(r, load_format=r.get("load_format") or "dummy") for r in main_rows]  # absent: dummy
+        body = [table(main_rows, cols)]
     else:
         body = [pivot(main_rows)]
     if sweep_rows:

@@ -202,6 +202,39 @@ def test_server_command_of_each_side():
         bs.profiler_config("rel/dir")
 
 
+def test_the_live_load_format_loads_its_plugin_on_both_sides_and_nothing_else_changes():
+    """docs/tuning.md 7.21: dummy_live comes from the blockdiff_bench general plugin, which stock vLLM must load too
+    (and nothing else of blockdiff); the default stays the issue's dummy."""
+    kw = dict(model="/m", port=8041, max_num_seqs=16, kv_cache_bytes=8 << 30, gpu_memory_utilization=0.35)
+    for backend, plugins in (("vllm", "blockdiff_bench"), ("blockdiff-cute", "blockdiff,blockdiff_bench")):
+        env, argv = bs.server_command(backend, "fp8", load_format="dummy_live", **kw)
+        env0, argv0 = bs.server_command(backend, "fp8", **kw)
+        assert argv[argv.index("--load-format") + 1] == "dummy_live" and env["VLLM_PLUGINS"] == plugins
+        assert argv0[argv0.index("--load-format") + 1] == "dummy"
+        assert [a for a in argv if a != "dummy_live"] == [a for a in argv0 if a != "dummy"]
+        assert {k: v for k, v in env.items() if k != "VLLM_PLUGINS"} == {k: v for k, v in env0.items()
+                                                                         if k != "VLLM_PLUGINS"}
+    with pytest.raises(ValueError, match="load_format must be one of"):
+        bs.server_command("vllm", "fp8", load_format="safetensors", **kw)
+
+
+def test_rows_are_never_labelled_with_a_load_format_the_server_does_not_run(tmp_path):
+    proc = tmp_path / "proc"
+    for pid, argv in ((11, ["python3", "-m", "vllm", "serve", "/m", "--load-format", "dummy_live"]),
+                      (12, ["python3", "serve", "--load-format=dummy"]), (13, ["python3", "serve"])):
+        (proc / str(pid)).mkdir(parents=True)
+        (proc / str(pid) / "cmdline").write_bytes(b"\0".join(a.encode() for a in argv) + b"\0")
+    assert [bs.server_load_format(p, proc) for p in (11, 12, 13, 14, None)] == ["dummy_live", "dummy", None, None,
+                                                                                  None]
+    bs.check_server_load_format("dummy_live", 11, proc)
+    bs.check_server_load_format("dummy", 13, proc)  # nothing to compare with: the label stands
+    with pytest.raises(ValueError, match="'dummy' does not match the server's --load-format 'dummy_live'"):
+        bs.check_server_load_format("dummy", 11, proc)
+    assert [bs.effective_load_format(v) for v in (None, "dummy", "dummy_live")] == ["dummy", "dummy", "dummy_live"]
+    with pytest.raises(ValueError, match="load_format must be one of"):
+        bs.effective_load_format("auto")
+
+
 def test_cudagraph_capture_sizes_cover_every_canvas_count():
     """Regression (first H200 serve): vLLM's default capture sizes stop at 512 tokens, so steps of 3+ canvases ran
     without CUDA graphs. Sizes are canvas multiples up to max_num_seqs canvases, within the token budget."""
@@ -597,6 +630,7 @@ def test_sweep_with_a_stand_in_client(tmp_path, monkeypatch, capsys):
     assert (r1["workload"], r4["workload"], r1["num_prompts"], r4["num_warmups"]) == ("serve_c1_fp8", "serve_c4_fp8",
                                                                                       8, 4)
     assert r1["complete"] and r1["peak_memory_bytes"] == 2000 << 20 and r1["time_per_canvas_ms"] == 250.0
+    assert r1["load_format"] == r4["load_format"] == "dummy" and lines[0]["env"]["setting"]["load_format"] == "dummy"
     assert "serve_c4_fp8" in capsys.readouterr().out  # the summary table
     monkeypatch.setenv("FAKE_BENCH_FAILED", "2")
     assert bs.main(argv[:-2] + ["--concurrency", "16"]) == 1
@@ -870,6 +904,37 @@ def test_goals_never_compare_rows_of_two_client_settings():
         bs.effective_skip_special_tokens("false")
 
 
+def test_goals_never_compare_rows_of_two_load_formats():
+    """docs/tuning.md 7.21: with dummy weights half the MoE layers read 8 experts; a dummy_live row (spread routing)
+    is never divided by a dummy one. Each format gets its own goals; the issue's names stay on dummy's."""
+    rows = [_row("vllm", "fp8", 1, 600.0), _row("blockdiff-cute", "fp8", 1, 900.0),
+            dict(_row("vllm", "fp8", 1, 300.0), load_format="dummy_live"),
+            dict(_row("blockdiff-cute", "fp8", 64, 2000.0), load_format="dummy_live")]
+    g = {x["name"]: x for x in bs.evaluate_goals(rows)}
+    assert g["c1_fp8_vs_vllm"]["value"] == pytest.approx(1.5) and g["c1_fp8_vs_vllm"]["load_format"] == "dummy"
+    assert g["c1_fp8_vs_vllm@dummy_live"]["value"] is None  # no blockdiff c1 row in that format
+    assert g["c64_fp8@dummy_live"]["value"] == pytest.approx(2000.0 / 300.0)
+    assert g["c64_fp8"]["value"] is None and g["no_request_lost"]["met"]
+    only_live = {x["name"] for x in bs.evaluate_goals(rows[2:])}
+    assert "c1_fp8_vs_vllm@dummy_live" in only_live and "c1_fp8_vs_vllm" not in only_live
+    with pytest.raises(ValueError, match="load_format must be one of"):
+        bs.evaluate_goals([dict(_row("vllm", "fp8", 1, 1.0), load_format="auto")])
+
+
+def test_a_sweep_against_a_server_of_another_load_format_exits_2_before_any_run(cli, tmp_path):
+    server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "--load-format", "dummy_live"])
+    try:
+        time.sleep(0.2)
+        rows = tmp_path / "rows.jsonl"
+        _one_clear_line(cli("sweep", "--base-url", "http://127.0.0.1:9", "--model", "/m", "--backend", "vllm",
+                            "--quant", "fp8", "--max-num-seqs", "4", "--server-pid", server.pid, "--rows", rows,
+                            "--bench-cmd", FAKE_BENCH, "--work-dir", tmp_path / "w"), "--load-format", "dummy_live")
+        assert not rows.exists()
+    finally:
+        server.kill()
+        server.wait()
+
+
 def test_skip_special_tokens_flag_restores_the_servers_default():
     p = bs.build_parser()
     common_args = ["--base-url", "http://h:1", "--model", "/m", "--backend", "vllm", "--quant", "fp8"]
@@ -1061,6 +1126,7 @@ _GOOD_ROW = {"workload": "serve_c1_bf16", "backend": "vllm", "quant": "bf16", "s
     ('{"nope": 1}\n', None, ["r.jsonl:1", "workload"]), ('{"env": 5}\n', None, ["r.jsonl:1", "env"]),
     (json.dumps({**_GOOD_ROW, "output_tok_s": "fast"}) + "\n", None, ["r.jsonl:1", "output_tok_s"]),
     (json.dumps(_GOOD_ROW) + "\n{bad\n", None, ["r.jsonl:2", "not JSON"]),
+    (json.dumps({**_GOOD_ROW, "load_format": "auto"}) + "\n", None, ["r.jsonl:1", "load_format"]),
     (json.dumps(_GOOD_ROW) + "\n", "garbage", ["--profile", "p.json", "not JSON"]),
     (json.dumps(_GOOD_ROW) + "\n", "[1]", ["--profile", "p.json", "JSON object"]),
 ])

@@ -110,3 +110,20 @@ def test_commit_header_shortens_only_a_full_hash(tmp_path):
     make_tables.main(["--results", str(res), "--readme", str(readme)])
     out = readme.read_text()
     assert "commit `0123456+dirty`" in out and f"commit `{text_commit}`" in out
+
+
+def test_serve_rows_of_two_load_formats_name_their_format(tmp_path):
+    """docs/tuning.md 7.21: a serve record holding dummy_live rows shows each row's load format; one holding only
+    the issue's dummy (or rows from before the field) keeps the usual columns."""
+    res = tmp_path / "results"
+    res.mkdir()
+    row = {"workload": "serve_c1_fp8", "backend": "vllm", "status": "ok", "output_tok_s": 600.0}
+    _record(res / "serve-h200.json", suite="serve", rows=[row, dict(row, load_format="dummy_live", output_tok_s=500.0)])
+    _record(res / "serve-old-h200.json", suite="serve-old", rows=[row, dict(row, load_format="dummy")])
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- BEGIN RESULTS -->\n<!-- END RESULTS -->\n")
+    make_tables.main(["--results", str(res), "--readme", str(readme)])
+    out = readme.read_text()
+    two, one = out.split("### `serve-h200.json`")[1], out.split("### `serve-h200.json`")[0]
+    assert "| serve_c1_fp8 | vllm | dummy_live | ok |" in two and "| serve_c1_fp8 | vllm | dummy | ok |" in two
+    assert "load" in two.splitlines()[3] and "load" not in one and "dummy" not in one

@@ -8,6 +8,7 @@ import torch
 
 from blockdiff.model import DiffusionGemma, DiffusionGemmaConfig, modeling, tiny_config
 from blockdiff.model.layers import default_moe_impl
+from blockdiff.bench.dummy_weights import emulate_vllm_dummy_init_, neutral_layer_scalars_, vllm_routing_ids
 from model_testutils import build_meta, randomize_
 
 PS = 4  # page size that does not divide the window or canvas evenly in every test
@@ -511,15 +512,9 @@ def test_allocate_kv_caches_argument_types_are_checked(model):
     assert caches[0][0].dtype == torch.bfloat16 and caches[0][0].shape == (2, 4, 2, 16)
 
 
-def _vllm_dummy_init_(model: DiffusionGemma) -> DiffusionGemma:
-    """vLLM 0.26's ``--load-format dummy`` on the CPU (``initialize_dummy_weights``): every floating tensor of the
-    state dict, persistent buffers such as ``layer_scalar`` included, drawn from U(-1e-3, 1e-3) with a generator
-    seeded 1234 afresh for each tensor."""
-    with torch.no_grad():
-        for t in model.state_dict().values():
-            if torch.is_floating_point(t):
-                t.uniform_(-1e-3, 1e-3, generator=torch.Generator().manual_seed(1234))
-    return model
+#: vLLM 0.26's ``--load-format dummy`` on the CPU (``initialize_dummy_weights``: every floating tensor of the state
+#: dict, persistent buffers such as ``layer_scalar`` included, from U(-1e-3, 1e-3), a generator seeded 1234 per tensor).
+_vllm_dummy_init_ = emulate_vllm_dummy_init_
 
 
 @torch.no_grad()
@@ -537,3 +532,48 @@ def test_vllm_dummy_weights_at_full_depth_give_zero_logits_so_every_commit_is_pa
     deep, shallow = logits(30), logits(4)
     assert torch.isfinite(deep).all() and (deep == 0).all() and (deep.argmax(-1) == 0).all()
     assert (shallow != 0).any() and shallow.argmax(-1).unique().numel() > 1
+
+
+def _routing_at_depth(live: bool, layers: int = 30, tokens: int = 48, experts: int = 32, top_k: int = 4):
+    """(logits [T, V], per layer: router logits [T, E] and vLLM's routing ids [T, k]) of a tiny DiffusionGemma at
+    ``layers`` depth under vLLM's dummy weights (``live``: then every layer_scalar at 1.0, load format dummy_live)."""
+    model = _vllm_dummy_init_(DiffusionGemma(tiny_config(num_hidden_layers=layers, num_experts=experts,
+                                                         top_k_experts=top_k))).eval()
+    if live:
+        assert neutral_layer_scalars_(model) == 2 * layers  # layer_scalar and encoder_layer_scalar
+    seen = []
+    hooks = [mod.register_forward_hook(lambda mod, inp, out: seen.append(out.detach().clone()))
+             for name, mod in model.named_modules() if name.endswith("router.proj")]
+    ids = torch.randint(3, model.config.vocab_size, (tokens,), generator=torch.Generator().manual_seed(0))
+    meta, pos = build_meta([tokens], [tokens], [True], PS)
+    try:
+        logits = model(ids, pos, meta, model.allocate_kv_caches(32, PS), attn_backend="reference")
+    finally:
+        for h in hooks:
+            h.remove()
+    assert len(seen) == layers
+    return logits, [(r, vllm_routing_ids(r, top_k)) for r in seen]
+
+
+@torch.no_grad()
+def test_vllm_dummy_weights_send_every_token_to_the_same_experts_once_the_residual_is_zero():
+    """docs/tuning.md 7.21: from the layer where the residual has underflowed to 0 on, every router logit is 0 and
+    vLLM's routing kernel sends every token to experts 0..k-1, so those MoE layers read k of the E experts' weights
+    (the served benchmark's MoE is cheaper than a checkpoint's). The first layer still routes by token."""
+    _, routing = _routing_at_depth(live=False)
+    dead = [i for i, (r, _) in enumerate(routing) if (r == 0).all()]
+    assert len(dead) >= 15 and dead == list(range(dead[0], 30))  # at least the last half of the 30 layers
+    for i in dead:
+        assert (routing[i][1] == torch.arange(4)).all()
+    assert len({tuple(sorted(t)) for t in routing[0][1].tolist()}) > 20
+
+
+@torch.no_grad()
+def test_dummy_live_keeps_the_residual_so_routing_spreads_and_logits_differ_at_full_depth():
+    """Load format dummy_live (every layer_scalar at 1.0): no layer's router logits are all 0, every layer routes
+    the 48 tokens to many expert sets over all 32 experts, and the logits are non-zero with varied argmaxes."""
+    logits, routing = _routing_at_depth(live=True)
+    for r, ids in routing:
+        assert not (r == 0).all()
+        assert len({tuple(sorted(t)) for t in ids.tolist()}) > 20 and ids.unique().numel() == 32
+    assert torch.isfinite(logits).all() and (logits != 0).any() and logits.argmax(-1).unique().numel() > 10

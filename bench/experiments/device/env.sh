@@ -15,3 +15,7 @@ if [ -d /tmp/site ] && [ ! -d $d ]; then
   printf 'Metadata-Version: 2.1\nName: blockdiff\nVersion: 0.1.0\n' > $d/METADATA
   printf '[vllm.general_plugins]\nblockdiff = blockdiff.integration.vllm_plugin:register\n' > $d/entry_points.txt
 fi
+# the serving benchmark's load format dummy_live (bench/dummy_weights.py; also into a dist-info written before it)
+if [ -d $d ] && ! grep -q blockdiff_bench $d/entry_points.txt; then
+  printf 'blockdiff_bench = blockdiff.bench.dummy_weights:register\n' >> $d/entry_points.txt
+fi

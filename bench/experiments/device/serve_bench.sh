@@ -64,6 +64,9 @@
 #   PROFILE_WARM: requests of the unprofiled warm-up load sent just before it (default PROFILE_REQUESTS, 0: none;
 #   7.10's cold profile traced first-use JIT compiles); PROFILE_TIMEOUT_S: both loads and the trace export (400).
 # API_SERVERS=N: vLLM's --api-server-count N on the servers started (docs/tuning.md 7.12).
+# LOAD_FORMAT: dummy (default, the issue's setting) or dummy_live (bench/dummy_weights.py: every layer_scalar at 1.0,
+#   so the MoE routing spreads as a checkpoint's; docs/tuning.md 7.21): the servers started and the rows / profiles
+#   recorded (sweep / profile check it against a running server's command line; stop the servers to change it).
 # Other switches: ENFORCE_EAGER=1 (both servers without CUDA graphs / compile), ASYNC=0 (both with
 #   --no-async-scheduling), WAIT_S, SIDE_S, CONC (default 1,4,16,64), INTERLEAVE=1 (bench: one concurrency at a
 #   time on both sides, the whole phase within TOTAL_S, default 400 s).
@@ -77,7 +80,7 @@ case $quant in fp8|bf16) ;; *) echo "quant must be fp8 or bf16, got $quant"; exi
 case $attn in triton|cute) ;; *) echo "attention must be triton or cute, got $attn"; exit 2 ;; esac
 case $sides in both|blockdiff|vllm) ;; *) echo "sides must be both, blockdiff or vllm, got $sides"; exit 2 ;; esac
 W=${SERVE_BENCH_DIR:-/tmp/serve_bench}; OUT=${OUT:-$W/out}; mkdir -p $W $OUT
-MODEL=$W/dg26b; BS="python3 -m blockdiff.bench.bench_serve"
+MODEL=$W/dg26b; BS="python3 -m blockdiff.bench.bench_serve"; LF=(--load-format ${LOAD_FORMAT:-dummy})
 if [ $quant = fp8 ]; then
   BD_SEQS=${BD_SEQS:-32} BD_KV_GIB=${BD_KV_GIB:-16} BD_UTIL=${BD_UTIL:-0.55} STOCK_SEQS=${STOCK_SEQS:-16}
   STOCK_KV_GIB=${STOCK_KV_GIB:-8} STOCK_UTIL=${STOCK_UTIL:-0.35} PORT0=${PORT0:-8041}
@@ -114,7 +117,7 @@ start)
     [ -n "${API_SERVERS:-}" ] && extra="$extra --api-server-count $API_SERVERS"
     if [ -n "${SERVER_CMD:-}" ]; then cmd="$SERVER_CMD $2 $W/trace_$name"  # a stand-in server (CPU tests)
     else cmd=$($BS server-cmd --backend $1 --quant $quant --model $MODEL --port $2 --max-num-seqs $3 --kv-cache-gib $4 \
-          --gpu-memory-utilization $5 --trace-dir $W/trace_$name $extra) || exit 1; fi
+          --gpu-memory-utilization $5 --trace-dir $W/trace_$name $extra "${LF[@]}") || exit 1; fi
     echo "$cmd" > $W/$name.cmd
     rm -rf $W/trace_$name
     # the inner shell writes its own pid, then becomes the server (exec): the pid of vllm serve, session leader
@@ -149,7 +152,7 @@ bench)
         k=2; [ $c -ge 64 ] && k=1
         timeout $left $BS sweep --base-url http://127.0.0.1:$2 --model $MODEL --backend $1 --quant $quant \
           --concurrency $c --max-num-seqs $3 $(pidarg $name) ${BC[@]+"${BC[@]}"} --warm-concurrency $warm \
-          --num-prompts-per-concurrency $k --min-prompts 4 --deadline-s $(( left - 10 )) \
+          --num-prompts-per-concurrency $k --min-prompts 4 --deadline-s $(( left - 10 )) "${LF[@]}" \
           --rows $OUT/serve_rows_$quant.jsonl --work-dir $W/runs_$name 2>&1 | grep -vE "^\s*$" | tail -4
       done
     done
@@ -159,7 +162,7 @@ bench)
     if ! up $2; then echo "== $name not healthy: skipped"; kvlines $name 20; continue; fi
     timeout $(( ${SIDE_S:-250} + 20 )) $BS sweep --base-url http://127.0.0.1:$2 --model $MODEL --backend $1 \
       --quant $quant --concurrency ${CONC:-1,4,16,64} --max-num-seqs $3 $(pidarg $name) ${BC[@]+"${BC[@]}"} \
-      --deadline-s ${SIDE_S:-250} --rows $OUT/serve_rows_$quant.jsonl --work-dir $W/runs_$name 2>&1 | tail -30
+      --deadline-s ${SIDE_S:-250} "${LF[@]}" --rows $OUT/serve_rows_$quant.jsonl --work-dir $W/runs_$name 2>&1 | tail -30
   done
   fi
   logtail
@@ -171,7 +174,7 @@ profile)
     if ! up $2; then echo "== $name not healthy: skipped"; continue; fi
     timeout ${PROFILE_TIMEOUT_S:-400} $BS profile --base-url http://127.0.0.1:$2 --model $MODEL --backend $1 \
       --quant $quant --requests ${PROFILE_REQUESTS:-1} --warm-requests ${PROFILE_WARM:-${PROFILE_REQUESTS:-1}} \
-      --trace-dir $W/trace_$name --work-dir $W/runs_$name --out $OUT/serve_profile_${s}_$quant.json $(pidarg $name) \
+      --trace-dir $W/trace_$name --work-dir $W/runs_$name --out $OUT/serve_profile_${s}_$quant.json $(pidarg $name) "${LF[@]}" \
       ${BC[@]+"${BC[@]}"} 2>&1 | tail -8
   done ;;
 stop)

@@ -5,7 +5,7 @@
 # alone_up.sh (the server healthy, 64 seqs, 40 GiB KV): the sweep's warm-up and a c64 load (row 1 with host_cpu:
 # per process and thread CPU from /proc), then a second c64 load (another seed) while py-spy samples every thread of
 # the server's processes (raw stacks gzipped and a text summary by bench/experiments/pyspy_top.py), then stop
-# (KEEP=1: left up). py-spy samples idle threads too (PYSPY_IDLE=0: busy ones only).
+# (KEEP=1: left up). py-spy samples idle threads too (PYSPY_IDLE=0: busy ones only). LOAD_FORMAT as serve_bench.sh.
 # Rows: $OUT/host_rows_<side>_a<api servers>.jsonl; the server's log tail too.
 set -u
 source bench/experiments/device/alone_up.sh
@@ -21,7 +21,8 @@ BC=(); [ -n "${BENCH_CMD:-}" ] && BC=(--bench-cmd "$BENCH_CMD")
 c64() {  # $1 run name, $2 warm-up concurrency, $3 seed, $4 timeout s
   timeout $4 $BS sweep --base-url http://127.0.0.1:$port --model $W/dg26b --backend $be --quant $quant \
     --concurrency 64 --max-num-seqs $seqs --server-pid $pid --warm-concurrency $2 --num-prompts-per-concurrency 1 \
-    --min-prompts 4 --seed $3 --rows $rows --work-dir $W/host_$1 ${BC[@]+"${BC[@]}"} 2>&1 \
+    --min-prompts 4 --seed $3 --rows $rows --work-dir $W/host_$1 --load-format ${LOAD_FORMAT:-dummy} \
+    ${BC[@]+"${BC[@]}"} 2>&1 \
     | grep -E "ok:|error|timeout|skipped" | tail -3
 }
 left() { echo $(( BUDGET - ($(date +%s) - T0) - 15 )); }
