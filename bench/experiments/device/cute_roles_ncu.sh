@@ -24,8 +24,9 @@ one() {  # $1 name, $2 kernel-name regex, $3 cute config JSON list
     ncu --import $OUT/ncu_$1.ncu-rep --page source --csv --print-source sass > $OUT/ncu_$1_sass.csv 2>&1
     # the Python lines of the CuTe DSL source beside the SASS (line info); kept apart in case this ncu lacks the mode
     ncu --import $OUT/ncu_$1.ncu-rep --page source --csv --print-source cuda,sass > $OUT/ncu_$1_source.csv 2>&1
-    grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|Registers Per|Achieved Occ" \
-      $OUT/ncu_$1_details.txt | head -12
+    # docs/tuning.md 2.11: is the K / V traffic into the SMs (~6.8 TB/s at 430 TFLOP/s) at the L2's ceiling?
+    grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|L2 Hit Rate|DRAM Throughput|L1/TEX Cache Throughput|Registers Per|Achieved Occ" \
+      $OUT/ncu_$1_details.txt | head -16
   fi
   # at most 8 files come back from a run: the text of each kernel in one archive
   (cd $OUT && tar -czf ncu_$1_text.tar.gz ncu_$1.log ncu_$1_*.txt ncu_$1_*.csv 2>/dev/null \
