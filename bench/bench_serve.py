@@ -34,7 +34,7 @@ same request.
 
 Load format (``--load-format``, :data:`LOAD_FORMATS`): ``dummy`` (default, the issue's setting) or ``dummy_live``
 (:mod:`blockdiff.bench.dummy_weights`: the same random draw with every layer's ``layer_scalar`` at 1.0, so the residual
-survives the 30 layers, the MoE routing spreads over the experts as a checkpoint's does and the logits differ by
+survives the 30 layers, each step's MoE routing spreads over the experts across tokens and the logits differ by
 position; with ``dummy`` at least half the MoE layers send every token to the same 8 experts, docs/tuning.md 7.21).
 Both sides run the same format; rows record it (``load_format``) and goals never compare rows of two formats.
 
@@ -323,8 +323,11 @@ def effective_load_format(value) -> str:
 
 
 def server_load_format(pid: int | None, proc_root: str | os.PathLike = "/proc") -> str | None:
-    """The ``--load-format`` on the command line of process ``pid`` (``/proc/PID/cmdline``; ``--load-format X`` or
-    ``--load-format=X``), or None when ``pid`` is None, the process cannot be read, or it names none."""
+    """The load format process ``pid`` serves, read from its command line (``/proc/PID/cmdline``): the last
+    ``--load-format X`` / ``--load-format=X`` (vLLM's parser also takes ``--load_format``; the last one wins there
+    too); ``auto`` (vLLM's default: real weights) for a vLLM ``serve`` command line without the flag (``serve``
+    after an argument naming vllm); None when ``pid`` is None, the process cannot be read, or it is no vLLM
+    ``serve`` command (a stand-in, a wrapper). A format given in a ``--config`` file is not seen."""
     if pid is None:
         return None
     try:
@@ -332,17 +335,21 @@ def server_load_format(pid: int | None, proc_root: str | os.PathLike = "/proc") 
     except OSError:
         return None
     argv = [a.decode(errors="replace") for a in argv]
+    found = None
     for i, a in enumerate(argv):
-        if a == "--load-format" and i + 1 < len(argv):
-            return argv[i + 1]
-        if a.startswith("--load-format="):
-            return a.split("=", 1)[1]
-    return None
+        if a in ("--load-format", "--load_format") and i + 1 < len(argv):
+            found = argv[i + 1]
+        elif a.startswith(("--load-format=", "--load_format=")):
+            found = a.split("=", 1)[1]
+    if found is None and "serve" in argv and any("vllm" in a for a in argv[:argv.index("serve")]):
+        return "auto"  # a vllm serve command line without the flag
+    return found
 
 
 def check_server_load_format(load_format: str, pid: int | None, proc_root: str | os.PathLike = "/proc") -> None:
-    """Refuse to label rows with a load format the server does not run: with ``pid`` given and readable, its
-    ``--load-format`` (:func:`server_load_format`) must equal ``load_format``.
+    """Refuse to label rows with a load format the server does not run: with ``pid`` given and its command line
+    readable as a ``serve`` command, the format it serves (:func:`server_load_format`) must equal ``load_format``.
+    Nothing is checked without ``pid`` or where the command line says nothing (the label then stands as given).
 
     Raises:
         ValueError: the two differ (both named).
@@ -1688,9 +1695,14 @@ def record(args) -> dict:
     goals = evaluate_goals(rows)
     servers = {}
     for e in envs:
-        servers[f"{e.get('backend')}-{e.get('quant')}"] = {"max_num_seqs": e.get("max_num_seqs"),
-                                                             "model": e.get("model"), "warm_up": e.get("warm_up")}
-    extra = {"setting": envs[0].get("setting") if envs else None, "servers": servers, "goals": goals,
+        fmt = effective_load_format((e.get("setting") or {}).get("load_format"))
+        servers[f"{e.get('backend')}-{e.get('quant')}" + ("" if fmt == DUMMY else f"-{fmt}")] = {
+            "max_num_seqs": e.get("max_num_seqs"), "model": e.get("model"), "warm_up": e.get("warm_up")}
+    setting = dict(envs[0].get("setting") or {}) if envs else None
+    if setting is not None:  # a record may hold rows of both load formats (docs/tuning.md 7.21): name every one
+        setting.pop("load_format", None)
+        setting["load_formats"] = sorted({effective_load_format(r.get("load_format")) for r in rows})
+    extra = {"setting": setting, "servers": servers, "goals": goals,
              "profiles": profiles, "notes": notes}
     out = Path(args.out)
     suite = out.name[:-len(".json")].rsplit("-", 1)[0] if out.name.endswith(".json") else SUITE

@@ -4,7 +4,7 @@ every layer's ``layer_scalar`` set back to its neutral 1.0 (load format :data:`D
 Why (docs/tuning.md 7.21). vLLM's dummy loader (``initialize_dummy_weights``, vLLM 0.26) draws every floating tensor
 of the state dict from U(-1e-3, 1e-3), persistent buffers included. Gemma 4 multiplies each layer's output (the
 whole residual) by its ``layer_scalar`` buffer, so the 26B-A4B geometry's layers scale the residual by ~7e-4 each:
-it is exactly 0 from layer index 14 on in an fp32 emulation (``bench/results/history/dummy_weights_tokens_L30_cpu.json``;
+it is exactly 0 after layer index 14 in a CPU emulation (``bench/results/history/dummy_weights_tokens_L30_cpu.json``;
 6.9e-44 after index 13, below bf16's smallest subnormal), so at least the last 15 of the 30 layers see a zero input:
 
 - every router logit is 0, and vLLM's Gemma 4 routing kernel (a sort of the logits, ties to the lower expert id)
@@ -16,8 +16,11 @@ it is exactly 0 from layer index 14 on in an fp32 emulation (``bench/results/his
 Both sides of the benchmark run the same vLLM Gemma 4 layers, so both are equally affected; the issue's setting is
 ``--load-format dummy`` and stays the benchmark's default. :data:`DUMMY_LIVE` is the same draw with one change, the
 value the module's constructor gives the buffer (as sglang's dummy loader keeps inverse weight scales at a neutral
-1.0), so the residual keeps the embedding's scale, the routing spreads over the experts as a checkpoint's does and
-the logits differ by position. It is a benchmark setting, not a model: the outputs are still noise.
+1.0), so the residual keeps the embedding's scale, no router input is 0 and the logits differ by position. The
+routing spreads over the experts across tokens, not as a checkpoint's: vLLM's draw gives every layer the same
+router weights, so a token takes nearly the same experts in every layer; a step's expert coverage (what the weight
+traffic depends on) is spread, since prompts and fresh canvases are random ids. It is a benchmark setting, not a
+model: the outputs are still noise.
 
 vLLM picks the loader up through the ``vllm.general_plugins`` entry point ``blockdiff_bench`` (:func:`register`),
 which both servers load (``VLLM_PLUGINS=blockdiff_bench`` for stock vLLM, which then runs none of blockdiff's code
@@ -49,7 +52,8 @@ LAYER_SCALAR = "layer_scalar"
 @torch.no_grad()
 def neutral_layer_scalars_(model: torch.nn.Module) -> int:
     """Set every buffer or parameter whose name ends in ``layer_scalar`` (``layer_scalar``,
-    ``encoder_layer_scalar``) to 1.0 in place, any dtype and device.
+    ``encoder_layer_scalar``) to 1.0 in place, any dtype and device (meta tensors, which hold no values, are neither
+    set nor counted).
 
     Args:
         model: the module whose tensors are reset.
@@ -59,14 +63,14 @@ def neutral_layer_scalars_(model: torch.nn.Module) -> int:
 
     Raises:
         TypeError: ``model`` is not a ``torch.nn.Module``.
-        ValueError: ``model`` has no such tensor (the load format would equal ``dummy``; a renamed buffer must fail
-            loudly, not measure the degenerate model again).
+        ValueError: ``model`` has no such tensor with values (the load format would equal ``dummy``; a renamed
+            buffer must fail loudly, not measure the degenerate model again).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     n = 0
     for name, t in (*model.named_buffers(), *model.named_parameters()):
-        if name.rsplit(".", 1)[-1].endswith(LAYER_SCALAR) and torch.is_floating_point(t):
+        if name.rsplit(".", 1)[-1].endswith(LAYER_SCALAR) and torch.is_floating_point(t) and not t.is_meta:
             t.fill_(1.0)
             n += 1
     if n == 0:

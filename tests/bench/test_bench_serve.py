@@ -221,15 +221,20 @@ def test_the_live_load_format_loads_its_plugin_on_both_sides_and_nothing_else_ch
 def test_rows_are_never_labelled_with_a_load_format_the_server_does_not_run(tmp_path):
     proc = tmp_path / "proc"
     for pid, argv in ((11, ["python3", "-m", "vllm", "serve", "/m", "--load-format", "dummy_live"]),
-                      (12, ["python3", "serve", "--load-format=dummy"]), (13, ["python3", "serve"])):
+                      (12, ["python3", "serve", "--load-format=dummy"]), (13, ["python3", "stand_in.py", "serve", "8041"]),
+                      (15, ["python3", "-m", "vllm", "serve", "/m"]),  # vLLM's default: auto, real weights
+                      (16, ["vllm", "serve", "--load-format", "dummy", "--load_format", "dummy_live"]),  # last wins
+                      (17, ["vllm", "serve", "--load_format=dummy_live"])):
         (proc / str(pid)).mkdir(parents=True)
         (proc / str(pid) / "cmdline").write_bytes(b"\0".join(a.encode() for a in argv) + b"\0")
-    assert [bs.server_load_format(p, proc) for p in (11, 12, 13, 14, None)] == ["dummy_live", "dummy", None, None,
-                                                                                  None]
+    assert [bs.server_load_format(p, proc) for p in (11, 12, 13, 14, None, 15, 16, 17)] == [
+        "dummy_live", "dummy", None, None, None, "auto", "dummy_live", "dummy_live"]
     bs.check_server_load_format("dummy_live", 11, proc)
-    bs.check_server_load_format("dummy", 13, proc)  # nothing to compare with: the label stands
+    bs.check_server_load_format("dummy", 13, proc)  # no serve command line to compare with: the label stands
     with pytest.raises(ValueError, match="'dummy' does not match the server's --load-format 'dummy_live'"):
         bs.check_server_load_format("dummy", 11, proc)
+    with pytest.raises(ValueError, match="'dummy' does not match the server's --load-format 'auto'"):
+        bs.check_server_load_format("dummy", 15, proc)
     assert [bs.effective_load_format(v) for v in (None, "dummy", "dummy_live")] == ["dummy", "dummy", "dummy_live"]
     with pytest.raises(ValueError, match="load_format must be one of"):
         bs.effective_load_format("auto")
@@ -921,10 +926,10 @@ def test_goals_never_compare_rows_of_two_load_formats():
         bs.evaluate_goals([dict(_row("vllm", "fp8", 1, 1.0), load_format="auto")])
 
 
+@pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="no /proc here: the server's command line is unread")
 def test_a_sweep_against_a_server_of_another_load_format_exits_2_before_any_run(cli, tmp_path):
     server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "--load-format", "dummy_live"])
     try:
-        time.sleep(0.2)
         rows = tmp_path / "rows.jsonl"
         _one_clear_line(cli("sweep", "--base-url", "http://127.0.0.1:9", "--model", "/m", "--backend", "vllm",
                             "--quant", "fp8", "--max-num-seqs", "4", "--server-pid", server.pid, "--rows", rows,
@@ -962,7 +967,8 @@ def test_record_writes_json_csv_png_and_goals(tmp_path):
     assert doc["suite"] == "serve" and doc["gpu"] == "NVIDIA H200" and len(doc["rows"]) == 8
     assert doc["commit"] != "unknown" and any("commit" in n for n in doc["notes"])
     assert doc["profiles"][0]["canvas_step_ms"]["sampler"] == 2.0 and "env" not in doc["profiles"][0]
-    assert doc["servers"]["vllm-fp8"]["max_num_seqs"] == 16 and doc["setting"] == {"input_len": 4096}
+    assert doc["servers"]["vllm-fp8"]["max_num_seqs"] == 16
+    assert doc["setting"] == {"input_len": 4096, "load_formats": ["dummy"]}
     goals = {g["name"]: g for g in doc["goals"]}
     assert goals["c1_fp8_vs_vllm"]["met"] and goals["c1_fp8_tok_s"]["met"] is False
     assert out.with_suffix(".csv").exists() and out.with_suffix(".png").stat().st_size > 1000
@@ -971,6 +977,20 @@ def test_record_writes_json_csv_png_and_goals(tmp_path):
 
     text = make_tables.render(out.parent)
     assert "serve_c64_fp8" in text and "output tok s" in text
+
+
+def test_a_record_of_two_load_formats_keeps_both_servers_and_names_both_formats(tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    with open(rows, "w") as f:
+        for fmt, v in (("dummy", 600.0), ("dummy_live", 500.0)):
+            env = dict(bs.environment(), kind="env", backend="vllm", quant="fp8", max_num_seqs=64 if fmt == "dummy"
+                       else 32, setting={"input_len": 4096, "load_format": fmt}, gpu="NVIDIA H200")
+            f.write(json.dumps({"env": env}) + "\n" + json.dumps(dict(_row("vllm", "fp8", 1, v), load_format=fmt)) + "\n")
+    out = tmp_path / "serve-h200.json"
+    assert bs.main(["record", str(rows), "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["servers"]["vllm-fp8"]["max_num_seqs"] == 64 and doc["servers"]["vllm-fp8-dummy_live"]["max_num_seqs"] == 32
+    assert doc["setting"] == {"input_len": 4096, "load_formats": ["dummy", "dummy_live"]}
 
 
 def test_read_rows_names_a_bad_line(tmp_path):

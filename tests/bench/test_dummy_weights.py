@@ -32,6 +32,10 @@ def test_neutral_layer_scalars_resets_every_layer_scalar_and_nothing_else():
     bf.layers[0].layer_scalar.fill_(0.5)
     assert dw.neutral_layer_scalars_(bf) == 1 and bf.layers[0].layer_scalar.dtype == torch.bfloat16
     assert float(bf.layers[0].layer_scalar) == 1.0
+    with torch.device("meta"):
+        meta = _Model(2)
+    with pytest.raises(ValueError, match="no floating tensor named"):  # meta tensors hold no values to set
+        dw.neutral_layer_scalars_(meta)
 
 
 def test_neutral_layer_scalars_refuses_a_model_without_them():
@@ -59,6 +63,10 @@ def test_vllm_routing_breaks_ties_to_the_lower_expert_id():
     # the kernel's integer keys rank +0.0 above -0.0 (row 3), negative logits by value (row 4)
     assert dw.vllm_routing_ids(logits, 2).tolist() == [[0, 1], [1, 2], [2, 1], [3, 1]]
     assert dw.vllm_routing_ids(logits, 4)[2].tolist() == [2, 1, 3, 0]
+    # non-finite logits as the kernel's keys order them: a positive NaN above +inf, a negative NaN below -inf
+    odd = torch.tensor([[1.0, float("inf"), float("nan"), -float("inf"), 0.0]])
+    odd[0, 4] = -odd[0, 2]  # torch's negation sets the NaN's sign bit
+    assert dw.vllm_routing_ids(odd, 5).tolist() == [[2, 1, 0, 3, 4]]
     assert dw.vllm_routing_ids(logits.to(torch.bfloat16), 4)[0].tolist() == [0, 1, 2, 3]
     for bad, kw, err, match in ((torch.zeros(3), {}, ValueError, "must be \\[T, E\\]"),
                                 (torch.zeros(2, 4, dtype=torch.int32), {}, TypeError, "floating"),
@@ -91,16 +99,19 @@ def _vllm_026():
 @pytest.mark.skipif(_vllm_026() is None, reason="vLLM 0.26's Python packages are not importable here")
 def test_vllm_0_26_loads_dummy_live_as_its_dummy_weights_with_neutral_layer_scalars(monkeypatch):
     """The plugin registers the format with vLLM's own registry; its loader draws vLLM's dummy weights (through
-    vLLM's DummyModelLoader) and then sets the layer scalars to 1.0; vLLM's engine arguments accept the name."""
+    vLLM's DummyModelLoader) and then sets the layer scalars to 1.0."""
+    import vllm.model_executor.model_loader as loaders
     import vllm.platforms
     from vllm.config.load import LoadConfig
-    from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.model_executor.model_loader import get_model_loader
     from vllm.model_executor.model_loader.dummy_loader import DummyModelLoader
     from vllm.platforms.cpu import CpuPlatform
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     monkeypatch.setattr(vllm.platforms, "_current_platform", CpuPlatform())
+    # vLLM's registry is a module global: this test's registration is undone afterwards
+    monkeypatch.setattr(loaders, "_LOAD_FORMAT_TO_MODEL_LOADER", dict(loaders._LOAD_FORMAT_TO_MODEL_LOADER))
+    with pytest.raises(ValueError, match="not supported"):
+        get_model_loader(LoadConfig(load_format="dummy_live"))
     dw.register()
     loader = get_model_loader(LoadConfig(load_format="dummy_live"))
     assert isinstance(loader, DummyModelLoader) and type(loader) is not DummyModelLoader
@@ -112,9 +123,6 @@ def test_vllm_0_26_loads_dummy_live_as_its_dummy_weights_with_neutral_layer_scal
     plain = _Model(2)
     get_model_loader(LoadConfig(load_format="dummy")).load_weights(plain, None)
     assert torch.equal(plain.layers[0].proj.weight, w) and abs(float(plain.layers[0].layer_scalar)) <= 1e-3
-    ns = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(
-        ["--model", "/tmp/m", "--load-format", "dummy_live"])
-    assert ns.load_format == "dummy_live"
 
 
 _LOAD_BY_PLUGIN = """
@@ -126,6 +134,10 @@ from vllm.config.load import LoadConfig
 from vllm.model_executor.model_loader import get_model_loader
 load_general_plugins()
 print("LOADER", type(get_model_loader(LoadConfig(load_format="dummy_live"))).__name__)
+import sys
+from vllm import ModelRegistry
+print("MODULES", sorted(m for m in sys.modules if m.startswith("blockdiff")))
+print("MODEL", ModelRegistry.models["DiffusionGemmaForBlockDiffusion"].module_name)
 """
 
 
@@ -140,4 +152,5 @@ def test_vllm_finds_dummy_live_through_the_plugin_the_stock_server_loads():
     p = subprocess.run([sys.executable, "-c", _LOAD_BY_PLUGIN], capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, VLLM_PLUGINS="blockdiff_bench"))
     assert p.returncode == 0 and "LOADER DummyLiveModelLoader" in p.stdout, p.stdout[-1500:] + p.stderr[-3000:]
-    assert "blockdiff.integration" not in p.stderr
+    assert "MODULES ['blockdiff', 'blockdiff.bench', 'blockdiff.bench.dummy_weights']" in p.stdout, p.stdout[-1500:]
+    assert "MODEL vllm.model_executor.models.diffusion_gemma" in p.stdout, p.stdout[-1500:]

@@ -10,12 +10,12 @@ export PYTHONPATH=$PYTHONPATH:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_package
   HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 PYTHONUNBUFFERED=1 \
   FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 VLLM_USE_DEEP_GEMM=0 VLLM_USE_FLASHINFER_SAMPLER=0
 d=/tmp/site/blockdiff-0.1.0.dist-info
-if [ -d /tmp/site ] && [ ! -d $d ]; then
+# blockdiff_bench: the serving benchmark's load format dummy_live (bench/dummy_weights.py)
+eps='[vllm.general_plugins]
+blockdiff = blockdiff.integration.vllm_plugin:register
+blockdiff_bench = blockdiff.bench.dummy_weights:register'
+if [ -d /tmp/site ] && [ "$(cat $d/entry_points.txt 2>/dev/null)" != "$eps" ]; then  # new, or an older plugin list
   mkdir -p $d
   printf 'Metadata-Version: 2.1\nName: blockdiff\nVersion: 0.1.0\n' > $d/METADATA
-  printf '[vllm.general_plugins]\nblockdiff = blockdiff.integration.vllm_plugin:register\n' > $d/entry_points.txt
-fi
-# the serving benchmark's load format dummy_live (bench/dummy_weights.py; also into a dist-info written before it)
-if [ -d $d ] && ! grep -q blockdiff_bench $d/entry_points.txt; then
-  printf 'blockdiff_bench = blockdiff.bench.dummy_weights:register\n' >> $d/entry_points.txt
+  printf '%s\n' "$eps" > $d/entry_points.txt
 fi
