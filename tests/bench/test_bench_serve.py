@@ -930,6 +930,11 @@ def test_goals_never_compare_rows_of_two_load_formats():
 def test_a_sweep_against_a_server_of_another_load_format_exits_2_before_any_run(cli, tmp_path):
     server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "--load-format", "dummy_live"])
     try:
+        # Popen returns once the child's close-on-exec pipe closes, which Linux does before it sets up the new
+        # command line: under load /proc/PID/cmdline can still be empty then (a failure seen in a full run)
+        deadline = time.monotonic() + 30
+        while bs.server_load_format(server.pid) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
         rows = tmp_path / "rows.jsonl"
         _one_clear_line(cli("sweep", "--base-url", "http://127.0.0.1:9", "--model", "/m", "--backend", "vllm",
                             "--quant", "fp8", "--max-num-seqs", "4", "--server-pid", server.pid, "--rows", rows,
