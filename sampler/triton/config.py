@@ -41,8 +41,9 @@ class SamplerConfig:
     (otherwise: the split-K Triton GEMM); both in :mod:`blockdiff.sampler.triton.soft_embedding`.
     soft_chunk: the chunked path's vocabulary chunk in tokens (None:
         :func:`~blockdiff.sampler.triton.soft_embedding.chunk_size`: the buffer [N * CL, chunk] <= 32 MiB, up to
-        256 MiB at large batches for 16,384-token chunks).
-    soft_overlap: chunked path on CUDA: write the next chunk's probabilities on a side stream during the GEMM.
+        256 MiB at large batches for 16,384-token chunks; with soft_overlap its two buffers together).
+    soft_overlap: chunked path on CUDA: write the next chunk's probabilities on a side stream during the GEMM
+        (two probability buffers within the one buffer's budget: half-size automatic chunks).
     stats_overlap: chunked path: take the soft embedding's normalisers from a memory-bound pre-pass
     (:func:`blockdiff.sampler.triton.stats.row_moments`) and run the soft embedding's GEMMs on a high-priority
     side stream while the compute-bound stats pass (Philox, logs) runs beside them (CUDA; on the CPU the same

@@ -22,8 +22,8 @@ next iteration overwrote them (a RAW hazard, NaN soft embeddings; triton-lang/tr
 multi-buffered; the MMA of one CTA / warpgroup overlaps the exp2 of the others only.
 
 ``"chunked"`` (:func:`soft_embedding_chunked`): for each chunk ``[v0, v0 + Vc)`` of the vocabulary (the buffer
-``[M, Vc]`` stays <= :data:`MAX_CHUNK_BYTES`, or at large batches <= :data:`LARGE_BATCH_CHUNK_BYTES` so that a chunk
-keeps :data:`LARGE_BATCH_CHUNK` tokens: :func:`chunk_size`):
+``[M, Vc]``, both buffers together with ``overlap``, stays <= :data:`MAX_CHUNK_BYTES`, or at large batches <=
+:data:`LARGE_BATCH_CHUNK_BYTES` so that a chunk keeps :data:`LARGE_BATCH_CHUNK` tokens: :func:`chunk_size`):
 
 1. :func:`_prob_chunk_kernel` writes ``P_c[r, j] = exp2(((x - c) / T - m) * log2e) * inv_s`` rounded to E's dtype into
    one reusable buffer [M, Vc] (the same formula as the Triton GEMM's A operand). P is 0 past V, on rows not
@@ -39,14 +39,16 @@ keeps :data:`LARGE_BATCH_CHUNK` tokens: :func:`chunk_size`):
    workspace, the shape of the split-K workspace with SPLIT_K = 1).
 
 Ordering: one stream, one buffer: the P kernel of chunk c + 1 waits for the GEMM of chunk c. ``overlap=True``
-(``SamplerConfig.soft_overlap``): two half-size buffers, P of chunk c + 1 on a side stream during the GEMM of chunk
-c (fork / join with events; CUDA-graph capture tested); off by default (no gain while cuBLAS fills the SMs). No
-host sync, fixed buffer shapes (all from static shapes): capturable in a CUDA graph. The GEMM runs over all rows
-(cuBLAS cannot skip the greedy / finished requests' rows without data-dependent shapes; their P rows are zero).
+(``SamplerConfig.soft_overlap``): two buffers sharing the one buffer's budget (half-size chunks: 2 x 8,192 tokens
+for sampler_n4), P of chunk c + 1 on a side stream during the GEMM of chunk c (fork / join with events; CUDA-graph
+capture tested); off by default (no gain while cuBLAS fills the SMs). No host sync, fixed buffer shapes (all from
+static shapes): capturable in a CUDA graph. The GEMM runs over all rows (cuBLAS cannot skip the greedy / finished
+requests' rows without data-dependent shapes; their P rows are zero).
 
 Extra memory: split-K workspace ``SPLIT_K * N * CL * hidden * 4`` bytes (34.6 MB for sampler_n4 at SPLIT_K = 3);
-chunked: the P buffer (<= 32 MiB, <= 256 MiB from 1,025 bf16 rows up; fp32 on the CPU) + acc [M, hidden] fp32
-(11.5 MB for sampler_n4).
+chunked: the P buffer(s), one or (``overlap``) two, together <= 32 MiB, <= 256 MiB from 1,025 bf16 rows up (the
+automatic chunk; fp32 on the CPU) + acc [M, hidden] fp32 (11.5 MB for sampler_n4): 32 + 11 MiB for sampler_n4, with
+or without ``overlap``.
 Semantics: docs/ARCHITECTURE.md "Sampler semantics", rule 7.
 """
 from __future__ import annotations
@@ -344,25 +346,48 @@ def _prob_chunk_kernel(
     tl.store(p_ptr + rows[:, None].to(tl.int64) * VC + j[None, :], prob.to(p_ptr.dtype.element_ty), mask=omask)
 
 
-def chunk_size(M: int, V: int, requested: int | None = None, itemsize: int = 2) -> int:
-    """Vocabulary chunk Vc: ``requested`` (clipped to V), else the largest power of two in [64, 65536] such that the
-    [M, Vc] buffer of ``itemsize``-byte elements fits :data:`MAX_CHUNK_BYTES` (64 if none does), then doubled while
-    it is below :data:`LARGE_BATCH_CHUNK` tokens and the buffer still fits :data:`LARGE_BATCH_CHUNK_BYTES` (large
-    batches: 8,192 rows get 16,384-token chunks, 16,384 rows 8,192, in bf16), clipped to V.
+def chunk_size(M: int, V: int, requested: int | None = None, itemsize: int = 2, buffers: int = 1) -> int:
+    """Vocabulary chunk Vc of ``buffers`` probability buffers [M, Vc] of ``itemsize``-byte elements: ``requested``
+    (clipped to V; each buffer then holds it, no budget), else the largest power of two in [64, 65536] such that the
+    buffers together fit :data:`MAX_CHUNK_BYTES` (64 if none does); at large batches, where one [M,
+    LARGE_BATCH_CHUNK] buffer would not fit MAX_CHUNK_BYTES (from 1,025 bf16 rows, 513 fp32), it is then doubled
+    while it is below :data:`LARGE_BATCH_CHUNK` tokens and the buffers together still fit
+    :data:`LARGE_BATCH_CHUNK_BYTES` (one bf16 buffer: 8,192 rows get 16,384-token chunks, 16,384 rows 8,192);
+    clipped to V.
+
+    Whether a batch is large depends on M and ``itemsize`` only, never on ``buffers``: the two buffers of the
+    overlapped path (``buffers=2``) share the one buffer's budget at every M (sampler_n4, 1,024 bf16 rows: 2 x
+    8,192 tokens = 32 MiB, the serial path 1 x 16,384).
 
     Raises:
-        ValueError: ``requested`` < 1.
+        ValueError: ``requested`` < 1, ``buffers`` < 1.
     """
+    if int(buffers) < 1:
+        raise ValueError(f"buffers must be >= 1, got {buffers}")
     if requested is not None:
         if int(requested) < 1:
             raise ValueError(f"soft_chunk must be >= 1 tokens, got {requested}")
         return min(int(requested), V)
+    rows = max(M, 1)
     vc = 64
-    while vc * 2 * max(M, 1) * itemsize <= MAX_CHUNK_BYTES and vc * 2 <= 65536:
+    while buffers * vc * 2 * rows * itemsize <= MAX_CHUNK_BYTES and vc * 2 <= 65536:
         vc *= 2
-    while vc < LARGE_BATCH_CHUNK and vc * 2 * max(M, 1) * itemsize <= LARGE_BATCH_CHUNK_BYTES:
-        vc *= 2
+    if LARGE_BATCH_CHUNK * rows * itemsize > MAX_CHUNK_BYTES:        # a large batch: decided for one buffer
+        while vc < LARGE_BATCH_CHUNK and buffers * vc * 2 * rows * itemsize <= LARGE_BATCH_CHUNK_BYTES:
+            vc *= 2
     return max(1, min(vc, V))
+
+
+def _p_buffer_plan(M: int, V: int, chunk: int | None, embedding_dtype: torch.dtype, device: torch.device,
+                   overlap: bool) -> tuple[int, int, torch.dtype]:
+    """(Vc, number of P buffers, their dtype) of :func:`soft_embedding_chunked`: E's dtype on CUDA, fp32 elsewhere
+    (holding E-dtype-rounded values); two buffers with ``overlap`` on CUDA (ignored elsewhere), else one; Vc from
+    :func:`chunk_size` for all of them together."""
+    cuda = torch.device(device).type == "cuda"
+    buffers = 2 if overlap and cuda else 1
+    buf_dtype = embedding_dtype if cuda else torch.float32
+    itemsize = torch.empty((), dtype=buf_dtype).element_size()
+    return chunk_size(M, V, chunk, itemsize, buffers=buffers), buffers, buf_dtype
 
 
 def soft_embedding_chunked(logits: torch.Tensor, embedding: torch.Tensor, T: torch.Tensor, m: torch.Tensor,
@@ -382,11 +407,18 @@ def soft_embedding_chunked(logits: torch.Tensor, embedding: torch.Tensor, T: tor
             p = one-hot(argmax) (else their rows are 0 and the caller gathers E[argmax]).
         out: optional float32 [1, N * CL, hidden] workspace to accumulate into (zeroed here on the current stream),
             e.g. allocated by a caller's stream when this runs on a side stream; None: allocated here.
-        overlap: CUDA only: two P buffers of half the size each (same 32 MiB budget); the P kernel of chunk c + 1
-            runs on a side stream while the GEMM of chunk c runs on the current stream (fork / join through
-            events: capturable in a CUDA graph; same results, the sums stay in chunk order on one stream).
+        overlap: CUDA only: two P buffers that share the one buffer's budget (:func:`chunk_size` with
+            ``buffers=2``: half-size chunks); the P kernel of chunk c + 1 runs on a side stream while the GEMM of
+            chunk c runs on the current stream (fork / join through events: capturable in a CUDA graph; same
+            results, the sums stay in chunk order on one stream).
 
     Rows of inactive requests are 0 (P is zeroed there whatever their logits hold).
+
+    Working memory besides the result: the P buffer(s) [M, Vc], with the automatic chunk together <=
+    :data:`MAX_CHUNK_BYTES` (32 MiB), or <= :data:`LARGE_BATCH_CHUNK_BYTES` (256 MiB) where one [M, 16,384] buffer
+    would exceed 32 MiB (from 1,025 bf16 rows up), overlap or not (an explicit ``chunk``: buffers x M x chunk
+    elements), and a few [N, CL] / [N] vectors; the result ``acc`` [1, M, hidden] fp32 is allocated here unless
+    ``out`` is given (sampler_n4: 32 MiB of P + 11 MiB of acc, overlap or not).
     """
     N, CL, V = logits.shape
     hidden = embedding.shape[1]
@@ -397,8 +429,7 @@ def soft_embedding_chunked(logits: torch.Tensor, embedding: torch.Tensor, T: tor
     cuda = dev.type == "cuda"
     lowp = embedding.dtype in (torch.bfloat16, torch.float16)
     overlap = bool(overlap) and cuda
-    vc = chunk_size(M, V, chunk, embedding.element_size() * (2 if overlap else 1) if cuda else 4)
-    buf_dtype = embedding.dtype if cuda else torch.float32
+    vc, nbuf, buf_dtype = _p_buffer_plan(M, V, chunk, embedding.dtype, dev, overlap)
     if out is not None:
         if out.shape != (1, M, hidden) or out.dtype != torch.float32 or out.device != dev or not out.is_contiguous():
             raise ValueError(f"out must be a contiguous float32 [1, {M}, {hidden}] tensor on {dev}, got "
@@ -408,7 +439,7 @@ def soft_embedding_chunked(logits: torch.Tensor, embedding: torch.Tensor, T: tor
         acc = torch.zeros(1, M, hidden, dtype=torch.float32, device=dev)
     if M == 0 or V == 0:
         return acc
-    pbufs = [torch.empty(M, vc, dtype=buf_dtype, device=dev) for _ in range(2 if overlap else 1)]
+    pbufs = [torch.empty(M, vc, dtype=buf_dtype, device=dev) for _ in range(nbuf)]
     a2 = acc[0]
     # GPU: 4 rows x 1024 tokens per program; interpreter: tiles sized to the problem
     block_r, block_v = (4, 1024) if cuda else (min(32, triton.next_power_of_2(M)), min(64, triton.next_power_of_2(vc)))
