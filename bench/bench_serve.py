@@ -98,7 +98,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from blockdiff.bench import common
-from blockdiff.bench.dummy_weights import DUMMY, DUMMY_LIVE, LOAD_FORMATS
+from blockdiff.bench.dummy_weights import DUMMY, DUMMY_LIVE, LOAD_FORMATS, PLUGIN as DUMMY_LIVE_PLUGIN
 
 SUITE = "serve"
 CANVAS_LENGTH = 256
@@ -200,16 +200,17 @@ def server_command(backend: str, quant: str, *, model: str, port: int, max_num_s
     """Environment and argv of ``vllm serve`` for one side of the benchmark.
 
     Both sides: ``--load-format`` ``load_format`` (``dummy_live`` also loads the ``blockdiff_bench`` general plugin
-    that registers it, on stock's side too: :mod:`blockdiff.bench.dummy_weights`), ``--language-model-only``, :func:`diffusion_config`, ``--no-enable-prefix-caching``
-    (runs must not reuse each other's prompts), ``--block-size`` :data:`BLOCK_SIZE`, CUDA graphs of
-    :func:`cudagraph_capture_sizes` (unless ``enforce_eager``), vLLM's asynchronous scheduling (its default; with
-    ``async_scheduling=False`` ``--no-async-scheduling``; blockdiff's scheduler class follows:
-    ``BlockdiffDiffusionAsyncScheduler`` / ``BlockdiffDiffusionScheduler``), ``--kv-cache-memory-bytes`` (a fixed KV cache: two
-    servers starting together on one GPU would count each other's allocations in vLLM's memory profile) and
-    ``--gpu-memory-utilization`` (with a KV size given, vLLM uses it only to check the free memory at start-up),
-    ``--quantization fp8`` for ``fp8`` (dynamic FP8 weights; the KV cache stays bf16), the torch profiler when
-    ``trace_dir`` is given. ``vllm``: ``VLLM_PLUGINS=none`` (``blockdiff_bench`` with ``dummy_live``),
-    ``--attention-backend TRITON_ATTN`` (its default on Hopper for this model). ``blockdiff-*``:
+    that registers it, on stock's side too: :mod:`blockdiff.bench.dummy_weights`), ``--language-model-only``,
+    :func:`diffusion_config`, ``--no-enable-prefix-caching`` (runs must not reuse each other's prompts),
+    ``--block-size`` :data:`BLOCK_SIZE`, CUDA graphs of :func:`cudagraph_capture_sizes` (unless ``enforce_eager``),
+    vLLM's asynchronous scheduling (its default; with ``async_scheduling=False`` ``--no-async-scheduling``;
+    blockdiff's scheduler class follows: ``BlockdiffDiffusionAsyncScheduler`` / ``BlockdiffDiffusionScheduler``),
+    ``--kv-cache-memory-bytes`` (a fixed KV cache: two servers starting together on one GPU would count each
+    other's allocations in vLLM's memory profile) and ``--gpu-memory-utilization`` (with a KV size given, vLLM
+    uses it only to check the free memory at start-up), ``--quantization fp8`` for ``fp8`` (dynamic FP8 weights;
+    the KV cache stays bf16), the torch profiler when ``trace_dir`` is given. ``vllm``: ``VLLM_PLUGINS=none``
+    (``blockdiff_bench`` with ``dummy_live``), ``--attention-backend TRITON_ATTN`` (its default on Hopper for this
+    model). ``blockdiff-*``:
     ``VLLM_USE_V2_MODEL_RUNNER=1 VLLM_PLUGINS=blockdiff`` (``blockdiff,blockdiff_bench`` with ``dummy_live``),
     ``BLOCKDIFF_ATTN_BACKEND`` = triton | cute, ``BLOCKDIFF_SAMPLER_BACKEND=triton``, ``--attention-backend CUSTOM``,
     blockdiff's ``--scheduler-cls``, and with ``trace_dir`` ``BLOCKDIFF_PROFILE_COMPILES=1`` (Triton compiles named
@@ -272,12 +273,13 @@ def server_command(backend: str, quant: str, *, model: str, port: int, max_num_s
     alloc = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     live = load_format == DUMMY_LIVE  # its loader comes from the blockdiff_bench plugin, on both sides
     if backend == "vllm":
-        env = {"VLLM_PLUGINS": "blockdiff_bench" if live else "none", **alloc}
+        env = {"VLLM_PLUGINS": DUMMY_LIVE_PLUGIN if live else "none", **alloc}
         argv += ["--attention-backend", "TRITON_ATTN"]
     else:
-        env = {**alloc, "VLLM_USE_V2_MODEL_RUNNER": "1", "VLLM_PLUGINS": "blockdiff,blockdiff_bench" if live else "blockdiff",
+        plugins = f"blockdiff,{DUMMY_LIVE_PLUGIN}" if live else "blockdiff"
+        env = {**alloc, "VLLM_USE_V2_MODEL_RUNNER": "1", "VLLM_PLUGINS": plugins,
                "BLOCKDIFF_ATTN_BACKEND": backend.split("-", 1)[1], "BLOCKDIFF_SAMPLER_BACKEND": "triton"}
-        if trace_dir is not None:  # a profiled server names Triton's JIT compiles in its trace (integration/annotate.py)
+        if trace_dir is not None:  # a profiled server names Triton's JIT compiles in its trace (annotate.py)
             env["BLOCKDIFF_PROFILE_COMPILES"] = "1"
         sched = "BlockdiffDiffusionAsyncScheduler" if async_scheduling else "BlockdiffDiffusionScheduler"
         argv += ["--attention-backend", "CUSTOM", "--scheduler-cls", f"blockdiff.integration.vllm_scheduler.{sched}"]
@@ -363,7 +365,8 @@ def check_server_load_format(load_format: str, pid: int | None, proc_root: str |
 def add_load_format_option(parser: argparse.ArgumentParser, *, what: str) -> None:
     """``--load-format`` (``args.load_format``, one of :data:`LOAD_FORMATS`, default ``dummy``)."""
     parser.add_argument("--load-format", choices=LOAD_FORMATS, default=DUMMY,
-                        help=f"{what} (default {DUMMY}, the issue's setting; {DUMMY_LIVE}: blockdiff.bench.dummy_weights)")
+                        help=f"{what} (default {DUMMY}, the issue's setting; "
+                             f"{DUMMY_LIVE}: blockdiff.bench.dummy_weights)")
 
 
 def add_skip_special_tokens_option(parser: argparse.ArgumentParser) -> None:
@@ -1516,9 +1519,10 @@ def read_rows(paths: Sequence[str | os.PathLike]) -> tuple[list[dict], list[dict
                 if not isinstance(obj.get("workload"), str):
                     raise ValueError(f"{p}:{n}: a row needs a 'workload' string (a sweep row), got "
                                      f"{obj.get('workload')!r}")
-                if obj.get("load_format") is not None and obj["load_format"] not in LOAD_FORMATS:
-                    raise ValueError(f"{p}:{n}: load_format must be one of {list(LOAD_FORMATS)} or absent, got "
-                                     f"{obj['load_format']!r}")
+                try:
+                    effective_load_format(obj.get("load_format"))
+                except ValueError as e:
+                    raise ValueError(f"{p}:{n}: {e} (or absent)") from e
                 for k in ROW_NUMBERS:
                     v = obj.get(k)
                     if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
@@ -1544,7 +1548,8 @@ def _throughput_goals(rows: list[dict], load_format: str) -> list[dict]:
     mixed = len(set(setting)) > 1
     judged = effective_skip_special_tokens(SKIP_SPECIAL_TOKENS) if mixed else next(iter(setting), SKIP_SPECIAL_TOKENS)
     tput_rows = [r for r, v in zip(rows, setting) if v == judged]
-    left_out = sorted(r.get("workload", "?") + "/" + str(r.get("backend")) for r, v in zip(rows, setting) if v != judged)
+    left_out = sorted(r.get("workload", "?") + "/" + str(r.get("backend"))
+                      for r, v in zip(rows, setting) if v != judged)
 
     def best(pred):
         vals = [_tok_s(r) for r in tput_rows if pred(r)]
@@ -1833,7 +1838,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--server-pid", type=_pos_int, default=None,
                     help="the vllm serve process: its processes' and threads' CPU time during the profiled load "
                          "(host_cpu; none without it)")
-    pr.add_argument("--stop-timeout", type=_pos_float, default=300.0, help="seconds /stop_profile may take (trace export)")
+    pr.add_argument("--stop-timeout", type=_pos_float, default=300.0,
+                    help="seconds /stop_profile may take (trace export)")
     pr.add_argument("--out", required=True, help="summary JSON")
 
     t = sub.add_parser("trace", help="classify saved trace files")
@@ -1848,8 +1854,8 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-SUMMARY_COLUMNS = ["workload", "backend", "load_format", "max_num_seqs", "output_tok_s", "ttft_ms", "time_per_canvas_ms",
-                   "completed", "failed", "diffusion_steps_per_canvas", "peak_memory_bytes"]
+SUMMARY_COLUMNS = ["workload", "backend", "load_format", "max_num_seqs", "output_tok_s", "ttft_ms",
+                   "time_per_canvas_ms", "completed", "failed", "diffusion_steps_per_canvas", "peak_memory_bytes"]
 
 
 def _error(command: str, msg) -> int:
@@ -1963,7 +1969,8 @@ def _print_profile(s: dict) -> None:
         adm = ld["admission"]
         lead = ", ".join(f"{n[:32]} {ms:.1f}" for n, ms, _ in (ld["lead_in"].get("cpu_labels") or [])[:4])
         print(f"  load ({ld['requests']} requests, client window {ld['window_ms']:.1f} ms): GPU busy "
-              f"{100 * (ld['gpu_busy_share'] or 0):.0f} %; lead-in {ld['lead_in_ms']:.1f} ms ({lead or 'no CPU event'}),"
+              f"{100 * (ld['gpu_busy_share'] or 0):.0f} %; lead-in {ld['lead_in_ms']:.1f} ms "
+              f"({lead or 'no CPU event'}),"
               f" tail {ld['tail_ms']:.1f} ms; first step after {common.fmt(ld['first_step_ms'], 1)} ms; sent -> "
               f"add_request median {common.fmt(adm['median_ms'], 1)} ms, max {common.fmt(adm['max_ms'], 1)} ms "
               f"({adm['matched']} matched)")

@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["DUMMY", "DUMMY_LIVE", "LOAD_FORMATS", "LAYER_SCALAR", "neutral_layer_scalars_", "emulate_vllm_dummy_init_",
-           "vllm_routing_ids", "register"]
+__all__ = ["DUMMY", "DUMMY_LIVE", "LOAD_FORMATS", "PLUGIN", "LAYER_SCALAR", "neutral_layer_scalars_",
+           "emulate_vllm_dummy_init_", "vllm_routing_ids", "register"]
 
 #: vLLM's own random-weight load format (the issue's setting; the benchmark's default).
 DUMMY = "dummy"
@@ -44,6 +44,9 @@ DUMMY = "dummy"
 DUMMY_LIVE = "dummy_live"
 #: The load formats the serving benchmark runs.
 LOAD_FORMATS = (DUMMY, DUMMY_LIVE)
+#: Name of the ``vllm.general_plugins`` entry point whose :func:`register` adds :data:`DUMMY_LIVE` (setup.py;
+#: ``bench/experiments/device/env.sh`` writes the same entry for the GPU machine's staged install).
+PLUGIN = "blockdiff_bench"
 #: Name of the per-layer residual scale (vLLM's ``Gemma4DecoderLayer``; blockdiff's model also has
 #: ``encoder_layer_scalar``, which vLLM 0.26 does not keep apart).
 LAYER_SCALAR = "layer_scalar"
