@@ -1042,6 +1042,49 @@ def merge_intervals(intervals: Iterable[tuple[float, float]]) -> list[tuple[floa
     return [(a, b) for a, b in out]
 
 
+def gap_sites(kernels: Sequence[dict], labels: dict[int, str], *, steps: int = 0, top: int = 8) -> dict:
+    """Every GPU idle gap between kernels, however short, by where it sits: the label of the kernel whose end
+    opens it and of the kernel whose start closes it (``labels``: ``id(kernel event)`` -> ``"phase:bucket"`` as
+    :func:`summarize_trace` classifies them, e.g. ``"forward:moe"``, ``"sample:sampler"``; unlabelled: ``"?"``).
+    Short gaps add up: a CUDA graph's kernel-to-kernel gaps (~1-2 us each) over ~1,000 kernels a step, or eagerly
+    launched kernels waiting for the host, neither of which ``idle_attribution`` (gaps >= ``min_gap_us``) sees.
+
+    Args:
+        kernels: GPU kernel events (``ts``, ``dur`` in us). steps: canvas steps in the trace (>= 0; 0: no per-step
+            figures). top: how many ``(before, after)`` pairs to list.
+
+    Returns:
+        dict: ``total_ms`` (equal to the span minus the busy time), ``gaps`` (count), ``by_phase``:
+        ``"before>after"`` phases (e.g. ``"forward>forward"``: inside the forward, ``"sample>forward"``: between a
+        step's sampler and the next forward) -> ms; ``per_canvas_step_ms`` (``by_phase`` / ``steps``, None without
+        steps); ``pairs``: the ``top`` ``(before, after, ms, count)`` by ms.
+    """
+    total, count = 0.0, 0
+    by_phase: dict[str, float] = {}
+    pairs: dict[tuple[str, str], list] = {}
+    end, last = None, None
+    for k in sorted(kernels, key=lambda e: float(e["ts"])):
+        a = float(k["ts"])
+        b = a + float(k.get("dur", 0))
+        if end is not None and a > end:
+            before, after = labels.get(id(last), "?"), labels.get(id(k), "?")
+            g = (a - end) / 1e3
+            total += g
+            count += 1
+            key = before.split(":")[0] + ">" + after.split(":")[0]
+            by_phase[key] = by_phase.get(key, 0.0) + g
+            ent = pairs.setdefault((before, after), [0.0, 0])
+            ent[0] += g
+            ent[1] += 1
+        if end is None or b > end:
+            end, last = b, k
+    return {
+        "total_ms": total, "gaps": count, "by_phase": by_phase,
+        "per_canvas_step_ms": {p: v / steps for p, v in by_phase.items()} if steps else None,
+        "pairs": [(p[0], p[1], v[0], v[1]) for p, v in sorted(pairs.items(), key=lambda kv: -kv[1][0])[:top]],
+    }
+
+
 def summarize_trace(events: Iterable[dict], *, canvas_length: int = CANVAS_LENGTH, max_canvases: int = 2,
                     top: int = 8, min_gap_us: float = 1000.0,
                     requests: Sequence[tuple[float, float, float]] | None = None, base_ns: int | None = None) -> dict:
@@ -1083,7 +1126,8 @@ def summarize_trace(events: Iterable[dict], *, canvas_length: int = CANVAS_LENGT
         ``idle_gaps_over_1ms`` / ``idle_gaps_over_1ms_total_ms`` / ``idle_gap_max_ms`` (gaps between busy
         intervals), ``canvas_step_cadence_median_ms`` (a canvas step's annotation start to the next step's: the
         host's pace, against ``canvas_step_ms["total"]``), ``idle_attribution`` (:func:`attribute_idle_gaps` of
-        the gaps of at least ``min_gap_us``); ``rules`` (the table used).
+        the gaps of at least ``min_gap_us``), ``gap_sites`` (:func:`gap_sites`: every gap, short ones included,
+        by the kernels on either side); ``rules`` (the table used).
 
     Raises:
         ValueError: the trace has no ``execute_*`` step annotation or no GPU kernel, or an argument < 1.
@@ -1122,6 +1166,7 @@ def summarize_trace(events: Iterable[dict], *, canvas_length: int = CANVAS_LENGT
     phase_ms = {"forward": 0.0, "sample": 0.0, "no_launch": 0.0}
     unknown: dict[str, list] = {}
     names: dict[str, dict[str, list]] = {b: {} for b in BUCKETS}
+    labels: dict[int, str] = {}  # id(kernel event) -> "phase:bucket", for gap_sites
     for k in sorted(gpu, key=lambda e: (launches.get((e.get("args") or {}).get("correlation"), float(e["ts"])),
                                         float(e["ts"]))):
         name = str(k.get("name", ""))
@@ -1131,6 +1176,7 @@ def summarize_trace(events: Iterable[dict], *, canvas_length: int = CANVAS_LENGT
         bucket, known = classify_kernel(name)
         if i < 0:
             outside += ms
+            labels[id(k)] = "outside"
             continue
         # without its launch event the phase is unknown (GPU time lags the CPU's): the name alone decides
         phase = "no_launch" if launch is None else "forward" if launch <= steps[i][1] else "sample"
@@ -1139,6 +1185,7 @@ def summarize_trace(events: Iterable[dict], *, canvas_length: int = CANVAS_LENGT
                 first_gemm_done[i] = True
             else:
                 bucket, known = "sampler", True
+        labels[id(k)] = f"{phase}:{bucket}"
         phase_ms[phase] += ms
         per_step[i][bucket] += ms
         totals[bucket] += ms
@@ -1183,6 +1230,7 @@ def summarize_trace(events: Iterable[dict], *, canvas_length: int = CANVAS_LENGT
         "canvas_step_cadence_median_ms": statistics.median(cadence) if cadence else None,
         "idle_attribution": attribute_idle_gaps(events, steps, [g for g in gap_ivs if g[1] - g[0] >= min_gap_us],
                                                 span_start=ivs[0][0] if ivs else 0.0, top=top),
+        "gap_sites": gap_sites([k for k in gpu if float(k["ts"]) >= starts[0]], labels, steps=len(canvas), top=top),
     }
     if requests and base_ns is not None:
         last_ev = max((float(e["ts"]) + float(e.get("dur", 0)) for e in events
@@ -1955,6 +2003,13 @@ def _print_profile(s: dict) -> None:
               f"{tl['idle_gaps_over_1ms']} idle gaps >= 1 ms ({tl['idle_gaps_over_1ms_total_ms']:.1f} ms, max "
               f"{tl['idle_gap_max_ms']:.1f}); canvas step every "
               f"{common.fmt(tl.get('canvas_step_cadence_median_ms'), 2)} ms")
+    gs = tl.get("gap_sites") or {}
+    if gs.get("gaps"):
+        per = gs.get("per_canvas_step_ms") or {}
+        print(f"  all idle ({gs['gaps']} gaps, {gs['total_ms']:.1f} ms) by phase before>after: "
+              + ", ".join(f"{k} {v:.1f}" + (f" ({per[k]:.2f}/canvas step)" if k in per else "")
+                          for k, v in sorted(gs["by_phase"].items(), key=lambda kv: -kv[1]))
+              + "; top: " + ", ".join(f"{a}>{b} {ms:.1f} ({n})" for a, b, ms, n in gs["pairs"][:4]))
     ia = tl.get("idle_attribution") or {}
     if ia.get("gaps"):
         pos = ia["by_position"]
