@@ -289,7 +289,7 @@ def _child(spec: dict, ptx_dir: str | None = None) -> dict:
                 setmaxreg=None if by_role is None else by_role["setmaxreg"],
                 loops=sass_loops(sass) if sass else None,
                 config=dict(tile_m=cfg.tile_m, tile_n=cfg.tile_n, num_stages=cfg.num_stages, lpt=cfg.lpt,
-                            num_splits=cfg.num_splits, wide_design=cfg.wide_design))
+                            num_splits=cfg.num_splits, wide_design=cfg.wide_design, batch_order=cfg.batch_order))
 
 
 #: The split-value (hd 512, 16 q / 2 KV heads) configurations the report compiles: both KV layouts, every load

@@ -18,7 +18,7 @@ __all__ = [
     "unsupported_head_dims", "resolve_wide_config", "WIDE_LONG_Q_CONFIG", "WIDE_MAX_PAGE_BOXES", "MAX_SPLITS",
     "MIN_KEYS_PER_SPLIT", "grid_tiles", "choose_num_splits", "key_bound", "resolve_launch_config", "check_config",
     "SPLIT_MERGES", "MAX_CLUSTER_SPLITS", "AUTO_CLUSTER_SPLITS", "auto_split_merge", "cluster_merge_fits",
-    "WIDE_DESIGNS", "ROLES_CONFIG",
+    "WIDE_DESIGNS", "ROLES_CONFIG", "BATCH_ORDERS",
 ]
 
 #: The optional packages this backend runs on (the ``cute`` extra of setup.py).
@@ -49,6 +49,13 @@ class CuteConfig:
     (c2)) or ``"roles"`` (opt-in: one softmax warpgroup feeding two P V warpgroups through shared memory;
     ``kernel_roles.py``, design (c1)). Its tile defaults differ (:data:`ROLES_CONFIG`); the cluster merge is
     not built for it. Below head dim 257 it resolves to ``"split_v"`` (FA4's kernel either way).
+    batch_order: the order in which FA4's varlen tile scheduler takes the sequences: ``"given"`` (default: batch
+    order, each sequence's tiles in turn) or ``"work"`` (opt-in: the sequences by their mean keys per tile,
+    descending, a permutation computed on the device per call and read by the scheduler through FA4's
+    ``virtual_batch_idx_ptr``; :mod:`blockdiff.attention.cute.tile_order`, docs/tuning.md 2.13). Each tile's
+    result does not depend on the order, so both give identical outputs; ``"work"`` puts a mixed batch's long
+    canvas tiles before a prefill's short ones (less idle tail). Not a tile field; with one sequence it resolves
+    to ``"given"`` (:func:`resolve_launch_config`).
     """
 
     tile_m: int | None = None
@@ -61,6 +68,7 @@ class CuteConfig:
     nan_safe_v: bool = True
     split_merge: str = "auto"
     wide_design: str = "split_v"
+    batch_order: str = "given"
 
 
 #: The merges of split-KV partial outputs (CuteConfig.split_merge).
@@ -68,6 +76,8 @@ SPLIT_MERGES = ("auto", "combine", "cluster")
 #: The kernels of head dims above 256 (CuteConfig.wide_design): the split-value kernel (default) and the roles
 #: kernel (opt-in).
 WIDE_DESIGNS = ("split_v", "roles")
+#: The scheduler's batch orders (CuteConfig.batch_order): batch order (default) and longest tiles first by sequence.
+BATCH_ORDERS = ("given", "work")
 #: Most splits of the cluster merge: the portable thread-block cluster size (8 CTAs).
 MAX_CLUSTER_SPLITS = 8
 
@@ -226,13 +236,13 @@ def resolve_config(head_dim: int, head_dim_v: int, window_size, config=None, max
 
 
 #: CuteConfig fields that are switches, not tile fields, with their defaults.
-_SWITCHES = dict(nan_safe_v=True, split_merge="auto", wide_design="split_v")
+_SWITCHES = dict(nan_safe_v=True, split_merge="auto", wide_design="split_v", batch_order="given")
 
 
 def _split_switches(config):
-    """``(config without the switches, {switch: value})`` (``nan_safe_v``, ``split_merge``, ``wide_design``): they
-    are not tile
-    fields, so a config that sets only them resolves the tiles as None does (the tuned automatic choices)."""
+    """``(config without the switches, {switch: value})`` (``nan_safe_v``, ``split_merge``, ``wide_design``,
+    ``batch_order``): they are not tile fields, so a config that sets only them resolves the tiles as None does
+    (the tuned automatic choices)."""
     if config is None:
         return None, dict(_SWITCHES)
     if isinstance(config, dict):
@@ -259,11 +269,11 @@ def _check_head_dims(head_dim, head_dim_v) -> None:
 
 
 _CONFIG_FIELDS = ("tile_m", "tile_n", "mma_pv_is_rs", "intra_wg_overlap", "num_stages", "lpt", "num_splits",
-                  "nan_safe_v", "split_merge", "wide_design")
+                  "nan_safe_v", "split_merge", "wide_design", "batch_order")
 
 
 def _check_field(name: str, v) -> None:
-    choices = {"wide_design": WIDE_DESIGNS, "split_merge": SPLIT_MERGES}.get(name)
+    choices = {"wide_design": WIDE_DESIGNS, "split_merge": SPLIT_MERGES, "batch_order": BATCH_ORDERS}.get(name)
     if choices is not None:  # a str switch with named values
         if not isinstance(v, str):
             raise TypeError(f"config {name} must be a str, one of {choices}, got {type(v).__name__} ({v!r})")
@@ -302,7 +312,8 @@ def check_config(config):
     MMA's N step); ``num_stages``: an int >= 1; ``mma_pv_is_rs`` / ``intra_wg_overlap`` / ``lpt``: None or a
     bool; ``num_splits``: None or an int in [1, :data:`MAX_SPLITS`]; ``nan_safe_v``: a bool; ``split_merge``:
     one of :data:`SPLIT_MERGES`, and ``"cluster"`` with an explicit ``num_splits`` at most
-    :data:`MAX_CLUSTER_SPLITS`; ``wide_design``: one of :data:`WIDE_DESIGNS`, not with ``split_merge="cluster"``.
+    :data:`MAX_CLUSTER_SPLITS`; ``wide_design``: one of :data:`WIDE_DESIGNS`, not with ``split_merge="cluster"``;
+    ``batch_order``: one of :data:`BATCH_ORDERS`.
     Kernel-specific rules (the split-value kernel's tiles, shared memory, whether the cluster merge's tile fits)
     are :func:`resolve_config`'s and :func:`resolve_launch_config`'s.
 
@@ -480,15 +491,18 @@ def resolve_launch_config(head_dim: int, head_dim_v: int, window_size, config=No
     """:func:`resolve_config` plus the split count when the config leaves it None (:func:`choose_num_splits` on
     :func:`grid_tiles` and :func:`key_bound`) and the split merge: ``"auto"`` resolves here
     (:func:`auto_split_merge`), so the result's ``split_merge`` is ``"combine"`` or ``"cluster"``, and
-    ``"combine"`` whenever there is one split. Host ints only: ``total_q`` (``q.shape[0]``), ``num_seqs``
-    (``cu_seqlens_q.shape[0] - 1``), ``keys_capacity`` (paged: block-table width x page size; contiguous: cache
-    rows), the hints, ``num_sms``.
+    ``"combine"`` whenever there is one split; ``batch_order="work"`` resolves to ``"given"`` with at most one
+    sequence (nothing to order: the kernel without the permutation). Host ints only: ``total_q``
+    (``q.shape[0]``), ``num_seqs`` (``cu_seqlens_q.shape[0] - 1``), ``keys_capacity`` (paged: block-table width x
+    page size; contiguous: cache rows), the hints, ``num_sms``.
 
     Raises:
         As :func:`resolve_config`; ValueError also when an explicit ``split_merge="cluster"`` meets a tile whose
         fp32 merge tile does not fit (:func:`cluster_merge_fits`).
     """
     cfg = resolve_config(head_dim, head_dim_v, window_size, config, max_seqlen_q)
+    if cfg.batch_order == "work" and num_seqs <= 1:
+        cfg = replace(cfg, batch_order="given")
     cluster = cfg.split_merge == "cluster"
     if cfg.num_splits is None:
         tiles = grid_tiles(total_q, num_seqs, num_kv_heads, qhead_per_kvhead, cfg.tile_m)

@@ -35,6 +35,7 @@ from .config import (REQUIRED, WIDE_MAX_PAGE_BOXES, check_config, is_wide, kv_lo
 # re-exported for bench/, which imports them from this module (their home is config.py / blocks.py)
 from .blocks import tile_plan  # noqa: F401
 from .config import SMEM_LIMIT_BYTES, CuteConfig, config_smem_bytes  # noqa: F401
+from .tile_order import batch_work_order
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -155,14 +156,17 @@ def attention_cute(
             capacity of a sequence), which any upper bound keeps correct.
         check_values: run the host-side value checks (default: yes unless a CUDA graph is being captured).
         config: :class:`~blockdiff.attention.cute.config.CuteConfig` or dict (tile_m, tile_n, mma_pv_is_rs,
-            intra_wg_overlap, num_stages, lpt, num_splits, nan_safe_v, split_merge, wide_design); None:
+            intra_wg_overlap, num_stages, lpt, num_splits, nan_safe_v, split_merge, wide_design, batch_order); None:
             :func:`~blockdiff.attention.cute.config.resolve_launch_config`.
             ``num_splits`` > 1 runs split-KV: with ``split_merge="combine"`` the kernel writes fp32 partial
             outputs and LSEs per split and FA4's combine kernel merges them (two launches,
             :mod:`~blockdiff.attention.cute.kernel_split`); with ``"cluster"`` one launch whose splits of a tile
             form a thread-block cluster merging through distributed shared memory
             (:mod:`~blockdiff.attention.cute.kernel_cluster`); ``"auto"`` (the default) picks one
-            (:func:`~blockdiff.attention.cute.config.auto_split_merge`).
+            (:func:`~blockdiff.attention.cute.config.auto_split_merge`). ``batch_order="work"`` has FA4's tile
+            scheduler take the sequences longest tiles first (a permutation computed on the device per call,
+            :func:`~blockdiff.attention.cute.tile_order.batch_work_order`); the output is the same as
+            ``"given"``'s.
 
     Returns:
         ``out [total_q, num_heads, head_dim_v]`` (q's dtype) or ``(out, lse)``.
@@ -284,6 +288,11 @@ def _run(fa, q, k_cache, v_cache, *, out, return_lse, cu_seqlens_q, num_causal_q
                 torch.empty(cfg.num_splits, H, total_q, dtype=torch.float32, device=q.device)]
     if cfg.nan_safe_v:  # the NaN-safe fix-up reads V itself (kernel.py, "NaN-safe V"): the last aux tensor
         aux.append(v_cache)
+    if cfg.batch_order == "work":  # the scheduler's batch permutation, after every other aux tensor (kernel.py,
+        # "The batch order"): a few [B]-sized kernels on the device, no host read (tile_order.py); compile-only
+        # (FA4's fake mode: tensors without data, which a CPU build of torch cannot compute on) needs its shape only
+        aux.append(torch.empty(cu_q.shape[0] - 1, dtype=torch.int32, device=q.device) if fa["is_fake_mode"]()
+                   else batch_work_order(cu_q, seq_lens, ncq, window_size, bidirectional_window))
     lse_k = None if split else lse
     try:  # one lookup (a dict, or FA4's JIT cache, which has no .get and loads a disk entry inside [])
         compiled = _COMPILE_CACHE[key]
@@ -381,10 +390,13 @@ def _compile(fa, key, q, k, v, out, lse, scale, cu_q, cu_k, seqused_k, page_tabl
         kv_page_size=kv_page_size,
         lpt=cfg.lpt,
         nan_safe_v=cfg.nan_safe_v,
+        batch_order=cfg.batch_order,
         **split,
     )
     small = lambda t, lead=0: None if t is None else tct(t, assumed_align=4, leading_dim=lead)  # noqa: E731
     nan_v = 1 if cfg.nan_safe_v else 0  # the V cache appended to the aux tensors (the NaN-safe fix-up's reads)
+    order = 1 if cfg.batch_order == "work" else 0  # the batch permutation appended after it
+    body, order_t = aux[:len(aux) - order], aux[len(aux) - order:]
     with kernel.trace_patches():  # page-box K/V TMA atoms (kv_page_size), FA4's tile order off (not lpt)
         return cute.compile(
             kernel,
@@ -395,8 +407,9 @@ def _compile(fa, key, q, k, v, out, lse, scale, cu_q, cu_k, seqused_k, page_tabl
             window_size, window_size,
             None,  # learnable_sink
             None,  # block-sparse tensors
-            fa["AuxData"]([small(aux[0])] + [tct(t, assumed_align=16) for t in aux[1:len(aux) - nan_v]]
-                          + ([_nan_safe_v_tensor(fa, aux[-1], v_static)] if nan_v else []), None),
+            fa["AuxData"]([small(body[0])] + [tct(t, assumed_align=16) for t in body[1:len(body) - nan_v]]
+                          + ([_nan_safe_v_tensor(fa, body[-1], v_static)] if nan_v else [])
+                          + [small(t) for t in order_t], None),
             None, None,  # cu_total_m_blocks (batch-lookup aid, not used)
             cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
             options="--enable-tvm-ffi",

@@ -27,6 +27,17 @@ constructor argument instead (default on; ``config.resolve_config`` turns it off
 ``config.longest_first_tiles``), applied by :class:`_SchedulerArgsLpt` while ``__call__`` is traced. It pays on
 causal prefills and mixed batches, and costs canvases, hence a config field.
 
+The batch order (constructor ``batch_order``, config ``CuteConfig.batch_order``). FA4's varlen scheduler takes the
+sequences in batch order (``lpt`` orders tiles only within a sequence). With ``batch_order="work"`` the kernel takes
+one more aux tensor, the last one: an int32 ``[B]`` permutation (:func:`blockdiff.attention.cute.tile_order.
+batch_work_order`, computed on the device per call), which :meth:`FlashAttentionForwardSm90Mixed.kernel` puts into
+the scheduler's parameters as FA4's ``VarlenDecoder.virtual_batch_idx_ptr`` (:func:`_with_batch_order`): the decoder
+then walks the sequences in that order, reads each one's query length through it, and
+``SingleTileVarlenScheduler`` hands every work tile its real batch index, so everything after the scheduler
+(sequence info, page table, causal row counts, the epilogue's rows) is unchanged and each tile computes exactly what
+it computes in batch order. FA4's SM90 ``__call__`` passes no permutation; the parameters are a value of the kernel,
+so the substitution happens where the kernel's trace receives them, and the grid (from ``total_q``) is unchanged.
+
 The producer for paged K/V. When the page size is not the key tile (``tile_n``), FA4 loads K/V with cp.async
 and a page-table lookup per row (its TMA path needs ``page_size == tile_n``); that path is slower than TMA. With
 ``kv_page_size`` set, FA4's ``__call__`` builds its K and V TMA atoms with a ``(min(page_size, tile_n),
@@ -90,7 +101,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from functools import partial
 from typing import Callable, Optional
 
@@ -117,6 +128,7 @@ from flash_attn.cute.mask import (
 )
 from flash_attn.cute.pack_gqa import PackGQA
 from flash_attn.cute.seqlen_info import SeqlenInfoQK
+from flash_attn.cute.tile_scheduler import SingleTileVarlenScheduler
 from flash_attn.cute.utils import AuxData
 
 from .config import page_box_tma_ok
@@ -385,6 +397,30 @@ class _SchedulerArgsLpt:
 _PROXY_LOCK = threading.Lock()
 
 
+def _with_batch_order(params, order):
+    """FA4's varlen tile scheduler parameters (``SingleTileVarlenScheduler.Params``, a value of the kernel's trace)
+    with ``order`` (an int32 ``[B]`` batch permutation, a tensor of the trace) as its decoder's
+    ``virtual_batch_idx_ptr``. Trace time, host side.
+
+    Raises:
+        ValueError: the parameters are not those of FA4's varlen scheduler with a ``virtual_batch_idx_ptr`` slot, or
+            carry a per-batch table of their own (tile counts, cumulative counts, a block-to-batch index, a
+            permutation) that the permutation would have to match.
+    """
+    decoder = getattr(params, "decoder", None)
+    if not (isinstance(params, SingleTileVarlenScheduler.Params) and hasattr(decoder, "virtual_batch_idx_ptr")):
+        raise ValueError("batch_order 'work' needs FA4's varlen tile scheduler (SingleTileVarlenScheduler with "
+                         f"VarlenDecoder.virtual_batch_idx_ptr); this kernel's is {type(params).__qualname__}: use "
+                         "batch_order 'given'")
+    tables = [n for n in ("virtual_batch_idx_ptr", "num_m_blocks_ptr", "num_splits_dynamic_ptr",
+                          "num_nheads_in_l2_ptr", "cu_total_m_blocks_ptr", "cu_total_splits_m_blocks_ptr",
+                          "blocks_to_batch_idx_ptr") if getattr(decoder, n, None) is not None]
+    if tables:
+        raise ValueError(f"batch_order 'work': FA4's scheduler already has per-batch tables {tables}; use "
+                         "batch_order 'given'")
+    return replace(params, decoder=replace(decoder, virtual_batch_idx_ptr=order))
+
+
 def _call_fa4_kernel_body(*args):
     """Trace FA4's SM90 ``kernel`` body inside our kernel, as the DSL traces any nested ``@cute.jit`` call.
 
@@ -408,18 +444,28 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
     ``nan_safe_v`` (compile-time, default False): keys a row may not see contribute nothing even when their V
     holds NaN / Inf (masked key blocks' V stages cleaned before P V, a cold fix-up in the epilogue; see "NaN-safe
     V" in the module docstring). Off, the kernel is the one built without it.
+    ``batch_order`` (compile-time, default ``"given"``): ``"work"`` has FA4's varlen scheduler take the sequences
+    in the order of a permutation passed as the last aux tensor (module docstring, "The batch order").
     Runtime extra input: ``aux_data = AuxData([num_causal_q])`` with ``num_causal_q`` ``[B]`` int32 (with
-    ``nan_safe_v``, the V cache as the last aux tensor: ``AuxData([num_causal_q, ..., v_cache])``).
+    ``nan_safe_v``, the V cache as the last aux tensor: ``AuxData([num_causal_q, ..., v_cache])``; with
+    ``batch_order="work"`` the int32 ``[B]`` batch permutation after all of them).
+
+    Raises:
+        ValueError: ``batch_order`` other than ``"given"`` / ``"work"``; a ``kv_page_size`` the page boxes cannot
+            load.
     """
 
     def __init__(self, *args, prefix_window: bool = False, kv_page_size: Optional[int] = None, lpt: bool = True,
-                 nan_safe_v: bool = False, **kwargs):
+                 nan_safe_v: bool = False, batch_order: str = "given", **kwargs):
         kwargs["is_causal"] = False
         kwargs["is_local"] = True
         super().__init__(*args, **kwargs)
+        if batch_order not in ("given", "work"):
+            raise ValueError(f"batch_order must be 'given' or 'work', got {batch_order!r}")
         self.prefix_window = prefix_window
         self.lpt = lpt
         self.nan_safe_v = bool(nan_safe_v)
+        self.batch_order = batch_order
         # trace-time hand-offs of the NaN-safe V path (set in kernel() / mma(); see _nan_safe_setup)
         self._mV = self._mPageTable = None
         self._nf_flag = self._nf_sVt = self._nf_pipeline_v = self._nf_block_info = None
@@ -569,10 +615,15 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         aux_data: AuxData = AuxData(),
         fastdiv_mods=None,
     ):
+        aux_tensors = aux_data.tensors
+        if const_expr(self.batch_order == "work"):
+            # the batch permutation (the last aux tensor) into FA4's varlen scheduler (module docstring)
+            tile_sched_params = _with_batch_order(tile_sched_params, aux_tensors[-1])
+            aux_tensors = aux_tensors[:-1]
         # Trace-time hand-off: the num_causal_q tensor (a value of this kernel) for load() and mma(); the aux
         # tensors after it belong to subclasses (kernel_split.py's workspace).
-        self._mNumCausalQ = aux_data.tensors[0]
-        self._aux_tensors = aux_data.tensors
+        self._mNumCausalQ = aux_tensors[0]
+        self._aux_tensors = aux_tensors
         # the softmax scales and P's layout, for a subclass whose producer warpgroup also computes the softmax
         # (kernel_roles.py)
         self._softmax_scales = (softmax_scale_log2, softmax_scale)
@@ -580,7 +631,7 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         if const_expr(self.nan_safe_v):
             # the NaN-safe fix-up reads V itself: the caller's cache, appended to the aux tensors (FA4 hands the
             # kernel TMA coordinate tensors as mK / mV on its TMA paths), and the page table
-            self._mV, self._mPageTable = aux_data.tensors[-1], mPageTable
+            self._mV, self._mPageTable = aux_tensors[-1], mPageTable
         _call_fa4_kernel_body(
             self,
             mQ,

@@ -1,0 +1,369 @@
+"""The cute backend's batch order (blockdiff.attention.cute.tile_order; ``CuteConfig.batch_order="work"``: FA4's
+varlen tile scheduler takes the sequences longest tiles first through its ``virtual_batch_idx_ptr``).
+
+* CPU (CI, no flash-attn-4): the permutation function (a permutation, int32, ordered by its key, ties and empty
+  sequences in batch order, the key equal to the mean spans of ``masks.key_range``, no host read), the config
+  field (validation, a switch not a tile field, part of the compile key, one sequence resolves to ``"given"``) and
+  the launch (the permutation is the last aux tensor);
+* compile-only for sm_90a (where flash-attn-4 and nvidia-cutlass-dsl are installed, skipped in CI): the default
+  and roles kernels with the permutation keep the given order's registers, spills and shared memory;
+* GPU (``python3 -m pytest -m gpu``, on the H200): outputs and LSEs bit-identical to ``"given"`` on random mixed
+  batches (more than 31 sequences, empty ones, both tile orders) for the default kernels (hd 128, hd 256 with a
+  window) and the hd-512 kernels (split-value, roles), split-KV (combine, cluster) included; the function in a CUDA graph; a captured
+  call replayed with the metadata changed in place, equal to an eager ``"given"`` call each time.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from blockdiff.attention.cute import config as cc
+from blockdiff.attention.cute import interface as ca
+from blockdiff.attention.cute import tile_order as to
+from blockdiff.attention.masks import key_range
+from blockdiff.attention.testing import check_close
+
+from cute_helpers import HAVE_FA4, capture_graph, gpu_batch, needs_gpu
+
+WORK = dict(batch_order="work")
+
+
+def _meta(rows):
+    """``(cu_seqlens_q, seq_lens, num_causal_q)`` int32 from ``(ctx, q_len, ncq)`` rows."""
+    q_lens = [ql for _, ql, _ in rows]
+    cu = torch.tensor([0] + list(torch.tensor(q_lens, dtype=torch.int64).cumsum(0).tolist()), dtype=torch.int32)
+    return (cu, torch.tensor([c + ql for c, ql, _ in rows], dtype=torch.int32),
+            torch.tensor([n for _, _, n in rows], dtype=torch.int32))
+
+
+# --- CPU: the permutation --------------------------------------------------------------------------------------
+def test_mixed_batch_runs_canvases_then_the_commit_then_the_prefill():
+    """``mixed_global_ctx8k``'s batch (docs/ARCHITECTURE.md section 8; prefill first in batch order): the two
+    canvases over 8k keys, then the commit (causal over 8k), then the 4,096-token causal prefill (half its longest
+    tile on average). With the sliding window the same order."""
+    rows = [(0, 4096, 4096), (8192, 256, 0), (8192, 256, 0), (8192, 256, 256)]
+    for window, mode in ((None, "symmetric"), (1023, "symmetric"), (1023, "prefix")):
+        order = to.batch_work_order(*_meta(rows), window, mode)
+        assert order.dtype == torch.int32 and order.tolist() == [1, 2, 3, 0], (window, mode)
+    key = to.sequence_work_key(*_meta(rows))
+    assert key.dtype == torch.float64
+    assert key.tolist() == [4097 / 2, 8448, 8448, 8192 + 257 / 2]
+    # sliding: the prefill's rows see min(q_abs, W) + 1 keys (896 on average), the commit's all 1024
+    key = to.sequence_work_key(*_meta(rows), 1023)
+    assert key.tolist() == [(1023 * 1024 / 2 + 3072 * 1023 + 4096) / 4096, 1151, 1151, 1024]
+
+
+def test_ties_keep_batch_order_and_empty_sequences_go_last():
+    """Equal canvases keep their order (a stable sort: the identity, FA4's own schedule); sequences without query
+    rows (key 0) come last, in batch order; a lone sequence is the identity."""
+    assert to.batch_work_order(*_meta([(8192, 256, 0)] * 16)).tolist() == list(range(16))
+    rows = [(0, 0, 0), (100, 64, 0), (5, 0, 0), (100, 64, 0), (3000, 1, 1), (7, 0, 0)]
+    assert to.batch_work_order(*_meta(rows)).tolist() == [4, 1, 3, 0, 2, 5]
+    assert to.batch_work_order(*_meta([(0, 0, 0)])).tolist() == [0]
+    assert to.batch_work_order(*_meta([])).tolist() == []
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(rows=st.lists(st.tuples(st.integers(0, 3000), st.integers(0, 600), st.floats(0, 1)), max_size=40),
+       window=st.sampled_from([None, 0, 1, 63, 1023, 1 << 30]), mode=st.sampled_from(["symmetric", "prefix"]))
+def test_a_stable_permutation_by_the_key_of_the_middle_rows(rows, window, mode):
+    """Any batch: an int32 permutation whose keys never increase, equal keys in batch order; each key is the mean
+    allowed span (``masks.key_range``, the one host implementation of the row rule) over the causal rows and the
+    bidirectional rows (with the symmetric window: the span at their midpoint); ``W >= 2^30`` is no window."""
+    rows = [(c, ql, int(f * ql)) for c, ql, f in rows]
+    meta = _meta(rows)
+    order = to.batch_work_order(*meta, window, mode)
+    key = to.sequence_work_key(*meta, window, mode)
+    assert order.dtype == torch.int32 and sorted(order.tolist()) == list(range(len(rows)))
+    k = key[order.long()].tolist()
+    o = order.tolist()
+    assert all(k[i] > k[i + 1] or (k[i] == k[i + 1] and o[i] < o[i + 1]) for i in range(len(o) - 1))
+    for b, (c, ql, n) in enumerate(rows):
+        m = ql - n
+        pairs = 0
+        if ql:
+            lo, hi = key_range(torch.arange(ql), torch.tensor(ql), torch.tensor(c + ql), torch.tensor(n), window,
+                               mode)
+            spans = hi - lo + 1
+            pairs = int(spans[:n].sum())
+            if m:
+                if window is not None and window < 1 << 30 and mode == "symmetric":
+                    a = c + n + m / 2
+                    pairs += m * (min(c + ql - a, window + 1) + min(a, window))
+                else:
+                    pairs += int(spans[n:].sum())
+        assert key[b].item() == pytest.approx(pairs / max(ql, 1), rel=1e-12, abs=0), (rows[b], window, mode)
+    if window == 1 << 30:
+        assert torch.equal(key, to.sequence_work_key(*meta, None, mode))
+
+
+def test_no_host_read(monkeypatch):
+    """Nothing is read on the host (as under CUDA-graph capture): ``.item()``, ``.tolist()``, ``bool()`` / ``int()``
+    / ``float()`` of a tensor and ``nonzero`` (a data-dependent shape) all fail during the call."""
+    def host_read(*a, **k):
+        raise AssertionError("host read")
+
+    meta = _meta([(0, 4096, 4096), (8192, 256, 0), (8192, 256, 256)])
+    orders = []
+    with monkeypatch.context() as m:
+        for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "numpy"):
+            m.setattr(torch.Tensor, name, host_read)
+        for window, mode in ((None, "symmetric"), (1023, "symmetric"), (1023, "prefix")):
+            orders.append(to.batch_work_order(*meta, window, mode))
+    assert all(o.dtype == torch.int32 and o.tolist() == [1, 2, 0] for o in orders)
+
+
+def test_int64_metadata_and_a_bad_window_or_mode():
+    rows = [(10, 5, 5), (1000, 256, 0)]
+    assert to.batch_work_order(*(t.long() for t in _meta(rows))).tolist() == [1, 0]
+    with pytest.raises(ValueError, match="window_size"):
+        to.batch_work_order(*_meta(rows), -1)
+    with pytest.raises(TypeError, match="window_size"):
+        to.batch_work_order(*_meta(rows), True)
+    with pytest.raises(ValueError, match="bidirectional_window"):
+        to.batch_work_order(*_meta(rows), 64, "both")
+
+
+# --- CPU: the config field and the launch -----------------------------------------------------------------------
+@pytest.mark.parametrize("value,err", [("Work", ValueError), ("lpt", ValueError), (1, TypeError), (None, TypeError),
+                                       (True, TypeError)])
+def test_batch_order_is_validated_by_name(value, err):
+    with pytest.raises(err, match="batch_order"):
+        cc.check_config(dict(batch_order=value))
+    with pytest.raises(err, match="batch_order"):
+        cc.resolve_config(512, 512, None, dict(batch_order=value), 256)
+
+
+def test_batch_order_is_a_switch_not_a_tile_field():
+    """Setting only it keeps the automatic tiles (split-value and roles kernels alike); the default is "given"."""
+    assert cc.CuteConfig().batch_order == "given"
+    for design in ("split_v", "roles"):
+        base = cc.resolve_config(512, 512, None, dict(wide_design=design), 4096)
+        work = cc.resolve_config(512, 512, None, dict(wide_design=design, **WORK), 4096)
+        assert base.batch_order == "given" and work.batch_order == "work"
+        assert work == cc.CuteConfig(**{**base.__dict__, "batch_order": "work"})
+    assert cc.resolve_config(512, 512, None, cc.CuteConfig(batch_order="work"), 256) == cc.CuteConfig(
+        **{**cc.resolve_config(512, 512, None, None, 256).__dict__, "batch_order": "work"})
+
+
+@pytest.mark.parametrize("num_seqs,want", [(1, "given"), (2, "work"), (40, "work")])
+def test_one_sequence_resolves_to_the_given_order(num_seqs, want):
+    """Nothing to order with one sequence: the launch config (and so the compiled kernel) is the given order's."""
+    cfg = cc.resolve_launch_config(512, 512, None, WORK, total_q=256 * num_seqs, num_seqs=num_seqs, num_kv_heads=2,
+                                   qhead_per_kvhead=8, keys_capacity=8192, max_seqlen_q=256, max_seqlen_k=None,
+                                   num_sms=132)
+    assert cfg.batch_order == want
+
+
+def _launch(monkeypatch, config, rows, hd=512, Hkv=2, page=64):
+    """``ca._run`` on CPU tensors, ``_compile`` replaced by a recorder: returns ([compile key], [aux at launch], the
+    V cache passed)."""
+    monkeypatch.setenv("FLASH_ATTENTION_NUM_SMS", "132")
+    monkeypatch.setattr(ca, "_COMPILE_CACHE", {})
+    keys, launches = [], []
+    monkeypatch.setattr(ca, "_compile", lambda fa, key, *a: keys.append(key) or (
+        lambda *x: launches.append(x[15])))
+    fa = {"maybe_contiguous": lambda t, align_bytes=None: t, "is_fake_mode": lambda: False,
+          "AuxData": lambda tensors, scalars: list(tensors)}
+    cu, sl, ncq = _meta(rows)
+    blocks = -(-max(int(s) for s in sl) // page)
+    q = torch.zeros(int(cu[-1]), 16, hd, dtype=torch.bfloat16)
+    k = torch.zeros(len(rows) * blocks, page, Hkv, hd, dtype=torch.bfloat16)
+    bt = torch.arange(len(rows) * blocks, dtype=torch.int32).view(len(rows), blocks)
+    ca._run(fa, q, k, k, out=None, return_lse=False, cu_seqlens_q=cu, num_causal_q=ncq, seq_lens=sl,
+            block_table=bt, cu_seqlens_k=None, window_size=None, bidirectional_window="symmetric",
+            scale=hd ** -0.5, arch=90, config=config, max_seqlen_q=max(ql for _, ql, _ in rows))
+    return keys, launches, k
+
+
+@pytest.mark.parametrize("design", ["split_v", "roles"])
+def test_the_permutation_is_the_last_aux_tensor_and_part_of_the_compile_key(monkeypatch, design):
+    rows = [(0, 512, 512), (2048, 256, 0), (2048, 64, 64)]
+    keys_g, (aux_g,), _ = _launch(monkeypatch, dict(wide_design=design, num_splits=1), rows)
+    keys_w, (aux_w,), v = _launch(monkeypatch, dict(wide_design=design, num_splits=1, **WORK), rows)
+    assert keys_g[0][5].batch_order == "given" and keys_w[0][5].batch_order == "work"
+    assert keys_g[0] != keys_w[0] and keys_g[0][:5] + keys_g[0][6:] == keys_w[0][:5] + keys_w[0][6:]
+    assert ca.LAST_LAUNCH["config"].batch_order == "work"
+    assert len(aux_w) == len(aux_g) + 1
+    assert [t.shape for t in aux_w[:-1]] == [t.shape for t in aux_g] and aux_w[-2] is v  # V stays where it was
+    assert aux_w[-1].dtype == torch.int32 and aux_w[-1].tolist() == [1, 2, 0]
+    # one sequence: the given order's kernel, no permutation
+    keys_1, (aux_1,), _ = _launch(monkeypatch, dict(wide_design=design, num_splits=1, **WORK), rows[1:2])
+    assert keys_1[0][5].batch_order == "given" and len(aux_1) == len(aux_g)
+
+
+# --- compile only (flash-attn-4 and the CuTe DSL, no GPU) -------------------------------------------------------
+@pytest.mark.skipif(not HAVE_FA4, reason="compiling needs flash-attn-4==4.0.0b36 and nvidia-cutlass-dsl==4.8.1 "
+                    "(not installed here)")
+@pytest.mark.parametrize("spec,setmaxreg", [
+    (dict(head_dim=128, num_kv_heads=8, max_seqlen_q=256), [("producer", 24), ("consumer", 240)]),
+    (dict(head_dim=512, num_kv_heads=2, max_seqlen_q=4096, config=dict(wide_design="roles")),
+     [("producer", 152), ("consumer", 176)]),
+], ids=["hd128", "hd512_roles"])
+def test_work_order_kernels_compile_for_sm90_with_the_given_orders_resources(spec, setmaxreg, tmp_path):
+    """The permutation only adds the scheduler's loads through it (FA4's decoder): no spills, the register split and
+    the shared memory of the given order's kernel (its figures: test_cute_compile_check.py, test_cute_kernel_roles.py;
+    docs/tuning.md 2.13 compared the two reports and the given order's PTX with the tree before the field)."""
+    from blockdiff.attention.cute import compile_check as cchk
+    spec = dict(dict(num_heads=16, page_size=64, return_lse=True), **spec)
+    spec["config"] = dict(spec.get("config") or {}, **WORK)
+    try:
+        r = cchk.compile_for_sm90(**spec)
+    except RuntimeError as e:
+        if "cuda" in str(e).lower() and "driver" in str(e).lower():
+            pytest.skip(f"the CuTe DSL cannot compile without a CUDA driver here: {str(e)[-300:]}")
+        raise
+    hd = spec["head_dim"]
+    assert r["config"]["batch_order"] == "work"
+    cfg = cc.resolve_config(hd, hd, None, spec["config"], spec["max_seqlen_q"])
+    assert r["smem_bytes"] == cc.config_smem_bytes(cfg, hd, hd)
+    assert r["spill_store_bytes"] == 0 and sum(r["sass_spills"].values()) == 0, r
+    assert [tuple(x) for x in r["setmaxreg"]] == setmaxreg
+
+
+# --- GPU ------------------------------------------------------------------------------------------------------------
+# (head_dim, q heads, KV heads, page or None (contiguous), window, mode, config, max_seqlen_q hint): the default
+# kernels at hd 128 (the long hint: 192 x 128 tiles, longest-first; the canvas hint: 128 x 128, plain order) and hd
+# 256 (windowed, both modes), the hd-512 split-value and roles kernels, split-KV with FA4's combine and with the
+# cluster merge. One split unless the case says otherwise (the automatic count would add compiles), the tiles the
+# hint would give without a config spelled out; two compiles a case (given, work).
+GPU_CASES = [
+    pytest.param(128, 16, 8, 64, None, "symmetric", dict(num_splits=1, **cc.LONG_PREFILL_CONFIG), 4096,
+                 id="hd128_long"),
+    pytest.param(128, 16, 8, 64, None, "symmetric", dict(num_splits=1, **cc.HD128_CONFIG), 256, id="hd128_canvas"),
+    pytest.param(256, 16, 8, 64, 1023, "symmetric", dict(num_splits=1), 4096, id="hd256_sym"),
+    pytest.param(256, 16, 8, None, 1023, "prefix", dict(num_splits=1), 256, id="hd256_prefix_contig"),
+    pytest.param(512, 16, 2, 64, None, "symmetric", dict(num_splits=1, tile_n=64), 4096, id="hd512_split_v"),
+    pytest.param(512, 16, 2, 64, None, "symmetric", dict(num_splits=1, wide_design="roles"), 4096,
+                 id="hd512_roles_long"),
+    pytest.param(512, 16, 2, 64, None, "symmetric", dict(num_splits=1, wide_design="roles"), 256,
+                 id="hd512_roles_canvas"),
+    pytest.param(128, 16, 8, 64, None, "symmetric", dict(num_splits=3), 256, id="hd128_split3"),
+    pytest.param(128, 16, 8, 64, None, "symmetric", dict(num_splits=2, split_merge="cluster"), 256,
+                 id="hd128_cluster2"),
+]
+
+
+def _random_rows(rng, n):
+    """``n`` sequences of a serving batch: canvases, causal prefills and commits, mixed rows and empty ones."""
+    rows = []
+    for _ in range(n):
+        kind = rng.choice(["canvas", "prefill", "commit", "mixed", "empty"])
+        ctx = rng.randrange(0, 3000)
+        ql = {"canvas": 256, "prefill": rng.randrange(1, 1200), "commit": 256, "mixed": rng.randrange(2, 400),
+              "empty": 0}[kind]
+        ncq = {"canvas": 0, "prefill": ql, "commit": ql, "mixed": rng.randrange(0, ql + 1), "empty": 0}[kind]
+        rows.append((0 if kind == "prefill" else ctx, ql, ncq))
+    if sum(ql for _, ql, _ in rows) == 0:
+        rows[0] = (100, 64, 64)
+    return rows
+
+
+def _call(q, k, v, kw, window, mode, config, max_seqlen_q):
+    """One checked-shape call into a NaN-poisoned ``out``: ``(out, lse)``."""
+    out = torch.full((q.shape[0], q.shape[1], v.shape[-1]), float("nan"), dtype=q.dtype, device=q.device)
+    res = ca.attention_cute(q, k, v, out=out, window_size=window, bidirectional_window=mode, return_lse=True,
+                            max_seqlen_q=max_seqlen_q, config=config, **kw)
+    assert res[0] is out
+    return res
+
+
+@needs_gpu
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("hd,H,Hkv,page,window,mode,config,hint", GPU_CASES)
+def test_gpu_work_order_is_bit_identical_to_the_given_order(hd, H, Hkv, page, window, mode, config, hint, seed):
+    """Random mixed batches (4 / 40 / 12 sequences: more than one of the decoder's 31-sequence groups, empty
+    sequences among them): the work order's output and LSE equal the given order's bit for bit (NaN-poisoned
+    outputs, finite after), and match the fp64 reference."""
+    rng = random.Random(seed * 1000 + hd + hint)
+    rows = _random_rows(rng, [4, 40, 12][seed])
+    q, k, v, kw = gpu_batch([ql for _, ql, _ in rows], [c for c, _, _ in rows], [n for _, _, n in rows], H, Hkv,
+                            hd, page or 64, seed=seed, contiguous=page is None)
+    ref = _call(q, k, v, kw, window, mode, config, hint)
+    assert ca.LAST_LAUNCH["config"].batch_order == "given"
+    got = _call(q, k, v, kw, window, mode, dict(config, **WORK), hint)
+    assert ca.LAST_LAUNCH["config"].batch_order == "work"
+    cluster = config.get("split_merge") == "cluster"
+    name = ca.LAST_LAUNCH["kernel"]
+    assert ("Cluster" in name, "Split" in name) == (cluster, config["num_splits"] > 1 and not cluster), name
+    assert torch.isfinite(got[0]).all()
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), rows
+    check_close(got[0], q, k, v, lse=got[1], window_size=window, bidirectional_window=mode, **kw)
+
+
+@needs_gpu
+def test_gpu_the_permutation_replays_in_a_cuda_graph_with_new_metadata():
+    """batch_work_order captured once on persistent buffers, replayed after the metadata changed in place: equal to
+    the eager result each time (no host read, nothing baked in at capture)."""
+    B = 6
+    cu = torch.zeros(B + 1, dtype=torch.int32, device="cuda")
+    sl = torch.zeros(B, dtype=torch.int32, device="cuda")
+    ncq = torch.zeros(B, dtype=torch.int32, device="cuda")
+    order = torch.empty(B, dtype=torch.int32, device="cuda")
+    steps = [[(0, 4096, 4096), (8192, 256, 0), (8192, 256, 0), (8192, 256, 256), (0, 0, 0), (64, 1, 1)],
+             [(8192, 256, 0), (0, 0, 0), (0, 4096, 4096), (100, 64, 10), (8192, 256, 256), (3000, 256, 0)]]
+
+    def set_step(rows):
+        for dst, src in zip((cu, sl, ncq), _meta(rows)):
+            dst.copy_(src)
+
+    def step():
+        order.copy_(to.batch_work_order(cu, sl, ncq, 1023, "symmetric"))
+
+    set_step(steps[0])
+    graph = capture_graph(step)
+    for rows in steps:
+        set_step(rows)
+        order.fill_(-1)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert order.cpu().tolist() == to.batch_work_order(*_meta(rows), 1023, "symmetric").tolist()
+
+
+@needs_gpu
+@pytest.mark.parametrize("hd,Hkv,config", [(128, 8, None), (512, 2, dict(wide_design="roles"))])
+def test_gpu_cuda_graph_replay_with_metadata_changed_in_place_equals_the_given_order(hd, Hkv, config):
+    """One capture of a work-order call, replayed with other lengths, causal row counts (the order of the sequences
+    by work reversed between steps) and a permuted block table written in place: each replay equals an eager
+    given-order call bit for bit (output and LSE; output poisoned before each replay) and the reference."""
+    H, page, B, cap_q, max_blocks = 16, 64, 4, 1024, 80
+    torch.manual_seed(0)
+    k = torch.randn(B * max_blocks, page, Hkv, hd, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    q = torch.randn(cap_q, H, hd, device="cuda", dtype=torch.bfloat16)
+    bt = torch.zeros(B, max_blocks, dtype=torch.int32, device="cuda")
+    cu = torch.zeros(B + 1, dtype=torch.int32, device="cuda")
+    sl = torch.zeros(B, dtype=torch.int32, device="cuda")
+    ncq = torch.zeros(B, dtype=torch.int32, device="cuda")
+    out = torch.empty(cap_q, H, hd, device="cuda", dtype=torch.bfloat16)
+    lse_buf = torch.empty(H, cap_q, device="cuda")
+    kw = dict(cu_seqlens_q=cu, seq_lens=sl, num_causal_q=ncq, block_table=bt)
+    # static capacity: cu_seqlens_q[-1] == q.shape[0]
+    steps = [([(0, 512, 512), (4096, 256, 0), (4096, 128, 0), (100, 128, 128)], 1),
+             ([(4096, 256, 256), (0, 0, 0), (0, 512, 512), (4800, 256, 0)], 2)]
+
+    def set_step(rows, seed):
+        for dst, src in zip((cu, sl, ncq), _meta(rows)):
+            dst.copy_(src)
+        g = torch.Generator().manual_seed(seed)
+        bt.copy_(torch.randperm(B * max_blocks, generator=g).to(torch.int32).view(B, max_blocks))
+
+    def step():
+        o, lse = ca.attention_cute(q, k, v, out=out, return_lse=True, check_values=False, max_seqlen_q=512,
+                                   config=dict(config or {}, **WORK), **kw)
+        lse_buf.copy_(lse)
+
+    set_step(*steps[0])
+    graph = capture_graph(step)
+    for rows, seed in steps:
+        set_step(rows, seed)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref, ref_lse = ca.attention_cute(q, k, v, return_lse=True, max_seqlen_q=512, config=config, **kw)
+        assert torch.equal(out, ref) and torch.equal(lse_buf, ref_lse), rows
+        check_close(out, q, k, v, lse=lse_buf, **kw)
