@@ -25,7 +25,7 @@ setup(
     install_requires=["torch>=2.11", "triton>=3.6,<3.7", "numpy", "matplotlib", "tqdm", "safetensors"],
     extras_require={
         "dev": [
-            "pytest", "hypothesis", "pytest-benchmark", "matplotlib",
+            "pytest", "pytest-xdist>=3.8", "hypothesis", "pytest-benchmark", "matplotlib",  # xdist: README's `-n 2`
             "nbclient", "nbformat", "ipykernel", "transformers>=5.12",
             "import-linter>=2.17,<3",  # the layering contracts (.importlinter, tests/test_layering.py); brings grimp
         ],

@@ -7,18 +7,54 @@ not failed.
 """
 import os
 
-import pytest
-import torch
+# One intra-op thread (torch's OpenMP, numpy's OpenBLAS, MKL) in each pytest-xdist worker unless set otherwise:
+# README's command runs two workers on the 2-core CI machine, and two workers each with a pool of 2 threads would
+# oversubscribe the cores (the Triton interpreter runs on one thread anyway; the tests' torch ops are small). The
+# pools read these variables when numpy / torch load, hence before those imports; subprocesses that tests start
+# inherit them. A single process (`python3 -m pytest`, the GPU runs) keeps the libraries' defaults.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_var, "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Hypothesis: derandomized (fixed seeds) so CI is reproducible; no per-example deadline (the Triton
-# interpreter is slow). Tests may still raise max_examples with their own @settings.
+# interpreter is slow). Tests may still raise max_examples with their own @settings. derandomize implies no example
+# database; Hypothesis still caches the constants it finds in the project's modules under .hypothesis/constants,
+# written in place (truncate, then write): each pytest-xdist worker gets its own folder, so no worker reads a file
+# the other is writing.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["HYPOTHESIS_STORAGE_DIRECTORY"] = os.path.join(
+        os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY", ".hypothesis"), os.environ["PYTEST_XDIST_WORKER"])
+
 from hypothesis import settings  # noqa: E402
 
 settings.register_profile("blockdiff", derandomize=True, deadline=None, print_blob=True)
 settings.load_profile("blockdiff")
+
+
+def pytest_collection_finish(session):
+    """Freeze Hypothesis's pool of local constants once every test module is imported.
+
+    Besides its seeded draws, Hypothesis sometimes draws a constant found in the project's imported modules, and it
+    rescans ``sys.modules`` whenever a module was imported since: a fuzzer's examples then depend on what the tests
+    before it imported in the same process, which under pytest-xdist (README's ``-n 2``) is decided by timing. Frozen
+    after collection, the pool is the same in every worker and in a single-process run (the same test modules), so
+    derandomized runs draw the same examples. Private API: without it (another Hypothesis), nothing is changed."""
+    try:
+        from hypothesis.internal.conjecture import providers
+    except ImportError:
+        return
+    get, cache = getattr(providers, "_get_local_constants", None), getattr(providers, "CONSTANTS_CACHE", None)
+    if get is None or not hasattr(cache, "cache"):
+        return
+    frozen = get()
+    cache.cache.clear()
+    providers._get_local_constants = lambda: frozen
 
 
 def pytest_collection_modifyitems(config, items):

@@ -14,7 +14,9 @@ grimp reads every ``import`` statement, function-local ones too; backends loaded
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib.util
+import logging
 import os
 
 import grimp
@@ -94,8 +96,34 @@ def _describe(graph: grimp.ImportGraph, comp: tuple[str, ...]) -> str:
     return " <-> ".join(comp) + "\n" + "\n".join(edges)
 
 
+@contextlib.contextmanager
+def _logging_restored():
+    """lint_imports configures logging through ``logging.config.dictConfig``, whose ``disable_existing_loggers``
+    turns off every logger made before it, blockdiff's among them, for the rest of the process (a later test of the
+    same pytest-xdist worker then read an empty caplog), and gives its own loggers a handler on the stdout of the
+    moment (pytest's capture). Put both back."""
+    names = ("importlinter", "grimp", "_rustgrimp")
+    loggers = logging.root.manager.loggerDict
+    disabled = {n: lg.disabled for n, lg in loggers.items() if isinstance(lg, logging.Logger)}
+    own = {n: (lg.level, lg.handlers[:], lg.propagate) for n in names for lg in [logging.getLogger(n)]}
+    try:
+        yield
+    finally:
+        for n, lg in list(loggers.items()):
+            if isinstance(lg, logging.Logger):
+                lg.disabled = disabled.get(n, False)
+        for n, (level, handlers, propagate) in own.items():
+            lg = logging.getLogger(n)
+            lg.setLevel(level)
+            lg.handlers[:] = handlers
+            lg.propagate = propagate
+
+
 def test_import_linter_contracts_are_kept(capsys):
-    rc = lint_imports(config_filename=os.path.join(REPO, ".importlinter"), no_cache=True, no_logo=True)
+    probe = logging.getLogger("blockdiff.integration.vllm_compat")
+    with _logging_restored():
+        rc = lint_imports(config_filename=os.path.join(REPO, ".importlinter"), no_cache=True, no_logo=True)
+    assert not probe.disabled  # the loggers made before lint_imports still log
     out = capsys.readouterr()
     assert rc == 0, out.out + out.err
 

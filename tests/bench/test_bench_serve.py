@@ -454,8 +454,10 @@ def test_host_cpu_sampler_reads_this_process():
     loaded machine's thread scheduling does not decide the count), and the thread runs in a ``with`` block."""
     cpu = bs.HostCpuSampler(os.getpid())
     cpu.sample()
-    t = time.perf_counter()
-    while time.perf_counter() - t < 0.3:
+    # busy until this process has used 0.3 s of CPU (not 0.3 s of wall time: with the other pytest-xdist worker
+    # and its subprocesses on the same cores, a wall-clock loop may get far less)
+    t, deadline = time.process_time(), time.monotonic() + 60
+    while time.process_time() - t < 0.3 and time.monotonic() < deadline:
         pass
     cpu.sample()
     r = cpu.result()
@@ -757,7 +759,8 @@ def test_the_load_window_puts_the_clients_requests_on_the_trace_clock_lead_in_ta
     assert bs.summarize_traces([f], max_canvases=1, requests=reqs)["timeline"]["load"]["requests"] == 2
     import time
     off = bs.clock_offset_s()
-    assert abs(time.time() - (time.perf_counter() + off)) < 0.05
+    # the closest of a few reads: a loaded machine may preempt the test between its two clock reads
+    assert min(abs(time.time() - (time.perf_counter() + off)) for _ in range(5)) < 0.05
 
 
 def test_the_load_window_at_its_edges_never_counts_busy_time_as_lead_in_or_gaps_outside_the_window():

@@ -130,11 +130,15 @@ def test_smoke_training_decreases_loss(tmp_path):
     checkpoint loads; no evaluation by generation without an ``evaluate`` callback (eval_prompts = 0)."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("def add(a, b):\n    return a + b\n\n" * 200)
-    torch.set_num_threads(min(2, torch.get_num_threads()))
     args = TrainArgs(out=str(tmp_path / "out"), max_steps=20, batch_size=8, prefix=16, prefix_min=8, lr=3e-3,
                      warmup_steps=2, log_every=1, seed=0, device="cpu", smoke=True, corpus=str(corpus),
                      eval_prompts=0)
-    res = train(args, stream=io.StringIO())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(min(2, threads))
+    try:
+        res = train(args, stream=io.StringIO())
+    finally:
+        torch.set_num_threads(threads)  # not left to the tests after this one
     losses = [r["loss"] for r in res["log"] if "loss" in r]
     assert len(losses) == 20 and all(np.isfinite(losses))
     assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.5, losses

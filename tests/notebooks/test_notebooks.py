@@ -21,9 +21,12 @@ def test_notebook_is_stored_without_outputs(name):
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
-def test_notebook_executes_on_cpu(name, monkeypatch):
+def test_notebook_executes_on_cpu(name, monkeypatch, tmp_path):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the kernel process inherits it (no GPU in CI)
     monkeypatch.setenv("MPLBACKEND", "Agg")
+    # the kernel's own IPython profile and history database, not ~/.ipython's shared one: under pytest-xdist the
+    # other notebook's kernel may run at the same time
+    monkeypatch.setenv("IPYTHONDIR", str(tmp_path / "ipython"))
     nb = nbformat.read(NB_DIR / name, as_version=4)
     t0 = time.perf_counter()
     client = nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",

@@ -19,21 +19,31 @@ SCRIPT = REPO / "bench" / "experiments" / "device" / "serve_bench.sh"
 STANDINS = REPO / "tests" / "bench" / "serve_standins.py"
 
 
+#: The scripts derive every port from PORT0 (serve_bench.sh: stock PORT0, blockdiff-triton +1, blockdiff-cute +5),
+#: so a test needs PORT0 .. PORT0 + 5 free, and a fake server binds them only after the check: each pytest-xdist
+#: worker (README runs ``-n 2``) searches its own range of bases, so two workers never pick the same ports (Linux
+#: hands out ephemeral ports from 32768 up).
+PORT_SPAN = 6
+WORKER_RANGE = 500
+
+
 def _two_free_ports() -> int:
-    for base in range(18041, 19041, 7):
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    first = 18041 + WORKER_RANGE * ((int(worker[2:]) if worker[2:].isdigit() else 0) % 29)  # below 32768
+    for base in range(first, first + WORKER_RANGE - PORT_SPAN + 1, PORT_SPAN + 1):
         socks = []
         try:
-            for p in (base, base + 1):
+            for p in range(base, base + PORT_SPAN):
                 s = socket.socket()
-                s.bind(("127.0.0.1", p))
                 socks.append(s)
+                s.bind(("127.0.0.1", p))
             return base
         except OSError:
             continue
         finally:
             for s in socks:
                 s.close()
-    pytest.skip("no two consecutive free ports")
+    pytest.skip(f"no {PORT_SPAN} consecutive free ports from {first}")
 
 
 def _run(phase, env, *args, timeout=120):
