@@ -13,6 +13,24 @@ from blockdiff.attention.testing import check_close, make_batch_from_rows
 HAVE_FA4 = all(importlib.util.find_spec(m) is not None for m in ("flash_attn", "cutlass"))
 
 
+def skip_without_cuda_driver(message: str) -> None:
+    """Skip the test when ``message`` (an exception's or a child's stderr) says the CuTe DSL could not compile for
+    want of a CUDA driver (a CPU machine without libcuda); otherwise return."""
+    if "cuda" in message.lower() and "driver" in message.lower():
+        pytest.skip(f"the CuTe DSL cannot compile without a CUDA driver here: {message[-300:]}")
+
+
+def compile_for_sm90_or_skip(**spec) -> dict:
+    """:func:`blockdiff.attention.cute.compile_check.compile_for_sm90` of ``spec``, skipping the test where the DSL
+    cannot compile without a CUDA driver (:func:`skip_without_cuda_driver`); any other error propagates."""
+    from blockdiff.attention.cute import compile_check as cchk
+    try:
+        return cchk.compile_for_sm90(**spec)
+    except RuntimeError as e:
+        skip_without_cuda_driver(str(e))
+        raise
+
+
 def needs_gpu(f):
     """GPU test; with pytest-timeout installed, a hang (e.g. a producer/consumer pipeline deadlock) ends the
     process after 300 s with every thread's stack dumped instead of eating the whole GPU session."""

@@ -11,7 +11,7 @@ import pytest
 from blockdiff.attention.cute import compile_check as cchk
 from blockdiff.attention.cute import config as cc
 
-from cute_helpers import HAVE_FA4
+from cute_helpers import HAVE_FA4, compile_for_sm90_or_skip
 
 PTXAS = """
 ptxas info    : Compiling entry function 'kernel_x' for 'sm_90a'
@@ -58,12 +58,7 @@ def test_split_value_kernel_compiles_for_sm90_without_consumer_spills(extra):
     """hd 512 on paged (one TMA page box per stage) and contiguous K/V, 32- and 64-key tiles: the consumers keep
     their 128-register half of O and S without spilling, and the DSL allocates what config_smem_bytes says."""
     spec = dict(head_dim=512, num_heads=16, num_kv_heads=2, return_lse=True, max_seqlen_q=256, **extra)
-    try:
-        r = cchk.compile_for_sm90(**spec)
-    except RuntimeError as e:
-        if "cuda" in str(e).lower() and "driver" in str(e).lower():
-            pytest.skip(f"the CuTe DSL cannot compile without a CUDA driver here: {str(e)[-300:]}")
-        raise
+    r = compile_for_sm90_or_skip(**spec)
     cfg = cc.resolve_config(512, 512, spec["window_size"], spec.get("config"), 256)
     assert r["smem_bytes"] == cc.config_smem_bytes(cfg, 512, 512) <= cc.SMEM_LIMIT_BYTES
     assert r["sass_spills"]["consumer"] == 0 and r["spill_store_bytes"] == 0, r
@@ -78,12 +73,7 @@ def test_split_value_kernel_compiles_for_sm90_without_consumer_spills(extra):
 def test_split_kv_kernels_and_the_merge_compile_without_spills(spec):
     """Split-KV on page boxes (page 64): the attention kernel with its fp32 workspace epilogue and FA4's combine
     kernel both compile for sm_90a without spills."""
-    try:
-        r = cchk.compile_for_sm90(num_heads=16, page_size=64, return_lse=True, max_seqlen_q=256, **spec)
-    except RuntimeError as e:
-        if "cuda" in str(e).lower() and "driver" in str(e).lower():
-            pytest.skip(f"the CuTe DSL cannot compile without a CUDA driver here: {str(e)[-300:]}")
-        raise
+    r = compile_for_sm90_or_skip(num_heads=16, page_size=64, return_lse=True, max_seqlen_q=256, **spec)
     assert r["config"]["num_splits"] == spec["config"]["num_splits"]
     assert r["spill_store_bytes"] == 0 and sum(r["sass_spills"].values()) == 0, r
     assert r["merge"] is not None and r["merge"]["spill_store_bytes"] == 0, r
@@ -105,12 +95,7 @@ def test_nan_safe_v_kernels_compile_for_sm90_with_bounded_spills(spec, tmp_path)
     contiguous and hd 512 page 64 with a window spill ~20 B with the switch on, the others none)."""
     spec = dict(dict(num_heads=16, return_lse=True, max_seqlen_q=256), **spec)
     spec["config"] = dict(spec.get("config") or {}, nan_safe_v=True)
-    try:
-        r = cchk.compile_for_sm90(ptx_dir=str(tmp_path), **spec)
-    except RuntimeError as e:
-        if "cuda" in str(e).lower() and "driver" in str(e).lower():
-            pytest.skip(f"the CuTe DSL cannot compile without a CUDA driver here: {str(e)[-300:]}")
-        raise
+    r = compile_for_sm90_or_skip(ptx_dir=str(tmp_path), **spec)
     hd = spec["head_dim"]
     off_cfg = dict(spec["config"], nan_safe_v=False)
     cfg = cc.resolve_config(hd, hd, spec.get("window_size"), off_cfg, spec["max_seqlen_q"])
