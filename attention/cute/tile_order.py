@@ -4,8 +4,7 @@ sequences, computed on the device, longest tiles first.
 FA4's varlen tile scheduler (``flash_attn.cute.tile_scheduler.VarlenDecoder`` / ``SingleTileVarlenScheduler``,
 flash-attn-4 4.0.0b36) hands out a launch's tiles sequence by sequence in batch order, longest-first only within a
 sequence (``lpt``). In a mixed serving batch (a 4,096-token causal prefill, then canvases over an 8k context) the
-canvases' long tiles then start last and leave SMs idle at the end (docs/tuning.md 2.12: 14 % of the hd-512
-kernel's time on ``mixed_global_ctx8k``). Its decoder takes ``virtual_batch_idx_ptr``, a batch permutation: it walks
+canvases' long tiles then start last and leave SMs idle at the end (measured in docs/tuning.md 2.12). Its decoder takes ``virtual_batch_idx_ptr``, a batch permutation: it walks
 the batches in that order, reads each one's length through it and maps a tile back to its real batch index. FA3's
 ``hopper/flash_prepare_scheduler.cu`` (``prepare_varlen_num_blocks`` with ``sort``) fills it with an LPT batch sort;
 FA4's port (``flash_attn/cute/prepare_scheduler.py``) leaves that sort unimplemented and its SM90 forward passes no
@@ -24,10 +23,9 @@ of its sequence's end).
 
 Pure torch on the tensors' device: no host read (``.item()``, ``.tolist()``, data-dependent shapes), so a CUDA
 graph captures it and replays it with new metadata. Its cost is per call (the cute launch path has no plan shared
-by a step's layers, and the order depends on the layer's window): 12 small kernels on ``B`` elements without a
-window, 23-25 with one (float64 closed forms; the stable sort and the int32 cast included), ~1-2 us each inside a
-CUDA graph, so some tens of microseconds a call, which ``bench_attention``'s CUDA-graph rows include
-(``canvas_bs16_ctx8k_global``: equal canvases, the identity order, the cost alone). Any permutation gives the same
+by a step's layers, and the order depends on the layer's window): a dozen or two small kernels on ``B`` elements
+(counted in docs/tuning.md 2.13), which ``bench_attention``'s CUDA-graph rows include (``canvas_bs16_ctx8k_global``:
+equal canvases, the identity order, the cost alone). Any permutation gives the same
 outputs, so sharing one order between layers (a per-step cache) could only cost balance, never correctness; one
 launch computing keys and ranks together is the other remedy. The next step if the cost shows.
 """
