@@ -4,11 +4,12 @@ sequences, computed on the device, longest tiles first.
 FA4's varlen tile scheduler (``flash_attn.cute.tile_scheduler.VarlenDecoder`` / ``SingleTileVarlenScheduler``,
 flash-attn-4 4.0.0b36) hands out a launch's tiles sequence by sequence in batch order, longest-first only within a
 sequence (``lpt``). In a mixed serving batch (a 4,096-token causal prefill, then canvases over an 8k context) the
-canvases' long tiles then start last and leave SMs idle at the end (measured in docs/tuning.md 2.12). Its
-decoder takes ``virtual_batch_idx_ptr``, a batch permutation: it walks the batches in that order, reads each one's length through it and maps a tile back to its real batch index. FA3's
-``hopper/flash_prepare_scheduler.cu`` (``prepare_varlen_num_blocks`` with ``sort``) fills it with an LPT batch sort;
-FA4's port (``flash_attn/cute/prepare_scheduler.py``) leaves that sort unimplemented and its SM90 forward passes no
-permutation. :func:`batch_work_order` computes one; the kernel takes it as its last aux tensor
+canvases' long tiles then start last and leave SMs idle at the end (measured in docs/tuning.md 2.12). Its decoder
+takes ``virtual_batch_idx_ptr``, a batch permutation: it walks the batches in that order, reads each one's length
+through it and maps a tile back to its real batch index. FA3's ``hopper/flash_prepare_scheduler.cu``
+(``prepare_varlen_num_blocks`` with ``sort``) fills it with an LPT batch sort; FA4's port
+(``flash_attn/cute/prepare_scheduler.py``) leaves that sort unimplemented and its SM90 forward passes no permutation.
+:func:`batch_work_order` computes one; the kernel takes it as its last aux tensor
 (:mod:`blockdiff.attention.cute.kernel`, "The batch order").
 
 The key is a sequence's mean keys per query row, a proxy of its mean keys per tile: a tile visits the union of its
