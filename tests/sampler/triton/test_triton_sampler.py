@@ -99,9 +99,9 @@ def test_triton_batch_invariance(config, steps):
     a = mk_state([(0, 777, pa)], CL, V, H)
     b = mk_state([(2, 1, SamplingParams(canvas_length=CL, seed=1)), (4, 777, pa),
                   (0, 3, SamplingParams(canvas_length=CL, t_min=0.0, t_max=0.0))], CL, V, H)
-    E = torch.randn(V, H, device=DEV).bfloat16()
+    g = torch.Generator().manual_seed(5)  # every input from it: the test does not depend on what ran before it
+    E = torch.randn(V, H, generator=g).bfloat16().to(DEV)
     sa, sb = torch.tensor([0], device=DEV), torch.tensor([2, 4, 0], device=DEV)
-    g = torch.Generator().manual_seed(5)
     for it in range(steps):
         x = (torch.randn(3, CL, V, generator=g) * 2).to(DEV)
         oa = triton_sampler_step(a, sa, x[1:2], torch.ones(1, dtype=torch.bool, device=DEV), E, config=config)
@@ -110,7 +110,9 @@ def test_triton_batch_invariance(config, steps):
             assert torch.equal(getattr(oa, f)[0], getattr(ob, f)[1]), f
         for f in STATE_FIELDS:
             assert torch.equal(getattr(a, f)[0], getattr(b, f)[4]), f
-        assert torch.allclose(a.soft[0], b.soft[4], rtol=0, atol=1e-6)
+        # the soft embedding's fp32 sums may round differently with the batch's other rows (a GEMM's tiling):
+        # relative to the value, as tests/sampler/test_slot_ids.py compares them
+        assert torch.allclose(a.soft[0], b.soft[4], rtol=1e-6, atol=1e-6)
 
 
 def test_soft_rows_written_exactly_where_due_poisoned_state():
