@@ -324,28 +324,61 @@ def effective_load_format(value) -> str:
     return value
 
 
+def server_argv(pid: int | None, proc_root: str | os.PathLike = "/proc") -> list[str] | None:
+    """The command line of process ``pid`` (``/proc/PID/cmdline``) as a list of strings; None when ``pid`` is None
+    or the process cannot be read."""
+    if pid is None:
+        return None
+    try:
+        raw = (Path(proc_root) / str(pid) / "cmdline").read_bytes()
+    except OSError:
+        return None
+    return [a.decode(errors="replace") for a in raw.split(b"\0") if a]
+
+
+def _is_vllm_serve(argv: Sequence[str]) -> bool:
+    """A ``vllm ... serve`` command line: ``serve`` after an argument naming vllm."""
+    return "serve" in argv and any("vllm" in a for a in argv[:argv.index("serve")])
+
+
+def _last_flag(argv: Sequence[str], flag: str) -> str | None:
+    """The value of the last ``--a-b X`` / ``--a-b=X`` / ``--a_b X`` / ``--a_b=X`` in ``argv`` (vLLM's parser takes
+    both spellings; the last one wins there too), ``flag`` given as ``--a-b``; None when absent."""
+    names = (flag, "--" + flag[2:].replace("-", "_"))
+    found = None
+    for i, a in enumerate(argv):
+        if a in names and i + 1 < len(argv):
+            found = argv[i + 1]
+        elif a.startswith(tuple(n + "=" for n in names)):
+            found = a.split("=", 1)[1]
+    return found
+
+
 def server_load_format(pid: int | None, proc_root: str | os.PathLike = "/proc") -> str | None:
     """The load format process ``pid`` serves, read from its command line (``/proc/PID/cmdline``): the last
     ``--load-format X`` / ``--load-format=X`` (vLLM's parser also takes ``--load_format``; the last one wins there
     too); ``auto`` (vLLM's default: real weights) for a vLLM ``serve`` command line without the flag (``serve``
     after an argument naming vllm); None when ``pid`` is None, the process cannot be read, or it is no vLLM
     ``serve`` command (a stand-in, a wrapper). A format given in a ``--config`` file is not seen."""
-    if pid is None:
+    argv = server_argv(pid, proc_root)
+    if argv is None:
         return None
-    try:
-        argv = (Path(proc_root) / str(pid) / "cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return None
-    argv = [a.decode(errors="replace") for a in argv]
-    found = None
-    for i, a in enumerate(argv):
-        if a in ("--load-format", "--load_format") and i + 1 < len(argv):
-            found = argv[i + 1]
-        elif a.startswith(("--load-format=", "--load_format=")):
-            found = a.split("=", 1)[1]
-    if found is None and "serve" in argv and any("vllm" in a for a in argv[:argv.index("serve")]):
+    found = _last_flag(argv, "--load-format")
+    if found is None and _is_vllm_serve(argv):
         return "auto"  # a vllm serve command line without the flag
     return found
+
+
+def server_max_num_seqs(pid: int | None, proc_root: str | os.PathLike = "/proc") -> int | None:
+    """The ``--max-num-seqs`` process ``pid`` serves with, read from its command line as
+    :func:`server_load_format` reads the load format; None when ``pid`` is None, the process cannot be read, the
+    flag is absent (vLLM's default then depends on its version and the GPU) or its value is no integer."""
+    argv = server_argv(pid, proc_root)
+    found = None if argv is None else _last_flag(argv, "--max-num-seqs")
+    try:
+        return None if found is None else int(found)
+    except ValueError:
+        return None
 
 
 def check_server_load_format(load_format: str, pid: int | None, proc_root: str | os.PathLike = "/proc") -> None:
@@ -359,6 +392,22 @@ def check_server_load_format(load_format: str, pid: int | None, proc_root: str |
     actual = server_load_format(pid, proc_root)
     if actual is not None and actual != load_format:
         raise ValueError(f"--load-format {load_format!r} does not match the server's --load-format {actual!r} "
+                         f"(--server-pid {pid}): the rows would be labelled with another setting")
+
+
+def check_server_max_num_seqs(max_num_seqs: int | None, pid: int | None,
+                              proc_root: str | os.PathLike = "/proc") -> None:
+    """Refuse to label rows with a ``--max-num-seqs`` the server does not run (docs/tuning.md 7.26: a row was
+    recorded with the script's default, 16, against a server started with 64): with ``pid`` given and the flag on
+    its command line (:func:`server_max_num_seqs`), it must equal ``max_num_seqs``. Nothing is checked with
+    ``max_num_seqs`` None, without ``pid`` or without the flag there.
+
+    Raises:
+        ValueError: the two differ (both named).
+    """
+    actual = server_max_num_seqs(pid, proc_root)
+    if max_num_seqs is not None and actual is not None and actual != max_num_seqs:
+        raise ValueError(f"--max-num-seqs {max_num_seqs} does not match the server's --max-num-seqs {actual} "
                          f"(--server-pid {pid}): the rows would be labelled with another setting")
 
 
@@ -1963,6 +2012,7 @@ def _main(args) -> int:
     if args.command == "sweep":
         _check_writable(args.rows, "--rows")
         _user(check_server_load_format, args.load_format, args.server_pid)
+        _user(check_server_max_num_seqs, args.max_num_seqs, args.server_pid)
         rows = sweep(args)
         print(common.summary_table(rows, SUMMARY_COLUMNS))
         return 0 if all(r.get("complete") for r in rows) else 1

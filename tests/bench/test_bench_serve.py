@@ -239,6 +239,24 @@ def test_rows_are_never_labelled_with_a_load_format_the_server_does_not_run(tmp_
     with pytest.raises(ValueError, match="load_format must be one of"):
         bs.effective_load_format("auto")
 
+def test_rows_are_never_labelled_with_a_max_num_seqs_the_server_does_not_run(tmp_path):
+    """docs/tuning.md 7.26: a c64 row was labelled max-num-seqs 16 (the script's default) against a server started
+    with 64. sweep reads the server's --max-num-seqs from its command line and refuses a different label."""
+    proc = tmp_path / "proc"
+    for pid, argv in ((21, ["python3", "-m", "vllm", "serve", "/m", "--max-num-seqs", "64"]),
+                      (22, ["vllm", "serve", "--max_num_seqs=8", "--max-num-seqs", "32"]),  # last wins
+                      (23, ["vllm", "serve", "/m"]),  # absent: vLLM's default, not known here
+                      (24, ["vllm", "serve", "--max-num-seqs", "many"])):
+        (proc / str(pid)).mkdir(parents=True)
+        (proc / str(pid) / "cmdline").write_bytes(b"\0".join(a.encode() for a in argv) + b"\0")
+    assert [bs.server_max_num_seqs(p, proc) for p in (21, 22, 23, 24, 25, None)] == [64, 32, None, None, None, None]
+    bs.check_server_max_num_seqs(64, 21, proc)
+    bs.check_server_max_num_seqs(16, 23, proc)  # nothing to compare with: the label stands
+    bs.check_server_max_num_seqs(None, 21, proc)
+    with pytest.raises(ValueError, match="--max-num-seqs 16 does not match the server's --max-num-seqs 64"):
+        bs.check_server_max_num_seqs(16, 21, proc)
+    assert bs.server_argv(21, proc)[-2:] == ["--max-num-seqs", "64"] and bs.server_argv(99, proc) is None
+
 
 def test_cudagraph_capture_sizes_cover_every_canvas_count():
     """Regression (first H200 serve): vLLM's default capture sizes stop at 512 tokens, so steps of 3+ canvases ran
@@ -947,6 +965,22 @@ def test_a_sweep_against_a_server_of_another_load_format_exits_2_before_any_run(
         server.kill()
         server.wait()
 
+
+@pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="no /proc here: the server's command line is unread")
+def test_a_sweep_labelled_with_another_max_num_seqs_than_the_servers_exits_2_before_any_run(cli, tmp_path):
+    server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "--max-num-seqs", "64"])
+    try:
+        deadline = time.monotonic() + 30  # the command line can be empty just after Popen (as above)
+        while bs.server_max_num_seqs(server.pid) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        rows = tmp_path / "rows.jsonl"
+        _one_clear_line(cli("sweep", "--base-url", "http://127.0.0.1:9", "--model", "/m", "--backend", "vllm",
+                            "--quant", "fp8", "--max-num-seqs", "16", "--server-pid", server.pid, "--rows", rows,
+                            "--bench-cmd", FAKE_BENCH, "--work-dir", tmp_path / "w"), "--max-num-seqs 16")
+        assert not rows.exists()
+    finally:
+        server.kill()
+        server.wait()
 
 def test_skip_special_tokens_flag_restores_the_servers_default():
     p = bs.build_parser()

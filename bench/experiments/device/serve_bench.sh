@@ -90,9 +90,13 @@ else
 fi
 BD=blockdiff-$attn; BC=(); [ -n "${BENCH_CMD:-}" ] && BC=(--bench-cmd "$BENCH_CMD")
 STOCK_PORT=$PORT0; BD_PORT=$((PORT0 + 1)); [ $attn = cute ] && BD_PORT=$((PORT0 + 5))
-# side -> backend name, port, max-num-seqs, kv GiB, utilization
-info() { if [ $1 = vllm ]; then echo "vllm $STOCK_PORT $STOCK_SEQS $STOCK_KV_GIB $STOCK_UTIL"; else
-         echo "$BD $BD_PORT $BD_SEQS $BD_KV_GIB $BD_UTIL"; fi; }
+# side -> backend name, port, max-num-seqs, kv GiB, utilization; a running server's own max-num-seqs (written by
+# `start` beside its pid) wins over this command's default, so a later command (KEEP=1's next bench or profile)
+# need not repeat SEQS and its rows carry what the server runs (docs/tuning.md 7.26)
+info() { local r; if [ $1 = vllm ]; then r=(vllm $STOCK_PORT $STOCK_SEQS $STOCK_KV_GIB $STOCK_UTIL); else
+           r=($BD $BD_PORT $BD_SEQS $BD_KV_GIB $BD_UTIL); fi
+         if alive ${r[0]}-$quant && [ -s $W/${r[0]}-$quant.seqs ]; then r[2]=$(cat $W/${r[0]}-$quant.seqs); fi
+         echo "${r[@]}"; }
 up() { python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$1/health', timeout=5)" 2>/dev/null; }
 alive() { [ -f $W/$1.pid ] && kill -0 $(cat $W/$1.pid) 2>/dev/null; }
 failed() { ! alive $1 || grep -qE "Engine core initialization failed|EngineCore failed|CUDA out of memory" \
@@ -118,7 +122,7 @@ start)
     if [ -n "${SERVER_CMD:-}" ]; then cmd="$SERVER_CMD $2 $W/trace_$name"  # a stand-in server (CPU tests)
     else cmd=$($BS server-cmd --backend $1 --quant $quant --model $MODEL --port $2 --max-num-seqs $3 --kv-cache-gib $4 \
           --gpu-memory-utilization $5 --trace-dir $W/trace_$name $extra "${LF[@]}") || exit 1; fi
-    echo "$cmd" > $W/$name.cmd
+    echo "$cmd" > $W/$name.cmd; echo $3 > $W/$name.seqs
     rm -rf $W/trace_$name
     # the inner shell writes its own pid, then becomes the server (exec): the pid of vllm serve, session leader
     setsid bash -c "echo \$\$ > $W/$name.pid; exec $cmd" > $W/$name.log 2>&1 < /dev/null &

@@ -155,9 +155,18 @@ def test_serve_alone_keep_runs_the_sweep_only_and_leaves_the_server_for_the_next
         prof = _run("profile", dict(env, PROFILE_REQUESTS="2"), "fp8", "triton", "vllm")
         assert prof.returncode == 0, prof.stdout + prof.stderr
         assert json.loads((out / "serve_profile_vllm_fp8.json").read_text())["status"] == "ok"
+        # a later bench on the kept server, without SEQS (serve_bench.sh's own default is 16): its rows carry the
+        # server's 64 (docs/tuning.md 7.26: a c64 row was labelled 16 this way)
+        (out / "serve_rows_fp8.jsonl").unlink()
+        again = _run("bench", dict(env, CONC="4", INTERLEAVE="1", TOTAL_S="120"), "fp8", "triton", "vllm")
+        assert again.returncode == 0, again.stdout + again.stderr
+        rows = [json.loads(x) for x in (out / "serve_rows_fp8.jsonl").read_text().splitlines()]
+        assert [(r["concurrency"], r["max_num_seqs"]) for r in rows if "env" not in r] == [(4, 64)]
+        assert _run("info", env, "fp8", "triton", "vllm").stdout.split()[2] == "64"
     finally:
         stop = _run("stop", env)
     assert "stopped vllm-fp8" in stop.stdout and not list(work.glob("*.pid"))
+    assert _run("info", env, "fp8", "triton", "vllm").stdout.split()[2] == "16"  # stopped: the default again
 
 
 def test_serve_profiles_keeps_one_profile_per_batched_load_then_stops(tmp_path):
