@@ -1091,26 +1091,47 @@ def merge_intervals(intervals: Iterable[tuple[float, float]]) -> list[tuple[floa
     return [(a, b) for a, b in out]
 
 
-def gap_sites(kernels: Sequence[dict], labels: dict[int, str], *, steps: int = 0, top: int = 8) -> dict:
+def launch_kind(launch_name: str | None) -> str:
+    """How a kernel was launched, from the name of its launch event (the CPU runtime / driver call with the same
+    ``correlation``): ``"graph"`` (``cudaGraphLaunch`` / ``cuGraphLaunch``: one of a CUDA graph's kernels),
+    ``"eager"`` (any other launch: ``cudaLaunchKernel``, ``cuLaunchKernelEx``, a memcpy), ``"no_launch"`` (None: the
+    launch is not in the trace)."""
+    if launch_name is None:
+        return "no_launch"
+    return "graph" if "GraphLaunch" in launch_name else "eager"
+
+
+def gap_sites(kernels: Sequence[dict], labels: dict[int, str], *, steps: int = 0, top: int = 8,
+              launches: dict[int, tuple[str, object]] | None = None, name_chars: int = 60) -> dict:
     """Every GPU idle gap between kernels, however short, by where it sits: the label of the kernel whose end
     opens it and of the kernel whose start closes it (``labels``: ``id(kernel event)`` -> ``"phase:bucket"`` as
-    :func:`summarize_trace` classifies them, e.g. ``"forward:moe"``, ``"sample:sampler"``; unlabelled: ``"?"``).
+    :func:`summarize_trace` classifies them, e.g. ``"forward:moe"``, ``"sample:sampler"``; unlabelled: ``"?"``),
+    the two kernels' names, and how the closing kernel was launched.
     Short gaps add up: a CUDA graph's kernel-to-kernel gaps (~1-2 us each) over ~1,000 kernels a step, or eagerly
     launched kernels waiting for the host, neither of which ``idle_attribution`` (gaps >= ``min_gap_us``) sees.
 
     Args:
-        kernels: GPU kernel events (``ts``, ``dur`` in us). steps: canvas steps in the trace (>= 0; 0: no per-step
-            figures). top: how many ``(before, after)`` pairs to list.
+        kernels: GPU kernel events (``ts``, ``dur`` in us; ``name``). steps: canvas steps in the trace (>= 0; 0: no
+            per-step figures). top: how many pairs to list. launches: ``id(kernel event)`` -> ``(kind, launch id)``
+            (:func:`launch_kind`; the id is the launch's ``correlation``: every kernel of one graph replay shares
+            it); None: every kernel ``"no_launch"``. name_chars: kernel names are cut to this many characters.
 
     Returns:
         dict: ``total_ms`` (equal to the span minus the busy time), ``gaps`` (count), ``by_phase``:
         ``"before>after"`` phases (e.g. ``"forward>forward"``: inside the forward, ``"sample>forward"``: between a
         step's sampler and the next forward) -> ms; ``per_canvas_step_ms`` (``by_phase`` / ``steps``, None without
-        steps); ``pairs``: the ``top`` ``(before, after, ms, count)`` by ms.
+        steps); ``pairs``: the ``top`` ``(before, after, ms, count)`` by ms; ``by_launch``: where the gap sits
+        against the launches -> ``[ms, count]``: ``"in_graph"`` (both kernels of one graph replay: the graph's own
+        kernel-to-kernel gap), ``"graph_start"`` (the closing kernel opens another graph replay), ``"eager"`` (it
+        was launched eagerly: the gap is the host's launch pace or a dependency), ``"no_launch"``;
+        ``kernel_pairs``: the ``top`` ``(before name, after name, ms, count)`` by ms.
     """
     total, count = 0.0, 0
     by_phase: dict[str, float] = {}
     pairs: dict[tuple[str, str], list] = {}
+    named: dict[tuple[str, str], list] = {}
+    by_launch: dict[str, list] = {}
+    launches = launches or {}
     end, last = None, None
     for k in sorted(kernels, key=lambda e: float(e["ts"])):
         a = float(k["ts"])
@@ -1122,15 +1143,27 @@ def gap_sites(kernels: Sequence[dict], labels: dict[int, str], *, steps: int = 0
             count += 1
             key = before.split(":")[0] + ">" + after.split(":")[0]
             by_phase[key] = by_phase.get(key, 0.0) + g
-            ent = pairs.setdefault((before, after), [0.0, 0])
+            for table, pk in ((pairs, (before, after)),
+                              (named, (str(last.get("name", ""))[:name_chars], str(k.get("name", ""))[:name_chars]))):
+                ent = table.setdefault(pk, [0.0, 0])
+                ent[0] += g
+                ent[1] += 1
+            kind, lid = launches.get(id(k), ("no_launch", None))
+            if kind == "graph":
+                kind = "in_graph" if launches.get(id(last), (None, None)) == ("graph", lid) else "graph_start"
+            ent = by_launch.setdefault(kind, [0.0, 0])
             ent[0] += g
             ent[1] += 1
         if end is None or b > end:
             end, last = b, k
+
+    def ranked(table):
+        return [(p[0], p[1], v[0], v[1]) for p, v in sorted(table.items(), key=lambda kv: -kv[1][0])[:top]]
+
     return {
         "total_ms": total, "gaps": count, "by_phase": by_phase,
         "per_canvas_step_ms": {p: v / steps for p, v in by_phase.items()} if steps else None,
-        "pairs": [(p[0], p[1], v[0], v[1]) for p, v in sorted(pairs.items(), key=lambda kv: -kv[1][0])[:top]],
+        "pairs": ranked(pairs), "by_launch": by_launch, "kernel_pairs": ranked(named),
     }
 
 
@@ -1176,7 +1209,10 @@ def summarize_trace(events: Iterable[dict], *, canvas_length: int = CANVAS_LENGT
         intervals), ``canvas_step_cadence_median_ms`` (a canvas step's annotation start to the next step's: the
         host's pace, against ``canvas_step_ms["total"]``), ``idle_attribution`` (:func:`attribute_idle_gaps` of
         the gaps of at least ``min_gap_us``), ``gap_sites`` (:func:`gap_sites`: every gap, short ones included,
-        by the kernels on either side); ``rules`` (the table used).
+        by the kernels on either side and how the closing one was launched), ``forward_launches_per_canvas_step``
+        (mean per canvas step of the forward's distinct graph replays, ``graph_replays``, of its eagerly
+        launched kernels, ``eager_kernels``, and of the step's kernels whose launch is not in the trace,
+        ``kernels_without_launch``; None without canvas steps); ``rules`` (the table used).
 
     Raises:
         ValueError: the trace has no ``execute_*`` step annotation or no GPU kernel, or an argument < 1.
@@ -1185,6 +1221,7 @@ def summarize_trace(events: Iterable[dict], *, canvas_length: int = CANVAS_LENGT
     _check_int("max_canvases", max_canvases, 1)
     events = events if isinstance(events, list) else list(events)
     launches: dict[int, float] = {}
+    launch_names: dict[int, str] = {}
     steps: list[tuple[float, float, int, int, int]] = []  # start, end, tokens, prefill requests, canvas requests
     gpu: list[dict] = []
     for e in events:
@@ -1197,6 +1234,7 @@ def summarize_trace(events: Iterable[dict], *, canvas_length: int = CANVAS_LENGT
             corr = (e.get("args") or {}).get("correlation")
             if corr is not None:
                 launches[corr] = float(e["ts"])
+                launch_names[corr] = str(e.get("name", ""))
         elif cat == "user_annotation":
             counts = parse_step_counts(str(e.get("name", "")))
             if counts is not None:
@@ -1216,11 +1254,16 @@ def summarize_trace(events: Iterable[dict], *, canvas_length: int = CANVAS_LENGT
     unknown: dict[str, list] = {}
     names: dict[str, dict[str, list]] = {b: {} for b in BUCKETS}
     labels: dict[int, str] = {}  # id(kernel event) -> "phase:bucket", for gap_sites
+    how: dict[int, tuple[str, object]] = {}  # id(kernel event) -> (launch kind, correlation), for gap_sites
+    step_launches = [{"graph": set(), "eager": 0, "no_launch": 0} for _ in steps]  # forward launches per step
     for k in sorted(gpu, key=lambda e: (launches.get((e.get("args") or {}).get("correlation"), float(e["ts"])),
                                         float(e["ts"]))):
         name = str(k.get("name", ""))
         ms = float(k.get("dur", 0)) / 1e3
-        launch = launches.get((k.get("args") or {}).get("correlation"))
+        corr = (k.get("args") or {}).get("correlation")
+        launch = launches.get(corr)
+        kind = launch_kind(launch_names.get(corr) if launch is not None else None)
+        how[id(k)] = (kind, corr)
         i = bisect.bisect_right(starts, float(k["ts"]) if launch is None else launch) - 1
         bucket, known = classify_kernel(name)
         if i < 0:
@@ -1235,6 +1278,13 @@ def summarize_trace(events: Iterable[dict], *, canvas_length: int = CANVAS_LENGT
             else:
                 bucket, known = "sampler", True
         labels[id(k)] = f"{phase}:{bucket}"
+        if phase == "forward":
+            if kind == "graph":
+                step_launches[i]["graph"].add(corr)
+            else:
+                step_launches[i]["eager"] += 1
+        elif phase == "no_launch":
+            step_launches[i]["no_launch"] += 1
         phase_ms[phase] += ms
         per_step[i][bucket] += ms
         totals[bucket] += ms
@@ -1279,7 +1329,15 @@ def summarize_trace(events: Iterable[dict], *, canvas_length: int = CANVAS_LENGT
         "canvas_step_cadence_median_ms": statistics.median(cadence) if cadence else None,
         "idle_attribution": attribute_idle_gaps(events, steps, [g for g in gap_ivs if g[1] - g[0] >= min_gap_us],
                                                 span_start=ivs[0][0] if ivs else 0.0, top=top),
-        "gap_sites": gap_sites([k for k in gpu if float(k["ts"]) >= starts[0]], labels, steps=len(canvas), top=top),
+        "gap_sites": gap_sites([k for k in gpu if float(k["ts"]) >= starts[0]], labels, steps=len(canvas), top=top,
+                               launches=how),
+        # how a canvas step's forward reached the GPU: graph replays (1: one full graph; ~1 + layers: piecewise)
+        # and eagerly launched kernels (kernels, not launches, of the forward phase)
+        "forward_launches_per_canvas_step": {
+            "graph_replays": statistics.fmean(len(step_launches[i]["graph"]) for i in canvas),
+            "eager_kernels": statistics.fmean(step_launches[i]["eager"] for i in canvas),
+            "kernels_without_launch": statistics.fmean(step_launches[i]["no_launch"] for i in canvas)}
+        if canvas else None,
     }
     if requests and base_ns is not None:
         last_ev = max((float(e["ts"]) + float(e.get("dur", 0)) for e in events
@@ -2060,6 +2118,16 @@ def _print_profile(s: dict) -> None:
               + ", ".join(f"{k} {v:.1f}" + (f" ({per[k]:.2f}/canvas step)" if k in per else "")
                           for k, v in sorted(gs["by_phase"].items(), key=lambda kv: -kv[1]))
               + "; top: " + ", ".join(f"{a}>{b} {ms:.1f} ({n})" for a, b, ms, n in gs["pairs"][:4]))
+        if gs.get("by_launch"):
+            print("  idle by launch: " + ", ".join(f"{k} {v[0]:.1f} ({v[1]})" for k, v in
+                                                 sorted(gs["by_launch"].items(), key=lambda kv: -kv[1][0]))
+                  + "; kernels around it: " + ", ".join(f"{a[:40]}>{b[:40]} {ms:.1f} ({n})"
+                                                        for a, b, ms, n in gs.get("kernel_pairs", [])[:4]))
+    fl = tl.get("forward_launches_per_canvas_step")
+    if fl:
+        print(f"  a canvas step's forward: {fl['graph_replays']:.1f} graph replays, {fl['eager_kernels']:.1f} "
+              f"eager kernels" + (f", {fl['kernels_without_launch']:.1f} kernels without a launch event"
+                                  if fl.get("kernels_without_launch") else ""))
     ia = tl.get("idle_attribution") or {}
     if ia.get("gaps"):
         pos = ia["by_position"]
