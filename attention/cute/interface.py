@@ -164,9 +164,10 @@ def attention_cute(
             form a thread-block cluster merging through distributed shared memory
             (:mod:`~blockdiff.attention.cute.kernel_cluster`); ``"auto"`` (the default) picks one
             (:func:`~blockdiff.attention.cute.config.auto_split_merge`). ``batch_order="work"`` has FA4's tile
-            scheduler take the sequences longest tiles first (a permutation computed on the device per call,
-            :func:`~blockdiff.attention.cute.tile_order.batch_work_order`); the output is the same as
-            ``"given"``'s.
+            scheduler take the sequences longest tiles first (a permutation computed on the device per call, in
+            one Triton launch: :func:`~blockdiff.attention.cute.tile_order_triton.batch_work_order_triton`; its
+            torch reference :func:`~blockdiff.attention.cute.tile_order.batch_work_order`); the output is the same
+            as ``"given"``'s.
 
     Returns:
         ``out [total_q, num_heads, head_dim_v]`` (q's dtype) or ``(out, lse)``.
@@ -208,6 +209,17 @@ def attention_cute(
                 block_table=block_table if info.paged else None, cu_seqlens_k=cu_seqlens_k,
                 window_size=info.window_size, bidirectional_window=bidirectional_window, scale=info.scale,
                 arch=arch, config=config, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+
+
+def _work_order(cu_q, seq_lens, ncq, window_size, bidirectional_window):
+    """The batch permutation of ``batch_order="work"``: one Triton launch for CUDA tensors
+    (:func:`~blockdiff.attention.cute.tile_order_triton.batch_work_order_triton`, Triton imported on first use),
+    the torch reference (:func:`~blockdiff.attention.cute.tile_order.batch_work_order`, the same permutation)
+    elsewhere."""
+    if seq_lens.is_cuda:
+        from .tile_order_triton import batch_work_order_triton
+        return batch_work_order_triton(cu_q, seq_lens, ncq, window_size, bidirectional_window)
+    return batch_work_order(cu_q, seq_lens, ncq, window_size, bidirectional_window)
 
 
 def _run(fa, q, k_cache, v_cache, *, out, return_lse, cu_seqlens_q, num_causal_q, seq_lens, block_table,
@@ -289,10 +301,10 @@ def _run(fa, q, k_cache, v_cache, *, out, return_lse, cu_seqlens_q, num_causal_q
     if cfg.nan_safe_v:  # the NaN-safe fix-up reads V itself (kernel.py, "NaN-safe V"): the last aux tensor
         aux.append(v_cache)
     if cfg.batch_order == "work":  # the scheduler's batch permutation, after every other aux tensor (kernel.py,
-        # "The batch order"): a few [B]-sized kernels on the device, no host read (tile_order.py); compile-only
+        # "The batch order"): one Triton launch on CUDA tensors, no host read (tile_order.py); compile-only
         # (FA4's fake mode: tensors without data, which a CPU build of torch cannot compute on) needs its shape only
         aux.append(torch.empty(cu_q.shape[0] - 1, dtype=torch.int32, device=q.device) if fa["is_fake_mode"]()
-                   else batch_work_order(cu_q, seq_lens, ncq, window_size, bidirectional_window))
+                   else _work_order(cu_q, seq_lens, ncq, window_size, bidirectional_window))
     lse_k = None if split else lse
     try:  # one lookup (a dict, or FA4's JIT cache, which has no .get and loads a disk entry inside [])
         compiled = _COMPILE_CACHE[key]

@@ -22,13 +22,27 @@ bidirectional rows without a window or with the prefix window (one span for all)
 rows take the span at their midpoint (exact where the span is linear in the row, e.g. a canvas within ``W`` keys
 of its sequence's end).
 
-Pure torch on the tensors' device: no host read (``.item()``, ``.tolist()``, data-dependent shapes), so a CUDA
-graph captures it and replays it with new metadata. Its cost is per call (the cute launch path has no plan shared
-by a step's layers, and the order depends on the layer's window): a dozen or two small kernels on ``B`` elements
-(counted in docs/tuning.md 2.13), which ``bench_attention``'s CUDA-graph rows include (``canvas_bs16_ctx8k_global``:
-equal canvases, the identity order, the cost alone). Any permutation gives the same
-outputs, so sharing one order between layers (a per-step cache) could only cost balance, never correctness; one
-launch computing keys and ranks together is the other remedy. The next step if the cost shows.
+The exact rule. All totals of keys over a sequence's rows are integers or half-integers, so the order compares
+``T2 = 2 x total`` (int64) over ``L = max(q_len, 1)`` without rounding: writing ``T2 = qt L + r`` (``0 <= r < L``),
+key_i > key_j exactly when ``qt_i > qt_j``, or ``qt_i == qt_j`` and ``r_i L_j > r_j L_i``. The metadata is first
+clamped into the domain ``0 <= num_causal_q <= q_len <= seq_len <= 2^31 - 1`` (identities on valid metadata, which
+``masks.MAX_SEQ_LEN = 2^30`` keeps inside it; garbage still yields a permutation, so the scheduler never reads a
+batch index out of range). In that domain every intermediate stays below 2^63: ``T2 <= 2 q_len seq_len < 2^63``,
+the window terms ``c (2W + 1 - c) < 2^61`` and ``2 n (W + 1) < 2^62`` (``W < 2^30`` after ``check_window``), and the
+cross products ``r L < 2^62``. The rank of sequence ``i`` is ``#{j: key_j > key_i} + #{j < i: key_j == key_i}``
+(a stable descending sort), and ``order[rank_i] = i``.
+
+Two implementations of the same rule, which agree exactly (ties included): :func:`batch_work_order` here, pure torch
+(``O(B^2)`` comparisons in row chunks: the reference, and what CPU tensors take), and
+:func:`blockdiff.attention.cute.tile_order_triton.batch_work_order_triton`, one Triton launch (every sequence's key,
+its rank and the scatter), which the interface takes for CUDA tensors (importing it on first use, so this module and
+the interface need no Triton until then). Neither reads anything on the host (``.item()``, ``.tolist()``,
+data-dependent shapes), so a CUDA graph captures either and replays it with new metadata. The cost is per call (the
+cute launch path has no plan shared by a step's layers, and the order depends on the layer's window): the one launch
+replaced the dozen or two small torch kernels the first version issued on the GPU (docs/tuning.md 2.13 counted them,
+2.14 measured their cost; 2.15 the one launch's). Any permutation gives the same outputs, so sharing one order
+between layers (a per-step cache) could only cost balance, never correctness: the remedy left if the one launch
+still shows.
 """
 from __future__ import annotations
 
@@ -36,7 +50,84 @@ import torch
 
 from ..masks import check_window
 
-__all__ = ["sequence_work_key", "batch_work_order"]
+__all__ = ["sequence_work_key", "sequence_work_twice_total", "batch_work_order", "META_MAX"]
+
+#: The largest length the exact rule admits (``seq_len``, ``q_len``; the module docstring's bounds): metadata is
+#: clamped to ``[0, META_MAX]`` first, an identity on valid metadata (``masks.MAX_SEQ_LEN = 2^30``).
+META_MAX = (1 << 31) - 1
+
+#: Rows of the reference's ``[chunk, B]`` comparison at a time (bounds its memory for large batches).
+_REFERENCE_CHUNK = 1024
+
+
+def check_order_metadata(cu_seqlens_q, seq_lens, num_causal_q) -> int:
+    """The batch size ``B`` after checking the metadata's types and host shapes (nothing read on the host).
+
+    Raises:
+        TypeError: an argument is not a torch.Tensor, or not of an integer dtype (bool, float rejected).
+        ValueError: ``cu_seqlens_q`` not 1-D of ``B + 1 >= 1`` entries, ``seq_lens`` / ``num_causal_q`` not 1-D of
+            ``B``, or the three on different devices.
+    """
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("seq_lens", seq_lens), ("num_causal_q", num_causal_q)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be an integer torch.Tensor, got {type(t).__name__}")
+        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")
+    if cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape[0] < 1:
+        raise ValueError(f"cu_seqlens_q must be 1-D with B + 1 >= 1 entries, got shape {tuple(cu_seqlens_q.shape)}")
+    B = cu_seqlens_q.shape[0] - 1
+    for name, t in (("seq_lens", seq_lens), ("num_causal_q", num_causal_q)):
+        if tuple(t.shape) != (B,):
+            raise ValueError(f"{name} must have shape ({B},) (cu_seqlens_q has {B + 1} entries), got {tuple(t.shape)}")
+        if t.device != cu_seqlens_q.device:
+            raise ValueError(f"{name} is on {t.device}, cu_seqlens_q on {cu_seqlens_q.device}: one device needed")
+    return B
+
+
+def _domain(cu_seqlens_q, seq_lens, num_causal_q):
+    """``(L, S, n)`` int64, clamped into ``0 <= n <= L <= S <= META_MAX`` (the Triton kernel's ``_meta`` mirrors
+    this line by line)."""
+    cu = cu_seqlens_q.long()
+    q_len = (cu[1:] - cu[:-1]).clamp(0, META_MAX)
+    s = torch.maximum(seq_lens.long().clamp(max=META_MAX), q_len)
+    n = torch.minimum(num_causal_q.long().clamp(min=0), q_len)
+    return q_len, s, n
+
+
+def _twice_total(q_len, s, n, w, bidirectional_window):
+    """``2 x`` the sum of the keys each query row of a sequence sees (int64, exact; see sequence_work_key for the
+    closed form). The Triton kernel's ``_twice_total`` mirrors this line by line."""
+    if w is None:
+        # causal rows see q_abs + 1 keys, bidirectional rows all S: 2 sum = 2 L (S - n) + n (n + 1)
+        return 2 * q_len * (s - n) + n * (n + 1)
+    a0 = s - q_len  # ctx: the first row's q_abs
+    a1 = a0 + n  # the first bidirectional row's q_abs
+    c0 = a0.clamp(max=w + 1)  # 2 sum_{a < x} min(a, W) = 2 x W - c (2W + 1 - c), c = min(x, W + 1)
+    c1 = a1.clamp(max=w + 1)
+    causal = c0 * (2 * w + 1 - c0) - c1 * (2 * w + 1 - c1) + 2 * (w + 1) * n  # 2 sum of min(q_abs, W) + 1
+    m = q_len - n
+    if bidirectional_window == "symmetric":
+        mid = 2 * a1 + m  # twice the bidirectional rows' midpoint a; span 2 (min(S - a, W + 1) + min(a, W))
+        return causal + m * ((2 * s - mid).clamp(max=2 * w + 2) + mid.clamp(max=2 * w))
+    return causal + 2 * m * (s - (a1 - w).clamp(min=0))
+
+
+def sequence_work_twice_total(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, num_causal_q: torch.Tensor,
+                              window_size=None, bidirectional_window: str = "symmetric") -> torch.Tensor:
+    """Twice the keys each sequence's query rows see in all (:func:`sequence_work_key`'s numerator, exact).
+
+    Args: as :func:`sequence_work_key`.
+
+    Returns:
+        int64 ``[B]`` on ``seq_lens``' device: ``2 x total`` of the clamped metadata (the module docstring's domain;
+        at most ``2 q_len seq_len < 2^63``).
+
+    Raises:
+        As :func:`sequence_work_key`.
+    """
+    check_order_metadata(cu_seqlens_q, seq_lens, num_causal_q)
+    w = check_window(window_size, bidirectional_window)
+    return _twice_total(*_domain(cu_seqlens_q, seq_lens, num_causal_q), w, bidirectional_window)
 
 
 def sequence_work_key(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, num_causal_q: torch.Tensor,
@@ -47,8 +138,9 @@ def sequence_work_key(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, num_ca
     bidirectional rows and window ``W`` (``inf`` without one): ``(sum_{q_abs in [ctx, ctx + n)} (min(q_abs, W) + 1)
     + m * span_b) / max(L, 1)``, where ``span_b`` is ``S`` without a window, ``S - max(0, ctx + n - W)`` with the
     prefix window, and with the symmetric window ``min(S - 1, a + W) - max(0, a - W) + 1`` at the bidirectional
-    rows' midpoint ``a = ctx + n + m / 2``. A sequence with no query rows has key 0. Computed in float64 (exact
-    while the sums stay below 2^53).
+    rows' midpoint ``a = ctx + n + m / 2``. A sequence with no query rows has key 0. For inspection: the order
+    compares the exact fractions (:func:`sequence_work_twice_total` over ``2 max(L, 1)``); this float64 is their
+    correctly rounded value (the numerator is exact below 2^53), so it never increases along the order.
 
     Args:
         cu_seqlens_q: ``[B + 1]`` integer tensor (query offsets).
@@ -62,41 +154,25 @@ def sequence_work_key(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, num_ca
         float64 ``[B]`` on ``seq_lens``' device.
 
     Raises:
-        TypeError, ValueError: a bad ``window_size`` or ``bidirectional_window`` (``check_window``). The tensors'
-            values are the caller's (the contract's fast path: nothing is read on the host).
+        TypeError, ValueError: a bad ``window_size`` or ``bidirectional_window`` (``check_window``); a metadata
+            argument that is not an integer tensor (TypeError), of the wrong shape or on another device
+            (ValueError). The tensors' values are the caller's (the contract's fast path: nothing is read on the
+            host); values outside the module docstring's domain are clamped into it.
     """
+    check_order_metadata(cu_seqlens_q, seq_lens, num_causal_q)
     w = check_window(window_size, bidirectional_window)
-    # float64 throughout (exact below 2^53; every call's op count is a kernel count on the GPU, so few ops)
-    cu = cu_seqlens_q.double()
-    q_len = cu[1:] - cu[:-1]
-    s = seq_lens.double()
-    n = num_causal_q.double()
-    if w is None:
-        # causal rows see q_abs + 1 keys, bidirectional rows all S: sum = L S - n (L - (n + 1) / 2)
-        total = torch.addcmul(q_len * s, n, torch.add(q_len, n, alpha=-0.5) - 0.5, value=-1)
-    else:
-        a0 = s - q_len  # ctx: the first row's q_abs
-        a1 = a0 + n  # the first bidirectional row's q_abs
-
-        def g(x):  # sum_{a < x} min(a, W) = x W - g(x), with c = min(x, W + 1): g = c (W + 1/2 - c / 2)
-            c = torch.clamp(x, max=w + 1)
-            return torch.addcmul(c * (w + 0.5), c, c, value=-0.5)
-
-        causal = torch.add(g(a0) - g(a1), n, alpha=w + 1)  # sum of min(q_abs, W) + 1 over the causal rows
-        m = q_len - n
-        if bidirectional_window == "symmetric":
-            a_b = torch.add(a1, m, alpha=0.5)  # the bidirectional rows' midpoint
-            span_b = torch.clamp(s - a_b, max=w + 1) + torch.clamp(a_b, max=w)  # min(S-1-a, W) + 1 + min(a, W)
-        else:
-            span_b = s - torch.clamp(a1 - w, min=0)
-        total = torch.addcmul(causal, m, span_b)
-    return total / q_len.clamp(min=1)
+    q_len, s, n = _domain(cu_seqlens_q, seq_lens, num_causal_q)
+    return _twice_total(q_len, s, n, w, bidirectional_window).double() / (2 * q_len.clamp(min=1)).double()
 
 
 def batch_work_order(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, num_causal_q: torch.Tensor,
                      window_size=None, bidirectional_window: str = "symmetric") -> torch.Tensor:
-    """The sequences by :func:`sequence_work_key`, descending; ties (and sequences with no query rows, key 0, last)
-    keep their batch order (a stable sort).
+    """The sequences by :func:`sequence_work_key`, descending, compared exactly (the module docstring's rule); ties
+    (and sequences with no query rows, key 0, last) keep their batch order (a stable sort). Pure torch on the tensors'
+    device, the reference of the one-launch kernel
+    (:func:`blockdiff.attention.cute.tile_order_triton.batch_work_order_triton`, which returns the same permutation
+    and which the interface takes for CUDA tensors): ``O(B^2)`` comparisons in chunks of rows against all sequences,
+    then the scatter ``order[rank_i] = i``.
 
     Args: as :func:`sequence_work_key`.
 
@@ -107,5 +183,22 @@ def batch_work_order(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, num_cau
     Raises:
         As :func:`sequence_work_key`.
     """
-    key = sequence_work_key(cu_seqlens_q, seq_lens, num_causal_q, window_size, bidirectional_window)
-    return torch.sort(key, descending=True, stable=True).indices.to(torch.int32)
+    B = check_order_metadata(cu_seqlens_q, seq_lens, num_causal_q)
+    w = check_window(window_size, bidirectional_window)
+    q_len, s, n = _domain(cu_seqlens_q, seq_lens, num_causal_q)
+    t2 = _twice_total(q_len, s, n, w, bidirectional_window)
+    den = q_len.clamp(min=1)
+    qt = torch.div(t2, den, rounding_mode="floor")
+    r = t2 - qt * den  # key = (qt + r / den) / 2, 0 <= r < den
+    idx = torch.arange(B, device=t2.device)
+    rank = torch.empty(B, dtype=torch.int64, device=t2.device)
+    for i0 in range(0, B, _REFERENCE_CHUNK):  # rows i (a column), against every j
+        sl = slice(i0, min(i0 + _REFERENCE_CHUNK, B))
+        qi, ri, di, ii = qt[sl, None], r[sl, None], den[sl, None], idx[sl, None]
+        cross_j, cross_i = r * di, ri * den  # r_j L_i and r_i L_j: key_j vs key_i when qt_j == qt_i
+        same = qt == qi
+        before = (qt > qi) | (same & (cross_j > cross_i)) | (same & (cross_j == cross_i) & (idx < ii))
+        rank[sl] = before.sum(1)
+    order = torch.empty(B, dtype=torch.int32, device=t2.device)
+    order[rank] = idx.to(torch.int32)
+    return order

@@ -2,7 +2,10 @@
 varlen tile scheduler takes the sequences longest tiles first through its ``virtual_batch_idx_ptr``).
 
 * CPU (CI, no flash-attn-4): the permutation function (a permutation, int32, ordered by its key, ties and empty
-  sequences in batch order, the key equal to the mean spans of ``masks.key_range``, no host read), the config
+  sequences in batch order, the key equal to the mean spans of ``masks.key_range``, no host read); the one-launch
+  Triton kernel (``tile_order_triton``, under the Triton interpreter) equal to the torch reference exactly on fuzzed
+  metadata (ties, empty and one-row sequences, every window kind, both modes, batches beyond one block, lengths at
+  the exact rule's bounds, out-of-domain garbage) and both equal to a host sort on exact fractions; the config
   field (validation, a switch not a tile field, part of the compile key, one sequence resolves to ``"given"``) and
   the launch (the permutation is the last aux tensor);
 * compile-only for sm_90a (where flash-attn-4 and nvidia-cutlass-dsl are installed, skipped in CI): the default
@@ -10,7 +13,8 @@ varlen tile scheduler takes the sequences longest tiles first through its ``virt
 * GPU (``python3 -m pytest -m gpu``, on the H200): outputs and LSEs bit-identical to ``"given"`` on random mixed
   batches (more than 31 sequences, empty ones, both tile orders) for the default kernels (hd 128, hd 256 with a
   window) and the hd-512 kernels (split-value, roles), split-KV (combine, cluster) included; the function in a CUDA
-  graph; a captured call replayed with the metadata changed in place, equal to an eager ``"given"`` call each time.
+  graph; a captured call replayed with the metadata changed in place, equal to an eager ``"given"`` call each time;
+  the Triton kernel one launch, captured in a CUDA graph and replayed with new metadata (several programs).
 """
 from __future__ import annotations
 
@@ -24,8 +28,11 @@ from hypothesis import strategies as st
 from blockdiff.attention.cute import config as cc
 from blockdiff.attention.cute import interface as ca
 from blockdiff.attention.cute import tile_order as to
+from blockdiff.attention.cute import tile_order_triton as tot
 from blockdiff.attention.masks import key_range
 from blockdiff.attention.testing import check_close
+
+from fractions import Fraction
 
 from cute_helpers import HAVE_FA4, capture_graph, compile_for_sm90_or_skip, gpu_batch, needs_gpu
 
@@ -78,6 +85,8 @@ def test_a_stable_permutation_by_the_key_of_the_middle_rows(rows, window, mode):
     meta = _meta(rows)
     order = to.batch_work_order(*meta, window, mode)
     key = to.sequence_work_key(*meta, window, mode)
+    twice = to.sequence_work_twice_total(*meta, window, mode)
+    assert twice.dtype == torch.int64
     assert order.dtype == torch.int32 and sorted(order.tolist()) == list(range(len(rows)))
     k = key[order.long()].tolist()
     o = order.tolist()
@@ -97,6 +106,7 @@ def test_a_stable_permutation_by_the_key_of_the_middle_rows(rows, window, mode):
                 else:
                     pairs += int(spans[n:].sum())
         assert key[b].item() == pytest.approx(pairs / max(ql, 1), rel=1e-12, abs=0), (rows[b], window, mode)
+        assert twice[b].item() == 2 * pairs, (rows[b], window, mode)  # exact (pairs is a half-integer at most)
     if window == 1 << 30:
         assert torch.equal(key, to.sequence_work_key(*meta, None, mode))
 
@@ -126,6 +136,164 @@ def test_int64_metadata_and_a_bad_window_or_mode():
         to.batch_work_order(*_meta(rows), True)
     with pytest.raises(ValueError, match="bidirectional_window"):
         to.batch_work_order(*_meta(rows), 64, "both")
+
+
+# --- CPU: the one-launch Triton kernel (the interpreter) against the torch reference and exact fractions -----------
+def _meta_dtype(rows, dtype=None):
+    """``_meta`` as int64 where the offsets or lengths need it (or as ``dtype``)."""
+    meta = _meta(rows) if sum(ql for _, ql, _ in rows) < 1 << 31 else None
+    if meta is None or dtype == torch.int64:
+        q_lens = [ql for _, ql, _ in rows]
+        cu = torch.tensor([0] + list(torch.tensor(q_lens, dtype=torch.int64).cumsum(0).tolist()), dtype=torch.int64)
+        meta = (cu, torch.tensor([c + ql for c, ql, _ in rows], dtype=torch.int64),
+                torch.tensor([n for _, _, n in rows], dtype=torch.int64))
+    return meta
+
+
+def _exact_order(cu, sl, ncq, window, mode):
+    """The order on the host with Python integers and fractions (no overflow, no rounding), from the key's
+    definition (sequence_work_key's docstring) after the documented clamp into the domain: an oracle independent of
+    the closed forms' int64 arithmetic."""
+    w = None if window is None or window >= 1 << 30 else window
+    cu, sl, ncq = cu.tolist(), sl.tolist(), ncq.tolist()
+    keys = []
+    for b in range(len(sl)):
+        L = min(max(cu[b + 1] - cu[b], 0), to.META_MAX)
+        S = max(min(sl[b], to.META_MAX), L)
+        n = min(max(ncq[b], 0), L)
+        m, ctx = L - n, S - L
+
+        def below(x):  # sum_{a < x} min(a, W)
+            if w is None or x <= w + 1:
+                return x * (x - 1) // 2
+            return w * (w + 1) // 2 + (x - w - 1) * w
+
+        total = Fraction(below(ctx + n) - below(ctx) + n)
+        if w is None:
+            total += m * S
+        elif mode == "prefix":
+            total += m * (S - max(0, ctx + n - w))
+        else:
+            a = Fraction(ctx + n) + Fraction(m, 2)
+            total += m * (min(S - a, w + 1) + min(a, w))
+        keys.append(total / max(L, 1))
+    return sorted(range(len(sl)), key=lambda b: (-keys[b], b))
+
+
+#: Where the kernel runs in the CPU tests: the interpreter without a GPU (tests/conftest.py), the GPU where there is one
+_KDEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _check_kernel(meta, window, mode):
+    """Kernel (interpreter) == reference == the exact host order, an int32 permutation."""
+    got = tot.batch_work_order_triton(*(t.to(_KDEV) for t in meta), window, mode).cpu()
+    ref = to.batch_work_order(*meta, window, mode)
+    assert got.dtype == torch.int32 and ref.dtype == torch.int32
+    assert got.tolist() == ref.tolist() == _exact_order(*meta, window, mode), (window, mode)
+    return got
+
+
+_LEN = st.one_of(st.integers(0, 40), st.integers(0, 3000), st.integers(0, 1 << 30), st.just(to.META_MAX))
+_ROW = st.tuples(_LEN, st.one_of(st.just(0), st.just(1), st.integers(0, 600), _LEN),
+                 st.one_of(st.sampled_from([0.0, 1.0]), st.floats(0, 1)))
+_WINDOW = st.sampled_from([None, 0, 1, 2, 63, 1023, (1 << 29) + 7, (1 << 30) - 1, 1 << 30, 1 << 31])
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(templates=st.lists(_ROW, min_size=1, max_size=4),
+       picks=st.lists(st.one_of(st.integers(0, 3), _ROW), min_size=1, max_size=70),
+       window=_WINDOW, mode=st.sampled_from(["symmetric", "prefix"]), wide=st.booleans())
+def test_triton_kernel_equals_the_reference_exactly(templates, picks, window, mode, wide):
+    """Fuzzed batches (1-70 sequences: up to three blocks of 32; rows repeated from a few templates, so many exact
+    ties; q_len 0, 1, short and up to the bounds; num_causal_q from 0 to q_len; seq_len up to 2^31 - 1; windows
+    none, 0, 1, small, large, 2^30 - 1 and no-bound ones; int32 or int64 metadata): the kernel's permutation is the
+    reference's and the exact host order's."""
+    rows = []
+    for p in picks:
+        c, ql, f = templates[p % len(templates)] if isinstance(p, int) else p
+        ql = min(ql, to.META_MAX)
+        rows.append((min(c, to.META_MAX - ql), ql, int(f * ql)))
+    _check_kernel(_meta_dtype(rows, torch.int64 if wide else None), window, mode)
+
+
+@pytest.mark.parametrize("B,window,mode", [(33, None, "symmetric"), (100, 63, "prefix"), (300, 1023, "symmetric")])
+def test_triton_kernel_beyond_one_block(B, window, mode):
+    """Batches over several programs and loop steps (32 a block; 300 is ten): serving-like rows, a third of them
+    copies of earlier ones (ties across blocks), empty sequences among them."""
+    rng = random.Random(B)
+    rows = []
+    for _ in range(B):
+        if rows and rng.random() < 0.33:
+            rows.append(rng.choice(rows))
+        else:
+            ql = rng.choice([0, 1, 256, rng.randrange(1, 1200)])
+            rows.append((rng.randrange(0, 9000), ql, rng.choice([0, ql, rng.randrange(0, ql + 1)])))
+    _check_kernel(_meta(rows), window, mode)
+
+
+def test_triton_kernel_exact_ties_and_bounds():
+    """Equal fractions over different row counts tie (batch order); keys that differ by less than float64
+    resolves still order exactly; lengths at 2^31 - 1 (the domain's edge) and the largest window do not overflow;
+    one sequence, B = 0 (no launch)."""
+    # bidirectional rows without a window: key = S, whatever the row count
+    rows = [(100, 10, 0), (105, 5, 0), (109, 1, 0), (0, 110, 0), (50, 60, 0)]
+    assert _check_kernel(_meta(rows), None, "symmetric").tolist() == [0, 1, 2, 3, 4]
+    # S = 2^31 - 1 keys, 2^30 query rows of which one causal: key S - 1 + 2^-30, which float64 rounds to S - 1 (its
+    # ulp there is 2^-22), the key of a one-row bidirectional sequence over S - 1 keys: exact says the first goes first
+    big = to.META_MAX
+    rows = [(big - 2, 1, 0), (big - (1 << 30), 1 << 30, 1)]
+    meta = _meta_dtype(rows, torch.int64)
+    float_order = torch.sort(to.sequence_work_key(*meta), descending=True, stable=True).indices
+    assert float_order.tolist() == [0, 1] and _check_kernel(meta, None, "symmetric").tolist() == [1, 0]
+    # the domain's edge (q_len = seq_len = 2^31 - 1, all causal or none) with the largest windows: no overflow
+    rows += [(big - 3, 3, 3), (big - 6, 6, 6), (big - 1, 1, 1), (0, big, big), (0, big, 0), (big - 2, 2, 1),
+             (1 << 30, big - (1 << 30), 7)]
+    for window in (None, (1 << 30) - 1, 1 << 29, 1, 0):
+        for mode in ("symmetric", "prefix"):
+            _check_kernel(_meta_dtype(rows, torch.int64), window, mode)
+    _check_kernel(_meta([(5, 3, 1)]), 1, "symmetric")
+    empty = tot.batch_work_order_triton(*(t.to(_KDEV) for t in _meta([])))
+    assert empty.dtype == torch.int32 and empty.shape == (0,)
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(vals=st.lists(st.tuples(*[st.integers(-(1 << 31), (1 << 31) - 1)] * 3), min_size=1, max_size=40),
+       wide=st.booleans(), window=_WINDOW, mode=st.sampled_from(["symmetric", "prefix"]))
+def test_triton_kernel_on_garbage_metadata_is_a_permutation(vals, wide, window, mode):
+    """Metadata outside the contract (offsets not monotone, q_len > seq_len, negative or too many causal rows,
+    int64 values beyond 2^31): clamped into the domain, still a permutation, kernel == reference == host order (the
+    scheduler never gets an index out of range)."""
+    scale = (1 << 31) if wide else 1  # int64: values up to 2^62 (no wrap in the offsets' differences)
+    dtype = torch.int64 if wide else torch.int32
+    cu = torch.tensor([0] + [v[0] * scale for v in vals], dtype=dtype)
+    sl = torch.tensor([v[1] * scale for v in vals], dtype=dtype)
+    ncq = torch.tensor([v[2] for v in vals], dtype=dtype)
+    got = _check_kernel((cu, sl, ncq), window, mode)
+    assert sorted(got.tolist()) == list(range(len(vals)))
+
+
+def test_triton_kernel_bad_arguments(monkeypatch):
+    meta = _meta([(10, 5, 5), (1000, 256, 0)])
+    with pytest.raises(ValueError, match="window_size"):
+        tot.batch_work_order_triton(*meta, -1)
+    with pytest.raises(TypeError, match="window_size"):
+        tot.batch_work_order_triton(*meta, 2.0)
+    with pytest.raises(ValueError, match="bidirectional_window"):
+        tot.batch_work_order_triton(*meta, 64, "both")
+    for fn in (tot.batch_work_order_triton, to.batch_work_order, to.sequence_work_key):
+        with pytest.raises(TypeError, match="seq_lens"):
+            fn(meta[0], meta[1].float(), meta[2])
+        with pytest.raises(TypeError, match="num_causal_q"):
+            fn(meta[0], meta[1], [5, 0])
+        with pytest.raises(ValueError, match="num_causal_q"):
+            fn(meta[0], meta[1], meta[2][:1])
+        with pytest.raises(ValueError, match="cu_seqlens_q"):
+            fn(meta[0].view(1, -1), meta[1], meta[2])
+        with pytest.raises(ValueError, match="seq_lens"):
+            fn(meta[0][:2], meta[1], meta[2][:1])
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="CUDA"):
+        tot.batch_work_order_triton(*meta)
 
 
 # --- CPU: the config field and the launch -----------------------------------------------------------------------
@@ -316,6 +484,49 @@ def test_gpu_the_permutation_replays_in_a_cuda_graph_with_new_metadata():
         graph.replay()
         torch.cuda.synchronize()
         assert order.cpu().tolist() == to.batch_work_order(*_meta(rows), 1023, "symmetric").tolist()
+
+
+@needs_gpu
+@pytest.mark.parametrize("B", [6, 100])
+def test_gpu_the_triton_kernel_is_one_launch_and_replays_in_a_cuda_graph(B):
+    """batch_work_order_triton: one CUDA kernel (the profiler's count of an eager call; the interface's path for
+    CUDA tensors); captured once on persistent buffers (100 sequences: four programs, four loop steps each) and
+    replayed after the metadata changed in place, windows of both modes: each replay equals the torch reference on
+    the CPU (no host read, nothing baked in at capture but B)."""
+    rng = random.Random(B)
+    steps = [_random_rows(rng, B) for _ in range(3)]
+    steps[2] = [steps[1][0]] * B  # all equal: the identity
+    cu = torch.zeros(B + 1, dtype=torch.int32, device="cuda")
+    sl = torch.zeros(B, dtype=torch.int32, device="cuda")
+    ncq = torch.zeros(B, dtype=torch.int32, device="cuda")
+
+    def set_step(rows):
+        for dst, src in zip((cu, sl, ncq), _meta(rows)):
+            dst.copy_(src)
+
+    set_step(steps[0])
+    assert ca._work_order(cu, sl, ncq, None, "symmetric").tolist() == to.batch_work_order(*_meta(steps[0])).tolist()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        ca._work_order(cu, sl, ncq, 1023, "symmetric")
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    if kernels:  # none: the profiler records no kernels here (CUPTI unavailable), nothing to count
+        assert len(kernels) == 1 and "batch_work_order" in kernels[0], kernels
+    for window, mode in ((1023, "symmetric"), (63, "prefix"), (None, "symmetric")):
+        orders = {}
+
+        def step():
+            orders["out"] = tot.batch_work_order_triton(cu, sl, ncq, window, mode)
+
+        set_step(steps[0])
+        graph = capture_graph(step)
+        for rows in steps:
+            set_step(rows)
+            orders["out"].fill_(-1)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert orders["out"].cpu().tolist() == to.batch_work_order(*_meta(rows), window, mode).tolist(), rows
 
 
 @needs_gpu
