@@ -5,7 +5,8 @@ varlen tile scheduler takes the sequences longest tiles first through its ``virt
   sequences in batch order, the key equal to the mean spans of ``masks.key_range``, no host read); the one-launch
   Triton kernel (``tile_order_triton``, under the Triton interpreter) equal to the torch reference exactly on fuzzed
   metadata (ties, empty and one-row sequences, every window kind, both modes, batches beyond one block, lengths at
-  the exact rule's bounds, out-of-domain garbage) and both equal to a host sort on exact fractions; the config
+  the exact rule's bounds, out-of-domain garbage) and both equal to a host sort on exact fractions, and compiled for
+  sm_90a offline without spills; the config
   field (validation, a switch not a tile field, part of the compile key, one sequence resolves to ``"given"``) and
   the launch (the permutation is the last aux tensor);
 * compile-only for sm_90a (where flash-attn-4 and nvidia-cutlass-dsl are installed, skipped in CI): the default
@@ -18,7 +19,11 @@ varlen tile scheduler takes the sequences longest tiles first through its ``virt
 """
 from __future__ import annotations
 
+import json
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -294,6 +299,42 @@ def test_triton_kernel_bad_arguments(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="CUDA"):
         tot.batch_work_order_triton(*meta)
+
+
+_SM90_COMPILE = r"""
+import json, os, re, subprocess, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from blockdiff.attention.cute import tile_order_triton as tot
+fn = tot._batch_work_order_kernel
+ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+out = []
+for has_window, symmetric in ((False, True), (True, True), (True, False)):
+    consts = dict(HAS_WINDOW=has_window, SYMMETRIC=symmetric, META_MAX=tot.META_MAX, BLOCK=tot.MAX_BLOCK)
+    sig = {n: "constexpr" if n in consts else ("*i32" if n.endswith("_ptr") else "i32") for n in fn.arg_names}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)).asm["ptx"]
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    r = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull], capture_output=True, text=True)
+    os.unlink(f.name)
+    assert r.returncode == 0, r.stderr
+    out.append([int(re.search(r"Used (\d+) registers", r.stderr).group(1)),
+                sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", r.stderr))])
+print(json.dumps(out))
+"""
+
+
+def test_triton_kernel_compiles_for_sm90_without_spills():
+    """The kernel at its largest block (int32 metadata; no window, symmetric and prefix windows) compiles for sm_90a
+    offline (Triton's ``GPUTarget``, ptxas -v, in a process without the interpreter): no spills, under 128
+    registers (MAX_BLOCK's bound; 64 spills)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _SM90_COMPILE], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for regs, spills in json.loads(r.stdout.strip().splitlines()[-1]):
+        assert spills == 0 and regs < 128, (regs, spills)
 
 
 # --- CPU: the config field and the launch -----------------------------------------------------------------------
