@@ -6,9 +6,8 @@ varlen tile scheduler takes the sequences longest tiles first through its ``virt
   Triton kernel (``tile_order_triton``, under the Triton interpreter) equal to the torch reference exactly on fuzzed
   metadata (ties, empty and one-row sequences, every window kind, both modes, batches beyond one block, lengths at
   the exact rule's bounds, out-of-domain garbage) and both equal to a host sort on exact fractions, and compiled for
-  sm_90a offline without spills; the config
-  field (validation, a switch not a tile field, part of the compile key, one sequence resolves to ``"given"``) and
-  the launch (the permutation is the last aux tensor);
+  sm_90a offline without spills; the config field (validation, a switch not a tile field, part of the compile key,
+  one sequence resolves to ``"given"``) and the launch (the permutation is the last aux tensor);
 * compile-only for sm_90a (where flash-attn-4 and nvidia-cutlass-dsl are installed, skipped in CI): the default
   and roles kernels with the permutation keep the given order's registers, spills and shared memory;
 * GPU (``python3 -m pytest -m gpu``, on the H200): outputs and LSEs bit-identical to ``"given"`` on random mixed
