@@ -289,7 +289,8 @@ def _child(spec: dict, ptx_dir: str | None = None) -> dict:
                 setmaxreg=None if by_role is None else by_role["setmaxreg"],
                 loops=sass_loops(sass) if sass else None,
                 config=dict(tile_m=cfg.tile_m, tile_n=cfg.tile_n, num_stages=cfg.num_stages, lpt=cfg.lpt,
-                            num_splits=cfg.num_splits, wide_design=cfg.wide_design, batch_order=cfg.batch_order))
+                            num_splits=cfg.num_splits, wide_design=cfg.wide_design, batch_order=cfg.batch_order,
+                            v_refill=cfg.v_refill))
 
 
 #: The split-value (hd 512, 16 q / 2 KV heads) configurations the report compiles: both KV layouts, every load
@@ -312,7 +313,7 @@ WIDE_MATRIX = [
 
 #: The roles kernel's configurations (``wide_design="roles"``, hd 512, 16 q / 2 KV heads): both KV layouts, page boxes
 #: of 1 / 4 / 8 per stage (pages 64, 16, 8 at 64-key tiles), both window modes, both tile shapes, GQA without TMA
-#: Q, split-KV.
+#: Q, split-KV, the V refill by halves (the bench's mixed_global_ctx8k launch).
 ROLES_MATRIX = [
     dict(page_size=None, window_size=None),
     dict(page_size=None, window_size=1023, bidirectional_window="prefix"),
@@ -327,6 +328,7 @@ ROLES_MATRIX = [
     dict(page_size=64, window_size=None, return_lse=False, max_seqlen_q=4096),
     dict(page_size=64, window_size=None, config=dict(num_splits=2)),
     dict(page_size=None, window_size=None, config=dict(nan_safe_v=False)),
+    dict(page_size=64, window_size=None, return_lse=False, max_seqlen_q=4096, config=dict(v_refill="halves")),
 ]
 
 

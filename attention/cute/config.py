@@ -18,7 +18,7 @@ __all__ = [
     "unsupported_head_dims", "resolve_wide_config", "WIDE_LONG_Q_CONFIG", "WIDE_MAX_PAGE_BOXES", "MAX_SPLITS",
     "MIN_KEYS_PER_SPLIT", "grid_tiles", "choose_num_splits", "key_bound", "resolve_launch_config", "check_config",
     "SPLIT_MERGES", "MAX_CLUSTER_SPLITS", "AUTO_CLUSTER_SPLITS", "auto_split_merge", "cluster_merge_fits",
-    "WIDE_DESIGNS", "ROLES_CONFIG", "BATCH_ORDERS",
+    "WIDE_DESIGNS", "ROLES_CONFIG", "BATCH_ORDERS", "V_REFILLS",
 ]
 
 #: The optional packages this backend runs on (the ``cute`` extra of setup.py).
@@ -56,6 +56,13 @@ class CuteConfig:
     result does not depend on the order, so both give identical outputs; ``"work"`` puts a mixed batch's long
     canvas tiles before a prefill's short ones (less idle tail). Not a tile field; with one sequence it resolves
     to ``"given"`` (:func:`resolve_launch_config`).
+    v_refill: who refills the roles kernel's V stages (``wide_design="roles"`` only): ``"one_warp"`` (default: PV0's
+    warp 0 loads the whole ``tile_n x d`` block once both P V warpgroups released the stage) or ``"halves"``
+    (opt-in: each P V warpgroup's warp 0 loads the half of the value columns its own warpgroup reads, through a
+    per-half pipeline, as soon as its own warpgroup released it, a one-box block's page index read before the P V;
+    ``kernel_roles.py``, docs/tuning.md 2.12 remedy 2 and 2.15). Identical outputs. Not a tile field; ``"halves"``
+    with ``wide_design="split_v"`` is a ValueError, and below head dim 257 (FA4's kernel) it resolves to
+    ``"one_warp"``.
     """
 
     tile_m: int | None = None
@@ -69,6 +76,7 @@ class CuteConfig:
     split_merge: str = "auto"
     wide_design: str = "split_v"
     batch_order: str = "given"
+    v_refill: str = "one_warp"
 
 
 #: The merges of split-KV partial outputs (CuteConfig.split_merge).
@@ -78,6 +86,9 @@ SPLIT_MERGES = ("auto", "combine", "cluster")
 WIDE_DESIGNS = ("split_v", "roles")
 #: The scheduler's batch orders (CuteConfig.batch_order): batch order (default) and longest tiles first by sequence.
 BATCH_ORDERS = ("given", "work")
+#: Who refills the roles kernel's V stages (CuteConfig.v_refill): one warp for the whole block (default) or each
+#: P V warpgroup its own half of the value columns.
+V_REFILLS = ("one_warp", "halves")
 #: Most splits of the cluster merge: the portable thread-block cluster size (8 CTAs).
 MAX_CLUSTER_SPLITS = 8
 
@@ -211,6 +222,7 @@ def resolve_config(head_dim: int, head_dim_v: int, window_size, config=None, max
         return replace(_resolve_wide(head_dim, head_dim_v, config, max_seqlen_q, switches["wide_design"]),
                        **switches)
     switches["wide_design"] = "split_v"  # FA4's kernel below head dim 257: one compile key for both designs
+    switches["v_refill"] = "one_warp"  # likewise: a roles-kernel switch
     if config is None:
         config = CuteConfig()
         if (head_dim == head_dim_v == 128 and window_size is None and max_seqlen_q is not None
@@ -236,13 +248,14 @@ def resolve_config(head_dim: int, head_dim_v: int, window_size, config=None, max
 
 
 #: CuteConfig fields that are switches, not tile fields, with their defaults.
-_SWITCHES = dict(nan_safe_v=True, split_merge="auto", wide_design="split_v", batch_order="given")
+_SWITCHES = dict(nan_safe_v=True, split_merge="auto", wide_design="split_v", batch_order="given",
+                 v_refill="one_warp")
 
 
 def _split_switches(config):
     """``(config without the switches, {switch: value})`` (``nan_safe_v``, ``split_merge``, ``wide_design``,
-    ``batch_order``): they are not tile fields, so a config that sets only them resolves the tiles as None does
-    (the tuned automatic choices)."""
+    ``batch_order``, ``v_refill``): they are not tile fields, so a config that sets only them resolves the tiles
+    as None does (the tuned automatic choices)."""
     if config is None:
         return None, dict(_SWITCHES)
     if isinstance(config, dict):
@@ -269,11 +282,12 @@ def _check_head_dims(head_dim, head_dim_v) -> None:
 
 
 _CONFIG_FIELDS = ("tile_m", "tile_n", "mma_pv_is_rs", "intra_wg_overlap", "num_stages", "lpt", "num_splits",
-                  "nan_safe_v", "split_merge", "wide_design", "batch_order")
+                  "nan_safe_v", "split_merge", "wide_design", "batch_order", "v_refill")
 
 
 def _check_field(name: str, v) -> None:
-    choices = {"wide_design": WIDE_DESIGNS, "split_merge": SPLIT_MERGES, "batch_order": BATCH_ORDERS}.get(name)
+    choices = {"wide_design": WIDE_DESIGNS, "split_merge": SPLIT_MERGES, "batch_order": BATCH_ORDERS,
+               "v_refill": V_REFILLS}.get(name)
     if choices is not None:  # a str switch with named values
         if not isinstance(v, str):
             raise TypeError(f"config {name} must be a str, one of {choices}, got {type(v).__name__} ({v!r})")
@@ -313,7 +327,8 @@ def check_config(config):
     bool; ``num_splits``: None or an int in [1, :data:`MAX_SPLITS`]; ``nan_safe_v``: a bool; ``split_merge``:
     one of :data:`SPLIT_MERGES`, and ``"cluster"`` with an explicit ``num_splits`` at most
     :data:`MAX_CLUSTER_SPLITS`; ``wide_design``: one of :data:`WIDE_DESIGNS`, not with ``split_merge="cluster"``;
-    ``batch_order``: one of :data:`BATCH_ORDERS`.
+    ``batch_order``: one of :data:`BATCH_ORDERS`; ``v_refill``: one of :data:`V_REFILLS`, ``"halves"`` only with
+    ``wide_design="roles"``.
     Kernel-specific rules (the split-value kernel's tiles, shared memory, whether the cluster merge's tile fits)
     are :func:`resolve_config`'s and :func:`resolve_launch_config`'s.
 
@@ -341,6 +356,10 @@ def check_config(config):
     if values.get("split_merge") == "cluster" and values.get("wide_design") == "roles":
         raise ValueError("config split_merge 'cluster' is not built for wide_design 'roles'; use split_merge "
                          "'combine' or 'auto'")
+    if values.get("v_refill", "one_warp") != "one_warp" and values.get("wide_design", "split_v") != "roles":
+        raise ValueError(f"config v_refill {values['v_refill']!r} is built for wide_design 'roles' only (the roles "
+                         "kernel's V loads), got wide_design "
+                         f"{values.get('wide_design', 'split_v')!r}; set wide_design 'roles' or v_refill 'one_warp'")
     if values.get("split_merge") == "cluster" and n is not None and n > MAX_CLUSTER_SPLITS:
         raise ValueError(f"config split_merge 'cluster' takes at most {MAX_CLUSTER_SPLITS} splits (the portable "
                          f"cluster size), got num_splits {n}; use split_merge 'combine'")

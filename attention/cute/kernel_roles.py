@@ -64,6 +64,30 @@ warpgroups write O into Q's shared memory only after SM stopped reading Q. A thr
 the same rows in every m64 wgmma fragment (S, either half of O), so thread t of a P V warpgroup reads exactly the
 factors thread t of SM wrote.
 
+V refill by halves (``v_refill="halves"``, opt-in; docs/tuning.md 2.12 remedy 2, 2.15)
+-------------------------------------------------------------------------------------
+By default (``"one_warp"``) the V stage is one pipeline stage of FA4's V pipeline: V(i + num_stages) is requested
+only after P V(i) retired in *both* P V warpgroups, and PV0's warp 0 then issues all the stage's TMA boxes (eight
+64-column boxes per page box at dv 512, each behind its own ``elect.sync``, after the page-table load), while the 8
+P V warps wait for it at the next ``P_FULL``. But PV0 reads only ``V[:, :dv/2]`` and PV1 only ``V[:, dv/2:]``. With
+``"halves"`` each P V warpgroup has its own V pipeline over the same stages' half of the columns
+(:class:`_HalfVPipeline`: ``full`` / ``empty`` mbarriers per stage and its own tail barrier, after FA4's V barriers
+in the barrier kilobyte, so the shared memory is unchanged; ``empty`` counts the warpgroup's 4 warps), and each
+warpgroup's warp 0 (CTA warps 4 and 8) refills its half as soon as its *own* warpgroup released it: the two loaders
+run in parallel, each issues half the boxes (the same V TMA atom, partitioned into ``tile_n x dv/2`` tiles), and no
+P V warpgroup waits on the other's release. When one page box covers a key block (page size >= ``tile_n``, e.g. 64),
+the refill's page index is read before the block's ``P_FULL`` wait (held in one register across the P V), off the
+refill's dependent chain; smaller pages, and the split-KV subclass (where that register spilled), read theirs at the
+load, as the default does. A stage holding rows past the sequence's last key is loaded on the half's tail barrier
+and each loader zeroes its own half of those rows before handing the half over (the contract of
+:meth:`~blockdiff.attention.cute.kernel.FlashAttentionForwardSm90Mixed._acquire_load_v`, per half). Contiguous K / V
+take the same split (two tile copies of half the columns; rows past the end are the next sequence's, as by default).
+The loaders initialise their barriers after the kernel body's pipeline set-up, so both P V warpgroups meet once at
+named barrier 15 (``V_HALVES_INIT_BARRIER``) before any wait on them. The P hand-off, the MMAs and their order are
+unchanged, so the outputs equal the default's. Not done here (2.12's remedy 2 lists them): one ``elect.sync`` around
+a half's boxes (the DSL's TMA copy emits its own per box; a single elect needs the raw ``cp.async.bulk.tensor``),
+the same split for K (SM alone reads K), a page index fetched a whole block ahead.
+
 NaN-safe V (``nan_safe_v``): each P V warpgroup cleans its own half of a masked block's V stage before its P V
 (named barriers 12 and 13) in SM's hand-off order, and the epilogue's fix-up adds the non-finite V entries of the
 rows that allow them, exactly as the split-value kernel's WG1.
@@ -124,6 +148,71 @@ _FINAL_SLOT, _LSE_SLOT = 2, 3
 _BAR_THREADS = 3 * _WG
 #: setmaxnreg (module docstring, "Registers"): SM (FA4's producer slot), P V warpgroups.
 ROLES_REGS = (152, 176)
+#: ``v_refill="halves"``: the CTA named barrier after which both P V warpgroups use their per-half V pipelines
+#: (their loaders initialised them). FA4's ``NamedBarrierFwd`` uses 1-6, the P hand-off 7-11, the NaN-safe V
+#: clean-up 12-14 (12-13 here); 15 is free.
+V_HALVES_INIT_BARRIER = 15
+
+
+class _HalfVPipeline:
+    """One P V warpgroup's V pipeline (``v_refill="halves"``): the ``num_stages`` V stages' columns that
+    warpgroup reads, with its own mbarriers in shared memory (trace-time object; no state of its own).
+
+    Barriers from ``base`` (``_get_shared_storage_cls``): ``full[s]`` (``base + s``, arrival count 1: the
+    loader's ``arrive.expect_tx`` of the half's bytes, or its plain arrive after a tail stage's clean-up),
+    ``empty[s]`` (``base + num_stages + s``, arrival count 4: one per warp of the warpgroup, as FA4's
+    PipelineTmaAsync counts a consumer warp), ``tail`` (``base + 2 num_stages``: the loader's own barrier for a
+    sequence's last block, as ``_acquire_load_v``). The same protocol and phases as FA4's PipelineTmaAsync with
+    a producer of one warp and a consumer of 4 warps, so :func:`cutlass.pipeline.make_pipeline_state` states
+    drive it. A DSL value (its base pointer) where control flow carries it."""
+
+    def __init__(self, base, num_stages: int, tx_bytes: int):
+        self.base, self.num_stages, self.tx_bytes = base, num_stages, tx_bytes
+        self.tail = base + 2 * num_stages
+
+    def __extract_mlir_values__(self):
+        return [self.base]
+
+    def __new_from_mlir_values__(self, values):
+        return _HalfVPipeline(values[0], self.num_stages, self.tx_bytes)
+
+    @staticmethod
+    def slots(num_stages: int) -> int:
+        """mbarriers of one half: full and empty per stage, the tail barrier."""
+        return 2 * num_stages + 1
+
+    def full(self, index):
+        return self.base + index
+
+    def empty(self, index):
+        return self.base + self.num_stages + index
+
+    def init(self):
+        """By the loader warp (one elected thread), then fenced for the async proxy; the consumers may use the
+        barriers after a CTA barrier that follows this (``V_HALVES_INIT_BARRIER``)."""
+        with cute.arch.elect_one():
+            for s in range(self.num_stages):
+                cute.arch.mbarrier_init(self.full(s), 1)
+                cute.arch.mbarrier_init(self.empty(s), _WG // cute.arch.WARP_SIZE)
+            cute.arch.mbarrier_init(self.tail, 1)
+        cute.arch.mbarrier_init_fence()
+
+    def producer_wait_empty(self, state):
+        cute.arch.mbarrier_wait(self.empty(state.index), state.phase)
+
+    def producer_acquire(self, state):
+        """Wait until the warpgroup released the stage's half, then expect its bytes on ``full``."""
+        self.producer_wait_empty(state)
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(self.full(state.index), self.tx_bytes)
+
+    def consumer_wait(self, state):
+        cute.arch.mbarrier_wait(self.full(state.index), state.phase)
+
+    def consumer_release(self, state):
+        """One arrival per warp (every warp of the warpgroup calls this after its P V retired)."""
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive(self.empty(state.index))
 
 
 class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
@@ -132,12 +221,23 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
 
     Constructor arguments are :class:`~blockdiff.attention.cute.kernel_wide.FlashAttentionForwardSm90WideV`'s
     (``tile_m`` 64, equal head dims in (256, 512], multiples of 32; ``tile_n`` a multiple of 16);
-    ``mma_pv_is_rs`` / ``intra_wg_overlap`` are fixed (P from shared memory) and ignored.
+    ``mma_pv_is_rs`` / ``intra_wg_overlap`` are fixed (P from shared memory) and ignored; ``v_refill``
+    ``"one_warp"`` (default) or ``"halves"`` (module docstring, "V refill by halves").
 
     Raises:
         ValueError: a tile shape or head dim outside the above, or ``paged_kv_non_tma=True`` (FA4's cp.async
             paged loads are not built for this kernel).
     """
+
+    V_REFILLS = ("one_warp", "halves")
+    #: ``v_refill="halves"``: read a refill's page index before the block's ``P_FULL`` wait (one register held
+    #: across the P V; module docstring). The split-KV subclass reads it at the load instead.
+    _V_PAGE_AHEAD = True
+    #: ``v_refill="halves"``: issue a half's TMA copies in a compile-time branch per half (immediate coordinates
+    #: and shared-memory offsets, twice the loop's TMA code) instead of with the half index in a register. Chosen
+    #: per kernel by the sm_90a compile (docs/tuning.md 2.15): off here (no spills either way at page 64; on, the
+    #: page-16 kernel spilled 4 B more than the default's), on in the split-KV subclass (off, it spilled 4 B).
+    _V_HALF_BRANCH = False
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -152,6 +252,20 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
 
     def _scale_elems(self) -> int:
         return self._rows_per_thread() * _WG * _SCALE_SLOTS
+
+    def _extra_v_barriers(self) -> int:
+        """After the V pipeline's barriers: the page-box tail barrier slot (kept unused by ``"halves"`` on a
+        contiguous cache, so the halves' offset is the same), then ``"halves"``' two per-half pipelines."""
+        if self.v_refill != "halves":
+            return super()._extra_v_barriers()
+        return 1 + 2 * _HalfVPipeline.slots(self.num_stages)
+
+    def _half_v_pipeline(self, pipeline_v, pv: Int32) -> _HalfVPipeline:
+        """P V warpgroup ``pv``'s half-V pipeline (``v_refill="halves"``): its barriers follow FA4's V barriers
+        and the tail barrier slot (``_extra_v_barriers``)."""
+        first = pipeline_v.sync_object_full.get_barrier(0) + 2 * self.num_stages + 1
+        return _HalfVPipeline(first + pv * _HalfVPipeline.slots(self.num_stages), self.num_stages,
+                              self.tma_copy_bytes["V"] // 2)
 
     def _get_shared_storage_cls(self):
         """The split-value kernel's struct (Q, K, V, two P slots, then the factor slots); K's size in bytes is
@@ -447,7 +561,11 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
         P V warpgroups."""
         tidx = ctx.tidx  # [0, 256): the epilogue's numbering
         t_wg = tidx - pv * _WG
-        is_v_loader = cute.arch.make_warp_uniform(tidx // cute.arch.WARP_SIZE) == 0  # PV0's warp 0 (CTA warp 4)
+        halves = self.v_refill == "halves"
+        if const_expr(halves):  # warp 0 of each P V warpgroup (CTA warps 4 and 8) loads its warpgroup's half
+            is_v_loader = cute.arch.make_warp_uniform(t_wg // cute.arch.WARP_SIZE) == 0
+        else:
+            is_v_loader = cute.arch.make_warp_uniform(tidx // cute.arch.WARP_SIZE) == 0  # PV0's warp 0 (CTA warp 4)
         # locals only inside the loops below: the DSL would try to carry the namespace's fields through them
         block_info, sScale, SeqlenInfoCls = ctx.block_info, ctx.sScale, ctx.SeqlenInfoCls
         pipeline_v, pipeline_q = ctx.pipeline_v, ctx.pipeline_q
@@ -465,7 +583,11 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
         # V pipeline's barriers (_get_shared_storage_cls), initialised by the loading warp.
         tail_bar = pipeline_v.sync_object_empty.get_barrier(0) + self.num_stages
         tail_phase = Int32(0)
-        if const_expr(self.kv_box_rows is not None):
+        if const_expr(halves):
+            # this warpgroup's half-V pipeline (its own tail barrier inside), initialised by its loader; both
+            # warpgroups pass one barrier before any wait on it
+            self._init_half_v(self._half_v_pipeline(pipeline_v, pv), is_v_loader)
+        elif const_expr(self.kv_box_rows is not None):
             if is_v_loader:
                 with cute.arch.elect_one():
                     cute.arch.mbarrier_init(tail_bar, 1)
@@ -482,14 +604,29 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
             n_block_min, n_block_max = block_info.get_n_block_min_max(seqlen, m_block)
             num_blocks = n_block_max - n_block_min
             head_idx_kv = head_idx // self.qhead_per_kvhead if const_expr(not self.pack_gqa) else head_idx
-            load_V = self._v_loader(mV, sV, pipeline_v, mPageTable, seqlen, batch_idx, head_idx_kv, tail_bar)
-            if is_v_loader:  # the first num_stages V blocks (descending key order)
-                for i in cutlass.range(cutlass.min(self.num_stages, num_blocks), unroll=1):
-                    tail_phase = load_V(n_block_max - 1 - i, v_producer_state, tail_phase)
-                    v_producer_state.advance()
-            block = partial(self._pv_block, pipeline_v=pipeline_v, mma_pv_fn=mma_pv_fn, acc_O=acc_O,
-                            softmax=softmax, sScale=sScale, t_wg=t_wg, pv=pv, num_blocks=num_blocks,
-                            n_block_max=n_block_max, load_V=load_V, is_v_loader=is_v_loader)
+            if const_expr(halves):
+                # built per tile from the smem base and pv, so no pointer stays live across the epilogue
+                vpipe = self._half_v_pipeline(pipeline_v, pv)
+                load_V, page_of = self._v_half_loader(mV, sV, vpipe, mPageTable, seqlen, batch_idx, head_idx_kv,
+                                                      pv)
+                if is_v_loader:  # the first num_stages V blocks' halves (descending key order)
+                    for i in cutlass.range(cutlass.min(self.num_stages, num_blocks), unroll=1):
+                        n_first = n_block_max - 1 - i
+                        page = page_of(n_first) if const_expr(page_of is not None) else Int32(0)
+                        tail_phase = load_V(n_first, v_producer_state, tail_phase, page)
+                        v_producer_state.advance()
+                block = partial(self._pv_block_halves, vpipe=vpipe, mma_pv_fn=mma_pv_fn, acc_O=acc_O,
+                                softmax=softmax, sScale=sScale, t_wg=t_wg, pv=pv, num_blocks=num_blocks,
+                                n_block_max=n_block_max, load_V=load_V, page_of=page_of, is_v_loader=is_v_loader)
+            else:
+                load_V = self._v_loader(mV, sV, pipeline_v, mPageTable, seqlen, batch_idx, head_idx_kv, tail_bar)
+                if is_v_loader:  # the first num_stages V blocks (descending key order)
+                    for i in cutlass.range(cutlass.min(self.num_stages, num_blocks), unroll=1):
+                        tail_phase = load_V(n_block_max - 1 - i, v_producer_state, tail_phase)
+                        v_producer_state.advance()
+                block = partial(self._pv_block, pipeline_v=pipeline_v, mma_pv_fn=mma_pv_fn, acc_O=acc_O,
+                                softmax=softmax, sScale=sScale, t_wg=t_wg, pv=pv, num_blocks=num_blocks,
+                                n_block_max=n_block_max, load_V=load_V, is_v_loader=is_v_loader)
             if const_expr(not self.nan_safe_v):
                 for block_i in cutlass.range(num_blocks, unroll=1):
                     kv_consumer_state, v_producer_state, tail_phase = block(
@@ -522,7 +659,13 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
             tile_scheduler.advance_to_next_work()
             work_tile = tile_scheduler.get_current_work()
         if is_v_loader:
-            pipeline_v.producer_tail(v_producer_state)
+            if const_expr(halves):  # every stage's half released by this warpgroup before the CTA exits
+                vpipe_end = self._half_v_pipeline(pipeline_v, pv)
+                for _ in cutlass.range_constexpr(self.num_stages):
+                    vpipe_end.producer_wait_empty(v_producer_state)
+                    v_producer_state.advance()
+            else:
+                pipeline_v.producer_tail(v_producer_state)
 
     def _v_loader(self, mV, sV, pipeline_v, mPageTable, seqlen, batch_idx, head_idx_kv, tail_bar):
         """``load(n_block, producer_state, tail_phase) -> tail_phase``: acquire a V stage and load it
@@ -575,7 +718,185 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
         return kv_consumer_state, v_producer_state, tail_phase
 
 
+    # --- v_refill="halves": each P V warpgroup refills its own half of V --------------------------------------
+    @cute.jit
+    def _init_half_v(self, vpipe: _HalfVPipeline, is_v_loader):
+        """The loader warp initialises its warpgroup's half-V barriers; then both P V warpgroups meet at
+        ``V_HALVES_INIT_BARRIER`` (no thread waits on a barrier before its initialisation)."""
+        if is_v_loader:
+            vpipe.init()
+        cute.arch.barrier(barrier_id=V_HALVES_INIT_BARRIER, number_of_threads=2 * _WG)
+
+    def _v_half_loader(self, mV, sV, vpipe: _HalfVPipeline, mPageTable, seqlen, batch_idx, head_idx_kv, pv):
+        """``(load, page_of)`` for P V warpgroup ``pv``'s half of the value columns: ``load(n_block,
+        producer_state, tail_phase, page) -> tail_phase`` acquires the half of a V stage and loads it on
+        ``vpipe`` (the same TMA atom as the whole block's, partitioned into ``tile_n x dv/2`` tiles: 4 of its
+        8 column boxes at dv 512). Contiguous: one tile copy. Paged: the page boxes of this half, rows past the
+        last key zeroed in this half (:meth:`_acquire_load_v_half`). ``page_of(n_block)``: the page index of
+        key block ``n_block`` when one page box covers a block (page size >= ``tile_n``), read by the caller
+        ahead of the load (``page`` argument); None otherwise (the boxes' pages are read at the load)."""
+        tma_atom = self._tma_atom_V
+        half = self.tile_hdimv // 2
+        if const_expr(self.kv_box_rows is None):
+            mV_cur = seqlen.offset_batch_K(mV, batch_idx, dim=3)[None, None, head_idx_kv]
+            tVsV, tVgV = cpasync.tma_partition(
+                tma_atom, 0, cute.make_layout(1), cute.zipped_divide(sV, (self.tile_n, half)),
+                cute.zipped_divide(mV_cur, (self.tile_n, half)))
+
+            def load(n_block, producer_state, tail_phase, page):
+                vpipe.producer_acquire(producer_state)
+                self._copy_half_tile(tma_atom, tVsV, tVgV, vpipe.full(producer_state.index), pv, n_block,
+                                     producer_state.index)
+                return tail_phase
+            return load, None
+        box_rows = self.kv_box_rows
+        tVsV, tVgV = cpasync.tma_partition(
+            tma_atom, 0, cute.make_layout(1), cute.zipped_divide(sV, (box_rows, half)),
+            cute.zipped_divide(mV[None, None, head_idx_kv, None], (box_rows, half)))
+        last_box_row = cutlass.max(seqlen.seqlen_k - 1, 0) // box_rows * box_rows
+        page_of = None
+        if const_expr(box_rows == self.tile_n and self._V_PAGE_AHEAD):
+            def page_of(n_block):
+                return mPageTable[batch_idx, cutlass.min(n_block * self.tile_n, last_box_row) // self.kv_page_size]
+        load = partial(self._acquire_load_v_half, tma_atom, tVsV, tVgV, vpipe, mPageTable, batch_idx,
+                       last_box_row, sV, seqlen.seqlen_k, pv, page_of is not None)
+        return load, page_of
+
+    @cute.jit
+    def _copy_half_tile(self, tma_atom: cute.CopyAtom, tVsV: cute.Tensor, tVgV: cute.Tensor, bar_ptr: cute.Pointer,
+                        pv: Int32, n_block: Int32, stage: Int32):
+        """Contiguous K / V: half ``pv`` of key block ``n_block`` into ``stage`` (one tile copy; ``pv`` as
+        :meth:`_issue_half_boxes` takes it)."""
+        if const_expr(self._V_HALF_BRANCH):
+            if pv == 0:
+                cute.copy(tma_atom, tVgV[None, (n_block, 0)], tVsV[None, (0, 0, stage)], tma_bar_ptr=bar_ptr)
+            else:
+                cute.copy(tma_atom, tVgV[None, (n_block, 1)], tVsV[None, (0, 1, stage)], tma_bar_ptr=bar_ptr)
+        else:
+            cute.copy(tma_atom, tVgV[None, (n_block, pv)], tVsV[None, (0, pv, stage)], tma_bar_ptr=bar_ptr)
+
+    @cute.jit
+    def _issue_half_boxes(self, tma_atom: cute.CopyAtom, tVsV: cute.Tensor, tVgV: cute.Tensor,
+                          bar_ptr: cute.Pointer, mPageTable: cute.Tensor, batch_idx: Int32, last_box_row: Int32,
+                          pv: Int32, n_block: Int32, stage: Int32, page: Int32,
+                          prefetched: cutlass.Constexpr[bool]):
+        """The page boxes of key block ``n_block``'s half ``pv`` into ``stage`` on ``bar_ptr`` (as
+        ``_issue_boxes``; with ``prefetched`` the one box's page is ``page``, read ahead by the caller). ``pv`` a
+        register value in the box coordinates, or with ``_V_HALF_BRANCH`` a compile-time index in a branch per
+        half (immediate coordinates and offsets, twice the TMA code)."""
+        issue = partial(self._issue_half_boxes_of, tma_atom, tVsV, tVgV, bar_ptr, mPageTable, batch_idx,
+                        last_box_row, n_block, stage, page, prefetched)
+        if const_expr(self._V_HALF_BRANCH):
+            if pv == 0:
+                issue(0)
+            else:
+                issue(1)
+        else:
+            issue(pv)
+
+    @cute.jit
+    def _issue_half_boxes_of(self, tma_atom: cute.CopyAtom, tVsV: cute.Tensor, tVgV: cute.Tensor,
+                             bar_ptr: cute.Pointer, mPageTable: cute.Tensor, batch_idx: Int32, last_box_row: Int32,
+                             n_block: Int32, stage: Int32, page: Int32, prefetched: cutlass.Constexpr[bool], h):
+        box_rows = self.kv_box_rows
+        for j in cutlass.range_constexpr(self.tile_n // box_rows):
+            row = cutlass.min(n_block * self.tile_n + j * box_rows, last_box_row)
+            pg = page
+            if const_expr(not prefetched):
+                pg = mPageTable[batch_idx, row // self.kv_page_size]
+            box_in_page = (row % self.kv_page_size) // box_rows
+            cute.copy(tma_atom, tVgV[None, (box_in_page, h, pg)], tVsV[None, (j, h, stage)], tma_bar_ptr=bar_ptr)
+
+    @cute.jit
+    def _acquire_load_v_half(self, tma_atom: cute.CopyAtom, tVsV: cute.Tensor, tVgV: cute.Tensor,
+                             vpipe: _HalfVPipeline, mPageTable: cute.Tensor, batch_idx: Int32,
+                             last_box_row: Int32, sV: cute.Tensor, seqlen_k: Int32, pv: Int32,
+                             prefetched: cutlass.Constexpr[bool], n_block: Int32, producer_state, tail_phase: Int32,
+                             page: Int32) -> Int32:
+        """``_acquire_load_v`` for one half: a stage holding rows past the sequence's last key is loaded on the
+        half's own tail barrier, its rows past the end zeroed in this half's columns (the other warpgroup's
+        loader zeroes the other half), fenced, then handed over by a plain arrive on the half's full barrier;
+        any other stage: acquire with the half's bytes, the boxes. Returns the tail barrier's phase."""
+        issue = partial(self._issue_half_boxes, tma_atom, tVsV, tVgV, mPageTable=mPageTable, batch_idx=batch_idx,
+                        last_box_row=last_box_row, pv=pv, n_block=n_block, stage=producer_state.index, page=page,
+                        prefetched=prefetched)
+        first_past_end = seqlen_k - n_block * self.tile_n
+        phase = tail_phase
+        if first_past_end < self.tile_n:
+            vpipe.producer_wait_empty(producer_state)
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(vpipe.tail, vpipe.tx_bytes)
+            issue(bar_ptr=vpipe.tail)
+            cute.arch.mbarrier_wait(vpipe.tail, phase)
+            self._zero_rows_half(sV, producer_state.index, first_past_end, pv)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.sync_warp()
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive(vpipe.full(producer_state.index))
+            phase = phase ^ 1
+        else:
+            vpipe.producer_acquire(producer_state)
+            issue(bar_ptr=vpipe.full(producer_state.index))
+        return phase
+
+    @cute.jit
+    def _zero_rows_half(self, sX: cute.Tensor, stage: Int32, row_start: Int32, pv: Int32):
+        """``_zero_rows`` over value columns ``[pv dv/2, (pv + 1) dv/2)`` only (one warp, 16-byte chunks)."""
+        n_chunks = self.tile_hdimv // 2 // 8
+        sX_chunks = cute.zipped_divide(sX[None, None, stage], (1, 8))  # ((1, 8), (tile_n, dv / 8))
+        zero = cute.make_rmem_tensor((1, 8), sX.element_type)
+        zero.fill(0.0)
+        col0 = pv * n_chunks
+        lane = cute.arch.lane_idx()
+        for i in cutlass.range(lane, (self.tile_n - row_start) * n_chunks, cute.arch.WARP_SIZE, unroll=1):
+            cute.autovec_copy(zero, sX_chunks[None, (row_start + i // n_chunks, col0 + i % n_chunks)])
+
+    @cute.jit
+    def _pv_block_halves(self, kv_consumer_state, v_producer_state, tail_phase: Int32, block_i: Int32,
+                         vpipe: _HalfVPipeline, mma_pv_fn: Callable, acc_O: cute.Tensor, softmax: Softmax,
+                         sScale: cute.Tensor, t_wg: Int32, pv: Int32, num_blocks: Int32, n_block_max: Int32,
+                         load_V: Callable, page_of: Optional[Callable], is_v_loader,
+                         clean: cutlass.Constexpr[bool] = False):
+        """:meth:`_pv_block` with ``v_refill="halves"``: this warpgroup waits for and releases only its half of
+        the V stage (``vpipe``), and its warp 0 refills that half with block ``block_i + num_stages`` right
+        after this warpgroup's P V retired (no wait for the other warpgroup); the refill's page index is read
+        before the P_FULL wait, off the refill's dependent chain."""
+        slot = block_i % _P_SLOTS
+        j = block_i + self.num_stages
+        page = Int32(0)
+        if const_expr(page_of is not None):
+            if j < num_blocks:
+                if is_v_loader:
+                    page = page_of(n_block_max - 1 - j)
+        cute.arch.barrier(barrier_id=int(NamedBarrierWideV.P_FULL_0) + slot, number_of_threads=_BAR_THREADS)
+        if block_i > 0:
+            softmax.rescale_O(acc_O, self._load_scale(sScale, softmax.row_sum, t_wg, slot))
+        vpipe.consumer_wait(kv_consumer_state)
+        if const_expr(clean):
+            if pv == 0:
+                self._clean_v_stage(self._nf_sVt, kv_consumer_state.index, 0, self.half_v)
+            else:
+                self._clean_v_stage(self._nf_sVt, kv_consumer_state.index, self.half_v, self.half_v)
+        mma_pv_fn(A_idx=slot, B_idx=kv_consumer_state.index, zero_init=block_i == 0, wg_wait=0)
+        vpipe.consumer_release(kv_consumer_state)
+        kv_consumer_state.advance()
+        if block_i + _P_SLOTS < num_blocks:
+            cute.arch.barrier_arrive(barrier_id=int(NamedBarrierWideV.P_EMPTY_0) + slot,
+                                     number_of_threads=_BAR_THREADS)
+        if j < num_blocks:
+            if is_v_loader:
+                tail_phase = load_V(n_block_max - 1 - j, v_producer_state, tail_phase, page)
+            v_producer_state.advance()
+        return kv_consumer_state, v_producer_state, tail_phase
+
+
 class FlashAttentionForwardSm90RolesSplit(SplitKVMixin, FlashAttentionForwardSm90Roles):
     """:class:`FlashAttentionForwardSm90Roles` with split-KV (:class:`~blockdiff.attention.cute.kernel_split.
     SplitKVMixin`: this CTA's chunk of the tile's key blocks, normalised fp32 partial output and LSE written by the
-    P V warpgroups' epilogue, merged by FA4's combine kernel)."""
+    P V warpgroups' epilogue, merged by FA4's combine kernel). With ``v_refill="halves"`` its loaders read the page
+    index at the load (``_V_PAGE_AHEAD`` False: held across the P V, that register made the split epilogue's
+    live values spill 16 B, sm_90a compile on the CPU, docs/tuning.md 2.15) and issue each half's copies in a
+    branch of their own (``_V_HALF_BRANCH``: without it 4 B spilled)."""
+
+    _V_PAGE_AHEAD = False
+    _V_HALF_BRANCH = True

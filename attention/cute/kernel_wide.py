@@ -179,7 +179,7 @@ class FlashAttentionForwardSm90WideV(FlashAttentionForwardSm90Mixed):
         assert self._sP_bytes % 16 == 0
         sP_struct = cute.struct.Align[cute.struct.MemRange[self.dtype, cosize_sP], 1024]
         sScale_struct = cute.struct.Align[cute.struct.MemRange[Float32, self._scale_elems()], 16]
-        extra_v = 1 if self.kv_box_rows is not None else 0  # the page-box producer's tail barrier
+        extra_v = self._extra_v_barriers()
         fields_ = dict(
             mbar_ptr_Q=cute.struct.MemRange[cutlass.Int64, 2],
             mbar_ptr_K=cute.struct.MemRange[cutlass.Int64, self.num_stages * 2],
@@ -189,6 +189,11 @@ class FlashAttentionForwardSm90WideV(FlashAttentionForwardSm90Mixed):
         assert not self.Q_in_regs
         # type(): this module's `from __future__ import annotations` would make class-body annotations strings
         return cute.struct(type("SharedStorageWideV", (), {"__annotations__": fields_}))
+
+    def _extra_v_barriers(self) -> int:
+        """mbarriers after the V pipeline's full / empty ones: the page-box producer's tail barrier
+        (kernel_roles.py adds its per-half V pipelines)."""
+        return 1 if self.kv_box_rows is not None else 0
 
     def _rows_per_thread(self) -> int:
         return 2  # an m64 wgmma accumulator gives each thread rows r and r + 8 of its warp's 16

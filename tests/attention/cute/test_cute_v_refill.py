@@ -1,0 +1,176 @@
+"""The roles kernel's V refill by halves (``CuteConfig.v_refill="halves"``; blockdiff.attention.cute.kernel_roles,
+docs/tuning.md 2.12 remedy 2 and 2.15): each P V warpgroup's warp 0 refills the half of a V stage its own warpgroup
+reads, through a per-half pipeline, as soon as its own warpgroup released it.
+
+* CPU (CI, no flash-attn-4): the field's validation (choices, types, only with ``wide_design="roles"``), its
+  resolution below head dim 257, the compile key and dispatch (``_compile`` monkeypatched);
+* compile-only for sm_90a without a GPU (flash-attn-4 and nvidia-cutlass-dsl installed, skipped in CI): the bench's
+  paged configuration and contiguous K/V, no spills, the default kernel's registers and shared memory;
+* GPU (``python3 -m pytest -m gpu``, on the H200): against the fp64 reference and against the default roles kernel
+  (paged 64 / 16 / 8 / 256 and contiguous, causal / bidirectional / split rows, windows, NaN-safe V on and off,
+  cache rows past each sequence's end poisoned, split-KV).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from blockdiff.attention.cute import config as cc
+from blockdiff.attention.cute import interface as ca
+
+from cute_helpers import HAVE_FA4, compile_for_sm90_or_skip, fill_past_seq_lens, gpu_batch, needs_gpu, run_and_check
+from test_cute_kernel_roles import _fake_run, _kinds_to_ncq
+
+H, HKV, D = 16, 2, 512
+ROLES = dict(wide_design="roles")
+HALVES = dict(wide_design="roles", v_refill="halves")
+
+
+# --- CPU: config ----------------------------------------------------------------------------------------------
+def test_v_refill_defaults_to_one_warp_and_resolves():
+    assert cc.CuteConfig().v_refill == "one_warp"
+    assert cc.V_REFILLS == ("one_warp", "halves")
+    assert cc.resolve_config(512, 512, None, ROLES, 256).v_refill == "one_warp"
+    r = cc.resolve_config(512, 512, None, HALVES, 256)
+    assert (r.tile_m, r.tile_n, r.num_stages, r.wide_design, r.v_refill) == (64, 64, 1, "roles", "halves")
+    # a switch, not a tile field: the tiles are the roles kernel's automatic ones, the shared memory unchanged
+    assert r == replace(cc.resolve_config(512, 512, None, ROLES, 256), v_refill="halves")
+    assert cc.config_smem_bytes(r, 512, 512) == 218_112
+    assert cc.resolve_config(512, 512, None, cc.CuteConfig(wide_design="roles", v_refill="halves"), 256) == r
+
+
+@pytest.mark.parametrize("value,err", [("halve", ValueError), ("one-warp", ValueError), (2, TypeError),
+                                       (None, TypeError), (True, TypeError)])
+def test_v_refill_is_validated_by_name(value, err):
+    with pytest.raises(err, match="v_refill"):
+        cc.check_config(dict(ROLES, v_refill=value))
+    with pytest.raises(err, match="v_refill"):
+        cc.resolve_config(512, 512, None, dict(ROLES, v_refill=value), 256)
+
+
+def test_v_refill_halves_needs_the_roles_kernel():
+    for config in (dict(v_refill="halves"), dict(wide_design="split_v", v_refill="halves"),
+                   cc.CuteConfig(v_refill="halves")):
+        with pytest.raises(ValueError, match="v_refill.*roles"):
+            cc.check_config(config)
+    cc.check_config(dict(wide_design="split_v", v_refill="one_warp"))
+
+
+def test_v_refill_is_moot_below_head_dim_257(monkeypatch):
+    """FA4's kernel runs below head dim 257 (the design resolves to split_v): one compile key either way."""
+    from types import SimpleNamespace
+    monkeypatch.setattr(cc, "_fa4_tile_size", lambda *a: SimpleNamespace(
+        m_block_size=128, n_block_size=128, mma_pv_is_rs=True, intra_wg_overlap=True))
+    assert cc.resolve_config(128, 128, None, HALVES, 256) == cc.resolve_config(128, 128, None, None, 256)
+
+
+def test_v_refill_is_part_of_the_compile_key(monkeypatch):
+    keys_h, names_h = _fake_run(monkeypatch, HALVES)
+    assert names_h == ["blockdiff:cute_compile FlashAttentionForwardSm90Roles 64x64 s1"]
+    keys_r, _ = _fake_run(monkeypatch, ROLES)
+    assert keys_h[0][5].v_refill == "halves" and keys_r[0][5].v_refill == "one_warp"
+    assert keys_h[0] != keys_r[0]
+    # split-KV: the roles split kernel inherits the halves
+    keys_s, names_s = _fake_run(monkeypatch, dict(HALVES, num_splits=2))
+    assert names_s == ["blockdiff:cute_compile FlashAttentionForwardSm90RolesSplit 64x64 s2"]
+    assert keys_s[0][5].v_refill == "halves"
+
+
+# --- compile only (flash-attn-4 and the CuTe DSL, no GPU) -------------------------------------------------------
+@pytest.mark.skipif(not HAVE_FA4, reason="compiling needs flash-attn-4==4.0.0b36 and nvidia-cutlass-dsl==4.8.1 "
+                    "(not installed here)")
+@pytest.mark.parametrize("extra", [
+    dict(page_size=64, window_size=None, return_lse=False, max_seqlen_q=4096),  # the bench's mixed_global_ctx8k
+    dict(page_size=None, window_size=1023, bidirectional_window="prefix", return_lse=True, max_seqlen_q=256),
+], ids=["page64_bench", "contiguous_prefix"])
+def test_v_refill_halves_compiles_for_sm90_without_spills(extra):
+    """The halves kernel keeps the default roles kernel's budgets: 168 registers, setmaxnreg 152 / 176, no spills,
+    the same shared memory (the per-half barriers sit in the barrier kilobyte); each V block is two TMA tile
+    copies of half the columns (one per P V warpgroup's loader), the loaders' init barrier in the PTX."""
+    spec = dict(head_dim=512, num_heads=16, num_kv_heads=2,
+                config=dict(HALVES, tile_m=64, tile_n=64, num_stages=1), **extra)
+    r = compile_for_sm90_or_skip(**spec)
+    assert "FlashAttentionForwardSm90Roles" in r["kernel"]
+    assert r["registers"] == 168
+    assert [tuple(x) for x in r["setmaxreg"]] == [("producer", 152), ("consumer", 176)]
+    assert r["spill_store_bytes"] == r["spill_load_bytes"] == 0, r
+    assert sum(r["sass_spills"].values()) == 0, r
+    assert r["smem_bytes"] == 218_112
+    assert r["config"]["v_refill"] == "halves"
+
+
+# --- GPU ---------------------------------------------------------------------------------------------------------
+# (page size or None = contiguous, window mode or None = no window, extra config)
+HALVES_CONFIGS = [
+    (64, None, {}),
+    (64, "symmetric", dict(nan_safe_v=False)),
+    (None, "prefix", {}),
+    (None, None, dict(nan_safe_v=False)),
+    (16, "prefix", {}),
+    (8, "symmetric", {}),
+    (256, None, {}),
+    (64, "prefix", dict(tile_n=32)),
+]
+HALVES_IDS = ["p64", "p64_symmetric_nonan", "contig_prefix", "contig_nonan", "p16_prefix", "p8_symmetric", "p256",
+              "p64_prefix_n32"]
+
+
+@needs_gpu
+@pytest.mark.parametrize("page,mode,extra", HALVES_CONFIGS, ids=HALVES_IDS)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_gpu_v_refill_halves_matches_reference_and_the_default(page, mode, extra, seed):
+    """Mixed batches (causal prefills, bidirectional canvases, split rows, an empty and a one-token sequence, contexts
+    past 2k keys, sequence ends inside a key block) against the fp64 reference, and equal to the default roles kernel
+    (same tiles and MMA order: only who loads V and when changes)."""
+    q_lens = [129, 256, 0, 1, 64]
+    ctxs = [0, 2100, 31, 1024, 100] if seed == 0 else [1024, 100, 0, 2100, 31]
+    kinds = ["causal", "bidir", "split", "causal", "split"] if seed == 0 else ["bidir", "split", "causal",
+                                                                              "bidir", "causal"]
+    q, k, v, kw = gpu_batch(q_lens, ctxs, _kinds_to_ncq(q_lens, kinds), H, HKV, D, page or 64, seed=seed,
+                            contiguous=page is None)
+    window = None if mode is None else (100, 1023)[seed]
+    run_and_check(q, k, v, kw, window, mode or "symmetric", config=dict(HALVES, **extra), max_seqlen_q=256)
+    assert ca.LAST_LAUNCH["kernel"].startswith("FlashAttentionForwardSm90Roles")
+    out_d = ca.attention_cute(q, k, v, window_size=window, bidirectional_window=mode or "symmetric",
+                              config=dict(ROLES, **extra), max_seqlen_q=256, **kw)
+    got = ca.attention_cute(q, k, v, window_size=window, bidirectional_window=mode or "symmetric",
+                            config=dict(HALVES, **extra), max_seqlen_q=256, **kw)
+    assert torch.equal(got, out_d), (got - out_d).abs().max()
+
+
+@needs_gpu
+@pytest.mark.parametrize("nan_safe_v", [True, False])
+def test_gpu_v_refill_halves_long_prefill_and_many_blocks(nan_safe_v):
+    """A 1000-token causal prefill, a canvas over 3000 keys (~50 key blocks: each half pipeline's stage reused many
+    times, the two halves' phases independent) and a one-token commit in one launch, as the default kernel."""
+    q, k, v, kw = gpu_batch([1000, 256, 1], [0, 3000, 77], [1000, 0, 1], H, HKV, D, 64, seed=7)
+    cfg = dict(HALVES, nan_safe_v=nan_safe_v)
+    run_and_check(q, k, v, kw, None, "symmetric", max_seqlen_q=1000, config=cfg)
+    ref = ca.attention_cute(q, k, v, max_seqlen_q=1000, config=dict(ROLES, nan_safe_v=nan_safe_v), **kw)
+    assert torch.equal(ca.attention_cute(q, k, v, max_seqlen_q=1000, config=cfg, **kw), ref)
+
+
+@needs_gpu
+@pytest.mark.parametrize("page", [64, 16, 8])
+def test_gpu_v_refill_halves_cache_rows_past_seq_lens_stay_out(page):
+    """NaN after each sequence's last key and an all-NaN page behind every unused block-table slot: each half's
+    loader zeroes its half of the tail stage's rows past the end; the output equals the clean one."""
+    from blockdiff.attention.testing import check_close
+    q, k, v, kw = gpu_batch([256, 100, 5], [1000, 5, 300], [0, 0, 5], H, HKV, D, page, seed=page,
+                            nan_pad_page=True)
+    clean = ca.attention_cute(q, k, v, max_seqlen_q=256, return_lse=True, config=HALVES, **kw)[0]
+    fill_past_seq_lens(k, v, kw, page, float("nan"))
+    dirty = ca.attention_cute(q, k, v, max_seqlen_q=256, return_lse=True, config=HALVES, **kw)[0]
+    assert torch.equal(dirty, clean)
+    check_close(dirty, q, k, v, **kw)
+
+
+@needs_gpu
+@pytest.mark.parametrize("num_splits", [2, 3])
+def test_gpu_v_refill_halves_split_kv_matches_reference(num_splits):
+    """Split-KV (FA4's combine) over a long canvas and short sequences (empty splits: no V loads at all)."""
+    q, k, v, kw = gpu_batch([256, 7, 1], [5000, 10, 300], [0, 7, 1], H, HKV, D, 64, seed=11)
+    run_and_check(q, k, v, kw, 1023, "prefix", max_seqlen_q=256, config=dict(HALVES, num_splits=num_splits))
+    assert ca.LAST_LAUNCH["kernel"] == "FlashAttentionForwardSm90RolesSplit"
