@@ -77,8 +77,8 @@ warpgroup's warp 0 (CTA warps 4 and 8) refills its half as soon as its *own* war
 run in parallel, each issues half the boxes (the same V TMA atom, partitioned into ``tile_n x dv/2`` tiles), and no
 P V warpgroup waits on the other's release. When one page box covers a key block (page size >= ``tile_n``, e.g. 64),
 the refill's page index is read before the block's ``P_FULL`` wait (held in one register across the P V), off the
-refill's dependent chain; smaller pages, and the split-KV subclass (where that register spilled), read theirs at the
-load, as the default does. A stage holding rows past the sequence's last key is loaded on the half's tail barrier
+refill's dependent chain; smaller pages, PackGQA tiles without TMA for Q / O and the split-KV subclass (where that
+register spilled), read theirs at the load, as the default does. A stage holding rows past the sequence's last key is loaded on the half's tail barrier
 and each loader zeroes its own half of those rows before handing the half over (the contract of
 :meth:`~blockdiff.attention.cute.kernel.FlashAttentionForwardSm90Mixed._acquire_load_v`, per half). Contiguous K / V
 take the same split (two tile copies of half the columns; rows past the end are the next sequence's, as by default).
@@ -231,7 +231,7 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
 
     V_REFILLS = ("one_warp", "halves")
     #: ``v_refill="halves"``: read a refill's page index before the block's ``P_FULL`` wait (one register held
-    #: across the P V; module docstring). The split-KV subclass reads it at the load instead.
+    #: across the P V; module docstring), when O is stored by TMA. The split-KV subclass reads it at the load.
     _V_PAGE_AHEAD = True
     #: ``v_refill="halves"``: issue a half's TMA copies in a compile-time branch per half (immediate coordinates
     #: and shared-memory offsets, twice the loop's TMA code) instead of with the half index in a register. Chosen
@@ -755,7 +755,9 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
             cute.zipped_divide(mV[None, None, head_idx_kv, None], (box_rows, half)))
         last_box_row = cutlass.max(seqlen.seqlen_k - 1, 0) // box_rows * box_rows
         page_of = None
-        if const_expr(box_rows == self.tile_n and self._V_PAGE_AHEAD):
+        # ahead only where the compile showed it free: one box per block, O stored by TMA (with PackGQA rows
+        # that hold partial token groups, Q / O without TMA, the held register spilled 12 B), no split-KV
+        if const_expr(box_rows == self.tile_n and self._V_PAGE_AHEAD and self.use_tma_O):
             def page_of(n_block):
                 return mPageTable[batch_idx, cutlass.min(n_block * self.tile_n, last_box_row) // self.kv_page_size]
         load = partial(self._acquire_load_v_half, tma_atom, tVsV, tVgV, vpipe, mPageTable, batch_idx,
