@@ -557,8 +557,8 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
     @cute.jit
     def _mma_pv(self, ctx: SimpleNamespace, pv: Int32):
         """P V warpgroup ``pv`` (0 or 1): per key block, P and the factors from their slot, its half of O
-        rescaled and += P V[:, half]; PV0's warp 0 loads V; then the final factors and FA4's epilogue over both
-        P V warpgroups."""
+        rescaled and += P V[:, half]; PV0's warp 0 loads V (``v_refill="halves"``: each warpgroup's warp 0 its
+        half, through its own pipeline); then the final factors and FA4's epilogue over both P V warpgroups."""
         tidx = ctx.tidx  # [0, 256): the epilogue's numbering
         t_wg = tidx - pv * _WG
         halves = self.v_refill == "halves"
@@ -605,7 +605,7 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
             num_blocks = n_block_max - n_block_min
             head_idx_kv = head_idx // self.qhead_per_kvhead if const_expr(not self.pack_gqa) else head_idx
             if const_expr(halves):
-                # built per tile from the smem base and pv, so no pointer stays live across the epilogue
+                # built per tile (a value of the loop body: the smem base and pv), not carried through the loop
                 vpipe = self._half_v_pipeline(pipeline_v, pv)
                 load_V, page_of = self._v_half_loader(mV, sV, vpipe, mPageTable, seqlen, batch_idx, head_idx_kv,
                                                       pv)
