@@ -3,7 +3,7 @@
 # the second: it unpacks part 2 first when STAGE2=1, carrying .device/p2). Logs and records under $OUT.
 #  1. its GPU tests (tests/attention/cute/test_cute_v_refill.py: halves against the fp64 reference and equal to the
 #     default roles kernel, paged 64 / 16 / 8 / 256 and contiguous, windows, NaN-safe V on / off, 32-key tiles, cache
-#     rows past the end poisoned, many key blocks, split-KV) in four parallel shards of at most T s each (default 120);
+#     rows past the end poisoned, many key blocks, split-KV) in four parallel shards of at most T s each (default 150);
 #  2. bench_attention within B s (default 100), cute only, CUDA-graph medians, mixed_global_ctx8k: the default row
 #     beside cute[{"wide_design": "roles", "batch_order": "work"}] (2.14's measured 464.4 TFLOP/s) and the same with
 #     "v_refill": "halves", and roles with halves in the given order.
@@ -17,7 +17,7 @@ set -u
 [ "${STAGE2:-0}" = 1 ] && source bench/experiments/device/stage2.sh
 source bench/experiments/device/env.sh
 export OUT=${OUT:-/tmp/out}; mkdir -p $OUT
-t=${T:-120}; b=${B:-100}
+t=${T:-150}; b=${B:-100}
 P="python3 -m pytest -m gpu -q -p no:cacheprovider -rf --maxfail=5"
 F=tests/attention/cute/test_cute_v_refill.py
 # eight configurations x (halves, default) = 16 compiles (7-10 s each on this host) and 7 more cases, in four shards
