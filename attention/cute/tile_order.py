@@ -40,7 +40,7 @@ the interface need no Triton until then). Neither reads anything on the host (``
 data-dependent shapes), so a CUDA graph captures either and replays it with new metadata. The cost is per call (the
 cute launch path has no plan shared by a step's layers, and the order depends on the layer's window): the one launch
 replaced the dozen or two small torch kernels the first version issued on the GPU (docs/tuning.md 2.13 counted them,
-2.14 measured their cost; 2.15 the one launch's). Any permutation gives the same outputs, so sharing one order
+2.14 measured their cost; 2.16 the one launch's). Any permutation gives the same outputs, so sharing one order
 between layers (a per-step cache) could only cost balance, never correctness: the remedy left if the one launch
 still shows.
 """

@@ -11,7 +11,7 @@ ranks are a permutation, so every entry is written exactly once (no initialisati
 metadata changed in place. Ranking by counting comparisons is the classic rank (enumeration) sort, Knuth, TAOCP
 vol. 3, 5.2, Algorithm C "comparison counting", here with every comparison in parallel; FA3's
 ``prepare_varlen_num_blocks`` likewise sorts its batch inside its one launch. The torch version's cost:
-docs/tuning.md 2.14; this launch's: 2.15.
+docs/tuning.md 2.14; this launch's: 2.16.
 
 This module imports Triton at import time; the cute interface (``interface._work_order``) imports it on first use
 with CUDA tensors. Off the GPU the kernel runs under the Triton interpreter (``TRITON_INTERPRET=1``, set
