@@ -219,6 +219,12 @@ def resolve_config(head_dim: int, head_dim_v: int, window_size, config=None, max
     _check_head_dims(head_dim, head_dim_v)
     config, switches = _split_switches(check_config(config))
     if is_wide(head_dim, head_dim_v):  # head dims and config checked above
+        if switches["v_refill"] == "halves" and head_dim_v % 128:
+            # each half of V must be whole shared-memory swizzle atoms (64 columns at head dims divisible by 64,
+            # else 32) and whole page boxes: of the wide head dims (multiples of 32 in (256, 512]) only 384 and 512
+            raise ValueError(f"config v_refill 'halves' needs head_dim_v divisible by 128 (384 or 512), got "
+                             f"{head_dim_v}: each P V warpgroup's half of V must be whole swizzle atoms; use "
+                             f"v_refill 'one_warp'")
         return replace(_resolve_wide(head_dim, head_dim_v, config, max_seqlen_q, switches["wide_design"]),
                        **switches)
     switches["wide_design"] = "split_v"  # FA4's kernel below head dim 257: one compile key for both designs

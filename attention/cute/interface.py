@@ -219,7 +219,9 @@ def _work_order(cu_q, seq_lens, ncq, window_size, bidirectional_window):
     elsewhere."""
     if seq_lens.is_cuda:
         from .tile_order_triton import batch_work_order_triton
-        return batch_work_order_triton(cu_q, seq_lens, ncq, window_size, bidirectional_window)
+        # int32 and dense like cu_q and ncq (seq_lens is validated < 2^31): one compiled variant per window mode
+        return batch_work_order_triton(cu_q, seq_lens.to(torch.int32).contiguous(), ncq, window_size,
+                                       bidirectional_window)
     return batch_work_order(cu_q, seq_lens, ncq, window_size, bidirectional_window)
 
 

@@ -243,6 +243,8 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
         super().__init__(*args, **kwargs)
         if not self.use_tma_KV:
             raise ValueError("the roles kernel loads K / V by TMA (contiguous or page boxes), not by cp.async")
+        if self.v_refill == "halves" and self.tile_hdimv % 128:  # config.resolve_config refuses it first
+            raise ValueError(f"v_refill 'halves' needs a value head dim divisible by 128, got {self.tile_hdimv}")
 
     def _setup_attributes(self):
         super()._setup_attributes()  # the split-value kernel's thread counts: 2 consumer warpgroups, 384 threads

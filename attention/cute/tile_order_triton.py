@@ -30,9 +30,11 @@ from .tile_order import META_MAX, check_order_metadata
 
 __all__ = ["batch_work_order_triton"]
 
-#: The largest block of sequences a program ranks (and the block it compares them against): ``BLOCK x BLOCK`` int64
+#: The block of sequences a program ranks (and the block it compares them against): ``BLOCK x BLOCK`` int64
 #: comparisons a loop step over 4 warps. 32 compiles for sm_90a in 92-96 registers without spills; 64 spills
-#: (ptxas, CPU-compiled with Triton's ``GPUTarget``).
+#: (ptxas, CPU-compiled with Triton's ``GPUTarget``). One block size for every ``B`` (masked lanes cost nothing at
+#: these sizes), so a warm-up at one batch size compiles what every other size launches: vLLM captures its CUDA
+#: graphs for many sizes, and a first compile must not fall inside a capture.
 MAX_BLOCK = 32
 
 
@@ -79,7 +81,8 @@ def _key(cu_ptr, sl_ptr, ncq_ptr, offs, mask, w, HAS_WINDOW: tl.constexpr, SYMME
     return qt, t2 - qt * den, den
 
 
-@triton.jit(do_not_specialize=["B", "w_arg"])  # no recompile per batch size or window (1 would be a constexpr)
+# no recompile per batch size or window (1 would be a constexpr), nor per pointer alignment (a slice of a buffer)
+@triton.jit(do_not_specialize=["cu_ptr", "sl_ptr", "ncq_ptr", "order_ptr", "B", "w_arg"])
 def _batch_work_order_kernel(cu_ptr, sl_ptr, ncq_ptr, order_ptr, B, w_arg, HAS_WINDOW: tl.constexpr,
                              SYMMETRIC: tl.constexpr, META_MAX: tl.constexpr, BLOCK: tl.constexpr):
     offs_i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -133,8 +136,10 @@ def batch_work_order_triton(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, 
     order = torch.empty(B, dtype=torch.int32, device=seq_lens.device)
     if B == 0:
         return order
-    block = max(16, min(MAX_BLOCK, triton.next_power_of_2(B)))
-    _batch_work_order_kernel[(triton.cdiv(B, block),)](
-        cu_seqlens_q, seq_lens, num_causal_q, order, B, 0 if w is None else w, HAS_WINDOW=w is not None,
-        SYMMETRIC=bidirectional_window == "symmetric", META_MAX=META_MAX, BLOCK=block)
+    # the kernel reads element i at pointer + i: a strided or expanded view would be read wrongly (or, at stride 0,
+    # past its storage); .contiguous() is free on the usual dense slices and graph-safe otherwise
+    _batch_work_order_kernel[(triton.cdiv(B, MAX_BLOCK),)](
+        cu_seqlens_q.contiguous(), seq_lens.contiguous(), num_causal_q.contiguous(), order, B,
+        0 if w is None else w, HAS_WINDOW=w is not None, SYMMETRIC=bidirectional_window == "symmetric",
+        META_MAX=META_MAX, BLOCK=MAX_BLOCK)
     return order

@@ -235,6 +235,24 @@ def test_triton_kernel_beyond_one_block(B, window, mode):
     _check_kernel(_meta(rows), window, mode)
 
 
+def test_triton_kernel_reads_strided_and_expanded_metadata_as_the_reference():
+    """A review found the kernel reading ``seq_lens`` at ``pointer + i`` whatever its stride: a column of a wider
+    tensor gave another order than the reference's, and an expanded (stride-0) view would be read past its storage.
+    Strided, expanded and offset views of every argument now give the reference's order."""
+    rows = [(0, 4096, 4096), (8192, 256, 0), (100, 7, 3), (8192, 256, 256), (5, 0, 0), (8192, 256, 0)]
+    cu, sl, ncq = _meta(rows)
+    wide_sl = torch.stack([sl, torch.arange(len(rows), dtype=torch.int32) * 1000], dim=1)[:, 0]  # stride 2
+    wide_ncq = torch.stack([ncq, ncq + 1], dim=1)[:, 0]
+    off_cu = torch.cat([torch.tensor([7], dtype=torch.int32), cu])[1:]  # an offset view (alignment differs)
+    assert wide_sl.stride() == (2,) and not wide_sl.is_contiguous()
+    for window, mode in ((None, "symmetric"), (1023, "prefix")):
+        _check_kernel((off_cu, wide_sl, wide_ncq), window, mode)
+    one = _meta([(8192, 256, 0)] * 5)
+    expanded = (one[0], one[1][:1].expand(5), one[2][:1].expand(5))  # stride 0: one sequence's length, five times
+    assert expanded[1].stride() == (0,)
+    assert _check_kernel(expanded, None, "symmetric").tolist() == [0, 1, 2, 3, 4]
+
+
 def test_triton_kernel_exact_ties_and_bounds():
     """Equal fractions over different row counts tie (batch order); keys that differ by less than float64
     resolves still order exactly; lengths at 2^31 - 1 (the domain's edge) and the largest window do not overflow;

@@ -58,6 +58,17 @@ def test_v_refill_halves_needs_the_roles_kernel():
     cc.check_config(dict(wide_design="split_v", v_refill="one_warp"))
 
 
+@pytest.mark.parametrize("head_dim", [288, 320, 352, 416, 448, 480])
+def test_v_refill_halves_refuses_head_dims_whose_halves_split_a_swizzle_atom(head_dim):
+    """A review found that halves of V at these head dims would cut a shared-memory swizzle atom (64 columns, or 32
+    below multiples of 64): a clear ValueError naming the rule, not a failed compile. 384 and 512 resolve."""
+    with pytest.raises(ValueError, match=f"v_refill 'halves' needs head_dim_v divisible by 128.*got {head_dim}"):
+        cc.resolve_config(head_dim, head_dim, None, HALVES, 256)
+    assert cc.resolve_config(head_dim, head_dim, None, ROLES, 256).v_refill == "one_warp"
+    for ok in (384, 512):
+        assert cc.resolve_config(ok, ok, None, HALVES, 256).v_refill == "halves"
+
+
 def test_v_refill_is_moot_below_head_dim_257(monkeypatch):
     """FA4's kernel runs below head dim 257 (the design resolves to split_v): one compile key either way."""
     from types import SimpleNamespace
