@@ -220,6 +220,7 @@ def _work_order(cu_q, seq_lens, ncq, window_size, bidirectional_window):
     if seq_lens.is_cuda:
         from .tile_order_triton import batch_work_order_triton
         # int32 and dense like cu_q and ncq (seq_lens is validated < 2^31): one compiled variant per window mode
+        # (paged calls pass seqused_k, already converted: no second copy)
         return batch_work_order_triton(cu_q, seq_lens.to(torch.int32).contiguous(), ncq, window_size,
                                        bidirectional_window)
     return batch_work_order(cu_q, seq_lens, ncq, window_size, bidirectional_window)
@@ -307,7 +308,8 @@ def _run(fa, q, k_cache, v_cache, *, out, return_lse, cu_seqlens_q, num_causal_q
         # "The batch order"): one Triton launch on CUDA tensors, no host read (tile_order.py); compile-only
         # (FA4's fake mode: tensors without data, which a CPU build of torch cannot compute on) needs its shape only
         aux.append(torch.empty(cu_q.shape[0] - 1, dtype=torch.int32, device=q.device) if fa["is_fake_mode"]()
-                   else _work_order(cu_q, seq_lens, ncq, window_size, bidirectional_window))
+                   else _work_order(cu_q, seq_lens if seqused_k is None else seqused_k, ncq, window_size,
+                                    bidirectional_window))
     lse_k = None if split else lse
     try:  # one lookup (a dict, or FA4's JIT cache, which has no .get and loads a disk entry inside [])
         compiled = _COMPILE_CACHE[key]
