@@ -1,7 +1,9 @@
 """CuTe DSL "roles" kernel of the ``"cute"`` backend for value head dims in (256, 512] (Gemma 4's global layers).
 
 Imported only by :mod:`blockdiff.attention.cute.interface` (lazily: it needs flash-attn-4 and nvidia-cutlass-dsl),
-and only when a call asks for it (``CuteConfig.wide_design="roles"``; the default ``"split_v"`` runs
+and only when a call's config resolves to it (``CuteConfig.wide_design="roles"``, or the default ``"auto"`` at
+head dim 512 with the automatic tiles and pages its tiles load by TMA boxes:
+:func:`blockdiff.attention.cute.config.auto_wide_design`; otherwise ``"split_v"`` runs
 :mod:`blockdiff.attention.cute.kernel_wide`). Design (c1) of docs/tuning.md 2.1: the division of labour of the
 triton backend's Gluon roles kernel (docs/tuning.md 1.7) and of FlashAttention-4 on Blackwell (a softmax
 warpgroup feeding MMA warpgroups through shared memory), on FA4's SM90 forward kernel body (flash-attn-4
@@ -238,6 +240,12 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
     #: per kernel by the sm_90a compile (docs/tuning.md 2.15): off here (no spills either way at page 64; on, the
     #: page-16 kernel spilled 4 B more than the default's), on in the split-KV subclass (off, it spilled 4 B).
     _V_HALF_BRANCH = False
+    #: Experiment (docs/tuning.md 2.17, off): SM's 4 warps share the K refill, each issuing a quarter of the
+    #: column boxes as soon as the stage is empty (warp 0 also arrives with the whole stage's bytes), instead of
+    #: warp 0 issuing all 8 while warps 1-3 wait for it at the hand-off. Needs head dims divisible by 256 (a
+    #: quarter is whole 64-column swizzle atoms); other head dims keep warp 0's refill.
+    #: ``bench/experiments/ab_k_refill.py`` switches it on; with it off the kernel is unchanged.
+    _K_REFILL_ALL_WARPS = False
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -352,16 +360,27 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
             load_K = self._block_loader(mK, sK, tma_atom_K, pipeline_k, mPageTable, seqlen, batch_idx, head_idx_kv,
                                         self.tile_hdim)
             # The first num_stages K blocks (descending key order), then Q.
-            if warp_idx_in_wg == 0:
+            if const_expr(not self._k_refill_all_warps()):
+                if warp_idx_in_wg == 0:
+                    for i in cutlass.range(cutlass.min(self.num_stages, n_block_max - n_block_min), unroll=1):
+                        pipeline_k.producer_acquire(k_producer_state)
+                        load_K(n_block_max - 1 - i, k_producer_state)
+                        k_producer_state.advance()
+            else:  # every SM warp acquires stages in the refill, so every warp's producer state counts these loads
                 for i in cutlass.range(cutlass.min(self.num_stages, n_block_max - n_block_min), unroll=1):
-                    pipeline_k.producer_acquire(k_producer_state)
-                    load_K(n_block_max - 1 - i, k_producer_state)
+                    if warp_idx_in_wg == 0:
+                        pipeline_k.producer_acquire(k_producer_state)
+                        load_K(n_block_max - 1 - i, k_producer_state)
                     k_producer_state.advance()
             self._load_q(mQ, sQ, tma_atom_Q, pipeline_q, gmem_tiled_copy_Q, seqlen, m_block, head_idx, batch_idx,
                          q_producer_phase, warp_idx_in_wg, t_sm)
             q_producer_phase ^= 1
+            load_K_part = None
+            if const_expr(self._k_refill_all_warps()):
+                load_K_part = self._k_quarter_loader(mK, sK, tma_atom_K, pipeline_k, mPageTable, seqlen, batch_idx,
+                                                     head_idx_kv)
             refill = partial(self._refill_k, pipeline_k=pipeline_k, load_K=load_K, n_block_min=n_block_min,
-                             warp_idx_in_wg=warp_idx_in_wg)
+                             warp_idx_in_wg=warp_idx_in_wg, load_K_part=load_K_part)
             qk = partial(self._sm_qk, mma_qk_fn=mma_qk_fn, pipeline_k=pipeline_k)
             step = partial(self._sm_step, qk=qk, refill=refill, softmax=softmax, hand_off=hand_off)
             pipeline_q.consumer_wait_w_index_phase(0, q_consumer_phase)
@@ -461,16 +480,72 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
 
     @cute.jit
     def _refill_k(self, k_producer_state, n_block: Int32, pipeline_k, load_K: Callable, n_block_min: Int32,
-                  warp_idx_in_wg: Int32):
+                  warp_idx_in_wg: Int32, load_K_part: Optional[Callable] = None):
         """After S of key block ``n_block`` retired: warp 0 loads block ``n_block - num_stages`` (if in the
-        tile's range) into the stage just released. Returns the producer state (advanced when it loaded)."""
+        tile's range) into the stage just released. With ``load_K_part`` (``_K_REFILL_ALL_WARPS``) each SM warp
+        waits for the stage to be empty and loads its quarter of the columns on the stage's full barrier, warp 0
+        arriving there with the whole stage's bytes (a quarter's bytes may land before that arrival: the
+        barrier's transaction count goes below zero meanwhile, and its phase cannot complete before the one
+        arrival it expects). Returns the producer state (advanced when it loaded)."""
         n_next = n_block - self.num_stages
         if n_next >= n_block_min:
-            if warp_idx_in_wg == 0:
-                pipeline_k.producer_acquire(k_producer_state)
-                load_K(n_next, k_producer_state)
+            if const_expr(load_K_part is None):
+                if warp_idx_in_wg == 0:
+                    pipeline_k.producer_acquire(k_producer_state)
+                    load_K(n_next, k_producer_state)
+            else:
+                if warp_idx_in_wg == 0:
+                    pipeline_k.producer_acquire(k_producer_state)
+                else:
+                    pipeline_k.sync_object_empty.wait(k_producer_state.index, k_producer_state.phase)
+                load_K_part(n_next, k_producer_state, warp_idx_in_wg)
             k_producer_state.advance()
         return k_producer_state
+
+    def _k_refill_all_warps(self) -> bool:
+        """Whether SM's 4 warps share the K refill (``_K_REFILL_ALL_WARPS`` and a head dim whose quarters are
+        whole 64-column swizzle atoms)."""
+        return self._K_REFILL_ALL_WARPS and self.tile_hdim % 256 == 0
+
+    def _k_quarter_loader(self, mK, sK, tma_atom, pipeline_k, mPageTable, seqlen, batch_idx, head_idx_kv):
+        """``load(n_block, producer_state, part)``: quarter ``part`` (an SM warp's index) of K's columns of key
+        block ``n_block`` into the producer state's stage, on its full barrier (the same TMA atom as the whole
+        block's, partitioned into ``tile_n x d/4`` tiles; paged: the page boxes of that quarter)."""
+        quarter = self.tile_hdim // 4
+        if const_expr(self.kv_box_rows is None):
+            mK_cur = seqlen.offset_batch_K(mK, batch_idx, dim=3)[None, None, head_idx_kv]
+            tKsK, tKgK = cpasync.tma_partition(
+                tma_atom, 0, cute.make_layout(1), cute.zipped_divide(sK, (self.tile_n, quarter)),
+                cute.zipped_divide(mK_cur, (self.tile_n, quarter)))
+
+            def load(n_block, producer_state, part):
+                cute.copy(tma_atom, tKgK[None, (n_block, part)], tKsK[None, (0, part, producer_state.index)],
+                          tma_bar_ptr=pipeline_k.producer_get_barrier(producer_state))
+            return load
+        box_rows = self.kv_box_rows
+        tKsK, tKgK = cpasync.tma_partition(
+            tma_atom, 0, cute.make_layout(1), cute.zipped_divide(sK, (box_rows, quarter)),
+            cute.zipped_divide(mK[None, None, head_idx_kv, None], (box_rows, quarter)))
+        last_box_row = cutlass.max(seqlen.seqlen_k - 1, 0) // box_rows * box_rows
+
+        def load(n_block, producer_state, part):
+            self._issue_quarter_boxes(tma_atom, tKsK, tKgK, pipeline_k.producer_get_barrier(producer_state),
+                                      mPageTable, batch_idx, last_box_row, n_block, producer_state.index, part)
+        return load
+
+    @cute.jit
+    def _issue_quarter_boxes(self, tma_atom: cute.CopyAtom, tKsK: cute.Tensor, tKgK: cute.Tensor,
+                             bar_ptr: cute.Pointer, mPageTable: cute.Tensor, batch_idx: Int32, last_box_row: Int32,
+                             n_block: Int32, stage: Int32, part: Int32):
+        """The page boxes of key block ``n_block``'s column quarter ``part`` into ``stage`` on ``bar_ptr`` (as
+        ``_issue_boxes``)."""
+        box_rows = self.kv_box_rows
+        for j in cutlass.range_constexpr(self.tile_n // box_rows):
+            row = cutlass.min(n_block * self.tile_n + j * box_rows, last_box_row)
+            page = mPageTable[batch_idx, row // self.kv_page_size]
+            box_in_page = (row % self.kv_page_size) // box_rows
+            cute.copy(tma_atom, tKgK[None, (box_in_page, part, page)], tKsK[None, (j, part, stage)],
+                      tma_bar_ptr=bar_ptr)
 
     @cute.jit
     def _sm_step(self, kv_consumer_state, k_producer_state, n_block: Int32, block_i: Int32, qk: Callable,

@@ -4,7 +4,7 @@
 # of one launch each of the roles kernel and of the default split-value kernel on mixed_global_ctx8k, then each
 # report's details and source pages as text: warp stall reasons by source line of the softmax and P V
 # warpgroups, pipe utilisation, shared-memory and L2 throughput. ncu leaves the clocks alone (METHOD.md).
-#   [STAGE2=1] bash bench/experiments/device/cute_roles_ncu.sh
+#   [STAGE2=1] [CASES=roles,split_v] bash bench/experiments/device/cute_roles_ncu.sh
 # Writes $OUT/ncu_roles.ncu-rep, $OUT/ncu_split_v.ncu-rep and per kernel ncu_<name>_text.tar.gz: the details page,
 # the source page as CSV (SASS alone, and with the Python lines), and the bench's own log.
 set -u
@@ -32,5 +32,16 @@ one() {  # $1 name, $2 kernel-name regex, $3 cute config JSON list
   (cd $OUT && tar -czf ncu_$1_text.tar.gz ncu_$1.log ncu_$1_*.txt ncu_$1_*.csv 2>/dev/null \
     && rm -f ncu_$1.log ncu_$1_*.txt ncu_$1_*.csv)
 }
-one roles 'FlashAttentionForwardSm90Roles' '[{"wide_design": "roles"}]'
-one split_v 'FlashAttentionForwardSm90WideV' '[]'
+# CASES (comma-separated, default roles,split_v): which launches to profile. roles_work / halves_work: the roles
+# kernel in the work order without / with the V refill by halves (docs/tuning.md 2.17: halves measured 4 % slower
+# than its prediction of +9 %, this pair says where the cycles went)
+for c in $(echo ${CASES:-roles,split_v} | tr , ' '); do
+  case $c in
+    roles) one roles 'FlashAttentionForwardSm90Roles' '[{"wide_design": "roles"}]' ;;
+    split_v) one split_v 'FlashAttentionForwardSm90WideV' '[]' ;;
+    roles_work) one roles_work 'FlashAttentionForwardSm90Roles' '[{"wide_design": "roles", "batch_order": "work"}]' ;;
+    halves_work) one halves_work 'FlashAttentionForwardSm90Roles' \
+      '[{"wide_design": "roles", "batch_order": "work", "v_refill": "halves"}]' ;;
+    *) echo "unknown case $c"; exit 2 ;;
+  esac
+done

@@ -1,0 +1,85 @@
+#!/usr/bin/env python3
+"""Interleaved A/B of the roles kernel's K refill by all four SM warps (``_K_REFILL_ALL_WARPS``, docs/tuning.md
+2.17) against warp 0's refill, one process (GPU experiment, the bench's paged layout).
+
+The switch is a class attribute read at compile time, not a config field, so each variant compiles into a compile
+cache of its own (the interface's ``_COMPILE_CACHE`` swapped per row; run with
+``FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=0``: the disk cache's key does not see the switch). For each named workload
+and config: both variants run once on the same inputs (outputs must be bit-identical: same MMAs in the same order;
+isfinite), then ``--rounds`` rounds time every row in turn with ``triton.testing.do_bench_cudagraph(rep=200)``
+(CUDA-graph replays, microseconds, medians printed and written to ``ab_k_refill.json`` in ``--out``).
+
+    FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=0 python3 -m blockdiff.bench.experiments.ab_k_refill mixed_global_ctx8k \
+        '{"work": {"wide_design": "roles", "batch_order": "work"}}'
+"""
+import argparse
+import json
+import os
+import statistics
+
+import torch
+import triton.testing as tt
+
+from blockdiff.attention.cute import attention_cute
+from blockdiff.attention.cute import interface as cute_interface
+from blockdiff.bench import common
+from blockdiff.bench import workloads as wl
+
+
+def _row(b, w, cfg, all_warps: bool):
+    """(callable, its compile cache): the paged call of ``cfg`` compiled with the switch at ``all_warps``."""
+    k, v, a = b.layouts()["paged"]
+    out = torch.empty(b.q.shape[0], w.num_heads, w.head_dim_v, dtype=b.q.dtype, device="cuda")
+    cache: dict = {}
+    # the CuTe DSL is imported at first use: the module loads (and --help runs) without it
+    from blockdiff.attention.cute.kernel_roles import FlashAttentionForwardSm90Roles
+
+    def f():
+        cute_interface._COMPILE_CACHE = cache
+        FlashAttentionForwardSm90Roles._K_REFILL_ALL_WARPS = all_warps
+        return attention_cute(b.q, k, v, out=out, check_values=False, config=cfg, **a)
+    return f
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("workloads", help="comma-separated named workloads")
+    p.add_argument("variants", help='JSON {"name": config dict (wide_design "roles"), ...}')
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--out", default=None, help="output folder (default $OUT, else bench/results/local/)")
+    a = p.parse_args(argv)
+    if os.environ.get("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED") == "1":
+        raise SystemExit("set FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=0: the disk cache's key does not see the switch")
+    names, variants = a.workloads.split(","), json.loads(a.variants)
+    res, checks = {}, {}
+    for name in names:
+        w = next(x for x in wl.named_workloads() if x.name == name)
+        b = wl.build(w, device="cuda", dtype=torch.bfloat16)
+        fns = {}
+        for vn, cfg in variants.items():
+            outs = {}
+            for tag, flag in (("one_warp", False), ("all_warps", True)):
+                fns[f"{vn}_{tag}"] = _row(b, w, cfg, flag)
+                outs[tag] = fns[f"{vn}_{tag}"]().clone()
+            torch.cuda.synchronize()
+            same = torch.equal(outs["one_warp"], outs["all_warps"])
+            finite = bool(torch.isfinite(outs["all_warps"]).all())
+            diff = (outs["one_warp"].float() - outs["all_warps"].float()).abs().max().item()
+            checks[f"{name}/{vn}"] = dict(bit_identical=same, finite=finite, max_diff=diff)
+            print(f"{name} {vn}: all_warps bit-identical to one_warp: {same}, finite {finite}, max diff {diff}",
+                  flush=True)
+        times = {n: [] for n in fns}
+        for _ in range(a.rounds):
+            for n, f in fns.items():
+                times[n].append(tt.do_bench_cudagraph(f, rep=200) * 1e3)
+        for n, t in times.items():
+            print(f"{name} {n:28s} median {statistics.median(t):8.2f} us  rounds {[round(x, 1) for x in t]}",
+                  flush=True)
+        res[name] = times
+    common.write_experiment_json("ab_k_refill.json",
+                                 dict(commit=os.environ.get("BLOCKDIFF_COMMIT"), gpu=torch.cuda.get_device_name(),
+                                      variants=variants, checks=checks, res=res), a.out)
+
+
+if __name__ == "__main__":
+    main()
