@@ -358,8 +358,9 @@ def triton_launch() -> dict:
 
 
 def cute_launch() -> dict:
-    """What the cute backend's last call ran (its ``LAST_LAUNCH``): the kernel class, the split count and the
-    resolved tiles, so that a row names its kernel (the split-value kernel at hd 512, split-KV)."""
+    """What the cute backend's last call ran (its ``LAST_LAUNCH``): the kernel class, the split count, the
+    resolved tiles and batch order, so that a row names its kernel (at hd 512 the roles or the split-value kernel,
+    which ``wide_design="auto"`` picks per call; split-KV) and whether the scheduler took the sequences by work."""
     from blockdiff.attention.cute import interface as CA  # the cute backend module (imports no CuTe DSL itself)
 
     ll = CA.LAST_LAUNCH
@@ -367,7 +368,7 @@ def cute_launch() -> dict:
     return {"impl": ll.get("kernel"), "num_splits": None if cfg is None else cfg.num_splits,
             "kv_path": ll.get("kv_path"),
             "launch_config": None if cfg is None else {k: getattr(cfg, k) for k in
-                                                       ("tile_m", "tile_n", "num_stages", "lpt")}}
+                                                       ("tile_m", "tile_n", "num_stages", "lpt", "batch_order")}}
 
 
 def measure(batch: wl.Batch, backend: str, maker: Callable, args, gold: torch.Tensor, base_err: float,

@@ -972,9 +972,10 @@ def sweep(args) -> list[dict]:
 #: as unknown (:func:`summarize_trace`), so a missing rule shows.
 KERNEL_RULES: tuple[tuple[str, str, str], ...] = (
     ("attention", r"^_attn_fwd|^_merge_kernel$", "blockdiff triton attention (portable / Gluon) and its split merge"),
-    ("attention", r"FlashAttentionForwardSm90|FlashAttentionForwardCombine|flash_fwd|flash::|FlashAttn|fmha",
-     "blockdiff cute (FA4-derived: Mixed, its Split / Cluster, the hd-512 WideV kernels), FA4's combine, "
-     "FlashAttention"),
+    ("attention", r"FlashAttentionForwardSm90|FlashAttentionForwardCombine|flash_fwd|flash::|FlashAttn|fmha|"
+                  r"^_batch_work_order_kernel$",
+     "blockdiff cute (FA4-derived: Mixed, its Split / Cluster, the hd-512 WideV and Roles kernels; the work order's "
+     "Triton permutation, the hd-512 default), FA4's combine, FlashAttention"),
     ("attention", r"kernel_unified_attention|reduce_segments|unified_attention", "vLLM TRITON_ATTN"),
     ("attention", r"reshape_and_cache", "KV cache write (vLLM's, both sides)"),
     ("sampler", r"^_(stats|stats_merge|step|gather_rows|random_ids|soft_embedding|soft_reduce|prob_chunk|moments|"

@@ -266,7 +266,7 @@ def measure_cute(batch, cand: Candidate, gold, base_err: float, args) -> dict:
     w = batch.workload
     row = base_row(w, batch, "cute")
     try:
-        cfg = resolve_config(w.head_dim, w.head_dim_v, w.window_size, cand.config())
+        cfg = resolve_config(w.head_dim, w.head_dim_v, w.window_size, cand.config(), page_size=batch.page_size)
     except ValueError as e:  # does not fit SM90 shared memory
         row.update(candidate=cand.name, status="skipped", reason=str(e))
         return row

@@ -258,7 +258,10 @@ def _child(spec: dict, ptx_dir: str | None = None) -> dict:
     else:
         raise RuntimeError("compile_only compiled nothing (already in the compile cache?)")
     hd = spec.get("head_dim", 128)
-    cfg = resolve_config(hd, hd, spec.get("window_size"), spec.get("config"), spec.get("max_seqlen_q", 512))
+    # what compile_only resolved (its defaults: page size 128, max_seqlen_q 512 here; wide_design "auto" reads the
+    # page size)
+    cfg = resolve_config(hd, hd, spec.get("window_size"), spec.get("config"), spec.get("max_seqlen_q", 512),
+                         page_size=spec.get("page_size", 128))
     formula = config_smem_bytes(cfg, hd, hd)
     consts = [int(v) for v in re.findall(r"llvm\.mlir\.constant\((\d+) : i64\)", ir)]
     smem = formula if formula in consts else None
@@ -293,8 +296,9 @@ def _child(spec: dict, ptx_dir: str | None = None) -> dict:
                             v_refill=cfg.v_refill))
 
 
-#: The split-value (hd 512, 16 q / 2 KV heads) configurations the report compiles: both KV layouts, every load
-#: path (page boxes: one / two per stage; cp.async), both window modes, both tile shapes, GQA without TMA Q.
+#: The split-value (hd 512, 16 q / 2 KV heads) configurations the report compiles (``--report``, with
+#: ``wide_design="split_v"``: ``"auto"`` would take the roles kernel for most): both KV layouts, every load path
+#: (page boxes: one / two per stage; cp.async), both window modes, both tile shapes, GQA without TMA Q.
 WIDE_MATRIX = [
     dict(page_size=None, window_size=None),
     dict(page_size=None, window_size=1023, bidirectional_window="prefix"),
@@ -340,10 +344,11 @@ def _with_design(matrix, design: str | None):
 
 
 def wide_report(matrix=None) -> list[dict]:
-    """Compile every spec of ``matrix`` (default :data:`WIDE_MATRIX`, hd 512 / 16 q / 2 KV heads, LSE, canvas
-    hint 256 unless a spec says otherwise) and return one row per spec: the spec plus :func:`compile_for_sm90`."""
+    """Compile every spec of ``matrix`` (default :data:`WIDE_MATRIX` with ``wide_design="split_v"``, hd 512 / 16 q
+    / 2 KV heads, LSE, canvas hint 256 unless a spec says otherwise) and return one row per spec: the spec plus
+    :func:`compile_for_sm90`."""
     rows = []
-    for extra in matrix or WIDE_MATRIX:
+    for extra in matrix or _with_design(WIDE_MATRIX, "split_v"):
         spec = dict(dict(head_dim=512, num_heads=16, num_kv_heads=2, return_lse=True, max_seqlen_q=256), **extra)
         rows.append(dict(spec=spec, **compile_for_sm90(**spec)))
     return rows
@@ -351,7 +356,8 @@ def wide_report(matrix=None) -> list[dict]:
 
 def main(argv=None) -> None:
     """``--child SPEC``: compile one JSON spec in this process (what :func:`compile_for_sm90` spawns) and print
-    its report as JSON. ``--report [OUT.json]``: compile :data:`WIDE_MATRIX`, print a table, write the rows;
+    its report as JSON. ``--report [OUT.json]``: compile :data:`WIDE_MATRIX` with ``wide_design="split_v"``, print
+    a table, write the rows;
     ``--report-roles [OUT.json]``: the same for :data:`ROLES_MATRIX` with ``wide_design="roles"``."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--child"]:

@@ -1,9 +1,9 @@
 """Static configuration of the ``"cute"`` attention backend: the tile config type (part of the compile key), its
 defaults and tuned choices, the SM90 shared-memory check and the K/V load path.
 
-One owner: :func:`resolve_config` turns a call's head dims, window and host query-length hint (plus an optional
-override) into the :class:`CuteConfig` the kernel is compiled for; :func:`kv_load_path` says how paged K/V reach
-shared memory. This module imports neither flash-attn-4 nor the CuTe DSL at load time (FA4's tile heuristic is
+One owner: :func:`resolve_config` turns a call's head dims, window, host query-length hint and K/V page size (plus
+an optional override) into the :class:`CuteConfig` the kernel is compiled for; :func:`kv_load_path` says how paged
+K/V reach shared memory. This module imports neither flash-attn-4 nor the CuTe DSL at load time (FA4's tile heuristic is
 imported when :func:`resolve_config` first needs it). The measured history of the tuned values is in
 docs/tuning.md.
 """
@@ -18,7 +18,7 @@ __all__ = [
     "unsupported_head_dims", "resolve_wide_config", "WIDE_LONG_Q_CONFIG", "WIDE_MAX_PAGE_BOXES", "MAX_SPLITS",
     "MIN_KEYS_PER_SPLIT", "grid_tiles", "choose_num_splits", "key_bound", "resolve_launch_config", "check_config",
     "SPLIT_MERGES", "MAX_CLUSTER_SPLITS", "AUTO_CLUSTER_SPLITS", "auto_split_merge", "cluster_merge_fits",
-    "WIDE_DESIGNS", "ROLES_CONFIG", "BATCH_ORDERS", "V_REFILLS",
+    "WIDE_DESIGNS", "ROLES_CONFIG", "BATCH_ORDERS", "V_REFILLS", "auto_wide_design",
 ]
 
 #: The optional packages this backend runs on (the ``cute`` extra of setup.py).
@@ -44,24 +44,33 @@ class CuteConfig:
     shared memory inside the one launch; 2 .. :data:`MAX_CLUSTER_SPLITS` splits, and the fp32 tile must fit the
     Q / K / V buffers: :func:`cluster_merge_fits`; docs/tuning.md 2.5). Not a tile field either; it resolves in
     :func:`resolve_launch_config`, with one split to ``"combine"`` (the plain kernel).
-    wide_design: the kernel of head dims above 256 (:func:`is_wide`): ``"split_v"`` (default: two consumer
-    warpgroups, the first computing S, the softmax and half of P V; ``kernel_wide.py``, docs/tuning.md 2.1 design
-    (c2)) or ``"roles"`` (opt-in: one softmax warpgroup feeding two P V warpgroups through shared memory;
-    ``kernel_roles.py``, design (c1)). Its tile defaults differ (:data:`ROLES_CONFIG`); the cluster merge is
-    not built for it. Below head dim 257 it resolves to ``"split_v"`` (FA4's kernel either way).
-    batch_order: the order in which FA4's varlen tile scheduler takes the sequences: ``"given"`` (default: batch
-    order, each sequence's tiles in turn) or ``"work"`` (opt-in: the sequences by their mean keys per tile,
-    descending, a permutation computed on the device per call and read by the scheduler through FA4's
-    ``virtual_batch_idx_ptr``; :mod:`blockdiff.attention.cute.tile_order`, docs/tuning.md 2.13). Each tile's
-    result does not depend on the order, so both give identical outputs; ``"work"`` puts a mixed batch's long
-    canvas tiles before a prefill's short ones (less idle tail). Not a tile field; with one sequence it resolves
-    to ``"given"`` (:func:`resolve_launch_config`).
-    v_refill: who refills the roles kernel's V stages (``wide_design="roles"`` only): ``"one_warp"`` (default: PV0's
+    wide_design: the kernel of head dims above 256 (:func:`is_wide`): ``"auto"`` (default), ``"split_v"`` (two
+    consumer warpgroups, the first computing S, the softmax and half of P V; ``kernel_wide.py``, docs/tuning.md 2.1
+    design (c2)) or ``"roles"`` (one softmax warpgroup feeding two P V warpgroups through shared memory;
+    ``kernel_roles.py``, design (c1); its tiles: :data:`ROLES_CONFIG`; no cluster merge). ``"auto"`` resolves to
+    ``"roles"`` iff head_dim == head_dim_v == 512, the config sets no field besides the switches (automatic
+    tiles), ``split_merge`` is not ``"cluster"`` and the K/V layout loads by TMA page boxes at the roles tile_n
+    (``page_size`` of :func:`resolve_config`: contiguous / unknown, or :func:`page_box_tma_ok`); else to
+    ``"split_v"`` (:func:`auto_wide_design`). Rationale: measured faster on every hd-512 workload on the H200
+    (docs/tuning.md 2.17); other wide head dims were not measured with it. Below head dim 257 it resolves to
+    ``"split_v"`` (FA4's kernel either way).
+    batch_order: the order in which FA4's varlen tile scheduler takes the sequences: ``"auto"`` (default),
+    ``"given"`` (batch order, each sequence's tiles in turn) or ``"work"`` (the sequences by their mean keys per
+    tile, descending, a permutation computed on the device per call in one Triton launch and read by the scheduler
+    through FA4's ``virtual_batch_idx_ptr``; :mod:`blockdiff.attention.cute.tile_order`, docs/tuning.md 2.13).
+    Each tile's result does not depend on the order, so all give identical outputs; ``"work"`` puts a mixed batch's
+    long canvas tiles before a prefill's short ones (less idle tail). ``"auto"`` resolves to ``"work"`` when the
+    resolved kernel is the roles kernel, else ``"given"``. Rationale: on the H200 it was never slower for the roles
+    kernel and faster on mixed batches, while it cost the split-value and hd-256 windowed kernels on some
+    workloads (docs/tuning.md 2.17). Not a tile field; with one sequence ``"work"`` (explicit or resolved)
+    resolves to ``"given"`` (:func:`resolve_launch_config`).
+    v_refill: who refills the roles kernel's V stages (roles kernel only): ``"one_warp"`` (default: PV0's
     warp 0 loads the whole ``tile_n x d`` block once both P V warpgroups released the stage) or ``"halves"``
     (opt-in: each P V warpgroup's warp 0 loads the half of the value columns its own warpgroup reads, through a
     per-half pipeline, as soon as its own warpgroup released it, a one-box block's page index read before the P V;
     ``kernel_roles.py``, docs/tuning.md 2.12 remedy 2 and 2.15). Identical outputs. Not a tile field; ``"halves"``
-    with ``wide_design="split_v"`` is a ValueError, and below head dim 257 (FA4's kernel) it resolves to
+    with ``wide_design="split_v"`` is a ValueError; with ``"auto"`` at head dims above 256 it is a ValueError
+    saying why unless ``"auto"`` resolves to ``"roles"``; below head dim 257 (FA4's kernel) it resolves to
     ``"one_warp"``.
     """
 
@@ -74,18 +83,19 @@ class CuteConfig:
     num_splits: int | None = None
     nan_safe_v: bool = True
     split_merge: str = "auto"
-    wide_design: str = "split_v"
-    batch_order: str = "given"
+    wide_design: str = "auto"
+    batch_order: str = "auto"
     v_refill: str = "one_warp"
 
 
 #: The merges of split-KV partial outputs (CuteConfig.split_merge).
 SPLIT_MERGES = ("auto", "combine", "cluster")
-#: The kernels of head dims above 256 (CuteConfig.wide_design): the split-value kernel (default) and the roles
-#: kernel (opt-in).
-WIDE_DESIGNS = ("split_v", "roles")
-#: The scheduler's batch orders (CuteConfig.batch_order): batch order (default) and longest tiles first by sequence.
-BATCH_ORDERS = ("given", "work")
+#: The kernels of head dims above 256 (CuteConfig.wide_design): automatic (default, :func:`auto_wide_design`), the
+#: split-value kernel and the roles kernel.
+WIDE_DESIGNS = ("auto", "split_v", "roles")
+#: The scheduler's batch orders (CuteConfig.batch_order): automatic (default: ``"work"`` for the roles kernel, else
+#: ``"given"``), batch order and longest tiles first by sequence.
+BATCH_ORDERS = ("auto", "given", "work")
 #: Who refills the roles kernel's V stages (CuteConfig.v_refill): one warp for the whole block (default) or each
 #: P V warpgroup its own half of the value columns.
 V_REFILLS = ("one_warp", "halves")
@@ -196,8 +206,8 @@ def _fa4_tile_size(head_dim: int, head_dim_v: int, is_local: bool):
     return _tile_size_fwd_sm90(head_dim, head_dim_v, False, is_local)
 
 
-def resolve_config(head_dim: int, head_dim_v: int, window_size, config=None, max_seqlen_q: int | None = None
-                   ) -> CuteConfig:
+def resolve_config(head_dim: int, head_dim_v: int, window_size, config=None, max_seqlen_q: int | None = None, *,
+                   page_size: int | None = None) -> CuteConfig:
     """Tile shape for a call: FA4's SM90 forward heuristic (local variant when windowed) unless overridden.
 
     ``max_seqlen_q`` (host int, tokens) selects the long-prefill tiles at hd 128 without a window (see
@@ -205,30 +215,34 @@ def resolve_config(head_dim: int, head_dim_v: int, window_size, config=None, max
     Any upper bound gives correct results, but a static capacity >= 512 gives canvas batches the long-prefill
     choices: pass the step's true maximum query length. Explicit ``config`` fields always win.
 
+    ``page_size`` (keyword; tokens a K/V page, None: contiguous K/V or not known) is what ``wide_design="auto"``
+    reads at head dims above 256: the roles kernel only where its tiles load the pages by TMA boxes
+    (:func:`auto_wide_design`). The switches ``wide_design`` and ``batch_order`` resolve here (never ``"auto"`` in
+    the result); ``split_merge`` in :func:`resolve_launch_config`.
+
     Head dims above 256 (:func:`is_wide`) resolve through :func:`resolve_wide_config` (no flash-attn-4 needed).
 
     Raises:
         ValueError: head dims the backend does not run (:func:`unsupported_head_dims`), a config field outside
             its range (:func:`check_config`; checked before flash-attn-4 is imported), the resolved tiles do not
-            fit SM90 shared memory (:func:`check_config_fits`), or a split-value config field outside what that
-            kernel takes.
+            fit SM90 shared memory (:func:`check_config_fits`), a wide config field outside what its kernel
+            takes, ``v_refill="halves"`` where the kernel does not resolve to the roles kernel, or ``page_size``
+            below 1.
         TypeError: ``config`` is not a CuteConfig, a dict or None, or a field of the wrong type / an unknown
-            field (:func:`check_config`).
+            field (:func:`check_config`); ``page_size`` neither None nor an int.
         ImportError: flash-attn-4 is not installed (its heuristic gives the unset fields).
     """
     _check_head_dims(head_dim, head_dim_v)
+    _check_page_size(page_size)
     config, switches = _split_switches(check_config(config))
     if is_wide(head_dim, head_dim_v):  # head dims and config checked above
-        if switches["v_refill"] == "halves" and head_dim_v % 128:
-            # each half of V must be whole shared-memory swizzle atoms (64 columns at head dims divisible by 64,
-            # else 32) and whole page boxes: of the wide head dims (multiples of 32 in (256, 512]) only 384 and 512
-            raise ValueError(f"config v_refill 'halves' needs head_dim_v divisible by 128 (384 or 512), got "
-                             f"{head_dim_v}: each P V warpgroup's half of V must be whole swizzle atoms; use "
-                             f"v_refill 'one_warp'")
+        switches = _resolve_wide_switches(head_dim, head_dim_v, config, switches, page_size)
         return replace(_resolve_wide(head_dim, head_dim_v, config, max_seqlen_q, switches["wide_design"]),
                        **switches)
     switches["wide_design"] = "split_v"  # FA4's kernel below head dim 257: one compile key for both designs
     switches["v_refill"] = "one_warp"  # likewise: a roles-kernel switch
+    if switches["batch_order"] == "auto":  # the roles kernel's default only
+        switches["batch_order"] = "given"
     if config is None:
         config = CuteConfig()
         if (head_dim == head_dim_v == 128 and window_size is None and max_seqlen_q is not None
@@ -253,8 +267,87 @@ def resolve_config(head_dim: int, head_dim_v: int, window_size, config=None, max
     return resolved
 
 
+def _check_page_size(page_size) -> None:
+    """``page_size`` of the resolve functions: None or an int >= 1 (no bool, no float)."""
+    if page_size is None:
+        return
+    if isinstance(page_size, bool) or not isinstance(page_size, int):
+        raise TypeError(f"page_size must be None (contiguous K/V or not known) or an int, got "
+                        f"{type(page_size).__name__} ({page_size!r})")
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1 (tokens a K/V page) or None, got {page_size}")
+
+
+def _roles_blocker(head_dim: int, head_dim_v: int, config, split_merge: str,
+                   page_size: int | None) -> tuple[str, bool] | None:
+    """Why ``wide_design="auto"`` does not resolve to the roles kernel (None: it does), on checked arguments, and
+    whether an explicit ``wide_design="roles"`` would run there; ``config`` is the non-switch part of
+    :func:`_split_switches`. The rule: :func:`auto_wide_design`."""
+    if not head_dim == head_dim_v == 512:
+        return (f"the roles kernel is the automatic choice at head dim 512 only (the one measured), got head_dim "
+                f"{head_dim} / head_dim_v {head_dim_v}"), True
+    if config is not None:
+        fields_ = (sorted(config) if isinstance(config, dict)
+                   else [f for f in _CONFIG_FIELDS if getattr(config, f) != getattr(CuteConfig(), f)])
+        return (f"the config sets {fields_}: the roles kernel is the automatic choice with its automatic tiles "
+                "only (set no field besides the switches)"), True
+    if split_merge == "cluster":
+        return "split_merge 'cluster' is not built for the roles kernel", False
+    if page_size is not None and not page_box_tma_ok(page_size, ROLES_CONFIG["tile_n"]):
+        return (f"page size {page_size} does not load by TMA page boxes at the roles tile_n "
+                f"{ROLES_CONFIG['tile_n']} (a multiple of 8 that divides it or is a multiple of it)"), False
+    return None
+
+
+def auto_wide_design(head_dim: int, head_dim_v: int, config=None, *, page_size: int | None = None) -> str:
+    """The kernel ``wide_design="auto"`` resolves to at head dims above 256: ``"roles"`` iff head_dim ==
+    head_dim_v == 512, ``config`` sets no field besides the switches (the roles kernel's automatic tiles: with
+    32-key tiles it was slower than the split-value kernel, docs/tuning.md 2.9), its ``split_merge`` is not
+    ``"cluster"`` (no roles variant) and ``page_size`` (None: contiguous K/V or not known) loads by TMA page
+    boxes at the roles tile_n (:func:`page_box_tma_ok` with :data:`ROLES_CONFIG`); else ``"split_v"``. Below
+    head dim 257: ``"split_v"`` (FA4's kernel either way). Rationale: the roles kernel was measured faster on
+    every hd-512 workload on the H200 (docs/tuning.md 2.17). An explicit ``wide_design`` in ``config`` is not
+    read: this is the rule for ``"auto"``.
+
+    Raises:
+        As :func:`check_config` for ``config``; TypeError / ValueError naming ``page_size`` (None or an int >= 1)
+        and the head dims (:func:`unsupported_head_dims`).
+    """
+    _check_head_dims(head_dim, head_dim_v)
+    _check_page_size(page_size)
+    config, switches = _split_switches(check_config(config))
+    if not is_wide(head_dim, head_dim_v):
+        return "split_v"
+    return "split_v" if _roles_blocker(head_dim, head_dim_v, config, switches["split_merge"], page_size) else "roles"
+
+
+def _resolve_wide_switches(head_dim: int, head_dim_v: int, config, switches: dict, page_size: int | None) -> dict:
+    """The switches of a wide call (head dims above 256, arguments checked) with ``wide_design`` and
+    ``batch_order`` resolved (:func:`auto_wide_design`; ``batch_order="auto"``: ``"work"`` for the roles kernel,
+    else ``"given"``) and ``v_refill="halves"`` checked against the resolved kernel and the head dims."""
+    switches = dict(switches)
+    if switches["wide_design"] == "auto":
+        blocker = _roles_blocker(head_dim, head_dim_v, config, switches["split_merge"], page_size)
+        if blocker is not None and switches["v_refill"] == "halves":
+            why, roles_runs = blocker
+            fix = ("set wide_design 'roles' or v_refill 'one_warp'" if roles_runs and head_dim_v % 128 == 0
+                   else "use v_refill 'one_warp'")  # (halves: head dims divisible by 128, below)
+            raise ValueError(f"config v_refill 'halves' needs the roles kernel (its V loads), and wide_design 'auto' "
+                             f"resolves to 'split_v' here: {why}; {fix}")
+        switches["wide_design"] = "split_v" if blocker else "roles"
+    if switches["batch_order"] == "auto":
+        switches["batch_order"] = "work" if switches["wide_design"] == "roles" else "given"
+    if switches["v_refill"] == "halves" and head_dim_v % 128:
+        # each half of V must be whole shared-memory swizzle atoms (64 columns at head dims divisible by 64,
+        # else 32) and whole page boxes: of the wide head dims (multiples of 32 in (256, 512]) only 384 and 512
+        raise ValueError(f"config v_refill 'halves' needs head_dim_v divisible by 128 (384 or 512), got "
+                         f"{head_dim_v}: each P V warpgroup's half of V must be whole swizzle atoms; use "
+                         f"v_refill 'one_warp'")
+    return switches
+
+
 #: CuteConfig fields that are switches, not tile fields, with their defaults.
-_SWITCHES = dict(nan_safe_v=True, split_merge="auto", wide_design="split_v", batch_order="given",
+_SWITCHES = dict(nan_safe_v=True, split_merge="auto", wide_design="auto", batch_order="auto",
                  v_refill="one_warp")
 
 
@@ -333,8 +426,9 @@ def check_config(config):
     bool; ``num_splits``: None or an int in [1, :data:`MAX_SPLITS`]; ``nan_safe_v``: a bool; ``split_merge``:
     one of :data:`SPLIT_MERGES`, and ``"cluster"`` with an explicit ``num_splits`` at most
     :data:`MAX_CLUSTER_SPLITS`; ``wide_design``: one of :data:`WIDE_DESIGNS`, not with ``split_merge="cluster"``;
-    ``batch_order``: one of :data:`BATCH_ORDERS`; ``v_refill``: one of :data:`V_REFILLS`, ``"halves"`` only with
-    ``wide_design="roles"``.
+    ``batch_order``: one of :data:`BATCH_ORDERS`; ``v_refill``: one of :data:`V_REFILLS`, ``"halves"`` not with
+    ``wide_design="split_v"`` (with ``"auto"``, :func:`resolve_config` refuses it where ``"auto"`` does not pick
+    the roles kernel).
     Kernel-specific rules (the split-value kernel's tiles, shared memory, whether the cluster merge's tile fits)
     are :func:`resolve_config`'s and :func:`resolve_launch_config`'s.
 
@@ -362,21 +456,23 @@ def check_config(config):
     if values.get("split_merge") == "cluster" and values.get("wide_design") == "roles":
         raise ValueError("config split_merge 'cluster' is not built for wide_design 'roles'; use split_merge "
                          "'combine' or 'auto'")
-    if values.get("v_refill", "one_warp") != "one_warp" and values.get("wide_design", "split_v") != "roles":
-        raise ValueError(f"config v_refill {values['v_refill']!r} is built for wide_design 'roles' only (the roles "
-                         "kernel's V loads), got wide_design "
-                         f"{values.get('wide_design', 'split_v')!r}; set wide_design 'roles' or v_refill 'one_warp'")
+    if values.get("v_refill", "one_warp") != "one_warp" and values.get("wide_design", "auto") == "split_v":
+        raise ValueError(f"config v_refill {values['v_refill']!r} is built for the roles kernel only (its V loads), "
+                         "got wide_design 'split_v'; set wide_design 'roles' (or 'auto', which picks it at head dim "
+                         "512) or v_refill 'one_warp'")
     if values.get("split_merge") == "cluster" and n is not None and n > MAX_CLUSTER_SPLITS:
         raise ValueError(f"config split_merge 'cluster' takes at most {MAX_CLUSTER_SPLITS} splits (the portable "
                          f"cluster size), got num_splits {n}; use split_merge 'combine'")
     return config
 
 
-def resolve_wide_config(head_dim: int, head_dim_v: int, config=None, max_seqlen_q: int | None = None
-                        ) -> CuteConfig:
-    """Tile shape of the split-value kernel (head dims above 256): without a config :data:`WIDE_LONG_Q_CONFIG`
-    when :func:`longest_first_tiles` holds for ``max_seqlen_q`` (long or unknown), else :data:`WIDE_CONFIG`; a
-    dict overrides fields of :data:`WIDE_CONFIG`.
+def resolve_wide_config(head_dim: int, head_dim_v: int, config=None, max_seqlen_q: int | None = None, *,
+                        page_size: int | None = None) -> CuteConfig:
+    """Tile shape of the kernels of head dims above 256, after ``wide_design`` resolves (``"auto"``:
+    :func:`auto_wide_design`, with ``page_size`` as in :func:`resolve_config`). The split-value kernel: without
+    a config :data:`WIDE_LONG_Q_CONFIG` when :func:`longest_first_tiles` holds for ``max_seqlen_q`` (long or
+    unknown), else :data:`WIDE_CONFIG`; a dict overrides fields of :data:`WIDE_CONFIG`. The roles kernel: likewise
+    on :data:`ROLES_CONFIG`, whatever the query length.
 
     ``tile_m`` must be 64 and ``tile_n`` a multiple of 16; ``mma_pv_is_rs`` / ``intra_wg_overlap`` are fixed
     by the kernel (WG0 keeps P in registers, WG1 reads it from shared memory; overlap on) and resolve to
@@ -385,12 +481,15 @@ def resolve_wide_config(head_dim: int, head_dim_v: int, config=None, max_seqlen_
 
     Raises:
         TypeError: ``config`` is not a CuteConfig, a dict or None; a field of the wrong type or an unknown field
-            (:func:`check_config`).
-        ValueError: head dims outside the split-value kernel's (:func:`unsupported_head_dims`), a field outside
-            the above, or the tiles do not fit SM90 shared memory.
+            (:func:`check_config`); ``page_size`` neither None nor an int.
+        ValueError: head dims outside the wide kernels' (:func:`unsupported_head_dims`), a field outside the
+            above, the tiles do not fit SM90 shared memory, ``v_refill="halves"`` without the roles kernel or at
+            a head dim not divisible by 128, or ``page_size`` below 1.
     """
     _check_head_dims(head_dim, head_dim_v)
+    _check_page_size(page_size)
     config, switches = _split_switches(check_config(config))
+    switches = _resolve_wide_switches(head_dim, head_dim_v, config, switches, page_size)
     return replace(_resolve_wide(head_dim, head_dim_v, config, max_seqlen_q, switches["wide_design"]), **switches)
 
 
@@ -512,20 +611,23 @@ def key_bound(keys_capacity: int, max_seqlen_k: int | None, window_size, max_seq
 
 def resolve_launch_config(head_dim: int, head_dim_v: int, window_size, config=None, *, total_q: int,
                           num_seqs: int, num_kv_heads: int, qhead_per_kvhead: int, keys_capacity: int,
-                          max_seqlen_q: int, max_seqlen_k: int | None, num_sms: int) -> CuteConfig:
+                          max_seqlen_q: int, max_seqlen_k: int | None, num_sms: int,
+                          page_size: int | None = None) -> CuteConfig:
     """:func:`resolve_config` plus the split count when the config leaves it None (:func:`choose_num_splits` on
     :func:`grid_tiles` and :func:`key_bound`) and the split merge: ``"auto"`` resolves here
     (:func:`auto_split_merge`), so the result's ``split_merge`` is ``"combine"`` or ``"cluster"``, and
-    ``"combine"`` whenever there is one split; ``batch_order="work"`` resolves to ``"given"`` with at most one
-    sequence (nothing to order: the kernel without the permutation). Host ints only: ``total_q``
-    (``q.shape[0]``), ``num_seqs`` (``cu_seqlens_q.shape[0] - 1``), ``keys_capacity`` (paged: block-table width x
-    page size; contiguous: cache rows), the hints, ``num_sms``.
+    ``"combine"`` whenever there is one split; ``batch_order="work"`` (explicit, or ``"auto"`` resolved to it
+    for the roles kernel by :func:`resolve_config`) resolves to ``"given"`` with at most one sequence (nothing to
+    order: the kernel without the permutation). Host ints only: ``total_q`` (``q.shape[0]``), ``num_seqs``
+    (``cu_seqlens_q.shape[0] - 1``), ``keys_capacity`` (paged: block-table width x page size; contiguous: cache
+    rows), the hints, ``num_sms``, ``page_size`` (paged: ``k_cache.shape[1]``; None: contiguous K/V or not known;
+    read by ``wide_design="auto"``, :func:`auto_wide_design`).
 
     Raises:
-        As :func:`resolve_config`; ValueError also when an explicit ``split_merge="cluster"`` meets a tile whose
-        fp32 merge tile does not fit (:func:`cluster_merge_fits`).
+        As :func:`resolve_config` (``page_size`` included); ValueError also when an explicit
+        ``split_merge="cluster"`` meets a tile whose fp32 merge tile does not fit (:func:`cluster_merge_fits`).
     """
-    cfg = resolve_config(head_dim, head_dim_v, window_size, config, max_seqlen_q)
+    cfg = resolve_config(head_dim, head_dim_v, window_size, config, max_seqlen_q, page_size=page_size)
     if cfg.batch_order == "work" and num_seqs <= 1:
         cfg = replace(cfg, batch_order="given")
     cluster = cfg.split_merge == "cluster"

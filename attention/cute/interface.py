@@ -6,7 +6,9 @@ bidirectional rows), paged (any page size; TMA loads when the page size is a mul
 the key tile or is a multiple of it, see :func:`blockdiff.attention.cute.config.kv_load_path`) or contiguous KV,
 GQA (FA4's PackGQA), head_dim up to 256 on FA4's kernel (128 and 256 are the tested ones) and equal head dims in
 (256, 512] (multiples of 32; Gemma 4's global layers: 512) on the split-value kernel
-(:class:`blockdiff.attention.cute.kernel_wide.FlashAttentionForwardSm90WideV`). Tile skipping follows each tile's
+(:class:`blockdiff.attention.cute.kernel_wide.FlashAttentionForwardSm90WideV`) or the roles kernel
+(:class:`blockdiff.attention.cute.kernel_roles.FlashAttentionForwardSm90Roles`, the default at 512 where its tiles
+load the pages: :func:`blockdiff.attention.cute.config.auto_wide_design`). Tile skipping follows each tile's
 allowed key range in both directions (:func:`blockdiff.attention.cute.blocks.tile_plan` mirrors it on the host).
 Semantics: docs/ARCHITECTURE.md "The attention contract"; the kernel is
 :class:`blockdiff.attention.cute.kernel.FlashAttentionForwardSm90Mixed` (FA4's kernel, tile scheduler,
@@ -71,7 +73,8 @@ def _fa4():
         from .kernel_cluster import FlashAttentionForwardSm90MixedCluster, FlashAttentionForwardSm90WideVCluster
         from .kernel_split import FlashAttentionForwardSm90MixedSplit, FlashAttentionForwardSm90WideVSplit
         from .kernel_wide import FlashAttentionForwardSm90WideV
-        # the roles kernel (wide_design="roles", opt-in) and its split-KV variant
+        # the roles kernel (wide_design "roles"; "auto" at hd 512 where its tiles load the pages) and its split-KV
+        # variant
         from .kernel_roles import FlashAttentionForwardSm90Roles, FlashAttentionForwardSm90RolesSplit
     except ImportError as e:
         raise ImportError(
@@ -164,11 +167,15 @@ def attention_cute(
             :mod:`~blockdiff.attention.cute.kernel_split`); with ``"cluster"`` one launch whose splits of a tile
             form a thread-block cluster merging through distributed shared memory
             (:mod:`~blockdiff.attention.cute.kernel_cluster`); ``"auto"`` (the default) picks one
-            (:func:`~blockdiff.attention.cute.config.auto_split_merge`). ``batch_order="work"`` has FA4's tile
-            scheduler take the sequences longest tiles first (a permutation computed on the device per call, in
-            one Triton launch: :func:`~blockdiff.attention.cute.tile_order_triton.batch_work_order_triton`; its
-            torch reference :func:`~blockdiff.attention.cute.tile_order.batch_work_order`); the output is the same
-            as ``"given"``'s.
+            (:func:`~blockdiff.attention.cute.config.auto_split_merge`). ``wide_design="auto"`` (the default)
+            runs the roles kernel at head dim 512 with the automatic tiles where its 64-key tiles load the pages
+            by TMA boxes (``k_cache.shape[1]``), else the split-value kernel
+            (:func:`~blockdiff.attention.cute.config.auto_wide_design`). ``batch_order="work"`` (``"auto"``'s
+            choice for the roles kernel) has FA4's tile scheduler take the sequences longest tiles first (a
+            permutation computed on the device per call, in one Triton launch:
+            :func:`~blockdiff.attention.cute.tile_order_triton.batch_work_order_triton`; its torch reference
+            :func:`~blockdiff.attention.cute.tile_order.batch_work_order`); the output is the same as
+            ``"given"``'s.
 
     Returns:
         ``out [total_q, num_heads, head_dim_v]`` (q's dtype) or ``(out, lse)``.
@@ -181,8 +188,9 @@ def attention_cute(
             host at launch).
         NotImplementedError: valid input outside this backend: dtype other than bf16/fp16, head dims outside
             8..256 (multiples of 8) and outside equal multiples of 32 in (256, 512]
-            (:func:`~blockdiff.attention.cute.config.unsupported_head_dims`), a GPU other than SM90; with
-            ``wide_design="roles"`` at head dims above 256, a page size the TMA page boxes cannot load.
+            (:func:`~blockdiff.attention.cute.config.unsupported_head_dims`), a GPU other than SM90; with an
+            explicit ``wide_design="roles"`` at head dims above 256, a page size the TMA page boxes cannot load
+            (``"auto"`` takes the split-value kernel there).
     """
     info = check_attention_inputs(
         q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens, causal=causal,
@@ -256,7 +264,7 @@ def _run(fa, q, k_cache, v_cache, *, out, return_lse, cu_seqlens_q, num_causal_q
         num_kv_heads=num_kv_heads, qhead_per_kvhead=qhead_per_kvhead,
         keys_capacity=block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[0],
         max_seqlen_q=max_seqlen_q if max_seqlen_q is not None else q.shape[0], max_seqlen_k=max_seqlen_k,
-        num_sms=_num_sms(q.device))
+        num_sms=_num_sms(q.device), page_size=k_cache.shape[1] if paged else None)
     # Strided q / caches are fine (dynamic strides) as long as the last dim is dense and 16-byte aligned.
     q, k_cache, v_cache = mc(q), mc(k_cache), mc(v_cache)
     cu_q = cu_seqlens_q.to(torch.int32).contiguous()
@@ -268,11 +276,11 @@ def _run(fa, q, k_cache, v_cache, *, out, return_lse, cu_seqlens_q, num_causal_q
         roles = is_wide(head_dim, head_dim_v) and cfg.wide_design == "roles"
         kv_path = kv_load_path(k_cache.shape[1], cfg.tile_n,
                                WIDE_MAX_PAGE_BOXES if is_wide(head_dim, head_dim_v) and not roles else None)
-        if roles and kv_path == "cp.async":
+        if roles and kv_path == "cp.async":  # an explicit choice ("auto" resolves to split_v for such pages)
             raise NotImplementedError(
                 f"backend 'cute', wide_design 'roles': paged K/V load by TMA page boxes only (page size a multiple "
                 f"of 8 that divides tile_n {cfg.tile_n} or is a multiple of it), got page size {k_cache.shape[1]}; "
-                "use wide_design 'split_v'")
+                "use wide_design 'split_v' or 'auto' (which takes the split-value kernel there)")
         paged_kv_non_tma = kv_path == "cp.async"
         kv_page_size = k_cache.shape[1] if kv_path == "tma_boxes" else None
     else:
@@ -449,7 +457,8 @@ def compile_only(head_dim: int = 128, num_heads: int = 16, num_kv_heads: int = 8
                  config=None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None):
     """Compile the kernel for one static configuration without a GPU (FA4's fake-tensor route).
 
-    The batch is 2 sequences of 256 query tokens (head dims above 256 compile the split-value kernel);
+    The batch is 2 sequences of 256 query tokens (head dims above 256 compile the kernel ``config``'s
+    ``wide_design`` resolves to: at 512 by default the roles kernel where ``page_size`` allows it);
     ``max_seqlen_q`` is the host hint of :func:`attention_cute`
     (default: total tokens, 512: longest-first order; 256: the canvas tiles and plain order).
 

@@ -500,6 +500,8 @@ def test_classify_kernel_names():
                  "attention",
              "kernel_cutlass_kernel_blockdiffattentioncutekernel_widevFlashAttentionForwardSm90WideV_obj": "attention",
              "kernel_cutlass_kernel_blockdiffattentioncutekernel_splitFlashAttentionForwardSm90WideVSplit": "attention",
+             "kernel_cutlass_kernel_blockdiffattentioncutekernel_rolesFlashAttentionForwardSm90Roles_obj": "attention",
+             "_batch_work_order_kernel": "attention",  # the cute work order's permutation (hd-512 default)
              "void cutlass::device_kernel<vllm::cutlass_3x_gemm_sm90_fp8<cutlass::float_e4m3_t>>": "gemm",
              "_stats_kernel": "sampler", "_step_kernel": "sampler", "_prob_chunk_kernel": "sampler",
              "fused_moe_kernel": "moe", "void vllm::moe::topkGatingSoftmax<4>": "moe",

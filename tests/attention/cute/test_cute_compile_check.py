@@ -45,6 +45,24 @@ def test_sass_spills_are_attributed_to_the_warp_role_after_each_setmaxnreg():
     assert [tuple(x) for x in r["setmaxreg"]] == [("producer", 40), ("consumer", 232)]
 
 
+def test_wide_report_compiles_the_split_value_kernel_by_default(monkeypatch):
+    """``--report`` (:data:`WIDE_MATRIX`) is the split-value kernel's report: its specs ask for it by name, since
+    the hd-512 default ("auto") would compile the roles kernel for most of them."""
+    seen = []
+    monkeypatch.setattr(cchk, "compile_for_sm90", lambda **spec: seen.append(spec) or {})
+    rows = cchk.wide_report()
+    assert len(rows) == len(seen) == len(cchk.WIDE_MATRIX)
+    for spec in seen:
+        assert spec["config"]["wide_design"] == "split_v"
+        cfg = cc.resolve_config(512, 512, spec["window_size"], spec["config"], spec["max_seqlen_q"],
+                                page_size=spec["page_size"])
+        assert cfg.wide_design == "split_v" and cfg.batch_order == "given"
+    # without the name, most of them would resolve to the roles kernel
+    auto = [cc.resolve_config(512, 512, sp["window_size"], sp.get("config"), 256, page_size=sp["page_size"])
+            for sp in cchk.WIDE_MATRIX]
+    assert sum(c.wide_design == "roles" for c in auto) >= 5
+
+
 def test_unknown_spec_keys_are_a_value_error():
     with pytest.raises(ValueError, match="head_dims"):
         cchk.compile_for_sm90(head_dims=512)
@@ -52,13 +70,15 @@ def test_unknown_spec_keys_are_a_value_error():
 
 @pytest.mark.skipif(not HAVE_FA4, reason="compiling needs flash-attn-4==4.0.0b36 and nvidia-cutlass-dsl==4.8.1 "
                     "(not installed here)")
-@pytest.mark.parametrize("extra", [dict(page_size=64, window_size=1023, bidirectional_window="prefix"),
-                                   dict(page_size=None, window_size=None, config=dict(tile_n=64))])
+@pytest.mark.parametrize("extra", [
+    dict(page_size=64, window_size=1023, bidirectional_window="prefix", config=dict(wide_design="split_v")),
+    dict(page_size=None, window_size=None, config=dict(tile_n=64, wide_design="split_v"))])
 def test_split_value_kernel_compiles_for_sm90_without_consumer_spills(extra):
     """hd 512 on paged (one TMA page box per stage) and contiguous K/V, 32- and 64-key tiles: the consumers keep
     their 128-register half of O and S without spilling, and the DSL allocates what config_smem_bytes says."""
     spec = dict(head_dim=512, num_heads=16, num_kv_heads=2, return_lse=True, max_seqlen_q=256, **extra)
     r = compile_for_sm90_or_skip(**spec)
+    assert "FlashAttentionForwardSm90WideV" in r["kernel"] and r["config"]["wide_design"] == "split_v"
     cfg = cc.resolve_config(512, 512, spec["window_size"], spec.get("config"), 256)
     assert r["smem_bytes"] == cc.config_smem_bytes(cfg, 512, 512) <= cc.SMEM_LIMIT_BYTES
     assert r["sass_spills"]["consumer"] == 0 and r["spill_store_bytes"] == 0, r
@@ -69,7 +89,7 @@ def test_split_value_kernel_compiles_for_sm90_without_consumer_spills(extra):
 @pytest.mark.skipif(not HAVE_FA4, reason="compiling needs flash-attn-4==4.0.0b36 and nvidia-cutlass-dsl==4.8.1 "
                     "(not installed here)")
 @pytest.mark.parametrize("spec", [dict(head_dim=128, num_kv_heads=8, config=dict(num_splits=3)),
-                                  dict(head_dim=512, num_kv_heads=2, config=dict(num_splits=2))])
+                                  dict(head_dim=512, num_kv_heads=2, config=dict(num_splits=2, wide_design="split_v"))])
 def test_split_kv_kernels_and_the_merge_compile_without_spills(spec):
     """Split-KV on page boxes (page 64): the attention kernel with its fp32 workspace epilogue and FA4's combine
     kernel both compile for sm_90a without spills."""
@@ -85,7 +105,8 @@ def test_split_kv_kernels_and_the_merge_compile_without_spills(spec):
     dict(head_dim=128, num_kv_heads=8, page_size=64),  # 128 x 128, intra-warpgroup overlap, page boxes
     dict(head_dim=128, num_kv_heads=8, page_size=64, max_seqlen_q=8192),  # 192 x 128, no overlap, 3 warpgroups
     dict(head_dim=256, num_kv_heads=8, page_size=None, window_size=1023, bidirectional_window="prefix"),
-    dict(head_dim=512, num_kv_heads=2, page_size=64, window_size=1023),  # split-value, 64 x 32
+    dict(head_dim=512, num_kv_heads=2, page_size=64, window_size=1023,  # split-value, 64 x 32
+         config=dict(wide_design="split_v")),
     dict(head_dim=128, num_kv_heads=8, page_size=64, config=dict(num_splits=3)),
 ], ids=["hd128", "hd128_192x128", "hd256_window", "hd512_window", "hd128_split3"])
 def test_nan_safe_v_kernels_compile_for_sm90_with_bounded_spills(spec, tmp_path):

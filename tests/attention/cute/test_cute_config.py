@@ -6,6 +6,8 @@ import pytest
 
 from blockdiff.attention.cute import config as cc
 
+#: The split-value kernel, asked for by name (the hd-512 default, wide_design "auto", is the roles kernel).
+SPLIT_V = dict(wide_design="split_v")
 
 @pytest.mark.parametrize("page,tile_n,path", [
     (None, 128, "tma"), (None, 64, "tma"), (128, 128, "tma_boxes"), (64, 64, "tma_boxes"),
@@ -72,14 +74,17 @@ def test_head_dims_above_256_take_the_split_value_kernel_with_equal_multiples_of
 
 
 def test_wide_config_resolves_without_flash_attn(monkeypatch):
-    """The split-value tiles come from this module alone (no FA4 heuristic): 64 x 32 with two K/V stages by
-    default; a dict asking for 64-key blocks gets the one stage that fits; lpt follows the query-length hint."""
+    """The wide tiles come from this module alone (no FA4 heuristic): the split-value kernel's 64 x 32 with two
+    K/V stages without tile fields at a canvas hint, the roles kernel's 64 x 64 in one stage by default (hd 512);
+    a dict asking for 64-key blocks gets the one stage that fits; lpt follows the query-length hint."""
     monkeypatch.setitem(sys.modules, "flash_attn", None)
     monkeypatch.setitem(sys.modules, "flash_attn.cute", None)
     monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", None)
-    cfg = cc.resolve_config(512, 512, None, None, max_seqlen_q=256)
+    cfg = cc.resolve_config(512, 512, None, SPLIT_V, max_seqlen_q=256)
     assert (cfg.tile_m, cfg.tile_n, cfg.num_stages, cfg.lpt) == (64, 32, 2, False)
     assert (cfg.mma_pv_is_rs, cfg.intra_wg_overlap) == (False, True)
+    auto = cc.resolve_config(512, 512, None, None, max_seqlen_q=256)
+    assert (auto.tile_m, auto.tile_n, auto.num_stages, auto.lpt, auto.wide_design) == (64, 64, 1, False, "roles")
     cfg64 = cc.resolve_config(512, 512, 1023, dict(tile_n=64), max_seqlen_q=4096)
     assert (cfg64.tile_n, cfg64.num_stages, cfg64.lpt) == (64, 1, True)
     assert cc.resolve_config(512, 512, None, cc.CuteConfig(tile_m=64, tile_n=16, num_stages=3)).num_stages == 3
@@ -88,12 +93,15 @@ def test_wide_config_resolves_without_flash_attn(monkeypatch):
 @pytest.mark.parametrize("max_seqlen_q,tiles", [(256, (32, 2, False)), (511, (32, 2, False)), (512, (64, 1, True)),
                                                  (8192, (64, 1, True)), (None, (64, 1, True))])
 def test_wide_default_tiles_follow_the_query_length_hint(max_seqlen_q, tiles):
-    """Without a config, long (or unknown) query lengths take 64-key blocks in one stage, canvases 32-key
-    blocks in two (the H200 record of 2026-12-02); an explicit config is kept as given."""
-    cfg = cc.resolve_wide_config(512, 512, None, max_seqlen_q)
+    """The split-value kernel without tile fields: long (or unknown) query lengths take 64-key blocks in one
+    stage, canvases 32-key blocks in two (the H200 record of 2026-12-02); an explicit config is kept as given. The
+    roles kernel (the hd-512 default) takes 64-key blocks in one stage whatever the hint."""
+    cfg = cc.resolve_wide_config(512, 512, SPLIT_V, max_seqlen_q)
     assert (cfg.tile_n, cfg.num_stages, cfg.lpt) == tiles
     cc.check_config_fits(cfg, 512, 512)
     assert cc.resolve_wide_config(512, 512, dict(tile_n=32), 8192).tile_n == 32
+    roles = cc.resolve_wide_config(512, 512, None, max_seqlen_q)
+    assert (roles.wide_design, roles.tile_n, roles.num_stages, roles.lpt) == ("roles", 64, 1, tiles[2])
 
 
 def test_wide_shared_memory_arithmetic():
@@ -182,8 +190,11 @@ def test_launch_config_splits_a_batch_1_canvas_over_a_long_context_only():
     """hd 512: one canvas over 32k keys (64 tiles) takes 2 splits, four canvases over 8k (>= half a wave of
     tiles) none; an explicit count wins; a window bounds the keys."""
     kw = dict(num_kv_heads=2, qhead_per_kvhead=8, max_seqlen_q=256, max_seqlen_k=None, num_sms=132)
-    one = cc.resolve_launch_config(512, 512, None, None, total_q=256, num_seqs=1, keys_capacity=33024, **kw)
+    one = cc.resolve_launch_config(512, 512, None, SPLIT_V, total_q=256, num_seqs=1, keys_capacity=33024, **kw)
     assert one.num_splits == 2 and one.tile_n == 32
+    # the default (the roles kernel at hd 512): the same 64-row tiles, so the same split count
+    one_roles = cc.resolve_launch_config(512, 512, None, None, total_q=256, num_seqs=1, keys_capacity=33024, **kw)
+    assert (one_roles.num_splits, one_roles.tile_n, one_roles.wide_design) == (2, 64, "roles")
     four = cc.resolve_launch_config(512, 512, None, None, total_q=1024, num_seqs=4, keys_capacity=8448, **kw)
     assert four.num_splits == 1
     forced = cc.resolve_launch_config(512, 512, None, dict(num_splits=5), total_q=1024, num_seqs=4,
@@ -308,9 +319,12 @@ def test_auto_merge_takes_the_cluster_at_two_splits_where_it_was_measured_faster
     two = cc.resolve_launch_config(128, 128, None, dict(num_splits=2), num_kv_heads=8, qhead_per_kvhead=2,
                                    keys_capacity=33024, **kw)
     assert (two.num_splits, two.split_merge) == (2, "cluster")
-    wide = cc.resolve_launch_config(512, 512, None, None, num_kv_heads=2, qhead_per_kvhead=8, keys_capacity=33024,
-                                    **kw)
+    wide = cc.resolve_launch_config(512, 512, None, SPLIT_V, num_kv_heads=2, qhead_per_kvhead=8,
+                                    keys_capacity=33024, **kw)
     assert (wide.num_splits, wide.split_merge) == (2, "combine")
+    roles = cc.resolve_launch_config(512, 512, None, None, num_kv_heads=2, qhead_per_kvhead=8, keys_capacity=33024,
+                                     **kw)  # the hd-512 default: no cluster variant
+    assert (roles.wide_design, roles.num_splits, roles.split_merge) == ("roles", 2, "combine")
     short = cc.resolve_launch_config(256, 256, 1023, None, num_kv_heads=8, qhead_per_kvhead=2, keys_capacity=1024,
                                      **kw)
     assert (short.num_splits, short.split_merge) == (1, "combine")

@@ -379,7 +379,7 @@ def test_a_first_use_compile_is_a_named_profiler_range_and_a_cached_launch_opens
 
     first = names()
     assert len(compiles) == 1 and len(first) == 1, first
-    assert first[0] == "blockdiff:cute_compile FlashAttentionForwardSm90WideV 64x32 s1"
+    assert first[0] == "blockdiff:cute_compile FlashAttentionForwardSm90Roles 64x64 s1"  # the hd-512 default
     assert names() == [] and len(compiles) == 1  # cached: no compile, no range
 
 
@@ -397,7 +397,7 @@ def test_an_empty_call_records_that_nothing_launched(monkeypatch):
               config=None)
     ca._run(fa, torch.zeros(256, 16, 512, dtype=torch.bfloat16), k, k,
             cu_seqlens_q=torch.tensor([0, 256], dtype=torch.int32), max_seqlen_q=256, **kw)
-    assert ca.LAST_LAUNCH["kernel"] == "FlashAttentionForwardSm90WideV"
+    assert ca.LAST_LAUNCH["kernel"] == "FlashAttentionForwardSm90Roles"  # the hd-512 default on 64-token pages
     out = ca._run(fa, torch.zeros(0, 16, 512, dtype=torch.bfloat16), k, k,
                   cu_seqlens_q=torch.tensor([0, 0], dtype=torch.int32), max_seqlen_q=0, **kw)
     assert out.shape == (0, 16, 512)

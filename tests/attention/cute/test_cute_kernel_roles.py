@@ -1,8 +1,10 @@
 """The cute backend's roles kernel (blockdiff.attention.cute.kernel_roles; ``CuteConfig.wide_design="roles"``, head
 dims above 256: a softmax warpgroup that also loads Q / K feeding two P V warpgroups through shared memory).
 
-* CPU (CI, no flash-attn-4): the ``wide_design`` field's validation, its tiles and shared-memory budget, and the
-  dispatch (kernel class, compile key, profiler range name) with ``_compile`` monkeypatched;
+* CPU (CI, no flash-attn-4): the ``wide_design`` field's validation, its tiles and shared-memory budget, the
+  ``"auto"`` rule (the default: roles at hd 512 with the automatic tiles where its TMA page boxes load the pages,
+  with ``batch_order`` "auto" resolving to the work order) and the dispatch (kernel class, compile key, profiler
+  range name, the permutation aux tensor) with ``_compile`` monkeypatched;
 * compile-only for sm_90a without a GPU (where flash-attn-4 and nvidia-cutlass-dsl are installed, skipped in CI):
   contiguous and paged (pages of 64, 16, 8: 1, 4, 8 TMA boxes per stage) K/V, both window modes, LSE, no spills;
 * GPU (``python3 -m pytest -m gpu``, on the H200): the split-value kernel's tests (test_cute_kernel_wide.py) for
@@ -12,6 +14,7 @@ dims above 256: a softmax warpgroup that also loads Q / K feeding two P V warpgr
 """
 from __future__ import annotations
 
+import re
 import sys
 
 import pytest
@@ -31,17 +34,168 @@ ROLES = dict(wide_design="roles")
 
 
 # --- CPU: config ----------------------------------------------------------------------------------------------
-def test_wide_design_defaults_to_split_v_and_resolves_the_roles_tiles():
-    assert cc.CuteConfig().wide_design == "split_v"
-    assert cc.resolve_config(512, 512, None, None, 256).wide_design == "split_v"
+def test_wide_design_defaults_to_auto_and_resolves_the_roles_tiles():
+    assert cc.CuteConfig().wide_design == "auto" and cc.WIDE_DESIGNS == ("auto", "split_v", "roles")
     r = cc.resolve_config(512, 512, None, ROLES, 256)
-    assert (r.tile_m, r.tile_n, r.num_stages, r.wide_design) == (64, 64, 1, "roles")
+    assert (r.tile_m, r.tile_n, r.num_stages, r.wide_design, r.batch_order) == (64, 64, 1, "roles", "work")
+    assert cc.resolve_config(512, 512, None, None, 256) == r  # "auto" at hd 512: the roles kernel, its tiles
     assert cc.resolve_config(512, 512, None, ROLES, 8192) == r.__class__(**{**r.__dict__, "lpt": True})
     # a dict override keeps the roles base; num_stages: the most that fit (two at 32-key tiles)
     r32 = cc.resolve_config(512, 512, 1023, dict(ROLES, tile_n=32), 256)
     assert (r32.tile_n, r32.num_stages, r32.wide_design) == (32, 2, "roles")
     # the CuteConfig form: only the switch set, the automatic roles tiles
     assert cc.resolve_config(512, 512, None, cc.CuteConfig(wide_design="roles"), 256) == r
+    # the split-value kernel stays one explicit switch away
+    v = cc.resolve_config(512, 512, None, dict(wide_design="split_v"), 256)
+    assert (v.tile_n, v.num_stages, v.wide_design, v.batch_order) == (32, 2, "split_v", "given")
+
+
+# --- CPU: wide_design "auto" (docs/tuning.md 2.17: the roles kernel measured faster at hd 512) --------------------
+@pytest.mark.parametrize("page", [None, 64, 16, 8, 128, 256])
+def test_auto_picks_roles_at_head_dim_512_where_its_tiles_load_the_pages(page):
+    """Contiguous K/V (None) and pages that tile the 64-key stage by TMA boxes (8 / 16 / 64: 8 / 4 / 1 boxes; 128 /
+    256: one box per stage of a larger page): the roles kernel with its automatic tiles and the work order."""
+    for hint in (256, 8192):
+        cfg = cc.resolve_config(512, 512, None, None, hint, page_size=page)
+        assert (cfg.wide_design, cfg.batch_order, cfg.tile_n, cfg.num_stages) == ("roles", "work", 64, 1), cfg
+        assert cfg == cc.resolve_config(512, 512, None, ROLES, hint)
+        assert cc.kv_load_path(page, cfg.tile_n) == ("tma" if page is None else "tma_boxes")
+    assert cc.resolve_wide_config(512, 512, None, 256, page_size=page).wide_design == "roles"
+    assert cc.auto_wide_design(512, 512, page_size=page) == "roles"
+
+
+@pytest.mark.parametrize("page", [48, 96, 12, 4, 1, 100])
+def test_auto_picks_split_v_at_page_sizes_the_roles_boxes_cannot_load(page):
+    """Pages that are no multiple of 8, or neither divide 64 nor are a multiple of it: the roles kernel has no
+    cp.async path, so "auto" takes the split-value kernel (its automatic tiles, the given order) and never raises."""
+    cfg = cc.resolve_config(512, 512, None, None, 256, page_size=page)
+    assert cfg == cc.resolve_config(512, 512, None, dict(wide_design="split_v"), 256)
+    assert (cfg.wide_design, cfg.batch_order) == ("split_v", "given")
+    assert cc.resolve_wide_config(512, 512, None, 256, page_size=page).wide_design == "split_v"
+    assert cc.auto_wide_design(512, 512, page_size=page) == "split_v"
+
+
+@pytest.mark.parametrize("hd", [288, 320, 384, 448, 480])
+def test_auto_picks_split_v_at_wide_head_dims_other_than_512(hd):
+    """Only hd 512 was measured with the roles kernel: the other wide head dims keep the split-value kernel."""
+    for page in (None, 64):
+        cfg = cc.resolve_config(hd, hd, None, None, 256, page_size=page)
+        assert (cfg.wide_design, cfg.batch_order) == ("split_v", "given")
+        assert cfg == cc.resolve_config(hd, hd, None, dict(wide_design="split_v"), 256)
+    assert cc.resolve_config(hd, hd, None, ROLES, 256).wide_design == "roles"  # explicit: as asked
+
+
+@pytest.mark.parametrize("config", [dict(tile_n=64), dict(tile_n=32), dict(num_stages=1), dict(tile_m=64),
+                                    dict(lpt=True), dict(num_splits=2), cc.CuteConfig(tile_n=64, num_stages=1),
+                                    dict(tile_n=64, batch_order="work")])
+def test_auto_picks_split_v_when_the_config_sets_a_field_besides_the_switches(config):
+    """The roles kernel is the automatic choice with its automatic tiles only (with 32-key tiles it was 35 % slower,
+    docs/tuning.md 2.9): any field besides the switches keeps the split-value kernel, which gets that field."""
+    cfg = cc.resolve_config(512, 512, None, config, 256, page_size=64)
+    assert cfg.wide_design == "split_v"
+    explicit = dict(config) if isinstance(config, dict) else {f: getattr(config, f) for f in cc._CONFIG_FIELDS}
+    assert cfg == cc.resolve_config(512, 512, None, dict(explicit, wide_design="split_v"), 256)
+    assert cfg.batch_order == (config["batch_order"] if isinstance(config, dict) and "batch_order" in config
+                               else "given")
+
+
+@pytest.mark.parametrize("switches", [dict(nan_safe_v=False), dict(split_merge="combine"), dict(batch_order="given"),
+                                      dict(batch_order="work"), dict(v_refill="halves"), dict(split_merge="auto")])
+def test_auto_picks_roles_when_the_config_sets_switches_only(switches):
+    cfg = cc.resolve_config(512, 512, None, switches, 256, page_size=64)
+    assert cfg.wide_design == "roles"
+    assert cfg.batch_order == switches.get("batch_order", "work")  # an explicit order is kept
+
+
+def test_auto_picks_split_v_with_an_explicit_cluster_merge():
+    """The cluster merge is not built for the roles kernel: an explicit "cluster" keeps the split-value kernel."""
+    cfg = cc.resolve_config(512, 512, None, dict(split_merge="cluster"), 256, page_size=64)
+    assert (cfg.wide_design, cfg.batch_order, cfg.split_merge) == ("split_v", "given", "cluster")
+    launch = cc.resolve_launch_config(512, 512, None, dict(split_merge="cluster"), total_q=256, num_seqs=2,
+                                      num_kv_heads=2, qhead_per_kvhead=8, keys_capacity=32768, max_seqlen_q=256,
+                                      max_seqlen_k=None, num_sms=132, page_size=64)
+    assert launch.wide_design == "split_v" and launch.batch_order == "given"
+
+
+def test_auto_is_the_split_value_design_below_head_dim_257(monkeypatch):
+    """FA4's kernel runs there: "auto" resolves to "split_v" and the given order (one compile key for all)."""
+    from types import SimpleNamespace
+    monkeypatch.setattr(cc, "_fa4_tile_size", lambda hd, hdv, local: SimpleNamespace(
+        m_block_size=128, n_block_size=128 if hd <= 128 else 64, mma_pv_is_rs=True, intra_wg_overlap=True))
+    for hd in (128, 256):
+        for page in (None, 64, 48):
+            cfg = cc.resolve_config(hd, hd, None, None, 256, page_size=page)
+            assert (cfg.wide_design, cfg.batch_order, cfg.v_refill) == ("split_v", "given", "one_warp")
+        assert cc.auto_wide_design(hd, hd, page_size=64) == "split_v"
+    # an explicit work order is kept there (its cost on the hd-256 windowed kernel: docs/tuning.md 2.17)
+    assert cc.resolve_config(256, 256, 1023, dict(batch_order="work"), 256).batch_order == "work"
+
+
+@pytest.mark.parametrize("num_seqs,want", [(1, "given"), (2, "work"), (40, "work")])
+def test_batch_order_auto_is_work_for_roles_with_two_or_more_sequences(num_seqs, want):
+    for page in (None, 64, 16):
+        cfg = cc.resolve_launch_config(512, 512, None, None, total_q=256 * num_seqs, num_seqs=num_seqs,
+                                       num_kv_heads=2, qhead_per_kvhead=8, keys_capacity=8192, max_seqlen_q=256,
+                                       max_seqlen_k=None, num_sms=132, page_size=page)
+        assert (cfg.wide_design, cfg.batch_order) == ("roles", want)
+        assert cfg.split_merge in ("combine", "cluster")
+    # the split-value kernel (page 48, or asked for) keeps the given order whatever the batch
+    for config, page in ((None, 48), (dict(wide_design="split_v"), 64)):
+        cfg = cc.resolve_launch_config(512, 512, None, config, total_q=256 * num_seqs, num_seqs=num_seqs,
+                                       num_kv_heads=2, qhead_per_kvhead=8, keys_capacity=8192, max_seqlen_q=256,
+                                       max_seqlen_k=None, num_sms=132, page_size=page)
+        assert (cfg.wide_design, cfg.batch_order) == ("split_v", "given")
+
+
+@pytest.mark.parametrize("page_size,err", [(True, TypeError), (False, TypeError), (64.0, TypeError),
+                                           ("64", TypeError), (0, ValueError), (-1, ValueError),
+                                           (-64, ValueError)])
+def test_bad_page_size_is_refused_by_name(page_size, err):
+    kw = dict(total_q=256, num_seqs=2, num_kv_heads=2, qhead_per_kvhead=8, keys_capacity=8192, max_seqlen_q=256,
+              max_seqlen_k=None, num_sms=132)
+    for call in (lambda: cc.resolve_config(512, 512, None, None, 256, page_size=page_size),
+                 lambda: cc.resolve_launch_config(512, 512, None, None, page_size=page_size, **kw),
+                 lambda: cc.resolve_wide_config(512, 512, None, 256, page_size=page_size),
+                 lambda: cc.auto_wide_design(512, 512, page_size=page_size)):
+        with pytest.raises(err, match="page_size"):
+            call()
+    with pytest.raises(err, match="page_size"):  # checked below head dim 257 too, before FA4's import
+        cc.resolve_config(128, 128, None, None, 256, page_size=page_size)
+
+
+_SWITCH_VALUES = dict(nan_safe_v=st.booleans(), split_merge=st.sampled_from(cc.SPLIT_MERGES),
+                      wide_design=st.sampled_from(cc.WIDE_DESIGNS), batch_order=st.sampled_from(cc.BATCH_ORDERS),
+                      v_refill=st.sampled_from(cc.V_REFILLS))
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(switches=st.fixed_dictionaries({}, optional=_SWITCH_VALUES),
+       tiles=st.sampled_from([{}, dict(tile_n=64), dict(tile_n=32), dict(num_splits=2)]),
+       hd=st.sampled_from([384, 512]), page=st.sampled_from([None, 8, 16, 48, 64, 96, 128, 256]),
+       num_seqs=st.sampled_from([1, 3]))
+def test_the_resolved_config_never_holds_auto(switches, tiles, hd, page, num_seqs):
+    """Over switch combinations: each resolution either raises a ValueError naming its rule or gives a config whose
+    wide_design / batch_order are concrete, roles exactly where the rule says, the work order exactly for roles
+    (with more than one sequence at launch)."""
+    config = dict(switches, **tiles)
+    kw = dict(total_q=256 * num_seqs, num_seqs=num_seqs, num_kv_heads=2, qhead_per_kvhead=8, keys_capacity=8192,
+              max_seqlen_q=256, max_seqlen_k=None, num_sms=132, page_size=page)
+    try:
+        cfg = cc.resolve_config(hd, hd, None, config, 256, page_size=page)
+        launch = cc.resolve_launch_config(hd, hd, None, config, **kw)
+    except ValueError as e:
+        assert re.search(r"cluster|v_refill|shared memory", str(e)), e
+        return
+    for c in (cfg, launch):
+        assert c.wide_design in ("split_v", "roles") and c.batch_order in ("given", "work"), c
+    assert launch.split_merge in ("combine", "cluster")
+    design = switches.get("wide_design", "auto")
+    roles_ok = (hd == 512 and not tiles and switches.get("split_merge") != "cluster"
+                and (page is None or cc.page_box_tma_ok(page, 64)))
+    assert cfg.wide_design == (design if design != "auto" else "roles" if roles_ok else "split_v")
+    order = switches.get("batch_order", "auto")
+    assert cfg.batch_order == (order if order != "auto" else "work" if cfg.wide_design == "roles" else "given")
+    assert launch.batch_order == ("given" if num_seqs == 1 else cfg.batch_order)
 
 
 @pytest.mark.parametrize("value,err", [("roles ", ValueError), ("wide", ValueError), (1, TypeError),
@@ -86,21 +240,26 @@ def test_roles_shared_memory_budget():
 
 
 # --- CPU: dispatch ---------------------------------------------------------------------------------------------
-def _fake_run(monkeypatch, config, page=64, H_=16, Hkv=2):
-    """``ca._run`` on CPU tensors with ``_compile`` replaced: returns (compile keys, profiler range names)."""
+def _fake_run(monkeypatch, config, page=64, H_=16, Hkv=2, seqs=1, auxes=None):
+    """``ca._run`` on CPU tensors with ``_compile`` replaced: returns (compile keys, profiler range names).
+    ``seqs`` sequences share the 256 query rows (each over the same 512 keys); ``auxes`` (a list) collects the aux
+    tensors of each compile."""
     monkeypatch.setenv("FLASH_ATTENTION_NUM_SMS", "132")
     monkeypatch.setattr(ca, "_COMPILE_CACHE", {})
     compiles = []
-    monkeypatch.setattr(ca, "_compile", lambda fa, key, *a: compiles.append(key) or (lambda *x: None))
+    monkeypatch.setattr(ca, "_compile", lambda fa, key, *a: compiles.append(key) or (
+        auxes is not None and auxes.append(a[-1])) or (lambda *x: None))
     fa = {"maybe_contiguous": lambda t, align_bytes=None: t, "is_fake_mode": lambda: True,
           "combine": lambda *a, **k: (None, None)}  # split-KV: FA4's combine (not run here)
     q = torch.zeros(256, H_, 512, dtype=torch.bfloat16)
-    k = torch.zeros(8 * 64 // page, page, Hkv, 512, dtype=torch.bfloat16)
-    kw = dict(out=None, return_lse=False, cu_seqlens_q=torch.tensor([0, 256], dtype=torch.int32),
-              num_causal_q=torch.zeros(1, dtype=torch.int32), seq_lens=torch.tensor([512], dtype=torch.int32),
-              block_table=torch.arange(8 * 64 // page, dtype=torch.int32)[None], cu_seqlens_k=None,
+    pages = -(-512 // page)
+    k = torch.zeros(pages, page, Hkv, 512, dtype=torch.bfloat16)
+    cu = torch.tensor([256 * i // seqs for i in range(seqs + 1)], dtype=torch.int32)
+    kw = dict(out=None, return_lse=False, cu_seqlens_q=cu, num_causal_q=torch.zeros(seqs, dtype=torch.int32),
+              seq_lens=torch.full((seqs,), 512, dtype=torch.int32),
+              block_table=torch.arange(pages, dtype=torch.int32)[None].repeat(seqs, 1), cu_seqlens_k=None,
               window_size=None, bidirectional_window="symmetric", scale=512 ** -0.5, arch=90, config=config,
-              max_seqlen_q=256)
+              max_seqlen_q=256 // seqs)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         ca._run(fa, q, k, k, **kw)
     return compiles, [e.name for e in prof.events() if e.name.startswith("blockdiff:cute_compile")]
@@ -114,11 +273,50 @@ def test_roles_dispatch_kernel_name_and_compile_key(monkeypatch):
     (key,) = keys
     cfg = key[5]
     assert cfg.wide_design == "roles"
-    # the default design is another compile key and the split-value kernel
-    keys_v, names_v = _fake_run(monkeypatch, None)
+    # the default ("auto") is the same kernel and compile key at hd 512 on 64-token pages
+    keys_a, names_a = _fake_run(monkeypatch, None)
+    assert keys_a == keys and names_a == names
+    # the split-value kernel, asked for: another compile key
+    keys_v, names_v = _fake_run(monkeypatch, dict(wide_design="split_v"))
     assert keys_v[0][5].wide_design == "split_v" and keys_v[0] != key
     assert names_v == ["blockdiff:cute_compile FlashAttentionForwardSm90WideV 64x32 s1"]
     assert ca._KERNEL_KEYS[ca.LAST_LAUNCH["kernel"]] == "KernelWide"
+
+
+@pytest.mark.parametrize("page", [64, 16, 8, 128, 256])
+def test_default_call_at_hd_512_dispatches_roles_with_the_permutation_appended(monkeypatch, page):
+    """The default config on paged K/V its tiles load by TMA boxes, two sequences: the roles kernel, the work
+    order, its permutation (int32, one entry a sequence) the last aux tensor, after the V cache of NaN-safe V."""
+    auxes = []
+    keys, names = _fake_run(monkeypatch, None, page=page, seqs=2, auxes=auxes)
+    assert names == ["blockdiff:cute_compile FlashAttentionForwardSm90Roles 64x64 s1"]
+    assert ca.LAST_LAUNCH["kv_path"] == "tma_boxes"
+    cfg = keys[0][5]
+    assert (cfg.wide_design, cfg.batch_order) == ("roles", "work") and ca.LAST_LAUNCH["config"] == cfg
+    (aux,) = auxes
+    given = []
+    _fake_run(monkeypatch, dict(batch_order="given"), page=page, seqs=2, auxes=given)
+    assert len(aux) == len(given[0]) + 1
+    assert aux[-1].dtype == torch.int32 and tuple(aux[-1].shape) == (2,)
+    assert aux[-2].shape[-1] == 512 and aux[-2].dim() == 4  # the V cache (NaN-safe V) stays before it
+    # one sequence: nothing to order, no permutation
+    one = []
+    keys_1, _ = _fake_run(monkeypatch, None, page=page, seqs=1, auxes=one)
+    assert keys_1[0][5].batch_order == "given" and len(one[0]) == len(given[0])
+
+
+@pytest.mark.parametrize("page", [48, 96, 12])
+def test_default_call_at_hd_512_on_pages_the_roles_boxes_cannot_load_runs_split_v(monkeypatch, page):
+    """Page sizes the roles kernel's 64-key TMA boxes cannot load: the default call takes the split-value kernel
+    (no NotImplementedError, which stays for an explicit "roles"), the given order, no permutation."""
+    auxes = []
+    keys, names = _fake_run(monkeypatch, None, page=page, seqs=2, auxes=auxes)
+    assert ca.LAST_LAUNCH["kernel"] == "FlashAttentionForwardSm90WideV"
+    cfg = keys[0][5]
+    assert (cfg.wide_design, cfg.batch_order) == ("split_v", "given")
+    assert auxes[0][-1].dim() == 4  # the V cache last: no permutation
+    with pytest.raises(NotImplementedError, match=f"roles.*page size {page}"):
+        _fake_run(monkeypatch, ROLES, page=page, seqs=2)
 
 
 def test_roles_page_boxes_of_any_count_and_split_kv_dispatch(monkeypatch):
@@ -126,7 +324,7 @@ def test_roles_page_boxes_of_any_count_and_split_kv_dispatch(monkeypatch):
     than two to cp.async); an explicit split count runs the roles split-KV kernel."""
     _fake_run(monkeypatch, ROLES, page=16)
     assert ca.LAST_LAUNCH["kv_path"] == "tma_boxes"
-    _fake_run(monkeypatch, dict(tile_n=64), page=16)
+    _fake_run(monkeypatch, dict(tile_n=64, wide_design="split_v"), page=16)
     assert ca.LAST_LAUNCH["kv_path"] == "cp.async"
     _, names = _fake_run(monkeypatch, dict(ROLES, num_splits=2))
     assert names == ["blockdiff:cute_compile FlashAttentionForwardSm90RolesSplit 64x64 s2"]
@@ -234,6 +432,18 @@ def test_gpu_roles_fuzz_matches_reference(page, mode, config, data):
         assert ca.LAST_LAUNCH["kernel"].startswith("FlashAttentionForwardSm90Roles")
     else:  # an empty batch launches nothing (H200, 2026-12-03: the record was the previous call's or missing)
         assert ca.LAST_LAUNCH["kernel"] is None
+
+
+@needs_gpu
+@pytest.mark.parametrize("page", [64, 48])
+def test_gpu_default_config_at_hd_512_matches_reference(page):
+    """No config: the roles kernel in the work order on pages of 64, the split-value kernel in the given order on
+    pages of 48 (no TMA page box for the roles kernel), both against the fp64 reference."""
+    q, k, v, kw = gpu_batch([256, 129, 1], [2100, 0, 77], [0, 129, 1], H, HKV, D, page, seed=page)
+    run_and_check(q, k, v, kw, None, "symmetric", max_seqlen_q=256)
+    roles = page == 64
+    assert ca.LAST_LAUNCH["kernel"] == ("FlashAttentionForwardSm90Roles" if roles else "FlashAttentionForwardSm90WideV")
+    assert ca.LAST_LAUNCH["config"].batch_order == ("work" if roles else "given")
 
 
 @needs_gpu

@@ -15,11 +15,12 @@ from blockdiff.attention.testing import check_close
 from cute_helpers import fill_past_seq_lens, gpu_batch, graph_replay_check, needs_gpu, run_and_check
 
 # (head_dim, q heads, KV heads, page or None, window, mode, base config, splits): the hd-128 canvas config (3
-# stages; 3 splits: uneven chunks, empty splits of the short sequences), the split-value kernel at hd 512, the
-# sliding layers' hd 256 with a prefix window on contiguous K/V. One compile per case and count.
+# stages; 3 splits: uneven chunks, empty splits of the short sequences), the split-value kernel at hd 512 (by name:
+# the hd-512 default is the roles kernel, whose split-KV tests are in test_cute_kernel_roles.py), the sliding
+# layers' hd 256 with a prefix window on contiguous K/V. One compile per case and count.
 SPLIT_CASES = [
     (128, 16, 8, 64, None, "symmetric", dict(num_stages=3), 3),
-    (512, 16, 2, 64, None, "symmetric", None, 2),
+    (512, 16, 2, 64, None, "symmetric", dict(wide_design="split_v"), 2),
     (256, 16, 8, None, 1023, "prefix", None, 2),
 ]
 
@@ -52,10 +53,12 @@ def test_gpu_every_split_count_matches_one_split_and_the_reference(hd, H, Hkv, p
 
 @needs_gpu
 def test_gpu_batch_1_canvas_over_a_long_context_splits_automatically():
-    """hd 512, one canvas over 20k keys: 64 tiles take 2 splits (config.choose_num_splits), checked."""
+    """hd 512, one canvas over 20k keys: 64 tiles take 2 splits (config.choose_num_splits), checked (the default
+    kernel there: the roles kernel's split-KV variant)."""
     q, k, v, kw = gpu_batch([256], [20000], [0], 16, 2, 512, 64, seed=1)
     run_and_check(q, k, v, kw, None, "symmetric", max_seqlen_q=256, max_seqlen_k=20256)
     assert ca.LAST_LAUNCH["config"].num_splits == 2
+    assert ca.LAST_LAUNCH["kernel"] == "FlashAttentionForwardSm90RolesSplit"
 
 
 @needs_gpu

@@ -20,18 +20,21 @@ from blockdiff.attention.testing import check_close
 from cute_helpers import fill_past_seq_lens, gpu_batch, graph_replay_check, needs_gpu, run_and_check
 
 H, HKV, D = 16, 2, 512
+#: The split-value kernel, asked for by name (the hd-512 default, wide_design "auto", is the roles kernel wherever
+#: its TMA page boxes load the pages: test_cute_kernel_roles.py).
+SPLIT_V = dict(wide_design="split_v")
 
 # (page size or None = contiguous, window mode or None = no window, config): one compile each. Page 64 and 256
 # load by one TMA box per K/V stage, 16 by two, 8 and 48 by FA4's cp.async path; 64-key tiles with one stage.
 WIDE_CONFIGS = [
-    (64, None, None),
-    (64, "symmetric", None),
-    (None, "prefix", None),
-    (16, "prefix", None),
-    (8, "symmetric", None),
-    (256, None, None),
-    (48, None, None),
-    (64, "prefix", dict(tile_n=64)),
+    (64, None, SPLIT_V),
+    (64, "symmetric", SPLIT_V),
+    (None, "prefix", SPLIT_V),
+    (16, "prefix", SPLIT_V),
+    (8, "symmetric", SPLIT_V),
+    (256, None, SPLIT_V),
+    (48, None, SPLIT_V),
+    (64, "prefix", dict(SPLIT_V, tile_n=64)),
 ]
 
 
@@ -57,6 +60,8 @@ def test_gpu_wide_fuzz_matches_reference(page, mode, config, data):
     q, k, v, kw = gpu_batch(q_lens, ctxs, _kinds_to_ncq(q_lens, kinds), H, HKV, D, page or 64, seed=seed,
                             contiguous=page is None)
     run_and_check(q, k, v, kw, window, mode or "symmetric", config=config, max_seqlen_q=256)
+    if sum(q_lens):
+        assert ca.LAST_LAUNCH["kernel"].startswith("FlashAttentionForwardSm90WideV")
 
 
 @needs_gpu
@@ -64,7 +69,7 @@ def test_gpu_wide_long_prefill_longest_first_order_and_many_blocks():
     """A 1000-token causal prefill (longest-first tile order, from max_seqlen_q >= 512), a canvas over 3000 keys
     (about 100 key blocks: P slots reused many times) and a one-token commit, in one launch."""
     q, k, v, kw = gpu_batch([1000, 256, 1], [0, 3000, 77], [1000, 0, 1], H, HKV, D, 64, seed=7)
-    run_and_check(q, k, v, kw, None, "symmetric", max_seqlen_q=1000)
+    run_and_check(q, k, v, kw, None, "symmetric", max_seqlen_q=1000, config=SPLIT_V)
 
 
 @needs_gpu
@@ -72,7 +77,7 @@ def test_gpu_wide_gqa_3_loads_q_without_tma():
     """12 query heads on 4 KV heads: 64-row PackGQA tiles are not a multiple of 3, so Q loads by cp.async (all
     four producer warps) and O is stored without TMA."""
     q, k, v, kw = gpu_batch([300, 256, 1], [0, 1500, 77], [300, 0, 1], 12, 4, D, 64, seed=3)
-    run_and_check(q, k, v, kw, None, "symmetric", max_seqlen_q=300)
+    run_and_check(q, k, v, kw, None, "symmetric", max_seqlen_q=300, config=SPLIT_V)
 
 
 @needs_gpu
@@ -83,7 +88,7 @@ def test_gpu_wide_keys_left_of_the_window_are_never_loaded(page):
     W, ctx = 1023, 4096
     q, k, v, kw = gpu_batch([256, 256, 256], [ctx, ctx, ctx], [0, 256, 128], H, HKV, D, page, seed=5)
     call = lambda: ca.attention_cute(q, k, v, window_size=W, bidirectional_window="prefix",  # noqa: E731
-                                     max_seqlen_q=256, return_lse=True, **kw)[0]
+                                     max_seqlen_q=256, return_lse=True, config=SPLIT_V, **kw)[0]
     clean = call()
     bt = kw["block_table"].cpu()
     poison_below = (ctx - W) // 64 * 64  # first key any tile loads: (ctx - W) rounded down to a 32/64-key block
@@ -104,9 +109,9 @@ def test_gpu_wide_cache_rows_past_seq_lens_and_unused_table_slots_stay_out(page)
     slot: page-box (one / two boxes) and cp.async loads keep both out; the output equals the clean one."""
     q, k, v, kw = gpu_batch([256, 100, 5], [1000, 5, 300], [0, 0, 5], H, HKV, D, page, seed=page,
                             nan_pad_page=True)
-    clean = ca.attention_cute(q, k, v, max_seqlen_q=256, return_lse=True, **kw)[0]
+    clean = ca.attention_cute(q, k, v, max_seqlen_q=256, return_lse=True, config=SPLIT_V, **kw)[0]
     fill_past_seq_lens(k, v, kw, page, float("nan"))
-    dirty = ca.attention_cute(q, k, v, max_seqlen_q=256, return_lse=True, **kw)[0]
+    dirty = ca.attention_cute(q, k, v, max_seqlen_q=256, return_lse=True, config=SPLIT_V, **kw)[0]
     assert torch.equal(dirty, clean)
     check_close(dirty, q, k, v, **kw)
 
@@ -117,4 +122,5 @@ def test_gpu_wide_cuda_graph_replay_with_metadata_changed_in_place():
     each replay matches the reference (output poisoned before each replay)."""
     steps = [([512, 128, 128], [0, 2000, 100], [512, 0, 64], 1),
              ([256, 256, 256], [2800, 1000, 0], [0, 256, 100], 2)]
-    graph_replay_check(steps, H=H, Hkv=HKV, D=D, page=64, B=3, cap_q=768, max_blocks=48, max_seqlen_q=512)
+    graph_replay_check(steps, H=H, Hkv=HKV, D=D, page=64, B=3, cap_q=768, max_blocks=48, max_seqlen_q=512,
+                       config=SPLIT_V)

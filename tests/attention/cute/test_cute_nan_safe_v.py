@@ -114,16 +114,20 @@ def test_gpu_cute_nan_safe_v_hd256_keys_a_row_may_not_see_contribute_nothing(pag
     assert _check_nonfinite_v(inp, config, seed=3, **kw) > 0
 
 
-# --- hd 512: the split-value kernel (WG0 and WG1 clean their own half of V) -------------------------------------
+# --- hd 512: the split-value kernel (WG0 and WG1 clean their own half of V), asked for by name; the default (the
+# roles kernel, wide_design "auto") on pages of 64 and contiguous K/V -------------------------------------------
+SPLIT_V = dict(wide_design="split_v")
 HD512_CASES = [
-    ("64x64_1stage", 64, None, {}),  # the automatic long-query tiles (q.shape[0] hint)
-    ("64x32_2stages_window127", 64, dict(tile_n=32), dict(window_size=127)),
-    ("64x32_split2_prefix100", 64, dict(tile_n=32, num_splits=2),
+    ("64x64_1stage", 64, SPLIT_V, {}),  # the automatic long-query tiles (q.shape[0] hint)
+    ("64x32_2stages_window127", 64, dict(SPLIT_V, tile_n=32), dict(window_size=127)),
+    ("64x32_split2_prefix100", 64, dict(SPLIT_V, tile_n=32, num_splits=2),
      dict(window_size=100, bidirectional_window="prefix")),
-    ("64x32_split3", 64, dict(tile_n=32, num_splits=3), {}),
-    ("contiguous_64x64_window127", None, None, dict(window_size=127)),
-    ("pagebox16_two_boxes", 16, dict(tile_n=32), {}),
-    ("cpasync8", 8, dict(tile_n=32), dict(window_size=127)),
+    ("64x32_split3", 64, dict(SPLIT_V, tile_n=32, num_splits=3), {}),
+    ("contiguous_64x64_window127", None, SPLIT_V, dict(window_size=127)),
+    ("pagebox16_two_boxes", 16, dict(SPLIT_V, tile_n=32), {}),
+    ("cpasync8", 8, dict(SPLIT_V, tile_n=32), dict(window_size=127)),
+    ("default_roles_page64", 64, None, {}),
+    ("default_roles_contiguous_window127", None, None, dict(window_size=127)),
 ]
 
 
@@ -169,7 +173,7 @@ def test_gpu_cute_nan_safe_v_keys_no_row_sees_leave_the_output_finite(mode, num_
 @pytest.mark.skipif(not HAVE_FA4, reason="FA4's tile heuristic resolves the hd-128 tiles (flash-attn-4 not installed)")
 def test_nan_safe_v_is_a_bool_field_that_keeps_the_automatic_tiles():
     """``nan_safe_v`` is not a tile field: setting only it resolves the tiles None resolves (the tuned hd-128
-    third stage, the split-value kernel's tiles), with other fields it keeps theirs; it is on by default (the
+    third stage, the hd-512 default kernel's tiles), with other fields it keeps theirs; it is on by default (the
     contract), False opts out, and a non-bool is a TypeError (no coercion)."""
     assert cc.CuteConfig().nan_safe_v is True
     for hd, window, hint in ((128, None, 256), (128, None, 8192), (512, None, 256), (512, 1023, 4096)):

@@ -6,8 +6,9 @@ varlen tile scheduler takes the sequences longest tiles first through its ``virt
   Triton kernel (``tile_order_triton``, under the Triton interpreter) equal to the torch reference exactly on fuzzed
   metadata (ties, empty and one-row sequences, every window kind, both modes, batches beyond one block, lengths at
   the exact rule's bounds, out-of-domain garbage) and both equal to a host sort on exact fractions, and compiled for
-  sm_90a offline without spills; the config field (validation, a switch not a tile field, part of the compile key,
-  one sequence resolves to ``"given"``) and the launch (the permutation is the last aux tensor);
+  sm_90a offline without spills; the config field (validation, a switch not a tile field, ``"auto"``: the work order
+  for the roles kernel only, part of the compile key, one sequence resolves to ``"given"``) and the launch (the
+  permutation is the last aux tensor);
 * compile-only for sm_90a (where flash-attn-4 and nvidia-cutlass-dsl are installed, skipped in CI): the default
   and roles kernels with the permutation keep the given order's registers, spills and shared memory;
 * GPU (``python3 -m pytest -m gpu``, on the H200): outputs and LSEs bit-identical to ``"given"`` on random mixed
@@ -41,6 +42,7 @@ from fractions import Fraction
 from cute_helpers import HAVE_FA4, capture_graph, compile_for_sm90_or_skip, gpu_batch, needs_gpu
 
 WORK = dict(batch_order="work")
+GIVEN = dict(batch_order="given")
 
 
 def _meta(rows):
@@ -365,15 +367,18 @@ def test_batch_order_is_validated_by_name(value, err):
 
 
 def test_batch_order_is_a_switch_not_a_tile_field():
-    """Setting only it keeps the automatic tiles (split-value and roles kernels alike); the default is "given"."""
-    assert cc.CuteConfig().batch_order == "given"
+    """Setting only it keeps the automatic tiles (split-value and roles kernels alike); the default is "auto": the
+    work order for the roles kernel (the hd-512 default), the given order for every other kernel."""
+    assert cc.CuteConfig().batch_order == "auto" and cc.BATCH_ORDERS == ("auto", "given", "work")
     for design in ("split_v", "roles"):
-        base = cc.resolve_config(512, 512, None, dict(wide_design=design), 4096)
+        base = cc.resolve_config(512, 512, None, dict(wide_design=design, **GIVEN), 4096)
         work = cc.resolve_config(512, 512, None, dict(wide_design=design, **WORK), 4096)
         assert base.batch_order == "given" and work.batch_order == "work"
         assert work == cc.CuteConfig(**{**base.__dict__, "batch_order": "work"})
-    assert cc.resolve_config(512, 512, None, cc.CuteConfig(batch_order="work"), 256) == cc.CuteConfig(
-        **{**cc.resolve_config(512, 512, None, None, 256).__dict__, "batch_order": "work"})
+        auto = cc.resolve_config(512, 512, None, dict(wide_design=design), 4096)
+        assert auto == (work if design == "roles" else base)
+    assert cc.resolve_config(512, 512, None, cc.CuteConfig(batch_order="given"), 256) == cc.CuteConfig(
+        **{**cc.resolve_config(512, 512, None, None, 256).__dict__, "batch_order": "given"})
 
 
 @pytest.mark.parametrize("num_seqs,want", [(1, "given"), (2, "work"), (40, "work")])
@@ -409,9 +414,11 @@ def _launch(monkeypatch, config, rows, hd=512, Hkv=2, page=64):
 @pytest.mark.parametrize("design", ["split_v", "roles"])
 def test_the_permutation_is_the_last_aux_tensor_and_part_of_the_compile_key(monkeypatch, design):
     rows = [(0, 512, 512), (2048, 256, 0), (2048, 64, 64)]
-    keys_g, (aux_g,), _ = _launch(monkeypatch, dict(wide_design=design, num_splits=1), rows)
+    keys_g, (aux_g,), _ = _launch(monkeypatch, dict(wide_design=design, num_splits=1, **GIVEN), rows)
+    keys_a, _, _ = _launch(monkeypatch, dict(wide_design=design, num_splits=1), rows)  # "auto"
     keys_w, (aux_w,), v = _launch(monkeypatch, dict(wide_design=design, num_splits=1, **WORK), rows)
     assert keys_g[0][5].batch_order == "given" and keys_w[0][5].batch_order == "work"
+    assert keys_a == (keys_w if design == "roles" else keys_g)  # "auto": the work order for the roles kernel only
     assert keys_g[0] != keys_w[0] and keys_g[0][:5] + keys_g[0][6:] == keys_w[0][:5] + keys_w[0][6:]
     assert ca.LAST_LAUNCH["config"].batch_order == "work"
     assert len(aux_w) == len(aux_g) + 1
@@ -457,7 +464,8 @@ GPU_CASES = [
     pytest.param(128, 16, 8, 64, None, "symmetric", dict(num_splits=1, **cc.HD128_CONFIG), 256, id="hd128_canvas"),
     pytest.param(256, 16, 8, 64, 1023, "symmetric", dict(num_splits=1), 4096, id="hd256_sym"),
     pytest.param(256, 16, 8, None, 1023, "prefix", dict(num_splits=1), 256, id="hd256_prefix_contig"),
-    pytest.param(512, 16, 2, 64, None, "symmetric", dict(num_splits=1, tile_n=64), 4096, id="hd512_split_v"),
+    pytest.param(512, 16, 2, 64, None, "symmetric", dict(num_splits=1, tile_n=64, wide_design="split_v"), 4096,
+                 id="hd512_split_v"),
     pytest.param(512, 16, 2, 64, None, "symmetric", dict(num_splits=1, wide_design="roles"), 4096,
                  id="hd512_roles_long"),
     pytest.param(512, 16, 2, 64, None, "symmetric", dict(num_splits=1, wide_design="roles"), 256,
@@ -503,7 +511,7 @@ def test_gpu_work_order_is_bit_identical_to_the_given_order(hd, H, Hkv, page, wi
     rows = _random_rows(rng, [4, 40, 12][seed])
     q, k, v, kw = gpu_batch([ql for _, ql, _ in rows], [c for c, _, _ in rows], [n for _, _, n in rows], H, Hkv,
                             hd, page or 64, seed=seed, contiguous=page is None)
-    ref = _call(q, k, v, kw, window, mode, config, hint)
+    ref = _call(q, k, v, kw, window, mode, dict(config, **GIVEN), hint)
     assert ca.LAST_LAUNCH["config"].batch_order == "given"
     got = _call(q, k, v, kw, window, mode, dict(config, **WORK), hint)
     assert ca.LAST_LAUNCH["config"].batch_order == "work"
@@ -627,6 +635,7 @@ def test_gpu_cuda_graph_replay_with_metadata_changed_in_place_equals_the_given_o
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        ref, ref_lse = ca.attention_cute(q, k, v, return_lse=True, max_seqlen_q=512, config=config, **kw)
+        ref, ref_lse = ca.attention_cute(q, k, v, return_lse=True, max_seqlen_q=512,
+                                         config=dict(config or {}, **GIVEN), **kw)
         assert torch.equal(out, ref) and torch.equal(lse_buf, ref_lse), rows
         check_close(out, q, k, v, lse=lse_buf, **kw)

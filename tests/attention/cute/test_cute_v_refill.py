@@ -2,8 +2,9 @@
 docs/tuning.md 2.12 remedy 2 and 2.15): each P V warpgroup's warp 0 refills the half of a V stage its own warpgroup
 reads, through a per-half pipeline, as soon as its own warpgroup released it.
 
-* CPU (CI, no flash-attn-4): the field's validation (choices, types, only with ``wide_design="roles"``), its
-  resolution below head dim 257, the compile key and dispatch (``_compile`` monkeypatched);
+* CPU (CI, no flash-attn-4): the field's validation (choices, types, not with ``wide_design="split_v"``; with
+  ``"auto"`` only where it resolves to the roles kernel), its resolution below head dim 257, the compile key and
+  dispatch (``_compile`` monkeypatched);
 * compile-only for sm_90a without a GPU (flash-attn-4 and nvidia-cutlass-dsl installed, skipped in CI): the bench's
   paged configuration and contiguous K/V, no spills, the default kernel's registers and shared memory;
 * GPU (``python3 -m pytest -m gpu``, on the H200): against the fp64 reference and against the default roles kernel
@@ -51,11 +52,46 @@ def test_v_refill_is_validated_by_name(value, err):
 
 
 def test_v_refill_halves_needs_the_roles_kernel():
-    for config in (dict(v_refill="halves"), dict(wide_design="split_v", v_refill="halves"),
-                   cc.CuteConfig(v_refill="halves")):
+    for config in (dict(wide_design="split_v", v_refill="halves"),
+                   cc.CuteConfig(wide_design="split_v", v_refill="halves")):
         with pytest.raises(ValueError, match="v_refill.*roles"):
             cc.check_config(config)
+        with pytest.raises(ValueError, match="v_refill.*roles"):
+            cc.resolve_config(512, 512, None, config, 256)
     cc.check_config(dict(wide_design="split_v", v_refill="one_warp"))
+
+
+@pytest.mark.parametrize("page", [None, 64, 16, 8, 256])
+def test_auto_with_halves_resolves_to_the_roles_kernel_where_auto_picks_it(page):
+    """wide_design "auto" (the default) with v_refill "halves": accepted by check_config, the roles kernel at hd 512
+    with the automatic tiles on contiguous K/V and pages its boxes load (and the work order)."""
+    for config in (dict(v_refill="halves"), cc.CuteConfig(v_refill="halves")):
+        assert cc.check_config(config) is config
+        r = cc.resolve_config(512, 512, None, config, 256, page_size=page)
+        assert r == cc.resolve_config(512, 512, None, HALVES, 256)
+        assert (r.wide_design, r.v_refill, r.batch_order) == ("roles", "halves", "work")
+
+
+@pytest.mark.parametrize("hd,config,page,why", [
+    (512, dict(v_refill="halves"), 48, "page size 48"),
+    (512, dict(v_refill="halves"), 12, "page size 12"),
+    (512, dict(v_refill="halves", tile_n=64), None, "tile_n"),
+    (512, dict(v_refill="halves", num_splits=2), 64, "num_splits"),
+    (512, dict(v_refill="halves", split_merge="cluster"), None, "cluster"),
+    (384, dict(v_refill="halves"), 64, "head dim 512 only"),
+    (288, dict(v_refill="halves"), None, "head dim 512 only"),
+])
+def test_auto_with_halves_is_a_value_error_naming_why_auto_did_not_pick_roles(hd, config, page, why):
+    """Where "auto" resolves to the split-value kernel, "halves" (a roles-kernel switch) is refused with the rule
+    and the reason, never silently dropped; an explicit "roles" is the way to ask for it there."""
+    with pytest.raises(ValueError, match=f"v_refill 'halves' needs the roles kernel.*'auto'.*{why}"):
+        cc.resolve_config(hd, hd, None, config, 256, page_size=page)
+    with pytest.raises(ValueError, match="v_refill 'halves'"):
+        cc.resolve_wide_config(hd, hd, config, 256, page_size=page)
+    kw = dict(total_q=256, num_seqs=2, num_kv_heads=2, qhead_per_kvhead=8, keys_capacity=8192, max_seqlen_q=256,
+              max_seqlen_k=None, num_sms=132, page_size=page)
+    with pytest.raises(ValueError, match="v_refill 'halves' needs the roles kernel"):
+        cc.resolve_launch_config(hd, hd, None, config, **kw)
 
 
 @pytest.mark.parametrize("head_dim", [288, 320, 352, 416, 448, 480])
@@ -70,11 +106,14 @@ def test_v_refill_halves_refuses_head_dims_whose_halves_split_a_swizzle_atom(hea
 
 
 def test_v_refill_is_moot_below_head_dim_257(monkeypatch):
-    """FA4's kernel runs below head dim 257 (the design resolves to split_v): one compile key either way."""
+    """FA4's kernel runs below head dim 257 (the design resolves to split_v): one compile key either way, with
+    wide_design "roles" or "auto"."""
     from types import SimpleNamespace
     monkeypatch.setattr(cc, "_fa4_tile_size", lambda *a: SimpleNamespace(
         m_block_size=128, n_block_size=128, mma_pv_is_rs=True, intra_wg_overlap=True))
     assert cc.resolve_config(128, 128, None, HALVES, 256) == cc.resolve_config(128, 128, None, None, 256)
+    assert cc.resolve_config(128, 128, None, dict(v_refill="halves"), 256, page_size=48) == cc.resolve_config(
+        128, 128, None, None, 256)
 
 
 def test_v_refill_is_part_of_the_compile_key(monkeypatch):
