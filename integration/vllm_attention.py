@@ -85,7 +85,8 @@ class BlockdiffAttentionImpl(FlashAttentionImpl):
 
 
 #: Largest head size per ``BLOCKDIFF_ATTN_BACKEND`` (the Triton kernels are tuned for 128 and 512; the CuTe backend
-#: runs FA4's SM90 kernel up to 256 and its split-value kernel above, multiples of 32 up to 512:
+#: runs FA4's SM90 kernel up to 256 and its wide kernels above (the roles kernel at 512, the split-value kernel
+#: elsewhere), multiples of 32 up to 512:
 #: attention/cute/config.py ``unsupported_head_dims``).
 MAX_HEAD_SIZE = {"triton": 512, "reference": 512, "cute": 512}
 #: Model dtypes per ``BLOCKDIFF_ATTN_BACKEND`` (what :func:`blockdiff.attention.attention` runs: the CuTe kernel
@@ -123,7 +124,7 @@ class BlockdiffAttentionBackend(FlashAttentionBackend):
     @classmethod
     def supports_head_size(cls, head_size: int) -> bool:
         """Multiples of 8 up to :data:`MAX_HEAD_SIZE` of the ``BLOCKDIFF_ATTN_BACKEND`` backend, for the CuTe backend
-        multiples of 32 above 256 (its split-value kernel); vLLM's backend selector reports "head_size not
+        multiples of 32 above 256 (its wide kernels); vLLM's backend selector reports "head_size not
         supported" otherwise. Raises ValueError when ``BLOCKDIFF_ATTN_BACKEND`` names no backend (was: False for
         every head size, which vLLM reported as an unsupported head size)."""
         backend = attn_backend_from_env()  # an unknown value is a ValueError naming the variable, not "unsupported"

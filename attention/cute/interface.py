@@ -185,7 +185,8 @@ def attention_cute(
         TypeError, ValueError: contract violations (see :mod:`blockdiff.attention.validate`); a bad ``config``
             field (:func:`~blockdiff.attention.cute.config.check_config`, checked before the CuTe DSL import);
             tensors not on a CUDA device; a negative 0-d tensor ``max_seqlen_q`` / ``max_seqlen_k`` (read on the
-            host at launch).
+            host at launch); ``v_refill="halves"`` where ``wide_design`` does not resolve to the roles kernel for
+            this call's head dims and page size (a ValueError at the call, since the page size decides).
         NotImplementedError: valid input outside this backend: dtype other than bf16/fp16, head dims outside
             8..256 (multiples of 8) and outside equal multiples of 32 in (256, 512]
             (:func:`~blockdiff.attention.cute.config.unsupported_head_dims`), a GPU other than SM90; with an

@@ -36,7 +36,8 @@ wait
 for f in $OUT/gpu_order_hd128.log $OUT/gpu_order_hd256.log $OUT/gpu_order_hd512.log $OUT/gpu_order_graph.log; do
   echo "== $f"; grep -E "passed|failed|error" $f | tail -2; grep -E "^FAILED|Timeout" $f | head -5
 done
-CFGS='[{"batch_order": "work"}, {"wide_design": "roles"}, {"wide_design": "roles", "batch_order": "work"}]'
+# every switch spelled out: since f4c19a9 the default at hd 512 is the roles kernel in work order
+CFGS='[{"wide_design": "split_v", "batch_order": "given"}, {"wide_design": "split_v", "batch_order": "work"}, {"wide_design": "roles", "batch_order": "given"}, {"wide_design": "roles", "batch_order": "work"}]'
 timeout $((b * 2 / 3)) python3 -m blockdiff.bench.bench_attention --backends cute \
   --workloads mixed_global_ctx8k,mixed_sliding_ctx8k --cute-configs "$CFGS" \
   --budget-s $((b * 2 / 3 - 20)) --no-plots --suite-name attention-cute_batch_order --out $OUT \

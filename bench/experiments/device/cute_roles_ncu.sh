@@ -37,8 +37,8 @@ one() {  # $1 name, $2 kernel-name regex, $3 cute config JSON list
 # than its prediction of +9 %, this pair says where the cycles went)
 for c in $(echo ${CASES:-roles,split_v} | tr , ' '); do
   case $c in
-    roles) one roles 'FlashAttentionForwardSm90Roles' '[{"wide_design": "roles"}]' ;;
-    split_v) one split_v 'FlashAttentionForwardSm90WideV' '[]' ;;
+    roles) one roles 'FlashAttentionForwardSm90Roles' '[{"wide_design": "roles", "batch_order": "given"}]' ;;
+    split_v) one split_v 'FlashAttentionForwardSm90WideV' '[{"wide_design": "split_v"}]' ;;
     roles_work) one roles_work 'FlashAttentionForwardSm90Roles' '[{"wide_design": "roles", "batch_order": "work"}]' ;;
     halves_work) one halves_work 'FlashAttentionForwardSm90Roles' \
       '[{"wide_design": "roles", "batch_order": "work", "v_refill": "halves"}]' ;;

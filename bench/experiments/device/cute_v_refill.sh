@@ -5,6 +5,7 @@
 #     default roles kernel, paged 64 / 16 / 8 / 256 and contiguous, windows, NaN-safe V on / off, 32-key tiles, cache
 #     rows past the end poisoned, many key blocks, split-KV) in four parallel shards of at most T s each (default 150);
 #  2. bench_attention within B s (default 100), cute only, CUDA-graph medians, mixed_global_ctx8k: the default row
+#     (since f4c19a9 the roles kernel in work order at hd 512; the named rows spell every switch out)
 #     beside cute[{"wide_design": "roles", "batch_order": "work"}] (2.14's measured 464.4 TFLOP/s) and the same with
 #     "v_refill": "halves", and roles with halves in the given order.
 # Prediction, written before the run (docs/tuning.md 2.15): a 64-key block ~3,500 -> ~3,150 clk (3,050-3,250; each P V
@@ -31,7 +32,7 @@ wait
 for f in $OUT/gpu_vrefill_p64.log $OUT/gpu_vrefill_contig.log $OUT/gpu_vrefill_pages.log $OUT/gpu_vrefill_rest.log; do
   echo "== $f"; grep -E "passed|failed|error" $f | tail -2; grep -E "^FAILED|Timeout" $f | head -5
 done
-CFGS='[{"wide_design": "roles", "batch_order": "work"}, {"wide_design": "roles", "batch_order": "work", "v_refill": "halves"}, {"wide_design": "roles", "v_refill": "halves"}]'
+CFGS='[{"wide_design": "roles", "batch_order": "work"}, {"wide_design": "roles", "batch_order": "work", "v_refill": "halves"}, {"wide_design": "roles", "v_refill": "halves", "batch_order": "given"}]'
 timeout $b python3 -m blockdiff.bench.bench_attention --backends cute --workloads mixed_global_ctx8k \
   --cute-configs "$CFGS" --budget-s $((b - 20)) --no-plots --suite-name attention-cute_v_refill --out $OUT \
   > $OUT/bench_v_refill.log 2>&1
