@@ -351,6 +351,23 @@ def write_experiment_json(name: str, obj, out: str | Path | None = None) -> Path
     return path
 
 
+def interleaved_graph_medians(fns: dict, rounds: int, label: str) -> dict:
+    """Time every callable of ``fns`` (name -> zero-argument callable) in turn, ``rounds`` times, with
+    ``triton.testing.do_bench_cudagraph(rep=200)`` (CUDA-graph replays; interleaving puts clock and thermal drift on
+    every row alike); print each row's median and rounds (microseconds) after ``label``; return name -> list of
+    the rounds' times (us). Needs a GPU and Triton (imported here)."""
+    import statistics
+
+    import triton.testing as tt
+    times = {n: [] for n in fns}
+    for _ in range(rounds):
+        for n, f in fns.items():
+            times[n].append(tt.do_bench_cudagraph(f, rep=200) * 1e3)
+    for n, t in times.items():
+        print(f"{label} {n:28s} median {statistics.median(t):8.2f} us  rounds {[round(x, 1) for x in t]}", flush=True)
+    return times
+
+
 def fmt(x, nd: int = 3) -> str:
     """Short number for tables: None -> "-", floats with ``nd`` significant decimals."""
     if x is None:

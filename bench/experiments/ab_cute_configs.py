@@ -18,11 +18,9 @@ intra_wg_overlap, num_stages, lpt); a given dict replaces the default config (un
 import argparse
 import json
 import os
-import statistics
 import types
 
 import torch
-import triton.testing as tt
 
 from blockdiff.attention.cute import attention_cute
 from blockdiff.bench import bench_attention as ba
@@ -69,14 +67,7 @@ def main(argv=None):
             except Exception as e:  # noqa: BLE001 - report and drop the row
                 print(n, "FAILED", type(e).__name__, str(e)[:300], flush=True)
                 del fns[n]
-        times = {n: [] for n in fns}
-        for _ in range(a.rounds):
-            for n, f in fns.items():
-                times[n].append(tt.do_bench_cudagraph(f, rep=200) * 1e3)
-        for n, t in times.items():
-            print(f"{name} {n:28s} median {statistics.median(t):8.2f} us  rounds {[round(x, 1) for x in t]}",
-                  flush=True)
-        res[name] = times
+        res[name] = common.interleaved_graph_medians(fns, a.rounds, name)
     common.write_experiment_json("ab_" + "_".join(names) + ".json",
                                  dict(commit=os.environ.get("BLOCKDIFF_COMMIT"), gpu=torch.cuda.get_device_name(),
                                       variants=variants, res=res), a.out)

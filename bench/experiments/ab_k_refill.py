@@ -15,10 +15,8 @@ isfinite), then ``--rounds`` rounds time every row in turn with ``triton.testing
 import argparse
 import json
 import os
-import statistics
 
 import torch
-import triton.testing as tt
 
 from blockdiff.attention.cute import attention_cute
 from blockdiff.attention.cute import interface as cute_interface
@@ -68,14 +66,7 @@ def main(argv=None):
             checks[f"{name}/{vn}"] = dict(bit_identical=same, finite=finite, max_diff=diff)
             print(f"{name} {vn}: all_warps bit-identical to one_warp: {same}, finite {finite}, max diff {diff}",
                   flush=True)
-        times = {n: [] for n in fns}
-        for _ in range(a.rounds):
-            for n, f in fns.items():
-                times[n].append(tt.do_bench_cudagraph(f, rep=200) * 1e3)
-        for n, t in times.items():
-            print(f"{name} {n:28s} median {statistics.median(t):8.2f} us  rounds {[round(x, 1) for x in t]}",
-                  flush=True)
-        res[name] = times
+        res[name] = common.interleaved_graph_medians(fns, a.rounds, name)
     common.write_experiment_json("ab_k_refill.json",
                                  dict(commit=os.environ.get("BLOCKDIFF_COMMIT"), gpu=torch.cuda.get_device_name(),
                                       variants=variants, checks=checks, res=res), a.out)
