@@ -48,8 +48,8 @@ class CuteConfig:
     consumer warpgroups, the first computing S, the softmax and half of P V; ``kernel_wide.py``, docs/tuning.md 2.1
     design (c2)) or ``"roles"`` (one softmax warpgroup feeding two P V warpgroups through shared memory;
     ``kernel_roles.py``, design (c1); its tiles: :data:`ROLES_CONFIG`; no cluster merge). ``"auto"`` resolves to
-    ``"roles"`` iff head_dim == head_dim_v == 512, the config sets no field besides the switches (automatic
-    tiles), ``split_merge`` is not ``"cluster"`` and the K/V layout loads by TMA page boxes at the roles tile_n
+    ``"roles"`` iff head_dim == head_dim_v == 512, the config sets no tile field (only switches, ``num_splits``
+    and ``lpt``: automatic tiles), ``split_merge`` is not ``"cluster"`` and the K/V layout loads by TMA page boxes at the roles tile_n
     (``page_size`` of :func:`resolve_config`: contiguous / unknown, or :func:`page_box_tma_ok`); else to
     ``"split_v"`` (:func:`auto_wide_design`). Rationale: measured faster on every hd-512 workload on the H200
     (docs/tuning.md 2.17); other wide head dims were not measured with it. Below head dim 257 it resolves to
@@ -278,6 +278,11 @@ def _check_page_size(page_size) -> None:
         raise ValueError(f"page_size must be >= 1 (tokens a K/V page) or None, got {page_size}")
 
 
+#: Fields besides the switches that keep ``wide_design="auto"`` on the roles kernel: they schedule its tiles (split
+#: count, tile order) without changing them, and the roles kernel takes every value of them.
+_ROLES_AUTO_FIELDS = ("num_splits", "lpt")
+
+
 def _roles_blocker(head_dim: int, head_dim_v: int, config, split_merge: str,
                    page_size: int | None) -> tuple[str, bool] | None:
     """Why ``wide_design="auto"`` does not resolve to the roles kernel (None: it does), on checked arguments, and
@@ -289,8 +294,10 @@ def _roles_blocker(head_dim: int, head_dim_v: int, config, split_merge: str,
     if config is not None:
         fields_ = (sorted(config) if isinstance(config, dict)
                    else [f for f in _CONFIG_FIELDS if getattr(config, f) != getattr(CuteConfig(), f)])
-        return (f"the config sets {fields_}: the roles kernel is the automatic choice with its automatic tiles "
-                "only (set no field besides the switches)"), True
+        tiles = [f for f in fields_ if f not in _ROLES_AUTO_FIELDS]
+        if tiles:
+            return (f"the config sets {tiles}: the roles kernel is the automatic choice with its automatic tiles "
+                    f"only (set no field besides the switches and {list(_ROLES_AUTO_FIELDS)})"), True
     if split_merge == "cluster":
         return "split_merge 'cluster' is not built for the roles kernel", False
     if page_size is not None and not page_box_tma_ok(page_size, ROLES_CONFIG["tile_n"]):
@@ -301,8 +308,9 @@ def _roles_blocker(head_dim: int, head_dim_v: int, config, split_merge: str,
 
 def auto_wide_design(head_dim: int, head_dim_v: int, config=None, *, page_size: int | None = None) -> str:
     """The kernel ``wide_design="auto"`` resolves to at head dims above 256: ``"roles"`` iff head_dim ==
-    head_dim_v == 512, ``config`` sets no field besides the switches (the roles kernel's automatic tiles: with
-    32-key tiles it was slower than the split-value kernel, docs/tuning.md 2.9), its ``split_merge`` is not
+    head_dim_v == 512, ``config`` sets no tile field (only the switches, ``num_splits`` and ``lpt``: the roles
+    kernel's automatic tiles; with 32-key tiles it was slower than the split-value kernel, docs/tuning.md 2.9), its
+    ``split_merge`` is not
     ``"cluster"`` (no roles variant) and ``page_size`` (None: contiguous K/V or not known) loads by TMA page
     boxes at the roles tile_n (:func:`page_box_tma_ok` with :data:`ROLES_CONFIG`); else ``"split_v"``. Below
     head dim 257: ``"split_v"`` (FA4's kernel either way). Rationale: the roles kernel was measured faster on
@@ -472,7 +480,8 @@ def resolve_wide_config(head_dim: int, head_dim_v: int, config=None, max_seqlen_
     :func:`auto_wide_design`, with ``page_size`` as in :func:`resolve_config`). The split-value kernel: without
     a config :data:`WIDE_LONG_Q_CONFIG` when :func:`longest_first_tiles` holds for ``max_seqlen_q`` (long or
     unknown), else :data:`WIDE_CONFIG`; a dict overrides fields of :data:`WIDE_CONFIG`. The roles kernel: likewise
-    on :data:`ROLES_CONFIG`, whatever the query length.
+    on :data:`ROLES_CONFIG`, whatever the query length. A CuteConfig resolves as the dict of its fields that
+    differ from ``CuteConfig()`` (so its ``num_stages`` at the default 2 counts as unset).
 
     ``tile_m`` must be 64 and ``tile_n`` a multiple of 16; ``mma_pv_is_rs`` / ``intra_wg_overlap`` are fixed
     by the kernel (WG0 keeps P in registers, WG1 reads it from shared memory; overlap on) and resolve to
@@ -498,6 +507,8 @@ def _resolve_wide(head_dim: int, head_dim_v: int, config, max_seqlen_q: int | No
     """:func:`resolve_wide_config` after its argument checks (head dims, :func:`check_config`). ``wide_design``
     ``"roles"``: :data:`ROLES_CONFIG` without a config (and as the base of a dict), its shared-memory rule."""
     roles = wide_design == "roles"
+    if isinstance(config, CuteConfig):  # its fields at their defaults are unset, as a dict's missing keys
+        config = {f: getattr(config, f) for f in _CONFIG_FIELDS if getattr(config, f) != getattr(CuteConfig(), f)}
     if config is None:
         config = CuteConfig(**(ROLES_CONFIG if roles else WIDE_LONG_Q_CONFIG if longest_first_tiles(max_seqlen_q)
                                else WIDE_CONFIG))

@@ -86,11 +86,11 @@ def test_auto_picks_split_v_at_wide_head_dims_other_than_512(hd):
 
 
 @pytest.mark.parametrize("config", [dict(tile_n=64), dict(tile_n=32), dict(num_stages=1), dict(tile_m=64),
-                                    dict(lpt=True), dict(num_splits=2), cc.CuteConfig(tile_n=64, num_stages=1),
-                                    dict(tile_n=64, batch_order="work")])
-def test_auto_picks_split_v_when_the_config_sets_a_field_besides_the_switches(config):
+                                    dict(tile_n=64, lpt=True), dict(num_splits=2, tile_n=64),
+                                    cc.CuteConfig(tile_n=64, num_stages=1), dict(tile_n=64, batch_order="work")])
+def test_auto_picks_split_v_when_the_config_sets_a_tile_field(config):
     """The roles kernel is the automatic choice with its automatic tiles only (with 32-key tiles it was 35 % slower,
-    docs/tuning.md 2.9): any field besides the switches keeps the split-value kernel, which gets that field."""
+    docs/tuning.md 2.9): any tile field keeps the split-value kernel, which gets that field."""
     cfg = cc.resolve_config(512, 512, None, config, 256, page_size=64)
     assert cfg.wide_design == "split_v"
     explicit = dict(config) if isinstance(config, dict) else {f: getattr(config, f) for f in cc._CONFIG_FIELDS}
@@ -105,6 +105,40 @@ def test_auto_picks_roles_when_the_config_sets_switches_only(switches):
     cfg = cc.resolve_config(512, 512, None, switches, 256, page_size=64)
     assert cfg.wide_design == "roles"
     assert cfg.batch_order == switches.get("batch_order", "work")  # an explicit order is kept
+
+
+@pytest.mark.parametrize("config", [dict(num_splits=2), dict(lpt=True), dict(lpt=False, num_splits=1),
+                                    cc.CuteConfig(num_splits=3), cc.CuteConfig(lpt=True, batch_order="given"),
+                                    dict(num_splits=4, v_refill="halves")])
+def test_auto_keeps_roles_when_the_config_sets_only_num_splits_or_lpt(config):
+    """``num_splits`` and ``lpt`` schedule the tiles without changing them: "auto" stays on the roles kernel with its
+    automatic 64 x 64 one-stage tiles and takes the values as given, a dict and a CuteConfig alike."""
+    cfg = cc.resolve_config(512, 512, None, config, 256, page_size=64)
+    get = config.get if isinstance(config, dict) else lambda f, d=None: getattr(config, f)
+    assert (cfg.wide_design, cfg.tile_m, cfg.tile_n, cfg.num_stages) == ("roles", 64, 64, 1)
+    assert cfg.num_splits == get("num_splits", None)
+    assert cfg.lpt == (get("lpt", None) if get("lpt", None) is not None else cc.longest_first_tiles(256))
+    assert cfg.batch_order == (get("batch_order", "auto") if get("batch_order", "auto") != "auto" else "work")
+    launch = cc.resolve_launch_config(512, 512, None, config, total_q=256, num_seqs=1, num_kv_heads=2,
+                                      qhead_per_kvhead=8, keys_capacity=33024, max_seqlen_q=256, max_seqlen_k=None,
+                                      num_sms=132, page_size=64)
+    assert launch.wide_design == "roles" and launch.tile_n == 64
+    assert launch.num_splits == (get("num_splits", None) or launch.num_splits) and launch.split_merge == "combine"
+
+
+@pytest.mark.parametrize("fields", [dict(num_splits=2), dict(lpt=True), dict(num_splits=2, lpt=False),
+                                    dict(tile_n=32), dict(tile_n=64, num_splits=3), dict(num_stages=1)])
+@pytest.mark.parametrize("wide_design", ["roles", "split_v"])
+def test_a_cute_config_object_resolves_as_the_dict_of_its_fields(fields, wide_design):
+    """Regression: ``CuteConfig(wide_design="roles", num_splits=2)`` resolved to 32-key tiles in two stages (the
+    split-value kernel's tile_n and the dataclass's num_stages default) while the same dict took the roles kernel's
+    64 x 1; a CuteConfig's fields at their defaults are unset, as a dict's missing keys."""
+    d = dict(fields, wide_design=wide_design)
+    for max_q in (256, None):
+        assert (cc.resolve_config(512, 512, None, cc.CuteConfig(**d), max_q, page_size=64)
+                == cc.resolve_config(512, 512, None, d, max_q, page_size=64))
+        assert (cc.resolve_wide_config(512, 512, cc.CuteConfig(**d), max_q)
+                == cc.resolve_wide_config(512, 512, d, max_q))
 
 
 def test_auto_picks_split_v_with_an_explicit_cluster_merge():
@@ -170,7 +204,8 @@ _SWITCH_VALUES = dict(nan_safe_v=st.booleans(), split_merge=st.sampled_from(cc.S
 
 @settings(max_examples=300, deadline=None, derandomize=True)
 @given(switches=st.fixed_dictionaries({}, optional=_SWITCH_VALUES),
-       tiles=st.sampled_from([{}, dict(tile_n=64), dict(tile_n=32), dict(num_splits=2)]),
+       tiles=st.sampled_from([{}, dict(tile_n=64), dict(tile_n=32), dict(num_splits=2), dict(lpt=True),
+                              dict(num_splits=2, tile_n=64)]),
        hd=st.sampled_from([384, 512]), page=st.sampled_from([None, 8, 16, 48, 64, 96, 128, 256]),
        num_seqs=st.sampled_from([1, 3]))
 def test_the_resolved_config_never_holds_auto(switches, tiles, hd, page, num_seqs):
@@ -190,7 +225,7 @@ def test_the_resolved_config_never_holds_auto(switches, tiles, hd, page, num_seq
         assert c.wide_design in ("split_v", "roles") and c.batch_order in ("given", "work"), c
     assert launch.split_merge in ("combine", "cluster")
     design = switches.get("wide_design", "auto")
-    roles_ok = (hd == 512 and not tiles and switches.get("split_merge") != "cluster"
+    roles_ok = (hd == 512 and not set(tiles) - {"num_splits", "lpt"} and switches.get("split_merge") != "cluster"
                 and (page is None or cc.page_box_tma_ok(page, 64)))
     assert cfg.wide_design == (design if design != "auto" else "roles" if roles_ok else "split_v")
     order = switches.get("batch_order", "auto")

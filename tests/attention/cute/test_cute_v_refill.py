@@ -76,7 +76,7 @@ def test_auto_with_halves_resolves_to_the_roles_kernel_where_auto_picks_it(page)
     (512, dict(v_refill="halves"), 48, "page size 48"),
     (512, dict(v_refill="halves"), 12, "page size 12"),
     (512, dict(v_refill="halves", tile_n=64), None, "tile_n"),
-    (512, dict(v_refill="halves", num_splits=2), 64, "num_splits"),
+    (512, dict(v_refill="halves", num_splits=2, num_stages=1), 64, "num_stages"),
     (512, dict(v_refill="halves", split_merge="cluster"), None, "cluster"),
     (384, dict(v_refill="halves"), 64, "head dim 512 only"),
     (288, dict(v_refill="halves"), None, "head dim 512 only"),
