@@ -7,7 +7,10 @@ cache of its own (the interface's ``_COMPILE_CACHE`` swapped per row; run with
 ``FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=0``: the disk cache's key does not see the switch). For each named workload
 and config: both variants run once on the same inputs (outputs must be bit-identical: same MMAs in the same order;
 isfinite), then ``--rounds`` rounds time every row in turn with ``triton.testing.do_bench_cudagraph(rep=200)``
-(CUDA-graph replays, microseconds, medians printed and written to ``ab_k_refill.json`` in ``--out``).
+(CUDA-graph replays, microseconds, medians printed and written to ``ab_k_refill.json`` in ``--out``). With
+``--triton`` the triton backend's default dispatch on the same inputs joins the rounds (issue 27's goal is a ratio
+to it in the same run); every row's effective TFLOP/s (``bench.common.attention_flops`` over the workload's allowed
+pairs) is printed and recorded beside the times.
 
     FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=0 python3 -m blockdiff.bench.experiments.ab_k_refill mixed_global_ctx8k \
         '{"work": {"wide_design": "roles", "batch_order": "work"}}'
@@ -15,6 +18,7 @@ isfinite), then ``--rounds`` rounds time every row in turn with ``triton.testing
 import argparse
 import json
 import os
+import statistics
 
 import torch
 
@@ -39,17 +43,29 @@ def _row(b, w, cfg, all_warps: bool):
     return f
 
 
+def _triton_row(b, w):
+    """The triton backend's default dispatch on the same paged inputs (the goal's reference row)."""
+    from blockdiff.attention.triton import attention_triton
+    k, v, a = b.layouts()["paged"]
+    out = torch.empty(b.q.shape[0], w.num_heads, w.head_dim_v, dtype=b.q.dtype, device="cuda")
+
+    def f():
+        return attention_triton(b.q, k, v, out=out, check_values=False, **a)
+    return f
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("workloads", help="comma-separated named workloads")
     p.add_argument("variants", help='JSON {"name": config dict (wide_design "roles"), ...}')
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--out", default=None, help="output folder (default $OUT, else bench/results/local/)")
+    p.add_argument("--triton", action="store_true", help="time the triton backend on the same inputs too")
     a = p.parse_args(argv)
     if os.environ.get("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED") == "1":
         raise SystemExit("set FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=0: the disk cache's key does not see the switch")
     names, variants = a.workloads.split(","), json.loads(a.variants)
-    res, checks = {}, {}
+    res, checks, tf = {}, {}, {}
     for name in names:
         w = next(x for x in wl.named_workloads() if x.name == name)
         b = wl.build(w, device="cuda", dtype=torch.bfloat16)
@@ -66,10 +82,17 @@ def main(argv=None):
             checks[f"{name}/{vn}"] = dict(bit_identical=same, finite=finite, max_diff=diff)
             print(f"{name} {vn}: all_warps bit-identical to one_warp: {same}, finite {finite}, max diff {diff}",
                   flush=True)
+        if a.triton:
+            fns["triton"] = _triton_row(b, w)
         res[name] = common.interleaved_graph_medians(fns, a.rounds, name)
+        flops = common.attention_flops(w.num_heads, w.head_dim, w.allowed_pairs(), w.head_dim_v)
+        tf[name] = {n: common.tflops(flops, statistics.median(t) * 1e-3) for n, t in res[name].items()}
+        for n, x in tf[name].items():
+            ratio = "" if "triton" not in tf[name] else f"  {x / tf[name]['triton']:.3f}x triton"
+            print(f"{name} {n:28s} {x:7.1f} TFLOP/s{ratio}", flush=True)
     common.write_experiment_json("ab_k_refill.json",
                                  dict(commit=os.environ.get("BLOCKDIFF_COMMIT"), gpu=torch.cuda.get_device_name(),
-                                      variants=variants, checks=checks, res=res), a.out)
+                                      variants=variants, checks=checks, res=res, tflops=tf), a.out)
 
 
 if __name__ == "__main__":
