@@ -49,8 +49,9 @@ class CuteConfig:
     design (c2)) or ``"roles"`` (one softmax warpgroup feeding two P V warpgroups through shared memory;
     ``kernel_roles.py``, design (c1); its tiles: :data:`ROLES_CONFIG`; no cluster merge). ``"auto"`` resolves to
     ``"roles"`` iff head_dim == head_dim_v == 512, the config sets no tile field (only switches, ``num_splits``
-    and ``lpt``: automatic tiles), ``split_merge`` is not ``"cluster"`` and the K/V layout loads by TMA page boxes at the roles tile_n
-    (``page_size`` of :func:`resolve_config`: contiguous / unknown, or :func:`page_box_tma_ok`); else to
+    and ``lpt``: automatic tiles), ``split_merge`` is not ``"cluster"`` and the K/V layout loads by TMA page
+    boxes at the roles tile_n (``page_size`` of :func:`resolve_config`: contiguous / unknown, or
+    :func:`page_box_tma_ok`); else to
     ``"split_v"`` (:func:`auto_wide_design`). Rationale: measured faster on every hd-512 workload on the H200
     (docs/tuning.md 2.17); other wide head dims were not measured with it. Below head dim 257 it resolves to
     ``"split_v"`` (FA4's kernel either way).

@@ -240,10 +240,10 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
     #: per kernel by the sm_90a compile (docs/tuning.md 2.15): off here (no spills either way at page 64; on, the
     #: page-16 kernel spilled 4 B more than the default's), on in the split-KV subclass (off, it spilled 4 B).
     _V_HALF_BRANCH = False
-    #: Experiment (docs/tuning.md 2.17, off): SM's 4 warps share the K refill, each issuing a quarter of the
-    #: column boxes as soon as the stage is empty (warp 0 also arrives with the whole stage's bytes), instead of
-    #: warp 0 issuing all 8 while warps 1-3 wait for it at the hand-off. Needs head dims divisible by 256 (a
-    #: quarter is whole 64-column swizzle atoms); other head dims keep warp 0's refill.
+    #: Experiment (docs/tuning.md 2.17; off: no gain measured, 2.18): SM's 4 warps share the K refill, each issuing
+    #: a quarter of the column boxes as soon as the stage is empty (warp 0 also arrives with the whole stage's
+    #: bytes), instead of warp 0 issuing all 8 while warps 1-3 wait for it at the hand-off. Needs head dims
+    #: divisible by 256 (a quarter is whole 64-column swizzle atoms); other head dims keep warp 0's refill.
     #: ``bench/experiments/ab_k_refill.py`` switches it on; with it off the kernel is unchanged.
     _K_REFILL_ALL_WARPS = False
 
