@@ -128,7 +128,7 @@ from typing import Callable, Optional
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr, pipeline
-from cutlass.cute.nvgpu import cpasync
+from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from quack import copy_utils, layout_utils
 from quack import sm90_utils
@@ -244,8 +244,14 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
     #: a quarter of the column boxes as soon as the stage is empty (warp 0 also arrives with the whole stage's
     #: bytes), instead of warp 0 issuing all 8 while warps 1-3 wait for it at the hand-off. Needs head dims
     #: divisible by 256 (a quarter is whole 64-column swizzle atoms); other head dims keep warp 0's refill.
-    #: ``bench/experiments/ab_k_refill.py`` switches it on; with it off the kernel is unchanged.
+    #: ``bench/experiments/ab_roles_switch.py`` switches it on; with it off the kernel is unchanged.
     _K_REFILL_ALL_WARPS = False
+    #: Experiment (docs/tuning.md 2.19, off): SM issues S(i + 1)'s wgmma inside block i's iteration, after the
+    #: softmax of block i and P's conversion and before P's hand-off (waiting there for K(i + 1), whose refill
+    #: started when S(i) retired), and retires it at the top of the next iteration: S's wgmma overlaps the P_EMPTY
+    #: wait, P's store and the loop's control instead of running after them (FA3's intra-warpgroup overlap on
+    #: the one K stage). One accumulator: the wgmma overwrites S(i) only after P(i) left it.
+    _SM_OVERLAP = False
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -342,6 +348,9 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
         tPsP = smem_thr_copy_P.partition_D(sP)
         softmax = Softmax.create(softmax_scale_log2, num_rows=self._rows_per_thread(), softmax_scale=softmax_scale)
         hand_off = partial(self._hand_off_p_smem, smem_thr_copy_P, tPsP, sScale, t_sm)
+        acc_S_next = None
+        if const_expr(self._SM_OVERLAP):  # S of the block in flight (issued one iteration ahead)
+            acc_S_next = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
 
         q_producer_phase = Int32(1)
         q_consumer_phase = Int32(0)
@@ -385,33 +394,39 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
             step = partial(self._sm_step, qk=qk, refill=refill, softmax=softmax, hand_off=hand_off)
             pipeline_q.consumer_wait_w_index_phase(0, q_consumer_phase)
             q_consumer_phase ^= 1
-            # First block (the tile's last key block): S, mask (sequence end included), softmax.
-            acc_S = qk(kv_consumer_state)
-            k_producer_state = refill(k_producer_state, n_block_max - 1)
-            mask_fn(acc_S, n_block=n_block_max - 1, mask_seqlen=True)
-            row_scale = softmax.online_softmax(acc_S, is_first=True)
-            hand_off(acc_S, row_scale, Int32(0))
-            kv_consumer_state.advance()
-            block_i = Int32(1)  # blocks handed to the P V warpgroups so far
-            n_block_max -= 1
-            # FA4's three loops with our per-row bounds (as kernel_wide's WG0): right-masked, interior,
-            # left-masked blocks.
-            n_block_right = block_info.get_n_block_min_causal_local_mask(seqlen, m_block, n_block_min)
-            for n_tile in cutlass.range(n_block_max - n_block_right, unroll=1):
-                kv_consumer_state, k_producer_state, block_i = step(
-                    kv_consumer_state, k_producer_state, n_block_max - 1 - n_tile, block_i,
-                    mask_fn=partial(mask_fn, mask_seqlen=False))
-            n_block_max = cutlass.min(n_block_max, n_block_right)
-            n_block_left = block_info.get_n_block_min_before_local_mask(seqlen, m_block, n_block_min)
-            for n_tile in cutlass.range(n_block_max - n_block_left, unroll=1):
-                kv_consumer_state, k_producer_state, block_i = step(
-                    kv_consumer_state, k_producer_state, n_block_max - 1 - n_tile, block_i, mask_fn=None)
-            if const_expr(block_info.window_size_left is not None):
-                n_block_max = cutlass.min(n_block_max, n_block_left)
-                for n_tile in cutlass.range(n_block_max - n_block_min, unroll=1):
+            if const_expr(not self._SM_OVERLAP):
+                # First block (the tile's last key block): S, mask (sequence end included), softmax.
+                acc_S = qk(kv_consumer_state)
+                k_producer_state = refill(k_producer_state, n_block_max - 1)
+                mask_fn(acc_S, n_block=n_block_max - 1, mask_seqlen=True)
+                row_scale = softmax.online_softmax(acc_S, is_first=True)
+                hand_off(acc_S, row_scale, Int32(0))
+                kv_consumer_state.advance()
+                block_i = Int32(1)  # blocks handed to the P V warpgroups so far
+                n_block_max -= 1
+                # FA4's three loops with our per-row bounds (as kernel_wide's WG0): right-masked, interior,
+                # left-masked blocks.
+                n_block_right = block_info.get_n_block_min_causal_local_mask(seqlen, m_block, n_block_min)
+                for n_tile in cutlass.range(n_block_max - n_block_right, unroll=1):
                     kv_consumer_state, k_producer_state, block_i = step(
                         kv_consumer_state, k_producer_state, n_block_max - 1 - n_tile, block_i,
                         mask_fn=partial(mask_fn, mask_seqlen=False))
+                n_block_max = cutlass.min(n_block_max, n_block_right)
+                n_block_left = block_info.get_n_block_min_before_local_mask(seqlen, m_block, n_block_min)
+                for n_tile in cutlass.range(n_block_max - n_block_left, unroll=1):
+                    kv_consumer_state, k_producer_state, block_i = step(
+                        kv_consumer_state, k_producer_state, n_block_max - 1 - n_tile, block_i, mask_fn=None)
+                if const_expr(block_info.window_size_left is not None):
+                    n_block_max = cutlass.min(n_block_max, n_block_left)
+                    for n_tile in cutlass.range(n_block_max - n_block_min, unroll=1):
+                        kv_consumer_state, k_producer_state, block_i = step(
+                            kv_consumer_state, k_producer_state, n_block_max - 1 - n_tile, block_i,
+                            mask_fn=partial(mask_fn, mask_seqlen=False))
+            else:
+                kv_consumer_state, k_producer_state = self._sm_tile_overlap(
+                    kv_consumer_state, k_producer_state, n_block_min, n_block_max, m_block, seqlen, block_info,
+                    mask_fn, refill, softmax, acc_S_next, tiled_mma_qk, tSrQ, tSrK, pipeline_k,
+                    partial(self._store_p_smem, smem_thr_copy_P, tPsP, sScale, t_sm))
             # Every QK^T of the tile has retired: the P V warpgroups may write O into Q's buffer after FINAL.
             row_scale = softmax.finalize()
             self._store_scale(sScale, row_scale, t_sm, Int32(_FINAL_SLOT))
@@ -561,6 +576,122 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
         hand_off(acc_S, row_scale, block_i)
         kv_consumer_state.advance()
         return kv_consumer_state, k_producer_state, block_i + 1
+
+    @cute.jit
+    def _sm_issue_qk(self, kv_consumer_state, acc_S: cute.Tensor, tiled_mma_qk, tSrQ: cute.Tensor,
+                     tSrK: cute.Tensor, pipeline_k):
+        """(``_SM_OVERLAP``) Waits for the K stage of ``kv_consumer_state`` and issues S = Q K^T into ``acc_S``
+        without waiting for it (retired by :meth:`_sm_retire_qk`)."""
+        pipeline_k.consumer_wait(kv_consumer_state, pipeline_k.consumer_try_wait(kv_consumer_state))
+        sm90_utils.gemm_w_idx(tiled_mma_qk, acc_S, tSrQ, tSrK, zero_init=True, B_idx=kv_consumer_state.index,
+                              wg_wait=-1)
+
+    @cute.jit
+    def _sm_retire_qk(self, kv_consumer_state, pipeline_k):
+        """(``_SM_OVERLAP``) Waits for SM's issued S, releases its K stage (two arrivals per warp, as
+        :meth:`_sm_qk`) and returns the consumer state advanced to the next block."""
+        warpgroup.wait_group(0)
+        pipeline_k.consumer_release(kv_consumer_state)
+        pipeline_k.consumer_release(kv_consumer_state)
+        kv_consumer_state.advance()
+        return kv_consumer_state
+
+    @cute.jit
+    def _sm_tile_overlap(self, kv_consumer_state, k_producer_state, n_block_min: Int32, n_block_max: Int32,
+                         m_block: Int32, seqlen, block_info, mask_fn: Callable, refill: Callable, softmax: Softmax,
+                         acc_S: cute.Tensor, tiled_mma_qk, tSrQ: cute.Tensor, tSrK: cute.Tensor, pipeline_k,
+                         store_p: Callable):
+        """(``_SM_OVERLAP``) SM's blocks of one tile with S issued one block ahead. Every wgmma is issued outside
+        a branch that another path skips (ptxas serialises all wgmma of the kernel when the in-flight set
+        depends on the path, C7518): the tile's last key block's S before the branch on the block count; the
+        loops stop above the tile's first key block (``n_block_min``), whose iteration issues nothing, masked
+        whatever its kind (exact per key, a no-op on an interior block). Returns the consumer and producer
+        states."""
+        issue = partial(self._sm_issue_qk, acc_S=acc_S, tiled_mma_qk=tiled_mma_qk, tSrQ=tSrQ, tSrK=tSrK,
+                        pipeline_k=pipeline_k)
+        issue(kv_consumer_state)
+        if cute.arch.make_warp_uniform(n_block_max - n_block_min) == 1:  # one block: no S after it
+            kv_consumer_state = self._sm_retire_qk(kv_consumer_state, pipeline_k)
+            mask_fn(acc_S, n_block=n_block_max - 1, mask_seqlen=True)
+            row_scale = softmax.online_softmax(acc_S, is_first=True)
+            store_p(self._convert_p(acc_S), row_scale, Int32(0))
+        else:
+            kv_consumer_state = self._sm_retire_qk(kv_consumer_state, pipeline_k)
+            k_producer_state = refill(k_producer_state, n_block_max - 1)
+            mask_fn(acc_S, n_block=n_block_max - 1, mask_seqlen=True)
+            row_scale = softmax.online_softmax(acc_S, is_first=True)
+            tOrP = self._convert_p(acc_S)
+            issue(kv_consumer_state)
+            store_p(tOrP, row_scale, Int32(0))
+            block_i = Int32(1)  # blocks handed to the P V warpgroups so far
+            step = partial(self._sm_step_overlap, acc_S=acc_S, issue=issue, pipeline_k=pipeline_k, refill=refill,
+                           softmax=softmax, store_p=store_p)
+            n_last = n_block_min + 1  # the loops' lowest block: the tile's first key block issues nothing
+            n_hi = n_block_max - 1
+            n_block_right = cutlass.max(block_info.get_n_block_min_causal_local_mask(seqlen, m_block, n_block_min),
+                                        n_last)
+            for n_tile in cutlass.range(n_hi - n_block_right, unroll=1):
+                kv_consumer_state, k_producer_state, block_i = step(
+                    kv_consumer_state, k_producer_state, n_hi - 1 - n_tile, block_i,
+                    mask_fn=partial(mask_fn, mask_seqlen=False))
+            n_hi = cutlass.min(n_hi, n_block_right)
+            n_block_left = cutlass.max(block_info.get_n_block_min_before_local_mask(seqlen, m_block, n_block_min),
+                                       n_last)
+            for n_tile in cutlass.range(n_hi - n_block_left, unroll=1):
+                kv_consumer_state, k_producer_state, block_i = step(
+                    kv_consumer_state, k_producer_state, n_hi - 1 - n_tile, block_i, mask_fn=None)
+            if const_expr(block_info.window_size_left is not None):
+                n_hi = cutlass.min(n_hi, n_block_left)
+                for n_tile in cutlass.range(n_hi - n_last, unroll=1):
+                    kv_consumer_state, k_producer_state, block_i = step(
+                        kv_consumer_state, k_producer_state, n_hi - 1 - n_tile, block_i,
+                        mask_fn=partial(mask_fn, mask_seqlen=False))
+            # The tile's first key block (n_block_min): its S was issued by the last iteration.
+            kv_consumer_state = self._sm_retire_qk(kv_consumer_state, pipeline_k)
+            mask_fn(acc_S, n_block=n_block_min, mask_seqlen=False)
+            row_scale = softmax.online_softmax(acc_S, check_inf=True)
+            store_p(self._convert_p(acc_S), row_scale, block_i)
+        return kv_consumer_state, k_producer_state
+
+    @cute.jit
+    def _sm_step_overlap(self, kv_consumer_state, k_producer_state, n_block: Int32, block_i: Int32,
+                         acc_S: cute.Tensor, issue: Callable, pipeline_k, refill: Callable, softmax: Softmax,
+                         store_p: Callable, mask_fn: Optional[Callable] = None):
+        """(``_SM_OVERLAP``) One SM iteration with S of key block ``n_block`` (above the tile's first key block)
+        already issued into ``acc_S``: retire it, the K refill, mask, online softmax, P converted, S of block
+        ``n_block - 1`` issued, P handed off as ``block_i``. Returns the consumer and producer states and
+        ``block_i + 1``."""
+        kv_consumer_state = self._sm_retire_qk(kv_consumer_state, pipeline_k)
+        k_producer_state = refill(k_producer_state, n_block)
+        if const_expr(mask_fn is not None):
+            mask_fn(acc_S=acc_S, n_block=n_block)
+        row_scale = softmax.online_softmax(acc_S, check_inf=True)
+        tOrP = self._convert_p(acc_S)
+        issue(kv_consumer_state)
+        store_p(tOrP, row_scale, block_i)
+        return kv_consumer_state, k_producer_state, block_i + 1
+
+    @cute.jit
+    def _convert_p(self, acc_S: cute.Tensor) -> cute.Tensor:
+        """(``_SM_OVERLAP``) P (softmax numerators in ``acc_S``) in the input dtype, as an A-operand fragment."""
+        tOrP_acc = layout_utils.reshape_acc_to_frgA(acc_S)
+        tOrP = cute.make_fragment_like(tOrP_acc, self.dtype)
+        fa_utils.cvt_f16(tOrP_acc, tOrP)
+        return tOrP
+
+    @cute.jit
+    def _store_p_smem(self, smem_thr_copy_P: cute.TiledCopy, tPsP: cute.Tensor, sScale: cute.Tensor, t_sm: Int32,
+                      tOrP: cute.Tensor, row_scale: cute.Tensor, block_i: Int32):
+        """(``_SM_OVERLAP``) The second half of :meth:`_hand_off_p_smem`: converted P into P slot
+        ``block_i % 2`` and the row factors beside it (after ``P_EMPTY`` from the third hand-off on), fenced, then
+        ``P_FULL``."""
+        slot = block_i % _P_SLOTS
+        if block_i >= _P_SLOTS:
+            cute.arch.barrier(barrier_id=int(NamedBarrierWideV.P_EMPTY_0) + slot, number_of_threads=_BAR_THREADS)
+        cute.copy(smem_thr_copy_P, smem_thr_copy_P.retile(tOrP), tPsP[None, None, None, slot])
+        self._store_scale(sScale, row_scale, t_sm, slot)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier_arrive(barrier_id=int(NamedBarrierWideV.P_FULL_0) + slot, number_of_threads=_BAR_THREADS)
 
     @cute.jit
     def _hand_off_p_smem(

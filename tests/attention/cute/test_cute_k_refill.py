@@ -4,7 +4,8 @@ for the K stage to be empty and loads a quarter of its columns, warp 0 arriving 
 
 * CPU (CI): the switch is off by default and reaches only head dims divisible by 256;
 * GPU (``python3 -m pytest -m gpu``, on the H200; also run with the switch on by
-  ``bench/experiments/device/cute_k_refill.sh``): with the switch on, outputs equal to warp 0's refill bit for bit
+  ``bench/experiments/device/cute_roles_switch.sh`` with ``SWITCH=_K_REFILL_ALL_WARPS`` and this file as
+  ``TESTS``): with the switch on, outputs equal to warp 0's refill bit for bit
   over many key blocks (the bug of 2.17's first run: warps 1-3's producer state missed the tile prologue's K loads,
   so they waited on the wrong phase of the empty barrier and the kernel hung), paged 64 / 16 / 8 and contiguous,
   split-KV, and the fp64 reference.

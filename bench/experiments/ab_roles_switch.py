@@ -1,19 +1,19 @@
 #!/usr/bin/env python3
-"""Interleaved A/B of the roles kernel's K refill by all four SM warps (``_K_REFILL_ALL_WARPS``, docs/tuning.md
-2.17) against warp 0's refill, one process (GPU experiment, the bench's paged layout).
+"""Interleaved A/B of an experiment switch of the roles kernel (a ``FlashAttentionForwardSm90Roles`` class attribute
+read at compile time: ``_K_REFILL_ALL_WARPS``, docs/tuning.md 2.17-2.18; ``_SM_OVERLAP``, 2.18), off against on, one
+process (GPU experiment, the bench's paged layout).
 
-The switch is a class attribute read at compile time, not a config field, so each variant compiles into a compile
-cache of its own (the interface's ``_COMPILE_CACHE`` swapped per row; run with
-``FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=0``: the disk cache's key does not see the switch). For each named workload
-and config: both variants run once on the same inputs (outputs must be bit-identical: same MMAs in the same order;
-isfinite), then ``--rounds`` rounds time every row in turn with ``triton.testing.do_bench_cudagraph(rep=200)``
-(CUDA-graph replays, microseconds, medians printed and written to ``ab_k_refill.json`` in ``--out``). With
-``--triton`` the triton backend's default dispatch on the same inputs joins the rounds (issue 27's goal is a ratio
-to it in the same run); every row's effective TFLOP/s (``bench.common.attention_flops`` over the workload's allowed
-pairs) is printed and recorded beside the times.
+The switch is not a config field, so each setting compiles into a compile cache of its own (the interface's
+``_COMPILE_CACHE`` swapped per row; run with ``FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=0``: the disk cache's key
+does not see the switch). For each named workload and config: both settings run once on the same inputs (outputs
+must be bit-identical for the switches above; isfinite), then ``--rounds`` rounds time every row in turn with
+``triton.testing.do_bench_cudagraph(rep=200)`` (CUDA-graph replays, microseconds, medians printed and written to
+``ab_roles_switch.json`` in ``--out``). With ``--triton`` the triton backend's default dispatch on the same inputs
+joins the rounds (issue 27's goal is a ratio to it in the same run); every row's effective TFLOP/s
+(``bench.common.attention_flops`` over the workload's allowed pairs) is printed and recorded beside the times.
 
-    FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=0 python3 -m blockdiff.bench.experiments.ab_k_refill mixed_global_ctx8k \
-        '{"work": {"wide_design": "roles", "batch_order": "work"}}'
+    FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=0 python3 -m blockdiff.bench.experiments.ab_roles_switch \
+        _SM_OVERLAP mixed_global_ctx8k '{"work": {"wide_design": "roles", "batch_order": "work"}}' --triton
 """
 import argparse
 import json
@@ -28,8 +28,9 @@ from blockdiff.bench import common
 from blockdiff.bench import workloads as wl
 
 
-def _row(b, w, cfg, all_warps: bool):
-    """(callable, its compile cache): the paged call of ``cfg`` compiled with the switch at ``all_warps``."""
+def _row(b, w, cfg, switch: str, on: bool):
+    """The paged call of ``cfg`` compiled (into a compile cache of its own) with class attribute ``switch`` at
+    ``on``."""
     k, v, a = b.layouts()["paged"]
     out = torch.empty(b.q.shape[0], w.num_heads, w.head_dim_v, dtype=b.q.dtype, device="cuda")
     cache: dict = {}
@@ -38,7 +39,7 @@ def _row(b, w, cfg, all_warps: bool):
 
     def f():
         cute_interface._COMPILE_CACHE = cache
-        FlashAttentionForwardSm90Roles._K_REFILL_ALL_WARPS = all_warps
+        setattr(FlashAttentionForwardSm90Roles, switch, on)
         return attention_cute(b.q, k, v, out=out, check_values=False, config=cfg, **a)
     return f
 
@@ -56,6 +57,7 @@ def _triton_row(b, w):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("switch", help="the class attribute, e.g. _SM_OVERLAP or _K_REFILL_ALL_WARPS")
     p.add_argument("workloads", help="comma-separated named workloads")
     p.add_argument("variants", help='JSON {"name": config dict (wide_design "roles"), ...}')
     p.add_argument("--rounds", type=int, default=5)
@@ -72,15 +74,15 @@ def main(argv=None):
         fns = {}
         for vn, cfg in variants.items():
             outs = {}
-            for tag, flag in (("one_warp", False), ("all_warps", True)):
-                fns[f"{vn}_{tag}"] = _row(b, w, cfg, flag)
+            for tag, flag in (("off", False), ("on", True)):
+                fns[f"{vn}_{tag}"] = _row(b, w, cfg, a.switch, flag)
                 outs[tag] = fns[f"{vn}_{tag}"]().clone()
             torch.cuda.synchronize()
-            same = torch.equal(outs["one_warp"], outs["all_warps"])
-            finite = bool(torch.isfinite(outs["all_warps"]).all())
-            diff = (outs["one_warp"].float() - outs["all_warps"].float()).abs().max().item()
+            same = torch.equal(outs["off"], outs["on"])
+            finite = bool(torch.isfinite(outs["on"]).all())
+            diff = (outs["off"].float() - outs["on"].float()).abs().max().item()
             checks[f"{name}/{vn}"] = dict(bit_identical=same, finite=finite, max_diff=diff)
-            print(f"{name} {vn}: all_warps bit-identical to one_warp: {same}, finite {finite}, max diff {diff}",
+            print(f"{name} {vn}: {a.switch} on bit-identical to off: {same}, finite {finite}, max diff {diff}",
                   flush=True)
         if a.triton:
             fns["triton"] = _triton_row(b, w)
@@ -90,8 +92,9 @@ def main(argv=None):
         for n, x in tf[name].items():
             ratio = "" if "triton" not in tf[name] else f"  {x / tf[name]['triton']:.3f}x triton"
             print(f"{name} {n:28s} {x:7.1f} TFLOP/s{ratio}", flush=True)
-    common.write_experiment_json("ab_k_refill.json",
+    common.write_experiment_json("ab_roles_switch.json",
                                  dict(commit=os.environ.get("BLOCKDIFF_COMMIT"), gpu=torch.cuda.get_device_name(),
+                                      switch=a.switch,
                                       variants=variants, checks=checks, res=res, tflops=tf), a.out)
 
 

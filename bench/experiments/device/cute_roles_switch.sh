@@ -1,0 +1,40 @@
+# An experiment switch of the roles kernel (a FlashAttentionForwardSm90Roles class attribute read at compile time;
+# default SWITCH=_SM_OVERLAP, docs/tuning.md 2.18; _K_REFILL_ALL_WARPS was 2.18's A/B) on the lent H200 in one command,
+# ~4 min, after the CuTe DSL's first staging run (this can be the second: STAGE2=1, carrying .device/p2). Logs and the
+# A/B record under $OUT (at most 7 files).
+#  1. in parallel shards of at most T s each (default 95): the switch's own GPU tests (TESTS; bit-identity with the
+#     default kernel) and the roles fuzz's first configurations with the switch on, the rest of the fuzz on / off
+#     only with FUZZ_ALL=1 (five shards compiling at once ran out of 95 s in 2.18);
+#  2. bench/experiments/ab_roles_switch.py on WORKLOADS (default mixed_global_ctx8k), alone on the GPU: roles + work
+#     and roles + work + halves, each off and on (outputs bit-identical; CUDA-graph medians) with the triton backend in
+#     the same rounds (issue 27's goals are ratios to it), at most B s (default 120: one hd-512 workload).
+# 2.18's prediction for _SM_OVERLAP, written before any GPU run: roles + work ~0 % (the one-warp V chain bounds it);
+# roles + work + halves ~+15-20 % over roles + work (~525-545 TFLOP/s in 2.17's run; the V chain bounds it next).
+#   BLOCKDIFF_COMMIT=<hash> [STAGE2=1] [SWITCH=...] [TESTS=...] bash bench/experiments/device/cute_roles_switch.sh
+set -u
+[ "${STAGE2:-0}" = 1 ] && source bench/experiments/device/stage2.sh
+source bench/experiments/device/env.sh
+export OUT=${OUT:-/tmp/out} FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=0; mkdir -p $OUT
+t=${T:-95}; SWITCH=${SWITCH:-_SM_OVERLAP}; TESTS=${TESTS:-tests/attention/cute/test_cute_sm_overlap.py}
+F=tests/attention/cute/test_cute_kernel_roles.py
+run() {  # $1 switch (1 on / 0 off), $2 log name, rest: pytest arguments
+  local on=$1 log=$2; shift 2
+  timeout $t python3 -c "
+import sys, pytest
+from blockdiff.attention.cute.kernel_roles import FlashAttentionForwardSm90Roles as R
+assert hasattr(R, '$SWITCH'), 'no switch $SWITCH'
+setattr(R, '$SWITCH', bool($on))
+sys.exit(pytest.main(['-m', 'gpu', '-q', '-p', 'no:cacheprovider', '-rf', '--maxfail=5'] + sys.argv[1:]))
+" "$@" > $OUT/$log.log 2>&1 < /dev/null
+}
+A="fuzz and (config0 or config1 or config2)"; Z="fuzz and not (config0 or config1 or config2)"
+run 0 sw_own $TESTS & run 1 sw_fuzz_on_a $F -k "$A" &
+if [ "${FUZZ_ALL:-0}" = 1 ]; then run 1 sw_fuzz_on_b $F -k "$Z" & run 0 sw_fuzz_off_b $F -k "$Z" & fi
+wait
+for f in $OUT/sw_*.log; do
+  echo "== $f"; grep -E "passed|failed|error" $f | tail -2; grep -E "^FAILED|Timeout" $f | head -5
+done
+timeout ${B:-120} python3 -m blockdiff.bench.experiments.ab_roles_switch $SWITCH ${WORKLOADS:-mixed_global_ctx8k} --triton \
+  '{"work": {"wide_design": "roles", "batch_order": "work"}, "work_halves": {"wide_design": "roles", "batch_order": "work", "v_refill": "halves"}}' \
+  --rounds 3 --out $OUT > $OUT/ab_roles_switch.log 2>&1
+echo "ab rc=$?"; tail -22 $OUT/ab_roles_switch.log
