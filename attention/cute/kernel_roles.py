@@ -403,25 +403,9 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
                 hand_off(acc_S, row_scale, Int32(0))
                 kv_consumer_state.advance()
                 block_i = Int32(1)  # blocks handed to the P V warpgroups so far
-                n_block_max -= 1
-                # FA4's three loops with our per-row bounds (as kernel_wide's WG0): right-masked, interior,
-                # left-masked blocks.
-                n_block_right = block_info.get_n_block_min_causal_local_mask(seqlen, m_block, n_block_min)
-                for n_tile in cutlass.range(n_block_max - n_block_right, unroll=1):
-                    kv_consumer_state, k_producer_state, block_i = step(
-                        kv_consumer_state, k_producer_state, n_block_max - 1 - n_tile, block_i,
-                        mask_fn=partial(mask_fn, mask_seqlen=False))
-                n_block_max = cutlass.min(n_block_max, n_block_right)
-                n_block_left = block_info.get_n_block_min_before_local_mask(seqlen, m_block, n_block_min)
-                for n_tile in cutlass.range(n_block_max - n_block_left, unroll=1):
-                    kv_consumer_state, k_producer_state, block_i = step(
-                        kv_consumer_state, k_producer_state, n_block_max - 1 - n_tile, block_i, mask_fn=None)
-                if const_expr(block_info.window_size_left is not None):
-                    n_block_max = cutlass.min(n_block_max, n_block_left)
-                    for n_tile in cutlass.range(n_block_max - n_block_min, unroll=1):
-                        kv_consumer_state, k_producer_state, block_i = step(
-                            kv_consumer_state, k_producer_state, n_block_max - 1 - n_tile, block_i,
-                            mask_fn=partial(mask_fn, mask_seqlen=False))
+                kv_consumer_state, k_producer_state, block_i = self._sm_key_loops(
+                    step, kv_consumer_state, k_producer_state, block_i, n_block_max - 1, n_block_min, n_block_min,
+                    m_block, seqlen, block_info, mask_fn)
             else:
                 kv_consumer_state, k_producer_state = self._sm_tile_overlap(
                     kv_consumer_state, k_producer_state, n_block_min, n_block_max, m_block, seqlen, block_info,
@@ -578,6 +562,36 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
         return kv_consumer_state, k_producer_state, block_i + 1
 
     @cute.jit
+    def _sm_key_loops(self, step: Callable, kv_consumer_state, k_producer_state, block_i: Int32, n_hi: Int32,
+                      n_block_min: Int32, n_floor: Int32, m_block: Int32, seqlen, block_info, mask_fn: Callable,
+                      floor_bounds: cutlass.Constexpr[bool] = False):
+        """FA4's three loops with our per-row bounds (as kernel_wide's WG0), descending from block ``n_hi - 1``
+        to ``n_floor``: right-masked, interior, left-masked blocks, each an SM ``step``. ``floor_bounds``: the
+        right / left bounds raised to ``n_floor`` (a floor above ``n_block_min``; the default passes
+        ``n_block_min``, which they never go below). Returns the consumer and producer states and ``block_i``."""
+        n_block_right = block_info.get_n_block_min_causal_local_mask(seqlen, m_block, n_block_min)
+        if const_expr(floor_bounds):
+            n_block_right = cutlass.max(n_block_right, n_floor)
+        for n_tile in cutlass.range(n_hi - n_block_right, unroll=1):
+            kv_consumer_state, k_producer_state, block_i = step(
+                kv_consumer_state, k_producer_state, n_hi - 1 - n_tile, block_i,
+                mask_fn=partial(mask_fn, mask_seqlen=False))
+        n_hi = cutlass.min(n_hi, n_block_right)
+        n_block_left = block_info.get_n_block_min_before_local_mask(seqlen, m_block, n_block_min)
+        if const_expr(floor_bounds):
+            n_block_left = cutlass.max(n_block_left, n_floor)
+        for n_tile in cutlass.range(n_hi - n_block_left, unroll=1):
+            kv_consumer_state, k_producer_state, block_i = step(
+                kv_consumer_state, k_producer_state, n_hi - 1 - n_tile, block_i, mask_fn=None)
+        if const_expr(block_info.window_size_left is not None):
+            n_hi = cutlass.min(n_hi, n_block_left)
+            for n_tile in cutlass.range(n_hi - n_floor, unroll=1):
+                kv_consumer_state, k_producer_state, block_i = step(
+                    kv_consumer_state, k_producer_state, n_hi - 1 - n_tile, block_i,
+                    mask_fn=partial(mask_fn, mask_seqlen=False))
+        return kv_consumer_state, k_producer_state, block_i
+
+    @cute.jit
     def _sm_issue_qk(self, kv_consumer_state, acc_S: cute.Tensor, tiled_mma_qk, tSrQ: cute.Tensor,
                      tSrK: cute.Tensor, pipeline_k):
         """(``_SM_OVERLAP``) Waits for the K stage of ``kv_consumer_state`` and issues S = Q K^T into ``acc_S``
@@ -626,26 +640,10 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
             block_i = Int32(1)  # blocks handed to the P V warpgroups so far
             step = partial(self._sm_step_overlap, acc_S=acc_S, issue=issue, pipeline_k=pipeline_k, refill=refill,
                            softmax=softmax, store_p=store_p)
-            n_last = n_block_min + 1  # the loops' lowest block: the tile's first key block issues nothing
-            n_hi = n_block_max - 1
-            n_block_right = cutlass.max(block_info.get_n_block_min_causal_local_mask(seqlen, m_block, n_block_min),
-                                        n_last)
-            for n_tile in cutlass.range(n_hi - n_block_right, unroll=1):
-                kv_consumer_state, k_producer_state, block_i = step(
-                    kv_consumer_state, k_producer_state, n_hi - 1 - n_tile, block_i,
-                    mask_fn=partial(mask_fn, mask_seqlen=False))
-            n_hi = cutlass.min(n_hi, n_block_right)
-            n_block_left = cutlass.max(block_info.get_n_block_min_before_local_mask(seqlen, m_block, n_block_min),
-                                       n_last)
-            for n_tile in cutlass.range(n_hi - n_block_left, unroll=1):
-                kv_consumer_state, k_producer_state, block_i = step(
-                    kv_consumer_state, k_producer_state, n_hi - 1 - n_tile, block_i, mask_fn=None)
-            if const_expr(block_info.window_size_left is not None):
-                n_hi = cutlass.min(n_hi, n_block_left)
-                for n_tile in cutlass.range(n_hi - n_last, unroll=1):
-                    kv_consumer_state, k_producer_state, block_i = step(
-                        kv_consumer_state, k_producer_state, n_hi - 1 - n_tile, block_i,
-                        mask_fn=partial(mask_fn, mask_seqlen=False))
+            # the loops' lowest block is the one above the tile's first key block, which issues nothing
+            kv_consumer_state, k_producer_state, block_i = self._sm_key_loops(
+                step, kv_consumer_state, k_producer_state, block_i, n_block_max - 1, n_block_min, n_block_min + 1,
+                m_block, seqlen, block_info, mask_fn, floor_bounds=True)
             # The tile's first key block (n_block_min): its S was issued by the last iteration.
             kv_consumer_state = self._sm_retire_qk(kv_consumer_state, pipeline_k)
             mask_fn(acc_S, n_block=n_block_min, mask_seqlen=False)
