@@ -671,7 +671,7 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
 
     @cute.jit
     def _convert_p(self, acc_S: cute.Tensor) -> cute.Tensor:
-        """(``_SM_OVERLAP``) P (softmax numerators in ``acc_S``) in the input dtype, as an A-operand fragment."""
+        """P (softmax numerators in ``acc_S``) in the input dtype, as an A-operand fragment."""
         tOrP_acc = layout_utils.reshape_acc_to_frgA(acc_S)
         tOrP = cute.make_fragment_like(tOrP_acc, self.dtype)
         fa_utils.cvt_f16(tOrP_acc, tOrP)
@@ -679,11 +679,14 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
 
     @cute.jit
     def _store_p_smem(self, smem_thr_copy_P: cute.TiledCopy, tPsP: cute.Tensor, sScale: cute.Tensor, t_sm: Int32,
-                      tOrP: cute.Tensor, row_scale: cute.Tensor, block_i: Int32):
-        """(``_SM_OVERLAP``) The second half of :meth:`_hand_off_p_smem`: converted P into P slot
-        ``block_i % 2`` and the row factors beside it (after ``P_EMPTY`` from the third hand-off on), fenced, then
-        ``P_FULL``."""
+                      tOrP: cute.Tensor, row_scale: cute.Tensor, block_i: Int32,
+                      convert: cutlass.Constexpr[bool] = False):
+        """P into P slot ``block_i % 2`` and the row factors beside it (after ``P_EMPTY`` from the third hand-off
+        on), fenced, then ``P_FULL``. ``tOrP``: P converted (:meth:`_convert_p`; ``_SM_OVERLAP`` converts apart),
+        or with ``convert`` the softmax numerators, converted here after the slot index (the default's order)."""
         slot = block_i % _P_SLOTS
+        if const_expr(convert):
+            tOrP = self._convert_p(tOrP)
         if block_i >= _P_SLOTS:
             cute.arch.barrier(barrier_id=int(NamedBarrierWideV.P_EMPTY_0) + slot, number_of_threads=_BAR_THREADS)
         cute.copy(smem_thr_copy_P, smem_thr_copy_P.retile(tOrP), tPsP[None, None, None, slot])
@@ -705,16 +708,7 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
         """P of hand-off ``block_i`` (softmax numerators in ``acc_S``, converted to the input dtype) into P slot
         ``block_i % 2`` and the row factors into factor slot ``block_i % 2``; fenced for wgmma, then
         ``P_FULL``. From the third hand-off on, waits for both P V warpgroups to free the slot (``P_EMPTY``)."""
-        slot = block_i % _P_SLOTS
-        tOrP_acc = layout_utils.reshape_acc_to_frgA(acc_S)
-        tOrP = cute.make_fragment_like(tOrP_acc, self.dtype)
-        fa_utils.cvt_f16(tOrP_acc, tOrP)
-        if block_i >= _P_SLOTS:
-            cute.arch.barrier(barrier_id=int(NamedBarrierWideV.P_EMPTY_0) + slot, number_of_threads=_BAR_THREADS)
-        cute.copy(smem_thr_copy_P, smem_thr_copy_P.retile(tOrP), tPsP[None, None, None, slot])
-        self._store_scale(sScale, row_scale, t_sm, slot)
-        cute.arch.fence_view_async_shared()
-        cute.arch.barrier_arrive(barrier_id=int(NamedBarrierWideV.P_FULL_0) + slot, number_of_threads=_BAR_THREADS)
+        self._store_p_smem(smem_thr_copy_P, tPsP, sScale, t_sm, acc_S, row_scale, block_i, convert=True)
 
     # --- consumer warpgroups: P V, and the loads of V -------------------------------------------------------
     @cute.jit

@@ -40,6 +40,19 @@ def needs_gpu(f):
     return f
 
 
+def roles_switch_runner(monkeypatch, switch: str):
+    """``with_switch(on, fn)``: runs ``fn()`` with the roles kernel's experiment class attribute ``switch`` at
+    ``on`` and a compile cache per setting (the cache key does not see the switch)."""
+    from blockdiff.attention.cute.kernel_roles import FlashAttentionForwardSm90Roles as R
+    caches = {False: {}, True: {}}
+
+    def with_switch(on: bool, fn):
+        monkeypatch.setattr(R, switch, on)
+        monkeypatch.setattr(ca, "_COMPILE_CACHE", caches[on])
+        return fn()
+    return with_switch
+
+
 def gpu_batch(q_lens, ctxs, ncqs, H, Hkv, D, page_size, seed=0, contiguous=False, nan_pad_page=False):
     """A bf16 GPU batch of :func:`blockdiff.attention.testing.make_batch_from_rows` unpacked as ``(q, k_cache,
     v_cache, kwargs)``: sequences of ``q_lens`` query tokens after ``ctxs`` context keys, ``ncqs`` causal rows;

@@ -17,7 +17,7 @@ import torch
 
 from blockdiff.attention.cute import interface as ca
 
-from cute_helpers import HAVE_FA4, gpu_batch, needs_gpu, run_and_check
+from cute_helpers import HAVE_FA4, gpu_batch, needs_gpu, roles_switch_runner, run_and_check
 
 H, HKV, D = 16, 2, 512
 ROLES = dict(wide_design="roles")
@@ -39,14 +39,7 @@ def test_k_refill_by_all_warps_is_off_by_default_and_needs_quarters_of_whole_swi
 @pytest.fixture
 def all_warps_switch(monkeypatch):
     """Runs ``fn(all_warps)`` with the switch set and a compile cache per setting (the cache key does not see it)."""
-    from blockdiff.attention.cute.kernel_roles import FlashAttentionForwardSm90Roles as R
-    caches = {False: {}, True: {}}
-
-    def with_switch(all_warps: bool, fn):
-        monkeypatch.setattr(R, "_K_REFILL_ALL_WARPS", all_warps)
-        monkeypatch.setattr(ca, "_COMPILE_CACHE", caches[all_warps])
-        return fn()
-    return with_switch
+    return roles_switch_runner(monkeypatch, "_K_REFILL_ALL_WARPS")
 
 
 @needs_gpu

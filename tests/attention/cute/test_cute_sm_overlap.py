@@ -16,7 +16,7 @@ import torch
 
 from blockdiff.attention.cute import interface as ca
 
-from cute_helpers import HAVE_FA4, gpu_batch, needs_gpu, run_and_check
+from cute_helpers import HAVE_FA4, gpu_batch, needs_gpu, roles_switch_runner, run_and_check
 
 H, HKV, D = 16, 2, 512
 ROLES = dict(wide_design="roles")
@@ -31,14 +31,7 @@ def test_sm_overlap_is_off_by_default():
 @pytest.fixture
 def overlap_switch(monkeypatch):
     """Runs ``fn()`` with the switch set and a compile cache per setting (the cache key does not see it)."""
-    from blockdiff.attention.cute.kernel_roles import FlashAttentionForwardSm90Roles as R
-    caches = {False: {}, True: {}}
-
-    def with_switch(on: bool, fn):
-        monkeypatch.setattr(R, "_SM_OVERLAP", on)
-        monkeypatch.setattr(ca, "_COMPILE_CACHE", caches[on])
-        return fn()
-    return with_switch
+    return roles_switch_runner(monkeypatch, "_SM_OVERLAP")
 
 
 def _same(overlap_switch, call):
