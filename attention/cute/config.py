@@ -9,7 +9,7 @@ docs/tuning.md.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 __all__ = [
     "REQUIRED", "CuteConfig", "resolve_config", "check_config_fits", "config_smem_bytes", "SMEM_LIMIT_BYTES",
@@ -360,14 +360,19 @@ _SWITCHES = dict(nan_safe_v=True, split_merge="auto", wide_design="auto", batch_
                  v_refill="one_warp")
 
 
+#: CuteConfig fields whose default is None ("automatic"): a dict giving them None leaves them unset.
+_NONE_DEFAULT_FIELDS = frozenset(f.name for f in fields(CuteConfig) if f.default is None)
+
+
 def _split_switches(config):
     """``(config without the switches, {switch: value})`` (``nan_safe_v``, ``split_merge``, ``wide_design``,
     ``batch_order``, ``v_refill``): they are not tile fields, so a config that sets only them resolves the tiles
     as None does (the tuned automatic choices)."""
     if config is None:
         return None, dict(_SWITCHES)
-    if isinstance(config, dict):
-        rest = {k: v for k, v in config.items() if k not in _SWITCHES}
+    if isinstance(config, dict):  # a field whose default is None given as None is unset, as in a CuteConfig
+        rest = {k: v for k, v in config.items()
+                if k not in _SWITCHES and not (v is None and k in _NONE_DEFAULT_FIELDS)}
         return (rest or None), {k: config.get(k, d) for k, d in _SWITCHES.items()}
     rest = replace(config, **_SWITCHES)
     return (None if rest == CuteConfig() else rest), {k: getattr(config, k) for k in _SWITCHES}
