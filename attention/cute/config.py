@@ -293,8 +293,7 @@ def _roles_blocker(head_dim: int, head_dim_v: int, config, split_merge: str,
         return (f"the roles kernel is the automatic choice at head dim 512 only (the one measured), got head_dim "
                 f"{head_dim} / head_dim_v {head_dim_v}"), True
     if config is not None:
-        fields_ = (sorted(config) if isinstance(config, dict)
-                   else [f for f in _CONFIG_FIELDS if getattr(config, f) != getattr(CuteConfig(), f)])
+        fields_ = sorted(config) if isinstance(config, dict) else list(_set_fields(config))
         tiles = [f for f in fields_ if f not in _ROLES_AUTO_FIELDS]
         if tiles:
             return (f"the config sets {tiles}: the roles kernel is the automatic choice with its automatic tiles "
@@ -362,6 +361,12 @@ _SWITCHES = dict(nan_safe_v=True, split_merge="auto", wide_design="auto", batch_
 
 #: CuteConfig fields whose default is None ("automatic"): a dict giving them None leaves them unset.
 _NONE_DEFAULT_FIELDS = frozenset(f.name for f in fields(CuteConfig) if f.default is None)
+
+
+def _set_fields(config: CuteConfig) -> dict:
+    """The fields of ``config`` that differ from ``CuteConfig()``, in field order."""
+    default = CuteConfig()
+    return {f: getattr(config, f) for f in _CONFIG_FIELDS if getattr(config, f) != getattr(default, f)}
 
 
 def _split_switches(config):
@@ -514,7 +519,7 @@ def _resolve_wide(head_dim: int, head_dim_v: int, config, max_seqlen_q: int | No
     ``"roles"``: :data:`ROLES_CONFIG` without a config (and as the base of a dict), its shared-memory rule."""
     roles = wide_design == "roles"
     if isinstance(config, CuteConfig):  # its fields at their defaults are unset, as a dict's missing keys
-        config = {f: getattr(config, f) for f in _CONFIG_FIELDS if getattr(config, f) != getattr(CuteConfig(), f)}
+        config = _set_fields(config)
     if config is None:
         config = CuteConfig(**(ROLES_CONFIG if roles else WIDE_LONG_Q_CONFIG if longest_first_tiles(max_seqlen_q)
                                else WIDE_CONFIG))

@@ -624,7 +624,7 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
         issue = partial(self._sm_issue_qk, acc_S=acc_S, tiled_mma_qk=tiled_mma_qk, tSrQ=tSrQ, tSrK=tSrK,
                         pipeline_k=pipeline_k)
         issue(kv_consumer_state)
-        if cute.arch.make_warp_uniform(n_block_max - n_block_min) == 1:  # one block: no S after it
+        if n_block_max - n_block_min == 1:  # one block: no S after it
             kv_consumer_state = self._sm_retire_qk(kv_consumer_state, pipeline_k)
             mask_fn(acc_S, n_block=n_block_max - 1, mask_seqlen=True)
             row_scale = softmax.online_softmax(acc_S, is_first=True)
