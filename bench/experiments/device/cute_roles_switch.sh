@@ -4,10 +4,11 @@
 # A/B record under $OUT (at most 7 files).
 #  1. in parallel shards of at most T s each (default 95): the switch's own GPU tests (TESTS; bit-identity with the
 #     default kernel) and the roles fuzz's first configurations with the switch on, the rest of the fuzz on / off
-#     only with FUZZ_ALL=1 (five shards compiling at once ran out of 95 s in 2.18);
+#     only with FUZZ_ALL=1 (five shards compiling at once ran out of 95 s in 2.18); SHARDS picks them by name
+#     (own, or own_a own_b for it in two; fuzz_on_a fuzz_on_b fuzz_off_b; none; default "own fuzz_on_a");
 #  2. bench/experiments/ab_roles_switch.py on WORKLOADS (default mixed_global_ctx8k), alone on the GPU: roles + work
 #     and roles + work + halves, each off and on (outputs bit-identical; CUDA-graph medians) with the triton backend in
-#     the same rounds (issue 27's goals are ratios to it), at most B s (default 120: one hd-512 workload).
+#     the same rounds (issue 27's goals are ratios to it), at most B s (default 120: one hd-512 workload; B=0 skips it).
 # 2.18's prediction for _SM_OVERLAP, written before any GPU run: roles + work ~0 % (the one-warp V chain bounds it);
 # roles + work + halves ~+15-20 % over roles + work (~525-545 TFLOP/s in 2.17's run; the V chain bounds it next).
 #   BLOCKDIFF_COMMIT=<hash> [STAGE2=1] [SWITCH=...] [TESTS=...] bash bench/experiments/device/cute_roles_switch.sh
@@ -28,12 +29,23 @@ sys.exit(pytest.main(['-m', 'gpu', '-q', '-p', 'no:cacheprovider', '-rf', '--max
 " "$@" > $OUT/$log.log 2>&1 < /dev/null
 }
 A="fuzz and (config0 or config1 or config2)"; Z="fuzz and not (config0 or config1 or config2)"
-run 0 sw_own $TESTS & run 1 sw_fuzz_on_a $F -k "$A" &
-if [ "${FUZZ_ALL:-0}" = 1 ]; then run 1 sw_fuzz_on_b $F -k "$Z" & run 0 sw_fuzz_off_b $F -k "$Z" & fi
+SHARDS=${SHARDS:-own fuzz_on_a}; [ "${FUZZ_ALL:-0}" = 1 ] && SHARDS="$SHARDS fuzz_on_b fuzz_off_b"
+for s in $SHARDS; do case $s in
+  own) run 0 sw_own $TESTS & ;;
+  own_a) run 0 sw_own_a $TESTS -k "not windows" & ;;   # the own tests in two shards (~24 compiles in all)
+  own_b) run 0 sw_own_b $TESTS -k windows & ;;
+  fuzz_on_a) run 1 sw_fuzz_on_a $F -k "$A" & ;;
+  fuzz_on_b) run 1 sw_fuzz_on_b $F -k "$Z" & ;;
+  fuzz_off_b) run 0 sw_fuzz_off_b $F -k "$Z" & ;;
+  none) ;;
+  *) echo "unknown shard $s"; exit 2 ;;
+esac; done
 wait
 for f in $OUT/sw_*.log; do
+  [ -f "$f" ] || continue
   echo "== $f"; grep -E "passed|failed|error" $f | tail -2; grep -E "^FAILED|Timeout" $f | head -5
 done
+[ "${B:-120}" = 0 ] && exit 0
 timeout ${B:-120} python3 -m blockdiff.bench.experiments.ab_roles_switch $SWITCH ${WORKLOADS:-mixed_global_ctx8k} --triton \
   '{"work": {"wide_design": "roles", "batch_order": "work"}, "work_halves": {"wide_design": "roles", "batch_order": "work", "v_refill": "halves"}}' \
   --rounds 3 --out $OUT > $OUT/ab_roles_switch.log 2>&1
