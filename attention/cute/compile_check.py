@@ -293,7 +293,7 @@ def _child(spec: dict, ptx_dir: str | None = None) -> dict:
                 loops=sass_loops(sass) if sass else None,
                 config=dict(tile_m=cfg.tile_m, tile_n=cfg.tile_n, num_stages=cfg.num_stages, lpt=cfg.lpt,
                             num_splits=cfg.num_splits, wide_design=cfg.wide_design, batch_order=cfg.batch_order,
-                            v_refill=cfg.v_refill))
+                            v_refill=cfg.v_refill, qk_issue=cfg.qk_issue))
 
 
 #: The split-value (hd 512, 16 q / 2 KV heads) configurations the report compiles (``--report``, with

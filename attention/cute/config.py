@@ -18,7 +18,7 @@ __all__ = [
     "unsupported_head_dims", "resolve_wide_config", "WIDE_LONG_Q_CONFIG", "WIDE_MAX_PAGE_BOXES", "MAX_SPLITS",
     "MIN_KEYS_PER_SPLIT", "grid_tiles", "choose_num_splits", "key_bound", "resolve_launch_config", "check_config",
     "SPLIT_MERGES", "MAX_CLUSTER_SPLITS", "AUTO_CLUSTER_SPLITS", "auto_split_merge", "cluster_merge_fits",
-    "WIDE_DESIGNS", "ROLES_CONFIG", "BATCH_ORDERS", "V_REFILLS", "auto_wide_design",
+    "WIDE_DESIGNS", "ROLES_CONFIG", "BATCH_ORDERS", "V_REFILLS", "QK_ISSUES", "auto_wide_design",
 ]
 
 #: The optional packages this backend runs on (the ``cute`` extra of setup.py).
@@ -65,14 +65,24 @@ class CuteConfig:
     kernel and faster on mixed batches, while it cost the split-value and hd-256 windowed kernels on some
     workloads (docs/tuning.md 2.17). Not a tile field; with one sequence ``"work"`` (explicit or resolved)
     resolves to ``"given"`` (:func:`resolve_launch_config`).
-    v_refill: who refills the roles kernel's V stages (roles kernel only): ``"one_warp"`` (default: PV0's
-    warp 0 loads the whole ``tile_n x d`` block once both P V warpgroups released the stage) or ``"halves"``
-    (opt-in: each P V warpgroup's warp 0 loads the half of the value columns its own warpgroup reads, through a
-    per-half pipeline, as soon as its own warpgroup released it, a one-box block's page index read before the P V;
-    ``kernel_roles.py``, docs/tuning.md 2.12 remedy 2 and 2.15). Identical outputs. Not a tile field; ``"halves"``
-    with ``wide_design="split_v"`` is a ValueError; with ``"auto"`` at head dims above 256 it is a ValueError
-    saying why unless ``"auto"`` resolves to ``"roles"``; below head dim 257 (FA4's kernel) it resolves to
-    ``"one_warp"``.
+    v_refill: who refills the roles kernel's V stages (roles kernel only): ``"auto"`` (default: ``"halves"``
+    where the resolved kernel is the roles kernel and head_dim_v is divisible by 128, else ``"one_warp"``),
+    ``"one_warp"`` (PV0's warp 0 loads the whole ``tile_n x d`` block once both P V warpgroups released the
+    stage) or ``"halves"`` (each P V warpgroup's warp 0 loads the half of the value columns its own warpgroup
+    reads, through a per-half pipeline, as soon as its own warpgroup released it, a one-box block's page index read
+    before the P V; ``kernel_roles.py``, docs/tuning.md 2.12 remedy 2 and 2.15). Identical outputs. Not a tile
+    field; ``"halves"`` with ``wide_design="split_v"`` is a ValueError; with ``wide_design="auto"`` at head dims
+    above 256 it is a ValueError saying why unless ``"auto"`` resolves to ``"roles"``; below head dim 257 (FA4's
+    kernel) every value resolves to ``"one_warp"``.
+    qk_issue: when the roles kernel's softmax warpgroup issues the next key block's S = Q K^T (roles kernel only):
+    ``"auto"`` (default: ``"ahead"`` exactly where ``v_refill`` resolves to ``"halves"``, else ``"serial"``),
+    ``"serial"`` (after block i's softmax and P hand-off) or ``"ahead"`` (after block i's softmax and P's
+    conversion, before P's hand-off, so S(i + 1)'s wgmma overlaps the hand-off; ``kernel_roles.py``, docs/tuning.md
+    2.19). Identical outputs. Not a tile field; ``"ahead"`` follows ``"halves"``' rules above (ValueError with
+    ``wide_design="split_v"`` or where ``"auto"`` does not resolve to ``"roles"``; ``"serial"`` below head dim
+    257). Rationale for both ``"auto"`` rules: with halves, S ahead was +7 % on ``mixed_global_ctx8k`` (1.11x the
+    triton backend) and -10 % in time on ``canvas_bs1_ctx32k_global``, and each alone was slower there than
+    neither (docs/tuning.md 2.20, H200).
     """
 
     tile_m: int | None = None
@@ -86,7 +96,8 @@ class CuteConfig:
     split_merge: str = "auto"
     wide_design: str = "auto"
     batch_order: str = "auto"
-    v_refill: str = "one_warp"
+    v_refill: str = "auto"
+    qk_issue: str = "auto"
 
 
 #: The merges of split-KV partial outputs (CuteConfig.split_merge).
@@ -97,9 +108,15 @@ WIDE_DESIGNS = ("auto", "split_v", "roles")
 #: The scheduler's batch orders (CuteConfig.batch_order): automatic (default: ``"work"`` for the roles kernel, else
 #: ``"given"``), batch order and longest tiles first by sequence.
 BATCH_ORDERS = ("auto", "given", "work")
-#: Who refills the roles kernel's V stages (CuteConfig.v_refill): one warp for the whole block (default) or each
-#: P V warpgroup its own half of the value columns.
-V_REFILLS = ("one_warp", "halves")
+#: Who refills the roles kernel's V stages (CuteConfig.v_refill): automatic (default: halves where the roles
+#: kernel runs at a value head dim divisible by 128), one warp for the whole block or each P V warpgroup its own
+#: half of the value columns.
+V_REFILLS = ("auto", "one_warp", "halves")
+#: When the roles kernel's softmax warpgroup issues the next block's S (CuteConfig.qk_issue): automatic (default:
+#: ahead where the V refill resolves to halves), after P's hand-off or before it.
+QK_ISSUES = ("auto", "serial", "ahead")
+#: The roles kernel's switches and the value of each that only the roles kernel builds.
+_ROLES_ONLY = (("v_refill", "halves"), ("qk_issue", "ahead"))
 #: Most splits of the cluster merge: the portable thread-block cluster size (8 CTAs).
 MAX_CLUSTER_SPLITS = 8
 
@@ -227,8 +244,8 @@ def resolve_config(head_dim: int, head_dim_v: int, window_size, config=None, max
         ValueError: head dims the backend does not run (:func:`unsupported_head_dims`), a config field outside
             its range (:func:`check_config`; checked before flash-attn-4 is imported), the resolved tiles do not
             fit SM90 shared memory (:func:`check_config_fits`), a wide config field outside what its kernel
-            takes, ``v_refill="halves"`` where the kernel does not resolve to the roles kernel, or ``page_size``
-            below 1.
+            takes, ``v_refill="halves"`` / ``qk_issue="ahead"`` where the kernel does not resolve to the roles kernel,
+            or ``page_size`` below 1.
         TypeError: ``config`` is not a CuteConfig, a dict or None, or a field of the wrong type / an unknown
             field (:func:`check_config`); ``page_size`` neither None nor an int.
         ImportError: flash-attn-4 is not installed (its heuristic gives the unset fields).
@@ -241,7 +258,8 @@ def resolve_config(head_dim: int, head_dim_v: int, window_size, config=None, max
         return replace(_resolve_wide(head_dim, head_dim_v, config, max_seqlen_q, switches["wide_design"]),
                        **switches)
     switches["wide_design"] = "split_v"  # FA4's kernel below head dim 257: one compile key for both designs
-    switches["v_refill"] = "one_warp"  # likewise: a roles-kernel switch
+    switches["v_refill"] = "one_warp"  # likewise: roles-kernel switches
+    switches["qk_issue"] = "serial"
     if switches["batch_order"] == "auto":  # the roles kernel's default only
         switches["batch_order"] = "given"
     if config is None:
@@ -332,31 +350,42 @@ def auto_wide_design(head_dim: int, head_dim_v: int, config=None, *, page_size: 
 def _resolve_wide_switches(head_dim: int, head_dim_v: int, config, switches: dict, page_size: int | None) -> dict:
     """The switches of a wide call (head dims above 256, arguments checked) with ``wide_design`` and
     ``batch_order`` resolved (:func:`auto_wide_design`; ``batch_order="auto"``: ``"work"`` for the roles kernel,
-    else ``"given"``) and ``v_refill="halves"`` checked against the resolved kernel and the head dims."""
+    else ``"given"``), ``v_refill`` / ``qk_issue`` resolved (``"auto"``: :class:`CuteConfig`) and their roles-only
+    values (``"halves"``, ``"ahead"``) checked against the resolved kernel and the head dims."""
     switches = dict(switches)
+    explicit = [f"{name} {value!r}" for name, value in _ROLES_ONLY if switches[name] == value]
     if switches["wide_design"] == "auto":
         blocker = _roles_blocker(head_dim, head_dim_v, config, switches["split_merge"], page_size)
-        if blocker is not None and switches["v_refill"] == "halves":
+        if blocker is not None and explicit:
             why, roles_runs = blocker
-            fix = ("set wide_design 'roles' or v_refill 'one_warp'" if roles_runs and head_dim_v % 128 == 0
-                   else "use v_refill 'one_warp'")  # (halves: head dims divisible by 128, below)
-            raise ValueError(f"config v_refill 'halves' needs the roles kernel (its V loads), and wide_design 'auto' "
+            plain = " / ".join(f"{name} {'one_warp' if name == 'v_refill' else 'serial'!r}"
+                               for name, value in _ROLES_ONLY if switches[name] == value)
+            fix = (f"set wide_design 'roles' or use {plain}"
+                   if roles_runs and (switches["v_refill"] != "halves" or head_dim_v % 128 == 0)
+                   else f"use {plain}")  # (halves: head dims divisible by 128, below)
+            verb = "needs" if len(explicit) == 1 else "need"
+            raise ValueError(f"config {' and '.join(explicit)} {verb} the roles kernel, and wide_design 'auto' "
                              f"resolves to 'split_v' here: {why}; {fix}")
         switches["wide_design"] = "split_v" if blocker else "roles"
+    roles = switches["wide_design"] == "roles"
     if switches["batch_order"] == "auto":
-        switches["batch_order"] = "work" if switches["wide_design"] == "roles" else "given"
+        switches["batch_order"] = "work" if roles else "given"
     if switches["v_refill"] == "halves" and head_dim_v % 128:
         # each half of V must be whole shared-memory swizzle atoms (64 columns at head dims divisible by 64,
         # else 32) and whole page boxes: of the wide head dims (multiples of 32 in (256, 512]) only 384 and 512
         raise ValueError(f"config v_refill 'halves' needs head_dim_v divisible by 128 (384 or 512), got "
                          f"{head_dim_v}: each P V warpgroup's half of V must be whole swizzle atoms; use "
-                         f"v_refill 'one_warp'")
+                         f"v_refill 'one_warp' or 'auto'")
+    if switches["v_refill"] == "auto":  # the measured best (docs/tuning.md 2.20)
+        switches["v_refill"] = "halves" if roles and head_dim_v % 128 == 0 else "one_warp"
+    if switches["qk_issue"] == "auto":  # S ahead gains with halves only (2.20)
+        switches["qk_issue"] = "ahead" if switches["v_refill"] == "halves" else "serial"
     return switches
 
 
 #: CuteConfig fields that are switches, not tile fields, with their defaults.
 _SWITCHES = dict(nan_safe_v=True, split_merge="auto", wide_design="auto", batch_order="auto",
-                 v_refill="one_warp")
+                 v_refill="auto", qk_issue="auto")
 
 
 #: CuteConfig fields whose default is None ("automatic"): a dict giving them None leaves them unset.
@@ -371,7 +400,7 @@ def _set_fields(config: CuteConfig) -> dict:
 
 def _split_switches(config):
     """``(config without the switches, {switch: value})`` (``nan_safe_v``, ``split_merge``, ``wide_design``,
-    ``batch_order``, ``v_refill``): they are not tile fields, so a config that sets only them resolves the tiles
+    ``batch_order``, ``v_refill``, ``qk_issue``): they are not tile fields, so a config that sets only them resolves the tiles
     as None does (the tuned automatic choices)."""
     if config is None:
         return None, dict(_SWITCHES)
@@ -400,12 +429,12 @@ def _check_head_dims(head_dim, head_dim_v) -> None:
 
 
 _CONFIG_FIELDS = ("tile_m", "tile_n", "mma_pv_is_rs", "intra_wg_overlap", "num_stages", "lpt", "num_splits",
-                  "nan_safe_v", "split_merge", "wide_design", "batch_order", "v_refill")
+                  "nan_safe_v", "split_merge", "wide_design", "batch_order", "v_refill", "qk_issue")
 
 
 def _check_field(name: str, v) -> None:
     choices = {"wide_design": WIDE_DESIGNS, "split_merge": SPLIT_MERGES, "batch_order": BATCH_ORDERS,
-               "v_refill": V_REFILLS}.get(name)
+               "v_refill": V_REFILLS, "qk_issue": QK_ISSUES}.get(name)
     if choices is not None:  # a str switch with named values
         if not isinstance(v, str):
             raise TypeError(f"config {name} must be a str, one of {choices}, got {type(v).__name__} ({v!r})")
@@ -447,7 +476,7 @@ def check_config(config):
     :data:`MAX_CLUSTER_SPLITS`; ``wide_design``: one of :data:`WIDE_DESIGNS`, not with ``split_merge="cluster"``;
     ``batch_order``: one of :data:`BATCH_ORDERS`; ``v_refill``: one of :data:`V_REFILLS`, ``"halves"`` not with
     ``wide_design="split_v"`` (with ``"auto"``, :func:`resolve_config` refuses it where ``"auto"`` does not pick
-    the roles kernel).
+    the roles kernel); ``qk_issue``: one of :data:`QK_ISSUES`, ``"ahead"`` as ``"halves"``.
     Kernel-specific rules (the split-value kernel's tiles, shared memory, whether the cluster merge's tile fits)
     are :func:`resolve_config`'s and :func:`resolve_launch_config`'s.
 
@@ -475,10 +504,12 @@ def check_config(config):
     if values.get("split_merge") == "cluster" and values.get("wide_design") == "roles":
         raise ValueError("config split_merge 'cluster' is not built for wide_design 'roles'; use split_merge "
                          "'combine' or 'auto'")
-    if values.get("v_refill", "one_warp") != "one_warp" and values.get("wide_design", "auto") == "split_v":
-        raise ValueError(f"config v_refill {values['v_refill']!r} is built for the roles kernel only (its V loads), "
-                         "got wide_design 'split_v'; set wide_design 'roles' (or 'auto', which picks it at head dim "
-                         "512) or v_refill 'one_warp'")
+    for name, value in _ROLES_ONLY:
+        if values.get(name) == value and values.get("wide_design", "auto") == "split_v":
+            plain = "'one_warp'" if name == "v_refill" else "'serial'"
+            raise ValueError(f"config {name} {value!r} is built for the roles kernel only, got wide_design "
+                             f"'split_v'; set wide_design 'roles' (or 'auto', which picks it at head dim 512) or "
+                             f"{name} {plain} (or 'auto')")
     if values.get("split_merge") == "cluster" and n is not None and n > MAX_CLUSTER_SPLITS:
         raise ValueError(f"config split_merge 'cluster' takes at most {MAX_CLUSTER_SPLITS} splits (the portable "
                          f"cluster size), got num_splits {n}; use split_merge 'combine'")
@@ -503,8 +534,8 @@ def resolve_wide_config(head_dim: int, head_dim_v: int, config=None, max_seqlen_
         TypeError: ``config`` is not a CuteConfig, a dict or None; a field of the wrong type or an unknown field
             (:func:`check_config`); ``page_size`` neither None nor an int.
         ValueError: head dims outside the wide kernels' (:func:`unsupported_head_dims`), a field outside the
-            above, the tiles do not fit SM90 shared memory, ``v_refill="halves"`` without the roles kernel or at
-            a head dim not divisible by 128, or ``page_size`` below 1.
+            above, the tiles do not fit SM90 shared memory, ``v_refill="halves"`` / ``qk_issue="ahead"`` without
+            the roles kernel, ``"halves"`` at a head dim not divisible by 128, or ``page_size`` below 1.
     """
     _check_head_dims(head_dim, head_dim_v)
     _check_page_size(page_size)

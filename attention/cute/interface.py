@@ -160,7 +160,7 @@ def attention_cute(
         check_values: run the host-side value checks (default: yes unless a CUDA graph is being captured).
         config: :class:`~blockdiff.attention.cute.config.CuteConfig` or dict (tile_m, tile_n, mma_pv_is_rs,
             intra_wg_overlap, num_stages, lpt, num_splits, nan_safe_v, split_merge, wide_design, batch_order,
-            v_refill); None:
+            v_refill, qk_issue); None:
             :func:`~blockdiff.attention.cute.config.resolve_launch_config`.
             ``num_splits`` > 1 runs split-KV: with ``split_merge="combine"`` the kernel writes fp32 partial
             outputs and LSEs per split and FA4's combine kernel merges them (two launches,
@@ -175,7 +175,9 @@ def attention_cute(
             permutation computed on the device per call, in one Triton launch:
             :func:`~blockdiff.attention.cute.tile_order_triton.batch_work_order_triton`; its torch reference
             :func:`~blockdiff.attention.cute.tile_order.batch_work_order`); the output is the same as
-            ``"given"``'s.
+            ``"given"``'s. ``v_refill`` / ``qk_issue`` (``"auto"``: the V refill by halves and S issued one block
+            ahead where the roles kernel runs at a value head dim divisible by 128) change only the roles kernel's
+            schedule; the output is the same.
 
     Returns:
         ``out [total_q, num_heads, head_dim_v]`` (q's dtype) or ``(out, lse)``.
@@ -185,8 +187,9 @@ def attention_cute(
         TypeError, ValueError: contract violations (see :mod:`blockdiff.attention.validate`); a bad ``config``
             field (:func:`~blockdiff.attention.cute.config.check_config`, checked before the CuTe DSL import);
             tensors not on a CUDA device; a negative 0-d tensor ``max_seqlen_q`` / ``max_seqlen_k`` (read on the
-            host at launch); ``v_refill="halves"`` where ``wide_design`` does not resolve to the roles kernel for
-            this call's head dims and page size (a ValueError at the call, since the page size decides).
+            host at launch); ``v_refill="halves"`` / ``qk_issue="ahead"`` where ``wide_design`` does not resolve to
+            the roles kernel for this call's head dims and page size (a ValueError at the call, since the page size
+            decides).
         NotImplementedError: valid input outside this backend: dtype other than bf16/fp16, head dims outside
             8..256 (multiples of 8) and outside equal multiples of 32 in (256, 512]
             (:func:`~blockdiff.attention.cute.config.unsupported_head_dims`), a GPU other than SM90; with an
@@ -418,6 +421,7 @@ def _compile(fa, key, q, k, v, out, lse, scale, cu_q, cu_k, seqused_k, page_tabl
         nan_safe_v=cfg.nan_safe_v,
         batch_order=cfg.batch_order,
         v_refill=cfg.v_refill,
+        qk_issue=cfg.qk_issue,
         **split,
     )
     small = lambda t, lead=0: None if t is None else tct(t, assumed_align=4, leading_dim=lead)  # noqa: E731

@@ -66,9 +66,10 @@ warpgroups write O into Q's shared memory only after SM stopped reading Q. A thr
 the same rows in every m64 wgmma fragment (S, either half of O), so thread t of a P V warpgroup reads exactly the
 factors thread t of SM wrote.
 
-V refill by halves (``v_refill="halves"``, opt-in; docs/tuning.md 2.12 remedy 2, 2.15)
--------------------------------------------------------------------------------------
-By default (``"one_warp"``) the V stage is one pipeline stage of FA4's V pipeline: V(i + num_stages) is requested
+V refill by halves (``v_refill="halves"``; docs/tuning.md 2.12 remedy 2, 2.15, 2.20)
+------------------------------------------------------------------------------------
+The config's ``"auto"`` picks it at value head dims divisible by 128 (with S issued ahead, below). With
+``"one_warp"`` the V stage is one pipeline stage of FA4's V pipeline: V(i + num_stages) is requested
 only after P V(i) retired in *both* P V warpgroups, and PV0's warp 0 then issues all the stage's TMA boxes (eight
 64-column boxes per page box at dv 512, each behind its own ``elect.sync``, after the page-table load), while the 8
 P V warps wait for it at the next ``P_FULL``. But PV0 reads only ``V[:, :dv/2]`` and PV1 only ``V[:, dv/2:]``. With
@@ -89,6 +90,20 @@ named barrier 15 (``V_HALVES_INIT_BARRIER``) before any wait on them. The P hand
 unchanged, so the outputs equal the default's. Not done here (2.12's remedy 2 lists them): one ``elect.sync`` around
 a half's boxes (the DSL's TMA copy emits its own per box; a single elect needs the raw ``cp.async.bulk.tensor``),
 the same split for K (SM alone reads K), a page index fetched a whole block ahead.
+
+S issued one block ahead (``qk_issue="ahead"``; docs/tuning.md 2.19, 2.20)
+-------------------------------------------------------------------------
+With ``"serial"`` SM's iteration for key block i is: S(i), then mask, softmax, P's conversion and P's hand-off, and
+S(i + 1)'s wgmma starts only after all of it. With ``"ahead"`` SM retires S(i) (issued one iteration earlier),
+releases and refills its K stage, masks, runs the softmax and converts P, then waits for K(i + 1) and issues
+S(i + 1) into the same accumulator without waiting for it, and only then hands P over (``P_EMPTY`` wait, store,
+fence, ``P_FULL``): S's wgmma overlaps the hand-off and the loop's control. The tile's last key block is issued
+before the loops; the tile's first key block gets an iteration of its own that issues nothing (masked whatever its
+kind: the mask is exact per key), and a one-block tile takes a branch without a second issue. No wgmma issue sits in
+a branch that another path skips: ptxas serialises every wgmma of the kernel otherwise (C7518, 2.19). The same
+wgmma run on the same operands in the same softmax order, so the outputs equal ``"serial"``'s bit for bit. The
+config's ``"auto"`` picks it where the V refill resolves to halves: measured +7 % there and -4 % with the one-warp
+refill (2.20), whose V chain it only crowds.
 
 NaN-safe V (``nan_safe_v``): each P V warpgroup cleans its own half of a masked block's V stage before its P V
 (named barriers 12 and 13) in SM's hand-off order, and the epilogue's fix-up adds the non-finite V entries of the
@@ -224,7 +239,9 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
     Constructor arguments are :class:`~blockdiff.attention.cute.kernel_wide.FlashAttentionForwardSm90WideV`'s
     (``tile_m`` 64, equal head dims in (256, 512], multiples of 32; ``tile_n`` a multiple of 16);
     ``mma_pv_is_rs`` / ``intra_wg_overlap`` are fixed (P from shared memory) and ignored; ``v_refill``
-    ``"one_warp"`` (default) or ``"halves"`` (module docstring, "V refill by halves").
+    ``"one_warp"`` (default) or ``"halves"`` (module docstring, "V refill by halves"); ``qk_issue`` ``"serial"``
+    (default) or ``"ahead"`` (module docstring, "S issued one block ahead"). The config's ``"auto"`` resolves both
+    (:func:`blockdiff.attention.cute.config.resolve_config`); the class defaults are the plain orders.
 
     Raises:
         ValueError: a tile shape or head dim outside the above, or ``paged_kv_non_tma=True`` (FA4's cp.async
@@ -232,6 +249,9 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
     """
 
     V_REFILLS = ("one_warp", "halves")
+    #: ``qk_issue="ahead"`` (module docstring, "S issued one block ahead"): SM issues S(i + 1) before P(i)'s
+    #: hand-off instead of after it.
+    QK_ISSUES = ("serial", "ahead")
     #: ``v_refill="halves"``: read a refill's page index before the block's ``P_FULL`` wait (one register held
     #: across the P V; module docstring), when O is stored by TMA. The split-KV subclass reads it at the load.
     _V_PAGE_AHEAD = True
@@ -246,12 +266,6 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
     #: divisible by 256 (a quarter is whole 64-column swizzle atoms); other head dims keep warp 0's refill.
     #: ``bench/experiments/ab_roles_switch.py`` switches it on; with it off the kernel is unchanged.
     _K_REFILL_ALL_WARPS = False
-    #: Experiment (docs/tuning.md 2.19, off): SM issues S(i + 1)'s wgmma inside block i's iteration, after the
-    #: softmax of block i and P's conversion and before P's hand-off (waiting there for K(i + 1), whose refill
-    #: started when S(i) retired), and retires it at the top of the next iteration: S's wgmma overlaps the P_EMPTY
-    #: wait, P's store and the loop's control instead of running after them (FA3's intra-warpgroup overlap on
-    #: the one K stage). One accumulator: the wgmma overwrites S(i) only after P(i) left it.
-    _SM_OVERLAP = False
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -349,7 +363,7 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
         softmax = Softmax.create(softmax_scale_log2, num_rows=self._rows_per_thread(), softmax_scale=softmax_scale)
         hand_off = partial(self._hand_off_p_smem, smem_thr_copy_P, tPsP, sScale, t_sm)
         acc_S_next = None
-        if const_expr(self._SM_OVERLAP):  # S of the block in flight (issued one iteration ahead)
+        if const_expr(self.qk_issue == "ahead"):  # S of the block in flight (issued one iteration ahead)
             acc_S_next = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
 
         q_producer_phase = Int32(1)
@@ -394,7 +408,7 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
             step = partial(self._sm_step, qk=qk, refill=refill, softmax=softmax, hand_off=hand_off)
             pipeline_q.consumer_wait_w_index_phase(0, q_consumer_phase)
             q_consumer_phase ^= 1
-            if const_expr(not self._SM_OVERLAP):
+            if const_expr(self.qk_issue != "ahead"):
                 # First block (the tile's last key block): S, mask (sequence end included), softmax.
                 acc_S = qk(kv_consumer_state)
                 k_producer_state = refill(k_producer_state, n_block_max - 1)
@@ -594,7 +608,7 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
     @cute.jit
     def _sm_issue_qk(self, kv_consumer_state, acc_S: cute.Tensor, tiled_mma_qk, tSrQ: cute.Tensor,
                      tSrK: cute.Tensor, pipeline_k):
-        """(``_SM_OVERLAP``) Waits for the K stage of ``kv_consumer_state`` and issues S = Q K^T into ``acc_S``
+        """(``qk_issue="ahead"``) Waits for the K stage of ``kv_consumer_state`` and issues S = Q K^T into ``acc_S``
         without waiting for it (retired by :meth:`_sm_retire_qk`)."""
         pipeline_k.consumer_wait(kv_consumer_state, pipeline_k.consumer_try_wait(kv_consumer_state))
         sm90_utils.gemm_w_idx(tiled_mma_qk, acc_S, tSrQ, tSrK, zero_init=True, B_idx=kv_consumer_state.index,
@@ -602,7 +616,7 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
 
     @cute.jit
     def _sm_retire_qk(self, kv_consumer_state, pipeline_k):
-        """(``_SM_OVERLAP``) Waits for SM's issued S, releases its K stage (two arrivals per warp, as
+        """(``qk_issue="ahead"``) Waits for SM's issued S, releases its K stage (two arrivals per warp, as
         :meth:`_sm_qk`) and returns the consumer state advanced to the next block."""
         warpgroup.wait_group(0)
         pipeline_k.consumer_release(kv_consumer_state)
@@ -615,7 +629,7 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
                          m_block: Int32, seqlen, block_info, mask_fn: Callable, refill: Callable, softmax: Softmax,
                          acc_S: cute.Tensor, tiled_mma_qk, tSrQ: cute.Tensor, tSrK: cute.Tensor, pipeline_k,
                          store_p: Callable):
-        """(``_SM_OVERLAP``) SM's blocks of one tile with S issued one block ahead. Every wgmma is issued outside
+        """(``qk_issue="ahead"``) SM's blocks of one tile with S issued one block ahead. Every wgmma is issued outside
         a branch that another path skips (ptxas serialises all wgmma of the kernel when the in-flight set
         depends on the path, C7518): the tile's last key block's S before the branch on the block count; the
         loops stop above the tile's first key block (``n_block_min``), whose iteration issues nothing, masked
@@ -655,7 +669,7 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
     def _sm_step_overlap(self, kv_consumer_state, k_producer_state, n_block: Int32, block_i: Int32,
                          acc_S: cute.Tensor, issue: Callable, pipeline_k, refill: Callable, softmax: Softmax,
                          store_p: Callable, mask_fn: Optional[Callable] = None):
-        """(``_SM_OVERLAP``) One SM iteration with S of key block ``n_block`` (above the tile's first key block)
+        """(``qk_issue="ahead"``) One SM iteration with S of key block ``n_block`` (above the tile's first key block)
         already issued into ``acc_S``: retire it, the K refill, mask, online softmax, P converted, S of block
         ``n_block - 1`` issued, P handed off as ``block_i``. Returns the consumer and producer states and
         ``block_i + 1``."""
@@ -682,7 +696,7 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
                       tOrP: cute.Tensor, row_scale: cute.Tensor, block_i: Int32,
                       convert: cutlass.Constexpr[bool] = False):
         """P into P slot ``block_i % 2`` and the row factors beside it (after ``P_EMPTY`` from the third hand-off
-        on), fenced, then ``P_FULL``. ``tOrP``: P converted (:meth:`_convert_p`; ``_SM_OVERLAP`` converts apart),
+        on), fenced, then ``P_FULL``. ``tOrP``: P converted (:meth:`_convert_p`; ``qk_issue="ahead"`` converts apart),
         or with ``convert`` the softmax numerators, converted here after the slot index (the default's order)."""
         slot = block_i % _P_SLOTS
         if const_expr(convert):

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Interleaved A/B of an experiment switch of the roles kernel (a ``FlashAttentionForwardSm90Roles`` class attribute
-read at compile time: ``_K_REFILL_ALL_WARPS``, docs/tuning.md 2.17-2.18; ``_SM_OVERLAP``, 2.18), off against on, one
+read at compile time: ``_K_REFILL_ALL_WARPS``, docs/tuning.md 2.17-2.18; ``_SM_OVERLAP`` ran through it in 2.20, before
+it became ``CuteConfig.qk_issue``), off against on, one
 process (GPU experiment, the bench's paged layout).
 
 The switch is not a config field, so each setting compiles into a compile cache of its own (the interface's
@@ -13,7 +14,7 @@ joins the rounds (issue 27's goal is a ratio to it in the same run); every row's
 (``bench.common.attention_flops`` over the workload's allowed pairs) is printed and recorded beside the times.
 
     FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=0 python3 -m blockdiff.bench.experiments.ab_roles_switch \
-        _SM_OVERLAP mixed_global_ctx8k '{"work": {"wide_design": "roles", "batch_order": "work"}}' --triton
+        _K_REFILL_ALL_WARPS mixed_global_ctx8k '{"default": {"wide_design": "roles"}}' --triton
 """
 import argparse
 import json
@@ -57,7 +58,7 @@ def _triton_row(b, w):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("switch", help="the class attribute, e.g. _SM_OVERLAP or _K_REFILL_ALL_WARPS")
+    p.add_argument("switch", help="the class attribute, e.g. _K_REFILL_ALL_WARPS")
     p.add_argument("workloads", help="comma-separated named workloads")
     p.add_argument("variants", help='JSON {"name": config dict (wide_design "roles"), ...}')
     p.add_argument("--rounds", type=int, default=5)

@@ -1,5 +1,6 @@
 # An experiment switch of the roles kernel (a FlashAttentionForwardSm90Roles class attribute read at compile time;
-# default SWITCH=_SM_OVERLAP, docs/tuning.md 2.18; _K_REFILL_ALL_WARPS was 2.18's A/B) on the lent H200 in one command,
+# default SWITCH=_K_REFILL_ALL_WARPS, docs/tuning.md 2.18; _SM_OVERLAP ran through it in 2.20 before it became
+# CuteConfig.qk_issue) on the lent H200 in one command,
 # ~4 min, after the CuTe DSL's first staging run (this can be the second: STAGE2=1, carrying .device/p2). Logs and the
 # A/B record under $OUT (at most 7 files).
 #  1. in parallel shards of at most T s each (default 95): the switch's own GPU tests (TESTS; bit-identity with the
@@ -7,16 +8,16 @@
 #     only with FUZZ_ALL=1 (five shards compiling at once ran out of 95 s in 2.18); SHARDS picks them by name
 #     (own, or own_a own_b for it in two; fuzz_on_a fuzz_on_b fuzz_off_b; none; default "own fuzz_on_a");
 #  2. bench/experiments/ab_roles_switch.py on WORKLOADS (default mixed_global_ctx8k), alone on the GPU: roles + work
-#     and roles + work + halves, each off and on (outputs bit-identical; CUDA-graph medians) with the triton backend in
-#     the same rounds (issue 27's goals are ratios to it), at most B s (default 120: one hd-512 workload; B=0 skips it).
-# 2.18's prediction for _SM_OVERLAP, written before any GPU run: roles + work ~0 % (the one-warp V chain bounds it);
-# roles + work + halves ~+15-20 % over roles + work (~525-545 TFLOP/s in 2.17's run; the V chain bounds it next).
+#     (one-warp V, S serial) and the default roles kernel (halves, S ahead), each off and on (outputs bit-identical;
+#     CUDA-graph medians) with the triton backend in the same rounds (issue 27's goals are ratios to it), at most B s (default 120: one hd-512 workload; B=0 skips it).
+# The A/B's variants: roles + work with the one-warp V refill and S serial (2.17's kernel), and the default roles
+# kernel (auto: V refill by halves, S issued ahead; 2.20). A new switch writes its prediction here before its run.
 #   BLOCKDIFF_COMMIT=<hash> [STAGE2=1] [SWITCH=...] [TESTS=...] bash bench/experiments/device/cute_roles_switch.sh
 set -u
 [ "${STAGE2:-0}" = 1 ] && source bench/experiments/device/stage2.sh
 source bench/experiments/device/env.sh
 export OUT=${OUT:-/tmp/out} FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=0; mkdir -p $OUT
-t=${T:-95}; SWITCH=${SWITCH:-_SM_OVERLAP}; TESTS=${TESTS:-tests/attention/cute/test_cute_sm_overlap.py}
+t=${T:-95}; SWITCH=${SWITCH:-_K_REFILL_ALL_WARPS}; TESTS=${TESTS:-tests/attention/cute/test_cute_k_refill.py}
 F=tests/attention/cute/test_cute_kernel_roles.py
 run() {  # $1 switch (1 on / 0 off), $2 log name, rest: pytest arguments
   local on=$1 log=$2; shift 2
@@ -47,6 +48,6 @@ for f in $OUT/sw_*.log; do
 done
 [ "${B:-120}" = 0 ] && exit 0
 timeout ${B:-120} python3 -m blockdiff.bench.experiments.ab_roles_switch $SWITCH ${WORKLOADS:-mixed_global_ctx8k} --triton \
-  '{"work": {"wide_design": "roles", "batch_order": "work"}, "work_halves": {"wide_design": "roles", "batch_order": "work", "v_refill": "halves"}}' \
+  '{"work": {"wide_design": "roles", "batch_order": "work", "v_refill": "one_warp", "qk_issue": "serial"}, "default": {"wide_design": "roles"}}' \
   --rounds 3 --out $OUT > $OUT/ab_roles_switch.log 2>&1
 echo "ab rc=$?"; tail -22 $OUT/ab_roles_switch.log

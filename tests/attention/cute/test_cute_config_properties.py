@@ -96,6 +96,7 @@ _FIELDS = dict(
     wide_design=st.sampled_from(cc.WIDE_DESIGNS),
     batch_order=st.sampled_from(cc.BATCH_ORDERS),
     v_refill=st.sampled_from(cc.V_REFILLS),
+    qk_issue=st.sampled_from(cc.QK_ISSUES),
 )
 _FIELDS_WITH_NONE = dict(_FIELDS, tile_m=st.sampled_from([None, 64, 128]),
                          tile_n=st.sampled_from([None, 16, 32, 48, 64, 128]))
@@ -155,6 +156,16 @@ def test_wide_resolution_is_idempotent_fits_and_refuses_with_named_errors(d, hd,
             assert cc.kv_load_path(page, cfg.tile_n) in ("tma", "tma_boxes")
     if d.get("v_refill") == "halves":
         assert cfg.wide_design == "roles" and cfg.v_refill == "halves" and hd % 128 == 0
+    if d.get("qk_issue") == "ahead":
+        assert cfg.wide_design == "roles" and cfg.qk_issue == "ahead"
+    # the roles kernel's switches resolve ("auto": halves at value head dims divisible by 128, ahead with halves)
+    assert cfg.v_refill in ("one_warp", "halves") and cfg.qk_issue in ("serial", "ahead")
+    if d.get("v_refill", "auto") == "auto":
+        assert cfg.v_refill == ("halves" if cfg.wide_design == "roles" and hd % 128 == 0 else "one_warp")
+    if d.get("qk_issue", "auto") == "auto":
+        assert cfg.qk_issue == ("ahead" if cfg.v_refill == "halves" else "serial")
+    if cfg.wide_design == "split_v":
+        assert (cfg.v_refill, cfg.qk_issue) == ("one_warp", "serial")
     for k in ("num_splits", "lpt"):  # given values pass through
         if d.get(k) is not None:
             assert getattr(cfg, k) == d[k]

@@ -26,18 +26,22 @@ from test_cute_kernel_roles import _fake_run, _kinds_to_ncq
 
 H, HKV, D = 16, 2, 512
 ROLES = dict(wide_design="roles")
-HALVES = dict(wide_design="roles", v_refill="halves")
+HALVES = dict(wide_design="roles", v_refill="halves")  # with qk_issue "auto": S issued ahead
+ONE_WARP = dict(wide_design="roles", v_refill="one_warp")  # with qk_issue "auto": S serial (2.17's roles kernel)
 
 
 # --- CPU: config ----------------------------------------------------------------------------------------------
-def test_v_refill_defaults_to_one_warp_and_resolves():
-    assert cc.CuteConfig().v_refill == "one_warp"
-    assert cc.V_REFILLS == ("one_warp", "halves")
-    assert cc.resolve_config(512, 512, None, ROLES, 256).v_refill == "one_warp"
+def test_v_refill_defaults_to_auto_which_resolves_to_halves_for_the_roles_kernel():
+    """docs/tuning.md 2.20: the roles kernel's measured best is the V refill by halves with S issued ahead."""
+    assert cc.CuteConfig().v_refill == "auto"
+    assert cc.V_REFILLS == ("auto", "one_warp", "halves")
+    assert cc.resolve_config(512, 512, None, ROLES, 256).v_refill == "halves"
+    assert cc.resolve_config(512, 512, None, dict(ROLES, v_refill="one_warp"), 256).v_refill == "one_warp"
     r = cc.resolve_config(512, 512, None, HALVES, 256)
     assert (r.tile_m, r.tile_n, r.num_stages, r.wide_design, r.v_refill) == (64, 64, 1, "roles", "halves")
     # a switch, not a tile field: the tiles are the roles kernel's automatic ones, the shared memory unchanged
-    assert r == replace(cc.resolve_config(512, 512, None, ROLES, 256), v_refill="halves")
+    one_warp = cc.resolve_config(512, 512, None, dict(ROLES, v_refill="one_warp"), 256)
+    assert replace(r, qk_issue="serial") == replace(one_warp, v_refill="halves")
     assert cc.config_smem_bytes(r, 512, 512) == 218_112
     assert cc.resolve_config(512, 512, None, cc.CuteConfig(wide_design="roles", v_refill="halves"), 256) == r
 
@@ -119,9 +123,11 @@ def test_v_refill_is_moot_below_head_dim_257(monkeypatch):
 def test_v_refill_is_part_of_the_compile_key(monkeypatch):
     keys_h, names_h = _fake_run(monkeypatch, HALVES)
     assert names_h == ["blockdiff:cute_compile FlashAttentionForwardSm90Roles 64x64 s1"]
-    keys_r, _ = _fake_run(monkeypatch, ROLES)
+    keys_r, _ = _fake_run(monkeypatch, dict(ROLES, v_refill="one_warp"))
     assert keys_h[0][5].v_refill == "halves" and keys_r[0][5].v_refill == "one_warp"
     assert keys_h[0] != keys_r[0]
+    keys_a, _ = _fake_run(monkeypatch, ROLES)  # "auto" at hd 512: the same key as the explicit halves
+    assert keys_a[0] == keys_h[0]
     # split-KV: the roles split kernel inherits the halves
     keys_s, names_s = _fake_run(monkeypatch, dict(HALVES, num_splits=2))
     assert names_s == ["blockdiff:cute_compile FlashAttentionForwardSm90RolesSplit 64x64 s2"]
@@ -172,8 +178,8 @@ HALVES_IDS = ["p64", "p64_symmetric_nonan", "contig_prefix", "contig_nonan", "p1
 @pytest.mark.parametrize("seed", [0, 1])
 def test_gpu_v_refill_halves_matches_reference_and_the_default(page, mode, extra, seed):
     """Mixed batches (causal prefills, bidirectional canvases, split rows, an empty and a one-token sequence, contexts
-    past 2k keys, sequence ends inside a key block) against the fp64 reference, and equal to the default roles kernel
-    (same tiles and MMA order: only who loads V and when changes)."""
+    past 2k keys, sequence ends inside a key block) against the fp64 reference, and equal to the one-warp roles kernel
+    with S serial (same tiles and MMA order: only who loads V, and when S is issued, change)."""
     q_lens = [129, 256, 0, 1, 64]
     ctxs = [0, 2100, 31, 1024, 100] if seed == 0 else [1024, 100, 0, 2100, 31]
     kinds = ["causal", "bidir", "split", "causal", "split"] if seed == 0 else ["bidir", "split", "causal",
@@ -184,7 +190,7 @@ def test_gpu_v_refill_halves_matches_reference_and_the_default(page, mode, extra
     run_and_check(q, k, v, kw, window, mode or "symmetric", config=dict(HALVES, **extra), max_seqlen_q=256)
     assert ca.LAST_LAUNCH["kernel"].startswith("FlashAttentionForwardSm90Roles")
     out_d = ca.attention_cute(q, k, v, window_size=window, bidirectional_window=mode or "symmetric",
-                              config=dict(ROLES, **extra), max_seqlen_q=256, **kw)
+                              config=dict(ONE_WARP, **extra), max_seqlen_q=256, **kw)
     got = ca.attention_cute(q, k, v, window_size=window, bidirectional_window=mode or "symmetric",
                             config=dict(HALVES, **extra), max_seqlen_q=256, **kw)
     assert torch.equal(got, out_d), (got - out_d).abs().max()
@@ -194,11 +200,11 @@ def test_gpu_v_refill_halves_matches_reference_and_the_default(page, mode, extra
 @pytest.mark.parametrize("nan_safe_v", [True, False])
 def test_gpu_v_refill_halves_long_prefill_and_many_blocks(nan_safe_v):
     """A 1000-token causal prefill, a canvas over 3000 keys (~50 key blocks: each half pipeline's stage reused many
-    times, the two halves' phases independent) and a one-token commit in one launch, as the default kernel."""
+    times, the two halves' phases independent) and a one-token commit in one launch, as the one-warp kernel."""
     q, k, v, kw = gpu_batch([1000, 256, 1], [0, 3000, 77], [1000, 0, 1], H, HKV, D, 64, seed=7)
     cfg = dict(HALVES, nan_safe_v=nan_safe_v)
     run_and_check(q, k, v, kw, None, "symmetric", max_seqlen_q=1000, config=cfg)
-    ref = ca.attention_cute(q, k, v, max_seqlen_q=1000, config=dict(ROLES, nan_safe_v=nan_safe_v), **kw)
+    ref = ca.attention_cute(q, k, v, max_seqlen_q=1000, config=dict(ONE_WARP, nan_safe_v=nan_safe_v), **kw)
     assert torch.equal(ca.attention_cute(q, k, v, max_seqlen_q=1000, config=cfg, **kw), ref)
 
 
