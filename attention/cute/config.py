@@ -18,7 +18,7 @@ __all__ = [
     "unsupported_head_dims", "resolve_wide_config", "WIDE_LONG_Q_CONFIG", "WIDE_MAX_PAGE_BOXES", "MAX_SPLITS",
     "MIN_KEYS_PER_SPLIT", "grid_tiles", "choose_num_splits", "key_bound", "resolve_launch_config", "check_config",
     "SPLIT_MERGES", "MAX_CLUSTER_SPLITS", "AUTO_CLUSTER_SPLITS", "auto_split_merge", "cluster_merge_fits",
-    "WIDE_DESIGNS", "ROLES_CONFIG", "BATCH_ORDERS", "V_REFILLS", "QK_ISSUES", "auto_wide_design",
+    "WIDE_DESIGNS", "ROLES_CONFIG", "BATCH_ORDERS", "V_REFILLS", "QK_ISSUES", "QK_AHEAD_MIN_PAGE", "auto_wide_design",
 ]
 
 #: The optional packages this backend runs on (the ``cute`` extra of setup.py).
@@ -75,14 +75,16 @@ class CuteConfig:
     above 256 it is a ValueError saying why unless ``"auto"`` resolves to ``"roles"``; below head dim 257 (FA4's
     kernel) every value resolves to ``"one_warp"``.
     qk_issue: when the roles kernel's softmax warpgroup issues the next key block's S = Q K^T (roles kernel only):
-    ``"auto"`` (default: ``"ahead"`` exactly where ``v_refill`` resolves to ``"halves"``, else ``"serial"``),
+    ``"auto"`` (default: ``"ahead"`` where ``v_refill`` resolves to ``"halves"`` and the K/V pages hold at least
+    :data:`QK_AHEAD_MIN_PAGE` tokens or K/V are contiguous, else ``"serial"``),
     ``"serial"`` (after block i's softmax and P hand-off) or ``"ahead"`` (after block i's softmax and P's
     conversion, before P's hand-off, so S(i + 1)'s wgmma overlaps the hand-off; ``kernel_roles.py``, docs/tuning.md
     2.19). Identical outputs. Not a tile field; ``"ahead"`` follows ``"halves"``' rules above (ValueError with
     ``wide_design="split_v"`` or where ``"auto"`` does not resolve to ``"roles"``; ``"serial"`` below head dim
     257). Rationale for both ``"auto"`` rules: with halves, S ahead was +7 % on ``mixed_global_ctx8k`` (1.11x the
     triton backend) and -10 % in time on ``canvas_bs1_ctx32k_global``, and each alone was slower there than
-    neither (docs/tuning.md 2.20, H200).
+    neither (docs/tuning.md 2.20, H200, pages of 64); at pages of 8 the sm_90a compile puts ~2.6x the spills
+    into the softmax warpgroup with S ahead (2.20).
     """
 
     tile_m: int | None = None
@@ -113,8 +115,12 @@ BATCH_ORDERS = ("auto", "given", "work")
 #: half of the value columns.
 V_REFILLS = ("auto", "one_warp", "halves")
 #: When the roles kernel's softmax warpgroup issues the next block's S (CuteConfig.qk_issue): automatic (default:
-#: ahead where the V refill resolves to halves), after P's hand-off or before it.
+#: ahead where the V refill resolves to halves, pages of at least QK_AHEAD_MIN_PAGE), after P's hand-off or before it.
 QK_ISSUES = ("auto", "serial", "ahead")
+#: Smallest K/V page (tokens) at which ``qk_issue="auto"`` issues S ahead: at 8-token pages (eight TMA boxes a K
+#: stage) the sm_90a compile spills 488 B in the softmax warpgroup with S ahead against 184 B serial (docs/tuning.md
+#: 2.20); from 16 up ahead spills less than serial.
+QK_AHEAD_MIN_PAGE = 16
 #: The roles kernel's switches and the value of each that only the roles kernel builds.
 _ROLES_ONLY = (("v_refill", "halves"), ("qk_issue", "ahead"))
 #: Most splits of the cluster merge: the portable thread-block cluster size (8 CTAs).
@@ -378,8 +384,9 @@ def _resolve_wide_switches(head_dim: int, head_dim_v: int, config, switches: dic
                          f"v_refill 'one_warp' or 'auto'")
     if switches["v_refill"] == "auto":  # the measured best (docs/tuning.md 2.20)
         switches["v_refill"] = "halves" if roles and head_dim_v % 128 == 0 else "one_warp"
-    if switches["qk_issue"] == "auto":  # S ahead gains with halves only (2.20)
-        switches["qk_issue"] = "ahead" if switches["v_refill"] == "halves" else "serial"
+    if switches["qk_issue"] == "auto":  # S ahead gains with halves only; not at 8-token pages (spills; 2.20)
+        pages_ok = page_size is None or page_size >= QK_AHEAD_MIN_PAGE
+        switches["qk_issue"] = "ahead" if switches["v_refill"] == "halves" and pages_ok else "serial"
     return switches
 
 
@@ -400,8 +407,8 @@ def _set_fields(config: CuteConfig) -> dict:
 
 def _split_switches(config):
     """``(config without the switches, {switch: value})`` (``nan_safe_v``, ``split_merge``, ``wide_design``,
-    ``batch_order``, ``v_refill``, ``qk_issue``): they are not tile fields, so a config that sets only them resolves the tiles
-    as None does (the tuned automatic choices)."""
+    ``batch_order``, ``v_refill``, ``qk_issue``): they are not tile fields, so a config that sets only them resolves
+    the tiles as None does (the tuned automatic choices)."""
     if config is None:
         return None, dict(_SWITCHES)
     if isinstance(config, dict):  # a field whose default is None given as None is unset, as in a CuteConfig

@@ -163,7 +163,8 @@ def test_wide_resolution_is_idempotent_fits_and_refuses_with_named_errors(d, hd,
     if d.get("v_refill", "auto") == "auto":
         assert cfg.v_refill == ("halves" if cfg.wide_design == "roles" and hd % 128 == 0 else "one_warp")
     if d.get("qk_issue", "auto") == "auto":
-        assert cfg.qk_issue == ("ahead" if cfg.v_refill == "halves" else "serial")
+        pages_ok = page is None or page >= cc.QK_AHEAD_MIN_PAGE
+        assert cfg.qk_issue == ("ahead" if cfg.v_refill == "halves" and pages_ok else "serial")
     if cfg.wide_design == "split_v":
         assert (cfg.v_refill, cfg.qk_issue) == ("one_warp", "serial")
     for k in ("num_splits", "lpt"):  # given values pass through

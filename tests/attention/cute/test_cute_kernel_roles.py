@@ -58,7 +58,7 @@ def test_auto_picks_roles_at_head_dim_512_where_its_tiles_load_the_pages(page):
     for hint in (256, 8192):
         cfg = cc.resolve_config(512, 512, None, None, hint, page_size=page)
         assert (cfg.wide_design, cfg.batch_order, cfg.tile_n, cfg.num_stages) == ("roles", "work", 64, 1), cfg
-        assert cfg == cc.resolve_config(512, 512, None, ROLES, hint)
+        assert cfg == cc.resolve_config(512, 512, None, ROLES, hint, page_size=page)
         assert cc.kv_load_path(page, cfg.tile_n) == ("tma" if page is None else "tma_boxes")
     assert cc.resolve_wide_config(512, 512, None, 256, page_size=page).wide_design == "roles"
     assert cc.auto_wide_design(512, 512, page_size=page) == "roles"
@@ -394,13 +394,15 @@ def test_roles_compile_matrix_names_the_design():
 
 
 # --- compile only (flash-attn-4 and the CuTe DSL, no GPU) -------------------------------------------------------
-# (spec, spill bound in bytes): one TMA page box per stage (contiguous / page 64) spills nothing; the page-box
-# loads of 4 / 8 boxes per stage and the NaN-safe window clean-up on contiguous K/V spill a little (the report of
-# ``python -m blockdiff.attention.cute.compile_check --report-roles``).
+# (spec, spill bound in bytes) of the default roles kernel (V refill by halves; S ahead from 16-token pages): one TMA
+# page box per stage (contiguous / page 64) spills nothing, except 4 B in the P V warpgroups with a window and the
+# LSE (the halves' pipelines; 0 with the one-warp refill); the page-box loads of 4 / 8 boxes per stage and the NaN-safe
+# window clean-up on contiguous K/V spill a little (the report of ``python -m blockdiff.attention.cute.compile_check
+# --report-roles``; docs/tuning.md 2.20).
 COMPILE_SPECS = [
     (dict(page_size=None, window_size=None), 0),
     (dict(page_size=None, window_size=1023, bidirectional_window="prefix"), 32),
-    (dict(page_size=64, window_size=1023), 0),
+    (dict(page_size=64, window_size=1023), 8),
     (dict(page_size=16, window_size=1023, bidirectional_window="prefix"), 320),
     (dict(page_size=8, window_size=None), 192),
 ]

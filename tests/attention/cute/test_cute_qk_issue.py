@@ -30,7 +30,8 @@ ROLES = dict(wide_design="roles")
 
 # --- CPU: config ----------------------------------------------------------------------------------------------
 def test_qk_issue_defaults_to_auto_which_follows_the_v_refill():
-    """docs/tuning.md 2.20: ahead with halves was +7 % on mixed_global_ctx8k; ahead with the one-warp refill -4 %."""
+    """docs/tuning.md 2.20: ahead with halves was +7 % on mixed_global_ctx8k; ahead with the one-warp refill -4 %;
+    at 8-token pages ahead spills 488 B in the softmax warpgroup against 184 B serial (sm_90a compile)."""
     assert cc.CuteConfig().qk_issue == "auto"
     assert cc.QK_ISSUES == ("auto", "serial", "ahead")
     for hd in (384, 512):  # halves' head dims
@@ -41,6 +42,12 @@ def test_qk_issue_defaults_to_auto_which_follows_the_v_refill():
     assert (r.v_refill, r.qk_issue) == ("one_warp", "serial")
     for hd in (288, 320, 448, 480):  # the one-warp refill: serial
         assert cc.resolve_config(hd, hd, None, ROLES, 256).qk_issue == "serial"
+    # 8-token pages: serial with halves (S ahead spilled 2.6x in the softmax warpgroup there, 2.20); 16 and up: ahead
+    assert cc.QK_AHEAD_MIN_PAGE == 16
+    for page, want in ((8, "serial"), (16, "ahead"), (64, "ahead"), (256, "ahead"), (None, "ahead")):
+        r = cc.resolve_config(512, 512, None, None, 256, page_size=page)
+        assert (r.wide_design, r.v_refill, r.qk_issue) == ("roles", "halves", want), page
+    assert cc.resolve_config(512, 512, None, dict(qk_issue="ahead"), 256, page_size=8).qk_issue == "ahead"
     # the split-value kernel (auto's choice for unaligned pages or tile fields): serial, one warp
     r = cc.resolve_config(512, 512, None, None, 256, page_size=48)
     assert (r.wide_design, r.v_refill, r.qk_issue) == ("split_v", "one_warp", "serial")
