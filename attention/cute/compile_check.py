@@ -317,7 +317,8 @@ WIDE_MATRIX = [
 
 #: The roles kernel's configurations (``wide_design="roles"``, hd 512, 16 q / 2 KV heads): both KV layouts, page boxes
 #: of 1 / 4 / 8 per stage (pages 64, 16, 8 at 64-key tiles), both window modes, both tile shapes, GQA without TMA
-#: Q, split-KV, the V refill by halves (the bench's mixed_global_ctx8k launch).
+#: Q, split-KV, the bench's mixed_global_ctx8k launch, and 2.17's one-warp V refill with S serial (the default is the
+#: refill by halves with S ahead from 16-token pages; docs/tuning.md 2.20).
 ROLES_MATRIX = [
     dict(page_size=None, window_size=None),
     dict(page_size=None, window_size=1023, bidirectional_window="prefix"),
@@ -332,7 +333,7 @@ ROLES_MATRIX = [
     dict(page_size=64, window_size=None, return_lse=False, max_seqlen_q=4096),
     dict(page_size=64, window_size=None, config=dict(num_splits=2)),
     dict(page_size=None, window_size=None, config=dict(nan_safe_v=False)),
-    dict(page_size=64, window_size=None, return_lse=False, max_seqlen_q=4096, config=dict(v_refill="halves")),
+    dict(page_size=64, window_size=None, config=dict(v_refill="one_warp", qk_issue="serial")),
 ]
 
 

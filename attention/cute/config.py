@@ -73,7 +73,8 @@ class CuteConfig:
     before the P V; ``kernel_roles.py``, docs/tuning.md 2.12 remedy 2 and 2.15). Identical outputs. Not a tile
     field; ``"halves"`` with ``wide_design="split_v"`` is a ValueError; with ``wide_design="auto"`` at head dims
     above 256 it is a ValueError saying why unless ``"auto"`` resolves to ``"roles"``; below head dim 257 (FA4's
-    kernel) every value resolves to ``"one_warp"``.
+    kernel) it resolves to ``"one_warp"`` (``"halves"`` with an explicit ``wide_design="split_v"`` is refused at
+    every head dim).
     qk_issue: when the roles kernel's softmax warpgroup issues the next key block's S = Q K^T (roles kernel only):
     ``"auto"`` (default: ``"ahead"`` where ``v_refill`` resolves to ``"halves"`` and the K/V pages hold at least
     :data:`QK_AHEAD_MIN_PAGE` tokens or K/V are contiguous, else ``"serial"``),
@@ -81,10 +82,10 @@ class CuteConfig:
     conversion, before P's hand-off, so S(i + 1)'s wgmma overlaps the hand-off; ``kernel_roles.py``, docs/tuning.md
     2.19). Identical outputs. Not a tile field; ``"ahead"`` follows ``"halves"``' rules above (ValueError with
     ``wide_design="split_v"`` or where ``"auto"`` does not resolve to ``"roles"``; ``"serial"`` below head dim
-    257). Rationale for both ``"auto"`` rules: with halves, S ahead was +7 % on ``mixed_global_ctx8k`` (1.11x the
-    triton backend) and -10 % in time on ``canvas_bs1_ctx32k_global``, and each alone was slower there than
-    neither (docs/tuning.md 2.20, H200, pages of 64); at pages of 8 the sm_90a compile puts ~2.6x the spills
-    into the softmax warpgroup with S ahead (2.20).
+    257, as ``"halves"``' ``"one_warp"``). Rationale for both ``"auto"`` rules: with halves, S ahead was +7 % on ``mixed_global_ctx8k`` (1.11x the
+    triton backend) and -10 % in time on ``canvas_bs1_ctx32k_global``; on the mixed batch each alone was slower
+    than neither (docs/tuning.md 2.20, H200, pages of 64); at pages of 8 (eight TMA boxes a 64-key K stage) the
+    sm_90a compile puts ~2.6x the spills into the softmax warpgroup with S ahead (2.20).
     """
 
     tile_m: int | None = None
@@ -241,8 +242,9 @@ def resolve_config(head_dim: int, head_dim_v: int, window_size, config=None, max
 
     ``page_size`` (keyword; tokens a K/V page, None: contiguous K/V or not known) is what ``wide_design="auto"``
     reads at head dims above 256: the roles kernel only where its tiles load the pages by TMA boxes
-    (:func:`auto_wide_design`). The switches ``wide_design`` and ``batch_order`` resolve here (never ``"auto"`` in
-    the result); ``split_merge`` in :func:`resolve_launch_config`.
+    (:func:`auto_wide_design`), and S issued ahead only from :data:`QK_AHEAD_MIN_PAGE`-token pages. The switches
+    ``wide_design``, ``batch_order``, ``v_refill`` and ``qk_issue`` resolve here (never ``"auto"`` in the result;
+    a resolved config re-resolves to itself at any page size); ``split_merge`` in :func:`resolve_launch_config`.
 
     Head dims above 256 (:func:`is_wide`) resolve through :func:`resolve_wide_config` (no flash-attn-4 needed).
 
@@ -311,17 +313,20 @@ _ROLES_AUTO_FIELDS = ("num_splits", "lpt")
 def _roles_blocker(head_dim: int, head_dim_v: int, config, split_merge: str,
                    page_size: int | None) -> tuple[str, bool] | None:
     """Why ``wide_design="auto"`` does not resolve to the roles kernel (None: it does), on checked arguments, and
-    whether an explicit ``wide_design="roles"`` would run there; ``config`` is the non-switch part of
-    :func:`_split_switches`. The rule: :func:`auto_wide_design`."""
+    whether an explicit ``wide_design="roles"`` would run there (no cluster merge, and the pages load by TMA boxes
+    at the tile_n it would get); ``config`` is the non-switch part of :func:`_split_switches`. The rule:
+    :func:`auto_wide_design`."""
+    fields_ = {} if config is None else (
+        {f: config[f] for f in _CONFIG_FIELDS if f in config} if isinstance(config, dict) else _set_fields(config))
+    tile_n = fields_.get("tile_n") or ROLES_CONFIG["tile_n"]
+    runs = split_merge != "cluster" and (page_size is None or page_box_tma_ok(page_size, tile_n))
     if not head_dim == head_dim_v == 512:
         return (f"the roles kernel is the automatic choice at head dim 512 only (the one measured), got head_dim "
-                f"{head_dim} / head_dim_v {head_dim_v}"), True
-    if config is not None:
-        fields_ = sorted(config) if isinstance(config, dict) else list(_set_fields(config))
-        tiles = [f for f in fields_ if f not in _ROLES_AUTO_FIELDS]
-        if tiles:
-            return (f"the config sets {tiles}: the roles kernel is the automatic choice with its automatic tiles "
-                    f"only (set no field besides the switches and {list(_ROLES_AUTO_FIELDS)})"), True
+                f"{head_dim} / head_dim_v {head_dim_v}"), runs
+    tiles = [f for f in fields_ if f not in _ROLES_AUTO_FIELDS]  # field order, for a dict and a CuteConfig alike
+    if tiles:
+        return (f"the config sets {tiles}: the roles kernel is the automatic choice with its automatic tiles "
+                f"only (set no field besides the switches and {list(_ROLES_AUTO_FIELDS)})"), runs
     if split_merge == "cluster":
         return "split_merge 'cluster' is not built for the roles kernel", False
     if page_size is not None and not page_box_tma_ok(page_size, ROLES_CONFIG["tile_n"]):
@@ -364,8 +369,8 @@ def _resolve_wide_switches(head_dim: int, head_dim_v: int, config, switches: dic
         blocker = _roles_blocker(head_dim, head_dim_v, config, switches["split_merge"], page_size)
         if blocker is not None and explicit:
             why, roles_runs = blocker
-            plain = " / ".join(f"{name} {'one_warp' if name == 'v_refill' else 'serial'!r}"
-                               for name, value in _ROLES_ONLY if switches[name] == value)
+            plain = " and ".join(f"{name} {'one_warp' if name == 'v_refill' else 'serial'!r}"
+                                 for name, value in _ROLES_ONLY if switches[name] == value)
             fix = (f"set wide_design 'roles' or use {plain}"
                    if roles_runs and (switches["v_refill"] != "halves" or head_dim_v % 128 == 0)
                    else f"use {plain}")  # (halves: head dims divisible by 128, below)
@@ -511,12 +516,14 @@ def check_config(config):
     if values.get("split_merge") == "cluster" and values.get("wide_design") == "roles":
         raise ValueError("config split_merge 'cluster' is not built for wide_design 'roles'; use split_merge "
                          "'combine' or 'auto'")
-    for name, value in _ROLES_ONLY:
-        if values.get(name) == value and values.get("wide_design", "auto") == "split_v":
-            plain = "'one_warp'" if name == "v_refill" else "'serial'"
-            raise ValueError(f"config {name} {value!r} is built for the roles kernel only, got wide_design "
-                             f"'split_v'; set wide_design 'roles' (or 'auto', which picks it at head dim 512) or "
-                             f"{name} {plain} (or 'auto')")
+    roles_only = [(name, value) for name, value in _ROLES_ONLY if values.get(name) == value]
+    if roles_only and values.get("wide_design", "auto") == "split_v":
+        given = " and ".join(f"{name} {value!r}" for name, value in roles_only)
+        plain = " and ".join(f"{name} {'one_warp' if name == 'v_refill' else 'serial'!r} (or 'auto')"
+                             for name, _ in roles_only)
+        raise ValueError(f"config {given} {'is' if len(roles_only) == 1 else 'are'} built for the roles kernel only, "
+                         f"got wide_design 'split_v'; set wide_design 'roles' (or 'auto', which picks it at head dim "
+                         f"512 with the automatic tiles) or {plain}")
     if values.get("split_merge") == "cluster" and n is not None and n > MAX_CLUSTER_SPLITS:
         raise ValueError(f"config split_merge 'cluster' takes at most {MAX_CLUSTER_SPLITS} splits (the portable "
                          f"cluster size), got num_splits {n}; use split_merge 'combine'")

@@ -164,3 +164,48 @@ def test_gpu_qk_ahead_split_kv_equals_serial(num_splits):
     q, k, v, kw = gpu_batch([256, 7, 1], [5000, 10, 300], [0, 7, 1], H, HKV, D, 64, seed=11)
     _same(lambda qi: ca.attention_cute(q, k, v, window_size=1023, bidirectional_window="prefix", max_seqlen_q=256,
                                        config=dict(ROLES, num_splits=num_splits, qk_issue=qi), **kw))
+
+
+# --- CPU: the refusals' suggested fixes resolve when applied (a second agent's review of 2.20's change) ----------
+@pytest.mark.parametrize("hd,page,config", [
+    (384, 12, dict(qk_issue="ahead")),  # roles cannot load 12-token pages: no "set wide_design 'roles'"
+    (384, None, dict(qk_issue="ahead", split_merge="cluster")),  # no roles variant of the cluster merge
+    (512, 16, dict(qk_issue="ahead", v_refill="halves", tile_n=32, num_stages=2)),  # 16 divides 32: roles runs
+    (384, 64, dict(qk_issue="ahead")),
+    (288, None, dict(qk_issue="ahead", v_refill="halves")),  # halves impossible at 288: both plain values needed
+])
+def test_refusals_suggest_only_fixes_that_resolve(hd, page, config):
+    with pytest.raises(ValueError) as e:
+        cc.resolve_config(hd, hd, None, config, 256, page_size=page)
+    msg = str(e.value)
+    plain = dict(config, **{name: ("one_warp" if name == "v_refill" else "serial")
+                            for name, value in cc._ROLES_ONLY if config.get(name) == value})
+    assert " and ".join(f"{n} {plain[n]!r}" for n, v in cc._ROLES_ONLY if config.get(n) == v) in msg, msg
+    cc.resolve_config(hd, hd, None, plain, 256, page_size=page)  # the plain values always resolve
+    roles = dict(config, wide_design="roles")
+    if "set wide_design 'roles'" in msg:  # offered only where the roles kernel runs
+        r = cc.resolve_config(hd, hd, None, roles, 256, page_size=page)
+        assert page is None or cc.kv_load_path(page, r.tile_n) in ("tma", "tma_boxes")
+    else:
+        bad = [False]
+        try:
+            r = cc.resolve_config(hd, hd, None, roles, 256, page_size=page)
+            bad[0] = page is not None and cc.kv_load_path(page, r.tile_n) not in ("tma", "tma_boxes")
+        except ValueError:
+            bad[0] = True
+        assert bad[0], f"'roles' would have worked here but was not offered: {msg}"
+
+
+def test_split_v_refusal_names_every_roles_only_field():
+    config = dict(wide_design="split_v", v_refill="halves", qk_issue="ahead")
+    with pytest.raises(ValueError, match="v_refill 'halves' and qk_issue 'ahead' are built for the roles kernel only"
+                                         ".*v_refill 'one_warp' .*and qk_issue 'serial'"):
+        cc.check_config(config)
+    cc.check_config(dict(config, v_refill="one_warp", qk_issue="serial"))
+
+
+def test_the_tile_fields_blocking_auto_are_listed_in_field_order_for_a_dict_and_a_cute_config():
+    for config in (dict(num_stages=2, tile_n=32, qk_issue="ahead"),
+                   cc.CuteConfig(num_stages=3, tile_n=32, qk_issue="ahead")):
+        with pytest.raises(ValueError, match=r"sets \['tile_n', 'num_stages'\]"):
+            cc.resolve_config(512, 512, None, config, 256, page_size=64)
