@@ -13,7 +13,14 @@ Record of an H200 run: bench/results/history/cute_lpt_ab-h200.json.
         '{"s2": {"num_stages": 2}, "s3": {"num_stages": 3}}'
 
 Variants are ``config`` dicts of ``attention_cute`` (CuteConfig fields: tile_m, tile_n, mma_pv_is_rs,
-intra_wg_overlap, num_stages, lpt); a given dict replaces the default config (unset fields take FA4's heuristic).
+intra_wg_overlap, num_stages, lpt, the switches such as qk_issue); a given dict replaces the default config (unset
+fields take the automatic choices). ``--page-size`` builds the paged layout with other pages than the bench's 64;
+``--layouts`` keeps one layout; ``--no-fa4`` drops FA4's rows (it cannot run head dims above 256; they would fail
+and be dropped anyway); ``--triton`` adds the triton backend's default dispatch on the same inputs.
+
+    python3 -m blockdiff.bench.experiments.ab_cute_configs mixed_global_ctx8k \
+        '{"serial": {"qk_issue": "serial"}, "ahead": {"qk_issue": "ahead"}}' --page-size 16 --layouts paged \
+        --no-fa4 --triton
 """
 import argparse
 import json
@@ -28,15 +35,28 @@ from blockdiff.bench import common
 from blockdiff.bench import workloads as wl
 
 
-def rows_for(name: str, variants: dict) -> tuple[dict, dict]:
-    """(row name -> callable, row name -> to_packed) for one workload."""
+def rows_for(name: str, variants: dict, page_size: int = wl.DEFAULT_PAGE_SIZE,
+             layouts: tuple[str, ...] = ("paged", "contiguous"), fa4: bool = True,
+             triton: bool = False) -> tuple[dict, dict]:
+    """(row name -> callable, row name -> to_packed) for one workload, K/V in ``page_size``-token pages."""
     w = next(x for x in wl.named_workloads() if x.name == name)
-    b = wl.build(w, device="cuda", dtype=torch.bfloat16)
+    b = wl.build(w, device="cuda", dtype=torch.bfloat16, page_size=page_size)
     fns, packs = {}, {}
-    for lay in ("paged", "contiguous"):
+    for lay in layouts if fa4 else ():
         fns[f"fa4_{lay}"], packs[f"fa4_{lay}"], _ = ba.make_fa4(b, types.SimpleNamespace(), lay)
+    if triton:
+        from blockdiff.attention.triton import attention_triton
+        for lay in layouts:
+            k, v, a = b.layouts()[lay]
+            out_t = torch.empty(b.q.shape[0], w.num_heads, w.head_dim_v, dtype=b.q.dtype, device="cuda")
+
+            def t(k=k, v=v, a=a, out=out_t):
+                return attention_triton(b.q, k, v, out=out, check_values=False, **a)
+            fns[f"triton_{lay}"], packs[f"triton_{lay}"] = t, (lambda o: o)
     for vn, cfg in variants.items():
         for lay, (k, v, a) in b.layouts().items():
+            if lay not in layouts:
+                continue
             out = torch.empty(b.q.shape[0], w.num_heads, w.head_dim_v, dtype=b.q.dtype, device="cuda")
 
             def f(k=k, v=v, a=a, out=out, cfg=cfg):
@@ -51,11 +71,19 @@ def main(argv=None):
     p.add_argument("variants", help='JSON {"name": config dict, ...}')
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--out", default=None, help="output folder (default $OUT, else bench/results/local/)")
+    p.add_argument("--page-size", type=int, default=wl.DEFAULT_PAGE_SIZE, help="tokens a K/V page (default 64)")
+    p.add_argument("--layouts", default="paged,contiguous", help="comma-separated: paged, contiguous")
+    p.add_argument("--no-fa4", action="store_true", help="no FA4 rows")
+    p.add_argument("--triton", action="store_true", help="the triton backend's rows too")
     a = p.parse_args(argv)
     names, variants = a.workloads.split(","), json.loads(a.variants)
+    layouts = tuple(a.layouts.split(","))
+    if a.page_size < 1 or not set(layouts) <= {"paged", "contiguous"} or not layouts:
+        raise SystemExit(f"--page-size must be >= 1 and --layouts paged and / or contiguous, got {a.page_size}, "
+                         f"{a.layouts!r}")
     res = {}
     for name in names:
-        fns, packs = rows_for(name, variants)
+        fns, packs = rows_for(name, variants, a.page_size, layouts, not a.no_fa4, a.triton)
         ref = None
         for n in list(fns):
             try:
@@ -70,7 +98,8 @@ def main(argv=None):
         res[name] = common.interleaved_graph_medians(fns, a.rounds, name)
     common.write_experiment_json("ab_" + "_".join(names) + ".json",
                                  dict(commit=os.environ.get("BLOCKDIFF_COMMIT"), gpu=torch.cuda.get_device_name(),
-                                      variants=variants, res=res), a.out)
+                                      variants=variants, page_size=a.page_size, layouts=list(layouts),
+                                      res=res), a.out)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@
 # order, only the permutation's cost shows (~1 % slower); one sequence (canvas_bs1_*) resolves to the given order's
 # kernel: no change by construction.
 #   BLOCKDIFF_COMMIT=<hash> [STAGE2=1] bash bench/experiments/device/cute_batch_order.sh
+# Since docs/tuning.md 2.20 a roles config without v_refill / qk_issue resolves to the V refill by halves with S issued
+# ahead: add "v_refill": "one_warp", "qk_issue": "serial" to its roles rows to reproduce them as they ran.
 set -u
 [ "${STAGE2:-0}" = 1 ] && source bench/experiments/device/stage2.sh
 source bench/experiments/device/env.sh

@@ -8,6 +8,8 @@
 #     then canvas_bs16_ctx8k_global (batch ladder: a grid that fills the GPU without splits, each kernel's own
 #     rate). Roles rows are cute[{"wide_design": "roles"...}] beside the default cute row.
 #   BLOCKDIFF_COMMIT=<hash> STAGE2=1 bash bench/experiments/device/cute_roles.sh
+# Since docs/tuning.md 2.20 a roles config without v_refill / qk_issue resolves to the V refill by halves with S issued
+# ahead: add "v_refill": "one_warp", "qk_issue": "serial" to its roles rows to reproduce them as they ran.
 set -u
 source bench/experiments/device/stage2.sh
 source bench/experiments/device/env.sh

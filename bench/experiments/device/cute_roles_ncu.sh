@@ -4,7 +4,9 @@
 # of one launch each of the roles kernel and of the default split-value kernel on mixed_global_ctx8k, then each
 # report's details and source pages as text: warp stall reasons by source line of the softmax and P V
 # warpgroups, pipe utilisation, shared-memory and L2 throughput. ncu leaves the clocks alone (METHOD.md).
-#   [STAGE2=1] [CASES=roles,split_v] bash bench/experiments/device/cute_roles_ncu.sh
+#   [STAGE2=1] [CASES=roles,split_v] [WORKLOAD=mixed_global_ctx8k] bash bench/experiments/device/cute_roles_ncu.sh
+# (WORKLOAD=canvas_bs1_ctx32k_global: the split canvas, docs/tuning.md 7.33; the kernel regex then also matches the
+# split-KV subclass, and --launch-skip 2 skips the warm-up launches as before)
 # Writes $OUT/ncu_roles.ncu-rep, $OUT/ncu_split_v.ncu-rep and per kernel ncu_<name>_text.tar.gz: the details page,
 # the source page as CSV (SASS alone, and with the Python lines), and the bench's own log.
 set -u
@@ -16,7 +18,7 @@ export CUTE_DSL_LINEINFO=1 FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=0  # line info
 one() {  # $1 name, $2 kernel-name regex, $3 cute config JSON list
   timeout ${NCU_S:-110} ncu --clock-control none --set full --import-source yes --kernel-name "regex:$2" \
     --launch-skip 2 --launch-count 1 --target-processes all -f -o $OUT/ncu_$1 \
-    python3 -m blockdiff.bench.bench_attention --backends cute --workloads mixed_global_ctx8k --no-graph --no-plots \
+    python3 -m blockdiff.bench.bench_attention --backends cute --workloads ${WORKLOAD:-mixed_global_ctx8k} --no-graph --no-plots \
       --cute-configs "$3" --suite-name ncu_$1 --out /tmp/ncu_bench_$1 > $OUT/ncu_$1.log 2>&1 < /dev/null
   echo "== $1: exit $?"; tail -3 $OUT/ncu_$1.log
   if [ -f $OUT/ncu_$1.ncu-rep ]; then
@@ -32,16 +34,20 @@ one() {  # $1 name, $2 kernel-name regex, $3 cute config JSON list
   (cd $OUT && tar -czf ncu_$1_text.tar.gz ncu_$1.log ncu_$1_*.txt ncu_$1_*.csv 2>/dev/null \
     && rm -f ncu_$1.log ncu_$1_*.txt ncu_$1_*.csv)
 }
-# CASES (comma-separated, default roles,split_v): which launches to profile. roles_work / halves_work: the roles
-# kernel in the work order without / with the V refill by halves (docs/tuning.md 2.17: halves measured 4 % slower
-# than its prediction of +9 %, this pair says where the cycles went)
+# CASES (comma-separated, default roles,split_v): which launches to profile. roles / roles_work: 2.17's roles kernel
+# (one-warp V refill, S serial) in the given / work order; halves_work: with the V refill by halves, S serial
+# (docs/tuning.md 2.17: halves measured 4 % slower than its prediction of +9 %); default: the default dispatch at
+# hd 512 since 2.20 (roles, work order, halves, S issued ahead).
+P1='"v_refill": "one_warp", "qk_issue": "serial"'
 for c in $(echo ${CASES:-roles,split_v} | tr , ' '); do
   case $c in
-    roles) one roles 'FlashAttentionForwardSm90Roles' '[{"wide_design": "roles", "batch_order": "given"}]' ;;
+    roles) one roles 'FlashAttentionForwardSm90Roles' "[{\"wide_design\": \"roles\", \"batch_order\": \"given\", $P1}]" ;;
     split_v) one split_v 'FlashAttentionForwardSm90WideV' '[{"wide_design": "split_v"}]' ;;
-    roles_work) one roles_work 'FlashAttentionForwardSm90Roles' '[{"wide_design": "roles", "batch_order": "work"}]' ;;
+    roles_work) one roles_work 'FlashAttentionForwardSm90Roles' \
+      "[{\"wide_design\": \"roles\", \"batch_order\": \"work\", $P1}]" ;;
     halves_work) one halves_work 'FlashAttentionForwardSm90Roles' \
-      '[{"wide_design": "roles", "batch_order": "work", "v_refill": "halves"}]' ;;
+      '[{"wide_design": "roles", "batch_order": "work", "v_refill": "halves", "qk_issue": "serial"}]' ;;
+    default) one default 'FlashAttentionForwardSm90Roles' '[{}]' ;;
     *) echo "unknown case $c"; exit 2 ;;
   esac
 done

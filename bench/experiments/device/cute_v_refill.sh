@@ -14,6 +14,8 @@
 # the 12-kernel permutation, ~530 beside ~481 with the one-launch permutation; roles + halves in the given order ~+9 %
 # over 2.14's 438 (~475). Outputs equal to the default roles kernel's.
 #   BLOCKDIFF_COMMIT=<hash> [STAGE2=1] bash bench/experiments/device/cute_v_refill.sh
+# Since docs/tuning.md 2.20 a roles config without v_refill / qk_issue resolves to the V refill by halves with S issued
+# ahead: add "v_refill": "one_warp", "qk_issue": "serial" to its roles rows to reproduce them as they ran.
 set -u
 [ "${STAGE2:-0}" = 1 ] && source bench/experiments/device/stage2.sh
 source bench/experiments/device/env.sh
