@@ -82,10 +82,9 @@ class CuteConfig:
     conversion, before P's hand-off, so S(i + 1)'s wgmma overlaps the hand-off; ``kernel_roles.py``, docs/tuning.md
     2.19). Identical outputs. Not a tile field; ``"ahead"`` follows ``"halves"``' rules above (ValueError with
     ``wide_design="split_v"`` or where ``"auto"`` does not resolve to ``"roles"``; ``"serial"`` below head dim
-    257, as ``"halves"``' ``"one_warp"``). Rationale for both ``"auto"`` rules: with halves, S ahead was +7 % on ``mixed_global_ctx8k`` (1.11x the
-    triton backend) and -10 % in time on ``canvas_bs1_ctx32k_global``; on the mixed batch each alone was slower
-    than neither (docs/tuning.md 2.20, H200, pages of 64); at pages of 8 (eight TMA boxes a 64-key K stage) the
-    sm_90a compile puts ~2.6x the spills into the softmax warpgroup with S ahead (2.20).
+    257, as ``"halves"``' ``"one_warp"``). Rationale for both ``"auto"`` rules (docs/tuning.md 2.20): together
+    they were the fastest roles kernel measured on the hd-512 workloads (H200, pages of 64), and at pages of 8
+    S ahead moves spills into the softmax warpgroup.
     """
 
     tile_m: int | None = None
@@ -119,11 +118,11 @@ V_REFILLS = ("auto", "one_warp", "halves")
 #: ahead where the V refill resolves to halves, pages of at least QK_AHEAD_MIN_PAGE), after P's hand-off or before it.
 QK_ISSUES = ("auto", "serial", "ahead")
 #: Smallest K/V page (tokens) at which ``qk_issue="auto"`` issues S ahead: at 8-token pages (eight TMA boxes a K
-#: stage) the sm_90a compile spills 488 B in the softmax warpgroup with S ahead against 184 B serial (docs/tuning.md
-#: 2.20); from 16 up ahead spills less than serial.
+#: stage) the sm_90a compile spills more in the softmax warpgroup with S ahead than serial, from 16 up less
+#: (docs/tuning.md 2.20).
 QK_AHEAD_MIN_PAGE = 16
-#: The roles kernel's switches and the value of each that only the roles kernel builds.
-_ROLES_ONLY = (("v_refill", "halves"), ("qk_issue", "ahead"))
+#: The roles kernel's switches: (field, the value only the roles kernel builds, the value every kernel builds).
+_ROLES_ONLY = (("v_refill", "halves", "one_warp"), ("qk_issue", "ahead", "serial"))
 #: Most splits of the cluster merge: the portable thread-block cluster size (8 CTAs).
 MAX_CLUSTER_SPLITS = 8
 
@@ -364,13 +363,12 @@ def _resolve_wide_switches(head_dim: int, head_dim_v: int, config, switches: dic
     else ``"given"``), ``v_refill`` / ``qk_issue`` resolved (``"auto"``: :class:`CuteConfig`) and their roles-only
     values (``"halves"``, ``"ahead"``) checked against the resolved kernel and the head dims."""
     switches = dict(switches)
-    explicit = [f"{name} {value!r}" for name, value in _ROLES_ONLY if switches[name] == value]
+    explicit = [f"{name} {value!r}" for name, value, _ in _ROLES_ONLY if switches[name] == value]
     if switches["wide_design"] == "auto":
         blocker = _roles_blocker(head_dim, head_dim_v, config, switches["split_merge"], page_size)
         if blocker is not None and explicit:
             why, roles_runs = blocker
-            plain = " and ".join(f"{name} {'one_warp' if name == 'v_refill' else 'serial'!r}"
-                                 for name, value in _ROLES_ONLY if switches[name] == value)
+            plain = " and ".join(f"{name} {p!r}" for name, value, p in _ROLES_ONLY if switches[name] == value)
             fix = (f"set wide_design 'roles' or use {plain}"
                    if roles_runs and (switches["v_refill"] != "halves" or head_dim_v % 128 == 0)
                    else f"use {plain}")  # (halves: head dims divisible by 128, below)
@@ -516,11 +514,10 @@ def check_config(config):
     if values.get("split_merge") == "cluster" and values.get("wide_design") == "roles":
         raise ValueError("config split_merge 'cluster' is not built for wide_design 'roles'; use split_merge "
                          "'combine' or 'auto'")
-    roles_only = [(name, value) for name, value in _ROLES_ONLY if values.get(name) == value]
+    roles_only = [row for row in _ROLES_ONLY if values.get(row[0]) == row[1]]
     if roles_only and values.get("wide_design", "auto") == "split_v":
-        given = " and ".join(f"{name} {value!r}" for name, value in roles_only)
-        plain = " and ".join(f"{name} {'one_warp' if name == 'v_refill' else 'serial'!r} (or 'auto')"
-                             for name, _ in roles_only)
+        given = " and ".join(f"{name} {value!r}" for name, value, _ in roles_only)
+        plain = " and ".join(f"{name} {p!r} (or 'auto')" for name, _, p in roles_only)
         raise ValueError(f"config {given} {'is' if len(roles_only) == 1 else 'are'} built for the roles kernel only, "
                          f"got wide_design 'split_v'; set wide_design 'roles' (or 'auto', which picks it at head dim "
                          f"512 with the automatic tiles) or {plain}")

@@ -44,15 +44,9 @@ def rows_for(name: str, variants: dict, page_size: int = wl.DEFAULT_PAGE_SIZE,
     fns, packs = {}, {}
     for lay in layouts if fa4 else ():
         fns[f"fa4_{lay}"], packs[f"fa4_{lay}"], _ = ba.make_fa4(b, types.SimpleNamespace(), lay)
-    if triton:
-        from blockdiff.attention.triton import attention_triton
-        for lay in layouts:
-            k, v, a = b.layouts()[lay]
-            out_t = torch.empty(b.q.shape[0], w.num_heads, w.head_dim_v, dtype=b.q.dtype, device="cuda")
-
-            def t(k=k, v=v, a=a, out=out_t):
-                return attention_triton(b.q, k, v, out=out, check_values=False, **a)
-            fns[f"triton_{lay}"], packs[f"triton_{lay}"] = t, (lambda o: o)
+    for lay in layouts if triton else ():  # bench_attention's triton row (its default dispatch)
+        fns[f"triton_{lay}"], packs[f"triton_{lay}"], _, _ = ba.make_blockdiff(b, types.SimpleNamespace(), "triton",
+                                                                              layout=lay)
     for vn, cfg in variants.items():
         for lay, (k, v, a) in b.layouts().items():
             if lay not in layouts:

@@ -178,9 +178,8 @@ def test_refusals_suggest_only_fixes_that_resolve(hd, page, config):
     with pytest.raises(ValueError) as e:
         cc.resolve_config(hd, hd, None, config, 256, page_size=page)
     msg = str(e.value)
-    plain = dict(config, **{name: ("one_warp" if name == "v_refill" else "serial")
-                            for name, value in cc._ROLES_ONLY if config.get(name) == value})
-    assert " and ".join(f"{n} {plain[n]!r}" for n, v in cc._ROLES_ONLY if config.get(n) == v) in msg, msg
+    plain = dict(config, **{name: p for name, value, p in cc._ROLES_ONLY if config.get(name) == value})
+    assert " and ".join(f"{n} {plain[n]!r}" for n, v, _ in cc._ROLES_ONLY if config.get(n) == v) in msg, msg
     cc.resolve_config(hd, hd, None, plain, 256, page_size=page)  # the plain values always resolve
     roles = dict(config, wide_design="roles")
     if "set wide_design 'roles'" in msg:  # offered only where the roles kernel runs
