@@ -82,9 +82,9 @@ class CuteConfig:
     conversion, before P's hand-off, so S(i + 1)'s wgmma overlaps the hand-off; ``kernel_roles.py``, docs/tuning.md
     2.19). Identical outputs. Not a tile field; ``"ahead"`` follows ``"halves"``' rules above (ValueError with
     ``wide_design="split_v"`` or where ``"auto"`` does not resolve to ``"roles"``; ``"serial"`` below head dim
-    257, as ``"halves"``' ``"one_warp"``). Rationale for both ``"auto"`` rules (docs/tuning.md 2.20): together
-    they were the fastest roles kernel measured on the hd-512 workloads (H200, pages of 64), and at pages of 8
-    S ahead moves spills into the softmax warpgroup.
+    257, as ``"halves"``' ``"one_warp"``). Rationale for both ``"auto"`` rules (docs/tuning.md 2.20, 2.21): together
+    they were the fastest roles kernel measured on the hd-512 workloads (H200, pages of 32 and 64); at pages of 8
+    and 16 S ahead was slower on the mixed batch.
     """
 
     tile_m: int | None = None
@@ -117,10 +117,10 @@ V_REFILLS = ("auto", "one_warp", "halves")
 #: When the roles kernel's softmax warpgroup issues the next block's S (CuteConfig.qk_issue): automatic (default:
 #: ahead where the V refill resolves to halves, pages of at least QK_AHEAD_MIN_PAGE), after P's hand-off or before it.
 QK_ISSUES = ("auto", "serial", "ahead")
-#: Smallest K/V page (tokens) at which ``qk_issue="auto"`` issues S ahead: at 8-token pages (eight TMA boxes a K
-#: stage) the sm_90a compile spills more in the softmax warpgroup with S ahead than serial, from 16 up less
-#: (docs/tuning.md 2.20).
-QK_AHEAD_MIN_PAGE = 16
+#: Smallest K/V page (tokens) at which ``qk_issue="auto"`` issues S ahead: timed on the H200, S ahead is faster on
+#: both hd-512 workloads at pages of 32 and 64, slower on both at 8 (where its compile spills 2.6x more in the
+#: softmax warpgroup) and split at 16, where the mixed batch loses more than the canvas gains (docs/tuning.md 2.21).
+QK_AHEAD_MIN_PAGE = 32
 #: The roles kernel's switches: (field, the value only the roles kernel builds, the value every kernel builds).
 _ROLES_ONLY = (("v_refill", "halves", "one_warp"), ("qk_issue", "ahead", "serial"))
 #: Most splits of the cluster merge: the portable thread-block cluster size (8 CTAs).

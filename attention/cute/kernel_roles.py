@@ -102,8 +102,8 @@ before the loops; the tile's first key block gets an iteration of its own that i
 kind: the mask is exact per key), and a one-block tile takes a branch without a second issue. No wgmma issue sits in
 a branch that another path skips: ptxas serialises every wgmma of the kernel otherwise (C7518, 2.19). The same
 wgmma run on the same operands in the same softmax order, so the outputs equal ``"serial"``'s bit for bit. The
-config's ``"auto"`` picks it where the V refill resolves to halves and pages hold at least 16 tokens (the measured
-reasons: docs/tuning.md 2.20).
+config's ``"auto"`` picks it where the V refill resolves to halves and pages hold at least ``QK_AHEAD_MIN_PAGE``
+tokens (the measured reasons: docs/tuning.md 2.20, 2.21).
 
 NaN-safe V (``nan_safe_v``): each P V warpgroup cleans its own half of a masked block's V stage before its P V
 (named barriers 12 and 13) in SM's hand-off order, and the epilogue's fix-up adds the non-finite V entries of the
