@@ -45,7 +45,8 @@ from blockdiff.sampler import SamplerState, SamplingParams
 from blockdiff.sampler.common import fresh_canvas
 
 from .annotate import annotated
-from .sampler import DiffusionSampler
+from .sampler import DiffusionSampler, commit_finishes_vec
+from .vllm_scheduler import FUSE_COMMIT_ENV, fuse_commit_from_env, served_canvas_length
 
 _log = logging.getLogger(__name__)
 
@@ -100,20 +101,6 @@ class ModelStateBase:
 
     def prepare_dummy_inputs(self, num_reqs: int, num_tokens: int) -> dict[str, Any]:
         raise NotImplementedError
-
-    def num_causal_q(self, input_batch: Any) -> torch.Tensor:
-        """``[N]`` int32 device tensor: causal query rows per row of ``input_batch`` from the phase (no host
-        sync): prefill rows and FINISHED / FAILED rows all their rows, DENOISE rows 0, COMMIT rows
-        ``min(query_len, canvas_length)`` (a fused commit row: its CL commit rows, then CL bidirectional rows).
-        The harness's attention metadata carries it when :attr:`fuse_commit` is on."""
-        n = input_batch.num_reqs
-        slots = input_batch.idx_mapping[:n].to(torch.int64)
-        qsl = input_batch.query_start_loc[: n + 1].to(torch.int64)
-        q = qsl[1:] - qsl[:-1]
-        ph = self.state.phase[slots]
-        ncq = torch.where(ph == DENOISE, torch.zeros_like(q),
-                          torch.where(ph == COMMIT, q.clamp(max=self.canvas_length), q))
-        return ncq.to(torch.int32)
 
     def prepare_attn(self, input_batch: Any, cudagraph_mode: Any, block_tables: tuple[torch.Tensor, ...],
                      slot_mappings: torch.Tensor, attn_groups: Any, kv_cache_config: Any,
@@ -351,6 +338,35 @@ def to_diffusion_params(sampling_params: Any, defaults: Any = None, *, canvas_le
     return p
 
 
+def attach_num_causal_q(attn_metadata: Any, num_causal_q: torch.Tensor) -> None:
+    """Set ``_blockdiff_num_causal_q`` = ``num_causal_q`` on every metadata object of ``attn_metadata`` (what
+    ``build_attn_metadata`` returns: a dict layer name -> metadata, objects shared between layers; a list of such
+    dicts; or one metadata object). The CUSTOM backend reads that attribute instead of the per-request causal flags.
+
+    Raises:
+        TypeError: ``num_causal_q`` is not an int32 tensor.
+        NotImplementedError: a metadata object takes no new attribute (frozen or slotted class).
+    """
+    if not torch.is_tensor(num_causal_q) or num_causal_q.dtype != torch.int32:
+        raise TypeError(f"num_causal_q must be an int32 tensor, got {getattr(num_causal_q, 'dtype', type(num_causal_q))}")
+    seen: set[int] = set()
+    stack = [attn_metadata]
+    while stack:
+        m = stack.pop()
+        if isinstance(m, Mapping):
+            stack.extend(m.values())
+        elif isinstance(m, (list, tuple)):
+            stack.extend(m)
+        elif m is not None and id(m) not in seen:
+            seen.add(id(m))
+            try:
+                m._blockdiff_num_causal_q = num_causal_q
+            except (AttributeError, TypeError) as e:
+                raise NotImplementedError(
+                    f"fuse_commit under vLLM: attention metadata of type {type(m).__name__} takes no "
+                    f"_blockdiff_num_causal_q ({e}); the CUSTOM backend would read causal flags, not row counts") from e
+
+
 class DiffusionModelState(_Base):
     """ModelState of a block-diffusion LM (DiffusionGemma): encoder (causal, writes KV) and decoder
     (bidirectional over the canvas, KV read-only) passes share one flat batch.
@@ -379,7 +395,8 @@ class DiffusionModelState(_Base):
             raise TypeError("DiffusionModelState(vllm_config, ...) needs vLLM; without it use "
                             "DiffusionModelState.for_harness(model, ...)")
         dcfg = getattr(vllm_config, "diffusion_config", None)
-        canvas_length = getattr(dcfg, "canvas_length", None) or 256
+        # CL: the diffusion config's, or the checkpoint's when the config is twice that (the fused-commit layout)
+        canvas_length, fused_layout = served_canvas_length(vllm_config)
         text_cfg = self.model_config.hf_text_config
         gen = self.model_config.try_get_generation_config() or {}
         sc = gen.get("sampler_config") or {}
@@ -394,6 +411,17 @@ class DiffusionModelState(_Base):
             canvas_length=canvas_length, vocab_size=self.model_config.get_vocab_size(),
             hidden_size=text_cfg.hidden_size, default_params=SamplingParams(canvas_length=canvas_length, **kw),
             embed_dtype=self.dtype)
+        if fuse_commit_from_env():
+            if not fused_layout:
+                _log.warning("blockdiff: %s=1 but the diffusion config's canvas_length (%s) is not twice the "
+                             "checkpoint's; fused commits stay off (serve with --diffusion-config "
+                             "'{\"canvas_length\": %d}')", FUSE_COMMIT_ENV, getattr(dcfg, "canvas_length", None),
+                             2 * canvas_length)
+            else:
+                if getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False):
+                    _log.warning("blockdiff: fused commits need the synchronous scheduler (--no-async-scheduling "
+                                 "with BlockdiffDiffusionScheduler); the asynchronous one never fuses")
+                self.fuse_commit = True
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -452,6 +480,8 @@ class DiffusionModelState(_Base):
         self.req_id_to_index: dict[str, int] = {}
         self.failed_reasons: dict[str, str] = {}  # vLLM mode: requests failed at admission (bad params) -> why
         self.causal_buf = torch.zeros(max_num_reqs, dtype=torch.bool, device=dev)
+        # fused commits under vLLM: causal rows per request, filled in place and attached to the attention metadata
+        self.num_causal_q_buf = torch.zeros(max_num_reqs, dtype=torch.int32, device=dev)
         self.num_computed_tokens = torch.zeros(max_num_reqs, dtype=torch.int32, device=dev)
         self.input_ids_buf = torch.zeros(max_num_tokens, dtype=torch.int64, device=dev)
         self.positions_buf = torch.zeros(max_num_tokens, dtype=torch.int64, device=dev)
@@ -611,6 +641,22 @@ class DiffusionModelState(_Base):
         n_now = min(hits[0] + 1, CL) if hits else CL
         return n_now >= remaining
 
+    def commit_finishes_vec(self, slots: torch.Tensor) -> torch.Tensor:
+        """:meth:`commit_finishes` of every slot in ``slots`` at once, on the device (no host sync):
+        :func:`blockdiff.integration.sampler.commit_finishes_vec` of :attr:`state`. Meaningful for slots in phase
+        COMMIT only (no phase check here).
+
+        Args:
+            slots: ``[N]`` int64 slot ids on the state's device.
+
+        Returns:
+            ``[N]`` bool.
+
+        Raises:
+            TypeError / ValueError: as :func:`blockdiff.integration.sampler.commit_finishes_vec`.
+        """
+        return commit_finishes_vec(self.state, slots)
+
     def fused_rows_np(self, input_batch: Any):
         """``[N]`` bool host array: the rows of ``input_batch`` scheduled as fused commits (:attr:`fuse_commit` on,
         the prompt prefilled before the step, ``2 * canvas_length`` query tokens), from host data only (no sync).
@@ -664,8 +710,8 @@ class DiffusionModelState(_Base):
             vLLM: ``{"inputs_embeds": [T, hidden]}`` (embedding + self-conditioning MLP on denoise tokens).
             Denoise tokens read ``state.canvas``, commit tokens ``state.commit_canvas``, prefill tokens keep
             ``input_batch.input_ids``; ``self_cond`` is ``state.soft`` on denoise tokens and exactly 0 elsewhere.
-            With :attr:`fuse_commit`, the last CL tokens of a fused commit row (a COMMIT row of ``2 * CL``
-            tokens) read the fresh canvas of the request's next canvas (``canvas_index + 1``, the INITIAL stream:
+            With :attr:`fuse_commit`, the tokens after the first CL of a fused commit row (a COMMIT row of ``2 * CL``
+            tokens; under vLLM also one the token budget cut to fewer) read the fresh canvas of the request's next canvas (``canvas_index + 1``, the INITIAL stream:
             what the commit's sampler step starts) with ``self_cond`` 0, and count as decoder tokens.
         """
         T = input_batch.num_tokens
@@ -674,7 +720,10 @@ class DiffusionModelState(_Base):
         if T == 0:
             return self._inputs_dict(input_batch, ids, sc, None)
         st = self.state
-        if self._fuse_commit:
+        # a row wider than a canvas (host data): a fused commit row, or under vLLM one whose tail the budget cut
+        wide = self._fuse_commit and bool(
+            (np.asarray(input_batch.num_scheduled_tokens[: input_batch.num_reqs]) > self.canvas_length).any())
+        if wide:
             slots_tok, off, phase_tok, row, raw = self._token_views(input_batch, with_rows=True)
         else:
             slots_tok, off, phase_tok = self._token_views(input_batch)
@@ -682,7 +731,7 @@ class DiffusionModelState(_Base):
         is_com = phase_tok == COMMIT
         canvas_tok = st.canvas[slots_tok, off]
         commit_tok = st.commit_canvas[slots_tok, off]
-        if self._fuse_commit:
+        if wide:
             CL = self.canvas_length
             tail = is_com & (raw >= CL)  # the next canvas's first step of a fused commit row
             N = input_batch.num_reqs
@@ -725,6 +774,21 @@ class DiffusionModelState(_Base):
         return self.inputs_embeds_buf[:num_tokens] if self.mode == "vllm" else None
 
     # ------------------------------------------------------------------ attention
+    def num_causal_q(self, input_batch: Any) -> torch.Tensor:
+        """``[N]`` int32 device tensor: causal query rows per row of ``input_batch`` from the phase (no host
+        sync): prefill rows and FINISHED / FAILED rows all their rows, DENOISE rows 0, COMMIT rows
+        ``min(query_len, canvas_length)`` (a fused commit row: its CL commit rows, then CL bidirectional rows).
+        The attention metadata carries it when :attr:`fuse_commit` is on (harness: ``num_causal_q``; vLLM:
+        :meth:`fill_num_causal_q`)."""
+        n = input_batch.num_reqs
+        slots = input_batch.idx_mapping[:n].to(torch.int64)
+        qsl = input_batch.query_start_loc[: n + 1].to(torch.int64)
+        q = qsl[1:] - qsl[:-1]
+        ph = self.state.phase[slots]
+        ncq = torch.where(ph == DENOISE, torch.zeros_like(q),
+                          torch.where(ph == COMMIT, q.clamp(max=self.canvas_length), q))
+        return ncq.to(torch.int32)
+
     def fill_causal(self, input_batch: Any, num_reqs: int | None = None) -> torch.Tensor:
         """Fill ``causal_buf[:N]`` in place from the phase of each row's slot (PREFILL/COMMIT -> True,
         DENOISE -> False); padding rows up to ``num_reqs`` get False. Returns ``causal_buf[:num_reqs]``."""
@@ -756,11 +820,15 @@ class DiffusionModelState(_Base):
             harness: :class:`blockdiff.attention.AttentionMetadata` (with :attr:`fuse_commit` also
             ``num_causal_q``, :meth:`num_causal_q`, which the model and attention then read instead of
             ``causal``); vLLM: the per-layer metadata dict of ``vllm.v1.worker.gpu.attn_utils.build_attn_metadata``
-            with ``causal=`` this buffer.
+            with ``causal=`` this buffer; with :attr:`fuse_commit` every metadata object also carries
+            ``_blockdiff_num_causal_q`` = ``num_causal_q_buf[:num_reqs]`` (``[num_reqs]`` int32, :meth:`num_causal_q`
+            written in place, padding rows 0, also when capturing a CUDA graph), which the CUSTOM backend
+            (:class:`~blockdiff.integration.vllm_attention.BlockdiffAttentionImpl`) reads instead of ``causal``.
 
         Raises:
             ValueError: ubatch_idx != 0.
-            NotImplementedError: vLLM mode with :attr:`fuse_commit` on (not wired for vLLM's attention backend).
+            NotImplementedError: vLLM mode with :attr:`fuse_commit` on and a metadata object that takes no new
+                attribute (the row counts could not reach the attention backend).
         """
         if ubatch_idx != 0:
             raise ValueError(f"ubatch_idx must be 0 (dual-batch overlap is not supported), got {ubatch_idx}")
@@ -773,9 +841,6 @@ class DiffusionModelState(_Base):
                 causal=causal, block_table=block_tables[0][:n], slot_mapping=slot_mappings,
                 max_seqlen_q=int(input_batch.max_query_len), max_seqlen_k=int(input_batch.max_seq_len),
                 num_causal_q=ncq)
-        if self._fuse_commit:
-            raise NotImplementedError("fuse_commit under vLLM: the CUSTOM attention backend reads per-request causal "
-                                      "flags, not causal row counts (the harness path only)")
         # vLLM is optional: imported only in vLLM mode
         from vllm.config.compilation import CUDAGraphMode  # type: ignore
         from vllm.v1.worker.gpu.attn_utils import build_attn_metadata  # type: ignore
@@ -786,13 +851,36 @@ class DiffusionModelState(_Base):
         self.fill_causal(input_batch, num_reqs)
         causal = self.causal_buf_i32[:num_reqs]
         causal.copy_(self.causal_buf[:num_reqs])
-        return build_attn_metadata(
+        ncq = self.fill_num_causal_q(input_batch, num_reqs) if self._fuse_commit else None
+        meta = build_attn_metadata(
             attn_groups=attn_groups, num_reqs=num_reqs, num_tokens=num_tokens,
             query_start_loc_gpu=input_batch.query_start_loc,
             query_start_loc_cpu=torch.from_numpy(input_batch.query_start_loc_np),
             max_query_len=int(input_batch.num_scheduled_tokens.max()), seq_lens=input_batch.seq_lens,
             max_seq_len=self.max_model_len, block_tables=block_tables, slot_mappings=slot_mappings,
             kv_cache_config=kv_cache_config, causal=causal, for_cudagraph_capture=for_capture)
+        if ncq is not None:
+            attach_num_causal_q(meta, ncq)
+        return meta
+
+    def fill_num_causal_q(self, input_batch: Any, num_reqs: int | None = None) -> torch.Tensor:
+        """Fill ``num_causal_q_buf[:N]`` in place with :meth:`num_causal_q` (no host sync; the same storage every
+        step, so a CUDA graph captured on it replays with the step's counts); padding rows up to ``num_reqs`` get 0.
+        Returns ``num_causal_q_buf[:num_reqs]`` (``[num_reqs]`` int32).
+
+        Raises:
+            ValueError: ``num_reqs`` below the batch's ``num_reqs`` or above the buffer's capacity.
+        """
+        n = input_batch.num_reqs
+        num_reqs = n if num_reqs is None else num_reqs
+        if not n <= num_reqs <= self.num_causal_q_buf.shape[0]:
+            raise ValueError(f"num_reqs must be in [{n}, {self.num_causal_q_buf.shape[0]}], got {num_reqs}")
+        buf = self.num_causal_q_buf
+        if n:
+            buf[:n].copy_(self.num_causal_q(input_batch))
+        if num_reqs > n:
+            buf[n:num_reqs] = 0
+        return buf[:num_reqs]
 
     # ------------------------------------------------------------------ after the sampler
     @annotated("blockdiff:postprocess_state")

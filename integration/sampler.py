@@ -27,9 +27,10 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from blockdiff.sampler import COMMIT, FAILED, PREFILL, sampler_step
+from blockdiff.sampler import COMMIT, FAILED, FINISHED, PREFILL, sampler_step
 
 from .annotate import annotated
+from .vllm_scheduler import FUSE_NEXT_FLAG
 
 
 @dataclass
@@ -102,6 +103,58 @@ def accounting(phase: torch.Tensor, q_lens: torch.Tensor, num_sampled: torch.Ten
     n_bad = torch.isnan(entropy).sum(-1).clamp(min=1).to(torch.int32)
     num_nans = torch.where(failed, n_bad, (phase == FAILED).to(torch.int32)).to(torch.int32)
     return {"num_sampled": num_sampled.to(torch.int32), "num_rejected": num_rejected, "num_nans": num_nans}
+
+
+def commit_finishes_vec(state, slots: torch.Tensor) -> torch.Tensor:
+    """Whether committing each slot's converged canvas (``state.commit_canvas``) ends its request, on the device
+    (no host sync): the vectorised ``DiffusionModelState.commit_finishes``, the sampler's commit rule. With ``h``
+    the first position of the canvas holding one of the slot's stop ids (CL if none) and ``remaining =
+    max_tokens - num_emitted``: True iff ``h < remaining`` (a stop id is emitted) or ``min(h + 1, CL) >=
+    remaining`` (``max_tokens`` reached). Meaningful for slots in phase COMMIT only (the phase is not read).
+
+    Args:
+        state: a :class:`blockdiff.sampler.SamplerState` (reads ``commit_canvas`` ``[R, CL]`` int64,
+            ``eos_token_ids`` ``[R, E]`` int64 padded with -1, ``max_tokens`` / ``num_emitted`` ``[R]`` int64).
+        slots: ``[N]`` int64 slot ids on the state's device (values not checked: no host read).
+
+    Returns:
+        ``[N]`` bool on the state's device.
+
+    Raises:
+        TypeError: ``slots`` is not an int64 tensor. ValueError: ``slots`` is not 1-D or not on the state's device.
+    """
+    if not torch.is_tensor(slots) or slots.dtype != torch.int64:
+        raise TypeError(f"slots must be an int64 tensor, got {getattr(slots, 'dtype', type(slots).__name__)}")
+    if slots.dim() != 1 or slots.device != state.commit_canvas.device:
+        raise ValueError(f"slots must be 1-D on {state.commit_canvas.device}, got shape {tuple(slots.shape)} on "
+                         f"{slots.device}")
+    CL = state.canvas_length
+    canvas = state.commit_canvas[slots]                                          # [N, CL]
+    eos = state.eos_token_ids[slots]                                             # [N, E]
+    hit = ((canvas[:, :, None] == eos[:, None, :]) & (eos[:, None, :] >= 0)).any(-1)
+    has = hit.any(-1)
+    first = torch.where(has, hit.to(torch.int32).argmax(-1).to(torch.int64), torch.full_like(has, CL, dtype=torch.int64))
+    remaining = state.max_tokens[slots] - state.num_emitted[slots]
+    return (has & (first < remaining)) | ((first + 1).clamp(max=CL) >= remaining)
+
+
+class _StallRows:
+    """Context: the rows ``mask`` of ``slots`` read phase FINISHED while a sampler step runs (a no-op step for them:
+    state untouched), then get their phase back. A device mask, no host sync."""
+
+    def __init__(self, state, slots: torch.Tensor, mask: torch.Tensor | None) -> None:
+        self.state, self.slots, self.mask = state, slots, mask
+
+    def __enter__(self):
+        if self.mask is not None:
+            self.saved = self.state.phase[self.slots]
+            self.state.phase[self.slots] = torch.where(self.mask, torch.full_like(self.saved, FINISHED), self.saved)
+        return self
+
+    def __exit__(self, *exc):
+        if self.mask is not None:
+            self.state.phase[self.slots] = torch.where(self.mask, self.saved, self.state.phase[self.slots])
+        return False
 
 
 class HostStaging:
@@ -254,12 +307,21 @@ class DiffusionSampler:
 
         Raises:
             ValueError: logits shape wrong; harness mode: a denoise/commit row without ``canvas_length`` query
-                tokens (vLLM mode skips such a row: vLLM truncates canvases near max_model_len).
+                tokens (vLLM mode skips such a row: vLLM truncates canvases near max_model_len), or one of
+                ``2 * canvas_length`` (a fused commit, :attr:`DiffusionModelState.fuse_commit`) that is not a commit.
             SamplerMismatch: ``check`` is on and the backend differs from the reference.
+
+        Under vLLM with :attr:`DiffusionModelState.fuse_commit` a canvas row wider than CL is decided on the device
+        (no host read of the phases): a COMMIT row commits on its first CL logits rows and reports ``num_rejected =
+        q_len - CL``; with exactly ``2 * CL`` tokens it then takes the next canvas's first denoising step on the last
+        CL (a fused commit), with fewer (the token budget cut the row) the next canvas starts unstepped, as after a
+        plain commit. A wide row that is not a COMMIT (never scheduled so by the plugin's scheduler) is stalled:
+        its state untouched, ``num_sampled = 0``, ``num_rejected = q_len``.
         """
         ms = self.model_state
         st = ms.state
         N = input_batch.num_reqs
+        CL = ms.canvas_length
         dev = st.phase.device
         slots = input_batch.idx_mapping[:N].to(torch.int64)
         phase = st.phase[slots].clone()
@@ -267,10 +329,15 @@ class DiffusionSampler:
         done_np = np.asarray(input_batch.num_computed_prefill_tokens_np[:N], dtype=np.int64)
         plen_np = np.asarray(input_batch.prefill_len_np[:N], dtype=np.int64)
         prefill_done_np = done_np + q_lens_np >= plen_np
-        # a row whose prompt was prefilled before this step is a canvas row (denoise / commit): it must carry the
-        # whole canvas, or _canvas_logits would read the next row's logits for its tail (host data only, no sync)
+        canvas_np = done_np >= plen_np  # prompt prefilled before this step: a canvas row (denoise / commit)
+        # a canvas row must carry the whole canvas, or _canvas_logits would read the next row's logits for its tail
+        # (host data only, no sync)
         fused_np = ms.fused_rows_np(input_batch)  # fused commit rows (2 * CL tokens); all False unless fuse_commit
-        short = (done_np >= plen_np) & (q_lens_np != ms.canvas_length) & ~fused_np
+        vllm_fuse = ms.mode == "vllm" and ms.fuse_commit
+        if vllm_fuse:  # wider rows are decided on the device by phase (docstring); narrower ones cannot be denoised
+            short = canvas_np & (q_lens_np < CL)
+        else:
+            short = canvas_np & (q_lens_np != CL) & ~fused_np
         stalled_np = None
         if short.any():
             if ms.mode == "vllm":
@@ -284,51 +351,65 @@ class DiffusionSampler:
                 name = f" ({rid[i]!r})" if rid is not None and i < len(rid) else ""
                 raise ValueError(f"row {i}{name} is a denoise/commit row (prompt fully prefilled) with "
                                  f"{int(q_lens_np[i])} query tokens; it must schedule canvas_length="
-                                 f"{ms.canvas_length} tokens")
+                                 f"{CL} tokens")
         V = ms.vocab_size
         if logits.dim() != 2 or logits.shape[-1] != V:
             raise ValueError(f"logits must be [num_logits, vocab_size={V}], got {tuple(logits.shape)}")
         if self._staging is None or self._staging.max_len < N:
-            self._staging = HostStaging(3, max(N, st.max_num_reqs), dev)
+            self._staging = HostStaging(5, max(N, st.max_num_reqs), dev)
         starts_np = np.asarray(input_batch.cu_num_logits_np[:N], dtype=np.int64)
-        rows = self._staging.to_device(starts_np, prefill_done_np, q_lens_np)  # no host sync (pinned, in order)
+        fused_idx = np.flatnonzero(fused_np)
+        fused_rows_np = np.zeros(N, dtype=np.int64)
+        fused_rows_np[: fused_idx.size] = fused_idx
+        # no host sync (pinned, in stream order): logit starts, prefill done after the step, query lengths, canvas
+        # rows, the fused rows' indices (first fused_idx.size entries)
+        rows = self._staging.to_device(starts_np, prefill_done_np, q_lens_np, canvas_np, fused_rows_np)
         starts, prefill_done, q_lens = rows[0], rows[1].bool(), rows[2].to(torch.int32)
         logits3 = self._canvas_logits(logits, N, starts)
-        fused_idx = np.flatnonzero(fused_np)
         if fused_idx.size and ms.mode != "vllm":
-            # harness: a 2 * CL canvas row must be a commit (one host read of the phases; vLLM mode trusts its
-            # scheduler, which schedules 2 * CL tokens only for a converged canvas)
+            # harness: a 2 * CL canvas row must be a commit (one host read of the phases; under vLLM a device mask
+            # stalls such a row instead, below)
             ph = phase.tolist()
             bad = [int(i) for i in fused_idx if ph[i] != COMMIT]
             if bad:
-                raise ValueError(f"row {bad[0]} has 2 * canvas_length = {2 * ms.canvas_length} query tokens but is "
+                raise ValueError(f"row {bad[0]} has 2 * canvas_length = {2 * CL} query tokens but is "
                                  f"not a commit row: only a fused commit (fuse_commit) schedules 2 * canvas_length")
+        wide = wrong = None
+        if vllm_fuse:
+            wide = rows[3].bool() & (q_lens > CL)  # [N] canvas rows wider than a canvas
+            wrong = wide & (phase != COMMIT)       # never scheduled so by the plugin's scheduler: stalled
+        elif fused_idx.size:  # harness: the wide rows are the fused rows, all commits (checked above)
+            wide = rows[3].bool() & (q_lens == 2 * CL)
 
         commit_in = st.commit_canvas[slots].clone() if ms.mode == "vllm" else None
         stalled = None
         if stalled_np is not None:
             keep = torch.as_tensor(np.flatnonzero(~stalled_np), dtype=torch.int64, device=dev)
-            out = self._step(st, slots[keep], logits3[keep], prefill_done[keep])
+            with _StallRows(st, slots[keep], None if wrong is None else wrong[keep]):
+                out = self._step(st, slots[keep], logits3[keep], prefill_done[keep])
             out = _expand_step_output(out, keep, N)
             stalled = torch.as_tensor(stalled_np, dtype=torch.bool, device=dev)
         else:
-            out = self._step(st, slots, logits3, prefill_done)
+            with _StallRows(st, slots, wrong):
+                out = self._step(st, slots, logits3, prefill_done)
+        if wrong is not None:
+            stalled = wrong if stalled is None else stalled | wrong
 
         fused = fused_step = None
         failed, entropy = out.failed, out.entropy
         if fused_idx.size:
             # fused commit rows: the step above committed them and started their next canvas (phase DENOISE, step
             # 0, the fresh canvas prepare_inputs fed to the last CL rows); now that canvas's first denoising step
-            # on the last CL logits rows of each such row
-            keep = torch.as_tensor(fused_idx, dtype=torch.int64, device=dev)
-            tail = self._canvas_logits(logits, len(fused_idx), starts[keep] + ms.canvas_length)  # fused rows only
-            fused_step = _expand_step_output(
-                self._step(st, slots[keep], tail, torch.zeros_like(prefill_done[keep])), keep, N)
-            fused = torch.as_tensor(fused_np, dtype=torch.bool, device=dev)
+            # on the last CL logits rows of each such row (a row whose commit ended its request is FINISHED: no-op)
+            keep = rows[4, : fused_idx.size]
+            tail = self._canvas_logits(logits, len(fused_idx), starts[keep] + CL)  # fused rows only
+            with _StallRows(st, slots[keep], None if wrong is None else wrong[keep]):
+                fused_step = _expand_step_output(
+                    self._step(st, slots[keep], tail, torch.zeros_like(prefill_done[keep])), keep, N)
+            fused = rows[3].bool() & (q_lens == 2 * CL)  # [N] the fused rows (= fused_np), on the device
             failed = failed | fused_step.failed
             entropy = torch.where(fused[:, None], fused_step.entropy, entropy)
-        acc = accounting(phase, q_lens, out.num_sampled, failed, entropy, stalled, fused=fused,
-                         canvas_length=ms.canvas_length)
+        acc = accounting(phase, q_lens, out.num_sampled, failed, entropy, stalled, fused=wide, canvas_length=CL)
         if ms.mode == "vllm":
             return self._vllm_output(slots, phase, commit_in, acc, stalled)
         return DiffusionSamplerOutput(
@@ -359,7 +440,11 @@ class DiffusionSampler:
         """vLLM: the runner appends ``num_sampled`` tokens per row and its scheduler applies EOS / max_tokens,
         so a commit row returns the whole committed canvas; the next step's draft tokens (the canvas vLLM
         schedules) are the renoised / fresh canvas, or the argmax canvas of a row about to commit.
-        ``num_nans`` > 0 marks a failed request (see the module docstring)."""
+        ``num_nans`` > 0 marks a failed request (see the module docstring). With
+        :attr:`DiffusionModelState.fuse_commit`, ``num_nans`` = -1 (:data:`~blockdiff.integration.vllm_scheduler.FUSE_NEXT_FLAG`) marks a
+        request whose next row may be a fused commit: phase COMMIT after this step and a commit that does not end
+        it (:func:`commit_finishes_vec`), computed on the device (the runner copies ``num_nans`` to the host
+        asynchronously, as it does anyway)."""
         # vLLM is optional: imported only in vLLM mode
         from vllm.v1.worker.gpu.sample.output import SamplerOutput  # type: ignore
 
@@ -374,7 +459,11 @@ class DiffusionSampler:
             now = st.phase[slots]
             nxt = torch.where((now == COMMIT)[:, None], st.commit_canvas[slots], st.canvas[slots])
             req_states.draft_tokens[slots, :CL] = nxt.to(req_states.draft_tokens.dtype)
-        return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=None, num_nans=acc["num_nans"],
+        num_nans = acc["num_nans"]
+        if self.model_state.fuse_commit:
+            fuse_next = (st.phase[slots] == COMMIT) & ~commit_finishes_vec(st, slots)
+            num_nans = torch.where(fuse_next & (num_nans == 0), torch.full_like(num_nans, FUSE_NEXT_FLAG), num_nans)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=None, num_nans=num_nans,
                              num_sampled=acc["num_sampled"], num_rejected=acc["num_rejected"])
 
 

@@ -71,7 +71,14 @@ def vllm_sampler_output_class(monkeypatch):
     import types
     from dataclasses import dataclass
 
-    if importlib.util.find_spec("vllm") is not None:
+    stub = sys.modules.get("vllm.v1.worker.gpu.sample.output")
+    if stub is not None and getattr(stub, "__spec__", None) is None and hasattr(stub, "SamplerOutput"):
+        return stub.SamplerOutput  # installed by an earlier call of this test
+    try:
+        have_vllm = importlib.util.find_spec("vllm") is not None
+    except ValueError:  # a stand-in module (vllm_attn_metadata_stubs), no __spec__
+        have_vllm = False
+    if have_vllm:
         from vllm.v1.worker.gpu.sample.output import SamplerOutput
 
         return SamplerOutput
@@ -87,9 +94,52 @@ def vllm_sampler_output_class(monkeypatch):
     names = ["vllm", "vllm.v1", "vllm.v1.worker", "vllm.v1.worker.gpu", "vllm.v1.worker.gpu.sample",
              "vllm.v1.worker.gpu.sample.output"]
     for n in names:
-        monkeypatch.setitem(sys.modules, n, types.ModuleType(n))
+        if n not in sys.modules:
+            monkeypatch.setitem(sys.modules, n, types.ModuleType(n))
     sys.modules["vllm.v1.worker.gpu.sample.output"].SamplerOutput = SamplerOutput
     return SamplerOutput
+
+
+def vllm_attn_metadata_stubs(monkeypatch):
+    """Stand in for vLLM's ``build_attn_metadata`` (and ``CUDAGraphMode`` without vLLM), so the vLLM-mode
+    ``prepare_attn`` runs on the CPU: returns the list of keyword dicts of its calls; each call returns
+    ``{"layer.0": m, "layer.1": m, "layer.2": m2}`` (two metadata objects, one shared by two layers, as vLLM's
+    attention groups share one)."""
+    import importlib.util
+    import sys
+    import types
+    from enum import Enum
+
+    calls = []
+
+    def build_attn_metadata(**kw):
+        calls.append(kw)
+        m, m2 = NS(causal=kw["causal"]), NS(causal=kw["causal"])
+        return {"layer.0": m, "layer.1": m, "layer.2": m2}
+
+    try:
+        have_vllm = importlib.util.find_spec("vllm") is not None
+    except ValueError:  # a stand-in module of vllm_sampler_output_class (no __spec__)
+        have_vllm = False
+    if have_vllm:
+        import vllm.v1.worker.gpu.attn_utils as au
+
+        monkeypatch.setattr(au, "build_attn_metadata", build_attn_metadata)
+        return calls
+
+    class CUDAGraphMode(Enum):
+        NONE = 0
+        PIECEWISE = 1
+        FULL = 2
+
+    for n in ["vllm", "vllm.config", "vllm.config.compilation", "vllm.v1", "vllm.v1.worker", "vllm.v1.worker.gpu",
+              "vllm.v1.worker.gpu.attn_utils"]:
+        if n not in sys.modules:
+            monkeypatch.setitem(sys.modules, n, types.ModuleType(n))
+    monkeypatch.setattr(sys.modules["vllm.config.compilation"], "CUDAGraphMode", CUDAGraphMode, raising=False)
+    monkeypatch.setattr(sys.modules["vllm.v1.worker.gpu.attn_utils"], "build_attn_metadata", build_attn_metadata,
+                        raising=False)
+    return calls
 
 
 # ------------------------------------------------------------------------------------- scheduler stand-ins

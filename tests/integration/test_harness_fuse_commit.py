@@ -13,7 +13,8 @@ from types import SimpleNamespace as NS
 import numpy as np
 import pytest
 import torch
-from integration_helpers import CL, make_batch, needs_stack, params, prompt, vllm_sampler_output_class
+from integration_helpers import (CL, make_batch, needs_stack, params, prompt, vllm_attn_metadata_stubs,
+                                 vllm_sampler_output_class)
 
 pytestmark = needs_stack
 
@@ -300,7 +301,8 @@ def test_vllm_mode_fused_row_is_cl_accepted_and_cl_rejected_drafts(monkeypatch):
     self-conditioning MLP on its last CL tokens only (decoder rows), and its SamplerOutput reports the committed
     canvas with num_sampled = CL and num_rejected = CL (the KV position moves by CL); the draft tokens vLLM
     schedules next are the canvas after the next canvas's first step; a plain denoise row beside it is unchanged.
-    prepare_attn refuses fuse_commit under vLLM (the CUSTOM backend reads causal flags, not row counts)."""
+    prepare_attn attaches the causal row counts (CL for the fused row, 0 for the denoise row) to every metadata
+    object, in the persistent buffer."""
     from test_vllm_plugin import _StandInVllmModel
 
     from blockdiff.integration.batch import NewRequest
@@ -315,6 +317,10 @@ def test_vllm_mode_fused_row_is_cl_accepted_and_cl_rejected_drafts(monkeypatch):
                                          device="cpu", default_params=params(), fuse_commit=True)
     ms.mode = "vllm"
     ms.inputs_embeds_buf = torch.zeros(4 * CL, H)
+    ms.causal_buf_i32 = torch.zeros(2, dtype=torch.int32)
+    ms.model_config = NS(max_model_len=256)  # vLLM 0.33.0's ModelState.max_model_len is a property reading it
+    if "max_model_len" not in dir(type(ms)):
+        ms.max_model_len = 256
     draft = torch.zeros(2, CL, dtype=torch.int64)
     sampler, _ = ms.custom_sampler(NS(req_states=NS(draft_tokens=draft)), backend="reference")
     ms.add_request(0, NewRequest("c", [1, 2], params(max_denoising_steps=3)))
@@ -327,8 +333,11 @@ def test_vllm_mode_fused_row_is_cl_accepted_and_cl_rejected_drafts(monkeypatch):
     with torch.no_grad():
         base = model.emb(ms.input_ids_buf[: 3 * CL])
     assert torch.equal(emb[:CL], base[:CL]) and torch.allclose(emb[CL:], base[CL:] + 100.0)
-    with pytest.raises(NotImplementedError, match="fuse_commit"):
-        ms.prepare_attn(b, None, (b.block_table,), b.slot_mapping, None, None)
+    calls = vllm_attn_metadata_stubs(monkeypatch)
+    meta = ms.prepare_attn(b, None, (b.block_table,), b.slot_mapping, None, None)
+    ncq = meta["layer.0"]._blockdiff_num_causal_q
+    assert ncq.tolist() == [CL, 0] and ncq.dtype == torch.int32 and ncq.data_ptr() == ms.num_causal_q_buf.data_ptr()
+    assert meta["layer.2"]._blockdiff_num_causal_q is ncq and calls[0]["causal"].tolist() == [1, 0]
     out = sampler(torch.randn(3 * CL, V, generator=torch.Generator().manual_seed(0)), b)
     assert out.num_sampled.tolist() == [CL, 0] and out.num_rejected.tolist() == [CL, CL]
     assert out.sampled_token_ids[0].tolist() == list(range(10, 10 + CL))

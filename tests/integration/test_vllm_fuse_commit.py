@@ -1,0 +1,404 @@
+"""Fused commits under vLLM (issue 25's stretch goal; docs/ARCHITECTURE.md "Integration and vLLM accounting"):
+the worker flags "commits next, and the commit does not end the request" as ``num_nans_in_logits = -1``, the
+plugin's synchronous scheduler gives that request ``2 * CL`` draft tokens (the commit plus the next canvas's first
+step), and the model state's attention metadata carries the causal row counts.
+
+The pieces run here without vLLM (stand-ins) and, where vLLM's Python side is installed
+(``source tests/integration/vllm_cpu_env.sh 0.26.0`` / ``0.33.0``), against a real vLLM ``Scheduler`` /
+``AsyncScheduler`` served with ``num_spec_tokens = 2 * CL``.
+"""
+from __future__ import annotations
+
+import importlib.util
+from types import SimpleNamespace as NS
+
+import numpy as np
+import pytest
+import torch
+from integration_helpers import (CL, FAKE_VLLM_TYPES, FakeRequest, FakeScheduler, make_batch, needs_stack, params,
+                                 vllm_attn_metadata_stubs, vllm_sampler_output_class)
+
+from blockdiff.integration import vllm_scheduler as VS
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed here (tests/integration/vllm_cpu_env.sh)")
+
+
+# ------------------------------------------------------------------------------------------ scheduler pieces
+def test_split_fuse_flags_collects_negative_ids_and_cleans_the_copy():
+    nans = {"a": -1, "b": 0, "c": 3}
+    fuse, cleaned = VS.split_fuse_flags(nans)
+    assert fuse == {"a"} and cleaned == {"a": 0, "b": 0, "c": 3} and nans["a"] == -1  # the input is not changed
+    fuse, same = VS.split_fuse_flags({"b": 0, "c": 2})
+    assert fuse == set() and same == {"b": 0, "c": 2}
+    assert VS.split_fuse_flags(None) == (set(), None)
+    with pytest.raises(TypeError, match="num_nans_in_logits must be a dict"):
+        VS.split_fuse_flags([("a", -1)])
+    with pytest.raises(TypeError, match=r"num_nans_in_logits\['a'\] must be an int"):
+        VS.split_fuse_flags({"a": -1.0})
+
+
+def test_minus_one_is_not_a_failure():
+    """finish_stuck_requests fails a request on n > 0 only (was: any nonzero n, so -1 would have failed it)."""
+    s = FakeScheduler([FakeRequest("f", 10), FakeRequest("x", 10)], max_model_len=100, canvas=CL)
+    assert VS.finish_stuck_requests(s, {"f": -1, "x": 2}, {}, types=FAKE_VLLM_TYPES) == [("x", "error")]
+    assert s.requests["f"].status == "RUNNING"
+
+
+def _fake_sched(reqs, max_model_len, cl=CL):
+    s = FakeScheduler(reqs, max_model_len=max_model_len, canvas=2 * cl)  # num_spec_tokens = 2 * CL
+    s.blockdiff_canvas_length = cl
+    return s
+
+
+def test_cut_draft_widths_gives_two_canvases_only_to_a_flagged_request_whose_next_canvas_fits():
+    reqs = [FakeRequest("plain", 20), FakeRequest("fuse", 20), FakeRequest("tight", 100 - 2 * CL + 1),
+            FakeRequest("edge", 100 - 2 * CL)]
+    s = _fake_sched(reqs, 100)
+    d = NS(req_ids=["plain", "fuse", "tight", "edge", "gone"], draft_token_ids=[[-1] * (2 * CL) for _ in range(5)])
+    VS.cut_draft_widths(s, d, {"fuse", "tight", "edge", "gone"})
+    assert [len(x) for x in d.draft_token_ids] == [CL, 2 * CL, CL, 2 * CL, 2 * CL]  # unknown id left alone
+    # the served canvas length as the default (not num_spec_tokens), and lists already short stay short
+    d = NS(req_ids=["plain"], draft_token_ids=[[-1] * 3])
+    VS.cut_draft_widths(s, d, set())
+    assert d.draft_token_ids == [[-1] * 3]
+
+
+def test_cut_spec_tokens_trims_every_running_request_to_one_canvas_with_a_new_list():
+    reqs = [FakeRequest("a", 5), FakeRequest("b", 5)]
+    shared = [-1] * (2 * CL)  # vLLM's AsyncScheduler shares one placeholder list between requests
+    for r in reqs:
+        r.spec_token_ids = shared
+    s = _fake_sched(reqs, 100)
+    VS.cut_spec_tokens(s)
+    assert [len(r.spec_token_ids) for r in reqs] == [CL, CL] and len(shared) == 2 * CL
+
+
+def test_length_check_uses_one_canvas_not_num_spec_tokens():
+    """With num_spec_tokens = 2 * CL a request whose next plain canvas fits is not finished for length."""
+    s = _fake_sched([FakeRequest("fits", 100 - CL), FakeRequest("over", 100 - CL + 1)], 100)
+    assert VS.finish_stuck_requests(s, None, {}, types=FAKE_VLLM_TYPES) == [("over", "length")]
+
+
+def test_served_canvas_length_and_the_env_switch():
+    def cfg(served, ckpt):
+        return NS(diffusion_config=NS(canvas_length=served), model_config=NS(hf_config=NS(canvas_length=ckpt)))
+
+    assert VS.served_canvas_length(cfg(512, 256)) == (256, True)
+    assert VS.served_canvas_length(cfg(256, 256)) == (256, False)
+    assert VS.served_canvas_length(cfg(384, 256)) == (384, False)
+    assert VS.served_canvas_length(cfg(None, 256)) == (256, False)
+    assert VS.served_canvas_length(NS(diffusion_config=NS(canvas_length=64))) == (64, False)
+    assert VS.served_canvas_length(cfg(2, True)) == (2, False)  # a bool is no canvas length
+    assert VS.fuse_commit_from_env({}) is False and VS.fuse_commit_from_env({VS.FUSE_COMMIT_ENV: "0"}) is False
+    assert VS.fuse_commit_from_env({VS.FUSE_COMMIT_ENV: "1"}) is True
+    for bad in ("yes", "true", " 1", "2"):
+        with pytest.raises(ValueError, match=VS.FUSE_COMMIT_ENV):
+            VS.fuse_commit_from_env({VS.FUSE_COMMIT_ENV: bad})
+
+
+# ------------------------------------------------------------------------------------------ sampler: the flag
+@needs_stack
+def test_commit_finishes_vec_equals_the_host_rule_on_random_states(tiny_model):
+    """Random commit canvases, stop sets (some empty, some with a stop id inside), max_tokens and emitted counts:
+    the device rule equals DiffusionModelState.commit_finishes slot by slot."""
+    from blockdiff.integration.batch import NewRequest
+    from blockdiff.integration.model_state import DiffusionModelState
+    from blockdiff.sampler import COMMIT
+
+    R = 6
+    ms = DiffusionModelState.for_harness(tiny_model, max_num_reqs=R, max_num_tokens=2 * CL, canvas_length=CL,
+                                         device="cpu", default_params=params())
+    for r in range(R):
+        ms.add_request(r, NewRequest(f"r{r}", [3, 4], params()))
+    g = torch.Generator().manual_seed(0)
+    st = ms.state
+    seen = set()
+    for _ in range(60):
+        st.phase[:] = COMMIT
+        st.commit_canvas[:] = torch.randint(3, 12, (R, CL), generator=g)
+        st.eos_token_ids[:] = -1
+        for r in range(R):
+            k = int(torch.randint(0, 4, (1,), generator=g))
+            st.eos_token_ids[r, :k] = torch.randint(3, 14, (k,), generator=g)
+        st.max_tokens[:] = torch.randint(1, 4 * CL, (R,), generator=g)
+        st.num_emitted[:] = (st.max_tokens - torch.randint(-2, 2 * CL, (R,), generator=g)).clamp(min=0)
+        slots = torch.randperm(R, generator=g)
+        got = ms.commit_finishes_vec(slots).tolist()
+        want = [ms.commit_finishes(int(s)) for s in slots]
+        assert got == want
+        seen.update(want)
+    assert seen == {True, False}
+    with pytest.raises(TypeError, match="int64"):
+        ms.commit_finishes_vec(torch.tensor([0], dtype=torch.int32))
+    with pytest.raises(ValueError, match="1-D"):
+        ms.commit_finishes_vec(torch.zeros(1, 1, dtype=torch.int64))
+
+
+def _vllm_fuse_state(tiny_monkeypatch, R=3, fuse=True):
+    from test_vllm_plugin import _StandInVllmModel
+
+    from blockdiff.integration.model_state import DiffusionModelState
+
+    vllm_sampler_output_class(tiny_monkeypatch)
+    model = _StandInVllmModel(64, 8)
+    model.embedding_weight = model.emb.weight.detach()
+    ms = DiffusionModelState.for_harness(model, max_num_reqs=R, max_num_tokens=6 * CL, canvas_length=CL,
+                                         device="cpu", default_params=params(), fuse_commit=fuse)
+    ms.mode = "vllm"
+    ms.inputs_embeds_buf = torch.zeros(6 * CL, 8)
+    ms.causal_buf_i32 = torch.zeros(R, dtype=torch.int32)
+    draft = torch.zeros(R, 2 * CL, dtype=torch.int64)
+    sampler, _ = ms.custom_sampler(NS(req_states=NS(draft_tokens=draft)), backend="reference")
+    return ms, sampler
+
+
+def _add(ms, slot, rid, **kw):
+    from blockdiff.integration.batch import NewRequest
+
+    ms.add_request(slot, NewRequest(rid, [1, 2], params(**kw)))
+
+
+@needs_stack
+def test_vllm_output_flags_a_convergence_whose_commit_does_not_finish(monkeypatch):
+    """Step cap 1: every canvas converges at its step. Row "go" (no cap on tokens) reports -1, row "last" (its
+    commit reaches max_tokens) reports 0; with fuse_commit off nobody reports -1."""
+    from blockdiff.sampler import COMMIT, DENOISE
+
+    for fuse in (True, False):
+        ms, sampler = _vllm_fuse_state(monkeypatch, fuse=fuse)
+        _add(ms, 0, "go", max_denoising_steps=1)
+        _add(ms, 1, "last", max_denoising_steps=1, max_tokens=CL)
+        _add(ms, 2, "slow", max_denoising_steps=3)
+        ms.state.phase[:3] = DENOISE
+        b = make_batch([("go", 0, CL, 2, 2, None), ("last", 1, CL, 2, 2, None), ("slow", 2, CL, 2, 2, None)])
+        ms.prepare_inputs(b, None)
+        out = sampler(torch.randn(3 * CL, 64, generator=torch.Generator().manual_seed(1)), b)
+        assert ms.state.phase[:3].tolist() == [COMMIT, COMMIT, DENOISE]
+        assert out.num_nans.tolist() == ([-1, 0, 0] if fuse else [0, 0, 0])
+
+
+@needs_stack
+def test_vllm_fused_row_truncated_by_the_budget_commits_and_rejects_the_rest(monkeypatch):
+    """Hardening (a): a COMMIT row the token budget cut to CL < q < 2 * CL commits its canvas (num_sampled CL),
+    rejects q - CL drafts and starts the next canvas unstepped (as after a plain commit): no stall, no retry."""
+    from blockdiff.sampler import COMMIT, DENOISE
+
+    ms, sampler = _vllm_fuse_state(monkeypatch)
+    _add(ms, 0, "c")
+    st = ms.state
+    st.phase[0] = COMMIT
+    st.commit_canvas[0] = torch.arange(CL) + 10
+    b = make_batch([("c", 0, CL + 3, 2, 2, None)])
+    ms.prepare_inputs(b, None)
+    out = sampler(torch.randn(CL + 3, 64, generator=torch.Generator().manual_seed(2)), b)
+    assert out.num_sampled.tolist() == [CL] and out.num_rejected.tolist() == [3]
+    assert out.sampled_token_ids[0].tolist() == list(range(10, 10 + CL))
+    assert st.phase[0] == DENOISE and st.step[0] == 0 and st.canvas_index[0] == 1 and st.num_emitted[0] == CL
+    assert out.num_nans.tolist() == [0]
+
+
+@needs_stack
+def test_vllm_two_canvas_row_that_is_no_commit_is_stalled_by_a_device_mask(monkeypatch):
+    """Hardening (b): a DENOISE row scheduled 2 * CL tokens (never so by the plugin's scheduler) leaves its state
+    exactly as it was and reports num_sampled 0, num_rejected 2 * CL; the fused COMMIT row beside it commits and
+    takes the next canvas's first step."""
+    from blockdiff.sampler import COMMIT, DENOISE
+
+    ms, sampler = _vllm_fuse_state(monkeypatch)
+    _add(ms, 0, "d")
+    _add(ms, 1, "c")
+    st = ms.state
+    st.phase[0], st.phase[1] = DENOISE, COMMIT
+    st.canvas[0] = torch.arange(CL) + 30
+    st.commit_canvas[1] = torch.arange(CL) + 10
+    before = {k: v[0].clone() for k, v in vars(st).items() if torch.is_tensor(v) and v.dim() and v.shape[0] == 3}
+    b = make_batch([("d", 0, 2 * CL, 2, 2, None), ("c", 1, 2 * CL, 2, 2, None)])
+    ms.prepare_inputs(b, None)
+    out = sampler(torch.randn(4 * CL, 64, generator=torch.Generator().manual_seed(3)), b)
+    assert out.num_sampled.tolist() == [0, CL] and out.num_rejected.tolist() == [2 * CL, CL]
+    assert (out.sampled_token_ids[0] == -1).all() and out.num_nans.tolist() == [0, 0]
+    for k, v in before.items():
+        assert torch.equal(getattr(st, k)[0], v), k
+    assert st.phase[1] == DENOISE and st.step[1] == 1 and st.canvas_index[1] == 1
+
+
+@needs_stack
+def test_vllm_prepare_attn_fills_the_num_causal_q_buffer_in_place(monkeypatch):
+    """vLLM mode with fuse_commit: num_causal_q_buf (the same storage each step) holds CL for a fused commit row,
+    0 for a denoise row, the prompt chunk for a prefill row and 0 for FULL-graph padding rows; every metadata object
+    carries it, during capture too; with fuse_commit off nothing is attached."""
+    from blockdiff.sampler import COMMIT, DENOISE
+
+    calls = vllm_attn_metadata_stubs(monkeypatch)
+    from vllm.config.compilation import CUDAGraphMode
+
+    ms, _ = _vllm_fuse_state(monkeypatch, R=4)
+    ms.model_config = NS(max_model_len=256)
+    if "max_model_len" not in dir(type(ms)):
+        ms.max_model_len = 256
+    for slot, rid in enumerate("dcp"):
+        _add(ms, slot, rid)
+    ms.state.phase[0], ms.state.phase[1] = DENOISE, COMMIT
+    b = make_batch([("d", 0, CL, 2, 2, None), ("c", 1, 2 * CL, 2, 2, None), ("p", 2, 2, 0, 2, [1, 2])])
+    padded = NS(**{k: getattr(b, k) for k in ("num_reqs", "num_tokens", "idx_mapping", "query_start_loc",
+                                              "query_start_loc_np", "seq_lens", "num_scheduled_tokens")},
+                num_reqs_after_padding=4, num_tokens_after_padding=b.num_tokens)
+    ptr = ms.num_causal_q_buf.data_ptr()
+    ms.num_causal_q_buf.fill_(7)
+    for mode, batch, capture, want in ((None, b, False, [0, CL, 2]), (CUDAGraphMode.FULL, padded, False,
+                                                                        [0, CL, 2, 0]),
+                                       (CUDAGraphMode.FULL, padded, True, [0, CL, 2, 0])):
+        meta = ms.prepare_attn(batch, mode, (b.block_table,), b.slot_mapping, None, None, for_capture=capture)
+        ncq = meta["layer.0"]._blockdiff_num_causal_q
+        assert ncq.tolist() == want and ncq.data_ptr() == ptr and meta["layer.2"]._blockdiff_num_causal_q is ncq
+        assert calls[-1]["for_cudagraph_capture"] is capture
+    ms.fuse_commit = False
+    meta = ms.prepare_attn(b, None, (b.block_table,), b.slot_mapping, None, None)
+    assert not hasattr(meta["layer.0"], "_blockdiff_num_causal_q")
+    with pytest.raises(ValueError, match="num_reqs"):
+        ms.fill_num_causal_q(b, 2)
+
+
+def test_attach_num_causal_q_refuses_what_cannot_carry_it():
+    from blockdiff.integration.model_state import attach_num_causal_q
+
+    class Frozen:
+        __slots__ = ()
+
+    ncq = torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="_blockdiff_num_causal_q"):
+        attach_num_causal_q({"l": Frozen()}, ncq)
+    with pytest.raises(TypeError, match="int32"):
+        attach_num_causal_q({"l": NS()}, ncq.long())
+    m = NS()
+    attach_num_causal_q([{"a": m, "b": m}], ncq)
+    assert m._blockdiff_num_causal_q is ncq
+
+
+# ------------------------------------------------------------------------------------------ a real vLLM scheduler
+@pytest.fixture(scope="module")
+def tiny_hf_folder(tmp_path_factory):
+    """An exported tiny DiffusionGemma config (canvas_length CL, byte tokenizer): what vLLM's ModelConfig reads."""
+    from blockdiff.model import tiny_config
+    from blockdiff.model.export import export_hf
+
+    out = tmp_path_factory.mktemp("tiny_hf")
+    export_hf(tiny_config(vocab_size=259, canvas_length=CL), out)
+    return out
+
+
+def _real_scheduler(monkeypatch, folder, *, asynchronous, max_model_len=128, served=2 * CL):
+    """The plugin's scheduler on vLLM's own classes, served with --diffusion-config canvas_length ``served``."""
+    import vllm.config.vllm as config_module
+    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.config.diffusion import DiffusionConfig
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    monkeypatch.setattr(config_module, "HAS_TRITON", True)  # model runner v2's check (no kernel runs here)
+    mc = ModelConfig(model=str(folder), tokenizer=str(folder), dtype="float32", language_model_only=True,
+                     max_model_len=max_model_len)
+    sc = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=max_model_len,
+                         is_encoder_decoder=False, async_scheduling=asynchronous)
+    cc = CacheConfig(block_size=16, enable_prefix_caching=False)  # as the benchmark serves
+    cc.num_gpu_blocks = 64
+    vc = VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc, device_config=DeviceConfig(device="cpu"),
+                    diffusion_config=DiffusionConfig(canvas_length=served))
+    kvc = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(
+        ["layer0"], FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float32))])
+    name = "BlockdiffDiffusionAsyncScheduler" if asynchronous else "BlockdiffDiffusionScheduler"
+    cls = getattr(VS, name)
+    return cls(vllm_config=vc, kv_cache_config=kvc, structured_output_manager=StructuredOutputManager(vc),
+               block_size=16)
+
+
+def _request(rid, n_prompt, max_tokens=64):
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    return Request(rid, prompt_token_ids=list(range(3, 3 + n_prompt)), sampling_params=SamplingParams(
+        max_tokens=max_tokens), pooling_params=None)
+
+
+def _step(s, sampled=None, nans=None, *, drafts=True):
+    """One engine step of the synchronous engine core: schedule, a ModelRunnerOutput, update_from_output, then
+    (post_step) the worker's draft lists, num_spec_tokens long for every scheduled request."""
+    from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+
+    so = s.schedule()
+    ids = list(so.num_scheduled_tokens)
+    mro = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                            sampled_token_ids=[list((sampled or {}).get(r, [])) for r in ids],
+                            num_nans_in_logits=nans)
+    out = s.update_from_output(so, mro)
+    if drafts:
+        s.update_draft_token_ids(DraftTokenIds(ids, [[-1] * s.num_spec_tokens for _ in ids]))
+    return so, out
+
+
+@needs_vllm
+def test_real_sync_scheduler_fuses_on_minus_one_and_moves_kv_by_one_canvas(monkeypatch, tiny_hf_folder):
+    """vLLM's Scheduler (0.26.0) / DiffusionScheduler (0.33.0) with num_spec_tokens = 2 * CL: canvas rows get CL
+    drafts; after a step reporting -1 the request gets 2 * CL; that row returning CL tokens moves its KV position by
+    CL (CL accepted, CL rejected); -1 is no error and vLLM never sees it."""
+    s = _real_scheduler(monkeypatch, tiny_hf_folder, asynchronous=False)
+    assert s.num_spec_tokens == 2 * CL and (s.blockdiff_canvas_length, s.blockdiff_fused_layout) == (CL, True)
+    r = _request("a", 10)
+    s.add_request(r)
+    so, _ = _step(s)  # prefill
+    assert so.num_scheduled_tokens == {"a": 10} and len(r.spec_token_ids) == CL
+    so, out = _step(s, nans={"a": -1})  # a denoising step whose canvas converged: commit next, not the last
+    assert so.num_scheduled_tokens == {"a": CL} and len(so.scheduled_spec_decode_tokens["a"]) == CL
+    assert r.num_computed_tokens == 10 and r.num_nans_in_logits == 0 and not r.is_finished()
+    assert all(o.finish_reason is None for eco in out.values() for o in eco.outputs)
+    assert len(r.spec_token_ids) == 2 * CL
+    so, out = _step(s, sampled={"a": list(range(20, 20 + CL))}, nans={"a": 0})  # the fused commit
+    assert so.num_scheduled_tokens == {"a": 2 * CL} and len(so.scheduled_spec_decode_tokens["a"]) == 2 * CL
+    assert r.num_computed_tokens == 10 + CL and r.num_tokens == 10 + CL and list(r.output_token_ids) == list(range(20, 20 + CL))
+    assert len(r.spec_token_ids) == CL  # no flag: one canvas
+    so, _ = _step(s)
+    assert so.num_scheduled_tokens == {"a": CL} and r.num_computed_tokens == 10 + CL
+
+
+@needs_vllm
+def test_real_sync_scheduler_gives_one_canvas_when_the_next_does_not_fit(monkeypatch, tiny_hf_folder):
+    """num_tokens + 2 * CL > max_model_len >= num_tokens + CL: a flagged request gets CL drafts (a plain commit),
+    and is not finished for length."""
+    s = _real_scheduler(monkeypatch, tiny_hf_folder, asynchronous=False, max_model_len=32)
+    r = _request("a", 32 - 2 * CL + 1)
+    s.add_request(r)
+    _step(s)
+    so, _ = _step(s, nans={"a": -1})
+    assert so.num_scheduled_tokens == {"a": CL} and len(r.spec_token_ids) == CL and not r.is_finished()
+    so, _ = _step(s)
+    assert so.num_scheduled_tokens == {"a": CL}
+
+
+@needs_vllm
+def test_real_sync_scheduler_with_one_canvas_served_never_fuses(monkeypatch, tiny_hf_folder):
+    """--diffusion-config canvas_length = CL (the checkpoint's): no fused layout, the flag changes nothing."""
+    s = _real_scheduler(monkeypatch, tiny_hf_folder, asynchronous=False, served=CL)
+    assert (s.blockdiff_canvas_length, s.blockdiff_fused_layout) == (CL, False)
+    r = _request("a", 10)
+    s.add_request(r)
+    _step(s)
+    _step(s, nans={"a": -1})
+    so, _ = _step(s)
+    assert so.num_scheduled_tokens == {"a": CL} and r.num_nans_in_logits == 0
+
+
+@needs_vllm
+def test_real_async_scheduler_always_schedules_one_canvas(monkeypatch, tiny_hf_folder):
+    """AsyncScheduler (0.26.0) / DiffusionAsyncScheduler (0.33.0): its placeholders are num_spec_tokens = 2 * CL
+    wide; the plugin's schedule cuts them to CL, -1 flags or not (it never fuses)."""
+    s = _real_scheduler(monkeypatch, tiny_hf_folder, asynchronous=True)
+    r = _request("a", 10)
+    s.add_request(r)
+    _step(s, drafts=False)
+    widths = []
+    for k in range(4):
+        so, _ = _step(s, nans={"a": -1}, drafts=False)
+        widths.append(so.num_scheduled_tokens.get("a"))
+        assert r.num_nans_in_logits == 0 and not r.is_finished()
+    assert widths == [CL] * 4 and s.blockdiff_fuse_next == set()
