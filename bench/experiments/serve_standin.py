@@ -28,6 +28,14 @@ model runner's host work. ``BLOCKDIFF_STANDIN_TOKENS``: what a commit emits (:da
 (start, end, tokens, canvas tokens, requests) in ``perf_counter`` seconds goes to ``BLOCKDIFF_STANDIN_LOG`` when
 set.
 
+Fused commits (docs/ARCHITECTURE.md "Integration and vLLM accounting"): ``run --no-async-scheduling --canvas-length
+512 --fuse-commit`` serves with vLLM's synchronous scheduler (``BlockdiffDiffusionScheduler``), ``--diffusion-config``
+canvas_length 512 (twice the model's 256) and ``BLOCKDIFF_FUSE_COMMIT=1``; the worker then answers like blockdiff's
+model state: ``num_nans_in_logits = -1`` on the step whose canvas converges when its commit will not end the request
+(``max_tokens``), and a row of ``2 * 256`` tokens is that commit plus the next canvas's first denoising step (timed as
+its 512 canvas tokens). The synchronous engine core asks the worker for draft lists after each step
+(``take_draft_token_ids``: ``[-1] * num_speculative_tokens`` per scheduled request, as model runner v2's).
+
 On a machine without a GPU the worker alone is not enough: vLLM finds no platform. ``--platform cpu`` writes a
 platform plugin (:class:`StandinPlatform`: vLLM's CPU platform with the executor and asynchronous scheduling the
 GPU server has: one process, ``uni``, asynchronous) as a ``vllm.platform_plugins`` entry point into the work
@@ -93,9 +101,13 @@ def parse_floats(text: str, n: int, name: str) -> tuple[float, ...]:
 class DiffusionAccounting:
     """Per-request phase of the stand-in: what one engine step samples for each scheduled request.
 
-    ``step(req_id, canvas_row)``: ``canvas_row`` True when the request is scheduled with draft tokens (its canvas);
-    returns the number of tokens the step samples for it: 0 for a prefill chunk and for each of the first
-    ``denoising_steps`` canvas steps, ``canvas_length`` for the next (the commit), then a new canvas begins.
+    ``step(req_id, canvas_row, num_tokens=None)``: ``canvas_row`` True when the request is scheduled with draft
+    tokens (its canvas), ``num_tokens`` the row's scheduled tokens (None: one canvas); returns the number of tokens
+    the step samples for it: 0 for a prefill chunk and for each of the first ``denoising_steps`` canvas steps,
+    ``canvas_length`` for the next (the commit), then a new canvas begins. A row wider than a canvas is a commit
+    (whatever the count of steps): with ``2 * canvas_length`` tokens a fused commit, which also takes the next
+    canvas's first denoising step, with fewer (a budget cut) a plain commit whose extra tokens are rejected.
+    ``commits_next(req_id)``: whether the request's next canvas row is its commit (its canvas converged).
     """
 
     def __init__(self, denoising_steps: int = DENOISING_STEPS, canvas_length: int = CANVAS_LENGTH):
@@ -104,15 +116,22 @@ class DiffusionAccounting:
         self.denoising_steps, self.canvas_length = denoising_steps, canvas_length
         self.steps: dict[str, int] = {}
 
-    def step(self, req_id: str, canvas_row: bool) -> int:
+    def step(self, req_id: str, canvas_row: bool, num_tokens: int | None = None) -> int:
         if not canvas_row:
             return 0
+        cl = self.canvas_length
+        if num_tokens is not None and num_tokens > cl:  # a fused commit (2 * CL) or a cut one
+            self.steps[req_id] = 1 if num_tokens >= 2 * cl else 0
+            return cl
         n = self.steps.get(req_id, 0) + 1
         if n > self.denoising_steps:
             self.steps[req_id] = 0
-            return self.canvas_length
+            return cl
         self.steps[req_id] = n
         return 0
+
+    def commits_next(self, req_id: str) -> bool:
+        return self.steps.get(req_id, 0) >= self.denoising_steps
 
     def finish(self, req_ids) -> None:
         for r in req_ids:
@@ -163,6 +182,9 @@ def _make_worker():
         """vLLM worker that runs no kernel (module docstring)."""
 
         def init_device(self):
+            from blockdiff.integration.vllm_scheduler import (FUSE_NEXT_FLAG, fuse_commit_from_env,
+                                                              served_canvas_length)
+
             self.device = torch.device("cpu")
             cfg = check_environment()
             self.step_ms = parse_floats(cfg["step_ms"], 3, STEP_ENV)
@@ -170,7 +192,17 @@ def _make_worker():
             self.tokens = cfg["tokens"]
             dc = getattr(self.vllm_config, "diffusion_config", None)
             steps = getattr(dc, "max_denoising_steps", None) or DENOISING_STEPS
-            self.accounting = DiffusionAccounting(int(steps), int(getattr(dc, "canvas_length", None) or CANVAS_LENGTH))
+            # CL as blockdiff's model state takes it (the checkpoint's when the diffusion config is twice that)
+            cl, fused_layout = served_canvas_length(self.vllm_config)
+            self.accounting = DiffusionAccounting(int(steps), cl)
+            self.asynchronous = bool(self.vllm_config.scheduler_config.async_scheduling)
+            # fused commits as the model state does them (BLOCKDIFF_FUSE_COMMIT=1 and a 2 * CL diffusion config):
+            # FUSE_NEXT_FLAG in num_nans_in_logits before each commit that does not end its request
+            self.fuse, self.fuse_flag = fuse_commit_from_env() and fused_layout, FUSE_NEXT_FLAG
+            self.num_spec = int(self.vllm_config.num_speculative_tokens)
+            self.max_tokens: dict[str, int] = {}
+            self.emitted: dict[str, int] = {}
+            self.last_req_ids: list[str] = []
             self.gpu_free_at = time.perf_counter()
             self.rng = random.Random(0)
             self.vocab = self.model_config.get_vocab_size()
@@ -209,7 +241,14 @@ def _make_worker():
             return None
 
         def take_draft_token_ids(self):
-            return None
+            # the synchronous engine core asks after each step (model runner v2: ``[-1] * num_spec`` a request);
+            # the asynchronous one never does
+            if self.asynchronous or not self.last_req_ids:
+                return None
+            from vllm.v1.outputs import DraftTokenIds
+
+            ids, self.last_req_ids = self.last_req_ids, []
+            return DraftTokenIds(ids, [[-1] * self.num_spec for _ in ids])
 
         def reset_mm_cache(self):
             return None
@@ -224,8 +263,18 @@ def _make_worker():
         def execute_model(self, scheduler_output):
             # a finished or preempted request starts afresh (model runner v2 removes both; a resumed one
             # re-prefills and begins a new canvas)
-            self.accounting.finish(set(scheduler_output.finished_req_ids)
-                                   | set(getattr(scheduler_output, "preempted_req_ids", None) or ()))
+            gone = set(scheduler_output.finished_req_ids) | set(getattr(scheduler_output, "preempted_req_ids",
+                                                                            None) or ())
+            self.accounting.finish(gone)
+            for rid in gone:
+                self.max_tokens.pop(rid, None)
+                self.emitted.pop(rid, None)
+            for new in scheduler_output.scheduled_new_reqs:
+                sp = new.sampling_params
+                self.max_tokens[new.req_id] = getattr(sp, "max_tokens", None) or (1 << 62)
+                # a resumed request re-prefills prompt + output: what it already emitted counts
+                self.emitted[new.req_id] = len(new.prefill_token_ids or ()) - len(new.prompt_token_ids or ()) \
+                    if new.prefill_token_ids else 0
             if scheduler_output.total_num_scheduled_tokens == 0:
                 return EMPTY_MODEL_RUNNER_OUTPUT
             self.pending = scheduler_output
@@ -233,14 +282,23 @@ def _make_worker():
 
         def sample_tokens(self, grammar_output):
             so, self.pending = self.pending, None
-            req_ids, sampled, canvas_tokens = [], [], 0
+            req_ids, sampled, canvas_tokens, flags = [], [], 0, {}
+            cl = self.accounting.canvas_length
             for rid, n in so.num_scheduled_tokens.items():
                 canvas_row = bool(so.scheduled_spec_decode_tokens.get(rid))
-                canvas_tokens += n if canvas_row else 0
+                canvas_tokens += n if canvas_row else 0  # a fused row is timed as its 2 * CL tokens
                 req_ids.append(rid)
-                sampled.append([self._token() for _ in range(self.accounting.step(rid, canvas_row))])
+                k = self.accounting.step(rid, canvas_row, n if canvas_row else None)
+                self.emitted[rid] = self.emitted.get(rid, 0) + k
+                sampled.append([self._token() for _ in range(k)])
+                # the canvas converged and its commit does not end the request: ask for a fused commit
+                if self.fuse and canvas_row and self.accounting.commits_next(rid) and \
+                        self.emitted[rid] + cl < self.max_tokens.get(rid, 1 << 62):
+                    flags[rid] = self.fuse_flag
+            self.last_req_ids = list(req_ids)
             out = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                    sampled_token_ids=sampled)
+                                    sampled_token_ids=sampled,
+                                    num_nans_in_logits={r: flags.get(r, 0) for r in req_ids} if flags else None)
             busy = (self.host_ms[0] + self.host_ms[1] * len(req_ids)) / 1e3
             t_end = time.perf_counter() + busy
             while time.perf_counter() < t_end:  # a model runner's host work: Python, holding the GIL
@@ -344,12 +402,35 @@ def load_timeline(result: dict, steps: list[tuple[float, float, int, int, int]])
 
 
 def server_command(*, model: str, port: int, max_num_seqs: int, kv_cache_gib: float, quant: str = "fp8",
-                   api_server_count: int = 1) -> tuple[dict[str, str], list[str]]:
+                   api_server_count: int = 1, async_scheduling: bool = True, canvas_length: int | None = None,
+                   fuse_commit: bool = False) -> tuple[dict[str, str], list[str]]:
     """The benchmark's blockdiff server command (:func:`blockdiff.bench.bench_serve.server_command`, triton backend
-    named, no profiler) with the stand-in worker: (environment, argv)."""
+    named, no profiler) with the stand-in worker: (environment, argv).
+
+    Args:
+        async_scheduling: False: ``--no-async-scheduling`` and ``BlockdiffDiffusionScheduler``.
+        canvas_length: the ``--diffusion-config`` canvas_length (None: the benchmark's, 256); twice the model's
+            (512) is the fused-commit layout (``blockdiff.integration.vllm_scheduler.served_canvas_length``).
+        fuse_commit: set ``BLOCKDIFF_FUSE_COMMIT=1`` (fused commits need ``canvas_length`` = 2 * 256 and the
+            synchronous scheduler).
+
+    Raises:
+        ValueError: ``canvas_length`` not an int >= 1; ``fuse_commit`` / ``async_scheduling`` not a bool.
+    """
+    for name, v in (("async_scheduling", async_scheduling), ("fuse_commit", fuse_commit)):
+        if not isinstance(v, bool):
+            raise ValueError(f"{name} must be a bool, got {v!r}")
     env, argv = bs.server_command("blockdiff-triton", quant, model=model, port=port, max_num_seqs=max_num_seqs,
                                   kv_cache_bytes=int(kv_cache_gib * 2**30), gpu_memory_utilization=0.9,
-                                  api_server_count=api_server_count)
+                                  api_server_count=api_server_count, async_scheduling=async_scheduling)
+    if canvas_length is not None:
+        bs._check_int("canvas_length", canvas_length, 1)
+        i = argv.index("--diffusion-config") + 1
+        argv[i] = json.dumps({**json.loads(argv[i]), "canvas_length": canvas_length}, separators=(",", ":"))
+    if fuse_commit:
+        from blockdiff.integration.vllm_scheduler import FUSE_COMMIT_ENV
+
+        env[FUSE_COMMIT_ENV] = "1"
     return env, argv + ["--distributed-executor-backend", "uni", "--worker-cls", WORKER_CLASS]
 
 
@@ -409,14 +490,18 @@ def run(args) -> dict:
     steps_log.unlink(missing_ok=True)
     env[LOG_ENV] = str(steps_log)
     senv, argv = server_command(model=str(model), port=args.port, max_num_seqs=args.max_num_seqs,
-                                kv_cache_gib=args.kv_cache_gib, quant=args.quant, api_server_count=args.api_servers)
+                                kv_cache_gib=args.kv_cache_gib, quant=args.quant, api_server_count=args.api_servers,
+                                async_scheduling=args.async_scheduling, canvas_length=args.canvas_length,
+                                fuse_commit=args.fuse_commit)
     if args.server_cmd:  # a stand-in for the whole server (CPU tests of this driver), run as CMD PORT TRACE_DIR
         argv = [*args.server_cmd, str(args.port), str(out / "trace")]
     env.update(senv)
     env["VLLM_PLUGINS"] = "blockdiff,blockdiff_standin"
     (out / "server.cmd").write_text(shlex.join(argv) + "\n")
     summary: dict = {"env": bs.environment(), "standin": {
-        **standin, "platform": args.platform, "api_servers": args.api_servers}, "loads": []}
+        **standin, "platform": args.platform, "api_servers": args.api_servers,
+        "async_scheduling": args.async_scheduling, "canvas_length": args.canvas_length,
+        "fuse_commit": args.fuse_commit}, "loads": []}
     with open(out / "server.log", "w") as log:
         server = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     (out / "server.pid").write_text(f"{server.pid}\n")  # for a profiler attached from outside (serve_standin.sh)
@@ -517,6 +602,12 @@ def main(argv=None) -> int:
     r.add_argument("--kv-cache-gib", type=bs._pos_float, default=40.0)
     r.add_argument("--quant", choices=bs.QUANTS, default="fp8")
     r.add_argument("--api-servers", type=bs._pos_int, default=1)
+    r.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                   help="vLLM's synchronous scheduler (BlockdiffDiffusionScheduler): the one that fuses commits")
+    r.add_argument("--canvas-length", type=bs._pos_int, default=None,
+                   help="--diffusion-config canvas_length (default the benchmark's 256; 512: the fused-commit layout)")
+    r.add_argument("--fuse-commit", action="store_true",
+                   help="BLOCKDIFF_FUSE_COMMIT=1 (with --canvas-length 512 and --no-async-scheduling)")
     r.add_argument("--bench-cmd", type=bs._cmd, help="the client (default: this Python's `vllm bench serve`)")
     r.add_argument("--server-cmd", type=bs._cmd, help=argparse.SUPPRESS)  # CPU tests: a fake server, CMD PORT DIR
     r.add_argument("--start-timeout", type=bs._pos_float, default=300.0, help="seconds the server may take to start")

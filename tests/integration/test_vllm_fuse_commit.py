@@ -402,3 +402,33 @@ def test_real_async_scheduler_always_schedules_one_canvas(monkeypatch, tiny_hf_f
         widths.append(so.num_scheduled_tokens.get("a"))
         assert r.num_nans_in_logits == 0 and not r.is_finished()
     assert widths == [CL] * 4 and s.blockdiff_fuse_next == set()
+
+
+# ------------------------------------------------------------------------------------------ the model state's switch
+@needs_stack
+@needs_vllm
+@pytest.mark.parametrize("served, env, fused", [(2 * CL, "1", True), (2 * CL, None, False), (CL, "1", False),
+                                                (2 * CL, "0", False)])
+def test_vllm_model_state_fuses_only_when_asked_and_served_with_two_canvases(monkeypatch, served, env, fused):
+    """DiffusionModelState built through vLLM's ModelState.__init__ (configs as namespaces): CL is the checkpoint's
+    when --diffusion-config canvas_length is twice it, and fuse_commit is on only then and with
+    BLOCKDIFF_FUSE_COMMIT=1; any other value of the variable stops the start with a ValueError naming it."""
+    from test_vllm_plugin import _StandInVllmModel
+
+    from blockdiff.integration.model_state import DiffusionModelState
+
+    H = 8
+    mc = NS(get_inputs_embeds_size=lambda: H, dtype=torch.float32, hf_text_config=NS(hidden_size=H),
+            hf_config=NS(canvas_length=CL), try_get_generation_config=lambda: {}, get_vocab_size=lambda: 64,
+            max_model_len=256)
+    cfg = NS(model_config=mc, scheduler_config=NS(max_num_seqs=2, max_num_batched_tokens=64, async_scheduling=False),
+             diffusion_config=NS(canvas_length=served, max_denoising_steps=2))
+    if env is None:
+        monkeypatch.delenv(VS.FUSE_COMMIT_ENV, raising=False)
+    else:
+        monkeypatch.setenv(VS.FUSE_COMMIT_ENV, env)
+    ms = DiffusionModelState(cfg, _StandInVllmModel(64, H), None, torch.device("cpu"))
+    assert ms.canvas_length == CL and ms.fuse_commit is fused and ms.default_params.canvas_length == CL
+    monkeypatch.setenv(VS.FUSE_COMMIT_ENV, "on")
+    with pytest.raises(ValueError, match=VS.FUSE_COMMIT_ENV):
+        DiffusionModelState(cfg, _StandInVllmModel(64, H), None, torch.device("cpu"))

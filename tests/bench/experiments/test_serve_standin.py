@@ -37,6 +37,17 @@ def test_accounting_keeps_requests_apart_and_forgets_finished_ones():
     assert "b" not in acc.steps and acc.step("b", True) == 0
 
 
+def test_accounting_of_fused_commit_rows():
+    """A row of 2 * CL tokens is the commit plus the next canvas's first step; a wider row cut short of that (the
+    token budget) is a plain commit; commits_next says when the canvas converged."""
+    acc = st.DiffusionAccounting(denoising_steps=3, canvas_length=4)
+    assert [acc.step("a", True, 4) for _ in range(3)] == [0, 0, 0] and acc.commits_next("a")
+    assert acc.step("a", True, 8) == 4 and acc.steps["a"] == 1 and not acc.commits_next("a")
+    assert [acc.step("a", True, 4) for _ in range(2)] == [0, 0] and acc.commits_next("a")
+    assert acc.step("a", True, 6) == 4 and acc.steps["a"] == 0  # cut: the next canvas starts unstepped
+    assert [acc.step("a", True) for _ in range(4)] == [0, 0, 0, 4]  # one canvas a row: as before
+
+
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True])
 def test_accounting_rejects_bad_sizes(bad):
     with pytest.raises(ValueError, match="denoising_steps"):
@@ -96,7 +107,15 @@ def test_server_command_is_the_benchmarks_with_the_standin_worker():
     assert argv[argv.index("--worker-cls") + 1] == st.WORKER_CLASS
     assert argv[argv.index("--distributed-executor-backend") + 1] == "uni"
     assert "--async-scheduling" in argv and argv[argv.index("--quantization") + 1] == "fp8"
-    assert env["VLLM_PLUGINS"] == "blockdiff"
+    assert env["VLLM_PLUGINS"] == "blockdiff" and "BLOCKDIFF_FUSE_COMMIT" not in env
+    env, argv = st.server_command(model="/m", port=8190, max_num_seqs=64, kv_cache_gib=40, async_scheduling=False,
+                                  canvas_length=512, fuse_commit=True)
+    assert "--no-async-scheduling" in argv and "--async-scheduling" not in argv
+    assert argv[argv.index("--scheduler-cls") + 1].endswith(".BlockdiffDiffusionScheduler")
+    assert json.loads(argv[argv.index("--diffusion-config") + 1]) == {"canvas_length": 512, "max_denoising_steps": 16}
+    assert env["BLOCKDIFF_FUSE_COMMIT"] == "1"
+    with pytest.raises(ValueError, match="fuse_commit"):
+        st.server_command(model="/m", port=8190, max_num_seqs=64, kv_cache_gib=40, fuse_commit=1)
 
 
 @pytest.mark.parametrize("name, value", [(st.STEP_ENV, "1,2"), (st.HOST_ENV, "x,0"), (st.TOKENS_ENV, "zeros")])
@@ -213,6 +232,33 @@ def test_standin_server_answers_a_load_with_the_accounting(tmp_path):
     assert row["status"] == "ok" and row["failed"] == 0 and row["complete"]
     assert row["diffusion_steps_per_canvas"] == 16.0
     assert row["timeline"]["steps"] >= 2 * 17 and row["timeline"]["gpu_span_s"] <= row["timeline"]["window_s"]
+
+
+def _standin_run(out, port, *extra):
+    env = dict(os.environ, BLOCKDIFF_STANDIN_STEP_MS="1,0.001,0.002")
+    p = subprocess.run([sys.executable, "-m", "blockdiff.bench.experiments.serve_standin", "run", "--platform", "cpu",
+                        "--out", str(out), "--concurrency", "1", "--prompts", "2", "--port", str(port), *extra],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:] + (out / "server.log").read_text()[-3000:]
+    (row,) = json.loads((out / "standin.json").read_text())["loads"]
+    return row, st.read_steps(out / "steps.log")
+
+
+@pytest.mark.skipif(not _vllm_026(),
+                    reason="needs vLLM 0.26.0's Python side (tests/integration/vllm_cpu_env.sh 0.26.0)")
+def test_standin_server_fuses_commits_under_the_synchronous_scheduler(tmp_path):
+    """The real vLLM 0.26 server, synchronous, --diffusion-config canvas_length 512 with BLOCKDIFF_FUSE_COMMIT=1
+    against the same without the switch: every request answered in full with the same token count, one step fewer
+    per request (2 canvases of 256 each, requests one at a time), each saved step a 512-token fused row."""
+    base, base_steps = _standin_run(tmp_path / "base", 8198, "--no-async-scheduling", "--canvas-length", "512")
+    fused, fused_steps = _standin_run(tmp_path / "fused", 8199, "--no-async-scheduling", "--canvas-length", "512",
+                                      "--fuse-commit")
+    for row in (base, fused):
+        assert row["status"] == "ok" and row["failed"] == 0 and row["complete"]
+    assert fused["output_tokens"] == base["output_tokens"] == 2 * 512
+    assert len(base_steps) - len(fused_steps) == 2
+    assert sorted(s[3] for s in fused_steps if s[3] > 256) == [512, 512]
+    assert not any(s[3] > 256 for s in base_steps)
 
 
 def test_cli_wants_one_prompt_count_per_concurrency(capsys):
