@@ -186,10 +186,12 @@ def compile_for_sm90(timeout: float = 900, ptx_dir: str | None = None, **spec) -
     Returns:
         ``{"kernel", "registers", "stack_bytes", "spill_store_bytes", "spill_load_bytes", "smem_bytes",
         "smem_formula_bytes", "wgmma", "sass_spills": {...}, "setmaxreg": [...], "loops": [...], "config",
-        "merge"}`` (the attention kernel's; ``loops``: :func:`sass_loops`, the key-block loops' instruction mix;
-        ``merge``: ptxas' report of FA4's combine kernel for split-KV configurations). ``config`` is the
-        configuration compiled, resolved for :func:`.interface.compile_only`'s own shapes: a partial ``config``
-        may resolve to other tiles than a workload's launch does (pass the launch's whole configuration).
+        "merge", "ptxas_warnings"}`` (the attention kernel's; ``loops``: :func:`sass_loops`, the key-block loops'
+        instruction mix; ``ptxas_warnings``: the compile's distinct ptxas warning and performance-remark lines,
+        e.g. C7518 where ptxas serialised the wgmma; ``merge``: ptxas' report of FA4's combine kernel for split-KV
+        configurations). ``config`` is the configuration compiled, resolved for :func:`.interface.compile_only`'s
+        own shapes: a partial ``config`` may resolve to other tiles than a workload's launch does (pass the
+        launch's whole configuration).
 
     Raises:
         ValueError: a spec key outside :data:`SPEC_KEYS`.
@@ -286,14 +288,19 @@ def _child(spec: dict, ptx_dir: str | None = None) -> dict:
             f.write(text_ptx)
         ptx = dict(ptx_file=path, ptx_sha256=hashlib.sha256(text_ptx.encode()).hexdigest())
     shutil.rmtree(dump, ignore_errors=True)
+    # ptxas warnings and its performance remarks (C7515-C7520 "Potential Performance Loss: wgmma.mma_async
+    # instructions are serialized ...", printed as info lines)
+    warnings = sorted({ln.strip() for ln in text.splitlines()
+                       if re.search(r"ptxas.*warning|\(C75\d\d\)|Potential Performance Loss", ln)})
     return dict(report, **ptx, kernel=kernel, smem_bytes=smem, smem_formula_bytes=formula, merge=merge,
+                ptxas_warnings=warnings,
                 wgmma=len(re.findall(r"\bHGMMA\b", sass)) if sass else None,
                 sass_spills=None if by_role is None else {k: by_role[k] for k in ("setup", "producer", "consumer")},
                 setmaxreg=None if by_role is None else by_role["setmaxreg"],
                 loops=sass_loops(sass) if sass else None,
                 config=dict(tile_m=cfg.tile_m, tile_n=cfg.tile_n, num_stages=cfg.num_stages, lpt=cfg.lpt,
                             num_splits=cfg.num_splits, wide_design=cfg.wide_design, batch_order=cfg.batch_order,
-                            v_refill=cfg.v_refill, qk_issue=cfg.qk_issue))
+                            v_refill=cfg.v_refill, qk_issue=cfg.qk_issue, k_refill=cfg.k_refill))
 
 
 #: The split-value (hd 512, 16 q / 2 KV heads) configurations the report compiles (``--report``, with

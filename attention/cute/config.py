@@ -19,6 +19,7 @@ __all__ = [
     "MIN_KEYS_PER_SPLIT", "grid_tiles", "choose_num_splits", "key_bound", "resolve_launch_config", "check_config",
     "SPLIT_MERGES", "MAX_CLUSTER_SPLITS", "AUTO_CLUSTER_SPLITS", "auto_split_merge", "cluster_merge_fits",
     "WIDE_DESIGNS", "ROLES_CONFIG", "BATCH_ORDERS", "V_REFILLS", "QK_ISSUES", "QK_AHEAD_MIN_PAGE", "auto_wide_design",
+    "K_REFILLS",
 ]
 
 #: The optional packages this backend runs on (the ``cute`` extra of setup.py).
@@ -85,6 +86,15 @@ class CuteConfig:
     257, as ``"halves"``' ``"one_warp"``). Rationale for both ``"auto"`` rules (docs/tuning.md 2.20, 2.21): together
     they were the fastest roles kernel measured on the hd-512 workloads (H200, pages of 32 and 64); at pages of 8
     and 16 S ahead was slower on the mixed batch.
+    k_refill: how the roles kernel's softmax warpgroup refills its K stage (roles kernel only): ``"auto"``
+    (default: ``"whole"``; not yet measured on a GPU), ``"whole"`` (one barrier pair per stage: the next block's K
+    is requested once S = Q K^T of the whole stage retired) or ``"halves"`` (two barrier pairs per stage, one per
+    half of the head dim: S is issued as two wgmma groups over the contraction dimension, each after its half of
+    K landed, and each half is released and refilled as soon as its group retired; ``kernel_roles.py``,
+    "K refill by halves"). Identical outputs (the same wgmma k-steps in the same order). Not a tile field;
+    ``"halves"`` follows ``v_refill="halves"``'s rules (ValueError with ``wide_design="split_v"``, or where
+    ``"auto"`` does not resolve to ``"roles"``; ``"whole"`` below head dim 257) and needs head_dim divisible by
+    128 (a half is whole 64-column swizzle atoms), with either ``v_refill`` and either ``qk_issue``.
     """
 
     tile_m: int | None = None
@@ -100,6 +110,7 @@ class CuteConfig:
     batch_order: str = "auto"
     v_refill: str = "auto"
     qk_issue: str = "auto"
+    k_refill: str = "auto"
 
 
 #: The merges of split-KV partial outputs (CuteConfig.split_merge).
@@ -121,8 +132,12 @@ QK_ISSUES = ("auto", "serial", "ahead")
 #: both hd-512 workloads at pages of 32 and 64, slower on both at 8 (where its compile spills 2.6x more in the
 #: softmax warpgroup) and split at 16, where the mixed batch loses more than the canvas gains (docs/tuning.md 2.21).
 QK_AHEAD_MIN_PAGE = 32
+#: How the roles kernel refills its K stage (CuteConfig.k_refill): automatic (default: whole, until a GPU measures
+#: halves), the whole stage at once or by head-dim halves (two wgmma groups of S, each half refilled when its group
+#: retired).
+K_REFILLS = ("auto", "whole", "halves")
 #: The roles kernel's switches: (field, the value only the roles kernel builds, the value every kernel builds).
-_ROLES_ONLY = (("v_refill", "halves", "one_warp"), ("qk_issue", "ahead", "serial"))
+_ROLES_ONLY = (("v_refill", "halves", "one_warp"), ("qk_issue", "ahead", "serial"), ("k_refill", "halves", "whole"))
 #: Most splits of the cluster merge: the portable thread-block cluster size (8 CTAs).
 MAX_CLUSTER_SPLITS = 8
 
@@ -242,8 +257,9 @@ def resolve_config(head_dim: int, head_dim_v: int, window_size, config=None, max
     ``page_size`` (keyword; tokens a K/V page, None: contiguous K/V or not known) is what ``wide_design="auto"``
     reads at head dims above 256: the roles kernel only where its tiles load the pages by TMA boxes
     (:func:`auto_wide_design`), and S issued ahead only from :data:`QK_AHEAD_MIN_PAGE`-token pages. The switches
-    ``wide_design``, ``batch_order``, ``v_refill`` and ``qk_issue`` resolve here (never ``"auto"`` in the result;
-    a resolved config re-resolves to itself at any page size); ``split_merge`` in :func:`resolve_launch_config`.
+    ``wide_design``, ``batch_order``, ``v_refill``, ``qk_issue`` and ``k_refill`` resolve here (never ``"auto"`` in
+    the result; a resolved config re-resolves to itself at any page size); ``split_merge`` in
+    :func:`resolve_launch_config`.
 
     Head dims above 256 (:func:`is_wide`) resolve through :func:`resolve_wide_config` (no flash-attn-4 needed).
 
@@ -251,8 +267,8 @@ def resolve_config(head_dim: int, head_dim_v: int, window_size, config=None, max
         ValueError: head dims the backend does not run (:func:`unsupported_head_dims`), a config field outside
             its range (:func:`check_config`; checked before flash-attn-4 is imported), the resolved tiles do not
             fit SM90 shared memory (:func:`check_config_fits`), a wide config field outside what its kernel
-            takes, ``v_refill="halves"`` / ``qk_issue="ahead"`` where the kernel does not resolve to the roles kernel,
-            or ``page_size`` below 1.
+            takes, ``v_refill="halves"`` / ``qk_issue="ahead"`` / ``k_refill="halves"`` where the kernel does not
+            resolve to the roles kernel, ``"halves"`` at a head dim not divisible by 128, or ``page_size`` below 1.
         TypeError: ``config`` is not a CuteConfig, a dict or None, or a field of the wrong type / an unknown
             field (:func:`check_config`); ``page_size`` neither None nor an int.
         ImportError: flash-attn-4 is not installed (its heuristic gives the unset fields).
@@ -267,6 +283,7 @@ def resolve_config(head_dim: int, head_dim_v: int, window_size, config=None, max
     switches["wide_design"] = "split_v"  # FA4's kernel below head dim 257: one compile key for both designs
     switches["v_refill"] = "one_warp"  # likewise: roles-kernel switches
     switches["qk_issue"] = "serial"
+    switches["k_refill"] = "whole"
     if switches["batch_order"] == "auto":  # the roles kernel's default only
         switches["batch_order"] = "given"
     if config is None:
@@ -360,8 +377,8 @@ def auto_wide_design(head_dim: int, head_dim_v: int, config=None, *, page_size: 
 def _resolve_wide_switches(head_dim: int, head_dim_v: int, config, switches: dict, page_size: int | None) -> dict:
     """The switches of a wide call (head dims above 256, arguments checked) with ``wide_design`` and
     ``batch_order`` resolved (:func:`auto_wide_design`; ``batch_order="auto"``: ``"work"`` for the roles kernel,
-    else ``"given"``), ``v_refill`` / ``qk_issue`` resolved (``"auto"``: :class:`CuteConfig`) and their roles-only
-    values (``"halves"``, ``"ahead"``) checked against the resolved kernel and the head dims."""
+    else ``"given"``), ``v_refill`` / ``qk_issue`` / ``k_refill`` resolved (``"auto"``: :class:`CuteConfig`) and
+    their roles-only values (``"halves"``, ``"ahead"``) checked against the resolved kernel and the head dims."""
     switches = dict(switches)
     explicit = [f"{name} {value!r}" for name, value, _ in _ROLES_ONLY if switches[name] == value]
     if switches["wide_design"] == "auto":
@@ -369,8 +386,10 @@ def _resolve_wide_switches(head_dim: int, head_dim_v: int, config, switches: dic
         if blocker is not None and explicit:
             why, roles_runs = blocker
             plain = " and ".join(f"{name} {p!r}" for name, value, p in _ROLES_ONLY if switches[name] == value)
+            halves_ok = ((switches["v_refill"] != "halves" or head_dim_v % 128 == 0)
+                         and (switches["k_refill"] != "halves" or head_dim % 128 == 0))
             fix = (f"set wide_design 'roles' or use {plain}"
-                   if roles_runs and (switches["v_refill"] != "halves" or head_dim_v % 128 == 0)
+                   if roles_runs and halves_ok
                    else f"use {plain}")  # (halves: head dims divisible by 128, below)
             verb = "needs" if len(explicit) == 1 else "need"
             raise ValueError(f"config {' and '.join(explicit)} {verb} the roles kernel, and wide_design 'auto' "
@@ -385,6 +404,12 @@ def _resolve_wide_switches(head_dim: int, head_dim_v: int, config, switches: dic
         raise ValueError(f"config v_refill 'halves' needs head_dim_v divisible by 128 (384 or 512), got "
                          f"{head_dim_v}: each P V warpgroup's half of V must be whole swizzle atoms; use "
                          f"v_refill 'one_warp' or 'auto'")
+    if switches["k_refill"] == "halves" and head_dim % 128:
+        # as v_refill's halves: each half of K (the contraction dimension of S) must be whole 64-column swizzle atoms
+        raise ValueError(f"config k_refill 'halves' needs head_dim divisible by 128 (384 or 512), got {head_dim}: "
+                         f"each half of K must be whole swizzle atoms; use k_refill 'whole' or 'auto'")
+    if switches["k_refill"] == "auto":  # not measured yet: the whole stage, as before the switch
+        switches["k_refill"] = "whole"
     if switches["v_refill"] == "auto":  # the measured best (docs/tuning.md 2.20)
         switches["v_refill"] = "halves" if roles and head_dim_v % 128 == 0 else "one_warp"
     if switches["qk_issue"] == "auto":  # S ahead gains with halves only; not at 8-token pages (spills; 2.20)
@@ -395,7 +420,7 @@ def _resolve_wide_switches(head_dim: int, head_dim_v: int, config, switches: dic
 
 #: CuteConfig fields that are switches, not tile fields, with their defaults.
 _SWITCHES = dict(nan_safe_v=True, split_merge="auto", wide_design="auto", batch_order="auto",
-                 v_refill="auto", qk_issue="auto")
+                 v_refill="auto", qk_issue="auto", k_refill="auto")
 
 
 #: CuteConfig fields whose default is None ("automatic"): a dict giving them None leaves them unset.
@@ -410,8 +435,8 @@ def _set_fields(config: CuteConfig) -> dict:
 
 def _split_switches(config):
     """``(config without the switches, {switch: value})`` (``nan_safe_v``, ``split_merge``, ``wide_design``,
-    ``batch_order``, ``v_refill``, ``qk_issue``): they are not tile fields, so a config that sets only them resolves
-    the tiles as None does (the tuned automatic choices)."""
+    ``batch_order``, ``v_refill``, ``qk_issue``, ``k_refill``): they are not tile fields, so a config that sets only
+    them resolves the tiles as None does (the tuned automatic choices)."""
     if config is None:
         return None, dict(_SWITCHES)
     if isinstance(config, dict):  # a field whose default is None given as None is unset, as in a CuteConfig
@@ -439,12 +464,12 @@ def _check_head_dims(head_dim, head_dim_v) -> None:
 
 
 _CONFIG_FIELDS = ("tile_m", "tile_n", "mma_pv_is_rs", "intra_wg_overlap", "num_stages", "lpt", "num_splits",
-                  "nan_safe_v", "split_merge", "wide_design", "batch_order", "v_refill", "qk_issue")
+                  "nan_safe_v", "split_merge", "wide_design", "batch_order", "v_refill", "qk_issue", "k_refill")
 
 
 def _check_field(name: str, v) -> None:
     choices = {"wide_design": WIDE_DESIGNS, "split_merge": SPLIT_MERGES, "batch_order": BATCH_ORDERS,
-               "v_refill": V_REFILLS, "qk_issue": QK_ISSUES}.get(name)
+               "v_refill": V_REFILLS, "qk_issue": QK_ISSUES, "k_refill": K_REFILLS}.get(name)
     if choices is not None:  # a str switch with named values
         if not isinstance(v, str):
             raise TypeError(f"config {name} must be a str, one of {choices}, got {type(v).__name__} ({v!r})")
@@ -486,7 +511,8 @@ def check_config(config):
     :data:`MAX_CLUSTER_SPLITS`; ``wide_design``: one of :data:`WIDE_DESIGNS`, not with ``split_merge="cluster"``;
     ``batch_order``: one of :data:`BATCH_ORDERS`; ``v_refill``: one of :data:`V_REFILLS`, ``"halves"`` not with
     ``wide_design="split_v"`` (with ``"auto"``, :func:`resolve_config` refuses it where ``"auto"`` does not pick
-    the roles kernel); ``qk_issue``: one of :data:`QK_ISSUES`, ``"ahead"`` as ``"halves"``.
+    the roles kernel); ``qk_issue``: one of :data:`QK_ISSUES`, ``"ahead"`` as ``"halves"``; ``k_refill``: one of
+    :data:`K_REFILLS`, ``"halves"`` as ``v_refill``'s.
     Kernel-specific rules (the split-value kernel's tiles, shared memory, whether the cluster merge's tile fits)
     are :func:`resolve_config`'s and :func:`resolve_launch_config`'s.
 
@@ -545,8 +571,9 @@ def resolve_wide_config(head_dim: int, head_dim_v: int, config=None, max_seqlen_
         TypeError: ``config`` is not a CuteConfig, a dict or None; a field of the wrong type or an unknown field
             (:func:`check_config`); ``page_size`` neither None nor an int.
         ValueError: head dims outside the wide kernels' (:func:`unsupported_head_dims`), a field outside the
-            above, the tiles do not fit SM90 shared memory, ``v_refill="halves"`` / ``qk_issue="ahead"`` without
-            the roles kernel, ``"halves"`` at a head dim not divisible by 128, or ``page_size`` below 1.
+            above, the tiles do not fit SM90 shared memory, ``v_refill="halves"`` / ``qk_issue="ahead"`` /
+            ``k_refill="halves"`` without the roles kernel, ``"halves"`` at a head dim not divisible by 128, or
+            ``page_size`` below 1.
     """
     _check_head_dims(head_dim, head_dim_v)
     _check_page_size(page_size)

@@ -160,7 +160,7 @@ def attention_cute(
         check_values: run the host-side value checks (default: yes unless a CUDA graph is being captured).
         config: :class:`~blockdiff.attention.cute.config.CuteConfig` or dict (tile_m, tile_n, mma_pv_is_rs,
             intra_wg_overlap, num_stages, lpt, num_splits, nan_safe_v, split_merge, wide_design, batch_order,
-            v_refill, qk_issue); None:
+            v_refill, qk_issue, k_refill); None:
             :func:`~blockdiff.attention.cute.config.resolve_launch_config`.
             ``num_splits`` > 1 runs split-KV: with ``split_merge="combine"`` the kernel writes fp32 partial
             outputs and LSEs per split and FA4's combine kernel merges them (two launches,
@@ -176,7 +176,8 @@ def attention_cute(
             :func:`~blockdiff.attention.cute.tile_order_triton.batch_work_order_triton`; its torch reference
             :func:`~blockdiff.attention.cute.tile_order.batch_work_order`); the output is the same as
             ``"given"``'s. ``v_refill`` / ``qk_issue`` (``"auto"``: the V refill by halves and S issued one block
-            ahead where the roles kernel runs at a value head dim divisible by 128) change only the roles kernel's
+            ahead where the roles kernel runs at a value head dim divisible by 128) and ``k_refill`` (``"auto"``:
+            the whole K stage; ``"halves"`` refills it by head-dim halves) change only the roles kernel's
             schedule; the output is the same.
 
     Returns:
@@ -187,7 +188,8 @@ def attention_cute(
         TypeError, ValueError: contract violations (see :mod:`blockdiff.attention.validate`); a bad ``config``
             field (:func:`~blockdiff.attention.cute.config.check_config`, checked before the CuTe DSL import);
             tensors not on a CUDA device; a negative 0-d tensor ``max_seqlen_q`` / ``max_seqlen_k`` (read on the
-            host at launch); ``v_refill="halves"`` / ``qk_issue="ahead"`` where ``wide_design`` does not resolve to
+            host at launch); ``v_refill="halves"`` / ``qk_issue="ahead"`` / ``k_refill="halves"`` where
+            ``wide_design`` does not resolve to
             the roles kernel for this call's head dims and page size (a ValueError at the call, since the page size
             decides).
         NotImplementedError: valid input outside this backend: dtype other than bf16/fp16, head dims outside
@@ -422,6 +424,7 @@ def _compile(fa, key, q, k, v, out, lse, scale, cu_q, cu_k, seqused_k, page_tabl
         batch_order=cfg.batch_order,
         v_refill=cfg.v_refill,
         qk_issue=cfg.qk_issue,
+        k_refill=cfg.k_refill,
         **split,
     )
     small = lambda t, lead=0: None if t is None else tct(t, assumed_align=4, leading_dim=lead)  # noqa: E731

@@ -452,20 +452,24 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
     ``v_refill`` (compile-time, default ``"one_warp"``): who loads V; ``"halves"`` is built by the roles kernel
     only (:attr:`V_REFILLS` of the class; kernel_roles.py). ``qk_issue`` (compile-time, default ``"serial"``): when
     the next key block's S = Q K^T is issued; ``"ahead"`` is built by the roles kernel only (:attr:`QK_ISSUES`).
+    ``k_refill`` (compile-time, default ``"whole"``): whether a K stage is refilled as one block or by head-dim
+    halves; ``"halves"`` is built by the roles kernel only (:attr:`K_REFILLS`).
 
     Raises:
-        ValueError: ``batch_order`` other than ``"given"`` / ``"work"``; a ``v_refill`` or ``qk_issue`` the class
-            does not build; a ``kv_page_size`` the page boxes cannot load.
+        ValueError: ``batch_order`` other than ``"given"`` / ``"work"``; a ``v_refill``, ``qk_issue`` or
+            ``k_refill`` the class does not build; a ``kv_page_size`` the page boxes cannot load.
     """
 
     #: The ``v_refill`` values this class builds (kernel_roles.py adds ``"halves"``).
     V_REFILLS = ("one_warp",)
     #: The ``qk_issue`` values this class builds (kernel_roles.py adds ``"ahead"``).
     QK_ISSUES = ("serial",)
+    #: The ``k_refill`` values this class builds (kernel_roles.py adds ``"halves"``).
+    K_REFILLS = ("whole",)
 
     def __init__(self, *args, prefix_window: bool = False, kv_page_size: Optional[int] = None, lpt: bool = True,
                  nan_safe_v: bool = False, batch_order: str = "given", v_refill: str = "one_warp",
-                 qk_issue: str = "serial", **kwargs):
+                 qk_issue: str = "serial", k_refill: str = "whole", **kwargs):
         kwargs["is_causal"] = False
         kwargs["is_local"] = True
         super().__init__(*args, **kwargs)
@@ -477,6 +481,9 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         if qk_issue not in self.QK_ISSUES:
             raise ValueError(f"qk_issue {qk_issue!r} is not built by {type(self).__name__} (builds {self.QK_ISSUES})")
         self.qk_issue = qk_issue
+        if k_refill not in self.K_REFILLS:
+            raise ValueError(f"k_refill {k_refill!r} is not built by {type(self).__name__} (builds {self.K_REFILLS})")
+        self.k_refill = k_refill
         self.prefix_window = prefix_window
         self.lpt = lpt
         self.nan_safe_v = bool(nan_safe_v)

@@ -89,7 +89,27 @@ The loaders initialise their barriers after the kernel body's pipeline set-up, s
 named barrier 15 (``V_HALVES_INIT_BARRIER``) before any wait on them. The P hand-off, the MMAs and their order are
 unchanged, so the outputs equal the default's. Not done here (2.12's remedy 2 lists them): one ``elect.sync`` around
 a half's boxes (the DSL's TMA copy emits its own per box; a single elect needs the raw ``cp.async.bulk.tensor``),
-the same split for K (SM alone reads K), a page index fetched a whole block ahead.
+the same split for K (SM alone reads K: ``k_refill``, below), a page index fetched a whole block ahead.
+
+K refill by halves (``k_refill="halves"``; opt-in, the config's ``"auto"`` is ``"whole"``)
+------------------------------------------------------------------------------------------
+With ``"whole"`` the K stage is one stage of FA4's K pipeline: K(i + num_stages) is requested only once S(i) = Q K^T
+retired over all ``d`` columns, and at one 64-key stage of 64 KB that load sits on SM's chain (SM waited for K 27 % of
+its time in the ncu profile of the default kernel on ``canvas_bs1_ctx32k_global``). With ``"halves"`` SM's K stages
+get two barrier pairs each, one per half of the head dim (:class:`_KHalvesPipeline`, after V's barriers in the
+barrier kilobyte: the shared memory is unchanged; SM's warp 0 initialises them and SM meets at named barrier 14,
+``K_HALVES_INIT_BARRIER``). S is issued as two wgmma groups over the contraction dimension (:meth:`_qk_half`):
+the k-steps of dims ``[0, d/2)`` once K's half 0 landed, then those of ``[d/2, d)`` once half 1 landed, the same
+k-steps in the same order into the same accumulator, so S is bit-identical to ``"whole"``'s. Retiring S
+(:meth:`_sm_retire_qk_halves`): ``wait_group(1)`` (the first group), half 0 released (one arrival per SM warp) and
+at once refilled by warp 0 with block ``n - num_stages`` (its column boxes: one tile copy of ``tile_n x d/2``
+contiguous, or the page boxes of that half, as ``v_refill``'s halves) while the second group still runs; then
+``wait_group(0)``, half 1 released and refilled. So K(i + 1)'s first half is requested about half an S earlier,
+and S(i + 1) starts on it before the second half lands. Both S orders take it (``"serial"``:
+:meth:`_sm_qk_halves`; ``"ahead"``: :meth:`_sm_issue_qk_halves` issues both groups, the retire above at the next
+iteration's top), with either V refill and in the split-KV subclass; no wgmma issue sits in a branch (every
+path has the same groups in flight; no C7518, 2.19). Needs head dims divisible by 128 (a half is whole 64-column
+swizzle atoms). The all-warps K refill experiment (``_K_REFILL_ALL_WARPS``) does not combine with it.
 
 S issued one block ahead (``qk_issue="ahead"``; docs/tuning.md 2.19, 2.20)
 -------------------------------------------------------------------------
@@ -169,6 +189,10 @@ ROLES_REGS = (152, 176)
 #: (their loaders initialised them). FA4's ``NamedBarrierFwd`` uses 1-6, the P hand-off 7-11, the NaN-safe V
 #: clean-up 12-14 (12-13 here); 15 is free.
 V_HALVES_INIT_BARRIER = 15
+#: ``k_refill="halves"``: the named barrier after which SM's 4 warps use the per-half K barriers (SM's warp 0
+#: initialised them; 128 threads). 14 is the NaN-safe clean-up's third id, which only FA4's three-warpgroup kernel
+#: uses (this kernel's P V warpgroups use 12 and 13).
+K_HALVES_INIT_BARRIER = 14
 
 
 class _HalfVPipeline:
@@ -232,6 +256,62 @@ class _HalfVPipeline:
             cute.arch.mbarrier_arrive(self.empty(state.index))
 
 
+class _KHalvesPipeline:
+    """SM's K stages by head-dim halves (``k_refill="halves"``): per stage and half ``h`` (0: dims ``[0, d/2)``,
+    1: ``[d/2, d)``) a ``full`` and an ``empty`` mbarrier in shared memory (trace-time object; no state of its own).
+
+    Barriers from ``base`` (after V's, ``_extra_v_barriers``): half ``h``'s ``full[s]`` at ``base + 2 h num_stages
+    + s`` (arrival count 1: SM warp 0's ``arrive.expect_tx`` of the half's bytes), ``empty[s]`` at ``base + 2 h
+    num_stages + num_stages + s`` (arrival count 4: one per SM warp once S's wgmma group over that half retired).
+    The protocol and phases of FA4's PipelineTmaAsync with a producer of one warp and a consumer of 4 warps, so
+    :func:`cutlass.pipeline.make_pipeline_state` states drive both halves (the half is a Python int at every
+    call: immediate barrier offsets). A DSL value (its base pointer) where control flow carries it."""
+
+    def __init__(self, base, num_stages: int, tx_bytes: int):
+        self.base, self.num_stages, self.tx_bytes = base, num_stages, tx_bytes
+
+    def __extract_mlir_values__(self):
+        return [self.base]
+
+    def __new_from_mlir_values__(self, values):
+        return _KHalvesPipeline(values[0], self.num_stages, self.tx_bytes)
+
+    @staticmethod
+    def slots(num_stages: int) -> int:
+        """mbarriers of both halves: full and empty per stage and half."""
+        return 4 * num_stages
+
+    def full(self, h: int, index):
+        return self.base + 2 * h * self.num_stages + index
+
+    def empty(self, h: int, index):
+        return self.base + (2 * h + 1) * self.num_stages + index
+
+    def init(self):
+        """By SM's warp 0 (one elected thread), then fenced for the async proxy; SM's warps may use the barriers
+        after a barrier of the warpgroup that follows this (``K_HALVES_INIT_BARRIER``)."""
+        with cute.arch.elect_one():
+            for h in range(2):
+                for s in range(self.num_stages):
+                    cute.arch.mbarrier_init(self.full(h, s), 1)
+                    cute.arch.mbarrier_init(self.empty(h, s), _WG // cute.arch.WARP_SIZE)
+        cute.arch.mbarrier_init_fence()
+
+    def producer_acquire(self, h: int, state):
+        """Wait until SM's 4 warps released half ``h`` of the stage, then expect its bytes on its ``full``."""
+        cute.arch.mbarrier_wait(self.empty(h, state.index), state.phase)
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(self.full(h, state.index), self.tx_bytes)
+
+    def consumer_wait(self, h: int, state):
+        cute.arch.mbarrier_wait(self.full(h, state.index), state.phase)
+
+    def consumer_release(self, h: int, state):
+        """One arrival per warp (every SM warp calls this after its wgmma group over half ``h`` retired)."""
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive(self.empty(h, state.index))
+
+
 class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
     """FA4 SM90 forward with a softmax warpgroup (also loading Q and K) feeding two P V warpgroups through shared
     memory (module docstring).
@@ -240,18 +320,23 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
     (``tile_m`` 64, equal head dims in (256, 512], multiples of 32; ``tile_n`` a multiple of 16);
     ``mma_pv_is_rs`` / ``intra_wg_overlap`` are fixed (P from shared memory) and ignored; ``v_refill``
     ``"one_warp"`` (default) or ``"halves"`` (module docstring, "V refill by halves"); ``qk_issue`` ``"serial"``
-    (default) or ``"ahead"`` (module docstring, "S issued one block ahead"). The config's ``"auto"`` resolves both
+    (default) or ``"ahead"`` (module docstring, "S issued one block ahead"); ``k_refill`` ``"whole"`` (default) or
+    ``"halves"`` (module docstring, "K refill by halves"). The config's ``"auto"`` resolves them
     (:func:`blockdiff.attention.cute.config.resolve_config`); the class defaults are the plain orders.
 
     Raises:
-        ValueError: a tile shape or head dim outside the above, or ``paged_kv_non_tma=True`` (FA4's cp.async
-            paged loads are not built for this kernel).
+        ValueError: a tile shape or head dim outside the above, ``v_refill`` / ``k_refill`` ``"halves"`` at a head dim
+            not divisible by 128, or ``paged_kv_non_tma=True`` (FA4's cp.async paged loads are not built for this
+            kernel).
     """
 
     V_REFILLS = ("one_warp", "halves")
     #: ``qk_issue="ahead"`` (module docstring, "S issued one block ahead"): SM issues S(i + 1) before P(i)'s
     #: hand-off instead of after it.
     QK_ISSUES = ("serial", "ahead")
+    #: ``k_refill="halves"`` (module docstring, "K refill by halves"): SM's K stage by head-dim halves, each
+    #: released and refilled as soon as S's wgmma group over it retired.
+    K_REFILLS = ("whole", "halves")
     #: ``v_refill="halves"``: read a refill's page index before the block's ``P_FULL`` wait (one register held
     #: across the P V; module docstring), when O is stored by TMA. The split-KV subclass reads it at the load.
     _V_PAGE_AHEAD = True
@@ -273,6 +358,8 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
             raise ValueError("the roles kernel loads K / V by TMA (contiguous or page boxes), not by cp.async")
         if self.v_refill == "halves" and self.tile_hdimv % 128:  # config.resolve_config refuses it first
             raise ValueError(f"v_refill 'halves' needs a value head dim divisible by 128, got {self.tile_hdimv}")
+        if self.k_refill == "halves" and self.tile_hdim % 128:  # likewise
+            raise ValueError(f"k_refill 'halves' needs a head dim divisible by 128, got {self.tile_hdim}")
 
     def _setup_attributes(self):
         super()._setup_attributes()  # the split-value kernel's thread counts: 2 consumer warpgroups, 384 threads
@@ -284,11 +371,23 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
         return self._rows_per_thread() * _WG * _SCALE_SLOTS
 
     def _extra_v_barriers(self) -> int:
-        """After the V pipeline's barriers: the page-box tail barrier slot (kept unused by ``"halves"`` on a
+        """After the V pipeline's barriers: :meth:`_v_extra_barriers`, then ``k_refill="halves"``' per-half K
+        barriers (:class:`_KHalvesPipeline`)."""
+        k_halves = _KHalvesPipeline.slots(self.num_stages) if self.k_refill == "halves" else 0
+        return self._v_extra_barriers() + k_halves
+
+    def _v_extra_barriers(self) -> int:
+        """V's own barriers after its pipeline's: the page-box tail barrier slot (kept unused by ``"halves"`` on a
         contiguous cache, so the halves' offset is the same), then ``"halves"``' two per-half pipelines."""
         if self.v_refill != "halves":
             return super()._extra_v_barriers()
         return 1 + 2 * _HalfVPipeline.slots(self.num_stages)
+
+    def _k_halves_pipeline(self, pipeline_v) -> _KHalvesPipeline:
+        """SM's per-half K barriers (``k_refill="halves"``), after FA4's V barriers and V's own
+        (:meth:`_v_extra_barriers`); each half expects half of a K stage's bytes."""
+        first = pipeline_v.sync_object_full.get_barrier(0) + 2 * self.num_stages + self._v_extra_barriers()
+        return _KHalvesPipeline(first, self.num_stages, self.tma_copy_bytes["K"] // 2)
 
     def _half_v_pipeline(self, pipeline_v, pv: Int32) -> _HalfVPipeline:
         """P V warpgroup ``pv``'s half-V pipeline (``v_refill="halves"``): its barriers follow FA4's V barriers
@@ -322,6 +421,8 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
         Also hands V's global tensor, shared buffer, TMA atom and the page table to the consumers' V loads (trace
         time: FA4's body passes them to its producer only; this branch is traced first)."""
         self._mV_load, self._sV_load, self._tma_atom_V, self._mPageTable_load = mV, sV, tma_atom_V, mPageTable
+        # k_refill="halves": SM's per-half K barriers follow V's (the one pipeline SM does not otherwise use)
+        self._k_halves_load = self._k_halves_pipeline(pipeline_v) if self.k_refill == "halves" else None
         return self._softmax_and_load_qk(
             mQ, mK, sQ, sK, tma_atom_Q, tma_atom_K, pipeline_k, pipeline_q, gmem_tiled_copy_Q, mPageTable,
             self._mixed_block_info(block_info), self._mixed_seqlen_cls(SeqlenInfoCls), TileSchedulerCls,
@@ -345,8 +446,9 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
         TileSchedulerCls: Callable,
         AttentionMaskCls: Callable,
     ):
-        """SM: per key block S = Q K^T, the K stage released and refilled (warp 0) as soon as S retires, mask,
-        online softmax, P and the row factors into a slot; after the tile's last block 1 / rowsum and the LSE."""
+        """SM: per key block S = Q K^T, the K stage released and refilled (warp 0) as soon as S retires (with
+        ``k_refill="halves"`` each half of it as soon as S's group over it retires), mask, online softmax, P and the
+        row factors into a slot; after the tile's last block 1 / rowsum and the LSE."""
         t_sm, _, _ = cute.arch.thread_idx()
         warp_idx_in_wg = cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4
         softmax_scale_log2, softmax_scale = self._softmax_scales
@@ -365,6 +467,12 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
         acc_S_next = None
         if const_expr(self.qk_issue == "ahead"):  # S of the block in flight (issued one iteration ahead)
             acc_S_next = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
+        khalves = None
+        if const_expr(self.k_refill == "halves"):  # warp 0 initialises the per-half K barriers, then SM meets
+            khalves = self._k_halves_load
+            if warp_idx_in_wg == 0:
+                khalves.init()
+            cute.arch.barrier(barrier_id=K_HALVES_INIT_BARRIER, number_of_threads=_WG)
 
         q_producer_phase = Int32(1)
         q_consumer_phase = Int32(0)
@@ -382,8 +490,19 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
             head_idx_kv = head_idx // self.qhead_per_kvhead if const_expr(not self.pack_gqa) else head_idx
             load_K = self._block_loader(mK, sK, tma_atom_K, pipeline_k, mPageTable, seqlen, batch_idx, head_idx_kv,
                                         self.tile_hdim)
+            load_K_half = None
+            if const_expr(khalves is not None):
+                load_K_half = self._k_half_loader(mK, sK, tma_atom_K, khalves, mPageTable, seqlen, batch_idx,
+                                                  head_idx_kv)
             # The first num_stages K blocks (descending key order), then Q.
-            if const_expr(not self._k_refill_all_warps()):
+            if const_expr(khalves is not None):  # each block by halves (half 0 first: S starts on it)
+                if warp_idx_in_wg == 0:
+                    for i in cutlass.range(cutlass.min(self.num_stages, n_block_max - n_block_min), unroll=1):
+                        for h in cutlass.range_constexpr(2):
+                            khalves.producer_acquire(h, k_producer_state)
+                            load_K_half(n_block_max - 1 - i, k_producer_state, h)
+                        k_producer_state.advance()
+            elif const_expr(not self._k_refill_all_warps()):
                 if warp_idx_in_wg == 0:
                     for i in cutlass.range(cutlass.min(self.num_stages, n_block_max - n_block_min), unroll=1):
                         pipeline_k.producer_acquire(k_producer_state)
@@ -405,13 +524,25 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
             refill = partial(self._refill_k, pipeline_k=pipeline_k, load_K=load_K, n_block_min=n_block_min,
                              warp_idx_in_wg=warp_idx_in_wg, load_K_part=load_K_part)
             qk = partial(self._sm_qk, mma_qk_fn=mma_qk_fn, pipeline_k=pipeline_k)
-            step = partial(self._sm_step, qk=qk, refill=refill, softmax=softmax, hand_off=hand_off)
+            retire_halves = None  # k_refill="halves": retires S's two groups, releasing and refilling each half
+            if const_expr(khalves is not None):
+                retire_halves = partial(self._sm_retire_qk_halves, khalves=khalves, load_K_half=load_K_half,
+                                        n_block_min=n_block_min, warp_idx_in_wg=warp_idx_in_wg)
+            qk_halves = None
+            if const_expr(khalves is not None and self.qk_issue != "ahead"):
+                qk_halves = partial(self._sm_qk_halves, tiled_mma_qk=tiled_mma_qk, tSrQ=tSrQ, tSrK=tSrK,
+                                    khalves=khalves, retire_halves=retire_halves)
+            step = partial(self._sm_step, qk=qk, refill=refill, softmax=softmax, hand_off=hand_off,
+                           qk_halves=qk_halves)
             pipeline_q.consumer_wait_w_index_phase(0, q_consumer_phase)
             q_consumer_phase ^= 1
             if const_expr(self.qk_issue != "ahead"):
                 # First block (the tile's last key block): S, mask (sequence end included), softmax.
-                acc_S = qk(kv_consumer_state)
-                k_producer_state = refill(k_producer_state, n_block_max - 1)
+                if const_expr(qk_halves is None):
+                    acc_S = qk(kv_consumer_state)
+                    k_producer_state = refill(k_producer_state, n_block_max - 1)
+                else:
+                    acc_S, k_producer_state = qk_halves(kv_consumer_state, k_producer_state, n_block_max - 1)
                 mask_fn(acc_S, n_block=n_block_max - 1, mask_seqlen=True)
                 row_scale = softmax.online_softmax(acc_S, is_first=True)
                 hand_off(acc_S, row_scale, Int32(0))
@@ -424,7 +555,8 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
                 kv_consumer_state, k_producer_state = self._sm_tile_overlap(
                     kv_consumer_state, k_producer_state, n_block_min, n_block_max, m_block, seqlen, block_info,
                     mask_fn, refill, softmax, acc_S_next, tiled_mma_qk, tSrQ, tSrK, pipeline_k,
-                    partial(self._store_p_smem, smem_thr_copy_P, tPsP, sScale, t_sm))
+                    partial(self._store_p_smem, smem_thr_copy_P, tPsP, sScale, t_sm), khalves=khalves,
+                    retire_halves=retire_halves)
             # Every QK^T of the tile has retired: the P V warpgroups may write O into Q's buffer after FINAL.
             row_scale = softmax.finalize()
             self._store_scale(sScale, row_scale, t_sm, Int32(_FINAL_SLOT))
@@ -517,8 +649,8 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
 
     def _k_refill_all_warps(self) -> bool:
         """Whether SM's 4 warps share the K refill (``_K_REFILL_ALL_WARPS`` and a head dim whose quarters are
-        whole 64-column swizzle atoms)."""
-        return self._K_REFILL_ALL_WARPS and self.tile_hdim % 256 == 0
+        whole 64-column swizzle atoms; not with ``k_refill="halves"``, which refills by halves from warp 0)."""
+        return self._K_REFILL_ALL_WARPS and self.tile_hdim % 256 == 0 and self.k_refill != "halves"
 
     def _k_quarter_loader(self, mK, sK, tma_atom, pipeline_k, mPageTable, seqlen, batch_idx, head_idx_kv):
         """``load(n_block, producer_state, part)``: quarter ``part`` (an SM warp's index) of K's columns of key
@@ -560,14 +692,115 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
             cute.copy(tma_atom, tKgK[None, (box_in_page, part, page)], tKsK[None, (j, part, stage)],
                       tma_bar_ptr=bar_ptr)
 
+    # --- k_refill="halves": SM's K stage by head-dim halves -----------------------------------------------------
+    def _k_half_loader(self, mK, sK, tma_atom, khalves: _KHalvesPipeline, mPageTable, seqlen, batch_idx,
+                       head_idx_kv):
+        """``load(n_block, producer_state, h)``: half ``h`` (a Python int: 0 for dims ``[0, d/2)``, 1 for
+        ``[d/2, d)``) of K block ``n_block`` into the producer state's stage, on that half's full barrier of
+        ``khalves`` (acquired by the caller). The same TMA atom as the whole block's, partitioned into
+        ``tile_n x d/2`` tiles (4 of the 8 64-column boxes at d 512): contiguous, one tile copy; paged, the page
+        boxes of that half (``_issue_half_boxes_of``, pages of 64 / 16 / 8: one / four / eight boxes a half)."""
+        half = self.tile_hdim // 2
+        if const_expr(self.kv_box_rows is None):
+            mK_cur = seqlen.offset_batch_K(mK, batch_idx, dim=3)[None, None, head_idx_kv]
+            tKsK, tKgK = cpasync.tma_partition(
+                tma_atom, 0, cute.make_layout(1), cute.zipped_divide(sK, (self.tile_n, half)),
+                cute.zipped_divide(mK_cur, (self.tile_n, half)))
+
+            def load(n_block, producer_state, h):
+                cute.copy(tma_atom, tKgK[None, (n_block, h)], tKsK[None, (0, h, producer_state.index)],
+                          tma_bar_ptr=khalves.full(h, producer_state.index))
+            return load
+        box_rows = self.kv_box_rows
+        tKsK, tKgK = cpasync.tma_partition(
+            tma_atom, 0, cute.make_layout(1), cute.zipped_divide(sK, (box_rows, half)),
+            cute.zipped_divide(mK[None, None, head_idx_kv, None], (box_rows, half)))
+        last_box_row = cutlass.max(seqlen.seqlen_k - 1, 0) // box_rows * box_rows
+
+        def load(n_block, producer_state, h):
+            self._issue_half_boxes_of(tma_atom, tKsK, tKgK, khalves.full(h, producer_state.index), mPageTable,
+                                      batch_idx, last_box_row, n_block, producer_state.index, Int32(0), False, h)
+        return load
+
+    @cute.jit
+    def _qk_half(self, tiled_mma_qk, acc_S: cute.Tensor, tSrQ: cute.Tensor, tSrK_stage: cute.Tensor,
+                 h: cutlass.Constexpr[int]):
+        """One wgmma group of S = Q K^T over half ``h`` of the head dim: k-steps ``[h n/2, (h + 1) n/2)`` of the
+        ``n`` that ``sm90_utils.gemm`` issues for the whole stage, in its order, into ``acc_S`` (half 0
+        zero-initialises it, as the whole S's first k-step does); committed, not waited for. The two groups are
+        the whole S's k-steps in order, so S is bit-identical to it."""
+        n_k = cute.size(tSrQ.shape[2])
+        warpgroup.fence()
+        mma_atom = cute.make_mma_atom(tiled_mma_qk.op)
+        mma_atom.set(warpgroup.Field.ACCUMULATE, h != 0)
+        for k in cutlass.range_constexpr(h * (n_k // 2), (h + 1) * (n_k // 2)):
+            cute.gemm(mma_atom, acc_S, tSrQ[None, None, k], tSrK_stage[None, None, k], acc_S)
+            mma_atom.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def _sm_issue_qk_halves(self, kv_consumer_state, acc_S: cute.Tensor, tiled_mma_qk, tSrQ: cute.Tensor,
+                            tSrK: cute.Tensor, khalves: _KHalvesPipeline):
+        """S = Q K^T of the K stage of ``kv_consumer_state`` into ``acc_S`` as two wgmma groups, each issued once
+        its half of K landed (the second half may still be in flight while the first group runs); neither is
+        waited for (:meth:`_sm_retire_qk_halves`)."""
+        tSrK_stage = tSrK[None, None, None, kv_consumer_state.index]
+        khalves.consumer_wait(0, kv_consumer_state)
+        self._qk_half(tiled_mma_qk, acc_S, tSrQ, tSrK_stage, 0)
+        khalves.consumer_wait(1, kv_consumer_state)
+        self._qk_half(tiled_mma_qk, acc_S, tSrQ, tSrK_stage, 1)
+
+    @cute.jit
+    def _sm_retire_qk_halves(self, kv_consumer_state, k_producer_state, n_block: Int32, khalves: _KHalvesPipeline,
+                             load_K_half: Callable, n_block_min: Int32, warp_idx_in_wg: Int32,
+                             refill: cutlass.Constexpr[bool] = True):
+        """Retires the two wgmma groups of S of key block ``n_block`` (stage of ``kv_consumer_state``, which is not
+        advanced) one at a time: when the first retired (``wait_group(1)``), half 0 is released (one arrival
+        per warp) and warp 0 refills it with block ``n_block - num_stages`` at once (if in the tile's range and
+        ``refill``), while the second group still runs; then half 1 likewise after ``wait_group(0)``. No wgmma
+        is issued here (the in-flight set is the same on every path). Returns the producer state (advanced
+        when it loaded)."""
+        n_next = n_block - self.num_stages
+        warpgroup.wait_group(1)
+        khalves.consumer_release(0, kv_consumer_state)
+        if const_expr(refill):
+            if n_next >= n_block_min:
+                if warp_idx_in_wg == 0:
+                    khalves.producer_acquire(0, k_producer_state)
+                    load_K_half(n_next, k_producer_state, 0)
+        warpgroup.wait_group(0)
+        khalves.consumer_release(1, kv_consumer_state)
+        if const_expr(refill):
+            if n_next >= n_block_min:
+                if warp_idx_in_wg == 0:
+                    khalves.producer_acquire(1, k_producer_state)
+                    load_K_half(n_next, k_producer_state, 1)
+                k_producer_state.advance()
+        return k_producer_state
+
+    @cute.jit
+    def _sm_qk_halves(self, kv_consumer_state, k_producer_state, n_block: Int32, tiled_mma_qk, tSrQ: cute.Tensor,
+                      tSrK: cute.Tensor, khalves: _KHalvesPipeline, retire_halves: Callable):
+        """(``qk_issue="serial"``) S of key block ``n_block`` by halves (:meth:`_sm_issue_qk_halves`), retired with
+        each half's release and refill (:meth:`_sm_retire_qk_halves`). Returns S (a new accumulator, as
+        :meth:`_sm_qk`'s) and the producer state."""
+        acc_S = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
+        self._sm_issue_qk_halves(kv_consumer_state, acc_S, tiled_mma_qk, tSrQ, tSrK, khalves)
+        k_producer_state = retire_halves(kv_consumer_state, k_producer_state, n_block)
+        return acc_S, k_producer_state
+
     @cute.jit
     def _sm_step(self, kv_consumer_state, k_producer_state, n_block: Int32, block_i: Int32, qk: Callable,
-                 refill: Callable, softmax: Softmax, hand_off: Callable, mask_fn: Optional[Callable] = None):
+                 refill: Callable, softmax: Softmax, hand_off: Callable, mask_fn: Optional[Callable] = None,
+                 qk_halves: Optional[Callable] = None):
         """One SM iteration: S of key block ``n_block``, the K refill, its mask (``mask_fn`` None: an interior
-        block), the online softmax, hand-off ``block_i``. Returns the consumer and producer states and
-        ``block_i + 1``."""
-        acc_S = qk(kv_consumer_state)
-        k_producer_state = refill(k_producer_state, n_block)
+        block), the online softmax, hand-off ``block_i``. With ``qk_halves`` (``k_refill="halves"``) S and the
+        refill are :meth:`_sm_qk_halves`. Returns the consumer and producer states and ``block_i + 1``."""
+        if const_expr(qk_halves is None):
+            acc_S = qk(kv_consumer_state)
+            k_producer_state = refill(k_producer_state, n_block)
+        else:
+            acc_S, k_producer_state = qk_halves(kv_consumer_state, k_producer_state, n_block)
         if const_expr(mask_fn is not None):
             mask_fn(acc_S=acc_S, n_block=n_block)
         row_scale = softmax.online_softmax(acc_S, check_inf=True)
@@ -628,24 +861,37 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
     def _sm_tile_overlap(self, kv_consumer_state, k_producer_state, n_block_min: Int32, n_block_max: Int32,
                          m_block: Int32, seqlen, block_info, mask_fn: Callable, refill: Callable, softmax: Softmax,
                          acc_S: cute.Tensor, tiled_mma_qk, tSrQ: cute.Tensor, tSrK: cute.Tensor, pipeline_k,
-                         store_p: Callable):
+                         store_p: Callable, khalves: Optional[_KHalvesPipeline] = None,
+                         retire_halves: Optional[Callable] = None):
         """(``qk_issue="ahead"``) SM's blocks of one tile with S issued one block ahead. Every wgmma is issued outside
         a branch that another path skips (ptxas serialises all wgmma of the kernel when the in-flight set
         depends on the path, C7518): the tile's last key block's S before the branch on the block count; the
         loops stop above the tile's first key block (``n_block_min``), whose iteration issues nothing, masked
-        whatever its kind (exact per key, a no-op on an interior block). Returns the consumer and producer
-        states."""
+        whatever its kind (exact per key, a no-op on an interior block). With ``khalves`` / ``retire_halves``
+        (``k_refill="halves"``) S is issued by :meth:`_sm_issue_qk_halves` and retired (each half released and
+        refilled) by :meth:`_sm_retire_qk_halves`. Returns the consumer and producer states."""
         issue = partial(self._sm_issue_qk, acc_S=acc_S, tiled_mma_qk=tiled_mma_qk, tSrQ=tSrQ, tSrK=tSrK,
                         pipeline_k=pipeline_k)
+        if const_expr(khalves is not None):
+            issue = partial(self._sm_issue_qk_halves, acc_S=acc_S, tiled_mma_qk=tiled_mma_qk, tSrQ=tSrQ, tSrK=tSrK,
+                            khalves=khalves)
         issue(kv_consumer_state)
         if n_block_max - n_block_min == 1:  # one block: no S after it
-            kv_consumer_state = self._sm_retire_qk(kv_consumer_state, pipeline_k)
+            if const_expr(khalves is None):
+                kv_consumer_state = self._sm_retire_qk(kv_consumer_state, pipeline_k)
+            else:
+                k_producer_state = retire_halves(kv_consumer_state, k_producer_state, n_block_max - 1, refill=False)
+                kv_consumer_state.advance()
             mask_fn(acc_S, n_block=n_block_max - 1, mask_seqlen=True)
             row_scale = softmax.online_softmax(acc_S, is_first=True)
             store_p(self._convert_p(acc_S), row_scale, Int32(0))
         else:
-            kv_consumer_state = self._sm_retire_qk(kv_consumer_state, pipeline_k)
-            k_producer_state = refill(k_producer_state, n_block_max - 1)
+            if const_expr(khalves is None):
+                kv_consumer_state = self._sm_retire_qk(kv_consumer_state, pipeline_k)
+                k_producer_state = refill(k_producer_state, n_block_max - 1)
+            else:
+                k_producer_state = retire_halves(kv_consumer_state, k_producer_state, n_block_max - 1)
+                kv_consumer_state.advance()
             mask_fn(acc_S, n_block=n_block_max - 1, mask_seqlen=True)
             row_scale = softmax.online_softmax(acc_S, is_first=True)
             tOrP = self._convert_p(acc_S)
@@ -653,13 +899,17 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
             store_p(tOrP, row_scale, Int32(0))
             block_i = Int32(1)  # blocks handed to the P V warpgroups so far
             step = partial(self._sm_step_overlap, acc_S=acc_S, issue=issue, pipeline_k=pipeline_k, refill=refill,
-                           softmax=softmax, store_p=store_p)
+                           softmax=softmax, store_p=store_p, retire_halves=retire_halves)
             # the loops' lowest block is the one above the tile's first key block, which issues nothing
             kv_consumer_state, k_producer_state, block_i = self._sm_key_loops(
                 step, kv_consumer_state, k_producer_state, block_i, n_block_max - 1, n_block_min, n_block_min + 1,
                 m_block, seqlen, block_info, mask_fn, floor_bounds=True)
             # The tile's first key block (n_block_min): its S was issued by the last iteration.
-            kv_consumer_state = self._sm_retire_qk(kv_consumer_state, pipeline_k)
+            if const_expr(khalves is None):
+                kv_consumer_state = self._sm_retire_qk(kv_consumer_state, pipeline_k)
+            else:
+                k_producer_state = retire_halves(kv_consumer_state, k_producer_state, n_block_min, refill=False)
+                kv_consumer_state.advance()
             mask_fn(acc_S, n_block=n_block_min, mask_seqlen=False)
             row_scale = softmax.online_softmax(acc_S, check_inf=True)
             store_p(self._convert_p(acc_S), row_scale, block_i)
@@ -668,13 +918,18 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
     @cute.jit
     def _sm_step_overlap(self, kv_consumer_state, k_producer_state, n_block: Int32, block_i: Int32,
                          acc_S: cute.Tensor, issue: Callable, pipeline_k, refill: Callable, softmax: Softmax,
-                         store_p: Callable, mask_fn: Optional[Callable] = None):
+                         store_p: Callable, mask_fn: Optional[Callable] = None,
+                         retire_halves: Optional[Callable] = None):
         """(``qk_issue="ahead"``) One SM iteration with S of key block ``n_block`` (above the tile's first key block)
-        already issued into ``acc_S``: retire it, the K refill, mask, online softmax, P converted, S of block
-        ``n_block - 1`` issued, P handed off as ``block_i``. Returns the consumer and producer states and
-        ``block_i + 1``."""
-        kv_consumer_state = self._sm_retire_qk(kv_consumer_state, pipeline_k)
-        k_producer_state = refill(k_producer_state, n_block)
+        already issued into ``acc_S``: retire it, the K refill (with ``retire_halves``, ``k_refill="halves"``: half
+        by half, :meth:`_sm_retire_qk_halves`), mask, online softmax, P converted, S of block ``n_block - 1``
+        issued, P handed off as ``block_i``. Returns the consumer and producer states and ``block_i + 1``."""
+        if const_expr(retire_halves is None):
+            kv_consumer_state = self._sm_retire_qk(kv_consumer_state, pipeline_k)
+            k_producer_state = refill(k_producer_state, n_block)
+        else:
+            k_producer_state = retire_halves(kv_consumer_state, k_producer_state, n_block)
+            kv_consumer_state.advance()
         if const_expr(mask_fn is not None):
             mask_fn(acc_S=acc_S, n_block=n_block)
         row_scale = softmax.online_softmax(acc_S, check_inf=True)

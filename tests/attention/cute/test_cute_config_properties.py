@@ -97,6 +97,7 @@ _FIELDS = dict(
     batch_order=st.sampled_from(cc.BATCH_ORDERS),
     v_refill=st.sampled_from(cc.V_REFILLS),
     qk_issue=st.sampled_from(cc.QK_ISSUES),
+    k_refill=st.sampled_from(cc.K_REFILLS),
 )
 _FIELDS_WITH_NONE = dict(_FIELDS, tile_m=st.sampled_from([None, 64, 128]),
                          tile_n=st.sampled_from([None, 16, 32, 48, 64, 128]))
@@ -158,6 +159,9 @@ def test_wide_resolution_is_idempotent_fits_and_refuses_with_named_errors(d, hd,
         assert cfg.wide_design == "roles" and cfg.v_refill == "halves" and hd % 128 == 0
     if d.get("qk_issue") == "ahead":
         assert cfg.wide_design == "roles" and cfg.qk_issue == "ahead"
+    if d.get("k_refill") == "halves":
+        assert cfg.wide_design == "roles" and cfg.k_refill == "halves" and hd % 128 == 0
+    assert cfg.k_refill == ("halves" if d.get("k_refill") == "halves" else "whole")  # "auto": whole (not measured)
     # the roles kernel's switches resolve ("auto": halves at value head dims divisible by 128, ahead with halves)
     assert cfg.v_refill in ("one_warp", "halves") and cfg.qk_issue in ("serial", "ahead")
     if d.get("v_refill", "auto") == "auto":
@@ -166,7 +170,7 @@ def test_wide_resolution_is_idempotent_fits_and_refuses_with_named_errors(d, hd,
         pages_ok = page is None or page >= cc.QK_AHEAD_MIN_PAGE
         assert cfg.qk_issue == ("ahead" if cfg.v_refill == "halves" and pages_ok else "serial")
     if cfg.wide_design == "split_v":
-        assert (cfg.v_refill, cfg.qk_issue) == ("one_warp", "serial")
+        assert (cfg.v_refill, cfg.qk_issue, cfg.k_refill) == ("one_warp", "serial", "whole")
     for k in ("num_splits", "lpt"):  # given values pass through
         if d.get(k) is not None:
             assert getattr(cfg, k) == d[k]
