@@ -1,0 +1,91 @@
+# Issue 25's stretch goal on the H200: the fused commit under vLLM 0.26 (integration/README.md "Fused commits under
+# vLLM"; docs/tuning.md 7.34). Run from the repo root after staging (stagev.sh; the CuTe DSL too for cute), one
+# command each:
+#
+#   bash bench/experiments/device/serve_fused.sh parity
+#       the exported stdlib-byte model (CL 32) in float32, synchronous scheduler, --diffusion-config canvas_length 64
+#       and BLOCKDIFF_FUSE_COMMIT=1, greedy against the harness (serve_smoke.py): must be 6 of 6 token for token,
+#       one request at a time and all at once (mixed fused / plain rows); the server log's fused-commit lines.
+#   BLOCKDIFF_COMMIT=<hash> bash bench/experiments/device/serve_fused.sh VARIANT [fp8|bf16] [triton|cute]
+#       the benchmark's 26B geometry alone on the GPU (alone_up.sh's sizes: 64 seqs, 40 GiB KV), one variant:
+#         fused   --no-async-scheduling, --diffusion-config canvas_length 512, BLOCKDIFF_FUSE_COMMIT=1
+#         layout  the same without the switch (num_speculative_tokens 512 and its CUDA graphs, every row 256 wide:
+#                 the A/B's baseline)
+#         sync    --no-async-scheduling at canvas_length 256 (today's synchronous server)
+#       start, wait, the interleaved sweep (CONC, default 1,4,16,64), stop, within BUDGET_S (570). Rows under
+#       $OUT/<variant>/serve_rows_<quant>.jsonl (the row's backend names the kernels, the folder the variant), vLLM's
+#       own diffusion counters in each row (diffusion_denoising_steps / committed tokens), the server's log tail.
+#       Compare the three with the async rows of serve_alone.sh (bench/results/serve-h200.json).
+# What to expect (the CPU stand-in, docs/tuning.md via /tmp notes of 2026-12-04): one engine step fewer per
+# non-final canvas (1 of 34 steps of a 512-token answer at 16 denoising steps), the same tokens; the saved step's
+# fixed cost against a 512-row step's extra canvas work and the uniform-decode CUDA graphs now being 512 wide.
+# DRY=1: print the variant's server command and exit (CPU check; SERVE_BENCH_ENV=0 skips env.sh as serve_bench.sh).
+set -u
+[ "${SERVE_BENCH_ENV:-1}" = 1 ] && source bench/experiments/device/env.sh
+variant=${1:?variant: parity, fused, layout or sync}
+T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
+up() { python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$1/health', timeout=5)" 2>/dev/null; }
+dead() { grep -q "initialization failed\|Traceback" $1; }
+V="python3 -m vllm.entrypoints.cli.main"
+
+if [ "$variant" = parity ]; then
+  [ -d /tmp/exp ] || python3 -m blockdiff.integration.cli export /tmp/exp --overwrite > $OUT/export.log 2>&1
+  CL=$(python3 -c "import json; print(json.load(open('/tmp/exp/config.json'))['canvas_length'])")
+  P=8036; LOG=/tmp/plugin32_fused.log
+  C="--language-model-only --max-model-len 512 --gpu-memory-utilization 0.2 --no-async-scheduling --max-num-seqs 8"
+  C="$C --enforce-eager --attention-backend CUSTOM --scheduler-cls blockdiff.integration.vllm_scheduler.BlockdiffDiffusionScheduler"
+  E="VLLM_USE_V2_MODEL_RUNNER=1 VLLM_PLUGINS=blockdiff BLOCKDIFF_ATTN_BACKEND=triton BLOCKDIFF_SAMPLER_BACKEND=triton BLOCKDIFF_FUSE_COMMIT=1"
+  D="{\"canvas_length\":$((2 * CL))}"  # twice the checkpoint's canvas: the fused layout
+  (up $P || setsid env $E $V serve /tmp/exp $C --dtype float32 --port $P --diffusion-config "$D" > $LOG 2>&1 < /dev/null) > /dev/null 2>&1 &
+  M="-m blockdiff.bench.experiments.serve_smoke"
+  python3 $M harness --dtype float32 --out $OUT/harness32.json > $OUT/harness32.log 2>&1
+  for i in $(seq 100); do up $P || dead $LOG && break; sleep 3; done
+  up $P && python3 $M client --base-url http://127.0.0.1:$P --model /tmp/exp --out $OUT/fused32.json
+  up $P && python3 $M client --base-url http://127.0.0.1:$P --model /tmp/exp --out $OUT/fused32_all.json --concurrent
+  echo "== float32, fused, one at a time (must be 6 of 6)"; [ -f $OUT/fused32.json ] && python3 $M compare $OUT/harness32.json $OUT/fused32.json | tail -1
+  echo "== float32, fused, all at once (must be 6 of 6)"; [ -f $OUT/fused32_all.json ] && python3 $M compare $OUT/harness32.json $OUT/fused32_all.json | tail -1
+  tail -c 200000 $LOG > $OUT/plugin32_fused.log
+  grep -sE "Traceback|Error:|ERROR|refused|fused commits" $LOG | grep -v "ulimit\|_warmup_" | head -20
+  grep -sh "Mean denoising steps\|num_speculative\|canvas_length" $LOG | tail -4
+  el end; exit 0
+fi
+
+quant=${2:-fp8}; attn=${3:-triton}
+case $variant in
+  fused)  canvas=512; fuse=1 ;;
+  layout) canvas=512; fuse=0 ;;
+  sync)   canvas=256; fuse=0 ;;
+  *) echo "variant must be parity, fused, layout or sync, got $variant"; exit 2 ;;
+esac
+case $quant in fp8|bf16) ;; *) echo "quant must be fp8 or bf16"; exit 2 ;; esac
+case $attn in triton|cute) ;; *) echo "attention must be triton or cute"; exit 2 ;; esac
+BUDGET=${BUDGET_S:-570}
+export OUT=${OUT:-/tmp/serve_bench/out}/$variant; mkdir -p $OUT
+export SERVE_BENCH_DIR=${SERVE_BENCH_DIR:-/tmp/serve_bench} BD_SEQS=${SEQS:-64} BD_KV_GIB=${KV_GIB:-40} \
+  BD_UTIL=${UTIL:-0.9} ASYNC=0
+W=$SERVE_BENCH_DIR; MODEL=$W/dg26b; S=bench/experiments/device/serve_bench.sh; BS="python3 -m blockdiff.bench.bench_serve"
+mkdir -p $W; [ -f $MODEL/config.json ] || $BS model $MODEL > $W/model.log 2>&1 || { cat $W/model.log; exit 1; }
+set -- $(bash $S info $quant $attn blockdiff); backend=$1; port=$2; seqs=$3; kv=$4; util=$5; name=$backend-$quant
+if [ -f $W/$name.pid ] && kill -0 $(cat $W/$name.pid) 2>/dev/null; then
+  echo "$name already running (pid $(cat $W/$name.pid)): stop it first (serve_bench.sh stop)"; exit 2; fi
+# the benchmark's command (bench_serve.server_command, synchronous), then this variant's diffusion config and switch
+cmd=$($BS server-cmd --backend $backend --quant $quant --model $MODEL --port $port --max-num-seqs $seqs \
+      --kv-cache-gib $kv --gpu-memory-utilization $util --trace-dir $W/trace_$name --no-async-scheduling \
+      --load-format ${LOAD_FORMAT:-dummy}) || exit 1
+cmd=$(python3 -c "
+import shlex, sys, json
+argv = shlex.split(sys.argv[1]); i = argv.index('--diffusion-config') + 1
+argv[i] = json.dumps({**json.loads(argv[i]), 'canvas_length': $canvas}, separators=(',', ':'))
+if $fuse: argv.insert(1, 'BLOCKDIFF_FUSE_COMMIT=1')  # after 'env'
+print(shlex.join(argv))" "$cmd") || exit 1
+[ "${DRY:-0}" = 1 ] && { echo "$cmd"; exit 0; }
+echo "$cmd" > $W/$name.cmd; echo $seqs > $W/$name.seqs; echo "$variant" > $OUT/variant
+rm -rf $W/trace_$name
+setsid bash -c "echo \$\$ > $W/$name.pid; exec $cmd" > $W/$name.log 2>&1 < /dev/null &
+sleep 1; el "started $name ($variant: canvas_length $canvas, fuse $fuse; pid $(cat $W/$name.pid), port $port)"
+WAIT_S=${WAIT_S:-330} bash $S wait $quant $attn blockdiff || { el "not healthy"; bash $S stop; exit 1; }
+el healthy
+INTERLEAVE=1 TOTAL_S=$(( BUDGET - ($(date +%s) - T0) - 20 )) bash $S bench $quant $attn blockdiff
+grep -hE "fused commits|num_speculative_tokens|Traceback" $W/$name.log | grep -v ulimit | tail -5
+bash $S stop
+el end
