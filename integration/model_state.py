@@ -24,7 +24,11 @@ move); commit rows ``num_sampled = canvas_length``.
 Fused commit (opt-in, :attr:`DiffusionModelState.fuse_commit`): a COMMIT row scheduled with ``2 * canvas_length``
 query tokens commits its canvas (the first CL rows, causal, writing its KV) and takes the first denoising step of
 the next canvas (the last CL rows, bidirectional, a fresh canvas) in the same forward pass; it is accounted as CL
-accepted and CL rejected drafts (``num_sampled = num_rejected = canvas_length``).
+accepted and CL rejected drafts (``num_sampled = num_rejected = canvas_length``). Under vLLM (synchronous
+scheduler, ``--diffusion-config`` canvas_length ``2 * CL``, ``BLOCKDIFF_FUSE_COMMIT=1``) the sampler flags the
+requests whose next row may be fused (``num_nans = -1``), the plugin's scheduler
+(:mod:`blockdiff.integration.vllm_scheduler`) schedules them ``2 * CL`` tokens, and ``prepare_attn`` attaches the
+causal row counts to the attention metadata (integration/README.md "Fused commits under vLLM").
 """
 from __future__ import annotations
 
@@ -374,12 +378,17 @@ class DiffusionModelState(_Base):
     Two ways to build it:
 
     * by vLLM: ``DiffusionModelState(vllm_config, model, encoder_cache, device)`` (model runner v2 calls this
-      after ``model.get_model_state_cls()``); canvas length from ``vllm_config.diffusion_config``;
+      after ``model.get_model_state_cls()``); canvas length from ``vllm_config.diffusion_config``, or the
+      checkpoint's when the diffusion config's is twice that (the fused-commit layout,
+      :func:`~blockdiff.integration.vllm_scheduler.served_canvas_length`), where ``BLOCKDIFF_FUSE_COMMIT=1`` turns
+      :attr:`fuse_commit` on (``ValueError`` for a value other than ``1`` / ``0`` / unset);
     * by the harness: :meth:`for_harness` (no vLLM objects).
 
     Attributes:
         state: :class:`blockdiff.sampler.SamplerState` over ``max_num_reqs`` slots.
         causal_buf: ``[max_num_reqs]`` bool, persistent per-row causal flags (filled by ``prepare_attn``).
+        num_causal_q_buf: ``[max_num_reqs]`` int32, persistent causal row counts (vLLM mode with
+            :attr:`fuse_commit`: filled by ``prepare_attn``, :meth:`fill_num_causal_q`).
         input_ids_buf: ``[max_num_tokens]`` int64; self_cond_buf: ``[max_num_tokens, hidden]`` fp32.
         num_computed_tokens: ``[max_num_reqs]`` int32, KV length per slot as of the last
             ``postprocess_state`` (tokens).
@@ -603,7 +612,9 @@ class DiffusionModelState(_Base):
         then runs the next canvas's step 0 on the last CL logits rows; the row reports ``num_sampled = CL``
         (accepted drafts: the committed canvas) and ``num_rejected = CL`` (the next canvas), so the KV position
         moves by CL. A scheduler fuses only a commit that does not finish its request (:meth:`commit_finishes`)
-        and whose next canvas fits. Default False: a canvas row must then carry exactly CL tokens.
+        and whose next canvas fits. Default False: a canvas row must then carry exactly CL tokens. Under vLLM it is
+        set at construction (class docstring); the sampler then reports ``num_nans = -1`` for a request whose
+        next row may be fused, and ``prepare_attn`` attaches :attr:`num_causal_q_buf` to the metadata.
 
         Raises (setter):
             TypeError: the value is not a bool.

@@ -199,6 +199,13 @@ def test_vllm_scheduler_pieces_exist(version):
     assert all(classes["vllm.v1.request:Request"]["init_attributes"].values())
     assert set(classes["vllm.v1.request:Request"]["methods"]) == {"is_finished", "get_finished_reason", "take_events"}
     assert "num_nans_in_logits" in classes["vllm.v1.outputs:ModelRunnerOutput"]["fields"]
+    # fused commits: the overrides' signatures (update_draft_token_ids(draft_token_ids), schedule(...)), the
+    # scheduler's vllm_config (served_canvas_length) and each request's spec_token_ids (the draft widths)
+    assert sched["methods"]["update_draft_token_ids"]["params"] == ["self", "draft_token_ids"]
+    assert sched["methods"]["schedule"]["params"][0] == "self"
+    assert sched["init_attributes"]["vllm_config"] and classes["vllm.v1.request:Request"]["init_attributes"][
+        "spec_token_ids"]
+    assert {"canvas_length"} <= set(classes["vllm.config.diffusion:DiffusionConfig"]["fields"])
 
 
 @pytest.mark.parametrize("version", VERSIONS)
