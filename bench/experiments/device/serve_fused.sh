@@ -16,9 +16,10 @@
 #       $OUT/<variant>/serve_rows_<quant>.jsonl (the row's backend names the kernels, the folder the variant), vLLM's
 #       own diffusion counters in each row (diffusion_denoising_steps / committed tokens), the server's log tail.
 #       Compare the three with the async rows of serve_alone.sh (bench/results/serve-h200.json).
-# What to expect (the CPU stand-in, docs/tuning.md via /tmp notes of 2026-12-04): one engine step fewer per
-# non-final canvas (1 of 34 steps of a 512-token answer at 16 denoising steps), the same tokens; the saved step's
-# fixed cost against a 512-row step's extra canvas work and the uniform-decode CUDA graphs now being 512 wide.
+# What to expect (CPU stand-in, serve_standin.py run --concurrency 1,16 --prompts 4,32, 2026-12-04): one engine step
+# fewer per non-final canvas (c1: 140 -> 136 steps for 4 answers of 512 tokens, 868 -> 922 tok/s synchronous; the
+# asynchronous server 989), the same tokens; on the GPU the saved step's fixed cost is set against a 512-row step's
+# extra canvas work and the uniform-decode CUDA graphs being 512 wide (plain 256-row batches lose them).
 # DRY=1: print the variant's server command and exit (CPU check; SERVE_BENCH_ENV=0 skips env.sh as serve_bench.sh).
 set -u
 [ "${SERVE_BENCH_ENV:-1}" = 1 ] && source bench/experiments/device/env.sh
