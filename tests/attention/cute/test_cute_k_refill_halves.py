@@ -322,3 +322,42 @@ def test_gpu_k_halves_cuda_graph_replay_with_metadata_changed_in_place(qk_issue)
              ([256, 256, 256], [2800, 1000, 0], [0, 256, 100], 2)]
     graph_replay_check(steps, H=H, Hkv=HKV, D=D, page=64, B=3, cap_q=768, max_blocks=48, max_seqlen_q=512,
                        config=dict(ROLES, k_refill="halves", qk_issue=qk_issue))
+
+
+# Shapes the grid above does not draw (a review of d4f2422 before the roles fuzz ran with halves): a head dim of 384
+# (halves of three 64-column swizzle atoms, 12 of S's 24 k-steps a group; the roles kernel's only other head dim
+# with halves), GQA ratios other than 8 (4; 3: PackGQA tiles without whole token groups, Q by cp.async over SM's
+# 128 threads, O without TMA), pages of 32 (two page boxes a half; "auto" issues S ahead from there), no LSE, q
+# longer than its context, one-block tiles and windows that raise n_block_min above 0. Two compiles each (whole,
+# halves).
+@needs_gpu
+def test_gpu_k_halves_equal_whole_at_head_dim_384_gqa_4_with_a_window():
+    """hd 384, 8 q / 2 KV heads, page 64, the roles kernel's automatic switches at 384 (V by halves, S ahead), a
+    100-key symmetric window (n_block_min > 0 and the left-masked loop on the long canvas): a causal prefill, a
+    canvas longer than its context, a one-token row over one key; bit-identical to the whole-stage refill, and
+    within the reference's tolerance."""
+    q, k, v, kw = gpu_batch([300, 256, 1, 200], [0, 1500, 0, 31], [300, 0, 1, 100], 8, 2, 384, 64, seed=5)
+    cfg = dict(ROLES)
+    _same(lambda kr: ca.attention_cute(q, k, v, window_size=100, bidirectional_window="symmetric", max_seqlen_q=300,
+                                       return_lse=True, config=dict(cfg, k_refill=kr), **kw))
+    assert ca.LAST_LAUNCH["kernel"].startswith("FlashAttentionForwardSm90Roles")  # split-KV if "auto" picks it
+    assert (ca.LAST_LAUNCH["config"].k_refill, ca.LAST_LAUNCH["config"].qk_issue) == ("halves", "ahead")
+    run_and_check(q, k, v, kw, 100, "symmetric", max_seqlen_q=300, config=dict(cfg, k_refill="halves"))
+
+
+@needs_gpu
+def test_gpu_k_halves_equal_whole_gqa_3_page_32_without_lse():
+    """12 q / 4 KV heads (Q loaded by cp.async over SM's 128 threads while warp 0 issues K's halves), pages of 32
+    (two page boxes a half; S ahead by "auto"), no LSE: prefills and canvases longer than their contexts, an empty
+    context, a one-token row over one key, 2100 keys of context (~33 refills); bit-identical outputs, and within
+    the reference's tolerance."""
+    q, k, v, kw = gpu_batch([129, 256, 1, 64, 7], [0, 31, 0, 2100, 100], [129, 0, 1, 32, 0], 12, 4, D, 32, seed=13)
+    cfg = dict(ROLES)
+    call = lambda kr: ca.attention_cute(q, k, v, max_seqlen_q=256, return_lse=False,  # noqa: E731
+                                        config=dict(cfg, k_refill=kr), **kw)
+    ref, got = call("whole"), call("halves")
+    assert torch.equal(got, ref), (got - ref).abs().max()
+    assert ca.LAST_LAUNCH["kernel"].startswith("FlashAttentionForwardSm90Roles")  # split-KV if "auto" picks it
+    assert (ca.LAST_LAUNCH["config"].k_refill, ca.LAST_LAUNCH["config"].qk_issue) == ("halves", "ahead")
+    run_and_check(q, k, v, kw, None, "symmetric", return_lse=False, max_seqlen_q=256,
+                  config=dict(cfg, k_refill="halves"))
