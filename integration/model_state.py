@@ -50,7 +50,7 @@ from blockdiff.sampler.common import fresh_canvas
 
 from .annotate import annotated
 from .sampler import DiffusionSampler, commit_finishes_vec
-from .vllm_scheduler import FUSE_COMMIT_ENV, fuse_commit_from_env, served_canvas_length
+from .vllm_scheduler import FUSE_COMMIT_ENV, FUSE_NEXT_FLAG, fuse_commit_from_env, served_canvas_length
 
 _log = logging.getLogger(__name__)
 
@@ -342,6 +342,18 @@ def to_diffusion_params(sampling_params: Any, defaults: Any = None, *, canvas_le
     return p
 
 
+def _vllm_raises_on_logit_nans() -> bool:
+    """Whether vLLM's ``VLLM_RAISE_ON_LOGIT_NANS`` is on: vLLM 0.33.0's runner then raises on any nonzero
+    ``num_nans_in_logits`` value (``raise_if_nan_logits``), the fused-commit flag -1 included. False where vLLM has
+    no such variable (0.26.0)."""
+    import vllm.envs as envs  # type: ignore  # vLLM mode only
+
+    try:
+        return bool(envs.VLLM_RAISE_ON_LOGIT_NANS)
+    except AttributeError:
+        return False
+
+
 def attach_num_causal_q(attn_metadata: Any, num_causal_q: torch.Tensor) -> None:
     """Set ``_blockdiff_num_causal_q`` = ``num_causal_q`` on every metadata object of ``attn_metadata`` (what
     ``build_attn_metadata`` returns: a dict layer name -> metadata, objects shared between layers; a list of such
@@ -381,7 +393,8 @@ class DiffusionModelState(_Base):
       after ``model.get_model_state_cls()``); canvas length from ``vllm_config.diffusion_config``, or the
       checkpoint's when the diffusion config's is twice that (the fused-commit layout,
       :func:`~blockdiff.integration.vllm_scheduler.served_canvas_length`), where ``BLOCKDIFF_FUSE_COMMIT=1`` turns
-      :attr:`fuse_commit` on (``ValueError`` for a value other than ``1`` / ``0`` / unset);
+      :attr:`fuse_commit` on (``ValueError`` for a value other than ``1`` / ``0`` / unset, and for ``1`` together
+      with vLLM's ``VLLM_RAISE_ON_LOGIT_NANS=1``, under which vLLM 0.33.0 raises on the -1 flag);
     * by the harness: :meth:`for_harness` (no vLLM objects).
 
     Attributes:
@@ -427,6 +440,10 @@ class DiffusionModelState(_Base):
                              "'{\"canvas_length\": %d}')", FUSE_COMMIT_ENV, getattr(dcfg, "canvas_length", None),
                              2 * canvas_length)
             else:
+                if _vllm_raises_on_logit_nans():
+                    raise ValueError(f"{FUSE_COMMIT_ENV}=1 cannot run with VLLM_RAISE_ON_LOGIT_NANS=1: vLLM's runner "
+                                     f"then raises on any nonzero num_nans_in_logits, and fused commits report "
+                                     f"{FUSE_NEXT_FLAG} there (unset one of the two)")
                 if getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False):
                     _log.warning("blockdiff: fused commits need the synchronous scheduler (--no-async-scheduling "
                                  "with BlockdiffDiffusionScheduler); the asynchronous one never fuses")

@@ -432,3 +432,44 @@ def test_vllm_model_state_fuses_only_when_asked_and_served_with_two_canvases(mon
     monkeypatch.setenv(VS.FUSE_COMMIT_ENV, "on")
     with pytest.raises(ValueError, match=VS.FUSE_COMMIT_ENV):
         DiffusionModelState(cfg, _StandInVllmModel(64, H), None, torch.device("cpu"))
+
+
+@needs_stack
+@needs_vllm
+def test_vllm_model_state_refuses_fused_commits_when_vllm_raises_on_any_nan_count(monkeypatch):
+    """vLLM 0.33.0's runner, with VLLM_RAISE_ON_LOGIT_NANS=1, raises on a num_nans_in_logits with any nonzero value
+    (``raise_if_nan_logits``: ``any(values)``), so every -1 flag would stop the engine ("NaNs detected in logits: {}").
+    Fused commits and that variable cannot run together: the model state stops the start with a ValueError naming
+    both. vLLM 0.26.0 has no such variable (nothing to refuse)."""
+    import vllm.envs as envs
+    from test_vllm_plugin import _StandInVllmModel
+
+    from blockdiff.integration.model_state import DiffusionModelState
+
+    H = 8
+    mc = NS(get_inputs_embeds_size=lambda: H, dtype=torch.float32, hf_text_config=NS(hidden_size=H),
+            hf_config=NS(canvas_length=CL), try_get_generation_config=lambda: {}, get_vocab_size=lambda: 64,
+            max_model_len=256)
+    cfg = NS(model_config=mc, scheduler_config=NS(max_num_seqs=2, max_num_batched_tokens=64, async_scheduling=False),
+             diffusion_config=NS(canvas_length=2 * CL, max_denoising_steps=2))
+    monkeypatch.setenv(VS.FUSE_COMMIT_ENV, "1")
+    monkeypatch.setenv("VLLM_RAISE_ON_LOGIT_NANS", "1")
+    try:
+        raises = bool(envs.VLLM_RAISE_ON_LOGIT_NANS)
+    except AttributeError:  # vLLM 0.26.0
+        raises = False
+    if raises:
+        from vllm.v1.worker.utils import raise_if_nan_logits
+
+        with pytest.raises(RuntimeError, match="NaNs detected"):  # why: the flag alone stops the engine
+            raise_if_nan_logits({"a": VS.FUSE_NEXT_FLAG, "b": 0})
+        with pytest.raises(ValueError, match=f"{VS.FUSE_COMMIT_ENV}.*VLLM_RAISE_ON_LOGIT_NANS"):
+            DiffusionModelState(cfg, _StandInVllmModel(64, H), None, torch.device("cpu"))
+    else:
+        assert DiffusionModelState(cfg, _StandInVllmModel(64, H), None, torch.device("cpu")).fuse_commit is True
+    # the switch off (or the variable off): no refusal
+    monkeypatch.setenv(VS.FUSE_COMMIT_ENV, "0")
+    assert DiffusionModelState(cfg, _StandInVllmModel(64, H), None, torch.device("cpu")).fuse_commit is False
+    monkeypatch.setenv(VS.FUSE_COMMIT_ENV, "1")
+    monkeypatch.setenv("VLLM_RAISE_ON_LOGIT_NANS", "0")
+    assert DiffusionModelState(cfg, _StandInVllmModel(64, H), None, torch.device("cpu")).fuse_commit is True
