@@ -30,7 +30,8 @@ setup(
             "import-linter>=2.17,<3",  # the layering contracts (.importlinter, tests/test_layering.py); brings grimp
         ],
         "cute": ["flash-attn-4==4.0.0b36", "nvidia-cutlass-dsl[cu13]==4.8.1"],
-        "vllm": ["vllm>=0.24"],
+        # integration/vllm_compat.py accepts 0.26.x and >= 0.33 (checked: 0.26.0, 0.33.0) and refuses the rest
+        "vllm": ["vllm>=0.26,!=0.27.*,!=0.28.*,!=0.29.*,!=0.30.*,!=0.31.*,!=0.32.*"],
     },
     entry_points={
         "console_scripts": ["blockdiff = blockdiff.integration.cli:main"],
