@@ -40,7 +40,8 @@ passes vLLM a copy with ``max(n, 0)``; the synchronous scheduler's ``update_draf
 request ``2 * CL`` drafts when ``num_tokens + 2 * CL <= max_model_len`` (:func:`cut_draft_widths`), so its next row
 is the commit (CL causal rows) plus the next canvas's first denoising step (CL bidirectional rows), accounted by the
 worker as CL accepted and CL rejected drafts. The asynchronous scheduler schedules step S before step S - 1's output
-is known and never fuses: its ``schedule`` cuts the placeholders to CL first (:func:`cut_spec_tokens`).
+is known and never fuses: its ``schedule`` cuts the placeholders to CL first (:func:`cut_spec_tokens`). Served with
+CL (no fused layout) neither cut runs: every list is ``num_spec_tokens`` = CL long already.
 """
 from __future__ import annotations
 
@@ -146,7 +147,7 @@ def split_fuse_flags(num_nans_in_logits: Mapping[str, int] | None) -> tuple[set[
                         f"{type(num_nans_in_logits).__name__}")
     fuse = set()
     for rid, n in num_nans_in_logits.items():
-        if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+        if type(n) is not int and (isinstance(n, bool) or not isinstance(n, numbers.Integral)):  # int: fast path
             raise TypeError(f"num_nans_in_logits[{rid!r}] must be an int, got {type(n).__name__} ({n!r})")
         if n < 0:
             fuse.add(rid)
@@ -186,8 +187,9 @@ def cut_draft_widths(scheduler: Any, draft_token_ids: Any, fuse_next: set[str] |
 
 def cut_spec_tokens(scheduler: Any) -> None:
     """Cut every running request's ``spec_token_ids`` to its canvas width (:func:`diffusion_canvas_width` with the
-    scheduler's CL): what the asynchronous scheduler does before each ``schedule`` (its placeholders are
-    ``num_spec_tokens`` wide, ``2 * CL`` in the fused layout, and it never fuses). A new list is assigned (vLLM's
+    scheduler's CL): what the asynchronous scheduler does before each ``schedule`` when served in the fused layout
+    (its placeholders are ``num_spec_tokens`` = ``2 * CL`` wide, and it never fuses; served with CL it skips this
+    per-request loop). A new list is assigned (vLLM's
     placeholder list is shared between requests)."""
     cl = _canvas_length_of(scheduler)
     for req in scheduler.running:
@@ -279,7 +281,7 @@ def _make_classes() -> dict[str, type]:
 
             @annotated("blockdiff:schedule")
             def schedule(self, *args, **kwargs):
-                if asynchronous:  # placeholders of num_spec_tokens (2 * CL in the fused layout): never fused
+                if asynchronous and self.blockdiff_fused_layout:  # placeholders of 2 * CL: cut, never fused
                     cut_spec_tokens(self)
                 return super().schedule(*args, **kwargs)
 
@@ -294,14 +296,16 @@ def _make_classes() -> dict[str, type]:
                 return outputs
 
             def update_draft_token_ids(self, draft_token_ids):
-                cut_draft_widths(self, draft_token_ids, self.blockdiff_fuse_next)
+                if self.blockdiff_fused_layout:  # else the lists are num_spec_tokens = CL long already
+                    cut_draft_widths(self, draft_token_ids, self.blockdiff_fuse_next)
                 return super().update_draft_token_ids(draft_token_ids)
 
         Scheduler.__name__ = Scheduler.__qualname__ = name
         Scheduler.__module__ = __name__
         Scheduler.__doc__ = (f"vLLM's {base.__name__} plus :func:`blockdiff.integration.vllm_scheduler."
-                             "finish_stuck_requests` after each step and per-request draft widths (CL, or 2 * CL "
-                             "for a fused commit" + (": never, asynchronous" if asynchronous else "") + "; module "
+                             "finish_stuck_requests` after each step and, served in the fused layout, per-request "
+                             "draft widths (CL, or 2 * CL for a fused commit" + (": never, asynchronous" if
+                                                                                asynchronous else "") + "; module "
                              "docstring); ``schedule`` and ``update_from_output`` are named ranges in a profiler "
                              "trace (:mod:`blockdiff.integration.annotate`).")
         return Scheduler

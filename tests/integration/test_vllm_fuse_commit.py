@@ -473,3 +473,23 @@ def test_vllm_model_state_refuses_fused_commits_when_vllm_raises_on_any_nan_coun
     monkeypatch.setenv(VS.FUSE_COMMIT_ENV, "1")
     monkeypatch.setenv("VLLM_RAISE_ON_LOGIT_NANS", "0")
     assert DiffusionModelState(cfg, _StandInVllmModel(64, H), None, torch.device("cpu")).fuse_commit is True
+
+
+@needs_vllm
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_one_canvas_layout_schedulers_do_no_per_request_width_work(monkeypatch, tiny_hf_folder, asynchronous):
+    """Served with canvas_length = CL (the default: no fused layout, the switch cannot be on) the plugin's
+    schedulers are what they were before fused commits: no per-request loop cutting draft lists or placeholders
+    each step (num_spec_tokens is CL already; vLLM 0.33.0's own DiffusionScheduler trims per-request widths), and
+    the widths stay CL."""
+    def boom(*a, **k):
+        raise AssertionError("a per-request width loop ran without the fused layout")
+
+    monkeypatch.setattr(VS, "cut_spec_tokens", boom)
+    monkeypatch.setattr(VS, "cut_draft_widths", boom)
+    s = _real_scheduler(monkeypatch, tiny_hf_folder, asynchronous=asynchronous, served=CL)
+    assert s.blockdiff_fused_layout is False
+    s.add_request(_request("a", 10))
+    _step(s, drafts=not asynchronous)
+    widths = [_step(s, nans={"a": 0}, drafts=not asynchronous)[0].num_scheduled_tokens.get("a") for _ in range(3)]
+    assert widths == [CL] * 3
