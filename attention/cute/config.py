@@ -275,7 +275,7 @@ def resolve_config(head_dim: int, head_dim_v: int, window_size, config=None, max
     """
     _check_head_dims(head_dim, head_dim_v)
     _check_page_size(page_size)
-    config, switches = _split_switches(check_config(config))
+    config, switches = _split_switches(check_config(config, head_dims=(head_dim, head_dim_v)))
     if is_wide(head_dim, head_dim_v):  # head dims and config checked above
         switches = _resolve_wide_switches(head_dim, head_dim_v, config, switches, page_size)
         return replace(_resolve_wide(head_dim, head_dim_v, config, max_seqlen_q, switches["wide_design"]),
@@ -368,7 +368,7 @@ def auto_wide_design(head_dim: int, head_dim_v: int, config=None, *, page_size: 
     """
     _check_head_dims(head_dim, head_dim_v)
     _check_page_size(page_size)
-    config, switches = _split_switches(check_config(config))
+    config, switches = _split_switches(check_config(config, head_dims=(head_dim, head_dim_v)))
     if not is_wide(head_dim, head_dim_v):
         return "split_v"
     return "split_v" if _roles_blocker(head_dim, head_dim_v, config, switches["split_merge"], page_size) else "roles"
@@ -398,16 +398,7 @@ def _resolve_wide_switches(head_dim: int, head_dim_v: int, config, switches: dic
     roles = switches["wide_design"] == "roles"
     if switches["batch_order"] == "auto":
         switches["batch_order"] = "work" if roles else "given"
-    if switches["v_refill"] == "halves" and head_dim_v % 128:
-        # each half of V must be whole shared-memory swizzle atoms (64 columns at head dims divisible by 64,
-        # else 32) and whole page boxes: of the wide head dims (multiples of 32 in (256, 512]) only 384 and 512
-        raise ValueError(f"config v_refill 'halves' needs head_dim_v divisible by 128 (384 or 512), got "
-                         f"{head_dim_v}: each P V warpgroup's half of V must be whole swizzle atoms; use "
-                         f"v_refill 'one_warp' or 'auto'")
-    if switches["k_refill"] == "halves" and head_dim % 128:
-        # as v_refill's halves: each half of K (the contraction dimension of S) must be whole 64-column swizzle atoms
-        raise ValueError(f"config k_refill 'halves' needs head_dim divisible by 128 (384 or 512), got {head_dim}: "
-                         f"each half of K must be whole swizzle atoms; use k_refill 'whole' or 'auto'")
+    _check_halves_head_dims(head_dim, head_dim_v, switches)
     if switches["k_refill"] == "auto":  # not measured yet: the whole stage, as before the switch
         switches["k_refill"] = "whole"
     if switches["v_refill"] == "auto":  # the measured best (docs/tuning.md 2.20)
@@ -416,6 +407,23 @@ def _resolve_wide_switches(head_dim: int, head_dim_v: int, config, switches: dic
         pages_ok = page_size is None or page_size >= QK_AHEAD_MIN_PAGE
         switches["qk_issue"] = "ahead" if switches["v_refill"] == "halves" and pages_ok else "serial"
     return switches
+
+
+def _check_halves_head_dims(head_dim: int, head_dim_v: int, values: dict) -> None:
+    """ValueError where ``values`` (config fields by name) asks for ``v_refill`` / ``k_refill`` ``"halves"`` at a
+    wide head dim not divisible by 128 (fields not yet checked: only compared with ``"halves"``)."""
+    if not is_wide(head_dim, head_dim_v):
+        return
+    if values.get("v_refill") == "halves" and head_dim_v % 128:
+        # each half of V must be whole shared-memory swizzle atoms (64 columns at head dims divisible by 64,
+        # else 32) and whole page boxes: of the wide head dims (multiples of 32 in (256, 512]) only 384 and 512
+        raise ValueError(f"config v_refill 'halves' needs head_dim_v divisible by 128 (384 or 512), got "
+                         f"{head_dim_v}: each P V warpgroup's half of V must be whole swizzle atoms; use "
+                         f"v_refill 'one_warp' or 'auto'")
+    if values.get("k_refill") == "halves" and head_dim % 128:
+        # as v_refill's halves: each half of K (the contraction dimension of S) must be whole 64-column swizzle atoms
+        raise ValueError(f"config k_refill 'halves' needs head_dim divisible by 128 (384 or 512), got {head_dim}: "
+                         f"each half of K must be whole swizzle atoms; use k_refill 'whole' or 'auto'")
 
 
 #: CuteConfig fields that are switches, not tile fields, with their defaults.
@@ -501,7 +509,7 @@ def _check_field(name: str, v) -> None:
         raise ValueError(f"config {name} must be {rule}, got {v}")
 
 
-def check_config(config):
+def check_config(config, *, head_dims: tuple[int, int] | None = None):
     """The ``config`` argument checked field by field, before anything is resolved or imported: None, a dict
     with :class:`CuteConfig` field names, or a CuteConfig (returned as given). ``tile_m`` / ``tile_n``: None or a
     positive int, ``tile_m`` a multiple of 64 (query rows of one MMA warpgroup), ``tile_n`` a multiple of 8 (the
@@ -514,7 +522,9 @@ def check_config(config):
     the roles kernel); ``qk_issue``: one of :data:`QK_ISSUES`, ``"ahead"`` as ``"halves"``; ``k_refill``: one of
     :data:`K_REFILLS`, ``"halves"`` as ``v_refill``'s.
     Kernel-specific rules (the split-value kernel's tiles, shared memory, whether the cluster merge's tile fits)
-    are :func:`resolve_config`'s and :func:`resolve_launch_config`'s.
+    are :func:`resolve_config`'s and :func:`resolve_launch_config`'s. ``head_dims`` (keyword; ``(head_dim,
+    head_dim_v)`` where the call knows them): a ``"halves"`` value those head dims cannot take is refused by its
+    own rule before the ``wide_design="split_v"`` one, whose fix ``wide_design 'roles'`` would fail there.
 
     Raises:
         TypeError: ``config`` of another type, an unknown field, a field of the wrong type (bool for an int, a
@@ -542,6 +552,8 @@ def check_config(config):
                          "'combine' or 'auto'")
     roles_only = [row for row in _ROLES_ONLY if values.get(row[0]) == row[1]]
     if roles_only and values.get("wide_design", "auto") == "split_v":
+        if head_dims is not None:  # halves these head dims cannot take: that rule (its fix resolves; 'roles' would not)
+            _check_halves_head_dims(*head_dims, values)
         given = " and ".join(f"{name} {value!r}" for name, value, _ in roles_only)
         plain = " and ".join(f"{name} {p!r} (or 'auto')" for name, _, p in roles_only)
         raise ValueError(f"config {given} {'is' if len(roles_only) == 1 else 'are'} built for the roles kernel only, "
@@ -577,7 +589,7 @@ def resolve_wide_config(head_dim: int, head_dim_v: int, config=None, max_seqlen_
     """
     _check_head_dims(head_dim, head_dim_v)
     _check_page_size(page_size)
-    config, switches = _split_switches(check_config(config))
+    config, switches = _split_switches(check_config(config, head_dims=(head_dim, head_dim_v)))
     switches = _resolve_wide_switches(head_dim, head_dim_v, config, switches, page_size)
     return replace(_resolve_wide(head_dim, head_dim_v, config, max_seqlen_q, switches["wide_design"]), **switches)
 

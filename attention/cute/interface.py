@@ -210,7 +210,8 @@ def attention_cute(
     why = unsupported_head_dims(info.head_dim, info.head_dim_v)
     if why is not None:
         raise NotImplementedError(f"backend 'cute': {why}")
-    check_config(config)  # a bad config field is refused here, before the CuTe DSL import and any GPU work
+    # a bad config field is refused here, before the CuTe DSL import and any GPU work
+    check_config(config, head_dims=(info.head_dim, info.head_dim_v))
     fa = _fa4()
     if q.device.type != "cuda":
         raise ValueError(f"backend 'cute' needs CUDA tensors, got q on {q.device}")

@@ -151,6 +151,28 @@ def test_k_refill_refusals_suggest_only_fixes_that_resolve(hd, page, config):
         assert bad, f"'roles' would have worked here but was not offered: {msg}"
 
 
+@pytest.mark.parametrize("hd", [288, 320, 448])
+@pytest.mark.parametrize("field,plain", [("k_refill", "whole"), ("v_refill", "one_warp")])
+def test_split_v_refusal_of_halves_never_suggests_roles_where_halves_cannot_run(hd, field, plain):
+    """``wide_design="split_v"`` with "halves" at a head dim not divisible by 128: the refusal is the head-dim rule
+    (use the plain value), not check_config's "set wide_design 'roles'", which would fail there on that rule;
+    every fix the message offers resolves (resolve_config, auto_wide_design and check_config given the head dims)."""
+    config = {"wide_design": "split_v", field: "halves"}
+    for call in (lambda c: cc.resolve_config(hd, hd, None, c, 256), lambda c: cc.resolve_wide_config(hd, hd, c),
+                 lambda c: cc.auto_wide_design(hd, hd, c), lambda c: cc.check_config(c, head_dims=(hd, hd))):
+        with pytest.raises(ValueError, match=f"{field} 'halves' needs head_dim") as e:
+            call(config)
+        assert "wide_design 'roles'" not in str(e.value), str(e.value)
+    assert cc.resolve_config(hd, hd, None, dict(config, **{field: plain}), 256).wide_design == "split_v"
+    # without head dims (a config alone) the split-value rule stands; at 384 / 512 it offers 'roles', which resolves
+    with pytest.raises(ValueError, match="built for the roles kernel only.*set wide_design 'roles'"):
+        cc.check_config(config)
+    for ok in (384, 512):
+        with pytest.raises(ValueError, match="set wide_design 'roles'"):
+            cc.resolve_config(ok, ok, None, config, 256)
+        assert getattr(cc.resolve_config(ok, ok, None, dict(config, wide_design="roles"), 256), field) == "halves"
+
+
 def test_k_refill_is_whole_below_head_dim_257(monkeypatch):
     """FA4's kernel runs below head dim 257: one compile key whatever k_refill says."""
     monkeypatch.setattr(cc, "_fa4_tile_size", lambda *a: SimpleNamespace(
