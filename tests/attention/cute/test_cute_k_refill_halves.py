@@ -1,7 +1,8 @@
 """The roles kernel's K stage refilled by head-dim halves (``CuteConfig.k_refill="halves"``;
 blockdiff.attention.cute.kernel_roles, "K refill by halves"): SM issues S = Q K^T as two wgmma groups over the
 contraction (head) dimension, each once its half of K landed, and releases and refills each half as soon as its group
-retired. ``"auto"`` (the default) resolves to ``"whole"`` until a GPU measures the halves.
+retired. ``"auto"`` (the default) resolves to ``"whole"`` until the roles fuzz has run with halves on a GPU
+(docs/tuning.md 2.22: bit-identical and 1.7-1.9 % faster on the H200).
 
 * CPU (CI, no flash-attn-4): the field's default and resolution, its validation (choices, types, not with
   ``wide_design="split_v"``; with ``"auto"`` only where it resolves to the roles kernel; head dims divisible by 128),
