@@ -354,6 +354,26 @@ def _vllm_raises_on_logit_nans() -> bool:
         return False
 
 
+def _plugin_scheduler(vllm_config: Any) -> bool | None:
+    """Whether ``vllm_config.scheduler_config.scheduler_cls`` is one of the plugin's schedulers
+    (:mod:`blockdiff.integration.vllm_scheduler`, or a subclass); None when the config names no scheduler class
+    at all (not a vLLM ``SchedulerConfig``). Unset (vLLM's own) is False."""
+    sc = getattr(vllm_config, "scheduler_config", None)
+    if sc is None or not hasattr(sc, "scheduler_cls"):
+        return None
+    cls = sc.scheduler_cls
+    if cls is None:
+        return False
+    if isinstance(cls, str):
+        from vllm.utils.import_utils import resolve_obj_by_qualname  # type: ignore  # vLLM mode only
+
+        cls = resolve_obj_by_qualname(cls)
+    from . import vllm_scheduler
+
+    return isinstance(cls, type) and issubclass(cls, (vllm_scheduler.BlockdiffDiffusionScheduler,
+                                                     vllm_scheduler.BlockdiffDiffusionAsyncScheduler))
+
+
 def attach_num_causal_q(attn_metadata: Any, num_causal_q: torch.Tensor) -> None:
     """Set ``_blockdiff_num_causal_q`` = ``num_causal_q`` on every metadata object of ``attn_metadata`` (what
     ``build_attn_metadata`` returns: a dict layer name -> metadata, objects shared between layers; a list of such
@@ -392,7 +412,9 @@ class DiffusionModelState(_Base):
     * by vLLM: ``DiffusionModelState(vllm_config, model, encoder_cache, device)`` (model runner v2 calls this
       after ``model.get_model_state_cls()``); canvas length from ``vllm_config.diffusion_config``, or the
       checkpoint's when the diffusion config's is twice that (the fused-commit layout,
-      :func:`~blockdiff.integration.vllm_scheduler.served_canvas_length`), where ``BLOCKDIFF_FUSE_COMMIT=1`` turns
+      :func:`~blockdiff.integration.vllm_scheduler.served_canvas_length`; ``ValueError`` unless ``--scheduler-cls``
+      is one of the plugin's schedulers, which cut the rows to CL: vLLM's own would schedule every canvas
+      ``2 * CL`` tokens), where ``BLOCKDIFF_FUSE_COMMIT=1`` turns
       :attr:`fuse_commit` on (``ValueError`` for a value other than ``1`` / ``0`` / unset, and for ``1`` together
       with vLLM's ``VLLM_RAISE_ON_LOGIT_NANS=1``, under which vLLM 0.33.0 raises on the -1 flag);
     * by the harness: :meth:`for_harness` (no vLLM objects).
@@ -433,6 +455,14 @@ class DiffusionModelState(_Base):
             canvas_length=canvas_length, vocab_size=self.model_config.get_vocab_size(),
             hidden_size=text_cfg.hidden_size, default_params=SamplingParams(canvas_length=canvas_length, **kw),
             embed_dtype=self.dtype)
+        if fused_layout and _plugin_scheduler(vllm_config) is False:
+            raise ValueError(
+                f"--diffusion-config canvas_length {2 * canvas_length} is twice the checkpoint's ({canvas_length}: the "
+                f"fused-commit layout), which needs the plugin's scheduler: pass --scheduler-cls "
+                f"blockdiff.integration.vllm_scheduler.BlockdiffDiffusionScheduler (--no-async-scheduling) or "
+                f"BlockdiffDiffusionAsyncScheduler; vLLM's own schedules every canvas {2 * canvas_length} tokens, which "
+                f"no request could progress on (got --scheduler-cls "
+                f"{getattr(vllm_config.scheduler_config, 'scheduler_cls', None)!r})")
         if fuse_commit_from_env():
             if not fused_layout:
                 _log.warning("blockdiff: %s=1 but the diffusion config's canvas_length (%s) is not twice the "

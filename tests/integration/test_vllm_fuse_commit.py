@@ -493,3 +493,41 @@ def test_one_canvas_layout_schedulers_do_no_per_request_width_work(monkeypatch, 
     _step(s, drafts=not asynchronous)
     widths = [_step(s, nans={"a": 0}, drafts=not asynchronous)[0].num_scheduled_tokens.get("a") for _ in range(3)]
     assert widths == [CL] * 3
+
+
+@needs_stack
+@needs_vllm
+@pytest.mark.parametrize("env", ["0", "1"])
+def test_vllm_model_state_in_the_two_canvas_layout_needs_the_plugins_scheduler(monkeypatch, env):
+    """Served with --diffusion-config canvas_length = 2 * CL, vLLM's own schedulers (--scheduler-cls unset: 0.26.0's
+    Scheduler / AsyncScheduler, 0.33.0's DiffusionScheduler) schedule every canvas row 2 * CL tokens, which the model
+    state (CL from the checkpoint) can only stall: every request would hang with no token, the switch on or off.
+    The start stops with a ValueError naming --scheduler-cls; the plugin's schedulers (or a subclass) pass, and a
+    one-canvas layout needs none of them (as before fused commits)."""
+    from test_vllm_plugin import _StandInVllmModel
+
+    from blockdiff.integration.model_state import DiffusionModelState
+
+    H = 8
+    mc = NS(get_inputs_embeds_size=lambda: H, dtype=torch.float32, hf_text_config=NS(hidden_size=H),
+            hf_config=NS(canvas_length=CL), try_get_generation_config=lambda: {}, get_vocab_size=lambda: 64,
+            max_model_len=256)
+    monkeypatch.setenv(VS.FUSE_COMMIT_ENV, env)
+    monkeypatch.delenv("VLLM_RAISE_ON_LOGIT_NANS", raising=False)
+
+    def build(served, scheduler_cls, asynchronous=False):
+        sc = NS(max_num_seqs=2, max_num_batched_tokens=64, async_scheduling=asynchronous, scheduler_cls=scheduler_cls)
+        cfg = NS(model_config=mc, scheduler_config=sc,
+                 diffusion_config=NS(canvas_length=served, max_denoising_steps=2))
+        return DiffusionModelState(cfg, _StandInVllmModel(64, H), None, torch.device("cpu"))
+
+    for cls, asynchronous in ((None, False), (None, True), ("vllm.v1.core.sched.scheduler.Scheduler", False),
+                              ("vllm.v1.core.sched.async_scheduler.AsyncScheduler", True)):
+        with pytest.raises(ValueError, match="--scheduler-cls"):
+            build(2 * CL, cls, asynchronous)
+    for name, asynchronous in (("BlockdiffDiffusionScheduler", False), ("BlockdiffDiffusionAsyncScheduler", True)):
+        ms = build(2 * CL, f"blockdiff.integration.vllm_scheduler.{name}", asynchronous)
+        assert ms.canvas_length == CL and ms.fuse_commit is (env == "1")
+    sub = type("Mine", (VS.BlockdiffDiffusionScheduler,), {})
+    assert build(2 * CL, sub).canvas_length == CL
+    assert build(CL, None).canvas_length == CL  # one canvas: vLLM's own scheduler serves it
