@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib
 import logging
 import numbers
 import os
@@ -364,10 +365,9 @@ def _plugin_scheduler(vllm_config: Any) -> bool | None:
     cls = sc.scheduler_cls
     if cls is None:
         return False
-    if isinstance(cls, str):
-        from vllm.utils.import_utils import resolve_obj_by_qualname  # type: ignore  # vLLM mode only
-
-        cls = resolve_obj_by_qualname(cls)
+    if isinstance(cls, str):  # a qualified name, as vLLM resolves it
+        module, _, name = cls.rpartition(".")
+        cls = getattr(importlib.import_module(module), name)
     from . import vllm_scheduler
 
     return isinstance(cls, type) and issubclass(cls, (vllm_scheduler.BlockdiffDiffusionScheduler,
