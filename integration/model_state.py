@@ -52,6 +52,7 @@ from blockdiff.sampler.common import fresh_canvas
 from .annotate import annotated
 from .sampler import DiffusionSampler, commit_finishes_vec
 from .vllm_scheduler import FUSE_COMMIT_ENV, FUSE_NEXT_FLAG, fuse_commit_from_env, served_canvas_length
+from .vllm_graphs import maybe_install_for as install_decode_graph_widths
 
 _log = logging.getLogger(__name__)
 
@@ -441,6 +442,7 @@ class DiffusionModelState(_Base):
         dcfg = getattr(vllm_config, "diffusion_config", None)
         # CL: the diffusion config's, or the checkpoint's when the config is twice that (the fused-commit layout)
         canvas_length, fused_layout = served_canvas_length(vllm_config)
+        install_decode_graph_widths(fused_layout)  # vLLM 0.26: FULL graphs CL and 2 * CL wide (tuning 7.37)
         text_cfg = self.model_config.hf_text_config
         gen = self.model_config.try_get_generation_config() or {}
         sc = gen.get("sampler_config") or {}

@@ -46,6 +46,9 @@ class VllmProfile:
         scheduler_classes: ``(sync, async)`` qualified names (``module.Class``) of the vLLM scheduler classes the
             plugin's schedulers derive from (the ones vLLM itself uses for a diffusion model).
         diffusion_scheduler: True when vLLM has a scheduler of its own for diffusion models (0.33.0).
+        dual_width_decode_graphs: True when the fused layout (``canvas_length`` = 2 * CL) gets uniform-decode FULL
+            CUDA graphs at both widths through :mod:`blockdiff.integration.vllm_graphs` (0.26.0: its model runner
+            captures them 2 * CL wide only; docs/tuning.md 7.37).
     """
 
     version: str
@@ -54,6 +57,7 @@ class VllmProfile:
     sampler_add_request_params: tuple[str, ...]
     scheduler_classes: tuple[str, str]
     diffusion_scheduler: bool
+    dual_width_decode_graphs: bool = False
 
 
 PROFILES: dict[str, VllmProfile] = {
@@ -63,14 +67,14 @@ PROFILES: dict[str, VllmProfile] = {
         sampler_add_request_params=("req_idx", "prompt_len", "sampling_params"),
         scheduler_classes=("vllm.v1.core.sched.scheduler.Scheduler",
                            "vllm.v1.core.sched.async_scheduler.AsyncScheduler"),
-        diffusion_scheduler=False),
+        diffusion_scheduler=False, dual_width_decode_graphs=True),
     "0.33.0": VllmProfile(
         version="0.33.0", snapshot="vllm_0_33_0_model_state_interface.json",
         inputs_embeds_hook="prepare_inputs_embeds",
         sampler_add_request_params=("req_idx", "sampling_params"),
         scheduler_classes=("vllm.v1.core.sched.diffusion_scheduler.DiffusionScheduler",
                            "vllm.v1.core.sched.diffusion_scheduler.DiffusionAsyncScheduler"),
-        diffusion_scheduler=True),
+        diffusion_scheduler=True, dual_width_decode_graphs=False),
 }
 """Checked versions -> profile."""
 

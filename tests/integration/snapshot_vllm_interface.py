@@ -80,6 +80,11 @@ CLASSES: dict[str, dict] = {
         "init_attributes": ["model", "self_conditioning", "lm_head"]},
     "vllm.model_executor.models.diffusion_gemma:DiffusionGemmaModelState": {"methods": "*"},
     "vllm.model_executor.models.diffusion_gemma:DiffusionSampler": {"methods": "*"},
+    # integration/vllm_graphs.py wraps the private _init_candidates (0.26; docs/tuning.md 7.37 Fix 1)
+    "vllm.v1.worker.gpu.cudagraph_utils:CudaGraphManager": {
+        "methods": ["__init__", "_init_candidates", "dispatch"],
+        "init_attributes": ["vllm_config", "decode_query_len", "_candidates", "_capture_descs"]},
+    "vllm.v1.worker.gpu.cudagraph_utils:BatchExecutionDescriptor": {"fields": True},
 }
 
 #: ``module:function`` whose signatures are recorded.
