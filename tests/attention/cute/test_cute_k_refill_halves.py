@@ -6,7 +6,8 @@ retired. ``"auto"`` (the default) resolves to ``"whole"`` until the roles fuzz h
 
 * CPU (CI, no flash-attn-4): the field's default and resolution, its validation (choices, types, not with
   ``wide_design="split_v"``; with ``"auto"`` only where it resolves to the roles kernel; head dims divisible by 128),
-  ``"whole"`` below head dim 257, the refusals' suggested fixes, the compile key (``_compile`` monkeypatched);
+  the refusals' suggested fixes; ``"whole"`` below head dim 257 and the compile key in
+  ``test_cute_roles_switches.py`` (every roles switch);
 * compile-only for sm_90a without a GPU (flash-attn-4 and nvidia-cutlass-dsl installed, skipped in CI): no spills
   beyond the measured bounds, no wgmma serialisation (no ptxas warning, two ``WARPGROUP.DEPBAR`` in SM's key-block
   loops: one per wgmma group of S), the same registers and shared memory;
@@ -18,8 +19,6 @@ retired. ``"auto"`` (the default) resolves to ``"whole"`` until the roles fuzz h
 """
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -28,7 +27,6 @@ from blockdiff.attention.cute import interface as ca
 
 from cute_helpers import (HAVE_FA4, compile_for_sm90_or_skip, fill_past_seq_lens, gpu_batch, graph_replay_check,
                           needs_gpu, run_and_check)
-from test_cute_kernel_roles import _fake_run
 
 H, HKV, D = 16, 2, 512
 ROLES = dict(wide_design="roles")
@@ -172,29 +170,6 @@ def test_split_v_refusal_of_halves_never_suggests_roles_where_halves_cannot_run(
         with pytest.raises(ValueError, match="set wide_design 'roles'"):
             cc.resolve_config(ok, ok, None, config, 256)
         assert getattr(cc.resolve_config(ok, ok, None, dict(config, wide_design="roles"), 256), field) == "halves"
-
-
-def test_k_refill_is_whole_below_head_dim_257(monkeypatch):
-    """FA4's kernel runs below head dim 257: one compile key whatever k_refill says."""
-    monkeypatch.setattr(cc, "_fa4_tile_size", lambda *a: SimpleNamespace(
-        m_block_size=128, n_block_size=128, mma_pv_is_rs=True, intra_wg_overlap=True))
-    base = cc.resolve_config(128, 128, None, None, 256)
-    assert base.k_refill == "whole"
-    for value in cc.K_REFILLS:
-        assert cc.resolve_config(128, 128, None, dict(k_refill=value), 256) == base
-
-
-def test_k_refill_is_part_of_the_compile_key(monkeypatch):
-    keys_w, names = _fake_run(monkeypatch, dict(ROLES, k_refill="whole"))
-    keys_h, _ = _fake_run(monkeypatch, dict(ROLES, k_refill="halves"))
-    assert names == ["blockdiff:cute_compile FlashAttentionForwardSm90Roles 64x64 s1"]
-    assert (keys_w[0][5].k_refill, keys_h[0][5].k_refill) == ("whole", "halves")
-    assert keys_w[0] != keys_h[0]
-    keys_d, _ = _fake_run(monkeypatch, ROLES)  # "auto": whole
-    assert keys_d[0] == keys_w[0]
-    keys_p, names_p = _fake_run(monkeypatch, dict(ROLES, num_splits=2, k_refill="halves"))  # the split subclass
-    assert names_p == ["blockdiff:cute_compile FlashAttentionForwardSm90RolesSplit 64x64 s2"]
-    assert keys_p[0][5].k_refill == "halves"
 
 
 # --- compile only (flash-attn-4 and the CuTe DSL, no GPU) -------------------------------------------------------

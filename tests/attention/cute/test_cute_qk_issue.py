@@ -4,16 +4,14 @@ and retires it at the top of the next iteration; the tile's first key block issu
 resolves to ``"ahead"`` exactly where the V refill resolves to halves.
 
 * CPU (CI, no flash-attn-4): the field's default and resolution, its validation (choices, types, not with
-  ``wide_design="split_v"``; with ``"auto"`` only where it resolves to the roles kernel), ``"serial"`` below head
-  dim 257, the compile key (``_compile`` monkeypatched);
+  ``wide_design="split_v"``; with ``"auto"`` only where it resolves to the roles kernel), the plain value below head
+  dim 257 and the compile key in ``test_cute_roles_switches.py`` (every roles switch);
 * GPU (``python3 -m pytest -m gpu``, on the H200): ``"ahead"``'s outputs equal ``"serial"``'s bit for bit (same
   wgmma on the same operands, same softmax order; the tile's first key block masked whatever its kind, a no-op on
   an interior block) over one-block tiles, many key blocks, windows (the left-masked loop), 32-key tiles in two
   stages, paged 64 / 16 / 8 and contiguous, split-KV, both V refills, and the fp64 reference.
 """
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,7 +20,6 @@ from blockdiff.attention.cute import config as cc
 from blockdiff.attention.cute import interface as ca
 
 from cute_helpers import gpu_batch, needs_gpu, run_and_check
-from test_cute_kernel_roles import _fake_run
 
 H, HKV, D = 16, 2, 512
 ROLES = dict(wide_design="roles")
@@ -98,29 +95,6 @@ def test_auto_with_ahead_is_a_value_error_naming_why_auto_did_not_pick_roles(con
               max_seqlen_k=None, num_sms=132, page_size=page)
     with pytest.raises(ValueError, match="qk_issue 'ahead'"):
         cc.resolve_launch_config(512, 512, None, config, **kw)
-
-
-def test_qk_issue_is_serial_below_head_dim_257(monkeypatch):
-    """FA4's kernel runs below head dim 257: one compile key whatever qk_issue says."""
-    monkeypatch.setattr(cc, "_fa4_tile_size", lambda *a: SimpleNamespace(
-        m_block_size=128, n_block_size=128, mma_pv_is_rs=True, intra_wg_overlap=True))
-    base = cc.resolve_config(128, 128, None, None, 256)
-    assert base.qk_issue == "serial"
-    for value in cc.QK_ISSUES:
-        assert cc.resolve_config(128, 128, None, dict(qk_issue=value), 256) == base
-
-
-def test_qk_issue_is_part_of_the_compile_key(monkeypatch):
-    keys_s, names = _fake_run(monkeypatch, dict(ROLES, qk_issue="serial"))
-    keys_a, _ = _fake_run(monkeypatch, dict(ROLES, qk_issue="ahead"))
-    assert names == ["blockdiff:cute_compile FlashAttentionForwardSm90Roles 64x64 s1"]
-    assert (keys_s[0][5].qk_issue, keys_a[0][5].qk_issue) == ("serial", "ahead")
-    assert keys_s[0] != keys_a[0]
-    keys_d, _ = _fake_run(monkeypatch, ROLES)  # "auto": ahead (with halves)
-    assert keys_d[0] == keys_a[0]
-    keys_p, names_p = _fake_run(monkeypatch, dict(ROLES, num_splits=2))  # the split subclass inherits it
-    assert names_p == ["blockdiff:cute_compile FlashAttentionForwardSm90RolesSplit 64x64 s2"]
-    assert keys_p[0][5].qk_issue == "ahead"
 
 
 # --- GPU --------------------------------------------------------------------------------------------------------

@@ -3,8 +3,8 @@ docs/tuning.md 2.12 remedy 2 and 2.15): each P V warpgroup's warp 0 refills the 
 reads, through a per-half pipeline, as soon as its own warpgroup released it.
 
 * CPU (CI, no flash-attn-4): the field's validation (choices, types, not with ``wide_design="split_v"``; with
-  ``"auto"`` only where it resolves to the roles kernel), its resolution below head dim 257, the compile key and
-  dispatch (``_compile`` monkeypatched);
+  ``"auto"`` only where it resolves to the roles kernel), dispatch (``_compile`` monkeypatched); below head
+  dim 257 and the compile key in ``test_cute_roles_switches.py`` (every roles switch);
 * compile-only for sm_90a without a GPU (flash-attn-4 and nvidia-cutlass-dsl installed, skipped in CI): the bench's
   paged configuration and contiguous K/V, no spills, the default kernel's registers and shared memory;
 * GPU (``python3 -m pytest -m gpu``, on the H200): against the fp64 reference and against the default roles kernel
@@ -22,7 +22,7 @@ from blockdiff.attention.cute import config as cc
 from blockdiff.attention.cute import interface as ca
 
 from cute_helpers import HAVE_FA4, compile_for_sm90_or_skip, fill_past_seq_lens, gpu_batch, needs_gpu, run_and_check
-from test_cute_kernel_roles import _fake_run, _kinds_to_ncq
+from test_cute_kernel_roles import _kinds_to_ncq
 
 H, HKV, D = 16, 2, 512
 ROLES = dict(wide_design="roles")
@@ -108,31 +108,6 @@ def test_v_refill_halves_refuses_head_dims_whose_halves_split_a_swizzle_atom(hea
     assert cc.resolve_config(head_dim, head_dim, None, ROLES, 256).v_refill == "one_warp"
     for ok in (384, 512):
         assert cc.resolve_config(ok, ok, None, HALVES, 256).v_refill == "halves"
-
-
-def test_v_refill_is_moot_below_head_dim_257(monkeypatch):
-    """FA4's kernel runs below head dim 257 (the design resolves to split_v): one compile key either way, with
-    wide_design "roles" or "auto"."""
-    from types import SimpleNamespace
-    monkeypatch.setattr(cc, "_fa4_tile_size", lambda *a: SimpleNamespace(
-        m_block_size=128, n_block_size=128, mma_pv_is_rs=True, intra_wg_overlap=True))
-    assert cc.resolve_config(128, 128, None, HALVES, 256) == cc.resolve_config(128, 128, None, None, 256)
-    assert cc.resolve_config(128, 128, None, dict(v_refill="halves"), 256, page_size=48) == cc.resolve_config(
-        128, 128, None, None, 256)
-
-
-def test_v_refill_is_part_of_the_compile_key(monkeypatch):
-    keys_h, names_h = _fake_run(monkeypatch, HALVES)
-    assert names_h == ["blockdiff:cute_compile FlashAttentionForwardSm90Roles 64x64 s1"]
-    keys_r, _ = _fake_run(monkeypatch, dict(ROLES, v_refill="one_warp"))
-    assert keys_h[0][5].v_refill == "halves" and keys_r[0][5].v_refill == "one_warp"
-    assert keys_h[0] != keys_r[0]
-    keys_a, _ = _fake_run(monkeypatch, ROLES)  # "auto" at hd 512: the same key as the explicit halves
-    assert keys_a[0] == keys_h[0]
-    # split-KV: the roles split kernel inherits the halves
-    keys_s, names_s = _fake_run(monkeypatch, dict(HALVES, num_splits=2))
-    assert names_s == ["blockdiff:cute_compile FlashAttentionForwardSm90RolesSplit 64x64 s2"]
-    assert keys_s[0][5].v_refill == "halves"
 
 
 # --- compile only (flash-attn-4 and the CuTe DSL, no GPU) -------------------------------------------------------

@@ -1,0 +1,53 @@
+"""The roles kernel's switches as one kind (``config._ROLES_ONLY``: ``v_refill``, ``qk_issue``, ``k_refill``), CPU only:
+each is moot below head dim 257 (FA4's kernel: one compile key whatever it says) and part of the compile key of the
+roles kernel and of its split-KV subclass, where ``"auto"`` compiles the key of the value it resolves to. A switch
+added to ``_ROLES_ONLY`` is covered here without a new test (its own file keeps what only it does)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from blockdiff.attention.cute import config as cc
+
+from test_cute_kernel_roles import _fake_run
+
+ROLES = dict(wide_design="roles")
+SWITCHES = [pytest.param(field, roles_value, plain, id=field) for field, roles_value, plain in cc._ROLES_ONLY]
+CHOICES = {"v_refill": cc.V_REFILLS, "qk_issue": cc.QK_ISSUES, "k_refill": cc.K_REFILLS}
+
+
+def test_every_roles_switch_has_its_choices_here():
+    assert {field for field, _, _ in cc._ROLES_ONLY} == set(CHOICES)
+
+
+@pytest.mark.parametrize("field,roles_value,plain", SWITCHES)
+def test_roles_switch_is_moot_below_head_dim_257(monkeypatch, field, roles_value, plain):
+    """FA4's kernel runs below head dim 257: the switch resolves to its plain value and every value (with or
+    without wide_design "roles", at any page size) gives the default's config, so one compile key."""
+    monkeypatch.setattr(cc, "_fa4_tile_size", lambda *a: SimpleNamespace(
+        m_block_size=128, n_block_size=128, mma_pv_is_rs=True, intra_wg_overlap=True))
+    base = cc.resolve_config(128, 128, None, None, 256)
+    assert getattr(base, field) == plain
+    for value in CHOICES[field]:
+        for config in (dict(**{field: value}), dict(ROLES, **{field: value})):
+            for page in (None, 48, 64):
+                assert cc.resolve_config(128, 128, None, config, 256, page_size=page) == \
+                    cc.resolve_config(128, 128, None, None, 256, page_size=page), (config, page)
+
+
+@pytest.mark.parametrize("field,roles_value,plain", SWITCHES)
+def test_roles_switch_is_part_of_the_compile_key(monkeypatch, field, roles_value, plain):
+    keys_r, names = _fake_run(monkeypatch, dict(ROLES, **{field: roles_value}))
+    keys_p, _ = _fake_run(monkeypatch, dict(ROLES, **{field: plain}))
+    assert names == ["blockdiff:cute_compile FlashAttentionForwardSm90Roles 64x64 s1"]
+    assert (getattr(keys_r[0][5], field), getattr(keys_p[0][5], field)) == (roles_value, plain)
+    assert keys_r[0] != keys_p[0]
+    # "auto" (page 64, hd 512): the key of the value it resolves to
+    auto = getattr(cc.resolve_config(512, 512, None, ROLES, 256, page_size=64), field)
+    keys_a, _ = _fake_run(monkeypatch, ROLES)
+    assert keys_a[0] == {roles_value: keys_r[0], plain: keys_p[0]}[auto]
+    # split-KV: the roles split kernel inherits the switch
+    keys_s, names_s = _fake_run(monkeypatch, dict(ROLES, num_splits=2, **{field: roles_value}))
+    assert names_s == ["blockdiff:cute_compile FlashAttentionForwardSm90RolesSplit 64x64 s2"]
+    assert getattr(keys_s[0][5], field) == roles_value
