@@ -4,8 +4,8 @@ contraction (head) dimension, each once its half of K landed, and releases and r
 retired. ``"auto"`` (the default) resolves to ``"whole"`` until the roles fuzz has run with halves on a GPU
 (docs/tuning.md 2.22: bit-identical and 1.7-1.9 % faster on the H200).
 
-* CPU (CI, no flash-attn-4): the field's default and resolution, its validation (choices, types, not with
-  ``wide_design="split_v"``; with ``"auto"`` only where it resolves to the roles kernel; head dims divisible by 128),
+* CPU (CI, no flash-attn-4): the field's default and resolution, its validation (choices, types and ``wide_design="split_v"`` in
+  ``test_cute_roles_switches.py``; with ``"auto"`` only where it resolves to the roles kernel; head dims divisible by 128),
   the refusals' suggested fixes; ``"whole"`` below head dim 257 and the compile key in
   ``test_cute_roles_switches.py`` (every roles switch);
 * compile-only for sm_90a without a GPU (flash-attn-4 and nvidia-cutlass-dsl installed, skipped in CI): no spills
@@ -64,27 +64,6 @@ def test_k_refill_explicit_values_hold_with_either_v_refill_and_s_order(v_refill
     # wide_design "auto" picks the roles kernel with it where it would without it
     r = cc.resolve_config(512, 512, None, dict(k_refill=k_refill), 256, page_size=64)
     assert (r.wide_design, r.k_refill) == ("roles", k_refill)
-
-
-@pytest.mark.parametrize("value,err", [("Halves", ValueError), ("quarters", ValueError), ("", ValueError),
-                                       ("one_warp", ValueError), (2, TypeError), (None, TypeError),
-                                       (True, TypeError)])
-def test_k_refill_is_validated_by_name(value, err):
-    with pytest.raises(err, match="k_refill"):
-        cc.check_config(dict(ROLES, k_refill=value))
-    with pytest.raises(err, match="k_refill"):
-        cc.resolve_config(512, 512, None, dict(ROLES, k_refill=value), 256)
-
-
-def test_k_refill_halves_needs_the_roles_kernel():
-    for config in (dict(wide_design="split_v", k_refill="halves"),
-                   cc.CuteConfig(wide_design="split_v", k_refill="halves")):
-        with pytest.raises(ValueError, match="k_refill 'halves' is built for the roles kernel only.*'whole'"):
-            cc.check_config(config)
-        with pytest.raises(ValueError, match="k_refill 'halves' is built for the roles kernel only"):
-            cc.resolve_config(512, 512, None, config, 256)
-    cc.check_config(dict(wide_design="split_v", k_refill="whole"))
-    assert cc.resolve_config(512, 512, None, dict(wide_design="split_v"), 256).k_refill == "whole"
 
 
 def test_split_v_refusal_names_every_roles_only_field_k_refill_included():

@@ -3,8 +3,8 @@ docs/tuning.md 2.19-2.20): SM issues S(i + 1)'s wgmma after block i's softmax an
 and retires it at the top of the next iteration; the tile's first key block issues nothing. ``"auto"`` (the default)
 resolves to ``"ahead"`` exactly where the V refill resolves to halves.
 
-* CPU (CI, no flash-attn-4): the field's default and resolution, its validation (choices, types, not with
-  ``wide_design="split_v"``; with ``"auto"`` only where it resolves to the roles kernel), the plain value below head
+* CPU (CI, no flash-attn-4): the field's default and resolution, its validation (choices, types and ``wide_design="split_v"`` in
+  ``test_cute_roles_switches.py``; with ``"auto"`` only where it resolves to the roles kernel), the plain value below head
   dim 257 and the compile key in ``test_cute_roles_switches.py`` (every roles switch);
 * GPU (``python3 -m pytest -m gpu``, on the H200): ``"ahead"``'s outputs equal ``"serial"``'s bit for bit (same
   wgmma on the same operands, same softmax order; the tile's first key block masked whatever its kind, a no-op on
@@ -60,24 +60,6 @@ def test_qk_issue_explicit_values_hold_with_either_v_refill(v_refill, qk_issue):
         r = cc.resolve_config(512, 512, None, config, 256)
         assert (r.tile_m, r.tile_n, r.num_stages, r.v_refill, r.qk_issue) == (64, 64, 1, v_refill, qk_issue)
         assert cc.resolve_config(512, 512, None, r, 256) == r  # idempotent
-
-
-@pytest.mark.parametrize("value,err", [("Ahead", ValueError), ("overlap", ValueError), ("", ValueError),
-                                       (1, TypeError), (None, TypeError), (True, TypeError)])
-def test_qk_issue_is_validated_by_name(value, err):
-    with pytest.raises(err, match="qk_issue"):
-        cc.check_config(dict(ROLES, qk_issue=value))
-    with pytest.raises(err, match="qk_issue"):
-        cc.resolve_config(512, 512, None, dict(ROLES, qk_issue=value), 256)
-
-
-def test_qk_issue_ahead_needs_the_roles_kernel():
-    for config in (dict(wide_design="split_v", qk_issue="ahead"),
-                   cc.CuteConfig(wide_design="split_v", qk_issue="ahead")):
-        with pytest.raises(ValueError, match="qk_issue 'ahead' is built for the roles kernel only.*'serial'"):
-            cc.check_config(config)
-    cc.check_config(dict(wide_design="split_v", qk_issue="serial"))
-    assert cc.resolve_config(512, 512, None, dict(wide_design="split_v"), 256).qk_issue == "serial"
 
 
 @pytest.mark.parametrize("config,page,why", [

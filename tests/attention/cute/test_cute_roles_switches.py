@@ -1,5 +1,6 @@
 """The roles kernel's switches as one kind (``config._ROLES_ONLY``: ``v_refill``, ``qk_issue``, ``k_refill``), CPU only:
-each is moot below head dim 257 (FA4's kernel: one compile key whatever it says) and part of the compile key of the
+each is validated by name (ValueError for a wrong string, TypeError for another type), its roles-only value is
+refused with ``wide_design="split_v"`` naming the plain value, each is moot below head dim 257 (FA4's kernel: one compile key whatever it says) and part of the compile key of the
 roles kernel and of its split-KV subclass, where ``"auto"`` compiles the key of the value it resolves to. A switch
 added to ``_ROLES_ONLY`` is covered here without a new test (its own file keeps what only it does)."""
 from __future__ import annotations
@@ -51,3 +52,34 @@ def test_roles_switch_is_part_of_the_compile_key(monkeypatch, field, roles_value
     keys_s, names_s = _fake_run(monkeypatch, dict(ROLES, num_splits=2, **{field: roles_value}))
     assert names_s == ["blockdiff:cute_compile FlashAttentionForwardSm90RolesSplit 64x64 s2"]
     assert getattr(keys_s[0][5], field) == roles_value
+
+
+def _bad_values(field, roles_value):
+    """Strings the switch must refuse by name (a near miss, an empty string, the other switches' values) and values
+    of other types."""
+    others = {v for choices in CHOICES.values() for v in choices} - set(CHOICES[field])
+    strings = [roles_value.capitalize(), roles_value[:-1], roles_value.replace("_", "-") + "x", "", *sorted(others)]
+    return [(s, ValueError) for s in strings] + [(v, TypeError) for v in (2, 1.5, None, True)]
+
+
+@pytest.mark.parametrize("field,roles_value,plain", SWITCHES)
+def test_roles_switch_is_validated_by_name(field, roles_value, plain):
+    for value, err in _bad_values(field, roles_value):
+        with pytest.raises(err, match=field):
+            cc.check_config(dict(ROLES, **{field: value}))
+        with pytest.raises(err, match=field):
+            cc.resolve_config(512, 512, None, dict(ROLES, **{field: value}), 256)
+
+
+@pytest.mark.parametrize("field,roles_value,plain", SWITCHES)
+def test_roles_switch_needs_the_roles_kernel(field, roles_value, plain):
+    """The roles-only value with wide_design "split_v" is refused by name, naming the plain value that runs; the
+    plain value runs there and is what "auto" resolves to."""
+    for config in (dict(wide_design="split_v", **{field: roles_value}),
+                   cc.CuteConfig(wide_design="split_v", **{field: roles_value})):
+        with pytest.raises(ValueError, match=f"{field} '{roles_value}' is built for the roles kernel only.*'{plain}'"):
+            cc.check_config(config)
+        with pytest.raises(ValueError, match=f"{field} '{roles_value}' is built for the roles kernel only"):
+            cc.resolve_config(512, 512, None, config, 256)
+    cc.check_config(dict(wide_design="split_v", **{field: plain}))
+    assert getattr(cc.resolve_config(512, 512, None, dict(wide_design="split_v"), 256), field) == plain
