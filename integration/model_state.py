@@ -690,16 +690,8 @@ class DiffusionModelState(_Base):
         st = self.state
         if int(st.phase[req_index]) != COMMIT:
             raise ValueError(f"slot {req_index} is not in phase COMMIT (phase {int(st.phase[req_index])})")
-        CL = self.canvas_length
-        canvas = st.commit_canvas[req_index]
-        eos = st.eos_token_ids[req_index]
-        eos = eos[eos >= 0]
-        hits = torch.isin(canvas, eos).nonzero().flatten().tolist() if eos.numel() else []
-        remaining = int(st.max_tokens[req_index]) - int(st.num_emitted[req_index])
-        if hits and hits[0] < remaining:
-            return True  # the stop id is emitted
-        n_now = min(hits[0] + 1, CL) if hits else CL
-        return n_now >= remaining
+        # the one rule, shared with the vLLM worker's flag (commit_finishes_vec); one host read
+        return bool(commit_finishes_vec(st, torch.tensor([req_index], dtype=torch.int64, device=st.phase.device)))
 
     def commit_finishes_vec(self, slots: torch.Tensor) -> torch.Tensor:
         """:meth:`commit_finishes` of every slot in ``slots`` at once, on the device (no host sync):

@@ -98,10 +98,24 @@ def test_served_canvas_length_and_the_env_switch():
 
 
 # ------------------------------------------------------------------------------------------ sampler: the flag
+def _commit_finishes_naive(st, slot: int) -> bool:
+    """The commit rule written out on the host, one slot (the reference): a stop id at position h of the committed
+    canvas is emitted if h < remaining; else the commit emits min(h + 1, CL) tokens (CL without a stop id) and ends
+    the request if that reaches remaining = max_tokens - num_emitted."""
+    canvas, eos = st.commit_canvas[slot], st.eos_token_ids[slot]
+    eos = eos[eos >= 0]
+    hits = torch.isin(canvas, eos).nonzero().flatten().tolist() if eos.numel() else []
+    remaining = int(st.max_tokens[slot]) - int(st.num_emitted[slot])
+    if hits and hits[0] < remaining:
+        return True
+    return (min(hits[0] + 1, st.canvas_length) if hits else st.canvas_length) >= remaining
+
+
 @needs_stack
 def test_commit_finishes_vec_equals_the_host_rule_on_random_states(tiny_model):
     """Random commit canvases, stop sets (some empty, some with a stop id inside), max_tokens and emitted counts:
-    the device rule equals DiffusionModelState.commit_finishes slot by slot."""
+    the device rule and DiffusionModelState.commit_finishes (which uses it) equal the rule written out on the host,
+    slot by slot."""
     from blockdiff.integration.batch import NewRequest
     from blockdiff.integration.model_state import DiffusionModelState
     from blockdiff.sampler import COMMIT
@@ -127,6 +141,7 @@ def test_commit_finishes_vec_equals_the_host_rule_on_random_states(tiny_model):
         got = ms.commit_finishes_vec(slots).tolist()
         want = [ms.commit_finishes(int(s)) for s in slots]
         assert got == want
+        assert want == [_commit_finishes_naive(st, int(s)) for s in slots]
         seen.update(want)
     assert seen == {True, False}
     with pytest.raises(TypeError, match="int64"):
