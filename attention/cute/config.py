@@ -87,8 +87,8 @@ class CuteConfig:
     they were the fastest roles kernel measured on the hd-512 workloads (H200, pages of 32 and 64); at pages of 8
     and 16 S ahead was slower on the mixed batch.
     k_refill: how the roles kernel's softmax warpgroup refills its K stage (roles kernel only): ``"auto"``
-    (default: ``"whole"``: halves measured bit-identical and 1.7-1.9 % faster on the H200, docs/tuning.md 2.22, but
-    not the default until the roles fuzz has run with them), ``"whole"`` (one barrier pair per stage: the next block's K
+    (default: ``"whole"``: halves are not the default until the roles fuzz has run with them; their measurements:
+    docs/tuning.md 2.22), ``"whole"`` (one barrier pair per stage: the next block's K
     is requested once S = Q K^T of the whole stage retired) or ``"halves"`` (two barrier pairs per stage, one per
     half of the head dim: S is issued as two wgmma groups over the contraction dimension, each after its half of
     K landed, and each half is released and refilled as soon as its group retired; ``kernel_roles.py``,
@@ -130,8 +130,8 @@ V_REFILLS = ("auto", "one_warp", "halves")
 #: ahead where the V refill resolves to halves, pages of at least QK_AHEAD_MIN_PAGE), after P's hand-off or before it.
 QK_ISSUES = ("auto", "serial", "ahead")
 #: Smallest K/V page (tokens) at which ``qk_issue="auto"`` issues S ahead: timed on the H200, S ahead is faster on
-#: both hd-512 workloads at pages of 32 and 64, slower on both at 8 (where its compile spills 2.6x more in the
-#: softmax warpgroup) and split at 16, where the mixed batch loses more than the canvas gains (docs/tuning.md 2.21).
+#: both hd-512 workloads at pages of 32 and 64, slower on both at 8 and split at 16, where the mixed batch loses
+#: more than the canvas gains (docs/tuning.md 2.20, 2.21).
 QK_AHEAD_MIN_PAGE = 32
 #: How the roles kernel refills its K stage (CuteConfig.k_refill): automatic (default: whole, until the roles fuzz
 #: has run with halves on a GPU; docs/tuning.md 2.22), the whole stage at once or by head-dim halves (two wgmma groups of S, each half refilled when its group

@@ -94,8 +94,8 @@ the same split for K (SM alone reads K: ``k_refill``, below), a page index fetch
 K refill by halves (``k_refill="halves"``; opt-in, the config's ``"auto"`` is ``"whole"``)
 ------------------------------------------------------------------------------------------
 With ``"whole"`` the K stage is one stage of FA4's K pipeline: K(i + num_stages) is requested only once S(i) = Q K^T
-retired over all ``d`` columns, and at one 64-key stage of 64 KB that load sits on SM's chain (SM waited for K 27 % of
-its time in the ncu profile of the default kernel on ``canvas_bs1_ctx32k_global``). With ``"halves"`` SM's K stages
+retired over all ``d`` columns, and at one 64-key stage of 64 KB that load sits on SM's chain (the ncu profile of
+the default kernel on ``canvas_bs1_ctx32k_global``: docs/tuning.md 2.21). With ``"halves"`` SM's K stages
 get two barrier pairs each, one per half of the head dim (:class:`_KHalvesPipeline`, after V's barriers in the
 barrier kilobyte: the shared memory is unchanged; SM's warp 0 initialises them and SM meets at named barrier 14,
 ``K_HALVES_INIT_BARRIER``). S is issued as two wgmma groups over the contraction dimension (:meth:`_qk_half`):

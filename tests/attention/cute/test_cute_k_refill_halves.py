@@ -2,7 +2,7 @@
 blockdiff.attention.cute.kernel_roles, "K refill by halves"): SM issues S = Q K^T as two wgmma groups over the
 contraction (head) dimension, each once its half of K landed, and releases and refills each half as soon as its group
 retired. ``"auto"`` (the default) resolves to ``"whole"`` until the roles fuzz has run with halves on a GPU
-(docs/tuning.md 2.22: bit-identical and 1.7-1.9 % faster on the H200).
+(measurements: docs/tuning.md 2.22).
 
 * CPU (CI, no flash-attn-4): the field's default and resolution, its validation (choices, types and ``wide_design="split_v"`` in
   ``test_cute_roles_switches.py``; with ``"auto"`` only where it resolves to the roles kernel; head dims divisible by 128),
