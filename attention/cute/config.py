@@ -87,8 +87,8 @@ class CuteConfig:
     they were the fastest roles kernel measured on the hd-512 workloads (H200, pages of 32 and 64); at pages of 8
     and 16 S ahead was slower on the mixed batch.
     k_refill: how the roles kernel's softmax warpgroup refills its K stage (roles kernel only): ``"auto"``
-    (default: ``"whole"``: halves are not the default until the roles fuzz has run with them; their measurements:
-    docs/tuning.md 2.22), ``"whole"`` (one barrier pair per stage: the next block's K
+    (default: ``"halves"`` where the roles kernel runs at a head dim divisible by 128, else ``"whole"``; rationale:
+    docs/tuning.md 2.22, 2.23), ``"whole"`` (one barrier pair per stage: the next block's K
     is requested once S = Q K^T of the whole stage retired) or ``"halves"`` (two barrier pairs per stage, one per
     half of the head dim: S is issued as two wgmma groups over the contraction dimension, each after its half of
     K landed, and each half is released and refilled as soon as its group retired; ``kernel_roles.py``,
@@ -133,9 +133,9 @@ QK_ISSUES = ("auto", "serial", "ahead")
 #: both hd-512 workloads at pages of 32 and 64, slower on both at 8 and split at 16, where the mixed batch loses
 #: more than the canvas gains (docs/tuning.md 2.20, 2.21).
 QK_AHEAD_MIN_PAGE = 32
-#: How the roles kernel refills its K stage (CuteConfig.k_refill): automatic (default: whole, until the roles fuzz
-#: has run with halves on a GPU; docs/tuning.md 2.22), the whole stage at once or by head-dim halves (two wgmma groups of S, each half refilled when its group
-#: retired).
+#: How the roles kernel refills its K stage (CuteConfig.k_refill): automatic (default: halves where the roles kernel
+#: runs at a head dim divisible by 128), the whole stage at once or by head-dim halves (two wgmma groups of S, each
+#: half refilled when its group retired).
 K_REFILLS = ("auto", "whole", "halves")
 #: The roles kernel's switches: (field, the value only the roles kernel builds, the value every kernel builds).
 _ROLES_ONLY = (("v_refill", "halves", "one_warp"), ("qk_issue", "ahead", "serial"), ("k_refill", "halves", "whole"))
@@ -400,8 +400,8 @@ def _resolve_wide_switches(head_dim: int, head_dim_v: int, config, switches: dic
     if switches["batch_order"] == "auto":
         switches["batch_order"] = "work" if roles else "given"
     _check_halves_head_dims(head_dim, head_dim_v, switches)
-    if switches["k_refill"] == "auto":  # not measured yet: the whole stage, as before the switch
-        switches["k_refill"] = "whole"
+    if switches["k_refill"] == "auto":  # halves: bit-identical, faster on both hd-512 workloads (2.22, 2.23)
+        switches["k_refill"] = "halves" if roles and head_dim % 128 == 0 else "whole"
     if switches["v_refill"] == "auto":  # the measured best (docs/tuning.md 2.20)
         switches["v_refill"] = "halves" if roles and head_dim_v % 128 == 0 else "one_warp"
     if switches["qk_issue"] == "auto":  # S ahead gains with halves only; from QK_AHEAD_MIN_PAGE-token pages (2.21)

@@ -177,7 +177,8 @@ def attention_cute(
             :func:`~blockdiff.attention.cute.tile_order.batch_work_order`); the output is the same as
             ``"given"``'s. ``v_refill`` / ``qk_issue`` (``"auto"``: the V refill by halves and S issued one block
             ahead where the roles kernel runs at a value head dim divisible by 128) and ``k_refill`` (``"auto"``:
-            the whole K stage; ``"halves"`` refills it by head-dim halves) change only the roles kernel's
+            the K stage refilled by head-dim halves where the roles kernel runs at a head dim divisible by 128,
+            else the whole stage) change only the roles kernel's
             schedule; the output is the same.
 
     Returns:

@@ -91,8 +91,8 @@ unchanged, so the outputs equal the default's. Not done here (2.12's remedy 2 li
 a half's boxes (the DSL's TMA copy emits its own per box; a single elect needs the raw ``cp.async.bulk.tensor``),
 the same split for K (SM alone reads K: ``k_refill``, below), a page index fetched a whole block ahead.
 
-K refill by halves (``k_refill="halves"``; opt-in, the config's ``"auto"`` is ``"whole"``)
-------------------------------------------------------------------------------------------
+K refill by halves (``k_refill="halves"``; the config's ``"auto"`` at head dims divisible by 128)
+--------------------------------------------------------------------------------------------------
 With ``"whole"`` the K stage is one stage of FA4's K pipeline: K(i + num_stages) is requested only once S(i) = Q K^T
 retired over all ``d`` columns, and at one 64-key stage of 64 KB that load sits on SM's chain (the ncu profile of
 the default kernel on ``canvas_bs1_ctx32k_global``: docs/tuning.md 2.21). With ``"halves"`` SM's K stages

@@ -161,7 +161,9 @@ def test_wide_resolution_is_idempotent_fits_and_refuses_with_named_errors(d, hd,
         assert cfg.wide_design == "roles" and cfg.qk_issue == "ahead"
     if d.get("k_refill") == "halves":
         assert cfg.wide_design == "roles" and cfg.k_refill == "halves" and hd % 128 == 0
-    assert cfg.k_refill == ("halves" if d.get("k_refill") == "halves" else "whole")  # "auto": whole (not measured)
+    k_auto = d.get("k_refill", "auto") == "auto"  # "auto": halves on the roles kernel at head dims divisible by 128
+    assert cfg.k_refill == ("halves" if d.get("k_refill") == "halves"
+                            or (k_auto and cfg.wide_design == "roles" and hd % 128 == 0) else "whole")
     # the roles kernel's switches resolve ("auto": halves at value head dims divisible by 128, ahead with halves)
     assert cfg.v_refill in ("one_warp", "halves") and cfg.qk_issue in ("serial", "ahead")
     if d.get("v_refill", "auto") == "auto":

@@ -20,7 +20,7 @@ from blockdiff.attention.cute import interface as ca
 from cute_helpers import HAVE_FA4, gpu_batch, needs_gpu, roles_switch_runner, run_and_check
 
 H, HKV, D = 16, 2, 512
-ROLES = dict(wide_design="roles")
+ROLES = dict(wide_design="roles", k_refill="whole")  # the experiment refills the whole stage ("auto": halves)
 
 
 @pytest.mark.skipif(not HAVE_FA4, reason="imports the CuTe DSL kernel class (flash-attn-4, nvidia-cutlass-dsl)")
@@ -28,6 +28,10 @@ def test_k_refill_by_all_warps_is_off_by_default_and_needs_quarters_of_whole_swi
     from blockdiff.attention.cute.kernel_roles import FlashAttentionForwardSm90Roles as R
     assert R._K_REFILL_ALL_WARPS is False
     probe = R.__new__(R)
+    probe.k_refill = "halves"  # halves refill from warp 0: never shared, whatever the switch
+    probe.tile_hdim, probe._K_REFILL_ALL_WARPS = 512, True
+    assert probe._k_refill_all_warps() is False
+    probe.k_refill = "whole"
     for hd, on in ((512, True), (256, True), (384, False), (288, False)):
         probe.tile_hdim = hd
         probe._K_REFILL_ALL_WARPS = True

@@ -1,8 +1,8 @@
 """The roles kernel's K stage refilled by head-dim halves (``CuteConfig.k_refill="halves"``;
 blockdiff.attention.cute.kernel_roles, "K refill by halves"): SM issues S = Q K^T as two wgmma groups over the
 contraction (head) dimension, each once its half of K landed, and releases and refills each half as soon as its group
-retired. ``"auto"`` (the default) resolves to ``"whole"`` until the roles fuzz has run with halves on a GPU
-(measurements: docs/tuning.md 2.22).
+retired. ``"auto"`` (the default) resolves to ``"halves"`` where the roles kernel runs at a head dim divisible by
+128, else ``"whole"`` (measurements: docs/tuning.md 2.22, 2.23).
 
 * CPU (CI, no flash-attn-4): the field's default and resolution, its validation (choices, types and ``wide_design="split_v"`` in
   ``test_cute_roles_switches.py``; with ``"auto"`` only where it resolves to the roles kernel; head dims divisible by 128),
@@ -33,17 +33,20 @@ ROLES = dict(wide_design="roles")
 
 
 # --- CPU: config ----------------------------------------------------------------------------------------------
-def test_k_refill_defaults_to_auto_which_resolves_to_whole():
-    """Not measured on a GPU yet: ``"auto"`` keeps the whole stage, on every roles configuration and page size."""
+def test_k_refill_defaults_to_auto_which_resolves_to_halves_on_the_roles_kernel():
+    """``"auto"`` refills K by halves wherever the roles kernel runs at a head dim divisible by 128 (every page size
+    it serves, contiguous too); the whole stage at other roles head dims and on the split-value kernel."""
     assert cc.CuteConfig().k_refill == "auto"
     assert cc.K_REFILLS == ("auto", "whole", "halves")
     assert ("k_refill", "halves", "whole") in cc._ROLES_ONLY
     for page in (8, 16, 32, 64, 256, None):
         r = cc.resolve_config(512, 512, None, None, 256, page_size=page)
-        assert (r.wide_design, r.k_refill) == ("roles", "whole"), page
-    for hd in (384, 512, 288):
-        assert cc.resolve_config(hd, hd, None, ROLES, 256).k_refill == "whole"
+        assert (r.wide_design, r.k_refill) == ("roles", "halves"), page
+    for hd, want in ((384, "halves"), (512, "halves"), (288, "whole"), (320, "whole")):
+        assert cc.resolve_config(hd, hd, None, ROLES, 256).k_refill == want, hd
     r = cc.resolve_config(512, 512, None, None, 256, page_size=48)  # the split-value kernel
+    assert (r.wide_design, r.k_refill) == ("split_v", "whole")
+    r = cc.resolve_config(512, 512, None, dict(wide_design="split_v"), 256, page_size=64)
     assert (r.wide_design, r.k_refill) == ("split_v", "whole")
 
 
