@@ -24,11 +24,13 @@ move); commit rows ``num_sampled = canvas_length``.
 Fused commit (opt-in, :attr:`DiffusionModelState.fuse_commit`): a COMMIT row scheduled with ``2 * canvas_length``
 query tokens commits its canvas (the first CL rows, causal, writing its KV) and takes the first denoising step of
 the next canvas (the last CL rows, bidirectional, a fresh canvas) in the same forward pass; it is accounted as CL
-accepted and CL rejected drafts (``num_sampled = num_rejected = canvas_length``). Under vLLM (synchronous
-scheduler, ``--diffusion-config`` canvas_length ``2 * CL``, ``BLOCKDIFF_FUSE_COMMIT=1``) the sampler flags the
-requests whose next row may be fused (``num_nans = -1``), the plugin's scheduler
-(:mod:`blockdiff.integration.vllm_scheduler`) schedules them ``2 * CL`` tokens, and ``prepare_attn`` attaches the
-causal row counts to the attention metadata (integration/README.md "Fused commits under vLLM").
+accepted and CL rejected drafts (``num_sampled = num_rejected = canvas_length``). Under vLLM (``--diffusion-config``
+canvas_length ``2 * CL``, ``BLOCKDIFF_FUSE_COMMIT=1``) the sampler flags the requests whose next row may be fused
+(``num_nans = -1``), the plugin's scheduler (:mod:`blockdiff.integration.vllm_scheduler`) schedules ``2 * CL``
+tokens (synchronous: after the flag; asynchronous: the row after a canvas's step-capped last step, predicted from
+its step count), and ``prepare_attn`` attaches the causal row counts to the attention metadata (integration/README.md
+"Fused commits under vLLM"). A wide row that turns out not to be a COMMIT is stalled (state untouched, all drafts
+rejected), one whose commit ends the request commits and its tail is a no-op.
 """
 from __future__ import annotations
 
@@ -51,7 +53,8 @@ from blockdiff.sampler.common import fresh_canvas
 
 from .annotate import annotated
 from .sampler import DiffusionSampler, commit_finishes_vec
-from .vllm_scheduler import FUSE_COMMIT_ENV, FUSE_NEXT_FLAG, fuse_commit_from_env, served_canvas_length
+from .vllm_scheduler import (FUSE_COMMIT_ENV, FUSE_NEXT_FLAG, fuse_commit_from_env, served_canvas_length,
+                             served_max_denoising_steps)
 from .vllm_graphs import maybe_install_for as install_decode_graph_widths
 
 _log = logging.getLogger(__name__)
@@ -449,9 +452,9 @@ class DiffusionModelState(_Base):
         kw = {k: gen[k] for k in ("t_min", "t_max", "confidence_threshold", "stability_threshold") if k in gen}
         if sc.get("entropy_bound") is not None:
             kw["entropy_bound"] = sc["entropy_bound"]
-        steps = getattr(dcfg, "max_denoising_steps", None) or gen.get("max_denoising_steps")
+        steps = served_max_denoising_steps(vllm_config, gen)  # the async scheduler predicts commits from the same cap
         if steps:
-            kw["max_denoising_steps"] = int(steps)
+            kw["max_denoising_steps"] = steps
         self._init_diffusion(
             mode="vllm", max_num_reqs=self.max_num_reqs, max_num_tokens=self.max_num_tokens,
             canvas_length=canvas_length, vocab_size=self.model_config.get_vocab_size(),
@@ -477,8 +480,10 @@ class DiffusionModelState(_Base):
                                      f"then raises on any nonzero num_nans_in_logits, and fused commits report "
                                      f"{FUSE_NEXT_FLAG} there (unset one of the two)")
                 if getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False):
-                    _log.warning("blockdiff: fused commits need the synchronous scheduler (--no-async-scheduling "
-                                 "with BlockdiffDiffusionScheduler); the asynchronous one never fuses")
+                    # BlockdiffDiffusionAsyncScheduler counts each request's denoising steps and schedules the row
+                    # after a canvas's step-capped last step 2 * CL wide (vllm_scheduler.FusedCommitPredictor)
+                    _log.info("blockdiff: fused commits under the asynchronous scheduler: canvases the step cap "
+                              "commits are fused, canvases that converge earlier commit plain")
                 self.fuse_commit = True
 
     # ------------------------------------------------------------------ construction

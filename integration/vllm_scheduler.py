@@ -29,25 +29,40 @@ runner v2 calls ``DiffusionModelState.remove_request`` and frees the slot. Each 
 its finish reason, so the client is answered (no lost request). Interface read from vLLM 0.26.0 and 0.33.0
 (``vllm/v1/core/sched/scheduler.py``; 0.33.0's ``diffusion_scheduler.py``): the same in both.
 
-Fused commits (issue 25's stretch goal; opt-in, synchronous scheduling only; docs/ARCHITECTURE.md "Integration and
-vLLM accounting"). vLLM schedules a running diffusion row ``len(request.spec_token_ids)`` draft tokens. Served with
-``--diffusion-config '{"canvas_length": 2 * CL}'`` (CL = the checkpoint's ``canvas_length``,
-:func:`served_canvas_length`) the worker's draft lists are ``2 * CL`` long, and these schedulers cut every request's
-list to CL except where the worker asked for a fused commit: the model state (``BLOCKDIFF_FUSE_COMMIT=1``,
-:func:`fuse_commit_from_env`) reports a request whose canvas converged and whose commit will not end it with
-``num_nans_in_logits[req_id] = -1`` (values > 0 still mean failure). ``update_from_output`` collects those ids and
-passes vLLM a copy with ``max(n, 0)``; the synchronous scheduler's ``update_draft_token_ids`` then leaves such a
-request ``2 * CL`` drafts when ``num_tokens + 2 * CL <= max_model_len`` (:func:`cut_draft_widths`), so its next row
-is the commit (CL causal rows) plus the next canvas's first denoising step (CL bidirectional rows), accounted by the
-worker as CL accepted and CL rejected drafts. The asynchronous scheduler schedules step S before step S - 1's output
-is known and never fuses: its ``schedule`` cuts the placeholders to CL first (:func:`cut_spec_tokens`). Served with
-CL (no fused layout) neither cut runs: every list is ``num_spec_tokens`` = CL long already.
+Fused commits (issue 25's stretch goal; opt-in; docs/ARCHITECTURE.md "Integration and vLLM accounting",
+docs/tuning.md 7.35 / 7.38). vLLM schedules a running diffusion row ``len(request.spec_token_ids)`` draft tokens.
+Served with ``--diffusion-config '{"canvas_length": 2 * CL}'`` (CL = the checkpoint's ``canvas_length``,
+:func:`served_canvas_length`) the worker's draft lists and the asynchronous scheduler's placeholders are ``2 * CL``
+long, and these schedulers cut every request's list to CL except for a fused commit (the commit, CL causal rows,
+plus the next canvas's first denoising step, CL bidirectional rows, accounted by the worker as CL accepted and CL
+rejected drafts). With ``BLOCKDIFF_FUSE_COMMIT=1`` (:func:`fuse_commit_from_env`) the model state reports a request
+whose canvas converged and whose commit will not end it with ``num_nans_in_logits[req_id] = -1`` (values > 0 still
+mean failure); ``update_from_output`` collects those ids and passes vLLM a copy with ``max(n, 0)``.
+
+* Synchronous (``BlockdiffDiffusionScheduler``, ``--no-async-scheduling``): ``update_draft_token_ids`` leaves a
+  flagged request ``2 * CL`` drafts when ``num_tokens + 2 * CL <= max_model_len`` (:func:`cut_draft_widths`).
+  Every converged canvas but a request's last is fused.
+* Asynchronous (``BlockdiffDiffusionAsyncScheduler``, vLLM's default): step S is scheduled while S - 1 runs, before
+  its flag is known. ``schedule`` keeps ``2 * CL`` placeholders (:func:`predict_spec_tokens`) where
+  :class:`FusedCommitPredictor` predicts that the row in flight is its canvas's ``max_denoising_steps``-th denoising
+  step: the step cap forces the commit after it, so that prediction is exact. The predictor counts each request's
+  steps from its own scheduled rows and the outputs known so far (tokens returned = a commit; the -1 flag = a
+  canvas that converged early; a preempted request restarts at step 0). Canvases that converge before the cap are
+  learnt one step late and commit plain; a predicted commit that ends the request (a stop id inside) runs its tail
+  for nothing (the worker's fused step is a no-op on a finished request). Checked with vLLM 0.26.0's
+  ``AsyncScheduler`` and 0.33.0's ``DiffusionAsyncScheduler``.
+* Without the switch in the two-canvas layout, the asynchronous ``schedule`` cuts every placeholder list to CL
+  (:func:`cut_spec_tokens`) and the synchronous one cuts every draft list to CL: nothing fuses.
+
+Served with CL (no fused layout, the default) none of this runs: every list is ``num_spec_tokens`` = CL long already,
+and no per-request loop is added to a step.
 """
 from __future__ import annotations
 
 import numbers
 import os
-from collections.abc import Mapping
+from collections import deque
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .annotate import annotated
@@ -127,6 +142,254 @@ def _canvas_length_of(scheduler: Any) -> int:
     else ``num_spec_tokens`` (a scheduler without it: vLLM's canvas length)."""
     cl = getattr(scheduler, "blockdiff_canvas_length", None)
     return int(cl) if cl else int(scheduler.num_spec_tokens)
+
+
+#: Step caps above this are refused (``blockdiff.sampler.rng.MAX_STEPS``: the sampler's step counter layout).
+MAX_DENOISING_STEPS = 1 << 14
+
+
+def served_max_denoising_steps(vllm_config: Any, generation_config: Mapping | None = None) -> int | None:
+    """The served step cap per canvas: ``diffusion_config.max_denoising_steps`` (``--diffusion-config``), else the
+    generation config's ``max_denoising_steps``, else None (:class:`blockdiff.sampler.SamplingParams`' default
+    applies). The model state's default parameters and the asynchronous scheduler's fused-commit prediction both
+    read it here, so they agree.
+
+    Args:
+        vllm_config: vLLM's ``VllmConfig`` (reads ``diffusion_config`` and, without ``generation_config``,
+            ``model_config.try_get_generation_config()``; missing attributes count as unset).
+        generation_config: the generation config dict when the caller has read it already.
+
+    Raises:
+        ValueError: the cap found is not an int in ``[1, 2**14)`` (a bool, a float, 0 or a negative count).
+    """
+    steps = getattr(getattr(vllm_config, "diffusion_config", None), "max_denoising_steps", None)
+    if not steps:
+        gen = generation_config
+        if gen is None:
+            mc = getattr(vllm_config, "model_config", None)
+            getter = getattr(mc, "try_get_generation_config", None)
+            gen = (getter() if callable(getter) else None) or {}
+        steps = gen.get("max_denoising_steps") if isinstance(gen, Mapping) else None
+    if not steps:
+        return None
+    whole = isinstance(steps, float) and steps.is_integer()  # a JSON config may write 16.0
+    if isinstance(steps, bool) or not (isinstance(steps, numbers.Integral) or whole) or \
+            not 1 <= steps < MAX_DENOISING_STEPS:
+        raise ValueError(f"max_denoising_steps (diffusion config / generation config) must be an int in [1, 2**14), "
+                         f"got {steps!r}")
+    return int(steps)
+
+
+def default_max_denoising_steps() -> int:
+    """:class:`blockdiff.sampler.SamplingParams`' default step cap (what a server with no configured cap serves)."""
+    from blockdiff.sampler.params import SamplingParams
+
+    return int(SamplingParams.__dataclass_fields__["max_denoising_steps"].default)
+
+
+def request_max_denoising_steps(request: Any, default: int) -> int | None:
+    """The step cap a request runs with: ``extra_args["diffusion_max_steps"]`` (as the model state reads it,
+    ``model_state.VLLM_EXTRA_ARGS``) or ``default``; None when the value is no valid cap (not an int in
+    ``[1, 2**14)``: the model state fails such a request, so nothing is predicted for it)."""
+    params = getattr(request, "sampling_params", None)
+    extra = getattr(params, "extra_args", None) if params is not None else None
+    steps = extra.get("diffusion_max_steps") if isinstance(extra, Mapping) else None
+    if steps is None:
+        return int(default)
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or not 1 <= steps < MAX_DENOISING_STEPS:
+        return None
+    return int(steps)
+
+
+_DENOISE, _COMMIT = 0, 1
+
+
+class FusedCommitPredictor:
+    """The asynchronous scheduler's count of each request's denoising steps, which says when a row must be a commit.
+
+    The asynchronous scheduler schedules step S while step S - 1 runs (vLLM's batch queue of two), so it cannot wait
+    for the worker's -1 flag (:data:`FUSE_NEXT_FLAG`) as the synchronous one does. But a canvas that has taken
+    ``max_denoising_steps`` denoising steps commits next whatever its entropy (the sampler's step cap,
+    ``blockdiff.sampler.common.convergence``), so a scheduler that counts the worker's steps knows it in advance.
+    Per request this class mirrors the worker's ``(phase, step)`` of the current canvas (phase DENOISE or COMMIT;
+    ``step`` = denoising steps taken, as ``SamplerState.step``):
+
+    * the *known* state, after the last row whose output the scheduler has seen (:meth:`observe`): a row that
+      returned tokens was a commit (the next canvas starts at step 0, or at step 1 after a fused row of
+      ``2 * CL`` tokens, which took that step); a DENOISE row of CL tokens took one step; a row narrower than CL,
+      or a DENOISE row wider than CL, was stalled by the worker (no step); a -1 flag means COMMIT now (a canvas that
+      converged early, or after the cap); reaching the cap means COMMIT;
+    * plus the rows scheduled since and still in flight (:meth:`record`), each applied as the worker will run it
+      if no canvas converges early.
+
+    :meth:`width` gives a request ``2 * CL`` (a fused commit: the commit and the next canvas's first denoising
+    step) when that predicted state is COMMIT, the commit will not end the request by ``max_tokens``
+    (``num_output_tokens`` + CL for each predicted commit in flight + CL < ``max_tokens``), and the whole row fits
+    ``max_model_len`` (``num_computed_tokens`` + 2 * CL: vLLM cuts a row at ``max_model_len -
+    num_computed_tokens``, and under asynchronous scheduling ``num_computed_tokens`` still counts the row in
+    flight); else CL. A canvas that converges before its cap is learnt one step late (its flag or its commit) and
+    commits plain, as without fusion. A request vLLM preempts restarts at step 0 of a fresh canvas after its
+    re-prefill, as the model state does (:meth:`reset`); the outputs of its rows from before are not counted.
+    A wide row that committed nothing (a misprediction, or a worker that does not fuse) turns fusion off for that
+    request (liveness: it is never scheduled wide again).
+
+    Args:
+        canvas_length: CL, the checkpoint's canvas length (an int >= 1).
+        default_max_denoising_steps: the served step cap (an int in ``[1, 2**14)``), used when a request sets no
+            ``extra_args["diffusion_max_steps"]``.
+
+    Raises:
+        ValueError: an argument out of range or not an int.
+    """
+
+    def __init__(self, canvas_length: int, default_max_denoising_steps: int) -> None:
+        for name, v, hi in (("canvas_length", canvas_length, MAX_CANVAS_WIDTH),
+                            ("default_max_denoising_steps", default_max_denoising_steps, MAX_DENOISING_STEPS)):
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not 1 <= v < hi:
+                raise ValueError(f"{name} must be an int in [1, {hi}), got {v!r}")
+        self.canvas_length = int(canvas_length)
+        self.default_max_denoising_steps = int(default_max_denoising_steps)
+        self._known: dict[str, tuple[int, int]] = {}    # req_id -> (phase, step) after the last observed row
+        self._pending: dict[str, deque] = {}            # req_id -> rows in flight: (scheduler output, tokens)
+        self._caps: dict[str, int | None] = {}
+        self._no_fuse: set[str] = set()
+        self.num_wide = 0    # rows given 2 * CL
+        self.num_missed = 0  # of those, rows that committed nothing
+
+    def _cap(self, request: Any) -> int | None:
+        rid = request.request_id
+        if rid not in self._caps:
+            self._caps[rid] = request_max_denoising_steps(request, self.default_max_denoising_steps)
+        return self._caps[rid]
+
+    def _advance(self, phase: int, step: int, q: int, cap: int, n_tokens: int | None,
+                 flag: bool) -> tuple[int, int, bool]:
+        """One row of ``q`` tokens from ``(phase, step)``: predicted (``n_tokens`` None: no early convergence) or
+        observed (``n_tokens`` the tokens it returned, ``flag`` its -1). Returns ``(phase, step, committed)``."""
+        cl = self.canvas_length
+        commit = (phase == _COMMIT and q >= cl) if n_tokens is None else n_tokens > 0
+        if commit:
+            if q == 2 * cl:  # fused: the next canvas's step 0 ran in the same row
+                phase, step = (_COMMIT if cap <= 1 else _DENOISE), 1
+            else:
+                phase, step = _DENOISE, 0
+        elif phase == _DENOISE and q == cl:
+            step += 1
+            if step >= cap:
+                phase = _COMMIT
+        if flag:
+            phase = _COMMIT
+        return phase, step, commit
+
+    def width(self, request: Any, max_model_len: int) -> int:
+        """Draft tokens the request's next canvas row gets: ``2 * CL`` (a fused commit) or CL (class docstring).
+
+        Args:
+            request: vLLM's ``Request`` (reads ``request_id``, ``sampling_params.extra_args``,
+                ``num_output_tokens``, ``max_tokens``, ``num_computed_tokens``).
+            max_model_len: the scheduler's ``max_model_len``.
+        """
+        cl = self.canvas_length
+        rid = request.request_id
+        cap = self._cap(request)
+        if cap is None or rid in self._no_fuse:
+            return cl
+        phase, step = self._known.get(rid, (_DENOISE, 0))
+        emitted = request.num_output_tokens
+        for _, q in self._pending.get(rid, ()):
+            phase, step, committed = self._advance(phase, step, q, cap, None, False)
+            emitted += cl if committed else 0
+        if phase != _COMMIT:
+            return cl
+        max_tokens = getattr(request, "max_tokens", None)
+        if max_tokens is not None and emitted + cl >= max_tokens:  # the commit ends the request: nothing to fuse
+            return cl
+        if request.num_computed_tokens + 2 * cl > max_model_len:
+            return cl
+        self.num_wide += 1
+        return 2 * cl
+
+    def record(self, scheduler_output: Any) -> None:
+        """Count the canvas rows of a step just scheduled (``scheduled_spec_decode_tokens``: rows with draft
+        tokens; their widths from ``num_scheduled_tokens``) as in flight, and forget the requests in
+        ``finished_req_ids``."""
+        for rid in getattr(scheduler_output, "finished_req_ids", ()) or ():
+            self.drop(rid)
+        n = scheduler_output.num_scheduled_tokens
+        for rid in scheduler_output.scheduled_spec_decode_tokens:
+            dq = self._pending.get(rid)
+            if dq is None:
+                self._pending[rid] = dq = deque()
+            dq.append((scheduler_output, int(n[rid])))
+
+    def observe(self, scheduler_output: Any, model_runner_output: Any, flagged: Iterable[str],
+                requests: Mapping[str, Any]) -> None:
+        """Move each request's known state over its row of ``scheduler_output`` (class docstring), from the
+        worker's output of that step: tokens returned (``sampled_token_ids``) and -1 flags (``flagged``, from
+        :func:`split_fuse_flags`). Rows recorded before a :meth:`reset` (a preemption) are not counted."""
+        sampled = model_runner_output.sampled_token_ids
+        index = model_runner_output.req_id_to_index
+        flagged = flagged if isinstance(flagged, (set, frozenset)) else set(flagged)
+        for rid in scheduler_output.scheduled_spec_decode_tokens:
+            dq = self._pending.get(rid)
+            if not dq or dq[0][0] is not scheduler_output:
+                continue
+            _, q = dq.popleft()
+            if not dq:
+                del self._pending[rid]
+            req = requests.get(rid)
+            cap = self._cap(req) if req is not None else None
+            if cap is None:
+                continue
+            i = index.get(rid)
+            n_tokens = len(sampled[i]) if sampled and i is not None and i < len(sampled) else 0
+            phase, step = self._known.get(rid, (_DENOISE, 0))
+            phase, step, committed = self._advance(phase, step, q, cap, n_tokens, rid in flagged)
+            if q > self.canvas_length and not committed:  # a wide row that committed nothing: never fuse it again
+                self.num_missed += 1
+                self._no_fuse.add(rid)
+            self._known[rid] = (phase, step)
+
+    def reset(self, req_id: str) -> None:
+        """The request was preempted: it restarts from a fresh canvas at step 0 after its re-prefill (the model
+        state's ``add_request``); its rows in flight no longer count."""
+        self._known.pop(req_id, None)
+        self._pending.pop(req_id, None)
+
+    def drop(self, req_id: str) -> None:
+        """Forget a finished request."""
+        self.reset(req_id)
+        self._caps.pop(req_id, None)
+        self._no_fuse.discard(req_id)
+
+    def state(self, req_id: str) -> tuple[str, int, int]:
+        """``(phase, step, rows in flight)`` of a request's known state (``"DENOISE"`` / ``"COMMIT"``), for tests and
+        logs."""
+        phase, step = self._known.get(req_id, (_DENOISE, 0))
+        return ("COMMIT" if phase == _COMMIT else "DENOISE"), step, len(self._pending.get(req_id, ()))
+
+
+def predict_spec_tokens(scheduler: Any) -> None:
+    """What the asynchronous scheduler does before each ``schedule`` when it fuses commits: every running request's
+    ``spec_token_ids`` (vLLM's placeholders, ``num_spec_tokens`` = ``2 * CL`` wide) is cut to the width
+    ``scheduler.blockdiff_predictor`` (:class:`FusedCommitPredictor`) gives it, a new list each (vLLM's placeholder
+    list is shared). Requests with a canvas width other than CL (``extra_args["diffusion_canvas_length"]``, which
+    the model state refuses) get their width, as :func:`cut_spec_tokens` does."""
+    cl = _canvas_length_of(scheduler)
+    predictor = scheduler.blockdiff_predictor
+    mml = scheduler.max_model_len
+    for req in scheduler.running:
+        spec = req.spec_token_ids
+        if len(spec) <= cl:
+            continue
+        try:
+            width = diffusion_canvas_width(req, cl)
+        except ValueError:
+            continue
+        if width == cl:
+            width = predictor.width(req, mml)
+        if len(spec) > width:
+            req.spec_token_ids = spec[:width]
 
 
 def split_fuse_flags(num_nans_in_logits: Mapping[str, int] | None) -> tuple[set[str], Mapping[str, int] | None]:
@@ -278,16 +541,35 @@ def _make_classes() -> dict[str, type]:
                 # CL and whether the diffusion config leaves room for fused commits (2 * CL drafts a row)
                 self.blockdiff_canvas_length, self.blockdiff_fused_layout = served_canvas_length(self.vllm_config)
                 self.blockdiff_fuse_next: set[str] = set()  # sync: the last step's fused-commit requests
+                # async, fused layout, BLOCKDIFF_FUSE_COMMIT=1: the step counts that predict commits (else None)
+                self.blockdiff_predictor: FusedCommitPredictor | None = None
+                if asynchronous and self.blockdiff_fused_layout and fuse_commit_from_env():
+                    steps = served_max_denoising_steps(self.vllm_config)
+                    self.blockdiff_predictor = FusedCommitPredictor(
+                        self.blockdiff_canvas_length, steps if steps is not None else default_max_denoising_steps())
 
             @annotated("blockdiff:schedule")
             def schedule(self, *args, **kwargs):
-                if asynchronous and self.blockdiff_fused_layout:  # placeholders of 2 * CL: cut, never fused
+                predictor = self.blockdiff_predictor
+                if predictor is not None:  # placeholders of 2 * CL: kept where the step cap forces a commit
+                    predict_spec_tokens(self)
+                elif asynchronous and self.blockdiff_fused_layout:  # placeholders of 2 * CL: cut, never fused
                     cut_spec_tokens(self)
-                return super().schedule(*args, **kwargs)
+                out = super().schedule(*args, **kwargs)
+                if predictor is not None:
+                    predictor.record(out)
+                return out
+
+            def _preempt_request(self, request, *args, **kwargs):
+                super()._preempt_request(request, *args, **kwargs)
+                if self.blockdiff_predictor is not None:  # re-prefilled later: a fresh canvas at step 0
+                    self.blockdiff_predictor.reset(request.request_id)
 
             @annotated("blockdiff:update_from_output")
             def update_from_output(self, scheduler_output, model_runner_output):
                 fuse, cleaned = split_fuse_flags(model_runner_output.num_nans_in_logits)
+                if self.blockdiff_predictor is not None:
+                    self.blockdiff_predictor.observe(scheduler_output, model_runner_output, fuse, self.requests)
                 if fuse:  # vLLM sees no flag: its count of failed requests reads n > 0
                     model_runner_output.num_nans_in_logits = cleaned
                 self.blockdiff_fuse_next = fuse if (self.blockdiff_fused_layout and not asynchronous) else set()
@@ -304,8 +586,10 @@ def _make_classes() -> dict[str, type]:
         Scheduler.__module__ = __name__
         Scheduler.__doc__ = (f"vLLM's {base.__name__} plus :func:`blockdiff.integration.vllm_scheduler."
                              "finish_stuck_requests` after each step and, served in the fused layout, per-request "
-                             "draft widths (CL, or 2 * CL for a fused commit" + (": never, asynchronous" if
-                                                                                asynchronous else "") + "; module "
+                             "draft widths (CL, or 2 * CL for a fused commit" + (", predicted from the step cap: "
+                                                                                ":class:`blockdiff.integration."
+                                                                                "vllm_scheduler.FusedCommitPredictor`"
+                                                                                if asynchronous else "") + "; module "
                              "docstring); ``schedule`` and ``update_from_output`` are named ranges in a profiler "
                              "trace (:mod:`blockdiff.integration.annotate`).")
         return Scheduler

@@ -405,9 +405,13 @@ def test_real_sync_scheduler_with_one_canvas_served_never_fuses(monkeypatch, tin
 
 @needs_vllm
 def test_real_async_scheduler_always_schedules_one_canvas(monkeypatch, tiny_hf_folder):
-    """AsyncScheduler (0.26.0) / DiffusionAsyncScheduler (0.33.0): its placeholders are num_spec_tokens = 2 * CL
-    wide; the plugin's schedule cuts them to CL, -1 flags or not (it never fuses)."""
+    """AsyncScheduler (0.26.0) / DiffusionAsyncScheduler (0.33.0) in the two-canvas layout without
+    BLOCKDIFF_FUSE_COMMIT (serve_fused.sh's ``layout``): its placeholders are num_spec_tokens = 2 * CL wide; the
+    plugin's schedule cuts them to CL, -1 flags or not (it never fuses; with the switch it predicts fused commits
+    from the step cap: test_vllm_fuse_commit_async.py)."""
+    monkeypatch.delenv(VS.FUSE_COMMIT_ENV, raising=False)
     s = _real_scheduler(monkeypatch, tiny_hf_folder, asynchronous=True)
+    assert s.blockdiff_predictor is None
     r = _request("a", 10)
     s.add_request(r)
     _step(s, drafts=False)
@@ -502,8 +506,10 @@ def test_one_canvas_layout_schedulers_do_no_per_request_width_work(monkeypatch, 
 
     monkeypatch.setattr(VS, "cut_spec_tokens", boom)
     monkeypatch.setattr(VS, "cut_draft_widths", boom)
+    monkeypatch.setattr(VS, "predict_spec_tokens", boom)
+    monkeypatch.setenv(VS.FUSE_COMMIT_ENV, "1")  # the switch alone (served with CL) adds no work either
     s = _real_scheduler(monkeypatch, tiny_hf_folder, asynchronous=asynchronous, served=CL)
-    assert s.blockdiff_fused_layout is False
+    assert s.blockdiff_fused_layout is False and s.blockdiff_predictor is None
     s.add_request(_request("a", 10))
     _step(s, drafts=not asynchronous)
     widths = [_step(s, nans={"a": 0}, drafts=not asynchronous)[0].num_scheduled_tokens.get("a") for _ in range(3)]

@@ -1,0 +1,515 @@
+"""Fused commits under vLLM's ASYNCHRONOUS scheduler (docs/tuning.md 7.37 "Fix 2", 7.38): the plugin's
+``BlockdiffDiffusionAsyncScheduler`` counts each request's denoising steps (``FusedCommitPredictor``) and schedules
+the row after a canvas's step-capped last denoising step ``2 * CL`` wide (the commit plus the next canvas's first
+step), without waiting for that step's output.
+
+The end-to-end tests drive vLLM's real ``AsyncScheduler`` (0.26.0) / ``DiffusionAsyncScheduler`` (0.33.0) subclass,
+in the engine core's batch-queue order (``EngineCore.step_with_batch_queue``, a queue of two: step S is scheduled
+while step S - 1 runs, and S - 1's output reaches ``update_from_output`` after S is scheduled), over a CPU
+stand-in of model runner v2 that runs blockdiff's model state (vLLM mode), the tiny model and the sampler:
+:class:`CpuRunner`. They need vLLM's Python side (``source tests/integration/vllm_cpu_env.sh 0.26.0`` / ``0.33.0``)
+and skip without it; the predictor's own tests need no vLLM.
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+from collections import deque
+from types import SimpleNamespace as NS
+
+import numpy as np
+import pytest
+import torch
+from integration_helpers import CL, needs_stack, params, prompt, vllm_sampler_output_class
+
+from blockdiff.attention import AttentionMetadata
+from blockdiff.integration import vllm_scheduler as VS
+from blockdiff.integration.batch import HarnessInputBatch
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed here (tests/integration/vllm_cpu_env.sh)")
+GREEDY = dict(t_min=0.0, t_max=0.0)
+STEPS = 3  # the served step cap (--diffusion-config max_denoising_steps)
+
+
+# ------------------------------------------------------------------------------------------ the predictor alone
+def _req(rid="a", *, out=0, max_tokens=100, computed=20, steps=None, extra=None):
+    ea = dict(extra or {})
+    if steps is not None:
+        ea["diffusion_max_steps"] = steps
+    return NS(request_id=rid, num_output_tokens=out, max_tokens=max_tokens, num_computed_tokens=computed,
+              sampling_params=NS(extra_args=ea or None))
+
+
+def _so(rows, finished=()):
+    """A scheduled step: rows {req_id: tokens}, all canvas rows (draft tokens)."""
+    return NS(num_scheduled_tokens=dict(rows), scheduled_spec_decode_tokens={r: [-1] * q for r, q in rows.items()},
+              finished_req_ids=set(finished))
+
+
+def _mro(tokens=None, flags=()):
+    """The step's output: ``tokens`` {req_id: n tokens returned}; the -1 flags' ids."""
+    tokens = tokens or {}
+    ids = sorted(tokens)
+    return NS(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+              sampled_token_ids=[[7] * tokens[r] for r in ids]), set(flags)
+
+
+def test_predictor_counts_steps_in_flight_and_fuses_the_row_after_the_capped_step():
+    """Cap 3: rows 1-3 denoise (plain CL), row 4 is predicted the commit while row 3 is still in flight, so it is
+    scheduled 2 * CL; after the fused row the next canvas needs 2 more steps (the fused row took step 0)."""
+    p = VS.FusedCommitPredictor(CL, 3)
+    r = _req()
+    reqs = {"a": r}
+    widths, outs = [], deque()
+    # the worker's truth for the rows: (tokens returned) - denoise 0, commit CL
+    truth = deque([0, 0, 0, CL, 0, 0, CL, 0, 0, CL])
+    for _ in range(10):
+        w = p.width(r, 1000)
+        widths.append(w)
+        so = _so({"a": w})
+        p.record(so)
+        outs.append(so)
+        if len(outs) == 2:  # the batch queue: the older step's output arrives after the newer is scheduled
+            done = outs.popleft()
+            n = truth.popleft()
+            p.observe(done, *_mro({"a": n}), reqs)
+            r.num_output_tokens += n
+    assert widths == [CL, CL, CL, 2 * CL, CL, CL, 2 * CL, CL, CL, 2 * CL]
+    assert p.num_wide == 3 and p.num_missed == 0
+
+
+def test_predictor_early_convergence_commits_plain_and_the_count_restarts():
+    """A canvas that converges at its 1st step (the -1 flag, one step late): the row in flight is the commit (plain
+    CL), the next canvas counts from step 0, and nothing is scheduled wide by mistake."""
+    p = VS.FusedCommitPredictor(CL, 3)
+    r = _req()
+    so1 = _so({"a": CL})
+    p.record(so1)                       # step 1: the worker's step 0 converges (flag)
+    assert p.width(r, 1000) == CL
+    so2 = _so({"a": CL})
+    p.record(so2)                       # step 2: the commit (plain), scheduled before step 1's flag is known
+    p.observe(so1, *_mro({"a": 0}, {"a"}), {"a": r})
+    assert p.state("a") == ("COMMIT", 1, 1)
+    assert p.width(r, 1000) == CL       # the row in flight is the commit: the next canvas starts at step 0
+    so3 = _so({"a": CL})
+    p.record(so3)
+    p.observe(so2, *_mro({"a": CL}), {"a": r})
+    assert p.state("a") == ("DENOISE", 0, 1)
+
+
+def test_predictor_width_conditions():
+    """2 * CL only when the predicted row commits, the commit does not end the request (max_tokens), the whole row
+    fits max_model_len (num_computed_tokens counts the row in flight), the request's cap is valid and it never
+    missed; a request's own cap (extra_args diffusion_max_steps) overrides the served one."""
+    p = VS.FusedCommitPredictor(CL, 1)   # cap 1: every canvas row is its canvas's last step
+    assert p.width(_req(), 1000) == CL   # nothing in flight: the next row is the first denoising step
+    for rid in "abcdef":
+        p.record(_so({rid: CL}))
+    assert p.width(_req("a"), 1000) == 2 * CL
+    assert p.width(_req("b", out=100 - CL - 1), 1000) == 2 * CL
+    assert p.width(_req("c", out=100 - CL), 1000) == CL           # the commit reaches max_tokens
+    assert p.width(_req("d", computed=100), 100 + 2 * CL) == 2 * CL
+    assert p.width(_req("d", computed=100), 100 + 2 * CL - 1) == CL  # vLLM would cut the row
+    assert p.width(_req("e", steps=2), 1000) == CL                 # its own cap: one more step first
+    assert p.width(_req("f", steps=0), 1000) == CL                 # no valid cap: the model state fails it
+    assert p.width(_req("f", steps="3"), 1000) == CL
+
+
+def test_predictor_misses_turn_fusion_off_and_preemption_restarts_the_count():
+    p = VS.FusedCommitPredictor(CL, 1)
+    r = _req()
+    so1 = _so({"a": CL})
+    p.record(so1)
+    assert p.width(r, 1000) == 2 * CL
+    so2 = _so({"a": 2 * CL})
+    p.record(so2)
+    p.observe(so1, *_mro({"a": 0}), {"a": r})     # step 1 converged (cap): COMMIT
+    p.observe(so2, *_mro({"a": 0}), {"a": r})     # but the wide row committed nothing (e.g. a worker not fusing)
+    assert p.num_missed == 1 and p.width(r, 1000) == CL
+    q = VS.FusedCommitPredictor(CL, 1)
+    so = _so({"b": CL})
+    q.record(so)
+    q.reset("b")                                   # preempted with its row in flight
+    q.observe(so, *_mro({"b": 0}, {"b"}), {"b": _req("b")})  # the stale output is not counted
+    assert q.state("b") == ("DENOISE", 0, 0) and q.width(_req("b"), 1000) == CL
+    q.record(_so({"b": CL}, finished={"b"}))       # finished ids are forgotten first
+    q.drop("b")
+    assert q.state("b") == ("DENOISE", 0, 0)
+
+
+def test_predictor_and_cap_helpers_refuse_bad_arguments():
+    for bad in ((0, 3), (CL, 0), (True, 3), (CL, 2.0), (CL, 1 << 14)):
+        with pytest.raises(ValueError, match="canvas_length|default_max_denoising_steps"):
+            VS.FusedCommitPredictor(*bad)
+    cfg = lambda d, g=None: NS(diffusion_config=NS(max_denoising_steps=d),  # noqa: E731
+                               model_config=NS(try_get_generation_config=lambda: g or {}))
+    assert VS.served_max_denoising_steps(cfg(16)) == 16
+    assert VS.served_max_denoising_steps(cfg(None, {"max_denoising_steps": 12})) == 12
+    assert VS.served_max_denoising_steps(cfg(None, {"max_denoising_steps": 12.0})) == 12
+    assert VS.served_max_denoising_steps(cfg(None)) is None and VS.served_max_denoising_steps(NS()) is None
+    assert VS.served_max_denoising_steps(cfg(None), {"max_denoising_steps": 5}) == 5
+    for bad in ("16", 2.5, -1, 1 << 14, True):
+        with pytest.raises(ValueError, match="max_denoising_steps"):
+            VS.served_max_denoising_steps(cfg(None, {"max_denoising_steps": bad}))
+    assert VS.default_max_denoising_steps() == params().__class__().max_denoising_steps
+    assert VS.request_max_denoising_steps(_req(), 9) == 9
+    assert VS.request_max_denoising_steps(_req(steps=4), 9) == 4
+    assert VS.request_max_denoising_steps(_req(steps=True), 9) is None
+
+
+# ------------------------------------------------------------------------------------------ vLLM end to end
+@pytest.fixture(scope="module")
+def tiny_hf_folder(tmp_path_factory):
+    """An exported tiny DiffusionGemma config (canvas_length CL): what vLLM's ModelConfig reads."""
+    from blockdiff.model import tiny_config
+    from blockdiff.model.export import export_hf
+
+    out = tmp_path_factory.mktemp("tiny_hf_async")
+    export_hf(tiny_config(vocab_size=259, canvas_length=CL), out)
+    return out
+
+
+def _scheduler(monkeypatch, folder, *, served, fuse, max_model_len=256, num_blocks=64, max_num_seqs=4,
+               budget=256, asynchronous=True):
+    """The plugin's scheduler on vLLM's own classes: --diffusion-config canvas_length ``served`` and
+    max_denoising_steps :data:`STEPS`, BLOCKDIFF_FUSE_COMMIT ``fuse``, ``num_blocks`` KV pages of 16 tokens."""
+    import vllm.config.vllm as config_module
+    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.config.diffusion import DiffusionConfig
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    if fuse:
+        monkeypatch.setenv(VS.FUSE_COMMIT_ENV, "1")
+    else:
+        monkeypatch.delenv(VS.FUSE_COMMIT_ENV, raising=False)
+    monkeypatch.setattr(config_module, "HAS_TRITON", True)  # model runner v2's check (no kernel runs here)
+    mc = ModelConfig(model=str(folder), tokenizer=str(folder), dtype="float32", language_model_only=True,
+                     max_model_len=max_model_len)
+    sc = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len,
+                         is_encoder_decoder=False, async_scheduling=asynchronous)
+    cc = CacheConfig(block_size=16, enable_prefix_caching=False)
+    cc.num_gpu_blocks = num_blocks
+    vc = VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc, device_config=DeviceConfig(device="cpu"),
+                    diffusion_config=DiffusionConfig(canvas_length=served, max_denoising_steps=STEPS))
+    kvc = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(
+        ["layer0"], FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float32))])
+    cls = VS.BlockdiffDiffusionAsyncScheduler if asynchronous else VS.BlockdiffDiffusionScheduler
+    return cls(vllm_config=vc, kv_cache_config=kvc, structured_output_manager=StructuredOutputManager(vc),
+               block_size=16)
+
+
+class CpuRunner:
+    """Model runner v2's part of a step (vLLM 0.26.0 ``GPUModelRunner.execute_model`` / ``sample_tokens``) on the
+    CPU, around blockdiff's model state in vLLM mode and the tiny model: it removes finished and preempted requests,
+    adds new / resumed ones (``add_request`` with ``prefill_token_ids``), keeps its own ``num_computed_tokens`` per
+    request (advanced by ``query_len - num_rejected`` after each step: what asynchronous scheduling relies on; the
+    scheduler's count runs ahead), builds the step's batch (logits at every draft token of a canvas row, the last
+    token of a prefill chunk), runs ``prepare_inputs`` -> causal flags / row counts -> the model -> the sampler, and
+    returns vLLM's ``ModelRunnerOutput`` (``num_sampled`` tokens a row, ``num_nans_in_logits``).
+
+    Counts per request: ``rows`` (the widths of its canvas rows), ``fused`` (rows of ``2 * CL`` that committed: fused
+    commits, and wide rows whose commit ended the request), ``stalled_wide`` (rows wider than CL that committed
+    nothing: stalled by the sampler), ``adds`` (``add_request`` calls: > 1 after a preemption)."""
+
+    def __init__(self, model, default_params, *, fuse, max_num_reqs=4, max_model_len=256, page=16):
+        from blockdiff.integration.model_state import DiffusionModelState
+
+        self.model, self.page, self.max_model_len = model, page, max_model_len
+        self.maxb = -(-max_model_len // page)
+        self.R = max_num_reqs
+        T = max_num_reqs * max(2 * CL, 64)
+        ms = DiffusionModelState.for_harness(model, max_num_reqs=max_num_reqs, max_num_tokens=T, canvas_length=CL,
+                                             device="cpu", default_params=default_params, fuse_commit=fuse)
+        ms.mode = "vllm"
+        ms.causal_buf_i32 = torch.zeros(max_num_reqs, dtype=torch.int32)
+        ms.inputs_embeds_buf = torch.zeros(T, model.config.hidden_size)
+        self.ms = ms
+        self.draft = torch.zeros(max_num_reqs, 2 * CL, dtype=torch.int64)
+        self.sampler, _ = ms.custom_sampler(NS(req_states=NS(draft_tokens=self.draft)), backend="reference")
+        self.kv = model.allocate_kv_caches(max_num_reqs * self.maxb, page)
+        self.reqs: dict[str, dict] = {}
+        self.num_forward = 0
+        self.rows: dict[str, list[int]] = {}
+        self.fused: dict[str, int] = {}
+        self.stalled_wide: dict[str, int] = {}
+        self.adds: dict[str, int] = {}  # add_request calls per request (> 1: resumed after a preemption)
+
+    def execute(self, so):
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        from test_vllm_greedy_parity import forward_from_embeds
+
+        for rid in set(so.finished_req_ids) | set(so.preempted_req_ids or ()):
+            if rid in self.reqs:
+                self.ms.remove_request(rid)
+                del self.reqs[rid]
+        for nr in so.scheduled_new_reqs:
+            slot = min(set(range(self.R)) - {r["slot"] for r in self.reqs.values()})
+            self.ms.add_request(slot, nr)
+            self.adds[nr.req_id] = self.adds.get(nr.req_id, 0) + 1
+            self.reqs[nr.req_id] = dict(slot=slot, computed=nr.num_computed_tokens, ids=list(nr.prefill_token_ids))
+        ids = list(so.num_scheduled_tokens)
+        if not ids:
+            return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+        q = np.array([so.num_scheduled_tokens[r] for r in ids], dtype=np.int32)
+        ctx = np.array([self.reqs[r]["computed"] for r in ids], dtype=np.int32)
+        plen = np.array([len(self.reqs[r]["ids"]) for r in ids], dtype=np.int32)
+        slots = np.array([self.reqs[r]["slot"] for r in ids], dtype=np.int64)
+        qsl = np.concatenate([[0], np.cumsum(q)]).astype(np.int32)
+        T = int(qsl[-1])
+        tok = np.zeros(T, dtype=np.int64)
+        pos = np.zeros(T, dtype=np.int64)
+        nlog = np.zeros(len(ids), dtype=np.int32)
+        logits_idx = []
+        for i, r in enumerate(ids):
+            pos[qsl[i]:qsl[i + 1]] = np.arange(ctx[i], ctx[i] + q[i])
+            if ctx[i] < plen[i]:
+                tok[qsl[i]:qsl[i + 1]] = self.reqs[r]["ids"][ctx[i]:ctx[i] + q[i]]
+            nd = len(so.scheduled_spec_decode_tokens.get(r, ()))
+            nlog[i] = nd or 1  # 0.26: one logits row without draft tokens, else one per draft token
+            logits_idx.extend(range(qsl[i + 1] - nlog[i], qsl[i + 1]))
+            if nd:
+                self.rows.setdefault(r, []).append(int(q[i]))
+        pages = slots[:, None] * self.maxb + np.arange(self.maxb)[None, :]
+        row = np.repeat(np.arange(len(ids)), q)
+        slot_mapping = pages[row, pos // self.page] * self.page + pos % self.page
+        t = torch.as_tensor
+        b = HarnessInputBatch(
+            req_ids=ids, num_reqs=len(ids), num_tokens=T, idx_mapping=t(slots), idx_mapping_np=slots,
+            num_scheduled_tokens=q, query_start_loc=t(qsl), query_start_loc_np=qsl, seq_lens=t(ctx + q),
+            seq_lens_np=ctx + q, num_computed_tokens_np=ctx, prefill_len_np=plen,
+            num_computed_prefill_tokens_np=np.minimum(ctx, plen), is_prefilling_np=ctx < plen, input_ids=t(tok),
+            positions=t(pos), slot_mapping=t(slot_mapping), block_table=t(pages.astype(np.int32)),
+            logits_indices=t(np.array(logits_idx, dtype=np.int64)),
+            cu_num_logits_np=np.concatenate([[0], np.cumsum(nlog)]).astype(np.int32),
+            num_draft_tokens=int(sum(len(so.scheduled_spec_decode_tokens.get(r, ())) for r in ids)),
+            max_query_len=int(q.max()), max_seq_len=int((ctx + q).max()))
+        with torch.inference_mode():
+            embeds = self.ms.prepare_inputs(b, None)["inputs_embeds"]
+            causal = self.ms.fill_causal(b).clone()
+            ncq = self.ms.num_causal_q(b) if self.ms.fuse_commit else None
+            meta = AttentionMetadata(cu_seqlens_q=b.query_start_loc, seq_lens=b.seq_lens, causal=causal,
+                                     block_table=b.block_table, slot_mapping=b.slot_mapping,
+                                     max_seqlen_q=int(q.max()), max_seqlen_k=self.max_model_len, num_causal_q=ncq)
+            logits = forward_from_embeds(self.model, embeds, b.positions, meta, self.kv,
+                                         self.model.config.bidirectional_window)[b.logits_indices]
+            out = self.sampler(logits, b)
+        self.num_forward += 1
+        ns, nr = out.num_sampled.tolist(), out.num_rejected.tolist()
+        nans = out.num_nans.tolist()
+        sampled = []
+        for i, r in enumerate(ids):
+            self.reqs[r]["computed"] += int(q[i]) - nr[i]
+            sampled.append(out.sampled_token_ids[i, : ns[i]].tolist())
+            if q[i] == 2 * CL and ns[i] == CL:
+                self.fused[r] = self.fused.get(r, 0) + 1
+            if q[i] > CL and ctx[i] >= plen[i] and ns[i] == 0:
+                self.stalled_wide[r] = self.stalled_wide.get(r, 0) + 1
+        self.ms.postprocess_state(b.idx_mapping, out.num_sampled, None)
+        return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                 sampled_token_ids=sampled, num_nans_in_logits=dict(zip(ids, nans)))
+
+
+def _vllm_request(rid, ids, *, max_tokens, stop=None, extra=None):
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    return Request(rid, prompt_token_ids=list(ids), sampling_params=SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, stop_token_ids=list(stop or []), extra_args=extra or None),
+        pooling_params=None)
+
+
+def serve(monkeypatch, folder, model, reqs, *, served, fuse, asynchronous=True, max_steps=2000, **kw):
+    """Run ``reqs`` [(req_id, prompt ids, max_tokens, stop ids, extra_args, arrival step)] through the scheduler and
+    :class:`CpuRunner` in the engine core's order (asynchronous: ``step_with_batch_queue`` with a queue of two;
+    synchronous: schedule, execute, update, draft lists). Returns ``(outputs, scheduler, runner, engine steps)``,
+    ``outputs`` {req_id: (finish reason, token ids)} as the client sees them."""
+    from vllm.v1.outputs import DraftTokenIds
+
+    max_model_len = kw.get("max_model_len", 256)
+    s = _scheduler(monkeypatch, folder, served=served, fuse=fuse, asynchronous=asynchronous, **kw)
+    runner = CpuRunner(model, params(**GREEDY, max_denoising_steps=STEPS), fuse=fuse and served == 2 * CL,
+                       max_num_reqs=kw.get("max_num_seqs", 4), max_model_len=max_model_len)
+    pending = sorted(reqs, key=lambda r: r[5])
+    toks: dict[str, list[int]] = {r[0]: [] for r in reqs}
+    reasons: dict[str, str] = {}
+    queue: deque = deque()
+    size = 2 if asynchronous else 1
+
+    def update(so, mro):
+        for eco in s.update_from_output(so, mro).values():
+            for o in eco.outputs:
+                toks[o.request_id].extend(o.new_token_ids)
+                if o.finish_reason is not None:
+                    reasons[o.request_id] = str(o.finish_reason)
+
+    step = 0
+    while pending or s.has_requests() or queue:
+        assert step < max_steps, f"no progress after {max_steps} steps: {reasons}"
+        while pending and pending[0][5] <= step:
+            rid, ids, mt, stop, extra, _ = pending.pop(0)
+            s.add_request(_vllm_request(rid, ids, max_tokens=mt, stop=stop, extra=extra))
+        step += 1
+        if s.has_requests():
+            so = s.schedule()
+            mro = runner.execute(so)
+            if not asynchronous:
+                update(so, mro)
+                ids = list(so.num_scheduled_tokens)
+                s.update_draft_token_ids(DraftTokenIds(ids, [[-1] * s.num_spec_tokens for _ in ids]))
+                continue
+            queue.appendleft((so, mro))
+            if len(queue) < size and s.has_requests():
+                continue
+        elif not queue:
+            continue
+        update(*queue.pop())
+    outputs = {rid: (reasons.get(rid), toks[rid]) for rid in toks}
+    return outputs, s, runner, step
+
+
+def harness(make_runner, reqs):
+    """The harness's greedy run of the same requests (unfused), as the served outputs' reference."""
+    from blockdiff.integration.batch import NewRequest  # noqa: F401  (the harness API takes plain args)
+
+    r = make_runner(max_num_batched_tokens=256, max_model_len=256, default_params=params(**GREEDY))
+    for rid, ids, mt, stop, extra, _ in reqs:
+        kw = dict(max_tokens=mt, eos_token_ids=tuple(stop or ()), max_denoising_steps=STEPS, **GREEDY)
+        for k, v in (extra or {}).items():
+            kw[{"diffusion_max_steps": "max_denoising_steps"}.get(k, k)] = v
+        r.add_request(rid, ids, params(**kw))
+    res = r.run(max_steps=2000)
+    named = {"eos": "stop"}  # the harness's name of vLLM's finish reason "stop"
+    return {k: (named.get(v.finish_reason, v.finish_reason), list(v.output_token_ids)) for k, v in res.items()}
+
+
+def _canvas_rows(runner, rid):
+    return len(runner.rows.get(rid, []))
+
+
+@pytest.fixture
+def vllm_env(monkeypatch, tiny_model):
+    vllm_sampler_output_class(monkeypatch)
+    logging.getLogger("vllm").setLevel(logging.WARNING)
+    return monkeypatch
+
+
+@needs_stack
+@needs_vllm
+@pytest.mark.parametrize("plen, max_tokens", [(10, 3 * CL), (3, 4 * CL + 3)])
+def test_async_fused_equals_unfused_and_harness_with_one_step_fewer_per_non_final_canvas(
+        vllm_env, tiny_hf_folder, tiny_model, make_runner, plen, max_tokens):
+    """One request (c1): the async fused server's tokens equal the async unfused server's (served CL) and the
+    harness's, greedy; it runs exactly one forward pass fewer per non-final canvas (every non-final commit fused,
+    every wide row a fused commit, nothing stalled); a canvas costs STEPS rows after the first (STEPS + 1 unfused)."""
+    reqs = [("a", prompt(plen, 3), max_tokens, None, None, 0)]
+    want = harness(make_runner, reqs)
+    fused, sf, rf, _ = serve(vllm_env, tiny_hf_folder, tiny_model, reqs, served=2 * CL, fuse=True)
+    plain, sp, rp, _ = serve(vllm_env, tiny_hf_folder, tiny_model, reqs, served=CL, fuse=False)
+    assert fused == plain == want and want["a"][0] == "length" and len(want["a"][1]) == max_tokens
+    canvases = -(-max_tokens // CL)
+    assert rp.num_forward - rf.num_forward == canvases - 1 == rf.fused["a"] == sf.blockdiff_predictor.num_wide
+    assert rf.rows["a"].count(2 * CL) == canvases - 1 and not rf.stalled_wide
+    assert _canvas_rows(rp, "a") - _canvas_rows(rf, "a") == canvases - 1
+    assert sp.blockdiff_predictor is None and 2 * CL not in rp.rows["a"]
+    # rows per canvas: the first STEPS + 1, the others STEPS (plus at most one row after the last commit, scheduled
+    # while that commit was in flight: a no-op for a finished request, as unfused)
+    assert _canvas_rows(rf, "a") in (STEPS + 1 + (canvases - 1) * STEPS, STEPS + 2 + (canvases - 1) * STEPS)
+
+
+@needs_stack
+@needs_vllm
+def test_async_fused_mixed_batch_early_convergence_eos_and_max_tokens(vllm_env, tiny_hf_folder, tiny_model,
+                                                                      make_runner):
+    """Four requests arriving at different steps, mixed in batches: a request's own cap (extra_args), one whose
+    canvases converge at their first step (stability 0, confidence above any entropy: learnt one step late, they
+    commit plain), one with a stop id
+    inside a later canvas (a predicted fused commit that ends the request: its tail is wasted), max_tokens not a
+    multiple of CL. Tokens and finish reasons equal the async unfused server's and the harness's; nobody is lost;
+    fused rows save steps."""
+    # a stop id that first appears in the request's 3rd canvas (found from the unstopped greedy output)
+    probe = [("e", prompt(6, 9), 4 * CL, None, None, 0)]
+    out = harness(make_runner, probe)["e"][1]
+    first = {}
+    for i, t in enumerate(out):
+        first.setdefault(t, i)
+    stop = next(t for t, i in sorted(first.items(), key=lambda kv: kv[1]) if 2 * CL <= i < 3 * CL)
+    reqs = [("cap2", prompt(5, 1), 3 * CL, None, {"diffusion_max_steps": 2}, 0),
+            ("early", prompt(9, 2), 3 * CL + 1, None, {"confidence_threshold": 1e9, "stability_threshold": 0}, 1),
+            ("e", prompt(6, 9), 4 * CL, [stop], None, 2),
+            ("odd", prompt(12, 4), 2 * CL + 5, None, None, 4)]
+    want = harness(make_runner, reqs)
+    fused, sf, rf, _ = serve(vllm_env, tiny_hf_folder, tiny_model, reqs, served=2 * CL, fuse=True)
+    plain, _, rp, _ = serve(vllm_env, tiny_hf_folder, tiny_model, reqs, served=CL, fuse=False)
+    assert fused == plain == want
+    assert want["e"][0] == "stop" and want["e"][1][-1] == stop and {want[r][0] for r in want} <= {"stop", "length"}
+    # canvases 1-2 fused; "e"'s 3rd commit was predicted wide too and ended the request (its tail ran for nothing)
+    assert rf.fused.get("cap2", 0) == 2 and rf.fused.get("odd", 0) == 2 and rf.fused.get("e", 0) == 3
+    # "early": every canvas converges at its first step, learnt one step late: plain commits, as unfused
+    assert 2 * CL not in rf.rows["early"] and rf.rows["early"] == rp.rows["early"]
+    assert not rf.stalled_wide and sf.blockdiff_predictor.num_missed == 0
+    assert rf.num_forward < rp.num_forward
+    assert sum(map(len, rf.rows.values())) < sum(map(len, rp.rows.values()))
+
+
+@needs_stack
+@needs_vllm
+def test_async_fused_at_the_max_model_len_edge(vllm_env, tiny_hf_folder, tiny_model):
+    """max_model_len leaves room for the last canvases but not for a whole fused row: those commit plain (the
+    predictor requires num_computed_tokens + 2 * CL <= max_model_len), the request is capped for length exactly as
+    the unfused async server caps it, with the same tokens."""
+    for mml in (48, 52, 56):
+        reqs = [("a", prompt(10, 5), 200, None, None, 0)]
+        fused, sf, rf, _ = serve(vllm_env, tiny_hf_folder, tiny_model, reqs, served=2 * CL, fuse=True,
+                                 max_model_len=mml)
+        plain, _, rp, _ = serve(vllm_env, tiny_hf_folder, tiny_model, reqs, served=CL, fuse=False, max_model_len=mml)
+        assert fused == plain and fused["a"][0] == "length", (mml, fused, plain)
+        assert not rf.stalled_wide and sf.blockdiff_predictor.num_missed == 0
+        assert rf.num_forward <= rp.num_forward
+
+
+@needs_stack
+@needs_vllm
+def test_async_fused_under_preemption(vllm_env, tiny_hf_folder, tiny_model, make_runner):
+    """A KV cache too small for four requests at once: vLLM preempts (the request re-prefills its prompt and
+    tokens and restarts its canvas at step 0; the predictor restarts its count). Every request finishes with the
+    tokens of the unfused async server and the harness."""
+    reqs = [(f"r{i}", prompt(9 + i, 20 + i), 3 * CL + i, None, None, i) for i in range(4)]
+    want = harness(make_runner, reqs)
+    fused, sf, rf, _ = serve(vllm_env, tiny_hf_folder, tiny_model, reqs, served=2 * CL, fuse=True, num_blocks=7)
+    plain, sp, rp, _ = serve(vllm_env, tiny_hf_folder, tiny_model, reqs, served=CL, fuse=False, num_blocks=7)
+    assert fused == plain == want
+    assert max(rf.adds.values()) > 1 and max(rp.adds.values()) > 1  # preempted and resumed
+    assert not rf.stalled_wide and sum(rf.fused.values()) > 0
+
+
+@needs_stack
+@needs_vllm
+def test_vllm_model_state_fuses_under_the_async_plugin_scheduler_with_the_schedulers_step_cap(monkeypatch, caplog):
+    """BLOCKDIFF_FUSE_COMMIT=1 with --async-scheduling and BlockdiffDiffusionAsyncScheduler: fuse_commit is on (was: a
+    warning that the asynchronous scheduler never fuses), and the model state's default step cap is the one the
+    scheduler predicts with (served_max_denoising_steps: the diffusion config's, else the generation config's)."""
+    from test_vllm_plugin import _StandInVllmModel
+
+    from blockdiff.integration.model_state import DiffusionModelState
+
+    H = 8
+    monkeypatch.setenv(VS.FUSE_COMMIT_ENV, "1")
+    monkeypatch.delenv("VLLM_RAISE_ON_LOGIT_NANS", raising=False)
+    for dsteps, gen in ((5, {"max_denoising_steps": 9}), (None, {"max_denoising_steps": 9}), (None, {})):
+        mc = NS(get_inputs_embeds_size=lambda: H, dtype=torch.float32, hf_text_config=NS(hidden_size=H),
+                hf_config=NS(canvas_length=CL), try_get_generation_config=lambda g=gen: g,
+                get_vocab_size=lambda: 64, max_model_len=256)
+        sc = NS(max_num_seqs=2, max_num_batched_tokens=64, async_scheduling=True,
+                scheduler_cls="blockdiff.integration.vllm_scheduler.BlockdiffDiffusionAsyncScheduler")
+        cfg = NS(model_config=mc, scheduler_config=sc,
+                 diffusion_config=NS(canvas_length=2 * CL, max_denoising_steps=dsteps))
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="blockdiff.integration.model_state"):
+            ms = DiffusionModelState(cfg, _StandInVllmModel(64, H), None, torch.device("cpu"))
+        assert ms.fuse_commit is True and not [r for r in caplog.records if r.levelno >= logging.WARNING]
+        served = VS.served_max_denoising_steps(cfg)
+        want = served if served is not None else VS.default_max_denoising_steps()
+        assert ms.default_params.max_denoising_steps == want == (dsteps or gen.get("max_denoising_steps") or 48)
