@@ -513,3 +513,30 @@ def test_vllm_model_state_fuses_under_the_async_plugin_scheduler_with_the_schedu
         served = VS.served_max_denoising_steps(cfg)
         want = served if served is not None else VS.default_max_denoising_steps()
         assert ms.default_params.max_denoising_steps == want == (dsteps or gen.get("max_denoising_steps") or 48)
+
+
+@needs_stack
+@needs_vllm
+def test_async_mispredicted_wide_rows_lose_nothing(vllm_env, tiny_hf_folder, tiny_model, make_runner):
+    """Wide rows the worker cannot fuse (the predictor forced to answer 2 * CL at random, also for rows that are
+    denoising steps): the worker stalls such a row (state untouched, every draft rejected: vLLM's KV position does
+    not move) or, on a COMMIT, commits it; the predictor sees the miss and never schedules that request wide again.
+    Every request finishes with the unfused tokens; nothing hangs."""
+    rng = np.random.default_rng(0)
+    orig = VS.FusedCommitPredictor.width
+
+    def chaos(self, request, max_model_len):
+        w = orig(self, request, max_model_len)
+        if request.request_id not in self._no_fuse and request.num_computed_tokens + 2 * CL <= max_model_len \
+                and rng.random() < 0.4:
+            return 2 * CL
+        return w
+
+    vllm_env.setattr(VS.FusedCommitPredictor, "width", chaos)
+    reqs = [(f"r{i}", prompt(5 + 3 * i, 60 + i), 3 * CL + 2 * i, None, None, i) for i in range(3)]
+    want = harness(make_runner, reqs)
+    fused, sf, rf, _ = serve(vllm_env, tiny_hf_folder, tiny_model, reqs, served=2 * CL, fuse=True)
+    assert fused == want
+    assert sum(rf.stalled_wide.values()) == sf.blockdiff_predictor.num_missed >= 1
+    # at most two misses a request: the first, and a row scheduled while the first was in flight; then never wide
+    assert all(n <= 2 for n in rf.stalled_wide.values()), rf.stalled_wide
