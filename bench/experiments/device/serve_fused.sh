@@ -6,9 +6,16 @@
 #       the exported stdlib-byte model (CL 32) in float32, synchronous scheduler, --diffusion-config canvas_length 64
 #       and BLOCKDIFF_FUSE_COMMIT=1, greedy against the harness (serve_smoke.py): must be 6 of 6 token for token,
 #       one request at a time and all at once (mixed fused / plain rows); the server log's fused-commit lines.
+#   bash bench/experiments/device/serve_fused.sh parity_async
+#       the same with vLLM's asynchronous scheduling (BlockdiffDiffusionAsyncScheduler: fused commits predicted from
+#       the step cap, docs/tuning.md 7.38); only canvases that reach the cap (16) fuse, early-converged ones commit
+#       plain; must be 6 of 6 as well.
 #   BLOCKDIFF_COMMIT=<hash> bash bench/experiments/device/serve_fused.sh VARIANT [fp8|bf16] [triton|cute]
 #       the benchmark's 26B geometry alone on the GPU (alone_up.sh's sizes: 64 seqs, 40 GiB KV), one variant:
 #         fused   --no-async-scheduling, --diffusion-config canvas_length 512, BLOCKDIFF_FUSE_COMMIT=1
+#         fused_async  the same with asynchronous scheduling (vLLM's default; BlockdiffDiffusionAsyncScheduler
+#                 predicts the fused rows from the step cap: docs/tuning.md 7.38); compare with the async rows of
+#                 serve_alone.sh (canvas 256, unfused)
 #         layout  the same without the switch (num_speculative_tokens 512 and its CUDA graphs, every row 256 wide:
 #                 the A/B's baseline)
 #         sync    --no-async-scheduling at canvas_length 256 (today's synchronous server)
@@ -23,55 +30,67 @@
 # DRY=1: print the variant's server command and exit (CPU check; SERVE_BENCH_ENV=0 skips env.sh as serve_bench.sh).
 set -u
 [ "${SERVE_BENCH_ENV:-1}" = 1 ] && source bench/experiments/device/env.sh
-variant=${1:?variant: parity, fused, layout or sync}
+variant=${1:?variant: parity, parity_async, fused, fused_async, layout or sync}
 T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 up() { python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$1/health', timeout=5)" 2>/dev/null; }
 dead() { grep -q "initialization failed\|Traceback" $1; }
 V="python3 -m vllm.entrypoints.cli.main"
 
-if [ "$variant" = parity ]; then
-  [ -d /tmp/exp ] || python3 -m blockdiff.integration.cli export /tmp/exp --overwrite > $OUT/export.log 2>&1
-  CL=$(python3 -c "import json; print(json.load(open('/tmp/exp/config.json'))['canvas_length'])")
-  P=8036; LOG=/tmp/plugin32_fused.log
-  C="--language-model-only --max-model-len 512 --gpu-memory-utilization 0.2 --no-async-scheduling --max-num-seqs 8"
-  C="$C --enforce-eager --attention-backend CUSTOM --scheduler-cls blockdiff.integration.vllm_scheduler.BlockdiffDiffusionScheduler"
+if [ "$variant" = parity ] || [ "$variant" = parity_async ]; then
+  if [ "${DRY:-0}" = 1 ] && [ ! -f /tmp/exp/config.json ]; then CL=32  # the shipped checkpoint's, not exported here
+  else
+    [ -d /tmp/exp ] || python3 -m blockdiff.integration.cli export /tmp/exp --overwrite > $OUT/export.log 2>&1
+    CL=$(python3 -c "import json; print(json.load(open('/tmp/exp/config.json'))['canvas_length'])")
+  fi
+  if [ "$variant" = parity ]; then  # synchronous: fuses after the worker's -1 flag
+    P=8036; tag=fused32; sfx=""; sched="--no-async-scheduling --scheduler-cls blockdiff.integration.vllm_scheduler.BlockdiffDiffusionScheduler"
+  else  # asynchronous: fuses the rows the step cap makes commits (predicted)
+    P=8037; tag=fused32_async; sfx=_async; sched="--async-scheduling --scheduler-cls blockdiff.integration.vllm_scheduler.BlockdiffDiffusionAsyncScheduler"
+  fi
+  LOG=/tmp/plugin32_fused$sfx.log
+  C="--language-model-only --max-model-len 512 --gpu-memory-utilization 0.2 --max-num-seqs 8"
+  C="$C --enforce-eager --attention-backend CUSTOM $sched"
   E="VLLM_USE_V2_MODEL_RUNNER=1 VLLM_PLUGINS=blockdiff BLOCKDIFF_ATTN_BACKEND=triton BLOCKDIFF_SAMPLER_BACKEND=triton BLOCKDIFF_FUSE_COMMIT=1"
   D="{\"canvas_length\":$((2 * CL))}"  # twice the checkpoint's canvas: the fused layout
+  [ "${DRY:-0}" = 1 ] && { echo "env $E $V serve /tmp/exp $C --dtype float32 --port $P --diffusion-config '$D'"; exit 0; }
   (up $P || setsid env $E $V serve /tmp/exp $C --dtype float32 --port $P --diffusion-config "$D" > $LOG 2>&1 < /dev/null) > /dev/null 2>&1 &
   M="-m blockdiff.bench.experiments.serve_smoke"
-  python3 $M harness --dtype float32 --out $OUT/harness32.json > $OUT/harness32.log 2>&1
+  [ -f $OUT/harness32.json ] || python3 $M harness --dtype float32 --out $OUT/harness32.json > $OUT/harness32.log 2>&1
   for i in $(seq 100); do up $P || dead $LOG && break; sleep 3; done
-  up $P && python3 $M client --base-url http://127.0.0.1:$P --model /tmp/exp --out $OUT/fused32.json
-  up $P && python3 $M client --base-url http://127.0.0.1:$P --model /tmp/exp --out $OUT/fused32_all.json --concurrent
-  echo "== float32, fused, one at a time (must be 6 of 6)"; [ -f $OUT/fused32.json ] && python3 $M compare $OUT/harness32.json $OUT/fused32.json | tail -1
-  echo "== float32, fused, all at once (must be 6 of 6)"; [ -f $OUT/fused32_all.json ] && python3 $M compare $OUT/harness32.json $OUT/fused32_all.json | tail -1
-  tail -c 200000 $LOG > $OUT/plugin32_fused.log
+  up $P && python3 $M client --base-url http://127.0.0.1:$P --model /tmp/exp --out $OUT/$tag.json
+  up $P && python3 $M client --base-url http://127.0.0.1:$P --model /tmp/exp --out $OUT/${tag}_all.json --concurrent
+  echo "== float32, $variant, one at a time (must be 6 of 6)"; [ -f $OUT/$tag.json ] && python3 $M compare $OUT/harness32.json $OUT/$tag.json | tail -1
+  echo "== float32, $variant, all at once (must be 6 of 6)"; [ -f $OUT/${tag}_all.json ] && python3 $M compare $OUT/harness32.json $OUT/${tag}_all.json | tail -1
+  tail -c 200000 $LOG > $OUT/plugin32_fused$sfx.log
   grep -sE "Traceback|Error:|ERROR|refused|fused commits" $LOG | grep -v "ulimit\|_warmup_" | head -20
   grep -sh "Mean denoising steps\|num_speculative\|canvas_length" $LOG | tail -4
   el end; exit 0
 fi
 
 quant=${2:-fp8}; attn=${3:-triton}
+sync_flag=--no-async-scheduling
 case $variant in
   fused)  canvas=512; fuse=1 ;;
+  fused_async) canvas=512; fuse=1; sync_flag= ;;
   layout) canvas=512; fuse=0 ;;
   sync)   canvas=256; fuse=0 ;;
-  *) echo "variant must be parity, fused, layout or sync, got $variant"; exit 2 ;;
+  *) echo "variant must be parity, parity_async, fused, fused_async, layout or sync, got $variant"; exit 2 ;;
 esac
 case $quant in fp8|bf16) ;; *) echo "quant must be fp8 or bf16"; exit 2 ;; esac
 case $attn in triton|cute) ;; *) echo "attention must be triton or cute"; exit 2 ;; esac
 BUDGET=${BUDGET_S:-570}
 export OUT=${OUT:-/tmp/serve_bench/out}/$variant; mkdir -p $OUT
 export SERVE_BENCH_DIR=${SERVE_BENCH_DIR:-/tmp/serve_bench} BD_SEQS=${SEQS:-64} BD_KV_GIB=${KV_GIB:-40} \
-  BD_UTIL=${UTIL:-0.9} ASYNC=0
+  BD_UTIL=${UTIL:-0.9} ASYNC=$([ -n "$sync_flag" ] && echo 0 || echo 1)
 W=$SERVE_BENCH_DIR; MODEL=$W/dg26b; S=bench/experiments/device/serve_bench.sh; BS="python3 -m blockdiff.bench.bench_serve"
 mkdir -p $W; [ -f $MODEL/config.json ] || $BS model $MODEL > $W/model.log 2>&1 || { cat $W/model.log; exit 1; }
 set -- $(bash $S info $quant $attn blockdiff); backend=$1; port=$2; seqs=$3; kv=$4; util=$5; name=$backend-$quant
 if [ -f $W/$name.pid ] && kill -0 $(cat $W/$name.pid) 2>/dev/null; then
   echo "$name already running (pid $(cat $W/$name.pid)): stop it first (serve_bench.sh stop)"; exit 2; fi
-# the benchmark's command (bench_serve.server_command, synchronous), then this variant's diffusion config and switch
+# the benchmark's command (bench_serve.server_command; synchronous unless fused_async), then this variant's diffusion
+# config and switch
 cmd=$($BS server-cmd --backend $backend --quant $quant --model $MODEL --port $port --max-num-seqs $seqs \
-      --kv-cache-gib $kv --gpu-memory-utilization $util --trace-dir $W/trace_$name --no-async-scheduling \
+      --kv-cache-gib $kv --gpu-memory-utilization $util --trace-dir $W/trace_$name $sync_flag \
       --load-format ${LOAD_FORMAT:-dummy}) || exit 1
 cmd=$(python3 -c "
 import shlex, sys, json
