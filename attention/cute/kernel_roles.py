@@ -492,8 +492,8 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
                                         self.tile_hdim)
             load_K_half = None
             if const_expr(khalves is not None):
-                load_K_half = self._k_half_loader(mK, sK, tma_atom_K, khalves, mPageTable, seqlen, batch_idx,
-                                                  head_idx_kv)
+                load_K_half = self._k_part_loader(mK, sK, tma_atom_K, 2, lambda state, h: khalves.full(h, state.index),
+                                                  mPageTable, seqlen, batch_idx, head_idx_kv)
             # The first num_stages K blocks (descending key order), then Q.
             if const_expr(khalves is not None):  # each block by halves (half 0 first: S starts on it)
                 if warp_idx_in_wg == 0:
@@ -519,8 +519,9 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
             q_producer_phase ^= 1
             load_K_part = None
             if const_expr(self._k_refill_all_warps()):
-                load_K_part = self._k_quarter_loader(mK, sK, tma_atom_K, pipeline_k, mPageTable, seqlen, batch_idx,
-                                                     head_idx_kv)
+                load_K_part = self._k_part_loader(mK, sK, tma_atom_K, 4,
+                                                  lambda state, part: pipeline_k.producer_get_barrier(state),
+                                                  mPageTable, seqlen, batch_idx, head_idx_kv)
             refill = partial(self._refill_k, pipeline_k=pipeline_k, load_K=load_K, n_block_min=n_block_min,
                              warp_idx_in_wg=warp_idx_in_wg, load_K_part=load_K_part)
             qk = partial(self._sm_qk, mma_qk_fn=mma_qk_fn, pipeline_k=pipeline_k)
@@ -652,76 +653,42 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
         whole 64-column swizzle atoms; not with ``k_refill="halves"``, which refills by halves from warp 0)."""
         return self._K_REFILL_ALL_WARPS and self.tile_hdim % 256 == 0 and self.k_refill != "halves"
 
-    def _k_quarter_loader(self, mK, sK, tma_atom, pipeline_k, mPageTable, seqlen, batch_idx, head_idx_kv):
-        """``load(n_block, producer_state, part)``: quarter ``part`` (an SM warp's index) of K's columns of key
-        block ``n_block`` into the producer state's stage, on its full barrier (the same TMA atom as the whole
-        block's, partitioned into ``tile_n x d/4`` tiles; paged: the page boxes of that quarter)."""
-        quarter = self.tile_hdim // 4
+    def _k_part_loader(self, mK, sK, tma_atom, parts: int, barrier: Callable, mPageTable, seqlen, batch_idx,
+                       head_idx_kv):
+        """``load(n_block, producer_state, part)``: column part ``part`` of ``parts`` equal parts of K's head dim
+        (dims ``[part d/parts, (part + 1) d/parts)``) of key block ``n_block`` into the producer state's stage, on
+        the barrier ``barrier(producer_state, part)`` returns (the caller acquires the stage or part and arrives
+        with its bytes). The same TMA atom as the whole block's, partitioned into ``tile_n x d/parts`` tiles:
+        contiguous, one tile copy; paged, the page boxes of that part (:meth:`_issue_half_boxes_of`, a page-table
+        read per box). ``part`` may be a Python int (immediate coordinates) or a register value.
+
+        Two users: ``k_refill="halves"`` (``parts=2``, half ``h`` on that half's full barrier of
+        :class:`_KHalvesPipeline`: 4 of the 8 64-column boxes at d 512; pages of 64 / 16 / 8: one / four / eight
+        boxes a half) and the all-warps K experiment (``_K_REFILL_ALL_WARPS``, ``parts=4``, an SM warp's quarter on
+        the whole stage's full barrier of ``pipeline_k``)."""
+        width = self.tile_hdim // parts
         if const_expr(self.kv_box_rows is None):
             mK_cur = seqlen.offset_batch_K(mK, batch_idx, dim=3)[None, None, head_idx_kv]
             tKsK, tKgK = cpasync.tma_partition(
-                tma_atom, 0, cute.make_layout(1), cute.zipped_divide(sK, (self.tile_n, quarter)),
-                cute.zipped_divide(mK_cur, (self.tile_n, quarter)))
+                tma_atom, 0, cute.make_layout(1), cute.zipped_divide(sK, (self.tile_n, width)),
+                cute.zipped_divide(mK_cur, (self.tile_n, width)))
 
             def load(n_block, producer_state, part):
                 cute.copy(tma_atom, tKgK[None, (n_block, part)], tKsK[None, (0, part, producer_state.index)],
-                          tma_bar_ptr=pipeline_k.producer_get_barrier(producer_state))
+                          tma_bar_ptr=barrier(producer_state, part))
             return load
         box_rows = self.kv_box_rows
         tKsK, tKgK = cpasync.tma_partition(
-            tma_atom, 0, cute.make_layout(1), cute.zipped_divide(sK, (box_rows, quarter)),
-            cute.zipped_divide(mK[None, None, head_idx_kv, None], (box_rows, quarter)))
+            tma_atom, 0, cute.make_layout(1), cute.zipped_divide(sK, (box_rows, width)),
+            cute.zipped_divide(mK[None, None, head_idx_kv, None], (box_rows, width)))
         last_box_row = cutlass.max(seqlen.seqlen_k - 1, 0) // box_rows * box_rows
 
         def load(n_block, producer_state, part):
-            self._issue_quarter_boxes(tma_atom, tKsK, tKgK, pipeline_k.producer_get_barrier(producer_state),
-                                      mPageTable, batch_idx, last_box_row, n_block, producer_state.index, part)
+            self._issue_half_boxes_of(tma_atom, tKsK, tKgK, barrier(producer_state, part), mPageTable, batch_idx,
+                                      last_box_row, n_block, producer_state.index, Int32(0), False, part)
         return load
-
-    @cute.jit
-    def _issue_quarter_boxes(self, tma_atom: cute.CopyAtom, tKsK: cute.Tensor, tKgK: cute.Tensor,
-                             bar_ptr: cute.Pointer, mPageTable: cute.Tensor, batch_idx: Int32, last_box_row: Int32,
-                             n_block: Int32, stage: Int32, part: Int32):
-        """The page boxes of key block ``n_block``'s column quarter ``part`` into ``stage`` on ``bar_ptr`` (as
-        ``_issue_boxes``)."""
-        box_rows = self.kv_box_rows
-        for j in cutlass.range_constexpr(self.tile_n // box_rows):
-            row = cutlass.min(n_block * self.tile_n + j * box_rows, last_box_row)
-            page = mPageTable[batch_idx, row // self.kv_page_size]
-            box_in_page = (row % self.kv_page_size) // box_rows
-            cute.copy(tma_atom, tKgK[None, (box_in_page, part, page)], tKsK[None, (j, part, stage)],
-                      tma_bar_ptr=bar_ptr)
 
     # --- k_refill="halves": SM's K stage by head-dim halves -----------------------------------------------------
-    def _k_half_loader(self, mK, sK, tma_atom, khalves: _KHalvesPipeline, mPageTable, seqlen, batch_idx,
-                       head_idx_kv):
-        """``load(n_block, producer_state, h)``: half ``h`` (a Python int: 0 for dims ``[0, d/2)``, 1 for
-        ``[d/2, d)``) of K block ``n_block`` into the producer state's stage, on that half's full barrier of
-        ``khalves`` (acquired by the caller). The same TMA atom as the whole block's, partitioned into
-        ``tile_n x d/2`` tiles (4 of the 8 64-column boxes at d 512): contiguous, one tile copy; paged, the page
-        boxes of that half (``_issue_half_boxes_of``, pages of 64 / 16 / 8: one / four / eight boxes a half)."""
-        half = self.tile_hdim // 2
-        if const_expr(self.kv_box_rows is None):
-            mK_cur = seqlen.offset_batch_K(mK, batch_idx, dim=3)[None, None, head_idx_kv]
-            tKsK, tKgK = cpasync.tma_partition(
-                tma_atom, 0, cute.make_layout(1), cute.zipped_divide(sK, (self.tile_n, half)),
-                cute.zipped_divide(mK_cur, (self.tile_n, half)))
-
-            def load(n_block, producer_state, h):
-                cute.copy(tma_atom, tKgK[None, (n_block, h)], tKsK[None, (0, h, producer_state.index)],
-                          tma_bar_ptr=khalves.full(h, producer_state.index))
-            return load
-        box_rows = self.kv_box_rows
-        tKsK, tKgK = cpasync.tma_partition(
-            tma_atom, 0, cute.make_layout(1), cute.zipped_divide(sK, (box_rows, half)),
-            cute.zipped_divide(mK[None, None, head_idx_kv, None], (box_rows, half)))
-        last_box_row = cutlass.max(seqlen.seqlen_k - 1, 0) // box_rows * box_rows
-
-        def load(n_block, producer_state, h):
-            self._issue_half_boxes_of(tma_atom, tKsK, tKgK, khalves.full(h, producer_state.index), mPageTable,
-                                      batch_idx, last_box_row, n_block, producer_state.index, Int32(0), False, h)
-        return load
-
     @cute.jit
     def _qk_half(self, tiled_mma_qk, acc_S: cute.Tensor, tSrQ: cute.Tensor, tSrK_stage: cute.Tensor,
                  h: cutlass.Constexpr[int]):
@@ -1269,6 +1236,9 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
     def _issue_half_boxes_of(self, tma_atom: cute.CopyAtom, tVsV: cute.Tensor, tVgV: cute.Tensor,
                              bar_ptr: cute.Pointer, mPageTable: cute.Tensor, batch_idx: Int32, last_box_row: Int32,
                              n_block: Int32, stage: Int32, page: Int32, prefetched: cutlass.Constexpr[bool], h):
+        """The page boxes of key block ``n_block``'s column part ``h`` (of the partition ``tVsV`` / ``tVgV`` were made
+        with: V's halves, or K's halves or quarters from :meth:`_k_part_loader`) into ``stage`` on ``bar_ptr``;
+        with ``prefetched`` the one box's page is ``page``, else each box's page is read from the page table."""
         box_rows = self.kv_box_rows
         for j in cutlass.range_constexpr(self.tile_n // box_rows):
             row = cutlass.min(n_block * self.tile_n + j * box_rows, last_box_row)

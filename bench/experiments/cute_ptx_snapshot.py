@@ -1,0 +1,214 @@
+"""PTX-identity check of a refactor of the ``"cute"`` kernels: compile a list of sm_90a specs at one tree (a
+commit, or a directory such as the working tree), store each attention kernel's PTX, and compare two snapshots.
+
+    python3 -m blockdiff.bench.experiments.cute_ptx_snapshot snapshot /tmp/ptx_before --commit HEAD -j 2
+    python3 -m blockdiff.bench.experiments.cute_ptx_snapshot snapshot /tmp/ptx_after --tree /work/main -j 2
+    python3 -m blockdiff.bench.experiments.cute_ptx_snapshot compare /tmp/ptx_before /tmp/ptx_after
+
+The Triton counterpart is ``ptx_snapshot.py``. CPU only (FA4's fake-tensor compile for sm_90a; flash-attn-4 and
+nvidia-cutlass-dsl installed, e.g. the CuTe DSL venv), ~30-90 s a spec on 2 cores. What it does:
+
+* ``--commit C`` exports ``git archive C`` of this repository into a temporary tree; ``--tree DIR`` uses a directory
+  as it is (default: the tree this file is in). Either way ``blockdiff.*`` is imported from that tree (a
+  ``blockdiff`` link to it on ``PYTHONPATH``, ahead of the editable install); each report records the
+  ``kernel_roles.py`` it compiled, so a snapshot of the wrong tree shows.
+* each spec compiles in a fresh interpreter through :func:`blockdiff.attention.cute.compile_check._child` (the
+  offline compile check's own child, ``ptx_dir`` set), after setting the spec's class attributes (``switches``:
+  e.g. ``_K_REFILL_ALL_WARPS``, not config fields) on ``FlashAttentionForwardSm90Roles`` (the split-KV subclass
+  inherits them);
+* the PTX is stored as :func:`compile_check.strip_ptx` leaves it: without ``.loc`` / ``.file`` lines, ``//``
+  comments and ``.debug_*`` sections (source lines move with any edit; instructions must not). Nothing else is
+  stripped. ``summary.json`` holds per spec name the spec, the kernel, the PTX file and its sha256, registers and
+  spills.
+
+``compare`` exits 1 when any spec's PTX differs, is missing or failed on either side (the first diff lines shown).
+``SPECS`` is the set of the K-part-loader refactor (docs/tuning.md 2.24): both K refills, both S orders, both V
+refills, pages 64 / 16 / 8 / 32 and contiguous, head dims 512 / 384, GQA 8 / 4 / 3, the split-KV subclass and the
+all-warps K experiment; ``snapshot --only SUBSTR`` picks specs by name, ``list`` prints them.
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+REPO_DIR = Path(__file__).resolve().parents[2]
+
+_BASE = dict(head_dim=512, num_heads=16, num_kv_heads=2, return_lse=True, max_seqlen_q=256, window_size=None)
+
+
+def _spec(page, switches=None, **kw):
+    """A roles-kernel spec (hd 512, 16 q / 2 KV heads, LSE, canvas hint 256 unless ``kw`` says otherwise);
+    ``config`` entries other than compile_only's keywords go into the config dict (``wide_design="roles"``)."""
+    cfg = dict(wide_design="roles")
+    spec = dict(_BASE, page_size=page)
+    for k, v in kw.items():
+        (spec if k in _BASE or k in ("bidirectional_window", "max_seqlen_k") else cfg)[k] = v
+    spec["config"] = cfg
+    return dict(spec=spec, switches=switches or {})
+
+
+ALL_WARPS = {"_K_REFILL_ALL_WARPS": True}
+
+#: name -> {"spec": compile_only keywords, "switches": class attributes}
+SPECS = {
+    # k_refill="halves" (the default at hd 384 / 512): both S orders, both V refills, every box count
+    "halves_p64_ahead_vhalves": _spec(64, k_refill="halves", qk_issue="ahead", v_refill="halves"),
+    "halves_p64_serial_onewarp": _spec(64, k_refill="halves", qk_issue="serial", v_refill="one_warp"),
+    "halves_p16_ahead_prefixwin": _spec(16, k_refill="halves", qk_issue="ahead", window_size=1023,
+                                        bidirectional_window="prefix"),
+    "halves_p16_serial": _spec(16, k_refill="halves", qk_issue="serial"),
+    "halves_p8_ahead": _spec(8, k_refill="halves", qk_issue="ahead"),
+    "halves_p8_serial_onewarp": _spec(8, k_refill="halves", qk_issue="serial", v_refill="one_warp"),
+    "halves_p32_gqa3_nolse": _spec(32, k_refill="halves", num_heads=12, num_kv_heads=4, return_lse=False,
+                                   max_seqlen_q=4096),
+    "halves_p16_tile32_serial": _spec(16, k_refill="halves", qk_issue="serial", tile_n=32),
+    "halves_contig_ahead": _spec(None, k_refill="halves", qk_issue="ahead"),
+    "halves_contig_serial_onewarp": _spec(None, k_refill="halves", qk_issue="serial", v_refill="one_warp"),
+    "halves_hd384_p64_gqa4_win": _spec(64, k_refill="halves", head_dim=384, num_kv_heads=4, window_size=1023),
+    "halves_hd384_contig_gqa4": _spec(None, k_refill="halves", head_dim=384, num_kv_heads=4),
+    # the split-KV subclass with halves
+    "halves_split2_p64_ahead": _spec(64, k_refill="halves", qk_issue="ahead", num_splits=2),
+    "halves_split2_p8_serial": _spec(8, k_refill="halves", qk_issue="serial", num_splits=2),
+    "halves_split2_contig_ahead": _spec(None, k_refill="halves", qk_issue="ahead", num_splits=2),
+    # the whole-stage refill (controls: neither part loader runs)
+    "whole_p64_ahead": _spec(64, k_refill="whole", qk_issue="ahead"),
+    "whole_p16_serial": _spec(16, k_refill="whole", qk_issue="serial"),
+    "whole_contig_ahead": _spec(None, k_refill="whole", qk_issue="ahead"),
+    "whole_split2_p64": _spec(64, k_refill="whole", num_splits=2),
+    # the all-warps K experiment (quarters; whole stage only)
+    "allwarps_p64_serial": _spec(64, ALL_WARPS, k_refill="whole", qk_issue="serial"),
+    "allwarps_p64_ahead": _spec(64, ALL_WARPS, k_refill="whole", qk_issue="ahead"),
+    "allwarps_contig": _spec(None, ALL_WARPS, k_refill="whole"),
+    "allwarps_p16": _spec(16, ALL_WARPS, k_refill="whole"),
+    "allwarps_split2_p64": _spec(64, ALL_WARPS, k_refill="whole", num_splits=2),
+}
+
+_CHILD = r"""
+import json, os, sys, tempfile
+spec, ptx_dir, switches = json.loads(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
+dump = tempfile.mkdtemp(prefix="cute_ptx_snapshot_")
+# the DSL may read its artifact switches when it is imported (below, before _child runs): set them first, and
+# hand _child the same dump directory
+os.environ.update(FLASH_ATTENTION_ARCH="sm_90", CUTE_DSL_ARCH="sm_90a", FLASH_ATTENTION_NUM_SMS="132",
+                  CUTE_DSL_KEEP="cubin,ptx", CUTE_DSL_DUMP_DIR=dump)
+tempfile.mkdtemp = lambda *a, **k: dump
+from blockdiff.attention.cute import compile_check, kernel_roles
+for name, value in switches.items():
+    assert hasattr(kernel_roles.FlashAttentionForwardSm90Roles, name), name
+    setattr(kernel_roles.FlashAttentionForwardSm90Roles, name, value)
+report = compile_check._child(spec, ptx_dir)
+report["kernel_roles_file"] = kernel_roles.__file__
+print(json.dumps(report))
+"""
+
+
+def _tree_root(tree: Path) -> Path:
+    """A directory holding only ``blockdiff`` -> ``tree``, for ``PYTHONPATH``."""
+    root = Path(tempfile.mkdtemp(prefix="cute_ptx_root_"))
+    (root / "blockdiff").symlink_to(tree.resolve(), target_is_directory=True)
+    return root
+
+
+def _compile(name: str, entry: dict, root: Path, out: Path, timeout: float) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", None)
+    ptx_dir = out / "ptx" / name
+    argv = [sys.executable, "-c", _CHILD, json.dumps(entry["spec"]), str(ptx_dir), json.dumps(entry["switches"])]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, cwd=str(root))
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    if r.returncode or not lines:
+        return dict(entry, error=f"rc {r.returncode}: {r.stderr[-2000:]}")
+    rep = json.loads(lines[-1])
+    ptx_file = Path(rep["ptx_file"])
+    return dict(entry, kernel=rep["kernel"], ptx_file=str(ptx_file.relative_to(out)), sha256=rep["ptx_sha256"],
+                registers=rep["registers"], spill_store_bytes=rep["spill_store_bytes"],
+                kernel_roles_file=rep["kernel_roles_file"], config=rep["config"])
+
+
+def snapshot(out: Path, tree: Path | None = None, commit: str | None = None, names=None, jobs: int = 2,
+             timeout: float = 900) -> dict:
+    """Compile ``names`` (default: every spec of :data:`SPECS`) at ``commit`` or ``tree``; write
+    ``out/summary.json`` and ``out/ptx/<name>/*.ptx``; return the summary."""
+    out.mkdir(parents=True, exist_ok=True)
+    if commit is not None:
+        tree = Path(tempfile.mkdtemp(prefix="cute_ptx_tree_"))
+        archive = subprocess.run(["git", "-C", str(REPO_DIR), "archive", commit], capture_output=True, check=True)
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
+        sha = subprocess.run(["git", "-C", str(REPO_DIR), "rev-parse", commit], capture_output=True, text=True,
+                             check=True).stdout.strip()
+    else:
+        tree, sha = Path(tree or REPO_DIR), None
+    root = _tree_root(tree)
+    names = list(names or SPECS)
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        results = dict(zip(names, pool.map(lambda n: _compile(n, SPECS[n], root, out, timeout), names)))
+    for n, res in results.items():
+        print(f"{n:32s} {res.get('sha256', 'ERROR ' + res.get('error', '')[-300:])[:16]} {res.get('kernel', '')}")
+    summary = dict(tree=str(tree), commit=sha, specs=results)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    return summary
+
+
+def compare(a: Path, b: Path) -> int:
+    """Print the specs whose PTX differs (with the first diff lines); 0 when all are equal."""
+    sa, sb = (json.loads((d / "summary.json").read_text())["specs"] for d in (a, b))
+    bad = 0
+    for name in sorted(set(sa) | set(sb)):
+        x, y = sa.get(name), sb.get(name)
+        if x is None or y is None:
+            print(f"MISSING on {'before' if x is None else 'after'}: {name}")
+            bad += 1
+        elif "error" in x or "error" in y:
+            print(f"ERROR {name}: {x.get('error', '')[-300:]} | {y.get('error', '')[-300:]}")
+            bad += 1
+        elif x["sha256"] != y["sha256"]:
+            bad += 1
+            print(f"DIFFERS {name} ({x['kernel']})")
+            diff = difflib.unified_diff((a / x["ptx_file"]).read_text().splitlines(),
+                                        (b / y["ptx_file"]).read_text().splitlines(), lineterm="", n=1)
+            print("\n".join(list(diff)[:40]))
+        else:
+            print(f"identical {name} ({x['kernel']}, {x['sha256'][:16]})")
+    total = len(set(sa) | set(sb))
+    print(f"{total - bad} of {total} identical, {bad} different / missing / failed")
+    return 1 if bad else 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("snapshot", help="compile the specs and store their stripped PTX")
+    s.add_argument("out", type=Path)
+    g = s.add_mutually_exclusive_group()
+    g.add_argument("--commit", help="compile this commit of the repository (git archive)")
+    g.add_argument("--tree", type=Path, help="compile this directory (default: the tree of this file)")
+    s.add_argument("--only", action="append", help="specs whose name contains this (repeatable)")
+    s.add_argument("-j", "--jobs", type=int, default=2)
+    s.add_argument("--timeout", type=float, default=900)
+    c = sub.add_parser("compare", help="compare two snapshots")
+    c.add_argument("before", type=Path)
+    c.add_argument("after", type=Path)
+    sub.add_parser("list", help="print the specs")
+    a = p.parse_args(argv)
+    if a.cmd == "list":
+        for n, e in SPECS.items():
+            print(n, json.dumps(e))
+        return 0
+    if a.cmd == "compare":
+        return compare(a.before, a.after)
+    names = [n for n in SPECS if not a.only or any(o in n for o in a.only)]
+    summary = snapshot(a.out, a.tree, a.commit, names, a.jobs, a.timeout)
+    errors = [n for n, r in summary["specs"].items() if "error" in r]
+    print(f"{len(names)} specs in {a.out}" + (f", {len(errors)} failed: {errors}" if errors else ""))
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
