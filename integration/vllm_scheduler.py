@@ -59,6 +59,7 @@ and no per-request loop is added to a step.
 """
 from __future__ import annotations
 
+import logging
 import numbers
 import os
 from collections import deque
@@ -67,6 +68,8 @@ from typing import Any
 
 from .annotate import annotated
 from .vllm_compat import scheduler_base_classes
+
+_log = logging.getLogger(__name__)
 
 #: Canvas widths above this are refused (the sampler's canvas_length < 2**16, blockdiff.sampler.rng.MAX_POSITIONS).
 MAX_CANVAS_WIDTH = 1 << 16
@@ -348,6 +351,10 @@ class FusedCommitPredictor:
             if q > self.canvas_length and not committed:  # a wide row that committed nothing: never fuse it again
                 self.num_missed += 1
                 self._no_fuse.add(rid)
+                if self.num_missed == 1:
+                    _log.warning("blockdiff: a %d-token row of request %s committed nothing (a step count that "
+                                 "disagrees with the worker's, or a worker that does not fuse: BLOCKDIFF_FUSE_COMMIT "
+                                 "unset there?); that request is no longer fused (logged once)", q, rid)
             self._known[rid] = (phase, step)
 
     def reset(self, req_id: str) -> None:
