@@ -35,6 +35,10 @@ model state: ``num_nans_in_logits = -1`` on the step whose canvas converges when
 (``max_tokens``), and a row of ``2 * 256`` tokens is that commit plus the next canvas's first denoising step (timed as
 its 512 canvas tokens). The synchronous engine core asks the worker for draft lists after each step
 (``take_draft_token_ids``: ``[-1] * num_speculative_tokens`` per scheduled request, as model runner v2's).
+``run --canvas-length 512 --fuse-commit`` (asynchronous, ``BlockdiffDiffusionAsyncScheduler``) fuses the commits the
+step cap forces, predicted by the scheduler (docs/tuning.md 7.38); the stand-in takes every row wider than a canvas
+for a commit (it cannot stall a mispredicted one, which the model state does), which is exact when every canvas
+reaches the cap, as the benchmark's do.
 
 On a machine without a GPU the worker alone is not enough: vLLM finds no platform. ``--platform cpu`` writes a
 platform plugin (:class:`StandinPlatform`: vLLM's CPU platform with the executor and asynchronous scheduling the
@@ -411,8 +415,8 @@ def server_command(*, model: str, port: int, max_num_seqs: int, kv_cache_gib: fl
         async_scheduling: False: ``--no-async-scheduling`` and ``BlockdiffDiffusionScheduler``.
         canvas_length: the ``--diffusion-config`` canvas_length (None: the benchmark's, 256); twice the model's
             (512) is the fused-commit layout (``blockdiff.integration.vllm_scheduler.served_canvas_length``).
-        fuse_commit: set ``BLOCKDIFF_FUSE_COMMIT=1`` (fused commits need ``canvas_length`` = 2 * 256 and the
-            synchronous scheduler).
+        fuse_commit: set ``BLOCKDIFF_FUSE_COMMIT=1`` (fused commits need ``canvas_length`` = 2 * 256; either
+            scheduler fuses: the asynchronous one the commits the step cap forces).
 
     Raises:
         ValueError: ``canvas_length`` not an int >= 1; ``fuse_commit`` / ``async_scheduling`` not a bool.
@@ -603,11 +607,11 @@ def main(argv=None) -> int:
     r.add_argument("--quant", choices=bs.QUANTS, default="fp8")
     r.add_argument("--api-servers", type=bs._pos_int, default=1)
     r.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
-                   help="vLLM's synchronous scheduler (BlockdiffDiffusionScheduler): the one that fuses commits")
+                   help="vLLM's synchronous scheduler (BlockdiffDiffusionScheduler)")
     r.add_argument("--canvas-length", type=bs._pos_int, default=None,
                    help="--diffusion-config canvas_length (default the benchmark's 256; 512: the fused-commit layout)")
     r.add_argument("--fuse-commit", action="store_true",
-                   help="BLOCKDIFF_FUSE_COMMIT=1 (with --canvas-length 512 and --no-async-scheduling)")
+                   help="BLOCKDIFF_FUSE_COMMIT=1 (with --canvas-length 512; synchronous or asynchronous)")
     r.add_argument("--bench-cmd", type=bs._cmd, help="the client (default: this Python's `vllm bench serve`)")
     r.add_argument("--server-cmd", type=bs._cmd, help=argparse.SUPPRESS)  # CPU tests: a fake server, CMD PORT DIR
     r.add_argument("--start-timeout", type=bs._pos_float, default=300.0, help="seconds the server may take to start")
