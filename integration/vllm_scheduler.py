@@ -164,7 +164,11 @@ def served_max_denoising_steps(vllm_config: Any, generation_config: Mapping | No
 
     Raises:
         ValueError: the cap found is not an int in ``[1, 2**14)`` (a bool, a float, 0 or a negative count).
+        TypeError: ``generation_config`` is neither None nor a mapping.
     """
+    if generation_config is not None and not isinstance(generation_config, Mapping):
+        raise TypeError(f"generation_config must be a mapping or None, got {type(generation_config).__name__} "
+                        f"({generation_config!r})")
     steps = getattr(getattr(vllm_config, "diffusion_config", None), "max_denoising_steps", None)
     if not steps:
         gen = generation_config
@@ -190,18 +194,30 @@ def default_max_denoising_steps() -> int:
     return int(SamplingParams.__dataclass_fields__["max_denoising_steps"].default)
 
 
+def _is_cap(v: Any) -> bool:
+    return not isinstance(v, bool) and isinstance(v, numbers.Integral) and 1 <= v < MAX_DENOISING_STEPS
+
+
+def _check_cap(name: str, v: Any) -> None:
+    if not _is_cap(v):
+        raise ValueError(f"{name} must be an int in [1, 2**14) (a step cap), got {v!r}")
+
+
 def request_max_denoising_steps(request: Any, default: int) -> int | None:
     """The step cap a request runs with: ``extra_args["diffusion_max_steps"]`` (as the model state reads it,
     ``model_state.VLLM_EXTRA_ARGS``) or ``default``; None when the value is no valid cap (not an int in
-    ``[1, 2**14)``: the model state fails such a request, so nothing is predicted for it)."""
+    ``[1, 2**14)``: the model state fails such a request, so nothing is predicted for it).
+
+    Raises:
+        ValueError: ``default`` is not an int in ``[1, 2**14)`` (the served cap is checked, a request's is not).
+    """
+    _check_cap("default", default)
     params = getattr(request, "sampling_params", None)
     extra = getattr(params, "extra_args", None) if params is not None else None
     steps = extra.get("diffusion_max_steps") if isinstance(extra, Mapping) else None
     if steps is None:
         return int(default)
-    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or not 1 <= steps < MAX_DENOISING_STEPS:
-        return None
-    return int(steps)
+    return int(steps) if _is_cap(steps) else None
 
 
 _DENOISE, _COMMIT = 0, 1
@@ -290,8 +306,13 @@ class FusedCommitPredictor:
         Args:
             request: vLLM's ``Request`` (reads ``request_id``, ``sampling_params.extra_args``,
                 ``num_output_tokens``, ``max_tokens``, ``num_computed_tokens``).
-            max_model_len: the scheduler's ``max_model_len``.
+            max_model_len: the scheduler's ``max_model_len`` (an int >= 1).
+
+        Raises:
+            ValueError: ``max_model_len`` is not an int >= 1.
         """
+        if isinstance(max_model_len, bool) or not isinstance(max_model_len, numbers.Integral) or max_model_len < 1:
+            raise ValueError(f"max_model_len must be an int >= 1, got {max_model_len!r}")
         cl = self.canvas_length
         rid = request.request_id
         cap = self._cap(request)
@@ -486,6 +507,11 @@ def finish_stuck_requests(scheduler: Any, num_nans_in_logits: Mapping[str, int] 
     Returns:
         ``[(req_id, "error" | "length")]`` in the order finished. "length": the next canvas (CL tokens, not a fused
         row's ``2 * CL``) no longer fits ``max_model_len``.
+
+    Also, under asynchronous scheduling, a running request whose next canvas fits but whose next row vLLM would cut
+    below a canvas (``num_computed_tokens``, which counts the row in flight, + the canvas > ``max_model_len``) is
+    skipped by the next ``schedule`` call (``next_decode_eligible_step``; docs/tuning.md 7.38 "Review"): the worker
+    would stall such a row, so near ``max_model_len`` every other row was a wasted forward pass. Same tokens.
     """
     RS = types.RequestStatus
     cl = _canvas_length_of(scheduler)
@@ -495,6 +521,7 @@ def finish_stuck_requests(scheduler: Any, num_nans_in_logits: Mapping[str, int] 
         if n is not None and n > 0 and req is not None and not req.is_finished():
             failed.append(rid)
     too_long: list[str] = []
+    step = getattr(scheduler, "current_step", None)  # async deferral below; vLLM versions without it: none
     for req in list(scheduler.running):
         if req.request_id in failed or req.is_finished():
             continue
@@ -505,6 +532,13 @@ def finish_stuck_requests(scheduler: Any, num_nans_in_logits: Mapping[str, int] 
             continue
         if req.num_tokens + width > scheduler.max_model_len:
             too_long.append(req.request_id)
+        elif step is not None and req.num_computed_tokens > req.num_tokens and \
+                req.num_computed_tokens + width > scheduler.max_model_len:
+            # asynchronous: a row in flight (vLLM's num_computed_tokens counts it) and vLLM would cut the next row
+            # at max_model_len - num_computed_tokens, below a canvas: the worker would stall it. Skip the request
+            # in the next schedule call instead (vLLM's own decode-eligibility step, as 0.33.0's read-only
+            # diffusion requests use it); once that row's output is in, the canvas fits again.
+            req.next_decode_eligible_step = max(getattr(req, "next_decode_eligible_step", 0) or 0, step + 2)
     done: list[tuple[str, str]] = []
     for ids, status, reason in ((failed, RS.FINISHED_ERROR, "error"), (too_long, RS.FINISHED_LENGTH_CAPPED,
                                                                          "length")):

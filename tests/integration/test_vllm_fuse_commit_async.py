@@ -321,11 +321,13 @@ def _vllm_request(rid, ids, *, max_tokens, stop=None, extra=None):
         pooling_params=None)
 
 
-def serve(monkeypatch, folder, model, reqs, *, served, fuse, asynchronous=True, max_steps=2000, **kw):
+def serve(monkeypatch, folder, model, reqs, *, served, fuse, asynchronous=True, max_steps=2000, aborts=None, **kw):
     """Run ``reqs`` [(req_id, prompt ids, max_tokens, stop ids, extra_args, arrival step)] through the scheduler and
     :class:`CpuRunner` in the engine core's order (asynchronous: ``step_with_batch_queue`` with a queue of two;
-    synchronous: schedule, execute, update, draft lists). Returns ``(outputs, scheduler, runner, engine steps)``,
-    ``outputs`` {req_id: (finish reason, token ids)} as the client sees them."""
+    synchronous: schedule, execute, update, draft lists). ``aborts`` {req_id: engine step}: the client aborts the
+    request then (``finish_requests``, FINISHED_ABORTED; its reason reads "abort") if it is still unfinished.
+    Returns ``(outputs, scheduler, runner, engine steps)``, ``outputs`` {req_id: (finish reason, token ids)} as the
+    client sees them."""
     from vllm.v1.outputs import DraftTokenIds
 
     max_model_len = kw.get("max_model_len", 256)
@@ -351,6 +353,13 @@ def serve(monkeypatch, folder, model, reqs, *, served, fuse, asynchronous=True, 
         while pending and pending[0][5] <= step:
             rid, ids, mt, stop, extra, _ = pending.pop(0)
             s.add_request(_vllm_request(rid, ids, max_tokens=mt, stop=stop, extra=extra))
+        for rid, at in (aborts or {}).items():
+            req = s.requests.get(rid)
+            if at == step and req is not None and not req.is_finished():
+                from vllm.v1.request import RequestStatus
+
+                s.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
+                reasons[rid] = "abort"
         step += 1
         if s.has_requests():
             so = s.schedule()
@@ -540,3 +549,121 @@ def test_async_mispredicted_wide_rows_lose_nothing(vllm_env, tiny_hf_folder, tin
     assert sum(rf.stalled_wide.values()) == sf.blockdiff_predictor.num_missed >= 1
     # at most two misses a request: the first, and a row scheduled while the first was in flight; then never wide
     assert all(n <= 2 for n in rf.stalled_wide.values()), rf.stalled_wide
+
+
+# ------------------------------------------------------------------------------------------ review (tuning 7.38)
+def test_cap_helpers_and_predictor_width_name_their_bad_arguments():
+    """The new public helpers refuse bad inputs with an error naming the argument (they used to take a served cap
+    of 0 / -1 / "3" / True, a generation config that is no mapping, or a max_model_len of None, silently)."""
+    for bad in (0, -1, "3", None, True, 2.0, 1 << 14):
+        with pytest.raises(ValueError, match="default"):
+            VS.request_max_denoising_steps(_req(), bad)
+    for bad in ("abc", [("max_denoising_steps", 3)], 5):
+        with pytest.raises(TypeError, match="generation_config"):
+            VS.served_max_denoising_steps(NS(), bad)
+    p = VS.FusedCommitPredictor(CL, 1)
+    for bad in (None, True, "100", 1.5, 0):
+        with pytest.raises(ValueError, match="max_model_len"):
+            p.width(_req(), bad)
+
+
+def test_async_row_that_max_model_len_would_cut_below_a_canvas_is_deferred_one_schedule():
+    """finish_stuck_requests under asynchronous scheduling: a request with a row in flight (num_computed_tokens >
+    num_tokens) whose next row vLLM would cut below a canvas (num_computed_tokens + CL > max_model_len) while its
+    next canvas still fits is skipped by the next schedule call (next_decode_eligible_step = current_step + 2, as
+    vLLM 0.33.0's read-only diffusion requests); not a request with nothing in flight, one re-prefilling
+    (num_computed_tokens < num_tokens), one whose row fits, nor under a scheduler without current_step (sync
+    stand-ins); a larger eligibility step (pipeline parallel) is kept."""
+    from integration_helpers import FAKE_VLLM_TYPES, FakeRequest, FakeScheduler
+
+    def req(rid, num_tokens, computed, eligible=0):
+        r = FakeRequest(rid, num_tokens)
+        r.num_computed_tokens, r.next_decode_eligible_step = computed, eligible
+        return r
+
+    mml = 100
+    reqs = [req("cut", 90, 90 + CL), req("idle", 90, 90), req("refill", 90, 40), req("fits", 80, 80 + CL),
+            req("pp", 90, 90 + CL, eligible=50), req("edge", 92, 92 + CL)]
+    s = FakeScheduler(reqs, max_model_len=mml, canvas=CL)
+    s.current_step = 10
+    assert VS.finish_stuck_requests(s, None, {}, types=FAKE_VLLM_TYPES) == []
+    assert {r.request_id: r.next_decode_eligible_step for r in reqs} == dict(
+        cut=12, idle=0, refill=0, fits=0, pp=50, edge=12)
+    del s.current_step
+    r = req("sync", 90, 90 + CL)
+    s2 = FakeScheduler([r], max_model_len=mml, canvas=CL)
+    assert VS.finish_stuck_requests(s2, None, {}, types=FAKE_VLLM_TYPES) == [] and r.next_decode_eligible_step == 0
+
+
+@needs_stack
+@needs_vllm
+def test_async_near_max_model_len_no_row_is_cut_below_a_canvas(vllm_env, tiny_hf_folder, tiny_model):
+    """Near max_model_len vLLM's row cap (max_model_len - num_computed_tokens, which counts the row in flight) cut
+    every other row of the async server below a canvas ([8, 6, 8, 6, ...]: stalled, a forward pass for nothing).
+    Now the request skips that schedule call: no canvas row narrower than CL, the synchronous server's tokens and
+    finish reason, the async unfused server runs at most one forward more than the synchronous one (a row after
+    the last commit), and the fused one fewer than the unfused."""
+    for mml in (48, 52, 56):
+        reqs = [("a", prompt(10, 5), 200, None, None, 0)]
+        sync, _, rs, _ = serve(vllm_env, tiny_hf_folder, tiny_model, reqs, served=CL, fuse=False,
+                               asynchronous=False, max_model_len=mml)
+        plain, _, rp, _ = serve(vllm_env, tiny_hf_folder, tiny_model, reqs, served=CL, fuse=False, max_model_len=mml)
+        fused, _, rf, _ = serve(vllm_env, tiny_hf_folder, tiny_model, reqs, served=2 * CL, fuse=True,
+                                max_model_len=mml)
+        assert fused == plain == sync and sync["a"][0] == "length", mml
+        assert min(rp.rows["a"]) == CL and min(rf.rows["a"]) == CL, (mml, rp.rows, rf.rows)
+        assert rp.num_forward <= rs.num_forward + 1 and rf.num_forward < rp.num_forward, mml
+
+
+try:
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+except ImportError:  # pragma: no cover - hypothesis is a dev dependency
+    given = None
+
+if given is not None:
+    _REQ = st.tuples(st.sampled_from([1, 3, 8, 16, 17, 32]),                            # prompt length
+                     st.sampled_from([1, CL - 1, CL, CL + 1, 2 * CL, 3 * CL + 3, 4 * CL]),  # max_tokens
+                     st.sampled_from([None, 1, 2, 4]),                                  # extra_args diffusion_max_steps
+                     st.booleans(),                                                     # canvases converge at step 0/1
+                     st.lists(st.integers(3, 255), max_size=2),                         # stop ids
+                     st.integers(0, 4),                                                 # arrival step
+                     st.one_of(st.none(), st.integers(0, 20)))                          # client abort step
+    _SERVER = st.fixed_dictionaries(dict(num_blocks=st.sampled_from([64, 9]), max_num_seqs=st.sampled_from([4, 2]),
+                                         budget=st.sampled_from([256, 3 * CL, CL + 4])))
+
+    @needs_stack
+    @needs_vllm
+    @settings(max_examples=4, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+    @given(rows=st.lists(_REQ, min_size=1, max_size=4), server=_SERVER)
+    def test_async_fused_random_batches_equal_unfused_lose_nothing_and_forget_finished_requests(
+            vllm_env, tiny_hf_folder, tiny_model, make_runner, rows, server):
+        """Random batches (prompt lengths at and around a KV block, max_tokens below / at / around multiples of
+        CL, per-request caps, early convergence, stop ids, staggered arrivals, client aborts) on random servers
+        (small KV caches: preemption; token budgets below 2 * CL: wide rows cut; fewer sequences): the fused async
+        server answers every request with the async unfused server's tokens and reasons; without aborts both equal
+        the harness, with one the tokens are a prefix of the harness's; after a last schedule call the predictor
+        holds nothing of any request (finished and aborted ids forgotten)."""
+        reqs, aborts = [], {}
+        for i, (plen, mt, cap, early, stop, at, abort) in enumerate(rows):
+            extra = {} if cap is None else {"diffusion_max_steps": cap}
+            if early:
+                extra.update(confidence_threshold=1e9, stability_threshold=i % 2)
+            reqs.append((f"r{i}", prompt(plen, 40 + i), mt, stop or None, extra or None, at))
+            if abort is not None:
+                aborts[f"r{i}"] = abort
+        want = harness(make_runner, reqs)
+        fused, sf, _, _ = serve(vllm_env, tiny_hf_folder, tiny_model, reqs, served=2 * CL, fuse=True,
+                                aborts=aborts, **server)
+        plain, _, _, _ = serve(vllm_env, tiny_hf_folder, tiny_model, reqs, served=CL, fuse=False, aborts=aborts,
+                               **server)
+        for rid, (reason, toks) in fused.items():
+            assert reason is not None and plain[rid][0] is not None, (rid, fused, plain)
+            if rid in aborts and "abort" in (reason, plain[rid][0]):
+                assert toks == want[rid][1][:len(toks)] and plain[rid][1] == want[rid][1][:len(plain[rid][1])]
+            else:
+                assert (reason, toks) == plain[rid] == want[rid], rid
+        sf.schedule()  # reports the last finished ids
+        p = sf.blockdiff_predictor
+        assert not (p._known or p._pending or p._caps or p._no_fuse), (p._known, p._pending, p._caps, p._no_fuse)
