@@ -351,6 +351,14 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
     #: divisible by 256 (a quarter is whole 64-column swizzle atoms); other head dims keep warp 0's refill.
     #: ``bench/experiments/ab_roles_switch.py`` switches it on; with it off the kernel is unchanged.
     _K_REFILL_ALL_WARPS = False
+    #: Experiment (docs/tuning.md 2.25; off until an A/B on the GPU): FA4's epilogue picks the warp that stores O by
+    #: TMA with ``cute.arch.warp_idx() == 4``, which the compile merges with the kernel entry's warp index (the same
+    #: ``tid.x >> 5``), so that one register lives from the entry through every key-block loop of the P V
+    #: warpgroups to the epilogue; the sm_90a compile spills it (a store at the entry, one in P V warpgroup 1's
+    #: NaN-safe clean-up of each masked block, a load per tile). On, the roles kernel's epilogue (O by TMA only)
+    #: computes that warp index from the consumer's ``tidx`` where it is used (:meth:`_epilogue`). Same warp,
+    #: same stores: outputs bit-identical by construction. ``bench/experiments/ab_roles_switch.py`` switches it on.
+    _EPILOGUE_LOCAL_WARP = False
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -1102,6 +1110,27 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
                     v_producer_state.advance()
             else:
                 pipeline_v.producer_tail(v_producer_state)
+
+    def _epilogue(self, ctx: SimpleNamespace, acc_O: cute.Tensor, lse: cute.Tensor, seqlen, m_block: Int32,
+                  head_idx: Int32, batch_idx: Int32):
+        """The split-value kernel's epilogue (FA4's over both P V warpgroups); with ``_EPILOGUE_LOCAL_WARP`` and O
+        stored by TMA, FA4's ``cute.arch.warp_idx()`` inside it returns ``tidx // 32 + 4`` (``tidx`` the consumer's
+        ``[0, 256)`` numbering: the same CTA warp index, computed here and not merged with the entry's; the
+        module attribute is swapped only while this call is traced)."""
+        run = partial(FlashAttentionForwardSm90WideV._epilogue, self, ctx, acc_O, lse, seqlen, m_block, head_idx,
+                      batch_idx)
+        if not (self._EPILOGUE_LOCAL_WARP and self.use_tma_O):
+            return run()
+        arch, entry_warp_idx, tidx = cute.arch, cute.arch.warp_idx, ctx.tidx
+
+        def local_warp_idx(*, loc=None, ip=None):
+            return arch.make_warp_uniform(tidx // arch.WARP_SIZE + _WG // arch.WARP_SIZE, loc=loc, ip=ip)
+
+        arch.warp_idx = local_warp_idx
+        try:
+            return run()
+        finally:
+            arch.warp_idx = entry_warp_idx
 
     def _v_loader(self, mV, sV, pipeline_v, mPageTable, seqlen, batch_idx, head_idx_kv, tail_bar):
         """``load(n_block, producer_state, tail_phase) -> tail_phase``: acquire a V stage and load it

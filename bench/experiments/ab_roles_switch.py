@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Interleaved A/B of an experiment switch of the roles kernel (a ``FlashAttentionForwardSm90Roles`` class attribute
 read at compile time: ``_K_REFILL_ALL_WARPS``, docs/tuning.md 2.17-2.18; ``_SM_OVERLAP`` ran through it in 2.20, before
-it became ``CuteConfig.qk_issue``), off against on, one
+it became ``CuteConfig.qk_issue``; ``_EPILOGUE_LOCAL_WARP``, 2.25), off against on, one
 process (GPU experiment, the bench's paged layout).
 
 The switch is not a config field, so each setting compiles into a compile cache of its own (the interface's

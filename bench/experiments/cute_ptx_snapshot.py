@@ -24,7 +24,8 @@ nvidia-cutlass-dsl installed, e.g. the CuTe DSL venv), ~30-90 s a spec on 2 core
 ``compare`` exits 1 when any spec's PTX differs, is missing or failed on either side (the first diff lines shown).
 ``SPECS`` is the set of the K-part-loader refactor (docs/tuning.md 2.24): both K refills, both S orders, both V
 refills, pages 64 / 16 / 8 / 32 and contiguous, head dims 512 / 384, GQA 8 / 4 / 3, the split-KV subclass and the
-all-warps K experiment; ``snapshot --only SUBSTR`` picks specs by name, ``list`` prints them.
+all-warps K experiment, plus the bench's two hd-512 launches at page 64 and the epilogue-warp experiment
+(docs/tuning.md 2.25); ``snapshot --only SUBSTR`` picks specs by name, ``list`` prints them.
 """
 from __future__ import annotations
 
@@ -55,6 +56,14 @@ def _spec(page, switches=None, **kw):
 
 
 ALL_WARPS = {"_K_REFILL_ALL_WARPS": True}
+EPI_LOCAL = {"_EPILOGUE_LOCAL_WARP": True}
+_BENCH_TILES = dict(tile_m=64, tile_n=64, mma_pv_is_rs=False, intra_wg_overlap=True, num_stages=1, nan_safe_v=True,
+                    split_merge="combine", v_refill="halves", qk_issue="ahead", k_refill="halves", return_lse=False)
+#: ``mixed_global_ctx8k`` (max_seqlen_q 4096, max_seqlen_k 8448: one split, longest-first, the work order)
+_BENCH_MIXED = dict(_BENCH_TILES, max_seqlen_q=4096, max_seqlen_k=8448, lpt=True, num_splits=1, batch_order="work")
+#: ``canvas_bs1_ctx32k_global`` (one sequence of 256 over 33,024 keys: 2 splits, the given order)
+_BENCH_CANVAS = dict(_BENCH_TILES, max_seqlen_q=256, max_seqlen_k=33024, lpt=False, num_splits=2,
+                     batch_order="given")
 
 #: name -> {"spec": compile_only keywords, "switches": class attributes}
 SPECS = {
@@ -88,6 +97,14 @@ SPECS = {
     "allwarps_contig": _spec(None, ALL_WARPS, k_refill="whole"),
     "allwarps_p16": _spec(16, ALL_WARPS, k_refill="whole"),
     "allwarps_split2_p64": _spec(64, ALL_WARPS, k_refill="whole", num_splits=2),
+    # the bench's launches at page 64 (docs/tuning.md 2.25: config.resolve_launch_config of the workload's host
+    # shapes, whole; no LSE) and the epilogue's local warp index (_EPILOGUE_LOCAL_WARP) on them and on the LSE spec
+    # that spilled 16 B
+    "bench_mixed_ctx8k": _spec(64, **_BENCH_MIXED),
+    "bench_canvas_ctx32k": _spec(64, **_BENCH_CANVAS),
+    "epilocal_bench_mixed_ctx8k": _spec(64, EPI_LOCAL, **_BENCH_MIXED),
+    "epilocal_bench_canvas_ctx32k": _spec(64, EPI_LOCAL, **_BENCH_CANVAS),
+    "epilocal_p64_lse_q4096_work": _spec(64, EPI_LOCAL, max_seqlen_q=4096, batch_order="work"),
 }
 
 _CHILD = r"""

@@ -12,6 +12,13 @@
 #     CUDA-graph medians) with the triton backend in the same rounds (issue 27's goals are ratios to it), at most B s (default 120: one hd-512 workload; B=0 skips it).
 # The A/B's variants: roles + work with the one-warp V refill and S serial (2.17's kernel), and the default roles
 # kernel (auto: V refill by halves, S issued ahead; 2.20). A new switch writes its prediction here before its run.
+# _EPILOGUE_LOCAL_WARP (docs/tuning.md 2.25; written before any GPU run): it removes the default kernel's only spill
+# on mixed_global_ctx8k (8 B: the entry's warp index held to the epilogue; one STL a masked block in P V warpgroup 1,
+# one LDL a tile) and changes nothing on the canvas (split-KV epilogue: identical PTX, the control). Predicted:
+# mixed within +-0.5 % (no measurable change; the stores are off every chain), canvas within the rounds' spread;
+# refuted if mixed moves more than 1 % either way. Keep it only if mixed gains >= 0.5 % in two runs. Run it with
+#   SWITCH=_EPILOGUE_LOCAL_WARP TESTS=tests/attention/cute/test_cute_epilogue_local_warp.py B=240 \
+#   WORKLOADS=mixed_global_ctx8k,canvas_bs1_ctx32k_global
 #   BLOCKDIFF_COMMIT=<hash> [STAGE2=1] [SWITCH=...] [TESTS=...] bash bench/experiments/device/cute_roles_switch.sh
 set -u
 [ "${STAGE2:-0}" = 1 ] && source bench/experiments/device/stage2.sh
