@@ -30,7 +30,6 @@ all-warps K experiment, plus the bench's two hd-512 launches at page 64 and the 
 from __future__ import annotations
 
 import argparse
-import difflib
 import json
 import os
 import subprocess
@@ -175,27 +174,10 @@ def snapshot(out: Path, tree: Path | None = None, commit: str | None = None, nam
 
 def compare(a: Path, b: Path) -> int:
     """Print the specs whose PTX differs (with the first diff lines); 0 when all are equal."""
+    from blockdiff.bench.experiments.ptx_snapshot import compare_specs
+
     sa, sb = (json.loads((d / "summary.json").read_text())["specs"] for d in (a, b))
-    bad = 0
-    for name in sorted(set(sa) | set(sb)):
-        x, y = sa.get(name), sb.get(name)
-        if x is None or y is None:
-            print(f"MISSING on {'before' if x is None else 'after'}: {name}")
-            bad += 1
-        elif "error" in x or "error" in y:
-            print(f"ERROR {name}: {x.get('error', '')[-300:]} | {y.get('error', '')[-300:]}")
-            bad += 1
-        elif x["sha256"] != y["sha256"]:
-            bad += 1
-            print(f"DIFFERS {name} ({x['kernel']})")
-            diff = difflib.unified_diff((a / x["ptx_file"]).read_text().splitlines(),
-                                        (b / y["ptx_file"]).read_text().splitlines(), lineterm="", n=1)
-            print("\n".join(list(diff)[:40]))
-        else:
-            print(f"identical {name} ({x['kernel']}, {x['sha256'][:16]})")
-    total = len(set(sa) | set(sb))
-    print(f"{total - bad} of {total} identical, {bad} different / missing / failed")
-    return 1 if bad else 0
+    return 1 if compare_specs(a, b, sa, sb, "ptx_file", show_identical=True) else 0
 
 
 def main(argv=None) -> int:

@@ -136,9 +136,11 @@ def snapshot(out: Path) -> dict:
     return summary
 
 
-def compare(a: Path, b: Path) -> int:
-    """Print the configurations whose stripped PTX differs (with the first diff lines); 0 when all are equal."""
-    sa, sb = (json.loads((d / "summary.json").read_text()) for d in (a, b))
+def compare_specs(a: Path, b: Path, sa: dict, sb: dict, file_key: str, show_identical: bool = False) -> int:
+    """Compare two snapshots' entries (name -> ``{"sha256", "kernel", file_key}`` or ``{"error"}``) whose PTX files
+    lie under ``a`` and ``b``: print the missing, failed and differing ones (with the first diff lines) and, with
+    ``show_identical``, the equal ones too. Returns the count of entries that are not identical (0: all equal).
+    Shared with ``cute_ptx_snapshot.py``."""
     bad = 0
     for key in sorted(set(sa) | set(sb)):
         x, y = sa.get(key), sb.get(key)
@@ -146,16 +148,25 @@ def compare(a: Path, b: Path) -> int:
             print(f"MISSING on {'before' if x is None else 'after'}: {key}")
             bad += 1
         elif "error" in x or "error" in y:
-            print(f"ERROR {key}: {x.get('error')} | {y.get('error')}")
+            print(f"ERROR {key}: {str(x.get('error', ''))[-300:]} | {str(y.get('error', ''))[-300:]}")
             bad += 1
         elif x["sha256"] != y["sha256"]:
             bad += 1
             print(f"DIFFERS {key} ({x['kernel']})")
-            diff = difflib.unified_diff((a / x["file"]).read_text().splitlines(),
-                                        (b / y["file"]).read_text().splitlines(), lineterm="", n=1)
+            diff = difflib.unified_diff((a / x[file_key]).read_text().splitlines(),
+                                        (b / y[file_key]).read_text().splitlines(), lineterm="", n=1)
             print("\n".join(list(diff)[:40]))
-    print(f"{len(set(sa) | set(sb)) - bad} identical, {bad} different / missing")
-    return 1 if bad else 0
+        elif show_identical:
+            print(f"identical {key} ({x['kernel']}, {x['sha256'][:16]})")
+    total = len(set(sa) | set(sb))
+    print(f"{total - bad} of {total} identical, {bad} different / missing / failed")
+    return bad
+
+
+def compare(a: Path, b: Path) -> int:
+    """Print the configurations whose stripped PTX differs (with the first diff lines); 0 when all are equal."""
+    sa, sb = (json.loads((d / "summary.json").read_text()) for d in (a, b))
+    return 1 if compare_specs(a, b, sa, sb, "file") else 0
 
 
 def main(argv=None) -> int:
