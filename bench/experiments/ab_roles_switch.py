@@ -14,7 +14,7 @@ joins the rounds (issue 27's goal is a ratio to it in the same run); every row's
 (``bench.common.attention_flops`` over the workload's allowed pairs) is printed and recorded beside the times.
 
     FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=0 python3 -m blockdiff.bench.experiments.ab_roles_switch \
-        _K_REFILL_ALL_WARPS mixed_global_ctx8k '{"default": {"wide_design": "roles"}}' --triton
+        _K_REFILL_ALL_WARPS mixed_global_ctx8k '{"whole": {"wide_design": "roles", "k_refill": "whole"}}' --triton
 """
 import argparse
 import json

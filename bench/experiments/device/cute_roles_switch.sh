@@ -8,10 +8,11 @@
 #     only with FUZZ_ALL=1 (five shards compiling at once ran out of 95 s in 2.18); SHARDS picks them by name
 #     (own, or own_a own_b for it in two; fuzz_on_a fuzz_on_b fuzz_off_b; none; default "own fuzz_on_a");
 #  2. bench/experiments/ab_roles_switch.py on WORKLOADS (default mixed_global_ctx8k), alone on the GPU: roles + work
-#     (one-warp V, S serial) and the default roles kernel (halves, S ahead), each off and on (outputs bit-identical;
+#     (one-warp V, S serial, the whole K stage) and the default roles kernel (V and K halves, S ahead), each off and on (outputs bit-identical;
 #     CUDA-graph medians) with the triton backend in the same rounds (issue 27's goals are ratios to it), at most B s (default 120: one hd-512 workload; B=0 skips it).
-# The A/B's variants: roles + work with the one-warp V refill and S serial (2.17's kernel), and the default roles
-# kernel (auto: V refill by halves, S issued ahead; 2.20). A new switch writes its prediction here before its run.
+# The A/B's variants: roles + work with the one-warp V refill, S serial and the whole K stage (2.17's kernel; the
+# only one of the two where _K_REFILL_ALL_WARPS acts), and the default roles kernel (auto: V and K refill by halves,
+# S issued ahead; 2.20, 2.23). A new switch writes its prediction here before its run.
 # _EPILOGUE_LOCAL_WARP (docs/tuning.md 2.25; written before any GPU run): it removes the default kernel's only spill
 # on mixed_global_ctx8k (8 B: the entry's warp index held to the epilogue; one STL a masked block in P V warpgroup 1,
 # one LDL a tile) and changes nothing on the canvas (split-KV epilogue: identical PTX, the control). Predicted:
@@ -55,6 +56,6 @@ for f in $OUT/sw_*.log; do
 done
 [ "${B:-120}" = 0 ] && exit 0
 timeout ${B:-120} python3 -m blockdiff.bench.experiments.ab_roles_switch $SWITCH ${WORKLOADS:-mixed_global_ctx8k} --triton \
-  '{"work": {"wide_design": "roles", "batch_order": "work", "v_refill": "one_warp", "qk_issue": "serial"}, "default": {"wide_design": "roles"}}' \
+  '{"work": {"wide_design": "roles", "batch_order": "work", "v_refill": "one_warp", "qk_issue": "serial", "k_refill": "whole"}, "default": {"wide_design": "roles"}}' \
   --rounds 3 --out $OUT > $OUT/ab_roles_switch.log 2>&1
 echo "ab rc=$?"; tail -22 $OUT/ab_roles_switch.log
