@@ -105,33 +105,6 @@ def test_k_refill_halves_refuses_head_dims_whose_halves_split_a_swizzle_atom(hea
         assert cc.resolve_config(ok, ok, None, dict(ROLES, k_refill="halves"), 256).k_refill == "halves"
 
 
-@pytest.mark.parametrize("hd,page,config", [
-    (512, 48, dict(k_refill="halves")),  # roles cannot load 48-token pages: no "set wide_design 'roles'"
-    (384, None, dict(k_refill="halves")),  # roles runs at 384 (halves allowed there): offered
-    (288, None, dict(k_refill="halves")),  # halves impossible at 288: only the plain value
-    (288, None, dict(k_refill="halves", qk_issue="ahead")),
-    (512, None, dict(k_refill="halves", split_merge="cluster")),  # no roles variant of the cluster merge
-])
-def test_k_refill_refusals_suggest_only_fixes_that_resolve(hd, page, config):
-    with pytest.raises(ValueError) as e:
-        cc.resolve_config(hd, hd, None, config, 256, page_size=page)
-    msg = str(e.value)
-    plain = dict(config, **{name: p for name, value, p in cc._ROLES_ONLY if config.get(name) == value})
-    assert " and ".join(f"{n} {plain[n]!r}" for n, v, _ in cc._ROLES_ONLY if config.get(n) == v) in msg, msg
-    cc.resolve_config(hd, hd, None, plain, 256, page_size=page)  # the plain values always resolve
-    roles = dict(config, wide_design="roles")
-    if "set wide_design 'roles'" in msg:  # offered only where the roles kernel runs with the given values
-        r = cc.resolve_config(hd, hd, None, roles, 256, page_size=page)
-        assert page is None or cc.kv_load_path(page, r.tile_n) in ("tma", "tma_boxes")
-    else:
-        try:
-            r = cc.resolve_config(hd, hd, None, roles, 256, page_size=page)
-            bad = page is not None and cc.kv_load_path(page, r.tile_n) not in ("tma", "tma_boxes")
-        except ValueError:
-            bad = True
-        assert bad, f"'roles' would have worked here but was not offered: {msg}"
-
-
 @pytest.mark.parametrize("hd", [288, 320, 448])
 @pytest.mark.parametrize("field,plain", [("k_refill", "whole"), ("v_refill", "one_warp")])
 def test_split_v_refusal_of_halves_never_suggests_roles_where_halves_cannot_run(hd, field, plain):

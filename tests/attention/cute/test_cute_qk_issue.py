@@ -122,35 +122,7 @@ def test_gpu_qk_ahead_split_kv_equals_serial(num_splits):
                                        config=dict(ROLES, num_splits=num_splits, qk_issue=qi), **kw))
 
 
-# --- CPU: the refusals' suggested fixes resolve when applied (a second agent's review of 2.20's change) ----------
-@pytest.mark.parametrize("hd,page,config", [
-    (384, 12, dict(qk_issue="ahead")),  # roles cannot load 12-token pages: no "set wide_design 'roles'"
-    (384, None, dict(qk_issue="ahead", split_merge="cluster")),  # no roles variant of the cluster merge
-    (512, 16, dict(qk_issue="ahead", v_refill="halves", tile_n=32, num_stages=2)),  # 16 divides 32: roles runs
-    (384, 64, dict(qk_issue="ahead")),
-    (288, None, dict(qk_issue="ahead", v_refill="halves")),  # halves impossible at 288: both plain values needed
-])
-def test_refusals_suggest_only_fixes_that_resolve(hd, page, config):
-    with pytest.raises(ValueError) as e:
-        cc.resolve_config(hd, hd, None, config, 256, page_size=page)
-    msg = str(e.value)
-    plain = dict(config, **{name: p for name, value, p in cc._ROLES_ONLY if config.get(name) == value})
-    assert " and ".join(f"{n} {plain[n]!r}" for n, v, _ in cc._ROLES_ONLY if config.get(n) == v) in msg, msg
-    cc.resolve_config(hd, hd, None, plain, 256, page_size=page)  # the plain values always resolve
-    roles = dict(config, wide_design="roles")
-    if "set wide_design 'roles'" in msg:  # offered only where the roles kernel runs
-        r = cc.resolve_config(hd, hd, None, roles, 256, page_size=page)
-        assert page is None or cc.kv_load_path(page, r.tile_n) in ("tma", "tma_boxes")
-    else:
-        bad = [False]
-        try:
-            r = cc.resolve_config(hd, hd, None, roles, 256, page_size=page)
-            bad[0] = page is not None and cc.kv_load_path(page, r.tile_n) not in ("tma", "tma_boxes")
-        except ValueError:
-            bad[0] = True
-        assert bad[0], f"'roles' would have worked here but was not offered: {msg}"
-
-
+# --- CPU: refusals (the suggested fixes of every roles switch: test_cute_roles_switches.py) ---------------------
 def test_split_v_refusal_names_every_roles_only_field():
     config = dict(wide_design="split_v", v_refill="halves", qk_issue="ahead")
     with pytest.raises(ValueError, match="v_refill 'halves' and qk_issue 'ahead' are built for the roles kernel only"

@@ -1,7 +1,8 @@
 """The roles kernel's switches as one kind (``config._ROLES_ONLY``: ``v_refill``, ``qk_issue``, ``k_refill``), CPU only:
 each is validated by name (ValueError for a wrong string, TypeError for another type), its roles-only value is
 refused with ``wide_design="split_v"`` naming the plain value, each is moot below head dim 257 (FA4's kernel: one compile key whatever it says) and part of the compile key of the
-roles kernel and of its split-KV subclass, where ``"auto"`` compiles the key of the value it resolves to. A switch
+roles kernel and of its split-KV subclass, where ``"auto"`` compiles the key of the value it resolves to; a
+refusal's suggested fixes resolve when applied. A switch
 added to ``_ROLES_ONLY`` is covered here without a new test (its own file keeps what only it does)."""
 from __future__ import annotations
 
@@ -83,3 +84,43 @@ def test_roles_switch_needs_the_roles_kernel(field, roles_value, plain):
             cc.resolve_config(512, 512, None, config, 256)
     cc.check_config(dict(wide_design="split_v", **{field: plain}))
     assert getattr(cc.resolve_config(512, 512, None, dict(wide_design="split_v"), 256), field) == plain
+
+
+# (head dim, page or None, config): refusals of roles-only values whose suggested fixes must resolve when applied
+# (reviews of 2.20's qk_issue and 2.22's k_refill changes)
+REFUSALS = [
+    pytest.param(384, 12, dict(qk_issue="ahead"), id="qk_page12"),  # roles cannot load 12-token pages: not offered
+    pytest.param(384, None, dict(qk_issue="ahead", split_merge="cluster"), id="qk_cluster"),  # no roles cluster merge
+    pytest.param(512, 16, dict(qk_issue="ahead", v_refill="halves", tile_n=32, num_stages=2),
+                 id="qk_v_tiles32"),  # 16 divides 32: roles runs
+    pytest.param(384, 64, dict(qk_issue="ahead"), id="qk_page64_384"),
+    pytest.param(288, None, dict(qk_issue="ahead", v_refill="halves"), id="qk_v_288"),  # both plain values needed
+    pytest.param(512, 48, dict(k_refill="halves"), id="k_page48"),  # roles cannot load 48-token pages: not offered
+    pytest.param(384, None, dict(k_refill="halves"), id="k_384"),  # roles runs at 384 (halves allowed): offered
+    pytest.param(288, None, dict(k_refill="halves"), id="k_288"),  # halves impossible at 288: only the plain value
+    pytest.param(288, None, dict(k_refill="halves", qk_issue="ahead"), id="k_qk_288"),
+    pytest.param(512, None, dict(k_refill="halves", split_merge="cluster"), id="k_cluster"),
+]
+
+
+@pytest.mark.parametrize("hd,page,config", REFUSALS)
+def test_roles_switch_refusals_suggest_only_fixes_that_resolve(hd, page, config):
+    """The refusal names the plain value of every roles-only field set (which always resolves) and offers "set
+    wide_design 'roles'" exactly where the roles kernel would run with the given values."""
+    with pytest.raises(ValueError) as e:
+        cc.resolve_config(hd, hd, None, config, 256, page_size=page)
+    msg = str(e.value)
+    plain = dict(config, **{name: p for name, value, p in cc._ROLES_ONLY if config.get(name) == value})
+    assert " and ".join(f"{n} {plain[n]!r}" for n, v, _ in cc._ROLES_ONLY if config.get(n) == v) in msg, msg
+    cc.resolve_config(hd, hd, None, plain, 256, page_size=page)  # the plain values always resolve
+    roles = dict(config, wide_design="roles")
+    if "set wide_design 'roles'" in msg:  # offered only where the roles kernel runs with the given values
+        r = cc.resolve_config(hd, hd, None, roles, 256, page_size=page)
+        assert page is None or cc.kv_load_path(page, r.tile_n) in ("tma", "tma_boxes")
+    else:
+        try:
+            r = cc.resolve_config(hd, hd, None, roles, 256, page_size=page)
+            bad = page is not None and cc.kv_load_path(page, r.tile_n) not in ("tma", "tma_boxes")
+        except ValueError:
+            bad = True
+        assert bad, f"'roles' would have worked here but was not offered: {msg}"
