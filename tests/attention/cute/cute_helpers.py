@@ -101,6 +101,19 @@ def fill_past_seq_lens(k, v, kw, page, value):
             v[bt[b, (s - 1) // page].long(), s % page:] = value
 
 
+def rows_past_seq_lens_check(q, k, v, kw, page, config, max_seqlen_q=256):
+    """Keys after each sequence's end stay out: one cute call, NaN written into every paged cache row after each
+    sequence's last key (:func:`fill_past_seq_lens`, in place), the same call again; the output must be
+    bit-identical and within the fp64 reference's tolerance."""
+    def call():
+        return ca.attention_cute(q, k, v, max_seqlen_q=max_seqlen_q, return_lse=True, config=config, **kw)[0]
+    clean = call()
+    fill_past_seq_lens(k, v, kw, page, float("nan"))
+    dirty = call()
+    assert torch.equal(dirty, clean)
+    check_close(dirty, q, k, v, **kw)
+
+
 def graph_replay_check(steps, *, H, Hkv, D, page, B, cap_q, max_blocks, **attn_kwargs):
     """Capture one cute call over persistent metadata buffers (``B`` sequences, ``cap_q`` query tokens,
     ``max_blocks`` pages each, a NaN-poisoned ``out``), then replay it for each of ``steps`` = [(q_lens, ctxs,

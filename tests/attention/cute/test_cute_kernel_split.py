@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from blockdiff.attention.cute import interface as ca
-from blockdiff.attention.testing import check_close
 
-from cute_helpers import fill_past_seq_lens, gpu_batch, graph_replay_check, needs_gpu, run_and_check
+from cute_helpers import gpu_batch, graph_replay_check, needs_gpu, rows_past_seq_lens_check, run_and_check
 
 # (head_dim, q heads, KV heads, page or None, window, mode, base config, splits): the hd-128 canvas config (3
 # stages; 3 splits: uneven chunks, empty splits of the short sequences), the split-value kernel at hd 512 (by name:
@@ -67,11 +66,7 @@ def test_gpu_split_rows_past_seq_lens_stay_out(page):
     """NaN after each sequence's last key: splits ending there (page boxes; cp.async at 48) keep it out."""
     q, k, v, kw = _long_and_short_batch(128, 16, 8, page, seed=page)
     cfg = dict(num_stages=3, num_splits=3)
-    clean = ca.attention_cute(q, k, v, max_seqlen_q=256, return_lse=True, config=cfg, **kw)[0]
-    fill_past_seq_lens(k, v, kw, page, float("nan"))
-    dirty = ca.attention_cute(q, k, v, max_seqlen_q=256, return_lse=True, config=cfg, **kw)[0]
-    assert torch.equal(dirty, clean)
-    check_close(dirty, q, k, v, **kw)
+    rows_past_seq_lens_check(q, k, v, kw, page, cfg)
 
 
 @needs_gpu

@@ -15,9 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from blockdiff.attention.cute import interface as ca
-from blockdiff.attention.testing import check_close
 
-from cute_helpers import fill_past_seq_lens, gpu_batch, graph_replay_check, needs_gpu, run_and_check
+from cute_helpers import gpu_batch, graph_replay_check, needs_gpu, rows_past_seq_lens_check, run_and_check
 
 H, HKV, D = 16, 2, 512
 #: The split-value kernel, asked for by name (the hd-512 default, wide_design "auto", is the roles kernel wherever
@@ -109,11 +108,7 @@ def test_gpu_wide_cache_rows_past_seq_lens_and_unused_table_slots_stay_out(page)
     slot: page-box (one / two boxes) and cp.async loads keep both out; the output equals the clean one."""
     q, k, v, kw = gpu_batch([256, 100, 5], [1000, 5, 300], [0, 0, 5], H, HKV, D, page, seed=page,
                             nan_pad_page=True)
-    clean = ca.attention_cute(q, k, v, max_seqlen_q=256, return_lse=True, config=SPLIT_V, **kw)[0]
-    fill_past_seq_lens(k, v, kw, page, float("nan"))
-    dirty = ca.attention_cute(q, k, v, max_seqlen_q=256, return_lse=True, config=SPLIT_V, **kw)[0]
-    assert torch.equal(dirty, clean)
-    check_close(dirty, q, k, v, **kw)
+    rows_past_seq_lens_check(q, k, v, kw, page, SPLIT_V)
 
 
 @needs_gpu

@@ -22,7 +22,8 @@ import torch
 from blockdiff.attention.cute import config as cc
 from blockdiff.attention.cute import interface as ca
 
-from cute_helpers import HAVE_FA4, compile_for_sm90_or_skip, fill_past_seq_lens, gpu_batch, needs_gpu, run_and_check
+from cute_helpers import (HAVE_FA4, compile_for_sm90_or_skip, gpu_batch, needs_gpu, rows_past_seq_lens_check,
+                          run_and_check)
 from test_cute_kernel_roles import _kinds_to_ncq
 
 H, HKV, D = 16, 2, 512
@@ -173,14 +174,9 @@ def test_gpu_v_refill_halves_long_prefill_and_many_blocks(nan_safe_v):
 def test_gpu_v_refill_halves_cache_rows_past_seq_lens_stay_out(page):
     """NaN after each sequence's last key and an all-NaN page behind every unused block-table slot: each half's
     loader zeroes its half of the tail stage's rows past the end; the output equals the clean one."""
-    from blockdiff.attention.testing import check_close
     q, k, v, kw = gpu_batch([256, 100, 5], [1000, 5, 300], [0, 0, 5], H, HKV, D, page, seed=page,
                             nan_pad_page=True)
-    clean = ca.attention_cute(q, k, v, max_seqlen_q=256, return_lse=True, config=HALVES, **kw)[0]
-    fill_past_seq_lens(k, v, kw, page, float("nan"))
-    dirty = ca.attention_cute(q, k, v, max_seqlen_q=256, return_lse=True, config=HALVES, **kw)[0]
-    assert torch.equal(dirty, clean)
-    check_close(dirty, q, k, v, **kw)
+    rows_past_seq_lens_check(q, k, v, kw, page, HALVES)
 
 
 @needs_gpu
