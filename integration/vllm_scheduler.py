@@ -43,7 +43,7 @@ mean failure); ``update_from_output`` collects those ids and passes vLLM a copy 
   flagged request ``2 * CL`` drafts when ``num_tokens + 2 * CL <= max_model_len`` (:func:`cut_draft_widths`).
   Every converged canvas but a request's last is fused.
 * Asynchronous (``BlockdiffDiffusionAsyncScheduler``, vLLM's default): step S is scheduled while S - 1 runs, before
-  its flag is known. ``schedule`` keeps ``2 * CL`` placeholders (:func:`predict_spec_tokens`) where
+  its flag is known. ``schedule`` keeps ``2 * CL`` placeholders (:func:`cut_spec_tokens` with the predictor) where
   :class:`FusedCommitPredictor` predicts that the row in flight is its canvas's ``max_denoising_steps``-th denoising
   step: the step cap forces the commit after it, so that prediction is exact. The predictor counts each request's
   steps from its own scheduled rows and the outputs known so far (tokens returned = a commit; the -1 flag = a
@@ -397,29 +397,6 @@ class FusedCommitPredictor:
         return ("COMMIT" if phase == _COMMIT else "DENOISE"), step, len(self._pending.get(req_id, ()))
 
 
-def predict_spec_tokens(scheduler: Any) -> None:
-    """What the asynchronous scheduler does before each ``schedule`` when it fuses commits: every running request's
-    ``spec_token_ids`` (vLLM's placeholders, ``num_spec_tokens`` = ``2 * CL`` wide) is cut to the width
-    ``scheduler.blockdiff_predictor`` (:class:`FusedCommitPredictor`) gives it, a new list each (vLLM's placeholder
-    list is shared). Requests with a canvas width other than CL (``extra_args["diffusion_canvas_length"]``, which
-    the model state refuses) get their width, as :func:`cut_spec_tokens` does."""
-    cl = _canvas_length_of(scheduler)
-    predictor = scheduler.blockdiff_predictor
-    mml = scheduler.max_model_len
-    for req in scheduler.running:
-        spec = req.spec_token_ids
-        if len(spec) <= cl:
-            continue
-        try:
-            width = diffusion_canvas_width(req, cl)
-        except ValueError:
-            continue
-        if width == cl:
-            width = predictor.width(req, mml)
-        if len(spec) > width:
-            req.spec_token_ids = spec[:width]
-
-
 def split_fuse_flags(num_nans_in_logits: Mapping[str, int] | None) -> tuple[set[str], Mapping[str, int] | None]:
     """Split the worker's ``num_nans_in_logits`` into the fused-commit requests and what vLLM may see.
 
@@ -476,20 +453,35 @@ def cut_draft_widths(scheduler: Any, draft_token_ids: Any, fuse_next: set[str] |
             lists[i] = lists[i][:width]
 
 
-def cut_spec_tokens(scheduler: Any) -> None:
-    """Cut every running request's ``spec_token_ids`` to its canvas width (:func:`diffusion_canvas_width` with the
-    scheduler's CL): what the asynchronous scheduler does before each ``schedule`` when served in the fused layout
-    (its placeholders are ``num_spec_tokens`` = ``2 * CL`` wide, and it never fuses; served with CL it skips this
-    per-request loop). A new list is assigned (vLLM's
-    placeholder list is shared between requests)."""
+def cut_spec_tokens(scheduler: Any, predictor: "FusedCommitPredictor | None" = None) -> None:
+    """Cut every running request's ``spec_token_ids`` (vLLM's placeholders, ``num_spec_tokens`` = ``2 * CL`` wide
+    in the fused layout) to the width its next row schedules: what the asynchronous scheduler does before each
+    ``schedule`` when served in the fused layout (served with CL it skips this per-request loop). A new list is
+    assigned (vLLM's placeholder list is shared between requests).
+
+    Args:
+        scheduler: reads ``running``, ``max_model_len`` and CL (``blockdiff_canvas_length`` / ``num_spec_tokens``).
+        predictor: None (fused commits off): every list is cut to the request's canvas width
+            (:func:`diffusion_canvas_width` with the scheduler's CL). A :class:`FusedCommitPredictor` (fused commits
+            on): a request of width CL whose placeholders are wider than CL gets the width the predictor gives it
+            (CL, or ``2 * CL`` for a predicted fused commit); lists of at most CL stay as they are, and a request with
+            another canvas width (``extra_args["diffusion_canvas_length"]``, which the model state refuses) gets
+            that width.
+    """
     cl = _canvas_length_of(scheduler)
+    mml = scheduler.max_model_len
     for req in scheduler.running:
+        spec = req.spec_token_ids
+        if predictor is not None and len(spec) <= cl:
+            continue
         try:
             width = diffusion_canvas_width(req, cl)
         except ValueError:
             continue
-        if len(req.spec_token_ids) > width:
-            req.spec_token_ids = req.spec_token_ids[:width]
+        if predictor is not None and width == cl:
+            width = predictor.width(req, mml)
+        if len(spec) > width:
+            req.spec_token_ids = spec[:width]
 
 
 def finish_stuck_requests(scheduler: Any, num_nans_in_logits: Mapping[str, int] | None, outputs: dict,
@@ -592,10 +584,8 @@ def _make_classes() -> dict[str, type]:
             @annotated("blockdiff:schedule")
             def schedule(self, *args, **kwargs):
                 predictor = self.blockdiff_predictor
-                if predictor is not None:  # placeholders of 2 * CL: kept where the step cap forces a commit
-                    predict_spec_tokens(self)
-                elif asynchronous and self.blockdiff_fused_layout:  # placeholders of 2 * CL: cut, never fused
-                    cut_spec_tokens(self)
+                if asynchronous and self.blockdiff_fused_layout:  # placeholders of 2 * CL: cut to CL, or kept
+                    cut_spec_tokens(self, predictor)              # where the step cap forces a commit (predictor)
                 out = super().schedule(*args, **kwargs)
                 if predictor is not None:
                     predictor.record(out)

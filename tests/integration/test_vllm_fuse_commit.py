@@ -506,7 +506,6 @@ def test_one_canvas_layout_schedulers_do_no_per_request_width_work(monkeypatch, 
 
     monkeypatch.setattr(VS, "cut_spec_tokens", boom)
     monkeypatch.setattr(VS, "cut_draft_widths", boom)
-    monkeypatch.setattr(VS, "predict_spec_tokens", boom)
     monkeypatch.setenv(VS.FUSE_COMMIT_ENV, "1")  # the switch alone (served with CL) adds no work either
     s = _real_scheduler(monkeypatch, tiny_hf_folder, asynchronous=asynchronous, served=CL)
     assert s.blockdiff_fused_layout is False and s.blockdiff_predictor is None
