@@ -698,22 +698,6 @@ class DiffusionModelState(_Base):
         # the one rule, shared with the vLLM worker's flag (commit_finishes_vec); one host read
         return bool(commit_finishes_vec(st, torch.tensor([req_index], dtype=torch.int64, device=st.phase.device)))
 
-    def commit_finishes_vec(self, slots: torch.Tensor) -> torch.Tensor:
-        """:meth:`commit_finishes` of every slot in ``slots`` at once, on the device (no host sync):
-        :func:`blockdiff.integration.sampler.commit_finishes_vec` of :attr:`state`. Meaningful for slots in phase
-        COMMIT only (no phase check here).
-
-        Args:
-            slots: ``[N]`` int64 slot ids on the state's device.
-
-        Returns:
-            ``[N]`` bool.
-
-        Raises:
-            TypeError / ValueError: as :func:`blockdiff.integration.sampler.commit_finishes_vec`.
-        """
-        return commit_finishes_vec(self.state, slots)
-
     def fused_rows_np(self, input_batch: Any):
         """``[N]`` bool host array: the rows of ``input_batch`` scheduled as fused commits (:attr:`fuse_commit` on,
         the prompt prefilled before the step, ``2 * canvas_length`` query tokens), from host data only (no sync).

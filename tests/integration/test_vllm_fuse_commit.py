@@ -118,6 +118,7 @@ def test_commit_finishes_vec_equals_the_host_rule_on_random_states(tiny_model):
     slot by slot."""
     from blockdiff.integration.batch import NewRequest
     from blockdiff.integration.model_state import DiffusionModelState
+    from blockdiff.integration.sampler import commit_finishes_vec
     from blockdiff.sampler import COMMIT
 
     R = 6
@@ -138,16 +139,16 @@ def test_commit_finishes_vec_equals_the_host_rule_on_random_states(tiny_model):
         st.max_tokens[:] = torch.randint(1, 4 * CL, (R,), generator=g)
         st.num_emitted[:] = (st.max_tokens - torch.randint(-2, 2 * CL, (R,), generator=g)).clamp(min=0)
         slots = torch.randperm(R, generator=g)
-        got = ms.commit_finishes_vec(slots).tolist()
+        got = commit_finishes_vec(st, slots).tolist()
         want = [ms.commit_finishes(int(s)) for s in slots]
         assert got == want
         assert want == [_commit_finishes_naive(st, int(s)) for s in slots]
         seen.update(want)
     assert seen == {True, False}
     with pytest.raises(TypeError, match="int64"):
-        ms.commit_finishes_vec(torch.tensor([0], dtype=torch.int32))
+        commit_finishes_vec(st, torch.tensor([0], dtype=torch.int32))
     with pytest.raises(ValueError, match="1-D"):
-        ms.commit_finishes_vec(torch.zeros(1, 1, dtype=torch.int64))
+        commit_finishes_vec(st, torch.zeros(1, 1, dtype=torch.int64))
 
 
 def _vllm_fuse_state(tiny_monkeypatch, R=3, fuse=True):
