@@ -77,23 +77,6 @@ def test_split_v_refusal_names_every_roles_only_field_k_refill_included():
     cc.check_config(dict(config, v_refill="one_warp", qk_issue="serial", k_refill="whole"))
 
 
-@pytest.mark.parametrize("config,page,why", [
-    (dict(k_refill="halves"), 48, "page size 48"),
-    (dict(k_refill="halves", tile_n=64), None, "tile_n"),
-    (dict(k_refill="halves", split_merge="cluster"), None, "cluster"),
-    (dict(k_refill="halves", qk_issue="ahead"), 12, "page size 12"),
-])
-def test_auto_with_k_halves_is_a_value_error_naming_why_auto_did_not_pick_roles(config, page, why):
-    """Where wide_design "auto" resolves to the split-value kernel, an explicit "halves" is refused with the rule
-    and the reason, never silently dropped (as v_refill's "halves")."""
-    with pytest.raises(ValueError, match=f"k_refill 'halves'.*the roles kernel.*'auto'.*{why}"):
-        cc.resolve_config(512, 512, None, config, 256, page_size=page)
-    kw = dict(total_q=256, num_seqs=2, num_kv_heads=2, qhead_per_kvhead=8, keys_capacity=8192, max_seqlen_q=256,
-              max_seqlen_k=None, num_sms=132, page_size=page)
-    with pytest.raises(ValueError, match="k_refill 'halves'"):
-        cc.resolve_launch_config(512, 512, None, config, **kw)
-
-
 @pytest.mark.parametrize("head_dim", [288, 320, 352, 416, 448, 480])
 def test_k_refill_halves_refuses_head_dims_whose_halves_split_a_swizzle_atom(head_dim):
     """A half of K must be whole 64-column swizzle atoms: a clear ValueError naming the rule, not a failed compile.

@@ -62,23 +62,6 @@ def test_qk_issue_explicit_values_hold_with_either_v_refill(v_refill, qk_issue):
         assert cc.resolve_config(512, 512, None, r, 256) == r  # idempotent
 
 
-@pytest.mark.parametrize("config,page,why", [
-    (dict(qk_issue="ahead"), 48, "page size 48"),
-    (dict(qk_issue="ahead", tile_n=64), None, "tile_n"),
-    (dict(qk_issue="ahead", split_merge="cluster"), None, "cluster"),
-    (dict(qk_issue="ahead", v_refill="halves"), 12, "page size 12"),
-])
-def test_auto_with_ahead_is_a_value_error_naming_why_auto_did_not_pick_roles(config, page, why):
-    """Where wide_design "auto" resolves to the split-value kernel, an explicit "ahead" is refused with the rule
-    and the reason, never silently dropped (as "halves")."""
-    with pytest.raises(ValueError, match=f"qk_issue 'ahead'.*the roles kernel.*'auto'.*{why}"):
-        cc.resolve_config(512, 512, None, config, 256, page_size=page)
-    kw = dict(total_q=256, num_seqs=2, num_kv_heads=2, qhead_per_kvhead=8, keys_capacity=8192, max_seqlen_q=256,
-              max_seqlen_k=None, num_sms=132, page_size=page)
-    with pytest.raises(ValueError, match="qk_issue 'ahead'"):
-        cc.resolve_launch_config(512, 512, None, config, **kw)
-
-
 # --- GPU --------------------------------------------------------------------------------------------------------
 def _same(call):
     """``call(qk_issue)`` with "serial" and with "ahead": bit-identical outputs."""

@@ -86,6 +86,32 @@ def test_roles_switch_needs_the_roles_kernel(field, roles_value, plain):
     assert getattr(cc.resolve_config(512, 512, None, dict(wide_design="split_v"), 256), field) == plain
 
 
+# (config, page or None, why): where wide_design "auto" resolves to the split-value kernel, each roles-only value
+# set explicitly (the first field of the config) is refused naming the reason, at resolve and at launch
+AUTO_REFUSALS = [
+    pytest.param(dict(qk_issue="ahead"), 48, "page size 48", id="qk_page48"),
+    pytest.param(dict(qk_issue="ahead", tile_n=64), None, "tile_n", id="qk_tile_n"),
+    pytest.param(dict(qk_issue="ahead", split_merge="cluster"), None, "cluster", id="qk_cluster"),
+    pytest.param(dict(qk_issue="ahead", v_refill="halves"), 12, "page size 12", id="qk_v_page12"),
+    pytest.param(dict(k_refill="halves"), 48, "page size 48", id="k_page48"),
+    pytest.param(dict(k_refill="halves", tile_n=64), None, "tile_n", id="k_tile_n"),
+    pytest.param(dict(k_refill="halves", split_merge="cluster"), None, "cluster", id="k_cluster"),
+    pytest.param(dict(k_refill="halves", qk_issue="ahead"), 12, "page size 12", id="k_qk_page12"),
+]
+
+
+@pytest.mark.parametrize("config,page,why", AUTO_REFUSALS)
+def test_auto_with_a_roles_only_value_is_a_value_error_naming_why_auto_did_not_pick_roles(config, page, why):
+    """Never silently dropped (as v_refill's "halves", whose refusal names its own rule: test_cute_v_refill.py)."""
+    field, value = next(iter(config.items()))
+    with pytest.raises(ValueError, match=f"{field} '{value}'.*the roles kernel.*'auto'.*{why}"):
+        cc.resolve_config(512, 512, None, config, 256, page_size=page)
+    kw = dict(total_q=256, num_seqs=2, num_kv_heads=2, qhead_per_kvhead=8, keys_capacity=8192, max_seqlen_q=256,
+              max_seqlen_k=None, num_sms=132, page_size=page)
+    with pytest.raises(ValueError, match=f"{field} '{value}'"):
+        cc.resolve_launch_config(512, 512, None, config, **kw)
+
+
 # (head dim, page or None, config): refusals of roles-only values whose suggested fixes must resolve when applied
 # (reviews of 2.20's qk_issue and 2.22's k_refill changes)
 REFUSALS = [
