@@ -405,7 +405,8 @@ def check_attention_inputs(
             raise ValueError(
                 f"seq_lens[{b}] = {int(sl[b])} < query length {int(ql[b])}: seq_lens include the query tokens")
         if ncq is not None:  # (causal flags give 0 or q_len: in range by construction)
-            n = ncq.to(torch.int64).cpu()
+            # the caller's values, not the int32 copy: an int64 count beyond int32 would wrap into range there
+            n = num_causal_q.to(torch.int64).cpu()
             if bool(((n < 0) | (n > ql)).any()):
                 b = int(torch.nonzero((n < 0) | (n > ql))[0])
                 raise ValueError(f"num_causal_q[{b}] = {int(n[b])} must be in [0, q_len={int(ql[b])}]")

@@ -308,3 +308,15 @@ def test_build_mask_refuses_seq_len_beyond_max_seq_len():
         build_mask(1, 2 ** 40, causal=True)
     with pytest.raises(ValueError, match="MAX_SEQ_LEN"):
         count_allowed_pairs(_t([1]), _t([MAX_SEQ_LEN + 1]), _t([0]), None)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_int64_num_causal_q_beyond_int32_is_refused_naming_num_causal_q_not_wrapped_into_range(backend):
+    """2**32 + 1 causal rows of a 3-row sequence were checked after the int32 narrowing, as 1: accepted, and the
+    sequence attended with one causal row."""
+    b = make_batch([5, 4], [3, 2], causal=[True, False], dtype=torch.float32)
+    del b["causal"]
+    ncq = torch.tensor([2 ** 32 + 1, 0], dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"num_causal_q\[0\] = 4294967297 must be in \[0, q_len=3\]"):
+        attention(**b, num_causal_q=ncq, backend=backend)
+
