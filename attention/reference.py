@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .masks import key_range
-from .validate import check_attention_inputs, check_flag
+from .validate import check_attention_inputs, check_flag, memory_overlaps
 
 
 def gather_kv(cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -93,7 +93,8 @@ def attention_reference(
             ``|scale| <= MAX_SCALE`` (2**16). Scores are ``(q . k) * scale`` in fp32 (fp64 for fp64 input); a
             score that overflows (``|q . k * scale| >= 2**128``, e.g. K entries near the fp32 maximum) is outside
             the contract: ``+inf`` makes its row non-finite, ``-inf`` weighs 0, in every backend.
-        out: optional preallocated ``[total_q, num_heads, head_dim_v]`` of q's dtype.
+        out: optional preallocated ``[total_q, num_heads, head_dim_v]`` of q's dtype; it may alias an input (an
+            overlapping ``out`` is written through a private buffer, then copied).
         return_lse: a bool: also return ``lse [num_heads, total_q]`` fp32 (natural log; ``-inf`` for rows with
             no key).
         upcast: True computes in fp32 (fp64 for fp64 inputs): the oracle. False mimics eager low-precision
@@ -126,6 +127,9 @@ def attention_reference(
     mm_dtype = acc_dtype if upcast else q.dtype
     if out is None:
         out = torch.empty(total_q, H, info.head_dim_v, dtype=q.dtype, device=q.device)
+    # an out that overlaps an input (out may alias one: the contract) would overwrite rows a later sequence still
+    # reads (e.g. out a view of a cache page): write a private buffer, copied back at the end
+    dst = torch.empty_like(out) if any(memory_overlaps(out, t) for t in (q, k_cache, v_cache)) else out
     lse = torch.full((H, total_q), float("-inf"), dtype=torch.float32, device=q.device)
     cu = cu_seqlens_q.to(torch.int64).tolist()
     sl = info.seq_lens.to(torch.int64).tolist()
@@ -156,6 +160,8 @@ def attention_reference(
         safe = torch.where(torch.isfinite(row_lse), row_lse, torch.zeros_like(row_lse))
         p = torch.exp(scores - safe[..., None]).masked_fill(~mask, 0.0)
         ob = masked_pv(p.to(mm_dtype), vb, mask).to(acc_dtype)  # [H, L, Dv]
-        out[q0:q1] = ob.transpose(0, 1).to(q.dtype)
+        dst[q0:q1] = ob.transpose(0, 1).to(q.dtype)
         lse[:, q0:q1] = row_lse.to(torch.float32)
+    if dst is not out:
+        out.copy_(dst)
     return (out, lse) if return_lse else out

@@ -30,7 +30,7 @@ import os
 
 import torch
 
-from ..validate import check_attention_inputs, length_hint_value
+from ..validate import check_attention_inputs, length_hint_value, memory_overlaps
 from .compile_cache import make_compile_cache
 from .config import (REQUIRED, WIDE_MAX_PAGE_BOXES, check_config, is_wide, kv_load_path, resolve_launch_config,
                      unsupported_head_dims)
@@ -147,7 +147,8 @@ def attention_cute(
         window_size: None or int W >= 0 (keys per side, excluding the query's own position).
         bidirectional_window: ``"symmetric"`` or ``"prefix"`` (a compile-time property).
         scale: softmax scale, default ``head_dim ** -0.5``.
-        out: optional preallocated ``[total_q, num_heads, head_dim_v]`` of q's dtype.
+        out: optional preallocated ``[total_q, num_heads, head_dim_v]`` of q's dtype; it may alias an input (the
+            kernel then writes a private buffer, copied back).
         return_lse: a bool: also return ``lse [num_heads, total_q]`` fp32 (natural log).
         max_seqlen_q, max_seqlen_k: host hints (tokens). ``max_seqlen_q`` (default ``q.shape[0]``, i.e. total
             tokens, which turns the longest-first order on for a batch of four 256-token canvases) picks the
@@ -257,8 +258,11 @@ def _run(fa, q, k_cache, v_cache, *, out, return_lse, cu_seqlens_q, num_causal_q
         LAST_LAUNCH.update(kernel=None, config=None, kv_path=None)
         return (out, lse) if return_lse else out
     mc = fa["maybe_contiguous"]
-    # The kernel writes a dense, 16-byte aligned out; any other caller-given out gets a copy back.
-    out_k = out if mc(out) is out and out.is_contiguous() else torch.empty(
+    # The kernel writes a dense, 16-byte aligned out that overlaps no input (out may alias one: the contract; a
+    # tile's output must not land on K / V rows another tile still reads); any other caller-given out gets a copy
+    # back (host pointer math, no sync).
+    out_k = out if mc(out) is out and out.is_contiguous() and not any(
+        memory_overlaps(out, t) for t in (q, k_cache, v_cache)) else torch.empty(
         total_q, H, head_dim_v, dtype=q.dtype, device=q.device)
 
     qhead_per_kvhead = H // num_kv_heads

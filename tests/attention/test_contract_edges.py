@@ -320,3 +320,19 @@ def test_int64_num_causal_q_beyond_int32_is_refused_naming_num_causal_q_not_wrap
     with pytest.raises(ValueError, match=r"num_causal_q\[0\] = 4294967297 must be in \[0, q_len=3\]"):
         attention(**b, num_causal_q=ncq, backend=backend)
 
+
+@pytest.mark.parametrize("cache", ["k_cache", "v_cache"])
+@pytest.mark.parametrize("paged", [True, False])
+def test_reference_out_aliasing_a_cache_gives_the_unaliased_result(cache, paged):
+    """``out`` may alias an input (the contract): the reference wrote sequence 0's rows into the cache rows a later
+    sequence still had to read (out a view of the cache's last rows / of one page), a silently wrong result."""
+    b = make_batch([6, 5, 7], [3, 2, 4], causal=[True, False, False], dtype=torch.float32, num_heads=2,
+                   num_kv_heads=2, paged=paged, page_size=9, extra_blocks=0)
+    want = attention(**{k: v.clone() if torch.is_tensor(v) else v for k, v in b.items()}, backend="reference")
+    total_q = b["q"].shape[0]
+    for where in ([slice(-total_q, None)] if not paged else range(b[cache].shape[0])):  # every page (of 9 rows)
+        inp = {k: v.clone() if torch.is_tensor(v) else v for k, v in b.items()}
+        out = inp[cache][where]
+        got = attention(**inp, out=out, backend="reference")
+        assert got is out
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

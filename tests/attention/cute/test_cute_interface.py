@@ -402,3 +402,31 @@ def test_an_empty_call_records_that_nothing_launched(monkeypatch):
                   cu_seqlens_q=torch.tensor([0, 0], dtype=torch.int32), max_seqlen_q=0, **kw)
     assert out.shape == (0, 16, 512)
     assert ca.LAST_LAUNCH == {"kernel": None, "config": None, "kv_path": None}
+
+
+@pytest.mark.parametrize("alias", ["q", "k_cache", "v_cache", None])
+def test_out_aliasing_an_input_is_written_through_a_private_buffer(monkeypatch, alias):
+    """``out`` may alias an input (the contract): the kernel wrote such an ``out`` in place, so a tile's output
+    could land on K / V rows (or Q rows) another tile still reads; it now gets a private buffer, copied back (as the
+    triton backend and the reference do). A separate dense ``out`` is still written in place."""
+    monkeypatch.setenv("FLASH_ATTENTION_NUM_SMS", "132")
+    monkeypatch.setattr(ca, "_COMPILE_CACHE", {})
+    written = []
+
+    def kernel(q, k, v, out_k, *rest):
+        written.append(out_k)
+        out_k.fill_(7)
+
+    monkeypatch.setattr(ca, "_compile", lambda fa, key, *a: kernel)
+    fa = {"maybe_contiguous": lambda t, align_bytes=None: t, "is_fake_mode": lambda: False,
+          "AuxData": lambda *a: None}
+    q = torch.zeros(64, 16, 512, dtype=torch.bfloat16)
+    k = torch.zeros(2, 64, 16, 512, dtype=torch.bfloat16)  # 16 KV heads: a page is q's shape
+    v = torch.zeros(2, 64, 16, 512, dtype=torch.bfloat16)
+    out = {"q": q, "k_cache": k[1], "v_cache": v[1], None: torch.empty_like(q)}[alias]
+    ca._run(fa, q, k, v, out=out, return_lse=False, cu_seqlens_q=torch.tensor([0, 64], dtype=torch.int32),
+            num_causal_q=torch.zeros(1, dtype=torch.int32), seq_lens=torch.tensor([128], dtype=torch.int32),
+            block_table=torch.arange(2, dtype=torch.int32)[None], cu_seqlens_k=None, window_size=None,
+            bidirectional_window="symmetric", scale=512 ** -0.5, arch=90, config=None, max_seqlen_q=64)
+    assert (written[0] is out) == (alias is None)
+    assert bool((out == 7).all())
