@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .validate import capturing, memory_overlaps, resolve_check_values
+from .validate import _self_overlapping, capturing, memory_overlaps, resolve_check_values
 
 
 def _aliased(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -37,6 +37,7 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, check_values: bool |
             k, v, k_cache or v_cache not floating point (integer K/V would be cast silently).
         ValueError: shapes disagree (k/v vs caches, k_cache vs v_cache pages), a tensor on another device than
             k_cache or on the meta device, k_cache and v_cache share memory (one write would overwrite the other),
+            k_cache or v_cache has elements sharing memory (an ``expand()``ed view: a write would land in other slots),
             a slot is out of range, or two tokens share a slot (the
             surviving write would be unspecified). Value rules are checked on the host unless a CUDA graph is
             being captured (under capture every slot must be >= 0).
@@ -68,6 +69,10 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, check_values: bool |
             raise ValueError(f"{name} is on {t.device} but k_cache is on {k_cache.device}")
     if _aliased(k_cache, v_cache):
         raise ValueError("k_cache and v_cache must not share memory (writing v would overwrite k)")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if _self_overlapping(t):  # e.g. an expand()ed page pool: a write to one slot would land in others
+            raise ValueError(f"{name} must not have elements sharing memory (e.g. an expand()ed view), got strides "
+                             f"{t.stride()} for shape {tuple(t.shape)}")
     n_slots = k_cache.shape[0] * k_cache.shape[1]
     check_values = resolve_check_values(check_values)
     if check_values and slot_mapping.numel():

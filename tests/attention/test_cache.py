@@ -79,6 +79,17 @@ def test_k_cache_and_v_cache_sharing_memory_is_a_value_error():
         write_kv_cache(k, k, flat[:8].view(2, 4, 1, 2), flat[1:9].view(2, 4, 1, 2), torch.tensor([0]))
 
 
+
+@pytest.mark.parametrize("which", ["k_cache", "v_cache"])
+def test_a_cache_with_elements_sharing_memory_is_a_value_error_naming_it(which):
+    """Was: an ``expand()``ed page pool accepted, and a write to slot 5 (page 1) also landed in page 0's row 1."""
+    kc, vc = _caches()
+    caches = {"k_cache": kc, "v_cache": vc}
+    caches[which] = torch.zeros(1, 4, 1, 2).expand(2, 4, 1, 2)
+    with pytest.raises(ValueError, match=f"{which} must not have elements sharing memory"):
+        write_kv_cache(torch.ones(1, 1, 2), torch.ones(1, 1, 2), caches["k_cache"], caches["v_cache"],
+                       torch.tensor([5]))
+
 def test_interleaved_k_and_v_halves_of_one_tensor_are_fine():
     kv = torch.zeros(2, 4, 1, 4)  # [..., k | v] in the last dim: strided views that never share an element
     kc, vc = kv[..., :2], kv[..., 2:]
