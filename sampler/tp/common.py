@@ -4,6 +4,7 @@ indices ``F_*``) and the communication volume of a step.
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -60,6 +61,11 @@ class VocabShard:
         return self.end - self.start
 
 
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
 def vocab_shard_bounds(vocab_size: int, world_size: int, *, pad_to: int = 1) -> tuple[int, ...]:
     """Boundaries ``(b_0 = 0, ..., b_W = vocab_size)`` of vLLM's vocabulary-parallel split.
 
@@ -67,8 +73,12 @@ def vocab_shard_bounds(vocab_size: int, world_size: int, *, pad_to: int = 1) -> 
     ``ceil(V_pad / W)``; rank r holds the real tokens ``[b_r, b_{r+1})`` (the last ranks may hold fewer, or 0).
 
     Raises:
+        TypeError: an argument is not an int (a bool, a float: never truncated).
         ValueError: vocab_size < 1, world_size < 1 or pad_to < 1.
     """
+    for name, v in (("vocab_size", vocab_size), ("world_size", world_size), ("pad_to", pad_to)):
+        if not _is_int(v):
+            raise TypeError(f"{name} must be an int, got {type(v).__name__} ({v!r})")
     if vocab_size < 1 or world_size < 1 or pad_to < 1:
         raise ValueError(f"vocab_size, world_size and pad_to must be >= 1, got {vocab_size}, {world_size}, {pad_to}")
     v_pad = -(-vocab_size // pad_to) * pad_to
@@ -80,9 +90,14 @@ def make_shards(vocab_size: int, bounds: Sequence[int]) -> list[VocabShard]:
     """One :class:`VocabShard` per rank from boundaries ``(0, b_1, ..., vocab_size)`` (non-decreasing).
 
     Raises:
+        TypeError: a bound is not an int (a bool, a float or a str: never truncated or parsed).
         ValueError: bounds not starting at 0, not ending at vocab_size, or decreasing.
     """
-    b = [int(x) for x in bounds]
+    b = list(bounds)
+    for x in b:
+        if not _is_int(x):
+            raise TypeError(f"bounds must hold ints, got {type(x).__name__} ({x!r})")
+    b = [int(x) for x in b]
     if len(b) < 2 or b[0] != 0 or b[-1] != vocab_size or any(b[i] > b[i + 1] for i in range(len(b) - 1)):
         raise ValueError(f"bounds must be non-decreasing from 0 to vocab_size={vocab_size}, got {tuple(b)}")
     W = len(b) - 1

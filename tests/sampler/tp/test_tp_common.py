@@ -28,6 +28,19 @@ def test_make_shards_rejects_bad_bounds():
         VocabShard(10, 0.0, 5)
 
 
+
+@pytest.mark.parametrize("bad", [4.9, True, "5"])
+def test_make_shards_and_vocab_shard_bounds_refuse_non_int_bounds_naming_them(bad):
+    """Were truncated or parsed (``int(x)``): bounds (0, 4.9, 10) split the vocabulary at 4, (0, True, 10) at 1,
+    and vocab_shard_bounds(10.5, 2) returned float bounds."""
+    with pytest.raises(TypeError, match="bounds must hold ints"):
+        make_shards(10, (0, bad, 10))
+    for kw, name in ((dict(vocab_size=10.5, world_size=2), "vocab_size"), (dict(vocab_size=10, world_size=True),
+                                                                            "world_size"),
+                     (dict(vocab_size=10, world_size=2, pad_to=64.0), "pad_to")):
+        with pytest.raises(TypeError, match=name):
+            vocab_shard_bounds(**kw)
+
 def test_communication_is_independent_of_vocab():
     c = communication_bytes(4, 256, 2816, 2)
     assert c["all_gather_bytes"] == 2 * 4 * 256 * 7 * 8
