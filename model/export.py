@@ -53,6 +53,7 @@ from safetensors.torch import save_file
 
 from .config import DiffusionGemmaConfig
 from .generation import parse_generation_config
+from .loading import hf_name
 from .modeling import DiffusionGemma
 from .pretrained import load_pretrained
 from .tokenizer import ByteTokenizer, bytes_to_unicode
@@ -250,7 +251,8 @@ def export_hf(source, out_dir, *, dtype: torch.dtype | str | None = None, overwr
             ``out_dir`` is a file.
         ValueError: ``out_dir`` is the source folder; a source the files cannot describe (see ``check_vllm``,
             :func:`hf_config_dict`, :func:`hf_tokenizer_json`); a bad generation value; weights that do not match
-            the source's config (from the loader).
+            the source's config (from the loader); a ``dtype`` that cannot hold the weights (a finite weight that
+            would overflow to inf, e.g. above 65504 in float16; checked before anything is written).
     """
     unknown = sorted(set(generation) - {*GENERATION_DEFAULTS, "max_new_tokens"})
     if unknown:
@@ -295,11 +297,15 @@ def export_hf(source, out_dir, *, dtype: torch.dtype | str | None = None, overwr
     if present and not overwrite:
         raise FileExistsError(f"out_dir {out_dir!r} already holds {', '.join(present)} (pass overwrite=True to "
                               "replace them)")
+    tensors = None
+    if model is not None:  # converted before anything is written: a dtype that cannot hold the weights is refused
+        tensors = hf_state_dict(model, dtype)
+        _check_representable(model, tensors, dtype)
     os.makedirs(out_dir, exist_ok=True)
     written = {}
-    if model is not None:
+    if tensors is not None:
         path = os.path.join(out_dir, "model.safetensors")
-        save_file(hf_state_dict(model, dtype), path, metadata={"format": "pt", "source": "blockdiff.model.export"})
+        save_file(tensors, path, metadata={"format": "pt", "source": "blockdiff.model.export"})
         written["model.safetensors"] = path
     for name, content in files.items():
         path = os.path.join(out_dir, name)
@@ -331,6 +337,21 @@ def _resolve_dtype(dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
         return dtype
     raise ValueError(f"dtype must be one of {list(_DTYPES)} (or the torch dtype), got {dtype!r}")
+
+
+def _check_representable(model: DiffusionGemma, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    """Raise unless every finite weight of ``model`` stays finite in ``tensors`` (its ``hf_state_dict`` in
+    ``dtype``): e.g. a weight above 65504 would be written as inf in float16."""
+    for name, t in model.state_dict().items():
+        if not t.is_floating_point():
+            continue
+        conv = tensors[hf_name(name)]
+        lost = torch.isfinite(t.detach().cpu()) & ~torch.isfinite(conv)
+        if bool(lost.any()):
+            v = float(t.detach().cpu()[lost].flatten()[0])
+            raise ValueError(f"dtype {_dtype_name(dtype)} cannot hold the weights: {hf_name(name)} has "
+                             f"{int(lost.sum())} finite value(s) that overflow it (e.g. {v:.4g}); export in a wider "
+                             "dtype (float32 or bfloat16)")
 
 
 def _check_vllm(config: DiffusionGemmaConfig, model: DiffusionGemma | None) -> None:

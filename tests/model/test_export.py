@@ -370,6 +370,17 @@ def test_model_and_config_sources(tmp_path):
     export_hf(tiny_config(), tmp_path / "c", write_tokenizer=False, overwrite=True)
 
 
+
+def test_export_refuses_a_dtype_that_would_turn_finite_weights_into_inf(tmp_path):
+    """Was: a weight above float16's 65504 written as inf (NaN logits when served), exit 0."""
+    model = DiffusionGemma(tiny_config(vocab_size=259, canvas_length=8), seed=3)
+    with torch.no_grad():
+        model.layers[1].self_attn.q_proj.weight[0, 0] = 1e5
+    with pytest.raises(ValueError, match=r"dtype float16 cannot hold the weights: .*q_proj.weight has 1 finite "):
+        export_hf(model, tmp_path / "h", dtype="float16")
+    assert not os.path.exists(tmp_path / "h")  # nothing written
+    export_hf(model, tmp_path / "b", dtype="bfloat16")  # bfloat16 holds it
+
 def test_errors_name_the_argument(tmp_path, exported):
     cfg = tiny_config(vocab_size=259)
     with pytest.raises(ValueError, match="is the source checkpoint folder"):
