@@ -42,8 +42,13 @@ PEAK_GBPS = 4300.0
 
 # ----------------------------------------------------------------------------------------------- progress
 def progress(iterable: Iterable, total: int | None = None, desc: str = "", enabled: bool = True):
-    """Wrap ``iterable`` in a tqdm progress bar on stderr (plain iterable when tqdm is missing/disabled)."""
-    if not enabled:
+    """Wrap ``iterable`` in a tqdm progress bar on stderr (plain iterable when tqdm is missing/disabled).
+
+    Only on a terminal: when stderr is not a TTY (``> log 2>&1``, a device run's captured output) the plain iterable
+    comes back, so the bar's carriage-return redraws never interleave with the rows ``log`` prints.
+    """
+    isatty = getattr(sys.stderr, "isatty", None)
+    if not enabled or not (isatty is not None and isatty()):
         return iterable
     try:
         from tqdm.auto import tqdm

@@ -71,3 +71,44 @@ def test_save_png_writes_a_palette_png_smaller_than_matplotlibs(tmp_path):
     with Image.open(p) as im:
         assert im.mode == "P" and im.size == Image.open(tmp_path / "rgba.png").size
     assert p.stat().st_size < (tmp_path / "rgba.png").stat().st_size
+
+
+class _Stream:
+    """A stderr stand-in that says whether it is a terminal."""
+
+    def __init__(self, tty: bool):
+        self.tty, self.parts = tty, []
+
+    def write(self, s):
+        self.parts.append(s)
+        return len(s)
+
+    def flush(self):
+        pass
+
+    def isatty(self):
+        return self.tty
+
+    def text(self):
+        return "".join(self.parts)
+
+
+def test_progress_draws_no_bar_when_stderr_is_not_a_terminal(monkeypatch):
+    """``bench_attention --quick > log 2>&1``: the logged rows stay whole lines, no tqdm redraws between them."""
+    err = _Stream(tty=False)
+    monkeypatch.setattr(common.sys, "stderr", err)
+    items = [1, 2, 3]
+    wrapped = common.progress(items, desc="workloads")
+    assert wrapped is items
+    for i in wrapped:
+        common.log(f"row {i}")
+    assert err.text() == "row 1\nrow 2\nrow 3\n"
+
+
+def test_progress_draws_its_bar_on_a_terminal(monkeypatch):
+    pytest.importorskip("tqdm")
+    err = _Stream(tty=True)
+    monkeypatch.setattr(common.sys, "stderr", err)
+    assert list(common.progress([1, 2], desc="workloads")) == [1, 2]
+    assert "workloads" in err.text() and "\r" in err.text()
+    assert common.progress([1], enabled=False) == [1]
