@@ -40,10 +40,11 @@ for stage in $stages; do
                     --fa4-layouts paged ;;
     ladder-ctx)   $BA --suite ctx_ladder --workloads '*sliding,*hd128' --backends sdpa,fa4,triton,cute \
                     --fa4-layouts paged ;;
-    ladder-global)  # hd 512 global layers: FA4 and cute cannot run them; FlexAttention with its BlockMask build
-      $BA --suite batch_ladder --workloads '*global' --backends sdpa,flex,triton \
+    ladder-global)  # hd 512 global layers: FA4 cannot run them (head dim <= 256); cute runs its roles kernel
+      # (the hd-512 default, docs/tuning.md 2.17-2.23), last in each workload; FlexAttention with its BlockMask build
+      $BA --suite batch_ladder --workloads '*global' --backends sdpa,flex,triton,cute \
         --suite-name attention-batch_ladder_global
-      $BA --suite ctx_ladder --workloads '*global' --backends sdpa,flex,triton \
+      $BA --suite ctx_ladder --workloads '*global' --backends sdpa,flex,triton,cute \
         --suite-name attention-ctx_ladder_global ;;
     sampler)   python3 -m blockdiff.bench.bench_sampler ;;
     e2e)       python3 -m blockdiff.bench.bench_e2e --attn-backends triton,cute --sampler-backend triton ;;
