@@ -16,11 +16,11 @@ there). :func:`resolve_check_values` is the one place this is decided.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 
+from .env import env_flag
 from .masks import MAX_SEQ_LEN, check_window
 
 #: The largest softmax scale magnitude accepted: far above any model's (head_dim ** -0.5 <= 1, Gemma's 1.0), and
@@ -28,7 +28,10 @@ from .masks import MAX_SEQ_LEN, check_window
 #: into NaN rows for ordinary q, k).
 MAX_SCALE = float(2 ** 16)
 
-_DEBUG_CHECKS = os.environ.get("BLOCKDIFF_CHECK_VALUES", "0").strip().lower() not in ("", "0", "false", "no", "off")
+#: The debug switch's environment variable (:func:`.env.env_flag`: ``1`` on; ``0``, empty or unset off; anything else
+#: is a ValueError at import).
+CHECK_VALUES_ENV = "BLOCKDIFF_CHECK_VALUES"
+_DEBUG_CHECKS = env_flag(CHECK_VALUES_ENV, meaning="value checks on every call")
 
 
 def set_debug_checks(enabled: bool) -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 
+from ..attention.env import env_flag
 from . import vllm_compat
 from .annotate import install_triton_compile_ranges
 
@@ -62,7 +63,7 @@ ATTN_BACKENDS = ("triton", "cute", "reference")
 SAMPLER_BACKENDS = ("triton", "reference")
 
 
-#: Environment variable: "1" installs :func:`.annotate.install_triton_compile_ranges` at registration (the serving
+#: Environment variable (a boolean switch, :func:`blockdiff.attention.env.env_flag`): "1" installs :func:`.annotate.install_triton_compile_ranges` at registration (the serving
 #: benchmark sets it on profiled servers, ``bench_serve server-cmd --trace-dir``).
 PROFILE_COMPILES_ENV = "BLOCKDIFF_PROFILE_COMPILES"
 
@@ -130,7 +131,8 @@ def register() -> None:
 
     Raises:
         ImportError: vLLM is not installed (the message says how to install it).
-        ValueError: ``BLOCKDIFF_ATTN_BACKEND`` / ``BLOCKDIFF_SAMPLER_BACKEND`` name an unknown backend; the
+        ValueError: ``BLOCKDIFF_ATTN_BACKEND`` / ``BLOCKDIFF_SAMPLER_BACKEND`` name an unknown backend;
+            ``BLOCKDIFF_PROFILE_COMPILES`` is not ``1`` / ``0`` / empty / unset (:func:`.env_flag`); the
             installed vLLM is a version the plugin has no profile for (:func:`.vllm_compat.profile_for`).
     """
     global _registered
@@ -140,6 +142,7 @@ def register() -> None:
     smp = os.environ.get(SAMPLER_BACKEND_ENV, "triton")
     if smp not in SAMPLER_BACKENDS:
         raise ValueError(f"{SAMPLER_BACKEND_ENV} must be 'triton' or 'reference', got {smp!r}")
+    profile_compiles = env_flag(PROFILE_COMPILES_ENV, meaning="Triton compile ranges")  # checked before registering
     if _registered:
         return
     from vllm import ModelRegistry  # type: ignore
@@ -148,6 +151,6 @@ def register() -> None:
     for arch in ARCHITECTURES:
         ModelRegistry.register_model(arch, MODEL_CLASS)
     register_backend(AttentionBackendEnum.CUSTOM, ATTENTION_BACKEND_CLASS)
-    if os.environ.get(PROFILE_COMPILES_ENV) == "1":  # profiled servers only: the hooks change Triton's compile path
+    if profile_compiles:  # profiled servers only: the hooks change Triton's compile path
         install_triton_compile_ranges()
     _registered = True

@@ -66,6 +66,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from ..attention.env import env_flag
 from .annotate import annotated
 from .vllm_compat import scheduler_base_classes
 
@@ -88,13 +89,7 @@ def fuse_commit_from_env(environ: Mapping[str, str] | None = None) -> bool:
     Raises:
         ValueError: any other value (the variable named).
     """
-    env = os.environ if environ is None else environ
-    v = env.get(FUSE_COMMIT_ENV, "")
-    if v in ("", "0"):
-        return False
-    if v == "1":
-        return True
-    raise ValueError(f"{FUSE_COMMIT_ENV} must be 1 (fused commits) or 0 / unset (off), got {v!r}")
+    return env_flag(FUSE_COMMIT_ENV, environ, meaning="fused commits")
 
 
 def served_canvas_length(vllm_config: Any) -> tuple[int, bool]:

@@ -64,6 +64,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from blockdiff.attention.env import env_flag
 from blockdiff.bench import bench_serve as bs
 from blockdiff.bench import common
 
@@ -357,7 +358,7 @@ def __getattr__(name: str):  # vLLM resolves the classes by qualified name; they
 def platform_plugin() -> str | None:
     """The ``vllm.platform_plugins`` entry point: :class:`StandinPlatform` when ``BLOCKDIFF_STANDIN_PLATFORM=1``,
     else None (vLLM's own platform)."""
-    return PLATFORM_CLASS if os.environ.get(PLATFORM_ENV) == "1" else None
+    return PLATFORM_CLASS if env_flag(PLATFORM_ENV, meaning="the stand-in platform") else None
 
 
 def write_plugin_dir(folder: str | os.PathLike) -> Path:

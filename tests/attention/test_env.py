@@ -1,0 +1,73 @@
+"""The one parser of the boolean ``BLOCKDIFF_*`` switches (attention/env.py) and every switch read through it."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from blockdiff.attention.env import env_flag
+
+BAD = ("true", "yes", "on", "off", "false", "no", " 1", "1 ", "2", "TRUE")
+
+
+def test_env_flag_accepts_exactly_1_0_empty_and_unset():
+    assert env_flag("BLOCKDIFF_X", {}) is False
+    assert env_flag("BLOCKDIFF_X", {"BLOCKDIFF_X": ""}) is False
+    assert env_flag("BLOCKDIFF_X", {"BLOCKDIFF_X": "0"}) is False
+    assert env_flag("BLOCKDIFF_X", {"BLOCKDIFF_X": "1"}) is True
+
+
+@pytest.mark.parametrize("bad", BAD)
+def test_env_flag_refuses_any_other_value_naming_the_variable(bad):
+    with pytest.raises(ValueError, match=r"BLOCKDIFF_X must be 1 .* got"):
+        env_flag("BLOCKDIFF_X", {"BLOCKDIFF_X": bad})
+
+
+def test_env_flag_name_must_be_a_str():
+    with pytest.raises(TypeError, match="name"):
+        env_flag(1, {})
+
+
+def test_env_flag_reads_os_environ_by_default(monkeypatch):
+    monkeypatch.setenv("BLOCKDIFF_X", "1")
+    assert env_flag("BLOCKDIFF_X") is True
+
+
+def test_check_values_env_refuses_an_unknown_value_at_import():
+    """BLOCKDIFF_CHECK_VALUES=true was silently on (and any typo too); now the switch takes env_flag's values."""
+    code = "import blockdiff.attention"
+    env = dict(os.environ, BLOCKDIFF_CHECK_VALUES="true")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "ValueError: BLOCKDIFF_CHECK_VALUES must be 1" in r.stderr, r.stderr
+
+
+def test_profile_compiles_env_refuses_an_unknown_value(monkeypatch):
+    """BLOCKDIFF_PROFILE_COMPILES=yes was silently off; now register() refuses it (before registering anything)."""
+    from blockdiff.integration import vllm_plugin
+
+    monkeypatch.setenv(vllm_plugin.PROFILE_COMPILES_ENV, "yes")
+    with pytest.raises((ValueError, ImportError), match="BLOCKDIFF_PROFILE_COMPILES must be 1|needs vLLM"):
+        vllm_plugin.register()
+
+
+def test_fuse_commit_env_is_read_by_env_flag():
+    from blockdiff.integration import vllm_scheduler as VS
+
+    for v, want in (("1", True), ("0", False), ("", False)):
+        assert VS.fuse_commit_from_env({VS.FUSE_COMMIT_ENV: v}) is want
+    with pytest.raises(ValueError, match=f"{VS.FUSE_COMMIT_ENV} must be 1 \\(fused commits\\)"):
+        VS.fuse_commit_from_env({VS.FUSE_COMMIT_ENV: "on"})
+
+
+def test_standin_platform_env_refuses_an_unknown_value(monkeypatch):
+    from blockdiff.bench.experiments import serve_standin
+
+    monkeypatch.setenv(serve_standin.PLATFORM_ENV, "1")
+    assert serve_standin.platform_plugin() == serve_standin.PLATFORM_CLASS
+    monkeypatch.setenv(serve_standin.PLATFORM_ENV, "0")
+    assert serve_standin.platform_plugin() is None
+    monkeypatch.setenv(serve_standin.PLATFORM_ENV, "yes")
+    with pytest.raises(ValueError, match="BLOCKDIFF_STANDIN_PLATFORM must be 1"):
+        serve_standin.platform_plugin()
