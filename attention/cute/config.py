@@ -457,8 +457,11 @@ def _split_switches(config):
 
 
 def _check_num_splits(num_splits):
-    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
-                                   or not 1 <= num_splits <= MAX_SPLITS):
+    if num_splits is None:
+        return None
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int):  # a bool is not a split count
+        raise TypeError(f"config num_splits must be None or an int, got {type(num_splits).__name__} ({num_splits!r})")
+    if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"config num_splits must be None or an int in [1, {MAX_SPLITS}], got {num_splits!r}")
     return num_splits
 

@@ -272,16 +272,18 @@ def overlap_mode(overlap) -> int:
     if overlap == "roles":
         return 3
     if not isinstance(overlap, bool):
-        raise ValueError(f"OVERLAP must be a bool, 'chain' or 'roles', got {overlap!r}")
+        kind = ValueError if isinstance(overlap, str) else TypeError  # a str: a wrong name; anything else: a type
+        raise kind(f"OVERLAP must be a bool, 'chain' or 'roles', got {overlap!r}")
     return int(overlap)
 
 
 def check_gluon_config(cfg: TritonConfig, head_dim: int, head_dim_v: int) -> None:
-    """Validate the tile fields of a config with ``IMPL="gluon"`` (raises ``ValueError`` naming the field)."""
+    """Validate the tile fields of a config with ``IMPL="gluon"`` (raises ``ValueError`` naming the field, or
+    ``TypeError`` for a field of the wrong type: a bool or a float for an int)."""
     for name in ("num_warps", "BLOCK_M", "BLOCK_N", "num_stages", "BLOCK_DV"):
         v = getattr(cfg, name)
         if isinstance(v, bool) or not isinstance(v, int):
-            raise ValueError(f"config[{name!r}] must be an int with IMPL='gluon', got {v!r}")
+            raise TypeError(f"config[{name!r}] must be an int with IMPL='gluon', got {type(v).__name__} ({v!r})")
     nw, bm, bn, st = cfg.num_warps, cfg.BLOCK_M, cfg.BLOCK_N, cfg.num_stages
     roles = cfg.OVERLAP == "roles"
     if nw not in (4, 8) and not roles:
@@ -293,7 +295,9 @@ def check_gluon_config(cfg: TritonConfig, head_dim: int, head_dim_v: int) -> Non
     if not 1 <= st <= 4:
         raise ValueError(f"config['num_stages'] (K ring depth) must be in [1, 4] with IMPL='gluon', got {st!r}")
     vst = cfg.V_STAGES
-    if vst is not None and (isinstance(vst, bool) or not isinstance(vst, int) or not 1 <= vst <= 4):
+    if vst is not None and (isinstance(vst, bool) or not isinstance(vst, int)):
+        raise TypeError(f"config['V_STAGES'] must be None or an int, got {type(vst).__name__} ({vst!r})")
+    if vst is not None and not 1 <= vst <= 4:
         raise ValueError(f"config['V_STAGES'] (V ring depth; None: num_stages) must be an int in [1, 4] or None "
                          f"with IMPL='gluon', got {vst!r}")
     if roles:
@@ -327,10 +331,50 @@ def check_gluon_config(cfg: TritonConfig, head_dim: int, head_dim_v: int) -> Non
         raise ValueError("config['BLOCK_DV'] cannot split the V head dim with IMPL='gluon' (one program holds it all)")
 
 
+#: The config keys by the type they take (None allowed where the second item is True): no coercion, a bool is not
+#: an int (``True`` for ``num_splits`` is a TypeError, not 1).
+_INT_KEYS = {"BLOCK_M": False, "BLOCK_N": False, "num_warps": False, "num_stages": False, "BLOCK_DV": False,
+             "num_splits": True, "V_STAGES": True}
+_BOOL_KEYS = ("LAZY_RESCALE", "BT_PREFETCH", "NAN_SAFE_V")
+
+
+def _type_name(v) -> str:
+    """``type(v)``'s name, module-qualified outside the builtins (numpy's bool_ is also named "bool")."""
+    t = type(v)
+    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
+def check_config_types(cfg: dict) -> None:
+    """Type rules of a config dict's present keys: ``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``,
+    ``BLOCK_DV`` ints; ``num_splits``, ``V_STAGES`` None or ints; ``LAZY_RESCALE``, ``BT_PREFETCH``, ``NAN_SAFE_V``
+    bools; ``IMPL`` a str; ``OVERLAP`` a bool or a str. A bool is not an int here, nor an int a bool.
+
+    Raises:
+        TypeError: a value of the wrong type (the key, the type wanted and the value named).
+    """
+    for name, none_ok in _INT_KEYS.items():
+        if name not in cfg or (none_ok and cfg[name] is None):
+            continue
+        v = cfg[name]
+        if isinstance(v, bool) or not isinstance(v, int):
+            want = "None or an int" if none_ok else "an int"
+            raise TypeError(f"config[{name!r}] must be {want} (a bool is not an int), got {_type_name(v)} ({v!r})")
+    for name in _BOOL_KEYS:
+        if name in cfg and not isinstance(cfg[name], bool):
+            raise TypeError(f"config[{name!r}] must be a bool, got {_type_name(cfg[name])} ({cfg[name]!r})")
+    if "IMPL" in cfg and not isinstance(cfg["IMPL"], str):
+        raise TypeError(f"config['IMPL'] must be a str ('triton' or 'gluon'), got {_type_name(cfg['IMPL'])}")
+    if "OVERLAP" in cfg and not isinstance(cfg["OVERLAP"], (bool, str)):
+        raise TypeError(f"config['OVERLAP'] must be a bool, 'chain' or 'roles', got {_type_name(cfg['OVERLAP'])} "
+                        f"({cfg['OVERLAP']!r})")
+
+
 def resolve_config(base: dict, override: dict | None, *, group: int, head_dim: int, head_dim_v: int) -> TritonConfig:
     """``base`` (defaults + tuned table) updated with a call's ``override``, defaults filled in, validated.
 
     Raises:
+        TypeError: a value of the wrong type (:func:`check_config_types`: e.g. ``num_splits=True``, a bool for an
+            int; the message names the key).
         ValueError: an unknown key, or a value that breaks a rule (the message names the key and the rule).
     """
     if override:
@@ -339,6 +383,7 @@ def resolve_config(base: dict, override: dict | None, *, group: int, head_dim: i
             raise ValueError(f"config has unknown keys {sorted(bad)}; allowed: {list(CONFIG_KEYS)}")
     cfg = dict(base)
     cfg.update(override or {})
+    check_config_types(cfg)
     if cfg.get("IMPL") == "gluon" and "BLOCK_DV" not in (override or {}):
         cfg["BLOCK_DV"] = max(16, next_pow2(head_dim_v))  # the Gluon kernels hold all of V
     if cfg.get("IMPL") == "gluon" and "LAZY_RESCALE" not in (override or {}):
@@ -627,7 +672,7 @@ def merge_constexprs(num_splits: int, head_dim_v: int, store_lse: bool, pdl: boo
 
 __all__ = ["CONFIG_KEYS", "MAX_SPLITS", "TritonConfig", "StaticKey", "TritonAttention", "get_kernel",
            "default_config", "TUNED_CONFIGS", "TUNED_SPLIT_CONFIGS", "TUNED_GLUON_CONFIGS", "gluon_auto",
-           "resolve_config", "check_gluon_config", "overlap_mode", "CallShape", "choose_launch_config",
+           "resolve_config", "check_config_types", "check_gluon_config", "overlap_mode", "CallShape", "choose_launch_config",
            "choose_num_splits", "tile_estimate", "ctas_per_sm", "gluon_ctas_per_sm", "gluon_max_regs",
            "roles_pv_warpgroups", "roles_pv_regs", "roles_k_chunks", "roles_max_regs", "LOADER_REGS",
            "WIDE_CONSUMER_REGS", "WIDE_SMEM_LIMIT", "ROLES_P_STAGES", "KernelShape", "kernel_variant", "tma_boxes",

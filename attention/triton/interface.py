@@ -157,7 +157,9 @@ def attention_triton(
 
     Raises:
         TypeError, ValueError: see :func:`blockdiff.attention.validate.check_attention_inputs`; also a bad
-            ``config`` (unknown key, tile not a power of two >= 16) or a non-unit last-dim stride.
+            ``config`` (unknown key, tile not a power of two >= 16: ValueError; a value of the wrong type, e.g. a
+            bool for ``num_splits`` or an int for ``LAZY_RESCALE``: TypeError naming the key) or a non-unit last-dim
+            stride.
     """
     if isinstance(q, torch.Tensor) and q.device.type != "cuda" and not interpreting():
         raise ValueError(f"backend 'triton' needs CUDA tensors, got q on {q.device}; on the CPU set "

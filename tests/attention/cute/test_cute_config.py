@@ -175,10 +175,21 @@ def test_key_bound_takes_capacity_hint_and_window():
     assert cc.key_bound(100, None, 1023, 256) == 100
 
 
-@pytest.mark.parametrize("bad", [0, 17, True, 2.0, "2"])
+@pytest.mark.parametrize("bad", [0, 17])
 def test_config_num_splits_is_validated(bad):
     with pytest.raises(ValueError, match="num_splits"):
         cc.resolve_wide_config(512, 512, dict(num_splits=bad))
+
+
+@pytest.mark.parametrize("bad", [True, False, 2.0, "2"])
+def test_config_num_splits_of_the_wrong_type_is_a_type_error(bad):
+    """num_splits=True was a ValueError: a bool (or a float, a str) where an int is required is a TypeError."""
+    with pytest.raises(TypeError, match="num_splits must be None or an int"):
+        cc.resolve_wide_config(512, 512, dict(num_splits=bad))
+    with pytest.raises(TypeError, match="num_splits"):
+        cc.check_config(dict(num_splits=bad))
+    with pytest.raises(TypeError, match="num_splits"):
+        cc.check_config(cc.CuteConfig(num_splits=bad))
 
 
 def test_config_num_splits_passes_through_resolution(monkeypatch):
@@ -213,7 +224,8 @@ def test_launch_config_splits_a_batch_1_canvas_over_a_long_context_only():
     (dict(num_stages=0), ValueError, "num_stages"),
     (dict(lpt="no"), TypeError, "lpt"), (dict(lpt=2), TypeError, "lpt"),
     (dict(intra_wg_overlap="yes"), TypeError, "intra_wg_overlap"), (dict(mma_pv_is_rs=1), TypeError, "mma_pv_is_rs"),
-    (dict(num_splits=True), ValueError, "num_splits"), (dict(bogus=1), TypeError, "bogus"),
+    (dict(num_splits=True), TypeError, "num_splits"), (dict(num_splits=0), ValueError, "num_splits"),
+    (dict(bogus=1), TypeError, "bogus"),
     (cc.CuteConfig(tile_n=0), ValueError, "tile_n"), (cc.CuteConfig(lpt="x"), TypeError, "lpt"),
 ])
 @pytest.mark.parametrize("hd", [128, 512])

@@ -195,8 +195,8 @@ def test_auto_roles_at_512_follows_page_box_tma_ok(page):
         assert cfg.wide_design == ("roles" if cc.page_box_tma_ok(page, 64) else "split_v"), (page, config)
 
 
-@pytest.mark.parametrize("bad,err", [(0, ValueError), (17, ValueError), (-1, ValueError), (True, ValueError),
-                                     (2.0, ValueError), ("2", ValueError)])
+@pytest.mark.parametrize("bad,err", [(0, ValueError), (17, ValueError), (-1, ValueError), (True, TypeError),
+                                     (2.0, TypeError), ("2", TypeError)])
 def test_num_splits_out_of_range_is_refused_by_name_with_roles_auto(bad, err):
     for config in (dict(num_splits=bad), dict(num_splits=bad, v_refill="halves")):
         with pytest.raises(err, match="num_splits"):

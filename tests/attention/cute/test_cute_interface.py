@@ -84,7 +84,7 @@ def test_bad_input_is_a_value_error_before_anything_else():
 @pytest.mark.parametrize("hd", [128, 512])
 @pytest.mark.parametrize("config,err,match", [(dict(tile_n=17), ValueError, "tile_n"),
                                               (dict(num_stages=0), ValueError, "num_stages"),
-                                              (dict(num_splits=True), ValueError, "num_splits"),
+                                              (dict(num_splits=True), TypeError, "num_splits"),
                                               (dict(lpt="no"), TypeError, "lpt"), ("fast", TypeError, "config")])
 def test_bad_config_is_refused_before_the_cute_dsl_import(monkeypatch, hd, config, err, match):
     """Was: the config was first read inside the launch, after the CuTe DSL import and the CUDA checks (here an

@@ -21,7 +21,7 @@ def test_config_cache_tells_numpy_bool_from_bool():
     np = pytest.importorskip("numpy")
     inp = make_batch(**MIXED)
     attention_triton(**inp, config=dict(SMALL, BT_PREFETCH=True))
-    with pytest.raises(ValueError, match="BT_PREFETCH"):
+    with pytest.raises(TypeError, match="BT_PREFETCH.*numpy"):  # the wrong type: a TypeError naming numpy's type
         attention_triton(**inp, config=dict(SMALL, BT_PREFETCH=np.True_))
 
 
@@ -109,7 +109,7 @@ def test_split_regime_uses_its_tuned_tiles_only_when_the_base_tiles_would_split(
 
 def test_block_table_prefetch_option_must_be_a_bool():
     inp = make_batch(seq_lens=[8], q_lens=[8], causal=[True], page_size=16)
-    with pytest.raises(ValueError, match="BT_PREFETCH"):
+    with pytest.raises(TypeError, match="BT_PREFETCH.*bool"):  # an int for a bool: the wrong type
         attention(**inp, backend="triton", config=dict(BT_PREFETCH=1))
 
 
@@ -122,25 +122,35 @@ def test_a_cached_valid_config_does_not_let_an_equal_value_of_the_wrong_type_thr
     with {BT_PREFETCH: True} a call with {BT_PREFETCH: 1} hit the cache and skipped validation."""
     inp = make_batch(seq_lens=[8], q_lens=[8], causal=[True], page_size=16, head_dim=32)
     attention(**inp, backend="triton", config=good)
-    with pytest.raises(ValueError, match=name):
+    with pytest.raises(TypeError, match=name):  # each bad value is of the wrong type
         attention(**inp, backend="triton", config=bad)
-    with pytest.raises(ValueError, match="BLOCK_M"):   # unhashable values are validated, not a cache TypeError
+    with pytest.raises(TypeError, match="BLOCK_M"):   # unhashable values are validated: the key named
         attention(**inp, backend="triton", config=dict(BLOCK_M=[16]))
 
 
 @pytest.mark.parametrize("bad,match", [
     (dict(num_warps=2), "num_warps"), (dict(BLOCK_M=32), "BLOCK_M"), (dict(BLOCK_M=64, num_warps=8), "BLOCK_M"),
     (dict(BLOCK_N=16), "BLOCK_N"), (dict(num_stages=5), "num_stages"), (dict(BLOCK_DV=32), "BLOCK_DV"),
-    (dict(IMPL="cuda"), "IMPL"), (dict(OVERLAP=1), "OVERLAP"), (dict(OVERLAP="pv"), "OVERLAP"),
+    (dict(IMPL="cuda"), "IMPL"), (dict(OVERLAP="pv"), "OVERLAP"),
     (dict(OVERLAP="Chain"), "OVERLAP"), (dict(V_STAGES=0), "V_STAGES"), (dict(V_STAGES=5), "V_STAGES"),
-    (dict(V_STAGES=True), "V_STAGES"),
-    (dict(V_STAGES=2.0), "V_STAGES"), (dict(IMPL="triton", V_STAGES=1), "V_STAGES"),
+    (dict(IMPL="triton", V_STAGES=1), "V_STAGES"),
     (dict(IMPL="triton", OVERLAP=False), "OVERLAP"), (dict(IMPL="cuda", V_STAGES=1), "IMPL"),
-    (dict(NAN_SAFE_V=1), "NAN_SAFE_V"), (dict(NAN_SAFE_V="yes"), "NAN_SAFE_V"),
 ])
 def test_bad_gluon_configs_name_the_field(bad, match):
     inp = make_batch([9], [4], causal=[False], head_dim=64, page_size=64, device="cpu")
     with pytest.raises(ValueError, match=match):
+        attention(**inp, backend="triton", config=dict(GLUON, **bad))
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(OVERLAP=1), "OVERLAP"), (dict(V_STAGES=True), "V_STAGES"), (dict(V_STAGES=2.0), "V_STAGES"),
+    (dict(NAN_SAFE_V=1), "NAN_SAFE_V"), (dict(NAN_SAFE_V="yes"), "NAN_SAFE_V"), (dict(num_splits=True), "num_splits"),
+    (dict(num_warps=True), "num_warps"), (dict(BLOCK_M=64.0), "BLOCK_M"), (dict(IMPL=1), "IMPL"),
+])
+def test_config_values_of_the_wrong_type_are_type_errors_naming_the_key(bad, match):
+    """A bool where an int is required (``num_splits=True``), an int for a bool, a float for an int: TypeError."""
+    inp = make_batch([9], [4], causal=[False], head_dim=64, page_size=64, device="cpu")
+    with pytest.raises(TypeError, match=match):
         attention(**inp, backend="triton", config=dict(GLUON, **bad))
 
 
@@ -155,7 +165,8 @@ def test_bad_wide_gluon_configs_name_the_rule(bad, match):
     # hd 512 (Gemma 4 global layers): two consumer warpgroups of 64 rows, Q + K / V rings + the partial-S
     # exchange within 227 KB of shared memory
     inp = make_batch([9], [4], causal=[False], num_heads=16, num_kv_heads=2, head_dim=512, page_size=64, device="cpu")
-    with pytest.raises(ValueError, match=match):
+    kind = TypeError if any(isinstance(v, str) and k != "OVERLAP" for k, v in bad.items()) else ValueError
+    with pytest.raises(kind, match=match):
         attention(**inp, backend="triton", config=dict(WIDE, **bad))
     tc.check_gluon_config(tc.TritonConfig(**dict(WIDE, V_STAGES=None)), 512, 512)  # the automatic hd-512 choice fits
     tc.check_gluon_config(tc.TritonConfig(**dict(WIDE, BLOCK_N=32, num_stages=2, V_STAGES=2)),

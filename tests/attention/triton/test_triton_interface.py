@@ -74,7 +74,7 @@ def test_bad_config_and_dtype_raise_clear_errors():
         attention_triton(**inp, config=dict(BLOCK_K=16))
     with pytest.raises(ValueError, match="num_splits"):
         attention_triton(**inp, config=dict(num_splits=0))
-    with pytest.raises(ValueError, match="LAZY_RESCALE"):
+    with pytest.raises(TypeError, match="LAZY_RESCALE"):  # an int for a bool: the wrong type
         attention_triton(**inp, config=dict(LAZY_RESCALE=1))
     with pytest.raises(ValueError, match="BLOCK_M"):
         attention_triton(**make_batch(**MIXED, num_heads=32, num_kv_heads=1), config=dict(BLOCK_M=16))
