@@ -3,7 +3,8 @@ blockdiff.integration.cli:main``; from a checkout without it: ``python3 -m block
 :mod:`blockdiff.integration.demo`, :mod:`blockdiff.model.train` and :mod:`blockdiff.model.export` for what they run.
 
 Argument errors come first and fast: this module imports only the standard library at its top; each command
-imports its torch-heavy modules once the arguments that need no torch are checked.
+imports its torch-heavy modules once the arguments that need no torch are checked, and no command creates its
+output folder before every flag passed (:func:`out_folder_problem` checks it without creating it).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import math
 import os
 import re
 import sys
+import tempfile
 import types
 
 ATTENTION_BACKENDS = ("reference", "triton", "cute")
@@ -37,6 +39,27 @@ def device_problem(flag: str, device: str) -> str | None:
     if device == "meta":
         what += " (meta holds shapes only, no data to compute with)"
     return f"{flag} {what}"
+
+
+def out_folder_problem(flag: str, path: str) -> str | None:
+    """Why the output folder ``path`` (given as ``flag``: ``--out``, ``OUT``) could not be written, or None; checked
+    without creating anything (the command creates it only once every flag passed): not empty, not a file, and the
+    folder itself or, when missing, its nearest existing ancestor a writable folder."""
+    if not path.strip():
+        return f"{flag} must not be empty"
+    if os.path.exists(path) and not os.path.isdir(path):
+        return f"{flag} {path!r} is a file, not a folder"
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent) and os.path.dirname(parent) != parent:  # the nearest folder that exists
+        parent = os.path.dirname(parent)
+    target = path if os.path.isdir(path) else parent
+    if not os.path.isdir(target) or not os.access(target, os.W_OK):
+        return f"{flag} {path!r} cannot be written ({target!r} is not a writable folder)"
+    try:  # os.access trusts the mode bits (root passes it on /proc, a read-only mount): try a folder, gone at once
+        os.rmdir(tempfile.mkdtemp(prefix=".blockdiff-probe-", dir=target))
+    except OSError as e:
+        return f"{flag} {path!r} cannot be written ({target!r}: {e.strerror or e})"
+    return None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -186,12 +209,9 @@ def _demo(args) -> int:
     if args.checkpoint is not None and not os.path.isdir(args.checkpoint):
         problems.append(f"--checkpoint {args.checkpoint!r} is not a folder (expected a checkpoint folder written by "
                         "blockdiff train --out FOLDER)")
-    try:
-        os.makedirs(args.out, exist_ok=True)
-        if not os.access(args.out, os.W_OK):
-            raise PermissionError("not writable")
-    except OSError as e:
-        problems.append(f"--out {args.out!r} is not a writable folder ({e})")
+    out = out_folder_problem("--out", args.out)  # nothing is created before every flag passed
+    if out:
+        problems.append(out)
     if problems:
         return _errors("demo", problems)
     # torch-heavy modules only now, after the checks above: argument errors stay fast
@@ -231,9 +251,10 @@ def _demo(args) -> int:
 
 
 def _train(a) -> int:
-    dev = device_problem("--device", a.device) if a.device is not None else None
-    if dev:
-        return _errors("train", [dev])
+    problems = [p for p in (device_problem("--device", a.device) if a.device is not None else None,
+                            out_folder_problem("--out", a.out)) if p]
+    if problems:  # the checkpoint folder is written after training: an unwritable --out must fail now
+        return _errors("train", problems)
     # torch-heavy modules only now, after argument parsing: argument errors stay fast
     import torch
 
@@ -280,17 +301,9 @@ def _export(a) -> int:
         problems.append(f"--stability-threshold must be in [0, 2**31), got {a.stability_threshold}")
     if a.checkpoint is not None and not os.path.isdir(a.checkpoint):
         problems.append(f"--checkpoint {a.checkpoint!r} is not a folder")
-    if not a.out.strip():
-        problems.append("OUT must not be empty")
-    elif os.path.exists(a.out) and not os.path.isdir(a.out):
-        problems.append(f"OUT {a.out!r} is a file, not a folder")
-    else:
-        parent = os.path.dirname(os.path.abspath(a.out))
-        while not os.path.exists(parent) and os.path.dirname(parent) != parent:  # the nearest folder that exists
-            parent = os.path.dirname(parent)
-        target = a.out if os.path.isdir(a.out) else parent
-        if not os.path.isdir(target) or not os.access(target, os.W_OK):
-            problems.append(f"OUT {a.out!r} cannot be written ({target!r} is not a writable folder)")
+    out = out_folder_problem("OUT", a.out)
+    if out:
+        problems.append(out)
     if problems:
         return _errors("export", problems)
     # torch-heavy modules only now, after the checks above: argument errors stay fast

@@ -108,6 +108,35 @@ def test_demo_rejects_bad_arguments_before_running(tmp_path, capsys):
     assert "--embedding-scale" in err and "--canvas-length" in err and "--out" in err
 
 
+@pytest.mark.parametrize("argv, flag", [
+    (["demo", "--canvas-length", "0"], "--canvas-length"), (["demo", "--seed", "-1"], "--seed"),
+    (["demo", "--device", "meta"], "--device"), (["demo", "--embedding-scale", "2"], "--embedding-scale"),
+    (["demo", "--random-weights", "--backend", "cute", "--no-progress"], "cute"),  # refused after the flag checks
+    (["train", "--device", "tpu"], "--device"), (["train", "--smoke", "--lr", "nan"], "--lr"),
+    (["export", "--t-min", "-1"], "--t-min"), (["export", "--dtype", "float16", "--checkpoint", "/no/such"], "--checkpoint"),
+])
+def test_refused_flags_create_no_output_folder(tmp_path, capsys, argv, flag):
+    """Was: blockdiff demo created --out before it reported the other flags' errors; every subcommand now checks
+    every flag (the output folder without creating it) first."""
+    out = tmp_path / "new" / "out"
+    argv = [*argv, str(out)] if argv[0] == "export" else [*argv, "--out", str(out)]
+    assert cli.main(argv) == 2
+    assert flag in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("cmd", ["demo", "train", "export"])
+def test_an_output_folder_below_a_file_is_refused_naming_the_flag(tmp_path, capsys, cmd):
+    """--out / OUT below a file: one error naming the flag (train found out only after training)."""
+    (tmp_path / "afile").write_text("x")
+    out = str(tmp_path / "afile" / "sub")
+    argv = {"demo": ["demo", "--random-weights", "--out", out], "train": ["train", "--smoke", "--out", out],
+            "export": ["export", out]}[cmd]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and ("OUT" if cmd == "export" else "--out") in err[0] and "afile" in err[0], err
+
+
 @pytest.mark.parametrize("flags, flag", [
     (["--batch-size", "0"], "--batch-size"), (["--lr", "nan"], "--lr"), (["--max-steps", "0"], "--max-steps"),
     (["--prefix", "10", "--prefix-min", "20"], "--prefix"), (["--log-every", "0"], "--log-every"),
