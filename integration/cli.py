@@ -26,6 +26,12 @@ MAX_DENOISING_STEPS = 1 << 14
 GEOMETRY_NAMES = ("diffusiongemma-26b-a4b",)
 #: Largest finite float32: the sampler keeps the float sampling parameters in float32.
 _FLOAT32_MAX = 3.4028234663852886e38
+#: ``blockdiff export``'s sampling defaults when a flag is not given (blockdiff.model.export.GENERATION_DEFAULTS;
+#: repeated so argument errors need no torch; tests/model/test_export.py checks the two agree).
+_EXPORT_DEFAULTS = {"t_min": 0.4, "t_max": 0.8}
+#: Why ``blockdiff export`` is stricter than SamplingParams: the file is transformers'.
+_TRANSFORMERS_RULE = ("generation_config.json must load in transformers, whose DiffusionGemmaGenerationConfig "
+                      "refuses t_max <= t_min, entropy_bound <= 0 and confidence_threshold <= 0")
 #: Devices the commands compute on: ``cpu`` or ``cuda``, optionally with an index (torch's ``TYPE[:INDEX]``).
 _DEVICE_RE = re.compile(r"(cpu|cuda)(:\d+)?")
 
@@ -147,11 +153,16 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-denoising-steps", type=int, default=None,
                    help="step cap per canvas in generation_config.json (default 16, blockdiff demo's for a trained "
                         "checkpoint)")
-    e.add_argument("--t-min", type=float, default=None, help="temperature of the last denoising step (default 0.4)")
-    e.add_argument("--t-max", type=float, default=None, help="temperature of the first denoising step (default 0.8)")
-    e.add_argument("--entropy-bound", type=float, default=None, help="acceptance budget, nats (default 0.1)")
+    e.add_argument("--t-min", type=float, default=None, help="temperature of the last denoising step, >= 0 (default "
+                                                              "0.4)")
+    e.add_argument("--t-max", type=float, default=None,
+                   help="temperature of the first denoising step, > --t-min (transformers' rule for the file; default "
+                        "0.8)")
+    e.add_argument("--entropy-bound", type=float, default=None,
+                   help="acceptance budget, nats, > 0 (transformers' rule for the file; default 0.1)")
     e.add_argument("--confidence-threshold", type=float, default=None,
-                   help="mean-entropy convergence threshold, nats (default 0.005)")
+                   help="mean-entropy convergence threshold, nats, > 0 (transformers' rule for the file; default "
+                        "0.005)")
     e.add_argument("--stability-threshold", type=int, default=None, help="stable steps to converge (default 1)")
     e.add_argument("--overwrite", action="store_true", help="replace an earlier export in OUT")
     return ap
@@ -290,7 +301,17 @@ def _export(a) -> int:
             problems.append(f"{flag} must be a finite number >= 0, got {v}")
     for flag, v in (("--entropy-bound", a.entropy_bound), ("--confidence-threshold", a.confidence_threshold)):
         if v is not None and not (math.isfinite(v) and v > 0):
-            problems.append(f"{flag} must be a finite number > 0 (nats), got {v}")
+            problems.append(f"{flag} must be a finite number > 0 (nats), got {v}: {_TRANSFORMERS_RULE} (0 is a "
+                            "per-request value: SamplingParams / vLLM extra_args take it)")
+    t_min = _EXPORT_DEFAULTS["t_min"] if a.t_min is None else a.t_min
+    t_max = _EXPORT_DEFAULTS["t_max"] if a.t_max is None else a.t_max
+    if (a.t_min is not None or a.t_max is not None) and all(math.isfinite(t) and t >= 0 for t in (t_min, t_max)) \
+            and not t_max > t_min:
+        hi, lo = (f"{flag} {v}" + ("" if own is not None else " (default)")
+                  for flag, v, own in (("--t-max", t_max, a.t_max), ("--t-min", t_min, a.t_min)))
+        problems.append(f"{hi} must be > {lo}: "
+                        f"{_TRANSFORMERS_RULE} (a constant or greedy schedule, t_min == t_max, is a per-request "
+                        "value: SamplingParams / vLLM extra_args take it)")
     for flag, v in (("--t-min", a.t_min), ("--t-max", a.t_max), ("--entropy-bound", a.entropy_bound),
                     ("--confidence-threshold", a.confidence_threshold)):
         if v is not None and math.isfinite(v) and abs(v) > _FLOAT32_MAX:  # the sampler's float32 state
@@ -310,6 +331,7 @@ def _export(a) -> int:
     from blockdiff.model import CheckpointError
     from blockdiff.model.export import EXPORT_FILES, export_hf
     from blockdiff.model.pretrained import shipped_checkpoint_dir
+    from blockdiff.sampler import SamplingParams
 
     from .demo import TRAINED_MAX_DENOISING_STEPS
 
@@ -323,6 +345,11 @@ def _export(a) -> int:
     gen = {k: v for k, v in (("t_min", a.t_min), ("t_max", a.t_max), ("entropy_bound", a.entropy_bound),
                              ("confidence_threshold", a.confidence_threshold),
                              ("stability_threshold", a.stability_threshold)) if v is not None}
+    try:  # the defaults written must be a request the sampler accepts (e.g. every temperature a normal float32)
+        SamplingParams(max_denoising_steps=steps, **gen)
+    except ValueError as e:
+        return _errors("export", [f"--t-min {t_min} / --t-max {t_max} with --max-denoising-steps {steps}: the sampler "
+                                  f"refuses this default request ({e})"])
     try:
         written = export_hf(source, a.out, dtype=a.dtype, overwrite=a.overwrite, max_denoising_steps=steps, **gen)
     except CheckpointError as e:  # the source (also a FileNotFoundError when a file is missing): not OUT's fault

@@ -117,7 +117,9 @@ def hf_generation_config_dict(config: DiffusionGemmaConfig, *, max_denoising_ste
         max_denoising_steps: step cap per canvas (int >= 1). t_min, t_max: temperatures of the last / first
             denoising step, ``0 <= t_min < t_max`` (transformers requires ``t_max > t_min``; greedy is a request
             option, not a default). entropy_bound: acceptance budget in nats (> 0). confidence_threshold:
-            mean-entropy convergence threshold in nats (> 0). stability_threshold: int >= 0. None takes
+            mean-entropy convergence threshold in nats (> 0). These are transformers' rules for the file, stricter
+            than :class:`blockdiff.sampler.SamplingParams`' per-request ones (t_min == t_max, 0 bounds):
+            docs/ARCHITECTURE.md section 7, "Exported sampling defaults". stability_threshold: int >= 0. None takes
             :data:`GENERATION_DEFAULTS`. max_new_tokens: default output cap (int >= 1) or None (not written;
             vLLM 0.26 drops it for DiffusionGemma anyway).
 

@@ -57,7 +57,9 @@ class SamplingParams:
             (T = 0: no noise, all entropies 0); otherwise every temperature of the float32 schedule (rule 1,
             :func:`schedule_extremes`) must be finite and >= :data:`MIN_TEMPERATURE` (2**-126, float32's smallest
             normal): e.g. t_min = t_max = 1e-38 is refused, (0, 1e-30) accepted. (transformers requires
-            t_max > t_min strictly; docs/ARCHITECTURE.md allows t_min == t_max, which T = 0 needs.)
+            t_max > t_min strictly; docs/ARCHITECTURE.md allows t_min == t_max, which T = 0 needs. A checkpoint's
+            exported defaults keep transformers' rules: docs/ARCHITECTURE.md section 7, "Exported sampling
+            defaults".)
         entropy_bound: acceptance budget in nats, >= 0 and finite (the lowest-entropy position is always accepted).
         confidence_threshold: mean-entropy threshold in nats for convergence (strict ``<``), >= 0 and finite.
         stability_threshold: k in [0, 2**31); convergence needs the last k + 1 argmax canvases identical.

@@ -435,7 +435,7 @@ def test_cli_export_writes_the_folder_and_refuses_to_overwrite(tmp_path, capsys)
     assert len(err) == 1 and "blockdiff export: error:" in err[0] and "already holds" in err[0]
     assert "--overwrite" in err[0] and "overwrite=True" not in err[0]  # the CLI's switch, not the keyword
     assert cli.main(["export", str(out), "--overwrite", "--t-min", "0.9"]) == 2  # t_max (0.8) must exceed it
-    assert "t_max must be > t_min" in capsys.readouterr().err
+    assert "--t-max 0.8 (default) must be > --t-min 0.9" in capsys.readouterr().err
 
 
 def test_cli_export_argument_errors_come_before_torch(tmp_path):
@@ -522,3 +522,43 @@ def test_cli_export_out_errors_name_out_and_checkpoint_errors_do_not(tmp_path, c
     assert cli.main(["export", str(tmp_path / "o"), "--checkpoint", str(tmp_path / "ck")]) == 2
     err = capsys.readouterr().err.strip()
     assert "checkpoint folder" in err and "OUT" not in err, err
+
+
+def test_cli_export_defaults_agree_with_generation_defaults():
+    from blockdiff.model.export import GENERATION_DEFAULTS
+
+    assert all(GENERATION_DEFAULTS[k] == v for k, v in cli._EXPORT_DEFAULTS.items())
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--t-min", "0.5", "--t-max", "0.5"], ["--t-max 0.5 must be > --t-min 0.5", "transformers"]),
+    (["--t-min", "0", "--t-max", "0"], ["--t-max 0.0 must be > --t-min 0.0", "per-request"]),
+    (["--t-max", "0.3"], ["--t-max 0.3 must be > --t-min 0.4 (default)"]),
+    (["--entropy-bound", "0"], ["--entropy-bound must be a finite number > 0", "transformers"]),
+    (["--confidence-threshold", "0"], ["--confidence-threshold must be a finite number > 0", "transformers"]),
+    (["--t-min", "0", "--t-max", "1e-37", "--max-denoising-steps", "16"], ["--t-min 0.0 / --t-max 1e-37", "MIN_TEMPERATURE"]),
+])
+def test_cli_export_refuses_values_transformers_or_the_sampler_would_refuse_naming_the_flags(tmp_path, capsys, argv,
+                                                                                            words):
+    """The written generation_config.json is transformers' (its DiffusionGemmaGenerationConfig refuses t_max <= t_min,
+    entropy_bound <= 0, confidence_threshold <= 0 at construction), and its defaults must be a request SamplingParams
+    accepts. Was: the message named the keyword t_max, not the flag; the sampler's schedule rule was not checked (the
+    file then failed every default request). Nothing is written."""
+    out = tmp_path / "o"
+    assert cli.main(["export", str(out), *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and all(w in err[0] for w in words), err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("kw", [dict(t_min=0.5, t_max=0.5), dict(t_min=0.0, t_max=0.0), dict(entropy_bound=0.0),
+                                dict(confidence_threshold=0.0)])
+def test_sampling_params_take_per_request_values_the_export_refuses(kw):
+    """The two rules differ on purpose (docs/ARCHITECTURE.md section 7, "Exported sampling defaults"): a request may
+    run a constant or greedy schedule, accept only the lowest-entropy position (entropy_bound 0) or never converge
+    early (confidence_threshold 0); transformers' file format cannot hold those."""
+    from blockdiff.sampler import SamplingParams
+
+    SamplingParams(**kw)
+    with pytest.raises(ValueError):
+        hf_generation_config_dict(tiny_config(), **kw)
