@@ -50,6 +50,7 @@ from blockdiff.attention import AttentionMetadata
 from blockdiff.sampler import COMMIT, DENOISE, FAILED, FINISHED, PREFILL  # phases of SamplerState.phase
 from blockdiff.sampler import SamplerState, SamplingParams
 from blockdiff.sampler.common import fresh_canvas
+from blockdiff.sampler.state import check_resume
 
 from .annotate import annotated
 from .sampler import DiffusionSampler, commit_finishes_vec
@@ -583,7 +584,10 @@ class DiffusionModelState(_Base):
         Raises:
             ValueError: slot out of range, slot already held by another live request, duplicate req_id, empty
                 prompt, ``prefill_token_ids`` not starting with the prompt; in the harness also a canvas length
-                other than the served one, a stop id outside the vocabulary, or another SamplingParams rule broken.
+                other than the served one, a stop id outside the vocabulary, another SamplingParams rule broken, or
+                ``prefill_token_ids`` already holding ``max_tokens`` generated tokens
+                (:func:`blockdiff.sampler.state.check_resume`; under vLLM such a request is FAILED, as refused
+                parameters are).
         """
         if isinstance(req_index, bool) or not isinstance(req_index, int) or not 0 <= req_index < self.max_num_reqs:
             raise ValueError(f"req_index must be an int in [0, {self.max_num_reqs}), got {req_index!r}")
@@ -612,14 +616,16 @@ class DiffusionModelState(_Base):
                 rng_id = rng_request_id(new_req_data.sampling_params, req_id)
             self.reserve_stop_token_ids(len(params.eos_token_ids))
             self.state.check_params(params)
+            check_resume(params, num_generated)  # a resumed request with all its tokens: fail it, never lose it
             failed = None
         except (TypeError, ValueError) as e:
             if self.mode != "vllm":
                 raise
             params, rng_id = self.default_params, req_id
             failed = f"request {req_id!r} refused: {type(e).__name__}: {e}"
-        self.state.add_request(req_index, request_key(rng_id), params, num_emitted=num_generated,
-                               canvas_index=-(-num_generated // CL))
+        resumed = num_generated if failed is None else 0  # a FAILED slot never runs: its counters do not matter
+        self.state.add_request(req_index, request_key(rng_id), params, num_emitted=resumed,
+                               canvas_index=-(-resumed // CL))
         if failed is not None:
             self.state.phase[req_index] = FAILED
             self.failed_reasons[req_id] = failed

@@ -15,7 +15,7 @@ from .params import SamplingParams
 from .rng import MAX_POSITIONS, MAX_VOCAB
 
 __all__ = ["PREFILL", "DENOISE", "COMMIT", "FINISHED", "FAILED", "PHASE_NAMES", "NO_MAX_TOKENS",
-           "SamplerState", "StepOutput", "parse_device"]
+           "SamplerState", "StepOutput", "check_resume", "parse_device"]
 
 PREFILL = 0
 DENOISE = 1
@@ -26,6 +26,20 @@ PHASE_NAMES = {PREFILL: "PREFILL", DENOISE: "DENOISE", COMMIT: "COMMIT", FINISHE
 
 #: ``max_tokens`` stored for a request without a cap.
 NO_MAX_TOKENS = 1 << 62
+
+
+def check_resume(params, num_emitted: int) -> None:
+    """Refuse to (re)start a request that already emitted ``params.max_tokens`` tokens: it is finished, and adding it
+    would denoise a whole canvas to emit nothing (the caller finishes it instead: the harness does; under vLLM the
+    model state fails it with the reason, see :meth:`blockdiff.integration.model_state.DiffusionModelState.add_request`).
+
+    Raises:
+        ValueError: ``num_emitted >= params.max_tokens`` (both named).
+    """
+    cap = getattr(params, "max_tokens", None)
+    if cap is not None and num_emitted >= cap:
+        raise ValueError(f"num_emitted ({num_emitted}) must be < params.max_tokens ({cap}): the request already "
+                         "emitted all its tokens and is finished")
 
 
 def parse_device(device) -> torch.device:
@@ -178,14 +192,15 @@ class SamplerState:
             request_id: int in [-2**63, 2**63): the RNG identity of the request (low 48 bits used, see :mod:`.rng`).
             params: :class:`SamplingParams` (canvas_length must equal this state's).
             num_emitted: tokens the request already emitted (a request resumed after preemption; they count
-                toward ``max_tokens``), >= 0.
+                toward ``max_tokens``), >= 0 and below ``params.max_tokens`` (a request that emitted all its
+                tokens is finished: adding it would denoise a whole canvas and emit nothing).
             canvas_index: index of the first canvas it will denoise (a resumed request continues its RNG stream
                 after the canvases it committed), >= 0.
 
         Raises:
             TypeError / ValueError: bad slot, request_id, params type, canvas_length mismatch, more
-                eos_token_ids than ``max_eos`` (see :meth:`reserve_eos`), or a negative num_emitted /
-                canvas_index.
+                eos_token_ids than ``max_eos`` (see :meth:`reserve_eos`), a negative num_emitted / canvas_index,
+                or ``num_emitted >= params.max_tokens`` (:func:`check_resume`).
         """
         slot = self._check_slot(slot)
         if isinstance(request_id, bool) or not isinstance(request_id, int):
@@ -198,6 +213,7 @@ class SamplerState:
             if not 0 <= v < hi:
                 raise ValueError(f"{name} must be in [0, {hi}), got {v}")
         self.check_params(params)
+        check_resume(params, num_emitted)
         s = slot
         self.phase[s] = PREFILL
         self.canvas[s] = 0

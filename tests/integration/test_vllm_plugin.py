@@ -456,3 +456,30 @@ def test_vllm_backend_support_queries_refuse_an_unknown_attn_backend_env(monkeyp
     assert B.supports_head_size(512) and not B.supports_head_size(264) and not B.supports_dtype(torch.float32)
     monkeypatch.setenv("BLOCKDIFF_ATTN_BACKEND", "triton")
     assert B.supports_head_size(264) and B.supports_dtype(torch.float32) and not B.supports_head_size(520)
+
+
+@needs_stack
+def test_resumed_request_that_emitted_max_tokens_fails_under_vllm_and_raises_in_the_harness(vllm_sampler_output):
+    """Was: add_request took num_emitted >= max_tokens, and the request denoised a whole canvas to emit nothing.
+    Under vLLM (where raising would take the engine down) such a re-added request is FAILED with the reason, so the
+    scheduler finishes it; one generated token fewer resumes as before; the harness raises the ValueError."""
+    from dataclasses import replace
+    from types import SimpleNamespace as NS
+
+    from blockdiff.integration.batch import NewRequest
+    from blockdiff.sampler import FAILED, PREFILL
+
+    ms, _ = _vllm_mode_state()
+    sp = NS(seed=3, max_tokens=4, ignore_eos=True, stop_token_ids=None, extra_args=None)
+    ms.add_request(0, NS(req_id="done", prompt_token_ids=[1, 2], prefill_token_ids=[1, 2, 5, 6, 7, 8],
+                         sampling_params=sp))
+    assert ms.state.phase[0].item() == FAILED and "num_emitted (4) must be < params.max_tokens (4)" in \
+        ms.failed_reasons["done"]
+    ms.add_request(1, NS(req_id="more", prompt_token_ids=[1, 2], prefill_token_ids=[1, 2, 5, 6, 7],
+                         sampling_params=sp))
+    assert ms.state.phase[1].item() == PREFILL and ms.state.num_emitted[1].item() == 3
+    ms.mode = "harness"
+    with pytest.raises(ValueError, match=r"num_emitted \(4\) must be < params.max_tokens"):
+        ms.add_request(2, NewRequest("again", [1, 2], replace(ms.default_params, max_tokens=4),
+                                     prefill_token_ids=[1, 2, 5, 6, 7, 8]))
+    assert "again" not in ms.req_id_to_index

@@ -236,3 +236,17 @@ def test_eos_token_ids_set_with_a_non_int_names_the_field(ids):
     instances of 'str' and 'int'", naming nothing)."""
     with pytest.raises(TypeError, match="eos_token_ids must hold ints"):
         SamplingParams(eos_token_ids=ids)
+
+
+def test_add_request_refuses_num_emitted_at_or_past_max_tokens():
+    """Was: a request that had emitted max_tokens was accepted, denoised a whole canvas and emitted nothing."""
+    from blockdiff.sampler import SamplerState, SamplingParams
+
+    st = SamplerState(2, 4, 16, 8)
+    p = SamplingParams(canvas_length=4, max_tokens=5)
+    for n in (5, 6):
+        with pytest.raises(ValueError, match=rf"num_emitted \({n}\) must be < params.max_tokens \(5\)"):
+            st.add_request(0, 1, p, num_emitted=n, canvas_index=2)
+    st.add_request(0, 1, p, num_emitted=4, canvas_index=1)  # one token left: resumed
+    assert st.num_emitted[0].item() == 4
+    st.add_request(1, 2, SamplingParams(canvas_length=4), num_emitted=10 ** 6)  # no cap: any count
