@@ -62,6 +62,8 @@ def sampler_step(state: SamplerState, slots: torch.Tensor, logits: torch.Tensor,
         state: :class:`SamplerState`.
         slots: int64 [N] distinct slots of the rows, in [0, max_num_reqs).
         logits: float [N, CL, V] final (soft-capped) logits of the canvas tokens; ignored for non-DENOISE rows.
+            Converted to float32 by every backend; finite float64 values beyond float32's range saturate to
+            +-FLT_MAX (:func:`.common.saturate_logits`), so only NaN / +inf (or an all -inf position) fail a row.
         prefill_done: bool [N]; PREFILL rows with True move to DENOISE with a fresh canvas.
         embedding: E [V, hidden] (tied embedding), for ``soft = softmax(z) @ E * sqrt(hidden)``.
         backend: ``"reference"``, ``"triton"`` or ``"auto"``.

@@ -21,7 +21,8 @@ import torch
 from . import rng
 from .state import COMMIT, DENOISE, FAILED, FINISHED, PREFILL, SamplerState, StepOutput
 
-__all__ = ["check_step_args", "check_slot_values", "capturing", "temperature", "overflow_shift", "DenoiseResult",
+__all__ = ["check_step_args", "check_slot_values", "capturing", "saturate_logits", "temperature", "overflow_shift",
+           "DenoiseResult",
            "apply_step", "fresh_canvas", "accept_by_entropy", "entropy_order"]
 
 
@@ -122,6 +123,23 @@ def temperature(state: SamplerState, slots: torch.Tensor) -> torch.Tensor:
     S = state.max_denoising_steps[slots]
     s = state.step[slots]
     return t_min + ((t_max - t_min) * (S - s).to(torch.float32)) / S.to(torch.float32)
+
+
+#: Largest finite float32: a finite float64 logit beyond it saturates here (:func:`saturate_logits`).
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def saturate_logits(logits: torch.Tensor) -> torch.Tensor:
+    """The logits every backend converts to float32 (docs/ARCHITECTURE.md "Sampler semantics" rule 1): ``logits``
+    itself unless it is float64, whose finite values beyond float32's range are clamped to +-FLOAT32_MAX (a new
+    tensor; NaN and +-inf kept), so that ``float32(x)`` rounds every finite logit to a finite float32: a finite
+    logit never fails a request (IEEE conversion would turn 1e39 into +inf, and the request would fail). The order
+    of the logits is kept (those beyond the range tie at the bound, as nearby values tie after any rounding).
+    bf16 / fp16 / fp32 logits are always within range and pass through (no copy). No host sync: capturable.
+    """
+    if logits.dtype != torch.float64:
+        return logits
+    return torch.where(torch.isinf(logits), logits, logits.clamp(-FLOAT32_MAX, FLOAT32_MAX))
 
 
 def overflow_shift(x: torch.Tensor, tdiv: torch.Tensor) -> torch.Tensor:

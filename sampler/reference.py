@@ -8,7 +8,8 @@ temporaries (z, Gumbel noise, probabilities) — use the ``triton`` backend for 
 
 Per DENOISE row with step s, temperature T (:func:`blockdiff.sampler.common.temperature`):
 
-1. ``z = (float32(logits) - c) / T`` (the logits are the model's final, already soft-capped, logits), c = 0
+1. ``z = (float32(logits) - c) / T`` (the logits are the model's final, already soft-capped, logits; float64
+   ones beyond float32's range saturate to +-FLT_MAX first, :func:`~blockdiff.sampler.common.saturate_logits`), c = 0
    except where the position's largest z would overflow (:func:`blockdiff.sampler.common.overflow_shift`).
 2. ``sampled = argmax(z + g)``, g Gumbel noise of :func:`blockdiff.sampler.rng.gumbel_noise`.
 3. ``argmax = argmax(z)`` (ties to the lowest id); ``H = -sum p log p``, ``p = softmax(z)`` (nats).
@@ -50,7 +51,7 @@ import torch
 
 from . import rng
 from .common import (DenoiseResult, accept_by_entropy, apply_step, check_step_args, convergence, overflow_shift,
-                     temperature)
+                     saturate_logits, temperature)
 from .state import SamplerState, StepOutput
 
 __all__ = ["sampler_step", "denoise_reference", "soft_embedding_reference", "entropy_reference"]
@@ -90,7 +91,7 @@ def denoise_reference(state: SamplerState, slots: torch.Tensor, logits: torch.Te
 
     T = temperature(state, slots)                                    # [N] float32
     greedy = T == 0
-    x = logits.to(torch.float32)
+    x = logits.to(torch.float32)  # float64 beyond float32's range: saturated first (sampler_step, saturate_logits)
     # the softmax is defined iff the largest logit is finite: no NaN (amax propagates it), no +inf, not every
     # logit -inf; a -inf logit beside finite ones is p = 0 (z = -inf: never the argmax or the sample, 0 in H)
     defined = torch.isfinite(x.amax(-1))                             # [N, CL]
@@ -146,5 +147,5 @@ def sampler_step(state: SamplerState, slots: torch.Tensor, logits: torch.Tensor,
     """
     check_step_args(state, slots, logits, prefill_done, embedding, check_values=check_values)
     phase = state.phase[slots].clone()
-    res = denoise_reference(state, slots, logits, embedding)
+    res = denoise_reference(state, slots, saturate_logits(logits), embedding)
     return apply_step(state, slots, prefill_done, res, phase)

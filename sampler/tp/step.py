@@ -69,7 +69,8 @@ import torch
 import torch.distributed as dist
 
 from .. import rng
-from ..common import DenoiseResult, accept_by_entropy, apply_step, check_step_args, convergence, temperature
+from ..common import (DenoiseResult, accept_by_entropy, apply_step, check_step_args, convergence, saturate_logits,
+                      temperature)
 from ..state import DENOISE, SamplerState, StepOutput
 from .common import (NUM_FIELDS, STATUS_BAD, STATUS_FINITE, STATUS_ZMAX_INF, STATUS_ZMAX_NEG_INF, LocalStats,
                      VocabShard, make_shards)
@@ -208,6 +209,7 @@ def local_pass(backend: str, logits, embedding, T, seed, rid, cidx, step, active
     Raises:
         ValueError: unknown backend.
     """
+    logits = saturate_logits(logits)  # float64 only: a finite logit stays finite in float32 (the reference's rule)
     if backend == "reference":
         local = local_statistics(logits, T, seed, rid, cidx, step, shard)
         return local, lambda: soft_partial(logits, embedding, T, local)

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import check_step_args, entropy_order, temperature
+from ..common import check_step_args, entropy_order, saturate_logits, temperature
 from ..state import COMMIT, DENOISE, FAILED, FINISHED, PREFILL, SamplerState, StepOutput
 from .common import position_ids, side_stream
 from .config import SamplerConfig
@@ -308,6 +308,7 @@ def sampler_step(state: SamplerState, slots: torch.Tensor, logits: torch.Tensor,
         ValueError: ``config.stats_overlap`` where the soft embedding resolves to the Triton GEMM path.
     """
     checked = check_step_args(state, slots, logits, prefill_done, embedding, check_values=check_values)
+    logits = saturate_logits(logits)                                # float64 only: finite stays finite in float32
     is_den, seed, rid, cidx, step = _gather_rows(state, slots)      # is_den: int32 (1 = DENOISE)
     # torch indexing (the shared temperature) needs ids in range: unchecked ones are clamped for it, the kernels
     # mask them

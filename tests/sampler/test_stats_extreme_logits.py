@@ -82,3 +82,59 @@ def test_extreme_finite_logits_keep_the_reference_entropy_in_the_tp_shard_pass()
         assert torch.equal(a[..., 0], b[..., 0])                    # max
         assert torch.isfinite(b[..., 1:3]).all(), b[..., 1:3]        # s, u
         assert torch.allclose(a[..., 1:3], b[..., 1:3], rtol=1e-5, atol=1e-5)
+
+
+def _float64_beyond_float32(V, g):
+    """[1, 5, V] float64 logits: finite values beyond float32's range (1e39, 1e300, -1e300) beside ordinary ones."""
+    x = torch.randn(5, V, generator=g, dtype=torch.float64)
+    x[0, 7] = 1e300                               # one token far beyond float32: the argmax
+    x[1, 3], x[1, 9] = 1e39, 2e39                 # two beyond it: they tie at FLT_MAX (the lowest id first)
+    x[2, :] = -1e300                              # every logit far below float32's range: uniform
+    x[3, : V // 2] = -1e300                       # half beyond the range below: p = 0 there
+    return x[None]
+
+
+@pytest.mark.parametrize("tp", [None, "reference", "triton"])
+def test_float64_logits_beyond_float32_range_saturate_and_never_fail_the_request(tp):
+    """Was: float32(1e300) = +inf failed the request, though the docs said finite logits never do. Finite float64
+    logits saturate to +-FLT_MAX (sampler.common.saturate_logits), in every backend, bit for bit as the reference
+    on the saturated float32 tensor; NaN / +inf still fail."""
+    from blockdiff.sampler.common import FLOAT32_MAX
+    from blockdiff.sampler.tp import sampler_step_sharded
+
+    V, CL = 64, 5
+    x = _float64_beyond_float32(V, torch.Generator().manual_seed(11))
+    x32 = x.clamp(-FLOAT32_MAX, FLOAT32_MAX).to(torch.float32)     # the definition
+    assert torch.isfinite(x32).all()
+    outs = []
+    for backend, logits in (("reference", x32), ("reference", x), ("triton", x), ("tp", x)):
+        st, slots = make_state([P(canvas_length=CL, t_min=0.5, t_max=1.0)], cl=CL, v=V)
+        start_denoise(st, slots)
+        args = (st, slots, logits, torch.zeros(1, dtype=torch.bool), torch.zeros(V, st.hidden_size))
+        if backend == "tp":
+            if tp is None:
+                continue
+            outs.append(sampler_step_sharded(*args, bounds=(0, 29, V), backend=tp))
+        else:
+            outs.append(sampler_step(*args, backend=backend))
+    ref = outs[0]
+    assert not ref.failed.any()
+    assert ref.argmax[0, 0].item() == 7 and ref.argmax[0, 1].item() == 3
+    for o in outs[1:]:
+        assert not o.failed.any()
+        for f in ("accepted", "argmax", "sampled", "next_canvas", "converged"):
+            assert torch.equal(getattr(ref, f), getattr(o, f)), f
+        assert torch.allclose(ref.entropy, o.entropy, rtol=1e-5, atol=1e-6)
+    assert torch.equal(ref.entropy, outs[1].entropy)                 # the reference: bit for bit
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_float64_nan_or_inf_logits_still_fail_the_request(bad, backend):
+    V, CL = 64, 5
+    x = _float64_beyond_float32(V, torch.Generator().manual_seed(12))
+    x[0, 4, 1] = bad
+    st, slots = make_state([P(canvas_length=CL)], cl=CL, v=V)
+    start_denoise(st, slots)
+    o = sampler_step(st, slots, x, torch.zeros(1, dtype=torch.bool), torch.zeros(V, st.hidden_size), backend=backend)
+    assert o.failed.all()
