@@ -53,6 +53,13 @@ mean failure); ``update_from_output`` collects those ids and passes vLLM a copy 
   ``AsyncScheduler`` and 0.33.0's ``DiffusionAsyncScheduler``.
 * Without the switch in the two-canvas layout, the asynchronous ``schedule`` cuts every placeholder list to CL
   (:func:`cut_spec_tokens`) and the synchronous one cuts every draft list to CL: nothing fuses.
+* Fuse policy (``BLOCKDIFF_FUSE_POLICY``, :func:`fuse_policy_from_env`; docs/tuning.md 7.40), both schedulers:
+  ``any`` (the default) keeps every fused row above; ``uniform`` keeps them only when every canvas row of the step
+  is fused (:func:`keep_uniform_widths`, which says what vLLM needs to replay a FULL CUDA graph), else cuts them all
+  to CL: plain commits, exact as without fusion. A bad value stops the start (ValueError).
+* Budget guard (:func:`wide_rows_fit`): when ``2 * CL`` exceeds the step's token budget
+  (``max_num_scheduled_tokens``, or a ``long_prefill_token_threshold`` below it), nothing is fused (a warning at
+  start): every wide row would be cut and pay for discarded tokens.
 
 Served with CL (no fused layout, the default) none of this runs: every list is ``num_spec_tokens`` = CL long already,
 and no per-request loop is added to a step.
@@ -76,6 +83,11 @@ _log = logging.getLogger(__name__)
 MAX_CANVAS_WIDTH = 1 << 16
 #: Environment variable that turns fused commits on under vLLM (``1``; ``0`` or unset: off).
 FUSE_COMMIT_ENV = "BLOCKDIFF_FUSE_COMMIT"
+#: Environment variable choosing which fused rows the plugin's schedulers keep (:func:`fuse_policy_from_env`).
+FUSE_POLICY_ENV = "BLOCKDIFF_FUSE_POLICY"
+#: The fuse policies: ``any`` (the default) keeps every fused row; ``uniform`` keeps them only in a step whose
+#: canvas rows are all fused (:func:`keep_uniform_widths`).
+FUSE_POLICIES = ("any", "uniform")
 #: ``num_nans_in_logits`` value by which the worker asks for a fused commit (values > 0 mean the request failed).
 FUSE_NEXT_FLAG = -1
 #: Canvas length when neither the diffusion config nor the checkpoint names one (DiffusionGemma's).
@@ -90,6 +102,24 @@ def fuse_commit_from_env(environ: Mapping[str, str] | None = None) -> bool:
         ValueError: any other value (the variable named).
     """
     return env_flag(FUSE_COMMIT_ENV, environ, meaning="fused commits")
+
+
+def fuse_policy_from_env(environ: Mapping[str, str] | None = None) -> str:
+    """Which fused rows the plugin's schedulers keep, from ``BLOCKDIFF_FUSE_POLICY``: ``"any"`` (also when unset or
+    ``""``: every fused commit, as before the variable existed) or ``"uniform"`` (only in a step whose canvas rows
+    are all fused: :func:`keep_uniform_widths`). Both schedulers read it at start, served fused or not, so a typo
+    stops the start rather than being ignored.
+
+    Raises:
+        ValueError: any other value (the variable and the allowed values named).
+    """
+    env = os.environ if environ is None else environ
+    v = env.get(FUSE_POLICY_ENV, "")
+    if v == "":
+        return FUSE_POLICIES[0]
+    if v in FUSE_POLICIES:
+        return v
+    raise ValueError(f"{FUSE_POLICY_ENV} must be one of {', '.join(FUSE_POLICIES)} (unset: any), got {v!r}")
 
 
 def served_canvas_length(vllm_config: Any) -> tuple[int, bool]:
@@ -267,7 +297,7 @@ class FusedCommitPredictor:
         self._pending: dict[str, deque] = {}            # req_id -> rows in flight: (scheduler output, tokens)
         self._caps: dict[str, int | None] = {}
         self._no_fuse: set[str] = set()
-        self.num_wide = 0    # rows given 2 * CL
+        self.num_wide = 0    # rows scheduled 2 * CL wide (counted by record: a row a fuse policy cut is not)
         self.num_missed = 0  # of those, rows that committed nothing
 
     def _cap(self, request: Any) -> int | None:
@@ -325,21 +355,25 @@ class FusedCommitPredictor:
             return cl
         if request.num_computed_tokens + 2 * cl > max_model_len:
             return cl
-        self.num_wide += 1
         return 2 * cl
 
     def record(self, scheduler_output: Any) -> None:
         """Count the canvas rows of a step just scheduled (``scheduled_spec_decode_tokens``: rows with draft
         tokens; their widths from ``num_scheduled_tokens``) as in flight, and forget the requests in
-        ``finished_req_ids``."""
+        ``finished_req_ids``. The widths are the ones vLLM scheduled, so a row :meth:`width` gave ``2 * CL`` but a
+        fuse policy (:func:`keep_uniform_widths`) or vLLM's budget cut is counted at its real width: a CL row of a
+        COMMIT is a plain commit, never a miss, and :attr:`num_wide` counts only rows scheduled ``2 * CL``."""
         for rid in getattr(scheduler_output, "finished_req_ids", ()) or ():
             self.drop(rid)
         n = scheduler_output.num_scheduled_tokens
+        wide = 2 * self.canvas_length
         for rid in scheduler_output.scheduled_spec_decode_tokens:
             dq = self._pending.get(rid)
             if dq is None:
                 self._pending[rid] = dq = deque()
-            dq.append((scheduler_output, int(n[rid])))
+            q = int(n[rid])
+            self.num_wide += q == wide
+            dq.append((scheduler_output, q))
 
     def observe(self, scheduler_output: Any, model_runner_output: Any, flagged: Iterable[str],
                 requests: Mapping[str, Any]) -> None:
@@ -448,7 +482,7 @@ def cut_draft_widths(scheduler: Any, draft_token_ids: Any, fuse_next: set[str] |
             lists[i] = lists[i][:width]
 
 
-def cut_spec_tokens(scheduler: Any, predictor: "FusedCommitPredictor | None" = None) -> None:
+def cut_spec_tokens(scheduler: Any, predictor: "FusedCommitPredictor | None" = None) -> int:
     """Cut every running request's ``spec_token_ids`` (vLLM's placeholders, ``num_spec_tokens`` = ``2 * CL`` wide
     in the fused layout) to the width its next row schedules: what the asynchronous scheduler does before each
     ``schedule`` when served in the fused layout (served with CL it skips this per-request loop). A new list is
@@ -462,9 +496,13 @@ def cut_spec_tokens(scheduler: Any, predictor: "FusedCommitPredictor | None" = N
             (CL, or ``2 * CL`` for a predicted fused commit); lists of at most CL stay as they are, and a request with
             another canvas width (``extra_args["diffusion_canvas_length"]``, which the model state refuses) gets
             that width.
+
+    Returns:
+        How many lists the predictor left ``2 * CL`` wide (0 without a predictor).
     """
     cl = _canvas_length_of(scheduler)
     mml = scheduler.max_model_len
+    wide = 0
     for req in scheduler.running:
         spec = req.spec_token_ids
         if predictor is not None and len(spec) <= cl:
@@ -475,8 +513,110 @@ def cut_spec_tokens(scheduler: Any, predictor: "FusedCommitPredictor | None" = N
             continue
         if predictor is not None and width == cl:
             width = predictor.width(req, mml)
+            wide += width > cl
         if len(spec) > width:
             req.spec_token_ids = spec[:width]
+    return wide
+
+
+def wide_rows_fit(scheduler: Any) -> bool:
+    """Whether vLLM can schedule a fused row's ``2 * CL`` tokens whole in one step: ``2 * CL <=`` the scheduler's
+    ``max_num_scheduled_tokens`` (the step's token budget) and ``scheduler_config.long_prefill_token_threshold``
+    (which vLLM 0.26.0 / 0.33.0 apply to running rows too, ``Scheduler.schedule``) is 0 (off) or ``>= 2 * CL``.
+    When it is False the plugin's schedulers never keep a wide row (no fused commits): every one would be cut to
+    ``CL < q < 2 * CL`` tokens, commit plain and pay for ``q - CL`` discarded tokens (docs/tuning.md 7.38, review,
+    "Left open"). Both limits are fixed at start.
+
+    Args:
+        scheduler: reads ``max_num_scheduled_tokens``, ``scheduler_config.long_prefill_token_threshold`` and CL
+            (``blockdiff_canvas_length`` / ``num_spec_tokens``); a missing attribute (or None) is no limit.
+    """
+    wide = 2 * _canvas_length_of(scheduler)
+    budget = getattr(scheduler, "max_num_scheduled_tokens", None)
+    threshold = getattr(getattr(scheduler, "scheduler_config", None), "long_prefill_token_threshold", None) or 0
+    return (budget is None or wide <= budget) and (threshold <= 0 or wide <= threshold)
+
+
+def _schedule_skips(req: Any, next_step: int | None) -> bool:
+    """Whether vLLM's next ``Scheduler.schedule`` call (0.26.0 / 0.33.0, running loop) passes over a running
+    request before sizing its row: not yet decode-eligible (``current_step`` is advanced first, then
+    ``current_step < next_decode_eligible_step`` skips), or, asynchronous, its rows in flight already reach
+    ``max_tokens`` (``num_computed_tokens + 2 - num_output_placeholders >= num_prompt_tokens + max_tokens``)."""
+    if next_step is not None and next_step < (getattr(req, "next_decode_eligible_step", 0) or 0):
+        return True
+    placeholders = getattr(req, "num_output_placeholders", 0) or 0
+    max_tokens = getattr(req, "max_tokens", None)
+    return placeholders > 0 and max_tokens is not None and \
+        req.num_computed_tokens + 2 - placeholders >= req.num_prompt_tokens + max_tokens
+
+
+def keep_uniform_widths(scheduler: Any) -> int:
+    """The ``uniform`` fuse policy (:data:`FUSE_POLICY_ENV`), run just before vLLM's ``schedule``: keep the
+    ``2 * CL`` lists (fused commits) only if every canvas row that call will schedule is a whole ``2 * CL`` row;
+    otherwise cut each of them to CL. A cut request's row is then a plain commit of its converged canvas, exactly
+    as without fusion (the worker commits a CL row in phase COMMIT; :class:`FusedCommitPredictor` records the
+    width vLLM scheduled, so the cut row counts as a plain commit and never as a miss).
+
+    Why (vLLM 0.26.0 model runner v2; docs/tuning.md 7.37 (a), 7.40): ``GPUModelRunner.execute_model`` sizes a step
+    by ``get_uniform_token_count(num_reqs, num_tokens, max_query_len)`` over ``scheduler_output.
+    num_scheduled_tokens``: every scheduled request, prefill chunks included; the step is uniform when every
+    request's count equals the largest. ``CudaGraphManager.dispatch`` replays a FULL graph only for a descriptor
+    whose ``uniform_token_count`` equals that count exactly (``_is_compatible``), i.e. ``decode_query_len`` = 2 * CL
+    or, with :mod:`blockdiff.integration.vllm_graphs`, CL, and whose size was captured; any other step runs
+    PIECEWISE. So a fused row beside plain canvas rows makes a step PIECEWISE that would have been FULL, and this
+    policy keeps such steps uniform: canvas rows all CL, or all ``2 * CL`` (also one request alone). A step with a
+    prefill row (a new or resumed request, or a prompt chunk) is not uniform whatever the canvas widths (0.33.0's
+    runner also checks ``decode_graph_eligible = not has_prefill``); the policy does not look at those rows (a
+    waiting request is admitted only after the running ones are sized), so in such a step it may cut fused rows
+    that would have cost no graph.
+
+    Which rows (mirroring vLLM's running loop, ``Scheduler.schedule`` in 0.26.0 / 0.33.0): the running requests
+    vLLM will size (:func:`_schedule_skips`); a canvas row is one with draft tokens (``spec_token_ids`` not empty).
+    The ``2 * CL`` lists are kept when every such canvas row is ``2 * CL`` and its row is whole
+    (``num_tokens + len(spec_token_ids) + num_output_placeholders - num_computed_tokens``, which vLLM schedules, is
+    ``2 * CL`` and within ``max_model_len - num_computed_tokens``), and the rows of all those requests together,
+    counted whole, fit ``max_num_scheduled_tokens`` (so vLLM's budget cuts none of them; waiting requests are
+    sized after them). Lists of requests vLLM passes over are left alone (they are judged again when they run).
+
+    Args:
+        scheduler: a vLLM ``Scheduler`` served in the fused layout (reads ``running``, ``max_model_len``,
+            ``max_num_scheduled_tokens``, ``current_step``, CL; sets ``spec_token_ids`` to new lists, never
+            changing vLLM's shared placeholder list).
+
+    Returns:
+        How many ``2 * CL`` lists it cut to CL (0 when the step stays uniform, or has no fused row).
+    """
+    cl = _canvas_length_of(scheduler)
+    wide_len = 2 * cl
+    mml = scheduler.max_model_len
+    budget = getattr(scheduler, "max_num_scheduled_tokens", None)
+    step = getattr(scheduler, "current_step", None)
+    next_step = None if step is None else step + 1
+    wide: list[Any] = []
+    uniform = True
+    demand = 0
+    for req in scheduler.running:
+        if _schedule_skips(req, next_step):
+            continue
+        spec = req.spec_token_ids
+        computed = req.num_computed_tokens
+        row = min(req.num_tokens + len(spec) + (getattr(req, "num_output_placeholders", 0) or 0) - computed,
+                  mml - computed)
+        if row <= 0:
+            continue
+        demand += row
+        if not spec:  # a prefill chunk: not a canvas row (only its tokens count, against the budget)
+            continue
+        if len(spec) == wide_len:
+            wide.append(req)
+            uniform = uniform and row == wide_len
+        else:
+            uniform = False
+    if not wide or (uniform and (budget is None or demand <= budget)):
+        return 0
+    for req in wide:
+        req.spec_token_ids = req.spec_token_ids[:cl]
+    return len(wide)
 
 
 def finish_stuck_requests(scheduler: Any, num_nans_in_logits: Mapping[str, int] | None, outputs: dict,
@@ -544,6 +684,9 @@ def finish_stuck_requests(scheduler: Any, num_nans_in_logits: Mapping[str, int] 
     return done
 
 
+_NO_FLAGS: frozenset[str] = frozenset()
+
+
 def _vllm_types():
     from types import SimpleNamespace
 
@@ -568,19 +711,37 @@ def _make_classes() -> dict[str, type]:
                 super().__init__(*args, **kwargs)
                 # CL and whether the diffusion config leaves room for fused commits (2 * CL drafts a row)
                 self.blockdiff_canvas_length, self.blockdiff_fused_layout = served_canvas_length(self.vllm_config)
-                self.blockdiff_fuse_next: set[str] = set()  # sync: the last step's fused-commit requests
+                self.blockdiff_fuse_next: set[str] | frozenset[str] = frozenset()  # sync: last step's fused ids
+                # which fused rows are kept (BLOCKDIFF_FUSE_POLICY, read even when nothing fuses: a typo stops the
+                # start) and how many the uniform policy cut to CL
+                self.blockdiff_fuse_policy = fuse_policy_from_env()
+                self.blockdiff_num_policy_cuts = 0
+                # a 2 * CL row fits the token budget whole (else nothing is fused: wide_rows_fit)
+                self.blockdiff_wide_fits = wide_rows_fit(self)
                 # async, fused layout, BLOCKDIFF_FUSE_COMMIT=1: the step counts that predict commits (else None)
                 self.blockdiff_predictor: FusedCommitPredictor | None = None
-                if asynchronous and self.blockdiff_fused_layout and fuse_commit_from_env():
+                if self.blockdiff_fused_layout and fuse_commit_from_env() and not self.blockdiff_wide_fits:
+                    _log.warning("blockdiff: a fused row (%d tokens) does not fit the token budget "
+                                 "(max_num_scheduled_tokens %s, long_prefill_token_threshold %s): no fused commits",
+                                 2 * self.blockdiff_canvas_length, getattr(self, "max_num_scheduled_tokens", None),
+                                 getattr(self.scheduler_config, "long_prefill_token_threshold", None))
+                elif asynchronous and self.blockdiff_fused_layout and fuse_commit_from_env():
                     steps = served_max_denoising_steps(self.vllm_config)
                     self.blockdiff_predictor = FusedCommitPredictor(
                         self.blockdiff_canvas_length, steps if steps is not None else default_max_denoising_steps())
+                # the uniform policy's pass before each schedule call (only where rows may be 2 * CL wide)
+                self._blockdiff_uniform = (self.blockdiff_fuse_policy == "uniform" and self.blockdiff_fused_layout
+                                           and self.blockdiff_wide_fits)
 
             @annotated("blockdiff:schedule")
             def schedule(self, *args, **kwargs):
                 predictor = self.blockdiff_predictor
                 if asynchronous and self.blockdiff_fused_layout:  # placeholders of 2 * CL: cut to CL, or kept
-                    cut_spec_tokens(self, predictor)              # where the step cap forces a commit (predictor)
+                    wide = cut_spec_tokens(self, predictor)       # where the step cap forces a commit (predictor)
+                    if wide and self._blockdiff_uniform:
+                        self.blockdiff_num_policy_cuts += keep_uniform_widths(self)
+                elif self._blockdiff_uniform:  # sync: the flagged requests' 2 * CL drafts (cut_draft_widths)
+                    self.blockdiff_num_policy_cuts += keep_uniform_widths(self)
                 out = super().schedule(*args, **kwargs)
                 if predictor is not None:
                     predictor.record(out)
@@ -598,7 +759,8 @@ def _make_classes() -> dict[str, type]:
                     self.blockdiff_predictor.observe(scheduler_output, model_runner_output, fuse, self.requests)
                 if fuse:  # vLLM sees no flag: its count of failed requests reads n > 0
                     model_runner_output.num_nans_in_logits = cleaned
-                self.blockdiff_fuse_next = fuse if (self.blockdiff_fused_layout and not asynchronous) else set()
+                self.blockdiff_fuse_next = fuse if (self.blockdiff_fused_layout and not asynchronous and
+                                                    self.blockdiff_wide_fits) else _NO_FLAGS
                 outputs = super().update_from_output(scheduler_output, model_runner_output)
                 finish_stuck_requests(self, cleaned, outputs, types=_vllm_types())
                 return outputs

@@ -500,14 +500,16 @@ def test_vllm_model_state_refuses_fused_commits_when_vllm_raises_on_any_nan_coun
 def test_one_canvas_layout_schedulers_do_no_per_request_width_work(monkeypatch, tiny_hf_folder, asynchronous):
     """Served with canvas_length = CL (the default: no fused layout, the switch cannot be on) the plugin's
     schedulers are what they were before fused commits: no per-request loop cutting draft lists or placeholders
-    each step (num_spec_tokens is CL already; vLLM 0.33.0's own DiffusionScheduler trims per-request widths), and
-    the widths stay CL."""
+    each step, nor the uniform fuse policy's (num_spec_tokens is CL already; vLLM 0.33.0's own DiffusionScheduler
+    trims per-request widths), and the widths stay CL."""
     def boom(*a, **k):
         raise AssertionError("a per-request width loop ran without the fused layout")
 
     monkeypatch.setattr(VS, "cut_spec_tokens", boom)
     monkeypatch.setattr(VS, "cut_draft_widths", boom)
+    monkeypatch.setattr(VS, "keep_uniform_widths", boom)
     monkeypatch.setenv(VS.FUSE_COMMIT_ENV, "1")  # the switch alone (served with CL) adds no work either
+    monkeypatch.setenv(VS.FUSE_POLICY_ENV, "uniform")  # nor the uniform policy
     s = _real_scheduler(monkeypatch, tiny_hf_folder, asynchronous=asynchronous, served=CL)
     assert s.blockdiff_fused_layout is False and s.blockdiff_predictor is None
     s.add_request(_request("a", 10))

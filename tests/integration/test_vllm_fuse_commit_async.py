@@ -171,9 +171,10 @@ def tiny_hf_folder(tmp_path_factory):
 
 
 def _scheduler(monkeypatch, folder, *, served, fuse, max_model_len=256, num_blocks=64, max_num_seqs=4,
-               budget=256, asynchronous=True):
+               budget=256, asynchronous=True, policy=None):
     """The plugin's scheduler on vLLM's own classes: --diffusion-config canvas_length ``served`` and
-    max_denoising_steps :data:`STEPS`, BLOCKDIFF_FUSE_COMMIT ``fuse``, ``num_blocks`` KV pages of 16 tokens."""
+    max_denoising_steps :data:`STEPS`, BLOCKDIFF_FUSE_COMMIT ``fuse``, BLOCKDIFF_FUSE_POLICY ``policy`` (None:
+    unset), ``num_blocks`` KV pages of 16 tokens."""
     import vllm.config.vllm as config_module
     from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.config.diffusion import DiffusionConfig
@@ -184,6 +185,10 @@ def _scheduler(monkeypatch, folder, *, served, fuse, max_model_len=256, num_bloc
         monkeypatch.setenv(VS.FUSE_COMMIT_ENV, "1")
     else:
         monkeypatch.delenv(VS.FUSE_COMMIT_ENV, raising=False)
+    if policy is None:
+        monkeypatch.delenv(VS.FUSE_POLICY_ENV, raising=False)
+    else:
+        monkeypatch.setenv(VS.FUSE_POLICY_ENV, policy)
     monkeypatch.setattr(config_module, "HAS_TRITON", True)  # model runner v2's check (no kernel runs here)
     mc = ModelConfig(model=str(folder), tokenizer=str(folder), dtype="float32", language_model_only=True,
                      max_model_len=max_model_len)
@@ -211,7 +216,8 @@ class CpuRunner:
 
     Counts per request: ``rows`` (the widths of its canvas rows), ``fused`` (rows of ``2 * CL`` that committed: fused
     commits, and wide rows whose commit ended the request), ``stalled_wide`` (rows wider than CL that committed
-    nothing: stalled by the sampler), ``adds`` (``add_request`` calls: > 1 after a preemption)."""
+    nothing: stalled by the sampler), ``adds`` (``add_request`` calls: > 1 after a preemption). Per step:
+    ``canvas_steps`` (the widths of the step's canvas rows, {req_id: tokens}; steps without one are left out)."""
 
     def __init__(self, model, default_params, *, fuse, max_num_reqs=4, max_model_len=256, page=16):
         from blockdiff.integration.model_state import DiffusionModelState
@@ -235,6 +241,7 @@ class CpuRunner:
         self.fused: dict[str, int] = {}
         self.stalled_wide: dict[str, int] = {}
         self.adds: dict[str, int] = {}  # add_request calls per request (> 1: resumed after a preemption)
+        self.canvas_steps: list[dict[str, int]] = []
 
     def execute(self, so):
         from vllm.v1.outputs import ModelRunnerOutput
@@ -254,6 +261,9 @@ class CpuRunner:
         if not ids:
             return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
         q = np.array([so.num_scheduled_tokens[r] for r in ids], dtype=np.int32)
+        canvas = {r: int(so.num_scheduled_tokens[r]) for r in ids if so.scheduled_spec_decode_tokens.get(r)}
+        if canvas:
+            self.canvas_steps.append(canvas)
         ctx = np.array([self.reqs[r]["computed"] for r in ids], dtype=np.int32)
         plen = np.array([len(self.reqs[r]["ids"]) for r in ids], dtype=np.int32)
         slots = np.array([self.reqs[r]["slot"] for r in ids], dtype=np.int64)
@@ -641,10 +651,11 @@ if given is not None:
             vllm_env, tiny_hf_folder, tiny_model, make_runner, rows, server):
         """Random batches (prompt lengths at and around a KV block, max_tokens below / at / around multiples of
         CL, per-request caps, early convergence, stop ids, staggered arrivals, client aborts) on random servers
-        (small KV caches: preemption; token budgets below 2 * CL: wide rows cut; fewer sequences): the fused async
-        server answers every request with the async unfused server's tokens and reasons; without aborts both equal
-        the harness, with one the tokens are a prefix of the harness's; after a last schedule call the predictor
-        holds nothing of any request (finished and aborted ids forgotten)."""
+        (small KV caches: preemption; a token budget of 3 * CL: wide rows cut; one below 2 * CL: nothing fused,
+        the budget guard; fewer sequences): the fused async server answers every request with the async unfused
+        server's tokens and reasons; without aborts both equal the harness, with one the tokens are a prefix of
+        the harness's; after a last schedule call the predictor holds nothing of any request (finished and aborted
+        ids forgotten)."""
         reqs, aborts = [], {}
         for i, (plen, mt, cap, early, stop, at, abort) in enumerate(rows):
             extra = {} if cap is None else {"diffusion_max_steps": cap}
@@ -666,4 +677,230 @@ if given is not None:
                 assert (reason, toks) == plain[rid] == want[rid], rid
         sf.schedule()  # reports the last finished ids
         p = sf.blockdiff_predictor
+        if server["budget"] < 2 * CL:  # the budget guard: a fused row would never fit, nothing is fused
+            assert p is None and sf.blockdiff_wide_fits is False
+            return
         assert not (p._known or p._pending or p._caps or p._no_fuse), (p._known, p._pending, p._caps, p._no_fuse)
+
+
+# ------------------------------------------------------------------------------------------ fuse policy (tuning 7.40)
+def test_fuse_policy_is_any_unless_the_variable_says_uniform_and_a_bad_value_names_the_variable():
+    assert VS.fuse_policy_from_env({}) == "any" and VS.fuse_policy_from_env({VS.FUSE_POLICY_ENV: ""}) == "any"
+    for v in VS.FUSE_POLICIES:
+        assert VS.fuse_policy_from_env({VS.FUSE_POLICY_ENV: v}) == v
+    for bad in ("Uniform", " any", "all", "1", "none"):
+        with pytest.raises(ValueError, match=f"{VS.FUSE_POLICY_ENV} must be one of any, uniform"):
+            VS.fuse_policy_from_env({VS.FUSE_POLICY_ENV: bad})
+
+
+def test_wide_rows_fit_only_when_the_budget_and_the_long_prefill_threshold_hold_a_whole_fused_row():
+    def sched(budget, threshold=0):
+        return NS(blockdiff_canvas_length=CL, num_spec_tokens=2 * CL, max_num_scheduled_tokens=budget,
+                  scheduler_config=NS(long_prefill_token_threshold=threshold))
+
+    assert VS.wide_rows_fit(sched(2 * CL)) and VS.wide_rows_fit(sched(256))
+    assert not VS.wide_rows_fit(sched(2 * CL - 1)) and not VS.wide_rows_fit(sched(CL + 4))
+    assert VS.wide_rows_fit(sched(256, 2 * CL)) and not VS.wide_rows_fit(sched(256, 2 * CL - 1))
+    assert VS.wide_rows_fit(NS(num_spec_tokens=CL))  # no budget known: no limit
+
+
+def _running(rid, spec, *, tokens=40, computed=None, placeholders=0, eligible=0, prompt_len=10, max_tokens=1000):
+    """A running request as vLLM's running loop reads it: ``spec`` draft tokens (0: a prefill chunk of
+    ``tokens - computed`` tokens)."""
+    return NS(request_id=rid, spec_token_ids=[-1] * spec, num_tokens=tokens,
+              num_computed_tokens=tokens + placeholders if computed is None else computed,
+              num_output_placeholders=placeholders, next_decode_eligible_step=eligible, num_prompt_tokens=prompt_len,
+              max_tokens=max_tokens)
+
+
+def test_uniform_policy_keeps_fused_lists_only_when_every_canvas_row_the_next_call_schedules_is_fused():
+    """keep_uniform_widths, before vLLM's schedule call: fused (2 * CL) lists stay when every canvas row vLLM will
+    size is a whole 2 * CL row and all those rows fit the token budget; otherwise every fused list is cut to CL
+    (new lists: vLLM's shared placeholder list is never changed). Requests vLLM passes over (not yet
+    decode-eligible; async rows in flight that reach max_tokens) neither block nor lose their fused list; a prefill
+    chunk is no canvas row but counts against the budget."""
+    W = 2 * CL
+
+    def run(reqs, budget=1000, mml=1000, step=5):
+        s = NS(blockdiff_canvas_length=CL, num_spec_tokens=W, running=reqs, max_model_len=mml,
+               max_num_scheduled_tokens=budget, current_step=step)
+        return VS.keep_uniform_widths(s), [len(r.spec_token_ids) for r in reqs]
+
+    assert run([_running("a", W)]) == (0, [W])                                    # one request alone
+    assert run([_running("a", W), _running("b", W)]) == (0, [W, W])               # all fused
+    assert run([_running("a", W), _running("b", CL)]) == (1, [CL, CL])            # mixed: cut
+    assert run([_running("a", CL), _running("b", CL)]) == (0, [CL, CL])           # nothing fused
+    shared = [-1] * W
+    a, b = _running("a", 0), _running("b", CL)
+    a.spec_token_ids = shared
+    assert run([a, b]) == (1, [CL, CL]) and len(shared) == W                      # vLLM's list left as it was
+    # the plain request sits this call out (decode eligibility, or its rows in flight reach max_tokens)
+    assert run([_running("a", W), _running("b", CL, eligible=7)]) == (0, [W, CL])
+    assert run([_running("a", W), _running("b", CL, eligible=6)]) == (1, [CL, CL])  # schedule() advances first
+    done = _running("b", CL, tokens=30, placeholders=CL, prompt_len=10, max_tokens=21)
+    assert run([_running("a", W), done]) == (0, [W, CL])
+    # ... and a fused request that sits out keeps its list for the call it runs in
+    assert run([_running("a", W, eligible=9), _running("b", CL)]) == (0, [W, CL])
+    # a prefill chunk of a running request: no canvas row, its tokens count against the budget
+    chunk = _running("p", 0, tokens=100, computed=60)
+    assert run([_running("a", W), chunk], budget=W + 40) == (0, [W, 0])
+    assert run([_running("a", W), chunk], budget=W + 39) == (1, [CL, 0])          # vLLM would cut a row
+    assert run([_running("a", W), _running("b", W)], budget=2 * W - 1) == (2, [CL, CL])
+    # a row vLLM would cut at max_model_len, or one that is not whole (rows in flight), is no whole fused row
+    assert run([_running("a", W, tokens=100)], mml=100 + W - 1) == (1, [CL])
+    assert run([_running("a", W, tokens=100, computed=101)]) == (1, [CL])
+    assert run([_running("a", W, tokens=100)], step=None) == (0, [W])             # no current_step: no deferral
+
+
+def test_predictor_counts_a_fused_row_a_policy_cut_as_a_plain_commit_never_a_miss():
+    """The predictor gave 2 * CL but the uniform policy cut the row to CL: record sees the CL row vLLM scheduled
+    (num_wide not counted), the row commits plain (its CL tokens), the next canvas restarts at step 0, and the
+    request is not marked as a miss (fusion stays on for it: its next capped commit is wide again)."""
+    p = VS.FusedCommitPredictor(CL, 1)
+    r = _req()
+    reqs = {"a": r}
+    so1 = _so({"a": CL})
+    p.record(so1)
+    assert p.width(r, 1000) == 2 * CL
+    so2 = _so({"a": CL})                 # cut by the policy
+    p.record(so2)
+    assert p.num_wide == 0 and p.state("a") == ("DENOISE", 0, 2)
+    p.observe(so1, *_mro({"a": 0}), reqs)
+    p.observe(so2, *_mro({"a": CL}), reqs)
+    r.num_output_tokens += CL
+    assert p.state("a") == ("DENOISE", 0, 0) and p.num_missed == 0
+    p.record(_so({"a": CL}))             # the next canvas's step (cap 1): the row after it is a commit
+    assert p.width(r, 1000) == 2 * CL
+
+
+def _one_width_each_step(runner):
+    """Whether every step's canvas rows had a single width (the uniform policy's promise)."""
+    return all(len(set(step.values())) == 1 for step in runner.canvas_steps)
+
+
+_MIXED_PHASES = [("in1", prompt(7, 11), 4 * CL, None, None, 0),     # two requests in phase: they fuse together
+                 ("in2", prompt(7, 12), 4 * CL, None, None, 0),
+                 ("late", prompt(9, 13), 6 * CL + 2, None, None, 5),  # out of phase with them; alone at the end
+                 ("cap2", prompt(5, 14), 3 * CL, None, {"diffusion_max_steps": 2}, 7),
+                 ("early", prompt(6, 15), CL + 3, None, {"confidence_threshold": 1e9, "stability_threshold": 0},
+                  6)]
+
+
+@needs_stack
+@needs_vllm
+def test_async_uniform_policy_keeps_every_steps_canvas_rows_one_width_with_the_unfused_tokens(
+        vllm_env, tiny_hf_folder, tiny_model, make_runner):
+    """BLOCKDIFF_FUSE_POLICY=uniform under the asynchronous scheduler, requests in and out of phase (arrivals at
+    different steps, a request's own cap, canvases converging at their first step, a stop id inside a later
+    canvas): in every engine step the scheduled canvas rows all have one width (vLLM's scheduler output), the
+    tokens and finish reasons equal the async unfused server's and the harness's, nobody is lost; where the batch
+    allows it the policy still fuses (two requests in phase before the others arrive, a request alone at the end),
+    it cut other fused rows, no wide row missed, and the predictor counts only the rows scheduled wide. Policy
+    ``any`` on the same batch mixes widths in some step (what the policy prevents) and fuses more."""
+    probe = harness(make_runner, [_MIXED_PHASES[0]])["in1"][1]
+    stop = probe[2 * CL + 1]  # a stop id inside in1's 3rd canvas
+    reqs = [(r[0], r[1], r[2], [stop] if r[0] == "in1" else r[3], r[4], r[5]) for r in _MIXED_PHASES]
+    want = harness(make_runner, reqs)
+    uni, su, ru, _ = serve(vllm_env, tiny_hf_folder, tiny_model, reqs, served=2 * CL, fuse=True, policy="uniform")
+    plain, _, rp, _ = serve(vllm_env, tiny_hf_folder, tiny_model, reqs, served=CL, fuse=False)
+    anyp, sa, ra, _ = serve(vllm_env, tiny_hf_folder, tiny_model, reqs, served=2 * CL, fuse=True, policy="any")
+    assert uni == plain == anyp == want and all(reason is not None for reason, _ in uni.values())
+    assert want["in1"][0] == "stop"
+    assert su.blockdiff_fuse_policy == "uniform" and sa.blockdiff_fuse_policy == "any"
+    assert _one_width_each_step(ru), [s for s in ru.canvas_steps if len(set(s.values())) > 1]
+    assert not _one_width_each_step(ra)
+    assert sum(ru.fused.values()) > 0 and su.blockdiff_num_policy_cuts > 0
+    assert not ru.stalled_wide and su.blockdiff_predictor.num_missed == 0
+    assert su.blockdiff_predictor.num_wide == sum(1 for s in ru.canvas_steps for q in s.values() if q == 2 * CL)
+    assert sum(ra.fused.values()) > sum(ru.fused.values()) and sa.blockdiff_num_policy_cuts == 0
+    assert ra.num_forward <= ru.num_forward <= rp.num_forward
+
+
+@needs_stack
+@needs_vllm
+def test_uniform_policy_under_preemption_and_the_synchronous_scheduler_keeps_one_width_and_the_tokens(
+        vllm_env, tiny_hf_folder, tiny_model, make_runner):
+    """The uniform policy with a KV cache too small for four requests (vLLM preempts; resumed requests re-prefill
+    and restart their canvas) and under the synchronous scheduler (BlockdiffDiffusionScheduler: fused rows after
+    the worker's -1 flag): every step's canvas rows have one width, the tokens and finish reasons are the unfused
+    server's and the harness's, every request is answered."""
+    reqs = [(f"r{i}", prompt(9 + i, 20 + i), 3 * CL + i, None, None, i) for i in range(4)]
+    want = harness(make_runner, reqs)
+    pre, sp, rpre, _ = serve(vllm_env, tiny_hf_folder, tiny_model, reqs, served=2 * CL, fuse=True, num_blocks=7,
+                             policy="uniform")
+    assert pre == want and max(rpre.adds.values()) > 1 and _one_width_each_step(rpre)
+    assert not rpre.stalled_wide and sp.blockdiff_predictor.num_missed == 0
+    reqs = _MIXED_PHASES
+    want = harness(make_runner, reqs)
+    sync_u, ss, rs, _ = serve(vllm_env, tiny_hf_folder, tiny_model, reqs, served=2 * CL, fuse=True,
+                              asynchronous=False, policy="uniform")
+    sync_a, sa, ra, _ = serve(vllm_env, tiny_hf_folder, tiny_model, reqs, served=2 * CL, fuse=True,
+                              asynchronous=False, policy="any")
+    assert sync_u == sync_a == want
+    assert _one_width_each_step(rs) and not _one_width_each_step(ra)
+    assert sum(rs.fused.values()) > 0 and ss.blockdiff_num_policy_cuts > 0 and sa.blockdiff_num_policy_cuts == 0
+    assert not rs.stalled_wide and ss.blockdiff_predictor is None  # sync: no predictor, the worker's flags
+
+
+@needs_stack
+@needs_vllm
+@pytest.mark.parametrize("asynchronous", [True, False])
+def test_no_fused_row_when_the_token_budget_cannot_hold_one_whole(vllm_env, tiny_hf_folder, tiny_model, make_runner,
+                                                                  asynchronous):
+    """The budget guard: a token budget below 2 * CL (max_num_scheduled_tokens) would cut every fused row to
+    CL < q < 2 * CL (a plain commit paying for discarded tokens), so neither scheduler keeps one: no canvas row is
+    wider than CL, the tokens are the harness's. A budget of exactly 2 * CL fuses (one request: the row fits)."""
+    reqs = [("a", prompt(4, 30), 3 * CL, None, None, 0)]
+    want = harness(make_runner, reqs)
+    for budget, fused in ((2 * CL - 1, False), (CL + 4, False), (2 * CL, True)):
+        out, s, r, _ = serve(vllm_env, tiny_hf_folder, tiny_model, reqs, served=2 * CL, fuse=True, budget=budget,
+                             asynchronous=asynchronous)
+        assert out == want, budget
+        assert s.blockdiff_wide_fits is fused and (s.blockdiff_predictor is not None) is (fused and asynchronous)
+        widths = [q for step in r.canvas_steps for q in step.values()]
+        assert (max(widths) == 2 * CL) is fused and all(q in (CL, 2 * CL) for q in widths), (budget, widths)
+
+
+@needs_vllm
+@pytest.mark.parametrize("asynchronous", [True, False])
+def test_a_bad_fuse_policy_stops_the_scheduler_at_start(monkeypatch, tiny_hf_folder, asynchronous):
+    """BLOCKDIFF_FUSE_POLICY other than any / uniform: the scheduler's construction raises a ValueError naming the
+    variable and the allowed values, in the fused layout and in the default one (a typo is never ignored)."""
+    for served in (2 * CL, CL):
+        with pytest.raises(ValueError, match=f"{VS.FUSE_POLICY_ENV} must be one of any, uniform"):
+            _scheduler(monkeypatch, tiny_hf_folder, served=served, fuse=True, asynchronous=asynchronous,
+                       policy="uniformly")
+    s = _scheduler(monkeypatch, tiny_hf_folder, served=2 * CL, fuse=True, asynchronous=asynchronous)
+    assert s.blockdiff_fuse_policy == "any" and s.blockdiff_num_policy_cuts == 0
+
+
+if given is not None:
+    @needs_stack
+    @needs_vllm
+    @settings(max_examples=4, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+    @given(rows=st.lists(_REQ.filter(lambda r: r[6] is None), min_size=2, max_size=4),
+           server=_SERVER.filter(lambda s: s["budget"] >= 2 * CL))
+    def test_uniform_policy_random_batches_keep_one_canvas_width_a_step_and_the_unfused_tokens(
+            vllm_env, tiny_hf_folder, tiny_model, make_runner, rows, server):
+        """Random batches of 2-4 requests (prompt lengths, max_tokens, per-request caps, early convergence, stop
+        ids, staggered arrivals) on random servers (small KV caches: preemption; fewer sequences; budgets of
+        3 * CL and 256) under BLOCKDIFF_FUSE_POLICY=uniform: no step schedules a fused row beside a narrower canvas
+        row, no wide row misses, and every request gets the async unfused server's tokens and reason, which are the
+        harness's. (A wide row that commits nothing is allowed only once, for a request a stop id ended: the row
+        scheduled while that commit was in flight, a no-op on a finished request, as under policy ``any``.)"""
+        reqs = []
+        for i, (plen, mt, cap, early, stop, at, _) in enumerate(rows):
+            extra = {} if cap is None else {"diffusion_max_steps": cap}
+            if early:
+                extra.update(confidence_threshold=1e9, stability_threshold=i % 2)
+            reqs.append((f"r{i}", prompt(plen, 60 + i), mt, stop or None, extra or None, at))
+        want = harness(make_runner, reqs)
+        uni, su, ru, _ = serve(vllm_env, tiny_hf_folder, tiny_model, reqs, served=2 * CL, fuse=True,
+                               policy="uniform", **server)
+        plain, _, _, _ = serve(vllm_env, tiny_hf_folder, tiny_model, reqs, served=CL, fuse=False, **server)
+        assert uni == plain == want
+        mixed = [s for s in ru.canvas_steps if 2 * CL in s.values() and min(s.values()) < 2 * CL]
+        assert not mixed and su.blockdiff_predictor.num_missed == 0
+        stopped = {rid for rid, (reason, _) in uni.items() if reason == "stop"}
+        assert set(ru.stalled_wide) <= stopped and max(ru.stalled_wide.values(), default=0) <= 1, ru.stalled_wide
