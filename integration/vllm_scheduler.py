@@ -754,7 +754,10 @@ def _make_classes() -> dict[str, type]:
 
             @annotated("blockdiff:update_from_output")
             def update_from_output(self, scheduler_output, model_runner_output):
-                fuse, cleaned = split_fuse_flags(model_runner_output.num_nans_in_logits)
+                if self.blockdiff_fused_layout:
+                    fuse, cleaned = split_fuse_flags(model_runner_output.num_nans_in_logits)
+                else:  # the worker never flags (its fuse_commit needs this layout): no per-request scan
+                    fuse, cleaned = _NO_FLAGS, model_runner_output.num_nans_in_logits
                 if self.blockdiff_predictor is not None:
                     self.blockdiff_predictor.observe(scheduler_output, model_runner_output, fuse, self.requests)
                 if fuse:  # vLLM sees no flag: its count of failed requests reads n > 0

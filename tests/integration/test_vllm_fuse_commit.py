@@ -393,7 +393,10 @@ def test_real_sync_scheduler_gives_one_canvas_when_the_next_does_not_fit(monkeyp
 
 @needs_vllm
 def test_real_sync_scheduler_with_one_canvas_served_never_fuses(monkeypatch, tiny_hf_folder):
-    """--diffusion-config canvas_length = CL (the checkpoint's): no fused layout, the flag changes nothing."""
+    """--diffusion-config canvas_length = CL (the checkpoint's): no fused layout, a -1 changes nothing: the row stays
+    CL and the request is no failure. (blockdiff's worker never sends one in this layout: the model state's
+    fuse_commit needs the two-canvas layout, so the scheduler no longer scans num_nans_in_logits for flags there;
+    vLLM only records the value and counts values > 0.)"""
     s = _real_scheduler(monkeypatch, tiny_hf_folder, asynchronous=False, served=CL)
     assert (s.blockdiff_canvas_length, s.blockdiff_fused_layout) == (CL, False)
     r = _request("a", 10)
@@ -401,7 +404,7 @@ def test_real_sync_scheduler_with_one_canvas_served_never_fuses(monkeypatch, tin
     _step(s)
     _step(s, nans={"a": -1})
     so, _ = _step(s)
-    assert so.num_scheduled_tokens == {"a": CL} and r.num_nans_in_logits == 0
+    assert so.num_scheduled_tokens == {"a": CL} and not r.is_finished() and s.blockdiff_fuse_next == set()
 
 
 @needs_vllm
@@ -500,14 +503,16 @@ def test_vllm_model_state_refuses_fused_commits_when_vllm_raises_on_any_nan_coun
 def test_one_canvas_layout_schedulers_do_no_per_request_width_work(monkeypatch, tiny_hf_folder, asynchronous):
     """Served with canvas_length = CL (the default: no fused layout, the switch cannot be on) the plugin's
     schedulers are what they were before fused commits: no per-request loop cutting draft lists or placeholders
-    each step, nor the uniform fuse policy's (num_spec_tokens is CL already; vLLM 0.33.0's own DiffusionScheduler
-    trims per-request widths), and the widths stay CL."""
+    each step, nor the uniform fuse policy's, nor a scan of num_nans_in_logits for -1 flags (num_spec_tokens is CL
+    already; vLLM 0.33.0's own DiffusionScheduler trims per-request widths; the worker flags only in the two-canvas
+    layout), and the widths stay CL."""
     def boom(*a, **k):
         raise AssertionError("a per-request width loop ran without the fused layout")
 
     monkeypatch.setattr(VS, "cut_spec_tokens", boom)
     monkeypatch.setattr(VS, "cut_draft_widths", boom)
     monkeypatch.setattr(VS, "keep_uniform_widths", boom)
+    monkeypatch.setattr(VS, "split_fuse_flags", boom)  # the worker never flags in this layout: no flag scan either
     monkeypatch.setenv(VS.FUSE_COMMIT_ENV, "1")  # the switch alone (served with CL) adds no work either
     monkeypatch.setenv(VS.FUSE_POLICY_ENV, "uniform")  # nor the uniform policy
     s = _real_scheduler(monkeypatch, tiny_hf_folder, asynchronous=asynchronous, served=CL)
