@@ -643,9 +643,9 @@ def finish_stuck_requests(scheduler: Any, num_nans_in_logits: Mapping[str, int] 
     RS = types.RequestStatus
     cl = _canvas_length_of(scheduler)
     failed: list[str] = []
-    for rid, n in sorted((num_nans_in_logits or {}).items()):
+    for rid in sorted(r for r, n in (num_nans_in_logits or {}).items() if n is not None and n > 0):
         req = scheduler.requests.get(rid)
-        if n is not None and n > 0 and req is not None and not req.is_finished():
+        if req is not None and not req.is_finished():
             failed.append(rid)
     too_long: list[str] = []
     step = getattr(scheduler, "current_step", None)  # async deferral below; vLLM versions without it: none
