@@ -25,8 +25,8 @@ overlaps the host with the "GPU" as it does there. The KV cache is one layer's (
 preemption for lack of pages are not modelled. ``BLOCKDIFF_STANDIN_HOST_MS="h0,h1"``: Python busy time (holding
 the GIL) the worker spends per step (``h0``) and per scheduled request (``h1``) before launching it, to model a
 model runner's host work. ``BLOCKDIFF_STANDIN_TOKENS``: what a commit emits (:data:`TOKEN_MODES`). Each step's
-(start, end, tokens, canvas tokens, requests) in ``perf_counter`` seconds goes to ``BLOCKDIFF_STANDIN_LOG`` when
-set.
+(start, end, tokens, canvas tokens, requests) in ``perf_counter`` seconds, then its row widths (:data:`WIDTH_FIELDS`)
+go to ``BLOCKDIFF_STANDIN_LOG`` when set.
 
 Fused commits (docs/ARCHITECTURE.md "Integration and vLLM accounting"): ``run --no-async-scheduling --canvas-length
 512 --fuse-commit`` serves with vLLM's synchronous scheduler (``BlockdiffDiffusionScheduler``), ``--diffusion-config``
@@ -38,7 +38,13 @@ its 512 canvas tokens). The synchronous engine core asks the worker for draft li
 ``run --canvas-length 512 --fuse-commit`` (asynchronous, ``BlockdiffDiffusionAsyncScheduler``) fuses the commits the
 step cap forces, predicted by the scheduler (docs/tuning.md 7.38); the stand-in takes every row wider than a canvas
 for a commit (it cannot stall a mispredicted one, which the model state does), which is exact when every canvas
-reaches the cap, as the benchmark's do.
+reaches the cap, as the benchmark's do. ``--fuse-policy uniform`` sets ``BLOCKDIFF_FUSE_POLICY=uniform`` (fused rows
+only in steps whose canvas rows are all fused, docs/tuning.md 7.40); each load's ``timeline`` counts the steps vLLM
+0.26's model runner could not replay as one FULL CUDA graph (``non_uniform_steps``: a prefill row, or canvas rows
+of more than one width), of those the steps mixing canvas widths (``mixed_canvas_steps``) and those with a prefill
+row (``prefill_steps``), and the fused rows (``wide_rows``, ``2 * CL``) and the rows between CL and ``2 * CL``
+(``cut_rows``: fused rows vLLM's token budget cut, which commit plain). The stand-in times a step by its tokens
+only: it charges nothing for a PIECEWISE step.
 
 On a machine without a GPU the worker alone is not enough: vLLM finds no platform. ``--platform cpu`` writes a
 platform plugin (:class:`StandinPlatform`: vLLM's CPU platform with the executor and asynchronous scheduling the
@@ -81,6 +87,12 @@ STEP_ENV, HOST_ENV, LOG_ENV, TOKENS_ENV = ("BLOCKDIFF_STANDIN_STEP_MS", "BLOCKDI
 #: complete, so that ``tokenizers.DecodeStream`` re-decodes a growing window at every token, quadratic in the
 #: output length: docs/tuning.md 7.19)
 TOKEN_MODES = ("unused", "bytes_high", "pad", "byte_e3")
+#: The step log's fields after (start, end, tokens, canvas tokens, requests): 1 when every row of the step is a
+#: canvas row and all have one width (the batches vLLM 0.26's model runner can replay as a FULL CUDA graph: one
+#: ``uniform_token_count``, and no prefill row, which is no captured width), 1 when its canvas rows had more than one
+#: width, its prefill rows (no draft tokens), its ``2 * CL`` rows (fused commits), its rows between CL and ``2 * CL``
+#: (fused rows cut by the token budget).
+WIDTH_FIELDS = ("uniform", "mixed_canvas", "prefill_rows", "wide_rows", "cut_rows")
 WORKER_CLASS = "blockdiff.bench.experiments.serve_standin.StandinWorker"
 PLATFORM_CLASS = "blockdiff.bench.experiments.serve_standin.StandinPlatform"
 
@@ -289,9 +301,16 @@ def _make_worker():
             so, self.pending = self.pending, None
             req_ids, sampled, canvas_tokens, flags = [], [], 0, {}
             cl = self.accounting.canvas_length
+            canvas_widths, prefill_rows, wide_rows, cut_rows = set(), 0, 0, 0
             for rid, n in so.num_scheduled_tokens.items():
                 canvas_row = bool(so.scheduled_spec_decode_tokens.get(rid))
                 canvas_tokens += n if canvas_row else 0  # a fused row is timed as its 2 * CL tokens
+                if canvas_row:
+                    canvas_widths.add(n)
+                    wide_rows += n == 2 * cl
+                    cut_rows += cl < n < 2 * cl
+                else:
+                    prefill_rows += 1
                 req_ids.append(rid)
                 k = self.accounting.step(rid, canvas_row, n if canvas_row else None)
                 self.emitted[rid] = self.emitted.get(rid, 0) + k
@@ -313,8 +332,10 @@ def _make_worker():
             start = max(now, self.gpu_free_at)
             self.gpu_free_at = end = start + dur
             if self.log is not None:
+                uniform = prefill_rows == 0 and len(canvas_widths) == 1
                 self.log.write(f"{start:.6f} {end:.6f} {so.total_num_scheduled_tokens} {canvas_tokens} "
-                               f"{len(req_ids)}\n")
+                               f"{len(req_ids)} {int(uniform)} {int(len(canvas_widths) > 1)} {prefill_rows} "
+                               f"{wide_rows} {cut_rows}\n")
                 self.log.flush()
             done = threading.Event()
             timer = threading.Timer(end - now, done.set)
@@ -372,8 +393,10 @@ def write_plugin_dir(folder: str | os.PathLike) -> Path:
     return d
 
 
-def read_steps(path: str | os.PathLike) -> list[tuple[float, float, int, int, int]]:
-    """The stand-in's step log: (start, end, tokens, canvas tokens, requests) per step; [] if absent."""
+def read_steps(path: str | os.PathLike) -> list[tuple]:
+    """The stand-in's step log: (start, end, tokens, canvas tokens, requests) per step, followed by the
+    :data:`WIDTH_FIELDS` (ints) where the line has them (logs written before those fields existed have five); [] if
+    absent. Lines of any other shape are skipped."""
     try:
         lines = Path(path).read_text().splitlines()
     except FileNotFoundError:
@@ -381,16 +404,22 @@ def read_steps(path: str | os.PathLike) -> list[tuple[float, float, int, int, in
     out = []
     for line in lines:
         f = line.split()
-        if len(f) == 5:
-            out.append((float(f[0]), float(f[1]), int(f[2]), int(f[3]), int(f[4])))
+        if len(f) in (5, 5 + len(WIDTH_FIELDS)):
+            try:
+                out.append((float(f[0]), float(f[1]), *(int(x) for x in f[2:])))
+            except ValueError:
+                continue
     return out
 
 
-def load_timeline(result: dict, steps: list[tuple[float, float, int, int, int]]) -> dict:
+def load_timeline(result: dict, steps: list[tuple]) -> dict:
     """Where a load's client time went against the stand-in's "GPU": the client's window (first request sent to
     last output, ``perf_counter`` s of ``vllm bench serve``'s detailed result), the steps inside it, their span and
     busy time, the lead-in (sent -> first step starts) and the tail (last step ends -> last output; < 0: the last
-    step in the window produced nothing the client waited for). Empty dict without per-request times or steps."""
+    step in the window produced nothing the client waited for). Where the steps carry :data:`WIDTH_FIELDS`, also
+    how many of those steps were not uniform (``non_uniform_steps``), mixed canvas widths, carried a prefill row,
+    and their ``2 * CL`` rows (``wide_rows``) and budget-cut ones (``cut_rows``). Empty dict without per-request
+    times or steps."""
     windows = bs.request_windows(result, 0.0)
     if not windows:
         return {}
@@ -399,16 +428,23 @@ def load_timeline(result: dict, steps: list[tuple[float, float, int, int, int]])
     if not inside:
         return {"window_s": round(e1 - s0, 4), "steps": 0}
     g0, g1 = min(s[0] for s in inside), max(s[1] for s in inside)
-    return {"window_s": round(e1 - s0, 4), "steps": len(inside), "gpu_span_s": round(g1 - g0, 4),
-            "gpu_busy_s": round(sum(s[1] - s[0] for s in inside), 4), "lead_in_s": round(g0 - s0, 4),
-            "tail_s": round(e1 - g1, 4),
-            "ttft_median_s": round(statistics.median(w[1] - w[0] for w in windows), 4),
-            "e2e_median_s": round(statistics.median(w[2] - w[0] for w in windows), 4)}
+    out = {"window_s": round(e1 - s0, 4), "steps": len(inside), "gpu_span_s": round(g1 - g0, 4),
+           "gpu_busy_s": round(sum(s[1] - s[0] for s in inside), 4), "lead_in_s": round(g0 - s0, 4),
+           "tail_s": round(e1 - g1, 4),
+           "ttft_median_s": round(statistics.median(w[1] - w[0] for w in windows), 4),
+           "e2e_median_s": round(statistics.median(w[2] - w[0] for w in windows), 4)}
+    widths = [s[5:] for s in inside if len(s) == 5 + len(WIDTH_FIELDS)]
+    if widths:
+        out.update(non_uniform_steps=sum(1 for w in widths if not w[0]),
+                   mixed_canvas_steps=sum(1 for w in widths if w[1]),
+                   prefill_steps=sum(1 for w in widths if w[2]), wide_rows=sum(w[3] for w in widths),
+                   cut_rows=sum(w[4] for w in widths))
+    return out
 
 
 def server_command(*, model: str, port: int, max_num_seqs: int, kv_cache_gib: float, quant: str = "fp8",
                    api_server_count: int = 1, async_scheduling: bool = True, canvas_length: int | None = None,
-                   fuse_commit: bool = False) -> tuple[dict[str, str], list[str]]:
+                   fuse_commit: bool = False, fuse_policy: str | None = None) -> tuple[dict[str, str], list[str]]:
     """The benchmark's blockdiff server command (:func:`blockdiff.bench.bench_serve.server_command`, triton backend
     named, no profiler) with the stand-in worker: (environment, argv).
 
@@ -418,9 +454,12 @@ def server_command(*, model: str, port: int, max_num_seqs: int, kv_cache_gib: fl
             (512) is the fused-commit layout (``blockdiff.integration.vllm_scheduler.served_canvas_length``).
         fuse_commit: set ``BLOCKDIFF_FUSE_COMMIT=1`` (fused commits need ``canvas_length`` = 2 * 256; either
             scheduler fuses: the asynchronous one the commits the step cap forces).
+        fuse_policy: None (the variable left out: ``any``), or a value of ``BLOCKDIFF_FUSE_POLICY``
+            (``blockdiff.integration.vllm_scheduler.FUSE_POLICIES``: ``any``, ``uniform``).
 
     Raises:
-        ValueError: ``canvas_length`` not an int >= 1; ``fuse_commit`` / ``async_scheduling`` not a bool.
+        ValueError: ``canvas_length`` not an int >= 1; ``fuse_commit`` / ``async_scheduling`` not a bool;
+            ``fuse_policy`` not None nor a fuse policy (the variable and the allowed values named).
     """
     for name, v in (("async_scheduling", async_scheduling), ("fuse_commit", fuse_commit)):
         if not isinstance(v, bool):
@@ -436,6 +475,10 @@ def server_command(*, model: str, port: int, max_num_seqs: int, kv_cache_gib: fl
         from blockdiff.integration.vllm_scheduler import FUSE_COMMIT_ENV
 
         env[FUSE_COMMIT_ENV] = "1"
+    if fuse_policy is not None:
+        from blockdiff.integration.vllm_scheduler import FUSE_POLICY_ENV, fuse_policy_from_env
+
+        env[FUSE_POLICY_ENV] = fuse_policy_from_env({FUSE_POLICY_ENV: fuse_policy})
     return env, argv + ["--distributed-executor-backend", "uni", "--worker-cls", WORKER_CLASS]
 
 
@@ -497,7 +540,7 @@ def run(args) -> dict:
     senv, argv = server_command(model=str(model), port=args.port, max_num_seqs=args.max_num_seqs,
                                 kv_cache_gib=args.kv_cache_gib, quant=args.quant, api_server_count=args.api_servers,
                                 async_scheduling=args.async_scheduling, canvas_length=args.canvas_length,
-                                fuse_commit=args.fuse_commit)
+                                fuse_commit=args.fuse_commit, fuse_policy=args.fuse_policy)
     if args.server_cmd:  # a stand-in for the whole server (CPU tests of this driver), run as CMD PORT TRACE_DIR
         argv = [*args.server_cmd, str(args.port), str(out / "trace")]
     env.update(senv)
@@ -506,7 +549,7 @@ def run(args) -> dict:
     summary: dict = {"env": bs.environment(), "standin": {
         **standin, "platform": args.platform, "api_servers": args.api_servers,
         "async_scheduling": args.async_scheduling, "canvas_length": args.canvas_length,
-        "fuse_commit": args.fuse_commit}, "loads": []}
+        "fuse_commit": args.fuse_commit, "fuse_policy": args.fuse_policy}, "loads": []}
     with open(out / "server.log", "w") as log:
         server = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     (out / "server.pid").write_text(f"{server.pid}\n")  # for a profiler attached from outside (serve_standin.sh)
@@ -540,7 +583,10 @@ def run(args) -> dict:
             t = row["timeline"]
             print(f"c{c} ({n} prompts): {row['output_tok_s']:.0f} tok/s, window {t.get('window_s')} s, GPU span "
                   f"{t.get('gpu_span_s')} s, lead-in {t.get('lead_in_s')} s, tail {t.get('tail_s')} s, TTFT median "
-                  f"{t.get('ttft_median_s')} s, failed {row['failed']}", flush=True)
+                  f"{t.get('ttft_median_s')} s, failed {row['failed']}, non-uniform steps "
+                  f"{t.get('non_uniform_steps')} (mixed canvas widths {t.get('mixed_canvas_steps')}, prefill "
+                  f"{t.get('prefill_steps')}), wide rows {t.get('wide_rows')} (cut {t.get('cut_rows')})",
+                  flush=True)
     finally:
         try:
             os.killpg(server.pid, signal.SIGTERM)
@@ -591,6 +637,8 @@ def detokenizer_ms(tokenizer_json: str | os.PathLike, *, prompt_len: int = 4096,
 
 
 def main(argv=None) -> int:
+    from blockdiff.integration.vllm_scheduler import FUSE_POLICIES  # no vLLM import
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="start the stand-in server, one load per concurrency, stop")
@@ -613,6 +661,9 @@ def main(argv=None) -> int:
                    help="--diffusion-config canvas_length (default the benchmark's 256; 512: the fused-commit layout)")
     r.add_argument("--fuse-commit", action="store_true",
                    help="BLOCKDIFF_FUSE_COMMIT=1 (with --canvas-length 512; synchronous or asynchronous)")
+    r.add_argument("--fuse-policy", choices=FUSE_POLICIES, default=None,
+                   help="BLOCKDIFF_FUSE_POLICY (default: unset, i.e. any): uniform keeps fused rows only in steps "
+                        "whose canvas rows are all fused (docs/tuning.md 7.40)")
     r.add_argument("--bench-cmd", type=bs._cmd, help="the client (default: this Python's `vllm bench serve`)")
     r.add_argument("--server-cmd", type=bs._cmd, help=argparse.SUPPRESS)  # CPU tests: a fake server, CMD PORT DIR
     r.add_argument("--start-timeout", type=bs._pos_float, default=300.0, help="seconds the server may take to start")

@@ -102,6 +102,23 @@ def test_timeline_places_the_client_window_on_the_steps(tmp_path):
     assert st.load_timeline({}, steps) == {}
 
 
+def test_timeline_counts_the_steps_that_are_not_one_width(tmp_path):
+    """Step lines with the width fields (uniform, mixed canvas, prefill rows, 2 * CL rows, budget-cut rows): the
+    load's timeline counts the steps in its window vLLM 0.26 could not replay as one FULL graph, those mixing
+    canvas widths, those with a prefill row, and the fused and cut rows; a five-field log (before those fields)
+    gives none of these keys."""
+    log = tmp_path / "steps.log"
+    log.write_text("10.0 10.1 4608 512 3 0 0 1 0 0\n10.1 10.2 768 768 2 0 1 0 1 0\n10.2 10.3 1024 1024 2 1 0 0 2 0\n"
+                   "10.3 10.4 640 640 2 0 1 0 0 1\n10.4 10.5 1 1 1 x 0 0 0 0\n")
+    steps = st.read_steps(log)
+    assert len(steps) == 4 and steps[1] == (10.1, 10.2, 768, 768, 2, 0, 1, 0, 1, 0)
+    result = {"start_times": [9.9], "ttfts": [0.2], "itls": [[0.4]], "output_lens": [2]}
+    t = st.load_timeline(result, steps)
+    assert (t["steps"], t["non_uniform_steps"], t["mixed_canvas_steps"], t["prefill_steps"], t["wide_rows"],
+            t["cut_rows"]) == (4, 3, 2, 1, 3, 1)
+    assert "non_uniform_steps" not in st.load_timeline(result, [s[:5] for s in steps])
+
+
 def test_server_command_is_the_benchmarks_with_the_standin_worker():
     env, argv = st.server_command(model="/m", port=8190, max_num_seqs=64, kv_cache_gib=40)
     assert argv[argv.index("--worker-cls") + 1] == st.WORKER_CLASS
@@ -113,9 +130,16 @@ def test_server_command_is_the_benchmarks_with_the_standin_worker():
     assert "--no-async-scheduling" in argv and "--async-scheduling" not in argv
     assert argv[argv.index("--scheduler-cls") + 1].endswith(".BlockdiffDiffusionScheduler")
     assert json.loads(argv[argv.index("--diffusion-config") + 1]) == {"canvas_length": 512, "max_denoising_steps": 16}
-    assert env["BLOCKDIFF_FUSE_COMMIT"] == "1"
+    assert env["BLOCKDIFF_FUSE_COMMIT"] == "1" and "BLOCKDIFF_FUSE_POLICY" not in env
     with pytest.raises(ValueError, match="fuse_commit"):
         st.server_command(model="/m", port=8190, max_num_seqs=64, kv_cache_gib=40, fuse_commit=1)
+    for policy in ("any", "uniform"):
+        env, _ = st.server_command(model="/m", port=8190, max_num_seqs=64, kv_cache_gib=40, canvas_length=512,
+                                   fuse_commit=True, fuse_policy=policy)
+        assert env["BLOCKDIFF_FUSE_POLICY"] == policy
+    for bad in ("uniformly", "ANY", 1):
+        with pytest.raises(ValueError, match="BLOCKDIFF_FUSE_POLICY must be one of any, uniform"):
+            st.server_command(model="/m", port=8190, max_num_seqs=64, kv_cache_gib=40, fuse_policy=bad)
 
 
 @pytest.mark.parametrize("name, value", [(st.STEP_ENV, "1,2"), (st.HOST_ENV, "x,0"), (st.TOKENS_ENV, "zeros")])
@@ -126,7 +150,8 @@ def test_bad_standin_variables_stop_the_run_before_a_server_starts(tmp_path, mon
 
 
 @pytest.mark.parametrize("argv", [["--kv-cache-gib", "nan"], ["--kv-cache-gib", "-1"], ["--start-timeout", "nan"],
-                                  ["--run-timeout", "-5"], ["--bench-cmd", '"'], ["--port", "0"]])
+                                  ["--run-timeout", "-5"], ["--bench-cmd", '"'], ["--port", "0"],
+                                  ["--fuse-policy", "all"]])
 def test_cli_names_a_bad_option(argv, capsys):
     with pytest.raises(SystemExit) as e:
         st.main(["run", "--out", "/tmp/x", *argv])
