@@ -720,15 +720,21 @@ def _make_classes() -> dict[str, type]:
                 self.blockdiff_wide_fits = wide_rows_fit(self)
                 # async, fused layout, BLOCKDIFF_FUSE_COMMIT=1: the step counts that predict commits (else None)
                 self.blockdiff_predictor: FusedCommitPredictor | None = None
-                if self.blockdiff_fused_layout and fuse_commit_from_env() and not self.blockdiff_wide_fits:
+                fusing = self.blockdiff_fused_layout and fuse_commit_from_env()
+                if fusing and not self.blockdiff_wide_fits:
                     _log.warning("blockdiff: a fused row (%d tokens) does not fit the token budget "
                                  "(max_num_scheduled_tokens %s, long_prefill_token_threshold %s): no fused commits",
                                  2 * self.blockdiff_canvas_length, getattr(self, "max_num_scheduled_tokens", None),
                                  getattr(self.scheduler_config, "long_prefill_token_threshold", None))
-                elif asynchronous and self.blockdiff_fused_layout and fuse_commit_from_env():
-                    steps = served_max_denoising_steps(self.vllm_config)
-                    self.blockdiff_predictor = FusedCommitPredictor(
-                        self.blockdiff_canvas_length, steps if steps is not None else default_max_denoising_steps())
+                elif fusing:
+                    _log.info("blockdiff: fused commits, %s scheduler, fuse policy %s (%s)",
+                              "asynchronous" if asynchronous else "synchronous", self.blockdiff_fuse_policy,
+                              FUSE_POLICY_ENV)
+                    if asynchronous:
+                        steps = served_max_denoising_steps(self.vllm_config)
+                        self.blockdiff_predictor = FusedCommitPredictor(
+                            self.blockdiff_canvas_length,
+                            steps if steps is not None else default_max_denoising_steps())
                 # the uniform policy's pass before each schedule call (only where rows may be 2 * CL wide)
                 self._blockdiff_uniform = (self.blockdiff_fuse_policy == "uniform" and self.blockdiff_fused_layout
                                            and self.blockdiff_wide_fits)
