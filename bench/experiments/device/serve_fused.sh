@@ -23,6 +23,11 @@
 #       $OUT/<variant>/serve_rows_<quant>.jsonl (the row's backend names the kernels, the folder the variant), vLLM's
 #       own diffusion counters in each row (diffusion_denoising_steps / committed tokens), the server's log tail.
 #       Compare the three with the async rows of serve_alone.sh (bench/results/serve-h200.json).
+#   FUSE_POLICY=any|uniform (unset: the server's default, any) passes BLOCKDIFF_FUSE_POLICY to the fusing servers
+#       (parity, parity_async, fused, fused_async; docs/tuning.md 7.40): uniform keeps a fused row only in a step
+#       whose canvas rows are all fused, so mixed-width steps (PIECEWISE graphs) never happen. Results go to a folder
+#       and files named with the policy (e.g. $OUT/fused_async_uniform, fused32_async_uniform.json); layout and sync
+#       fuse nothing and ignore it. E.g. CONC=4 FUSE_POLICY=uniform bash ... serve_fused.sh fused_async fp8 cute
 # What to expect (CPU stand-in, serve_standin.py run --concurrency 1,16 --prompts 4,32, 2026-12-04): one engine step
 # fewer per non-final canvas (c1: 140 -> 136 steps for 4 answers of 512 tokens, 868 -> 922 tok/s synchronous; the
 # asynchronous server 989), the same tokens; on the GPU the saved step's fixed cost is set against a 512-row step's
@@ -31,6 +36,9 @@
 set -u
 [ "${SERVE_BENCH_ENV:-1}" = 1 ] && source bench/experiments/device/env.sh
 variant=${1:?variant: parity, parity_async, fused, fused_async, layout or sync}
+policy=${FUSE_POLICY:-}
+case $policy in ""|any|uniform) ;; *) echo "FUSE_POLICY must be any or uniform (or unset), got $policy"; exit 2 ;; esac
+psfx=${policy:+_$policy}  # results of a policy run never overwrite the default's
 T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 up() { python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$1/health', timeout=5)" 2>/dev/null; }
 dead() { grep -q "initialization failed\|Traceback" $1; }
@@ -47,10 +55,12 @@ if [ "$variant" = parity ] || [ "$variant" = parity_async ]; then
   else  # asynchronous: fuses the rows the step cap makes commits (predicted)
     P=8037; tag=fused32_async; sfx=_async; sched="--async-scheduling --scheduler-cls blockdiff.integration.vllm_scheduler.BlockdiffDiffusionAsyncScheduler"
   fi
+  tag=$tag$psfx; sfx=$sfx$psfx
   LOG=/tmp/plugin32_fused$sfx.log
   C="--language-model-only --max-model-len 512 --gpu-memory-utilization 0.2 --max-num-seqs 8"
   C="$C --enforce-eager --attention-backend CUSTOM $sched"
   E="VLLM_USE_V2_MODEL_RUNNER=1 VLLM_PLUGINS=blockdiff BLOCKDIFF_ATTN_BACKEND=triton BLOCKDIFF_SAMPLER_BACKEND=triton BLOCKDIFF_FUSE_COMMIT=1"
+  [ -n "$policy" ] && E="$E BLOCKDIFF_FUSE_POLICY=$policy"
   D="{\"canvas_length\":$((2 * CL))}"  # twice the checkpoint's canvas: the fused layout
   [ "${DRY:-0}" = 1 ] && { echo "env $E $V serve /tmp/exp $C --dtype float32 --port $P --diffusion-config '$D'"; exit 0; }
   (up $P || setsid env $E $V serve /tmp/exp $C --dtype float32 --port $P --diffusion-config "$D" > $LOG 2>&1 < /dev/null) > /dev/null 2>&1 &
@@ -59,8 +69,8 @@ if [ "$variant" = parity ] || [ "$variant" = parity_async ]; then
   for i in $(seq 100); do up $P || dead $LOG && break; sleep 3; done
   up $P && python3 $M client --base-url http://127.0.0.1:$P --model /tmp/exp --out $OUT/$tag.json
   up $P && python3 $M client --base-url http://127.0.0.1:$P --model /tmp/exp --out $OUT/${tag}_all.json --concurrent
-  echo "== float32, $variant, one at a time (must be 6 of 6)"; [ -f $OUT/$tag.json ] && python3 $M compare $OUT/harness32.json $OUT/$tag.json | tail -1
-  echo "== float32, $variant, all at once (must be 6 of 6)"; [ -f $OUT/${tag}_all.json ] && python3 $M compare $OUT/harness32.json $OUT/${tag}_all.json | tail -1
+  echo "== float32, $variant${policy:+ (policy $policy)}, one at a time (must be 6 of 6)"; [ -f $OUT/$tag.json ] && python3 $M compare $OUT/harness32.json $OUT/$tag.json | tail -1
+  echo "== float32, $variant${policy:+ (policy $policy)}, all at once (must be 6 of 6)"; [ -f $OUT/${tag}_all.json ] && python3 $M compare $OUT/harness32.json $OUT/${tag}_all.json | tail -1
   tail -c 200000 $LOG > $OUT/plugin32_fused$sfx.log
   grep -sE "Traceback|Error:|ERROR|refused|fused commits" $LOG | grep -v "ulimit\|_warmup_" | head -20
   grep -sh "Mean denoising steps\|num_speculative\|canvas_length" $LOG | tail -4
@@ -78,8 +88,9 @@ case $variant in
 esac
 case $quant in fp8|bf16) ;; *) echo "quant must be fp8 or bf16"; exit 2 ;; esac
 case $attn in triton|cute) ;; *) echo "attention must be triton or cute"; exit 2 ;; esac
+if [ "$fuse" = 0 ] && [ -n "$policy" ]; then echo "FUSE_POLICY=$policy ignored: $variant fuses nothing"; policy=; psfx=; fi
 BUDGET=${BUDGET_S:-570}
-export OUT=${OUT:-/tmp/serve_bench/out}/$variant; mkdir -p $OUT
+export OUT=${OUT:-/tmp/serve_bench/out}/$variant$psfx; mkdir -p $OUT
 export SERVE_BENCH_DIR=${SERVE_BENCH_DIR:-/tmp/serve_bench} BD_SEQS=${SEQS:-64} BD_KV_GIB=${KV_GIB:-40} \
   BD_UTIL=${UTIL:-0.9} ASYNC=$([ -n "$sync_flag" ] && echo 0 || echo 1)
 W=$SERVE_BENCH_DIR; MODEL=$W/dg26b; S=bench/experiments/device/serve_bench.sh; BS="python3 -m blockdiff.bench.bench_serve"
@@ -97,12 +108,13 @@ import shlex, sys, json
 argv = shlex.split(sys.argv[1]); i = argv.index('--diffusion-config') + 1
 argv[i] = json.dumps({**json.loads(argv[i]), 'canvas_length': $canvas}, separators=(',', ':'))
 if $fuse: argv.insert(1, 'BLOCKDIFF_FUSE_COMMIT=1')  # after 'env'
-print(shlex.join(argv))" "$cmd") || exit 1
+if $fuse and sys.argv[2]: argv.insert(2, 'BLOCKDIFF_FUSE_POLICY=' + sys.argv[2])
+print(shlex.join(argv))" "$cmd" "$policy") || exit 1
 [ "${DRY:-0}" = 1 ] && { echo "$cmd"; exit 0; }
-echo "$cmd" > $W/$name.cmd; echo $seqs > $W/$name.seqs; echo "$variant" > $OUT/variant
+echo "$cmd" > $W/$name.cmd; echo $seqs > $W/$name.seqs; echo "$variant${policy:+ (fuse policy $policy)}" > $OUT/variant
 rm -rf $W/trace_$name
 setsid bash -c "echo \$\$ > $W/$name.pid; exec $cmd" > $W/$name.log 2>&1 < /dev/null &
-sleep 1; el "started $name ($variant: canvas_length $canvas, fuse $fuse; pid $(cat $W/$name.pid), port $port)"
+sleep 1; el "started $name ($variant: canvas_length $canvas, fuse $fuse${policy:+, policy $policy}; pid $(cat $W/$name.pid), port $port)"
 WAIT_S=${WAIT_S:-330} bash $S wait $quant $attn blockdiff || { el "not healthy"; bash $S stop; exit 1; }
 el healthy
 INTERLEAVE=1 TOTAL_S=$(( BUDGET - ($(date +%s) - T0) - 20 )) bash $S bench $quant $attn blockdiff
