@@ -482,7 +482,7 @@ def cut_draft_widths(scheduler: Any, draft_token_ids: Any, fuse_next: set[str] |
             lists[i] = lists[i][:width]
 
 
-def cut_spec_tokens(scheduler: Any, predictor: "FusedCommitPredictor | None" = None) -> int:
+def cut_spec_tokens(scheduler: Any, predictor: "FusedCommitPredictor | None" = None) -> list:
     """Cut every running request's ``spec_token_ids`` (vLLM's placeholders, ``num_spec_tokens`` = ``2 * CL`` wide
     in the fused layout) to the width its next row schedules: what the asynchronous scheduler does before each
     ``schedule`` when served in the fused layout (served with CL it skips this per-request loop). A new list is
@@ -498,11 +498,12 @@ def cut_spec_tokens(scheduler: Any, predictor: "FusedCommitPredictor | None" = N
             that width.
 
     Returns:
-        How many lists the predictor left ``2 * CL`` wide (0 without a predictor).
+        The requests whose lists the predictor left ``2 * CL`` wide, in ``running`` order ([] without a
+        predictor): what :func:`keep_uniform_widths` may cut.
     """
     cl = _canvas_length_of(scheduler)
     mml = scheduler.max_model_len
-    wide = 0
+    wide: list[Any] = []
     for req in scheduler.running:
         spec = req.spec_token_ids
         if predictor is not None and len(spec) <= cl:
@@ -513,7 +514,8 @@ def cut_spec_tokens(scheduler: Any, predictor: "FusedCommitPredictor | None" = N
             continue
         if predictor is not None and width == cl:
             width = predictor.width(req, mml)
-            wide += width > cl
+            if width > cl:
+                wide.append(req)
         if len(spec) > width:
             req.spec_token_ids = spec[:width]
     return wide
@@ -550,7 +552,7 @@ def _schedule_skips(req: Any, next_step: int | None) -> bool:
         req.num_computed_tokens + 2 - placeholders >= req.num_prompt_tokens + max_tokens
 
 
-def keep_uniform_widths(scheduler: Any) -> int:
+def keep_uniform_widths(scheduler: Any, wide: list | None = None) -> int:
     """The ``uniform`` fuse policy (:data:`FUSE_POLICY_ENV`), run just before vLLM's ``schedule``: keep the
     ``2 * CL`` lists (fused commits) only if every canvas row that call will schedule is a whole ``2 * CL`` row;
     otherwise cut each of them to CL. A cut request's row is then a plain commit of its converged canvas, exactly
@@ -582,6 +584,9 @@ def keep_uniform_widths(scheduler: Any) -> int:
         scheduler: a vLLM ``Scheduler`` served in the fused layout (reads ``running``, ``max_model_len``,
             ``max_num_scheduled_tokens``, ``current_step``, CL; sets ``spec_token_ids`` to new lists, never
             changing vLLM's shared placeholder list).
+        wide: the running requests whose lists are ``2 * CL`` when the caller knows them (the asynchronous
+            scheduler, from :func:`cut_spec_tokens`): the scan then stops at the first plain canvas row. None: found
+            in the scan (the synchronous scheduler, whose lists come from the worker's flags).
 
     Returns:
         How many ``2 * CL`` lists it cut to CL (0 when the step stays uniform, or has no fused row).
@@ -592,7 +597,13 @@ def keep_uniform_widths(scheduler: Any) -> int:
     budget = getattr(scheduler, "max_num_scheduled_tokens", None)
     step = getattr(scheduler, "current_step", None)
     next_step = None if step is None else step + 1
-    wide: list[Any] = []
+    known = wide is not None
+    if known:
+        wide = [req for req in wide if not _schedule_skips(req, next_step)]
+        if not wide:
+            return 0
+    else:
+        wide = []
     uniform = True
     demand = 0
     for req in scheduler.running:
@@ -608,10 +619,13 @@ def keep_uniform_widths(scheduler: Any) -> int:
         if not spec:  # a prefill chunk: not a canvas row (only its tokens count, against the budget)
             continue
         if len(spec) == wide_len:
-            wide.append(req)
+            if not known:
+                wide.append(req)
             uniform = uniform and row == wide_len
         else:
             uniform = False
+            if known:  # decided: a plain canvas row beside the fused ones
+                break
     if not wide or (uniform and (budget is None or demand <= budget)):
         return 0
     for req in wide:
@@ -745,7 +759,7 @@ def _make_classes() -> dict[str, type]:
                 if asynchronous and self.blockdiff_fused_layout:  # placeholders of 2 * CL: cut to CL, or kept
                     wide = cut_spec_tokens(self, predictor)       # where the step cap forces a commit (predictor)
                     if wide and self._blockdiff_uniform:
-                        self.blockdiff_num_policy_cuts += keep_uniform_widths(self)
+                        self.blockdiff_num_policy_cuts += keep_uniform_widths(self, wide)
                 elif self._blockdiff_uniform:  # sync: the flagged requests' 2 * CL drafts (cut_draft_widths)
                     self.blockdiff_num_policy_cuts += keep_uniform_widths(self)
                 out = super().schedule(*args, **kwargs)

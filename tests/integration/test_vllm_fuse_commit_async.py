@@ -718,13 +718,20 @@ def test_uniform_policy_keeps_fused_lists_only_when_every_canvas_row_the_next_ca
     size is a whole 2 * CL row and all those rows fit the token budget; otherwise every fused list is cut to CL
     (new lists: vLLM's shared placeholder list is never changed). Requests vLLM passes over (not yet
     decode-eligible; async rows in flight that reach max_tokens) neither block nor lose their fused list; a prefill
-    chunk is no canvas row but counts against the budget."""
+    chunk is no canvas row but counts against the budget. The same whether the fused requests are found in the scan
+    (synchronous scheduler) or passed in (asynchronous: the scan may stop at the first plain canvas row)."""
     W = 2 * CL
 
     def run(reqs, budget=1000, mml=1000, step=5):
         s = NS(blockdiff_canvas_length=CL, num_spec_tokens=W, running=reqs, max_model_len=mml,
                max_num_scheduled_tokens=budget, current_step=step)
-        return VS.keep_uniform_widths(s), [len(r.spec_token_ids) for r in reqs]
+        before = [r.spec_token_ids for r in reqs]
+        known = [r for r in reqs if len(r.spec_token_ids) == W]
+        got = VS.keep_uniform_widths(s), [len(r.spec_token_ids) for r in reqs]
+        for r, spec in zip(reqs, before):
+            r.spec_token_ids = spec
+        assert (VS.keep_uniform_widths(s, known), [len(r.spec_token_ids) for r in reqs]) == got
+        return got
 
     assert run([_running("a", W)]) == (0, [W])                                    # one request alone
     assert run([_running("a", W), _running("b", W)]) == (0, [W, W])               # all fused
