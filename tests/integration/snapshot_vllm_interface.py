@@ -64,7 +64,7 @@ CLASSES: dict[str, dict] = {
         "methods": ["update_from_output", "finish_requests", "update_draft_token_ids", "schedule",
                     "_preempt_request"],
         "init_attributes": ["requests", "running", "max_model_len", "num_spec_tokens", "vllm_config",
-                            "current_step"]},
+                            "current_step", "max_num_scheduled_tokens", "scheduler_config"]},
     "vllm.v1.core.sched.async_scheduler:AsyncScheduler": {"methods": ["_update_after_schedule"]},
     "vllm.v1.core.sched.diffusion_scheduler:DiffusionScheduler": {"methods": "*"},
     "vllm.v1.core.sched.diffusion_scheduler:DiffusionAsyncScheduler": {"methods": "*"},
@@ -75,7 +75,8 @@ CLASSES: dict[str, dict] = {
                                 "init_attributes": ["request_id", "client_index", "sampling_params", "status",
                                                     "stop_reason", "num_nans_in_logits", "trace_headers",
                                                     "spec_token_ids", "max_tokens", "num_computed_tokens",
-                                                    "next_decode_eligible_step"]},
+                                                    "next_decode_eligible_step", "num_output_placeholders",
+                                                    "num_prompt_tokens"]},
     "vllm.v1.outputs:ModelRunnerOutput": {"fields": True},
     "vllm.model_executor.models.registry:_ModelRegistry": {"methods": ["register_model", "get_supported_archs"]},
     "vllm.model_executor.models.diffusion_gemma:DiffusionGemmaForConditionalGeneration": {
