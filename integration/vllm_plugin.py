@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import os
 
-from ..attention.env import env_flag
 from . import vllm_compat
 from .annotate import install_triton_compile_ranges
 
@@ -63,7 +62,8 @@ ATTN_BACKENDS = ("triton", "cute", "reference")
 SAMPLER_BACKENDS = ("triton", "reference")
 
 
-#: Environment variable (a boolean switch, :func:`blockdiff.attention.env.env_flag`): "1" installs :func:`.annotate.install_triton_compile_ranges` at registration (the serving
+#: Environment variable (a boolean switch, :func:`blockdiff.attention.env.env_flag`): "1" installs
+#: :func:`.annotate.install_triton_compile_ranges` at registration (the serving
 #: benchmark sets it on profiled servers, ``bench_serve server-cmd --trace-dir``).
 PROFILE_COMPILES_ENV = "BLOCKDIFF_PROFILE_COMPILES"
 
@@ -132,11 +132,16 @@ def register() -> None:
     Raises:
         ImportError: vLLM is not installed (the message says how to install it).
         ValueError: ``BLOCKDIFF_ATTN_BACKEND`` / ``BLOCKDIFF_SAMPLER_BACKEND`` name an unknown backend;
-            ``BLOCKDIFF_PROFILE_COMPILES`` is not ``1`` / ``0`` / empty / unset (:func:`.env_flag`); the
+            ``BLOCKDIFF_PROFILE_COMPILES`` or ``BLOCKDIFF_CHECK_VALUES`` is not ``1`` / ``0`` / empty / unset
+            (:func:`blockdiff.attention.env.env_flag`); the
             installed vLLM is a version the plugin has no profile for (:func:`.vllm_compat.profile_for`).
     """
     global _registered
     _require_vllm()
+    # imported here, not at the top: importing blockdiff.attention reads BLOCKDIFF_CHECK_VALUES and raises on a bad
+    # value, and vLLM's plugin loader only logs a module that fails to import and serves without the plugin; raised
+    # from register() the error stops the start
+    from ..attention.env import env_flag
     vllm_compat.current()  # refuses an unsupported vLLM version here, at plugin load, with the checked ones named
     attn_backend_from_env()
     smp = os.environ.get(SAMPLER_BACKEND_ENV, "triton")

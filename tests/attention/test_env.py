@@ -71,3 +71,23 @@ def test_standin_platform_env_refuses_an_unknown_value(monkeypatch):
     monkeypatch.setenv(serve_standin.PLATFORM_ENV, "yes")
     with pytest.raises(ValueError, match="BLOCKDIFF_STANDIN_PLATFORM must be 1"):
         serve_standin.platform_plugin()
+
+
+def test_a_bad_check_values_switch_stops_vllms_plugin_load_instead_of_skipping_the_plugin():
+    """vLLM's plugin loader only logs a plugin module that fails to import ("Failed to load plugin blockdiff") and
+    serves without it. The plugin module imported blockdiff.attention at its top, so BLOCKDIFF_CHECK_VALUES=true
+    (accepted as on before env_flag) silently dropped blockdiff's model class and attention backend; now the module
+    imports, and register() raises the ValueError, which vLLM does not catch."""
+    import importlib.util
+
+    env = dict(os.environ, BLOCKDIFF_CHECK_VALUES="true")
+    code = "import blockdiff.integration.vllm_plugin"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed here: the loader half needs it (tests/integration/vllm_cpu_env.sh)")
+    code = "import vllm.plugins as p; p.load_general_plugins()"
+    env["VLLM_PLUGINS"] = "blockdiff"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "ValueError: BLOCKDIFF_CHECK_VALUES must be 1" in r.stderr, r.stderr[-3000:]
+    assert "Failed to load plugin blockdiff" not in r.stderr
