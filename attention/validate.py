@@ -7,8 +7,9 @@ under CUDA-graph capture. Value rules (``cu_seqlens_q`` starts at 0 and never de
 on the host: they run when ``check_values`` is True (backends default to True except while a CUDA graph is
 being captured, where a host read is not allowed).
 
-**Debug switch.** ``BLOCKDIFF_CHECK_VALUES=1`` in the environment (read once, at import; ``0``, ``false``,
-``no``, ``off`` or empty: off) or
+**Debug switch.** ``BLOCKDIFF_CHECK_VALUES=1`` in the environment (read once, at import, by
+:func:`.env.env_flag`: ``0``, empty or unset off; any other value, ``false`` / ``no`` / ``off`` included, is a
+``ValueError`` there) or
 :func:`set_debug_checks` ``(True)`` makes every call run the value checks, ``check_values=False`` included (the
 triton backend's launch plans are bypassed then), except while a CUDA graph is being captured (no host reads
 there). :func:`resolve_check_values` is the one place this is decided.
