@@ -125,11 +125,12 @@ def attention_reference(
     group = H // info.num_kv_heads
     acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     mm_dtype = acc_dtype if upcast else q.dtype
+    # an out that overlaps an input (out may alias one: the contract) would overwrite rows a later sequence still
+    # reads (e.g. out a view of a cache page): write a private buffer, copied back at the end (a fresh out cannot)
+    aliased = out is not None and any(memory_overlaps(out, t) for t in (q, k_cache, v_cache))
     if out is None:
         out = torch.empty(total_q, H, info.head_dim_v, dtype=q.dtype, device=q.device)
-    # an out that overlaps an input (out may alias one: the contract) would overwrite rows a later sequence still
-    # reads (e.g. out a view of a cache page): write a private buffer, copied back at the end
-    dst = torch.empty_like(out) if any(memory_overlaps(out, t) for t in (q, k_cache, v_cache)) else out
+    dst = torch.empty_like(out) if aliased else out
     lse = torch.full((H, total_q), float("-inf"), dtype=torch.float32, device=q.device)
     cu = cu_seqlens_q.to(torch.int64).tolist()
     sl = info.seq_lens.to(torch.int64).tolist()

@@ -250,6 +250,7 @@ def _run(fa, q, k_cache, v_cache, *, out, return_lse, cu_seqlens_q, num_causal_q
     total_q, H, head_dim = q.shape
     num_kv_heads, head_dim_v = v_cache.shape[-2], v_cache.shape[-1]
     paged = block_table is not None
+    given = out is not None  # only a caller's out can overlap an input (no pointer math for a fresh one)
     if out is None:
         out = torch.empty(total_q, H, head_dim_v, dtype=q.dtype, device=q.device)
     lse = torch.empty(H, total_q, dtype=torch.float32, device=q.device) if return_lse else None
@@ -261,8 +262,8 @@ def _run(fa, q, k_cache, v_cache, *, out, return_lse, cu_seqlens_q, num_causal_q
     # The kernel writes a dense, 16-byte aligned out that overlaps no input (out may alias one: the contract; a
     # tile's output must not land on K / V rows another tile still reads); any other caller-given out gets a copy
     # back (host pointer math, no sync).
-    out_k = out if mc(out) is out and out.is_contiguous() and not any(
-        memory_overlaps(out, t) for t in (q, k_cache, v_cache)) else torch.empty(
+    out_k = out if mc(out) is out and out.is_contiguous() and not (given and any(
+        memory_overlaps(out, t) for t in (q, k_cache, v_cache))) else torch.empty(
         total_q, H, head_dim_v, dtype=q.dtype, device=q.device)
 
     qhead_per_kvhead = H // num_kv_heads

@@ -336,3 +336,18 @@ def test_reference_out_aliasing_a_cache_gives_the_unaliased_result(cache, paged)
         got = attention(**inp, out=out, backend="reference")
         assert got is out
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_reference_checks_only_a_callers_out_for_overlap(monkeypatch):
+    """A fresh ``out`` (``out=None``) cannot overlap an input: no pointer math is spent on it; a caller's is
+    checked against q, k_cache and v_cache."""
+    from blockdiff.attention import reference
+
+    calls = []
+    real = reference.memory_overlaps
+    monkeypatch.setattr(reference, "memory_overlaps", lambda a, b: calls.append(1) or real(a, b))
+    b = make_batch([6, 5], [3, 2], causal=[True, False], dtype=torch.float32)
+    want = attention(**b, backend="reference")
+    assert calls == []
+    got = attention(**b, out=torch.empty_like(want), backend="reference")
+    assert len(calls) == 3 and torch.equal(got, want)
