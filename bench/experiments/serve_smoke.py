@@ -8,6 +8,8 @@ and compare its completions with blockdiff's harness on the same checkpoint, tok
     # agreement of two sides (exit 0 always; prints per-prompt equality of the prompt and output token ids and the
     # index of the first differing output token)
     python3 -m blockdiff.bench.experiments.serve_smoke compare harness.json srv.json
+    # one JSON record of several comparisons (exit 1 when a --require'd pair differs anywhere)
+    python3 -m blockdiff.bench.experiments.serve_smoke record --out rec.json --pair NAME a.json b.json [--require NAME]
 
 What makes the two sides comparable:
 
@@ -190,6 +192,61 @@ def compare(a: str, b: str) -> dict:
     return out
 
 
+def record(out: str, pairs: list[tuple[str, str, str]], required: list[str] = ()) -> dict:
+    """One JSON record of several comparisons, the evidence a run keeps (``serve_graph_parity.sh``): for each pair
+    ``(name, a, b)`` of record files, :func:`compare_rows` of their rows with the count of equal prompts, and
+    ``must_equal`` (the name is in ``required``: every prompt must be equal) with ``ok``; plus the environment
+    (:func:`blockdiff.bench.common.env_record`) and each side's ``sampled`` / ``dtype`` / ``concurrent`` fields as
+    written.
+
+    Args:
+        out: the JSON file written.
+        pairs: ``(name, a, b)``; ``name`` unique, ``a`` / ``b`` record files of ``harness`` / ``client``. A missing
+            file is recorded as the error of that pair (a server that never came up), not raised, so the other
+            pairs are kept.
+        required: names of pairs that must be equal on every prompt.
+
+    Returns:
+        The record, with ``ok``: every required pair equal on every prompt (and present).
+
+    Raises:
+        ValueError: a duplicate pair name, or a required name that is no pair's.
+    """
+    from blockdiff.bench import common
+
+    names = [n for n, _, _ in pairs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"pairs: names must be unique, got {names}")
+    unknown = sorted(set(required) - set(names))
+    if unknown:
+        raise ValueError(f"required: {unknown} name no pair (pairs: {names})")
+    res = {}
+    for name, a, b in pairs:
+        entry = {"a": a, "b": b, "must_equal": name in required}
+        try:
+            ra, rb = json.load(open(a)), json.load(open(b))
+        except (OSError, ValueError) as e:
+            entry.update(error=f"{type(e).__name__}: {e}"[:300], equal=0, of=0, ok=False)
+            res[name] = entry
+            continue
+        rows = compare_rows(ra["rows"], rb["rows"])
+        eq = sum(bool(v["equal"]) for v in rows.values())
+        entry.update({f"{side}_{k}": r.get(k) for side, r in (("a", ra), ("b", rb))
+                      for k in ("sampled", "dtype", "concurrent")})
+        entry.update(equal=eq, of=len(rows), ok=(eq == len(rows) and len(rows) > 0) or name not in required,
+                     rows=rows)
+        res[name] = entry
+    rec = {"suite": "serve_graph_parity", "env": common.env_record(), "pairs": res,
+           "ok": all(v["ok"] for v in res.values() if v["must_equal"])}
+    with open(out, "w") as f:
+        json.dump(common.jsonable(rec), f, indent=1)
+    for name, v in res.items():
+        print(f"{name}: {v['equal']} of {v['of']}" + (" (must be equal)" if v["must_equal"] else "")
+              + (f" [{v['error']}]" if "error" in v else ""))
+    print(f"ok: {rec['ok']}")
+    return rec
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -211,7 +268,15 @@ def main(argv=None) -> int:
     m = sub.add_parser("compare")
     m.add_argument("a")
     m.add_argument("b")
+    r = sub.add_parser("record", help="write one JSON record of several comparisons (exit 1 when a required one "
+                        "is not equal on every prompt)")
+    r.add_argument("--out", required=True)
+    r.add_argument("--pair", nargs=3, action="append", required=True, metavar=("NAME", "A", "B"))
+    r.add_argument("--require", action="append", default=[], metavar="NAME",
+                   help="a pair that must be equal on every prompt")
     args = ap.parse_args(argv)
+    if args.cmd == "record":
+        return 0 if record(args.out, [tuple(p) for p in args.pair], args.require)["ok"] else 1
     if args.cmd == "harness":
         run_harness(args.out, args.device, args.attn_backend, args.sampler_backend, args.sampled, args.dtype)
     elif args.cmd == "client":
