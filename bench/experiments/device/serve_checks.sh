@@ -10,10 +10,7 @@
 # Memory: 26B servers ~27 GB fp8 weights + 16 GB KV + sampler / activations each; small ones 1 GB KV each.
 # Servers start with setsid and keep running until the machine goes back; logs and JSON under $OUT (<= 8 files).
 source bench/experiments/device/env.sh
-V="python3 -m vllm.entrypoints.cli.main"
-T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
-up() { python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$1/health')" 2>/dev/null; }
-dead() { grep -q "initialization failed\|Traceback\|Error in memory profiling" $1; }
+source bench/experiments/device/serve_lib.sh
 python3 -c "import vllm, vllm._C_stable_libtorch, vllm._moe_C_stable_libtorch; print('vllm', vllm.__version__)" || exit 3
 L=/tmp/logs; mkdir -p $L
 # -- 3. the 26B servers first: their start (dummy weights, fp8, torch.compile, CUDA graphs) is the longest part

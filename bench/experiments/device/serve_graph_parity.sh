@@ -15,10 +15,7 @@ set -u
 source bench/experiments/device/env.sh
 export OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 [ "${CUTE:-1}" = 1 ] && export PYTHONPATH=$PYTHONPATH:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
-V="python3 -m vllm.entrypoints.cli.main"
-T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
-up() { python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$1/health')" 2>/dev/null; }
-dead() { grep -q "initialization failed\|Traceback\|Error in memory profiling" $1; }
+source bench/experiments/device/serve_lib.sh
 python3 -c "import vllm, vllm._C_stable_libtorch; print('vllm', vllm.__version__)" || exit 3
 L=/tmp/gp_logs; mkdir -p $L
 [ -d /tmp/exp ] || python3 -m blockdiff.integration.cli export /tmp/exp --overwrite > $L/export.log 2>&1
