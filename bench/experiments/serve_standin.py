@@ -70,7 +70,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-from blockdiff.attention.env import env_flag
 from blockdiff.bench import bench_serve as bs
 from blockdiff.bench import common
 
@@ -378,8 +377,24 @@ def __getattr__(name: str):  # vLLM resolves the classes by qualified name; they
 
 def platform_plugin() -> str | None:
     """The ``vllm.platform_plugins`` entry point: :class:`StandinPlatform` when ``BLOCKDIFF_STANDIN_PLATFORM=1``,
-    else None (vLLM's own platform)."""
-    return PLATFORM_CLASS if env_flag(PLATFORM_ENV, meaning="the stand-in platform") else None
+    else None (vLLM's own platform).
+
+    vLLM skips a platform plugin whose module import or call raises an ``Exception`` (it only logs the import's), and
+    would then serve on its own platform: so this module imports nothing of ``blockdiff.attention`` at its top (whose
+    import reads ``BLOCKDIFF_CHECK_VALUES``), and a bad switch value here is a ``SystemExit`` naming it, which stops
+    the start.
+
+    Raises:
+        SystemExit: ``BLOCKDIFF_STANDIN_PLATFORM`` (or ``BLOCKDIFF_CHECK_VALUES``) holds a value other than the
+            switches' (``attention/env.py``).
+    """
+    try:
+        from blockdiff.attention.env import env_flag
+
+        on = env_flag(PLATFORM_ENV, meaning="the stand-in platform")
+    except ValueError as e:
+        raise SystemExit(f"serve_standin platform plugin: {e}") from e
+    return PLATFORM_CLASS if on else None
 
 
 def write_plugin_dir(folder: str | os.PathLike) -> Path:

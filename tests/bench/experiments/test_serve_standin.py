@@ -79,6 +79,19 @@ def test_platform_plugin_is_off_unless_asked(monkeypatch):
     assert st.platform_plugin() == st.PLATFORM_CLASS
 
 
+def test_a_bad_standin_switch_stops_the_start_instead_of_vllm_falling_back_to_its_own_platform(monkeypatch):
+    """vLLM swallows an Exception from a platform plugin (import or call) and serves on its own platform; a bad value
+    must be a SystemExit naming the variable, and the module's import must not read BLOCKDIFF_CHECK_VALUES."""
+    monkeypatch.setenv(st.PLATFORM_ENV, "true")
+    with pytest.raises(SystemExit, match=st.PLATFORM_ENV):
+        st.platform_plugin()
+    env = dict(os.environ, BLOCKDIFF_CHECK_VALUES="true")
+    code = ("import sys, blockdiff.bench.experiments.serve_standin; "
+            "print(any(m.startswith('blockdiff.attention') for m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr[-2000:]
+
+
 def test_plugin_dir_declares_the_platform_entry_point(tmp_path):
     st.write_plugin_dir(tmp_path)
     dists = [d for d in importlib.metadata.distributions(path=[str(tmp_path)])]
