@@ -68,8 +68,8 @@ def test_standin_platform_env_refuses_an_unknown_value(monkeypatch):
     assert serve_standin.platform_plugin() == serve_standin.PLATFORM_CLASS
     monkeypatch.setenv(serve_standin.PLATFORM_ENV, "0")
     assert serve_standin.platform_plugin() is None
-    monkeypatch.setenv(serve_standin.PLATFORM_ENV, "yes")
-    with pytest.raises(ValueError, match="BLOCKDIFF_STANDIN_PLATFORM must be 1"):
+    monkeypatch.setenv(serve_standin.PLATFORM_ENV, "yes")  # SystemExit: vLLM would swallow a ValueError (dd5a35d)
+    with pytest.raises(SystemExit, match="BLOCKDIFF_STANDIN_PLATFORM must be 1"):
         serve_standin.platform_plugin()
 
 
