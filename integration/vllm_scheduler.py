@@ -749,8 +749,9 @@ def _make_classes() -> dict[str, type]:
                         self.blockdiff_predictor = FusedCommitPredictor(
                             self.blockdiff_canvas_length,
                             steps if steps is not None else default_max_denoising_steps())
-                # the uniform policy's pass before each schedule call (only where rows may be 2 * CL wide)
-                self._blockdiff_uniform = (self.blockdiff_fuse_policy == "uniform" and self.blockdiff_fused_layout
+                # the uniform policy's pass before each schedule call, only where rows may be 2 * CL wide: fused
+                # commits served (without the switch every list is cut to CL first, so the pass would find none)
+                self._blockdiff_uniform = (self.blockdiff_fuse_policy == "uniform" and fusing
                                            and self.blockdiff_wide_fits)
 
             @annotated("blockdiff:schedule")

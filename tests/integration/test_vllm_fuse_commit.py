@@ -523,6 +523,25 @@ def test_one_canvas_layout_schedulers_do_no_per_request_width_work(monkeypatch, 
     assert widths == [CL] * 3
 
 
+@needs_vllm
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_uniform_policy_pass_runs_only_when_fused_commits_are_served(monkeypatch, tiny_hf_folder, asynchronous):
+    """In the two-canvas layout without BLOCKDIFF_FUSE_COMMIT every draft / placeholder list is cut to CL before
+    vLLM schedules, so no row can be fused: BLOCKDIFF_FUSE_POLICY=uniform adds no per-step pass there."""
+    def boom(*a, **k):
+        raise AssertionError("the uniform policy's pass ran without fused commits")
+
+    monkeypatch.setattr(VS, "keep_uniform_widths", boom)
+    monkeypatch.delenv(VS.FUSE_COMMIT_ENV, raising=False)
+    monkeypatch.setenv(VS.FUSE_POLICY_ENV, "uniform")
+    s = _real_scheduler(monkeypatch, tiny_hf_folder, asynchronous=asynchronous)
+    assert s.blockdiff_fused_layout is True and s.blockdiff_fuse_policy == "uniform"
+    s.add_request(_request("a", 10))
+    _step(s, drafts=not asynchronous)
+    widths = [_step(s, nans={"a": 0}, drafts=not asynchronous)[0].num_scheduled_tokens.get("a") for _ in range(3)]
+    assert widths == [CL] * 3
+
+
 @needs_stack
 @needs_vllm
 @pytest.mark.parametrize("env", ["0", "1"])
