@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .validate import _self_overlapping, capturing, memory_overlaps, resolve_check_values
+from .validate import self_overlapping, capturing, memory_overlaps, resolve_check_values
 
 
 def _aliased(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -70,7 +70,7 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, check_values: bool |
     if _aliased(k_cache, v_cache):
         raise ValueError("k_cache and v_cache must not share memory (writing v would overwrite k)")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if _self_overlapping(t):  # e.g. an expand()ed page pool: a write to one slot would land in others
+        if self_overlapping(t):  # e.g. an expand()ed page pool: a write to one slot would land in others
             raise ValueError(f"{name} must not have elements sharing memory (e.g. an expand()ed view), got strides "
                              f"{t.stride()} for shape {tuple(t.shape)}")
     n_slots = k_cache.shape[0] * k_cache.shape[1]

@@ -170,8 +170,11 @@ def check_has_data(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} is on the meta device (no data): pass tensors with values")
 
 
-def _self_overlapping(t: torch.Tensor) -> bool:
-    """Whether two elements of ``t`` share memory (from shape and strides only: no host sync)."""
+def self_overlapping(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` may share memory, from shape and strides only (no host sync). Conservative:
+    True whenever the dims, taken by increasing stride, do not each step over all the earlier ones (an
+    ``expand()``ed view, a stride 0); a rare interleaved layout that shares no element (shape (3, 2) with strides
+    (2, 3)) is reported too. A dense or permuted tensor, and its basic slices, are False."""
     dims = sorted((abs(st), n) for n, st in zip(t.shape, t.stride()) if n > 1)
     if any(n == 0 for n in t.shape):
         return False
@@ -381,7 +384,7 @@ def check_attention_inputs(
             raise ValueError(f"out must have shape {(total_q, num_heads, head_dim_v)}, got {tuple(out.shape)}")
         if out.dtype != q.dtype or out.device != q.device:
             raise ValueError(f"out must be {q.dtype} on {q.device}, got {out.dtype} on {out.device}")
-        if _self_overlapping(out):
+        if self_overlapping(out):
             raise ValueError(f"out must not have elements sharing memory (e.g. an expand()ed view), got strides "
                              f"{out.stride()} for shape {tuple(out.shape)}")
 
