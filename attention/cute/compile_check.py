@@ -173,7 +173,8 @@ def _cuobjdump() -> str | None:
     return shutil.which("cuobjdump")
 
 
-def compile_for_sm90(timeout: float = 900, ptx_dir: str | None = None, **spec) -> dict:
+def compile_for_sm90(timeout: float = 900, ptx_dir: str | None = None, switches: dict | None = None,
+                     **spec) -> dict:
     """Compile one configuration of the cute backend for sm_90a in a fresh process and report its resources.
 
     Args:
@@ -181,6 +182,8 @@ def compile_for_sm90(timeout: float = 900, ptx_dir: str | None = None, **spec) -
         ptx_dir: also keep the attention kernel's PTX there (``<kernel>.ptx``, without ``.loc`` / ``.file`` lines,
             comments and debug sections: :func:`strip_ptx`) and report its file and sha256 (``ptx_file``,
             ``ptx_sha256``), to compare the instruction streams of two trees.
+        switches: experiment class attributes set in the child before it compiles, ``{"Class.ATTR": value}``
+            (:func:`set_switches`; e.g. ``{"FlashAttentionForwardSm90Mixed._CLEAN_AT_PV": True}``).
         **spec: keyword arguments of :func:`.interface.compile_only` (:data:`SPEC_KEYS`); ``config`` as a dict.
 
     Returns:
@@ -195,13 +198,15 @@ def compile_for_sm90(timeout: float = 900, ptx_dir: str | None = None, **spec) -
 
     Raises:
         ValueError: a spec key outside :data:`SPEC_KEYS`.
-        RuntimeError: the child failed (its stderr tail in the message; a missing package names it).
+        RuntimeError: the child failed (its stderr tail in the message; a missing package or an unknown switch
+            names it).
     """
     bad = set(spec) - set(SPEC_KEYS)
     if bad:
         raise ValueError(f"unknown compile spec keys {sorted(bad)}; allowed: {SPEC_KEYS}")
-    argv = [sys.executable, "-m", "blockdiff.attention.cute.compile_check", "--child", json.dumps(spec)]
-    r = subprocess.run(argv + ([ptx_dir] if ptx_dir else []), capture_output=True, text=True, timeout=timeout)
+    argv = [sys.executable, "-m", "blockdiff.attention.cute.compile_check", "--child", json.dumps(spec),
+            ptx_dir or "", json.dumps(switches or {})]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     if r.returncode or not lines:
         raise RuntimeError(f"cute compile check failed (rc {r.returncode}): {r.stderr[-3000:]}")
@@ -221,8 +226,27 @@ def strip_ptx(ptx: str) -> str:
     return "\n".join(out) + "\n"
 
 
-def _child(spec: dict, ptx_dir: str | None = None) -> dict:
-    """In the fresh process: set the DSL's switches, compile, collect the report (and the PTX into ``ptx_dir``)."""
+def set_switches(switches: dict) -> None:
+    """Set experiment class attributes, ``{"Class.ATTR": value}``, on a class of ``kernel.py``, ``kernel_wide.py``
+    or ``kernel_roles.py`` (e.g. ``FlashAttentionForwardSm90Mixed._CLEAN_AT_PV``), in this process, before compiling.
+
+    Raises:
+        ValueError: a name that is not ``Class.ATTR`` of an existing class attribute there.
+    """
+    from . import kernel, kernel_roles, kernel_wide  # the CuTe DSL (optional dependency)
+    for name, value in switches.items():
+        cls_name, _, attr = name.rpartition(".")
+        cls = next((getattr(m, cls_name) for m in (kernel, kernel_wide, kernel_roles) if hasattr(m, cls_name)),
+                   None)
+        if cls is None or not attr.startswith("_") or not hasattr(cls, attr):
+            raise ValueError(f"switch {name!r}: not Class._ATTR of an existing class attribute in kernel.py, "
+                             "kernel_wide.py or kernel_roles.py")
+        setattr(cls, attr, value)
+
+
+def _child(spec: dict, ptx_dir: str | None = None, switches: dict | None = None) -> dict:
+    """In the fresh process: set the DSL's switches (and the experiment ``switches``, :func:`set_switches`),
+    compile, collect the report (and the PTX into ``ptx_dir``)."""
     dump = tempfile.mkdtemp(prefix="cute_compile_check_")
     os.environ.update(FLASH_ATTENTION_ARCH="sm_90", CUTE_DSL_ARCH="sm_90a", FLASH_ATTENTION_NUM_SMS="132",
                       CUTE_DSL_KEEP="cubin,ptx" if ptx_dir else "cubin", CUTE_DSL_DUMP_DIR=dump)
@@ -234,6 +258,8 @@ def _child(spec: dict, ptx_dir: str | None = None) -> dict:
 
     from . import interface
     from .config import config_smem_bytes, resolve_config
+
+    set_switches(switches or {})
 
     real_compile = cute.compile
     captured: list = []
@@ -363,13 +389,15 @@ def wide_report(matrix=None) -> list[dict]:
 
 
 def main(argv=None) -> None:
-    """``--child SPEC``: compile one JSON spec in this process (what :func:`compile_for_sm90` spawns) and print
-    its report as JSON. ``--report [OUT.json]``: compile :data:`WIDE_MATRIX` with ``wide_design="split_v"``, print
+    """``--child SPEC [PTX_DIR [SWITCHES]]``: compile one JSON spec in this process (what :func:`compile_for_sm90`
+    spawns; an empty PTX_DIR keeps no PTX, SWITCHES is a JSON object for :func:`set_switches`) and print its report
+    as JSON. ``--report [OUT.json]``: compile :data:`WIDE_MATRIX` with ``wide_design="split_v"``, print
     a table, write the rows;
     ``--report-roles [OUT.json]``: the same for :data:`ROLES_MATRIX` with ``wide_design="roles"``."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--child"]:
-        print(json.dumps(_child(json.loads(argv[1]), argv[2] if len(argv) > 2 else None)))
+        ptx_dir = argv[2] if len(argv) > 2 and argv[2] else None
+        print(json.dumps(_child(json.loads(argv[1]), ptx_dir, json.loads(argv[3]) if len(argv) > 3 else None)))
         return
     if argv[:1] in (["--report"], ["--report-roles"]):
         rows = wide_report(_with_design(ROLES_MATRIX, "roles") if argv[0] == "--report-roles" else None)
@@ -392,7 +420,7 @@ def main(argv=None) -> None:
                 json.dump(rows, f, indent=1)
         return
     raise SystemExit("usage: python -m blockdiff.attention.cute.compile_check --report [OUT.json] | --report-roles "
-                     "[OUT.json] | --child SPEC")
+                     "[OUT.json] | --child SPEC [PTX_DIR [SWITCHES]]")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 """Interleaved A/B of an experiment switch of the roles kernel (a ``FlashAttentionForwardSm90Roles`` class attribute
 read at compile time: ``_K_REFILL_ALL_WARPS``, docs/tuning.md 2.17-2.18; ``_SM_OVERLAP`` ran through it in 2.20, before
 it became ``CuteConfig.qk_issue``; ``_EPILOGUE_LOCAL_WARP``, 2.25), off against on, one
-process (GPU experiment, the bench's paged layout).
+process (GPU experiment, the bench's paged layout). A switch ``Class.ATTR`` names a class of ``attention/cute/kernel.py``
+instead (``FlashAttentionForwardSm90Mixed._CLEAN_AT_PV``, 2.26: FA4's consumer, head dims <= 256).
 
 The switch is not a config field, so each setting compiles into a compile cache of its own (the interface's
 ``_COMPILE_CACHE`` swapped per row; run with ``FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=0``: the disk cache's key
@@ -10,8 +11,9 @@ does not see the switch). For each named workload and config: both settings run 
 must be bit-identical for the switches above; isfinite), then ``--rounds`` rounds time every row in turn with
 ``triton.testing.do_bench_cudagraph(rep=200)`` (CUDA-graph replays, microseconds, medians printed and written to
 ``ab_roles_switch.json`` in ``--out``). With ``--triton`` the triton backend's default dispatch on the same inputs
-joins the rounds (issue 27's goal is a ratio to it in the same run); every row's effective TFLOP/s
-(``bench.common.attention_flops`` over the workload's allowed pairs) is printed and recorded beside the times.
+joins the rounds (issue 27's goal is a ratio to it in the same run), with ``--fa4`` FA4's paged launches
+(``bench_attention.make_fa4``: one per causal flag; the hd-256 goals are ratios to it); every row's effective
+TFLOP/s (``bench.common.attention_flops`` over the workload's allowed pairs) is printed and recorded beside the times.
 
     FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=0 python3 -m blockdiff.bench.experiments.ab_roles_switch \
         _K_REFILL_ALL_WARPS mixed_global_ctx8k '{"whole": {"wide_design": "roles", "k_refill": "whole"}}' --triton
@@ -35,14 +37,34 @@ def _row(b, w, cfg, switch: str, on: bool):
     k, v, a = b.layouts()["paged"]
     out = torch.empty(b.q.shape[0], w.num_heads, w.head_dim_v, dtype=b.q.dtype, device="cuda")
     cache: dict = {}
-    # the CuTe DSL is imported at first use: the module loads (and --help runs) without it
-    from blockdiff.attention.cute.kernel_roles import FlashAttentionForwardSm90Roles
+    cls, attr = switch_class(switch)
 
     def f():
         cute_interface._COMPILE_CACHE = cache
-        setattr(FlashAttentionForwardSm90Roles, switch, on)
+        setattr(cls, attr, on)
         return attention_cute(b.q, k, v, out=out, check_values=False, config=cfg, **a)
     return f
+
+
+def switch_class(switch: str):
+    """``(class, attribute)`` of ``switch``: ``"ATTR"`` the roles kernel's, ``"Class.ATTR"`` a class of kernel.py.
+
+    Raises:
+        ValueError: the class or the attribute does not exist."""
+    # the CuTe DSL is imported at first use: the module loads (and --help runs) without it
+    from blockdiff.attention.cute import kernel
+    from blockdiff.attention.cute.kernel_roles import FlashAttentionForwardSm90Roles
+    cls_name, _, attr = switch.rpartition(".")
+    cls = getattr(kernel, cls_name, None) if cls_name else FlashAttentionForwardSm90Roles
+    if cls is None or not hasattr(cls, attr):
+        raise ValueError(f"switch {switch!r}: no such class attribute (a roles kernel's, or Class.ATTR of kernel.py)")
+    return cls, attr
+
+
+def _fa4_row(b):
+    """FA4's paged launches on the same inputs (one per causal flag; ``bench_attention.make_fa4``)."""
+    from blockdiff.bench.bench_attention import make_fa4
+    return make_fa4(b, None, "paged")[0]
 
 
 def _triton_row(b, w):
@@ -64,6 +86,7 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--out", default=None, help="output folder (default $OUT, else bench/results/local/)")
     p.add_argument("--triton", action="store_true", help="time the triton backend on the same inputs too")
+    p.add_argument("--fa4", action="store_true", help="time FA4's paged launches on the same inputs too")
     a = p.parse_args(argv)
     if os.environ.get("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED") == "1":
         raise SystemExit("set FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=0: the disk cache's key does not see the switch")
@@ -87,11 +110,14 @@ def main(argv=None):
                   flush=True)
         if a.triton:
             fns["triton"] = _triton_row(b, w)
+        if a.fa4:
+            fns["fa4"] = _fa4_row(b)
         res[name] = common.interleaved_graph_medians(fns, a.rounds, name)
         flops = common.attention_flops(w.num_heads, w.head_dim, w.allowed_pairs(), w.head_dim_v)
         tf[name] = {n: common.tflops(flops, statistics.median(t) * 1e-3) for n, t in res[name].items()}
         for n, x in tf[name].items():
-            ratio = "" if "triton" not in tf[name] else f"  {x / tf[name]['triton']:.3f}x triton"
+            ratio = "".join(f"  {x / tf[name][r]:.3f}x {r} ({tf[name][r] / x:.3f}x its time)"
+                            for r in ("triton", "fa4") if r in tf[name] and n != r)
             print(f"{name} {n:28s} {x:7.1f} TFLOP/s{ratio}", flush=True)
     common.write_experiment_json("ab_roles_switch.json",
                                  dict(commit=os.environ.get("BLOCKDIFF_COMMIT"), gpu=torch.cuda.get_device_name(),

@@ -25,7 +25,10 @@ nvidia-cutlass-dsl installed, e.g. the CuTe DSL venv), ~30-90 s a spec on 2 core
 ``SPECS`` is the set of the K-part-loader refactor (docs/tuning.md 2.24): both K refills, both S orders, both V
 refills, pages 64 / 16 / 8 / 32 and contiguous, head dims 512 / 384, GQA 8 / 4 / 3, the split-KV subclass and the
 all-warps K experiment, plus the bench's two hd-512 launches at page 64 and the epilogue-warp experiment
-(docs/tuning.md 2.25); ``snapshot --only SUBSTR`` picks specs by name, ``list`` prints them.
+(docs/tuning.md 2.25), and FA4's consumer on the bench's two sliding launches and two hd-128 controls with NaN-safe V
+off, on, and cleaned at the P V issue (``_CLEAN_AT_PV``, 2.26; a switch ``"Class.ATTR"`` names a class of
+``kernel.py``, a bare ``"ATTR"`` the roles kernel's); ``snapshot --only SUBSTR`` picks specs by name, ``list`` prints
+them. ``summary.json`` also keeps each kernel's spills by role and its key-block loops (``compile_check.sass_loops``).
 """
 from __future__ import annotations
 
@@ -63,6 +66,35 @@ _BENCH_MIXED = dict(_BENCH_TILES, max_seqlen_q=4096, max_seqlen_k=8448, lpt=True
 #: ``canvas_bs1_ctx32k_global`` (one sequence of 256 over 33,024 keys: 2 splits, the given order)
 _BENCH_CANVAS = dict(_BENCH_TILES, max_seqlen_q=256, max_seqlen_k=33024, lpt=False, num_splits=2,
                      batch_order="given")
+
+CLEAN_AT_PV = {"FlashAttentionForwardSm90Mixed._CLEAN_AT_PV": True}
+#: FA4-consumer launches as ``config.resolve_launch_config`` resolves them for the bench's workloads (page 64, no LSE)
+_SLIDING = dict(head_dim=256, num_heads=16, num_kv_heads=8, page_size=64, window_size=1023,
+                bidirectional_window="symmetric", return_lse=False)
+_HD128 = dict(head_dim=128, num_heads=16, num_kv_heads=8, page_size=64, window_size=None, return_lse=False)
+_MIXED_SPECS = {
+    # mixed_sliding_ctx8k: 128 x 64, 2 stages, P in registers, overlap (no scheduler barrier at hd 256)
+    "sliding_bench_mixed_ctx8k": dict(_SLIDING, max_seqlen_q=4096, max_seqlen_k=8448, config=dict(
+        tile_m=128, tile_n=64, mma_pv_is_rs=True, intra_wg_overlap=True, num_stages=2, lpt=True, num_splits=1,
+        split_merge="combine")),
+    # canvas_bs1_ctx32k_sliding: the same tiles, 2 splits merged in a cluster
+    "sliding_bench_canvas_ctx32k": dict(_SLIDING, max_seqlen_q=256, max_seqlen_k=33024, config=dict(
+        tile_m=128, tile_n=64, mma_pv_is_rs=True, intra_wg_overlap=True, num_stages=2, lpt=False, num_splits=2,
+        split_merge="cluster")),
+    # canvas_bs4_ctx4k_hd128: 128 x 128, 3 stages, overlap with the scheduler barrier (the switch does not act)
+    "hd128_bench_canvas_bs4_ctx4k": dict(_HD128, max_seqlen_q=256, max_seqlen_k=4352, config=dict(
+        tile_m=128, tile_n=128, mma_pv_is_rs=True, intra_wg_overlap=True, num_stages=3, lpt=False, num_splits=1,
+        split_merge="combine")),
+    # prefill16k_hd128: 192 x 128 without overlap (the switch does not act)
+    "hd128_bench_prefill16k": dict(_HD128, max_seqlen_q=16384, max_seqlen_k=16384, config=dict(
+        tile_m=192, tile_n=128, mma_pv_is_rs=True, intra_wg_overlap=False, num_stages=2, lpt=True, num_splits=1,
+        split_merge="combine")),
+}
+
+
+def _mixed_spec(spec: dict, nan_safe_v: bool, switches=None) -> dict:
+    return dict(spec=dict(spec, config=dict(spec["config"], nan_safe_v=nan_safe_v)), switches=switches or {})
+
 
 #: name -> {"spec": compile_only keywords, "switches": class attributes}
 SPECS = {
@@ -104,6 +136,12 @@ SPECS = {
     "epilocal_bench_mixed_ctx8k": _spec(64, EPI_LOCAL, **_BENCH_MIXED),
     "epilocal_bench_canvas_ctx32k": _spec(64, EPI_LOCAL, **_BENCH_CANVAS),
     "epilocal_p64_lse_q4096_work": _spec(64, EPI_LOCAL, max_seqlen_q=4096, batch_order="work"),
+    # FA4's consumer (hd <= 256): the bench's sliding launches and hd-128 controls, NaN-safe V off / on (the
+    # default) / on and cleaned at its P V issue (FlashAttentionForwardSm90Mixed._CLEAN_AT_PV, docs/tuning.md 2.26;
+    # it acts only without FA4's scheduler barrier, so the hd-128 specs must compile to the same PTX with it)
+    **{f"{prefix}{name}": _mixed_spec(spec, nan, switches)
+       for prefix, nan, switches in (("nanoff_", False, None), ("", True, None), ("cleanpv_", True, CLEAN_AT_PV))
+       for name, spec in _MIXED_SPECS.items()},
 }
 
 _CHILD = r"""
@@ -115,11 +153,18 @@ dump = tempfile.mkdtemp(prefix="cute_ptx_snapshot_")
 os.environ.update(FLASH_ATTENTION_ARCH="sm_90", CUTE_DSL_ARCH="sm_90a", FLASH_ATTENTION_NUM_SMS="132",
                   CUTE_DSL_KEEP="cubin,ptx", CUTE_DSL_DUMP_DIR=dump)
 tempfile.mkdtemp = lambda *a, **k: dump
+import inspect
 from blockdiff.attention.cute import compile_check, kernel_roles
-for name, value in switches.items():
-    assert hasattr(kernel_roles.FlashAttentionForwardSm90Roles, name), name
-    setattr(kernel_roles.FlashAttentionForwardSm90Roles, name, value)
-report = compile_check._child(spec, ptx_dir)
+# "ATTR": the roles kernel's class attribute; "Class.ATTR": compile_check.set_switches' (kernel.py's classes too)
+switches = {n if "." in n else "FlashAttentionForwardSm90Roles." + n: v for n, v in switches.items()}
+if "switches" in inspect.signature(compile_check._child).parameters:
+    report = compile_check._child(spec, ptx_dir, switches)
+else:  # a tree from before compile_check.set_switches: the roles kernel's attributes only
+    for name, value in switches.items():
+        cls_name, _, attr = name.rpartition(".")
+        assert cls_name == "FlashAttentionForwardSm90Roles" and hasattr(kernel_roles.FlashAttentionForwardSm90Roles, attr), name
+        setattr(kernel_roles.FlashAttentionForwardSm90Roles, attr, value)
+    report = compile_check._child(spec, ptx_dir)
 report["kernel_roles_file"] = kernel_roles.__file__
 print(json.dumps(report))
 """
@@ -145,7 +190,8 @@ def _compile(name: str, entry: dict, root: Path, out: Path, timeout: float) -> d
     ptx_file = Path(rep["ptx_file"])
     return dict(entry, kernel=rep["kernel"], ptx_file=str(ptx_file.relative_to(out)), sha256=rep["ptx_sha256"],
                 registers=rep["registers"], spill_store_bytes=rep["spill_store_bytes"],
-                kernel_roles_file=rep["kernel_roles_file"], config=rep["config"])
+                spill_load_bytes=rep.get("spill_load_bytes"), sass_spills=rep.get("sass_spills"),
+                loops=rep.get("loops"), kernel_roles_file=rep["kernel_roles_file"], config=rep["config"])
 
 
 def snapshot(out: Path, tree: Path | None = None, commit: str | None = None, names=None, jobs: int = 2,
