@@ -67,7 +67,9 @@ block's V stage in shared memory before its PV wgmma reads it (:meth:`FlashAtten
 NaN / Inf entries zeroed, a ``bar.red.or`` over the warpgroup ORs "there was one" into a per-warpgroup flag, and
 a per-stage tag in shared memory tells the warpgroup that cleans second, which finds the stage already clean);
 with FA4's intra-warpgroup overlap at the end of the block's call (its PV runs in the next call), without it right
-before the PV. The epilogue hook (:meth:`~FlashAttentionForwardSm90Mixed._nonfinite_fixup`) then, only for a
+before the PV. The experiment switch :attr:`FlashAttentionForwardSm90Mixed._CLEAN_AT_PV` (off) moves the overlap
+path's clean-up, in kernels whose consumer warpgroups run without FA4's scheduler barrier (head dims > 128), into the
+call that issues the block's PV, after the next block's S GEMM was issued (docs/tuning.md 2.26). The epilogue hook (:meth:`~FlashAttentionForwardSm90Mixed._nonfinite_fixup`) then, only for a
 flagged tile, adds each non-finite V entry of the masked blocks' keys to exactly the accumulator rows that allow
 the key, in its column, reading V from global memory (the cache is appended to the aux tensors: on its TMA paths
 FA4 hands the kernel coordinate tensors as ``mV``). The interior loop's code is unchanged. Design and expected
@@ -466,6 +468,13 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
     QK_ISSUES = ("serial",)
     #: The ``k_refill`` values this class builds (kernel_roles.py adds ``"halves"``).
     K_REFILLS = ("whole",)
+    #: Experiment switch (compile time, off; docs/tuning.md 2.26): with ``nan_safe_v`` in FA4's intra-warpgroup
+    #: overlap consumer without its scheduler barrier (FA4 uses the barrier at head dims <= 128 only), clean a masked
+    #: block's V stage in the call that issues the block's P V, between that call's S GEMM issue and the P V issue
+    #: (:meth:`_clean_pending`), instead of at the end of the block's own call, where the warpgroup waits for V (on
+    #: the tile's first block: a V stage FA4's producer loads after the next K) and scans it with no GEMM of its own
+    #: in flight. The same clean-ups in the same order (the tags agree); elsewhere the kernel is unchanged.
+    _CLEAN_AT_PV = False
 
     def __init__(self, *args, prefix_window: bool = False, kv_page_size: Optional[int] = None, lpt: bool = True,
                  nan_safe_v: bool = False, batch_order: str = "given", v_refill: str = "one_warp",
@@ -490,7 +499,7 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         self.batch_order = batch_order
         # trace-time hand-offs of the NaN-safe V path (set in kernel() / mma(); see _nan_safe_setup)
         self._mV = self._mPageTable = None
-        self._nf_flag = self._nf_sVt = self._nf_pipeline_v = self._nf_block_info = None
+        self._nf_flag = self._nf_sVt = self._nf_pipeline_v = self._nf_block_info = self._nf_pending = None
         self._mNumCausalQ = None
         # Paged TMA (any page size page_box_tma_ok accepts): K / V stages filled box by box (_PageBoxTmaAtoms).
         self.kv_page_size = None
@@ -1027,6 +1036,9 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         that names a stage's current use (see :meth:`_clean_v_stage`)."""
         self._nf_flag = cute.make_rmem_tensor((1,), Int32)
         self._nf_flag[0] = Int32(0)
+        if const_expr(self._clean_at_pv()):  # "the V whose P V is issued next is a masked block's" (_clean_pending)
+            self._nf_pending = cute.make_rmem_tensor((1,), Int32)
+            self._nf_pending[0] = Int32(0)
         self._nf_sVt, self._nf_pipeline_v, self._nf_block_info = sVt, pipeline_v, block_info
         self._nf_tags = self._nf_use = None
         if shared_tags:
@@ -1036,18 +1048,56 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
             self._nf_use = cute.make_rmem_tensor((1,), Int32)
             self._nf_use[0] = Int32(NAN_TAG_BASE)
 
+    def _clean_at_pv(self) -> bool:
+        """Trace-time: the overlap path cleans a masked block's V in the call issuing its P V
+        (:attr:`_CLEAN_AT_PV`; only without FA4's scheduler barrier)."""
+        return bool(self.nan_safe_v and self._CLEAN_AT_PV and self.intra_wg_overlap
+                    and not self.use_scheduler_barrier)
+
     def first_half_block_overlap(self, *args, **kwargs):
         state = FlashAttentionForwardSm90.first_half_block_overlap(self, *args, **kwargs)
-        if const_expr(self.nan_safe_v):  # the tile's first block is always masked; its PV runs in the next call
+        if const_expr(self._clean_at_pv()):  # the tile's first block is always masked: clean it at its PV
+            self._nf_pending[0] = Int32(1)
+        elif const_expr(self.nan_safe_v):  # the tile's first block is always masked; its PV runs in the next call
             self._wait_clean_v(state, 0, self.tile_hdimv, shared_tag=True)
         return state
 
     def mma_one_n_block_intrawg_overlap(self, *args, **kwargs):
+        masked = kwargs.get("mask_fn") is not None
+        if const_expr(self._clean_at_pv()):  # this call issues the previous block's P V
+            kwargs["mma_pv_fn"] = self._pending_clean_then(kwargs["mma_pv_fn"])
         state = FlashAttentionForwardSm90.mma_one_n_block_intrawg_overlap(self, *args, **kwargs)
-        if const_expr(self.nan_safe_v and kwargs.get("mask_fn") is not None):
+        if const_expr(self._clean_at_pv() and masked):  # V of this call's block: cleaned by the next P V issue
+            self._nf_pending[0] = Int32(1)
+        elif const_expr(self.nan_safe_v and masked):
             # V of this call's block; its PV runs in the next call
             self._wait_clean_v(state, 0, self.tile_hdimv, shared_tag=True)
         return state
+
+    def last_half_block_overlap(self, *args, **kwargs):
+        if const_expr(self._clean_at_pv()):  # the tile's last P V (FA4 passes mma_pv_fn by keyword)
+            kwargs["mma_pv_fn"] = self._pending_clean_then(kwargs["mma_pv_fn"])
+        return FlashAttentionForwardSm90.last_half_block_overlap(self, *args, **kwargs)
+
+    def _pending_clean_then(self, pv: Callable) -> Callable:
+        """``pv`` (FA4's P V GEMM, called after it waited for the V stage ``B_idx``) preceded by
+        :meth:`_clean_pending` of that stage."""
+        def clean_then_pv(B_idx, **kw):
+            self._clean_pending(B_idx)
+            return pv(B_idx=B_idx, **kw)
+        return clean_then_pv
+
+    @cute.jit
+    def _clean_pending(self, stage: Int32):
+        """With :attr:`_CLEAN_AT_PV`: clean V stage ``stage`` (:meth:`_clean_v_stage`, the whole stage, tags on)
+        when the block whose P V is issued next was masked, then clear that mark. FA4 calls the P V GEMM after its
+        ``consumer_wait`` on the stage, and in the overlap loop after issuing the next block's S GEMM, so the scan
+        runs while that GEMM does. The mark is warpgroup-uniform (every thread makes the same calls), so the
+        clean-up's warpgroup barrier is reached by all of its threads or none."""
+        pending, clean, sVt, width = self._nf_pending, self._clean_v_stage, self._nf_sVt, self.tile_hdimv
+        if pending[0] != 0:  # (locals: the DSL cannot carry ``self`` through a run-time ``if``)
+            clean(sVt, stage, 0, width, shared_tag=True)
+            pending[0] = Int32(0)
 
     def mma_one_n_block(self, *args, **kwargs):
         if const_expr(self.nan_safe_v and kwargs.get("mask_fn") is not None):

@@ -1,5 +1,6 @@
 """Shared pieces of the cute backend's tests: the GPU marker with a hang guard, the bf16 batch builder and the
-checked call (NaN-poisoned output, the fp64 reference with attention.testing's tolerance rule)."""
+checked call (NaN-poisoned output, the fp64 reference with attention.testing's tolerance rule), the experiment
+switches' runner and the NaN-safe V check (caches whose V holds NaN / Inf inside ``seq_lens``)."""
 from __future__ import annotations
 
 import importlib.util
@@ -8,7 +9,8 @@ import pytest
 import torch
 
 from blockdiff.attention.cute import interface as ca
-from blockdiff.attention.testing import check_close, make_batch_from_rows
+from blockdiff.attention import attention
+from blockdiff.attention.testing import check_close, make_batch, make_batch_from_rows, poison_v_inside_seq_lens
 
 HAVE_FA4 = all(importlib.util.find_spec(m) is not None for m in ("flash_attn", "cutlass"))
 
@@ -44,10 +46,16 @@ def roles_switch_runner(monkeypatch, switch: str):
     """``with_switch(on, fn)``: runs ``fn()`` with the roles kernel's experiment class attribute ``switch`` at
     ``on`` and a compile cache per setting (the cache key does not see the switch)."""
     from blockdiff.attention.cute.kernel_roles import FlashAttentionForwardSm90Roles as R
+    return switch_runner(monkeypatch, R, switch)
+
+
+def switch_runner(monkeypatch, cls, switch: str):
+    """``with_switch(on, fn)``: runs ``fn()`` with the experiment class attribute ``switch`` of kernel class
+    ``cls`` at ``on`` and a compile cache per setting (the cache key does not see the switch)."""
     caches = {False: {}, True: {}}
 
     def with_switch(on: bool, fn):
-        monkeypatch.setattr(R, switch, on)
+        monkeypatch.setattr(cls, switch, on)
         monkeypatch.setattr(ca, "_COMPILE_CACHE", caches[on])
         return fn()
     return with_switch
@@ -152,3 +160,49 @@ def graph_replay_check(steps, *, H, Hkv, D, page, B, cap_q, max_blocks, **attn_k
         check_close(out, q, k, v, lse=lse_buf, cu_seqlens_q=cu, seq_lens=sl, num_causal_q=ncq, block_table=bt,
                     window_size=attn_kwargs.get("window_size"),
                     bidirectional_window=attn_kwargs.get("bidirectional_window", "symmetric"))
+
+
+def nonfinite_cases(D, H, Hkv, page_size, seed, paged=True):
+    """Mixed batches (a canvas over context, a prefill, a commit + canvas sequence, a short causal one, an empty
+    one, a canvas with causal rows) with NaN in the stale cache rows and unused pages too."""
+    sl, ql, ncq = [1500, 700, 333, 9, 0, 1300], [256, 700, 64, 9, 0, 300], [0, 700, 64, 4, 0, 40]
+    return make_batch(sl, ql, num_causal_q=ncq, num_heads=H, num_kv_heads=Hkv, head_dim=D, page_size=page_size,
+                      paged=paged, device="cuda", seed=seed, poison_unused=paged)
+
+
+def check_nonfinite_v(inp, config, seed, **kw):
+    """The cute backend with ``nan_safe_v`` on (``config``: other fields, None: automatic) on caches whose V
+    holds NaN / +-Inf entries of keys inside ``seq_lens`` (:func:`poison_v_inside_seq_lens`, 6 a sequence), into a
+    NaN-poisoned ``out``: exactly the reference's NaN / +Inf / -Inf entries, every other entry (and the LSE) within
+    the tolerance rule of the oracle of the caches with those entries zeroed. Returns the number of non-finite
+    entries."""
+    bad = poison_v_inside_seq_lens(inp, seed, 6)[0]
+    q, vc = bad["q"], bad["v_cache"]
+    out = torch.full((q.shape[0], q.shape[1], vc.shape[-1]), float("nan"), dtype=q.dtype, device=q.device)
+    o, lse = attention(**bad, out=out, return_lse=True, backend="cute", config=dict(config or {}, nan_safe_v=True),
+                       **kw)
+    assert ca.LAST_LAUNCH["config"].nan_safe_v is True
+    ref = attention(**bad, backend="reference", **kw)  # NaN / Inf of disallowed keys kept out exactly
+    for f in (torch.isnan, torch.isposinf, torch.isneginf):
+        extra, missing = f(o) & ~f(ref), f(ref) & ~f(o)
+        assert not extra.any() and not missing.any(), (
+            f"{f.__name__}: {int(extra.sum())} entries only in the output (rows {extra.any(-1).nonzero()[:8, 0].tolist()}"
+            f", heads {extra.any(-1).nonzero()[:8, 1].tolist()}), {int(missing.sum())} only in the reference (rows "
+            f"{missing.any(-1).nonzero()[:8, 0].tolist()}); poisoned output entries left unwritten show as extra NaN")
+    fin = torch.isfinite(ref)
+    assert fin.any()
+    clean = dict(bad, v_cache=torch.where(torch.isfinite(vc), vc, torch.zeros_like(vc)),
+                 k_cache=torch.nan_to_num(bad["k_cache"]))  # (stale rows: NaN in both caches)
+    o_clean = attention(**clean, backend="reference", **kw).to(o.dtype)
+    check_close(torch.where(fin, o, o_clean), **clean, lse=lse, **kw)
+    return int((~fin).sum())
+
+
+#: hd 256 (FA4's hd-256 tiles, the sliding layers' window) NaN-safe V cases: (id, page size or None, config, call
+#: kwargs); test_cute_nan_safe_v.py runs them at the default placement, test_cute_clean_at_pv.py at the P V issue
+NAN_SAFE_HD256_CASES = [
+    ("pagebox64", 64, None, {}),
+    ("contiguous_window1023_prefix", None, None, dict(window_size=1023, bidirectional_window="prefix")),
+    ("pagebox64_split2_window127", 64, dict(num_splits=2, split_merge="combine"), dict(window_size=127)),
+    ("pagebox64_split2_cluster_window127", 64, dict(num_splits=2, split_merge="cluster"), dict(window_size=127)),
+]

@@ -17,9 +17,10 @@ import torch
 from blockdiff.attention import attention
 from blockdiff.attention.cute import config as cc
 from blockdiff.attention.cute import interface as ca
-from blockdiff.attention.testing import check_close, make_batch, poison_v_inside_seq_lens
+from blockdiff.attention.testing import check_close, make_batch
 
-from cute_helpers import HAVE_FA4, needs_gpu
+from cute_helpers import HAVE_FA4, NAN_SAFE_HD256_CASES as HD256_CASES, needs_gpu
+from cute_helpers import check_nonfinite_v as _check_nonfinite_v, nonfinite_cases as _nonfinite_cases
 
 _ON_GPU = torch.cuda.is_available() and HAVE_FA4
 _SKIP = pytest.mark.skipif(not _ON_GPU, reason="needs a CUDA GPU (SM90) and flash-attn-4 / nvidia-cutlass-dsl")
@@ -29,46 +30,6 @@ def gpu_test(f):
     """A GPU test (``-m gpu``, hang guard) that skips cleanly where it cannot run (all 22 passed on the H200,
     2026-12-02, docs/tuning.md 2.6)."""
     return _SKIP(needs_gpu(f))
-
-
-def _poison_v(inp, seed, per_seq=6):
-    """``inp`` with NaN / +-Inf V entries of keys inside ``seq_lens`` (:func:`poison_v_inside_seq_lens`)."""
-    return poison_v_inside_seq_lens(inp, seed, per_seq)[0]
-
-
-def _check_nonfinite_v(inp, config, seed, **kw):
-    """The cute backend with ``nan_safe_v`` on (``config``: other fields, None: automatic) on caches whose V
-    holds NaN / +-Inf entries of keys inside ``seq_lens``, into a NaN-poisoned ``out``: exactly the reference's
-    NaN / +Inf / -Inf entries, every other entry (and the LSE) within the tolerance rule of the oracle of the caches
-    with those entries zeroed. Returns the number of non-finite entries."""
-    bad = _poison_v(inp, seed)
-    q, vc = bad["q"], bad["v_cache"]
-    out = torch.full((q.shape[0], q.shape[1], vc.shape[-1]), float("nan"), dtype=q.dtype, device=q.device)
-    o, lse = attention(**bad, out=out, return_lse=True, backend="cute", config=dict(config or {}, nan_safe_v=True),
-                       **kw)
-    assert ca.LAST_LAUNCH["config"].nan_safe_v is True
-    ref = attention(**bad, backend="reference", **kw)  # NaN / Inf of disallowed keys kept out exactly
-    for f in (torch.isnan, torch.isposinf, torch.isneginf):
-        extra, missing = f(o) & ~f(ref), f(ref) & ~f(o)
-        assert not extra.any() and not missing.any(), (
-            f"{f.__name__}: {int(extra.sum())} entries only in the output (rows {extra.any(-1).nonzero()[:8, 0].tolist()}"
-            f", heads {extra.any(-1).nonzero()[:8, 1].tolist()}), {int(missing.sum())} only in the reference (rows "
-            f"{missing.any(-1).nonzero()[:8, 0].tolist()}); poisoned output entries left unwritten show as extra NaN")
-    fin = torch.isfinite(ref)
-    assert fin.any()
-    clean = dict(bad, v_cache=torch.where(torch.isfinite(vc), vc, torch.zeros_like(vc)),
-                 k_cache=torch.nan_to_num(bad["k_cache"]))  # (stale rows: NaN in both caches)
-    o_clean = attention(**clean, backend="reference", **kw).to(o.dtype)
-    check_close(torch.where(fin, o, o_clean), **clean, lse=lse, **kw)
-    return int((~fin).sum())
-
-
-def _nonfinite_cases(D, H, Hkv, page_size, seed, paged=True):
-    """Mixed batches (a canvas over context, a prefill, a commit + canvas sequence, a short causal one, an empty
-    one, a canvas with causal rows) with NaN in the stale cache rows and unused pages too."""
-    sl, ql, ncq = [1500, 700, 333, 9, 0, 1300], [256, 700, 64, 9, 0, 300], [0, 700, 64, 4, 0, 40]
-    return make_batch(sl, ql, num_causal_q=ncq, num_heads=H, num_kv_heads=Hkv, head_dim=D, page_size=page_size,
-                      paged=paged, device="cuda", seed=seed, poison_unused=paged)
 
 
 # --- hd 128: FA4's consumer with intra-warpgroup overlap (128 x 128, 3 stages) and without (192 x 128) ----------
@@ -99,12 +60,6 @@ def test_gpu_cute_nan_safe_v_hd128_keys_a_row_may_not_see_contribute_nothing(pag
 
 
 # --- hd 256 (FA4's hd-256 tiles, the sliding layers' window) ---------------------------------------------------
-HD256_CASES = [
-    ("pagebox64", 64, None, {}),
-    ("contiguous_window1023_prefix", None, None, dict(window_size=1023, bidirectional_window="prefix")),
-    ("pagebox64_split2_window127", 64, dict(num_splits=2, split_merge="combine"), dict(window_size=127)),
-    ("pagebox64_split2_cluster_window127", 64, dict(num_splits=2, split_merge="cluster"), dict(window_size=127)),
-]
 
 
 @gpu_test

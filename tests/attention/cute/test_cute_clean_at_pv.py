@@ -1,0 +1,144 @@
+"""The NaN-safe V clean-up placed at the P V issue (the experiment switch
+``FlashAttentionForwardSm90Mixed._CLEAN_AT_PV``, off by default; docs/tuning.md 2.26): in FA4's intra-warpgroup
+overlap consumer without its scheduler barrier (head dims > 128), a masked block's V stage is cleaned in the call
+that issues its P V, after that call issued the next block's S GEMM, instead of at the end of the block's own call.
+
+* CPU (CI): the switch is off by default and acts only where it is meant to (FA4's overlap consumer without the
+  scheduler barrier; never the hd-512 kernels, which place their own clean-up);
+  ``compile_check.set_switches`` refuses names that are not an existing experiment attribute;
+* CPU with the CuTe DSL (not in CI, ~2 min): the bench's hd-256 sliding launch compiles for sm_90a with the switch on
+  without spills in its key-block loops and without ptxas serialising a wgmma, and an hd-128 launch (scheduler
+  barrier on) compiles to the PTX of the switch off;
+* GPU (``python3 -m pytest -m gpu``, on the H200; also run by ``bench/experiments/device/cute_mixed_switch.sh``):
+  with the switch on, hd-256 mixed batches (paged 64, contiguous, split-KV with FA4's combine and the cluster merge)
+  give the switch off's outputs and LSEs bit for bit into NaN-poisoned outputs, and caches whose V holds NaN / Inf
+  inside ``seq_lens`` give exactly the reference's non-finite entries (the NaN-safe V cases of hd 256).
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from blockdiff.attention.cute import interface as ca
+
+from cute_helpers import (HAVE_FA4, NAN_SAFE_HD256_CASES, check_nonfinite_v, compile_for_sm90_or_skip, gpu_batch,
+                          needs_gpu, nonfinite_cases, run_and_check, switch_runner)
+
+SWITCH = "FlashAttentionForwardSm90Mixed._CLEAN_AT_PV"
+_FA4 = pytest.mark.skipif(not HAVE_FA4, reason="imports the CuTe DSL kernel classes (flash-attn-4, nvidia-cutlass-dsl)")
+
+
+@_FA4
+def test_clean_at_pv_is_off_by_default_and_acts_only_without_the_scheduler_barrier():
+    """Off by default; on, it acts only with NaN-safe V in FA4's overlap consumer without its scheduler barrier (FA4
+    sets the barrier at head dims <= 128 with the overlap: there the clean-up keeps its place); the hd-512 kernels
+    (split-value, roles) never take it."""
+    from blockdiff.attention.cute.kernel import FlashAttentionForwardSm90Mixed as M
+    from blockdiff.attention.cute.kernel_roles import FlashAttentionForwardSm90Roles as R
+    from blockdiff.attention.cute.kernel_wide import FlashAttentionForwardSm90WideV as W
+    assert M._CLEAN_AT_PV is False
+    for nan_safe_v, switch, overlap, barrier, acts in [
+            (True, True, True, False, True),     # hd 256 with the overlap: acts
+            (True, False, True, False, False),   # the default
+            (True, True, True, True, False),     # hd 128 with the overlap: FA4's scheduler barrier
+            (True, True, False, True, False),    # no overlap (192 x 128): the clean-up sits before its P V already
+            (False, True, True, False, False)]:  # NaN-safe V off
+        k = SimpleNamespace(nan_safe_v=nan_safe_v, _CLEAN_AT_PV=switch, intra_wg_overlap=overlap,
+                            use_scheduler_barrier=barrier)
+        assert M._clean_at_pv(k) is acts, (nan_safe_v, switch, overlap, barrier)
+    on = SimpleNamespace(nan_safe_v=True, _CLEAN_AT_PV=True, intra_wg_overlap=True, use_scheduler_barrier=False)
+    assert W._clean_at_pv(on) is False and R._clean_at_pv(on) is False
+
+
+@_FA4
+def test_set_switches_refuses_what_is_not_an_experiment_attribute():
+    """A switch names ``Class._ATTR`` of an existing class attribute of kernel.py / kernel_wide.py / kernel_roles.py;
+    a missing class, a missing attribute or a public attribute (a constructor argument's, not a switch) is a
+    ValueError naming it."""
+    from blockdiff.attention.cute import compile_check as cchk
+    for bad in ("NoSuchClass._CLEAN_AT_PV", "FlashAttentionForwardSm90Mixed._NO_SUCH_SWITCH",
+                "FlashAttentionForwardSm90Mixed.V_REFILLS", "_CLEAN_AT_PV"):
+        with pytest.raises(ValueError, match="switch"):
+            cchk.set_switches({bad: True})
+
+
+# --- offline sm_90a compiles (the CuTe DSL venv; CI has no CuTe DSL) -------------------------------------------
+def _bench_spec(name):
+    from blockdiff.bench.experiments.cute_ptx_snapshot import SPECS
+    return SPECS[name]["spec"]
+
+
+@pytest.mark.skipif(not HAVE_FA4, reason="compiling needs flash-attn-4==4.0.0b36 and nvidia-cutlass-dsl==4.8.1")
+def test_clean_at_pv_compiles_the_sliding_launch_without_spills_in_its_key_block_loops(tmp_path):
+    """The bench's ``mixed_sliding_ctx8k`` launch (hd 256, 128 x 64, 2 stages, P in registers, overlap): the clean-up
+    (its ``bar.red.or``) in the kernel, no spill inside a key-block loop (the few bytes ptxas spills hold per-tile
+    values: docs/tuning.md 2.26), no wgmma serialised by ptxas, the shared memory of the switch off."""
+    spec = _bench_spec("sliding_bench_mixed_ctx8k")
+    on = compile_for_sm90_or_skip(ptx_dir=str(tmp_path / "on"), switches={SWITCH: True}, **spec)
+    off = compile_for_sm90_or_skip(ptx_dir=str(tmp_path / "off"), **spec)
+    assert on["ptx_sha256"] != off["ptx_sha256"]  # the switch acts here
+    assert on["smem_bytes"] == off["smem_bytes"] and on["wgmma"] == off["wgmma"], (on, off)
+    assert not [w for w in on["ptxas_warnings"] if "wgmma" in w], on["ptxas_warnings"]
+    assert on["spill_store_bytes"] <= 32 and on["spill_load_bytes"] <= 64, on
+    assert len(on["loops"]) == 3 and all(loop["STL/LDL"] == 0 for loop in on["loops"]), on["loops"]
+    with open(on["ptx_file"]) as f:
+        assert "bar.red.or.pred" in f.read()
+
+
+@pytest.mark.skipif(not HAVE_FA4, reason="compiling needs flash-attn-4==4.0.0b36 and nvidia-cutlass-dsl==4.8.1")
+def test_clean_at_pv_leaves_a_kernel_with_the_scheduler_barrier_unchanged(tmp_path):
+    """``canvas_bs4_ctx4k_hd128``'s launch (hd 128, overlap with FA4's scheduler barrier): the same PTX either way."""
+    spec = _bench_spec("hd128_bench_canvas_bs4_ctx4k")
+    on = compile_for_sm90_or_skip(ptx_dir=str(tmp_path / "on"), switches={SWITCH: True}, **spec)
+    off = compile_for_sm90_or_skip(ptx_dir=str(tmp_path / "off"), **spec)
+    assert on["ptx_sha256"] == off["ptx_sha256"]
+
+
+# --- GPU --------------------------------------------------------------------------------------------------------
+@pytest.fixture
+def clean_at_pv(monkeypatch):
+    """Runs ``fn()`` with the switch set and a compile cache per setting (the cache key does not see it)."""
+    from blockdiff.attention.cute.kernel import FlashAttentionForwardSm90Mixed as M
+    return switch_runner(monkeypatch, M, "_CLEAN_AT_PV")
+
+
+@needs_gpu
+@pytest.mark.parametrize("case", ["p64", "contig", "p64_prefix", "split2_combine", "split2_cluster", "p16"])
+def test_gpu_clean_at_pv_equals_the_clean_up_at_the_block_end(case, clean_at_pv):
+    """hd 256, 16 / 8 heads, window 127 (masked blocks on both sides of many tiles): a causal prefill, canvases over
+    context (one with a partial last block), a commit, a one-token row; outputs and LSEs equal bit for bit (the
+    clean-up changes no finite value, only when it runs), the switch-on call checked against the fp64 reference."""
+    page, mode, cfg = 64, "symmetric", {}
+    if case == "p16":
+        page = 16
+    elif case == "p64_prefix":
+        mode = "prefix"
+    elif case.startswith("split2"):
+        cfg = dict(num_splits=2, split_merge=case.split("_")[1])
+    q, k, v, kw = gpu_batch([700, 256, 256, 129, 1], [0, 3000, 2900, 500, 77], [700, 0, 0, 129, 1], 16, 8, 256,
+                            page, seed=31, contiguous=case == "contig")
+
+    def call():
+        out = torch.full((q.shape[0], 16, 256), float("nan"), dtype=q.dtype, device=q.device)
+        return ca.attention_cute(q, k, v, out=out, return_lse=True, window_size=127, bidirectional_window=mode,
+                                 max_seqlen_q=700, config=dict(cfg, nan_safe_v=True), **kw)
+    out_off, lse_off = clean_at_pv(False, call)
+    out_on, lse_on = clean_at_pv(True, call)
+    assert torch.isfinite(out_on).all(), "unwritten (NaN-poisoned) output elements with the switch on"
+    assert torch.equal(out_on, out_off), (out_on - out_off).abs().max()
+    assert torch.equal(lse_on, lse_off)
+    clean_at_pv(True, lambda: run_and_check(q, k, v, kw, 127, mode, max_seqlen_q=700,
+                                            config=dict(cfg, nan_safe_v=True)))
+
+
+@needs_gpu
+@pytest.mark.parametrize("page,config,kw", [c[1:] for c in NAN_SAFE_HD256_CASES],
+                         ids=[c[0] for c in NAN_SAFE_HD256_CASES])
+def test_gpu_clean_at_pv_keys_a_row_may_not_see_contribute_nothing(page, config, kw, clean_at_pv):
+    """The hd-256 NaN-safe V cases (test_cute_nan_safe_v.py) with the clean-up at the P V issue: exactly the
+    reference's NaN / +Inf / -Inf entries (a clean-up missed before a P V gives extra NaN in every row of the tile;
+    a detection missed leaves entries out)."""
+    inp = nonfinite_cases(256, 16, 8, page or 64, seed=22, paged=page is not None)
+    assert clean_at_pv(True, lambda: check_nonfinite_v(inp, config, seed=3, **kw)) > 0
