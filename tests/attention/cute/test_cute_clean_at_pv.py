@@ -5,7 +5,9 @@ that issues its P V, after that call issued the next block's S GEMM, instead of 
 
 * CPU (CI): the switch is off by default and acts only where it is meant to (FA4's overlap consumer without the
   scheduler barrier; never the hd-512 kernels, which place their own clean-up);
-  ``compile_check.set_switches`` refuses names that are not an existing experiment attribute;
+  ``compile_check.set_switches`` refuses names that are not an existing experiment attribute; the overrides'
+  call sequence with FA4's GEMM calls replaced by recorders: each masked block cleaned once, after the next S issue
+  and before its own P V, in the masked blocks' order;
 * CPU with the CuTe DSL (not in CI, ~2 min): the bench's hd-256 sliding launch compiles for sm_90a with the switch on
   without spills in its key-block loops and without ptxas serialising a wgmma, and an hd-128 launch (scheduler
   barrier on) compiles to the PTX of the switch off;
@@ -62,6 +64,90 @@ def test_set_switches_refuses_what_is_not_an_experiment_attribute():
                 "FlashAttentionForwardSm90Mixed.V_REFILLS", "_CLEAN_AT_PV"):
         with pytest.raises(ValueError, match="switch"):
             cchk.set_switches({bad: True})
+
+
+class _FakeState:
+    """FA4's pipeline state as the overrides see it: the stage index of a key block's K / V."""
+    def __init__(self, index):
+        self.index = index
+
+
+def _run_tile_calls(k, events, first, right, interior, left):
+    """FA4's consumer calls for one tile with the overlap (``flash_fwd_sm90.py``, ``mma``): the first half block
+    (masked), ``right`` right-masked calls, ``interior`` unmasked ones, ``left`` left-masked ones, the last half
+    block; key blocks numbered down from ``first``. Returns the masked blocks in call order."""
+    from blockdiff.attention.cute.kernel import FlashAttentionForwardSm90Mixed as M
+    blocks = list(range(first, first - 1 - right - interior - left, -1))
+    masked = [blocks[0]] + blocks[1:1 + right] + (blocks[1 + right + interior:] if left else [])
+    state = M.first_half_block_overlap(k, n_block=blocks[0], mask_fn=lambda **kw: None)
+    for pos, n in enumerate(blocks[1:], 1):
+        is_masked = pos <= right or pos > right + interior
+        state = M.mma_one_n_block_intrawg_overlap(
+            k, state, n_block=n, mma_pv_fn=lambda B_idx, **kw: events.append(("PV", k._stage_block[B_idx])),
+            mask_fn=(lambda **kw: None) if is_masked else None)
+    M.last_half_block_overlap(k, kv_consumer_state=state, zero_init=False,
+                              mma_pv_fn=lambda B_idx, **kw: events.append(("PV", k._stage_block[B_idx])))
+    return masked
+
+
+@_FA4
+@pytest.mark.parametrize("shape", [(0, 0, 0), (0, 5, 0), (2, 0, 0), (1, 3, 2), (0, 0, 3), (3, 4, 1), (2, 0, 2)],
+                         ids=lambda s: "r{}_i{}_l{}".format(*s))
+def test_clean_at_pv_cleans_each_masked_block_after_the_next_s_and_before_its_p_v(shape, monkeypatch):
+    """The overrides' call sequence, with FA4's GEMM calls replaced by recorders (the real ``first_half_block_overlap``
+    / ``mma_one_n_block_intrawg_overlap`` / ``last_half_block_overlap`` overrides and ``_clean_pending``'s body):
+    over consecutive tiles with right-masked, interior and left-masked blocks, every masked block's V is cleaned
+    exactly once, after the next block's S was issued (when there is a next block) and before its own P V; no
+    unmasked block is cleaned; the clean-ups come in the masked blocks' order (the tags' counters agree between the
+    warpgroups, as at the block's end); the mark is clear after each tile; the old placement's clean is never
+    called."""
+    from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90 as F
+    from blockdiff.attention.cute.kernel import FlashAttentionForwardSm90Mixed as M
+    events, counter = [], [0]
+    k = M.__new__(M)
+    k.nan_safe_v, k._CLEAN_AT_PV, k.intra_wg_overlap, k.use_scheduler_barrier = True, True, True, False
+    k.tile_hdimv, k._nf_sVt, k._nf_pending, k._stage_block = 256, None, [0], {}
+
+    def next_state(n_block):  # FA4's pipeline: consecutive key blocks take consecutive stages (2 here)
+        st = _FakeState(counter[0] % 2)
+        counter[0] += 1
+        k._stage_block[st.index] = n_block
+        events.append(("S", n_block))
+        return st
+
+    def fake_first(self, n_block, **kw):
+        return next_state(n_block)
+
+    def fake_overlap(self, state, n_block, mma_pv_fn, **kw):
+        new = next_state(n_block)  # S(j+1) issued, then the P V of the previous block's stage
+        mma_pv_fn(B_idx=state.index, wg_wait=-1)
+        return new
+
+    def fake_last(self, kv_consumer_state, mma_pv_fn, zero_init, **kw):
+        mma_pv_fn(B_idx=kv_consumer_state.index, zero_init=zero_init, wg_wait=0)
+        return kv_consumer_state
+
+    monkeypatch.setattr(F, "first_half_block_overlap", fake_first)
+    monkeypatch.setattr(F, "mma_one_n_block_intrawg_overlap", fake_overlap)
+    monkeypatch.setattr(F, "last_half_block_overlap", fake_last)
+    k._clean_v_stage = lambda sVt, stage, col0, width, shared_tag=False: events.append(
+        ("clean", k._stage_block[stage], col0, width, shared_tag))
+    k._clean_pending = lambda stage: M._clean_pending.__wrapped__(k, stage)
+    k._wait_clean_v = lambda *a, **kw: pytest.fail("the block-end clean-up ran with the switch on")
+    right, interior, left = shape
+    for tile, first in enumerate((40, 17, 9)):
+        events.clear()
+        masked = _run_tile_calls(k, events, first, right, interior, left)
+        cleans = [e for e in events if e[0] == "clean"]
+        assert [c[1] for c in cleans] == masked, (tile, events)
+        assert all(c[2:] == (0, 256, True) for c in cleans)
+        last = first - right - interior - left
+        for b in masked:
+            i = events.index(("clean", b, 0, 256, True))
+            assert i < events.index(("PV", b)), (b, events)
+            if b != last:
+                assert events.index(("S", b - 1)) < i, (b, events)  # the next block's S was issued first
+        assert int(k._nf_pending[0]) == 0
 
 
 # --- offline sm_90a compiles (the CuTe DSL venv; CI has no CuTe DSL) -------------------------------------------
