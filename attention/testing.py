@@ -312,3 +312,43 @@ def poison_v_inside_seq_lens(inp: dict, seed: int, per_seq: int = 6) -> tuple[di
                 v[int(inp["cu_seqlens_k"][b]) + key, head, col] = val
             positions.append((b, key, head, col, val))
     return dict(inp, v_cache=v), positions
+
+
+def check_nonfinite_matches_reference(out, bad: dict, *, lse=None, **kw) -> int:
+    """Check a backend's ``out`` on a batch ``bad`` whose V holds NaN / +-Inf (:func:`poison_v_inside_seq_lens`)
+    against the reference of the contract (docs/ARCHITECTURE.md section 4: a key outside a row's interval contributes
+    nothing, NaN / Inf V included): exactly the reference's NaN, +Inf and -Inf entries, and every other entry (and
+    ``lse``, when given) within :func:`check_close`'s tolerance rule of the reference of the caches with the
+    non-finite V entries zeroed (and K's NaN stale rows, where a batch has them, made finite).
+
+    Args:
+        out: ``[total_q, num_heads, head_dim_v]``, the backend's output on ``bad``.
+        bad: the batch (:func:`make_batch`'s keys) the backend ran on.
+        lse: ``[num_heads, total_q]`` float32 or None.
+        **kw: the call's other keywords (``window_size``, ``bidirectional_window``, ...), passed to the reference.
+
+    Returns:
+        The number of non-finite reference entries (callers assert that some row did see a poisoned key).
+
+    Raises:
+        AssertionError: an entry non-finite in only one of the two (the counts and the first rows / heads named:
+            a poisoned output entry left unwritten shows as an extra NaN), or the finite part out of tolerance.
+    """
+    from . import attention  # the public dispatcher (this module is imported by the package)
+    ref = attention(**bad, backend="reference", **kw)
+    for f in (torch.isnan, torch.isposinf, torch.isneginf):
+        extra, missing = f(out) & ~f(ref), f(ref) & ~f(out)
+        assert not extra.any() and not missing.any(), (
+            f"{f.__name__}: {int(extra.sum())} entries only in the output (rows "
+            f"{extra.any(-1).nonzero()[:8, 0].tolist()}, heads {extra.any(-1).nonzero()[:8, 1].tolist()}), "
+            f"{int(missing.sum())} only in the reference (rows {missing.any(-1).nonzero()[:8, 0].tolist()}); "
+            "poisoned output entries left unwritten show as extra NaN")
+    fin = torch.isfinite(ref)
+    assert fin.any(), "the reference has no finite entry"
+    vc = bad["v_cache"]
+    clean = dict(bad, v_cache=torch.where(torch.isfinite(vc), vc, torch.zeros_like(vc)),
+                 k_cache=torch.nan_to_num(bad["k_cache"]))
+    o_clean = attention(**clean, backend="reference", **kw).to(out.dtype)
+    check_close(torch.where(fin, out, o_clean), **clean, lse=lse, **kw)
+    return int((~fin).sum())
+

@@ -72,15 +72,15 @@ CLEAN_AT_PV = {"FlashAttentionForwardSm90Mixed._CLEAN_AT_PV": True}
 _SLIDING = dict(head_dim=256, num_heads=16, num_kv_heads=8, page_size=64, window_size=1023,
                 bidirectional_window="symmetric", return_lse=False)
 _HD128 = dict(head_dim=128, num_heads=16, num_kv_heads=8, page_size=64, window_size=None, return_lse=False)
+#: hd 256's launch: 128 x 64, 2 stages, P in registers, FA4's overlap (no scheduler barrier at hd 256)
+_TILES_256 = dict(tile_m=128, tile_n=64, mma_pv_is_rs=True, intra_wg_overlap=True, num_stages=2)
 _MIXED_SPECS = {
-    # mixed_sliding_ctx8k: 128 x 64, 2 stages, P in registers, overlap (no scheduler barrier at hd 256)
+    # mixed_sliding_ctx8k: one split, longest-first
     "sliding_bench_mixed_ctx8k": dict(_SLIDING, max_seqlen_q=4096, max_seqlen_k=8448, config=dict(
-        tile_m=128, tile_n=64, mma_pv_is_rs=True, intra_wg_overlap=True, num_stages=2, lpt=True, num_splits=1,
-        split_merge="combine")),
+        _TILES_256, lpt=True, num_splits=1, split_merge="combine")),
     # canvas_bs1_ctx32k_sliding: the same tiles, 2 splits merged in a cluster
     "sliding_bench_canvas_ctx32k": dict(_SLIDING, max_seqlen_q=256, max_seqlen_k=33024, config=dict(
-        tile_m=128, tile_n=64, mma_pv_is_rs=True, intra_wg_overlap=True, num_stages=2, lpt=False, num_splits=2,
-        split_merge="cluster")),
+        _TILES_256, lpt=False, num_splits=2, split_merge="cluster")),
     # canvas_bs4_ctx4k_hd128: 128 x 128, 3 stages, overlap with the scheduler barrier (the switch does not act)
     "hd128_bench_canvas_bs4_ctx4k": dict(_HD128, max_seqlen_q=256, max_seqlen_k=4352, config=dict(
         tile_m=128, tile_n=128, mma_pv_is_rs=True, intra_wg_overlap=True, num_stages=3, lpt=False, num_splits=1,

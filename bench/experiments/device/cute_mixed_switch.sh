@@ -24,16 +24,9 @@ set -u
 source bench/experiments/device/env.sh
 export OUT=${OUT:-/tmp/out} FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=0; mkdir -p $OUT
 t=${T:-150}; SWITCH=${SWITCH:-_CLEAN_AT_PV}; TESTS=${TESTS:-tests/attention/cute/test_cute_clean_at_pv.py}
-run() {  # $1 switch (1 on / 0 off), $2 log name, rest: pytest arguments
-  local on=$1 log=$2; shift 2
-  timeout $t python3 -c "
-import sys, pytest
-from blockdiff.attention.cute.kernel import FlashAttentionForwardSm90Mixed as M
-assert hasattr(M, '$SWITCH'), 'no switch $SWITCH'
-setattr(M, '$SWITCH', bool($on))
-sys.exit(pytest.main(['-m', 'gpu', '-q', '-p', 'no:cacheprovider', '-rf', '--maxfail=5'] + sys.argv[1:]))
-" "$@" > $OUT/$log.log 2>&1 < /dev/null
-}
+source bench/experiments/device/switch_lib.sh
+# run: $1 switch (1 on / 0 off), $2 log name, rest: pytest arguments
+run() { switch_run blockdiff.attention.cute.kernel FlashAttentionForwardSm90Mixed "$@"; }
 SHARDS=${SHARDS:-own fuzz256 nan256}
 for s in $SHARDS; do case $s in
   own) run 0 sw_own $TESTS & ;;
@@ -43,10 +36,7 @@ for s in $SHARDS; do case $s in
   *) echo "unknown shard $s"; exit 2 ;;
 esac; done
 wait
-for f in $OUT/sw_*.log; do
-  [ -f "$f" ] || continue
-  echo "== $f"; grep -E "passed|failed|error" $f | tail -2; grep -E "^FAILED|Timeout" $f | head -5
-done
+switch_logs
 [ "${B:-240}" = 0 ] && exit 0
 timeout ${B:-240} python3 -m blockdiff.bench.experiments.ab_roles_switch FlashAttentionForwardSm90Mixed.$SWITCH \
   ${WORKLOADS:-mixed_sliding_ctx8k,canvas_bs1_ctx32k_sliding} --triton --fa4 \

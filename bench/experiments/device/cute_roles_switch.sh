@@ -27,16 +27,9 @@ source bench/experiments/device/env.sh
 export OUT=${OUT:-/tmp/out} FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=0; mkdir -p $OUT
 t=${T:-95}; SWITCH=${SWITCH:-_K_REFILL_ALL_WARPS}; TESTS=${TESTS:-tests/attention/cute/test_cute_k_refill.py}
 F=tests/attention/cute/test_cute_kernel_roles.py
-run() {  # $1 switch (1 on / 0 off), $2 log name, rest: pytest arguments
-  local on=$1 log=$2; shift 2
-  timeout $t python3 -c "
-import sys, pytest
-from blockdiff.attention.cute.kernel_roles import FlashAttentionForwardSm90Roles as R
-assert hasattr(R, '$SWITCH'), 'no switch $SWITCH'
-setattr(R, '$SWITCH', bool($on))
-sys.exit(pytest.main(['-m', 'gpu', '-q', '-p', 'no:cacheprovider', '-rf', '--maxfail=5'] + sys.argv[1:]))
-" "$@" > $OUT/$log.log 2>&1 < /dev/null
-}
+source bench/experiments/device/switch_lib.sh
+# run: $1 switch (1 on / 0 off), $2 log name, rest: pytest arguments
+run() { switch_run blockdiff.attention.cute.kernel_roles FlashAttentionForwardSm90Roles "$@"; }
 A="fuzz and (config0 or config1 or config2)"; Z="fuzz and not (config0 or config1 or config2)"
 SHARDS=${SHARDS:-own fuzz_on_a}; [ "${FUZZ_ALL:-0}" = 1 ] && SHARDS="$SHARDS fuzz_on_b fuzz_off_b"
 for s in $SHARDS; do case $s in
@@ -50,10 +43,7 @@ for s in $SHARDS; do case $s in
   *) echo "unknown shard $s"; exit 2 ;;
 esac; done
 wait
-for f in $OUT/sw_*.log; do
-  [ -f "$f" ] || continue
-  echo "== $f"; grep -E "passed|failed|error" $f | tail -2; grep -E "^FAILED|Timeout" $f | head -5
-done
+switch_logs
 [ "${B:-120}" = 0 ] && exit 0
 timeout ${B:-120} python3 -m blockdiff.bench.experiments.ab_roles_switch $SWITCH ${WORKLOADS:-mixed_global_ctx8k} --triton \
   '{"work": {"wide_design": "roles", "batch_order": "work", "v_refill": "one_warp", "qk_issue": "serial", "k_refill": "whole"}, "default": {"wide_design": "roles"}}' \
