@@ -226,21 +226,33 @@ def strip_ptx(ptx: str) -> str:
     return "\n".join(out) + "\n"
 
 
+def switch_target(name: str):
+    """``(class, attribute)`` of an experiment switch ``"Class._ATTR"``: an existing, non-callable class attribute
+    of a class of ``kernel.py``, ``kernel_wide.py`` or ``kernel_roles.py``.
+
+    Raises:
+        ValueError: anything else (a missing class or attribute, a public name, a method), naming the switch.
+    """
+    from . import kernel, kernel_roles, kernel_wide  # the CuTe DSL (optional dependency)
+    cls_name, _, attr = name.rpartition(".")
+    modules = (kernel, kernel_wide, kernel_roles)
+    cls = next((getattr(m, cls_name) for m in modules if cls_name and hasattr(m, cls_name)), None)
+    if (not isinstance(cls, type) or not attr.startswith("_") or not hasattr(cls, attr)
+            or callable(getattr(cls, attr))):
+        raise ValueError(f"switch {name!r}: not Class._ATTR of an existing class attribute (not a method) in "
+                         "kernel.py, kernel_wide.py or kernel_roles.py")
+    return cls, attr
+
+
 def set_switches(switches: dict) -> None:
     """Set experiment class attributes, ``{"Class.ATTR": value}``, on a class of ``kernel.py``, ``kernel_wide.py``
     or ``kernel_roles.py`` (e.g. ``FlashAttentionForwardSm90Mixed._CLEAN_AT_PV``), in this process, before compiling.
 
     Raises:
-        ValueError: a name that is not ``Class.ATTR`` of an existing class attribute there.
+        ValueError: a name that is not ``Class.ATTR`` of an existing class attribute there (:func:`switch_target`).
     """
-    from . import kernel, kernel_roles, kernel_wide  # the CuTe DSL (optional dependency)
-    for name, value in switches.items():
-        cls_name, _, attr = name.rpartition(".")
-        cls = next((getattr(m, cls_name) for m in (kernel, kernel_wide, kernel_roles) if hasattr(m, cls_name)),
-                   None)
-        if cls is None or not attr.startswith("_") or not hasattr(cls, attr):
-            raise ValueError(f"switch {name!r}: not Class._ATTR of an existing class attribute in kernel.py, "
-                             "kernel_wide.py or kernel_roles.py")
+    targets = [(switch_target(name), value) for name, value in switches.items()]  # all checked before any is set
+    for (cls, attr), value in targets:
         setattr(cls, attr, value)
 
 

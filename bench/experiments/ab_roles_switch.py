@@ -2,8 +2,9 @@
 """Interleaved A/B of an experiment switch of the roles kernel (a ``FlashAttentionForwardSm90Roles`` class attribute
 read at compile time: ``_K_REFILL_ALL_WARPS``, docs/tuning.md 2.17-2.18; ``_SM_OVERLAP`` ran through it in 2.20, before
 it became ``CuteConfig.qk_issue``; ``_EPILOGUE_LOCAL_WARP``, 2.25), off against on, one
-process (GPU experiment, the bench's paged layout). A switch ``Class.ATTR`` names a class of ``attention/cute/kernel.py``
-instead (``FlashAttentionForwardSm90Mixed._CLEAN_AT_PV``, 2.26: FA4's consumer, head dims <= 256).
+process (GPU experiment, the bench's paged layout). A switch ``Class.ATTR`` names a class of
+``attention/cute/kernel.py``, ``kernel_wide.py`` or ``kernel_roles.py`` instead (``compile_check.switch_target``;
+``FlashAttentionForwardSm90Mixed._CLEAN_AT_PV``, 2.26: FA4's consumer, head dims <= 256).
 
 The switch is not a config field, so each setting compiles into a compile cache of its own (the interface's
 ``_COMPILE_CACHE`` swapped per row; run with ``FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=0``: the disk cache's key
@@ -47,18 +48,14 @@ def _row(b, w, cfg, switch: str, on: bool):
 
 
 def switch_class(switch: str):
-    """``(class, attribute)`` of ``switch``: ``"ATTR"`` the roles kernel's, ``"Class.ATTR"`` a class of kernel.py.
+    """``(class, attribute)`` of ``switch``: ``"ATTR"`` the roles kernel's, ``"Class.ATTR"`` a class of kernel.py,
+    kernel_wide.py or kernel_roles.py (``compile_check.switch_target``).
 
     Raises:
-        ValueError: the class or the attribute does not exist."""
+        ValueError: the class or the attribute does not exist, or the attribute is a method."""
     # the CuTe DSL is imported at first use: the module loads (and --help runs) without it
-    from blockdiff.attention.cute import kernel
-    from blockdiff.attention.cute.kernel_roles import FlashAttentionForwardSm90Roles
-    cls_name, _, attr = switch.rpartition(".")
-    cls = getattr(kernel, cls_name, None) if cls_name else FlashAttentionForwardSm90Roles
-    if cls is None or not hasattr(cls, attr):
-        raise ValueError(f"switch {switch!r}: no such class attribute (a roles kernel's, or Class.ATTR of kernel.py)")
-    return cls, attr
+    from blockdiff.attention.cute.compile_check import switch_target
+    return switch_target(switch if "." in switch else "FlashAttentionForwardSm90Roles." + switch)
 
 
 def _fa4_row(b):
@@ -90,6 +87,10 @@ def main(argv=None):
     a = p.parse_args(argv)
     if os.environ.get("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED") == "1":
         raise SystemExit("set FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=0: the disk cache's key does not see the switch")
+    try:
+        switch_class(a.switch)  # before any workload is built
+    except ValueError as e:
+        p.error(str(e))
     names, variants = a.workloads.split(","), json.loads(a.variants)
     res, checks, tf = {}, {}, {}
     for name in names:

@@ -57,13 +57,21 @@ def test_clean_at_pv_is_off_by_default_and_acts_only_without_the_scheduler_barri
 @_FA4
 def test_set_switches_refuses_what_is_not_an_experiment_attribute():
     """A switch names ``Class._ATTR`` of an existing class attribute of kernel.py / kernel_wide.py / kernel_roles.py;
-    a missing class, a missing attribute or a public attribute (a constructor argument's, not a switch) is a
-    ValueError naming it."""
+    a missing class, a missing attribute, a public attribute (a constructor argument's, not a switch), a method or
+    a module-level function is a ValueError naming it; ab_roles_switch takes the same names (and bare roles ones)."""
     from blockdiff.attention.cute import compile_check as cchk
     for bad in ("NoSuchClass._CLEAN_AT_PV", "FlashAttentionForwardSm90Mixed._NO_SUCH_SWITCH",
-                "FlashAttentionForwardSm90Mixed.V_REFILLS", "_CLEAN_AT_PV"):
+                "FlashAttentionForwardSm90Mixed.V_REFILLS", "_CLEAN_AT_PV",
+                "FlashAttentionForwardSm90Mixed._clean_at_pv", "row_key_range.__name__"):
         with pytest.raises(ValueError, match="switch"):
             cchk.set_switches({bad: True})
+    from blockdiff.bench.experiments.ab_roles_switch import switch_class
+    from blockdiff.attention.cute.kernel_roles import FlashAttentionForwardSm90Roles as R
+    assert switch_class("_K_REFILL_ALL_WARPS") == (R, "_K_REFILL_ALL_WARPS")
+    assert switch_class("FlashAttentionForwardSm90Roles._K_REFILL_ALL_WARPS") == (R, "_K_REFILL_ALL_WARPS")
+    for bad in ("FlashAttentionForwardSm90Mixed._clean_at_pv", "_NO_SUCH_SWITCH"):
+        with pytest.raises(ValueError, match="switch"):
+            switch_class(bad)
 
 
 class _FakeState:
