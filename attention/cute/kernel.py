@@ -68,8 +68,10 @@ NaN / Inf entries zeroed, a ``bar.red.or`` over the warpgroup ORs "there was one
 a per-stage tag in shared memory tells the warpgroup that cleans second, which finds the stage already clean);
 with FA4's intra-warpgroup overlap at the end of the block's call (its PV runs in the next call), without it right
 before the PV. The experiment switch :attr:`FlashAttentionForwardSm90Mixed._CLEAN_AT_PV` (off) moves the overlap
-path's clean-up, in kernels whose consumer warpgroups run without FA4's scheduler barrier (head dims > 128), into the
-call that issues the block's PV, after the next block's S GEMM was issued (docs/tuning.md 2.26). The epilogue hook (:meth:`~FlashAttentionForwardSm90Mixed._nonfinite_fixup`) then, only for a
+path's clean-up, in kernels whose consumer warpgroups run without FA4's scheduler barrier (FA4 uses it with two or
+more consumer warpgroups at head dims <= 128 only), into the call that issues the block's PV, after the next block's
+S GEMM was issued (docs/tuning.md 2.26); :attr:`FlashAttentionForwardSm90Mixed._SKIP_ALLOWED_FIRST` (off) skips the
+scan of a tile's first block when every row of the tile sees all of it (2.27). The epilogue hook (:meth:`~FlashAttentionForwardSm90Mixed._nonfinite_fixup`) then, only for a
 flagged tile, adds each non-finite V entry of the masked blocks' keys to exactly the accumulator rows that allow
 the key, in its column, reading V from global memory (the cache is appended to the aux tensors: on its TMA paths
 FA4 hands the kernel coordinate tensors as ``mV``). The interior loop's code is unchanged. Design and expected
@@ -469,12 +471,21 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
     #: The ``k_refill`` values this class builds (kernel_roles.py adds ``"halves"``).
     K_REFILLS = ("whole",)
     #: Experiment switch (compile time, off; docs/tuning.md 2.26): with ``nan_safe_v`` in FA4's intra-warpgroup
-    #: overlap consumer without its scheduler barrier (FA4 uses the barrier at head dims <= 128 only), clean a masked
-    #: block's V stage in the call that issues the block's P V, between that call's S GEMM issue and the P V issue
-    #: (:meth:`_clean_pending`), instead of at the end of the block's own call, where the warpgroup waits for V (on
-    #: the tile's first block: a V stage FA4's producer loads after the next K) and scans it with no GEMM of its own
-    #: in flight. The same clean-ups in the same order (the tags agree); elsewhere the kernel is unchanged.
+    #: overlap consumer without its scheduler barrier (FA4 uses the barrier with two or more consumer warpgroups at
+    #: head dims <= 128 only), clean a masked block's V stage in the call that issues the block's P V, between that
+    #: call's S GEMM issue and the P V issue (:meth:`_clean_pending`; the tile's last block in the last half block,
+    #: with no S after it), instead of at the end of the block's own call, where the warpgroup waits for V (on the
+    #: tile's first block: a V stage FA4's producer loads after the next K) and scans it with no GEMM of its own in
+    #: flight. The same clean-ups in the same order (the tags agree); elsewhere the kernel is unchanged.
     _CLEAN_AT_PV = False
+    #: Experiment switch (compile time, off; docs/tuning.md 2.27): with ``nan_safe_v`` in FA4's consumer, do not scan
+    #: the tile's (a split's) first key block when every key of it lies inside every row's interval of the tile (the
+    #: block FA4 masks only because it is the first: e.g. a canvas without a window whose context ends on a block
+    #: boundary, or an interior split's first block). Such a block holds no key a row may not see, so its NaN / Inf
+    #: reach exactly the rows the reference gives them to. A tile-uniform scalar test
+    #: (:meth:`_first_block_needs_clean`, the block info's own bounds) sets the scan's trip count to 0; the wait, the
+    #: barrier and the tag test still run, so both warpgroups make the same calls.
+    _SKIP_ALLOWED_FIRST = False
 
     def __init__(self, *args, prefix_window: bool = False, kv_page_size: Optional[int] = None, lpt: bool = True,
                  nan_safe_v: bool = False, batch_order: str = "given", v_refill: str = "one_warp",
@@ -1054,10 +1065,55 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         return bool(self.nan_safe_v and self._CLEAN_AT_PV and self.intra_wg_overlap
                     and not self.use_scheduler_barrier)
 
+    def _skip_allowed_first(self) -> bool:
+        """Trace-time: the first block's clean-up is skipped when the whole block is allowed
+        (:attr:`_SKIP_ALLOWED_FIRST`)."""
+        return bool(self.nan_safe_v and self._SKIP_ALLOWED_FIRST)
+
+    def _first_needs(self, kwargs: dict):
+        """The tile's first block needs its clean-up: Int32(1), or with :attr:`_SKIP_ALLOWED_FIRST` the run-time
+        test :meth:`_first_block_needs_clean` on the call's ``seqlen``, ``n_block`` and the tile's ``m_block`` (FA4
+        binds it into the call's ``mask_fn``)."""
+        if not self._skip_allowed_first():
+            return Int32(1)
+        mask_fn = kwargs.get("mask_fn")
+        m_block = getattr(mask_fn, "keywords", {}).get("m_block")
+        if m_block is None:
+            raise RuntimeError("_SKIP_ALLOWED_FIRST: FA4's first-block call carries no m_block in its mask_fn "
+                               "(another flash-attn-4 version?)")
+        return self._first_block_needs_clean(kwargs["seqlen"], m_block, kwargs["n_block"])
+
+    @cute.jit
+    def _first_block_needs_clean(self, seqlen: MixedSeqlenInfoQK, m_block: Int32, n_block: Int32) -> Int32:
+        """0 when key block ``n_block`` lies inside every row's interval of tile ``m_block`` (no key of it is one
+        a row may not see; it is inside ``seq_lens`` too), else 1. The block info's own bounds: the block is below
+        every right-masked block (``(hi of the tile's first row + 1) // tile_n``) and at or above every left-masked
+        one (``ceil(lo of its last row / tile_n)``), i.e. a block FA4 would call unmasked."""
+        bi = self._nf_block_info
+        right = bi.get_n_block_min_causal_local_mask(seqlen, m_block, n_block)  # max(n_block, first right-masked)
+        left = bi.get_n_block_min_before_local_mask(seqlen, m_block, Int32(0))  # first block past the left mask
+        needs = Int32(1)
+        if n_block < right:
+            if n_block >= left:
+                needs = Int32(0)
+        return cute.arch.make_warp_uniform(needs)
+
+    @cute.jit
+    def _wait_clean_v_if(self, needs: Int32, state):
+        """:meth:`_wait_clean_v` of the whole stage (tags on), scanning it only when ``needs`` (tile-uniform) is
+        not 0. The wait, the warpgroup barrier and the tag test run either way: with the whole call under a run-time
+        ``if`` instead, ptxas moved the hd-128 kernel's wgmma descriptors out of the uniform datapath (+80
+        instructions a key block) and spilled 68 B (docs/tuning.md 2.27)."""
+        pipeline_v = self._nf_pipeline_v
+        pipeline_v.consumer_wait(state, pipeline_v.consumer_try_wait(state))
+        self._clean_v_stage(self._nf_sVt, state.index, 0, self.tile_hdimv, shared_tag=True, active=needs)
+
     def first_half_block_overlap(self, *args, **kwargs):
         state = FlashAttentionForwardSm90.first_half_block_overlap(self, *args, **kwargs)
         if const_expr(self._clean_at_pv()):  # the tile's first block is always masked: clean it at its PV
-            self._nf_pending[0] = Int32(1)
+            self._nf_pending[0] = self._first_needs(kwargs)
+        elif const_expr(self._skip_allowed_first()):  # unless the whole block is allowed
+            self._wait_clean_v_if(self._first_needs(kwargs), state)
         elif const_expr(self.nan_safe_v):  # the tile's first block is always masked; its PV runs in the next call
             self._wait_clean_v(state, 0, self.tile_hdimv, shared_tag=True)
         return state
@@ -1102,9 +1158,12 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
     def mma_one_n_block(self, *args, **kwargs):
         if const_expr(self.nan_safe_v and kwargs.get("mask_fn") is not None):
             pv = kwargs["mma_pv_fn"]
+            needs = None
+            if const_expr(self._skip_allowed_first() and kwargs.get("is_first_n_block", False)):
+                needs = self._first_needs(kwargs)  # the tile's first block: skipped when the whole block is allowed
 
             def clean_then_pv(B_idx, **kw):  # no overlap: this call's PV reads this call's block
-                self._clean_v_stage(self._nf_sVt, B_idx, 0, self.tile_hdimv, shared_tag=True)
+                self._clean_v_stage(self._nf_sVt, B_idx, 0, self.tile_hdimv, shared_tag=True, active=needs)
                 return pv(B_idx=B_idx, **kw)
 
             kwargs["mma_pv_fn"] = clean_then_pv
@@ -1128,7 +1187,8 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
 
     @cute.jit
     def _clean_v_stage(self, sVt: cute.Tensor, stage: Int32, col0: cutlass.Constexpr[int],
-                       width: cutlass.Constexpr[int], shared_tag: cutlass.Constexpr[bool] = False):
+                       width: cutlass.Constexpr[int], shared_tag: cutlass.Constexpr[bool] = False,
+                       active: Optional[Int32] = None):
         """Zero the NaN / Inf entries of value columns ``[col0, col0 + width)`` of V stage ``stage`` in shared
         memory, for this warpgroup's PV wgmma, and OR "there was one" into the warpgroup's flag.
 
@@ -1164,7 +1224,10 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         if const_expr(shared_tag):
             tag = self._nf_use[0] + 1
             self._nf_use[0] = tag
-        for j in cutlass.range((n_chunks + 127) // 128, unroll=2):
+        n_iter = (n_chunks + 127) // 128
+        if const_expr(active is not None):  # a tile-uniform 0 / 1: 0 scans nothing (the barrier still runs)
+            n_iter = n_iter * active
+        for j in cutlass.range(n_iter, unroll=2):
             i = t_wg + j * 128
             if const_expr(n_chunks % 128 != 0):
                 i = cutlass.min(i, n_chunks - 1)  # a repeated chunk is harmless (idempotent)

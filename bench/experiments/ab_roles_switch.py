@@ -13,8 +13,10 @@ must be bit-identical for the switches above; isfinite), then ``--rounds`` round
 ``triton.testing.do_bench_cudagraph(rep=200)`` (CUDA-graph replays, microseconds, medians printed and written to
 ``ab_roles_switch.json`` in ``--out``). With ``--triton`` the triton backend's default dispatch on the same inputs
 joins the rounds (issue 27's goal is a ratio to it in the same run), with ``--fa4`` FA4's paged launches
-(``bench_attention.make_fa4``: one per causal flag; the hd-256 goals are ratios to it); every row's effective
-TFLOP/s (``bench.common.attention_flops`` over the workload's allowed pairs) is printed and recorded beside the times.
+(``bench_attention.make_fa4``: one per causal flag; the hd-256 goals are ratios to it; left out, with the reason,
+where FA4 cannot run the workload); every row's effective TFLOP/s (``bench.common.attention_flops`` over the
+workload's allowed pairs) is printed and recorded beside the times, as "x TFLOP/s of a reference row (x its time)".
+The record is rewritten after each workload.
 
     FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=0 python3 -m blockdiff.bench.experiments.ab_roles_switch \
         _K_REFILL_ALL_WARPS mixed_global_ctx8k '{"whole": {"wide_design": "roles", "k_refill": "whole"}}' --triton
@@ -59,9 +61,14 @@ def switch_class(switch: str):
 
 
 def _fa4_row(b):
-    """FA4's paged launches on the same inputs (one per causal flag; ``bench_attention.make_fa4``)."""
-    from blockdiff.bench.bench_attention import make_fa4
-    return make_fa4(b, None, "paged")[0]
+    """FA4's paged launches on the same inputs (one per causal flag; ``bench_attention.make_fa4``), or None with
+    the reason printed where FA4 cannot run the workload (head dim > 256, a prefix window on bidirectional rows)."""
+    from blockdiff.bench.bench_attention import Skip, make_fa4
+    try:
+        return make_fa4(b, None, "paged")[0]
+    except Skip as e:
+        print(f"fa4 row skipped: {e}", flush=True)
+        return None
 
 
 def _triton_row(b, w):
@@ -111,8 +118,8 @@ def main(argv=None):
                   flush=True)
         if a.triton:
             fns["triton"] = _triton_row(b, w)
-        if a.fa4:
-            fns["fa4"] = _fa4_row(b)
+        if a.fa4 and (fa4 := _fa4_row(b)) is not None:
+            fns["fa4"] = fa4
         res[name] = common.interleaved_graph_medians(fns, a.rounds, name)
         flops = common.attention_flops(w.num_heads, w.head_dim, w.allowed_pairs(), w.head_dim_v)
         tf[name] = {n: common.tflops(flops, statistics.median(t) * 1e-3) for n, t in res[name].items()}
@@ -120,10 +127,11 @@ def main(argv=None):
             ratio = "".join(f"  {x / tf[name][r]:.3f}x {r} ({tf[name][r] / x:.3f}x its time)"
                             for r in ("triton", "fa4") if r in tf[name] and n != r)
             print(f"{name} {n:28s} {x:7.1f} TFLOP/s{ratio}", flush=True)
-    common.write_experiment_json("ab_roles_switch.json",
-                                 dict(commit=os.environ.get("BLOCKDIFF_COMMIT"), gpu=torch.cuda.get_device_name(),
-                                      switch=a.switch,
-                                      variants=variants, checks=checks, res=res, tflops=tf), a.out)
+        # after every workload: a run stopped by its time limit keeps the workloads it finished
+        common.write_experiment_json("ab_roles_switch.json",
+                                     dict(commit=os.environ.get("BLOCKDIFF_COMMIT"), gpu=torch.cuda.get_device_name(),
+                                          switch=a.switch,
+                                          variants=variants, checks=checks, res=res, tflops=tf), a.out)
 
 
 if __name__ == "__main__":

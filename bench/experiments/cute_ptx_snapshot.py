@@ -68,6 +68,7 @@ _BENCH_CANVAS = dict(_BENCH_TILES, max_seqlen_q=256, max_seqlen_k=33024, lpt=Fal
                      batch_order="given")
 
 CLEAN_AT_PV = {"FlashAttentionForwardSm90Mixed._CLEAN_AT_PV": True}
+SKIP_FIRST = {"FlashAttentionForwardSm90Mixed._SKIP_ALLOWED_FIRST": True}
 #: FA4-consumer launches as ``config.resolve_launch_config`` resolves them for the bench's workloads (page 64, no LSE)
 _SLIDING = dict(head_dim=256, num_heads=16, num_kv_heads=8, page_size=64, window_size=1023,
                 bidirectional_window="symmetric", return_lse=False)
@@ -140,7 +141,8 @@ SPECS = {
     # default) / on and cleaned at its P V issue (FlashAttentionForwardSm90Mixed._CLEAN_AT_PV, docs/tuning.md 2.26;
     # it acts only without FA4's scheduler barrier, so the hd-128 specs must compile to the same PTX with it)
     **{f"{prefix}{name}": _mixed_spec(spec, nan, switches)
-       for prefix, nan, switches in (("nanoff_", False, None), ("", True, None), ("cleanpv_", True, CLEAN_AT_PV))
+       for prefix, nan, switches in (("nanoff_", False, None), ("", True, None), ("cleanpv_", True, CLEAN_AT_PV),
+                                     ("skipfirst_", True, SKIP_FIRST), ("both_", True, dict(CLEAN_AT_PV, **SKIP_FIRST)))
        for name, spec in _MIXED_SPECS.items()},
 }
 

@@ -23,7 +23,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from blockdiff.attention import attention
 from blockdiff.attention.cute import interface as ca
+from blockdiff.attention.testing import poison_v_inside_seq_lens
 
 from cute_helpers import (HAVE_FA4, NAN_SAFE_HD256_CASES, check_nonfinite_v, compile_for_sm90_or_skip, gpu_batch,
                           needs_gpu, nonfinite_cases, run_and_check, switch_runner)
@@ -233,6 +235,13 @@ def test_gpu_clean_at_pv_equals_the_clean_up_at_the_block_end(case, clean_at_pv)
 def test_gpu_clean_at_pv_keys_a_row_may_not_see_contribute_nothing(page, config, kw, clean_at_pv):
     """The hd-256 NaN-safe V cases (test_cute_nan_safe_v.py) with the clean-up at the P V issue: exactly the
     reference's NaN / +Inf / -Inf entries (a clean-up missed before a P V gives extra NaN in every row of the tile;
-    a detection missed leaves entries out)."""
+    a detection missed leaves entries out), and the same output as the clean-up at the block's end (NaN-aware; on
+    finite caches the clean-up writes nothing, so only poisoned ones tell the placements apart)."""
     inp = nonfinite_cases(256, 16, 8, page or 64, seed=22, paged=page is not None)
     assert clean_at_pv(True, lambda: check_nonfinite_v(inp, config, seed=3, **kw)) > 0
+    bad = poison_v_inside_seq_lens(inp, 3, 6)[0]  # and on equals off on the poisoned caches (NaN-aware)
+
+    def call():
+        return attention(**bad, backend="cute", config=dict(config or {}, nan_safe_v=True), **kw)
+    off, on = clean_at_pv(False, call), clean_at_pv(True, call)
+    assert torch.equal(torch.isnan(on), torch.isnan(off)) and torch.equal(on.nan_to_num(), off.nan_to_num())
