@@ -32,7 +32,7 @@ t=${T:-240}; SWITCH=${SWITCH:-_CLEAN_AT_PV}
 case $SWITCH in
   _CLEAN_AT_PV) own=test_cute_clean_at_pv.py; shards="own fuzz256 nan256"
     workloads=mixed_sliding_ctx8k,canvas_bs1_ctx32k_sliding ;;
-  _SKIP_ALLOWED_FIRST) own=test_cute_skip_allowed_first.py; shards="own fuzz128 nan128 fuzz256"
+  _SKIP_ALLOWED_FIRST) own=test_cute_skip_allowed_first.py; shards="own fuzz128 nan128 fuzz256 nan256"
     workloads=canvas_bs4_ctx4k_hd128,canvas_bs1_ctx32k_hd128,canvas_bs1_ctx32k_sliding,mixed_sliding_ctx8k ;;
   *) own=; shards=; workloads= ;;
 esac

@@ -8,7 +8,8 @@ row's interval holds no key a row may not see, and its NaN / Inf reach exactly t
   every row's interval, over random tiles of mixed causal / bidirectional sequences, both window modes, packed GQA
   (hypothesis, against :func:`blockdiff.attention.masks.key_range` row by row);
 * CPU with the CuTe DSL: off by default; the switch needs FA4's ``m_block`` in the first block's ``mask_fn`` (a
-  RuntimeError otherwise);
+  RuntimeError otherwise); the overrides' call sequences with FA4's GEMM calls as recorders (overlap, overlap with
+  ``_CLEAN_AT_PV``, no overlap): only the first block's scan follows the test, the other clean-up calls unchanged;
 * GPU (``python3 -m pytest -m gpu``, on the H200; ``bench/experiments/device/cute_mixed_switch.sh`` with
   ``SWITCH=_SKIP_ALLOWED_FIRST`` and this file as ``TESTS``): on against off bit for bit (finite and poisoned caches,
   NaN-aware), and exactly the reference's non-finite entries, over batches whose canvases end on a key-block
@@ -53,7 +54,7 @@ def test_the_skip_rule_holds_exactly_when_every_row_sees_the_whole_block(data):
     window = data.draw(st.sampled_from([None, 0, 1, 63, 64, 127, 1023]), label="window")
     mode = data.draw(st.sampled_from(["symmetric", "prefix"]), label="mode")
     tile_n = data.draw(st.sampled_from([32, 64, 80, 128]), label="tile_n")
-    qhead = data.draw(st.sampled_from([1, 2, 8]), label="qhead")
+    qhead = data.draw(st.sampled_from([1, 2, 3, 6, 8]), label="qhead")
     tile_m = data.draw(st.sampled_from([64, 128, 192]), label="tile_m")
     rows = torch.arange(q_len)
     t = lambda v: torch.tensor(v)  # noqa: E731
@@ -79,6 +80,86 @@ def test_skip_allowed_first_is_off_by_default_and_needs_fa4s_m_block():
     with pytest.raises(RuntimeError, match="m_block"):
         M._first_needs(k, dict(mask_fn=lambda **kw: None, n_block=3, seqlen=None))
     assert M._skip_allowed_first(SimpleNamespace(nan_safe_v=False, _SKIP_ALLOWED_FIRST=True)) is False
+
+
+class _State:
+    def __init__(self, index):
+        self.index = index
+
+
+@_FA4
+@pytest.mark.parametrize("clean_at_pv,overlap", [(False, True), (True, True), (False, False)],
+                         ids=["overlap", "overlap_clean_at_pv", "no_overlap"])
+@pytest.mark.parametrize("needs", [0, 1])
+def test_skip_allowed_first_call_sequences(needs, clean_at_pv, overlap, monkeypatch):
+    """The overrides' calls with FA4's GEMM calls replaced by recorders, for one tile (first block, a right-masked
+    block, an interior one, the last half block): the first block's test gets the ``m_block`` of FA4's nested
+    ``mask_fn`` partial and the call's ``n_block`` / ``seqlen``; with the test's 0 the first block's scan has
+    trip count 0 (``active``) but its call still runs (overlap, no overlap: the tags' counters agree between the
+    warpgroups), or, with ``_CLEAN_AT_PV``, neither warpgroup calls it; the other masked block is cleaned as
+    before (``active`` None), the interior one never."""
+    from functools import partial
+    from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90 as F
+    from blockdiff.attention.cute.kernel import FlashAttentionForwardSm90Mixed as M
+    k = M.__new__(M)
+    k.nan_safe_v, k._SKIP_ALLOWED_FIRST, k._CLEAN_AT_PV = True, True, clean_at_pv
+    k.intra_wg_overlap, k.use_scheduler_barrier = overlap, False
+    k.tile_hdimv, k._nf_sVt, k._nf_pending, k._nf_pipeline_v = 128, None, [0], None
+    stage_block, events, tests = {}, [], []
+    seqlen = object()
+
+    def apply_mask(**kw):
+        pass
+    mask_fn = partial(apply_mask, batch_idx=0, head_idx=1, m_block=7, thr_mma=None)  # FA4's per-tile partial
+
+    def stage(n_block):
+        st = _State(len(stage_block) % 2)
+        stage_block[st.index] = n_block
+        return st
+
+    k._first_block_needs_clean = lambda sq, m_block, n_block: tests.append((sq, m_block, n_block)) or needs
+    k._clean_v_stage = lambda sVt, st, col0, width, shared_tag=False, active=None: events.append(
+        ("clean", stage_block[st], active))
+    k._wait_clean_v = lambda state, col0, width, shared_tag=False: events.append(
+        ("clean", stage_block[state.index], None))
+    k._wait_clean_v_if = lambda nd, state: events.append(("clean", stage_block[state.index], nd))
+    k._clean_pending = lambda st: M._clean_pending.__wrapped__(k, st)
+    pv = lambda B_idx, **kw: events.append(("PV", stage_block[B_idx]))  # noqa: E731
+    first = 9
+    if overlap:
+        monkeypatch.setattr(F, "first_half_block_overlap", lambda self, n_block, **kw: stage(n_block))
+
+        def fake_overlap(self, state, n_block, mma_pv_fn, **kw):
+            new = stage(n_block)
+            mma_pv_fn(B_idx=state.index)
+            return new
+        monkeypatch.setattr(F, "mma_one_n_block_intrawg_overlap", fake_overlap)
+        monkeypatch.setattr(F, "last_half_block_overlap",
+                            lambda self, kv_consumer_state, mma_pv_fn, **kw: mma_pv_fn(B_idx=kv_consumer_state.index))
+        st = M.first_half_block_overlap(k, n_block=first, seqlen=seqlen, mask_fn=partial(mask_fn, mask_mod=None),
+                                        is_first_block=True)
+        st = M.mma_one_n_block_intrawg_overlap(k, st, n_block=first - 1, seqlen=seqlen, mma_pv_fn=pv,
+                                               mask_fn=partial(mask_fn, mask_mod=None, mask_seqlen=False))
+        st = M.mma_one_n_block_intrawg_overlap(k, st, n_block=first - 2, seqlen=seqlen, mma_pv_fn=pv, mask_fn=None)
+        M.last_half_block_overlap(k, kv_consumer_state=st, mma_pv_fn=pv, zero_init=False)
+    else:
+        def fake_one(self, state, n_block, mma_pv_fn, **kw):
+            mma_pv_fn(B_idx=stage(n_block).index)
+            return state
+        monkeypatch.setattr(F, "mma_one_n_block", fake_one)
+        for n, mf, is_first in ((first, partial(mask_fn, mask_mod=None, mask_seqlen=True), True),
+                                (first - 1, partial(mask_fn, mask_mod=None, mask_seqlen=False), False),
+                                (first - 2, None, False)):
+            M.mma_one_n_block(k, None, n_block=n, seqlen=seqlen, mma_pv_fn=pv, mask_fn=mf,
+                              **(dict(is_first_n_block=True) if is_first else {}))
+    assert tests == [(seqlen, 7, first)]
+    cleans = [e for e in events if e[0] == "clean"]
+    if clean_at_pv:
+        assert cleans == ([("clean", first, None)] if needs else []) + [("clean", first - 1, None)], events
+    else:
+        assert [(b, int(a) if a is not None else None) for _, b, a in cleans] == [(first, needs), (first - 1, None)]
+    for e in cleans:  # each clean-up before its block's P V
+        assert events.index(e) < events.index(("PV", e[1])), events
 
 
 @pytest.mark.skipif(not HAVE_FA4, reason="compiling needs flash-attn-4==4.0.0b36 and nvidia-cutlass-dsl==4.8.1")
@@ -107,10 +188,11 @@ def skip_first(monkeypatch):
 
 
 def _block_aligned_cases(D, H, Hkv, page_size, seed, paged=True):
-    """Mixed batches whose canvases (bidirectional, no causal rows) end on a 128-key boundary (the first block of
-    their tiles holds only keys every row sees: skipped), beside a prefill, a commit + canvas sequence and an empty
+    """Mixed batches whose canvases (bidirectional, no causal rows) end on a boundary of 128-, 80- and 64-key blocks
+    (the tile_n of every case here; with 1536 / 2048 the hd-256 80-key tiles skipped nothing): the first block of
+    their tiles holds only keys every row sees (skipped), beside a prefill, a commit + canvas sequence and an empty
     one, NaN in the stale cache rows and unused pages."""
-    sl, ql, ncq = [1536, 700, 333, 2048, 0], [256, 700, 64, 256, 0], [0, 700, 64, 0, 0]
+    sl, ql, ncq = [1280, 700, 333, 1920, 0], [256, 700, 64, 256, 0], [0, 700, 64, 0, 0]  # 640 | 1280, 1920
     return make_batch(sl, ql, num_causal_q=ncq, num_heads=H, num_kv_heads=Hkv, head_dim=D, page_size=page_size,
                       paged=paged, device="cuda", seed=seed, poison_unused=paged)
 
