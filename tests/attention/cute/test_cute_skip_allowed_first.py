@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from blockdiff.attention import attention
 from blockdiff.attention.cute import config as cc
 from blockdiff.attention.masks import key_range
-from blockdiff.attention.testing import make_batch, poison_v_inside_seq_lens
+from blockdiff.attention.testing import check_nonfinite_matches_reference, make_batch, poison_v_inside_seq_lens
 
 from cute_helpers import HAVE_FA4, check_nonfinite_v, needs_gpu, switch_runner
 
@@ -226,3 +226,27 @@ def test_gpu_skip_allowed_first_keeps_nonfinite_v_exact(D, page, config, kw, ski
             return attention(**batch, backend="cute", config=dict(config or {}, nan_safe_v=True), **kw)
         off, on = skip_first(False, call), skip_first(True, call)
         assert _nan_equal(on, off), (on.float() - off.float()).abs().nan_to_num().max()
+
+
+@needs_gpu
+@pytest.mark.parametrize("D", [128, 256])
+def test_gpu_skip_allowed_first_scans_a_contiguous_block_that_reaches_into_the_next_sequence(D, skip_first):
+    """Contiguous K / V: a canvas over context whose keys end mid-block (1,300 keys: its tiles' first block reaches
+    into the next sequence's keys), then a canvas whose first keys' V are NaN / +Inf / -Inf in every head and column.
+    The first canvas's rows see none of them: its output stays finite and within the tolerance rule (the block is
+    scanned: its rows past ``seq_lens`` are the next sequence's), the second's has exactly the reference's
+    non-finite entries."""
+    inp = make_batch([1300, 1280], [256, 256], num_causal_q=[0, 0], num_heads=16, num_kv_heads=8, head_dim=D,
+                     paged=False, device="cuda", seed=43)
+    v = inp["v_cache"].clone()
+    start = int(inp["cu_seqlens_k"][1])
+    for i, val in enumerate((float("nan"), float("inf"), -float("inf"), float("nan"))):
+        v[start + i] = val
+    bad = dict(inp, v_cache=v)
+
+    def call():
+        return attention(**bad, backend="cute", config=dict(nan_safe_v=True), max_seqlen_q=256)
+    out = skip_first(True, call)
+    assert torch.isfinite(out[:256]).all(), "the next sequence's NaN / Inf reached the first canvas"
+    assert check_nonfinite_matches_reference(out, bad, max_seqlen_q=256) > 0
+
