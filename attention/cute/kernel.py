@@ -70,8 +70,10 @@ with FA4's intra-warpgroup overlap at the end of the block's call (its PV runs i
 before the PV. The experiment switch :attr:`FlashAttentionForwardSm90Mixed._CLEAN_AT_PV` (off) moves the overlap
 path's clean-up, in kernels whose consumer warpgroups run without FA4's scheduler barrier (FA4 uses it with two or
 more consumer warpgroups at head dims <= 128 only), into the call that issues the block's PV, after the next block's
-S GEMM was issued (docs/tuning.md 2.26); :attr:`FlashAttentionForwardSm90Mixed._SKIP_ALLOWED_FIRST` (off) skips the
-scan of a tile's first block when every row of the tile sees all of it (2.27). The epilogue hook (:meth:`~FlashAttentionForwardSm90Mixed._nonfinite_fixup`) then, only for a
+S GEMM was issued (docs/tuning.md 2.26), or :attr:`FlashAttentionForwardSm90Mixed._CLEAN_IN_OWN_CALL` (off) into the
+block's own call after its S and the previous P V were issued (2.28);
+:attr:`FlashAttentionForwardSm90Mixed._SKIP_ALLOWED_FIRST` (off) skips the scan of a tile's first block when every row
+of the tile sees all of it (2.27). The epilogue hook (:meth:`~FlashAttentionForwardSm90Mixed._nonfinite_fixup`) then, only for a
 flagged tile, adds each non-finite V entry of the masked blocks' keys to exactly the accumulator rows that allow
 the key, in its column, reading V from global memory (the cache is appended to the aux tensors: on its TMA paths
 FA4 hands the kernel coordinate tensors as ``mV``). The interior loop's code is unchanged. Design and expected
@@ -486,6 +488,13 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
     #: (:meth:`_first_block_needs_clean`, the block info's own bounds) sets the scan's trip count to 0; the wait, the
     #: barrier and the tag test still run, so both warpgroups make the same calls.
     _SKIP_ALLOWED_FIRST = False
+    #: Experiment switch (compile time, off; docs/tuning.md 2.28), the alternative to :attr:`_CLEAN_AT_PV` (the two
+    #: exclude each other) where it acts: a masked block's V stage is cleaned in the block's own call, right after
+    #: that call issued its S GEMM and the previous block's P V (the wrapped P V waits for this block's V and scans it
+    #: while both GEMMs run), so the tile's last block (the left window edge), whose P V has no S after it, is hidden
+    #: too; the tile's first block (its call issues only S, waited at once) is cleaned at its P V issue, as with
+    #: :attr:`_CLEAN_AT_PV`. The cost: V(j) is waited for one call earlier than FA4 waits for it.
+    _CLEAN_IN_OWN_CALL = False
 
     def __init__(self, *args, prefix_window: bool = False, kv_page_size: Optional[int] = None, lpt: bool = True,
                  nan_safe_v: bool = False, batch_order: str = "given", v_refill: str = "one_warp",
@@ -1060,10 +1069,20 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
             self._nf_use[0] = Int32(NAN_TAG_BASE)
 
     def _clean_at_pv(self) -> bool:
-        """Trace-time: the overlap path cleans a masked block's V in the call issuing its P V
-        (:attr:`_CLEAN_AT_PV`; only without FA4's scheduler barrier)."""
-        return bool(self.nan_safe_v and self._CLEAN_AT_PV and self.intra_wg_overlap
+        """Trace-time: the overlap path defers clean-ups to a P V issue (:attr:`_CLEAN_AT_PV`: every masked
+        block's; :attr:`_CLEAN_IN_OWN_CALL`: the tile's first block's); only without FA4's scheduler barrier.
+
+        Raises:
+            ValueError: both switches set."""
+        if self._CLEAN_AT_PV and self._CLEAN_IN_OWN_CALL:
+            raise ValueError("_CLEAN_AT_PV and _CLEAN_IN_OWN_CALL exclude each other: set one")
+        return bool(self.nan_safe_v and (self._CLEAN_AT_PV or self._CLEAN_IN_OWN_CALL) and self.intra_wg_overlap
                     and not self.use_scheduler_barrier)
+
+    def _clean_in_own_call(self) -> bool:
+        """Trace-time: masked blocks after the first are cleaned in their own call, under its GEMMs
+        (:attr:`_CLEAN_IN_OWN_CALL`, where :meth:`_clean_at_pv` acts)."""
+        return bool(self._clean_at_pv() and self._CLEAN_IN_OWN_CALL)
 
     def _skip_allowed_first(self) -> bool:
         """Trace-time: the first block's clean-up is skipped when the whole block is allowed
@@ -1121,9 +1140,12 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
     def mma_one_n_block_intrawg_overlap(self, *args, **kwargs):
         masked = kwargs.get("mask_fn") is not None
         if const_expr(self._clean_at_pv()):  # this call issues the previous block's P V
-            kwargs["mma_pv_fn"] = self._pending_clean_then(kwargs["mma_pv_fn"])
+            own = args[0] if const_expr(self._clean_in_own_call() and masked) else None
+            kwargs["mma_pv_fn"] = self._pending_clean_then(kwargs["mma_pv_fn"], own)
         state = FlashAttentionForwardSm90.mma_one_n_block_intrawg_overlap(self, *args, **kwargs)
-        if const_expr(self._clean_at_pv() and masked):  # V of this call's block: cleaned by the next P V issue
+        if const_expr(self._clean_in_own_call()):
+            pass  # a masked block was cleaned in this call, after its P V issue (_pending_clean_then)
+        elif const_expr(self._clean_at_pv() and masked):  # V of this call's block: cleaned by the next P V issue
             self._nf_pending[0] = Int32(1)
         elif const_expr(self.nan_safe_v and masked):
             # V of this call's block; its PV runs in the next call
@@ -1135,12 +1157,17 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
             kwargs["mma_pv_fn"] = self._pending_clean_then(kwargs["mma_pv_fn"])
         return FlashAttentionForwardSm90.last_half_block_overlap(self, *args, **kwargs)
 
-    def _pending_clean_then(self, pv: Callable) -> Callable:
+    def _pending_clean_then(self, pv: Callable, own_state=None) -> Callable:
         """``pv`` (FA4's P V GEMM, called after it waited for the V stage ``B_idx``) preceded by
-        :meth:`_clean_pending` of that stage."""
+        :meth:`_clean_pending` of that stage; with ``own_state`` (:attr:`_CLEAN_IN_OWN_CALL`, a masked call: FA4's
+        pipeline state of the call, which FA4 advanced to this call's block before issuing its S GEMM) followed by
+        the wait for this block's V and its clean-up, while the S GEMM and the P V just issued run."""
         def clean_then_pv(B_idx, **kw):
             self._clean_pending(B_idx)
-            return pv(B_idx=B_idx, **kw)
+            res = pv(B_idx=B_idx, **kw)
+            if const_expr(own_state is not None):
+                self._wait_clean_v(own_state, 0, self.tile_hdimv, shared_tag=True)
+            return res
         return clean_then_pv
 
     @cute.jit

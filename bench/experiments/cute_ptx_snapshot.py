@@ -26,7 +26,9 @@ nvidia-cutlass-dsl installed, e.g. the CuTe DSL venv), ~30-90 s a spec on 2 core
 refills, pages 64 / 16 / 8 / 32 and contiguous, head dims 512 / 384, GQA 8 / 4 / 3, the split-KV subclass and the
 all-warps K experiment, plus the bench's two hd-512 launches at page 64 and the epilogue-warp experiment
 (docs/tuning.md 2.25), and FA4's consumer on the bench's two sliding launches and two hd-128 controls with NaN-safe V
-off, on, and cleaned at the P V issue (``_CLEAN_AT_PV``, 2.26; a switch ``"Class.ATTR"`` names a class of
+off, on, and with its experiment switches (``cleanpv_``: ``_CLEAN_AT_PV``, 2.26; ``skipfirst_``:
+``_SKIP_ALLOWED_FIRST``, 2.27; ``both_``: the two; ``owncall_``: ``_CLEAN_IN_OWN_CALL``, 2.28; a switch
+``"Class.ATTR"`` names a class of
 ``kernel.py``, a bare ``"ATTR"`` the roles kernel's); ``snapshot --only SUBSTR`` picks specs by name, ``list`` prints
 them. ``summary.json`` also keeps each kernel's spills by role and its key-block loops (``compile_check.sass_loops``).
 """
@@ -69,6 +71,7 @@ _BENCH_CANVAS = dict(_BENCH_TILES, max_seqlen_q=256, max_seqlen_k=33024, lpt=Fal
 
 CLEAN_AT_PV = {"FlashAttentionForwardSm90Mixed._CLEAN_AT_PV": True}
 SKIP_FIRST = {"FlashAttentionForwardSm90Mixed._SKIP_ALLOWED_FIRST": True}
+OWN_CALL = {"FlashAttentionForwardSm90Mixed._CLEAN_IN_OWN_CALL": True}
 #: FA4-consumer launches as ``config.resolve_launch_config`` resolves them for the bench's workloads (page 64, no LSE)
 _SLIDING = dict(head_dim=256, num_heads=16, num_kv_heads=8, page_size=64, window_size=1023,
                 bidirectional_window="symmetric", return_lse=False)
@@ -142,7 +145,8 @@ SPECS = {
     # it acts only without FA4's scheduler barrier, so the hd-128 specs must compile to the same PTX with it)
     **{f"{prefix}{name}": _mixed_spec(spec, nan, switches)
        for prefix, nan, switches in (("nanoff_", False, None), ("", True, None), ("cleanpv_", True, CLEAN_AT_PV),
-                                     ("skipfirst_", True, SKIP_FIRST), ("both_", True, dict(CLEAN_AT_PV, **SKIP_FIRST)))
+                                     ("skipfirst_", True, SKIP_FIRST), ("both_", True, dict(CLEAN_AT_PV, **SKIP_FIRST)),
+                                     ("owncall_", True, OWN_CALL))
        for name, spec in _MIXED_SPECS.items()},
 }
 

@@ -1,5 +1,6 @@
 # An experiment switch of FA4's consumer in the cute backend (a FlashAttentionForwardSm90Mixed class attribute read at
-# compile time: SWITCH=_CLEAN_AT_PV, docs/tuning.md 2.26, the default, or _SKIP_ALLOWED_FIRST, 2.27) on the lent H200
+# compile time: SWITCH=_CLEAN_AT_PV, docs/tuning.md 2.26, the default, _SKIP_ALLOWED_FIRST, 2.27, or
+# _CLEAN_IN_OWN_CALL, 2.28) on the lent H200
 # in one command, ~6-9 min, after the CuTe DSL's first staging run (this can be the second: STAGE2=1, carrying
 # .device/p2). Logs and the A/B record under $OUT (at most 8 files).
 #  1. in parallel shards of at most T s each (default 240): the switch's own GPU tests (TESTS, which set the switch
@@ -18,6 +19,10 @@
 # falls to 4-5.5 % on mixed_sliding_ctx8k (cute 0.90-0.92x FA4's time, from 0.93x) and by 0.5-1.5 us on the canvas;
 # refuted if mixed moves less than 1 % (then shared-memory bandwidth or issue slots, not the warpgroup's latency, is
 # the cost). Keep it (the default) if mixed gains >= 1.5 % in two runs with the canvas not slower and its tests pass.
+# _CLEAN_IN_OWN_CALL (2.28; the own tests run both placements): every masked block but the tile's first is scanned in
+# its own call under its S and the previous P V, the last (left-edge) block too. Predicted: mixed_sliding_ctx8k's
+# NaN-safe cost 1-3 % (0.88-0.90x FA4), if V(j) has landed by its own call's P V issue; refuted if it does no better
+# than _CLEAN_AT_PV in the same lease (the early wait for V stalls). Keep the better of the two by the same rule.
 # _SKIP_ALLOWED_FIRST (2.27): the first block of a tile whose rows all see it whole is not scanned. Predicted:
 # canvas_bs4_ctx4k_hd128 (every tile's only masked block is such a first block) loses NaN-safe V's whole cost, 2.5-3 %
 # (2.6: +3.0 %); canvas_bs1_ctx32k_hd128 no clean-up at all (2.6 measured the switch 4 % faster there, unexplained:
@@ -30,7 +35,7 @@ source bench/experiments/device/env.sh
 export OUT=${OUT:-/tmp/out} FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=0; mkdir -p $OUT
 t=${T:-240}; SWITCH=${SWITCH:-_CLEAN_AT_PV}
 case $SWITCH in
-  _CLEAN_AT_PV) own=test_cute_clean_at_pv.py; shards="own fuzz256 nan256"
+  _CLEAN_AT_PV|_CLEAN_IN_OWN_CALL) own=test_cute_clean_at_pv.py; shards="own fuzz256 nan256"
     workloads=mixed_sliding_ctx8k,canvas_bs1_ctx32k_sliding ;;
   _SKIP_ALLOWED_FIRST) own=test_cute_skip_allowed_first.py; shards="own fuzz128 nan128 fuzz256 nan256"
     workloads=canvas_bs4_ctx4k_hd128,canvas_bs1_ctx32k_hd128,canvas_bs1_ctx32k_sliding,mixed_sliding_ctx8k ;;

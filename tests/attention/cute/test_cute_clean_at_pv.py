@@ -1,7 +1,9 @@
-"""The NaN-safe V clean-up placed at the P V issue (the experiment switch
-``FlashAttentionForwardSm90Mixed._CLEAN_AT_PV``, off by default; docs/tuning.md 2.26): in FA4's intra-warpgroup
-overlap consumer without its scheduler barrier (head dims > 128), a masked block's V stage is cleaned in the call
-that issues its P V, after that call issued the next block's S GEMM, instead of at the end of the block's own call.
+"""The NaN-safe V clean-up placed under a GEMM (the experiment switches ``FlashAttentionForwardSm90Mixed._CLEAN_AT_PV``,
+docs/tuning.md 2.26, and ``_CLEAN_IN_OWN_CALL``, 2.28, both off by default): in FA4's intra-warpgroup overlap consumer
+without its scheduler barrier (two consumer warpgroups at head dims > 128), a masked block's V stage is cleaned in the
+call that issues its P V, after that call issued the next block's S GEMM (``_CLEAN_AT_PV``), or in the block's own
+call after its S and the previous block's P V were issued (``_CLEAN_IN_OWN_CALL``; the tile's first block as with the
+other), instead of at the end of the block's own call. Every test below runs for both switches.
 
 * CPU (CI): the switch is off by default and acts only where it is meant to (FA4's overlap consumer without the
   scheduler barrier; never the hd-512 kernels, which place their own clean-up);
@@ -30,7 +32,8 @@ from blockdiff.attention.testing import poison_v_inside_seq_lens
 from cute_helpers import (HAVE_FA4, NAN_SAFE_HD256_CASES, check_nonfinite_v, compile_for_sm90_or_skip, gpu_batch,
                           needs_gpu, nonfinite_cases, run_and_check, switch_runner)
 
-SWITCH = "FlashAttentionForwardSm90Mixed._CLEAN_AT_PV"
+#: the two placements under a GEMM: at the block's P V issue (2.26) and in the block's own call (2.28)
+SWITCHES = ["_CLEAN_AT_PV", "_CLEAN_IN_OWN_CALL"]
 _FA4 = pytest.mark.skipif(not HAVE_FA4, reason="imports the CuTe DSL kernel classes (flash-attn-4, nvidia-cutlass-dsl)")
 
 
@@ -42,18 +45,26 @@ def test_clean_at_pv_is_off_by_default_and_acts_only_without_the_scheduler_barri
     from blockdiff.attention.cute.kernel import FlashAttentionForwardSm90Mixed as M
     from blockdiff.attention.cute.kernel_roles import FlashAttentionForwardSm90Roles as R
     from blockdiff.attention.cute.kernel_wide import FlashAttentionForwardSm90WideV as W
-    assert M._CLEAN_AT_PV is False
+    assert M._CLEAN_AT_PV is False and M._CLEAN_IN_OWN_CALL is False
     for nan_safe_v, switch, overlap, barrier, acts in [
             (True, True, True, False, True),     # hd 256 with the overlap: acts
             (True, False, True, False, False),   # the default
             (True, True, True, True, False),     # hd 128 with the overlap: FA4's scheduler barrier
             (True, True, False, True, False),    # no overlap (192 x 128): the clean-up sits before its P V already
             (False, True, True, False, False)]:  # NaN-safe V off
-        k = SimpleNamespace(nan_safe_v=nan_safe_v, _CLEAN_AT_PV=switch, intra_wg_overlap=overlap,
-                            use_scheduler_barrier=barrier)
-        assert M._clean_at_pv(k) is acts, (nan_safe_v, switch, overlap, barrier)
-    on = SimpleNamespace(nan_safe_v=True, _CLEAN_AT_PV=True, intra_wg_overlap=True, use_scheduler_barrier=False)
+        for at_pv, own in ((switch, False), (False, switch)):
+            k = SimpleNamespace(nan_safe_v=nan_safe_v, _CLEAN_AT_PV=at_pv, _CLEAN_IN_OWN_CALL=own,
+                                intra_wg_overlap=overlap, use_scheduler_barrier=barrier)
+            k._clean_at_pv = lambda k=k: M._clean_at_pv(k)
+            assert M._clean_at_pv(k) is acts, (nan_safe_v, switch, overlap, barrier)
+            assert M._clean_in_own_call(k) is (acts and own), (nan_safe_v, switch, overlap, barrier)
+    on = SimpleNamespace(nan_safe_v=True, _CLEAN_AT_PV=True, _CLEAN_IN_OWN_CALL=False, intra_wg_overlap=True,
+                         use_scheduler_barrier=False)
     assert W._clean_at_pv(on) is False and R._clean_at_pv(on) is False
+    both = SimpleNamespace(nan_safe_v=True, _CLEAN_AT_PV=True, _CLEAN_IN_OWN_CALL=True, intra_wg_overlap=True,
+                           use_scheduler_barrier=False)
+    with pytest.raises(ValueError, match="exclude each other"):
+        M._clean_at_pv(both)
 
 
 @_FA4
@@ -103,19 +114,22 @@ def _run_tile_calls(k, events, first, right, interior, left):
 @_FA4
 @pytest.mark.parametrize("shape", [(0, 0, 0), (0, 5, 0), (2, 0, 0), (1, 3, 2), (0, 0, 3), (3, 4, 1), (2, 0, 2)],
                          ids=lambda s: "r{}_i{}_l{}".format(*s))
-def test_clean_at_pv_cleans_each_masked_block_after_the_next_s_and_before_its_p_v(shape, monkeypatch):
+@pytest.mark.parametrize("switch", SWITCHES)
+def test_clean_at_pv_cleans_each_masked_block_after_the_next_s_and_before_its_p_v(shape, switch, monkeypatch):
     """The overrides' call sequence, with FA4's GEMM calls replaced by recorders (the real ``first_half_block_overlap``
     / ``mma_one_n_block_intrawg_overlap`` / ``last_half_block_overlap`` overrides and ``_clean_pending``'s body):
     over consecutive tiles with right-masked, interior and left-masked blocks, every masked block's V is cleaned
     exactly once, after the next block's S was issued (when there is a next block) and before its own P V; no
     unmasked block is cleaned; the clean-ups come in the masked blocks' order (the tags' counters agree between the
     warpgroups, as at the block's end); the mark is clear after each tile; the old placement's clean is never
-    called."""
+    called. ``_CLEAN_IN_OWN_CALL``: every masked block but the first is cleaned in its own call, after its S and
+    the previous block's P V were issued (the last block too)."""
     from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90 as F
     from blockdiff.attention.cute.kernel import FlashAttentionForwardSm90Mixed as M
     events, counter = [], [0]
     k = M.__new__(M)
-    k.nan_safe_v, k._CLEAN_AT_PV, k.intra_wg_overlap, k.use_scheduler_barrier = True, True, True, False
+    k.nan_safe_v, k.intra_wg_overlap, k.use_scheduler_barrier = True, True, False
+    k._CLEAN_AT_PV, k._CLEAN_IN_OWN_CALL = switch == "_CLEAN_AT_PV", switch == "_CLEAN_IN_OWN_CALL"
     k.tile_hdimv, k._nf_sVt, k._nf_pending, k._stage_block = 256, None, [0], {}
 
     def next_state(n_block):  # FA4's pipeline: consecutive key blocks take consecutive stages (2 here)
@@ -129,9 +143,10 @@ def test_clean_at_pv_cleans_each_masked_block_after_the_next_s_and_before_its_p_
         return next_state(n_block)
 
     def fake_overlap(self, state, n_block, mma_pv_fn, **kw):
-        new = next_state(n_block)  # S(j+1) issued, then the P V of the previous block's stage
-        mma_pv_fn(B_idx=state.index, wg_wait=-1)
-        return new
+        v_index = state.index  # FA4: the previous block's V state cloned, then the state advanced in place
+        state.index = next_state(n_block).index  # S(j+1) issued, then the P V of the previous block's stage
+        mma_pv_fn(B_idx=v_index, wg_wait=-1)
+        return state
 
     def fake_last(self, kv_consumer_state, mma_pv_fn, zero_init, **kw):
         mma_pv_fn(B_idx=kv_consumer_state.index, zero_init=zero_init, wg_wait=0)
@@ -143,7 +158,11 @@ def test_clean_at_pv_cleans_each_masked_block_after_the_next_s_and_before_its_p_
     k._clean_v_stage = lambda sVt, stage, col0, width, shared_tag=False: events.append(
         ("clean", k._stage_block[stage], col0, width, shared_tag))
     k._clean_pending = lambda stage: M._clean_pending.__wrapped__(k, stage)
-    k._wait_clean_v = lambda *a, **kw: pytest.fail("the block-end clean-up ran with the switch on")
+    if switch == "_CLEAN_IN_OWN_CALL":  # the wrapped P V waits for this block's V (FA4's advanced state) and scans
+        k._wait_clean_v = lambda st, col0, width, shared_tag=False: events.append(
+            ("clean", k._stage_block[st.index], col0, width, shared_tag))
+    else:
+        k._wait_clean_v = lambda *a, **kw: pytest.fail("the block-end clean-up ran with the switch on")
     right, interior, left = shape
     for tile, first in enumerate((40, 17, 9)):
         events.clear()
@@ -155,7 +174,9 @@ def test_clean_at_pv_cleans_each_masked_block_after_the_next_s_and_before_its_p_
         for b in masked:
             i = events.index(("clean", b, 0, 256, True))
             assert i < events.index(("PV", b)), (b, events)
-            if b != last:
+            if switch == "_CLEAN_IN_OWN_CALL" and b != first:  # under its own S and the previous block's P V
+                assert events.index(("S", b)) < events.index(("PV", b + 1)) < i, (b, events)
+            elif b != last:
                 assert events.index(("S", b - 1)) < i, (b, events)  # the next block's S was issued first
         assert int(k._nf_pending[0]) == 0
 
@@ -167,12 +188,14 @@ def _bench_spec(name):
 
 
 @pytest.mark.skipif(not HAVE_FA4, reason="compiling needs flash-attn-4==4.0.0b36 and nvidia-cutlass-dsl==4.8.1")
-def test_clean_at_pv_compiles_the_sliding_launch_without_spills_in_its_key_block_loops(tmp_path):
+@pytest.mark.parametrize("switch", SWITCHES)
+def test_clean_at_pv_compiles_the_sliding_launch_without_spills_in_its_key_block_loops(switch, tmp_path):
     """The bench's ``mixed_sliding_ctx8k`` launch (hd 256, 128 x 64, 2 stages, P in registers, overlap): the clean-up
     (its ``bar.red.or``) in the kernel, no spill inside a key-block loop (the few bytes ptxas spills hold per-tile
     values: docs/tuning.md 2.26), no wgmma serialised by ptxas, the shared memory of the switch off."""
     spec = _bench_spec("sliding_bench_mixed_ctx8k")
-    on = compile_for_sm90_or_skip(ptx_dir=str(tmp_path / "on"), switches={SWITCH: True}, **spec)
+    on = compile_for_sm90_or_skip(ptx_dir=str(tmp_path / "on"), switches={
+        "FlashAttentionForwardSm90Mixed." + switch: True}, **spec)
     off = compile_for_sm90_or_skip(ptx_dir=str(tmp_path / "off"), **spec)
     assert on["ptx_sha256"] != off["ptx_sha256"]  # the switch acts here
     assert on["smem_bytes"] == off["smem_bytes"] and on["wgmma"] == off["wgmma"], (on, off)
@@ -184,20 +207,23 @@ def test_clean_at_pv_compiles_the_sliding_launch_without_spills_in_its_key_block
 
 
 @pytest.mark.skipif(not HAVE_FA4, reason="compiling needs flash-attn-4==4.0.0b36 and nvidia-cutlass-dsl==4.8.1")
-def test_clean_at_pv_leaves_a_kernel_with_the_scheduler_barrier_unchanged(tmp_path):
+@pytest.mark.parametrize("switch", SWITCHES)
+def test_clean_at_pv_leaves_a_kernel_with_the_scheduler_barrier_unchanged(switch, tmp_path):
     """``canvas_bs4_ctx4k_hd128``'s launch (hd 128, overlap with FA4's scheduler barrier): the same PTX either way."""
     spec = _bench_spec("hd128_bench_canvas_bs4_ctx4k")
-    on = compile_for_sm90_or_skip(ptx_dir=str(tmp_path / "on"), switches={SWITCH: True}, **spec)
+    on = compile_for_sm90_or_skip(ptx_dir=str(tmp_path / "on"), switches={
+        "FlashAttentionForwardSm90Mixed." + switch: True}, **spec)
     off = compile_for_sm90_or_skip(ptx_dir=str(tmp_path / "off"), **spec)
     assert on["ptx_sha256"] == off["ptx_sha256"]
 
 
 # --- GPU --------------------------------------------------------------------------------------------------------
-@pytest.fixture
-def clean_at_pv(monkeypatch):
-    """Runs ``fn()`` with the switch set and a compile cache per setting (the cache key does not see it)."""
+@pytest.fixture(params=SWITCHES)
+def clean_at_pv(request, monkeypatch):
+    """Runs ``fn()`` with the switch (each placement in turn) set and a compile cache per setting (the cache key
+    does not see it)."""
     from blockdiff.attention.cute.kernel import FlashAttentionForwardSm90Mixed as M
-    return switch_runner(monkeypatch, M, "_CLEAN_AT_PV")
+    return switch_runner(monkeypatch, M, request.param)
 
 
 @needs_gpu
