@@ -493,7 +493,8 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
     #: that call issued its S GEMM and the previous block's P V (the wrapped P V waits for this block's V and scans it
     #: while both GEMMs run), so the tile's last block (the left window edge), whose P V has no S after it, is hidden
     #: too; the tile's first block (its call issues only S, waited at once) is cleaned at its P V issue, as with
-    #: :attr:`_CLEAN_AT_PV`. The cost: V(j) is waited for one call earlier than FA4 waits for it.
+    #: :attr:`_CLEAN_AT_PV`. The cost: V(j) is waited for one call earlier than FA4 waits for it. Kernels with one
+    #: K / V stage take :attr:`_CLEAN_AT_PV`'s placement instead (the early wait would deadlock there).
     _CLEAN_IN_OWN_CALL = False
 
     def __init__(self, *args, prefix_window: bool = False, kv_page_size: Optional[int] = None, lpt: bool = True,
@@ -1070,7 +1071,8 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
 
     def _clean_at_pv(self) -> bool:
         """Trace-time: the overlap path defers clean-ups to a P V issue (:attr:`_CLEAN_AT_PV`: every masked
-        block's; :attr:`_CLEAN_IN_OWN_CALL`: the tile's first block's); only without FA4's scheduler barrier.
+        block's; :attr:`_CLEAN_IN_OWN_CALL`: the tile's first block's, every masked block's with one K / V stage,
+        :meth:`_clean_in_own_call`); only without FA4's scheduler barrier.
 
         Raises:
             ValueError: both switches set."""
@@ -1081,8 +1083,11 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
 
     def _clean_in_own_call(self) -> bool:
         """Trace-time: masked blocks after the first are cleaned in their own call, under its GEMMs
-        (:attr:`_CLEAN_IN_OWN_CALL`, where :meth:`_clean_at_pv` acts)."""
-        return bool(self._clean_at_pv() and self._CLEAN_IN_OWN_CALL)
+        (:attr:`_CLEAN_IN_OWN_CALL`, where :meth:`_clean_at_pv` acts), with two or more K / V stages. With one
+        stage the early wait for V(j) would never end: the producer refills that stage (and K(j+1)'s, which it
+        acquires first) only after this warpgroup released V(j-1) / K(j), later in the same call; such kernels
+        keep :attr:`_CLEAN_AT_PV`'s placement (review)."""
+        return bool(self._clean_at_pv() and self._CLEAN_IN_OWN_CALL and self.num_stages >= 2)
 
     def _skip_allowed_first(self) -> bool:
         """Trace-time: the first block's clean-up is skipped when the whole block is allowed

@@ -20,6 +20,9 @@ other), instead of at the end of the block's own call. Every test below runs for
 """
 from __future__ import annotations
 
+import inspect
+import itertools
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -52,12 +55,13 @@ def test_clean_at_pv_is_off_by_default_and_acts_only_without_the_scheduler_barri
             (True, True, True, True, False),     # hd 128 with the overlap: FA4's scheduler barrier
             (True, True, False, True, False),    # no overlap (192 x 128): the clean-up sits before its P V already
             (False, True, True, False, False)]:  # NaN-safe V off
-        for at_pv, own in ((switch, False), (False, switch)):
+        for (at_pv, own), stages in itertools.product(((switch, False), (False, switch)), (2, 3, 1)):
             k = SimpleNamespace(nan_safe_v=nan_safe_v, _CLEAN_AT_PV=at_pv, _CLEAN_IN_OWN_CALL=own,
-                                intra_wg_overlap=overlap, use_scheduler_barrier=barrier)
+                                intra_wg_overlap=overlap, use_scheduler_barrier=barrier, num_stages=stages)
             k._clean_at_pv = lambda k=k: M._clean_at_pv(k)
             assert M._clean_at_pv(k) is acts, (nan_safe_v, switch, overlap, barrier)
-            assert M._clean_in_own_call(k) is (acts and own), (nan_safe_v, switch, overlap, barrier)
+            # one K / V stage: the wait for V(j) in its own call would deadlock; _CLEAN_AT_PV's placement instead
+            assert M._clean_in_own_call(k) is (acts and own and stages >= 2), (nan_safe_v, switch, overlap, barrier)
     on = SimpleNamespace(nan_safe_v=True, _CLEAN_AT_PV=True, _CLEAN_IN_OWN_CALL=False, intra_wg_overlap=True,
                          use_scheduler_barrier=False)
     assert W._clean_at_pv(on) is False and R._clean_at_pv(on) is False
@@ -85,6 +89,28 @@ def test_set_switches_refuses_what_is_not_an_experiment_attribute():
     for bad in ("FlashAttentionForwardSm90Mixed._clean_at_pv", "_NO_SUCH_SWITCH"):
         with pytest.raises(ValueError, match="switch"):
             switch_class(bad)
+
+
+@_FA4
+def test_fa4_advances_the_passed_state_in_place_before_the_p_v():
+    """What ``_CLEAN_IN_OWN_CALL`` reads in FA4's source (the call-sequence test below fakes it): the overlap call
+    clones the passed state for the previous block's V, advances the passed object itself (CUTLASS's
+    ``PipelineState.advance`` rebinds its index / phase) before issuing S and the P V, never rebinds it, and
+    releases V(j-1) only after the P V; FA4's ``mma`` passes the state positionally (``args[0]`` in the
+    override)."""
+    from cutlass import pipeline as cutlass_pipeline
+    from flash_attn.cute import flash_fwd_sm90 as fa4
+    src = inspect.getsource(fa4.FlashAttentionForwardSm90.mma_one_n_block_intrawg_overlap)
+    order = ["smem_pipe_read_v = smem_pipe_read.clone()", "smem_pipe_read.advance()",
+             "mma_qk_fn(B_idx=smem_pipe_read.index", "pipeline_v.consumer_wait(smem_pipe_read_v",
+             "mma_pv_fn(B_idx=smem_pipe_read_v.index", "pipeline_k.consumer_release(smem_pipe_read)",
+             "pipeline_v.consumer_release(smem_pipe_read_v)"]
+    pos = [src.find(x) for x in order]
+    assert -1 not in pos and pos == sorted(pos), list(zip(order, pos))
+    assert not re.search(r"\bsmem_pipe_read\s*=[^=]", src)  # the passed object is the one advanced
+    assert fa4.pipeline.make_pipeline_state is cutlass_pipeline.make_pipeline_state  # FA4's mma: this state class
+    assert "self._index, self._phase = " in inspect.getsource(cutlass_pipeline.PipelineState.advance)
+    assert re.search(r"mma_one_n_block\(\s*kv_consumer_state,", inspect.getsource(fa4.FlashAttentionForwardSm90.mma))
 
 
 class _FakeState:
@@ -115,7 +141,8 @@ def _run_tile_calls(k, events, first, right, interior, left):
 @pytest.mark.parametrize("shape", [(0, 0, 0), (0, 5, 0), (2, 0, 0), (1, 3, 2), (0, 0, 3), (3, 4, 1), (2, 0, 2)],
                          ids=lambda s: "r{}_i{}_l{}".format(*s))
 @pytest.mark.parametrize("switch", SWITCHES)
-def test_clean_at_pv_cleans_each_masked_block_after_the_next_s_and_before_its_p_v(shape, switch, monkeypatch):
+@pytest.mark.parametrize("stages", [2, 1])
+def test_clean_at_pv_cleans_each_masked_block_after_the_next_s_and_before_its_p_v(shape, switch, stages, monkeypatch):
     """The overrides' call sequence, with FA4's GEMM calls replaced by recorders (the real ``first_half_block_overlap``
     / ``mma_one_n_block_intrawg_overlap`` / ``last_half_block_overlap`` overrides and ``_clean_pending``'s body):
     over consecutive tiles with right-masked, interior and left-masked blocks, every masked block's V is cleaned
@@ -123,13 +150,15 @@ def test_clean_at_pv_cleans_each_masked_block_after_the_next_s_and_before_its_p_
     unmasked block is cleaned; the clean-ups come in the masked blocks' order (the tags' counters agree between the
     warpgroups, as at the block's end); the mark is clear after each tile; the old placement's clean is never
     called. ``_CLEAN_IN_OWN_CALL``: every masked block but the first is cleaned in its own call, after its S and
-    the previous block's P V were issued (the last block too)."""
+    the previous block's P V were issued (the last block too); with one K / V stage as ``_CLEAN_AT_PV`` (the early
+    wait would deadlock)."""
     from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90 as F
     from blockdiff.attention.cute.kernel import FlashAttentionForwardSm90Mixed as M
     events, counter = [], [0]
     k = M.__new__(M)
-    k.nan_safe_v, k.intra_wg_overlap, k.use_scheduler_barrier = True, True, False
+    k.nan_safe_v, k.intra_wg_overlap, k.use_scheduler_barrier, k.num_stages = True, True, False, stages
     k._CLEAN_AT_PV, k._CLEAN_IN_OWN_CALL = switch == "_CLEAN_AT_PV", switch == "_CLEAN_IN_OWN_CALL"
+    own = switch == "_CLEAN_IN_OWN_CALL" and stages >= 2
     k.tile_hdimv, k._nf_sVt, k._nf_pending, k._stage_block = 256, None, [0], {}
 
     def next_state(n_block):  # FA4's pipeline: consecutive key blocks take consecutive stages (2 here)
@@ -158,7 +187,7 @@ def test_clean_at_pv_cleans_each_masked_block_after_the_next_s_and_before_its_p_
     k._clean_v_stage = lambda sVt, stage, col0, width, shared_tag=False: events.append(
         ("clean", k._stage_block[stage], col0, width, shared_tag))
     k._clean_pending = lambda stage: M._clean_pending.__wrapped__(k, stage)
-    if switch == "_CLEAN_IN_OWN_CALL":  # the wrapped P V waits for this block's V (FA4's advanced state) and scans
+    if own:  # the wrapped P V waits for this block's V (FA4's advanced state) and scans
         k._wait_clean_v = lambda st, col0, width, shared_tag=False: events.append(
             ("clean", k._stage_block[st.index], col0, width, shared_tag))
     else:
@@ -174,7 +203,7 @@ def test_clean_at_pv_cleans_each_masked_block_after_the_next_s_and_before_its_p_
         for b in masked:
             i = events.index(("clean", b, 0, 256, True))
             assert i < events.index(("PV", b)), (b, events)
-            if switch == "_CLEAN_IN_OWN_CALL" and b != first:  # under its own S and the previous block's P V
+            if own and b != first:  # under its own S and the previous block's P V
                 assert events.index(("S", b)) < events.index(("PV", b + 1)) < i, (b, events)
             elif b != last:
                 assert events.index(("S", b - 1)) < i, (b, events)  # the next block's S was issued first

@@ -88,8 +88,8 @@ class _State:
 
 
 @_FA4
-@pytest.mark.parametrize("clean_at_pv,overlap", [(False, True), (True, True), (False, False)],
-                         ids=["overlap", "overlap_clean_at_pv", "no_overlap"])
+@pytest.mark.parametrize("clean_at_pv,overlap", [(False, True), (True, True), ("own", True), (False, False)],
+                         ids=["overlap", "overlap_clean_at_pv", "overlap_own_call", "no_overlap"])
 @pytest.mark.parametrize("needs", [0, 1])
 def test_skip_allowed_first_call_sequences(needs, clean_at_pv, overlap, monkeypatch):
     """The overrides' calls with FA4's GEMM calls replaced by recorders, for one tile (first block, a right-masked
@@ -97,13 +97,15 @@ def test_skip_allowed_first_call_sequences(needs, clean_at_pv, overlap, monkeypa
     ``mask_fn`` partial and the call's ``n_block`` / ``seqlen``; with the test's 0 the first block's scan has
     trip count 0 (``active``) but its call still runs (overlap, no overlap: the tags' counters agree between the
     warpgroups), or, with ``_CLEAN_AT_PV``, neither warpgroup calls it; the other masked block is cleaned as
-    before (``active`` None), the interior one never."""
+    before (``active`` None), the interior one never. ``_CLEAN_IN_OWN_CALL`` (``"own"``): as ``_CLEAN_AT_PV``, the
+    right-masked block cleaned in its own call."""
     from functools import partial
     from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90 as F
     from blockdiff.attention.cute.kernel import FlashAttentionForwardSm90Mixed as M
     k = M.__new__(M)
-    k.nan_safe_v, k._SKIP_ALLOWED_FIRST, k._CLEAN_AT_PV = True, True, clean_at_pv
-    k.intra_wg_overlap, k.use_scheduler_barrier = overlap, False
+    k.nan_safe_v, k._SKIP_ALLOWED_FIRST = True, True
+    k._CLEAN_AT_PV, k._CLEAN_IN_OWN_CALL = clean_at_pv is True, clean_at_pv == "own"
+    k.intra_wg_overlap, k.use_scheduler_barrier, k.num_stages = overlap, False, 2
     k.tile_hdimv, k._nf_sVt, k._nf_pending, k._nf_pipeline_v = 128, None, [0], None
     stage_block, events, tests = {}, [], []
     seqlen = object()
@@ -129,10 +131,11 @@ def test_skip_allowed_first_call_sequences(needs, clean_at_pv, overlap, monkeypa
     if overlap:
         monkeypatch.setattr(F, "first_half_block_overlap", lambda self, n_block, **kw: stage(n_block))
 
-        def fake_overlap(self, state, n_block, mma_pv_fn, **kw):
-            new = stage(n_block)
-            mma_pv_fn(B_idx=state.index)
-            return new
+        def fake_overlap(self, state, n_block, mma_pv_fn, **kw):  # FA4 advances the passed state in place
+            v_index = state.index
+            state.index = stage(n_block).index
+            mma_pv_fn(B_idx=v_index)
+            return state
         monkeypatch.setattr(F, "mma_one_n_block_intrawg_overlap", fake_overlap)
         monkeypatch.setattr(F, "last_half_block_overlap",
                             lambda self, kv_consumer_state, mma_pv_fn, **kw: mma_pv_fn(B_idx=kv_consumer_state.index))
