@@ -18,6 +18,13 @@ where FA4 cannot run the workload); every row's effective TFLOP/s (``bench.commo
 workload's allowed pairs) is printed and recorded beside the times, as "x TFLOP/s of a reference row (x its time)".
 The record is rewritten after each workload.
 
+``switch`` may instead be a JSON object of named settings, ``{"name": {"Class.ATTR": value, ...}, ...}`` (several
+switches in one run, e.g. 2.26-2.28's three NaN-safe V switches and a combination): every config variant then runs
+once with every switch the settings name at its class default (the row ``<variant>_off``) and once per setting
+(``<variant>_<name>``), each compared with the off row bit for bit, all in the same rounds. ``--plain`` adds rows
+compiled once with every switch at its default (a config where the switches do not act: one compile, not one a
+setting).
+
     FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=0 python3 -m blockdiff.bench.experiments.ab_roles_switch \
         _K_REFILL_ALL_WARPS mixed_global_ctx8k '{"whole": {"wide_design": "roles", "k_refill": "whole"}}' --triton
 """
@@ -34,19 +41,41 @@ from blockdiff.bench import common
 from blockdiff.bench import workloads as wl
 
 
-def _row(b, w, cfg, switch: str, on: bool):
-    """The paged call of ``cfg`` compiled (into a compile cache of its own) with class attribute ``switch`` at
-    ``on``."""
+def _row(b, w, cfg, values: dict):
+    """The paged call of ``cfg`` compiled (into a compile cache of its own) with the class attributes ``values``
+    (``{(class, attribute): value}``) set."""
     k, v, a = b.layouts()["paged"]
     out = torch.empty(b.q.shape[0], w.num_heads, w.head_dim_v, dtype=b.q.dtype, device="cuda")
     cache: dict = {}
-    cls, attr = switch_class(switch)
 
     def f():
         cute_interface._COMPILE_CACHE = cache
-        setattr(cls, attr, on)
+        for (cls, attr), value in values.items():
+            setattr(cls, attr, value)
         return attention_cute(b.q, k, v, out=out, check_values=False, config=cfg, **a)
     return f
+
+
+def switch_settings(switch: str) -> dict:
+    """``{setting name: {(class, attribute): value}}`` of the ``switch`` argument, ``"off"`` first: a bare or
+    ``Class.ATTR`` name gives ``off`` / ``on`` (False / True); a JSON object ``{"name": {"Class.ATTR": value}}``
+    gives ``off`` (every attribute it names at its class default, read now) and its settings (the attributes a
+    setting leaves out at their defaults).
+
+    Raises:
+        ValueError: a name that is not a switch (:func:`switch_class`), a setting named ``off``, or a JSON object
+            whose settings are not objects."""
+    if not switch.lstrip().startswith("{"):
+        target = switch_class(switch)
+        return {"off": {target: False}, "on": {target: True}}
+    named = json.loads(switch)
+    if not isinstance(named, dict) or not named or not all(isinstance(x, dict) and x for x in named.values()):
+        raise ValueError(f"switch settings must be a JSON object of non-empty objects, got {switch!r}")
+    if "off" in named:
+        raise ValueError("switch settings: 'off' is the row with every switch at its default; name it otherwise")
+    targets = {n: switch_class(n) for x in named.values() for n in x}
+    off = {t: getattr(*t) for t in targets.values()}
+    return {"off": off, **{name: {**off, **{targets[n]: val for n, val in x.items()}} for name, x in named.items()}}
 
 
 def switch_class(switch: str):
@@ -84,18 +113,21 @@ def _triton_row(b, w):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("switch", help="the class attribute, e.g. _K_REFILL_ALL_WARPS")
+    p.add_argument("switch", help='the class attribute, e.g. _K_REFILL_ALL_WARPS, or JSON {"name": {"Class.ATTR": '
+                                  'value, ...}, ...} (several settings)')
     p.add_argument("workloads", help="comma-separated named workloads")
     p.add_argument("variants", help='JSON {"name": config dict (wide_design "roles"), ...}')
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--out", default=None, help="output folder (default $OUT, else bench/results/local/)")
     p.add_argument("--triton", action="store_true", help="time the triton backend on the same inputs too")
     p.add_argument("--fa4", action="store_true", help="time FA4's paged launches on the same inputs too")
+    p.add_argument("--plain", default=None, help='JSON {"name": config dict}: rows with every switch at its default '
+                                                 'only (e.g. nan_safe_v off, where the switches do not act)')
     a = p.parse_args(argv)
     if os.environ.get("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED") == "1":
         raise SystemExit("set FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=0: the disk cache's key does not see the switch")
     try:
-        switch_class(a.switch)  # before any workload is built
+        settings = switch_settings(a.switch)  # before any workload is built
     except ValueError as e:
         p.error(str(e))
     names, variants = a.workloads.split(","), json.loads(a.variants)
@@ -106,16 +138,22 @@ def main(argv=None):
         fns = {}
         for vn, cfg in variants.items():
             outs = {}
-            for tag, flag in (("off", False), ("on", True)):
-                fns[f"{vn}_{tag}"] = _row(b, w, cfg, a.switch, flag)
+            for tag, values in settings.items():
+                fns[f"{vn}_{tag}"] = _row(b, w, cfg, values)
                 outs[tag] = fns[f"{vn}_{tag}"]().clone()
             torch.cuda.synchronize()
-            same = torch.equal(outs["off"], outs["on"])
-            finite = bool(torch.isfinite(outs["on"]).all())
-            diff = (outs["off"].float() - outs["on"].float()).abs().max().item()
-            checks[f"{name}/{vn}"] = dict(bit_identical=same, finite=finite, max_diff=diff)
-            print(f"{name} {vn}: {a.switch} on bit-identical to off: {same}, finite {finite}, max diff {diff}",
-                  flush=True)
+            for tag in list(settings)[1:]:
+                same = torch.equal(outs["off"], outs[tag])
+                finite = bool(torch.isfinite(outs[tag]).all())
+                diff = (outs["off"].float() - outs[tag].float()).abs().max().item()
+                key = f"{name}/{vn}" if tag == "on" and len(settings) == 2 else f"{name}/{vn}/{tag}"
+                checks[key] = dict(bit_identical=same, finite=finite, max_diff=diff)
+                print(f"{name} {vn}: {tag} bit-identical to off: {same}, finite {finite}, max diff {diff}",
+                      flush=True)
+        for vn, cfg in json.loads(a.plain or "{}").items():  # one row each, every switch at its default
+            fns[vn] = _row(b, w, cfg, settings["off"])
+        for (cls, attr), value in settings["off"].items():  # every switch at its default for the reference rows
+            setattr(cls, attr, value)
         if a.triton:
             fns["triton"] = _triton_row(b, w)
         if a.fa4 and (fa4 := _fa4_row(b)) is not None:

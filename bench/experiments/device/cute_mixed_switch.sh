@@ -28,6 +28,9 @@
 # (2.6: +3.0 %); canvas_bs1_ctx32k_hd128 no clean-up at all (2.6 measured the switch 4 % faster there, unexplained:
 # this tells); the sliding canvas 1-2 us (each split's first block); mixed_sliding_ctx8k <= 0.5 % (8 of 136). Keep it
 # if bs4 gains >= 1.5 % in two runs, nothing else is slower and its tests pass.
+# SWITCH=all (the plan of docs/tuning.md 7.41): every placement and combination in one A/B (rows nan_safe_off = the default kernel, nan_safe_<setting>,
+# nan_off, triton, fa4 on the four workloads), the shards' fuzz / NaN-safe tests with _CLEAN_AT_PV and
+# _SKIP_ALLOWED_FIRST on and both own test files; ~9-10 min (B=420 recommended: 6 cute compiles a workload).
 #   BLOCKDIFF_COMMIT=<hash> [STAGE2=1] [SWITCH=...] [TESTS=...] bash bench/experiments/device/cute_mixed_switch.sh
 set -u
 [ "${STAGE2:-0}" = 1 ] && source bench/experiments/device/stage2.sh
@@ -39,9 +42,21 @@ case $SWITCH in
     workloads=mixed_sliding_ctx8k,canvas_bs1_ctx32k_sliding ;;
   _SKIP_ALLOWED_FIRST) own=test_cute_skip_allowed_first.py; shards="own fuzz128 nan128 fuzz256 nan256"
     workloads=canvas_bs4_ctx4k_hd128,canvas_bs1_ctx32k_hd128,canvas_bs1_ctx32k_sliding,mixed_sliding_ctx8k ;;
+  all) own="test_cute_clean_at_pv.py tests/attention/cute/test_cute_skip_allowed_first.py"
+    shards="own fuzz128 nan128 fuzz256 nan256"; SWITCH=_CLEAN_AT_PV,_SKIP_ALLOWED_FIRST; ab_all=1  # shards' switches
+    workloads=mixed_sliding_ctx8k,canvas_bs1_ctx32k_sliding,canvas_bs4_ctx4k_hd128,canvas_bs1_ctx32k_hd128 ;;
   *) own=; shards=; workloads= ;;
 esac
 TESTS=${TESTS:-tests/attention/cute/$own}; SHARDS=${SHARDS:-$shards}; WORKLOADS=${WORKLOADS:-$workloads}
+M=FlashAttentionForwardSm90Mixed
+if [ "${ab_all:-0}" = 1 ]; then  # every setting in one A/B
+  AB_SWITCH="{\"clean_at_pv\": {\"$M._CLEAN_AT_PV\": true}, \"own_call\": {\"$M._CLEAN_IN_OWN_CALL\": true},
+ \"skip_first\": {\"$M._SKIP_ALLOWED_FIRST\": true},
+ \"clean_at_pv_skip\": {\"$M._CLEAN_AT_PV\": true, \"$M._SKIP_ALLOWED_FIRST\": true},
+ \"own_call_skip\": {\"$M._CLEAN_IN_OWN_CALL\": true, \"$M._SKIP_ALLOWED_FIRST\": true}}"
+else
+  AB_SWITCH=$M.$SWITCH
+fi
 [ -n "$SHARDS$WORKLOADS" ] || { echo "unknown SWITCH $SWITCH: set TESTS, SHARDS and WORKLOADS"; exit 2; }
 source bench/experiments/device/switch_lib.sh
 # run: $1 switch (1 on / 0 off), $2 log name, rest: pytest arguments
@@ -58,8 +73,7 @@ esac; done
 wait
 switch_logs
 [ "${B:-300}" = 0 ] && exit 0
-timeout ${B:-300} python3 -m blockdiff.bench.experiments.ab_roles_switch FlashAttentionForwardSm90Mixed.$SWITCH \
-  $WORKLOADS --triton --fa4 \
-  '{"nan_safe": {"nan_safe_v": true}, "nan_off": {"nan_safe_v": false}}' \
+timeout ${B:-300} python3 -m blockdiff.bench.experiments.ab_roles_switch "$AB_SWITCH" \
+  $WORKLOADS --triton --fa4 '{"nan_safe": {"nan_safe_v": true}}' --plain '{"nan_off": {"nan_safe_v": false}}' \
   --rounds 3 --out $OUT > $OUT/ab_mixed_switch.log 2>&1
-echo "ab rc=$?"; tail -22 $OUT/ab_mixed_switch.log
+echo "ab rc=$?"; grep -E "TFLOP/s|bit-identical|skipped" $OUT/ab_mixed_switch.log | tail -60

@@ -1,15 +1,17 @@
 # Sourced by the experiment-switch scripts (cute_roles_switch.sh, cute_mixed_switch.sh) after env.sh, with $OUT, $t
 # (seconds a shard) and $SWITCH set:
-#  switch_run MODULE CLASS ON LOG [pytest arguments]: the GPU tests (-m gpu) with class attribute $SWITCH of
-#    MODULE.CLASS set to ON (1 / 0) before any compile, at most $t s, into $OUT/LOG.log;
+#  switch_run MODULE CLASS ON LOG [pytest arguments]: the GPU tests (-m gpu) with the class attributes of MODULE.CLASS
+#    named in $SWITCH (one, or several separated by commas) set to ON (1 / 0) before any compile, at most $t s, into
+#    $OUT/LOG.log;
 #  switch_logs: each shard log's result lines and first failures.
 switch_run() {
   local mod=$1 cls=$2 on=$3 log=$4; shift 4
   timeout $t python3 -c "
 import sys, pytest
 from $mod import $cls as C
-assert hasattr(C, '$SWITCH'), 'no switch $SWITCH'
-setattr(C, '$SWITCH', bool($on))
+for name in '$SWITCH'.split(','):
+    assert hasattr(C, name), 'no switch ' + name
+    setattr(C, name, bool($on))
 sys.exit(pytest.main(['-m', 'gpu', '-q', '-p', 'no:cacheprovider', '-rf', '--maxfail=5'] + sys.argv[1:]))
 " "$@" > $OUT/$log.log 2>&1 < /dev/null
 }

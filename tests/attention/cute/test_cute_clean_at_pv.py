@@ -113,6 +113,29 @@ def test_fa4_advances_the_passed_state_in_place_before_the_p_v():
     assert re.search(r"mma_one_n_block\(\s*kv_consumer_state,", inspect.getsource(fa4.FlashAttentionForwardSm90.mma))
 
 
+@_FA4
+def test_ab_switch_settings_name_every_row_and_refuse_bad_ones():
+    """``ab_roles_switch``'s several-switch form (cute_mixed_switch.sh's ``SWITCH=all``): an ``off`` row with every
+    named switch at its class default, then one row per setting with the switches it leaves out at their defaults;
+    a setting named ``off``, an empty one or an unknown switch is a ValueError (before any GPU work)."""
+    import json
+    from blockdiff.bench.experiments.ab_roles_switch import switch_settings
+    from blockdiff.attention.cute.kernel import FlashAttentionForwardSm90Mixed as M
+    a, o, k = (f"FlashAttentionForwardSm90Mixed.{n}" for n in SWITCHES + ["_SKIP_ALLOWED_FIRST"])
+    got = switch_settings(json.dumps({"pv": {a: True}, "own_skip": {o: True, k: True}}))
+    assert list(got) == ["off", "pv", "own_skip"]
+    flat = {name: {attr: v for (cls, attr), v in row.items()} for name, row in got.items()}
+    assert flat["off"] == dict.fromkeys(["_CLEAN_AT_PV", "_CLEAN_IN_OWN_CALL", "_SKIP_ALLOWED_FIRST"], False)
+    assert flat["pv"] == dict(flat["off"], _CLEAN_AT_PV=True)
+    assert flat["own_skip"] == dict(flat["off"], _CLEAN_IN_OWN_CALL=True, _SKIP_ALLOWED_FIRST=True)
+    assert all(cls is M for row in got.values() for cls, _ in row)
+    single = switch_settings(a)
+    assert {n: list(r.values()) for n, r in single.items()} == {"off": [False], "on": [True]}
+    for bad in (json.dumps({"off": {a: True}}), json.dumps({"x": {}}), json.dumps({"x": {"Nope._A": True}}), "{"):
+        with pytest.raises(ValueError):
+            switch_settings(bad)
+
+
 class _FakeState:
     """FA4's pipeline state as the overrides see it: the stage index of a key block's K / V."""
     def __init__(self, index):
