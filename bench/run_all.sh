@@ -11,6 +11,10 @@
 # reported and the next one runs.
 # For FA4 / CuTe, make flash_attn.cute importable first (staged on the GPU machine), e.g. by exporting
 # PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages before calling this script.
+# On the lent machine (600 s a command, at most 8 files back from $OUT): one expanded stage a command (attention,
+# ladders, the default "all" and any two stages together run past 600 s; ladder-global is two runs of BUDGET_S each:
+# give it BUDGET_S=250). When a command leaves more than 8 files under $OUT, its PNGs are packed into plots.tgz (the
+# ladders write one PNG a workload: 14-20 files). (2026-12-05 audit.)
 set -u
 cd "$(dirname "$0")/.."
 source bench/device_env.sh
@@ -52,4 +56,8 @@ for stage in $stages; do
     *) echo "unknown stage $stage (attention[-mixed|-single] sweep ladders ladder-batch ladder-ctx ladder-global sampler e2e tables)"; status=2; continue ;;
   esac || { echo "stage $stage failed"; status=1; }
 done
+# at most 8 files come back from the lent machine's $OUT: the PNGs in one archive when there are more
+if [ -n "${OUT:-}" ] && [ -d "$OUT" ] && [ "$(ls "$OUT" | wc -l)" -gt 8 ] && ls "$OUT"/*.png > /dev/null 2>&1; then
+  (cd "$OUT" && tar czf plots.tgz *.png && rm -f *.png && echo "PNGs packed into $OUT/plots.tgz")
+fi
 exit $status

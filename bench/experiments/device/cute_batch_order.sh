@@ -20,6 +20,8 @@
 #   BLOCKDIFF_COMMIT=<hash> [STAGE2=1] bash bench/experiments/device/cute_batch_order.sh
 # Since docs/tuning.md 2.20 a roles config without v_refill / qk_issue resolves to the V refill by halves with S issued
 # ahead: add "v_refill": "one_warp", "qk_issue": "serial" to its roles rows to reproduce them as they ran.
+# Files under $OUT (at most 8 come back): tests.log (the four shard logs, one after the other), the two bench logs and
+# their records (JSON + CSV each): 7 (2026-12-05 audit: the shard logs apart made 10).
 set -u
 [ "${STAGE2:-0}" = 1 ] && source bench/experiments/device/stage2.sh
 source bench/experiments/device/env.sh
@@ -29,15 +31,17 @@ P="python3 -m pytest -m gpu -q -p no:cacheprovider -rf --maxfail=5"
 F=tests/attention/cute/test_cute_tile_order.py
 # nine kernel cases x two orders (one compile each, 7-10 s on this host) in three shards, the CUDA-graph tests (four
 # compiles) in a fourth
-timeout $t $P $F -k "bit_identical and (hd128_long or hd128_canvas or hd128_split3)" > $OUT/gpu_order_hd128.log \
+L=/tmp/gpu_order; rm -rf $L; mkdir -p $L
+timeout $t $P $F -k "bit_identical and (hd128_long or hd128_canvas or hd128_split3)" > $L/gpu_order_hd128.log \
   2>&1 < /dev/null &
-timeout $t $P $F -k "bit_identical and (hd256 or hd128_cluster2)" > $OUT/gpu_order_hd256.log 2>&1 < /dev/null &
-timeout $t $P $F -k "bit_identical and hd512" > $OUT/gpu_order_hd512.log 2>&1 < /dev/null &
-timeout $t $P $F -k "gpu and not bit_identical" > $OUT/gpu_order_graph.log 2>&1 < /dev/null &
+timeout $t $P $F -k "bit_identical and (hd256 or hd128_cluster2)" > $L/gpu_order_hd256.log 2>&1 < /dev/null &
+timeout $t $P $F -k "bit_identical and hd512" > $L/gpu_order_hd512.log 2>&1 < /dev/null &
+timeout $t $P $F -k "gpu and not bit_identical" > $L/gpu_order_graph.log 2>&1 < /dev/null &
 wait
-for f in $OUT/gpu_order_hd128.log $OUT/gpu_order_hd256.log $OUT/gpu_order_hd512.log $OUT/gpu_order_graph.log; do
+for f in $L/gpu_order_hd128.log $L/gpu_order_hd256.log $L/gpu_order_hd512.log $L/gpu_order_graph.log; do
   echo "== $f"; grep -E "passed|failed|error" $f | tail -2; grep -E "^FAILED|Timeout" $f | head -5
 done
+for f in $L/gpu_order_*.log; do echo "===== $(basename $f)"; cat $f; done > $OUT/tests.log
 # every switch spelled out: since f4c19a9 the default at hd 512 is the roles kernel in work order
 CFGS='[{"wide_design": "split_v", "batch_order": "given"}, {"wide_design": "split_v", "batch_order": "work"}, {"wide_design": "roles", "batch_order": "given"}, {"wide_design": "roles", "batch_order": "work"}]'
 timeout $((b * 2 / 3)) python3 -m blockdiff.bench.bench_attention --backends cute \

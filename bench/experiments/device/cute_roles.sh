@@ -10,6 +10,8 @@
 #   BLOCKDIFF_COMMIT=<hash> STAGE2=1 bash bench/experiments/device/cute_roles.sh
 # Since docs/tuning.md 2.20 a roles config without v_refill / qk_issue resolves to the V refill by halves with S issued
 # ahead: add "v_refill": "one_warp", "qk_issue": "serial" to its roles rows to reproduce them as they ran.
+# Files under $OUT (at most 8 come back): tests.log (the four shard logs, one after the other), the two bench logs and
+# their records (JSON + CSV each): 7 (2026-12-05 audit: the shard logs apart made 10).
 set -u
 source bench/experiments/device/stage2.sh
 source bench/experiments/device/env.sh
@@ -18,14 +20,17 @@ t=${T:-200}; b=${B:-320}
 P="python3 -m pytest -m gpu -q -p no:cacheprovider -rf --maxfail=5"
 F=tests/attention/cute/test_cute_kernel_roles.py
 # the fuzz's seven configurations (one compile each, more with split-KV) in two shards
-timeout $t $P $F -k "fuzz and (config0 or config1 or config2 or config3)" > $OUT/gpu_roles_fuzz1.log 2>&1 < /dev/null &
-timeout $t $P $F -k "fuzz and (config4 or config5 or config6)" > $OUT/gpu_roles_fuzz2.log 2>&1 < /dev/null &
-timeout $t $P $F -k "not fuzz" > $OUT/gpu_roles_rest.log 2>&1 < /dev/null &
-timeout $t $P tests/attention/cute/test_cute_kernel_wide.py > $OUT/gpu_wide.log 2>&1 < /dev/null &
+L=/tmp/gpu_roles; rm -rf $L; mkdir -p $L
+timeout $t $P $F -k "fuzz and (config0 or config1 or config2 or config3)" > $L/gpu_roles_fuzz1.log 2>&1 < /dev/null &
+timeout $t $P $F -k "fuzz and (config4 or config5 or config6)" > $L/gpu_roles_fuzz2.log 2>&1 < /dev/null &
+timeout $t $P $F -k "not fuzz" > $L/gpu_roles_rest.log 2>&1 < /dev/null &
+timeout $t $P tests/attention/cute/test_cute_kernel_wide.py > $L/gpu_wide.log 2>&1 < /dev/null &
 wait
-for f in $OUT/gpu_roles_fuzz1.log $OUT/gpu_roles_fuzz2.log $OUT/gpu_roles_rest.log $OUT/gpu_wide.log; do
+for f in $L/gpu_roles_fuzz1.log $L/gpu_roles_fuzz2.log $L/gpu_roles_rest.log $L/gpu_wide.log; do
   echo "== $f"; grep -E "passed|failed|error" $f | tail -2; grep -E "^FAILED|Timeout" $f | head -5
 done
+for f in $L/gpu_roles_fuzz1.log $L/gpu_roles_fuzz2.log $L/gpu_roles_rest.log $L/gpu_wide.log; do
+  echo "===== $(basename $f)"; cat $f; done > $OUT/tests.log
 CFGS='[{"wide_design": "roles"}, {"wide_design": "roles", "tile_n": 32}]'
 # the riskier roles rows come last in each workload (cute's extra rows follow its default row): a hang leaves the
 # triton and split_v rows recorded

@@ -62,7 +62,8 @@
 #   64 tokens and CUDA graphs for every canvas count (bench_serve.server_command).
 # PROFILE_REQUESTS: requests of the profiled load (default 1: the concurrency-1 goal's step; 2026-12-02 profiled 2).
 #   PROFILE_WARM: requests of the unprofiled warm-up load sent just before it (default PROFILE_REQUESTS, 0: none;
-#   7.10's cold profile traced first-use JIT compiles); PROFILE_TIMEOUT_S: both loads and the trace export (400).
+#   7.10's cold profile traced first-use JIT compiles); PROFILE_TIMEOUT_S: both loads and the trace export, a side
+#   (400; 280 with both sides, so the two fit one 600-s command: 2026-12-05 audit, 2 x 400 did not).
 # API_SERVERS=N: vLLM's --api-server-count N on the servers started (docs/tuning.md 7.12).
 # LOAD_FORMAT: dummy (default, the issue's setting) or dummy_live (bench/dummy_weights.py: every layer_scalar at 1.0,
 #   so the MoE routing spreads as a checkpoint's; docs/tuning.md 7.21): the servers started and the rows / profiles
@@ -176,7 +177,7 @@ profile)
   for s in $(order); do
     set -- $(info $s); name=$s-$quant
     if ! up $2; then echo "== $name not healthy: skipped"; continue; fi
-    timeout ${PROFILE_TIMEOUT_S:-400} $BS profile --base-url http://127.0.0.1:$2 --model $MODEL --backend $1 \
+    timeout ${PROFILE_TIMEOUT_S:-$([ $sides = both ] && echo 280 || echo 400)} $BS profile --base-url http://127.0.0.1:$2 --model $MODEL --backend $1 \
       --quant $quant --requests ${PROFILE_REQUESTS:-1} --warm-requests ${PROFILE_WARM:-${PROFILE_REQUESTS:-1}} \
       --trace-dir $W/trace_$name --work-dir $W/runs_$name --out $OUT/serve_profile_${s}_$quant.json $(pidarg $name) "${LF[@]}" \
       ${BC[@]+"${BC[@]}"} 2>&1 | tail -8

@@ -9,6 +9,8 @@
 #  4. the GPU tests of the sampler, model, integration and the portable Triton attention in the background.
 # Memory: 26B servers ~27 GB fp8 weights + 16 GB KV + sampler / activations each; small ones 1 GB KV each.
 # Servers start with setsid and keep running until the machine goes back; logs and JSON under $OUT (<= 8 files).
+# Time: the 26B wait ends by 470 s; each c = 1 run then gets at most 90 s and no more than is left before 575 s
+# (2026-12-05 audit: 470 + 2 x 90 overran the 600-s command limit).
 source bench/experiments/device/env.sh
 source bench/experiments/device/serve_lib.sh
 python3 -c "import vllm, vllm._C_stable_libtorch, vllm._moe_C_stable_libtorch; print('vllm', vllm.__version__)" || exit 3
@@ -60,7 +62,9 @@ el checks done
 for i in $(seq 200); do (up 8041 || dead $L/stock26.log) && (up 8042 || dead $L/bd26.log) && break; [ $(( $(date +%s) - T0 )) -gt 470 ] && break; sleep 3; done
 el 26B servers: $(for p in 8041 8042; do up $p && echo "$p up" || echo "$p DOWN"; done)
 for p in 8041 8042; do
-  up $p && timeout 90 $V bench serve --model /tmp/dg26 --base-url http://127.0.0.1:$p --dataset-name random \
+  lim=$(( 575 - ($(date +%s) - T0) )); [ $lim -gt 90 ] && lim=90
+  [ $lim -lt 20 ] && { echo "$p: no time left for its c = 1 run"; continue; }
+  up $p && timeout $lim $V bench serve --model /tmp/dg26 --base-url http://127.0.0.1:$p --dataset-name random \
     --random-input-len 4096 --random-output-len 512 --ignore-eos --max-concurrency 1 --num-prompts 2 \
     --save-result --result-dir $L --result-filename bench$p.json 2>&1 | grep -E "throughput|TTFT|Successful|Failed" | sed "s/^/$p /"
 done

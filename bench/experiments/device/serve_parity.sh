@@ -6,11 +6,15 @@
 #   bash bench/experiments/device/serve_parity.sh
 # ATTN=cute (the CuTe DSL staged too): blockdiff's cute backend in the servers instead (bf16 only: the cute kernels
 # take bf16 / fp16, so there is no float32 server and the comparison is the bf16 agreement); port 8034.
+# Files under $OUT (at most 8 come back): harness32 / harness16 .json and .log, plugin32.json, plugin16.json and the two
+# server log tails: 8 (ATTN=cute: 4). The export's log stays in /tmp/export.log (2026-12-05 audit: under $OUT it made 9
+# on a fresh machine).
 source bench/experiments/device/env.sh
 V="python3 -m vllm.entrypoints.cli.main"
 up() { python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$1/health')" 2>/dev/null; }
 dead() { grep -q "initialization failed\|Traceback" $1; }
-[ -d /tmp/exp ] || python3 -m blockdiff.integration.cli export /tmp/exp --overwrite > $OUT/export.log 2>&1
+[ -d /tmp/exp ] || python3 -m blockdiff.integration.cli export /tmp/exp --overwrite > /tmp/export.log 2>&1 \
+  || tail -20 /tmp/export.log
 C="--language-model-only --max-model-len 512 --gpu-memory-utilization 0.2 --no-async-scheduling --max-num-seqs 8"
 C="$C --enforce-eager --attention-backend CUSTOM --scheduler-cls blockdiff.integration.vllm_scheduler.BlockdiffDiffusionScheduler"
 ATTN=${ATTN:-triton}; case $ATTN in triton) P32=8031; P16=8032 ;; cute) P32=; P16=8034 ;; *) echo "ATTN must be triton or cute"; exit 2 ;; esac
