@@ -90,6 +90,8 @@ LOOP_OPS = (
     ("UTMALDG", r"UTMALDG\b"),                      # TMA loads issued
     ("LDG", r"LDG\b"),                              # global loads (page-table entries)
     ("STL/LDL", r"(?:STL|LDL)\b"),                  # local-memory spills
+    ("R2UR", r"R2UR\b"),                            # vector -> uniform register moves (wgmma descriptors computed
+                                                    # outside the uniform datapath: docs/tuning.md 2.29)
 )
 
 _SASS_INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][\w.]*)([^;]*);")

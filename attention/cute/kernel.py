@@ -478,7 +478,9 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
     #: call's S GEMM issue and the P V issue (:meth:`_clean_pending`; the tile's last block in the last half block,
     #: with no S after it), instead of at the end of the block's own call, where the warpgroup waits for V (on the
     #: tile's first block: a V stage FA4's producer loads after the next K) and scans it with no GEMM of its own in
-    #: flight. The same clean-ups in the same order (the tags agree); elsewhere the kernel is unchanged.
+    #: flight. The same clean-ups in the same order (the tags agree); their warpgroup sync is an mbarrier
+    #: (:meth:`_nan_safe_mbar_setup`; a named barrier under the in-flight S GEMM cost every key-block loop its uniform
+    #: datapath, 2.29); elsewhere the kernel is unchanged.
     _CLEAN_AT_PV = False
     #: Experiment switch (compile time, off; docs/tuning.md 2.27): with ``nan_safe_v`` in FA4's consumer, do not scan
     #: the tile's (a split's) first key block when every key of it lies inside every row's interval of the tile (the
@@ -521,6 +523,7 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         # trace-time hand-offs of the NaN-safe V path (set in kernel() / mma(); see _nan_safe_setup)
         self._mV = self._mPageTable = None
         self._nf_flag = self._nf_sVt = self._nf_pipeline_v = self._nf_block_info = self._nf_pending = None
+        self._nf_mbar = self._nf_mbar_phase = None
         self._mNumCausalQ = None
         # Paged TMA (any page size page_box_tma_ok accepts): K / V stages filled box by box (_PageBoxTmaAtoms).
         self.kv_page_size = None
@@ -586,7 +589,10 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         # V: full / empty barriers, the page-box producer's tail barrier, and with nan_safe_v one tag slot per stage
         # (the clean-up's "a non-finite entry was zeroed in this use of the stage", _clean_v_stage)
         n_tags = self.num_stages if self.nan_safe_v else 0
-        mbar_ptr_V_struct = cute.struct.MemRange[cutlass.Int64, self.num_stages * 2 + 1 + n_tags]
+        # with the clean-up under a GEMM (_clean_at_pv), one mbarrier per consumer warpgroup after the tags (the
+        # clean-up's warpgroup sync: a named barrier there made ptxas leave the uniform datapath, docs/tuning.md 2.29)
+        n_wg_bars = self.num_wg_mma if self._clean_at_pv() else 0
+        mbar_ptr_V_struct = cute.struct.MemRange[cutlass.Int64, self.num_stages * 2 + 1 + n_tags + n_wg_bars]
 
         # Built with type(): this module's `from __future__ import annotations` would turn class-body annotations
         # into strings, which cute.struct does not resolve. Field order is FA4's.
@@ -1068,6 +1074,25 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
                                              cute.make_layout((self.num_stages,), stride=(2,)))
             self._nf_use = cute.make_rmem_tensor((1,), Int32)
             self._nf_use[0] = Int32(NAN_TAG_BASE)
+        self._nf_mbar = self._nf_mbar_phase = None
+        if const_expr(self._clean_at_pv()):
+            self._nan_safe_mbar_setup(pipeline_v)
+
+    @cute.jit
+    def _nan_safe_mbar_setup(self, pipeline_v):
+        """With the clean-up under a GEMM (:meth:`_clean_at_pv`): this warpgroup's mbarrier (128 arrivals a phase,
+        after the tag slots, :meth:`_get_shared_storage_cls`), initialised by its first thread and fenced, a
+        warpgroup barrier before any arrival (outside the key-block loops), and the phase register."""
+        tid = cute.arch.thread_idx()[0]
+        wg = cute.arch.make_warp_uniform(tid // 128)  # consumer warpgroups are 1..num_wg_mma
+        bar = pipeline_v.sync_object_empty.get_barrier(0) + self.num_stages + 1 + self.num_stages + (wg - 1)
+        if tid % 128 == 0:
+            cute.arch.mbarrier_init(bar, 128)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.barrier(barrier_id=NAN_CLEAN_BARRIER_WG1 - 1 + wg, number_of_threads=128)
+        self._nf_mbar = bar
+        self._nf_mbar_phase = cute.make_rmem_tensor((1,), Int32)
+        self._nf_mbar_phase[0] = Int32(0)
 
     def _clean_at_pv(self) -> bool:
         """Trace-time: the overlap path defers clean-ups to a P V issue (:attr:`_CLEAN_AT_PV`: every masked
@@ -1178,14 +1203,15 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
     @cute.jit
     def _clean_pending(self, stage: Int32):
         """With :attr:`_CLEAN_AT_PV`: clean V stage ``stage`` (:meth:`_clean_v_stage`, the whole stage, tags on)
-        when the block whose P V is issued next was masked, then clear that mark. FA4 calls the P V GEMM after its
-        ``consumer_wait`` on the stage, and in the overlap loop after issuing the next block's S GEMM, so the scan
-        runs while that GEMM does. The mark is warpgroup-uniform (every thread makes the same calls), so the
-        clean-up's warpgroup barrier is reached by all of its threads or none."""
-        pending, clean, sVt, width = self._nf_pending, self._clean_v_stage, self._nf_sVt, self.tile_hdimv
-        if pending[0] != 0:  # (locals: the DSL cannot carry ``self`` through a run-time ``if``)
-            clean(sVt, stage, 0, width, shared_tag=True)
-            pending[0] = Int32(0)
+        when the block whose P V is issued next was masked (the mark as the scan's trip count, the sync skipped
+        when it is 0), then clear that mark. FA4 calls the P V GEMM after its ``consumer_wait`` on the stage, and in
+        the overlap loop after issuing the next block's S GEMM, so the scan runs while that GEMM does. The mark is
+        warpgroup-uniform (every thread makes the same calls), so the clean-up's warpgroup mbarrier is reached by
+        all of its threads or none."""
+        pending = self._nf_pending
+        self._clean_v_stage(self._nf_sVt, stage, 0, self.tile_hdimv, shared_tag=True,
+                            active=cute.arch.make_warp_uniform(pending[0]))
+        pending[0] = Int32(0)
 
     def mma_one_n_block(self, *args, **kwargs):
         if const_expr(self.nan_safe_v and kwargs.get("mask_fn") is not None):
@@ -1281,11 +1307,26 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
                 found = Int32(1)
         if found != 0:
             cute.arch.fence_view_async_shared()
-        any_wg = barrier_or(found, NAN_CLEAN_BARRIER_WG1 - 1 + wg, 128)
-        if const_expr(shared_tag):  # another warpgroup zeroed an entry of this use first
-            if self._nf_tags[stage] == tag:
-                any_wg = Int32(1)
-        self._nf_flag[0] = self._nf_flag[0] | any_wg
+        if const_expr(self._nf_mbar is not None and shared_tag):
+            # under a GEMM (_clean_at_pv): the warpgroup's mbarrier instead of bar.red.or (arrive releases this
+            # thread's cleaned chunks, the wait acquires the others' before the P V wgmma); "some thread of either
+            # warpgroup zeroed an entry of this use" is then the tag slot alone (a thread that zeroed one wrote it).
+            # A named barrier here made ptxas move every key-block loop's wgmma descriptor arithmetic out of the
+            # uniform datapath (65 R2UR a loop, +120-180 instructions; docs/tuning.md 2.29)
+            phase, mbar, tags, flag = self._nf_mbar_phase, self._nf_mbar, self._nf_tags, self._nf_flag
+            go = Int32(1) if const_expr(active is None) else active
+            if go != 0:  # an inactive call (tile-uniform) wrote nothing: no sync, no flag
+                cute.arch.mbarrier_arrive(mbar)
+                cute.arch.mbarrier_wait(mbar, phase[0])
+                phase[0] = phase[0] ^ 1
+                if tags[stage] == tag:
+                    flag[0] = flag[0] | 1
+        else:
+            any_wg = barrier_or(found, NAN_CLEAN_BARRIER_WG1 - 1 + wg, 128)
+            if const_expr(shared_tag):  # another warpgroup zeroed an entry of this use first
+                if self._nf_tags[stage] == tag:
+                    any_wg = Int32(1)
+            self._nf_flag[0] = self._nf_flag[0] | any_wg
 
     @cute.jit
     def _publish_tag(self, stage: Int32, tag: Int32):

@@ -163,6 +163,8 @@ def test_sass_loops_counts_the_key_block_loop_and_skips_loops_without_an_mma():
     assert (loop["function"], loop["start"], loop["end"], loop["instructions"]) == (None, 0x110, 0x1A0, 10)
     assert (loop["HGMMA"], loop["WARPGROUP.DEPBAR"], loop["MUFU.EX2"], loop["FMUL"]) == (2, 1, 1, 1)
     assert (loop["BAR.SYNC"], loop["BAR.ARV"], loop["SYNCS"], loop["UTMALDG"], loop["STL/LDL"]) == (1, 1, 1, 1, 0)
+    assert loop["R2UR"] == 0
+    assert cchk.sass_loops(LOOP_SASS.replace("FMUL R41, R41, R5", "R2UR UR4, R41"))[0]["R2UR"] == 1
     assert [(d["start"], d["FMUL"]) for d in cchk.sass_loops(LOOP_SASS, require="FMUL")] == [(0x110, 1), (0x1B0, 1)]
     assert cchk.sass_loops("") == []
     # cuobjdump writes every branch target as an address (and the encoding after the instruction), not a label
