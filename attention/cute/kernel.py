@@ -1316,6 +1316,9 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
             phase, mbar, tags, flag = self._nf_mbar_phase, self._nf_mbar, self._nf_tags, self._nf_flag
             go = Int32(1) if const_expr(active is None) else active
             if go != 0:  # an inactive call (tile-uniform) wrote nothing: no sync, no flag
+                # acquire what this thread read (a chunk the other warpgroup cleaned after writing the tag, 2.4),
+                # so that its release below carries the other's tag write to this warpgroup's tag reads
+                cute.arch.fence_acq_rel_cta()
                 cute.arch.mbarrier_arrive(mbar)
                 cute.arch.mbarrier_wait(mbar, phase[0])
                 phase[0] = phase[0] ^ 1
