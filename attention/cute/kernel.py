@@ -1150,7 +1150,8 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
     @cute.jit
     def _wait_clean_v_if(self, needs: Int32, state):
         """:meth:`_wait_clean_v` of the whole stage (tags on), scanning it only when ``needs`` (tile-uniform) is
-        not 0. The wait, the warpgroup barrier and the tag test run either way: with the whole call under a run-time
+        not 0. The wait, the warpgroup barrier (``bar.red.or``: this path is not under a GEMM) and the tag test run
+        either way: with the whole call under a run-time
         ``if`` instead, ptxas moved the hd-128 kernel's wgmma descriptors out of the uniform datapath (+80
         instructions a key block) and spilled 68 B (docs/tuning.md 2.27)."""
         pipeline_v = self._nf_pipeline_v
@@ -1255,7 +1256,10 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         ``((x & E) + ONE) & 0x80008000`` (bit 15 / 31: the low / high half; no carry crosses a half). Only chunks
         holding one are written back (finite entries unchanged). Then ``fence.proxy.async`` (the wgmma reads
         through the async proxy) and one ``bar.red.or`` over the warpgroup, which also gives every thread the
-        warpgroup's result. Another warpgroup cleaning the same stage concurrently writes the same bytes.
+        warpgroup's result. Another warpgroup cleaning the same stage concurrently writes the same bytes. Under an
+        in-flight GEMM (:meth:`_clean_at_pv`) the sync is the warpgroup's mbarrier instead (every thread fences the
+        async proxy and acq_rel, arrives, waits) and the result is the tag slot alone; ``active`` (a tile-uniform
+        0 / 1) is the scan's trip count, and with 0 the mbarrier sync is skipped (docs/tuning.md 2.29).
 
         ``shared_tag`` (FA4's consumer: every warpgroup cleans the whole stage, unsynchronised): the warpgroup
         that cleans a chunk second reads it already cleaned, so its own scan alone would miss the entry and skip
@@ -1283,7 +1287,8 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
             tag = self._nf_use[0] + 1
             self._nf_use[0] = tag
         n_iter = (n_chunks + 127) // 128
-        if const_expr(active is not None):  # a tile-uniform 0 / 1: 0 scans nothing (the barrier still runs)
+        if const_expr(active is not None):  # a tile-uniform 0 / 1: 0 scans nothing (bar.red.or still runs; the
+            # mbarrier sync under a GEMM is skipped)
             n_iter = n_iter * active
         for j in cutlass.range(n_iter, unroll=2):
             i = t_wg + j * 128
@@ -1316,8 +1321,11 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
             phase, mbar, tags, flag = self._nf_mbar_phase, self._nf_mbar, self._nf_tags, self._nf_flag
             go = Int32(1) if const_expr(active is None) else active
             if go != 0:  # an inactive call (tile-uniform) wrote nothing: no sync, no flag
-                # acquire what this thread read (a chunk the other warpgroup cleaned after writing the tag, 2.4),
-                # so that its release below carries the other's tag write to this warpgroup's tag reads
+                # every thread fences the async proxy (a chunk another warpgroup cleaned, read here, is then ordered
+                # before this warpgroup's wgmma too), then acquires what it read (a chunk the other warpgroup cleaned
+                # after writing the tag, 2.4), so that its release below carries that tag write to this warpgroup's
+                # tag reads (a review)
+                cute.arch.fence_view_async_shared()
                 cute.arch.fence_acq_rel_cta()
                 cute.arch.mbarrier_arrive(mbar)
                 cute.arch.mbarrier_wait(mbar, phase[0])
