@@ -573,8 +573,9 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
     def _get_shared_storage_cls(self):
         """FA4's shared storage; with the page-box producer, one more mbarrier right after the V pipeline's
         2 x num_stages (the producer's ``tail_bar``, see ``_acquire_load_v``); with ``nan_safe_v`` that slot
-        and ``num_stages`` tag slots after it (:meth:`_clean_v_stage`). Same size otherwise: the barriers sit
-        before 1024-byte-aligned buffers."""
+        and ``num_stages`` tag slots after it (:meth:`_clean_v_stage`), and with the clean-up under a GEMM
+        (:meth:`_clean_at_pv`) one mbarrier per consumer warpgroup after those (:meth:`_nan_safe_mbar_setup`).
+        Same size otherwise: the barriers sit before 1024-byte-aligned buffers."""
         if self.kv_box_rows is None and not self.nan_safe_v:
             return super()._get_shared_storage_cls()
         assert not self.Q_in_regs, "the page-box producer and nan_safe_v are built with Q_in_regs=False"
@@ -1151,9 +1152,8 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
     def _wait_clean_v_if(self, needs: Int32, state):
         """:meth:`_wait_clean_v` of the whole stage (tags on), scanning it only when ``needs`` (tile-uniform) is
         not 0. The wait, the warpgroup barrier (``bar.red.or``: this path is not under a GEMM) and the tag test run
-        either way: with the whole call under a run-time
-        ``if`` instead, ptxas moved the hd-128 kernel's wgmma descriptors out of the uniform datapath (+80
-        instructions a key block) and spilled 68 B (docs/tuning.md 2.27)."""
+        either way: with the whole call under a run-time ``if`` ptxas moved the hd-128 kernel's wgmma descriptors
+        out of the uniform datapath (docs/tuning.md 2.27)."""
         pipeline_v = self._nf_pipeline_v
         pipeline_v.consumer_wait(state, pipeline_v.consumer_try_wait(state))
         self._clean_v_stage(self._nf_sVt, state.index, 0, self.tile_hdimv, shared_tag=True, active=needs)
@@ -1310,14 +1310,16 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
                     self._publish_tag(stage, tag)
                 cute.autovec_copy(r, src)
                 found = Int32(1)
-        if found != 0:
-            cute.arch.fence_view_async_shared()
-        if const_expr(self._nf_mbar is not None and shared_tag):
+        under_gemm = const_expr(self._nf_mbar is not None and shared_tag)
+        if const_expr(not under_gemm):  # (under a GEMM every thread fences below, before its arrive)
+            if found != 0:
+                cute.arch.fence_view_async_shared()
+        if const_expr(under_gemm):
             # under a GEMM (_clean_at_pv): the warpgroup's mbarrier instead of bar.red.or (arrive releases this
             # thread's cleaned chunks, the wait acquires the others' before the P V wgmma); "some thread of either
             # warpgroup zeroed an entry of this use" is then the tag slot alone (a thread that zeroed one wrote it).
             # A named barrier here made ptxas move every key-block loop's wgmma descriptor arithmetic out of the
-            # uniform datapath (65 R2UR a loop, +120-180 instructions; docs/tuning.md 2.29)
+            # uniform datapath (docs/tuning.md 2.29)
             phase, mbar, tags, flag = self._nf_mbar_phase, self._nf_mbar, self._nf_tags, self._nf_flag
             go = Int32(1) if const_expr(active is None) else active
             if go != 0:  # an inactive call (tile-uniform) wrote nothing: no sync, no flag
