@@ -39,10 +39,7 @@ variant=${1:?variant: parity, parity_async, fused, fused_async, layout or sync}
 policy=${FUSE_POLICY:-}
 case $policy in ""|any|uniform) ;; *) echo "FUSE_POLICY must be any or uniform (or unset), got $policy"; exit 2 ;; esac
 psfx=${policy:+_$policy}  # results of a policy run never overwrite the default's
-T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
-up() { python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$1/health', timeout=5)" 2>/dev/null; }
-dead() { grep -q "initialization failed\|Traceback" $1; }
-V="python3 -m vllm.entrypoints.cli.main"
+source bench/experiments/device/serve_lib.sh  # el, up, dead, V; the parity variants' cap (capped, DEADLINE_S)
 
 if [ "$variant" = parity ] || [ "$variant" = parity_async ]; then
   if [ "${DRY:-0}" = 1 ] && [ ! -f /tmp/exp/config.json ]; then CL=32  # the shipped checkpoint's, not exported here
@@ -65,10 +62,10 @@ if [ "$variant" = parity ] || [ "$variant" = parity_async ]; then
   [ "${DRY:-0}" = 1 ] && { echo "env $E $V serve /tmp/exp $C --dtype float32 --port $P --diffusion-config '$D'"; exit 0; }
   (up $P || setsid env $E $V serve /tmp/exp $C --dtype float32 --port $P --diffusion-config "$D" > $LOG 2>&1 < /dev/null) > /dev/null 2>&1 &
   M="-m blockdiff.bench.experiments.serve_smoke"
-  [ -f $OUT/harness32.json ] || python3 $M harness --dtype float32 --out $OUT/harness32.json > $OUT/harness32.log 2>&1
-  for i in $(seq 100); do up $P || dead $LOG && break; sleep 3; done
-  up $P && python3 $M client --base-url http://127.0.0.1:$P --model /tmp/exp --out $OUT/$tag.json
-  up $P && python3 $M client --base-url http://127.0.0.1:$P --model /tmp/exp --out $OUT/${tag}_all.json --concurrent
+  [ -f $OUT/harness32.json ] || capped python3 $M harness --dtype float32 --out $OUT/harness32.json > $OUT/harness32.log 2>&1
+  for i in $(seq 100); do up $P || dead $LOG && break; [ "$(left)" -gt 60 ] || break; sleep 3; done
+  up $P && capped python3 $M client --base-url http://127.0.0.1:$P --model /tmp/exp --out $OUT/$tag.json
+  up $P && capped python3 $M client --base-url http://127.0.0.1:$P --model /tmp/exp --out $OUT/${tag}_all.json --concurrent
   echo "== float32, $variant${policy:+ (policy $policy)}, one at a time (must be 6 of 6)"; [ -f $OUT/$tag.json ] && python3 $M compare $OUT/harness32.json $OUT/$tag.json | tail -1
   echo "== float32, $variant${policy:+ (policy $policy)}, all at once (must be 6 of 6)"; [ -f $OUT/${tag}_all.json ] && python3 $M compare $OUT/harness32.json $OUT/${tag}_all.json | tail -1
   tail -c 200000 $LOG > $OUT/plugin32_fused$sfx.log

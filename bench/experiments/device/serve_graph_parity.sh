@@ -8,6 +8,8 @@
 #    report their agreement");
 #  - the cute backend, bfloat16 (it refuses float32): CUDA graphs vs --enforce-eager, all at once, greedy (reported:
 #    bf16 rounding follows the batch's composition, which two runs of concurrent requests need not share).
+# Every harness and client call runs under serve_lib.sh's cap (DEADLINE_S, default 570 s: a hung one is stopped and its
+# pairs are recorded as errors, so the record and the logs still come back).
 # Writes $OUT/serve_graph_parity.json (serve_smoke.py record: per pair the equal prompts, the first differing token,
 # the environment); exit 1 when a required pair differs. Copy it to bench/results/history/ with the commit.
 #   BLOCKDIFF_COMMIT=<hash> [CUTE=0] bash bench/experiments/device/serve_graph_parity.sh
@@ -36,15 +38,15 @@ if [ "${CUTE:-1}" = 1 ]; then
   SERVERS="$SERVERS 8034:e16cute 8035:g16cute"
 fi
 M="-m blockdiff.bench.experiments.serve_smoke"
-python3 $M harness --dtype float32 --out $L/h32.json > $L/h32.log 2>&1
-python3 $M harness --dtype float32 --sampled --out $L/h32s.json > $L/h32s.log 2>&1
+capped python3 $M harness --dtype float32 --out $L/h32.json > $L/h32.log 2>&1
+capped python3 $M harness --dtype float32 --sampled --out $L/h32s.json > $L/h32s.log 2>&1
 el harness done
 for i in $(seq 120); do  # until every server is up or has died (a dead one's pairs are recorded as errors)
   n=0; for s in $SERVERS; do (up ${s%:*} || dead $L/${s#*:}.log) && n=$((n + 1)); done
-  [ $n = $(echo $SERVERS | wc -w) ] && break; sleep 3
+  [ $n = $(echo $SERVERS | wc -w) ] && break; [ "$(left)" -gt 60 ] || break; sleep 3
 done
 el servers: $(for s in $SERVERS; do up ${s%:*} && echo "${s#*:} up" || echo "${s#*:} DOWN"; done)
-cl() { python3 $M client --base-url http://127.0.0.1:$1 --model /tmp/exp --out $L/$2.json ${@:3} > $L/cl_$2.log 2>&1; }
+cl() { capped python3 $M client --base-url http://127.0.0.1:$1 --model /tmp/exp --out $L/$2.json ${@:3} > $L/cl_$2.log 2>&1; }
 cl 8031 e32; cl 8031 e32c --concurrent; cl 8033 g32c --concurrent
 cl 8031 e32s --concurrent --sampled; cl 8033 g32s --concurrent --sampled
 P="--pair harness_vs_eager_fp32 $L/h32.json $L/e32.json --pair harness_vs_eager_fp32_concurrent $L/h32.json $L/e32c.json"

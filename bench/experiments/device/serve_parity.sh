@@ -9,10 +9,10 @@
 # Files under $OUT (at most 8 come back): harness32 / harness16 .json and .log, plugin32.json, plugin16.json and the two
 # server log tails: 8 (ATTN=cute: 4). The export's log stays in /tmp/export.log (2026-12-05 audit: under $OUT it made 9
 # on a fresh machine).
+# Harness and client calls run under serve_lib.sh's cap (DEADLINE_S, default 570 s), so the comparisons and log tails
+# come back when a server hangs.
 source bench/experiments/device/env.sh
-V="python3 -m vllm.entrypoints.cli.main"
-up() { python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$1/health')" 2>/dev/null; }
-dead() { grep -q "initialization failed\|Traceback" $1; }
+source bench/experiments/device/serve_lib.sh
 [ -d /tmp/exp ] || python3 -m blockdiff.integration.cli export /tmp/exp --overwrite > /tmp/export.log 2>&1 \
   || tail -20 /tmp/export.log
 C="--language-model-only --max-model-len 512 --gpu-memory-utilization 0.2 --no-async-scheduling --max-num-seqs 8"
@@ -24,11 +24,12 @@ E="VLLM_USE_V2_MODEL_RUNNER=1 VLLM_PLUGINS=blockdiff BLOCKDIFF_ATTN_BACKEND=$ATT
 [ -n "$P32" ] && { (up $P32 || setsid env $E $V serve /tmp/exp $C --dtype float32 --port $P32 > /tmp/plugin32_$ATTN.log 2>&1 < /dev/null) > /dev/null 2>&1 & }
 (up $P16 || setsid env $E $V serve /tmp/exp $C --dtype bfloat16 --port $P16 > /tmp/plugin16_$ATTN.log 2>&1 < /dev/null) > /dev/null 2>&1 &
 M="-m blockdiff.bench.experiments.serve_smoke"
-[ -n "$P32" ] && python3 $M harness --dtype float32 --out $OUT/harness32.json > $OUT/harness32.log 2>&1
-python3 $M harness --dtype bfloat16 --out $OUT/harness16.json > $OUT/harness16.log 2>&1
-for i in $(seq 100); do ([ -z "$P32" ] || up $P32 || dead /tmp/plugin32_$ATTN.log) && (up $P16 || dead /tmp/plugin16_$ATTN.log) && break; sleep 3; done
-[ -n "$P32" ] && up $P32 && python3 $M client --base-url http://127.0.0.1:$P32 --model /tmp/exp --out $OUT/plugin32.json
-up $P16 && python3 $M client --base-url http://127.0.0.1:$P16 --model /tmp/exp --out $OUT/plugin16.json
+[ -n "$P32" ] && capped python3 $M harness --dtype float32 --out $OUT/harness32.json > $OUT/harness32.log 2>&1
+capped python3 $M harness --dtype bfloat16 --out $OUT/harness16.json > $OUT/harness16.log 2>&1
+for i in $(seq 100); do ([ -z "$P32" ] || up $P32 || dead /tmp/plugin32_$ATTN.log) && (up $P16 || dead /tmp/plugin16_$ATTN.log) && break
+  [ "$(left)" -gt 60 ] || break; sleep 3; done
+[ -n "$P32" ] && up $P32 && capped python3 $M client --base-url http://127.0.0.1:$P32 --model /tmp/exp --out $OUT/plugin32.json
+up $P16 && capped python3 $M client --base-url http://127.0.0.1:$P16 --model /tmp/exp --out $OUT/plugin16.json
 echo "== float32 (must be 6 of 6)"; [ -f $OUT/plugin32.json ] && python3 $M compare $OUT/harness32.json $OUT/plugin32.json | tail -1
 echo "== bfloat16 (agreement only)"; [ -f $OUT/plugin16.json ] && python3 $M compare $OUT/harness16.json $OUT/plugin16.json | tail -1
 for d in 32 16; do [ -f /tmp/plugin${d}_$ATTN.log ] && tail -c 200000 /tmp/plugin${d}_$ATTN.log > $OUT/plugin${d}_$ATTN.log; done

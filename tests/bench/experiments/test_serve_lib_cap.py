@@ -1,0 +1,49 @@
+"""serve_lib.sh's overall cap on the parity scripts (`left`, `capped`): a hung client or harness is stopped before
+the run tool's 600 s limit, so the record and log tails written after it still come back. CPU only, bash."""
+import subprocess
+import time
+
+LIB = "bench/experiments/device/serve_lib.sh"
+
+
+def _bash(body: str, **env: str) -> subprocess.CompletedProcess:
+    prefix = "".join(f"export {k}={v}; " for k, v in env.items())
+    return subprocess.run(["bash", "-c", f"{prefix}source {LIB}; {body}"], capture_output=True, text=True, timeout=60)
+
+
+def test_capped_stops_a_command_that_outlives_the_deadline():
+    t = time.monotonic()
+    r = _bash("capped sleep 30; echo rc=$?", DEADLINE_S="8", RESERVE_S="0")
+    assert time.monotonic() - t < 20
+    assert "rc=124" in r.stdout
+    assert "deadline: stopped sleep 30" in r.stderr
+
+
+def test_capped_skips_a_command_when_only_the_reserve_is_left():
+    r = _bash("capped echo ran; echo rc=$?", DEADLINE_S="20", RESERVE_S="18")
+    assert "ran" not in r.stdout.replace("rc=", "")
+    assert "rc=124" in r.stdout
+    assert "deadline: skipped echo ran" in r.stderr
+
+
+def test_capped_passes_a_quick_command_and_its_exit_status_through():
+    r = _bash("capped bash -c 'echo out; exit 3'; echo rc=$?")
+    assert r.stdout.splitlines() == ["out", "rc=3"]
+    assert r.stderr == ""
+
+
+def test_left_counts_down_from_the_deadline_less_the_reserve():
+    r = _bash("left", DEADLINE_S="100", RESERVE_S="30")
+    assert 68 <= int(r.stdout) <= 70
+
+
+def test_every_parity_script_caps_its_harness_and_client_calls():
+    """No uncapped `python3 $M harness|client` line in the scripts that source the cap (a regression would let a hung
+    request eat the whole record again)."""
+    import re
+    for script in ("serve_parity.sh", "serve_graph_parity.sh", "serve_fused.sh"):
+        text = open(f"bench/experiments/device/{script}").read()
+        assert "source bench/experiments/device/serve_lib.sh" in text, script
+        calls = re.findall(r"^.*python3 \$M (?:harness|client).*$", text, flags=re.M)
+        assert calls, script
+        assert all("capped python3 $M" in c for c in calls), (script, [c for c in calls if "capped" not in c])
