@@ -185,7 +185,7 @@ def compile_for_sm90(timeout: float = 900, ptx_dir: str | None = None, switches:
             comments and debug sections: :func:`strip_ptx`) and report its file and sha256 (``ptx_file``,
             ``ptx_sha256``), to compare the instruction streams of two trees.
         switches: experiment class attributes set in the child before it compiles, ``{"Class.ATTR": value}``
-            (:func:`set_switches`; e.g. ``{"FlashAttentionForwardSm90Mixed._CLEAN_AT_PV": True}``).
+            (:func:`set_switches`; e.g. ``{"FlashAttentionForwardSm90Roles._K_REFILL_ALL_WARPS": True}``).
         **spec: keyword arguments of :func:`.interface.compile_only` (:data:`SPEC_KEYS`); ``config`` as a dict.
 
     Returns:
@@ -248,7 +248,8 @@ def switch_target(name: str):
 
 def set_switches(switches: dict) -> None:
     """Set experiment class attributes, ``{"Class.ATTR": value}``, on a class of ``kernel.py``, ``kernel_wide.py``
-    or ``kernel_roles.py`` (e.g. ``FlashAttentionForwardSm90Mixed._CLEAN_AT_PV``), in this process, before compiling.
+    or ``kernel_roles.py`` (e.g. ``FlashAttentionForwardSm90Roles._K_REFILL_ALL_WARPS``), in this process, before
+    compiling.
 
     Raises:
         ValueError: a name that is not ``Class.ATTR`` of an existing class attribute there (:func:`switch_target`).

@@ -67,11 +67,7 @@ block's V stage in shared memory before its PV wgmma reads it (:meth:`FlashAtten
 NaN / Inf entries zeroed, a ``bar.red.or`` over the warpgroup ORs "there was one" into a per-warpgroup flag, and
 a per-stage tag in shared memory tells the warpgroup that cleans second, which finds the stage already clean);
 with FA4's intra-warpgroup overlap at the end of the block's call (its PV runs in the next call), without it right
-before the PV. The experiment switch :attr:`FlashAttentionForwardSm90Mixed._CLEAN_AT_PV` (off) moves the overlap
-path's clean-up, in kernels whose consumer warpgroups run without FA4's scheduler barrier (FA4 uses it with two or
-more consumer warpgroups at head dims <= 128 only), into the call that issues the block's PV, after the next block's
-S GEMM was issued (docs/tuning.md 2.26), or :attr:`FlashAttentionForwardSm90Mixed._CLEAN_IN_OWN_CALL` (off) into the
-block's own call after its S and the previous P V were issued (2.28);
+before the PV (placements under a GEMM were tried and refuted: docs/tuning.md 2.30);
 :attr:`FlashAttentionForwardSm90Mixed._SKIP_ALLOWED_FIRST` (off) skips the scan of a tile's first block when every row
 of the tile sees all of it (2.27). The epilogue hook (:meth:`~FlashAttentionForwardSm90Mixed._nonfinite_fixup`) then, only for a
 flagged tile, adds each non-finite V entry of the masked blocks' keys to exactly the accumulator rows that allow
@@ -472,16 +468,6 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
     QK_ISSUES = ("serial",)
     #: The ``k_refill`` values this class builds (kernel_roles.py adds ``"halves"``).
     K_REFILLS = ("whole",)
-    #: Experiment switch (compile time, off; docs/tuning.md 2.26): with ``nan_safe_v`` in FA4's intra-warpgroup
-    #: overlap consumer without its scheduler barrier (FA4 uses the barrier with two or more consumer warpgroups at
-    #: head dims <= 128 only), clean a masked block's V stage in the call that issues the block's P V, between that
-    #: call's S GEMM issue and the P V issue (:meth:`_clean_pending`; the tile's last block in the last half block,
-    #: with no S after it), instead of at the end of the block's own call, where the warpgroup waits for V (on the
-    #: tile's first block: a V stage FA4's producer loads after the next K) and scans it with no GEMM of its own in
-    #: flight. The same clean-ups in the same order (the tags agree); their warpgroup sync is an mbarrier
-    #: (:meth:`_nan_safe_mbar_setup`; a named barrier under the in-flight S GEMM cost every key-block loop its uniform
-    #: datapath, 2.29); elsewhere the kernel is unchanged.
-    _CLEAN_AT_PV = False
     #: Experiment switch (compile time, off; docs/tuning.md 2.27): with ``nan_safe_v`` in FA4's consumer, do not scan
     #: the tile's (a split's) first key block when every key of it lies inside every row's interval of the tile (the
     #: block FA4 masks only because it is the first: e.g. a canvas without a window whose context ends on a block
@@ -490,14 +476,6 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
     #: (:meth:`_first_block_needs_clean`, the block info's own bounds) sets the scan's trip count to 0; the wait, the
     #: barrier and the tag test still run, so both warpgroups make the same calls.
     _SKIP_ALLOWED_FIRST = False
-    #: Experiment switch (compile time, off; docs/tuning.md 2.28), the alternative to :attr:`_CLEAN_AT_PV` (the two
-    #: exclude each other) where it acts: a masked block's V stage is cleaned in the block's own call, right after
-    #: that call issued its S GEMM and the previous block's P V (the wrapped P V waits for this block's V and scans it
-    #: while both GEMMs run), so the tile's last block (the left window edge), whose P V has no S after it, is hidden
-    #: too; the tile's first block (its call issues only S, waited at once) is cleaned at its P V issue, as with
-    #: :attr:`_CLEAN_AT_PV`. The cost: V(j) is waited for one call earlier than FA4 waits for it. Kernels with one
-    #: K / V stage take :attr:`_CLEAN_AT_PV`'s placement instead (the early wait would deadlock there).
-    _CLEAN_IN_OWN_CALL = False
 
     def __init__(self, *args, prefix_window: bool = False, kv_page_size: Optional[int] = None, lpt: bool = True,
                  nan_safe_v: bool = False, batch_order: str = "given", v_refill: str = "one_warp",
@@ -522,8 +500,7 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         self.batch_order = batch_order
         # trace-time hand-offs of the NaN-safe V path (set in kernel() / mma(); see _nan_safe_setup)
         self._mV = self._mPageTable = None
-        self._nf_flag = self._nf_sVt = self._nf_pipeline_v = self._nf_block_info = self._nf_pending = None
-        self._nf_mbar = self._nf_mbar_phase = None
+        self._nf_flag = self._nf_sVt = self._nf_pipeline_v = self._nf_block_info = None
         self._mNumCausalQ = None
         # Paged TMA (any page size page_box_tma_ok accepts): K / V stages filled box by box (_PageBoxTmaAtoms).
         self.kv_page_size = None
@@ -573,9 +550,8 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
     def _get_shared_storage_cls(self):
         """FA4's shared storage; with the page-box producer, one more mbarrier right after the V pipeline's
         2 x num_stages (the producer's ``tail_bar``, see ``_acquire_load_v``); with ``nan_safe_v`` that slot
-        and ``num_stages`` tag slots after it (:meth:`_clean_v_stage`), and with the clean-up under a GEMM
-        (:meth:`_clean_at_pv`) one mbarrier per consumer warpgroup after those (:meth:`_nan_safe_mbar_setup`).
-        Same size otherwise: the barriers sit before 1024-byte-aligned buffers."""
+        and ``num_stages`` tag slots after it (:meth:`_clean_v_stage`). Same size otherwise: the barriers sit before
+        1024-byte-aligned buffers."""
         if self.kv_box_rows is None and not self.nan_safe_v:
             return super()._get_shared_storage_cls()
         assert not self.Q_in_regs, "the page-box producer and nan_safe_v are built with Q_in_regs=False"
@@ -590,10 +566,7 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         # V: full / empty barriers, the page-box producer's tail barrier, and with nan_safe_v one tag slot per stage
         # (the clean-up's "a non-finite entry was zeroed in this use of the stage", _clean_v_stage)
         n_tags = self.num_stages if self.nan_safe_v else 0
-        # with the clean-up under a GEMM (_clean_at_pv), one mbarrier per consumer warpgroup after the tags (the
-        # clean-up's warpgroup sync: a named barrier there made ptxas leave the uniform datapath, docs/tuning.md 2.29)
-        n_wg_bars = self.num_wg_mma if self._clean_at_pv() else 0
-        mbar_ptr_V_struct = cute.struct.MemRange[cutlass.Int64, self.num_stages * 2 + 1 + n_tags + n_wg_bars]
+        mbar_ptr_V_struct = cute.struct.MemRange[cutlass.Int64, self.num_stages * 2 + 1 + n_tags]
 
         # Built with type(): this module's `from __future__ import annotations` would turn class-body annotations
         # into strings, which cute.struct does not resolve. Field order is FA4's.
@@ -1064,9 +1037,6 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         that names a stage's current use (see :meth:`_clean_v_stage`)."""
         self._nf_flag = cute.make_rmem_tensor((1,), Int32)
         self._nf_flag[0] = Int32(0)
-        if const_expr(self._clean_at_pv()):  # "the V whose P V is issued next is a masked block's" (_clean_pending)
-            self._nf_pending = cute.make_rmem_tensor((1,), Int32)
-            self._nf_pending[0] = Int32(0)
         self._nf_sVt, self._nf_pipeline_v, self._nf_block_info = sVt, pipeline_v, block_info
         self._nf_tags = self._nf_use = None
         if shared_tags:
@@ -1075,45 +1045,6 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
                                              cute.make_layout((self.num_stages,), stride=(2,)))
             self._nf_use = cute.make_rmem_tensor((1,), Int32)
             self._nf_use[0] = Int32(NAN_TAG_BASE)
-        self._nf_mbar = self._nf_mbar_phase = None
-        if const_expr(self._clean_at_pv()):
-            self._nan_safe_mbar_setup(pipeline_v)
-
-    @cute.jit
-    def _nan_safe_mbar_setup(self, pipeline_v):
-        """With the clean-up under a GEMM (:meth:`_clean_at_pv`): this warpgroup's mbarrier (128 arrivals a phase,
-        after the tag slots, :meth:`_get_shared_storage_cls`), initialised by its first thread and fenced, a
-        warpgroup barrier before any arrival (outside the key-block loops), and the phase register."""
-        tid = cute.arch.thread_idx()[0]
-        wg = cute.arch.make_warp_uniform(tid // 128)  # consumer warpgroups are 1..num_wg_mma
-        bar = pipeline_v.sync_object_empty.get_barrier(0) + self.num_stages + 1 + self.num_stages + (wg - 1)
-        if tid % 128 == 0:
-            cute.arch.mbarrier_init(bar, 128)
-        cute.arch.mbarrier_init_fence()
-        cute.arch.barrier(barrier_id=NAN_CLEAN_BARRIER_WG1 - 1 + wg, number_of_threads=128)
-        self._nf_mbar = bar
-        self._nf_mbar_phase = cute.make_rmem_tensor((1,), Int32)
-        self._nf_mbar_phase[0] = Int32(0)
-
-    def _clean_at_pv(self) -> bool:
-        """Trace-time: the overlap path defers clean-ups to a P V issue (:attr:`_CLEAN_AT_PV`: every masked
-        block's; :attr:`_CLEAN_IN_OWN_CALL`: the tile's first block's, every masked block's with one K / V stage,
-        :meth:`_clean_in_own_call`); only without FA4's scheduler barrier.
-
-        Raises:
-            ValueError: both switches set."""
-        if self._CLEAN_AT_PV and self._CLEAN_IN_OWN_CALL:
-            raise ValueError("_CLEAN_AT_PV and _CLEAN_IN_OWN_CALL exclude each other: set one")
-        return bool(self.nan_safe_v and (self._CLEAN_AT_PV or self._CLEAN_IN_OWN_CALL) and self.intra_wg_overlap
-                    and not self.use_scheduler_barrier)
-
-    def _clean_in_own_call(self) -> bool:
-        """Trace-time: masked blocks after the first are cleaned in their own call, under its GEMMs
-        (:attr:`_CLEAN_IN_OWN_CALL`, where :meth:`_clean_at_pv` acts), with two or more K / V stages. With one
-        stage the early wait for V(j) would never end: the producer refills that stage (and K(j+1)'s, which it
-        acquires first) only after this warpgroup released V(j-1) / K(j), later in the same call; such kernels
-        keep :attr:`_CLEAN_AT_PV`'s placement (review)."""
-        return bool(self._clean_at_pv() and self._CLEAN_IN_OWN_CALL and self.num_stages >= 2)
 
     def _skip_allowed_first(self) -> bool:
         """Trace-time: the first block's clean-up is skipped when the whole block is allowed
@@ -1160,9 +1091,7 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
 
     def first_half_block_overlap(self, *args, **kwargs):
         state = FlashAttentionForwardSm90.first_half_block_overlap(self, *args, **kwargs)
-        if const_expr(self._clean_at_pv()):  # the tile's first block is always masked: clean it at its PV
-            self._nf_pending[0] = self._first_needs(kwargs)
-        elif const_expr(self._skip_allowed_first()):  # unless the whole block is allowed
+        if const_expr(self._skip_allowed_first()):  # unless the whole block is allowed
             self._wait_clean_v_if(self._first_needs(kwargs), state)
         elif const_expr(self.nan_safe_v):  # the tile's first block is always masked; its PV runs in the next call
             self._wait_clean_v(state, 0, self.tile_hdimv, shared_tag=True)
@@ -1170,49 +1099,11 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
 
     def mma_one_n_block_intrawg_overlap(self, *args, **kwargs):
         masked = kwargs.get("mask_fn") is not None
-        if const_expr(self._clean_at_pv()):  # this call issues the previous block's P V
-            own = args[0] if const_expr(self._clean_in_own_call() and masked) else None
-            kwargs["mma_pv_fn"] = self._pending_clean_then(kwargs["mma_pv_fn"], own)
         state = FlashAttentionForwardSm90.mma_one_n_block_intrawg_overlap(self, *args, **kwargs)
-        if const_expr(self._clean_in_own_call()):
-            pass  # a masked block was cleaned in this call, after its P V issue (_pending_clean_then)
-        elif const_expr(self._clean_at_pv() and masked):  # V of this call's block: cleaned by the next P V issue
-            self._nf_pending[0] = Int32(1)
-        elif const_expr(self.nan_safe_v and masked):
+        if const_expr(self.nan_safe_v and masked):
             # V of this call's block; its PV runs in the next call
             self._wait_clean_v(state, 0, self.tile_hdimv, shared_tag=True)
         return state
-
-    def last_half_block_overlap(self, *args, **kwargs):
-        if const_expr(self._clean_at_pv()):  # the tile's last P V (FA4 passes mma_pv_fn by keyword)
-            kwargs["mma_pv_fn"] = self._pending_clean_then(kwargs["mma_pv_fn"])
-        return FlashAttentionForwardSm90.last_half_block_overlap(self, *args, **kwargs)
-
-    def _pending_clean_then(self, pv: Callable, own_state=None) -> Callable:
-        """``pv`` (FA4's P V GEMM, called after it waited for the V stage ``B_idx``) preceded by
-        :meth:`_clean_pending` of that stage; with ``own_state`` (:attr:`_CLEAN_IN_OWN_CALL`, a masked call: FA4's
-        pipeline state of the call, which FA4 advanced to this call's block before issuing its S GEMM) followed by
-        the wait for this block's V and its clean-up, while the S GEMM and the P V just issued run."""
-        def clean_then_pv(B_idx, **kw):
-            self._clean_pending(B_idx)
-            res = pv(B_idx=B_idx, **kw)
-            if const_expr(own_state is not None):
-                self._wait_clean_v(own_state, 0, self.tile_hdimv, shared_tag=True)
-            return res
-        return clean_then_pv
-
-    @cute.jit
-    def _clean_pending(self, stage: Int32):
-        """With :attr:`_CLEAN_AT_PV`: clean V stage ``stage`` (:meth:`_clean_v_stage`, the whole stage, tags on)
-        when the block whose P V is issued next was masked (the mark as the scan's trip count, the sync skipped
-        when it is 0), then clear that mark. FA4 calls the P V GEMM after its ``consumer_wait`` on the stage, and in
-        the overlap loop after issuing the next block's S GEMM, so the scan runs while that GEMM does. The mark is
-        warpgroup-uniform (every thread makes the same calls), so the clean-up's warpgroup mbarrier is reached by
-        all of its threads or none."""
-        pending = self._nf_pending
-        self._clean_v_stage(self._nf_sVt, stage, 0, self.tile_hdimv, shared_tag=True,
-                            active=cute.arch.make_warp_uniform(pending[0]))
-        pending[0] = Int32(0)
 
     def mma_one_n_block(self, *args, **kwargs):
         if const_expr(self.nan_safe_v and kwargs.get("mask_fn") is not None):
@@ -1256,10 +1147,9 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         ``((x & E) + ONE) & 0x80008000`` (bit 15 / 31: the low / high half; no carry crosses a half). Only chunks
         holding one are written back (finite entries unchanged). Then ``fence.proxy.async`` (the wgmma reads
         through the async proxy) and one ``bar.red.or`` over the warpgroup, which also gives every thread the
-        warpgroup's result. Another warpgroup cleaning the same stage concurrently writes the same bytes. Under an
-        in-flight GEMM (:meth:`_clean_at_pv`) the sync is the warpgroup's mbarrier instead (every thread fences the
-        async proxy and acq_rel, arrives, waits) and the result is the tag slot alone; ``active`` (a tile-uniform
-        0 / 1) is the scan's trip count, and with 0 the mbarrier sync is skipped (docs/tuning.md 2.29).
+        warpgroup's result. Another warpgroup cleaning the same stage concurrently writes the same bytes.
+        ``active`` (a tile-uniform 0 / 1, :meth:`_wait_clean_v_if`) is the scan's trip count; the barrier and the
+        tag test run either way.
 
         ``shared_tag`` (FA4's consumer: every warpgroup cleans the whole stage, unsynchronised): the warpgroup
         that cleans a chunk second reads it already cleaned, so its own scan alone would miss the entry and skip
@@ -1287,8 +1177,7 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
             tag = self._nf_use[0] + 1
             self._nf_use[0] = tag
         n_iter = (n_chunks + 127) // 128
-        if const_expr(active is not None):  # a tile-uniform 0 / 1: 0 scans nothing (bar.red.or still runs; the
-            # mbarrier sync under a GEMM is skipped)
+        if const_expr(active is not None):  # a tile-uniform 0 / 1: 0 scans nothing (bar.red.or still runs)
             n_iter = n_iter * active
         for j in cutlass.range(n_iter, unroll=2):
             i = t_wg + j * 128
@@ -1310,36 +1199,13 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
                     self._publish_tag(stage, tag)
                 cute.autovec_copy(r, src)
                 found = Int32(1)
-        under_gemm = const_expr(self._nf_mbar is not None and shared_tag)
-        if const_expr(not under_gemm):  # (under a GEMM every thread fences below, before its arrive)
-            if found != 0:
-                cute.arch.fence_view_async_shared()
-        if const_expr(under_gemm):
-            # under a GEMM (_clean_at_pv): the warpgroup's mbarrier instead of bar.red.or (arrive releases this
-            # thread's cleaned chunks, the wait acquires the others' before the P V wgmma); "some thread of either
-            # warpgroup zeroed an entry of this use" is then the tag slot alone (a thread that zeroed one wrote it).
-            # A named barrier here made ptxas move every key-block loop's wgmma descriptor arithmetic out of the
-            # uniform datapath (docs/tuning.md 2.29)
-            phase, mbar, tags, flag = self._nf_mbar_phase, self._nf_mbar, self._nf_tags, self._nf_flag
-            go = Int32(1) if const_expr(active is None) else active
-            if go != 0:  # an inactive call (tile-uniform) wrote nothing: no sync, no flag
-                # every thread fences the async proxy (a chunk another warpgroup cleaned, read here, is then ordered
-                # before this warpgroup's wgmma too), then acquires what it read (a chunk the other warpgroup cleaned
-                # after writing the tag, 2.4), so that its release below carries that tag write to this warpgroup's
-                # tag reads (a review)
-                cute.arch.fence_view_async_shared()
-                cute.arch.fence_acq_rel_cta()
-                cute.arch.mbarrier_arrive(mbar)
-                cute.arch.mbarrier_wait(mbar, phase[0])
-                phase[0] = phase[0] ^ 1
-                if tags[stage] == tag:
-                    flag[0] = flag[0] | 1
-        else:
-            any_wg = barrier_or(found, NAN_CLEAN_BARRIER_WG1 - 1 + wg, 128)
-            if const_expr(shared_tag):  # another warpgroup zeroed an entry of this use first
-                if self._nf_tags[stage] == tag:
-                    any_wg = Int32(1)
-            self._nf_flag[0] = self._nf_flag[0] | any_wg
+        if found != 0:
+            cute.arch.fence_view_async_shared()
+        any_wg = barrier_or(found, NAN_CLEAN_BARRIER_WG1 - 1 + wg, 128)
+        if const_expr(shared_tag):  # another warpgroup zeroed an entry of this use first
+            if self._nf_tags[stage] == tag:
+                any_wg = Int32(1)
+        self._nf_flag[0] = self._nf_flag[0] | any_wg
 
     @cute.jit
     def _publish_tag(self, stage: Int32, tag: Int32):

@@ -165,11 +165,6 @@ class FlashAttentionForwardSm90WideV(FlashAttentionForwardSm90Mixed):
         """(consumer, producer) registers with at most one page box per K / V stage."""
         return 232, 40
 
-    def _clean_at_pv(self) -> bool:
-        """False: the NaN-safe clean-up's placement switch (``_CLEAN_AT_PV``, kernel.py) is for FA4's consumer;
-        this class's consumers (and the roles kernel's) place their own."""
-        return False
-
     def _get_shared_storage_cls(self):
         """FA4's fields (plus the page-box producer's tail barrier) with two P slots and the scale slots after
         them (fp32, ``(rows per thread, 128 threads, 3 slots)``, found by :meth:`_scale_tensor`)."""

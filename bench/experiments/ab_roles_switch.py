@@ -4,7 +4,7 @@ read at compile time: ``_K_REFILL_ALL_WARPS``, docs/tuning.md 2.17-2.18; ``_SM_O
 it became ``CuteConfig.qk_issue``; ``_EPILOGUE_LOCAL_WARP``, 2.25), off against on, one
 process (GPU experiment, the bench's paged layout). A switch ``Class.ATTR`` names a class of
 ``attention/cute/kernel.py``, ``kernel_wide.py`` or ``kernel_roles.py`` instead (``compile_check.switch_target``;
-``FlashAttentionForwardSm90Mixed._CLEAN_AT_PV``, 2.26: FA4's consumer, head dims <= 256).
+``FlashAttentionForwardSm90Mixed._SKIP_ALLOWED_FIRST``, 2.27: FA4's consumer, head dims <= 256).
 
 The switch is not a config field, so each setting compiles into a compile cache of its own (the interface's
 ``_COMPILE_CACHE`` swapped per row; run with ``FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=0``: the disk cache's key
@@ -19,7 +19,7 @@ workload's allowed pairs) is printed and recorded beside the times, as "x TFLOP/
 The record is rewritten after each workload.
 
 ``switch`` may instead be a JSON object of named settings, ``{"name": {"Class.ATTR": value, ...}, ...}`` (several
-switches in one run, e.g. 2.26-2.28's three NaN-safe V switches and a combination): every config variant then runs
+switches in one run, e.g. 2.30's NaN-safe V switches and their combinations): every config variant then runs
 once with every switch the settings name at its class default (the row ``<variant>_off``) and once per setting
 (``<variant>_<name>``), each compared with the off row bit for bit, all in the same rounds. ``--plain`` adds rows
 compiled once with every switch at its default (a config where the switches do not act: one compile, not one a

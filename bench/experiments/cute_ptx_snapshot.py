@@ -26,11 +26,10 @@ nvidia-cutlass-dsl installed, e.g. the CuTe DSL venv), ~30-90 s a spec on 2 core
 refills, pages 64 / 16 / 8 / 32 and contiguous, head dims 512 / 384, GQA 8 / 4 / 3, the split-KV subclass and the
 all-warps K experiment, plus the bench's two hd-512 launches at page 64 and the epilogue-warp experiment
 (docs/tuning.md 2.25), and FA4's consumer on the bench's two sliding launches and two hd-128 controls with NaN-safe V
-off, on, and with its experiment switches (``cleanpv_``: ``_CLEAN_AT_PV``, 2.26; ``skipfirst_``:
-``_SKIP_ALLOWED_FIRST``, 2.27; ``both_``: the two; ``owncall_``: ``_CLEAN_IN_OWN_CALL``, 2.28; a switch
-``"Class.ATTR"`` names a class of
-``kernel.py``, a bare ``"ATTR"`` the roles kernel's); ``snapshot --only SUBSTR`` picks specs by name, ``list`` prints
-them. ``summary.json`` also keeps each kernel's spills by role and its key-block loops (``compile_check.sass_loops``).
+off, on, and with its experiment switch (``skipfirst_``: ``_SKIP_ALLOWED_FIRST``, 2.27; a switch ``"Class.ATTR"``
+names a class of ``kernel.py``, a bare ``"ATTR"`` the roles kernel's; the clean-up placements under a GEMM that
+``cleanpv_`` / ``owncall_`` / ``both_`` compiled were removed, 2.30); ``snapshot --only SUBSTR`` picks specs by name,
+``list`` prints them. ``summary.json`` also keeps each kernel's spills by role and its key-block loops (``compile_check.sass_loops``).
 """
 from __future__ import annotations
 
@@ -69,9 +68,7 @@ _BENCH_MIXED = dict(_BENCH_TILES, max_seqlen_q=4096, max_seqlen_k=8448, lpt=True
 _BENCH_CANVAS = dict(_BENCH_TILES, max_seqlen_q=256, max_seqlen_k=33024, lpt=False, num_splits=2,
                      batch_order="given")
 
-CLEAN_AT_PV = {"FlashAttentionForwardSm90Mixed._CLEAN_AT_PV": True}
 SKIP_FIRST = {"FlashAttentionForwardSm90Mixed._SKIP_ALLOWED_FIRST": True}
-OWN_CALL = {"FlashAttentionForwardSm90Mixed._CLEAN_IN_OWN_CALL": True}
 #: FA4-consumer launches as ``config.resolve_launch_config`` resolves them for the bench's workloads (page 64, no LSE)
 _SLIDING = dict(head_dim=256, num_heads=16, num_kv_heads=8, page_size=64, window_size=1023,
                 bidirectional_window="symmetric", return_lse=False)
@@ -85,11 +82,11 @@ _MIXED_SPECS = {
     # canvas_bs1_ctx32k_sliding: the same tiles, 2 splits merged in a cluster
     "sliding_bench_canvas_ctx32k": dict(_SLIDING, max_seqlen_q=256, max_seqlen_k=33024, config=dict(
         _TILES_256, lpt=False, num_splits=2, split_merge="cluster")),
-    # canvas_bs4_ctx4k_hd128: 128 x 128, 3 stages, overlap with the scheduler barrier (the switch does not act)
+    # canvas_bs4_ctx4k_hd128: 128 x 128, 3 stages, overlap with FA4's scheduler barrier
     "hd128_bench_canvas_bs4_ctx4k": dict(_HD128, max_seqlen_q=256, max_seqlen_k=4352, config=dict(
         tile_m=128, tile_n=128, mma_pv_is_rs=True, intra_wg_overlap=True, num_stages=3, lpt=False, num_splits=1,
         split_merge="combine")),
-    # prefill16k_hd128: 192 x 128 without overlap (the switch does not act)
+    # prefill16k_hd128: 192 x 128 without overlap
     "hd128_bench_prefill16k": dict(_HD128, max_seqlen_q=16384, max_seqlen_k=16384, config=dict(
         tile_m=192, tile_n=128, mma_pv_is_rs=True, intra_wg_overlap=False, num_stages=2, lpt=True, num_splits=1,
         split_merge="combine")),
@@ -141,12 +138,10 @@ SPECS = {
     "epilocal_bench_canvas_ctx32k": _spec(64, EPI_LOCAL, **_BENCH_CANVAS),
     "epilocal_p64_lse_q4096_work": _spec(64, EPI_LOCAL, max_seqlen_q=4096, batch_order="work"),
     # FA4's consumer (hd <= 256): the bench's sliding launches and hd-128 controls, NaN-safe V off / on (the
-    # default) / on and cleaned at its P V issue (FlashAttentionForwardSm90Mixed._CLEAN_AT_PV, docs/tuning.md 2.26;
-    # it acts only without FA4's scheduler barrier, so the hd-128 specs must compile to the same PTX with it)
+    # default) / on without the scan of a first block every row sees whole (FlashAttentionForwardSm90Mixed.
+    # _SKIP_ALLOWED_FIRST, docs/tuning.md 2.27)
     **{f"{prefix}{name}": _mixed_spec(spec, nan, switches)
-       for prefix, nan, switches in (("nanoff_", False, None), ("", True, None), ("cleanpv_", True, CLEAN_AT_PV),
-                                     ("skipfirst_", True, SKIP_FIRST), ("both_", True, dict(CLEAN_AT_PV, **SKIP_FIRST)),
-                                     ("owncall_", True, OWN_CALL))
+       for prefix, nan, switches in (("nanoff_", False, None), ("", True, None), ("skipfirst_", True, SKIP_FIRST))
        for name, spec in _MIXED_SPECS.items()},
 }
 

@@ -187,7 +187,7 @@ def check_nonfinite_v(inp, config, seed, **kw):
 
 
 #: hd 256 (FA4's hd-256 tiles, the sliding layers' window) NaN-safe V cases: (id, page size or None, config, call
-#: kwargs); test_cute_nan_safe_v.py runs them at the default placement, test_cute_clean_at_pv.py at the P V issue
+#: kwargs); test_cute_nan_safe_v.py runs them
 NAN_SAFE_HD256_CASES = [
     ("pagebox64", 64, None, {}),
     ("contiguous_window1023_prefix", None, None, dict(window_size=1023, bidirectional_window="prefix")),

@@ -8,8 +8,8 @@ row's interval holds no key a row may not see, and its NaN / Inf reach exactly t
   every row's interval, over random tiles of mixed causal / bidirectional sequences, both window modes, packed GQA
   (hypothesis, against :func:`blockdiff.attention.masks.key_range` row by row);
 * CPU with the CuTe DSL: off by default; the switch needs FA4's ``m_block`` in the first block's ``mask_fn`` (a
-  RuntimeError otherwise); the overrides' call sequences with FA4's GEMM calls as recorders (overlap, overlap with
-  ``_CLEAN_AT_PV``, no overlap): only the first block's scan follows the test, the other clean-up calls unchanged;
+  RuntimeError otherwise); the overrides' call sequences with FA4's GEMM calls as recorders (overlap, no overlap):
+  only the first block's scan follows the test, the other clean-up calls unchanged;
 * GPU (``python3 -m pytest -m gpu``, on the H200; ``bench/experiments/device/cute_mixed_switch.sh`` with
   ``SWITCH=_SKIP_ALLOWED_FIRST`` and this file as ``TESTS``): on against off bit for bit (finite and poisoned caches,
   NaN-aware), and exactly the reference's non-finite entries, over batches whose canvases end on a key-block
@@ -88,25 +88,21 @@ class _State:
 
 
 @_FA4
-@pytest.mark.parametrize("clean_at_pv,overlap", [(False, True), (True, True), ("own", True), (False, False)],
-                         ids=["overlap", "overlap_clean_at_pv", "overlap_own_call", "no_overlap"])
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no_overlap"])
 @pytest.mark.parametrize("needs", [0, 1])
-def test_skip_allowed_first_call_sequences(needs, clean_at_pv, overlap, monkeypatch):
+def test_skip_allowed_first_call_sequences(needs, overlap, monkeypatch):
     """The overrides' calls with FA4's GEMM calls replaced by recorders, for one tile (first block, a right-masked
     block, an interior one, the last half block): the first block's test gets the ``m_block`` of FA4's nested
     ``mask_fn`` partial and the call's ``n_block`` / ``seqlen``; with the test's 0 the first block's scan has
     trip count 0 (``active``) but its call still runs (overlap, no overlap: the tags' counters agree between the
-    warpgroups), or, with ``_CLEAN_AT_PV``, neither warpgroup calls it; the other masked block is cleaned as
-    before (``active`` None), the interior one never. ``_CLEAN_IN_OWN_CALL`` (``"own"``): as ``_CLEAN_AT_PV``, the
-    right-masked block cleaned in its own call."""
+    warpgroups); the other masked block is cleaned as before (``active`` None), the interior one never."""
     from functools import partial
     from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90 as F
     from blockdiff.attention.cute.kernel import FlashAttentionForwardSm90Mixed as M
     k = M.__new__(M)
     k.nan_safe_v, k._SKIP_ALLOWED_FIRST = True, True
-    k._CLEAN_AT_PV, k._CLEAN_IN_OWN_CALL = clean_at_pv is True, clean_at_pv == "own"
     k.intra_wg_overlap, k.use_scheduler_barrier, k.num_stages = overlap, False, 2
-    k.tile_hdimv, k._nf_sVt, k._nf_pending, k._nf_pipeline_v = 128, None, [0], None
+    k.tile_hdimv, k._nf_sVt, k._nf_pipeline_v = 128, None, None
     stage_block, events, tests = {}, [], []
     seqlen = object()
 
@@ -125,7 +121,6 @@ def test_skip_allowed_first_call_sequences(needs, clean_at_pv, overlap, monkeypa
     k._wait_clean_v = lambda state, col0, width, shared_tag=False: events.append(
         ("clean", stage_block[state.index], None))
     k._wait_clean_v_if = lambda nd, state: events.append(("clean", stage_block[state.index], nd))
-    k._clean_pending = lambda st: M._clean_pending.__wrapped__(k, st)
     from blockdiff.attention.cute import kernel as K
     monkeypatch.setattr(K.cute.arch, "make_warp_uniform", lambda x: x)  # (a DSL op; plain ints here)
     pv = lambda B_idx, **kw: events.append(("PV", stage_block[B_idx]))  # noqa: E731
@@ -159,12 +154,7 @@ def test_skip_allowed_first_call_sequences(needs, clean_at_pv, overlap, monkeypa
                               **(dict(is_first_n_block=True) if is_first else {}))
     assert tests == [(seqlen, 7, first)]
     cleans = [e for e in events if e[0] == "clean"]
-    if clean_at_pv:  # every P V issue calls the clean-up; the pending mark is its trip count
-        active = [b for _, b, a in cleans if a is None or int(a)]
-        assert active == ([first] if needs else []) + [first - 1], events
-        cleans = [e for e in cleans if e[2] is None or int(e[2])]
-    else:
-        assert [(b, int(a) if a is not None else None) for _, b, a in cleans] == [(first, needs), (first - 1, None)]
+    assert [(b, int(a) if a is not None else None) for _, b, a in cleans] == [(first, needs), (first - 1, None)]
     for e in cleans:  # each clean-up before its block's P V
         assert events.index(e) < events.index(("PV", e[1])), events
 
