@@ -195,8 +195,8 @@ def compile_for_sm90(timeout: float = 900, ptx_dir: str | None = None, switches:
         instruction mix; ``ptxas_warnings``: the compile's distinct ptxas warning and performance-remark lines,
         e.g. C7518 where ptxas serialised the wgmma; ``merge``: ptxas' report of FA4's combine kernel for split-KV
         configurations). ``config`` is the configuration compiled, resolved for :func:`.interface.compile_only`'s
-        own shapes: a partial ``config`` may resolve to other tiles than a workload's launch does (pass the
-        launch's whole configuration).
+        own shapes (``skip_allowed_first`` as its launch resolved it): a partial ``config`` may resolve to other
+        tiles than a workload's launch does (pass the launch's whole configuration).
 
     Raises:
         ValueError: a spec key outside :data:`SPEC_KEYS`.
@@ -306,6 +306,7 @@ def _child(spec: dict, ptx_dir: str | None = None, switches: dict | None = None)
     cfg = resolve_config(hd, hd, spec.get("window_size"), spec.get("config"), spec.get("max_seqlen_q", 512),
                          page_size=spec.get("page_size", 128))
     formula = config_smem_bytes(cfg, hd, hd)
+    launched = interface.LAST_LAUNCH["config"]  # as the launch resolved it (skip_allowed_first needs the split count)
     consts = [int(v) for v in re.findall(r"llvm\.mlir\.constant\((\d+) : i64\)", ir)]
     smem = formula if formula in consts else None
     sass, kernel = "", None
@@ -341,7 +342,8 @@ def _child(spec: dict, ptx_dir: str | None = None, switches: dict | None = None)
                 loops=sass_loops(sass) if sass else None,
                 config=dict(tile_m=cfg.tile_m, tile_n=cfg.tile_n, num_stages=cfg.num_stages, lpt=cfg.lpt,
                             num_splits=cfg.num_splits, wide_design=cfg.wide_design, batch_order=cfg.batch_order,
-                            v_refill=cfg.v_refill, qk_issue=cfg.qk_issue, k_refill=cfg.k_refill))
+                            v_refill=cfg.v_refill, qk_issue=cfg.qk_issue, k_refill=cfg.k_refill,
+                            skip_allowed_first=launched.skip_allowed_first))
 
 
 #: The split-value (hd 512, 16 q / 2 KV heads) configurations the report compiles (``--report``, with

@@ -19,7 +19,7 @@ __all__ = [
     "MIN_KEYS_PER_SPLIT", "grid_tiles", "choose_num_splits", "key_bound", "resolve_launch_config", "check_config",
     "SPLIT_MERGES", "MAX_CLUSTER_SPLITS", "AUTO_CLUSTER_SPLITS", "auto_split_merge", "cluster_merge_fits",
     "WIDE_DESIGNS", "ROLES_CONFIG", "BATCH_ORDERS", "V_REFILLS", "QK_ISSUES", "QK_AHEAD_MIN_PAGE", "auto_wide_design",
-    "K_REFILLS",
+    "K_REFILLS", "SKIP_ALLOWED_FIRST_VALUES", "auto_skip_allowed_first",
 ]
 
 #: The optional packages this backend runs on (the ``cute`` extra of setup.py).
@@ -96,6 +96,15 @@ class CuteConfig:
     ``"halves"`` follows ``v_refill="halves"``'s rules (ValueError with ``wide_design="split_v"``, or where
     ``"auto"`` does not resolve to ``"roles"``; ``"whole"`` below head dim 257) and needs head_dim divisible by
     128 (a half is whole 64-column swizzle atoms), with either ``v_refill`` and either ``qk_issue``.
+    skip_allowed_first: whether NaN-safe V skips the scan of a tile's (a split's) first key block when every row of
+    the tile sees every key of it (FA4 masks that block only because it is the first; its NaN / Inf reach exactly
+    the rows the reference gives them to; ``kernel.py``, docs/tuning.md 2.27): ``"auto"`` (default), True or False (a
+    bool; no other type, no other str). The same outputs either way, bit for bit, except where a row's weight of a
+    non-finite V entry underflows to 0 (the skip then gives the reference's NaN; 2.27). It acts only in FA4's
+    consumer (head dims <= 256) with ``nan_safe_v``; elsewhere it resolves to False (the kernel built without it, one
+    compile key). ``"auto"`` resolves, from host shapes only, to True when the launch splits KV (``num_splits > 1``,
+    either ``split_merge``) and to False otherwise (:func:`auto_skip_allowed_first`). Not a tile field; it resolves
+    in :func:`resolve_launch_config`, which knows the split count.
     """
 
     tile_m: int | None = None
@@ -112,6 +121,7 @@ class CuteConfig:
     v_refill: str = "auto"
     qk_issue: str = "auto"
     k_refill: str = "auto"
+    skip_allowed_first: bool | str = "auto"
 
 
 #: The merges of split-KV partial outputs (CuteConfig.split_merge).
@@ -137,6 +147,10 @@ QK_AHEAD_MIN_PAGE = 32
 #: runs at a head dim divisible by 128), the whole stage at once or by head-dim halves (two wgmma groups of S, each
 #: half refilled when its group retired).
 K_REFILLS = ("auto", "whole", "halves")
+#: Whether NaN-safe V skips the scan of a first key block every row of the tile sees whole
+#: (CuteConfig.skip_allowed_first): automatic (default: on for split-KV launches, :func:`auto_skip_allowed_first`),
+#: on or off.
+SKIP_ALLOWED_FIRST_VALUES = ("auto", True, False)
 #: The roles kernel's switches: (field, the value only the roles kernel builds, the value every kernel builds).
 _ROLES_ONLY = (("v_refill", "halves", "one_warp"), ("qk_issue", "ahead", "serial"), ("k_refill", "halves", "whole"))
 #: Most splits of the cluster merge: the portable thread-block cluster size (8 CTAs).
@@ -259,8 +273,8 @@ def resolve_config(head_dim: int, head_dim_v: int, window_size, config=None, max
     reads at head dims above 256: the roles kernel only where its tiles load the pages by TMA boxes
     (:func:`auto_wide_design`), and S issued ahead only from :data:`QK_AHEAD_MIN_PAGE`-token pages. The switches
     ``wide_design``, ``batch_order``, ``v_refill``, ``qk_issue`` and ``k_refill`` resolve here (never ``"auto"`` in
-    the result; a resolved config re-resolves to itself at any page size); ``split_merge`` in
-    :func:`resolve_launch_config`.
+    the result; a resolved config re-resolves to itself at any page size); ``split_merge`` and
+    ``skip_allowed_first`` in :func:`resolve_launch_config`.
 
     Head dims above 256 (:func:`is_wide`) resolve through :func:`resolve_wide_config` (no flash-attn-4 needed).
 
@@ -429,7 +443,7 @@ def _check_halves_head_dims(head_dim: int, head_dim_v: int, values: dict) -> Non
 
 #: CuteConfig fields that are switches, not tile fields, with their defaults.
 _SWITCHES = dict(nan_safe_v=True, split_merge="auto", wide_design="auto", batch_order="auto",
-                 v_refill="auto", qk_issue="auto", k_refill="auto")
+                 v_refill="auto", qk_issue="auto", k_refill="auto", skip_allowed_first="auto")
 
 
 #: CuteConfig fields whose default is None ("automatic"): a dict giving them None leaves them unset.
@@ -444,8 +458,8 @@ def _set_fields(config: CuteConfig) -> dict:
 
 def _split_switches(config):
     """``(config without the switches, {switch: value})`` (``nan_safe_v``, ``split_merge``, ``wide_design``,
-    ``batch_order``, ``v_refill``, ``qk_issue``, ``k_refill``): they are not tile fields, so a config that sets only
-    them resolves the tiles as None does (the tuned automatic choices)."""
+    ``batch_order``, ``v_refill``, ``qk_issue``, ``k_refill``, ``skip_allowed_first``): they are not tile fields, so
+    a config that sets only them resolves the tiles as None does (the tuned automatic choices)."""
     if config is None:
         return None, dict(_SWITCHES)
     if isinstance(config, dict):  # a field whose default is None given as None is unset, as in a CuteConfig
@@ -476,7 +490,8 @@ def _check_head_dims(head_dim, head_dim_v) -> None:
 
 
 _CONFIG_FIELDS = ("tile_m", "tile_n", "mma_pv_is_rs", "intra_wg_overlap", "num_stages", "lpt", "num_splits",
-                  "nan_safe_v", "split_merge", "wide_design", "batch_order", "v_refill", "qk_issue", "k_refill")
+                  "nan_safe_v", "split_merge", "wide_design", "batch_order", "v_refill", "qk_issue", "k_refill",
+                  "skip_allowed_first")
 
 
 def _check_field(name: str, v) -> None:
@@ -491,6 +506,13 @@ def _check_field(name: str, v) -> None:
     if name == "nan_safe_v":
         if not isinstance(v, bool):
             raise TypeError(f"config nan_safe_v must be a bool, got {type(v).__name__} ({v!r})")
+        return
+    if name == "skip_allowed_first":  # "auto" or a bool (1 / 0 / None are not: no coercion)
+        if isinstance(v, str):
+            if v != "auto":
+                raise ValueError(f"config skip_allowed_first must be 'auto', True or False, got {v!r}")
+        elif not isinstance(v, bool):
+            raise TypeError(f"config skip_allowed_first must be 'auto' or a bool, got {type(v).__name__} ({v!r})")
         return
     if name in ("mma_pv_is_rs", "intra_wg_overlap", "lpt"):
         if v is not None and not isinstance(v, bool):
@@ -524,7 +546,7 @@ def check_config(config, *, head_dims: tuple[int, int] | None = None):
     ``batch_order``: one of :data:`BATCH_ORDERS`; ``v_refill``: one of :data:`V_REFILLS`, ``"halves"`` not with
     ``wide_design="split_v"`` (with ``"auto"``, :func:`resolve_config` refuses it where ``"auto"`` does not pick
     the roles kernel); ``qk_issue``: one of :data:`QK_ISSUES`, ``"ahead"`` as ``"halves"``; ``k_refill``: one of
-    :data:`K_REFILLS`, ``"halves"`` as ``v_refill``'s.
+    :data:`K_REFILLS`, ``"halves"`` as ``v_refill``'s; ``skip_allowed_first``: ``"auto"`` or a bool.
     Kernel-specific rules (the split-value kernel's tiles, shared memory, whether the cluster merge's tile fits)
     are :func:`resolve_config`'s and :func:`resolve_launch_config`'s. ``head_dims`` (keyword; ``(head_dim,
     head_dim_v)`` where the call knows them): a ``"halves"`` value those head dims cannot take is refused by its
@@ -725,7 +747,9 @@ def resolve_launch_config(head_dim: int, head_dim_v: int, window_size, config=No
     (:func:`auto_split_merge`), so the result's ``split_merge`` is ``"combine"`` or ``"cluster"``, and
     ``"combine"`` whenever there is one split; ``batch_order="work"`` (explicit, or ``"auto"`` resolved to it
     for the roles kernel by :func:`resolve_config`) resolves to ``"given"`` with at most one sequence (nothing to
-    order: the kernel without the permutation). Host ints only: ``total_q`` (``q.shape[0]``), ``num_seqs``
+    order: the kernel without the permutation); ``skip_allowed_first`` resolves here to a bool
+    (:func:`auto_skip_allowed_first`: ``"auto"`` on split-KV launches only; False wherever it cannot act). Host ints
+    only: ``total_q`` (``q.shape[0]``), ``num_seqs``
     (``cu_seqlens_q.shape[0] - 1``), ``keys_capacity`` (paged: block-table width x page size; contiguous: cache
     rows), the hints, ``num_sms``, ``page_size`` (paged: ``k_cache.shape[1]``; None: contiguous K/V or not known;
     read by ``wide_design="auto"``, :func:`auto_wide_design`).
@@ -752,7 +776,31 @@ def resolve_launch_config(head_dim: int, head_dim_v: int, window_size, config=No
         raise ValueError(
             f"config {cfg}: the cluster merge's fp32 output tile ({cfg.tile_m} x {head_dim_v} x 4 B plus the LSEs) "
             "does not fit the Q / K / V shared-memory buffers it reuses: use split_merge 'combine' or larger tiles")
-    return cfg
+    return replace(cfg, skip_allowed_first=auto_skip_allowed_first(cfg, head_dim, head_dim_v))
+
+
+def auto_skip_allowed_first(cfg: CuteConfig, head_dim: int, head_dim_v: int) -> bool:
+    """The value ``skip_allowed_first`` resolves to for a config whose ``num_splits`` is set (an int; host ints
+    only, no device read). False where it cannot act (``nan_safe_v`` off, or head dims above 256: the wide kernels
+    place their own clean-up), so those launches keep one compile key whatever it says; else an explicit bool as
+    given, and ``"auto"`` True iff ``num_splits > 1`` (either merge).
+
+    Rationale (docs/tuning.md 2.30): in a split launch each split that does not hold the tile's last keys starts on a
+    block every row sees whole (one scan fewer each), and the skip was measured faster there; on the unsplit
+    windowed launch it was measured slower (unexplained), on unsplit hd-128 canvases faster by less than the keep
+    bar.
+
+    Raises:
+        TypeError: ``num_splits`` is not an int (an unresolved config).
+    """
+    n = cfg.num_splits
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"auto_skip_allowed_first needs a config with num_splits set (an int), got {n!r}")
+    if not cfg.nan_safe_v or is_wide(head_dim, head_dim_v):
+        return False
+    if cfg.skip_allowed_first == "auto":  # split launches measured faster with it, the unsplit windowed one slower
+        return n > 1
+    return bool(cfg.skip_allowed_first)
 
 
 #: The split count at which ``split_merge="auto"`` takes the cluster merge: the one count at which the one launch

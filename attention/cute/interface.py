@@ -161,7 +161,7 @@ def attention_cute(
         check_values: run the host-side value checks (default: yes unless a CUDA graph is being captured).
         config: :class:`~blockdiff.attention.cute.config.CuteConfig` or dict (tile_m, tile_n, mma_pv_is_rs,
             intra_wg_overlap, num_stages, lpt, num_splits, nan_safe_v, split_merge, wide_design, batch_order,
-            v_refill, qk_issue, k_refill); None:
+            v_refill, qk_issue, k_refill, skip_allowed_first); None:
             :func:`~blockdiff.attention.cute.config.resolve_launch_config`.
             ``num_splits`` > 1 runs split-KV: with ``split_merge="combine"`` the kernel writes fp32 partial
             outputs and LSEs per split and FA4's combine kernel merges them (two launches,
@@ -180,7 +180,11 @@ def attention_cute(
             ahead where the roles kernel runs at a value head dim divisible by 128) and ``k_refill`` (``"auto"``:
             the K stage refilled by head-dim halves where the roles kernel runs at a head dim divisible by 128,
             else the whole stage) change only the roles kernel's
-            schedule; the output is the same.
+            schedule; the output is the same. ``skip_allowed_first`` (``"auto"``, True or False; ``"auto"``: on
+            where the launch splits KV, resolved from host shapes) skips NaN-safe V's scan of a tile's first key
+            block where every row of the tile sees all of it (head dims <= 256 with ``nan_safe_v``; elsewhere
+            resolved to False; :func:`~blockdiff.attention.cute.config.auto_skip_allowed_first`); the output is
+            the same (the one exception: :class:`~blockdiff.attention.cute.config.CuteConfig`).
 
     Returns:
         ``out [total_q, num_heads, head_dim_v]`` (q's dtype) or ``(out, lse)``.
@@ -432,6 +436,7 @@ def _compile(fa, key, q, k, v, out, lse, scale, cu_q, cu_k, seqused_k, page_tabl
         v_refill=cfg.v_refill,
         qk_issue=cfg.qk_issue,
         k_refill=cfg.k_refill,
+        skip_allowed_first=cfg.skip_allowed_first,
         **split,
     )
     small = lambda t, lead=0: None if t is None else tct(t, assumed_align=4, leading_dim=lead)  # noqa: E731

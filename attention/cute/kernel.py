@@ -67,12 +67,13 @@ block's V stage in shared memory before its PV wgmma reads it (:meth:`FlashAtten
 NaN / Inf entries zeroed, a ``bar.red.or`` over the warpgroup ORs "there was one" into a per-warpgroup flag, and
 a per-stage tag in shared memory tells the warpgroup that cleans second, which finds the stage already clean);
 with FA4's intra-warpgroup overlap at the end of the block's call (its PV runs in the next call), without it right
-before the PV (placements under a GEMM were tried and refuted: docs/tuning.md 2.30);
-:attr:`FlashAttentionForwardSm90Mixed._SKIP_ALLOWED_FIRST` (off) skips the scan of a tile's first block when every row
-of the tile sees all of it (2.27). The epilogue hook (:meth:`~FlashAttentionForwardSm90Mixed._nonfinite_fixup`) then, only for a
-flagged tile, adds each non-finite V entry of the masked blocks' keys to exactly the accumulator rows that allow
-the key, in its column, reading V from global memory (the cache is appended to the aux tensors: on its TMA paths
-FA4 hands the kernel coordinate tensors as ``mV``). The interior loop's code is unchanged. Design and expected
+before the PV (placements under a GEMM were tried and refuted: docs/tuning.md 2.30). With the constructor's
+``skip_allowed_first`` (config ``CuteConfig.skip_allowed_first``) the scan of a tile's (a split's) first block is
+skipped when every row of the tile sees all of it (2.27). The epilogue hook
+(:meth:`~FlashAttentionForwardSm90Mixed._nonfinite_fixup`) then, only for a flagged tile, adds each non-finite V
+entry of the masked blocks' keys to exactly the accumulator rows that allow the key, in its column, reading V from
+global memory (the cache is appended to the aux tensors: on its TMA paths FA4 hands the kernel coordinate tensors as
+``mV``). The interior loop's code is unchanged. Design and expected
 cost: docs/tuning.md 2.4.
 
 The device tensor ``num_causal_q`` reaches the kernel through FA4's own ``aux_data`` argument (its
@@ -456,10 +457,20 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
     the next key block's S = Q K^T is issued; ``"ahead"`` is built by the roles kernel only (:attr:`QK_ISSUES`).
     ``k_refill`` (compile-time, default ``"whole"``): whether a K stage is refilled as one block or by head-dim
     halves; ``"halves"`` is built by the roles kernel only (:attr:`K_REFILLS`).
+    ``skip_allowed_first`` (compile-time bool, default False; acts with ``nan_safe_v`` only): with NaN-safe V, do not
+    scan the tile's (a split's) first key block when every key of it lies inside every row's interval of the tile
+    (the block FA4 masks only because it is the first: e.g. a canvas without a window whose context ends on a block
+    boundary, or an interior split's first block). Such a block holds no key a row may not see, so its NaN / Inf
+    reach exactly the rows the reference gives them to. A tile-uniform scalar test (:meth:`_first_block_needs_clean`,
+    the block info's own bounds) sets the scan's trip count to 0; the wait, the barrier and the tag test still run,
+    so both warpgroups make the same calls (docs/tuning.md 2.27). True is built by FA4's consumer only
+    (:attr:`BUILDS_SKIP_ALLOWED_FIRST`; the wide kernels place their own clean-up).
 
     Raises:
         ValueError: ``batch_order`` other than ``"given"`` / ``"work"``; a ``v_refill``, ``qk_issue`` or
-            ``k_refill`` the class does not build; a ``kv_page_size`` the page boxes cannot load.
+            ``k_refill`` the class does not build; ``skip_allowed_first=True`` in a class that does not build it;
+            a ``kv_page_size`` the page boxes cannot load.
+        TypeError: ``skip_allowed_first`` not a bool (``"auto"`` resolves in the config, never here).
     """
 
     #: The ``v_refill`` values this class builds (kernel_roles.py adds ``"halves"``).
@@ -468,18 +479,12 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
     QK_ISSUES = ("serial",)
     #: The ``k_refill`` values this class builds (kernel_roles.py adds ``"halves"``).
     K_REFILLS = ("whole",)
-    #: Experiment switch (compile time, off; docs/tuning.md 2.27): with ``nan_safe_v`` in FA4's consumer, do not scan
-    #: the tile's (a split's) first key block when every key of it lies inside every row's interval of the tile (the
-    #: block FA4 masks only because it is the first: e.g. a canvas without a window whose context ends on a block
-    #: boundary, or an interior split's first block). Such a block holds no key a row may not see, so its NaN / Inf
-    #: reach exactly the rows the reference gives them to. A tile-uniform scalar test
-    #: (:meth:`_first_block_needs_clean`, the block info's own bounds) sets the scan's trip count to 0; the wait, the
-    #: barrier and the tag test still run, so both warpgroups make the same calls.
-    _SKIP_ALLOWED_FIRST = False
+    #: Whether this class builds ``skip_allowed_first=True`` (kernel_wide.py's classes do not).
+    BUILDS_SKIP_ALLOWED_FIRST = True
 
     def __init__(self, *args, prefix_window: bool = False, kv_page_size: Optional[int] = None, lpt: bool = True,
                  nan_safe_v: bool = False, batch_order: str = "given", v_refill: str = "one_warp",
-                 qk_issue: str = "serial", k_refill: str = "whole", **kwargs):
+                 qk_issue: str = "serial", k_refill: str = "whole", skip_allowed_first: bool = False, **kwargs):
         kwargs["is_causal"] = False
         kwargs["is_local"] = True
         super().__init__(*args, **kwargs)
@@ -494,6 +499,13 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         if k_refill not in self.K_REFILLS:
             raise ValueError(f"k_refill {k_refill!r} is not built by {type(self).__name__} (builds {self.K_REFILLS})")
         self.k_refill = k_refill
+        if not isinstance(skip_allowed_first, bool):
+            raise TypeError(f"skip_allowed_first must be a bool, got {type(skip_allowed_first).__name__} "
+                            f"({skip_allowed_first!r}); config 'auto' resolves in config.resolve_launch_config")
+        if skip_allowed_first and not self.BUILDS_SKIP_ALLOWED_FIRST:
+            raise ValueError(f"skip_allowed_first=True is not built by {type(self).__name__} (FA4's consumer only, "
+                             "head dims <= 256)")
+        self.skip_allowed_first = skip_allowed_first
         self.prefix_window = prefix_window
         self.lpt = lpt
         self.nan_safe_v = bool(nan_safe_v)
@@ -1047,12 +1059,12 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
             self._nf_use[0] = Int32(NAN_TAG_BASE)
 
     def _skip_allowed_first(self) -> bool:
-        """Trace-time: the first block's clean-up is skipped when the whole block is allowed
-        (:attr:`_SKIP_ALLOWED_FIRST`)."""
-        return bool(self.nan_safe_v and self._SKIP_ALLOWED_FIRST)
+        """Trace-time: the first block's clean-up is skipped when the whole block is allowed (constructor
+        ``skip_allowed_first``, with ``nan_safe_v``)."""
+        return bool(self.nan_safe_v and self.skip_allowed_first)
 
     def _first_needs(self, kwargs: dict):
-        """The tile's first block needs its clean-up: Int32(1), or with :attr:`_SKIP_ALLOWED_FIRST` the run-time
+        """The tile's first block needs its clean-up: Int32(1), or with ``skip_allowed_first`` the run-time
         test :meth:`_first_block_needs_clean` on the call's ``seqlen``, ``n_block`` and the tile's ``m_block`` (FA4
         binds it into the call's ``mask_fn``)."""
         if not self._skip_allowed_first():
@@ -1060,7 +1072,7 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         mask_fn = kwargs.get("mask_fn")
         m_block = getattr(mask_fn, "keywords", {}).get("m_block")
         if m_block is None:
-            raise RuntimeError("_SKIP_ALLOWED_FIRST: FA4's first-block call carries no m_block in its mask_fn "
+            raise RuntimeError("skip_allowed_first: FA4's first-block call carries no m_block in its mask_fn "
                                "(another flash-attn-4 version?)")
         return self._first_block_needs_clean(kwargs["seqlen"], m_block, kwargs["n_block"])
 

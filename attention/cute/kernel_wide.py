@@ -103,11 +103,15 @@ class FlashAttentionForwardSm90WideV(FlashAttentionForwardSm90Mixed):
     ``tile_m`` must be 64 (one query-row block per consumer warpgroup), ``head_dim_v`` an even number of 16-wide
     column groups of at most 256 per warpgroup (272..512 in steps of 32), ``head_dim == head_dim_v`` (the output
     tile reuses Q's shared memory). ``mma_pv_is_rs`` and ``intra_wg_overlap`` are fixed (WG0: P in registers,
-    WG1: P in shared memory; overlap on) and ignored.
+    WG1: P in shared memory; overlap on) and ignored. ``skip_allowed_first`` must be False (this class's consumers,
+    and the roles kernel's, place their own NaN-safe clean-up; the config resolves it to False above head dim 256).
 
     Raises:
-        ValueError: a tile shape or head dim outside the above.
+        ValueError: a tile shape or head dim outside the above, or ``skip_allowed_first=True``.
     """
+
+    #: ``skip_allowed_first=True`` is FA4's consumer's (kernel.py); refused here and in the roles kernel.
+    BUILDS_SKIP_ALLOWED_FIRST = False
 
     def __init__(self, *args, **kwargs):
         kwargs["mma_pv_is_rs"] = False  # FA4 then builds a P layout; two slots are made of it

@@ -26,10 +26,12 @@ nvidia-cutlass-dsl installed, e.g. the CuTe DSL venv), ~30-90 s a spec on 2 core
 refills, pages 64 / 16 / 8 / 32 and contiguous, head dims 512 / 384, GQA 8 / 4 / 3, the split-KV subclass and the
 all-warps K experiment, plus the bench's two hd-512 launches at page 64 and the epilogue-warp experiment
 (docs/tuning.md 2.25), and FA4's consumer on the bench's two sliding launches and two hd-128 controls with NaN-safe V
-off, on, and with its experiment switch (``skipfirst_``: ``_SKIP_ALLOWED_FIRST``, 2.27; a switch ``"Class.ATTR"``
-names a class of ``kernel.py``, a bare ``"ATTR"`` the roles kernel's; the clean-up placements under a GEMM that
-``cleanpv_`` / ``owncall_`` / ``both_`` compiled were removed, 2.30); ``snapshot --only SUBSTR`` picks specs by name,
-``list`` prints them. ``summary.json`` also keeps each kernel's spills by role and its key-block loops (``compile_check.sass_loops``).
+off (``nanoff_``), on (the defaults: ``skip_allowed_first`` "auto"), and on with the config's ``skip_allowed_first``
+True (``skipfirst_``, 2.27; until 2.30 the class attribute ``_SKIP_ALLOWED_FIRST``, same PTX) or False (``noskip_``);
+the clean-up placements under a GEMM that ``cleanpv_`` / ``owncall_`` / ``both_`` compiled were removed (2.30). A
+switch ``"Class.ATTR"`` names a class of ``kernel.py``, a bare ``"ATTR"`` the roles kernel's. ``snapshot --only
+SUBSTR`` picks specs by name, ``list`` prints them. ``summary.json`` also keeps each kernel's spills by role and its
+key-block loops (``compile_check.sass_loops``).
 """
 from __future__ import annotations
 
@@ -68,7 +70,6 @@ _BENCH_MIXED = dict(_BENCH_TILES, max_seqlen_q=4096, max_seqlen_k=8448, lpt=True
 _BENCH_CANVAS = dict(_BENCH_TILES, max_seqlen_q=256, max_seqlen_k=33024, lpt=False, num_splits=2,
                      batch_order="given")
 
-SKIP_FIRST = {"FlashAttentionForwardSm90Mixed._SKIP_ALLOWED_FIRST": True}
 #: FA4-consumer launches as ``config.resolve_launch_config`` resolves them for the bench's workloads (page 64, no LSE)
 _SLIDING = dict(head_dim=256, num_heads=16, num_kv_heads=8, page_size=64, window_size=1023,
                 bidirectional_window="symmetric", return_lse=False)
@@ -93,8 +94,9 @@ _MIXED_SPECS = {
 }
 
 
-def _mixed_spec(spec: dict, nan_safe_v: bool, switches=None) -> dict:
-    return dict(spec=dict(spec, config=dict(spec["config"], nan_safe_v=nan_safe_v)), switches=switches or {})
+def _mixed_spec(spec: dict, nan_safe_v: bool, **config) -> dict:
+    """``spec`` with ``nan_safe_v`` and ``config`` (more CuteConfig fields) in its config; no class switches."""
+    return dict(spec=dict(spec, config=dict(spec["config"], nan_safe_v=nan_safe_v, **config)), switches={})
 
 
 #: name -> {"spec": compile_only keywords, "switches": class attributes}
@@ -138,10 +140,11 @@ SPECS = {
     "epilocal_bench_canvas_ctx32k": _spec(64, EPI_LOCAL, **_BENCH_CANVAS),
     "epilocal_p64_lse_q4096_work": _spec(64, EPI_LOCAL, max_seqlen_q=4096, batch_order="work"),
     # FA4's consumer (hd <= 256): the bench's sliding launches and hd-128 controls, NaN-safe V off / on (the
-    # default) / on without the scan of a first block every row sees whole (FlashAttentionForwardSm90Mixed.
-    # _SKIP_ALLOWED_FIRST, docs/tuning.md 2.27)
-    **{f"{prefix}{name}": _mixed_spec(spec, nan, switches)
-       for prefix, nan, switches in (("nanoff_", False, None), ("", True, None), ("skipfirst_", True, SKIP_FIRST))
+    # default: skip_allowed_first "auto", on for the split canvas only) / on with the scan of a first block every row
+    # sees whole skipped (skip_allowed_first True, docs/tuning.md 2.27) / on with it scanned (False)
+    **{f"{prefix}{name}": _mixed_spec(spec, nan, **extra)
+       for prefix, nan, extra in (("nanoff_", False, {}), ("", True, {}), ("skipfirst_", True, dict(
+           skip_allowed_first=True)), ("noskip_", True, dict(skip_allowed_first=False)))
        for name, spec in _MIXED_SPECS.items()},
 }
 

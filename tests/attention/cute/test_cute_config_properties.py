@@ -98,6 +98,7 @@ _FIELDS = dict(
     v_refill=st.sampled_from(cc.V_REFILLS),
     qk_issue=st.sampled_from(cc.QK_ISSUES),
     k_refill=st.sampled_from(cc.K_REFILLS),
+    skip_allowed_first=st.sampled_from(cc.SKIP_ALLOWED_FIRST_VALUES),
 )
 _FIELDS_WITH_NONE = dict(_FIELDS, tile_m=st.sampled_from([None, 64, 128]),
                          tile_n=st.sampled_from([None, 16, 32, 48, 64, 128]))
@@ -184,6 +185,8 @@ def test_wide_resolution_is_idempotent_fits_and_refuses_with_named_errors(d, hd,
     assert lc.split_merge in ("combine", "cluster") and 1 <= lc.num_splits <= cc.MAX_SPLITS
     assert not (lc.wide_design == "roles" and lc.split_merge == "cluster")
     assert lc.split_merge == "combine" or 2 <= lc.num_splits <= cc.MAX_CLUSTER_SPLITS
+    assert lc.skip_allowed_first is False  # FA4's consumer's switch: resolves off in the wide kernels
+    assert cfg.skip_allowed_first == d.get("skip_allowed_first", "auto")  # resolve_config leaves it as given
     assert _launch(hd, lc, page, max_q, num_seqs) == launch  # idempotent
 
 
