@@ -3,12 +3,15 @@
 read at compile time: ``_K_REFILL_ALL_WARPS``, docs/tuning.md 2.17-2.18; ``_SM_OVERLAP`` ran through it in 2.20, before
 it became ``CuteConfig.qk_issue``; ``_EPILOGUE_LOCAL_WARP``, 2.25), off against on, one
 process (GPU experiment, the bench's paged layout). A switch ``Class.ATTR`` names a class of
-``attention/cute/kernel.py``, ``kernel_wide.py`` or ``kernel_roles.py`` instead (``compile_check.switch_target``;
-``FlashAttentionForwardSm90Mixed._SKIP_ALLOWED_FIRST``, 2.27: FA4's consumer, head dims <= 256).
+``attention/cute/kernel.py``, ``kernel_wide.py`` or ``kernel_roles.py`` instead (``compile_check.switch_target``).
+A switch may also be a boolean field of the cute config (``CuteConfig``, e.g. ``skip_allowed_first``: FA4's consumer,
+docs/tuning.md 2.27 / 2.30, a class attribute ``_SKIP_ALLOWED_FIRST`` until then): off / on set it False / True in
+every variant's config (the config is part of the compile key; its ``"auto"`` is a ``--plain`` row, e.g.
+``'{"auto": {}}'``).
 
-The switch is not a config field, so each setting compiles into a compile cache of its own (the interface's
+A class switch is not part of the compile key, so each row compiles into a compile cache of its own (the interface's
 ``_COMPILE_CACHE`` swapped per row; run with ``FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=0``: the disk cache's key
-does not see the switch). For each named workload and config: both settings run once on the same inputs (outputs
+does not see a class switch). For each named workload and config: both settings run once on the same inputs (outputs
 must be bit-identical for the switches above; isfinite), then ``--rounds`` rounds time every row in turn with
 ``triton.testing.do_bench_cudagraph(rep=200)`` (CUDA-graph replays, microseconds, medians printed and written to
 ``ab_roles_switch.json`` in ``--out``). With ``--triton`` the triton backend's default dispatch on the same inputs
@@ -19,10 +22,11 @@ workload's allowed pairs) is printed and recorded beside the times, as "x TFLOP/
 The record is rewritten after each workload.
 
 ``switch`` may instead be a JSON object of named settings, ``{"name": {"Class.ATTR": value, ...}, ...}`` (several
-switches in one run, e.g. 2.30's NaN-safe V switches and their combinations): every config variant then runs
-once with every switch the settings name at its class default (the row ``<variant>_off``) and once per setting
-(``<variant>_<name>``), each compared with the off row bit for bit, all in the same rounds. ``--plain`` adds rows
-compiled once with every switch at its default (a config where the switches do not act: one compile, not one a
+switches in one run, e.g. 2.30's NaN-safe V switches and their combinations; a boolean config field may be named
+too): every config variant then runs once with every switch the settings name at its class default, and every
+config field they name False (the row ``<variant>_off``), and once per setting (``<variant>_<name>``), each compared
+with the off row bit for bit, all in the same rounds. ``--plain`` adds rows compiled once with every class switch at
+its default and their own config as given (e.g. a config where the switches do not act: one compile, not one a
 setting).
 
     FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=0 python3 -m blockdiff.bench.experiments.ab_roles_switch \
@@ -43,39 +47,61 @@ from blockdiff.bench import workloads as wl
 
 def _row(b, w, cfg, values: dict):
     """The paged call of ``cfg`` compiled (into a compile cache of its own) with the class attributes ``values``
-    (``{(class, attribute): value}``) set."""
+    (``{(class, attribute): value}``) set and its config fields (``{"field": value}`` entries) in the config."""
     k, v, a = b.layouts()["paged"]
     out = torch.empty(b.q.shape[0], w.num_heads, w.head_dim_v, dtype=b.q.dtype, device="cuda")
     cache: dict = {}
+    attrs = {t: x for t, x in values.items() if not isinstance(t, str)}
+    config = dict(cfg, **{t: x for t, x in values.items() if isinstance(t, str)})
 
     def f():
         cute_interface._COMPILE_CACHE = cache
-        for (cls, attr), value in values.items():
+        for (cls, attr), value in attrs.items():
             setattr(cls, attr, value)
-        return attention_cute(b.q, k, v, out=out, check_values=False, config=cfg, **a)
+        return attention_cute(b.q, k, v, out=out, check_values=False, config=config, **a)
     return f
 
 
 def switch_settings(switch: str) -> dict:
-    """``{setting name: {(class, attribute): value}}`` of the ``switch`` argument, ``"off"`` first: a bare or
-    ``Class.ATTR`` name gives ``off`` / ``on`` (False / True); a JSON object ``{"name": {"Class.ATTR": value}}``
-    gives ``off`` (every attribute it names at its class default, read now) and its settings (the attributes a
-    setting leaves out at their defaults).
+    """``{setting name: {target: value}}`` of the ``switch`` argument, ``"off"`` first; a target is ``(class,
+    attribute)`` for a class switch, the field name (a str) for a boolean config field (:func:`config_field`). A
+    bare name, ``Class.ATTR`` or a config field gives ``off`` / ``on`` (False / True); a JSON object ``{"name":
+    {"Class.ATTR" or "field": value}}`` gives ``off`` (every attribute it names at its class default, read now, every
+    config field False) and its settings (the switches a setting leaves out as in ``off``).
 
     Raises:
-        ValueError: a name that is not a switch (:func:`switch_class`), a setting named ``off``, or a JSON object
-            whose settings are not objects."""
+        ValueError: a name that is neither a switch (:func:`switch_class`) nor a boolean config field, a setting
+            named ``off``, or a JSON object whose settings are not objects."""
     if not switch.lstrip().startswith("{"):
-        target = switch_class(switch)
+        target = _target(switch)
         return {"off": {target: False}, "on": {target: True}}
     named = json.loads(switch)
     if not isinstance(named, dict) or not named or not all(isinstance(x, dict) and x for x in named.values()):
         raise ValueError(f"switch settings must be a JSON object of non-empty objects, got {switch!r}")
     if "off" in named:
         raise ValueError("switch settings: 'off' is the row with every switch at its default; name it otherwise")
-    targets = {n: switch_class(n) for x in named.values() for n in x}
-    off = {t: getattr(*t) for t in targets.values()}
+    targets = {n: _target(n) for x in named.values() for n in x}
+    off = {t: (False if isinstance(t, str) else getattr(*t)) for t in targets.values()}
     return {"off": off, **{name: {**off, **{targets[n]: val for n, val in x.items()}} for name, x in named.items()}}
+
+
+def config_field(name: str) -> bool:
+    """Whether ``name`` is a boolean switch of the cute config: a ``CuteConfig`` field that takes both True and False
+    (``nan_safe_v``, ``skip_allowed_first``; ``config.check_config``)."""
+    from blockdiff.attention.cute import config as cc  # imports without the CuTe DSL
+    if name not in cc._CONFIG_FIELDS:
+        return False
+    try:
+        for value in (False, True):
+            cc.check_config({name: value})
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _target(name: str):
+    """A boolean config field's name as given, else :func:`switch_class`'s ``(class, attribute)``."""
+    return name if config_field(name) else switch_class(name)
 
 
 def switch_class(switch: str):
@@ -113,8 +139,9 @@ def _triton_row(b, w):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("switch", help='the class attribute, e.g. _K_REFILL_ALL_WARPS, or JSON {"name": {"Class.ATTR": '
-                                  'value, ...}, ...} (several settings)')
+    p.add_argument("switch", help='the class attribute, e.g. _K_REFILL_ALL_WARPS, a boolean config field, e.g. '
+                                  'skip_allowed_first, or JSON {"name": {"Class.ATTR" or "field": value, ...}, ...} '
+                                  '(several settings)')
     p.add_argument("workloads", help="comma-separated named workloads")
     p.add_argument("variants", help='JSON {"name": config dict (wide_design "roles"), ...}')
     p.add_argument("--rounds", type=int, default=5)
@@ -150,9 +177,10 @@ def main(argv=None):
                 checks[key] = dict(bit_identical=same, finite=finite, max_diff=diff)
                 print(f"{name} {vn}: {tag} bit-identical to off: {same}, finite {finite}, max diff {diff}",
                       flush=True)
-        for vn, cfg in json.loads(a.plain or "{}").items():  # one row each, every switch at its default
-            fns[vn] = _row(b, w, cfg, settings["off"])
-        for (cls, attr), value in settings["off"].items():  # every switch at its default for the reference rows
+        class_off = {t: x for t, x in settings["off"].items() if not isinstance(t, str)}
+        for vn, cfg in json.loads(a.plain or "{}").items():  # one row each, every class switch at its default
+            fns[vn] = _row(b, w, cfg, class_off)
+        for (cls, attr), value in class_off.items():  # every class switch at its default for the reference rows
             setattr(cls, attr, value)
         if a.triton:
             fns["triton"] = _triton_row(b, w)

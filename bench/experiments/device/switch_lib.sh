@@ -1,8 +1,14 @@
 # Sourced by the experiment-switch scripts (cute_roles_switch.sh, cute_mixed_switch.sh) after env.sh, with $OUT, $t
-# (seconds a shard) and $SWITCH set:
+# (seconds a shard) and $SWITCH (switch_run's class attributes) set:
 #  switch_run MODULE CLASS ON LOG [pytest arguments]: the GPU tests (-m gpu) with the class attributes of MODULE.CLASS
 #    named in $SWITCH (one, or several separated by commas) set to ON (1 / 0) before any compile, at most $t s, into
 #    $OUT/LOG.log;
+#  config_run FIELD VALUE LOG [pytest arguments]: the GPU tests with the cute config field FIELD set to VALUE (a Python
+#    literal, e.g. True) in every call's config before it resolves (interface.resolve_launch_config wrapped, so the
+#    config's own rules still apply: where the field cannot act it resolves as it would; the config is part of the
+#    compile key), at most $t s, into $OUT/LOG.log; a test's own value of FIELD is overridden;
+#  gpu_run LOG [pytest arguments]: the GPU tests as they are (tests that set the switch themselves), at most $t s,
+#    into $OUT/LOG.log;
 #  switch_logs: each shard log's result lines and first failures;
 #  switch_pack: the shard logs concatenated into $OUT/shards.log (with a header each) and removed, since at most 8
 #    files come back from $OUT.
@@ -16,6 +22,27 @@ for name in '$SWITCH'.split(','):
     setattr(C, name, bool($on))
 sys.exit(pytest.main(['-m', 'gpu', '-q', '-p', 'no:cacheprovider', '-rf', '--maxfail=5'] + sys.argv[1:]))
 " "$@" > $OUT/$log.log 2>&1 < /dev/null
+}
+config_run() {
+  local field=$1 value=$2 log=$3; shift 3
+  timeout $t python3 -c "
+import dataclasses, sys, pytest
+from blockdiff.attention.cute import config as C, interface as I
+C.check_config({'$field': $value})  # a bad field or value fails here, not in every test
+real = I.resolve_launch_config
+def forced(head_dim, head_dim_v, window_size, config=None, **kw):
+    if isinstance(config, C.CuteConfig):
+        config = dataclasses.replace(config, $field=$value)
+    else:
+        config = dict(config or {}, $field=$value)
+    return real(head_dim, head_dim_v, window_size, config, **kw)
+I.resolve_launch_config = forced
+sys.exit(pytest.main(['-m', 'gpu', '-q', '-p', 'no:cacheprovider', '-rf', '--maxfail=5'] + sys.argv[1:]))
+" "$@" > $OUT/$log.log 2>&1 < /dev/null
+}
+gpu_run() {
+  local log=$1; shift
+  timeout $t python3 -m pytest -m gpu -q -p no:cacheprovider -rf --maxfail=5 "$@" > $OUT/$log.log 2>&1 < /dev/null
 }
 switch_logs() {
   local f

@@ -1,6 +1,7 @@
 """The experiment switches' machinery (class attributes of the kernel classes read at compile time), CPU with the
 CuTe DSL (the kernel modules import it): ``compile_check.set_switches`` / ``switch_target`` accept only an existing
-experiment class attribute, and ``bench/experiments/ab_roles_switch.py`` names its rows from them."""
+experiment class attribute, and ``bench/experiments/ab_roles_switch.py`` names its rows from them and from boolean
+config fields (``skip_allowed_first`` since docs/tuning.md 2.30), which it puts into each row's config."""
 from __future__ import annotations
 
 import json
@@ -52,3 +53,50 @@ def test_ab_switch_settings_name_every_row_and_refuse_bad_ones():
     for bad in (json.dumps({"off": {a: True}}), json.dumps({"x": {}}), json.dumps({"x": {"Nope._A": True}}), "{"):
         with pytest.raises(ValueError):
             switch_settings(bad)
+
+
+def test_ab_switch_settings_take_boolean_config_fields():
+    """A boolean config field (``skip_allowed_first``, ``nan_safe_v``) is a switch of ``ab_roles_switch`` too
+    (cute_mixed_switch.sh's A/B since docs/tuning.md 2.30): off / on set it False / True in the config (targets are the
+    field names), alone or beside class switches (the off row: class defaults, config fields False); a field that is
+    not boolean (``k_refill``) or not a field is refused as a switch, as is a class switch written like a field."""
+    from blockdiff.bench.experiments.ab_roles_switch import config_field, switch_settings
+    from blockdiff.attention.cute.kernel_roles import FlashAttentionForwardSm90Roles as R
+    assert switch_settings("skip_allowed_first") == {"off": {"skip_allowed_first": False},
+                                                     "on": {"skip_allowed_first": True}}
+    both = switch_settings(json.dumps({"skip": {"skip_allowed_first": True},
+                                       "skip_warps": {"skip_allowed_first": True, "_K_REFILL_ALL_WARPS": True}}))
+    assert both == {"off": {"skip_allowed_first": False, (R, "_K_REFILL_ALL_WARPS"): False},
+                    "skip": {"skip_allowed_first": True, (R, "_K_REFILL_ALL_WARPS"): False},
+                    "skip_warps": {"skip_allowed_first": True, (R, "_K_REFILL_ALL_WARPS"): True}}
+    assert config_field("nan_safe_v") and config_field("skip_allowed_first")
+    for bad in ("k_refill", "tile_n", "split_merge", "SKIP_ALLOWED_FIRST", "_SKIP_ALLOWED_FIRST",
+                "FlashAttentionForwardSm90Mixed._SKIP_ALLOWED_FIRST"):
+        assert not config_field(bad)
+        with pytest.raises(ValueError, match="switch"):
+            switch_settings(bad)
+
+
+def test_ab_rows_put_config_fields_into_the_config_and_set_class_switches(monkeypatch):
+    """``_row`` (CPU, the call replaced): a setting's config fields join the variant's config, its class switches are
+    set on their class before the call, and each row compiles into a cache of its own."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from blockdiff.bench.experiments import ab_roles_switch as ab
+    from blockdiff.attention.cute.kernel_roles import FlashAttentionForwardSm90Roles as R
+    calls = []
+    monkeypatch.setattr(ab, "attention_cute", lambda q, k, v, out, check_values, config, **a: calls.append(
+        (config, R._K_REFILL_ALL_WARPS, id(ab.cute_interface._COMPILE_CACHE))))
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: None)
+    monkeypatch.setattr(ab.cute_interface, "_COMPILE_CACHE", {})
+    monkeypatch.setattr(R, "_K_REFILL_ALL_WARPS", False)
+    b = SimpleNamespace(q=SimpleNamespace(shape=(4,), dtype=None), layouts=lambda: {"paged": (None, None, {})})
+    w = SimpleNamespace(num_heads=1, head_dim_v=8)
+    cfg = {"nan_safe_v": True}
+    ab._row(b, w, cfg, {"skip_allowed_first": True, (R, "_K_REFILL_ALL_WARPS"): True})()
+    ab._row(b, w, cfg, {"skip_allowed_first": False})()
+    assert calls[0][:2] == ({"nan_safe_v": True, "skip_allowed_first": True}, True)
+    assert calls[1][0] == {"nan_safe_v": True, "skip_allowed_first": False} and calls[0][2] != calls[1][2]
+    assert cfg == {"nan_safe_v": True}  # the variant's own dict is not changed
