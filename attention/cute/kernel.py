@@ -172,6 +172,9 @@ def row_key_range(
 #: Named barriers of the NaN-safe V clean-up, one per consumer warpgroup (ids 12-14: FA4's ``NamedBarrierFwd`` uses
 #: 1-6, the split-value kernel 7-11).
 NAN_CLEAN_BARRIER_WG1 = 12
+#: Named barrier of :attr:`FlashAttentionForwardSm90Mixed._CLEAN_SPLIT_ACROSS_WG`'s clean-up, over every consumer
+#: warpgroup of FA4's consumer (id 15; the roles kernel's own use of 15 is another kernel).
+NAN_CLEAN_BARRIER_ALL = 15
 
 #: First value of the clean-up's per-warpgroup use counter (the tags of :meth:`FlashAttentionForwardSm90Mixed.
 #: _clean_v_stage`); any value works, this one makes a stale shared-memory word unlikely to match.
@@ -481,6 +484,14 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
     K_REFILLS = ("whole",)
     #: Whether this class builds ``skip_allowed_first=True`` (kernel_wide.py's classes do not).
     BUILDS_SKIP_ALLOWED_FIRST = True
+    #: Experiment switch (compile time, off; docs/tuning.md 2.31): with ``nan_safe_v`` in FA4's intra-warpgroup
+    #: overlap consumer without its scheduler barrier (the hd-256 launches), the consumer warpgroups split a masked
+    #: block's V stage between them (each thread scans ``n_chunks / (128 x warpgroups)`` 16-byte chunks, half of
+    #: what each scanned) and meet at one ``bar.red.or`` over all of them (:data:`NAN_CLEAN_BARRIER_ALL`), which
+    #: orders every cleaned chunk before every warpgroup's P V wgmma and gives each the OR of all; no tags (every
+    #: chunk has one scanner). Not with the scheduler barrier (its ping-pong keeps the warpgroups out of phase; a
+    #: barrier across them would undo it).
+    _CLEAN_SPLIT_ACROSS_WG = False
 
     def __init__(self, *args, prefix_window: bool = False, kv_page_size: Optional[int] = None, lpt: bool = True,
                  nan_safe_v: bool = False, batch_order: str = "given", v_refill: str = "one_warp",
@@ -1063,6 +1074,12 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         ``skip_allowed_first``, with ``nan_safe_v``)."""
         return bool(self.nan_safe_v and self.skip_allowed_first)
 
+    def _split_clean(self) -> bool:
+        """Trace-time: :attr:`_CLEAN_SPLIT_ACROSS_WG` acts (FA4's overlap consumer, two or more consumer warpgroups,
+        no scheduler barrier)."""
+        return bool(self.nan_safe_v and self._CLEAN_SPLIT_ACROSS_WG and self.intra_wg_overlap
+                    and not self.use_scheduler_barrier and self.num_wg_mma >= 2)
+
     def _first_needs(self, kwargs: dict):
         """The tile's first block needs its clean-up: Int32(1), or with ``skip_allowed_first`` the run-time
         test :meth:`_first_block_needs_clean` on the call's ``seqlen``, ``n_block`` and the tile's ``m_block`` (FA4
@@ -1177,23 +1194,26 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         exp_bits = 0x7F807F80 if const_expr(self.dtype == cutlass.BFloat16) else 0x7C007C00
         one = 0x00800080 if const_expr(self.dtype == cutlass.BFloat16) else 0x04000400
         high = Uint32(0x80008000)
+        split = shared_tag and self._split_clean()  # the consumer warpgroups share the stage's chunks (no tags)
+        tagged = shared_tag and not split
+        n_scan = 128 * self.num_wg_mma if split else 128  # threads scanning the stage together
         tid = cute.arch.thread_idx()[0]
-        t_wg = tid % 128
+        t_wg = tid - 128 if split else tid % 128  # split: every consumer thread (warpgroup 0 is the producer)
         wg = cute.arch.make_warp_uniform(tid // 128)  # consumer warpgroups are 1..3 (0 is the producer)
         chunks = cute.zipped_divide(sVt[None, None, stage], (8, 1))  # ((8, 1), (head_dim_v / 8, tile_n))
         n_col_chunks = width // 8
         n_chunks = n_col_chunks * self.tile_n
         found = Int32(0)
         tag = Int32(0)
-        if const_expr(shared_tag):
+        if const_expr(tagged):
             tag = self._nf_use[0] + 1
             self._nf_use[0] = tag
-        n_iter = (n_chunks + 127) // 128
+        n_iter = (n_chunks + n_scan - 1) // n_scan
         if const_expr(active is not None):  # a tile-uniform 0 / 1: 0 scans nothing (bar.red.or still runs)
             n_iter = n_iter * active
         for j in cutlass.range(n_iter, unroll=2):
-            i = t_wg + j * 128
-            if const_expr(n_chunks % 128 != 0):
+            i = t_wg + j * n_scan
+            if const_expr(n_chunks % n_scan != 0):
                 i = cutlass.min(i, n_chunks - 1)  # a repeated chunk is harmless (idempotent)
             src = chunks[None, (col0 // 8 + i % n_col_chunks, i // n_col_chunks)]
             r = cute.make_rmem_tensor((8, 1), self.dtype)
@@ -1207,17 +1227,20 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
                     x = w[k]
                     m = ((((x & Uint32(exp_bits)) + Uint32(one)) & high) >> Uint32(15)) * Uint32(0xFFFF)
                     w[k] = x & (m ^ Uint32(0xFFFFFFFF))
-                if const_expr(shared_tag):  # the tag before the cleaned chunk (docstring)
+                if const_expr(tagged):  # the tag before the cleaned chunk (docstring)
                     self._publish_tag(stage, tag)
                 cute.autovec_copy(r, src)
                 found = Int32(1)
         if found != 0:
             cute.arch.fence_view_async_shared()
-        any_wg = barrier_or(found, NAN_CLEAN_BARRIER_WG1 - 1 + wg, 128)
-        if const_expr(shared_tag):  # another warpgroup zeroed an entry of this use first
-            if self._nf_tags[stage] == tag:
-                any_wg = Int32(1)
-        self._nf_flag[0] = self._nf_flag[0] | any_wg
+        if const_expr(split):  # every consumer warpgroup's chunks, ordered before every P V wgmma
+            self._nf_flag[0] = self._nf_flag[0] | barrier_or(found, NAN_CLEAN_BARRIER_ALL, n_scan)
+        else:
+            any_wg = barrier_or(found, NAN_CLEAN_BARRIER_WG1 - 1 + wg, 128)
+            if const_expr(tagged):  # another warpgroup zeroed an entry of this use first
+                if self._nf_tags[stage] == tag:
+                    any_wg = Int32(1)
+            self._nf_flag[0] = self._nf_flag[0] | any_wg
 
     @cute.jit
     def _publish_tag(self, stage: Int32, tag: Int32):

@@ -27,7 +27,8 @@ refills, pages 64 / 16 / 8 / 32 and contiguous, head dims 512 / 384, GQA 8 / 4 /
 all-warps K experiment, plus the bench's two hd-512 launches at page 64 and the epilogue-warp experiment
 (docs/tuning.md 2.25), and FA4's consumer on the bench's two sliding launches and two hd-128 controls with NaN-safe V
 off (``nanoff_``), on (the defaults: ``skip_allowed_first`` "auto"), and on with the config's ``skip_allowed_first``
-True (``skipfirst_``, 2.27; until 2.30 the class attribute ``_SKIP_ALLOWED_FIRST``, same PTX) or False (``noskip_``);
+True (``skipfirst_``, 2.27; until 2.30 the class attribute ``_SKIP_ALLOWED_FIRST``, same PTX) or False (``noskip_``), and
+with the experiment class attribute ``_CLEAN_SPLIT_ACROSS_WG`` (``splitscan_``, 2.31);
 the clean-up placements under a GEMM that ``cleanpv_`` / ``owncall_`` / ``both_`` compiled were removed (2.30). A
 switch ``"Class.ATTR"`` names a class of ``kernel.py``, a bare ``"ATTR"`` the roles kernel's. ``snapshot --only
 SUBSTR`` picks specs by name, ``list`` prints them. ``summary.json`` also keeps each kernel's spills by role and its
@@ -70,6 +71,7 @@ _BENCH_MIXED = dict(_BENCH_TILES, max_seqlen_q=4096, max_seqlen_k=8448, lpt=True
 _BENCH_CANVAS = dict(_BENCH_TILES, max_seqlen_q=256, max_seqlen_k=33024, lpt=False, num_splits=2,
                      batch_order="given")
 
+SPLIT_SCAN = {"FlashAttentionForwardSm90Mixed._CLEAN_SPLIT_ACROSS_WG": True}  # docs/tuning.md 2.31
 #: FA4-consumer launches as ``config.resolve_launch_config`` resolves them for the bench's workloads (page 64, no LSE)
 _SLIDING = dict(head_dim=256, num_heads=16, num_kv_heads=8, page_size=64, window_size=1023,
                 bidirectional_window="symmetric", return_lse=False)
@@ -94,9 +96,10 @@ _MIXED_SPECS = {
 }
 
 
-def _mixed_spec(spec: dict, nan_safe_v: bool, **config) -> dict:
-    """``spec`` with ``nan_safe_v`` and ``config`` (more CuteConfig fields) in its config; no class switches."""
-    return dict(spec=dict(spec, config=dict(spec["config"], nan_safe_v=nan_safe_v, **config)), switches={})
+def _mixed_spec(spec: dict, nan_safe_v: bool, switches: dict | None = None, **config) -> dict:
+    """``spec`` with ``nan_safe_v`` and ``config`` (more CuteConfig fields) in its config, and ``switches`` (experiment
+    class attributes, ``"Class.ATTR": value``; none by default)."""
+    return dict(spec=dict(spec, config=dict(spec["config"], nan_safe_v=nan_safe_v, **config)), switches=switches or {})
 
 
 #: name -> {"spec": compile_only keywords, "switches": class attributes}
@@ -141,10 +144,12 @@ SPECS = {
     "epilocal_p64_lse_q4096_work": _spec(64, EPI_LOCAL, max_seqlen_q=4096, batch_order="work"),
     # FA4's consumer (hd <= 256): the bench's sliding launches and hd-128 controls, NaN-safe V off / on (the
     # default: skip_allowed_first "auto", on for the split canvas only) / on with the scan of a first block every row
-    # sees whole skipped (skip_allowed_first True, docs/tuning.md 2.27) / on with it scanned (False)
+    # sees whole skipped (skip_allowed_first True, docs/tuning.md 2.27) / on with it scanned (False) / on with the
+    # stage scanned once between the consumer warpgroups (_CLEAN_SPLIT_ACROSS_WG, 2.31)
     **{f"{prefix}{name}": _mixed_spec(spec, nan, **extra)
        for prefix, nan, extra in (("nanoff_", False, {}), ("", True, {}), ("skipfirst_", True, dict(
-           skip_allowed_first=True)), ("noskip_", True, dict(skip_allowed_first=False)))
+           skip_allowed_first=True)), ("noskip_", True, dict(skip_allowed_first=False)),
+                           ("splitscan_", True, dict(switches=SPLIT_SCAN)))
        for name, spec in _MIXED_SPECS.items()},
 }
 
