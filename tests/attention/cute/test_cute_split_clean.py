@@ -5,7 +5,7 @@ in kernels without FA4's scheduler barrier (the hd-256 launches), each thread of
 share of the chunks and one ``bar.red.or`` over every consumer orders the cleaned chunks before each P V and ORs the
 finding.
 
-* CPU: off by default; where it acts (overlap, no scheduler barrier, two or more warpgroups, not under a GEMM); with
+* CPU: off by default; where it acts (overlap, no scheduler barrier, two or more warpgroups); with
   the CuTe DSL installed, the bench's sliding launches compile with no spill and no ``R2UR`` in their key-block loops,
   and the hd-128 (ping-pong) launch's PTX is unchanged.
 * GPU (``python3 -m pytest -m gpu``, on the H200; ``bench/experiments/device/cute_mixed_switch.sh`` with
@@ -31,7 +31,7 @@ SWITCH = "FlashAttentionForwardSm90Mixed._CLEAN_SPLIT_ACROSS_WG"
 
 def _kernel(**kw):
     base = dict(nan_safe_v=True, _CLEAN_SPLIT_ACROSS_WG=True, intra_wg_overlap=True, use_scheduler_barrier=False,
-                num_wg_mma=2, _clean_at_pv=lambda: False)
+                num_wg_mma=2)
     return SimpleNamespace(**dict(base, **kw))
 
 
@@ -42,7 +42,7 @@ def test_split_clean_is_off_by_default_and_acts_only_without_the_scheduler_barri
     assert M._split_clean(_kernel()) is True
     assert M._split_clean(_kernel(num_wg_mma=3)) is True
     for off in (dict(_CLEAN_SPLIT_ACROSS_WG=False), dict(nan_safe_v=False), dict(use_scheduler_barrier=True),
-                dict(intra_wg_overlap=False), dict(num_wg_mma=1), dict(_clean_at_pv=lambda: True)):
+                dict(intra_wg_overlap=False), dict(num_wg_mma=1)):
         assert M._split_clean(_kernel(**off)) is False, off
 
 
