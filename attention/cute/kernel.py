@@ -1180,6 +1180,11 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         ``active`` (a tile-uniform 0 / 1, :meth:`_wait_clean_v_if`) is the scan's trip count; the barrier and the
         tag test run either way.
 
+        With :attr:`_CLEAN_SPLIT_ACROSS_WG` where it acts (:meth:`_split_clean`, FA4's consumer without its scheduler
+        barrier) and ``shared_tag``: chunk ``t + 128 n j`` for consumer thread ``t`` of ``n`` warpgroups, one
+        ``bar.red.or`` over all of them after the fence (every cleaned chunk before any warpgroup's P V wgmma, the OR
+        of all to each thread), no tags.
+
         ``shared_tag`` (FA4's consumer: every warpgroup cleans the whole stage, unsynchronised): the warpgroup
         that cleans a chunk second reads it already cleaned, so its own scan alone would miss the entry and skip
         its rows' fix-up (issue 26, docs/tuning.md 2.4). So a thread that finds a non-finite entry

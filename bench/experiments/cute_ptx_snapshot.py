@@ -72,6 +72,7 @@ _BENCH_CANVAS = dict(_BENCH_TILES, max_seqlen_q=256, max_seqlen_k=33024, lpt=Fal
                      batch_order="given")
 
 SPLIT_SCAN = {"FlashAttentionForwardSm90Mixed._CLEAN_SPLIT_ACROSS_WG": True}  # docs/tuning.md 2.31
+
 #: FA4-consumer launches as ``config.resolve_launch_config`` resolves them for the bench's workloads (page 64, no LSE)
 _SLIDING = dict(head_dim=256, num_heads=16, num_kv_heads=8, page_size=64, window_size=1023,
                 bidirectional_window="symmetric", return_lse=False)
@@ -149,7 +150,7 @@ SPECS = {
     **{f"{prefix}{name}": _mixed_spec(spec, nan, **extra)
        for prefix, nan, extra in (("nanoff_", False, {}), ("", True, {}), ("skipfirst_", True, dict(
            skip_allowed_first=True)), ("noskip_", True, dict(skip_allowed_first=False)),
-                           ("splitscan_", True, dict(switches=SPLIT_SCAN)))
+           ("splitscan_", True, dict(switches=SPLIT_SCAN)))
        for name, spec in _MIXED_SPECS.items()},
 }
 
