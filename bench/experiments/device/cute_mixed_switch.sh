@@ -1,11 +1,12 @@
 # A switch of FA4's consumer in the cute backend (head dims <= 256) on the lent H200 in one command, ~6-9 min, after
-# the CuTe DSL's first staging run (this can be the second: STAGE2=1, carrying .device/p2). Since docs/tuning.md 2.30
-# the one such switch is a config field: SWITCH=skip_allowed_first (the default; _SKIP_ALLOWED_FIRST and all, the
+# the CuTe DSL's first staging run (this can be the second: STAGE2=1, carrying .device/p2). Two such switches:
+# SWITCH=_CLEAN_SPLIT_ACROSS_WG (a class attribute, 2.31, below) and a config field, SWITCH=skip_allowed_first (the
+# default; _SKIP_ALLOWED_FIRST and all, the
 # names of 2.30's run, mean the same now), CuteConfig.skip_allowed_first (2.27: no NaN-safe V scan of a tile's first
 # key block every row sees whole; "auto", its default, is on where the launch splits KV). The clean-up placements
 # under a GEMM (the class attributes of 2.26 / 2.28) were refuted and removed (2.30). Any other SWITCH names
-# an experiment class attribute of FlashAttentionForwardSm90Mixed (read at compile time; none is left in kernel.py
-# now), with TESTS and WORKLOADS. The shard logs (one file, shards.log) and the A/B log and record under $OUT (3 files).
+# an experiment class attribute of FlashAttentionForwardSm90Mixed (read at compile time), with TESTS and WORKLOADS.
+# The shard logs (one file, shards.log) and the A/B log and record under $OUT (3 files).
 #  1. in parallel shards of at most T s each (default 240): the switch's own GPU tests (skip_allowed_first:
 #     test_cute_skip_allowed_first.py, which sets the config itself: True against False bit for bit, the reference's
 #     exact non-finite entries), and with the switch on in every call's config (switch_lib.sh's config_run; "auto"
@@ -19,6 +20,11 @@
 #     ratio to FA4: mixed_sliding_ctx8k <= 0.9x its time), CUDA-graph medians, the record rewritten after each
 #     workload, at most B s (default 300; B=0 skips it). What to read: the auto row beside the faster of the two on
 #     each workload (2.30: the skip gained on the split launches, lost on the unsplit windowed one).
+# SWITCH=_CLEAN_SPLIT_ACROSS_WG (2.31: the consumer warpgroups scan a masked block's V stage once between them, at
+# hd 256 without FA4's ping-pong): its own tests (test_cute_split_clean.py) and the hd-256 fuzz / NaN-safe V shards
+# with it on, then the A/B on mixed_sliding_ctx8k and the sliding canvas (rows nan_safe_off = the default kernel,
+# nan_safe_on = the switch, nan_off, triton, fa4). Prediction and refutation rule in 2.31; keep it (the default)
+# if mixed_sliding gains >= 1.5 % in two runs, the canvas is not slower and its tests pass.
 # Tests and A/B do not fit one 10-minute run: run them as two,
 #   B=0 STAGE2=1 bash ...        (the shards, <= T = 240 s)
 #   SHARDS=none B=540 bash ...   (the A/B; its record is rewritten after each workload)
@@ -34,6 +40,10 @@ case $SWITCH in
     shards="own_skip fuzz128 nan128 fuzz256 nan256"
     workloads=canvas_bs4_ctx4k_hd128,canvas_bs1_ctx32k_hd128,canvas_bs1_ctx32k_sliding,mixed_sliding_ctx8k
     AB_SWITCH=skip_allowed_first; PLAIN='{"auto": {}, "nan_off": {"nan_safe_v": false}}' ;;
+  _CLEAN_SPLIT_ACROSS_WG) field=0; shards="own fuzz256 nan256"  # 2.31: the hd-256 launches only
+    TESTS=${TESTS:-tests/attention/cute/test_cute_split_clean.py}
+    workloads=mixed_sliding_ctx8k,canvas_bs1_ctx32k_sliding
+    AB_SWITCH=$M.$SWITCH; PLAIN='{"nan_off": {"nan_safe_v": false}}' ;;
   *) field=0; shards=own; workloads=; AB_SWITCH=$M.$SWITCH; PLAIN='{"nan_off": {"nan_safe_v": false}}' ;;
 esac
 SHARDS=${SHARDS:-$shards}; WORKLOADS=${WORKLOADS:-$workloads}
