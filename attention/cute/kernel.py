@@ -485,7 +485,8 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
     #: Whether this class builds ``skip_allowed_first=True`` (kernel_wide.py's classes do not).
     BUILDS_SKIP_ALLOWED_FIRST = True
     #: Experiment switch (compile time, off; docs/tuning.md 2.31): with ``nan_safe_v`` in FA4's intra-warpgroup
-    #: overlap consumer without its scheduler barrier (the hd-256 launches), the consumer warpgroups split a masked
+    #: overlap consumer without its scheduler barrier (head dims above 128, e.g. the hd-256 launches; FA4's
+    #: ``use_scheduler_barrier`` looks at the QK head dim only), the consumer warpgroups split a masked
     #: block's V stage between them (each thread scans ``n_chunks / (128 x warpgroups)`` 16-byte chunks, half of
     #: what each scanned) and meet at one ``bar.red.or`` over all of them (:data:`NAN_CLEAN_BARRIER_ALL`), which
     #: orders every cleaned chunk before every warpgroup's P V wgmma and gives each the OR of all; no tags (every

@@ -187,7 +187,8 @@ _BAR_THREADS = 3 * _WG
 ROLES_REGS = (152, 176)
 #: ``v_refill="halves"``: the CTA named barrier after which both P V warpgroups use their per-half V pipelines
 #: (their loaders initialised them). FA4's ``NamedBarrierFwd`` uses 1-6, the P hand-off 7-11, the NaN-safe V
-#: clean-up 12-14 (12-13 here); 15 is free.
+#: clean-up 12-14 (12-13 here); 15 is also FA4's consumer's split clean-up barrier (kernel.py
+#: ``NAN_CLEAN_BARRIER_ALL``, another kernel: this one never takes that path). Every id 0-15 is now taken.
 V_HALVES_INIT_BARRIER = 15
 #: ``k_refill="halves"``: the named barrier after which SM's 4 warps use the per-half K barriers (SM's warp 0
 #: initialised them; 128 threads). 14 is the NaN-safe clean-up's third id, which only FA4's three-warpgroup kernel

@@ -72,6 +72,36 @@ def test_split_clean_compiles_without_spills_or_r2ur_and_leaves_the_ping_pong_ke
     assert len(on["loops"]) == len(off["loops"])
 
 
+def _named_barriers(ptx_file):
+    """(id, count) of every ``bar.red`` / ``bar.sync`` / ``bar.arrive`` of a PTX file (ids through their ``mov``)."""
+    import re
+    text = open(ptx_file).read()
+    movs = dict(re.findall(r"mov\.b32\s+(%r\d+),\s*(\d+);", text))
+    out = []
+    for m in re.finditer(r"\bbar\.(?:red\.or\.pred\s+\w+,|sync|arrive)\s+(%r\d+|\d+)(?:,\s*(\d+))?", text):
+        bid = m.group(1)
+        out.append((int(movs.get(bid, bid)), int(m.group(2)) if m.group(2) else None))
+    return out
+
+
+@pytest.mark.skipif(not HAVE_FA4, reason="compiling needs flash-attn-4==4.0.0b36 and nvidia-cutlass-dsl==4.8.1")
+@pytest.mark.parametrize("head_dim,tile_m,count", [(256, 128, 256), (136, 192, 384)])
+def test_split_clean_uses_barrier_15_over_every_consumer_thread_and_nothing_else_does(head_dim, tile_m, count,
+                                                                                      tmp_path):
+    """With the switch, the clean-up's only barrier is id 15 over 128 x warpgroups threads (3 call sites: first,
+    right- and left-masked blocks), no per-warpgroup id 12-14 is left, and no other barrier uses 15 (hd 136 with
+    192-row tiles: three consumer warpgroups without the scheduler barrier)."""
+    from cute_helpers import compile_for_sm90_or_skip
+    spec = dict(head_dim=head_dim, num_heads=16, num_kv_heads=8, page_size=64 if head_dim == 256 else None,
+                window_size=1023, return_lse=False,
+                config=dict(tile_m=tile_m, tile_n=64 if head_dim == 256 else 96, mma_pv_is_rs=True,
+                            intra_wg_overlap=True, num_stages=2, nan_safe_v=True, num_splits=1))
+    r = compile_for_sm90_or_skip(ptx_dir=str(tmp_path), switches={SWITCH: True}, **spec)
+    bars = _named_barriers(r["ptx_file"])
+    assert [b for b in bars if b[0] == 15] == [(15, count)] * 3, bars
+    assert not [b for b in bars if b[0] in (12, 13, 14)], bars
+
+
 # --- GPU --------------------------------------------------------------------------------------------------------
 @pytest.fixture
 def split_clean(monkeypatch):
@@ -86,6 +116,8 @@ CASES = [  # (id, head dim, page size or None, config, call kwargs)
     ("hd256_window127_prefix", 256, 16, None, dict(window_size=127, bidirectional_window="prefix")),
     ("hd256_split2_cluster_window1023", 256, 64, dict(num_splits=2, split_merge="cluster"), dict(window_size=1023)),
     ("hd256_split3_combine", 256, 64, dict(num_splits=3, split_merge="combine"), {}),
+    ("hd192_pagebox64", 192, 64, None, {}),  # n_chunks not a multiple of 256: the clamped last chunk
+    ("hd192_window255", 192, 64, None, dict(window_size=255)),
     ("hd128_pagebox64_not_acting", 128, 64, None, {}),
 ]
 
@@ -126,12 +158,19 @@ def test_gpu_split_clean_zeroes_nan_a_row_may_not_see_in_both_halves_of_the_stag
                      paged=False, device="cuda", seed=53)
     v = inp["v_cache"].clone()
     start = int(inp["cu_seqlens_k"][1])
-    for i, val in enumerate((float("nan"), float("inf"), -float("inf"), float("nan"))):
-        v[start + i] = val
+    vals = (float("nan"), float("inf"), -float("inf"), float("nan"))
+    for i in range(8):  # block-local keys 20..27 of sequence 0's last 80-key block: both consumer warpgroups' shares
+        v[start + i] = vals[i % 4]
     bad = dict(inp, v_cache=v)
 
     def call():
         return attention(**bad, backend="cute", config=dict(nan_safe_v=True), max_seqlen_q=256)
     out = split_clean(True, call)
+    from blockdiff.attention.cute import interface as ca
+    cfg = ca.LAST_LAUNCH["config"]
+    assert (cfg.tile_m, cfg.tile_n, cfg.intra_wg_overlap) == (128, 80, True), cfg  # where the split acts
+    # chunk i = key * 32 + column chunk of thread (i mod 256): the first warpgroup owns keys 0-3 mod 8
+    shares = {((start + i - 1280) * 32 % 256) // 128 for i in range(8)}
+    assert shares == {0, 1}, shares
     assert torch.isfinite(out[:256]).all(), "the next sequence's NaN / Inf reached the first canvas"
     assert check_nonfinite_matches_reference(out, bad, max_seqlen_q=256) > 0
