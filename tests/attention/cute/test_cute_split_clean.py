@@ -118,6 +118,9 @@ CASES = [  # (id, head dim, page size or None, config, call kwargs)
     ("hd256_split3_combine", 256, 64, dict(num_splits=3, split_merge="combine"), {}),
     ("hd192_pagebox64", 192, 64, None, {}),  # n_chunks not a multiple of 256: the clamped last chunk
     ("hd192_window255", 192, 64, None, dict(window_size=255)),
+    # with the first-block skip against its "auto" (unsplit: off, split: on): both trip-count forms of the scan
+    ("hd256_skip_first_unsplit", 256, 64, dict(skip_allowed_first=True), {}),
+    ("hd256_split2_cluster_no_skip", 256, 64, dict(num_splits=2, split_merge="cluster", skip_allowed_first=False), {}),
     ("hd128_pagebox64_not_acting", 128, 64, None, {}),
 ]
 
