@@ -1109,22 +1109,13 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
                 needs = Int32(0)
         return cute.arch.make_warp_uniform(needs)
 
-    @cute.jit
-    def _wait_clean_v_if(self, needs: Int32, state):
-        """:meth:`_wait_clean_v` of the whole stage (tags on), scanning it only when ``needs`` (tile-uniform) is
-        not 0. The wait, the warpgroup barrier (``bar.red.or``: this path is not under a GEMM) and the tag test run
-        either way: with the whole call under a run-time ``if`` ptxas moved the hd-128 kernel's wgmma descriptors
-        out of the uniform datapath (docs/tuning.md 2.27)."""
-        pipeline_v = self._nf_pipeline_v
-        pipeline_v.consumer_wait(state, pipeline_v.consumer_try_wait(state))
-        self._clean_v_stage(self._nf_sVt, state.index, 0, self.tile_hdimv, shared_tag=True, active=needs)
-
     def first_half_block_overlap(self, *args, **kwargs):
         state = FlashAttentionForwardSm90.first_half_block_overlap(self, *args, **kwargs)
-        if const_expr(self._skip_allowed_first()):  # unless the whole block is allowed
-            self._wait_clean_v_if(self._first_needs(kwargs), state)
-        elif const_expr(self.nan_safe_v):  # the tile's first block is always masked; its PV runs in the next call
-            self._wait_clean_v(state, 0, self.tile_hdimv, shared_tag=True)
+        if const_expr(self.nan_safe_v):  # the tile's first block is always masked; its PV runs in the next call
+            needs = None
+            if const_expr(self._skip_allowed_first()):  # scanned unless the whole block is allowed
+                needs = self._first_needs(kwargs)
+            self._wait_clean_v(state, 0, self.tile_hdimv, shared_tag=True, active=needs)
         return state
 
     def mma_one_n_block_intrawg_overlap(self, *args, **kwargs):
@@ -1158,12 +1149,15 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
 
     @cute.jit
     def _wait_clean_v(self, state, col0: cutlass.Constexpr[int], width: cutlass.Constexpr[int],
-                      shared_tag: cutlass.Constexpr[bool] = False):
+                      shared_tag: cutlass.Constexpr[bool] = False, active: Optional[Int32] = None):
         """Wait for V of the stage of ``state`` (a completed phase waits no longer: its consumers have not
-        released it) and clean columns ``[col0, col0 + width)`` of it (:meth:`_clean_v_stage`)."""
+        released it) and clean columns ``[col0, col0 + width)`` of it (:meth:`_clean_v_stage`; ``active`` its
+        tile-uniform trip-count factor). The wait, the barrier and the tag test run whatever ``active`` is: with the
+        call under a run-time ``if`` ptxas moved the hd-128 kernel's wgmma descriptors out of the uniform datapath
+        (docs/tuning.md 2.27)."""
         pipeline_v = self._nf_pipeline_v
         pipeline_v.consumer_wait(state, pipeline_v.consumer_try_wait(state))
-        self._clean_v_stage(self._nf_sVt, state.index, col0, width, shared_tag=shared_tag)
+        self._clean_v_stage(self._nf_sVt, state.index, col0, width, shared_tag=shared_tag, active=active)
 
     @cute.jit
     def _clean_v_stage(self, sVt: cute.Tensor, stage: Int32, col0: cutlass.Constexpr[int],
@@ -1178,7 +1172,7 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         holding one are written back (finite entries unchanged). Then ``fence.proxy.async`` (the wgmma reads
         through the async proxy) and one ``bar.red.or`` over the warpgroup, which also gives every thread the
         warpgroup's result. Another warpgroup cleaning the same stage concurrently writes the same bytes.
-        ``active`` (a tile-uniform 0 / 1, :meth:`_wait_clean_v_if`) is the scan's trip count; the barrier and the
+        ``active`` (a tile-uniform 0 / 1, :meth:`_first_block_needs_clean`) is the scan's trip count; the barrier and the
         tag test run either way.
 
         With :attr:`_CLEAN_SPLIT_ACROSS_WG` where it acts (:meth:`_split_clean`, FA4's consumer without its scheduler

@@ -194,3 +194,23 @@ NAN_SAFE_HD256_CASES = [
     ("pagebox64_split2_window127", 64, dict(num_splits=2, split_merge="combine"), dict(window_size=127)),
     ("pagebox64_split2_cluster_window127", 64, dict(num_splits=2, split_merge="cluster"), dict(window_size=127)),
 ]
+
+
+def nan_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit where finite or infinite, NaN exactly where the other has NaN (two switch settings' outputs
+    on a poisoned cache)."""
+    return torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))
+
+
+def next_sequence_nan_v(head_dim: int, n_keys: int, seed: int) -> dict:
+    """A contiguous-K / V GPU batch of two 256-row canvases over 1,300 and 1,280 keys (the first's keys end mid-block,
+    so its tiles' last block reaches into the second's keys), with V of the second sequence's first ``n_keys`` keys
+    NaN / +Inf / -Inf / NaN in turn, in every head and column: rows of the first canvas see none of them."""
+    inp = make_batch([1300, 1280], [256, 256], num_causal_q=[0, 0], num_heads=16, num_kv_heads=8,
+                     head_dim=head_dim, paged=False, device="cuda", seed=seed)
+    v = inp["v_cache"].clone()
+    start = int(inp["cu_seqlens_k"][1])
+    vals = (float("nan"), float("inf"), -float("inf"), float("nan"))
+    for i in range(n_keys):
+        v[start + i] = vals[i % 4]
+    return dict(inp, v_cache=v)

@@ -36,7 +36,7 @@ from blockdiff.attention.cute import interface as ca
 from blockdiff.attention.masks import key_range
 from blockdiff.attention.testing import check_nonfinite_matches_reference, make_batch, poison_v_inside_seq_lens
 
-from cute_helpers import HAVE_FA4, check_nonfinite_v, needs_gpu
+from cute_helpers import HAVE_FA4, check_nonfinite_v, nan_equal, needs_gpu, next_sequence_nan_v
 
 _FA4 = pytest.mark.skipif(not HAVE_FA4, reason="imports the CuTe DSL kernel classes (flash-attn-4, nvidia-cutlass-dsl)")
 
@@ -312,9 +312,8 @@ def test_skip_allowed_first_call_sequences(needs, overlap, monkeypatch):
     k._first_block_needs_clean = lambda sq, m_block, n_block: tests.append((sq, m_block, n_block)) or needs
     k._clean_v_stage = lambda sVt, st, col0, width, shared_tag=False, active=None: events.append(
         ("clean", stage_block[st], active))
-    k._wait_clean_v = lambda state, col0, width, shared_tag=False: events.append(
-        ("clean", stage_block[state.index], None))
-    k._wait_clean_v_if = lambda nd, state: events.append(("clean", stage_block[state.index], nd))
+    k._wait_clean_v = lambda state, col0, width, shared_tag=False, active=None: events.append(
+        ("clean", stage_block[state.index], active))
     from blockdiff.attention.cute import kernel as K
     monkeypatch.setattr(K.cute.arch, "make_warp_uniform", lambda x: x)  # (a DSL op; plain ints here)
     pv = lambda B_idx, **kw: events.append(("PV", stage_block[B_idx]))  # noqa: E731
@@ -395,10 +394,6 @@ CASES = [  # (id, head dim, page size or None, config, call kwargs)
 ]
 
 
-def _nan_equal(a, b):
-    return torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))
-
-
 @needs_gpu
 @pytest.mark.parametrize("D,page,config,kw", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_gpu_skip_allowed_first_keeps_nonfinite_v_exact(D, page, config, kw):
@@ -418,8 +413,8 @@ def test_gpu_skip_allowed_first_keeps_nonfinite_v_exact(D, page, config, kw):
         (off, cfg_off), (on, cfg_on), (auto, cfg_auto) = call(False), call(True), call("auto")
         assert (cfg_off.skip_allowed_first, cfg_on.skip_allowed_first) == (False, True)
         assert cfg_auto == (cfg_on if cfg_auto.num_splits > 1 else cfg_off)
-        assert _nan_equal(on, off), (on.float() - off.float()).abs().nan_to_num().max()
-        assert _nan_equal(auto, off)
+        assert nan_equal(on, off), (on.float() - off.float()).abs().nan_to_num().max()
+        assert nan_equal(auto, off)
 
 
 @needs_gpu
@@ -430,13 +425,7 @@ def test_gpu_skip_allowed_first_scans_a_contiguous_block_that_reaches_into_the_n
     The first canvas's rows see none of them: its output stays finite and within the tolerance rule (the block is
     scanned: its rows past ``seq_lens`` are the next sequence's), the second's has exactly the reference's
     non-finite entries."""
-    inp = make_batch([1300, 1280], [256, 256], num_causal_q=[0, 0], num_heads=16, num_kv_heads=8, head_dim=D,
-                     paged=False, device="cuda", seed=43)
-    v = inp["v_cache"].clone()
-    start = int(inp["cu_seqlens_k"][1])
-    for i, val in enumerate((float("nan"), float("inf"), -float("inf"), float("nan"))):
-        v[start + i] = val
-    bad = dict(inp, v_cache=v)
+    bad = next_sequence_nan_v(D, 4, seed=43)
 
     out = attention(**bad, backend="cute", config=dict(nan_safe_v=True, skip_allowed_first=True), max_seqlen_q=256)
     assert ca.LAST_LAUNCH["config"].skip_allowed_first is True

@@ -23,7 +23,7 @@ import torch
 from blockdiff.attention import attention
 from blockdiff.attention.testing import check_nonfinite_matches_reference, make_batch, poison_v_inside_seq_lens
 
-from cute_helpers import HAVE_FA4, check_nonfinite_v, needs_gpu, switch_runner
+from cute_helpers import HAVE_FA4, check_nonfinite_v, nan_equal, needs_gpu, next_sequence_nan_v, switch_runner
 
 _FA4 = pytest.mark.skipif(not HAVE_FA4, reason="needs flash-attn-4==4.0.0b36 and nvidia-cutlass-dsl==4.8.1")
 SWITCH = "FlashAttentionForwardSm90Mixed._CLEAN_SPLIT_ACROSS_WG"
@@ -133,10 +133,6 @@ def _batch(D, page, seed):
                       paged=page is not None, device="cuda", seed=seed, poison_unused=page is not None)
 
 
-def _nan_equal(a, b):
-    return torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))
-
-
 @needs_gpu
 @pytest.mark.parametrize("D,page,config,kw", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_gpu_split_clean_keeps_nonfinite_v_exact(D, page, config, kw, split_clean):
@@ -149,7 +145,7 @@ def test_gpu_split_clean_keeps_nonfinite_v_exact(D, page, config, kw, split_clea
         def call(batch=batch):
             return attention(**batch, backend="cute", config=dict(config or {}, nan_safe_v=True), **kw)
         off, on = split_clean(False, call), split_clean(True, call)
-        assert _nan_equal(on, off), (on.float() - off.float()).abs().nan_to_num().max()
+        assert nan_equal(on, off), (on.float() - off.float()).abs().nan_to_num().max()
 
 
 @needs_gpu
@@ -157,14 +153,10 @@ def test_gpu_split_clean_zeroes_nan_a_row_may_not_see_in_both_halves_of_the_stag
     """Contiguous K / V, hd 256: a canvas whose context ends mid-block before a canvas whose first keys' V are NaN /
     +-Inf in every column (so both warpgroups' shares of the stage hold some): the first canvas's output stays finite,
     the second's has exactly the reference's non-finite entries."""
-    inp = make_batch([1300, 1280], [256, 256], num_causal_q=[0, 0], num_heads=16, num_kv_heads=8, head_dim=256,
-                     paged=False, device="cuda", seed=53)
-    v = inp["v_cache"].clone()
-    start = int(inp["cu_seqlens_k"][1])
-    vals = (float("nan"), float("inf"), -float("inf"), float("nan"))
-    for i in range(8):  # block-local keys 20..27 of sequence 0's last 80-key block: both consumer warpgroups' shares
-        v[start + i] = vals[i % 4]
-    bad = dict(inp, v_cache=v)
+    # the second sequence's first 8 keys: block-local keys 20..27 of the first sequence's last 80-key block, both
+    # consumer warpgroups' shares
+    bad = next_sequence_nan_v(256, 8, seed=53)
+    start = int(bad["cu_seqlens_k"][1])
 
     def call():
         return attention(**bad, backend="cute", config=dict(nan_safe_v=True), max_seqlen_q=256)
