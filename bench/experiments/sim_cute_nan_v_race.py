@@ -13,6 +13,11 @@ warpgroup's flag is set when any masked block's V stage held one), ``H1`` (warpg
 M|any``: the set of counts reachable when, per (tile, split), either warpgroup may be the one that cleans the
 stage second and so reads it already cleaned (``any``; ``M``: warpgroup 1 always first after the first block).
 
+Split mode (``FlashAttentionForwardSm90Mixed._CLEAN_SPLIT_ACROSS_WG``, docs/tuning.md 2.31) is not simulated, and
+need not be: it acts only above head dim 128 (these hd-128 tiles never take it), and there the consumer warpgroups
+scan disjoint chunks of the stage and OR their finds at one barrier over all of them, with no tags, so every
+warpgroup's flag is "any masked block's stage held one", ``H0`` by construction, with no order to enumerate.
+
     python3 -m blockdiff.bench.experiments.sim_cute_nan_v_race [--enumerate any]
 (CPU, ~20 s; ``--enumerate`` a few minutes). The values of q / k are drawn on the CPU, not as on the GPU; the
 non-finite pattern depends only on which rows see which poisoned key (scores are N(0, 1), no weight underflows),

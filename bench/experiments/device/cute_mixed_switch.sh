@@ -67,6 +67,7 @@ for s in $SHARDS; do case $s in
   *) echo "unknown shard $s"; exit 2 ;;
 esac; done
 wait
+gpu_health
 switch_logs
 switch_pack  # up to 8 shard logs: one file back
 [ "${B:-300}" = 0 ] && exit 0

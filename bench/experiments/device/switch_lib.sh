@@ -10,11 +10,14 @@
 #  gpu_run LOG [pytest arguments]: the GPU tests as they are (tests that set the switch themselves), at most $t s,
 #    into $OUT/LOG.log;
 #  switch_logs: each shard log's result lines and first failures;
+#  gpu_health: a few lines into $OUT/sw_gpu_health.log (packed with the shard logs) after the shards (nvidia-smi's view, then a 20 s CUDA round trip in
+#    a fresh process): a kernel left hung by a shard (a barrier that never completes) shows as FAIL here, not as
+#    the next shard's time-out;
 #  switch_pack: the shard logs concatenated into $OUT/shards.log (with a header each) and removed, since at most 8
 #    files come back from $OUT.
 switch_run() {
   local mod=$1 cls=$2 on=$3 log=$4; shift 4
-  timeout $t python3 -c "
+  timeout -k 15 $t python3 -c "
 import sys, pytest
 from $mod import $cls as C
 for name in '$SWITCH'.split(','):
@@ -25,7 +28,7 @@ sys.exit(pytest.main(['-m', 'gpu', '-q', '-p', 'no:cacheprovider', '-rf', '--max
 }
 config_run() {
   local field=$1 value=$2 log=$3; shift 3
-  timeout $t python3 -c "
+  timeout -k 15 $t python3 -c "
 import dataclasses, sys, pytest
 from blockdiff.attention.cute import config as C, interface as I
 C.check_config({'$field': $value})  # a bad field or value fails here, not in every test
@@ -42,14 +45,21 @@ sys.exit(pytest.main(['-m', 'gpu', '-q', '-p', 'no:cacheprovider', '-rf', '--max
 }
 gpu_run() {
   local log=$1; shift
-  timeout $t python3 -m pytest -m gpu -q -p no:cacheprovider -rf --maxfail=5 "$@" > $OUT/$log.log 2>&1 < /dev/null
+  timeout -k 15 $t python3 -m pytest -m gpu -q -p no:cacheprovider -rf --maxfail=5 "$@" > $OUT/$log.log 2>&1 < /dev/null
 }
 switch_logs() {
   local f
   for f in $OUT/sw_*.log; do
     [ -f "$f" ] || continue
-    echo "== $f"; grep -E "passed|failed|error" $f | tail -2; grep -E "^FAILED|Timeout" $f | head -5
+    echo "== $f"
+    case $f in *sw_gpu_health.log) cat $f; continue ;; esac
+    grep -E "passed|failed|error" $f | tail -2; grep -E "^FAILED|Timeout" $f | head -5
   done
+}
+gpu_health() {
+  { date -u +%T; nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader 2>&1
+    timeout -k 5 20 python3 -c "import torch; print('cuda round trip', torch.ones(4, device='cuda').sum().item())" 2>&1 \
+      || echo "FAIL: no CUDA round trip in 20 s (rc $?)"; } > $OUT/sw_gpu_health.log
 }
 switch_pack() {
   local f
