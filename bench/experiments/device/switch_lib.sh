@@ -10,9 +10,9 @@
 #  gpu_run LOG [pytest arguments]: the GPU tests as they are (tests that set the switch themselves), at most $t s,
 #    into $OUT/LOG.log;
 #  switch_logs: each shard log's result lines and first failures;
-#  gpu_health: a few lines into $OUT/sw_gpu_health.log (packed with the shard logs) after the shards (nvidia-smi's view, then a 20 s CUDA round trip in
-#    a fresh process): a kernel left hung by a shard (a barrier that never completes) shows as FAIL here, not as
-#    the next shard's time-out;
+#  gpu_health: after the shards, a few lines into $OUT/sw_gpu_health.log (packed with the shard logs):
+#    nvidia-smi's view, then a CUDA round trip in a fresh process, capped at 20 s. A GPU a shard left hung (a
+#    barrier that never completes) shows as FAIL here (rc 124: the cap), not as the next shard's time-out;
 #  switch_pack: the shard logs concatenated into $OUT/shards.log (with a header each) and removed, since at most 8
 #    files come back from $OUT.
 switch_run() {
@@ -58,8 +58,9 @@ switch_logs() {
 }
 gpu_health() {
   { date -u +%T; nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader 2>&1
-    timeout -k 5 20 python3 -c "import torch; print('cuda round trip', torch.ones(4, device='cuda').sum().item())" 2>&1 \
-      || echo "FAIL: no CUDA round trip in 20 s (rc $?)"; } > $OUT/sw_gpu_health.log
+    timeout -k 5 20 python3 -c "import torch; print('cuda round trip', torch.ones(4, device='cuda').sum().item())" \
+      2>&1 \
+      || echo "FAIL: no CUDA round trip (rc $?; 124: none in 20 s)"; } > $OUT/sw_gpu_health.log
 }
 switch_pack() {
   local f
