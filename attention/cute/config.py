@@ -41,7 +41,10 @@ class CuteConfig:
     the kernels without it. Not a tile field: setting only it keeps the automatic tiles.
     split_merge: how split-KV partial outputs are merged: ``"auto"`` (default: ``"cluster"`` where it was
     measured faster, else ``"combine"``; :func:`auto_split_merge`), ``"combine"`` (FA4's combine kernel, a
-    second launch) or ``"cluster"`` (the splits of a tile as a thread-block cluster reducing through distributed
+    second launch; it skips a split whose weight underflows to 0, and with it a non-finite V entry of a key the
+    row sees there, which the contract passes on: docs/tuning.md 2.33), ``"triton"`` (the shared Triton merge of
+    :mod:`blockdiff.attention.split_merge`, a second launch that multiplies every split by its weight, 0
+    included) or ``"cluster"`` (the splits of a tile as a thread-block cluster reducing through distributed
     shared memory inside the one launch; 2 .. :data:`MAX_CLUSTER_SPLITS` splits, and the fp32 tile must fit the
     Q / K / V buffers: :func:`cluster_merge_fits`; docs/tuning.md 2.5). Not a tile field either; it resolves in
     :func:`resolve_launch_config`, with one split to ``"combine"`` (the plain kernel).
@@ -125,7 +128,7 @@ class CuteConfig:
 
 
 #: The merges of split-KV partial outputs (CuteConfig.split_merge).
-SPLIT_MERGES = ("auto", "combine", "cluster")
+SPLIT_MERGES = ("auto", "combine", "cluster", "triton")
 #: The kernels of head dims above 256 (CuteConfig.wide_design): automatic (default, :func:`auto_wide_design`), the
 #: split-value kernel and the roles kernel.
 WIDE_DESIGNS = ("auto", "split_v", "roles")
@@ -744,8 +747,8 @@ def resolve_launch_config(head_dim: int, head_dim_v: int, window_size, config=No
                           page_size: int | None = None) -> CuteConfig:
     """:func:`resolve_config` plus the split count when the config leaves it None (:func:`choose_num_splits` on
     :func:`grid_tiles` and :func:`key_bound`) and the split merge: ``"auto"`` resolves here
-    (:func:`auto_split_merge`), so the result's ``split_merge`` is ``"combine"`` or ``"cluster"``, and
-    ``"combine"`` whenever there is one split; ``batch_order="work"`` (explicit, or ``"auto"`` resolved to it
+    (:func:`auto_split_merge`), so the result's ``split_merge`` is ``"combine"``, ``"cluster"`` or an explicit
+    ``"triton"``, and ``"combine"`` whenever there is one split; ``batch_order="work"`` (explicit, or ``"auto"`` resolved to it
     for the roles kernel by :func:`resolve_config`) resolves to ``"given"`` with at most one sequence (nothing to
     order: the kernel without the permutation); ``skip_allowed_first`` resolves here to a bool
     (:func:`auto_skip_allowed_first`: ``"auto"`` on split-KV launches only; False wherever it cannot act). Host ints
@@ -770,8 +773,8 @@ def resolve_launch_config(head_dim: int, head_dim_v: int, window_size, config=No
     if cfg.split_merge == "auto":
         cfg = replace(cfg, split_merge=auto_split_merge(cfg, head_dim, head_dim_v))
         cluster = cfg.split_merge == "cluster"
-    if cluster and cfg.num_splits == 1:
-        cfg = replace(cfg, split_merge="combine")  # one split: the plain kernel, one compiled kernel for both
+    if cfg.split_merge in ("cluster", "triton") and cfg.num_splits == 1:
+        cfg = replace(cfg, split_merge="combine")  # one split: the plain kernel, one compiled kernel for all
     elif cluster and not cluster_merge_fits(cfg, head_dim, head_dim_v):
         raise ValueError(
             f"config {cfg}: the cluster merge's fp32 output tile ({cfg.tile_m} x {head_dim_v} x 4 B plus the LSEs) "

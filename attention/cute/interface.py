@@ -30,6 +30,7 @@ import os
 
 import torch
 
+from ..split_merge import merge_split_partials
 from ..validate import check_attention_inputs, length_hint_value, memory_overlaps
 from .compile_cache import make_compile_cache
 from .config import (REQUIRED, WIDE_MAX_PAGE_BOXES, check_config, is_wide, kv_load_path, resolve_launch_config,
@@ -165,7 +166,9 @@ def attention_cute(
             :func:`~blockdiff.attention.cute.config.resolve_launch_config`.
             ``num_splits`` > 1 runs split-KV: with ``split_merge="combine"`` the kernel writes fp32 partial
             outputs and LSEs per split and FA4's combine kernel merges them (two launches,
-            :mod:`~blockdiff.attention.cute.kernel_split`); with ``"cluster"`` one launch whose splits of a tile
+            :mod:`~blockdiff.attention.cute.kernel_split`); with ``"triton"`` the same partials are merged by
+            :func:`blockdiff.attention.split_merge.merge_split_partials`, which also passes on a non-finite entry
+            of a split whose weight underflows to 0, as one split does; with ``"cluster"`` one launch whose splits of a tile
             form a thread-block cluster merging through distributed shared memory
             (:mod:`~blockdiff.attention.cute.kernel_cluster`); ``"auto"`` (the default) picks one
             (:func:`~blockdiff.attention.cute.config.auto_split_merge`). ``wide_design="auto"`` (the default)
@@ -324,7 +327,7 @@ def _run(fa, q, k_cache, v_cache, *, out, return_lse, cu_seqlens_q, num_causal_q
     aux = [ncq]
     if cluster:  # the kernel merges and writes out (and the LSE) itself: no workspace
         aux += [out_k] + ([lse] if return_lse else [])
-    elif split:  # each split's normalised fp32 output and LSE, merged by FA4's combine kernel below
+    elif split:  # each split's normalised fp32 output and LSE, merged below (FA4's combine, or the Triton merge)
         aux += [torch.empty(cfg.num_splits, total_q, H, head_dim_v, dtype=torch.float32, device=q.device),
                 torch.empty(cfg.num_splits, H, total_q, dtype=torch.float32, device=q.device)]
     if cfg.nan_safe_v:  # the NaN-safe fix-up reads V itself (kernel.py, "NaN-safe V"): the last aux tensor
@@ -349,7 +352,10 @@ def _run(fa, q, k_cache, v_cache, *, out, return_lse, cu_seqlens_q, num_causal_q
         compiled(q, k_cache, v_cache, out_k, lse_k, scale, cu_q, cu_k, None, seqused_k, page_table,
                  window_size, window_size, None, None, fa["AuxData"](aux, None), None, None)
     fake = fa["is_fake_mode"]()
-    if split and not cluster:
+    if split and not cluster and cfg.split_merge == "triton":
+        if not fake:  # the shared Triton merge: workspace [S, total_q, H, Dv] and [S, H, total_q], lse [H, total_q]
+            merge_split_partials(aux[1], aux[2], out_k, lse if return_lse else None)
+    elif split and not cluster:
         # (splits, total_q, H) views with total_q contiguous, FA4's combine layout for the LSEs
         _, lse_merged = fa["combine"](aux[1], aux[2].permute(0, 2, 1), out=out_k, cu_seqlens=cu_q,
                                       return_lse=return_lse)

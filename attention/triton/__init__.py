@@ -5,7 +5,8 @@ kernels on sm_90. Semantics: docs/ARCHITECTURE.md §4 "The attention contract".
 Modules (each imports only those above it; tests in tests/attention/triton/test_triton_<module>.py):
 
 * :mod:`.common`: the ``@triton.jit`` helpers both kernel families share (tile -> sequence search, causal rows,
-  KV base, per-row key interval, key-block ranges, rounding cast) and the split-KV merge kernel ``_merge_kernel``.
+  KV base, per-row key interval, key-block ranges), with the rounding cast and the split-KV merge kernel
+  ``_merge_kernel`` re-exported from :mod:`blockdiff.attention.split_merge` (shared with the cute backend).
 * :mod:`.portable`: the portable Triton kernel ``_attn_fwd_kernel`` (``IMPL="triton"``; CPU via the interpreter).
 * :mod:`.gluon`: the warp-specialised Gluon kernels ``_attn_fwd_gluon``, ``_attn_fwd_gluon_wide``,
   ``_attn_fwd_gluon_roles`` (``IMPL="gluon"``, sm_90).

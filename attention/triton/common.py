@@ -10,27 +10,17 @@ The helpers are ``@triton.jit`` functions (Gluon kernels call them too; they are
   :func:`blockdiff.attention.masks.key_range`);
 * :func:`tile_key_bounds` / :func:`key_block_ranges`: a tile's key bounds; the key blocks it visits, of which the
   full (unmasked) ones;
-* :func:`cast`: ``x.to(dtype)`` rounding to nearest even under the interpreter too.
+* :func:`cast` (defined in :mod:`blockdiff.attention.split_merge`, re-exported here): ``x.to(dtype)`` rounding to
+  nearest even under the interpreter too.
 
-:func:`_merge_kernel` merges the split-KV partials exactly (flash-decoding's LSE merge: Dao et al., 2023,
-"Flash-Decoding for long-context inference"). Contract: docs/ARCHITECTURE.md §4 "The attention contract".
+The split-KV merge kernel both kernel families feed, ``_merge_kernel``, is :mod:`blockdiff.attention.split_merge`'s
+(shared with the cute backend), re-exported here under its compiled symbol name. Contract: docs/ARCHITECTURE.md
+§4 "The attention contract".
 """
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def cast(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
-    """``x.to(dtype)`` with round-to-nearest-even; the interpreter truncates fp32 -> bf16, so round by hand."""
-    if INTERPRET:
-        if dtype == tl.bfloat16:
-            bits = x.to(tl.uint32, bitcast=True)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-            return bits.to(tl.float32, bitcast=True).to(dtype)
-        else:
-            return x.to(dtype)
-    else:
-        return x.to(dtype)
+from ..split_merge import _merge_kernel, cast  # noqa: F401  (shared with the cute backend)
 
 
 @triton.jit
@@ -125,46 +115,3 @@ def key_block_ranges(lo, hi, row_valid, split, num_splits, BLOCK_N: tl.constexpr
     b_mid = tl.minimum(tl.maximum(full_lo, a), d_end)
     c_mid = tl.minimum(tl.maximum(full_hi, b_mid), d_end)
     return a, b_mid, c_mid, d_end
-
-
-@triton.jit(do_not_specialize=["total_q", "n_rows"])
-def _merge_kernel(OPART, LSEPART, O, LSE, total_q, num_heads, n_rows, stride_ot, stride_oh,
-                  NUM_SPLITS: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr,
-                  STORE_LSE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
-    """Exact merge of split-KV partials: out = sum_s w_s o_s / sum_s w_s, w_s = exp(lse_s - max_s lse_s).
-
-    One program merges ``BLOCK_R`` (token, head) rows (row = token * num_heads + head, OPART's order): pass 1 takes
-    the max LSE over the splits, pass 2 accumulates the weighted partials with ``[BLOCK_R, BLOCK_DV]`` loads (one
-    program per row was slower; docs/tuning.md).
-    """
-    if PDL:
-        # launched with programmatic dependent launch (sm_90+): the grid is dispatched while the attention kernel
-        # finishes; wait until its writes are visible
-        tl.extra.cuda.gdc_wait()
-    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    rmask = r < n_rows
-    tq = r // num_heads
-    h = r % num_heads
-    lse_off = h * total_q + tq
-    plane = n_rows.to(tl.int64)  # = num_heads * total_q: one split's rows (int64: splits x rows may pass 2^31)
-    mx = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
-    for s in range(NUM_SPLITS):
-        mx = tl.maximum(mx, tl.load(LSEPART + s * plane + lse_off, mask=rmask, other=float("-inf")))
-    mx_use = tl.where(mx == float("-inf"), 0.0, mx)
-    offs = tl.arange(0, BLOCK_DV)
-    dmask = offs < DV
-    den = tl.zeros([BLOCK_R], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_R, BLOCK_DV], dtype=tl.float32)
-    for s in range(NUM_SPLITS):
-        lse_s = tl.load(LSEPART + s * plane + lse_off, mask=rmask, other=float("-inf"))
-        w = tl.exp(lse_s - mx_use)  # 0 for empty splits
-        o_s = tl.load(OPART + (s * plane + r)[:, None] * DV + offs[None, :], mask=rmask[:, None] & dmask[None, :],
-                      other=0.0)
-        den += w
-        acc += o_s * w[:, None]
-    res = acc * (1.0 / tl.where(den == 0.0, 1.0, den))[:, None]
-    tl.store(O + tq[:, None] * stride_ot + h[:, None] * stride_oh + offs[None, :],
-             cast(res, O.dtype.element_ty, INTERPRET), mask=rmask[:, None] & dmask[None, :])
-    if STORE_LSE:
-        tl.store(LSE + lse_off, tl.where(den == 0.0, float("-inf"), mx_use + tl.log(den)), mask=rmask)
-

@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from ..split_merge import merge_constexprs  # noqa: F401  (re-exported: the plans use it)
 from .tma import tma_box_rows
 
 #: the keys a call's ``config`` dict may set (the fields of :class:`TritonConfig`)
@@ -659,15 +660,6 @@ def kernel_constexprs(cfg: TritonConfig, shape: KernelShape) -> dict:
     if variant == "gluon_wide":
         return dict(consts, **ws, CONSUMER_REGS=WIDE_CONSUMER_REGS, num_warps=4)
     return dict(consts, **ws, OVERLAP=overlap_mode(cfg.OVERLAP), num_warps=cfg.num_warps)
-
-
-def merge_constexprs(num_splits: int, head_dim_v: int, store_lse: bool, pdl: bool, interpret: bool) -> dict:
-    """The split-KV merge's (:func:`.common._merge_kernel`) constexprs and launch options, and its ``BLOCK_R`` rows
-    per program: <= 4096 fp32 partial elements per program per split."""
-    bdv = max(16, next_pow2(head_dim_v))
-    block_r = max(1, min(64, 4096 // bdv))
-    return dict(NUM_SPLITS=num_splits, DV=head_dim_v, BLOCK_DV=bdv, BLOCK_R=block_r, STORE_LSE=store_lse,
-                INTERPRET=interpret, PDL=pdl, num_warps=4, launch_pdl=pdl)
 
 
 __all__ = ["CONFIG_KEYS", "MAX_SPLITS", "TritonConfig", "StaticKey", "TritonAttention", "get_kernel",

@@ -343,6 +343,32 @@ def test_auto_merge_takes_the_cluster_at_two_splits_where_it_was_measured_faster
     forced = cc.resolve_launch_config(256, 256, 1023, dict(split_merge="combine"), num_kv_heads=8,
                                       qhead_per_kvhead=2, keys_capacity=33024, **kw)
     assert (forced.num_splits, forced.split_merge) == (2, "combine")
+
+
+def test_the_triton_merge_is_taken_by_name_on_every_split_launch_and_one_split_is_the_plain_kernel(monkeypatch):
+    """split_merge "triton" (the shared Triton merge, docs/tuning.md 2.33): kept at any split count (the hd-128
+    canvas at 4, the sliding canvas at 2, both hd-512 kernels at 2), never capped as the cluster is; one split
+    resolves to "combine" (the plain kernel, one compile key for all merges); "auto" never picks it."""
+    _fa4_tiles(monkeypatch)
+    kw = dict(total_q=256, num_seqs=1, max_seqlen_q=256, max_seqlen_k=None, num_sms=132)
+    tri = dict(split_merge="triton")
+    hd128 = cc.resolve_launch_config(128, 128, None, tri, num_kv_heads=8, qhead_per_kvhead=2, keys_capacity=33024,
+                                     **kw)
+    assert (hd128.num_splits, hd128.split_merge) == (4, "triton")
+    sliding = cc.resolve_launch_config(256, 256, 1023, tri, num_kv_heads=8, qhead_per_kvhead=2,
+                                       keys_capacity=33024, **kw)
+    assert (sliding.num_splits, sliding.split_merge) == (2, "triton")
+    for config in (dict(SPLIT_V, **tri), tri):
+        wide = cc.resolve_launch_config(512, 512, None, config, num_kv_heads=2, qhead_per_kvhead=8,
+                                        keys_capacity=33024, **kw)
+        assert (wide.num_splits, wide.split_merge) == (2, "triton")
+    many = cc.resolve_launch_config(128, 128, None, dict(tri, num_splits=16), num_kv_heads=8, qhead_per_kvhead=2,
+                                    keys_capacity=33024, **kw)
+    assert (many.num_splits, many.split_merge) == (16, "triton")
+    one = cc.resolve_launch_config(256, 256, 1023, tri, num_kv_heads=8, qhead_per_kvhead=2, keys_capacity=1024,
+                                   **kw)
+    assert (one.num_splits, one.split_merge) == (1, "combine")
+    assert "triton" in cc.SPLIT_MERGES and cc.check_config(tri) is not None
     assert cc.CuteConfig().split_merge == "auto" and "auto" in cc.SPLIT_MERGES
 
 

@@ -1,0 +1,148 @@
+"""The split-KV merge every backend can share: a Triton kernel that merges per-split partial outputs and LSEs
+exactly (flash-decoding's LSE merge: Dao et al., 2023, "Flash-Decoding for long-context inference"), and its host
+launcher :func:`merge_split_partials`.
+
+``out = sum_s w_s o_s / sum_s w_s`` with ``w_s = exp(lse_s - max_s lse_s)``, and ``lse = max + log(sum_s w_s)``.
+Every split's partial is multiplied by its weight, a weight of 0 included. A split whose weight underflows to 0
+therefore still passes on a non-finite entry, since ``0 * NaN`` and ``0 * Inf`` are NaN. That is what the dense
+reference gives for a key the row sees whose softmax weight underflows, and what one split gives inside a kernel
+(docs/ARCHITECTURE.md section 4: a non-finite V entry of a key the row sees reaches its column as IEEE ``p * v``
+gives it). FA4's combine kernel skips splits whose weight is 0, so it drops such an entry (docs/tuning.md 2.33).
+Empty splits (LSE ``-inf``) have partial 0 by the backends' contract and add 0; a row whose splits are all empty
+gets 0 and LSE ``-inf``.
+
+Used by the triton backend (:mod:`blockdiff.attention.triton`, its plans) and by the cute backend's
+``split_merge="triton"``. Backends never import one another; both import this module, which imports no backend.
+"""
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["cast", "merge_constexprs", "merge_split_partials"]
+
+
+@triton.jit
+def cast(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
+    """``x.to(dtype)`` with round-to-nearest-even; the interpreter truncates fp32 -> bf16, so round by hand."""
+    if INTERPRET:
+        if dtype == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            return bits.to(tl.float32, bitcast=True).to(dtype)
+        else:
+            return x.to(dtype)
+    else:
+        return x.to(dtype)
+
+
+@triton.jit(do_not_specialize=["total_q", "n_rows"])
+def _merge_kernel(OPART, LSEPART, O, LSE, total_q, num_heads, n_rows, stride_ot, stride_oh,
+                  NUM_SPLITS: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr,
+                  STORE_LSE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
+    """Exact merge of split-KV partials: out = sum_s w_s o_s / sum_s w_s, w_s = exp(lse_s - max_s lse_s).
+
+    One program merges ``BLOCK_R`` (token, head) rows (row = token * num_heads + head, OPART's order): pass 1 takes
+    the max LSE over the splits, pass 2 accumulates the weighted partials with ``[BLOCK_R, BLOCK_DV]`` loads (one
+    program per row was slower; docs/tuning.md).
+    """
+    if PDL:
+        # launched with programmatic dependent launch (sm_90+): the grid is dispatched while the attention kernel
+        # finishes; wait until its writes are visible
+        tl.extra.cuda.gdc_wait()
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = r < n_rows
+    tq = r // num_heads
+    h = r % num_heads
+    lse_off = h * total_q + tq
+    plane = n_rows.to(tl.int64)  # = num_heads * total_q: one split's rows (int64: splits x rows may pass 2^31)
+    mx = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+    for s in range(NUM_SPLITS):
+        mx = tl.maximum(mx, tl.load(LSEPART + s * plane + lse_off, mask=rmask, other=float("-inf")))
+    mx_use = tl.where(mx == float("-inf"), 0.0, mx)
+    offs = tl.arange(0, BLOCK_DV)
+    dmask = offs < DV
+    den = tl.zeros([BLOCK_R], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_DV], dtype=tl.float32)
+    for s in range(NUM_SPLITS):
+        lse_s = tl.load(LSEPART + s * plane + lse_off, mask=rmask, other=float("-inf"))
+        w = tl.exp(lse_s - mx_use)  # 0 for empty splits
+        o_s = tl.load(OPART + (s * plane + r)[:, None] * DV + offs[None, :], mask=rmask[:, None] & dmask[None, :],
+                      other=0.0)
+        den += w
+        acc += o_s * w[:, None]
+    res = acc * (1.0 / tl.where(den == 0.0, 1.0, den))[:, None]
+    tl.store(O + tq[:, None] * stride_ot + h[:, None] * stride_oh + offs[None, :],
+             cast(res, O.dtype.element_ty, INTERPRET), mask=rmask[:, None] & dmask[None, :])
+    if STORE_LSE:
+        tl.store(LSE + lse_off, tl.where(den == 0.0, float("-inf"), mx_use + tl.log(den)), mask=rmask)
+
+
+def _interpreting() -> bool:
+    """Whether Triton runs kernels through its interpreter (``TRITON_INTERPRET`` set: the CPU tests)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def merge_constexprs(num_splits: int, head_dim_v: int, store_lse: bool, pdl: bool, interpret: bool) -> dict:
+    """The merge kernel's constexprs and launch options, with its ``BLOCK_R`` rows per program: <= 4096 fp32
+    partial elements per program per split."""
+    bdv = max(16, 1 << max(0, (int(head_dim_v) - 1).bit_length()))
+    block_r = max(1, min(64, 4096 // bdv))
+    return dict(NUM_SPLITS=num_splits, DV=head_dim_v, BLOCK_DV=bdv, BLOCK_R=block_r, STORE_LSE=store_lse,
+                INTERPRET=interpret, PDL=pdl, num_warps=4, launch_pdl=pdl)
+
+
+def merge_split_partials(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor,
+                         lse: torch.Tensor | None = None, *, pdl: bool = False) -> None:
+    """Merge split-KV partials into ``out`` (and ``lse``) in one launch, on ``out``'s device and current stream.
+
+    Args:
+        o_part: ``[num_splits, total_q, num_heads, head_dim_v]`` float32, contiguous: each split's normalised
+            partial output (0 for a row with no key in the split).
+        lse_part: ``[num_splits, num_heads, total_q]`` float32, contiguous: each split's natural-log LSE
+            (``-inf`` for a row with no key in the split).
+        out: ``[total_q, num_heads, head_dim_v]`` in the output dtype (bf16 / fp16 / fp32), its last dimension
+            contiguous; written in full.
+        lse: None, or ``[num_heads, total_q]`` float32, contiguous: written with the merged LSE.
+        pdl: launch with programmatic dependent launch (sm_90+; the kernel then waits with griddepcontrol for the
+            previous kernel's writes). Off by default.
+
+    Raises:
+        TypeError: a tensor argument that is not a tensor, or of the wrong dtype.
+        ValueError: shapes that disagree, a non-contiguous partial or LSE, ``out``'s last dimension not
+            contiguous, or tensors on different devices.
+    """
+    for name, t in (("o_part", o_part), ("lse_part", lse_part), ("out", out)) + ((("lse", lse),) if lse is not None
+                                                                               else ()):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    for name, t in (("o_part", o_part), ("lse_part", lse_part)) + ((("lse", lse),) if lse is not None else ()):
+        if t.dtype != torch.float32:
+            raise TypeError(f"{name} must be float32, got {t.dtype}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    if o_part.dim() != 4 or out.dim() != 3:
+        raise ValueError(f"o_part must be [num_splits, total_q, num_heads, head_dim_v] and out [total_q, num_heads, "
+                         f"head_dim_v], got {tuple(o_part.shape)} and {tuple(out.shape)}")
+    num_splits, total_q, num_heads, dv = o_part.shape
+    if tuple(out.shape) != (total_q, num_heads, dv):
+        raise ValueError(f"out must be {(total_q, num_heads, dv)} (o_part's last three dims), got {tuple(out.shape)}")
+    if tuple(lse_part.shape) != (num_splits, num_heads, total_q):
+        raise ValueError(f"lse_part must be {(num_splits, num_heads, total_q)}, got {tuple(lse_part.shape)}")
+    if lse is not None and tuple(lse.shape) != (num_heads, total_q):
+        raise ValueError(f"lse must be {(num_heads, total_q)}, got {tuple(lse.shape)}")
+    if num_splits < 1:
+        raise ValueError(f"o_part must hold at least one split, got {num_splits}")
+    if out.stride(-1) != 1:
+        raise ValueError("out's last dimension must be contiguous (stride 1)")
+    devices = {t.device for t in (o_part, lse_part, out, lse) if t is not None}
+    if len(devices) != 1:
+        raise ValueError(f"o_part, lse_part, out and lse must be on one device, got {sorted(map(str, devices))}")
+    n_rows = total_q * num_heads
+    if n_rows == 0:
+        return
+    meta = merge_constexprs(num_splits, dv, lse is not None, bool(pdl), _interpreting())
+    _merge_kernel[(triton.cdiv(n_rows, meta["BLOCK_R"]),)](
+        o_part, lse_part, out, lse if lse is not None else lse_part, total_q, num_heads, n_rows,
+        out.stride(0), out.stride(1), **meta)

@@ -1,0 +1,126 @@
+"""The shared split-KV merge (``blockdiff.attention.split_merge``), on the CPU through the Triton interpreter:
+against a torch statement of the LSE merge, a split whose weight underflows to 0 still passing on its non-finite
+entries (as the dense reference does for a key the row sees), empty splits, and its argument checks. The triton
+backend's own regression test on whole attention calls is
+``test_nonfinite_v_of_a_seen_key_with_an_underflowing_split_weight_reaches_the_output_at_every_split_count``."""
+import pytest
+import torch
+
+from blockdiff.attention import attention
+from blockdiff.attention.split_merge import merge_split_partials
+from blockdiff.attention.triton import interface as triton_interface
+
+
+def _merge_reference(o_part, lse_part):
+    """out = sum_s w_s o_s / sum_s w_s, w_s = exp(lse_s - max lse), every split multiplied (w = 0 included)."""
+    lse_t = lse_part.permute(0, 2, 1)  # [S, total_q, H]
+    mx = lse_t.max(dim=0).values
+    mx = torch.where(mx == float("-inf"), torch.zeros_like(mx), mx)
+    w = torch.exp(lse_t - mx)  # [S, total_q, H]
+    den = w.sum(dim=0)
+    out = (o_part * w[..., None]).sum(dim=0) / torch.where(den == 0, torch.ones_like(den), den)[..., None]
+    lse = torch.where(den == 0, torch.full_like(den, float("-inf")), mx + torch.log(den))
+    return out, lse.t()
+
+
+@pytest.mark.parametrize("num_splits,dv,dtype", [(1, 16, torch.float32), (2, 24, torch.bfloat16),
+                                                 (4, 64, torch.float32)])
+def test_merge_split_partials_matches_the_lse_merge(num_splits, dv, dtype):
+    g = torch.Generator().manual_seed(num_splits)
+    total_q, H = 5, 3
+    o_part = torch.randn(num_splits, total_q, H, dv, generator=g)
+    lse_part = torch.randn(num_splits, H, total_q, generator=g) * 4
+    if num_splits > 1:  # an empty split for some rows: LSE -inf, partial 0 (the backends' contract)
+        lse_part[-1, 0, :2] = float("-inf")
+        o_part[-1, :2, 0] = 0
+    out = torch.full((total_q, H, dv), float("nan"), dtype=dtype)  # poisoned: every element is written
+    lse = torch.full((H, total_q), float("nan"))
+    merge_split_partials(o_part, lse_part, out, lse)
+    ref_o, ref_lse = _merge_reference(o_part, lse_part)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), ref_o, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_merge_split_partials_passes_on_nonfinite_entries_of_a_split_whose_weight_underflows():
+    """Split 0 holds NaN / +Inf / -Inf at three columns and is 200 nats below split 1: its weight is exactly 0,
+    and 0 * NaN = 0 * Inf = NaN, so those three columns are NaN (the reference's p * v with p underflowed to 0),
+    the others are split 1's values, and the LSE is split 1's."""
+    total_q, H, dv = 2, 2, 16
+    o_part = torch.randn(2, total_q, H, dv, generator=torch.Generator().manual_seed(0))
+    o_part[0, :, :, 3] = float("nan")
+    o_part[0, :, :, 4] = float("inf")
+    o_part[0, :, :, 5] = float("-inf")
+    lse_part = torch.zeros(2, H, total_q)
+    lse_part[1] = 200.0
+    out = torch.empty(total_q, H, dv)
+    lse = torch.empty(H, total_q)
+    merge_split_partials(o_part, lse_part, out, lse)
+    assert out[..., 3:6].isnan().all()
+    keep = [c for c in range(dv) if c not in (3, 4, 5)]
+    torch.testing.assert_close(out[..., keep], o_part[1][..., keep])
+    torch.testing.assert_close(lse, torch.full((H, total_q), 200.0))
+
+
+def test_merge_split_partials_gives_zero_and_minus_inf_for_a_row_with_every_split_empty():
+    o_part = torch.zeros(3, 1, 1, 16)
+    lse_part = torch.full((3, 1, 1), float("-inf"))
+    out = torch.full((1, 1, 16), float("nan"))
+    lse = torch.zeros(1, 1)
+    merge_split_partials(o_part, lse_part, out, lse)
+    assert (out == 0).all() and lse.item() == float("-inf")
+
+
+def _args():
+    return torch.zeros(2, 3, 2, 16), torch.zeros(2, 2, 3), torch.zeros(3, 2, 16), torch.zeros(2, 3)
+
+
+@pytest.mark.parametrize("change,err,match", [
+    (dict(o_part=[0.0]), TypeError, "o_part must be a torch.Tensor"),
+    (dict(o_part=torch.zeros(2, 3, 2, 16, dtype=torch.bfloat16)), TypeError, "o_part must be float32"),
+    (dict(lse_part=torch.zeros(2, 3, 2)), ValueError, "lse_part must be"),
+    (dict(out=torch.zeros(3, 2, 8)), ValueError, "out must be"),
+    (dict(lse=torch.zeros(3, 2)), ValueError, "lse must be"),
+    (dict(o_part=torch.zeros(2, 3, 16, 2).transpose(2, 3)), ValueError, "o_part must be contiguous"),
+    (dict(out=torch.zeros(3, 16, 2).transpose(1, 2)), ValueError, "last dimension must be contiguous"),
+    (dict(o_part=torch.zeros(3, 2, 16)), ValueError, "o_part must be"),
+    (dict(o_part=torch.zeros(0, 3, 2, 16), lse_part=torch.zeros(0, 2, 3)), ValueError, "at least one split"),
+    (dict(lse=torch.zeros(2, 3, dtype=torch.float64)), TypeError, "lse must be float32"),
+])
+def test_merge_split_partials_refuses_bad_arguments_by_name(change, err, match):
+    o_part, lse_part, out, lse = _args()
+    kw = dict(o_part=o_part, lse_part=lse_part, out=out, lse=lse)
+    kw.update(change)
+    with pytest.raises(err, match=match):
+        merge_split_partials(**kw)
+
+
+def _underflow_batch(head_dim=16, S=512):
+    """One bidirectional row block over S keys: key 5's score is 512 (scale 8 x 64) and every other key's 0, so
+    a key the rows see at position 400 with a NaN V entry (column 3) has softmax weight exp(-512) = 0 in fp32."""
+    H, Hk, Lq = 2, 1, 4
+    q = torch.zeros(Lq, H, head_dim, dtype=torch.bfloat16)
+    q[:, :, 0] = 1.0
+    k = torch.zeros(S, Hk, head_dim, dtype=torch.bfloat16)
+    k[5, :, 0] = 64.0
+    v = torch.randn(S, Hk, head_dim, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    v[400, 0, 3] = float("nan")
+    kw = dict(cu_seqlens_q=torch.tensor([0, Lq], dtype=torch.int32), seq_lens=torch.tensor([S], dtype=torch.int32),
+              cu_seqlens_k=torch.tensor([0, S], dtype=torch.int32), causal=torch.tensor([False]), scale=8.0)
+    return q, k, v, kw
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 4])
+def test_nonfinite_v_of_a_seen_key_with_an_underflowing_split_weight_reaches_the_output_at_every_split_count(
+        num_splits):
+    """The dense reference gives p * v = 0 * NaN = NaN in column 3 of every row (the key is seen, its weight
+    underflows); the triton backend gives the same at one split and through its merge at 2 and 4 splits, where the
+    key's split weighs exactly 0 against the split holding key 5 (docs/tuning.md 2.33)."""
+    q, k, v, kw = _underflow_batch()
+    ref, ref_lse = attention(q, k, v, backend="reference", return_lse=True, **kw)
+    assert ref[..., 3].isnan().all() and ref[..., [0, 1, 2, 4]].isfinite().all()
+    out, lse = attention(q, k, v, backend="triton", return_lse=True, config={"num_splits": num_splits}, **kw)
+    assert triton_interface.LAST_LAUNCH["num_splits"] == num_splits
+    assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(out.isinf(), ref.isinf())
+    torch.testing.assert_close(out[ref.isfinite()].float(), ref[ref.isfinite()].float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-4)
