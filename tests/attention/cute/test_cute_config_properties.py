@@ -182,9 +182,10 @@ def test_wide_resolution_is_idempotent_fits_and_refuses_with_named_errors(d, hd,
         assert launch[0] == "ValueError" and "cluster" in launch[1], launch
         return
     lc = launch[1]
-    assert lc.split_merge in ("combine", "cluster") and 1 <= lc.num_splits <= cc.MAX_SPLITS
+    assert lc.split_merge in ("combine", "cluster", "triton") and 1 <= lc.num_splits <= cc.MAX_SPLITS
     assert not (lc.wide_design == "roles" and lc.split_merge == "cluster")
-    assert lc.split_merge == "combine" or 2 <= lc.num_splits <= cc.MAX_CLUSTER_SPLITS
+    assert lc.split_merge != "cluster" or 2 <= lc.num_splits <= cc.MAX_CLUSTER_SPLITS
+    assert lc.split_merge != "triton" or (lc.num_splits >= 2 and d.get("split_merge") == "triton")  # by name only
     assert lc.skip_allowed_first is False  # FA4's consumer's switch: resolves off in the wide kernels
     assert cfg.skip_allowed_first == d.get("skip_allowed_first", "auto")  # resolve_config leaves it as given
     assert _launch(hd, lc, page, max_q, num_seqs) == launch  # idempotent

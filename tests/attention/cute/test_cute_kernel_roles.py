@@ -223,7 +223,7 @@ def test_the_resolved_config_never_holds_auto(switches, tiles, hd, page, num_seq
         return
     for c in (cfg, launch):
         assert c.wide_design in ("split_v", "roles") and c.batch_order in ("given", "work"), c
-    assert launch.split_merge in ("combine", "cluster")
+    assert launch.split_merge in ("combine", "cluster", "triton")
     design = switches.get("wide_design", "auto")
     roles_ok = (hd == 512 and not set(tiles) - {"num_splits", "lpt"} and switches.get("split_merge") != "cluster"
                 and (page is None or cc.page_box_tma_ok(page, 64)))
