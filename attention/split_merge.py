@@ -5,15 +5,18 @@ launcher :func:`merge_split_partials`.
 ``out = sum_s w_s o_s / sum_s w_s`` with ``w_s = exp(lse_s - max_s lse_s)``, and ``lse = max + log(sum_s w_s)``.
 Every split's partial is multiplied by its weight, a weight of 0 included. A split whose weight underflows to 0
 therefore still passes on a non-finite entry, since ``0 * NaN`` and ``0 * Inf`` are NaN. That is what the dense
-reference gives for a key the row sees whose softmax weight underflows, and what one split gives inside a kernel
-(docs/ARCHITECTURE.md section 4: a non-finite V entry of a key the row sees reaches its column as IEEE ``p * v``
-gives it). FA4's combine kernel skips splits whose weight is 0, so it drops such an entry (docs/tuning.md 2.33).
-Empty splits (LSE ``-inf``) have partial 0 by the backends' contract and add 0; a row whose splits are all empty
-gets 0 and LSE ``-inf``.
+reference gives for a key the row sees whose softmax weight underflows (docs/ARCHITECTURE.md section 4: a
+non-finite V entry of a key the row sees reaches its column as IEEE ``p * v`` gives it), and what one split gives
+where the key's block enters P V unscanned (a block the NaN-safe V scan cleaned gets the raw entry back from the
+fix-up, which gives +-Inf for an Inf at p = 0: the kernels' documented exception). FA4's combine kernel skips
+splits whose weight is 0, so it drops such an entry (docs/tuning.md 2.33). Empty splits and rows with no key in a
+split (LSE ``-inf``) must have partial 0: the backends write 0 there with NaN-safe V on (the split's blocks are
+all masked for such a row, so cleaned); a row whose splits are all empty gets 0 and LSE ``-inf``.
 
 Used by the triton backend (:mod:`blockdiff.attention.triton`, its plans) and by the cute backend's
 ``split_merge="triton"``. Backends never import one another; both import this module, which imports no backend.
 """
+import contextlib
 import os
 
 import torch
@@ -86,7 +89,8 @@ def _interpreting() -> bool:
 
 def merge_constexprs(num_splits: int, head_dim_v: int, store_lse: bool, pdl: bool, interpret: bool) -> dict:
     """The merge kernel's constexprs and launch options, with its ``BLOCK_R`` rows per program: <= 4096 fp32
-    partial elements per program per split."""
+    partial elements per program per split (moved from the triton backend's config; the value dimension's power
+    of two is computed here, since this module imports no backend)."""
     bdv = max(16, 1 << max(0, (int(head_dim_v) - 1).bit_length()))
     block_r = max(1, min(64, 4096 // bdv))
     return dict(NUM_SPLITS=num_splits, DV=head_dim_v, BLOCK_DV=bdv, BLOCK_R=block_r, STORE_LSE=store_lse,
@@ -102,16 +106,19 @@ def merge_split_partials(o_part: torch.Tensor, lse_part: torch.Tensor, out: torc
             partial output (0 for a row with no key in the split).
         lse_part: ``[num_splits, num_heads, total_q]`` float32, contiguous: each split's natural-log LSE
             (``-inf`` for a row with no key in the split).
-        out: ``[total_q, num_heads, head_dim_v]`` in the output dtype (bf16 / fp16 / fp32), its last dimension
-            contiguous; written in full.
+        out: ``[total_q, num_heads, head_dim_v]`` bf16 / fp16 / fp32, its last dimension contiguous and no two
+            elements sharing memory; written in full.
         lse: None, or ``[num_heads, total_q]`` float32, contiguous: written with the merged LSE.
-        pdl: launch with programmatic dependent launch (sm_90+; the kernel then waits with griddepcontrol for the
-            previous kernel's writes). Off by default.
+        pdl: launch with programmatic dependent launch (sm_90+ only, never under the interpreter; the kernel then
+            waits with griddepcontrol for the previous kernel's writes). Off by default.
+
+    The launch goes to ``out``'s CUDA device (its current stream), whatever the current device is.
 
     Raises:
-        TypeError: a tensor argument that is not a tensor, or of the wrong dtype.
+        TypeError: a tensor argument that is not a tensor, a dtype not allowed, or ``pdl`` not a bool.
         ValueError: shapes that disagree, a non-contiguous partial or LSE, ``out``'s last dimension not
-            contiguous, or tensors on different devices.
+            contiguous or an ``out`` whose elements share memory (a stride 0), tensors on different devices, or
+            ``pdl`` under the Triton interpreter.
     """
     for name, t in (("o_part", o_part), ("lse_part", lse_part), ("out", out)) + ((("lse", lse),) if lse is not None
                                                                                else ()):
@@ -122,6 +129,10 @@ def merge_split_partials(o_part: torch.Tensor, lse_part: torch.Tensor, out: torc
             raise TypeError(f"{name} must be float32, got {t.dtype}")
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
+    if out.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"out must be bfloat16, float16 or float32, got {out.dtype}")
+    if not isinstance(pdl, bool):
+        raise TypeError(f"pdl must be a bool, got {type(pdl).__name__}")
     if o_part.dim() != 4 or out.dim() != 3:
         raise ValueError(f"o_part must be [num_splits, total_q, num_heads, head_dim_v] and out [total_q, num_heads, "
                          f"head_dim_v], got {tuple(o_part.shape)} and {tuple(out.shape)}")
@@ -136,13 +147,19 @@ def merge_split_partials(o_part: torch.Tensor, lse_part: torch.Tensor, out: torc
         raise ValueError(f"o_part must hold at least one split, got {num_splits}")
     if out.stride(-1) != 1:
         raise ValueError("out's last dimension must be contiguous (stride 1)")
+    if any(st == 0 and n > 1 for st, n in zip(out.stride(), out.shape)):
+        raise ValueError(f"out's elements must not share memory (an expanded tensor), got strides {out.stride()}")
     devices = {t.device for t in (o_part, lse_part, out, lse) if t is not None}
     if len(devices) != 1:
         raise ValueError(f"o_part, lse_part, out and lse must be on one device, got {sorted(map(str, devices))}")
     n_rows = total_q * num_heads
     if n_rows == 0:
         return
-    meta = merge_constexprs(num_splits, dv, lse is not None, bool(pdl), _interpreting())
-    _merge_kernel[(triton.cdiv(n_rows, meta["BLOCK_R"]),)](
-        o_part, lse_part, out, lse if lse is not None else lse_part, total_q, num_heads, n_rows,
-        out.stride(0), out.stride(1), **meta)
+    interpret = _interpreting()
+    if pdl and interpret:
+        raise ValueError("pdl=True needs a GPU launch (sm_90+), not the Triton interpreter")
+    meta = merge_constexprs(num_splits, dv, lse is not None, pdl, interpret)
+    with torch.cuda.device(out.device) if out.device.type == "cuda" else contextlib.nullcontext():
+        _merge_kernel[(triton.cdiv(n_rows, meta["BLOCK_R"]),)](
+            o_part, lse_part, out, lse if lse is not None else lse_part, total_q, num_heads, n_rows,
+            out.stride(0), out.stride(1), **meta)

@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 
 import torch
 
-from ..split_merge import merge_split_partials
 from ..validate import check_attention_inputs, length_hint_value, memory_overlaps
 from .compile_cache import make_compile_cache
 from .config import (REQUIRED, WIDE_MAX_PAGE_BOXES, check_config, is_wide, kv_load_path, resolve_launch_config,
@@ -168,7 +168,8 @@ def attention_cute(
             outputs and LSEs per split and FA4's combine kernel merges them (two launches,
             :mod:`~blockdiff.attention.cute.kernel_split`); with ``"triton"`` the same partials are merged by
             :func:`blockdiff.attention.split_merge.merge_split_partials`, which also passes on a non-finite entry
-            of a split whose weight underflows to 0, as one split does; with ``"cluster"`` one launch whose splits of a tile
+            of a split whose weight underflows to 0 (``0 * NaN``; FA4's combine drops it); with ``"cluster"`` one
+            launch whose splits of a tile
             form a thread-block cluster merging through distributed shared memory
             (:mod:`~blockdiff.attention.cute.kernel_cluster`); ``"auto"`` (the default) picks one
             (:func:`~blockdiff.attention.cute.config.auto_split_merge`). ``wide_design="auto"`` (the default)
@@ -322,7 +323,9 @@ def _run(fa, q, k_cache, v_cache, *, out, return_lse, cu_seqlens_q, num_causal_q
     # stays live in the kernel: dynamic strides cost the hd-256 / paged hd-512 kernels spills), so the compile key
     # holds the cache's inner shape
     v_static = tuple(v_cache.shape[1:]) if cfg.nan_safe_v and v_cache.is_contiguous() else None
-    key = (q.dtype, head_dim, head_dim_v, qhead_per_kvhead, pack_gqa, cfg, paged, paged_kv_non_tma,
+    # the two-launch merges ("combine", "triton") run the same split kernel: one compile key for both
+    key_cfg = replace(cfg, split_merge="combine") if cfg.split_merge == "triton" else cfg
+    key = (q.dtype, head_dim, head_dim_v, qhead_per_kvhead, pack_gqa, key_cfg, paged, paged_kv_non_tma,
            kv_page_size, has_window, prefix, return_lse and (cluster or not split), arch, v_static)
     aux = [ncq]
     if cluster:  # the kernel merges and writes out (and the LSE) itself: no workspace
@@ -354,6 +357,7 @@ def _run(fa, q, k_cache, v_cache, *, out, return_lse, cu_seqlens_q, num_causal_q
     fake = fa["is_fake_mode"]()
     if split and not cluster and cfg.split_merge == "triton":
         if not fake:  # the shared Triton merge: workspace [S, total_q, H, Dv] and [S, H, total_q], lse [H, total_q]
+            from ..split_merge import merge_split_partials  # Triton at first use, as the tile-order launch
             merge_split_partials(aux[1], aux[2], out_k, lse if return_lse else None)
     elif split and not cluster:
         # (splits, total_q, H) views with total_q contiguous, FA4's combine layout for the LSEs

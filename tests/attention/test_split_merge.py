@@ -86,6 +86,13 @@ def _args():
     (dict(o_part=torch.zeros(3, 2, 16)), ValueError, "o_part must be"),
     (dict(o_part=torch.zeros(0, 3, 2, 16), lse_part=torch.zeros(0, 2, 3)), ValueError, "at least one split"),
     (dict(lse=torch.zeros(2, 3, dtype=torch.float64)), TypeError, "lse must be float32"),
+    (dict(lse_part=torch.zeros(2, 2, 3, dtype=torch.bfloat16)), TypeError, "lse_part must be float32"),
+    (dict(out=torch.zeros(3, 2, 16, dtype=torch.int32)), TypeError, "out must be bfloat16, float16 or float32"),
+    (dict(out=torch.zeros(3, 2, 16, dtype=torch.float64)), TypeError, "out must be bfloat16, float16 or float32"),
+    (dict(pdl=1), TypeError, "pdl must be a bool"),
+    (dict(pdl=True), ValueError, "pdl=True needs a GPU launch"),
+    (dict(out=torch.zeros(1, 2, 16).expand(3, 2, 16)), ValueError, "must not share memory"),
+    (dict(lse=torch.zeros(2, 3, device="meta")), ValueError, "on one device"),
 ])
 def test_merge_split_partials_refuses_bad_arguments_by_name(change, err, match):
     o_part, lse_part, out, lse = _args()

@@ -5,7 +5,7 @@
 #     - own: tests/attention/cute/test_cute_split_merge.py (the underflow case against every merge, FA4's
 #       combine an xfail(strict); the Triton merge against the reference on canvases, every head-dim family, both
 #       layouts; the NaN-safe V cases at 3 splits);
-#     - split / nan: test_cute_kernel_split.py and the split cases of test_cute_nan_safe_v.py (hd 128 / 256 / 512)
+#     - split / nan: test_cute_kernel_split.py and the split and no-row-sees cases of test_cute_nan_safe_v.py
 #       with split_merge "triton" forced into every call's config (switch_lib.sh config_run; one split resolves to
 #       the plain kernel; their own "combine" / "cluster" is overridden, so they run the two-launch path with the
 #       Triton merge; the cluster tests, which assert the cluster kernel, are not run this way);
@@ -27,7 +27,7 @@ source bench/experiments/device/switch_lib.sh
 C=tests/attention/cute
 gpu_run sw_own $C/test_cute_split_merge.py &
 config_run split_merge "'triton'" sw_split $C/test_cute_kernel_split.py &
-config_run split_merge "'triton'" sw_nan $C/test_cute_nan_safe_v.py -k split &
+config_run split_merge "'triton'" sw_nan $C/test_cute_nan_safe_v.py -k "split or no_row_sees" &
 wait
 gpu_health
 switch_logs

@@ -14,12 +14,13 @@ _SHARD = re.compile(r"^\s*(\w+)\)\s+(?:run [01]|own) sw_\w+ (tests/\S+\.py)(?: -
 
 #: cute_triton_merge.sh's shards: gpu_run / config_run FIELD VALUE, a log name, a test file under $C, an optional -k
 MERGE_SCRIPT = "bench/experiments/device/cute_triton_merge.sh"
-_MERGE_SHARD = re.compile(r"^(?:gpu_run|config_run \S+ \S+) (sw_\w+) \$C/(\S+\.py)(?: -k (\S+))?\s*&", re.M)
+_MERGE_SHARD = re.compile(r"^(?:gpu_run|config_run \S+ \S+) (sw_\w+) \$C/(\S+\.py)(?: -k (\"[^\"]*\"|\S+))?\s*&",
+                          re.M)
 
 
 def _merge_shards():
     text = open(MERGE_SCRIPT).read()
-    return [(f"merge_{m.group(1)}", "tests/attention/cute/" + m.group(2), m.group(3))
+    return [(f"merge_{m.group(1)}", "tests/attention/cute/" + m.group(2), m.group(3).strip('"') if m.group(3) else None)
             for m in _MERGE_SHARD.finditer(text)]
 
 
