@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["cast", "merge_constexprs", "merge_split_partials"]
+__all__ = ["cast", "interpreting", "merge_constexprs", "launch_merge", "merge_split_partials"]
 
 
 @triton.jit
@@ -82,8 +82,9 @@ def _merge_kernel(OPART, LSEPART, O, LSE, total_q, num_heads, n_rows, stride_ot,
         tl.store(LSE + lse_off, tl.where(den == 0.0, float("-inf"), mx_use + tl.log(den)), mask=rmask)
 
 
-def _interpreting() -> bool:
-    """Whether Triton runs kernels through its interpreter (``TRITON_INTERPRET`` set: the CPU tests)."""
+def interpreting() -> bool:
+    """Whether Triton runs kernels through its interpreter (``TRITON_INTERPRET`` set: the CPU tests). The one
+    definition; the triton backend re-exports it (``blockdiff.attention.triton.config.interpreting``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
@@ -152,13 +153,20 @@ def merge_split_partials(o_part: torch.Tensor, lse_part: torch.Tensor, out: torc
     devices = {t.device for t in (o_part, lse_part, out, lse) if t is not None}
     if len(devices) != 1:
         raise ValueError(f"o_part, lse_part, out and lse must be on one device, got {sorted(map(str, devices))}")
+    if pdl and interpreting():
+        raise ValueError("pdl=True needs a GPU launch (sm_90+), not the Triton interpreter")
+    launch_merge(o_part, lse_part, out, lse, pdl=pdl)
+
+
+def launch_merge(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None = None,
+                 *, pdl: bool = False) -> None:
+    """:func:`merge_split_partials` without its argument checks, for a caller that allocated the workspace itself
+    with this module's layout (the cute backend, on every split call); same arguments and effect."""
+    num_splits, total_q, num_heads, dv = o_part.shape
     n_rows = total_q * num_heads
     if n_rows == 0:
         return
-    interpret = _interpreting()
-    if pdl and interpret:
-        raise ValueError("pdl=True needs a GPU launch (sm_90+), not the Triton interpreter")
-    meta = merge_constexprs(num_splits, dv, lse is not None, pdl, interpret)
+    meta = merge_constexprs(num_splits, dv, lse is not None, pdl, interpreting())
     with torch.cuda.device(out.device) if out.device.type == "cuda" else contextlib.nullcontext():
         _merge_kernel[(triton.cdiv(n_rows, meta["BLOCK_R"]),)](
             o_part, lse_part, out, lse if lse is not None else lse_part, total_q, num_heads, n_rows,

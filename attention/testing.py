@@ -2,6 +2,7 @@
 
 - :func:`make_batch` / :func:`make_batch_from_rows`: the one random batch builder (paged or contiguous K/V).
 - :func:`check_close`: the tolerance rule, below.
+- :func:`make_underflow_batch`: a seen key whose weight underflows to 0 with non-finite V (the split merges' case).
 
 A backend output is accepted when its error against the high-precision oracle (fp64 on the same inputs) is at
 most ``2 x`` the error of the same-precision eager PyTorch computation plus a representation tolerance
@@ -271,6 +272,60 @@ def make_batch_from_rows(rows, **kwargs) -> dict:
         q_lens.append(ql)
         counts.append(n)
     return make_batch([c + ql for c, ql in zip(ctxs, q_lens)], q_lens, num_causal_q=counts, **kwargs)
+
+
+def make_underflow_batch(head_dim: int, seq_len: int, key: int, values=(float("nan"),), *, page_size: int | None = None,
+                         device="cpu", seed: int = 1):
+    """A batch whose seen key ``key`` carries non-finite V entries while its softmax weight underflows to exactly 0
+    in fp32: the split-KV merges' zero-weight case (docs/tuning.md 2.33).
+
+    One bidirectional sequence of 4 query tokens over ``seq_len`` keys, 2 query heads on 1 KV head, bf16, scale 8:
+    every query is ``e_0``; key 5 is ``64 e_0`` (score 512), every other key scores 0, so every key but 5 weighs
+    ``exp(-512) = 0``. V is random (``seed``) except ``V[key, 0, 3 + i] = values[i]``. The reference gives NaN in
+    those columns of every row (``p * v`` with ``p = 0``).
+
+    Args:
+        head_dim: q / k / v head dim (>= 3 + len(values)). seq_len: keys (a multiple of ``page_size`` when paged).
+        key: the poisoned key, in ``[0, seq_len)``, not 5. values: the entries for columns 3, 4, ...
+        page_size: None for contiguous K/V (``cu_seqlens_k``), else pages in a permuted ``block_table``.
+        device: where the tensors live.
+
+    Returns:
+        ``(q [4, 2, head_dim], k_cache, v_cache, kwargs)``: the caches ``[seq_len, 1, head_dim]`` or ``[pages,
+        page_size, 1, head_dim]``; kwargs ``cu_seqlens_q``, ``seq_lens``, ``causal``, ``scale`` and
+        ``cu_seqlens_k`` or ``block_table``, for :func:`blockdiff.attention.attention`.
+
+    Raises:
+        ValueError: ``key`` out of range or 5, too few columns, or ``seq_len`` not a multiple of ``page_size``.
+    """
+    if not 0 <= key < seq_len or key == 5 or seq_len <= 5:
+        raise ValueError(f"key must be in [0, seq_len) and not 5 (the dominant key), got key {key}, seq_len {seq_len}")
+    if head_dim < 3 + len(values):
+        raise ValueError(f"head_dim must be >= {3 + len(values)} for {len(values)} values, got {head_dim}")
+    if page_size is not None and seq_len % page_size:
+        raise ValueError(f"seq_len ({seq_len}) must be a multiple of page_size ({page_size})")
+    H, Hk, Lq = 2, 1, 4
+    q = torch.zeros(Lq, H, head_dim, dtype=torch.bfloat16)
+    q[:, :, 0] = 1.0
+    k = torch.zeros(seq_len, Hk, head_dim, dtype=torch.bfloat16)
+    k[5, :, 0] = 64.0
+    v = torch.randn(seq_len, Hk, head_dim, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    for i, x in enumerate(values):
+        v[key, 0, 3 + i] = x
+    kw = dict(cu_seqlens_q=torch.tensor([0, Lq], dtype=torch.int32),
+              seq_lens=torch.tensor([seq_len], dtype=torch.int32), causal=torch.tensor([False]), scale=8.0)
+    if page_size is None:
+        kw["cu_seqlens_k"] = torch.tensor([0, seq_len], dtype=torch.int32)
+    else:
+        n = seq_len // page_size
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed + 1))
+        kp, vp = torch.empty(n, page_size, Hk, head_dim, dtype=k.dtype), torch.empty(n, page_size, Hk, head_dim,
+                                                                                  dtype=v.dtype)
+        kp[perm], vp[perm] = k.view(n, page_size, Hk, head_dim), v.view(n, page_size, Hk, head_dim)
+        k, v = kp, vp
+        kw["block_table"] = perm.to(torch.int32)[None]
+    move = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
+    return q.to(device), k.to(device), v.to(device), {n: move(t) for n, t in kw.items()}
 
 
 def poison_v_inside_seq_lens(inp: dict, seed: int, per_seq: int = 6) -> tuple[dict, list[tuple]]:

@@ -357,8 +357,8 @@ def _run(fa, q, k_cache, v_cache, *, out, return_lse, cu_seqlens_q, num_causal_q
     fake = fa["is_fake_mode"]()
     if split and not cluster and cfg.split_merge == "triton":
         if not fake:  # the shared Triton merge: workspace [S, total_q, H, Dv] and [S, H, total_q], lse [H, total_q]
-            from ..split_merge import merge_split_partials  # Triton at first use, as the tile-order launch
-            merge_split_partials(aux[1], aux[2], out_k, lse if return_lse else None)
+            from ..split_merge import launch_merge  # Triton at first use, as the tile-order launch
+            launch_merge(aux[1], aux[2], out_k, lse if return_lse else None)  # tensors allocated above: no checks
     elif split and not cluster:
         # (splits, total_q, H) views with total_q contiguous, FA4's combine layout for the LSEs
         _, lse_merged = fa["combine"](aux[1], aux[2].permute(0, 2, 1), out=out_k, cu_seqlens=cu_q,

@@ -17,13 +17,12 @@ carries a one-line rationale; the measurements behind them are in docs/tuning.md
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from ..split_merge import merge_constexprs  # noqa: F401  (re-exported: the plans use it)
+from ..split_merge import interpreting, merge_constexprs  # noqa: F401  (re-exported: the plans use them)
 from .tma import tma_box_rows
 
 #: the keys a call's ``config`` dict may set (the fields of :class:`TritonConfig`)
@@ -43,11 +42,6 @@ ROLES_P_STAGES = 2  # P / row-rescale slots between the roles kernel's softmax a
 def next_pow2(x: int) -> int:
     """The smallest power of two >= ``x`` (1 for ``x <= 1``)."""
     return 1 << max(0, (int(x) - 1).bit_length())
-
-
-def interpreting() -> bool:
-    """Whether Triton runs kernels through its interpreter (``TRITON_INTERPRET`` set: the CPU tests)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @dataclass(frozen=True)

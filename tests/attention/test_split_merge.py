@@ -1,26 +1,55 @@
-"""The shared split-KV merge (``blockdiff.attention.split_merge``), on the CPU through the Triton interpreter:
-against a torch statement of the LSE merge, a split whose weight underflows to 0 still passing on its non-finite
-entries (as the dense reference does for a key the row sees), empty splits, and its argument checks. The triton
-backend's own regression test on whole attention calls is
+"""The shared split-KV merge (``blockdiff.attention.split_merge``), on the CPU through the Triton interpreter: the
+kernel as the triton backend launches it and the launcher, against a logsumexp merge of the partials; a split whose
+weight underflows to 0 still passing on its non-finite entries (as the dense reference does for a key the row
+sees); empty splits; the launcher's argument checks. The triton backend's own regression test on whole attention
+calls is
 ``test_nonfinite_v_of_a_seen_key_with_an_underflowing_split_weight_reaches_the_output_at_every_split_count``."""
 import pytest
 import torch
 
+import triton
+
 from blockdiff.attention import attention
-from blockdiff.attention.split_merge import merge_split_partials
+from blockdiff.attention.testing import make_underflow_batch
+from blockdiff.attention.split_merge import _merge_kernel, merge_constexprs, merge_split_partials
 from blockdiff.attention.triton import interface as triton_interface
 
 
-def _merge_reference(o_part, lse_part):
-    """out = sum_s w_s o_s / sum_s w_s, w_s = exp(lse_s - max lse), every split multiplied (w = 0 included)."""
-    lse_t = lse_part.permute(0, 2, 1)  # [S, total_q, H]
-    mx = lse_t.max(dim=0).values
-    mx = torch.where(mx == float("-inf"), torch.zeros_like(mx), mx)
-    w = torch.exp(lse_t - mx)  # [S, total_q, H]
-    den = w.sum(dim=0)
-    out = (o_part * w[..., None]).sum(dim=0) / torch.where(den == 0, torch.ones_like(den), den)[..., None]
-    lse = torch.where(den == 0, torch.full_like(den, float("-inf")), mx + torch.log(den))
-    return out, lse.t()
+def _merge_oracle(opart, lsepart):
+    """out = sum_s exp(lse_s - lse) o_s, lse = logsumexp_s lse_s (rows whose splits are all empty: 0, -inf)."""
+    lse = torch.logsumexp(lsepart, 0)                                     # [H, T]
+    w = torch.exp(lsepart - torch.where(torch.isinf(lse), 0.0, lse))     # [S, H, T]; 0 for empty splits
+    return (opart * w.permute(0, 2, 1)[..., None]).sum(0), lse
+
+
+@pytest.mark.parametrize("ns,T,H,DV,dtype", [(3, 7, 3, 40, torch.float32), (64, 5, 2, 24, torch.bfloat16),
+                                              (2, 33, 1, 16, torch.float16), (5, 3, 1, 600, torch.float32)])
+def test_split_merge_equals_a_logsumexp_merge_of_the_partials(ns, T, H, DV, dtype):
+    """The split-KV merge (BLOCK_R rows per program, two passes over the splits) against torch.logsumexp: empty
+    splits (lse -inf, o 0), rows empty in every split (out 0, lse -inf), a row count that is not a multiple of
+    BLOCK_R, head_dim_v not a power of two, an out view with strided rows (columns around it stay untouched)."""
+    g = torch.Generator().manual_seed(ns * 1000 + DV)
+    opart = torch.randn(ns, T, H, DV, generator=g)
+    lsepart = torch.randn(ns, H, T, generator=g) * 4
+    empty = torch.rand(ns, H, T, generator=g) < 0.4
+    empty[:, 0, T - 1] = True                                             # a row with no key in any split
+    lsepart[empty] = float("-inf")
+    opart[empty.permute(0, 2, 1)] = 0.0
+    big = torch.full((T, H, DV + 9), float("nan"), dtype=dtype)
+    out = big[:, :, 3:3 + DV]
+    lse = torch.full((H, T), float("nan"))
+    consts = merge_constexprs(ns, DV, store_lse=True, pdl=False, interpret=True)  # as attention_triton launches it
+    block_r = consts["BLOCK_R"]
+    assert (T * H) % block_r != 0
+    _merge_kernel[(triton.cdiv(T * H, block_r),)](
+        opart, lsepart, out, lse, T, H, T * H, out.stride(0), out.stride(1), **consts)
+    ref_o, ref_lse = _merge_oracle(opart, lsepart)
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -7
+    torch.testing.assert_close(out.float(), ref_o, rtol=tol, atol=tol)
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)) and not torch.isnan(lse).any()
+    torch.testing.assert_close(lse[~torch.isinf(lse)], ref_lse[~torch.isinf(ref_lse)], rtol=0, atol=1e-5)
+    assert (out[T - 1, 0] == 0).all()
+    assert torch.isnan(big[:, :, :3]).all() and torch.isnan(big[:, :, 3 + DV:]).all()
 
 
 @pytest.mark.parametrize("num_splits,dv,dtype", [(1, 16, torch.float32), (2, 24, torch.bfloat16),
@@ -36,7 +65,7 @@ def test_merge_split_partials_matches_the_lse_merge(num_splits, dv, dtype):
     out = torch.full((total_q, H, dv), float("nan"), dtype=dtype)  # poisoned: every element is written
     lse = torch.full((H, total_q), float("nan"))
     merge_split_partials(o_part, lse_part, out, lse)
-    ref_o, ref_lse = _merge_reference(o_part, lse_part)
+    ref_o, ref_lse = _merge_oracle(o_part, lse_part)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.float(), ref_o, atol=tol, rtol=tol)
     torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
@@ -102,28 +131,13 @@ def test_merge_split_partials_refuses_bad_arguments_by_name(change, err, match):
         merge_split_partials(**kw)
 
 
-def _underflow_batch(head_dim=16, S=512):
-    """One bidirectional row block over S keys: key 5's score is 512 (scale 8 x 64) and every other key's 0, so
-    a key the rows see at position 400 with a NaN V entry (column 3) has softmax weight exp(-512) = 0 in fp32."""
-    H, Hk, Lq = 2, 1, 4
-    q = torch.zeros(Lq, H, head_dim, dtype=torch.bfloat16)
-    q[:, :, 0] = 1.0
-    k = torch.zeros(S, Hk, head_dim, dtype=torch.bfloat16)
-    k[5, :, 0] = 64.0
-    v = torch.randn(S, Hk, head_dim, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-    v[400, 0, 3] = float("nan")
-    kw = dict(cu_seqlens_q=torch.tensor([0, Lq], dtype=torch.int32), seq_lens=torch.tensor([S], dtype=torch.int32),
-              cu_seqlens_k=torch.tensor([0, S], dtype=torch.int32), causal=torch.tensor([False]), scale=8.0)
-    return q, k, v, kw
-
-
 @pytest.mark.parametrize("num_splits", [1, 2, 4])
 def test_nonfinite_v_of_a_seen_key_with_an_underflowing_split_weight_reaches_the_output_at_every_split_count(
         num_splits):
     """The dense reference gives p * v = 0 * NaN = NaN in column 3 of every row (the key is seen, its weight
     underflows); the triton backend gives the same at one split and through its merge at 2 and 4 splits, where the
     key's split weighs exactly 0 against the split holding key 5 (docs/tuning.md 2.33)."""
-    q, k, v, kw = _underflow_batch()
+    q, k, v, kw = make_underflow_batch(16, 512, 400)  # key 400: NaN at column 3
     ref, ref_lse = attention(q, k, v, backend="reference", return_lse=True, **kw)
     assert ref[..., 3].isnan().all() and ref[..., [0, 1, 2, 4]].isfinite().all()
     out, lse = attention(q, k, v, backend="triton", return_lse=True, config={"num_splits": num_splits}, **kw)

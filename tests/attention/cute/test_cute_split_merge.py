@@ -11,39 +11,19 @@ import torch
 from blockdiff.attention import attention
 from blockdiff.attention.cute import config as cc
 from blockdiff.attention.cute import interface as ca
+from blockdiff.attention.testing import make_underflow_batch
 
 from cute_helpers import check_nonfinite_v, gpu_batch, needs_gpu, nonfinite_cases, run_and_check
 
 
 def _underflow_batch(head_dim, paged, S=1024):
-    """One bidirectional sequence of 4 query tokens over S keys (2 query heads on 1 KV head): key 5 scores 512 (scale
-    8 x 64) and every other key 0, so key 600, which every row sees, has softmax weight exp(-512) = 0 in fp32; its V
-    holds NaN at column 3, +Inf at 4 and -Inf at 5. The reference: those three columns NaN in every row (p * v with
-    p = 0), the rest finite. Key 600 lies in a block no NaN-V scan cleans at these shapes (interior, or a split's
-    first block that skip_allowed_first leaves alone): a cleaned block's fix-up would add the raw +-Inf back for
-    p = 0, the kernels' documented exception (config skip_allowed_first), not the merge under test."""
-    H, Hk, Lq = 2, 1, 4
-    dev = "cuda"
-    q = torch.zeros(Lq, H, head_dim, dtype=torch.bfloat16, device=dev)
-    q[:, :, 0] = 1.0
-    k = torch.zeros(S, Hk, head_dim, dtype=torch.bfloat16, device=dev)
-    k[5, :, 0] = 64.0
-    v = torch.randn(S, Hk, head_dim, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).to(dev)
-    v[600, 0, 3], v[600, 0, 4], v[600, 0, 5] = float("nan"), float("inf"), float("-inf")
-    kw = dict(cu_seqlens_q=torch.tensor([0, Lq], dtype=torch.int32, device=dev),
-              seq_lens=torch.tensor([S], dtype=torch.int32, device=dev), causal=torch.tensor([False], device=dev),
-              scale=8.0)
-    if paged:
-        page = 64
-        perm = torch.randperm(S // page, generator=torch.Generator().manual_seed(2))
-        kp = torch.empty(S // page, page, Hk, head_dim, dtype=k.dtype, device=dev)
-        vp = torch.empty_like(kp)
-        kp[perm] = k.view(S // page, page, Hk, head_dim)
-        vp[perm] = v.view(S // page, page, Hk, head_dim)
-        kw["block_table"] = perm.to(torch.int32).to(dev)[None]
-        return q, kp, vp, kw
-    kw["cu_seqlens_k"] = torch.tensor([0, S], dtype=torch.int32, device=dev)
-    return q, k, v, kw
+    """:func:`blockdiff.attention.testing.make_underflow_batch` on the GPU: key 600, which every row sees, weighs
+    exp(-512) = 0 in fp32 and holds NaN at column 3, +Inf at 4 and -Inf at 5 (the reference: those three columns
+    NaN in every row, the rest finite). Key 600 lies in a block no NaN-V scan cleans at these shapes (interior, or a
+    split's first block that skip_allowed_first leaves alone): a cleaned block's fix-up would add the raw +-Inf back
+    for p = 0, the kernels' documented exception (config skip_allowed_first), not the merge under test."""
+    return make_underflow_batch(head_dim, S, 600, (float("nan"), float("inf"), float("-inf")),
+                                page_size=64 if paged else None, device="cuda", seed=1)
 
 
 _FA4_COMBINE_SKIPS = pytest.mark.xfail(

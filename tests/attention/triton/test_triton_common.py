@@ -1,6 +1,7 @@
 """The shared device helpers and the split-KV merge (attention/triton/common.py): the 16-ary tile -> sequence
-search against a Python scan, the merge against a logsumexp merge of the partials, and where the merge waits
-with programmatic dependent launch (offline sm_80 / sm_90 compiles)."""
+search against a Python scan, and where the merge waits with programmatic dependent launch (offline sm_80 / sm_90
+compiles). The merge against a logsumexp merge of the partials is in tests/attention/test_split_merge.py, beside
+the kernel's module (attention/split_merge.py)."""
 import json
 import os
 import subprocess
@@ -12,8 +13,7 @@ import triton
 import triton.language as tl
 
 from blockdiff.attention.triton import plans
-from blockdiff.attention.triton.common import _merge_kernel, tile_sequence
-from blockdiff.attention.triton.config import merge_constexprs
+from blockdiff.attention.triton.common import tile_sequence
 
 
 @triton.jit
@@ -42,43 +42,6 @@ def test_tile_to_sequence_search_finds_every_tile_across_16_ary_search_steps(num
     for t in range(n_tiles):
         b = max(i for i in range(num_seqs) if starts[i] <= t)
         assert out[t].tolist() == [b, t - starts[b]], t
-
-
-def _merge_oracle(opart, lsepart):
-    """out = sum_s exp(lse_s - lse) o_s, lse = logsumexp_s lse_s (rows whose splits are all empty: 0, -inf)."""
-    lse = torch.logsumexp(lsepart, 0)                                     # [H, T]
-    w = torch.exp(lsepart - torch.where(torch.isinf(lse), 0.0, lse))     # [S, H, T]; 0 for empty splits
-    return (opart * w.permute(0, 2, 1)[..., None]).sum(0), lse
-
-
-@pytest.mark.parametrize("ns,T,H,DV,dtype", [(3, 7, 3, 40, torch.float32), (64, 5, 2, 24, torch.bfloat16),
-                                              (2, 33, 1, 16, torch.float16), (5, 3, 1, 600, torch.float32)])
-def test_split_merge_equals_a_logsumexp_merge_of_the_partials(ns, T, H, DV, dtype):
-    """The split-KV merge (BLOCK_R rows per program, two passes over the splits) against torch.logsumexp: empty
-    splits (lse -inf, o 0), rows empty in every split (out 0, lse -inf), a row count that is not a multiple of
-    BLOCK_R, head_dim_v not a power of two, an out view with strided rows (columns around it stay untouched)."""
-    g = torch.Generator().manual_seed(ns * 1000 + DV)
-    opart = torch.randn(ns, T, H, DV, generator=g)
-    lsepart = torch.randn(ns, H, T, generator=g) * 4
-    empty = torch.rand(ns, H, T, generator=g) < 0.4
-    empty[:, 0, T - 1] = True                                             # a row with no key in any split
-    lsepart[empty] = float("-inf")
-    opart[empty.permute(0, 2, 1)] = 0.0
-    big = torch.full((T, H, DV + 9), float("nan"), dtype=dtype)
-    out = big[:, :, 3:3 + DV]
-    lse = torch.full((H, T), float("nan"))
-    consts = merge_constexprs(ns, DV, store_lse=True, pdl=False, interpret=True)  # as attention_triton launches it
-    block_r = consts["BLOCK_R"]
-    assert (T * H) % block_r != 0
-    _merge_kernel[(triton.cdiv(T * H, block_r),)](
-        opart, lsepart, out, lse, T, H, T * H, out.stride(0), out.stride(1), **consts)
-    ref_o, ref_lse = _merge_oracle(opart, lsepart)
-    tol = 1e-5 if dtype == torch.float32 else 2 ** -7
-    torch.testing.assert_close(out.float(), ref_o, rtol=tol, atol=tol)
-    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)) and not torch.isnan(lse).any()
-    torch.testing.assert_close(lse[~torch.isinf(lse)], ref_lse[~torch.isinf(ref_lse)], rtol=0, atol=1e-5)
-    assert (out[T - 1, 0] == 0).all()
-    assert torch.isnan(big[:, :, :3]).all() and torch.isnan(big[:, :, 3 + DV:]).all()
 
 
 def test_split_merge_uses_pdl_only_where_griddepcontrol_compiles():
