@@ -343,7 +343,8 @@ def _child(spec: dict, ptx_dir: str | None = None, switches: dict | None = None)
                 config=dict(tile_m=cfg.tile_m, tile_n=cfg.tile_n, num_stages=cfg.num_stages, lpt=cfg.lpt,
                             num_splits=cfg.num_splits, wide_design=cfg.wide_design, batch_order=cfg.batch_order,
                             v_refill=cfg.v_refill, qk_issue=cfg.qk_issue, k_refill=cfg.k_refill,
-                            skip_allowed_first=launched.skip_allowed_first))
+                            skip_allowed_first=launched.skip_allowed_first,
+                            nan_safe_v_method=launched.nan_safe_v_method))
 
 
 #: The split-value (hd 512, 16 q / 2 KV heads) configurations the report compiles (``--report``, with

@@ -19,7 +19,8 @@ __all__ = [
     "MIN_KEYS_PER_SPLIT", "grid_tiles", "choose_num_splits", "key_bound", "resolve_launch_config", "check_config",
     "SPLIT_MERGES", "MAX_CLUSTER_SPLITS", "AUTO_CLUSTER_SPLITS", "auto_split_merge", "cluster_merge_fits",
     "WIDE_DESIGNS", "ROLES_CONFIG", "BATCH_ORDERS", "V_REFILLS", "QK_ISSUES", "QK_AHEAD_MIN_PAGE", "auto_wide_design",
-    "K_REFILLS", "SKIP_ALLOWED_FIRST_VALUES", "auto_skip_allowed_first",
+    "K_REFILLS", "SKIP_ALLOWED_FIRST_VALUES", "auto_skip_allowed_first", "NAN_SAFE_V_METHODS",
+    "resolve_nan_safe_v_method",
 ]
 
 #: The optional packages this backend runs on (the ``cute`` extra of setup.py).
@@ -108,6 +109,17 @@ class CuteConfig:
     compile key). ``"auto"`` resolves, from host shapes only, to True when the launch splits KV (``num_splits > 1``,
     either ``split_merge``) and to False otherwise (:func:`auto_skip_allowed_first`). Not a tile field; it resolves
     in :func:`resolve_launch_config`, which knows the split count.
+    nan_safe_v_method: how ``nan_safe_v`` is kept in FA4's consumer (head dims <= 256): ``"scan"`` (default: the
+    masked key blocks' V stages scanned and cleaned in shared memory in the mainloop, the additive fix-up;
+    docs/tuning.md 2.4) or ``"recompute"`` (docs/tuning.md 2.32, 2.34: the mainloop of ``nan_safe_v=False``; at the
+    epilogue a test of the accumulator's real rows, and only in a warp that holds a non-finite entry, an fp32
+    recompute of exactly those entries from global memory with the tile's own LSE; a device counter of recomputing
+    warps, :func:`blockdiff.attention.cute.interface.nan_recompute_count`). The same contract either way; the
+    finite entries are bit-identical to ``nan_safe_v=False``'s, the recomputed ones agree within fp32-vs-bf16-P
+    rounding. A str of :data:`NAN_SAFE_V_METHODS`; it resolves to ``"scan"`` where it cannot act (``nan_safe_v``
+    off, head dims above 256: one compile key; :func:`resolve_nan_safe_v_method`), and with ``"recompute"``
+    ``skip_allowed_first`` resolves to False (no scan to skip). Not a tile field. Not the default: its first GPU
+    run and A/B are pending (docs/tuning.md 7.43).
     """
 
     tile_m: int | None = None
@@ -125,6 +137,7 @@ class CuteConfig:
     qk_issue: str = "auto"
     k_refill: str = "auto"
     skip_allowed_first: bool | str = "auto"
+    nan_safe_v_method: str = "scan"
 
 
 #: The merges of split-KV partial outputs (CuteConfig.split_merge).
@@ -154,6 +167,9 @@ K_REFILLS = ("auto", "whole", "halves")
 #: (CuteConfig.skip_allowed_first): automatic (default: on for split-KV launches, :func:`auto_skip_allowed_first`),
 #: on or off.
 SKIP_ALLOWED_FIRST_VALUES = ("auto", True, False)
+#: How NaN-safe V is kept in FA4's consumer (CuteConfig.nan_safe_v_method): the mainloop scan and fix-up
+#: (default), or the epilogue test and recompute (docs/tuning.md 2.32, 2.34).
+NAN_SAFE_V_METHODS = ("scan", "recompute")
 #: The roles kernel's switches: (field, the value only the roles kernel builds, the value every kernel builds).
 _ROLES_ONLY = (("v_refill", "halves", "one_warp"), ("qk_issue", "ahead", "serial"), ("k_refill", "halves", "whole"))
 #: Most splits of the cluster merge: the portable thread-block cluster size (8 CTAs).
@@ -446,7 +462,8 @@ def _check_halves_head_dims(head_dim: int, head_dim_v: int, values: dict) -> Non
 
 #: CuteConfig fields that are switches, not tile fields, with their defaults.
 _SWITCHES = dict(nan_safe_v=True, split_merge="auto", wide_design="auto", batch_order="auto",
-                 v_refill="auto", qk_issue="auto", k_refill="auto", skip_allowed_first="auto")
+                 v_refill="auto", qk_issue="auto", k_refill="auto", skip_allowed_first="auto",
+                 nan_safe_v_method="scan")
 
 
 #: CuteConfig fields whose default is None ("automatic"): a dict giving them None leaves them unset.
@@ -461,7 +478,8 @@ def _set_fields(config: CuteConfig) -> dict:
 
 def _split_switches(config):
     """``(config without the switches, {switch: value})`` (``nan_safe_v``, ``split_merge``, ``wide_design``,
-    ``batch_order``, ``v_refill``, ``qk_issue``, ``k_refill``, ``skip_allowed_first``): they are not tile fields, so
+    ``batch_order``, ``v_refill``, ``qk_issue``, ``k_refill``, ``skip_allowed_first``, ``nan_safe_v_method``): they
+    are not tile fields, so
     a config that sets only them resolves the tiles as None does (the tuned automatic choices)."""
     if config is None:
         return None, dict(_SWITCHES)
@@ -494,12 +512,13 @@ def _check_head_dims(head_dim, head_dim_v) -> None:
 
 _CONFIG_FIELDS = ("tile_m", "tile_n", "mma_pv_is_rs", "intra_wg_overlap", "num_stages", "lpt", "num_splits",
                   "nan_safe_v", "split_merge", "wide_design", "batch_order", "v_refill", "qk_issue", "k_refill",
-                  "skip_allowed_first")
+                  "skip_allowed_first", "nan_safe_v_method")
 
 
 def _check_field(name: str, v) -> None:
     choices = {"wide_design": WIDE_DESIGNS, "split_merge": SPLIT_MERGES, "batch_order": BATCH_ORDERS,
-               "v_refill": V_REFILLS, "qk_issue": QK_ISSUES, "k_refill": K_REFILLS}.get(name)
+               "v_refill": V_REFILLS, "qk_issue": QK_ISSUES, "k_refill": K_REFILLS,
+               "nan_safe_v_method": NAN_SAFE_V_METHODS}.get(name)
     if choices is not None:  # a str switch with named values
         if not isinstance(v, str):
             raise TypeError(f"config {name} must be a str, one of {choices}, got {type(v).__name__} ({v!r})")
@@ -549,7 +568,8 @@ def check_config(config, *, head_dims: tuple[int, int] | None = None):
     ``batch_order``: one of :data:`BATCH_ORDERS`; ``v_refill``: one of :data:`V_REFILLS`, ``"halves"`` not with
     ``wide_design="split_v"`` (with ``"auto"``, :func:`resolve_config` refuses it where ``"auto"`` does not pick
     the roles kernel); ``qk_issue``: one of :data:`QK_ISSUES`, ``"ahead"`` as ``"halves"``; ``k_refill``: one of
-    :data:`K_REFILLS`, ``"halves"`` as ``v_refill``'s; ``skip_allowed_first``: ``"auto"`` or a bool.
+    :data:`K_REFILLS`, ``"halves"`` as ``v_refill``'s; ``skip_allowed_first``: ``"auto"`` or a bool;
+    ``nan_safe_v_method``: one of :data:`NAN_SAFE_V_METHODS`.
     Kernel-specific rules (the split-value kernel's tiles, shared memory, whether the cluster merge's tile fits)
     are :func:`resolve_config`'s and :func:`resolve_launch_config`'s. ``head_dims`` (keyword; ``(head_dim,
     head_dim_v)`` where the call knows them): a ``"halves"`` value those head dims cannot take is refused by its
@@ -751,7 +771,8 @@ def resolve_launch_config(head_dim: int, head_dim_v: int, window_size, config=No
     ``"triton"``, and ``"combine"`` whenever there is one split; ``batch_order="work"`` (explicit, or ``"auto"`` resolved to it
     for the roles kernel by :func:`resolve_config`) resolves to ``"given"`` with at most one sequence (nothing to
     order: the kernel without the permutation); ``skip_allowed_first`` resolves here to a bool
-    (:func:`auto_skip_allowed_first`: ``"auto"`` on split-KV launches only; False wherever it cannot act). Host ints
+    (:func:`auto_skip_allowed_first`: ``"auto"`` on split-KV launches only; False wherever it cannot act), and
+    ``nan_safe_v_method`` to ``"scan"`` wherever ``"recompute"`` cannot act (:func:`resolve_nan_safe_v_method`). Host ints
     only: ``total_q`` (``q.shape[0]``), ``num_seqs``
     (``cu_seqlens_q.shape[0] - 1``), ``keys_capacity`` (paged: block-table width x page size; contiguous: cache
     rows), the hints, ``num_sms``, ``page_size`` (paged: ``k_cache.shape[1]``; None: contiguous K/V or not known;
@@ -779,13 +800,23 @@ def resolve_launch_config(head_dim: int, head_dim_v: int, window_size, config=No
         raise ValueError(
             f"config {cfg}: the cluster merge's fp32 output tile ({cfg.tile_m} x {head_dim_v} x 4 B plus the LSEs) "
             "does not fit the Q / K / V shared-memory buffers it reuses: use split_merge 'combine' or larger tiles")
+    cfg = replace(cfg, nan_safe_v_method=resolve_nan_safe_v_method(cfg, head_dim, head_dim_v))
     return replace(cfg, skip_allowed_first=auto_skip_allowed_first(cfg, head_dim, head_dim_v))
+
+
+def resolve_nan_safe_v_method(cfg: CuteConfig, head_dim: int, head_dim_v: int) -> str:
+    """The value ``nan_safe_v_method`` resolves to: ``"recompute"`` only where it acts (``nan_safe_v`` on, FA4's
+    consumer: head dims <= 256), else ``"scan"`` (the wide kernels keep their own clean-up; with ``nan_safe_v`` off
+    the method is moot), so launches it cannot change keep one compile key. Host ints only."""
+    if cfg.nan_safe_v_method == "recompute" and cfg.nan_safe_v and not is_wide(head_dim, head_dim_v):
+        return "recompute"
+    return "scan"
 
 
 def auto_skip_allowed_first(cfg: CuteConfig, head_dim: int, head_dim_v: int) -> bool:
     """The value ``skip_allowed_first`` resolves to for a config whose ``num_splits`` is set (an int; host ints
-    only, no device read). False where it cannot act (``nan_safe_v`` off, or head dims above 256: the wide kernels
-    place their own clean-up), so those launches keep one compile key whatever it says; else an explicit bool as
+    only, no device read). False where it cannot act (``nan_safe_v`` off, ``nan_safe_v_method="recompute"``, or head
+    dims above 256: the wide kernels place their own clean-up), so those launches keep one compile key whatever it says; else an explicit bool as
     given, and ``"auto"`` True iff ``num_splits > 1`` (either merge).
 
     Rationale (docs/tuning.md 2.30): in a split launch each split that does not hold the tile's last keys starts on a
@@ -799,8 +830,8 @@ def auto_skip_allowed_first(cfg: CuteConfig, head_dim: int, head_dim_v: int) -> 
     n = cfg.num_splits
     if isinstance(n, bool) or not isinstance(n, int):
         raise TypeError(f"auto_skip_allowed_first needs a config with num_splits set (an int), got {n!r}")
-    if not cfg.nan_safe_v or is_wide(head_dim, head_dim_v):
-        return False
+    if not cfg.nan_safe_v or is_wide(head_dim, head_dim_v) or cfg.nan_safe_v_method == "recompute":
+        return False  # (with "recompute" there is no mainloop scan to skip)
     if cfg.skip_allowed_first == "auto":  # split launches measured faster with it, the unsplit windowed one slower
         return n > 1
     return bool(cfg.skip_allowed_first)

@@ -162,7 +162,7 @@ def attention_cute(
         check_values: run the host-side value checks (default: yes unless a CUDA graph is being captured).
         config: :class:`~blockdiff.attention.cute.config.CuteConfig` or dict (tile_m, tile_n, mma_pv_is_rs,
             intra_wg_overlap, num_stages, lpt, num_splits, nan_safe_v, split_merge, wide_design, batch_order,
-            v_refill, qk_issue, k_refill, skip_allowed_first); None:
+            v_refill, qk_issue, k_refill, skip_allowed_first, nan_safe_v_method); None:
             :func:`~blockdiff.attention.cute.config.resolve_launch_config`.
             ``num_splits`` > 1 runs split-KV: with ``split_merge="combine"`` the kernel writes fp32 partial
             outputs and LSEs per split and FA4's combine kernel merges them (two launches,
@@ -189,6 +189,8 @@ def attention_cute(
             block where every row of the tile sees all of it (head dims <= 256 with ``nan_safe_v``; elsewhere
             resolved to False; :func:`~blockdiff.attention.cute.config.auto_skip_allowed_first`); the output is
             the same (the one exception: :class:`~blockdiff.attention.cute.config.CuteConfig`).
+            ``nan_safe_v_method="recompute"`` keeps NaN-safe V by an epilogue test and recompute instead of the
+            mainloop scan (head dims <= 256; :func:`nan_recompute_count`).
 
     Returns:
         ``out [total_q, num_heads, head_dim_v]`` (q's dtype) or ``(out, lse)``.
@@ -322,18 +324,28 @@ def _run(fa, q, k_cache, v_cache, *, out, return_lse, cu_seqlens_q, num_causal_q
     # nan_safe_v on a dense V cache: its fix-up reads V through a layout with static strides (only the base pointer
     # stays live in the kernel: dynamic strides cost the hd-256 / paged hd-512 kernels spills), so the compile key
     # holds the cache's inner shape
-    v_static = tuple(v_cache.shape[1:]) if cfg.nan_safe_v and v_cache.is_contiguous() else None
+    # (nan_safe_v_method "recompute": the same for the Q tensor and both caches, which it reads; a tuple of three)
+    recompute = cfg.nan_safe_v and cfg.nan_safe_v_method == "recompute"
+    if recompute:
+        v_static = tuple(tuple(t.shape[1:]) if t.is_contiguous() else None for t in (q, k_cache, v_cache))
+    else:
+        v_static = tuple(v_cache.shape[1:]) if cfg.nan_safe_v and v_cache.is_contiguous() else None
+    # the NaN-safe reads of Q / K / V (cold paths) index in 64 bits only where a tensor's storage reaches 2^31
+    # elements (kernel.py wide_offsets: 32-bit coordinates keep the hd-256 kernels' registers)
+    wide_offsets = bool(cfg.nan_safe_v) and any(_storage_elements(t) >= 2 ** 31 for t in (q, k_cache, v_cache))
     # the two-launch merges ("combine", "triton") run the same split kernel: one compile key for both
     key_cfg = replace(cfg, split_merge="combine") if cfg.split_merge == "triton" else cfg
     key = (q.dtype, head_dim, head_dim_v, qhead_per_kvhead, pack_gqa, key_cfg, paged, paged_kv_non_tma,
-           kv_page_size, has_window, prefix, return_lse and (cluster or not split), arch, v_static)
+           kv_page_size, has_window, prefix, return_lse and (cluster or not split), arch, v_static, wide_offsets)
     aux = [ncq]
     if cluster:  # the kernel merges and writes out (and the LSE) itself: no workspace
         aux += [out_k] + ([lse] if return_lse else [])
     elif split:  # each split's normalised fp32 output and LSE, merged below (FA4's combine, or the Triton merge)
         aux += [torch.empty(cfg.num_splits, total_q, H, head_dim_v, dtype=torch.float32, device=q.device),
                 torch.empty(cfg.num_splits, H, total_q, dtype=torch.float32, device=q.device)]
-    if cfg.nan_safe_v:  # the NaN-safe fix-up reads V itself (kernel.py, "NaN-safe V"): the last aux tensor
+    if recompute:  # the recompute reads Q, K and V itself and counts recomputing warps (kernel.py)
+        aux += [q, k_cache, v_cache, _recompute_counter(q.device, fa["is_fake_mode"]())]
+    elif cfg.nan_safe_v:  # the NaN-safe fix-up reads V itself (kernel.py, "NaN-safe V"): the last aux tensor
         aux.append(v_cache)
     if cfg.batch_order == "work":  # the scheduler's batch permutation, after every other aux tensor (kernel.py,
         # "The batch order"): one Triton launch on CUDA tensors, no host read (tile_order.py); compile-only
@@ -417,7 +429,7 @@ def _num_sms(device) -> int:
 
 def _compile(fa, key, q, k, v, out, lse, scale, cu_q, cu_k, seqused_k, page_table, window_size, aux):
     (dtype, head_dim, head_dim_v, qhead_per_kvhead, pack_gqa, cfg, paged, paged_kv_non_tma, kv_page_size,
-     has_window, prefix, return_lse, arch, v_static) = key
+     has_window, prefix, return_lse, arch, v_static, wide_offsets) = key
     cute, tct = fa["cute"], fa["to_cute_tensor"]
     split = dict(num_splits=cfg.num_splits) if cfg.num_splits > 1 else {}
     cluster = bool(split) and cfg.split_merge == "cluster"
@@ -447,12 +459,20 @@ def _compile(fa, key, q, k, v, out, lse, scale, cu_q, cu_k, seqused_k, page_tabl
         qk_issue=cfg.qk_issue,
         k_refill=cfg.k_refill,
         skip_allowed_first=cfg.skip_allowed_first,
+        nan_safe_v_method=cfg.nan_safe_v_method,
+        wide_offsets=wide_offsets,
         **split,
     )
     small = lambda t, lead=0: None if t is None else tct(t, assumed_align=4, leading_dim=lead)  # noqa: E731
-    nan_v = 1 if cfg.nan_safe_v else 0  # the V cache appended to the aux tensors (the NaN-safe fix-up's reads)
+    recompute = cfg.nan_safe_v and cfg.nan_safe_v_method == "recompute"
+    # the tensors NaN-safe V reads, appended to the aux tensors: V (the fix-up), or Q, K, V and the counter
+    nan_v = 4 if recompute else 1 if cfg.nan_safe_v else 0
     order = 1 if cfg.batch_order == "work" else 0  # the batch permutation appended after it
     body, order_t = aux[:len(aux) - order], aux[len(aux) - order:]
+    if recompute:
+        nan_t = [_nan_safe_v_tensor(fa, t, st) for t, st in zip(body[-4:-1], v_static)] + [small(body[-1])]
+    else:
+        nan_t = [_nan_safe_v_tensor(fa, body[-1], v_static)] if nan_v else []
     with kernel.trace_patches():  # page-box K/V TMA atoms (kv_page_size), FA4's tile order off (not lpt)
         return cute.compile(
             kernel,
@@ -464,12 +484,55 @@ def _compile(fa, key, q, k, v, out, lse, scale, cu_q, cu_k, seqused_k, page_tabl
             None,  # learnable_sink
             None,  # block-sparse tensors
             fa["AuxData"]([small(body[0])] + [tct(t, assumed_align=16) for t in body[1:len(body) - nan_v]]
-                          + ([_nan_safe_v_tensor(fa, body[-1], v_static)] if nan_v else [])
+                          + nan_t
                           + [small(t) for t in order_t], None),
             None, None,  # cu_total_m_blocks (batch-lookup aid, not used)
             cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
             options="--enable-tvm-ffi",
         )
+
+
+def _storage_elements(t: torch.Tensor) -> int:
+    """Elements of ``t``'s storage (a view's whole cache: its offsets reach that far), at least ``t.numel()``."""
+    try:
+        return max(t.untyped_storage().nbytes() // t.element_size(), t.numel())
+    except (RuntimeError, NotImplementedError):  # a tensor without a storage to ask
+        return t.numel()
+
+
+#: Per-device int32 [1] counters of the warps that ran the recompute (nan_safe_v_method "recompute"); one tensor per
+#: device for the process's life, so a captured CUDA graph keeps adding to the same one.
+_RECOMPUTE_COUNTERS: dict = {}
+
+
+def _recompute_counter(device, fake: bool) -> torch.Tensor:
+    """The recompute counter of ``device`` (a fresh placeholder under FA4's fake mode: compile only)."""
+    if fake:
+        return torch.zeros(1, dtype=torch.int32, device=device)
+    key = torch.device(device)
+    if key not in _RECOMPUTE_COUNTERS:
+        _RECOMPUTE_COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=key)
+    return _RECOMPUTE_COUNTERS[key]
+
+
+def nan_recompute_count(device=None, *, reset: bool = False) -> int:
+    """How many warps ran NaN-safe V's recompute (``nan_safe_v_method="recompute"``) on ``device`` (default: the
+    current CUDA device) since the process started or the last reset: 0 on caches whose V holds no NaN / Inf where a
+    tile reads it (a recompute there would be a false positive of the test, docs/tuning.md 2.32). Reads the device
+    counter (a host sync); ``reset=True`` sets it to 0 after reading. 0 for a device that never ran the recompute.
+    The counter is made at the device's first recompute launch, which should be an eager one (as the first compile
+    is): made inside a CUDA-graph capture, its zero fill would be captured and replayed. The int32 counter wraps
+    after 2^31 warps."""
+    dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    counter = _RECOMPUTE_COUNTERS.get(dev)
+    if counter is None:
+        return 0
+    n = int(counter.item())
+    if reset:
+        counter.zero_()
+    return n
 
 
 def _nan_safe_v_tensor(fa, v, v_static):
@@ -527,4 +590,4 @@ def compile_only(head_dim: int = 128, num_heads: int = 16, num_kv_heads: int = 8
              max_seqlen_k=max_seqlen_k)
 
 
-__all__ = ["attention_cute", "compile_only", "LAST_LAUNCH"]
+__all__ = ["attention_cute", "compile_only", "LAST_LAUNCH", "nan_recompute_count"]

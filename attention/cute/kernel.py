@@ -176,6 +176,17 @@ NAN_CLEAN_BARRIER_WG1 = 12
 #: warpgroup of FA4's consumer (id 15; the roles kernel's own use of 15 is another kernel).
 NAN_CLEAN_BARRIER_ALL = 15
 
+#: fp32 exponent bits: an entry is NaN / +-Inf iff ``bits & F32_EXP_MASK == F32_EXP_MASK`` (the recompute's test).
+F32_EXP_MASK = 0x7F800000
+#: log2(e), natural-log LSEs to base 2 (the recompute's P = exp2(S * scale_log2 - lse * LOG2_E)).
+LOG2_E = 1.4426950408889634
+
+#: Int64 shared-memory slots of the recompute's addresses (:meth:`FlashAttentionForwardSm90Mixed._stash_write`): Q,
+#: K, V, the page table and the counter, each its address and its dynamic strides and shapes. At most 24: a strided
+#: Q (1 + 2 strides + 2 shapes), strided paged K and V (1 + 3 + 3 each, vLLM's cache views), the page table
+#: (1 + 1 + 1), the counter (1 + 1).
+NR_STASH_SLOTS = 24
+
 #: First value of the clean-up's per-warpgroup use counter (the tags of :meth:`FlashAttentionForwardSm90Mixed.
 #: _clean_v_stage`); any value works, this one makes a stale shared-memory word unlikely to match.
 NAN_TAG_BASE = 0x4E614E00
@@ -194,6 +205,18 @@ def barrier_or(pred: Int32, barrier_id: Int32, number_of_threads: int, *, loc=No
         "=r,r,r",
         has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
     ))
+
+
+def _row_coord(x, wide: bool):
+    """A cache / Q row or page coordinate of the cold paths: Int64 when the kernel was built for tensors of 2^31 or
+    more elements (``wide_offsets``: the offset ``coordinate x stride`` must not wrap in 32 bits), else as it is
+    (64-bit coordinates cost the hd-256 cluster kernel 300 more spill bytes, docs/tuning.md 2.34)."""
+    return cutlass.Int64(x) if wide else x
+
+
+def _int32_bit(b: int) -> int:
+    """Bit ``b`` (0-31) of an Int32 as a Python int in the int32 range (bit 31: -2^31)."""
+    return -(1 << 31) if b == 31 else 1 << b
 
 
 @dsl_user_op
@@ -468,11 +491,23 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
     the block info's own bounds) sets the scan's trip count to 0; the wait, the barrier and the tag test still run,
     so both warpgroups make the same calls (docs/tuning.md 2.27). True is built by FA4's consumer only
     (:attr:`BUILDS_SKIP_ALLOWED_FIRST`; the wide kernels place their own clean-up).
+    ``nan_safe_v_method`` (compile-time, ``"scan"`` default, or ``"recompute"``; acts with ``nan_safe_v`` only):
+    how NaN-safe V is kept. ``"scan"``: the masked blocks' V stages cleaned in the mainloop and the additive fix-up
+    (above). ``"recompute"`` (docs/tuning.md 2.32, 2.34): the mainloop of ``nan_safe_v=False`` and, at the epilogue
+    hook, a test of the accumulator's real rows; a warp that holds a non-finite entry recomputes exactly those
+    entries from global memory (:meth:`_nonfinite_recompute`). Then ``self.nan_safe_v`` is False (every mainloop
+    hook off) and ``self.nan_recompute`` True. Runtime: the Q tensor, the K and V caches and an int32 ``[1]``
+    counter of recomputing warps as the last four aux tensors (before the batch permutation). Built by FA4's
+    consumer only (:attr:`BUILDS_NAN_RECOMPUTE`).
+    ``wide_offsets`` (compile-time, default False): the NaN-safe fix-up's and the recompute's own reads of Q / K / V
+    (cold paths) index with 64-bit row and page coordinates; needed when a tensor holds 2^31 elements or more (the
+    interface sets it from the storage sizes). FA4's own loads are TMA / 64-bit already.
 
     Raises:
         ValueError: ``batch_order`` other than ``"given"`` / ``"work"``; a ``v_refill``, ``qk_issue`` or
             ``k_refill`` the class does not build; ``skip_allowed_first=True`` in a class that does not build it;
-            a ``kv_page_size`` the page boxes cannot load.
+            a ``kv_page_size`` the page boxes cannot load; ``nan_safe_v_method`` not ``"scan"`` / ``"recompute"``,
+            or ``"recompute"`` in a class that does not build it.
         TypeError: ``skip_allowed_first`` not a bool (``"auto"`` resolves in the config, never here).
     """
 
@@ -484,6 +519,9 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
     K_REFILLS = ("whole",)
     #: Whether this class builds ``skip_allowed_first=True`` (kernel_wide.py's classes do not).
     BUILDS_SKIP_ALLOWED_FIRST = True
+    #: Whether this class builds ``nan_safe_v_method="recompute"`` (FA4's consumer: this class, its split and
+    #: cluster variants; kernel_wide.py's classes do not).
+    BUILDS_NAN_RECOMPUTE = True
     #: Experiment switch (compile time, off; docs/tuning.md 2.31): with ``nan_safe_v`` in FA4's intra-warpgroup
     #: overlap consumer without its scheduler barrier (head dims above 128, e.g. the hd-256 launches; FA4's
     #: ``use_scheduler_barrier`` looks at the QK head dim only), the consumer warpgroups split a masked
@@ -496,10 +534,16 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
 
     def __init__(self, *args, prefix_window: bool = False, kv_page_size: Optional[int] = None, lpt: bool = True,
                  nan_safe_v: bool = False, batch_order: str = "given", v_refill: str = "one_warp",
-                 qk_issue: str = "serial", k_refill: str = "whole", skip_allowed_first: bool = False, **kwargs):
+                 qk_issue: str = "serial", k_refill: str = "whole", skip_allowed_first: bool = False,
+                 nan_safe_v_method: str = "scan", wide_offsets: bool = False, **kwargs):
         kwargs["is_causal"] = False
         kwargs["is_local"] = True
+        # FA4's (dtype, head_dim, head_dim_v, ...): the real head dims (FA4 keeps the 16-padded tile_hdim / tile_hdimv;
+        # the recompute's dot products and every epilogue write stop at the real ones)
+        head_dim = args[1] if len(args) > 1 else kwargs["head_dim"]
+        head_dim_v = (args[2] if len(args) > 2 else kwargs.get("head_dim_v")) or head_dim
         super().__init__(*args, **kwargs)
+        self._head_dims = (int(head_dim), int(head_dim_v))
         if batch_order not in ("given", "work"):
             raise ValueError(f"batch_order must be 'given' or 'work', got {batch_order!r}")
         if v_refill not in self.V_REFILLS:
@@ -520,12 +564,22 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         self.skip_allowed_first = skip_allowed_first
         self.prefix_window = prefix_window
         self.lpt = lpt
-        self.nan_safe_v = bool(nan_safe_v)
+        if nan_safe_v_method not in ("scan", "recompute"):
+            raise ValueError(f"nan_safe_v_method must be 'scan' or 'recompute', got {nan_safe_v_method!r}")
+        if nan_safe_v_method == "recompute" and not self.BUILDS_NAN_RECOMPUTE:
+            raise ValueError(f"nan_safe_v_method='recompute' is not built by {type(self).__name__} (FA4's consumer "
+                             "only, head dims <= 256)")
+        # "recompute": the mainloop of nan_safe_v=False (every nan_safe_v hook off), the epilogue test and recompute
+        self.nan_recompute = bool(nan_safe_v) and nan_safe_v_method == "recompute"
+        self.nan_safe_v = bool(nan_safe_v) and not self.nan_recompute
+        self.wide_offsets = bool(wide_offsets)
         self.batch_order = batch_order
         # trace-time hand-offs of the NaN-safe V path (set in kernel() / mma(); see _nan_safe_setup)
         self._mV = self._mPageTable = None
         self._nf_flag = self._nf_sVt = self._nf_pipeline_v = self._nf_block_info = None
         self._mNumCausalQ = None
+        # the recompute's trace-time hand-offs (kernel() / mma())
+        self._nr_q = self._nr_k = self._nr_count = self._nr_block_info = self._nr_slots = None
         # Paged TMA (any page size page_box_tma_ok accepts): K / V stages filled box by box (_PageBoxTmaAtoms).
         self.kv_page_size = None
         self.kv_box_rows = None
@@ -574,9 +628,10 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
     def _get_shared_storage_cls(self):
         """FA4's shared storage; with the page-box producer, one more mbarrier right after the V pipeline's
         2 x num_stages (the producer's ``tail_bar``, see ``_acquire_load_v``); with ``nan_safe_v`` that slot
-        and ``num_stages`` tag slots after it (:meth:`_clean_v_stage`). Same size otherwise: the barriers sit before
+        and ``num_stages`` tag slots after it (:meth:`_clean_v_stage`); with the recompute that slot and
+        :data:`NR_STASH_SLOTS` address slots (:meth:`_stash_write`). Same size otherwise: the barriers sit before
         1024-byte-aligned buffers."""
-        if self.kv_box_rows is None and not self.nan_safe_v:
+        if self.kv_box_rows is None and not self.nan_safe_v and not self.nan_recompute:
             return super()._get_shared_storage_cls()
         assert not self.Q_in_regs, "the page-box producer and nan_safe_v are built with Q_in_regs=False"
         sQ_struct, sK_struct, sV_struct = [
@@ -590,6 +645,8 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         # V: full / empty barriers, the page-box producer's tail barrier, and with nan_safe_v one tag slot per stage
         # (the clean-up's "a non-finite entry was zeroed in this use of the stage", _clean_v_stage)
         n_tags = self.num_stages if self.nan_safe_v else 0
+        if self.nan_recompute:  # the recompute's address slots (_stash_write); nan_safe_v is False then
+            n_tags = NR_STASH_SLOTS
         mbar_ptr_V_struct = cute.struct.MemRange[cutlass.Int64, self.num_stages * 2 + 1 + n_tags]
 
         # Built with type(): this module's `from __future__ import annotations` would turn class-body annotations
@@ -688,6 +745,11 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
             # the NaN-safe fix-up reads V itself: the caller's cache, appended to the aux tensors (FA4 hands the
             # kernel TMA coordinate tensors as mK / mV on its TMA paths), and the page table
             self._mV, self._mPageTable = aux_tensors[-1], mPageTable
+        if const_expr(self.nan_recompute):
+            # the recompute reads Q, K and V itself (the caller's tensors: on its TMA paths FA4 hands the kernel
+            # coordinate tensors) and counts recomputing warps: the last four aux tensors
+            self._nr_q, self._nr_k, self._mV, self._nr_count = aux_tensors[-4:]
+            self._mPageTable = mPageTable
         _call_fa4_kernel_body(
             self,
             mQ,
@@ -1019,6 +1081,9 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
     ):
         if const_expr(self.nan_safe_v):
             self._nan_safe_setup(sVt, pipeline_v, self._mixed_block_info(block_info), shared_tags=True)
+        if const_expr(self.nan_recompute):
+            self._nr_block_info = self._mixed_block_info(block_info)
+            self._stash_write(pipeline_v)
         return FlashAttentionForwardSm90.mma(
             self,
             tiled_mma_qk,
@@ -1144,6 +1209,8 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
                  head_idx, batch_idx):
         if const_expr(self.nan_safe_v):
             self._nonfinite_fixup(acc_O, seqlen, tiled_mma, tidx, m_block, head_idx, batch_idx)
+        if const_expr(self.nan_recompute):
+            self._nonfinite_recompute(acc_O, lse, seqlen, tiled_mma, tidx, m_block, head_idx, batch_idx)
         return FlashAttentionForwardSm90.epilogue(self, acc_O, lse, mO, mLSE, sO, seqlen, gmem_tiled_copy_O,
                                                   tma_atom_O, tiled_mma, tidx, m_block, head_idx, batch_idx)
 
@@ -1309,16 +1376,260 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
                    mV: cute.Tensor, seqlen: MixedSeqlenInfoQK, key: Int32, head_kv: Int32, batch_idx: Int32):
         """Key ``key``'s non-finite V entries in this thread's columns, added to the rows that allow it."""
         # mV: the caller's cache, paged [num_pages, page_size, h_kv, d_v] or contiguous [total_k, h_kv, d_v]
+        # (64-bit page / row coordinates for tensors of 2^31 elements or more: wide_offsets)
         if const_expr(self._mPageTable is not None):
             page_size = self.kv_page_size if const_expr(self.kv_page_size is not None) else mV.shape[1]
-            page = self._mPageTable[batch_idx, key // page_size]
+            page = _row_coord(self._mPageTable[batch_idx, key // page_size], self.wide_offsets)
             v_row = mV[page, key % page_size, head_kv, None]
         else:
-            v_row = mV[seqlen.offset_k + key, head_kv, None]
+            v_row = mV[_row_coord(seqlen.offset_k + key, self.wide_offsets), head_kv, None]
         for c in cutlass.range_constexpr(cute.size(tOcO, mode=[1])):
-            v = Float32(v_row[tOcO[0, c][1]])
-            if is_finite_f32(v) == 0:
-                for r in cutlass.range_constexpr(cute.size(tOcO, mode=[0])):
-                    if lo_r[r] <= key:
-                        if key <= hi_r[r]:
-                            acc[r, c] = acc[r, c] + v
+            col = tOcO[0, c][1]
+            in_v = Int32(1)
+            if const_expr(self.check_hdim_v_oob):  # a padded value column (past head_dim_v): not V's, not read
+                if col >= self._head_dims[1]:
+                    in_v = Int32(0)
+            if in_v != 0:
+                v = Float32(v_row[col])
+                if is_finite_f32(v) == 0:
+                    for r in cutlass.range_constexpr(cute.size(tOcO, mode=[0])):
+                        if lo_r[r] <= key:
+                            if key <= hi_r[r]:
+                                acc[r, c] = acc[r, c] + v
+
+    # --- NaN-safe V by recompute (nan_safe_v_method="recompute"; docs/tuning.md 2.32, 2.34) ---------------------
+    @cute.jit
+    def _nonfinite_recompute(self, acc_O: cute.Tensor, lse: cute.Tensor, seqlen: MixedSeqlenInfoQK,
+                             tiled_mma: cute.TiledMma, tidx: Int32, m_block: Int32, head_idx: Int32,
+                             batch_idx: Int32):
+        """At the epilogue hook (``acc_O`` normalised, ``lse`` final, before any store or merge): find whether
+        this thread holds a non-finite accumulator entry in a real row (``token < seqlen_q``: PackGQA's padding
+        rows may hold anything, docs/tuning.md 2.32 F4), OR it over the warp (``vote.any``), and only then
+        recompute the warp's non-finite entries (:meth:`_recompute_warp`).
+
+        Why it is complete (2.32): a key a row may not see has P = 0 in the P V wgmma, so a NaN / Inf in its V row
+        makes that column NaN in every row of the warpgroup (IEEE ``0 * NaN``, ``0 * Inf``), and no later step
+        makes a non-finite entry finite again (the rescales multiply by finite factors); a finite entry therefore
+        saw no such key. The test is one AND and one integer max per entry (an exponent of all ones)."""
+        qpk = self.qhead_per_kvhead if const_expr(self.pack_gqa) else 1
+        tOcO = layout_utils.reshape_acc_to_mn(
+            tiled_mma.get_slice(tidx).partition_C(cute.make_identity_tensor((self.tile_m, self.tile_hdimv))))
+        acc_bits = layout_utils.reshape_acc_to_mn(cute.recast_tensor(acc_O, Int32))
+        head_dim_v = self._head_dims[1]
+        bad = Int32(0)
+        for r in cutlass.range_constexpr(cute.size(tOcO, mode=[0])):
+            e = Int32(0)
+            for c in cutlass.range_constexpr(cute.size(tOcO, mode=[1])):
+                x = acc_bits[r, c] & Int32(F32_EXP_MASK)
+                if const_expr(self.check_hdim_v_oob):  # a padded value column is no output (nor evidence)
+                    if tOcO[r, c][1] >= head_dim_v:
+                        x = Int32(0)
+                e = cutlass.max(e, x)
+            token = (m_block * self.tile_m + tOcO[r, 0][0]) // qpk
+            if e == Int32(F32_EXP_MASK):
+                if token < seqlen.seqlen_q:
+                    bad = Int32(1)
+        if cute.arch.vote_any_sync(bad != 0):
+            self._recompute_warp(acc_O, lse, tOcO, seqlen, m_block, head_idx, batch_idx)
+
+    @cute.jit
+    def _recompute_warp(self, acc_O: cute.Tensor, lse: cute.Tensor, tOcO: cute.Tensor, seqlen: MixedSeqlenInfoQK,
+                        m_block: Int32, head_idx: Int32, batch_idx: Int32):
+        """Cold path, warp-uniform: every non-finite entry of this thread's real rows (value columns below
+        ``head_dim_v``) becomes ``sum_k P[r, k] V[k, c]`` over the keys ``k`` of this tile's (this split's) key-block
+        range that row ``r`` allows, in fp32 from global memory, with ``P = exp2(S * scale_log2 - lse * log2(e))``
+        from FA4's own ``lse`` (so the LSE, and a split's merge weight, are unchanged); every finite entry is left
+        as it is, bit for bit. A row whose ``lse`` is -inf (no allowed key in the split, or a NaN row sum) takes
+        ``lse = +inf``: P = 0 for a finite score, NaN for a NaN one. Q, K and V are the caller's tensors (paged
+        through the page table or contiguous at ``cu_seqlens_k``), their addresses read from shared memory
+        (:meth:`_stash_read`). One row of the thread at a time (the fewest registers beside the accumulator); ``S``
+        is split over the four threads of a row quad (8-element chunks ``lane % 4 + 4 j`` of the head dim) and
+        summed with two butterfly shuffles, which is why the key loop is warp-uniform (the tile's range; the row's
+        own range is a predicate). Then lane 0 adds 1 to the recompute counter."""
+        head_dim, head_dim_v = self._head_dims
+        qpk = self.qhead_per_kvhead if const_expr(self.pack_gqa) else 1
+        head_kv = head_idx if const_expr(self.pack_gqa) else head_idx // self.qhead_per_kvhead
+        acc = layout_utils.reshape_acc_to_mn(acc_O)
+        acc_bits = layout_utils.reshape_acc_to_mn(cute.recast_tensor(acc_O, Int32))
+        n_cols = cute.size(tOcO, mode=[1])
+        n_words = (n_cols + 31) // 32
+        bi = self._nr_block_info
+        n_min, n_max = bi.get_n_block_min_max(seqlen, m_block)
+        k0 = n_min * self.tile_n
+        k1 = cutlass.min(n_max * self.tile_n, seqlen.seqlen_k)
+        scale_log2 = self._softmax_scales[0]
+        mQ, mK, mV, mPageTable, mCount = self._stash_read()
+        marks = cute.make_rmem_tensor((n_words,), Int32)
+        for r in cutlass.range_constexpr(cute.size(tOcO, mode=[0])):
+            row = m_block * self.tile_m + tOcO[r, 0][0]
+            token = row // qpk
+            lo, hi = row_key_range(token, seqlen.seqlen_q, seqlen.seqlen_k, seqlen.num_causal_q,
+                                   bi.window_size_left, self.prefix_window)
+            real = Int32(1)
+            if token >= seqlen.seqlen_q:  # padding rows of the tile: no keys, nothing rewritten
+                lo = Int32(1)
+                hi = Int32(0)
+                real = Int32(0)
+            # a padding row reads the sequence's last Q row (in bounds); its P is 0 (no allowed key)
+            q_row = _row_coord(seqlen.offset_q + cutlass.min(token, seqlen.seqlen_q - 1), self.wide_offsets)
+            q_head = head_idx
+            if const_expr(self.pack_gqa):
+                q_head = head_idx * qpk + row % qpk
+            lse2 = lse[r] * Float32(LOG2_E)
+            if lse[r] == -Float32.inf:
+                lse2 = Float32.inf
+            any_mark = Int32(0)
+            for w in cutlass.range_constexpr(n_words):
+                word = Int32(0)
+                for c in cutlass.range_constexpr(w * 32, min(n_cols, w * 32 + 32)):
+                    if (acc_bits[r, c] & Int32(F32_EXP_MASK)) == Int32(F32_EXP_MASK):
+                        if real != 0:
+                            if tOcO[r, c][1] < head_dim_v:
+                                word = word | Int32(_int32_bit(c - w * 32))
+                                acc[r, c] = Float32(0.0)
+                marks[w] = word
+                any_mark = any_mark | word
+            # warp-uniform: the key loop's shuffles need every lane (the row quad's four threads share the row)
+            if cute.arch.vote_any_sync(any_mark != 0):
+                q_vec = mQ[q_row, q_head, None]
+                for key in cutlass.range(k0, k1, unroll=1):
+                    self._recompute_key(acc, r, marks, tOcO, lo, hi, lse2, scale_log2, q_vec, mK, mV, mPageTable,
+                                        seqlen, key, head_kv, batch_idx)
+        if cute.arch.lane_idx() == 0:
+            cute.arch.atomic_add(mCount.iterator, Int32(1))
+
+    @cute.jit
+    def _recompute_key(self, acc: cute.Tensor, r: cutlass.Constexpr[int], marks: cute.Tensor, tOcO: cute.Tensor,
+                       lo: Int32, hi: Int32, lse2: Float32, scale_log2: Float32, q_vec: cute.Tensor,
+                       mK: cute.Tensor, mV: cute.Tensor, mPageTable: Optional[cute.Tensor],
+                       seqlen: MixedSeqlenInfoQK, key: Int32, head_kv: Int32, batch_idx: Int32):
+        """Key ``key``'s term ``P[r, key] V[key, c]`` added to the marked entries of this thread's row ``r``
+        (:meth:`_recompute_warp`; ``q_vec`` its Q row). Every lane of the warp calls it (two shuffles)."""
+        CHUNK = 8  # elements of a K / Q chunk (4-byte-aligned loads: _stash_read); 4 measured the same registers
+        head_dim, head_dim_v = self._head_dims
+        n_cols = cute.size(tOcO, mode=[1])
+        # mK / mV: the caller's caches, paged [num_pages, page_size, h_kv, d] or contiguous [total_k, h_kv, d]
+        # (64-bit page / row coordinates for tensors of 2^31 elements or more: wide_offsets)
+        if const_expr(mPageTable is not None):
+            page_size = self.kv_page_size if const_expr(self.kv_page_size is not None) else mV.shape[1]
+            page = _row_coord(mPageTable[batch_idx, key // page_size], self.wide_offsets)
+            k_row = mK[page, key % page_size, head_kv, None]
+            v_row = mV[page, key % page_size, head_kv, None]
+        else:
+            row_k = _row_coord(seqlen.offset_k + key, self.wide_offsets)
+            k_row = mK[row_k, head_kv, None]
+            v_row = mV[row_k, head_kv, None]
+        quad = cute.arch.lane_idx() % 4
+        n_chunks = head_dim // CHUNK  # head dims are multiples of 8 (config.unsupported_head_dims)
+        kr = cute.make_rmem_tensor((CHUNK,), self.dtype)
+        qr = cute.make_rmem_tensor((CHUNK,), self.dtype)
+        x = Float32(0.0)
+        for t in cutlass.range_constexpr((n_chunks + 3) // 4):
+            j = quad + 4 * t
+            if j < n_chunks:
+                cute.autovec_copy(cute.local_tile(k_row, (CHUNK,), (j,)), kr)
+                cute.autovec_copy(cute.local_tile(q_vec, (CHUNK,), (j,)), qr)
+                kf = kr.load().to(Float32)
+                qf = qr.load().to(Float32)
+                for i in cutlass.range_constexpr(CHUNK):
+                    x = x + qf[i] * kf[i]
+        x = x + cute.arch.shuffle_sync_bfly(x, offset=1)
+        x = x + cute.arch.shuffle_sync_bfly(x, offset=2)
+        # only keys the row sees add a term (a key it may not see must not add 0 * NaN, regression test
+        # test_gpu_recompute_keys_no_row_sees_leave_the_output_finite), with P however small: an allowed key whose
+        # P underflows to 0 still adds 0 * NaN, as the reference's p * v does. exp2 without flush-to-zero: a
+        # subnormal P of an allowed key times +-Inf stays +-Inf, as in the reference (the simulation's ftz case)
+        if lo <= key:
+            if key <= hi:
+                p = cute.math.exp2(x * scale_log2 - lse2, fastmath=False)
+                # the thread's value columns come in adjacent pairs (c, c + 1) (SM90 wgmma C layout): one 4-byte
+                # load each
+                v2 = cute.make_rmem_tensor((2,), self.dtype)
+                vf = cute.make_rmem_tensor((2,), Float32)
+                for c in cutlass.range_constexpr(0, n_cols, 2):
+                    if (marks[c // 32] >> Int32(c % 32)) & Int32(3) != 0:
+                        cute.autovec_copy(cute.local_tile(v_row, (2,), (tOcO[r, c][1] // 2,)), v2)
+                        vf.store(v2.load().to(Float32))
+                        for i in cutlass.range_constexpr(2):
+                            if (marks[c // 32] >> Int32(c % 32 + i)) & Int32(1) != 0:
+                                acc[r, c + i] = acc[r, c + i] + p * vf[i]
+
+    # The recompute reads Q, K, V, the page table and its counter through global addresses that would otherwise stay
+    # in registers across the key-block loops (kernel parameters loaded at the kernel's entry): with them there,
+    # ptxas changed the loops of the hd-256 bench launches by 19-33 instructions (docs/tuning.md 2.34). So each
+    # consumer warp's lane 0 writes the addresses and the dynamic strides into shared-memory slots after the V
+    # barriers at the consumers' entry, and the cold path reads them back.
+    def _stash_fields(self):
+        """Trace-time: ``[(tensor, dynamic stride modes, dynamic shape modes past the first)]`` of Q, K, V, the page
+        table (None when contiguous) and the counter, and the number of Int64 slots they take (the address, then
+        each dynamic stride and shape; at most :data:`NR_STASH_SLOTS`)."""
+        out, n = [], 0
+        for t in (self._nr_q, self._nr_k, self._mV, self._mPageTable, self._nr_count):
+            if t is None:
+                out.append(None)
+                continue
+            dyn_st = [i for i, st in enumerate(t.stride) if not isinstance(st, int)]
+            dyn_sh = [i for i, d in enumerate(t.shape) if i > 0 and not isinstance(d, int)]
+            out.append((t, dyn_st, dyn_sh))
+            n += 1 + len(dyn_st) + len(dyn_sh)
+        if n > NR_STASH_SLOTS:
+            raise ValueError(f"nan_safe_v_method='recompute': Q, K, V, the page table and the counter need {n} "
+                             f"address / stride / shape slots, more than the {NR_STASH_SLOTS} reserved "
+                             "(NR_STASH_SLOTS)")
+        return out, n
+
+    def _stash_slots(self, pipeline_v) -> cute.Tensor:
+        """The Int64 slots after the V pipeline's barriers and the producer's tail barrier
+        (:meth:`_get_shared_storage_cls`)."""
+        base = pipeline_v.sync_object_empty.get_barrier(0) + self.num_stages + 1  # past full, empty, tail
+        return cute.make_tensor(base, cute.make_layout((NR_STASH_SLOTS,)))
+
+    @cute.jit
+    def _stash_write(self, pipeline_v):
+        """At the consumers' entry: every consumer warp's lane 0 writes the same values, then ``__syncwarp``, so
+        each warp reads what it (or another warp, the same bytes) wrote."""
+        slots = self._stash_slots(pipeline_v)
+        fields_, _ = self._stash_fields()
+        if cute.arch.lane_idx() == 0:
+            i = 0
+            for f in fields_:
+                if const_expr(f is not None):
+                    t, dyn_st, dyn_sh = f
+                    slots[i] = cutlass.Int64(t.iterator.toint())
+                    i += 1
+                    for m in dyn_st:
+                        slots[i] = cutlass.Int64(t.stride[m])
+                        i += 1
+                    for m in dyn_sh:
+                        slots[i] = cutlass.Int64(t.shape[m])
+                        i += 1
+        cute.arch.sync_warp()
+        self._nr_slots = slots
+
+    def _stash_read(self):
+        """In the cold path: Q, K, V, the page table (or None) and the counter rebuilt from the slots (the traced
+        static strides and shapes; the addresses and the dynamic ones loaded; a dynamic first mode's extent is
+        2^30, which no index reaches)."""
+        fields_, _ = self._stash_fields()
+        slots = self._nr_slots
+        out, i = [], 0
+        for f in fields_:
+            if f is None:
+                out.append(None)
+                continue
+            t, dyn_st, dyn_sh = f
+            addr = slots[i]
+            i += 1
+            strides = list(t.stride)
+            for m in dyn_st:
+                strides[m] = slots[i]
+                i += 1
+            shape = [d if isinstance(d, int) else 1 << 30 for d in t.shape]
+            for m in dyn_sh:
+                shape[m] = Int32(slots[i])
+                i += 1
+            # 4-byte alignment even for Q / K / V (16 in fact): with 16, ptxas issued the 16-byte loads early and the
+            # hd-256 kernels spilled 820-900 bytes (docs/tuning.md 2.34); the cold path's load width does not matter
+            ptr = cute.make_ptr(t.element_type, addr, cute.AddressSpace.gmem, assumed_align=4)
+            out.append(cute.make_tensor(ptr, cute.make_layout(tuple(shape), stride=tuple(strides))))
+        return tuple(out)

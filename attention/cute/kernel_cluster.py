@@ -215,9 +215,13 @@ class ClusterMergeMixin:
     ):
         """The cluster merge (FA4's epilogue signature; ``mO``, ``mLSE``, ``sO`` unused: the output and the LSE
         are the aux tensors). An empty split enters with O = 0, LSE = -inf. With ``nan_safe_v`` the NaN-safe
-        fix-up runs first (this split's masked blocks)."""
+        fix-up runs first (this split's masked blocks); with ``nan_safe_v_method="recompute"`` the test and
+        recompute run first too (an empty split's result is then replaced by its fill)."""
         if const_expr(self.nan_safe_v):
             self._nonfinite_fixup(acc_O, seqlen, tiled_mma, tidx, m_block, head_idx, batch_idx)
+        if const_expr(self.nan_recompute):  # first (the fewest values live across its cold path); an empty split's
+            # recompute, if its discarded block held a NaN, is overwritten by the fill below
+            self._nonfinite_recompute(acc_O, lse, seqlen, tiled_mma, tidx, m_block, head_idx, batch_idx)
         num_splits = self.num_splits
         rank = cute.arch.block_idx_in_cluster()
         _, _, empty = self._split_block_info.split_range(seqlen, m_block)
@@ -247,7 +251,7 @@ class ClusterMergeMixin:
         # (3) this CTA's row slice: one (row, 4-column group) per thread and step
         # (locals only inside the loop: the DSL cannot carry `self` or the seqlen info through a run-time `for`)
         rows_per = (tile_m + num_splits - 1) // num_splits
-        quads = dv // 4
+        quads = self._head_dims[1] // 4  # the row's own columns (dv, FA4's tile_hdimv, may be padded past them)
         steps = (rows_per * quads + nthreads - 1) // nthreads
         mOut = self._aux_tensors[1]
         mLSEout = self._aux_tensors[2] if const_expr(self.merge_lse) else None

@@ -168,7 +168,8 @@ class SplitKVMixin:
         ``mLSE``, ``sO`` unused): ``o_partial[split, offset_q + token, q_head, col]`` per accumulator element,
         ``lse_partial[split, q_head, offset_q + token]`` from the threads holding column 0 of their rows. An
         empty split writes zeros and -inf. With ``nan_safe_v``, the NaN-safe fix-up runs first (this split's
-        masked blocks)."""
+        masked blocks); with ``nan_safe_v_method="recompute"`` the test and recompute run after an empty split's
+        fill (this split's key range and LSE)."""
         if const_expr(self.nan_safe_v):
             self._nonfinite_fixup(acc_O, seqlen, tiled_mma, tidx, m_block, head_idx, batch_idx)
         mO_part, mLSE_part = self._aux_tensors[1], self._aux_tensors[2]
@@ -181,6 +182,8 @@ class SplitKVMixin:
         acc_mn = layout_utils.reshape_acc_to_mn(acc_O)
         if empty:
             acc_mn.fill(0.0)
+        if const_expr(self.nan_recompute):  # after an empty split's fill: its discarded block is not tested
+            self._nonfinite_recompute(acc_O, lse, seqlen, tiled_mma, tidx, m_block, head_idx, batch_idx)
         for r in cutlass.range_constexpr(cute.size(tOcO, mode=[0])):
             row = m_block * self.tile_m + tOcO[r, 0][0]
             token = row // qpk
@@ -189,7 +192,11 @@ class SplitKVMixin:
                 q_head = head_idx * qpk + row % qpk
                 o_row = mO_part[split, q_row, q_head, None]  # this row's head_dim_v values
                 for c in cutlass.range_constexpr(cute.size(tOcO, mode=[1])):
-                    o_row[tOcO[r, c][1]] = acc_mn[r, c]
+                    if const_expr(self.check_hdim_v_oob):  # the padded columns past head_dim_v are not the row's
+                        if tOcO[r, c][1] < self._head_dims[1]:
+                            o_row[tOcO[r, c][1]] = acc_mn[r, c]
+                    else:
+                        o_row[tOcO[r, c][1]] = acc_mn[r, c]
                 if tOcO[0, 0][1] == 0:  # one thread per row (the one holding column 0) writes its LSE
                     mLSE_part[split, q_head, q_row] = -Float32.inf if empty else lse[r]
 

@@ -112,6 +112,7 @@ class FlashAttentionForwardSm90WideV(FlashAttentionForwardSm90Mixed):
 
     #: ``skip_allowed_first=True`` is FA4's consumer's (kernel.py); refused here and in the roles kernel.
     BUILDS_SKIP_ALLOWED_FIRST = False
+    BUILDS_NAN_RECOMPUTE = False  # its consumers place their own clean-up (and the roles kernel's row statistics)
 
     def __init__(self, *args, **kwargs):
         kwargs["mma_pv_is_rs"] = False  # FA4 then builds a P layout; two slots are made of it

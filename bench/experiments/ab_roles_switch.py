@@ -6,7 +6,8 @@ process (GPU experiment, the bench's paged layout). A switch ``Class.ATTR`` name
 ``attention/cute/kernel.py``, ``kernel_wide.py`` or ``kernel_roles.py`` instead (``compile_check.switch_target``).
 A switch may also be a boolean field of the cute config (``CuteConfig``, e.g. ``skip_allowed_first``: FA4's consumer,
 docs/tuning.md 2.27 / 2.30, a class attribute ``_SKIP_ALLOWED_FIRST`` until then): off / on set it False / True in
-every variant's config (the config is part of the compile key; its ``"auto"`` is a ``--plain`` row, e.g.
+every variant's config (``nan_safe_v_method``, a field of named values: ``"scan"`` / ``"recompute"``,
+:data:`STR_SWITCHES`) (the config is part of the compile key; its ``"auto"`` is a ``--plain`` row, e.g.
 ``'{"auto": {}}'``).
 
 A class switch is not part of the compile key, so each row compiles into a compile cache of its own (the interface's
@@ -64,16 +65,19 @@ def _row(b, w, cfg, values: dict):
 
 def switch_settings(switch: str) -> dict:
     """``{setting name: {target: value}}`` of the ``switch`` argument, ``"off"`` first; a target is ``(class,
-    attribute)`` for a class switch, the field name (a str) for a boolean config field (:func:`config_field`). A
-    bare name, ``Class.ATTR`` or a config field gives ``off`` / ``on`` (False / True); a JSON object ``{"name":
-    {"Class.ATTR" or "field": value}}`` gives ``off`` (every attribute it names at its class default, read now, every
-    config field False) and its settings (the switches a setting leaves out as in ``off``).
+    attribute)`` for a class switch, the field name (a str) for a config field (:func:`config_field`). A
+    bare name, ``Class.ATTR`` or a config field gives ``off`` / ``on`` (False / True; a field of :data:`STR_SWITCHES`
+    its pair); a JSON object ``{"name": {"Class.ATTR" or "field": value}}`` gives ``off`` (every attribute it names at
+    its class default, read now, every config field False or its :func:`config_off`) and its settings (the switches
+    a setting leaves out as in ``off``).
 
     Raises:
         ValueError: a name that is neither a switch (:func:`switch_class`) nor a boolean config field, a setting
             named ``off``, or a JSON object whose settings are not objects."""
     if not switch.lstrip().startswith("{"):
         target = _target(switch)
+        if isinstance(target, str):  # a config field: its off / on values
+            return {"off": {target: config_off(target)}, "on": {target: config_on(target)}}
         return {"off": {target: False}, "on": {target: True}}
     named = json.loads(switch)
     if not isinstance(named, dict) or not named or not all(isinstance(x, dict) and x for x in named.values()):
@@ -81,14 +85,31 @@ def switch_settings(switch: str) -> dict:
     if "off" in named:
         raise ValueError("switch settings: 'off' is the row with every switch at its default; name it otherwise")
     targets = {n: _target(n) for x in named.values() for n in x}
-    off = {t: (False if isinstance(t, str) else getattr(*t)) for t in targets.values()}
+    off = {t: (config_off(t) if isinstance(t, str) else getattr(*t)) for t in targets.values()}
     return {"off": off, **{name: {**off, **{targets[n]: val for n, val in x.items()}} for name, x in named.items()}}
 
 
+#: Config fields of named values that the A/B takes as switches: ``(off, on)`` (``nan_safe_v_method``: the
+#: mainloop scan against the epilogue test and recompute, docs/tuning.md 2.34).
+STR_SWITCHES = {"nan_safe_v_method": ("scan", "recompute")}
+
+
+def config_off(name: str):
+    """The ``off`` value of a config-field switch: False, or the first of :data:`STR_SWITCHES`' pair."""
+    return STR_SWITCHES[name][0] if name in STR_SWITCHES else False
+
+
+def config_on(name: str):
+    """The ``on`` value of a config-field switch: True, or the second of :data:`STR_SWITCHES`' pair."""
+    return STR_SWITCHES[name][1] if name in STR_SWITCHES else True
+
+
 def config_field(name: str) -> bool:
-    """Whether ``name`` is a boolean switch of the cute config: a ``CuteConfig`` field that takes both True and False
-    (``nan_safe_v``, ``skip_allowed_first``; ``config.check_config``)."""
+    """Whether ``name`` is a switch of the cute config: a ``CuteConfig`` field that takes both True and False
+    (``nan_safe_v``, ``skip_allowed_first``; ``config.check_config``), or one of :data:`STR_SWITCHES`."""
     from blockdiff.attention.cute import config as cc  # imports without the CuTe DSL
+    if name in STR_SWITCHES:
+        return True
     if name not in cc._CONFIG_FIELDS:
         return False
     try:

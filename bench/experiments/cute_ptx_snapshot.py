@@ -28,7 +28,8 @@ all-warps K experiment, plus the bench's two hd-512 launches at page 64 and the 
 (docs/tuning.md 2.25), and FA4's consumer on the bench's two sliding launches and two hd-128 controls with NaN-safe V
 off (``nanoff_``), on (the defaults: ``skip_allowed_first`` "auto"), and on with the config's ``skip_allowed_first``
 True (``skipfirst_``, 2.27; until 2.30 the class attribute ``_SKIP_ALLOWED_FIRST``, same PTX) or False (``noskip_``), and
-with the experiment class attribute ``_CLEAN_SPLIT_ACROSS_WG`` (``splitscan_``, 2.31);
+with the experiment class attribute ``_CLEAN_SPLIT_ACROSS_WG`` (``splitscan_``, 2.31), and with
+``nan_safe_v_method="recompute"`` (``recompute_``, 2.34: its key-block loops must equal ``nanoff_``'s);
 the clean-up placements under a GEMM that ``cleanpv_`` / ``owncall_`` / ``both_`` compiled were removed (2.30). A
 switch ``"Class.ATTR"`` names a class of ``kernel.py``, a bare ``"ATTR"`` the roles kernel's. ``snapshot --only
 SUBSTR`` picks specs by name, ``list`` prints them. ``summary.json`` also keeps each kernel's spills by role and its
@@ -146,11 +147,13 @@ SPECS = {
     # FA4's consumer (hd <= 256): the bench's sliding launches and hd-128 controls, NaN-safe V off / on (the
     # default: skip_allowed_first "auto", on for the split canvas only) / on with the scan of a first block every row
     # sees whole skipped (skip_allowed_first True, docs/tuning.md 2.27) / on with it scanned (False) / on with the
-    # stage scanned once between the consumer warpgroups (_CLEAN_SPLIT_ACROSS_WG, 2.31)
+    # stage scanned once between the consumer warpgroups (_CLEAN_SPLIT_ACROSS_WG, 2.31) / on by the epilogue test and
+    # recompute (nan_safe_v_method "recompute", 2.34: its key-block loops must equal nanoff_'s)
     **{f"{prefix}{name}": _mixed_spec(spec, nan, **extra)
        for prefix, nan, extra in (("nanoff_", False, {}), ("", True, {}), ("skipfirst_", True, dict(
            skip_allowed_first=True)), ("noskip_", True, dict(skip_allowed_first=False)),
-           ("splitscan_", True, dict(switches=SPLIT_SCAN)))
+           ("splitscan_", True, dict(switches=SPLIT_SCAN)),
+           ("recompute_", True, dict(nan_safe_v_method="recompute")))
        for name, spec in _MIXED_SPECS.items()},
 }
 

@@ -25,6 +25,11 @@
 # with it on, then the A/B on mixed_sliding_ctx8k and the sliding canvas (rows nan_safe_off = the default kernel,
 # nan_safe_on = the switch, nan_off, triton, fa4). Prediction and refutation rule in 2.31; keep it (the default)
 # if mixed_sliding gains >= 1.5 % in two runs, the canvas is not slower and its tests pass.
+# SWITCH=nan_safe_v_method (2.34: NaN-safe V by an epilogue test and recompute instead of the mainloop scan, hd <= 256):
+# its own tests (test_cute_nan_recompute.py: finite caches bit for bit against nan_safe_v=False with a recompute
+# counter of 0, the reference's exact non-finite entries), then the NaN-safe V and fuzz shards of hd 128 and 256 with
+# "recompute" forced in every call's config; the A/B rows nan_safe_off ("scan", the default), nan_safe_on
+# ("recompute"), nan_off, triton and fa4 on the four workloads. Prediction and refutation rule in 2.34.
 # Tests and A/B do not fit one 10-minute run: run them as two,
 #   B=0 STAGE2=1 bash ...        (the shards, <= T = 240 s)
 #   SHARDS=none B=540 bash ...   (the A/B; its record is rewritten after each workload)
@@ -33,13 +38,17 @@ set -u
 [ "${STAGE2:-0}" = 1 ] && source bench/experiments/device/stage2.sh
 source bench/experiments/device/env.sh
 export OUT=${OUT:-/tmp/out} FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=0; mkdir -p $OUT
-t=${T:-240}; SWITCH=${SWITCH:-skip_allowed_first}
+t=${T:-240}; SWITCH=${SWITCH:-skip_allowed_first}; ON=True; OFF=False  # a config field's values (Python literals)
 M=FlashAttentionForwardSm90Mixed
 case $SWITCH in
   skip_allowed_first|_SKIP_ALLOWED_FIRST|all) SWITCH=skip_allowed_first; field=1
     shards="own_skip fuzz128 nan128 fuzz256 nan256"
     workloads=canvas_bs4_ctx4k_hd128,canvas_bs1_ctx32k_hd128,canvas_bs1_ctx32k_sliding,mixed_sliding_ctx8k
     AB_SWITCH=skip_allowed_first; PLAIN='{"auto": {}, "nan_off": {"nan_safe_v": false}}' ;;
+  nan_safe_v_method|recompute) SWITCH=nan_safe_v_method; field=1; ON='"recompute"'; OFF='"scan"'  # 2.34
+    shards="own_recompute nan128 nan256 fuzz128 fuzz256"
+    workloads=mixed_sliding_ctx8k,canvas_bs1_ctx32k_sliding,canvas_bs4_ctx4k_hd128,canvas_bs1_ctx32k_hd128
+    AB_SWITCH=nan_safe_v_method; PLAIN='{"nan_off": {"nan_safe_v": false}}' ;;
   _CLEAN_SPLIT_ACROSS_WG) field=0; shards="own fuzz256 nan256"  # 2.31: the hd-256 launches only
     TESTS=${TESTS:-tests/attention/cute/test_cute_split_clean.py}
     workloads=mixed_sliding_ctx8k,canvas_bs1_ctx32k_sliding
@@ -52,13 +61,14 @@ source bench/experiments/device/switch_lib.sh
 # run: $1 the switch on (1) / off (0) in every call (the config field in every call's config, or the class
 # attribute), $2 log name, rest: pytest arguments; own: the tests that set the switch themselves
 run() {
-  if [ $field = 1 ]; then local on=$1; shift; config_run $SWITCH $([ $on = 1 ] && echo True || echo False) "$@"
+  if [ $field = 1 ]; then local on=$1; shift; config_run $SWITCH "$([ $on = 1 ] && echo "$ON" || echo "$OFF")" "$@"
   else switch_run blockdiff.attention.cute.kernel $M "$@"; fi
 }
 own() { if [ $field = 1 ]; then gpu_run "$@"; else run 0 "$@"; fi; }
 for s in $SHARDS; do case $s in
   own) own sw_own ${TESTS:?set TESTS for the own shard} & ;;
   own_skip) own sw_own_skip tests/attention/cute/test_cute_skip_allowed_first.py & ;;
+  own_recompute) own sw_own_recompute tests/attention/cute/test_cute_nan_recompute.py & ;;
   fuzz256) run 1 sw_fuzz256 tests/attention/cute/test_cute_interface.py -k "fuzz and (256-16 or 256-4-4)" & ;;
   nan256) run 1 sw_nan256 tests/attention/cute/test_cute_nan_safe_v.py -k "hd256 or no_row_sees" & ;;
   fuzz128) run 1 sw_fuzz128 tests/attention/cute/test_cute_interface.py -k "fuzz and [128-" & ;;

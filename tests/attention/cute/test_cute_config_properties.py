@@ -99,6 +99,7 @@ _FIELDS = dict(
     qk_issue=st.sampled_from(cc.QK_ISSUES),
     k_refill=st.sampled_from(cc.K_REFILLS),
     skip_allowed_first=st.sampled_from(cc.SKIP_ALLOWED_FIRST_VALUES),
+    nan_safe_v_method=st.sampled_from(cc.NAN_SAFE_V_METHODS),
 )
 _FIELDS_WITH_NONE = dict(_FIELDS, tile_m=st.sampled_from([None, 64, 128]),
                          tile_n=st.sampled_from([None, 16, 32, 48, 64, 128]))
@@ -187,6 +188,7 @@ def test_wide_resolution_is_idempotent_fits_and_refuses_with_named_errors(d, hd,
     assert lc.split_merge != "cluster" or 2 <= lc.num_splits <= cc.MAX_CLUSTER_SPLITS
     assert lc.split_merge != "triton" or (lc.num_splits >= 2 and d.get("split_merge") == "triton")  # by name only
     assert lc.skip_allowed_first is False  # FA4's consumer's switch: resolves off in the wide kernels
+    assert lc.nan_safe_v_method == "scan"  # likewise: the wide kernels keep their own clean-up
     assert cfg.skip_allowed_first == d.get("skip_allowed_first", "auto")  # resolve_config leaves it as given
     assert _launch(hd, lc, page, max_q, num_seqs) == launch  # idempotent
 
@@ -216,3 +218,20 @@ def test_lpt_non_bool_is_a_type_error_naming_lpt(bad):
             cc.resolve_config(hd, hd, None, dict(lpt=bad), 256)
     with pytest.raises(TypeError, match="lpt"):
         cc.auto_wide_design(512, 512, dict(lpt=bad))
+
+
+@settings(max_examples=200, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(d=st.fixed_dictionaries({}, optional=_FIELDS), hd=st.sampled_from([64, 128, 256, 384, 512]),
+       page=st.sampled_from(PAGES), num_seqs=st.sampled_from([1, 3]))
+def test_nan_safe_v_method_resolves_to_recompute_only_where_it_acts(monkeypatch, d, hd, page, num_seqs):
+    """docs/tuning.md 2.34: a launch resolves ``nan_safe_v_method`` to ``"recompute"`` iff it was asked for, NaN-safe
+    V is on and FA4's consumer runs (hd <= 256); then ``skip_allowed_first`` is False (no scan to skip)."""
+    monkeypatch.setattr(cc, "_fa4_tile_size", lambda hd, hdv, local: _T(128, 64, True, True))
+    launch = _launch(hd, d, page, 256, num_seqs)
+    if launch[0] != "ok":
+        return
+    lc = launch[1]
+    want = d.get("nan_safe_v_method") == "recompute" and d.get("nan_safe_v", True) and hd <= 256
+    assert lc.nan_safe_v_method == ("recompute" if want else "scan"), (d, hd, lc)
+    if want:
+        assert lc.skip_allowed_first is False

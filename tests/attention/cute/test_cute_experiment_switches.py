@@ -77,6 +77,20 @@ def test_ab_switch_settings_take_boolean_config_fields():
             switch_settings(bad)
 
 
+def test_ab_switch_settings_take_nan_safe_v_method_as_scan_against_recompute():
+    """``nan_safe_v_method`` (a field of named values, docs/tuning.md 2.34) is a switch whose off / on rows are
+    ``"scan"`` / ``"recompute"``, alone or in a JSON object (its off value ``"scan"``, not False)."""
+    from blockdiff.bench.experiments.ab_roles_switch import config_field, switch_settings
+    assert config_field("nan_safe_v_method")
+    assert switch_settings("nan_safe_v_method") == {"off": {"nan_safe_v_method": "scan"},
+                                                    "on": {"nan_safe_v_method": "recompute"}}
+    got = switch_settings(json.dumps({"rc": {"nan_safe_v_method": "recompute"},
+                                      "rc_skip": {"nan_safe_v_method": "recompute", "skip_allowed_first": True}}))
+    assert got == {"off": {"nan_safe_v_method": "scan", "skip_allowed_first": False},
+                   "rc": {"nan_safe_v_method": "recompute", "skip_allowed_first": False},
+                   "rc_skip": {"nan_safe_v_method": "recompute", "skip_allowed_first": True}}
+
+
 def test_ab_rows_put_config_fields_into_the_config_and_set_class_switches(monkeypatch):
     """``_row`` (CPU, the call replaced): a setting's config fields join the variant's config, its class switches are
     set on their class before the call, and each row compiles into a cache of its own."""

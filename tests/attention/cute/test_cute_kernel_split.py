@@ -76,3 +76,25 @@ def test_gpu_split_cuda_graph_replay_with_metadata_changed_in_place():
     steps = [([256, 256], [6000, 100], [0, 256], 1), ([256, 256], [300, 6100], [100, 0], 2)]
     graph_replay_check(steps, H=16, Hkv=8, D=128, page=64, B=2, cap_q=512, max_blocks=100, max_seqlen_q=256,
                        config=dict(num_stages=3, num_splits=3))
+
+
+@needs_gpu
+@pytest.mark.parametrize("merge,num_splits", [("combine", 2), ("cluster", 2), ("triton", 3)])
+@pytest.mark.parametrize("hd", [72, 40])
+def test_gpu_split_kv_at_a_padded_head_dim_leaves_the_next_heads_columns_alone(hd, merge, num_splits):
+    """Head dims that are multiples of 8 but not of 16 (FA4 pads the tile to 80 / 48 columns): the split workspace
+    write and the cluster merge write only a row's own ``head_dim_v`` columns. Until 2026-12-05 they wrote the padded
+    columns into the next query head's first 8 columns (the last head's past the row), racing with that head's own
+    write (found by the review of docs/tuning.md 2.34). Into a NaN-poisoned ``out``, contiguous and paged-by-TMA K /
+    V: the reference's output and LSE."""
+    from blockdiff.attention import attention
+    from blockdiff.attention.testing import check_close, make_batch
+    for paged in (False, True):
+        inp = make_batch([1300, 700], [256, 64], num_causal_q=[0, 64], num_heads=8, num_kv_heads=2, head_dim=hd,
+                         page_size=64, paged=paged, device="cuda", seed=hd)
+        q = inp["q"]
+        out = torch.full((q.shape[0], q.shape[1], hd), float("nan"), dtype=q.dtype, device=q.device)
+        o, lse = attention(**inp, out=out, return_lse=True, backend="cute",
+                           config=dict(num_splits=num_splits, split_merge=merge), max_seqlen_q=256)
+        assert ca.LAST_LAUNCH["config"].num_splits == num_splits
+        check_close(o, **inp, lse=lse)

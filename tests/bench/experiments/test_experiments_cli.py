@@ -6,7 +6,7 @@ import pytest
 EXPERIMENTS = ["ab_cute_configs", "ab_roles_switch", "adversarial_pass2", "adversarial_pass3", "cute_ptx_snapshot", "cute_smoke", "probe_cluster_occupancy",
                "probe_cute_canvas_gap", "probe_cute_floor", "probe_e2e_plans", "probe_floor_sliding",
                "probe_host_overhead", "probe_warm_l2", "ptx_snapshot", "pyspy_top", "serve_smoke", "serve_standin",
-               "sim_cute_nan_v_race"]
+               "sim_cute_nan_v_race", "sim_cute_nan_recompute"]
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
