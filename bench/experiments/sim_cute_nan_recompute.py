@@ -8,9 +8,9 @@ What it models, per (sequence, KV head, query tile of ``TM = 128`` packed rows, 
 - PackGQA: packed row ``r`` of tile ``m`` is token ``(m * TM + r) // qpk``, query head ``kv_head * qpk + (m * TM +
   r) % qpk``; rows with ``token >= seqlen_q`` are padding, whose Q is stale shared memory (NaN here: FA4 loads Q by
   cp.async without zero fill, 2.32 F4).
-- The tile's key-block range, split cut and block order: a parametrised copy of
-  :func:`blockdiff.bench.experiments.sim_cute_nan_v_race.tile_masked_blocks` (any ``qpk`` and ``tile_n``; checked
-  equal to it in the tests), an ``empty`` split included.
+- The tile's key-block range, split cut and block order (:func:`split_ranges`, which
+  :func:`blockdiff.bench.experiments.sim_cute_nan_v_race.tile_masked_blocks` calls at its constants, any ``qpk`` and
+  ``tile_n`` here), an ``empty`` split included.
 - The mainloop of ``nan_safe_v=False``, with no clean-up: for each visited block in FA4's order, fp32 scores
   ``q . k`` masked to -inf outside the row's interval and at keys >= ``seq_len``; FA4's online softmax
   (``Softmax.online_softmax`` with ``check_inf``: the row max by fmax, -inf replaced by 0, the rescale
@@ -91,7 +91,7 @@ POISON_KINDS = ("masked_later", "allowed_last", "seen_by_all", "past_seq_len")
 
 # ------------------------------------------------------------------------------------------------ tile geometry
 def row_range(row, Lq, S, ncq, W, prefix):
-    """``[lo, hi]`` of row ``row`` (docs/ARCHITECTURE.md section 4); a copy of ``sim_cute_nan_v_race.row_range``."""
+    """``[lo, hi]`` of row ``row`` (docs/ARCHITECTURE.md section 4; the host form is ``attention.masks.key_range``)."""
     ctx = S - Lq
     q_abs = ctx + row
     causal = row < ncq
@@ -114,7 +114,8 @@ def tile_tokens(m, Lq, qpk, tm=TM):
 
 def split_ranges(m, Lq, S, ncq, W, prefix, nsplit, qpk, tn, tm=TM):
     """Per split: ``(lo, hi, empty, [(block, kind), ...])`` in FA4's order (first, right-masked, interior,
-    left-masked). ``sim_cute_nan_v_race.tile_masked_blocks`` with ``qpk`` and ``tn`` as arguments."""
+    left-masked): the tile / split model both simulations use (``sim_cute_nan_v_race.tile_masked_blocks`` is this at
+    its constants, its counts checked against the H200 log)."""
     rmin, rlast = tile_tokens(m, Lq, qpk, tm)
     lo_f, hi_f = row_range(rmin, Lq, S, ncq, W, prefix)
     lo_l, hi_l = row_range(rlast, Lq, S, ncq, W, prefix)

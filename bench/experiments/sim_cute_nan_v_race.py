@@ -31,47 +31,16 @@ import torch
 from blockdiff.attention import attention
 from blockdiff.attention.testing import make_batch, poison_v_inside_seq_lens
 from blockdiff.attention.cute import config as cc
+from blockdiff.bench.experiments.sim_cute_nan_recompute import row_range, split_ranges
 
 TM, TN, QPK = 128, 128, 2
 
 poison_v = poison_v_inside_seq_lens  # the tests' poisoning, with the logical positions
 
-def row_range(row, Lq, S, ncq, W, prefix):
-    ctx = S - Lq; q_abs = ctx + row; causal = row < ncq
-    lo = 0; hi_bi = S - 1
-    if W is not None:
-        lo_sl = max(q_abs - W, 0)
-        if prefix:
-            lo = lo_sl if causal else max(ctx + ncq - W, 0)
-        else:
-            lo = lo_sl; hi_bi = min(q_abs + W, S - 1)
-    return lo, (q_abs if causal else hi_bi)
-
 def tile_masked_blocks(m, Lq, S, ncq, W, prefix, nsplit):
-    """per split: (n_lo, n_hi, empty, ordered list of (block, masked))"""
-    rmin = m * TM // QPK; rmax = -(-((m + 1) * TM) // QPK); rlast = min(rmax, Lq) - 1
-    lo_f, hi_f = row_range(rmin, Lq, S, ncq, W, prefix); lo_l, hi_l = row_range(rlast, Lq, S, ncq, W, prefix)
-    n_min = lo_f // TN; n_max = max((hi_l + TN) // TN, n_min + 1)
-    res = []
-    for s in range(nsplit):
-        if nsplit > 1:
-            per = -(-(n_max - n_min) // nsplit); lo = n_min + s * per; hi = min(lo + per, n_max)
-            empty = lo >= hi
-            if empty: lo, hi = n_max - 1, n_max
-        else:
-            lo, hi, empty = n_min, n_max, False
-        n_right = max(lo, (hi_f + 1) // TN)
-        n_left = max(lo, -(-lo_l // TN)) if W is not None else lo
-        blocks = [(hi - 1, "first")]
-        nb = hi - 1
-        for n in range(nb - 1, n_right - 1, -1): blocks.append((n, "right"))
-        nb = min(nb, n_right)
-        for n in range(nb - 1, n_left - 1, -1): blocks.append((n, "interior"))
-        if W is not None:
-            nb = min(nb, n_left)
-            for n in range(nb - 1, lo - 1, -1): blocks.append((n, "left"))
-        res.append((lo, hi, empty, blocks))
-    return res
+    """per split: (n_lo, n_hi, empty, ordered list of (block, kind)): the shared tile / split / block-order model
+    (:func:`blockdiff.bench.experiments.sim_cute_nan_recompute.split_ranges`) at this simulation's constants."""
+    return split_ranges(m, Lq, S, ncq, W, prefix, nsplit, QPK, TN, TM)
 
 def simulate(inp, pos, W, prefix, nsplit, hyp):
     """Return the simulated isnan/isposinf/isneginf of the kernel output (only positions with a poisoned column)."""
