@@ -772,7 +772,8 @@ def resolve_launch_config(head_dim: int, head_dim_v: int, window_size, config=No
     for the roles kernel by :func:`resolve_config`) resolves to ``"given"`` with at most one sequence (nothing to
     order: the kernel without the permutation); ``skip_allowed_first`` resolves here to a bool
     (:func:`auto_skip_allowed_first`: ``"auto"`` on split-KV launches only; False wherever it cannot act), and
-    ``nan_safe_v_method`` to ``"scan"`` wherever ``"recompute"`` cannot act (:func:`resolve_nan_safe_v_method`). Host ints
+    ``nan_safe_v_method`` to ``"scan"`` wherever ``"recompute"`` cannot act (:func:`resolve_nan_safe_v_method`).
+    Host ints
     only: ``total_q`` (``q.shape[0]``), ``num_seqs``
     (``cu_seqlens_q.shape[0] - 1``), ``keys_capacity`` (paged: block-table width x page size; contiguous: cache
     rows), the hints, ``num_sms``, ``page_size`` (paged: ``k_cache.shape[1]``; None: contiguous K/V or not known;
@@ -816,8 +817,8 @@ def resolve_nan_safe_v_method(cfg: CuteConfig, head_dim: int, head_dim_v: int) -
 def auto_skip_allowed_first(cfg: CuteConfig, head_dim: int, head_dim_v: int) -> bool:
     """The value ``skip_allowed_first`` resolves to for a config whose ``num_splits`` is set (an int; host ints
     only, no device read). False where it cannot act (``nan_safe_v`` off, ``nan_safe_v_method="recompute"``, or head
-    dims above 256: the wide kernels place their own clean-up), so those launches keep one compile key whatever it says; else an explicit bool as
-    given, and ``"auto"`` True iff ``num_splits > 1`` (either merge).
+    dims above 256: the wide kernels place their own clean-up), so those launches keep one compile key whatever it
+    says; else an explicit bool as given, and ``"auto"`` True iff ``num_splits > 1`` (either merge).
 
     Rationale (docs/tuning.md 2.30): in a split launch each split that does not hold the tile's last keys starts on a
     block every row sees whole (one scan fewer each), and the skip was measured faster there; on the unsplit
