@@ -210,7 +210,7 @@ def barrier_or(pred: Int32, barrier_id: Int32, number_of_threads: int, *, loc=No
 def _row_coord(x, wide: bool):
     """A cache / Q row or page coordinate of the cold paths: Int64 when the kernel was built for tensors of 2^31 or
     more elements (``wide_offsets``: the offset ``coordinate x stride`` must not wrap in 32 bits), else as it is
-    (64-bit coordinates cost the hd-256 cluster kernel 300 more spill bytes, docs/tuning.md 2.34)."""
+    (64-bit coordinates always cost the hd-256 kernels spills: docs/tuning.md 2.34)."""
     return cutlass.Int64(x) if wide else x
 
 
@@ -1371,18 +1371,24 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
                     self._fixup_key(acc, tOcO, lo_r, hi_r, mV, seqlen, key, head_kv, batch_idx)
         flag[0] = Int32(0)
 
+    def _cache_coord(self, mPageTable: Optional[cute.Tensor], mX: cute.Tensor, seqlen: MixedSeqlenInfoQK,
+                     key: Int32, batch_idx: Int32) -> tuple:
+        """The leading coordinates of key ``key``'s row in a cache the cold paths read themselves: ``(page, slot)``
+        of a paged ``[num_pages, page_size, h_kv, d]`` cache through ``mPageTable``, or ``(row,)`` of a contiguous
+        ``[total_k, h_kv, d]`` one at ``cu_seqlens_k``; 64-bit where the kernel was built with ``wide_offsets``
+        (:func:`_row_coord`). ``mX``: the cache whose ``shape[1]`` is the page size when the page boxes did not fix
+        it."""
+        if const_expr(mPageTable is not None):
+            page_size = self.kv_page_size if const_expr(self.kv_page_size is not None) else mX.shape[1]
+            page = _row_coord(mPageTable[batch_idx, key // page_size], self.wide_offsets)
+            return (page, key % page_size)
+        return (_row_coord(seqlen.offset_k + key, self.wide_offsets),)
+
     @cute.jit
     def _fixup_key(self, acc: cute.Tensor, tOcO: cute.Tensor, lo_r: cute.Tensor, hi_r: cute.Tensor,
                    mV: cute.Tensor, seqlen: MixedSeqlenInfoQK, key: Int32, head_kv: Int32, batch_idx: Int32):
         """Key ``key``'s non-finite V entries in this thread's columns, added to the rows that allow it."""
-        # mV: the caller's cache, paged [num_pages, page_size, h_kv, d_v] or contiguous [total_k, h_kv, d_v]
-        # (64-bit page / row coordinates for tensors of 2^31 elements or more: wide_offsets)
-        if const_expr(self._mPageTable is not None):
-            page_size = self.kv_page_size if const_expr(self.kv_page_size is not None) else mV.shape[1]
-            page = _row_coord(self._mPageTable[batch_idx, key // page_size], self.wide_offsets)
-            v_row = mV[page, key % page_size, head_kv, None]
-        else:
-            v_row = mV[_row_coord(seqlen.offset_k + key, self.wide_offsets), head_kv, None]
+        v_row = mV[self._cache_coord(self._mPageTable, mV, seqlen, key, batch_idx) + (head_kv, None)]
         for c in cutlass.range_constexpr(cute.size(tOcO, mode=[1])):
             col = tOcO[0, c][1]
             in_v = Int32(1)
@@ -1505,20 +1511,12 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
                        seqlen: MixedSeqlenInfoQK, key: Int32, head_kv: Int32, batch_idx: Int32):
         """Key ``key``'s term ``P[r, key] V[key, c]`` added to the marked entries of this thread's row ``r``
         (:meth:`_recompute_warp`; ``q_vec`` its Q row). Every lane of the warp calls it (two shuffles)."""
-        CHUNK = 8  # elements of a K / Q chunk (4-byte-aligned loads: _stash_read); 4 measured the same registers
+        CHUNK = 8  # elements of a K / Q chunk (4-byte-aligned loads: _stash_read)
         head_dim, head_dim_v = self._head_dims
         n_cols = cute.size(tOcO, mode=[1])
-        # mK / mV: the caller's caches, paged [num_pages, page_size, h_kv, d] or contiguous [total_k, h_kv, d]
-        # (64-bit page / row coordinates for tensors of 2^31 elements or more: wide_offsets)
-        if const_expr(mPageTable is not None):
-            page_size = self.kv_page_size if const_expr(self.kv_page_size is not None) else mV.shape[1]
-            page = _row_coord(mPageTable[batch_idx, key // page_size], self.wide_offsets)
-            k_row = mK[page, key % page_size, head_kv, None]
-            v_row = mV[page, key % page_size, head_kv, None]
-        else:
-            row_k = _row_coord(seqlen.offset_k + key, self.wide_offsets)
-            k_row = mK[row_k, head_kv, None]
-            v_row = mV[row_k, head_kv, None]
+        coord = self._cache_coord(mPageTable, mV, seqlen, key, batch_idx)  # one page lookup for K and V
+        k_row = mK[coord + (head_kv, None)]
+        v_row = mV[coord + (head_kv, None)]
         quad = cute.arch.lane_idx() % 4
         n_chunks = head_dim // CHUNK  # head dims are multiples of 8 (config.unsupported_head_dims)
         kr = cute.make_rmem_tensor((CHUNK,), self.dtype)
@@ -1556,7 +1554,7 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
 
     # The recompute reads Q, K, V, the page table and its counter through global addresses that would otherwise stay
     # in registers across the key-block loops (kernel parameters loaded at the kernel's entry): with them there,
-    # ptxas changed the loops of the hd-256 bench launches by 19-33 instructions (docs/tuning.md 2.34). So each
+    # ptxas changed the hd-256 bench launches' key-block loops (docs/tuning.md 2.34). So each
     # consumer warp's lane 0 writes the addresses and the dynamic strides into shared-memory slots after the V
     # barriers at the consumers' entry, and the cold path reads them back.
     def _stash_fields(self):
@@ -1629,7 +1627,7 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
                 shape[m] = Int32(slots[i])
                 i += 1
             # 4-byte alignment even for Q / K / V (16 in fact): with 16, ptxas issued the 16-byte loads early and the
-            # hd-256 kernels spilled 820-900 bytes (docs/tuning.md 2.34); the cold path's load width does not matter
+            # hd-256 kernels spilled (docs/tuning.md 2.34); the cold path's load width does not matter
             ptr = cute.make_ptr(t.element_type, addr, cute.AddressSpace.gmem, assumed_align=4)
             out.append(cute.make_tensor(ptr, cute.make_layout(tuple(shape), stride=tuple(strides))))
         return tuple(out)
