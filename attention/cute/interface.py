@@ -325,7 +325,7 @@ def _run(fa, q, k_cache, v_cache, *, out, return_lse, cu_seqlens_q, num_causal_q
     # stays live in the kernel: dynamic strides cost the hd-256 / paged hd-512 kernels spills), so the compile key
     # holds the cache's inner shape
     # (nan_safe_v_method "recompute": the same for the Q tensor and both caches, which it reads; a tuple of three)
-    recompute = cfg.nan_safe_v and cfg.nan_safe_v_method == "recompute"
+    recompute = _nan_recompute(cfg)
     if recompute:
         v_static = tuple(tuple(t.shape[1:]) if t.is_contiguous() else None for t in (q, k_cache, v_cache))
     else:
@@ -464,7 +464,7 @@ def _compile(fa, key, q, k, v, out, lse, scale, cu_q, cu_k, seqused_k, page_tabl
         **split,
     )
     small = lambda t, lead=0: None if t is None else tct(t, assumed_align=4, leading_dim=lead)  # noqa: E731
-    recompute = cfg.nan_safe_v and cfg.nan_safe_v_method == "recompute"
+    recompute = _nan_recompute(cfg)
     # the tensors NaN-safe V reads, appended to the aux tensors: V (the fix-up), or Q, K, V and the counter
     nan_v = 4 if recompute else 1 if cfg.nan_safe_v else 0
     order = 1 if cfg.batch_order == "work" else 0  # the batch permutation appended after it
@@ -490,6 +490,12 @@ def _compile(fa, key, q, k, v, out, lse, scale, cu_q, cu_k, seqused_k, page_tabl
             cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
             options="--enable-tvm-ffi",
         )
+
+
+def _nan_recompute(cfg) -> bool:
+    """Whether a resolved config keeps NaN-safe V by the epilogue recompute (docs/tuning.md 2.34). ``_run`` (the aux
+    tensors it appends) and ``_compile`` (how many of them it hands the kernel) must agree: one test for both."""
+    return bool(cfg.nan_safe_v) and cfg.nan_safe_v_method == "recompute"
 
 
 def _storage_elements(t: torch.Tensor) -> int:
