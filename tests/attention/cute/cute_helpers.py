@@ -140,6 +140,8 @@ def graph_replay_check(steps, *, H, Hkv, D, page, B, cap_q, max_blocks, **attn_k
     lse_buf = torch.empty(H, cap_q, device="cuda")
 
     def set_step(q_lens, ctxs, ncqs, perm_seed):
+        if sum(q_lens) != cap_q:  # the contract: cu_seqlens_q[-1] == q.shape[0] (rows past it are never written)
+            raise ValueError(f"graph_replay_check: q_lens {q_lens} sum to {sum(q_lens)}, not cap_q={cap_q}")
         cu.copy_(torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.int32))
         sl.copy_(torch.tensor([c + ql for c, ql in zip(ctxs, q_lens)], dtype=torch.int32))
         ncq.copy_(torch.tensor(ncqs, dtype=torch.int32))

@@ -312,8 +312,8 @@ def test_gpu_recompute_rows_past_seq_lens_stay_out_on_the_cp_async_path():
 @needs_gpu
 def test_gpu_recompute_graph_replays_with_changed_metadata_match_the_reference():
     """One captured call, replayed with other lengths, causal row counts and page tables (finite caches)."""
-    steps = [([256, 300, 17], [1000, 0, 40], [0, 300, 5], 1), ([256, 64, 200], [3000, 700, 0], [0, 64, 100], 2),
-             ([1, 256, 256], [10, 2000, 4000], [1, 0, 0], 3)]
+    steps = [([256, 300, 44], [1000, 0, 40], [0, 300, 5], 1), ([256, 64, 280], [3000, 700, 0], [0, 64, 100], 2),
+             ([1, 300, 299], [10, 2000, 4000], [1, 0, 0], 3)]  # each sums to cap_q (cu_seqlens_q[-1] == q rows)
     _count()
     graph_replay_check(steps, H=16, Hkv=8, D=128, page=64, B=3, cap_q=600, max_blocks=80, max_seqlen_q=300,
                        config=_cfg(None), window_size=511)
