@@ -20,7 +20,7 @@ __all__ = [
     "SPLIT_MERGES", "MAX_CLUSTER_SPLITS", "AUTO_CLUSTER_SPLITS", "auto_split_merge", "cluster_merge_fits",
     "WIDE_DESIGNS", "ROLES_CONFIG", "BATCH_ORDERS", "V_REFILLS", "QK_ISSUES", "QK_AHEAD_MIN_PAGE", "auto_wide_design",
     "K_REFILLS", "SKIP_ALLOWED_FIRST_VALUES", "auto_skip_allowed_first", "NAN_SAFE_V_METHODS",
-    "resolve_nan_safe_v_method",
+    "resolve_nan_safe_v_method", "AUTO_RECOMPUTE_ABOVE_HEAD_DIM",
 ]
 
 #: The optional packages this backend runs on (the ``cute`` extra of setup.py).
@@ -109,17 +109,17 @@ class CuteConfig:
     compile key). ``"auto"`` resolves, from host shapes only, to True when the launch splits KV (``num_splits > 1``,
     either ``split_merge``) and to False otherwise (:func:`auto_skip_allowed_first`). Not a tile field; it resolves
     in :func:`resolve_launch_config`, which knows the split count.
-    nan_safe_v_method: how ``nan_safe_v`` is kept in FA4's consumer (head dims <= 256): ``"scan"`` (default: the
-    masked key blocks' V stages scanned and cleaned in shared memory in the mainloop, the additive fix-up;
+    nan_safe_v_method: how ``nan_safe_v`` is kept in FA4's consumer (head dims <= 256): ``"auto"`` (default:
+    :func:`resolve_nan_safe_v_method`, ``"recompute"`` at head dims above :data:`AUTO_RECOMPUTE_ABOVE_HEAD_DIM`,
+    ``"scan"`` at or below), ``"scan"`` (the masked key blocks' V stages scanned and cleaned in shared memory in the mainloop, the additive fix-up;
     docs/tuning.md 2.4) or ``"recompute"`` (docs/tuning.md 2.32, 2.34: the mainloop of ``nan_safe_v=False``; at the
     epilogue a test of the accumulator's real rows, and only in a warp that holds a non-finite entry, an fp32
     recompute of exactly those entries from global memory with the tile's own LSE; a device counter of recomputing
     warps, :func:`blockdiff.attention.cute.interface.nan_recompute_count`). The same contract either way; the
     finite entries are bit-identical to ``nan_safe_v=False``'s, the recomputed ones agree within fp32-vs-bf16-P
-    rounding. A str of :data:`NAN_SAFE_V_METHODS`; it resolves to ``"scan"`` where it cannot act (``nan_safe_v``
-    off, head dims above 256: one compile key; :func:`resolve_nan_safe_v_method`), and with ``"recompute"``
-    ``skip_allowed_first`` resolves to False (no scan to skip). Not a tile field. Not the default: its first GPU
-    run and A/B are pending (docs/tuning.md 7.43).
+    rounding. A str of :data:`NAN_SAFE_V_METHODS`; it resolves to ``"scan"`` where ``"recompute"`` cannot act
+    (``nan_safe_v`` off, head dims above 256: one compile key; :func:`resolve_nan_safe_v_method`), and with
+    ``"recompute"`` ``skip_allowed_first`` resolves to False (no scan to skip). Not a tile field.
     """
 
     tile_m: int | None = None
@@ -137,7 +137,7 @@ class CuteConfig:
     qk_issue: str = "auto"
     k_refill: str = "auto"
     skip_allowed_first: bool | str = "auto"
-    nan_safe_v_method: str = "scan"
+    nan_safe_v_method: str = "auto"
 
 
 #: The merges of split-KV partial outputs (CuteConfig.split_merge).
@@ -167,9 +167,15 @@ K_REFILLS = ("auto", "whole", "halves")
 #: (CuteConfig.skip_allowed_first): automatic (default: on for split-KV launches, :func:`auto_skip_allowed_first`),
 #: on or off.
 SKIP_ALLOWED_FIRST_VALUES = ("auto", True, False)
-#: How NaN-safe V is kept in FA4's consumer (CuteConfig.nan_safe_v_method): the mainloop scan and fix-up
-#: (default), or the epilogue test and recompute (docs/tuning.md 2.32, 2.34).
-NAN_SAFE_V_METHODS = ("scan", "recompute")
+#: How NaN-safe V is kept in FA4's consumer (CuteConfig.nan_safe_v_method): automatic (default,
+#: :func:`resolve_nan_safe_v_method`), the mainloop scan and fix-up, or the epilogue test and recompute
+#: (docs/tuning.md 2.32, 2.34).
+NAN_SAFE_V_METHODS = ("auto", "scan", "recompute")
+#: ``nan_safe_v_method="auto"`` takes the recompute above this head dim (the larger of head_dim and head_dim_v) and
+#: the scan at or below it: on the H100 the recompute was faster on both hd-256 launches in two runs (mixed sliding
+#: batch +4.3 % / +4.3 %, the split sliding canvas +1.5 % / +2.9 %), slower on the unsplit hd-128 canvas batch
+#: (-3.8 % / -2.8 %) and even on the split hd-128 canvas (+0.3 % twice, under the 1.5 % keep bar; tuning 2.35).
+AUTO_RECOMPUTE_ABOVE_HEAD_DIM = 128
 #: The roles kernel's switches: (field, the value only the roles kernel builds, the value every kernel builds).
 _ROLES_ONLY = (("v_refill", "halves", "one_warp"), ("qk_issue", "ahead", "serial"), ("k_refill", "halves", "whole"))
 #: Most splits of the cluster merge: the portable thread-block cluster size (8 CTAs).
@@ -463,7 +469,7 @@ def _check_halves_head_dims(head_dim: int, head_dim_v: int, values: dict) -> Non
 #: CuteConfig fields that are switches, not tile fields, with their defaults.
 _SWITCHES = dict(nan_safe_v=True, split_merge="auto", wide_design="auto", batch_order="auto",
                  v_refill="auto", qk_issue="auto", k_refill="auto", skip_allowed_first="auto",
-                 nan_safe_v_method="scan")
+                 nan_safe_v_method="auto")
 
 
 #: CuteConfig fields whose default is None ("automatic"): a dict giving them None leaves them unset.
@@ -806,12 +812,16 @@ def resolve_launch_config(head_dim: int, head_dim_v: int, window_size, config=No
 
 
 def resolve_nan_safe_v_method(cfg: CuteConfig, head_dim: int, head_dim_v: int) -> str:
-    """The value ``nan_safe_v_method`` resolves to: ``"recompute"`` only where it acts (``nan_safe_v`` on, FA4's
-    consumer: head dims <= 256), else ``"scan"`` (the wide kernels keep their own clean-up; with ``nan_safe_v`` off
-    the method is moot), so launches it cannot change keep one compile key. Host ints only."""
-    if cfg.nan_safe_v_method == "recompute" and cfg.nan_safe_v and not is_wide(head_dim, head_dim_v):
-        return "recompute"
-    return "scan"
+    """The value ``nan_safe_v_method`` resolves to, ``"scan"`` or ``"recompute"``: ``"recompute"`` only where it acts
+    (``nan_safe_v`` on, FA4's consumer: head dims <= 256), else ``"scan"`` (the wide kernels keep their own clean-up;
+    with ``nan_safe_v`` off the method is moot), so launches it cannot change keep one compile key. ``"auto"`` is
+    ``"recompute"`` where ``max(head_dim, head_dim_v)`` exceeds :data:`AUTO_RECOMPUTE_ABOVE_HEAD_DIM`, else
+    ``"scan"`` (measured per launch kind, docs/tuning.md 2.35). Host ints only."""
+    if not cfg.nan_safe_v or is_wide(head_dim, head_dim_v):
+        return "scan"
+    if cfg.nan_safe_v_method == "auto":  # the recompute gained at hd 256, lost or tied at hd 128 (2.35)
+        return "recompute" if max(head_dim, head_dim_v) > AUTO_RECOMPUTE_ABOVE_HEAD_DIM else "scan"
+    return cfg.nan_safe_v_method
 
 
 def auto_skip_allowed_first(cfg: CuteConfig, head_dim: int, head_dim_v: int) -> bool:

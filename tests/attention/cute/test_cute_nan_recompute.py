@@ -47,10 +47,11 @@ def _resolve(head_dim, config, num_splits=1):
         page_size=64)
 
 
-def test_nan_safe_v_method_is_scan_by_default_and_takes_only_its_two_values():
-    assert cc.CuteConfig().nan_safe_v_method == "scan"
-    assert cc.NAN_SAFE_V_METHODS == ("scan", "recompute")
-    assert cc.check_config(dict(nan_safe_v_method="recompute")) is not None
+def test_nan_safe_v_method_is_auto_by_default_and_takes_only_its_three_values():
+    assert cc.CuteConfig().nan_safe_v_method == "auto"
+    assert cc.NAN_SAFE_V_METHODS == ("auto", "scan", "recompute")
+    for ok in cc.NAN_SAFE_V_METHODS:
+        assert cc.check_config(dict(nan_safe_v_method=ok)) is not None
     with pytest.raises(ValueError, match="nan_safe_v_method"):
         cc.check_config(dict(nan_safe_v_method="epilogue"))
     for bad in (True, 1, None):
@@ -65,7 +66,23 @@ def test_recompute_resolves_as_given_in_fa4s_consumer_and_turns_the_first_block_
     cfg = _resolve(head_dim, dict(nan_safe_v_method="recompute"), num_splits)
     assert cfg.nan_safe_v_method == "recompute"
     assert cfg.skip_allowed_first is False  # no mainloop scan to skip
-    assert _resolve(head_dim, dict(), num_splits).nan_safe_v_method == "scan"
+    assert _resolve(head_dim, dict(nan_safe_v_method="scan"), num_splits).nan_safe_v_method == "scan"
+
+
+@pytest.mark.parametrize("head_dim,want", [(64, "scan"), (96, "scan"), (128, "scan"), (160, "recompute"),
+                                           (192, "recompute"), (256, "recompute")])
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_auto_method_takes_the_recompute_above_head_dim_128_and_the_scan_at_or_below(head_dim, want, num_splits,
+                                                                                     no_fa4_heuristic):
+    """docs/tuning.md 2.35: measured faster at hd 256 (both launch kinds, two runs), slower or tied at hd 128."""
+    for config in (dict(), dict(nan_safe_v_method="auto")):
+        cfg = _resolve(head_dim, config, num_splits)
+        assert cfg.nan_safe_v_method == want, (head_dim, config)
+        if want == "recompute":
+            assert cfg.skip_allowed_first is False
+    assert cc.resolve_nan_safe_v_method(cc.CuteConfig(), 128, 256) == "recompute"  # the larger head dim decides
+    assert cc.resolve_nan_safe_v_method(cc.CuteConfig(nan_safe_v=False), 256, 256) == "scan"
+    assert cc.resolve_nan_safe_v_method(cc.CuteConfig(), 512, 512) == "scan"  # the wide kernels
 
 
 def test_recompute_resolves_to_scan_where_it_cannot_act(no_fa4_heuristic):

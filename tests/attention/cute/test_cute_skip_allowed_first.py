@@ -41,6 +41,14 @@ from cute_helpers import HAVE_FA4, check_nonfinite_v, nan_equal, needs_gpu, next
 _FA4 = pytest.mark.skipif(not HAVE_FA4, reason="imports the CuTe DSL kernel classes (flash-attn-4, nvidia-cutlass-dsl)")
 
 
+@pytest.fixture(autouse=True)
+def _scan_at_every_head_dim(monkeypatch):
+    """The switch skips a step of the mainloop scan, which ``nan_safe_v_method="auto"`` keeps at hd <= 128 only
+    (the recompute above, docs/tuning.md 2.35): here "auto" means the scan at every head dim, so the hd-256 launches
+    still test it (``test_default_at_hd_256_takes_the_recompute_and_no_skip`` checks the real default)."""
+    monkeypatch.setattr(cc, "AUTO_RECOMPUTE_ABOVE_HEAD_DIM", 1 << 30)
+
+
 def _rule_skips(lo_last: int, hi_first: int, block: int, tile_n: int) -> bool:
     """The kernel's test (``_first_block_needs_clean``) in host integers: below every right-masked block, at or
     above every left-masked one."""
@@ -191,6 +199,19 @@ def _fake_run(monkeypatch, config, D=256, window=1023, canvas=True):
               max_seqlen_q=256)
     ca._run(fa, q, k, k, **kw)
     return compiles
+
+
+def test_default_at_hd_256_takes_the_recompute_and_no_skip(monkeypatch):
+    """With the real ``AUTO_RECOMPUTE_ABOVE_HEAD_DIM`` the hd-256 launches resolve to the recompute, where the switch
+    resolves to False whatever it says (no scan to skip); hd 128 keeps the scan and the skip on split launches."""
+    monkeypatch.undo()
+    _fa4_tiles(monkeypatch)
+    for kw in (dict(), _MIXED):
+        for value in cc.SKIP_ALLOWED_FIRST_VALUES:
+            lc = _launch(256, 1023, dict(skip_allowed_first=value), **kw)
+            assert (lc.nan_safe_v_method, lc.skip_allowed_first) == ("recompute", False), (kw, value)
+    hd128 = _launch(128, None, None)
+    assert (hd128.nan_safe_v_method, hd128.num_splits, hd128.skip_allowed_first) == ("scan", 4, True)
 
 
 @pytest.mark.parametrize("D,window", [(256, 1023), (128, None)])
