@@ -41,7 +41,7 @@ class CuteConfig:
     row's allowed set contributes nothing); False opts out of its cost (measured in docs/tuning.md 2.6) and builds
     the kernels without it. Not a tile field: setting only it keeps the automatic tiles.
     split_merge: how split-KV partial outputs are merged: ``"auto"`` (default: ``"cluster"`` where it was
-    measured faster, else ``"combine"``; :func:`auto_split_merge`), ``"combine"`` (FA4's combine kernel, a
+    measured faster, else ``"triton"``; :func:`auto_split_merge`), ``"combine"`` (FA4's combine kernel, a
     second launch; it skips a split whose weight underflows to 0, and with it a non-finite V entry of a key the
     row sees there, which the contract passes on: docs/tuning.md 2.33), ``"triton"`` (the shared Triton merge of
     :mod:`blockdiff.attention.split_merge`, a second launch that multiplies every split by its weight, 0
@@ -773,8 +773,8 @@ def resolve_launch_config(head_dim: int, head_dim_v: int, window_size, config=No
                           page_size: int | None = None) -> CuteConfig:
     """:func:`resolve_config` plus the split count when the config leaves it None (:func:`choose_num_splits` on
     :func:`grid_tiles` and :func:`key_bound`) and the split merge: ``"auto"`` resolves here
-    (:func:`auto_split_merge`), so the result's ``split_merge`` is ``"combine"``, ``"cluster"`` or an explicit
-    ``"triton"``, and ``"combine"`` whenever there is one split; ``batch_order="work"`` (explicit, or ``"auto"`` resolved to it
+    (:func:`auto_split_merge`), so the result's ``split_merge`` is ``"combine"``, ``"cluster"`` or ``"triton"``,
+    and ``"combine"`` whenever there is one split; ``batch_order="work"`` (explicit, or ``"auto"`` resolved to it
     for the roles kernel by :func:`resolve_config`) resolves to ``"given"`` with at most one sequence (nothing to
     order: the kernel without the permutation); ``skip_allowed_first`` resolves here to a bool
     (:func:`auto_skip_allowed_first`: ``"auto"`` on split-KV launches only; False wherever it cannot act), and
@@ -857,22 +857,27 @@ AUTO_CLUSTER_SPLITS = 2
 def auto_split_merge(cfg: CuteConfig, head_dim: int, head_dim_v: int) -> str:
     """The merge ``split_merge="auto"`` resolves to, for a resolved config (tile fields and ``num_splits`` set).
 
-    ``"cluster"`` at exactly :data:`AUTO_CLUSTER_SPLITS` splits, head dims <= 256, P kept in registers
-    (``mma_pv_is_rs``, as in every measured configuration: a P buffer in shared memory may lie inside the Q / K / V
-    span the merge reuses, which the kernel refuses at trace time) and a tile that fits the merge
-    (:func:`cluster_merge_fits`); else ``"combine"`` (with one split: the plain kernel). Host ints only.
+    ``"combine"`` with one split (the plain kernel, no merge); ``"cluster"`` at exactly :data:`AUTO_CLUSTER_SPLITS`
+    splits, head dims <= 256, P kept in registers (``mma_pv_is_rs``, as in every measured configuration: a P buffer
+    in shared memory may lie inside the Q / K / V span the merge reuses, which the kernel refuses at trace time) and
+    a tile that fits the merge (:func:`cluster_merge_fits`); else ``"triton"``, the shared Triton merge, which keeps
+    a split whose weight underflows (the contract's ``0 * NaN``; FA4's combine drops it) and was measured no slower
+    than the combine on every split launch (H100, docs/tuning.md 2.35: -0.3 % hd 128, -0.8 % hd 512, -4.7 % on the
+    sliding canvas at 2 splits). Host ints only.
 
     Returns:
-        ``"cluster"`` or ``"combine"``, never ``"auto"``.
+        ``"combine"``, ``"cluster"`` or ``"triton"``, never ``"auto"``.
 
     Raises:
         TypeError: ``cfg`` is not a resolved config (``tile_m`` / ``tile_n`` None where the rule needs them).
     """
+    if cfg.num_splits == 1:
+        return "combine"  # one split: the plain kernel (resolve_launch_config maps any merge there to it)
     if cfg.num_splits != AUTO_CLUSTER_SPLITS or is_wide(head_dim, head_dim_v) or cfg.mma_pv_is_rs is not True:
-        return "combine"
+        return "triton"
     if cfg.tile_m is None or cfg.tile_n is None:
         raise TypeError(f"auto_split_merge needs a resolved config (tile_m and tile_n set), got {cfg}")
-    return "cluster" if cluster_merge_fits(cfg, head_dim, head_dim_v) else "combine"
+    return "cluster" if cluster_merge_fits(cfg, head_dim, head_dim_v) else "triton"
 
 
 def cluster_merge_fits(cfg: CuteConfig, head_dim: int, head_dim_v: int) -> bool:

@@ -26,10 +26,13 @@ nvidia-cutlass-dsl installed, e.g. the CuTe DSL venv), ~30-90 s a spec on 2 core
 refills, pages 64 / 16 / 8 / 32 and contiguous, head dims 512 / 384, GQA 8 / 4 / 3, the split-KV subclass and the
 all-warps K experiment, plus the bench's two hd-512 launches at page 64 and the epilogue-warp experiment
 (docs/tuning.md 2.25), and FA4's consumer on the bench's two sliding launches and two hd-128 controls with NaN-safe V
-off (``nanoff_``), on (the defaults: ``skip_allowed_first`` "auto"), and on with the config's ``skip_allowed_first``
-True (``skipfirst_``, 2.27; until 2.30 the class attribute ``_SKIP_ALLOWED_FIRST``, same PTX) or False (``noskip_``), and
-with the experiment class attribute ``_CLEAN_SPLIT_ACROSS_WG`` (``splitscan_``, 2.31), and with
-``nan_safe_v_method="recompute"`` (``recompute_``, 2.34: its key-block loops must equal ``nanoff_``'s);
+off (``nanoff_``), on (the defaults: ``skip_allowed_first`` "auto", ``nan_safe_v_method`` "auto", which since 2.35 is
+the recompute at hd 256 and the scan at hd 128), on by the scan (``scan_``, ``nan_safe_v_method="scan"``: the
+default before 2.35), and by the scan with the config's ``skip_allowed_first`` True (``skipfirst_``, 2.27; until 2.30
+the class attribute ``_SKIP_ALLOWED_FIRST``, same PTX) or False (``noskip_``), and with the experiment class attribute
+``_CLEAN_SPLIT_ACROSS_WG`` (``splitscan_``, 2.31), and with ``nan_safe_v_method="recompute"`` (``recompute_``, 2.34:
+its key-block loops must equal ``nanoff_``'s); the scan variants name ``nan_safe_v_method``, so a tree from before
+2.34 compiles only ``nanoff_`` and the defaults;
 the clean-up placements under a GEMM that ``cleanpv_`` / ``owncall_`` / ``both_`` compiled were removed (2.30). A
 switch ``"Class.ATTR"`` names a class of ``kernel.py``, a bare ``"ATTR"`` the roles kernel's. ``snapshot --only
 SUBSTR`` picks specs by name, ``list`` prints them. ``summary.json`` also keeps each kernel's spills by role and its
@@ -150,9 +153,10 @@ SPECS = {
     # stage scanned once between the consumer warpgroups (_CLEAN_SPLIT_ACROSS_WG, 2.31) / on by the epilogue test and
     # recompute (nan_safe_v_method "recompute", 2.34: its key-block loops must equal nanoff_'s)
     **{f"{prefix}{name}": _mixed_spec(spec, nan, **extra)
-       for prefix, nan, extra in (("nanoff_", False, {}), ("", True, {}), ("skipfirst_", True, dict(
-           skip_allowed_first=True)), ("noskip_", True, dict(skip_allowed_first=False)),
-           ("splitscan_", True, dict(switches=SPLIT_SCAN)),
+       for prefix, nan, extra in (("nanoff_", False, {}), ("", True, {}), ("scan_", True, dict(
+           nan_safe_v_method="scan")), ("skipfirst_", True, dict(skip_allowed_first=True, nan_safe_v_method="scan")),
+           ("noskip_", True, dict(skip_allowed_first=False, nan_safe_v_method="scan")),
+           ("splitscan_", True, dict(switches=SPLIT_SCAN, nan_safe_v_method="scan")),
            ("recompute_", True, dict(nan_safe_v_method="recompute")))
        for name, spec in _MIXED_SPECS.items()},
 }

@@ -317,9 +317,10 @@ def _fa4_tiles(monkeypatch):
 
 def test_auto_merge_takes_the_cluster_at_two_splits_where_it_was_measured_faster(monkeypatch):
     """split_merge "auto" (the default): the cluster merge at exactly 2 splits with head dims <= 256 (the
-    sliding canvas over 32k keys: 22 % faster than the combine, docs/tuning.md 2.7), the combine at 4 splits
-    (hd-128 canvas: clusters of 4 lost 1.6x) and for the split-value hd-512 kernel (lost 5-9 % at 2), the plain
-    kernel at one split; an explicit merge always wins."""
+    sliding canvas over 32k keys: 22 % faster than the combine, docs/tuning.md 2.7), the shared Triton merge at 4
+    splits (hd-128 canvas: clusters of 4 lost 1.6x) and for the hd-512 kernels (the split-value kernel's cluster
+    lost 5-9 % at 2; the Triton merge keeps an underflowed split's non-finite V and was no slower than FA4's combine,
+    docs/tuning.md 2.35), the plain kernel at one split; an explicit merge always wins."""
     _fa4_tiles(monkeypatch)
     kw = dict(total_q=256, num_seqs=1, max_seqlen_q=256, max_seqlen_k=None, num_sms=132)
     sliding = cc.resolve_launch_config(256, 256, 1023, None, num_kv_heads=8, qhead_per_kvhead=2,
@@ -327,16 +328,16 @@ def test_auto_merge_takes_the_cluster_at_two_splits_where_it_was_measured_faster
     assert (sliding.num_splits, sliding.split_merge) == (2, "cluster")
     hd128 = cc.resolve_launch_config(128, 128, None, None, num_kv_heads=8, qhead_per_kvhead=2, keys_capacity=33024,
                                      **kw)
-    assert (hd128.num_splits, hd128.split_merge) == (4, "combine")
+    assert (hd128.num_splits, hd128.split_merge) == (4, "triton")
     two = cc.resolve_launch_config(128, 128, None, dict(num_splits=2), num_kv_heads=8, qhead_per_kvhead=2,
                                    keys_capacity=33024, **kw)
     assert (two.num_splits, two.split_merge) == (2, "cluster")
     wide = cc.resolve_launch_config(512, 512, None, SPLIT_V, num_kv_heads=2, qhead_per_kvhead=8,
                                     keys_capacity=33024, **kw)
-    assert (wide.num_splits, wide.split_merge) == (2, "combine")
+    assert (wide.num_splits, wide.split_merge) == (2, "triton")
     roles = cc.resolve_launch_config(512, 512, None, None, num_kv_heads=2, qhead_per_kvhead=8, keys_capacity=33024,
                                      **kw)  # the hd-512 default: no cluster variant
-    assert (roles.wide_design, roles.num_splits, roles.split_merge) == ("roles", 2, "combine")
+    assert (roles.wide_design, roles.num_splits, roles.split_merge) == ("roles", 2, "triton")
     short = cc.resolve_launch_config(256, 256, 1023, None, num_kv_heads=8, qhead_per_kvhead=2, keys_capacity=1024,
                                      **kw)
     assert (short.num_splits, short.split_merge) == (1, "combine")
@@ -348,7 +349,7 @@ def test_auto_merge_takes_the_cluster_at_two_splits_where_it_was_measured_faster
 def test_the_triton_merge_is_taken_by_name_on_every_split_launch_and_one_split_is_the_plain_kernel(monkeypatch):
     """split_merge "triton" (the shared Triton merge, docs/tuning.md 2.33): kept at any split count (the hd-128
     canvas at 4, the sliding canvas at 2, both hd-512 kernels at 2), never capped as the cluster is; one split
-    resolves to "combine" (the plain kernel, one compile key for all merges); "auto" never picks it."""
+    resolves to "combine" (the plain kernel, one compile key for all merges)."""
     _fa4_tiles(monkeypatch)
     kw = dict(total_q=256, num_seqs=1, max_seqlen_q=256, max_seqlen_k=None, num_sms=132)
     tri = dict(split_merge="triton")
@@ -372,22 +373,23 @@ def test_the_triton_merge_is_taken_by_name_on_every_split_launch_and_one_split_i
     assert cc.CuteConfig().split_merge == "auto" and "auto" in cc.SPLIT_MERGES
 
 
-def test_auto_merge_keeps_the_combine_where_the_cluster_tile_does_not_fit():
+def test_auto_merge_takes_the_triton_merge_where_the_cluster_tile_does_not_fit():
     """A 64-row hd-256 tile with one 16-key stage cannot hold the fp32 merge tile: "auto" falls back to the
-    combine there instead of raising as an explicit "cluster" does."""
+    shared Triton merge there instead of raising as an explicit "cluster" does; one split is the plain kernel."""
     C = cc.CuteConfig
     rs = dict(mma_pv_is_rs=True)
-    assert cc.auto_split_merge(C(tile_m=64, tile_n=16, num_stages=1, num_splits=2, **rs), 256, 256) == "combine"
+    assert cc.auto_split_merge(C(tile_m=64, tile_n=16, num_stages=1, num_splits=2, **rs), 256, 256) == "triton"
     assert cc.auto_split_merge(C(tile_m=128, tile_n=64, num_stages=2, num_splits=2, **rs), 256, 256) == "cluster"
-    assert cc.auto_split_merge(C(tile_m=128, tile_n=64, num_stages=2, num_splits=3, **rs), 256, 256) == "combine"
+    assert cc.auto_split_merge(C(tile_m=128, tile_n=64, num_stages=2, num_splits=3, **rs), 256, 256) == "triton"
+    assert cc.auto_split_merge(C(tile_m=128, tile_n=64, num_stages=2, num_splits=1, **rs), 256, 256) == "combine"
 
 
-def test_auto_merge_keeps_the_combine_when_p_goes_through_shared_memory():
+def test_auto_merge_takes_the_triton_merge_when_p_goes_through_shared_memory():
     """With P in shared memory (mma_pv_is_rs False) its buffer may lie inside the Q / K / V span the merge reuses,
     which the kernel refuses at trace time: "auto" never picks the cluster there (no measured config has it)."""
     C = cc.CuteConfig
     cfg = C(tile_m=128, tile_n=64, num_stages=2, num_splits=2, mma_pv_is_rs=False)
-    assert cc.auto_split_merge(cfg, 256, 256) == "combine"
+    assert cc.auto_split_merge(cfg, 256, 256) == "triton"
 
 
 def test_auto_merge_of_an_unresolved_config_is_a_type_error():

@@ -186,7 +186,8 @@ def test_wide_resolution_is_idempotent_fits_and_refuses_with_named_errors(d, hd,
     assert lc.split_merge in ("combine", "cluster", "triton") and 1 <= lc.num_splits <= cc.MAX_SPLITS
     assert not (lc.wide_design == "roles" and lc.split_merge == "cluster")
     assert lc.split_merge != "cluster" or 2 <= lc.num_splits <= cc.MAX_CLUSTER_SPLITS
-    assert lc.split_merge != "triton" or (lc.num_splits >= 2 and d.get("split_merge") == "triton")  # by name only
+    assert lc.split_merge != "triton" or lc.num_splits >= 2  # by name, or "auto" where the cluster does not act
+    assert lc.split_merge != "combine" or lc.num_splits == 1 or d.get("split_merge") == "combine"  # by name only
     assert lc.skip_allowed_first is False  # FA4's consumer's switch: resolves off in the wide kernels
     assert lc.nan_safe_v_method == "scan"  # likewise: the wide kernels keep their own clean-up
     assert cfg.skip_allowed_first == d.get("skip_allowed_first", "auto")  # resolve_config leaves it as given

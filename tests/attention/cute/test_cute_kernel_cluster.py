@@ -100,14 +100,15 @@ def test_gpu_cluster_merge_splits_a_batch_1_canvas_automatically():
 @pytest.mark.parametrize("mode", ["symmetric", "prefix"])
 def test_gpu_default_auto_merge_runs_the_cluster_on_a_batch_1_sliding_canvas(mode):
     """No config: hd 256, window 1023, one canvas over 8k keys takes 2 splits and split_merge "auto" resolves to
-    the cluster merge (config.auto_split_merge); the hd-512 canvas keeps FA4's combine. Both checked against the
-    reference."""
+    the cluster merge (config.auto_split_merge); the hd-512 canvas takes the shared Triton merge (docs/tuning.md
+    2.35). Both checked against the reference."""
     q, k, v, kw = gpu_batch([256], [8192], [0], 16, 8, 256, 64, seed=3)
     run_and_check(q, k, v, kw, 1023, mode, max_seqlen_q=256, max_seqlen_k=8448)
     assert ca.LAST_LAUNCH["config"].num_splits == 2 and ca.LAST_LAUNCH["kernel"].endswith("Cluster")
     q, k, v, kw = gpu_batch([256], [20000], [0], 16, 2, 512, 64, seed=4)
     run_and_check(q, k, v, kw, None, mode, max_seqlen_q=256, max_seqlen_k=20256)
     assert ca.LAST_LAUNCH["config"].num_splits == 2 and ca.LAST_LAUNCH["kernel"].endswith("Split")
+    assert ca.LAST_LAUNCH["config"].split_merge == "triton"
 
 
 @needs_gpu

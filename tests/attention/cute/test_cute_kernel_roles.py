@@ -123,7 +123,8 @@ def test_auto_keeps_roles_when_the_config_sets_only_num_splits_or_lpt(config):
                                       qhead_per_kvhead=8, keys_capacity=33024, max_seqlen_q=256, max_seqlen_k=None,
                                       num_sms=132, page_size=64)
     assert launch.wide_design == "roles" and launch.tile_n == 64
-    assert launch.num_splits == (get("num_splits", None) or launch.num_splits) and launch.split_merge == "combine"
+    assert launch.num_splits == (get("num_splits", None) or launch.num_splits)
+    assert launch.split_merge == ("triton" if launch.num_splits > 1 else "combine")  # no cluster for roles
 
 
 @pytest.mark.parametrize("fields", [dict(num_splits=2), dict(lpt=True), dict(num_splits=2, lpt=False),
@@ -172,7 +173,7 @@ def test_batch_order_auto_is_work_for_roles_with_two_or_more_sequences(num_seqs,
                                        num_kv_heads=2, qhead_per_kvhead=8, keys_capacity=8192, max_seqlen_q=256,
                                        max_seqlen_k=None, num_sms=132, page_size=page)
         assert (cfg.wide_design, cfg.batch_order) == ("roles", want)
-        assert cfg.split_merge in ("combine", "cluster")
+        assert cfg.split_merge in ("combine", "cluster", "triton")
     # the split-value kernel (page 48, or asked for) keeps the given order whatever the batch
     for config, page in ((None, 48), (dict(wide_design="split_v"), 64)):
         cfg = cc.resolve_launch_config(512, 512, None, config, total_q=256 * num_seqs, num_seqs=num_seqs,
@@ -242,13 +243,13 @@ def test_wide_design_is_validated_by_name(value, err):
         cc.resolve_config(512, 512, None, dict(wide_design=value), 256)
 
 
-def test_roles_refuses_the_cluster_merge_and_takes_the_combine():
+def test_roles_refuses_the_cluster_merge_and_takes_the_triton_merge():
     with pytest.raises(ValueError, match="cluster.*roles"):
         cc.check_config(dict(wide_design="roles", split_merge="cluster"))
     cfg = cc.resolve_launch_config(512, 512, None, ROLES, total_q=256, num_seqs=1, num_kv_heads=2,
                                    qhead_per_kvhead=8, keys_capacity=32768, max_seqlen_q=256, max_seqlen_k=None,
                                    num_sms=132)
-    assert (cfg.wide_design, cfg.num_splits, cfg.split_merge) == ("roles", 2, "combine")
+    assert (cfg.wide_design, cfg.num_splits, cfg.split_merge) == ("roles", 2, "triton")
 
 
 def test_wide_design_is_moot_below_head_dim_257(monkeypatch):
@@ -523,7 +524,7 @@ def test_gpu_roles_gqa_3_loads_q_without_tma():
 @needs_gpu
 @pytest.mark.parametrize("num_splits", [2, 3])
 def test_gpu_roles_split_kv_matches_reference(num_splits):
-    """Split-KV (FA4's combine) over a long canvas and short sequences (empty splits)."""
+    """Split-KV (the default merge) over a long canvas and short sequences (empty splits)."""
     q, k, v, kw = gpu_batch([256, 7, 1], [5000, 10, 300], [0, 7, 1], H, HKV, D, 64, seed=11)
     run_and_check(q, k, v, kw, 1023, "prefix", max_seqlen_q=256, config=dict(ROLES, num_splits=num_splits))
     assert ca.LAST_LAUNCH["kernel"] == "FlashAttentionForwardSm90RolesSplit"

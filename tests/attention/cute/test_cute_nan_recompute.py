@@ -133,8 +133,8 @@ def test_recompute_leaves_the_key_block_loops_as_nan_safe_v_off_built_them(name,
     from cute_helpers import compile_for_sm90_or_skip
     from blockdiff.bench.experiments.cute_ptx_snapshot import SPECS
     r = {pre: compile_for_sm90_or_skip(ptx_dir=str(tmp_path / pre), switches=SPECS[pre + name]["switches"],
-                                       **SPECS[pre + name]["spec"]) for pre in ("nanoff_", "recompute_", "")}
-    off, on, scan = r["nanoff_"], r["recompute_"], r[""]
+                                       **SPECS[pre + name]["spec"]) for pre in ("nanoff_", "recompute_", "scan_")}
+    off, on, scan = r["nanoff_"], r["recompute_"], r["scan_"]
     assert on["ptx_sha256"] != off["ptx_sha256"]  # the epilogue's test and recompute are there
     assert on["sass_spills"]["setup"] == 0 and on["sass_spills"]["producer"] == 0, on["sass_spills"]
     if name.startswith("hd128") or name == "sliding_bench_mixed_ctx8k":

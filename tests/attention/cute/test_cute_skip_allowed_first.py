@@ -132,7 +132,7 @@ def test_auto_is_on_for_split_launches_only(monkeypatch):
     combine = _launch(256, 1023, dict(split_merge="combine"))
     assert (combine.num_splits, combine.split_merge, combine.skip_allowed_first) == (2, "combine", True)
     hd128 = _launch(128, None, None)  # canvas_bs1_ctx32k_hd128
-    assert (hd128.num_splits, hd128.split_merge, hd128.skip_allowed_first) == (4, "combine", True)
+    assert (hd128.num_splits, hd128.split_merge, hd128.skip_allowed_first) == (4, "triton", True)
     assert _launch(128, None, dict(num_splits=3)).skip_allowed_first is True
     mixed = _launch(256, 1023, None, **_MIXED)  # mixed_sliding_ctx8k
     assert (mixed.num_splits, mixed.skip_allowed_first) == (1, False)

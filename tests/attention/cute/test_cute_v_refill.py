@@ -182,7 +182,7 @@ def test_gpu_v_refill_halves_cache_rows_past_seq_lens_stay_out(page):
 @needs_gpu
 @pytest.mark.parametrize("num_splits", [2, 3])
 def test_gpu_v_refill_halves_split_kv_matches_reference(num_splits):
-    """Split-KV (FA4's combine) over a long canvas and short sequences (empty splits: no V loads at all)."""
+    """Split-KV (the default merge) over a long canvas and short sequences (empty splits: no V loads at all)."""
     q, k, v, kw = gpu_batch([256, 7, 1], [5000, 10, 300], [0, 7, 1], H, HKV, D, 64, seed=11)
     run_and_check(q, k, v, kw, 1023, "prefix", max_seqlen_q=256, config=dict(HALVES, num_splits=num_splits))
     assert ca.LAST_LAUNCH["kernel"] == "FlashAttentionForwardSm90RolesSplit"
