@@ -14,7 +14,8 @@ split (LSE ``-inf``) must have partial 0: the backends write 0 there with NaN-sa
 all masked for such a row, so cleaned); a row whose splits are all empty gets 0 and LSE ``-inf``.
 
 Used by the triton backend (:mod:`blockdiff.attention.triton`, its plans) and by the cute backend's
-``split_merge="triton"``. Backends never import one another; both import this module, which imports no backend.
+``split_merge="triton"`` (what its ``"auto"`` takes where the cluster merge does not, docs/tuning.md 2.35). Backends
+never import one another; both import this module, which imports no backend.
 """
 import contextlib
 import os

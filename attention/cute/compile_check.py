@@ -194,7 +194,8 @@ def compile_for_sm90(timeout: float = 900, ptx_dir: str | None = None, switches:
         "merge", "ptxas_warnings"}`` (the attention kernel's; ``loops``: :func:`sass_loops`, the key-block loops'
         instruction mix; ``ptxas_warnings``: the compile's distinct ptxas warning and performance-remark lines,
         e.g. C7518 where ptxas serialised the wgmma; ``merge``: ptxas' report of FA4's combine kernel for split-KV
-        configurations). ``config`` is the configuration compiled, resolved for :func:`.interface.compile_only`'s
+        configurations with ``split_merge="combine"``, None otherwise: the default Triton merge is not a CuTe
+        kernel). ``config`` is the configuration compiled, resolved for :func:`.interface.compile_only`'s
         own shapes (``skip_allowed_first`` as its launch resolved it): a partial ``config`` may resolve to other
         tiles than a workload's launch does (pass the launch's whole configuration).
 
@@ -293,7 +294,8 @@ def _child(spec: dict, ptx_dir: str | None = None, switches: dict | None = None)
     finally:
         cute.compile = real_compile
     text = re.sub(r"\x1b\[[0-9;]*m", "", log.getvalue())
-    # the attention kernel (first compile); a split-KV configuration also compiles FA4's combine kernel
+    # the attention kernel (first compile); a split-KV configuration with split_merge "combine" also compiles FA4's
+    # combine kernel
     report = parse_ptxas_report(text, _ATTENTION_KERNEL)
     merge = parse_ptxas_report(text, "FlashAttentionForwardCombine") if len(captured) > 1 else None
     if captured:

@@ -20,7 +20,7 @@ __all__ = [
     "SPLIT_MERGES", "MAX_CLUSTER_SPLITS", "AUTO_CLUSTER_SPLITS", "auto_split_merge", "cluster_merge_fits",
     "WIDE_DESIGNS", "ROLES_CONFIG", "BATCH_ORDERS", "V_REFILLS", "QK_ISSUES", "QK_AHEAD_MIN_PAGE", "auto_wide_design",
     "K_REFILLS", "SKIP_ALLOWED_FIRST_VALUES", "auto_skip_allowed_first", "NAN_SAFE_V_METHODS",
-    "resolve_nan_safe_v_method", "AUTO_RECOMPUTE_ABOVE_HEAD_DIM",
+    "resolve_nan_safe_v_method", "AUTO_RECOMPUTE_HEAD_DIMS",
 ]
 
 #: The optional packages this backend runs on (the ``cute`` extra of setup.py).
@@ -36,8 +36,9 @@ class CuteConfig:
     within a warpgroup; num_stages: K/V pipeline stages; lpt: FA4's longest-first tile order (None: from
     ``max_seqlen_q``, :func:`longest_first_tiles`); num_splits: split-KV chunks per query tile (None: from the
     call's host shapes, :func:`choose_num_splits`; 1: no split); nan_safe_v: keys a row may not see contribute
-    nothing even when their V holds NaN / Inf (masked key blocks' V cleaned in shared memory before P V, a cold
-    fix-up of the rows that do see such a key; docs/tuning.md 2.4). On by default (the contract: a key outside a
+    nothing even when their V holds NaN / Inf (by ``nan_safe_v_method``: masked key blocks' V cleaned in shared
+    memory before P V and a cold fix-up of the rows that do see such a key, docs/tuning.md 2.4; or an epilogue test
+    and recompute, 2.34). On by default (the contract: a key outside a
     row's allowed set contributes nothing); False opts out of its cost (measured in docs/tuning.md 2.6) and builds
     the kernels without it. Not a tile field: setting only it keeps the automatic tiles.
     split_merge: how split-KV partial outputs are merged: ``"auto"`` (default: ``"cluster"`` where it was
@@ -105,14 +106,15 @@ class CuteConfig:
     the rows the reference gives them to; ``kernel.py``, docs/tuning.md 2.27): ``"auto"`` (default), True or False (a
     bool; no other type, no other str). The same outputs either way, bit for bit, except where a row's weight of a
     non-finite V entry underflows to 0 (the skip then gives the reference's NaN; 2.27). It acts only in FA4's
-    consumer (head dims <= 256) with ``nan_safe_v``; elsewhere it resolves to False (the kernel built without it, one
+    consumer (head dims <= 256) with ``nan_safe_v`` kept by the scan (``nan_safe_v_method`` resolved to
+    ``"scan"``: at hd 256 only by name since 2.35); elsewhere it resolves to False (the kernel built without it, one
     compile key). ``"auto"`` resolves, from host shapes only, to True when the launch splits KV (``num_splits > 1``,
     either ``split_merge``) and to False otherwise (:func:`auto_skip_allowed_first`). Not a tile field; it resolves
     in :func:`resolve_launch_config`, which knows the split count.
     nan_safe_v_method: how ``nan_safe_v`` is kept in FA4's consumer (head dims <= 256): ``"auto"`` (default:
-    :func:`resolve_nan_safe_v_method`, ``"recompute"`` at head dims above :data:`AUTO_RECOMPUTE_ABOVE_HEAD_DIM`,
-    ``"scan"`` at or below), ``"scan"`` (the masked key blocks' V stages scanned and cleaned in shared memory in the mainloop, the additive fix-up;
-    docs/tuning.md 2.4) or ``"recompute"`` (docs/tuning.md 2.32, 2.34: the mainloop of ``nan_safe_v=False``; at the
+    :func:`resolve_nan_safe_v_method`, ``"recompute"`` at the head dims of :data:`AUTO_RECOMPUTE_HEAD_DIMS`, where
+    it was measured faster, ``"scan"`` elsewhere), ``"scan"`` (the masked key blocks' V stages scanned and cleaned
+    in shared memory in the mainloop, the additive fix-up; docs/tuning.md 2.4) or ``"recompute"`` (docs/tuning.md 2.32, 2.34: the mainloop of ``nan_safe_v=False``; at the
     epilogue a test of the accumulator's real rows, and only in a warp that holds a non-finite entry, an fp32
     recompute of exactly those entries from global memory with the tile's own LSE; a device counter of recomputing
     warps, :func:`blockdiff.attention.cute.interface.nan_recompute_count`). The same contract either way; the
@@ -171,11 +173,12 @@ SKIP_ALLOWED_FIRST_VALUES = ("auto", True, False)
 #: :func:`resolve_nan_safe_v_method`), the mainloop scan and fix-up, or the epilogue test and recompute
 #: (docs/tuning.md 2.32, 2.34).
 NAN_SAFE_V_METHODS = ("auto", "scan", "recompute")
-#: ``nan_safe_v_method="auto"`` takes the recompute above this head dim (the larger of head_dim and head_dim_v) and
-#: the scan at or below it: on the H100 the recompute was faster on both hd-256 launches in two runs (mixed sliding
-#: batch +4.3 % / +4.3 %, the split sliding canvas +1.5 % / +2.9 %), slower on the unsplit hd-128 canvas batch
-#: (-3.8 % / -2.8 %) and even on the split hd-128 canvas (+0.3 % twice, under the 1.5 % keep bar; tuning 2.35).
-AUTO_RECOMPUTE_ABOVE_HEAD_DIM = 128
+#: Head dims (``head_dim == head_dim_v``) at which ``nan_safe_v_method="auto"`` takes the recompute; the scan
+#: elsewhere. Only where it was measured faster (a default only where measured): on the H100 both hd-256 launches
+#: gained in two runs (mixed sliding batch -4.1 % / -4.1 % time, the split sliding canvas -1.5 % / -2.8 %); the
+#: unsplit hd-128 canvas batch lost (+3.9 % / +2.9 %) and the split hd-128 canvas tied (-0.3 % / -0.4 %, under the
+#: 1.5 % keep bar); other head dims were not timed (docs/tuning.md 2.35).
+AUTO_RECOMPUTE_HEAD_DIMS = frozenset({256})
 #: The roles kernel's switches: (field, the value only the roles kernel builds, the value every kernel builds).
 _ROLES_ONLY = (("v_refill", "halves", "one_warp"), ("qk_issue", "ahead", "serial"), ("k_refill", "halves", "whole"))
 #: Most splits of the cluster merge: the portable thread-block cluster size (8 CTAs).
@@ -604,7 +607,7 @@ def check_config(config, *, head_dims: tuple[int, int] | None = None):
     n = values.get("num_splits")
     if values.get("split_merge") == "cluster" and values.get("wide_design") == "roles":
         raise ValueError("config split_merge 'cluster' is not built for wide_design 'roles'; use split_merge "
-                         "'combine' or 'auto'")
+                         "'triton' or 'auto'")
     roles_only = [row for row in _ROLES_ONLY if values.get(row[0]) == row[1]]
     if roles_only and values.get("wide_design", "auto") == "split_v":
         if head_dims is not None:  # halves these head dims cannot take: that rule (its fix resolves; 'roles' would not)
@@ -616,7 +619,7 @@ def check_config(config, *, head_dims: tuple[int, int] | None = None):
                          f"512 with the automatic tiles) or {plain}")
     if values.get("split_merge") == "cluster" and n is not None and n > MAX_CLUSTER_SPLITS:
         raise ValueError(f"config split_merge 'cluster' takes at most {MAX_CLUSTER_SPLITS} splits (the portable "
-                         f"cluster size), got num_splits {n}; use split_merge 'combine'")
+                         f"cluster size), got num_splits {n}; use split_merge 'triton'")
     return config
 
 
@@ -806,7 +809,7 @@ def resolve_launch_config(head_dim: int, head_dim_v: int, window_size, config=No
     elif cluster and not cluster_merge_fits(cfg, head_dim, head_dim_v):
         raise ValueError(
             f"config {cfg}: the cluster merge's fp32 output tile ({cfg.tile_m} x {head_dim_v} x 4 B plus the LSEs) "
-            "does not fit the Q / K / V shared-memory buffers it reuses: use split_merge 'combine' or larger tiles")
+            "does not fit the Q / K / V shared-memory buffers it reuses: use split_merge 'triton' or larger tiles")
     cfg = replace(cfg, nan_safe_v_method=resolve_nan_safe_v_method(cfg, head_dim, head_dim_v))
     return replace(cfg, skip_allowed_first=auto_skip_allowed_first(cfg, head_dim, head_dim_v))
 
@@ -815,18 +818,19 @@ def resolve_nan_safe_v_method(cfg: CuteConfig, head_dim: int, head_dim_v: int) -
     """The value ``nan_safe_v_method`` resolves to, ``"scan"`` or ``"recompute"``: ``"recompute"`` only where it acts
     (``nan_safe_v`` on, FA4's consumer: head dims <= 256), else ``"scan"`` (the wide kernels keep their own clean-up;
     with ``nan_safe_v`` off the method is moot), so launches it cannot change keep one compile key. ``"auto"`` is
-    ``"recompute"`` where ``max(head_dim, head_dim_v)`` exceeds :data:`AUTO_RECOMPUTE_ABOVE_HEAD_DIM`, else
-    ``"scan"`` (measured per launch kind, docs/tuning.md 2.35). Host ints only."""
+    ``"recompute"`` where ``head_dim == head_dim_v`` is in :data:`AUTO_RECOMPUTE_HEAD_DIMS`, else ``"scan"``
+    (measured per launch kind, docs/tuning.md 2.35). Host ints only."""
     if not cfg.nan_safe_v or is_wide(head_dim, head_dim_v):
         return "scan"
     if cfg.nan_safe_v_method == "auto":  # the recompute gained at hd 256, lost or tied at hd 128 (2.35)
-        return "recompute" if max(head_dim, head_dim_v) > AUTO_RECOMPUTE_ABOVE_HEAD_DIM else "scan"
+        return "recompute" if head_dim == head_dim_v and head_dim in AUTO_RECOMPUTE_HEAD_DIMS else "scan"
     return cfg.nan_safe_v_method
 
 
 def auto_skip_allowed_first(cfg: CuteConfig, head_dim: int, head_dim_v: int) -> bool:
     """The value ``skip_allowed_first`` resolves to for a config whose ``num_splits`` is set (an int; host ints
-    only, no device read). False where it cannot act (``nan_safe_v`` off, ``nan_safe_v_method="recompute"``, or head
+    only, no device read). False where it cannot act (``nan_safe_v`` off, ``nan_safe_v_method`` resolving to
+    ``"recompute"``, or head
     dims above 256: the wide kernels place their own clean-up), so those launches keep one compile key whatever it
     says; else an explicit bool as given, and ``"auto"`` True iff ``num_splits > 1`` (either merge).
 
@@ -841,8 +845,9 @@ def auto_skip_allowed_first(cfg: CuteConfig, head_dim: int, head_dim_v: int) -> 
     n = cfg.num_splits
     if isinstance(n, bool) or not isinstance(n, int):
         raise TypeError(f"auto_skip_allowed_first needs a config with num_splits set (an int), got {n!r}")
-    if not cfg.nan_safe_v or is_wide(head_dim, head_dim_v) or cfg.nan_safe_v_method == "recompute":
-        return False  # (with "recompute" there is no mainloop scan to skip)
+    if (not cfg.nan_safe_v or is_wide(head_dim, head_dim_v)
+            or resolve_nan_safe_v_method(cfg, head_dim, head_dim_v) == "recompute"):
+        return False  # (with "recompute", named or "auto"'s, there is no mainloop scan to skip)
     if cfg.skip_allowed_first == "auto":  # split launches measured faster with it, the unsplit windowed one slower
         return n > 1
     return bool(cfg.skip_allowed_first)

@@ -1,6 +1,7 @@
 """Split-KV variants of the ``"cute"`` kernels: each query tile's key blocks cut into ``num_splits`` chunks,
-one CTA each, every chunk's normalised partial output (fp32) and log-sum-exp written to a workspace that
-FA4's combine kernel merges (:mod:`blockdiff.attention.cute.interface`).
+one CTA each, every chunk's normalised partial output (fp32) and log-sum-exp written to a workspace that the
+shared Triton merge (:mod:`blockdiff.attention.split_merge`, ``split_merge="triton"`` and ``"auto"``'s choice) or
+FA4's combine kernel (``"combine"``) merges (:mod:`blockdiff.attention.cute.interface`).
 
 Imported only by :mod:`blockdiff.attention.cute.interface` (lazily: it needs flash-attn-4 and nvidia-cutlass-dsl).
 The split count is chosen from host shapes (:func:`blockdiff.attention.cute.config.choose_num_splits`); the

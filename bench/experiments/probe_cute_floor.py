@@ -10,7 +10,8 @@ checked against the dense reference by the tests). Also the empty CUDA-graph flo
 - ``canvas_bs1_ctx32k_sliding``: combine and cluster (the automatic 2 splits), one split, cluster without
   ``nan_safe_v``, and the window ladder (511 / 255 / 63; the workload has 1023): the automatic choice (one split
   while a row's key bound stays below 2048) and the cluster at 2 splits, the fixed cost against the per-key-block
-  cost of the 15 us goal. (At b89fc42 the default merge was the combine; ``"auto"`` takes the cluster since.)
+  cost of the 15 us goal. (At b89fc42 the default merge was the combine; ``"auto"`` takes the cluster since, and
+  the shared Triton merge where the cluster does not act since docs/tuning.md 2.35.)
 - ``canvas_bs1_ctx32k_hd128`` / ``_global``: combine, cluster at 2, one split, the triton backend.
 - ``canvas_bs4_ctx4k_hd128``: cute paged and contiguous against FA4 contiguous, the 0.95x goal's anchor.
 - ``canvas_bs16_ctx8k_global``: a batch that fills the GPU without splits, so each backend's hd-512 kernel runs

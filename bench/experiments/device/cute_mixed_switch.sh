@@ -28,8 +28,11 @@
 # SWITCH=nan_safe_v_method (2.34: NaN-safe V by an epilogue test and recompute instead of the mainloop scan, hd <= 256):
 # its own tests (test_cute_nan_recompute.py: finite caches bit for bit against nan_safe_v=False with a recompute
 # counter of 0, the reference's exact non-finite entries), then the NaN-safe V and fuzz shards of hd 128 and 256 with
-# "recompute" forced in every call's config; the A/B rows nan_safe_off ("scan", the default), nan_safe_on
-# ("recompute"), nan_off, triton and fa4 on the four workloads. Prediction and refutation rule in 2.34.
+# "recompute" forced in every call's config; the A/B rows nan_safe_off ("scan"), nan_safe_on ("recompute"), default
+# ("auto": the recompute at hd 256, the scan at hd 128, since 2.35), nan_off, triton and fa4 on the four workloads.
+# Prediction and refutation rule in 2.34.
+# Since 2.35 the scan's switches (skip_allowed_first, _CLEAN_SPLIT_ACROSS_WG) run with nan_safe_v_method "scan"
+# pinned (shards and A/B), since at hd 256 "auto" takes the recompute, where they do not act.
 # Tests and A/B do not fit one 10-minute run: run them as two,
 #   B=0 STAGE2=1 bash ...        (the shards, <= T = 240 s)
 #   SHARDS=none B=540 bash ...   (the A/B; its record is rewritten after each workload)
@@ -40,19 +43,25 @@ source bench/experiments/device/env.sh
 export OUT=${OUT:-/tmp/out} FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=0; mkdir -p $OUT
 t=${T:-240}; SWITCH=${SWITCH:-skip_allowed_first}; ON=True; OFF=False  # a config field's values (Python literals)
 M=FlashAttentionForwardSm90Mixed
+# the scan's switches pin nan_safe_v_method "scan" (its "auto" is the recompute at hd 256 since docs/tuning.md 2.35,
+# where they do not act): in every shard's forced config (EXTRA) and in the A/B's variant and plain rows
+SCAN="nan_safe_v_method='scan'"; VARIANT='{"nan_safe": {"nan_safe_v": true, "nan_safe_v_method": "scan"}}'
 case $SWITCH in
   skip_allowed_first|_SKIP_ALLOWED_FIRST|all) SWITCH=skip_allowed_first; field=1
     shards="own_skip fuzz128 nan128 fuzz256 nan256"
     workloads=canvas_bs4_ctx4k_hd128,canvas_bs1_ctx32k_hd128,canvas_bs1_ctx32k_sliding,mixed_sliding_ctx8k
-    AB_SWITCH=skip_allowed_first; PLAIN='{"auto": {}, "nan_off": {"nan_safe_v": false}}' ;;
+    AB_SWITCH=skip_allowed_first; PLAIN='{"auto": {"nan_safe_v_method": "scan"}, "nan_off": {"nan_safe_v": false}}'
+    export EXTRA=$SCAN ;;
   nan_safe_v_method|recompute) SWITCH=nan_safe_v_method; field=1; ON='"recompute"'; OFF='"scan"'  # 2.34
     shards="own_recompute nan128 nan256 fuzz128 fuzz256"
     workloads=mixed_sliding_ctx8k,canvas_bs1_ctx32k_sliding,canvas_bs4_ctx4k_hd128,canvas_bs1_ctx32k_hd128
-    AB_SWITCH=nan_safe_v_method; PLAIN='{"nan_off": {"nan_safe_v": false}}' ;;
+    AB_SWITCH=nan_safe_v_method; PLAIN='{"default": {}, "nan_off": {"nan_safe_v": false}}'
+    VARIANT='{"nan_safe": {"nan_safe_v": true}}' ;;
   _CLEAN_SPLIT_ACROSS_WG) field=0; shards="own fuzz256 nan256"  # 2.31: the hd-256 launches only
     TESTS=${TESTS:-tests/attention/cute/test_cute_split_clean.py}
     workloads=mixed_sliding_ctx8k,canvas_bs1_ctx32k_sliding
-    AB_SWITCH=$M.$SWITCH; PLAIN='{"nan_off": {"nan_safe_v": false}}' ;;
+    AB_SWITCH=$M.$SWITCH; PLAIN='{"default": {}, "nan_off": {"nan_safe_v": false}}'
+    export NO_AUTO_RECOMPUTE=1 ;;  # switch_run: "auto" keeps the scan in the shards
   *) field=0; shards=own; workloads=; AB_SWITCH=$M.$SWITCH; PLAIN='{"nan_off": {"nan_safe_v": false}}' ;;
 esac
 SHARDS=${SHARDS:-$shards}; WORKLOADS=${WORKLOADS:-$workloads}
@@ -82,6 +91,6 @@ switch_logs
 switch_pack  # up to 8 shard logs: one file back
 [ "${B:-300}" = 0 ] && exit 0
 timeout ${B:-300} python3 -m blockdiff.bench.experiments.ab_roles_switch "$AB_SWITCH" \
-  $WORKLOADS --triton --fa4 '{"nan_safe": {"nan_safe_v": true}}' --plain "$PLAIN" \
+  $WORKLOADS --triton --fa4 "$VARIANT" --plain "$PLAIN" \
   --rounds 3 --out $OUT > $OUT/ab_mixed_switch.log 2>&1
 echo "ab rc=$?"; grep -E "TFLOP/s|bit-identical|skipped" $OUT/ab_mixed_switch.log | tail -60

@@ -20,24 +20,29 @@ switch_run() {
   timeout -k 15 $t python3 -c "
 import sys, pytest
 from $mod import $cls as C
+if '${NO_AUTO_RECOMPUTE:-0}' == '1':  # the scan's switches: nan_safe_v_method 'auto' keeps the scan (tuning 2.35)
+    from blockdiff.attention.cute import config as _cc
+    _cc.AUTO_RECOMPUTE_HEAD_DIMS = frozenset()
 for name in '$SWITCH'.split(','):
     assert hasattr(C, name), 'no switch ' + name
     setattr(C, name, bool($on))
 sys.exit(pytest.main(['-m', 'gpu', '-q', '-p', 'no:cacheprovider', '-rf', '--maxfail=5'] + sys.argv[1:]))
 " "$@" > $OUT/$log.log 2>&1 < /dev/null
 }
+# config_run FIELD VALUE LOG PYTEST_ARGS...: FIELD=VALUE (a Python literal) forced into every call's config; EXTRA
+# (optional, Python keyword syntax, e.g. "nan_safe_v_method='scan'") forces more fields the same way.
 config_run() {
-  local field=$1 value=$2 log=$3; shift 3
+  local field=$1 value=$2 log=$3 extra=${EXTRA:+, $EXTRA}; shift 3
   timeout -k 15 $t python3 -c "
 import dataclasses, sys, pytest
 from blockdiff.attention.cute import config as C, interface as I
-C.check_config({'$field': $value})  # a bad field or value fails here, not in every test
+C.check_config(dict($field=$value$extra))  # a bad field or value fails here, not in every test
 real = I.resolve_launch_config
 def forced(head_dim, head_dim_v, window_size, config=None, **kw):
     if isinstance(config, C.CuteConfig):
-        config = dataclasses.replace(config, $field=$value)
+        config = dataclasses.replace(config, $field=$value$extra)
     else:
-        config = dict(config or {}, $field=$value)
+        config = dict(config or {}, $field=$value$extra)
     return real(head_dim, head_dim_v, window_size, config, **kw)
 I.resolve_launch_config = forced
 sys.exit(pytest.main(['-m', 'gpu', '-q', '-p', 'no:cacheprovider', '-rf', '--maxfail=5'] + sys.argv[1:]))

@@ -226,15 +226,15 @@ def test_lpt_non_bool_is_a_type_error_naming_lpt(bad):
        page=st.sampled_from(PAGES), num_seqs=st.sampled_from([1, 3]))
 def test_nan_safe_v_method_resolves_to_recompute_only_where_it_acts(monkeypatch, d, hd, page, num_seqs):
     """docs/tuning.md 2.34, 2.35: a launch resolves ``nan_safe_v_method`` to ``"recompute"`` iff it was asked for
-    (by name, or by ``"auto"`` above hd 128), NaN-safe V is on and FA4's consumer runs (hd <= 256); then
+    (by name, or by ``"auto"`` at hd 256), NaN-safe V is on and FA4's consumer runs (hd <= 256); then
     ``skip_allowed_first`` is False (no scan to skip)."""
     monkeypatch.setattr(cc, "_fa4_tile_size", lambda hd, hdv, local: _T(128, 64, True, True))
     launch = _launch(hd, d, page, 256, num_seqs)
     if launch[0] != "ok":
         return
     lc = launch[1]
-    method = d.get("nan_safe_v_method", "auto")  # "auto": the recompute above hd 128 (docs/tuning.md 2.35)
-    asked = method == "recompute" or (method == "auto" and hd > cc.AUTO_RECOMPUTE_ABOVE_HEAD_DIM)
+    method = d.get("nan_safe_v_method", "auto")  # "auto": the recompute at hd 256 (docs/tuning.md 2.35)
+    asked = method == "recompute" or (method == "auto" and hd in cc.AUTO_RECOMPUTE_HEAD_DIMS)
     want = asked and d.get("nan_safe_v", True) and hd <= 256
     assert lc.nan_safe_v_method == ("recompute" if want else "scan"), (d, hd, lc)
     if want:

@@ -1,4 +1,5 @@
-"""GPU tests of the cute backend's split-KV kernels (blockdiff.attention.cute.kernel_split; FA4's combine merges),
+"""GPU tests of the cute backend's split-KV kernels (blockdiff.attention.cute.kernel_split; merged by FA4's combine,
+by name),
 on the H200 (``python3 -m pytest -m gpu``): every split count against the fp64 reference and against one split,
 empty splits (short sequences beside a long one; tiles narrowed by a window), rows past seq_lens, the automatic
 count on a batch-1 canvas, and a CUDA-graph replay with changed metadata. The CPU side (split count from host

@@ -63,10 +63,11 @@ def test_gpu_cute_nan_safe_v_hd128_keys_a_row_may_not_see_contribute_nothing(pag
 
 
 @gpu_test
+@pytest.mark.parametrize("method", ["scan", "recompute"])  # "auto" is the recompute at hd 256 (docs/tuning.md 2.35)
 @pytest.mark.parametrize("page,config,kw", [c[1:] for c in HD256_CASES], ids=[c[0] for c in HD256_CASES])
-def test_gpu_cute_nan_safe_v_hd256_keys_a_row_may_not_see_contribute_nothing(page, config, kw):
+def test_gpu_cute_nan_safe_v_hd256_keys_a_row_may_not_see_contribute_nothing(page, config, kw, method):
     inp = _nonfinite_cases(256, 16, 8, page or 64, seed=22, paged=page is not None)
-    assert _check_nonfinite_v(inp, config, seed=3, **kw) > 0
+    assert _check_nonfinite_v(inp, dict(config or {}, nan_safe_v_method=method), seed=3, **kw) > 0
 
 
 # --- hd 512: the split-value kernel (WG0 and WG1 clean their own half of V), asked for by name; the default (the
@@ -94,9 +95,10 @@ def test_gpu_cute_nan_safe_v_hd512_keys_a_row_may_not_see_contribute_nothing(pag
 
 
 @gpu_test
+@pytest.mark.parametrize("method", ["scan", "recompute"])  # "auto" is the recompute at hd 256 (docs/tuning.md 2.35)
 @pytest.mark.parametrize("mode", ["symmetric", "prefix"])
-@pytest.mark.parametrize("num_splits,merge", [(1, "auto"), (2, "combine"), (2, "cluster")])
-def test_gpu_cute_nan_safe_v_keys_no_row_sees_leave_the_output_finite(mode, num_splits, merge):
+@pytest.mark.parametrize("num_splits,merge", [(1, "auto"), (2, "combine"), (2, "cluster"), (2, "triton")])
+def test_gpu_cute_nan_safe_v_keys_no_row_sees_leave_the_output_finite(mode, num_splits, merge, method):
     """The sliding canvas (hd 256, W 1023, one 256-token canvas over 8k of context, paged 64): every V entry of
     the keys just left of every row's window, in the key block the window edge falls in, NaN / +Inf / -Inf: the
     output is finite everywhere and matches the reference of the cleaned cache (no row sees them; without the
@@ -113,7 +115,7 @@ def test_gpu_cute_nan_safe_v_keys_no_row_sees_leave_the_output_finite(mode, num_
     clean = dict(canvas, v_cache=torch.nan_to_num(canvas["v_cache"]), k_cache=torch.nan_to_num(canvas["k_cache"]))
     q = bad["q"]
     out = torch.full((q.shape[0], q.shape[1], 256), float("nan"), dtype=q.dtype, device=q.device)
-    cfg = dict(num_splits=num_splits, split_merge=merge)
+    cfg = dict(num_splits=num_splits, split_merge=merge, nan_safe_v_method=method)
     o = attention(**bad, out=out, backend="cute", config=dict(cfg, nan_safe_v=True),
                   window_size=W, bidirectional_window=mode, max_seqlen_q=256)
     assert ca.LAST_LAUNCH["config"].num_splits == num_splits

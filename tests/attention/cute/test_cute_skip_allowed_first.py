@@ -43,10 +43,11 @@ _FA4 = pytest.mark.skipif(not HAVE_FA4, reason="imports the CuTe DSL kernel clas
 
 @pytest.fixture(autouse=True)
 def _scan_at_every_head_dim(monkeypatch):
-    """The switch skips a step of the mainloop scan, which ``nan_safe_v_method="auto"`` keeps at hd <= 128 only
-    (the recompute above, docs/tuning.md 2.35): here "auto" means the scan at every head dim, so the hd-256 launches
-    still test it (``test_default_at_hd_256_takes_the_recompute_and_no_skip`` checks the real default)."""
-    monkeypatch.setattr(cc, "AUTO_RECOMPUTE_ABOVE_HEAD_DIM", 1 << 30)
+    """The switch skips a step of the mainloop scan, which ``nan_safe_v_method="auto"`` replaces by the recompute at
+    hd 256 (docs/tuning.md 2.35): here "auto" means the scan at every head dim, so the hd-256 launches still test it
+    (``test_default_at_hd_256_takes_the_recompute_and_no_skip`` checks the real default). In this process only:
+    the compile tests' child processes and the device scripts name ``nan_safe_v_method`` where they need it."""
+    monkeypatch.setattr(cc, "AUTO_RECOMPUTE_HEAD_DIMS", frozenset())
 
 
 def _rule_skips(lo_last: int, hi_first: int, block: int, tile_n: int) -> bool:
@@ -202,7 +203,7 @@ def _fake_run(monkeypatch, config, D=256, window=1023, canvas=True):
 
 
 def test_default_at_hd_256_takes_the_recompute_and_no_skip(monkeypatch):
-    """With the real ``AUTO_RECOMPUTE_ABOVE_HEAD_DIM`` the hd-256 launches resolve to the recompute, where the switch
+    """With the real ``AUTO_RECOMPUTE_HEAD_DIMS`` the hd-256 launches resolve to the recompute, where the switch
     resolves to False whatever it says (no scan to skip); hd 128 keeps the scan and the skip on split launches."""
     monkeypatch.undo()
     _fa4_tiles(monkeypatch)

@@ -96,7 +96,8 @@ def test_split_clean_uses_barrier_15_over_every_consumer_thread_and_nothing_else
     spec = dict(head_dim=head_dim, num_heads=16, num_kv_heads=8, page_size=64 if head_dim == 256 else None,
                 window_size=1023, return_lse=False,
                 config=dict(tile_m=tile_m, tile_n=64 if head_dim == 256 else 96, mma_pv_is_rs=True,
-                            intra_wg_overlap=True, num_stages=2, nan_safe_v=True, num_splits=1))
+                            intra_wg_overlap=True, num_stages=2, nan_safe_v=True, num_splits=1,
+                            nan_safe_v_method="scan"))  # the scan's switch (hd 256's "auto" is the recompute)
     r = compile_for_sm90_or_skip(ptx_dir=str(tmp_path), switches={SWITCH: True}, **spec)
     bars = _named_barriers(r["ptx_file"])
     assert [b for b in bars if b[0] == 15] == [(15, count)] * 3, bars
@@ -104,6 +105,15 @@ def test_split_clean_uses_barrier_15_over_every_consumer_thread_and_nothing_else
 
 
 # --- GPU --------------------------------------------------------------------------------------------------------
+@pytest.fixture(autouse=True)
+def _scan_at_every_head_dim(monkeypatch):
+    """The switch splits the mainloop scan, which ``nan_safe_v_method="auto"`` replaces by the recompute at hd 256
+    (docs/tuning.md 2.35): here "auto" means the scan, so the hd-256 cases still test the switch (in this process;
+    the compile test above names the method)."""
+    from blockdiff.attention.cute import config as cc
+    monkeypatch.setattr(cc, "AUTO_RECOMPUTE_HEAD_DIMS", frozenset())
+
+
 @pytest.fixture
 def split_clean(monkeypatch):
     from blockdiff.attention.cute.kernel import FlashAttentionForwardSm90Mixed as M

@@ -13,7 +13,7 @@ varlen tile scheduler takes the sequences longest tiles first through its ``virt
   and roles kernels with the permutation keep the given order's registers, spills and shared memory;
 * GPU (``python3 -m pytest -m gpu``, on the H200): outputs and LSEs bit-identical to ``"given"`` on random mixed
   batches (more than 31 sequences, empty ones, both tile orders) for the default kernels (hd 128, hd 256 with a
-  window) and the hd-512 kernels (split-value, roles), split-KV (combine, cluster) included; the function in a CUDA
+  window) and the hd-512 kernels (split-value, roles), split-KV (the default merge, cluster) included; the function in a CUDA
   graph; a captured call replayed with the metadata changed in place, equal to an eager ``"given"`` call each time;
   the Triton kernel one launch, captured in a CUDA graph and replayed with new metadata (several programs).
 """
@@ -459,8 +459,8 @@ def test_work_order_kernels_compile_for_sm90_with_the_given_orders_resources(spe
 # --- GPU ------------------------------------------------------------------------------------------------------------
 # (head_dim, q heads, KV heads, page or None (contiguous), window, mode, config, max_seqlen_q hint): the default
 # kernels at hd 128 (the long hint: 192 x 128 tiles, longest-first; the canvas hint: 128 x 128, plain order) and hd
-# 256 (windowed, both modes), the hd-512 split-value and roles kernels, split-KV with FA4's combine and with the
-# cluster merge. One split unless the case says otherwise (the automatic count would add compiles), the tiles the
+# 256 (windowed, both modes), the hd-512 split-value and roles kernels, split-KV with the default merge (the Triton
+# merge since docs/tuning.md 2.35) and with the cluster merge. One split unless the case says otherwise (the automatic count would add compiles), the tiles the
 # hint would give without a config spelled out; two compiles a case (given, work).
 GPU_CASES = [
     pytest.param(128, 16, 8, 64, None, "symmetric", dict(num_splits=1, **cc.LONG_PREFILL_CONFIG), 4096,
