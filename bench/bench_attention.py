@@ -361,8 +361,9 @@ def cute_launch() -> dict:
     """What the cute backend's last call ran (its ``LAST_LAUNCH``): the kernel class, the split count, the
     resolved tiles, batch order, the roles kernel's schedule switches (``v_refill``, ``qk_issue``, ``k_refill``) and
     the resolved merge and NaN-safe V choices (``split_merge``, ``nan_safe_v``, ``nan_safe_v_method``,
-    ``skip_allowed_first``, which vary per launch), so that a row names its kernel (at hd 512 the roles or the split-value kernel, which ``wide_design="auto"`` picks per call;
-    split-KV), whether the scheduler took the sequences by work, and how the roles kernel ran."""
+    ``skip_allowed_first``, which vary per launch), so that a row names its kernel (at hd 512 the roles or the
+    split-value kernel, which ``wide_design="auto"`` picks per call; split-KV), whether the scheduler took the
+    sequences by work, and how the roles kernel ran."""
     from blockdiff.attention.cute import interface as CA  # the cute backend module (imports no CuTe DSL itself)
 
     ll = CA.LAST_LAUNCH

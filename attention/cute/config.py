@@ -114,9 +114,9 @@ class CuteConfig:
     nan_safe_v_method: how ``nan_safe_v`` is kept in FA4's consumer (head dims <= 256): ``"auto"`` (default:
     :func:`resolve_nan_safe_v_method`, ``"recompute"`` at the head dims of :data:`AUTO_RECOMPUTE_HEAD_DIMS`, where
     it was measured faster, ``"scan"`` elsewhere), ``"scan"`` (the masked key blocks' V stages scanned and cleaned
-    in shared memory in the mainloop, the additive fix-up; docs/tuning.md 2.4) or ``"recompute"`` (docs/tuning.md 2.32, 2.34: the mainloop of ``nan_safe_v=False``; at the
-    epilogue a test of the accumulator's real rows, and only in a warp that holds a non-finite entry, an fp32
-    recompute of exactly those entries from global memory with the tile's own LSE; a device counter of recomputing
+    in shared memory in the mainloop, the additive fix-up; docs/tuning.md 2.4) or ``"recompute"`` (docs/tuning.md
+    2.32, 2.34: the mainloop of ``nan_safe_v=False``; at the epilogue a test of the accumulator's real rows, and
+    only in a warp that holds a non-finite entry, an fp32 recompute of exactly those entries from global memory with the tile's own LSE; a device counter of recomputing
     warps, :func:`blockdiff.attention.cute.interface.nan_recompute_count`). The same contract either way; the
     finite entries are bit-identical to ``nan_safe_v=False``'s, the recomputed ones agree within fp32-vs-bf16-P
     rounding. A str of :data:`NAN_SAFE_V_METHODS`; it resolves to ``"scan"`` where ``"recompute"`` cannot act
@@ -174,10 +174,8 @@ SKIP_ALLOWED_FIRST_VALUES = ("auto", True, False)
 #: (docs/tuning.md 2.32, 2.34).
 NAN_SAFE_V_METHODS = ("auto", "scan", "recompute")
 #: Head dims (``head_dim == head_dim_v``) at which ``nan_safe_v_method="auto"`` takes the recompute; the scan
-#: elsewhere. Only where it was measured faster (a default only where measured): on the H100 both hd-256 launches
-#: gained in two runs (mixed sliding batch -4.1 % / -4.1 % time, the split sliding canvas -1.5 % / -2.8 %); the
-#: unsplit hd-128 canvas batch lost (+3.9 % / +2.9 %) and the split hd-128 canvas tied (-0.3 % / -0.4 %, under the
-#: 1.5 % keep bar); other head dims were not timed (docs/tuning.md 2.35).
+#: elsewhere. Only where it was measured faster in two runs (both hd-256 launch kinds); the hd-128 launches lost or
+#: tied, other head dims were not timed (docs/tuning.md 2.35).
 AUTO_RECOMPUTE_HEAD_DIMS = frozenset({256})
 #: The roles kernel's switches: (field, the value only the roles kernel builds, the value every kernel builds).
 _ROLES_ONLY = (("v_refill", "halves", "one_warp"), ("qk_issue", "ahead", "serial"), ("k_refill", "halves", "whole"))
@@ -867,8 +865,7 @@ def auto_split_merge(cfg: CuteConfig, head_dim: int, head_dim_v: int) -> str:
     in shared memory may lie inside the Q / K / V span the merge reuses, which the kernel refuses at trace time) and
     a tile that fits the merge (:func:`cluster_merge_fits`); else ``"triton"``, the shared Triton merge, which keeps
     a split whose weight underflows (the contract's ``0 * NaN``; FA4's combine drops it) and was measured no slower
-    than the combine on every split launch (H100, docs/tuning.md 2.35: -0.3 % hd 128, -0.8 % hd 512, -4.7 % on the
-    sliding canvas at 2 splits). Host ints only.
+    than the combine on every split launch (docs/tuning.md 2.35). Host ints only.
 
     Returns:
         ``"combine"``, ``"cluster"`` or ``"triton"``, never ``"auto"``.

@@ -172,9 +172,9 @@ def attention_cute(
             launch whose splits of a tile
             form a thread-block cluster merging through distributed shared memory
             (:mod:`~blockdiff.attention.cute.kernel_cluster`); ``"auto"`` (the default) picks the cluster or
-            the Triton merge (:func:`~blockdiff.attention.cute.config.auto_split_merge`). ``wide_design="auto"`` (the default)
-            runs the roles kernel at head dim 512 with the automatic tiles where its 64-key tiles load the pages
-            by TMA boxes (``k_cache.shape[1]``), else the split-value kernel
+            the Triton merge (:func:`~blockdiff.attention.cute.config.auto_split_merge`). ``wide_design="auto"``
+            (the default) runs the roles kernel at head dim 512 with the automatic tiles where its 64-key tiles
+            load the pages by TMA boxes (``k_cache.shape[1]``), else the split-value kernel
             (:func:`~blockdiff.attention.cute.config.auto_wide_design`). ``batch_order="work"`` (``"auto"``'s
             choice for the roles kernel) has FA4's tile scheduler take the sequences longest tiles first (a
             permutation computed on the device per call, in one Triton launch:
@@ -190,9 +190,8 @@ def attention_cute(
             resolved to False; :func:`~blockdiff.attention.cute.config.auto_skip_allowed_first`); the output is
             the same (the one exception: :class:`~blockdiff.attention.cute.config.CuteConfig`).
             ``nan_safe_v_method="recompute"`` keeps NaN-safe V by an epilogue test and recompute instead of the
-            mainloop scan (head dims <= 256; :func:`nan_recompute_count`); ``"auto"`` (the default) takes it above
-            head dim 128 and the scan at or below
-            (:func:`~blockdiff.attention.cute.config.resolve_nan_safe_v_method`).
+            mainloop scan (head dims <= 256; :func:`nan_recompute_count`); ``"auto"`` (the default) takes it at head
+            dim 256 and the scan elsewhere (:func:`~blockdiff.attention.cute.config.resolve_nan_safe_v_method`).
 
     Returns:
         ``out [total_q, num_heads, head_dim_v]`` (q's dtype) or ``(out, lse)``.

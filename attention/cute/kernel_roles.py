@@ -1364,9 +1364,9 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
 class FlashAttentionForwardSm90RolesSplit(SplitKVMixin, FlashAttentionForwardSm90Roles):
     """:class:`FlashAttentionForwardSm90Roles` with split-KV (:class:`~blockdiff.attention.cute.kernel_split.
     SplitKVMixin`: this CTA's chunk of the tile's key blocks, normalised fp32 partial output and LSE written by the
-    P V warpgroups' epilogue, merged by the shared Triton merge or FA4's combine kernel). With ``v_refill="halves"`` its loaders read the page
-    index at the load (``_V_PAGE_AHEAD`` False: held across the P V, that register made the split epilogue's
-    live values spill 16 B, sm_90a compile on the CPU, docs/tuning.md 2.15) and issue each half's copies in a
+    P V warpgroups' epilogue, merged by the shared Triton merge or FA4's combine kernel). With ``v_refill="halves"``
+    its loaders read the page index at the load (``_V_PAGE_AHEAD`` False: held across the P V, that register made
+    the split epilogue's live values spill 16 B, sm_90a compile on the CPU, docs/tuning.md 2.15) and issue each half's copies in a
     branch of their own (``_V_HALF_BRANCH``: without it 4 B spilled)."""
 
     _V_PAGE_AHEAD = False

@@ -43,15 +43,15 @@ source bench/experiments/device/env.sh
 export OUT=${OUT:-/tmp/out} FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=0; mkdir -p $OUT
 t=${T:-240}; SWITCH=${SWITCH:-skip_allowed_first}; ON=True; OFF=False  # a config field's values (Python literals)
 M=FlashAttentionForwardSm90Mixed
-# the scan's switches pin nan_safe_v_method "scan" (its "auto" is the recompute at hd 256 since docs/tuning.md 2.35,
-# where they do not act): in every shard's forced config (EXTRA) and in the A/B's variant and plain rows
-SCAN="nan_safe_v_method='scan'"; VARIANT='{"nan_safe": {"nan_safe_v": true, "nan_safe_v_method": "scan"}}'
+# the scan's switches keep the scan (its "auto" is the recompute at hd 256 since docs/tuning.md 2.35, where they do
+# not act): "auto" means the scan in every shard (switch_lib.sh NO_AUTO_RECOMPUTE), the A/B's rows name it
+VARIANT='{"nan_safe": {"nan_safe_v": true, "nan_safe_v_method": "scan"}}'
 case $SWITCH in
   skip_allowed_first|_SKIP_ALLOWED_FIRST|all) SWITCH=skip_allowed_first; field=1
     shards="own_skip fuzz128 nan128 fuzz256 nan256"
     workloads=canvas_bs4_ctx4k_hd128,canvas_bs1_ctx32k_hd128,canvas_bs1_ctx32k_sliding,mixed_sliding_ctx8k
     AB_SWITCH=skip_allowed_first; PLAIN='{"auto": {"nan_safe_v_method": "scan"}, "nan_off": {"nan_safe_v": false}}'
-    export EXTRA=$SCAN ;;
+    export NO_AUTO_RECOMPUTE=1 ;;
   nan_safe_v_method|recompute) SWITCH=nan_safe_v_method; field=1; ON='"recompute"'; OFF='"scan"'  # 2.34
     shards="own_recompute nan128 nan256 fuzz128 fuzz256"
     workloads=mixed_sliding_ctx8k,canvas_bs1_ctx32k_sliding,canvas_bs4_ctx4k_hd128,canvas_bs1_ctx32k_hd128
@@ -61,7 +61,7 @@ case $SWITCH in
     TESTS=${TESTS:-tests/attention/cute/test_cute_split_clean.py}
     workloads=mixed_sliding_ctx8k,canvas_bs1_ctx32k_sliding
     AB_SWITCH=$M.$SWITCH; PLAIN='{"default": {}, "nan_off": {"nan_safe_v": false}}'
-    export NO_AUTO_RECOMPUTE=1 ;;  # switch_run: "auto" keeps the scan in the shards
+    export NO_AUTO_RECOMPUTE=1 ;;
   *) field=0; shards=own; workloads=; AB_SWITCH=$M.$SWITCH; PLAIN='{"nan_off": {"nan_safe_v": false}}' ;;
 esac
 SHARDS=${SHARDS:-$shards}; WORKLOADS=${WORKLOADS:-$workloads}

@@ -11,7 +11,8 @@
 #       Triton merge; the cluster tests, which assert the cluster kernel, are not run this way);
 #  2. bench/experiments/ab_cute_configs.py on the split launches (WORKLOADS, default the hd-128 canvas at 4 splits,
 #     the sliding canvas at 2 and the hd-512 canvas at 2): "combine" against "triton" and the default ("auto":
-#     the cluster at 2 splits <= hd 256, else the combine until 2.35, the Triton merge since), with the triton backend, CUDA-graph medians, paged,
+#     the cluster at 2 splits <= hd 256, else the combine until 2.35, the Triton merge since), with the triton
+#     backend, CUDA-graph medians, paged,
 #     at most B s (default 240; B=0 skips it). Prediction (2.33): the Triton merge within +-1 us of FA4's combine
 #     (both read S x total_q x H x Dv x 4 bytes once; FA4's launch was measured at ~5.5 us on the sliding canvas,
 #     triton's merge at ~3.5 us in its own floor). Decision rule: "auto" takes "triton" in place of "combine" when

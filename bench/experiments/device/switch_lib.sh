@@ -15,34 +15,36 @@
 #    barrier that never completes) shows as FAIL here (rc 124: the cap), not as the next shard's time-out;
 #  switch_pack: the shard logs concatenated into $OUT/shards.log (with a header each) and removed, since at most 8
 #    files come back from $OUT.
+# NO_AUTO_RECOMPUTE=1 (both runners): nan_safe_v_method "auto" keeps the scan at every head dim, for the scan's own
+# switches (docs/tuning.md 2.35: "auto" takes the recompute at hd 256, where they do not act); named methods stay.
+_no_auto_recompute() {
+  [ "${NO_AUTO_RECOMPUTE:-0}" = 1 ] && echo "import blockdiff.attention.cute.config as _cc; _cc.AUTO_RECOMPUTE_HEAD_DIMS = frozenset()"
+}
 switch_run() {
   local mod=$1 cls=$2 on=$3 log=$4; shift 4
   timeout -k 15 $t python3 -c "
 import sys, pytest
 from $mod import $cls as C
-if '${NO_AUTO_RECOMPUTE:-0}' == '1':  # the scan's switches: nan_safe_v_method 'auto' keeps the scan (tuning 2.35)
-    from blockdiff.attention.cute import config as _cc
-    _cc.AUTO_RECOMPUTE_HEAD_DIMS = frozenset()
+$(_no_auto_recompute)
 for name in '$SWITCH'.split(','):
     assert hasattr(C, name), 'no switch ' + name
     setattr(C, name, bool($on))
 sys.exit(pytest.main(['-m', 'gpu', '-q', '-p', 'no:cacheprovider', '-rf', '--maxfail=5'] + sys.argv[1:]))
 " "$@" > $OUT/$log.log 2>&1 < /dev/null
 }
-# config_run FIELD VALUE LOG PYTEST_ARGS...: FIELD=VALUE (a Python literal) forced into every call's config; EXTRA
-# (optional, Python keyword syntax, e.g. "nan_safe_v_method='scan'") forces more fields the same way.
 config_run() {
-  local field=$1 value=$2 log=$3 extra=${EXTRA:+, $EXTRA}; shift 3
+  local field=$1 value=$2 log=$3; shift 3
   timeout -k 15 $t python3 -c "
 import dataclasses, sys, pytest
 from blockdiff.attention.cute import config as C, interface as I
-C.check_config(dict($field=$value$extra))  # a bad field or value fails here, not in every test
+$(_no_auto_recompute)
+C.check_config({'$field': $value})  # a bad field or value fails here, not in every test
 real = I.resolve_launch_config
 def forced(head_dim, head_dim_v, window_size, config=None, **kw):
     if isinstance(config, C.CuteConfig):
-        config = dataclasses.replace(config, $field=$value$extra)
+        config = dataclasses.replace(config, $field=$value)
     else:
-        config = dict(config or {}, $field=$value$extra)
+        config = dict(config or {}, $field=$value)
     return real(head_dim, head_dim_v, window_size, config, **kw)
 I.resolve_launch_config = forced
 sys.exit(pytest.main(['-m', 'gpu', '-q', '-p', 'no:cacheprovider', '-rf', '--maxfail=5'] + sys.argv[1:]))

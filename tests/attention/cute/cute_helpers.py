@@ -100,6 +100,14 @@ def capture_graph(step) -> torch.cuda.CUDAGraph:
     return graph
 
 
+def scan_at_every_head_dim(monkeypatch):
+    """``nan_safe_v_method="auto"`` keeps the scan at every head dim in this process (it takes the recompute at hd
+    256 since docs/tuning.md 2.35): for the tests of the scan's own switches, which the recompute makes moot. Child
+    processes (compile tests) and device scripts name the method instead (switch_lib.sh NO_AUTO_RECOMPUTE)."""
+    from blockdiff.attention.cute import config as cc
+    monkeypatch.setattr(cc, "AUTO_RECOMPUTE_HEAD_DIMS", frozenset())
+
+
 def fill_past_seq_lens(k, v, kw, page, value):
     """Write ``value`` into every paged cache row after each sequence's last key, in its last page."""
     seq, bt = kw["seq_lens"].cpu(), kw["block_table"].cpu()

@@ -36,18 +36,17 @@ from blockdiff.attention.cute import interface as ca
 from blockdiff.attention.masks import key_range
 from blockdiff.attention.testing import check_nonfinite_matches_reference, make_batch, poison_v_inside_seq_lens
 
-from cute_helpers import HAVE_FA4, check_nonfinite_v, nan_equal, needs_gpu, next_sequence_nan_v
+from cute_helpers import (HAVE_FA4, check_nonfinite_v, nan_equal, needs_gpu, next_sequence_nan_v,
+                          scan_at_every_head_dim)
 
 _FA4 = pytest.mark.skipif(not HAVE_FA4, reason="imports the CuTe DSL kernel classes (flash-attn-4, nvidia-cutlass-dsl)")
 
 
 @pytest.fixture(autouse=True)
 def _scan_at_every_head_dim(monkeypatch):
-    """The switch skips a step of the mainloop scan, which ``nan_safe_v_method="auto"`` replaces by the recompute at
-    hd 256 (docs/tuning.md 2.35): here "auto" means the scan at every head dim, so the hd-256 launches still test it
-    (``test_default_at_hd_256_takes_the_recompute_and_no_skip`` checks the real default). In this process only:
-    the compile tests' child processes and the device scripts name ``nan_safe_v_method`` where they need it."""
-    monkeypatch.setattr(cc, "AUTO_RECOMPUTE_HEAD_DIMS", frozenset())
+    """The switch skips a step of the mainloop scan: the hd-256 launches still test it
+    (``test_default_at_hd_256_takes_the_recompute_and_no_skip`` checks the real default)."""
+    scan_at_every_head_dim(monkeypatch)
 
 
 def _rule_skips(lo_last: int, hi_first: int, block: int, tile_n: int) -> bool:

@@ -23,7 +23,8 @@ import torch
 from blockdiff.attention import attention
 from blockdiff.attention.testing import check_nonfinite_matches_reference, make_batch, poison_v_inside_seq_lens
 
-from cute_helpers import HAVE_FA4, check_nonfinite_v, nan_equal, needs_gpu, next_sequence_nan_v, switch_runner
+from cute_helpers import (HAVE_FA4, check_nonfinite_v, nan_equal, needs_gpu, next_sequence_nan_v,
+                          scan_at_every_head_dim, switch_runner)
 
 _FA4 = pytest.mark.skipif(not HAVE_FA4, reason="needs flash-attn-4==4.0.0b36 and nvidia-cutlass-dsl==4.8.1")
 SWITCH = "FlashAttentionForwardSm90Mixed._CLEAN_SPLIT_ACROSS_WG"
@@ -107,11 +108,8 @@ def test_split_clean_uses_barrier_15_over_every_consumer_thread_and_nothing_else
 # --- GPU --------------------------------------------------------------------------------------------------------
 @pytest.fixture(autouse=True)
 def _scan_at_every_head_dim(monkeypatch):
-    """The switch splits the mainloop scan, which ``nan_safe_v_method="auto"`` replaces by the recompute at hd 256
-    (docs/tuning.md 2.35): here "auto" means the scan, so the hd-256 cases still test the switch (in this process;
-    the compile test above names the method)."""
-    from blockdiff.attention.cute import config as cc
-    monkeypatch.setattr(cc, "AUTO_RECOMPUTE_HEAD_DIMS", frozenset())
+    """The switch splits the mainloop scan: the hd-256 cases still test it."""
+    scan_at_every_head_dim(monkeypatch)
 
 
 @pytest.fixture
