@@ -214,6 +214,17 @@ def _row_coord(x, wide: bool):
     return cutlass.Int64(x) if wide else x
 
 
+@dsl_user_op
+def _opaque(x: Int32, *, loc=None, ip=None) -> Int32:
+    """``x`` through an inline-asm ``mov``: the same value, which LLVM cannot relate to ``x``, so it does not merge
+    what is computed from it with what the mainloop computed from ``x`` (ptxas folds the move). The recompute's
+    cold path takes the tile's indices through it (:meth:`FlashAttentionForwardSm90Mixed._nonfinite_recompute`)."""
+    return Int32(llvm.inline_asm(
+        T.i32(), [Int32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=r,r",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+    ))
+
+
 def _int32_bit(b: int) -> int:
     """Bit ``b`` (0-31) of an Int32 as a Python int in the int32 range (bit 31: -2^31)."""
     return -(1 << 31) if b == 31 else 1 << b
@@ -531,6 +542,11 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
     #: chunk has one scanner). Not with the scheduler barrier (its ping-pong keeps the warpgroups out of phase; a
     #: barrier across them would undo it).
     _CLEAN_SPLIT_ACROSS_WG = False
+    #: Compile time, with ``nan_safe_v_method="recompute"`` at head dims above 128: the epilogue test and cold path
+    #: take the tile's indices through :func:`_opaque` and the cold path loads the sequence info anew
+    #: (:meth:`_nonfinite_recompute`). On for this (unsplit) class; kernel_split.py's classes turn it off. Not at
+    #: hd 128 (the scan is the default there; ``prefill16k_hd128`` with the recompute: loops 576 / 461 -> 577 / 462).
+    _NR_FRESH_TILE_VALUES = True
 
     def __init__(self, *args, prefix_window: bool = False, kv_page_size: Optional[int] = None, lpt: bool = True,
                  nan_safe_v: bool = False, batch_order: str = "given", v_refill: str = "one_warp",
@@ -580,6 +596,7 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         self._mNumCausalQ = None
         # the recompute's trace-time hand-offs (kernel() / mma())
         self._nr_q = self._nr_k = self._nr_count = self._nr_block_info = self._nr_slots = None
+        self._nr_seqlen_cls = None
         # Paged TMA (any page size page_box_tma_ok accepts): K / V stages filled box by box (_PageBoxTmaAtoms).
         self.kv_page_size = None
         self.kv_box_rows = None
@@ -1083,6 +1100,7 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
             self._nan_safe_setup(sVt, pipeline_v, self._mixed_block_info(block_info), shared_tags=True)
         if const_expr(self.nan_recompute):
             self._nr_block_info = self._mixed_block_info(block_info)
+            self._nr_seqlen_cls = self._mixed_seqlen_cls(SeqlenInfoCls)  # the cold path's own load of it
             self._stash_write(pipeline_v)
         return FlashAttentionForwardSm90.mma(
             self,
@@ -1404,6 +1422,10 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
                                 acc[r, c] = acc[r, c] + v
 
     # --- NaN-safe V by recompute (nan_safe_v_method="recompute"; docs/tuning.md 2.32, 2.34) ---------------------
+    def _nr_fresh_tile_values(self) -> bool:
+        """Trace-time: :attr:`_NR_FRESH_TILE_VALUES` acts (head dims above 128)."""
+        return bool(self._NR_FRESH_TILE_VALUES and max(self._head_dims) > 128)
+
     @cute.jit
     def _nonfinite_recompute(self, acc_O: cute.Tensor, lse: cute.Tensor, seqlen: MixedSeqlenInfoQK,
                              tiled_mma: cute.TiledMma, tidx: Int32, m_block: Int32, head_idx: Int32,
@@ -1417,6 +1439,15 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         makes that column NaN in every row of the warpgroup (IEEE ``0 * NaN``, ``0 * Inf``), and no later step
         makes a non-finite entry finite again (the rescales multiply by finite factors); a finite entry therefore
         saw no such key. The test is one AND and one integer max per entry (an exponent of all ones)."""
+        # The tile's indices as values LLVM cannot relate to the mainloop's (_opaque), and the sequence info loaded
+        # anew in the cold path (_recompute_warp): otherwise LLVM reuses the mainloop's key-block range and sequence
+        # values there, which ptxas then holds across the key-block loops, and the unsplit hd-256 launch's interior
+        # loop recomputed its wgmma descriptors in the loop (docs/tuning.md 2.34: 472 SASS instructions against 439
+        # with NaN-safe V off; 448 with this)
+        if const_expr(self._nr_fresh_tile_values()):
+            m_block = _opaque(m_block)
+            head_idx = _opaque(head_idx)
+            batch_idx = _opaque(batch_idx)
         qpk = self.qhead_per_kvhead if const_expr(self.pack_gqa) else 1
         tOcO = layout_utils.reshape_acc_to_mn(
             tiled_mma.get_slice(tidx).partition_C(cute.make_identity_tensor((self.tile_m, self.tile_hdimv))))
@@ -1460,6 +1491,8 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         n_cols = cute.size(tOcO, mode=[1])
         n_words = (n_cols + 31) // 32
         bi = self._nr_block_info
+        if const_expr(self._nr_fresh_tile_values()):
+            seqlen = self._nr_seqlen_cls(batch_idx)  # loaded anew (the same values): see _nonfinite_recompute
         n_min, n_max = bi.get_n_block_min_max(seqlen, m_block)
         k0 = n_min * self.tile_n
         k1 = cutlass.min(n_max * self.tile_n, seqlen.seqlen_k)
