@@ -547,6 +547,13 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
     #: (:meth:`_nonfinite_recompute`). On for this (unsplit) class; kernel_split.py's classes turn it off. Not at
     #: hd 128 (the scan is the default there; ``prefill16k_hd128`` with the recompute: loops 576 / 461 -> 577 / 462).
     _NR_FRESH_TILE_VALUES = True
+    #: Experiment switch (compile time, off): where :attr:`_NR_FRESH_TILE_VALUES` acts and the cache is paged, the
+    #: recompute's cold path runs one key loop with the thread's rows inside it instead of a key loop per row
+    #: (:meth:`_recompute_warp`; the same sums). sm_90a SASS key-block loops of ``mixed_sliding_ctx8k``: 495 / 448 /
+    #: 524 -> 489 / 442 / 517 (NaN-safe V off: 490 / 439 / 517), but 188 spill bytes, all in the cold path (no
+    #: local-memory access on the hot path), which test_cute_nan_recompute.py's zero-spill check of that launch
+    #: refuses. With a contiguous cache (hd 256) it reloaded spilled values on the hot path, hence paged only.
+    _NR_ONE_KEY_LOOP = False
 
     def __init__(self, *args, prefix_window: bool = False, kv_page_size: Optional[int] = None, lpt: bool = True,
                  nan_safe_v: bool = False, batch_order: str = "given", v_refill: str = "one_warp",
@@ -1479,10 +1486,13 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         as it is, bit for bit. A row whose ``lse`` is -inf (no allowed key in the split, or a NaN row sum) takes
         ``lse = +inf``: P = 0 for a finite score, NaN for a NaN one. Q, K and V are the caller's tensors (paged
         through the page table or contiguous at ``cu_seqlens_k``), their addresses read from shared memory
-        (:meth:`_stash_read`). One row of the thread at a time (the fewest registers beside the accumulator); ``S``
-        is split over the four threads of a row quad (8-element chunks ``lane % 4 + 4 j`` of the head dim) and
-        summed with two butterfly shuffles, which is why the key loop is warp-uniform (the tile's range; the row's
-        own range is a predicate). Then lane 0 adds 1 to the recompute counter."""
+        (:meth:`_stash_read`). The thread's rows are marked first (with that order the cluster launch's consumers
+        spill 76 bytes instead of 140, docs/tuning.md 2.34's reloads around the merge); then one key loop per row a
+        lane of the warp marked (the fewest registers beside the accumulator; :attr:`_NR_ONE_KEY_LOOP`: one key loop
+        with the rows inside it). ``S`` is split over the four threads of a row quad (8-element chunks
+        ``lane % 4 + 4 j`` of the head dim) and summed with two butterfly shuffles, which is why the key loop is
+        warp-uniform (the tile's range; the row's own range is a predicate). Then lane 0 adds 1 to the recompute
+        counter."""
         head_dim, head_dim_v = self._head_dims
         qpk = self.qhead_per_kvhead if const_expr(self.pack_gqa) else 1
         head_kv = head_idx if const_expr(self.pack_gqa) else head_idx // self.qhead_per_kvhead
@@ -1498,8 +1508,15 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         k1 = cutlass.min(n_max * self.tile_n, seqlen.seqlen_k)
         scale_log2 = self._softmax_scales[0]
         mQ, mK, mV, mPageTable, mCount = self._stash_read()
-        marks = cute.make_rmem_tensor((n_words,), Int32)
-        for r in cutlass.range_constexpr(cute.size(tOcO, mode=[0])):
+        n_rows = cute.size(tOcO, mode=[0])
+        marks = cute.make_rmem_tensor((n_rows * n_words,), Int32)
+        lo_t = cute.make_rmem_tensor((n_rows,), Int32)
+        hi_t = cute.make_rmem_tensor((n_rows,), Int32)
+        lse2_t = cute.make_rmem_tensor((n_rows,), Float32)
+        q_row_t = cute.make_rmem_tensor((n_rows,), cutlass.Int64 if const_expr(self.wide_offsets) else Int32)
+        q_head_t = cute.make_rmem_tensor((n_rows,), Int32)
+        any_mark = Int32(0)
+        for r in cutlass.range_constexpr(n_rows):
             row = m_block * self.tile_m + tOcO[r, 0][0]
             token = row // qpk
             lo, hi = row_key_range(token, seqlen.seqlen_q, seqlen.seqlen_k, seqlen.num_causal_q,
@@ -1509,15 +1526,18 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
                 lo = Int32(1)
                 hi = Int32(0)
                 real = Int32(0)
+            lo_t[r] = lo
+            hi_t[r] = hi
             # a padding row reads the sequence's last Q row (in bounds); its P is 0 (no allowed key)
-            q_row = _row_coord(seqlen.offset_q + cutlass.min(token, seqlen.seqlen_q - 1), self.wide_offsets)
+            q_row_t[r] = _row_coord(seqlen.offset_q + cutlass.min(token, seqlen.seqlen_q - 1), self.wide_offsets)
             q_head = head_idx
             if const_expr(self.pack_gqa):
                 q_head = head_idx * qpk + row % qpk
+            q_head_t[r] = q_head
             lse2 = lse[r] * Float32(LOG2_E)
             if lse[r] == -Float32.inf:
                 lse2 = Float32.inf
-            any_mark = Int32(0)
+            lse2_t[r] = lse2
             for w in cutlass.range_constexpr(n_words):
                 word = Int32(0)
                 for c in cutlass.range_constexpr(w * 32, min(n_cols, w * 32 + 32)):
@@ -1526,14 +1546,27 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
                             if tOcO[r, c][1] < head_dim_v:
                                 word = word | Int32(_int32_bit(c - w * 32))
                                 acc[r, c] = Float32(0.0)
-                marks[w] = word
+                marks[r * n_words + w] = word
                 any_mark = any_mark | word
-            # warp-uniform: the key loop's shuffles need every lane (the row quad's four threads share the row)
+        # warp-uniform: the key loop's shuffles need every lane (the row quad's four threads share the row)
+        if const_expr(self._NR_ONE_KEY_LOOP and self._nr_fresh_tile_values() and mPageTable is not None):
+            # one key loop, the rows inside it (each entry's terms in the same key order; _NR_ONE_KEY_LOOP)
             if cute.arch.vote_any_sync(any_mark != 0):
-                q_vec = mQ[q_row, q_head, None]
                 for key in cutlass.range(k0, k1, unroll=1):
-                    self._recompute_key(acc, r, marks, tOcO, lo, hi, lse2, scale_log2, q_vec, mK, mV, mPageTable,
-                                        seqlen, key, head_kv, batch_idx)
+                    for r in cutlass.range_constexpr(n_rows):
+                        q_vec = mQ[q_row_t[r], q_head_t[r], None]
+                        self._recompute_key(acc, r, marks, tOcO, lo_t[r], hi_t[r], lse2_t[r], scale_log2, q_vec,
+                                            mK, mV, mPageTable, seqlen, key, head_kv, batch_idx, r * n_words)
+        else:  # a key loop per row that a lane of the warp marked
+            for r in cutlass.range_constexpr(n_rows):
+                row_mark = Int32(0)
+                for w in cutlass.range_constexpr(n_words):
+                    row_mark = row_mark | marks[r * n_words + w]
+                if cute.arch.vote_any_sync(row_mark != 0):
+                    q_vec = mQ[q_row_t[r], q_head_t[r], None]
+                    for key in cutlass.range(k0, k1, unroll=1):
+                        self._recompute_key(acc, r, marks, tOcO, lo_t[r], hi_t[r], lse2_t[r], scale_log2, q_vec,
+                                            mK, mV, mPageTable, seqlen, key, head_kv, batch_idx, r * n_words)
         if cute.arch.lane_idx() == 0:
             cute.arch.atomic_add(mCount.iterator, Int32(1))
 
@@ -1541,9 +1574,11 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
     def _recompute_key(self, acc: cute.Tensor, r: cutlass.Constexpr[int], marks: cute.Tensor, tOcO: cute.Tensor,
                        lo: Int32, hi: Int32, lse2: Float32, scale_log2: Float32, q_vec: cute.Tensor,
                        mK: cute.Tensor, mV: cute.Tensor, mPageTable: Optional[cute.Tensor],
-                       seqlen: MixedSeqlenInfoQK, key: Int32, head_kv: Int32, batch_idx: Int32):
+                       seqlen: MixedSeqlenInfoQK, key: Int32, head_kv: Int32, batch_idx: Int32,
+                       w0: cutlass.Constexpr[int] = 0):
         """Key ``key``'s term ``P[r, key] V[key, c]`` added to the marked entries of this thread's row ``r``
-        (:meth:`_recompute_warp`; ``q_vec`` its Q row). Every lane of the warp calls it (two shuffles)."""
+        (:meth:`_recompute_warp`; ``q_vec`` its Q row; its mark words ``marks[w0:]``). Every lane of the warp calls
+        it (two shuffles)."""
         CHUNK = 8  # elements of a K / Q chunk (4-byte-aligned loads: _stash_read)
         head_dim, head_dim_v = self._head_dims
         n_cols = cute.size(tOcO, mode=[1])
@@ -1578,11 +1613,11 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
                 v2 = cute.make_rmem_tensor((2,), self.dtype)
                 vf = cute.make_rmem_tensor((2,), Float32)
                 for c in cutlass.range_constexpr(0, n_cols, 2):
-                    if (marks[c // 32] >> Int32(c % 32)) & Int32(3) != 0:
+                    if (marks[w0 + c // 32] >> Int32(c % 32)) & Int32(3) != 0:
                         cute.autovec_copy(cute.local_tile(v_row, (2,), (tOcO[r, c][1] // 2,)), v2)
                         vf.store(v2.load().to(Float32))
                         for i in cutlass.range_constexpr(2):
-                            if (marks[c // 32] >> Int32(c % 32 + i)) & Int32(1) != 0:
+                            if (marks[w0 + c // 32] >> Int32(c % 32 + i)) & Int32(1) != 0:
                                 acc[r, c + i] = acc[r, c + i] + p * vf[i]
 
     # The recompute reads Q, K, V, the page table and its counter through global addresses that would otherwise stay
