@@ -141,8 +141,8 @@ def test_recompute_leaves_the_key_block_loops_as_nan_safe_v_off_built_them(name,
     """The bench's FA4-consumer launches with the recompute against NaN-safe V off and the scan (docs/tuning.md 2.34):
     the key-block loops carry none of it (the same wgmma, exp2, FMUL, barrier-sync and global-load counts as with
     NaN-safe V off, no local memory, no more ``R2UR``), within 8 % of the off loops' instruction count (ptxas moved
-    the hd-256 unsplit launch's wgmma descriptor arithmetic: 439 -> 472 in its interior loop; the others within
-    +-6 instructions), the masked loops below the scan's; no spill outside the consumer warpgroups (the cluster
+    the hd-256 unsplit launch's wgmma descriptor arithmetic: 439 -> 472 in its interior loop, 448 since the cold path
+    takes its tile values anew, 2.36, which this test holds to 3 %; the others within +-6 instructions), the masked loops below the scan's; no spill outside the consumer warpgroups (the cluster
     launch's consumers spill around the cold path and the merge, 2.34)."""
     from cute_helpers import compile_for_sm90_or_skip
     from blockdiff.bench.experiments.cute_ptx_snapshot import SPECS
@@ -159,6 +159,8 @@ def test_recompute_leaves_the_key_block_loops_as_nan_safe_v_off_built_them(name,
             assert b[k] == a[k], (i, k, a, b)
         assert b["STL/LDL"] == 0 and b["R2UR"] <= a["R2UR"], (i, b)
         assert b["instructions"] <= 1.08 * a["instructions"], (i, a["instructions"], b["instructions"])
+        if name == "sliding_bench_mixed_ctx8k":  # 2.36: _NR_FRESH_TILE_VALUES (472 -> 448 against 439 interior)
+            assert b["instructions"] <= 1.03 * a["instructions"], (i, a["instructions"], b["instructions"])
         if name.startswith("sliding") and i != 1:  # the masked loops: the scan's clean-up is gone
             assert b["instructions"] < sc["instructions"], (i, b["instructions"], sc["instructions"])
 
