@@ -544,15 +544,14 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
     _CLEAN_SPLIT_ACROSS_WG = False
     #: Compile time, with ``nan_safe_v_method="recompute"`` at head dims above 128: the epilogue test and cold path
     #: take the tile's indices through :func:`_opaque` and the cold path loads the sequence info anew
-    #: (:meth:`_nonfinite_recompute`). On for this (unsplit) class; kernel_split.py's classes turn it off. Not at
-    #: hd 128 (the scan is the default there; ``prefill16k_hd128`` with the recompute: loops 576 / 461 -> 577 / 462).
+    #: (:meth:`_nonfinite_recompute`). On for this (unsplit) class; kernel_split.py's classes turn it off, and it does
+    #: not act at hd 128, where it lengthened the compiled key-block loops (docs/tuning.md 2.36).
     _NR_FRESH_TILE_VALUES = True
     #: Experiment switch (compile time, off): where :attr:`_NR_FRESH_TILE_VALUES` acts and the cache is paged, the
     #: recompute's cold path runs one key loop with the thread's rows inside it instead of a key loop per row
-    #: (:meth:`_recompute_warp`; the same sums). sm_90a SASS key-block loops of ``mixed_sliding_ctx8k``: 495 / 448 /
-    #: 524 -> 489 / 442 / 517 (NaN-safe V off: 490 / 439 / 517), but 188 spill bytes, all in the cold path (no
-    #: local-memory access on the hot path), which test_cute_nan_recompute.py's zero-spill check of that launch
-    #: refuses. With a contiguous cache (hd 256) it reloaded spilled values on the hot path, hence paged only.
+    #: (:meth:`_recompute_warp`; the same sums). Shorter key-block loops, but the cold path then spills, which
+    #: test_cute_nan_recompute.py's zero-spill check of the hd-256 unsplit launch refuses; with a contiguous cache
+    #: the hot path reloaded spilled values, hence paged only (docs/tuning.md 2.36).
     _NR_ONE_KEY_LOOP = False
 
     def __init__(self, *args, prefix_window: bool = False, kv_page_size: Optional[int] = None, lpt: bool = True,
@@ -1449,8 +1448,7 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         # The tile's indices as values LLVM cannot relate to the mainloop's (_opaque), and the sequence info loaded
         # anew in the cold path (_recompute_warp): otherwise LLVM reuses the mainloop's key-block range and sequence
         # values there, which ptxas then holds across the key-block loops, and the unsplit hd-256 launch's interior
-        # loop recomputed its wgmma descriptors in the loop (docs/tuning.md 2.34: 472 SASS instructions against 439
-        # with NaN-safe V off; 448 with this)
+        # loop recomputed its wgmma descriptors in the loop (docs/tuning.md 2.34, 2.36)
         if const_expr(self._nr_fresh_tile_values()):
             m_block = _opaque(m_block)
             head_idx = _opaque(head_idx)

@@ -108,8 +108,8 @@ class SplitKVMixin:
         ValueError: ``num_splits`` below 2 (one split is the plain kernel).
     """
 
-    #: kernel.py's switch of the recompute's fresh tile values: off here (with it the cluster launch
-    #: canvas_bs1_ctx32k_sliding's interior loop grew 452 -> 462 SASS instructions and its spills 140 -> 152 bytes)
+    #: kernel.py's switch of the recompute's fresh tile values: off here (with it the cluster launch's key-block
+    #: loops grew and it spilled more; docs/tuning.md 2.36)
     _NR_FRESH_TILE_VALUES = False
 
     def __init__(self, *args, num_splits: int = 2, **kwargs):
