@@ -547,12 +547,6 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
     #: (:meth:`_nonfinite_recompute`). On for this (unsplit) class; kernel_split.py's classes turn it off, and it does
     #: not act at hd 128, where it lengthened the compiled key-block loops (docs/tuning.md 2.36).
     _NR_FRESH_TILE_VALUES = True
-    #: Experiment switch (compile time, off): where :attr:`_NR_FRESH_TILE_VALUES` acts and the cache is paged, the
-    #: recompute's cold path runs one key loop with the thread's rows inside it instead of a key loop per row
-    #: (:meth:`_recompute_warp`; the same sums). Shorter key-block loops, but the cold path then spills, which
-    #: test_cute_nan_recompute.py's zero-spill check of the hd-256 unsplit launch refuses; with a contiguous cache
-    #: the hot path reloaded spilled values, hence paged only (docs/tuning.md 2.36).
-    _NR_ONE_KEY_LOOP = False
 
     def __init__(self, *args, prefix_window: bool = False, kv_page_size: Optional[int] = None, lpt: bool = True,
                  nan_safe_v: bool = False, batch_order: str = "given", v_refill: str = "one_warp",
@@ -1484,10 +1478,9 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         as it is, bit for bit. A row whose ``lse`` is -inf (no allowed key in the split, or a NaN row sum) takes
         ``lse = +inf``: P = 0 for a finite score, NaN for a NaN one. Q, K and V are the caller's tensors (paged
         through the page table or contiguous at ``cu_seqlens_k``), their addresses read from shared memory
-        (:meth:`_stash_read`). The thread's rows are marked first (with that order the cluster launch's consumers
-        spill 76 bytes instead of 140, docs/tuning.md 2.34's reloads around the merge); then one key loop per row a
-        lane of the warp marked (the fewest registers beside the accumulator; :attr:`_NR_ONE_KEY_LOOP`: one key loop
-        with the rows inside it). ``S`` is split over the four threads of a row quad (8-element chunks
+        (:meth:`_stash_read`). The thread's rows are marked first (that order spills less in the cluster launch,
+        docs/tuning.md 2.36); then one key loop per row a lane of the warp marked (the fewest registers beside the
+        accumulator). ``S`` is split over the four threads of a row quad (8-element chunks
         ``lane % 4 + 4 j`` of the head dim) and summed with two butterfly shuffles, which is why the key loop is
         warp-uniform (the tile's range; the row's own range is a predicate). Then lane 0 adds 1 to the recompute
         counter."""
@@ -1513,7 +1506,6 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         lse2_t = cute.make_rmem_tensor((n_rows,), Float32)
         q_row_t = cute.make_rmem_tensor((n_rows,), cutlass.Int64 if const_expr(self.wide_offsets) else Int32)
         q_head_t = cute.make_rmem_tensor((n_rows,), Int32)
-        any_mark = Int32(0)
         for r in cutlass.range_constexpr(n_rows):
             row = m_block * self.tile_m + tOcO[r, 0][0]
             token = row // qpk
@@ -1545,26 +1537,17 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
                                 word = word | Int32(_int32_bit(c - w * 32))
                                 acc[r, c] = Float32(0.0)
                 marks[r * n_words + w] = word
-                any_mark = any_mark | word
-        # warp-uniform: the key loop's shuffles need every lane (the row quad's four threads share the row)
-        if const_expr(self._NR_ONE_KEY_LOOP and self._nr_fresh_tile_values() and mPageTable is not None):
-            # one key loop, the rows inside it (each entry's terms in the same key order; _NR_ONE_KEY_LOOP)
-            if cute.arch.vote_any_sync(any_mark != 0):
+        # a key loop per row that a lane of the warp marked; warp-uniform: the key loop's shuffles need every lane
+        # (the row quad's four threads share the row)
+        for r in cutlass.range_constexpr(n_rows):
+            row_mark = Int32(0)
+            for w in cutlass.range_constexpr(n_words):
+                row_mark = row_mark | marks[r * n_words + w]
+            if cute.arch.vote_any_sync(row_mark != 0):
+                q_vec = mQ[q_row_t[r], q_head_t[r], None]
                 for key in cutlass.range(k0, k1, unroll=1):
-                    for r in cutlass.range_constexpr(n_rows):
-                        q_vec = mQ[q_row_t[r], q_head_t[r], None]
-                        self._recompute_key(acc, r, marks, tOcO, lo_t[r], hi_t[r], lse2_t[r], scale_log2, q_vec,
-                                            mK, mV, mPageTable, seqlen, key, head_kv, batch_idx, r * n_words)
-        else:  # a key loop per row that a lane of the warp marked
-            for r in cutlass.range_constexpr(n_rows):
-                row_mark = Int32(0)
-                for w in cutlass.range_constexpr(n_words):
-                    row_mark = row_mark | marks[r * n_words + w]
-                if cute.arch.vote_any_sync(row_mark != 0):
-                    q_vec = mQ[q_row_t[r], q_head_t[r], None]
-                    for key in cutlass.range(k0, k1, unroll=1):
-                        self._recompute_key(acc, r, marks, tOcO, lo_t[r], hi_t[r], lse2_t[r], scale_log2, q_vec,
-                                            mK, mV, mPageTable, seqlen, key, head_kv, batch_idx, r * n_words)
+                    self._recompute_key(acc, r, marks, tOcO, lo_t[r], hi_t[r], lse2_t[r], scale_log2, q_vec,
+                                        mK, mV, mPageTable, seqlen, key, head_kv, batch_idx, r * n_words)
         if cute.arch.lane_idx() == 0:
             cute.arch.atomic_add(mCount.iterator, Int32(1))
 

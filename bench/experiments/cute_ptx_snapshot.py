@@ -31,8 +31,7 @@ the recompute at hd 256 and the scan at hd 128), on by the scan (``scan_``, ``na
 default before 2.35), and by the scan with the config's ``skip_allowed_first`` True (``skipfirst_``, 2.27; until 2.30
 the class attribute ``_SKIP_ALLOWED_FIRST``, same PTX) or False (``noskip_``), and with the experiment class attribute
 ``_CLEAN_SPLIT_ACROSS_WG`` (``splitscan_``, 2.31), and with ``nan_safe_v_method="recompute"`` (``recompute_``, 2.34:
-its key-block loops must equal ``nanoff_``'s), also with the experiment class attribute ``_NR_ONE_KEY_LOOP``
-(``onekey_``: the cold path's one key loop); the scan variants name ``nan_safe_v_method``, so a tree from before
+its key-block loops must equal ``nanoff_``'s); the scan variants name ``nan_safe_v_method``, so a tree from before
 2.34 compiles only ``nanoff_`` and the defaults;
 the clean-up placements under a GEMM that ``cleanpv_`` / ``owncall_`` / ``both_`` compiled were removed (2.30). A
 switch ``"Class.ATTR"`` names a class of ``kernel.py``, a bare ``"ATTR"`` the roles kernel's. ``snapshot --only
@@ -77,7 +76,6 @@ _BENCH_CANVAS = dict(_BENCH_TILES, max_seqlen_q=256, max_seqlen_k=33024, lpt=Fal
                      batch_order="given")
 
 SPLIT_SCAN = {"FlashAttentionForwardSm90Mixed._CLEAN_SPLIT_ACROSS_WG": True}  # docs/tuning.md 2.31
-ONE_KEY_LOOP = {"FlashAttentionForwardSm90Mixed._NR_ONE_KEY_LOOP": True}  # the recompute's one key loop (kernel.py)
 
 #: FA4-consumer launches as ``config.resolve_launch_config`` resolves them for the bench's workloads (page 64, no LSE)
 _SLIDING = dict(head_dim=256, num_heads=16, num_kv_heads=8, page_size=64, window_size=1023,
@@ -159,8 +157,7 @@ SPECS = {
            nan_safe_v_method="scan")), ("skipfirst_", True, dict(skip_allowed_first=True, nan_safe_v_method="scan")),
            ("noskip_", True, dict(skip_allowed_first=False, nan_safe_v_method="scan")),
            ("splitscan_", True, dict(switches=SPLIT_SCAN, nan_safe_v_method="scan")),
-           ("recompute_", True, dict(nan_safe_v_method="recompute")),
-           ("onekey_", True, dict(switches=ONE_KEY_LOOP, nan_safe_v_method="recompute")))
+           ("recompute_", True, dict(nan_safe_v_method="recompute")))
        for name, spec in _MIXED_SPECS.items()},
 }
 
