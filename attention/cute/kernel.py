@@ -547,6 +547,16 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
     #: (:meth:`_nonfinite_recompute`). On for this (unsplit) class; kernel_split.py's classes turn it off, and it does
     #: not act at hd 128, where it lengthened the compiled key-block loops (docs/tuning.md 2.36).
     _NR_FRESH_TILE_VALUES = True
+    #: Timing experiment only (compile time, off; docs/tuning.md 2.37): with ``nan_safe_v_method="recompute"``, the
+    #: cold path is replaced by a trivial one (:meth:`_trivial_cold_path`: lane 0 adds 1 to the recompute counter,
+    #: nothing is recomputed), so the epilogue test and its vote stay but the recompute's code is gone. It gives WRONG
+    #: results wherever a masked key's V is non-finite (those entries stay NaN / Inf); finite caches are unaffected
+    #: (the cold path never runs there). Never on outside an A/B.
+    _NR_TRIVIAL_COLD_PATH = False
+    #: Timing experiment only (compile time, off; docs/tuning.md 2.37), with :attr:`_NR_TRIVIAL_COLD_PATH` only: no
+    #: stash writes at the consumers' entry (:meth:`_stash_write`); the trivial cold path takes the counter's address
+    #: from the kernel parameter instead.
+    _NR_NO_STASH = False
 
     def __init__(self, *args, prefix_window: bool = False, kv_page_size: Optional[int] = None, lpt: bool = True,
                  nan_safe_v: bool = False, batch_order: str = "given", v_refill: str = "one_warp",
@@ -1101,7 +1111,8 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         if const_expr(self.nan_recompute):
             self._nr_block_info = self._mixed_block_info(block_info)
             self._nr_seqlen_cls = self._mixed_seqlen_cls(SeqlenInfoCls)  # the cold path's own load of it
-            self._stash_write(pipeline_v)
+            if const_expr(not self._nr_no_stash()):
+                self._stash_write(pipeline_v)
         return FlashAttentionForwardSm90.mma(
             self,
             tiled_mma_qk,
@@ -1426,6 +1437,16 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         """Trace-time: :attr:`_NR_FRESH_TILE_VALUES` acts (head dims above 128)."""
         return bool(self._NR_FRESH_TILE_VALUES and max(self._head_dims) > 128)
 
+    def _nr_no_stash(self) -> bool:
+        """Trace-time: :attr:`_NR_NO_STASH` (timing only, docs/tuning.md 2.37).
+
+        Raises:
+            ValueError: :attr:`_NR_NO_STASH` without :attr:`_NR_TRIVIAL_COLD_PATH` (the recompute reads the stash).
+        """
+        if self._NR_NO_STASH and not self._NR_TRIVIAL_COLD_PATH:
+            raise ValueError("_NR_NO_STASH needs _NR_TRIVIAL_COLD_PATH: the recompute's cold path reads the stash")
+        return bool(self._NR_NO_STASH)
+
     @cute.jit
     def _nonfinite_recompute(self, acc_O: cute.Tensor, lse: cute.Tensor, seqlen: MixedSeqlenInfoQK,
                              tiled_mma: cute.TiledMma, tidx: Int32, m_block: Int32, head_idx: Int32,
@@ -1466,7 +1487,24 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
                 if token < seqlen.seqlen_q:
                     bad = Int32(1)
         if cute.arch.vote_any_sync(bad != 0):
-            self._recompute_warp(acc_O, lse, tOcO, seqlen, m_block, head_idx, batch_idx)
+            if const_expr(self._NR_TRIVIAL_COLD_PATH):  # timing only: WRONG results on non-finite V (2.37)
+                self._trivial_cold_path()
+            else:
+                self._recompute_warp(acc_O, lse, tOcO, seqlen, m_block, head_idx, batch_idx)
+
+    @cute.jit
+    def _trivial_cold_path(self):
+        """The cold path of :attr:`_NR_TRIVIAL_COLD_PATH`, for timing only: it recomputes NOTHING, so the
+        non-finite entries of a masked key's NaN / Inf V stay in the output (WRONG results on such a cache). Lane 0
+        adds 1 to the recompute counter, a side effect the compiler keeps, so the epilogue test and its vote stay as
+        built. The counter's address comes from the stash (:meth:`_stash_read`) or, with :attr:`_NR_NO_STASH`, from
+        the kernel parameter."""
+        if const_expr(self._nr_no_stash()):
+            mCount = self._nr_count
+        else:
+            mCount = self._stash_read()[4]
+        if cute.arch.lane_idx() == 0:
+            cute.arch.atomic_add(mCount.iterator, Int32(1))
 
     @cute.jit
     def _recompute_warp(self, acc_O: cute.Tensor, lse: cute.Tensor, tOcO: cute.Tensor, seqlen: MixedSeqlenInfoQK,
