@@ -31,7 +31,9 @@ the recompute at hd 256 and the scan at hd 128), on by the scan (``scan_``, ``na
 default before 2.35), and by the scan with the config's ``skip_allowed_first`` True (``skipfirst_``, 2.27; until 2.30
 the class attribute ``_SKIP_ALLOWED_FIRST``, same PTX) or False (``noskip_``), and with the experiment class attribute
 ``_CLEAN_SPLIT_ACROSS_WG`` (``splitscan_``, 2.31), and with ``nan_safe_v_method="recompute"`` (``recompute_``, 2.34:
-its key-block loops must equal ``nanoff_``'s); the scan variants name ``nan_safe_v_method``, so a tree from before
+its key-block loops must equal ``nanoff_``'s), the recompute with the timing-only trivial cold path
+(``trivialcold_``, ``_NR_TRIVIAL_COLD_PATH``, 2.37) and also without the stash writes (``nostash_``, ``_NR_NO_STASH``;
+both switches exist from 2.37 on); the scan variants name ``nan_safe_v_method``, so a tree from before
 2.34 compiles only ``nanoff_`` and the defaults;
 the clean-up placements under a GEMM that ``cleanpv_`` / ``owncall_`` / ``both_`` compiled were removed (2.30). A
 switch ``"Class.ATTR"`` names a class of ``kernel.py``, a bare ``"ATTR"`` the roles kernel's. ``snapshot --only
@@ -76,6 +78,9 @@ _BENCH_CANVAS = dict(_BENCH_TILES, max_seqlen_q=256, max_seqlen_k=33024, lpt=Fal
                      batch_order="given")
 
 SPLIT_SCAN = {"FlashAttentionForwardSm90Mixed._CLEAN_SPLIT_ACROSS_WG": True}  # docs/tuning.md 2.31
+#: the recompute with a trivial cold path (timing only: wrong on non-finite V), and also without the stash (2.37)
+TRIVIAL_COLD = {"FlashAttentionForwardSm90Mixed._NR_TRIVIAL_COLD_PATH": True}
+TRIVIAL_NO_STASH = dict(TRIVIAL_COLD, **{"FlashAttentionForwardSm90Mixed._NR_NO_STASH": True})
 
 #: FA4-consumer launches as ``config.resolve_launch_config`` resolves them for the bench's workloads (page 64, no LSE)
 _SLIDING = dict(head_dim=256, num_heads=16, num_kv_heads=8, page_size=64, window_size=1023,
@@ -151,13 +156,16 @@ SPECS = {
     # default: skip_allowed_first "auto", on for the split canvas only) / on with the scan of a first block every row
     # sees whole skipped (skip_allowed_first True, docs/tuning.md 2.27) / on with it scanned (False) / on with the
     # stage scanned once between the consumer warpgroups (_CLEAN_SPLIT_ACROSS_WG, 2.31) / on by the epilogue test and
-    # recompute (nan_safe_v_method "recompute", 2.34: its key-block loops must equal nanoff_'s)
+    # recompute (nan_safe_v_method "recompute", 2.34: its key-block loops must equal nanoff_'s) / the recompute with a
+    # trivial cold path (_NR_TRIVIAL_COLD_PATH, timing only, 2.37) and also without the stash writes (_NR_NO_STASH)
     **{f"{prefix}{name}": _mixed_spec(spec, nan, **extra)
        for prefix, nan, extra in (("nanoff_", False, {}), ("", True, {}), ("scan_", True, dict(
            nan_safe_v_method="scan")), ("skipfirst_", True, dict(skip_allowed_first=True, nan_safe_v_method="scan")),
            ("noskip_", True, dict(skip_allowed_first=False, nan_safe_v_method="scan")),
            ("splitscan_", True, dict(switches=SPLIT_SCAN, nan_safe_v_method="scan")),
-           ("recompute_", True, dict(nan_safe_v_method="recompute")))
+           ("recompute_", True, dict(nan_safe_v_method="recompute")),
+           ("trivialcold_", True, dict(switches=TRIVIAL_COLD, nan_safe_v_method="recompute")),
+           ("nostash_", True, dict(switches=TRIVIAL_NO_STASH, nan_safe_v_method="recompute")))
        for name, spec in _MIXED_SPECS.items()},
 }
 
