@@ -13,7 +13,8 @@ every variant's config (``nan_safe_v_method``, a field of named values: ``"scan"
 A class switch is not part of the compile key, so each row compiles into a compile cache of its own (the interface's
 ``_COMPILE_CACHE`` swapped per row; run with ``FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=0``: the disk cache's key
 does not see a class switch). For each named workload and config: both settings run once on the same inputs (outputs
-must be bit-identical for the switches above; isfinite), then ``--rounds`` rounds time every row in turn with
+must be bit-identical for the switches above; isfinite; each prints and records what it launched, :func:`launch_info`:
+the kernel class, its resolved ``nan_safe_v`` / ``nan_safe_v_method`` and its class switches), then ``--rounds`` rounds time every row in turn with
 ``triton.testing.do_bench_cudagraph(rep=200)`` (CUDA-graph replays, microseconds, medians printed and written to
 ``ab_roles_switch.json`` in ``--out``). With ``--triton`` the triton backend's default dispatch on the same inputs
 joins the rounds (issue 27's goal is a ratio to it in the same run), with ``--fa4`` FA4's paged launches
@@ -136,6 +137,16 @@ def switch_class(switch: str):
     return switch_target(switch if "." in switch else "FlashAttentionForwardSm90Roles." + switch)
 
 
+def launch_info(values: dict) -> dict:
+    """What the row's last call launched (``interface.LAST_LAUNCH``): the kernel class, its resolved ``nan_safe_v``
+    and ``nan_safe_v_method`` (e.g. that a class switch of the recompute really ran with ``"recompute"``,
+    docs/tuning.md 2.37), and the row's class switches as ``{"Class.ATTR": value}``."""
+    cfg = cute_interface.LAST_LAUNCH.get("config")
+    return dict(kernel=cute_interface.LAST_LAUNCH.get("kernel"), nan_safe_v=getattr(cfg, "nan_safe_v", None),
+                nan_safe_v_method=getattr(cfg, "nan_safe_v_method", None),
+                switches={f"{t[0].__name__}.{t[1]}": v for t, v in values.items() if not isinstance(t, str)})
+
+
 def _fa4_row(b):
     """FA4's paged launches on the same inputs (one per causal flag; ``bench_attention.make_fa4``), or None with
     the reason printed where FA4 cannot run the workload (head dim > 256, a prefix window on bidirectional rows)."""
@@ -179,7 +190,7 @@ def main(argv=None):
     except ValueError as e:
         p.error(str(e))
     names, variants = a.workloads.split(","), json.loads(a.variants)
-    res, checks, tf = {}, {}, {}
+    res, checks, tf, launches = {}, {}, {}, {}
     for name in names:
         w = next(x for x in wl.named_workloads() if x.name == name)
         b = wl.build(w, device="cuda", dtype=torch.bfloat16)
@@ -189,6 +200,8 @@ def main(argv=None):
             for tag, values in settings.items():
                 fns[f"{vn}_{tag}"] = _row(b, w, cfg, values)
                 outs[tag] = fns[f"{vn}_{tag}"]().clone()
+                launches[f"{name}/{vn}_{tag}"] = launch_info(values)
+                print(f"{name} {vn}_{tag}: launch {launches[f'{name}/{vn}_{tag}']}", flush=True)
             torch.cuda.synchronize()
             for tag in list(settings)[1:]:
                 same = torch.equal(outs["off"], outs[tag])
@@ -218,7 +231,8 @@ def main(argv=None):
         common.write_experiment_json("ab_roles_switch.json",
                                      dict(commit=os.environ.get("BLOCKDIFF_COMMIT"), gpu=torch.cuda.get_device_name(),
                                           switch=a.switch,
-                                          variants=variants, checks=checks, res=res, tflops=tf), a.out)
+                                          variants=variants, checks=checks, launches=launches, res=res,
+                                          tflops=tf), a.out)
 
 
 if __name__ == "__main__":

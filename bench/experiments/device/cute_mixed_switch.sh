@@ -31,6 +31,14 @@
 # "recompute" forced in every call's config; the A/B rows nan_safe_off ("scan"), nan_safe_on ("recompute"), default
 # ("auto": the recompute at hd 256, the scan at hd 128, since 2.35), nan_off, triton and fa4 on the four workloads.
 # Prediction and refutation rule in 2.34.
+# SWITCH=_NR_TRIVIAL_COLD_PATH (2.37, timing only: the recompute's cold path replaced by a counter increment, WRONG
+# results on non-finite V, so no GPU test shard runs with it; default SHARDS=none): the A/B on mixed_sliding_ctx8k and
+# the sliding canvas with nan_safe_v_method "recompute" pinned, rows recompute_off (the full recompute, the default
+# kernel at hd 256), recompute_trivial (_NR_TRIVIAL_COLD_PATH), recompute_nostash (it and _NR_NO_STASH: no stash
+# writes at the consumers' entry), nan_off, triton, fa4; finite caches, so every row bit-identical to recompute_off.
+# Prediction, written before any GPU run: trivial ~ recompute_off (within 0.5 %) -> the cost is the epilogue test +
+# vote (or the stash: nostash tells); trivial ~ nan_off -> the cold path's presence (code size, ptxas's choices
+# around it) costs it; in between -> both; nostash below trivial by more than 0.5 % -> the stash writes cost.
 # Since 2.35 the scan's switches (skip_allowed_first, _CLEAN_SPLIT_ACROSS_WG) run with nan_safe_v_method "scan"
 # pinned (shards and A/B), since at hd 256 "auto" takes the recompute, where they do not act.
 # Tests and A/B do not fit one 10-minute run: run them as two,
@@ -62,6 +70,11 @@ case $SWITCH in
     workloads=mixed_sliding_ctx8k,canvas_bs1_ctx32k_sliding
     AB_SWITCH=$M.$SWITCH; PLAIN='{"default": {}, "nan_off": {"nan_safe_v": false}}'
     export NO_AUTO_RECOMPUTE=1 ;;
+  _NR_TRIVIAL_COLD_PATH|_NR_NO_STASH) SWITCH=_NR_TRIVIAL_COLD_PATH; field=0; shards=none  # 2.37, timing only
+    workloads=mixed_sliding_ctx8k,canvas_bs1_ctx32k_sliding
+    AB_SWITCH='{"trivial": {"'$M'._NR_TRIVIAL_COLD_PATH": true}, "nostash": {"'$M'._NR_TRIVIAL_COLD_PATH": true, "'$M'._NR_NO_STASH": true}}'
+    VARIANT='{"recompute": {"nan_safe_v": true, "nan_safe_v_method": "recompute"}}'
+    PLAIN='{"nan_off": {"nan_safe_v": false}}' ;;
   *) field=0; shards=own; workloads=; AB_SWITCH=$M.$SWITCH; PLAIN='{"nan_off": {"nan_safe_v": false}}' ;;
 esac
 SHARDS=${SHARDS:-$shards}; WORKLOADS=${WORKLOADS:-$workloads}
@@ -93,4 +106,4 @@ switch_pack  # up to 8 shard logs: one file back
 timeout ${B:-300} python3 -m blockdiff.bench.experiments.ab_roles_switch "$AB_SWITCH" \
   $WORKLOADS --triton --fa4 "$VARIANT" --plain "$PLAIN" \
   --rounds 3 --out $OUT > $OUT/ab_mixed_switch.log 2>&1
-echo "ab rc=$?"; grep -E "TFLOP/s|bit-identical|skipped" $OUT/ab_mixed_switch.log | tail -60
+echo "ab rc=$?"; grep -E "TFLOP/s|bit-identical|skipped|: launch " $OUT/ab_mixed_switch.log | tail -60
