@@ -114,3 +114,18 @@ def test_ab_rows_put_config_fields_into_the_config_and_set_class_switches(monkey
     assert calls[0][:2] == ({"nan_safe_v": True, "skip_allowed_first": True}, True)
     assert calls[1][0] == {"nan_safe_v": True, "skip_allowed_first": False} and calls[0][2] != calls[1][2]
     assert cfg == {"nan_safe_v": True}  # the variant's own dict is not changed
+
+
+def test_ab_rows_report_what_they_launched(monkeypatch):
+    """``launch_info``: the kernel class, the resolved ``nan_safe_v`` / ``nan_safe_v_method`` of the row's last call
+    (``interface.LAST_LAUNCH``) and its class switches by name, so the log shows e.g. that a recompute switch's rows
+    ran the recompute (docs/tuning.md 2.37)."""
+    from blockdiff.attention.cute import config as cc
+    from blockdiff.attention.cute.kernel import FlashAttentionForwardSm90Mixed as Mixed
+    from blockdiff.bench.experiments import ab_roles_switch as ab
+    cfg = cc.CuteConfig(nan_safe_v=True, nan_safe_v_method="recompute")
+    monkeypatch.setattr(ab.cute_interface, "LAST_LAUNCH", dict(kernel="FlashAttentionForwardSm90Mixed", config=cfg))
+    got = ab.launch_info({(Mixed, "_NR_TRIVIAL_COLD_PATH"): True, "skip_allowed_first": False})
+    assert got == dict(kernel="FlashAttentionForwardSm90Mixed", nan_safe_v=True, nan_safe_v_method="recompute",
+                       switches={"FlashAttentionForwardSm90Mixed._NR_TRIVIAL_COLD_PATH": True})
+    json.dumps(got)  # recorded in the A/B's JSON
