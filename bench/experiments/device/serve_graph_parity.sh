@@ -11,7 +11,8 @@
 # Every harness and client call runs under serve_lib.sh's cap (DEADLINE_S, default 570 s: a hung one is stopped and its
 # pairs are recorded as errors, so the record and the logs still come back).
 # Writes $OUT/serve_graph_parity.json (serve_smoke.py record: per pair the equal prompts, the first differing token,
-# the environment); exit 1 when a required pair differs. Copy it to bench/results/history/ with the commit.
+# the environment); exit 1 when a required pair differs. The current record: bench/results/serve_graph_parity-<gpu>.json
+# (add suite / gpu / commit / result at its top, as the 2026-12-06 one); the one it replaces goes to history/.
 #   BLOCKDIFF_COMMIT=<hash> [CUTE=0] bash bench/experiments/device/serve_graph_parity.sh
 set -u
 source bench/experiments/device/env.sh
