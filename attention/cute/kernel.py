@@ -104,14 +104,16 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields, is_dataclass, replace
 from functools import partial
 from typing import Callable, Optional
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32, const_expr, pipeline
+from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm
+from cutlass.base_dsl.utils.mlir_value_tree import extract_mlir_values, new_from_mlir_values
 from cutlass.base_dsl.dsl import BaseDSL
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.cute.nvgpu import cpasync
@@ -178,6 +180,10 @@ NAN_CLEAN_BARRIER_ALL = 15
 
 #: fp32 exponent bits: an entry is NaN / +-Inf iff ``bits & F32_EXP_MASK == F32_EXP_MASK`` (the recompute's test).
 F32_EXP_MASK = 0x7F800000
+#: Independent ``fma(x, 0, s)`` chains per accumulator row of the recompute's FFMA test
+#: (:attr:`FlashAttentionForwardSm90Mixed._NR_FFMA_TEST`): fewer are longer dependency chains, more are more
+#: registers and sums.
+NR_FFMA_CHAINS = 4
 #: log2(e), natural-log LSEs to base 2 (the recompute's P = exp2(S * scale_log2 - lse * LOG2_E)).
 LOG2_E = 1.4426950408889634
 
@@ -223,6 +229,105 @@ def _opaque(x: Int32, *, loc=None, ip=None) -> Int32:
         T.i32(), [Int32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=r,r",
         has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
     ))
+
+
+@dsl_user_op
+def _fma_zero(x: Float32, s: Float32, *, loc=None, ip=None) -> Float32:
+    """``x * 0 + s`` in one ``fma.rn.f32`` (inline asm, so neither LLVM nor the DSL folds ``x * 0`` to 0): ``s`` (a
+    zero) for a finite ``x``, NaN for a NaN or +-Inf one (IEEE ``0 * Inf`` is NaN), and NaN for a NaN ``s``. So a
+    chain of them over entries, from 0, is NaN iff an entry is non-finite (the recompute's FFMA test,
+    :attr:`FlashAttentionForwardSm90Mixed._NR_FFMA_TEST`)."""
+    return Float32(llvm.inline_asm(
+        T.f32(), [Float32(x).ir_value(loc=loc, ip=ip), Float32(s).ir_value(loc=loc, ip=ip)],
+        "fma.rn.f32 $0, $1, 0f00000000, $2;", "=f,f,f",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+    ))
+
+
+def _trace_leaves(obj):
+    """Trace time: ``(values, rebuild)`` of ``obj``: its MLIR values (a DSL value, or those of the fields of a
+    dataclass / the items of a tuple or list, recursively; Python constants and None have none) and a function that
+    rebuilds an object like ``obj`` from as many new values (:func:`_outlined_call`)."""
+    if obj is None or isinstance(obj, (bool, int, float, str, type)):
+        return [], lambda vs: obj
+    if hasattr(obj, "__extract_mlir_values__"):
+        return extract_mlir_values(obj), lambda vs: new_from_mlir_values(obj, list(vs))
+    if isinstance(obj, (tuple, list)) or is_dataclass(obj):
+        keys = ([f.name for f in fields(obj) if f.init] if is_dataclass(obj) else list(range(len(obj))))
+        parts = [(k, _trace_leaves(getattr(obj, k) if is_dataclass(obj) else obj[k])) for k in keys]
+        vals = [v for _, (vs, _) in parts for v in vs]
+
+        def rebuild(vs):
+            out, i = {}, 0
+            for k, (v0, rb) in parts:
+                out[k] = rb(vs[i:i + len(v0)])
+                i += len(v0)
+            if is_dataclass(obj):
+                return replace(obj, **out)
+            return type(obj)(out[k] for k in keys)
+        return vals, rebuild
+    raise TypeError(f"_outlined_call: cannot pass a {type(obj).__name__} into an outlined function")
+
+
+@dataclass(frozen=True)
+class _StaticTensor:
+    """A tensor's static structure (element type; strides and shapes, each dynamic one :data:`_DYNAMIC`), for
+    code traced where the tensor's values are not available (:func:`_outlined_call`)."""
+
+    element_type: type
+    stride: tuple
+    shape: tuple
+
+    @staticmethod
+    def of(t) -> "_StaticTensor":
+        return _StaticTensor(t.element_type, tuple(x if isinstance(x, int) else _DYNAMIC for x in t.stride),
+                             tuple(x if isinstance(x, int) else _DYNAMIC for x in t.shape))
+
+
+#: A dynamic stride or shape of a :class:`_StaticTensor` (not an int).
+_DYNAMIC = object()
+
+
+def _outlined_call(name: str, fn: Callable, *args):
+    """Trace time: ``fn(*args)`` as a call of a function that is not inlined (PTX ``.func`` and ``call``): an
+    ``llvm.func`` marked ``no_inline`` in the kernel's GPU module, whose body the DSL ops of ``fn`` fill. (A
+    ``func.func`` with ``no_inline`` does not do: the pipeline's lowering drops its attributes and libNVVM inlines
+    it.) ``args`` are passed by value as their MLIR values (:func:`_trace_leaves`), which must be integers, floats or
+    vectors of them (the function's LLVM signature; so a register tensor goes as its loaded values, since its
+    address would put it in local memory), and are rebuilt inside; ``fn`` must take every kernel value it uses from
+    them (a function body cannot use the kernel's values) and returns what it returns (None, or such values),
+    rebuilt likewise at the call."""
+    leaves = [_trace_leaves(a) for a in args]
+    flat = [v for vs, _ in leaves for v in vs]
+    for v in flat:
+        if not (ir.IntegerType.isinstance(v.type) or ir.F32Type.isinstance(v.type)
+                or ir.VectorType.isinstance(v.type)):
+            raise TypeError(f"_outlined_call: an argument of type {v.type} (integers, floats and vectors only)")
+    op = ir.InsertionPoint.current.block.owner
+    while op.name not in ("gpu.module", "builtin.module"):
+        op = op.parent
+    table = ir.SymbolTable(op.operation)
+    sym = next(f"{name}_{i}" for i in range(1, 1 << 20) if f"{name}_{i}" not in table)
+    in_types = [v.type for v in flat]
+    with ir.InsertionPoint.at_block_begin(op.regions[0].blocks[0]):
+        fop = llvm.LLVMFuncOp(sym, ir.TypeAttr.get(llvm.FunctionType.get(ir.Type.parse("!llvm.void"), in_types)),
+                              no_inline=True)
+    block = fop.body.blocks.append(*in_types)
+    with ir.InsertionPoint(block):
+        inner, i = [], 0
+        for vs, rb in leaves:
+            inner.append(rb(list(block.arguments)[i:i + len(vs)]))
+            i += len(vs)
+        result = fn(*inner)
+        res_vals, res_rb = _trace_leaves(result)
+        if len(res_vals) > 1:
+            raise TypeError("_outlined_call: more than one value returned")
+        llvm.ReturnOp(arg=res_vals[0] if res_vals else None)
+    ret = res_vals[0].type if res_vals else None
+    fop.attributes["function_type"] = ir.TypeAttr.get(
+        llvm.FunctionType.get(ret if ret is not None else ir.Type.parse("!llvm.void"), in_types))
+    call = llvm.CallOp(ret, flat, [], [], callee=ir.FlatSymbolRefAttr.get(sym), no_inline=True)
+    return res_rb(list(call.results))
 
 
 def _int32_bit(b: int) -> int:
@@ -557,6 +662,18 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
     #: stash writes at the consumers' entry (:meth:`_stash_write`); the trivial cold path takes the counter's address
     #: from the kernel parameter instead.
     _NR_NO_STASH = False
+    #: Compile time, off (docs/tuning.md 2.38): with ``nan_safe_v_method="recompute"``, the epilogue test is a chain of
+    #: ``fma(x, 0, s)`` per accumulator entry (:func:`_fma_zero`, one FFMA on the FP32 pipe) instead of an AND with
+    #: the exponent mask and an integer max (LOP3 + VIMNMX3, ALU pipe); :data:`NR_FFMA_CHAINS` chains per row, summed,
+    #: then one NaN test a row. The same flag (exact: NaN iff an entry of a real row is NaN / +-Inf), so results are
+    #: the same; only the instructions differ.
+    _NR_FFMA_TEST = False
+    #: Compile time, off (docs/tuning.md 2.38): with ``nan_safe_v_method="recompute"``, the cold path
+    #: (:meth:`_recompute_warp`) is a separate function that is not inlined (:meth:`_recompute_outlined`,
+    #: :func:`_outlined_call`: an ``llvm.func`` marked ``no_inline``, PTX ``.func`` + ``call``), called with the
+    #: accumulator's values and returning them, so its code is out of the kernel body's. The same results. Not with
+    #: :attr:`_NR_TRIVIAL_COLD_PATH` (which replaces the cold path).
+    _NR_COLD_NOINLINE = False
 
     def __init__(self, *args, prefix_window: bool = False, kv_page_size: Optional[int] = None, lpt: bool = True,
                  nan_safe_v: bool = False, batch_order: str = "given", v_refill: str = "one_warp",
@@ -607,6 +724,7 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         # the recompute's trace-time hand-offs (kernel() / mma())
         self._nr_q = self._nr_k = self._nr_count = self._nr_block_info = self._nr_slots = None
         self._nr_seqlen_cls = None
+        self._nr_outlined = False  # trace time: tracing the body of _recompute_outlined's function
         # Paged TMA (any page size page_box_tma_ok accepts): K / V stages filled box by box (_PageBoxTmaAtoms).
         self.kv_page_size = None
         self.kv_box_rows = None
@@ -1459,7 +1577,9 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         Why it is complete (2.32): a key a row may not see has P = 0 in the P V wgmma, so a NaN / Inf in its V row
         makes that column NaN in every row of the warpgroup (IEEE ``0 * NaN``, ``0 * Inf``), and no later step
         makes a non-finite entry finite again (the rescales multiply by finite factors); a finite entry therefore
-        saw no such key. The test is one AND and one integer max per entry (an exponent of all ones)."""
+        saw no such key. The test is one AND and one integer max per entry (an exponent of all ones,
+        :meth:`_nr_mask_test`), or with :attr:`_NR_FFMA_TEST` one FFMA per entry (:meth:`_nr_ffma_test`), the same
+        flag; the cold path inline, or with :attr:`_NR_COLD_NOINLINE` a call (:meth:`_recompute_outlined`)."""
         # The tile's indices as values LLVM cannot relate to the mainloop's (_opaque), and the sequence info loaded
         # anew in the cold path (_recompute_warp): otherwise LLVM reuses the mainloop's key-block range and sequence
         # values there, which ptxas then holds across the key-block loops, and the unsplit hd-256 launch's interior
@@ -1471,6 +1591,76 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         qpk = self.qhead_per_kvhead if const_expr(self.pack_gqa) else 1
         tOcO = layout_utils.reshape_acc_to_mn(
             tiled_mma.get_slice(tidx).partition_C(cute.make_identity_tensor((self.tile_m, self.tile_hdimv))))
+        if const_expr(self._NR_FFMA_TEST):
+            bad = self._nr_ffma_test(acc_O, tOcO, seqlen, m_block, qpk)
+        else:
+            bad = self._nr_mask_test(acc_O, tOcO, seqlen, m_block, qpk)
+        if cute.arch.vote_any_sync(bad != 0):
+            if const_expr(self._NR_TRIVIAL_COLD_PATH):  # timing only: WRONG results on non-finite V (2.37)
+                self._trivial_cold_path()
+            elif const_expr(self._NR_COLD_NOINLINE):
+                self._recompute_outlined(acc_O, lse, tOcO, tidx, seqlen, m_block, head_idx, batch_idx)
+            else:
+                self._recompute_warp(acc_O, lse, tOcO, seqlen, m_block, head_idx, batch_idx)
+
+    def _recompute_outlined(self, acc_O: cute.Tensor, lse: cute.Tensor, tOcO: cute.Tensor, tidx: Int32,
+                            seqlen: MixedSeqlenInfoQK, m_block: Int32, head_idx: Int32, batch_idx: Int32):
+        """:attr:`_NR_COLD_NOINLINE`'s cold path: :meth:`_recompute_warp` in a function of its own
+        (:func:`_outlined_call`), the same results. Everything goes in as integers and floats: the accumulator and
+        the LSE as their values (the function's own register tensors hold them; the accumulator comes back), the
+        thread index (the accumulator's coordinates are partitioned anew from FA4's P V MMA), the stash's
+        shared-memory address, the softmax scale, the block info's and the sequence info's values (the caller's:
+        there is no mainloop inside for LLVM to share them with). While the body is traced, ``self``'s kernel values
+        that the cold path reads are swapped for the function's (the tensors for stand-ins with their static
+        structure, :class:`_StaticTensor`: the stash holds their addresses and dynamic strides). ``tOcO``: the
+        caller's accumulator coordinates, whose static layout the function's own must equal (checked at trace time).
+
+        Raises:
+            AssertionError: (trace time) the coordinates partitioned inside are laid out otherwise than ``tOcO``."""
+        scale_log2 = self._softmax_scales[0]
+        coord_layout = str(tOcO.layout)
+        # the register tensors' layouts are static: rebuilt inside from their shapes and strides (the body cannot
+        # use the caller's layout values)
+        acc_ss = (acc_O.layout.shape, acc_O.layout.stride)
+        lse_ss = (lse.layout.shape, lse.layout.stride)
+        names = ("_nr_q", "_nr_k", "_mV", "_mPageTable", "_nr_count")
+        stand_ins = tuple(None if getattr(self, n) is None else _StaticTensor.of(getattr(self, n)) for n in names)
+
+        def body(acc_vals, lse_vals, tidx_, seqlen_, m_block_, head_idx_, batch_idx_, scale_, bi_, slots_addr):
+            saved = (self._softmax_scales, self._nr_block_info, self._nr_slots, self._nr_outlined)
+            saved_tensors = tuple(getattr(self, n) for n in names)
+            self._softmax_scales = (scale_, None)
+            self._nr_block_info, self._nr_outlined = bi_, True
+            self._nr_slots = cute.make_tensor(
+                cute.make_ptr(cutlass.Int64, slots_addr, cute.AddressSpace.smem, assumed_align=8),
+                cute.make_layout((NR_STASH_SLOTS,)))
+            for n, t in zip(names, stand_ins):
+                setattr(self, n, t)
+            try:
+                acc = cute.make_rmem_tensor(cute.make_layout(acc_ss[0], stride=acc_ss[1]), acc_O.element_type)
+                acc.store(acc_vals)
+                lse_ = cute.make_rmem_tensor(cute.make_layout(lse_ss[0], stride=lse_ss[1]), lse.element_type)
+                lse_.store(lse_vals)
+                tiled_mma_pv = self._get_tiled_mma()[1]
+                tOcO_ = layout_utils.reshape_acc_to_mn(tiled_mma_pv.get_slice(tidx_).partition_C(
+                    cute.make_identity_tensor((self.tile_m, self.tile_hdimv))))
+                assert str(tOcO_.layout) == coord_layout, (str(tOcO_.layout), coord_layout)
+                self._recompute_warp(acc, lse_, tOcO_, seqlen_, m_block_, head_idx_, batch_idx_)
+                return acc.load()
+            finally:
+                self._softmax_scales, self._nr_block_info, self._nr_slots, self._nr_outlined = saved
+                for n, t in zip(names, saved_tensors):
+                    setattr(self, n, t)
+
+        acc_O.store(_outlined_call("blockdiff_nr_cold_path", body, acc_O.load(), lse.load(), tidx, seqlen, m_block,
+                                   head_idx, batch_idx, scale_log2, self._nr_block_info,
+                                   self._nr_slots.iterator.toint()))
+
+    @cute.jit
+    def _nr_mask_test(self, acc_O: cute.Tensor, tOcO: cute.Tensor, seqlen: MixedSeqlenInfoQK, m_block: Int32,
+                      qpk: cutlass.Constexpr[int]) -> Int32:
+        """The default epilogue test: 1 when an entry of this thread's real rows (value columns below ``head_dim_v``)
+        has an exponent of all ones (one AND and one integer max an entry)."""
         acc_bits = layout_utils.reshape_acc_to_mn(cute.recast_tensor(acc_O, Int32))
         head_dim_v = self._head_dims[1]
         bad = Int32(0)
@@ -1486,11 +1676,39 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
             if e == Int32(F32_EXP_MASK):
                 if token < seqlen.seqlen_q:
                     bad = Int32(1)
-        if cute.arch.vote_any_sync(bad != 0):
-            if const_expr(self._NR_TRIVIAL_COLD_PATH):  # timing only: WRONG results on non-finite V (2.37)
-                self._trivial_cold_path()
-            else:
-                self._recompute_warp(acc_O, lse, tOcO, seqlen, m_block, head_idx, batch_idx)
+        return bad
+
+    @cute.jit
+    def _nr_ffma_test(self, acc_O: cute.Tensor, tOcO: cute.Tensor, seqlen: MixedSeqlenInfoQK, m_block: Int32,
+                      qpk: cutlass.Constexpr[int]) -> Int32:
+        """:attr:`_NR_FFMA_TEST`'s epilogue test, the same flag as :meth:`_nr_mask_test`: per row
+        :data:`NR_FFMA_CHAINS` chains ``s = fma(x, 0, s)`` from 0 over the row's entries (columns ``c`` with
+        ``c % chains == j``), summed; ``x * 0`` is +-0 for a finite ``x`` and NaN for a NaN / +-Inf one, and a sum of
+        zeros is a zero, so the row's sum is NaN iff an entry is non-finite (never Inf). A padded value column (past
+        ``head_dim_v``) adds 0."""
+        acc = layout_utils.reshape_acc_to_mn(acc_O)
+        head_dim_v = self._head_dims[1]
+        n_cols = cute.size(tOcO, mode=[1])
+        chains = min(NR_FFMA_CHAINS, n_cols)
+        sums = cute.make_rmem_tensor((chains,), Float32)
+        bad = Int32(0)
+        for r in cutlass.range_constexpr(cute.size(tOcO, mode=[0])):
+            for j in cutlass.range_constexpr(chains):
+                sums[j] = Float32(0.0)
+            for c in cutlass.range_constexpr(n_cols):
+                x = acc[r, c]
+                if const_expr(self.check_hdim_v_oob):  # a padded value column is no output (nor evidence)
+                    if tOcO[r, c][1] >= head_dim_v:
+                        x = Float32(0.0)
+                sums[c % chains] = _fma_zero(x, sums[c % chains])
+            s = sums[0]
+            for j in cutlass.range_constexpr(1, chains):
+                s = s + sums[j]
+            token = (m_block * self.tile_m + tOcO[r, 0][0]) // qpk
+            if is_finite_f32(s) == 0:
+                if token < seqlen.seqlen_q:
+                    bad = Int32(1)
+        return bad
 
     @cute.jit
     def _trivial_cold_path(self):
@@ -1530,7 +1748,7 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         n_cols = cute.size(tOcO, mode=[1])
         n_words = (n_cols + 31) // 32
         bi = self._nr_block_info
-        if const_expr(self._nr_fresh_tile_values()):
+        if const_expr(self._nr_fresh_tile_values() and not self._nr_outlined):
             seqlen = self._nr_seqlen_cls(batch_idx)  # loaded anew (the same values): see _nonfinite_recompute
         n_min, n_max = bi.get_n_block_min_max(seqlen, m_block)
         k0 = n_min * self.tile_n
