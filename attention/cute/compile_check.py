@@ -26,6 +26,7 @@ import sys
 import tempfile
 
 __all__ = ["compile_for_sm90", "parse_ptxas_report", "strip_ptx", "sass_spills_by_role", "sass_loops", "LOOP_OPS",
+           "sass_epilogue_test", "EPILOGUE_TEST_OPS",
            "SPEC_KEYS", "WIDE_MATRIX", "wide_report", "ROLES_MATRIX"]
 
 #: Part of the name of every attention kernel of this backend (FA4's class name prefix; the combine kernel of a
@@ -162,6 +163,47 @@ def sass_loops(sass: str, require: str = "HGMMA") -> list[dict]:
             if counts[require]:
                 loops.append(dict(function=fname, start=start, end=addr, instructions=len(body), **counts))
     return loops
+
+
+#: The instructions of the recompute's epilogue test (:func:`sass_epilogue_test`): (name, opcode regex, operand
+#: regex or None). The default test's AND with the fp32 exponent mask and its integer max (ptxas folds pairs of maxes
+#: into ``VIMNMX3``), the FFMA test's ``x * 0 + s`` (``_NR_FFMA_TEST``: an ``RZ`` factor).
+EPILOGUE_TEST_OPS = (
+    ("LOP3 exponent mask", r"LOP3\b", r"0x7f800000"),
+    ("integer max", r"V?IMNMX", None),
+    ("FFMA x*0", r"FFMA\b", r"^\s*\S+,\s*(?:RZ,|[^,]+,\s*RZ,)"),
+)
+
+
+def sass_epilogue_test(sass: str) -> dict | None:
+    """The recompute's epilogue test in a kernel's SASS (``cuobjdump -sass`` text, the first function): the
+    instructions from the last warpgroup MMA (``HGMMA``) before the first ``VOTE.ANY`` that follows one, to that
+    vote (the epilogue's: the P V MMA's wait, FA4's normalisation of O, the test, the vote). Returns None where no
+    vote follows an MMA (no recompute), else ``instructions`` (the region's length), ``test`` (the instructions of
+    :data:`EPILOGUE_TEST_OPS` in it) and a count per class. Static counts, one epilogue site.
+
+    Raises:
+        TypeError: ``sass`` is not a str.
+    """
+    if not isinstance(sass, str):
+        raise TypeError(f"sass must be a str (SASS text), got {type(sass).__name__}")
+    ins: list[tuple[str, str]] = []
+    for line in sass.splitlines():
+        if _SASS_FUNCTION.match(line) and ins:
+            break
+        m = _SASS_INSTRUCTION.match(line)
+        if m:
+            ins.append((m.group(3), m.group(4)))
+    last_mma = None
+    for i, (op, _) in enumerate(ins):
+        if op.startswith("HGMMA"):
+            last_mma = i
+        elif op.startswith("VOTE.ANY") and last_mma is not None:
+            region = ins[last_mma + 1:i + 1]
+            counts = {name: sum(1 for o, a in region if re.match(rx, o) and (arx is None or re.search(arx, a)))
+                      for name, rx, arx in EPILOGUE_TEST_OPS}
+            return dict(instructions=len(region), test=sum(counts.values()), **counts)
+    return None
 
 
 def _cuobjdump() -> str | None:
@@ -342,6 +384,7 @@ def _child(spec: dict, ptx_dir: str | None = None, switches: dict | None = None)
                 sass_spills=None if by_role is None else {k: by_role[k] for k in ("setup", "producer", "consumer")},
                 setmaxreg=None if by_role is None else by_role["setmaxreg"],
                 loops=sass_loops(sass) if sass else None,
+                epilogue_test=sass_epilogue_test(sass) if sass else None,
                 config=dict(tile_m=cfg.tile_m, tile_n=cfg.tile_n, num_stages=cfg.num_stages, lpt=cfg.lpt,
                             num_splits=cfg.num_splits, wide_design=cfg.wide_design, batch_order=cfg.batch_order,
                             v_refill=cfg.v_refill, qk_issue=cfg.qk_issue, k_refill=cfg.k_refill,

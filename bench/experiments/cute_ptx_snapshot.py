@@ -33,12 +33,16 @@ the class attribute ``_SKIP_ALLOWED_FIRST``, same PTX) or False (``noskip_``), a
 ``_CLEAN_SPLIT_ACROSS_WG`` (``splitscan_``, 2.31), and with ``nan_safe_v_method="recompute"`` (``recompute_``, 2.34:
 its key-block loops must equal ``nanoff_``'s), the recompute with the timing-only trivial cold path
 (``trivialcold_``, ``_NR_TRIVIAL_COLD_PATH``, 2.37) and also without the stash writes (``nostash_``, ``_NR_NO_STASH``;
-both switches exist from 2.37 on); the scan variants name ``nan_safe_v_method``, so a tree from before
+both switches exist from 2.37 on), the recompute with its epilogue test as FFMA chains (``ffmatest_``,
+``_NR_FFMA_TEST``, 2.38), that test with the trivial cold path (``ffmatrivial_``), the cold path as a function that is
+not inlined (``noinline_``, ``_NR_COLD_NOINLINE``, 2.38) and both (``ffmanoinline_``; these exist from 2.38 on); the
+scan variants name ``nan_safe_v_method``, so a tree from before
 2.34 compiles only ``nanoff_`` and the defaults;
 the clean-up placements under a GEMM that ``cleanpv_`` / ``owncall_`` / ``both_`` compiled were removed (2.30). A
 switch ``"Class.ATTR"`` names a class of ``kernel.py``, a bare ``"ATTR"`` the roles kernel's. ``snapshot --only
-SUBSTR`` picks specs by name, ``list`` prints them. ``summary.json`` also keeps each kernel's spills by role and its
-key-block loops (``compile_check.sass_loops``).
+SUBSTR`` picks specs by name, ``list`` prints them. ``summary.json`` also keeps each kernel's spills by role, its
+key-block loops (``compile_check.sass_loops``) and the recompute's epilogue test (``compile_check.sass_epilogue_test``,
+None without one).
 """
 from __future__ import annotations
 
@@ -81,6 +85,12 @@ SPLIT_SCAN = {"FlashAttentionForwardSm90Mixed._CLEAN_SPLIT_ACROSS_WG": True}  # 
 #: the recompute with a trivial cold path (timing only: wrong on non-finite V), and also without the stash (2.37)
 TRIVIAL_COLD = {"FlashAttentionForwardSm90Mixed._NR_TRIVIAL_COLD_PATH": True}
 TRIVIAL_NO_STASH = dict(TRIVIAL_COLD, **{"FlashAttentionForwardSm90Mixed._NR_NO_STASH": True})
+#: the recompute's epilogue test as FFMA chains (2.38), alone and with the trivial cold path (its lower bound)
+FFMA_TEST = {"FlashAttentionForwardSm90Mixed._NR_FFMA_TEST": True}
+FFMA_TRIVIAL = dict(FFMA_TEST, **TRIVIAL_COLD)
+#: the recompute's cold path as a function of its own (not inlined, 2.38), alone and with the FFMA test
+COLD_NOINLINE = {"FlashAttentionForwardSm90Mixed._NR_COLD_NOINLINE": True}
+FFMA_NOINLINE = dict(FFMA_TEST, **COLD_NOINLINE)
 
 #: FA4-consumer launches as ``config.resolve_launch_config`` resolves them for the bench's workloads (page 64, no LSE)
 _SLIDING = dict(head_dim=256, num_heads=16, num_kv_heads=8, page_size=64, window_size=1023,
@@ -165,7 +175,11 @@ SPECS = {
            ("splitscan_", True, dict(switches=SPLIT_SCAN, nan_safe_v_method="scan")),
            ("recompute_", True, dict(nan_safe_v_method="recompute")),
            ("trivialcold_", True, dict(switches=TRIVIAL_COLD, nan_safe_v_method="recompute")),
-           ("nostash_", True, dict(switches=TRIVIAL_NO_STASH, nan_safe_v_method="recompute")))
+           ("nostash_", True, dict(switches=TRIVIAL_NO_STASH, nan_safe_v_method="recompute")),
+           ("ffmatest_", True, dict(switches=FFMA_TEST, nan_safe_v_method="recompute")),
+           ("ffmatrivial_", True, dict(switches=FFMA_TRIVIAL, nan_safe_v_method="recompute")),
+           ("noinline_", True, dict(switches=COLD_NOINLINE, nan_safe_v_method="recompute")),
+           ("ffmanoinline_", True, dict(switches=FFMA_NOINLINE, nan_safe_v_method="recompute")))
        for name, spec in _MIXED_SPECS.items()},
 }
 
@@ -216,7 +230,8 @@ def _compile(name: str, entry: dict, root: Path, out: Path, timeout: float) -> d
     return dict(entry, kernel=rep["kernel"], ptx_file=str(ptx_file.relative_to(out)), sha256=rep["ptx_sha256"],
                 registers=rep["registers"], spill_store_bytes=rep["spill_store_bytes"],
                 spill_load_bytes=rep.get("spill_load_bytes"), sass_spills=rep.get("sass_spills"),
-                loops=rep.get("loops"), kernel_roles_file=rep["kernel_roles_file"], config=rep["config"])
+                loops=rep.get("loops"), epilogue_test=rep.get("epilogue_test"),
+                kernel_roles_file=rep["kernel_roles_file"], config=rep["config"])
 
 
 def snapshot(out: Path, tree: Path | None = None, commit: str | None = None, names=None, jobs: int = 2,
