@@ -44,6 +44,8 @@ def test_the_switches_are_off_by_default_and_reach_the_split_classes():
         assert cchk.switch_target(f"{M}.{attr}") == (Mixed, attr)
         for cls in (FlashAttentionForwardSm90MixedSplit, FlashAttentionForwardSm90MixedCluster):
             assert attr not in vars(cls) and getattr(cls, attr) is False, (cls, attr)
+    from blockdiff.attention.cute.kernel import NR_FFMA_CHAINS
+    assert NR_FFMA_CHAINS == 4  # the chain counts test_the_ffma_chain_is_nan_exactly_when_an_entry_is_nonfinite covers
 
 
 def _chain(xs: torch.Tensor, chains: int) -> torch.Tensor:
@@ -63,8 +65,6 @@ def test_the_ffma_chain_is_nan_exactly_when_an_entry_is_nonfinite(chains):
     """Exactness of the test's arithmetic: every fp32 class (zeros of both signs, the smallest subnormal, the largest
     finite, both infinities, NaN) alone and among 64 finite entries at every position: the row's sum is NaN iff an
     entry is NaN / +-Inf, and otherwise a zero (never Inf: a finite ``x * 0`` is a zero, whatever ``x``'s size)."""
-    from blockdiff.attention.cute.kernel import NR_FFMA_CHAINS
-    assert NR_FFMA_CHAINS == 4
     tiny, big = torch.finfo(torch.float32).tiny / 2 ** 23, torch.finfo(torch.float32).max
     specials = [0.0, -0.0, tiny, -tiny, big, -big, 1.0, -3e38, math.inf, -math.inf, math.nan]
     g = torch.Generator().manual_seed(5)
