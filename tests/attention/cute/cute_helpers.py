@@ -34,6 +34,33 @@ def compile_for_sm90_or_skip(**spec) -> dict:
         raise
 
 
+def compile_snapshot_specs(tmp_path, name: str, prefixes) -> dict:
+    """``cute_ptx_snapshot``'s specs ``prefix + name`` compiled for sm_90a (:func:`compile_for_sm90_or_skip`, each into
+    its own folder under ``tmp_path``), by prefix: the compile reports (loops, spills, PTX file, config)."""
+    from blockdiff.bench.experiments.cute_ptx_snapshot import SPECS
+    return {pre: compile_for_sm90_or_skip(ptx_dir=str(tmp_path / pre), switches=SPECS[pre + name]["switches"],
+                                          **SPECS[pre + name]["spec"]) for pre in prefixes}
+
+
+#: The SASS counts a NaN-safe V variant's key-block loops must share with NaN-safe V off's (the recompute's claim:
+#: its mainloop is off's): wgmma, exp2, FMUL, barrier syncs and global loads.
+LOOP_MIX = ("HGMMA", "MUFU.EX2", "FMUL", "SYNCS", "LDG", "BAR.SYNC", "BAR.ARV")
+
+
+def assert_loops_like_off(off: dict, on: dict, slack: float, label="", r2ur: bool = False) -> None:
+    """``on``'s key-block loops (a compile report) against NaN-safe V off's ``off``: as many loops, the same
+    :data:`LOOP_MIX` counts, no local memory, each at most ``slack`` times off's instruction count (with ``r2ur``,
+    no more ``R2UR`` than off)."""
+    assert len(on["loops"]) == len(off["loops"]), label
+    for i, (a, b) in enumerate(zip(off["loops"], on["loops"])):
+        for k in LOOP_MIX:
+            assert b[k] == a[k], (label, i, k, a, b)
+        assert b["STL/LDL"] == 0, (label, i, b)
+        if r2ur:
+            assert b["R2UR"] <= a["R2UR"], (label, i, b)
+        assert b["instructions"] <= slack * a["instructions"], (label, i, a["instructions"], b["instructions"])
+
+
 def needs_gpu(f):
     """GPU test; with pytest-timeout installed, a hang (e.g. a producer/consumer pipeline deadlock) ends the
     process after 300 s with every thread's stack dumped instead of eating the whole GPU session."""
