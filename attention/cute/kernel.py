@@ -104,16 +104,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from dataclasses import dataclass, fields, is_dataclass, replace
+from dataclasses import dataclass, fields, replace
 from functools import partial
 from typing import Callable, Optional
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32, const_expr, pipeline
-from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm
-from cutlass.base_dsl.utils.mlir_value_tree import extract_mlir_values, new_from_mlir_values
 from cutlass.base_dsl.dsl import BaseDSL
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.cute.nvgpu import cpasync
@@ -137,6 +135,7 @@ from flash_attn.cute.tile_scheduler import SingleTileVarlenScheduler
 from flash_attn.cute.utils import AuxData
 
 from .config import page_box_tma_ok
+from .outline import StaticTensor, outlined_call
 
 
 @cute.jit
@@ -242,92 +241,6 @@ def _fma_zero(x: Float32, s: Float32, *, loc=None, ip=None) -> Float32:
         "fma.rn.f32 $0, $1, 0f00000000, $2;", "=f,f,f",
         has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
     ))
-
-
-def _trace_leaves(obj):
-    """Trace time: ``(values, rebuild)`` of ``obj``: its MLIR values (a DSL value, or those of the fields of a
-    dataclass / the items of a tuple or list, recursively; Python constants and None have none) and a function that
-    rebuilds an object like ``obj`` from as many new values (:func:`_outlined_call`)."""
-    if obj is None or isinstance(obj, (bool, int, float, str, type)):
-        return [], lambda vs: obj
-    if hasattr(obj, "__extract_mlir_values__"):
-        return extract_mlir_values(obj), lambda vs: new_from_mlir_values(obj, list(vs))
-    if isinstance(obj, (tuple, list)) or is_dataclass(obj):
-        keys = ([f.name for f in fields(obj) if f.init] if is_dataclass(obj) else list(range(len(obj))))
-        parts = [(k, _trace_leaves(getattr(obj, k) if is_dataclass(obj) else obj[k])) for k in keys]
-        vals = [v for _, (vs, _) in parts for v in vs]
-
-        def rebuild(vs):
-            out, i = {}, 0
-            for k, (v0, rb) in parts:
-                out[k] = rb(vs[i:i + len(v0)])
-                i += len(v0)
-            if is_dataclass(obj):
-                return replace(obj, **out)
-            return type(obj)(out[k] for k in keys)
-        return vals, rebuild
-    raise TypeError(f"_outlined_call: cannot pass a {type(obj).__name__} into an outlined function")
-
-
-@dataclass(frozen=True)
-class _StaticTensor:
-    """A tensor's static structure (element type; strides and shapes, each dynamic one :data:`_DYNAMIC`), for
-    code traced where the tensor's values are not available (:func:`_outlined_call`)."""
-
-    element_type: type
-    stride: tuple
-    shape: tuple
-
-    @staticmethod
-    def of(t) -> "_StaticTensor":
-        return _StaticTensor(t.element_type, tuple(x if isinstance(x, int) else _DYNAMIC for x in t.stride),
-                             tuple(x if isinstance(x, int) else _DYNAMIC for x in t.shape))
-
-
-#: A dynamic stride or shape of a :class:`_StaticTensor` (not an int).
-_DYNAMIC = object()
-
-
-def _outlined_call(name: str, fn: Callable, *args):
-    """Trace time: ``fn(*args)`` as a call of a function that is not inlined (PTX ``.func`` and ``call``): an
-    ``llvm.func`` marked ``no_inline`` in the kernel's GPU module, whose body the DSL ops of ``fn`` fill. (A
-    ``func.func`` with ``no_inline`` does not do: the pipeline's lowering drops its attributes and libNVVM inlines
-    it.) ``args`` are passed by value as their MLIR values (:func:`_trace_leaves`), which must be integers, floats or
-    vectors of them (the function's LLVM signature; so a register tensor goes as its loaded values, since its
-    address would put it in local memory), and are rebuilt inside; ``fn`` must take every kernel value it uses from
-    them (a function body cannot use the kernel's values) and returns what it returns (None, or such values),
-    rebuilt likewise at the call."""
-    leaves = [_trace_leaves(a) for a in args]
-    flat = [v for vs, _ in leaves for v in vs]
-    for v in flat:
-        if not (ir.IntegerType.isinstance(v.type) or ir.F32Type.isinstance(v.type)
-                or ir.VectorType.isinstance(v.type)):
-            raise TypeError(f"_outlined_call: an argument of type {v.type} (integers, floats and vectors only)")
-    op = ir.InsertionPoint.current.block.owner
-    while op.name not in ("gpu.module", "builtin.module"):
-        op = op.parent
-    table = ir.SymbolTable(op.operation)
-    sym = next(f"{name}_{i}" for i in range(1, 1 << 20) if f"{name}_{i}" not in table)
-    in_types = [v.type for v in flat]
-    with ir.InsertionPoint.at_block_begin(op.regions[0].blocks[0]):
-        fop = llvm.LLVMFuncOp(sym, ir.TypeAttr.get(llvm.FunctionType.get(ir.Type.parse("!llvm.void"), in_types)),
-                              no_inline=True)
-    block = fop.body.blocks.append(*in_types)
-    with ir.InsertionPoint(block):
-        inner, i = [], 0
-        for vs, rb in leaves:
-            inner.append(rb(list(block.arguments)[i:i + len(vs)]))
-            i += len(vs)
-        result = fn(*inner)
-        res_vals, res_rb = _trace_leaves(result)
-        if len(res_vals) > 1:
-            raise TypeError("_outlined_call: more than one value returned")
-        llvm.ReturnOp(arg=res_vals[0] if res_vals else None)
-    ret = res_vals[0].type if res_vals else None
-    fop.attributes["function_type"] = ir.TypeAttr.get(
-        llvm.FunctionType.get(ret if ret is not None else ir.Type.parse("!llvm.void"), in_types))
-    call = llvm.CallOp(ret, flat, [], [], callee=ir.FlatSymbolRefAttr.get(sym), no_inline=True)
-    return res_rb(list(call.results))
 
 
 def _int32_bit(b: int) -> int:
@@ -670,9 +583,9 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
     _NR_FFMA_TEST = False
     #: Compile time, off (docs/tuning.md 2.38): with ``nan_safe_v_method="recompute"``, the cold path
     #: (:meth:`_recompute_warp`) is a separate function that is not inlined (:meth:`_recompute_outlined`,
-    #: :func:`_outlined_call`: an ``llvm.func`` marked ``no_inline``, PTX ``.func`` + ``call``), called with the
-    #: accumulator's values and returning them, so its code is out of the kernel body's. The same results. Not with
-    #: :attr:`_NR_TRIVIAL_COLD_PATH` (which replaces the cold path).
+    #: :func:`~.outline.outlined_call`: an ``llvm.func`` marked ``no_inline``, PTX ``.func`` + ``call``), called with
+    #: the accumulator's values and returning them, so its code is out of the kernel body's. The same results. Not
+    #: with :attr:`_NR_TRIVIAL_COLD_PATH` (which replaces the cold path).
     _NR_COLD_NOINLINE = False
 
     def __init__(self, *args, prefix_window: bool = False, kv_page_size: Optional[int] = None, lpt: bool = True,
@@ -1606,14 +1519,14 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
     def _recompute_outlined(self, acc_O: cute.Tensor, lse: cute.Tensor, tOcO: cute.Tensor, tidx: Int32,
                             seqlen: MixedSeqlenInfoQK, m_block: Int32, head_idx: Int32, batch_idx: Int32):
         """:attr:`_NR_COLD_NOINLINE`'s cold path: :meth:`_recompute_warp` in a function of its own
-        (:func:`_outlined_call`), the same results. Everything goes in as integers and floats: the accumulator and
-        the LSE as their values (the function's own register tensors hold them; the accumulator comes back), the
-        thread index (the accumulator's coordinates are partitioned anew from FA4's P V MMA), the stash's
+        (:func:`~.outline.outlined_call`), the same results. Everything goes in as integers and floats: the
+        accumulator and the LSE as their values (the function's own register tensors hold them; the accumulator comes
+        back), the thread index (the accumulator's coordinates are partitioned anew from FA4's P V MMA), the stash's
         shared-memory address, the softmax scale, the block info's and the sequence info's values (the caller's:
         there is no mainloop inside for LLVM to share them with). While the body is traced, ``self``'s kernel values
         that the cold path reads are swapped for the function's (the tensors for stand-ins with their static
-        structure, :class:`_StaticTensor`: the stash holds their addresses and dynamic strides). ``tOcO``: the
-        caller's accumulator coordinates, whose static layout the function's own must equal (checked at trace time).
+        structure, :class:`~.outline.StaticTensor`: the stash holds their addresses and dynamic strides). ``tOcO``:
+        the caller's accumulator coordinates, whose static layout the function's own must equal (checked at trace time).
 
         Raises:
             AssertionError: (trace time) the coordinates partitioned inside are laid out otherwise than ``tOcO``."""
@@ -1624,7 +1537,7 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         acc_ss = (acc_O.layout.shape, acc_O.layout.stride)
         lse_ss = (lse.layout.shape, lse.layout.stride)
         names = ("_nr_q", "_nr_k", "_mV", "_mPageTable", "_nr_count")
-        stand_ins = tuple(None if getattr(self, n) is None else _StaticTensor.of(getattr(self, n)) for n in names)
+        stand_ins = tuple(None if getattr(self, n) is None else StaticTensor.of(getattr(self, n)) for n in names)
 
         def body(acc_vals, lse_vals, tidx_, seqlen_, m_block_, head_idx_, batch_idx_, scale_, bi_, slots_addr):
             saved = (self._softmax_scales, self._nr_block_info, self._nr_slots, self._nr_outlined)
@@ -1652,7 +1565,7 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
                 for n, t in zip(names, saved_tensors):
                     setattr(self, n, t)
 
-        acc_O.store(_outlined_call("blockdiff_nr_cold_path", body, acc_O.load(), lse.load(), tidx, seqlen, m_block,
+        acc_O.store(outlined_call("blockdiff_nr_cold_path", body, acc_O.load(), lse.load(), tidx, seqlen, m_block,
                                    head_idx, batch_idx, scale_log2, self._nr_block_info,
                                    self._nr_slots.iterator.toint()))
 
