@@ -111,9 +111,7 @@ from typing import Callable, Optional
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32, const_expr, pipeline
-from cutlass._mlir.dialects import llvm
 from cutlass.base_dsl.dsl import BaseDSL
-from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.cute.nvgpu import cpasync
 
 from quack import copy_utils, layout_utils
@@ -136,6 +134,7 @@ from flash_attn.cute.utils import AuxData
 
 from .config import page_box_tma_ok
 from .outline import StaticTensor, outlined_call
+from .ptx import barrier_or, fma_zero, is_finite_f32, opaque
 
 
 @cute.jit
@@ -197,21 +196,6 @@ NR_STASH_SLOTS = 24
 NAN_TAG_BASE = 0x4E614E00
 
 
-@dsl_user_op
-def barrier_or(pred: Int32, barrier_id: Int32, number_of_threads: int, *, loc=None, ip=None) -> Int32:
-    """``bar.red.or.pred`` over a named barrier: every participating thread gets 1 when any passed a non-zero
-    ``pred`` (and the barrier orders their prior shared-memory accesses, as ``bar.sync`` does)."""
-    return Int32(llvm.inline_asm(
-        T.i32(),
-        [Int32(pred).ir_value(loc=loc, ip=ip), Int32(barrier_id).ir_value(loc=loc, ip=ip)],
-        "{\n.reg .pred p, q;\nsetp.ne.u32 p, $1, 0;\n"
-        f"bar.red.or.pred q, $2, {int(number_of_threads)}, p;\n"
-        "selp.u32 $0, 1, 0, q;\n}",
-        "=r,r,r",
-        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-    ))
-
-
 def _row_coord(x, wide: bool):
     """A cache / Q row or page coordinate of the cold paths: Int64 when the kernel was built for tensors of 2^31 or
     more elements (``wide_offsets``: the offset ``coordinate x stride`` must not wrap in 32 bits), else as it is
@@ -219,45 +203,9 @@ def _row_coord(x, wide: bool):
     return cutlass.Int64(x) if wide else x
 
 
-@dsl_user_op
-def _opaque(x: Int32, *, loc=None, ip=None) -> Int32:
-    """``x`` through an inline-asm ``mov``: the same value, which LLVM cannot relate to ``x``, so it does not merge
-    what is computed from it with what the mainloop computed from ``x`` (ptxas folds the move). The recompute's
-    cold path takes the tile's indices through it (:meth:`FlashAttentionForwardSm90Mixed._nonfinite_recompute`)."""
-    return Int32(llvm.inline_asm(
-        T.i32(), [Int32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=r,r",
-        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-    ))
-
-
-@dsl_user_op
-def _fma_zero(x: Float32, s: Float32, *, loc=None, ip=None) -> Float32:
-    """``x * 0 + s`` in one ``fma.rn.f32`` (inline asm, so neither LLVM nor the DSL folds ``x * 0`` to 0): ``s`` (a
-    zero) for a finite ``x``, NaN for a NaN or +-Inf one (IEEE ``0 * Inf`` is NaN), and NaN for a NaN ``s``. So a
-    chain of them over entries, from 0, is NaN iff an entry is non-finite (the recompute's FFMA test,
-    :attr:`FlashAttentionForwardSm90Mixed._NR_FFMA_TEST`)."""
-    return Float32(llvm.inline_asm(
-        T.f32(), [Float32(x).ir_value(loc=loc, ip=ip), Float32(s).ir_value(loc=loc, ip=ip)],
-        "fma.rn.f32 $0, $1, 0f00000000, $2;", "=f,f,f",
-        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-    ))
-
-
 def _int32_bit(b: int) -> int:
     """Bit ``b`` (0-31) of an Int32 as a Python int in the int32 range (bit 31: -2^31)."""
     return -(1 << 31) if b == 31 else 1 << b
-
-
-@dsl_user_op
-def is_finite_f32(x: Float32, *, loc=None, ip=None) -> Int32:
-    """1 when ``x`` is finite (``testp.finite``), 0 for NaN / +-Inf."""
-    return Int32(llvm.inline_asm(
-        T.i32(),
-        [Float32(x).ir_value(loc=loc, ip=ip)],
-        "{\n.reg .pred p;\ntestp.finite.f32 p, $1;\nselp.u32 $0, 1, 0, p;\n}",
-        "=r,f",
-        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-    ))
 
 
 @dataclass(frozen=True)
@@ -561,7 +509,7 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
     #: barrier across them would undo it).
     _CLEAN_SPLIT_ACROSS_WG = False
     #: Compile time, with ``nan_safe_v_method="recompute"`` at head dims above 128: the epilogue test and cold path
-    #: take the tile's indices through :func:`_opaque` and the cold path loads the sequence info anew
+    #: take the tile's indices through :func:`opaque` and the cold path loads the sequence info anew
     #: (:meth:`_nonfinite_recompute`). On for this (unsplit) class; kernel_split.py's classes turn it off, and it does
     #: not act at hd 128, where it lengthened the compiled key-block loops (docs/tuning.md 2.36).
     _NR_FRESH_TILE_VALUES = True
@@ -576,7 +524,7 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
     #: from the kernel parameter instead.
     _NR_NO_STASH = False
     #: Compile time, off (docs/tuning.md 2.38): with ``nan_safe_v_method="recompute"``, the epilogue test is a chain of
-    #: ``fma(x, 0, s)`` per accumulator entry (:func:`_fma_zero`, one FFMA on the FP32 pipe) instead of an AND with
+    #: ``fma(x, 0, s)`` per accumulator entry (:func:`fma_zero`, one FFMA on the FP32 pipe) instead of an AND with
     #: the exponent mask and an integer max (LOP3 + VIMNMX3, ALU pipe); :data:`NR_FFMA_CHAINS` chains per row, summed,
     #: then one NaN test a row. The same flag (exact: NaN iff an entry of a real row is NaN / +-Inf), so results are
     #: the same; only the instructions differ.
@@ -1493,14 +1441,14 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         saw no such key. The test is one AND and one integer max per entry (an exponent of all ones,
         :meth:`_nr_mask_test`), or with :attr:`_NR_FFMA_TEST` one FFMA per entry (:meth:`_nr_ffma_test`), the same
         flag; the cold path inline, or with :attr:`_NR_COLD_NOINLINE` a call (:meth:`_recompute_outlined`)."""
-        # The tile's indices as values LLVM cannot relate to the mainloop's (_opaque), and the sequence info loaded
+        # The tile's indices as values LLVM cannot relate to the mainloop's (opaque), and the sequence info loaded
         # anew in the cold path (_recompute_warp): otherwise LLVM reuses the mainloop's key-block range and sequence
         # values there, which ptxas then holds across the key-block loops, and the unsplit hd-256 launch's interior
         # loop recomputed its wgmma descriptors in the loop (docs/tuning.md 2.34, 2.36)
         if const_expr(self._nr_fresh_tile_values()):
-            m_block = _opaque(m_block)
-            head_idx = _opaque(head_idx)
-            batch_idx = _opaque(batch_idx)
+            m_block = opaque(m_block)
+            head_idx = opaque(head_idx)
+            batch_idx = opaque(batch_idx)
         qpk = self.qhead_per_kvhead if const_expr(self.pack_gqa) else 1
         tOcO = layout_utils.reshape_acc_to_mn(
             tiled_mma.get_slice(tidx).partition_C(cute.make_identity_tensor((self.tile_m, self.tile_hdimv))))
@@ -1613,7 +1561,7 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
                 if const_expr(self.check_hdim_v_oob):  # a padded value column is no output (nor evidence)
                     if tOcO[r, c][1] >= head_dim_v:
                         x = Float32(0.0)
-                sums[c % chains] = _fma_zero(x, sums[c % chains])
+                sums[c % chains] = fma_zero(x, sums[c % chains])
             s = sums[0]
             for j in cutlass.range_constexpr(1, chains):
                 s = s + sums[j]

@@ -40,16 +40,12 @@ from quack import layout_utils
 
 from .config import MAX_CLUSTER_SPLITS
 from .kernel_split import FlashAttentionForwardSm90MixedSplit, FlashAttentionForwardSm90WideVSplit
+from .ptx import asm as _asm
 
 _LOG2_E = math.log2(math.e)
 
 
 # --- shared / distributed shared memory, 32-bit shared addresses ------------------------------------------------
-def _asm(ret, args, text, constraints, side_effects, loc, ip):
-    return llvm.inline_asm(ret, args, text, constraints, has_side_effects=side_effects, is_align_stack=False,
-                           asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-
-
 @dsl_user_op
 def st_shared_f32x2(addr: Int32, a: Float32, b: Float32, *, loc=None, ip=None) -> None:
     """``st.shared.v2.f32`` at a shared-window address (8-byte aligned)."""
