@@ -166,8 +166,9 @@ def sass_loops(sass: str, require: str = "HGMMA") -> list[dict]:
 
 
 #: The instructions of the recompute's epilogue test (:func:`sass_epilogue_test`): (name, opcode regex, operand
-#: regex or None). The default test's AND with the fp32 exponent mask and its integer max (ptxas folds pairs of maxes
-#: into ``VIMNMX3``), the FFMA test's ``x * 0 + s`` (``_NR_FFMA_TEST``: an ``RZ`` factor).
+#: regex or None). The mask test's AND with the fp32 exponent mask and its integer max (ptxas folds pairs of maxes
+#: into ``VIMNMX3``; the test before docs/tuning.md 2.39, counted so that a build with it shows), the FFMA test's
+#: ``x * 0 + s`` (``FlashAttentionForwardSm90Mixed._nr_ffma_test``: an ``RZ`` factor).
 EPILOGUE_TEST_OPS = (
     ("LOP3 exponent mask", r"LOP3\b", r"0x7f800000"),
     ("integer max", r"V?IMNMX", None),

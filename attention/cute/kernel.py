@@ -133,7 +133,6 @@ from flash_attn.cute.tile_scheduler import SingleTileVarlenScheduler
 from flash_attn.cute.utils import AuxData
 
 from .config import page_box_tma_ok
-from .outline import StaticTensor, outlined_call
 from .ptx import barrier_or, fma_zero, is_finite_f32, opaque
 
 
@@ -176,10 +175,11 @@ NAN_CLEAN_BARRIER_WG1 = 12
 #: warpgroup of FA4's consumer (id 15; the roles kernel's own use of 15 is another kernel).
 NAN_CLEAN_BARRIER_ALL = 15
 
-#: fp32 exponent bits: an entry is NaN / +-Inf iff ``bits & F32_EXP_MASK == F32_EXP_MASK`` (the recompute's test).
+#: fp32 exponent bits: an entry is NaN / +-Inf iff ``bits & F32_EXP_MASK == F32_EXP_MASK`` (the recompute's cold path
+#: marks the entries it rewrites by it).
 F32_EXP_MASK = 0x7F800000
-#: Independent ``fma(x, 0, s)`` chains per accumulator row of the recompute's FFMA test
-#: (:attr:`FlashAttentionForwardSm90Mixed._NR_FFMA_TEST`): fewer are longer dependency chains, more are more
+#: Independent ``fma(x, 0, s)`` chains per accumulator row of the recompute's epilogue test
+#: (:meth:`FlashAttentionForwardSm90Mixed._nr_ffma_test`): fewer are longer dependency chains, more are more
 #: registers and sums.
 NR_FFMA_CHAINS = 4
 #: log2(e), natural-log LSEs to base 2 (the recompute's P = exp2(S * scale_log2 - lse * LOG2_E)).
@@ -523,18 +523,6 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
     #: stash writes at the consumers' entry (:meth:`_stash_write`); the trivial cold path takes the counter's address
     #: from the kernel parameter instead.
     _NR_NO_STASH = False
-    #: Compile time, off (docs/tuning.md 2.38): with ``nan_safe_v_method="recompute"``, the epilogue test is a chain of
-    #: ``fma(x, 0, s)`` per accumulator entry (:func:`fma_zero`, one FFMA on the FP32 pipe) instead of an AND with
-    #: the exponent mask and an integer max (LOP3 + VIMNMX3, ALU pipe); :data:`NR_FFMA_CHAINS` chains per row, summed,
-    #: then one NaN test a row. The same flag (exact: NaN iff an entry of a real row is NaN / +-Inf), so results are
-    #: the same; only the instructions differ.
-    _NR_FFMA_TEST = False
-    #: Compile time, off (docs/tuning.md 2.38): with ``nan_safe_v_method="recompute"``, the cold path
-    #: (:meth:`_recompute_warp`) is a separate function that is not inlined (:meth:`_recompute_outlined`,
-    #: :func:`~.outline.outlined_call`: an ``llvm.func`` marked ``no_inline``, PTX ``.func`` + ``call``), called with
-    #: the accumulator's values and returning them, so its code is out of the kernel body's. The same results. Not
-    #: with :attr:`_NR_TRIVIAL_COLD_PATH` (which replaces the cold path).
-    _NR_COLD_NOINLINE = False
 
     def __init__(self, *args, prefix_window: bool = False, kv_page_size: Optional[int] = None, lpt: bool = True,
                  nan_safe_v: bool = False, batch_order: str = "given", v_refill: str = "one_warp",
@@ -585,7 +573,6 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         # the recompute's trace-time hand-offs (kernel() / mma())
         self._nr_q = self._nr_k = self._nr_count = self._nr_block_info = self._nr_slots = None
         self._nr_seqlen_cls = None
-        self._nr_outlined = False  # trace time: tracing the body of _recompute_outlined's function
         # Paged TMA (any page size page_box_tma_ok accepts): K / V stages filled box by box (_PageBoxTmaAtoms).
         self.kv_page_size = None
         self.kv_box_rows = None
@@ -1438,9 +1425,7 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         Why it is complete (2.32): a key a row may not see has P = 0 in the P V wgmma, so a NaN / Inf in its V row
         makes that column NaN in every row of the warpgroup (IEEE ``0 * NaN``, ``0 * Inf``), and no later step
         makes a non-finite entry finite again (the rescales multiply by finite factors); a finite entry therefore
-        saw no such key. The test is one AND and one integer max per entry (an exponent of all ones,
-        :meth:`_nr_mask_test`), or with :attr:`_NR_FFMA_TEST` one FFMA per entry (:meth:`_nr_ffma_test`), the same
-        flag; the cold path inline, or with :attr:`_NR_COLD_NOINLINE` a call (:meth:`_recompute_outlined`)."""
+        saw no such key. The test is one FFMA per entry (:meth:`_nr_ffma_test`)."""
         # The tile's indices as values LLVM cannot relate to the mainloop's (opaque), and the sequence info loaded
         # anew in the cold path (_recompute_warp): otherwise LLVM reuses the mainloop's key-block range and sequence
         # values there, which ptxas then holds across the key-block loops, and the unsplit hd-256 launch's interior
@@ -1452,101 +1437,28 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         qpk = self.qhead_per_kvhead if const_expr(self.pack_gqa) else 1
         tOcO = layout_utils.reshape_acc_to_mn(
             tiled_mma.get_slice(tidx).partition_C(cute.make_identity_tensor((self.tile_m, self.tile_hdimv))))
-        if const_expr(self._NR_FFMA_TEST):
-            bad = self._nr_ffma_test(acc_O, tOcO, seqlen, m_block, qpk)
-        else:
-            bad = self._nr_mask_test(acc_O, tOcO, seqlen, m_block, qpk)
+        bad = self._nr_ffma_test(acc_O, tOcO, seqlen, m_block, qpk)
         if cute.arch.vote_any_sync(bad != 0):
             if const_expr(self._NR_TRIVIAL_COLD_PATH):  # timing only: WRONG results on non-finite V (2.37)
                 self._trivial_cold_path()
-            elif const_expr(self._NR_COLD_NOINLINE):
-                self._recompute_outlined(acc_O, lse, tOcO, tidx, seqlen, m_block, head_idx, batch_idx)
             else:
                 self._recompute_warp(acc_O, lse, tOcO, seqlen, m_block, head_idx, batch_idx)
-
-    def _recompute_outlined(self, acc_O: cute.Tensor, lse: cute.Tensor, tOcO: cute.Tensor, tidx: Int32,
-                            seqlen: MixedSeqlenInfoQK, m_block: Int32, head_idx: Int32, batch_idx: Int32):
-        """:attr:`_NR_COLD_NOINLINE`'s cold path: :meth:`_recompute_warp` in a function of its own
-        (:func:`~.outline.outlined_call`), the same results. Everything goes in as integers and floats: the
-        accumulator and the LSE as their values (the function's own register tensors hold them; the accumulator comes
-        back), the thread index (the accumulator's coordinates are partitioned anew from FA4's P V MMA), the stash's
-        shared-memory address, the softmax scale, the block info's and the sequence info's values (the caller's:
-        there is no mainloop inside for LLVM to share them with). While the body is traced, ``self``'s kernel values
-        that the cold path reads are swapped for the function's (the tensors for stand-ins with their static
-        structure, :class:`~.outline.StaticTensor`: the stash holds their addresses and dynamic strides). ``tOcO``:
-        the caller's accumulator coordinates, whose static layout the function's own must equal (checked at trace time).
-
-        Raises:
-            AssertionError: (trace time) the coordinates partitioned inside are laid out otherwise than ``tOcO``."""
-        scale_log2 = self._softmax_scales[0]
-        coord_layout = str(tOcO.layout)
-        # the register tensors' layouts are static: rebuilt inside from their shapes and strides (the body cannot
-        # use the caller's layout values)
-        acc_ss = (acc_O.layout.shape, acc_O.layout.stride)
-        lse_ss = (lse.layout.shape, lse.layout.stride)
-        names = ("_nr_q", "_nr_k", "_mV", "_mPageTable", "_nr_count")
-        stand_ins = tuple(None if getattr(self, n) is None else StaticTensor.of(getattr(self, n)) for n in names)
-
-        def body(acc_vals, lse_vals, tidx_, seqlen_, m_block_, head_idx_, batch_idx_, scale_, bi_, slots_addr):
-            saved = (self._softmax_scales, self._nr_block_info, self._nr_slots, self._nr_outlined)
-            saved_tensors = tuple(getattr(self, n) for n in names)
-            self._softmax_scales = (scale_, None)
-            self._nr_block_info, self._nr_outlined = bi_, True
-            self._nr_slots = cute.make_tensor(
-                cute.make_ptr(cutlass.Int64, slots_addr, cute.AddressSpace.smem, assumed_align=8),
-                cute.make_layout((NR_STASH_SLOTS,)))
-            for n, t in zip(names, stand_ins):
-                setattr(self, n, t)
-            try:
-                acc = cute.make_rmem_tensor(cute.make_layout(acc_ss[0], stride=acc_ss[1]), acc_O.element_type)
-                acc.store(acc_vals)
-                lse_ = cute.make_rmem_tensor(cute.make_layout(lse_ss[0], stride=lse_ss[1]), lse.element_type)
-                lse_.store(lse_vals)
-                tiled_mma_pv = self._get_tiled_mma()[1]
-                tOcO_ = layout_utils.reshape_acc_to_mn(tiled_mma_pv.get_slice(tidx_).partition_C(
-                    cute.make_identity_tensor((self.tile_m, self.tile_hdimv))))
-                assert str(tOcO_.layout) == coord_layout, (str(tOcO_.layout), coord_layout)
-                self._recompute_warp(acc, lse_, tOcO_, seqlen_, m_block_, head_idx_, batch_idx_)
-                return acc.load()
-            finally:
-                self._softmax_scales, self._nr_block_info, self._nr_slots, self._nr_outlined = saved
-                for n, t in zip(names, saved_tensors):
-                    setattr(self, n, t)
-
-        acc_O.store(outlined_call("blockdiff_nr_cold_path", body, acc_O.load(), lse.load(), tidx, seqlen, m_block,
-                                   head_idx, batch_idx, scale_log2, self._nr_block_info,
-                                   self._nr_slots.iterator.toint()))
-
-    @cute.jit
-    def _nr_mask_test(self, acc_O: cute.Tensor, tOcO: cute.Tensor, seqlen: MixedSeqlenInfoQK, m_block: Int32,
-                      qpk: cutlass.Constexpr[int]) -> Int32:
-        """The default epilogue test: 1 when an entry of this thread's real rows (value columns below ``head_dim_v``)
-        has an exponent of all ones (one AND and one integer max an entry)."""
-        acc_bits = layout_utils.reshape_acc_to_mn(cute.recast_tensor(acc_O, Int32))
-        head_dim_v = self._head_dims[1]
-        bad = Int32(0)
-        for r in cutlass.range_constexpr(cute.size(tOcO, mode=[0])):
-            e = Int32(0)
-            for c in cutlass.range_constexpr(cute.size(tOcO, mode=[1])):
-                x = acc_bits[r, c] & Int32(F32_EXP_MASK)
-                if const_expr(self.check_hdim_v_oob):  # a padded value column is no output (nor evidence)
-                    if tOcO[r, c][1] >= head_dim_v:
-                        x = Int32(0)
-                e = cutlass.max(e, x)
-            token = (m_block * self.tile_m + tOcO[r, 0][0]) // qpk
-            if e == Int32(F32_EXP_MASK):
-                if token < seqlen.seqlen_q:
-                    bad = Int32(1)
-        return bad
 
     @cute.jit
     def _nr_ffma_test(self, acc_O: cute.Tensor, tOcO: cute.Tensor, seqlen: MixedSeqlenInfoQK, m_block: Int32,
                       qpk: cutlass.Constexpr[int]) -> Int32:
-        """:attr:`_NR_FFMA_TEST`'s epilogue test, the same flag as :meth:`_nr_mask_test`: per row
-        :data:`NR_FFMA_CHAINS` chains ``s = fma(x, 0, s)`` from 0 over the row's entries (columns ``c`` with
-        ``c % chains == j``), summed; ``x * 0`` is +-0 for a finite ``x`` and NaN for a NaN / +-Inf one, and a sum of
-        zeros is a zero, so the row's sum is NaN iff an entry is non-finite (never Inf). A padded value column (past
-        ``head_dim_v``) adds 0."""
+        """The recompute's epilogue test: 1 when an entry of this thread's real rows (``token < seqlen_q``; value
+        columns below ``head_dim_v``) is NaN / +-Inf. Per row :data:`NR_FFMA_CHAINS` chains ``s = fma(x, 0, s)`` from
+        0 over the row's entries (columns ``c`` with ``c % chains == j``; :func:`fma_zero`, inline asm so that
+        ``x * 0`` is not folded), summed, then one finiteness test a row. A padded value column (past ``head_dim_v``)
+        adds 0.
+
+        Exact (docs/tuning.md 2.38, 2.39): ``x * 0`` is +-0 for every finite ``x`` (subnormal or near FLT_MAX) and NaN
+        for a NaN / +-Inf one, a sum of zeros is a zero and NaN propagates, so the row's sum is NaN iff an entry is
+        non-finite (never Inf): the same flag as testing each entry's exponent for all ones, bit for bit the same
+        decisions. Why FFMA rather than that mask test (an AND with :data:`F32_EXP_MASK` and an integer max an entry):
+        one FFMA an entry on the FP32 pipe, beside FA4's normalisation, instead of two integer instructions an entry
+        on the ALU pipe, which issues at half the FP32 pipe's rate on Hopper."""
         acc = layout_utils.reshape_acc_to_mn(acc_O)
         head_dim_v = self._head_dims[1]
         n_cols = cute.size(tOcO, mode=[1])
@@ -1609,7 +1521,7 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         n_cols = cute.size(tOcO, mode=[1])
         n_words = (n_cols + 31) // 32
         bi = self._nr_block_info
-        if const_expr(self._nr_fresh_tile_values() and not self._nr_outlined):
+        if const_expr(self._nr_fresh_tile_values()):
             seqlen = self._nr_seqlen_cls(batch_idx)  # loaded anew (the same values): see _nonfinite_recompute
         n_min, n_max = bi.get_n_block_min_max(seqlen, m_block)
         k0 = n_min * self.tile_n

@@ -45,8 +45,8 @@ def opaque(x: Int32, *, loc=None, ip=None) -> Int32:
 def fma_zero(x: Float32, s: Float32, *, loc=None, ip=None) -> Float32:
     """``x * 0 + s`` in one ``fma.rn.f32`` (inline asm, so neither LLVM nor the DSL folds ``x * 0`` to 0): ``s`` (a
     zero) for a finite ``x``, NaN for a NaN or +-Inf one (IEEE ``0 * Inf`` is NaN), and NaN for a NaN ``s``. So a
-    chain of them over entries, from 0, is NaN iff an entry is non-finite (the recompute's FFMA test,
-    ``FlashAttentionForwardSm90Mixed._NR_FFMA_TEST``)."""
+    chain of them over entries, from 0, is NaN iff an entry is non-finite (the recompute's epilogue test,
+    ``FlashAttentionForwardSm90Mixed._nr_ffma_test``)."""
     return Float32(asm(
         T.f32(), [Float32(x).ir_value(loc=loc, ip=ip), Float32(s).ir_value(loc=loc, ip=ip)],
         "fma.rn.f32 $0, $1, 0f00000000, $2;", "=f,f,f", False,

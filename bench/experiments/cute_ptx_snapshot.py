@@ -31,13 +31,13 @@ the recompute at hd 256 and the scan at hd 128), on by the scan (``scan_``, ``na
 default before 2.35), and by the scan with the config's ``skip_allowed_first`` True (``skipfirst_``, 2.27; until 2.30
 the class attribute ``_SKIP_ALLOWED_FIRST``, same PTX) or False (``noskip_``), and with the experiment class attribute
 ``_CLEAN_SPLIT_ACROSS_WG`` (``splitscan_``, 2.31), and with ``nan_safe_v_method="recompute"`` (``recompute_``, 2.34:
-its key-block loops must equal ``nanoff_``'s), the recompute with the timing-only trivial cold path
-(``trivialcold_``, ``_NR_TRIVIAL_COLD_PATH``, 2.37) and also without the stash writes (``nostash_``, ``_NR_NO_STASH``;
-both switches exist from 2.37 on), the recompute with its epilogue test as FFMA chains (``ffmatest_``,
-``_NR_FFMA_TEST``, 2.38), that test with the trivial cold path (``ffmatrivial_``), the cold path as a function that is
-not inlined (``noinline_``, ``_NR_COLD_NOINLINE``, 2.38) and both (``ffmanoinline_``; these exist from 2.38 on); the
-scan variants name ``nan_safe_v_method``, so a tree from before
-2.34 compiles only ``nanoff_`` and the defaults;
+its key-block loops must equal ``nanoff_``'s; its epilogue test is the FFMA chains since 2.39, before that the mask
+test), the recompute with the timing-only trivial cold path (``trivialcold_``, ``_NR_TRIVIAL_COLD_PATH``, 2.37) and
+also without the stash writes (``nostash_``, ``_NR_NO_STASH``; both switches exist from 2.37 on); 2.38's two
+switches (the FFMA test, now the only one, and the out-of-line cold path, refuted) left with their specs
+``ffmatest_``, ``ffmatrivial_``, ``noinline_`` and ``ffmanoinline_`` (2.39: ``ffmatest_`` / ``ffmatrivial_`` of a
+tree before it compile what ``recompute_`` / ``trivialcold_`` compile after); the scan variants name
+``nan_safe_v_method``, so a tree from before 2.34 compiles only ``nanoff_`` and the defaults;
 the clean-up placements under a GEMM that ``cleanpv_`` / ``owncall_`` / ``both_`` compiled were removed (2.30). A
 switch ``"Class.ATTR"`` names a class of ``kernel.py``, a bare ``"ATTR"`` the roles kernel's. ``snapshot --only
 SUBSTR`` picks specs by name, ``list`` prints them. ``summary.json`` also keeps each kernel's spills by role, its
@@ -85,12 +85,6 @@ SPLIT_SCAN = {"FlashAttentionForwardSm90Mixed._CLEAN_SPLIT_ACROSS_WG": True}  # 
 #: the recompute with a trivial cold path (timing only: wrong on non-finite V), and also without the stash (2.37)
 TRIVIAL_COLD = {"FlashAttentionForwardSm90Mixed._NR_TRIVIAL_COLD_PATH": True}
 TRIVIAL_NO_STASH = dict(TRIVIAL_COLD, **{"FlashAttentionForwardSm90Mixed._NR_NO_STASH": True})
-#: the recompute's epilogue test as FFMA chains (2.38), alone and with the trivial cold path (its lower bound)
-FFMA_TEST = {"FlashAttentionForwardSm90Mixed._NR_FFMA_TEST": True}
-FFMA_TRIVIAL = dict(FFMA_TEST, **TRIVIAL_COLD)
-#: the recompute's cold path as a function of its own (not inlined, 2.38), alone and with the FFMA test
-COLD_NOINLINE = {"FlashAttentionForwardSm90Mixed._NR_COLD_NOINLINE": True}
-FFMA_NOINLINE = dict(FFMA_TEST, **COLD_NOINLINE)
 
 #: FA4-consumer launches as ``config.resolve_launch_config`` resolves them for the bench's workloads (page 64, no LSE)
 _SLIDING = dict(head_dim=256, num_heads=16, num_kv_heads=8, page_size=64, window_size=1023,
@@ -175,11 +169,7 @@ SPECS = {
            ("splitscan_", True, dict(switches=SPLIT_SCAN, nan_safe_v_method="scan")),
            ("recompute_", True, dict(nan_safe_v_method="recompute")),
            ("trivialcold_", True, dict(switches=TRIVIAL_COLD, nan_safe_v_method="recompute")),
-           ("nostash_", True, dict(switches=TRIVIAL_NO_STASH, nan_safe_v_method="recompute")),
-           ("ffmatest_", True, dict(switches=FFMA_TEST, nan_safe_v_method="recompute")),
-           ("ffmatrivial_", True, dict(switches=FFMA_TRIVIAL, nan_safe_v_method="recompute")),
-           ("noinline_", True, dict(switches=COLD_NOINLINE, nan_safe_v_method="recompute")),
-           ("ffmanoinline_", True, dict(switches=FFMA_NOINLINE, nan_safe_v_method="recompute")))
+           ("nostash_", True, dict(switches=TRIVIAL_NO_STASH, nan_safe_v_method="recompute")))
        for name, spec in _MIXED_SPECS.items()},
 }
 

@@ -1,23 +1,22 @@
-"""The recompute's two exact switches of docs/tuning.md 2.38: ``FlashAttentionForwardSm90Mixed._NR_FFMA_TEST`` (the
-epilogue test as ``fma(x, 0, s)`` chains instead of an AND with the exponent mask and an integer max) and
-``_NR_COLD_NOINLINE`` (the cold path as a function that is not inlined: an ``llvm.func`` marked ``no_inline``, PTX
-``.func`` + ``call``). Both off by default, so the default kernels' PTX is the one built without them (checked with
-``cute_ptx_snapshot compare`` against the commit before, 2.38).
+"""The recompute's epilogue test as ``fma(x, 0, s)`` chains (``FlashAttentionForwardSm90Mixed._nr_ffma_test``):
+docs/tuning.md 2.38 built it as a switch beside a cold path out of line; 2.39 made it the only test (faster on the
+H100, bit-identical outputs) and removed the out-of-line cold path (refuted). The default kernels' PTX at hd <= 256
+with the recompute is the switch's PTX of before (checked with ``cute_ptx_snapshot`` against the commit before, 2.39).
 
-* CPU: both off, inherited by the split / cluster classes; the FFMA test's arithmetic is exact (the chain is NaN iff
-  an entry is NaN / +-Inf, never for a finite one however large or small; torch's fp32 stands in for ``fma.rn.f32``:
-  ``x * 0`` is exact, so the fused and unfused forms agree); the device script's A/B settings and shards; with the
-  CuTe DSL the unsplit hd-256 bench launch compiled with each switch (no spill; the loops' instruction mix of NaN-safe
-  V off; the FFMA test's 128 ``fma.rn.f32 ..., 0f00000000`` a thread in the PTX; the cold path a ``.func`` called
-  once) and both switches on launch kinds of the GPU tests' cases that the bench does not compile (PackGQA with
-  padded rows, a padded head dim, a split with FA4's combine, a cluster merge with a prefix window).
-* GPU: ``cute_mixed_switch.sh SWITCH=_NR_FFMA_TEST`` runs the recompute's own tests (test_cute_nan_recompute.py: the
-  reference's exact non-finite entries, finite caches bit for bit against NaN-safe V off with a counter of 0) and the
-  hd-256 NaN-safe V tests with both switches on in every call (switch_lib.sh's ``switch_run``).
+* CPU: the FFMA test's arithmetic is exact (the chain is NaN iff an entry is NaN / +-Inf, never for a finite one
+  however large or small; torch's fp32 stands in for ``fma.rn.f32``: ``x * 0`` is exact, so the fused and unfused
+  forms agree); with the CuTe DSL the split / cluster classes share the test, and the unsplit hd-256 bench launch at
+  the defaults compiles with the recompute: no spill; the loops' instruction mix of NaN-safe V off; 128
+  ``fma.rn.f32 ..., 0f00000000`` a thread in the PTX, and in SASS 128 FFMA tests and no AND with the exponent mask
+  before the epilogue's vote; no ``.func`` and no ``call`` (the cold path inline); and the recompute at the defaults
+  compiles on launch kinds of the GPU tests' cases that the bench does not compile (PackGQA with padded rows, a padded
+  head dim, a split with FA4's combine, a cluster merge with a prefix window).
+* GPU: the recompute's own tests (test_cute_nan_recompute.py: the reference's exact non-finite entries, finite caches
+  bit for bit against NaN-safe V off with a counter of 0) and the hd-256 NaN-safe V tests run the FFMA test, the
+  default.
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path
@@ -27,25 +26,25 @@ import torch
 
 from cute_helpers import HAVE_FA4
 
-M = "FlashAttentionForwardSm90Mixed"
-SCRIPT = Path(__file__).resolve().parents[3] / "bench" / "experiments" / "device" / "cute_mixed_switch.sh"
 _FA4 = pytest.mark.skipif(not HAVE_FA4, reason="imports the CuTe DSL kernel classes (flash-attn-4, "
                           "nvidia-cutlass-dsl)")
+_COMPILE = pytest.mark.skipif(not HAVE_FA4, reason="compiling needs flash-attn-4==4.0.0b36 and "
+                              "nvidia-cutlass-dsl==4.8.1")
+#: the FFMA test's inline asm (ptx.fma_zero) as it appears in the PTX
+TEST_FMA = re.compile(r"fma\.rn\.f32 %[rf]\d+, %[rf]\d+, 0f00000000, %[rf]\d+;")
+#: a PTX function other than the kernel (``.func``) or a call of one
+FUNC_OR_CALL = re.compile(r"^\s*(?:\.visible\s+|\.weak\s+)?\.func\b|^\s*(?:@!?%p\d+\s+)?call(?:\.uni)?\b", re.M)
 
 
 @_FA4
-def test_the_switches_are_off_by_default_and_reach_the_split_classes():
-    from blockdiff.attention.cute import compile_check as cchk
-    from blockdiff.attention.cute.kernel import FlashAttentionForwardSm90Mixed as Mixed
+def test_the_split_classes_share_the_ffma_test():
+    from blockdiff.attention.cute.kernel import NR_FFMA_CHAINS, FlashAttentionForwardSm90Mixed as Mixed
     from blockdiff.attention.cute.kernel_cluster import FlashAttentionForwardSm90MixedCluster
     from blockdiff.attention.cute.kernel_split import FlashAttentionForwardSm90MixedSplit
-    for attr in ("_NR_FFMA_TEST", "_NR_COLD_NOINLINE"):
-        assert getattr(Mixed, attr) is False
-        assert cchk.switch_target(f"{M}.{attr}") == (Mixed, attr)
-        for cls in (FlashAttentionForwardSm90MixedSplit, FlashAttentionForwardSm90MixedCluster):
-            assert attr not in vars(cls) and getattr(cls, attr) is False, (cls, attr)
-    from blockdiff.attention.cute.kernel import NR_FFMA_CHAINS
     assert NR_FFMA_CHAINS == 4  # the chain counts test_the_ffma_chain_is_nan_exactly_when_an_entry_is_nonfinite covers
+    for cls in (FlashAttentionForwardSm90MixedSplit, FlashAttentionForwardSm90MixedCluster):
+        for attr in ("_nonfinite_recompute", "_nr_ffma_test"):
+            assert getattr(cls, attr) is getattr(Mixed, attr), (cls, attr)
 
 
 def _chain(xs: torch.Tensor, chains: int) -> torch.Tensor:
@@ -80,55 +79,32 @@ def test_the_ffma_chain_is_nan_exactly_when_an_entry_is_nonfinite(chains):
                 assert math.isnan(s.item()), (v, pos, s)
 
 
-def _ab_setting(script: str) -> str:
-    m = re.search(r"^\s*AB_SWITCH='(\{\"ffma\".*\})'$", script, re.M)
-    assert m, "cute_mixed_switch.sh has no _NR_FFMA_TEST case"
-    return m.group(1).replace("'$M'", M)
+def test_the_func_or_call_pattern_finds_a_called_function():
+    """:data:`FUNC_OR_CALL`, which the compile tests require to find nothing, finds a PTX ``.func`` and its call."""
+    ptx = ".visible .func (.param .b32 r) f_1(\n.param .b32 a\n)\n{\n}\n\tcall.uni (retval0), f_1, (param0);\n"
+    assert len(FUNC_OR_CALL.findall(ptx)) == 2
+    assert not FUNC_OR_CALL.findall("\tfma.rn.f32 %f1, %f2, 0f00000000, %f3;\n.entry kernel_call_x(\n")
 
 
-@_FA4
-def test_the_device_scripts_ab_settings_time_off_ffma_noinline_and_trivial():
-    """``cute_mixed_switch.sh SWITCH=_NR_FFMA_TEST``'s switch argument as ``ab_roles_switch`` reads it: the off row
-    (the default recompute: all three switches at their defaults), one row per exact switch, and 2.37's trivial cold
-    path (tests/bench/experiments/test_mixed_switch_ab_args.py checks the rest of the A/B call and the shards)."""
-    from blockdiff.attention.cute.kernel import FlashAttentionForwardSm90Mixed as Mixed
-    from blockdiff.bench.experiments.ab_roles_switch import switch_settings
-    text = _ab_setting(SCRIPT.read_text())
-    json.loads(text)
-    got = switch_settings(text)
-    f, n, t = (Mixed, "_NR_FFMA_TEST"), (Mixed, "_NR_COLD_NOINLINE"), (Mixed, "_NR_TRIVIAL_COLD_PATH")
-    assert got == {"off": {f: False, n: False, t: False}, "ffma": {f: True, n: False, t: False},
-                   "noinline": {f: False, n: True, t: False}, "trivial": {f: False, n: False, t: True}}
-
-
-@pytest.mark.skipif(not HAVE_FA4, reason="compiling needs flash-attn-4==4.0.0b36 and nvidia-cutlass-dsl==4.8.1")
-def test_the_unsplit_hd256_launch_compiles_with_either_switch(tmp_path):
-    """``mixed_sliding_ctx8k``'s launch with the recompute (``cute_ptx_snapshot``'s ``ffmatest_`` / ``noinline_``)
-    against NaN-safe V off: no spill; the same loops with the same wgmma / exp2 / FMUL / barrier / load counts, no
-    local memory; the FFMA test's loops within 3 % of off's length, the out-of-line cold path's within 6 % (ptxas
-    keeps fewer values in the uniform registers across the call: docs/tuning.md 2.38); the FFMA test: one
-    ``fma.rn.f32 ..., 0f00000000`` per accumulator entry of a thread (2 rows x 64 columns) and, in SASS, no AND with
-    the exponent mask before the epilogue's vote; the cold path: a ``.func`` with one ``call`` of it."""
+@_COMPILE
+def test_the_unsplit_hd256_launch_compiles_with_the_ffma_test_at_the_defaults(tmp_path):
+    """``mixed_sliding_ctx8k``'s launch at the defaults (``cute_ptx_snapshot``'s spec without a prefix: "auto" takes
+    the recompute at hd 256) against NaN-safe V off: no spill; the same loops with the same wgmma / exp2 / FMUL /
+    barrier / load counts, no local memory, within 3 % of off's length; one ``fma.rn.f32 ..., 0f00000000`` per
+    accumulator entry of a thread (2 rows x 64 columns) and, in SASS, 128 FFMA tests and no AND with the exponent
+    mask nor an integer max before the epilogue's vote; the cold path inline (no ``.func``, no ``call``)."""
     from cute_helpers import assert_loops_like_off, compile_snapshot_specs
-    r = compile_snapshot_specs(tmp_path, "sliding_bench_mixed_ctx8k", ("nanoff_", "ffmatest_", "noinline_"))
-    off = r["nanoff_"]
-    ptx = {pre: Path(r[pre]["ptx_file"]).read_text() for pre in r}
-    for pre, slack in (("ffmatest_", 1.03), ("noinline_", 1.06)):
-        on = r[pre]
-        assert on["config"]["nan_safe_v_method"] == "recompute", on["config"]
-        assert on["spill_store_bytes"] == 0 and on["spill_load_bytes"] == 0, on
-        assert_loops_like_off(off, on, slack, label=pre)
+    r = compile_snapshot_specs(tmp_path, "sliding_bench_mixed_ctx8k", ("nanoff_", ""))
+    off, on = r["nanoff_"], r[""]
+    ptx = Path(on["ptx_file"]).read_text()
+    assert on["config"]["nan_safe_v_method"] == "recompute", on["config"]
+    assert on["spill_store_bytes"] == 0 and on["spill_load_bytes"] == 0, on
+    assert_loops_like_off(off, on, 1.03, label="default")
     assert off["epilogue_test"] is None
-    test_fma = re.compile(r"fma\.rn\.f32 %[rf]\d+, %[rf]\d+, 0f00000000, %[rf]\d+;")  # _fma_zero's inline asm
-    assert len(test_fma.findall(ptx["ffmatest_"])) == 128
-    assert r["ffmatest_"]["epilogue_test"]["LOP3 exponent mask"] == 0
-    assert r["ffmatest_"]["epilogue_test"]["FFMA x*0"] == 128
-    assert r["noinline_"]["epilogue_test"]["LOP3 exponent mask"] == 128  # the default test
-    assert not test_fma.search(ptx["noinline_"])
-    funcs = re.findall(r"^\.visible \.func .*?(blockdiff_nr_cold_path_\d+)\(", ptx["noinline_"], re.M)
-    assert funcs == ["blockdiff_nr_cold_path_1"], funcs
-    assert len(re.findall(r"call\.uni[^;]*blockdiff_nr_cold_path_1,", ptx["noinline_"])) == 1
-    assert "blockdiff_nr_cold_path" not in ptx["ffmatest_"]
+    assert len(TEST_FMA.findall(ptx)) == 128
+    test = on["epilogue_test"]
+    assert test["FFMA x*0"] == 128 and test["LOP3 exponent mask"] == 0 and test["integer max"] == 0, test
+    assert not FUNC_OR_CALL.findall(ptx)
 
 
 #: GPU-test launch kinds the bench's specs do not compile (test_cute_nan_recompute.py CASES): compile_only keywords
@@ -143,19 +119,18 @@ _OTHER_KINDS = {
 }
 
 
-@pytest.mark.skipif(not HAVE_FA4, reason="compiling needs flash-attn-4==4.0.0b36 and nvidia-cutlass-dsl==4.8.1")
+@_COMPILE
 @pytest.mark.parametrize("kind", list(_OTHER_KINDS))
-def test_both_switches_compile_on_the_gpu_tests_other_launch_kinds(kind, tmp_path):
-    """Both switches on (as the device script's shards run them): the launch compiles with the recompute, the FFMA
-    test and the called cold path (its trace-time check that the coordinates partitioned inside are laid out as the
-    caller's holds), without spills."""
+def test_the_recompute_compiles_on_the_gpu_tests_other_launch_kinds(kind, tmp_path):
+    """The recompute (the FFMA test, the cold path inline) compiles on each launch kind, without spills: the FFMA
+    test's inline asm in the PTX, no AND with the exponent mask in the epilogue's SASS, no ``.func`` / ``call``."""
     from cute_helpers import compile_for_sm90_or_skip
     spec = dict(_OTHER_KINDS[kind])
     spec["config"] = dict(spec.get("config", {}), nan_safe_v=True, nan_safe_v_method="recompute")
-    rep = compile_for_sm90_or_skip(ptx_dir=str(tmp_path), switches={f"{M}._NR_FFMA_TEST": True,
-                                                                    f"{M}._NR_COLD_NOINLINE": True}, **spec)
+    rep = compile_for_sm90_or_skip(ptx_dir=str(tmp_path), **spec)
     assert rep["config"]["nan_safe_v_method"] == "recompute", rep["config"]
     ptx = Path(rep["ptx_file"]).read_text()
-    assert len(re.findall(r"call\.uni[^;]*blockdiff_nr_cold_path_\d+,", ptx)) == 1
-    assert "0f00000000" in ptx
+    assert TEST_FMA.search(ptx)
+    assert not FUNC_OR_CALL.findall(ptx)
+    assert rep["epilogue_test"]["FFMA x*0"] > 0 and rep["epilogue_test"]["LOP3 exponent mask"] == 0, rep
     assert rep["spill_store_bytes"] == 0, rep

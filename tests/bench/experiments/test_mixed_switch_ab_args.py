@@ -77,36 +77,3 @@ def test_the_generic_class_switch_keeps_the_scan(tmp_path):
     ab = _ab(calls)
     assert ab["no_auto"] == "1"
     assert json.loads(ab["argv"][6]) == {"nan_safe": {"nan_safe_v": True, "nan_safe_v_method": "scan"}}
-
-
-@pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
-@pytest.mark.parametrize("switch", ["_NR_FFMA_TEST", "_NR_COLD_NOINLINE"])
-def test_the_exact_recompute_switches_run_the_recompute_tests_with_both_on_and_time_each(tmp_path, switch):
-    """``SWITCH=_NR_FFMA_TEST`` (docs/tuning.md 2.38; ``_NR_COLD_NOINLINE`` names the same case): three GPU shards
-    with both switches set on the kernel class before any compile (the recompute's own tests in two halves that
-    together are the whole file, the hd-256 NaN-safe V tests, whose "auto" is the recompute), then the A/B with the
-    recompute pinned: rows off / ffma / noinline / trivial beside NaN-safe V off, triton and FA4 on the two hd-256
-    launches."""
-    calls, _ = _calls(tmp_path, SWITCH=switch)
-    shards = [c for c in calls if c["argv"][0] == "-c" and "pytest.main" in c["argv"][1]]
-    assert len(shards) == 3, calls
-    for c in shards:
-        code = c["argv"][1]
-        assert f"from blockdiff.attention.cute.kernel import {M} as C" in code
-        assert "'_NR_FFMA_TEST,_NR_COLD_NOINLINE'.split(',')" in code and "bool(1)" in code
-        assert c["no_auto"] is None  # "auto" keeps the recompute at hd 256
-    files = sorted(tuple(c["argv"][2:]) for c in shards)
-    assert files == sorted([
-        ("tests/attention/cute/test_cute_nan_recompute.py", "-k", "finite_cache or reference_nonfinite"),
-        ("tests/attention/cute/test_cute_nan_recompute.py", "-k", "not finite_cache and not reference_nonfinite"),
-        ("tests/attention/cute/test_cute_nan_safe_v.py", "-k", "hd256 or no_row_sees")]), files
-    ab = _ab(calls)
-    argv = ab["argv"][2:]
-    assert ab["no_auto"] is None
-    settings, workloads, variants = json.loads(argv[0]), argv[1], json.loads(argv[4])
-    assert settings == {"ffma": {f"{M}._NR_FFMA_TEST": True}, "noinline": {f"{M}._NR_COLD_NOINLINE": True},
-                        "trivial": {f"{M}._NR_TRIVIAL_COLD_PATH": True}}
-    assert workloads == "mixed_sliding_ctx8k,canvas_bs1_ctx32k_sliding"
-    assert argv[2:4] == ["--triton", "--fa4"]
-    assert variants == {"recompute": {"nan_safe_v": True, "nan_safe_v_method": "recompute"}}
-    assert json.loads(argv[argv.index("--plain") + 1]) == {"nan_off": {"nan_safe_v": False}}
