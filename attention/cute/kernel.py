@@ -529,12 +529,13 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
     #: from the kernel parameter instead.
     _NR_NO_STASH = False
     #: Experiment switch (compile time, off; exact: the same decisions and outputs), with
-    #: ``nan_safe_v_method="recompute"``: a cold path that makes ptxas and libNVVM treat the hot path as they do with
-    #: the trivial one (:attr:`_NR_TRIVIAL_COLD_PATH`).
+    #: ``nan_safe_v_method="recompute"`` where :attr:`_NR_FRESH_TILE_VALUES` acts (:meth:`_nr_lean`: the unsplit
+    #: hd-256 launches): a cold path that makes libNVVM and ptxas treat the hot path as they do with the trivial one
+    #: (:attr:`_NR_TRIVIAL_COLD_PATH`).
     #:
-    #: - Where :attr:`_NR_FRESH_TILE_VALUES` acts (the cold path loads the sequence info anew), it takes the sequence
-    #:   info's tensors (cu_seqlens, seqused, num_causal_q) from the shared-memory stash (:meth:`_seqlen_stash_write`,
-    #:   at the consumers' entry) instead of the kernel parameters. With the parameters, their values are live from
+    #: - The cold path, which loads the sequence info anew, takes the sequence info's tensors (cu_seqlens, seqused,
+    #:   num_causal_q) from the shared-memory stash (:meth:`_seqlen_stash_write`, at the consumers' entry) instead of
+    #:   the kernel parameters. With the parameters, their values are live from
     #:   the kernel's entry across the key-block loops for the cold path, and the PTX of those loops rebuilds the QK
     #:   GEMM's Q descriptors (``add.s64 ..., 0x4000004000000002`` / ``...04``) in every iteration that the trivial
     #:   build hoists: the SASS loops' extra ``UIADD3`` / ``UIADD3.X`` / ``UMOV``.
@@ -660,7 +661,7 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         n_tags = self.num_stages if self.nan_safe_v else 0
         if self.nan_recompute:  # the recompute's address slots (_stash_write); nan_safe_v is False then
             n_tags = NR_STASH_SLOTS
-            if self._nr_lean_seqlen():  # and the sequence info's (_seqlen_stash_write)
+            if self._nr_lean():  # and the sequence info's (_seqlen_stash_write)
                 n_tags += NR_SEQLEN_SLOTS
         mbar_ptr_V_struct = cute.struct.MemRange[cutlass.Int64, self.num_stages * 2 + 1 + n_tags]
 
@@ -1101,7 +1102,7 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
             self._nr_seqlen_cls = self._mixed_seqlen_cls(SeqlenInfoCls)  # the cold path's own load of it
             if const_expr(not self._nr_no_stash()):
                 self._stash_write(pipeline_v)
-            if const_expr(self._nr_lean_seqlen()):
+            if const_expr(self._nr_lean()):
                 self._nr_seqlen_cls = self._seqlen_stash_write(SeqlenInfoCls, pipeline_v)
         return FlashAttentionForwardSm90.mma(
             self,
@@ -1437,9 +1438,11 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
             raise ValueError("_NR_NO_STASH needs _NR_TRIVIAL_COLD_PATH: the recompute's cold path reads the stash")
         return bool(self._NR_NO_STASH)
 
-    def _nr_lean_seqlen(self) -> bool:
-        """Trace-time: :attr:`_NR_LEAN_COLD_PATH`'s sequence-info stash acts (where :attr:`_NR_FRESH_TILE_VALUES`
-        does: only there the cold path loads the sequence info anew)."""
+    def _nr_lean(self) -> bool:
+        """Trace-time: :attr:`_NR_LEAN_COLD_PATH` acts: where :attr:`_NR_FRESH_TILE_VALUES` does (the unsplit class
+        above hd 128; only there the cold path loads the sequence info anew). Its rolled chunk loop alone lengthened
+        the other launches' key-block loops (sm_90a: the sliding canvas's cluster kernel 500 / 452 / 530 -> 511 / 476
+        / 554, ``prefill16k_hd128`` 576 -> 609 in the right-masked loop), so it does not act there."""
         return bool(self._NR_LEAN_COLD_PATH and self._nr_fresh_tile_values())
 
     def _seqlen_stash_write(self, SeqlenInfoCls, pipeline_v) -> Callable:
@@ -1687,7 +1690,7 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         kr = cute.make_rmem_tensor((CHUNK,), self.dtype)
         qr = cute.make_rmem_tensor((CHUNK,), self.dtype)
         x = Float32(0.0)
-        if const_expr(self._NR_LEAN_COLD_PATH):
+        if const_expr(self._nr_lean()):
             # a run-time loop over the chunks (the same sums in the same order): fewer registers at the cold path's
             # peak, so ptxas keeps the hot path's epilogue values live across it (_NR_LEAN_COLD_PATH)
             for t in cutlass.range((n_chunks + 3) // 4, unroll=1):
