@@ -1671,6 +1671,20 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
             cute.arch.atomic_add(mCount.iterator, Int32(1))
 
     @cute.jit
+    def _qk_chunk_term(self, x: Float32, k_row: cute.Tensor, q_vec: cute.Tensor, kr: cute.Tensor, qr: cute.Tensor,
+                       j: Int32, n_chunks: cutlass.Constexpr[int]) -> Float32:
+        """``x`` plus the dot product of chunk ``j`` (``kr``'s length, 8 elements) of a K row and a Q row in fp32,
+        element by element in order; ``x`` unchanged when ``j >= n_chunks`` (:meth:`_recompute_key`)."""
+        if j < n_chunks:
+            cute.autovec_copy(cute.local_tile(k_row, (cute.size(kr),), (j,)), kr)
+            cute.autovec_copy(cute.local_tile(q_vec, (cute.size(qr),), (j,)), qr)
+            kf = kr.load().to(Float32)
+            qf = qr.load().to(Float32)
+            for i in cutlass.range_constexpr(cute.size(kr)):
+                x = x + qf[i] * kf[i]
+        return x
+
+    @cute.jit
     def _recompute_key(self, acc: cute.Tensor, r: cutlass.Constexpr[int], marks: cute.Tensor, tOcO: cute.Tensor,
                        lo: Int32, hi: Int32, lse2: Float32, scale_log2: Float32, q_vec: cute.Tensor,
                        mK: cute.Tensor, mV: cute.Tensor, mPageTable: Optional[cute.Tensor],
@@ -1694,24 +1708,10 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
             # a run-time loop over the chunks (the same sums in the same order): fewer registers at the cold path's
             # peak, so ptxas keeps the hot path's epilogue values live across it (_NR_LEAN_COLD_PATH)
             for t in cutlass.range((n_chunks + 3) // 4, unroll=1):
-                j = quad + 4 * t
-                if j < n_chunks:
-                    cute.autovec_copy(cute.local_tile(k_row, (CHUNK,), (j,)), kr)
-                    cute.autovec_copy(cute.local_tile(q_vec, (CHUNK,), (j,)), qr)
-                    kf = kr.load().to(Float32)
-                    qf = qr.load().to(Float32)
-                    for i in cutlass.range_constexpr(CHUNK):
-                        x = x + qf[i] * kf[i]
+                x = self._qk_chunk_term(x, k_row, q_vec, kr, qr, quad + 4 * t, n_chunks)
         else:
             for t in cutlass.range_constexpr((n_chunks + 3) // 4):
-                j = quad + 4 * t
-                if j < n_chunks:
-                    cute.autovec_copy(cute.local_tile(k_row, (CHUNK,), (j,)), kr)
-                    cute.autovec_copy(cute.local_tile(q_vec, (CHUNK,), (j,)), qr)
-                    kf = kr.load().to(Float32)
-                    qf = qr.load().to(Float32)
-                    for i in cutlass.range_constexpr(CHUNK):
-                        x = x + qf[i] * kf[i]
+                x = self._qk_chunk_term(x, k_row, q_vec, kr, qr, quad + 4 * t, n_chunks)
         x = x + cute.arch.shuffle_sync_bfly(x, offset=1)
         x = x + cute.arch.shuffle_sync_bfly(x, offset=2)
         # only keys the row sees add a term (a key it may not see must not add 0 * NaN, regression test
