@@ -208,6 +208,26 @@ def _row_coord(x, wide: bool):
     return cutlass.Int64(x) if wide else x
 
 
+def _tensor_from_slots(t, slots, i: int, dyn_st, dyn_sh=()):
+    """Trace time, in the recompute's cold path: the tensor ``t`` (its traced static strides and shapes) rebuilt from
+    shared-memory slots from ``slots[i]`` on: its address, then its dynamic strides (modes ``dyn_st``), then its
+    dynamic shapes (modes ``dyn_sh``); another dynamic extent is 2^30, which no index reaches. Returns the tensor and
+    the next slot's index. 4-byte alignment even for Q / K / V (16 in fact): with 16, ptxas issued the 16-byte loads
+    early and the hd-256 kernels spilled (docs/tuning.md 2.34); the cold path's load width does not matter."""
+    addr = slots[i]
+    i += 1
+    strides = list(t.stride)
+    for m in dyn_st:
+        strides[m] = slots[i]
+        i += 1
+    shape = [d if isinstance(d, int) else 1 << 30 for d in t.shape]
+    for m in dyn_sh:
+        shape[m] = Int32(slots[i])
+        i += 1
+    ptr = cute.make_ptr(t.element_type, addr, cute.AddressSpace.gmem, assumed_align=4)
+    return cute.make_tensor(ptr, cute.make_layout(tuple(shape), stride=tuple(strides))), i
+
+
 def _int32_bit(b: int) -> int:
     """Bit ``b`` (0-31) of an Int32 as a Python int in the int32 range (bit 31: -2^31)."""
     return -(1 << 31) if b == 31 else 1 << b
@@ -1474,15 +1494,8 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         def create(batch_idx):
             out, i = [], 0
             for t, dyn_st in fields_:
-                addr = slots[i]
-                i += 1
-                strides = list(t.stride)
-                for m in dyn_st:
-                    strides[m] = slots[i]
-                    i += 1
-                shape = [d if isinstance(d, int) else 1 << 30 for d in t.shape]
-                ptr = cute.make_ptr(t.element_type, addr, cute.AddressSpace.gmem, assumed_align=4)
-                out.append(cute.make_tensor(ptr, cute.make_layout(tuple(shape), stride=tuple(strides))))
+                tensor, i = _tensor_from_slots(t, slots, i, dyn_st)
+                out.append(tensor)
             info = SeqlenInfoCls.func(batch_idx, *SeqlenInfoCls.args, **dict(kw, **dict(zip(names, out[:-1]))))
             return MixedSeqlenInfoQK.wrap(info, out[-1][batch_idx])
 
@@ -1797,18 +1810,6 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
                 out.append(None)
                 continue
             t, dyn_st, dyn_sh = f
-            addr = slots[i]
-            i += 1
-            strides = list(t.stride)
-            for m in dyn_st:
-                strides[m] = slots[i]
-                i += 1
-            shape = [d if isinstance(d, int) else 1 << 30 for d in t.shape]
-            for m in dyn_sh:
-                shape[m] = Int32(slots[i])
-                i += 1
-            # 4-byte alignment even for Q / K / V (16 in fact): with 16, ptxas issued the 16-byte loads early and the
-            # hd-256 kernels spilled (docs/tuning.md 2.34); the cold path's load width does not matter
-            ptr = cute.make_ptr(t.element_type, addr, cute.AddressSpace.gmem, assumed_align=4)
-            out.append(cute.make_tensor(ptr, cute.make_layout(tuple(shape), stride=tuple(strides))))
+            tensor, i = _tensor_from_slots(t, slots, i, dyn_st, dyn_sh)
+            out.append(tensor)
         return tuple(out)
