@@ -208,6 +208,40 @@ def _row_coord(x, wide: bool):
     return cutlass.Int64(x) if wide else x
 
 
+def _slot_fields(tensors, shapes: bool):
+    """Trace time: ``([(tensor, dynamic stride modes, dynamic shape modes past the first) or None], slots)`` of the
+    recompute's shared-memory slots for ``tensors`` (None entries stay None): each tensor's address, then each dynamic
+    stride, then (with ``shapes``) each dynamic shape past the first mode, one Int64 slot each
+    (:func:`_write_slots`, :func:`_tensor_from_slots`)."""
+    out, n = [], 0
+    for t in tensors:
+        if t is None:
+            out.append(None)
+            continue
+        dyn_st = [i for i, st in enumerate(t.stride) if not isinstance(st, int)]
+        dyn_sh = [i for i, d in enumerate(t.shape) if i > 0 and not isinstance(d, int)] if shapes else []
+        out.append((t, dyn_st, dyn_sh))
+        n += 1 + len(dyn_st) + len(dyn_sh)
+    return out, n
+
+
+def _write_slots(slots, fields_) -> None:
+    """Trace time, inside a lane's branch: :func:`_slot_fields`' values into ``slots`` from slot 0, in its order."""
+    i = 0
+    for f in fields_:
+        if f is None:
+            continue
+        t, dyn_st, dyn_sh = f
+        slots[i] = cutlass.Int64(t.iterator.toint())
+        i += 1
+        for m in dyn_st:
+            slots[i] = cutlass.Int64(t.stride[m])
+            i += 1
+        for m in dyn_sh:
+            slots[i] = cutlass.Int64(t.shape[m])
+            i += 1
+
+
 def _tensor_from_slots(t, slots, i: int, dyn_st, dyn_sh=()):
     """Trace time, in the recompute's cold path: the tensor ``t`` (its traced static strides and shapes) rebuilt from
     shared-memory slots from ``slots[i]`` on: its address, then its dynamic strides (modes ``dyn_st``), then its
@@ -1478,11 +1512,7 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
             ValueError: the tensors need more than :data:`NR_SEQLEN_SLOTS` slots."""
         kw = dict(SeqlenInfoCls.keywords)
         names = [k for k in ("mCuSeqlensQ", "mCuSeqlensK", "mSeqUsedQ", "mSeqUsedK") if kw.get(k) is not None]
-        fields_, n = [], 0
-        for t in [kw[k] for k in names] + [self._mNumCausalQ]:
-            dyn_st = [i for i, st in enumerate(t.stride) if not isinstance(st, int)]
-            fields_.append((t, dyn_st))
-            n += 1 + len(dyn_st)
+        fields_, n = _slot_fields([kw[k] for k in names] + [self._mNumCausalQ], shapes=False)
         if n > NR_SEQLEN_SLOTS:
             raise ValueError(f"_NR_LEAN_COLD_PATH: the sequence info's tensors need {n} slots, more than the "
                              f"{NR_SEQLEN_SLOTS} reserved (NR_SEQLEN_SLOTS)")
@@ -1493,8 +1523,8 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
 
         def create(batch_idx):
             out, i = [], 0
-            for t, dyn_st in fields_:
-                tensor, i = _tensor_from_slots(t, slots, i, dyn_st)
+            for t, dyn_st, dyn_sh in fields_:
+                tensor, i = _tensor_from_slots(t, slots, i, dyn_st, dyn_sh)
                 out.append(tensor)
             info = SeqlenInfoCls.func(batch_idx, *SeqlenInfoCls.args, **dict(kw, **dict(zip(names, out[:-1]))))
             return MixedSeqlenInfoQK.wrap(info, out[-1][batch_idx])
@@ -1506,14 +1536,7 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         """Lane 0 of the warp writes :meth:`_seqlen_stash_write`'s slots (every consumer warp the same values, as
         :meth:`_stash_write`), then ``__syncwarp``."""
         if cute.arch.lane_idx() == 0:
-            i = 0
-            for f in self._nr_seqlen_fields:
-                t, dyn_st = f
-                slots[i] = cutlass.Int64(t.iterator.toint())
-                i += 1
-                for m in dyn_st:
-                    slots[i] = cutlass.Int64(t.stride[m])
-                    i += 1
+            _write_slots(slots, self._nr_seqlen_fields)
         cute.arch.sync_warp()
 
     @cute.jit
@@ -1755,15 +1778,7 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         """Trace-time: ``[(tensor, dynamic stride modes, dynamic shape modes past the first)]`` of Q, K, V, the page
         table (None when contiguous) and the counter, and the number of Int64 slots they take (the address, then
         each dynamic stride and shape; at most :data:`NR_STASH_SLOTS`)."""
-        out, n = [], 0
-        for t in (self._nr_q, self._nr_k, self._mV, self._mPageTable, self._nr_count):
-            if t is None:
-                out.append(None)
-                continue
-            dyn_st = [i for i, st in enumerate(t.stride) if not isinstance(st, int)]
-            dyn_sh = [i for i, d in enumerate(t.shape) if i > 0 and not isinstance(d, int)]
-            out.append((t, dyn_st, dyn_sh))
-            n += 1 + len(dyn_st) + len(dyn_sh)
+        out, n = _slot_fields((self._nr_q, self._nr_k, self._mV, self._mPageTable, self._nr_count), shapes=True)
         if n > NR_STASH_SLOTS:
             raise ValueError(f"nan_safe_v_method='recompute': Q, K, V, the page table and the counter need {n} "
                              f"address / stride / shape slots, more than the {NR_STASH_SLOTS} reserved "
@@ -1783,18 +1798,7 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         slots = self._stash_slots(pipeline_v)
         fields_, _ = self._stash_fields()
         if cute.arch.lane_idx() == 0:
-            i = 0
-            for f in fields_:
-                if const_expr(f is not None):
-                    t, dyn_st, dyn_sh = f
-                    slots[i] = cutlass.Int64(t.iterator.toint())
-                    i += 1
-                    for m in dyn_st:
-                        slots[i] = cutlass.Int64(t.stride[m])
-                        i += 1
-                    for m in dyn_sh:
-                        slots[i] = cutlass.Int64(t.shape[m])
-                        i += 1
+            _write_slots(slots, fields_)
         cute.arch.sync_warp()
         self._nr_slots = slots
 
