@@ -594,9 +594,9 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
     #:   GEMM's Q descriptors (``add.s64 ..., 0x4000004000000002`` / ``...04``) in every iteration that the trivial
     #:   build hoists: the SASS loops' extra ``UIADD3`` / ``UIADD3.X`` / ``UMOV``.
     #: - The cold path's Q . K chunk loop is a run-time loop (:meth:`_recompute_key`), not unrolled: its register
-    #:   peak drops from ~237 to ~202, so ptxas keeps FA4's epilogue store addresses live across the cold path instead
-    #:   of rebuilding them after it (``S2R SR_TID.X`` and ~12 dependent integer instructions before the first
-    #:   ``STSM``). The chunks are summed in the same order, so S is bit for bit the same.
+    #:   peak drops below ``setmaxreg``'s limit, so ptxas keeps FA4's epilogue store addresses live across the cold
+    #:   path instead of rebuilding them after it (``S2R SR_TID.X`` and dependent integer instructions before the first
+    #:   ``STSM``; docs/tuning.md 2.40). The chunks are summed in the same order, so S is bit for bit the same.
     _NR_LEAN_COLD_PATH = False
 
     def __init__(self, *args, prefix_window: bool = False, kv_page_size: Optional[int] = None, lpt: bool = True,
@@ -1495,8 +1495,8 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
     def _nr_lean(self) -> bool:
         """Trace-time: :attr:`_NR_LEAN_COLD_PATH` acts: where :attr:`_NR_FRESH_TILE_VALUES` does (the unsplit class
         above hd 128; only there the cold path loads the sequence info anew). Its rolled chunk loop alone lengthened
-        the other launches' key-block loops (sm_90a: the sliding canvas's cluster kernel 500 / 452 / 530 -> 511 / 476
-        / 554, ``prefill16k_hd128`` 576 -> 609 in the right-masked loop), so it does not act there."""
+        the other launches' compiled key-block loops (the cluster canvas's, ``prefill16k_hd128``'s; docs/tuning.md
+        2.40), so it does not act there."""
         return bool(self._NR_LEAN_COLD_PATH and self._nr_fresh_tile_values())
 
     def _seqlen_stash_write(self, SeqlenInfoCls, pipeline_v) -> Callable:

@@ -34,7 +34,7 @@ the class attribute ``_SKIP_ALLOWED_FIRST``, same PTX) or False (``noskip_``), a
 its key-block loops must equal ``nanoff_``'s; its epilogue test is the FFMA chains since 2.39, before that the mask
 test), the recompute with the timing-only trivial cold path (``trivialcold_``, ``_NR_TRIVIAL_COLD_PATH``, 2.37) and
 also without the stash writes (``nostash_``, ``_NR_NO_STASH``; both switches exist from 2.37 on), the recompute with
-the lean cold path (``leancold_``, ``_NR_LEAN_COLD_PATH``, exact; the switch exists from branch ``presence`` on);
+the lean cold path (``leancold_``, ``_NR_LEAN_COLD_PATH``, exact; the switch exists from commit 5e584e7 on, docs/tuning.md 2.40);
 2.38's two
 switches (the FFMA test, now the only one, and the out-of-line cold path, refuted) left with their specs
 ``ffmatest_``, ``ffmatrivial_``, ``noinline_`` and ``ffmanoinline_`` (2.39: ``ffmatest_`` / ``ffmatrivial_`` of a
@@ -87,7 +87,7 @@ SPLIT_SCAN = {"FlashAttentionForwardSm90Mixed._CLEAN_SPLIT_ACROSS_WG": True}  # 
 #: the recompute with a trivial cold path (timing only: wrong on non-finite V), and also without the stash (2.37)
 TRIVIAL_COLD = {"FlashAttentionForwardSm90Mixed._NR_TRIVIAL_COLD_PATH": True}
 TRIVIAL_NO_STASH = dict(TRIVIAL_COLD, **{"FlashAttentionForwardSm90Mixed._NR_NO_STASH": True})
-#: the recompute with the lean cold path (_NR_LEAN_COLD_PATH, exact; branch presence)
+#: the recompute with the lean cold path (_NR_LEAN_COLD_PATH, exact; docs/tuning.md 2.40)
 LEAN_COLD = {"FlashAttentionForwardSm90Mixed._NR_LEAN_COLD_PATH": True}
 
 #: FA4-consumer launches as ``config.resolve_launch_config`` resolves them for the bench's workloads (page 64, no LSE)

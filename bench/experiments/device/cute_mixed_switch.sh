@@ -41,7 +41,7 @@
 # around it) costs it; in between -> both; nostash below trivial by more than 0.5 % -> the stash writes cost.
 # (Since 2.39 the recompute_off row's epilogue test, the default's, is 2.38's FFMA test; 2.38's two exact switches
 # and their case here left: the FFMA test became the only one, the out-of-line cold path was refuted.)
-# SWITCH=_NR_LEAN_COLD_PATH (branch presence, exact: the recompute's cold path takes the sequence info's tensors from
+# SWITCH=_NR_LEAN_COLD_PATH (docs/tuning.md 2.40, exact: the recompute's cold path takes the sequence info's tensors from
 # the shared-memory stash and runs its Q.K chunk loop rolled, so the hot path compiles as with the trivial cold path):
 # the shards run with it on in every call (default SHARDS="own_recompute_a own_recompute_b nan256": the recompute's
 # own tests in two halves, the hd-256 NaN-safe V tests, whose "auto" is the recompute); the A/B on
@@ -86,7 +86,7 @@ case $SWITCH in
     AB_SWITCH='{"trivial": {"'$M'._NR_TRIVIAL_COLD_PATH": true}, "nostash": {"'$M'._NR_TRIVIAL_COLD_PATH": true, "'$M'._NR_NO_STASH": true}}'
     VARIANT='{"recompute": {"nan_safe_v": true, "nan_safe_v_method": "recompute"}}'
     PLAIN='{"nan_off": {"nan_safe_v": false}}' ;;
-  _NR_LEAN_COLD_PATH) field=0; shards="own_recompute_a own_recompute_b nan256"  # branch presence, exact
+  _NR_LEAN_COLD_PATH) field=0; shards="own_recompute_a own_recompute_b nan256"  # docs/tuning.md 2.40, exact
     workloads=mixed_sliding_ctx8k,canvas_bs1_ctx32k_sliding
     AB_SWITCH='{"lean": {"'$M'._NR_LEAN_COLD_PATH": true}, "trivial": {"'$M'._NR_TRIVIAL_COLD_PATH": true}}'
     VARIANT='{"recompute": {"nan_safe_v": true, "nan_safe_v_method": "recompute"}}'

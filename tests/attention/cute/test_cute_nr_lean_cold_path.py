@@ -1,4 +1,4 @@
-"""The recompute's exact experiment switch ``FlashAttentionForwardSm90Mixed._NR_LEAN_COLD_PATH`` (branch presence):
+"""The recompute's exact experiment switch ``FlashAttentionForwardSm90Mixed._NR_LEAN_COLD_PATH`` (docs/tuning.md 2.40):
 the cold path takes the sequence info's tensors (cu_seqlens, seqused, num_causal_q) from the shared-memory stash
 instead of the kernel parameters, and runs its Q . K chunk loop rolled, where ``_NR_FRESH_TILE_VALUES`` acts (the
 unsplit class above hd 128; elsewhere the rolled loop alone lengthened the key-block loops, so it does not act). Aim:

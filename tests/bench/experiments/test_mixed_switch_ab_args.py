@@ -81,7 +81,7 @@ def test_the_generic_class_switch_keeps_the_scan(tmp_path):
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
 def test_lean_cold_path_runs_its_shards_with_the_switch_and_ab_times_it_against_the_recompute_and_trivial(tmp_path):
-    """``SWITCH=_NR_LEAN_COLD_PATH`` (exact, branch presence): three GPU shards with the switch set on the kernel
+    """``SWITCH=_NR_LEAN_COLD_PATH`` (exact, docs/tuning.md 2.40): three GPU shards with the switch set on the kernel
     class in every call (the recompute's own file in two halves, the hd-256 NaN-safe V tests, "auto" left as it is),
     then the A/B of the recompute at the defaults / with the switch / with the trivial cold path, pinned to
     ``"recompute"``, beside NaN-safe V off, triton and FA4 on the two hd-256 launches."""
