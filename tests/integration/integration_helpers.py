@@ -1,6 +1,8 @@
 """Helpers of the integration tests (imported by conftest.py and the test modules)."""
 from __future__ import annotations
 
+import contextlib
+import logging
 from types import SimpleNamespace as NS
 
 import numpy as np
@@ -194,3 +196,21 @@ def _fake_types():
 
 
 FAKE_VLLM_TYPES = _fake_types()
+
+
+@contextlib.contextmanager
+def captured_log(caplog, logger: logging.Logger, level: int = logging.INFO):
+    """caplog's records of ``logger`` at ``level`` and above, with caplog's handler on ``logger`` itself: the plugin's
+    loggers live under vLLM's "vllm" logger (docs/tuning.md 7.50), which vLLM's logging config sets to
+    ``propagate=False`` once vLLM is imported, so pytest's root-logger handler alone would read nothing."""
+    old_level, old_propagate = logger.level, logger.propagate
+    logger.addHandler(caplog.handler)
+    logger.setLevel(level)
+    logger.propagate = False  # each record once (without vLLM the root logger holds caplog's handler too)
+    try:
+        with caplog.at_level(level, logger=logger.name):
+            yield caplog
+    finally:
+        logger.removeHandler(caplog.handler)
+        logger.setLevel(old_level)
+        logger.propagate = old_propagate

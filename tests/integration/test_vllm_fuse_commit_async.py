@@ -20,7 +20,7 @@ from types import SimpleNamespace as NS
 import numpy as np
 import pytest
 import torch
-from integration_helpers import CL, needs_stack, params, prompt, vllm_sampler_output_class
+from integration_helpers import CL, captured_log, needs_stack, params, prompt, vllm_sampler_output_class
 
 from blockdiff.attention import AttentionMetadata
 from blockdiff.integration import vllm_scheduler as VS
@@ -512,6 +512,7 @@ def test_vllm_model_state_fuses_under_the_async_plugin_scheduler_with_the_schedu
     scheduler predicts with (served_max_denoising_steps: the diffusion config's, else the generation config's)."""
     from test_vllm_plugin import _StandInVllmModel
 
+    from blockdiff.integration import model_state as MS
     from blockdiff.integration.model_state import DiffusionModelState
 
     H = 8
@@ -526,9 +527,10 @@ def test_vllm_model_state_fuses_under_the_async_plugin_scheduler_with_the_schedu
         cfg = NS(model_config=mc, scheduler_config=sc,
                  diffusion_config=NS(canvas_length=2 * CL, max_denoising_steps=dsteps))
         caplog.clear()
-        with caplog.at_level(logging.INFO, logger="blockdiff.integration.model_state"):
+        with captured_log(caplog, MS._log, logging.INFO):
             ms = DiffusionModelState(cfg, _StandInVllmModel(64, H), None, torch.device("cpu"))
         assert ms.fuse_commit is True and not [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert "fused commits under the asynchronous scheduler" in caplog.text  # the server log's line (7.50)
         served = VS.served_max_denoising_steps(cfg)
         want = served if served is not None else VS.default_max_denoising_steps()
         assert ms.default_params.max_denoising_steps == want == (dsteps or gen.get("max_denoising_steps") or 48)

@@ -15,6 +15,7 @@ import logging
 from types import SimpleNamespace as NS
 
 import pytest
+from integration_helpers import captured_log
 
 from blockdiff.integration import vllm_compat
 from blockdiff.integration import vllm_graphs as VG
@@ -107,7 +108,7 @@ def test_unpatched_vllm_runs_a_plain_canvas_step_piecewise(cu):
 def test_patched_vllm_replays_full_graphs_at_both_widths(cu, caplog):
     M = _modes()
     assert VG.install_dual_width_decode_graphs()
-    with caplog.at_level(logging.INFO, logger=VG.__name__):
+    with captured_log(caplog, VG._log, logging.INFO):
         m = _manager(cu)
     assert m.decode_query_len == 2 * CL  # restored: the runner's dummy runs and warm-up stay 2 * CL wide
     assert len(_full(m, CL)) == 32 and len(_full(m, 2 * CL)) == 24 and len(_full(m)) == 56  # 7.37's prediction
@@ -164,7 +165,7 @@ def test_a_failing_build_falls_back_to_vllms_own(cu, monkeypatch, caplog):
         raise RuntimeError("merge")
 
     monkeypatch.setattr(VG, "_merge_into", boom)
-    with caplog.at_level(logging.WARNING, logger=VG.__name__):
+    with captured_log(caplog, VG._log, logging.WARNING):
         m = _manager(cu)
     assert "falls back" in caplog.text or "as vLLM builds them" in caplog.text
     assert len(_full(m)) == 24 and m.decode_query_len == 2 * CL and _mode(m, 1, CL, CL).cg_mode == M.PIECEWISE
@@ -180,7 +181,7 @@ def test_missing_private_names_leave_vllm_alone(monkeypatch, caplog):
             self.decode_query_len = 1
 
     monkeypatch.setattr(mod, "CudaGraphManager", Other)
-    with caplog.at_level(logging.WARNING, logger=VG.__name__):
+    with captured_log(caplog, VG._log, logging.WARNING):
         assert VG.install_dual_width_decode_graphs() is False
     assert "_init_candidates" in caplog.text and "_capture_descs" in caplog.text
     assert not hasattr(Other, "_init_candidates")

@@ -9,10 +9,12 @@ import ast
 import importlib.util
 import inspect
 import json
+import logging
 import os
 
 import pytest
 import snapshot_vllm_interface as SV
+from integration_helpers import captured_log
 
 from blockdiff.integration import model_state as MS
 from blockdiff.integration import vllm_compat
@@ -74,7 +76,7 @@ def test_profile_for_maps_versions_and_refuses_unchecked_ones(caplog):
     assert vllm_compat.profile_for("0.26.0").version == "0.26.0"
     assert vllm_compat.profile_for("0.26.3+cpu").version == "0.26.0"
     assert vllm_compat.profile_for("0.33.1.dev4+gabc").version == "0.33.0"
-    with caplog.at_level("WARNING"):
+    with captured_log(caplog, vllm_compat._log, logging.WARNING):
         assert vllm_compat.profile_for("0.35.0").version == "0.33.0"
     assert "newer" in caplog.text
     for bad in ("0.25.2", "0.30.0"):
