@@ -191,11 +191,6 @@ LOG2_E = 1.4426950408889634
 #: (1 + 1 + 1), the counter (1 + 1).
 NR_STASH_SLOTS = 24
 
-#: Int64 shared-memory slots after the stash's, with ``FlashAttentionForwardSm90Mixed._NR_LEAN_COLD_PATH``: the
-#: sequence info's tensors (cu_seqlens / seqused of Q and K, num_causal_q), each its address and dynamic strides
-#: (:meth:`FlashAttentionForwardSm90Mixed._seqlen_stash_write`).
-NR_SEQLEN_SLOTS = 8
-
 #: First value of the clean-up's per-warpgroup use counter (the tags of :meth:`FlashAttentionForwardSm90Mixed.
 #: _clean_v_stage`); any value works, this one makes a stale shared-memory word unlikely to match.
 NAN_TAG_BASE = 0x4E614E00
@@ -208,18 +203,18 @@ def _row_coord(x, wide: bool):
     return cutlass.Int64(x) if wide else x
 
 
-def _slot_fields(tensors, shapes: bool):
+def _slot_fields(tensors):
     """Trace time: ``([(tensor, dynamic stride modes, dynamic shape modes past the first) or None], slots)`` of the
     recompute's shared-memory slots for ``tensors`` (None entries stay None): each tensor's address, then each dynamic
-    stride, then (with ``shapes``) each dynamic shape past the first mode, one Int64 slot each
-    (:func:`_write_slots`, :func:`_tensor_from_slots`)."""
+    stride, then each dynamic shape past the first mode, one Int64 slot each (:func:`_write_slots`,
+    :func:`_tensor_from_slots`)."""
     out, n = [], 0
     for t in tensors:
         if t is None:
             out.append(None)
             continue
         dyn_st = [i for i, st in enumerate(t.stride) if not isinstance(st, int)]
-        dyn_sh = [i for i, d in enumerate(t.shape) if i > 0 and not isinstance(d, int)] if shapes else []
+        dyn_sh = [i for i, d in enumerate(t.shape) if i > 0 and not isinstance(d, int)]
         out.append((t, dyn_st, dyn_sh))
         n += 1 + len(dyn_st) + len(dyn_sh)
     return out, n
@@ -582,22 +577,6 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
     #: stash writes at the consumers' entry (:meth:`_stash_write`); the trivial cold path takes the counter's address
     #: from the kernel parameter instead.
     _NR_NO_STASH = False
-    #: Experiment switch (compile time, off; exact: the same decisions and outputs), with
-    #: ``nan_safe_v_method="recompute"`` where :attr:`_NR_FRESH_TILE_VALUES` acts (:meth:`_nr_lean`: the unsplit
-    #: hd-256 launches): a cold path that makes libNVVM and ptxas treat the hot path as they do with the trivial one
-    #: (:attr:`_NR_TRIVIAL_COLD_PATH`).
-    #:
-    #: - The cold path, which loads the sequence info anew, takes the sequence info's tensors (cu_seqlens, seqused,
-    #:   num_causal_q) from the shared-memory stash (:meth:`_seqlen_stash_write`, at the consumers' entry) instead of
-    #:   the kernel parameters. With the parameters, their values are live from
-    #:   the kernel's entry across the key-block loops for the cold path, and the PTX of those loops rebuilds the QK
-    #:   GEMM's Q descriptors (``add.s64 ..., 0x4000004000000002`` / ``...04``) in every iteration that the trivial
-    #:   build hoists: the SASS loops' extra ``UIADD3`` / ``UIADD3.X`` / ``UMOV``.
-    #: - The cold path's Q . K chunk loop is a run-time loop (:meth:`_recompute_key`), not unrolled: its register
-    #:   peak drops below ``setmaxreg``'s limit, so ptxas keeps FA4's epilogue store addresses live across the cold
-    #:   path instead of rebuilding them after it (``S2R SR_TID.X`` and dependent integer instructions before the first
-    #:   ``STSM``; docs/tuning.md 2.40). The chunks are summed in the same order, so S is bit for bit the same.
-    _NR_LEAN_COLD_PATH = False
 
     def __init__(self, *args, prefix_window: bool = False, kv_page_size: Optional[int] = None, lpt: bool = True,
                  nan_safe_v: bool = False, batch_order: str = "given", v_refill: str = "one_warp",
@@ -647,7 +626,7 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         self._mNumCausalQ = None
         # the recompute's trace-time hand-offs (kernel() / mma())
         self._nr_q = self._nr_k = self._nr_count = self._nr_block_info = self._nr_slots = None
-        self._nr_seqlen_cls = self._nr_seqlen_fields = None
+        self._nr_seqlen_cls = None
         # Paged TMA (any page size page_box_tma_ok accepts): K / V stages filled box by box (_PageBoxTmaAtoms).
         self.kv_page_size = None
         self.kv_box_rows = None
@@ -715,8 +694,6 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         n_tags = self.num_stages if self.nan_safe_v else 0
         if self.nan_recompute:  # the recompute's address slots (_stash_write); nan_safe_v is False then
             n_tags = NR_STASH_SLOTS
-            if self._nr_lean():  # and the sequence info's (_seqlen_stash_write)
-                n_tags += NR_SEQLEN_SLOTS
         mbar_ptr_V_struct = cute.struct.MemRange[cutlass.Int64, self.num_stages * 2 + 1 + n_tags]
 
         # Built with type(): this module's `from __future__ import annotations` would turn class-body annotations
@@ -1156,8 +1133,6 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
             self._nr_seqlen_cls = self._mixed_seqlen_cls(SeqlenInfoCls)  # the cold path's own load of it
             if const_expr(not self._nr_no_stash()):
                 self._stash_write(pipeline_v)
-            if const_expr(self._nr_lean()):
-                self._nr_seqlen_cls = self._seqlen_stash_write(SeqlenInfoCls, pipeline_v)
         return FlashAttentionForwardSm90.mma(
             self,
             tiled_mma_qk,
@@ -1492,53 +1467,6 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
             raise ValueError("_NR_NO_STASH needs _NR_TRIVIAL_COLD_PATH: the recompute's cold path reads the stash")
         return bool(self._NR_NO_STASH)
 
-    def _nr_lean(self) -> bool:
-        """Trace-time: :attr:`_NR_LEAN_COLD_PATH` acts: where :attr:`_NR_FRESH_TILE_VALUES` does (the unsplit class
-        above hd 128; only there the cold path loads the sequence info anew). Its rolled chunk loop alone lengthened
-        the other launches' compiled key-block loops (the cluster canvas's, ``prefill16k_hd128``'s; docs/tuning.md
-        2.40), so it does not act there."""
-        return bool(self._NR_LEAN_COLD_PATH and self._nr_fresh_tile_values())
-
-    def _seqlen_stash_write(self, SeqlenInfoCls, pipeline_v) -> Callable:
-        """:attr:`_NR_LEAN_COLD_PATH`, at the consumers' entry: every consumer warp's lane 0 writes the addresses
-        (and dynamic strides) of the sequence info's tensors (FA4's ``SeqlenInfoCls`` keywords ``mCuSeqlensQ``,
-        ``mCuSeqlensK``, ``mSeqUsedQ``, ``mSeqUsedK`` that are set, then ``num_causal_q``) into the
-        :data:`NR_SEQLEN_SLOTS` slots after the stash's (:meth:`_seqlen_stash_store`). Returns the cold path's
-        sequence-info constructor: the same FA4 ``create`` over those tensors rebuilt from the slots (the traced static
-        strides and shapes; a dynamic extent is 2^30, which no index reaches), so the kernel parameters are not
-        values the cold path holds from the kernel's entry across the key-block loops.
-
-        Raises:
-            ValueError: the tensors need more than :data:`NR_SEQLEN_SLOTS` slots."""
-        kw = dict(SeqlenInfoCls.keywords)
-        names = [k for k in ("mCuSeqlensQ", "mCuSeqlensK", "mSeqUsedQ", "mSeqUsedK") if kw.get(k) is not None]
-        fields_, n = _slot_fields([kw[k] for k in names] + [self._mNumCausalQ], shapes=False)
-        if n > NR_SEQLEN_SLOTS:
-            raise ValueError(f"_NR_LEAN_COLD_PATH: the sequence info's tensors need {n} slots, more than the "
-                             f"{NR_SEQLEN_SLOTS} reserved (NR_SEQLEN_SLOTS)")
-        slots = cute.make_tensor(self._stash_slots(pipeline_v).iterator + NR_STASH_SLOTS,
-                                 cute.make_layout((NR_SEQLEN_SLOTS,)))
-        self._nr_seqlen_fields = fields_
-        self._seqlen_stash_store(slots)
-
-        def create(batch_idx):
-            out, i = [], 0
-            for t, dyn_st, dyn_sh in fields_:
-                tensor, i = _tensor_from_slots(t, slots, i, dyn_st, dyn_sh)
-                out.append(tensor)
-            info = SeqlenInfoCls.func(batch_idx, *SeqlenInfoCls.args, **dict(kw, **dict(zip(names, out[:-1]))))
-            return MixedSeqlenInfoQK.wrap(info, out[-1][batch_idx])
-
-        return create
-
-    @cute.jit
-    def _seqlen_stash_store(self, slots: cute.Tensor):
-        """Lane 0 of the warp writes :meth:`_seqlen_stash_write`'s slots (every consumer warp the same values, as
-        :meth:`_stash_write`), then ``__syncwarp``."""
-        if cute.arch.lane_idx() == 0:
-            _write_slots(slots, self._nr_seqlen_fields)
-        cute.arch.sync_warp()
-
     @cute.jit
     def _nonfinite_recompute(self, acc_O: cute.Tensor, lse: cute.Tensor, seqlen: MixedSeqlenInfoQK,
                              tiled_mma: cute.TiledMma, tidx: Int32, m_block: Int32, head_idx: Int32,
@@ -1740,14 +1668,8 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         kr = cute.make_rmem_tensor((CHUNK,), self.dtype)
         qr = cute.make_rmem_tensor((CHUNK,), self.dtype)
         x = Float32(0.0)
-        if const_expr(self._nr_lean()):
-            # a run-time loop over the chunks (the same sums in the same order): fewer registers at the cold path's
-            # peak, so ptxas keeps the hot path's epilogue values live across it (_NR_LEAN_COLD_PATH)
-            for t in cutlass.range((n_chunks + 3) // 4, unroll=1):
-                x = self._qk_chunk_term(x, k_row, q_vec, kr, qr, quad + 4 * t, n_chunks)
-        else:
-            for t in cutlass.range_constexpr((n_chunks + 3) // 4):
-                x = self._qk_chunk_term(x, k_row, q_vec, kr, qr, quad + 4 * t, n_chunks)
+        for t in cutlass.range_constexpr((n_chunks + 3) // 4):
+            x = self._qk_chunk_term(x, k_row, q_vec, kr, qr, quad + 4 * t, n_chunks)
         x = x + cute.arch.shuffle_sync_bfly(x, offset=1)
         x = x + cute.arch.shuffle_sync_bfly(x, offset=2)
         # only keys the row sees add a term (a key it may not see must not add 0 * NaN, regression test
@@ -1778,7 +1700,7 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         """Trace-time: ``[(tensor, dynamic stride modes, dynamic shape modes past the first)]`` of Q, K, V, the page
         table (None when contiguous) and the counter, and the number of Int64 slots they take (the address, then
         each dynamic stride and shape; at most :data:`NR_STASH_SLOTS`)."""
-        out, n = _slot_fields((self._nr_q, self._nr_k, self._mV, self._mPageTable, self._nr_count), shapes=True)
+        out, n = _slot_fields((self._nr_q, self._nr_k, self._mV, self._mPageTable, self._nr_count))
         if n > NR_STASH_SLOTS:
             raise ValueError(f"nan_safe_v_method='recompute': Q, K, V, the page table and the counter need {n} "
                              f"address / stride / shape slots, more than the {NR_STASH_SLOTS} reserved "

@@ -33,9 +33,7 @@ the class attribute ``_SKIP_ALLOWED_FIRST``, same PTX) or False (``noskip_``), a
 ``_CLEAN_SPLIT_ACROSS_WG`` (``splitscan_``, 2.31), and with ``nan_safe_v_method="recompute"`` (``recompute_``, 2.34:
 its key-block loops must equal ``nanoff_``'s; its epilogue test is the FFMA chains since 2.39, before that the mask
 test), the recompute with the timing-only trivial cold path (``trivialcold_``, ``_NR_TRIVIAL_COLD_PATH``, 2.37) and
-also without the stash writes (``nostash_``, ``_NR_NO_STASH``; both switches exist from 2.37 on), the recompute with
-the lean cold path (``leancold_``, ``_NR_LEAN_COLD_PATH``, exact; the switch exists from commit 5e584e7 on, docs/tuning.md 2.40);
-2.38's two
+also without the stash writes (``nostash_``, ``_NR_NO_STASH``; both switches exist from 2.37 on); 2.38's two
 switches (the FFMA test, now the only one, and the out-of-line cold path, refuted) left with their specs
 ``ffmatest_``, ``ffmatrivial_``, ``noinline_`` and ``ffmanoinline_`` (2.39: ``ffmatest_`` / ``ffmatrivial_`` of a
 tree before it compile what ``recompute_`` / ``trivialcold_`` compile after); the scan variants name
@@ -87,8 +85,6 @@ SPLIT_SCAN = {"FlashAttentionForwardSm90Mixed._CLEAN_SPLIT_ACROSS_WG": True}  # 
 #: the recompute with a trivial cold path (timing only: wrong on non-finite V), and also without the stash (2.37)
 TRIVIAL_COLD = {"FlashAttentionForwardSm90Mixed._NR_TRIVIAL_COLD_PATH": True}
 TRIVIAL_NO_STASH = dict(TRIVIAL_COLD, **{"FlashAttentionForwardSm90Mixed._NR_NO_STASH": True})
-#: the recompute with the lean cold path (_NR_LEAN_COLD_PATH, exact; docs/tuning.md 2.40)
-LEAN_COLD = {"FlashAttentionForwardSm90Mixed._NR_LEAN_COLD_PATH": True}
 
 #: FA4-consumer launches as ``config.resolve_launch_config`` resolves them for the bench's workloads (page 64, no LSE)
 _SLIDING = dict(head_dim=256, num_heads=16, num_kv_heads=8, page_size=64, window_size=1023,
@@ -165,8 +161,7 @@ SPECS = {
     # sees whole skipped (skip_allowed_first True, docs/tuning.md 2.27) / on with it scanned (False) / on with the
     # stage scanned once between the consumer warpgroups (_CLEAN_SPLIT_ACROSS_WG, 2.31) / on by the epilogue test and
     # recompute (nan_safe_v_method "recompute", 2.34: its key-block loops must equal nanoff_'s) / the recompute with a
-    # trivial cold path (_NR_TRIVIAL_COLD_PATH, timing only, 2.37) and also without the stash writes (_NR_NO_STASH) /
-    # the recompute with the lean cold path (_NR_LEAN_COLD_PATH, exact)
+    # trivial cold path (_NR_TRIVIAL_COLD_PATH, timing only, 2.37) and also without the stash writes (_NR_NO_STASH)
     **{f"{prefix}{name}": _mixed_spec(spec, nan, **extra)
        for prefix, nan, extra in (("nanoff_", False, {}), ("", True, {}), ("scan_", True, dict(
            nan_safe_v_method="scan")), ("skipfirst_", True, dict(skip_allowed_first=True, nan_safe_v_method="scan")),
@@ -174,8 +169,7 @@ SPECS = {
            ("splitscan_", True, dict(switches=SPLIT_SCAN, nan_safe_v_method="scan")),
            ("recompute_", True, dict(nan_safe_v_method="recompute")),
            ("trivialcold_", True, dict(switches=TRIVIAL_COLD, nan_safe_v_method="recompute")),
-           ("nostash_", True, dict(switches=TRIVIAL_NO_STASH, nan_safe_v_method="recompute")),
-           ("leancold_", True, dict(switches=LEAN_COLD, nan_safe_v_method="recompute")))
+           ("nostash_", True, dict(switches=TRIVIAL_NO_STASH, nan_safe_v_method="recompute")))
        for name, spec in _MIXED_SPECS.items()},
 }
 

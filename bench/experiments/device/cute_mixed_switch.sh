@@ -41,15 +41,6 @@
 # around it) costs it; in between -> both; nostash below trivial by more than 0.5 % -> the stash writes cost.
 # (Since 2.39 the recompute_off row's epilogue test, the default's, is 2.38's FFMA test; 2.38's two exact switches
 # and their case here left: the FFMA test became the only one, the out-of-line cold path was refuted.)
-# SWITCH=_NR_LEAN_COLD_PATH (docs/tuning.md 2.40, exact: the recompute's cold path takes the sequence info's tensors from
-# the shared-memory stash and runs its Q.K chunk loop rolled, so the hot path compiles as with the trivial cold path):
-# the shards run with it on in every call (default SHARDS="own_recompute_a own_recompute_b nan256": the recompute's
-# own tests in two halves, the hd-256 NaN-safe V tests, whose "auto" is the recompute); the A/B on
-# mixed_sliding_ctx8k and the sliding canvas with nan_safe_v_method "recompute" pinned, rows recompute_off (the
-# default kernel at hd 256), recompute_lean, recompute_trivial (2.37's lower bound, timing only), nan_off, triton,
-# fa4; every cute row bit-identical to recompute_off. The switch acts on the unsplit hd-256 kernel only (the canvas's
-# cluster kernel compiles the default's PTX with it: a control row). Prediction: recompute_lean at recompute_trivial
-# (within 0.3 %) on mixed_sliding_ctx8k, 0.6-1.2 % under recompute_off; on the canvas at recompute_off.
 # Since 2.35 the scan's switches (skip_allowed_first, _CLEAN_SPLIT_ACROSS_WG) run with nan_safe_v_method "scan"
 # pinned (shards and A/B), since at hd 256 "auto" takes the recompute, where they do not act.
 # Tests and A/B do not fit one 10-minute run: run them as two,
@@ -84,11 +75,6 @@ case $SWITCH in
   _NR_TRIVIAL_COLD_PATH|_NR_NO_STASH) SWITCH=_NR_TRIVIAL_COLD_PATH; field=0; shards=none  # 2.37, timing only
     workloads=mixed_sliding_ctx8k,canvas_bs1_ctx32k_sliding
     AB_SWITCH='{"trivial": {"'$M'._NR_TRIVIAL_COLD_PATH": true}, "nostash": {"'$M'._NR_TRIVIAL_COLD_PATH": true, "'$M'._NR_NO_STASH": true}}'
-    VARIANT='{"recompute": {"nan_safe_v": true, "nan_safe_v_method": "recompute"}}'
-    PLAIN='{"nan_off": {"nan_safe_v": false}}' ;;
-  _NR_LEAN_COLD_PATH) field=0; shards="own_recompute_a own_recompute_b nan256"  # docs/tuning.md 2.40, exact
-    workloads=mixed_sliding_ctx8k,canvas_bs1_ctx32k_sliding
-    AB_SWITCH='{"lean": {"'$M'._NR_LEAN_COLD_PATH": true}, "trivial": {"'$M'._NR_TRIVIAL_COLD_PATH": true}}'
     VARIANT='{"recompute": {"nan_safe_v": true, "nan_safe_v_method": "recompute"}}'
     PLAIN='{"nan_off": {"nan_safe_v": false}}' ;;
   *) field=0; shards=own; workloads=; AB_SWITCH=$M.$SWITCH; PLAIN='{"nan_off": {"nan_safe_v": false}}' ;;

@@ -77,32 +77,3 @@ def test_the_generic_class_switch_keeps_the_scan(tmp_path):
     ab = _ab(calls)
     assert ab["no_auto"] == "1"
     assert json.loads(ab["argv"][6]) == {"nan_safe": {"nan_safe_v": True, "nan_safe_v_method": "scan"}}
-
-
-@pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
-def test_lean_cold_path_runs_its_shards_with_the_switch_and_ab_times_it_against_the_recompute_and_trivial(tmp_path):
-    """``SWITCH=_NR_LEAN_COLD_PATH`` (exact, docs/tuning.md 2.40): three GPU shards with the switch set on the kernel
-    class in every call (the recompute's own file in two halves, the hd-256 NaN-safe V tests, "auto" left as it is),
-    then the A/B of the recompute at the defaults / with the switch / with the trivial cold path, pinned to
-    ``"recompute"``, beside NaN-safe V off, triton and FA4 on the two hd-256 launches."""
-    calls, _ = _calls(tmp_path, SWITCH="_NR_LEAN_COLD_PATH")
-    shards = [c for c in calls if c["argv"][0] == "-c" and "pytest.main" in c["argv"][1]]
-    assert len(shards) == 3, calls
-    for c in shards:
-        assert "'_NR_LEAN_COLD_PATH'.split(',')" in c["argv"][1] and "bool(1)" in c["argv"][1], c
-        assert c["no_auto"] is None
-    files = sorted((c["argv"][2], " ".join(c["argv"][3:])) for c in shards)
-    assert files == [
-        ("tests/attention/cute/test_cute_nan_recompute.py", "-k finite_cache or reference_nonfinite"),
-        ("tests/attention/cute/test_cute_nan_recompute.py", "-k not finite_cache and not reference_nonfinite"),
-        ("tests/attention/cute/test_cute_nan_safe_v.py", "-k hd256 or no_row_sees"),
-    ], files
-    ab = _ab(calls)
-    argv = ab["argv"][2:]
-    assert ab["no_auto"] is None
-    assert json.loads(argv[0]) == {"lean": {f"{M}._NR_LEAN_COLD_PATH": True},
-                                   "trivial": {f"{M}._NR_TRIVIAL_COLD_PATH": True}}
-    assert argv[1] == "mixed_sliding_ctx8k,canvas_bs1_ctx32k_sliding"
-    assert argv[2:4] == ["--triton", "--fa4"]
-    assert json.loads(argv[4]) == {"recompute": {"nan_safe_v": True, "nan_safe_v_method": "recompute"}}
-    assert json.loads(argv[argv.index("--plain") + 1]) == {"nan_off": {"nan_safe_v": False}}
