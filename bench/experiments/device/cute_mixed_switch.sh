@@ -93,8 +93,6 @@ for s in $SHARDS; do case $s in
   own) own sw_own ${TESTS:?set TESTS for the own shard} & ;;
   own_skip) own sw_own_skip tests/attention/cute/test_cute_skip_allowed_first.py & ;;
   own_recompute) own sw_own_recompute tests/attention/cute/test_cute_nan_recompute.py & ;;
-  own_recompute_a) run 1 sw_own_recompute_a tests/attention/cute/test_cute_nan_recompute.py -k "finite_cache or reference_nonfinite" & ;;
-  own_recompute_b) run 1 sw_own_recompute_b tests/attention/cute/test_cute_nan_recompute.py -k "not finite_cache and not reference_nonfinite" & ;;
   fuzz256) run 1 sw_fuzz256 tests/attention/cute/test_cute_interface.py -k "fuzz and (256-16 or 256-4-4)" & ;;
   nan256) run 1 sw_nan256 tests/attention/cute/test_cute_nan_safe_v.py -k "hd256 or no_row_sees" & ;;
   fuzz128) run 1 sw_fuzz128 tests/attention/cute/test_cute_interface.py -k "fuzz and [128-" & ;;
