@@ -610,12 +610,14 @@ def train(args: TrainArgs, config: DiffusionGemmaConfig | None = None, stream=sy
         ev_model = DiffusionGemma.load_safetensors(args.out, device=dev,
                                                    dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)
         ev_model.eval()
-        ev = evaluate(ev_model, tok, held if len(held) > 4 * args.eval_prompt_len else train_ids,
+        from_held = len(held) > 4 * args.eval_prompt_len  # else the prompts come from the train stream
+        ev = evaluate(ev_model, tok, held if from_held else train_ids,
                                  num_prompts=args.eval_prompts, prompt_len=args.eval_prompt_len,
                                  canvases=args.eval_canvases, max_denoising_steps=args.eval_steps, seed=args.seed,
                                  attn_backend=args.attn_backend, device=dev)
         result["eval"] = ev
-        p(f"eval: {ev['num_prompts']} held-out prompts of {ev['prompt_len']} tokens: {ev['tokens_per_forward']:.3f} "
+        src = "held-out prompts" if from_held else "prompts (from the train stream: no held-out split)"
+        p(f"eval: {ev['num_prompts']} {src} of {ev['prompt_len']} tokens: {ev['tokens_per_forward']:.3f} "
           f"tokens committed per forward pass ({ev['tokens_per_request_pass']:.3f} per request row), "
           f"{ev['tokens_per_denoise_step']:.3f} per denoise row, "
           f"{ev['denoise_steps_per_canvas']:.2f} denoising steps per canvas (cap {ev['max_denoising_steps']})")
