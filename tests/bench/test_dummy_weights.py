@@ -108,8 +108,10 @@ def test_vllm_0_26_loads_dummy_live_as_its_dummy_weights_with_neutral_layer_scal
     from vllm.platforms.cpu import CpuPlatform
 
     monkeypatch.setattr(vllm.platforms, "_current_platform", CpuPlatform())
-    # vLLM's registry is a module global: this test's registration is undone afterwards
-    monkeypatch.setattr(loaders, "_LOAD_FORMAT_TO_MODEL_LOADER", dict(loaders._LOAD_FORMAT_TO_MODEL_LOADER))
+    # vLLM's registry is a module global: this test's registration is undone afterwards, and one made earlier in the
+    # process (AsyncEngineArgs.add_cli_args loads the general plugins: test_bench_serve) is left out of its copy
+    monkeypatch.setattr(loaders, "_LOAD_FORMAT_TO_MODEL_LOADER",
+                        {k: v for k, v in loaders._LOAD_FORMAT_TO_MODEL_LOADER.items() if k != "dummy_live"})
     with pytest.raises(ValueError, match="not supported"):
         get_model_loader(LoadConfig(load_format="dummy_live"))
     dw.register()

@@ -198,19 +198,33 @@ def _fake_types():
 FAKE_VLLM_TYPES = _fake_types()
 
 
+def _reaches_root(logger: logging.Logger) -> bool:
+    """Whether a record of ``logger`` propagates up to the root logger (no logger on the way, itself included,
+    has ``propagate=False``)."""
+    c = logger
+    while c is not None and c is not logging.root:
+        if not c.propagate:
+            return False
+        c = c.parent
+    return True
+
+
 @contextlib.contextmanager
 def captured_log(caplog, logger: logging.Logger, level: int = logging.INFO):
-    """caplog's records of ``logger`` at ``level`` and above, with caplog's handler on ``logger`` itself: the plugin's
-    loggers live under vLLM's "vllm" logger (docs/tuning.md 7.50), which vLLM's logging config sets to
-    ``propagate=False`` once vLLM is imported, so pytest's root-logger handler alone would read nothing."""
-    old_level, old_propagate = logger.level, logger.propagate
-    logger.addHandler(caplog.handler)
-    logger.setLevel(level)
-    logger.propagate = False  # each record once (without vLLM the root logger holds caplog's handler too)
+    """caplog's records of ``logger`` at ``level`` and above. The plugin's loggers live under vLLM's "vllm" logger
+    (docs/tuning.md 7.50), which vLLM's logging config sets to ``propagate=False`` once vLLM is imported, so
+    pytest's root-logger handler alone would read nothing: then caplog's handler goes on ``logger`` itself for the
+    block (each record still once; a failing test's report does not show them). Without vLLM, plain
+    ``caplog.at_level``. Use this, not ``caplog.at_level``, for the integration's loggers
+    (test_plugin_logging checks)."""
+    attach = not _reaches_root(logger)
+    old_level = logger.level
+    if attach:
+        logger.addHandler(caplog.handler)
     try:
         with caplog.at_level(level, logger=logger.name):
             yield caplog
     finally:
-        logger.removeHandler(caplog.handler)
+        if attach:
+            logger.removeHandler(caplog.handler)
         logger.setLevel(old_level)
-        logger.propagate = old_propagate

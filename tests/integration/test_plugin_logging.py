@@ -72,3 +72,18 @@ def test_plugin_info_lines_reach_vllms_server_log_handler(module):
         mod._log.disabled = saved[4]
     assert [r.getMessage() for r in seen] == ["blockdiff: fused commits, probe"]
     assert seen[0].name == f"vllm.blockdiff.integration.{module}"
+
+
+def test_integration_tests_capture_plugin_logs_with_captured_log():
+    """``caplog.at_level`` alone reads nothing from the plugin's loggers once vLLM is imported (its "vllm" logger
+    does not propagate to pytest's root handler), so a "no warning" assertion written that way would pass without
+    testing anything in the vLLM environment. The integration tests use ``integration_helpers.captured_log``."""
+    here = os.path.dirname(__file__)
+    needle = "caplog." + "at_level("  # split, so this line does not match itself
+    bad = []
+    for name in sorted(os.listdir(here)):
+        if name.endswith(".py") and name != "integration_helpers.py":
+            for i, line in enumerate(open(os.path.join(here, name)), 1):
+                if needle in line:
+                    bad.append(f"{name}:{i}: {line.strip()}")
+    assert not bad, "use integration_helpers.captured_log(caplog, module._log, level):\n" + "\n".join(bad)

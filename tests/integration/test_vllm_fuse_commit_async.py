@@ -411,8 +411,11 @@ def _canvas_rows(runner, rid):
 @pytest.fixture
 def vllm_env(monkeypatch, tiny_model):
     vllm_sampler_output_class(monkeypatch)
-    logging.getLogger("vllm").setLevel(logging.WARNING)
-    return monkeypatch
+    vllm_logger = logging.getLogger("vllm")
+    old = vllm_logger.level
+    vllm_logger.setLevel(logging.WARNING)
+    yield monkeypatch
+    vllm_logger.setLevel(old)  # the plugin's loggers sit under it (7.50): no muted INFO for later tests
 
 
 @needs_stack
