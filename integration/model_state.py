@@ -58,9 +58,7 @@ from .vllm_scheduler import (FUSE_COMMIT_ENV, FUSE_NEXT_FLAG, fuse_commit_from_e
                              served_max_denoising_steps)
 from .vllm_graphs import maybe_install_for as install_decode_graph_widths
 
-# under vLLM's "vllm" logger, as vllm_model.py's: its handler prints INFO to the server log (a logger named
-# blockdiff.* reached it only at WARNING, through logging's last resort; docs/tuning.md 7.50)
-_log = logging.getLogger(f"vllm.{__name__}")
+_log = logging.getLogger(f"vllm.{__name__}")  # under vLLM's "vllm" logger: its handler prints INFO to the server log
 
 try:  # vLLM is optional: subclass its ModelState when present.
     from vllm.v1.worker.gpu.model_states.interface import ModelState as _VllmModelState  # type: ignore

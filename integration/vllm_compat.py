@@ -31,9 +31,7 @@ import logging
 import re
 from dataclasses import dataclass
 
-# under vLLM's "vllm" logger, as vllm_model.py's: its handler prints INFO to the server log (a logger named
-# blockdiff.* reached it only at WARNING, through logging's last resort; docs/tuning.md 7.50)
-_log = logging.getLogger(f"vllm.{__name__}")
+_log = logging.getLogger(f"vllm.{__name__}")  # under vLLM's "vllm" logger: its handler prints INFO to the server log
 
 
 @dataclass(frozen=True)

@@ -39,9 +39,7 @@ from typing import Any
 
 from .vllm_scheduler import served_canvas_length
 
-# under vLLM's "vllm" logger, as vllm_model.py's: its handler prints INFO to the server log (a logger named
-# blockdiff.* reached it only at WARNING, through logging's last resort; docs/tuning.md 7.50)
-_log = logging.getLogger(f"vllm.{__name__}")
+_log = logging.getLogger(f"vllm.{__name__}")  # under vLLM's "vllm" logger: its handler prints INFO to the server log
 
 #: The private names of vLLM 0.26.0's ``vllm/v1/worker/gpu/cudagraph_utils.py`` the wrapper relies on (recorded in
 #: the interface snapshots by ``tests/integration/snapshot_vllm_interface.py``).

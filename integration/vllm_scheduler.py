@@ -77,9 +77,7 @@ from ..attention.env import env_flag
 from .annotate import annotated
 from .vllm_compat import scheduler_base_classes
 
-# under vLLM's "vllm" logger, as vllm_model.py's: its handler prints INFO to the server log (a logger named
-# blockdiff.* reached it only at WARNING, through logging's last resort; docs/tuning.md 7.50)
-_log = logging.getLogger(f"vllm.{__name__}")
+_log = logging.getLogger(f"vllm.{__name__}")  # under vLLM's "vllm" logger: its handler prints INFO to the server log
 
 #: Canvas widths above this are refused (the sampler's canvas_length < 2**16, blockdiff.sampler.rng.MAX_POSITIONS).
 MAX_CANVAS_WIDTH = 1 << 16

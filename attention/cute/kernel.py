@@ -203,60 +203,6 @@ def _row_coord(x, wide: bool):
     return cutlass.Int64(x) if wide else x
 
 
-def _slot_fields(tensors):
-    """Trace time: ``([(tensor, dynamic stride modes, dynamic shape modes past the first) or None], slots)`` of the
-    recompute's shared-memory slots for ``tensors`` (None entries stay None): each tensor's address, then each dynamic
-    stride, then each dynamic shape past the first mode, one Int64 slot each (:func:`_write_slots`,
-    :func:`_tensor_from_slots`)."""
-    out, n = [], 0
-    for t in tensors:
-        if t is None:
-            out.append(None)
-            continue
-        dyn_st = [i for i, st in enumerate(t.stride) if not isinstance(st, int)]
-        dyn_sh = [i for i, d in enumerate(t.shape) if i > 0 and not isinstance(d, int)]
-        out.append((t, dyn_st, dyn_sh))
-        n += 1 + len(dyn_st) + len(dyn_sh)
-    return out, n
-
-
-def _write_slots(slots, fields_) -> None:
-    """Trace time, inside a lane's branch: :func:`_slot_fields`' values into ``slots`` from slot 0, in its order."""
-    i = 0
-    for f in fields_:
-        if f is None:
-            continue
-        t, dyn_st, dyn_sh = f
-        slots[i] = cutlass.Int64(t.iterator.toint())
-        i += 1
-        for m in dyn_st:
-            slots[i] = cutlass.Int64(t.stride[m])
-            i += 1
-        for m in dyn_sh:
-            slots[i] = cutlass.Int64(t.shape[m])
-            i += 1
-
-
-def _tensor_from_slots(t, slots, i: int, dyn_st, dyn_sh=()):
-    """Trace time, in the recompute's cold path: the tensor ``t`` (its traced static strides and shapes) rebuilt from
-    shared-memory slots from ``slots[i]`` on: its address, then its dynamic strides (modes ``dyn_st``), then its
-    dynamic shapes (modes ``dyn_sh``); another dynamic extent is 2^30, which no index reaches. Returns the tensor and
-    the next slot's index. 4-byte alignment even for Q / K / V (16 in fact): with 16, ptxas issued the 16-byte loads
-    early and the hd-256 kernels spilled (docs/tuning.md 2.34); the cold path's load width does not matter."""
-    addr = slots[i]
-    i += 1
-    strides = list(t.stride)
-    for m in dyn_st:
-        strides[m] = slots[i]
-        i += 1
-    shape = [d if isinstance(d, int) else 1 << 30 for d in t.shape]
-    for m in dyn_sh:
-        shape[m] = Int32(slots[i])
-        i += 1
-    ptr = cute.make_ptr(t.element_type, addr, cute.AddressSpace.gmem, assumed_align=4)
-    return cute.make_tensor(ptr, cute.make_layout(tuple(shape), stride=tuple(strides))), i
-
-
 def _int32_bit(b: int) -> int:
     """Bit ``b`` (0-31) of an Int32 as a Python int in the int32 range (bit 31: -2^31)."""
     return -(1 << 31) if b == 31 else 1 << b
@@ -1635,20 +1581,6 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
             cute.arch.atomic_add(mCount.iterator, Int32(1))
 
     @cute.jit
-    def _qk_chunk_term(self, x: Float32, k_row: cute.Tensor, q_vec: cute.Tensor, kr: cute.Tensor, qr: cute.Tensor,
-                       j: Int32, n_chunks: cutlass.Constexpr[int]) -> Float32:
-        """``x`` plus the dot product of chunk ``j`` (``kr``'s length, 8 elements) of a K row and a Q row in fp32,
-        element by element in order; ``x`` unchanged when ``j >= n_chunks`` (:meth:`_recompute_key`)."""
-        if j < n_chunks:
-            cute.autovec_copy(cute.local_tile(k_row, (cute.size(kr),), (j,)), kr)
-            cute.autovec_copy(cute.local_tile(q_vec, (cute.size(qr),), (j,)), qr)
-            kf = kr.load().to(Float32)
-            qf = qr.load().to(Float32)
-            for i in cutlass.range_constexpr(cute.size(kr)):
-                x = x + qf[i] * kf[i]
-        return x
-
-    @cute.jit
     def _recompute_key(self, acc: cute.Tensor, r: cutlass.Constexpr[int], marks: cute.Tensor, tOcO: cute.Tensor,
                        lo: Int32, hi: Int32, lse2: Float32, scale_log2: Float32, q_vec: cute.Tensor,
                        mK: cute.Tensor, mV: cute.Tensor, mPageTable: Optional[cute.Tensor],
@@ -1669,7 +1601,14 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         qr = cute.make_rmem_tensor((CHUNK,), self.dtype)
         x = Float32(0.0)
         for t in cutlass.range_constexpr((n_chunks + 3) // 4):
-            x = self._qk_chunk_term(x, k_row, q_vec, kr, qr, quad + 4 * t, n_chunks)
+            j = quad + 4 * t
+            if j < n_chunks:
+                cute.autovec_copy(cute.local_tile(k_row, (CHUNK,), (j,)), kr)
+                cute.autovec_copy(cute.local_tile(q_vec, (CHUNK,), (j,)), qr)
+                kf = kr.load().to(Float32)
+                qf = qr.load().to(Float32)
+                for i in cutlass.range_constexpr(CHUNK):
+                    x = x + qf[i] * kf[i]
         x = x + cute.arch.shuffle_sync_bfly(x, offset=1)
         x = x + cute.arch.shuffle_sync_bfly(x, offset=2)
         # only keys the row sees add a term (a key it may not see must not add 0 * NaN, regression test
@@ -1700,7 +1639,15 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         """Trace-time: ``[(tensor, dynamic stride modes, dynamic shape modes past the first)]`` of Q, K, V, the page
         table (None when contiguous) and the counter, and the number of Int64 slots they take (the address, then
         each dynamic stride and shape; at most :data:`NR_STASH_SLOTS`)."""
-        out, n = _slot_fields((self._nr_q, self._nr_k, self._mV, self._mPageTable, self._nr_count))
+        out, n = [], 0
+        for t in (self._nr_q, self._nr_k, self._mV, self._mPageTable, self._nr_count):
+            if t is None:
+                out.append(None)
+                continue
+            dyn_st = [i for i, st in enumerate(t.stride) if not isinstance(st, int)]
+            dyn_sh = [i for i, d in enumerate(t.shape) if i > 0 and not isinstance(d, int)]
+            out.append((t, dyn_st, dyn_sh))
+            n += 1 + len(dyn_st) + len(dyn_sh)
         if n > NR_STASH_SLOTS:
             raise ValueError(f"nan_safe_v_method='recompute': Q, K, V, the page table and the counter need {n} "
                              f"address / stride / shape slots, more than the {NR_STASH_SLOTS} reserved "
@@ -1720,7 +1667,18 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         slots = self._stash_slots(pipeline_v)
         fields_, _ = self._stash_fields()
         if cute.arch.lane_idx() == 0:
-            _write_slots(slots, fields_)
+            i = 0
+            for f in fields_:
+                if const_expr(f is not None):
+                    t, dyn_st, dyn_sh = f
+                    slots[i] = cutlass.Int64(t.iterator.toint())
+                    i += 1
+                    for m in dyn_st:
+                        slots[i] = cutlass.Int64(t.stride[m])
+                        i += 1
+                    for m in dyn_sh:
+                        slots[i] = cutlass.Int64(t.shape[m])
+                        i += 1
         cute.arch.sync_warp()
         self._nr_slots = slots
 
@@ -1736,6 +1694,18 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
                 out.append(None)
                 continue
             t, dyn_st, dyn_sh = f
-            tensor, i = _tensor_from_slots(t, slots, i, dyn_st, dyn_sh)
-            out.append(tensor)
+            addr = slots[i]
+            i += 1
+            strides = list(t.stride)
+            for m in dyn_st:
+                strides[m] = slots[i]
+                i += 1
+            shape = [d if isinstance(d, int) else 1 << 30 for d in t.shape]
+            for m in dyn_sh:
+                shape[m] = Int32(slots[i])
+                i += 1
+            # 4-byte alignment even for Q / K / V (16 in fact): with 16, ptxas issued the 16-byte loads early and the
+            # hd-256 kernels spilled (docs/tuning.md 2.34); the cold path's load width does not matter
+            ptr = cute.make_ptr(t.element_type, addr, cute.AddressSpace.gmem, assumed_align=4)
+            out.append(cute.make_tensor(ptr, cute.make_layout(tuple(shape), stride=tuple(strides))))
         return tuple(out)
