@@ -39,6 +39,7 @@ def test_serve_fused_variants(tmp_path, variant, asynchronous, canvas, fuse):
         assert f'"canvas_length":{canvas}' in cmd
     if variant.startswith("parity"):  # both parity servers as before: float32, eager
         assert "--enforce-eager" in cmd and "--dtype float32" in cmd
+        assert "--kv-cache-memory-bytes 1G" in cmd  # no memory profiling: the harness frees memory beside it
 
 
 def test_serve_fused_refuses_an_unknown_variant(tmp_path):

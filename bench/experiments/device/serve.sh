@@ -4,7 +4,7 @@ source bench/experiments/device/env.sh
 V="python3 -m vllm.entrypoints.cli.main"
 up() { python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$1/health')" 2>/dev/null; }
 [ -d /tmp/exp ] || python3 -m blockdiff.integration.cli export /tmp/exp --overwrite > $OUT/export.log 2>&1
-C="--language-model-only --max-model-len 512 --gpu-memory-utilization 0.25 --no-async-scheduling --max-num-seqs 8 ${EXTRA:-}"
+C="--language-model-only --max-model-len 512 --gpu-memory-utilization 0.25 --kv-cache-memory-bytes 1G --no-async-scheduling --max-num-seqs 8 ${EXTRA:-}"
 (up 8021 || setsid env VLLM_PLUGINS=none $V serve /tmp/exp $C --attention-backend TRITON_ATTN --enforce-eager --port 8021 > /tmp/stock.log 2>&1 < /dev/null) > /dev/null 2>&1 &
 (up 8022 || setsid env VLLM_USE_V2_MODEL_RUNNER=1 VLLM_PLUGINS=blockdiff BLOCKDIFF_ATTN_BACKEND=triton BLOCKDIFF_SAMPLER_BACKEND=triton $V serve /tmp/exp $C --attention-backend CUSTOM --scheduler-cls blockdiff.integration.vllm_scheduler.BlockdiffDiffusionScheduler --enforce-eager --port 8022 > /tmp/plugin.log 2>&1 < /dev/null) > /dev/null 2>&1 &
 [ -f /tmp/h.json ] || python3 -m blockdiff.bench.experiments.serve_smoke harness --out /tmp/h.json > /tmp/harness.log 2>&1

@@ -54,7 +54,7 @@ if [ "$variant" = parity ] || [ "$variant" = parity_async ]; then
   fi
   tag=$tag$psfx; sfx=$sfx$psfx
   LOG=/tmp/plugin32_fused$sfx.log
-  C="--language-model-only --max-model-len 512 --gpu-memory-utilization 0.2 --max-num-seqs 8"
+  C="--language-model-only --max-model-len 512 --gpu-memory-utilization 0.2 --kv-cache-memory-bytes 1G --max-num-seqs 8"
   C="$C --enforce-eager --attention-backend CUSTOM $sched"
   E="VLLM_USE_V2_MODEL_RUNNER=1 VLLM_PLUGINS=blockdiff BLOCKDIFF_ATTN_BACKEND=triton BLOCKDIFF_SAMPLER_BACKEND=triton BLOCKDIFF_FUSE_COMMIT=1"
   [ -n "$policy" ] && E="$E BLOCKDIFF_FUSE_POLICY=$policy"

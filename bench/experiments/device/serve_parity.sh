@@ -15,7 +15,7 @@ source bench/experiments/device/env.sh
 source bench/experiments/device/serve_lib.sh
 [ -d /tmp/exp ] || python3 -m blockdiff.integration.cli export /tmp/exp --overwrite > /tmp/export.log 2>&1 \
   || tail -20 /tmp/export.log
-C="--language-model-only --max-model-len 512 --gpu-memory-utilization 0.2 --no-async-scheduling --max-num-seqs 8"
+C="--language-model-only --max-model-len 512 --gpu-memory-utilization 0.2 --kv-cache-memory-bytes 1G --no-async-scheduling --max-num-seqs 8"
 C="$C --enforce-eager --attention-backend CUSTOM --scheduler-cls blockdiff.integration.vllm_scheduler.BlockdiffDiffusionScheduler"
 ATTN=${ATTN:-triton}; case $ATTN in triton) P32=8031; P16=8032 ;; cute) P32=; P16=8034 ;; *) echo "ATTN must be triton or cute"; exit 2 ;; esac
 E="VLLM_USE_V2_MODEL_RUNNER=1 VLLM_PLUGINS=blockdiff BLOCKDIFF_ATTN_BACKEND=$ATTN BLOCKDIFF_SAMPLER_BACKEND=triton"

@@ -47,3 +47,25 @@ def test_every_parity_script_caps_its_harness_and_client_calls():
         calls = re.findall(r"^.*python3 \$M (?:harness|client).*$", text, flags=re.M)
         assert calls, script
         assert all("capped python3 $M" in c for c in calls), (script, [c for c in calls if "capped" not in c])
+
+
+def test_small_servers_fix_their_kv_cache_so_a_memory_freeing_neighbour_cannot_fail_their_start():
+    """Every device script that starts a small vLLM server (`$V serve /tmp/exp ...`, beside the harness or another
+    server) fixes its KV cache with --kv-cache-memory-bytes, which skips vLLM's memory profiling and its check that
+    free memory does not grow meanwhile: without it serve_fused.sh parity_async failed to start on an H100
+    (2026-12-06, "Error in memory profiling", the harness freeing 1.9 GiB beside it)."""
+    import glob
+    import re
+    scripts = []
+    for path in sorted(glob.glob("bench/experiments/device/*.sh")):
+        text = open(path).read().replace("\\\n", " ")  # backslash-continued lines joined
+        serves = [line for line in text.splitlines() if re.search(r"\$V serve /tmp/exp", line)]
+        if not serves:
+            continue
+        scripts.append(path)
+        for line in serves:  # the flags inline, or in $C, whose every C="--language-model-only ..." line has them
+            assert "--kv-cache-memory-bytes" in line or "$C" in line, (path, line)
+        flags = re.findall(r"^\s*C=\"(--language-model-only[^\"]*)\"", text, flags=re.M)
+        assert all("--kv-cache-memory-bytes" in f for f in flags), (path, flags)
+    assert {"serve.sh", "serve_parity.sh", "serve_fused.sh", "serve_graph_parity.sh", "serve_checks.sh"} <= {
+        p.rsplit("/", 1)[1] for p in scripts}, scripts
