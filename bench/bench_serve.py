@@ -8,7 +8,7 @@ Usage (the H200 after staging; ``bench/experiments/device/serve_bench.sh`` runs 
         --backend vllm --quant fp8 --concurrency 1,4,16,64 --max-num-seqs 16 --server-pid PID --rows $OUT/rows.jsonl
     python3 -m blockdiff.bench.bench_serve profile --base-url ... --backend vllm --quant fp8 --trace-dir /tmp/tr_vllm
     python3 -m blockdiff.bench.bench_serve trace TRACE.json.gz --out P.json       # classify a saved trace again
-    python3 -m blockdiff.bench.bench_serve record ROWS.jsonl... --profile P.json... --out bench/results/serve-h200.json
+    python3 -m blockdiff.bench.bench_serve record ROWS.jsonl... --profile P.json...  # bench/results/serve-<gpu>.json
 
 The setting, the same on both sides (issue 25): DiffusionGemma-26B-A4B geometry with random weights (``vllm serve
 FOLDER --load-format dummy``; the folder from ``model``: config, byte tokenizer padded to the vocabulary with
@@ -1826,19 +1826,52 @@ def plot_throughput(rows: list[dict], path: Path) -> Path | None:
     return path
 
 
+_GPU_IN_NAME = re.compile(r"(?<![a-z0-9])[a-z]\d{2,4}[a-z]?(?![a-z0-9])")  # "h200", "h100", "a100", "l40s"
+
+
+def record_path(out: str | None, out_dir: str | None, gpu: str | None) -> Path:
+    """Where :func:`record` writes: ``out`` when given, else ``OUT_DIR/serve-<gpu slug>.json`` (``out_dir`` default
+    bench/results/; :func:`common.gpu_slug`, e.g. ``serve-h100.json`` for "NVIDIA H100 80GB HBM3").
+
+    Raises:
+        ValueError: ``out`` names a GPU (a token such as ``h200`` in its file name) other than ``gpu``, the rows'
+            (2026-12-06: an H100 lease's rows went to a file named ``serve-h200.json``); or neither ``out`` nor
+            ``gpu`` is known.
+    """
+    if out is None:
+        if not gpu:
+            raise ValueError("the rows name no GPU (no env record): give --out")
+        return Path(out_dir or common.DEFAULT_RESULTS_DIR) / f"{SUITE}-{common.gpu_slug(gpu)}.json"
+    path = Path(out)
+    if gpu:
+        slug = common.gpu_slug(gpu)
+        named = [t for t in _GPU_IN_NAME.findall(path.stem.lower()) if t not in slug.split("-")]
+        if named:
+            raise ValueError(f"--out {out}: its name says GPU {named[0]!r} but the rows come from {gpu!r}; "
+                             f"name it {SUITE}-{slug}.json (the default with --out-dir)")
+    return path
+
+
 def record(args) -> dict:
-    """The ``record`` subcommand: writes the record, its CSV and PNG; returns the record."""
+    """The ``record`` subcommand: writes the record, its CSV and PNG; returns the record.
+
+    Raises:
+        ValueError: no rows; rows from more than one GPU (a record's goals compare its rows, so they come from one
+            GPU); ``--out`` naming another GPU than the rows' (:func:`record_path`); a malformed profile.
+    """
     envs, rows = read_rows(args.rows)
     if not rows:
         raise ValueError(f"no rows in {', '.join(map(str, args.rows))} (only blank lines or env records)")
+    gpus = sorted({str(e["gpu"]) for e in envs if e.get("gpu")})
+    if len(gpus) > 1:
+        raise ValueError(f"rows come from different GPUs ({', '.join(gpus)}): a record's goals compare its rows, so "
+                         f"record each GPU's rows apart")
+    out = record_path(getattr(args, "out", None), getattr(args, "out_dir", None), gpus[0] if gpus else None)
     env = dict(envs[0]) if envs else environment()
     for k in ("kind", "backend", "quant", "max_num_seqs", "base_url", "server_pid", "bench_cmd", "warm_up", "setting",
               "model"):
         env.pop(k, None)
     notes = []
-    gpus = {e.get("gpu") for e in envs}
-    if len(gpus) > 1:
-        notes.append(f"rows come from different GPUs: {sorted(map(str, gpus))}")
     if str(env.get("commit", "unknown")).startswith("unknown"):
         env["commit"] = common.git_commit()
         notes.append("commit: the GPU copy had none; this is the checkout that recorded the rows")
@@ -1865,7 +1898,6 @@ def record(args) -> dict:
         setting["load_formats"] = sorted({effective_load_format(r.get("load_format")) for r in rows})
     extra = {"setting": setting, "servers": servers, "goals": goals,
              "profiles": profiles, "notes": notes}
-    out = Path(args.out)
     suite = out.name[:-len(".json")].rsplit("-", 1)[0] if out.name.endswith(".json") else SUITE
     path = common.write_records(suite, rows, env=env, extra=extra, out_dir=out.parent)
     if path != out:  # the GPU slug of env differs from the name asked for: keep the name asked for
@@ -2006,7 +2038,11 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("record", help="rows + profiles -> the record, CSV and PNG")
     r.add_argument("rows", nargs="+")
     r.add_argument("--profile", nargs="*", default=[])
-    r.add_argument("--out", default=str(common.DEFAULT_RESULTS_DIR / "serve-h200.json"))
+    where = r.add_mutually_exclusive_group()
+    where.add_argument("--out", default=None, help="the record's path (default: OUT_DIR/serve-<gpu>.json, the GPU "
+                                                   "from the rows; a name that says another GPU is refused)")
+    where.add_argument("--out-dir", default=None, help="folder of the record named after the rows' GPU "
+                                                       "(default bench/results/)")
     return ap
 
 
@@ -2090,7 +2126,10 @@ def _main(args) -> int:
         _print_profile(summary)
         return 0
     if args.command == "record":
-        _check_writable(args.out, "--out")
+        if args.out:
+            _check_writable(args.out, "--out")
+        else:
+            _check_writable(str(Path(args.out_dir or common.DEFAULT_RESULTS_DIR) / f"{SUITE}.json"), "--out-dir")
         doc = _user(record, args)
         print(common.summary_table(doc["rows"], SUMMARY_COLUMNS))
         for g in doc["goals"]:

@@ -19,6 +19,7 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -239,9 +240,12 @@ def gpu_name(device: torch.device | str | None = None) -> str:
 
 
 def gpu_slug(name: str) -> str:
-    """File-name form of a device name: "NVIDIA H200" -> "h200", "cpu" -> "cpu"."""
+    """File-name form of a device name: "NVIDIA H200" -> "h200", "NVIDIA H100 80GB HBM3" -> "h100" (memory size
+    and kind dropped: they name no other model), "NVIDIA H100 PCIe" -> "h100-pcie", "cpu" -> "cpu"."""
     s = name.lower().replace("nvidia", "").strip()
-    return "".join(ch if ch.isalnum() else "-" for ch in s).strip("-") or "gpu"
+    s = "".join(ch if ch.isalnum() else "-" for ch in s)
+    parts = [t for t in s.split("-") if t and not re.fullmatch(r"\d+gb|hbm\d*e?", t)]
+    return "-".join(parts) or "gpu"
 
 
 def env_record(device: torch.device | str | None = None) -> dict:

@@ -43,6 +43,14 @@ def test_cpu_timing_and_summary():
     assert common.gpu_slug("NVIDIA H200") == "h200"
 
 
+@pytest.mark.parametrize("name, slug", [("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100"),
+                                        ("NVIDIA H100 PCIe", "h100-pcie"), ("NVIDIA H200 NVL", "h200-nvl"),
+                                        ("NVIDIA A100-SXM4-80GB", "a100-sxm4"), ("cpu", "cpu"), ("", "gpu")])
+def test_gpu_slug_names_the_model_and_drops_memory_size_and_kind(name, slug):
+    """The H100's device name gave records named `-h100-80gb-hbm3`, renamed `-h100` by hand; the slug is that now."""
+    assert common.gpu_slug(name) == slug
+
+
 def test_write_experiment_json_goes_to_out_or_the_local_folder(tmp_path, monkeypatch):
     monkeypatch.delenv("OUT", raising=False)
     p = common.write_experiment_json("x.json", {"a": float("nan")}, tmp_path)

@@ -1255,3 +1255,41 @@ def test_trace_and_model_input_errors_exit_2(cli, tmp_path):
     _one_clear_line(cli("trace", tmp_path / "t.json", "--max-canvases", "0"), "--max-canvases")
     (tmp_path / "afile").write_text("x")
     _one_clear_line(cli("model", tmp_path / "afile"), "afile")
+
+
+def _rows_from(path, *gpus):
+    """A rows file with one env line and one stock c1 row per GPU named."""
+    with open(path, "w") as f:
+        for gpu in gpus:
+            env = dict(bs.environment(), kind="env", backend="vllm", quant="bf16", max_num_seqs=4, gpu=gpu)
+            f.write(json.dumps({"env": env}) + "\n" + json.dumps(_row("vllm", "bf16", 1, 600.0, seqs=4)) + "\n")
+    return path
+
+
+def test_record_refuses_an_out_name_that_says_another_gpu(cli, tmp_path):
+    """2026-12-06: serve_bench.sh wrote an H100 lease's rows to a file named serve-h200.json (its --out was fixed)."""
+    rows = _rows_from(tmp_path / "r.jsonl", "NVIDIA H100 80GB HBM3")
+    _one_clear_line(cli("record", rows, "--out", tmp_path / "serve-h200.json"), "--out", "'h200'", "H100",
+                    "serve-h100.json")
+    assert not (tmp_path / "serve-h200.json").exists()
+    assert cli("record", rows, "--out", tmp_path / "serve-h100.json")[0] == 0
+    assert cli("record", rows, "--out", tmp_path / "serve-x.json")[0] == 0  # a name without a GPU in it: as asked
+
+
+def test_record_names_its_file_after_the_rows_gpu(cli, tmp_path):
+    rows = _rows_from(tmp_path / "r.jsonl", "NVIDIA H100 80GB HBM3")
+    assert cli("record", rows, "--out-dir", tmp_path / "rec")[0] == 0
+    assert sorted(p.name for p in (tmp_path / "rec").iterdir()) == ["serve-h100.csv", "serve-h100.json",
+                                                                   "serve-h100.png"]
+    doc = json.loads((tmp_path / "rec" / "serve-h100.json").read_text())
+    assert doc["gpu"] == "NVIDIA H100 80GB HBM3" and doc["suite"] == "serve"
+    rc, err = cli("record", rows, "--out", tmp_path / "a.json", "--out-dir", tmp_path)
+    assert rc == 2 and "not allowed with" in err
+
+
+def test_record_refuses_rows_from_two_gpus(cli, tmp_path):
+    """A record's goals divide its rows by each other: rows of an H100 and an H200 lease would give a ratio that
+    compares two machines. Was: a note in the record."""
+    rows = _rows_from(tmp_path / "r.jsonl", "NVIDIA H200", "NVIDIA H100 80GB HBM3")
+    _one_clear_line(cli("record", rows, "--out-dir", tmp_path / "rec"), "different GPUs", "NVIDIA H200", "H100")
+    assert not (tmp_path / "rec").exists() or not any((tmp_path / "rec").iterdir())

@@ -15,7 +15,7 @@
 # Defaults: fp8, triton, both. Outputs under $OUT (few files: at most 8 come back): serve_rows_<quant>.jsonl (the
 # environment line, then one row per side and concurrency), serve_<side>_<quant>.log (each server's log tail),
 # serve_profile_<side>_<quant>.json. Then, here: python3 -m blockdiff.bench.bench_serve record ROWS... --profile
-# PROFILES... --out bench/results/serve-h200.json
+# PROFILES... --out-dir bench/results (serve-<gpu>.json)
 #
 # Expected times: `start` ~15 s (model folder + launch). Each server then loads dummy weights (~10-30 s for 26B),
 # torch.compiles the model (Dynamo + Inductor on a cold cache, both servers at once on 16 cores: ~2-4 min), captures
@@ -171,7 +171,7 @@ bench)
   done
   fi
   logtail
-  [ -s $OUT/serve_rows_$quant.jsonl ] && $BS record $OUT/serve_rows_$quant.jsonl --out $W/record/serve-h200.json 2>&1 \
+  [ -s $OUT/serve_rows_$quant.jsonl ] && $BS record $OUT/serve_rows_$quant.jsonl --out-dir $W/record 2>&1 \
     | tail -20 ;;
 profile)
   for s in $(order); do
