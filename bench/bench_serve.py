@@ -1781,10 +1781,10 @@ def evaluate_goals(rows: list[dict]) -> list[dict]:
     return goals
 
 
-def plot_throughput(rows: list[dict], path: Path) -> Path | None:
+def plot_throughput(rows: list[dict], path: Path, gpu: str | None = None) -> Path | None:
     """PNG of output tokens/s against concurrency, one line per (backend, quant, max-num-seqs, eager, load format),
-    rows with ``enforce_eager`` labelled eager and a load format other than ``dummy`` named; None without
-    matplotlib."""
+    rows with ``enforce_eager`` labelled eager and a load format other than ``dummy`` named, ``gpu`` (the device
+    name) in the title; None without matplotlib."""
     try:
         import matplotlib
 
@@ -1815,8 +1815,8 @@ def plot_throughput(rows: list[dict], path: Path) -> Path | None:
         ax.set_xticklabels([str(c) for c in cs])
     ax.set_xlabel("max concurrency (requests)")
     ax.set_ylabel("output tokens / s")
-    ax.set_title("DiffusionGemma-26B-A4B (random weights)\n4096 in / 512 out, 16 denoising steps per canvas",
-                 fontsize=10)
+    ax.set_title(f"DiffusionGemma-26B-A4B (random weights){', ' + gpu if gpu else ''}\n4096 in / 512 out, "
+                 "16 denoising steps per canvas", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -1903,7 +1903,7 @@ def record(args) -> dict:
     if path != out:  # the GPU slug of env differs from the name asked for: keep the name asked for
         path.replace(out)
         path.with_suffix(".csv").replace(out.with_suffix(".csv"))
-    png = plot_throughput(rows, out.with_suffix(".png"))
+    png = plot_throughput(rows, out.with_suffix(".png"), gpu=gpus[0] if gpus else None)
     doc = json.loads(out.read_text())
     print(f"wrote {out} (+ .csv{', .png' if png else ''})")
     return doc
