@@ -1826,7 +1826,13 @@ def plot_throughput(rows: list[dict], path: Path, gpu: str | None = None) -> Pat
     return path
 
 
-_GPU_IN_NAME = re.compile(r"(?<![a-z0-9])[a-z]\d{2,4}[a-z]?(?![a-z0-9])")  # "h200", "h100", "a100", "l40s"
+#: A file-name token that names a GPU model ("h200", "h100", "a100", "l40s") or a kind of one ("pcie", "nvl", "sxm5").
+_GPU_TOKEN = re.compile(r"[a-z]\d{2,4}[a-z]?|pcie|nvl|sxm\d*")
+
+
+def _gpu_tokens(name: str) -> set[str]:
+    """The GPU tokens (:data:`_GPU_TOKEN`) among ``name``'s alphanumeric runs, lower case."""
+    return {t for t in re.split(r"[^a-z0-9]+", name.lower()) if _GPU_TOKEN.fullmatch(t)}
 
 
 def record_path(out: str | None, out_dir: str | None, gpu: str | None) -> Path:
@@ -1834,22 +1840,39 @@ def record_path(out: str | None, out_dir: str | None, gpu: str | None) -> Path:
     bench/results/; :func:`common.gpu_slug`, e.g. ``serve-h100.json`` for "NVIDIA H100 80GB HBM3").
 
     Raises:
-        ValueError: ``out`` names a GPU (a token such as ``h200`` in its file name) other than ``gpu``, the rows'
-            (2026-12-06: an H100 lease's rows went to a file named ``serve-h200.json``); or neither ``out`` nor
-            ``gpu`` is known.
+        ValueError: ``out`` is not a ``.json`` file name (a folder, another suffix); its file name names a GPU (a
+            token such as ``h200`` or ``pcie``, :data:`_GPU_TOKEN`) other than ``gpu``, the rows' (2026-12-06: an
+            H100 lease's rows went to a file named ``serve-h200.json``), or names it only in part (``serve-h100`` for
+            an "NVIDIA H100 PCIe", whose slug is ``h100-pcie``); or neither ``out`` nor ``gpu`` is known.
     """
     if out is None:
         if not gpu:
-            raise ValueError("the rows name no GPU (no env record): give --out")
+            raise ValueError("the rows name no GPU (no env record with one): give --out")
         return Path(out_dir or common.DEFAULT_RESULTS_DIR) / f"{SUITE}-{common.gpu_slug(gpu)}.json"
     path = Path(out)
+    if path.suffix.lower() != ".json" or str(out).endswith(("/", os.sep)) or path.is_dir():
+        raise ValueError(f"--out {out}: a record is a .json file (its CSV and PNG go beside it); for a folder "
+                         f"give --out-dir")
     if gpu:
         slug = common.gpu_slug(gpu)
-        named = [t for t in _GPU_IN_NAME.findall(path.stem.lower()) if t not in slug.split("-")]
-        if named:
-            raise ValueError(f"--out {out}: its name says GPU {named[0]!r} but the rows come from {gpu!r}; "
-                             f"name it {SUITE}-{slug}.json (the default with --out-dir)")
+        named, want = _gpu_tokens(path.stem), _gpu_tokens(slug)
+        if named and named != want:
+            other = sorted(named - want) or sorted(want - named)
+            raise ValueError(f"--out {out}: its name says GPU {'-'.join(sorted(named))!r} but the rows come from "
+                             f"{gpu!r} ({', '.join(map(repr, other))} differs); name it {SUITE}-{slug}.json (the "
+                             f"default with --out-dir)")
     return path
+
+
+def _record_suite(out: Path, gpu: str | None) -> str:
+    """The suite a record at ``out`` holds: its stem less ``-<gpu slug>`` (``serve_first-h200.json`` ->
+    ``serve_first``), else less its last ``-`` token (``serve-old.json`` -> ``serve``)."""
+    stem = out.stem
+    if gpu:
+        tail = "-" + common.gpu_slug(gpu)
+        if stem.lower().endswith(tail) and len(stem) > len(tail):
+            return stem[:-len(tail)]
+    return stem.rsplit("-", 1)[0] or SUITE
 
 
 def record(args) -> dict:
@@ -1862,16 +1885,26 @@ def record(args) -> dict:
     envs, rows = read_rows(args.rows)
     if not rows:
         raise ValueError(f"no rows in {', '.join(map(str, args.rows))} (only blank lines or env records)")
-    gpus = sorted({str(e["gpu"]) for e in envs if e.get("gpu")})
+    for e in envs:
+        if e.get("gpu") is not None and not isinstance(e["gpu"], str):
+            raise ValueError(f"an env record's gpu must be a device name (a string), got {e['gpu']!r}")
+    gpus = sorted({e["gpu"] for e in envs if e.get("gpu")})
     if len(gpus) > 1:
         raise ValueError(f"rows come from different GPUs ({', '.join(gpus)}): a record's goals compare its rows, so "
                          f"record each GPU's rows apart")
+    bare = [p for p in args.rows if not read_rows([p])[0]]  # rows files without an env record
+    if gpus and (bare or any(not e.get("gpu") for e in envs)):
+        raise ValueError(f"some rows name no GPU (a rows file without an env record, or one with no gpu) beside rows "
+                         f"from {gpus[0]!r}: record only rows known to come from one GPU")
     out = record_path(getattr(args, "out", None), getattr(args, "out_dir", None), gpus[0] if gpus else None)
     env = dict(envs[0]) if envs else environment()
     for k in ("kind", "backend", "quant", "max_num_seqs", "base_url", "server_pid", "bench_cmd", "warm_up", "setting",
               "model"):
         env.pop(k, None)
     notes = []
+    if not gpus:  # not this machine's device: the rows may come from any
+        env["gpu"] = "unknown"
+        notes.append("gpu: the rows name none (no env record with a gpu)")
     if str(env.get("commit", "unknown")).startswith("unknown"):
         env["commit"] = common.git_commit()
         notes.append("commit: the GPU copy had none; this is the checkout that recorded the rows")
@@ -1898,11 +1931,10 @@ def record(args) -> dict:
         setting["load_formats"] = sorted({effective_load_format(r.get("load_format")) for r in rows})
     extra = {"setting": setting, "servers": servers, "goals": goals,
              "profiles": profiles, "notes": notes}
-    suite = out.name[:-len(".json")].rsplit("-", 1)[0] if out.name.endswith(".json") else SUITE
-    path = common.write_records(suite, rows, env=env, extra=extra, out_dir=out.parent)
-    if path != out:  # the GPU slug of env differs from the name asked for: keep the name asked for
-        path.replace(out)
-        path.with_suffix(".csv").replace(out.with_suffix(".csv"))
+    # the name asked for, written directly (was: <suite>-<gpu>.json first, then renamed: a file of that name beside
+    # --out, such as bench/results/serve-h100.json under --out bench/results/serve-old.json, was moved away)
+    common.write_records(_record_suite(out, gpus[0] if gpus else None), rows, env=env, extra=extra,
+                         out_dir=out.parent, stem=out.stem)
     png = plot_throughput(rows, out.with_suffix(".png"), gpu=gpus[0] if gpus else None)
     doc = json.loads(out.read_text())
     print(f"wrote {out} (+ .csv{', .png' if png else ''})")

@@ -312,14 +312,15 @@ def _jsonable(x):
 
 
 def write_records(suite: str, rows: list[dict], *, env: dict | None = None, extra: dict | None = None,
-                  out_dir: Path | str | None = None) -> Path:
+                  out_dir: Path | str | None = None, stem: str | None = None) -> Path:
     """Write ``<suite>-<gpu>.json`` (env + rows) and ``<suite>-<gpu>.csv`` (rows); return the JSON path.
 
-    Without ``out_dir``: :func:`results_dir`, the local folder when the record is from the CPU."""
+    Without ``out_dir``: :func:`results_dir`, the local folder when the record is from the CPU. ``stem``: the file
+    names' stem instead of ``<suite>-<gpu>`` (a name the caller already checked; no other file is written)."""
     env = env_record() if env is None else env
     d = Path(out_dir) if out_dir is not None else results_dir(local=env["gpu"] == "cpu")
     d.mkdir(parents=True, exist_ok=True)
-    stem = f"{suite}-{gpu_slug(env['gpu'])}"
+    stem = stem or f"{suite}-{gpu_slug(env['gpu'])}"
     doc = {**env, "suite": suite, **(extra or {}), "rows": rows}
     path = d / f"{stem}.json"
     path.write_text(json.dumps(_jsonable(doc), indent=1) + "\n")

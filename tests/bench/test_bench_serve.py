@@ -1293,3 +1293,103 @@ def test_record_refuses_rows_from_two_gpus(cli, tmp_path):
     rows = _rows_from(tmp_path / "r.jsonl", "NVIDIA H200", "NVIDIA H100 80GB HBM3")
     _one_clear_line(cli("record", rows, "--out-dir", tmp_path / "rec"), "different GPUs", "NVIDIA H200", "H100")
     assert not (tmp_path / "rec").exists() or not any((tmp_path / "rec").iterdir())
+
+
+def _rows_with_envs(path, *envs):
+    """A rows file with the env lines given (dicts merged into bs.environment(), or None: no env line), each followed
+    by one stock c1 row."""
+    with open(path, "w") as f:
+        for e in envs:
+            if e is not None:
+                env = dict(bs.environment(), kind="env", backend="vllm", quant="bf16", max_num_seqs=4)
+                env.update(e)
+                f.write(json.dumps({"env": env}) + "\n")
+            f.write(json.dumps(_row("vllm", "bf16", 1, 600.0, seqs=4)) + "\n")
+    return path
+
+
+def test_record_to_a_name_without_the_gpu_leaves_the_gpus_own_record_alone(cli, tmp_path):
+    """Was: record wrote DIR/serve-<gpu>.json first and then renamed it to --out, so `--out DIR/serve-old.json` moved
+    a committed DIR/serve-h100.json (and its CSV) away."""
+    rows = _rows_from(tmp_path / "r.jsonl", "NVIDIA H100 80GB HBM3")
+    res = tmp_path / "res"
+    res.mkdir()
+    (res / "serve-h100.json").write_text("KEEP")
+    (res / "serve-h100.csv").write_text("KEEP")
+    for name in ("serve-old.json", "serve.json"):
+        assert cli("record", rows, "--out", res / name)[0] == 0
+        assert json.loads((res / name).read_text())["suite"] == "serve"
+    assert (res / "serve-h100.json").read_text() == "KEEP" and (res / "serve-h100.csv").read_text() == "KEEP"
+    assert sorted(p.name for p in res.iterdir()) == ["serve-h100.csv", "serve-h100.json", "serve-old.csv",
+                                                     "serve-old.json", "serve-old.png", "serve.csv", "serve.json",
+                                                     "serve.png"]
+
+
+def test_record_of_a_gpu_with_a_two_token_slug_keeps_its_suite(cli, tmp_path):
+    """Was: the suite came from the file name less its last '-' token, so serve-h100-pcie.json said suite
+    'serve-h100'. A name with a suite of its own (serve_first-h200.json) keeps it."""
+    rows = _rows_from(tmp_path / "r.jsonl", "NVIDIA H100 PCIe")
+    assert cli("record", rows, "--out-dir", tmp_path / "rec")[0] == 0
+    assert sorted(p.name for p in (tmp_path / "rec").iterdir()) == ["serve-h100-pcie.csv", "serve-h100-pcie.json",
+                                                                   "serve-h100-pcie.png"]
+    assert json.loads((tmp_path / "rec" / "serve-h100-pcie.json").read_text())["suite"] == "serve"
+    assert cli("record", rows, "--out", tmp_path / "serve_first-h100-pcie.json")[0] == 0
+    assert json.loads((tmp_path / "serve_first-h100-pcie.json").read_text())["suite"] == "serve_first"
+
+
+@pytest.mark.parametrize("gpu,name", [
+    ("NVIDIA H100 80GB HBM3", "serve-h100-pcie.json"),  # an SXM card's rows under the PCIe card's name
+    ("NVIDIA H100 PCIe", "serve-h100.json"),  # a PCIe card's rows under the name of the SXM record
+    ("NVIDIA H100 80GB HBM3", "serve-h100-nvl.json"),
+])
+def test_record_refuses_a_name_that_says_another_kind_of_the_same_gpu(cli, tmp_path, gpu, name):
+    rows = _rows_from(tmp_path / "r.jsonl", gpu)
+    _one_clear_line(cli("record", rows, "--out", tmp_path / name), "--out", name)
+    assert not (tmp_path / name).exists()
+
+
+def test_record_accepts_names_that_say_the_rows_gpu(cli, tmp_path):
+    rows = _rows_from(tmp_path / "r.jsonl", "NVIDIA H100 PCIe")
+    for name in ("serve-h100-pcie.json", "serve-h100-pcie-old.json", "SERVE-H100-PCIE.json", "serve_x.json"):
+        assert cli("record", rows, "--out", tmp_path / name)[0] == 0, name
+    rows = _rows_from(tmp_path / "r2.jsonl", "NVIDIA H100 80GB HBM3")
+    assert cli("record", rows, "--out", tmp_path / "h200" / "serve-h100.json")[0] == 0  # the folder does not count
+
+
+@pytest.mark.parametrize("out,words", [("d/", ["--out", ".json"]), ("serve-h100.txt", ["--out", ".json"])])
+def test_record_refuses_an_out_that_is_no_json_file_and_writes_nothing(cli, tmp_path, out, words):
+    """Was: `--out d/` wrote serve-h100.json beside d (out.parent) and then failed renaming it onto the folder."""
+    rows = _rows_from(tmp_path / "r.jsonl", "NVIDIA H100 80GB HBM3")
+    (tmp_path / "d").mkdir()
+    before = sorted(p.name for p in tmp_path.iterdir())
+    _one_clear_line(cli("record", rows, "--out", f"{tmp_path}/{out}"), *words)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before and not any((tmp_path / "d").iterdir())
+
+
+@pytest.mark.parametrize("envs,words", [
+    ([{"gpu": 123}], ["gpu", "123"]),
+    ([{"gpu": ["NVIDIA H100"]}], ["gpu"]),
+    ([{"gpu": "NVIDIA H100 80GB HBM3"}, {"gpu": None}], ["no GPU", "H100"]),
+])
+def test_record_refuses_bad_or_missing_gpus_beside_others_in_one_line(cli, tmp_path, envs, words):
+    rows = _rows_with_envs(tmp_path / "r.jsonl", *envs)
+    _one_clear_line(cli("record", rows, "--out", tmp_path / "serve-x.json"), *words)
+    _one_clear_line(cli("record", rows, "--out-dir", tmp_path / "rec"), *words)
+
+
+def test_record_refuses_a_rows_file_without_env_beside_one_with_a_gpu(cli, tmp_path):
+    a = _rows_from(tmp_path / "a.jsonl", "NVIDIA H100 80GB HBM3")
+    b = _rows_with_envs(tmp_path / "b.jsonl", None)
+    _one_clear_line(cli("record", a, b, "--out-dir", tmp_path / "rec"), "no GPU", "H100")
+    assert cli("record", a, "--out-dir", tmp_path / "rec")[0] == 0
+
+
+@pytest.mark.parametrize("envs", [[{"gpu": None}], [None], [{"gpu": ""}]])
+def test_record_of_rows_naming_no_gpu_says_unknown_not_this_machine(cli, tmp_path, envs):
+    """Was: rows without an env line got this machine's env, so the record said gpu 'cpu' (or the recording host's
+    card); an env with gpu null was a traceback."""
+    rows = _rows_with_envs(tmp_path / "r.jsonl", *envs)
+    _one_clear_line(cli("record", rows, "--out-dir", tmp_path / "rec"), "no GPU", "--out")
+    assert cli("record", rows, "--out", tmp_path / "serve-x.json")[0] == 0
+    doc = json.loads((tmp_path / "serve-x.json").read_text())
+    assert doc["gpu"] == "unknown" and any("gpu" in n for n in doc["notes"])
