@@ -1920,11 +1920,19 @@ def record(args) -> dict:
         prof.pop("env", None)
         profiles.append(prof)
     goals = evaluate_goals(rows)
+    # one entry per server setting: the sweep writes an env line per command, only a server's first carries its
+    # warm-up (was: each later line overwrote it with None), and a side run again at another max-num-seqs gets an
+    # entry of its own (was: the last one's max-num-seqs stood for both)
     servers = {}
     for e in envs:
         fmt = effective_load_format((e.get("setting") or {}).get("load_format"))
-        servers[f"{e.get('backend')}-{e.get('quant')}" + ("" if fmt == DUMMY else f"-{fmt}")] = {
-            "max_num_seqs": e.get("max_num_seqs"), "model": e.get("model"), "warm_up": e.get("warm_up")}
+        key = f"{e.get('backend')}-{e.get('quant')}" + ("" if fmt == DUMMY else f"-{fmt}")
+        if key in servers and servers[key]["max_num_seqs"] != e.get("max_num_seqs"):
+            key = f"{key}-seqs{e.get('max_num_seqs')}"
+        entry = servers.setdefault(key, {"max_num_seqs": e.get("max_num_seqs"), "model": e.get("model"),
+                                         "warm_up": None})
+        if entry["warm_up"] is None:
+            entry["warm_up"] = e.get("warm_up")
     setting = dict(envs[0].get("setting") or {}) if envs else None
     if setting is not None:  # a record may hold rows of both load formats (docs/tuning.md 7.21): name every one
         setting.pop("load_format", None)

@@ -1393,3 +1393,17 @@ def test_record_of_rows_naming_no_gpu_says_unknown_not_this_machine(cli, tmp_pat
     assert cli("record", rows, "--out", tmp_path / "serve-x.json")[0] == 0
     doc = json.loads((tmp_path / "serve-x.json").read_text())
     assert doc["gpu"] == "unknown" and any("gpu" in n for n in doc["notes"])
+
+
+def test_record_servers_keep_each_warm_up_and_each_max_num_seqs(cli, tmp_path):
+    """The sweep writes an env line per command; only a server's first has its warm-up. Was: later lines overwrote
+    it with None, and stock run at 4 then 8 seqs (serve-h100.json) showed one server at 8."""
+    warm = {"concurrency": 4, "s": 60.0, "ok": True}
+    rows = _rows_with_envs(tmp_path / "r.jsonl", {"gpu": "NVIDIA H100 80GB HBM3", "warm_up": warm},
+                           {"gpu": "NVIDIA H100 80GB HBM3"},
+                           {"gpu": "NVIDIA H100 80GB HBM3", "max_num_seqs": 8, "warm_up": dict(warm, s=70.0)},
+                           {"gpu": "NVIDIA H100 80GB HBM3", "max_num_seqs": 8})
+    assert cli("record", rows, "--out-dir", tmp_path)[0] == 0
+    servers = json.loads((tmp_path / "serve-h100.json").read_text())["servers"]
+    assert servers["vllm-bf16"]["max_num_seqs"] == 4 and servers["vllm-bf16"]["warm_up"]["s"] == 60.0
+    assert servers["vllm-bf16-seqs8"]["max_num_seqs"] == 8 and servers["vllm-bf16-seqs8"]["warm_up"]["s"] == 70.0
