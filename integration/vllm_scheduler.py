@@ -60,6 +60,10 @@ mean failure); ``update_from_output`` collects those ids and passes vLLM a copy 
 * Budget guard (:func:`wide_rows_fit`): when ``2 * CL`` exceeds the step's token budget
   (``max_num_scheduled_tokens``, or a ``long_prefill_token_threshold`` below it), nothing is fused (a warning at
   start): every wide row would be cut and pay for discarded tokens.
+* Coverage (:class:`FusedCommitCounts`, ``blockdiff_commit_counts``), both schedulers while fused commits are
+  served: commits done fused and plain, wide rows that committed nothing, rows the fuse policy cut; the server log
+  gets ``blockdiff: fused commits so far: F of C commits fused (...)`` at INFO when the commit count reaches a new
+  power of two, when no request is left, and at ``shutdown``.
 
 Served with CL (no fused layout, the default) none of this runs: every list is ``num_spec_tokens`` = CL long already,
 and no per-request loop is added to a step.
@@ -245,6 +249,106 @@ def request_max_denoising_steps(request: Any, default: int) -> int | None:
     return int(steps) if _is_cap(steps) else None
 
 
+class FusedCommitCounts:
+    """Fused-commit coverage of one plugin scheduler, and its line in the server log.
+
+    The plugin's schedulers count, while fused commits are served (the fused layout, ``BLOCKDIFF_FUSE_COMMIT=1`` and
+    a token budget that holds a fused row), each canvas row's outcome from the worker's output: the synchronous one
+    in :meth:`count_step`, the asynchronous one in :meth:`FusedCommitPredictor.observe` (which reads those outputs
+    anyway). Per step that is a pass over the step's rows with integer increments; nothing is logged per step.
+    :meth:`after_step` logs :meth:`summary` at INFO (``blockdiff: fused commits so far: F of C commits fused (...)``)
+    when the commit count reaches a new power of two and when the scheduler has no unfinished request left; the
+    scheduler's ``shutdown`` logs it once more.
+
+    Attributes (counts since the scheduler started):
+        num_fused: commits done fused: canvas rows scheduled ``2 * CL`` tokens wide that committed (returned
+            tokens; a predicted fused row whose commit ended the request included).
+        num_plain: commits done plain: canvas rows narrower than ``2 * CL`` that committed (CL rows, and a fused
+            row vLLM's budget cut to ``CL < q < 2 * CL``).
+        num_missed: canvas rows wider than CL that committed nothing (rows; under the asynchronous scheduler a
+            misprediction, :class:`FusedCommitPredictor`).
+        num_policy_cuts: ``2 * CL`` draft lists the ``uniform`` fuse policy cut to CL before vLLM scheduled them
+            (rows; :func:`keep_uniform_widths`); those rows commit plain and count in :attr:`num_plain` too.
+        num_lines: summary lines logged so far.
+
+    Args:
+        canvas_length: CL, the checkpoint's canvas length (tokens, an int >= 1).
+        scheduler: the scheduler named in the line (``"synchronous"`` / ``"asynchronous"``).
+        policy: the fuse policy named in the line (:data:`FUSE_POLICIES`).
+    """
+
+    def __init__(self, canvas_length: int, scheduler: str = "synchronous", policy: str = "any") -> None:
+        self.canvas_length = int(canvas_length)
+        self.scheduler = scheduler
+        self.policy = policy
+        self.num_fused = 0
+        self.num_plain = 0
+        self.num_missed = 0
+        self.num_policy_cuts = 0
+        self.num_lines = 0
+        # rate: each new power of two of the commits (log2(C) lines a server's life) + each idle (a load's exact sum)
+        self._logged = 0    # commit count of the last line
+        self._next_log = 1  # the next power of two of the commit count that logs
+
+    @property
+    def num_commits(self) -> int:
+        """Commits counted: :attr:`num_fused` + :attr:`num_plain` (canvases)."""
+        return self.num_fused + self.num_plain
+
+    def count_step(self, scheduler_output: Any, model_runner_output: Any) -> None:
+        """Count one step's canvas rows (the synchronous scheduler, before vLLM's ``update_from_output``): a row that
+        returned tokens (``model_runner_output.sampled_token_ids``) is a commit, fused when vLLM scheduled it
+        ``2 * CL`` tokens (``scheduler_output.num_scheduled_tokens``), else plain; a canvas row
+        (``scheduled_spec_decode_tokens``) wider than CL that returned none is a miss. Prefill rows return no
+        tokens and are not counted."""
+        n = scheduler_output.num_scheduled_tokens
+        wide, cl = 2 * self.canvas_length, self.canvas_length
+        fused = plain = missed = 0
+        spec = None
+        for rid, toks in zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids):
+            if len(toks):
+                if n.get(rid) == wide:
+                    fused += 1
+                else:
+                    plain += 1
+            elif (n.get(rid) or 0) > cl:  # a prefill chunk, or a canvas row that committed nothing
+                if spec is None:
+                    spec = scheduler_output.scheduled_spec_decode_tokens
+                missed += rid in spec
+        self.num_fused += fused
+        self.num_plain += plain
+        self.num_missed += missed
+
+    def after_step(self, has_unfinished_requests: Any) -> bool:
+        """After a step's counts: if the commit count changed since the last line, log :meth:`summary` at INFO when
+        it reached a new power of two or when ``has_unfinished_requests()`` (the scheduler's; called only when the
+        count changed) is False (then the line ends ``, no request left``). Returns whether it logged."""
+        c = self.num_fused + self.num_plain
+        if c == self._logged:
+            return False
+        idle = not has_unfinished_requests()
+        if idle or c >= self._next_log:
+            self.log("no request left" if idle else "")
+            return True
+        return False
+
+    def summary(self, when: str = "") -> str:
+        """The line: ``blockdiff: fused commits so far: F of C commits fused (P plain, M wide rows missed, K fused
+        rows cut by fuse policy <policy>); <scheduler> scheduler`` plus ``, <when>`` when given."""
+        return (f"blockdiff: fused commits so far: {self.num_fused} of {self.num_commits} commits fused "
+                f"({self.num_plain} plain, {self.num_missed} wide rows missed, {self.num_policy_cuts} fused rows cut "
+                f"by fuse policy {self.policy}); {self.scheduler} scheduler" + (f", {when}" if when else ""))
+
+    def log(self, when: str = "") -> None:
+        """Log :meth:`summary` at INFO now (the scheduler's ``shutdown`` calls it with ``when="at shutdown"``) and
+        move the next power-of-two line past the current commit count."""
+        c = self.num_commits
+        self._logged = c
+        self._next_log = 1 << c.bit_length()  # the smallest power of two above c
+        self.num_lines += 1
+        _log.info("%s", self.summary(when))
+
+
 _DENOISE, _COMMIT = 0, 1
 
 
@@ -281,12 +385,19 @@ class FusedCommitPredictor:
         canvas_length: CL, the checkpoint's canvas length (an int >= 1).
         default_max_denoising_steps: the served step cap (an int in ``[1, 2**14)``), used when a request sets no
             ``extra_args["diffusion_max_steps"]``.
+        counts: where :meth:`observe` counts each observed row's outcome (fused / plain commit, miss): the
+            scheduler's :class:`FusedCommitCounts`; None: a new one (:attr:`counts`).
+
+    Attributes:
+        num_wide: rows scheduled ``2 * CL`` wide (rows, counted by :meth:`record`: a row a fuse policy cut is not).
+        counts: the :class:`FusedCommitCounts` :meth:`observe` adds to.
 
     Raises:
         ValueError: an argument out of range or not an int.
     """
 
-    def __init__(self, canvas_length: int, default_max_denoising_steps: int) -> None:
+    def __init__(self, canvas_length: int, default_max_denoising_steps: int,
+                 counts: FusedCommitCounts | None = None) -> None:
         for name, v, hi in (("canvas_length", canvas_length, MAX_CANVAS_WIDTH),
                             ("default_max_denoising_steps", default_max_denoising_steps, MAX_DENOISING_STEPS)):
             if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not 1 <= v < hi:
@@ -298,7 +409,13 @@ class FusedCommitPredictor:
         self._caps: dict[str, int | None] = {}
         self._no_fuse: set[str] = set()
         self.num_wide = 0    # rows scheduled 2 * CL wide (counted by record: a row a fuse policy cut is not)
-        self.num_missed = 0  # of those, rows that committed nothing
+        self.counts = counts if counts is not None else FusedCommitCounts(self.canvas_length, "asynchronous")
+
+    @property
+    def num_missed(self) -> int:
+        """Rows scheduled wider than CL that committed nothing (rows; ``counts.num_missed``): each turned fusion
+        off for its request."""
+        return self.counts.num_missed
 
     def _cap(self, request: Any) -> int | None:
         rid = request.request_id
@@ -379,10 +496,13 @@ class FusedCommitPredictor:
                 requests: Mapping[str, Any]) -> None:
         """Move each request's known state over its row of ``scheduler_output`` (class docstring), from the
         worker's output of that step: tokens returned (``sampled_token_ids``) and -1 flags (``flagged``, from
-        :func:`split_fuse_flags`). Rows recorded before a :meth:`reset` (a preemption) are not counted."""
+        :func:`split_fuse_flags`). Rows recorded before a :meth:`reset` (a preemption) are not counted. Each row's
+        outcome goes to :attr:`counts`: a row that returned tokens is a fused commit when it was ``2 * CL`` wide,
+        else a plain one; a row wider than CL that returned none is a miss."""
         sampled = model_runner_output.sampled_token_ids
         index = model_runner_output.req_id_to_index
         flagged = flagged if isinstance(flagged, (set, frozenset)) else set(flagged)
+        counts, wide = self.counts, 2 * self.canvas_length
         for rid in scheduler_output.scheduled_spec_decode_tokens:
             dq = self._pending.get(rid)
             if not dq or dq[0][0] is not scheduler_output:
@@ -398,10 +518,15 @@ class FusedCommitPredictor:
             n_tokens = len(sampled[i]) if sampled and i is not None and i < len(sampled) else 0
             phase, step = self._known.get(rid, (_DENOISE, 0))
             phase, step, committed = self._advance(phase, step, q, cap, n_tokens, rid in flagged)
-            if q > self.canvas_length and not committed:  # a wide row that committed nothing: never fuse it again
-                self.num_missed += 1
+            if committed:
+                if q == wide:
+                    counts.num_fused += 1
+                else:
+                    counts.num_plain += 1
+            elif q > self.canvas_length:  # a wide row that committed nothing: never fuse it again
+                counts.num_missed += 1
                 self._no_fuse.add(rid)
-                if self.num_missed == 1:
+                if counts.num_missed == 1:
                     _log.warning("blockdiff: a %d-token row of request %s committed nothing (a step count that "
                                  "disagrees with the worker's, or a worker that does not fuse: BLOCKDIFF_FUSE_COMMIT "
                                  "unset there?); that request is no longer fused (logged once)", q, rid)
@@ -727,14 +852,19 @@ def _make_classes() -> dict[str, type]:
                 self.blockdiff_canvas_length, self.blockdiff_fused_layout = served_canvas_length(self.vllm_config)
                 self.blockdiff_fuse_next: set[str] | frozenset[str] = frozenset()  # sync: last step's fused ids
                 # which fused rows are kept (BLOCKDIFF_FUSE_POLICY, read even when nothing fuses: a typo stops the
-                # start) and how many the uniform policy cut to CL
+                # start)
                 self.blockdiff_fuse_policy = fuse_policy_from_env()
-                self.blockdiff_num_policy_cuts = 0
                 # a 2 * CL row fits the token budget whole (else nothing is fused: wide_rows_fit)
                 self.blockdiff_wide_fits = wide_rows_fit(self)
                 # async, fused layout, BLOCKDIFF_FUSE_COMMIT=1: the step counts that predict commits (else None)
                 self.blockdiff_predictor: FusedCommitPredictor | None = None
+                # fused / plain commits, misses and policy cuts, and their server log line (FusedCommitCounts),
+                # counted only while fused commits are served (_blockdiff_counting)
+                self.blockdiff_commit_counts = FusedCommitCounts(
+                    self.blockdiff_canvas_length, "asynchronous" if asynchronous else "synchronous",
+                    self.blockdiff_fuse_policy)
                 fusing = self.blockdiff_fused_layout and fuse_commit_from_env()
+                self._blockdiff_counting = fusing and self.blockdiff_wide_fits
                 if fusing and not self.blockdiff_wide_fits:
                     _log.warning("blockdiff: a fused row (%d tokens) does not fit the token budget "
                                  "(max_num_scheduled_tokens %s, long_prefill_token_threshold %s): no fused commits",
@@ -748,7 +878,8 @@ def _make_classes() -> dict[str, type]:
                         steps = served_max_denoising_steps(self.vllm_config)
                         self.blockdiff_predictor = FusedCommitPredictor(
                             self.blockdiff_canvas_length,
-                            steps if steps is not None else default_max_denoising_steps())
+                            steps if steps is not None else default_max_denoising_steps(),
+                            self.blockdiff_commit_counts)
                 # the uniform policy's pass before each schedule call, only where rows may be 2 * CL wide: fused
                 # commits served (without the switch every list is cut to CL first, so the pass would find none)
                 self._blockdiff_uniform = (self.blockdiff_fuse_policy == "uniform" and fusing
@@ -760,9 +891,9 @@ def _make_classes() -> dict[str, type]:
                 if asynchronous and self.blockdiff_fused_layout:  # placeholders of 2 * CL: cut to CL, or kept
                     wide = cut_spec_tokens(self, predictor)       # where the step cap forces a commit (predictor)
                     if wide and self._blockdiff_uniform:
-                        self.blockdiff_num_policy_cuts += keep_uniform_widths(self, wide)
+                        self.blockdiff_commit_counts.num_policy_cuts += keep_uniform_widths(self, wide)
                 elif self._blockdiff_uniform:  # sync: the flagged requests' 2 * CL drafts (cut_draft_widths)
-                    self.blockdiff_num_policy_cuts += keep_uniform_widths(self)
+                    self.blockdiff_commit_counts.num_policy_cuts += keep_uniform_widths(self)
                 out = super().schedule(*args, **kwargs)
                 if predictor is not None:
                     predictor.record(out)
@@ -779,15 +910,32 @@ def _make_classes() -> dict[str, type]:
                     fuse, cleaned = split_fuse_flags(model_runner_output.num_nans_in_logits)
                 else:  # the worker never flags (its fuse_commit needs this layout): no per-request scan
                     fuse, cleaned = _NO_FLAGS, model_runner_output.num_nans_in_logits
-                if self.blockdiff_predictor is not None:
+                if self.blockdiff_predictor is not None:  # counts the rows' commits too (blockdiff_commit_counts)
                     self.blockdiff_predictor.observe(scheduler_output, model_runner_output, fuse, self.requests)
+                elif self._blockdiff_counting:  # sync
+                    self.blockdiff_commit_counts.count_step(scheduler_output, model_runner_output)
                 if fuse:  # vLLM sees no flag: its count of failed requests reads n > 0
                     model_runner_output.num_nans_in_logits = cleaned
                 self.blockdiff_fuse_next = fuse if (self.blockdiff_fused_layout and not asynchronous and
                                                     self.blockdiff_wide_fits) else _NO_FLAGS
                 outputs = super().update_from_output(scheduler_output, model_runner_output)
                 finish_stuck_requests(self, cleaned, outputs, types=_vllm_types())
+                if self._blockdiff_counting:  # the coverage line, at its bounded rate (FusedCommitCounts)
+                    self.blockdiff_commit_counts.after_step(self.has_unfinished_requests)
                 return outputs
+
+            @property
+            def blockdiff_num_policy_cuts(self) -> int:
+                """Fused rows (``2 * CL`` lists) the ``uniform`` fuse policy cut to CL so far (rows;
+                ``blockdiff_commit_counts.num_policy_cuts``)."""
+                return self.blockdiff_commit_counts.num_policy_cuts
+
+            def shutdown(self, *args, **kwargs):
+                """vLLM's ``Scheduler.shutdown`` (the engine core's teardown), after the fused-commit coverage line
+                once more (``at shutdown``) when fused commits were served."""
+                if getattr(self, "_blockdiff_counting", False):  # False: a start stopped before it was set
+                    self.blockdiff_commit_counts.log("at shutdown")
+                return super().shutdown(*args, **kwargs)
 
             def update_draft_token_ids(self, draft_token_ids):
                 if self.blockdiff_fused_layout:  # else the lists are num_spec_tokens = CL long already

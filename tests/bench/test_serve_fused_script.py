@@ -69,3 +69,32 @@ def test_serve_fused_refuses_an_unknown_fuse_policy(tmp_path):
     r = subprocess.run(["bash", SCRIPT, "fused_async", "fp8", "cute"], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 2 and "FUSE_POLICY must be any or uniform" in r.stdout
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+@pytest.mark.parametrize("block", ["parity", "bench"])
+def test_serve_fused_prints_the_schedulers_last_fused_commit_coverage_line(tmp_path, block):
+    """The log greps at the end of the parity variants (``$LOG``) and of the benchmark variants (``$W/$name.log``),
+    run over a server log with the plugin's lines: the start line and the last coverage line of
+    vllm_scheduler.FusedCommitCounts (the load's final count) are printed, each once, even after many coverage
+    lines."""
+    from blockdiff.integration.vllm_scheduler import FusedCommitCounts
+
+    c = FusedCommitCounts(32, "asynchronous")
+    start = "blockdiff: fused commits, asynchronous scheduler, fuse policy any (BLOCKDIFF_FUSE_POLICY)"
+    log = [f"(EngineCore_DP0 pid=7) INFO 12-06 10:00:00 [vllm_scheduler.py:876] {start}"]
+    for k in range(30):
+        c.num_fused, c.num_plain = k, 2 * k
+        log.append(f"(EngineCore_DP0 pid=7) INFO 12-06 10:00:{k:02d} [vllm_scheduler.py:351] {c.summary()}")
+    final = c.summary("no request left")
+    log.append(f"(EngineCore_DP0 pid=7) INFO 12-06 10:01:00 [vllm_scheduler.py:351] {final}")
+    (tmp_path / "x.log").write_text("\n".join(log) + "\n")
+    text = (ROOT / SCRIPT).read_text()
+    target = "$LOG" if block == "parity" else "$W/$name.log"
+    greps = [ln.strip() for ln in text.splitlines() if ln.strip().startswith("grep") and target in ln]
+    assert greps
+    r = subprocess.run(["bash", "-c", "\n".join(greps)], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "LOG": str(tmp_path / "x.log"), "W": str(tmp_path), "name": "x"})
+    out = r.stdout.splitlines()
+    assert sum(start in ln for ln in out) == 1 and sum(final in ln for ln in out) == 1, r.stdout + r.stderr
+    assert sum("fused commits so far" in ln for ln in out) <= 3  # the last few, not all 31

@@ -10,13 +10,14 @@ The pieces run here without vLLM (stand-ins) and, where vLLM's Python side is in
 from __future__ import annotations
 
 import importlib.util
+import logging
 from types import SimpleNamespace as NS
 
 import numpy as np
 import pytest
 import torch
-from integration_helpers import (CL, FAKE_VLLM_TYPES, FakeRequest, FakeScheduler, make_batch, needs_stack, params,
-                                 vllm_attn_metadata_stubs, vllm_sampler_output_class)
+from integration_helpers import (CL, FAKE_VLLM_TYPES, FakeRequest, FakeScheduler, captured_log, make_batch,
+                                 needs_stack, params, vllm_attn_metadata_stubs, vllm_sampler_output_class)
 
 from blockdiff.integration import vllm_scheduler as VS
 
@@ -95,6 +96,70 @@ def test_served_canvas_length_and_the_env_switch():
     for bad in ("yes", "true", " 1", "2"):
         with pytest.raises(ValueError, match=VS.FUSE_COMMIT_ENV):
             VS.fuse_commit_from_env({VS.FUSE_COMMIT_ENV: bad})
+
+
+# ------------------------------------------------------------------------------------------ coverage (the server log)
+def _coverage_lines(caplog):
+    return [r.getMessage() for r in caplog.records if "fused commits so far" in r.getMessage()]
+
+
+def test_commit_counts_count_each_row_of_a_step_by_width_and_tokens():
+    """FusedCommitCounts.count_step (the synchronous scheduler's count, from the step's scheduler and runner
+    outputs): a canvas row that returned tokens is a fused commit at 2 * CL, else plain (a CL row; a fused row the
+    budget cut); a canvas row wider than CL that returned none is a miss; denoising rows and prefill chunks (no
+    draft tokens, no tokens returned) count nothing."""
+    rows = {"fused": 2 * CL, "plain": CL, "cut": CL + 3, "denoise": CL, "missed": 2 * CL, "prefill": 3 * CL,
+            "chunk": 5}
+    tokens = {"fused": CL, "plain": CL, "cut": CL}
+    ids = list(rows)
+    so = NS(num_scheduled_tokens=rows, scheduled_spec_decode_tokens={r: [-1] * q for r, q in rows.items()
+                                                                     if r not in ("prefill", "chunk")})
+    mro = NS(req_ids=ids, sampled_token_ids=[[5] * tokens.get(r, 0) for r in ids])
+    c = VS.FusedCommitCounts(CL)
+    c.count_step(so, mro)
+    assert (c.num_fused, c.num_plain, c.num_missed, c.num_commits) == (1, 2, 1, 3)
+    c.count_step(NS(num_scheduled_tokens={}, scheduled_spec_decode_tokens={}), NS(req_ids=[], sampled_token_ids=[]))
+    assert (c.num_fused, c.num_plain, c.num_missed, c.num_policy_cuts, c.num_lines) == (1, 2, 1, 0, 0)
+
+
+def test_commit_counts_log_at_powers_of_two_and_when_no_request_is_left_never_per_step(caplog):
+    """The rate rule: one INFO line when the commit count reaches a new power of two, one when the scheduler has no
+    unfinished request left (only if the counts changed since the last line; the scheduler is asked only then),
+    none otherwise: 100 steps of one commit each under load log 7 lines (1, 2, 4, ..., 64), not 100."""
+    c = VS.FusedCommitCounts(CL, "synchronous", "uniform")
+
+    def busy():
+        return True
+
+    def unasked():
+        raise AssertionError("has_unfinished_requests called although nothing was committed since the last line")
+
+    with captured_log(caplog, VS._log, logging.INFO):
+        assert c.after_step(unasked) is False  # nothing committed yet
+        logged = []
+        for k in range(1, 101):
+            c.num_fused += k % 3 != 0
+            c.num_plain += k % 3 == 0
+            logged.append(c.after_step(busy))
+        assert [k for k, yes in enumerate(logged, 1) if yes] == [1, 2, 4, 8, 16, 32, 64]
+        assert c.after_step(lambda: False) is True          # the load is done: its exact counts
+        assert c.after_step(unasked) is False               # no new commit: no line, no question
+        c.num_missed += 1
+        c.num_policy_cuts += 2
+        assert c.after_step(unasked) is False               # misses and cuts alone log nothing
+        c.num_plain += 1
+        assert c.after_step(busy) is False and c.after_step(lambda: False) is True
+        c.log("at shutdown")
+    lines = _coverage_lines(caplog)
+    assert len(lines) == c.num_lines == 10 and all(r.levelno == logging.INFO for r in caplog.records)
+    assert lines[0] == ("blockdiff: fused commits so far: 1 of 1 commits fused (0 plain, 0 wide rows missed, 0 fused "
+                        "rows cut by fuse policy uniform); synchronous scheduler")
+    assert lines[7] == ("blockdiff: fused commits so far: 67 of 100 commits fused (33 plain, 0 wide rows missed, 0 "
+                        "fused rows cut by fuse policy uniform); synchronous scheduler, no request left")
+    assert lines[-1] == ("blockdiff: fused commits so far: 67 of 101 commits fused (34 plain, 1 wide rows missed, 2 "
+                         "fused rows cut by fuse policy uniform); synchronous scheduler, at shutdown")
+    c.num_fused += 27  # 128 commits: the next power of two after the lines above
+    assert c.after_step(busy) is True
 
 
 # ------------------------------------------------------------------------------------------ sampler: the flag
@@ -375,6 +440,65 @@ def test_real_sync_scheduler_fuses_on_minus_one_and_moves_kv_by_one_canvas(monke
     assert len(r.spec_token_ids) == CL  # no flag: one canvas
     so, _ = _step(s)
     assert so.num_scheduled_tokens == {"a": CL} and r.num_computed_tokens == 10 + CL
+
+
+@needs_vllm
+def test_real_sync_scheduler_counts_fused_and_plain_commits_and_logs_them(monkeypatch, tiny_hf_folder, caplog):
+    """BLOCKDIFF_FUSE_COMMIT=1, vLLM's Scheduler / DiffusionScheduler in the two-canvas layout: the steps' outcomes
+    (a fused commit after a -1 flag, a plain commit without one, denoising steps, a prefill) are counted in
+    blockdiff_commit_counts exactly, and the server log's INFO line reports them at the first commit, the second,
+    when no request is left, and at shutdown; a step without a commit adds no line."""
+    from vllm.v1.request import RequestStatus
+
+    monkeypatch.setenv(VS.FUSE_COMMIT_ENV, "1")
+    s = _real_scheduler(monkeypatch, tiny_hf_folder, asynchronous=False)
+    c = s.blockdiff_commit_counts
+    assert s._blockdiff_counting and c.scheduler == "synchronous" and c.policy == "any"
+    a, b = _request("a", 10, max_tokens=64), _request("b", 12, max_tokens=CL)
+    s.add_request(a)
+    with captured_log(caplog, VS._log, logging.INFO):
+        _step(s)                                                     # prefill
+        _step(s, nans={"a": -1})                                     # converged, commits next: flagged
+        so, _ = _step(s, sampled={"a": list(range(20, 20 + CL))})    # the fused commit
+        assert so.num_scheduled_tokens == {"a": 2 * CL} and (c.num_fused, c.num_plain) == (1, 0)
+        s.add_request(b)
+        for _ in range(3):
+            _step(s, nans={"a": 0})                                  # denoising steps (and b's prefill)
+        so, _ = _step(s, sampled={"a": list(range(40, 40 + CL))})    # a plain commit: no flag before it
+        assert so.num_scheduled_tokens["a"] == CL and (c.num_fused, c.num_plain) == (1, 1)
+        assert len(_coverage_lines(caplog)) == 2                     # at 1 and 2 commits
+        so, _ = _step(s, sampled={"b": list(range(60, 60 + CL))})    # b's commit ends b (max_tokens): plain
+        assert b.is_finished() and (c.num_fused, c.num_plain, c.num_missed) == (1, 2, 0)
+        assert len(_coverage_lines(caplog)) == 2                     # 3 commits: no power of two, a is running
+        s.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)   # the client leaves
+        _step(s)                                                     # no request left after it
+        s.shutdown()
+    lines = _coverage_lines(caplog)
+    tail = "(2 plain, 0 wide rows missed, 0 fused rows cut by fuse policy any); synchronous scheduler"
+    assert lines == ["blockdiff: fused commits so far: 1 of 1 commits fused (0 plain, 0 wide rows missed, 0 fused "
+                     "rows cut by fuse policy any); synchronous scheduler",
+                     "blockdiff: fused commits so far: 1 of 2 commits fused (1 plain, 0 wide rows missed, 0 fused "
+                     "rows cut by fuse policy any); synchronous scheduler",
+                     f"blockdiff: fused commits so far: 1 of 3 commits fused {tail}, no request left",
+                     f"blockdiff: fused commits so far: 1 of 3 commits fused {tail}, at shutdown"], lines
+
+
+@needs_vllm
+@pytest.mark.parametrize("served, env", [(CL, "1"), (2 * CL, "0")])
+def test_real_sync_scheduler_counts_and_logs_nothing_when_fused_commits_are_not_served(
+        monkeypatch, tiny_hf_folder, caplog, served, env):
+    """One-canvas layout, or the switch off: no per-step count (count_step never runs) and no coverage line, at
+    shutdown neither."""
+    monkeypatch.setattr(VS.FusedCommitCounts, "count_step", lambda *a: pytest.fail("counted without fusing"))
+    monkeypatch.setenv(VS.FUSE_COMMIT_ENV, env)
+    s = _real_scheduler(monkeypatch, tiny_hf_folder, asynchronous=False, served=served)
+    assert not s._blockdiff_counting
+    s.add_request(_request("a", 10, max_tokens=CL))
+    with captured_log(caplog, VS._log, logging.INFO):
+        _step(s)
+        _step(s, sampled={"a": list(range(20, 20 + CL))})
+        s.shutdown()
+    assert _coverage_lines(caplog) == [] and s.blockdiff_commit_counts.num_commits == 0
 
 
 @needs_vllm

@@ -138,6 +138,26 @@ def test_predictor_misses_turn_fusion_off_and_preemption_restarts_the_count():
     assert q.state("b") == ("DENOISE", 0, 0)
 
 
+def test_predictor_counts_each_observed_rows_commit_into_the_schedulers_counts():
+    """observe adds each row's outcome to the FusedCommitCounts it was given (the scheduler's): a 2 * CL row that
+    returned tokens is a fused commit, a CL row that did a plain one, a wide row that returned none a miss
+    (num_missed reads the same count); denoising rows and rows not yet observed count nothing. A predictor built
+    alone has counts of its own."""
+    counts = VS.FusedCommitCounts(CL, "asynchronous")
+    p = VS.FusedCommitPredictor(CL, 1, counts)
+    assert p.counts is counts and VS.FusedCommitPredictor(CL, 1).counts is not counts
+    r = _req()
+    reqs = {"a": r}
+    for q, n in ((CL, 0), (2 * CL, CL), (CL, CL), (CL, 0), (2 * CL, 0)):  # denoise, fused, plain, denoise, missed
+        so = _so({"a": q})
+        p.record(so)
+        p.observe(so, *_mro({"a": n}), reqs)
+        r.num_output_tokens += n
+    p.record(_so({"a": CL}))                                           # in flight: not counted
+    assert (counts.num_fused, counts.num_plain, counts.num_missed, counts.num_commits) == (1, 1, 1, 2)
+    assert p.num_missed == 1 and p.num_wide == 2 and counts.num_lines == 0  # the predictor itself never logs
+
+
 def test_predictor_and_cap_helpers_refuse_bad_arguments():
     for bad in ((0, 3), (CL, 0), (True, 3), (CL, 2.0), (CL, 1 << 14)):
         with pytest.raises(ValueError, match="canvas_length|default_max_denoising_steps"):
@@ -215,9 +235,10 @@ class CpuRunner:
     returns vLLM's ``ModelRunnerOutput`` (``num_sampled`` tokens a row, ``num_nans_in_logits``).
 
     Counts per request: ``rows`` (the widths of its canvas rows), ``fused`` (rows of ``2 * CL`` that committed: fused
-    commits, and wide rows whose commit ended the request), ``stalled_wide`` (rows wider than CL that committed
-    nothing: stalled by the sampler), ``adds`` (``add_request`` calls: > 1 after a preemption). Per step:
-    ``canvas_steps`` (the widths of the step's canvas rows, {req_id: tokens}; steps without one are left out)."""
+    commits, and wide rows whose commit ended the request), ``plain`` (rows narrower than ``2 * CL`` that committed:
+    plain commits), ``stalled_wide`` (rows wider than CL that committed nothing: stalled by the sampler), ``adds``
+    (``add_request`` calls: > 1 after a preemption). Per step: ``canvas_steps`` (the widths of the step's canvas
+    rows, {req_id: tokens}; steps without one are left out)."""
 
     def __init__(self, model, default_params, *, fuse, max_num_reqs=4, max_model_len=256, page=16):
         from blockdiff.integration.model_state import DiffusionModelState
@@ -239,6 +260,7 @@ class CpuRunner:
         self.num_forward = 0
         self.rows: dict[str, list[int]] = {}
         self.fused: dict[str, int] = {}
+        self.plain: dict[str, int] = {}
         self.stalled_wide: dict[str, int] = {}
         self.adds: dict[str, int] = {}  # add_request calls per request (> 1: resumed after a preemption)
         self.canvas_steps: list[dict[str, int]] = []
@@ -315,6 +337,8 @@ class CpuRunner:
             sampled.append(out.sampled_token_ids[i, : ns[i]].tolist())
             if q[i] == 2 * CL and ns[i] == CL:
                 self.fused[r] = self.fused.get(r, 0) + 1
+            elif ns[i] > 0:
+                self.plain[r] = self.plain.get(r, 0) + 1
             if q[i] > CL and ctx[i] >= plen[i] and ns[i] == 0:
                 self.stalled_wide[r] = self.stalled_wide.get(r, 0) + 1
         self.ms.postprocess_state(b.idx_mapping, out.num_sampled, None)
@@ -871,6 +895,43 @@ def test_no_fused_row_when_the_token_budget_cannot_hold_one_whole(vllm_env, tiny
         assert s.blockdiff_wide_fits is fused and (s.blockdiff_predictor is not None) is (fused and asynchronous)
         widths = [q for step in r.canvas_steps for q in step.values()]
         assert (max(widths) == 2 * CL) is fused and all(q in (CL, 2 * CL) for q in widths), (budget, widths)
+
+
+@needs_stack
+@needs_vllm
+@pytest.mark.parametrize("asynchronous, policy", [(True, "any"), (True, "uniform"), (False, "any")])
+def test_fused_commit_coverage_equals_what_the_runner_did_and_reaches_the_server_log(
+        vllm_env, tiny_hf_folder, tiny_model, caplog, asynchronous, policy):
+    """The coverage counts of either scheduler (blockdiff_commit_counts) on a mixed batch (requests in and out of
+    phase, a request's own cap, canvases converging at their first step: fused and plain commits): fused commits,
+    plain commits and wide rows that committed nothing equal what the CPU runner ran (rows 2 * CL wide that
+    committed, narrower rows that committed, wide rows stalled), the commits are the answers' canvases, the uniform
+    policy's cuts are counted. The server log gets the INFO line at commit counts reaching a power of two and once
+    more when no request is left, with the final counts (far fewer lines than steps), and once at shutdown."""
+    with captured_log(caplog, VS._log, logging.INFO):
+        out, s, r, steps = serve(vllm_env, tiny_hf_folder, tiny_model, _MIXED_PHASES, served=2 * CL, fuse=True,
+                                 asynchronous=asynchronous, policy=policy)
+        c = s.blockdiff_commit_counts
+        s.shutdown()
+    assert all(reason is not None for reason, _ in out.values())
+    fused, plain = sum(r.fused.values()), sum(r.plain.values())
+    assert (c.num_fused, c.num_plain, c.num_missed) == (fused, plain, sum(r.stalled_wide.values())) == (
+        c.num_fused, c.num_plain, 0)
+    assert fused > 0 and plain > 0 and c.num_commits == sum(-(-len(toks) // CL) for _, toks in out.values())
+    assert c.num_policy_cuts == s.blockdiff_num_policy_cuts and (c.num_policy_cuts > 0) is (policy == "uniform")
+    assert (s.blockdiff_predictor is not None) is asynchronous
+    if asynchronous:
+        assert s.blockdiff_predictor.counts is c and s.blockdiff_predictor.num_missed == c.num_missed
+    lines = [m.getMessage() for m in caplog.records if "fused commits so far" in m.getMessage()]
+    assert len(lines) == c.num_lines and all(m.levelno == logging.INFO for m in caplog.records)
+    assert len(lines) - 1 <= c.num_commits.bit_length() + 1 < steps // 4, (lines, steps)
+    final = (f"blockdiff: fused commits so far: {fused} of {fused + plain} commits fused ({plain} plain, 0 wide rows "
+             f"missed, {c.num_policy_cuts} fused rows cut by fuse policy {policy}); "
+             f"{'asynchronous' if asynchronous else 'synchronous'} scheduler")
+    assert lines[-2:] == [final + ", no request left", final + ", at shutdown"], lines
+    # the lines before: each at a commit count past a new power of two (a step may commit several canvases)
+    counts = [int(m.split(" of ")[1].split()[0]) for m in lines[:-2]]
+    assert counts and all(a.bit_length() < b.bit_length() for a, b in zip([0] + counts, counts)), lines
 
 
 @needs_vllm

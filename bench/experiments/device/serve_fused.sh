@@ -5,7 +5,8 @@
 #   bash bench/experiments/device/serve_fused.sh parity
 #       the exported stdlib-byte model (CL 32) in float32, synchronous scheduler, --diffusion-config canvas_length 64
 #       and BLOCKDIFF_FUSE_COMMIT=1, greedy against the harness (serve_smoke.py): must be 6 of 6 token for token,
-#       one request at a time and all at once (mixed fused / plain rows); the server log's fused-commit lines.
+#       one request at a time and all at once (mixed fused / plain rows); the server log's fused-commit lines, with
+#       the scheduler's count "fused commits so far: F of C commits fused (P plain, M wide rows missed, ...)".
 #   bash bench/experiments/device/serve_fused.sh parity_async
 #       the same with vLLM's asynchronous scheduling (BlockdiffDiffusionAsyncScheduler: fused commits predicted from
 #       the step cap, docs/tuning.md 7.38); only canvases that reach the cap (16) fuse, early-converged ones commit
@@ -69,7 +70,10 @@ if [ "$variant" = parity ] || [ "$variant" = parity_async ]; then
   echo "== float32, $variant${policy:+ (policy $policy)}, one at a time (must be 6 of 6)"; [ -f $OUT/$tag.json ] && python3 $M compare $OUT/harness32.json $OUT/$tag.json | tail -1
   echo "== float32, $variant${policy:+ (policy $policy)}, all at once (must be 6 of 6)"; [ -f $OUT/${tag}_all.json ] && python3 $M compare $OUT/harness32.json $OUT/${tag}_all.json | tail -1
   tail -c 200000 $LOG > $OUT/plugin32_fused$sfx.log
-  grep -sE "Traceback|Error:|ERROR|refused|fused commits" $LOG | grep -v "ulimit\|_warmup_" | head -20
+  grep -sE "Traceback|Error:|ERROR|refused|fused commits" $LOG | grep -v "ulimit\|_warmup_\|fused commits so far" | head -20
+  # the schedulers' coverage lines (vllm_scheduler.FusedCommitCounts: at powers of two of the commit count and when
+  # no request is left): the last is the count after the all-at-once client, since the server started
+  grep -s "fused commits so far" $LOG | tail -3
   grep -sh "Mean denoising steps\|num_speculative\|canvas_length" $LOG | tail -4
   el end; exit 0
 fi
@@ -115,6 +119,7 @@ sleep 1; el "started $name ($variant: canvas_length $canvas, fuse $fuse${policy:
 WAIT_S=${WAIT_S:-330} bash $S wait $quant $attn blockdiff || { el "not healthy"; bash $S stop; exit 1; }
 el healthy
 INTERLEAVE=1 TOTAL_S=$(( BUDGET - ($(date +%s) - T0) - 20 )) bash $S bench $quant $attn blockdiff
-grep -hE "fused commits|num_speculative_tokens|Traceback" $W/$name.log | grep -v ulimit | tail -5
+grep -hE "fused commits|num_speculative_tokens|Traceback" $W/$name.log | grep -v "ulimit\|fused commits so far" | tail -5
+grep -h "fused commits so far" $W/$name.log | tail -2  # the coverage lines (FusedCommitCounts), the last sweep's
 bash $S stop
 el end
