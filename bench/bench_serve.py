@@ -1880,7 +1880,9 @@ def record(args) -> dict:
 
     Raises:
         ValueError: no rows; rows from more than one GPU (a record's goals compare its rows, so they come from one
-            GPU); ``--out`` naming another GPU than the rows' (:func:`record_path`); a malformed profile.
+            GPU); ``--out`` naming another GPU than the rows' (:func:`record_path`); the record's file exists and
+            ``--force`` is not given (2026-12-06: the default name replaced the committed serve-h100.json, its
+            hand-written notes and its profiles); a malformed profile.
     """
     envs, rows = read_rows(args.rows)
     if not rows:
@@ -1897,6 +1899,9 @@ def record(args) -> dict:
         raise ValueError(f"some rows name no GPU (a rows file without an env record, or one with no gpu) beside rows "
                          f"from {gpus[0]!r}: record only rows known to come from one GPU")
     out = record_path(getattr(args, "out", None), getattr(args, "out_dir", None), gpus[0] if gpus else None)
+    if out.exists() and not getattr(args, "force", False):  # a record holds notes and profiles its rows do not
+        raise ValueError(f"{out} exists (a record's notes and profiles are not in its rows): move it to "
+                         f"bench/results/history/ first, write elsewhere (--out-dir), or pass --force")
     env = dict(envs[0]) if envs else environment()
     for k in ("kind", "backend", "quant", "max_num_seqs", "base_url", "server_pid", "bench_cmd", "warm_up", "setting",
               "model"):
@@ -2076,8 +2081,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", default=None)
 
     r = sub.add_parser("record", help="rows + profiles -> the record, CSV and PNG")
-    r.add_argument("rows", nargs="+")
-    r.add_argument("--profile", nargs="*", default=[])
+    r.add_argument("rows", nargs="+", help="JSON-lines rows files written by `sweep` (an env line per command, then "
+                                           "its rows); all from one GPU")
+    r.add_argument("--profile", nargs="*", default=[], help="summary JSONs written by `profile` (kept in the record)")
+    r.add_argument("--force", action="store_true", help="replace an existing record of that name (else refused: "
+                                                        "move the current one to bench/results/history/ first)")
     where = r.add_mutually_exclusive_group()
     where.add_argument("--out", default=None, help="the record's path (default: OUT_DIR/serve-<gpu>.json, the GPU "
                                                    "from the rows; a name that says another GPU is refused)")

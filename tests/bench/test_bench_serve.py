@@ -1407,3 +1407,17 @@ def test_record_servers_keep_each_warm_up_and_each_max_num_seqs(cli, tmp_path):
     servers = json.loads((tmp_path / "serve-h100.json").read_text())["servers"]
     assert servers["vllm-bf16"]["max_num_seqs"] == 4 and servers["vllm-bf16"]["warm_up"]["s"] == 60.0
     assert servers["vllm-bf16-seqs8"]["max_num_seqs"] == 8 and servers["vllm-bf16-seqs8"]["warm_up"]["s"] == 70.0
+
+
+def test_record_refuses_to_replace_an_existing_record_without_force(cli, tmp_path):
+    """2026-12-06 (a new user's walk-through): `record ROWS` with the default name replaced the committed
+    serve-h100.json, whose notes and profiles are not in its rows, with exit 0."""
+    rows = _rows_from(tmp_path / "r.jsonl", "NVIDIA H100 80GB HBM3")
+    rec = tmp_path / "rec"
+    rec.mkdir()
+    (rec / "serve-h100.json").write_text('{"notes": ["kept"]}')
+    _one_clear_line(cli("record", rows, "--out-dir", rec), "serve-h100.json exists", "history", "--force")
+    assert json.loads((rec / "serve-h100.json").read_text()) == {"notes": ["kept"]}
+    _one_clear_line(cli("record", rows, "--out", rec / "serve-h100.json"), "exists")
+    assert cli("record", rows, "--out-dir", rec, "--force")[0] == 0
+    assert json.loads((rec / "serve-h100.json").read_text())["gpu"] == "NVIDIA H100 80GB HBM3"

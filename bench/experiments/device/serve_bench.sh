@@ -171,7 +171,7 @@ bench)
   done
   fi
   logtail
-  [ -s $OUT/serve_rows_$quant.jsonl ] && $BS record $OUT/serve_rows_$quant.jsonl --out-dir $W/record 2>&1 \
+  [ -s $OUT/serve_rows_$quant.jsonl ] && $BS record $OUT/serve_rows_$quant.jsonl --out-dir $W/record --force 2>&1 \
     | tail -20 ;;
 profile)
   for s in $(order); do
