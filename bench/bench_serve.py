@@ -1884,7 +1884,9 @@ def record(args) -> dict:
             ``--force`` is not given (2026-12-06: the default name replaced the committed serve-h100.json, its
             hand-written notes and its profiles); a malformed profile.
     """
-    envs, rows = read_rows(args.rows)
+    per_file = [read_rows([p]) for p in args.rows]  # each file once; a file without an env record is told apart
+    envs = [e for file_envs, _ in per_file for e in file_envs]
+    rows = [r for _, file_rows in per_file for r in file_rows]
     if not rows:
         raise ValueError(f"no rows in {', '.join(map(str, args.rows))} (only blank lines or env records)")
     for e in envs:
@@ -1894,7 +1896,7 @@ def record(args) -> dict:
     if len(gpus) > 1:
         raise ValueError(f"rows come from different GPUs ({', '.join(gpus)}): a record's goals compare its rows, so "
                          f"record each GPU's rows apart")
-    bare = [p for p in args.rows if not read_rows([p])[0]]  # rows files without an env record
+    bare = any(not file_envs for file_envs, _ in per_file)  # a rows file without an env record
     if gpus and (bare or any(not e.get("gpu") for e in envs)):
         raise ValueError(f"some rows name no GPU (a rows file without an env record, or one with no gpu) beside rows "
                          f"from {gpus[0]!r}: record only rows known to come from one GPU")
