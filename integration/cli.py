@@ -212,6 +212,9 @@ def _demo(args) -> int:
     if args.embedding_scale is not None:
         if not (math.isfinite(args.embedding_scale) and args.embedding_scale > 0):
             problems.append(f"--embedding-scale must be a finite number > 0, got {args.embedding_scale}")
+        elif args.embedding_scale > _FLOAT32_MAX:  # the weights are float32: they would be inf, every request failed
+            problems.append(f"--embedding-scale must be at most {_FLOAT32_MAX:.4e} (the float32 weights it scales), "
+                            f"got {args.embedding_scale:g}")
         elif args.checkpoint is not None:
             problems.append("--embedding-scale scales random weights; it cannot be used with --checkpoint")
         elif not args.random_weights:

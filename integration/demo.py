@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -66,6 +67,10 @@ TEXT_REQUESTS: tuple[tuple[str, str, int, int, bool], ...] = (
 )
 TRAINED_MAX_DENOISING_STEPS = 16  # blockdiff train's evaluation cap (its --eval-steps default)
 RANDOM_CANVAS_LENGTH, RANDOM_MAX_DENOISING_STEPS, RANDOM_EMBEDDING_SCALE = 16, 6, 30.0
+
+
+#: Largest finite float32: the random weights ``embedding_scale`` multiplies are float32.
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 class BackendUnavailable(RuntimeError):
@@ -255,7 +260,9 @@ def run_demo(*, backend: str = "reference", sampler_backend: str = "reference", 
         DeviceUnavailable: ``device`` cannot be parsed, is not here, or is ``meta``.
         BackendUnavailable: the attention or sampler backend cannot run on ``device``.
         CheckpointError: ``checkpoint`` cannot be loaded (the message names the folder and the problem).
-        ValueError: ``embedding_scale`` with a checkpoint; a text prompt with random weights.
+        ValueError: ``embedding_scale`` with a checkpoint, or not a finite number in ``(0, float32 max]``; a text
+            prompt with random weights.
+        TypeError: ``embedding_scale`` not a number (a bool included).
         DemoInputError: the requests need more positions than the checkpoint's ``max_position_embeddings`` (a
             ValueError naming ``--canvas-length``).
         blockdiff.integration.checks.AttentionMismatch, blockdiff.integration.sampler.SamplerMismatch:
@@ -265,6 +272,13 @@ def run_demo(*, backend: str = "reference", sampler_backend: str = "reference", 
     p = lambda *a: print(*a, file=stream, flush=True)  # noqa: E731
     if checkpoint is not None and embedding_scale is not None:
         raise ValueError("embedding_scale scales random weights; it cannot be used with a trained checkpoint")
+    if embedding_scale is not None:
+        if isinstance(embedding_scale, bool) or not isinstance(embedding_scale, (int, float)):
+            raise TypeError(f"embedding_scale must be a number, got {type(embedding_scale).__name__}")
+        if not (math.isfinite(embedding_scale) and 0 < embedding_scale <= _FLOAT32_MAX):
+            # the float32 weights it scales: beyond float32 they are inf and every request fails; NaN / <= 0 no peak
+            raise ValueError(f"embedding_scale must be a finite number in (0, {_FLOAT32_MAX:.4e}] (it scales the "
+                             f"float32 tied embedding), got {embedding_scale!r}")
     dev = resolve_device(device)
     check_attention_backend(backend, dev)
     interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

@@ -236,3 +236,29 @@ def test_a_cuda_device_that_is_not_here_is_one_line_naming_device(tmp_path, caps
     rc = cli.main(["demo", "--random-weights", "--device", "cuda:3", "--out", str(tmp_path), "--no-progress"])
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and "--device 'cuda:3'" in err and "CUDA is not available" in err
+
+
+@pytest.mark.parametrize("device", ["cpu:0", "cpu:1"])
+def test_demo_on_an_indexed_cpu_device_runs(tmp_path, capsys, device):
+    """Was a traceback: 'cpu:1' was refused by the harness as another device than its model's 'cpu', and 'cpu:0'
+    built a sampler state that refused its own slots ("slots is on cpu, the state on cpu:0")."""
+    rc = cli.main(["demo", "--random-weights", "--device", device, "--canvas-length", "4", "--max-denoising-steps",
+                   "1", "--no-progress", "--out", str(tmp_path)])
+    assert rc == 0, capsys.readouterr().err
+    assert "device: cpu" in capsys.readouterr().out
+
+
+def test_demo_refuses_an_embedding_scale_beyond_float32(tmp_path, capsys):
+    """Was: --embedding-scale 1e39 passed the 'finite > 0' check in float64, made the float32 weights inf, ran the
+    whole demo and ended 'all 6 requests failed' (exit 1); now exit 2 naming the flag before anything runs, and
+    run_demo refuses it (and a NaN, a negative, a bool) itself."""
+    from blockdiff.integration.demo import run_demo
+
+    assert cli.main(["demo", "--random-weights", "--embedding-scale", "1e39", "--out", str(tmp_path)]) == 2
+    out = capsys.readouterr()
+    assert "--embedding-scale must be at most 3.4028e+38" in out.err and "blockdiff demo:" not in out.out
+    for bad, exc in ((1e39, ValueError), (float("nan"), ValueError), (-1.0, ValueError), (0, ValueError),
+                     (True, TypeError), ("30", TypeError)):
+        with pytest.raises(exc, match="embedding_scale"):
+            run_demo(embedding_scale=bad, out=str(tmp_path), progress=False)
+
