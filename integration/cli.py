@@ -290,6 +290,16 @@ def _train(a) -> int:
     if a.smoke:
         args = smoke_args(args)
         torch.set_num_threads(min(2, torch.get_num_threads()))
+    if args.eval_prompts > 0:  # the evaluation runs after training: an attention backend it cannot run fails now
+        from .demo import BackendUnavailable, check_attention_backend
+
+        # the evaluation's dtype (model.train: bf16 on CUDA, fp32 on the CPU)
+        ev_dtype = torch.bfloat16 if torch.device(args.device).type == "cuda" else torch.float32
+        try:
+            check_attention_backend(args.attn_backend, args.device, dtype=ev_dtype)
+        except BackendUnavailable as e:
+            return _errors("train", [f"--attn-backend: {e} (it runs the evaluation after training; --eval-prompts 0 "
+                                     "skips it)"])
     try:
         train(args, evaluate=evaluate_generation)
     except CorpusError as e:

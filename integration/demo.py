@@ -113,9 +113,9 @@ class DemoResult:
     samples: list = field(default_factory=list)  # [{req_id, prompt, completion}] text (trained checkpoint)
 
 
-def check_attention_backend(backend: str, device) -> None:
-    """Run the chosen attention backend once on a tiny mixed batch; raise :class:`BackendUnavailable` with the
-    reason if it cannot run on ``device`` (e.g. ``cute`` without CUDA, ``triton`` on CPU without
+def check_attention_backend(backend: str, device, dtype: torch.dtype = torch.float32) -> None:
+    """Run the chosen attention backend once on a tiny mixed batch of ``dtype``; raise :class:`BackendUnavailable`
+    with the reason if it cannot run on ``device`` (e.g. ``cute`` without CUDA, ``triton`` on CPU without
     ``TRITON_INTERPRET=1``)."""
     interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     if backend == "triton" and torch.device(device).type == "cpu" and not interp:
@@ -123,8 +123,8 @@ def check_attention_backend(backend: str, device) -> None:
     if backend == "cute" and torch.device(device).type != "cuda":
         raise BackendUnavailable("attention backend 'cute' needs a CUDA GPU (FlashAttention-4 / CuTe DSL)")
     try:
-        q = torch.randn(3, 2, 16, device=device)
-        k = torch.randn(1, 16, 1, 16, device=device)
+        q = torch.randn(3, 2, 16, device=device, dtype=dtype)
+        k = torch.randn(1, 16, 1, 16, device=device, dtype=dtype)
         attention(q, k, k.clone(), cu_seqlens_q=torch.tensor([0, 1, 3], dtype=torch.int32, device=device),
                   seq_lens=torch.tensor([2, 3], dtype=torch.int32, device=device),
                   causal=torch.tensor([True, False], device=device),

@@ -262,3 +262,25 @@ def test_demo_refuses_an_embedding_scale_beyond_float32(tmp_path, capsys):
         with pytest.raises(exc, match="embedding_scale"):
             run_demo(embedding_scale=bad, out=str(tmp_path), progress=False)
 
+
+def test_train_refuses_a_cuda_device_that_is_not_here_before_training(tmp_path, capsys, monkeypatch):
+    """Was: --device cuda on a machine without CUDA loaded the corpus, then died with torch's AssertionError."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    rc = cli.main(["train", "--device", "cuda", "--max-steps", "1", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "--device: device 'cuda': CUDA is not available" in err, err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("backend", ["cute", "triton"])
+def test_train_refuses_an_attention_backend_its_evaluation_cannot_run_before_training(tmp_path, capsys,
+                                                                                      monkeypatch, backend):
+    """Was: --attn-backend cute on the CPU (or triton without TRITON_INTERPRET) trained for the whole budget, wrote
+    the checkpoint, then died in the evaluation with a NotImplementedError / ValueError traceback."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    rc = cli.main(["train", "--smoke", "--attn-backend", backend, "--out", str(tmp_path / "o")])
+    out = capsys.readouterr()
+    assert rc == 2 and out.err.startswith(f"blockdiff train: error: --attn-backend: attention backend {backend!r}")
+    assert "trained" not in out.out and not (tmp_path / "o").exists()
