@@ -247,7 +247,9 @@ def batch_key_ranges(
     for name, t in (("q_lens", q_lens), ("seq_lens", seq_lens), ("num_causal_q", num_causal_q)):
         if not isinstance(t, torch.Tensor) or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
             raise TypeError(f"{name} must be an integer tensor [B], got {getattr(t, 'dtype', type(t).__name__)}")
-        if t.dim() != 1 or t.shape != q_lens.shape:
+        if t.dim() != 1:  # (a 2-D q_lens was reported as "got q_lens (1, 1) vs q_lens (1, 1)")
+            raise ValueError(f"{name} must be 1-D [B], got shape {tuple(t.shape)}")
+        if t.shape != q_lens.shape:
             raise ValueError(f"q_lens, seq_lens, num_causal_q must be 1-D of equal length, got {name} "
                              f"{tuple(t.shape)} vs q_lens {tuple(q_lens.shape)}")
         if t.device.type == "meta":

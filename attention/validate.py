@@ -382,8 +382,10 @@ def check_attention_inputs(
         _need_tensor("out", out)
         if tuple(out.shape) != (total_q, num_heads, head_dim_v):
             raise ValueError(f"out must have shape {(total_q, num_heads, head_dim_v)}, got {tuple(out.shape)}")
-        if out.dtype != q.dtype or out.device != q.device:
-            raise ValueError(f"out must be {q.dtype} on {q.device}, got {out.dtype} on {out.device}")
+        if out.dtype != q.dtype:  # a dtype is a TypeError, as for k_cache / v_cache (it was a ValueError)
+            raise TypeError(f"out dtype {out.dtype} must equal q dtype {q.dtype}")
+        if out.device != q.device:
+            raise ValueError(f"out is on {out.device} but q is on {q.device}")
         if self_overlapping(out):
             raise ValueError(f"out must not have elements sharing memory (e.g. an expand()ed view), got strides "
                              f"{out.stride()} for shape {tuple(out.shape)}")

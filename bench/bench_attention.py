@@ -43,6 +43,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -51,7 +52,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from blockdiff.attention import causal_row_counts, get_backend
+from blockdiff.attention import MAX_SEQ_LEN, causal_row_counts, get_backend
 from blockdiff.attention.testing import REPRESENTATION_ATOL, reference_pair
 from blockdiff.bench import common
 from blockdiff.bench import workloads as wl
@@ -659,15 +660,40 @@ def parse_args(argv=None):
         p.error(f"--cpu-reps must be >= 0, got {a.cpu_reps}")
     if a.budget_s is not None and math.isnan(a.budget_s):  # (NaN would never stop; <= 0 skips every workload)
         p.error(f"--budget-s must be a number of seconds, got {a.budget_s}")
+    if a.page_size is not None and a.page_size > MAX_SEQ_LEN:  # (10**20 failed every workload's build, exit 0)
+        p.error(f"--page-size must be at most MAX_SEQ_LEN = 2**30 tokens (a sequence's most keys), got {a.page_size}")
+    if not 0 <= a.seed < 2 ** 63:  # (10**20 failed every workload's build with exit 0; make_batch seeds seed + 1)
+        p.error(f"--seed must be in [0, 2**63), got {a.seed}")
+    if a.suite_name is not None and (not a.suite_name.strip() or a.suite_name in (".", "..")
+                                     or any(c in a.suite_name for c in ("/", os.sep))):
+        # a file stem inside the output folder ('../../x' wrote bench/x-cpu.json; '' silently took the default)
+        p.error(f"--suite-name must be a non-empty file name stem without path separators, got {a.suite_name!r}")
     if a.device is not None:
         try:
-            torch.device(a.device)
+            dev = torch.device(a.device)
         except (RuntimeError, ValueError):
             p.error(f"--device must name a torch device (cpu, cuda, cuda:N), got {a.device!r}")
+        if dev.type == "cuda" and (not torch.cuda.is_available()
+                                   or (dev.index is not None and dev.index >= torch.cuda.device_count())):
+            # (was torch's AssertionError traceback, 'Torch not compiled with CUDA enabled')
+            n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            p.error(f"--device {a.device!r} is not available here ({n} CUDA device{'' if n == 1 else 's'})")
     try:  # a pattern matching no workload is a usage error (typos must not silently measure nothing)
         wl.select(wl.SUITES[a.suite](quick=a.quick), a.workloads)
     except ValueError as e:
         p.error(str(e))
+    if a.out is not None:  # before the run (a file there failed at the first write, after a workload ran); the
+        # folder is created by the run, not here: its nearest existing ancestor must be a writable folder
+        out = Path(a.out).absolute()
+        if out.exists() and not out.is_dir():
+            p.error(f"--out {a.out!r} is a file, not a folder")
+        near = next(d for d in (out, *out.parents) if d.exists())
+        if not near.is_dir() or not os.access(near, os.W_OK):
+            p.error(f"--out {a.out!r} cannot be written ({str(near)!r} is not a writable folder)")
+        try:  # os.access trusts the mode bits (root passes it on /proc): try a folder there, removed at once
+            os.rmdir(tempfile.mkdtemp(prefix=".bench-probe-", dir=near))
+        except OSError as e:
+            p.error(f"--out {a.out!r} cannot be written ({str(near)!r}: {e.strerror or e})")
     return a
 
 

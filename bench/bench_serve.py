@@ -165,10 +165,18 @@ def _check_choice(name: str, value, choices: Sequence[str]) -> None:
         raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
 
 
-def _check_int(name: str, value, lo: int) -> int:
+def _check_int(name: str, value, lo: int, hi: int | None = None, why: str = "") -> int:
+    """``value`` if it is an int in ``[lo, hi)`` (``hi`` None: no upper bound; ``why`` says where it comes from)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < lo:
         raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
+    if hi is not None and value >= hi:
+        raise ValueError(f"{name} must be below 2**{hi.bit_length() - 1}{why}, got {value}")
     return value
+
+
+#: Upper bounds of the server's counts: vLLM keeps token and sequence counts in int32 tensors and the KV cache size
+#: in an int64 byte count. (A --max-num-seqs of 10**20 made cudagraph_capture_sizes loop for ever.)
+_INT32_LIMIT, _INT64_LIMIT = 1 << 31, 1 << 63
 
 
 #: KV cache page of both sides (``--block-size``): the triton backend's automatic Gluon choice (the hd-512 roles
@@ -186,10 +194,12 @@ def cudagraph_capture_sizes(max_num_seqs: int, max_num_batched_tokens: int,
     H200 serve, docs/tuning.md section 7)."""
     _check_int("max_num_seqs", max_num_seqs, 1)
     _check_int("max_num_batched_tokens", max_num_batched_tokens, canvas_length)
-    ks = [k for k in range(1, max_num_seqs + 1) if k <= 16 or (k <= 32 and k % 2 == 0) or k % 4 == 0]
-    if ks[-1] != max_num_seqs:
+    # only canvas counts within the token budget are kept: the loop runs to the smaller bound (it ran to max_num_seqs)
+    top = min(max_num_seqs, max_num_batched_tokens // canvas_length)
+    ks = [k for k in range(1, top + 1) if k <= 16 or (k <= 32 and k % 2 == 0) or k % 4 == 0]
+    if ks[-1] != max_num_seqs and max_num_seqs <= top:
         ks.append(max_num_seqs)
-    return [k * canvas_length for k in ks if k * canvas_length <= max_num_batched_tokens]
+    return [k * canvas_length for k in ks]
 
 
 def server_command(backend: str, quant: str, *, model: str, port: int, max_num_seqs: int, kv_cache_bytes: int,
@@ -219,10 +229,11 @@ def server_command(backend: str, quant: str, *, model: str, port: int, max_num_s
     Args:
         backend: one of :data:`BACKENDS`. quant: ``bf16`` or ``fp8``.
         model: the folder of :func:`write_model_folder`. port: TCP port (1..65535).
-        max_num_seqs: >= 1. kv_cache_bytes: KV cache size in bytes (>= 1). gpu_memory_utilization: in (0, 1].
+        max_num_seqs: in [1, 2**31). kv_cache_bytes: KV cache size in bytes, in [1, 2**63).
+            gpu_memory_utilization: in (0, 1].
         trace_dir: absolute folder for profiler traces, or None (no profiler).
-        max_num_batched_tokens: token budget of one engine step (>= canvas_length * max_num_seqs lets every running
-            canvas into one step). max_model_len: tokens per request.
+        max_num_batched_tokens: token budget of one engine step, below 2**31 (>= canvas_length * max_num_seqs lets
+            every running canvas into one step). max_model_len: tokens per request.
         enforce_eager: no CUDA graphs / torch.compile. async_scheduling: keep vLLM's asynchronous scheduling.
         api_server_count: vLLM's API server processes (``--api-server-count``, >= 1; default 1, vLLM's without data
             parallelism): more spread the requests' input processing (tokenization, rendering) over processes
@@ -242,9 +253,9 @@ def server_command(backend: str, quant: str, *, model: str, port: int, max_num_s
     _check_int("port", port, 1)
     if port > 65535:
         raise ValueError(f"port must be <= 65535, got {port}")
-    _check_int("max_num_seqs", max_num_seqs, 1)
-    _check_int("kv_cache_bytes", kv_cache_bytes, 1)
-    _check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
+    _check_int("max_num_seqs", max_num_seqs, 1, _INT32_LIMIT, " (vLLM's int32 counts)")
+    _check_int("kv_cache_bytes", kv_cache_bytes, 1, _INT64_LIMIT, " (vLLM's int64 byte count)")
+    _check_int("max_num_batched_tokens", max_num_batched_tokens, 1, _INT32_LIMIT, " (vLLM's int32 counts)")
     _check_int("api_server_count", api_server_count, 1)
     _check_int("max_model_len", max_model_len, INPUT_LEN + OUTPUT_LEN)
     if isinstance(gpu_memory_utilization, bool) or not isinstance(gpu_memory_utilization, (int, float)) or not (
@@ -1986,6 +1997,16 @@ _pos_int, _nonneg_int = _number(int, 0, True), _number(int, 0, False)
 _pos_float, _nonneg_float = _number(float, 0, True), _number(float, 0, False)
 
 
+def _kv_cache_gib(s: str) -> float:
+    """argparse type of ``--kv-cache-gib``: a finite number of GiB whose byte count is in [1, 2**63) (vLLM's int64
+    byte count; 1e300 overflowed int(gib * 2**30) with a traceback)."""
+    v = _pos_float(s)
+    if not 1 <= v * 2 ** 30 < _INT64_LIMIT:
+        raise argparse.ArgumentTypeError(f"expected a size from 1 byte to below 2**33 GiB (vLLM's int64 byte count), "
+                                         f"got {s!r}")
+    return v
+
+
 def _canvas_multiple(s: str) -> int:
     """argparse type: a positive int that is a multiple of the canvas length (whole canvases)."""
     v = _pos_int(s)
@@ -2017,7 +2038,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", required=True)
     s.add_argument("--port", type=int, required=True)
     s.add_argument("--max-num-seqs", type=_pos_int, required=True)
-    s.add_argument("--kv-cache-gib", type=_pos_float, required=True, help="KV cache size, GiB")
+    s.add_argument("--kv-cache-gib", type=_kv_cache_gib, required=True, help="KV cache size, GiB")
     s.add_argument("--gpu-memory-utilization", type=_pos_float, required=True)
     s.add_argument("--trace-dir", default=None, help="absolute folder for profiler traces (enables the profiler)")
     s.add_argument("--max-num-batched-tokens", type=_pos_int, default=16384)

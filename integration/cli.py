@@ -212,6 +212,9 @@ def _demo(args) -> int:
     if args.embedding_scale is not None:
         if not (math.isfinite(args.embedding_scale) and args.embedding_scale > 0):
             problems.append(f"--embedding-scale must be a finite number > 0, got {args.embedding_scale}")
+        elif args.embedding_scale > _FLOAT32_MAX:  # the weights are float32: they would be inf, every request failed
+            problems.append(f"--embedding-scale must be at most {_FLOAT32_MAX:.4e} (the float32 weights it scales), "
+                            f"got {args.embedding_scale:g}")
         elif args.checkpoint is not None:
             problems.append("--embedding-scale scales random weights; it cannot be used with --checkpoint")
         elif not args.random_weights:
@@ -287,6 +290,16 @@ def _train(a) -> int:
     if a.smoke:
         args = smoke_args(args)
         torch.set_num_threads(min(2, torch.get_num_threads()))
+    if args.eval_prompts > 0:  # the evaluation runs after training: an attention backend it cannot run fails now
+        from .demo import BackendUnavailable, check_attention_backend
+
+        # the evaluation's dtype (model.train: bf16 on CUDA, fp32 on the CPU)
+        ev_dtype = torch.bfloat16 if torch.device(args.device).type == "cuda" else torch.float32
+        try:
+            check_attention_backend(args.attn_backend, args.device, dtype=ev_dtype)
+        except BackendUnavailable as e:
+            return _errors("train", [f"--attn-backend: {e} (it runs the evaluation after training; --eval-prompts 0 "
+                                     "skips it)"])
     try:
         train(args, evaluate=evaluate_generation)
     except CorpusError as e:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -68,6 +69,10 @@ TRAINED_MAX_DENOISING_STEPS = 16  # blockdiff train's evaluation cap (its --eval
 RANDOM_CANVAS_LENGTH, RANDOM_MAX_DENOISING_STEPS, RANDOM_EMBEDDING_SCALE = 16, 6, 30.0
 
 
+#: Largest finite float32: the random weights ``embedding_scale`` multiplies are float32.
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
 class BackendUnavailable(RuntimeError):
     """The requested backend cannot run here (no silent fallback)."""
 
@@ -108,9 +113,9 @@ class DemoResult:
     samples: list = field(default_factory=list)  # [{req_id, prompt, completion}] text (trained checkpoint)
 
 
-def check_attention_backend(backend: str, device) -> None:
-    """Run the chosen attention backend once on a tiny mixed batch; raise :class:`BackendUnavailable` with the
-    reason if it cannot run on ``device`` (e.g. ``cute`` without CUDA, ``triton`` on CPU without
+def check_attention_backend(backend: str, device, dtype: torch.dtype = torch.float32) -> None:
+    """Run the chosen attention backend once on a tiny mixed batch of ``dtype``; raise :class:`BackendUnavailable`
+    with the reason if it cannot run on ``device`` (e.g. ``cute`` without CUDA, ``triton`` on CPU without
     ``TRITON_INTERPRET=1``)."""
     interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     if backend == "triton" and torch.device(device).type == "cpu" and not interp:
@@ -118,8 +123,8 @@ def check_attention_backend(backend: str, device) -> None:
     if backend == "cute" and torch.device(device).type != "cuda":
         raise BackendUnavailable("attention backend 'cute' needs a CUDA GPU (FlashAttention-4 / CuTe DSL)")
     try:
-        q = torch.randn(3, 2, 16, device=device)
-        k = torch.randn(1, 16, 1, 16, device=device)
+        q = torch.randn(3, 2, 16, device=device, dtype=dtype)
+        k = torch.randn(1, 16, 1, 16, device=device, dtype=dtype)
         attention(q, k, k.clone(), cu_seqlens_q=torch.tensor([0, 1, 3], dtype=torch.int32, device=device),
                   seq_lens=torch.tensor([2, 3], dtype=torch.int32, device=device),
                   causal=torch.tensor([True, False], device=device),
@@ -255,7 +260,9 @@ def run_demo(*, backend: str = "reference", sampler_backend: str = "reference", 
         DeviceUnavailable: ``device`` cannot be parsed, is not here, or is ``meta``.
         BackendUnavailable: the attention or sampler backend cannot run on ``device``.
         CheckpointError: ``checkpoint`` cannot be loaded (the message names the folder and the problem).
-        ValueError: ``embedding_scale`` with a checkpoint; a text prompt with random weights.
+        ValueError: ``embedding_scale`` with a checkpoint, or not a finite number in ``(0, float32 max]``; a text
+            prompt with random weights.
+        TypeError: ``embedding_scale`` not a number (a bool included).
         DemoInputError: the requests need more positions than the checkpoint's ``max_position_embeddings`` (a
             ValueError naming ``--canvas-length``).
         blockdiff.integration.checks.AttentionMismatch, blockdiff.integration.sampler.SamplerMismatch:
@@ -265,6 +272,13 @@ def run_demo(*, backend: str = "reference", sampler_backend: str = "reference", 
     p = lambda *a: print(*a, file=stream, flush=True)  # noqa: E731
     if checkpoint is not None and embedding_scale is not None:
         raise ValueError("embedding_scale scales random weights; it cannot be used with a trained checkpoint")
+    if embedding_scale is not None:
+        if isinstance(embedding_scale, bool) or not isinstance(embedding_scale, (int, float)):
+            raise TypeError(f"embedding_scale must be a number, got {type(embedding_scale).__name__}")
+        if not (math.isfinite(embedding_scale) and 0 < embedding_scale <= _FLOAT32_MAX):
+            # the float32 weights it scales: beyond float32 they are inf and every request fails; NaN / <= 0 no peak
+            raise ValueError(f"embedding_scale must be a finite number in (0, {_FLOAT32_MAX:.4e}] (it scales the "
+                             f"float32 tied embedding), got {embedding_scale!r}")
     dev = resolve_device(device)
     check_attention_backend(backend, dev)
     interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

@@ -56,7 +56,8 @@ def hf_name(name: str) -> str:
 
 
 def check_device(device, name: str = "device") -> torch.device:
-    """``device`` (None: cpu; a ``torch.device``, its string, or a CUDA index) as a ``torch.device``.
+    """``device`` (None: cpu; a ``torch.device``, its string, or a CUDA index) as a ``torch.device``. A CPU device is
+    returned as plain ``cpu`` (``cpu:0``, ``cpu:1`` included), where torch puts every CPU tensor.
 
     Raises:
         TypeError: not a str / int / torch.device / None.
@@ -77,6 +78,8 @@ def check_device(device, name: str = "device") -> torch.device:
             raise ValueError(f"{name} {device!r}: CUDA is not available here")
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise ValueError(f"{name} {device!r}: only {torch.cuda.device_count()} CUDA device(s) here")
+    if dev.type == "cpu":
+        return torch.device("cpu")  # (the harness refused "cpu:1" as another device than its model's "cpu")
     return dev
 
 

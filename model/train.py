@@ -76,7 +76,7 @@ from blockdiff.attention import build_mask
 from .config import DiffusionGemmaConfig, tiny_config
 from .modeling import DiffusionGemma
 from .layers import rope_cos_sin
-from .loading import hf_name
+from .loading import check_device, hf_name
 from .tokenizer import ByteTokenizer
 
 HELD_OUT_MOD = 20
@@ -155,8 +155,9 @@ class TrainArgs:
 def train_args_problems(self, paths: bool = False) -> list[tuple[type, str, str]]:
     """Every field of ``self`` breaking its rule, as ``(TypeError | ValueError, field, message)`` (the message
     starts with the field name). ``self``: a :class:`TrainArgs`, or any object with its attributes (the CLI checks
-    the user's values before ``--smoke`` caps them). ``paths=True`` also checks the file system (:func:`train`
-    does, before any work): ``out`` not a file, ``corpus`` an existing file or folder.
+    the user's values before ``--smoke`` caps them). ``paths=True`` also checks the file system and the machine
+    (:func:`train` does, before any work): ``out`` not a file, ``corpus`` an existing file or folder, ``device`` a
+    device torch parses and this machine has (:func:`blockdiff.model.loading.check_device`).
 
     Rules: ``out`` a non-empty path; ``minutes`` finite > 0; ``max_steps`` None or an int >= 1; ``batch_size``,
     ``log_every``, ``eval_prompt_len``, ``eval_canvases`` ints >= 1;
@@ -208,6 +209,11 @@ def train_args_problems(self, paths: bool = False) -> list[tuple[type, str, str]
         bad(TypeError, "smoke", "True or False")
     if not isinstance(self.device, str):
         bad(TypeError, "device", "a str ('cpu', 'cuda', 'cuda:N')")
+    elif paths:  # the machine too: a CUDA device that is not here failed after the corpus loaded (AssertionError)
+        try:
+            check_device(self.device, "device")
+        except ValueError as e:
+            out.append((ValueError, "device", str(e)))
     if self.corpus is not None:
         if not isinstance(self.corpus, (str, os.PathLike)):
             bad(TypeError, "corpus", "None or a path")

@@ -43,7 +43,9 @@ def check_resume(params, num_emitted: int) -> None:
 
 
 def parse_device(device) -> torch.device:
-    """``torch.device(device)`` for a ``torch.device`` or a device string, checked against this machine.
+    """``torch.device(device)`` for a ``torch.device`` or a device string, checked against this machine. A CPU device
+    is returned as plain ``cpu`` (``cpu:0``, ``cpu:1`` included): torch puts every CPU tensor there, and the step's
+    device checks compare the tensors' device with this one.
 
     Raises:
         TypeError: neither a ``torch.device`` nor a str. ValueError: a string torch cannot parse (``"bogus"``), or a
@@ -59,6 +61,8 @@ def parse_device(device) -> torch.device:
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if n == 0 or (dev.index is not None and dev.index >= n):
             raise ValueError(f"device {device!r} is not available here ({n} CUDA device{'s' if n != 1 else ''})")
+    if dev.type == "cpu":
+        return torch.device("cpu")  # (a "cpu:0" state refused every step: its tensors report "cpu")
     return dev
 
 

@@ -370,7 +370,8 @@ def resolve_config(base: dict, override: dict | None, *, group: int, head_dim: i
     Raises:
         TypeError: a value of the wrong type (:func:`check_config_types`: e.g. ``num_splits=True``, a bool for an
             int; the message names the key).
-        ValueError: an unknown key, or a value that breaks a rule (the message names the key and the rule).
+        ValueError: an unknown key, or a value that breaks a rule (the message names the key and the rule; the
+            portable kernel's launch rules: :func:`check_portable_config`).
     """
     if override:
         bad = set(override) - set(CONFIG_KEYS)
@@ -428,7 +429,38 @@ def resolve_config(base: dict, override: dict | None, *, group: int, head_dim: i
         v = getattr(resolved, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"config[{name!r}] must be an int >= 1, got {v!r}")
+    if resolved.IMPL == "triton":
+        check_portable_config(resolved, head_dim)
     return resolved
+
+
+#: Triton's largest tensor (``triton.language.TRITON_MAX_TENSOR_NUMEL``): a tile above it fails to compile.
+MAX_TILE_NUMEL = 1 << 20
+
+
+def check_portable_config(cfg: TritonConfig, head_dim: int) -> None:
+    """The portable kernel's (``IMPL="triton"``) launch rules that Triton would otherwise report from deep inside
+    its compiler (an ``AssertionError`` for ``num_warps=3`` on a GPU; a tile past its tensor limit a compile error,
+    an ``InterpreterError`` on the CPU): ``num_warps`` a power of two in [1, 32] (at most 1024 threads a program),
+    and every tile the kernel holds (``BLOCK_M`` / ``BLOCK_N`` rows by the padded head dim, by ``BLOCK_DV``, and
+    ``BLOCK_M x BLOCK_N``) at most :data:`MAX_TILE_NUMEL` elements.
+
+    Raises:
+        ValueError: a rule broken (names the key and the rule).
+    """
+    nw = cfg.num_warps
+    if nw & (nw - 1) or nw > 32:
+        raise ValueError(f"config['num_warps'] must be a power of two in [1, 32] with IMPL='triton' (Triton's launch "
+                         f"rule), got {nw}")
+    bd = max(16, next_pow2(head_dim))
+    for (a, an), (b, bn) in (((cfg.BLOCK_M, "BLOCK_M"), (cfg.BLOCK_N, "BLOCK_N")),
+                             ((cfg.BLOCK_M, "BLOCK_M"), (bd, "the padded head_dim")),
+                             ((cfg.BLOCK_N, "BLOCK_N"), (bd, "the padded head_dim")),
+                             ((cfg.BLOCK_M, "BLOCK_M"), (cfg.BLOCK_DV, "BLOCK_DV")),
+                             ((cfg.BLOCK_N, "BLOCK_N"), (cfg.BLOCK_DV, "BLOCK_DV"))):
+        if a * b > MAX_TILE_NUMEL:
+            raise ValueError(f"config[{an!r}] = {a} x {bn} = {b} is a tile of {a * b} elements, above Triton's "
+                             f"largest tensor ({MAX_TILE_NUMEL} elements)")
 
 
 # ------------------------------------------------------------------------------------------------ per signature

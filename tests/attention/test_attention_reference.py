@@ -323,6 +323,16 @@ def test_count_allowed_pairs_rejects_lengths_outside_the_contract(q_lens, seq_le
                                torch.zeros(0, dtype=torch.int32), 3) == 0
 
 
+@pytest.mark.parametrize("which", ["q_lens", "seq_lens", "num_causal_q"])
+def test_count_allowed_pairs_names_the_length_tensor_that_is_not_one_dimensional(which):
+    """A 2-D q_lens was reported as "got q_lens (1, 1) vs q_lens (1, 1)" (the equal-length message); now the
+    tensor and the rule."""
+    lens = {"q_lens": torch.tensor([1]), "seq_lens": torch.tensor([2]), "num_causal_q": torch.tensor([0])}
+    lens[which] = lens[which][None]
+    with pytest.raises(ValueError, match=rf"^{which} must be 1-D \[B\], got shape \(1, 1\)$"):
+        count_allowed_pairs(lens["q_lens"], lens["seq_lens"], lens["num_causal_q"], None)
+
+
 # ---------------------------------------------------------------- causal flags -> causal row counts
 
 

@@ -351,3 +351,14 @@ def test_reference_checks_only_a_callers_out_for_overlap(monkeypatch):
     assert calls == []
     got = attention(**b, out=torch.empty_like(want), backend="reference")
     assert len(calls) == 3 and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.float16, torch.float64])
+def test_attention_refuses_an_out_of_another_dtype_with_a_type_error(backend, dtype):
+    """The contract's rule (validate.check_attention_inputs: TypeError for a wrong dtype, as k_cache / v_cache get):
+    an ``out`` of another dtype than q was a ValueError ("out must be torch.float32 on cpu, got ...")."""
+    b = make_batch([6, 9], [3, 2], causal=[True, False], dtype=torch.float32)
+    out = torch.zeros(5, 4, 16, dtype=dtype)
+    with pytest.raises(TypeError, match=f"out dtype {dtype} must equal q dtype torch.float32"):
+        attention(**b, out=out, backend=backend)

@@ -170,3 +170,32 @@ def test_flag_errors_exit_2_with_a_line_naming_the_flag(capsys, flags, word):
     with pytest.raises(SystemExit) as e:
         ba.main(["--quick", "--no-plots", *flags])
     assert e.value.code == 2 and word in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, word", [
+    (["--page-size", str(10 ** 20)], "--page-size must be at most"), (["--seed", str(10 ** 20)], "--seed must be in"),
+    (["--seed", "-1"], "--seed must be in"), (["--suite-name", "../../x"], "--suite-name must be"),
+    (["--suite-name", ""], "--suite-name must be"), (["--suite-name", ".."], "--suite-name must be"),
+    (["--device", "cuda:7"], "--device 'cuda:7' is not available"),
+    (["--out", "/proc/no-such-folder"], "--out '/proc/no-such-folder' cannot be written")])
+def test_flags_that_would_fail_every_workload_or_write_elsewhere_exit_2_before_the_run(tmp_path, capsys, monkeypatch,
+                                                                                       flags, word):
+    """Were: --page-size / --seed 10**20 an error row per workload with exit 0; --suite-name ../../x wrote the records
+    outside the output folder ('' took the default silently); --device cuda without CUDA torch's AssertionError
+    traceback."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    if "--out" not in flags:  # (a regression writes under tmp_path, '../../x' included)
+        flags = [*flags, "--out", str(tmp_path / "a" / "b")]
+    with pytest.raises(SystemExit) as e:
+        ba.main(["--quick", "--no-plots", *flags])
+    assert e.value.code == 2 and word in capsys.readouterr().err
+
+
+def test_an_out_that_is_a_file_exits_2_before_the_run(tmp_path, capsys):
+    """Was: the run measured its first workload, then died writing the record with FileExistsError (exit 1)."""
+    (tmp_path / "afile").write_text("x")
+    for out in (tmp_path / "afile", tmp_path / "afile" / "sub"):
+        with pytest.raises(SystemExit) as e:
+            ba.main(["--quick", "--no-plots", "--out", str(out)])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"--out {str(out)!r}" in err and "afile" in err

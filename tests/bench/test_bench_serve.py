@@ -1228,6 +1228,29 @@ def test_server_cmd_bad_numbers_exit_2_with_one_line(cli, flag, value):
     _one_clear_line(p, flag.strip("-").replace("-", "_").split("_")[0])
 
 
+@pytest.mark.parametrize("flag,value,words", [
+    ("--max-num-seqs", "99999999999999999999", ["max_num_seqs", "2**31"]),
+    ("--max-num-batched-tokens", "2147483648", ["max_num_batched_tokens", "2**31"]),
+    ("--kv-cache-gib", "1e300", ["--kv-cache-gib", "2**33 GiB"]),
+    ("--kv-cache-gib", "8589934592", ["--kv-cache-gib", "2**33 GiB"]),
+    ("--kv-cache-gib", "1e-12", ["--kv-cache-gib", "1 byte"])])
+def test_server_cmd_refuses_counts_past_vllms_integer_limits_with_one_line(cli, flag, value, words):
+    """Was: --max-num-seqs 10**20 hung (cudagraph_capture_sizes looped up to it), --kv-cache-gib 1e300 died with
+    int(inf)'s OverflowError traceback, and 1e-12 was reported as kv_cache_bytes 0."""
+    args = {"--backend": "vllm", "--quant": "bf16", "--model": "/m", "--port": "8000", "--max-num-seqs": "4",
+            "--kv-cache-gib": "8", "--gpu-memory-utilization": "0.5", flag: value}
+    _one_clear_line(cli("server-cmd", *[x for kv in args.items() for x in kv]), *words)
+    with pytest.raises(ValueError, match="kv_cache_bytes must be below 2\\*\\*63"):
+        bs.server_command("vllm", "bf16", model="/m", port=8000, max_num_seqs=4, kv_cache_bytes=1 << 63,
+                          gpu_memory_utilization=0.5)
+
+
+def test_cudagraph_capture_sizes_of_a_huge_max_num_seqs_stop_at_the_token_budget():
+    """Was an endless loop: the canvas counts were enumerated up to max_num_seqs before the token budget cut them."""
+    assert bs.cudagraph_capture_sizes(10 ** 20, 16384) == bs.cudagraph_capture_sizes(64, 16384)
+    assert bs.cudagraph_capture_sizes(10 ** 20, 4096, canvas_length=256)[-1] == 4096
+
+
 @pytest.mark.parametrize("flag,value", [("--deadline-s", "-5"), ("--deadline-s", "nan"), ("--run-timeout", "0"),
                                         ("--min-run-s", "-1"), ("--memory-interval", "0"), ("--max-num-seqs", "0"),
                                         ("--warm-concurrency", "-3"), ("--num-prompts-per-concurrency", "0"),

@@ -236,3 +236,51 @@ def test_a_cuda_device_that_is_not_here_is_one_line_naming_device(tmp_path, caps
     rc = cli.main(["demo", "--random-weights", "--device", "cuda:3", "--out", str(tmp_path), "--no-progress"])
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and "--device 'cuda:3'" in err and "CUDA is not available" in err
+
+
+@pytest.mark.parametrize("device", ["cpu:0", "cpu:1"])
+def test_demo_on_an_indexed_cpu_device_runs(tmp_path, capsys, device):
+    """Was a traceback: 'cpu:1' was refused by the harness as another device than its model's 'cpu', and 'cpu:0'
+    built a sampler state that refused its own slots ("slots is on cpu, the state on cpu:0")."""
+    rc = cli.main(["demo", "--random-weights", "--device", device, "--canvas-length", "4", "--max-denoising-steps",
+                   "1", "--no-progress", "--out", str(tmp_path)])
+    assert rc == 0, capsys.readouterr().err
+    assert "device: cpu" in capsys.readouterr().out
+
+
+def test_demo_refuses_an_embedding_scale_beyond_float32(tmp_path, capsys):
+    """Was: --embedding-scale 1e39 passed the 'finite > 0' check in float64, made the float32 weights inf, ran the
+    whole demo and ended 'all 6 requests failed' (exit 1); now exit 2 naming the flag before anything runs, and
+    run_demo refuses it (and a NaN, a negative, a bool) itself."""
+    from blockdiff.integration.demo import run_demo
+
+    assert cli.main(["demo", "--random-weights", "--embedding-scale", "1e39", "--out", str(tmp_path)]) == 2
+    out = capsys.readouterr()
+    assert "--embedding-scale must be at most 3.4028e+38" in out.err and "blockdiff demo:" not in out.out
+    for bad, exc in ((1e39, ValueError), (float("nan"), ValueError), (-1.0, ValueError), (0, ValueError),
+                     (True, TypeError), ("30", TypeError)):
+        with pytest.raises(exc, match="embedding_scale"):
+            run_demo(embedding_scale=bad, out=str(tmp_path), progress=False)
+
+
+def test_train_refuses_a_cuda_device_that_is_not_here_before_training(tmp_path, capsys, monkeypatch):
+    """Was: --device cuda on a machine without CUDA loaded the corpus, then died with torch's AssertionError."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    rc = cli.main(["train", "--device", "cuda", "--max-steps", "1", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "--device: device 'cuda': CUDA is not available" in err, err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("backend", ["cute", "triton"])
+def test_train_refuses_an_attention_backend_its_evaluation_cannot_run_before_training(tmp_path, capsys,
+                                                                                      monkeypatch, backend):
+    """Was: --attn-backend cute on the CPU (or triton without TRITON_INTERPRET) trained for the whole budget, wrote
+    the checkpoint, then died in the evaluation with a NotImplementedError / ValueError traceback."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    rc = cli.main(["train", "--smoke", "--attn-backend", backend, "--out", str(tmp_path / "o")])
+    out = capsys.readouterr()
+    assert rc == 2 and out.err.startswith(f"blockdiff train: error: --attn-backend: attention backend {backend!r}")
+    assert "trained" not in out.out and not (tmp_path / "o").exists()

@@ -21,6 +21,7 @@ from blockdiff.model import (CheckpointError, CheckpointFileNotFoundError, Diffu
 from blockdiff.model import config as config_mod
 from blockdiff.model import generation
 from blockdiff.model.export import GENERATION_DEFAULTS as EXPORT_GENERATION_DEFAULTS
+from blockdiff.model.loading import check_device
 from blockdiff.model.pretrained import load_pretrained, shipped_checkpoint_dir
 from blockdiff.model.tokenizer import ByteTokenizer
 from blockdiff.model.train import hf_state_dict
@@ -328,6 +329,13 @@ def test_missing_checkpoint_files_are_file_not_found_and_checkpoint_errors(tmp_p
         with pytest.raises(CheckpointFileNotFoundError) as e:
             call()
         assert isinstance(e.value, FileNotFoundError) and isinstance(e.value, ValueError)
+
+
+@pytest.mark.parametrize("device", ["cpu:0", "cpu:1", torch.device("cpu", 1)])
+def test_an_indexed_cpu_device_is_plain_cpu(device):
+    """check_device kept 'cpu:1' while every CPU tensor reports 'cpu': the harness refused it as another device than
+    its model's, and a sampler state on 'cpu:0' refused its own slots."""
+    assert check_device(device) == torch.device("cpu")
 
 
 def test_bogus_device_is_a_value_error_naming_device():

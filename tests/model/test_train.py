@@ -3,6 +3,7 @@ round-trips through the project's loader, and the byte tokenizer round-trips tex
 and the ``blockdiff train`` command are integration's (tests/integration/test_evaluate.py, test_cli.py)."""
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -154,6 +155,18 @@ def test_smoke_training_decreases_loss(tmp_path):
 def test_train_refuses_eval_prompts_without_evaluate_before_training(tmp_path):
     args = TrainArgs(out=str(tmp_path / "out"), max_steps=1, device="cpu", eval_prompts=2)
     with pytest.raises(ValueError, match="eval_prompts = 2 needs evaluate="):
+        train(args, stream=io.StringIO())
+    assert not (tmp_path / "out").exists()  # nothing ran
+
+
+@pytest.mark.parametrize("device, match", [("cuda:7", "device 'cuda:7'"), ("bogus", "device 'bogus' is not a torch device")])
+def test_train_refuses_a_device_that_is_not_here_before_training(tmp_path, monkeypatch, device, match):
+    """Was: TrainArgs(device='cuda') on a machine without CUDA loaded the corpus, then died in its first .to(dev)
+    with torch's AssertionError ('bogus': RuntimeError); train() now refuses it with the other checks, before any
+    work."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    args = dataclasses.replace(TrainArgs(out=str(tmp_path / "out"), max_steps=1, eval_prompts=0), device=device)
+    with pytest.raises(ValueError, match=match):
         train(args, stream=io.StringIO())
     assert not (tmp_path / "out").exists()  # nothing ran
 

@@ -153,6 +153,20 @@ def test_state_accepts_torch_device_objects_and_strings():
     assert SamplerState(2, 8, 10, 4, device="cpu").phase.device.type == "cpu"
 
 
+@pytest.mark.parametrize("device", ["cpu:0", "cpu:1", torch.device("cpu", 0)])
+def test_state_on_an_indexed_cpu_device_runs_steps(device):
+    """SamplerState(device='cpu:0') kept the index while its tensors report 'cpu': every sampler_step then refused
+    the state's own slots ("slots is on cpu, the state on cpu:0")."""
+    from blockdiff.sampler import sampler_step
+    st = SamplerState(2, 8, 10, 4, device=device)
+    assert st.device == torch.device("cpu")
+    st.add_request(0, 7, SamplingParams(canvas_length=8))
+    slots = torch.tensor([0], device=st.device)
+    out = sampler_step(st, slots, torch.zeros(1, 8, 10, device=st.device), torch.ones(1, dtype=torch.bool),
+                       torch.zeros(10, 4))
+    assert out.failed.tolist() == [False]
+
+
 def test_check_params_refuses_what_add_request_refuses_without_touching_state():
     """check_params (run by queues at submission) raises exactly where add_request would, and touches no slot."""
     st = SamplerState(2, 8, 37, 4, max_eos=2)

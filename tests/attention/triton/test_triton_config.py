@@ -333,3 +333,19 @@ def test_kernel_constexprs_name_exactly_the_chosen_kernels_constexpr_parameters(
     assert set(consts) & set(params) <= constexpr
     required = {n for n in constexpr if params[n].default is inspect.Parameter.empty}
     assert required <= set(consts), required - set(consts)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(num_warps=3), r"num_warps'\] must be a power of two in \[1, 32\]"),
+    (dict(num_warps=64), r"num_warps'\] must be a power of two in \[1, 32\]"),
+    (dict(BLOCK_M=1 << 20), r"BLOCK_M'\] = 1048576 x BLOCK_N = 16 is a tile of 16777216 elements"),
+    (dict(BLOCK_M=2048, BLOCK_N=1024), r"above Triton's largest tensor \(1048576 elements\)"),
+])
+def test_portable_configs_triton_cannot_launch_are_refused_naming_the_key(bad, match):
+    """Were accepted: num_warps=3 ran in the interpreter but is Triton's AssertionError ('num_warps must be a power
+    of 2') on a GPU, and a tile past Triton's largest tensor an InterpreterError / compile error from deep inside."""
+    inp = make_batch(**MIXED)
+    with pytest.raises(ValueError, match=match):
+        attention_triton(**inp, config=dict(SMALL, **bad))
+    with pytest.raises(ValueError, match=match):  # the launch-plan path validates the same way
+        attention_triton(**inp, config=dict(SMALL, **bad), check_values=False)
