@@ -113,15 +113,18 @@ class DemoResult:
     samples: list = field(default_factory=list)  # [{req_id, prompt, completion}] text (trained checkpoint)
 
 
-def check_attention_backend(backend: str, device, dtype: torch.dtype = torch.float32) -> None:
-    """Run the chosen attention backend once on a tiny mixed batch of ``dtype``; raise :class:`BackendUnavailable`
-    with the reason if it cannot run on ``device`` (e.g. ``cute`` without CUDA, ``triton`` on CPU without
+def check_attention_backend(backend: str, device, dtype: torch.dtype | None = torch.float32) -> None:
+    """Run the chosen attention backend once on a tiny mixed batch of ``dtype`` (the dtype the model runs in; None:
+    only the device rules, no probe); raise :class:`BackendUnavailable` with the reason if it cannot run on
+    ``device`` in ``dtype`` (e.g. ``cute`` without CUDA or in float32, ``triton`` on CPU without
     ``TRITON_INTERPRET=1``)."""
     interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     if backend == "triton" and torch.device(device).type == "cpu" and not interp:
         raise BackendUnavailable("attention backend 'triton' on CPU needs TRITON_INTERPRET=1 (Triton interpreter)")
     if backend == "cute" and torch.device(device).type != "cuda":
         raise BackendUnavailable("attention backend 'cute' needs a CUDA GPU (FlashAttention-4 / CuTe DSL)")
+    if dtype is None:
+        return
     try:
         q = torch.randn(3, 2, 16, device=device, dtype=dtype)
         k = torch.randn(1, 16, 1, 16, device=device, dtype=dtype)
@@ -280,7 +283,7 @@ def run_demo(*, backend: str = "reference", sampler_backend: str = "reference", 
             raise ValueError(f"embedding_scale must be a finite number in (0, {_FLOAT32_MAX:.4e}] (it scales the "
                              f"float32 tied embedding), got {embedding_scale!r}")
     dev = resolve_device(device)
-    check_attention_backend(backend, dev)
+    check_attention_backend(backend, dev, dtype=None)  # the device rules now; the probe once the dtype is known
     interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     if sampler_backend == "triton" and dev.type == "cpu" and not interp:
         raise BackendUnavailable("sampler backend 'triton' on CPU needs TRITON_INTERPRET=1 (Triton interpreter)")
@@ -320,6 +323,9 @@ def run_demo(*, backend: str = "reference", sampler_backend: str = "reference", 
             model.embedding_weight.mul_(embedding_scale)  # tied: peaks the toy logits (random weights)
         base = checkpoint_sampling_params(model, max_denoising_steps=max_denoising_steps)
         notes = {}
+    # the probe in the dtype the model runs in (a bf16 checkpoint on a GPU: a float32 probe refused 'cute', which
+    # runs bf16 / fp16 only)
+    check_attention_backend(backend, dev, dtype=model.embedding_weight.dtype)
     base = dataclasses.replace(base, seed=seed)
     canvas_length, max_denoising_steps = base.canvas_length, base.max_denoising_steps
     g = torch.Generator().manual_seed(seed)

@@ -258,3 +258,30 @@ def test_unusable_checkpoint_exits_2_with_one_line_naming_checkpoint(smoke_check
     assert rc == 2 and len(lines) == 1 and "Traceback" not in err, err
     assert lines[0].startswith(f"blockdiff demo: error: --checkpoint {folder!r} cannot be loaded")
     assert "blockdiff demo: trained" not in out
+
+
+def test_demo_probes_the_attention_backend_in_the_dtype_the_model_runs_in(smoke_checkpoint, tmp_path, monkeypatch):
+    """Was: the probe ran in float32 before the model was loaded, so on a GPU 'cute' (bf16 / fp16 only) was refused
+    for the stored bf16 checkpoint it can serve. Here the checkpoint is loaded in bf16 (as on a GPU) on the CPU, and
+    the probe is recorded: the device rules first (no probe), then the probe in the model's dtype."""
+    import blockdiff.integration.demo as demo
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def check(backend, device, dtype=torch.float32):
+        seen.append(dtype)
+        if dtype is not None:
+            raise Stop
+    real_load = demo.load_pretrained
+
+    def load_bf16(*a, **kw):
+        model, tok = real_load(*a, **kw)
+        return model.to(torch.bfloat16), tok
+    monkeypatch.setattr(demo, "check_attention_backend", check)
+    monkeypatch.setattr(demo, "load_pretrained", load_bf16)
+    with pytest.raises(Stop):
+        run_demo(checkpoint=smoke_checkpoint, out=str(tmp_path), progress=False, stream=io.StringIO())
+    assert seen == [None, torch.bfloat16]
