@@ -60,23 +60,39 @@ def _prompts():
     return [(rid, text) for rid, text, *_ in TEXT_REQUESTS]
 
 
-def diffusion_params(sampled: bool) -> dict:
-    """The SamplingParams fields both sides set: :data:`PARAMS`, with :data:`GREEDY` unless ``sampled``."""
-    return {**PARAMS, **({} if sampled else GREEDY)}
+def check_step_cap(step_cap) -> int:
+    """``step_cap`` (the requests' ``max_denoising_steps``) checked: an int >= 1.
+
+    Raises:
+        TypeError: not an int (a bool included). ValueError: below 1.
+    """
+    if isinstance(step_cap, bool) or not isinstance(step_cap, int):
+        raise TypeError(f"step_cap must be an int, got {type(step_cap).__name__}")
+    if step_cap < 1:
+        raise ValueError(f"step_cap must be >= 1, got {step_cap}")
+    return step_cap
 
 
-def vllm_xargs(rid: str, sampled: bool) -> dict:
+def diffusion_params(sampled: bool, step_cap: int = STEP_CAP) -> dict:
+    """The SamplingParams fields both sides set: :data:`PARAMS` with ``max_denoising_steps = step_cap`` (a low cap
+    makes canvases reach it: the asynchronous fused commit fuses only those, docs/tuning.md 7.38), with
+    :data:`GREEDY` unless ``sampled``."""
+    return {**PARAMS, "max_denoising_steps": check_step_cap(step_cap), **({} if sampled else GREEDY)}
+
+
+def vllm_xargs(rid: str, sampled: bool, step_cap: int = STEP_CAP) -> dict:
     """The ``vllm_xargs`` of the request for harness request ``rid``: :func:`diffusion_params` under vLLM's keys and
     the RNG identity ``rid``."""
-    out = {XARGS_KEYS[k]: v for k, v in diffusion_params(sampled).items()}
+    out = {XARGS_KEYS[k]: v for k, v in diffusion_params(sampled, step_cap).items()}
     out[RNG_REQUEST_ID] = rid
     return out
 
 
 def run_harness(out: str, device: str, attn_backend: str, sampler_backend: str, sampled: bool,
-                dtype: str = "bfloat16") -> dict:
+                dtype: str = "bfloat16", step_cap: int = STEP_CAP) -> dict:
     """Greedy (or sampled) completions of the demo prompts through HarnessRunner on the shipped checkpoint, in
-    ``dtype`` (``"bfloat16"``: as stored; ``"float32"``: for the token-for-token check against a float32 server)."""
+    ``dtype`` (``"bfloat16"``: as stored; ``"float32"``: for the token-for-token check against a float32 server),
+    every request at ``max_denoising_steps = step_cap``."""
     import torch  # heavy; the client side needs none of it
 
     from blockdiff.integration import HarnessRunner
@@ -85,11 +101,12 @@ def run_harness(out: str, device: str, attn_backend: str, sampler_backend: str, 
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    check_step_cap(step_cap)
     dev = torch.device(device)
     model, tok = load_pretrained(shipped_checkpoint_dir(), device=dev, dtype=getattr(torch, dtype))
     cl = model.config.canvas_length
     params = SamplingParams(canvas_length=cl, eos_token_ids=(tok.eos_token_id,), max_tokens=MAX_TOKENS,
-                            **diffusion_params(sampled))
+                            **diffusion_params(sampled, step_cap))
     prompts = _prompts()
     runner = HarnessRunner(model, default_params=params, max_num_reqs=len(prompts),
                            max_num_batched_tokens=len(prompts) * max(cl, 64), page_size=16,
@@ -103,7 +120,7 @@ def run_harness(out: str, device: str, attn_backend: str, sampler_backend: str, 
                   "text": tok.decode(list(res[rid].output_token_ids)), "finish_reason": res[rid].finish_reason}
             for rid, text in prompts}
     rec = {"side": "harness", "device": device, "dtype": dtype, "attn_backend": attn_backend,
-           "sampler_backend": sampler_backend, "sampled": sampled, "rows": rows}
+           "sampler_backend": sampler_backend, "sampled": sampled, "step_cap": step_cap, "rows": rows}
     json.dump(rec, open(out, "w"), indent=1)
     return rec
 
@@ -114,15 +131,17 @@ def _post(url: str, body: dict, timeout: float) -> dict:
         return json.loads(r.read())
 
 
-def run_client(base_url: str, model: str, out: str, sampled: bool, timeout: float, concurrent: bool = False) -> dict:
+def run_client(base_url: str, model: str, out: str, sampled: bool, timeout: float, concurrent: bool = False,
+               step_cap: int = STEP_CAP) -> dict:
     """One completion per demo prompt from the server (:func:`vllm_xargs` per request); records text, prompt and
     output token ids (via ``return_token_ids``) and errors. ``concurrent``: all prompts at once (one thread each), so
     the server's batches mix prefill, denoise and commit rows (per-request causal flags that change from step to
-    step); otherwise one request at a time."""
+    step); otherwise one request at a time. Every request at ``max_denoising_steps = step_cap``."""
+    check_step_cap(step_cap)
     rows = {}
 
     def one(rid, text):
-        body = {"model": model, "prompt": text, "max_tokens": MAX_TOKENS, "vllm_xargs": vllm_xargs(rid, sampled),
+        body = {"model": model, "prompt": text, "max_tokens": MAX_TOKENS, "vllm_xargs": vllm_xargs(rid, sampled, step_cap),
                 "return_token_ids": True}
         t0 = time.perf_counter()
         try:
@@ -145,7 +164,8 @@ def run_client(base_url: str, model: str, out: str, sampled: bool, timeout: floa
     else:
         for rid, text in _prompts():
             one(rid, text)
-    rec = {"side": base_url, "model": model, "sampled": sampled, "concurrent": concurrent, "rows": rows}
+    rec = {"side": base_url, "model": model, "sampled": sampled, "concurrent": concurrent, "step_cap": step_cap,
+           "rows": rows}
     json.dump(rec, open(out, "w"), indent=1)
     return rec
 
@@ -183,9 +203,28 @@ def compare_rows(ra: dict, rb: dict) -> dict:
     return out
 
 
+def check_same_step_cap(ra: dict, rb: dict) -> None:
+    """Two records ran their requests at the same step cap (a record without ``step_cap`` ran at
+    :data:`STEP_CAP`, as every record did before the field).
+
+    Raises:
+        ValueError: the caps differ (their tokens are not comparable).
+    """
+    ca, cb = ra.get("step_cap", STEP_CAP), rb.get("step_cap", STEP_CAP)
+    if ca != cb:
+        raise ValueError(f"the two records ran at different step caps ({ca} and {cb}): their tokens are not "
+                         "comparable")
+
+
 def compare(a: str, b: str) -> dict:
-    """:func:`compare_rows` of two record files, printed with the count of equal prompts."""
-    out = compare_rows(json.load(open(a))["rows"], json.load(open(b))["rows"])
+    """:func:`compare_rows` of two record files, printed with the count of equal prompts.
+
+    Raises:
+        ValueError: the records ran at different step caps (:func:`check_same_step_cap`).
+    """
+    ra, rb = json.load(open(a)), json.load(open(b))
+    check_same_step_cap(ra, rb)
+    out = compare_rows(ra["rows"], rb["rows"])
     eq = sum(v["equal"] for v in out.values())
     print(json.dumps(out, indent=1))
     print(f"equal: {eq} of {len(out)}")
@@ -225,6 +264,7 @@ def record(out: str, pairs: list[tuple[str, str, str]], required: list[str] = ()
         entry = {"a": a, "b": b, "must_equal": name in required}
         try:
             ra, rb = json.load(open(a)), json.load(open(b))
+            check_same_step_cap(ra, rb)
         except (OSError, ValueError) as e:
             entry.update(error=f"{type(e).__name__}: {e}"[:300], equal=0, of=0, ok=False)
             res[name] = entry
@@ -232,7 +272,7 @@ def record(out: str, pairs: list[tuple[str, str, str]], required: list[str] = ()
         rows = compare_rows(ra["rows"], rb["rows"])
         eq = sum(bool(v["equal"]) for v in rows.values())
         entry.update({f"{side}_{k}": r.get(k) for side, r in (("a", ra), ("b", rb))
-                      for k in ("sampled", "dtype", "concurrent")})
+                      for k in ("sampled", "dtype", "concurrent", "step_cap")})
         entry.update(equal=eq, of=len(rows), ok=(eq == len(rows) and len(rows) > 0) or name not in required,
                      rows=rows)
         res[name] = entry
@@ -247,6 +287,13 @@ def record(out: str, pairs: list[tuple[str, str, str]], required: list[str] = ()
     return rec
 
 
+def _step_cap_arg(text: str) -> int:
+    try:
+        return check_step_cap(int(text))
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}") from None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -258,6 +305,7 @@ def main(argv=None) -> int:
     h.add_argument("--attn-backend", default="triton")
     h.add_argument("--sampler-backend", default="triton")
     h.add_argument("--sampled", action="store_true")
+    h.add_argument("--step-cap", type=_step_cap_arg, default=STEP_CAP, help="max_denoising_steps of every request")
     c = sub.add_parser("client")
     c.add_argument("--base-url", required=True)
     c.add_argument("--model", required=True)
@@ -265,6 +313,7 @@ def main(argv=None) -> int:
     c.add_argument("--sampled", action="store_true")
     c.add_argument("--timeout", type=float, default=120.0)
     c.add_argument("--concurrent", action="store_true", help="send every prompt at once (mixed batches)")
+    c.add_argument("--step-cap", type=_step_cap_arg, default=STEP_CAP, help="max_denoising_steps of every request")
     m = sub.add_parser("compare")
     m.add_argument("a")
     m.add_argument("b")
@@ -278,11 +327,16 @@ def main(argv=None) -> int:
     if args.cmd == "record":
         return 0 if record(args.out, [tuple(p) for p in args.pair], args.require)["ok"] else 1
     if args.cmd == "harness":
-        run_harness(args.out, args.device, args.attn_backend, args.sampler_backend, args.sampled, args.dtype)
+        run_harness(args.out, args.device, args.attn_backend, args.sampler_backend, args.sampled, args.dtype,
+                    args.step_cap)
     elif args.cmd == "client":
-        run_client(args.base_url, args.model, args.out, args.sampled, args.timeout, args.concurrent)
+        run_client(args.base_url, args.model, args.out, args.sampled, args.timeout, args.concurrent, args.step_cap)
     else:
-        compare(args.a, args.b)
+        try:
+            compare(args.a, args.b)
+        except ValueError as e:
+            print(f"serve_smoke compare: {e}", file=sys.stderr)
+            return 2
     return 0
 
 

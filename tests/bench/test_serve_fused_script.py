@@ -98,3 +98,32 @@ def test_serve_fused_prints_the_schedulers_last_fused_commit_coverage_line(tmp_p
     out = r.stdout.splitlines()
     assert sum(start in ln for ln in out) == 1 and sum(final in ln for ln in out) == 1, r.stdout + r.stderr
     assert sum("fused commits so far" in ln for ln in out) <= 3  # the last few, not all 31
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+@pytest.mark.parametrize("variant, cap, env_cap", [("parity_async", 3, None), ("parity", 16, None),
+                                                    ("parity_async", 5, "5")])
+def test_parity_async_runs_both_sides_at_a_step_cap_the_canvases_reach(tmp_path, variant, cap, env_cap):
+    """Was: parity_async ran at the step cap 16, which the exported model's canvases never reach (they converge
+    after 3-4.5 steps), so nothing fused and the run checked plain commits only (2026-12-06, H100: "0 of 24 commits
+    fused"). The asynchronous variant now runs harness and clients at 3 (every canvas reaches it); STEP_CAP
+    overrides; the synchronous parity keeps 16."""
+    env = {**os.environ, "DRY": "1", "SERVE_BENCH_ENV": "0", "SERVE_BENCH_DIR": str(tmp_path), "OUT": str(tmp_path)}
+    env.pop("STEP_CAP", None)
+    if env_cap is not None:
+        env["STEP_CAP"] = env_cap
+    r = subprocess.run(["bash", SCRIPT, variant], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"step cap {cap}" in r.stdout.splitlines()
+    text = (ROOT / SCRIPT).read_text()
+    assert text.count("--step-cap $cap") == 3  # the harness and both clients
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+@pytest.mark.parametrize("bad", ["0", "x", "-1", "03"])
+def test_serve_fused_refuses_a_bad_step_cap(tmp_path, bad):
+    env = {**os.environ, "DRY": "1", "SERVE_BENCH_ENV": "0", "SERVE_BENCH_DIR": str(tmp_path), "OUT": str(tmp_path),
+           "STEP_CAP": bad}
+    r = subprocess.run(["bash", SCRIPT, "parity_async"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "STEP_CAP must be an int >= 1" in r.stdout

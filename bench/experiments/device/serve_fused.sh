@@ -9,8 +9,11 @@
 #       the scheduler's count "fused commits so far: F of C commits fused (P plain, M wide rows missed, ...)".
 #   bash bench/experiments/device/serve_fused.sh parity_async
 #       the same with vLLM's asynchronous scheduling (BlockdiffDiffusionAsyncScheduler: fused commits predicted from
-#       the step cap, docs/tuning.md 7.38); only canvases that reach the cap (16) fuse, early-converged ones commit
-#       plain; must be 6 of 6 as well.
+#       the step cap, docs/tuning.md 7.38); only canvases that reach the cap fuse, early-converged ones commit plain;
+#       must be 6 of 6 as well. Both sides run every request at a step cap of 3 (STEP_CAP; the synchronous parity
+#       keeps 16): at 16 this model's canvases converge after 3-4.5 steps and none fused (7.52: "0 of 24 commits
+#       fused"); at 3 every canvas reaches the cap on the CPU harness, so each request's first canvas fuses (6 of 12
+#       commits one at a time, and again all at once).
 #   BLOCKDIFF_COMMIT=<hash> bash bench/experiments/device/serve_fused.sh VARIANT [fp8|bf16] [triton|cute]
 #       the benchmark's 26B geometry alone on the GPU (alone_up.sh's sizes: 64 seqs, 40 GiB KV), one variant:
 #         fused   --no-async-scheduling, --diffusion-config canvas_length 512, BLOCKDIFF_FUSE_COMMIT=1
@@ -50,9 +53,12 @@ if [ "$variant" = parity ] || [ "$variant" = parity_async ]; then
   fi
   if [ "$variant" = parity ]; then  # synchronous: fuses after the worker's -1 flag
     P=8036; tag=fused32; sfx=""; sched="--no-async-scheduling --scheduler-cls blockdiff.integration.vllm_scheduler.BlockdiffDiffusionScheduler"
-  else  # asynchronous: fuses the rows the step cap makes commits (predicted)
+    cap=${STEP_CAP:-16}
+  else  # asynchronous: fuses the rows the step cap makes commits (predicted), so a cap the canvases reach
     P=8037; tag=fused32_async; sfx=_async; sched="--async-scheduling --scheduler-cls blockdiff.integration.vllm_scheduler.BlockdiffDiffusionAsyncScheduler"
+    cap=${STEP_CAP:-3}
   fi
+  case $cap in ""|*[!0-9]*|0*) echo "STEP_CAP must be an int >= 1, got $cap"; exit 2 ;; esac
   tag=$tag$psfx; sfx=$sfx$psfx
   LOG=/tmp/plugin32_fused$sfx.log
   C="--language-model-only --max-model-len 512 --gpu-memory-utilization 0.2 --kv-cache-memory-bytes 1G --max-num-seqs 8"
@@ -60,15 +66,16 @@ if [ "$variant" = parity ] || [ "$variant" = parity_async ]; then
   E="VLLM_USE_V2_MODEL_RUNNER=1 VLLM_PLUGINS=blockdiff BLOCKDIFF_ATTN_BACKEND=triton BLOCKDIFF_SAMPLER_BACKEND=triton BLOCKDIFF_FUSE_COMMIT=1"
   [ -n "$policy" ] && E="$E BLOCKDIFF_FUSE_POLICY=$policy"
   D="{\"canvas_length\":$((2 * CL))}"  # twice the checkpoint's canvas: the fused layout
-  [ "${DRY:-0}" = 1 ] && { echo "env $E $V serve /tmp/exp $C --dtype float32 --port $P --diffusion-config '$D'"; exit 0; }
+  [ "${DRY:-0}" = 1 ] && { echo "step cap $cap"; echo "env $E $V serve /tmp/exp $C --dtype float32 --port $P --diffusion-config '$D'"; exit 0; }
   (up $P || setsid env $E $V serve /tmp/exp $C --dtype float32 --port $P --diffusion-config "$D" > $LOG 2>&1 < /dev/null) > /dev/null 2>&1 &
   M="-m blockdiff.bench.experiments.serve_smoke"
-  [ -f $OUT/harness32.json ] || capped python3 $M harness --dtype float32 --out $OUT/harness32.json > $OUT/harness32.log 2>&1
+  H=harness32; [ "$cap" = 16 ] || H=harness32_cap$cap  # the harness at the clients' cap
+  [ -f $OUT/$H.json ] || capped python3 $M harness --dtype float32 --step-cap $cap --out $OUT/$H.json > $OUT/$H.log 2>&1
   for i in $(seq 100); do up $P || dead $LOG && break; [ "$(left)" -gt 60 ] || break; sleep 3; done
-  up $P && capped python3 $M client --base-url http://127.0.0.1:$P --model /tmp/exp --out $OUT/$tag.json
-  up $P && capped python3 $M client --base-url http://127.0.0.1:$P --model /tmp/exp --out $OUT/${tag}_all.json --concurrent
-  echo "== float32, $variant${policy:+ (policy $policy)}, one at a time (must be 6 of 6)"; [ -f $OUT/$tag.json ] && python3 $M compare $OUT/harness32.json $OUT/$tag.json | tail -1
-  echo "== float32, $variant${policy:+ (policy $policy)}, all at once (must be 6 of 6)"; [ -f $OUT/${tag}_all.json ] && python3 $M compare $OUT/harness32.json $OUT/${tag}_all.json | tail -1
+  up $P && capped python3 $M client --base-url http://127.0.0.1:$P --model /tmp/exp --step-cap $cap --out $OUT/$tag.json
+  up $P && capped python3 $M client --base-url http://127.0.0.1:$P --model /tmp/exp --step-cap $cap --out $OUT/${tag}_all.json --concurrent
+  echo "== float32, $variant${policy:+ (policy $policy)}, step cap $cap, one at a time (must be 6 of 6)"; [ -f $OUT/$tag.json ] && python3 $M compare $OUT/$H.json $OUT/$tag.json | tail -1
+  echo "== float32, $variant${policy:+ (policy $policy)}, step cap $cap, all at once (must be 6 of 6)"; [ -f $OUT/${tag}_all.json ] && python3 $M compare $OUT/$H.json $OUT/${tag}_all.json | tail -1
   tail -c 200000 $LOG > $OUT/plugin32_fused$sfx.log
   grep -sE "Traceback|Error:|ERROR|refused|fused commits" $LOG | grep -v "ulimit\|_warmup_\|fused commits so far" | head -20
   # the schedulers' coverage lines (vllm_scheduler.FusedCommitCounts: at powers of two of the commit count and when

@@ -43,3 +43,43 @@ def test_record_refuses_duplicate_pair_names_and_required_names_of_no_pair(tmp_p
         serve_smoke.record(str(tmp_path / "r.json"), [("x", a, a), ("x", a, a)])
     with pytest.raises(ValueError, match="required"):
         serve_smoke.record(str(tmp_path / "r.json"), [("x", a, a)], required=["y"])
+
+
+def test_step_cap_reaches_both_sides_and_records_of_different_caps_are_not_compared(tmp_path, capsys):
+    """serve_smoke's --step-cap (parity_async runs at 3, where the canvases reach the cap and fuse): the client's
+    vllm_xargs and the harness's SamplingParams carry it, the records say it, and two records of different caps
+    (whose tokens are not comparable) are refused by ``compare`` (exit 2, one line) and kept as an error by
+    ``record``. A record without the field ran at the old fixed cap (16)."""
+    assert serve_smoke.vllm_xargs("req-0", False, 3)["diffusion_max_steps"] == 3
+    assert serve_smoke.vllm_xargs("req-0", False)["diffusion_max_steps"] == serve_smoke.STEP_CAP == 16
+    assert serve_smoke.diffusion_params(True, 2)["max_denoising_steps"] == 2
+    for bad, err in ((0, ValueError), (-3, ValueError), (True, TypeError), (2.0, TypeError), ("3", TypeError)):
+        with pytest.raises(err, match="step_cap"):
+            serve_smoke.diffusion_params(False, bad)
+    a = _write(tmp_path / "a.json", _rows("ab"), step_cap=3)
+    b = _write(tmp_path / "b.json", _rows("ab"))  # an older record: cap 16
+    c = _write(tmp_path / "c.json", _rows("ab"), step_cap=16)
+    assert serve_smoke.main(["compare", a, b]) == 2 and "different step caps (3 and 16)" in capsys.readouterr().err
+    assert serve_smoke.main(["compare", b, c]) == 0
+    rec = serve_smoke.record(str(tmp_path / "r.json"), [("caps", a, b), ("same", a, a)], required=["caps"])
+    assert not rec["ok"] and "step caps" in rec["pairs"]["caps"]["error"] and rec["pairs"]["same"]["ok"]
+    with pytest.raises(SystemExit):
+        serve_smoke.main(["client", "--base-url", "http://127.0.0.1:1", "--model", "m", "--out", "o.json",
+                          "--step-cap", "0"])
+    assert "--step-cap: must be an int >= 1" in capsys.readouterr().err
+
+
+def test_harness_runs_every_request_at_the_step_cap(tmp_path, monkeypatch):
+    from blockdiff.integration.harness import HarnessRunner
+
+    caps = []
+    real_add = HarnessRunner.add_request
+
+    def add_request(self, req_id, prompt, params=None, **kw):
+        caps.append(params.max_denoising_steps)
+        return real_add(self, req_id, prompt, params, **kw)
+    monkeypatch.setattr(HarnessRunner, "add_request", add_request)
+    rec = serve_smoke.run_harness(str(tmp_path / "h.json"), "cpu", "reference", "reference", False, "float32",
+                                  step_cap=2)
+    assert rec["step_cap"] == 2 and json.loads((tmp_path / "h.json").read_text())["step_cap"] == 2
+    assert caps == [2] * len(rec["rows"]) and all(len(r["token_ids"]) > 0 for r in rec["rows"].values())
