@@ -41,6 +41,9 @@ from blockdiff.integration.demo import TEXT_REQUESTS
 
 MAX_TOKENS = 64
 STEP_CAP = 16
+#: The step caps a request may set: below the sampler's limit (blockdiff.sampler.params' MAX_STEPS, 2**14: its
+#: counter layout; a test checks the two agree, so the client side need not import the sampler).
+MAX_STEP_CAP = 1 << 14
 #: Diffusion parameters both sides set explicitly (blockdiff SamplingParams field -> value); greedy overrides
 #: t_min / t_max with 0. The values are SamplingParams' defaults with the demo's step cap for the trained checkpoint.
 PARAMS = {"max_denoising_steps": STEP_CAP, "t_min": 0.4, "t_max": 0.8, "entropy_bound": 0.1,
@@ -61,15 +64,15 @@ def _prompts():
 
 
 def check_step_cap(step_cap) -> int:
-    """``step_cap`` (the requests' ``max_denoising_steps``) checked: an int >= 1.
+    """``step_cap`` (the requests' ``max_denoising_steps``) checked: an int in ``[1, MAX_STEP_CAP)``.
 
     Raises:
-        TypeError: not an int (a bool included). ValueError: below 1.
+        TypeError: not an int (a bool included). ValueError: below 1, or at or above :data:`MAX_STEP_CAP`.
     """
     if isinstance(step_cap, bool) or not isinstance(step_cap, int):
         raise TypeError(f"step_cap must be an int, got {type(step_cap).__name__}")
-    if step_cap < 1:
-        raise ValueError(f"step_cap must be >= 1, got {step_cap}")
+    if not 1 <= step_cap < MAX_STEP_CAP:
+        raise ValueError(f"step_cap must be in [1, {MAX_STEP_CAP}), got {step_cap}")
     return step_cap
 
 
@@ -291,7 +294,7 @@ def _step_cap_arg(text: str) -> int:
     try:
         return check_step_cap(int(text))
     except (TypeError, ValueError):
-        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"must be an int >= 1 and below {MAX_STEP_CAP}, got {text!r}") from None
 
 
 def main(argv=None) -> int:

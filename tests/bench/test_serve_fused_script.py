@@ -120,7 +120,7 @@ def test_parity_async_runs_both_sides_at_a_step_cap_the_canvases_reach(tmp_path,
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
-@pytest.mark.parametrize("bad", ["0", "x", "-1", "03"])
+@pytest.mark.parametrize("bad", ["0", "x", "-1", "03", "16384", "99999999999999999999"])
 def test_serve_fused_refuses_a_bad_step_cap(tmp_path, bad):
     env = {**os.environ, "DRY": "1", "SERVE_BENCH_ENV": "0", "SERVE_BENCH_DIR": str(tmp_path), "OUT": str(tmp_path),
            "STEP_CAP": bad}

@@ -58,7 +58,9 @@ if [ "$variant" = parity ] || [ "$variant" = parity_async ]; then
     P=8037; tag=fused32_async; sfx=_async; sched="--async-scheduling --scheduler-cls blockdiff.integration.vllm_scheduler.BlockdiffDiffusionAsyncScheduler"
     cap=${STEP_CAP:-3}
   fi
-  case $cap in ""|*[!0-9]*|0*) echo "STEP_CAP must be an int >= 1, got $cap"; exit 2 ;; esac
+  # an int in [1, 2**14) (the sampler's limit; serve_smoke refuses the rest after the server started)
+  case $cap in ""|*[!0-9]*|0*|??????*) cap_ok=0 ;; *) cap_ok=$(( cap < 16384 )) ;; esac
+  [ "$cap_ok" = 1 ] || { echo "STEP_CAP must be an int >= 1 and below 16384, got $cap"; exit 2; }
   tag=$tag$psfx; sfx=$sfx$psfx
   LOG=/tmp/plugin32_fused$sfx.log
   C="--language-model-only --max-model-len 512 --gpu-memory-utilization 0.2 --kv-cache-memory-bytes 1G --max-num-seqs 8"
