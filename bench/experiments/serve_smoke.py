@@ -5,8 +5,9 @@ and compare its completions with blockdiff's harness on the same checkpoint, tok
     python3 -m blockdiff.bench.experiments.serve_smoke harness --out harness.json [--device cuda] [--dtype float32]
     # a server side: one completion per prompt, greedy through vllm_xargs (t_min = t_max = 0)
     python3 -m blockdiff.bench.experiments.serve_smoke client --base-url http://127.0.0.1:8022 --model MODEL --out srv.json
-    # agreement of two sides (exit 0 always; prints per-prompt equality of the prompt and output token ids and the
-    # index of the first differing output token)
+    # (harness and client: --step-cap N runs every request at max_denoising_steps N, default 16; both sides alike)
+    # agreement of two sides (prints per-prompt equality of the prompt and output token ids and the index of the
+    # first differing output token; exit 0 whatever the agreement, 2 when the two ran at different step caps)
     python3 -m blockdiff.bench.experiments.serve_smoke compare harness.json srv.json
     # one JSON record of several comparisons (exit 1 when a --require'd pair differs anywhere)
     python3 -m blockdiff.bench.experiments.serve_smoke record --out rec.json --pair NAME a.json b.json [--require NAME]
