@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from blockdiff.attention import attention, build_mask
+from blockdiff.attention import attention, build_mask, get_backend, resolve_backend
 from blockdiff.model import CheckpointError, DiffusionGemma, tiny_config  # CheckpointError: re-exported here
 from blockdiff.model.generation import GENERATION_FILE
 from blockdiff.model.loading import check_device
@@ -115,14 +115,18 @@ class DemoResult:
 
 def check_attention_backend(backend: str, device, dtype: torch.dtype | None = torch.float32) -> None:
     """Run the chosen attention backend once on a tiny mixed batch of ``dtype`` (the dtype the model runs in; None:
-    only the device rules, no probe); raise :class:`BackendUnavailable` with the reason if it cannot run on
-    ``device`` in ``dtype`` (e.g. ``cute`` without CUDA or in float32, ``triton`` on CPU without
-    ``TRITON_INTERPRET=1``)."""
+    only the device rules, the name and the backend's import, no probe); raise :class:`BackendUnavailable` with the
+    reason if it cannot run on ``device`` in ``dtype`` (e.g. ``cute`` without CUDA or in float32, ``triton`` on CPU
+    without ``TRITON_INTERPRET=1``, a backend whose module cannot be imported here). ValueError: an unknown name."""
     interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     if backend == "triton" and torch.device(device).type == "cpu" and not interp:
         raise BackendUnavailable("attention backend 'triton' on CPU needs TRITON_INTERPRET=1 (Triton interpreter)")
     if backend == "cute" and torch.device(device).type != "cuda":
         raise BackendUnavailable("attention backend 'cute' needs a CUDA GPU (FlashAttention-4 / CuTe DSL)")
+    try:  # the name (ValueError) and the backend's import, before any work (dtype None included)
+        get_backend(resolve_backend(backend, device))
+    except ImportError as e:
+        raise BackendUnavailable(f"attention backend {backend!r} is not available on {device}: {e}") from e
     if dtype is None:
         return
     try:

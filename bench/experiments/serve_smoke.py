@@ -5,8 +5,9 @@ and compare its completions with blockdiff's harness on the same checkpoint, tok
     python3 -m blockdiff.bench.experiments.serve_smoke harness --out harness.json [--device cuda] [--dtype float32]
     # a server side: one completion per prompt, greedy through vllm_xargs (t_min = t_max = 0)
     python3 -m blockdiff.bench.experiments.serve_smoke client --base-url http://127.0.0.1:8022 --model MODEL --out srv.json
-    # agreement of two sides (exit 0 always; prints per-prompt equality of the prompt and output token ids and the
-    # index of the first differing output token)
+    # (harness and client: --step-cap N runs every request at max_denoising_steps N, default 16; both sides alike)
+    # agreement of two sides (prints per-prompt equality of the prompt and output token ids and the index of the
+    # first differing output token; exit 0 whatever the agreement, 2 when the two ran at different step caps)
     python3 -m blockdiff.bench.experiments.serve_smoke compare harness.json srv.json
     # one JSON record of several comparisons (exit 1 when a --require'd pair differs anywhere)
     python3 -m blockdiff.bench.experiments.serve_smoke record --out rec.json --pair NAME a.json b.json [--require NAME]
@@ -41,6 +42,9 @@ from blockdiff.integration.demo import TEXT_REQUESTS
 
 MAX_TOKENS = 64
 STEP_CAP = 16
+#: The step caps a request may set: below the sampler's limit (blockdiff.sampler.params' MAX_STEPS, 2**14: its
+#: counter layout; a test checks the two agree, so the client side need not import the sampler).
+MAX_STEP_CAP = 1 << 14
 #: Diffusion parameters both sides set explicitly (blockdiff SamplingParams field -> value); greedy overrides
 #: t_min / t_max with 0. The values are SamplingParams' defaults with the demo's step cap for the trained checkpoint.
 PARAMS = {"max_denoising_steps": STEP_CAP, "t_min": 0.4, "t_max": 0.8, "entropy_bound": 0.1,
@@ -61,15 +65,15 @@ def _prompts():
 
 
 def check_step_cap(step_cap) -> int:
-    """``step_cap`` (the requests' ``max_denoising_steps``) checked: an int >= 1.
+    """``step_cap`` (the requests' ``max_denoising_steps``) checked: an int in ``[1, MAX_STEP_CAP)``.
 
     Raises:
-        TypeError: not an int (a bool included). ValueError: below 1.
+        TypeError: not an int (a bool included). ValueError: below 1, or at or above :data:`MAX_STEP_CAP`.
     """
     if isinstance(step_cap, bool) or not isinstance(step_cap, int):
         raise TypeError(f"step_cap must be an int, got {type(step_cap).__name__}")
-    if step_cap < 1:
-        raise ValueError(f"step_cap must be >= 1, got {step_cap}")
+    if not 1 <= step_cap < MAX_STEP_CAP:
+        raise ValueError(f"step_cap must be in [1, {MAX_STEP_CAP}), got {step_cap}")
     return step_cap
 
 
@@ -291,7 +295,7 @@ def _step_cap_arg(text: str) -> int:
     try:
         return check_step_cap(int(text))
     except (TypeError, ValueError):
-        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"must be an int >= 1 and below {MAX_STEP_CAP}, got {text!r}") from None
 
 
 def main(argv=None) -> int:

@@ -120,10 +120,19 @@ def test_parity_async_runs_both_sides_at_a_step_cap_the_canvases_reach(tmp_path,
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
-@pytest.mark.parametrize("bad", ["0", "x", "-1", "03"])
+@pytest.mark.parametrize("bad", ["0", "x", "-1", "03", "16384", "99999999999999999999"])
 def test_serve_fused_refuses_a_bad_step_cap(tmp_path, bad):
     env = {**os.environ, "DRY": "1", "SERVE_BENCH_ENV": "0", "SERVE_BENCH_DIR": str(tmp_path), "OUT": str(tmp_path),
            "STEP_CAP": bad}
     r = subprocess.run(["bash", SCRIPT, "parity_async"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2 and "STEP_CAP must be an int >= 1" in r.stdout
+
+
+def test_parity_variants_never_compare_a_client_record_of_an_earlier_run():
+    """Was: the client records ($OUT/<tag>.json, <tag>_all.json) were compared whenever the file existed, so when this
+    run's server never came up (no client ran) the comparison read an earlier run's record at the same step cap and
+    printed its "equal: 6 of 6". They are removed before this run's clients."""
+    text = (ROOT / SCRIPT).read_text()
+    rm = text.index("rm -f $OUT/$tag.json $OUT/${tag}_all.json")
+    assert rm < text.index("--out $OUT/$tag.json") and rm < text.index("--out $OUT/${tag}_all.json")

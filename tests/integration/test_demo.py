@@ -285,3 +285,26 @@ def test_demo_probes_the_attention_backend_in_the_dtype_the_model_runs_in(smoke_
     with pytest.raises(Stop):
         run_demo(checkpoint=smoke_checkpoint, out=str(tmp_path), progress=False, stream=io.StringIO())
     assert seen == [None, torch.bfloat16]
+
+
+@pytest.mark.parametrize("with_checkpoint", [False, True])
+def test_an_unknown_or_unimportable_attention_backend_is_refused_before_the_model_is_built(
+        smoke_checkpoint, tmp_path, monkeypatch, with_checkpoint):
+    """Was (5cbc142, the probe moved after loading): an unknown backend name ('bogus': ValueError) and a backend whose
+    module cannot be imported (BackendUnavailable) were found only after the checkpoint was loaded or the random
+    model built; before that commit the probe refused both first, as the device rules still do."""
+    import blockdiff.attention as attn
+    import blockdiff.integration.demo as demo
+
+    work = []
+    real_load, real_gemma = demo.load_pretrained, demo.DiffusionGemma
+    monkeypatch.setattr(demo, "load_pretrained", lambda *a, **k: (work.append("load"), real_load(*a, **k))[1])
+    monkeypatch.setattr(demo, "DiffusionGemma", lambda *a, **k: (work.append("build"), real_gemma(*a, **k))[1])
+    kw = dict(checkpoint=smoke_checkpoint) if with_checkpoint else {}
+    with pytest.raises(ValueError, match="backend must be one of"):
+        run_demo(backend="bogus", out=str(tmp_path), progress=False, stream=io.StringIO(), **kw)
+    assert work == []
+    monkeypatch.setitem(attn._MODULES, "reference", ("blockdiff.no_such_attention_module", "attention_reference"))
+    with pytest.raises(demo.BackendUnavailable, match="'reference' is not available"):
+        run_demo(backend="reference", out=str(tmp_path), progress=False, stream=io.StringIO(), **kw)
+    assert work == []

@@ -58,7 +58,9 @@ if [ "$variant" = parity ] || [ "$variant" = parity_async ]; then
     P=8037; tag=fused32_async; sfx=_async; sched="--async-scheduling --scheduler-cls blockdiff.integration.vllm_scheduler.BlockdiffDiffusionAsyncScheduler"
     cap=${STEP_CAP:-3}
   fi
-  case $cap in ""|*[!0-9]*|0*) echo "STEP_CAP must be an int >= 1, got $cap"; exit 2 ;; esac
+  # an int in [1, 2**14) (the sampler's limit; serve_smoke refuses the rest after the server started)
+  case $cap in ""|*[!0-9]*|0*|??????*) cap_ok=0 ;; *) cap_ok=$(( cap < 16384 )) ;; esac
+  [ "$cap_ok" = 1 ] || { echo "STEP_CAP must be an int >= 1 and below 16384, got $cap"; exit 2; }
   tag=$tag$psfx; sfx=$sfx$psfx
   LOG=/tmp/plugin32_fused$sfx.log
   C="--language-model-only --max-model-len 512 --gpu-memory-utilization 0.2 --kv-cache-memory-bytes 1G --max-num-seqs 8"
@@ -72,6 +74,7 @@ if [ "$variant" = parity ] || [ "$variant" = parity_async ]; then
   H=harness32; [ "$cap" = 16 ] || H=harness32_cap$cap  # the harness at the clients' cap
   [ -f $OUT/$H.json ] || capped python3 $M harness --dtype float32 --step-cap $cap --out $OUT/$H.json > $OUT/$H.log 2>&1
   for i in $(seq 100); do up $P || dead $LOG && break; [ "$(left)" -gt 60 ] || break; sleep 3; done
+  rm -f $OUT/$tag.json $OUT/${tag}_all.json  # a client that does not run now leaves no earlier run's record to compare
   up $P && capped python3 $M client --base-url http://127.0.0.1:$P --model /tmp/exp --step-cap $cap --out $OUT/$tag.json
   up $P && capped python3 $M client --base-url http://127.0.0.1:$P --model /tmp/exp --step-cap $cap --out $OUT/${tag}_all.json --concurrent
   echo "== float32, $variant${policy:+ (policy $policy)}, step cap $cap, one at a time (must be 6 of 6)"; [ -f $OUT/$tag.json ] && python3 $M compare $OUT/$H.json $OUT/$tag.json | tail -1

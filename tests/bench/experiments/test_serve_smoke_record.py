@@ -83,3 +83,18 @@ def test_harness_runs_every_request_at_the_step_cap(tmp_path, monkeypatch):
                                   step_cap=2)
     assert rec["step_cap"] == 2 and json.loads((tmp_path / "h.json").read_text())["step_cap"] == 2
     assert caps == [2] * len(rec["rows"]) and all(len(r["token_ids"]) > 0 for r in rec["rows"].values())
+
+
+def test_step_cap_above_the_samplers_limit_is_refused_before_any_work(capsys):
+    """Was: --step-cap 16384 passed serve_smoke's check (int >= 1), so the harness loaded the model and died in
+    SamplingParams (max_denoising_steps must be in [1, 2**14)) and the client sent six requests the server refused.
+    The cap is now checked against the sampler's limit, which serve_smoke mirrors without importing the sampler."""
+    from blockdiff.sampler.params import MAX_STEPS
+
+    assert serve_smoke.MAX_STEP_CAP == MAX_STEPS == 1 << 14
+    assert serve_smoke.check_step_cap(MAX_STEPS - 1) == MAX_STEPS - 1
+    with pytest.raises(ValueError, match=r"step_cap must be in \[1, 16384\)"):
+        serve_smoke.check_step_cap(MAX_STEPS)
+    with pytest.raises(SystemExit):
+        serve_smoke.main(["harness", "--out", "h.json", "--step-cap", str(MAX_STEPS)])
+    assert "--step-cap: must be an int >= 1 and below 16384" in capsys.readouterr().err
