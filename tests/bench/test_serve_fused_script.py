@@ -136,3 +136,25 @@ def test_parity_variants_never_compare_a_client_record_of_an_earlier_run():
     text = (ROOT / SCRIPT).read_text()
     rm = text.index("rm -f $OUT/$tag.json $OUT/${tag}_all.json")
     assert rm < text.index("--out $OUT/$tag.json") and rm < text.index("--out $OUT/${tag}_all.json")
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_fused_ab_runs_the_unfused_then_the_fused_server_in_one_command(tmp_path):
+    """serve_fused_ab.sh (7.52's A/B in one call): the unfused asynchronous server kept for its sweep, then
+    serve_fused.sh fused_async, same quant and attention, within 600 s (300 + 200 s budgets); bad arguments
+    refused. Before each server it frees the GPU (the parity server that serve_fused.sh's parity variants leave up
+    held 3.5 GiB in 7.52)."""
+    env = {**os.environ, "DRY": "1", "OUT": str(tmp_path)}
+    env.pop("BUDGET_S", None)
+    env.pop("BUDGET2_S", None)
+    script = "bench/experiments/device/serve_fused_ab.sh"
+    r = subprocess.run(["bash", script, "fp8", "cute"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert [ln.split(":")[0] for ln in lines] == ["unfused", "fused_async"]
+    assert "KEEP=1 BUDGET_S=300" in lines[0] and "serve_alone.sh blockdiff fp8 cute" in lines[0]
+    assert "BUDGET_S=200" in lines[1] and "serve_fused.sh fused_async fp8 cute" in lines[1]
+    text = (ROOT / script).read_text()
+    assert 'pkill -f "serve /tmp/exp"' in text and "serve_bench.sh stop" in text
+    bad = subprocess.run(["bash", script, "fp16"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "quant must be fp8 or bf16" in bad.stdout
