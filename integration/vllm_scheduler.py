@@ -302,22 +302,30 @@ class FusedCommitCounts:
         (``scheduled_spec_decode_tokens``) wider than CL that returned none is a miss. Prefill rows return no
         tokens and are not counted."""
         n = scheduler_output.num_scheduled_tokens
-        wide, cl = 2 * self.canvas_length, self.canvas_length
-        fused = plain = missed = 0
         spec = None
         for rid, toks in zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids):
             if len(toks):
-                if n.get(rid) == wide:
-                    fused += 1
-                else:
-                    plain += 1
-            elif (n.get(rid) or 0) > cl:  # a prefill chunk, or a canvas row that committed nothing
+                self.count_row(n.get(rid) or 0, True)
+            elif (n.get(rid) or 0) > self.canvas_length:  # a prefill chunk, or a canvas row that committed nothing
                 if spec is None:
                     spec = scheduler_output.scheduled_spec_decode_tokens
-                missed += rid in spec
-        self.num_fused += fused
-        self.num_plain += plain
-        self.num_missed += missed
+                if rid in spec:
+                    self.count_row(n[rid], False)
+
+    def count_row(self, q: int, committed: bool) -> bool:
+        """Count one canvas row of ``q`` scheduled tokens: committed, a fused commit when ``q == 2 * CL``, else a
+        plain one; not committed and wider than CL, a miss. The one rule both schedulers count by
+        (:meth:`count_step`, :meth:`FusedCommitPredictor.observe`). Returns whether the row was a miss."""
+        if committed:
+            if q == 2 * self.canvas_length:
+                self.num_fused += 1
+            else:
+                self.num_plain += 1
+            return False
+        if q > self.canvas_length:
+            self.num_missed += 1
+            return True
+        return False
 
     def after_step(self, has_unfinished_requests: Any) -> bool:
         """After a step's counts: if the commit count changed since the last line, log :meth:`summary` at INFO when
@@ -502,7 +510,7 @@ class FusedCommitPredictor:
         sampled = model_runner_output.sampled_token_ids
         index = model_runner_output.req_id_to_index
         flagged = flagged if isinstance(flagged, (set, frozenset)) else set(flagged)
-        counts, wide = self.counts, 2 * self.canvas_length
+        counts = self.counts
         for rid in scheduler_output.scheduled_spec_decode_tokens:
             dq = self._pending.get(rid)
             if not dq or dq[0][0] is not scheduler_output:
@@ -518,13 +526,7 @@ class FusedCommitPredictor:
             n_tokens = len(sampled[i]) if sampled and i is not None and i < len(sampled) else 0
             phase, step = self._known.get(rid, (_DENOISE, 0))
             phase, step, committed = self._advance(phase, step, q, cap, n_tokens, rid in flagged)
-            if committed:
-                if q == wide:
-                    counts.num_fused += 1
-                else:
-                    counts.num_plain += 1
-            elif q > self.canvas_length:  # a wide row that committed nothing: never fuse it again
-                counts.num_missed += 1
+            if counts.count_row(q, committed):  # a wide row that committed nothing: never fuse it again
                 self._no_fuse.add(rid)
                 if counts.num_missed == 1:
                     _log.warning("blockdiff: a %d-token row of request %s committed nothing (a step count that "
