@@ -380,8 +380,8 @@ class DiffusionGemma(nn.Module):
             CheckpointFileNotFoundError: no checkpoint at ``path``, or no ``config.json`` beside it (and no
                 ``config``); also a ``FileNotFoundError``.
             CheckpointError: a bad ``config.json`` / ``generation_config.json`` field, an unreadable or malformed
-                safetensors file or index, missing / unexpected / mis-shaped / wrongly typed tensors (all listed);
-                the message names the file.
+                safetensors file or index, missing / unexpected / mis-shaped / wrongly typed tensors (all listed),
+                a ``dtype`` that cannot hold a weight (a finite value overflowing to inf); the message names the file.
         """
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"path must be a str or os.PathLike (a .safetensors file or a checkpoint folder), got "

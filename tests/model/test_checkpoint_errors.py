@@ -521,3 +521,26 @@ def test_generation_config_json_that_is_not_an_object_is_a_checkpoint_error(tmp_
         load_generation_config(tmp_path / "nope")
     with pytest.raises(TypeError, match="folder must be a str"):
         load_generation_config(None)
+
+
+def test_loading_in_a_dtype_that_cannot_hold_a_weight_is_a_checkpoint_error_naming_it(tmp_path):
+    """A finite float32 weight above float16's range loaded with dtype=torch.float16 silently became inf (every
+    request of the model then failed); export_hf already refused to write such a file. A weight that is inf in the
+    file stays inf (nothing is lost by the cast), and a cast that does not narrow the range is not checked."""
+    torch.manual_seed(0)
+    sd = hf_state_dict(DiffusionGemma(tiny_config()), torch.float32)
+    name = next(n for n in sd if n.endswith("mlp.down_proj.weight"))
+    sd[name] = sd[name].clone()
+    sd[name][0, 0] = 1e6
+    with pytest.raises(CheckpointError, match=rf"dtype torch.float16 cannot hold the weights: {re.escape(name)} "
+                                              r"\(torch.float32\) has 1 finite value\(s\) that overflow it"):
+        DiffusionGemma.from_pretrained_state_dict(sd, tiny_config(), dtype=torch.float16)
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    save_file(sd, str(folder / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"ckpt: dtype torch.float16 cannot hold the weights"):  # the path
+        DiffusionGemma.load_safetensors(folder, config=tiny_config(), dtype=torch.float16)
+    assert DiffusionGemma.from_pretrained_state_dict(sd, tiny_config(), dtype=torch.bfloat16) is not None
+    sd[name][0, 0], sd[name][0, 1] = 1.0, float("inf")
+    model = DiffusionGemma.from_pretrained_state_dict(sd, tiny_config(), dtype=torch.float16)
+    assert int(model.layers[0].mlp.down_proj.weight.isinf().sum()) == 1
