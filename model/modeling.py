@@ -285,9 +285,10 @@ class DiffusionGemma(nn.Module):
             bidirectional_window: override of ``config.bidirectional_window`` for sliding layers.
             check_values: run the value checks that read tensors on the host (``input_ids`` in
                 ``[0, vocab_size)``, ``positions`` in ``[0, max_position_embeddings)``, and attention's / the
-                KV-cache writer's metadata checks, once per cache geometry). None (default): on unless a CUDA graph is being captured
-                (:func:`blockdiff.attention.validate.capturing`); False trusts the caller (an out-of-vocabulary id is
-                then an out-of-bounds embedding read: an IndexError on the CPU, a device-side assert on CUDA).
+                KV-cache writer's metadata checks, once per cache geometry). None (default): on unless a CUDA
+                graph is being captured (:func:`blockdiff.attention.validate.capturing`); False trusts the caller
+                (an out-of-vocabulary id is then an out-of-bounds embedding read: an IndexError on the CPU, a
+                device-side assert on CUDA).
 
         Returns:
             logits ``[T, vocab_size]`` fp32 (fp64 for a float64 model), softcapped (``cap * tanh(logits / cap)``)
