@@ -21,7 +21,7 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, check_values: bool |
 
     Args:
         k: ``[T, num_kv_heads, head_dim]``; v: ``[T, num_kv_heads, head_dim_v]``: floating point, rounded to the
-            cache dtype (e.g. a bf16 model writing an fp16 cache).
+            cache dtype (e.g. a bf16 model writing an fp16 cache); they may be views of the caches (copied first).
         k_cache: ``[num_blocks, page_size, num_kv_heads, head_dim]``; v_cache likewise with head_dim_v; floating
             point, not sharing memory (the same tensor, or overlapping contiguous views, are refused); any strides
             (pages that are not one row stride apart are written by page and row index).
@@ -83,6 +83,9 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, check_values: bool |
             raise ValueError("slot_mapping has a slot used by two tokens (duplicate non-negative slots)")
     slots = slot_mapping.to(torch.int64)
     k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+    # k / v that are views of a cache (e.g. rows re-written to other slots): torch refuses to copy a tensor into
+    # memory it reads from, so such a source is copied first (host pointer arithmetic, no sync)
+    k, v = (x.clone() if any(memory_overlaps(x, c) for c in (k_cache, v_cache)) else x for x in (k, v))
     if not capturing():
         valid = slots >= 0
         if not bool(valid.all()):

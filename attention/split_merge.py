@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .validate import self_overlapping
+
 __all__ = ["cast", "interpreting", "merge_constexprs", "launch_merge", "merge_split_partials"]
 
 
@@ -119,7 +121,8 @@ def merge_split_partials(o_part: torch.Tensor, lse_part: torch.Tensor, out: torc
     Raises:
         TypeError: a tensor argument that is not a tensor, a dtype not allowed, or ``pdl`` not a bool.
         ValueError: shapes that disagree, a non-contiguous partial or LSE, ``out``'s last dimension not
-            contiguous or an ``out`` whose elements share memory (a stride 0), tensors on different devices, or
+            contiguous or an ``out`` whose elements share memory (a stride 0, or strides that make rows overlap:
+            :func:`blockdiff.attention.validate.self_overlapping`), tensors on different devices, or
             ``pdl`` under the Triton interpreter.
     """
     for name, t in (("o_part", o_part), ("lse_part", lse_part), ("out", out)) + ((("lse", lse),) if lse is not None
@@ -149,8 +152,9 @@ def merge_split_partials(o_part: torch.Tensor, lse_part: torch.Tensor, out: torc
         raise ValueError(f"o_part must hold at least one split, got {num_splits}")
     if out.stride(-1) != 1:
         raise ValueError("out's last dimension must be contiguous (stride 1)")
-    if any(st == 0 and n > 1 for st, n in zip(out.stride(), out.shape)):
-        raise ValueError(f"out's elements must not share memory (an expanded tensor), got strides {out.stride()}")
+    if self_overlapping(out):  # (a stride 0, or strides that interleave: rows written over each other)
+        raise ValueError(f"out's elements must not share memory (an expanded tensor, or overlapping strides), got "
+                         f"strides {out.stride()} for shape {tuple(out.shape)}")
     devices = {t.device for t in (o_part, lse_part, out, lse) if t is not None}
     if len(devices) != 1:
         raise ValueError(f"o_part, lse_part, out and lse must be on one device, got {sorted(map(str, devices))}")

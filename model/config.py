@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from .errors import CheckpointError, CheckpointFileNotFoundError
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -22,6 +24,12 @@ ACTIVATIONS = ("gelu_pytorch_tanh", "gelu", "gelu_new", "silu")
 #: Largest canvas_length: the sampler's position counters hold positions < 2**16
 #: (``blockdiff.sampler.rng.MAX_POSITIONS``; tests/model checks the two agree).
 MAX_CANVAS_LENGTH = (1 << 16) - 1
+#: float32's largest finite value and smallest normal number. The model computes its norms, RoPE angles and logit
+#: softcap in float32 (bf16 / fp16 / fp32 models alike), so a float field must survive that conversion: above
+#: FLOAT32_MAX it becomes inf, below FLOAT32_TINY 0 or a denormal (which a GPU may flush to 0). An rms_norm_eps,
+#: final_logit_softcapping, rope_theta or RoPE factor out there made every logit NaN (each request failed) or 0.
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 2.0 ** -126
 _INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "head_dim", "global_head_dim", "num_global_key_value_heads",
                "max_position_embeddings", "sliding_window", "num_experts", "top_k_experts", "moe_intermediate_size",
@@ -49,6 +57,10 @@ def _check_real(name: str, v, *, positive: bool, none_hint: str = "") -> None:
         raise TypeError(f"{name} must be a finite number {rule}{none_hint}, got {_show(v)}")
     if not math.isfinite(v) or not (v > 0 if positive else v >= 0):
         raise ValueError(f"{name} must be a finite number {rule}{none_hint}, got {v!r}")
+    if v > FLOAT32_MAX or (v != 0 and v < FLOAT32_TINY):  # (0 itself only where the rule allows it)
+        raise ValueError(f"{name} must be {'0 or ' if not positive else ''}within float32's normal range "
+                         f"[2**-126, {FLOAT32_MAX:.4e}] (the model computes with it in float32, where it would "
+                         f"be {'inf' if v > FLOAT32_MAX else '0 or a denormal'}){none_hint}, got {v!r}")
 
 
 def read_json_object(path: str, what: str | None = None) -> dict:
@@ -86,6 +98,27 @@ def default_rope_parameters() -> dict[str, dict[str, Any]]:
         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
         "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
     }
+
+
+def rope_inv_freq(rope_params: dict, head_dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim // 2]`` of one layer type (transformers' rope init functions), computed
+    in ``dtype`` (fp32 reproduces transformers bit for bit; fp64 for oracle runs).
+
+    ``default``: ``1 / theta^(2i / d)`` with ``d = head_dim * partial_rotary_factor``.
+    ``proportional`` (Gemma 4 full layers): ``1 / theta^(2i / head_dim)`` for the first
+    ``partial_rotary_factor * head_dim / 2`` angles, zeros (identity rotation) for the rest, then ``/ factor``.
+    """
+    theta = float(rope_params["rope_theta"])
+    prf = float(rope_params.get("partial_rotary_factor", 1.0))
+    if rope_params.get("rope_type", "default") == "proportional":
+        angles = int(prf * head_dim // 2)
+        inv = 1.0 / (theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64).to(dtype) / head_dim))
+        nope = head_dim // 2 - angles
+        if nope > 0:
+            inv = torch.cat([inv, torch.zeros(nope, dtype=dtype)])
+        return inv / float(rope_params.get("factor", 1.0))
+    dim = int(head_dim * prf)
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=dtype) / dim))
 
 
 @dataclass
@@ -179,7 +212,10 @@ class DiffusionGemmaConfig:
         finite; ``initializer_range >= 0`` and finite; ``final_logit_softcapping`` None (off) or > 0 and finite;
         per used layer type ``rope_parameters[type]`` holds ``rope_theta > 0`` (finite), an optional
         ``partial_rotary_factor`` in (0, 1] (``"default"`` RoPE: rotating an even number >= 2 of dims) and an
-        optional ``factor > 0``; token ids (``pad_token_id``, ``bos_token_id``, each ``eos_token_id``) None or
+        optional ``factor > 0``; every float field above also within float32's normal range (0, or
+        [:data:`FLOAT32_TINY` = 2**-126, :data:`FLOAT32_MAX`]: the model computes with them in float32), and
+        the float32 RoPE angles ``position * inv_freq`` (:func:`rope_inv_freq`) finite for every position below
+        ``max_position_embeddings``; token ids (``pad_token_id``, ``bos_token_id``, each ``eos_token_id``) None or
         in [0, vocab_size); booleans are bools; strings are one of their listed values.
 
         Raises:
@@ -268,6 +304,18 @@ class DiffusionGemmaConfig:
                                      f"{rotated} dims of head_dim {head_dim}: must be an even number >= 2")
             if "factor" in rp:
                 _check_real(f"{where}.factor", rp["factor"], positive=True)
+            # the largest angle position * inv_freq (float32, as rope_cos_sin computes it) of any position the
+            # model takes (< max_position_embeddings) must be finite: cos / sin of inf are NaN (a rope_theta or
+            # factor near float32's smallest normal has inverse frequencies up to ~2**126)
+            inv = rope_inv_freq(rp, head_dim, torch.float32)
+            last = torch.tensor(float(self.max_position_embeddings - 1), dtype=torch.float32)
+            top = (last * inv).abs().max() if inv.numel() else last * 0
+            if not bool(torch.isfinite(inv).all()) or not bool(torch.isfinite(top)):
+                raise ValueError(f"{where}: the RoPE inverse frequencies of rope_theta {rp['rope_theta']!r}"
+                                 f"{', factor ' + repr(rp['factor']) if 'factor' in rp else ''} reach "
+                                 f"{float(inv.abs().max()):.4g}, so the float32 angle position * inv_freq overflows "
+                                 f"for positions below max_position_embeddings = {self.max_position_embeddings} "
+                                 f"(cos / sin of it would be NaN)")
 
     def _validate_token_ids(self) -> None:
         for name in ("pad_token_id", "bos_token_id", "eos_token_id"):

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import DiffusionGemmaConfig
+from .config import DiffusionGemmaConfig, rope_inv_freq  # noqa: F401 (rope_inv_freq re-exported)
 
 MOE_IMPLS = ("loop", "grouped_mm")
 
@@ -67,27 +67,6 @@ class RMSNorm(nn.Module):
         if self.with_scale:
             y = y * self.weight.to(acc)
         return y.type_as(x)
-
-
-def rope_inv_freq(rope_params: dict, head_dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Inverse frequencies ``[head_dim // 2]`` of one layer type (transformers' rope init functions), computed
-    in ``dtype`` (fp32 reproduces transformers bit for bit; fp64 for oracle runs).
-
-    ``default``: ``1 / theta^(2i / d)`` with ``d = head_dim * partial_rotary_factor``.
-    ``proportional`` (Gemma 4 full layers): ``1 / theta^(2i / head_dim)`` for the first
-    ``partial_rotary_factor * head_dim / 2`` angles, zeros (identity rotation) for the rest, then ``/ factor``.
-    """
-    theta = float(rope_params["rope_theta"])
-    prf = float(rope_params.get("partial_rotary_factor", 1.0))
-    if rope_params.get("rope_type", "default") == "proportional":
-        angles = int(prf * head_dim // 2)
-        inv = 1.0 / (theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64).to(dtype) / head_dim))
-        nope = head_dim // 2 - angles
-        if nope > 0:
-            inv = torch.cat([inv, torch.zeros(nope, dtype=dtype)])
-        return inv / float(rope_params.get("factor", 1.0))
-    dim = int(head_dim * prf)
-    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=dtype) / dim))
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: dict, dtype: torch.dtype):

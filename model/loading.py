@@ -217,7 +217,8 @@ def load_hf_state_dict(model, state_dict, *, device=None, dtype=None) -> list[st
     for meta). Returns the skipped (vision) names.
 
     Raises:
-        CheckpointError: see :func:`convert_hf_state_dict`.
+        CheckpointError: see :func:`convert_hf_state_dict`; also a ``dtype`` that cannot hold a weight (a finite
+            value that would overflow to inf, e.g. above 65504 in float16).
         TypeError: ``dtype`` is not a floating torch dtype (or None).
         ValueError: a bad ``device`` (see :func:`check_device`).
     """
@@ -234,10 +235,25 @@ def load_hf_state_dict(model, state_dict, *, device=None, dtype=None) -> list[st
         dtype = ref.dtype
     if dtype is None:
         dtype = tensors["embed_tokens.weight"].dtype
-    final = {n: _own_storage(t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype))
-             for n, t in tensors.items()}
+    final = {n: _own_storage(_cast(n, t, device, dtype)) for n, t in tensors.items()}
     model.load_state_dict(final, strict=True, assign=True)
     return skipped
+
+
+def _cast(name: str, t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` on ``device``, in ``dtype`` if it is floating point; a narrowing cast (float32 / bf16 -> float16) that
+    turns a finite weight into inf raises (as :func:`blockdiff.model.export_hf` refuses to write one)."""
+    if not t.is_floating_point():
+        return t.to(device=device)
+    c = t.to(device=device, dtype=dtype)
+    if c.numel() and torch.finfo(dtype).max < torch.finfo(t.dtype).max:
+        lost = torch.isfinite(t).to(c.device) & ~torch.isfinite(c)
+        if bool(lost.any()):
+            v = float(t[lost.to(t.device)].flatten()[0])
+            raise CheckpointError(f"dtype {dtype} cannot hold the weights: {hf_name(name)} ({t.dtype}) has "
+                                  f"{int(lost.sum())} finite value(s) that overflow it (e.g. {v:.4g}); load in a "
+                                  "wider dtype (float32 or bfloat16)")
+    return c
 
 
 def read_safetensors(path, device=None) -> dict[str, torch.Tensor]:

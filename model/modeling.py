@@ -253,13 +253,20 @@ class DiffusionGemma(nn.Module):
             raise ValueError(f"bidirectional_window must be 'prefix' or 'symmetric', got {bidirectional_window!r}")
         if check_values and T:
             # one host read (a sync on a GPU) for the whole check; skipped under CUDA-graph capture
-            V = self.config.vocab_size
+            V, P = self.config.vocab_size, self.config.max_position_embeddings
             bad = (input_ids < 0) | (input_ids >= V)
-            if bool(bad.any()):
+            bad_pos = (positions < 0) | (positions >= P)
+            any_bad, any_bad_pos = torch.stack((bad.any(), bad_pos.any())).tolist()
+            if any_bad:
                 where = torch.nonzero(bad).flatten()[:8].tolist()
                 ids = input_ids[where].tolist()
                 raise ValueError(f"input_ids must be in [0, vocab_size = {V}): {int(bad.sum())} are not, e.g. "
                                  f"ids {ids} at rows {where}")
+            if any_bad_pos:  # (RoPE of a position past the trained range, or negative, was a silent wrong result;
+                # the config's RoPE rule keeps the float32 angles finite only below max_position_embeddings)
+                where = torch.nonzero(bad_pos).flatten()[:8].tolist()
+                raise ValueError(f"positions must be in [0, max_position_embeddings = {P}): {int(bad_pos.sum())} "
+                                 f"are not, e.g. {positions[where].tolist()} at rows {where}")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, kv_caches, self_cond=None, *,
                 attn_backend: str, bidirectional_window: str | None = None,
@@ -269,7 +276,7 @@ class DiffusionGemma(nn.Module):
         Args:
             input_ids: ``[T]`` int64 token ids (prompt chunks, committed canvases, noisy canvases), packed by
                 ``meta.cu_seqlens_q``.
-            positions: ``[T]`` int64 absolute positions (RoPE).
+            positions: ``[T]`` int64 absolute positions (RoPE), in ``[0, max_position_embeddings)``.
             meta: :class:`blockdiff.attention.AttentionMetadata` (``causal [B]`` selects encoder rows).
             kv_caches: from :meth:`allocate_kv_caches`; every row's K/V is written at ``meta.slot_mapping``.
             self_cond: ``[T, hidden]`` float soft embeddings (``softmax(z) @ E * sqrt(hidden)``) or None (all
@@ -277,10 +284,11 @@ class DiffusionGemma(nn.Module):
             attn_backend: ``blockdiff.attention`` backend (``"reference"``, ``"triton"``, ``"cute"``); required.
             bidirectional_window: override of ``config.bidirectional_window`` for sliding layers.
             check_values: run the value checks that read tensors on the host (``input_ids`` in
-                ``[0, vocab_size)``, and attention's / the KV-cache writer's metadata checks, once per cache
-                geometry). None (default): on unless a CUDA graph is being captured
-                (:func:`blockdiff.attention.validate.capturing`); False trusts the caller (an out-of-vocabulary id is
-                then an out-of-bounds embedding read: an IndexError on the CPU, a device-side assert on CUDA).
+                ``[0, vocab_size)``, ``positions`` in ``[0, max_position_embeddings)``, and attention's / the
+                KV-cache writer's metadata checks, once per cache geometry). None (default): on unless a CUDA
+                graph is being captured (:func:`blockdiff.attention.validate.capturing`); False trusts the caller
+                (an out-of-vocabulary id is then an out-of-bounds embedding read: an IndexError on the CPU, a
+                device-side assert on CUDA).
 
         Returns:
             logits ``[T, vocab_size]`` fp32 (fp64 for a float64 model), softcapped (``cap * tanh(logits / cap)``)
@@ -289,7 +297,8 @@ class DiffusionGemma(nn.Module):
         Raises:
             TypeError: attn_backend not a str, check_values not a bool / None.
             ValueError: a shape/dtype rule of an argument is broken (named in the message); with value checks,
-                input ids outside ``[0, vocab_size)`` (the ids and their rows named).
+                input ids outside ``[0, vocab_size)`` or positions outside ``[0, max_position_embeddings)`` (the
+                values and their rows named).
         """
         bw = self.config.bidirectional_window if bidirectional_window is None else bidirectional_window
         if check_values is not None and not isinstance(check_values, bool):
@@ -372,8 +381,8 @@ class DiffusionGemma(nn.Module):
             CheckpointFileNotFoundError: no checkpoint at ``path``, or no ``config.json`` beside it (and no
                 ``config``); also a ``FileNotFoundError``.
             CheckpointError: a bad ``config.json`` / ``generation_config.json`` field, an unreadable or malformed
-                safetensors file or index, missing / unexpected / mis-shaped / wrongly typed tensors (all listed);
-                the message names the file.
+                safetensors file or index, missing / unexpected / mis-shaped / wrongly typed tensors (all listed),
+                a ``dtype`` that cannot hold a weight (a finite value overflowing to inf); the message names the file.
         """
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"path must be a str or os.PathLike (a .safetensors file or a checkpoint folder), got "

@@ -13,9 +13,11 @@ with unused tokens up to the model's vocabulary), so an exported folder loads li
 from __future__ import annotations
 
 import json
+import numbers
 import os
 
 import numpy as np
+import torch
 
 from .config import read_json_object
 from .errors import CheckpointError
@@ -80,13 +82,27 @@ class ByteTokenizer:
         return np.frombuffer(data, dtype=np.uint8).astype(np.int16) + self.byte_offset
 
     def decode(self, ids, *, stop_at_eos: bool = False) -> str:
-        """Text of ``ids`` (ints in [0, 259)); special ids are dropped (``stop_at_eos``: cut at the first eos).
+        """Text of ``ids``: a sequence of int ids in [0, vocab_size), or a 1-D integer tensor / ndarray; ids that
+        are not bytes (the special ids, the ``<unused>`` ids past 258) are dropped (``stop_at_eos``: cut at the
+        first eos).
 
         Raises:
+            TypeError: ``ids`` is a str / bytes or not iterable, a tensor / ndarray that is not 1-D integer, or an id
+                that is not an int (a float, a bool: nothing is truncated to an id).
             ValueError: an id outside [0, vocab_size).
         """
+        if isinstance(ids, (torch.Tensor, np.ndarray)):
+            integer = (not ids.is_floating_point() and not ids.is_complex() and ids.dtype != torch.bool) \
+                if isinstance(ids, torch.Tensor) else ids.dtype.kind in "iu"
+            if ids.ndim != 1 or not integer:
+                raise TypeError(f"ids must be a 1-D integer tensor / array, got {ids.ndim}-D {ids.dtype}")
+            ids = ids.tolist()
+        elif isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+            raise TypeError(f"ids must be a sequence of int token ids, got {type(ids).__name__}")
         out = bytearray()
         for i in ids:
+            if isinstance(i, bool) or not isinstance(i, numbers.Integral):
+                raise TypeError(f"ids must hold int token ids, got {type(i).__name__} ({i!r})")
             i = int(i)
             if not 0 <= i < self.vocab_size:
                 raise ValueError(f"token id {i} outside [0, {self.vocab_size})")

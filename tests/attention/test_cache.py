@@ -136,3 +136,16 @@ def test_caches_whose_pages_are_not_one_row_stride_apart_are_written_at_the_righ
     for i, slot in enumerate(sm.tolist()):
         assert torch.equal(kc[slot // 4, slot % 4], k[i]) and torch.equal(vc[slot // 4, slot % 4], v[i])
     assert int(kc.ne(0).any(-1).any(-1).sum()) == 3
+
+
+def test_k_and_v_that_are_views_of_the_caches_are_written_as_copies():
+    """Keys / values read out of the caches themselves (rows moved to other slots) were torch's RuntimeError
+    'some elements of the input tensor and the written-to tensor refer to a single memory location'; the sources
+    are copied first now, and the write equals that of detached copies."""
+    kc = torch.arange(2 * 4 * 1 * 2, dtype=torch.float32).reshape(2, 4, 1, 2)
+    vc = -torch.arange(2 * 4 * 1 * 2, dtype=torch.float32).reshape(2, 4, 1, 2)
+    k, v = kc.view(8, 1, 2)[0:3], kc.view(8, 1, 2)[4:7]  # v read from k_cache: overlaps the other cache
+    want_k, want_v = kc.clone(), vc.clone()
+    write_kv_cache(k.clone(), v.clone(), want_k, want_v, torch.tensor([1, 2, 3]))
+    write_kv_cache(k, v, kc, vc, torch.tensor([1, 2, 3]))
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)

@@ -131,6 +131,18 @@ def test_merge_split_partials_refuses_bad_arguments_by_name(change, err, match):
         merge_split_partials(**kw)
 
 
+def test_merge_split_partials_refuses_an_out_whose_rows_overlap_through_nonzero_strides():
+    """Only a stride 0 was refused: an out whose rows overlap (strides (16, 8, 1) for [3, 2, 16]: each row's second
+    head is the next row's first) was accepted and written over itself, a silent wrong result (2.2 off at 4 rows);
+    now the rule of attention's out and the KV cache (validate.self_overlapping)."""
+    o_part, lse_part, _, lse = _args()
+    out = torch.zeros(200).as_strided((3, 2, 16), (16, 8, 1))
+    with pytest.raises(ValueError, match=r"must not share memory .*strides \(16, 8, 1\)"):
+        merge_split_partials(o_part, lse_part, out, lse)
+    padded = torch.zeros(3, 4, 16)[:, ::2]  # disjoint rows with a gap: accepted
+    merge_split_partials(o_part, lse_part, padded, lse)
+
+
 @pytest.mark.parametrize("num_splits", [1, 2, 4])
 def test_nonfinite_v_of_a_seen_key_with_an_underflowing_split_weight_reaches_the_output_at_every_split_count(
         num_splits):

@@ -187,6 +187,74 @@ def test_config_fields_are_checked_on_construction_with_type_and_value_errors():
         DiffusionGemmaConfig.from_hf([("hidden_size", 64)])
 
 
+FLOAT32_OUT_OF_RANGE = [  # (id, config keywords over tiny_config, field named in the message)
+    ("softcap-1e39", dict(final_logit_softcapping=1e39), "final_logit_softcapping"),
+    ("softcap-1e-50", dict(final_logit_softcapping=1e-50), "final_logit_softcapping"),
+    ("softcap-denormal", dict(final_logit_softcapping=1e-40), "final_logit_softcapping"),
+    ("eps-1e300", dict(rms_norm_eps=1e300), "rms_norm_eps"),
+    ("eps-1e-50", dict(rms_norm_eps=1e-50), "rms_norm_eps"),
+    ("init-range-1e300", dict(initializer_range=1e300), "initializer_range"),
+    ("theta-1e-300", dict(rope_parameters={"sliding_attention": {"rope_theta": 1e-300},
+                                           "full_attention": {"rope_type": "proportional", "rope_theta": 1e6}}),
+     "rope_theta"),
+    ("theta-1e300", dict(rope_parameters={"sliding_attention": {"rope_theta": 1e300},
+                                          "full_attention": {"rope_type": "proportional", "rope_theta": 1e6}}),
+     "rope_theta"),
+    ("factor-1e-40", dict(rope_parameters={"sliding_attention": {"rope_theta": 1e4},
+                                           "full_attention": {"rope_type": "proportional", "rope_theta": 1e6,
+                                                              "partial_rotary_factor": 0.25, "factor": 1e-40}}),
+     "factor"),
+]
+
+
+@pytest.mark.parametrize("kw,field", [b[1:] for b in FLOAT32_OUT_OF_RANGE], ids=[b[0] for b in FLOAT32_OUT_OF_RANGE])
+def test_float_config_field_outside_float32s_normal_range_is_refused_naming_it(kw, field):
+    """The model computes norms, RoPE and the softcap in float32: a field that is inf, 0 or a denormal there made
+    every logit NaN (each request 'failed') or 0 (a silent constant output). Was accepted (finite in float64)."""
+    with pytest.raises(ValueError, match=rf"{field} must be (0 or )?within float32's normal range"):
+        tiny_config(**kw)
+
+
+def test_float_config_field_outside_float32_is_a_checkpoint_error_at_load(tmp_path):
+    folder = make_ckpt(tmp_path, mutate=_set("final_logit_softcapping", 1e300))
+    with pytest.raises(CheckpointError, match=r"config\.json .*final_logit_softcapping must be within float32"):
+        DiffusionGemma.load_safetensors(folder)
+
+
+@pytest.mark.parametrize("rope", [
+    {"sliding_attention": {"rope_theta": 1e4},
+     "full_attention": {"rope_type": "proportional", "rope_theta": 1e6, "partial_rotary_factor": 0.25,
+                        "factor": 1.2e-38}},
+    {"sliding_attention": {"rope_theta": 1.2e-38},
+     "full_attention": {"rope_type": "proportional", "rope_theta": 1e6, "partial_rotary_factor": 0.25}},
+], ids=["factor-near-tiny", "theta-near-tiny"])
+def test_rope_angles_that_overflow_float32_below_max_position_embeddings_are_refused(rope):
+    """Each field within float32, but position * inv_freq overflows to inf before max_position_embeddings: cos /
+    sin NaN, every request 'failed' (the factor case at position >= 5). The rule depends on the positions."""
+    with pytest.raises(ValueError, match=r"RoPE inverse frequencies .* overflows .*max_position_embeddings"):
+        tiny_config(rope_parameters=rope, max_position_embeddings=2 ** 30)
+    if "factor" in rope["full_attention"]:  # overflows from position 5 on: refused at tiny_config's 4096 too
+        with pytest.raises(ValueError, match="RoPE inverse frequencies"):
+            tiny_config(rope_parameters=rope)
+    else:  # theta 1.2e-38 on head_dim 16: inv_freq up to ~1.5e33, finite angles below 4096 positions
+        cfg = tiny_config(rope_parameters=rope)
+        torch.manual_seed(0)
+        DiffusionGemma(cfg)
+
+
+def test_float32_edge_config_values_build_a_model_whose_logits_are_finite():
+    """The rule's edges are usable: the extremes it accepts give finite logits on the tiny model."""
+    from blockdiff.integration.harness import HarnessRunner
+    for kw in (dict(final_logit_softcapping=2.0 ** -126), dict(final_logit_softcapping=3.4e38),
+               dict(rms_norm_eps=2.0 ** -126), dict(rms_norm_eps=3.4e38)):
+        torch.manual_seed(0)
+        model = DiffusionGemma(tiny_config(**kw))
+        h = HarnessRunner(model, default_params=SamplingParams(canvas_length=16, max_tokens=16), max_model_len=64,
+                          max_num_batched_tokens=64)
+        h.add_request("a", [3, 4, 5])
+        assert h.run()["a"].finish_reason == "length", kw
+
+
 def test_config_changed_in_place_is_checked_when_the_model_is_built():
     cfg = tiny_config()
     cfg.canvas_length = 10 ** 9
@@ -453,3 +521,26 @@ def test_generation_config_json_that_is_not_an_object_is_a_checkpoint_error(tmp_
         load_generation_config(tmp_path / "nope")
     with pytest.raises(TypeError, match="folder must be a str"):
         load_generation_config(None)
+
+
+def test_loading_in_a_dtype_that_cannot_hold_a_weight_is_a_checkpoint_error_naming_it(tmp_path):
+    """A finite float32 weight above float16's range loaded with dtype=torch.float16 silently became inf (every
+    request of the model then failed); export_hf already refused to write such a file. A weight that is inf in the
+    file stays inf (nothing is lost by the cast), and a cast that does not narrow the range is not checked."""
+    torch.manual_seed(0)
+    sd = hf_state_dict(DiffusionGemma(tiny_config()), torch.float32)
+    name = next(n for n in sd if n.endswith("mlp.down_proj.weight"))
+    sd[name] = sd[name].clone()
+    sd[name][0, 0] = 1e6
+    with pytest.raises(CheckpointError, match=rf"dtype torch.float16 cannot hold the weights: {re.escape(name)} "
+                                              r"\(torch.float32\) has 1 finite value\(s\) that overflow it"):
+        DiffusionGemma.from_pretrained_state_dict(sd, tiny_config(), dtype=torch.float16)
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    save_file(sd, str(folder / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"ckpt: dtype torch.float16 cannot hold the weights"):  # the path
+        DiffusionGemma.load_safetensors(folder, config=tiny_config(), dtype=torch.float16)
+    assert DiffusionGemma.from_pretrained_state_dict(sd, tiny_config(), dtype=torch.bfloat16) is not None
+    sd[name][0, 0], sd[name][0, 1] = 1.0, float("inf")
+    model = DiffusionGemma.from_pretrained_state_dict(sd, tiny_config(), dtype=torch.float16)
+    assert int(model.layers[0].mlp.down_proj.weight.isinf().sum()) == 1

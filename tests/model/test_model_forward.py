@@ -479,6 +479,20 @@ def test_out_of_vocab_or_negative_input_ids_are_a_value_error_naming_the_ids(mod
         model(ids, pos, meta, caches, attn_backend="reference", check_values=True)
 
 
+@pytest.mark.parametrize("bad_pos", [-1, 4096, 10 ** 18])
+def test_positions_outside_max_position_embeddings_are_a_value_error_naming_them(model, good, bad_pos):
+    """Was accepted: RoPE of a negative position or one past max_position_embeddings (never trained; the config's
+    RoPE rule keeps float32 angles finite only below it) gave a silent result."""
+    cfg, caches, meta, pos, ids = good
+    assert cfg.max_position_embeddings == 4096
+    pos = pos.clone()
+    pos[1] = bad_pos
+    with pytest.raises(ValueError, match=rf"positions must be in \[0, max_position_embeddings = 4096\): 1 are not, "
+                                         rf"e.g. \[{bad_pos}\] at rows \[1\]"):
+        model(ids, pos, meta, caches, attn_backend="reference")
+    model(ids, pos, meta, caches, attn_backend="reference", check_values=False)  # trusted: no host read
+
+
 def test_input_id_check_is_skipped_under_graph_capture_and_with_check_values_false(model, good, monkeypatch):
     """The id check reads the ids on the host, so it runs only when value checks run: not while a CUDA graph is
     captured (capturing() true), not with check_values=False; those trust the caller (here: the embedding's own

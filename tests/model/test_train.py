@@ -98,6 +98,22 @@ def test_tokenizer_round_trips_text(tmp_path):
     assert ByteTokenizer.load(tmp_path).encode(text) == ids[1:-1]
     with pytest.raises(ValueError, match="outside"):
         tok.decode([259])
+
+
+@pytest.mark.parametrize("ids", [[3.9], [3 + ord("H"), 75.5], [True, 75], torch.tensor([75.7]), np.array([75.0]),
+                                 "KL", b"KL", 75, [None], np.array([[75]])])
+def test_tokenizer_decode_refuses_ids_that_are_not_ints_instead_of_truncating_them(ids):
+    """decode([3.9]) was '\\x00' (int() truncated it to byte 0), [True] read as id 1, a float tensor truncated; a str
+    was int()'s 'invalid literal' ValueError. Now a TypeError naming ids."""
+    with pytest.raises(TypeError, match="ids must"):
+        ByteTokenizer().decode(ids)
+
+
+def test_tokenizer_decode_takes_int_sequences_tensors_and_arrays():
+    tok, want = ByteTokenizer(), [3 + ord("H"), 3 + ord("I")]
+    for ids in (want, tuple(want), iter(want), [np.int64(want[0]), want[1]], torch.tensor(want),
+                np.array(want, dtype=np.int16)):
+        assert tok.decode(ids) == "HI"
     with pytest.raises(TypeError):
         tok.encode(b"bytes")
 
