@@ -2,6 +2,9 @@
 
     pip install -e .[dev]      # CPU: tests, notebooks, parity tests
     pip install -e .[cute]     # GPU: FlashAttention-4 + CuTe DSL backend
+
+``.[vllm,cute]`` does not resolve (vLLM 0.26.0 pins nvidia-cutlass-dsl 4.6.0 and apache-tvm-ffi 0.1.10; 0.33.0 pins
+torch 2.14.0, whose triton 3.8 is outside ``triton<3.7``): integration/README.md ("vLLM") installs the two.
 """
 import os
 

@@ -9,7 +9,8 @@ whatever stands between ``<!-- BEGIN RESULTS -->`` and ``<!-- END RESULTS -->`` 
 file is left as it is. One section per JSON file (suite and GPU), with the environment line (GPU, driver, torch,
 triton, flash_attn_4, vllm, commit, date) and links to the PNG plots beside it. Attention records (every suite but
 sampler / e2e / serve) are shown as one row per workload and one column per backend (CUDA-graph median in ms, the
-eager median when there is no graph); sampler, e2e and serve records row by row. CPU records (``--quick`` smoke runs)
+eager median when there is no graph); sampler, e2e and serve records row by row, as are serving A/B records (a suite
+``serve_<name>``, e.g. serve_fused_async: one row per variant and run, no backend). CPU records (``--quick`` smoke runs)
 are left out unless ``--include-cpu``. Tile-sweep rows (a ``config`` per row) are summarised as the best
 configuration per workload. Every other field is in the record's JSON / CSV.
 """
@@ -34,6 +35,10 @@ COLUMNS = {
             "attention_share", "sampler_share", "prefill_ms", "layers", "note"],
     "serve": ["workload", "backend", "status", "max_num_seqs", "output_tok_s", "ttft_ms", "time_per_canvas_ms",
               "completed", "failed", "diffusion_steps_per_canvas", "peak_memory_bytes", "note"],
+    # serving A/B records (suite serve_<name>, e.g. serve_fused_async): rows named by variant / policy / run
+    "serve_ab": ["workload", "variant", "policy", "run", "status", "max_num_seqs", "output_tok_s", "ttft_ms",
+                 "time_per_canvas_ms", "completed", "failed", "diffusion_denoising_steps",
+                 "diffusion_steps_per_canvas", "peak_memory_bytes", "note"],
 }
 DEFAULT_COLUMNS = ["workload", "backend", "status", "graph_ms", "eager_ms", "effective_tflops", "note"]
 
@@ -83,7 +88,7 @@ def table(rows: list[dict], columns: list[str]) -> str:
 
 
 #: Suite families rendered row by row (all others: one row per workload, one column per backend).
-ROW_FAMILIES = ("sampler", "e2e", "serve")
+ROW_FAMILIES = ("sampler", "e2e", "serve", "serve_ab")
 
 
 def _cell(row: dict) -> str:
@@ -129,6 +134,8 @@ def section(path: Path, link_base: Path = BENCH_DIR) -> str:
     rows = doc.get("rows", [])
     suite = doc.get("suite", path.stem)
     family = suite.split("-")[0]
+    if family.startswith("serve_") and family not in COLUMNS:  # a serving A/B record (serve_fused_async, ...)
+        family = "serve_ab"
     env = ", ".join(f"{k} {doc.get(k)}" for k in ("driver", "torch", "triton", "flash_attn_4", "vllm")
                    if doc.get(k))
     commit = str(doc.get("commit", "?"))

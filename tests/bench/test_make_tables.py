@@ -127,3 +127,29 @@ def test_serve_rows_of_two_load_formats_name_their_format(tmp_path):
     two, one = out.split("### `serve-h200.json`")[1], out.split("### `serve-h200.json`")[0]
     assert "| serve_c1_fp8 | vllm | dummy_live | ok |" in two and "| serve_c1_fp8 | vllm | dummy | ok |" in two
     assert "load" in two.splitlines()[3] and "load" not in one and "dummy" not in one
+
+
+def test_serving_ab_record_rows_are_named_by_variant_and_run(tmp_path):
+    """A serving A/B record (suite ``serve_<name>``, e.g. bench/results/serve_fused_async-h100.json) has rows named by
+    variant / run and no backend: it was rendered as an attention pivot, every cell "–"."""
+    res = tmp_path / "results"
+    res.mkdir()
+    row = {"variant": "unfused", "run": 1, "workload": "serve_c1_fp8", "max_num_seqs": 16, "completed": 4,
+           "failed": 0, "output_tok_s": 1022.1, "ttft_ms": 286.8, "time_per_canvas_ms": 213.96,
+           "diffusion_denoising_steps": 128, "diffusion_steps_per_canvas": 16.0, "peak_memory_bytes": 2**30}
+    _record(res / "serve_fused_async-h100.json", suite="serve_fused_async", gpu="NVIDIA H100 80GB HBM3",
+            rows=[row, dict(row, variant="fused_any", diffusion_denoising_steps=124)])
+    out = make_tables.render(res)
+    assert "| workload | variant | run | max num seqs | output tok s | ttft ms | time per canvas ms |" in out
+    assert "| serve_c1_fp8 | unfused | 1 | 16 | 1022.1 | 286.8 | 214.0 | 4 | 0 | 128 | 16.000 | 1024.0 MiB |" in out
+    assert "| serve_c1_fp8 | fused_any | 1 |" in out and "| 124 |" in out
+    assert "| – |" not in out
+
+
+def test_repository_readme_tables_are_current():
+    """bench/README.md holds exactly what make_tables renders from bench/results/ (run
+    ``python3 -m blockdiff.bench.make_tables`` after adding or changing a record)."""
+    text = (Path(make_tables.BENCH_DIR) / "README.md").read_text()
+    current = text[text.index(make_tables.BEGIN) + len(make_tables.BEGIN) + 1:text.index(make_tables.END) - 1]
+    assert current == make_tables.render(Path(make_tables.BENCH_DIR) / "results"), \
+        "bench/README.md is stale: run python3 -m blockdiff.bench.make_tables"
