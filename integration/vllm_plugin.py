@@ -41,7 +41,7 @@ ATTN_BACKEND_ENV = "BLOCKDIFF_ATTN_BACKEND"
 SAMPLER_BACKEND_ENV = "BLOCKDIFF_SAMPLER_BACKEND"
 
 SERVE_COMMAND = (
-    "pip install -e '.[vllm,cute]'   # installs the vllm.general_plugins entry point\n"
+    "pip install -e '.[vllm]' 'vllm==0.26.0'   # the vllm.general_plugins entry point; cute: integration/README.md\n"
     "VLLM_USE_V2_MODEL_RUNNER=1 VLLM_PLUGINS=blockdiff \\\n"
     "BLOCKDIFF_ATTN_BACKEND=triton BLOCKDIFF_SAMPLER_BACKEND=triton \\\n"
     "vllm serve $DIFFUSIONGEMMA_CHECKPOINT --language-model-only \\\n"

@@ -55,6 +55,8 @@ def test_serve_command_names_the_plugin_pieces():
                   f"--scheduler-cls {vllm_plugin.ASYNC_SCHEDULER_CLASS}", "--block-size 64",
                   "--language-model-only"):
         assert piece in cmd
+    # the install line resolves (the vllm and cute extras pin clashing CuTe DSL / tvm-ffi versions together)
+    assert "pip install -e '.[vllm]' 'vllm==0.26.0'" in cmd and "[vllm,cute]" not in cmd
 
 
 class _StandInVllmModel(torch.nn.Module):
