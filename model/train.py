@@ -491,13 +491,14 @@ def _autocast(dev):
     return torch.autocast("cpu", enabled=False)
 
 
-def train(args: TrainArgs, config: DiffusionGemmaConfig | None = None, stream=sys.stdout, *,
+def train(args: TrainArgs, config: DiffusionGemmaConfig | None = None, stream=None, *,
           evaluate: Callable[..., dict] | None = None) -> dict:
     """Train, save and evaluate (see the module docstring). Returns the ``train_log.json`` dict.
 
     Args:
         args: the run's settings. config: the model config (default :func:`default_train_config`, or
-            :func:`smoke_config` with ``args.smoke``). stream: where progress lines go.
+            :func:`smoke_config` with ``args.smoke``). stream: where progress lines go (None: ``sys.stdout`` at the
+            call, not at import).
         evaluate: evaluation by generation, run on the saved checkpoint when ``args.eval_prompts > 0``:
             ``evaluate(model, tokenizer, held_out, *, num_prompts, prompt_len, canvases, max_denoising_steps,
             seed, attn_backend, device) -> dict`` (recorded as ``"eval"``); ``blockdiff train`` passes
@@ -515,6 +516,7 @@ def train(args: TrainArgs, config: DiffusionGemmaConfig | None = None, stream=sy
     if args.eval_prompts > 0 and evaluate is None:
         raise ValueError(f"args.eval_prompts = {args.eval_prompts} needs evaluate= (e.g. "
                          "blockdiff.integration.evaluate.evaluate_generation); set eval_prompts = 0 to skip it")
+    stream = sys.stdout if stream is None else stream
     p = lambda *a: print(*a, file=stream, flush=True)  # noqa: E731
     t_start = time.perf_counter()
     torch.manual_seed(args.seed)

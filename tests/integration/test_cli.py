@@ -284,3 +284,17 @@ def test_train_refuses_an_attention_backend_its_evaluation_cannot_run_before_tra
     out = capsys.readouterr()
     assert rc == 2 and out.err.startswith(f"blockdiff train: error: --attn-backend: attention backend {backend!r}")
     assert "trained" not in out.out and not (tmp_path / "o").exists()
+
+
+def test_train_prints_to_the_stdout_of_the_call_not_the_one_at_import(tmp_path, monkeypatch):
+    """``model.train.train`` bound ``sys.stdout`` as its default stream at import, so after an earlier test's
+    captured stdout was closed, ``blockdiff train`` died with 'I/O operation on closed file' (a pytest-xdist
+    ordering flake found on 2026-12-06); the default now resolves at each call."""
+    import io
+    import sys
+
+    import blockdiff.model.train  # noqa: F401  (imported before the stdout below, as a later test sees it)
+    buf = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", buf)
+    assert cli.main(["train", "--smoke", "--out", str(tmp_path), "--max-steps", "1", "--eval-prompts", "1"]) == 0
+    assert "corpus:" in buf.getvalue()
