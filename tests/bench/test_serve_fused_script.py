@@ -158,3 +158,28 @@ def test_fused_ab_runs_the_unfused_then_the_fused_server_in_one_command(tmp_path
     assert 'pkill -f "serve /tmp/exp"' in text and "serve_bench.sh stop" in text
     bad = subprocess.run(["bash", script, "fp16"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "quant must be fp8 or bf16" in bad.stdout
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+@pytest.mark.parametrize("phases, labels, budgets", [
+    ("unfused", ["unfused"], ["BUDGET_S=570"]),
+    ("fused_async", ["fused_async"], ["BUDGET_S=570"]),
+    ("unfused,fused_async", ["unfused", "fused_async"], ["BUDGET_S=300", "BUDGET_S=200"]),
+])
+def test_fused_ab_phases_split_the_a_b_over_two_calls_when_a_cold_start_does_not_fit_one(tmp_path, phases, labels,
+                                                                                         budgets):
+    """Under dummy_live the unfused server was healthy after 212 s on a cold H100 and its sweep's c1 was skipped at
+    the one-call 300 s budget (2026-12-06): PHASES runs one server per call, each with 570 s."""
+    env = {**os.environ, "DRY": "1", "OUT": str(tmp_path), "PHASES": phases}
+    env.pop("BUDGET_S", None)
+    env.pop("BUDGET2_S", None)
+    script = "bench/experiments/device/serve_fused_ab.sh"
+    r = subprocess.run(["bash", script, "fp8", "cute"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert [ln.split(":")[0] for ln in lines] == labels
+    assert all(b in ln for b, ln in zip(budgets, lines))
+    env["PHASES"] = "fused_async,unfused"
+    bad = subprocess.run(["bash", script, "fp8", "cute"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode == 2 and "PHASES must be" in bad.stdout
