@@ -138,25 +138,32 @@ def test_parity_variants_never_compare_a_client_record_of_an_earlier_run():
     assert rm < text.index("--out $OUT/$tag.json") and rm < text.index("--out $OUT/${tag}_all.json")
 
 
+AB_SCRIPT = "bench/experiments/device/serve_fused_ab.sh"
+
+
+def _ab_dry(tmp_path, *args, **env_extra):
+    """serve_fused_ab.sh with DRY=1 and the default budgets: the completed process."""
+    env = {**os.environ, "DRY": "1", "OUT": str(tmp_path), **env_extra}
+    env.pop("BUDGET_S", None)
+    env.pop("BUDGET2_S", None)
+    return subprocess.run(["bash", AB_SCRIPT, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+
+
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_fused_ab_runs_the_unfused_then_the_fused_server_in_one_command(tmp_path):
     """serve_fused_ab.sh (7.52's A/B in one call): the unfused asynchronous server kept for its sweep, then
     serve_fused.sh fused_async, same quant and attention, within 600 s (300 + 200 s budgets); bad arguments
     refused. Before each server it frees the GPU (the parity server that serve_fused.sh's parity variants leave up
     held 3.5 GiB in 7.52)."""
-    env = {**os.environ, "DRY": "1", "OUT": str(tmp_path)}
-    env.pop("BUDGET_S", None)
-    env.pop("BUDGET2_S", None)
-    script = "bench/experiments/device/serve_fused_ab.sh"
-    r = subprocess.run(["bash", script, "fp8", "cute"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    r = _ab_dry(tmp_path, "fp8", "cute")
     assert r.returncode == 0, r.stdout + r.stderr
     lines = r.stdout.strip().splitlines()
     assert [ln.split(":")[0] for ln in lines] == ["unfused", "fused_async"]
     assert "KEEP=1 BUDGET_S=300" in lines[0] and "serve_alone.sh blockdiff fp8 cute" in lines[0]
     assert "BUDGET_S=200" in lines[1] and "serve_fused.sh fused_async fp8 cute" in lines[1]
-    text = (ROOT / script).read_text()
+    text = (ROOT / AB_SCRIPT).read_text()
     assert 'pkill -f "serve /tmp/exp"' in text and "serve_bench.sh stop" in text
-    bad = subprocess.run(["bash", script, "fp16"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    bad = _ab_dry(tmp_path, "fp16")
     assert bad.returncode == 2 and "quant must be fp8 or bf16" in bad.stdout
 
 
@@ -170,16 +177,10 @@ def test_fused_ab_phases_split_the_a_b_over_two_calls_when_a_cold_start_does_not
                                                                                          budgets):
     """Under dummy_live the unfused server was healthy after 212 s on a cold H100 and its sweep's c1 was skipped at
     the one-call 300 s budget (2026-12-06): PHASES runs one server per call, each with 570 s."""
-    env = {**os.environ, "DRY": "1", "OUT": str(tmp_path), "PHASES": phases}
-    env.pop("BUDGET_S", None)
-    env.pop("BUDGET2_S", None)
-    script = "bench/experiments/device/serve_fused_ab.sh"
-    r = subprocess.run(["bash", script, "fp8", "cute"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    r = _ab_dry(tmp_path, "fp8", "cute", PHASES=phases)
     assert r.returncode == 0, r.stdout + r.stderr
     lines = r.stdout.strip().splitlines()
     assert [ln.split(":")[0] for ln in lines] == labels
     assert all(b in ln for b, ln in zip(budgets, lines))
-    env["PHASES"] = "fused_async,unfused"
-    bad = subprocess.run(["bash", script, "fp8", "cute"], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=60)
+    bad = _ab_dry(tmp_path, "fp8", "cute", PHASES="fused_async,unfused")
     assert bad.returncode == 2 and "PHASES must be" in bad.stdout
