@@ -29,6 +29,9 @@ MAX_CANVAS_LENGTH = (1 << 16) - 1
 #: FLOAT32_MAX it becomes inf, below FLOAT32_TINY 0 or a denormal (which a GPU may flush to 0). An rms_norm_eps,
 #: final_logit_softcapping, rope_theta or RoPE factor out there made every logit NaN (each request failed) or 0.
 FLOAT32_MAX = 3.4028234663852886e38
+#: Largest max_position_embeddings: positions are int64 (the model compares them with it; beyond, torch wraps the
+#: bound to a negative int64 and refuses every position, or raises OverflowError).
+MAX_POSITION_EMBEDDINGS = (1 << 63) - 1
 FLOAT32_TINY = 2.0 ** -126
 _INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "head_dim", "global_head_dim", "num_global_key_value_heads",
@@ -208,6 +211,7 @@ class DiffusionGemmaConfig:
 
         Rules: the integer sizes are ints (not bool / float / str) >= 1; ``num_attention_heads`` a multiple of
         both KV-head counts; ``head_dim`` / ``global_head_dim`` even; ``top_k_experts <= num_experts``;
+        ``max_position_embeddings <= 2**63 - 1`` (int64 positions);
         ``1 <= canvas_length <= min(max_position_embeddings, MAX_CANVAS_LENGTH)``; ``rms_norm_eps > 0`` and
         finite; ``initializer_range >= 0`` and finite; ``final_logit_softcapping`` None (off) or > 0 and finite;
         per used layer type ``rope_parameters[type]`` holds ``rope_theta > 0`` (finite), an optional
@@ -250,6 +254,9 @@ class DiffusionGemmaConfig:
             raise ValueError("head_dim and global_head_dim must be even (RoPE rotates halves)")
         if self.top_k_experts > self.num_experts:
             raise ValueError(f"top_k_experts ({self.top_k_experts}) must be <= num_experts ({self.num_experts})")
+        if self.max_position_embeddings > MAX_POSITION_EMBEDDINGS:  # positions are int64 tensors
+            raise ValueError(f"max_position_embeddings must be <= 2**63 - 1 (positions are int64), got "
+                             f"{self.max_position_embeddings}")
         cap = min(self.max_position_embeddings, MAX_CANVAS_LENGTH)
         if self.canvas_length > cap:
             raise ValueError(f"canvas_length must be <= min(max_position_embeddings = {self.max_position_embeddings}"
@@ -307,9 +314,12 @@ class DiffusionGemmaConfig:
             # the largest angle position * inv_freq (float32, as rope_cos_sin computes it) of any position the
             # model takes (< max_position_embeddings) must be finite: cos / sin of inf are NaN (a rope_theta or
             # factor near float32's smallest normal has inverse frequencies up to ~2**126)
-            inv = rope_inv_freq(rp, head_dim, torch.float32)
-            last = torch.tensor(float(self.max_position_embeddings - 1), dtype=torch.float32)
-            top = (last * inv).abs().max() if inv.numel() else last * 0
+            # on the CPU whatever the caller's default device: a config built under `with torch.device("meta")`
+            # (a model built without allocating) has no values to read, and a CUDA default would sync
+            with torch.device("cpu"):
+                inv = rope_inv_freq(rp, head_dim, torch.float32)
+                last = torch.tensor(float(self.max_position_embeddings - 1), dtype=torch.float32)
+                top = (last * inv).abs().max() if inv.numel() else last * 0
             if not bool(torch.isfinite(inv).all()) or not bool(torch.isfinite(top)):
                 raise ValueError(f"{where}: the RoPE inverse frequencies of rope_theta {rp['rope_theta']!r}"
                                  f"{', factor ' + repr(rp['factor']) if 'factor' in rp else ''} reach "

@@ -242,6 +242,24 @@ def test_rope_angles_that_overflow_float32_below_max_position_embeddings_are_ref
         DiffusionGemma(cfg)
 
 
+def test_config_and_model_build_under_a_meta_default_device():
+    """The RoPE-angle rule computes on the CPU whatever the default device: under ``with torch.device("meta")`` (a
+    model built without allocating) it read a meta tensor ('Tensor.item() cannot be called on meta tensors')."""
+    with torch.device("meta"):
+        cfg = tiny_config()
+        model = DiffusionGemma(cfg)
+    assert model.embed_tokens.weight.is_meta
+
+
+@pytest.mark.parametrize("P", [2 ** 63, 10 ** 400], ids=["2**63", "10**400"])
+def test_max_position_embeddings_beyond_int64_is_a_value_error(P):
+    """Positions are int64: a bound past 2**63 - 1 wrapped to a negative int64 in the forward's range check (every
+    position refused) or was an OverflowError in the RoPE rule's float conversion."""
+    with pytest.raises(ValueError, match=r"max_position_embeddings must be <= 2\*\*63 - 1"):
+        tiny_config(max_position_embeddings=P)
+    assert tiny_config(max_position_embeddings=2 ** 63 - 1).max_position_embeddings == 2 ** 63 - 1
+
+
 def test_float32_edge_config_values_build_a_model_whose_logits_are_finite():
     """The rule's edges are usable: the extremes it accepts give finite logits on the tiny model."""
     from blockdiff.integration.harness import HarnessRunner
