@@ -24,7 +24,8 @@ MAX_DENOISING_STEPS = 1 << 14
 #: ``blockdiff export --geometry`` names: the keys of ``blockdiff.model.config.GEOMETRIES`` (repeated here so
 #: argument errors need no torch; tests/model/test_export.py checks the two agree).
 GEOMETRY_NAMES = ("diffusiongemma-26b-a4b",)
-#: Largest finite float32: the sampler keeps the float sampling parameters in float32.
+#: Largest finite float32: the sampler keeps the float sampling parameters in float32 (blockdiff.model.config's
+#: FLOAT32_MAX, repeated so argument errors need no torch; tests/model/test_export.py checks the two agree).
 _FLOAT32_MAX = 3.4028234663852886e38
 #: ``blockdiff export``'s sampling defaults when a flag is not given (blockdiff.model.export.GENERATION_DEFAULTS;
 #: repeated so argument errors need no torch; tests/model/test_export.py checks the two agree).

@@ -36,6 +36,7 @@ from tqdm import tqdm
 
 from blockdiff.attention import attention, build_mask, get_backend, resolve_backend
 from blockdiff.model import CheckpointError, DiffusionGemma, tiny_config  # CheckpointError: re-exported here
+from blockdiff.model.config import FLOAT32_MAX  # the random weights embedding_scale multiplies are float32
 from blockdiff.model.generation import GENERATION_FILE
 from blockdiff.model.loading import check_device
 from blockdiff.model.pretrained import load_pretrained
@@ -67,10 +68,6 @@ TEXT_REQUESTS: tuple[tuple[str, str, int, int, bool], ...] = (
 )
 TRAINED_MAX_DENOISING_STEPS = 16  # blockdiff train's evaluation cap (its --eval-steps default)
 RANDOM_CANVAS_LENGTH, RANDOM_MAX_DENOISING_STEPS, RANDOM_EMBEDDING_SCALE = 16, 6, 30.0
-
-
-#: Largest finite float32: the random weights ``embedding_scale`` multiplies are float32.
-_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 class BackendUnavailable(RuntimeError):
@@ -282,9 +279,9 @@ def run_demo(*, backend: str = "reference", sampler_backend: str = "reference", 
     if embedding_scale is not None:
         if isinstance(embedding_scale, bool) or not isinstance(embedding_scale, (int, float)):
             raise TypeError(f"embedding_scale must be a number, got {type(embedding_scale).__name__}")
-        if not (math.isfinite(embedding_scale) and 0 < embedding_scale <= _FLOAT32_MAX):
+        if not (math.isfinite(embedding_scale) and 0 < embedding_scale <= FLOAT32_MAX):
             # the float32 weights it scales: beyond float32 they are inf and every request fails; NaN / <= 0 no peak
-            raise ValueError(f"embedding_scale must be a finite number in (0, {_FLOAT32_MAX:.4e}] (it scales the "
+            raise ValueError(f"embedding_scale must be a finite number in (0, {FLOAT32_MAX:.4e}] (it scales the "
                              f"float32 tied embedding), got {embedding_scale!r}")
     dev = resolve_device(device)
     check_attention_backend(backend, dev, dtype=None)  # the device rules now; the probe once the dtype is known

@@ -31,7 +31,7 @@ import math
 import numbers
 import os
 
-from .config import DiffusionGemmaConfig, read_json_object
+from .config import FLOAT32_MAX, DiffusionGemmaConfig, read_json_object
 from .errors import CheckpointError, CheckpointFileNotFoundError
 
 __all__ = ["GENERATION_FILE", "GENERATION_DEFAULTS", "MAX_DENOISING_STEPS", "generation_defaults",
@@ -44,7 +44,6 @@ GENERATION_DEFAULTS = {"max_denoising_steps": 48, "t_min": 0.4, "t_max": 0.8, "e
 #: ``max_denoising_steps`` must be below this: the sampler's RNG counter layout
 #: (``blockdiff.sampler.rng.MAX_STEPS``; tests/model checks the two agree).
 MAX_DENOISING_STEPS = 1 << 14
-_FLOAT32_MAX = 3.4028234663852886e38  # the sampler stores the float fields as float32
 _MAX_TOKENS = 1 << 62  # SamplingParams.max_tokens' upper bound
 _ENTROPY_BOUND_SAMPLER = "EntropyBoundSamplerConfig"
 #: Keys of transformers' DiffusionGemmaGenerationConfig that do not change the default request: the output format,
@@ -153,7 +152,7 @@ def parse_generation_config(d: dict, config: DiffusionGemmaConfig) -> dict:
         v = out[name]
         if isinstance(v, bool) or not isinstance(v, numbers.Real):
             raise TypeError(f"{name} must be a number, got {type(v).__name__} {v!r}")
-        if not math.isfinite(v) or abs(v) > _FLOAT32_MAX:
+        if not math.isfinite(v) or abs(v) > FLOAT32_MAX:
             raise ValueError(f"{name} must be finite in float32, got {v!r}")
         out[name] = float(v)
     if out["t_min"] < 0:

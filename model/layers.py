@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import DiffusionGemmaConfig, rope_inv_freq  # noqa: F401 (rope_inv_freq re-exported)
+from .config import DiffusionGemmaConfig
 
 MOE_IMPLS = ("loop", "grouped_mm")
 

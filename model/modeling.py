@@ -26,11 +26,11 @@ from torch import nn
 from blockdiff.attention import attention, causal_row_counts, write_kv_cache
 from blockdiff.attention.validate import capturing
 
-from .config import DiffusionGemmaConfig
+from .config import DiffusionGemmaConfig, rope_inv_freq
 from .errors import CheckpointError, CheckpointFileNotFoundError
 from .generation import generation_defaults, load_generation_config
 from .layers import (MOE_IMPLS, DecoderLayer, GatedMLP, RMSNorm, acc_dtype, default_moe_impl, init_weights_,
-                     rope_cos_sin, rope_inv_freq)
+                     rope_cos_sin)
 from .loading import check_device, load_hf_state_dict, read_safetensors
 
 

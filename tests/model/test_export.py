@@ -454,9 +454,10 @@ def test_cli_export_argument_errors_come_before_torch(tmp_path):
 
 
 def test_cli_export_geometry_writes_the_26b_config_without_weights(tmp_path, capsys):
-    from blockdiff.model.config import DIFFUSIONGEMMA_26B_A4B, GEOMETRIES, geometry_config
+    from blockdiff.model.config import DIFFUSIONGEMMA_26B_A4B, FLOAT32_MAX, GEOMETRIES, geometry_config
 
     assert tuple(sorted(GEOMETRIES)) == tuple(sorted(cli.GEOMETRY_NAMES))  # the CLI's torch-free copy of the names
+    assert cli._FLOAT32_MAX == FLOAT32_MAX  # and of float32's largest finite value
     out = tmp_path / "g"
     assert cli.main(["export", str(out), "--geometry", "diffusiongemma-26b-a4b", "--stability-threshold", "16"]) == 0
     assert "--load-format dummy" in capsys.readouterr().out
