@@ -126,7 +126,8 @@ def hf_generation_config_dict(config: DiffusionGemmaConfig, *, max_denoising_ste
     Raises:
         TypeError: a value of the wrong type (named). ValueError: a value breaking its rule (named), or one
             blockdiff's loader refuses (:func:`blockdiff.model.generation.parse_generation_config`: e.g.
-            ``max_denoising_steps`` >= 2**14, ``stability_threshold`` >= 2**31, a float beyond float32).
+            ``max_denoising_steps`` >= 2**14, ``stability_threshold`` >= 2**31, a float beyond float32, a float32
+            schedule with a temperature below 2**-126 or overflowing float32, which the sampler refuses).
     """
     p = dict(GENERATION_DEFAULTS)
     given = dict(max_denoising_steps=max_denoising_steps, t_min=t_min, t_max=t_max, entropy_bound=entropy_bound,

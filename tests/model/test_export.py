@@ -503,7 +503,9 @@ def test_cli_export_refuses_values_blockdiff_cannot_load_back(tmp_path, capsys, 
 
 @pytest.mark.parametrize("kw,match", [(dict(max_denoising_steps=2 ** 14), "max_denoising_steps"),
                                       (dict(stability_threshold=2 ** 31), "stability_threshold"),
-                                      (dict(t_max=1e39), "t_max"), (dict(entropy_bound=1e39), "entropy_bound")])
+                                      (dict(t_max=1e39), "t_max"), (dict(entropy_bound=1e39), "entropy_bound"),
+                                      (dict(t_min=0.0, t_max=1e-40), "below MIN_TEMPERATURE"),
+                                      (dict(t_min=0.0, t_max=3e38), "overflows float32")])
 def test_generation_config_written_is_one_the_loader_reads_back(kw, match):
     """hf_generation_config_dict checks its result with the loader's parse_generation_config."""
     with pytest.raises(ValueError, match=match):
@@ -563,3 +565,11 @@ def test_sampling_params_take_per_request_values_the_export_refuses(kw):
     SamplingParams(**kw)
     with pytest.raises(ValueError):
         hf_generation_config_dict(tiny_config(), **kw)
+
+
+def test_export_hf_refuses_a_schedule_the_sampler_refuses_and_writes_nothing(tmp_path):
+    """Was: written (t_max > t_min, finite), a generation_config.json whose defaults every request refused."""
+    for kw in (dict(t_min=0.0, t_max=1e-40), dict(t_min=0.0, t_max=3e38, max_denoising_steps=2)):
+        with pytest.raises(ValueError, match="MIN_TEMPERATURE|overflows float32"):
+            export_hf(tiny_config(), tmp_path / "o", **kw)
+        assert not (tmp_path / "o").exists()
