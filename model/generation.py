@@ -186,7 +186,8 @@ def parse_generation_config(d: dict, config: DiffusionGemmaConfig) -> dict:
     steps = out["max_denoising_steps"]
     if not math.isfinite(hi):
         raise ValueError(f"t_max={out['t_max']} with t_min={out['t_min']} and max_denoising_steps={steps} gives the "
-                         f"temperature {hi} at the first step ((t_max - t_min) * max_denoising_steps overflows float32)")
+                         f"temperature {hi} at the first step ((t_max - t_min) * max_denoising_steps overflows "
+                         "float32)")
     if lo < MIN_TEMPERATURE:
         raise ValueError(f"t_min={out['t_min']} / t_max={out['t_max']} with max_denoising_steps={steps} give the "
                          f"temperature {lo:.4g} at the last step, below MIN_TEMPERATURE = 2**-126 (float32's smallest "

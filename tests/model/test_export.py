@@ -573,3 +573,20 @@ def test_export_hf_refuses_a_schedule_the_sampler_refuses_and_writes_nothing(tmp
         with pytest.raises(ValueError, match="MIN_TEMPERATURE|overflows float32"):
             export_hf(tiny_config(), tmp_path / "o", **kw)
         assert not (tmp_path / "o").exists()
+
+
+def test_export_hf_argument_errors_name_the_argument_and_write_nothing(tmp_path):
+    """Was: a meta-device model died in torch's 'Cannot copy out of meta tensor' (NotImplementedError), out_dir None
+    in os.fspath's 'expected str, bytes or os.PathLike object', and a float64 model without dtype= in 'dtype must be
+    one of ... got torch.float64' (a dtype the caller never passed)."""
+    cfg = tiny_config(vocab_size=259)
+    with torch.device("meta"):
+        meta = DiffusionGemma(cfg)
+    with pytest.raises(ValueError, match="meta device"):
+        export_hf(meta, tmp_path / "o")
+    with pytest.raises(TypeError, match="out_dir must be a str or os.PathLike"):
+        export_hf(cfg, None)
+    with pytest.raises(ValueError, match=r"dtype: the source's weights are torch.float64.*pass dtype="):
+        export_hf(DiffusionGemma(cfg).double(), tmp_path / "o")
+    assert not (tmp_path / "o").exists()
+    assert "model.safetensors" in export_hf(DiffusionGemma(cfg).double(), tmp_path / "o", dtype="float32")
