@@ -1655,15 +1655,65 @@ def _profile(args) -> dict:
 #: Row fields that are numbers (or null) in every sweep row; :func:`read_rows` refuses other values.
 ROW_NUMBERS = ("concurrency", "max_num_seqs", "num_prompts", "completed", "failed", "output_tok_s", "total_tok_s",
                "ttft_ms", "time_per_canvas_ms", "diffusion_steps_per_canvas", "peak_memory_bytes")
+#: Row fields :func:`record` reads as names (grouping keys, labels): a string or null.
+ROW_STRINGS = ("backend", "quant", "status")
+#: Row fields :func:`record` reads as flags: a JSON bool or null (a string "false" would count as true).
+ROW_BOOLS = ("complete", "steps_ok", "enforce_eager", "skip_special_tokens")
+
+
+def _row_problem(obj: dict) -> str | None:
+    """Why a sweep row cannot go into a record (:func:`read_rows`' rules, field named), or None."""
+    if not isinstance(obj.get("workload"), str):
+        return f"a row needs a 'workload' string (a sweep row), got {obj.get('workload')!r}"
+    try:
+        effective_load_format(obj.get("load_format"))
+    except ValueError as e:
+        return f"{e} (or absent)"
+    for k in ROW_NUMBERS:
+        v = obj.get(k)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            return f"{k} must be a number or null, got {v!r}"
+        if not math.isfinite(v) or v < 0:  # (json reads NaN / Infinity: a goal then compared NaN, met False)
+            return f"{k} must be a finite number >= 0 or null, got {v!r}"
+    c = obj.get("concurrency")
+    if c is not None and (not isinstance(c, int) or c < 1):
+        return f"concurrency must be an int >= 1 (requests in flight) or null, got {c!r}"
+    if obj.get("status") == "ok" and obj.get("output_tok_s") is not None and c is None:
+        return "an ok row with output_tok_s needs its concurrency (the plot's x axis)"
+    for k in ROW_STRINGS:
+        if obj.get(k) is not None and not isinstance(obj[k], str):
+            return f"{k} must be a string or null, got {obj[k]!r}"
+    for k in ROW_BOOLS:
+        if obj.get(k) is not None and not isinstance(obj[k], bool):
+            return f"{k} must be true, false or null, got {obj[k]!r}"
+    return None
+
+
+def _env_problem(env: dict) -> str | None:
+    """Why an env record cannot go into a record (its ``setting`` an object with a known ``load_format``), or None."""
+    setting = env.get("setting")
+    if setting is None:
+        return None
+    if not isinstance(setting, dict):
+        return f"env setting must be a JSON object or null, got {setting!r}"
+    try:
+        effective_load_format(setting.get("load_format"))
+    except ValueError as e:
+        return f"env setting: {e} (or absent)"
+    return None
 
 
 def read_rows(paths: Sequence[str | os.PathLike]) -> tuple[list[dict], list[dict]]:
     """(environment records, rows) from sweep JSON-lines files (a line ``{"env": ...}`` is an environment).
 
     Raises:
-        ValueError: a line that is not a JSON object, an ``env`` that is not one, a row without a ``workload``
-            string, with a non-numeric :data:`ROW_NUMBERS` field or a ``load_format`` outside :data:`LOAD_FORMATS`
-            (file and line named).
+        ValueError: a line that is not a JSON object, an ``env`` that is not one (or whose ``setting`` is not an
+            object with a known ``load_format``), a row without a ``workload`` string, with a :data:`ROW_NUMBERS`
+            field that is not a finite number >= 0 (NaN / Infinity included; ``concurrency`` an int >= 1, required on
+            an ok row with ``output_tok_s``), a :data:`ROW_STRINGS` field that is not a string, a :data:`ROW_BOOLS`
+            field that is not a bool, or a ``load_format`` outside :data:`LOAD_FORMATS` (file, line and field named).
         OSError: a file that cannot be read.
     """
     envs, rows = [], []
@@ -1681,19 +1731,14 @@ def read_rows(paths: Sequence[str | os.PathLike]) -> tuple[list[dict], list[dict
                 if "env" in obj:
                     if not isinstance(obj["env"], dict):
                         raise ValueError(f"{p}:{n}: env must be a JSON object, got {type(obj['env']).__name__}")
+                    why = _env_problem(obj["env"])
+                    if why:
+                        raise ValueError(f"{p}:{n}: {why}")
                     envs.append(obj["env"])
                     continue
-                if not isinstance(obj.get("workload"), str):
-                    raise ValueError(f"{p}:{n}: a row needs a 'workload' string (a sweep row), got "
-                                     f"{obj.get('workload')!r}")
-                try:
-                    effective_load_format(obj.get("load_format"))
-                except ValueError as e:
-                    raise ValueError(f"{p}:{n}: {e} (or absent)") from e
-                for k in ROW_NUMBERS:
-                    v = obj.get(k)
-                    if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
-                        raise ValueError(f"{p}:{n}: {k} must be a number or null, got {v!r}")
+                why = _row_problem(obj)
+                if why:
+                    raise ValueError(f"{p}:{n}: {why}")
                 rows.append(obj)
     return envs, rows
 

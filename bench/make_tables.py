@@ -50,7 +50,7 @@ def _fmt(key: str, v) -> str:
         return "yes" if v else "**NO**"
     if key.endswith("_bytes") and isinstance(v, (int, float)):
         return f"{v / 2**20:.1f} MiB"
-    if key.endswith("share") or key == "share_of_peak":
+    if (key.endswith("share") or key == "share_of_peak") and isinstance(v, (int, float)):
         return f"{100 * v:.1f} %"
     if isinstance(v, float):
         return f"{v:.4f}" if abs(v) < 1 else (f"{v:.3f}" if abs(v) < 100 else f"{v:.1f}" if abs(v) < 1e4 else f"{v:.0f}")
@@ -166,9 +166,30 @@ def section(path: Path, link_base: Path = BENCH_DIR) -> str:
     return "\n".join(head + body)
 
 
+def record_problem(doc: dict) -> str | None:
+    """Why a record (a JSON object with ``rows``) cannot be rendered, naming the field, or None: ``suite`` a string
+    when given; ``rows`` a list of objects, each with a ``workload`` string, a ``config`` object or null (tile-sweep
+    rows), ``graph_ms`` / ``eager_ms`` numbers or null (:func:`sweep_summary` sorts by them)."""
+    if "suite" in doc and not isinstance(doc["suite"], str):
+        return f"suite must be a string, got {doc['suite']!r}"
+    if not isinstance(doc["rows"], list) or not all(isinstance(r, dict) for r in doc["rows"]):
+        return "rows must be a list of JSON objects"
+    for i, r in enumerate(doc["rows"]):
+        if not isinstance(r.get("workload"), str):
+            return f"rows[{i}].workload must be a string, got {r.get('workload')!r}"
+        if r.get("config") is not None and not isinstance(r["config"], dict):
+            return f"rows[{i}].config must be a JSON object or null, got {r['config']!r}"
+        for k in ("graph_ms", "eager_ms"):
+            v = r.get(k)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                return f"rows[{i}].{k} must be a number or null, got {v!r}"
+    return None
+
+
 def render(results: Path, include_cpu: bool = False, link_base: Path = BENCH_DIR) -> str:
     """One section per record file (sorted by name; plot links relative to ``link_base``), or a placeholder
-    when there is no GPU record."""
+    when there is no GPU record. A file that is not JSON, or a record :func:`record_problem` refuses, is skipped
+    with a line on stderr naming the file and the problem."""
     parts = []
     for path in sorted(results.glob("*.json")):
         try:
@@ -178,8 +199,9 @@ def render(results: Path, include_cpu: bool = False, link_base: Path = BENCH_DIR
             continue
         if not isinstance(doc, dict) or "rows" not in doc:
             continue
-        if not isinstance(doc["rows"], list) or not all(isinstance(r, dict) for r in doc["rows"]):
-            print(f"make_tables: skipping {path.name}: rows must be a list of JSON objects", file=sys.stderr)
+        why = record_problem(doc)
+        if why:  # one malformed record is left out, named; it does not stop the others (was: a traceback)
+            print(f"make_tables: skipping {path.name}: {why}", file=sys.stderr)
             continue
         if doc.get("gpu") == "cpu" and not include_cpu:
             continue

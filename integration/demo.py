@@ -268,7 +268,8 @@ def run_demo(*, backend: str = "reference", sampler_backend: str = "reference", 
             prompt with random weights.
         TypeError: ``embedding_scale`` not a number (a bool included).
         DemoInputError: the requests need more positions than the checkpoint's ``max_position_embeddings`` (a
-            ValueError naming ``--canvas-length``).
+            ValueError naming ``--canvas-length``), or a ``max_denoising_steps`` that puts the checkpoint's
+            temperature schedule below the sampler's 2**-126 (naming ``--max-denoising-steps``).
         blockdiff.integration.checks.AttentionMismatch, blockdiff.integration.sampler.SamplerMismatch:
             ``check`` found a disagreement with the reference.
     """
@@ -456,7 +457,11 @@ def _checkpoint_defaults(model, folder: str, tokenizer, canvas_length: int | Non
         notes["canvas_length"] = f" (overrides the checkpoint's trained canvas length {ckpt.canvas_length})"
     if not ckpt.eos_token_ids:
         kw["eos_token_ids"] = (tokenizer.eos_token_id,)
-    return dataclasses.replace(ckpt, **kw), notes
+    try:  # a step cap the checkpoint's schedule cannot take (a temperature below 2**-126 at the last step)
+        return dataclasses.replace(ckpt, **kw), notes
+    except ValueError as e:
+        raise DemoInputError(f"--max-denoising-steps {kw['max_denoising_steps']} with the checkpoint's t_min "
+                             f"{ckpt.t_min} / t_max {ckpt.t_max}: the sampler refuses this request ({e})") from None
 
 
 def format_generation_metrics(totals: dict) -> str:

@@ -126,7 +126,8 @@ def hf_generation_config_dict(config: DiffusionGemmaConfig, *, max_denoising_ste
     Raises:
         TypeError: a value of the wrong type (named). ValueError: a value breaking its rule (named), or one
             blockdiff's loader refuses (:func:`blockdiff.model.generation.parse_generation_config`: e.g.
-            ``max_denoising_steps`` >= 2**14, ``stability_threshold`` >= 2**31, a float beyond float32).
+            ``max_denoising_steps`` >= 2**14, ``stability_threshold`` >= 2**31, a float beyond float32, a float32
+            schedule with a temperature below 2**-126 or overflowing float32, which the sampler refuses).
     """
     p = dict(GENERATION_DEFAULTS)
     given = dict(max_denoising_steps=max_denoising_steps, t_min=t_min, t_max=t_max, entropy_bound=entropy_bound,
@@ -247,19 +248,23 @@ def export_hf(source, out_dir, *, dtype: torch.dtype | str | None = None, overwr
         file name -> path of every file written.
 
     Raises:
-        TypeError: ``source`` of another type, an unknown ``generation`` keyword, a value of the wrong type.
+        TypeError: ``source`` of another type, ``out_dir`` not a str / os.PathLike, an unknown ``generation`` keyword,
+            a value of the wrong type.
         FileNotFoundError: a source folder that is missing or lacks a checkpoint file (from ``load_pretrained``).
         FileExistsError: ``out_dir`` already holds an export file and ``overwrite`` is False (all are named), or
             ``out_dir`` is a file.
-        ValueError: ``out_dir`` is the source folder; a source the files cannot describe (see ``check_vllm``,
-            :func:`hf_config_dict`, :func:`hf_tokenizer_json`); a bad generation value; weights that do not match
-            the source's config (from the loader); a ``dtype`` that cannot hold the weights (a finite weight that
-            would overflow to inf, e.g. above 65504 in float16; checked before anything is written).
+        ValueError: ``out_dir`` is the source folder; a DiffusionGemma on the meta device (no weights); a source in
+            a dtype an export does not write (float64) without ``dtype``; a source the files cannot describe (see
+            ``check_vllm``, :func:`hf_config_dict`, :func:`hf_tokenizer_json`); a bad generation value; weights that
+            do not match the source's config (from the loader); a ``dtype`` that cannot hold the weights (a finite
+            weight that would overflow to inf, e.g. above 65504 in float16; checked before anything is written).
     """
     unknown = sorted(set(generation) - {*GENERATION_DEFAULTS, "max_new_tokens"})
     if unknown:
         raise TypeError(f"export_hf() got unknown generation keywords {unknown}; known: "
                         f"{sorted({*GENERATION_DEFAULTS, 'max_new_tokens'})}")
+    if not isinstance(out_dir, (str, os.PathLike)):
+        raise TypeError(f"out_dir must be a str or os.PathLike (the folder to write), got {type(out_dir).__name__}")
     out_dir = os.fspath(out_dir)
     model = None
     if isinstance(source, (str, os.PathLike)):
@@ -270,11 +275,17 @@ def export_hf(source, out_dir, *, dtype: torch.dtype | str | None = None, overwr
         config = model.config
     elif isinstance(source, DiffusionGemma):
         model, config = source, source.config
+        if model.embed_tokens.weight.is_meta:  # shapes only: torch's "Cannot copy out of meta tensor" at save
+            raise ValueError("source is a DiffusionGemma on the meta device (no weights to write): load or "
+                             "initialise its weights, or pass its DiffusionGemmaConfig to export the config alone")
     elif isinstance(source, DiffusionGemmaConfig):
         config = source
     else:
         raise TypeError(f"source must be a checkpoint folder, a DiffusionGemma or a DiffusionGemmaConfig, got "
                         f"{type(source).__name__}")
+    if dtype is None and model is not None and model.embed_tokens.weight.dtype not in _DTYPES.values():
+        raise ValueError(f"dtype: the source's weights are {model.embed_tokens.weight.dtype}, which an export does not "
+                         f"write; pass dtype= one of {list(_DTYPES)}")
     if dtype is None:
         dtype = model.embed_tokens.weight.dtype if model is not None else torch.bfloat16
     dtype = _resolve_dtype(dtype)

@@ -31,11 +31,13 @@ import math
 import numbers
 import os
 
-from .config import FLOAT32_MAX, DiffusionGemmaConfig, read_json_object
+import torch
+
+from .config import FLOAT32_MAX, FLOAT32_TINY, DiffusionGemmaConfig, read_json_object
 from .errors import CheckpointError, CheckpointFileNotFoundError
 
-__all__ = ["GENERATION_FILE", "GENERATION_DEFAULTS", "MAX_DENOISING_STEPS", "generation_defaults",
-           "load_generation_config", "parse_generation_config"]
+__all__ = ["GENERATION_FILE", "GENERATION_DEFAULTS", "MAX_DENOISING_STEPS", "MIN_TEMPERATURE", "generation_defaults",
+           "load_generation_config", "parse_generation_config", "schedule_extremes"]
 
 GENERATION_FILE = "generation_config.json"
 #: transformers' ``DiffusionGemmaGenerationConfig._get_default_generation_params()`` (SamplingParams' defaults).
@@ -44,6 +46,10 @@ GENERATION_DEFAULTS = {"max_denoising_steps": 48, "t_min": 0.4, "t_max": 0.8, "e
 #: ``max_denoising_steps`` must be below this: the sampler's RNG counter layout
 #: (``blockdiff.sampler.rng.MAX_STEPS``; tests/model checks the two agree).
 MAX_DENOISING_STEPS = 1 << 14
+#: The lowest temperature of a schedule the sampler takes: float32's smallest normal number, 2**-126
+#: (``blockdiff.sampler.params.MIN_TEMPERATURE``, repeated: model and sampler are independent layers; tests/model
+#: checks the two agree).
+MIN_TEMPERATURE = FLOAT32_TINY
 _MAX_TOKENS = 1 << 62  # SamplingParams.max_tokens' upper bound
 _ENTROPY_BOUND_SAMPLER = "EntropyBoundSamplerConfig"
 #: Keys of transformers' DiffusionGemmaGenerationConfig that do not change the default request: the output format,
@@ -52,6 +58,18 @@ _IGNORED_KEYS = ("return_dict_in_generate", "cache_implementation", "cache_confi
                  "bos_token_id", "pad_token_id", "_commit_hash", "_from_model_config", "transformers_version")
 _KEYS = (*GENERATION_DEFAULTS, "sampler_config", "eos_token_id", "max_new_tokens", "max_length", *_IGNORED_KEYS)
 _KEYS = tuple(k for k in _KEYS if k != "entropy_bound")  # entropy_bound lives in sampler_config
+
+
+def schedule_extremes(t_min: float, t_max: float, max_denoising_steps: int) -> tuple[float, float]:
+    """(lowest, highest) temperature of the sampler's schedule ``T = t_min + (t_max - t_min) * (S - s) / S`` over
+    s in [0, S), in float32 in that order (docs/ARCHITECTURE.md "Sampler semantics" rule 1): T at s = S - 1 and at
+    s = 0. The same values as ``blockdiff.sampler.params.schedule_extremes`` (model and sampler are independent
+    layers; tests/model checks the two agree)."""
+    f32 = torch.float32
+    lo_hi = torch.tensor([t_min, t_max], dtype=f32)
+    k = torch.tensor([1, max_denoising_steps], dtype=torch.int32).to(f32)  # S - s at s = S - 1 and at s = 0
+    T = lo_hi[0] + ((lo_hi[1] - lo_hi[0]) * k) / torch.tensor(max_denoising_steps, dtype=torch.int32).to(f32)
+    return float(T[0]), float(T[1])
 
 
 def generation_defaults(config: DiffusionGemmaConfig) -> dict:
@@ -108,6 +126,8 @@ def parse_generation_config(d: dict, config: DiffusionGemmaConfig) -> dict:
     Rules (transformers' ``DiffusionGemmaGenerationConfig.validate`` / ``EntropyBoundSamplerConfig``, checked on
     the values after the defaults fill what ``d`` leaves out, plus the sampler's ranges): only transformers' keys;
     ``max_denoising_steps`` an int in [1, 2**14); ``t_min``, ``t_max`` finite numbers with ``0 <= t_min < t_max``;
+    every temperature of the float32 schedule (:func:`schedule_extremes`) finite and >= :data:`MIN_TEMPERATURE`
+    (2**-126: the sampler refuses a request below it, docs/ARCHITECTURE.md section 7, "Exported sampling defaults");
     ``sampler_config`` an ``EntropyBoundSamplerConfig`` (``{"entropy_bound": x, "_cls_name":
     "EntropyBoundSamplerConfig"}``) with ``entropy_bound > 0``; ``confidence_threshold > 0``; floats finite in
     float32; ``stability_threshold`` an int in [0, 2**31); ``eos_token_id`` None, an int or a list of ints in
@@ -160,6 +180,18 @@ def parse_generation_config(d: dict, config: DiffusionGemmaConfig) -> dict:
     if not out["t_max"] > out["t_min"]:
         raise ValueError(f"t_max must be > t_min (transformers' rule), got t_max={out['t_max']}, "
                          f"t_min={out['t_min']}")
+    # the schedule the sampler runs (float32, SamplingParams' rule): a default request it refuses is a bad file, not an
+    # error of the first request that takes the defaults (a traceback in blockdiff demo, a refused engine start)
+    lo, hi = schedule_extremes(out["t_min"], out["t_max"], out["max_denoising_steps"])
+    steps = out["max_denoising_steps"]
+    if not math.isfinite(hi):
+        raise ValueError(f"t_max={out['t_max']} with t_min={out['t_min']} and max_denoising_steps={steps} gives the "
+                         f"temperature {hi} at the first step ((t_max - t_min) * max_denoising_steps overflows "
+                         "float32)")
+    if lo < MIN_TEMPERATURE:
+        raise ValueError(f"t_min={out['t_min']} / t_max={out['t_max']} with max_denoising_steps={steps} give the "
+                         f"temperature {lo:.4g} at the last step, below MIN_TEMPERATURE = 2**-126 (float32's smallest "
+                         f"normal; the sampler refuses such a request)")
     for name in ("entropy_bound", "confidence_threshold"):
         if not out[name] > 0:
             raise ValueError(f"{name} must be > 0 nats, got {out[name]}")

@@ -12,7 +12,8 @@ Per DENOISE row with step s, temperature T (:func:`blockdiff.sampler.common.temp
    ones beyond float32's range saturate to +-FLT_MAX first, :func:`~blockdiff.sampler.common.saturate_logits`), c = 0
    except where the position's largest z would overflow (:func:`blockdiff.sampler.common.overflow_shift`).
 2. ``sampled = argmax(z + g)``, g Gumbel noise of :func:`blockdiff.sampler.rng.gumbel_noise`.
-3. ``argmax = argmax(z)`` (ties to the lowest id); ``H = -sum p log p``, ``p = softmax(z)`` (nats).
+3. ``argmax = argmax(z)`` (ties to the lowest id); ``H = -sum p log p``, ``p = softmax(z)`` (nats); at a shifted
+   position (p uniform over the logits tied at max x) H = log(#ties) exactly, rounded to float32.
 4. :func:`blockdiff.sampler.common.accept_by_entropy`; a row with a position whose softmax is undefined (a NaN or
    +inf logit, or every logit -inf) fails (nothing accepted). A -inf logit alone is p = 0 (vLLM's token mask):
    never sampled, never the argmax, nothing in H or soft.
@@ -97,12 +98,20 @@ def denoise_reference(state: SamplerState, slots: torch.Tensor, logits: torch.Te
     defined = torch.isfinite(x.amax(-1))                             # [N, CL]
     row_failed = ~defined.all(-1)
     tdiv = torch.where(greedy, torch.ones_like(T), T)[:, None, None]
-    z = (x - overflow_shift(x, tdiv)[..., None]) / tdiv              # = x / T unless max z would overflow
+    shift = overflow_shift(x, tdiv)                                  # c: 0 unless the position's max z overflows
+    z = (x - shift[..., None]) / tdiv                                # = x / T unless max z would overflow
 
     argmax = z.argmax(-1)                                            # first maximum: ties to the lowest id
     g = rng.gumbel_noise(seed, rid, cidx, step, CL, V)
     sampled = torch.where(greedy[:, None], argmax, (z + g).argmax(-1))
     entropy = torch.where(greedy[:, None], 0.0, entropy_reference(z))
+    # rule 1's shifted form (c != 0 exactly there: |max x| > T * FLT_MAX): p is uniform over the ties at max x, so
+    # H = log(#ties), correctly rounded to float32 (as the TP combine's float64 log; triton takes log of the count
+    # too). log_softmax's rounding of it varied with where the ties sit (log 18: 2.8903718, 2.8903716, 2.8903713
+    # at three positions), so equal tie counts sorted by rounding, not by position, and the reference accepted
+    # another position than the triton and TP backends
+    ties = (x == x.amax(-1, keepdim=True)).sum(-1)
+    entropy = torch.where(shift != 0, torch.log(ties.to(torch.float64)).to(torch.float32), entropy)
     entropy = torch.where(defined, entropy, float("nan"))           # greedy rows too: their entropy is 0
 
     # a finite z entry can still overflow to -inf (p = 0, the entropy stays finite); a NaN entropy (an undefined

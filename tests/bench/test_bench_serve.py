@@ -1444,3 +1444,31 @@ def test_record_refuses_to_replace_an_existing_record_without_force(cli, tmp_pat
     _one_clear_line(cli("record", rows, "--out", rec / "serve-h100.json"), "exists")
     assert cli("record", rows, "--out-dir", rec, "--force")[0] == 0
     assert json.loads((rec / "serve-h100.json").read_text())["gpu"] == "NVIDIA H100 80GB HBM3"
+
+
+@pytest.mark.parametrize("row,env,words", [
+    ({"output_tok_s": float("nan")}, None, ["output_tok_s", "finite"]),
+    ({"output_tok_s": float("inf")}, None, ["output_tok_s", "finite"]),
+    ({"ttft_ms": -1.0}, None, ["ttft_ms", ">= 0"]),
+    ({"concurrency": 0}, None, ["concurrency", "int >= 1"]),
+    ({"concurrency": 1.5}, None, ["concurrency", "int >= 1"]),
+    ({"concurrency": None}, None, ["needs its concurrency"]),
+    ({"backend": ["vllm"]}, None, ["backend", "string"]),
+    ({"quant": 8}, None, ["quant", "string"]),
+    ({"complete": "false"}, None, ["complete", "true, false or null"]),
+    ({"skip_special_tokens": "yes"}, None, ["skip_special_tokens", "true, false or null"]),
+    ({}, {"gpu": "x", "setting": 5}, ["setting", "JSON object"]),
+    ({}, {"gpu": "x", "setting": {"load_format": "auto"}}, ["setting", "load_format"]),
+])
+def test_record_refuses_non_finite_negative_or_mistyped_row_fields_naming_file_line_and_field(
+        cli, tmp_path, row, env, words):
+    """Was: NaN / Infinity throughput (json reads both) went into the goals (value NaN, written null, met False); a
+    row without concurrency, a list backend or quant, a string skip_special_tokens or a non-object env setting died
+    in a KeyError / TypeError / AttributeError traceback; concurrency 0 in matplotlib's log scale (ValueError after
+    the JSON was written); a string "false" for complete counted as complete."""
+    r = tmp_path / "r.jsonl"
+    lines = [json.dumps({"env": env})] if env is not None else []
+    r.write_text("\n".join(lines + [json.dumps({**_GOOD_ROW, **row})]) + "\n")
+    _one_clear_line(cli("record", r, "--out", tmp_path / "rec" / "serve-x.json"), f"r.jsonl:1",
+                    *words)
+    assert not (tmp_path / "rec" / "serve-x.json").exists()

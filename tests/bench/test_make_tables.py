@@ -2,6 +2,8 @@
 import json
 from pathlib import Path
 
+import pytest
+
 from blockdiff.bench import make_tables
 
 
@@ -153,3 +155,30 @@ def test_repository_readme_tables_are_current():
     current = text[text.index(make_tables.BEGIN) + len(make_tables.BEGIN) + 1:text.index(make_tables.END) - 1]
     assert current == make_tables.render(Path(make_tables.BENCH_DIR) / "results"), \
         "bench/README.md is stale: run python3 -m blockdiff.bench.make_tables"
+
+
+@pytest.mark.parametrize("doc,words", [
+    ({"suite": 5, "rows": []}, ["suite must be a string"]),
+    ({"rows": [{"workload": ["a"], "backend": "triton", "status": "ok", "graph_ms": 1.0}]}, ["rows[0].workload"]),
+    ({"rows": [{"backend": "triton", "status": "ok", "graph_ms": 1.0, "config": {"BM": 64}}]}, ["rows[0].workload"]),
+    ({"rows": [{"workload": "a", "backend": "triton", "status": "ok", "graph_ms": 1.0, "config": "BM=64"}]},
+     ["rows[0].config"]),
+    ({"rows": [{"workload": "a", "status": "ok", "graph_ms": 1.0, "config": {"BM": 64}},
+               {"workload": "a", "status": "ok", "graph_ms": "x", "config": {"BM": 32}}]}, ["rows[1].graph_ms"]),
+])
+def test_malformed_record_is_skipped_naming_the_field_and_the_others_render(tmp_path, capsys, doc, words):
+    """Was: one malformed record stopped the whole README with an AttributeError ('int' has no 'split', 'str' has no
+    'items'), TypeError (unhashable list, str < float) or KeyError ('workload') traceback."""
+    (tmp_path / "attention-h200.json").write_text(json.dumps({"gpu": "NVIDIA H200", **doc}))
+    (tmp_path / "sampler-h200.json").write_text(json.dumps({"gpu": "NVIDIA H200", "suite": "sampler", "rows": [
+        {"workload": "sampler_n4", "backend": "fused", "status": "ok", "graph_ms": 1.5}]}))
+    text = make_tables.main(["--results", str(tmp_path), "--stdout"])
+    err = capsys.readouterr().err
+    assert "sampler-h200.json" in text and "attention-h200.json" not in text
+    assert "skipping attention-h200.json" in err and all(w in err for w in words), err
+
+
+def test_a_share_column_that_is_no_number_is_written_as_is():
+    """Was: ValueError ('Unknown format code f for str') from 100 * "n/a" formatted as a percentage."""
+    assert make_tables._fmt("attention_share", "n/a") == "n/a"
+    assert make_tables._fmt("attention_share", 0.25) == "25.0 %"

@@ -298,3 +298,28 @@ def test_train_prints_to_the_stdout_of_the_call_not_the_one_at_import(tmp_path, 
     monkeypatch.setattr(sys, "stdout", buf)
     assert cli.main(["train", "--smoke", "--out", str(tmp_path), "--max-steps", "1", "--eval-prompts", "1"]) == 0
     assert "corpus:" in buf.getvalue()
+
+
+def _ckpt_with_generation_config(folder, gen: dict) -> str:
+    from blockdiff.model.pretrained import CHECKPOINT_FILES, shipped_checkpoint_dir
+
+    folder.mkdir()
+    for name in CHECKPOINT_FILES:
+        os.symlink(os.path.join(shipped_checkpoint_dir(), name), folder / name)
+    (folder / "generation_config.json").write_text(json.dumps(gen))
+    return str(folder)
+
+
+def test_demo_checkpoint_schedule_the_sampler_refuses_exits_2_naming_the_file_or_the_flag(tmp_path, capsys):
+    """Was: a ValueError traceback from SamplingParams (the loader took a generation_config.json whose float32
+    schedule falls below 2**-126; a --max-denoising-steps that pushes a valid one there likewise)."""
+    bad = _ckpt_with_generation_config(tmp_path / "bad", {"t_min": 0.0, "t_max": 1e-40})
+    assert cli.main(["demo", "--checkpoint", bad, "--no-progress", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--checkpoint" in err[0] and "generation_config.json" in err[0] \
+        and "MIN_TEMPERATURE" in err[0], err
+    ok = _ckpt_with_generation_config(tmp_path / "ok", {"t_min": 0.0, "t_max": 1e-36})
+    assert cli.main(["demo", "--checkpoint", ok, "--max-denoising-steps", "1000", "--no-progress",
+                     "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--max-denoising-steps 1000" in err[0] and "MIN_TEMPERATURE" in err[0], err

@@ -562,3 +562,42 @@ def test_loading_in_a_dtype_that_cannot_hold_a_weight_is_a_checkpoint_error_nami
     sd[name][0, 0], sd[name][0, 1] = 1.0, float("inf")
     model = DiffusionGemma.from_pretrained_state_dict(sd, tiny_config(), dtype=torch.float16)
     assert int(model.layers[0].mlp.down_proj.weight.isinf().sum()) == 1
+
+
+@pytest.mark.parametrize("gen,what", [
+    ({"t_min": 0.0, "t_max": 1e-40}, r"temperature 2\.084e-42 at the last step, below MIN_TEMPERATURE"),
+    ({"t_min": 1e-39, "t_max": 2e-39}, r"below MIN_TEMPERATURE"),
+    ({"t_min": 0.0, "t_max": 1e-36, "max_denoising_steps": 1000}, r"max_denoising_steps=1000 give the temperature"),
+    ({"t_min": 0.0, "t_max": 3e38}, r"overflows float32"),
+])
+def test_generation_config_whose_schedule_the_sampler_refuses_is_a_checkpoint_error(tmp_path, gen, what):
+    """Was: accepted at load (t_max > t_min, both finite in float32), then the first request taking the defaults
+    died in SamplingParams (`blockdiff demo --checkpoint` printed a ValueError traceback that named no file)."""
+    folder = make_ckpt(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps(gen))
+    with pytest.raises(CheckpointError, match=r"generation_config\.json \(.*\): .*" + what):
+        load_generation_config(folder)
+    with pytest.raises(CheckpointError, match=r"generation_config\.json"):
+        DiffusionGemma.load_safetensors(folder)
+
+
+def test_generation_schedule_rule_agrees_with_the_sampler_s():
+    """model.generation repeats the sampler's float32 schedule and MIN_TEMPERATURE (independent layers)."""
+    from blockdiff.model import generation as G
+    from blockdiff.sampler import params as P
+
+    assert G.MIN_TEMPERATURE == P.MIN_TEMPERATURE
+    for t_min, t_max, steps in [(0.4, 0.8, 48), (0.0, 1e-36, 1000), (1e-39, 2e-39, 3), (0.0, 3e38, 2), (0.1, 0.3, 1),
+                                (0.0, 3.4e38, 1), (2.0 ** -126, 1.0, 16383)]:
+        assert G.schedule_extremes(t_min, t_max, steps) == P.schedule_extremes(t_min, t_max, steps)
+        ok = True
+        try:
+            P.SamplingParams(t_min=t_min, t_max=t_max, max_denoising_steps=steps)
+        except ValueError:
+            ok = False
+        try:
+            G.parse_generation_config({"t_min": t_min, "t_max": t_max, "max_denoising_steps": steps}, tiny_config())
+        except ValueError as e:
+            assert not ok or "t_max must be > t_min" in str(e), (t_min, t_max, steps, e)
+        else:
+            assert ok, (t_min, t_max, steps)

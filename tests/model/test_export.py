@@ -503,7 +503,9 @@ def test_cli_export_refuses_values_blockdiff_cannot_load_back(tmp_path, capsys, 
 
 @pytest.mark.parametrize("kw,match", [(dict(max_denoising_steps=2 ** 14), "max_denoising_steps"),
                                       (dict(stability_threshold=2 ** 31), "stability_threshold"),
-                                      (dict(t_max=1e39), "t_max"), (dict(entropy_bound=1e39), "entropy_bound")])
+                                      (dict(t_max=1e39), "t_max"), (dict(entropy_bound=1e39), "entropy_bound"),
+                                      (dict(t_min=0.0, t_max=1e-40), "below MIN_TEMPERATURE"),
+                                      (dict(t_min=0.0, t_max=3e38), "overflows float32")])
 def test_generation_config_written_is_one_the_loader_reads_back(kw, match):
     """hf_generation_config_dict checks its result with the loader's parse_generation_config."""
     with pytest.raises(ValueError, match=match):
@@ -563,3 +565,28 @@ def test_sampling_params_take_per_request_values_the_export_refuses(kw):
     SamplingParams(**kw)
     with pytest.raises(ValueError):
         hf_generation_config_dict(tiny_config(), **kw)
+
+
+def test_export_hf_refuses_a_schedule_the_sampler_refuses_and_writes_nothing(tmp_path):
+    """Was: written (t_max > t_min, finite), a generation_config.json whose defaults every request refused."""
+    for kw in (dict(t_min=0.0, t_max=1e-40), dict(t_min=0.0, t_max=3e38, max_denoising_steps=2)):
+        with pytest.raises(ValueError, match="MIN_TEMPERATURE|overflows float32"):
+            export_hf(tiny_config(), tmp_path / "o", **kw)
+        assert not (tmp_path / "o").exists()
+
+
+def test_export_hf_argument_errors_name_the_argument_and_write_nothing(tmp_path):
+    """Was: a meta-device model died in torch's 'Cannot copy out of meta tensor' (NotImplementedError), out_dir None
+    in os.fspath's 'expected str, bytes or os.PathLike object', and a float64 model without dtype= in 'dtype must be
+    one of ... got torch.float64' (a dtype the caller never passed)."""
+    cfg = tiny_config(vocab_size=259)
+    with torch.device("meta"):
+        meta = DiffusionGemma(cfg)
+    with pytest.raises(ValueError, match="meta device"):
+        export_hf(meta, tmp_path / "o")
+    with pytest.raises(TypeError, match="out_dir must be a str or os.PathLike"):
+        export_hf(cfg, None)
+    with pytest.raises(ValueError, match=r"dtype: the source's weights are torch.float64.*pass dtype="):
+        export_hf(DiffusionGemma(cfg).double(), tmp_path / "o")
+    assert not (tmp_path / "o").exists()
+    assert "model.safetensors" in export_hf(DiffusionGemma(cfg).double(), tmp_path / "o", dtype="float32")

@@ -148,3 +148,40 @@ def test_stats_shift_is_zero_and_m_bit_identical_where_z_does_not_overflow():
     m2, inv_s2, shift2 = row_moments(x, T, act)
     assert torch.equal(shift2, r["shift"]) and torch.equal(m2, r["m"])
     torch.testing.assert_close(inv_s2, r["inv_s"], rtol=1e-6, atol=0)
+
+
+def _tied_rows(k: int, steps: int = 2):
+    """[1, 8, 37] logits per step: at every position k random ids at float32's max (z overflows at T 0.8 -> 0.4:
+    the shifted form, p uniform over k ties), the rest small."""
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for _ in range(steps):
+        x = torch.randn(1, 8, 37, generator=g)
+        for p in range(8):
+            x[0, p, torch.randperm(37, generator=g)[:k]] = FMAX
+        out.append(x)
+    return out
+
+
+@pytest.mark.parametrize("k", [2, 18, 37])
+def test_equal_tie_counts_at_shifted_positions_give_equal_entropies_and_accept_by_position(k):
+    """Rule 1's shifted form defines H = log(#ties). Was: the reference took log_softmax's rounding of it, which
+    varied with where the ties sit (k = 18: 2.8903718 / 2.8903716 / 2.8903713 at three positions), so the stable
+    sort ordered equal tie counts by rounding and the reference accepted position 2 where the triton and TP backends
+    (log of the count) accepted position 0."""
+    def run(step):
+        st = SamplerState(2, 8, 37, 8)
+        st.add_request(0, 5, SamplingParams(canvas_length=8, seed=1))
+        E = torch.randn(37, 8, generator=torch.Generator().manual_seed(0))
+        sl = torch.tensor([0])
+        step(st, sl, torch.zeros(1, 8, 37), torch.tensor([True]), E)
+        return [step(st, sl, x, torch.tensor([False]), E) for x in _tied_rows(k)], st
+
+    ref = run(reference_step)
+    want = torch.log(torch.tensor(float(k), dtype=torch.float64)).float()
+    for o in ref[0]:
+        assert (o.entropy == want).all(), o.entropy
+        assert o.accepted[0].tolist() == [True] + [False] * 7  # ties by position: the first one
+    assert_same(ref, run(lambda *a: sampler_step(*a, backend="triton")), soft_tol=1e-5)
+    assert_same(ref, run(lambda *a: sampler_step_sharded(*a, bounds=(0, 11, 37), backend="reference",
+                                                          config=SamplerConfig())), soft_tol=1e-5)
