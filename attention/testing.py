@@ -3,6 +3,9 @@
 - :func:`make_batch` / :func:`make_batch_from_rows`: the one random batch builder (paged or contiguous K/V).
 - :func:`check_close`: the tolerance rule, below.
 - :func:`make_underflow_batch`: a seen key whose weight underflows to 0 with non-finite V (the split merges' case).
+- :func:`poison_v_inside_seq_lens` / :func:`check_nonfinite_matches_reference`: NaN / Inf V at keys inside
+  ``seq_lens`` and the check of a backend's output on them against the reference (keys a row may not see
+  contribute nothing).
 
 A backend output is accepted when its error against the high-precision oracle (fp64 on the same inputs) is at
 most ``2 x`` the error of the same-precision eager PyTorch computation plus a representation tolerance
