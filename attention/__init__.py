@@ -7,7 +7,8 @@ prefix for bidirectional rows), paged or contiguous KV and GQA. The semantics ar
 
 Backends (explicit, never a silent fallback): ``"reference"`` (dense PyTorch), ``"triton"`` (fused Triton
 kernel), ``"cute"`` (CuTe DSL on FlashAttention-4). ``backend="auto"`` picks triton on CUDA and reference
-elsewhere, and says so through :func:`resolve_backend`.
+elsewhere, and says so through :func:`resolve_backend`. A backend is registered by its name in :data:`BACKENDS` and
+``(module, function)`` in ``_MODULES`` (docs/ARCHITECTURE.md, "Adding an attention backend").
 """
 from __future__ import annotations
 
