@@ -11,3 +11,16 @@ def debug_on():
     set_debug_checks(True)
     yield
     set_debug_checks(was)
+
+
+@pytest.fixture(autouse=True)
+def _registered_backend_has_a_matrix_row(request):
+    """A test parametrised with ``backend`` set to a name of ``blockdiff.attention.BACKENDS`` that has no row in
+    tests/attention/backend_matrix.py fails, saying what to add (a registered backend is never silently untested)."""
+    callspec = getattr(request.node, "callspec", None)
+    name = callspec.params.get("backend") if callspec is not None else None
+    if isinstance(name, str):
+        from backend_matrix import row  # beside this file (pytest puts the test folders on sys.path)
+        from blockdiff.attention import BACKENDS
+        if name in BACKENDS:
+            row(name)
