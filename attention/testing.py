@@ -1,11 +1,15 @@
 """Test support shared by every backend's tests, the benchmarks, the notebooks and ``blockdiff demo --check``.
 
 - :func:`make_batch` / :func:`make_batch_from_rows`: the one random batch builder (paged or contiguous K/V).
-- :func:`check_close`: the tolerance rule, below.
+- :func:`check_close`: the tolerance rule, below (:func:`reference_pair`: the oracle and the eager baseline;
+  :func:`lse_magnitude`: the scores' magnitude behind the LSE bound).
 - :func:`make_underflow_batch`: a seen key whose weight underflows to 0 with non-finite V (the split merges' case).
 - :func:`poison_v_inside_seq_lens` / :func:`check_nonfinite_matches_reference`: NaN / Inf V at keys inside
   ``seq_lens`` and the check of a backend's output on them against the reference (keys a row may not see
   contribute nothing).
+
+``tests/attention/test_backends_contract.py`` runs every name of ``blockdiff.attention.BACKENDS`` through these (how
+each runs on a machine: ``tests/attention/backend_matrix.py``); a backend's own tests add what only it has.
 
 A backend output is accepted when its error against the high-precision oracle (fp64 on the same inputs) is at
 most ``2 x`` the error of the same-precision eager PyTorch computation plus a representation tolerance
@@ -14,15 +18,17 @@ most ``2 x`` the error of the same-precision eager PyTorch computation plus a re
 
 The LSE (float32 in every backend, whatever q's dtype) is accepted when it has the oracle's finiteness and its
 error is at most an absolute floor (:data:`LSE_ATOL`: 1e-2 for bf16 / fp16 inputs, 1e-4 otherwise) plus the fp32
-rounding of the scores behind it, ``sqrt(head_dim) * eps(float32) * M`` with ``M = logsumexp_j(|scale| |q| . |k_j|)``
-over the row's keys (:func:`lse_magnitude`): each score is a ``head_dim``-term fp32 dot product times ``scale``,
-whose rounding error is of the order ``sqrt(head_dim) * u * |scale| |q| . |k_j|`` (Higham and Mary's probabilistic
-bound, ``u = eps / 2``; the factor 2 as the output rule's), and ``M`` bounds that magnitude over the keys the row
-sees and ``|lse|`` (so the term also covers the fp32 rounding of the oracle's LSE, which the reference returns in
-float32, and of the backend's). At the default scale with N(0, 1) q and k, ``M`` is about ``0.64 sqrt(head_dim) + log(keys)``
-and the term small against the floor (3e-6 at head dim 16, 5e-5 at 512); at ``|scale|`` up to ``MAX_SCALE``
-the LSE reaches ~1e5 (fp32 spacing 1/32 to 1/16), where the absolute floor alone failed the fp32 reference itself. A bound relative to ``|lse|`` is not enough: the scores can cancel (a negative scale, a
-row whose keys score near 0), leaving ``|lse|`` small and the scores' rounding large.
+rounding of the scores behind it, ``sqrt(head_dim) * eps(float32) * M``, with
+``M = logsumexp_j(|scale| |q| . |k_j|)`` over the row's keys (:func:`lse_magnitude`). Each score is a
+``head_dim``-term fp32 dot product times ``scale``, whose rounding error is of the order
+``sqrt(head_dim) * u * |scale| |q| . |k_j|`` (Higham and Mary's probabilistic bound, ``u = eps / 2``; the factor 2
+as in the output rule). ``M`` bounds that magnitude over the keys the row sees, and ``|lse|`` too, so the term also
+covers the fp32 rounding of the oracle's LSE (the reference returns it in float32) and of the backend's. At the
+default scale with N(0, 1) q and k, ``M`` is about ``0.64 sqrt(head_dim) + log(keys)`` and the term is small against
+the floor (3e-6 at head dim 16, 5e-5 at 512). At ``|scale|`` up to ``MAX_SCALE`` the LSE reaches ~1e5 (fp32 spacing
+1/32 to 1/16), where the absolute floor alone failed the fp32 reference itself. A bound relative to ``|lse|`` is not
+enough: the scores can cancel (a negative scale, a row whose keys score near 0), leaving ``|lse|`` small and the
+scores' rounding large.
 """
 from __future__ import annotations
 

@@ -83,7 +83,8 @@ def test_every_backend_takes_the_contracts_keywords(backend):
     params = inspect.signature(fn).parameters
     names = list(params)
     assert names[:3] == ["q", "k_cache", "v_cache"], names[:3]
-    want = {k: r.default_overrides.get(k, d) for k, d in CONTRACT_KEYWORDS.items() if not (r.no_config and k == "config")}
+    want = {k: r.default_overrides.get(k, d) for k, d in CONTRACT_KEYWORDS.items()
+            if not (r.no_config and k == "config")}
     missing = sorted(set(want) - set(names))
     assert not missing, f"{backend} lacks the contract's keywords {missing}"
     for k, d in want.items():
