@@ -6,8 +6,8 @@ The shared tests take their backends from :func:`backend_params` / :func:`valida
 the signature check. How a backend runs on this machine is its row of :data:`MATRIX`, the one table.
 
 A name in ``BACKENDS`` without a row is red, not silently untested: ``test_every_registered_backend_has_a_row``
-fails naming it, and so does every parametrised case of it (the autouse fixture of ``tests/attention/conftest.py``
-calls :func:`row`), with :data:`MISSING_ROW` saying what to add.
+fails naming it, and so does every parametrised case of it (the ``pytest_runtest_call`` hook of
+``tests/attention/conftest.py`` calls :func:`row`), with :data:`MISSING_ROW` saying what to add.
 """
 from __future__ import annotations
 
