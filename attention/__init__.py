@@ -7,7 +7,11 @@ prefix for bidirectional rows), paged or contiguous KV and GQA. The semantics ar
 
 Backends (explicit, never a silent fallback): ``"reference"`` (dense PyTorch), ``"triton"`` (fused Triton
 kernel), ``"cute"`` (CuTe DSL on FlashAttention-4). ``backend="auto"`` picks triton on CUDA and reference
-elsewhere, and says so through :func:`resolve_backend`.
+elsewhere, and says so through :func:`resolve_backend`. A backend is registered by its name in :data:`BACKENDS` and
+``(module, function)`` in ``_MODULES``; the shared tests read :data:`BACKENDS` and fail, naming what to add, until the
+backend has its row in tests/attention/backend_matrix.py (then the contract suite runs it), its module in
+``.importlinter`` and its entries in the lists outside this package (docs/ARCHITECTURE.md, "Adding an attention
+backend").
 """
 from __future__ import annotations
 

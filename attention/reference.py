@@ -1,7 +1,8 @@
 """Dense PyTorch oracle for the blockdiff attention contract (backend ``"reference"``).
 
 Loops over sequences, gathers each sequence's keys from the paged (or contiguous) cache, builds its dense
-mask with :func:`blockdiff.attention.masks.build_mask` and runs a plain softmax. Readable first, exact always:
+mask from :func:`blockdiff.attention.masks.key_range` (the rule :func:`~blockdiff.attention.masks.build_mask` uses)
+and runs a plain softmax. Readable first, exact always:
 every other backend is tested against it. Semantics: docs/ARCHITECTURE.md, "The attention contract";
 the algorithm is standard scaled dot-product attention (Vaswani et al., 2017) with a natural-log LSE.
 """

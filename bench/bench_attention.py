@@ -52,12 +52,20 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from blockdiff.attention import MAX_SEQ_LEN, causal_row_counts, get_backend
+from blockdiff.attention import BACKENDS, MAX_SEQ_LEN, causal_row_counts, get_backend
 from blockdiff.attention.testing import REPRESENTATION_ATOL, reference_pair
 from blockdiff.bench import common
 from blockdiff.bench import workloads as wl
 
 SUITE = "attention"
+#: The benchmark's own baselines (per-sequence SDPA, FlexAttention, FlashAttention-4), not blockdiff backends. Records'
+#: ``backend`` field holds both kinds, so a baseline's name is never a name of ``blockdiff.attention.BACKENDS``
+#: (tests/test_backend_lists.py).
+BASELINES = ("sdpa", "flex", "fa4")
+#: What ``--backends`` takes: the baselines and every registered blockdiff backend (read from the registry).
+BACKEND_CHOICES = BASELINES + BACKENDS
+#: The default GPU run: the baselines and the kernel backends; a registered backend is left out only for a reason
+#: tests/test_backend_lists.py states (the reference: the dense oracle, --quick's).
 ALL_BACKENDS = ("sdpa", "flex", "fa4", "triton", "cute")
 QUICK_BACKENDS = ("reference", "sdpa", "triton")
 DEFAULT_TILE_SWEEP = [
@@ -456,7 +464,7 @@ def jobs_for(batch: wl.Batch, backends, args):
         elif be == "fa4":
             for layout in args.fa4_layouts:
                 yield be, (lambda layout=layout: make_fa4(batch, args, layout)), {"kv_layout": layout}
-        elif be in ("triton", "cute", "reference"):
+        elif be in BACKENDS:
             # the reference (the --quick oracle) always runs on the paged cache; triton / cute per requested layout
             if be == "reference" or "paged" in args.blockdiff_layouts:
                 yield be, (lambda be=be: make_blockdiff(batch, args, be)), None
@@ -482,7 +490,7 @@ def jobs_for(batch: wl.Batch, backends, args):
                         continue  # a dict of CuteConfig fields only (e.g. {"split_merge": "cluster"}): cute's
                     yield be, (lambda cfg=cfg, be=be: make_blockdiff(batch, args, be, cfg)), {"config": cfg}
         else:
-            raise ValueError(f"unknown backend {be!r}; choose from {ALL_BACKENDS + ('reference',)}")
+            raise ValueError(f"unknown backend {be!r}; choose from {BACKEND_CHOICES}")
 
 
 # ----------------------------------------------------------------------------------------------- plots
@@ -610,7 +618,7 @@ def parse_args(argv=None):
     p.add_argument("--suite", default="named", choices=sorted(wl.SUITES),
                    help="workload set: named, small (contexts / 8, GPU smoke), batch_ladder, ctx_ladder")
     p.add_argument("--workloads", default="", help="comma-separated globs of workload names (default: all)")
-    p.add_argument("--backends", default="", help=f"comma-separated subset of {ALL_BACKENDS + ('reference',)}")
+    p.add_argument("--backends", default="", help=f"comma-separated subset of {BACKEND_CHOICES}")
     p.add_argument("--page-size", type=int, default=None,
                    help=f"tokens per KV page (default {wl.DEFAULT_PAGE_SIZE}; --quick {wl.QUICK_PAGE_SIZE})")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
@@ -651,9 +659,9 @@ def parse_args(argv=None):
             p.error(f"--{flag.replace('_', '-')}: a JSON list of dicts, got {text!r}")
         setattr(a, flag, v)
     backends = [b.strip() for b in a.backends.split(",") if b.strip()]
-    unknown = [b for b in backends if b not in ALL_BACKENDS + ("reference",)]
+    unknown = [b for b in backends if b not in BACKEND_CHOICES]
     if unknown:
-        p.error(f"--backends: unknown backend(s) {unknown}; choose from {ALL_BACKENDS + ('reference',)}")
+        p.error(f"--backends: unknown backend(s) {unknown}; choose from {BACKEND_CHOICES}")
     if a.page_size is not None and a.page_size < 1:
         p.error(f"--page-size must be an int >= 1 (tokens per KV page), got {a.page_size}")
     if a.cpu_reps < 0:

@@ -16,6 +16,9 @@ import sys
 import tempfile
 import types
 
+#: ``--backend`` / ``--attn-backend`` choices: the names of ``blockdiff.attention.BACKENDS`` and
+#: ``blockdiff.sampler.BACKENDS``, repeated so argument errors need no torch (tests/test_backend_lists.py checks they
+#: agree).
 ATTENTION_BACKENDS = ("reference", "triton", "cute")
 SAMPLER_BACKENDS = ("reference", "triton")
 #: ``--max-denoising-steps`` must be below this: the sampler's RNG counter layout (``blockdiff.sampler.rng.MAX_STEPS``;

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import os
 
+from blockdiff.attention import BACKENDS as _ATTENTION_BACKENDS
+
 from . import vllm_compat
 from .annotate import install_triton_compile_ranges
 
@@ -57,8 +59,10 @@ vLLM's diffusion path (canvas scheduled as draft tokens); ``--scheduler-cls`` pi
 scheduling, its default; with ``--no-async-scheduling``: :data:`SCHEDULER_CLASS`); ``--block-size 64`` gives the
 triton backend's Gluon kernels pages they can read with TMA; ``VLLM_PLUGINS=blockdiff`` loads only this plugin."""
 
-#: ``BLOCKDIFF_ATTN_BACKEND`` / ``BLOCKDIFF_SAMPLER_BACKEND`` values (exact, lower case; unset: ``triton``).
-ATTN_BACKENDS = ("triton", "cute", "reference")
+#: ``BLOCKDIFF_ATTN_BACKEND`` / ``BLOCKDIFF_SAMPLER_BACKEND`` values (exact, lower case; unset: ``triton``). The
+#: attention ones are blockdiff.attention's registry, read (not copied); each needs its rows in
+#: vllm_attention.py's MAX_HEAD_SIZE and DTYPES (tests/test_backend_lists.py).
+ATTN_BACKENDS = _ATTENTION_BACKENDS
 SAMPLER_BACKENDS = ("triton", "reference")
 
 
@@ -73,7 +77,7 @@ def attn_backend_from_env() -> str:
     (``Triton``, ``" triton"``, ``""``, ``auto``: no normalisation, no fallback)."""
     attn = os.environ.get(ATTN_BACKEND_ENV, "triton")
     if attn not in ATTN_BACKENDS:
-        raise ValueError(f"{ATTN_BACKEND_ENV} must be 'triton', 'cute' or 'reference', got {attn!r}")
+        raise ValueError(f"{ATTN_BACKEND_ENV} must be one of {', '.join(map(repr, ATTN_BACKENDS))}, got {attn!r}")
     return attn
 
 

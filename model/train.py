@@ -71,7 +71,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from blockdiff.attention import build_mask
+from blockdiff.attention import BACKENDS, build_mask
 
 from .config import DiffusionGemmaConfig, tiny_config
 from .modeling import DiffusionGemma
@@ -219,8 +219,8 @@ def train_args_problems(self, paths: bool = False) -> list[tuple[type, str, str]
             bad(TypeError, "corpus", "None or a path")
         elif paths and not os.path.exists(self.corpus):
             bad(ValueError, "corpus", "None (the stdlib) or an existing folder of .py files or text file")
-    if self.attn_backend not in ("reference", "triton", "cute", "auto"):
-        bad(ValueError, "attn_backend", "one of 'reference', 'triton', 'cute', 'auto'")
+    if self.attn_backend not in BACKENDS + ("auto",):  # blockdiff.attention's registry, read, never copied
+        bad(ValueError, "attn_backend", "one of " + ", ".join(repr(b) for b in BACKENDS + ("auto",)))
     return out
 
 

@@ -6,7 +6,11 @@
   sampler and sampler.tp; no cycles between the sibling modules of any package), run through import-linter;
 * no import cycle between any two modules of ``blockdiff.*`` (every top-level folder setup.py installs, bench
   included): grimp's import graph has no strongly connected component of more than one module;
-* the library (attention, sampler, model, integration) never imports ``blockdiff.bench``.
+* the library (attention, sampler, model, integration) never imports ``blockdiff.bench``;
+* every backend of a registry (``_MODULES`` of ``attention/__init__.py`` and ``sampler/__init__.py``, the
+  tensor-parallel sampler's ``STATS_BACKENDS``) is a module of the matching backend-independence contract of
+  ``.importlinter``, which checks only the modules it names (read from this checkout's source, not imported);
+* ``blockdiff`` resolves to this checkout, so the linted code is the code whose ``.importlinter`` is read.
 
 grimp reads every ``import`` statement, function-local ones too; backends loaded by name through ``importlib``
 (the registries of ``blockdiff.attention`` / ``blockdiff.sampler``) are not imports and are not edges.
@@ -14,6 +18,7 @@ grimp reads every ``import`` statement, function-local ones too; backends loaded
 from __future__ import annotations
 
 import ast
+import configparser
 import contextlib
 import importlib.util
 import logging
@@ -150,3 +155,82 @@ def test_the_cycle_finder_finds_a_cycle():
     for a, b in (("p.a", "p.b"), ("p.b", "p.c"), ("p.c", "p.a"), ("p.c", "p.d"), ("p.d", "p.e"), ("p.e", "p.d")):
         g.add_import(importer=a, imported=b)
     assert strongly_connected_components(g) == [("p.a", "p.b", "p.c"), ("p.d", "p.e")]
+
+
+#: (registry source file, name of its table, contract of .importlinter, package of the backends): each registry's
+#: backend names map to modules whose first component under the package is what the contract must list.
+REGISTRIES = (
+    ("attention/__init__.py", "_MODULES", "attention-backends", "blockdiff.attention"),
+    ("sampler/__init__.py", "_MODULES", "sampler-backends", "blockdiff.sampler"),
+    ("sampler/tp/step.py", "STATS_BACKENDS", "sampler-tp-backends", "blockdiff.sampler.tp"),
+)
+
+
+def _literal(path: str, name: str):
+    """The literal value assigned to module-level ``name`` in ``path`` (this checkout's source, not imported)."""
+    tree = ast.parse(open(os.path.join(REPO, path)).read())
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) \
+            else []
+        if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+            return ast.literal_eval(node.value)
+    raise AssertionError(f"{path} assigns no literal {name}")
+
+
+def registry_backend_modules(path: str, name: str, package: str) -> dict[str, str]:
+    """``{backend: the module of `package` a backend-independence contract must list}``: for ``_MODULES`` entries
+    ``name: (module, function)`` (attention) or ``name: ".relative"`` (sampler), the module's first component under
+    ``package`` (``blockdiff.attention.triton.interface`` -> ``blockdiff.attention.triton``); for a tuple of names
+    (``STATS_BACKENDS``), ``package.<name>``."""
+    table = _literal(path, name)
+    out = {}
+    for backend in table:
+        mod = table[backend] if isinstance(table, dict) else f".{backend}"
+        mod = mod[0] if isinstance(mod, tuple) else mod
+        mod = package + mod if mod.startswith(".") else mod
+        assert mod.startswith(package + "."), f"{path}: {backend!r} -> {mod!r} is not under {package}"
+        out[backend] = package + "." + mod[len(package) + 1:].split(".")[0]
+    return out
+
+
+def contract_modules(contract: str) -> set[str]:
+    cfg = configparser.ConfigParser()
+    cfg.read(os.path.join(REPO, ".importlinter"))
+    section = f"importlinter:contract:{contract}"
+    assert cfg.has_section(section), f".importlinter has no contract {contract!r}"
+    assert cfg[section]["type"].strip() == "independence", cfg[section]["type"]
+    return {m.strip() for m in cfg[section]["modules"].split() if m.strip()}
+
+
+@pytest.mark.parametrize("path,name,contract,package", REGISTRIES, ids=[r[2] for r in REGISTRIES])
+def test_every_registered_backend_is_in_its_independence_contract(path, name, contract, package):
+    """Rule 2 (backends never import one another) is checked only for the modules a contract names: a backend
+    registered without being added there would be silently unchecked (maint20's report)."""
+    listed = contract_modules(contract)
+    missing = {b: m for b, m in registry_backend_modules(path, name, package).items() if m not in listed}
+    assert not missing, "\n".join(
+        f"backend {b!r} ({path} {name}) is not checked for rule 2: add `    {m}` to the modules of "
+        f"[importlinter:contract:{contract}] in .importlinter" for b, m in missing.items())
+
+
+def test_the_registry_reader_finds_every_backend():
+    assert registry_backend_modules(*REGISTRIES[0][:2], REGISTRIES[0][3]) == {
+        "reference": "blockdiff.attention.reference", "triton": "blockdiff.attention.triton",
+        "cute": "blockdiff.attention.cute"}
+    assert registry_backend_modules("sampler/__init__.py", "_MODULES", "blockdiff.sampler") == {
+        "reference": "blockdiff.sampler.reference", "triton": "blockdiff.sampler.triton"}
+    assert set(registry_backend_modules(*REGISTRIES[2][:2], REGISTRIES[2][3]).values()) == {
+        "blockdiff.sampler.tp.reference", "blockdiff.sampler.tp.triton"}
+
+
+def test_blockdiff_resolves_to_this_checkout():
+    """With the package installed editable from another checkout, ``blockdiff.*`` resolves there: the layering
+    check would lint that code against this checkout's .importlinter, and every test would run it (maint20's report;
+    docs/ARCHITECTURE.md section 3, 'Adding an attention backend', step 6)."""
+    for pkg in LIBRARY:
+        spec = importlib.util.find_spec(f"blockdiff.{pkg}")
+        assert spec is not None and spec.origin is not None, f"blockdiff.{pkg} is not importable"
+        where = os.path.realpath(os.path.dirname(spec.origin))
+        assert where == os.path.realpath(os.path.join(REPO, pkg)), (
+            f"blockdiff.{pkg} resolves to {where}, not this checkout's {os.path.join(REPO, pkg)}: put this checkout "
+            f"first on the path (PYTHONPATH) or pip install -e it")

@@ -344,7 +344,7 @@ def test_causal_row_counts_convert_flags_like_attention_and_check_them_the_same_
     raises (the model had cast any dtype to bool and broadcast through torch.where)."""
     import inspect
 
-    from blockdiff.attention import causal_row_counts, get_backend
+    from blockdiff.attention import BACKENDS, causal_row_counts, get_backend
 
     d = _base()
     cu = d["cu_seqlens_q"].to(cu_dtype)
@@ -361,10 +361,8 @@ def test_causal_row_counts_convert_flags_like_attention_and_check_them_the_same_
     kw = dict(d, cu_seqlens_q=cu)
     kw.pop("causal")
     torch.testing.assert_close(attention(**kw, num_causal_q=ncq, backend="reference"), ref, rtol=0, atol=0)
-    for be in ("reference", "triton", "cute"):
-        fn = get_backend(be) if be != "cute" else __import__(
-            "blockdiff.attention.cute.interface", fromlist=["attention_cute"]).attention_cute
-        params = inspect.signature(fn).parameters
+    for be in BACKENDS:  # every registered backend (the full keyword set: test_backends_contract.py)
+        params = inspect.signature(get_backend(be)).parameters
         assert "causal" in params and "num_causal_q" in params, be
     for bad, exc in ((torch.tensor([1, 0]), TypeError), (torch.tensor([0.0, 1.0]), TypeError),
                      (torch.tensor([True]), ValueError), (torch.tensor([True, False, True]), ValueError),

@@ -1,7 +1,9 @@
 """Edges of the attention contract that every backend and helper must agree on (issue 26): the one window rule,
 keys outside a row's set contributing nothing even with NaN / Inf V, the scale bound, type checks before anything
-else, the value checks' order and the debug switch; reference backend and mask helpers here (the triton kernel's
-side: tests/attention/triton/test_triton_portable.py)."""
+else, the value checks' order and the debug switch; reference backend and mask helpers here. The argument-error
+edges run every backend of ``BACKENDS`` (tests/attention/backend_matrix.py: nothing is computed, so a GPU-only
+backend whose checks come first runs them on the CPU too); what every backend computes is
+tests/attention/test_backends_contract.py."""
 import os
 import subprocess
 import sys
@@ -15,6 +17,8 @@ from blockdiff.attention.masks import batch_key_ranges, check_window
 from blockdiff.attention.reference import masked_pv
 from blockdiff.attention.testing import make_batch
 from blockdiff.attention.validate import resolve_check_values
+
+from backend_matrix import validating_backend_params
 
 
 def _t(v):
@@ -171,7 +175,7 @@ def test_scale_up_to_max_scale_is_accepted():
                                atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("backend", ["auto", "reference", "triton"])
+@pytest.mark.parametrize("backend", ["auto", *validating_backend_params()])
 @pytest.mark.parametrize("q", [None, [[[0.0]]], 3.0])
 def test_non_tensor_q_is_a_type_error_naming_q_before_anything_else(backend, q):
     """Was AttributeError ('list' object has no attribute 'device') from resolving the backend."""
@@ -310,7 +314,7 @@ def test_build_mask_refuses_seq_len_beyond_max_seq_len():
         count_allowed_pairs(_t([1]), _t([MAX_SEQ_LEN + 1]), _t([0]), None)
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("backend", validating_backend_params())
 def test_int64_num_causal_q_beyond_int32_is_refused_naming_num_causal_q_not_wrapped_into_range(backend):
     """2**32 + 1 causal rows of a 3-row sequence were checked after the int32 narrowing, as 1: accepted, and the
     sequence attended with one causal row."""
@@ -353,7 +357,7 @@ def test_reference_checks_only_a_callers_out_for_overlap(monkeypatch):
     assert len(calls) == 3 and torch.equal(got, want)
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("backend", validating_backend_params())
 @pytest.mark.parametrize("dtype", [torch.int32, torch.float16, torch.float64])
 def test_attention_refuses_an_out_of_another_dtype_with_a_type_error(backend, dtype):
     """The contract's rule (validate.check_attention_inputs: TypeError for a wrong dtype, as k_cache / v_cache get):

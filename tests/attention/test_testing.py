@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from blockdiff.attention import attention
-from blockdiff.attention.testing import check_close, make_batch, make_batch_from_rows
+from blockdiff.attention import MAX_SCALE, attention
+from blockdiff.attention.testing import LSE_ATOL, check_close, lse_magnitude, make_batch, make_batch_from_rows
 
 
 def test_tolerance_defined_when_eager_fp16_scores_overflow():
@@ -26,6 +26,52 @@ def test_tolerance_defined_when_eager_fp16_scores_overflow():
         pass
     else:
         raise AssertionError("a wrong output passed")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scale", [MAX_SCALE, -MAX_SCALE, MAX_SCALE / 3])
+def test_check_close_lse_bound_holds_the_fp32_reference_at_max_scale(dtype, scale):
+    """The reference's own fp32 LSE at ``|scale|`` up to MAX_SCALE (LSE ~1e5, fp32 spacing 1/32-1/16) was 0.0625 off
+    the fp64 oracle and failed the absolute 1e-4 bound (maint20's report). A bound relative to ``|lse|`` alone would
+    still fail it: at a negative scale the scores cancel (``|lse|`` small, their rounding ~1e5 * eps), which the
+    scores' magnitude ``M`` covers. The bound stays tight: an LSE a few ulps further off fails."""
+    for seed, head_dim in ((0, 16), (1, 32), (2, 64)):
+        b = make_batch([9, 13, 6, 30], [9, 4, 6, 12], num_causal_q=[9, 0, 3, 5], dtype=dtype, seed=seed,
+                       head_dim=head_dim)
+        out, lse = attention(**b, scale=scale, backend="reference", return_lse=True)
+        res = check_close(out, **b, lse=lse, scale=scale)
+        assert res["lse_err"] > LSE_ATOL[dtype]  # the absolute floor alone would have failed
+        m = lse_magnitude(**b, scale=scale)
+        off = lse + (4 * head_dim ** 0.5 * torch.finfo(torch.float32).eps * m).float()
+        with pytest.raises(AssertionError, match="lse error"):
+            check_close(out, **b, lse=off, scale=scale)
+
+
+@pytest.mark.parametrize("head_dim", [16, 128, 512])
+def test_check_close_lse_bound_at_the_default_scale_is_the_absolute_floor_within_a_fraction(head_dim):
+    """The scores' rounding term adds little at the usual scale (what every other test checks at): at most the floor
+    again at head dim 512 (about 5e-5), 3e-6 at 16; an LSE off by ``2 * LSE_ATOL`` still fails at fp32, as with the
+    absolute bound alone."""
+    b = make_batch([40, 13], [8, 13], causal=[False, True], dtype=torch.float32, head_dim=head_dim, num_heads=2,
+                   num_kv_heads=1)
+    out, lse = attention(**b, backend="reference", return_lse=True)
+    m = lse_magnitude(**b)
+    term = (head_dim ** 0.5 * torch.finfo(torch.float32).eps * m[torch.isfinite(m)]).max().item()
+    assert term < (0.05 if head_dim == 16 else 0.75) * LSE_ATOL[torch.float32], term
+    check_close(out, **b, lse=lse)
+    with pytest.raises(AssertionError, match="lse error"):
+        check_close(out, **b, lse=lse + 2 * LSE_ATOL[torch.float32])
+
+
+def test_lse_magnitude_bounds_the_largest_score_magnitude_a_row_sees():
+    b = make_batch([7], [3], causal=[True], dtype=torch.float32, num_heads=1, num_kv_heads=1, page_size=8,
+                   extra_blocks=0, permute=False)
+    q, k = b["q"][:, 0].double(), b["k_cache"][0, :7, 0].double()
+    m = lse_magnitude(**b, scale=-2.0)[0]
+    for r in range(3):  # row r sees keys 0 .. 4 + r
+        mag = 2.0 * (q[r].abs() @ k[:5 + r].abs().T)
+        assert mag.max() * (1 - 1e-6) <= m[r] <= (mag.max() + torch.log(torch.tensor(5.0 + r))) * (1 + 1e-6)
+        assert torch.allclose(m[r].double(), torch.logsumexp(mag, 0), rtol=1e-6, atol=0)
 
 
 # ---------------------------------------------------------------- the batch builder

@@ -1,0 +1,257 @@
+"""The attention contract (docs/ARCHITECTURE.md section 4) against every registered backend: each case is
+parametrised over ``blockdiff.attention.BACKENDS`` itself, so a backend registered there is run here without a new
+test. How each runs on this machine (CPU, the Triton interpreter, GPU only) is its row of
+``tests/attention/backend_matrix.py``; a registered name without a row fails, naming what to add.
+
+Every checked call writes into a NaN-poisoned ``out`` and is compared, output and LSE, with the fp64 oracle by
+``attention/testing.py``'s tolerance rule. The cases: mixed prefill / denoise / commit batches (per-sequence causal
+flags and ``num_causal_q``), both window modes, paged caches (page sizes that do not divide the tiles, permuted page
+ids, garbage block-table padding, NaN in every row no sequence owns) and contiguous K/V, GQA, dtypes, empty
+sequences, length 1, the empty batch, extreme scales, NaN / Inf V inside ``seq_lens`` for keys a row may not see,
+the underflow batch (a seen key of weight 0 with non-finite V), a derandomised Hypothesis fuzz and the signature.
+Small shapes: the whole file runs in well under a minute on one CPU core under the interpreter. Each backend's own
+tests (its configs, kernels, launch plans) stay in its folder."""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from blockdiff.attention import BACKENDS, MAX_SCALE, attention, get_backend
+from blockdiff.attention.testing import (check_close, check_nonfinite_matches_reference, make_batch,
+                                        make_underflow_batch, poison_v_inside_seq_lens)
+
+from backend_matrix import MATRIX, MISSING_ROW, backend_params, row
+
+BACKEND = pytest.mark.parametrize("backend", backend_params())
+
+#: The keyword arguments of the contract and their defaults (docs/ARCHITECTURE.md section 4, "Arguments"; section 3,
+#: "Adding an attention backend", step 1). ``cu_seqlens_q`` has none: it is required.
+CONTRACT_KEYWORDS = {
+    "cu_seqlens_q": inspect.Parameter.empty, "seq_lens": None, "causal": None, "num_causal_q": None,
+    "block_table": None, "cu_seqlens_k": None, "window_size": None, "bidirectional_window": "symmetric",
+    "scale": None, "out": None, "return_lse": False, "max_seqlen_q": None, "max_seqlen_k": None,
+    "check_values": None, "config": None,
+}
+
+
+def _to(inp: dict, device) -> dict:
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in inp.items()}
+
+
+def run_and_check(backend: str, inp: dict, *, config_index: int = 0, **kw):
+    """One call of ``backend`` on ``inp`` (a CPU batch, moved to the backend's device) into a NaN-poisoned ``out``,
+    with the LSE; output and LSE checked against the oracle. Returns ``(out, lse)`` on the CPU."""
+    r = row(backend)
+    dev = _to(inp, r.device)
+    q, vc = dev["q"], dev["v_cache"]
+    out = torch.full((q.shape[0], q.shape[1], vc.shape[-1]), float("nan"), dtype=q.dtype, device=r.device)
+    o, lse = attention(**dev, out=out, return_lse=True, backend=backend, **r.config_kwargs(config_index), **kw)
+    assert o.data_ptr() == out.data_ptr() and o.shape == out.shape, "out is not written in place"
+    assert lse.dtype == torch.float32 and lse.shape == (q.shape[1], q.shape[0]), (lse.dtype, lse.shape)
+    o, lse = o.cpu(), lse.cpu()
+    check_close(o, **inp, lse=lse, **kw)
+    return o, lse
+
+
+# ---------------------------------------------------------------- the registry and the matrix agree
+def test_every_registered_backend_has_a_row():
+    missing = [n for n in BACKENDS if n not in MATRIX]
+    assert not missing, "\n".join(MISSING_ROW.format(name=n) for n in missing)
+
+
+def test_every_row_names_a_registered_backend():
+    stale = sorted(set(MATRIX) - set(BACKENDS))
+    assert not stale, f"tests/attention/backend_matrix.py has rows for names not in BACKENDS: {stale}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_backend_takes_the_contracts_keywords(backend):
+    """Every keyword of the contract, keyword-only, with the contract's default; the reference's differences
+    (no ``config``, ``upcast``, ``check_values=True``) and any other backend's are its row's, stated explicitly.
+    Runs for every backend on the CPU: nothing is called."""
+    r = row(backend)
+    try:
+        fn = get_backend(backend)
+    except ImportError as e:  # a GPU-only backend whose module needs a GPU stack to import
+        if r.where == "gpu" and not torch.cuda.is_available():
+            pytest.skip(f"{backend}'s module does not import without its GPU stack: {e}")
+        raise
+    params = inspect.signature(fn).parameters
+    names = list(params)
+    assert names[:3] == ["q", "k_cache", "v_cache"], names[:3]
+    want = {k: r.default_overrides.get(k, d) for k, d in CONTRACT_KEYWORDS.items()
+            if not (r.no_config and k == "config")}
+    missing = sorted(set(want) - set(names))
+    assert not missing, f"{backend} lacks the contract's keywords {missing}"
+    for k, d in want.items():
+        assert params[k].kind is inspect.Parameter.KEYWORD_ONLY, f"{backend}: {k} is not keyword-only"
+        assert params[k].default == d, f"{backend}: {k} defaults to {params[k].default!r}, the contract's is {d!r}"
+    extra = set(names[3:]) - set(want)
+    assert extra == set(r.extra_keywords), (
+        f"{backend} takes keywords beyond the contract {sorted(extra)}; its row lists {sorted(r.extra_keywords)}")
+    if r.no_config:
+        assert "config" not in names, f"{backend}'s row says it takes no config, but it does"
+
+
+# ---------------------------------------------------------------- mixed batches, windows, page and cache forms
+MIXED = dict(seq_lens=[9, 13, 6, 1, 5, 30], q_lens=[9, 4, 6, 1, 0, 12],
+             causal=[True, False, True, False, False, False])
+
+
+@BACKEND
+@pytest.mark.parametrize("window_size,mode,i", [(None, "symmetric", 0), (3, "symmetric", 1), (None, "prefix", 2),
+                                                (3, "prefix", 3)])
+def test_mixed_prefill_denoise_commit_batch_with_per_sequence_causal_flags(backend, window_size, mode, i):
+    r = row(backend)
+    inp = make_batch(**MIXED, head_dim=r.head_dim, page_size=r.page_sizes[i % len(r.page_sizes)], seed=i)
+    run_and_check(backend, inp, config_index=i, window_size=window_size, bidirectional_window=mode)
+
+
+@BACKEND
+@pytest.mark.parametrize("mode,i", [("symmetric", 0), ("prefix", 1)])
+def test_num_causal_q_mixes_commit_rows_and_the_next_canvas_in_one_sequence(backend, mode, i):
+    """Commit rows (causal) then canvas rows (bidirectional) of one sequence; tiles straddle the boundary."""
+    r = row(backend)
+    inp = make_batch([20, 17, 9, 4], [11, 9, 9, 4], num_causal_q=[5, 9, 0, 1], num_heads=4, num_kv_heads=1,
+                     head_dim=r.head_dim, page_size=r.page_sizes[-1], seed=10 + i)
+    run_and_check(backend, inp, config_index=i, window_size=2, bidirectional_window=mode)
+
+
+@BACKEND
+@pytest.mark.parametrize("i", range(4))
+def test_page_sizes_permuted_pages_garbage_padding_and_poisoned_unused_rows(backend, i):
+    """Pages of ``page_sizes[i]`` (some not dividing the tiles), in permuted order, block-table columns past a
+    sequence's pages holding random valid ids, NaN in every cache row no sequence owns: reading one fails."""
+    r = row(backend)
+    page = r.page_sizes[i % len(r.page_sizes)]
+    inp = make_batch([37, 20, 3], [5, 20, 3], causal=[False, True, False], head_dim=r.head_dim, page_size=page,
+                     extra_blocks=2, extra_columns=2, block_table_pad="garbage", poison_unused=True, seed=20 + i)
+    run_and_check(backend, inp, config_index=i, window_size=9, bidirectional_window=("symmetric", "prefix")[i % 2])
+
+
+@BACKEND
+@pytest.mark.parametrize("mode,i", [("symmetric", 0), ("prefix", 1)])
+def test_contiguous_kv_form(backend, mode, i):
+    r = row(backend)
+    inp = make_batch(**MIXED, paged=False, head_dim=r.head_dim, poison_unused=True, seed=30 + i)
+    run_and_check(backend, inp, config_index=i, window_size=4, bidirectional_window=mode)
+
+
+@BACKEND
+@pytest.mark.parametrize("H,Hkv", [(4, 1), (6, 2)])
+def test_gqa_query_heads_share_a_kv_head(backend, H, Hkv):
+    r = row(backend)
+    inp = make_batch([12, 9], [5, 9], causal=[False, True], num_heads=H, num_kv_heads=Hkv, head_dim=r.head_dim,
+                     page_size=r.page_sizes[0], seed=40 + H)
+    run_and_check(backend, inp, window_size=None if H == 4 else 2)
+
+
+@BACKEND
+def test_every_dtype_of_the_row(backend):
+    r = row(backend)
+    for j, dtype in enumerate(r.dtypes):
+        inp = make_batch([11, 6], [4, 6], num_causal_q=[4, 2], dtype=dtype, head_dim=r.head_dim,
+                         page_size=r.page_sizes[-1], seed=50 + j)
+        run_and_check(backend, inp, config_index=j)
+
+
+@BACKEND
+def test_empty_sequences_length_one_and_the_empty_batch(backend):
+    """Sequences with no keys, with keys but no query rows, one query over one key (a causal row that sees only
+    itself), one query over a context; then a batch of no sequences."""
+    r = row(backend)
+    inp = make_batch([0, 1, 5, 1, 7, 0], [0, 1, 0, 1, 1, 0], causal=[True, True, False, False, True, False],
+                     head_dim=r.head_dim, page_size=r.page_sizes[0], seed=60)
+    o, lse = run_and_check(backend, inp, window_size=0)
+    assert o.shape[0] == 3
+    empty = make_batch([], [], causal=[], head_dim=r.head_dim, page_size=r.page_sizes[0], seed=61)
+    o, lse = run_and_check(backend, empty)
+    assert o.shape[0] == 0 and lse.shape[1] == 0
+
+
+@BACKEND
+@pytest.mark.parametrize("scale", [0.0, -0.7, MAX_SCALE])
+def test_zero_negative_and_max_scale(backend, scale):
+    """At ``|scale| = MAX_SCALE`` the LSE is ~1e5: check_close bounds it with the scores' fp32 rounding."""
+    r = row(backend)
+    inp = make_batch([9, 13], [9, 4], num_causal_q=[9, 1], dtype=r.dtypes[-1], head_dim=r.head_dim,
+                     page_size=r.page_sizes[-1], seed=70)
+    run_and_check(backend, inp, scale=scale, window_size=5)
+
+
+# ---------------------------------------------------------------- non-finite V
+@BACKEND
+@pytest.mark.parametrize("paged,mode,i", [(True, "symmetric", 0), (False, "prefix", 1)])
+def test_nan_and_inf_v_inside_seq_lens_reach_only_the_rows_that_see_them(backend, paged, mode, i):
+    """NaN / +Inf / -Inf V at keys inside ``seq_lens``: a causal row's future keys, keys past the window, keys
+    anywhere. A key a row may not see contributes nothing; a seen one gives the reference's non-finite entries."""
+    r = row(backend)
+    inp = make_batch([23, 17, 9], [9, 6, 9], num_causal_q=[9, 0, 4], head_dim=r.head_dim, paged=paged,
+                     page_size=r.page_sizes[-1], seed=80 + i)
+    bad = poison_v_inside_seq_lens(inp, seed=81 + i, per_seq=6)[0]
+    kw = dict(window_size=3, bidirectional_window=mode)
+    dev = _to(bad, r.device)
+    q, vc = dev["q"], dev["v_cache"]
+    out = torch.full((q.shape[0], q.shape[1], vc.shape[-1]), float("nan"), dtype=q.dtype, device=r.device)
+    o, lse = attention(**dev, out=out, return_lse=True, backend=backend, **r.config_kwargs(i), **kw)
+    assert check_nonfinite_matches_reference(o.cpu(), bad, lse=lse.cpu(), **kw) > 0  # some row saw a poisoned key
+
+
+@BACKEND
+@pytest.mark.parametrize("page_size", [None, 8])
+def test_underflow_batch_a_seen_key_of_weight_zero_with_nonfinite_v(backend, page_size):
+    """Key ``key`` is seen by every row but weighs exp(-512) = 0 in fp32 while its V holds NaN / +Inf / -Inf:
+    ``0 * NaN`` is the reference's NaN in those columns (the split merges' case, run with the row's last config)."""
+    r = row(backend)
+    q, k, v, kw = make_underflow_batch(max(r.head_dim, 6), 48, 40, (float("nan"), float("inf"), -float("inf")),
+                                       page_size=page_size)
+    bad = dict(q=q, k_cache=k, v_cache=v, **kw)
+    o, lse = attention(**_to(bad, r.device), return_lse=True, backend=backend,
+                       **r.config_kwargs(len(r.configs) - 1))
+    assert check_nonfinite_matches_reference(o.cpu(), bad, lse=lse.cpu()) > 0
+
+
+# ---------------------------------------------------------------- fuzz
+@st.composite
+def contract_cases(draw, r):
+    """A random batch and call for one backend's row: up to 4 sequences of causal, bidirectional or mixed rows,
+    contexts up to 23 keys, GQA groups 1-4, the row's dtypes, head dim and page sizes, paged or contiguous, a
+    window (or none) in either mode, a scale, and one of the row's configs."""
+    B = draw(st.integers(0, 4))
+    q_lens, seq_lens, ncq = [], [], []
+    for _ in range(B):
+        ql = draw(st.sampled_from([0, 1, 2, 3, 5, 8, 13, 17]))
+        ctx = draw(st.sampled_from([0, 1, 2, 4, 9, 16, 23]))
+        kind = draw(st.sampled_from(["causal", "bidir", "mixed"]))
+        q_lens.append(ql)
+        seq_lens.append(ql + ctx)
+        ncq.append(ql if kind == "causal" else 0 if kind == "bidir" else draw(st.integers(0, ql)))
+    hkv, group = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 2, 4]))
+    batch = dict(seq_lens=seq_lens, q_lens=q_lens, num_causal_q=ncq, num_heads=hkv * group, num_kv_heads=hkv,
+                 head_dim=r.head_dim, page_size=draw(st.sampled_from(r.page_sizes)),
+                 dtype=draw(st.sampled_from(r.dtypes)), paged=draw(st.booleans()), seed=draw(st.integers(0, 2 ** 16)),
+                 block_table_pad=draw(st.sampled_from(["garbage", "zeros", "nan_page"])),
+                 poison_unused=draw(st.booleans()))
+    call = dict(window_size=draw(st.sampled_from([None, 0, 1, 2, 3, 5, 8, 16, 40])),
+                bidirectional_window=draw(st.sampled_from(["symmetric", "prefix"])),
+                scale=draw(st.sampled_from([None, None, 1.0, -0.5])))
+    return batch, call, draw(st.integers(0, len(r.configs) - 1))
+
+
+@BACKEND
+def test_fuzz_against_the_reference(backend):
+    """Derandomised (tests/conftest.py's profile); the row's ``fuzz_examples`` keep it cheap on the interpreter."""
+    r = row(backend)
+
+    @settings(max_examples=r.fuzz_examples, deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(contract_cases(r))
+    def fuzz(case):
+        batch, call, ci = case
+        run_and_check(backend, make_batch(**batch), config_index=ci, **call)
+
+    fuzz()
