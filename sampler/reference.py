@@ -106,10 +106,10 @@ def denoise_reference(state: SamplerState, slots: torch.Tensor, logits: torch.Te
     sampled = torch.where(greedy[:, None], argmax, (z + g).argmax(-1))
     entropy = torch.where(greedy[:, None], 0.0, entropy_reference(z))
     # rule 1's shifted form (c != 0 exactly there: |max x| > T * FLT_MAX): p is uniform over the ties at max x, so
-    # H = log(#ties), correctly rounded to float32 (as the TP combine's float64 log; triton takes log of the count
-    # too). log_softmax's rounding of it varied with where the ties sit (log 18: 2.8903718, 2.8903716, 2.8903713
-    # at three positions), so equal tie counts sorted by rounding, not by position, and the reference accepted
-    # another position than the triton and TP backends
+    # H = log(#ties), correctly rounded to float32 (the TP combine's float64 log, and triton's float64 log of the
+    # count: the same float32 bit for bit). log_softmax's rounding of it varied with where the ties sit (log 18:
+    # 2.8903718, 2.8903716, 2.8903713 at three positions), so equal tie counts sorted by rounding, not by position,
+    # and the reference accepted another position than the triton and TP backends
     ties = (x == x.amax(-1, keepdim=True)).sum(-1)
     entropy = torch.where(shift != 0, torch.log(ties.to(torch.float64)).to(torch.float32), entropy)
     entropy = torch.where(defined, entropy, float("nan"))           # greedy rows too: their entropy is 0

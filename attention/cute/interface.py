@@ -147,7 +147,7 @@ def attention_cute(
         block_table: ``[B, max_blocks]`` int32 (paged form); ``cu_seqlens_k``: ``[B+1]`` int32 (contiguous).
         window_size: None or int W >= 0 (keys per side, excluding the query's own position).
         bidirectional_window: ``"symmetric"`` or ``"prefix"`` (a compile-time property).
-        scale: softmax scale, default ``head_dim ** -0.5``.
+        scale: softmax scale, default ``head_dim ** -0.5``; zero or negative runs as :func:`positive_scale` says.
         out: optional preallocated ``[total_q, num_heads, head_dim_v]`` of q's dtype; it may alias an input (the
             kernel then writes a private buffer, copied back).
         return_lse: a bool: also return ``lse [num_heads, total_q]`` fp32 (natural log).
@@ -233,11 +233,28 @@ def attention_cute(
         raise NotImplementedError(
             f"backend 'cute' runs FA4's SM90 kernel and needs a Hopper GPU (sm_90), got sm_{arch}")
 
+    q, scale = positive_scale(q, info.scale)  # FA4's online softmax holds for scale > 0 only
     return _run(fa, q, k_cache, v_cache, out=out, return_lse=return_lse, cu_seqlens_q=cu_seqlens_q,
                 num_causal_q=info.num_causal_q, seq_lens=info.seq_lens,
                 block_table=block_table if info.paged else None, cu_seqlens_k=cu_seqlens_k,
-                window_size=info.window_size, bidirectional_window=bidirectional_window, scale=info.scale,
+                window_size=info.window_size, bidirectional_window=bidirectional_window, scale=scale,
                 arch=arch, config=config, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+
+
+def positive_scale(q: torch.Tensor, scale: float) -> tuple[torch.Tensor, float]:
+    """``(q, scale)`` for the kernel: ``scale > 0`` and the same fp32 scores ``(q . k) * scale`` bit for bit.
+
+    FA4's online softmax takes each row's max of the raw scores and scales after it (``exp2(S * scale_log2 -
+    max(S) * scale_log2)``), which is the softmax only for ``scale > 0``: at scale 0 a masked score (-inf) times 0 is
+    NaN, at a negative scale +inf, and the raw max is the scaled minimum. A negative scale runs ``-q`` with
+    ``|scale|`` (negation is exact, so every product and fp32 sum is the negated one); scale 0 runs ``q * 0`` with
+    scale 1 (every score 0, NaN where q or k holds a non-finite entry, as ``(q . k) * 0``). A positive scale returns
+    ``q`` itself; otherwise one elementwise op into a new tensor (no host sync: capturable)."""
+    if scale > 0:
+        return q, scale
+    if scale < 0:
+        return torch.neg(q), -scale
+    return q * 0, 1.0
 
 
 def _work_order(cu_q, seq_lens, ncq, window_size, bidirectional_window):

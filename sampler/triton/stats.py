@@ -358,10 +358,10 @@ def _stats_merge_kernel(
     Overflow (rule 1): a position without NaN / +inf logits whose merged max z is +inf, or whose every z is -inf
     (s = 0), is recomputed from its logits in the shifted form z = (x - c) / T, c = max x (:func:`tie_statistics`,
     reading the row's logits ``x_ptr`` and RNG coordinates; ``TIE_TILES`` tiles of ``TIE_BLOCK`` tokens cover V):
-    m = 0, s = the ties at c, u = 0 (H = log ties), the first tie and the Gumbel-max tie; ``shift`` = c there, 0
-    elsewhere (the soft embedding's z = (x - shift) / T). Where c = -inf (every logit -inf: no softmax, the request
-    fails) the position is flagged ``bad`` with H = NaN and shift 0 instead. Only a program holding such a position
-    runs it.
+    m = 0, s = the ties at c, u = 0 (H = log ties, a float64 log rounded to float32 as in the reference), the first
+    tie and the Gumbel-max tie; ``shift`` = c there, 0 elsewhere (the soft embedding's z = (x - shift) / T). Where
+    c = -inf (every logit -inf: no softmax, the request fails) the position is flagged ``bad`` with H = NaN and
+    shift 0 instead. Only a program holding such a position runs it.
     """
     pid = tl.program_id(0)
     r = pid * BLOCK_R + tl.arange(0, BLOCK_R)                       # [R] flat positions
@@ -416,7 +416,10 @@ def _stats_merge_kernel(
                 shift = tl.where(sel & ~und, cv, shift)
                 m = tl.where(sel, 0.0, m)
                 s = tl.where(sel, ties.to(tl.float32), s)
-                h = tl.where(sel, tl.where(und, float("nan"), tl.log(ties.to(tl.float32))), h)  # u = 0
+                # u = 0: H = log(ties) in float64, rounded to float32: the reference's and the TP combine's value
+                # bit for bit (float32 logf is not correctly rounded: log 7 came out an ulp above, which moved
+                # decisions at an exact entropy_bound)
+                h = tl.where(sel, tl.where(und, float("nan"), tl.log(ties.to(tl.float64)).to(tl.float32)), h)
                 bad = bad | und
                 amax = tl.where(sel, first.to(tl.int64), amax)
                 gamax = tl.where(sel, g_id.to(tl.int64), gamax)

@@ -163,7 +163,7 @@ def _tied_rows(k: int, steps: int = 2):
     return out
 
 
-@pytest.mark.parametrize("k", [2, 18, 37])
+@pytest.mark.parametrize("k", [2, 7, 18, 37])
 def test_equal_tie_counts_at_shifted_positions_give_equal_entropies_and_accept_by_position(k):
     """Rule 1's shifted form defines H = log(#ties). Was: the reference took log_softmax's rounding of it, which
     varied with where the ties sit (k = 18: 2.8903718 / 2.8903716 / 2.8903713 at three positions), so the stable
@@ -182,6 +182,38 @@ def test_equal_tie_counts_at_shifted_positions_give_equal_entropies_and_accept_b
     for o in ref[0]:
         assert (o.entropy == want).all(), o.entropy
         assert o.accepted[0].tolist() == [True] + [False] * 7  # ties by position: the first one
-    assert_same(ref, run(lambda *a: sampler_step(*a, backend="triton")), soft_tol=1e-5)
-    assert_same(ref, run(lambda *a: sampler_step_sharded(*a, bounds=(0, 11, 37), backend="reference",
-                                                          config=SamplerConfig())), soft_tol=1e-5)
+    for other in (run(lambda *a: sampler_step(*a, backend="triton")),
+                  run(lambda *a: sampler_step_sharded(*a, bounds=(0, 11, 37), backend="reference",
+                                                      config=SamplerConfig()))):
+        assert_same(ref, other, soft_tol=1e-5)
+        for o, p in zip(ref[0], other[0]):   # log(#ties) bit for bit (float32 logf of 7 or 37 is an ulp off)
+            assert torch.equal(o.entropy, p.entropy), (o.entropy, p.entropy)
+
+
+def _steps_with_ties(backend, ties, bound):
+    """One denoise step of one request whose positions all take the shifted form, position p with ties[p] ids at
+    float32's max; its entropies and acceptance."""
+    cl = len(ties)
+    st = SamplerState(2, cl, 37, 8)
+    st.add_request(0, 5, SamplingParams(canvas_length=cl, seed=1, entropy_bound=bound))
+    E = torch.randn(37, 8, generator=torch.Generator().manual_seed(0))
+    sl = torch.tensor([0])
+    sampler_step(st, sl, torch.zeros(1, cl, 37), torch.tensor([True]), E, backend=backend)
+    x = torch.randn(1, cl, 37, generator=torch.Generator().manual_seed(3))
+    for p, k in enumerate(ties):
+        x[0, p, :k] = FMAX
+    o = sampler_step(st, sl, x, torch.tensor([False]), E, backend=backend)
+    return o.entropy, o.accepted
+
+
+@pytest.mark.parametrize("k", [7, 37])
+def test_shifted_entropy_at_an_exact_bound_decides_alike_in_every_backend(k):
+    """entropy_bound = float32(log k): a position with k ties then k + 1 ties; the second is accepted iff
+    H(first) <= bound, which holds with H = log(k) correctly rounded. Was: the triton stats pass took float32 logf
+    of the count (log 7 and log 37 an ulp above), so triton rejected the position the reference and TP accepted."""
+    bound = float(torch.log(torch.tensor(float(k), dtype=torch.float64)).float())
+    ties = [k, k + 1, k + 1]
+    h_ref, acc_ref = _steps_with_ties("reference", ties, bound)
+    assert acc_ref[0].tolist() == [True, True, False]
+    h_tri, acc_tri = _steps_with_ties("triton", ties, bound)
+    assert torch.equal(h_tri, h_ref) and torch.equal(acc_tri, acc_ref), (h_tri, acc_tri)
