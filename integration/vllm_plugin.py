@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import os
 
-from blockdiff.attention import BACKENDS as _ATTENTION_BACKENDS
-
 from . import vllm_compat
 from .annotate import install_triton_compile_ranges
 
@@ -60,9 +58,12 @@ scheduling, its default; with ``--no-async-scheduling``: :data:`SCHEDULER_CLASS`
 triton backend's Gluon kernels pages they can read with TMA; ``VLLM_PLUGINS=blockdiff`` loads only this plugin."""
 
 #: ``BLOCKDIFF_ATTN_BACKEND`` / ``BLOCKDIFF_SAMPLER_BACKEND`` values (exact, lower case; unset: ``triton``). The
-#: attention ones are blockdiff.attention's registry, read (not copied); each needs its rows in
-#: vllm_attention.py's MAX_HEAD_SIZE and DTYPES (tests/test_backend_lists.py).
-ATTN_BACKENDS = _ATTENTION_BACKENDS
+#: attention ones are blockdiff.attention's registry, as a literal: the module must import without
+#: blockdiff.attention, whose environment switches raise at import (a bad BLOCKDIFF_CHECK_VALUES must reach
+#: register(), which vLLM does not catch, not the import, whose failure vLLM's loader only logs: tests/attention/
+#: test_env.py). tests/test_backend_lists.py checks it equals the registry; each name needs its rows in
+#: vllm_attention.py's MAX_HEAD_SIZE and DTYPES.
+ATTN_BACKENDS = ("triton", "cute", "reference")
 SAMPLER_BACKENDS = ("triton", "reference")
 
 

@@ -3,13 +3,15 @@
 the command line, the vLLM plugin, training and the benchmark, or left out for a reason stated here
 (docs/ARCHITECTURE.md section 3, "Adding an attention backend", step 5).
 
-Where the import is cheap and the layering allows it, the list is the registry, read: ``vllm_plugin.ATTN_BACKENDS``
-(the plugin imports torch already), ``model/train.py``'s ``attn_backend`` rule and the names ``bench_attention
+Where the import is cheap and the layering allows it, the list is the registry, read: ``model/train.py``'s ``attn_backend`` rule and the names ``bench_attention
 --backends`` takes. The rest keep a literal this file checks:
 
 - ``integration/cli.py``'s ``ATTENTION_BACKENDS`` / ``SAMPLER_BACKENDS``: the CLI imports only the standard library
   at its top, so that argument errors exit before torch loads (tests/integration/test_cli.py); the registries import
   torch.
+- ``vllm_plugin.ATTN_BACKENDS``: the plugin module must import without ``blockdiff.attention``, whose environment
+  switches raise at import: vLLM's plugin loader only logs a module that fails to import and serves without it
+  (tests/attention/test_env.py), so a bad switch must fail in ``register()`` instead.
 - ``integration/vllm_attention.py``'s ``MAX_HEAD_SIZE`` / ``DTYPES``: facts about each backend, one row per served
   backend; read with ``ast`` (the module imports vLLM, absent from the CPU suite).
 - ``bench/bench_attention.py``'s ``ALL_BACKENDS``: the default GPU run, a measurement plan; every registered
@@ -53,7 +55,8 @@ def test_vllm_plugin_serves_every_registered_backend(monkeypatch):
     from blockdiff.integration import vllm_plugin
     from blockdiff.sampler import BACKENDS as SAMPLER_BACKENDS
 
-    assert vllm_plugin.ATTN_BACKENDS is BACKENDS
+    # the plugin's order is its error message's (its default first); the names are the registry's
+    assert sorted(vllm_plugin.ATTN_BACKENDS) == sorted(BACKENDS), (vllm_plugin.ATTN_BACKENDS, BACKENDS)
     for name in BACKENDS:
         monkeypatch.setenv(vllm_plugin.ATTN_BACKEND_ENV, name)
         assert vllm_plugin.attn_backend_from_env() == name
