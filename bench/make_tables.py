@@ -169,7 +169,8 @@ def section(path: Path, link_base: Path = BENCH_DIR) -> str:
 def record_problem(doc: dict) -> str | None:
     """Why a record (a JSON object with ``rows``) cannot be rendered, naming the field, or None: ``suite`` a string
     when given; ``rows`` a list of objects, each with a ``workload`` string, a ``config`` object or null (tile-sweep
-    rows), ``graph_ms`` / ``eager_ms`` numbers or null (:func:`sweep_summary` sorts by them)."""
+    rows), ``graph_ms`` / ``eager_ms`` finite numbers or null (NaN / Infinity, which JSON reads, would sort
+    anywhere) (:func:`sweep_summary` sorts by them)."""
     if "suite" in doc and not isinstance(doc["suite"], str):
         return f"suite must be a string, got {doc['suite']!r}"
     if not isinstance(doc["rows"], list) or not all(isinstance(r, dict) for r in doc["rows"]):
@@ -181,8 +182,8 @@ def record_problem(doc: dict) -> str | None:
             return f"rows[{i}].config must be a JSON object or null, got {r['config']!r}"
         for k in ("graph_ms", "eager_ms"):
             v = r.get(k)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
-                return f"rows[{i}].{k} must be a number or null, got {v!r}"
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+                return f"rows[{i}].{k} must be a finite number or null, got {v!r}"
     return None
 
 

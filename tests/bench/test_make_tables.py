@@ -165,6 +165,9 @@ def test_repository_readme_tables_are_current():
      ["rows[0].config"]),
     ({"rows": [{"workload": "a", "status": "ok", "graph_ms": 1.0, "config": {"BM": 64}},
                {"workload": "a", "status": "ok", "graph_ms": "x", "config": {"BM": 32}}]}, ["rows[1].graph_ms"]),
+    ({"rows": [{"workload": "a", "status": "ok", "graph_ms": 1.0, "config": {"BM": 64}},
+               {"workload": "a", "status": "ok", "eager_ms": float("nan"), "config": {"BM": 32}}]},
+     ["rows[1].eager_ms must be a finite number"]),  # JSON's NaN: it sorted anywhere in the tile sweep
 ])
 def test_malformed_record_is_skipped_naming_the_field_and_the_others_render(tmp_path, capsys, doc, words):
     """Was: one malformed record stopped the whole README with an AttributeError ('int' has no 'split', 'str' has no
