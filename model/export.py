@@ -253,8 +253,9 @@ def export_hf(source, out_dir, *, dtype: torch.dtype | str | None = None, overwr
         FileNotFoundError: a source folder that is missing or lacks a checkpoint file (from ``load_pretrained``).
         FileExistsError: ``out_dir`` already holds an export file and ``overwrite`` is False (all are named), or
             ``out_dir`` is a file.
-        ValueError: ``out_dir`` is the source folder; a DiffusionGemma on the meta device (no weights); a source in
-            a dtype an export does not write (float64) without ``dtype``; a source the files cannot describe (see
+        ValueError: ``out_dir`` is the source folder; a DiffusionGemma with any tensor on the meta device (no
+            weights); without ``dtype``, a source whose weights mix dtypes or are in one an export does not write
+            (float64); a source the files cannot describe (see
             ``check_vllm``, :func:`hf_config_dict`, :func:`hf_tokenizer_json`); a bad generation value; weights that
             do not match the source's config (from the loader); a ``dtype`` that cannot hold the weights (a finite
             weight that would overflow to inf, e.g. above 65504 in float16; checked before anything is written).
@@ -275,17 +276,26 @@ def export_hf(source, out_dir, *, dtype: torch.dtype | str | None = None, overwr
         config = model.config
     elif isinstance(source, DiffusionGemma):
         model, config = source, source.config
-        if model.embed_tokens.weight.is_meta:  # shapes only: torch's "Cannot copy out of meta tensor" at save
-            raise ValueError("source is a DiffusionGemma on the meta device (no weights to write): load or "
-                             "initialise its weights, or pass its DiffusionGemmaConfig to export the config alone")
+        meta = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+        if meta:  # shapes only: torch's "Cannot copy out of meta tensor" at save
+            raise ValueError(f"source is a DiffusionGemma with {len(meta)} tensors on the meta device (no weights to "
+                             f"write; first: {meta[0]}): load or initialise its weights, or pass its "
+                             "DiffusionGemmaConfig to export the config alone")
     elif isinstance(source, DiffusionGemmaConfig):
         config = source
     else:
         raise TypeError(f"source must be a checkpoint folder, a DiffusionGemma or a DiffusionGemmaConfig, got "
                         f"{type(source).__name__}")
-    if dtype is None and model is not None and model.embed_tokens.weight.dtype not in _DTYPES.values():
-        raise ValueError(f"dtype: the source's weights are {model.embed_tokens.weight.dtype}, which an export does not "
-                         f"write; pass dtype= one of {list(_DTYPES)}")
+    if dtype is None and model is not None:
+        found = {}  # the weights' dtypes, each with its first parameter's name
+        for n, t in model.named_parameters():
+            found.setdefault(t.dtype, n)
+        if len(found) > 1:
+            raise ValueError(f"dtype: the source's weights mix {', '.join(f'{d} ({n})' for d, n in found.items())}; "
+                             f"pass dtype= one of {list(_DTYPES)} to write them in one")
+        if model.embed_tokens.weight.dtype not in _DTYPES.values():
+            raise ValueError(f"dtype: the source's weights are {model.embed_tokens.weight.dtype}, which an export "
+                             f"does not write; pass dtype= one of {list(_DTYPES)}")
     if dtype is None:
         dtype = model.embed_tokens.weight.dtype if model is not None else torch.bfloat16
     dtype = _resolve_dtype(dtype)

@@ -588,5 +588,14 @@ def test_export_hf_argument_errors_name_the_argument_and_write_nothing(tmp_path)
         export_hf(cfg, None)
     with pytest.raises(ValueError, match=r"dtype: the source's weights are torch.float64.*pass dtype="):
         export_hf(DiffusionGemma(cfg).double(), tmp_path / "o")
+    part = DiffusionGemma(cfg)  # one layer's weights left on the meta device (review20): was torch's error at save
+    part.layers[0].mlp.to_empty(device="meta")
+    with pytest.raises(ValueError, match=r"on the meta device .*first: layers\.0\.mlp"):
+        export_hf(part, tmp_path / "o")
+    mixed = DiffusionGemma(cfg).to(torch.bfloat16)  # one float32 layer: was written from embed_tokens' dtype alone
+    mixed.layers[0].float()
+    with pytest.raises(ValueError, match=r"dtype: the source's weights mix torch.bfloat16 .*torch.float32 \(layers\.0"):
+        export_hf(mixed, tmp_path / "o")
     assert not (tmp_path / "o").exists()
+    assert "model.safetensors" in export_hf(mixed, tmp_path / "m", dtype="bfloat16")
     assert "model.safetensors" in export_hf(DiffusionGemma(cfg).double(), tmp_path / "o", dtype="float32")
