@@ -5,7 +5,8 @@ and split, tensor-parallel with either local pass) decides exactly as the refere
 bit, entropies to float32 rounding, soft rows close. Positions that do not overflow keep z = x / T.
 
 Before: the reference and the TP combine failed such rows (NaN entropy) and the triton stats pass did too, so
-every request with such logits ended FAILED. CPU: Triton interpreter.
+every request with such logits ended FAILED. Runs where DEV is: the CPU (the Triton interpreter), or CUDA (the
+kernels compiled) on a GPU machine.
 """
 import math
 
@@ -23,6 +24,9 @@ DECISIONS = ("accepted", "argmax", "sampled", "next_canvas", "converged", "faile
              "num_emitted_now", "num_sampled", "num_rejected", "temperature")
 STATE = ("phase", "canvas", "commit_canvas", "prev_argmax", "stable_count", "step", "canvas_index", "num_emitted")
 FMAX = torch.finfo(torch.float32).max
+#: where the steps run: CUDA where present (the triton kernels compiled; under the interpreter they take CPU
+#: tensors only), else the CPU. Logits and weights are drawn on the CPU (the same numbers either way), then moved.
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def overflow_logits(step, g):
@@ -43,7 +47,7 @@ def overflow_logits(step, g):
 
 
 def states():
-    st = SamplerState(5, CL, V, H)
+    st = SamplerState(5, CL, V, H, device=DEV)
     st.add_request(4, 101, SamplingParams(canvas_length=CL, seed=1, t_min=0.4, t_max=0.8, max_denoising_steps=3))
     st.add_request(0, 102, SamplingParams(canvas_length=CL, seed=2, entropy_bound=1.0))
     st.add_request(2, 103, SamplingParams(canvas_length=CL, seed=3, t_min=0.0, t_max=0.0))
@@ -52,18 +56,18 @@ def states():
     return st
 
 
-SLOTS = torch.tensor([4, 0, 2, 1])
+SLOTS = torch.tensor([4, 0, 2, 1], device=DEV)
 
 
 def run(step_fn, e_dtype=torch.float32, steps=3):
     """Prefill then ``steps`` denoising steps of overflow_logits: (outputs, state)."""
     st = states()
-    E = torch.randn(V, H, generator=torch.Generator().manual_seed(7)).to(e_dtype)
+    E = torch.randn(V, H, generator=torch.Generator().manual_seed(7)).to(e_dtype).to(DEV)
     g = torch.Generator().manual_seed(11)
-    pd = torch.ones(4, dtype=torch.bool)
-    outs = [step_fn(st, SLOTS, torch.zeros(4, CL, V), pd, E)]
+    pd = torch.ones(4, dtype=torch.bool, device=DEV)
+    outs = [step_fn(st, SLOTS, torch.zeros(4, CL, V, device=DEV), pd, E)]
     for s in range(steps):
-        outs.append(step_fn(st, SLOTS, overflow_logits(s, g), pd, E))
+        outs.append(step_fn(st, SLOTS, overflow_logits(s, g).to(DEV), pd, E))
     return outs, st
 
 
@@ -134,10 +138,10 @@ def test_stats_shift_is_zero_and_m_bit_identical_where_z_does_not_overflow():
     """row_stats / row_moments: shift = max x exactly where the max z overflows (m = 0 there); elsewhere shift = 0
     and m = max(x / T) bit for bit (the accepted fl(x / T))."""
     g = torch.Generator().manual_seed(3)
-    x = overflow_logits(0, g)
-    T = torch.tensor([0.4, 0.7, 0.5, 1e-38])
-    c = torch.zeros(4, dtype=torch.int64)
-    act = torch.ones(4, dtype=torch.bool)
+    x = overflow_logits(0, g).to(DEV)
+    T = torch.tensor([0.4, 0.7, 0.5, 1e-38], device=DEV)
+    c = torch.zeros(4, dtype=torch.int64, device=DEV)
+    act = torch.ones(4, dtype=torch.bool, device=DEV)
     xmax = x.amax(-1)
     ovf = torch.isinf(xmax / T[:, None])
     for cfg in (SamplerConfig(block_g=4, split_v=1, block_p=1), SamplerConfig(block_g=2, split_v=3, block_p=8)):
@@ -159,7 +163,7 @@ def _tied_rows(k: int, steps: int = 2):
         x = torch.randn(1, 8, 37, generator=g)
         for p in range(8):
             x[0, p, torch.randperm(37, generator=g)[:k]] = FMAX
-        out.append(x)
+        out.append(x.to(DEV))
     return out
 
 
@@ -170,15 +174,15 @@ def test_equal_tie_counts_at_shifted_positions_give_equal_entropies_and_accept_b
     sort ordered equal tie counts by rounding and the reference accepted position 2 where the triton and TP backends
     (log of the count) accepted position 0."""
     def run(step):
-        st = SamplerState(2, 8, 37, 8)
+        st = SamplerState(2, 8, 37, 8, device=DEV)
         st.add_request(0, 5, SamplingParams(canvas_length=8, seed=1))
-        E = torch.randn(37, 8, generator=torch.Generator().manual_seed(0))
-        sl = torch.tensor([0])
-        step(st, sl, torch.zeros(1, 8, 37), torch.tensor([True]), E)
-        return [step(st, sl, x, torch.tensor([False]), E) for x in _tied_rows(k)], st
+        E = torch.randn(37, 8, generator=torch.Generator().manual_seed(0)).to(DEV)
+        sl = torch.tensor([0], device=DEV)
+        step(st, sl, torch.zeros(1, 8, 37, device=DEV), torch.tensor([True], device=DEV), E)
+        return [step(st, sl, x, torch.tensor([False], device=DEV), E) for x in _tied_rows(k)], st
 
     ref = run(reference_step)
-    want = torch.log(torch.tensor(float(k), dtype=torch.float64)).float()
+    want = torch.log(torch.tensor(float(k), dtype=torch.float64)).float().to(DEV)
     for o in ref[0]:
         assert (o.entropy == want).all(), o.entropy
         assert o.accepted[0].tolist() == [True] + [False] * 7  # ties by position: the first one
@@ -194,15 +198,15 @@ def _steps_with_ties(backend, ties, bound):
     """One denoise step of one request whose positions all take the shifted form, position p with ties[p] ids at
     float32's max; its entropies and acceptance."""
     cl = len(ties)
-    st = SamplerState(2, cl, 37, 8)
+    st = SamplerState(2, cl, 37, 8, device=DEV)
     st.add_request(0, 5, SamplingParams(canvas_length=cl, seed=1, entropy_bound=bound))
-    E = torch.randn(37, 8, generator=torch.Generator().manual_seed(0))
-    sl = torch.tensor([0])
-    sampler_step(st, sl, torch.zeros(1, cl, 37), torch.tensor([True]), E, backend=backend)
+    E = torch.randn(37, 8, generator=torch.Generator().manual_seed(0)).to(DEV)
+    sl = torch.tensor([0], device=DEV)
+    sampler_step(st, sl, torch.zeros(1, cl, 37, device=DEV), torch.tensor([True], device=DEV), E, backend=backend)
     x = torch.randn(1, cl, 37, generator=torch.Generator().manual_seed(3))
     for p, k in enumerate(ties):
         x[0, p, :k] = FMAX
-    o = sampler_step(st, sl, x, torch.tensor([False]), E, backend=backend)
+    o = sampler_step(st, sl, x.to(DEV), torch.tensor([False], device=DEV), E, backend=backend)
     return o.entropy, o.accepted
 
 
