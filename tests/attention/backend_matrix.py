@@ -23,6 +23,14 @@ CUDA = torch.cuda.is_available()
 _SMALL = dict(BLOCK_M=16, BLOCK_N=16)
 
 
+#: The contract cases a row may name in ``known_gaps``, each with the gap docs/ARCHITECTURE.md section 4 records.
+GAPS = {
+    "underflow_in_a_cleaned_block": "a seen key whose weight underflows to 0 with +-Inf V, in a key block a NaN-safe "
+                                    "V scan cleans: the fix-up gives the raw +-Inf where the reference gives "
+                                    "0 * Inf = NaN",
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class BackendRun:
     """How the shared tests run one backend.
@@ -45,6 +53,9 @@ class BackendRun:
             ``check_values=True``).
         validates_on_cpu: its argument errors (TypeError / ValueError of the contract) come before it needs its
             device, so the error-path edges run it on the CPU even where ``where`` is ``"gpu"``.
+        known_gaps: ``{case: reason}``, the contract cases where the backend departs from the reference in a way
+            docs/ARCHITECTURE.md section 4 records as a known gap; the case runs as a strict xfail with the reason
+            (it must fail: a gap closed shows as XPASS, red). Keys: :data:`GAPS`.
     """
     where: str
     why: str
@@ -57,10 +68,17 @@ class BackendRun:
     extra_keywords: frozenset = frozenset()
     default_overrides: dict = dataclasses.field(default_factory=dict)
     validates_on_cpu: bool = True
+    known_gaps: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         assert self.where in ("cpu", "interpreter", "gpu"), self.where
         assert self.configs and (not self.no_config or self.configs == (None,)), self.configs
+        assert set(self.known_gaps) <= set(GAPS), sorted(set(self.known_gaps) - set(GAPS))
+
+    def expect_gap(self, request, case: str) -> None:
+        """Mark the running test a strict xfail when ``case`` is one of this row's known gaps."""
+        if case in self.known_gaps:
+            request.applymarker(pytest.mark.xfail(strict=True, reason=self.known_gaps[case]))
 
     @property
     def device(self) -> str:
@@ -90,7 +108,12 @@ MATRIX: dict[str, BackendRun] = {
         configs=(None, {"num_splits": 3, "split_merge": "triton"}), dtypes=(torch.bfloat16, torch.float16),
         # hd 128, a head dim the backend's own GPU tests build (128 / 256 / 512): at hd 64 FA4's heuristic gives a
         # 192 x 128 register-P tile no cute test compiles. Pages: 16 and 64 load by TMA page boxes, 48 by cp.async
-        head_dim=128, page_sizes=(16, 48, 64), fuzz_examples=10),
+        head_dim=128, page_sizes=(16, 48, 64), fuzz_examples=10,
+        # the underflow batch's 48 keys are one key block, which the scan cleans (it is the first block, masked; a
+        # split's first block too where skip_allowed_first is off): +-Inf, not NaN, in two of the three columns
+        # (H100, 2026-12-06; cute's own test puts the key in an interior block and passes: test_cute_split_merge.py)
+        known_gaps={"underflow_in_a_cleaned_block": "cute's NaN-safe V fix-up adds a cleaned block's raw +-Inf back "
+                    "for p = 0 (config skip_allowed_first; docs/ARCHITECTURE.md section 4, known gaps)"}),
 }
 
 MISSING_ROW = (

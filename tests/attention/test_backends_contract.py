@@ -203,10 +203,13 @@ def test_nan_and_inf_v_inside_seq_lens_reach_only_the_rows_that_see_them(backend
 
 @BACKEND
 @pytest.mark.parametrize("page_size", [None, 8])
-def test_underflow_batch_a_seen_key_of_weight_zero_with_nonfinite_v(backend, page_size):
+def test_underflow_batch_a_seen_key_of_weight_zero_with_nonfinite_v(backend, page_size, request):
     """Key ``key`` is seen by every row but weighs exp(-512) = 0 in fp32 while its V holds NaN / +Inf / -Inf:
-    ``0 * NaN`` is the reference's NaN in those columns (the split merges' case, run with the row's last config)."""
+    ``0 * NaN`` is the reference's NaN in those columns (the split merges' case, run with the row's last config).
+    The 48 keys are one key block of a kernel's tile: a backend whose NaN-safe V scan cleans that block names the
+    known gap ``underflow_in_a_cleaned_block`` in its row (a strict xfail)."""
     r = row(backend)
+    r.expect_gap(request, "underflow_in_a_cleaned_block")
     q, k, v, kw = make_underflow_batch(max(r.head_dim, 6), 48, 40, (float("nan"), float("inf"), -float("inf")),
                                        page_size=page_size)
     bad = dict(q=q, k_cache=k, v_cache=v, **kw)
