@@ -1,9 +1,18 @@
 """Test-wide setup: without a CUDA GPU, Triton kernels run through the Triton interpreter on the CPU.
 
-TRITON_INTERPRET must be set before triton is first imported, hence here (pytest loads this file first).
 GPU-only tests carry ``@pytest.mark.gpu`` and are deselected by default (pytest.ini); run them on the H200
 with ``python3 -m pytest -m gpu``. Selected on a machine without a CUDA GPU, they are skipped (with that reason),
 not failed.
+
+A run that selects no GPU test (README's command, pytest.ini's ``-m "not gpu"``) is the CPU suite on every machine,
+CI's: on a GPU machine :func:`pytest_configure` hides CUDA (``CUDA_VISIBLE_DEVICES=""``) before anything initialises
+it, so the tests see no GPU and Triton runs through its interpreter. Many CPU tests hand CPU tensors to Triton kernels,
+which compiled Triton refuses ("cannot be accessed from Triton (cpu tensor?)": 15 of tests/sampler/test_overflowing_z.py
+and most of tests/sampler/triton on an H100, 2026-12-06). ``BLOCKDIFF_TEST_CUDA=1`` keeps CUDA visible for such a
+run: the backend matrix's interpreter rows then run compiled on the GPU (e.g. ``BLOCKDIFF_TEST_CUDA=1 python3 -m
+pytest tests/attention/test_backends_contract.py``), and tests that hand CPU tensors to Triton fail as above. A run
+that selects GPU tests sees CUDA; run those apart from the CPU suite. TRITON_INTERPRET must be set before triton is
+first imported, hence here, before collection imports any test module.
 """
 import os
 
@@ -19,8 +28,16 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from run_mode import hides_cuda  # noqa: E402  (tests/run_mode.py: the rule, tested by tests/test_conftest_run_mode.py)
+
+
+def pytest_configure(config):
+    """The run's device (module docstring): CUDA hidden for the CPU suite, then the interpreter where no CUDA is
+    visible. Before collection, so before any test module imports Triton or initialises CUDA."""
+    if hides_cuda(config.option.markexpr, os.environ):
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Hypothesis: derandomized (fixed seeds) so CI is reproducible; no per-example deadline (the Triton
 # interpreter is slow). Tests may still raise max_examples with their own @settings. derandomize implies no example

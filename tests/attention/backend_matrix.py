@@ -37,7 +37,8 @@ class BackendRun:
 
     Attributes:
         where: ``"cpu"`` (eager PyTorch on the CPU), ``"interpreter"`` (Triton kernels through TRITON_INTERPRET=1 on
-            the CPU, set by ``tests/conftest.py``; compiled on the GPU when CUDA is present) or ``"gpu"`` (CUDA only:
+            the CPU, set by ``tests/conftest.py``; compiled on the GPU where CUDA is visible: a CPU-suite run on a GPU
+            machine with ``BLOCKDIFF_TEST_CUDA=1``) or ``"gpu"`` (CUDA only:
             its cases carry ``@pytest.mark.gpu``, deselected by pytest.ini's ``-m "not gpu"`` and skipped with the
             reason by ``tests/conftest.py`` where ``-m gpu`` selects them without a GPU).
         why: one line: why it runs there.
@@ -82,7 +83,7 @@ class BackendRun:
 
     @property
     def device(self) -> str:
-        """Where its tensors live: the CPU for "cpu"; CUDA for "gpu", and for "interpreter" where CUDA is present."""
+        """Where its tensors live: the CPU for "cpu"; CUDA for "gpu", and for "interpreter" where CUDA is visible."""
         return "cpu" if self.where == "cpu" or (self.where == "interpreter" and not CUDA) else "cuda"
 
     @property
