@@ -516,6 +516,15 @@ BAD_GENERATION = [
     ("max-new-tokens-zero", {"max_new_tokens": 0}, r"max_new_tokens must be None or an int in \[1, 2\*\*62\]"),
     ("max-length", {"max_length": 100}, r"max_length 100 is not supported"),
     ("pad-out-of-vocab", {"pad_token_id": 300}, r"pad_token_id must be None or an int"),
+    # schedules the sampler refuses (was: accepted at load, since t_max > t_min and both are finite in float32, then
+    # the first request taking the defaults died in SamplingParams: `blockdiff demo --checkpoint` printed a
+    # ValueError traceback naming no file)
+    ("schedule-below-min-temperature", {"t_min": 0.0, "t_max": 1e-40},
+     r".*temperature 2\.084e-42 at the last step, below MIN_TEMPERATURE"),
+    ("schedule-subnormal", {"t_min": 1e-39, "t_max": 2e-39}, r".*below MIN_TEMPERATURE"),
+    ("schedule-steps", {"t_min": 0.0, "t_max": 1e-36, "max_denoising_steps": 1000},
+     r".*max_denoising_steps=1000 give the temperature"),
+    ("schedule-overflow", {"t_min": 0.0, "t_max": 3e38}, r".*overflows float32"),
 ]
 
 
@@ -562,23 +571,6 @@ def test_loading_in_a_dtype_that_cannot_hold_a_weight_is_a_checkpoint_error_nami
     sd[name][0, 0], sd[name][0, 1] = 1.0, float("inf")
     model = DiffusionGemma.from_pretrained_state_dict(sd, tiny_config(), dtype=torch.float16)
     assert int(model.layers[0].mlp.down_proj.weight.isinf().sum()) == 1
-
-
-@pytest.mark.parametrize("gen,what", [
-    ({"t_min": 0.0, "t_max": 1e-40}, r"temperature 2\.084e-42 at the last step, below MIN_TEMPERATURE"),
-    ({"t_min": 1e-39, "t_max": 2e-39}, r"below MIN_TEMPERATURE"),
-    ({"t_min": 0.0, "t_max": 1e-36, "max_denoising_steps": 1000}, r"max_denoising_steps=1000 give the temperature"),
-    ({"t_min": 0.0, "t_max": 3e38}, r"overflows float32"),
-])
-def test_generation_config_whose_schedule_the_sampler_refuses_is_a_checkpoint_error(tmp_path, gen, what):
-    """Was: accepted at load (t_max > t_min, both finite in float32), then the first request taking the defaults
-    died in SamplingParams (`blockdiff demo --checkpoint` printed a ValueError traceback that named no file)."""
-    folder = make_ckpt(tmp_path)
-    (tmp_path / "generation_config.json").write_text(json.dumps(gen))
-    with pytest.raises(CheckpointError, match=r"generation_config\.json \(.*\): .*" + what):
-        load_generation_config(folder)
-    with pytest.raises(CheckpointError, match=r"generation_config\.json"):
-        DiffusionGemma.load_safetensors(folder)
 
 
 def test_generation_schedule_rule_agrees_with_the_sampler_s():
