@@ -98,7 +98,10 @@ def check_step_args(state: SamplerState, slots: torch.Tensor, logits: torch.Tens
     if logits.dim() != 3 or tuple(logits.shape) != (n, state.canvas_length, cols):
         raise ValueError(f"logits must have shape [N={n}, canvas_length={state.canvas_length}, "
                          f"{cols_name}={cols}]{logits_note}, got {tuple(logits.shape)}")
-    if prefill_done.dtype != torch.bool or tuple(prefill_done.shape) != (n,):
+    if prefill_done.dtype != torch.bool:  # the docstring's rule: a wrong dtype is a TypeError (was: ValueError)
+        raise TypeError(f"prefill_done must be a bool tensor of shape [{n}], got {prefill_done.dtype} "
+                        f"{tuple(prefill_done.shape)}")
+    if tuple(prefill_done.shape) != (n,):
         raise ValueError(f"prefill_done must be a bool tensor of shape [{n}], got {prefill_done.dtype} "
                          f"{tuple(prefill_done.shape)}")
     if not embedding.is_floating_point():

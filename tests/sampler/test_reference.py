@@ -470,8 +470,10 @@ def test_bad_arguments():
         sampler_step(st, slots, torch.zeros(1, CL, V + 1), pd, E)
     with pytest.raises(TypeError, match="slots"):
         sampler_step(st, slots.int(), torch.zeros(1, CL, V), pd, E)
-    with pytest.raises(ValueError, match="prefill_done"):
+    with pytest.raises(TypeError, match="prefill_done"):  # a wrong dtype: TypeError, as check_step_args documents
         sampler_step(st, slots, torch.zeros(1, CL, V), pd.int(), E)
+    with pytest.raises(ValueError, match="prefill_done"):
+        sampler_step(st, slots, torch.zeros(1, CL, V), pd.repeat(2), E)
     with pytest.raises(ValueError, match="embedding"):
         sampler_step(st, slots, torch.zeros(1, CL, V), pd, E[:, :3])
     with pytest.raises(ValueError, match="backend"):
