@@ -126,7 +126,8 @@ def parse_generation_config(d: dict, config: DiffusionGemmaConfig) -> dict:
     Rules (transformers' ``DiffusionGemmaGenerationConfig.validate`` / ``EntropyBoundSamplerConfig``, checked on
     the values after the defaults fill what ``d`` leaves out, plus the sampler's ranges): only transformers' keys;
     ``max_denoising_steps`` an int in [1, 2**14); ``t_min``, ``t_max`` finite numbers with ``0 <= t_min < t_max``;
-    every temperature of the float32 schedule (:func:`schedule_extremes`) finite and >= :data:`MIN_TEMPERATURE`
+    ``t_max`` not 0 in float32 (the sampler's greedy flag); every temperature of the float32 schedule
+    (:func:`schedule_extremes`) finite and >= :data:`MIN_TEMPERATURE`
     (2**-126: the sampler refuses a request below it, docs/ARCHITECTURE.md section 7, "Exported sampling defaults");
     ``sampler_config`` an ``EntropyBoundSamplerConfig`` (``{"entropy_bound": x, "_cls_name":
     "EntropyBoundSamplerConfig"}``) with ``entropy_bound > 0``; ``confidence_threshold > 0``; floats finite in
@@ -180,6 +181,9 @@ def parse_generation_config(d: dict, config: DiffusionGemmaConfig) -> dict:
     if not out["t_max"] > out["t_min"]:
         raise ValueError(f"t_max must be > t_min (transformers' rule), got t_max={out['t_max']}, "
                          f"t_min={out['t_min']}")
+    if float(torch.tensor(out["t_max"], dtype=torch.float32)) == 0.0:  # e.g. 1e-46: > t_min = 0 in float64 only
+        raise ValueError(f"t_max={out['t_max']} rounds to 0 in float32, which the sampler reads as greedy "
+                         "(t_max == 0), not the sampled schedule the file asks for")
     # the schedule the sampler runs (float32, SamplingParams' rule): a default request it refuses is a bad file, not an
     # error of the first request that takes the defaults (a traceback in blockdiff demo, a refused engine start)
     lo, hi = schedule_extremes(out["t_min"], out["t_max"], out["max_denoising_steps"])

@@ -525,6 +525,9 @@ BAD_GENERATION = [
     ("schedule-steps", {"t_min": 0.0, "t_max": 1e-36, "max_denoising_steps": 1000},
      r".*max_denoising_steps=1000 give the temperature"),
     ("schedule-overflow", {"t_min": 0.0, "t_max": 3e38}, r".*overflows float32"),
+    # > t_min = 0 in float64, 0 in float32: the sampler would run it greedy (was: refused as "below MIN_TEMPERATURE,
+    # the sampler refuses such a request", which it does not)
+    ("schedule-t-max-zero-in-float32", {"t_min": 0.0, "t_max": 1e-46}, r"t_max=1e-46 rounds to 0 in float32"),
 ]
 
 
