@@ -6,7 +6,9 @@ not failed.
 
 A run that selects no GPU test (README's command, pytest.ini's ``-m "not gpu"``) is the CPU suite on every machine,
 CI's: on a GPU machine :func:`pytest_configure` hides CUDA (``CUDA_VISIBLE_DEVICES=""``) before anything initialises
-it, so the tests see no GPU and Triton runs through its interpreter. Many CPU tests hand CPU tensors to Triton kernels,
+it, so the tests see no GPU and Triton runs through its interpreter; where CUDA was initialised in the process before
+(a plugin, an earlier conftest, ``pytest.main`` called after CUDA work) hiding cannot take, and the run stops with a
+usage error saying so instead of running the CPU suite on the GPU. Many CPU tests hand CPU tensors to Triton kernels,
 which compiled Triton refuses ("cannot be accessed from Triton (cpu tensor?)": 15 of tests/sampler/test_overflowing_z.py
 and most of tests/sampler/triton on an H100, 2026-12-06). ``BLOCKDIFF_TEST_CUDA=1`` keeps CUDA visible for such a
 run: the backend matrix's interpreter rows then run compiled on the GPU (e.g. ``BLOCKDIFF_TEST_CUDA=1 python3 -m
@@ -28,14 +30,13 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from run_mode import hides_cuda  # noqa: E402  (tests/run_mode.py: the rule, tested by tests/test_conftest_run_mode.py)
+from run_mode import hide_cuda  # noqa: E402  (tests/run_mode.py: the rule, tested by tests/test_conftest_run_mode.py)
 
 
 def pytest_configure(config):
     """The run's device (module docstring): CUDA hidden for the CPU suite, then the interpreter where no CUDA is
     visible. Before collection, so before any test module imports Triton or initialises CUDA."""
-    if hides_cuda(config.option.markexpr, os.environ):
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    hide_cuda(config.option.markexpr, os.environ, torch.cuda.is_available)  # fails where CUDA is already up
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
 

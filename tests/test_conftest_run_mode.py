@@ -29,3 +29,33 @@ def test_this_cpu_suite_run_sees_no_cuda_and_interprets_triton(pytestconfig):
         pytest.skip("this run selects GPU tests or keeps CUDA visible")
     assert os.environ.get("CUDA_VISIBLE_DEVICES") == "" and not torch.cuda.is_available()
     assert os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def test_hiding_cuda_after_cuda_was_initialised_fails_instead_of_running_on_the_gpu():
+    """Unit: CUDA still available after CUDA_VISIBLE_DEVICES="" means it was initialised before; a usage error."""
+    env = {}
+    with pytest.raises(pytest.UsageError, match="already initialised.*BLOCKDIFF_TEST_CUDA=1"):
+        conftest.hide_cuda("not gpu", env, lambda: True)
+    assert env["CUDA_VISIBLE_DEVICES"] == ""
+    assert conftest.hide_cuda("not gpu", {}, lambda: False)
+    # nothing hidden, nothing checked: a GPU run, or BLOCKDIFF_TEST_CUDA=1
+    assert not conftest.hide_cuda("gpu", {}, lambda: True)
+    assert not conftest.hide_cuda("not gpu", {conftest.KEEP_CUDA_ENV: "1"}, lambda: True)
+
+
+def test_a_cpu_suite_run_in_a_process_where_cuda_is_already_up_stops_with_the_reason(tmp_path):
+    """End to end through tests/conftest.py: a plugin loaded before pytest_configure stands in for CUDA initialised
+    early (torch.cuda.is_available() true whatever CUDA_VISIBLE_DEVICES now says): the run exits with a usage error
+    naming the cause, not a CPU suite silently run on the GPU."""
+    import subprocess
+    import sys
+
+    (tmp_path / "cuda_up_early.py").write_text("import torch\ntorch.cuda.is_available = lambda: True\n")
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    env.pop(conftest.KEEP_CUDA_ENV, None)
+    r = subprocess.run([sys.executable, "-m", "pytest", "-p", "cuda_up_early", "-p", "no:xdist", "-q",
+                        os.path.join(here, "test_conftest_run_mode.py"), "-k", "selects_gpu_tests"],
+                       cwd=os.path.dirname(here), env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == pytest.ExitCode.USAGE_ERROR, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+    assert "CUDA was already initialised" in r.stderr + r.stdout, r.stderr[-2000:]

@@ -72,9 +72,19 @@ class BackendRun:
     known_gaps: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
-        assert self.where in ("cpu", "interpreter", "gpu"), self.where
-        assert self.configs and (not self.no_config or self.configs == (None,)), self.configs
-        assert set(self.known_gaps) <= set(GAPS), sorted(set(self.known_gaps) - set(GAPS))
+        # raised, not asserted: this module is not assertion-rewritten, and ``python -O`` would drop an assert
+        if self.where not in ("cpu", "interpreter", "gpu"):
+            raise ValueError(f"BackendRun(where={self.where!r}, why={self.why!r}): where must be 'cpu', "
+                             "'interpreter' or 'gpu'")
+        if not self.configs or (self.no_config and self.configs != (None,)):
+            raise ValueError(f"BackendRun(why={self.why!r}): configs={self.configs!r} must be non-empty, and (None,) "
+                             "with no_config=True")
+        unknown = sorted(set(self.known_gaps) - set(GAPS))
+        if unknown:
+            raise ValueError(f"BackendRun(why={self.why!r}): known_gaps names {unknown}, not cases of GAPS "
+                             f"{sorted(GAPS)} in tests/attention/backend_matrix.py: fix the name, or add the case to "
+                             "GAPS with the gap docs/ARCHITECTURE.md section 4 records (and call expect_gap in its "
+                             "test)")
 
     def expect_gap(self, request, case: str) -> None:
         """Mark the running test a strict xfail when ``case`` is one of this row's known gaps."""

@@ -68,6 +68,33 @@ def test_every_row_names_a_registered_backend():
     assert not stale, f"tests/attention/backend_matrix.py has rows for names not in BACKENDS: {stale}"
 
 
+def test_a_row_with_an_unknown_where_config_or_known_gap_is_refused_naming_what_is_wrong():
+    """A mistake in a row is a collection error saying what to fix (was: a bare assert of the value, dropped under
+    ``python -O`` as backend_matrix.py is not assertion-rewritten)."""
+    from backend_matrix import GAPS, BackendRun
+
+    with pytest.raises(ValueError, match=r"known_gaps names \['underflow_in_a_cleaned_blok'\], not cases of GAPS "
+                                         r"\['underflow_in_a_cleaned_block'\]"):
+        BackendRun("cpu", "typo", known_gaps={"underflow_in_a_cleaned_blok": "r"})
+    with pytest.raises(ValueError, match="where must be 'cpu', 'interpreter' or 'gpu'"):
+        BackendRun("cuda", "wrong place")
+    with pytest.raises(ValueError, match="no_config=True"):
+        BackendRun("cpu", "config without the keyword", configs=({"BLOCK_M": 16},), no_config=True)
+    assert BackendRun("cpu", "ok", known_gaps={next(iter(GAPS)): "r"}).known_gaps
+
+
+def test_every_registered_backend_has_a_module_and_every_module_entry_a_registered_name():
+    """``BACKENDS`` and ``_MODULES`` name the same backends: a name only in ``BACKENDS`` failed every case with a
+    bare ``KeyError``; an entry only in ``_MODULES`` was unreachable and untested, with nothing red."""
+    from blockdiff import attention as attn
+
+    only_registered, only_module = sorted(set(BACKENDS) - set(attn._MODULES)), sorted(set(attn._MODULES) - set(BACKENDS))
+    assert not only_registered, (f"{only_registered} in blockdiff.attention.BACKENDS have no (module, function) in "
+                                 "_MODULES of attention/__init__.py")
+    assert not only_module, (f"{only_module} in _MODULES of attention/__init__.py are not in BACKENDS: register the "
+                             "name there (then the contract suite runs it), or remove the entry")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_every_backend_takes_the_contracts_keywords(backend):
     """Every keyword of the contract, keyword-only, with the contract's default; the reference's differences
