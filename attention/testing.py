@@ -18,7 +18,7 @@ or ``eps(dtype) * |oracle|`` where that is larger (outputs beyond 0.5 in bf16 / 
 intermediate to the dtype, which a kernel that feeds P to its P.V product in bf16 / fp16 makes, moves a large output
 by up to that even where eager PyTorch is exact (a one-hot softmax at ``|scale|`` near ``MAX_SCALE``: FA4's online
 softmax scales after the raw row max, so the top key's P is ``exp2`` of an fp32 rounding residual, not 1, and
-rounds; the cute backend is one unit in the last place off at an output of 2-4 in fp16, H100, 2026-12-06).
+rounds; docs/tuning.md 7.54).
 Non-finite values never pass. Elements where the eager baseline itself overflows
 (fp16 scores beyond 65504) are compared as if eager had returned the oracle rounded to the dtype.
 

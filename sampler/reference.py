@@ -95,7 +95,8 @@ def denoise_reference(state: SamplerState, slots: torch.Tensor, logits: torch.Te
     x = logits.to(torch.float32)  # float64 beyond float32's range: saturated first (sampler_step, saturate_logits)
     # the softmax is defined iff the largest logit is finite: no NaN (amax propagates it), no +inf, not every
     # logit -inf; a -inf logit beside finite ones is p = 0 (z = -inf: never the argmax or the sample, 0 in H)
-    defined = torch.isfinite(x.amax(-1))                             # [N, CL]
+    xmax = x.amax(-1)                                                # [N, CL]
+    defined = torch.isfinite(xmax)
     row_failed = ~defined.all(-1)
     tdiv = torch.where(greedy, torch.ones_like(T), T)[:, None, None]
     shift = overflow_shift(x, tdiv)                                  # c: 0 unless the position's max z overflows
@@ -106,11 +107,10 @@ def denoise_reference(state: SamplerState, slots: torch.Tensor, logits: torch.Te
     sampled = torch.where(greedy[:, None], argmax, (z + g).argmax(-1))
     entropy = torch.where(greedy[:, None], 0.0, entropy_reference(z))
     # rule 1's shifted form (c != 0 exactly there: |max x| > T * FLT_MAX): p is uniform over the ties at max x, so
-    # H = log(#ties), correctly rounded to float32 (the TP combine's float64 log, and triton's float64 log of the
-    # count: the same float32 bit for bit). log_softmax's rounding of it varied with where the ties sit (log 18:
-    # 2.8903718, 2.8903716, 2.8903713 at three positions), so equal tie counts sorted by rounding, not by position,
-    # and the reference accepted another position than the triton and TP backends
-    ties = (x == x.amax(-1, keepdim=True)).sum(-1)
+    # H = log(#ties), correctly rounded to float32 (the TP combine's and triton's float64 log of the count: the same
+    # float32 bit for bit); log_softmax's rounding of it varies with where the ties sit, which would order equal tie
+    # counts by rounding instead of by position (tests/sampler/test_overflowing_z.py)
+    ties = (x == xmax[..., None]).sum(-1)
     entropy = torch.where(shift != 0, torch.log(ties.to(torch.float64)).to(torch.float32), entropy)
     entropy = torch.where(defined, entropy, float("nan"))           # greedy rows too: their entropy is 0
 

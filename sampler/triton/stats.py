@@ -417,8 +417,8 @@ def _stats_merge_kernel(
                 m = tl.where(sel, 0.0, m)
                 s = tl.where(sel, ties.to(tl.float32), s)
                 # u = 0: H = log(ties) in float64, rounded to float32: the reference's and the TP combine's value
-                # bit for bit (float32 logf is not correctly rounded: log 7 came out an ulp above, which moved
-                # decisions at an exact entropy_bound)
+                # bit for bit (float32 logf is not correctly rounded, which moves decisions at an exact
+                # entropy_bound: tests/sampler/test_overflowing_z.py)
                 h = tl.where(sel, tl.where(und, float("nan"), tl.log(ties.to(tl.float64)).to(tl.float32)), h)
                 bad = bad | und
                 amax = tl.where(sel, first.to(tl.int64), amax)
