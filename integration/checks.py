@@ -3,10 +3,10 @@
 :class:`AttentionChecker` is a context manager. Inside it, every call that goes through
 :func:`blockdiff.attention.attention` (the dispatcher the model uses) runs the chosen backend and then
 :func:`blockdiff.attention.testing.check_close` on the same inputs (fp64 oracle; tolerance 2x the
-same-precision eager error plus a representation tolerance, FlashAttention-4's rule). A mismatch raises
-:class:`AttentionMismatch`. Implementation: the dispatcher resolves its backend through the module-level
-``blockdiff.attention.get_backend``; the checker wraps that function for the duration of the ``with`` block and
-restores it afterwards.
+same-precision eager error of the element's sequence plus a representation tolerance, FlashAttention-4's rule). A
+mismatch raises :class:`AttentionMismatch`. Implementation: the dispatcher resolves its backend through the
+module-level ``blockdiff.attention.get_backend``; the checker wraps that function for the duration of the ``with``
+block and restores it afterwards.
 """
 from __future__ import annotations
 

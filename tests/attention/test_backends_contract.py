@@ -7,7 +7,8 @@ Every checked call writes into a NaN-poisoned ``out`` and is compared, output an
 ``attention/testing.py``'s tolerance rule. The cases: mixed prefill / denoise / commit batches (per-sequence causal
 flags and ``num_causal_q``), both window modes, paged caches (page sizes that do not divide the tiles, permuted page
 ids, garbage block-table padding, NaN in every row no sequence owns) and contiguous K/V, GQA, dtypes, empty
-sequences, length 1, the empty batch, extreme scales, NaN / Inf V inside ``seq_lens`` for keys a row may not see,
+sequences, length 1, the empty batch, extreme scales, sequences of mixed output magnitudes (V x 1000 beside O(1):
+each is held to its own eager error), NaN / Inf V inside ``seq_lens`` for keys a row may not see,
 the underflow batch (a seen key of weight 0 with non-finite V), a derandomised Hypothesis fuzz and the signature.
 Small shapes: the whole file runs in well under a minute on one CPU core under the interpreter. Each backend's own
 tests (its configs, kernels, launch plans) stay in its folder."""
@@ -22,7 +23,7 @@ from hypothesis import strategies as st
 
 from blockdiff.attention import BACKENDS, MAX_SCALE, attention, get_backend
 from blockdiff.attention.testing import (check_close, check_nonfinite_matches_reference, make_batch,
-                                        make_underflow_batch, poison_v_inside_seq_lens)
+                                        make_underflow_batch, poison_v_inside_seq_lens, scale_v_per_sequence)
 
 from backend_matrix import MATRIX, MISSING_ROW, backend_params, row
 
@@ -208,6 +209,25 @@ def test_zero_negative_and_max_scale(backend, scale):
     inp = make_batch([9, 13], [9, 4], num_causal_q=[9, 1], dtype=r.dtypes[-1], head_dim=r.head_dim,
                      page_size=r.page_sizes[-1], seed=70)
     run_and_check(backend, inp, scale=scale, window_size=5)
+
+
+@BACKEND
+@pytest.mark.parametrize("paged,i", [(True, 0), (False, 1)])
+def test_mixed_output_magnitudes_each_sequence_within_its_own_eager_error(backend, paged, i):
+    """Sequence 0's V x 1000 beside O(1) sequences, at every dtype of the row: check_close bounds each sequence by
+    its own eager error, so a backend wrong by 0.1 on a small sequence fails here (checked on the backend's own
+    output), which the batch-wide eager error (sequence 0's, ~6 in bf16) let pass."""
+    r = row(backend)
+    for j, dtype in enumerate(r.dtypes):
+        inp = make_batch([21, 9, 14, 1], [7, 9, 5, 1], num_causal_q=[7, 0, 2, 1], dtype=dtype, head_dim=r.head_dim,
+                         paged=paged, page_size=r.page_sizes[(i + j) % len(r.page_sizes)], poison_unused=True,
+                         seed=90 + 4 * i + j)
+        inp = scale_v_per_sequence(inp, [1000.0, 1.0, 1.0, 1.0])
+        o, _ = run_and_check(backend, inp, config_index=i + j, window_size=(None, 6)[i])
+        wrong = o.clone()
+        wrong[7:16] = (o[7:16].double() + 0.1).to(dtype)                   # sequence 1 off by 0.1
+        with pytest.raises(AssertionError, match=r"^sequence 1 "):
+            check_close(wrong, **inp, window_size=(None, 6)[i])
 
 
 # ---------------------------------------------------------------- non-finite V

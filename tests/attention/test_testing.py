@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from blockdiff.attention import MAX_SCALE, attention
-from blockdiff.attention.testing import LSE_ATOL, check_close, lse_magnitude, make_batch, make_batch_from_rows
+from blockdiff.attention.testing import (LSE_ATOL, REPRESENTATION_ATOL, check_close, lse_magnitude, make_batch,
+                                        make_batch_from_rows, scale_v_per_sequence)
 
 
 def test_tolerance_defined_when_eager_fp16_scores_overflow():
@@ -72,6 +73,90 @@ def test_lse_magnitude_bounds_the_largest_score_magnitude_a_row_sees():
         mag = 2.0 * (q[r].abs() @ k[:5 + r].abs().T)
         assert mag.max() * (1 - 1e-6) <= m[r] <= (mag.max() + torch.log(torch.tensor(5.0 + r))) * (1 + 1e-6)
         assert torch.allclose(m[r].double(), torch.logsumexp(mag, 0), rtol=1e-6, atol=0)
+
+
+def _mixed_magnitudes(dtype, **kw):
+    """Sequence 0's V x 1000 beside two O(1) sequences (the last one query over one key: eager exact there)."""
+    b = make_batch([21, 9, 1], [7, 9, 1], num_causal_q=[7, 0, 1], dtype=dtype, page_size=5, seed=90, **kw)
+    return scale_v_per_sequence(b, [1000.0, 1.0, 1.0])
+
+
+@pytest.mark.parametrize("dtype,delta", [(torch.bfloat16, 0.05), (torch.float16, 0.05), (torch.float32, 1e-4)])
+def test_check_close_bounds_each_sequence_by_its_own_eager_error(dtype, delta):
+    """The mutation the batch-wide eager term let through: the small sequence 1 off by ``delta`` (0.05 in bf16 /
+    fp16) beside sequence 0's V x 1000 was within ``2 x`` the batch's eager error (that of sequence 0's outputs,
+    ~6 in bf16); it is not within its own sequence's, which now bounds it. The exact output still passes."""
+    b = _mixed_magnitudes(dtype)
+    exact = attention(**b, backend="reference")
+    res = check_close(exact, **b)
+    seq_eager = res["seq_eager_err"]
+    assert seq_eager[0] == res["eager_err"] and res["seq_bound"][1] < 0.75 * delta
+    wrong = exact.clone()
+    wrong[7:16] = (exact[7:16].double() + delta).to(dtype)                    # sequence 1's rows, every element
+    d = (wrong.double() - exact.double()).abs().max().item()
+    assert res["err"] + d <= 2 * res["eager_err"], "the batch-wide rule (2 x eager_err + rep) let it pass"
+    with pytest.raises(AssertionError, match=rf"^sequence 1 \(rows 7:16\): error [0-9.e+-]+ at row \d+, head \d+, "
+                                             rf"column \d+ .* > 2.0 x the sequence's eager error "
+                                             rf"{seq_eager[1]:.3e} \+ representation"):
+        check_close(wrong, **b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_check_close_keeps_the_representation_term_for_a_sequence_whose_eager_error_is_zero(dtype):
+    """Sequence 2 is one query over one key: eager returns V exactly (eager error exactly 0), so its bound is the
+    representation term alone, not 0: one unit in the last place passes (no flaky failure of an exact kernel that
+    rounds once); four representation terms fail, which the batch-wide rule (~2 x 6 in bf16) let through."""
+    b = _mixed_magnitudes(dtype)
+    exact = attention(**b, backend="reference")
+    res = check_close(exact, **b)
+    assert res["seq_eager_err"][2] == 0.0 and res["seq_err"][2] == 0.0
+    rep = torch.clamp(exact[16:].double().abs() * torch.finfo(dtype).eps, min=REPRESENTATION_ATOL[dtype])
+    assert res["seq_bound"][2] == rep.max().item()
+    ulp = exact.clone()
+    ulp[16:] = torch.nextafter(exact[16:], torch.full_like(exact[16:], float("inf")))
+    assert check_close(ulp, **b)["seq_err"][2] > 0
+    far = exact.clone()
+    far[16:] = (exact[16:].double() + 4 * rep).to(dtype)
+    assert ((far.double() - exact.double()).abs() <= 2 * res["eager_err"]).all()
+    with pytest.raises(AssertionError, match=r"^sequence 2 \(rows 16:17\): .* eager error 0\.000e\+00 "):
+        check_close(far, **b)
+
+
+def test_check_close_per_sequence_numbers_and_empty_sequences():
+    """``seq_*`` have one entry per sequence (a sequence of no rows: 0, 0 and the atol bound); the batch numbers
+    are their maxima; no element's bound exceeds the batch-wide ``2 x eager_err + rep`` of before."""
+    b = make_batch([0, 9, 5, 13], [0, 4, 0, 13], causal=[True, False, False, True], seed=3)
+    b = scale_v_per_sequence(b, [1.0, 1.0, 1.0, 50.0])
+    out = attention(**b, backend="reference")
+    res = check_close(out, **b)
+    atol = REPRESENTATION_ATOL[torch.bfloat16]
+    assert len(res["seq_err"]) == len(res["seq_eager_err"]) == len(res["seq_bound"]) == 4
+    assert res["seq_err"][0::2] == [0.0, 0.0] and res["seq_eager_err"][0::2] == [0.0, 0.0]
+    assert res["seq_bound"][0::2] == [atol, atol]
+    assert max(res["seq_err"]) == res["err"] and max(res["seq_eager_err"]) == res["eager_err"]
+    assert max(res["seq_bound"]) == res["bound"] and 0 < res["excess"] <= 1
+    assert res["seq_eager_err"][1] < res["eager_err"] / 10
+    rep_max = (out.double().abs() * torch.finfo(torch.bfloat16).eps).clamp(min=atol).max().item()
+    assert res["bound"] <= 2 * res["eager_err"] + rep_max
+    empty = make_batch([], [], causal=[])
+    assert check_close(attention(**empty, backend="reference"), **empty) == {
+        "err": 0.0, "eager_err": 0.0, "bound": atol, "seq_err": [], "seq_eager_err": [], "seq_bound": [],
+        "excess": 0.0}
+
+
+@pytest.mark.parametrize("paged", [True, False])
+def test_scale_v_per_sequence_scales_only_that_sequences_values(paged):
+    """Attention is linear in V: the scaled sequence's output is the factor times the original, the others' are
+    unchanged bit for bit (their pages / rows untouched); the input batch is not modified."""
+    b = make_batch([9, 13, 6], [9, 4, 6], causal=[True, False, True], dtype=torch.float64, paged=paged, page_size=4)
+    v0 = b["v_cache"].clone()
+    s = scale_v_per_sequence(b, [1.0, 1000.0, 1.0])
+    assert torch.equal(b["v_cache"], v0) and s["k_cache"] is b["k_cache"]
+    o, o_s = attention(**b, backend="reference"), attention(**s, backend="reference")
+    assert torch.equal(o_s[:9], o[:9]) and torch.equal(o_s[13:], o[13:])
+    torch.testing.assert_close(o_s[9:13], 1000 * o[9:13], rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="one per sequence"):
+        scale_v_per_sequence(b, [1.0, 2.0])
 
 
 # ---------------------------------------------------------------- the batch builder

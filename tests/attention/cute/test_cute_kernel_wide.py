@@ -2,8 +2,8 @@
 Gemma 4's global layers: hd 512, 16 query / 2 KV heads), on the H200 (``python3 -m pytest -m gpu``).
 
 Every call writes into a NaN-poisoned output and is checked against the fp64 reference with the project's
-tolerance rule (attention.testing.check_close: error <= 2x the same-precision eager error + representation
-tolerance), output and LSE. Static configurations (each one compile) are parametrised and kept few; the batch
+tolerance rule (attention.testing.check_close: error <= 2x the same-precision eager error of the sequence +
+representation tolerance), output and LSE. Static configurations (each one compile) are parametrised and kept few; the batch
 compositions, window sizes and seeds are drawn by hypothesis (derandomised). The CPU side of this kernel
 (config, heuristics, compile for sm_90a) is in test_cute_config.py and test_cute_compile_check.py.
 """
