@@ -40,6 +40,7 @@ import importlib
 import logging
 import numbers
 import os
+import re
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -144,10 +145,21 @@ VLLM_RNG_REQUEST_ID = "rng_request_id"
 
 #: Request-id prefixes of the dummy requests vLLM's model runner v2 sends at start-up (``v1/worker/gpu/warmup.py``
 #: in vLLM 0.26: ``_warmup_<i>_`` with ``SamplingParams.for_sampler_warmup()``, which sets penalties, top-k / top-p,
-#: logprobs and a logit bias to warm vLLM's sampler kernels; ``_v2_mixed_warmup_*``). Under vLLM such a request runs
-#: with the served default parameters, so the start-up warm-up runs blockdiff's sampler on real rows (instead of
-#: failing every request on options a user request may not set).
+#: logprobs and a logit bias to warm vLLM's sampler kernels; ``_v2_mixed_warmup_decode_`` / ``_prefill_``). Under
+#: vLLM such a request runs with the served default parameters, so the start-up warm-up runs blockdiff's sampler on
+#: real rows (instead of failing every request on options a user request may not set). Only the whole ids count
+#: (:func:`is_vllm_warmup_request_id`): a user request's id may start the same way.
 VLLM_WARMUP_REQ_PREFIXES = ("_warmup_", "_v2_mixed_warmup")
+#: The whole ids of vLLM's start-up warm-up requests (0.26.0 and 0.33.0 ``warmup.py``). A user request never has
+#: one: vLLM appends ``-`` and 8 random characters to every external id (``InputProcessor.assign_request_id``).
+_VLLM_WARMUP_REQ_ID = re.compile(r"_warmup_\d+_|_v2_mixed_warmup_(?:decode|prefill)_")
+
+
+def is_vllm_warmup_request_id(req_id: Any) -> bool:
+    """Whether ``req_id`` is one of vLLM's start-up warm-up ids, whole (``_warmup_<i>_``,
+    ``_v2_mixed_warmup_decode_``, ``_v2_mixed_warmup_prefill_``); a user id that only starts like one
+    (``_warmup_0_-1a2b3c4d``) is not, and keeps its own sampling parameters."""
+    return isinstance(req_id, str) and _VLLM_WARMUP_REQ_ID.fullmatch(req_id) is not None
 
 
 def rng_request_id(sampling_params: Any, req_id: str) -> str:
@@ -607,7 +619,7 @@ class DiffusionModelState(_Base):
                 raise ValueError(f"request {req_id!r}: prefill_token_ids ({len(prefill)} tokens) must be the prompt "
                                  f"({len(prompt)} tokens) followed by the tokens already generated")
         CL = self.canvas_length
-        warmup = self.mode == "vllm" and isinstance(req_id, str) and req_id.startswith(VLLM_WARMUP_REQ_PREFIXES)
+        warmup = self.mode == "vllm" and is_vllm_warmup_request_id(req_id)
         try:
             if warmup:  # vLLM's start-up dummy: the served defaults (VLLM_WARMUP_REQ_PREFIXES)
                 params, rng_id = self.default_params, req_id
