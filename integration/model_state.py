@@ -848,11 +848,24 @@ class DiffusionModelState(_Base):
                           torch.where(ph == COMMIT, q.clamp(max=self.canvas_length), q))
         return ncq.to(torch.int32)
 
+    def _check_num_reqs(self, n: int, num_reqs: int | None) -> int:
+        """``num_reqs`` (None: ``n``), the padded row count of a step of ``n`` rows, checked against the
+        persistent per-row buffers (ValueError naming it)."""
+        num_reqs = n if num_reqs is None else num_reqs
+        cap = self.causal_buf.shape[0]
+        if isinstance(num_reqs, bool) or not isinstance(num_reqs, numbers.Integral) or not n <= num_reqs <= cap:
+            raise ValueError(f"num_reqs must be in [{n}, {cap}], got {num_reqs!r}")
+        return int(num_reqs)
+
     def fill_causal(self, input_batch: Any, num_reqs: int | None = None) -> torch.Tensor:
         """Fill ``causal_buf[:N]`` in place from the phase of each row's slot (PREFILL/COMMIT -> True,
-        DENOISE -> False); padding rows up to ``num_reqs`` get False. Returns ``causal_buf[:num_reqs]``."""
+        DENOISE -> False); padding rows up to ``num_reqs`` get False. Returns ``causal_buf[:num_reqs]``.
+
+        Raises:
+            ValueError: ``num_reqs`` below the batch's ``num_reqs`` or above the buffer's capacity.
+        """
         n = input_batch.num_reqs
-        num_reqs = n if num_reqs is None else num_reqs
+        num_reqs = self._check_num_reqs(n, num_reqs)
         slots = input_batch.idx_mapping[:n].to(torch.int64)
         self.causal_buf[:n].copy_(self.state.phase[slots] != DENOISE)
         if num_reqs > n:
@@ -931,9 +944,7 @@ class DiffusionModelState(_Base):
             ValueError: ``num_reqs`` below the batch's ``num_reqs`` or above the buffer's capacity.
         """
         n = input_batch.num_reqs
-        num_reqs = n if num_reqs is None else num_reqs
-        if not n <= num_reqs <= self.num_causal_q_buf.shape[0]:
-            raise ValueError(f"num_reqs must be in [{n}, {self.num_causal_q_buf.shape[0]}], got {num_reqs}")
+        num_reqs = self._check_num_reqs(n, num_reqs)
         buf = self.num_causal_q_buf
         if n:
             buf[:n].copy_(self.num_causal_q(input_batch))
