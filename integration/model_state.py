@@ -433,7 +433,9 @@ class DiffusionModelState(_Base):
       is one of the plugin's schedulers, which cut the rows to CL: vLLM's own would schedule every canvas
       ``2 * CL`` tokens), where ``BLOCKDIFF_FUSE_COMMIT=1`` turns
       :attr:`fuse_commit` on (``ValueError`` for a value other than ``1`` / ``0`` / unset, and for ``1`` together
-      with vLLM's ``VLLM_RAISE_ON_LOGIT_NANS=1``, under which vLLM 0.33.0 raises on the -1 flag);
+      with vLLM's ``VLLM_RAISE_ON_LOGIT_NANS=1``, under which vLLM 0.33.0 raises on the -1 flag). In the
+      one-canvas layout too a ``--scheduler-cls`` other than the plugin's is a ``ValueError``: vLLM's own never
+      finishes a request whose next canvas passes ``max_model_len``, nor a failed one;
     * by the harness: :meth:`for_harness` (no vLLM objects).
 
     Attributes:
@@ -473,6 +475,14 @@ class DiffusionModelState(_Base):
             canvas_length=canvas_length, vocab_size=self.model_config.get_vocab_size(),
             hidden_size=text_cfg.hidden_size, default_params=SamplingParams(canvas_length=canvas_length, **kw),
             embed_dtype=self.dtype)
+        if _plugin_scheduler(vllm_config) is False and not fused_layout:
+            raise ValueError(
+                f"blockdiff's model state needs the plugin's scheduler: pass --scheduler-cls "
+                f"blockdiff.integration.vllm_scheduler.BlockdiffDiffusionAsyncScheduler (or BlockdiffDiffusionScheduler "
+                f"with --no-async-scheduling). vLLM's own never finishes a request whose next canvas passes "
+                f"max_model_len (it schedules a truncated canvas, which cannot be denoised) nor one whose logits "
+                f"failed (num_nans): such requests would be scheduled forever (got --scheduler-cls "
+                f"{getattr(vllm_config.scheduler_config, 'scheduler_cls', None)!r})")
         if fused_layout and _plugin_scheduler(vllm_config) is False:
             raise ValueError(
                 f"--diffusion-config canvas_length {2 * canvas_length} is twice the checkpoint's ({canvas_length}: the "

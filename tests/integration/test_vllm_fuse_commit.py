@@ -673,8 +673,9 @@ def test_vllm_model_state_in_the_two_canvas_layout_needs_the_plugins_scheduler(m
     """Served with --diffusion-config canvas_length = 2 * CL, vLLM's own schedulers (--scheduler-cls unset: 0.26.0's
     Scheduler / AsyncScheduler, 0.33.0's DiffusionScheduler) schedule every canvas row 2 * CL tokens, which the model
     state (CL from the checkpoint) can only stall: every request would hang with no token, the switch on or off.
-    The start stops with a ValueError naming --scheduler-cls; the plugin's schedulers (or a subclass) pass, and a
-    one-canvas layout needs none of them (as before fused commits)."""
+    The start stops with a ValueError naming --scheduler-cls; the plugin's schedulers (or a subclass) pass. A
+    one-canvas layout needs one of them too (was: served on by vLLM's own, which never finishes a request at
+    max_model_len)."""
     from test_vllm_plugin import _StandInVllmModel
 
     from blockdiff.integration.model_state import DiffusionModelState
@@ -701,4 +702,5 @@ def test_vllm_model_state_in_the_two_canvas_layout_needs_the_plugins_scheduler(m
         assert ms.canvas_length == CL and ms.fuse_commit is (env == "1")
     sub = type("Mine", (VS.BlockdiffDiffusionScheduler,), {})
     assert build(2 * CL, sub).canvas_length == CL
-    assert build(CL, None).canvas_length == CL  # one canvas: vLLM's own scheduler serves it
+    with pytest.raises(ValueError, match="--scheduler-cls"):  # one canvas: needs it too (its own requests at
+        build(CL, None)                                        # max_model_len would hang, test_vllm_fuse_commit_async)

@@ -977,3 +977,53 @@ if given is not None:
         assert not mixed and su.blockdiff_predictor.num_missed == 0
         stopped = {rid for rid, (reason, _) in uni.items() if reason == "stop"}
         assert set(ru.stalled_wide) <= stopped and max(ru.stalled_wide.values(), default=0) <= 1, ru.stalled_wide
+
+
+# ------------------------------------------------------------------------------------------ vLLM's own scheduler
+@needs_stack
+@needs_vllm
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_vllm_model_state_refuses_vllms_own_scheduler_which_never_finishes_a_request_at_max_model_len(
+        vllm_env, tiny_hf_folder, tiny_model, asynchronous):
+    """Why: served in the one-canvas layout with vLLM's own scheduler (--scheduler-cls unset: 0.26.0's Scheduler /
+    AsyncScheduler, 0.33.0's DiffusionScheduler / DiffusionAsyncScheduler), a request whose next canvas passes
+    max_model_len (vLLM's default max_tokens, max_model_len - prompt, gets every request without a stop id there)
+    is scheduled a truncated canvas the sampler can only stall, forever: a lost request (so is one whose logits
+    failed, reported in num_nans, which vLLM only counts). The plugin's scheduler finishes it with 'length'. So the
+    model state stops the start with a ValueError naming --scheduler-cls in every layout (was: only the two-canvas
+    one; the one-canvas layout served on and hung such requests)."""
+    from test_vllm_plugin import _StandInVllmModel
+
+    from blockdiff.integration.model_state import DiffusionModelState
+    from blockdiff.integration.vllm_compat import scheduler_base_classes
+
+    reqs = [("a", prompt(10, 1), 500, None, None, 0)]
+    out, _, _, _ = serve(vllm_env, tiny_hf_folder, tiny_model, reqs, served=CL, fuse=False,
+                         asynchronous=asynchronous, max_model_len=64)
+    assert out["a"][0] == "length" and len(out["a"][1]) == (64 - 10) // CL * CL  # the plugin's: answered
+    name = "BlockdiffDiffusionAsyncScheduler" if asynchronous else "BlockdiffDiffusionScheduler"
+    plugin = getattr(VS, name)  # the classes built, so the stand-in below replaces the plugin's one
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(VS._classes, name, scheduler_base_classes()[int(asynchronous)])
+        with pytest.raises(AssertionError, match="no progress after 200 steps"):  # vLLM's own: never answered
+            serve(mp, tiny_hf_folder, tiny_model, reqs, served=CL, fuse=False, asynchronous=asynchronous,
+                  max_model_len=64, max_steps=200)
+
+    H = 8
+    mc = NS(get_inputs_embeds_size=lambda: H, dtype=torch.float32, hf_text_config=NS(hidden_size=H),
+            hf_config=NS(canvas_length=CL), try_get_generation_config=lambda: {}, get_vocab_size=lambda: 64,
+            max_model_len=256)
+    vllm_env.delenv(VS.FUSE_COMMIT_ENV, raising=False)
+
+    def build(scheduler_cls):
+        sc = NS(max_num_seqs=2, max_num_batched_tokens=64, async_scheduling=asynchronous, scheduler_cls=scheduler_cls)
+        cfg = NS(model_config=mc, scheduler_config=sc, diffusion_config=NS(canvas_length=CL, max_denoising_steps=2))
+        return DiffusionModelState(cfg, _StandInVllmModel(64, H), None, torch.device("cpu"))
+
+    for cls in (None, scheduler_base_classes()[int(asynchronous)],
+                "vllm.v1.core.sched.async_scheduler.AsyncScheduler" if asynchronous else
+                "vllm.v1.core.sched.scheduler.Scheduler"):
+        with pytest.raises(ValueError, match="--scheduler-cls blockdiff.integration.vllm_scheduler"):
+            build(cls)
+    assert build(f"blockdiff.integration.vllm_scheduler.{name}").canvas_length == CL
+    assert build(type("Mine", (plugin,), {})).canvas_length == CL  # a subclass of the plugin's
