@@ -936,8 +936,11 @@ class DiffusionModelState(_Base):
         ncq = self.fill_num_causal_q(input_batch, num_reqs) if self._fuse_commit else None
         meta = build_attn_metadata(
             attn_groups=attn_groups, num_reqs=num_reqs, num_tokens=num_tokens,
-            query_start_loc_gpu=input_batch.query_start_loc,
-            query_start_loc_cpu=torch.from_numpy(input_batch.query_start_loc_np),
+            # the row starts of the metadata's num_reqs rows (vLLM 0.26 pads a PIECEWISE step's rows too under
+            # VLLM_USE_BREAKABLE_CUDAGRAPH=1; its break-point attention reads the step's real rows), as vLLM's own
+            # model states cut them
+            query_start_loc_gpu=input_batch.query_start_loc[: num_reqs + 1],
+            query_start_loc_cpu=torch.from_numpy(input_batch.query_start_loc_np[: num_reqs + 1]),
             max_query_len=int(input_batch.num_scheduled_tokens.max()), seq_lens=input_batch.seq_lens,
             max_seq_len=self.max_model_len, block_tables=block_tables, slot_mappings=slot_mappings,
             kv_cache_config=kv_cache_config, causal=causal, for_cudagraph_capture=for_capture)
