@@ -40,6 +40,7 @@ import importlib
 import logging
 import numbers
 import os
+import re
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -144,10 +145,21 @@ VLLM_RNG_REQUEST_ID = "rng_request_id"
 
 #: Request-id prefixes of the dummy requests vLLM's model runner v2 sends at start-up (``v1/worker/gpu/warmup.py``
 #: in vLLM 0.26: ``_warmup_<i>_`` with ``SamplingParams.for_sampler_warmup()``, which sets penalties, top-k / top-p,
-#: logprobs and a logit bias to warm vLLM's sampler kernels; ``_v2_mixed_warmup_*``). Under vLLM such a request runs
-#: with the served default parameters, so the start-up warm-up runs blockdiff's sampler on real rows (instead of
-#: failing every request on options a user request may not set).
+#: logprobs and a logit bias to warm vLLM's sampler kernels; ``_v2_mixed_warmup_decode_`` / ``_prefill_``). Under
+#: vLLM such a request runs with the served default parameters, so the start-up warm-up runs blockdiff's sampler on
+#: real rows (instead of failing every request on options a user request may not set). Only the whole ids count
+#: (:func:`is_vllm_warmup_request_id`): a user request's id may start the same way.
 VLLM_WARMUP_REQ_PREFIXES = ("_warmup_", "_v2_mixed_warmup")
+#: The whole ids of vLLM's start-up warm-up requests (0.26.0 and 0.33.0 ``warmup.py``). A user request never has
+#: one: vLLM appends ``-`` and 8 random characters to every external id (``InputProcessor.assign_request_id``).
+_VLLM_WARMUP_REQ_ID = re.compile(r"_warmup_\d+_|_v2_mixed_warmup_(?:decode|prefill)_")
+
+
+def is_vllm_warmup_request_id(req_id: Any) -> bool:
+    """Whether ``req_id`` is one of vLLM's start-up warm-up ids, whole (``_warmup_<i>_``,
+    ``_v2_mixed_warmup_decode_``, ``_v2_mixed_warmup_prefill_``); a user id that only starts like one
+    (``_warmup_0_-1a2b3c4d``) is not, and keeps its own sampling parameters."""
+    return isinstance(req_id, str) and _VLLM_WARMUP_REQ_ID.fullmatch(req_id) is not None
 
 
 def rng_request_id(sampling_params: Any, req_id: str) -> str:
@@ -421,7 +433,9 @@ class DiffusionModelState(_Base):
       is one of the plugin's schedulers, which cut the rows to CL: vLLM's own would schedule every canvas
       ``2 * CL`` tokens), where ``BLOCKDIFF_FUSE_COMMIT=1`` turns
       :attr:`fuse_commit` on (``ValueError`` for a value other than ``1`` / ``0`` / unset, and for ``1`` together
-      with vLLM's ``VLLM_RAISE_ON_LOGIT_NANS=1``, under which vLLM 0.33.0 raises on the -1 flag);
+      with vLLM's ``VLLM_RAISE_ON_LOGIT_NANS=1``, under which vLLM 0.33.0 raises on the -1 flag). In the
+      one-canvas layout too a ``--scheduler-cls`` other than the plugin's is a ``ValueError``: vLLM's own never
+      finishes a request whose next canvas passes ``max_model_len``, nor a failed one;
     * by the harness: :meth:`for_harness` (no vLLM objects).
 
     Attributes:
@@ -461,6 +475,14 @@ class DiffusionModelState(_Base):
             canvas_length=canvas_length, vocab_size=self.model_config.get_vocab_size(),
             hidden_size=text_cfg.hidden_size, default_params=SamplingParams(canvas_length=canvas_length, **kw),
             embed_dtype=self.dtype)
+        if _plugin_scheduler(vllm_config) is False and not fused_layout:
+            raise ValueError(
+                f"blockdiff's model state needs the plugin's scheduler: pass --scheduler-cls "
+                f"blockdiff.integration.vllm_scheduler.BlockdiffDiffusionAsyncScheduler (or BlockdiffDiffusionScheduler "
+                f"with --no-async-scheduling). vLLM's own never finishes a request whose next canvas passes "
+                f"max_model_len (it schedules a truncated canvas, which cannot be denoised) nor one whose logits "
+                f"failed (num_nans): such requests would be scheduled forever (got --scheduler-cls "
+                f"{getattr(vllm_config.scheduler_config, 'scheduler_cls', None)!r})")
         if fused_layout and _plugin_scheduler(vllm_config) is False:
             raise ValueError(
                 f"--diffusion-config canvas_length {2 * canvas_length} is twice the checkpoint's ({canvas_length}: the "
@@ -607,7 +629,7 @@ class DiffusionModelState(_Base):
                 raise ValueError(f"request {req_id!r}: prefill_token_ids ({len(prefill)} tokens) must be the prompt "
                                  f"({len(prompt)} tokens) followed by the tokens already generated")
         CL = self.canvas_length
-        warmup = self.mode == "vllm" and isinstance(req_id, str) and req_id.startswith(VLLM_WARMUP_REQ_PREFIXES)
+        warmup = self.mode == "vllm" and is_vllm_warmup_request_id(req_id)
         try:
             if warmup:  # vLLM's start-up dummy: the served defaults (VLLM_WARMUP_REQ_PREFIXES)
                 params, rng_id = self.default_params, req_id
@@ -836,11 +858,24 @@ class DiffusionModelState(_Base):
                           torch.where(ph == COMMIT, q.clamp(max=self.canvas_length), q))
         return ncq.to(torch.int32)
 
+    def _check_num_reqs(self, n: int, num_reqs: int | None) -> int:
+        """``num_reqs`` (None: ``n``), the padded row count of a step of ``n`` rows, checked against the
+        persistent per-row buffers (ValueError naming it)."""
+        num_reqs = n if num_reqs is None else num_reqs
+        cap = self.causal_buf.shape[0]
+        if isinstance(num_reqs, bool) or not isinstance(num_reqs, numbers.Integral) or not n <= num_reqs <= cap:
+            raise ValueError(f"num_reqs must be in [{n}, {cap}], got {num_reqs!r}")
+        return int(num_reqs)
+
     def fill_causal(self, input_batch: Any, num_reqs: int | None = None) -> torch.Tensor:
         """Fill ``causal_buf[:N]`` in place from the phase of each row's slot (PREFILL/COMMIT -> True,
-        DENOISE -> False); padding rows up to ``num_reqs`` get False. Returns ``causal_buf[:num_reqs]``."""
+        DENOISE -> False); padding rows up to ``num_reqs`` get False. Returns ``causal_buf[:num_reqs]``.
+
+        Raises:
+            ValueError: ``num_reqs`` below the batch's ``num_reqs`` or above the buffer's capacity.
+        """
         n = input_batch.num_reqs
-        num_reqs = n if num_reqs is None else num_reqs
+        num_reqs = self._check_num_reqs(n, num_reqs)
         slots = input_batch.idx_mapping[:n].to(torch.int64)
         self.causal_buf[:n].copy_(self.state.phase[slots] != DENOISE)
         if num_reqs > n:
@@ -901,8 +936,11 @@ class DiffusionModelState(_Base):
         ncq = self.fill_num_causal_q(input_batch, num_reqs) if self._fuse_commit else None
         meta = build_attn_metadata(
             attn_groups=attn_groups, num_reqs=num_reqs, num_tokens=num_tokens,
-            query_start_loc_gpu=input_batch.query_start_loc,
-            query_start_loc_cpu=torch.from_numpy(input_batch.query_start_loc_np),
+            # the row starts of the metadata's num_reqs rows (vLLM 0.26 pads a PIECEWISE step's rows too under
+            # VLLM_USE_BREAKABLE_CUDAGRAPH=1; its break-point attention reads the step's real rows), as vLLM's own
+            # model states cut them
+            query_start_loc_gpu=input_batch.query_start_loc[: num_reqs + 1],
+            query_start_loc_cpu=torch.from_numpy(input_batch.query_start_loc_np[: num_reqs + 1]),
             max_query_len=int(input_batch.num_scheduled_tokens.max()), seq_lens=input_batch.seq_lens,
             max_seq_len=self.max_model_len, block_tables=block_tables, slot_mappings=slot_mappings,
             kv_cache_config=kv_cache_config, causal=causal, for_cudagraph_capture=for_capture)
@@ -919,9 +957,7 @@ class DiffusionModelState(_Base):
             ValueError: ``num_reqs`` below the batch's ``num_reqs`` or above the buffer's capacity.
         """
         n = input_batch.num_reqs
-        num_reqs = n if num_reqs is None else num_reqs
-        if not n <= num_reqs <= self.num_causal_q_buf.shape[0]:
-            raise ValueError(f"num_reqs must be in [{n}, {self.num_causal_q_buf.shape[0]}], got {num_reqs}")
+        num_reqs = self._check_num_reqs(n, num_reqs)
         buf = self.num_causal_q_buf
         if n:
             buf[:n].copy_(self.num_causal_q(input_batch))

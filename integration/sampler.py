@@ -15,7 +15,7 @@ reports it in ``SamplerOutput.num_nans`` (vLLM's per-request NaN channel: the ru
 scheduled. vLLM's own scheduler only records that count, so the plugin's scheduler
 (:mod:`blockdiff.integration.vllm_scheduler`, ``--scheduler-cls``) finishes such a request with
 ``FINISHED_ERROR`` (finish reason ``error``); vLLM then calls ``remove_request``, freeing the slot. Without
-that scheduler the request is never finished (``VLLM_RAISE_ON_LOGIT_NANS=1`` at least makes vLLM raise).
+that scheduler the request would never be finished, so the model state refuses to start under another one.
 """
 from __future__ import annotations
 

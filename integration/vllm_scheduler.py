@@ -60,6 +60,9 @@ mean failure); ``update_from_output`` collects those ids and passes vLLM a copy 
 * Budget guard (:func:`wide_rows_fit`): when ``2 * CL`` exceeds the step's token budget
   (``max_num_scheduled_tokens``, or a ``long_prefill_token_threshold`` below it), nothing is fused (a warning at
   start): every wide row would be cut and pay for discarded tokens.
+* Start check (:func:`check_canvas_rows_fit`), both schedulers, any layout: a ``long_prefill_token_threshold`` in
+  ``[1, CL)`` or a token budget below CL would cut every canvas row (vLLM applies both to running rows), so every
+  request would hang; the start stops with a ValueError naming the limit.
 * Coverage (:class:`FusedCommitCounts`, ``blockdiff_commit_counts``), both schedulers while fused commits are
   served: commits done fused and plain, wide rows that committed nothing, rows the fuse policy cut; the server log
   gets ``blockdiff: fused commits so far: F of C commits fused (...)`` at INFO when the commit count reaches a new
@@ -666,6 +669,36 @@ def wide_rows_fit(scheduler: Any) -> bool:
     return (budget is None or wide <= budget) and (threshold <= 0 or wide <= threshold)
 
 
+def check_canvas_rows_fit(scheduler: Any) -> None:
+    """Refuse a scheduler that could never schedule a canvas row whole: vLLM (0.26.0 / 0.33.0 ``Scheduler.schedule``)
+    cuts every running row to ``scheduler_config.long_prefill_token_threshold`` tokens when that is above 0, and to
+    the step's token budget (``max_num_scheduled_tokens``), canvas rows included. Below CL every canvas row would be
+    cut, the sampler can only stall a cut canvas, and every request would run forever without a token (0.33.0 lifts
+    the threshold while a single request is eligible, so there with two or more). vLLM 0.26.0 sets such a threshold
+    itself: ``--max-num-partial-prefills`` above 1 with the threshold unset gives 4 % of ``max_model_len``.
+
+    Args:
+        scheduler: reads CL (``blockdiff_canvas_length`` / ``num_spec_tokens``), ``max_num_scheduled_tokens`` and
+            ``scheduler_config.long_prefill_token_threshold`` (a missing attribute, or None, is no limit).
+
+    Raises:
+        ValueError: the threshold is in ``[1, CL)`` or the token budget is below CL (naming the limit, its value
+            and the canvas length).
+    """
+    cl = _canvas_length_of(scheduler)
+    threshold = getattr(getattr(scheduler, "scheduler_config", None), "long_prefill_token_threshold", None) or 0
+    if 0 < threshold < cl:
+        raise ValueError(f"long_prefill_token_threshold ({threshold}) is below the served canvas_length {cl}: vLLM cuts "
+                         f"every running row to it, so no canvas could be denoised whole and every request would hang "
+                         f"(--long-prefill-token-threshold 0 or >= {cl}; with --max-num-partial-prefills > 1 vLLM "
+                         f"0.26's default is 4 % of max_model_len)")
+    budget = getattr(scheduler, "max_num_scheduled_tokens", None)
+    if budget is not None and budget < cl:
+        raise ValueError(f"the token budget max_num_scheduled_tokens ({budget}) is below the served canvas_length {cl}: "
+                         f"no canvas could be scheduled whole and every request would hang "
+                         f"(--max-num-batched-tokens >= {cl})")
+
+
 def _schedule_skips(req: Any, next_step: int | None) -> bool:
     """Whether vLLM's next ``Scheduler.schedule`` call (0.26.0 / 0.33.0, running loop) passes over a running
     request before sizing its row: not yet decode-eligible (``current_step`` is advanced first, then
@@ -852,6 +885,7 @@ def _make_classes() -> dict[str, type]:
                 super().__init__(*args, **kwargs)
                 # CL and whether the diffusion config leaves room for fused commits (2 * CL drafts a row)
                 self.blockdiff_canvas_length, self.blockdiff_fused_layout = served_canvas_length(self.vllm_config)
+                check_canvas_rows_fit(self)  # a limit below CL cuts every canvas row: every request would hang
                 self.blockdiff_fuse_next: set[str] | frozenset[str] = frozenset()  # sync: last step's fused ids
                 # which fused rows are kept (BLOCKDIFF_FUSE_POLICY, read even when nothing fuses: a typo stops the
                 # start)

@@ -124,6 +124,24 @@ def test_prepare_attn_causal_flags_from_phase_in_persistent_buffer(ms):
 
 
 @needs_stack
+def test_fill_causal_refuses_a_row_count_outside_the_batch_and_the_buffer(ms):
+    """fill_causal's ``num_reqs`` (the padded row count of a FULL CUDA-graph step) must cover the batch's rows and
+    fit the persistent buffer, as fill_num_causal_q's: was a silently shorter flag tensor (the last rows' flags cut
+    off, or the padding rows missing), which the attention would read against longer metadata."""
+    for slot, rid in ((3, "a"), (1, "b")):
+        ms.add_request(slot, NewRequest(rid, [1, 2], params()))
+    ms.state.phase[3] = DENOISE
+    b = make_batch([("a", 3, CL, 10, 2, None), ("b", 1, 2, 0, 2, [1, 2])])
+    cap = ms.causal_buf.shape[0]
+    assert ms.fill_causal(b, cap).tolist() == [False, True] + [False] * (cap - 2)  # padding rows bidirectional
+    for bad in (1, cap + 1):
+        with pytest.raises(ValueError, match=rf"num_reqs must be in \[2, {cap}\], got {bad}"):
+            ms.fill_causal(b, bad)
+        with pytest.raises(ValueError, match=rf"num_reqs must be in \[2, {cap}\], got {bad}"):
+            ms.fill_num_causal_q(b, bad)
+
+
+@needs_stack
 def test_add_remove_request_slots(ms):
     ms.add_request(2, NewRequest("x", [1], params()))
     assert ms.state.phase[2].item() == PREFILL and ms.req_id_to_index == {"x": 2}

@@ -341,6 +341,49 @@ def test_vllm_prepare_attn_fills_the_num_causal_q_buffer_in_place(monkeypatch):
         ms.fill_num_causal_q(b, 2)
 
 
+@needs_stack
+@pytest.mark.parametrize("fuse", [False, True])
+def test_vllm_prepare_attn_metadata_rows_agree_when_the_runner_pads_a_piecewise_step(monkeypatch, fuse):
+    """vLLM 0.26's runner pads a PIECEWISE step's rows too under VLLM_USE_BREAKABLE_CUDAGRAPH=1 (its mixed
+    descriptors then carry num_reqs): query_start_loc has num_reqs_after_padding + 1 entries while the step has
+    num_reqs rows. prepare_attn builds metadata for num_reqs rows there (the attention runs eagerly at a break point,
+    reading the step's real batch), so its query_start_loc must be cut to num_reqs + 1 as vLLM's own model states
+    cut it: was passed whole, so the causal flags (num_reqs) and the row starts (num_reqs_after_padding) disagreed
+    and the CUSTOM backend's conversion raised on every such step, stopping the engine."""
+    from blockdiff.attention import causal_row_counts
+    from blockdiff.sampler import COMMIT, DENOISE
+
+    ms, _ = _vllm_fuse_state(monkeypatch, R=4, fuse=fuse)
+    calls = vllm_attn_metadata_stubs(monkeypatch)
+    from vllm.config.compilation import CUDAGraphMode
+
+    ms.model_config = NS(max_model_len=256)
+    if "max_model_len" not in dir(type(ms)):
+        ms.max_model_len = 256
+    for slot, rid in enumerate("dcp"):
+        _add(ms, slot, rid)
+    ms.state.phase[0], ms.state.phase[1] = DENOISE, COMMIT
+    b = make_batch([("d", 0, CL, 2, 2, None), ("c", 1, CL, 2, 2, None), ("p", 2, 2, 0, 2, [1, 2])])
+    qsl = np.concatenate([b.query_start_loc_np, [b.num_tokens]]).astype(np.int32)  # the runner's padding row
+    padded = NS(**{k: getattr(b, k) for k in ("num_reqs", "num_tokens", "idx_mapping", "seq_lens",
+                                              "num_scheduled_tokens")},
+                query_start_loc=torch.as_tensor(qsl), query_start_loc_np=qsl, num_reqs_after_padding=4,
+                num_tokens_after_padding=b.num_tokens + 5)
+    for mode in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.NONE, None):
+        meta = ms.prepare_attn(padded, mode, (b.block_table,), b.slot_mapping, None, None)
+        kw = calls[-1]
+        assert kw["num_reqs"] == 3 and kw["num_tokens"] == b.num_tokens
+        assert kw["query_start_loc_gpu"].tolist() == [0, CL, 2 * CL, 2 * CL + 2]
+        assert kw["query_start_loc_cpu"].tolist() == [0, CL, 2 * CL, 2 * CL + 2]
+        ncq = causal_row_counts(kw["causal"].bool(), kw["query_start_loc_gpu"])  # what the CUSTOM backend does
+        assert ncq.tolist() == [0, CL, 2]
+        if fuse:
+            assert meta["layer.0"]._blockdiff_num_causal_q.tolist() == [0, CL, 2]
+    meta = ms.prepare_attn(padded, CUDAGraphMode.FULL, (b.block_table,), b.slot_mapping, None, None)
+    kw = calls[-1]  # FULL: the padded rows, as before
+    assert kw["num_reqs"] == 4 and kw["query_start_loc_gpu"].shape[0] == 5 and kw["causal"].tolist() == [0, 1, 1, 0]
+
+
 def test_attach_num_causal_q_refuses_what_cannot_carry_it():
     from blockdiff.integration.model_state import attach_num_causal_q
 
@@ -673,8 +716,9 @@ def test_vllm_model_state_in_the_two_canvas_layout_needs_the_plugins_scheduler(m
     """Served with --diffusion-config canvas_length = 2 * CL, vLLM's own schedulers (--scheduler-cls unset: 0.26.0's
     Scheduler / AsyncScheduler, 0.33.0's DiffusionScheduler) schedule every canvas row 2 * CL tokens, which the model
     state (CL from the checkpoint) can only stall: every request would hang with no token, the switch on or off.
-    The start stops with a ValueError naming --scheduler-cls; the plugin's schedulers (or a subclass) pass, and a
-    one-canvas layout needs none of them (as before fused commits)."""
+    The start stops with a ValueError naming --scheduler-cls; the plugin's schedulers (or a subclass) pass. A
+    one-canvas layout needs one of them too (was: served on by vLLM's own, which never finishes a request at
+    max_model_len)."""
     from test_vllm_plugin import _StandInVllmModel
 
     from blockdiff.integration.model_state import DiffusionModelState
@@ -701,4 +745,5 @@ def test_vllm_model_state_in_the_two_canvas_layout_needs_the_plugins_scheduler(m
         assert ms.canvas_length == CL and ms.fuse_commit is (env == "1")
     sub = type("Mine", (VS.BlockdiffDiffusionScheduler,), {})
     assert build(2 * CL, sub).canvas_length == CL
-    assert build(CL, None).canvas_length == CL  # one canvas: vLLM's own scheduler serves it
+    with pytest.raises(ValueError, match="--scheduler-cls"):  # one canvas: needs it too (its own requests at
+        build(CL, None)                                        # max_model_len would hang, test_vllm_fuse_commit_async)

@@ -191,10 +191,10 @@ def tiny_hf_folder(tmp_path_factory):
 
 
 def _scheduler(monkeypatch, folder, *, served, fuse, max_model_len=256, num_blocks=64, max_num_seqs=4,
-               budget=256, asynchronous=True, policy=None):
+               budget=256, asynchronous=True, policy=None, **scheduler_kw):
     """The plugin's scheduler on vLLM's own classes: --diffusion-config canvas_length ``served`` and
     max_denoising_steps :data:`STEPS`, BLOCKDIFF_FUSE_COMMIT ``fuse``, BLOCKDIFF_FUSE_POLICY ``policy`` (None:
-    unset), ``num_blocks`` KV pages of 16 tokens."""
+    unset), ``num_blocks`` KV pages of 16 tokens; ``scheduler_kw``: more SchedulerConfig fields."""
     import vllm.config.vllm as config_module
     from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.config.diffusion import DiffusionConfig
@@ -213,7 +213,7 @@ def _scheduler(monkeypatch, folder, *, served, fuse, max_model_len=256, num_bloc
     mc = ModelConfig(model=str(folder), tokenizer=str(folder), dtype="float32", language_model_only=True,
                      max_model_len=max_model_len)
     sc = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len,
-                         is_encoder_decoder=False, async_scheduling=asynchronous)
+                         is_encoder_decoder=False, async_scheduling=asynchronous, **scheduler_kw)
     cc = CacheConfig(block_size=16, enable_prefix_caching=False)
     cc.num_gpu_blocks = num_blocks
     vc = VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc, device_config=DeviceConfig(device="cpu"),
@@ -977,3 +977,99 @@ if given is not None:
         assert not mixed and su.blockdiff_predictor.num_missed == 0
         stopped = {rid for rid, (reason, _) in uni.items() if reason == "stop"}
         assert set(ru.stalled_wide) <= stopped and max(ru.stalled_wide.values(), default=0) <= 1, ru.stalled_wide
+
+
+# ------------------------------------------------------------------------------------------ vLLM's own scheduler
+@needs_stack
+@needs_vllm
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_vllm_model_state_refuses_vllms_own_scheduler_which_never_finishes_a_request_at_max_model_len(
+        vllm_env, tiny_hf_folder, tiny_model, asynchronous):
+    """Why: served in the one-canvas layout with vLLM's own scheduler (--scheduler-cls unset: 0.26.0's Scheduler /
+    AsyncScheduler, 0.33.0's DiffusionScheduler / DiffusionAsyncScheduler), a request whose next canvas passes
+    max_model_len (vLLM's default max_tokens, max_model_len - prompt, gets every request without a stop id there)
+    is scheduled a truncated canvas the sampler can only stall, forever: a lost request (so is one whose logits
+    failed, reported in num_nans, which vLLM only counts). The plugin's scheduler finishes it with 'length'. So the
+    model state stops the start with a ValueError naming --scheduler-cls in every layout (was: only the two-canvas
+    one; the one-canvas layout served on and hung such requests)."""
+    from test_vllm_plugin import _StandInVllmModel
+
+    from blockdiff.integration.model_state import DiffusionModelState
+    from blockdiff.integration.vllm_compat import scheduler_base_classes
+
+    reqs = [("a", prompt(10, 1), 500, None, None, 0)]
+    out, _, _, _ = serve(vllm_env, tiny_hf_folder, tiny_model, reqs, served=CL, fuse=False,
+                         asynchronous=asynchronous, max_model_len=64)
+    assert out["a"][0] == "length" and len(out["a"][1]) == (64 - 10) // CL * CL  # the plugin's: answered
+    name = "BlockdiffDiffusionAsyncScheduler" if asynchronous else "BlockdiffDiffusionScheduler"
+    plugin = getattr(VS, name)  # the classes built, so the stand-in below replaces the plugin's one
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(VS._classes, name, scheduler_base_classes()[int(asynchronous)])
+        with pytest.raises(AssertionError, match="no progress after 200 steps"):  # vLLM's own: never answered
+            serve(mp, tiny_hf_folder, tiny_model, reqs, served=CL, fuse=False, asynchronous=asynchronous,
+                  max_model_len=64, max_steps=200)
+
+    H = 8
+    mc = NS(get_inputs_embeds_size=lambda: H, dtype=torch.float32, hf_text_config=NS(hidden_size=H),
+            hf_config=NS(canvas_length=CL), try_get_generation_config=lambda: {}, get_vocab_size=lambda: 64,
+            max_model_len=256)
+    vllm_env.delenv(VS.FUSE_COMMIT_ENV, raising=False)
+
+    def build(scheduler_cls):
+        sc = NS(max_num_seqs=2, max_num_batched_tokens=64, async_scheduling=asynchronous, scheduler_cls=scheduler_cls)
+        cfg = NS(model_config=mc, scheduler_config=sc, diffusion_config=NS(canvas_length=CL, max_denoising_steps=2))
+        return DiffusionModelState(cfg, _StandInVllmModel(64, H), None, torch.device("cpu"))
+
+    for cls in (None, scheduler_base_classes()[int(asynchronous)],
+                "vllm.v1.core.sched.async_scheduler.AsyncScheduler" if asynchronous else
+                "vllm.v1.core.sched.scheduler.Scheduler"):
+        with pytest.raises(ValueError, match="--scheduler-cls blockdiff.integration.vllm_scheduler"):
+            build(cls)
+    assert build(f"blockdiff.integration.vllm_scheduler.{name}").canvas_length == CL
+    assert build(type("Mine", (plugin,), {})).canvas_length == CL  # a subclass of the plugin's
+
+
+@needs_stack
+@needs_vllm
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_long_prefill_token_threshold_below_a_canvas_stops_the_start_instead_of_hanging_every_request(
+        vllm_env, tiny_hf_folder, tiny_model, asynchronous):
+    """Why: vLLM (0.26.0 and 0.33.0; 0.33.0 while more than one request is eligible) cuts every running row to
+    ``long_prefill_token_threshold`` tokens, canvas rows included, so with a threshold in (0, CL) no canvas is ever
+    scheduled whole and the sampler stalls every one: every request hangs without a token. vLLM 0.26.0 sets such a threshold itself: ``--max-num-partial-prefills 2``
+    with the threshold unset gives 4 % of max_model_len (163 at 4096, below a 256-token canvas). The plugin's schedulers
+    now stop the start with a ValueError naming the threshold and the canvas length (was: served, every request
+    lost); a threshold of at least CL, or 0 (off), serves as before."""
+    import sys
+
+    mod = sys.modules[__name__]
+    # two requests: vLLM 0.33.0 lifts the threshold while a single request is eligible (nobody to starve)
+    reqs = [("a", prompt(10, 1), 3 * CL, None, None, 0), ("b", prompt(5, 2), 2 * CL, None, None, 0)]
+    plain = _scheduler
+
+    def after_start(*a, **k):  # the threshold set behind the start's check: what a served request would meet
+        s = plain(*a, **k)
+        s.scheduler_config.long_prefill_token_threshold = CL - 1
+        return s
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mod, "_scheduler", after_start)
+        with pytest.raises(AssertionError, match="no progress after 200 steps"):
+            serve(vllm_env, tiny_hf_folder, tiny_model, reqs, served=CL, fuse=False, asynchronous=asynchronous,
+                  max_steps=200)
+    from vllm.config import SchedulerConfig
+
+    cases = [dict(long_prefill_token_threshold=CL - 1), dict(long_prefill_token_threshold=1)]
+    if "max_num_partial_prefills" in SchedulerConfig.__dataclass_fields__:  # 0.26.0: 4 % of max_model_len 100: 4
+        cases.append(dict(max_num_partial_prefills=2, enable_chunked_prefill=True))
+    for kw in cases:
+        with pytest.raises(ValueError, match=rf"long_prefill_token_threshold \(\d+\) .*canvas_length {CL}"):
+            _scheduler(vllm_env, tiny_hf_folder, served=CL, fuse=False, asynchronous=asynchronous,
+                       max_model_len=100, **kw)
+    for threshold in (0, CL, 2 * CL):
+        s = _scheduler(vllm_env, tiny_hf_folder, served=CL, fuse=False, asynchronous=asynchronous,
+                       long_prefill_token_threshold=threshold)
+        assert s.scheduler_config.long_prefill_token_threshold == threshold
+    out, _, _, _ = serve(vllm_env, tiny_hf_folder, tiny_model, reqs, served=CL, fuse=False, asynchronous=asynchronous,
+                         long_prefill_token_threshold=CL)
+    assert out["a"] == ("length", out["a"][1]) and len(out["a"][1]) == 3 * CL and len(out["b"][1]) == 2 * CL

@@ -334,6 +334,32 @@ def test_vllm_start_up_warmup_requests_run_with_the_served_defaults(served, samp
         ms.add_request(0, NS(req_id="_warmup_0_", prompt_token_ids=[5, 6], sampling_params=sp))
 
 
+def test_user_request_whose_id_starts_like_a_warmup_id_keeps_its_own_params(served, sampler_output_class):
+    """Only vLLM's own warm-up ids (``_warmup_<i>_``, ``_v2_mixed_warmup_decode_`` / ``_prefill_``, exactly) run
+    with the served defaults. A user request whose id merely starts like one (vLLM appends 8 random characters to
+    every external id: ``_warmup_0_-1a2b3c4d``) keeps its own parameters: greedy stays greedy, its step cap and
+    max_tokens hold, and an option blockdiff does not implement fails it (was: served with the defaults, its
+    params silently ignored)."""
+    model, _ = served
+    defaults = SamplingParams(canvas_length=32, max_denoising_steps=5)
+    ms = DiffusionModelState.for_harness(model, max_num_reqs=4, max_num_tokens=64, canvas_length=32, device="cpu",
+                                         default_params=defaults)
+    ms.mode = "vllm"
+    greedy = vllm_sampling_params({"diffusion_max_steps": 3}, 40, 1)
+    greedy.temperature = 0.0
+    ms.add_request(0, NS(req_id="_warmup_0_-1a2b3c4d", prompt_token_ids=[5, 6], sampling_params=greedy))
+    ms.add_request(1, NS(req_id="_v2_mixed_warmup_user-1a2b3c4d", prompt_token_ids=[5, 6], sampling_params=greedy))
+    assert ms.state.phase[:2].tolist() == [PREFILL, PREFILL]
+    assert ms.state.t_max[:2].tolist() == [0.0, 0.0] and ms.state.max_denoising_steps[:2].tolist() == [3, 3]
+    assert ms.state.max_tokens[:2].tolist() == [40, 40]
+    bad = vllm_sampling_params({}, 64, 1)
+    bad.logprobs = 5
+    ms.add_request(2, NS(req_id="_warmup_7_-1a2b3c4d", prompt_token_ids=[5, 6], sampling_params=bad))
+    assert ms.state.phase[2].item() == FAILED and "logprobs" in ms.failed_reasons["_warmup_7_-1a2b3c4d"]
+    ms.add_request(3, NS(req_id="_warmup_7_", prompt_token_ids=[5, 6], sampling_params=bad))  # vLLM's own
+    assert ms.state.phase[3].item() == PREFILL and ms.state.max_denoising_steps[3].item() == 5
+
+
 @needs_stack
 def test_served_request_params_equal_the_harness_params(export_dir, served):
     """serve_smoke's vllm_xargs, converted by the plugin over the served folder's defaults, give exactly the

@@ -102,3 +102,23 @@ def test_bad_canvas_width_extra_arg_is_refused_and_the_request_finished_with_err
     outputs = {}
     assert VS.finish_stuck_requests(s, None, outputs, types=FAKE_VLLM_TYPES) == [("bad", "error")]
     assert s.requests["ok"].status == "RUNNING" and [o.request_id for o in outputs[0].outputs] == ["bad"]
+
+
+def test_check_canvas_rows_fit_names_a_limit_that_would_cut_every_canvas_row():
+    """vLLM cuts every running row to long_prefill_token_threshold (when > 0) and to the token budget: below a canvas
+    no canvas row is ever whole, and every request would hang. The plugin's schedulers refuse such a start
+    (check_canvas_rows_fit, from their __init__; end to end in test_vllm_fuse_commit_async)."""
+    from types import SimpleNamespace as NS
+
+    def sched(threshold, budget):
+        return NS(blockdiff_canvas_length=CL, max_num_scheduled_tokens=budget,
+                  scheduler_config=NS(long_prefill_token_threshold=threshold))
+
+    for threshold, budget in ((0, CL), (CL, CL), (None, None), (3 * CL, 100 * CL)):
+        VS.check_canvas_rows_fit(sched(threshold, budget))
+    VS.check_canvas_rows_fit(NS(num_spec_tokens=CL))  # no limits known: nothing to refuse
+    for threshold in (1, CL - 1):
+        with pytest.raises(ValueError, match=rf"long_prefill_token_threshold \({threshold}\) .*canvas_length {CL}"):
+            VS.check_canvas_rows_fit(sched(threshold, 100 * CL))
+    with pytest.raises(ValueError, match=rf"max_num_scheduled_tokens \({CL - 1}\) .*canvas_length {CL}"):
+        VS.check_canvas_rows_fit(sched(0, CL - 1))
