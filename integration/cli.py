@@ -109,6 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --random-weights: scale of the random tied embedding, peaking the toy logits "
                         "(default 30; 1 = raw init)")
     d.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    d.add_argument("--prompt", action="append", metavar="TEXT", default=None,
+                   help="a prompt of your own (repeatable): replaces the demo's six built-in Python snippets; every "
+                        "such request arrives at step 0 and samples with the checkpoint's parameters. Needs a trained "
+                        "checkpoint (its tokenizer), so not with --random-weights")
+    d.add_argument("--canvases", type=int, default=None, metavar="N",
+                   help=f"with --prompt: canvases generated per prompt (max_tokens = N x canvas length; default 1, "
+                        f"at most {MAX_DEMO_CANVASES})")
     d.add_argument("--fuse-commit", action="store_true",
                    help="commit a converged canvas and take the next canvas's first denoising step in one forward "
                         "pass (HarnessRunner fuse_commit; same tokens, one forward fewer per non-final canvas)")
@@ -194,6 +201,51 @@ def resolve_checkpoint(args, shipped: str, stream=None) -> tuple[str | None, str
     return None, None
 
 
+MAX_DEMO_CANVASES = 64  # --canvases: a bound on the demo's run time; positions are checked against the model too
+
+
+def prompt_problems(args) -> list[str]:
+    """What is wrong with ``blockdiff demo``'s ``--prompt`` / ``--canvases`` (one message per problem, naming the flag).
+
+    Rules: a prompt is non-empty text that encodes as UTF-8 (an argument with undecodable bytes does not); prompts
+    need a trained checkpoint's tokenizer (not ``--random-weights``); ``--canvases`` is an int in
+    ``[1, MAX_DEMO_CANVASES]`` and only goes with ``--prompt``. Whether the prompts plus canvases fit the model's
+    positions is checked once the model is loaded (:func:`blockdiff.integration.demo.run_demo`).
+    """
+    problems = []
+    prompts = args.prompt or []
+    if prompts and args.random_weights:
+        problems.append("--prompt needs a trained checkpoint's tokenizer; random weights take random prompt ids "
+                        "(drop --random-weights)")
+    for i, text in enumerate(prompts):
+        if text == "":
+            problems.append(f"--prompt number {i + 1} is empty (a request needs at least one prompt token)")
+            continue
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            problems.append(f"--prompt number {i + 1} is not valid UTF-8 text")
+    if args.canvases is not None:
+        if not prompts:
+            problems.append("--canvases sets the canvases generated per --prompt; give at least one --prompt")
+        if not 1 <= args.canvases <= MAX_DEMO_CANVASES:
+            problems.append(f"--canvases must be in [1, {MAX_DEMO_CANVASES}], got {args.canvases}")
+    return problems
+
+
+def prompt_requests(args):
+    """``blockdiff demo``'s workload from ``--prompt`` (None: the demo's built-in one).
+
+    Returns:
+        None without ``--prompt``; else one request ``(f"prompt-{i}", text, 0, canvases, False)`` per prompt, in the
+        :data:`blockdiff.integration.demo.TEXT_REQUESTS` form (id, text, arrival step, canvases, greedy).
+    """
+    if not args.prompt:
+        return None
+    n = 1 if args.canvases is None else args.canvases
+    return tuple((f"prompt-{i}", text, 0, n, False) for i, text in enumerate(args.prompt))
+
+
 def _errors(command: str, problems: list[str]) -> int:
     """Print each problem as one line ``blockdiff COMMAND: error: ...`` on stderr; returns exit code 2."""
     for msg in problems:
@@ -227,6 +279,7 @@ def _demo(args) -> int:
     if args.checkpoint is not None and not os.path.isdir(args.checkpoint):
         problems.append(f"--checkpoint {args.checkpoint!r} is not a folder (expected a checkpoint folder written by "
                         "blockdiff train --out FOLDER)")
+    problems += prompt_problems(args)
     out = out_folder_problem("--out", args.out)  # nothing is created before every flag passed
     if out:
         problems.append(out)
@@ -248,7 +301,7 @@ def _demo(args) -> int:
                           device=args.device, seed=args.seed, out=args.out, checkpoint=checkpoint,
                           canvas_length=args.canvas_length, max_denoising_steps=args.max_denoising_steps,
                           progress=not args.no_progress, embedding_scale=args.embedding_scale,
-                          fuse_commit=args.fuse_commit)
+                          fuse_commit=args.fuse_commit, requests=prompt_requests(args))
     except DeviceUnavailable as e:  # its message starts "device 'X' ...": name the option
         msg = str(e)
         return _errors("demo", ["--" + msg if msg.startswith("device ") else f"--device {args.device!r}: {msg}"])

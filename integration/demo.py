@@ -249,7 +249,9 @@ def run_demo(*, backend: str = "reference", sampler_backend: str = "reference", 
             checkpoint's (:func:`~blockdiff.integration.harness.checkpoint_sampling_params`); the header says
             where an argument overrides the checkpoint.
         requests: the workload (default :data:`TEXT_REQUESTS` with a checkpoint, :data:`DEFAULT_REQUESTS`
-            without); a prompt is a str (encoded by the checkpoint's tokenizer) or an int length (random ids).
+            without): tuples ``(req_id, prompt, arrival_step, n, greedy)``; a prompt is a str (encoded by the
+            checkpoint's tokenizer; ``n`` canvases) or an int length (random ids; ``n`` tokens).
+            ``blockdiff demo --prompt TEXT [--canvases N]`` builds one (:func:`blockdiff.integration.cli.prompt_requests`).
         embedding_scale: random weights only: factor on the tied embedding (default 30).
         fuse_commit: a bool: fuse each non-final commit with the next canvas's first denoising step
             (:class:`~blockdiff.integration.harness.HarnessRunner`'s ``fuse_commit``; TypeError for a non-bool).
@@ -345,8 +347,10 @@ def run_demo(*, backend: str = "reference", sampler_backend: str = "reference", 
     need = max(len(x) for x in prompts) + max(max_tokens) + canvas_length
     if need > cfg.max_position_embeddings:
         raise DemoInputError(f"--canvas-length {canvas_length}: the demo's requests need {need} positions "
-                             f"(prompt + canvases), more than the model's max_position_embeddings "
-                             f"({cfg.max_position_embeddings})")
+                             f"(the longest prompt, {max(len(x) for x in prompts)} tokens, + {max(max_tokens)} "
+                             f"generated + one canvas), more than the model's max_position_embeddings "
+                             f"({cfg.max_position_embeddings}); lower --canvas-length or --canvases, or shorten "
+                             f"--prompt")
     # at least 256 positions where the model has them (the harness's page pool is sized from it)
     max_model_len = max(256, need) if max(256, need) <= cfg.max_position_embeddings else need
     runner = HarnessRunner(model, default_params=base, max_num_reqs=4, max_num_batched_tokens=4 * canvas_length,

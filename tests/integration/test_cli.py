@@ -323,3 +323,42 @@ def test_demo_checkpoint_schedule_the_sampler_refuses_exits_2_naming_the_file_or
                      "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--max-denoising-steps 1000" in err[0] and "MIN_TEMPERATURE" in err[0], err
+
+
+def test_demo_prompt_flag_replaces_the_built_in_snippets(tmp_path, capsys):
+    """--prompt TEXT (repeatable) serves the user's prompts with the shipped checkpoint, --canvases N canvases each;
+    a newcomer's first try (it was an unknown argument)."""
+    rc = cli.main(["demo", "--prompt", "def add(a, b):\n    return ", "--prompt", "import os\n", "--canvases", "2",
+                   "--max-denoising-steps", "4", "--no-progress", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "prompt-0" in out and "prompt-1" in out and "req-0" not in out
+
+
+def test_prompt_requests_build_the_text_workload():
+    args = cli.build_parser().parse_args(["demo", "--prompt", "x = ", "--prompt", "y", "--canvases", "3"])
+    assert cli.prompt_requests(args) == (("prompt-0", "x = ", 0, 3, False), ("prompt-1", "y", 0, 3, False))
+    assert cli.prompt_requests(cli.build_parser().parse_args(["demo"])) is None
+    assert cli.prompt_requests(cli.build_parser().parse_args(["demo", "--prompt", "z"]))[0][3] == 1
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--prompt", ""], "--prompt number 1 is empty"),
+    (["--prompt", "ok", "--prompt", "\udcff"], "--prompt number 2 is not valid UTF-8"),
+    (["--random-weights", "--prompt", "x"], "--prompt needs a trained checkpoint"),
+    (["--canvases", "2"], "--canvases sets the canvases generated per --prompt"),
+    (["--prompt", "x", "--canvases", "0"], "--canvases must be in [1, 64]"),
+    (["--prompt", "x", "--canvases", "65"], "--canvases must be in [1, 64]"),
+])
+def test_demo_prompt_errors_exit_2_naming_the_flag_before_running(tmp_path, capsys, argv, flag):
+    assert cli.main(["demo", *argv, "--no-progress", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert flag in err and "Traceback" not in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_demo_prompt_past_the_checkpoints_positions_exits_2_naming_the_flags(tmp_path, capsys):
+    """A prompt plus its canvases beyond max_position_embeddings: one line naming --prompt / --canvases."""
+    rc = cli.main(["demo", "--prompt", "x" * 4000, "--canvases", "8", "--no-progress", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--canvases" in err and "--prompt" in err and "4000 tokens" in err
