@@ -71,7 +71,10 @@ def evaluate_generation(model: DiffusionGemma, tokenizer: ByteTokenizer, held_ou
         request; prefill and commit passes included), ``tokens_per_request_pass`` (tokens committed / rows of all
         passes: a request's own prefill, denoise and commit rows), ``tokens_per_denoise_step`` (tokens committed
         / denoise rows), ``denoise_steps_per_canvas`` (mean), ``forward_passes``, ``tokens_emitted``,
-        ``canvases``, ``samples`` ([{prompt, completion}] text); the figures of :meth:`HarnessRunner.totals`.
+        ``canvases``, ``samples`` ([{prompt, completion, finish_reason}] text); the figures of
+        :meth:`HarnessRunner.totals`; ``requests_failed``: requests the harness finished as ``"failed"`` (NaN / +inf
+        logits: a diverged checkpoint), whose completions are empty or cut, so every rate above counts only what
+        the others committed (0 for a sound model; ``blockdiff train`` prints it when it is not).
 
     Raises:
         ValueError: no prompt found (held-out stream too short or without line starts).
@@ -92,8 +95,8 @@ def evaluate_generation(model: DiffusionGemma, tokenizer: ByteTokenizer, held_ou
         runner.add_request(f"eval-{i}", p, params)
     res = runner.run(max_steps=100_000)
     tot = runner.totals()  # the accounting blockdiff demo prints (HarnessRunner.totals)
-    samples = [{"prompt": tokenizer.decode(prompts[i]), "completion": tokenizer.decode(res[f"eval-{i}"].output_token_ids)}
-               for i in range(len(prompts))]
+    samples = [{"prompt": tokenizer.decode(prompts[i]), "completion": tokenizer.decode(res[f"eval-{i}"].output_token_ids),
+                "finish_reason": res[f"eval-{i}"].finish_reason} for i in range(len(prompts))]
     return {
         "num_prompts": len(prompts), "prompt_len": prompt_len, "canvas_length": CL,
         "max_denoising_steps": max_denoising_steps, "forward_passes": tot["forward_passes"],
@@ -102,4 +105,5 @@ def evaluate_generation(model: DiffusionGemma, tokenizer: ByteTokenizer, held_ou
         "request_rows": tot["request_rows"], "tokens_per_request_pass": tot["tokens_per_request_pass"],
         "tokens_per_denoise_step": tot["tokens_per_denoise_step"],
         "denoise_steps_per_canvas": tot["denoise_steps_per_canvas"], "samples": samples,
+        "requests_failed": sum(s["finish_reason"] == "failed" for s in samples),
     }

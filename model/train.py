@@ -629,6 +629,9 @@ def train(args: TrainArgs, config: DiffusionGemmaConfig | None = None, stream=No
           f"tokens committed per forward pass ({ev['tokens_per_request_pass']:.3f} per request row), "
           f"{ev['tokens_per_denoise_step']:.3f} per denoise row, "
           f"{ev['denoise_steps_per_canvas']:.2f} denoising steps per canvas (cap {ev['max_denoising_steps']})")
+        if ev.get("requests_failed"):  # NaN / +inf logits: the rates above count only the other requests
+            p(f"eval: WARNING: {ev['requests_failed']} of {ev['num_prompts']} requests failed (non-finite logits: the "
+              f"checkpoint diverged); the figures above count only the others")
         s = ev["samples"][0]
         p(f"sample prompt:     {s['prompt']!r}\nsample completion: {s['completion']!r}")
     result["total_seconds"] = time.perf_counter() - t_start

@@ -74,3 +74,19 @@ def test_default_config_trains_and_evaluates_on_cuda(tmp_path):
     assert np.isfinite(losses).all() and losses[-1] < losses[0] - 0.5, losses
     assert res["checkpoint_bytes"] <= 10_000_000
     assert res["eval"]["tokens_emitted"] > 0
+
+
+def test_evaluate_generation_counts_failed_requests_of_a_diverged_checkpoint():
+    """A checkpoint whose logits are NaN: every request finishes "failed" with an empty completion. The evaluation
+    said nothing of it (its rates were computed from the empty outputs as if sound); it now counts them."""
+    torch.manual_seed(0)
+    model = DiffusionGemma(smoke_config(), seed=4, moe_impl="loop").eval()
+    with torch.no_grad():
+        model.embed_tokens.weight.fill_(float("nan"))
+    ev = evaluate_generation(model, TOK, _stream(), num_prompts=2, prompt_len=12, canvases=1,
+                             max_denoising_steps=3, seed=0)
+    assert ev["requests_failed"] == 2
+    assert [s["finish_reason"] for s in ev["samples"]] == ["failed", "failed"]
+    sound = evaluate_generation(DiffusionGemma(smoke_config(), seed=4, moe_impl="loop").eval(), TOK, _stream(),
+                                num_prompts=2, prompt_len=12, canvases=1, max_denoising_steps=3, seed=0)
+    assert sound["requests_failed"] == 0 and {s["finish_reason"] for s in sound["samples"]} <= {"eos", "length"}
