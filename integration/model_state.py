@@ -892,7 +892,8 @@ class DiffusionModelState(_Base):
             input_batch: the step's batch (``query_start_loc``, ``seq_lens``, ``idx_mapping``, host
                 ``max_query_len`` / ``max_seq_len``).
             cudagraph_mode: vLLM's CUDAGraphMode (None in the harness).
-            block_tables: tuple per KV-cache group of ``[N, max_blocks]`` int32 (the harness has one group).
+            block_tables: tuple per KV-cache group of ``[N, max_blocks]`` int32 (the harness has one group; vLLM
+                gathers ``num_reqs_after_padding`` rows, cut here to the metadata's rows).
             slot_mappings: ``[T]`` int64 KV slots of the query tokens.
             attn_groups, kv_cache_config: vLLM objects (None in the harness).
             for_capture: capture with worst-case ``max_seqlen_k`` (harness: ``max_num_tokens`` bound unused).
@@ -936,13 +937,16 @@ class DiffusionModelState(_Base):
         ncq = self.fill_num_causal_q(input_batch, num_reqs) if self._fuse_commit else None
         meta = build_attn_metadata(
             attn_groups=attn_groups, num_reqs=num_reqs, num_tokens=num_tokens,
-            # the row starts of the metadata's num_reqs rows (vLLM 0.26 pads a PIECEWISE step's rows too under
-            # VLLM_USE_BREAKABLE_CUDAGRAPH=1; its break-point attention reads the step's real rows), as vLLM's own
-            # model states cut them
+            # the row starts and block tables of the metadata's num_reqs rows: vLLM 0.26 pads a PIECEWISE step's
+            # rows too under VLLM_USE_BREAKABLE_CUDAGRAPH=1 (query_start_loc and the gathered block tables have
+            # num_reqs_after_padding rows; FlashAttention's builder keeps the block tables whole) while the metadata
+            # here is the real rows' (its break-point attention runs eagerly on them); blockdiff's attention wants
+            # one block-table row per sequence. A no-op under FULL (padded rows throughout) and without padding.
             query_start_loc_gpu=input_batch.query_start_loc[: num_reqs + 1],
             query_start_loc_cpu=torch.from_numpy(input_batch.query_start_loc_np[: num_reqs + 1]),
             max_query_len=int(input_batch.num_scheduled_tokens.max()), seq_lens=input_batch.seq_lens,
-            max_seq_len=self.max_model_len, block_tables=block_tables, slot_mappings=slot_mappings,
+            max_seq_len=self.max_model_len, block_tables=tuple(bt[:num_reqs] for bt in block_tables),
+            slot_mappings=slot_mappings,
             kv_cache_config=kv_cache_config, causal=causal, for_cudagraph_capture=for_capture)
         if ncq is not None:
             attach_num_causal_q(meta, ncq)

@@ -384,6 +384,51 @@ def test_vllm_prepare_attn_metadata_rows_agree_when_the_runner_pads_a_piecewise_
     assert kw["num_reqs"] == 4 and kw["query_start_loc_gpu"].shape[0] == 5 and kw["causal"].tolist() == [0, 1, 1, 0]
 
 
+@needs_stack
+@pytest.mark.parametrize("fuse", [False, True])
+def test_vllm_prepare_attn_block_tables_have_the_metadata_rows_on_a_padded_piecewise_step(monkeypatch, fuse):
+    """vLLM 0.26's runner gathers the block tables with num_reqs_after_padding rows (``gather_block_tables``:
+    ``bt[:num_reqs_padded]``), also on a PIECEWISE step it padded under VLLM_USE_BREAKABLE_CUDAGRAPH=1, and
+    FlashAttention's metadata builder keeps them whole. prepare_attn builds that step's metadata for the real rows,
+    so its block tables must be cut to them too: were passed whole, so the CUSTOM backend's attention call (row
+    starts and seq_lens for 3 rows, a block table of 4) raised "block_table must have B=3 rows" on every such step.
+    FULL keeps the padded rows everywhere. Checked the way the CUSTOM backend calls the attention."""
+    from blockdiff.attention import attention, causal_row_counts
+    from blockdiff.sampler import COMMIT, DENOISE
+
+    ms, _ = _vllm_fuse_state(monkeypatch, R=4, fuse=fuse)
+    calls = vllm_attn_metadata_stubs(monkeypatch)
+    from vllm.config.compilation import CUDAGraphMode
+
+    ms.model_config = NS(max_model_len=256)
+    if "max_model_len" not in dir(type(ms)):
+        ms.max_model_len = 256
+    for slot, rid in enumerate("dcp"):
+        _add(ms, slot, rid)
+    ms.state.phase[0], ms.state.phase[1] = DENOISE, COMMIT
+    b = make_batch([("d", 0, CL, 2, 2, None), ("c", 1, CL, 2, 2, None), ("p", 2, 2, 0, 2, [1, 2])])
+    qsl = np.concatenate([b.query_start_loc_np, [b.num_tokens]]).astype(np.int32)  # the runner's padding row
+    bt = torch.cat([b.block_table, torch.zeros(1, b.block_table.shape[1], dtype=torch.int32)])  # gathered, padded
+    seq_lens = torch.cat([b.seq_lens, torch.zeros(1, dtype=b.seq_lens.dtype)])
+    padded = NS(**{k: getattr(b, k) for k in ("num_reqs", "num_tokens", "idx_mapping", "num_scheduled_tokens")},
+                seq_lens=seq_lens, query_start_loc=torch.as_tensor(qsl), query_start_loc_np=qsl,
+                num_reqs_after_padding=4, num_tokens_after_padding=b.num_tokens + 5)
+    H, D, page = 2, 8, 16
+    kv = torch.randn(1, page, 1, D, generator=torch.Generator().manual_seed(0))
+    q = torch.randn(b.num_tokens + 5, H, D, generator=torch.Generator().manual_seed(1))
+    for mode, rows in ((CUDAGraphMode.PIECEWISE, 3), (CUDAGraphMode.NONE, 3), (None, 3), (CUDAGraphMode.FULL, 4)):
+        meta = ms.prepare_attn(padded, mode, (bt,), b.slot_mapping, None, None)
+        kw = calls[-1]
+        assert kw["num_reqs"] == rows and [t.shape[0] for t in kw["block_tables"]] == [rows]
+        # what build_attn_metadata and the CUSTOM backend (BlockdiffAttentionImpl.forward) then do
+        sl = kw["seq_lens"][: kw["num_reqs"]]
+        ncq = meta["layer.0"]._blockdiff_num_causal_q if fuse else causal_row_counts(
+            kw["causal"][: sl.shape[0]].bool(), kw["query_start_loc_gpu"])
+        n = kw["num_tokens"]
+        attention(q[:n], kv, kv, cu_seqlens_q=kw["query_start_loc_gpu"], seq_lens=sl, num_causal_q=ncq,
+                  block_table=kw["block_tables"][0], backend="reference", check_values=False)
+
+
 def test_attach_num_causal_q_refuses_what_cannot_carry_it():
     from blockdiff.integration.model_state import attach_num_causal_q
 
