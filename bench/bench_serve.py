@@ -232,8 +232,8 @@ def server_command(backend: str, quant: str, *, model: str, port: int, max_num_s
         max_num_seqs: in [1, 2**31). kv_cache_bytes: KV cache size in bytes, in [1, 2**63).
             gpu_memory_utilization: in (0, 1].
         trace_dir: absolute folder for profiler traces, or None (no profiler).
-        max_num_batched_tokens: token budget of one engine step, below 2**31 (>= canvas_length * max_num_seqs lets
-            every running canvas into one step). max_model_len: tokens per request.
+        max_num_batched_tokens: token budget of one engine step, in [:data:`CANVAS_LENGTH`, 2**31) (a canvas must fit
+            one step; >= canvas_length * max_num_seqs lets every running canvas into one step). max_model_len: tokens per request.
         enforce_eager: no CUDA graphs / torch.compile. async_scheduling: keep vLLM's asynchronous scheduling.
         api_server_count: vLLM's API server processes (``--api-server-count``, >= 1; default 1, vLLM's without data
             parallelism): more spread the requests' input processing (tokenization, rendering) over processes
@@ -255,7 +255,9 @@ def server_command(backend: str, quant: str, *, model: str, port: int, max_num_s
         raise ValueError(f"port must be <= 65535, got {port}")
     _check_int("max_num_seqs", max_num_seqs, 1, _INT32_LIMIT, " (vLLM's int32 counts)")
     _check_int("kv_cache_bytes", kv_cache_bytes, 1, _INT64_LIMIT, " (vLLM's int64 byte count)")
-    _check_int("max_num_batched_tokens", max_num_batched_tokens, 1, _INT32_LIMIT, " (vLLM's int32 counts)")
+    # at least one canvas a step, eager too: a budget below it cuts every canvas row, and blockdiff's scheduler
+    # refuses to start (integration.vllm_scheduler.check_canvas_rows_fit) rather than hang every request
+    _check_int("max_num_batched_tokens", max_num_batched_tokens, CANVAS_LENGTH, _INT32_LIMIT, " (vLLM's int32 counts)")
     _check_int("api_server_count", api_server_count, 1)
     _check_int("max_model_len", max_model_len, INPUT_LEN + OUTPUT_LEN)
     if isinstance(gpu_memory_utilization, bool) or not isinstance(gpu_memory_utilization, (int, float)) or not (

@@ -1472,3 +1472,17 @@ def test_record_refuses_non_finite_negative_or_mistyped_row_fields_naming_file_l
     _one_clear_line(cli("record", r, "--out", tmp_path / "rec" / "serve-x.json"), f"r.jsonl:1",
                     *words)
     assert not (tmp_path / "rec" / "serve-x.json").exists()
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_server_command_refuses_a_token_budget_below_one_canvas_eager_too(enforce_eager):
+    """An eager server took --max-num-batched-tokens 1: every canvas row cut, which blockdiff's scheduler now refuses
+    at start (check_canvas_rows_fit); the command is refused when it is built, naming the argument."""
+    with pytest.raises(ValueError, match=f"max_num_batched_tokens must be an int >= {bs.CANVAS_LENGTH}"):
+        bs.server_command("blockdiff-triton", "bf16", model="/m", port=8000, max_num_seqs=4, kv_cache_bytes=1 << 30,
+                          gpu_memory_utilization=0.5, max_num_batched_tokens=bs.CANVAS_LENGTH - 1,
+                          enforce_eager=enforce_eager)
+    env, argv = bs.server_command("blockdiff-triton", "bf16", model="/m", port=8000, max_num_seqs=4,
+                                  kv_cache_bytes=1 << 30, gpu_memory_utilization=0.5,
+                                  max_num_batched_tokens=bs.CANVAS_LENGTH, enforce_eager=enforce_eager)
+    assert argv[argv.index("--max-num-batched-tokens") + 1] == str(bs.CANVAS_LENGTH)
