@@ -126,6 +126,13 @@ _Base = _VllmModelState if VLLM_AVAILABLE else ModelStateBase
 
 #: Initial per-slot width of the stop-id buffer (``SamplerState.eos_token_ids``); it grows on demand.
 DEFAULT_MAX_STOP_TOKEN_IDS = 16
+#: Most stop ids one request may carry (its eos id plus ``stop_token_ids``, distinct). A request's count widens every
+#: slot's stop-id buffer for the server's life, and each step compares every committed canvas with it ([rows,
+#: canvas_length, width] booleans in the torch path: 64 MiB at 64 rows of 256 and this width). More is refused: under
+#: vLLM the request fails with finish reason ``error`` (it was served: a vocabulary-sized list, ~262k ids, would need
+#: ~4.3 GB of booleans in that compare at 64 rows, enough to stop the engine on a GPU its KV cache fills; computed,
+#: not run).
+MAX_STOP_TOKEN_IDS = 4096
 
 
 def request_key(req_id: str) -> int:
@@ -658,7 +665,15 @@ class DiffusionModelState(_Base):
     def reserve_stop_token_ids(self, n: int) -> None:
         """Make room for ``n`` stop ids per request (grows ``state.eos_token_ids``, see
         :meth:`blockdiff.sampler.SamplerState.reserve_eos`: a CUDA graph that captured the sampler step before a
-        growth must be recaptured; vLLM runs the sampler outside its graphs). No limit on the count."""
+        growth must be recaptured; vLLM runs the sampler outside its graphs).
+
+        Raises:
+            ValueError: ``n`` above :data:`MAX_STOP_TOKEN_IDS` (nothing grows), or not an int >= 0.
+        """
+        if not isinstance(n, bool) and isinstance(n, int) and n > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"a request has {n} stop token ids (eos_token_id + stop_token_ids), more than the "
+                             f"{MAX_STOP_TOKEN_IDS} blockdiff serves per request (MAX_STOP_TOKEN_IDS: each widens "
+                             f"every slot's stop-id buffer and its per-step compare)")
         self.state.reserve_eos(n)
 
     def check_params(self, params: Any) -> None:

@@ -485,3 +485,33 @@ def test_resumed_request_that_emitted_max_tokens_fails_under_vllm_and_raises_in_
         ms.add_request(2, NewRequest("again", [1, 2], replace(ms.default_params, max_tokens=4),
                                      prefill_token_ids=[1, 2, 5, 6, 7, 8]))
     assert "again" not in ms.req_id_to_index
+
+
+@needs_stack
+def test_a_request_with_more_stop_ids_than_served_fails_alone_and_grows_nothing():
+    """A request with more than MAX_STOP_TOKEN_IDS stop ids (break21's judgement call): it was served, widening every
+    slot's stop-id buffer for the server's life (a vocabulary-sized list: ~4.3 GB of booleans in the per-step compare
+    at 64 rows, computed). Under vLLM it now fails alone (finish reason 'error'); the harness raises; the buffer
+    does not grow. At the limit it is served."""
+    from types import SimpleNamespace as NS
+
+    from blockdiff.integration import model_state as MS
+    from blockdiff.integration.batch import NewRequest
+    from blockdiff.sampler import FAILED
+
+    ms, _ = _vllm_mode_state()
+    w0 = ms.state.max_eos
+    sp = NS(seed=3, max_tokens=None, ignore_eos=True, stop_token_ids=list(range(MS.MAX_STOP_TOKEN_IDS + 1)),
+            extra_args=None)
+    ms.add_request(0, NS(req_id="many-1a2b3c4d", prompt_token_ids=[1, 2, 3], sampling_params=sp))
+    assert ms.state.phase[0].item() == FAILED and "MAX_STOP_TOKEN_IDS" in ms.failed_reasons["many-1a2b3c4d"]
+    assert ms.state.max_eos == w0
+    ok = NS(seed=3, max_tokens=None, ignore_eos=True, stop_token_ids=[5, 6], extra_args=None)
+    ms.add_request(1, NS(req_id="few-1a2b3c4d", prompt_token_ids=[1, 2, 3], sampling_params=ok))
+    assert ms.state.phase[1].item() != FAILED
+    ms.mode = "harness"
+    with pytest.raises(ValueError, match="MAX_STOP_TOKEN_IDS"):
+        ms.add_request(2, NewRequest("many", [1, 2, 3], sp))
+    assert ms.state.max_eos == w0
+    ms.reserve_stop_token_ids(MS.MAX_STOP_TOKEN_IDS)  # the limit itself is served
+    assert ms.state.max_eos >= MS.MAX_STOP_TOKEN_IDS
