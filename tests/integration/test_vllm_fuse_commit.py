@@ -341,16 +341,9 @@ def test_vllm_prepare_attn_fills_the_num_causal_q_buffer_in_place(monkeypatch):
         ms.fill_num_causal_q(b, 2)
 
 
-@needs_stack
-@pytest.mark.parametrize("fuse", [False, True])
-def test_vllm_prepare_attn_metadata_rows_agree_when_the_runner_pads_a_piecewise_step(monkeypatch, fuse):
-    """vLLM 0.26's runner pads a PIECEWISE step's rows too under VLLM_USE_BREAKABLE_CUDAGRAPH=1 (its mixed
-    descriptors then carry num_reqs): query_start_loc has num_reqs_after_padding + 1 entries while the step has
-    num_reqs rows. prepare_attn builds metadata for num_reqs rows there (the attention runs eagerly at a break point,
-    reading the step's real batch), so its query_start_loc must be cut to num_reqs + 1 as vLLM's own model states
-    cut it: was passed whole, so the causal flags (num_reqs) and the row starts (num_reqs_after_padding) disagreed
-    and the CUSTOM backend's conversion raised on every such step, stopping the engine."""
-    from blockdiff.attention import causal_row_counts
+def _padded_piecewise_step(monkeypatch, fuse):
+    """A vLLM-mode state with a denoise, a commit and a prefill row (slots 0-2 of 4) and the step's batch, plus the
+    runner's query_start_loc with one padding row: (ms, metadata-builder calls, CUDAGraphMode, batch, qsl)."""
     from blockdiff.sampler import COMMIT, DENOISE
 
     ms, _ = _vllm_fuse_state(monkeypatch, R=4, fuse=fuse)
@@ -365,6 +358,21 @@ def test_vllm_prepare_attn_metadata_rows_agree_when_the_runner_pads_a_piecewise_
     ms.state.phase[0], ms.state.phase[1] = DENOISE, COMMIT
     b = make_batch([("d", 0, CL, 2, 2, None), ("c", 1, CL, 2, 2, None), ("p", 2, 2, 0, 2, [1, 2])])
     qsl = np.concatenate([b.query_start_loc_np, [b.num_tokens]]).astype(np.int32)  # the runner's padding row
+    return ms, calls, CUDAGraphMode, b, qsl
+
+
+@needs_stack
+@pytest.mark.parametrize("fuse", [False, True])
+def test_vllm_prepare_attn_metadata_rows_agree_when_the_runner_pads_a_piecewise_step(monkeypatch, fuse):
+    """vLLM 0.26's runner pads a PIECEWISE step's rows too under VLLM_USE_BREAKABLE_CUDAGRAPH=1 (its mixed
+    descriptors then carry num_reqs): query_start_loc has num_reqs_after_padding + 1 entries while the step has
+    num_reqs rows. prepare_attn builds metadata for num_reqs rows there (the attention runs eagerly at a break point,
+    reading the step's real batch), so its query_start_loc must be cut to num_reqs + 1 as vLLM's own model states
+    cut it: was passed whole, so the causal flags (num_reqs) and the row starts (num_reqs_after_padding) disagreed
+    and the CUSTOM backend's conversion raised on every such step, stopping the engine."""
+    from blockdiff.attention import causal_row_counts
+
+    ms, calls, CUDAGraphMode, b, qsl = _padded_piecewise_step(monkeypatch, fuse)
     padded = NS(**{k: getattr(b, k) for k in ("num_reqs", "num_tokens", "idx_mapping", "seq_lens",
                                               "num_scheduled_tokens")},
                 query_start_loc=torch.as_tensor(qsl), query_start_loc_np=qsl, num_reqs_after_padding=4,
@@ -394,20 +402,8 @@ def test_vllm_prepare_attn_block_tables_have_the_metadata_rows_on_a_padded_piece
     starts and seq_lens for 3 rows, a block table of 4) raised "block_table must have B=3 rows" on every such step.
     FULL keeps the padded rows everywhere. Checked the way the CUSTOM backend calls the attention."""
     from blockdiff.attention import attention, causal_row_counts
-    from blockdiff.sampler import COMMIT, DENOISE
 
-    ms, _ = _vllm_fuse_state(monkeypatch, R=4, fuse=fuse)
-    calls = vllm_attn_metadata_stubs(monkeypatch)
-    from vllm.config.compilation import CUDAGraphMode
-
-    ms.model_config = NS(max_model_len=256)
-    if "max_model_len" not in dir(type(ms)):
-        ms.max_model_len = 256
-    for slot, rid in enumerate("dcp"):
-        _add(ms, slot, rid)
-    ms.state.phase[0], ms.state.phase[1] = DENOISE, COMMIT
-    b = make_batch([("d", 0, CL, 2, 2, None), ("c", 1, CL, 2, 2, None), ("p", 2, 2, 0, 2, [1, 2])])
-    qsl = np.concatenate([b.query_start_loc_np, [b.num_tokens]]).astype(np.int32)  # the runner's padding row
+    ms, calls, CUDAGraphMode, b, qsl = _padded_piecewise_step(monkeypatch, fuse)
     bt = torch.cat([b.block_table, torch.zeros(1, b.block_table.shape[1], dtype=torch.int32)])  # gathered, padded
     seq_lens = torch.cat([b.seq_lens, torch.zeros(1, dtype=b.seq_lens.dtype)])
     padded = NS(**{k: getattr(b, k) for k in ("num_reqs", "num_tokens", "idx_mapping", "num_scheduled_tokens")},
