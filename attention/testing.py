@@ -92,9 +92,9 @@ def check_close(out, q, k_cache, v_cache, *, lse=None, factor: float = 2.0, **kw
     over sequence ``i``'s rows (every head and column), so a large-magnitude sequence no longer lends its error
     to a small one (one wrong by 0.05 beside a sequence of V x 1000 passed the batch-wide bound). Per sequence,
     not per (sequence, head), because a sequence is the unit a backend can mix up (pages, offsets, lengths) while a
-    head's group of as few as ``head_dim_v`` elements makes the eager maximum a noisier yardstick (CPU sweep of 300
-    random batches, 2026-12-06: the triton backend's largest error / bound 0.36 per sequence, 0.47 per (sequence,
-    head)). Each element's bound is at most the batch-wide one of before (``eager_err_i <= eager_err``).
+    head's group of as few as ``head_dim_v`` elements makes the eager maximum a noisier yardstick (the measured
+    ratios of both choices: docs/tuning.md 7.55). Each element's bound is at most the batch-wide one
+    (``eager_err_i <= eager_err``).
 
     Returns:
         ``err``, ``eager_err`` (the batch's largest eager error) and ``bound`` (the largest element's bound) of the
