@@ -304,24 +304,39 @@ def test_vllm_two_canvas_row_that_is_no_commit_is_stalled_by_a_device_mask(monke
     assert st.phase[1] == DENOISE and st.step[1] == 1 and st.canvas_index[1] == 1
 
 
-@needs_stack
-def test_vllm_prepare_attn_fills_the_num_causal_q_buffer_in_place(monkeypatch):
-    """vLLM mode with fuse_commit: num_causal_q_buf (the same storage each step) holds CL for a fused commit row,
-    0 for a denoise row, the prompt chunk for a prefill row and 0 for FULL-graph padding rows; every metadata object
-    carries it, during capture too; with fuse_commit off nothing is attached."""
+def _three_row_step(monkeypatch, fuse, commit_q=CL):
+    """A vLLM-mode state (4 slots) with a denoise, a commit (``commit_q`` query tokens) and a prefill row in slots
+    0-2, the metadata builder stubbed, and the step's batch: (ms, metadata-builder calls, CUDAGraphMode, batch)."""
     from blockdiff.sampler import COMMIT, DENOISE
 
+    ms, _ = _vllm_fuse_state(monkeypatch, R=4, fuse=fuse)
     calls = vllm_attn_metadata_stubs(monkeypatch)
     from vllm.config.compilation import CUDAGraphMode
 
-    ms, _ = _vllm_fuse_state(monkeypatch, R=4)
     ms.model_config = NS(max_model_len=256)
     if "max_model_len" not in dir(type(ms)):
         ms.max_model_len = 256
     for slot, rid in enumerate("dcp"):
         _add(ms, slot, rid)
     ms.state.phase[0], ms.state.phase[1] = DENOISE, COMMIT
-    b = make_batch([("d", 0, CL, 2, 2, None), ("c", 1, 2 * CL, 2, 2, None), ("p", 2, 2, 0, 2, [1, 2])])
+    b = make_batch([("d", 0, CL, 2, 2, None), ("c", 1, commit_q, 2, 2, None), ("p", 2, 2, 0, 2, [1, 2])])
+    return ms, calls, CUDAGraphMode, b
+
+
+def _padded_piecewise_step(monkeypatch, fuse):
+    """:func:`_three_row_step` plus the runner's query_start_loc with one padding row: (ms, calls, CUDAGraphMode,
+    batch, qsl)."""
+    ms, calls, CUDAGraphMode, b = _three_row_step(monkeypatch, fuse)
+    qsl = np.concatenate([b.query_start_loc_np, [b.num_tokens]]).astype(np.int32)  # the runner's padding row
+    return ms, calls, CUDAGraphMode, b, qsl
+
+
+@needs_stack
+def test_vllm_prepare_attn_fills_the_num_causal_q_buffer_in_place(monkeypatch):
+    """vLLM mode with fuse_commit: num_causal_q_buf (the same storage each step) holds CL for a fused commit row,
+    0 for a denoise row, the prompt chunk for a prefill row and 0 for FULL-graph padding rows; every metadata object
+    carries it, during capture too; with fuse_commit off nothing is attached."""
+    ms, calls, CUDAGraphMode, b = _three_row_step(monkeypatch, True, commit_q=2 * CL)
     padded = NS(**{k: getattr(b, k) for k in ("num_reqs", "num_tokens", "idx_mapping", "query_start_loc",
                                               "query_start_loc_np", "seq_lens", "num_scheduled_tokens")},
                 num_reqs_after_padding=4, num_tokens_after_padding=b.num_tokens)
@@ -341,24 +356,6 @@ def test_vllm_prepare_attn_fills_the_num_causal_q_buffer_in_place(monkeypatch):
         ms.fill_num_causal_q(b, 2)
 
 
-def _padded_piecewise_step(monkeypatch, fuse):
-    """A vLLM-mode state with a denoise, a commit and a prefill row (slots 0-2 of 4) and the step's batch, plus the
-    runner's query_start_loc with one padding row: (ms, metadata-builder calls, CUDAGraphMode, batch, qsl)."""
-    from blockdiff.sampler import COMMIT, DENOISE
-
-    ms, _ = _vllm_fuse_state(monkeypatch, R=4, fuse=fuse)
-    calls = vllm_attn_metadata_stubs(monkeypatch)
-    from vllm.config.compilation import CUDAGraphMode
-
-    ms.model_config = NS(max_model_len=256)
-    if "max_model_len" not in dir(type(ms)):
-        ms.max_model_len = 256
-    for slot, rid in enumerate("dcp"):
-        _add(ms, slot, rid)
-    ms.state.phase[0], ms.state.phase[1] = DENOISE, COMMIT
-    b = make_batch([("d", 0, CL, 2, 2, None), ("c", 1, CL, 2, 2, None), ("p", 2, 2, 0, 2, [1, 2])])
-    qsl = np.concatenate([b.query_start_loc_np, [b.num_tokens]]).astype(np.int32)  # the runner's padding row
-    return ms, calls, CUDAGraphMode, b, qsl
 
 
 @needs_stack
