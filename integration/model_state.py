@@ -150,15 +150,13 @@ def request_key(req_id: str) -> int:
 #: with that ``req_id`` (and the same seed), so a greedy served request can equal the harness's token for token.
 VLLM_RNG_REQUEST_ID = "rng_request_id"
 
-#: Request-id prefixes of the dummy requests vLLM's model runner v2 sends at start-up (``v1/worker/gpu/warmup.py``
-#: in vLLM 0.26: ``_warmup_<i>_`` with ``SamplingParams.for_sampler_warmup()``, which sets penalties, top-k / top-p,
+#: The whole ids of the dummy requests vLLM's model runner v2 sends at start-up (``v1/worker/gpu/warmup.py``, 0.26.0
+#: and 0.33.0: ``_warmup_<i>_`` with ``SamplingParams.for_sampler_warmup()``, which sets penalties, top-k / top-p,
 #: logprobs and a logit bias to warm vLLM's sampler kernels; ``_v2_mixed_warmup_decode_`` / ``_prefill_``). Under
 #: vLLM such a request runs with the served default parameters, so the start-up warm-up runs blockdiff's sampler on
-#: real rows (instead of failing every request on options a user request may not set). Only the whole ids count
-#: (:func:`is_vllm_warmup_request_id`): a user request's id may start the same way.
-VLLM_WARMUP_REQ_PREFIXES = ("_warmup_", "_v2_mixed_warmup")
-#: The whole ids of vLLM's start-up warm-up requests (0.26.0 and 0.33.0 ``warmup.py``). A user request never has
-#: one: vLLM appends ``-`` and 8 random characters to every external id (``InputProcessor.assign_request_id``).
+#: real rows (instead of failing every request on options a user request may not set). Only whole ids count: a user
+#: request's id may start the same way, and never equals one, since vLLM appends ``-`` and 8 random characters to
+#: every external id (``InputProcessor.assign_request_id``).
 _VLLM_WARMUP_REQ_ID = re.compile(r"_warmup_\d+_|_v2_mixed_warmup_(?:decode|prefill)_")
 
 
@@ -482,22 +480,21 @@ class DiffusionModelState(_Base):
             canvas_length=canvas_length, vocab_size=self.model_config.get_vocab_size(),
             hidden_size=text_cfg.hidden_size, default_params=SamplingParams(canvas_length=canvas_length, **kw),
             embed_dtype=self.dtype)
-        if _plugin_scheduler(vllm_config) is False and not fused_layout:
+        if _plugin_scheduler(vllm_config) is False:  # in every layout; the fused one gets its own reason
+            got = getattr(vllm_config.scheduler_config, 'scheduler_cls', None)
+            if fused_layout:
+                raise ValueError(
+                    f"--diffusion-config canvas_length {2 * canvas_length} is twice the checkpoint's ({canvas_length}: "
+                    f"the fused-commit layout), which needs the plugin's scheduler: pass --scheduler-cls "
+                    f"blockdiff.integration.vllm_scheduler.BlockdiffDiffusionScheduler (--no-async-scheduling) or "
+                    f"BlockdiffDiffusionAsyncScheduler; vLLM's own schedules every canvas {2 * canvas_length} tokens, "
+                    f"which no request could progress on (got --scheduler-cls {got!r})")
             raise ValueError(
                 f"blockdiff's model state needs the plugin's scheduler: pass --scheduler-cls "
                 f"blockdiff.integration.vllm_scheduler.BlockdiffDiffusionAsyncScheduler (or BlockdiffDiffusionScheduler "
                 f"with --no-async-scheduling). vLLM's own never finishes a request whose next canvas passes "
                 f"max_model_len (it schedules a truncated canvas, which cannot be denoised) nor one whose logits "
-                f"failed (num_nans): such requests would be scheduled forever (got --scheduler-cls "
-                f"{getattr(vllm_config.scheduler_config, 'scheduler_cls', None)!r})")
-        if fused_layout and _plugin_scheduler(vllm_config) is False:
-            raise ValueError(
-                f"--diffusion-config canvas_length {2 * canvas_length} is twice the checkpoint's ({canvas_length}: the "
-                f"fused-commit layout), which needs the plugin's scheduler: pass --scheduler-cls "
-                f"blockdiff.integration.vllm_scheduler.BlockdiffDiffusionScheduler (--no-async-scheduling) or "
-                f"BlockdiffDiffusionAsyncScheduler; vLLM's own schedules every canvas {2 * canvas_length} tokens, which "
-                f"no request could progress on (got --scheduler-cls "
-                f"{getattr(vllm_config.scheduler_config, 'scheduler_cls', None)!r})")
+                f"failed (num_nans): such requests would be scheduled forever (got --scheduler-cls {got!r})")
         if fuse_commit_from_env():
             if not fused_layout:
                 _log.warning("blockdiff: %s=1 but the diffusion config's canvas_length (%s) is not twice the "
@@ -638,7 +635,7 @@ class DiffusionModelState(_Base):
         CL = self.canvas_length
         warmup = self.mode == "vllm" and is_vllm_warmup_request_id(req_id)
         try:
-            if warmup:  # vLLM's start-up dummy: the served defaults (VLLM_WARMUP_REQ_PREFIXES)
+            if warmup:  # vLLM's start-up dummy: the served defaults (_VLLM_WARMUP_REQ_ID)
                 params, rng_id = self.default_params, req_id
             else:
                 params = to_diffusion_params(new_req_data.sampling_params, self.default_params, canvas_length=CL)

@@ -651,6 +651,14 @@ def cut_spec_tokens(scheduler: Any, predictor: "FusedCommitPredictor | None" = N
     return wide
 
 
+def _row_limits(scheduler: Any) -> tuple[int | None, int]:
+    """``(max_num_scheduled_tokens or None, long_prefill_token_threshold or 0)``: the two limits vLLM (0.26.0 /
+    0.33.0 ``Scheduler.schedule``) cuts a running row to; a missing attribute (or None) is no limit."""
+    budget = getattr(scheduler, "max_num_scheduled_tokens", None)
+    threshold = getattr(getattr(scheduler, "scheduler_config", None), "long_prefill_token_threshold", None) or 0
+    return budget, threshold
+
+
 def wide_rows_fit(scheduler: Any) -> bool:
     """Whether vLLM can schedule a fused row's ``2 * CL`` tokens whole in one step: ``2 * CL <=`` the scheduler's
     ``max_num_scheduled_tokens`` (the step's token budget) and ``scheduler_config.long_prefill_token_threshold``
@@ -664,8 +672,7 @@ def wide_rows_fit(scheduler: Any) -> bool:
             (``blockdiff_canvas_length`` / ``num_spec_tokens``); a missing attribute (or None) is no limit.
     """
     wide = 2 * _canvas_length_of(scheduler)
-    budget = getattr(scheduler, "max_num_scheduled_tokens", None)
-    threshold = getattr(getattr(scheduler, "scheduler_config", None), "long_prefill_token_threshold", None) or 0
+    budget, threshold = _row_limits(scheduler)
     return (budget is None or wide <= budget) and (threshold <= 0 or wide <= threshold)
 
 
@@ -686,13 +693,12 @@ def check_canvas_rows_fit(scheduler: Any) -> None:
             and the canvas length).
     """
     cl = _canvas_length_of(scheduler)
-    threshold = getattr(getattr(scheduler, "scheduler_config", None), "long_prefill_token_threshold", None) or 0
+    budget, threshold = _row_limits(scheduler)
     if 0 < threshold < cl:
         raise ValueError(f"long_prefill_token_threshold ({threshold}) is below the served canvas_length {cl}: vLLM cuts "
                          f"every running row to it, so no canvas could be denoised whole and every request would hang "
                          f"(--long-prefill-token-threshold 0 or >= {cl}; with --max-num-partial-prefills > 1 vLLM "
                          f"0.26's default is 4 % of max_model_len)")
-    budget = getattr(scheduler, "max_num_scheduled_tokens", None)
     if budget is not None and budget < cl:
         raise ValueError(f"the token budget max_num_scheduled_tokens ({budget}) is below the served canvas_length {cl}: "
                          f"no canvas could be scheduled whole and every request would hang "
