@@ -314,7 +314,7 @@ def _demo(args) -> int:
         print(f"blockdiff demo: CHECK FAILED: {e}", file=sys.stderr)
         return 1
     reasons = [r.finish_reason for r in result.results.values()]
-    if reasons and all(str(x).startswith("fail") for x in reasons):
+    if reasons and all(x == "error" for x in reasons):
         print(f"blockdiff demo: error: all {len(reasons)} requests failed (NaN / +inf logits, or a position whose "
               "every logit is -inf)", file=sys.stderr)
         return 1

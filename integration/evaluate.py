@@ -72,7 +72,7 @@ def evaluate_generation(model: DiffusionGemma, tokenizer: ByteTokenizer, held_ou
         passes: a request's own prefill, denoise and commit rows), ``tokens_per_denoise_step`` (tokens committed
         / denoise rows), ``denoise_steps_per_canvas`` (mean), ``forward_passes``, ``tokens_emitted``,
         ``canvases``, ``samples`` ([{prompt, completion, finish_reason}] text); the figures of
-        :meth:`HarnessRunner.totals`; ``requests_failed``: requests the harness finished as ``"failed"`` (NaN / +inf
+        :meth:`HarnessRunner.totals`; ``requests_failed``: requests the harness finished as ``"error"`` (NaN / +inf
         logits: a diverged checkpoint), whose completions are empty or cut, so every rate above counts only what
         the others committed (0 for a sound model; ``blockdiff train`` prints it when it is not).
 
@@ -105,5 +105,5 @@ def evaluate_generation(model: DiffusionGemma, tokenizer: ByteTokenizer, held_ou
         "request_rows": tot["request_rows"], "tokens_per_request_pass": tot["tokens_per_request_pass"],
         "tokens_per_denoise_step": tot["tokens_per_denoise_step"],
         "denoise_steps_per_canvas": tot["denoise_steps_per_canvas"], "samples": samples,
-        "requests_failed": sum(s["finish_reason"] == "failed" for s in samples),
+        "requests_failed": sum(s["finish_reason"] == "error" for s in samples),
     }

@@ -32,7 +32,7 @@ after every other row of the step (it never preempts nor displaces a row), else 
 records it as two rows (``RowRecord.fused``): a commit and a denoise row.
 
 It is a test and demo harness, not a serving engine: no prefix caching, one process. A request is never dropped
-silently: it finishes (``eos`` / ``length`` / ``failed``), is cancelled by :meth:`HarnessRunner.abort`
+silently: it finishes (``eos`` / ``length`` / ``error``), is cancelled by :meth:`HarnessRunner.abort`
 (``aborted``), or :meth:`HarnessRunner.run` raises naming it.
 """
 from __future__ import annotations
@@ -146,7 +146,8 @@ class RequestResult:
 
     Attributes:
         req_id, prompt_len (tokens), output_token_ids (emitted tokens, trimmed after the first EOS and at
-        max_tokens), finish_reason ("eos", "length" = max_tokens or max_model_len, "failed", "aborted" =
+        max_tokens), finish_reason ("eos", "length" = max_tokens or max_model_len, "error" = failed on NaN / +inf
+        logits or a position whose every logit is -inf, as vLLM's finish reason, "aborted" =
         :meth:`HarnessRunner.abort`), num_canvases committed, num_denoise_steps (forward passes in denoise mode),
         arrival_step / admit_step (the last admission; -1 if never admitted) / finish_step, num_preemptions.
     """
@@ -723,7 +724,7 @@ class HarnessRunner:
                 r.num_canvases += 1
             rec.rows.append(row)
             if failed[i]:
-                done.append((r, "failed"))
+                done.append((r, "error"))
             elif finished[i]:
                 hit_eos = bool(r.params.eos_token_ids) and bool(r.output) and r.output[-1] in r.params.eos_token_ids
                 done.append((r, "eos" if hit_eos else "length"))

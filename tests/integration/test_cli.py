@@ -78,6 +78,21 @@ def test_check_mismatch_exits_nonzero_with_message(tmp_path, capsys, monkeypatch
     assert rc == 1 and "CHECK FAILED" in err and "attention check failed" in err
 
 
+def test_demo_exits_1_when_every_request_finishes_error(tmp_path, capsys, monkeypatch):
+    """An attention backend that returns NaN fails every request (finish reason 'error', vLLM's name): the demo says
+    so and exits 1 instead of printing empty completions with exit 0."""
+    real = A.get_backend
+
+    def nan_get_backend(backend):
+        fn = real(backend)
+        return lambda q, k, v, **kw: fn(q, k, v, **kw) * float("nan")
+    monkeypatch.setattr(A, "get_backend", nan_get_backend)
+    rc = cli.main(["demo", "--random-weights", "--out", str(tmp_path), "--no-progress"])
+    out, err = capsys.readouterr()
+    assert rc == 1 and "requests failed" in err, (out, err)
+    assert "(error)" in out and "(failed)" not in out
+
+
 def test_sampler_check_mismatch_exits_nonzero_with_message(tmp_path, capsys, monkeypatch):
     """A sampler backend that disagrees with the reference makes --check fail loudly (exit 1)."""
     real = S.get_backend

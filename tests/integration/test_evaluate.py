@@ -77,7 +77,7 @@ def test_default_config_trains_and_evaluates_on_cuda(tmp_path):
 
 
 def test_evaluate_generation_counts_failed_requests_of_a_diverged_checkpoint():
-    """A checkpoint whose logits are NaN: every request finishes "failed" with an empty completion. The evaluation
+    """A checkpoint whose logits are NaN: every request finishes "error" with an empty completion. The evaluation
     said nothing of it (its rates were computed from the empty outputs as if sound); it now counts them."""
     torch.manual_seed(0)
     model = DiffusionGemma(smoke_config(), seed=4, moe_impl="loop").eval()
@@ -86,7 +86,7 @@ def test_evaluate_generation_counts_failed_requests_of_a_diverged_checkpoint():
     ev = evaluate_generation(model, TOK, _stream(), num_prompts=2, prompt_len=12, canvases=1,
                              max_denoising_steps=3, seed=0)
     assert ev["requests_failed"] == 2
-    assert [s["finish_reason"] for s in ev["samples"]] == ["failed", "failed"]
+    assert [s["finish_reason"] for s in ev["samples"]] == ["error", "error"]
     sound = evaluate_generation(DiffusionGemma(smoke_config(), seed=4, moe_impl="loop").eval(), TOK, _stream(),
                                 num_prompts=2, prompt_len=12, canvases=1, max_denoising_steps=3, seed=0)
     assert sound["requests_failed"] == 0 and {s["finish_reason"] for s in sound["samples"]} <= {"eos", "length"}

@@ -215,7 +215,7 @@ def test_failed_request_is_reported_not_lost(make_runner):
 
     r.sampler = poisoned
     res = r.run(max_steps=200)
-    assert res["bad"].finish_reason == "failed" and res["bad"].output_token_ids == []
+    assert res["bad"].finish_reason == "error" and res["bad"].output_token_ids == []
     assert res["ok"].finish_reason == "length" and len(res["ok"].output_token_ids) == CL
     assert r.allocator.num_free == r.allocator.num_blocks
 

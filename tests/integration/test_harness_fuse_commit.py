@@ -368,7 +368,7 @@ def test_non_finite_logits_in_the_fused_step_fail_the_request_after_its_commit(m
 
     r.sampler = poisoned
     res = r.run(max_steps=200)
-    assert res["bad"].finish_reason == "failed" and len(res["bad"].output_token_ids) == CL
+    assert res["bad"].finish_reason == "error" and len(res["bad"].output_token_ids) == CL
     assert any(n.get("bad", 0) > 0 for n in nans)
     _, ref = _run(make_runner, [("ok", prompt(5, 72), params(max_tokens=2 * CL, **GREEDY), None)], fuse=False)
     assert _outputs(res)["ok"] == _outputs(ref)["ok"]

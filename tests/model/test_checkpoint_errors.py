@@ -210,7 +210,7 @@ FLOAT32_OUT_OF_RANGE = [  # (id, config keywords over tiny_config, field named i
 @pytest.mark.parametrize("kw,field", [b[1:] for b in FLOAT32_OUT_OF_RANGE], ids=[b[0] for b in FLOAT32_OUT_OF_RANGE])
 def test_float_config_field_outside_float32s_normal_range_is_refused_naming_it(kw, field):
     """The model computes norms, RoPE and the softcap in float32: a field that is inf, 0 or a denormal there made
-    every logit NaN (each request 'failed') or 0 (a silent constant output). Was accepted (finite in float64)."""
+    every logit NaN (each request finished 'error') or 0 (a silent constant output). Was accepted (finite in float64)."""
     with pytest.raises(ValueError, match=rf"{field} must be (0 or )?within float32's normal range"):
         tiny_config(**kw)
 
@@ -230,7 +230,7 @@ def test_float_config_field_outside_float32_is_a_checkpoint_error_at_load(tmp_pa
 ], ids=["factor-near-tiny", "theta-near-tiny"])
 def test_rope_angles_that_overflow_float32_below_max_position_embeddings_are_refused(rope):
     """Each field within float32, but position * inv_freq overflows to inf before max_position_embeddings: cos /
-    sin NaN, every request 'failed' (the factor case at position >= 5). The rule depends on the positions."""
+    sin NaN, every request finished 'error' (the factor case at position >= 5). The rule depends on the positions."""
     with pytest.raises(ValueError, match=r"RoPE inverse frequencies .* overflows .*max_position_embeddings"):
         tiny_config(rope_parameters=rope, max_position_embeddings=2 ** 30)
     if "factor" in rope["full_attention"]:  # overflows from position 5 on: refused at tiny_config's 4096 too
