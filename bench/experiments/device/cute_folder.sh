@@ -1,0 +1,23 @@
+# Every GPU test of tests/attention/cute (387 at 2026-12-06) in 16 parallel pytest shards, for a 16-core GPU machine:
+# the CuTe DSL compiles on the host, one process per shard, so the folder's ~1 h of serial compiling fits one call.
+# Large files are cut by test function (node-id prefixes and --deselect, no spaces: cute_tests.sh splits FILES on ';'
+# and each entry on spaces). After the CuTe DSL is staged (stage1.sh PART=a/b, then part 2):
+#   T=480 bash bench/experiments/device/cute_folder.sh          # logs $OUT/gpu_shard<i>.log, a summary on stdout
+# Each shard is cut at T seconds (a cut shard's log shows how far it got). `--shards` prints the list and exits
+# (tests/bench/experiments/test_cute_folder_shards.py checks that it covers the folder's GPU tests once each).
+set -u
+c=tests/attention/cute
+r=$c/test_cute_kernel_roles.py; i=$c/test_cute_interface.py; n=$c/test_cute_nan_recompute.py; s=$c/test_cute_nan_safe_v.py
+F="$r::test_gpu_roles_fuzz_matches_reference"
+F="$F;$r --deselect $r::test_gpu_roles_fuzz_matches_reference"
+F="$F;$i::test_gpu_fuzz_mixed_batch_matches_reference $i::test_gpu_plain_and_longest_first_tile_orders_match_reference"
+F="$F;$i --deselect $i::test_gpu_fuzz_mixed_batch_matches_reference --deselect $i::test_gpu_plain_and_longest_first_tile_orders_match_reference"
+F="$F;$n::test_gpu_recompute_keeps_exactly_the_reference_nonfinite_entries $n::test_gpu_recompute_on_a_finite_cache_equals_nan_safe_v_off_and_never_recomputes"
+F="$F;$n --deselect $n::test_gpu_recompute_keeps_exactly_the_reference_nonfinite_entries --deselect $n::test_gpu_recompute_on_a_finite_cache_equals_nan_safe_v_off_and_never_recomputes"
+F="$F;$s::test_gpu_cute_nan_safe_v_hd128_keys_a_row_may_not_see_contribute_nothing $s::test_gpu_cute_nan_safe_v_hd256_keys_a_row_may_not_see_contribute_nothing"
+F="$F;$s --deselect $s::test_gpu_cute_nan_safe_v_hd128_keys_a_row_may_not_see_contribute_nothing --deselect $s::test_gpu_cute_nan_safe_v_hd256_keys_a_row_may_not_see_contribute_nothing"
+F="$F;$c/test_cute_split_merge.py;$c/test_cute_tile_order.py;$c/test_cute_v_refill.py;$c/test_cute_k_refill_halves.py"
+F="$F;$c/test_cute_kernel_cluster.py;$c/test_cute_kernel_wide.py;$c/test_cute_kernel_split.py $c/test_cute_split_clean.py"
+F="$F;$c/test_cute_epilogue_local_warp.py $c/test_cute_k_refill.py $c/test_cute_qk_issue.py $c/test_cute_skip_allowed_first.py"
+[ "${1:-}" = --shards ] && { echo "$F"; exit 0; }
+FILES=$F T=${T:-480} exec bash bench/experiments/device/cute_tests.sh
