@@ -2,7 +2,7 @@
 # each, default 420), then the cluster occupancy probe; logs under $OUT. Doubles as the CuTe DSL's second staging
 # run (STAGE2=1, carry .device/p2):
 #   STAGE2=1 bash bench/experiments/device/cute_tests.sh
-# FILES overrides the shard list: entries separated by ';', each a pytest argument string.
+# FILES overrides the shard list: entries separated by ';', each a pytest argument string. PROBE=0 leaves the probe out.
 source bench/experiments/device/stage2.sh
 source bench/experiments/device/env.sh
 export OUT=${OUT:-/tmp/out}; mkdir -p $OUT
@@ -16,4 +16,5 @@ for s in "${shards[@]}"; do
 done
 wait
 for f in $OUT/gpu_shard*.log; do echo "== $f"; grep -E "passed|failed|error" $f | tail -2; grep -E "^FAILED" $f | head -5; done
+[ "${PROBE:-1}" = 1 ] || exit 0  # PROBE=0: the shards only
 timeout 90 python3 -m blockdiff.bench.experiments.probe_cluster_occupancy 'canvas_bs1_ctx32k_*' --out $OUT 2>&1 | tail -15
