@@ -149,16 +149,19 @@ def build_parser() -> argparse.ArgumentParser:
                                    "Face DiffusionGemma folder that transformers and vLLM load by path: config.json, "
                                    "model.safetensors, generation_config.json (the sampling defaults), tokenizer.json "
                                    "and tokenizer_config.json (the byte tokenizer). See blockdiff.model.export. "
-                                   "Serve it with: vllm serve OUT --language-model-only. With --geometry NAME: a "
-                                   "named geometry's config and tokenizer without weights (vllm serve OUT "
-                                   "--load-format dummy --language-model-only).")
+                                   "It prints the vllm serve commands for the folder: with blockdiff's plugin "
+                                   "(VLLM_PLUGINS=blockdiff, --attention-backend CUSTOM and the plugin's "
+                                   "--scheduler-cls, which its model state requires; integration/README.md) and "
+                                   "stock vLLM (VLLM_PLUGINS=none: with blockdiff installed, vLLM loads the plugin "
+                                   "otherwise). With --geometry NAME: a named geometry's config and tokenizer "
+                                   "without weights (served with --load-format dummy).")
     e.add_argument("out", metavar="OUT", help="folder to write (created if missing)")
     src = e.add_mutually_exclusive_group()
     src.add_argument("--checkpoint", metavar="FOLDER", default=None,
                      help="trained checkpoint folder (as blockdiff train --out writes it); default: the shipped one")
     src.add_argument("--geometry", choices=GEOMETRY_NAMES, default=None,
                      help="write a named model geometry's config alone, no weights (blockdiff.model.config.GEOMETRIES; "
-                          "serve it with vllm serve OUT --load-format dummy --language-model-only)")
+                          "served with vllm serve OUT --load-format dummy --language-model-only ...)")
     e.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default=None,
                    help="dtype of the written weights (default: as stored, bfloat16)")
     e.add_argument("--max-denoising-steps", type=int, default=None,
@@ -436,9 +439,24 @@ def _export(a) -> int:
         return _errors("export", [str(e)])
     for name, path in written.items():
         print(f"{path}  {os.path.getsize(path)} bytes")
-    dummy = " --load-format dummy" if a.geometry is not None else ""
-    print(f"serve with: vllm serve {a.out}{dummy} --language-model-only")
+    print(serve_commands(a.out, dummy=a.geometry is not None))
     return 0
+
+
+def serve_commands(out: str, *, dummy: bool = False) -> str:
+    """The ``vllm serve`` lines ``blockdiff export`` prints for the folder ``out``: with blockdiff's plugin (the
+    environment and flags its model state requires: without the plugin's ``--scheduler-cls`` it stops the start) and
+    stock vLLM (``VLLM_PLUGINS=none``: with VLLM_PLUGINS unset vLLM loads every installed plugin, blockdiff's
+    included, which then replaces vLLM's DiffusionGemma class and refuses the stock command). ``dummy``: a geometry
+    exported without weights (``--load-format dummy``)."""
+    from .vllm_plugin import ASYNC_SCHEDULER_CLASS
+
+    folder = f"{out}{' --load-format dummy' if dummy else ''} --language-model-only"
+    return (f"serve with vLLM + blockdiff (the flags its plugin requires; sizes such as --max-model-len and --dtype: "
+            f"integration/README.md \"vLLM\"):\n"
+            f"  VLLM_USE_V2_MODEL_RUNNER=1 VLLM_PLUGINS=blockdiff vllm serve {folder} --attention-backend CUSTOM "
+            f"--scheduler-cls {ASYNC_SCHEDULER_CLASS}\n"
+            f"stock vLLM: VLLM_PLUGINS=none vllm serve {folder}")
 
 
 def main(argv: list[str] | None = None) -> int:

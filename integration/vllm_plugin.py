@@ -52,8 +52,10 @@ SERVE_COMMAND = (
 )
 """The ``vllm serve`` command for the README. ``$DIFFUSIONGEMMA_CHECKPOINT``: a DiffusionGemma checkpoint
 (architecture ``DiffusionGemmaForBlockDiffusion``; ``blockdiff export`` writes one), served as a language model
-only (vLLM registers the architecture as multimodal: ``--language-model-only``); ``--diffusion-config`` turns on
-vLLM's diffusion path (canvas scheduled as draft tokens); ``--scheduler-cls`` picks :data:`ASYNC_SCHEDULER_CLASS` (vLLM's asynchronous
+only (vLLM registers the architecture as multimodal: ``--language-model-only``); vLLM serves a checkpoint whose
+config has ``canvas_length`` on its diffusion path (canvas scheduled as draft tokens), and ``--diffusion-config``
+overrides its canvas length and step cap (the sizes here are a 256-token canvas's with a long context, e.g. the
+26B-A4B geometry; integration/README.md gives the shipped stdlib-byte model's); ``--scheduler-cls`` picks :data:`ASYNC_SCHEDULER_CLASS` (vLLM's asynchronous
 scheduling, its default; with ``--no-async-scheduling``: :data:`SCHEDULER_CLASS`); ``--block-size 64`` gives the
 triton backend's Gluon kernels pages they can read with TMA; ``VLLM_PLUGINS=blockdiff`` loads only this plugin."""
 

@@ -33,8 +33,11 @@ checkpoint. The folder holds:
 =============================  =======================================================================================
 
 Serving the folder with vLLM 0.26: ``vllm serve OUT --language-model-only`` (the architecture is registered as
-multimodal; the folder has no vision tower and no image processor). The canvas length comes from ``config.json``
-unless ``--diffusion-config`` gives one.
+multimodal; the folder has no vision tower and no image processor), plus blockdiff's plugin flags
+(``VLLM_PLUGINS=blockdiff``, ``--attention-backend CUSTOM``, its ``--scheduler-cls``: integration/README.md) or, for
+stock vLLM where blockdiff is installed, ``VLLM_PLUGINS=none`` (``blockdiff export`` prints both,
+:func:`blockdiff.integration.cli.serve_commands`). The canvas length comes from ``config.json`` unless
+``--diffusion-config`` gives one.
 
 Sources: transformers 5.24 ``models/diffusion_gemma`` (``configuration_diffusion_gemma.py``,
 ``generation_diffusion_gemma.py``: ``DiffusionGemmaGenerationConfig`` and its ``_get_default_generation_params``);

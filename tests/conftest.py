@@ -14,9 +14,14 @@ and most of tests/sampler/triton on an H100, 2026-12-06). ``BLOCKDIFF_TEST_CUDA=
 run: the backend matrix's interpreter rows then run compiled on the GPU (e.g. ``BLOCKDIFF_TEST_CUDA=1 python3 -m
 pytest tests/attention/test_backends_contract.py``), and tests that hand CPU tensors to Triton fail as above. A run
 that selects GPU tests sees CUDA; run those apart from the CPU suite. TRITON_INTERPRET must be set before triton is
-first imported, hence here, before collection imports any test module.
+first imported, hence here, before collection imports any test module. pytest imports the conftest.py files on the way
+to a path named on the command line (tests/integration/conftest.py for ``pytest tests/integration``) before
+pytest_configure, so those must not import triton, directly or through vLLM (which imports it through
+torch._inductor); where something did, :func:`pytest_configure` stops the run with a usage error naming the cause
+instead of letting interpreted kernels fail with "Cannot call @triton.jit'd outside of the scope of a kernel".
 """
 import os
+import sys
 
 # One intra-op thread (torch's OpenMP, numpy's OpenBLAS, MKL) in each pytest-xdist worker unless set otherwise:
 # README's command runs two workers on the 2-core CI machine, and two workers each with a pool of 2 threads would
@@ -30,7 +35,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from run_mode import hide_cuda  # noqa: E402  (tests/run_mode.py: the rule, tested by tests/test_conftest_run_mode.py)
+from run_mode import check_triton_interpreted, hide_cuda  # noqa: E402  (the rules; tests/test_conftest_run_mode.py)
 
 
 def pytest_configure(config):
@@ -39,6 +44,7 @@ def pytest_configure(config):
     hide_cuda(config.option.markexpr, os.environ, torch.cuda.is_available)  # fails where CUDA is already up
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+        check_triton_interpreted(os.environ, sys.modules)  # fails where triton was imported before, compiled
 
 # Hypothesis: derandomized (fixed seeds) so CI is reproducible; no per-example deadline (the Triton
 # interpreter is slow). Tests may still raise max_examples with their own @settings. derandomize implies no example

@@ -43,3 +43,31 @@ def hide_cuda(markexpr: str | None, env, cuda_available) -> bool:
         import pytest
         raise pytest.UsageError(CUDA_ALREADY_INITIALISED)
     return True
+
+
+#: pytest_configure's error where turning the Triton interpreter on came too late: triton was imported before.
+TRITON_IMPORTED_BEFORE_INTERPRETER = (
+    "tests/conftest.py: no CUDA is visible, so this run turns the Triton interpreter on (TRITON_INTERPRET=1) in "
+    "pytest_configure, but triton was already imported in this process without it, so its library functions "
+    "(tl.max, ...) stay compiled and every interpreted kernel calling them would fail with \"Cannot call "
+    "@triton.jit'd outside of the scope of a kernel\". Something imported before pytest_configure imported triton: a "
+    "conftest.py on the way to a path named on the command line (pytest imports those first; keep imports that can "
+    "reach vLLM, which imports triton through torch._inductor, inside fixtures, as tests/integration/conftest.py "
+    "does) or a plugin. Set TRITON_INTERPRET=1 in the environment to run anyway.")
+
+
+def check_triton_interpreted(env, modules) -> None:
+    """Where ``env`` turns the Triton interpreter on (``TRITON_INTERPRET`` set and not ``0``), check that triton's
+    library was not imported before with it off: triton chooses interpreted or compiled functions when a
+    ``@triton.jit`` decorator runs, so ``triton.language.standard``'s functions (``tl.max``, ``tl.sum``, ...) keep
+    the mode of the environment at triton's import. ``modules``: ``sys.modules``.
+
+    Raises:
+        pytest.UsageError: :data:`TRITON_IMPORTED_BEFORE_INTERPRETER`.
+    """
+    if env.get("TRITON_INTERPRET", "0") in ("", "0"):
+        return
+    standard = modules.get("triton.language.standard")
+    if standard is not None and type(getattr(standard, "max", None)).__name__ == "JITFunction":
+        import pytest
+        raise pytest.UsageError(TRITON_IMPORTED_BEFORE_INTERPRETER)

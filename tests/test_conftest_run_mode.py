@@ -2,6 +2,7 @@
 interpreted), so CPU tests that hand CPU tensors to Triton kernels do not fail on a GPU machine (they did on an H100,
 2026-12-06: "cannot be accessed from Triton (cpu tensor?)")."""
 import os
+from types import SimpleNamespace as NS
 
 import pytest
 import torch
@@ -59,3 +60,58 @@ def test_a_cpu_suite_run_in_a_process_where_cuda_is_already_up_stops_with_the_re
                        cwd=os.path.dirname(here), env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == pytest.ExitCode.USAGE_ERROR, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
     assert "CUDA was already initialised" in r.stderr + r.stdout, r.stderr[-2000:]
+
+
+def test_triton_imported_compiled_before_the_interpreter_is_a_usage_error_naming_the_cause():
+    """Unit: triton's library imported while TRITON_INTERPRET was unset keeps compiled functions (``tl.max`` a
+    ``JITFunction``): turning the interpreter on afterwards cannot take, so the run stops with the reason."""
+    class JITFunction:  # the class name is what the check reads
+        pass
+
+    class InterpretedFunction:
+        pass
+
+    compiled = {"triton.language.standard": NS(max=JITFunction())}
+    with pytest.raises(pytest.UsageError, match=r"already imported.*TRITON_INTERPRET=1 in the environment"):
+        conftest.check_triton_interpreted({"TRITON_INTERPRET": "1"}, compiled)
+    conftest.check_triton_interpreted({"TRITON_INTERPRET": "1"}, {})  # triton not imported yet: nothing to check
+    interpreted = {"triton.language.standard": NS(max=InterpretedFunction())}
+    conftest.check_triton_interpreted({"TRITON_INTERPRET": "1"}, interpreted)
+    conftest.check_triton_interpreted({}, compiled)  # the interpreter off: compiled is what the run asked for
+    conftest.check_triton_interpreted({"TRITON_INTERPRET": "0"}, compiled)
+
+
+def _pytest_subprocess(tmp_path, *args):
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    for var in ("TRITON_INTERPRET", conftest.KEEP_CUDA_ENV):
+        env.pop(var, None)
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:xdist", "-q", *args],
+                          cwd=os.path.dirname(here), env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter is turned on only where no CUDA is visible")
+def test_a_run_naming_tests_integration_keeps_triton_interpreted_where_vllm_imports_triton(tmp_path):
+    """End to end: with vLLM importable, importing blockdiff.integration.harness imports vLLM, which imports triton
+    (vLLM 0.26.0 / 0.33.0 through torch._inductor). tests/integration/conftest.py, which pytest imports before
+    pytest_configure when a path under tests/integration is named, must not do that at its top: a stand-in ``vllm``
+    that imports triton on import, and the Triton-sampler harness test passes (it failed with "Cannot call
+    @triton.jit'd outside of the scope of a kernel" in the CPU vLLM environment, 2026-12-06)."""
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text("import triton.language  # as vLLM's import does\n")
+    r = _pytest_subprocess(tmp_path, "tests/integration/test_triton_backends.py", "-k", "reference-triton")
+    assert r.returncode == 0, (r.returncode, r.stdout[-3000:], r.stderr[-2000:])
+    assert "1 passed" in r.stdout, r.stdout[-2000:]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter is turned on only where no CUDA is visible")
+def test_a_cpu_suite_run_where_triton_was_imported_before_the_interpreter_stops_with_the_reason(tmp_path):
+    """End to end through tests/conftest.py: a plugin that imports triton before pytest_configure (with
+    TRITON_INTERPRET unset) stands in for any early import: a usage error naming the cause, not failing kernels."""
+    (tmp_path / "triton_early.py").write_text("import triton.language\n")
+    r = _pytest_subprocess(tmp_path, "-p", "triton_early", "tests/test_conftest_run_mode.py", "-k", "selects_gpu_tests")
+    assert r.returncode == pytest.ExitCode.USAGE_ERROR, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+    assert "triton was already imported" in r.stderr + r.stdout, r.stderr[-2000:]

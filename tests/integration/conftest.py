@@ -1,11 +1,18 @@
-"""Shared fixtures of the integration tests: a tiny random-weight DiffusionGemma and harness factories."""
+"""Shared fixtures of the integration tests: a tiny random-weight DiffusionGemma and harness factories.
+
+blockdiff.integration.harness is imported inside the fixture, not here: pytest imports this file before
+tests/conftest.py's pytest_configure turns the Triton interpreter on (whenever a path under tests/integration is named
+on the command line), and with vLLM importable the harness imports vLLM, which imports triton through
+torch._inductor; triton imported before TRITON_INTERPRET=1 keeps its library functions compiled, and every interpreted
+kernel calling them would fail ("Cannot call @triton.jit'd outside of the scope of a kernel"; tests/conftest.py now
+stops such a run with a usage error instead). tests/test_conftest_run_mode.py checks it.
+"""
 from __future__ import annotations
 
 import pytest
 import torch
 from integration_helpers import _MISSING, CL, params
 
-from blockdiff.integration.harness import HarnessRunner
 from blockdiff.model import DiffusionGemma, tiny_config
 
 
@@ -28,6 +35,8 @@ def tiny_model():
 
 @pytest.fixture
 def make_runner(tiny_model):
+    from blockdiff.integration.harness import HarnessRunner
+
     def make(**kw):
         kw.setdefault("default_params", params())
         kw.setdefault("max_num_reqs", 4)

@@ -438,6 +438,25 @@ def test_cli_export_writes_the_folder_and_refuses_to_overwrite(tmp_path, capsys)
     assert "--t-max 0.8 (default) must be > --t-min 0.9" in capsys.readouterr().err
 
 
+def test_cli_export_prints_serve_commands_with_the_plugins_required_flags_and_stock_without_the_plugin(tmp_path,
+                                                                                                         capsys):
+    """The printed commands work as printed: with blockdiff installed vLLM loads its plugin unless VLLM_PLUGINS says
+    otherwise, and the plugin's model state refuses a start without its --scheduler-cls (a bare ``vllm serve OUT
+    --language-model-only``, printed before, stopped there); the stock one names no plugin."""
+    from blockdiff.integration.vllm_plugin import ASYNC_SCHEDULER_CLASS
+
+    for args, dummy in (([], ""), (["--geometry", "diffusiongemma-26b-a4b"], " --load-format dummy")):
+        out = tmp_path / f"o{len(args)}"
+        assert cli.main(["export", str(out), *args]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        plugin = next(x for x in lines if "VLLM_PLUGINS=blockdiff" in x).split()
+        assert plugin[:5] == ["VLLM_USE_V2_MODEL_RUNNER=1", "VLLM_PLUGINS=blockdiff", "vllm", "serve", str(out)]
+        assert " ".join(plugin).endswith(f"{dummy} --language-model-only --attention-backend CUSTOM "
+                                         f"--scheduler-cls {ASYNC_SCHEDULER_CLASS}")
+        stock = next(x for x in lines if "VLLM_PLUGINS=none" in x)
+        assert stock.endswith(f"VLLM_PLUGINS=none vllm serve {out}{dummy} --language-model-only")
+
+
 def test_cli_export_argument_errors_come_before_torch(tmp_path):
     """Argument errors of ``blockdiff export`` exit 2, one line each, in a process that never imported torch."""
     code = ("import sys; from blockdiff.integration import cli\n"
