@@ -49,7 +49,7 @@ import torch
 
 from blockdiff.attention import get_backend as get_attention_backend
 from blockdiff.attention import resolve_backend as resolve_attention_backend
-from blockdiff.model.loading import check_device
+from blockdiff.model.loading import MODEL_DTYPES, check_device
 from blockdiff.sampler import COMMIT, DENOISE, PHASE_NAMES, PREFILL, SamplingParams
 from blockdiff.sampler import get_backend as get_sampler_backend
 from blockdiff.sampler import resolve_backend as resolve_sampler_backend
@@ -288,7 +288,8 @@ class HarnessRunner:
             the unfused run, with one forward pass fewer per non-final canvas.
 
     Raises:
-        TypeError: ``default_params`` not a SamplingParams; ``kv_dtype`` not a floating torch.dtype; ``device``,
+        TypeError: ``default_params`` not a SamplingParams; a model whose parameters are not bf16 / fp16 / fp32 /
+            fp64 (:data:`blockdiff.model.loading.MODEL_DTYPES`); ``kv_dtype`` not a floating torch.dtype; ``device``,
             a backend, ``check`` or ``fuse_commit`` of the wrong type (``fuse_commit`` must be a bool).
         ValueError: bad capacities (``max_model_len`` above the model config's ``max_position_embeddings``
             included); a device torch cannot parse or other than the model's; ``kv_dtype`` other than the model's
@@ -327,6 +328,10 @@ class HarnessRunner:
         p0 = next(iter(model.parameters()), None)
         self.device = _resolve_device(device, p0)
         model_dtype = p0.dtype if p0 is not None else torch.float32
+        if model_dtype not in MODEL_DTYPES:  # (a model moved to float8 failed inside its first forward pass)
+            raise TypeError(f"model: its parameters are {model_dtype}; the harness runs a model in one of "
+                            f"{', '.join(map(str, MODEL_DTYPES))} (the dtypes the model and the attention backends "
+                            "compute in)")
         if kv_dtype is None:
             kv_dtype = model_dtype
         elif not (isinstance(kv_dtype, torch.dtype) and kv_dtype.is_floating_point):

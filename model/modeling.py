@@ -31,7 +31,7 @@ from .errors import CheckpointError, CheckpointFileNotFoundError
 from .generation import generation_defaults, load_generation_config
 from .layers import (MOE_IMPLS, DecoderLayer, GatedMLP, RMSNorm, acc_dtype, default_moe_impl, init_weights_,
                      rope_cos_sin)
-from .loading import check_device, load_hf_state_dict, read_safetensors
+from .loading import check_device, check_dtype, load_hf_state_dict, read_safetensors
 
 
 class SelfConditioning(nn.Module):
@@ -79,7 +79,8 @@ class DiffusionGemma(nn.Module):
             :func:`blockdiff.model.generation.generation_defaults` of ``config``.
 
     Raises:
-        TypeError: ``config`` is not a DiffusionGemmaConfig; a config field of the wrong type.
+        TypeError: ``config`` is not a DiffusionGemmaConfig; a config field of the wrong type; ``dtype`` not one of
+            :data:`blockdiff.model.loading.MODEL_DTYPES` (bf16, fp16, fp32, fp64) or None.
         ValueError: ``moe_impl`` unknown; a config field breaking its rule (``config.validate()`` runs here too,
             so a field changed in place after construction is checked).
     """
@@ -91,6 +92,7 @@ class DiffusionGemma(nn.Module):
             raise TypeError(f"config must be a DiffusionGemmaConfig, got {type(config).__name__}")
         if moe_impl is not None and moe_impl not in MOE_IMPLS:
             raise ValueError(f"moe_impl must be one of {MOE_IMPLS} or None (auto), got {moe_impl!r}")
+        check_dtype(dtype)
         config.validate()
         self.config = config
         self.generation_config = generation_defaults(config)
@@ -166,8 +168,8 @@ class DiffusionGemma(nn.Module):
             ``num_key_value_heads x head_dim``, full layers ``num_global_key_value_heads x global_head_dim``.
 
         Raises:
-            TypeError: num_blocks / page_size not ints (bool, float and str are refused), dtype not a floating
-                torch.dtype, device not a device.
+            TypeError: num_blocks / page_size not ints (bool, float and str are refused), dtype not one of
+                :data:`blockdiff.model.loading.MODEL_DTYPES` (the attention backends' dtypes), device not a device.
             ValueError: non-positive num_blocks or page_size; a device string torch cannot parse or a CUDA device
                 that is not there.
         """
@@ -176,8 +178,7 @@ class DiffusionGemma(nn.Module):
                 raise TypeError(f"{name} must be an int > 0, got {type(v).__name__} {v!r}")
             if v <= 0:
                 raise ValueError(f"{name} must be an int > 0, got {v}")
-        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise TypeError(f"dtype must be a floating torch.dtype (e.g. torch.bfloat16) or None, got {dtype!r}")
+        check_dtype(dtype)
         w = self.embed_tokens.weight
         device = w.device if device is None else check_device(device)
         dtype = w.dtype if dtype is None else dtype
@@ -375,8 +376,8 @@ class DiffusionGemma(nn.Module):
         when there, gives :attr:`generation_config` (:func:`blockdiff.model.load_generation_config`).
 
         Raises:
-            TypeError: ``path`` not a str / os.PathLike, ``config`` not a DiffusionGemmaConfig, ``dtype`` not a
-                floating torch.dtype.
+            TypeError: ``path`` not a str / os.PathLike, ``config`` not a DiffusionGemmaConfig, ``dtype`` not one of
+                :data:`blockdiff.model.loading.MODEL_DTYPES` (bf16, fp16, fp32, fp64).
             ValueError: a bad ``device`` (see :func:`blockdiff.model.loading.check_device`), ``moe_impl``.
             CheckpointFileNotFoundError: no checkpoint at ``path``, or no ``config.json`` beside it (and no
                 ``config``); also a ``FileNotFoundError``.
@@ -389,8 +390,7 @@ class DiffusionGemma(nn.Module):
                             f"{type(path).__name__}")
         if config is not None and not isinstance(config, DiffusionGemmaConfig):
             raise TypeError(f"config must be a DiffusionGemmaConfig or None, got {type(config).__name__}")
-        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise TypeError(f"dtype must be a floating torch.dtype (e.g. torch.bfloat16) or None, got {dtype!r}")
+        check_dtype(dtype)
         if moe_impl is not None and moe_impl not in MOE_IMPLS:
             raise ValueError(f"moe_impl must be one of {MOE_IMPLS} or None (auto), got {moe_impl!r}")
         device = check_device(device) if device is not None else None
