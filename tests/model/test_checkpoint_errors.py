@@ -458,6 +458,20 @@ def test_garbage_tokenizer_json_is_a_checkpoint_error_naming_it(tmp_path):
             load_pretrained(folder)
 
 
+@pytest.mark.parametrize("field, value", [("vocab_size", 259.0), ("vocab_size", True), ("pad_token_id", False),
+                                          ("pad_token_id", 0.0), ("eos_token_id", True), ("byte_offset", 3.0)])
+def test_tokenizer_json_ids_of_another_json_type_are_a_checkpoint_error_not_equal(tmp_path, field, value):
+    """The file was compared with ``==``, so ``"eos_token_id": true`` or ``"vocab_size": 259.0`` passed as the ids
+    1 and 259 (every other checkpoint file refuses a bool or a float for an int)."""
+    folder = make_ckpt(tmp_path)
+    d = ByteTokenizer().to_dict()
+    d[field] = value
+    with open(os.path.join(folder, "tokenizer.json"), "w") as f:
+        json.dump(d, f)
+    with pytest.raises(CheckpointError, match=rf"tokenizer\.json .*describes .*'{field}': {value!r}"):
+        load_pretrained(folder)
+
+
 # ---- generation_config.json: the checkpoint's sampling defaults ----------------------------------------------------
 GEN = {"max_denoising_steps": 7, "t_min": 0.3, "t_max": 0.9, "stability_threshold": 2, "confidence_threshold": 0.01,
        "eos_token_id": [5, 1], "max_new_tokens": 64, "bos_token_id": 2, "pad_token_id": 0,
