@@ -189,9 +189,11 @@ class RowRecord:
 
 @dataclass
 class StepRecord:
-    """What one harness step did (one forward pass, or none when nothing was runnable yet); ``preempted``: the
-    requests preempted since the previous step (by the scheduler for KV pages while this step, or a
-    :meth:`HarnessRunner.schedule_batch` before it, was scheduled; or by :meth:`HarnessRunner.preempt`)."""
+    """What one harness step did (one forward pass, or none when nothing was runnable yet); ``arrived``: the
+    requests admitted (given a slot) since the previous step, by this step or by a
+    :meth:`HarnessRunner.schedule_batch` before it; ``preempted``: the requests preempted since the previous step
+    (by the scheduler for KV pages while this step, or a :meth:`HarnessRunner.schedule_batch` before it, was
+    scheduled; or by :meth:`HarnessRunner.preempt`)."""
 
     step: int
     rows: list[RowRecord] = field(default_factory=list)
@@ -376,6 +378,7 @@ class HarnessRunner:
         self._ids: set[str] = set()
         self._num_submitted = 0
         self._preempted: list[str] = []  # preemptions for KV pages not yet reported in a StepRecord
+        self._arrived: list[str] = []  # admissions not yet reported (schedule_batch admits ahead of its step)
         self.last_batch: HarnessInputBatch | None = None
         self.last_output = None
 
@@ -472,7 +475,7 @@ class HarnessRunner:
         else the current canvas."""
         return max(len(r.prefill), r.num_computed) + self.canvas_length
 
-    def _admit(self, rec: StepRecord) -> None:
+    def _admit(self) -> None:
         """Admit arrived requests in priority order while a slot is free and the KV pool, less what the running
         requests need for their next row, holds the request's prefill and first canvas (FCFS: a request that does
         not fit yet blocks the ones behind it)."""
@@ -491,7 +494,7 @@ class HarnessRunner:
             r.slot = slot
             r.admit_step = self.step_index
             self._running[r.req_id] = r
-            rec.arrived.append(r.req_id)
+            self._arrived.append(r.req_id)  # reported in the next StepRecord's ``arrived``
 
     def _grow(self, r: _Req, num_tokens: int, scheduled: set[str]) -> bool:
         """Give ``r`` pages for ``num_tokens`` tokens, preempting lower-priority running requests that hold pages
@@ -629,7 +632,7 @@ class HarnessRunner:
         and CUDA-graph capture; :meth:`step` schedules again, to the same rows while nothing changed). Scheduling
         may preempt requests for KV pages (reported in the next step's ``preempted``). Returns None when nothing
         is runnable."""
-        self._admit(StepRecord(step=self.step_index))
+        self._admit()
         if not self._running:
             return None
         self._check_slots()
@@ -659,7 +662,8 @@ class HarnessRunner:
         """
         t0 = time.perf_counter()
         rec = StepRecord(step=self.step_index)
-        self._admit(rec)
+        self._admit()
+        rec.arrived, self._arrived = self._arrived, []
         ms = self.model_state
         if not self._running:
             rec.preempted, self._preempted = self._preempted, []
