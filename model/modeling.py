@@ -241,6 +241,8 @@ class DiffusionGemma(nn.Module):
             if not isinstance(pair, (list, tuple)) or len(pair) != 2:
                 raise ValueError(f"kv_caches[{i}] must be a (k_cache, v_cache) pair")
             for nm, c in zip(("k_cache", "v_cache"), pair):
+                if not torch.is_tensor(c):
+                    raise TypeError(f"kv_caches[{i}].{nm} must be a torch.Tensor, got {type(c).__name__}")
                 if c.dim() != 4 or tuple(c.shape[2:]) != (a.num_kv_heads, a.head_dim):
                     raise ValueError(f"kv_caches[{i}].{nm} must be [num_blocks, page_size, {a.num_kv_heads}, "
                                      f"{a.head_dim}] ({a.layer_type} layer), got {tuple(c.shape)}")
@@ -252,6 +254,16 @@ class DiffusionGemma(nn.Module):
                                  f"{tuple(getattr(self_cond, 'shape', ()))}")
         if bidirectional_window not in ("prefix", "symmetric"):
             raise ValueError(f"bidirectional_window must be 'prefix' or 'symmetric', got {bidirectional_window!r}")
+        # every per-step tensor on the model's device (else torch's RuntimeError from inside the forward pass, naming
+        # neither the argument nor the devices; attention and the KV-cache writer check theirs against q / k_cache)
+        dev = self.embed_tokens.weight.device
+        on = [("input_ids", input_ids), ("positions", positions), ("self_cond", self_cond)]
+        on += [(f"meta.{n}", getattr(meta, n, None)) for n in ("cu_seqlens_q", "seq_lens", "block_table",
+                                                               "slot_mapping", "causal", "num_causal_q")]
+        for name, t in on:
+            if torch.is_tensor(t) and t.device != dev:
+                raise ValueError(f"{name} is on {t.device}, the model on {dev}: pass the step's tensors on the "
+                                 "model's device")
         if check_values and T:
             # one host read (a sync on a GPU) for the whole check; skipped under CUDA-graph capture
             V, P = self.config.vocab_size, self.config.max_position_embeddings
@@ -296,8 +308,9 @@ class DiffusionGemma(nn.Module):
             in fp32.
 
         Raises:
-            TypeError: attn_backend not a str, check_values not a bool / None.
-            ValueError: a shape/dtype rule of an argument is broken (named in the message); with value checks,
+            TypeError: attn_backend not a str, check_values not a bool / None, a ``kv_caches`` entry not a tensor.
+            ValueError: a shape/dtype rule of an argument is broken, or a tensor of the step (``input_ids``,
+                ``positions``, ``self_cond``, ``meta``'s) is not on the model's device (named in the message); with value checks,
                 input ids outside ``[0, vocab_size)`` or positions outside ``[0, max_position_embeddings)`` (the
                 values and their rows named).
         """

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -454,6 +455,31 @@ def test_empty_batch_is_named_as_such_not_a_shape_mismatch(model, good):
     meta0.slot_mapping = meta0.slot_mapping[:0]
     with pytest.raises(ValueError, match="at least one sequence"):
         model(ids[:0], pos[:0], meta0, caches, attn_backend="reference")
+
+
+@pytest.mark.parametrize("arg", ["input_ids", "positions", "self_cond", "meta.cu_seqlens_q", "meta.seq_lens",
+                                 "meta.block_table", "meta.slot_mapping", "meta.causal"])
+def test_step_tensor_on_another_device_than_the_model_is_a_value_error_naming_it(model, good, arg):
+    """A step tensor on another device (here ``meta``; a CPU tensor beside a CUDA model alike) raised torch's
+    RuntimeError from inside the forward pass ("Tensor on device cpu is not on the expected device meta!"), naming
+    neither the argument nor the devices."""
+    cfg, caches, meta, pos, ids = good
+    args = {"input_ids": ids, "positions": pos, "self_cond": torch.zeros(3, cfg.hidden_size)}
+    if arg.startswith("meta."):
+        setattr(meta, arg[5:], getattr(meta, arg[5:]).to("meta"))
+    else:
+        args[arg] = args[arg].to("meta")
+    with pytest.raises(ValueError, match=rf"{re.escape(arg)} is on meta, the model on cpu"):
+        model(args["input_ids"], args["positions"], meta, caches, args["self_cond"], attn_backend="reference")
+
+
+def test_kv_caches_entry_that_is_not_a_tensor_is_a_type_error_naming_it(model, good):
+    """Was an AttributeError ("'NoneType' object has no attribute 'dim'")."""
+    cfg, caches, meta, pos, ids = good
+    bad = list(caches)
+    bad[2] = (caches[2][0], None)
+    with pytest.raises(TypeError, match=r"kv_caches\[2\]\.v_cache must be a torch.Tensor, got NoneType"):
+        model(ids, pos, meta, bad, attn_backend="reference")
 
 
 @pytest.mark.parametrize("flags", [torch.tensor([1]), torch.tensor([0.3]), torch.tensor([2], dtype=torch.uint8)])
