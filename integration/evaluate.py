@@ -11,6 +11,7 @@ import numpy as np
 
 from blockdiff.model import DiffusionGemma
 from blockdiff.model.tokenizer import ByteTokenizer
+from blockdiff.model.train import eval_max_model_len
 
 from .harness import HarnessRunner, checkpoint_sampling_params
 
@@ -89,7 +90,7 @@ def evaluate_generation(model: DiffusionGemma, tokenizer: ByteTokenizer, held_ou
     dev = device or model.embed_tokens.weight.device
     runner = HarnessRunner(model, default_params=params, max_num_reqs=len(prompts),
                            max_num_batched_tokens=max(len(prompts) * CL, prompt_len * len(prompts)),
-                           page_size=16, max_model_len=prompt_len + (canvases + 1) * CL, device=dev,
+                           page_size=16, max_model_len=eval_max_model_len(prompt_len, canvases, CL), device=dev,
                            attn_backend=attn_backend, sampler_backend=sampler_backend)
     for i, p in enumerate(prompts):
         runner.add_request(f"eval-{i}", p, params)
