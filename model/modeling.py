@@ -309,6 +309,9 @@ class DiffusionGemma(nn.Module):
 
         Raises:
             TypeError: attn_backend not a str, check_values not a bool / None, a ``kv_caches`` entry not a tensor.
+            NotImplementedError: a kernel ``attn_backend`` (triton, cute) with grad mode on and parameters that
+                require grad (it computes no gradients: run under ``torch.no_grad()`` / ``torch.inference_mode()``,
+                or train with ``"reference"``).
             ValueError: a shape/dtype rule of an argument is broken, or a tensor of the step (``input_ids``,
                 ``positions``, ``self_cond``, ``meta``'s) is not on the model's device (named in the message); with value checks,
                 input ids outside ``[0, vocab_size)`` or positions outside ``[0, max_position_embeddings)`` (the
