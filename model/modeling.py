@@ -280,6 +280,50 @@ class DiffusionGemma(nn.Module):
                 where = torch.nonzero(bad_pos).flatten()[:8].tolist()
                 raise ValueError(f"positions must be in [0, max_position_embeddings = {P}): {int(bad_pos.sum())} "
                                  f"are not, e.g. {positions[where].tolist()} at rows {where}")
+            self._check_row_layout(meta, positions, sorted({pair[0].shape[1] for pair in kv_caches}))
+
+    @staticmethod
+    def _check_row_layout(meta, positions, page_sizes) -> None:
+        """Value check: row ``i`` of sequence ``b`` is absolute position ``q_abs = seq_lens[b] - q_len_b + i`` (the
+        position attention masks it as), so its RoPE position must be ``q_abs`` and its KV slot (when >= 0) the one
+        ``block_table`` gives ``q_abs`` at each cache's page size. Either mismatch was a silent wrong result: K/V
+        written where attention does not read it (the row then attended to stale cache rows), or a row rotated as
+        another position. Metadata that breaks attention's own value rules (cu_seqlens_q, seq_lens, the block
+        table's width) is left to its checks, which name them."""
+        cu = meta.cu_seqlens_q.to(torch.int64).cpu()
+        T = positions.shape[0]
+        ql = cu[1:] - cu[:-1]
+        sl = meta.seq_lens.to(torch.int64).cpu()
+        if int(cu[0]) != 0 or bool((ql < 0).any()) or int(cu[-1]) != T or bool((sl < ql).any()):
+            return
+        B = ql.shape[0]
+        seq = torch.repeat_interleave(torch.arange(B), ql)
+        row = torch.arange(T) - cu[:-1][seq]
+        q_abs = (sl - ql)[seq] + row
+        pos = positions.cpu()
+        bad = torch.nonzero(pos != q_abs).flatten()
+        if bad.numel():
+            t = int(bad[0])
+            raise ValueError(f"positions[{t}] = {int(pos[t])}, but that row (row {int(row[t])} of sequence "
+                             f"{int(seq[t])}) is key position {int(q_abs[t])} (seq_lens - query length + row), as "
+                             f"attention masks it: RoPE would rotate it as another position ({int(bad.numel())} "
+                             "rows disagree)")
+        sm = meta.slot_mapping.to(torch.int64).cpu()
+        bt = meta.block_table.to(torch.int64).cpu()
+        if bt.dim() != 2 or bt.shape[0] != B or bt.shape[1] == 0:
+            return
+        for ps in page_sizes:
+            col = q_abs // ps
+            page = bt[seq, col.clamp(max=bt.shape[1] - 1)]
+            want = page * ps + q_abs % ps
+            bad = torch.nonzero((sm >= 0) & (col < bt.shape[1]) & (sm != want)).flatten()
+            if bad.numel():
+                t = int(bad[0])
+                raise ValueError(
+                    f"meta.slot_mapping[{t}] = {int(sm[t])}, but block_table puts that row (row {int(row[t])} of "
+                    f"sequence {int(seq[t])}, key position {int(q_abs[t])}) at slot {int(want[t])} (page "
+                    f"{int(page[t])}, page_size {ps}): its K/V would be written where attention does not read it "
+                    f"({int(bad.numel())} rows disagree; a negative slot skips a row)")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, kv_caches, self_cond=None, *,
                 attn_backend: str, bidirectional_window: str | None = None,
@@ -313,9 +357,11 @@ class DiffusionGemma(nn.Module):
                 require grad (it computes no gradients: run under ``torch.no_grad()`` / ``torch.inference_mode()``,
                 or train with ``"reference"``).
             ValueError: a shape/dtype rule of an argument is broken, or a tensor of the step (``input_ids``,
-                ``positions``, ``self_cond``, ``meta``'s) is not on the model's device (named in the message); with value checks,
-                input ids outside ``[0, vocab_size)`` or positions outside ``[0, max_position_embeddings)`` (the
-                values and their rows named).
+                ``positions``, ``self_cond``, ``meta``'s) is not on the model's device (named in the message); with
+                value checks, input ids outside ``[0, vocab_size)`` or positions outside
+                ``[0, max_position_embeddings)`` (the values and their rows named), and a row whose position or
+                (non-negative) ``meta.slot_mapping`` entry is not its key position ``seq_lens - q_len + row`` / the
+                slot ``meta.block_table`` gives it (:meth:`_check_row_layout`).
         """
         bw = self.config.bidirectional_window if bidirectional_window is None else bidirectional_window
         if check_values is not None and not isinstance(check_values, bool):

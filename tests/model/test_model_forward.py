@@ -473,6 +473,45 @@ def test_step_tensor_on_another_device_than_the_model_is_a_value_error_naming_it
         model(args["input_ids"], args["positions"], meta, caches, args["self_cond"], attn_backend="reference")
 
 
+@pytest.mark.parametrize("what", ["slot_on_another_page", "one_slot_off", "position_of_another_row",
+                                  "positions_shifted"])
+def test_rows_whose_slot_or_position_is_not_their_key_position_are_a_value_error(model, what):
+    """forward() wrote each row's K/V at meta.slot_mapping and attention read the keys through meta.block_table;
+    a slot_mapping that disagreed with the block table (a sequence's rows written on another page) gave logits
+    0.77 off, silently (the rows attended to stale cache rows), and a RoPE position other than the row's key
+    position (seq_lens - query length + row) rotated it as another row. With value checks it is a ValueError naming
+    the row; a negative slot (padding: the row is not written) stays allowed, and so does a correct second
+    sequence on other pages."""
+    cfg = model.config
+    meta, pos = build_meta([5, 3], [5, 7], [True, False], PS, block_ids=[[2, 0], [5, 1]], num_blocks=8)
+    ids = torch.randint(0, cfg.vocab_size, (8,))
+    if what == "slot_on_another_page":
+        meta.slot_mapping[:5] += 3 * PS
+        match = r"meta.slot_mapping\[0\] = 20, but block_table puts that row \(row 0 of sequence 0, key position 0\) " \
+                r"at slot 8 \(page 2, page_size 4\)"
+    elif what == "one_slot_off":
+        meta.slot_mapping[6] += 1
+        match = r"meta.slot_mapping\[6\] = 6, but block_table puts that row \(row 1 of sequence 1, key position 5\)"
+    elif what == "position_of_another_row":
+        pos[2] = 0
+        match = r"positions\[2\] = 0, but that row \(row 2 of sequence 0\) is key position 2"
+    else:
+        pos = pos + 7
+        match = r"positions\[0\] = 7, but that row \(row 0 of sequence 0\) is key position 0 .*8 rows disagree"
+    with pytest.raises(ValueError, match=match):
+        model(ids, pos, meta, model.allocate_kv_caches(8, PS), attn_backend="reference")
+    model(ids, pos, meta, model.allocate_kv_caches(8, PS), attn_backend="reference", check_values=False)  # trusted
+
+
+def test_negative_slots_and_consistent_rows_pass_the_row_layout_check(model):
+    cfg = model.config
+    meta, pos = build_meta([5, 3], [5, 7], [True, False], PS, block_ids=[[2, 0], [5, 1]], num_blocks=8)
+    meta.slot_mapping[1] = -1
+    out = model(torch.randint(0, cfg.vocab_size, (8,)), pos, meta, model.allocate_kv_caches(8, PS),
+                attn_backend="reference")
+    assert torch.isfinite(out).all()
+
+
 def test_kv_caches_entry_that_is_not_a_tensor_is_a_type_error_naming_it(model, good):
     """Was an AttributeError ("'NoneType' object has no attribute 'dim'")."""
     cfg, caches, meta, pos, ids = good
