@@ -29,8 +29,8 @@ from blockdiff.attention.validate import capturing
 from .config import DiffusionGemmaConfig, rope_inv_freq
 from .errors import CheckpointError, CheckpointFileNotFoundError
 from .generation import generation_defaults, load_generation_config
-from .layers import (MOE_IMPLS, DecoderLayer, GatedMLP, RMSNorm, acc_dtype, default_moe_impl, init_weights_,
-                     rope_cos_sin)
+from .layers import (MOE_IMPLS, DecoderLayer, GatedMLP, RMSNorm, acc_dtype, default_moe_impl, grouped_mm_unsupported,
+                     init_weights_, rope_cos_sin)
 from .loading import check_device, check_dtype, load_hf_state_dict, read_safetensors
 
 
@@ -353,7 +353,9 @@ class DiffusionGemma(nn.Module):
 
         Raises:
             TypeError: attn_backend not a str, check_values not a bool / None, a ``kv_caches`` entry not a tensor.
-            NotImplementedError: a kernel ``attn_backend`` (triton, cute) with grad mode on and parameters that
+            NotImplementedError: ``moe_impl="grouped_mm"`` where torch's grouped GEMM cannot run the experts (a
+                float64 model, rows not a multiple of 16 bytes: :func:`blockdiff.model.layers.grouped_mm_unsupported`);
+                a kernel ``attn_backend`` (triton, cute) with grad mode on and parameters that
                 require grad (it computes no gradients: run under ``torch.no_grad()`` / ``torch.inference_mode()``,
                 or train with ``"reference"``).
             ValueError: a shape/dtype rule of an argument is broken, or a tensor of the step (``input_ids``,
@@ -373,7 +375,12 @@ class DiffusionGemma(nn.Module):
         is_dec = self.decoder_row_mask(meta, T)[:, None]  # [T, 1]
 
         h = self.embed_input_ids(input_ids)
-        moe_impl = self.moe_impl or default_moe_impl(h)
+        moe_impl = self.moe_impl or default_moe_impl(h, self.config.moe_intermediate_size)
+        if moe_impl == "grouped_mm":  # an explicit choice the grouped GEMM cannot run (a RuntimeError inside it)
+            why = grouped_mm_unsupported(h.dtype, self.config.hidden_size, self.config.moe_intermediate_size)
+            if why is not None:
+                raise NotImplementedError(f"moe_impl='grouped_mm': {why}; use moe_impl='loop' (or None, the "
+                                          "automatic choice)")
         hd = h
         if self_cond is not None:
             hd = hd + self.self_conditioning.signal(self_cond.to(dtype))

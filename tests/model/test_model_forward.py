@@ -447,6 +447,40 @@ def test_default_moe_impl_is_loop_on_cpu(model):
         DiffusionGemma(tiny_config(), moe_impl="auto")
 
 
+def test_automatic_moe_impl_takes_the_loop_where_grouped_mm_cannot_run_the_experts(monkeypatch):
+    """The automatic choice took grouped_mm for bf16 on sm90 / sm100 whatever the expert shapes: a hidden size of 60
+    (120-byte rows) or an intermediate size of 30 then failed inside the forward pass with torch's "strides should
+    be multiple of 16 bytes"; it now takes the loop there."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+
+    def x(hidden, dtype=torch.bfloat16):
+        return SimpleNamespace(is_cuda=True, dtype=dtype, shape=(5, hidden), device="cuda:0")
+    assert default_moe_impl(x(64), 32) == "grouped_mm" and default_moe_impl(x(64)) == "grouped_mm"
+    assert default_moe_impl(x(60), 32) == "loop" and default_moe_impl(x(64), 30) == "loop"
+
+
+@pytest.mark.parametrize("dtype, hidden, inter, why", [
+    (torch.float64, 64, 32, r"takes bf16 / fp16 / fp32 operands, not torch.float64"),
+    (torch.float32, 64, 30, r"rows of a multiple of 16 bytes in torch.float32: moe_intermediate_size = 30 \(120 bytes\)"),
+    (torch.bfloat16, 60, 32, r"rows of a multiple of 16 bytes in torch.bfloat16: hidden_size = 60 \(120 bytes\)")])
+def test_explicit_grouped_mm_the_experts_cannot_run_is_not_implemented_naming_why(dtype, hidden, inter, why):
+    """moe_impl="grouped_mm" on a float64 model or experts whose rows are not 16-byte multiples raised torch's
+    RuntimeError from inside the forward pass ("Expected mat_a to be Float32, BFloat16 or Float16 matrix", "strides
+    should be multiple of 16 bytes"); the loop runs them."""
+    cfg = tiny_config(hidden_size=hidden, moe_intermediate_size=inter)
+    meta, pos = build_meta([5], [5], [True], PS)
+    ids = torch.randint(0, cfg.vocab_size, (5,))
+    m = DiffusionGemma(cfg, moe_impl="grouped_mm", dtype=dtype).eval()
+    with torch.no_grad(), pytest.raises(NotImplementedError, match=rf"moe_impl='grouped_mm': .*{why}; use "
+                                                                    r"moe_impl='loop'"):
+        m(ids, pos, meta, m.allocate_kv_caches(4, PS), attn_backend="reference")
+    m.moe_impl = "loop"
+    with torch.no_grad():
+        assert torch.isfinite(m(ids, pos, meta, m.allocate_kv_caches(4, PS), attn_backend="reference")).all()
+
+
 def test_empty_batch_is_named_as_such_not_a_shape_mismatch(model, good):
     cfg, caches, meta, pos, ids = good
     meta0, _ = build_meta([3], [3], [True], PS)
