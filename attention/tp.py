@@ -182,7 +182,8 @@ def gather_heads(outs):
 
     Raises:
         TypeError: ``outs`` mixes tensors and pairs, or holds something else.
-        ValueError: ``outs`` is empty; the ranks' results disagree in ``total_q``, ``Dv``, dtype or device.
+        ValueError: ``outs`` is empty; the ranks' results disagree in ``total_q``, ``Dv``, dtype or device; a
+            pair's lse is not ``[H_local, total_q]`` float32 of its out (heads, rows, device).
     """
     outs = list(outs)
     if not outs:
@@ -203,6 +204,12 @@ def gather_heads(outs):
                              f"has {tuple(o0.shape)} {o0.dtype} on {o0.device}, rank {r} {tuple(o.shape)} {o.dtype} "
                              f"on {o.device}")
     if pairs:
+        for r, (o, lse) in enumerate(outs):  # each rank's lse must describe its own heads and rows (a rank's lse of
+            # another head count concatenated into a total of the right size: every head after it got another's lse)
+            if tuple(lse.shape) != (o.shape[1], o.shape[0]) or lse.dtype != torch.float32 or lse.device != o.device:
+                raise ValueError(f"outs[{r}]: lse must be [H_local={o.shape[1]}, total_q={o.shape[0]}] float32 on "
+                                 f"{o.device} (its out's heads and rows), got {tuple(lse.shape)} {lse.dtype} on "
+                                 f"{lse.device}")
         return torch.cat([o for o, _ in outs], dim=1), torch.cat([l for _, l in outs], dim=0)
     return torch.cat(outs, dim=1)
 

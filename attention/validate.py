@@ -228,6 +228,30 @@ def causal_row_counts(causal, cu_seqlens_q) -> torch.Tensor:
     return torch.where(causal, cu_seqlens_q[1:] - cu_seqlens_q[:-1], 0).to(torch.int32)
 
 
+def check_no_autograd(backend: str, q, k_cache, v_cache, out=None) -> None:
+    """A kernel backend computes no gradients: refuse a call whose output autograd would need to differentiate.
+
+    Its output is written by a kernel, outside the autograd graph, so with grad mode on and an input that requires
+    grad (q, k / v projections of a model being trained) the loss silently got no gradient through attention
+    (the reference backend is differentiable; an ``out`` that requires grad would be overwritten behind autograd's
+    back). Host attribute reads only: no sync, nothing read under ``torch.no_grad()`` / ``torch.inference_mode()``
+    (serving).
+
+    Raises:
+        NotImplementedError: grad mode is on and q, k_cache, v_cache or out requires grad (named).
+    """
+    if not torch.is_grad_enabled():
+        return
+    named = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out))
+    need = [n for n, t in named if isinstance(t, torch.Tensor) and t.requires_grad]
+    if need:
+        raise NotImplementedError(
+            f"backend {backend!r} computes no gradients, but {', '.join(need)} require{'s' if len(need) == 1 else ''} "
+            "grad with grad mode on: its output would leave the autograd graph (nothing would flow back through "
+            "attention, silently). Call it under torch.no_grad() or torch.inference_mode(), or use "
+            "backend='reference' (differentiable)")
+
+
 def capturing() -> bool:
     """True while a CUDA graph is being captured on the current stream (host reads are not allowed)."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

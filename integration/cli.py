@@ -332,7 +332,8 @@ def _train(a) -> int:
     # torch-heavy modules only now, after argument parsing: argument errors stay fast
     import torch
 
-    from blockdiff.model.train import CorpusError, TrainArgs, smoke_args, train, train_args_problems
+    from blockdiff.model.train import (CorpusError, TrainArgs, position_problems, smoke_args, train, train_args_problems,
+                                       train_config)
 
     from .evaluate import evaluate_generation
 
@@ -350,6 +351,9 @@ def _train(a) -> int:
     if a.smoke:
         args = smoke_args(args)
         torch.set_num_threads(min(2, torch.get_num_threads()))
+    problems = [f"--{name.replace('_', '-')}: {msg}" for _, name, msg in position_problems(args, train_config(args))]
+    if problems:  # (positions past the config's range: refused before the corpus loads, not after training)
+        return _errors("train", problems)
     if args.eval_prompts > 0:  # the evaluation runs after training: an attention backend it cannot run fails now
         from .demo import BackendUnavailable, check_attention_backend
 

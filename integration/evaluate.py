@@ -7,10 +7,14 @@ drives the harness and the sampler: the model package imports neither (docs/ARCH
 """
 from __future__ import annotations
 
+import numbers
+
 import numpy as np
+import torch
 
 from blockdiff.model import DiffusionGemma
 from blockdiff.model.tokenizer import ByteTokenizer
+from blockdiff.model.train import eval_max_model_len
 
 from .harness import HarnessRunner, checkpoint_sampling_params
 
@@ -32,7 +36,16 @@ def held_out_prompts(tokenizer: ByteTokenizer, held_out: np.ndarray, num_prompts
 
     Returns:
         the prompts, as lists of token ids (fewer than ``num_prompts`` when the stream has too few line starts).
+
+    Raises:
+        TypeError: ``held_out`` not a 1-D integer ndarray / tensor; ``num_prompts`` / ``prompt_len`` not ints (bool
+            refused).
+        ValueError: ``num_prompts`` < 0 or ``prompt_len`` < 1 (a float, a bool or an empty prompt was taken, a 2-D
+            or float stream searched: "no held-out prompt found" named the wrong cause, or prompts ran).
     """
+    held_out = _token_stream(held_out)
+    _check_count("num_prompts", num_prompts, 0)
+    _check_count("prompt_len", prompt_len, 1)
     rng = np.random.default_rng(seed)
     prompts: list[list[int]] = []
     tries = 0
@@ -48,6 +61,25 @@ def held_out_prompts(tokenizer: ByteTokenizer, held_out: np.ndarray, num_prompts
             continue
         prompts.append([int(x) for x in w])
     return prompts
+
+
+def _check_count(name: str, v, lo: int) -> None:
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise TypeError(f"{name} must be an int >= {lo}, got {type(v).__name__} ({v!r})")
+    if v < lo:
+        raise ValueError(f"{name} must be an int >= {lo}, got {v}")
+
+
+def _token_stream(held_out) -> np.ndarray:
+    """``held_out`` as a 1-D integer ndarray (a 1-D integer tensor is converted; nothing else is)."""
+    if isinstance(held_out, torch.Tensor) and not (held_out.is_floating_point() or held_out.is_complex()
+                                                   or held_out.dtype == torch.bool):
+        held_out = held_out.detach().cpu().numpy()
+    if not isinstance(held_out, np.ndarray) or held_out.ndim != 1 or held_out.dtype.kind not in "iu":
+        what = f"{held_out.ndim}-D {held_out.dtype}" if isinstance(held_out, (np.ndarray, torch.Tensor)) \
+            else type(held_out).__name__
+        raise TypeError(f"held_out must be a 1-D integer token stream (ndarray or tensor), got {what}")
+    return held_out
 
 
 def evaluate_generation(model: DiffusionGemma, tokenizer: ByteTokenizer, held_out: np.ndarray, *,
@@ -77,8 +109,13 @@ def evaluate_generation(model: DiffusionGemma, tokenizer: ByteTokenizer, held_ou
         the others committed (0 for a sound model; ``blockdiff train`` prints it when it is not).
 
     Raises:
-        ValueError: no prompt found (held-out stream too short or without line starts).
+        TypeError: ``held_out`` not a 1-D integer stream; ``num_prompts``, ``prompt_len`` or ``canvases`` not an int.
+        ValueError: ``num_prompts``, ``prompt_len`` or ``canvases`` < 1 (named; ``canvases = 0`` was reported as
+            ``max_tokens``, ``num_prompts = 0`` as a stream too short); no prompt found (held-out stream too short
+            or without line starts); a sampling parameter (``max_denoising_steps``, ``seed``) breaking its rule.
     """
+    for name, v in (("num_prompts", num_prompts), ("prompt_len", prompt_len), ("canvases", canvases)):
+        _check_count(name, v, 1)
     cfg = model.config
     CL = cfg.canvas_length
     prompts = held_out_prompts(tokenizer, held_out, num_prompts, prompt_len, seed)
@@ -89,7 +126,7 @@ def evaluate_generation(model: DiffusionGemma, tokenizer: ByteTokenizer, held_ou
     dev = device or model.embed_tokens.weight.device
     runner = HarnessRunner(model, default_params=params, max_num_reqs=len(prompts),
                            max_num_batched_tokens=max(len(prompts) * CL, prompt_len * len(prompts)),
-                           page_size=16, max_model_len=prompt_len + (canvases + 1) * CL, device=dev,
+                           page_size=16, max_model_len=eval_max_model_len(prompt_len, canvases, CL), device=dev,
                            attn_backend=attn_backend, sampler_backend=sampler_backend)
     for i, p in enumerate(prompts):
         runner.add_request(f"eval-{i}", p, params)

@@ -49,7 +49,7 @@ import torch
 
 from blockdiff.attention import get_backend as get_attention_backend
 from blockdiff.attention import resolve_backend as resolve_attention_backend
-from blockdiff.model.loading import check_device
+from blockdiff.model.loading import MODEL_DTYPES, check_device
 from blockdiff.sampler import COMMIT, DENOISE, PHASE_NAMES, PREFILL, SamplingParams
 from blockdiff.sampler import get_backend as get_sampler_backend
 from blockdiff.sampler import resolve_backend as resolve_sampler_backend
@@ -190,9 +190,11 @@ class RowRecord:
 
 @dataclass
 class StepRecord:
-    """What one harness step did (one forward pass, or none when nothing was runnable yet); ``preempted``: the
-    requests preempted since the previous step (by the scheduler for KV pages while this step, or a
-    :meth:`HarnessRunner.schedule_batch` before it, was scheduled; or by :meth:`HarnessRunner.preempt`)."""
+    """What one harness step did (one forward pass, or none when nothing was runnable yet); ``arrived``: the
+    requests admitted (given a slot) since the previous step, by this step or by a
+    :meth:`HarnessRunner.schedule_batch` before it; ``preempted``: the requests preempted since the previous step
+    (by the scheduler for KV pages while this step, or a :meth:`HarnessRunner.schedule_batch` before it, was
+    scheduled; or by :meth:`HarnessRunner.preempt`)."""
 
     step: int
     rows: list[RowRecord] = field(default_factory=list)
@@ -289,7 +291,8 @@ class HarnessRunner:
             the unfused run, with one forward pass fewer per non-final canvas.
 
     Raises:
-        TypeError: ``default_params`` not a SamplingParams; ``kv_dtype`` not a floating torch.dtype; ``device``,
+        TypeError: ``default_params`` not a SamplingParams; a model whose parameters are not bf16 / fp16 / fp32 /
+            fp64 (:data:`blockdiff.model.loading.MODEL_DTYPES`); ``kv_dtype`` not a floating torch.dtype; ``device``,
             a backend, ``check`` or ``fuse_commit`` of the wrong type (``fuse_commit`` must be a bool).
         ValueError: bad capacities (``max_model_len`` above the model config's ``max_position_embeddings``
             included); a device torch cannot parse or other than the model's; ``kv_dtype`` other than the model's
@@ -328,6 +331,10 @@ class HarnessRunner:
         p0 = next(iter(model.parameters()), None)
         self.device = _resolve_device(device, p0)
         model_dtype = p0.dtype if p0 is not None else torch.float32
+        if model_dtype not in MODEL_DTYPES:  # (a model moved to float8 failed inside its first forward pass)
+            raise TypeError(f"model: its parameters are {model_dtype}; the harness runs a model in one of "
+                            f"{', '.join(map(str, MODEL_DTYPES))} (the dtypes the model and the attention backends "
+                            "compute in)")
         if kv_dtype is None:
             kv_dtype = model_dtype
         elif not (isinstance(kv_dtype, torch.dtype) and kv_dtype.is_floating_point):
@@ -372,6 +379,7 @@ class HarnessRunner:
         self._ids: set[str] = set()
         self._num_submitted = 0
         self._preempted: list[str] = []  # preemptions for KV pages not yet reported in a StepRecord
+        self._arrived: list[str] = []  # admissions not yet reported (schedule_batch admits ahead of its step)
         self.last_batch: HarnessInputBatch | None = None
         self.last_output = None
 
@@ -468,7 +476,7 @@ class HarnessRunner:
         else the current canvas."""
         return max(len(r.prefill), r.num_computed) + self.canvas_length
 
-    def _admit(self, rec: StepRecord) -> None:
+    def _admit(self) -> None:
         """Admit arrived requests in priority order while a slot is free and the KV pool, less what the running
         requests need for their next row, holds the request's prefill and first canvas (FCFS: a request that does
         not fit yet blocks the ones behind it)."""
@@ -487,7 +495,7 @@ class HarnessRunner:
             r.slot = slot
             r.admit_step = self.step_index
             self._running[r.req_id] = r
-            rec.arrived.append(r.req_id)
+            self._arrived.append(r.req_id)  # reported in the next StepRecord's ``arrived``
 
     def _grow(self, r: _Req, num_tokens: int, scheduled: set[str]) -> bool:
         """Give ``r`` pages for ``num_tokens`` tokens, preempting lower-priority running requests that hold pages
@@ -625,7 +633,7 @@ class HarnessRunner:
         and CUDA-graph capture; :meth:`step` schedules again, to the same rows while nothing changed). Scheduling
         may preempt requests for KV pages (reported in the next step's ``preempted``). Returns None when nothing
         is runnable."""
-        self._admit(StepRecord(step=self.step_index))
+        self._admit()
         if not self._running:
             return None
         self._check_slots()
@@ -655,7 +663,8 @@ class HarnessRunner:
         """
         t0 = time.perf_counter()
         rec = StepRecord(step=self.step_index)
-        self._admit(rec)
+        self._admit()
+        rec.arrived, self._arrived = self._arrived, []
         ms = self.model_state
         if not self._running:
             rec.preempted, self._preempted = self._preempted, []

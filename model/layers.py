@@ -17,12 +17,39 @@ from .config import DiffusionGemmaConfig
 MOE_IMPLS = ("loop", "grouped_mm")
 
 
-def default_moe_impl(x: torch.Tensor) -> str:
+#: Dtypes ``torch.nn.functional.grouped_mm`` takes (float64 is a RuntimeError inside it).
+GROUPED_MM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def grouped_mm_unsupported(dtype: torch.dtype, hidden_size: int, intermediate_size: int) -> str | None:
+    """Why the ``"grouped_mm"`` MoE cannot run experts of ``hidden_size`` x ``moe_intermediate_size`` in ``dtype``
+    (None: it can): torch's ``grouped_mm`` takes bf16 / fp16 / fp32 operands whose row strides are multiples of 16
+    bytes (``hidden_size`` and ``moe_intermediate_size`` elements; else "strides should be multiple of 16 bytes"
+    from inside the forward pass)."""
+    if not hasattr(F, "grouped_mm"):
+        return "this torch has no torch.nn.functional.grouped_mm"
+    if dtype not in GROUPED_MM_DTYPES:
+        return f"torch.nn.functional.grouped_mm takes bf16 / fp16 / fp32 operands, not {dtype}"
+    item = torch.empty((), dtype=dtype).element_size()
+    bad = [f"{name} = {n} ({n * item} bytes)" for name, n in (("hidden_size", hidden_size),
+                                                              ("moe_intermediate_size", intermediate_size))
+           if (n * item) % 16]
+    if bad:
+        return (f"torch.nn.functional.grouped_mm needs rows of a multiple of 16 bytes in {dtype}: "
+                f"{', '.join(bad)}")
+    return None
+
+
+def default_moe_impl(x: torch.Tensor, intermediate_size: int | None = None) -> str:
     """MoE implementation used when a model is built with ``moe_impl=None`` (the default), chosen per forward
     from the activations ``x``: ``"grouped_mm"`` for bf16 on CUDA devices of compute capability 9.x / 10.x
     (torch's grouped GEMM kernels there read the group offsets on the device: no host sync, CUDA-graph
-    capturable), else ``"loop"`` (CPU, other dtypes / GPUs: per-expert GEMMs, host syncs)."""
+    capturable) where it can run the experts (``x.shape[-1]`` = hidden_size and ``intermediate_size``:
+    :func:`grouped_mm_unsupported`; a hidden size of 60 in bf16 made the automatic choice fail inside the forward
+    pass), else ``"loop"`` (CPU, other dtypes / GPUs / shapes: per-expert GEMMs, host syncs)."""
     if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(F, "grouped_mm"):
+        if intermediate_size is not None and grouped_mm_unsupported(x.dtype, x.shape[-1], intermediate_size):
+            return "loop"
         return "grouped_mm" if torch.cuda.get_device_capability(x.device)[0] in (9, 10) else "loop"
     return "loop"
 

@@ -42,6 +42,24 @@ _ENC = "model.encoder.language_model."
 _MAX_LIST = 20
 INDEX_FILE = "model.safetensors.index.json"
 WEIGHTS_FILE = "model.safetensors"
+#: The dtypes the model computes in (its parameters, activations and KV caches; the attention backends take these
+#: too). float8 and complex dtypes are refused by name: a float8 model loaded its weights rounded to 2-3 mantissa
+#: bits and failed only at its first forward pass, inside a torch kernel ("not implemented for 'Float8_e5m2'").
+MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+def check_dtype(dtype, name: str = "dtype") -> torch.dtype | None:
+    """``dtype`` (None passes) if it is one of :data:`MODEL_DTYPES`.
+
+    Raises:
+        TypeError: anything else (a str, an integer / complex / float8 dtype); the message names ``name``.
+    """
+    if dtype is None:
+        return None
+    if not isinstance(dtype, torch.dtype) or dtype not in MODEL_DTYPES:
+        raise TypeError(f"{name} must be a floating torch.dtype the model computes in "
+                        f"({', '.join(map(str, MODEL_DTYPES))}) or None, got {dtype!r}")
+    return dtype
 
 
 def hf_name(name: str) -> str:
@@ -218,12 +236,12 @@ def load_hf_state_dict(model, state_dict, *, device=None, dtype=None) -> list[st
 
     Raises:
         CheckpointError: see :func:`convert_hf_state_dict`; also a ``dtype`` that cannot hold a weight (a finite
-            value that would overflow to inf, e.g. above 65504 in float16).
-        TypeError: ``dtype`` is not a floating torch dtype (or None).
+            value that would overflow to inf, e.g. above 65504 in float16), or, without ``dtype`` (a meta model),
+            an embedding stored in a dtype outside :data:`MODEL_DTYPES` (float8).
+        TypeError: ``dtype`` is not one of :data:`MODEL_DTYPES` (or None).
         ValueError: a bad ``device`` (see :func:`check_device`).
     """
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise TypeError(f"dtype must be a floating torch.dtype (e.g. torch.bfloat16) or None, got {dtype!r}")
+    check_dtype(dtype)
     if device is not None:
         device = check_device(device)
     expected = {n: (p.shape, p.dtype) for n, p in model.state_dict().items()}
@@ -235,6 +253,9 @@ def load_hf_state_dict(model, state_dict, *, device=None, dtype=None) -> list[st
         dtype = ref.dtype
     if dtype is None:
         dtype = tensors["embed_tokens.weight"].dtype
+        if dtype not in MODEL_DTYPES:  # (the checkpoint's dtype becomes the model's)
+            raise CheckpointError(f"{hf_name('embed_tokens.weight')} is stored as {dtype}, which the model does not "
+                                  f"compute in: pass dtype= one of {', '.join(map(str, MODEL_DTYPES))}")
     final = {n: _own_storage(_cast(n, t, device, dtype)) for n, t in tensors.items()}
     model.load_state_dict(final, strict=True, assign=True)
     return skipped

@@ -29,9 +29,9 @@ from blockdiff.attention.validate import capturing
 from .config import DiffusionGemmaConfig, rope_inv_freq
 from .errors import CheckpointError, CheckpointFileNotFoundError
 from .generation import generation_defaults, load_generation_config
-from .layers import (MOE_IMPLS, DecoderLayer, GatedMLP, RMSNorm, acc_dtype, default_moe_impl, init_weights_,
-                     rope_cos_sin)
-from .loading import check_device, load_hf_state_dict, read_safetensors
+from .layers import (MOE_IMPLS, DecoderLayer, GatedMLP, RMSNorm, acc_dtype, default_moe_impl, grouped_mm_unsupported,
+                     init_weights_, rope_cos_sin)
+from .loading import check_device, check_dtype, load_hf_state_dict, read_safetensors
 
 
 class SelfConditioning(nn.Module):
@@ -79,7 +79,8 @@ class DiffusionGemma(nn.Module):
             :func:`blockdiff.model.generation.generation_defaults` of ``config``.
 
     Raises:
-        TypeError: ``config`` is not a DiffusionGemmaConfig; a config field of the wrong type.
+        TypeError: ``config`` is not a DiffusionGemmaConfig; a config field of the wrong type; ``dtype`` not one of
+            :data:`blockdiff.model.loading.MODEL_DTYPES` (bf16, fp16, fp32, fp64) or None.
         ValueError: ``moe_impl`` unknown; a config field breaking its rule (``config.validate()`` runs here too,
             so a field changed in place after construction is checked).
     """
@@ -91,6 +92,7 @@ class DiffusionGemma(nn.Module):
             raise TypeError(f"config must be a DiffusionGemmaConfig, got {type(config).__name__}")
         if moe_impl is not None and moe_impl not in MOE_IMPLS:
             raise ValueError(f"moe_impl must be one of {MOE_IMPLS} or None (auto), got {moe_impl!r}")
+        check_dtype(dtype)
         config.validate()
         self.config = config
         self.generation_config = generation_defaults(config)
@@ -166,8 +168,8 @@ class DiffusionGemma(nn.Module):
             ``num_key_value_heads x head_dim``, full layers ``num_global_key_value_heads x global_head_dim``.
 
         Raises:
-            TypeError: num_blocks / page_size not ints (bool, float and str are refused), dtype not a floating
-                torch.dtype, device not a device.
+            TypeError: num_blocks / page_size not ints (bool, float and str are refused), dtype not one of
+                :data:`blockdiff.model.loading.MODEL_DTYPES` (the attention backends' dtypes), device not a device.
             ValueError: non-positive num_blocks or page_size; a device string torch cannot parse or a CUDA device
                 that is not there.
         """
@@ -176,8 +178,7 @@ class DiffusionGemma(nn.Module):
                 raise TypeError(f"{name} must be an int > 0, got {type(v).__name__} {v!r}")
             if v <= 0:
                 raise ValueError(f"{name} must be an int > 0, got {v}")
-        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise TypeError(f"dtype must be a floating torch.dtype (e.g. torch.bfloat16) or None, got {dtype!r}")
+        check_dtype(dtype)
         w = self.embed_tokens.weight
         device = w.device if device is None else check_device(device)
         dtype = w.dtype if dtype is None else dtype
@@ -240,6 +241,8 @@ class DiffusionGemma(nn.Module):
             if not isinstance(pair, (list, tuple)) or len(pair) != 2:
                 raise ValueError(f"kv_caches[{i}] must be a (k_cache, v_cache) pair")
             for nm, c in zip(("k_cache", "v_cache"), pair):
+                if not torch.is_tensor(c):
+                    raise TypeError(f"kv_caches[{i}].{nm} must be a torch.Tensor, got {type(c).__name__}")
                 if c.dim() != 4 or tuple(c.shape[2:]) != (a.num_kv_heads, a.head_dim):
                     raise ValueError(f"kv_caches[{i}].{nm} must be [num_blocks, page_size, {a.num_kv_heads}, "
                                      f"{a.head_dim}] ({a.layer_type} layer), got {tuple(c.shape)}")
@@ -251,6 +254,16 @@ class DiffusionGemma(nn.Module):
                                  f"{tuple(getattr(self_cond, 'shape', ()))}")
         if bidirectional_window not in ("prefix", "symmetric"):
             raise ValueError(f"bidirectional_window must be 'prefix' or 'symmetric', got {bidirectional_window!r}")
+        # every per-step tensor on the model's device (else torch's RuntimeError from inside the forward pass, naming
+        # neither the argument nor the devices; attention and the KV-cache writer check theirs against q / k_cache)
+        dev = self.embed_tokens.weight.device
+        on = [("input_ids", input_ids), ("positions", positions), ("self_cond", self_cond)]
+        on += [(f"meta.{n}", getattr(meta, n, None)) for n in ("cu_seqlens_q", "seq_lens", "block_table",
+                                                               "slot_mapping", "causal", "num_causal_q")]
+        for name, t in on:
+            if torch.is_tensor(t) and t.device != dev:
+                raise ValueError(f"{name} is on {t.device}, the model on {dev}: pass the step's tensors on the "
+                                 "model's device")
         if check_values and T:
             # one host read (a sync on a GPU) for the whole check; skipped under CUDA-graph capture
             V, P = self.config.vocab_size, self.config.max_position_embeddings
@@ -267,6 +280,50 @@ class DiffusionGemma(nn.Module):
                 where = torch.nonzero(bad_pos).flatten()[:8].tolist()
                 raise ValueError(f"positions must be in [0, max_position_embeddings = {P}): {int(bad_pos.sum())} "
                                  f"are not, e.g. {positions[where].tolist()} at rows {where}")
+            self._check_row_layout(meta, positions, sorted({pair[0].shape[1] for pair in kv_caches}))
+
+    @staticmethod
+    def _check_row_layout(meta, positions, page_sizes) -> None:
+        """Value check: row ``i`` of sequence ``b`` is absolute position ``q_abs = seq_lens[b] - q_len_b + i`` (the
+        position attention masks it as), so its RoPE position must be ``q_abs`` and its KV slot (when >= 0) the one
+        ``block_table`` gives ``q_abs`` at each cache's page size. Either mismatch was a silent wrong result: K/V
+        written where attention does not read it (the row then attended to stale cache rows), or a row rotated as
+        another position. Metadata that breaks attention's own value rules (cu_seqlens_q, seq_lens, the block
+        table's width) is left to its checks, which name them."""
+        cu = meta.cu_seqlens_q.to(torch.int64).cpu()
+        T = positions.shape[0]
+        ql = cu[1:] - cu[:-1]
+        sl = meta.seq_lens.to(torch.int64).cpu()
+        if int(cu[0]) != 0 or bool((ql < 0).any()) or int(cu[-1]) != T or bool((sl < ql).any()):
+            return
+        B = ql.shape[0]
+        seq = torch.repeat_interleave(torch.arange(B), ql)
+        row = torch.arange(T) - cu[:-1][seq]
+        q_abs = (sl - ql)[seq] + row
+        pos = positions.cpu()
+        bad = torch.nonzero(pos != q_abs).flatten()
+        if bad.numel():
+            t = int(bad[0])
+            raise ValueError(f"positions[{t}] = {int(pos[t])}, but that row (row {int(row[t])} of sequence "
+                             f"{int(seq[t])}) is key position {int(q_abs[t])} (seq_lens - query length + row), as "
+                             f"attention masks it: RoPE would rotate it as another position ({int(bad.numel())} "
+                             "rows disagree)")
+        sm = meta.slot_mapping.to(torch.int64).cpu()
+        bt = meta.block_table.to(torch.int64).cpu()
+        if bt.dim() != 2 or bt.shape[0] != B or bt.shape[1] == 0:
+            return
+        for ps in page_sizes:
+            col = q_abs // ps
+            page = bt[seq, col.clamp(max=bt.shape[1] - 1)]
+            want = page * ps + q_abs % ps
+            bad = torch.nonzero((sm >= 0) & (col < bt.shape[1]) & (sm != want)).flatten()
+            if bad.numel():
+                t = int(bad[0])
+                raise ValueError(
+                    f"meta.slot_mapping[{t}] = {int(sm[t])}, but block_table puts that row (row {int(row[t])} of "
+                    f"sequence {int(seq[t])}, key position {int(q_abs[t])}) at slot {int(want[t])} (page "
+                    f"{int(page[t])}, page_size {ps}): its K/V would be written where attention does not read it "
+                    f"({int(bad.numel())} rows disagree; a negative slot skips a row)")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, kv_caches, self_cond=None, *,
                 attn_backend: str, bidirectional_window: str | None = None,
@@ -295,10 +352,18 @@ class DiffusionGemma(nn.Module):
             in fp32.
 
         Raises:
-            TypeError: attn_backend not a str, check_values not a bool / None.
-            ValueError: a shape/dtype rule of an argument is broken (named in the message); with value checks,
-                input ids outside ``[0, vocab_size)`` or positions outside ``[0, max_position_embeddings)`` (the
-                values and their rows named).
+            TypeError: attn_backend not a str, check_values not a bool / None, a ``kv_caches`` entry not a tensor.
+            NotImplementedError: ``moe_impl="grouped_mm"`` where torch's grouped GEMM cannot run the experts (a
+                float64 model, rows not a multiple of 16 bytes: :func:`blockdiff.model.layers.grouped_mm_unsupported`);
+                a kernel ``attn_backend`` (triton, cute) with grad mode on and parameters that
+                require grad (it computes no gradients: run under ``torch.no_grad()`` / ``torch.inference_mode()``,
+                or train with ``"reference"``).
+            ValueError: a shape/dtype rule of an argument is broken, or a tensor of the step (``input_ids``,
+                ``positions``, ``self_cond``, ``meta``'s) is not on the model's device (named in the message); with
+                value checks, input ids outside ``[0, vocab_size)`` or positions outside
+                ``[0, max_position_embeddings)`` (the values and their rows named), and a row whose position or
+                (non-negative) ``meta.slot_mapping`` entry is not its key position ``seq_lens - q_len + row`` / the
+                slot ``meta.block_table`` gives it (:meth:`_check_row_layout`).
         """
         bw = self.config.bidirectional_window if bidirectional_window is None else bidirectional_window
         if check_values is not None and not isinstance(check_values, bool):
@@ -310,7 +375,12 @@ class DiffusionGemma(nn.Module):
         is_dec = self.decoder_row_mask(meta, T)[:, None]  # [T, 1]
 
         h = self.embed_input_ids(input_ids)
-        moe_impl = self.moe_impl or default_moe_impl(h)
+        moe_impl = self.moe_impl or default_moe_impl(h, self.config.moe_intermediate_size)
+        if moe_impl == "grouped_mm":  # an explicit choice the grouped GEMM cannot run (a RuntimeError inside it)
+            why = grouped_mm_unsupported(h.dtype, self.config.hidden_size, self.config.moe_intermediate_size)
+            if why is not None:
+                raise NotImplementedError(f"moe_impl='grouped_mm': {why}; use moe_impl='loop' (or None, the "
+                                          "automatic choice)")
         hd = h
         if self_cond is not None:
             hd = hd + self.self_conditioning.signal(self_cond.to(dtype))
@@ -375,8 +445,8 @@ class DiffusionGemma(nn.Module):
         when there, gives :attr:`generation_config` (:func:`blockdiff.model.load_generation_config`).
 
         Raises:
-            TypeError: ``path`` not a str / os.PathLike, ``config`` not a DiffusionGemmaConfig, ``dtype`` not a
-                floating torch.dtype.
+            TypeError: ``path`` not a str / os.PathLike, ``config`` not a DiffusionGemmaConfig, ``dtype`` not one of
+                :data:`blockdiff.model.loading.MODEL_DTYPES` (bf16, fp16, fp32, fp64).
             ValueError: a bad ``device`` (see :func:`blockdiff.model.loading.check_device`), ``moe_impl``.
             CheckpointFileNotFoundError: no checkpoint at ``path``, or no ``config.json`` beside it (and no
                 ``config``); also a ``FileNotFoundError``.
@@ -389,8 +459,7 @@ class DiffusionGemma(nn.Module):
                             f"{type(path).__name__}")
         if config is not None and not isinstance(config, DiffusionGemmaConfig):
             raise TypeError(f"config must be a DiffusionGemmaConfig or None, got {type(config).__name__}")
-        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise TypeError(f"dtype must be a floating torch.dtype (e.g. torch.bfloat16) or None, got {dtype!r}")
+        check_dtype(dtype)
         if moe_impl is not None and moe_impl not in MOE_IMPLS:
             raise ValueError(f"moe_impl must be one of {MOE_IMPLS} or None (auto), got {moe_impl!r}")
         device = check_device(device) if device is not None else None

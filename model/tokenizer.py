@@ -148,9 +148,21 @@ class ByteTokenizer:
             return cls(_hf_vocab_size(d, path))
         vs = d.get("vocab_size")
         tok = cls(vs) if isinstance(vs, int) and not isinstance(vs, bool) and vs >= cls.vocab_size else cls()
-        if d != tok.to_dict():
+        if not _same_json(d, tok.to_dict()):  # (==: true == 1 and 259.0 == 259 passed as the ids)
             raise CheckpointError(f"tokenizer.json ({path}) describes {d}, not the byte tokenizer {tok.to_dict()}")
         return tok
+
+
+def _same_json(a, b) -> bool:
+    """``a == b`` with each JSON value of the same type: ``==`` holds for ``true`` and ``1``, ``259.0`` and
+    ``259``, which a file of ids must not mix up."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same_json(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_same_json(x, y) for x, y in zip(a, b))
+    return a == b
 
 
 def _hf_vocab_size(d: dict, path: str) -> int:
@@ -162,8 +174,10 @@ def _hf_vocab_size(d: dict, path: str) -> int:
     m = d.get("model")
     if not isinstance(m, dict) or m.get("type") != "BPE":
         raise bad(f"model.type must be 'BPE', got {m.get('type') if isinstance(m, dict) else m!r}")
-    if m.get("merges") not in ([], None):
-        raise bad(f"model.merges must be empty, got {len(m['merges'])} merges")
+    merges = m.get("merges")
+    if merges is not None and (not isinstance(merges, list) or merges):  # (a number's len() was a TypeError)
+        raise bad(f"model.merges must be empty (an empty list), got "
+                  f"{f'{len(merges)} merges' if isinstance(merges, list) else repr(merges)}")
     vocab = m.get("vocab")
     if not isinstance(vocab, dict) or not all(isinstance(v, int) and not isinstance(v, bool) for v in vocab.values()):
         raise bad("model.vocab must map token strings to int ids")
@@ -176,12 +190,12 @@ def _hf_vocab_size(d: dict, path: str) -> int:
     if diff:
         raise bad(f"model.vocab differs at {len(diff)} ids, e.g. {', '.join(diff[:4])}")
     added = d.get("added_tokens") or []
-    if not isinstance(added, list) or any(not isinstance(a, dict) or HF_SPECIAL_TOKENS.get(a.get("id")) !=
-                                          a.get("content") for a in added):
+    if not isinstance(added, list) or any(not isinstance(a, dict) or type(a.get("id")) is not int  # (not true: 1)
+                                          or HF_SPECIAL_TOKENS.get(a.get("id")) != a.get("content") for a in added):
         raise bad(f"added_tokens must be the special tokens {HF_SPECIAL_TOKENS} only")
     for key in ("pre_tokenizer", "decoder"):
         p = d.get(key)
-        if not isinstance(p, dict) or p.get("type") != "ByteLevel" or p.get("add_prefix_space", False):
+        if not isinstance(p, dict) or p.get("type") != "ByteLevel" or p.get("add_prefix_space", False) is not False:
             raise bad(f"{key} must be ByteLevel without add_prefix_space, got {p!r}")
     for key in ("normalizer", "post_processor", "truncation", "padding"):
         if d.get(key) is not None:

@@ -342,7 +342,7 @@ def dense_forward(model: DiffusionGemma, ids: torch.Tensor, prefix_len: int, sel
         canvas logits ``[B, CL, V]`` fp32 (fp64 for a float64 model), softcapped as :meth:`DiffusionGemma.forward` returns them.
 
     Raises:
-        ValueError: bad shapes.
+        ValueError: bad shapes; more positions (``P + CL``) than the config's ``max_position_embeddings``.
     """
     if ids.dim() != 2 or ids.dtype != torch.int64:
         raise ValueError(f"ids must be int64 [B, P + CL], got {ids.dtype} {tuple(ids.shape)}")
@@ -352,6 +352,9 @@ def dense_forward(model: DiffusionGemma, ids: torch.Tensor, prefix_len: int, sel
     if not 0 <= P < L:
         raise ValueError(f"prefix_len must be in [0, {L}), got {prefix_len}")
     cfg = model.config
+    if L > cfg.max_position_embeddings:  # positions [0, L): RoPE past the config's range (served nowhere)
+        raise ValueError(f"ids: P + CL = {L} positions exceed the config's max_position_embeddings "
+                         f"({cfg.max_position_embeddings})")
     hs = cfg.hidden_size
     if self_cond is not None and tuple(self_cond.shape) != (B, CL, hs):
         raise ValueError(f"self_cond must be [B={B}, CL={CL}, hidden={hs}], got {tuple(self_cond.shape)}")
@@ -484,6 +487,38 @@ def held_out_loss(model, stream: torch.Tensor, prefix_len: int, canvas_length: i
 
 
 # ---------------------------------------------------------------------------------------------- training
+def eval_max_model_len(prompt_len: int, canvases: int, canvas_length: int) -> int:
+    """The ``max_model_len`` of the evaluation's harness (:func:`blockdiff.integration.evaluate.evaluate_generation`
+    builds it with this): a prompt, its ``canvases`` canvases and one more canvas of room."""
+    return prompt_len + (canvases + 1) * canvas_length
+
+
+def train_config(args: "TrainArgs", config: DiffusionGemmaConfig | None = None) -> DiffusionGemmaConfig:
+    """The config :func:`train` trains: ``config``, else :func:`smoke_config` with ``args.smoke``, else
+    :func:`default_train_config`."""
+    return config or (smoke_config() if args.smoke else default_train_config())
+
+
+def position_problems(args: "TrainArgs", cfg: DiffusionGemmaConfig) -> list[tuple[type, str, str]]:
+    """``(ValueError, field, message)`` for each position a run of ``args`` on ``cfg`` would pass the config's
+    ``max_position_embeddings`` at: its training windows (``prefix + canvas_length``: :func:`dense_forward`
+    refuses them, RoPE there being outside the range the checkpoint serves) or, with an evaluation, its harness's
+    :func:`eval_max_model_len` (which failed after the whole run, before train_log.json was written). :func:`train`
+    raises the first before training; ``blockdiff train`` reports them by flag."""
+    CL, limit = cfg.canvas_length, cfg.max_position_embeddings
+    out = []
+    if args.prefix + CL > limit:
+        out.append((ValueError, "prefix", f"prefix ({args.prefix}) + canvas_length ({CL}) = {args.prefix + CL} "
+                                          f"training positions exceed the config's max_position_embeddings ({limit})"))
+    need = eval_max_model_len(args.eval_prompt_len, args.eval_canvases, CL)
+    if args.eval_prompts > 0 and need > limit:
+        out.append((ValueError, "eval_prompt_len",
+                    f"eval_prompt_len ({args.eval_prompt_len}) + (eval_canvases ({args.eval_canvases}) + 1) x "
+                    f"canvas_length ({CL}) = {need} evaluation positions exceed the config's "
+                    f"max_position_embeddings ({limit}); lower them or set eval_prompts = 0"))
+    return out
+
+
 def _autocast(dev):
     dev = torch.device(dev)
     if dev.type == "cuda":
@@ -507,7 +542,8 @@ def train(args: TrainArgs, config: DiffusionGemmaConfig | None = None, stream=No
 
     Raises:
         ValueError: ``args.eval_prompts > 0`` without ``evaluate`` (checked before training); the config's
-            vocabulary is not the byte tokenizer's.
+            vocabulary is not the byte tokenizer's; ``prefix + canvas_length`` or the evaluation's
+            :func:`eval_max_model_len` beyond the config's ``max_position_embeddings`` (checked before training).
         CorpusError: the corpus is missing, holds no text, or fewer tokens than one example (a ValueError).
         TypeError / ValueError: a field of ``args`` breaking its rule (:meth:`TrainArgs.problems`), ``out`` a file.
     """
@@ -524,10 +560,12 @@ def train(args: TrainArgs, config: DiffusionGemmaConfig | None = None, stream=No
     if dev.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     tok = ByteTokenizer()
-    cfg = config or (smoke_config() if args.smoke else default_train_config())
+    cfg = train_config(args, config)
     if cfg.vocab_size != tok.vocab_size:
         raise ValueError(f"config.vocab_size ({cfg.vocab_size}) != tokenizer vocab ({tok.vocab_size})")
     CL = cfg.canvas_length
+    for kind, _, msg in position_problems(args, cfg)[:1]:
+        raise kind(msg)
     train_ids, held = load_corpus(args.corpus, tok)
     p(f"corpus: {len(train_ids):,} train tokens, {len(held):,} held-out tokens ({args.corpus or 'stdlib'})")
     if len(train_ids) <= args.prefix + CL:

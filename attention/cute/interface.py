@@ -31,7 +31,7 @@ from dataclasses import replace
 
 import torch
 
-from ..validate import check_attention_inputs, length_hint_value, memory_overlaps
+from ..validate import check_attention_inputs, check_no_autograd, length_hint_value, memory_overlaps
 from .compile_cache import make_compile_cache
 from .config import (REQUIRED, WIDE_MAX_PAGE_BOXES, check_config, is_wide, kv_load_path, resolve_launch_config,
                      unsupported_head_dims)
@@ -209,7 +209,8 @@ def attention_cute(
             8..256 (multiples of 8) and outside equal multiples of 32 in (256, 512]
             (:func:`~blockdiff.attention.cute.config.unsupported_head_dims`), a GPU other than SM90; with an
             explicit ``wide_design="roles"`` at head dims above 256, a page size the TMA page boxes cannot load
-            (``"auto"`` takes the split-value kernel there).
+            (``"auto"`` takes the split-value kernel there); grad mode on and an input (or ``out``) that requires
+            grad (the kernels compute no gradients: :func:`blockdiff.attention.validate.check_no_autograd`).
     """
     info = check_attention_inputs(
         q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens, causal=causal,
@@ -223,6 +224,7 @@ def attention_cute(
     why = unsupported_head_dims(info.head_dim, info.head_dim_v)
     if why is not None:
         raise NotImplementedError(f"backend 'cute': {why}")
+    check_no_autograd("cute", q, k_cache, v_cache, out)
     # a bad config field is refused here, before the CuTe DSL import and any GPU work
     check_config(config, head_dims=(info.head_dim, info.head_dim_v))
     fa = _fa4()

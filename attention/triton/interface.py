@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import torch
 
-from ..validate import check_attention_inputs, debug_checks
+from ..validate import check_attention_inputs, check_no_autograd, debug_checks
 from .config import (TUNED_CONFIGS, TUNED_GLUON_CONFIGS, TUNED_SPLIT_CONFIGS, TritonAttention, choose_num_splits,
                      ctas_per_sm, default_config, get_kernel, interpreting)
 from .plans import make_plan, plan_key, run_plan
@@ -156,6 +156,8 @@ def attention_triton(
         diagonal, a window edge), reaches that row's output; finite V is exact there too.
 
     Raises:
+        NotImplementedError: grad mode on and an input (or ``out``) that requires grad: the kernels compute no
+            gradients (:func:`blockdiff.attention.validate.check_no_autograd`; the reference is differentiable).
         TypeError, ValueError: see :func:`blockdiff.attention.validate.check_attention_inputs`; also a bad
             ``config`` (unknown key, tile not a power of two >= 16: ValueError; a value of the wrong type, e.g. a
             bool for ``num_splits`` or an int for ``LAZY_RESCALE``: TypeError naming the key) or a non-unit last-dim
@@ -164,6 +166,7 @@ def attention_triton(
     if isinstance(q, torch.Tensor) and q.device.type != "cuda" and not interpreting():
         raise ValueError(f"backend 'triton' needs CUDA tensors, got q on {q.device}; on the CPU set "
                          "TRITON_INTERPRET=1 before importing triton to run the kernel in the Triton interpreter")
+    check_no_autograd("triton", q, k_cache, v_cache, out)  # (the launch plans too: a host check, no sync)
     calls = (cu_seqlens_q, seq_lens, causal, num_causal_q, block_table, cu_seqlens_k)
     if check_values is False and debug_checks():
         check_values = None  # the debug switch: the full path, value checks included (unless capturing)

@@ -26,6 +26,16 @@ def default_soft_impl(device: torch.device, embedding_dtype: torch.dtype) -> str
     return "chunked" if cuda and embedding_dtype in (torch.bfloat16, torch.float16) else "triton_gemm"
 
 
+#: Launch fields that Triton needs as powers of two, with their least value: the stats tile's ``tl.arange`` extents
+#: (``block_p`` positions, ``4 * block_g`` tokens), the soft GEMM's ``tl.dot`` tiles (>= 16 on the GPU) and
+#: ``num_warps``. Another value failed at the first sampler step, inside Triton's compiler (on a serving engine).
+_POW2_FIELDS = {"block_p": 1, "block_g": 1, "block_m": 16, "block_n": 16, "block_k": 16, "stats_warps": 1,
+                "gemm_warps": 1}
+_POW2_WHY = {"block_p": "the stats tile's positions (tl.arange)", "block_g": "the stats tile's 4 * block_g tokens "
+             "(tl.arange)", "block_m": "a tl.dot tile", "block_n": "a tl.dot tile", "block_k": "a tl.dot tile",
+             "stats_warps": "Triton's num_warps", "gemm_warps": "Triton's num_warps"}
+
+
 @dataclass(frozen=True)
 class SamplerConfig:
     """Static launch parameters (compile-cache keys). ``None`` = chosen from the shapes by :meth:`resolve`.
@@ -54,9 +64,11 @@ class SamplerConfig:
 
     Raises:
         ValueError: unknown ``soft_impl``, ``soft_chunk < 1``, ``stats_overlap`` with ``soft_impl="triton_gemm"``,
-            an integer field (``block_p`` ... ``gemm_stages``) < 1.
-        TypeError: ``use_tma`` / ``soft_overlap`` / ``stats_overlap`` not a bool or None; an integer field not an
-            int or None.
+            an integer field (``block_p`` ... ``gemm_stages``) < 1; ``block_p``, ``block_g``, ``stats_warps``,
+            ``gemm_warps`` not a power of two, ``block_m`` / ``block_n`` / ``block_k`` not a power of two >= 16
+            (:data:`_POW2_FIELDS`: Triton refused them at the first step).
+        TypeError: ``use_tma`` / ``soft_overlap`` / ``stats_overlap`` not a bool or None; an integer field
+            (``soft_chunk`` included) not an int or None.
     """
 
     block_p: int | None = None
@@ -86,7 +98,15 @@ class SamplerConfig:
                 raise ValueError(f"SamplerConfig.{name} must be an int >= 1 or None (chosen from the shapes), got {v}")
         if self.soft_impl not in SOFT_IMPLS + (None,):
             raise ValueError(f"SamplerConfig.soft_impl must be one of {SOFT_IMPLS}, got {self.soft_impl!r}")
-        if self.soft_chunk is not None and int(self.soft_chunk) < 1:
+        for name, lo in _POW2_FIELDS.items():  # tl.arange extents (a power of two), tl.dot tiles (>= 16), num_warps
+            v = getattr(self, name)
+            if v is not None and (v < lo or v & (v - 1)):
+                raise ValueError(f"SamplerConfig.{name} must be a power of two >= {lo} or None (chosen from the "
+                                 f"shapes), got {v}: {_POW2_WHY[name]}")
+        if self.soft_chunk is not None and (isinstance(self.soft_chunk, bool) or not isinstance(self.soft_chunk, int)):
+            raise TypeError(f"SamplerConfig.soft_chunk must be an int >= 1 tokens or None, got "
+                            f"{type(self.soft_chunk).__name__} ({self.soft_chunk!r})")  # ("8", 2.5, True: coerced)
+        if self.soft_chunk is not None and self.soft_chunk < 1:
             raise ValueError(f"SamplerConfig.soft_chunk must be >= 1 tokens, got {self.soft_chunk}")
         for name in ("use_tma", "soft_overlap", "stats_overlap"):
             v = getattr(self, name)

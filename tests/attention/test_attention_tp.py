@@ -163,3 +163,16 @@ def test_gather_heads_refuses_empty_mixed_and_mismatched_results():
         gather_heads([out, out[:3]])
     with pytest.raises(TypeError, match="must all be out tensors or all"):
         gather_heads([out, (out, torch.zeros(2, 5))])
+
+
+def test_gather_heads_refuses_an_lse_that_does_not_match_its_rank_s_out():
+    """Pairs whose lse had another head count than their out (rank 0: 2 heads with a 3-head lse, rank 1: 2 heads
+    with a 1-head lse) concatenated into an lse of the right total size, every head's lse after rank 0's first
+    two shifted to another head, silently."""
+    out = torch.zeros(5, 2, 4)
+    lse = torch.arange(10, dtype=torch.float32).reshape(2, 5)
+    o, l = gather_heads([(out, lse), (out, lse)])
+    assert o.shape == (5, 4, 4) and torch.equal(l, torch.cat([lse, lse]))
+    for bad in (torch.zeros(3, 5), torch.zeros(2, 4), torch.zeros(5, 2), torch.zeros(2, 5, dtype=torch.float64)):
+        with pytest.raises(ValueError, match=r"outs\[1\]: lse must be \[H_local=2, total_q=5\] float32"):
+            gather_heads([(out, lse), (out, bad)])

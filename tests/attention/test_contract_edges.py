@@ -184,6 +184,34 @@ def test_non_tensor_q_is_a_type_error_naming_q_before_anything_else(backend, q):
         attention(**dict(b, q=q), backend=backend)
 
 
+@pytest.mark.parametrize("backend", validating_backend_params())
+@pytest.mark.parametrize("which", ["q", "k_cache", "v_cache", "out"])
+def test_a_kernel_backend_under_autograd_raises_instead_of_cutting_the_graph(backend, which):
+    """The kernel backends write their output outside the autograd graph: called with grad mode on and q (or K / V,
+    as a model being trained computes them) requiring grad, triton returned an output with no grad_fn, so nothing
+    flowed back through attention, silently. Now NotImplementedError naming the tensor and the way out; the same
+    call under torch.no_grad() runs, and the reference stays differentiable."""
+    b = make_batch([5, 4], [3, 4], causal=[True, False], dtype=torch.bfloat16)
+    args = dict(b, out=torch.empty_like(b["q"]) if which == "out" else None)
+    args[which] = args[which].clone().requires_grad_(True)
+    if backend == "reference":
+        if which == "out":
+            pytest.skip("the reference writes out in place under autograd as torch does (a leaf refuses it)")
+        attention(**args, backend=backend).float().sum().backward()
+        assert args[which].grad is not None and torch.isfinite(args[which].grad).all()
+        return
+    with pytest.raises(NotImplementedError, match=rf"backend '{backend}' computes no gradients, but {which} requires "
+                                                  r"grad with grad mode on.*torch.no_grad\(\)"):
+        attention(**args, backend=backend)
+    if backend == "triton":
+        with torch.no_grad():
+            assert torch.isfinite(attention(**args, backend=backend)).all()
+        with torch.no_grad():
+            assert torch.isfinite(attention(**args, backend=backend, check_values=False)).all()  # a launch plan
+        with pytest.raises(NotImplementedError, match="computes no gradients"):  # the planned path checks too
+            attention(**args, backend=backend, check_values=False)
+
+
 def test_non_monotone_cu_seqlens_k_is_reported_as_cu_seqlens_k():
     """Was 'seq_lens[1] = -1 < query length' about seq_lens the caller never passed."""
     b = make_batch([4, 3], [2, 2], causal=[True, False], dtype=torch.float32, paged=False)

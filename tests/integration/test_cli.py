@@ -166,6 +166,16 @@ def test_train_flag_errors_exit_2_naming_the_flag_before_training(tmp_path, caps
     assert not (tmp_path / "o").exists()
 
 
+def test_train_prefix_past_the_config_s_positions_exits_2_naming_prefix_before_training(tmp_path, capsys):
+    """--prefix 5000 (the default config holds 4096 positions) trained on positions the checkpoint never serves."""
+    rc = cli.main(["train", "--eval-prompts", "0", "--max-steps", "1", "--out", str(tmp_path / "o"),
+                   "--prefix", "5000"])
+    out = capsys.readouterr()
+    assert rc == 2 and out.err.startswith("blockdiff train: error: --prefix: prefix (5000) + canvas_length (32) = "
+                                          "5032 training positions exceed the config's max_position_embeddings (4096)")
+    assert not (tmp_path / "o").exists()
+
+
 def test_train_corpus_with_no_text_exits_2_naming_corpus(tmp_path, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()

@@ -90,3 +90,29 @@ def test_evaluate_generation_counts_failed_requests_of_a_diverged_checkpoint():
     sound = evaluate_generation(DiffusionGemma(smoke_config(), seed=4, moe_impl="loop").eval(), TOK, _stream(),
                                 num_prompts=2, prompt_len=12, canvases=1, max_denoising_steps=3, seed=0)
     assert sound["requests_failed"] == 0 and {s["finish_reason"] for s in sound["samples"]} <= {"eos", "length"}
+
+
+@pytest.mark.parametrize("kw, err, match", [
+    (dict(num_prompts=0), ValueError, "num_prompts must be an int >= 1, got 0"),
+    (dict(num_prompts=1.5), TypeError, r"num_prompts must be an int >= 1, got float \(1.5\)"),
+    (dict(prompt_len=0), ValueError, "prompt_len must be an int >= 1, got 0"),
+    (dict(prompt_len=True), TypeError, r"prompt_len must be an int >= 1, got bool \(True\)"),
+    (dict(canvases=0), ValueError, "canvases must be an int >= 1, got 0"),
+    (dict(held_out=list(_stream())), TypeError, "held_out must be a 1-D integer token stream .* got list"),
+    (dict(held_out=_stream().astype(np.float64)), TypeError, "held_out must be .* got 1-D float64"),
+    (dict(held_out=_stream()[:400].reshape(2, -1)), TypeError, "held_out must be .* got 2-D int16")])
+def test_evaluate_generation_arguments_breaking_their_rule_are_named(kw, err, match):
+    """Was: num_prompts / prompt_len 0, a 2-D stream: "no held-out prompt found (held-out stream too short)";
+    canvases 0: "max_tokens must be in [1, 2**62]"; num_prompts 1.5, prompt_len True, a float stream: evaluated; a
+    list: numpy's "Calling nonzero on 0d arrays"."""
+    model = DiffusionGemma(smoke_config(), seed=4, moe_impl="loop").eval()
+    args = dict(held_out=_stream(), num_prompts=1, prompt_len=12, canvases=1, max_denoising_steps=1)
+    args.update(kw)
+    with pytest.raises(err, match=match):
+        evaluate_generation(model, TOK, args.pop("held_out"), **args)
+
+
+def test_held_out_prompts_take_a_tensor_stream_as_its_array():
+    held = _stream()
+    assert held_out_prompts(TOK, torch.from_numpy(held), 3, 12, seed=1) == held_out_prompts(TOK, held, 3, 12, seed=1)
+    assert held_out_prompts(TOK, held, 0, 12) == []

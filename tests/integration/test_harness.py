@@ -520,3 +520,16 @@ def test_slot_removed_behind_the_harness_is_a_clear_error_not_a_page_pool_error(
     with pytest.raises(RuntimeError, match=r"\['a'\].*abort") as e:
         r.run(max_steps=100)
     assert "num_blocks" not in str(e.value)
+
+
+def test_requests_admitted_by_schedule_batch_are_reported_in_the_next_step_s_arrivals(make_runner):
+    """schedule_batch admits arrivals (they get slots and are scheduled) but recorded them in a throwaway
+    StepRecord, so no StepRecord ever listed them in ``arrived`` (the demo's event line showed nothing)."""
+    r = make_runner()
+    r.add_request("a", prompt(5, 0), params(max_tokens=CL))
+    r.add_request("b", prompt(3, 1), params(max_tokens=CL), arrival_step=1)
+    assert r.schedule_batch().req_ids == ["a"]
+    assert r.step().arrived == ["a"]
+    assert r.step().arrived == ["b"]                    # admitted by the step itself, as before
+    r.run()
+    assert sorted(x for h in r.history for x in h.arrived) == ["a", "b"]

@@ -93,6 +93,17 @@ def test_backends_device_and_kv_dtype_are_checked_at_construction(make_runner, k
         make_runner(**kw)
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e5m2, torch.float8_e4m3fn])
+def test_model_in_float8_is_refused_at_construction_naming_its_dtype(dtype):
+    """A model moved to float8 (``.to(torch.float8_e5m2)``) was accepted, its KV caches allocated in float8, and
+    its requests failed at the first step with torch's NotImplementedError inside the forward pass."""
+    torch.manual_seed(0)
+    model = DiffusionGemma(tiny_config(canvas_length=CL)).eval().to(dtype)
+    with pytest.raises(TypeError, match=rf"model: its parameters are {dtype}; the harness runs a model in one of "
+                                        r"torch.bfloat16, torch.float16, torch.float32, torch.float64"):
+        HarnessRunner(model, default_params=params(), max_num_batched_tokens=4 * CL, page_size=4, max_model_len=64)
+
+
 def test_auto_backends_resolve_for_the_device(make_runner):
     r = make_runner(attn_backend="auto", sampler_backend="auto")
     assert (r.attn_backend, r.sampler_backend) == ("reference", "reference")  # CPU

@@ -458,6 +458,20 @@ def test_garbage_tokenizer_json_is_a_checkpoint_error_naming_it(tmp_path):
             load_pretrained(folder)
 
 
+@pytest.mark.parametrize("field, value", [("vocab_size", 259.0), ("vocab_size", True), ("pad_token_id", False),
+                                          ("pad_token_id", 0.0), ("eos_token_id", True), ("byte_offset", 3.0)])
+def test_tokenizer_json_ids_of_another_json_type_are_a_checkpoint_error_not_equal(tmp_path, field, value):
+    """The file was compared with ``==``, so ``"eos_token_id": true`` or ``"vocab_size": 259.0`` passed as the ids
+    1 and 259 (every other checkpoint file refuses a bool or a float for an int)."""
+    folder = make_ckpt(tmp_path)
+    d = ByteTokenizer().to_dict()
+    d[field] = value
+    with open(os.path.join(folder, "tokenizer.json"), "w") as f:
+        json.dump(d, f)
+    with pytest.raises(CheckpointError, match=rf"tokenizer\.json .*describes .*'{field}': {value!r}"):
+        load_pretrained(folder)
+
+
 # ---- generation_config.json: the checkpoint's sampling defaults ----------------------------------------------------
 GEN = {"max_denoising_steps": 7, "t_min": 0.3, "t_max": 0.9, "stability_threshold": 2, "confidence_threshold": 0.01,
        "eos_token_id": [5, 1], "max_new_tokens": 64, "bos_token_id": 2, "pad_token_id": 0,
@@ -574,6 +588,51 @@ def test_loading_in_a_dtype_that_cannot_hold_a_weight_is_a_checkpoint_error_nami
     sd[name][0, 0], sd[name][0, 1] = 1.0, float("inf")
     model = DiffusionGemma.from_pretrained_state_dict(sd, tiny_config(), dtype=torch.float16)
     assert int(model.layers[0].mlp.down_proj.weight.isinf().sum()) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.complex64])
+def test_model_dtype_outside_bf16_fp16_fp32_fp64_is_a_type_error_naming_it(tmp_path, dtype):
+    """A float8 (or complex) dtype passed the old "a floating torch.dtype" rule (or no rule: the constructor): the
+    constructor then raised NotImplementedError inside its random init, load_safetensors inside its cast check,
+    and a float8_e5m2 load succeeded, weights rounded to 2 mantissa bits, to fail only at the first forward pass
+    (NotImplementedError in a torch kernel); allocate_kv_caches made float8 caches no attention backend takes."""
+    rule = r"dtype must be a floating torch.dtype the model computes in \(torch.bfloat16, torch.float16, " \
+           r"torch.float32, torch.float64\) or None, got " + re.escape(str(dtype))
+    with pytest.raises(TypeError, match=rule):
+        DiffusionGemma(tiny_config(), dtype=dtype)
+    with pytest.raises(TypeError, match=rule):
+        DiffusionGemma(tiny_config(), device="meta", dtype=dtype)
+    with pytest.raises(TypeError, match=rule):
+        DiffusionGemma(tiny_config()).allocate_kv_caches(2, 4, dtype=dtype)
+    with pytest.raises(TypeError, match=rule):
+        DiffusionGemma.load_safetensors(SHIPPED, dtype=dtype)
+    with pytest.raises(TypeError, match=rule):
+        load_pretrained(SHIPPED, dtype=dtype)
+    sd = hf_state_dict(DiffusionGemma(tiny_config()), torch.float32)
+    with pytest.raises(TypeError, match=rule):
+        DiffusionGemma.from_pretrained_state_dict(sd, tiny_config(), dtype=dtype)
+
+
+def test_checkpoint_stored_in_float8_needs_a_dtype_to_load(tmp_path):
+    """Without dtype= a model takes its checkpoint's dtype; an embedding stored as float8 made a float8 model (a
+    NotImplementedError in the load's cast check, or, float8_e5m2, a model that failed at its first forward pass).
+    It is a CheckpointError naming the tensor and the dtypes to pass; with dtype= the float8 weights are widened."""
+    torch.manual_seed(0)
+    sd = hf_state_dict(DiffusionGemma(tiny_config()), torch.float32)
+    name = "model.decoder.embed_tokens.weight"
+    for f8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+        sd8 = dict(sd, **{name: sd[name].to(f8)})
+        with pytest.raises(CheckpointError, match=rf"{re.escape(name)} is stored as {re.escape(str(f8))}, which the "
+                                                  r"model does not compute in: pass dtype="):
+            DiffusionGemma.from_pretrained_state_dict(sd8, tiny_config())
+        folder = tmp_path / str(f8)
+        folder.mkdir()
+        save_file(sd8, str(folder / "model.safetensors"))
+        with pytest.raises(CheckpointError, match=rf"{re.escape(str(folder))}: .*is stored as"):
+            DiffusionGemma.load_safetensors(folder, config=tiny_config())
+        model = DiffusionGemma.load_safetensors(folder, config=tiny_config(), dtype=torch.float32)
+        assert model.embed_tokens.weight.dtype == torch.float32
+        assert torch.equal(model.embed_tokens.weight, sd8[name].to(torch.float32))
 
 
 def test_generation_schedule_rule_agrees_with_the_sampler_s():

@@ -251,6 +251,31 @@ def test_byte_tokenizer_loads_the_hf_tokenizer_json_the_export_writes(exported, 
             ByteTokenizer.load(tmp_path)
 
 
+def test_hf_tokenizer_json_of_wrong_json_types_is_a_checkpoint_error_naming_the_file(tmp_path):
+    """A number or a bool for ``model.merges`` raised a bare TypeError (``len(5)``), not the CheckpointError naming
+    the file; an added token ``{"id": true, "content": "<eos>"}`` passed as id 1, and ``add_prefix_space: 0`` as
+    false (``==`` / truthiness)."""
+    base = hf_tokenizer_json(259)
+
+    def variant(change):
+        d = json.loads(json.dumps(base))
+        change(d)
+        return d
+    bad = [(variant(lambda d: d["model"].update(merges=5)), "merges must be empty"),
+           (variant(lambda d: d["model"].update(merges=True)), "merges must be empty"),
+           (variant(lambda d: d["model"].update(merges={"a": "b"})), "merges must be empty"),
+           (variant(lambda d: d["added_tokens"][1].update(id=True)), "added_tokens"),
+           (variant(lambda d: d["added_tokens"][0].update(id=0.0)), "added_tokens"),
+           (variant(lambda d: d["pre_tokenizer"].update(add_prefix_space=0)), "pre_tokenizer must be ByteLevel"),
+           (variant(lambda d: d["decoder"].update(add_prefix_space=None)), "decoder must be ByteLevel")]
+    for d, what in bad:
+        (tmp_path / "tokenizer.json").write_text(json.dumps(d))
+        with pytest.raises(CheckpointError, match=rf"tokenizer\.json \(.*\) is a Hugging Face tokenizer.*{what}"):
+            ByteTokenizer.load(tmp_path)
+    (tmp_path / "tokenizer.json").write_text(json.dumps(variant(lambda d: d["model"].update(merges=None))))
+    assert ByteTokenizer.load(tmp_path).vocab_size == 259
+
+
 def test_load_pretrained_serves_an_exported_folder_with_its_generation_config(exported):
     model, tok = load_pretrained(exported, dtype=torch.float32)
     shipped, _ = load_pretrained(SHIPPED, dtype=torch.float32)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -446,6 +447,40 @@ def test_default_moe_impl_is_loop_on_cpu(model):
         DiffusionGemma(tiny_config(), moe_impl="auto")
 
 
+def test_automatic_moe_impl_takes_the_loop_where_grouped_mm_cannot_run_the_experts(monkeypatch):
+    """The automatic choice took grouped_mm for bf16 on sm90 / sm100 whatever the expert shapes: a hidden size of 60
+    (120-byte rows) or an intermediate size of 30 then failed inside the forward pass with torch's "strides should
+    be multiple of 16 bytes"; it now takes the loop there."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+
+    def x(hidden, dtype=torch.bfloat16):
+        return SimpleNamespace(is_cuda=True, dtype=dtype, shape=(5, hidden), device="cuda:0")
+    assert default_moe_impl(x(64), 32) == "grouped_mm" and default_moe_impl(x(64)) == "grouped_mm"
+    assert default_moe_impl(x(60), 32) == "loop" and default_moe_impl(x(64), 30) == "loop"
+
+
+@pytest.mark.parametrize("dtype, hidden, inter, why", [
+    (torch.float64, 64, 32, r"takes bf16 / fp16 / fp32 operands, not torch.float64"),
+    (torch.float32, 64, 30, r"rows of a multiple of 16 bytes in torch.float32: moe_intermediate_size = 30 \(120 bytes\)"),
+    (torch.bfloat16, 60, 32, r"rows of a multiple of 16 bytes in torch.bfloat16: hidden_size = 60 \(120 bytes\)")])
+def test_explicit_grouped_mm_the_experts_cannot_run_is_not_implemented_naming_why(dtype, hidden, inter, why):
+    """moe_impl="grouped_mm" on a float64 model or experts whose rows are not 16-byte multiples raised torch's
+    RuntimeError from inside the forward pass ("Expected mat_a to be Float32, BFloat16 or Float16 matrix", "strides
+    should be multiple of 16 bytes"); the loop runs them."""
+    cfg = tiny_config(hidden_size=hidden, moe_intermediate_size=inter)
+    meta, pos = build_meta([5], [5], [True], PS)
+    ids = torch.randint(0, cfg.vocab_size, (5,))
+    m = DiffusionGemma(cfg, moe_impl="grouped_mm", dtype=dtype).eval()
+    with torch.no_grad(), pytest.raises(NotImplementedError, match=rf"moe_impl='grouped_mm': .*{why}; use "
+                                                                    r"moe_impl='loop'"):
+        m(ids, pos, meta, m.allocate_kv_caches(4, PS), attn_backend="reference")
+    m.moe_impl = "loop"
+    with torch.no_grad():
+        assert torch.isfinite(m(ids, pos, meta, m.allocate_kv_caches(4, PS), attn_backend="reference")).all()
+
+
 def test_empty_batch_is_named_as_such_not_a_shape_mismatch(model, good):
     cfg, caches, meta, pos, ids = good
     meta0, _ = build_meta([3], [3], [True], PS)
@@ -454,6 +489,70 @@ def test_empty_batch_is_named_as_such_not_a_shape_mismatch(model, good):
     meta0.slot_mapping = meta0.slot_mapping[:0]
     with pytest.raises(ValueError, match="at least one sequence"):
         model(ids[:0], pos[:0], meta0, caches, attn_backend="reference")
+
+
+@pytest.mark.parametrize("arg", ["input_ids", "positions", "self_cond", "meta.cu_seqlens_q", "meta.seq_lens",
+                                 "meta.block_table", "meta.slot_mapping", "meta.causal"])
+def test_step_tensor_on_another_device_than_the_model_is_a_value_error_naming_it(model, good, arg):
+    """A step tensor on another device (here ``meta``; a CPU tensor beside a CUDA model alike) raised torch's
+    RuntimeError from inside the forward pass ("Tensor on device cpu is not on the expected device meta!"), naming
+    neither the argument nor the devices."""
+    cfg, caches, meta, pos, ids = good
+    args = {"input_ids": ids, "positions": pos, "self_cond": torch.zeros(3, cfg.hidden_size)}
+    if arg.startswith("meta."):
+        setattr(meta, arg[5:], getattr(meta, arg[5:]).to("meta"))
+    else:
+        args[arg] = args[arg].to("meta")
+    with pytest.raises(ValueError, match=rf"{re.escape(arg)} is on meta, the model on cpu"):
+        model(args["input_ids"], args["positions"], meta, caches, args["self_cond"], attn_backend="reference")
+
+
+@pytest.mark.parametrize("what", ["slot_on_another_page", "one_slot_off", "position_of_another_row",
+                                  "positions_shifted"])
+def test_rows_whose_slot_or_position_is_not_their_key_position_are_a_value_error(model, what):
+    """forward() wrote each row's K/V at meta.slot_mapping and attention read the keys through meta.block_table;
+    a slot_mapping that disagreed with the block table (a sequence's rows written on another page) gave logits
+    0.77 off, silently (the rows attended to stale cache rows), and a RoPE position other than the row's key
+    position (seq_lens - query length + row) rotated it as another row. With value checks it is a ValueError naming
+    the row; a negative slot (padding: the row is not written) stays allowed, and so does a correct second
+    sequence on other pages."""
+    cfg = model.config
+    meta, pos = build_meta([5, 3], [5, 7], [True, False], PS, block_ids=[[2, 0], [5, 1]], num_blocks=8)
+    ids = torch.randint(0, cfg.vocab_size, (8,))
+    if what == "slot_on_another_page":
+        meta.slot_mapping[:5] += 3 * PS
+        match = r"meta.slot_mapping\[0\] = 20, but block_table puts that row \(row 0 of sequence 0, key position 0\) " \
+                r"at slot 8 \(page 2, page_size 4\)"
+    elif what == "one_slot_off":
+        meta.slot_mapping[6] += 1
+        match = r"meta.slot_mapping\[6\] = 6, but block_table puts that row \(row 1 of sequence 1, key position 5\)"
+    elif what == "position_of_another_row":
+        pos[2] = 0
+        match = r"positions\[2\] = 0, but that row \(row 2 of sequence 0\) is key position 2"
+    else:
+        pos = pos + 7
+        match = r"positions\[0\] = 7, but that row \(row 0 of sequence 0\) is key position 0 .*8 rows disagree"
+    with pytest.raises(ValueError, match=match):
+        model(ids, pos, meta, model.allocate_kv_caches(8, PS), attn_backend="reference")
+    model(ids, pos, meta, model.allocate_kv_caches(8, PS), attn_backend="reference", check_values=False)  # trusted
+
+
+def test_negative_slots_and_consistent_rows_pass_the_row_layout_check(model):
+    cfg = model.config
+    meta, pos = build_meta([5, 3], [5, 7], [True, False], PS, block_ids=[[2, 0], [5, 1]], num_blocks=8)
+    meta.slot_mapping[1] = -1
+    out = model(torch.randint(0, cfg.vocab_size, (8,)), pos, meta, model.allocate_kv_caches(8, PS),
+                attn_backend="reference")
+    assert torch.isfinite(out).all()
+
+
+def test_kv_caches_entry_that_is_not_a_tensor_is_a_type_error_naming_it(model, good):
+    """Was an AttributeError ("'NoneType' object has no attribute 'dim'")."""
+    cfg, caches, meta, pos, ids = good
+    bad = list(caches)
+    bad[2] = (caches[2][0], None)
+    with pytest.raises(TypeError, match=r"kv_caches\[2\]\.v_cache must be a torch.Tensor, got NoneType"):
+        model(ids, pos, meta, bad, attn_backend="reference")
 
 
 @pytest.mark.parametrize("flags", [torch.tensor([1]), torch.tensor([0.3]), torch.tensor([2], dtype=torch.uint8)])

@@ -59,6 +59,34 @@ def test_dense_forward_rejects_bad_shapes():
         dense_forward(model, ids.int(), 4)
 
 
+def test_dense_forward_refuses_positions_past_max_position_embeddings():
+    """dense_forward ran RoPE at positions [0, P + CL) with no bound: a training window past the config's
+    max_position_embeddings trained positions the saved checkpoint never serves (DiffusionGemma.forward refuses them),
+    silently."""
+    model = DiffusionGemma(smoke_config(max_position_embeddings=16), moe_impl="loop")
+    assert dense_forward(model, torch.zeros(1, 16, dtype=torch.int64), 8).shape == (1, 8, 259)
+    with pytest.raises(ValueError, match=r"ids: P \+ CL = 17 positions exceed the config's max_position_embeddings "
+                                         r"\(16\)"):
+        dense_forward(model, torch.zeros(1, 17, dtype=torch.int64), 9)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(prefix=5000, eval_prompts=0), r"prefix \(5000\) \+ canvas_length \(8\) = 5008 training positions exceed "
+                                        r"the config's max_position_embeddings \(4096\)"),
+    (dict(eval_prompts=1, eval_prompt_len=5000), r"eval_prompt_len \(5000\) \+ \(eval_canvases \(2\) \+ 1\) x "
+                                                 r"canvas_length \(8\) = 5024 evaluation positions exceed")])
+def test_train_refuses_positions_past_max_position_embeddings_before_training(tmp_path, kw, match):
+    """Was: a prefix past the config's positions trained silently (dense_forward had no bound), and an evaluation
+    prompt too long for them trained the whole run, then failed in the evaluation's HarnessRunner (max_model_len
+    > max_position_embeddings) before train_log.json was written: the run's record lost."""
+    from blockdiff.integration.evaluate import evaluate_generation
+
+    args = TrainArgs(out=str(tmp_path / "out"), max_steps=1, batch_size=2, smoke=True, **kw)
+    with pytest.raises(ValueError, match=match):
+        train(args, stream=io.StringIO(), evaluate=evaluate_generation)
+    assert not (tmp_path / "out").exists()  # nothing ran
+
+
 def test_uniform_noise_rate():
     g = torch.Generator().manual_seed(0)
     clean = torch.randint(3, 259, (4, 4096), generator=g)

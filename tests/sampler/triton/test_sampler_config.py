@@ -69,3 +69,27 @@ def test_sampler_config_int_fields_must_be_ints_of_at_least_one(name, value, exc
     """``split_k=0`` silently meant "automatic" (the same as None); a float or bool reached the launch."""
     with pytest.raises(exc, match=f"SamplerConfig.{name} must be an int >= 1"):
         SamplerConfig(**{name: value})
+
+
+@pytest.mark.parametrize("name, value", [("block_p", 3), ("block_g", 3), ("block_g", 6), ("block_m", 3),
+                                         ("block_m", 8), ("block_n", 5), ("block_k", 48), ("stats_warps", 3),
+                                         ("gemm_warps", 6)])
+def test_sampler_config_tiles_and_warps_must_be_powers_of_two(name, value):
+    """block_p=3, block_g=3, block_m=3, ... were accepted and failed at the first sampler step inside Triton
+    ("arange's range must be a power of 2"; on the GPU a tl.dot below 16 or a num_warps of 3 too): on a serving
+    engine, mid-request. Now a ValueError at construction naming the field and why."""
+    lo = 16 if name in ("block_m", "block_n", "block_k") else 1
+    with pytest.raises(ValueError, match=rf"SamplerConfig.{name} must be a power of two >= {lo} or None .*got {value}"):
+        SamplerConfig(**{name: value})
+    SamplerConfig(**{name: 2 * lo})  # a power of two at least lo is taken
+    for v in (16, 64, 1024):
+        assert SamplerConfig().resolve(v, 1000, 48, torch.device("cpu")) is not None  # resolve's own tiles pass
+
+
+@pytest.mark.parametrize("value", ["8", 2.5, True])
+def test_sampler_config_soft_chunk_must_be_an_int(value):
+    """soft_chunk went through int(): "8", 2.5 and True were taken as 8, 2 and 1 tokens (every other integer field
+    refuses them); "x" was int()'s ValueError, naming nothing."""
+    with pytest.raises(TypeError, match=rf"SamplerConfig.soft_chunk must be an int >= 1 tokens or None, got "
+                                        rf"{type(value).__name__}"):
+        SamplerConfig(soft_chunk=value)
