@@ -469,7 +469,9 @@ class DiffusionGemma(nn.Module):
                 ``config``); also a ``FileNotFoundError``.
             CheckpointError: a bad ``config.json`` / ``generation_config.json`` field, an unreadable or malformed
                 safetensors file or index, missing / unexpected / mis-shaped / wrongly typed tensors (all listed),
-                a ``dtype`` that cannot hold a weight (a finite value overflowing to inf); the message names the file.
+                a ``dtype`` that cannot hold a weight (a finite value overflowing to inf), or, without ``dtype``, an
+                embedding stored in a dtype outside :data:`~blockdiff.model.loading.MODEL_DTYPES` (float8: pass
+                ``dtype=``); the message names the file.
         """
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"path must be a str or os.PathLike (a .safetensors file or a checkpoint folder), got "
