@@ -61,7 +61,8 @@ def test_cute_folder_hands_cute_tests_its_shards_without_the_probe(tmp_path):
     dev = tmp_path / "bench" / "experiments" / "device"
     dev.mkdir(parents=True)
     shutil.copy(root / SCRIPT, dev / "cute_folder.sh")
-    (dev / "cute_tests.sh").write_text('echo "T=$T PROBE=$PROBE"; IFS=";" read -ra s <<< "$FILES"; echo "shards=${#s[@]}"\n')
+    (dev / "cute_tests.sh").write_text('echo "T=$T PROBE=$PROBE"; IFS=";" read -ra s <<< "$FILES"; '
+                                       'echo "shards=${#s[@]}"\n')
     env = {k: v for k, v in os.environ.items() if k not in ("T", "PROBE", "FILES")}
 
     def run(**kw):
