@@ -265,11 +265,15 @@ class DiffusionGemma(nn.Module):
                 raise ValueError(f"{name} is on {t.device}, the model on {dev}: pass the step's tensors on the "
                                  "model's device")
         if check_values and T:
-            # one host read (a sync on a GPU) for the whole check; skipped under CUDA-graph capture
+            # one host read (a sync on a GPU) for the whole check, the row layout's metadata included; skipped under
+            # CUDA-graph capture
             V, P = self.config.vocab_size, self.config.max_position_embeddings
             bad = (input_ids < 0) | (input_ids >= V)
             bad_pos = (positions < 0) | (positions >= P)
-            any_bad, any_bad_pos = torch.stack((bad.any(), bad_pos.any())).tolist()
+            layout = self._row_layout_tensors(meta, positions)
+            host = torch.cat([torch.stack((bad.any(), bad_pos.any())).to(torch.int64)]
+                             + [t.reshape(-1) for t in layout]).cpu()
+            any_bad, any_bad_pos = host[:2].tolist()
             if any_bad:
                 where = torch.nonzero(bad).flatten()[:8].tolist()
                 ids = input_ids[where].tolist()
@@ -280,27 +284,39 @@ class DiffusionGemma(nn.Module):
                 where = torch.nonzero(bad_pos).flatten()[:8].tolist()
                 raise ValueError(f"positions must be in [0, max_position_embeddings = {P}): {int(bad_pos.sum())} "
                                  f"are not, e.g. {positions[where].tolist()} at rows {where}")
-            self._check_row_layout(meta, positions, sorted({pair[0].shape[1] for pair in kv_caches}))
+            if layout:
+                host, n = host[2:], [t.numel() for t in layout]
+                cu, sl, pos, sm, bt = (h.reshape(t.shape) for h, t in zip(host.split(n), layout))
+                self._check_row_layout(cu, sl, pos, sm, bt, sorted({pair[0].shape[1] for pair in kv_caches}))
 
     @staticmethod
-    def _check_row_layout(meta, positions, page_sizes) -> None:
-        """Value check: row ``i`` of sequence ``b`` is absolute position ``q_abs = seq_lens[b] - q_len_b + i`` (the
-        position attention masks it as), so its RoPE position must be ``q_abs`` and its KV slot (when >= 0) the one
-        ``block_table`` gives ``q_abs`` at each cache's page size. Either mismatch was a silent wrong result: K/V
-        written where attention does not read it (the row then attended to stale cache rows), or a row rotated as
-        another position. Metadata that breaks attention's own value rules (cu_seqlens_q, seq_lens, the block
-        table's width) is left to its checks, which name them."""
-        cu = meta.cu_seqlens_q.to(torch.int64).cpu()
-        T = positions.shape[0]
+    def _row_layout_tensors(meta, positions) -> tuple:
+        """The tensors :meth:`_check_row_layout` reads (``cu_seqlens_q``, ``seq_lens``, ``positions``,
+        ``slot_mapping``, ``block_table``) as int64 on their device, or ``()`` when one of them is not an integer
+        tensor: a dtype the checks downstream refuse by name (attention's, the KV-cache writer's), which a cast
+        here would have turned into another message first."""
+        ts = (meta.cu_seqlens_q, meta.seq_lens, positions, meta.slot_mapping, meta.block_table)
+        if any(t.is_floating_point() or t.is_complex() or t.dtype == torch.bool for t in ts):
+            return ()
+        return tuple(t.to(torch.int64) for t in ts)
+
+    @staticmethod
+    def _check_row_layout(cu, sl, pos, sm, bt, page_sizes) -> None:
+        """Value check on host copies (int64) of ``meta.cu_seqlens_q``, ``meta.seq_lens``, ``positions``,
+        ``meta.slot_mapping`` and ``meta.block_table``: row ``i`` of sequence ``b`` is absolute position
+        ``q_abs = seq_lens[b] - q_len_b + i`` (the position attention masks it as), so its RoPE position must be
+        ``q_abs`` and its KV slot (when >= 0) the one ``block_table`` gives ``q_abs`` at each cache's page size.
+        Either mismatch was a silent wrong result: K/V written where attention does not read it (the row then
+        attended to stale cache rows), or a row rotated as another position. Metadata that breaks attention's own
+        value rules (cu_seqlens_q, seq_lens, the block table's width) is left to its checks, which name them."""
+        T = pos.shape[0]
         ql = cu[1:] - cu[:-1]
-        sl = meta.seq_lens.to(torch.int64).cpu()
         if int(cu[0]) != 0 or bool((ql < 0).any()) or int(cu[-1]) != T or bool((sl < ql).any()):
             return
         B = ql.shape[0]
         seq = torch.repeat_interleave(torch.arange(B), ql)
         row = torch.arange(T) - cu[:-1][seq]
         q_abs = (sl - ql)[seq] + row
-        pos = positions.cpu()
         bad = torch.nonzero(pos != q_abs).flatten()
         if bad.numel():
             t = int(bad[0])
@@ -308,8 +324,6 @@ class DiffusionGemma(nn.Module):
                              f"{int(seq[t])}) is key position {int(q_abs[t])} (seq_lens - query length + row), as "
                              f"attention masks it: RoPE would rotate it as another position ({int(bad.numel())} "
                              "rows disagree)")
-        sm = meta.slot_mapping.to(torch.int64).cpu()
-        bt = meta.block_table.to(torch.int64).cpu()
         if bt.dim() != 2 or bt.shape[0] != B or bt.shape[1] == 0:
             return
         for ps in page_sizes:
@@ -333,7 +347,8 @@ class DiffusionGemma(nn.Module):
         Args:
             input_ids: ``[T]`` int64 token ids (prompt chunks, committed canvases, noisy canvases), packed by
                 ``meta.cu_seqlens_q``.
-            positions: ``[T]`` int64 absolute positions (RoPE), in ``[0, max_position_embeddings)``.
+            positions: ``[T]`` int64 absolute positions (RoPE), in ``[0, max_position_embeddings)``: each row's key
+                position ``seq_lens[b] - q_len_b + i`` (row ``i`` of sequence ``b``, as attention masks it).
             meta: :class:`blockdiff.attention.AttentionMetadata` (``causal [B]`` selects encoder rows).
             kv_caches: from :meth:`allocate_kv_caches`; every row's K/V is written at ``meta.slot_mapping``.
             self_cond: ``[T, hidden]`` float soft embeddings (``softmax(z) @ E * sqrt(hidden)``) or None (all
@@ -341,8 +356,10 @@ class DiffusionGemma(nn.Module):
             attn_backend: ``blockdiff.attention`` backend (``"reference"``, ``"triton"``, ``"cute"``); required.
             bidirectional_window: override of ``config.bidirectional_window`` for sliding layers.
             check_values: run the value checks that read tensors on the host (``input_ids`` in
-                ``[0, vocab_size)``, ``positions`` in ``[0, max_position_embeddings)``, and attention's / the
-                KV-cache writer's metadata checks, once per cache geometry). None (default): on unless a CUDA
+                ``[0, vocab_size)``, ``positions`` in ``[0, max_position_embeddings)``, each row's position and
+                non-negative ``meta.slot_mapping`` entry its key position / the slot ``meta.block_table`` gives it, all
+                from one host copy; and attention's / the KV-cache writer's metadata checks, once per cache
+                geometry). None (default): on unless a CUDA
                 graph is being captured (:func:`blockdiff.attention.validate.capturing`); False trusts the caller
                 (an out-of-vocabulary id is then an out-of-bounds embedding read: an IndexError on the CPU, a
                 device-side assert on CUDA).
@@ -452,7 +469,9 @@ class DiffusionGemma(nn.Module):
                 ``config``); also a ``FileNotFoundError``.
             CheckpointError: a bad ``config.json`` / ``generation_config.json`` field, an unreadable or malformed
                 safetensors file or index, missing / unexpected / mis-shaped / wrongly typed tensors (all listed),
-                a ``dtype`` that cannot hold a weight (a finite value overflowing to inf); the message names the file.
+                a ``dtype`` that cannot hold a weight (a finite value overflowing to inf), or, without ``dtype``, an
+                embedding stored in a dtype outside :data:`~blockdiff.model.loading.MODEL_DTYPES` (float8: pass
+                ``dtype=``); the message names the file.
         """
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"path must be a str or os.PathLike (a .safetensors file or a checkpoint folder), got "

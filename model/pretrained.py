@@ -34,7 +34,8 @@ def load_pretrained(folder, *, device=None, dtype=None, moe_impl: str | None = N
     Args:
         folder: the checkpoint folder.
         device: torch device of the weights (default CPU).
-        dtype: parameter dtype (default: as stored, bf16 for ``model/train.py``'s checkpoints).
+        dtype: parameter dtype, one of :data:`blockdiff.model.loading.MODEL_DTYPES` (bf16, fp16, fp32, fp64; default:
+            as stored, bf16 for ``model/train.py``'s checkpoints).
         moe_impl: passed to :class:`DiffusionGemma` (None: its default for the device and dtype).
 
     Returns:
@@ -44,7 +45,7 @@ def load_pretrained(folder, *, device=None, dtype=None, moe_impl: str | None = N
         (:func:`blockdiff.model.export.export_hf`: nested ``config.json``, ``tokenizers``-format ``tokenizer.json``).
 
     Raises:
-        TypeError: ``folder`` not a str / os.PathLike; a bad ``dtype`` / ``device`` type.
+        TypeError: ``folder`` not a str / os.PathLike; a ``dtype`` outside ``MODEL_DTYPES``; a bad ``device`` type.
         ValueError: a bad ``device`` or ``moe_impl``.
         CheckpointFileNotFoundError: ``folder`` is not a folder, or lacks one of :data:`CHECKPOINT_FILES` (all
             missing ones are named); also a ``FileNotFoundError``.

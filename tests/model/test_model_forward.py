@@ -690,3 +690,65 @@ def test_dummy_live_keeps_the_residual_so_routing_spreads_and_logits_differ_at_f
         assert not (r == 0).all()
         assert len({tuple(sorted(t)) for t in ids.tolist()}) > 20 and ids.unique().numel() == 32
     assert torch.isfinite(logits).all() and (logits != 0).any() and logits.argmax(-1).unique().numel() > 10
+
+
+class _OnDevice(torch.Tensor):
+    """A CPU tensor standing in for one on a GPU: every host read of it (or of a tensor computed from it) is
+    recorded in ``reads``, as a CUDA sync would be; ``.cpu()`` gives a plain (host) tensor."""
+
+    reads: list = []
+    HOST_READS = ("cpu", "tolist", "item", "numpy", "__bool__", "__int__", "__index__", "__float__")
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in cls.HOST_READS:
+            cls.reads.append(name)
+            with torch._C.DisableTorchFunctionSubclass():
+                out = func(*args, **(kwargs or {}))
+            return out.as_subclass(torch.Tensor) if isinstance(out, torch.Tensor) else out
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+@pytest.mark.parametrize("layout", ["consistent", "wrong_slot", "wrong_position"])
+def test_value_checks_read_the_step_to_the_host_once(model, layout):
+    """forward()'s value checks ran on every eager step (check_values defaults on; the harness, the demo and
+    bench_e2e's timed steps): the row-layout check added five more host copies (cu_seqlens_q, seq_lens, positions,
+    slot_mapping, block_table: a CUDA sync each) beside the ids / positions range check's one. One copy now serves
+    them all, and the errors still name the row."""
+    cfg = model.config
+    meta, pos = build_meta([5, 3], [5, 7], [True, False], PS, block_ids=[[2, 0], [5, 1]], num_blocks=8)
+    ids = torch.randint(0, cfg.vocab_size, (8,))
+    if layout == "wrong_slot":
+        meta.slot_mapping[6] += 1
+    elif layout == "wrong_position":
+        pos = pos.clone()
+        pos[2] = 0
+    dev = lambda t: t.as_subclass(_OnDevice)  # noqa: E731
+    for name in ("cu_seqlens_q", "seq_lens", "causal", "block_table", "slot_mapping"):
+        setattr(meta, name, dev(getattr(meta, name)))
+    _OnDevice.reads = []
+    args = (dev(ids), dev(pos), meta, model.allocate_kv_caches(8, PS), None, "reference", "prefix", True)
+    if layout == "consistent":
+        model._validate(*args)
+    else:
+        with pytest.raises(ValueError, match=r"meta.slot_mapping\[6\] = 6" if layout == "wrong_slot" else
+                           r"positions\[2\] = 0, but that row \(row 2 of sequence 0\) is key position 2"):
+            model._validate(*args)
+    assert len(_OnDevice.reads) == 1, _OnDevice.reads
+
+
+@pytest.mark.parametrize("name, rule", [("slot_mapping", r"slot_mapping must be int64 \(or int32\), got torch.float64"),
+                                        ("block_table", r"block_table must be int32 or int64, got torch.float64"),
+                                        ("seq_lens", r"seq_lens must have dtype in .*got torch.float64")])
+def test_float_metadata_is_refused_by_its_dtype_rule_not_a_truncated_row_layout_value(model, name, rule):
+    """The row-layout check cast the metadata to int64 before the checks that refuse a float dtype ran: a
+    slot_mapping of 9.5 was reported as "meta.slot_mapping[0] = 9, but block_table puts that row ... at slot 8", a
+    seq_lens of 5.5 as a wrong RoPE position, a value rule about values the caller never passed. The layout check
+    now leaves non-integer metadata to the dtype rules, which name it."""
+    meta, pos = build_meta([5, 3], [5, 7], [True, False], PS, block_ids=[[2, 0], [5, 1]], num_blocks=8)
+    t = getattr(meta, name).double()
+    t.view(-1)[0] += 1.5
+    setattr(meta, name, t)
+    with torch.no_grad(), pytest.raises(TypeError, match=rule):
+        model(torch.zeros(8, dtype=torch.int64), pos, meta, model.allocate_kv_caches(8, PS), attn_backend="reference")

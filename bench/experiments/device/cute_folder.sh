@@ -3,8 +3,10 @@
 # Large files are cut by test function (node-id prefixes and --deselect, no spaces: cute_tests.sh splits FILES on ';'
 # and each entry on spaces). After the CuTe DSL is staged (stage1.sh PART=a/b, then part 2):
 #   T=480 bash bench/experiments/device/cute_folder.sh          # logs $OUT/gpu_shard<i>.log, a summary on stdout
-# Each shard is cut at T seconds (a cut shard's log shows how far it got). `--shards` prints the list and exits
-# (tests/bench/experiments/test_cute_folder_shards.py checks that it covers the folder's GPU tests once each).
+# Each shard is cut at T seconds (a cut shard's log shows how far it got); the shards only (PROBE=0: cute_tests.sh's
+# 90-s cluster occupancy probe would push T=480 to the 600-s limit of one device call; PROBE=1 runs it after them).
+# `--shards` prints the list and exits (tests/bench/experiments/test_cute_folder_shards.py checks that it covers the
+# folder's GPU tests once each, and what the script hands cute_tests.sh).
 set -u
 c=tests/attention/cute
 r=$c/test_cute_kernel_roles.py; i=$c/test_cute_interface.py; n=$c/test_cute_nan_recompute.py; s=$c/test_cute_nan_safe_v.py
@@ -20,4 +22,4 @@ F="$F;$c/test_cute_split_merge.py;$c/test_cute_tile_order.py;$c/test_cute_v_refi
 F="$F;$c/test_cute_kernel_cluster.py;$c/test_cute_kernel_wide.py;$c/test_cute_kernel_split.py $c/test_cute_split_clean.py"
 F="$F;$c/test_cute_epilogue_local_warp.py $c/test_cute_k_refill.py $c/test_cute_qk_issue.py $c/test_cute_skip_allowed_first.py"
 [ "${1:-}" = --shards ] && { echo "$F"; exit 0; }
-FILES=$F T=${T:-480} exec bash bench/experiments/device/cute_tests.sh
+FILES=$F T=${T:-480} PROBE=${PROBE:-0} exec bash bench/experiments/device/cute_tests.sh

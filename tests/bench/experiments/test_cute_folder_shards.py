@@ -47,3 +47,28 @@ def test_cute_folder_shards_select_every_gpu_test_of_the_folder_exactly_once():
     missing = [n for n in nodeids if n not in seen]
     twice = [n for n, k in seen.items() if k > 1]
     assert not missing and not twice, f"in no shard: {missing[:5]} ({len(missing)}); in two: {twice[:5]} ({len(twice)})"
+
+
+def test_cute_folder_hands_cute_tests_its_shards_without_the_probe(tmp_path):
+    """cute_folder.sh exec'd cute_tests.sh with the probe on (PROBE unset: 1): after shards of up to T = 480 s, the
+    90-s cluster occupancy probe the folder run does not need took the call to the 600-s limit of one device command.
+    A stand-in cute_tests.sh records what it is handed: the 16 shards, T = 480, PROBE = 0 (PROBE=1 keeps the probe)."""
+    import os
+    import shutil
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    dev = tmp_path / "bench" / "experiments" / "device"
+    dev.mkdir(parents=True)
+    shutil.copy(root / SCRIPT, dev / "cute_folder.sh")
+    (dev / "cute_tests.sh").write_text('echo "T=$T PROBE=$PROBE"; IFS=";" read -ra s <<< "$FILES"; '
+                                       'echo "shards=${#s[@]}"\n')
+    env = {k: v for k, v in os.environ.items() if k not in ("T", "PROBE", "FILES")}
+
+    def run(**kw):
+        r = subprocess.run(["bash", SCRIPT], cwd=tmp_path, env={**env, **kw}, capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 0, r.stderr
+        return r.stdout.split()
+    assert run() == ["T=480", "PROBE=0", "shards=16"]
+    assert run(PROBE="1", T="300") == ["T=300", "PROBE=1", "shards=16"]
