@@ -219,12 +219,22 @@ def stop_token_ids_of(sampling_params: Any) -> tuple[int, ...]:
 #: vLLM ``SamplingParams`` options blockdiff's diffusion sampler does not implement, with their no-op values
 #: (vLLM 0.33.0 defaults): a request setting any other value is refused (ValueError naming the option; under
 #: vLLM the request fails with finish reason ``error``) instead of being served with the option silently ignored.
+#: vLLM 0.33.0's own ``Sampler`` (which ``custom_sampler`` replaces) also applies ``thinking_token_budget`` (with
+#: ``--reasoning-parser``) and ``trace_decode_token_ids`` (with ``--enable-trace-replay``), and its prompt-logprobs
+#: worker scores ``prompt_logprob_token_ids`` as ``prompt_logprobs``: refused as well.
 UNSUPPORTED_VLLM_OPTIONS: dict[str, tuple] = {
     "n": (1,), "presence_penalty": (0.0,), "frequency_penalty": (0.0,), "repetition_penalty": (1.0,),
     "top_k": (0, -1, None), "min_p": (0.0,), "min_tokens": (0,), "logprobs": (None,), "prompt_logprobs": (None,),
     "logit_bias": (None,), "allowed_token_ids": (None,), "bad_words": (None,), "structured_outputs": (None,),
-    "logprob_token_ids": (None,),
+    "logprob_token_ids": (None,), "prompt_logprob_token_ids": (None,), "thinking_token_budget": (None,),
+    "trace_decode_token_ids": (None,),
 }
+
+
+def _short_repr(v: Any, limit: int = 60) -> str:
+    """``repr(v)``, cut to ``limit`` characters (a 10,000-id trace or bias table would flood the log)."""
+    r = repr(v)
+    return r if len(r) <= limit else f"{r[:limit]}... ({type(v).__name__})"
 
 
 def unsupported_vllm_options(sampling_params: Any) -> list[str]:
@@ -240,7 +250,7 @@ def unsupported_vllm_options(sampling_params: Any) -> list[str]:
                 continue
         elif (v is None and None in ok) or (v is not None and any(o is not None and v == o for o in ok)):
             continue
-        bad.append(f"{name}={v!r}")
+        bad.append(f"{name}={_short_repr(v)}")
     temperature = getattr(sampling_params, "temperature", 1.0)
     top_p = getattr(sampling_params, "top_p", 1.0)
     greedy = isinstance(temperature, numbers.Real) and not isinstance(temperature, bool) and temperature < 1e-5
@@ -289,7 +299,8 @@ def to_diffusion_params(sampling_params: Any, defaults: Any = None, *, canvas_le
     (t_min = t_max = 0), its default 1.0 leaves the schedule alone, and any other value, negative ones included,
     is refused (it has no single meaning for a schedule). Options the sampler does not implement
     (:func:`unsupported_vllm_options`: penalties, top-k / top-p / min-p, min_tokens, logprobs, logit_bias,
-    allowed / bad words, structured outputs, n > 1) are refused when set. Stop strings (``stop``) are applied by
+    allowed / bad words, structured outputs, n > 1, and vLLM 0.33.0's prompt_logprob_token_ids,
+    thinking_token_budget, trace_decode_token_ids) are refused when set. Stop strings (``stop``) are applied by
     vLLM's output processor and work. Nothing is coerced: ints must be ints (not bools, floats or strings).
 
     Args:

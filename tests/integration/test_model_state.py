@@ -370,3 +370,51 @@ def test_stop_token_ids_that_is_not_a_list_and_a_non_number_temperature_are_hand
         MS.stop_token_ids_of(SimpleNamespace(stop_token_ids=7))
     assert MS.stop_token_ids_of(SimpleNamespace(stop_token_ids=(3, 1), eos_token_id=2)) == (1, 2, 3)
     assert MS.unsupported_vllm_options(SimpleNamespace(top_p=0.9, temperature="x")) == ["top_p=0.9"]
+
+
+@needs_stack
+@pytest.mark.parametrize("name,value", [
+    ("thinking_token_budget", 5), ("thinking_token_budget", 0), ("trace_decode_token_ids", [1, 2, 3]),
+    ("prompt_logprob_token_ids", [[1, 2], [3, 4]]), ("prompt_logprob_token_ids", np.array([[1, 2]])),
+])
+def test_vllm_0_33_sampler_side_options_are_refused_not_silently_ignored(name, value):
+    """vLLM 0.33.0's own Sampler (which custom_sampler replaces) applies thinking_token_budget and
+    trace_decode_token_ids, and its prompt-logprobs worker scores prompt_logprob_token_ids as it does
+    prompt_logprobs: a request setting one was served with it silently ignored. Now refused by name."""
+    base = dict(temperature=1.0, seed=None, max_tokens=None, eos_token_id=None, stop_token_ids=None,
+                extra_args=None, ignore_eos=False)
+    assert MS.unsupported_vllm_options(SimpleNamespace(**base, **{name: None})) == []
+    with pytest.raises(ValueError, match=name):
+        MS.to_diffusion_params(SimpleNamespace(**base, **{name: value}), params(), canvas_length=CL)
+
+
+def test_unsupported_option_message_is_short_for_a_long_value():
+    bad = MS.unsupported_vllm_options(SimpleNamespace(trace_decode_token_ids=list(range(10_000))))
+    assert len(bad) == 1 and bad[0].startswith("trace_decode_token_ids=[0, 1, 2") and len(bad[0]) < 120
+
+
+#: Fields of vLLM's SamplingParams (0.26.0, 0.33.0) blockdiff neither reads nor refuses, and why that is right:
+#: output-side options (vLLM's detokenizer / output processor), the scheduler's own checks, values vLLM derives
+#: itself, and watermarking (vLLM refuses a custom sampler under a watermark config at start-up).
+_VLLM_FIELDS_APPLIED_OUTSIDE_THE_SAMPLER = {
+    "stop", "detokenize", "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
+    "output_kind", "stream_interval", "skip_clone", "output_text_buffer_length", "_eos_token_id",
+    "_all_stop_token_ids", "_watermarking_skipped", "_bad_words_token_ids", "watermarking", "flat_logprobs",
+    "skip_reading_prefix_cache", "repetition_detection", "routed_experts_prompt_start", "prompt_logprob_start",
+}
+
+
+@pytest.mark.skipif(not MS.VLLM_AVAILABLE, reason=f"vLLM is not importable here ({MS.VLLM_IMPORT_ERROR})")
+def test_every_vllm_sampling_params_field_is_read_refused_or_applied_outside_the_sampler():
+    """A field vLLM adds (0.33.0 added thinking-budget, trace-replay and prompt-token-id scoring options that its
+    own sampler applies) must be classified here, or a request setting it is served with it silently ignored."""
+    from vllm import SamplingParams as VllmSP  # vLLM is optional: this test skips without it
+
+    read = {*MS._VLLM_PARAM_ATTRS, "top_p"}
+    known = read | set(MS.UNSUPPORTED_VLLM_OPTIONS) | _VLLM_FIELDS_APPLIED_OUTSIDE_THE_SAMPLER
+    fields = getattr(VllmSP, "__struct_fields__", None) or tuple(VllmSP.__dataclass_fields__)
+    assert sorted(set(fields) - known) == []
+    for name in set(fields) & {"thinking_token_budget", "trace_decode_token_ids", "prompt_logprob_token_ids"}:
+        value = {"thinking_token_budget": 4, "trace_decode_token_ids": [1, 2],
+                 "prompt_logprob_token_ids": [[1, 2]]}[name]
+        assert [b.split("=")[0] for b in MS.unsupported_vllm_options(VllmSP(**{name: value}))] == [name]
