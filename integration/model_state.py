@@ -137,10 +137,14 @@ MAX_STOP_TOKEN_IDS = 4096
 
 def request_key(req_id: str) -> int:
     """Stable int64 RNG key of a request id (blake2b, 63 bits): the same request draws the same noise in any
-    batch and any slot (batch invariance)."""
+    batch and any slot (batch invariance). Any str hashes: one holding a lone surrogate (``"\\ud800"``: Python's json module
+    decodes that JSON escape to one) is encoded with ``surrogatepass``, which leaves the UTF-8 bytes,
+    and so the key, of every other str unchanged (was: UnicodeEncodeError out of ``add_request``, outside its
+    refusal path, taking the engine down)."""
     if not isinstance(req_id, str):
         raise TypeError(f"req_id must be a str, got {type(req_id).__name__}")
-    return int.from_bytes(hashlib.blake2b(req_id.encode(), digest_size=8).digest(), "little") & (2 ** 63 - 1)
+    data = req_id.encode("utf-8", "surrogatepass")
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") & (2 ** 63 - 1)
 
 
 #: vLLM ``SamplingParams.extra_args`` key naming the request's RNG identity: a non-empty str that

@@ -418,3 +418,26 @@ def test_every_vllm_sampling_params_field_is_read_refused_or_applied_outside_the
         value = {"thinking_token_budget": 4, "trace_decode_token_ids": [1, 2],
                  "prompt_logprob_token_ids": [[1, 2]]}[name]
         assert [b.split("=")[0] for b in MS.unsupported_vllm_options(VllmSP(**{name: value}))] == [name]
+
+
+def test_request_key_hashes_a_lone_surrogate_and_keeps_every_other_key():
+    """A str with a lone surrogate (json.loads('"\\ud800"')) raised UnicodeEncodeError in request_key, which
+    add_request calls outside its refusal path: under vLLM the engine went down. Keys of valid strs are unchanged."""
+    import hashlib
+
+    s = json.loads('"a\\ud800b"')
+    assert isinstance(MS.request_key(s), int) and MS.request_key(s) != MS.request_key("ab")
+    for rid in ("cmpl-1", "é漢字🙂", ""):
+        old = int.from_bytes(hashlib.blake2b(rid.encode(), digest_size=8).digest(), "little") & (2 ** 63 - 1)
+        assert MS.request_key(rid) == old
+
+
+@needs_stack
+def test_vllm_mode_serves_a_request_whose_ids_hold_a_lone_surrogate(ms):
+    s = json.loads('"r\\udc80"')
+    sp = SimpleNamespace(temperature=1.0, seed=None, max_tokens=8, eos_token_id=1, stop_token_ids=None,
+                         ignore_eos=False, extra_args={MS.VLLM_RNG_REQUEST_ID: s})
+    ms.mode = "vllm"
+    ms.add_request(0, NewRequest(s, [5, 6], sp))      # the request's own id, and its rng_request_id
+    assert ms.state.phase[0].item() == PREFILL and s not in ms.failed_reasons
+    assert ms.state.request_id[0].item() == MS.request_key(s)
