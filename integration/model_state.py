@@ -369,14 +369,27 @@ def to_diffusion_params(sampling_params: Any, defaults: Any = None, *, canvas_le
                 raise ValueError(f"sampling_params.temperature must be 0 (greedy) or 1.0 (vLLM's default: the "
                                  f"diffusion temperature schedule applies), got {temperature}; set the schedule "
                                  f"with extra_args t_min / t_max")
+            renamed = {}  # blockdiff field -> the extra_args key that set it under another name
             for k, f in VLLM_EXTRA_ARGS.items():
                 if extra.get(k) is not None:
                     kw[f] = extra[k]
-        p = SamplingParams(**kw)
+                    if f != k:
+                        renamed[f] = k
+            try:
+                p = SamplingParams(**kw)
+            except (TypeError, ValueError) as e:
+                # the rule names blockdiff's field ("max_denoising_steps must be ..."): name the key the request set
+                f = next((f for f in renamed if str(e).startswith(f"{f} ")), None)
+                if f is None:
+                    raise
+                raise type(e)(f"sampling_params.extra_args[{renamed[f]!r}] (blockdiff's {f}): {e}") from e
+        else:
+            p = SamplingParams(**kw)
     if canvas_length is not None and p.canvas_length != canvas_length:
         raise ValueError(
-            f"sampling_params.canvas_length ({p.canvas_length}) must equal the served canvas_length "
-            f"({canvas_length}): one canvas length per model state")
+            f"sampling_params.canvas_length (extra_args['diffusion_canvas_length'] of a vLLM request: "
+            f"{p.canvas_length}) must equal the served canvas_length ({canvas_length}): one canvas length per model "
+            f"state")
     return p
 
 

@@ -441,3 +441,18 @@ def test_vllm_mode_serves_a_request_whose_ids_hold_a_lone_surrogate(ms):
     ms.add_request(0, NewRequest(s, [5, 6], sp))      # the request's own id, and its rng_request_id
     assert ms.state.phase[0].item() == PREFILL and s not in ms.failed_reasons
     assert ms.state.request_id[0].item() == MS.request_key(s)
+
+
+@needs_stack
+@pytest.mark.parametrize("key,value,err", [
+    ("diffusion_max_steps", 0, ValueError), ("diffusion_max_steps", 2 ** 40, ValueError),
+    ("diffusion_max_steps", 3.0, TypeError), ("diffusion_canvas_length", 0, ValueError),
+    ("diffusion_canvas_length", "8", TypeError), ("diffusion_canvas_length", CL * 2, ValueError),
+])
+def test_a_bad_renamed_extra_args_value_names_the_key_the_request_set(key, value, err):
+    """extra_args diffusion_max_steps / diffusion_canvas_length set blockdiff fields of other names; a bad value
+    was refused as "max_denoising_steps must be in [1, 16384)", naming a field the request never set."""
+    sp = SimpleNamespace(temperature=1.0, seed=None, max_tokens=None, eos_token_id=None, stop_token_ids=None,
+                         ignore_eos=False, extra_args={key: value})
+    with pytest.raises(err, match=rf"extra_args\['{key}'\]"):
+        MS.to_diffusion_params(sp, params(), canvas_length=CL)
