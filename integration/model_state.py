@@ -137,10 +137,14 @@ MAX_STOP_TOKEN_IDS = 4096
 
 def request_key(req_id: str) -> int:
     """Stable int64 RNG key of a request id (blake2b, 63 bits): the same request draws the same noise in any
-    batch and any slot (batch invariance)."""
+    batch and any slot (batch invariance). Any str hashes: one holding a lone surrogate (``"\\ud800"``: Python's json module
+    decodes that JSON escape to one) is encoded with ``surrogatepass``, which leaves the UTF-8 bytes,
+    and so the key, of every other str unchanged (was: UnicodeEncodeError out of ``add_request``, outside its
+    refusal path, taking the engine down)."""
     if not isinstance(req_id, str):
         raise TypeError(f"req_id must be a str, got {type(req_id).__name__}")
-    return int.from_bytes(hashlib.blake2b(req_id.encode(), digest_size=8).digest(), "little") & (2 ** 63 - 1)
+    data = req_id.encode("utf-8", "surrogatepass")
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") & (2 ** 63 - 1)
 
 
 #: vLLM ``SamplingParams.extra_args`` key naming the request's RNG identity: a non-empty str that
@@ -219,12 +223,22 @@ def stop_token_ids_of(sampling_params: Any) -> tuple[int, ...]:
 #: vLLM ``SamplingParams`` options blockdiff's diffusion sampler does not implement, with their no-op values
 #: (vLLM 0.33.0 defaults): a request setting any other value is refused (ValueError naming the option; under
 #: vLLM the request fails with finish reason ``error``) instead of being served with the option silently ignored.
+#: vLLM 0.33.0's own ``Sampler`` (which ``custom_sampler`` replaces) also applies ``thinking_token_budget`` (with
+#: ``--reasoning-parser``) and ``trace_decode_token_ids`` (with ``--enable-trace-replay``), and its prompt-logprobs
+#: worker scores ``prompt_logprob_token_ids`` as ``prompt_logprobs``: refused as well.
 UNSUPPORTED_VLLM_OPTIONS: dict[str, tuple] = {
     "n": (1,), "presence_penalty": (0.0,), "frequency_penalty": (0.0,), "repetition_penalty": (1.0,),
     "top_k": (0, -1, None), "min_p": (0.0,), "min_tokens": (0,), "logprobs": (None,), "prompt_logprobs": (None,),
     "logit_bias": (None,), "allowed_token_ids": (None,), "bad_words": (None,), "structured_outputs": (None,),
-    "logprob_token_ids": (None,),
+    "logprob_token_ids": (None,), "prompt_logprob_token_ids": (None,), "thinking_token_budget": (None,),
+    "trace_decode_token_ids": (None,),
 }
+
+
+def _short_repr(v: Any, limit: int = 60) -> str:
+    """``repr(v)``, cut to ``limit`` characters (a 10,000-id trace or bias table would flood the log)."""
+    r = repr(v)
+    return r if len(r) <= limit else f"{r[:limit]}... ({type(v).__name__})"
 
 
 def unsupported_vllm_options(sampling_params: Any) -> list[str]:
@@ -240,7 +254,7 @@ def unsupported_vllm_options(sampling_params: Any) -> list[str]:
                 continue
         elif (v is None and None in ok) or (v is not None and any(o is not None and v == o for o in ok)):
             continue
-        bad.append(f"{name}={v!r}")
+        bad.append(f"{name}={_short_repr(v)}")
     temperature = getattr(sampling_params, "temperature", 1.0)
     top_p = getattr(sampling_params, "top_p", 1.0)
     greedy = isinstance(temperature, numbers.Real) and not isinstance(temperature, bool) and temperature < 1e-5
@@ -289,7 +303,8 @@ def to_diffusion_params(sampling_params: Any, defaults: Any = None, *, canvas_le
     (t_min = t_max = 0), its default 1.0 leaves the schedule alone, and any other value, negative ones included,
     is refused (it has no single meaning for a schedule). Options the sampler does not implement
     (:func:`unsupported_vllm_options`: penalties, top-k / top-p / min-p, min_tokens, logprobs, logit_bias,
-    allowed / bad words, structured outputs, n > 1) are refused when set. Stop strings (``stop``) are applied by
+    allowed / bad words, structured outputs, n > 1, and vLLM 0.33.0's prompt_logprob_token_ids,
+    thinking_token_budget, trace_decode_token_ids) are refused when set. Stop strings (``stop``) are applied by
     vLLM's output processor and work. Nothing is coerced: ints must be ints (not bools, floats or strings).
 
     Args:
@@ -354,14 +369,27 @@ def to_diffusion_params(sampling_params: Any, defaults: Any = None, *, canvas_le
                 raise ValueError(f"sampling_params.temperature must be 0 (greedy) or 1.0 (vLLM's default: the "
                                  f"diffusion temperature schedule applies), got {temperature}; set the schedule "
                                  f"with extra_args t_min / t_max")
+            renamed = {}  # blockdiff field -> the extra_args key that set it under another name
             for k, f in VLLM_EXTRA_ARGS.items():
                 if extra.get(k) is not None:
                     kw[f] = extra[k]
-        p = SamplingParams(**kw)
+                    if f != k:
+                        renamed[f] = k
+            try:
+                p = SamplingParams(**kw)
+            except (TypeError, ValueError) as e:
+                # the rule names blockdiff's field ("max_denoising_steps must be ..."): name the key the request set
+                f = next((f for f in renamed if str(e).startswith(f"{f} ")), None)
+                if f is None:
+                    raise
+                raise type(e)(f"sampling_params.extra_args[{renamed[f]!r}] (blockdiff's {f}): {e}") from e
+        else:
+            p = SamplingParams(**kw)
     if canvas_length is not None and p.canvas_length != canvas_length:
         raise ValueError(
-            f"sampling_params.canvas_length ({p.canvas_length}) must equal the served canvas_length "
-            f"({canvas_length}): one canvas length per model state")
+            f"sampling_params.canvas_length (extra_args['diffusion_canvas_length'] of a vLLM request: "
+            f"{p.canvas_length}) must equal the served canvas_length ({canvas_length}): one canvas length per model "
+            f"state")
     return p
 
 

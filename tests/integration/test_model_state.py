@@ -370,3 +370,89 @@ def test_stop_token_ids_that_is_not_a_list_and_a_non_number_temperature_are_hand
         MS.stop_token_ids_of(SimpleNamespace(stop_token_ids=7))
     assert MS.stop_token_ids_of(SimpleNamespace(stop_token_ids=(3, 1), eos_token_id=2)) == (1, 2, 3)
     assert MS.unsupported_vllm_options(SimpleNamespace(top_p=0.9, temperature="x")) == ["top_p=0.9"]
+
+
+@needs_stack
+@pytest.mark.parametrize("name,value", [
+    ("thinking_token_budget", 5), ("thinking_token_budget", 0), ("trace_decode_token_ids", [1, 2, 3]),
+    ("prompt_logprob_token_ids", [[1, 2], [3, 4]]), ("prompt_logprob_token_ids", np.array([[1, 2]])),
+])
+def test_vllm_0_33_sampler_side_options_are_refused_not_silently_ignored(name, value):
+    """vLLM 0.33.0's own Sampler (which custom_sampler replaces) applies thinking_token_budget and
+    trace_decode_token_ids, and its prompt-logprobs worker scores prompt_logprob_token_ids as it does
+    prompt_logprobs: a request setting one was served with it silently ignored. Now refused by name."""
+    base = dict(temperature=1.0, seed=None, max_tokens=None, eos_token_id=None, stop_token_ids=None,
+                extra_args=None, ignore_eos=False)
+    assert MS.unsupported_vllm_options(SimpleNamespace(**base, **{name: None})) == []
+    with pytest.raises(ValueError, match=name):
+        MS.to_diffusion_params(SimpleNamespace(**base, **{name: value}), params(), canvas_length=CL)
+
+
+def test_unsupported_option_message_is_short_for_a_long_value():
+    bad = MS.unsupported_vllm_options(SimpleNamespace(trace_decode_token_ids=list(range(10_000))))
+    assert len(bad) == 1 and bad[0].startswith("trace_decode_token_ids=[0, 1, 2") and len(bad[0]) < 120
+
+
+#: Fields of vLLM's SamplingParams (0.26.0, 0.33.0) blockdiff neither reads nor refuses, and why that is right:
+#: output-side options (vLLM's detokenizer / output processor), the scheduler's own checks, values vLLM derives
+#: itself, and watermarking (vLLM refuses a custom sampler under a watermark config at start-up).
+_VLLM_FIELDS_APPLIED_OUTSIDE_THE_SAMPLER = {
+    "stop", "detokenize", "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
+    "output_kind", "stream_interval", "skip_clone", "output_text_buffer_length", "_eos_token_id",
+    "_all_stop_token_ids", "_watermarking_skipped", "_bad_words_token_ids", "watermarking", "flat_logprobs",
+    "skip_reading_prefix_cache", "repetition_detection", "routed_experts_prompt_start", "prompt_logprob_start",
+}
+
+
+@pytest.mark.skipif(not MS.VLLM_AVAILABLE, reason=f"vLLM is not importable here ({MS.VLLM_IMPORT_ERROR})")
+def test_every_vllm_sampling_params_field_is_read_refused_or_applied_outside_the_sampler():
+    """A field vLLM adds (0.33.0 added thinking-budget, trace-replay and prompt-token-id scoring options that its
+    own sampler applies) must be classified here, or a request setting it is served with it silently ignored."""
+    from vllm import SamplingParams as VllmSP  # vLLM is optional: this test skips without it
+
+    read = {*MS._VLLM_PARAM_ATTRS, "top_p"}
+    known = read | set(MS.UNSUPPORTED_VLLM_OPTIONS) | _VLLM_FIELDS_APPLIED_OUTSIDE_THE_SAMPLER
+    fields = getattr(VllmSP, "__struct_fields__", None) or tuple(VllmSP.__dataclass_fields__)
+    assert sorted(set(fields) - known) == []
+    for name in set(fields) & {"thinking_token_budget", "trace_decode_token_ids", "prompt_logprob_token_ids"}:
+        value = {"thinking_token_budget": 4, "trace_decode_token_ids": [1, 2],
+                 "prompt_logprob_token_ids": [[1, 2]]}[name]
+        assert [b.split("=")[0] for b in MS.unsupported_vllm_options(VllmSP(**{name: value}))] == [name]
+
+
+def test_request_key_hashes_a_lone_surrogate_and_keeps_every_other_key():
+    """A str with a lone surrogate (json.loads('"\\ud800"')) raised UnicodeEncodeError in request_key, which
+    add_request calls outside its refusal path: under vLLM the engine went down. Keys of valid strs are unchanged."""
+    import hashlib
+
+    s = json.loads('"a\\ud800b"')
+    assert isinstance(MS.request_key(s), int) and MS.request_key(s) != MS.request_key("ab")
+    for rid in ("cmpl-1", "é漢字🙂", ""):
+        old = int.from_bytes(hashlib.blake2b(rid.encode(), digest_size=8).digest(), "little") & (2 ** 63 - 1)
+        assert MS.request_key(rid) == old
+
+
+@needs_stack
+def test_vllm_mode_serves_a_request_whose_ids_hold_a_lone_surrogate(ms):
+    s = json.loads('"r\\udc80"')
+    sp = SimpleNamespace(temperature=1.0, seed=None, max_tokens=8, eos_token_id=1, stop_token_ids=None,
+                         ignore_eos=False, extra_args={MS.VLLM_RNG_REQUEST_ID: s})
+    ms.mode = "vllm"
+    ms.add_request(0, NewRequest(s, [5, 6], sp))      # the request's own id, and its rng_request_id
+    assert ms.state.phase[0].item() == PREFILL and s not in ms.failed_reasons
+    assert ms.state.request_id[0].item() == MS.request_key(s)
+
+
+@needs_stack
+@pytest.mark.parametrize("key,value,err", [
+    ("diffusion_max_steps", 0, ValueError), ("diffusion_max_steps", 2 ** 40, ValueError),
+    ("diffusion_max_steps", 3.0, TypeError), ("diffusion_canvas_length", 0, ValueError),
+    ("diffusion_canvas_length", "8", TypeError), ("diffusion_canvas_length", CL * 2, ValueError),
+])
+def test_a_bad_renamed_extra_args_value_names_the_key_the_request_set(key, value, err):
+    """extra_args diffusion_max_steps / diffusion_canvas_length set blockdiff fields of other names; a bad value
+    was refused as "max_denoising_steps must be in [1, 16384)", naming a field the request never set."""
+    sp = SimpleNamespace(temperature=1.0, seed=None, max_tokens=None, eos_token_id=None, stop_token_ids=None,
+                         ignore_eos=False, extra_args={key: value})
+    with pytest.raises(err, match=rf"extra_args\['{key}'\]"):
+        MS.to_diffusion_params(sp, params(), canvas_length=CL)
