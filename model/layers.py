@@ -30,7 +30,7 @@ def grouped_mm_unsupported(dtype: torch.dtype, hidden_size: int, intermediate_si
         return "this torch has no torch.nn.functional.grouped_mm"
     if dtype not in GROUPED_MM_DTYPES:
         return f"torch.nn.functional.grouped_mm takes bf16 / fp16 / fp32 operands, not {dtype}"
-    item = torch.empty((), dtype=dtype).element_size()
+    item = dtype.itemsize
     bad = [f"{name} = {n} ({n * item} bytes)" for name, n in (("hidden_size", hidden_size),
                                                               ("moe_intermediate_size", intermediate_size))
            if (n * item) % 16]

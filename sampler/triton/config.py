@@ -90,12 +90,15 @@ class SamplerConfig:
 
     def __post_init__(self):
         for name in ("block_p", "block_g", "split_v", "stats_warps", "stats_stages", "block_m", "block_n", "block_k",
-                     "split_k", "gemm_warps", "gemm_stages"):
+                     "split_k", "gemm_warps", "gemm_stages", "soft_chunk"):
             v = getattr(self, name)  # None chooses from the shapes; 0 is not a second spelling of it
+            unit = " tokens" if name == "soft_chunk" else ""  # ("8", 2.5, True: refused, never coerced)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
-                raise TypeError(f"SamplerConfig.{name} must be an int >= 1 or None, got {type(v).__name__} ({v!r})")
+                raise TypeError(f"SamplerConfig.{name} must be an int >= 1{unit} or None, got {type(v).__name__} "
+                                f"({v!r})")
             if v is not None and v < 1:
-                raise ValueError(f"SamplerConfig.{name} must be an int >= 1 or None (chosen from the shapes), got {v}")
+                raise ValueError(f"SamplerConfig.{name} must be an int >= 1{unit} or None (chosen from the shapes), "
+                                 f"got {v}")
         if self.soft_impl not in SOFT_IMPLS + (None,):
             raise ValueError(f"SamplerConfig.soft_impl must be one of {SOFT_IMPLS}, got {self.soft_impl!r}")
         for name, lo in _POW2_FIELDS.items():  # tl.arange extents (a power of two), tl.dot tiles (>= 16), num_warps
@@ -103,11 +106,6 @@ class SamplerConfig:
             if v is not None and (v < lo or v & (v - 1)):
                 raise ValueError(f"SamplerConfig.{name} must be a power of two >= {lo} or None (chosen from the "
                                  f"shapes), got {v}: {_POW2_WHY[name]}")
-        if self.soft_chunk is not None and (isinstance(self.soft_chunk, bool) or not isinstance(self.soft_chunk, int)):
-            raise TypeError(f"SamplerConfig.soft_chunk must be an int >= 1 tokens or None, got "
-                            f"{type(self.soft_chunk).__name__} ({self.soft_chunk!r})")  # ("8", 2.5, True: coerced)
-        if self.soft_chunk is not None and self.soft_chunk < 1:
-            raise ValueError(f"SamplerConfig.soft_chunk must be >= 1 tokens, got {self.soft_chunk}")
         for name in ("use_tma", "soft_overlap", "stats_overlap"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, bool):
