@@ -18,6 +18,11 @@ The differences that matter to the plugin (read from the two wheels):
   widths, async read deferral). The plugin's scheduler subclasses the profile's :attr:`VllmProfile.scheduler_classes`.
 * A step that schedules no draft token gives one logit row per request in 0.26.0 and none in 0.33.0 (the
   diffusion sampler ignores logits of prefill rows either way).
+* Streaming input (resumable requests, a request continued with a longer prompt) exists in both; 0.33.0's
+  ``AsyncLLM`` refuses it for diffusion models at the front, 0.26.0's does not, and the two continue a session
+  differently (0.26.0 keeps the first input chunk's ``max_tokens``; 0.33.0 asserts an autoregressive KV count). The
+  plugin's schedulers refuse it in both (``vllm_scheduler.StreamingInputRefusals``; a version without
+  ``Request.resumable`` is never refused anything), so no profile field is needed.
 
 Everything else the plugin imports (``SamplerOutput`` fields, the FlashAttention backend it derives from, the
 ``CUSTOM`` backend slot, ``ModelRegistry.register_model``, ``build_attn_metadata``'s keywords, the engine output

@@ -29,6 +29,12 @@ runner v2 calls ``DiffusionModelState.remove_request`` and frees the slot. Each 
 its finish reason, so the client is answered (no lost request). Interface read from vLLM 0.26.0 and 0.33.0
 (``vllm/v1/core/sched/scheduler.py``; 0.33.0's ``diffusion_scheduler.py``): the same in both.
 
+Streaming input (vLLM's resumable requests: a request continued with a longer prompt; both checked versions) is
+refused in ``add_request``: each input chunk fails alone with finish reason ``error`` before it is scheduled, the
+session's end-of-input request is dropped, and other requests are untouched (:class:`StreamingInputRefusals`, which
+says what vLLM would do with such a request through the plugin's hooks: 0.33.0 kills the engine on an assert, 0.26.0
+may never finish the request, and the request's RNG stream restarts at canvas 0 in both).
+
 Fused commits (issue 25's stretch goal; opt-in; docs/ARCHITECTURE.md "Integration and vLLM accounting",
 docs/tuning.md 7.35 / 7.38). vLLM schedules a running diffusion row ``len(request.spec_token_ids)`` draft tokens.
 Served with ``--diffusion-config '{"canvas_length": 2 * CL}'`` (CL = the checkpoint's ``canvas_length``,
@@ -76,7 +82,7 @@ from __future__ import annotations
 import logging
 import numbers
 import os
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -852,16 +858,160 @@ def finish_stuck_requests(scheduler: Any, num_nans_in_logits: Mapping[str, int] 
         if not ids:
             continue
         for req in scheduler.finish_requests(ids, status):
-            out = types.EngineCoreOutput(
-                request_id=req.request_id, new_token_ids=[], finish_reason=req.get_finished_reason(),
-                stop_reason=req.stop_reason, num_nans_in_logits=getattr(req, "num_nans_in_logits", 0),
-                trace_headers=getattr(req, "trace_headers", None), events=req.take_events())
-            eco = outputs.get(req.client_index)
-            if eco is None:
-                outputs[req.client_index] = eco = types.EngineCoreOutputs(outputs=[])
-            eco.outputs.append(out)
+            _answer(outputs, req, types)
             done.append((req.request_id, reason))
     return done
+
+
+def _answer(outputs: dict, req: Any, types: Any) -> None:
+    """Append a finished request's ``EngineCoreOutput`` (no new tokens, its finish reason) to ``outputs`` (client
+    index -> ``EngineCoreOutputs``, created when missing), so its client is answered."""
+    out = types.EngineCoreOutput(
+        request_id=req.request_id, new_token_ids=[], finish_reason=req.get_finished_reason(),
+        stop_reason=req.stop_reason, num_nans_in_logits=getattr(req, "num_nans_in_logits", 0),
+        trace_headers=getattr(req, "trace_headers", None), events=req.take_events())
+    eco = outputs.get(req.client_index)
+    if eco is None:
+        outputs[req.client_index] = eco = types.EngineCoreOutputs(outputs=[])
+    eco.outputs.append(out)
+
+
+#: Why a streaming-input request is refused (logged at WARNING; the request's finish reason is ``error``).
+STREAMING_INPUT_REFUSED = (
+    "streaming input (a resumable request: vLLM's streaming-input session, which continues a request with a longer "
+    "prompt) is not supported for block-diffusion models (vLLM 0.33 refuses it for diffusion models too)")
+#: Refused streaming-input sessions a scheduler remembers, to refuse their later input chunks quietly and drop their
+#: end-of-input request (:class:`StreamingInputRefusals`); beyond this the oldest is forgotten.
+MAX_REFUSED_SESSIONS = 4096
+
+
+class StreamingInputRefusals:
+    """The plugin's schedulers refuse vLLM's streaming-input requests: each fails alone, finish reason ``error``.
+
+    What vLLM does with one (both checked versions have the feature: ``EngineCoreRequest.resumable``,
+    ``Request.resumable``, the scheduler's ``WAITING_FOR_STREAMING_REQ`` sessions; ``AsyncLLM.generate`` with an
+    async generator of ``StreamingInput`` sends each input chunk as a request with ``resumable=True`` and one id, then
+    a request with ``resumable=False`` and prompt ``[0]`` that ends the input). The first chunk runs as a normal
+    request; where it stops (``max_tokens``, a stop id) vLLM keeps it, its KV blocks and its worker slot, and the next
+    chunk continues it (``Scheduler._update_request_as_session``): prompt = old prompt + the output kept + the new
+    chunk, ``sampling_params`` (0.33.0 also ``max_tokens``) from the chunk, the output count back to 0, and the worker
+    re-adds it (``add_requests``: ``_remove_request`` then the model state's ``add_request`` with the longer prompt as
+    ``prompt_token_ids``). Through the plugin's hooks that goes wrong in each version (reproduced on the CPU with
+    vLLM's own schedulers, ``tests/integration/test_vllm_streaming_input.py``):
+
+    * 0.33.0: ``AsyncLLM`` refuses such a session for a diffusion model at the front
+      (``_validate_resumable_request``), but an ``EngineCoreRequest(resumable=True)`` passed to
+      ``LLMEngine.add_request`` / ``AsyncLLM.add_request`` (deprecated, accepted) or sent by another engine-core
+      client reaches the scheduler. The continuation drops the last output token, for a token-by-token model the
+      one without KV, and asserts ``num_tokens - 1 >= num_computed_tokens``; a diffusion commit writes the KV of all
+      its tokens (``num_computed_tokens == num_tokens``), so the assert fails in the engine core's loop and the
+      engine dies with every request; under ``python -O`` the next chunk's first token is taken as computed (the
+      dropped token's KV) instead;
+    * 0.26.0: ``AsyncLLM`` accepts the session for a diffusion model. The continuation keeps every output token but
+      not the chunk's ``max_tokens``: the scheduler counts the continuation's output against the first chunk's, the
+      model state against the chunk's, so a chunk asking for fewer tokens than the first is scheduled on after the
+      model state's last canvas and never finishes (one asking for more is cut at the first chunk's count);
+    * both: the model state sees a new request whose prompt holds the old output, so its next canvas restarts the
+      request's RNG stream at canvas index 0: the first chunk's noise again, where vLLM's own sampler keys a seeded
+      request's noise by position, so that a continuation draws new noise.
+
+    So the plugin refuses the feature, as vLLM 0.33 does for diffusion models. Supporting it would mean replacing
+    vLLM's continuation rule inside its scheduler (which tokens are kept, where the KV frontier is, whose
+    ``max_tokens`` counts) for a feature vLLM declares unsupported for diffusion models, with no vLLM semantics to
+    follow for a diffusion request's RNG stream. A request with ``resumable=True``
+    (:meth:`intercept`, from the scheduler's ``add_request``) is handed to vLLM's ``add_request`` (its queues, KV
+    connector hooks, stats) and finished at once with ``FINISHED_ERROR`` (``finish_requests``, as vLLM's
+    ``abort_immediately`` path does), before it is ever scheduled, and its client is answered in the next
+    ``update_from_output`` (:meth:`flush`). The session id is remembered (at most :data:`MAX_REFUSED_SESSIONS`): a
+    later input chunk (``resumable=True``) is refused the same way (each chunk gets its ``error``: vLLM 0.26's client
+    ends a chunk at each finish reason), and the end-of-input request (``resumable=False``, the same id) is dropped
+    (no request is created; vLLM's client answers it itself), where vLLM would otherwise run it as a new request of
+    prompt ``[0]``. A streaming chunk whose id names a live request that is not a session (vLLM asserts "duplicate
+    request id" there) fails that request too. Other requests are never touched.
+
+    Args:
+        capacity: sessions remembered (an int >= 1; default :data:`MAX_REFUSED_SESSIONS`).
+
+    Attributes:
+        num_refused: streaming-input requests refused (input chunks; a session of three chunks counts 3).
+        num_dropped: end-of-input requests of refused sessions dropped.
+
+    Raises:
+        ValueError: ``capacity`` is not an int >= 1.
+    """
+
+    def __init__(self, capacity: int = MAX_REFUSED_SESSIONS) -> None:
+        if isinstance(capacity, bool) or not isinstance(capacity, numbers.Integral) or capacity < 1:
+            raise ValueError(f"capacity must be an int >= 1 (sessions), got {capacity!r}")
+        self.capacity = int(capacity)
+        self._sessions: OrderedDict[str, None] = OrderedDict()  # refused session ids, oldest first
+        self._pending: list[Any] = []  # refused requests whose clients the next flush answers
+        self.num_refused = 0
+        self.num_dropped = 0
+
+    def __contains__(self, req_id: object) -> bool:
+        """Whether ``req_id`` is a remembered refused session."""
+        return req_id in self._sessions
+
+    def intercept(self, scheduler: Any, request: Any, add: Any, *, types: Any) -> bool:
+        """Handle ``request`` here when it belongs to vLLM's streaming input; the scheduler's ``add_request``
+        calls this first and hands the request to vLLM only when it returns False.
+
+        Args:
+            scheduler: a vLLM ``Scheduler`` (reads ``requests``; calls ``finish_requests``).
+            request: vLLM's ``Request`` (reads ``request_id`` and ``resumable``, False when the attribute is
+                missing; a refused one gets ``status`` ``FINISHED_ERROR``).
+            add: vLLM's own ``add_request`` (the base class's), called for a refused chunk whose id is not live.
+            types: namespace with vLLM's ``RequestStatus`` (``FINISHED_ERROR``).
+
+        Returns:
+            True when handled (a streaming-input chunk, refused; an end-of-input request of a refused session,
+            dropped), False for any other request (and for vLLM 0.33's ``abort_immediately`` requests, which vLLM
+            adds and aborts at once itself).
+        """
+        rid = request.request_id
+        if getattr(request, "abort_immediately", False):  # vLLM 0.33's cleanup marker: added and aborted at once
+            return False
+        if not getattr(request, "resumable", False):
+            if not self._sessions or rid not in self._sessions:
+                return False
+            del self._sessions[rid]  # the session's input has ended: nothing to run, nothing left to remember
+            self.num_dropped += 1
+            return True
+        first = rid not in self._sessions
+        self._sessions[rid] = None
+        self._sessions.move_to_end(rid)
+        while len(self._sessions) > self.capacity:
+            self._sessions.popitem(last=False)
+        error = types.RequestStatus.FINISHED_ERROR
+        if rid not in scheduler.requests:
+            add(request)  # vLLM's own bookkeeping, then finished before any schedule (its abort_immediately path)
+        finished = scheduler.finish_requests([rid], error)
+        if not finished:  # the id is a request vLLM finished already but still holds (a KV connector's delayed free)
+            request.status = error
+            finished = [request]
+        self._pending.extend(finished)
+        self.num_refused += 1
+        if first:
+            _log.warning("blockdiff: request %s refused: %s; it fails (finish reason 'error'), and so does any further "
+                         "input chunk of it", rid, STREAMING_INPUT_REFUSED)
+        else:
+            _log.debug("blockdiff: request %s: another streaming input chunk refused (finish reason 'error')", rid)
+        return True
+
+    def flush(self, outputs: dict, types: Any) -> int:
+        """Answer the clients of the requests refused since the last call: one ``EngineCoreOutput`` each (no token,
+        finish reason ``error``) appended to ``outputs`` (client index -> ``EngineCoreOutputs``, what
+        ``update_from_output`` returns; updated in place). Returns how many.
+
+        Args:
+            outputs: as ``update_from_output`` returns them.
+            types: namespace with vLLM's ``EngineCoreOutput``, ``EngineCoreOutputs``.
+        """
+        pending, self._pending = self._pending, []
+        for req in pending:
+            _answer(outputs, req, types)
+        return len(pending)
 
 
 _NO_FLAGS: frozenset[str] = frozenset()
@@ -926,6 +1076,19 @@ def _make_classes() -> dict[str, type]:
                 # commits served (without the switch every list is cut to CL first, so the pass would find none)
                 self._blockdiff_uniform = (self.blockdiff_fuse_policy == "uniform" and fusing
                                            and self.blockdiff_wide_fits)
+                # vLLM's streaming-input requests (resumable) fail alone with an error (StreamingInputRefusals)
+                self.blockdiff_streaming_refusals = StreamingInputRefusals()
+                self._blockdiff_types = _vllm_types()  # vLLM's RequestStatus and engine output types
+
+            def add_request(self, request, *args, **kwargs):
+                """vLLM's ``add_request``, except for vLLM's streaming input: a ``resumable`` request fails at once
+                with finish reason ``error`` and a refused session's end-of-input request is dropped
+                (:class:`blockdiff.integration.vllm_scheduler.StreamingInputRefusals`)."""
+                add = super().add_request
+                if self.blockdiff_streaming_refusals.intercept(self, request, lambda r: add(r, *args, **kwargs),
+                                                               types=self._blockdiff_types):
+                    return None
+                return add(request, *args, **kwargs)
 
             @annotated("blockdiff:schedule")
             def schedule(self, *args, **kwargs):
@@ -961,7 +1124,9 @@ def _make_classes() -> dict[str, type]:
                 self.blockdiff_fuse_next = fuse if (self.blockdiff_fused_layout and not asynchronous and
                                                     self.blockdiff_wide_fits) else _NO_FLAGS
                 outputs = super().update_from_output(scheduler_output, model_runner_output)
-                finish_stuck_requests(self, cleaned, outputs, types=_vllm_types())
+                types = self._blockdiff_types
+                finish_stuck_requests(self, cleaned, outputs, types=types)
+                self.blockdiff_streaming_refusals.flush(outputs, types)  # refused streaming-input requests' errors
                 if self._blockdiff_counting:  # the coverage line, at its bounded rate (FusedCommitCounts)
                     self.blockdiff_commit_counts.after_step(self.has_unfinished_requests)
                 return outputs

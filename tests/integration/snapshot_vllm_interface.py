@@ -62,7 +62,7 @@ CLASSES: dict[str, dict] = {
     "vllm.config.diffusion:DiffusionConfig": {"fields": True},
     "vllm.v1.core.sched.scheduler:Scheduler": {
         "methods": ["update_from_output", "finish_requests", "update_draft_token_ids", "schedule",
-                    "_preempt_request"],
+                    "_preempt_request", "add_request", "_update_request_as_session"],
         "init_attributes": ["requests", "running", "max_model_len", "num_spec_tokens", "vllm_config",
                             "current_step", "max_num_scheduled_tokens", "scheduler_config"]},
     "vllm.v1.core.sched.async_scheduler:AsyncScheduler": {"methods": ["_update_after_schedule"]},
@@ -76,7 +76,7 @@ CLASSES: dict[str, dict] = {
                                                     "stop_reason", "num_nans_in_logits", "trace_headers",
                                                     "spec_token_ids", "max_tokens", "num_computed_tokens",
                                                     "next_decode_eligible_step", "num_output_placeholders",
-                                                    "num_prompt_tokens"]},
+                                                    "num_prompt_tokens", "resumable"]},
     "vllm.v1.outputs:ModelRunnerOutput": {"fields": True},
     "vllm.model_executor.models.registry:_ModelRegistry": {"methods": ["register_model", "get_supported_archs"]},
     "vllm.model_executor.models.diffusion_gemma:DiffusionGemmaForConditionalGeneration": {

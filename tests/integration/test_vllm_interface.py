@@ -208,6 +208,11 @@ def test_vllm_scheduler_pieces_exist(version):
     assert sched["init_attributes"]["vllm_config"] and classes["vllm.v1.request:Request"]["init_attributes"][
         "spec_token_ids"]
     assert {"canvas_length"} <= set(classes["vllm.config.diffusion:DiffusionConfig"]["fields"])
+    # streaming input (StreamingInputRefusals): the add_request override's signature, the flag it reads, and the
+    # session continuation it keeps diffusion requests from (both versions have the feature)
+    assert sched["methods"]["add_request"]["params"] == ["self", "request"]
+    assert classes["vllm.v1.request:Request"]["init_attributes"]["resumable"]
+    assert sched["methods"]["_update_request_as_session"]["params"] == ["self", "session", "update"]
 
 
 @pytest.mark.parametrize("version", VERSIONS)

@@ -1,12 +1,14 @@
 """blockdiff.integration.vllm_scheduler: the requests vLLM's diffusion scheduler would never finish (failed on
-non-finite logits; next canvas past max_model_len) are finished, freed and answered. Logic checked with
-stand-ins for vLLM's scheduler everywhere, and with vLLM's own types where vLLM is importable."""
+non-finite logits; next canvas past max_model_len) are finished, freed and answered, and vLLM's streaming-input
+requests are refused (each fails alone with an error). Logic checked with stand-ins for vLLM's scheduler everywhere,
+and with vLLM's own types where vLLM is importable (end to end: test_vllm_streaming_input.py)."""
 from __future__ import annotations
 
 import importlib.util
+import logging
 
 import pytest
-from integration_helpers import FAKE_VLLM_TYPES, FakeRequest, FakeScheduler
+from integration_helpers import FAKE_VLLM_TYPES, FakeRequest, FakeScheduler, captured_log
 
 from blockdiff.integration import vllm_scheduler as VS
 
@@ -122,3 +124,99 @@ def test_check_canvas_rows_fit_names_a_limit_that_would_cut_every_canvas_row():
             VS.check_canvas_rows_fit(sched(threshold, 100 * CL))
     with pytest.raises(ValueError, match=rf"max_num_scheduled_tokens \({CL - 1}\) .*canvas_length {CL}"):
         VS.check_canvas_rows_fit(sched(0, CL - 1))
+
+
+# ------------------------------------------------------------------------------------------ streaming input
+def _chunk(rid, resumable=True):
+    r = FakeRequest(rid, 5)
+    r.resumable = resumable
+    return r
+
+
+def _adder(s, added):
+    """vLLM's add_request as the fake scheduler needs it: the request becomes live (and running, so that
+    finish_requests finds it)."""
+    def add(r):
+        added.append(r.request_id)
+        s.requests[r.request_id] = r
+        s.running.append(r)
+    return add
+
+
+def test_streaming_input_request_fails_alone_with_error_before_it_is_scheduled(caplog):
+    """A resumable request (vLLM's streaming input) goes through vLLM's add_request (its bookkeeping) and is finished
+    at once with FINISHED_ERROR, so it is never scheduled; the next flush answers its client once (finish reason
+    error, no token) and the log names the feature. Other requests pass through untouched."""
+    s = FakeScheduler([FakeRequest("a", 10)], max_model_len=100, canvas=CL)
+    ref, added = VS.StreamingInputRefusals(), []
+    with captured_log(caplog, VS._log, logging.DEBUG):
+        assert ref.intercept(s, _chunk("s"), _adder(s, added), types=FAKE_VLLM_TYPES) is True
+    assert added == ["s"] and s.requests["s"].status == "FINISHED_ERROR" and s.finished_req_ids == {"s"}
+    assert [r.request_id for r in s.running] == ["a"] and s.requests["a"].status == "RUNNING"
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "request s refused: streaming input" in warnings[0] and "'error'" in warnings[0]
+    outputs = {0: FAKE_VLLM_TYPES.EngineCoreOutputs(outputs=["existing"])}
+    assert ref.flush(outputs, FAKE_VLLM_TYPES) == 1
+    assert outputs[0].outputs[0] == "existing"
+    assert [(o.request_id, o.finish_reason, o.new_token_ids) for o in outputs[0].outputs[1:]] == [("s", "error", [])]
+    assert ref.flush(outputs, FAKE_VLLM_TYPES) == 0 and len(outputs[0].outputs) == 2  # answered once
+    assert ref.intercept(s, FakeRequest("b", 5), _adder(s, added), types=FAKE_VLLM_TYPES) is False  # not streaming
+    assert ref.intercept(s, _chunk("c", resumable=False), _adder(s, added), types=FAKE_VLLM_TYPES) is False
+    assert added == ["s"] and (ref.num_refused, ref.num_dropped) == (1, 0)
+
+
+def test_streaming_input_later_chunks_fail_too_and_the_end_of_input_request_is_dropped(caplog):
+    """Every further input chunk of a refused session is refused the same way (one error each, logged at DEBUG
+    only); the session's end-of-input request (resumable=False, the same id), which vLLM would run as a new
+    request of prompt [0], is dropped and the id forgotten, so a later request of that id reaches vLLM."""
+    s = FakeScheduler([], max_model_len=100, canvas=CL)
+    ref, added = VS.StreamingInputRefusals(), []
+    with captured_log(caplog, VS._log, logging.DEBUG):
+        ref.intercept(s, _chunk("s"), _adder(s, added), types=FAKE_VLLM_TYPES)
+        del s.requests["s"]  # vLLM freed it
+        assert ref.intercept(s, _chunk("s"), _adder(s, added), types=FAKE_VLLM_TYPES) is True
+    assert added == ["s", "s"] and s.requests["s"].status == "FINISHED_ERROR"
+    assert [r.levelname for r in caplog.records if "streaming" in r.getMessage()] == ["WARNING", "DEBUG"]
+    outputs = {}
+    assert ref.flush(outputs, FAKE_VLLM_TYPES) == 2
+    assert [(o.request_id, o.finish_reason) for o in outputs[0].outputs] == [("s", "error"), ("s", "error")]
+    del s.requests["s"]
+    assert "s" in ref
+    assert ref.intercept(s, _chunk("s", resumable=False), _adder(s, added), types=FAKE_VLLM_TYPES) is True
+    assert added == ["s", "s"] and "s" not in s.requests and "s" not in ref and ref.flush({}, FAKE_VLLM_TYPES) == 0
+    assert (ref.num_refused, ref.num_dropped) == (2, 1)
+    assert ref.intercept(s, _chunk("s", resumable=False), _adder(s, added), types=FAKE_VLLM_TYPES) is False
+
+
+def test_streaming_chunk_naming_a_live_request_fails_that_request_instead_of_crashing():
+    """A streaming input chunk whose id is a live plain request (vLLM asserts "duplicate request id"): that request
+    fails with an error, nothing new is added; one whose id is a request vLLM finished but still holds (a KV
+    connector's delayed free) is answered from the chunk itself."""
+    s = FakeScheduler([FakeRequest("a", 10), FakeRequest("b", 10)], max_model_len=100, canvas=CL)
+    done = FakeRequest("f", 10)
+    done.status = "FINISHED_STOPPED"
+    s.requests["f"] = done
+    ref, added = VS.StreamingInputRefusals(), []
+    assert ref.intercept(s, _chunk("a"), _adder(s, added), types=FAKE_VLLM_TYPES) is True
+    late = _chunk("f")
+    assert ref.intercept(s, late, _adder(s, added), types=FAKE_VLLM_TYPES) is True
+    assert added == [] and s.requests["a"].status == "FINISHED_ERROR" and done.status == "FINISHED_STOPPED"
+    assert late.status == "FINISHED_ERROR" and [r.request_id for r in s.running] == ["b"]
+    outputs = {}
+    ref.flush(outputs, FAKE_VLLM_TYPES)
+    assert [(o.request_id, o.finish_reason) for o in outputs[0].outputs] == [("a", "error"), ("f", "error")]
+
+
+def test_streaming_refusals_remember_a_bounded_number_of_sessions_and_leave_abort_markers_to_vllm():
+    s = FakeScheduler([], max_model_len=100, canvas=CL)
+    ref, added = VS.StreamingInputRefusals(capacity=2), []
+    for rid in ("x", "y", "z"):
+        ref.intercept(s, _chunk(rid), _adder(s, added), types=FAKE_VLLM_TYPES)
+    assert "x" not in ref and "y" in ref and "z" in ref  # the oldest forgotten
+    marker = _chunk("m")
+    marker.abort_immediately = True  # vLLM 0.33 adds such a request and aborts it itself
+    assert ref.intercept(s, marker, _adder(s, added), types=FAKE_VLLM_TYPES) is False and "m" not in ref
+    assert VS.StreamingInputRefusals().capacity == VS.MAX_REFUSED_SESSIONS
+    for bad in (0, -1, True, 1.5, "4"):
+        with pytest.raises(ValueError, match="capacity must be an int >= 1"):
+            VS.StreamingInputRefusals(bad)
