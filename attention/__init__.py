@@ -43,7 +43,9 @@ def resolve_backend(backend: str, device: torch.device | str | None = None) -> s
         dev = torch.device(device) if device is not None else torch.device("cpu")
         return "triton" if dev.type == "cuda" else "reference"
     if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS + ('auto',)}, got {backend!r}")
+        raise ValueError(f"backend must be one of {BACKENDS + ('auto',)}, got {backend!r} (a new backend is registered "
+                         "in BACKENDS and _MODULES of attention/__init__.py: docs/ARCHITECTURE.md section 3, "
+                         "'Adding an attention backend')")
     return backend
 
 

@@ -32,6 +32,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import traceback
 from pathlib import Path
@@ -293,7 +294,8 @@ def main(argv=None) -> list[dict]:
     rows, checks = doc["rows"], doc["checks"]
     env = common.env_record("cuda:0" if not a.quick else "cpu")
     suite = SUITE if not a.quick else SUITE + "-quick"
-    path = common.write_records(suite, rows, env=env, extra={"checks": checks, "nproc": a.nproc},
+    path = common.write_records(suite, rows, env=env, extra={"checks": checks, "nproc": a.nproc,
+                                                             "argv": sys.argv[1:] if argv is None else list(argv)},
                                 out_dir=a.out or common.results_dir(local=a.quick))
     ok = all(c.get("ok") for c in checks.values())
     print(f"records: {path}")

@@ -4,12 +4,12 @@ Metadata, KV layout and the KV write are vLLM's FlashAttention backend's (the bu
 ``causal`` int32 tensor, which :class:`~blockdiff.integration.model_state.DiffusionModelState.prepare_attn`
 fills in place from the phase). Only the attention call changes: one :func:`blockdiff.attention.attention`
 launch over the whole mixed batch, with the backend named by ``BLOCKDIFF_ATTN_BACKEND`` (default ``triton``;
-``cute``; no fallback). Sliding windows: vLLM's ``sliding_window`` (Gemma's 1024) is W = sliding_window - 1
-keys; bidirectional (denoise) rows follow the model's rule, :attr:`BlockdiffAttentionImpl.bidirectional_window`:
-``"prefix"`` (transformers' DiffusionGemma decoder: the last W context keys plus the whole canvas) unless the
-checkpoint's ``text_config.bidirectional_window`` says ``"symmetric"`` (vLLM's own convention, ``|q - k| <= W``);
-blockdiff's model class sets it on every layer from the config
-(:class:`~blockdiff.integration.vllm_model.BlockdiffDiffusionGemmaForConditionalGeneration`).
+``cute``, ``reference``; no fallback). Sliding windows: vLLM's ``sliding_window`` (Gemma's 1024) is
+W = sliding_window - 1 keys; bidirectional (denoise) rows follow the model's rule,
+:attr:`BlockdiffAttentionImpl.bidirectional_window`: ``"prefix"`` (transformers' DiffusionGemma decoder: the last W
+context keys plus the whole canvas) unless the checkpoint's ``text_config.bidirectional_window`` says
+``"symmetric"`` (vLLM's own convention, ``|q - k| <= W``); blockdiff's model class sets it on every layer from the
+config (:class:`~blockdiff.integration.vllm_model.BlockdiffDiffusionGemmaForConditionalGeneration`).
 
 Two things are not FlashAttention's (the same in vLLM 0.26.0 and 0.33.0): the metadata builder never computes
 FA3's ahead-of-time schedule (:class:`BlockdiffAttentionMetadataBuilder`: vLLM's builder passes the per-request

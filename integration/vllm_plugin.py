@@ -10,8 +10,9 @@
 2. registers :class:`blockdiff.integration.vllm_attention.BlockdiffAttentionBackend` as vLLM's ``CUSTOM``
    attention backend (select it with ``--attention-backend CUSTOM``); it runs
    :func:`blockdiff.attention.attention` with the per-request causal flags in one launch, on the backend named
-   by ``BLOCKDIFF_ATTN_BACKEND`` (``triton`` default, or ``cute``; no fallback), with the model's bidirectional
-   window rule (:func:`bidirectional_window_of`: transformers' ``"prefix"`` unless the checkpoint says otherwise).
+   by ``BLOCKDIFF_ATTN_BACKEND`` (``triton`` default, ``cute`` or ``reference``: :data:`ATTN_BACKENDS`; no
+   fallback), with the model's bidirectional window rule (:func:`bidirectional_window_of`: transformers'
+   ``"prefix"`` unless the checkpoint says otherwise).
 
 The scheduler is chosen on the command line, not here: ``--scheduler-cls`` :data:`SCHEDULER_CLASS`
 (:mod:`blockdiff.integration.vllm_scheduler`) finishes the requests vLLM's own scheduler never would: a

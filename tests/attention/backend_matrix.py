@@ -54,6 +54,10 @@ class BackendRun:
             ``check_values=True``).
         validates_on_cpu: its argument errors (TypeError / ValueError of the contract) come before it needs its
             device, so the error-path edges run it on the CPU even where ``where`` is ``"gpu"``.
+        differentiable: autograd differentiates its output (eager PyTorch ops, as the reference), so the autograd
+            edge of ``tests/attention/test_contract_edges.py`` checks that gradients reach q, k_cache and v_cache;
+            False (a kernel backend): it must refuse grad mode with ``validate.check_no_autograd``
+            (docs/ARCHITECTURE.md section 4, "Errors").
         known_gaps: ``{case: reason}``, the contract cases where the backend departs from the reference in a way
             docs/ARCHITECTURE.md section 4 records as a known gap; the case runs as a strict xfail with the reason
             (it must fail: a gap closed shows as XPASS, red). Keys: :data:`GAPS`.
@@ -69,6 +73,7 @@ class BackendRun:
     extra_keywords: frozenset = frozenset()
     default_overrides: dict = dataclasses.field(default_factory=dict)
     validates_on_cpu: bool = True
+    differentiable: bool = False
     known_gaps: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
@@ -110,7 +115,7 @@ MATRIX: dict[str, BackendRun] = {
     "reference": BackendRun(
         "cpu", "dense PyTorch, the oracle: every case on the CPU in milliseconds",
         dtypes=(torch.bfloat16, torch.float16, torch.float32, torch.float64), fuzz_examples=40, no_config=True,
-        extra_keywords=frozenset({"upcast"}), default_overrides={"check_values": True}),
+        extra_keywords=frozenset({"upcast"}), default_overrides={"check_values": True}, differentiable=True),
     "triton": BackendRun(
         "interpreter", "the portable Triton kernel; on the CPU through the interpreter, 16 x 16 tiles",
         configs=(_SMALL, dict(_SMALL, num_splits=3)), fuzz_examples=16),

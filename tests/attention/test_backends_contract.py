@@ -96,6 +96,18 @@ def test_every_registered_backend_has_a_module_and_every_module_entry_a_register
                              "name there (then the contract suite runs it), or remove the entry")
 
 
+@pytest.mark.parametrize("name", ["no-such-backend", "Triton", ""])
+def test_an_unregistered_name_is_refused_saying_where_backends_are_registered(name):
+    """A backend written outside the package (or a typo) is a ValueError listing the names and pointing at the
+    registry and the steps (was: the list alone, with nothing saying how a new name gets there)."""
+    b = make_batch([5], [3], causal=[True], dtype=torch.float32)
+    for call in (lambda: attention(**b, backend=name), lambda: get_backend(name)):
+        with pytest.raises(ValueError, match=rf"backend must be one of .*got {name!r} \(a new backend is registered in "
+                                             r"BACKENDS and _MODULES of attention/__init__.py: docs/ARCHITECTURE.md "
+                                             r"section 3, 'Adding an attention backend'\)"):
+            call()
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_every_backend_takes_the_contracts_keywords(backend):
     """Every keyword of the contract, keyword-only, with the contract's default; the reference's differences

@@ -12,6 +12,7 @@ def test_quick_run_writes_records_and_plot(tmp_path, capsys):
     doc = json.loads((tmp_path / "sampler-quick-cpu.json").read_text())
     for key in ("gpu", "driver", "torch", "triton", "commit", "date", "anchors_ms", "rows"):
         assert key in doc
+    assert doc["argv"] == ["--quick", "--out", str(tmp_path)]  # the command line (was: not recorded)
     by = {r["backend"]: r for r in doc["rows"]}
     assert set(by) == {"reference", "compile", "fused", "fused[triton_gemm]", "fused[stats_overlap]", "fused:stats",
                        "fused:soft_gemm", "fused:soft_chunked", "fused:moments"} and len(rows) == 9

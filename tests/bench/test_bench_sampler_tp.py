@@ -5,8 +5,10 @@ from blockdiff.bench import bench_sampler_tp as bst
 
 
 def test_quick_run_checks_and_writes_records(tmp_path, capsys):
-    rows = bst.main(["--quick", "--backends", "reference", "--reps", "1", "--warmup", "0", "--out", str(tmp_path)])
+    argv = ["--quick", "--backends", "reference", "--reps", "1", "--warmup", "0", "--out", str(tmp_path)]
+    rows = bst.main(argv)
     doc = json.loads((tmp_path / "sampler_tp-quick-cpu.json").read_text())
+    assert doc["argv"] == argv  # the command line (was: not recorded, so a record did not say how it was made)
     assert doc["checks"]["reference"]["ok"] is True
     by = {r["backend"]: r for r in doc["rows"]}
     assert set(by) == {"reference", "tp:reference", "tp:reference:local", "tp:comm"} and len(rows) == 4

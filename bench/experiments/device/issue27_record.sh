@@ -7,8 +7,9 @@
 #     B1 s (default 260);
 #  2. the hd-512 workloads (mixed_global_ctx8k, canvas_bs1_ctx32k_global): triton, flex, cute (FA4 cannot run
 #     hd 512: recorded as skipped); at most B2 s (default 220).
-# Each row: eager (do_bench, L2 flushed between calls) and CUDA-graph medians (no flush: the "with and without the
-# L2 flush" pair the sliding goal asks for), checked against the dense reference, finite. Records
+# Each row: eager and CUDA-graph medians, both by do_bench with the L2 flushed between calls (bench/common.py's
+# time_graph_ms times graph.replay() with the same timer: neither is an unflushed time), checked against the dense
+# reference, finite. Records
 # attention-issue27_defaults{_hd128,_hd512}-h200.json under $OUT; copy them to bench/results/ with the commit.
 # Prediction (before the run, from docs/tuning.md 2.6, 2.7, 2.22, 2.23): mixed_global 1.10-1.13x triton's TFLOP/s;
 # canvas_global 0.94-0.97x triton's time; canvas_hd128 0.90-0.94x; sliding 27-33 us graph; bs4 1.00-1.05x
