@@ -885,6 +885,27 @@ STREAMING_INPUT_REFUSED = (
 MAX_REFUSED_SESSIONS = 4096
 
 
+def is_end_of_input(request: Any, since: float | None) -> bool:
+    """Whether a non-resumable ``request`` whose id is a refused streaming-input session is that session's
+    end-of-input request (to be dropped) rather than a new request that reuses the id (to be served).
+
+    vLLM's ``AsyncLLM._add_streaming_input_request`` (0.26.0 and 0.33.0) builds the end-of-input request before any
+    input chunk: prompt ``[0]`` and an ``arrival_time`` no later than the first chunk's. A new request reusing the
+    id (possible where request ids are not randomised: ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION``, or an engine-core
+    client that names its own ids; a session vLLM 0.33's client aborted sends no end-of-input) arrives after the
+    session began, or has another prompt.
+
+    Args:
+        request: vLLM's ``Request`` (reads ``prompt_token_ids`` and ``arrival_time``).
+        since: the ``arrival_time`` of the session's first refused chunk (None: unknown, only the prompt decides).
+    """
+    ids = getattr(request, "prompt_token_ids", None)
+    if ids is None or len(ids) != 1 or int(ids[0]) != 0:
+        return False
+    arrival = getattr(request, "arrival_time", None)
+    return since is None or arrival is None or arrival <= since
+
+
 class StreamingInputRefusals:
     """The plugin's schedulers refuse vLLM's streaming-input requests: each fails alone, finish reason ``error``.
 
@@ -924,9 +945,11 @@ class StreamingInputRefusals:
     ``abort_immediately`` path does), before it is ever scheduled, and its client is answered in the next
     ``update_from_output`` (:meth:`flush`). The session id is remembered (at most :data:`MAX_REFUSED_SESSIONS`): a
     later input chunk (``resumable=True``) is refused the same way (each chunk gets its ``error``: vLLM 0.26's client
-    ends a chunk at each finish reason), and the end-of-input request (``resumable=False``, the same id) is dropped
-    (no request is created; vLLM's client answers it itself), where vLLM would otherwise run it as a new request of
-    prompt ``[0]``. A streaming chunk whose id names a live request that is not a session (vLLM asserts "duplicate
+    ends a chunk at each finish reason), and the end-of-input request (``resumable=False``, the same id, prompt
+    ``[0]``, built before the first chunk: :func:`is_end_of_input`) is dropped (no request is created; vLLM's client
+    answers it itself), where vLLM would otherwise run it as a new request of prompt ``[0]``. Any other
+    non-resumable request of that id (a new request reusing it: a session vLLM 0.33's client aborted never sends an
+    end-of-input) is served as usual and the session forgotten. A streaming chunk whose id names a live request that is not a session (vLLM asserts "duplicate
     request id" there) fails that request too. Other requests are never touched.
 
     Args:
@@ -944,7 +967,8 @@ class StreamingInputRefusals:
         if isinstance(capacity, bool) or not isinstance(capacity, numbers.Integral) or capacity < 1:
             raise ValueError(f"capacity must be an int >= 1 (sessions), got {capacity!r}")
         self.capacity = int(capacity)
-        self._sessions: OrderedDict[str, None] = OrderedDict()  # refused session ids, oldest first
+        # refused session ids, oldest first -> the arrival_time of the session's first refused chunk
+        self._sessions: OrderedDict[str, float | None] = OrderedDict()
         self._pending: list[Any] = []  # refused requests whose clients the next flush answers
         self.num_refused = 0
         self.num_dropped = 0
@@ -975,12 +999,19 @@ class StreamingInputRefusals:
         if not getattr(request, "resumable", False):
             if not self._sessions or rid not in self._sessions:
                 return False
-            del self._sessions[rid]  # the session's input has ended: nothing to run, nothing left to remember
+            # forgotten either way: the session's input has ended, or the id now names a new request
+            since = self._sessions.pop(rid)
+            if not is_end_of_input(request, since):
+                _log.debug("blockdiff: request %s reuses the id of a refused streaming-input session: served as a new "
+                           "request", rid)
+                return False
             self.num_dropped += 1
             return True
         first = rid not in self._sessions
-        self._sessions[rid] = None
-        self._sessions.move_to_end(rid)
+        if first:
+            self._sessions[rid] = getattr(request, "arrival_time", None)
+        else:
+            self._sessions.move_to_end(rid)
         while len(self._sessions) > self.capacity:
             self._sessions.popitem(last=False)
         error = types.RequestStatus.FINISHED_ERROR
