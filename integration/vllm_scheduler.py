@@ -893,11 +893,12 @@ def is_end_of_input(request: Any, since: float | None) -> bool:
     input chunk: prompt ``[0]`` and an ``arrival_time`` no later than the first chunk's. A new request reusing the
     id (possible where request ids are not randomised: ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION``, or an engine-core
     client that names its own ids; a session vLLM 0.33's client aborted sends no end-of-input) arrives after the
-    session began, or has another prompt.
+    session's chunks, or has another prompt. ``since`` is the latest chunk's arrival, so that the end-of-input of a
+    new session reusing an abandoned session's id (built after the old chunks, before its own) is still dropped.
 
     Args:
         request: vLLM's ``Request`` (reads ``prompt_token_ids`` and ``arrival_time``).
-        since: the ``arrival_time`` of the session's first refused chunk (None: unknown, only the prompt decides).
+        since: the latest ``arrival_time`` of the session's refused chunks (None: unknown, only the prompt decides).
     """
     ids = getattr(request, "prompt_token_ids", None)
     if ids is None or len(ids) != 1 or int(ids[0]) != 0:
@@ -946,7 +947,7 @@ class StreamingInputRefusals:
     ``update_from_output`` (:meth:`flush`). The session id is remembered (at most :data:`MAX_REFUSED_SESSIONS`): a
     later input chunk (``resumable=True``) is refused the same way (each chunk gets its ``error``: vLLM 0.26's client
     ends a chunk at each finish reason), and the end-of-input request (``resumable=False``, the same id, prompt
-    ``[0]``, built before the first chunk: :func:`is_end_of_input`) is dropped (no request is created; vLLM's client
+    ``[0]``, built before the first chunk, so arriving no later than the chunks: :func:`is_end_of_input`) is dropped (no request is created; vLLM's client
     answers it itself), where vLLM would otherwise run it as a new request of prompt ``[0]``. Any other
     non-resumable request of that id (a new request reusing it: a session vLLM 0.33's client aborted never sends an
     end-of-input) is served as usual and the session forgotten. A streaming chunk whose id names a live request that is not a session (vLLM asserts "duplicate
@@ -967,7 +968,7 @@ class StreamingInputRefusals:
         if isinstance(capacity, bool) or not isinstance(capacity, numbers.Integral) or capacity < 1:
             raise ValueError(f"capacity must be an int >= 1 (sessions), got {capacity!r}")
         self.capacity = int(capacity)
-        # refused session ids, oldest first -> the arrival_time of the session's first refused chunk
+        # refused session ids, oldest first -> the latest arrival_time of the session's refused chunks
         self._sessions: OrderedDict[str, float | None] = OrderedDict()
         self._pending: list[Any] = []  # refused requests whose clients the next flush answers
         self.num_refused = 0
@@ -1008,10 +1009,14 @@ class StreamingInputRefusals:
             self.num_dropped += 1
             return True
         first = rid not in self._sessions
+        arrival = getattr(request, "arrival_time", None)
         if first:
-            self._sessions[rid] = getattr(request, "arrival_time", None)
-        else:
+            self._sessions[rid] = arrival
+        else:  # the latest chunk's arrival: a new session reusing an abandoned one's id ends after its own chunks
             self._sessions.move_to_end(rid)
+            since = self._sessions[rid]
+            if arrival is not None and (since is None or arrival > since):
+                self._sessions[rid] = arrival
         while len(self._sessions) > self.capacity:
             self._sessions.popitem(last=False)
         error = types.RequestStatus.FINISHED_ERROR

@@ -218,6 +218,11 @@ def test_new_request_reusing_a_refused_session_id_is_served_not_dropped():
     ref.intercept(s, _chunk("v", arrival=None), _adder(s, added), types=FAKE_VLLM_TYPES)
     assert ref.intercept(s, _end("v", arrival=9.0), _adder(s, added), types=FAKE_VLLM_TYPES) is True
     assert ref.num_dropped == 2 and not VS.is_end_of_input(_chunk("w", resumable=False, ids=[]), None)
+    # a new session reusing an abandoned session's id: its end-of-input is built after the old chunk, before its own
+    ref.intercept(s, _chunk("n", arrival=1.0), _adder(s, added), types=FAKE_VLLM_TYPES)  # abandoned
+    del s.requests["n"]
+    ref.intercept(s, _chunk("n", arrival=5.0), _adder(s, added), types=FAKE_VLLM_TYPES)  # the new session's chunk
+    assert ref.intercept(s, _end("n", arrival=4.5), _adder(s, added), types=FAKE_VLLM_TYPES) is True
     no_prompt = _end("x")
     no_prompt.prompt_token_ids = None  # prompt embeddings
     assert not VS.is_end_of_input(no_prompt, None)
