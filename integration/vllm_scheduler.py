@@ -881,7 +881,9 @@ STREAMING_INPUT_REFUSED = (
     "streaming input (a resumable request: vLLM's streaming-input session, which continues a request with a longer "
     "prompt) is not supported for block-diffusion models (vLLM 0.33 refuses it for diffusion models too)")
 #: Refused streaming-input sessions a scheduler remembers, to refuse their later input chunks quietly and drop their
-#: end-of-input request (:class:`StreamingInputRefusals`); beyond this the oldest is forgotten.
+#: end-of-input request (:class:`StreamingInputRefusals`); beyond this the least recently active is forgotten (a
+#: forgotten session's later end-of-input then runs as a new request of prompt ``[0]`` that its client, finished
+#: already, no longer reads: compute spent, no answer lost). A session vLLM 0.33's client aborted stays until then.
 MAX_REFUSED_SESSIONS = 4096
 
 
