@@ -881,8 +881,32 @@ STREAMING_INPUT_REFUSED = (
     "streaming input (a resumable request: vLLM's streaming-input session, which continues a request with a longer "
     "prompt) is not supported for block-diffusion models (vLLM 0.33 refuses it for diffusion models too)")
 #: Refused streaming-input sessions a scheduler remembers, to refuse their later input chunks quietly and drop their
-#: end-of-input request (:class:`StreamingInputRefusals`); beyond this the oldest is forgotten.
+#: end-of-input request (:class:`StreamingInputRefusals`); beyond this the least recently active is forgotten (a
+#: forgotten session's later end-of-input then runs as a new request of prompt ``[0]`` that its client, finished
+#: already, no longer reads: compute spent, no answer lost). A session vLLM 0.33's client aborted stays until then.
 MAX_REFUSED_SESSIONS = 4096
+
+
+def is_end_of_input(request: Any, since: float | None) -> bool:
+    """Whether a non-resumable ``request`` whose id is a refused streaming-input session is that session's
+    end-of-input request (to be dropped) rather than a new request that reuses the id (to be served).
+
+    vLLM's ``AsyncLLM._add_streaming_input_request`` (0.26.0 and 0.33.0) builds the end-of-input request before any
+    input chunk: prompt ``[0]`` and an ``arrival_time`` no later than the first chunk's. A new request reusing the
+    id (possible where request ids are not randomised: ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION``, or an engine-core
+    client that names its own ids; a session vLLM 0.33's client aborted sends no end-of-input) arrives after the
+    session's chunks, or has another prompt. ``since`` is the latest chunk's arrival, so that the end-of-input of a
+    new session reusing an abandoned session's id (built after the old chunks, before its own) is still dropped.
+
+    Args:
+        request: vLLM's ``Request`` (reads ``prompt_token_ids`` and ``arrival_time``).
+        since: the latest ``arrival_time`` of the session's refused chunks (None: unknown, only the prompt decides).
+    """
+    ids = getattr(request, "prompt_token_ids", None)
+    if ids is None or len(ids) != 1 or int(ids[0]) != 0:
+        return False
+    arrival = getattr(request, "arrival_time", None)
+    return since is None or arrival is None or arrival <= since
 
 
 class StreamingInputRefusals:
@@ -924,9 +948,11 @@ class StreamingInputRefusals:
     ``abort_immediately`` path does), before it is ever scheduled, and its client is answered in the next
     ``update_from_output`` (:meth:`flush`). The session id is remembered (at most :data:`MAX_REFUSED_SESSIONS`): a
     later input chunk (``resumable=True``) is refused the same way (each chunk gets its ``error``: vLLM 0.26's client
-    ends a chunk at each finish reason), and the end-of-input request (``resumable=False``, the same id) is dropped
-    (no request is created; vLLM's client answers it itself), where vLLM would otherwise run it as a new request of
-    prompt ``[0]``. A streaming chunk whose id names a live request that is not a session (vLLM asserts "duplicate
+    ends a chunk at each finish reason), and the end-of-input request (``resumable=False``, the same id, prompt
+    ``[0]``, built before the first chunk, so arriving no later than the chunks: :func:`is_end_of_input`) is dropped (no request is created; vLLM's client
+    answers it itself), where vLLM would otherwise run it as a new request of prompt ``[0]``. Any other
+    non-resumable request of that id (a new request reusing it: a session vLLM 0.33's client aborted never sends an
+    end-of-input) is served as usual and the session forgotten. A streaming chunk whose id names a live request that is not a session (vLLM asserts "duplicate
     request id" there) fails that request too. Other requests are never touched.
 
     Args:
@@ -944,7 +970,8 @@ class StreamingInputRefusals:
         if isinstance(capacity, bool) or not isinstance(capacity, numbers.Integral) or capacity < 1:
             raise ValueError(f"capacity must be an int >= 1 (sessions), got {capacity!r}")
         self.capacity = int(capacity)
-        self._sessions: OrderedDict[str, None] = OrderedDict()  # refused session ids, oldest first
+        # refused session ids, oldest first -> the latest arrival_time of the session's refused chunks
+        self._sessions: OrderedDict[str, float | None] = OrderedDict()
         self._pending: list[Any] = []  # refused requests whose clients the next flush answers
         self.num_refused = 0
         self.num_dropped = 0
@@ -975,12 +1002,23 @@ class StreamingInputRefusals:
         if not getattr(request, "resumable", False):
             if not self._sessions or rid not in self._sessions:
                 return False
-            del self._sessions[rid]  # the session's input has ended: nothing to run, nothing left to remember
+            # forgotten either way: the session's input has ended, or the id now names a new request
+            since = self._sessions.pop(rid)
+            if not is_end_of_input(request, since):
+                _log.debug("blockdiff: request %s reuses the id of a refused streaming-input session: served as a new "
+                           "request", rid)
+                return False
             self.num_dropped += 1
             return True
         first = rid not in self._sessions
-        self._sessions[rid] = None
-        self._sessions.move_to_end(rid)
+        arrival = getattr(request, "arrival_time", None)
+        if first:
+            self._sessions[rid] = arrival
+        else:  # the latest chunk's arrival: a new session reusing an abandoned one's id ends after its own chunks
+            self._sessions.move_to_end(rid)
+            since = self._sessions[rid]
+            if arrival is not None and (since is None or arrival > since):
+                self._sessions[rid] = arrival
         while len(self._sessions) > self.capacity:
             self._sessions.popitem(last=False)
         error = types.RequestStatus.FINISHED_ERROR

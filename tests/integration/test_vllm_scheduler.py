@@ -127,10 +127,16 @@ def test_check_canvas_rows_fit_names_a_limit_that_would_cut_every_canvas_row():
 
 
 # ------------------------------------------------------------------------------------------ streaming input
-def _chunk(rid, resumable=True):
+def _chunk(rid, resumable=True, ids=(5, 6, 7), arrival=1.0):
+    """A request as vLLM's streaming input sends it: an input chunk (resumable), arriving at ``arrival``."""
     r = FakeRequest(rid, 5)
-    r.resumable = resumable
+    r.resumable, r.prompt_token_ids, r.arrival_time = resumable, list(ids), arrival
     return r
+
+
+def _end(rid, arrival=0.0):
+    """A session's end-of-input request as AsyncLLM builds it: prompt [0], made before the first chunk."""
+    return _chunk(rid, resumable=False, ids=[0], arrival=arrival)
 
 
 def _adder(s, added):
@@ -182,10 +188,44 @@ def test_streaming_input_later_chunks_fail_too_and_the_end_of_input_request_is_d
     assert [(o.request_id, o.finish_reason) for o in outputs[0].outputs] == [("s", "error"), ("s", "error")]
     del s.requests["s"]
     assert "s" in ref
-    assert ref.intercept(s, _chunk("s", resumable=False), _adder(s, added), types=FAKE_VLLM_TYPES) is True
+    assert ref.intercept(s, _end("s"), _adder(s, added), types=FAKE_VLLM_TYPES) is True
     assert added == ["s", "s"] and "s" not in s.requests and "s" not in ref and ref.flush({}, FAKE_VLLM_TYPES) == 0
     assert (ref.num_refused, ref.num_dropped) == (2, 1)
-    assert ref.intercept(s, _chunk("s", resumable=False), _adder(s, added), types=FAKE_VLLM_TYPES) is False
+    assert ref.intercept(s, _end("s"), _adder(s, added), types=FAKE_VLLM_TYPES) is False
+
+
+def test_new_request_reusing_a_refused_session_id_is_served_not_dropped():
+    """A non-resumable request whose id is a remembered refused session but that is no end-of-input request (a new
+    request reusing the id after the session was abandoned: vLLM 0.33's client aborts a refused session and never
+    ends its input) reaches vLLM, and the session is forgotten: another prompt, or prompt [0] arriving after the
+    session's first chunk. Only prompt [0] built no later than the first chunk (AsyncLLM's end-of-input) is
+    dropped; an unknown arrival time leaves the prompt to decide."""
+    s = FakeScheduler([], max_model_len=100, canvas=CL)
+    ref, added = VS.StreamingInputRefusals(), []
+    for rid, new in (("p", _chunk("p", resumable=False, arrival=5.0)),
+                     ("q", _chunk("q", resumable=False, ids=[0], arrival=5.0)),
+                     ("r", _chunk("r", resumable=False, ids=[0, 0], arrival=0.0)),
+                     ("t", _chunk("t", resumable=False, ids=[3], arrival=0.0))):
+        ref.intercept(s, _chunk(rid, arrival=2.0), _adder(s, added), types=FAKE_VLLM_TYPES)
+        del s.requests[rid]  # vLLM freed the refused chunk
+        assert ref.intercept(s, new, _adder(s, added), types=FAKE_VLLM_TYPES) is False, rid
+        assert rid not in ref, rid
+        assert ref.intercept(s, _end(rid), _adder(s, added), types=FAKE_VLLM_TYPES) is False, rid  # forgotten
+    assert ref.num_dropped == 0
+    ref.intercept(s, _chunk("u", arrival=2.0), _adder(s, added), types=FAKE_VLLM_TYPES)
+    ref.intercept(s, _chunk("u", arrival=3.0), _adder(s, added), types=FAKE_VLLM_TYPES)  # a later chunk
+    assert ref.intercept(s, _end("u", arrival=2.0), _adder(s, added), types=FAKE_VLLM_TYPES) is True
+    ref.intercept(s, _chunk("v", arrival=None), _adder(s, added), types=FAKE_VLLM_TYPES)
+    assert ref.intercept(s, _end("v", arrival=9.0), _adder(s, added), types=FAKE_VLLM_TYPES) is True
+    assert ref.num_dropped == 2 and not VS.is_end_of_input(_chunk("w", resumable=False, ids=[]), None)
+    # a new session reusing an abandoned session's id: its end-of-input is built after the old chunk, before its own
+    ref.intercept(s, _chunk("n", arrival=1.0), _adder(s, added), types=FAKE_VLLM_TYPES)  # abandoned
+    del s.requests["n"]
+    ref.intercept(s, _chunk("n", arrival=5.0), _adder(s, added), types=FAKE_VLLM_TYPES)  # the new session's chunk
+    assert ref.intercept(s, _end("n", arrival=4.5), _adder(s, added), types=FAKE_VLLM_TYPES) is True
+    no_prompt = _end("x")
+    no_prompt.prompt_token_ids = None  # prompt embeddings
+    assert not VS.is_end_of_input(no_prompt, None)
 
 
 def test_streaming_chunk_naming_a_live_request_fails_that_request_instead_of_crashing():

@@ -25,12 +25,19 @@ HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed here (tests/integration/vllm_cpu_env.sh)")
 
 
-def _request(rid, ids, max_tokens, *, resumable):
+def _request(rid, ids, max_tokens, *, resumable, arrival_time=None):
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
     return Request(rid, prompt_token_ids=list(ids), sampling_params=SamplingParams(
-        max_tokens=max_tokens, extra_args=dict(GREEDY)), pooling_params=None, resumable=resumable)
+        max_tokens=max_tokens, extra_args=dict(GREEDY)), pooling_params=None, resumable=resumable,
+        arrival_time=arrival_time)
+
+
+def _end_of_input(rid, max_tokens):
+    """A session's end-of-input request as ``AsyncLLM._add_streaming_input_request`` builds it: prompt [0], made
+    (and so timed) before the session's first input chunk."""
+    return _request(rid, [0], max_tokens, resumable=False, arrival_time=0.0)
 
 
 class _Runner(CpuRunner):
@@ -126,7 +133,7 @@ def test_streaming_input_session_fails_alone_with_error_and_the_engine_serves_on
     script = plain()
     script[0].append(_request("s", prompt(6, 3), CL, resumable=True))
     script[3] = [_request("s", prompt(4, 4), CL, resumable=True)]  # a further input chunk
-    script[4] = [_request("s", [0], CL, resumable=False)]          # the end of the session's input
+    script[4] = [_end_of_input("s", CL)]                            # the end of the session's input
     answers, s, runner = engine(vllm_env, tiny_hf_folder, tiny_model, script, asynchronous=asynchronous)
     want, _, _ = engine(vllm_env, tiny_hf_folder, tiny_model, plain(), asynchronous=asynchronous)
     assert _finished(answers, "s") == (["error", "error"], [])
@@ -219,7 +226,7 @@ class _Client:
             scheduler.finish_requests(got.reqs_to_abort, RequestStatus.FINISHED_ABORTED)
 
 
-def _engine_core_request(rid, ids, max_tokens, *, resumable):
+def _engine_core_request(rid, ids, max_tokens, *, resumable, arrival_time=None):
     """An ``EngineCoreRequest`` as ``AsyncLLM._add_streaming_input_request`` builds each input chunk (internal id
     ``rid``, the caller's id ``rid`` without its suffix), the end of the input (``resumable=False``, prompt [0]), or
     a caller passes one to ``LLMEngine.add_request``."""
@@ -231,7 +238,7 @@ def _engine_core_request(rid, ids, max_tokens, *, resumable):
     return EngineCoreRequest(
         request_id=rid, prompt_token_ids=list(ids), mm_features=None, sampling_params=SamplingParams(
             max_tokens=max_tokens, extra_args=dict(GREEDY), detokenize=False), pooling_params=None,
-        arrival_time=time.time(), lora_request=None, cache_salt=None, data_parallel_rank=None, resumable=resumable,
+        arrival_time=time.time() if arrival_time is None else arrival_time, lora_request=None, cache_salt=None, data_parallel_rank=None, resumable=resumable,
         external_req_id=rid.rsplit("-", 1)[0])
 
 
@@ -251,7 +258,7 @@ def test_streaming_input_caller_gets_error_for_each_chunk_and_its_stream_ends(vl
                   _engine_core_request("a-1", prompt(10, 1), 2 * CL, resumable=False)]}
     if v026:  # AsyncLLM sends the next chunk, and the end of the input, as the caller's stream yields them
         script[3] = [_engine_core_request("s-1", prompt(4, 4), CL, resumable=True)]
-        script[5] = [_engine_core_request("s-1", [0], CL, resumable=False)]
+        script[5] = [_engine_core_request("s-1", [0], CL, resumable=False, arrival_time=0.0)]  # built first
     client = _Client()
     answers, s, runner = engine(vllm_env, tiny_hf_folder, tiny_model, script, asynchronous=False, client=client)
     mine = [o for o in client.outputs if o.request_id == "s"]
@@ -261,3 +268,30 @@ def test_streaming_input_caller_gets_error_for_each_chunk_and_its_stream_ends(vl
     assert "s-1" not in client.op.request_states and "s-1" not in s.requests and "s-1" not in runner.seen
     a = [o for o in client.outputs if o.request_id == "a"]
     assert a[-1].finished and a[-1].outputs[0].finish_reason == "length" and len(a[-1].outputs[0].token_ids) == 2 * CL
+
+
+@needs_stack
+@needs_vllm
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_new_request_reusing_an_abandoned_session_id_is_served_not_lost(vllm_env, tiny_hf_folder, tiny_model,
+                                                                        asynchronous):
+    """A refused session whose input never ends (vLLM 0.33's client aborts it after the error) leaves its id
+    remembered; a later plain request reusing that id (request ids not randomised) is a new request: it is served
+    exactly as on a fresh engine, not dropped as if it were the session's end-of-input request (which would leave
+    its client waiting forever), and prompt [0] arriving after the session is served too. Every KV block is free
+    afterwards."""
+    s = _scheduler(vllm_env, tiny_hf_folder, served=CL, fuse=False, asynchronous=asynchronous)
+    pool = s.kv_cache_manager.block_pool
+    free = pool.get_num_free_blocks()
+    script = {0: [_request("x", prompt(6, 3), CL, resumable=True), _request("y", prompt(6, 3), CL, resumable=True)],
+              5: [_request("x", prompt(8, 1), CL + 2, resumable=False), _request("y", [0], CL, resumable=False)]}
+    answers, s, runner = engine(vllm_env, tiny_hf_folder, tiny_model, script, asynchronous=asynchronous, scheduler=s)
+    want, _, _ = engine(vllm_env, tiny_hf_folder, tiny_model, {0: [_request("x", prompt(8, 1), CL + 2,
+                                                                            resumable=False)]},
+                        asynchronous=asynchronous)
+    reasons, tokens = _finished(answers, "x")
+    assert reasons == ["error", "length"] and len(tokens) == CL + 2 and (["length"], tokens) == _finished(want, "x")
+    assert _finished(answers, "y")[0] == ["error", "length"] and len(_finished(answers, "y")[1]) == CL
+    refusals = s.blockdiff_streaming_refusals
+    assert (refusals.num_refused, refusals.num_dropped) == (2, 0) and "x" not in refusals and "y" not in refusals
+    assert not s.has_unfinished_requests() and not s.requests and pool.get_num_free_blocks() == free
