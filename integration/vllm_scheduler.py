@@ -892,7 +892,7 @@ def is_end_of_input(request: Any, since: float | None) -> bool:
     end-of-input request (to be dropped) rather than a new request that reuses the id (to be served).
 
     vLLM's ``AsyncLLM._add_streaming_input_request`` (0.26.0 and 0.33.0) builds the end-of-input request before any
-    input chunk: prompt ``[0]`` and an ``arrival_time`` no later than the first chunk's. A new request reusing the
+    input chunk: prompt ``[0]`` and an ``arrival_time`` no later than the chunks'. A new request reusing the
     id (possible where request ids are not randomised: ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION``, or an engine-core
     client that names its own ids; a session vLLM 0.33's client aborted sends no end-of-input) arrives after the
     session's chunks, or has another prompt. ``since`` is the latest chunk's arrival, so that the end-of-input of a
@@ -949,11 +949,12 @@ class StreamingInputRefusals:
     ``update_from_output`` (:meth:`flush`). The session id is remembered (at most :data:`MAX_REFUSED_SESSIONS`): a
     later input chunk (``resumable=True``) is refused the same way (each chunk gets its ``error``: vLLM 0.26's client
     ends a chunk at each finish reason), and the end-of-input request (``resumable=False``, the same id, prompt
-    ``[0]``, built before the first chunk, so arriving no later than the chunks: :func:`is_end_of_input`) is dropped (no request is created; vLLM's client
-    answers it itself), where vLLM would otherwise run it as a new request of prompt ``[0]``. Any other
-    non-resumable request of that id (a new request reusing it: a session vLLM 0.33's client aborted never sends an
-    end-of-input) is served as usual and the session forgotten. A streaming chunk whose id names a live request that is not a session (vLLM asserts "duplicate
-    request id" there) fails that request too. Other requests are never touched.
+    ``[0]``, built before the first chunk, so arriving no later than the chunks: :func:`is_end_of_input`) is dropped
+    (no request is created; vLLM's client answers it itself), where vLLM would otherwise run it as a new request of
+    prompt ``[0]``. Any other non-resumable request of that id (a new request reusing it: a session vLLM 0.33's
+    client aborted never sends an end-of-input) is served as usual and the session forgotten. A streaming chunk whose
+    id names a live request that is not a session (vLLM asserts "duplicate request id" there) fails that request
+    too. Other requests are never touched.
 
     Args:
         capacity: sessions remembered (an int >= 1; default :data:`MAX_REFUSED_SESSIONS`).
