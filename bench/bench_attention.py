@@ -741,7 +741,7 @@ def main(argv=None) -> list[dict]:
     out_dir = Path(args.out) if args.out else common.results_dir(local=args.quick or device.type == "cpu")
     extra = {"page_size": page_size, "dtype": args.dtype, "quick": args.quick, "suite_workloads": args.suite,
              "peak_tflops": common.PEAK_TFLOPS, "anchors_ms": wl.ANCHORS_MS,
-             "flex_build_anchor_ms": list(wl.FLEX_BUILD_ANCHOR_MS), "argv": sys.argv[1:] if argv is None else argv}
+             "flex_build_anchor_ms": list(wl.FLEX_BUILD_ANCHOR_MS), "argv": common.script_argv(argv)}
     for w in common.progress(workloads, desc="workloads"):
         if args.budget_s is not None and time.perf_counter() - t_start > args.budget_s:
             common.log(f"--budget-s {args.budget_s} spent: not starting {w.name} (recorded as skipped)")

@@ -279,7 +279,7 @@ def main(argv=None) -> list[dict]:
     out_dir = Path(args.out) if args.out else common.results_dir(local=args.quick or device.type == "cpu")
     path = common.write_records(suite, rows, env=env, out_dir=out_dir,
                                 extra={"model_config": cfg.to_dict(), "denoising_steps": DENOISING_STEPS,
-                                       "quick": args.quick, "argv": sys.argv[1:] if argv is None else argv})
+                                       "quick": args.quick, "argv": common.script_argv(argv)})
     print(f"\nwrote {path} (+ .csv)")
     print(common.summary_table(rows, ["workload", "backend", "sampler_backend", "status", "denoise_step_ms",
                                       "tokens_per_s", "attention_share", "sampler_share", "prefill_ms"]))

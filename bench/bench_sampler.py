@@ -516,7 +516,7 @@ def main(argv=None) -> list[dict]:
              "workload_spec": {**shape, "logits": "fp32 30*tanh(4*randn/30)", "embedding": "bf16 0.02*randn",
                                "rows": "all sampled (T 0.8->0.4)" if args.all_sampled else
                                "N-1 sampled (T 0.8->0.4), 1 greedy"},
-             "argv": sys.argv[1:] if argv is None else list(argv)}  # the command line, as bench_attention's records
+             "argv": common.script_argv(argv)}
     out_dir = Path(args.out) if args.out else common.results_dir(local=quick)
     path = common.write_records(suite, rows, env=env, extra=extra, out_dir=out_dir)
     pngs = [] if args.no_plots else plot(rows, out_dir, path.stem)

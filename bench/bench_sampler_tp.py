@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import traceback
 from pathlib import Path
@@ -294,8 +293,8 @@ def main(argv=None) -> list[dict]:
     rows, checks = doc["rows"], doc["checks"]
     env = common.env_record("cuda:0" if not a.quick else "cpu")
     suite = SUITE if not a.quick else SUITE + "-quick"
-    path = common.write_records(suite, rows, env=env, extra={"checks": checks, "nproc": a.nproc,
-                                                             "argv": sys.argv[1:] if argv is None else list(argv)},
+    path = common.write_records(suite, rows, env=env,
+                                extra={"checks": checks, "nproc": a.nproc, "argv": common.script_argv(argv)},
                                 out_dir=a.out or common.results_dir(local=a.quick))
     ok = all(c.get("ok") for c in checks.values())
     print(f"records: {path}")

@@ -293,6 +293,13 @@ def results_dir(local: bool = False) -> Path:
     return d
 
 
+def script_argv(argv: Sequence[str] | None) -> list[str]:
+    """A record's ``argv`` field (docs/ARCHITECTURE.md section 9): the script's arguments, ``argv`` as its ``main``
+    got them, or the command line's after the program (``sys.argv[1:]``: no interpreter, ``-m`` or module) when
+    ``argv`` is None, as a list of str."""
+    return [str(a) for a in (sys.argv[1:] if argv is None else argv)]
+
+
 def jsonable(x):
     """``x`` with what JSON cannot hold replaced: non-finite floats -> None, torch dtypes / devices -> str, tuples ->
     lists, dict keys -> str (what :func:`write_records` writes)."""

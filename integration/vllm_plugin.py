@@ -19,7 +19,9 @@ The scheduler is chosen on the command line, not here: ``--scheduler-cls`` :data
 request whose logits went NaN / +inf or all -inf at a position (reported by the sampler through ``num_nans``;
 -inf token masks alone are p = 0, not a failure; finish reason ``error``) and
 one whose next canvas no longer fits in ``max_model_len`` (finish reason ``length``). Without it such requests
-would be scheduled forever, so the model state stops the start (ValueError naming ``--scheduler-cls``).
+would be scheduled forever, so the model state stops the start (ValueError naming ``--scheduler-cls``). It also
+refuses vLLM's streaming input (resumable requests; finish reason ``error``:
+:class:`blockdiff.integration.vllm_scheduler.StreamingInputRefusals`).
 
 vLLM is imported lazily: importing this module never needs vLLM; calling :func:`register` without vLLM raises
 ImportError. Checked with vLLM 0.26.0 and 0.33.0: what differs between them (ModelState hook names, the sampler's

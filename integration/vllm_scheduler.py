@@ -884,6 +884,8 @@ STREAMING_INPUT_REFUSED = (
 #: end-of-input request (:class:`StreamingInputRefusals`); beyond this the least recently active is forgotten (a
 #: forgotten session's later end-of-input then runs as a new request of prompt ``[0]`` that its client, finished
 #: already, no longer reads: compute spent, no answer lost). A session vLLM 0.33's client aborted stays until then.
+#: The memory is per engine: vLLM 0.26's load-balancing data-parallel client routes each request of a session on its
+#: own, so an end-of-input sent to an engine that refused none of the session's chunks runs the same way.
 MAX_REFUSED_SESSIONS = 4096
 
 

@@ -120,3 +120,26 @@ def test_progress_draws_its_bar_on_a_terminal(monkeypatch):
     assert list(common.progress([1, 2], desc="workloads")) == [1, 2]
     assert "workloads" in err.text() and "\r" in err.text()
     assert common.progress([1], enabled=False) == [1]
+
+
+def test_script_argv_is_the_scripts_arguments(monkeypatch):
+    """A record's ``argv``: what ``main`` got, or the command line after the program, as a list of str."""
+    monkeypatch.setattr(common.sys, "argv", ["/x/bench_sampler.py", "--no-compare", "--out", "/o"])
+    assert common.script_argv(None) == ["--no-compare", "--out", "/o"]
+    assert common.script_argv(("--quick", 3)) == ["--quick", "3"] and common.script_argv([]) == []
+
+
+def test_every_records_argv_is_the_scripts_arguments():
+    """Every record under bench/results/ that has ``argv`` holds the script's arguments (section 9), as
+    :func:`common.script_argv` writes them: no interpreter flag, module or script path (sampler-h100.json's, written
+    in by hand, began with ``-m blockdiff.bench.bench_sampler``)."""
+    found = 0
+    for path in sorted(common.DEFAULT_RESULTS_DIR.rglob("*.json")):
+        doc = json.loads(path.read_text())
+        if not isinstance(doc, dict) or "argv" not in doc:
+            continue
+        found += 1
+        argv = doc["argv"]
+        assert isinstance(argv, list) and all(isinstance(a, str) for a in argv), path.name
+        assert not any(a == "-m" or a.startswith("blockdiff.") or a.endswith(".py") for a in argv), (path.name, argv)
+    assert found >= 20  # the attention, e2e and sampler records

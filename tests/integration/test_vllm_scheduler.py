@@ -198,8 +198,9 @@ def test_new_request_reusing_a_refused_session_id_is_served_not_dropped():
     """A non-resumable request whose id is a remembered refused session but that is no end-of-input request (a new
     request reusing the id after the session was abandoned: vLLM 0.33's client aborts a refused session and never
     ends its input) reaches vLLM, and the session is forgotten: another prompt, or prompt [0] arriving after the
-    session's first chunk. Only prompt [0] built no later than the first chunk (AsyncLLM's end-of-input) is
-    dropped; an unknown arrival time leaves the prompt to decide."""
+    session's latest chunk. Only prompt [0] arriving no later than the latest chunk (AsyncLLM's end-of-input, built
+    before the first) is dropped, also when a new session reuses an abandoned session's id (its end-of-input is built
+    after the old chunks); an unknown arrival time leaves the prompt to decide."""
     s = FakeScheduler([], max_model_len=100, canvas=CL)
     ref, added = VS.StreamingInputRefusals(), []
     for rid, new in (("p", _chunk("p", resumable=False, arrival=5.0)),
@@ -248,11 +249,17 @@ def test_streaming_chunk_naming_a_live_request_fails_that_request_instead_of_cra
 
 
 def test_streaming_refusals_remember_a_bounded_number_of_sessions_and_leave_abort_markers_to_vllm():
+    """At most ``capacity`` refused sessions are remembered, the least recently active forgotten first (a later chunk
+    makes its session the most recent); vLLM 0.33's ``abort_immediately`` markers (prompt [0], added and aborted by
+    the engine core itself) pass through untouched; a capacity that is no int >= 1 is a ValueError."""
     s = FakeScheduler([], max_model_len=100, canvas=CL)
     ref, added = VS.StreamingInputRefusals(capacity=2), []
     for rid in ("x", "y", "z"):
         ref.intercept(s, _chunk(rid), _adder(s, added), types=FAKE_VLLM_TYPES)
     assert "x" not in ref and "y" in ref and "z" in ref  # the oldest forgotten
+    ref.intercept(s, _chunk("y", arrival=2.0), _adder(s, added), types=FAKE_VLLM_TYPES)  # y active again
+    ref.intercept(s, _chunk("w"), _adder(s, added), types=FAKE_VLLM_TYPES)
+    assert "z" not in ref and "y" in ref and "w" in ref  # the least recently active forgotten, not the oldest
     marker = _chunk("m")
     marker.abort_immediately = True  # vLLM 0.33 adds such a request and aborts it itself
     assert ref.intercept(s, marker, _adder(s, added), types=FAKE_VLLM_TYPES) is False and "m" not in ref

@@ -238,8 +238,8 @@ def _engine_core_request(rid, ids, max_tokens, *, resumable, arrival_time=None):
     return EngineCoreRequest(
         request_id=rid, prompt_token_ids=list(ids), mm_features=None, sampling_params=SamplingParams(
             max_tokens=max_tokens, extra_args=dict(GREEDY), detokenize=False), pooling_params=None,
-        arrival_time=time.time() if arrival_time is None else arrival_time, lora_request=None, cache_salt=None, data_parallel_rank=None, resumable=resumable,
-        external_req_id=rid.rsplit("-", 1)[0])
+        arrival_time=time.time() if arrival_time is None else arrival_time, lora_request=None, cache_salt=None,
+        data_parallel_rank=None, resumable=resumable, external_req_id=rid.rsplit("-", 1)[0])
 
 
 @needs_stack
