@@ -355,6 +355,29 @@ def _vllm_request(rid, ids, *, max_tokens, stop=None, extra=None):
         pooling_params=None)
 
 
+def engine_core_step(s, runner, queue: deque, size: int, update) -> None:
+    """One step of vLLM's engine-core loop over scheduler ``s`` and a CPU ``runner``: synchronous (``size`` 1, vLLM's
+    ``step``): schedule, execute, ``update(scheduler_output, runner_output)``, then the draft-token lists a
+    speculative engine hands back (-1 each); asynchronous (``size`` 2, ``step_with_batch_queue``): the step is
+    queued and the oldest one updated once the queue is full or nothing is left to schedule."""
+    from vllm.v1.outputs import DraftTokenIds
+
+    if s.has_requests():
+        so = s.schedule()
+        mro = runner.execute(so)
+        if size == 1:
+            update(so, mro)
+            ids = list(so.num_scheduled_tokens)
+            s.update_draft_token_ids(DraftTokenIds(ids, [[-1] * s.num_spec_tokens for _ in ids]))
+            return
+        queue.appendleft((so, mro))
+        if len(queue) < size and s.has_requests():
+            return
+    elif not queue:
+        return
+    update(*queue.pop())
+
+
 def serve(monkeypatch, folder, model, reqs, *, served, fuse, asynchronous=True, max_steps=2000, aborts=None, **kw):
     """Run ``reqs`` [(req_id, prompt ids, max_tokens, stop ids, extra_args, arrival step)] through the scheduler and
     :class:`CpuRunner` in the engine core's order (asynchronous: ``step_with_batch_queue`` with a queue of two;
@@ -362,8 +385,6 @@ def serve(monkeypatch, folder, model, reqs, *, served, fuse, asynchronous=True, 
     request then (``finish_requests``, FINISHED_ABORTED; its reason reads "abort") if it is still unfinished.
     Returns ``(outputs, scheduler, runner, engine steps)``, ``outputs`` {req_id: (finish reason, token ids)} as the
     client sees them."""
-    from vllm.v1.outputs import DraftTokenIds
-
     max_model_len = kw.get("max_model_len", 256)
     s = _scheduler(monkeypatch, folder, served=served, fuse=fuse, asynchronous=asynchronous, **kw)
     runner = CpuRunner(model, params(**GREEDY, max_denoising_steps=STEPS), fuse=fuse and served == 2 * CL,
@@ -395,20 +416,7 @@ def serve(monkeypatch, folder, model, reqs, *, served, fuse, asynchronous=True, 
                 s.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
                 reasons[rid] = "abort"
         step += 1
-        if s.has_requests():
-            so = s.schedule()
-            mro = runner.execute(so)
-            if not asynchronous:
-                update(so, mro)
-                ids = list(so.num_scheduled_tokens)
-                s.update_draft_token_ids(DraftTokenIds(ids, [[-1] * s.num_spec_tokens for _ in ids]))
-                continue
-            queue.appendleft((so, mro))
-            if len(queue) < size and s.has_requests():
-                continue
-        elif not queue:
-            continue
-        update(*queue.pop())
+        engine_core_step(s, runner, queue, size, update)
     outputs = {rid: (reasons.get(rid), toks[rid]) for rid in toks}
     return outputs, s, runner, step
 

@@ -18,8 +18,8 @@ from collections import deque
 
 import pytest
 from integration_helpers import CL, needs_stack, params, prompt
-from test_vllm_fuse_commit_async import (GREEDY, STEPS, CpuRunner, _scheduler, tiny_hf_folder,  # noqa: F401
-                                         vllm_env)
+from test_vllm_fuse_commit_async import (GREEDY, STEPS, CpuRunner, _scheduler, engine_core_step,  # noqa: F401
+                                         tiny_hf_folder, vllm_env)
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed here (tests/integration/vllm_cpu_env.sh)")
@@ -68,7 +68,6 @@ def engine(monkeypatch, folder, model, script, *, asynchronous, max_steps=400, s
     Returns ``(answers, scheduler, runner)``: ``answers`` req_id -> list of ``(finish reason or None, token ids)``,
     one entry per output the engine sent."""
     from vllm.v1.engine import EngineCoreRequest
-    from vllm.v1.outputs import DraftTokenIds
     from vllm.v1.request import Request
 
     s = scheduler or _scheduler(monkeypatch, folder, served=CL, fuse=False, asynchronous=asynchronous)
@@ -94,20 +93,7 @@ def engine(monkeypatch, folder, model, script, *, asynchronous, max_steps=400, s
             s.add_request(req)
         if step > last and not s.has_requests() and not queue:
             return answers, s, runner
-        if s.has_requests():
-            so = s.schedule()
-            mro = runner.execute(so)
-            if not asynchronous:
-                update(so, mro)
-                ids = list(so.num_scheduled_tokens)
-                s.update_draft_token_ids(DraftTokenIds(ids, [[-1] * s.num_spec_tokens for _ in ids]))
-                continue
-            queue.appendleft((so, mro))
-            if len(queue) < size and s.has_requests():
-                continue
-        elif not queue:
-            continue
-        update(*queue.pop())
+        engine_core_step(s, runner, queue, size, update)
     raise AssertionError(f"the engine did not go idle in {max_steps} steps: {answers}")
 
 
