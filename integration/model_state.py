@@ -137,8 +137,8 @@ MAX_STOP_TOKEN_IDS = 4096
 
 def request_key(req_id: str) -> int:
     """Stable int64 RNG key of a request id (blake2b, 63 bits): the same request draws the same noise in any
-    batch and any slot (batch invariance). Any str hashes: one holding a lone surrogate (``"\\ud800"``: Python's json module
-    decodes that JSON escape to one) is encoded with ``surrogatepass``, which leaves the UTF-8 bytes,
+    batch and any slot (batch invariance). Any str hashes: one holding a lone surrogate (``"\\ud800"``: Python's
+    json module decodes that JSON escape to one) is encoded with ``surrogatepass``, which leaves the UTF-8 bytes,
     and so the key, of every other str unchanged (was: UnicodeEncodeError out of ``add_request``, outside its
     refusal path, taking the engine down)."""
     if not isinstance(req_id, str):

@@ -1003,7 +1003,7 @@ class StreamingInputRefusals:
         if getattr(request, "abort_immediately", False):  # vLLM 0.33's cleanup marker: added and aborted at once
             return False
         if not getattr(request, "resumable", False):
-            if not self._sessions or rid not in self._sessions:
+            if rid not in self._sessions:
                 return False
             # forgotten either way: the session's input has ended, or the id now names a new request
             since = self._sessions.pop(rid)
