@@ -74,6 +74,7 @@ from ..common import (DenoiseResult, accept_by_entropy, apply_step, check_step_a
 from ..state import DENOISE, SamplerState, StepOutput
 from .common import (NUM_FIELDS, STATUS_BAD, STATUS_FINITE, STATUS_ZMAX_INF, STATUS_ZMAX_NEG_INF, LocalStats,
                      VocabShard, make_shards)
+from ..triton.config import check_config
 from .reference import local_statistics, soft_partial
 from .triton import local_statistics_triton, soft_partial_triton
 
@@ -207,8 +208,9 @@ def local_pass(backend: str, logits, embedding, T, seed, rid, cidx, step, active
             config: optional ``SamplerConfig`` (triton only).
 
     Raises:
-        ValueError: unknown backend.
+        ValueError: unknown backend. TypeError: ``config`` neither a ``SamplerConfig`` nor None.
     """
+    check_config(config)
     logits = saturate_logits(logits)  # float64 only: a finite logit stays finite in float32 (the reference's rule)
     if backend == "reference":
         local = local_statistics(logits, T, seed, rid, cidx, step, shard)
@@ -272,10 +274,12 @@ def sampler_step_tp(state: SamplerState, slots: torch.Tensor, logits: torch.Tens
         up to the rounding notes in the module docstring.
 
     Raises:
-        TypeError / ValueError: bad arguments; a shard whose rank/world size disagrees with ``group``.
+        TypeError / ValueError: bad arguments (``config`` neither a ``SamplerConfig`` nor None: TypeError, on every
+            rank before any collective); a shard whose rank/world size disagrees with ``group``.
         RuntimeError: torch.distributed not initialised.
     """
     _check_tp_args(state, slots, logits, prefill_done, embedding, shard, check_values)
+    check_config(config)
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("sampler_step_tp needs an initialised torch.distributed process group")
     W, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -307,9 +311,10 @@ def sampler_step_sharded(state: SamplerState, slots: torch.Tensor, logits: torch
         Others: as :func:`sampler_step_tp`.
 
     Raises:
-        TypeError / ValueError: bad arguments or bounds.
+        TypeError / ValueError: bad arguments or bounds (``config`` neither a ``SamplerConfig`` nor None: TypeError).
     """
     check_step_args(state, slots, logits, prefill_done, embedding, check_values=check_values)   # the whole V
+    check_config(config)
     shards = make_shards(state.vocab_size, bounds)
     phase, T, seed, rid, cidx, step, active = row_inputs(state, slots)
     locals_, partials = [], []

@@ -28,7 +28,7 @@ import triton.language as tl
 from ..common import check_step_args, entropy_order, saturate_logits, temperature
 from ..state import COMMIT, DENOISE, FAILED, FINISHED, PREFILL, SamplerState, StepOutput
 from .common import position_ids, side_stream
-from .config import SamplerConfig
+from .config import SamplerConfig, check_config
 from .soft_embedding import soft_embedding, soft_embedding_chunked, write_soft
 from .stats import row_moments, row_stats
 
@@ -304,17 +304,18 @@ def sampler_step(state: SamplerState, slots: torch.Tensor, logits: torch.Tensor,
         :class:`blockdiff.sampler.StepOutput`. ``state.soft`` is written in place by the reduce kernel.
 
     Raises:
-        TypeError / ValueError: bad arguments (as the reference).
+        TypeError / ValueError: bad arguments (as the reference); ``config`` neither a :class:`SamplerConfig`
+            nor None (TypeError, :func:`~blockdiff.sampler.triton.config.check_config`).
         ValueError: ``config.stats_overlap`` where the soft embedding resolves to the Triton GEMM path.
     """
     checked = check_step_args(state, slots, logits, prefill_done, embedding, check_values=check_values)
+    cfg = check_config(config)                                      # before anything runs (TypeError)
     logits = saturate_logits(logits)                                # float64 only: finite stays finite in float32
     is_den, seed, rid, cidx, step = _gather_rows(state, slots)      # is_den: int32 (1 = DENOISE)
     # torch indexing (the shared temperature) needs ids in range: unchecked ones are clamped for it, the kernels
     # mask them
     T = temperature(state, slots if checked else slots.clamp(0, state.max_num_reqs - 1))
 
-    cfg = config or SamplerConfig()
     cfg.check_stats_overlap(logits.device, embedding.dtype)        # no silent no-op on the Triton GEMM path
     overlap = bool(cfg.stats_overlap)
     if overlap:
