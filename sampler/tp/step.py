@@ -30,7 +30,7 @@ one hidden-sized vector per position:
    ``all_reduce(SUM)`` of ``[N, CL, hidden]`` fp32, times ``sqrt(hidden)``. T = 0 rows: weight 1 on the rank
    owning the global argmax, 0 elsewhere (exact: one-hot(argmax) @ E).
 5. The rest of the step — entropy-bound acceptance, RENOISE ids, argmax stability, convergence, phase
-   transitions — is the sampler's own shared code (:func:`blockdiff.sampler.common.accept_by_entropy`,
+   transitions — is the sampler's own shared code (:func:`blockdiff.sampler.common.entropy_decisions`,
    :func:`~blockdiff.sampler.common.convergence`, :func:`~blockdiff.sampler.common.apply_step`), run on the
    replicated :class:`~blockdiff.sampler.state.SamplerState` of every rank with identical inputs, so every rank
    reaches identical decisions and state.
@@ -69,7 +69,7 @@ import torch
 import torch.distributed as dist
 
 from .. import rng
-from ..common import (DenoiseResult, accept_by_entropy, apply_step, check_step_args, convergence, saturate_logits,
+from ..common import (DenoiseResult, apply_step, check_step_args, convergence, entropy_decisions, saturate_logits,
                       temperature)
 from ..state import DENOISE, SamplerState, StepOutput
 from .common import (NUM_FIELDS, STATUS_BAD, STATUS_FINITE, STATUS_ZMAX_INF, STATUS_ZMAX_NEG_INF, LocalStats,
@@ -183,10 +183,10 @@ def finish_step(state: SamplerState, slots: torch.Tensor, prefill_done: torch.Te
     cidx, step = state.canvas_index[slots], state.step[slots]
     # as the reference: an undefined softmax (a NaN / +inf logit, every logit -inf: comb.bad) or a NaN entropy
     row_failed = comb.bad.any(-1) | torch.isnan(comb.entropy).any(-1)
-    accepted = accept_by_entropy(comb.entropy, state.entropy_bound[slots]) & ~row_failed[:, None]
+    accepted, mean_entropy = entropy_decisions(comb.entropy, state.entropy_bound[slots])
+    accepted = accepted & ~row_failed[:, None]
     renoise = rng.random_ids(seed, rid, cidx, step, CL, V, rng.RENOISE)
     next_canvas = torch.where(accepted, comb.sampled, renoise)
-    mean_entropy = comb.entropy.mean(-1)
     converged, stable_count = convergence(state, slots, comb.argmax, mean_entropy)
     res = DenoiseResult(accepted=accepted, entropy=comb.entropy, argmax=comb.argmax, sampled=comb.sampled,
                         next_canvas=next_canvas, row_failed=row_failed, converged=converged,

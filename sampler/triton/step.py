@@ -85,9 +85,10 @@ def _step_kernel(
     defines the decisions). Lane j of the BLOCK >= CL lanes works on position ``q = order[n, j]`` (the j-th lowest
     entropy): it owns that position's acceptance ``cum_j - H_j <= bound`` and every load / store of position q, so
     the sorted decision needs no cross-lane scatter (no barrier, no shared memory); row reductions (failure,
-    argmax stability, mean entropy, first EOS as the minimum EOS position) do not depend on the lane order.
+    argmax stability, first EOS as the minimum EOS position) do not depend on the lane order.
     Random ids: RENOISE stream with the row's step, INITIAL with step 0 and the new canvas index (fresh canvases),
-    bit for bit :mod:`blockdiff.sampler.rng` (:func:`position_ids`). ``mean_entropy`` is a tl.sum / CL.
+    bit for bit :mod:`blockdiff.sampler.rng` (:func:`position_ids`). ``mean_entropy`` is ``cum[n, CL - 1] / CL``
+    (:func:`~blockdiff.sampler.common.entropy_mean`).
 
     A slot id outside [0, NUM_SLOTS) (one the host did not check: CUDA-graph capture, ``check_values=False``)
     makes the row inert: no state is read or written there (the loads go to slot 0, the stores are masked), and
@@ -136,7 +137,9 @@ def _step_kernel(
     accepted = sel & ~row_failed
     renoise = position_ids(seed, rid, cidx.to(tl.int64), step.to(tl.int64), q, V, 1)     # rng.RENOISE
     nc = tl.where(accepted, smp, renoise)
-    mean = tl.math.div_rn(tl.sum(tl.where(jm, h, 0.0), 0), CLF)        # CLF = float(CL): CL = 1 is a constexpr
+    # common.entropy_mean: the sorted cumsum's last entry over CL (IEEE division; CLF = float(CL): CL = 1 is a
+    # constexpr), the reference's bits for equal entropies (a tl.sum of h was a tree sum, an ulp from its mean)
+    mean = tl.math.div_rn(tl.load(cum_ptr + row + CL - 1), CLF)
     same = tl.max((jm & (amax != prev_old)).to(tl.int32), 0) == 0
     sc_res = tl.where(same, sc + 1, 0)
     converged = ((sc_res >= k) & (mean < conf)) | ((step + 1) >= S)
