@@ -64,7 +64,7 @@ def check_step_args(state: SamplerState, slots: torch.Tensor, logits: torch.Tens
         Whether the slot ids were checked (False: callers index only with ids they clamp or mask themselves).
 
     Raises:
-        TypeError: wrong types or dtypes (names the argument).
+        TypeError: wrong types or dtypes, or a tensor that is not dense (a sparse layout) (names the argument).
         ValueError: wrong shapes, devices or slot ids (names the argument and the rule).
     """
     if check_values is None:
@@ -76,6 +76,8 @@ def check_step_args(state: SamplerState, slots: torch.Tensor, logits: torch.Tens
     for name, t in (("slots", slots), ("logits", logits), ("prefill_done", prefill_done), ("embedding", embedding)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.layout != torch.strided:  # sparse: torch's NotImplementedError / RuntimeError from inside the step
+            raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
         if vocab_slice is not None:
             same = t.device.type == state.device.type
         else:
