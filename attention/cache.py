@@ -33,7 +33,8 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, check_values: bool |
             ``IndexError`` of torch's bounds-checked ``index_copy_``.
 
     Raises:
-        TypeError: ``slot_mapping`` is not an int32/int64 tensor (a float or bool mapping would be truncated);
+        TypeError: a tensor argument that is not a dense (strided) tensor (sparse); ``slot_mapping`` is not an
+            int32/int64 tensor (a float or bool mapping would be truncated);
             k, v, k_cache or v_cache not floating point (integer K/V would be cast silently).
         ValueError: shapes disagree (k/v vs caches, k_cache vs v_cache pages), a tensor on another device than
             k_cache or on the meta device, k_cache and v_cache share memory (one write would overwrite the other),
@@ -45,6 +46,8 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, check_values: bool |
     for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache), ("slot_mapping", slot_mapping)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.layout != torch.strided:  # sparse: no strides / data pointer (torch's errors from inside before)
+            raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
     for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not t.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")

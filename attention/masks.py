@@ -68,6 +68,8 @@ def _int_tensor(name: str, t) -> torch.Tensor:
         raise TypeError(f"{name} must be an integer torch.Tensor, got {type(t).__name__}")
     if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
         raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")
+    if t.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
     if t.device.type == "meta":
         raise ValueError(f"{name} is on the meta device (no data): pass tensors with values")
     return t.to(torch.int64)
@@ -247,6 +249,8 @@ def batch_key_ranges(
     for name, t in (("q_lens", q_lens), ("seq_lens", seq_lens), ("num_causal_q", num_causal_q)):
         if not isinstance(t, torch.Tensor) or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
             raise TypeError(f"{name} must be an integer tensor [B], got {getattr(t, 'dtype', type(t).__name__)}")
+        if t.layout != torch.strided:
+            raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
         if t.dim() != 1:  # (a 2-D q_lens was reported as "got q_lens (1, 1) vs q_lens (1, 1)")
             raise ValueError(f"{name} must be 1-D [B], got shape {tuple(t.shape)}")
         if t.shape != q_lens.shape:

@@ -119,7 +119,8 @@ def merge_split_partials(o_part: torch.Tensor, lse_part: torch.Tensor, out: torc
     The launch goes to ``out``'s CUDA device (its current stream), whatever the current device is.
 
     Raises:
-        TypeError: a tensor argument that is not a tensor, a dtype not allowed, or ``pdl`` not a bool.
+        TypeError: a tensor argument that is not a (dense, strided) tensor, a dtype not allowed, or ``pdl`` not a
+            bool.
         ValueError: shapes that disagree, a non-contiguous partial or LSE, ``out``'s last dimension not
             contiguous or an ``out`` whose elements share memory (a stride 0, or strides that make rows overlap:
             :func:`blockdiff.attention.validate.self_overlapping`), tensors on different devices, or
@@ -129,6 +130,8 @@ def merge_split_partials(o_part: torch.Tensor, lse_part: torch.Tensor, out: torc
                                                                                else ()):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.layout != torch.strided:
+            raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
     for name, t in (("o_part", o_part), ("lse_part", lse_part)) + ((("lse", lse),) if lse is not None else ()):
         if t.dtype != torch.float32:
             raise TypeError(f"{name} must be float32, got {t.dtype}")

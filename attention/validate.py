@@ -102,6 +102,8 @@ class CheckedInputs:
 def _need_tensor(name, t, ndim=None):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:  # sparse / mkldnn: no strides or data pointer (errors from inside torch before)
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
     if ndim is not None and t.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
 
@@ -289,7 +291,7 @@ def check_attention_inputs(
     ``return_lse`` must be a bool, ``max_seqlen_q`` / ``max_seqlen_k`` host hints (:func:`check_length_hint`).
 
     Raises:
-        TypeError: a wrong Python or tensor type / dtype.
+        TypeError: a wrong Python or tensor type / dtype, or a tensor that is not dense (strided: a sparse layout).
         ValueError: a shape, device or value rule broken (tensors on the meta device included: they hold no
             values); the message names the argument and the rule.
     """

@@ -23,7 +23,7 @@ from .state import COMMIT, DENOISE, FAILED, FINISHED, PREFILL, SamplerState, Ste
 
 __all__ = ["check_step_args", "check_slot_values", "capturing", "saturate_logits", "temperature", "overflow_shift",
            "DenoiseResult",
-           "apply_step", "fresh_canvas", "accept_by_entropy", "entropy_order"]
+           "apply_step", "fresh_canvas", "accept_by_entropy", "entropy_order", "entropy_mean", "entropy_decisions"]
 
 
 def capturing() -> bool:
@@ -64,7 +64,7 @@ def check_step_args(state: SamplerState, slots: torch.Tensor, logits: torch.Tens
         Whether the slot ids were checked (False: callers index only with ids they clamp or mask themselves).
 
     Raises:
-        TypeError: wrong types or dtypes (names the argument).
+        TypeError: wrong types or dtypes, or a tensor that is not dense (a sparse layout) (names the argument).
         ValueError: wrong shapes, devices or slot ids (names the argument and the rule).
     """
     if check_values is None:
@@ -76,6 +76,8 @@ def check_step_args(state: SamplerState, slots: torch.Tensor, logits: torch.Tens
     for name, t in (("slots", slots), ("logits", logits), ("prefill_done", prefill_done), ("embedding", embedding)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.layout != torch.strided:  # sparse: torch's NotImplementedError / RuntimeError from inside the step
+            raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
         if vocab_slice is not None:
             same = t.device.type == state.device.type
         else:
@@ -177,6 +179,33 @@ def entropy_order(entropy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
     return sorted_h, order, torch.cumsum(sorted_h, dim=-1)
 
 
+def entropy_mean(cum: torch.Tensor) -> torch.Tensor:
+    """``mean(H)`` of docs/ARCHITECTURE.md "Sampler semantics" rule 6, float32 [N], from :func:`entropy_order`'s
+    ``cum`` [N, CL]: its last entry (the float32 sum of the entropies in the sorted order) over CL, one IEEE division
+    (a tensor divisor: torch on CUDA multiplies by the reciprocal of a scalar one). Every backend takes the mean from
+    here (the Triton step kernel divides the same entry with ``div_rn``), so equal entropies give the same bits and
+    the same convergence decision; ``entropy.mean(-1)`` summed in torch's own order and the kernel in a tree, an ulp
+    apart, and a ``confidence_threshold`` between the two converged one backend and not the other. NaN where an
+    entropy is NaN (NaN sorts last).
+    """
+    total = cum[..., -1]
+    return total / torch.full_like(total, cum.shape[-1])
+
+
+def entropy_decisions(entropy: torch.Tensor, entropy_bound: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(accepted, mean_entropy)`` of one :func:`entropy_order`: :func:`accept_by_entropy`'s bool [N, CL] and
+    :func:`entropy_mean`'s float32 [N] (the reference and the tensor-parallel step; the Triton step kernel computes
+    both from the same sort and cumsum)."""
+    sorted_h, order, cum = entropy_order(entropy)
+    return _accept_sorted(sorted_h, order, cum, entropy_bound), entropy_mean(cum)
+
+
+def _accept_sorted(sorted_h, order, cum, entropy_bound):
+    sel = (cum - sorted_h) <= entropy_bound[:, None]
+    sel &= ~torch.isnan(sorted_h)
+    return torch.zeros_like(sel).scatter(-1, order, sel)
+
+
 def accept_by_entropy(entropy: torch.Tensor, entropy_bound: torch.Tensor) -> torch.Tensor:
     """Entropy-bound acceptance (docs/ARCHITECTURE.md "Sampler semantics", rule 4; arXiv:2505.24857), bool [N, CL].
 
@@ -188,9 +217,7 @@ def accept_by_entropy(entropy: torch.Tensor, entropy_bound: torch.Tensor) -> tor
         entropy: float32 [N, CL] nats. entropy_bound: float32 [N] nats.
     """
     sorted_h, order, cum = entropy_order(entropy)
-    sel = (cum - sorted_h) <= entropy_bound[:, None]
-    sel &= ~torch.isnan(sorted_h)
-    return torch.zeros_like(sel).scatter(-1, order, sel)
+    return _accept_sorted(sorted_h, order, cum, entropy_bound)
 
 
 def fresh_canvas(state: SamplerState, slots: torch.Tensor, canvas_index: torch.Tensor,

@@ -14,7 +14,7 @@ Per DENOISE row with step s, temperature T (:func:`blockdiff.sampler.common.temp
 2. ``sampled = argmax(z + g)``, g Gumbel noise of :func:`blockdiff.sampler.rng.gumbel_noise`.
 3. ``argmax = argmax(z)`` (ties to the lowest id); ``H = -sum p log p``, ``p = softmax(z)`` (nats); at a shifted
    position (p uniform over the logits tied at max x) H = log(#ties) exactly, rounded to float32.
-4. :func:`blockdiff.sampler.common.accept_by_entropy`; a row with a position whose softmax is undefined (a NaN or
+4. :func:`blockdiff.sampler.common.entropy_decisions` (the acceptance and the mean entropy of one sort); a row with a position whose softmax is undefined (a NaN or
    +inf logit, or every logit -inf) fails (nothing accepted). A -inf logit alone is p = 0 (vLLM's token mask):
    never sampled, never the argmax, nothing in H or soft.
 5. next canvas: accepted positions keep ``sampled``, the rest get RENOISE-stream ids.
@@ -51,7 +51,7 @@ import math
 import torch
 
 from . import rng
-from .common import (DenoiseResult, accept_by_entropy, apply_step, check_step_args, convergence, overflow_shift,
+from .common import (DenoiseResult, apply_step, check_step_args, convergence, entropy_decisions, overflow_shift,
                      saturate_logits, temperature)
 from .state import SamplerState, StepOutput
 
@@ -117,11 +117,11 @@ def denoise_reference(state: SamplerState, slots: torch.Tensor, logits: torch.Te
     # a finite z entry can still overflow to -inf (p = 0, the entropy stays finite); a NaN entropy (an undefined
     # softmax) fails the row, never commits garbage
     row_failed = row_failed | torch.isnan(entropy).any(-1)
-    accepted = accept_by_entropy(entropy, state.entropy_bound[slots]) & ~row_failed[:, None]
+    accepted, mean_entropy = entropy_decisions(entropy, state.entropy_bound[slots])   # one sort, one cumsum
+    accepted = accepted & ~row_failed[:, None]
     renoise = rng.random_ids(seed, rid, cidx, step, CL, V, rng.RENOISE)
     next_canvas = torch.where(accepted, sampled, renoise)
 
-    mean_entropy = entropy.mean(-1)
     converged, stable_count = convergence(state, slots, argmax, mean_entropy)
 
     onehot = torch.zeros_like(z).scatter_(-1, argmax[..., None], 1.0)  # (F.one_hot checks ids: a host sync)

@@ -43,7 +43,7 @@ import torch
 __all__ = [
     "GUMBEL", "RENOISE", "INITIAL", "PHILOX_M0", "PHILOX_M1", "PHILOX_W0", "PHILOX_W1", "MASK32",
     "philox4x32_10", "make_key", "make_counter", "uniform_from_word", "gumbel_from_word", "ids_from_words",
-    "gumbel_noise", "random_ids",
+    "gumbel_noise", "random_ids", "check_sizes",
 ]
 
 GUMBEL = 0
@@ -136,6 +136,27 @@ def gumbel_from_word(w: torch.Tensor) -> torch.Tensor:
     return -torch.log(-torch.log(u))
 
 
+def check_sizes(canvas_length: int | None = None, vocab_size: int | None = None, stream: int | None = None) -> None:
+    """The host arguments of the draws (each checked unless None): ``canvas_length`` an int in [0, 2**16) (the
+    counter's position field), ``vocab_size`` an int in [1, 2**31), ``stream`` :data:`RENOISE` or :data:`INITIAL`
+    (a per-position stream). No coercion: ``int()`` read 2.9 as 2 (ids in [0, 2)), ``"5"`` as 5 and True as 1, and
+    a canvas past 2**16 positions silently reused the noise of its first positions.
+
+    Raises:
+        TypeError: an argument that is not an int (a bool, a float, a str). ValueError: one out of its range.
+    """
+    for name, v, lo, hi in (("canvas_length", canvas_length, 0, MAX_POSITIONS), ("vocab_size", vocab_size, 1, MAX_VOCAB)):
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{name} must be an int, got {type(v).__name__} ({v!r})")
+        if not lo <= v < hi:
+            raise ValueError(f"{name} must be in [{lo}, 2**{hi.bit_length() - 1}), got {v}")
+    if stream is not None and (isinstance(stream, bool) or stream not in (RENOISE, INITIAL)
+                               or not isinstance(stream, int)):
+        raise ValueError(f"stream must be RENOISE ({RENOISE}) or INITIAL ({INITIAL}), got {stream!r}")
+
+
 def ids_from_words(w0: torch.Tensor, w1: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Exact ``floor((w0 | w1 << 32) * V / 2**64)`` in [0, V) as int64, for ``1 <= V < 2**31``.
 
@@ -143,11 +164,10 @@ def ids_from_words(w0: torch.Tensor, w1: torch.Tensor, vocab_size: int) -> torch
     ``2**63 - 2**32``, so int64 never overflows.
 
     Raises:
-        ValueError: if ``vocab_size`` is outside [1, 2**31).
+        TypeError: ``vocab_size`` is not an int. ValueError: it is outside [1, 2**31) (:func:`check_sizes`).
     """
-    if not 1 <= int(vocab_size) < MAX_VOCAB:
-        raise ValueError(f"vocab_size must be in [1, 2**31) for ids_from_words, got {vocab_size}")
-    v = int(vocab_size)
+    check_sizes(vocab_size=vocab_size)
+    v = vocab_size
     return (w1 * v + ((w0 * v) >> 32)) >> 32
 
 
@@ -162,7 +182,11 @@ def gumbel_noise(seed, request_id, canvas_index, step, canvas_length: int, vocab
         g with ``g[i, p, t] = gumbel_from_word(philox(key(seed[i]), counter(..., p, GUMBEL, t >> 2))[t & 3])``.
         Dense: the reference's memory is ``N * CL * V * 4`` bytes (plus int64 temporaries of ~V/4 words per
         position); the Triton backend generates the same numbers in registers.
+
+    Raises:
+        TypeError / ValueError: ``canvas_length`` or ``vocab_size`` not an int in its range (:func:`check_sizes`).
     """
+    check_sizes(canvas_length, vocab_size)
     seed = torch.as_tensor(seed).to(torch.int64).reshape(-1)
     dev = seed.device
     n = seed.shape[0]
@@ -192,10 +216,10 @@ def random_ids(seed, request_id, canvas_index, step, canvas_length: int, vocab_s
     through :func:`ids_from_words`.
 
     Raises:
-        ValueError: for another stream or an unsupported vocab_size.
+        ValueError: for another stream, or a size out of range. TypeError: a size that is not an int
+            (:func:`check_sizes`).
     """
-    if stream not in (RENOISE, INITIAL):
-        raise ValueError(f"stream must be RENOISE ({RENOISE}) or INITIAL ({INITIAL}), got {stream}")
+    check_sizes(canvas_length, vocab_size, stream)
     seed = torch.as_tensor(seed).to(torch.int64).reshape(-1)
     dev = seed.device
     k0, k1 = make_key(seed)

@@ -30,7 +30,7 @@ one hidden-sized vector per position:
    ``all_reduce(SUM)`` of ``[N, CL, hidden]`` fp32, times ``sqrt(hidden)``. T = 0 rows: weight 1 on the rank
    owning the global argmax, 0 elsewhere (exact: one-hot(argmax) @ E).
 5. The rest of the step — entropy-bound acceptance, RENOISE ids, argmax stability, convergence, phase
-   transitions — is the sampler's own shared code (:func:`blockdiff.sampler.common.accept_by_entropy`,
+   transitions — is the sampler's own shared code (:func:`blockdiff.sampler.common.entropy_decisions`,
    :func:`~blockdiff.sampler.common.convergence`, :func:`~blockdiff.sampler.common.apply_step`), run on the
    replicated :class:`~blockdiff.sampler.state.SamplerState` of every rank with identical inputs, so every rank
    reaches identical decisions and state.
@@ -69,11 +69,12 @@ import torch
 import torch.distributed as dist
 
 from .. import rng
-from ..common import (DenoiseResult, accept_by_entropy, apply_step, check_step_args, convergence, saturate_logits,
+from ..common import (DenoiseResult, apply_step, check_step_args, convergence, entropy_decisions, saturate_logits,
                       temperature)
 from ..state import DENOISE, SamplerState, StepOutput
 from .common import (NUM_FIELDS, STATUS_BAD, STATUS_FINITE, STATUS_ZMAX_INF, STATUS_ZMAX_NEG_INF, LocalStats,
                      VocabShard, make_shards)
+from ..triton.config import check_config
 from .reference import local_statistics, soft_partial
 from .triton import local_statistics_triton, soft_partial_triton
 
@@ -182,10 +183,10 @@ def finish_step(state: SamplerState, slots: torch.Tensor, prefill_done: torch.Te
     cidx, step = state.canvas_index[slots], state.step[slots]
     # as the reference: an undefined softmax (a NaN / +inf logit, every logit -inf: comb.bad) or a NaN entropy
     row_failed = comb.bad.any(-1) | torch.isnan(comb.entropy).any(-1)
-    accepted = accept_by_entropy(comb.entropy, state.entropy_bound[slots]) & ~row_failed[:, None]
+    accepted, mean_entropy = entropy_decisions(comb.entropy, state.entropy_bound[slots])
+    accepted = accepted & ~row_failed[:, None]
     renoise = rng.random_ids(seed, rid, cidx, step, CL, V, rng.RENOISE)
     next_canvas = torch.where(accepted, comb.sampled, renoise)
-    mean_entropy = comb.entropy.mean(-1)
     converged, stable_count = convergence(state, slots, comb.argmax, mean_entropy)
     res = DenoiseResult(accepted=accepted, entropy=comb.entropy, argmax=comb.argmax, sampled=comb.sampled,
                         next_canvas=next_canvas, row_failed=row_failed, converged=converged,
@@ -207,8 +208,9 @@ def local_pass(backend: str, logits, embedding, T, seed, rid, cidx, step, active
             config: optional ``SamplerConfig`` (triton only).
 
     Raises:
-        ValueError: unknown backend.
+        ValueError: unknown backend. TypeError: ``config`` neither a ``SamplerConfig`` nor None.
     """
+    check_config(config)
     logits = saturate_logits(logits)  # float64 only: a finite logit stays finite in float32 (the reference's rule)
     if backend == "reference":
         local = local_statistics(logits, T, seed, rid, cidx, step, shard)
@@ -272,10 +274,12 @@ def sampler_step_tp(state: SamplerState, slots: torch.Tensor, logits: torch.Tens
         up to the rounding notes in the module docstring.
 
     Raises:
-        TypeError / ValueError: bad arguments; a shard whose rank/world size disagrees with ``group``.
+        TypeError / ValueError: bad arguments (``config`` neither a ``SamplerConfig`` nor None: TypeError, on every
+            rank before any collective); a shard whose rank/world size disagrees with ``group``.
         RuntimeError: torch.distributed not initialised.
     """
     _check_tp_args(state, slots, logits, prefill_done, embedding, shard, check_values)
+    check_config(config)
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("sampler_step_tp needs an initialised torch.distributed process group")
     W, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -307,9 +311,10 @@ def sampler_step_sharded(state: SamplerState, slots: torch.Tensor, logits: torch
         Others: as :func:`sampler_step_tp`.
 
     Raises:
-        TypeError / ValueError: bad arguments or bounds.
+        TypeError / ValueError: bad arguments or bounds (``config`` neither a ``SamplerConfig`` nor None: TypeError).
     """
     check_step_args(state, slots, logits, prefill_done, embedding, check_values=check_values)   # the whole V
+    check_config(config)
     shards = make_shards(state.vocab_size, bounds)
     phase, T, seed, rid, cidx, step, active = row_inputs(state, slots)
     locals_, partials = [], []

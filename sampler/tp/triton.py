@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from ..triton.common import FLT_LOWEST, philox4x32_10
-from ..triton.config import SamplerConfig
+from ..triton.config import SamplerConfig, check_config
 from ..triton.soft_embedding import soft_embedding
 from ..triton.stats import tie_statistics
 from .common import STATUS_BAD, STATUS_FINITE, STATUS_ZMAX_INF, STATUS_ZMAX_NEG_INF, LocalStats, VocabShard
@@ -163,11 +163,12 @@ def local_statistics_triton(logits: torch.Tensor, T: torch.Tensor, seed: torch.T
     """
     N, CL, Vs = logits.shape
     dev = logits.device
+    cfg = check_config(config)  # (an empty shard too: every rank refuses a bad config alike)
     if Vs == 0 or N * CL == 0:
         return LocalStats.empty(N, CL, shard.vocab_size, dev)
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    cfg = (config or SamplerConfig()).resolve(N * CL, Vs, 1, dev)
+    cfg = cfg.resolve(N * CL, Vs, 1, dev)
     tile = 4 * cfg.block_g
     base = shard.start - shard.start % 4
     span = shard.end - base
@@ -235,6 +236,7 @@ def soft_partial_triton(logits: torch.Tensor, embedding: torch.Tensor, T: torch.
     inactive rows 0."""
     N, CL, Vs = logits.shape
     hidden = embedding.shape[-1]
+    check_config(config)
     if Vs == 0 or N * CL == 0:
         return torch.zeros(N, CL, hidden, dtype=torch.float32, device=logits.device)
     ws = soft_embedding(logits, embedding, T, local.m.contiguous(), local.inv_s.contiguous(),

@@ -100,19 +100,17 @@ def random_ids(seed: torch.Tensor, request_id: torch.Tensor, canvas_index: torch
     """:func:`blockdiff.sampler.rng.random_ids` in one Triton launch (same ids, bit for bit): int64 [N, CL].
 
     Raises:
-        ValueError: a stream other than RENOISE / INITIAL, or vocab_size outside [1, 2**31).
+        ValueError: a stream other than RENOISE / INITIAL, or a size out of range; TypeError: a size that is not an
+            int (:func:`blockdiff.sampler.rng.check_sizes`, the torch version's rules).
     """
-    if stream not in (rng.RENOISE, rng.INITIAL):
-        raise ValueError(f"stream must be RENOISE ({rng.RENOISE}) or INITIAL ({rng.INITIAL}), got {stream}")
-    if not 1 <= int(vocab_size) < rng.MAX_VOCAB:
-        raise ValueError(f"vocab_size must be in [1, 2**31), got {vocab_size}")
+    rng.check_sizes(canvas_length, vocab_size, stream)
     n = seed.shape[0]
     out = torch.empty(n, canvas_length, dtype=torch.int64, device=seed.device)
     if n > 0 and canvas_length > 0:
         block = min(1024, triton.next_power_of_2(canvas_length))
         _random_ids_kernel[(n, triton.cdiv(canvas_length, block))](
             seed.contiguous(), request_id.contiguous(), canvas_index.contiguous(), step.contiguous(), out,
-            canvas_length, int(vocab_size), STREAM=stream, BLOCK=block, num_warps=4)
+            canvas_length, vocab_size, STREAM=stream, BLOCK=block, num_warps=4)
     return out
 
 

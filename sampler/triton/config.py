@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-__all__ = ["SamplerConfig", "SOFT_IMPLS", "default_soft_impl"]
+__all__ = ["SamplerConfig", "SOFT_IMPLS", "default_soft_impl", "check_config"]
 
 #: Soft-embedding implementations selectable by ``SamplerConfig.soft_impl``.
 SOFT_IMPLS = ("triton_gemm", "chunked")
@@ -174,3 +174,19 @@ class SamplerConfig:
                              self.stats_stages or (3 if cuda else 1), bm, bn, bk, split_k,
                              gemm_warps or (8 if cuda else 4), self.gemm_stages or (3 if cuda else 1),
                              self.use_tma, self.soft_impl, self.soft_chunk, self.soft_overlap, self.stats_overlap)
+
+
+def check_config(config) -> SamplerConfig:
+    """The :class:`SamplerConfig` of a call: ``config`` itself, or the defaults for None. Every entry point that
+    takes a ``config`` runs this before it launches anything.
+
+    Raises:
+        TypeError: ``config`` is neither a :class:`SamplerConfig` nor None (names ``config``). ``config or
+            SamplerConfig()`` took an empty dict as the defaults, and anything else failed with an AttributeError
+            inside the step, or (an empty TP shard returns before reading it) on some ranks only.
+    """
+    if config is None:
+        return SamplerConfig()
+    if not isinstance(config, SamplerConfig):
+        raise TypeError(f"config must be a SamplerConfig or None, got {type(config).__name__} ({config!r})")
+    return config

@@ -62,7 +62,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..state import SamplerState
 from .common import interpret_mode, round_to, side_stream
-from .config import SamplerConfig
+from .config import SamplerConfig, check_config
 
 __all__ = ["soft_embedding", "soft_embedding_chunked", "write_soft", "chunk_size", "MAX_CHUNK_BYTES",
            "LARGE_BATCH_CHUNK", "LARGE_BATCH_CHUNK_BYTES"]
@@ -211,7 +211,7 @@ def soft_embedding(logits: torch.Tensor, embedding: torch.Tensor, T: torch.Tenso
     hidden = embedding.shape[1]
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    cfg = config or SamplerConfig()
+    cfg = check_config(config)
     if cfg.soft_impl_for(logits.device, embedding.dtype) == "chunked":
         return soft_embedding_chunked(logits, embedding, T, m, inv_s, argmax, active, chunk=cfg.soft_chunk,
                                       greedy_onehot=greedy_onehot, overlap=bool(cfg.soft_overlap), shift=shift)

@@ -53,7 +53,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .common import FLT_LOWEST, interpret_mode, philox4x32_10
-from .config import SamplerConfig
+from .config import SamplerConfig, check_config
 
 __all__ = ["row_stats", "row_moments", "tie_statistics", "GUMBEL_MAX_BOUND", "GUMBEL_NEAR_ONE", "PREFILTER_ABS",
            "PREFILTER_REL", "PREFILTER_LOG_MODE"]
@@ -463,7 +463,7 @@ def row_stats(logits: torch.Tensor, T: torch.Tensor, seed: torch.Tensor, request
     N, CL, V = logits.shape
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    cfg = (config or SamplerConfig()).resolve(N * CL, V, 1, logits.device)
+    cfg = check_config(config).resolve(N * CL, V, 1, logits.device)
     tile = 4 * cfg.block_g
     chunk = triton.cdiv(triton.cdiv(V, cfg.split_v), tile) * tile
     split_v = triton.cdiv(V, chunk)

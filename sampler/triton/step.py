@@ -28,7 +28,7 @@ import triton.language as tl
 from ..common import check_step_args, entropy_order, saturate_logits, temperature
 from ..state import COMMIT, DENOISE, FAILED, FINISHED, PREFILL, SamplerState, StepOutput
 from .common import position_ids, side_stream
-from .config import SamplerConfig
+from .config import SamplerConfig, check_config
 from .soft_embedding import soft_embedding, soft_embedding_chunked, write_soft
 from .stats import row_moments, row_stats
 
@@ -85,9 +85,10 @@ def _step_kernel(
     defines the decisions). Lane j of the BLOCK >= CL lanes works on position ``q = order[n, j]`` (the j-th lowest
     entropy): it owns that position's acceptance ``cum_j - H_j <= bound`` and every load / store of position q, so
     the sorted decision needs no cross-lane scatter (no barrier, no shared memory); row reductions (failure,
-    argmax stability, mean entropy, first EOS as the minimum EOS position) do not depend on the lane order.
+    argmax stability, first EOS as the minimum EOS position) do not depend on the lane order.
     Random ids: RENOISE stream with the row's step, INITIAL with step 0 and the new canvas index (fresh canvases),
-    bit for bit :mod:`blockdiff.sampler.rng` (:func:`position_ids`). ``mean_entropy`` is a tl.sum / CL.
+    bit for bit :mod:`blockdiff.sampler.rng` (:func:`position_ids`). ``mean_entropy`` is ``cum[n, CL - 1] / CL``
+    (:func:`~blockdiff.sampler.common.entropy_mean`).
 
     A slot id outside [0, NUM_SLOTS) (one the host did not check: CUDA-graph capture, ``check_values=False``)
     makes the row inert: no state is read or written there (the loads go to slot 0, the stores are masked), and
@@ -136,7 +137,9 @@ def _step_kernel(
     accepted = sel & ~row_failed
     renoise = position_ids(seed, rid, cidx.to(tl.int64), step.to(tl.int64), q, V, 1)     # rng.RENOISE
     nc = tl.where(accepted, smp, renoise)
-    mean = tl.math.div_rn(tl.sum(tl.where(jm, h, 0.0), 0), CLF)        # CLF = float(CL): CL = 1 is a constexpr
+    # common.entropy_mean: the sorted cumsum's last entry over CL (IEEE division; CLF = float(CL): CL = 1 is a
+    # constexpr), the reference's bits for equal entropies (a tl.sum of h was a tree sum, an ulp from its mean)
+    mean = tl.math.div_rn(tl.load(cum_ptr + row + CL - 1), CLF)
     same = tl.max((jm & (amax != prev_old)).to(tl.int32), 0) == 0
     sc_res = tl.where(same, sc + 1, 0)
     converged = ((sc_res >= k) & (mean < conf)) | ((step + 1) >= S)
@@ -304,17 +307,18 @@ def sampler_step(state: SamplerState, slots: torch.Tensor, logits: torch.Tensor,
         :class:`blockdiff.sampler.StepOutput`. ``state.soft`` is written in place by the reduce kernel.
 
     Raises:
-        TypeError / ValueError: bad arguments (as the reference).
+        TypeError / ValueError: bad arguments (as the reference); ``config`` neither a :class:`SamplerConfig`
+            nor None (TypeError, :func:`~blockdiff.sampler.triton.config.check_config`).
         ValueError: ``config.stats_overlap`` where the soft embedding resolves to the Triton GEMM path.
     """
     checked = check_step_args(state, slots, logits, prefill_done, embedding, check_values=check_values)
+    cfg = check_config(config)                                      # before anything runs (TypeError)
     logits = saturate_logits(logits)                                # float64 only: finite stays finite in float32
     is_den, seed, rid, cidx, step = _gather_rows(state, slots)      # is_den: int32 (1 = DENOISE)
     # torch indexing (the shared temperature) needs ids in range: unchecked ones are clamped for it, the kernels
     # mask them
     T = temperature(state, slots if checked else slots.clamp(0, state.max_num_reqs - 1))
 
-    cfg = config or SamplerConfig()
     cfg.check_stats_overlap(logits.device, embedding.dtype)        # no silent no-op on the Triton GEMM path
     overlap = bool(cfg.stats_overlap)
     if overlap:

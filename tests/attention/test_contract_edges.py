@@ -396,3 +396,31 @@ def test_attention_refuses_an_out_of_another_dtype_with_a_type_error(backend, dt
     out = torch.zeros(5, 4, 16, dtype=dtype)
     with pytest.raises(TypeError, match=f"out dtype {dtype} must equal q dtype torch.float32"):
         attention(**b, out=out, backend=backend)
+
+
+@pytest.mark.parametrize("which", ["q", "k_cache", "cu_seqlens_q", "seq_lens", "block_table", "num_causal_q", "out"])
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_sparse_tensors_are_a_type_error_naming_them(which, backend):
+    """Were torch's NotImplementedError / RuntimeError from inside the checks or the launch ("Could not run
+    'aten::as_strided' with arguments from the 'SparseCPU' backend", "unsupported memory format option"), or a
+    ValueError about a last-dimension stride the tensor does not have; the mask helpers, write_kv_cache and the
+    split-KV merge alike."""
+    from blockdiff.attention import write_kv_cache
+    from blockdiff.attention.split_merge import merge_split_partials
+    b = _batch()
+    if which == "out":
+        b["out"] = torch.zeros_like(b["q"]).to_sparse()
+    else:
+        b[which] = b[which].to_sparse()
+    with pytest.raises(TypeError, match=f"{which} must be a dense"):
+        attention(**b, backend=backend)
+    sp = torch.tensor([2]).to_sparse()
+    with pytest.raises(TypeError, match="q_lens must be a dense"):
+        count_allowed_pairs(sp, torch.tensor([2]), torch.tensor([0]), None)
+    with pytest.raises(TypeError, match="row must be a dense"):
+        key_range(sp, torch.tensor([2]), torch.tensor([2]), torch.tensor([0]), None)
+    k = torch.zeros(1, 2, 4)
+    with pytest.raises(TypeError, match="slot_mapping must be a dense"):
+        write_kv_cache(k, k, torch.zeros(2, 2, 2, 4), torch.zeros(2, 2, 2, 4), torch.tensor([0]).to_sparse())
+    with pytest.raises(TypeError, match="o_part must be a dense"):
+        merge_split_partials(torch.zeros(2, 1, 1, 16).to_sparse(), torch.zeros(2, 1, 1), torch.zeros(1, 1, 16))

@@ -125,3 +125,28 @@ def test_gumbel_and_ids_statistics():
 def test_random_ids_rejects_gumbel_stream():
     with pytest.raises(ValueError, match="stream"):
         rng.random_ids(*_args(), 4, 10, rng.GUMBEL)
+
+
+@pytest.mark.parametrize("name,kw,exc", [
+    ("vocab_size", dict(vocab_size=2.9), TypeError), ("vocab_size", dict(vocab_size=True), TypeError),
+    ("vocab_size", dict(vocab_size="5"), TypeError), ("vocab_size", dict(vocab_size=2**31), ValueError),
+    ("canvas_length", dict(canvas_length=2.5), TypeError), ("canvas_length", dict(canvas_length=2**16), ValueError),
+    ("canvas_length", dict(canvas_length=-1), ValueError), ("stream", dict(stream=True), ValueError),
+    ("stream", dict(stream=1.0), ValueError)])
+def test_draws_refuse_sizes_that_are_not_ints_in_range(name, kw, exc):
+    """Regression: random_ids (torch and Triton) and ids_from_words took int(vocab_size), so 2.9 drew ids in
+    [0, 2), "5" was parsed and True read as 1; canvas_length was never checked (2**16 + 1 positions silently reused
+    the first positions' noise, 2.5 drew 3 positions) and gumbel_noise checked nothing. Now a TypeError / ValueError
+    names the argument in every draw function."""
+    from blockdiff.sampler.triton.common import random_ids as triton_random_ids
+    args = dict(canvas_length=4, vocab_size=10, stream=rng.RENOISE)
+    args.update(kw)
+    draws = [lambda: rng.random_ids(*_args(), args["canvas_length"], args["vocab_size"], args["stream"]),
+             lambda: triton_random_ids(*_args(), args["canvas_length"], args["vocab_size"], args["stream"])]
+    if name != "stream":
+        draws.append(lambda: rng.gumbel_noise(*_args(), args["canvas_length"], args["vocab_size"]))
+    if name == "vocab_size":
+        draws.append(lambda: rng.ids_from_words(torch.tensor([0]), torch.tensor([0]), args["vocab_size"]))
+    for draw in draws:
+        with pytest.raises(exc, match=name):
+            draw()

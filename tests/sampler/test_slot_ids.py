@@ -131,3 +131,21 @@ def test_cuda_graph_captured_step_with_an_id_out_of_range_reads_nothing_outside_
         assert torch.equal(getattr(st, f)[0], getattr(ref, f)[0]), f
     torch.testing.assert_close(st.soft[0], ref.soft[0], rtol=1e-3, atol=1e-3)   # cuBLAS may tile M = 1 / 2 apart
     assert (st.soft[1:] == 0).all()
+
+
+@pytest.mark.parametrize("which", ["slots", "logits", "prefill_done", "embedding"])
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_sparse_step_arguments_are_a_type_error_naming_them(which, backend):
+    """Were torch's NotImplementedError ("Could not run 'aten::amax' with arguments from the 'SparseCPU' backend") or
+    RuntimeError ("unsupported memory format option") from inside the step; now check_step_args refuses a tensor that
+    is not dense (strided), before the state is touched."""
+    from blockdiff.sampler import SamplerState, SamplingParams, sampler_step
+    st = SamplerState(2, 4, 30, 8)
+    st.add_request(0, 3, SamplingParams(canvas_length=4))
+    args = dict(slots=torch.tensor([0]), logits=torch.zeros(1, 4, 30), prefill_done=torch.tensor([True]),
+                embedding=torch.zeros(30, 8))
+    args[which] = args[which].to_sparse()
+    before = st.phase.clone()
+    with pytest.raises(TypeError, match=f"{which} must be a dense"):
+        sampler_step(st, args["slots"], args["logits"], args["prefill_done"], args["embedding"], backend=backend)
+    assert torch.equal(st.phase, before)

@@ -93,3 +93,46 @@ def test_sampler_config_soft_chunk_must_be_an_int(value):
     with pytest.raises(TypeError, match=rf"SamplerConfig.soft_chunk must be an int >= 1 tokens or None, got "
                                         rf"{type(value).__name__}"):
         SamplerConfig(soft_chunk=value)
+
+
+@pytest.mark.parametrize("config", [{}, {"block_p": 1}, "chunked", 0, SamplerConfig])
+def test_config_must_be_a_sampler_config_or_none_in_every_entry_point(config):
+    """Regression: a config that is not a SamplerConfig was read as ``config or SamplerConfig()``: an empty dict (or 0,
+    or "") silently ran the defaults, anything else failed with an AttributeError from inside the step
+    ('dict' object has no attribute 'check_stats_overlap'), and the TP local pass of an empty shard returned before
+    reading it (so ranks disagreed on whether the step failed). Now every entry point raises a TypeError naming
+    config before it launches anything (the state untouched)."""
+    from blockdiff.sampler.tp import sampler_step_sharded
+    from blockdiff.sampler.tp.common import VocabShard
+    from blockdiff.sampler.tp.step import local_pass
+    from blockdiff.sampler.tp.triton import local_statistics_triton, soft_partial_triton
+    from blockdiff.sampler.triton.soft_embedding import soft_embedding
+    from blockdiff.sampler.triton.stats import row_stats
+    st = SamplerState(2, 4, 30, 8)
+    st.add_request(0, 3, SamplingParams(canvas_length=4))
+    slots, pd = torch.tensor([0]), torch.tensor([True])
+    x, E = torch.zeros(1, 4, 30), torch.zeros(30, 8)
+    before = {k: v.clone() for k, v in vars(st).items() if isinstance(v, torch.Tensor)}
+    with pytest.raises(TypeError, match="config must be a SamplerConfig or None"):
+        ts.sampler_step(st, slots, x, pd, E, config)
+    for backend in ("reference", "triton"):
+        with pytest.raises(TypeError, match="config must be a SamplerConfig or None"):
+            sampler_step_sharded(st, slots, x, pd, E, bounds=(0, 10, 30), backend=backend, config=config)
+    for k, v in before.items():
+        assert torch.equal(getattr(st, k), v), k
+    one = torch.ones(1)
+    z = torch.zeros(1, dtype=torch.int64)
+    act = torch.ones(1, dtype=torch.bool)
+    with pytest.raises(TypeError, match="config"):
+        row_stats(x, one, z, z, z, z, act, config)
+    with pytest.raises(TypeError, match="config"):
+        soft_embedding(x, E, one, torch.zeros(1, 4), torch.ones(1, 4), torch.zeros(1, 4, dtype=torch.int64), act,
+                       config)
+    empty = VocabShard(30, 10, 10, 1, 3)                          # a rank holding no tokens refuses it too
+    with pytest.raises(TypeError, match="config"):
+        local_statistics_triton(x[..., :0], one, z, z, z, z, act, empty, config)
+    with pytest.raises(TypeError, match="config"):
+        local_pass("reference", x[..., :0], E[:0], one, z, z, z, z, act, empty, config)
+    local = local_statistics_triton(x[..., :0], one, z, z, z, z, act, empty)
+    with pytest.raises(TypeError, match="config"):
+        soft_partial_triton(x[..., :0], E[:0], one, local, act, config)

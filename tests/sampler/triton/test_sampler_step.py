@@ -4,15 +4,15 @@ crafted states.
 
 The oracle is the former torch path: ``accept_by_entropy``, ``rng.random_ids(RENOISE)``, ``convergence`` and
 ``common.apply_step`` (which the reference backend still runs). Every StepOutput field and every state field must be
-equal (torch.equal); ``mean_entropy`` too, as the step entropies here are multiples of 1/8 (float32 sums exact in any
-order).
+equal (torch.equal); ``mean_entropy`` too (both take it from the sorted cumsum, ``common.entropy_mean``; the step
+entropies here are multiples of 1/8 besides).
 """
 import pytest
 import torch
 
 from blockdiff.sampler import (COMMIT, DENOISE, FAILED, FINISHED, NO_MAX_TOKENS, PREFILL, SamplerState,
                                SamplingParams, rng, sampler_step)
-from blockdiff.sampler.common import DenoiseResult, accept_by_entropy, apply_step, convergence, temperature
+from blockdiff.sampler.common import DenoiseResult, apply_step, convergence, entropy_decisions, temperature
 from blockdiff.sampler.triton.step import _apply_step
 
 STATE_FIELDS = ("phase", "canvas", "commit_canvas", "prev_argmax", "stable_count", "step", "canvas_index",
@@ -30,10 +30,10 @@ def _torch_step(state, slots, pd, st):
     T = temperature(state, slots)
     entropy, argmax, sampled = st["step_entropy"], st["argmax"], st["sampled"]
     row_failed = torch.isnan(entropy).any(-1)
-    accepted = accept_by_entropy(entropy, state.entropy_bound[slots]) & ~row_failed[:, None]
+    accepted, mean_entropy = entropy_decisions(entropy, state.entropy_bound[slots])
+    accepted = accepted & ~row_failed[:, None]
     renoise = rng.random_ids(seed, rid, cidx, step, CL, V, rng.RENOISE)
     next_canvas = torch.where(accepted, sampled, renoise)
-    mean_entropy = entropy.mean(-1)
     converged, stable_count = convergence(state, slots, argmax, mean_entropy)
     res = DenoiseResult(accepted=accepted, entropy=entropy, argmax=argmax, sampled=sampled, next_canvas=next_canvas,
                         row_failed=row_failed, converged=converged, stable_count=stable_count,
