@@ -47,7 +47,7 @@ import torch
 
 from blockdiff.attention import AttentionMetadata
 from blockdiff.sampler import COMMIT, DENOISE, FAILED, FINISHED, PREFILL  # phases of SamplerState.phase
-from blockdiff.sampler import SamplerState, SamplingParams
+from blockdiff.sampler import SamplerState
 from blockdiff.sampler.common import fresh_canvas
 from blockdiff.sampler.state import check_resume
 
@@ -56,10 +56,11 @@ from .sampler import DiffusionSampler, commit_finishes_vec
 # the request-parameter rules, shared with the plugin's scheduler (which applies them first, at add_request); the
 # names stay importable from here
 from .vllm_params import (_VLLM_PARAM_ATTRS, MAX_STOP_TOKEN_IDS, UNSUPPORTED_VLLM_OPTIONS,  # noqa: F401
-                          VLLM_EXTRA_ARGS, VLLM_RNG_REQUEST_ID, is_vllm_warmup_request_id, rng_request_id,
-                          stop_token_ids_of, to_diffusion_params, unsupported_vllm_options)
+                          VLLM_EXTRA_ARGS, VLLM_RNG_REQUEST_ID, check_stop_token_count, is_vllm_warmup_request_id,
+                          rng_request_id, stop_token_ids_of, to_diffusion_params, unsupported_vllm_options,
+                          vllm_request_params)
 from .vllm_scheduler import (FUSE_COMMIT_ENV, FUSE_NEXT_FLAG, fuse_commit_from_env, served_canvas_length,
-                             served_max_denoising_steps)
+                             served_default_params)
 from .vllm_graphs import maybe_install_for as install_decode_graph_widths
 
 _log = logging.getLogger(f"vllm.{__name__}")  # under vLLM's "vllm" logger: its handler prints INFO to the server log
@@ -245,19 +246,12 @@ class DiffusionModelState(_Base):
         canvas_length, fused_layout = served_canvas_length(vllm_config)
         install_decode_graph_widths(fused_layout)  # vLLM 0.26: FULL graphs CL and 2 * CL wide (tuning 7.37)
         text_cfg = self.model_config.hf_text_config
-        gen = self.model_config.try_get_generation_config() or {}
-        sc = gen.get("sampler_config") or {}
-        kw = {k: gen[k] for k in ("t_min", "t_max", "confidence_threshold", "stability_threshold") if k in gen}
-        if sc.get("entropy_bound") is not None:
-            kw["entropy_bound"] = sc["entropy_bound"]
-        steps = served_max_denoising_steps(vllm_config, gen)  # the async scheduler predicts commits from the same cap
-        if steps:
-            kw["max_denoising_steps"] = steps
+        # the served defaults, built as the plugin's scheduler builds them to refuse requests at add_request
+        defaults = served_default_params(vllm_config, self.model_config.try_get_generation_config() or {})
         self._init_diffusion(
             mode="vllm", max_num_reqs=self.max_num_reqs, max_num_tokens=self.max_num_tokens,
             canvas_length=canvas_length, vocab_size=self.model_config.get_vocab_size(),
-            hidden_size=text_cfg.hidden_size, default_params=SamplingParams(canvas_length=canvas_length, **kw),
-            embed_dtype=self.dtype)
+            hidden_size=text_cfg.hidden_size, default_params=defaults, embed_dtype=self.dtype)
         if _plugin_scheduler(vllm_config) is False:  # in every layout; the fused one gets its own reason
             got = getattr(vllm_config.scheduler_config, 'scheduler_cls', None)
             if fused_layout:
@@ -416,8 +410,9 @@ class DiffusionModelState(_Base):
             if warmup:  # vLLM's start-up dummy: the served defaults (_VLLM_WARMUP_REQ_ID)
                 params, rng_id = self.default_params, req_id
             else:
-                params = to_diffusion_params(new_req_data.sampling_params, self.default_params, canvas_length=CL)
-                rng_id = rng_request_id(new_req_data.sampling_params, req_id)
+                # the checks the plugin's scheduler ran at its add_request already (vllm_params): the backstop
+                params, rng_id = vllm_request_params(new_req_data.sampling_params, req_id, self.default_params,
+                                                     canvas_length=CL, vocab_size=self.vocab_size)
             self.reserve_stop_token_ids(len(params.eos_token_ids))
             self.state.check_params(params)
             check_resume(params, num_generated)  # a resumed request with all its tokens: fail it, never lose it
@@ -445,10 +440,7 @@ class DiffusionModelState(_Base):
         Raises:
             ValueError: ``n`` above :data:`MAX_STOP_TOKEN_IDS` (nothing grows), or not an int >= 0.
         """
-        if not isinstance(n, bool) and isinstance(n, int) and n > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"a request has {n} stop token ids (eos_token_id + stop_token_ids), more than the "
-                             f"{MAX_STOP_TOKEN_IDS} blockdiff serves per request (MAX_STOP_TOKEN_IDS: each widens "
-                             f"every slot's stop-id buffer and its per-step compare)")
+        check_stop_token_count(n)
         self.state.reserve_eos(n)
 
     def check_params(self, params: Any) -> None:

@@ -23,6 +23,19 @@ from blockdiff.sampler import SamplingParams
 MAX_STOP_TOKEN_IDS = 4096
 
 
+def check_stop_token_count(n: int) -> None:
+    """Refuse a request with more than :data:`MAX_STOP_TOKEN_IDS` distinct stop ids (``n``: its eos id plus
+    ``stop_token_ids``).
+
+    Raises:
+        ValueError: ``n`` above :data:`MAX_STOP_TOKEN_IDS` (the count and the limit named).
+    """
+    if not isinstance(n, bool) and isinstance(n, int) and n > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"a request has {n} stop token ids (eos_token_id + stop_token_ids), more than the "
+                         f"{MAX_STOP_TOKEN_IDS} blockdiff serves per request (MAX_STOP_TOKEN_IDS: each widens "
+                         f"every slot's stop-id buffer and its per-step compare)")
+
+
 #: vLLM ``SamplingParams.extra_args`` key naming the request's RNG identity: a non-empty str that
 #: :func:`request_key` hashes in place of the id vLLM gives the request. vLLM's ids end in 8 random characters
 #: (``InputProcessor.assign_request_id``), so without the key a served request's noise (its initial canvases,
@@ -267,3 +280,39 @@ def to_diffusion_params(sampling_params: Any, defaults: Any = None, *, canvas_le
             f"{p.canvas_length}) must equal the served canvas_length ({canvas_length}): one canvas length per model "
             f"state")
     return p
+
+
+def vllm_request_params(sampling_params: Any, req_id: str, defaults: Any, *, canvas_length: int,
+                        vocab_size: int | None = None) -> tuple[SamplingParams, str]:
+    """A request's blockdiff parameters and RNG identity, or why it is refused: every check of a request's
+    parameters that needs no slot, in the order the model state's ``add_request`` runs them. The plugin's scheduler
+    runs it at ``add_request`` (the scheduler process, before the request is scheduled), the model state again in
+    the worker (the backstop); both pass the defaults and canvas length built from the same ``VllmConfig``
+    (:func:`blockdiff.integration.vllm_scheduler.served_default_params`, ``served_canvas_length``), so they refuse
+    the same requests.
+
+    Args:
+        sampling_params: a vLLM ``SamplingParams`` (or a blockdiff one, or None: :func:`to_diffusion_params`).
+        req_id: the request's id (its RNG identity unless ``extra_args["rng_request_id"]`` names one).
+        defaults: the served blockdiff ``SamplingParams`` (the fields a request leaves unset).
+        canvas_length: the served canvas length.
+        vocab_size: the model's vocabulary size (None: stop ids not checked against it).
+
+    Returns:
+        ``(params, rng_id)``: the blockdiff ``SamplingParams`` and the id :func:`request_key
+        <blockdiff.integration.model_state.request_key>` hashes.
+
+    Raises:
+        ValueError / TypeError: a refused request, the message naming the option and the rule it breaks
+            (:func:`to_diffusion_params`, :func:`rng_request_id`, :func:`check_stop_token_count`; a stop id at or
+            above ``vocab_size``).
+    """
+    params = to_diffusion_params(sampling_params, defaults, canvas_length=canvas_length)
+    rng_id = rng_request_id(sampling_params, req_id)
+    check_stop_token_count(len(params.eos_token_ids))
+    if vocab_size is not None:
+        bad = [t for t in params.eos_token_ids if t >= vocab_size]
+        if bad:
+            raise ValueError(f"eos_token_ids must be < vocab_size={vocab_size}, got {bad[0]} (a vLLM request's "
+                             f"eos_token_id / stop_token_ids)")
+    return params, rng_id
