@@ -373,11 +373,14 @@ class DiffusionModelState(_Base):
                 None or the prompt for a new one). The request's noise is keyed by :func:`request_key` of
                 :func:`rng_request_id` (``extra_args["rng_request_id"]`` of a vLLM request, else ``req_id``).
 
-        Under vLLM a request whose sampling parameters blockdiff refuses (e.g. ``extra_args`` with t_min > t_max)
-        does not raise (vLLM admitted it, and an exception here would take the engine and every request down):
-        it gets phase FAILED with the reason in ``failed_reasons[req_id]``, so the sampler reports it in
-        ``num_nans`` and the plugin's scheduler finishes it with an error (see
-        :mod:`blockdiff.integration.vllm_scheduler`).
+        Under vLLM the plugin's scheduler refuses a request whose sampling parameters blockdiff refuses (e.g.
+        ``extra_args`` with t_min > t_max) before it is scheduled, by the same checks
+        (:func:`~blockdiff.integration.vllm_params.vllm_request_params`) and defaults
+        (:func:`~blockdiff.integration.vllm_scheduler.served_default_params`), the reason in the client's output
+        under vLLM 0.33.0 (:class:`~blockdiff.integration.vllm_scheduler.ParamsRefusals`). Here they run again as the
+        backstop: such a request does not raise (an exception here would take the engine and every request down):
+        it gets phase FAILED with the reason in ``failed_reasons[req_id]`` (and the worker's log), so the sampler
+        reports it in ``num_nans`` and the plugin's scheduler finishes it with finish reason ``error``.
 
         Raises:
             ValueError: slot out of range, slot already held by another live request, duplicate req_id, empty

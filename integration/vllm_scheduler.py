@@ -29,8 +29,20 @@ runner v2 calls ``DiffusionModelState.remove_request`` and frees the slot. Each 
 its finish reason, so the client is answered (no lost request). Interface read from vLLM 0.26.0 and 0.33.0
 (``vllm/v1/core/sched/scheduler.py``; 0.33.0's ``diffusion_scheduler.py``): the same in both.
 
+A request whose sampling parameters blockdiff refuses (a vLLM option the sampler cannot honour such as ``top_k``,
+``logprobs`` or ``n`` > 1, an unknown ``extra_args`` key, a temperature other than 0 or 1, another canvas length, an
+``extra_args`` value breaking a sampler rule against the served defaults) is refused in ``add_request``
+(:class:`ParamsRefusals`, the model state's own checks and defaults): it fails alone with finish reason ``error``
+before it is scheduled (no forward pass, no KV block), and its client learns why: under vLLM 0.33.0 its
+``EngineCoreOutput.error`` is ``RequestError(code="validation_error", message=...)`` (the ``ValueError`` /
+``TypeError`` text, naming the option and the rule), which ``AsyncLLM`` raises in the caller as
+``VLLMValidationError`` (HTTP 400 from vLLM's OpenAI server); vLLM 0.26.0 has no such field, so there the message is
+only logged (WARNING, once per request; logged under 0.33.0 too). The model state's check in the worker stays as the
+backstop (:func:`finish_stuck_requests` then finishes the request, the reason in the worker's log only).
+
 Streaming input (vLLM's resumable requests: a request continued with a longer prompt; both checked versions) is
-refused in ``add_request``: each input chunk fails alone with finish reason ``error`` before it is scheduled, the
+refused in ``add_request`` (its outputs carry the same kind of ``RequestError`` under 0.33.0, with
+:data:`STREAMING_INPUT_REFUSED`): each input chunk fails alone with finish reason ``error`` before it is scheduled, the
 session's end-of-input request is dropped, and other requests are untouched (:class:`StreamingInputRefusals`, which
 says what vLLM would do with such a request through the plugin's hooks: 0.33.0 kills the engine on an assert, 0.26.0
 may never finish the request, and the request's RNG stream restarts at canvas 0 in both).
