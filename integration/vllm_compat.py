@@ -23,6 +23,11 @@ The differences that matter to the plugin (read from the two wheels):
   differently (0.26.0 keeps the first input chunk's ``max_tokens``; 0.33.0 asserts an autoregressive KV count). The
   plugin's schedulers refuse it in both (``vllm_scheduler.StreamingInputRefusals``; a version without
   ``Request.resumable`` is never refused anything), so no profile field is needed.
+* A request the plugin's schedulers refuse at ``add_request`` (refused sampling parameters, streaming input) carries
+  its reason to the client in 0.33.0 (``EngineCoreOutput.error``: ``vllm.outputs.RequestError(code=
+  "validation_error", ...)``, raised by the client as ``VLLMValidationError``); 0.26.0 has neither, so there the
+  reason is only logged. Detected by feature (``vllm_scheduler._request_error_type``), no profile field;
+  :data:`OPTIONAL_IMPORTS` names the import.
 
 Everything else the plugin imports (``SamplerOutput`` fields, the FlashAttention backend it derives from, the
 ``CUSTOM`` backend slot, ``ModelRegistry.register_model``, ``build_attn_metadata``'s keywords, the engine output
@@ -37,6 +42,11 @@ import re
 from dataclasses import dataclass
 
 _log = logging.getLogger(f"vllm.{__name__}")  # under vLLM's "vllm" logger: its handler prints INFO to the server log
+
+#: ``module:NAME`` the plugin imports only where vLLM defines it, detected by feature rather than by profile:
+#: ``tests/integration/test_vllm_interface.py`` requires each recorded in every version's snapshot and lets it be
+#: absent from a version.
+OPTIONAL_IMPORTS = ("vllm.outputs:RequestError",)
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,20 @@ runner v2 calls ``DiffusionModelState.remove_request`` and frees the slot. Each 
 its finish reason, so the client is answered (no lost request). Interface read from vLLM 0.26.0 and 0.33.0
 (``vllm/v1/core/sched/scheduler.py``; 0.33.0's ``diffusion_scheduler.py``): the same in both.
 
+A request whose sampling parameters blockdiff refuses (a vLLM option the sampler cannot honour such as ``top_k``,
+``logprobs`` or ``n`` > 1, an unknown ``extra_args`` key, a temperature other than 0 or 1, another canvas length, an
+``extra_args`` value breaking a sampler rule against the served defaults) is refused in ``add_request``
+(:class:`ParamsRefusals`, the model state's own checks and defaults): it fails alone with finish reason ``error``
+before it is scheduled (no forward pass, no KV block), and its client learns why: under vLLM 0.33.0 its
+``EngineCoreOutput.error`` is ``RequestError(code="validation_error", message=...)`` (the ``ValueError`` /
+``TypeError`` text, naming the option and the rule), which ``AsyncLLM`` raises in the caller as
+``VLLMValidationError`` (HTTP 400 from vLLM's OpenAI server); vLLM 0.26.0 has no such field, so there the message is
+only logged (WARNING, once per request; logged under 0.33.0 too). The model state's check in the worker stays as the
+backstop (:func:`finish_stuck_requests` then finishes the request, the reason in the worker's log only).
+
 Streaming input (vLLM's resumable requests: a request continued with a longer prompt; both checked versions) is
-refused in ``add_request``: each input chunk fails alone with finish reason ``error`` before it is scheduled, the
+refused in ``add_request`` (its outputs carry the same kind of ``RequestError`` under 0.33.0, with
+:data:`STREAMING_INPUT_REFUSED`): each input chunk fails alone with finish reason ``error`` before it is scheduled, the
 session's end-of-input request is dropped, and other requests are untouched (:class:`StreamingInputRefusals`, which
 says what vLLM would do with such a request through the plugin's hooks: 0.33.0 kills the engine on an assert, 0.26.0
 may never finish the request, and the request's RNG stream restarts at canvas 0 in both).
@@ -89,6 +101,7 @@ from typing import Any
 from ..attention.env import env_flag
 from .annotate import annotated
 from .vllm_compat import scheduler_base_classes
+from .vllm_params import is_vllm_warmup_request_id, vllm_request_params
 
 _log = logging.getLogger(f"vllm.{__name__}")  # under vLLM's "vllm" logger: its handler prints INFO to the server log
 
@@ -223,6 +236,40 @@ def served_max_denoising_steps(vllm_config: Any, generation_config: Mapping | No
         raise ValueError(f"max_denoising_steps (diffusion config / generation config) must be an int in [1, 2**14), "
                          f"got {steps!r}")
     return int(steps)
+
+
+def served_default_params(vllm_config: Any, generation_config: Mapping | None = None) -> Any:
+    """The :class:`blockdiff.sampler.SamplingParams` a vLLM request starts from (the fields it leaves unset):
+    ``canvas_length`` = :func:`served_canvas_length`'s CL; ``t_min``, ``t_max``, ``confidence_threshold``,
+    ``stability_threshold`` and ``sampler_config.entropy_bound`` of the checkpoint's generation config;
+    ``max_denoising_steps`` = :func:`served_max_denoising_steps`; the rest ``SamplingParams``' defaults. The model
+    state (in the worker) and the plugin's scheduler (in the engine core, to refuse a request at ``add_request``:
+    :func:`blockdiff.integration.vllm_params.vllm_request_params`) both build them here from the same
+    ``VllmConfig``, so both refuse the same requests.
+
+    Args:
+        vllm_config: vLLM's ``VllmConfig`` (reads ``diffusion_config``, ``model_config.hf_config`` and, without
+            ``generation_config``, ``model_config.try_get_generation_config()``; missing attributes count as unset).
+        generation_config: the generation config dict when the caller has read it already.
+
+    Raises:
+        ValueError / TypeError: the served values break a ``SamplingParams`` rule (:func:`served_max_denoising_steps`;
+            the model state stops the start on the same error).
+    """
+    from blockdiff.sampler.params import SamplingParams
+
+    gen = generation_config
+    if gen is None:
+        getter = getattr(getattr(vllm_config, "model_config", None), "try_get_generation_config", None)
+        gen = (getter() if callable(getter) else None) or {}
+    sc = gen.get("sampler_config") or {}
+    kw = {k: gen[k] for k in ("t_min", "t_max", "confidence_threshold", "stability_threshold") if k in gen}
+    if sc.get("entropy_bound") is not None:
+        kw["entropy_bound"] = sc["entropy_bound"]
+    steps = served_max_denoising_steps(vllm_config, gen)  # the async scheduler predicts commits from the same cap
+    if steps:
+        kw["max_denoising_steps"] = steps
+    return SamplingParams(canvas_length=served_canvas_length(vllm_config)[0], **kw)
 
 
 def default_max_denoising_steps() -> int:
@@ -863,17 +910,158 @@ def finish_stuck_requests(scheduler: Any, num_nans_in_logits: Mapping[str, int] 
     return done
 
 
-def _answer(outputs: dict, req: Any, types: Any) -> None:
+def _answer(outputs: dict, req: Any, types: Any, error: str | None = None) -> None:
     """Append a finished request's ``EngineCoreOutput`` (no new tokens, its finish reason) to ``outputs`` (client
-    index -> ``EngineCoreOutputs``, created when missing), so its client is answered."""
-    out = types.EngineCoreOutput(
-        request_id=req.request_id, new_token_ids=[], finish_reason=req.get_finished_reason(),
-        stop_reason=req.stop_reason, num_nans_in_logits=getattr(req, "num_nans_in_logits", 0),
-        trace_headers=getattr(req, "trace_headers", None), events=req.take_events())
+    index -> ``EngineCoreOutputs``, created when missing), so its client is answered. ``error``: why the request was
+    refused; where vLLM's output carries a request error (``types.RequestError`` set: vLLM 0.33.0's
+    ``EngineCoreOutput.error``) it goes there as ``RequestError(code="validation_error", message=error)``, which
+    vLLM's client raises as ``VLLMValidationError`` (:data:`VALIDATION_ERROR`); elsewhere it is not sent (0.26.0:
+    the caller logs it)."""
+    request_type = getattr(types, "RequestError", None)  # a stand-in namespace without it: none
+    request_error = None if error is None or request_type is None else request_type(code=VALIDATION_ERROR,
+                                                                                     message=error)
+    if request_error is None:
+        out = types.EngineCoreOutput(
+            request_id=req.request_id, new_token_ids=[], finish_reason=req.get_finished_reason(),
+            stop_reason=req.stop_reason, num_nans_in_logits=getattr(req, "num_nans_in_logits", 0),
+            trace_headers=getattr(req, "trace_headers", None), events=req.take_events())
+    else:  # vLLM >= 0.33 (feature-detected: _vllm_types)
+        out = types.EngineCoreOutput(
+            request_id=req.request_id, new_token_ids=[], finish_reason=req.get_finished_reason(),
+            stop_reason=req.stop_reason, num_nans_in_logits=getattr(req, "num_nans_in_logits", 0),
+            trace_headers=getattr(req, "trace_headers", None), events=req.take_events(), error=request_error)
     eco = outputs.get(req.client_index)
     if eco is None:
         outputs[req.client_index] = eco = types.EngineCoreOutputs(outputs=[])
     eco.outputs.append(out)
+
+
+#: ``RequestError.code`` of a request the plugin's schedulers refuse (vLLM 0.33.0: the client raises
+#: ``VLLMValidationError`` with the message, which vLLM's API server answers with HTTP 400, as its own request
+#: validation does: ``EngineCore._handle_request_validation_error``).
+VALIDATION_ERROR = "validation_error"
+
+
+def _fail_at_add(scheduler: Any, request: Any, add: Any, types: Any) -> list:
+    """Hand ``request`` to vLLM's own ``add_request`` (its queues, KV connector hooks, stats; skipped when its id is
+    live) and finish it at once with ``FINISHED_ERROR`` (``finish_requests``, as vLLM's ``abort_immediately`` path
+    does), before any ``schedule``: no KV block is allocated, nothing reaches the worker but the id in
+    ``finished_req_ids``. Returns the finished requests, whose clients :meth:`_Refusals.flush` answers."""
+    error = types.RequestStatus.FINISHED_ERROR
+    rid = request.request_id
+    if rid not in scheduler.requests:
+        add(request)
+    finished = scheduler.finish_requests([rid], error)
+    if not finished:  # the id is a request vLLM finished already but still holds (a KV connector's delayed free)
+        request.status = error
+        finished = [request]
+    return finished
+
+
+class _Refusals:
+    """Requests refused in ``add_request`` whose clients the next ``update_from_output`` answers (:meth:`flush`)."""
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[Any, str]] = []  # (refused request, why) for the next flush
+        self.num_refused = 0
+
+    def _refuse(self, scheduler: Any, request: Any, add: Any, types: Any, why: str) -> None:
+        self._pending.extend((r, why) for r in _fail_at_add(scheduler, request, add, types))
+        self.num_refused += 1
+
+    def flush(self, outputs: dict, types: Any) -> int:
+        """Answer the clients of the requests refused since the last call: one ``EngineCoreOutput`` each (no token,
+        finish reason ``error``; under vLLM 0.33.0 also ``error`` = ``RequestError(code="validation_error",
+        message=<why>)``, :func:`_answer`) appended to ``outputs`` (client index -> ``EngineCoreOutputs``, what
+        ``update_from_output`` returns; updated in place). Returns how many.
+
+        Args:
+            outputs: as ``update_from_output`` returns them.
+            types: namespace with vLLM's ``EngineCoreOutput``, ``EngineCoreOutputs`` and ``RequestError`` (None
+                where ``EngineCoreOutput`` has no ``error``).
+        """
+        pending, self._pending = self._pending, []
+        for req, why in pending:
+            _answer(outputs, req, types, why)
+        return len(pending)
+
+
+class ParamsRefusals(_Refusals):
+    """The plugin's schedulers refuse, at ``add_request``, a new request whose sampling parameters blockdiff cannot
+    honour: it fails alone, finish reason ``error``, before it is ever scheduled (no forward pass, no KV block, no
+    worker slot), and its client learns why.
+
+    The rules are the model state's, applied by the same function with the same inputs:
+    :func:`blockdiff.integration.vllm_params.vllm_request_params` with the served defaults and canvas length
+    (:func:`served_default_params`, :func:`served_canvas_length`: built from the scheduler's ``VllmConfig``, as the
+    model state builds its own) and the model's vocabulary size (``model_config.get_vocab_size()``). So a vLLM
+    option the sampler does not implement (``top_k``, ``logprobs``, ``n`` > 1, ...), an unknown ``extra_args`` key,
+    a temperature other than 0 or 1, an ``extra_args`` value breaking a :class:`blockdiff.sampler.SamplingParams`
+    rule (against the served defaults: e.g. ``t_max`` below the served ``t_min``), a canvas length other than the
+    served one, a bad ``rng_request_id``, more than ``MAX_STOP_TOKEN_IDS`` stop ids or a stop id outside the
+    vocabulary is refused here. The model state's check stays as the backstop (a request reaching the worker
+    another way fails there, the reason in the worker's log).
+
+    What the client gets: vLLM 0.33.0 (``EngineCoreOutput.error``, ``vllm.outputs.RequestError``, detected by
+    feature): the refused request's output carries ``RequestError(code="validation_error", message=...)``, the
+    ``ValueError`` / ``TypeError`` text naming the option and the rule; ``AsyncLLM`` (the API server) raises it in
+    the caller as ``VLLMValidationError`` (HTTP 400 from the OpenAI server), while ``LLMEngine`` (offline) drops the
+    message and gives a finished output with finish reason ``error``. vLLM 0.26.0 has no such field: finish reason
+    ``error`` only. In both the message is logged at WARNING once per request (``blockdiff: request <id>
+    refused: ...``).
+
+    Not checked here (vLLM's rules, or none to check): vLLM's start-up warm-up ids (the model state serves them
+    with the defaults), a request without ``sampling_params`` (pooling), vLLM 0.33's ``abort_immediately``
+    requests, and a request whose id is live (vLLM's own ``add_request`` decides, as before).
+
+    Args:
+        defaults: the served blockdiff ``SamplingParams`` (:func:`served_default_params`).
+        canvas_length: the served CL.
+        vocab_size: the model's vocabulary size (None: stop ids not checked against it).
+
+    Attributes:
+        num_refused: requests refused so far.
+    """
+
+    def __init__(self, defaults: Any, canvas_length: int, vocab_size: int | None = None) -> None:
+        super().__init__()
+        self.defaults = defaults
+        self.canvas_length = int(canvas_length)
+        self.vocab_size = vocab_size
+
+    def reason(self, request: Any) -> str | None:
+        """Why ``request`` is refused (the ``ValueError`` / ``TypeError`` text), or None when it is not."""
+        if getattr(request, "abort_immediately", False):
+            return None
+        sp = getattr(request, "sampling_params", None)
+        if sp is None or is_vllm_warmup_request_id(request.request_id):
+            return None
+        try:
+            vllm_request_params(sp, request.request_id, self.defaults, canvas_length=self.canvas_length,
+                                vocab_size=self.vocab_size)
+        except (TypeError, ValueError) as e:
+            return str(e)
+        return None
+
+    def intercept(self, scheduler: Any, request: Any, add: Any, *, types: Any) -> bool:
+        """Refuse ``request`` when :meth:`reason` says so (added to vLLM, finished with ``FINISHED_ERROR`` at once,
+        its client answered by the next :meth:`flush`); the scheduler's ``add_request`` hands it to vLLM only when
+        this returns False.
+
+        Args:
+            scheduler: a vLLM ``Scheduler`` (reads ``requests``; calls ``finish_requests``).
+            request: vLLM's ``Request``.
+            add: vLLM's own ``add_request`` (the base class's).
+            types: namespace with vLLM's ``RequestStatus`` (``FINISHED_ERROR``).
+        """
+        if request.request_id in scheduler.requests:  # a live id: vLLM's own add_request decides, as before
+            return False
+        why = self.reason(request)
+        if why is None:
+            return False
+        self._refuse(scheduler, request, add, types, why)
+        _log.warning("blockdiff: request %s refused: %s; it fails (finish reason 'error')", request.request_id, why)
+        return True
 
 
 #: Why a streaming-input request is refused (logged at WARNING; the request's finish reason is ``error``).
@@ -911,7 +1099,7 @@ def is_end_of_input(request: Any, since: float | None) -> bool:
     return since is None or arrival is None or arrival <= since
 
 
-class StreamingInputRefusals:
+class StreamingInputRefusals(_Refusals):
     """The plugin's schedulers refuse vLLM's streaming-input requests: each fails alone, finish reason ``error``.
 
     What vLLM does with one (both checked versions have the feature: ``EngineCoreRequest.resumable``,
@@ -972,11 +1160,10 @@ class StreamingInputRefusals:
     def __init__(self, capacity: int = MAX_REFUSED_SESSIONS) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, numbers.Integral) or capacity < 1:
             raise ValueError(f"capacity must be an int >= 1 (sessions), got {capacity!r}")
+        super().__init__()
         self.capacity = int(capacity)
         # refused session ids, oldest first -> the latest arrival_time of the session's refused chunks
         self._sessions: OrderedDict[str, float | None] = OrderedDict()
-        self._pending: list[Any] = []  # refused requests whose clients the next flush answers
-        self.num_refused = 0
         self.num_dropped = 0
 
     def __contains__(self, req_id: object) -> bool:
@@ -1024,15 +1211,7 @@ class StreamingInputRefusals:
                 self._sessions[rid] = arrival
         while len(self._sessions) > self.capacity:
             self._sessions.popitem(last=False)
-        error = types.RequestStatus.FINISHED_ERROR
-        if rid not in scheduler.requests:
-            add(request)  # vLLM's own bookkeeping, then finished before any schedule (its abort_immediately path)
-        finished = scheduler.finish_requests([rid], error)
-        if not finished:  # the id is a request vLLM finished already but still holds (a KV connector's delayed free)
-            request.status = error
-            finished = [request]
-        self._pending.extend(finished)
-        self.num_refused += 1
+        self._refuse(scheduler, request, add, types, STREAMING_INPUT_REFUSED)  # vLLM's bookkeeping, then finished
         if first:
             _log.warning("blockdiff: request %s refused: %s; it fails (finish reason 'error'), and so does any further "
                          "input chunk of it", rid, STREAMING_INPUT_REFUSED)
@@ -1040,22 +1219,23 @@ class StreamingInputRefusals:
             _log.debug("blockdiff: request %s: another streaming input chunk refused (finish reason 'error')", rid)
         return True
 
-    def flush(self, outputs: dict, types: Any) -> int:
-        """Answer the clients of the requests refused since the last call: one ``EngineCoreOutput`` each (no token,
-        finish reason ``error``) appended to ``outputs`` (client index -> ``EngineCoreOutputs``, what
-        ``update_from_output`` returns; updated in place). Returns how many.
-
-        Args:
-            outputs: as ``update_from_output`` returns them.
-            types: namespace with vLLM's ``EngineCoreOutput``, ``EngineCoreOutputs``.
-        """
-        pending, self._pending = self._pending, []
-        for req in pending:
-            _answer(outputs, req, types)
-        return len(pending)
-
 
 _NO_FLAGS: frozenset[str] = frozenset()
+
+
+def _request_error_type(engine_core_output: type) -> type | None:
+    """vLLM's ``RequestError`` when ``engine_core_output`` (vLLM's ``EngineCoreOutput``) carries one in its
+    ``error`` field (vLLM 0.33.0), else None (0.26.0: a refused request's reason can only be logged). Detected by
+    feature, not by version."""
+    fields = getattr(engine_core_output, "__struct_fields__", None) or getattr(
+        engine_core_output, "__dataclass_fields__", None) or ()
+    if "error" not in fields:
+        return None
+    try:
+        from vllm.outputs import RequestError  # type: ignore  # vLLM >= 0.33 (vllm_compat.OPTIONAL_IMPORTS)
+    except ImportError:
+        return None
+    return RequestError
 
 
 def _vllm_types():
@@ -1065,7 +1245,7 @@ def _vllm_types():
     from vllm.v1.request import RequestStatus  # type: ignore
 
     return SimpleNamespace(RequestStatus=RequestStatus, EngineCoreOutput=EngineCoreOutput,
-                           EngineCoreOutputs=EngineCoreOutputs)
+                           EngineCoreOutputs=EngineCoreOutputs, RequestError=_request_error_type(EngineCoreOutput))
 
 
 def _make_classes() -> dict[str, type]:
@@ -1119,15 +1299,28 @@ def _make_classes() -> dict[str, type]:
                                            and self.blockdiff_wide_fits)
                 # vLLM's streaming-input requests (resumable) fail alone with an error (StreamingInputRefusals)
                 self.blockdiff_streaming_refusals = StreamingInputRefusals()
-                self._blockdiff_types = _vllm_types()  # vLLM's RequestStatus and engine output types
+                # a request whose sampling parameters blockdiff refuses fails at add_request (ParamsRefusals), by the
+                # model state's rules and defaults, built from the same VllmConfig
+                mc = getattr(self.vllm_config, "model_config", None)
+                vocab = getattr(mc, "get_vocab_size", None)
+                self.blockdiff_params_refusals = ParamsRefusals(
+                    served_default_params(self.vllm_config), self.blockdiff_canvas_length,
+                    vocab() if callable(vocab) else None)
+                # vLLM's RequestStatus and engine output types (RequestError: None where outputs carry no error)
+                self._blockdiff_types = _vllm_types()
 
             def add_request(self, request, *args, **kwargs):
-                """vLLM's ``add_request``, except for vLLM's streaming input: a ``resumable`` request fails at once
-                with finish reason ``error`` and a refused session's end-of-input request is dropped
-                (:class:`blockdiff.integration.vllm_scheduler.StreamingInputRefusals`)."""
+                """vLLM's ``add_request``, except for two kinds of request, which fail at once with finish reason
+                ``error`` before they are scheduled (the reason in the output's ``error`` under vLLM 0.33.0, in the
+                log under 0.26.0): vLLM's streaming input (a ``resumable`` request; a refused session's
+                end-of-input request is dropped: :class:`blockdiff.integration.vllm_scheduler.StreamingInputRefusals`)
+                and a request whose sampling parameters blockdiff refuses
+                (:class:`blockdiff.integration.vllm_scheduler.ParamsRefusals`)."""
                 add = super().add_request
-                if self.blockdiff_streaming_refusals.intercept(self, request, lambda r: add(r, *args, **kwargs),
-                                                               types=self._blockdiff_types):
+                base = lambda r: add(r, *args, **kwargs)  # noqa: E731
+                types = self._blockdiff_types
+                if self.blockdiff_streaming_refusals.intercept(self, request, base, types=types) or \
+                        self.blockdiff_params_refusals.intercept(self, request, base, types=types):
                     return None
                 return add(request, *args, **kwargs)
 
@@ -1168,6 +1361,7 @@ def _make_classes() -> dict[str, type]:
                 types = self._blockdiff_types
                 finish_stuck_requests(self, cleaned, outputs, types=types)
                 self.blockdiff_streaming_refusals.flush(outputs, types)  # refused streaming-input requests' errors
+                self.blockdiff_params_refusals.flush(outputs, types)     # and those of refused sampling parameters
                 if self._blockdiff_counting:  # the coverage line, at its bounded rate (FusedCommitCounts)
                     self.blockdiff_commit_counts.after_step(self.has_unfinished_requests)
                 return outputs

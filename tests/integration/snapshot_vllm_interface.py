@@ -70,6 +70,8 @@ CLASSES: dict[str, dict] = {
     "vllm.v1.core.sched.diffusion_scheduler:DiffusionAsyncScheduler": {"methods": "*"},
     "vllm.v1.engine:EngineCoreOutput": {"fields": True},
     "vllm.v1.engine:EngineCoreOutputs": {"fields": True},
+    # a refused request's reason in its output (vllm_scheduler._answer; vLLM 0.33.0: EngineCoreOutput.error)
+    "vllm.outputs:RequestError": {"fields": True},
     "vllm.v1.request:RequestStatus": {"members": ["RUNNING", "FINISHED_ERROR", "FINISHED_LENGTH_CAPPED"]},
     "vllm.v1.request:Request": {"methods": ["is_finished", "get_finished_reason", "take_events"],
                                 "init_attributes": ["request_id", "client_index", "sampling_params", "status",

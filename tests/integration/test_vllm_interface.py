@@ -195,7 +195,15 @@ def test_vllm_scheduler_pieces_exist(version):
     assert sched["methods"]["finish_requests"]["params"] == ["self", "request_ids", "finished_status"]
     out_fields = classes["vllm.v1.engine:EngineCoreOutput"]["fields"]
     used = _call_keywords(_tree("vllm_scheduler.py"), "EngineCoreOutput")
-    assert used <= set(out_fields), used - set(out_fields)
+    # ``error`` (a refused request's RequestError) is passed only where EngineCoreOutput has it (feature-detected:
+    # vllm_scheduler._request_error_type); then RequestError takes code and message
+    request_error = classes["vllm.outputs:RequestError"]
+    assert ("error" in out_fields) == (request_error is not None) == snap["symbols"]["vllm.outputs:RequestError"]
+    gated = {"error"} - set(out_fields)
+    assert "error" in used and used - gated <= set(out_fields), used - gated - set(out_fields)
+    if request_error is not None:
+        assert _call_keywords(_tree("vllm_scheduler.py"), "request_type") <= set(request_error["fields"])
+        assert {f for f, has_default in request_error["fields"].items() if not has_default} == {"code", "message"}
     assert "outputs" in classes["vllm.v1.engine:EngineCoreOutputs"]["fields"]
     assert all(classes["vllm.v1.request:RequestStatus"]["members"].values())
     assert all(classes["vllm.v1.request:Request"]["init_attributes"].values())
@@ -223,6 +231,7 @@ def test_vllm_every_import_of_the_plugin_exists(version):
     gated = {f"{q.rpartition('.')[0]}:{q.rpartition('.')[2]}" for p in vllm_compat.PROFILES.values()
              for q in p.scheduler_classes}
     own = {f"{q.rpartition('.')[0]}:{q.rpartition('.')[2]}" for q in prof.scheduler_classes}
+    gated |= set(vllm_compat.OPTIONAL_IMPORTS)  # imported where defined (feature detection): may be absent
     imports = SV.plugin_vllm_imports()
     missing = [q for q in imports if q not in snap["symbols"]]
     assert not missing, f"not in the {version} snapshot (regenerate it with snapshot_vllm_interface.py): {missing}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from types import SimpleNamespace as NS
 
 import pytest
 from integration_helpers import FAKE_VLLM_TYPES, FakeRequest, FakeScheduler, captured_log
@@ -110,7 +111,6 @@ def test_check_canvas_rows_fit_names_a_limit_that_would_cut_every_canvas_row():
     """vLLM cuts every running row to long_prefill_token_threshold (when > 0) and to the token budget: below a canvas
     no canvas row is ever whole, and every request would hang. The plugin's schedulers refuse such a start
     (check_canvas_rows_fit, from their __init__; end to end in test_vllm_fuse_commit_async)."""
-    from types import SimpleNamespace as NS
 
     def sched(threshold, budget):
         return NS(blockdiff_canvas_length=CL, max_num_scheduled_tokens=budget,
@@ -267,3 +267,124 @@ def test_streaming_refusals_remember_a_bounded_number_of_sessions_and_leave_abor
     for bad in (0, -1, True, 1.5, "4"):
         with pytest.raises(ValueError, match="capacity must be an int >= 1"):
             VS.StreamingInputRefusals(bad)
+
+
+# ------------------------------------------------------------------------------------------ refused sampling params
+def _sp(**kw):
+    """A vLLM SamplingParams stand-in at vLLM's defaults, greedy through extra_args, ``kw`` on top."""
+    base = dict(temperature=1.0, top_p=1.0, seed=None, max_tokens=2 * CL, eos_token_id=None, stop_token_ids=[],
+                ignore_eos=False, extra_args={"t_min": 0.0, "t_max": 0.0})
+    return NS(**{**base, **kw})
+
+
+def _req(rid, sp):
+    r = FakeRequest(rid, 5)
+    r.sampling_params = sp
+    return r
+
+
+#: Refused requests: (sampling params, a piece of the message naming the option and the rule).
+REFUSED = {
+    "k": (_sp(top_k=5), "top_k=5"),
+    "lp": (_sp(logprobs=2), "logprobs=2"),
+    "n": (_sp(n=2), "n=2"),
+    "x": (_sp(extra_args={"t_mni": 0.0}), "unknown key(s) 't_mni'"),
+    "t": (_sp(temperature=0.5), "temperature must be 0 (greedy) or 1.0"),
+    "c": (_sp(extra_args={"diffusion_canvas_length": 2 * CL}), "must equal the served canvas_length"),
+    "r": (_sp(extra_args={"rng_request_id": 7}), "rng_request_id"),
+    "v": (_sp(stop_token_ids=[3, 99]), "vocab_size=50"),
+    "tmax": (_sp(extra_args={"t_max": 0.1}), "t_max"),  # below the served t_min 0.3: depends on the defaults
+}
+
+
+def _types_with_request_error():
+    return NS(**vars(FAKE_VLLM_TYPES), RequestError=lambda **kw: NS(**kw))
+
+
+def test_refused_sampling_params_fail_at_add_request_with_the_reason_in_the_output(caplog):
+    """A request whose sampling parameters blockdiff refuses goes through vLLM's add_request and is finished at once
+    with FINISHED_ERROR (never scheduled); the next flush answers it once with finish reason error and, where vLLM's
+    output carries a request error (0.33.0), RequestError(code="validation_error", message=<why, naming the
+    option>); the reason is logged at WARNING once. A good request, vLLM's warm-up ids, a request without
+    sampling params (pooling) and a live id pass through to vLLM."""
+    from blockdiff.sampler import SamplingParams
+
+    s = FakeScheduler([FakeRequest("live", 10)], max_model_len=100, canvas=CL)
+    ref, added = VS.ParamsRefusals(SamplingParams(canvas_length=CL, t_min=0.3, t_max=0.8), CL, vocab_size=50), []
+    types = _types_with_request_error()
+    with captured_log(caplog, VS._log, logging.DEBUG):
+        for rid, (sp, _) in REFUSED.items():
+            assert ref.intercept(s, _req(rid, sp), _adder(s, added), types=types) is True, rid
+    assert added == list(REFUSED) and s.finished_req_ids == set(REFUSED) and ref.num_refused == len(REFUSED)
+    assert all(s.requests[rid].status == "FINISHED_ERROR" for rid in REFUSED)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == len(REFUSED)
+    for rid, (_, why) in REFUSED.items():
+        assert sum(f"request {rid} refused: " in w and why in w and "'error'" in w for w in warnings) == 1, rid
+    outputs = {}
+    assert ref.flush(outputs, types) == len(REFUSED) and ref.flush(outputs, types) == 0  # answered once
+    got = {o.request_id: o for o in outputs[0].outputs}
+    assert list(got) == list(REFUSED)
+    for rid, (_, why) in REFUSED.items():
+        o = got[rid]
+        assert (o.finish_reason, o.new_token_ids, o.error.code) == ("error", [], "validation_error") and \
+            why in o.error.message, rid
+    for r in (_req("ok", _sp()), _req("ok2", _sp(extra_args={"t_max": 0.5})), _req("_warmup_0_", _sp(top_k=5)),
+              _req("pool", None), _req("live", _sp(top_k=5))):
+        assert ref.intercept(s, r, _adder(s, added), types=types) is False, r.request_id
+    assert added == list(REFUSED) and ref.num_refused == len(REFUSED)
+
+
+def test_refused_request_output_has_no_error_field_where_vllm_has_none():
+    """vLLM 0.26.0's EngineCoreOutput has no ``error``: the output is finish reason error alone (the reason is in
+    the log), built without the keyword."""
+    s = FakeScheduler([], max_model_len=100, canvas=CL)
+    ref = VS.ParamsRefusals(VS.served_default_params(NS()), CL)
+    assert ref.intercept(s, _req("k", _sp(top_k=5)), _adder(s, []), types=FAKE_VLLM_TYPES) is True
+    outputs = {}
+    assert ref.flush(outputs, FAKE_VLLM_TYPES) == 1
+    (o,) = outputs[0].outputs
+    assert (o.request_id, o.finish_reason) == ("k", "error") and not hasattr(o, "error")
+
+
+def test_scheduler_refuses_exactly_what_the_model_state_refuses_with_the_same_reason():
+    """The scheduler's check is the model state's: for each request, refused by ParamsRefusals (with the defaults
+    the served config gives) iff the model state in vLLM mode (the same defaults, as served_default_params builds
+    them for both) fails it, and with the same text."""
+    import torch
+
+    from blockdiff.integration.batch import NewRequest
+    from blockdiff.integration.model_state import DiffusionModelState
+    from blockdiff.model import DiffusionGemma, tiny_config
+
+    gen = {"t_min": 0.3, "t_max": 0.8, "sampler_config": {"entropy_bound": 0.5}}
+    vc = NS(diffusion_config=NS(canvas_length=CL, max_denoising_steps=5),
+            model_config=NS(hf_config=NS(canvas_length=CL), try_get_generation_config=lambda: gen))
+    defaults = VS.served_default_params(vc)
+    assert (defaults.canvas_length, defaults.t_min, defaults.t_max, defaults.entropy_bound,
+            defaults.max_denoising_steps) == (CL, 0.3, 0.8, 0.5, 5)
+    torch.manual_seed(0)
+    model = DiffusionGemma(tiny_config(vocab_size=50, canvas_length=CL)).eval()
+    cases = {**{rid: sp for rid, (sp, _) in REFUSED.items()}, "ok": _sp(), "ok2": _sp(extra_args={"t_max": 0.5})}
+    ms = DiffusionModelState.for_harness(model, max_num_reqs=len(cases), max_num_tokens=4 * CL, canvas_length=CL,
+                                         device="cpu", default_params=defaults)
+    ms.mode = "vllm"
+    ref = VS.ParamsRefusals(defaults, CL, vocab_size=50)
+    for slot, (rid, sp) in enumerate(cases.items()):
+        ms.add_request(slot, NewRequest(rid, [5, 6, 7], sp))
+        why = ref.reason(_req(rid, sp))
+        worker = ms.failed_reasons.get(rid)
+        assert (why is None) == (worker is None) == rid.startswith("ok"), rid
+        assert why is None or worker.endswith(f": {why}"), (rid, why, worker)
+
+
+def test_streaming_refusal_output_carries_its_reason_where_vllm_has_request_errors():
+    """The streaming-input refusal answers with the same kind of output: under vLLM 0.33.0's types a validation_error
+    whose message is STREAMING_INPUT_REFUSED."""
+    s = FakeScheduler([], max_model_len=100, canvas=CL)
+    ref, types = VS.StreamingInputRefusals(), _types_with_request_error()
+    assert ref.intercept(s, _chunk("s"), _adder(s, []), types=types) is True
+    outputs = {}
+    assert ref.flush(outputs, types) == 1
+    (o,) = outputs[0].outputs
+    assert (o.finish_reason, o.error.code, o.error.message) == ("error", "validation_error", VS.STREAMING_INPUT_REFUSED)

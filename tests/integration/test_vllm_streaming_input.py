@@ -212,6 +212,43 @@ class _Client:
             scheduler.finish_requests(got.reqs_to_abort, RequestStatus.FINISHED_ABORTED)
 
 
+class _AsyncClient(_Client):
+    """:class:`test_vllm_streaming_input._Client` as ``AsyncLLM`` runs it: each request's outputs go to its own
+    ``RequestOutputCollector`` (what ``generate`` reads; an ``error`` in the engine's output is raised there);
+    ``got`` req_id -> what ``generate`` would yield or raise, in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.queues: dict = {}
+        self.got: dict[str, list] = {}
+
+    def add(self, ecr):
+        from vllm.v1.engine.output_processor import RequestOutputCollector
+
+        q = RequestOutputCollector(ecr.sampling_params.output_kind, ecr.request_id)
+        self.queues[ecr.request_id] = q
+        self.op.add_request(ecr, None, None, 0, q)
+
+    def process(self, scheduler, engine_outputs):
+        super().process(scheduler, engine_outputs)
+        for rid, q in self.queues.items():
+            try:
+                out = q.get_nowait()
+            except Exception as e:  # noqa: BLE001  # what generate() raises to its caller
+                self.got.setdefault(rid, []).append((type(e).__name__, str(e)))
+                continue
+            if out is not None:
+                o = out.outputs[0]
+                self.got.setdefault(rid, []).append((o.finish_reason, len(o.token_ids), out.finished))
+
+
+def request_errors_supported():
+    """Whether the installed vLLM's engine outputs carry a request error (0.33.0: ``EngineCoreOutput.error``)."""
+    from vllm.v1.engine import EngineCoreOutput
+
+    return "error" in EngineCoreOutput.__struct_fields__
+
+
 def _engine_core_request(rid, ids, max_tokens, *, resumable, arrival_time=None):
     """An ``EngineCoreRequest`` as ``AsyncLLM._add_streaming_input_request`` builds each input chunk (internal id
     ``rid``, the caller's id ``rid`` without its suffix), the end of the input (``resumable=False``, prompt [0]), or
@@ -281,3 +318,49 @@ def test_new_request_reusing_an_abandoned_session_id_is_served_not_lost(vllm_env
     refusals = s.blockdiff_streaming_refusals
     assert (refusals.num_refused, refusals.num_dropped) == (2, 0) and "x" not in refusals and "y" not in refusals
     assert not s.has_unfinished_requests() and not s.requests and pool.get_num_free_blocks() == free
+
+
+@needs_stack
+@needs_vllm
+def test_async_llm_caller_of_a_refused_session_gets_the_reason_and_a_later_request_reusing_its_id_is_served(
+        vllm_env, tiny_hf_folder, tiny_model):
+    """A streaming-input chunk as an ``AsyncLLM`` caller sees it (each request's own output queue, vLLM's
+    OutputProcessor). vLLM 0.33.0: the refusal's output carries ``RequestError("validation_error",
+    STREAMING_INPUT_REFUSED)``, which the caller's ``generate`` raises as ``VLLMValidationError``; the client then
+    asks the engine to abort the id (its rule for a streaming-input request that ends with an error), which finds
+    nothing left to finish, so a later plain request reusing the id (ids not randomised) is served exactly as on a
+    fresh engine, answered once. vLLM 0.26.0 (no such field): the chunk's output, finish reason ``error``, closes the
+    chunk only (``finished`` False), and the end of the input closes the session. Every KV block is free at the
+    end, nothing is left in the engine or the client."""
+    from blockdiff.integration.vllm_scheduler import STREAMING_INPUT_REFUSED
+
+    errors = request_errors_supported()
+    s = _scheduler(vllm_env, tiny_hf_folder, served=CL, fuse=False, asynchronous=False)
+    pool = s.kv_cache_manager.block_pool
+    free = pool.get_num_free_blocks()
+    script = {0: [_engine_core_request("s-1", prompt(6, 3), CL, resumable=True),
+                  _engine_core_request("a-1", prompt(10, 1), 2 * CL, resumable=False)]}
+    if errors:  # 0.33.0's client has forgotten the session: the id may name a new request
+        script[5] = [_engine_core_request("s-1", prompt(8, 1), CL + 2, resumable=False)]
+    else:  # 0.26.0's client keeps the session open until its input ends
+        script[5] = [_engine_core_request("s-1", [0], CL, resumable=False, arrival_time=0.0)]
+    client = _AsyncClient()
+    answers, s, runner = engine(vllm_env, tiny_hf_folder, tiny_model, script, asynchronous=False, scheduler=s,
+                                client=client)
+    if errors:
+        want, _, _ = engine(vllm_env, tiny_hf_folder, tiny_model, {0: [_request("s-1", prompt(8, 1), CL + 2,
+                                                                                 resumable=False)]},
+                            asynchronous=False)
+        got = client.got["s-1"]
+        assert got[0] == ("VLLMValidationError", STREAMING_INPUT_REFUSED) and got[-1] == ("length", CL + 2, True)
+        assert [g for g in got if g[-1] is True] == [got[-1]]  # the new request is answered, finished once
+        assert client.aborted == ["s-1"]
+        reasons, tokens = _finished(answers, "s-1")
+        assert reasons == ["error", "length"] and (["length"], tokens) == _finished(want, "s-1")
+        assert runner.seen.count("s-1") == 1
+    else:
+        assert client.got["s-1"] == [("error", 0, False)] and client.aborted == []
+        assert "s-1" not in runner.seen and s.blockdiff_streaming_refusals.num_dropped == 1
+    assert client.got["a-1"][-1] == ("length", 2 * CL, True)
+    assert not client.op.request_states and not s.has_unfinished_requests() and not s.requests
+    assert pool.get_num_free_blocks() == free
