@@ -11,6 +11,10 @@ and compare its completions with blockdiff's harness on the same checkpoint, tok
     python3 -m blockdiff.bench.experiments.serve_smoke compare harness.json srv.json
     # one JSON record of several comparisons (exit 1 when a --require'd pair differs anywhere)
     python3 -m blockdiff.bench.experiments.serve_smoke record --out rec.json --pair NAME a.json b.json [--require NAME]
+    # requests the plugin refuses (REFUSED: top_k, logprobs, an unknown vllm_xargs key, temperature 0.5) sent at once
+    # beside one plain greedy request: each refused one must fail (HTTP 4xx / 5xx, or finish reason "error"), the
+    # plain one must be served (exit 1 otherwise); records every status, finish reason and error text
+    python3 -m blockdiff.bench.experiments.serve_smoke refusals --base-url URL --model MODEL --out refusals.json
 
 What makes the two sides comparable:
 
@@ -36,6 +40,7 @@ import json
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 
 from blockdiff.integration.demo import TEXT_REQUESTS
@@ -171,6 +176,83 @@ def run_client(base_url: str, model: str, out: str, sampled: bool, timeout: floa
     rec = {"side": base_url, "model": model, "sampled": sampled, "concurrent": concurrent, "step_cap": step_cap,
            "rows": rows}
     json.dump(rec, open(out, "w"), indent=1)
+    return rec
+
+
+#: Requests the plugin's scheduler refuses at add_request (blockdiff.integration.vllm_params.vllm_request_params):
+#: name -> completion body fields on top of the plain greedy request's.
+REFUSED = {"top_k": {"top_k": 5}, "logprobs": {"logprobs": 1},
+           "unknown_xarg": {"vllm_xargs": {"not_a_blockdiff_key": 1}}, "temperature": {"temperature": 0.5}}
+
+
+def _post_status(url: str, body: dict, timeout: float) -> tuple[int, dict | str]:
+    """POST ``body`` as JSON: ``(HTTP status, parsed JSON body or its text)``; an HTTP error status is a result,
+    not an exception (a connection failure still raises)."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            status, raw = r.status, r.read()
+    except urllib.error.HTTPError as e:
+        status, raw = e.code, e.read()
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw.decode(errors="replace")[:2000]
+
+
+def classify_refusal(status: int, body) -> dict:
+    """What a client saw for one request: ``{"status", "finish_reason", "text", "error"}``; ``"failed"`` True when
+    the request failed (an HTTP status >= 400, or finish reason ``error``), False when it was served."""
+    row = {"status": status, "finish_reason": None, "text": None, "error": None}
+    if isinstance(body, dict):
+        ch = (body.get("choices") or [{}])[0]
+        row["finish_reason"], row["text"] = ch.get("finish_reason"), ch.get("text")
+        err = body.get("error")
+        if err is not None:
+            row["error"] = err.get("message", err) if isinstance(err, dict) else err
+        elif body.get("message") is not None:
+            row["error"] = body["message"]
+    else:
+        row["error"] = body
+    row["failed"] = status >= 400 or row["finish_reason"] == "error"
+    return row
+
+
+def run_refusals(base_url: str, model: str, out: str, timeout: float) -> dict:
+    """Send every :data:`REFUSED` request and one plain greedy request (the first demo prompt), all at once, to the
+    server; ``ok`` when each refused request failed and the plain one was served (a finish reason other than
+    ``error``, some text). Writes and returns the record ``{"side", "model", "ok", "rows"}`` (rows: name ->
+    :func:`classify_refusal`)."""
+    rid, text = _prompts()[0]
+    base = {"model": model, "prompt": text, "max_tokens": MAX_TOKENS, "vllm_xargs": vllm_xargs(rid, False)}
+    bodies = {"plain": base}
+    for name, extra in REFUSED.items():
+        body = dict(base, **{k: v for k, v in extra.items() if k != "vllm_xargs"})
+        body["vllm_xargs"] = dict(base["vllm_xargs"], **extra.get("vllm_xargs", {}))
+        bodies[name] = body
+    rows: dict = {}
+
+    def one(name):
+        try:
+            rows[name] = classify_refusal(*_post_status(base_url.rstrip("/") + "/v1/completions", bodies[name],
+                                                        timeout))
+        except Exception as e:  # recorded, never lost
+            rows[name] = {"status": None, "failed": True, "error": f"{type(e).__name__}: {e}"}
+
+    threads = [threading.Thread(target=one, args=(n,)) for n in bodies]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    plain = rows["plain"]
+    ok = not plain["failed"] and bool(plain.get("text")) and all(rows[n]["failed"] for n in REFUSED)
+    rec = {"side": base_url, "model": model, "ok": ok, "rows": {n: rows[n] for n in bodies}}
+    json.dump(rec, open(out, "w"), indent=1)
+    for n in bodies:
+        r = rows[n]
+        print(f"{n}: status {r.get('status')} finish_reason {r.get('finish_reason')!r} failed {r['failed']} "
+              f"error {str(r.get('error'))[:160]!r}")
+    print("refusals", "ok" if ok else "NOT ok")
     return rec
 
 
@@ -327,7 +409,15 @@ def main(argv=None) -> int:
     r.add_argument("--pair", nargs=3, action="append", required=True, metavar=("NAME", "A", "B"))
     r.add_argument("--require", action="append", default=[], metavar="NAME",
                    help="a pair that must be equal on every prompt")
+    f = sub.add_parser("refusals", help="refused requests beside a plain one (exit 1 unless each refused one fails "
+                       "and the plain one is served)")
+    f.add_argument("--base-url", required=True)
+    f.add_argument("--model", required=True)
+    f.add_argument("--out", required=True)
+    f.add_argument("--timeout", type=float, default=120.0)
     args = ap.parse_args(argv)
+    if args.cmd == "refusals":
+        return 0 if run_refusals(args.base_url, args.model, args.out, args.timeout)["ok"] else 1
     if args.cmd == "record":
         return 0 if record(args.out, [tuple(p) for p in args.pair], args.require)["ok"] else 1
     if args.cmd == "harness":

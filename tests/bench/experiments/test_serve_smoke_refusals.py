@@ -1,0 +1,91 @@
+"""serve_smoke's ``refusals``: refused requests beside a plain one against a stub OpenAI server (the client logic; the
+real server's answers are checked on the GPU machine by bench/experiments/device/serve_refusal.sh)."""
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+
+import pytest
+
+from blockdiff.bench.experiments import serve_smoke
+
+
+def _stub(answer):
+    """An HTTP server on a free port answering each POST with ``answer(body) -> (status, json)``."""
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            status, out = answer(body)
+            raw = json.dumps(out).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv
+
+
+def _refused(body):
+    return (body.get("top_k") is not None or body.get("logprobs") is not None or body.get("temperature") == 0.5
+            or "not_a_blockdiff_key" in body["vllm_xargs"])
+
+
+def _served(text="ok"):
+    return 200, {"choices": [{"text": text, "finish_reason": "length"}]}
+
+
+@pytest.mark.parametrize("how", ["http_400", "finish_reason_error"])
+def test_refusals_ok_when_each_refused_request_fails_and_the_plain_one_is_served(tmp_path, how):
+    def answer(body):
+        if not _refused(body):
+            return _served()
+        if how == "http_400":  # vLLM 0.33.0: RequestError(validation_error) -> VLLMValidationError -> 400
+            return 400, {"error": {"message": "top_k=5 is not supported", "type": "BadRequestError", "code": 400}}
+        return 200, {"choices": [{"text": "", "finish_reason": "error"}]}  # vLLM 0.26.0: finish reason only
+
+    srv = _stub(answer)
+    try:
+        out = tmp_path / "r.json"
+        url = f"http://127.0.0.1:{srv.server_port}"
+        assert serve_smoke.main(["refusals", "--base-url", url, "--model", "m", "--out", str(out)]) == 0
+        rec = json.loads(out.read_text())
+        assert rec["ok"] and set(rec["rows"]) == {"plain", *serve_smoke.REFUSED}
+        assert not rec["rows"]["plain"]["failed"] and all(rec["rows"][n]["failed"] for n in serve_smoke.REFUSED)
+        if how == "http_400":
+            assert rec["rows"]["top_k"]["status"] == 400 and "top_k" in rec["rows"]["top_k"]["error"]
+    finally:
+        srv.shutdown()
+
+
+@pytest.mark.parametrize("bad", ["a_refused_one_served", "the_plain_one_failed", "the_plain_one_empty"])
+def test_refusals_not_ok_when_a_refused_request_is_served_or_the_plain_one_is_not(tmp_path, bad):
+    def answer(body):
+        if "top_k" in body and bad == "a_refused_one_served":
+            return _served()
+        if _refused(body):
+            return 400, {"error": {"message": "refused"}}
+        if bad == "the_plain_one_failed":
+            return 500, {"error": {"message": "boom"}}
+        return _served("" if bad == "the_plain_one_empty" else "ok")
+
+    srv = _stub(answer)
+    try:
+        out = tmp_path / "r.json"
+        url = f"http://127.0.0.1:{srv.server_port}"
+        assert serve_smoke.main(["refusals", "--base-url", url, "--model", "m", "--out", str(out)]) == 1
+        assert not json.loads(out.read_text())["ok"]
+    finally:
+        srv.shutdown()
+
+
+def test_classify_refusal_counts_an_http_error_or_finish_reason_error_as_failed():
+    assert serve_smoke.classify_refusal(200, {"choices": [{"text": "x", "finish_reason": "stop"}]})["failed"] is False
+    assert serve_smoke.classify_refusal(500, "Internal Server Error")["failed"] is True
+    assert serve_smoke.classify_refusal(200, {"choices": [{"finish_reason": "error"}]})["failed"] is True
