@@ -28,6 +28,9 @@ from .masks import MAX_SEQ_LEN, check_window
 #: low enough that fp32 scores (q.k) * scale stay finite for every |q.k| < 2**112 (a huge scale overflowed them
 #: into NaN rows for ordinary q, k).
 MAX_SCALE = float(2 ** 16)
+#: Most query rows (``q.shape[0]``), contiguous key rows or pages (``k_cache.shape[0]``) a call may hold: the
+#: kernels read ``cu_seqlens_q`` / ``cu_seqlens_k`` offsets and block-table page ids as int32.
+MAX_ROWS = 2 ** 31 - 1
 
 #: The debug switch's environment variable (:func:`.env.env_flag`: ``1`` on; ``0``, empty or unset off; anything else
 #: is a ValueError at import).
@@ -321,6 +324,11 @@ def check_attention_inputs(
             f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must agree in all but head_dim")
     num_kv_heads, kd = k_cache.shape[-2], k_cache.shape[-1]
     head_dim_v = v_cache.shape[-1]
+    # the kernels take cu_seqlens_q / cu_seqlens_k offsets and page ids as int32: more rows or pages would wrap
+    for name, n in (("q.shape[0] (total_q)", total_q),
+                    ("k_cache.shape[0] (num_blocks)" if paged else "k_cache.shape[0] (total_k)", k_cache.shape[0])):
+        if n > MAX_ROWS:
+            raise ValueError(f"{name} = {n} exceeds MAX_ROWS = 2**31 - 1: row offsets and page ids are int32")
     if kd != head_dim:
         raise ValueError(f"k_cache head_dim {kd} must equal q head_dim {head_dim}")
     for name, n in (("num_heads (q.shape[1])", num_heads), ("head_dim (q.shape[2])", head_dim),

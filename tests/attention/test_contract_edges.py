@@ -424,3 +424,30 @@ def test_sparse_tensors_are_a_type_error_naming_them(which, backend):
         write_kv_cache(k, k, torch.zeros(2, 2, 2, 4), torch.zeros(2, 2, 2, 4), torch.tensor([0]).to_sparse())
     with pytest.raises(TypeError, match="o_part must be a dense"):
         merge_split_partials(torch.zeros(2, 1, 1, 16).to_sparse(), torch.zeros(2, 1, 1), torch.zeros(1, 1, 16))
+
+
+@pytest.mark.parametrize("which", ["q", "k_cache_contiguous", "k_cache_paged"])
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_more_than_int32_rows_or_pages_are_a_value_error_naming_them(which, backend):
+    """The kernels take cu_seqlens_q / cu_seqlens_k offsets and page ids as int32 (plans cast them; the page loads
+    clamp an int32 id): a call holding 2**31 query rows, contiguous key rows or pages would have wrapped (a wrong
+    row read, silently). Refused from the shapes (zero-stride views here: no memory), for every backend."""
+    from blockdiff.attention.validate import MAX_ROWS
+    b = _batch()
+    n = MAX_ROWS + 1
+    if which == "q":
+        b["q"] = b["q"][:1].expand(n, *b["q"].shape[1:])
+        b["cu_seqlens_q"] = torch.tensor([0, n - 2, n - 1, n])
+        name = r"q.shape\[0\] \(total_q\)"
+    elif which == "k_cache_paged":
+        b["k_cache"] = b["k_cache"][:1].expand(n, *b["k_cache"].shape[1:])
+        b["v_cache"] = b["v_cache"][:1].expand(n, *b["v_cache"].shape[1:])
+        name = r"k_cache.shape\[0\] \(num_blocks\)"
+    else:
+        b = make_batch([9, 13, 5], [9, 4, 5], num_causal_q=[9, 0, 2], num_heads=4, num_kv_heads=2, head_dim=16,
+                       paged=False, dtype=torch.float32, seed=1)
+        b["k_cache"] = b["k_cache"][:1].expand(n, *b["k_cache"].shape[1:])
+        b["v_cache"] = b["v_cache"][:1].expand(n, *b["v_cache"].shape[1:])
+        name = r"k_cache.shape\[0\] \(total_k\)"
+    with pytest.raises(ValueError, match=name + " = 2147483648 exceeds MAX_ROWS"):
+        attention(**b, backend=backend)
