@@ -29,14 +29,15 @@ runner v2 calls ``DiffusionModelState.remove_request`` and frees the slot. Each 
 its finish reason, so the client is answered (no lost request). Interface read from vLLM 0.26.0 and 0.33.0
 (``vllm/v1/core/sched/scheduler.py``; 0.33.0's ``diffusion_scheduler.py``): the same in both.
 
-A request whose sampling parameters blockdiff refuses (a vLLM option the sampler cannot honour such as ``top_k``,
-``logprobs`` or ``n`` > 1, an unknown ``extra_args`` key, a temperature other than 0 or 1, another canvas length, an
+A request whose sampling parameters blockdiff refuses (a vLLM option the sampler cannot honour such as ``top_k`` or
+``logprobs``, an unknown ``extra_args`` key, a temperature other than 0 or 1, another canvas length, an
 ``extra_args`` value breaking a sampler rule against the served defaults) is refused in ``add_request``
 (:class:`ParamsRefusals`, the model state's own checks and defaults): it fails alone with finish reason ``error``
 before it is scheduled (no forward pass, no KV block), and its client learns why: under vLLM 0.33.0 its
 ``EngineCoreOutput.error`` is ``RequestError(code="validation_error", message=...)`` (the ``ValueError`` /
 ``TypeError`` text, naming the option and the rule), which ``AsyncLLM`` raises in the caller as
-``VLLMValidationError`` (HTTP 400 from vLLM's OpenAI server); vLLM 0.26.0 has no such field, so there the message is
+``VLLMValidationError`` (vLLM's OpenAI server: HTTP 400 for a non-streaming request; a streamed one has had its
+HTTP 200 already and gets the error as an event in its stream); vLLM 0.26.0 has no such field, so there the message is
 only logged (WARNING, once per request; logged under 0.33.0 too). The model state's check in the worker stays as the
 backstop (:func:`finish_stuck_requests` then finishes the request, the reason in the worker's log only).
 
@@ -937,8 +938,9 @@ def _answer(outputs: dict, req: Any, types: Any, error: str | None = None) -> No
 
 
 #: ``RequestError.code`` of a request the plugin's schedulers refuse (vLLM 0.33.0: the client raises
-#: ``VLLMValidationError`` with the message, which vLLM's API server answers with HTTP 400, as its own request
-#: validation does: ``EngineCore._handle_request_validation_error``).
+#: ``VLLMValidationError`` with the message, which vLLM's API server answers with HTTP 400 (a non-streaming request;
+#: a streamed one gets an error event in its stream), as its own request validation does:
+#: ``EngineCore._handle_request_validation_error``).
 VALIDATION_ERROR = "validation_error"
 
 
@@ -995,17 +997,22 @@ class ParamsRefusals(_Refusals):
     :func:`blockdiff.integration.vllm_params.vllm_request_params` with the served defaults and canvas length
     (:func:`served_default_params`, :func:`served_canvas_length`: built from the scheduler's ``VllmConfig``, as the
     model state builds its own) and the model's vocabulary size (``model_config.get_vocab_size()``). So a vLLM
-    option the sampler does not implement (``top_k``, ``logprobs``, ``n`` > 1, ...), an unknown ``extra_args`` key,
+    option the sampler does not implement (``top_k``, ``logprobs``, ...), an unknown ``extra_args`` key,
     a temperature other than 0 or 1, an ``extra_args`` value breaking a :class:`blockdiff.sampler.SamplingParams`
     rule (against the served defaults: e.g. ``t_max`` below the served ``t_min``), a canvas length other than the
     served one, a bad ``rng_request_id``, more than ``MAX_STOP_TOKEN_IDS`` stop ids or a stop id outside the
     vocabulary is refused here. The model state's check stays as the backstop (a request reaching the worker
-    another way fails there, the reason in the worker's log).
+    another way fails there, the reason in the worker's log). ``n`` > 1 is refused only on a request that reaches
+    the engine with it (an ``EngineCoreRequest`` built by hand): vLLM's ``LLMEngine`` and ``AsyncLLM`` (0.26.0 and
+    0.33.0, ``parallel_sampling.ParentRequest``) fan it out first into ``n`` requests of ``n`` = 1 with their own ids,
+    which are served as any others.
 
     What the client gets: vLLM 0.33.0 (``EngineCoreOutput.error``, ``vllm.outputs.RequestError``, detected by
     feature): the refused request's output carries ``RequestError(code="validation_error", message=...)``, the
     ``ValueError`` / ``TypeError`` text naming the option and the rule; ``AsyncLLM`` (the API server) raises it in
-    the caller as ``VLLMValidationError`` (HTTP 400 from the OpenAI server), while ``LLMEngine`` (offline) drops the
+    the caller as ``VLLMValidationError`` (from the OpenAI server: HTTP 400 for a non-streaming request; a
+    streamed one, past its HTTP 200, gets an error event with code 400 in its stream, and vLLM logs the exception
+    with its traceback), while ``LLMEngine`` (offline) drops the
     message and gives a finished output with finish reason ``error``. vLLM 0.26.0 has no such field: finish reason
     ``error`` only. In both the message is logged at WARNING once per request (``blockdiff: request <id>
     refused: ...``).
