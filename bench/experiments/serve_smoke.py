@@ -11,8 +11,9 @@ and compare its completions with blockdiff's harness on the same checkpoint, tok
     python3 -m blockdiff.bench.experiments.serve_smoke compare harness.json srv.json
     # one JSON record of several comparisons (exit 1 when a --require'd pair differs anywhere)
     python3 -m blockdiff.bench.experiments.serve_smoke record --out rec.json --pair NAME a.json b.json [--require NAME]
-    # requests the plugin refuses (REFUSED: top_k, logprobs, an unknown vllm_xargs key, temperature 0.5) sent at once
-    # beside one plain greedy request: each refused one must fail (HTTP 4xx / 5xx, or finish reason "error"), the
+    # requests the plugin refuses (REFUSED: top_k, logprobs, an unknown vllm_xargs key, temperature 0.5, top_k streamed)
+    # at once beside one plain greedy request: each refused one must fail (HTTP 4xx / 5xx, finish reason "error", or
+    # for the streamed one an error event), the
     # plain one must be served (exit 1 otherwise); records every status, finish reason and error text
     python3 -m blockdiff.bench.experiments.serve_smoke refusals --base-url URL --model MODEL --out refusals.json
 
@@ -182,7 +183,8 @@ def run_client(base_url: str, model: str, out: str, sampled: bool, timeout: floa
 #: Requests the plugin's scheduler refuses at add_request (blockdiff.integration.vllm_params.vllm_request_params):
 #: name -> completion body fields on top of the plain greedy request's.
 REFUSED = {"top_k": {"top_k": 5}, "logprobs": {"logprobs": 1},
-           "unknown_xarg": {"vllm_xargs": {"not_a_blockdiff_key": 1}}, "temperature": {"temperature": 0.5}}
+           "unknown_xarg": {"vllm_xargs": {"not_a_blockdiff_key": 1}}, "temperature": {"temperature": 0.5},
+           "top_k_streamed": {"top_k": 5, "stream": True}}
 
 
 def _post_status(url: str, body: dict, timeout: float) -> tuple[int, dict | str]:
@@ -202,7 +204,8 @@ def _post_status(url: str, body: dict, timeout: float) -> tuple[int, dict | str]
 
 def classify_refusal(status: int, body) -> dict:
     """What a client saw for one request: ``{"status", "finish_reason", "text", "error"}``; ``"failed"`` True when
-    the request failed (an HTTP status >= 400, or finish reason ``error``), False when it was served."""
+    the request failed (an HTTP status >= 400, finish reason ``error``, or in a streamed answer (``body`` the
+    server-sent events' text) an ``error`` event or a choice finishing with ``error``), False when it was served."""
     row = {"status": status, "finish_reason": None, "text": None, "error": None}
     if isinstance(body, dict):
         ch = (body.get("choices") or [{}])[0]
@@ -212,8 +215,21 @@ def classify_refusal(status: int, body) -> dict:
             row["error"] = err.get("message", err) if isinstance(err, dict) else err
         elif body.get("message") is not None:
             row["error"] = body["message"]
-    else:
-        row["error"] = body
+    else:  # a streamed answer (server-sent events, "data: {...}" lines): its error event or finish reason
+        row["error"] = None if "data: " in body else body
+        for line in body.splitlines():
+            if not line.startswith("data: {"):
+                continue
+            try:
+                ev = json.loads(line[6:])
+            except ValueError:
+                continue
+            if ev.get("error") is not None:
+                err = ev["error"]
+                row["error"] = err.get("message", err) if isinstance(err, dict) else err
+                row["finish_reason"] = row["finish_reason"] or "error"
+            for ch in ev.get("choices") or ():
+                row["finish_reason"] = ch.get("finish_reason") or row["finish_reason"]
     row["failed"] = status >= 400 or row["finish_reason"] == "error"
     return row
 

@@ -1,8 +1,8 @@
 # Issue 25: requests the plugin refuses, under the real server (vLLM 0.26.0 after stagev.sh; ~2-3 min). The exported
 # stdlib-byte model (float32, triton) on two servers, the synchronous scheduler (BlockdiffDiffusionScheduler,
 # --no-async-scheduling) and the asynchronous one (BlockdiffDiffusionAsyncScheduler, vLLM's default scheduling); to
-# each, serve_smoke.py refusals: top_k, logprobs, an unknown vllm_xargs key and temperature 0.5 at once beside one
-# plain greedy request. Each refused request must fail (the plugin's scheduler finishes it at add_request with
+# each, serve_smoke.py refusals: top_k, logprobs, an unknown vllm_xargs key, temperature 0.5 and a streamed top_k
+# request at once beside one plain greedy request. Each refused request must fail (the plugin's scheduler finishes it at add_request with
 # finish reason error; vLLM 0.26.0 has no field for its reason, so the reason is in the server log, one WARNING
 # "request <id> refused: ..." each) and the plain one be served; then the servers must still be healthy.
 # Writes $OUT/refusals_{sync,async}.json and the servers' logs; exit 1 when a check fails.
@@ -31,7 +31,7 @@ for s in 8041:sync 8042:async; do
   capped python3 -m blockdiff.bench.experiments.serve_smoke refusals --base-url http://127.0.0.1:${s%:*} \
     --model /tmp/exp --out $OUT/refusals_${s#*:}.json || rc=1
   up ${s%:*} && el "${s#*:} healthy after" || { el "${s#*:} NOT healthy after"; rc=1; }
-  n=$(grep -c "refused: " $L/${s#*:}.log); el "${s#*:}: $n refused-log lines (4 when vLLM front end passes all four on)"
+  n=$(grep -c "refused: " $L/${s#*:}.log); el "${s#*:}: $n refused-log lines (5 when vLLM's front end passes all five on)"
   grep -h "refused: " $L/${s#*:}.log | cut -c1-300 | head -4
 done
 grep -hE "Traceback|ERROR" $L/*.log | grep -v "ulimit\|_warmup_" | sort | uniq -c | sort -rn | head -8

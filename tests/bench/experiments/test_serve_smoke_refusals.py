@@ -89,3 +89,16 @@ def test_classify_refusal_counts_an_http_error_or_finish_reason_error_as_failed(
     assert serve_smoke.classify_refusal(200, {"choices": [{"text": "x", "finish_reason": "stop"}]})["failed"] is False
     assert serve_smoke.classify_refusal(500, "Internal Server Error")["failed"] is True
     assert serve_smoke.classify_refusal(200, {"choices": [{"finish_reason": "error"}]})["failed"] is True
+
+
+def test_classify_refusal_reads_a_streamed_answer_s_error_event_or_finish_reason():
+    """A streamed request's HTTP status is 200 before it fails (vLLM 0.33.0 sends an error event in the stream)."""
+    ev = 'data: {"error": {"message": "top_k=5 is not supported", "code": 400}}\n\ndata: [DONE]\n'
+    row = serve_smoke.classify_refusal(200, ev)
+    assert row["failed"] and row["error"] == "top_k=5 is not supported"
+    fin = 'data: {"choices": [{"text": "", "finish_reason": "error"}]}\n\ndata: [DONE]\n'
+    assert serve_smoke.classify_refusal(200, fin)["failed"]
+    ok = ('data: {"choices": [{"text": "ab", "finish_reason": null}]}\n\n'
+          'data: {"choices": [{"text": "c", "finish_reason": "length"}]}\n\ndata: [DONE]\n')
+    row = serve_smoke.classify_refusal(200, ok)
+    assert not row["failed"] and row["finish_reason"] == "length" and row["error"] is None
