@@ -355,8 +355,13 @@ def _run(fa, q, k_cache, v_cache, *, out, return_lse, cu_seqlens_q, num_causal_q
     wide_offsets = bool(cfg.nan_safe_v) and any(_storage_elements(t) >= 2 ** 31 for t in (q, k_cache, v_cache))
     # the two-launch merges ("combine", "triton") run the same split kernel: one compile key for both
     key_cfg = replace(cfg, split_merge="combine") if cfg.split_merge == "triton" else cfg
+    # the CuTe DSL keeps a stride of 0 static in a dynamic layout (FA4's get_broadcast_dims): an expand()ed Q / K / V,
+    # block table, out or metadata view compiles a kernel of its own (one compiled for stride 0 would read element 0
+    # of every row of a dense tensor, and the reverse)
+    broadcast = broadcast_dims(q, k_cache, v_cache, out_k, cu_q, cu_k, seqused_k, page_table, ncq)
     key = (q.dtype, head_dim, head_dim_v, qhead_per_kvhead, pack_gqa, key_cfg, paged, paged_kv_non_tma,
-           kv_page_size, has_window, prefix, return_lse and (cluster or not split), arch, v_static, wide_offsets)
+           kv_page_size, has_window, prefix, return_lse and (cluster or not split), arch, v_static, wide_offsets,
+           broadcast)
     aux = [ncq]
     if cluster:  # the kernel merges and writes out (and the LSE) itself: no workspace
         aux += [out_k] + ([lse] if return_lse else [])
@@ -449,7 +454,7 @@ def _num_sms(device) -> int:
 
 def _compile(fa, key, q, k, v, out, lse, scale, cu_q, cu_k, seqused_k, page_table, window_size, aux):
     (dtype, head_dim, head_dim_v, qhead_per_kvhead, pack_gqa, cfg, paged, paged_kv_non_tma, kv_page_size,
-     has_window, prefix, return_lse, arch, v_static, wide_offsets) = key
+     has_window, prefix, return_lse, arch, v_static, wide_offsets, _broadcast) = key
     cute, tct = fa["cute"], fa["to_cute_tensor"]
     split = dict(num_splits=cfg.num_splits) if cfg.num_splits > 1 else {}
     cluster = bool(split) and cfg.split_merge == "cluster"
@@ -510,6 +515,15 @@ def _compile(fa, key, q, k, v, out, lse, scale, cu_q, cu_k, seqused_k, page_tabl
             cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
             options="--enable-tvm-ffi",
         )
+
+
+def broadcast_dims(*tensors) -> tuple:
+    """Per tensor (None for None), which dims have stride 0: part of the compile key, because the CuTe DSL's
+    ``mark_layout_dynamic`` keeps a stride of 0 static (flash-attn-4's ``get_broadcast_dims``, in its own compile
+    keys), so a kernel compiled for an ``expand()``ed tensor and one for a dense tensor of the same shape differ. A
+    size-1 dim counts too: its stride may be 0 (``torch.zeros(()).expand(1)``), and a kernel that baked it in would
+    read element 0 for every row of a later, longer tensor. Host shapes and strides only."""
+    return tuple(None if t is None else tuple(s == 0 for s in t.stride()) for t in tensors)
 
 
 def _nan_recompute(cfg) -> bool:
@@ -616,4 +630,4 @@ def compile_only(head_dim: int = 128, num_heads: int = 16, num_kv_heads: int = 8
              max_seqlen_k=max_seqlen_k)
 
 
-__all__ = ["attention_cute", "compile_only", "LAST_LAUNCH", "nan_recompute_count"]
+__all__ = ["attention_cute", "compile_only", "LAST_LAUNCH", "nan_recompute_count", "broadcast_dims"]
