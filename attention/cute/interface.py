@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import replace
 
 import torch
@@ -93,11 +94,26 @@ def _fa4():
     return _FA4
 
 
+#: ``FLASH_ATTENTION_ARCH`` as flash-attn-4 parses it (``sm_90``, ``sm_90a``, ``SM90``, ``90``, ``sm_100a``): the
+#: last digit is the minor version, the others the major.
+_ARCH_ENV = re.compile(r"(?:sm_?|SM_?)?([0-9]+)([0-9])([af]?)")
+
+
 def _arch(device) -> int:
+    """The compute capability as ``10 * major + minor``: ``FLASH_ATTENTION_ARCH`` when set (compile-only runs without
+    a GPU, FA4's convention and format), else the device's.
+
+    Raises:
+        ValueError: ``FLASH_ATTENTION_ARCH`` set to anything else (was: its digits read loosely, so ``sm_100a`` was
+            10, ``sm_90,sm_100`` and ``x9y0`` were 90, and ``""`` an int() error naming no variable).
+    """
     env = os.environ.get("FLASH_ATTENTION_ARCH")
-    if env is not None:  # compile-only runs without a GPU (FA4's convention)
-        digits = "".join(c for c in env if c.isdigit())
-        return int(digits[:2]) if len(digits) >= 2 else int(digits)
+    if env is not None:
+        m = _ARCH_ENV.fullmatch(env)
+        if m is None:
+            raise ValueError(f"FLASH_ATTENTION_ARCH must name one architecture as flash-attn-4 reads it (sm_90, "
+                             f"sm_90a, 90), got {env!r}")
+        return int(m[1]) * 10 + int(m[2])
     major, minor = torch.cuda.get_device_capability(device)
     return major * 10 + minor
 
@@ -204,7 +220,8 @@ def attention_cute(
             host at launch); ``v_refill="halves"`` / ``qk_issue="ahead"`` / ``k_refill="halves"`` where
             ``wide_design`` does not resolve to
             the roles kernel for this call's head dims and page size (a ValueError at the call, since the page size
-            decides).
+            decides); ``FLASH_ATTENTION_ARCH`` / ``FLASH_ATTENTION_NUM_SMS`` set to a value that is not one
+            architecture (``sm_90``, ``sm_90a``, ``90``) / a decimal int >= 1.
         NotImplementedError: valid input outside this backend: dtype other than bf16/fp16, head dims outside
             8..256 (multiples of 8) and outside equal multiples of 32 in (256, 512]
             (:func:`~blockdiff.attention.cute.config.unsupported_head_dims`), a GPU other than SM90; with an
@@ -441,9 +458,17 @@ _NUM_SMS: dict = {}
 
 
 def _num_sms(device) -> int:
-    """Streaming multiprocessors of ``device`` (FLASH_ATTENTION_NUM_SMS when set: compile-only runs)."""
+    """Streaming multiprocessors of ``device`` (FLASH_ATTENTION_NUM_SMS when set: compile-only runs).
+
+    Raises:
+        ValueError: ``FLASH_ATTENTION_NUM_SMS`` set to anything but a decimal int >= 1 (was: ``int()``'s reading, so
+            ``1_32`` was 132, ``0`` or ``-4`` reached the split choice, or were used unchecked with a config's
+            ``num_splits``, and ``abc`` raised an error naming no variable).
+    """
     env = os.environ.get("FLASH_ATTENTION_NUM_SMS")
     if env is not None:
+        if not re.fullmatch(r"[0-9]+", env) or int(env) < 1:
+            raise ValueError(f"FLASH_ATTENTION_NUM_SMS must be a decimal int >= 1 (the GPU's SMs), got {env!r}")
         return int(env)
     idx = torch.device(device).index
     idx = torch.cuda.current_device() if idx is None else idx

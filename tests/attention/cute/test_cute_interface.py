@@ -508,3 +508,23 @@ def test_a_broadcast_input_never_shares_a_compiled_kernel_with_a_dense_one(monke
     if which != "out":
         assert keys[0] != keys[1]
     assert ca.broadcast_dims(wide["k_cache"], None) == ((False, False, True, False), None)
+
+
+def test_arch_and_sm_count_overrides_are_parsed_strictly(monkeypatch):
+    """``FLASH_ATTENTION_ARCH`` was read as its first two digits (``sm_100a`` was sm_10, ``sm_90,sm_100`` and ``x9y0``
+    were sm_90, ``""`` an int() error naming nothing) and ``FLASH_ATTENTION_NUM_SMS`` by int() (``1_32`` was 132,
+    ``0`` used unchecked when the config sets ``num_splits``). Both take flash-attn-4's formats only now, else a
+    ValueError naming the variable."""
+    for env, arch in (("sm_90", 90), ("sm_90a", 90), ("SM90", 90), ("90", 90), ("sm_100a", 100), ("sm_120f", 120)):
+        monkeypatch.setenv("FLASH_ATTENTION_ARCH", env)
+        assert ca._arch(None) == arch, env
+    for env in ("", "sm_9", "sm_90,sm_100", "x9y0", "9.0", " sm_90", "sm_90b"):
+        monkeypatch.setenv("FLASH_ATTENTION_ARCH", env)
+        with pytest.raises(ValueError, match="FLASH_ATTENTION_ARCH"):
+            ca._arch(None)
+    monkeypatch.setenv("FLASH_ATTENTION_NUM_SMS", "132")
+    assert ca._num_sms("cpu") == 132
+    for env in ("", "0", "-4", "1_32", " 132", "132.0", "abc", "+132"):
+        monkeypatch.setenv("FLASH_ATTENTION_NUM_SMS", env)
+        with pytest.raises(ValueError, match="FLASH_ATTENTION_NUM_SMS"):
+            ca._num_sms("cpu")
