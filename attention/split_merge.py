@@ -18,12 +18,12 @@ Used by the triton backend (:mod:`blockdiff.attention.triton`, its plans) and by
 never import one another; both import this module, which imports no backend.
 """
 import contextlib
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from .env import triton_interpret
 from .validate import self_overlapping
 
 __all__ = ["cast", "interpreting", "merge_constexprs", "launch_merge", "merge_split_partials"]
@@ -86,9 +86,10 @@ def _merge_kernel(OPART, LSEPART, O, LSE, total_q, num_heads, n_rows, stride_ot,
 
 
 def interpreting() -> bool:
-    """Whether Triton runs kernels through its interpreter (``TRITON_INTERPRET`` set: the CPU tests). The one
-    definition; the triton backend re-exports it (``blockdiff.attention.triton.config.interpreting``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """Whether Triton runs kernels through its interpreter (``TRITON_INTERPRET``, read as Triton reads it:
+    :func:`blockdiff.attention.env.triton_interpret`; the CPU tests). The triton backend re-exports it
+    (``blockdiff.attention.triton.config.interpreting``)."""
+    return triton_interpret()
 
 
 def merge_constexprs(num_splits: int, head_dim_v: int, store_lse: bool, pdl: bool, interpret: bool) -> dict:

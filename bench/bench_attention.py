@@ -644,8 +644,12 @@ def parse_args(argv=None):
     p.add_argument("--budget-s", type=float, default=None,
                    help="stop starting new workloads after this many seconds (the rest are recorded as skipped)")
     a = p.parse_args(argv)
-    a.fa4_layouts = [x.strip() for x in a.fa4_layouts.split(",") if x.strip()]
-    a.blockdiff_layouts = [x.strip() for x in a.blockdiff_layouts.split(",") if x.strip()]
+    try:  # a value naming nothing (',') is refused: it selected no row and measured nothing
+        a.fa4_layouts = common.comma_list(a.fa4_layouts, "--fa4-layouts")
+        a.blockdiff_layouts = common.comma_list(a.blockdiff_layouts, "--blockdiff-layouts")
+        backends = common.comma_list(a.backends, "--backends")
+    except ValueError as e:
+        p.error(str(e))
     if [x for x in a.blockdiff_layouts if x not in ("paged", "contiguous")]:
         p.error(f"--blockdiff-layouts: use paged and/or contiguous, got {a.blockdiff_layouts}")
     bad = [x for x in a.fa4_layouts if x not in ("paged", "contiguous")]
@@ -660,7 +664,6 @@ def parse_args(argv=None):
         if not isinstance(v, list) or not all(isinstance(c, dict) for c in v):
             p.error(f"--{flag.replace('_', '-')}: a JSON list of dicts, got {text!r}")
         setattr(a, flag, v)
-    backends = [b.strip() for b in a.backends.split(",") if b.strip()]
     unknown = [b for b in backends if b not in BACKEND_CHOICES]
     if unknown:
         p.error(f"--backends: unknown backend(s) {unknown}; choose from {BACKEND_CHOICES}")

@@ -221,11 +221,20 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
-    a.batches = [int(x) for x in a.batches.split(",") if x.strip()]
+    try:  # a list naming nothing (',', '') measured nothing and exited 0
+        batches = common.comma_list(a.batches, "--batches")
+        attn = common.comma_list(a.attn_backends or ("reference" if a.quick else "triton"), "--attn-backends")
+    except ValueError as e:
+        p.error(str(e))
+    if not batches:
+        p.error(f"--batches must name at least one batch size, got {a.batches!r}")
+    try:
+        a.batches = [int(x) for x in batches]
+    except ValueError:
+        p.error(f"--batches must be comma-separated ints, got {a.batches!r}")
     if a.prompt_len is None:
         a.prompt_len = 24 if a.quick else 1024
-    a.attn_backends = [x.strip() for x in (a.attn_backends or ("reference" if a.quick else "triton")).split(",")
-                       if x.strip()]
+    a.attn_backends = attn
     a.sampler_backend = a.sampler_backend or ("reference" if a.quick else "triton")
     return a
 

@@ -434,7 +434,14 @@ def main(argv=None) -> list[dict]:
         if len(parts) != 5 or not all(p.isdigit() and int(p) >= 1 for p in parts):
             ap.error(f"--gemm-tiles must be a comma list of BMxBNxBKxWARPSxSTAGES (5 ints >= 1), got {t!r}")
         gemm_tiles.append([int(p) for p in parts])
-    backends = [b for b in args.backends.split(",") if b]
+    try:  # a list naming nothing (',', '') measured nothing and exited 0
+        backends = common.comma_list(args.backends, "--backends")
+        for flag in ("split_v", "soft_chunks", "split_k", "gemm_tiles"):
+            common.comma_list(getattr(args, flag), "--" + flag.replace("_", "-"))
+    except ValueError as e:
+        ap.error(str(e))
+    if not backends:
+        ap.error(f"--backends must name at least one of {ALL_BACKENDS}")
     unknown = [b for b in backends if b not in ALL_BACKENDS]
     if unknown:
         ap.error(f"--backends: unknown backend(s) {unknown}; choose from {ALL_BACKENDS}")

@@ -276,7 +276,12 @@ def main(argv=None) -> list[dict]:
     a = p.parse_args(argv)
     from blockdiff.sampler.tp import set_safe_nccl_env
     set_safe_nccl_env()
-    backends = [b for b in a.backends.split(",") if b]
+    try:  # a list naming nothing (',', '') measured nothing and exited 0
+        backends = common.comma_list(a.backends, "--backends")
+    except ValueError as e:
+        p.error(str(e))
+    if not backends:
+        p.error("--backends must name at least one of reference, fused")
     for b in backends:
         if b not in ("reference", "fused"):
             raise SystemExit(f"unknown backend {b!r} (reference, fused)")

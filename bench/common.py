@@ -68,6 +68,22 @@ def log(msg: str) -> None:
         print(msg, file=sys.stderr)
 
 
+# ----------------------------------------------------------------------------------------------- CLI values
+def comma_list(text: str, flag: str) -> list[str]:
+    """The items of a comma-separated command-line value (``--backends triton,cute``), stripped, blanks dropped.
+    ``""`` gives ``[]`` (each flag says what its empty value means, e.g. "all"); a value that is not empty yet
+    names nothing (``","``, ``" "``) is refused, not read as ``[]``: a run that selected nothing measured nothing
+    and exited 0.
+
+    Raises:
+        ValueError: ``text`` is not empty and names no item (the message names ``flag``).
+    """
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if text and not items:
+        raise ValueError(f"{flag} {text!r} names nothing: give comma-separated names (or leave the flag out)")
+    return items
+
+
 # ----------------------------------------------------------------------------------------------- GPU warm-up
 def warm_up_gpu(device: torch.device | str = "cuda", seconds: float = 2.0, n: int = 8192) -> float:
     """Run bf16 ``n x n`` matmuls for about ``seconds`` (clock ramp-up, lazy CUDA init); return seconds spent.

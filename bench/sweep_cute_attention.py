@@ -427,7 +427,11 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # tests drive the GPU path with stubs
     p.add_argument("--small-shapes", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    a.fa4_layouts = [x.strip() for x in a.fa4_layouts.split(",") if x.strip()]
+    try:  # a value naming nothing (',') is refused: it selected nothing to run
+        a.fa4_layouts = common.comma_list(a.fa4_layouts, "--fa4-layouts")
+        common.comma_list(a.candidates, "--candidates")
+    except ValueError as e:
+        p.error(str(e))
     return a
 
 

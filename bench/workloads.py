@@ -230,11 +230,23 @@ def select(workloads: Sequence[Workload], patterns: str | Sequence[str] | None) 
     """Workloads whose name matches any comma-separated glob of ``patterns`` (all when None/empty).
 
     Raises:
-        ValueError: a pattern matches no workload (typos must not silently measure nothing).
+        ValueError: a pattern matches no workload, or ``patterns`` is given but names none (``","``, ``" "``, a list
+            of empty strings: typos must not silently measure nothing).
+        TypeError: ``patterns`` is neither None, a str nor a sequence of str.
     """
-    if not patterns:
+    if patterns is None:
         return list(workloads)
-    pats = [p.strip() for p in (patterns.split(",") if isinstance(patterns, str) else patterns) if p.strip()]
+    items = patterns.split(",") if isinstance(patterns, str) else list(patterns) if isinstance(patterns, Sequence) \
+        else None
+    if items is None or not all(isinstance(p, str) for p in items):
+        raise TypeError(f"--workloads patterns must be a str of comma-separated globs or a sequence of str, got "
+                        f"{patterns!r}")
+    if not patterns:  # "" or []: all (the CLI's default)
+        return list(workloads)
+    pats = [p.strip() for p in items if p.strip()]
+    if not pats:
+        raise ValueError(f"--workloads {patterns!r} names no pattern (comma-separated globs of workload names; "
+                         "leave it empty for all)")
     out = []
     for p in pats:
         hit = [w for w in workloads if fnmatch.fnmatchcase(w.name, p)]

@@ -35,6 +35,7 @@ import torch
 from tqdm import tqdm
 
 from blockdiff.attention import attention, build_mask, get_backend, resolve_backend
+from blockdiff.attention.env import triton_interpret
 from blockdiff.model import CheckpointError, DiffusionGemma, tiny_config  # CheckpointError: re-exported here
 from blockdiff.model.config import FLOAT32_MAX  # the random weights embedding_scale multiplies are float32
 from blockdiff.model.generation import GENERATION_FILE
@@ -115,7 +116,7 @@ def check_attention_backend(backend: str, device, dtype: torch.dtype | None = to
     only the device rules, the name and the backend's import, no probe); raise :class:`BackendUnavailable` with the
     reason if it cannot run on ``device`` in ``dtype`` (e.g. ``cute`` without CUDA or in float32, ``triton`` on CPU
     without ``TRITON_INTERPRET=1``, a backend whose module cannot be imported here). ValueError: an unknown name."""
-    interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    interp = triton_interpret()  # as Triton reads it
     if backend == "triton" and torch.device(device).type == "cpu" and not interp:
         raise BackendUnavailable("attention backend 'triton' on CPU needs TRITON_INTERPRET=1 (Triton interpreter)")
     if backend == "cute" and torch.device(device).type != "cuda":
@@ -288,7 +289,7 @@ def run_demo(*, backend: str = "reference", sampler_backend: str = "reference", 
                              f"float32 tied embedding), got {embedding_scale!r}")
     dev = resolve_device(device)
     check_attention_backend(backend, dev, dtype=None)  # the device rules now; the probe once the dtype is known
-    interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    interp = triton_interpret()  # as Triton reads it
     if sampler_backend == "triton" and dev.type == "cpu" and not interp:
         raise BackendUnavailable("sampler backend 'triton' on CPU needs TRITON_INTERPRET=1 (Triton interpreter)")
     try:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import replace
 
 import torch
@@ -93,11 +94,26 @@ def _fa4():
     return _FA4
 
 
+#: ``FLASH_ATTENTION_ARCH`` as flash-attn-4 parses it (``sm_90``, ``sm_90a``, ``SM90``, ``90``, ``sm_100a``): the
+#: last digit is the minor version, the others the major.
+_ARCH_ENV = re.compile(r"(?:sm_?|SM_?)?([0-9]+)([0-9])([af]?)")
+
+
 def _arch(device) -> int:
+    """The compute capability as ``10 * major + minor``: ``FLASH_ATTENTION_ARCH`` when set (compile-only runs without
+    a GPU, FA4's convention and format), else the device's.
+
+    Raises:
+        ValueError: ``FLASH_ATTENTION_ARCH`` set to anything else (was: its digits read loosely, so ``sm_100a`` was
+            10, ``sm_90,sm_100`` and ``x9y0`` were 90, and ``""`` an int() error naming no variable).
+    """
     env = os.environ.get("FLASH_ATTENTION_ARCH")
-    if env is not None:  # compile-only runs without a GPU (FA4's convention)
-        digits = "".join(c for c in env if c.isdigit())
-        return int(digits[:2]) if len(digits) >= 2 else int(digits)
+    if env is not None:
+        m = _ARCH_ENV.fullmatch(env)
+        if m is None:
+            raise ValueError(f"FLASH_ATTENTION_ARCH must name one architecture as flash-attn-4 reads it (sm_90, "
+                             f"sm_90a, 90), got {env!r}")
+        return int(m[1]) * 10 + int(m[2])
     major, minor = torch.cuda.get_device_capability(device)
     return major * 10 + minor
 
@@ -204,7 +220,8 @@ def attention_cute(
             host at launch); ``v_refill="halves"`` / ``qk_issue="ahead"`` / ``k_refill="halves"`` where
             ``wide_design`` does not resolve to
             the roles kernel for this call's head dims and page size (a ValueError at the call, since the page size
-            decides).
+            decides); ``FLASH_ATTENTION_ARCH`` / ``FLASH_ATTENTION_NUM_SMS`` set to a value that is not one
+            architecture (``sm_90``, ``sm_90a``, ``90``) / a decimal int >= 1.
         NotImplementedError: valid input outside this backend: dtype other than bf16/fp16, head dims outside
             8..256 (multiples of 8) and outside equal multiples of 32 in (256, 512]
             (:func:`~blockdiff.attention.cute.config.unsupported_head_dims`), a GPU other than SM90; with an
@@ -355,8 +372,13 @@ def _run(fa, q, k_cache, v_cache, *, out, return_lse, cu_seqlens_q, num_causal_q
     wide_offsets = bool(cfg.nan_safe_v) and any(_storage_elements(t) >= 2 ** 31 for t in (q, k_cache, v_cache))
     # the two-launch merges ("combine", "triton") run the same split kernel: one compile key for both
     key_cfg = replace(cfg, split_merge="combine") if cfg.split_merge == "triton" else cfg
+    # the CuTe DSL keeps a stride of 0 static in a dynamic layout (FA4's get_broadcast_dims): an expand()ed Q / K / V,
+    # block table, out or metadata view compiles a kernel of its own (one compiled for stride 0 would read element 0
+    # of every row of a dense tensor, and the reverse)
+    broadcast = broadcast_dims(q, k_cache, v_cache, out_k, cu_q, cu_k, seqused_k, page_table, ncq)
     key = (q.dtype, head_dim, head_dim_v, qhead_per_kvhead, pack_gqa, key_cfg, paged, paged_kv_non_tma,
-           kv_page_size, has_window, prefix, return_lse and (cluster or not split), arch, v_static, wide_offsets)
+           kv_page_size, has_window, prefix, return_lse and (cluster or not split), arch, v_static, wide_offsets,
+           broadcast)
     aux = [ncq]
     if cluster:  # the kernel merges and writes out (and the LSE) itself: no workspace
         aux += [out_k] + ([lse] if return_lse else [])
@@ -436,9 +458,17 @@ _NUM_SMS: dict = {}
 
 
 def _num_sms(device) -> int:
-    """Streaming multiprocessors of ``device`` (FLASH_ATTENTION_NUM_SMS when set: compile-only runs)."""
+    """Streaming multiprocessors of ``device`` (FLASH_ATTENTION_NUM_SMS when set: compile-only runs).
+
+    Raises:
+        ValueError: ``FLASH_ATTENTION_NUM_SMS`` set to anything but a decimal int >= 1 (was: ``int()``'s reading, so
+            ``1_32`` was 132, ``0`` or ``-4`` reached the split choice, or were used unchecked with a config's
+            ``num_splits``, and ``abc`` raised an error naming no variable).
+    """
     env = os.environ.get("FLASH_ATTENTION_NUM_SMS")
     if env is not None:
+        if not re.fullmatch(r"[0-9]+", env) or int(env) < 1:
+            raise ValueError(f"FLASH_ATTENTION_NUM_SMS must be a decimal int >= 1 (the GPU's SMs), got {env!r}")
         return int(env)
     idx = torch.device(device).index
     idx = torch.cuda.current_device() if idx is None else idx
@@ -449,7 +479,7 @@ def _num_sms(device) -> int:
 
 def _compile(fa, key, q, k, v, out, lse, scale, cu_q, cu_k, seqused_k, page_table, window_size, aux):
     (dtype, head_dim, head_dim_v, qhead_per_kvhead, pack_gqa, cfg, paged, paged_kv_non_tma, kv_page_size,
-     has_window, prefix, return_lse, arch, v_static, wide_offsets) = key
+     has_window, prefix, return_lse, arch, v_static, wide_offsets, _broadcast) = key
     cute, tct = fa["cute"], fa["to_cute_tensor"]
     split = dict(num_splits=cfg.num_splits) if cfg.num_splits > 1 else {}
     cluster = bool(split) and cfg.split_merge == "cluster"
@@ -510,6 +540,15 @@ def _compile(fa, key, q, k, v, out, lse, scale, cu_q, cu_k, seqused_k, page_tabl
             cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
             options="--enable-tvm-ffi",
         )
+
+
+def broadcast_dims(*tensors) -> tuple:
+    """Per tensor (None for None), which dims have stride 0: part of the compile key, because the CuTe DSL's
+    ``mark_layout_dynamic`` keeps a stride of 0 static (flash-attn-4's ``get_broadcast_dims``, in its own compile
+    keys), so a kernel compiled for an ``expand()``ed tensor and one for a dense tensor of the same shape differ. A
+    size-1 dim counts too: its stride may be 0 (``torch.zeros(()).expand(1)``), and a kernel that baked it in would
+    read element 0 for every row of a later, longer tensor. Host shapes and strides only."""
+    return tuple(None if t is None else tuple(s == 0 for s in t.stride()) for t in tensors)
 
 
 def _nan_recompute(cfg) -> bool:
@@ -616,4 +655,4 @@ def compile_only(head_dim: int = 128, num_heads: int = 16, num_kv_heads: int = 8
              max_seqlen_k=max_seqlen_k)
 
 
-__all__ = ["attention_cute", "compile_only", "LAST_LAUNCH", "nan_recompute_count"]
+__all__ = ["attention_cute", "compile_only", "LAST_LAUNCH", "nan_recompute_count", "broadcast_dims"]

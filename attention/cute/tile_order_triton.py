@@ -19,12 +19,11 @@ before Triton is first imported), which the CPU tests use.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from ..env import triton_interpret
 from ..masks import check_window
 from .tile_order import META_MAX, check_order_metadata
 
@@ -130,7 +129,7 @@ def batch_work_order_triton(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, 
     """
     B = check_order_metadata(cu_seqlens_q, seq_lens, num_causal_q)
     w = check_window(window_size, bidirectional_window)
-    if not seq_lens.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+    if not seq_lens.is_cuda and not triton_interpret():  # (Triton's reading of TRITON_INTERPRET: "true" too)
         raise ValueError(f"seq_lens is on {seq_lens.device}: batch_work_order_triton needs CUDA tensors (or the Triton "
                          "interpreter, TRITON_INTERPRET=1); tile_order.batch_work_order runs anywhere")
     order = torch.empty(B, dtype=torch.int32, device=seq_lens.device)

@@ -375,8 +375,8 @@ def resolve_config(base: dict, override: dict | None, *, group: int, head_dim: i
     """
     if override:
         bad = set(override) - set(CONFIG_KEYS)
-        if bad:
-            raise ValueError(f"config has unknown keys {sorted(bad)}; allowed: {list(CONFIG_KEYS)}")
+        if bad:  # (sorted by repr: keys of mixed types, 1 and "x", do not compare)
+            raise ValueError(f"config has unknown keys {sorted(bad, key=repr)}; allowed: {list(CONFIG_KEYS)}")
     cfg = dict(base)
     cfg.update(override or {})
     check_config_types(cfg)
@@ -511,11 +511,11 @@ class TritonAttention:
         # the value's type is part of the key: True == 1 == 1.0 hash alike, and a cached {BT_PREFETCH: True}
         # must not let {BT_PREFETCH: 1} (or num_splits=True after num_splits=1) skip validation
         # (the type itself, not its name: numpy's bool_ is also named "bool")
-        okey = tuple(sorted((k, type(v), v) for k, v in (override or {}).items()))
         try:
+            okey = tuple(sorted((k, type(v), v) for k, v in (override or {}).items()))
             hit = self._resolved.get(okey)
-        except TypeError:  # an unhashable value (e.g. a list): not cacheable, validation below rejects it
-            okey, hit = None, None
+        except TypeError:  # an unhashable value (e.g. a list), or keys that do not sort (1 and "x": not CONFIG_KEYS):
+            okey, hit = None, None  # not cacheable, validation below rejects it
         if hit is not None:
             return hit
         cfg = resolve_config(self.base, override, group=self.key.group, head_dim=self.key.head_dim,

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import torch
 
-from ..validate import check_attention_inputs, check_no_autograd, debug_checks
+from ..validate import check_attention_inputs, check_length_hint, check_no_autograd, debug_checks
 from .config import (TUNED_CONFIGS, TUNED_GLUON_CONFIGS, TUNED_SPLIT_CONFIGS, TritonAttention, choose_num_splits,
                      ctas_per_sm, default_config, get_kernel, interpreting)
 from .plans import make_plan, plan_key, run_plan
@@ -172,6 +172,9 @@ def attention_triton(
         check_values = None  # the debug switch: the full path, value checks included (unless capturing)
     key = None
     if check_values is False and PLANS_ENABLED:
+        # max_seqlen_q is in no plan key (the kernels do not read it), so its type rule is checked here, as the full
+        # path checks it: a planned call must not accept what the same call without a plan refuses
+        check_length_hint("max_seqlen_q", max_seqlen_q)
         # the launch plan of an earlier call with the same key (host work only; see plans.plan_key)
         key = plan_key(q, k_cache, v_cache, calls, window_size, bidirectional_window, scale, out, return_lse,
                        max_seqlen_k, config, MERGE_PDL)

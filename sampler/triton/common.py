@@ -74,9 +74,17 @@ def round_to(x, dtype: tl.constexpr):
         return x.to(dtype).to(tl.float32)
 
 
+#: ``TRITON_INTERPRET`` values that turn Triton's interpreter on, lower-cased: Triton's own reading (its
+#: ``getenv_bool``), the same tuple as ``blockdiff.attention.env.TRITON_INTERPRET_ON`` (the sampler does not import the
+#: attention package; tests/attention/test_env.py checks both against Triton).
+TRITON_INTERPRET_ON = ("1", "true", "yes", "on", "y")
+
+
 def interpret_mode() -> bool:
-    """Whether Triton kernels run through the interpreter (``TRITON_INTERPRET`` set and not 0): the CPU tests."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """Whether Triton kernels run through the interpreter (``TRITON_INTERPRET`` read as Triton reads it: ``1``,
+    ``true``, ``yes``, ``on``, ``y`` in any case; ``false`` / ``0`` / ``off`` compile): the CPU tests. Was: "set and
+    not 0", so ``false`` counted as the interpreter while Triton compiled."""
+    return os.environ.get("TRITON_INTERPRET", "").lower() in TRITON_INTERPRET_ON
 
 
 @triton.jit

@@ -91,3 +91,45 @@ def test_a_bad_check_values_switch_stops_vllms_plugin_load_instead_of_skipping_t
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and "ValueError: BLOCKDIFF_CHECK_VALUES must be 1" in r.stderr, r.stderr[-3000:]
     assert "Failed to load plugin blockdiff" not in r.stderr
+
+
+TRITON_VALUES = ("1", "0", "", "true", "TRUE", "True", "yes", "on", "ON", "y", "Y", "false", "no", "off", "2", " 1",
+                 "1 ", "t", "enable")
+
+
+def test_triton_interpret_reads_the_variable_as_triton_does(monkeypatch):
+    """``TRITON_INTERPRET`` is Triton's variable: the library read it as "set and not 0", so ``false`` / ``no`` /
+    ``off`` (Triton compiles) counted as the interpreter (the triton backend then took the interpreter's tiles and
+    kernel paths on a GPU, and let CPU tensors reach a compiled kernel), while the cute tile order refused ``true``
+    (Triton interprets) on the CPU. Every reader of it (attention, the sampler's mirror, the demo) now agrees with
+    Triton's own reading, value by value."""
+    from triton import knobs
+
+    from blockdiff.attention.cute.tile_order_triton import batch_work_order_triton  # noqa: F401 (imports cleanly)
+    from blockdiff.attention.env import TRITON_INTERPRET_ON, triton_interpret
+    from blockdiff.attention.split_merge import interpreting
+    from blockdiff.sampler.triton import common as sampler_common
+    assert sampler_common.TRITON_INTERPRET_ON == TRITON_INTERPRET_ON
+    for v in TRITON_VALUES:
+        monkeypatch.setenv("TRITON_INTERPRET", v)
+        want = bool(knobs.runtime.interpret)
+        assert triton_interpret() is want and interpreting() is want and sampler_common.interpret_mode() is want, v
+        assert triton_interpret({"TRITON_INTERPRET": v}) is want
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert triton_interpret() is False is bool(knobs.runtime.interpret)
+
+
+def test_cute_tile_order_on_the_cpu_takes_any_value_triton_interprets(monkeypatch):
+    """``TRITON_INTERPRET=true`` runs Triton's interpreter; the one-launch tile order refused CPU tensors unless the
+    value was exactly ``1``. (Triton decides at import, here ``1`` from tests/conftest.py: the check alone changes.)"""
+    import torch
+
+    from blockdiff.attention.cute.tile_order import batch_work_order
+    from blockdiff.attention.cute.tile_order_triton import batch_work_order_triton
+    cu = torch.tensor([0, 3, 10], dtype=torch.int32)
+    sl, ncq = torch.tensor([20, 10], dtype=torch.int32), torch.tensor([3, 0], dtype=torch.int32)
+    monkeypatch.setenv("TRITON_INTERPRET", "true")
+    assert torch.equal(batch_work_order_triton(cu, sl, ncq), batch_work_order(cu, sl, ncq))
+    monkeypatch.setenv("TRITON_INTERPRET", "false")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        batch_work_order_triton(cu, sl, ncq)

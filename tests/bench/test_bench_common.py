@@ -143,3 +143,40 @@ def test_every_records_argv_is_the_scripts_arguments():
         assert isinstance(argv, list) and all(isinstance(a, str) for a in argv), path.name
         assert not any(a == "-m" or a.startswith("blockdiff.") or a.endswith(".py") for a in argv), (path.name, argv)
     assert found >= 20  # the attention, e2e and sampler records
+
+
+def test_comma_list_refuses_a_value_that_names_nothing():
+    """``--backends ","`` and the like were read as an empty list: a run that selected nothing measured nothing and
+    exited 0. ``""`` stays ``[]`` (each flag gives it its meaning); a non-empty value naming nothing is a ValueError
+    naming the flag."""
+    assert common.comma_list(" triton , cute,", "--backends") == ["triton", "cute"]
+    assert common.comma_list("", "--backends") == []
+    for text in (",", " ", " , ,"):
+        with pytest.raises(ValueError, match="--backends"):
+            common.comma_list(text, "--backends")
+
+
+@pytest.mark.parametrize("script, argv", [
+    ("bench_attention", ["--quick", "--backends", ","]),
+    ("bench_attention", ["--quick", "--fa4-layouts", " , "]),
+    ("bench_attention", ["--quick", "--blockdiff-layouts", ","]),
+    ("sweep_cute_attention", ["--quick", "--fa4-layouts", ","]),
+    ("sweep_cute_attention", ["--quick", "--candidates", ","]),
+    ("bench_e2e", ["--quick", "--batches", ","]),
+    ("bench_e2e", ["--quick", "--batches", ""]),
+    ("bench_e2e", ["--quick", "--batches", "1,x"]),
+    ("bench_e2e", ["--quick", "--attn-backends", ","]),
+    ("bench_sampler", ["--quick", "--backends", ","]),
+    ("bench_sampler", ["--quick", "--backends", ""]),
+    ("bench_sampler", ["--quick", "--split-k", ","]),
+    ("bench_sampler_tp", ["--quick", "--backends", ","]),
+])
+def test_bench_cli_lists_that_name_nothing_are_usage_errors_not_empty_runs(script, argv, tmp_path):
+    """Every benchmark's comma-list flag: a value naming nothing stops the run with a usage error (exit 2) before any
+    work, where it ran nothing (or, for bench_e2e's ``--batches 1,x``, raised a bare int() traceback)."""
+    import importlib
+    mod = importlib.import_module(f"blockdiff.bench.{script}")
+    entry = getattr(mod, "parse_args", None) or mod.main
+    with pytest.raises(SystemExit) as e:
+        entry(argv + ["--out", str(tmp_path)])
+    assert e.value.code == 2

@@ -110,3 +110,24 @@ def test_batch_layouts_give_the_same_attention_in_both_kv_forms():
     torch.testing.assert_close(attention(b.q, k, v, backend="reference", **kw),
                                attention(b.q, kc, vc, backend="reference", **kwc), rtol=0, atol=0)
 
+
+
+@pytest.mark.parametrize("patterns", [",", " ", " , ", ["", " "], ("",)])
+def test_select_refuses_patterns_that_name_no_workload_rather_than_measuring_nothing(patterns):
+    """``--workloads ","`` (or blanks) passed the "matches none" rule, since no pattern was left to match nothing,
+    and selected no workload: the run measured nothing and exited 0. A given ``patterns`` that names no pattern is a
+    ValueError; None, "" and [] still mean all, and a non-str pattern is a TypeError."""
+    ws = wl.named_workloads(quick=True)
+    with pytest.raises(ValueError, match="names no pattern"):
+        wl.select(ws, patterns)
+    assert wl.select(ws, None) == wl.select(ws, "") == wl.select(ws, []) == ws
+    assert [w.name for w in wl.select(ws, " prefill* ,")] == ["prefill16k_hd128"]
+    for bad in ([3], 5, ["mixed*", None]):
+        with pytest.raises(TypeError, match="patterns"):
+            wl.select(ws, bad)
+
+
+def test_bench_attention_cli_refuses_workloads_naming_no_pattern():
+    from blockdiff.bench import bench_attention
+    with pytest.raises(SystemExit):
+        bench_attention.parse_args(["--quick", "--workloads", ","])

@@ -475,3 +475,56 @@ def test_a_fresh_out_is_never_checked_for_overlap(monkeypatch):
     assert bool((out == 7).all()) and calls == []
     ca._run(fa, q, k, k.clone(), out=torch.empty_like(q), **kw)
     assert len(calls) == 3  # a caller's out: checked against q, k_cache, v_cache
+
+
+@pytest.mark.parametrize("which", ["q", "k_cache", "v_cache", "block_table", "out"])
+def test_a_broadcast_input_never_shares_a_compiled_kernel_with_a_dense_one(monkeypatch, which):
+    """The CuTe DSL keeps a stride of 0 static in a dynamic layout (flash-attn-4 keys its own kernels on
+    ``get_broadcast_dims``), so a kernel compiled for an ``expand()``ed tensor reads element 0 of every head / row of a
+    dense one, silently. The compile key missed it: an expanded Q, K cache or block table (valid input: the contract
+    asks only for a dense last dim) and a dense one of the same shape shared one compiled kernel (only V differed, by
+    the NaN-safe fix-up's static strides). Now the stride-0 dims of every tensor the kernel takes are in the key."""
+    monkeypatch.setenv("FLASH_ATTENTION_NUM_SMS", "132")
+    monkeypatch.setattr(ca, "_COMPILE_CACHE", {})
+    keys = []
+    monkeypatch.setattr(ca, "_compile", lambda fa, key, *a: keys.append(key) or (lambda *x: None))
+    fa = {"maybe_contiguous": lambda t, align_bytes=None: t, "is_fake_mode": lambda: True}
+    dense = dict(q=torch.zeros(64, 16, 512, dtype=torch.bfloat16), k_cache=torch.zeros(4, 64, 2, 512, dtype=torch.bfloat16),
+                 v_cache=torch.zeros(4, 64, 2, 512, dtype=torch.bfloat16),
+                 block_table=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32), out=None)
+    wide = dict(q=torch.zeros(64, 1, 512, dtype=torch.bfloat16).expand(64, 16, 512),
+                k_cache=torch.zeros(4, 64, 1, 512, dtype=torch.bfloat16).expand(4, 64, 2, 512),
+                v_cache=torch.zeros(4, 64, 1, 512, dtype=torch.bfloat16).expand(4, 64, 2, 512),
+                block_table=torch.tensor([[0, 1]], dtype=torch.int32).expand(2, 2),
+                out=torch.zeros(64, 16, 1, dtype=torch.bfloat16).expand(64, 16, 512))
+    kw = dict(return_lse=False, cu_seqlens_q=torch.tensor([0, 32, 64], dtype=torch.int32),
+              num_causal_q=torch.zeros(2, dtype=torch.int32), seq_lens=torch.tensor([128, 128], dtype=torch.int32),
+              cu_seqlens_k=None, window_size=None, bidirectional_window="symmetric", scale=512 ** -0.5, arch=90,
+              config=None, max_seqlen_q=32)
+    ca._run(fa, **dense, **kw)
+    ca._run(fa, **dict(dense, **{which: wide[which]}), **kw)
+    ca._run(fa, **dense, **kw)  # the dense call again: its own kernel, cached
+    assert len(keys) == 2 or which == "out", keys  # an expanded out is written through a dense private buffer
+    if which != "out":
+        assert keys[0] != keys[1]
+    assert ca.broadcast_dims(wide["k_cache"], None) == ((False, False, True, False), None)
+
+
+def test_arch_and_sm_count_overrides_are_parsed_strictly(monkeypatch):
+    """``FLASH_ATTENTION_ARCH`` was read as its first two digits (``sm_100a`` was sm_10, ``sm_90,sm_100`` and ``x9y0``
+    were sm_90, ``""`` an int() error naming nothing) and ``FLASH_ATTENTION_NUM_SMS`` by int() (``1_32`` was 132,
+    ``0`` used unchecked when the config sets ``num_splits``). Both take flash-attn-4's formats only now, else a
+    ValueError naming the variable."""
+    for env, arch in (("sm_90", 90), ("sm_90a", 90), ("SM90", 90), ("90", 90), ("sm_100a", 100), ("sm_120f", 120)):
+        monkeypatch.setenv("FLASH_ATTENTION_ARCH", env)
+        assert ca._arch(None) == arch, env
+    for env in ("", "sm_9", "sm_90,sm_100", "x9y0", "9.0", " sm_90", "sm_90b"):
+        monkeypatch.setenv("FLASH_ATTENTION_ARCH", env)
+        with pytest.raises(ValueError, match="FLASH_ATTENTION_ARCH"):
+            ca._arch(None)
+    monkeypatch.setenv("FLASH_ATTENTION_NUM_SMS", "132")
+    assert ca._num_sms("cpu") == 132
+    for env in ("", "0", "-4", "1_32", " 132", "132.0", "abc", "+132"):
+        monkeypatch.setenv("FLASH_ATTENTION_NUM_SMS", env)
+        with pytest.raises(ValueError, match="FLASH_ATTENTION_NUM_SMS"):
+            ca._num_sms("cpu")

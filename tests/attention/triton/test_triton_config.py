@@ -349,3 +349,14 @@ def test_portable_configs_triton_cannot_launch_are_refused_naming_the_key(bad, m
         attention_triton(**inp, config=dict(SMALL, **bad))
     with pytest.raises(ValueError, match=match):  # the launch-plan path validates the same way
         attention_triton(**inp, config=dict(SMALL, **bad), check_values=False)
+
+
+@pytest.mark.parametrize("config", [{1: 2, "BLOCK_M": 16}, {("a",): 1, "x": 2}, {None: 1, "BLOCK_N": 16}])
+@pytest.mark.parametrize("check_values", [None, False])
+def test_config_keys_of_mixed_types_are_named_as_unknown_keys(config, check_values):
+    """A config dict whose keys do not sort together (an int or a tuple beside a str) raised TypeError "'<' not
+    supported between instances of 'str' and 'int'" from the resolved-config cache's key, naming neither the
+    argument nor the rule. Now it is the unknown-keys ValueError naming the keys and the allowed ones."""
+    inp = make_batch(**MIXED)
+    with pytest.raises(ValueError, match=r"config has unknown keys .*allowed"):
+        attention_triton(**inp, config=config, check_values=check_values)

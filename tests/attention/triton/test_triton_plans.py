@@ -255,3 +255,19 @@ def test_negative_max_seqlen_k_tensor_is_refused_like_the_int(check_values):
     for hint in (-5, torch.tensor(-5)):
         with pytest.raises(ValueError, match="max_seqlen_k must be >= 0"):
             attention_triton(**inp, config=SMALL, max_seqlen_k=hint, check_values=check_values)
+
+
+@pytest.mark.parametrize("hint, err", [(-5, ValueError), ("8", TypeError), (3.5, TypeError), (True, TypeError),
+                                       (torch.zeros(3, dtype=torch.int32), TypeError)])
+def test_a_planned_call_refuses_a_bad_max_seqlen_q_as_the_full_path_does(hint, err):
+    """``max_seqlen_q`` is in no plan key (the kernels never read it), so once a call had planned, the same call with
+    ``max_seqlen_q=-5``, a str, a float or a 1-D tensor returned a result where the first (unplanned) one raised:
+    the planned path skipped the hint's type rule. It is checked on the planned path too."""
+    _plans().clear()
+    inp = make_batch(**MIXED)
+    attention_triton(**inp, config=SMALL, check_values=False, max_seqlen_q=4)
+    assert len(_plans()) == 1
+    for _ in range(2):  # planned, then (a plan existing) again
+        with pytest.raises(err, match="max_seqlen_q"):
+            attention_triton(**inp, config=SMALL, check_values=False, max_seqlen_q=hint)
+    attention_triton(**inp, config=SMALL, check_values=False, max_seqlen_q=torch.tensor(9))  # a 0-d tensor: fine
