@@ -278,6 +278,7 @@ class HarnessRunner:
         max_num_batched_tokens: token budget of one step (>= canvas_length).
         page_size: KV page size in tokens. num_blocks: KV pages (default: enough for every slot at
             ``max_model_len``). max_model_len: longest sequence in tokens (prompt + emitted + one canvas).
+            Each capacity is an integer >= 1 (a Python or numpy int; bool refused).
         device: torch device (default: the model's; must be where the model's parameters are).
         kv_dtype: cache dtype (default, and the only one accepted: the model's parameter dtype, which the attention
             backends require of K/V).
@@ -312,10 +313,17 @@ class HarnessRunner:
                             f"defaults), got {type(default_params).__name__}")
         self.default_params = default_params
         cl = self.default_params.canvas_length
-        for name, v in (("max_num_reqs", max_num_reqs), ("max_num_batched_tokens", max_num_batched_tokens),
-                        ("page_size", page_size), ("max_model_len", max_model_len)):
+        caps = {"max_num_reqs": max_num_reqs, "max_num_batched_tokens": max_num_batched_tokens,
+                "page_size": page_size, "max_model_len": max_model_len}
+        if num_blocks is not None:
+            caps["num_blocks"] = num_blocks
+        for name, v in caps.items():
             if not _is_int(v) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+            caps[name] = int(v)  # (a numpy int was refused further in, under another argument's name)
+        max_num_reqs, max_num_batched_tokens, page_size, max_model_len = (
+            caps[n] for n in ("max_num_reqs", "max_num_batched_tokens", "page_size", "max_model_len"))
+        num_blocks = caps.get("num_blocks")
         if max_num_batched_tokens < cl:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= canvas_length ({cl})")
         if max_model_len < cl + 1:
