@@ -46,9 +46,9 @@ def held_out_prompts(tokenizer: ByteTokenizer, held_out: np.ndarray, num_prompts
             or prompts ran; a negative seed was numpy's "expected non-negative integer").
     """
     held_out = _token_stream(held_out)
-    _check_count("num_prompts", num_prompts, 0)
-    _check_count("prompt_len", prompt_len, 1)
-    _check_count("seed", seed, 0, 1 << 63)
+    num_prompts = _check_count("num_prompts", num_prompts, 0)
+    prompt_len = _check_count("prompt_len", prompt_len, 1)
+    seed = _check_count("seed", seed, 0, 1 << 63)
     rng = np.random.default_rng(seed)
     prompts: list[list[int]] = []
     tries = 0
@@ -66,12 +66,15 @@ def held_out_prompts(tokenizer: ByteTokenizer, held_out: np.ndarray, num_prompts
     return prompts
 
 
-def _check_count(name: str, v, lo: int, end: int | None = None) -> None:
+def _check_count(name: str, v, lo: int, end: int | None = None) -> int:
+    """``v`` as a Python int (a numpy int taken: it was refused further in under another name, or reached the
+    returned dict and ``train_log.json``'s json.dump), after checking it is an integer in ``[lo, end)``."""
     rule = f"an int >= {lo}" if end is None else f"an int in [{lo}, 2**{end.bit_length() - 1})"
     if isinstance(v, bool) or not isinstance(v, numbers.Integral):
         raise TypeError(f"{name} must be {rule}, got {type(v).__name__} ({v!r})")
     if v < lo or (end is not None and v >= end):
         raise ValueError(f"{name} must be {rule}, got {v}")
+    return int(v)
 
 
 def _token_stream(held_out) -> np.ndarray:
@@ -114,14 +117,15 @@ def evaluate_generation(model: DiffusionGemma, tokenizer: ByteTokenizer, held_ou
 
     Raises:
         TypeError: ``held_out`` not a 1-D integer stream; ``num_prompts``, ``prompt_len``, ``canvases`` or ``seed``
-            not an int.
+            not an int (a Python or numpy int; bool refused).
         ValueError: ``num_prompts``, ``prompt_len`` or ``canvases`` < 1 (named; ``canvases = 0`` was reported as
-            ``max_tokens``, ``num_prompts = 0`` as a stream too short); ``seed`` outside [0, 2**63) (named, by
-            :func:`held_out_prompts`); no prompt found (held-out stream too short
-            or without line starts); a sampling parameter (``max_denoising_steps``, ``seed``) breaking its rule.
+            ``max_tokens``, ``num_prompts = 0`` as a stream too short); ``seed`` outside [0, 2**63) (named; the
+            sampling seed's range); no prompt found (held-out stream too short or without line starts);
+            ``max_denoising_steps`` breaking its SamplingParams rule (a Python int).
     """
-    for name, v in (("num_prompts", num_prompts), ("prompt_len", prompt_len), ("canvases", canvases)):
-        _check_count(name, v, 1)
+    num_prompts, prompt_len, canvases = (_check_count(name, v, 1) for name, v in (
+        ("num_prompts", num_prompts), ("prompt_len", prompt_len), ("canvases", canvases)))
+    seed = _check_count("seed", seed, 0, 1 << 63)
     cfg = model.config
     CL = cfg.canvas_length
     prompts = held_out_prompts(tokenizer, held_out, num_prompts, prompt_len, seed)

@@ -129,3 +129,19 @@ def test_held_out_prompts_seed_breaking_its_rule_is_named(seed, err):
     True taken as 1."""
     with pytest.raises(err, match="seed must be an int in"):
         held_out_prompts(TOK, _stream(), 2, 12, seed=seed)
+
+
+@pytest.mark.parametrize("name, value", [("num_prompts", np.int64(1)), ("prompt_len", np.int64(12)),
+                                         ("canvases", np.int64(1)), ("seed", np.int64(3))])
+def test_evaluate_generation_takes_numpy_int_counts_as_ints(name, value):
+    """Was: canvases=np.int64(1) passed evaluate's check, then failed as "max_tokens must be an int or None" (an
+    argument the caller never passed); prompt_len=np.int64(12) reached the returned dict as a numpy int, which
+    train_log.json's json.dump cannot write."""
+    import json
+
+    model = DiffusionGemma(smoke_config(), seed=4, moe_impl="loop").eval()
+    args = dict(num_prompts=1, prompt_len=12, canvases=1, max_denoising_steps=1, seed=0)
+    args[name] = value
+    ev = evaluate_generation(model, TOK, _stream(), **args)
+    assert ev["num_prompts"] == 1 and type(ev["prompt_len"]) is int
+    json.dumps({k: v for k, v in ev.items()})
