@@ -182,3 +182,24 @@ def test_numpy_int_capacities_are_taken_as_ints_not_refused_under_another_name(m
 def test_bad_capacity_is_a_value_error_naming_it(make_runner, name, bad):
     with pytest.raises(ValueError, match=f"{name} must be an int >= 1"):
         make_runner(**{name: bad})
+
+
+@pytest.mark.parametrize("bad, err", [(torch.tensor([5, 6]).to_sparse(), TypeError),
+                                      (torch.tensor([5, 6], device="meta"), ValueError)], ids=["sparse", "meta"])
+def test_prompt_tensor_without_dense_data_is_refused_naming_prompt_token_ids(make_runner, bad, err):
+    """Was: torch's "Cannot access data pointer of Tensor that doesn't have storage" (sparse) and NotImplementedError
+    "Cannot copy out of meta tensor" (meta), naming no argument."""
+    r = make_runner()
+    with pytest.raises(err, match="prompt_token_ids"):
+        r.add_request("a", bad)
+    assert not r.has_unfinished
+
+
+@pytest.mark.parametrize("bad", [5, None, ["x"], b"a"])
+def test_req_id_that_is_not_a_str_is_a_type_error_naming_it(make_runner, bad):
+    """Was: add_request(5, ...) a ValueError, abort / preempt(["x"]) "unhashable type: 'list'"."""
+    r = make_runner()
+    for call in (lambda: r.add_request(bad, prompt(3)), lambda: r.abort(bad), lambda: r.preempt(bad)):
+        with pytest.raises(TypeError, match="req_id must be a str"):
+            call()
+    assert not r.has_unfinished
