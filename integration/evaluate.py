@@ -33,19 +33,22 @@ def held_out_prompts(tokenizer: ByteTokenizer, held_out: np.ndarray, num_prompts
         tokenizer: the :class:`ByteTokenizer` that encoded ``held_out``.
         held_out: 1-D integer token stream (``blockdiff.model.train.load_corpus``'s held-out part).
         num_prompts, prompt_len: prompts wanted and their length in tokens.
+        seed: the offsets' seed, an int in [0, 2**63) (the sampling seed's range: evaluate_generation passes it on).
 
     Returns:
         the prompts, as lists of token ids (fewer than ``num_prompts`` when the stream has too few line starts).
 
     Raises:
-        TypeError: ``held_out`` not a 1-D integer ndarray / tensor; ``num_prompts`` / ``prompt_len`` not ints (bool
-            refused).
-        ValueError: ``num_prompts`` < 0 or ``prompt_len`` < 1 (a float, a bool or an empty prompt was taken, a 2-D
-            or float stream searched: "no held-out prompt found" named the wrong cause, or prompts ran).
+        TypeError: ``held_out`` not a 1-D integer ndarray / tensor; ``num_prompts`` / ``prompt_len`` / ``seed`` not
+            ints (bool refused; a None seed drew different prompts on every call).
+        ValueError: ``num_prompts`` < 0, ``prompt_len`` < 1 or ``seed`` outside [0, 2**63) (a float, a bool or an
+            empty prompt was taken, a 2-D or float stream searched: "no held-out prompt found" named the wrong cause,
+            or prompts ran; a negative seed was numpy's "expected non-negative integer").
     """
     held_out = _token_stream(held_out)
-    _check_count("num_prompts", num_prompts, 0)
-    _check_count("prompt_len", prompt_len, 1)
+    num_prompts = _check_count("num_prompts", num_prompts, 0)
+    prompt_len = _check_count("prompt_len", prompt_len, 1)
+    seed = _check_count("seed", seed, 0, 1 << 63)
     rng = np.random.default_rng(seed)
     prompts: list[list[int]] = []
     tries = 0
@@ -63,11 +66,15 @@ def held_out_prompts(tokenizer: ByteTokenizer, held_out: np.ndarray, num_prompts
     return prompts
 
 
-def _check_count(name: str, v, lo: int) -> None:
+def _check_count(name: str, v, lo: int, end: int | None = None) -> int:
+    """``v`` as a Python int (a numpy int taken: it was refused further in under another name, or reached the
+    returned dict and ``train_log.json``'s json.dump), after checking it is an integer in ``[lo, end)``."""
+    rule = f"an int >= {lo}" if end is None else f"an int in [{lo}, 2**{end.bit_length() - 1})"
     if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-        raise TypeError(f"{name} must be an int >= {lo}, got {type(v).__name__} ({v!r})")
-    if v < lo:
-        raise ValueError(f"{name} must be an int >= {lo}, got {v}")
+        raise TypeError(f"{name} must be {rule}, got {type(v).__name__} ({v!r})")
+    if v < lo or (end is not None and v >= end):
+        raise ValueError(f"{name} must be {rule}, got {v}")
+    return int(v)
 
 
 def _token_stream(held_out) -> np.ndarray:
@@ -109,13 +116,16 @@ def evaluate_generation(model: DiffusionGemma, tokenizer: ByteTokenizer, held_ou
         the others committed (0 for a sound model; ``blockdiff train`` prints it when it is not).
 
     Raises:
-        TypeError: ``held_out`` not a 1-D integer stream; ``num_prompts``, ``prompt_len`` or ``canvases`` not an int.
+        TypeError: ``held_out`` not a 1-D integer stream; ``num_prompts``, ``prompt_len``, ``canvases`` or ``seed``
+            not an int (a Python or numpy int; bool refused).
         ValueError: ``num_prompts``, ``prompt_len`` or ``canvases`` < 1 (named; ``canvases = 0`` was reported as
-            ``max_tokens``, ``num_prompts = 0`` as a stream too short); no prompt found (held-out stream too short
-            or without line starts); a sampling parameter (``max_denoising_steps``, ``seed``) breaking its rule.
+            ``max_tokens``, ``num_prompts = 0`` as a stream too short); ``seed`` outside [0, 2**63) (named; the
+            sampling seed's range); no prompt found (held-out stream too short or without line starts);
+            ``max_denoising_steps`` breaking its SamplingParams rule (a Python int).
     """
-    for name, v in (("num_prompts", num_prompts), ("prompt_len", prompt_len), ("canvases", canvases)):
-        _check_count(name, v, 1)
+    num_prompts, prompt_len, canvases = (_check_count(name, v, 1) for name, v in (
+        ("num_prompts", num_prompts), ("prompt_len", prompt_len), ("canvases", canvases)))
+    seed = _check_count("seed", seed, 0, 1 << 63)
     cfg = model.config
     CL = cfg.canvas_length
     prompts = held_out_prompts(tokenizer, held_out, num_prompts, prompt_len, seed)

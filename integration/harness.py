@@ -87,12 +87,17 @@ def _is_int(x) -> bool:
 
 def _token_ids(prompt_token_ids, req_id: str) -> list[int]:
     """``prompt_token_ids`` as a list of Python ints: a list / tuple of ints, or a 1-D integer tensor / ndarray.
-    Nothing is coerced (a str, floats, bools or None are a TypeError naming prompt_token_ids)."""
+    Nothing is coerced (a str, floats, bools, None or a sparse tensor are a TypeError naming prompt_token_ids, a
+    tensor on the meta device a ValueError)."""
     x = prompt_token_ids
     where = f"request {req_id!r}: prompt_token_ids"
     if isinstance(x, torch.Tensor):
+        if x.layout != torch.strided:  # (torch's "Cannot access data pointer" before)
+            raise TypeError(f"{where} must be a dense 1-D integer tensor, got layout {x.layout}")
         if x.dim() != 1 or x.dtype == torch.bool or x.is_floating_point() or x.is_complex():
             raise TypeError(f"{where} must be a 1-D integer tensor, got {x.dim()}-D {x.dtype}")
+        if x.device.type == "meta":  # (torch's NotImplementedError "Cannot copy out of meta tensor" before)
+            raise ValueError(f"{where} is on the meta device (no data): pass token ids with values")
         return [int(t) for t in x.tolist()]
     if isinstance(x, np.ndarray):
         if x.ndim != 1 or x.dtype.kind not in "iu":
@@ -105,6 +110,12 @@ def _token_ids(prompt_token_ids, req_id: str) -> list[int]:
         if not _is_int(t):
             raise TypeError(f"{where} must hold ints, got {type(t).__name__} ({t!r})")
     return [int(t) for t in x]
+
+
+def _check_req_id(req_id) -> None:
+    """Raise TypeError naming ``req_id`` unless it is a str (a list was "unhashable type", an int a ValueError)."""
+    if not isinstance(req_id, str):
+        raise TypeError(f"req_id must be a str, got {type(req_id).__name__} ({req_id!r})")
 
 
 def _resolve_device(device, p0: torch.Tensor | None) -> torch.device:
@@ -278,6 +289,7 @@ class HarnessRunner:
         max_num_batched_tokens: token budget of one step (>= canvas_length).
         page_size: KV page size in tokens. num_blocks: KV pages (default: enough for every slot at
             ``max_model_len``). max_model_len: longest sequence in tokens (prompt + emitted + one canvas).
+            Each capacity is an integer >= 1 (a Python or numpy int; bool refused).
         device: torch device (default: the model's; must be where the model's parameters are).
         kv_dtype: cache dtype (default, and the only one accepted: the model's parameter dtype, which the attention
             backends require of K/V).
@@ -312,10 +324,17 @@ class HarnessRunner:
                             f"defaults), got {type(default_params).__name__}")
         self.default_params = default_params
         cl = self.default_params.canvas_length
-        for name, v in (("max_num_reqs", max_num_reqs), ("max_num_batched_tokens", max_num_batched_tokens),
-                        ("page_size", page_size), ("max_model_len", max_model_len)):
+        caps = {"max_num_reqs": max_num_reqs, "max_num_batched_tokens": max_num_batched_tokens,
+                "page_size": page_size, "max_model_len": max_model_len}
+        if num_blocks is not None:
+            caps["num_blocks"] = num_blocks
+        for name, v in caps.items():
             if not _is_int(v) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+            caps[name] = int(v)  # (a numpy int was refused further in, under another argument's name)
+        max_num_reqs, max_num_batched_tokens, page_size, max_model_len = (
+            caps[n] for n in ("max_num_reqs", "max_num_batched_tokens", "page_size", "max_model_len"))
+        num_blocks = caps.get("num_blocks")
         if max_num_batched_tokens < cl:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= canvas_length ({cl})")
         if max_model_len < cl + 1:
@@ -398,14 +417,16 @@ class HarnessRunner:
             arrival_step: an int >= 0, or None.
 
         Raises:
-            TypeError: a prompt that is not a sequence of ints (a str, floats, bools, None), params of another
-                type (a dict), an ``arrival_step`` that is not an int.
-            ValueError: duplicate or empty id, empty prompt, token id outside [0, vocab), prompt too long for
+            TypeError: a ``req_id`` that is not a str; a prompt that is not a sequence of ints (a str, floats,
+                bools, None, a sparse tensor), params of another type (a dict), an ``arrival_step`` that is not an
+                int.
+            ValueError: duplicate or empty id, empty prompt, a prompt tensor on the meta device, token id outside [0, vocab), prompt too long for
                 ``max_model_len``, a canvas length other than the served one, a SamplingParams rule broken, a
                 negative ``arrival_step``, or a request whose KV footprint exceeds the pool (``num_blocks``): it
                 could never finish.
         """
-        if not isinstance(req_id, str) or not req_id:
+        _check_req_id(req_id)
+        if not req_id:
             raise ValueError(f"req_id must be a non-empty str, got {req_id!r}")
         if req_id in self._ids:
             raise ValueError(f"duplicate req_id {req_id!r}")
@@ -783,8 +804,9 @@ class HarnessRunner:
         on its own when the KV pool is short (see the module docstring).
 
         Raises:
-            ValueError: ``req_id`` is not running.
+            TypeError: ``req_id`` is not a str. ValueError: ``req_id`` is not running.
         """
+        _check_req_id(req_id)
         r = self._running.get(req_id)
         if r is None:
             raise ValueError(f"request {req_id!r} is not running (waiting, finished or unknown)")
@@ -799,8 +821,9 @@ class HarnessRunner:
             its :class:`RequestResult`.
 
         Raises:
-            ValueError: ``req_id`` is unknown or already finished.
+            TypeError: ``req_id`` is not a str. ValueError: ``req_id`` is unknown or already finished.
         """
+        _check_req_id(req_id)
         r = self._running.get(req_id)
         if r is not None:
             self._release(r)

@@ -100,11 +100,16 @@ def test_evaluate_generation_counts_failed_requests_of_a_diverged_checkpoint():
     (dict(canvases=0), ValueError, "canvases must be an int >= 1, got 0"),
     (dict(held_out=list(_stream())), TypeError, "held_out must be a 1-D integer token stream .* got list"),
     (dict(held_out=_stream().astype(np.float64)), TypeError, "held_out must be .* got 1-D float64"),
-    (dict(held_out=_stream()[:400].reshape(2, -1)), TypeError, "held_out must be .* got 2-D int16")])
+    (dict(held_out=_stream()[:400].reshape(2, -1)), TypeError, "held_out must be .* got 2-D int16"),
+    (dict(seed=-1), ValueError, r"seed must be an int in \[0, 2\*\*63\), got -1"),
+    (dict(seed=1 << 63), ValueError, r"seed must be an int in \[0, 2\*\*63\), got 9223372036854775808"),
+    (dict(seed=None), TypeError, r"seed must be an int in \[0, 2\*\*63\), got NoneType"),
+    (dict(seed=True), TypeError, r"seed must be an int in \[0, 2\*\*63\), got bool")])
 def test_evaluate_generation_arguments_breaking_their_rule_are_named(kw, err, match):
     """Was: num_prompts / prompt_len 0, a 2-D stream: "no held-out prompt found (held-out stream too short)";
     canvases 0: "max_tokens must be in [1, 2**62]"; num_prompts 1.5, prompt_len True, a float stream: evaluated; a
-    list: numpy's "Calling nonzero on 0d arrays"."""
+    list: numpy's "Calling nonzero on 0d arrays"; seed -1: numpy's "expected non-negative integer", 2**63: prompts
+    drawn, then SamplingParams' error, None: prompts drawn from fresh entropy, then SamplingParams' error."""
     model = DiffusionGemma(smoke_config(), seed=4, moe_impl="loop").eval()
     args = dict(held_out=_stream(), num_prompts=1, prompt_len=12, canvases=1, max_denoising_steps=1)
     args.update(kw)
@@ -116,3 +121,27 @@ def test_held_out_prompts_take_a_tensor_stream_as_its_array():
     held = _stream()
     assert held_out_prompts(TOK, torch.from_numpy(held), 3, 12, seed=1) == held_out_prompts(TOK, held, 3, 12, seed=1)
     assert held_out_prompts(TOK, held, 0, 12) == []
+
+
+@pytest.mark.parametrize("seed, err", [(-1, ValueError), (None, TypeError), (True, TypeError), (1.0, TypeError)])
+def test_held_out_prompts_seed_breaking_its_rule_is_named(seed, err):
+    """Was: -1 numpy's "expected non-negative integer" (not naming seed), None a different draw on every call,
+    True taken as 1."""
+    with pytest.raises(err, match="seed must be an int in"):
+        held_out_prompts(TOK, _stream(), 2, 12, seed=seed)
+
+
+@pytest.mark.parametrize("name, value", [("num_prompts", np.int64(1)), ("prompt_len", np.int64(12)),
+                                         ("canvases", np.int64(1)), ("seed", np.int64(3))])
+def test_evaluate_generation_takes_numpy_int_counts_as_ints(name, value):
+    """Was: canvases=np.int64(1) passed evaluate's check, then failed as "max_tokens must be an int or None" (an
+    argument the caller never passed); prompt_len=np.int64(12) reached the returned dict as a numpy int, which
+    train_log.json's json.dump cannot write."""
+    import json
+
+    model = DiffusionGemma(smoke_config(), seed=4, moe_impl="loop").eval()
+    args = dict(num_prompts=1, prompt_len=12, canvases=1, max_denoising_steps=1, seed=0)
+    args[name] = value
+    ev = evaluate_generation(model, TOK, _stream(), **args)
+    assert ev["num_prompts"] == 1 and type(ev["prompt_len"]) is int
+    json.dumps({k: v for k, v in ev.items()})

@@ -160,3 +160,46 @@ def test_block_allocator_num_tokens_must_be_an_int_at_least_zero(n, err):
     with pytest.raises(err, match="num_tokens must be an int >= 0"):
         a.ensure("r", n)
     assert a.num_free == 4
+
+
+@pytest.mark.parametrize("name, value", [("max_num_reqs", np.int64(2)), ("page_size", np.int32(4)),
+                                         ("max_model_len", np.int64(64)), ("max_num_batched_tokens", np.int64(32)),
+                                         ("num_blocks", np.int64(40))])
+def test_numpy_int_capacities_are_taken_as_ints_not_refused_under_another_name(make_runner, name, value):
+    """The harness's own check took numpy ints, then the allocator or the model state refused them naming an
+    argument the caller never passed (max_num_reqs=np.int64(2): "num_blocks must be an int >= 1, got
+    np.int64(64)"; max_num_batched_tokens: "max_num_tokens must be ...")."""
+    r = make_runner(default_params=params(max_tokens=CL), **{name: value})
+    held = r.allocator.num_blocks if name == "num_blocks" else getattr(r, name)
+    assert type(held) is int and held == value
+    r.add_request("a", prompt(5))
+    res = r.run(max_steps=200)
+    assert res["a"].finish_reason == "length" and len(res["a"].output_token_ids) == CL
+
+
+@pytest.mark.parametrize("name, bad", [("num_blocks", 0), ("num_blocks", True), ("num_blocks", 2.0),
+                                       ("max_num_reqs", np.float64(2.0))])
+def test_bad_capacity_is_a_value_error_naming_it(make_runner, name, bad):
+    with pytest.raises(ValueError, match=f"{name} must be an int >= 1"):
+        make_runner(**{name: bad})
+
+
+@pytest.mark.parametrize("bad, err", [(torch.tensor([5, 6]).to_sparse(), TypeError),
+                                      (torch.tensor([5, 6], device="meta"), ValueError)], ids=["sparse", "meta"])
+def test_prompt_tensor_without_dense_data_is_refused_naming_prompt_token_ids(make_runner, bad, err):
+    """Was: torch's "Cannot access data pointer of Tensor that doesn't have storage" (sparse) and NotImplementedError
+    "Cannot copy out of meta tensor" (meta), naming no argument."""
+    r = make_runner()
+    with pytest.raises(err, match="prompt_token_ids"):
+        r.add_request("a", bad)
+    assert not r.has_unfinished
+
+
+@pytest.mark.parametrize("bad", [5, None, ["x"], b"a"])
+def test_req_id_that_is_not_a_str_is_a_type_error_naming_it(make_runner, bad):
+    """Was: add_request(5, ...) a ValueError, abort / preempt(["x"]) "unhashable type: 'list'"."""
+    r = make_runner()
+    for call in (lambda: r.add_request(bad, prompt(3)), lambda: r.abort(bad), lambda: r.preempt(bad)):
+        with pytest.raises(TypeError, match="req_id must be a str"):
+            call()
+    assert not r.has_unfinished
