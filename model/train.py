@@ -674,8 +674,22 @@ def train(args: TrainArgs, config: DiffusionGemmaConfig | None = None, stream=No
         p(f"sample prompt:     {s['prompt']!r}\nsample completion: {s['completion']!r}")
     result["total_seconds"] = time.perf_counter() - t_start
     with open(os.path.join(args.out, "train_log.json"), "w") as f:
-        json.dump(result, f, indent=1)
+        json.dump(json_finite(result), f, indent=1, allow_nan=False)
     return result
+
+
+def json_finite(x):
+    """``x`` with every non-finite float (a diverged loss, a rate with nothing under it: NaN / +-inf) replaced by
+    None, so that ``json.dump`` writes standard JSON (``null``) instead of the ``NaN`` / ``Infinity`` tokens strict
+    parsers (JavaScript's ``JSON.parse``, ``jq``) refuse. Dicts, lists and tuples are copied; the returned dict
+    (:func:`train`'s) keeps its NaNs, only the file has ``null``. The bench records' rule (``bench/common.py``)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: json_finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_finite(v) for v in x]
+    return x
 
 
 def smoke_args(args: TrainArgs) -> TrainArgs:

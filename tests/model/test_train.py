@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
 import json
 import os
 import subprocess
@@ -259,3 +260,14 @@ def test_train_refuses_a_missing_empty_or_tiny_corpus_and_an_out_file(tmp_path):
     afile.write_text("x")
     with pytest.raises(ValueError, match="out must be a folder"):
         train(smoke_args(TrainArgs(out=str(afile), eval_prompts=0)))
+
+
+def test_train_log_writes_non_finite_numbers_as_null_not_nan_tokens():
+    """train_log.json is standard JSON: a diverged loss or an undefined rate (NaN / inf) is written as null (json.dump
+    wrote the NaN / Infinity tokens that strict parsers refuse); the nested structure is kept."""
+    from blockdiff.model.train import json_finite
+
+    doc = {"log": [{"loss": float("nan")}, {"loss": 1.5}], "eval": {"rate": float("inf"), "n": 3, "t": (1.0, -float("inf"))}}
+    out = json.dumps(json_finite(doc), allow_nan=False)
+    assert json.loads(out) == {"log": [{"loss": None}, {"loss": 1.5}], "eval": {"rate": None, "n": 3, "t": [1.0, None]}}
+    assert math.isnan(doc["log"][0]["loss"])  # the caller's dict is untouched
