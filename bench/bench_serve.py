@@ -513,10 +513,20 @@ def output_text_summary(texts: Sequence, *, sample_chars: int = 80, errors: Sequ
             "unused_tokens": sum(t.count("<unused_") for t in texts), "sample": ascii(first[:sample_chars])}
 
 
+#: Row fields :func:`row_from_result` takes from the completed requests' latencies (None when none completed).
+_LATENCY_FIELDS = ("ttft_ms", "ttft_median_ms", "ttft_p99_ms", "e2e_ms", "e2e_median_ms", "time_per_canvas_ms",
+                   "time_per_canvas_median_ms", "tpot_ms")
+
+
 def row_from_result(result: dict, *, backend: str, quant: str, max_num_seqs: int | None,
                     canvas_length: int = CANVAS_LENGTH, expected_output_len: int = OUTPUT_LEN) -> dict:
     """One benchmark row from a ``vllm bench serve`` result JSON (vLLM 0.26's field names; see the module
     docstring for the row fields and the time-per-canvas definition).
+
+    A run in which no request completed has no latency: vLLM writes its means, medians and percentiles over the
+    empty set as 0 (``np.mean(ttfts or 0)``), so the row's latency fields (``ttft_*``, ``e2e_*``, ``tpot_ms``,
+    ``time_per_canvas_*``) are None there, not 0 ms; its ``output_tok_s`` stays vLLM's 0.0 (no token in the
+    run's duration).
 
     Raises:
         ValueError: ``result`` lacks a field every 0.26 result has (``completed``, ``failed``, ``num_prompts``,
@@ -543,7 +553,8 @@ def row_from_result(result: dict, *, backend: str, quant: str, max_num_seqs: int
             if err or not ttft or canvases < 2:
                 continue
             canvas_ms.append(1e3 * sum(itl) / (canvases - 1))
-    elif result.get("mean_e2el_ms") is not None and result.get("mean_ttft_ms") is not None:  # not --save-detailed
+    elif result["completed"] and result.get("mean_e2el_ms") is not None and result.get("mean_ttft_ms") is not None:
+        # not --save-detailed: the means of the completed requests (none completed: no latency, below)
         canvases = math.ceil(expected_output_len / canvas_length)
         if canvases >= 2:
             canvas_ms.append((result["mean_e2el_ms"] - result["mean_ttft_ms"]) / (canvases - 1))
@@ -575,6 +586,8 @@ def row_from_result(result: dict, *, backend: str, quant: str, max_num_seqs: int
     if isinstance(texts, list):
         row["output_text"] = output_text_summary([t if isinstance(t, str) else "" for t in texts],
                                                  errors=result.get("errors"))
+    if not result["completed"]:  # vLLM's 0 ms over no request: no latency was measured
+        row.update({k: None for k in _LATENCY_FIELDS})
     if not row["complete"]:
         row["reason"] = (f"{n - result['completed']} of {n} requests lost or failed, {total_out} of {expected} "
                          f"output tokens" + (f": {errors[0][-200:]}" if errors else ""))

@@ -86,6 +86,30 @@ def test_time_per_canvas_counts_canvases_after_the_first_and_skips_failed_reques
         bs.row_from_result([], backend="vllm", quant="fp8", max_num_seqs=1)
 
 
+@pytest.mark.parametrize("detailed", [True, False])
+def test_a_run_with_no_completed_request_has_no_latency_not_zero_ms(detailed):
+    """vLLM 0.26's calculate_metrics writes np.mean(ttfts or 0) = 0 over no request: a run whose every request
+    failed was recorded with ttft_ms / e2e_ms / time_per_canvas_ms 0.0 (a latency nobody measured)."""
+    n = 8
+    r = {"duration": 3.0, "completed": 0, "failed": n, "num_prompts": n, "max_concurrency": 4,
+         "total_output_tokens": 0, "request_throughput": 0.0, "output_throughput": 0.0,
+         "total_token_throughput": 0.0, "max_output_tokens_per_s": 0.0, "max_concurrent_requests": 0,
+         **{f"{s}_{m}_ms": 0.0 for s in ("mean", "median", "p99") for m in ("ttft", "tpot", "itl", "e2el")}}
+    if detailed:
+        r.update(output_lens=[0] * n, ttfts=[0.0] * n, itls=[[]] * n, start_times=[1.0] * n,
+                 generated_texts=[""] * n, errors=["Bad Request"] * n)
+    row = bs.row_from_result(r, backend="vllm", quant="fp8", max_num_seqs=16)
+    for k in bs._LATENCY_FIELDS:
+        assert row[k] is None, k
+    assert row["output_tok_s"] == 0.0 and not row["complete"] and "8 of 8 requests lost" in row["reason"]
+    # one completed request: its latencies are vLLM's, as before
+    one = dict(r, completed=1, failed=n - 1, mean_ttft_ms=50.0, mean_e2el_ms=250.0)
+    for k in ("ttfts", "itls", "output_lens", "errors", "generated_texts", "start_times"):
+        one.pop(k, None)
+    row = bs.row_from_result(one, backend="vllm", quant="fp8", max_num_seqs=16)
+    assert (row["ttft_ms"], row["e2e_ms"], row["time_per_canvas_ms"]) == (50.0, 250.0, 200.0)
+
+
 def test_row_summarizes_the_generated_texts_whose_tokens_decide_the_detokenizers_cost():
     """docs/tuning.md 7.19: a row says what the model's text looked like (a repeated <pad> decodes to nothing)."""
     r = {"completed": 3, "failed": 0, "num_prompts": 3, "duration": 1.0, "output_throughput": 1.0,
