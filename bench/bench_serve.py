@@ -958,7 +958,8 @@ def sweep(args) -> list[dict]:
                 row = {"workload": f"serve_c{c}_{args.quant}", "backend": args.backend, "quant": args.quant,
                        "status": "skipped", "concurrency": c, "max_num_seqs": args.max_num_seqs, "num_prompts": n,
                        "complete": False, "reason": f"past the sweep's deadline ({args.deadline_s:.0f} s)",
-                       "load_format": args.load_format}
+                       "load_format": args.load_format,
+                       "skip_special_tokens": effective_skip_special_tokens(args.skip_special_tokens)}
                 append_jsonl(rows_path, row)
                 rows.append(row)
                 continue
@@ -1771,12 +1772,17 @@ def _throughput_goals(rows: list[dict], load_format: str) -> list[dict]:
     """:func:`evaluate_goals`' throughput goals on the rows of one load format."""
     goals = []
     suffix = "" if load_format == DUMMY else f"@{load_format}"
+    # only measured rows (status ok) have a throughput, so only their client setting counts: a skipped row (past the
+    # sweep's deadline: no client ran, and rows before this fix lack the field, read as vLLM's default) was listed
+    # as left out for another setting
     setting = [effective_skip_special_tokens(r.get("skip_special_tokens")) for r in rows]
-    mixed = len(set(setting)) > 1
-    judged = effective_skip_special_tokens(SKIP_SPECIAL_TOKENS) if mixed else next(iter(setting), SKIP_SPECIAL_TOKENS)
+    measured = {v for r, v in zip(rows, setting) if r.get("status") == "ok"}
+    mixed = len(measured) > 1
+    judged = effective_skip_special_tokens(SKIP_SPECIAL_TOKENS) if mixed else next(iter(measured),
+                                                                                   SKIP_SPECIAL_TOKENS)
     tput_rows = [r for r, v in zip(rows, setting) if v == judged]
     left_out = sorted(r.get("workload", "?") + "/" + str(r.get("backend"))
-                      for r, v in zip(rows, setting) if v != judged)
+                      for r, v in zip(rows, setting) if v != judged and r.get("status") == "ok")
 
     def best(pred):
         vals = [_tok_s(r) for r in tput_rows if pred(r)]
@@ -1817,8 +1823,9 @@ def evaluate_goals(rows: list[dict]) -> list[dict]:
       status ``skipped`` or ``timeout`` (the sweep's own budget cut them) are listed as ``not_measured``;
     and the setting check ``steps_per_canvas_16``: vLLM's own count of denoising steps per canvas is 16 in every row.
     Only rows whose run was complete count as throughput. Throughput is compared only between rows of one client
-    setting (:func:`effective_skip_special_tokens`): when the rows hold both, the throughput goals use the current
-    one (:data:`SKIP_SPECIAL_TOKENS`) and say which rows they left out (``left_out``); the setting changes what
+    setting (:func:`effective_skip_special_tokens`): when the measured rows (status ok) hold both, the throughput goals
+    use the current one (:data:`SKIP_SPECIAL_TOKENS`) and say which measured rows they left out (``left_out``; rows
+    not measured have no throughput and are never listed there); the setting changes what
     bounds a load (docs/tuning.md 7.19). Nor are rows of two load formats (:func:`effective_load_format`) compared:
     the throughput goals are evaluated once per format present, ``dummy`` (the issue's setting) under the names
     above and any other with ``@FORMAT`` appended (e.g. ``c1_fp8_vs_vllm@dummy_live``); each goal names its

@@ -956,6 +956,32 @@ def test_goals_never_compare_rows_of_two_client_settings():
         bs.effective_skip_special_tokens("false")
 
 
+def test_a_row_the_sweeps_deadline_skipped_is_never_listed_as_left_out_for_another_client_setting(tmp_path,
+                                                                                                   monkeypatch):
+    """A skipped row (no client ran) had no skip_special_tokens field, read as vLLM's default (True): beside the
+    measured rows (False) the record's throughput goals listed it under left_out, a client setting it never ran."""
+    def client(cmd, args, *, result_path, log_path, timeout_s):
+        c, n = (int(args[args.index(f) + 1]) for f in ("--max-concurrency", "--num-prompts"))
+        return {"completed": n, "failed": 0, "num_prompts": n, "duration": 1.0, "output_throughput": 100.0 * c,
+                "max_concurrency": c, "total_output_tokens": n * 512, "diffusion_steps_per_canvas": 16.0}, None
+
+    monkeypatch.setattr(bs, "run_bench_serve", client)
+    rows_path = tmp_path / "r.jsonl"
+    base = ["sweep", "--base-url", "http://x", "--model", "/m", "--backend", "vllm", "--quant", "fp8",
+            "--max-num-seqs", "4", "--rows", str(rows_path), "--work-dir", str(tmp_path / "w"),
+            "--warm-concurrency", "0"]
+    bs.sweep(bs.build_parser().parse_args(base + ["--concurrency", "1"]))
+    skipped = bs.sweep(bs.build_parser().parse_args(base + ["--concurrency", "4", "--deadline-s", "0"]))
+    assert skipped[0]["status"] == "skipped" and skipped[0]["skip_special_tokens"] is False
+    _, rows = bs.read_rows([rows_path])
+    goals = bs.evaluate_goals(rows)
+    assert all("left_out" not in g for g in goals), goals
+    # a record written before the fix: its skipped row lacks the field; still not listed
+    old = [r if r["status"] == "ok" else {k: v for k, v in r.items() if k != "skip_special_tokens"} for r in rows]
+    assert all("left_out" not in g for g in bs.evaluate_goals(old))
+    assert {g["skip_special_tokens"] for g in bs.evaluate_goals(old) if "skip_special_tokens" in g} == {False}
+
+
 def test_goals_never_compare_rows_of_two_load_formats():
     """docs/tuning.md 7.21: with dummy weights half the MoE layers read 8 experts; a dummy_live row (spread routing)
     is never divided by a dummy one. Each format gets its own goals; the issue's names stay on dummy's."""
