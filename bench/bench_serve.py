@@ -1953,6 +1953,11 @@ def _record_suite(out: Path, gpu: str | None) -> str:
     return stem.rsplit("-", 1)[0] or SUITE
 
 
+#: Env fields that say what ran (the checkout and the software): a record's top level names one of each, so when the
+#: sweeps' envs disagree :func:`record` names every value there (and each server's in ``servers``) with a note.
+_ENV_RUN_FIELDS = ("commit", "vllm", "torch", "triton", "flash_attn_4", "driver", "cuda")
+
+
 def record(args) -> dict:
     """The ``record`` subcommand: writes the record, its CSV and PNG; returns the record.
 
@@ -1960,7 +1965,12 @@ def record(args) -> dict:
         ValueError: no rows; rows from more than one GPU (a record's goals compare its rows, so they come from one
             GPU); ``--out`` naming another GPU than the rows' (:func:`record_path`); the record's file exists and
             ``--force`` is not given (2026-12-06: the default name replaced the committed serve-h100.json, its
-            hand-written notes and its profiles); a malformed profile.
+            hand-written notes and its profiles); a malformed profile, or one taken on another GPU than the rows
+            (its env is dropped, so the record would say it ran on the rows' GPU).
+
+    Rows of sweeps whose envs disagree on what ran (:data:`_ENV_RUN_FIELDS`: commit, vLLM, torch, ...): the top
+    level names every value (``"A + B"``, was the first env's alone), each ``servers`` entry its own, and a note
+    says so. A profile keeps its env's ``commit``.
     """
     per_file = [read_rows([p]) for p in args.rows]  # each file once; a file without an env record is told apart
     envs = [e for file_envs, _ in per_file for e in file_envs]
@@ -1990,6 +2000,14 @@ def record(args) -> dict:
     if not gpus:  # not this machine's device: the rows may come from any
         env["gpu"] = "unknown"
         notes.append("gpu: the rows name none (no env record with a gpu)")
+    # what ran (checkout, software): the top level named the first env's, whatever the other sweeps ran
+    differ = {}
+    for k in _ENV_RUN_FIELDS:
+        vals = list(dict.fromkeys(str(e.get(k)) for e in envs if k in e))
+        if len(vals) > 1:
+            differ[k] = vals
+            env[k] = " + ".join(vals)
+            notes.append(f"{k}: the rows ran at {len(vals)} values ({', '.join(vals)}); each server's is in servers")
     if str(env.get("commit", "unknown")).startswith("unknown"):
         env["commit"] = common.git_commit()
         notes.append("commit: the GPU copy had none; this is the checkout that recorded the rows")
@@ -2002,7 +2020,13 @@ def record(args) -> dict:
                 raise ValueError(f"--profile {p}: not JSON ({e})") from None
         if not isinstance(prof, dict):
             raise ValueError(f"--profile {p}: not a JSON object (a profile summary)")
-        prof.pop("env", None)
+        penv = prof.pop("env", None)
+        pgpu = penv.get("gpu") if isinstance(penv, dict) else None
+        if gpus and pgpu and pgpu != gpus[0]:  # its env was dropped: the record would say it ran on the rows' GPU
+            raise ValueError(f"--profile {p} was taken on {pgpu!r}, the rows on {gpus[0]!r}: a record holds one GPU's "
+                             f"measurements (record the profile with that GPU's rows)")
+        if isinstance(penv, dict) and penv.get("commit") is not None:
+            prof.setdefault("commit", penv["commit"])  # what ran, kept when the env goes
         profiles.append(prof)
     goals = evaluate_goals(rows)
     # one entry per server setting: the sweep writes an env line per command, only a server's first carries its
@@ -2018,6 +2042,9 @@ def record(args) -> dict:
                                          "warm_up": None})
         if entry["warm_up"] is None:
             entry["warm_up"] = e.get("warm_up")
+        for k in differ:  # the run fields that differ between the sweeps, per server
+            v = str(e.get(k))
+            entry[k] = v if entry.get(k) in (None, v) else " + ".join(dict.fromkeys([*entry[k].split(" + "), v]))
     setting = dict(envs[0].get("setting") or {}) if envs else None
     if setting is not None:  # a record may hold rows of both load formats (docs/tuning.md 7.21): name every one
         setting.pop("load_format", None)

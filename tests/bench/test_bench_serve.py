@@ -1054,13 +1054,15 @@ def test_record_writes_json_csv_png_and_goals(tmp_path):
             f.write(json.dumps(_row("vllm", "fp8", c, v, seqs=16)) + "\n")
             f.write(json.dumps(_row("blockdiff-triton", "fp8", c, 1.5 * v * (1 + c / 16))) + "\n")
     prof = tmp_path / "p.json"
-    prof.write_text(json.dumps({"backend": "vllm", "canvas_step_ms": {"sampler": 2.0}, "env": {"gpu": "x"}}))
+    prof.write_text(json.dumps({"backend": "vllm", "canvas_step_ms": {"sampler": 2.0},
+                                "env": {"gpu": "NVIDIA H200", "commit": "abc"}}))
     out = tmp_path / "res" / "serve-h200.json"
     assert bs.main(["record", str(rows), "--profile", str(prof), "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert doc["suite"] == "serve" and doc["gpu"] == "NVIDIA H200" and len(doc["rows"]) == 8
     assert doc["commit"] != "unknown" and any("commit" in n for n in doc["notes"])
     assert doc["profiles"][0]["canvas_step_ms"]["sampler"] == 2.0 and "env" not in doc["profiles"][0]
+    assert doc["profiles"][0]["commit"] == "abc"
     assert doc["servers"]["vllm-fp8"]["max_num_seqs"] == 16
     assert doc["setting"] == {"input_len": 4096, "load_formats": ["dummy"]}
     goals = {g["name"]: g for g in doc["goals"]}
@@ -1337,6 +1339,43 @@ def _rows_from(path, *gpus):
             env = dict(bs.environment(), kind="env", backend="vllm", quant="bf16", max_num_seqs=4, gpu=gpu)
             f.write(json.dumps({"env": env}) + "\n" + json.dumps(_row("vllm", "bf16", 1, 600.0, seqs=4)) + "\n")
     return path
+
+
+def test_record_refuses_a_profile_taken_on_another_gpu_than_the_rows(cli, tmp_path):
+    """The profile's env was dropped without a look: an H200 lease's profile went into serve-h100.json, labelled
+    with the H100 by the record's top level."""
+    rows = _rows_from(tmp_path / "r.jsonl", "NVIDIA H100 80GB HBM3")
+    prof = tmp_path / "p.json"
+    prof.write_text(json.dumps({"backend": "vllm", "env": {"gpu": "NVIDIA H200", "commit": "abc"}}))
+    _one_clear_line(cli("record", rows, "--profile", prof, "--out", tmp_path / "serve-h100.json"), "--profile",
+                    "p.json", "NVIDIA H200", "NVIDIA H100 80GB HBM3")
+    assert not (tmp_path / "serve-h100.json").exists()
+    prof.write_text(json.dumps({"backend": "vllm", "env": {"gpu": "NVIDIA H100 80GB HBM3", "commit": "abc"}}))
+    assert cli("record", rows, "--profile", prof, "--out", tmp_path / "serve-h100.json")[0] == 0
+
+
+def test_record_of_sweeps_at_two_commits_names_both_never_the_first_alone(cli, tmp_path):
+    """The record's top level took the first env's commit and vLLM version: blockdiff's rows swept at another commit
+    (or vLLM) were labelled with stock's."""
+    rows = tmp_path / "r.jsonl"
+    with open(rows, "w") as f:
+        for backend, commit, vllm in (("vllm", "a" * 40, "0.26.0"), ("blockdiff-cute", "b" * 40, "0.26.0"),
+                                      ("blockdiff-cute", "c" * 40, "0.26.0")):
+            env = dict(bs.environment(), kind="env", backend=backend, quant="fp8", max_num_seqs=4,
+                       gpu="NVIDIA H200", commit=commit, vllm=vllm)
+            f.write(json.dumps({"env": env}) + "\n" + json.dumps(_row(backend, "fp8", 1, 600.0, seqs=4)) + "\n")
+    assert cli("record", rows, "--out", tmp_path / "serve-h200.json")[0] == 0
+    doc = json.loads((tmp_path / "serve-h200.json").read_text())
+    assert doc["commit"] == " + ".join(("a" * 40, "b" * 40, "c" * 40)) and doc["vllm"] == "0.26.0"
+    assert doc["servers"]["vllm-fp8"]["commit"] == "a" * 40
+    assert doc["servers"]["blockdiff-cute-fp8"]["commit"] == "b" * 40 + " + " + "c" * 40
+    assert any(n.startswith("commit: the rows ran at 3 values") for n in doc["notes"]), doc["notes"]
+    assert not any(n.startswith("vllm") for n in doc["notes"])
+    # one commit: as before, no note and no per-server field
+    one = _rows_from(tmp_path / "one.jsonl", "NVIDIA H200")
+    assert cli("record", one, "--out", tmp_path / "one" / "serve-h200.json")[0] == 0
+    doc = json.loads((tmp_path / "one" / "serve-h200.json").read_text())
+    assert " + " not in doc["commit"] and "commit" not in doc["servers"]["vllm-bf16"]
 
 
 def test_record_refuses_an_out_name_that_says_another_gpu(cli, tmp_path):
