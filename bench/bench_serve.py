@@ -2063,12 +2063,27 @@ def record(args) -> dict:
 
 # --------------------------------------------------------------------------------------------- CLI
 def _ints(s: str) -> list[int]:
+    """argparse type: comma-separated ints >= 1 (:func:`blockdiff.bench.common.comma_list`: blanks dropped, a value
+    that names nothing refused)."""
     try:
-        vals = [int(x) for x in s.split(",") if x.strip()]
+        items = common.comma_list(s, "value")
+        vals = [int(x) for x in items]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {s!r}") from None
     if not vals or any(v < 1 for v in vals):
         raise argparse.ArgumentTypeError(f"expected ints >= 1, got {s!r}")
+    return vals
+
+
+def _concurrencies(s: str) -> list[int]:
+    """argparse type of ``sweep --concurrency``: :func:`_ints`, each value once (a run at C writes the row
+    ``serve_c{C}_{quant}`` and the client's result file named after it: a repeated C ran the same load again with the
+    same seed, overwrote the first run's detailed result and gave the record two rows of one workload)."""
+    vals = _ints(s)
+    twice = sorted({v for v in vals if vals.count(v) > 1})
+    if twice:
+        raise argparse.ArgumentTypeError(f"each concurrency once (one row per concurrency; run the sweep again to "
+                                         f"repeat a load), got {s!r}: {', '.join(map(str, twice))} more than once")
     return vals
 
 
@@ -2158,7 +2173,8 @@ def build_parser() -> argparse.ArgumentParser:
         add_load_format_option(p, what="the server's --load-format, recorded with the results (checked against the "
                                        "server's command line when --server-pid is given)")
     sw = sub.choices["sweep"]
-    sw.add_argument("--concurrency", type=_ints, default=[1, 4, 16, 64])
+    sw.add_argument("--concurrency", type=_concurrencies, default=[1, 4, 16, 64],
+                    help="comma-separated concurrencies, each once (default 1,4,16,64)")
     sw.add_argument("--max-num-seqs", type=_pos_int, required=True, help="the server's --max-num-seqs (recorded)")
     sw.add_argument("--server-pid", type=_pos_int, default=None, help="the vllm serve process (GPU memory of its tree)")
     sw.add_argument("--num-prompts-per-concurrency", type=_pos_int, default=2, help="K: prompts = max(K * C, M)")

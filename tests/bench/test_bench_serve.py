@@ -1317,6 +1317,21 @@ def test_sweep_bad_numbers_and_paths_exit_2_before_any_run(cli, tmp_path, flag, 
     assert not (tmp_path / "rows.jsonl").exists()
 
 
+@pytest.mark.parametrize("value,words", [("1,4,1", ["1 more than once"]), ("16,16", ["16 more than once"]),
+                                         (",", ["comma-separated ints"]), (" , ", ["comma-separated ints"]),
+                                         ("", [">= 1"]), ("1,x", ["comma-separated ints"]), ("0,4", [">= 1"])])
+def test_a_concurrency_list_that_repeats_a_value_or_names_nothing_exits_2_before_any_run(cli, tmp_path, value, words):
+    """Was: --concurrency 1,4,1 ran the c1 load twice with one seed, the second run overwriting the first's detailed
+    result, and gave the record two rows of serve_c1."""
+    args = {"--base-url": "http://127.0.0.1:9", "--model": "/m", "--backend": "vllm", "--quant": "bf16",
+            "--max-num-seqs": "2", "--rows": str(tmp_path / "rows.jsonl"), "--bench-cmd": "false",
+            "--concurrency": value}
+    _one_clear_line(cli("sweep", *[x for kv in args.items() for x in kv]), "--concurrency", *words)
+    assert not (tmp_path / "rows.jsonl").exists()
+    assert bs._concurrencies(" 1, 4,,16 ") == [1, 4, 16]  # blanks dropped, as every bench comma list
+    assert bs._ints("64,64") == [64, 64]  # serve_standin --prompts: counts may repeat
+
+
 def test_profile_against_an_unreachable_server_exits_2_naming_base_url(cli, tmp_path):
     """Was: urllib's URLError traceback (connection refused) from /start_profile."""
     p = cli("profile", "--base-url", "http://127.0.0.1:9", "--model", "/m", "--backend", "vllm", "--quant", "bf16",
