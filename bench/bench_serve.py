@@ -2260,8 +2260,12 @@ def _user(fn, *a, what: str = "", **kw):
         raise _UserError(f"{what}{e}") from None
 
 
-def _check_writable(path: str, flag: str) -> None:
-    """``flag``'s file can be created (its folder made if missing): checked before a long run starts."""
+def _check_writable(path: str, flag: str, hint: str = "") -> None:
+    """``flag``'s file can be created (its folder made if missing): checked before a long run starts. A folder, an
+    empty path or one ending in ``/`` names no file (was: the run went through, then writing its result raised
+    IsADirectoryError and the result was lost)."""
+    if not path.strip() or path.endswith(("/", os.sep)) or os.path.isdir(path):
+        raise _UserError(f"{flag} {path!r}: a file name is needed (an empty path or a folder names no file){hint}")
     parent = Path(path).parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
@@ -2301,14 +2305,19 @@ def _main(args) -> int:
         _print_profile(summary)
         return 0 if summary.get("status") == "ok" else 1
     if args.command == "trace":
+        if args.out is not None:  # (--out '' is refused, not read as no --out)
+            _check_writable(args.out, "--out")
         summary = _user(summarize_traces, args.traces, max_canvases=args.max_canvases)
-        if args.out:
+        if args.out is not None:
             common.write_experiment_json(Path(args.out).name, summary, Path(args.out).parent)
         _print_profile(summary)
         return 0
     if args.command == "record":
-        if args.out:
-            _check_writable(args.out, "--out")
+        if args.out is not None:  # (--out '' is refused, not read as the default folder)
+            _check_writable(args.out, "--out", hint="; a record is a .json file (its CSV and PNG go beside it), for "
+                                                    "a folder give --out-dir")
+        elif args.out_dir is not None and not args.out_dir.strip():
+            raise _UserError("--out-dir must not be empty (leave it out for bench/results/)")
         else:
             _check_writable(str(Path(args.out_dir or common.DEFAULT_RESULTS_DIR) / f"{SUITE}.json"), "--out-dir")
         doc = _user(record, args)

@@ -1347,6 +1347,28 @@ def test_trace_and_model_input_errors_exit_2(cli, tmp_path):
     _one_clear_line(cli("model", tmp_path / "afile"), "afile")
 
 
+def test_an_output_flag_that_names_a_folder_or_nothing_exits_2_before_any_work(cli, tmp_path):
+    """Was: profile / trace --out FOLDER ran the whole load (or classification) and then lost its summary to an
+    IsADirectoryError traceback; sweep --rows FOLDER a traceback after the warm-up; record --out '' / --out-dir ''
+    wrote to bench/results/ as if the flag were absent."""
+    folder = tmp_path / "d"
+    folder.mkdir()
+    (tmp_path / "t.json").write_text(json.dumps(synthetic_trace([(256, [("_attn_fwd", 0.1, "forward")])])))
+    for out in (str(folder), str(tmp_path / "new") + "/", ""):
+        _one_clear_line(cli("trace", tmp_path / "t.json", "--out", out), "--out", "a file name is needed")
+        _one_clear_line(cli("profile", "--base-url", "http://127.0.0.1:9", "--model", "m", "--backend", "vllm",
+                            "--quant", "fp8", "--trace-dir", tmp_path / "tr", "--out", out, "--bench-cmd", "false"),
+                        "--out", "a file name is needed")
+        _one_clear_line(cli("sweep", "--base-url", "http://127.0.0.1:9", "--model", "m", "--backend", "vllm",
+                            "--quant", "fp8", "--max-num-seqs", "1", "--rows", out, "--bench-cmd", "false"),
+                        "--rows", "a file name is needed")
+    rows = _rows_from(tmp_path / "r.jsonl", "NVIDIA H200")
+    _one_clear_line(cli("record", rows, "--out", ""), "--out")
+    _one_clear_line(cli("record", rows, "--out-dir", ""), "--out-dir", "must not be empty")
+    assert not (tmp_path / "new").exists() and not any(folder.iterdir())
+    assert cli("trace", tmp_path / "t.json", "--out", folder / "t_summary.json")[0] == 0  # a file in it: fine
+
+
 def _rows_from(path, *gpus):
     """A rows file with one env line and one stock c1 row per GPU named."""
     with open(path, "w") as f:
