@@ -427,6 +427,21 @@ def _timeout_arg(text: str) -> float:
     return v
 
 
+def _out_arg(text: str) -> str:
+    """argparse type of ``--out``: a JSON file that can be written, checked before any work (a folder, an empty path,
+    a missing or unwritable folder: the harness or the server's requests ran, then ``open(out, "w")`` raised and the
+    record was lost)."""
+    import os
+
+    if not text.strip() or text.endswith(("/", os.sep)) or os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"a file name is needed (an empty path or a folder names no file), got "
+                                         f"{text!r}")
+    parent = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise argparse.ArgumentTypeError(f"its folder {parent!r} is not a writable folder, got {text!r}")
+    return text
+
+
 def _step_cap_arg(text: str) -> int:
     try:
         return check_step_cap(int(text))
@@ -438,7 +453,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     h = sub.add_parser("harness")
-    h.add_argument("--out", required=True)
+    h.add_argument("--out", type=_out_arg, required=True)
     h.add_argument("--device", default="cuda")
     h.add_argument("--dtype", choices=DTYPES, default="bfloat16",
                    help="model dtype (float32 for the token-for-token check against vllm serve --dtype float32)")
@@ -449,7 +464,7 @@ def main(argv=None) -> int:
     c = sub.add_parser("client")
     c.add_argument("--base-url", required=True)
     c.add_argument("--model", required=True)
-    c.add_argument("--out", required=True)
+    c.add_argument("--out", type=_out_arg, required=True)
     c.add_argument("--sampled", action="store_true")
     c.add_argument("--timeout", type=_timeout_arg, default=120.0, help="seconds a request may take (default 120)")
     c.add_argument("--concurrent", action="store_true", help="send every prompt at once (mixed batches)")
@@ -459,7 +474,7 @@ def main(argv=None) -> int:
     m.add_argument("b")
     r = sub.add_parser("record", help="write one JSON record of several comparisons (exit 1 when a required one "
                         "is not equal on every prompt)")
-    r.add_argument("--out", required=True)
+    r.add_argument("--out", type=_out_arg, required=True)
     r.add_argument("--pair", nargs=3, action="append", required=True, metavar=("NAME", "A", "B"))
     r.add_argument("--require", action="append", default=[], metavar="NAME",
                    help="a pair that must be equal on every prompt")
@@ -467,7 +482,7 @@ def main(argv=None) -> int:
                        "and the plain one is served)")
     f.add_argument("--base-url", required=True)
     f.add_argument("--model", required=True)
-    f.add_argument("--out", required=True)
+    f.add_argument("--out", type=_out_arg, required=True)
     f.add_argument("--timeout", type=_timeout_arg, default=120.0, help="seconds a request may take (default 120)")
     args = ap.parse_args(argv)
     if args.cmd == "refusals":

@@ -150,3 +150,16 @@ def test_harness_backend_that_is_no_backend_exits_2_before_the_model_loads(tmp_p
     with pytest.raises(SystemExit) as e:
         serve_smoke.main(["harness", "--out", str(tmp_path / "h.json"), flag, value])
     assert e.value.code == 2 and flag in capsys.readouterr().err and not (tmp_path / "h.json").exists()
+
+
+@pytest.mark.parametrize("cmd", [["harness"], ["client", "--base-url", "http://127.0.0.1:9", "--model", "m"],
+                                 ["refusals", "--base-url", "http://127.0.0.1:9", "--model", "m"],
+                                 ["record", "--pair", "p", "a.json", "b.json"]])
+def test_an_out_that_names_a_folder_or_a_missing_folder_exits_2_before_any_work(tmp_path, capsys, cmd):
+    """Was: the harness ran (or the server answered every request), then open(out, "w") raised IsADirectoryError /
+    FileNotFoundError and the record was lost."""
+    for out in (str(tmp_path), str(tmp_path / "new") + "/", "", str(tmp_path / "missing" / "o.json")):
+        with pytest.raises(SystemExit) as e:
+            serve_smoke.main([*cmd, "--out", out])
+        assert e.value.code == 2 and "--out" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
