@@ -513,10 +513,20 @@ def output_text_summary(texts: Sequence, *, sample_chars: int = 80, errors: Sequ
             "unused_tokens": sum(t.count("<unused_") for t in texts), "sample": ascii(first[:sample_chars])}
 
 
+#: Row fields :func:`row_from_result` takes from the completed requests' latencies (None when none completed).
+_LATENCY_FIELDS = ("ttft_ms", "ttft_median_ms", "ttft_p99_ms", "e2e_ms", "e2e_median_ms", "time_per_canvas_ms",
+                   "time_per_canvas_median_ms", "tpot_ms")
+
+
 def row_from_result(result: dict, *, backend: str, quant: str, max_num_seqs: int | None,
                     canvas_length: int = CANVAS_LENGTH, expected_output_len: int = OUTPUT_LEN) -> dict:
     """One benchmark row from a ``vllm bench serve`` result JSON (vLLM 0.26's field names; see the module
     docstring for the row fields and the time-per-canvas definition).
+
+    A run in which no request completed has no latency: vLLM writes its means, medians and percentiles over the
+    empty set as 0 (``np.mean(ttfts or 0)``), so the row's latency fields (``ttft_*``, ``e2e_*``, ``tpot_ms``,
+    ``time_per_canvas_*``) are None there, not 0 ms; its ``output_tok_s`` stays vLLM's 0.0 (no token in the
+    run's duration).
 
     Raises:
         ValueError: ``result`` lacks a field every 0.26 result has (``completed``, ``failed``, ``num_prompts``,
@@ -543,7 +553,8 @@ def row_from_result(result: dict, *, backend: str, quant: str, max_num_seqs: int
             if err or not ttft or canvases < 2:
                 continue
             canvas_ms.append(1e3 * sum(itl) / (canvases - 1))
-    elif result.get("mean_e2el_ms") is not None and result.get("mean_ttft_ms") is not None:  # not --save-detailed
+    elif result["completed"] and result.get("mean_e2el_ms") is not None and result.get("mean_ttft_ms") is not None:
+        # not --save-detailed: the means of the completed requests (none completed: no latency, below)
         canvases = math.ceil(expected_output_len / canvas_length)
         if canvases >= 2:
             canvas_ms.append((result["mean_e2el_ms"] - result["mean_ttft_ms"]) / (canvases - 1))
@@ -575,6 +586,8 @@ def row_from_result(result: dict, *, backend: str, quant: str, max_num_seqs: int
     if isinstance(texts, list):
         row["output_text"] = output_text_summary([t if isinstance(t, str) else "" for t in texts],
                                                  errors=result.get("errors"))
+    if not result["completed"]:  # vLLM's 0 ms over no request: no latency was measured
+        row.update({k: None for k in _LATENCY_FIELDS})
     if not row["complete"]:
         row["reason"] = (f"{n - result['completed']} of {n} requests lost or failed, {total_out} of {expected} "
                          f"output tokens" + (f": {errors[0][-200:]}" if errors else ""))
@@ -945,7 +958,8 @@ def sweep(args) -> list[dict]:
                 row = {"workload": f"serve_c{c}_{args.quant}", "backend": args.backend, "quant": args.quant,
                        "status": "skipped", "concurrency": c, "max_num_seqs": args.max_num_seqs, "num_prompts": n,
                        "complete": False, "reason": f"past the sweep's deadline ({args.deadline_s:.0f} s)",
-                       "load_format": args.load_format}
+                       "load_format": args.load_format,
+                       "skip_special_tokens": effective_skip_special_tokens(args.skip_special_tokens)}
                 append_jsonl(rows_path, row)
                 rows.append(row)
                 continue
@@ -1758,12 +1772,17 @@ def _throughput_goals(rows: list[dict], load_format: str) -> list[dict]:
     """:func:`evaluate_goals`' throughput goals on the rows of one load format."""
     goals = []
     suffix = "" if load_format == DUMMY else f"@{load_format}"
+    # only measured rows (status ok) have a throughput, so only their client setting counts: a skipped row (past the
+    # sweep's deadline: no client ran, and rows before this fix lack the field, read as vLLM's default) was listed
+    # as left out for another setting
     setting = [effective_skip_special_tokens(r.get("skip_special_tokens")) for r in rows]
-    mixed = len(set(setting)) > 1
-    judged = effective_skip_special_tokens(SKIP_SPECIAL_TOKENS) if mixed else next(iter(setting), SKIP_SPECIAL_TOKENS)
+    measured = {v for r, v in zip(rows, setting) if r.get("status") == "ok"}
+    mixed = len(measured) > 1
+    judged = effective_skip_special_tokens(SKIP_SPECIAL_TOKENS) if mixed else next(iter(measured),
+                                                                                   SKIP_SPECIAL_TOKENS)
     tput_rows = [r for r, v in zip(rows, setting) if v == judged]
     left_out = sorted(r.get("workload", "?") + "/" + str(r.get("backend"))
-                      for r, v in zip(rows, setting) if v != judged)
+                      for r, v in zip(rows, setting) if v != judged and r.get("status") == "ok")
 
     def best(pred):
         vals = [_tok_s(r) for r in tput_rows if pred(r)]
@@ -1804,8 +1823,9 @@ def evaluate_goals(rows: list[dict]) -> list[dict]:
       status ``skipped`` or ``timeout`` (the sweep's own budget cut them) are listed as ``not_measured``;
     and the setting check ``steps_per_canvas_16``: vLLM's own count of denoising steps per canvas is 16 in every row.
     Only rows whose run was complete count as throughput. Throughput is compared only between rows of one client
-    setting (:func:`effective_skip_special_tokens`): when the rows hold both, the throughput goals use the current
-    one (:data:`SKIP_SPECIAL_TOKENS`) and say which rows they left out (``left_out``); the setting changes what
+    setting (:func:`effective_skip_special_tokens`): when the measured rows (status ok) hold both, the throughput goals
+    use the current one (:data:`SKIP_SPECIAL_TOKENS`) and say which measured rows they left out (``left_out``; rows
+    not measured have no throughput and are never listed there); the setting changes what
     bounds a load (docs/tuning.md 7.19). Nor are rows of two load formats (:func:`effective_load_format`) compared:
     the throughput goals are evaluated once per format present, ``dummy`` (the issue's setting) under the names
     above and any other with ``@FORMAT`` appended (e.g. ``c1_fp8_vs_vllm@dummy_live``); each goal names its
@@ -1933,6 +1953,11 @@ def _record_suite(out: Path, gpu: str | None) -> str:
     return stem.rsplit("-", 1)[0] or SUITE
 
 
+#: Env fields that say what ran (the checkout and the software): a record's top level names one of each, so when the
+#: sweeps' envs disagree :func:`record` names every value there (and each server's in ``servers``) with a note.
+_ENV_RUN_FIELDS = ("commit", "vllm", "torch", "triton", "flash_attn_4", "driver", "cuda")
+
+
 def record(args) -> dict:
     """The ``record`` subcommand: writes the record, its CSV and PNG; returns the record.
 
@@ -1940,7 +1965,12 @@ def record(args) -> dict:
         ValueError: no rows; rows from more than one GPU (a record's goals compare its rows, so they come from one
             GPU); ``--out`` naming another GPU than the rows' (:func:`record_path`); the record's file exists and
             ``--force`` is not given (2026-12-06: the default name replaced the committed serve-h100.json, its
-            hand-written notes and its profiles); a malformed profile.
+            hand-written notes and its profiles); a malformed profile, or one taken on another GPU than the rows
+            (its env is dropped, so the record would say it ran on the rows' GPU).
+
+    Rows of sweeps whose envs disagree on what ran (:data:`_ENV_RUN_FIELDS`: commit, vLLM, torch, ...): the top
+    level names every value (``"A + B"``, was the first env's alone), each ``servers`` entry its own, and a note
+    says so. A profile keeps its env's ``commit``.
     """
     per_file = [read_rows([p]) for p in args.rows]  # each file once; a file without an env record is told apart
     envs = [e for file_envs, _ in per_file for e in file_envs]
@@ -1970,6 +2000,14 @@ def record(args) -> dict:
     if not gpus:  # not this machine's device: the rows may come from any
         env["gpu"] = "unknown"
         notes.append("gpu: the rows name none (no env record with a gpu)")
+    # what ran (checkout, software): the top level named the first env's, whatever the other sweeps ran
+    differ = {}
+    for k in _ENV_RUN_FIELDS:
+        vals = list(dict.fromkeys(str(e.get(k)) for e in envs if k in e))
+        if len(vals) > 1:
+            differ[k] = vals
+            env[k] = " + ".join(vals)
+            notes.append(f"{k}: the rows ran at {len(vals)} values ({', '.join(vals)}); each server's is in servers")
     if str(env.get("commit", "unknown")).startswith("unknown"):
         env["commit"] = common.git_commit()
         notes.append("commit: the GPU copy had none; this is the checkout that recorded the rows")
@@ -1982,7 +2020,13 @@ def record(args) -> dict:
                 raise ValueError(f"--profile {p}: not JSON ({e})") from None
         if not isinstance(prof, dict):
             raise ValueError(f"--profile {p}: not a JSON object (a profile summary)")
-        prof.pop("env", None)
+        penv = prof.pop("env", None)
+        pgpu = penv.get("gpu") if isinstance(penv, dict) else None
+        if gpus and pgpu and pgpu != gpus[0]:  # its env was dropped: the record would say it ran on the rows' GPU
+            raise ValueError(f"--profile {p} was taken on {pgpu!r}, the rows on {gpus[0]!r}: a record holds one GPU's "
+                             f"measurements (record the profile with that GPU's rows)")
+        if isinstance(penv, dict) and penv.get("commit") is not None:
+            prof.setdefault("commit", penv["commit"])  # what ran, kept when the env goes
         profiles.append(prof)
     goals = evaluate_goals(rows)
     # one entry per server setting: the sweep writes an env line per command, only a server's first carries its
@@ -1998,6 +2042,9 @@ def record(args) -> dict:
                                          "warm_up": None})
         if entry["warm_up"] is None:
             entry["warm_up"] = e.get("warm_up")
+        for k in differ:  # the run fields that differ between the sweeps, per server
+            v = str(e.get(k))
+            entry[k] = v if entry.get(k) in (None, v) else " + ".join(dict.fromkeys([*entry[k].split(" + "), v]))
     setting = dict(envs[0].get("setting") or {}) if envs else None
     if setting is not None:  # a record may hold rows of both load formats (docs/tuning.md 7.21): name every one
         setting.pop("load_format", None)
@@ -2016,12 +2063,27 @@ def record(args) -> dict:
 
 # --------------------------------------------------------------------------------------------- CLI
 def _ints(s: str) -> list[int]:
+    """argparse type: comma-separated ints >= 1 (:func:`blockdiff.bench.common.comma_list`: blanks dropped, a value
+    that names nothing refused)."""
     try:
-        vals = [int(x) for x in s.split(",") if x.strip()]
+        items = common.comma_list(s, "value")
+        vals = [int(x) for x in items]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {s!r}") from None
     if not vals or any(v < 1 for v in vals):
         raise argparse.ArgumentTypeError(f"expected ints >= 1, got {s!r}")
+    return vals
+
+
+def _concurrencies(s: str) -> list[int]:
+    """argparse type of ``sweep --concurrency``: :func:`_ints`, each value once (a run at C writes the row
+    ``serve_c{C}_{quant}`` and the client's result file named after it: a repeated C ran the same load again with the
+    same seed, overwrote the first run's detailed result and gave the record two rows of one workload)."""
+    vals = _ints(s)
+    twice = sorted({v for v in vals if vals.count(v) > 1})
+    if twice:
+        raise argparse.ArgumentTypeError(f"each concurrency once (one row per concurrency; run the sweep again to "
+                                         f"repeat a load), got {s!r}: {', '.join(map(str, twice))} more than once")
     return vals
 
 
@@ -2111,7 +2173,8 @@ def build_parser() -> argparse.ArgumentParser:
         add_load_format_option(p, what="the server's --load-format, recorded with the results (checked against the "
                                        "server's command line when --server-pid is given)")
     sw = sub.choices["sweep"]
-    sw.add_argument("--concurrency", type=_ints, default=[1, 4, 16, 64])
+    sw.add_argument("--concurrency", type=_concurrencies, default=[1, 4, 16, 64],
+                    help="comma-separated concurrencies, each once (default 1,4,16,64)")
     sw.add_argument("--max-num-seqs", type=_pos_int, required=True, help="the server's --max-num-seqs (recorded)")
     sw.add_argument("--server-pid", type=_pos_int, default=None, help="the vllm serve process (GPU memory of its tree)")
     sw.add_argument("--num-prompts-per-concurrency", type=_pos_int, default=2, help="K: prompts = max(K * C, M)")
@@ -2197,8 +2260,12 @@ def _user(fn, *a, what: str = "", **kw):
         raise _UserError(f"{what}{e}") from None
 
 
-def _check_writable(path: str, flag: str) -> None:
-    """``flag``'s file can be created (its folder made if missing): checked before a long run starts."""
+def _check_writable(path: str, flag: str, hint: str = "") -> None:
+    """``flag``'s file can be created (its folder made if missing): checked before a long run starts. A folder, an
+    empty path or one ending in ``/`` names no file (was: the run went through, then writing its result raised
+    IsADirectoryError and the result was lost)."""
+    if not path.strip() or path.endswith(("/", os.sep)) or os.path.isdir(path):
+        raise _UserError(f"{flag} {path!r}: a file name is needed (an empty path or a folder names no file){hint}")
     parent = Path(path).parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
@@ -2238,14 +2305,19 @@ def _main(args) -> int:
         _print_profile(summary)
         return 0 if summary.get("status") == "ok" else 1
     if args.command == "trace":
+        if args.out is not None:  # (--out '' is refused, not read as no --out)
+            _check_writable(args.out, "--out")
         summary = _user(summarize_traces, args.traces, max_canvases=args.max_canvases)
-        if args.out:
+        if args.out is not None:
             common.write_experiment_json(Path(args.out).name, summary, Path(args.out).parent)
         _print_profile(summary)
         return 0
     if args.command == "record":
-        if args.out:
-            _check_writable(args.out, "--out")
+        if args.out is not None:  # (--out '' is refused, not read as the default folder)
+            _check_writable(args.out, "--out", hint="; a record is a .json file (its CSV and PNG go beside it), for "
+                                                    "a folder give --out-dir")
+        elif args.out_dir is not None and not args.out_dir.strip():
+            raise _UserError("--out-dir must not be empty (leave it out for bench/results/)")
         else:
             _check_writable(str(Path(args.out_dir or common.DEFAULT_RESULTS_DIR) / f"{SUITE}.json"), "--out-dir")
         doc = _user(record, args)

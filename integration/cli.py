@@ -452,10 +452,13 @@ def serve_commands(out: str, *, dummy: bool = False) -> str:
     environment and flags its model state requires: without the plugin's ``--scheduler-cls`` it stops the start) and
     stock vLLM (``VLLM_PLUGINS=none``: with VLLM_PLUGINS unset vLLM loads every installed plugin, blockdiff's
     included, which then replaces vLLM's DiffusionGemma class and refuses the stock command). ``dummy``: a geometry
-    exported without weights (``--load-format dummy``)."""
+    exported without weights (``--load-format dummy``). The folder is shell-quoted (:func:`shlex.quote`): a path
+    with a space or a shell character is one argument of the command as pasted."""
+    import shlex
+
     from .vllm_plugin import ASYNC_SCHEDULER_CLASS
 
-    folder = f"{out}{' --load-format dummy' if dummy else ''} --language-model-only"
+    folder = f"{shlex.quote(out)}{' --load-format dummy' if dummy else ''} --language-model-only"
     return (f"serve with vLLM + blockdiff (the flags its plugin requires; sizes such as --max-model-len and --dtype: "
             f"integration/README.md \"vLLM\"):\n"
             f"  VLLM_USE_V2_MODEL_RUNNER=1 VLLM_PLUGINS=blockdiff vllm serve {folder} --attention-backend CUSTOM "

@@ -7,7 +7,8 @@ and compare its completions with blockdiff's harness on the same checkpoint, tok
     python3 -m blockdiff.bench.experiments.serve_smoke client --base-url http://127.0.0.1:8022 --model MODEL --out srv.json
     # (harness and client: --step-cap N runs every request at max_denoising_steps N, default 16; both sides alike)
     # agreement of two sides (prints per-prompt equality of the prompt and output token ids and the index of the
-    # first differing output token; exit 0 whatever the agreement, 2 when the two ran at different step caps)
+    # first differing output token; exit 0 whatever the agreement, 2 when the two ran at different step caps or a
+    # file is no record)
     python3 -m blockdiff.bench.experiments.serve_smoke compare harness.json srv.json
     # one JSON record of several comparisons (exit 1 when a --require'd pair differs anywhere)
     python3 -m blockdiff.bench.experiments.serve_smoke record --out rec.json --pair NAME a.json b.json [--require NAME]
@@ -38,12 +39,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import threading
 import time
 import urllib.error
 import urllib.request
 
+from blockdiff.integration.cli import ATTENTION_BACKENDS, SAMPLER_BACKENDS  # the backend names, no torch import
 from blockdiff.integration.demo import TEXT_REQUESTS
 
 MAX_TOKENS = 64
@@ -283,10 +286,12 @@ def compare_rows(ra: dict, rb: dict) -> dict:
     """Per-prompt agreement of two records' rows: ``equal`` (output token ids when both sides have them, else the
     text), ``first_diff_token`` (index of the first differing output token, None when equal), the common text
     prefix in characters, and ``prompt_equal`` (the prompt token ids agree: a server that added a BOS would not);
-    a row missing or failed on either side is ``equal: False`` with its error."""
+    a row missing or failed on either side is ``equal: False`` with its error. Every prompt of either side is
+    compared (``ra``'s order, then those only ``rb`` has: a failed server request was dropped when the other side
+    lacked its prompt)."""
     out = {}
-    for rid in ra:
-        a, b = ra[rid], rb.get(rid, {})
+    for rid in [*ra, *(r for r in rb if r not in ra)]:
+        a, b = ra.get(rid, {}), rb.get(rid, {})
         ta, tb = a.get("text"), b.get("text")
         if ta is None or tb is None:
             out[rid] = {"equal": False, "error": a.get("error") or b.get("error") or "missing"}
@@ -303,6 +308,25 @@ def compare_rows(ra: dict, rb: dict) -> dict:
             row["prompt_equal"] = pa == pb
         out[rid] = row
     return out
+
+
+def load_record(path: str) -> dict:
+    """A record file of ``harness`` / ``client`` (a JSON object whose ``rows`` maps request ids to objects).
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: it is not JSON, or not such a record (the file named).
+    """
+    with open(path) as f:
+        try:
+            rec = json.load(f)
+        except ValueError as e:
+            raise ValueError(f"{path}: not JSON ({e})") from None
+    rows = rec.get("rows") if isinstance(rec, dict) else None
+    if not isinstance(rows, dict) or not all(isinstance(v, dict) for v in rows.values()):
+        raise ValueError(f"{path}: not a serve_smoke harness / client record (a JSON object whose 'rows' maps request "
+                         f"ids to objects)")
+    return rec
 
 
 def check_same_step_cap(ra: dict, rb: dict) -> None:
@@ -322,9 +346,11 @@ def compare(a: str, b: str) -> dict:
     """:func:`compare_rows` of two record files, printed with the count of equal prompts.
 
     Raises:
-        ValueError: the records ran at different step caps (:func:`check_same_step_cap`).
+        ValueError: a file is no record (:func:`load_record`), or the records ran at different step caps
+            (:func:`check_same_step_cap`).
+        OSError: a file cannot be read.
     """
-    ra, rb = json.load(open(a)), json.load(open(b))
+    ra, rb = load_record(a), load_record(b)
     check_same_step_cap(ra, rb)
     out = compare_rows(ra["rows"], rb["rows"])
     eq = sum(v["equal"] for v in out.values())
@@ -343,8 +369,8 @@ def record(out: str, pairs: list[tuple[str, str, str]], required: list[str] = ()
     Args:
         out: the JSON file written.
         pairs: ``(name, a, b)``; ``name`` unique, ``a`` / ``b`` record files of ``harness`` / ``client``. A missing
-            file is recorded as the error of that pair (a server that never came up), not raised, so the other
-            pairs are kept.
+            file, or one that is no record (:func:`load_record`), is recorded as the error of that pair (a server
+            that never came up), not raised, so the other pairs are kept.
         required: names of pairs that must be equal on every prompt.
 
     Returns:
@@ -365,7 +391,7 @@ def record(out: str, pairs: list[tuple[str, str, str]], required: list[str] = ()
     for name, a, b in pairs:
         entry = {"a": a, "b": b, "must_equal": name in required}
         try:
-            ra, rb = json.load(open(a)), json.load(open(b))
+            ra, rb = load_record(a), load_record(b)
             check_same_step_cap(ra, rb)
         except (OSError, ValueError) as e:
             entry.update(error=f"{type(e).__name__}: {e}"[:300], equal=0, of=0, ok=False)
@@ -389,6 +415,33 @@ def record(out: str, pairs: list[tuple[str, str, str]], required: list[str] = ()
     return rec
 
 
+def _timeout_arg(text: str) -> float:
+    """argparse type of ``--timeout``: seconds, a finite number > 0 (``nan``, 0 or a negative value reached every
+    request's socket, each recorded as a failed request, exit 0)."""
+    try:
+        v = float(text)
+    except ValueError:
+        v = math.nan
+    if not (math.isfinite(v) and v > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text!r}")
+    return v
+
+
+def _out_arg(text: str) -> str:
+    """argparse type of ``--out``: a JSON file that can be written, checked before any work (a folder, an empty path,
+    a missing or unwritable folder: the harness or the server's requests ran, then ``open(out, "w")`` raised and the
+    record was lost)."""
+    import os
+
+    if not text.strip() or text.endswith(("/", os.sep)) or os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"a file name is needed (an empty path or a folder names no file), got "
+                                         f"{text!r}")
+    parent = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise argparse.ArgumentTypeError(f"its folder {parent!r} is not a writable folder, got {text!r}")
+    return text
+
+
 def _step_cap_arg(text: str) -> int:
     try:
         return check_step_cap(int(text))
@@ -400,20 +453,20 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     h = sub.add_parser("harness")
-    h.add_argument("--out", required=True)
+    h.add_argument("--out", type=_out_arg, required=True)
     h.add_argument("--device", default="cuda")
     h.add_argument("--dtype", choices=DTYPES, default="bfloat16",
                    help="model dtype (float32 for the token-for-token check against vllm serve --dtype float32)")
-    h.add_argument("--attn-backend", default="triton")
-    h.add_argument("--sampler-backend", default="triton")
+    h.add_argument("--attn-backend", choices=ATTENTION_BACKENDS, default="triton")
+    h.add_argument("--sampler-backend", choices=SAMPLER_BACKENDS, default="triton")
     h.add_argument("--sampled", action="store_true")
     h.add_argument("--step-cap", type=_step_cap_arg, default=STEP_CAP, help="max_denoising_steps of every request")
     c = sub.add_parser("client")
     c.add_argument("--base-url", required=True)
     c.add_argument("--model", required=True)
-    c.add_argument("--out", required=True)
+    c.add_argument("--out", type=_out_arg, required=True)
     c.add_argument("--sampled", action="store_true")
-    c.add_argument("--timeout", type=float, default=120.0)
+    c.add_argument("--timeout", type=_timeout_arg, default=120.0, help="seconds a request may take (default 120)")
     c.add_argument("--concurrent", action="store_true", help="send every prompt at once (mixed batches)")
     c.add_argument("--step-cap", type=_step_cap_arg, default=STEP_CAP, help="max_denoising_steps of every request")
     m = sub.add_parser("compare")
@@ -421,7 +474,7 @@ def main(argv=None) -> int:
     m.add_argument("b")
     r = sub.add_parser("record", help="write one JSON record of several comparisons (exit 1 when a required one "
                         "is not equal on every prompt)")
-    r.add_argument("--out", required=True)
+    r.add_argument("--out", type=_out_arg, required=True)
     r.add_argument("--pair", nargs=3, action="append", required=True, metavar=("NAME", "A", "B"))
     r.add_argument("--require", action="append", default=[], metavar="NAME",
                    help="a pair that must be equal on every prompt")
@@ -429,8 +482,8 @@ def main(argv=None) -> int:
                        "and the plain one is served)")
     f.add_argument("--base-url", required=True)
     f.add_argument("--model", required=True)
-    f.add_argument("--out", required=True)
-    f.add_argument("--timeout", type=float, default=120.0)
+    f.add_argument("--out", type=_out_arg, required=True)
+    f.add_argument("--timeout", type=_timeout_arg, default=120.0, help="seconds a request may take (default 120)")
     args = ap.parse_args(argv)
     if args.cmd == "refusals":
         return 0 if run_refusals(args.base_url, args.model, args.out, args.timeout)["ok"] else 1
@@ -444,7 +497,7 @@ def main(argv=None) -> int:
     else:
         try:
             compare(args.a, args.b)
-        except ValueError as e:
+        except (ValueError, OSError) as e:
             print(f"serve_smoke compare: {e}", file=sys.stderr)
             return 2
     return 0

@@ -86,6 +86,30 @@ def test_time_per_canvas_counts_canvases_after_the_first_and_skips_failed_reques
         bs.row_from_result([], backend="vllm", quant="fp8", max_num_seqs=1)
 
 
+@pytest.mark.parametrize("detailed", [True, False])
+def test_a_run_with_no_completed_request_has_no_latency_not_zero_ms(detailed):
+    """vLLM 0.26's calculate_metrics writes np.mean(ttfts or 0) = 0 over no request: a run whose every request
+    failed was recorded with ttft_ms / e2e_ms / time_per_canvas_ms 0.0 (a latency nobody measured)."""
+    n = 8
+    r = {"duration": 3.0, "completed": 0, "failed": n, "num_prompts": n, "max_concurrency": 4,
+         "total_output_tokens": 0, "request_throughput": 0.0, "output_throughput": 0.0,
+         "total_token_throughput": 0.0, "max_output_tokens_per_s": 0.0, "max_concurrent_requests": 0,
+         **{f"{s}_{m}_ms": 0.0 for s in ("mean", "median", "p99") for m in ("ttft", "tpot", "itl", "e2el")}}
+    if detailed:
+        r.update(output_lens=[0] * n, ttfts=[0.0] * n, itls=[[]] * n, start_times=[1.0] * n,
+                 generated_texts=[""] * n, errors=["Bad Request"] * n)
+    row = bs.row_from_result(r, backend="vllm", quant="fp8", max_num_seqs=16)
+    for k in bs._LATENCY_FIELDS:
+        assert row[k] is None, k
+    assert row["output_tok_s"] == 0.0 and not row["complete"] and "8 of 8 requests lost" in row["reason"]
+    # one completed request: its latencies are vLLM's, as before
+    one = dict(r, completed=1, failed=n - 1, mean_ttft_ms=50.0, mean_e2el_ms=250.0)
+    for k in ("ttfts", "itls", "output_lens", "errors", "generated_texts", "start_times"):
+        one.pop(k, None)
+    row = bs.row_from_result(one, backend="vllm", quant="fp8", max_num_seqs=16)
+    assert (row["ttft_ms"], row["e2e_ms"], row["time_per_canvas_ms"]) == (50.0, 250.0, 200.0)
+
+
 def test_row_summarizes_the_generated_texts_whose_tokens_decide_the_detokenizers_cost():
     """docs/tuning.md 7.19: a row says what the model's text looked like (a repeated <pad> decodes to nothing)."""
     r = {"completed": 3, "failed": 0, "num_prompts": 3, "duration": 1.0, "output_throughput": 1.0,
@@ -932,6 +956,32 @@ def test_goals_never_compare_rows_of_two_client_settings():
         bs.effective_skip_special_tokens("false")
 
 
+def test_a_row_the_sweeps_deadline_skipped_is_never_listed_as_left_out_for_another_client_setting(tmp_path,
+                                                                                                   monkeypatch):
+    """A skipped row (no client ran) had no skip_special_tokens field, read as vLLM's default (True): beside the
+    measured rows (False) the record's throughput goals listed it under left_out, a client setting it never ran."""
+    def client(cmd, args, *, result_path, log_path, timeout_s):
+        c, n = (int(args[args.index(f) + 1]) for f in ("--max-concurrency", "--num-prompts"))
+        return {"completed": n, "failed": 0, "num_prompts": n, "duration": 1.0, "output_throughput": 100.0 * c,
+                "max_concurrency": c, "total_output_tokens": n * 512, "diffusion_steps_per_canvas": 16.0}, None
+
+    monkeypatch.setattr(bs, "run_bench_serve", client)
+    rows_path = tmp_path / "r.jsonl"
+    base = ["sweep", "--base-url", "http://x", "--model", "/m", "--backend", "vllm", "--quant", "fp8",
+            "--max-num-seqs", "4", "--rows", str(rows_path), "--work-dir", str(tmp_path / "w"),
+            "--warm-concurrency", "0"]
+    bs.sweep(bs.build_parser().parse_args(base + ["--concurrency", "1"]))
+    skipped = bs.sweep(bs.build_parser().parse_args(base + ["--concurrency", "4", "--deadline-s", "0"]))
+    assert skipped[0]["status"] == "skipped" and skipped[0]["skip_special_tokens"] is False
+    _, rows = bs.read_rows([rows_path])
+    goals = bs.evaluate_goals(rows)
+    assert all("left_out" not in g for g in goals), goals
+    # a record written before the fix: its skipped row lacks the field; still not listed
+    old = [r if r["status"] == "ok" else {k: v for k, v in r.items() if k != "skip_special_tokens"} for r in rows]
+    assert all("left_out" not in g for g in bs.evaluate_goals(old))
+    assert {g["skip_special_tokens"] for g in bs.evaluate_goals(old) if "skip_special_tokens" in g} == {False}
+
+
 def test_goals_never_compare_rows_of_two_load_formats():
     """docs/tuning.md 7.21: with dummy weights half the MoE layers read 8 experts; a dummy_live row (spread routing)
     is never divided by a dummy one. Each format gets its own goals; the issue's names stay on dummy's."""
@@ -1004,13 +1054,15 @@ def test_record_writes_json_csv_png_and_goals(tmp_path):
             f.write(json.dumps(_row("vllm", "fp8", c, v, seqs=16)) + "\n")
             f.write(json.dumps(_row("blockdiff-triton", "fp8", c, 1.5 * v * (1 + c / 16))) + "\n")
     prof = tmp_path / "p.json"
-    prof.write_text(json.dumps({"backend": "vllm", "canvas_step_ms": {"sampler": 2.0}, "env": {"gpu": "x"}}))
+    prof.write_text(json.dumps({"backend": "vllm", "canvas_step_ms": {"sampler": 2.0},
+                                "env": {"gpu": "NVIDIA H200", "commit": "abc"}}))
     out = tmp_path / "res" / "serve-h200.json"
     assert bs.main(["record", str(rows), "--profile", str(prof), "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert doc["suite"] == "serve" and doc["gpu"] == "NVIDIA H200" and len(doc["rows"]) == 8
     assert doc["commit"] != "unknown" and any("commit" in n for n in doc["notes"])
     assert doc["profiles"][0]["canvas_step_ms"]["sampler"] == 2.0 and "env" not in doc["profiles"][0]
+    assert doc["profiles"][0]["commit"] == "abc"
     assert doc["servers"]["vllm-fp8"]["max_num_seqs"] == 16
     assert doc["setting"] == {"input_len": 4096, "load_formats": ["dummy"]}
     goals = {g["name"]: g for g in doc["goals"]}
@@ -1265,6 +1317,21 @@ def test_sweep_bad_numbers_and_paths_exit_2_before_any_run(cli, tmp_path, flag, 
     assert not (tmp_path / "rows.jsonl").exists()
 
 
+@pytest.mark.parametrize("value,words", [("1,4,1", ["1 more than once"]), ("16,16", ["16 more than once"]),
+                                         (",", ["comma-separated ints"]), (" , ", ["comma-separated ints"]),
+                                         ("", [">= 1"]), ("1,x", ["comma-separated ints"]), ("0,4", [">= 1"])])
+def test_a_concurrency_list_that_repeats_a_value_or_names_nothing_exits_2_before_any_run(cli, tmp_path, value, words):
+    """Was: --concurrency 1,4,1 ran the c1 load twice with one seed, the second run overwriting the first's detailed
+    result, and gave the record two rows of serve_c1."""
+    args = {"--base-url": "http://127.0.0.1:9", "--model": "/m", "--backend": "vllm", "--quant": "bf16",
+            "--max-num-seqs": "2", "--rows": str(tmp_path / "rows.jsonl"), "--bench-cmd": "false",
+            "--concurrency": value}
+    _one_clear_line(cli("sweep", *[x for kv in args.items() for x in kv]), "--concurrency", *words)
+    assert not (tmp_path / "rows.jsonl").exists()
+    assert bs._concurrencies(" 1, 4,,16 ") == [1, 4, 16]  # blanks dropped, as every bench comma list
+    assert bs._ints("64,64") == [64, 64]  # serve_standin --prompts: counts may repeat
+
+
 def test_profile_against_an_unreachable_server_exits_2_naming_base_url(cli, tmp_path):
     """Was: urllib's URLError traceback (connection refused) from /start_profile."""
     p = cli("profile", "--base-url", "http://127.0.0.1:9", "--model", "/m", "--backend", "vllm", "--quant", "bf16",
@@ -1280,6 +1347,28 @@ def test_trace_and_model_input_errors_exit_2(cli, tmp_path):
     _one_clear_line(cli("model", tmp_path / "afile"), "afile")
 
 
+def test_an_output_flag_that_names_a_folder_or_nothing_exits_2_before_any_work(cli, tmp_path):
+    """Was: profile / trace --out FOLDER ran the whole load (or classification) and then lost its summary to an
+    IsADirectoryError traceback; sweep --rows FOLDER a traceback after the warm-up; record --out '' / --out-dir ''
+    wrote to bench/results/ as if the flag were absent."""
+    folder = tmp_path / "d"
+    folder.mkdir()
+    (tmp_path / "t.json").write_text(json.dumps(synthetic_trace([(256, [("_attn_fwd", 0.1, "forward")])])))
+    for out in (str(folder), str(tmp_path / "new") + "/", ""):
+        _one_clear_line(cli("trace", tmp_path / "t.json", "--out", out), "--out", "a file name is needed")
+        _one_clear_line(cli("profile", "--base-url", "http://127.0.0.1:9", "--model", "m", "--backend", "vllm",
+                            "--quant", "fp8", "--trace-dir", tmp_path / "tr", "--out", out, "--bench-cmd", "false"),
+                        "--out", "a file name is needed")
+        _one_clear_line(cli("sweep", "--base-url", "http://127.0.0.1:9", "--model", "m", "--backend", "vllm",
+                            "--quant", "fp8", "--max-num-seqs", "1", "--rows", out, "--bench-cmd", "false"),
+                        "--rows", "a file name is needed")
+    rows = _rows_from(tmp_path / "r.jsonl", "NVIDIA H200")
+    _one_clear_line(cli("record", rows, "--out", ""), "--out")
+    _one_clear_line(cli("record", rows, "--out-dir", ""), "--out-dir", "must not be empty")
+    assert not (tmp_path / "new").exists() and not any(folder.iterdir())
+    assert cli("trace", tmp_path / "t.json", "--out", folder / "t_summary.json")[0] == 0  # a file in it: fine
+
+
 def _rows_from(path, *gpus):
     """A rows file with one env line and one stock c1 row per GPU named."""
     with open(path, "w") as f:
@@ -1287,6 +1376,43 @@ def _rows_from(path, *gpus):
             env = dict(bs.environment(), kind="env", backend="vllm", quant="bf16", max_num_seqs=4, gpu=gpu)
             f.write(json.dumps({"env": env}) + "\n" + json.dumps(_row("vllm", "bf16", 1, 600.0, seqs=4)) + "\n")
     return path
+
+
+def test_record_refuses_a_profile_taken_on_another_gpu_than_the_rows(cli, tmp_path):
+    """The profile's env was dropped without a look: an H200 lease's profile went into serve-h100.json, labelled
+    with the H100 by the record's top level."""
+    rows = _rows_from(tmp_path / "r.jsonl", "NVIDIA H100 80GB HBM3")
+    prof = tmp_path / "p.json"
+    prof.write_text(json.dumps({"backend": "vllm", "env": {"gpu": "NVIDIA H200", "commit": "abc"}}))
+    _one_clear_line(cli("record", rows, "--profile", prof, "--out", tmp_path / "serve-h100.json"), "--profile",
+                    "p.json", "NVIDIA H200", "NVIDIA H100 80GB HBM3")
+    assert not (tmp_path / "serve-h100.json").exists()
+    prof.write_text(json.dumps({"backend": "vllm", "env": {"gpu": "NVIDIA H100 80GB HBM3", "commit": "abc"}}))
+    assert cli("record", rows, "--profile", prof, "--out", tmp_path / "serve-h100.json")[0] == 0
+
+
+def test_record_of_sweeps_at_two_commits_names_both_never_the_first_alone(cli, tmp_path):
+    """The record's top level took the first env's commit and vLLM version: blockdiff's rows swept at another commit
+    (or vLLM) were labelled with stock's."""
+    rows = tmp_path / "r.jsonl"
+    with open(rows, "w") as f:
+        for backend, commit, vllm in (("vllm", "a" * 40, "0.26.0"), ("blockdiff-cute", "b" * 40, "0.26.0"),
+                                      ("blockdiff-cute", "c" * 40, "0.26.0")):
+            env = dict(bs.environment(), kind="env", backend=backend, quant="fp8", max_num_seqs=4,
+                       gpu="NVIDIA H200", commit=commit, vllm=vllm)
+            f.write(json.dumps({"env": env}) + "\n" + json.dumps(_row(backend, "fp8", 1, 600.0, seqs=4)) + "\n")
+    assert cli("record", rows, "--out", tmp_path / "serve-h200.json")[0] == 0
+    doc = json.loads((tmp_path / "serve-h200.json").read_text())
+    assert doc["commit"] == " + ".join(("a" * 40, "b" * 40, "c" * 40)) and doc["vllm"] == "0.26.0"
+    assert doc["servers"]["vllm-fp8"]["commit"] == "a" * 40
+    assert doc["servers"]["blockdiff-cute-fp8"]["commit"] == "b" * 40 + " + " + "c" * 40
+    assert any(n.startswith("commit: the rows ran at 3 values") for n in doc["notes"]), doc["notes"]
+    assert not any(n.startswith("vllm") for n in doc["notes"])
+    # one commit: as before, no note and no per-server field
+    one = _rows_from(tmp_path / "one.jsonl", "NVIDIA H200")
+    assert cli("record", one, "--out", tmp_path / "one" / "serve-h200.json")[0] == 0
+    doc = json.loads((tmp_path / "one" / "serve-h200.json").read_text())
+    assert " + " not in doc["commit"] and "commit" not in doc["servers"]["vllm-bf16"]
 
 
 def test_record_refuses_an_out_name_that_says_another_gpu(cli, tmp_path):

@@ -482,6 +482,21 @@ def test_cli_export_prints_serve_commands_with_the_plugins_required_flags_and_st
         assert stock.endswith(f"VLLM_PLUGINS=none vllm serve {out}{dummy} --language-model-only")
 
 
+def test_cli_export_prints_serve_commands_whose_folder_is_one_shell_argument(tmp_path, capsys):
+    """Was: the folder pasted unquoted, so ``blockdiff export '/tmp/my model'`` printed ``vllm serve /tmp/my model
+    ...`` (vLLM would serve /tmp/my) and a folder with ``;`` split the pasted command in two."""
+    import shlex
+
+    for name in ("my model", "a;b", "it's"):
+        out = tmp_path / name
+        assert cli.main(["export", str(out), "--geometry", "diffusiongemma-26b-a4b"]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        for marker in ("VLLM_PLUGINS=blockdiff", "VLLM_PLUGINS=none"):
+            argv = shlex.split(next(x for x in lines if marker in x).split(": ", 1)[-1])
+            assert argv[argv.index("serve") + 1] == str(out), argv
+            assert argv[argv.index("serve") + 2:][:3] == ["--load-format", "dummy", "--language-model-only"]
+
+
 def test_cli_export_argument_errors_come_before_torch(tmp_path):
     """Argument errors of ``blockdiff export`` exit 2, one line each, in a process that never imported torch."""
     code = ("import sys; from blockdiff.integration import cli\n"

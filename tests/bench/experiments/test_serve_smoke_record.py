@@ -98,3 +98,68 @@ def test_step_cap_above_the_samplers_limit_is_refused_before_any_work(capsys):
     with pytest.raises(SystemExit):
         serve_smoke.main(["harness", "--out", "h.json", "--step-cap", str(MAX_STEPS)])
     assert "--step-cap: must be an int >= 1 and below 16384" in capsys.readouterr().err
+
+
+def test_a_prompt_only_one_side_has_is_compared_so_a_failed_server_request_never_passes(tmp_path):
+    """compare_rows walked the first record's prompts only: a server request the first side lacked (here failed)
+    was never looked at, and a required pair passed."""
+    a = _write(tmp_path / "a.json", _rows("ab"))
+    b_rows = {**_rows("ab"), "req-1": {"prompt": "x", "error": "HTTPError: 500"}}
+    b = _write(tmp_path / "b.json", b_rows)
+    rec = serve_smoke.record(str(tmp_path / "r.json"), [("p", a, b), ("q", b, a)], required=["p", "q"])
+    assert not rec["ok"] and (rec["pairs"]["p"]["equal"], rec["pairs"]["p"]["of"]) == (1, 2)
+    assert rec["pairs"]["p"]["rows"]["req-1"] == {"equal": False, "error": "HTTPError: 500"}
+    assert (rec["pairs"]["q"]["equal"], rec["pairs"]["q"]["of"]) == (1, 2)
+    rows = serve_smoke.compare_rows(_rows("ab"), {**_rows("ab"), "req-9": _rows("z")["req-0"]})
+    assert list(rows) == ["req-0", "req-9"] and rows["req-9"] == {"equal": False, "error": "missing"}
+
+
+@pytest.mark.parametrize("content", ["[1, 2]", "{bad", '{"rows": [1]}', '{"rows": {"req-0": "ab"}}', '{"x": 1}'])
+def test_compare_and_record_of_a_file_that_is_no_record_exit_2_or_keep_it_as_the_pairs_error(tmp_path, capsys,
+                                                                                             content):
+    """Was: an AttributeError / KeyError traceback (exit 1) from compare, and from record, which lost every pair."""
+    a = _write(tmp_path / "a.json", _rows("ab"))
+    x = tmp_path / "x.json"
+    x.write_text(content)
+    assert serve_smoke.main(["compare", a, str(x)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "serve_smoke compare:" in err[0] and "x.json" in err[0]
+    assert serve_smoke.main(["compare", a, str(tmp_path / "none.json")]) == 2
+    assert "none.json" in capsys.readouterr().err
+    rec = serve_smoke.record(str(tmp_path / "r.json"), [("ok", a, a), ("bad", a, str(x))], required=["ok"])
+    assert rec["ok"] and rec["pairs"]["ok"]["equal"] == 1 and "x.json" in rec["pairs"]["bad"]["error"]
+
+
+@pytest.mark.parametrize("cmd", ["client", "refusals"])
+@pytest.mark.parametrize("value", ["nan", "inf", "0", "-1", "soon"])
+def test_a_timeout_that_is_not_a_finite_positive_number_of_seconds_exits_2_before_any_request(tmp_path, capsys, cmd,
+                                                                                               value):
+    """Was: --timeout nan / 0 / -1 reached every request's socket, each recorded as a failed request, exit 0."""
+    out = tmp_path / "o.json"
+    with pytest.raises(SystemExit) as e:
+        serve_smoke.main([cmd, "--base-url", "http://127.0.0.1:9", "--model", "m", "--out", str(out),
+                          "--timeout", value])
+    assert e.value.code == 2 and "--timeout" in capsys.readouterr().err and not out.exists()
+
+
+@pytest.mark.parametrize("flag,value", [("--attn-backend", "trition"), ("--sampler-backend", "cute"),
+                                        ("--attn-backend", "")])
+def test_harness_backend_that_is_no_backend_exits_2_before_the_model_loads(tmp_path, capsys, flag, value):
+    """Was: any string, refused by the attention / sampler registry only after the checkpoint loaded (a traceback,
+    exit 1)."""
+    with pytest.raises(SystemExit) as e:
+        serve_smoke.main(["harness", "--out", str(tmp_path / "h.json"), flag, value])
+    assert e.value.code == 2 and flag in capsys.readouterr().err and not (tmp_path / "h.json").exists()
+
+
+@pytest.mark.parametrize("cmd", [["harness"], ["client", "--base-url", "http://127.0.0.1:9", "--model", "m"],
+                                 ["refusals", "--base-url", "http://127.0.0.1:9", "--model", "m"],
+                                 ["record", "--pair", "p", "a.json", "b.json"]])
+def test_an_out_that_names_a_folder_or_a_missing_folder_exits_2_before_any_work(tmp_path, capsys, cmd):
+    """Was: the harness ran (or the server answered every request), then open(out, "w") raised IsADirectoryError /
+    FileNotFoundError and the record was lost."""
+    for out in (str(tmp_path), str(tmp_path / "new") + "/", "", str(tmp_path / "missing" / "o.json")):
+        with pytest.raises(SystemExit) as e:
+            serve_smoke.main([*cmd, "--out", out])
+        assert e.value.code == 2 and "--out" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
