@@ -56,8 +56,15 @@ TRITON_IMPORTED_BEFORE_INTERPRETER = (
     "does) or a plugin. Set TRITON_INTERPRET=1 in the environment to run anyway.")
 
 
+#: ``TRITON_INTERPRET`` values (lower-cased) that turn Triton's interpreter on: Triton's reading, the tuple of
+#: ``blockdiff.attention.env.TRITON_INTERPRET_ON`` (this module runs before blockdiff or triton may be imported;
+#: tests/test_conftest_run_mode.py checks the two agree).
+TRITON_INTERPRET_ON = ("1", "true", "yes", "on", "y")
+
+
 def check_triton_interpreted(env, modules) -> None:
-    """Where ``env`` turns the Triton interpreter on (``TRITON_INTERPRET`` set and not ``0``), check that triton's
+    """Where ``env`` turns the Triton interpreter on (``TRITON_INTERPRET`` in :data:`TRITON_INTERPRET_ON`, as
+    Triton reads it), check that triton's
     library was not imported before with it off: triton chooses interpreted or compiled functions when a
     ``@triton.jit`` decorator runs, so ``triton.language.standard``'s functions (``tl.max``, ``tl.sum``, ...) keep
     the mode of the environment at triton's import. ``modules``: ``sys.modules``.
@@ -65,7 +72,7 @@ def check_triton_interpreted(env, modules) -> None:
     Raises:
         pytest.UsageError: :data:`TRITON_IMPORTED_BEFORE_INTERPRETER`.
     """
-    if env.get("TRITON_INTERPRET", "0") in ("", "0"):
+    if env.get("TRITON_INTERPRET", "").lower() not in TRITON_INTERPRET_ON:
         return
     standard = modules.get("triton.language.standard")
     if standard is not None and type(getattr(standard, "max", None)).__name__ == "JITFunction":

@@ -79,6 +79,19 @@ def test_triton_imported_compiled_before_the_interpreter_is_a_usage_error_naming
     conftest.check_triton_interpreted({"TRITON_INTERPRET": "1"}, interpreted)
     conftest.check_triton_interpreted({}, compiled)  # the interpreter off: compiled is what the run asked for
     conftest.check_triton_interpreted({"TRITON_INTERPRET": "0"}, compiled)
+    for off in ("false", "no", "off", "2"):  # Triton compiles: compiled functions are what the run asked for
+        conftest.check_triton_interpreted({"TRITON_INTERPRET": off}, compiled)
+    with pytest.raises(pytest.UsageError):
+        conftest.check_triton_interpreted({"TRITON_INTERPRET": "True"}, compiled)
+
+
+def test_run_mode_reads_triton_interpret_as_the_library_and_triton_do():
+    """run_mode's copy of the interpreter-on values (it runs before blockdiff is importable) equals the library's
+    (blockdiff.attention.env, itself checked against Triton's knobs); "false" used to count as on here."""
+    from blockdiff.attention.env import TRITON_INTERPRET_ON
+    from blockdiff.sampler.triton.common import TRITON_INTERPRET_ON as SAMPLER_ON
+
+    assert conftest.TRITON_INTERPRET_ON == TRITON_INTERPRET_ON == SAMPLER_ON
 
 
 def _pytest_subprocess(tmp_path, *args):
