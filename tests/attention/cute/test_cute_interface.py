@@ -528,3 +528,13 @@ def test_arch_and_sm_count_overrides_are_parsed_strictly(monkeypatch):
         monkeypatch.setenv("FLASH_ATTENTION_NUM_SMS", env)
         with pytest.raises(ValueError, match="FLASH_ATTENTION_NUM_SMS"):
             ca._num_sms("cpu")
+
+
+def test_broadcast_dims_is_false_for_a_tensor_without_a_zero_stride():
+    """The compile key's broadcast part costs host time on every call (nine tensors): a tensor without a stride of 0,
+    the common case, is one ``False`` (review25: the per-dim tuples of ``False`` cost ~5x more per call), while any
+    stride of 0, a size-1 dim's included, still gives its per-dim pattern."""
+    dense, col = torch.zeros(8, 4, 16), torch.zeros(8, 1)
+    assert ca.broadcast_dims(dense, None, col) == (False, None, False)
+    assert ca.broadcast_dims(col.expand(8, 4), torch.zeros(()).expand(1)) == ((False, True), (True,))
+    assert ca.broadcast_dims(dense) != ca.broadcast_dims(torch.zeros(8, 1, 16).expand(8, 4, 16))
