@@ -631,7 +631,9 @@ def compile_only(head_dim: int = 128, num_heads: int = 16, num_kv_heads: int = 8
 
     Sets FA4's CPU-compile variables when unset (FLASH_ATTENTION_ARCH=sm_90, CUTE_DSL_ARCH=sm_90a,
     FLASH_ATTENTION_NUM_SMS=132); the compiled kernel lands in the compile cache (not runnable without a GPU).
-    Raises ImportError without the packages.
+    Raises ImportError without the packages; ValueError where ``FLASH_ATTENTION_ARCH`` / ``FLASH_ATTENTION_NUM_SMS``
+    is already set to a value flash-attn-4's format / a decimal int >= 1 does not allow (:func:`attention_cute`'s
+    rule; break25b).
     """
     os.environ.setdefault("FLASH_ATTENTION_ARCH", "sm_90")
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
