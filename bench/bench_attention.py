@@ -650,6 +650,9 @@ def parse_args(argv=None):
         backends = common.comma_list(a.backends, "--backends")
     except ValueError as e:
         p.error(str(e))
+    for flag, v in (("--fa4-layouts", a.fa4_layouts), ("--blockdiff-layouts", a.blockdiff_layouts)):
+        if not v:  # '' has no "all" meaning here: it yielded no fa4 / triton / cute row, a run that measured nothing
+            p.error(f"{flag} must name paged and/or contiguous, got ''")
     if [x for x in a.blockdiff_layouts if x not in ("paged", "contiguous")]:
         p.error(f"--blockdiff-layouts: use paged and/or contiguous, got {a.blockdiff_layouts}")
     bad = [x for x in a.fa4_layouts if x not in ("paged", "contiguous")]

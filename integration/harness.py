@@ -420,10 +420,10 @@ class HarnessRunner:
             TypeError: a ``req_id`` that is not a str; a prompt that is not a sequence of ints (a str, floats,
                 bools, None, a sparse tensor), params of another type (a dict), an ``arrival_step`` that is not an
                 int.
-            ValueError: duplicate or empty id, empty prompt, a prompt tensor on the meta device, token id outside [0, vocab), prompt too long for
-                ``max_model_len``, a canvas length other than the served one, a SamplingParams rule broken, a
-                negative ``arrival_step``, or a request whose KV footprint exceeds the pool (``num_blocks``): it
-                could never finish.
+            ValueError: duplicate or empty id, empty prompt, a prompt tensor on the meta device, token id outside
+                [0, vocab), prompt too long for ``max_model_len``, a canvas length other than the served one, a
+                SamplingParams rule broken, a negative ``arrival_step``, or a request whose KV footprint exceeds the
+                pool (``num_blocks``): it could never finish.
         """
         _check_req_id(req_id)
         if not req_id:

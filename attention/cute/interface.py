@@ -547,8 +547,17 @@ def broadcast_dims(*tensors) -> tuple:
     ``mark_layout_dynamic`` keeps a stride of 0 static (flash-attn-4's ``get_broadcast_dims``, in its own compile
     keys), so a kernel compiled for an ``expand()``ed tensor and one for a dense tensor of the same shape differ. A
     size-1 dim counts too: its stride may be 0 (``torch.zeros(()).expand(1)``), and a kernel that baked it in would
-    read element 0 for every row of a later, longer tensor. Host shapes and strides only."""
-    return tuple(None if t is None else tuple(s == 0 for s in t.stride()) for t in tensors)
+    read element 0 for every row of a later, longer tensor. A tensor without a stride of 0 (every call's common
+    case) is ``False``, not a tuple of ``False``: the same key, at a fifth of the host cost per call (nine tensors
+    a call). Host shapes and strides only."""
+    out = []
+    for t in tensors:
+        if t is None:
+            out.append(None)
+        else:
+            st = t.stride()
+            out.append(0 in st and tuple(s == 0 for s in st))
+    return tuple(out)
 
 
 def _nan_recompute(cfg) -> bool:
@@ -622,7 +631,9 @@ def compile_only(head_dim: int = 128, num_heads: int = 16, num_kv_heads: int = 8
 
     Sets FA4's CPU-compile variables when unset (FLASH_ATTENTION_ARCH=sm_90, CUTE_DSL_ARCH=sm_90a,
     FLASH_ATTENTION_NUM_SMS=132); the compiled kernel lands in the compile cache (not runnable without a GPU).
-    Raises ImportError without the packages.
+    Raises ImportError without the packages; ValueError where ``FLASH_ATTENTION_ARCH`` / ``FLASH_ATTENTION_NUM_SMS``
+    is already set to a value flash-attn-4's format / a decimal int >= 1 does not allow (:func:`attention_cute`'s
+    rule; break25b).
     """
     os.environ.setdefault("FLASH_ATTENTION_ARCH", "sm_90")
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")

@@ -160,6 +160,8 @@ def test_comma_list_refuses_a_value_that_names_nothing():
     ("bench_attention", ["--quick", "--backends", ","]),
     ("bench_attention", ["--quick", "--fa4-layouts", " , "]),
     ("bench_attention", ["--quick", "--blockdiff-layouts", ","]),
+    ("bench_attention", ["--quick", "--backends", "triton", "--blockdiff-layouts", ""]),  # (review25: exit 0, no row)
+    ("bench_attention", ["--quick", "--backends", "fa4", "--fa4-layouts", ""]),
     ("sweep_cute_attention", ["--quick", "--fa4-layouts", ","]),
     ("sweep_cute_attention", ["--quick", "--candidates", ","]),
     ("bench_e2e", ["--quick", "--batches", ","]),

@@ -308,3 +308,21 @@ def test_an_unknown_or_unimportable_attention_backend_is_refused_before_the_mode
     with pytest.raises(demo.BackendUnavailable, match="'reference' is not available"):
         run_demo(backend="reference", out=str(tmp_path), progress=False, stream=io.StringIO(), **kw)
     assert work == []
+
+
+@pytest.mark.parametrize("value, available", [("false", False), ("off", False), ("0", False), ("true", True),
+                                              ("1", True)])
+def test_demo_reads_triton_interpret_as_triton_does(monkeypatch, value, available):
+    """The demo's CPU rule for the triton attention backend reads TRITON_INTERPRET as Triton does (break25b's
+    triton_interpret): ``false`` was taken as the interpreter, so the demo went on to hand CPU tensors to a compiled
+    kernel. (review25: no test covered the demo's two readers.)"""
+    import blockdiff.integration.demo as demo
+
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    if available:
+        demo.check_attention_backend("triton", "cpu", dtype=None)
+    else:
+        with pytest.raises(demo.BackendUnavailable, match="TRITON_INTERPRET"):
+            demo.check_attention_backend("triton", "cpu", dtype=None)
+        with pytest.raises(demo.BackendUnavailable, match="sampler backend 'triton' on CPU"):
+            demo.run_demo(sampler_backend="triton", device="cpu", progress=False, stream=io.StringIO())

@@ -271,3 +271,21 @@ def test_train_log_writes_non_finite_numbers_as_null_not_nan_tokens():
     out = json.dumps(json_finite(doc), allow_nan=False)
     assert json.loads(out) == {"log": [{"loss": None}, {"loss": 1.5}], "eval": {"rate": None, "n": 3, "t": [1.0, None]}}
     assert math.isnan(doc["log"][0]["loss"])  # the caller's dict is untouched
+
+
+def test_train_writes_a_diverged_held_out_loss_as_null_in_train_log_json(tmp_path, monkeypatch):
+    """train() itself writes standard JSON (the test above checks only the helper): a NaN held-out loss, as a
+    diverged run gives, is ``null`` in train_log.json (was: the ``NaN`` token), and the returned dict keeps the NaN.
+    (review25: reverting train's json.dump line left the helper's test passing.)"""
+    import blockdiff.model.train as T
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("def add(a, b):\n    return a + b\n\n" * 200)
+    monkeypatch.setattr(T, "held_out_loss", lambda *a, **k: float("nan"))
+    args = TrainArgs(out=str(tmp_path / "out"), max_steps=1, batch_size=2, prefix=8, prefix_min=8, warmup_steps=1,
+                     log_every=1, seed=0, device="cpu", smoke=True, corpus=str(corpus), eval_prompts=0)
+    res = train(args, stream=io.StringIO())
+    assert math.isnan(res["final_held_out_loss"])
+    text = (tmp_path / "out" / "train_log.json").read_text()
+    doc = json.loads(text, parse_constant=lambda c: pytest.fail(f"non-standard JSON token {c} in train_log.json"))
+    assert doc["final_held_out_loss"] is None and doc["log"][-1]["held_out_loss"] is None

@@ -477,8 +477,9 @@ def test_a_fresh_out_is_never_checked_for_overlap(monkeypatch):
     assert len(calls) == 3  # a caller's out: checked against q, k_cache, v_cache
 
 
-@pytest.mark.parametrize("which", ["q", "k_cache", "v_cache", "block_table", "out"])
-def test_a_broadcast_input_never_shares_a_compiled_kernel_with_a_dense_one(monkeypatch, which):
+@pytest.mark.parametrize("which, config", [("q", None), ("k_cache", None), ("v_cache", None), ("block_table", None),
+                                            ("out", None), ("v_cache", {"nan_safe_v": False})])
+def test_a_broadcast_input_never_shares_a_compiled_kernel_with_a_dense_one(monkeypatch, which, config):
     """The CuTe DSL keeps a stride of 0 static in a dynamic layout (flash-attn-4 keys its own kernels on
     ``get_broadcast_dims``), so a kernel compiled for an ``expand()``ed tensor reads element 0 of every head / row of a
     dense one, silently. The compile key missed it: an expanded Q, K cache or block table (valid input: the contract
@@ -500,7 +501,7 @@ def test_a_broadcast_input_never_shares_a_compiled_kernel_with_a_dense_one(monke
     kw = dict(return_lse=False, cu_seqlens_q=torch.tensor([0, 32, 64], dtype=torch.int32),
               num_causal_q=torch.zeros(2, dtype=torch.int32), seq_lens=torch.tensor([128, 128], dtype=torch.int32),
               cu_seqlens_k=None, window_size=None, bidirectional_window="symmetric", scale=512 ** -0.5, arch=90,
-              config=None, max_seqlen_q=32)
+              config=config, max_seqlen_q=32)  # (V without NaN-safe V: no static V strides told them apart)
     ca._run(fa, **dense, **kw)
     ca._run(fa, **dict(dense, **{which: wide[which]}), **kw)
     ca._run(fa, **dense, **kw)  # the dense call again: its own kernel, cached
@@ -528,3 +529,13 @@ def test_arch_and_sm_count_overrides_are_parsed_strictly(monkeypatch):
         monkeypatch.setenv("FLASH_ATTENTION_NUM_SMS", env)
         with pytest.raises(ValueError, match="FLASH_ATTENTION_NUM_SMS"):
             ca._num_sms("cpu")
+
+
+def test_broadcast_dims_is_false_for_a_tensor_without_a_zero_stride():
+    """The compile key's broadcast part costs host time on every call (nine tensors): a tensor without a stride of 0,
+    the common case, is one ``False`` (review25: the per-dim tuples of ``False`` cost ~5x more per call), while any
+    stride of 0, a size-1 dim's included, still gives its per-dim pattern."""
+    dense, col = torch.zeros(8, 4, 16), torch.zeros(8, 1)
+    assert ca.broadcast_dims(dense, None, col) == (False, None, False)
+    assert ca.broadcast_dims(col.expand(8, 4), torch.zeros(()).expand(1)) == ((False, True), (True,))
+    assert ca.broadcast_dims(dense) != ca.broadcast_dims(torch.zeros(8, 1, 16).expand(8, 4, 16))
