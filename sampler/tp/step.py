@@ -256,8 +256,9 @@ _DIGEST_M = 2147483647                               # 2**31 - 1 (prime): every 
 
 def _digest(tensors: Sequence[torch.Tensor], device) -> torch.Tensor:
     """A position-weighted checksum of the tensors' values (int64 scalar on ``device``, no host read): equal on
-    every rank for equal values (integer arithmetic only, exact on any device in any order), different for
-    different values but for a collision of probability ~2**-31. Float tensors enter by their bits."""
+    every rank for equal values (integer arithmetic only, exact on any device in any order). One changed value
+    always changes it (each weight is invertible mod the prime 2**31 - 1) unless its 32-bit halves change by
+    multiples of that prime; several changed values could cancel, by chance. Float tensors enter by their bits."""
     parts = []
     for t in tensors:
         t = t.reshape(-1)
@@ -270,7 +271,7 @@ def _digest(tensors: Sequence[torch.Tensor], device) -> torch.Tensor:
     M = _DIGEST_M
     lo, hi = v & 0xFFFFFFFF, (v >> 32) & 0xFFFFFFFF
     i = torch.arange(v.numel(), dtype=torch.int64, device=device) % M
-    w1, w2 = i * 48271 % M + 1, i * 69621 % M + 1
+    w1, w2 = i * 48271 % (M - 1) + 1, i * 69621 % (M - 1) + 1     # in [1, M - 1]: never 0 mod M
     return ((lo % M) * w1 % M + (hi % M) * w2 % M).sum()
 
 
