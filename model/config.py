@@ -40,7 +40,23 @@ _INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_lay
 
 
 def _show(v) -> str:
-    return f"{type(v).__name__} {v!r}"
+    return f"{type(v).__name__} {show_real(v)}"
+
+
+def finite_real(v) -> bool:
+    """``math.isfinite`` of a real number, False for an int beyond float's range (``math.isfinite`` raises
+    OverflowError there: a JSON file's ``1`` followed by 400 zeros is such an int, and must be refused by name)."""
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
+
+
+def show_real(v) -> str:
+    """``repr(v)`` for a message; an int beyond float's range by its size (its digits may be too many to print)."""
+    if isinstance(v, numbers.Integral) and not isinstance(v, bool) and not finite_real(v):
+        return f"an int of {int(v).bit_length()} bits"
+    return repr(v)
 
 
 def _check_int(name: str, v, lo: int, *, allow_none: bool = False) -> None:
@@ -58,8 +74,8 @@ def _check_real(name: str, v, *, positive: bool, none_hint: str = "") -> None:
     rule = "> 0" if positive else ">= 0"
     if isinstance(v, bool) or not isinstance(v, numbers.Real):
         raise TypeError(f"{name} must be a finite number {rule}{none_hint}, got {_show(v)}")
-    if not math.isfinite(v) or not (v > 0 if positive else v >= 0):
-        raise ValueError(f"{name} must be a finite number {rule}{none_hint}, got {v!r}")
+    if not finite_real(v) or not (v > 0 if positive else v >= 0):
+        raise ValueError(f"{name} must be a finite number {rule}{none_hint}, got {show_real(v)}")
     if v > FLOAT32_MAX or (v != 0 and v < FLOAT32_TINY):  # (0 itself only where the rule allows it)
         raise ValueError(f"{name} must be {'0 or ' if not positive else ''}within float32's normal range "
                          f"[2**-126, {FLOAT32_MAX:.4e}] (the model computes with it in float32, where it would "

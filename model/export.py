@@ -48,13 +48,12 @@ vLLM 0.26.0 ``model_executor/models/diffusion_gemma.py`` (``DiffusionGemmaModelS
 from __future__ import annotations
 
 import json
-import math
 import os
 
 import torch
 from safetensors.torch import save_file
 
-from .config import DiffusionGemmaConfig
+from .config import DiffusionGemmaConfig, finite_real, show_real
 from .generation import parse_generation_config
 from .loading import hf_name
 from .modeling import DiffusionGemma
@@ -147,8 +146,8 @@ def hf_generation_config_dict(config: DiffusionGemmaConfig, *, max_denoising_ste
         v = p[name]
         if not (isinstance(v, (int, float)) and not isinstance(v, bool)):
             raise TypeError(f"{name} must be a number, got {type(v).__name__}")
-        if not math.isfinite(v):
-            raise ValueError(f"{name} must be finite, got {v}")
+        if not finite_real(v):
+            raise ValueError(f"{name} must be finite, got {show_real(v)}")
         p[name] = float(v)  # transformers checks isinstance(..., float) on entropy_bound / confidence_threshold
     if p["t_min"] < 0:
         raise ValueError(f"t_min must be >= 0, got {p['t_min']}")

@@ -33,7 +33,7 @@ import os
 
 import torch
 
-from .config import FLOAT32_MAX, FLOAT32_TINY, DiffusionGemmaConfig, read_json_object
+from .config import FLOAT32_MAX, FLOAT32_TINY, DiffusionGemmaConfig, finite_real, read_json_object, show_real
 from .errors import CheckpointError, CheckpointFileNotFoundError
 
 __all__ = ["GENERATION_FILE", "GENERATION_DEFAULTS", "MAX_DENOISING_STEPS", "MIN_TEMPERATURE", "generation_defaults",
@@ -173,8 +173,8 @@ def parse_generation_config(d: dict, config: DiffusionGemmaConfig) -> dict:
         v = out[name]
         if isinstance(v, bool) or not isinstance(v, numbers.Real):
             raise TypeError(f"{name} must be a number, got {type(v).__name__} {v!r}")
-        if not math.isfinite(v) or abs(v) > FLOAT32_MAX:
-            raise ValueError(f"{name} must be finite in float32, got {v!r}")
+        if not finite_real(v) or abs(v) > FLOAT32_MAX:
+            raise ValueError(f"{name} must be finite in float32, got {show_real(v)}")
         out[name] = float(v)
     if out["t_min"] < 0:
         raise ValueError(f"t_min must be >= 0, got {out['t_min']}")

@@ -73,7 +73,7 @@ from safetensors.torch import save_file
 
 from blockdiff.attention import BACKENDS, build_mask
 
-from .config import DiffusionGemmaConfig, tiny_config
+from .config import DiffusionGemmaConfig, finite_real, show_real, tiny_config
 from .modeling import DiffusionGemma
 from .layers import rope_cos_sin
 from .loading import check_device, hf_name
@@ -168,7 +168,7 @@ def train_args_problems(self, paths: bool = False) -> list[tuple[type, str, str]
     out: list[tuple[type, str, str]] = []
 
     def bad(kind, name, rule):
-        out.append((kind, name, f"{name} must be {rule}, got {getattr(self, name)!r}"))
+        out.append((kind, name, f"{name} must be {rule}, got {show_real(getattr(self, name))}"))
 
     def is_int(v):
         return isinstance(v, int) and not isinstance(v, bool)
@@ -203,7 +203,7 @@ def train_args_problems(self, paths: bool = False) -> list[tuple[type, str, str]
         v = getattr(self, name)
         if not is_real(v):
             bad(TypeError, name, rule)
-        elif not (math.isfinite(v) and ok(v)):
+        elif not (finite_real(v) and ok(v)):
             bad(ValueError, name, rule)
     if not isinstance(self.smoke, bool):
         bad(TypeError, "smoke", "True or False")

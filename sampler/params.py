@@ -46,6 +46,20 @@ def _is_real(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+def _finite(x) -> bool:
+    """``math.isfinite`` of an int or float, False for an int beyond float's range (where ``math.isfinite`` raises
+    OverflowError: a request's ``t_max = 10**400``, as a JSON client may send, must be refused, not raise)."""
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
+
+
+def _show_real(x) -> str:
+    """``x`` for a message: an int beyond float's range by its size (its decimal digits may be too many to print)."""
+    return f"an int of {x.bit_length()} bits" if isinstance(x, int) and not _finite(x) else f"{x}"
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Sampling parameters of one request; validated on construction.
@@ -107,8 +121,8 @@ class SamplingParams:
             v = getattr(self, name)
             if not _is_real(v):
                 raise TypeError(f"{name} must be a float, got {type(v).__name__} ({v!r})")
-            if not math.isfinite(v):
-                raise ValueError(f"{name} must be finite, got {v}")
+            if not _finite(v):
+                raise ValueError(f"{name} must be finite, got {_show_real(v)}")
             if abs(v) > _FLOAT32_MAX:  # stored as float32 on the device: would be inf there (inf - inf = NaN T)
                 raise ValueError(f"{name} must be representable in float32 (|{name}| <= {_FLOAT32_MAX:.4e}), got {v}")
         if not 1 <= self.canvas_length < MAX_POSITIONS:

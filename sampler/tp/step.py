@@ -45,7 +45,10 @@ Communication per step (N rows, CL positions, W ranks, payload sizes;
 ``W * N * CL * 56`` (56 KiB sent / 112 KiB gathered at N = 4, CL = 256, W = 2) and one all_reduce of
 ``N * CL * hidden * 4`` bytes (11.5 MB at hidden 2816; a ring moves ~``2 (W - 1) / W`` of it per rank),
 independent of the vocabulary size (gathering the logits instead: ``N * CL * V * 4`` = 1 GiB at V = 262144).
-No host synchronisation on the step path.
+No host synchronisation on the step path unless the values are checked (``check_values``, the default outside
+CUDA-graph capture): then the slot ids are read and, before the step's collectives, the ranks exchange a fixed-size
+agreement record (:func:`sampler_step_tp`), so a rank refusing its arguments or ranks disagreeing on the step raise
+on every rank instead of leaving the others waiting in a collective.
 
 Exactness (vs :func:`blockdiff.sampler.reference.sampler_step` on the unsharded logits): argmax, Gumbel sample,
 renoise ids, failure flags are bit-identical (elementwise float32 z and z + g are computed by the same
@@ -69,8 +72,8 @@ import torch
 import torch.distributed as dist
 
 from .. import rng
-from ..common import (DenoiseResult, apply_step, check_step_args, convergence, entropy_decisions, saturate_logits,
-                      temperature)
+from ..common import (DenoiseResult, apply_step, capturing, check_step_args, convergence, entropy_decisions,
+                      saturate_logits, temperature)
 from ..state import DENOISE, SamplerState, StepOutput
 from .common import (NUM_FIELDS, STATUS_BAD, STATUS_FINITE, STATUS_ZMAX_INF, STATUS_ZMAX_NEG_INF, LocalStats,
                      VocabShard, make_shards)
@@ -245,6 +248,115 @@ def row_inputs(state: SamplerState, slots: torch.Tensor):
             phase == DENOISE)
 
 
+#: Fields of the per-step agreement record (:func:`_agree`): int64, one row per rank.
+_A_REFUSED, _A_RANK, _A_WORLD, _A_VOCAB, _A_START, _A_END, _A_ROWS, _A_CL, _A_HIDDEN, _A_INPUTS, _A_STATE = range(11)
+_A_FIELDS = 11
+_DIGEST_M = 2147483647                               # 2**31 - 1 (prime): every term and product below fits int64
+
+
+def _digest(tensors: Sequence[torch.Tensor], device) -> torch.Tensor:
+    """A position-weighted checksum of the tensors' values (int64 scalar on ``device``, no host read): equal on
+    every rank for equal values (integer arithmetic only, exact on any device in any order). One changed value
+    always changes it (each weight is invertible mod the prime 2**31 - 1) unless its 32-bit halves change by
+    multiples of that prime; several changed values could cancel, by chance. Float tensors enter by their bits."""
+    parts = []
+    for t in tensors:
+        t = t.reshape(-1)
+        if t.dtype == torch.float32:
+            t = t.view(torch.int32)
+        elif t.dtype == torch.float64:
+            t = t.view(torch.int64)
+        parts.append(t.to(device=device, dtype=torch.int64))
+    v = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=device)
+    M = _DIGEST_M
+    lo, hi = v & 0xFFFFFFFF, (v >> 32) & 0xFFFFFFFF
+    i = torch.arange(v.numel(), dtype=torch.int64, device=device) % M
+    w1, w2 = i * 48271 % (M - 1) + 1, i * 69621 % (M - 1) + 1     # in [1, M - 1]: never 0 mod M
+    return ((lo % M) * w1 % M + (hi % M) * w2 % M).sum()
+
+
+def _record_device(group, state, logits) -> torch.device:
+    """The device of the agreement record: the logits' (the step's collectives run there), else the state's, else
+    the group's backend's (NCCL: the current CUDA device)."""
+    if isinstance(logits, torch.Tensor):
+        return logits.device
+    if isinstance(state, SamplerState):
+        return state.device
+    if "nccl" in str(dist.get_backend(group)).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _agree(group, W: int, rank: int, device, record: torch.Tensor | None, error: Exception | None,
+           what: str) -> list[list[int]]:
+    """Collective (one fixed-size all_gather of int64 ``[W, _A_FIELDS]`` and one host read): every rank's record,
+    after every rank learnt whether some rank refused its arguments. A refusing rank raises its own ``error``; every
+    other rank a ValueError naming the refusing ranks, so no rank is left waiting in a collective of the step
+    (a deadlock under NCCL / gloo, or a size mismatch that aborts the process) and none goes on alone."""
+    mine = torch.zeros(_A_FIELDS, dtype=torch.int64, device=device)
+    if error is not None or record is None:
+        mine[_A_REFUSED] = 1
+    else:
+        mine.copy_(record)
+    allr = torch.empty(W * _A_FIELDS, dtype=torch.int64, device=device)
+    ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    ag(allr, mine, group=group)
+    rows = allr.view(W, _A_FIELDS).tolist()
+    if error is not None:
+        raise error
+    refused = [r for r in range(W) if rows[r][_A_REFUSED]]
+    if refused:
+        many = len(refused) > 1
+        raise ValueError(f"{what}: rank{'s' if many else ''} {', '.join(map(str, refused))} of {W} refused "
+                         f"{'their' if many else 'its'} arguments (the error on {'those ranks' if many else 'that rank'} "
+                         f"names them); rank {rank} raises too, so that no rank is left waiting in a collective")
+    return rows
+
+
+def _check_agreement(rows: list[list[int]], what: str) -> None:
+    """Every rank's agreement record names one step: the same vocabulary, rows, canvas length and hidden size,
+    shards tiling ``[0, V)`` in rank order, and the same slot ids / prefill flags and replicated state rows.
+
+    Raises:
+        ValueError: naming the field and every rank's value."""
+    W = len(rows)
+    for f, name in ((_A_VOCAB, "state.vocab_size"), (_A_ROWS, "the number of rows N (len(slots))"),
+                    (_A_CL, "state.canvas_length"), (_A_HIDDEN, "state.hidden_size")):
+        vals = [r[f] for r in rows]
+        if len(set(vals)) != 1:
+            raise ValueError(f"{what}: ranks disagree on {name}: {vals} (rank 0 first); every rank must run the same "
+                             "step")
+    V = rows[0][_A_VOCAB]
+    spans = [(r[_A_START], r[_A_END]) for r in rows]
+    if spans[0][0] != 0 or spans[-1][1] != V or any(spans[i][1] != spans[i + 1][0] for i in range(W - 1)):
+        raise ValueError(f"{what}: the ranks' shards must tile [0, {V}) in rank order, got {spans}")
+    for f, name in ((_A_INPUTS, "slots / prefill_done"), (_A_STATE, "the replicated SamplerState rows of slots "
+                                                                      "(phase, step, canvases, params, ...)")):
+        if len({r[f] for r in rows}) != 1:
+            differ = [r for r in range(W) if rows[r][f] != rows[0][f]]
+            raise ValueError(f"{what}: rank{'s' if len(differ) > 1 else ''} {', '.join(map(str, differ))} "
+                             f"disagree{'' if len(differ) > 1 else 's'} "
+                             f"with rank 0 on {name}; every rank must pass the same slots and prefill_done and hold an "
+                             "identical replicated state")
+
+
+#: SamplerState tensors a step reads or writes for its rows (the agreement digest; ``soft`` is the all_reduce's
+#: output, equal on every rank by construction, and not digested).
+_STATE_ROWS = ("phase", "step", "canvas_index", "stable_count", "num_emitted", "request_id", "seed", "t_min", "t_max",
+               "entropy_bound", "confidence_threshold", "max_denoising_steps", "stability_threshold", "max_tokens",
+               "eos_token_ids", "canvas", "commit_canvas", "prev_argmax")
+
+
+def _agreement_record(state: SamplerState, slots, prefill_done, shard: VocabShard, device) -> torch.Tensor:
+    """This rank's int64 agreement record (arguments already checked)."""
+    idx = slots.to(state.device)
+    rec = torch.tensor([0, shard.rank, shard.world_size, shard.vocab_size, shard.start, shard.end, slots.shape[0],
+                        state.canvas_length, state.hidden_size, 0, 0], dtype=torch.int64, device=device)
+    rec[_A_INPUTS] = _digest([slots, prefill_done], device)
+    rec[_A_STATE] = _digest([getattr(state, k)[idx] for k in _STATE_ROWS], device)
+    return rec
+
+
 def sampler_step_tp(state: SamplerState, slots: torch.Tensor, logits: torch.Tensor, prefill_done: torch.Tensor,
                     embedding: torch.Tensor, *, shard: VocabShard, group=None, backend: str = "reference",
                     config=None, check_values: bool | None = None) -> StepOutput:
@@ -252,8 +364,14 @@ def sampler_step_tp(state: SamplerState, slots: torch.Tensor, logits: torch.Tens
 
     Collective: issues one ``all_gather`` (float64 ``[N, CL, 7]`` per rank) and one ``all_reduce(SUM)``
     (float32 ``[N, CL, hidden]``) on ``group``; no host sync. Every rank must pass the same ``slots`` /
-    ``prefill_done`` and hold an identical replicated ``state`` (as all ranks do when they all run this step
-    from the same start); every rank's state and returned :class:`StepOutput` are then identical.
+    ``prefill_done`` / ``check_values`` and hold an identical replicated ``state`` (as all ranks do when they all
+    run this step from the same start); every rank's state and returned :class:`StepOutput` are then identical.
+    While the values are checked (``check_values``), that is checked too: first one small ``all_gather`` of a
+    fixed-size int64 agreement record per rank (whether it refused its arguments, its shard, N, CL, hidden, and
+    checksums of ``slots`` / ``prefill_done`` and of the state rows the step reads) and one host read, so a rank
+    whose arguments are refused, or ranks that disagree, raise on EVERY rank before any collective of the step
+    (unchecked, such a rank raised alone and the others waited in the all_gather: a deadlock until the group's
+    timeout, or under gloo a size mismatch that aborted the process; under NCCL, silently different decisions).
 
     Args:
         state: :class:`SamplerState` replicated on every rank (``vocab_size`` = the GLOBAL V), mutated in place.
@@ -266,25 +384,47 @@ def sampler_step_tp(state: SamplerState, slots: torch.Tensor, logits: torch.Tens
         backend: local pass, ``"reference"`` (dense torch) or ``"triton"`` (streaming kernels; CUDA or the
             Triton interpreter).
         config: optional :class:`blockdiff.sampler.triton.config.SamplerConfig` for the triton backend.
-        check_values: check the slot ids (one host read; None: unless a CUDA graph is being captured). Unchecked
-            ids are trusted, as in ``reference.sampler_step`` (the state is indexed with them by torch).
+        check_values: check the slot ids and the ranks' agreement (host reads and one small collective; None:
+            unless a CUDA graph is being captured), the same on every rank. Unchecked ids are trusted, as in
+            ``reference.sampler_step`` (the state is indexed with them by torch), and so is the agreement: a rank
+            refusing its arguments then raises alone.
 
     Returns:
         :class:`blockdiff.sampler.StepOutput` — identical to ``reference.sampler_step`` on the unsharded logits
         up to the rounding notes in the module docstring.
 
     Raises:
-        TypeError / ValueError: bad arguments (``config`` neither a ``SamplerConfig`` nor None: TypeError, on every
-            rank before any collective); a shard whose rank/world size disagrees with ``group``.
+        TypeError / ValueError: bad arguments (``config`` neither a ``SamplerConfig`` nor None: TypeError; an
+            unknown ``backend``; a shard whose rank/world size disagrees with ``group``), raised by the rank whose
+            arguments they are; while checking, every other rank then raises a ValueError naming that rank. Ranks
+            that disagree on V, N, CL, hidden, the shards' tiling of ``[0, V)``, ``slots`` / ``prefill_done`` or
+            the state rows: a ValueError on every rank naming the field (checking only).
         RuntimeError: torch.distributed not initialised.
     """
-    _check_tp_args(state, slots, logits, prefill_done, embedding, shard, check_values)
-    check_config(config)
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("sampler_step_tp needs an initialised torch.distributed process group")
+    what = "sampler_step_tp"
     W, rank = dist.get_world_size(group), dist.get_rank(group)
-    if (shard.rank, shard.world_size) != (rank, W):
-        raise ValueError(f"shard is rank {shard.rank} of {shard.world_size}, the group says rank {rank} of {W}")
+    error = None
+    try:
+        if check_values is not None and not isinstance(check_values, bool):
+            raise TypeError(f"check_values must be a bool or None, got {type(check_values).__name__}")
+        checking = (not capturing()) if check_values is None else check_values
+        _check_tp_args(state, slots, logits, prefill_done, embedding, shard, checking)
+        check_config(config)
+        if backend not in STATS_BACKENDS:
+            raise ValueError(f"backend must be one of {STATS_BACKENDS}, got {backend!r}")
+        if (shard.rank, shard.world_size) != (rank, W):
+            raise ValueError(f"shard is rank {shard.rank} of {shard.world_size}, the group says rank {rank} of {W}")
+    except (TypeError, ValueError) as e:
+        error = e
+        checking = check_values is not False and not (check_values is None and capturing())
+    if checking:
+        dev = _record_device(group, state, logits)
+        rec = None if error is not None else _agreement_record(state, slots, prefill_done, shard, dev)
+        _check_agreement(_agree(group, W, rank, dev, rec, error, what), what)
+    elif error is not None:
+        raise error
     phase, T, seed, rid, cidx, step, active = row_inputs(state, slots)
     local, partial_fn = local_pass(backend, logits, embedding, T, seed, rid, cidx, step, active, shard, config)
     N, CL = slots.shape[0], state.canvas_length
@@ -334,18 +474,30 @@ def sampler_step_sharded(state: SamplerState, slots: torch.Tensor, logits: torch
 def check_shards_consistent(shard: VocabShard, group=None, device: torch.device | str = "cpu") -> None:
     """Collective, once at start-up (host sync): every rank's shard tiles ``[0, V)`` in rank order.
 
+    A rank whose own shard is refused (not a :class:`VocabShard`, or naming another rank / world size than the
+    group) raises its error after the exchange, and every other rank a ValueError naming it (it used to raise alone,
+    before the collective, leaving the others waiting in it).
+
     Raises:
-        ValueError: shards overlap, leave gaps, disagree on V, or disagree with the group's rank/size.
+        TypeError: ``shard`` is not a VocabShard (on its rank). ValueError: shards overlap, leave gaps, disagree on V,
+            or disagree with the group's rank/size (on every rank).
     """
+    what = "check_shards_consistent"
     W, rank = dist.get_world_size(group), dist.get_rank(group)
-    if (shard.rank, shard.world_size) != (rank, W):
-        raise ValueError(f"shard is rank {shard.rank} of {shard.world_size}, the group says rank {rank} of {W}")
-    mine = torch.tensor([shard.vocab_size, shard.start, shard.end], dtype=torch.int64, device=device)
-    allb = torch.empty(W * 3, dtype=torch.int64, device=device)
-    ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    ag(allb, mine, group=group)
-    rows = allb.view(W, 3).tolist()
-    if any(r[0] != shard.vocab_size for r in rows):
-        raise ValueError(f"ranks disagree on vocab_size: {[r[0] for r in rows]}")
-    if rows[0][1] != 0 or rows[-1][2] != shard.vocab_size or any(rows[i][2] != rows[i + 1][1] for i in range(W - 1)):
-        raise ValueError(f"shards must tile [0, {shard.vocab_size}) in rank order, got {[(r[1], r[2]) for r in rows]}")
+    error = rec = None
+    try:
+        if not isinstance(shard, VocabShard):
+            raise TypeError(f"shard must be a VocabShard, got {type(shard).__name__}")
+        if (shard.rank, shard.world_size) != (rank, W):
+            raise ValueError(f"shard is rank {shard.rank} of {shard.world_size}, the group says rank {rank} of {W}")
+        rec = torch.tensor([0, shard.rank, shard.world_size, shard.vocab_size, shard.start, shard.end]
+                           + [0] * (_A_FIELDS - 6), dtype=torch.int64, device=device)
+    except (TypeError, ValueError) as e:
+        error = e
+    rows = _agree(group, W, rank, device, rec, error, what)
+    vs = [r[_A_VOCAB] for r in rows]
+    if len(set(vs)) != 1:
+        raise ValueError(f"ranks disagree on vocab_size: {vs}")
+    spans = [(r[_A_START], r[_A_END]) for r in rows]
+    if spans[0][0] != 0 or spans[-1][1] != vs[0] or any(spans[k][1] != spans[k + 1][0] for k in range(W - 1)):
+        raise ValueError(f"shards must tile [0, {vs[0]}) in rank order, got {spans}")

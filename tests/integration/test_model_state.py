@@ -202,6 +202,16 @@ def test_vllm_style_sampling_params_conversion():
         MS.to_diffusion_params(sp, defaults, canvas_length=CL)
 
 
+def test_vllm_extra_args_int_beyond_float_range_is_refused_with_a_value_error_naming_the_field():
+    """extra_args t_max = an int beyond float's range (what a JSON body's 1 and 400 zeros decodes to) raised
+    OverflowError, which the refusal path (ParamsRefusals, the model state's backstop: TypeError / ValueError) did not
+    catch, so the engine's add_request raised instead of failing the request."""
+    sp = SimpleNamespace(seed=None, max_tokens=8, ignore_eos=True, eos_token_id=1, stop_token_ids=None,
+                         extra_args={"t_max": 10 ** 400})
+    with pytest.raises(ValueError, match=r"t_max must be finite, got an int of 1329 bits"):
+        MS.to_diffusion_params(sp, params(), canvas_length=CL)
+
+
 def test_unsupported_vllm_options_are_refused_not_silently_ignored():
     """Options the diffusion sampler does not implement (penalties, top-k/p, min-p, min_tokens, logprobs,
     logit_bias, allowed / bad words, structured outputs, n > 1) raise a ValueError naming them when set; their

@@ -655,3 +655,29 @@ def test_generation_schedule_rule_agrees_with_the_sampler_s():
             assert not ok or "t_max must be > t_min" in str(e), (t_min, t_max, steps, e)
         else:
             assert ok, (t_min, t_max, steps)
+
+
+def test_json_ints_beyond_float_range_are_checkpoint_errors_naming_the_field(tmp_path):
+    """A JSON integer literal beyond float's range (``1`` and 400 zeros) in generation_config.json / config.json raised
+    OverflowError from math.isfinite instead of a CheckpointError naming the file and the field; the export and
+    TrainArgs raised it too."""
+    from blockdiff.model.export import hf_generation_config_dict
+    from blockdiff.model.train import TrainArgs
+    folder = make_ckpt(tmp_path)
+    big = "1" + "0" * 400
+    (tmp_path / "generation_config.json").write_text('{"t_max": ' + big + '}')
+    with pytest.raises(CheckpointError, match=r"generation_config\.json .*t_max must be finite in float32, got an int "
+                                              r"of 1329 bits"):
+        load_generation_config(folder)
+    os.remove(tmp_path / "generation_config.json")
+    text = (tmp_path / "config.json").read_text()
+    d = json.loads(text)
+    (d.get("text_config") or d)["rms_norm_eps"] = 1.0
+    (tmp_path / "config.json").write_text(json.dumps(d).replace('"rms_norm_eps": 1.0', '"rms_norm_eps": ' + big))
+    with pytest.raises(CheckpointError, match=r"config\.json .*rms_norm_eps must be a finite number > 0, got an int of "
+                                              r"1329 bits"):
+        DiffusionGemmaConfig.from_hf(folder)
+    with pytest.raises(ValueError, match="confidence_threshold must be finite, got an int of 1329 bits"):
+        hf_generation_config_dict(tiny_config(), confidence_threshold=10 ** 400)
+    with pytest.raises(ValueError, match="lr must be a finite number > 0, got an int of 1329 bits"):
+        TrainArgs(out=str(tmp_path / "out"), lr=10 ** 400)

@@ -264,3 +264,13 @@ def test_add_request_refuses_num_emitted_at_or_past_max_tokens():
     st.add_request(0, 1, p, num_emitted=4, canvas_index=1)  # one token left: resumed
     assert st.num_emitted[0].item() == 4
     st.add_request(1, 2, SamplingParams(canvas_length=4), num_emitted=10 ** 6)  # no cap: any count
+
+
+@pytest.mark.parametrize("field", ["t_min", "t_max", "entropy_bound", "confidence_threshold"])
+def test_float_param_given_an_int_beyond_float_range_is_a_value_error_naming_it(field):
+    """An int beyond float's range (a JSON client's ``1`` and 400 zeros) raised OverflowError from math.isfinite,
+    which the vLLM refusal path (TypeError / ValueError) did not catch: the engine's add_request raised."""
+    with pytest.raises(ValueError, match=rf"{field} must be finite, got an int of 1329 bits"):
+        SamplingParams(**{field: 10 ** 400})
+    with pytest.raises(ValueError, match=rf"{field} must be finite, got an int of"):
+        SamplingParams(**{field: -(10 ** 5000)})          # digits beyond Python's int-to-str limit too

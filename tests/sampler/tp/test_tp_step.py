@@ -238,6 +238,31 @@ def test_two_processes_gloo_match_single_process_reference(tmp_path):
     assert len(rows) == 6 and any(r["accepted"] > 4 for r in rows)
 
 
+def test_ranks_refusing_or_disagreeing_raise_on_every_rank_instead_of_waiting_in_a_collective(tmp_path):
+    """A rank whose arguments were refused raised alone, before the all_gather, and the other ranks waited in it (a
+    deadlock until the group's timeout; check_shards_consistent too); ranks disagreeing on N aborted the gloo process
+    (SIGABRT: received data size mismatch); ranks disagreeing on a request's parameters, on the slots or on the
+    shards' tiling (a token on no rank) ran on silently, their decisions / states diverging. Now every rank raises a
+    ValueError naming the refusing rank or the field, and the group stays usable (a barrier after every case)."""
+    import torch.multiprocessing as mp
+    out = tmp_path / "agree"
+    mp.spawn(W.agreement_worker, nprocs=2, join=True, args=(2, str(tmp_path / "pg_init"), str(out)))
+    r0, r1 = (json.loads((tmp_path / f"agree.{r}").read_text()) for r in (0, 1))
+    assert r0["ok"] == r1["ok"] == "ok" and r0["unchecked_ok"] == r1["unchecked_ok"] == "ok"
+    assert r1["bad_embedding"].startswith("ValueError: embedding must have shape")
+    assert r0["bad_embedding"].startswith("ValueError: sampler_step_tp: rank 1 of 2 refused its arguments")
+    assert r0["backend"].startswith("ValueError: backend must be one of")
+    assert r1["backend"].startswith("ValueError: sampler_step_tp: rank 0 of 2 refused its arguments")
+    assert r1["shard_rank"].startswith("ValueError: shard is rank 0 of 2, the group says rank 1 of 2")
+    assert r0["shard_rank"].startswith("ValueError: check_shards_consistent: rank 1 of 2 refused")
+    for case, text in (("rows", "disagree on the number of rows N (len(slots)): [2, 1]"),
+                       ("params", "rank 1 disagrees with rank 0 on the replicated SamplerState rows"),
+                       ("slots", "rank 1 disagrees with rank 0 on slots / prefill_done"),
+                       ("gap", "shards must tile [0, 10) in rank order, got [(0, 5), (6, 10)]"),
+                       ("vocab", "disagree on state.vocab_size: [10, 11]")):
+        assert r0[case] == r1[case] and text in r0[case], (case, r0[case])
+
+
 @pytest.mark.gpu
 def test_two_gpus_nccl_match_single_gpu_reference(tmp_path):
     """2 NCCL ranks (one per GPU), V = 262144 split evenly, canvas 256, bf16 E hidden 2816."""

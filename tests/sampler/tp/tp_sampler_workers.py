@@ -199,4 +199,62 @@ def worker(rank: int, world: int, init_file: str, dist_backend: str, device_kind
         dist.destroy_process_group()
 
 
-__all__ = ["run_scenario", "worker", "sampler_step_sharded", "scenario_params", "step_logits", "exact_soft"]
+#: Cases of :func:`agreement_worker`: what rank 1 (or rank 0) gets wrong, and the error every rank must raise.
+AGREEMENT_CASES = ("ok", "bad_embedding", "rows", "params", "slots", "backend", "gap", "vocab", "shard_rank",
+                   "unchecked_ok")
+
+
+def agreement_worker(rank: int, world: int, init_file: str, result_file: str):
+    """One rank of 2 (gloo, CPU): each case of :data:`AGREEMENT_CASES` runs two TP steps where one rank's arguments
+    are refused or the ranks disagree; records ``{case: "ok" | "<Error>: <message>"}`` per rank, after a barrier
+    per case (a rank left waiting in a collective would fail the barrier at the group's timeout instead)."""
+    import datetime
+    import json
+
+    import torch.distributed as dist
+
+    from blockdiff.sampler.tp import VocabShard, check_shards_consistent
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    V, cl, H = 10, 4, 8
+    res = {}
+    try:
+        for case in AGREEMENT_CASES:
+            one = rank == 1
+            Vc = 11 if case == "vocab" and one else V
+            sh = make_shards(V, (0, 5, V))[rank]
+            if case == "gap" and one:
+                sh = VocabShard(V, 6, V, 1, 2)                       # token 5 on no rank
+            if case == "vocab" and one:
+                sh = VocabShard(Vc, 5, Vc, 1, 2)
+            st = SamplerState(3, cl, Vc, H)
+            for i in range(2):
+                t_max = 0.5 if case == "params" and one and i == 1 else 0.8
+                st.add_request(i, 7 + i, SamplingParams(canvas_length=cl, seed=i, t_max=t_max))
+            n = 1 if case == "rows" and one else 2
+            slots = torch.tensor([1, 0]) if case == "slots" and one else torch.arange(n)
+            pd = torch.ones(n, dtype=torch.bool)
+            x = torch.randn(n, cl, sh.size, generator=torch.Generator().manual_seed(rank))
+            E = torch.randn(sh.size + (1 if case == "bad_embedding" and one else 0), H)
+            kw = {"backend": "bogus"} if case == "backend" and rank == 0 else {}
+            if case == "unchecked_ok":
+                kw["check_values"] = False
+            try:
+                if case == "shard_rank":
+                    check_shards_consistent(VocabShard(V, 0, 5, 0, 2) if rank == 0 else VocabShard(V, 5, V, 0, 2))
+                else:
+                    for _ in range(2):
+                        sampler_step_tp(st, slots, x, pd, E, shard=sh, **kw)
+                res[case] = "ok"
+            except (TypeError, ValueError) as e:
+                res[case] = f"{type(e).__name__}: {e}"
+            dist.barrier()
+        with open(f"{result_file}.{rank}", "w") as f:
+            json.dump(res, f)
+    finally:
+        dist.destroy_process_group()
+
+
+__all__ = ["run_scenario", "worker", "agreement_worker", "AGREEMENT_CASES", "sampler_step_sharded", "scenario_params", "step_logits", "exact_soft"]
