@@ -243,7 +243,7 @@ def tile_estimate(total_q: int, num_seqs: int, block_q: int) -> int:
 
 
 def choose_num_splits(n_programs: int, key_capacity: int, block_n: int, num_sms: int, ctas: int = 1) -> int:
-    """Split-KV count from host-known shapes only: split when the grid fills less than half a wave.
+    """Split-KV count from host-known shapes only: split when the grid fills at most half a wave.
 
     ``n_programs`` = (real) q tiles x KV heads x V slices; ``key_capacity`` = max keys of a sequence
     (max_seqlen_k, or the block table's capacity); ``ctas`` = programs resident per SM (:func:`ctas_per_sm`).
