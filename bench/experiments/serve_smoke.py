@@ -205,10 +205,17 @@ def _post_status(url: str, body: dict, timeout: float) -> tuple[int, dict | str]
         return status, raw.decode(errors="replace")[:2000]
 
 
+#: A streamed answer that ended with neither a finish reason nor an error event: the request did not complete.
+#: Measured on vLLM 0.26.0 (H200, 2026-12-07) for a request the plugin refuses at ``add_request``.
+STREAM_WITHOUT_END = ("the stream ended with no finish reason and no error event (vLLM 0.26.0 sends only "
+                      "'data: [DONE]' for a request that fails before its first token)")
+
+
 def classify_refusal(status: int, body) -> dict:
     """What a client saw for one request: ``{"status", "finish_reason", "text", "error"}``; ``"failed"`` True when
     the request failed (an HTTP status >= 400, finish reason ``error``, or in a streamed answer (``body`` the
-    server-sent events' text) an ``error`` event or a choice finishing with ``error``), False when it was served."""
+    server-sent events' text) an ``error`` event, a choice finishing with ``error``, or no finish reason at all:
+    :data:`STREAM_WITHOUT_END`), False when it was served."""
     row = {"status": status, "finish_reason": None, "text": None, "error": None}
     if isinstance(body, dict):
         ch = (body.get("choices") or [{}])[0]
@@ -233,7 +240,11 @@ def classify_refusal(status: int, body) -> dict:
                 row["finish_reason"] = row["finish_reason"] or "error"
             for ch in ev.get("choices") or ():
                 row["finish_reason"] = ch.get("finish_reason") or row["finish_reason"]
-    row["failed"] = status >= 400 or row["finish_reason"] == "error"
+        if status < 400 and row["finish_reason"] is None and row["error"] is None:
+            # vLLM 0.26.0's completion stream skips empty chunks before it checks for finish reason "error", so a
+            # request refused before its first token gets HTTP 200 and only "data: [DONE]" (0.33.0 checks first)
+            row["error"] = STREAM_WITHOUT_END
+    row["failed"] = status >= 400 or row["finish_reason"] == "error" or row["error"] == STREAM_WITHOUT_END
     return row
 
 

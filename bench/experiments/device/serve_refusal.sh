@@ -5,6 +5,9 @@
 # request at once beside one plain greedy request. Each refused request must fail (the plugin's scheduler finishes it at add_request with
 # finish reason error; vLLM 0.26.0 has no field for its reason, so the reason is in the server log, one WARNING
 # "request <id> refused: ..." each) and the plain one be served; then the servers must still be healthy.
+# Measured 2026-12-07 (H200, fe9a5ae): unstreamed refusals HTTP 500 "Internal server error", temperature 0.5 refused
+# by vLLM's own front end (400), the streamed top_k HTTP 200 with only "data: [DONE]" (vLLM 0.26.0), which
+# serve_smoke.classify_refusal counts as failed since (STREAM_WITHOUT_END).
 # Writes $OUT/refusals_{sync,async}.json and the servers' logs; exit 1 when a check fails.
 #   bash bench/experiments/device/serve_refusal.sh
 set -u

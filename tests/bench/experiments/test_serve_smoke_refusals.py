@@ -41,14 +41,18 @@ def _served(text="ok"):
     return 200, {"choices": [{"text": text, "finish_reason": "length"}]}
 
 
-@pytest.mark.parametrize("how", ["http_400", "finish_reason_error"])
+@pytest.mark.parametrize("how", ["http_400", "finish_reason_error", "vllm_0_26"])
 def test_refusals_ok_when_each_refused_request_fails_and_the_plain_one_is_served(tmp_path, how):
     def answer(body):
         if not _refused(body):
             return _served()
         if how == "http_400":  # vLLM 0.33.0: RequestError(validation_error) -> VLLMValidationError -> 400
             return 400, {"error": {"message": "top_k=5 is not supported", "type": "BadRequestError", "code": 400}}
-        return 200, {"choices": [{"text": "", "finish_reason": "error"}]}  # vLLM 0.26.0: finish reason only
+        if how == "vllm_0_26":  # as measured on the H200: 500 unstreamed, an empty stream streamed
+            if body.get("stream"):
+                return 200, "data: [DONE]\n\n"
+            return 500, {"error": {"message": "Internal server error", "type": "InternalServerError", "code": 500}}
+        return 200, {"choices": [{"text": "", "finish_reason": "error"}]}  # finish reason only (LLMEngine's way)
 
     srv = _stub(answer)
     try:
@@ -102,3 +106,12 @@ def test_classify_refusal_reads_a_streamed_answer_s_error_event_or_finish_reason
           'data: {"choices": [{"text": "c", "finish_reason": "length"}]}\n\ndata: [DONE]\n')
     row = serve_smoke.classify_refusal(200, ok)
     assert not row["failed"] and row["finish_reason"] == "length" and row["error"] is None
+
+
+def test_a_stream_that_ends_without_a_finish_reason_counts_as_failed():
+    """vLLM 0.26.0 (H200, 2026-12-07, serve_refusal.sh): a streamed request the plugin refused at add_request got
+    HTTP 200 and only "data: [DONE]"; the client was told nothing and the check had counted it as served."""
+    row = serve_smoke.classify_refusal(200, "data: [DONE]\n\n")
+    assert row["failed"] and row["error"] == serve_smoke.STREAM_WITHOUT_END
+    cut = 'data: {"choices": [{"text": "ab", "finish_reason": null}]}\n\ndata: [DONE]\n'
+    assert serve_smoke.classify_refusal(200, cut)["failed"]
