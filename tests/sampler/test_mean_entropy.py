@@ -25,17 +25,18 @@ CL, V, HID = 8, 37, 16
 TIES = [31, 23, 14, 33, 9, 19, 9, 7]
 
 
-def _step(backend, conf):
-    st = SamplerState(2, CL, V, HID)
+def _step(backend, conf, device="cpu"):
+    st = SamplerState(2, CL, V, HID, device=device)
     st.add_request(0, 7, SamplingParams(canvas_length=CL, t_min=1e-30, t_max=1e-30, stability_threshold=0,
                                         confidence_threshold=conf, max_denoising_steps=10))
-    slots = torch.tensor([0])
-    E = torch.linspace(-1, 1, V * HID).view(V, HID)
-    sampler_step(st, slots, torch.zeros(1, CL, V), torch.tensor([True]), E)        # PREFILL -> DENOISE
+    slots = torch.tensor([0], device=device)
+    E = torch.linspace(-1, 1, V * HID).view(V, HID).to(device)
+    sampler_step(st, slots, torch.zeros(1, CL, V, device=device), torch.tensor([True], device=device), E)
     x = torch.full((1, CL, V), -1e10)
     for p, c in enumerate(TIES):
         x[0, p, :c] = 1e10
-    pd = torch.tensor([False])
+    x = x.to(device)
+    pd = torch.tensor([False], device=device)
     if backend.startswith("tp-"):
         return sampler_step_sharded(st, slots, x, pd, E, bounds=(0, 10, 23, V), backend=backend[3:])
     return sampler_step(st, slots, x, pd, E, backend=backend)
@@ -66,6 +67,22 @@ def test_equal_entropies_give_the_same_mean_and_convergence_in_every_backend():
         for b, o in outs.items():
             assert torch.equal(o.entropy, h), b
             assert torch.equal(o.mean_entropy, mean), (b, conf, float(o.mean_entropy[0]), m)
+            assert bool(o.converged[0]) == (np.float32(m) < np.float32(conf)), (b, conf)
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_step_kernel_gives_the_same_mean_and_convergence_as_the_cpu_reference():
+    """The compiled Triton step kernel (its load of the sorted cumsum's last entry, not the interpreter's) and every
+    backend on CUDA give the CPU reference's mean bit for bit and its convergence at thresholds one ulp either side."""
+    ref = _step("reference", 0.0)
+    mean = ref.mean_entropy
+    m = float(mean[0])
+    for conf in (float(np.nextafter(np.float32(m), np.float32(-1))), m, float(np.nextafter(np.float32(m),
+                                                                                           np.float32(10)))):
+        for b in BACKENDS:
+            o = _step(b, conf, device="cuda")
+            assert torch.equal(o.entropy.cpu(), ref.entropy), b
+            assert torch.equal(o.mean_entropy.cpu(), mean), (b, conf, float(o.mean_entropy[0]), m)
             assert bool(o.converged[0]) == (np.float32(m) < np.float32(conf)), (b, conf)
 
 
