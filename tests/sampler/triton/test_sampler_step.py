@@ -256,3 +256,33 @@ def test_the_step_and_row_gather_kernels_see_one_specialization_for_every_row_co
     import inspect
     src = inspect.getsource(step_mod)
     assert '@triton.jit(do_not_specialize=["N"])\ndef _gather_rows_kernel(' in src  # the interpreter drops the flag
+
+
+def _on(st: SamplerState, device) -> SamplerState:
+    """A copy of ``st`` with every tensor on ``device``."""
+    c = _clone(st)
+    for k, v in vars(c).items():
+        if isinstance(v, torch.Tensor):
+            setattr(c, k, v.to(device))
+    c.device = torch.device(device)
+    return c
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(36))
+def test_gpu_compiled_step_kernel_equals_torch_apply_step_on_random_states(seed):
+    """The compiled step kernel on CUDA (the CPU suite runs it through the interpreter only) against the torch path on
+    the CPU, on the same random states as the CPU test: every output and state field equal."""
+    import dataclasses
+
+    st, slots, pd, stats, T = _random_case(seed)
+    a = _clone(st)
+    oa = _torch_step(a, slots, pd, stats)
+    b = _on(st, "cuda")
+    ob, cont, mode = _apply_step(b, slots.cuda(), pd.cuda(), T.cuda(), {k: v.cuda() for k, v in stats.items()})
+    ob = dataclasses.replace(ob, **{f.name: getattr(ob, f.name).cpu() for f in dataclasses.fields(ob)
+                                    if isinstance(getattr(ob, f.name), torch.Tensor)})
+    _compare(a, _on(b, "cpu"), oa, ob)
+    phase0 = st.phase[slots]
+    ok = (phase0 == DENOISE) & ~torch.isnan(stats["step_entropy"]).any(-1)
+    assert torch.equal(cont.bool().cpu(), ok & ~oa.converged)
