@@ -276,15 +276,17 @@ def _digest(tensors: Sequence[torch.Tensor], device) -> torch.Tensor:
 
 
 def _record_device(group, state, logits) -> torch.device:
-    """The device of the agreement record: the logits' (the step's collectives run there), else the state's, else
-    the group's backend's (NCCL: the current CUDA device)."""
-    if isinstance(logits, torch.Tensor):
-        return logits.device
-    if isinstance(state, SamplerState):
-        return state.device
-    if "nccl" in str(dist.get_backend(group)).lower():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """The device of the agreement record, one every rank's all_gather takes whatever that rank's own arguments
+    (a refusing rank's logits may be a CPU tensor, or no tensor): under NCCL a CUDA device (the logits', else the
+    state's, else the current one; a CPU record there raised on its rank alone and left the others waiting in the
+    all_gather), under any other backend (gloo) the CPU."""
+    if "nccl" not in str(dist.get_backend(group)).lower():
+        return torch.device("cpu")
+    for dev in (logits.device if isinstance(logits, torch.Tensor) else None,
+                state.device if isinstance(state, SamplerState) else None):
+        if dev is not None and dev.type == "cuda":
+            return dev
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def _agree(group, W: int, rank: int, device, record: torch.Tensor | None, error: Exception | None,
@@ -348,13 +350,15 @@ _STATE_ROWS = ("phase", "step", "canvas_index", "stable_count", "num_emitted", "
 
 
 def _agreement_record(state: SamplerState, slots, prefill_done, shard: VocabShard, device) -> torch.Tensor:
-    """This rank's int64 agreement record (arguments already checked)."""
-    idx = slots.to(state.device)
+    """This rank's int64 agreement record (arguments already checked) on ``device``; the checksums are computed on
+    the state's device (only the record moves)."""
+    sdev = state.device
+    idx = slots.to(sdev)
     rec = torch.tensor([0, shard.rank, shard.world_size, shard.vocab_size, shard.start, shard.end, slots.shape[0],
-                        state.canvas_length, state.hidden_size, 0, 0], dtype=torch.int64, device=device)
-    rec[_A_INPUTS] = _digest([slots, prefill_done], device)
-    rec[_A_STATE] = _digest([getattr(state, k)[idx] for k in _STATE_ROWS], device)
-    return rec
+                        state.canvas_length, state.hidden_size, 0, 0], dtype=torch.int64, device=sdev)
+    rec[_A_INPUTS] = _digest([slots, prefill_done], sdev)
+    rec[_A_STATE] = _digest([getattr(state, k)[idx] for k in _STATE_ROWS], sdev)
+    return rec.to(device)
 
 
 def sampler_step_tp(state: SamplerState, slots: torch.Tensor, logits: torch.Tensor, prefill_done: torch.Tensor,
