@@ -256,9 +256,13 @@ _DIGEST_M = 2147483647                               # 2**31 - 1 (prime): every 
 
 def _digest(tensors: Sequence[torch.Tensor], device) -> torch.Tensor:
     """A position-weighted checksum of the tensors' values (int64 scalar on ``device``, no host read): equal on
-    every rank for equal values (integer arithmetic only, exact on any device in any order). One changed value
-    always changes it (each weight is invertible mod the prime 2**31 - 1) unless its 32-bit halves change by
-    multiples of that prime; several changed values could cancel, by chance. Float tensors enter by their bits."""
+    every rank for equal values (integer arithmetic only, exact on any device in any order). Each value (float
+    tensors by their bits, read as ints) is folded to ``r = (lo + 2**30 hi) mod p`` of its 32-bit halves (p the prime
+    2**31 - 1) and weighted by a weight invertible mod p at its position. One changed value therefore always changes
+    it when its old and new values both lie in (-2**29, 2**29) (phases, steps, counts, token ids, slots: such values
+    fold to distinct residues), and otherwise unless the two fold to one residue (e.g. a half changing by a multiple
+    of p), a chance of ~2**-31 for unrelated values; several changed values could cancel, by chance. (The halves
+    used to enter with equal weights at position 0, where -1 and 2 digested alike.)"""
     parts = []
     for t in tensors:
         t = t.reshape(-1)
@@ -270,9 +274,10 @@ def _digest(tensors: Sequence[torch.Tensor], device) -> torch.Tensor:
     v = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=device)
     M = _DIGEST_M
     lo, hi = v & 0xFFFFFFFF, (v >> 32) & 0xFFFFFFFF
+    r = (lo % M + (hi % M) * (1 << 30)) % M                  # < 2**31 + 2**61 before the mod
     i = torch.arange(v.numel(), dtype=torch.int64, device=device) % M
-    w1, w2 = i * 48271 % (M - 1) + 1, i * 69621 % (M - 1) + 1     # in [1, M - 1]: never 0 mod M
-    return ((lo % M) * w1 % M + (hi % M) * w2 % M).sum()
+    w = i * 48271 % (M - 1) + 1                              # in [1, M - 1]: never 0 mod M
+    return (r * w % M).sum()                                 # terms < 2**31: no overflow below 2**32 values
 
 
 def _record_device(group, state, logits) -> torch.device:
