@@ -1612,3 +1612,18 @@ def test_server_command_refuses_a_token_budget_below_one_canvas_eager_too(enforc
                                   kv_cache_bytes=1 << 30, gpu_memory_utilization=0.5,
                                   max_num_batched_tokens=bs.CANVAS_LENGTH, enforce_eager=enforce_eager)
     assert argv[argv.index("--max-num-batched-tokens") + 1] == str(bs.CANVAS_LENGTH)
+
+
+def test_an_int_beyond_float_range_is_a_row_problem_and_a_usage_error_not_an_overflow_traceback(tmp_path, capsys):
+    """b8898f0's rule (math.isfinite raises OverflowError for an int beyond float's range) in bench_serve: a rows
+    file's count of 10**400 and an int flag of 400 digits raised OverflowError past read_rows' / argparse's errors."""
+    huge = 10 ** 400
+    p = tmp_path / "r.jsonl"
+    p.write_text('{"env": {"gpu": "x"}}\n' + json.dumps({"workload": "serve_c1_fp8", "completed": huge}) + "\n")
+    with pytest.raises(ValueError, match=r"completed must be a finite number >= 0 or null, got an int of 1329 bits"):
+        bs.read_rows([p])
+    assert bs.main(["record", str(p), "--out", str(tmp_path / "serve-x.json")]) == 2
+    with pytest.raises(SystemExit) as e:
+        bs.build_parser().parse_args(["sweep", "--base-url", "http://x", "--model", "/m", "--backend", "vllm",
+                                      "--quant", "fp8", "--max-num-seqs", str(huge)])
+    assert e.value.code == 2 and "within float's range, got an int of 1329 bits" in capsys.readouterr().err
