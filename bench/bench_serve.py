@@ -2018,7 +2018,9 @@ def record(args) -> dict:
             differ[k] = vals
             env[k] = " + ".join(vals)
             notes.append(f"{k}: the rows ran at {len(vals)} values ({', '.join(vals)}); each server's is in servers")
-    if str(env.get("commit", "unknown")).startswith("unknown"):
+    # no sweep's GPU copy knew its commit: the checkout recording them stands in (one that did know keeps the joined
+    # values, 'unknown' among them: was replaced whole when the unknown one came first, and kept when it came later)
+    if all(v.startswith("unknown") for v in differ.get("commit") or [str(env.get("commit", "unknown"))]):
         env["commit"] = common.git_commit()
         notes.append("commit: the GPU copy had none; this is the checkout that recorded the rows")
     profiles = []

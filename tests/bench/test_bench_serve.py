@@ -1415,6 +1415,33 @@ def test_record_of_sweeps_at_two_commits_names_both_never_the_first_alone(cli, t
     assert " + " not in doc["commit"] and "commit" not in doc["servers"]["vllm-bf16"]
 
 
+def test_record_of_sweeps_one_of_unknown_commit_keeps_the_known_commit(cli, tmp_path, monkeypatch):
+    """The joined commits 'unknown + <sha>' started with 'unknown', so the top level was replaced whole by the
+    recording checkout's commit with the note that the GPU copy had none (the sweep's known commit lost); in the
+    other order 'abc + unknown' was kept. Now the known value stays either way; every value unknown: the checkout."""
+    monkeypatch.setenv("BLOCKDIFF_COMMIT", "recording-checkout")
+    for order in (("unknown", "b" * 40), ("b" * 40, "unknown")):
+        rows = tmp_path / f"r{order[0][0]}.jsonl"
+        with open(rows, "w") as f:
+            for backend, commit in zip(("vllm", "blockdiff-cute"), order):
+                env = dict(bs.environment(), kind="env", backend=backend, quant="fp8", max_num_seqs=4,
+                           gpu="NVIDIA H200", commit=commit)
+                f.write(json.dumps({"env": env}) + "\n" + json.dumps(_row(backend, "fp8", 1, 600.0, seqs=4)) + "\n")
+        out = tmp_path / order[0][0] / "serve-h200.json"
+        assert cli("record", rows, "--out", out)[0] == 0
+        doc = json.loads(out.read_text())
+        assert doc["commit"] == " + ".join(order), doc["commit"]
+        assert not any("the GPU copy had none" in n for n in doc["notes"]), doc["notes"]
+    rows = tmp_path / "all_unknown.jsonl"
+    with open(rows, "w") as f:
+        for backend in ("vllm", "blockdiff-cute"):
+            env = dict(bs.environment(), kind="env", backend=backend, quant="fp8", max_num_seqs=4, gpu="NVIDIA H200",
+                       commit="unknown")
+            f.write(json.dumps({"env": env}) + "\n" + json.dumps(_row(backend, "fp8", 1, 600.0, seqs=4)) + "\n")
+    assert cli("record", rows, "--out", tmp_path / "all" / "serve-h200.json")[0] == 0
+    assert json.loads((tmp_path / "all" / "serve-h200.json").read_text())["commit"] == "recording-checkout"
+
+
 def test_record_refuses_an_out_name_that_says_another_gpu(cli, tmp_path):
     """2026-12-06: serve_bench.sh wrote an H100 lease's rows to a file named serve-h200.json (its --out was fixed)."""
     rows = _rows_from(tmp_path / "r.jsonl", "NVIDIA H100 80GB HBM3")
