@@ -43,6 +43,14 @@ COLUMNS = {
 DEFAULT_COLUMNS = ["workload", "backend", "status", "graph_ms", "eager_ms", "effective_tflops", "note"]
 
 
+def _finite(v) -> bool:
+    """``math.isfinite``, False for an int beyond float's range (where it raises OverflowError)."""
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
+
+
 def _fmt(key: str, v) -> str:
     if v is None or (isinstance(v, float) and not math.isfinite(v)):
         return "–"
@@ -182,8 +190,9 @@ def record_problem(doc: dict) -> str | None:
             return f"rows[{i}].config must be a JSON object or null, got {r['config']!r}"
         for k in ("graph_ms", "eager_ms"):
             v = r.get(k)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
-                return f"rows[{i}].{k} must be a finite number or null, got {v!r}"
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite(v)):
+                shown = f"an int of {v.bit_length()} bits" if isinstance(v, int) and not _finite(v) else repr(v)
+                return f"rows[{i}].{k} must be a finite number or null, got {shown}"
     return None
 
 

@@ -217,6 +217,7 @@ def classify_refusal(status: int, body) -> dict:
     server-sent events' text) an ``error`` event, a choice finishing with ``error``, or no finish reason at all:
     :data:`STREAM_WITHOUT_END`), False when it was served."""
     row = {"status": status, "finish_reason": None, "text": None, "error": None}
+    no_end = False
     if isinstance(body, dict):
         ch = (body.get("choices") or [{}])[0]
         row["finish_reason"], row["text"] = ch.get("finish_reason"), ch.get("text")
@@ -240,11 +241,13 @@ def classify_refusal(status: int, body) -> dict:
                 row["finish_reason"] = row["finish_reason"] or "error"
             for ch in ev.get("choices") or ():
                 row["finish_reason"] = ch.get("finish_reason") or row["finish_reason"]
-        if status < 400 and row["finish_reason"] is None and row["error"] is None:
+        if status < 400 and row["finish_reason"] is None:
             # vLLM 0.26.0's completion stream skips empty chunks before it checks for finish reason "error", so a
-            # request refused before its first token gets HTTP 200 and only "data: [DONE]" (0.33.0 checks first)
-            row["error"] = STREAM_WITHOUT_END
-    row["failed"] = status >= 400 or row["finish_reason"] == "error" or row["error"] == STREAM_WITHOUT_END
+            # request refused before its first token gets HTTP 200 and only "data: [DONE]" (0.33.0 checks first);
+            # an empty body or one with no event at all ended no request either (its text, if any, kept as the error)
+            no_end = True
+            row["error"] = row["error"] or STREAM_WITHOUT_END
+    row["failed"] = status >= 400 or row["finish_reason"] == "error" or no_end
     return row
 
 

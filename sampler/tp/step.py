@@ -256,9 +256,13 @@ _DIGEST_M = 2147483647                               # 2**31 - 1 (prime): every 
 
 def _digest(tensors: Sequence[torch.Tensor], device) -> torch.Tensor:
     """A position-weighted checksum of the tensors' values (int64 scalar on ``device``, no host read): equal on
-    every rank for equal values (integer arithmetic only, exact on any device in any order). One changed value
-    always changes it (each weight is invertible mod the prime 2**31 - 1) unless its 32-bit halves change by
-    multiples of that prime; several changed values could cancel, by chance. Float tensors enter by their bits."""
+    every rank for equal values (integer arithmetic only, exact on any device in any order). Each value (float
+    tensors by their bits, read as ints) is folded to ``r = (lo + 2**30 hi) mod p`` of its 32-bit halves (p the prime
+    2**31 - 1) and weighted by a weight invertible mod p at its position. One changed value therefore always changes
+    it when its old and new values both lie in (-2**29, 2**29) (phases, steps, counts, token ids, slots: such values
+    fold to distinct residues), and otherwise unless the two fold to one residue (e.g. a half changing by a multiple
+    of p), a chance of ~2**-31 for unrelated values; several changed values could cancel, by chance. (The halves
+    used to enter with equal weights at position 0, where -1 and 2 digested alike.)"""
     parts = []
     for t in tensors:
         t = t.reshape(-1)
@@ -270,21 +274,24 @@ def _digest(tensors: Sequence[torch.Tensor], device) -> torch.Tensor:
     v = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=device)
     M = _DIGEST_M
     lo, hi = v & 0xFFFFFFFF, (v >> 32) & 0xFFFFFFFF
+    r = (lo % M + (hi % M) * (1 << 30)) % M                  # < 2**31 + 2**61 before the mod
     i = torch.arange(v.numel(), dtype=torch.int64, device=device) % M
-    w1, w2 = i * 48271 % (M - 1) + 1, i * 69621 % (M - 1) + 1     # in [1, M - 1]: never 0 mod M
-    return ((lo % M) * w1 % M + (hi % M) * w2 % M).sum()
+    w = i * 48271 % (M - 1) + 1                              # in [1, M - 1]: never 0 mod M
+    return (r * w % M).sum()                                 # terms < 2**31: no overflow below 2**32 values
 
 
 def _record_device(group, state, logits) -> torch.device:
-    """The device of the agreement record: the logits' (the step's collectives run there), else the state's, else
-    the group's backend's (NCCL: the current CUDA device)."""
-    if isinstance(logits, torch.Tensor):
-        return logits.device
-    if isinstance(state, SamplerState):
-        return state.device
-    if "nccl" in str(dist.get_backend(group)).lower():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """The device of the agreement record, one every rank's all_gather takes whatever that rank's own arguments
+    (a refusing rank's logits may be a CPU tensor, or no tensor): under NCCL a CUDA device (the logits', else the
+    state's, else the current one; a CPU record there raised on its rank alone and left the others waiting in the
+    all_gather), under any other backend (gloo) the CPU."""
+    if "nccl" not in str(dist.get_backend(group)).lower():
+        return torch.device("cpu")
+    for dev in (logits.device if isinstance(logits, torch.Tensor) else None,
+                state.device if isinstance(state, SamplerState) else None):
+        if dev is not None and dev.type == "cuda":
+            return dev
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def _agree(group, W: int, rank: int, device, record: torch.Tensor | None, error: Exception | None,
@@ -348,13 +355,15 @@ _STATE_ROWS = ("phase", "step", "canvas_index", "stable_count", "num_emitted", "
 
 
 def _agreement_record(state: SamplerState, slots, prefill_done, shard: VocabShard, device) -> torch.Tensor:
-    """This rank's int64 agreement record (arguments already checked)."""
-    idx = slots.to(state.device)
+    """This rank's int64 agreement record (arguments already checked) on ``device``; the checksums are computed on
+    the state's device (only the record moves)."""
+    sdev = state.device
+    idx = slots.to(sdev)
     rec = torch.tensor([0, shard.rank, shard.world_size, shard.vocab_size, shard.start, shard.end, slots.shape[0],
-                        state.canvas_length, state.hidden_size, 0, 0], dtype=torch.int64, device=device)
-    rec[_A_INPUTS] = _digest([slots, prefill_done], device)
-    rec[_A_STATE] = _digest([getattr(state, k)[idx] for k in _STATE_ROWS], device)
-    return rec
+                        state.canvas_length, state.hidden_size, 0, 0], dtype=torch.int64, device=sdev)
+    rec[_A_INPUTS] = _digest([slots, prefill_done], sdev)
+    rec[_A_STATE] = _digest([getattr(state, k)[idx] for k in _STATE_ROWS], sdev)
+    return rec.to(device)
 
 
 def sampler_step_tp(state: SamplerState, slots: torch.Tensor, logits: torch.Tensor, prefill_done: torch.Tensor,

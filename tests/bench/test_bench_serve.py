@@ -1415,6 +1415,33 @@ def test_record_of_sweeps_at_two_commits_names_both_never_the_first_alone(cli, t
     assert " + " not in doc["commit"] and "commit" not in doc["servers"]["vllm-bf16"]
 
 
+def test_record_of_sweeps_one_of_unknown_commit_keeps_the_known_commit(cli, tmp_path, monkeypatch):
+    """The joined commits 'unknown + <sha>' started with 'unknown', so the top level was replaced whole by the
+    recording checkout's commit with the note that the GPU copy had none (the sweep's known commit lost); in the
+    other order 'abc + unknown' was kept. Now the known value stays either way; every value unknown: the checkout."""
+    monkeypatch.setenv("BLOCKDIFF_COMMIT", "recording-checkout")
+    for order in (("unknown", "b" * 40), ("b" * 40, "unknown")):
+        rows = tmp_path / f"r{order[0][0]}.jsonl"
+        with open(rows, "w") as f:
+            for backend, commit in zip(("vllm", "blockdiff-cute"), order):
+                env = dict(bs.environment(), kind="env", backend=backend, quant="fp8", max_num_seqs=4,
+                           gpu="NVIDIA H200", commit=commit)
+                f.write(json.dumps({"env": env}) + "\n" + json.dumps(_row(backend, "fp8", 1, 600.0, seqs=4)) + "\n")
+        out = tmp_path / order[0][0] / "serve-h200.json"
+        assert cli("record", rows, "--out", out)[0] == 0
+        doc = json.loads(out.read_text())
+        assert doc["commit"] == " + ".join(order), doc["commit"]
+        assert not any("the GPU copy had none" in n for n in doc["notes"]), doc["notes"]
+    rows = tmp_path / "all_unknown.jsonl"
+    with open(rows, "w") as f:
+        for backend in ("vllm", "blockdiff-cute"):
+            env = dict(bs.environment(), kind="env", backend=backend, quant="fp8", max_num_seqs=4, gpu="NVIDIA H200",
+                       commit="unknown")
+            f.write(json.dumps({"env": env}) + "\n" + json.dumps(_row(backend, "fp8", 1, 600.0, seqs=4)) + "\n")
+    assert cli("record", rows, "--out", tmp_path / "all" / "serve-h200.json")[0] == 0
+    assert json.loads((tmp_path / "all" / "serve-h200.json").read_text())["commit"] == "recording-checkout"
+
+
 def test_record_refuses_an_out_name_that_says_another_gpu(cli, tmp_path):
     """2026-12-06: serve_bench.sh wrote an H100 lease's rows to a file named serve-h200.json (its --out was fixed)."""
     rows = _rows_from(tmp_path / "r.jsonl", "NVIDIA H100 80GB HBM3")
@@ -1612,3 +1639,18 @@ def test_server_command_refuses_a_token_budget_below_one_canvas_eager_too(enforc
                                   kv_cache_bytes=1 << 30, gpu_memory_utilization=0.5,
                                   max_num_batched_tokens=bs.CANVAS_LENGTH, enforce_eager=enforce_eager)
     assert argv[argv.index("--max-num-batched-tokens") + 1] == str(bs.CANVAS_LENGTH)
+
+
+def test_an_int_beyond_float_range_is_a_row_problem_and_a_usage_error_not_an_overflow_traceback(tmp_path, capsys):
+    """b8898f0's rule (math.isfinite raises OverflowError for an int beyond float's range) in bench_serve: a rows
+    file's count of 10**400 and an int flag of 400 digits raised OverflowError past read_rows' / argparse's errors."""
+    huge = 10 ** 400
+    p = tmp_path / "r.jsonl"
+    p.write_text('{"env": {"gpu": "x"}}\n' + json.dumps({"workload": "serve_c1_fp8", "completed": huge}) + "\n")
+    with pytest.raises(ValueError, match=r"completed must be a finite number >= 0 or null, got an int of 1329 bits"):
+        bs.read_rows([p])
+    assert bs.main(["record", str(p), "--out", str(tmp_path / "serve-x.json")]) == 2
+    with pytest.raises(SystemExit) as e:
+        bs.build_parser().parse_args(["sweep", "--base-url", "http://x", "--model", "/m", "--backend", "vllm",
+                                      "--quant", "fp8", "--max-num-seqs", str(huge)])
+    assert e.value.code == 2 and "within float's range, got an int of 1329 bits" in capsys.readouterr().err

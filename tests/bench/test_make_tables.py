@@ -185,3 +185,10 @@ def test_a_share_column_that_is_no_number_is_written_as_is():
     """Was: ValueError ('Unknown format code f for str') from 100 * "n/a" formatted as a percentage."""
     assert make_tables._fmt("attention_share", "n/a") == "n/a"
     assert make_tables._fmt("attention_share", 0.25) == "25.0 %"
+
+
+def test_record_problem_names_an_int_beyond_float_range():
+    """math.isfinite raised OverflowError for a graph_ms of 10**400 (an int JSON reads): a traceback, not the record's
+    problem named."""
+    doc = {"rows": [{"workload": "w", "graph_ms": 10 ** 400}]}
+    assert make_tables.record_problem(doc) == "rows[0].graph_ms must be a finite number or null, got an int of 1329 bits"

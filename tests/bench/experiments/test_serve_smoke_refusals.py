@@ -115,3 +115,14 @@ def test_a_stream_that_ends_without_a_finish_reason_counts_as_failed():
     assert row["failed"] and row["error"] == serve_smoke.STREAM_WITHOUT_END
     cut = 'data: {"choices": [{"text": "ab", "finish_reason": null}]}\n\ndata: [DONE]\n'
     assert serve_smoke.classify_refusal(200, cut)["failed"]
+
+
+def test_a_streamed_answer_with_no_event_at_all_counts_as_failed():
+    """An HTTP 200 stream with an empty body, or text that holds no event, ended no request either: it was counted
+    as served (its text became the error, so the no-finish-reason rule, which asked for no error, was skipped)."""
+    for body in ("", "\n", "upstream closed"):
+        row = serve_smoke.classify_refusal(200, body)
+        assert row["failed"] and row["finish_reason"] is None, (body, row)
+        assert row["error"] == (body or serve_smoke.STREAM_WITHOUT_END), (body, row)
+    ok = 'data: {"choices": [{"text": "c", "finish_reason": "stop"}]}\n\ndata: [DONE]\n'
+    assert not serve_smoke.classify_refusal(200, ok)["failed"]

@@ -263,6 +263,48 @@ def test_ranks_refusing_or_disagreeing_raise_on_every_rank_instead_of_waiting_in
         assert r0[case] == r1[case] and text in r0[case], (case, r0[case])
 
 
+def test_agreement_record_device_is_the_backend_s_whatever_the_rank_s_own_arguments(monkeypatch):
+    """The record went to the refusing rank's logits' device: under NCCL a rank whose logits were a CPU tensor (the
+    very error it refuses) put a CPU record into NCCL's all_gather, which raised on that rank alone and left the
+    others waiting in it (the deadlock the record is there to prevent). Now: NCCL, a CUDA device always (the logits',
+    else the state's, else the current one); any other backend (gloo), the CPU, whatever the arguments."""
+    from blockdiff.sampler import SamplerState
+    from blockdiff.sampler.tp import step as tp_step
+
+    st = SamplerState(2, 4, 10, 8)                                       # a CPU state
+    cpu_logits, meta_logits = torch.zeros(1, 4, 5), torch.empty(1, 4, 5, device="meta")
+    monkeypatch.setattr(tp_step.dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(tp_step.torch.cuda, "current_device", lambda: 3)
+    for state, logits in ((st, cpu_logits), (None, cpu_logits), (st, None), ("no state", meta_logits)):
+        assert tp_step._record_device(None, state, logits) == torch.device("cuda", 3), (state, logits)
+    monkeypatch.setattr(tp_step.dist, "get_backend", lambda group=None: "gloo")
+    for state, logits in ((st, meta_logits), (None, meta_logits), (None, None)):
+        assert tp_step._record_device(None, state, logits) == torch.device("cpu")
+
+
+def test_agreement_digest_tells_apart_one_changed_small_value_at_any_position():
+    """_digest's docstring: one changed value in (-2**29, 2**29) always changes the digest. The 32-bit halves entered
+    with equal weights at position 0, where -1 and 2 (int64 or int32) digested alike."""
+    from blockdiff.sampler.tp.step import _digest
+
+    vals = list(range(-600, 600)) + [-2**29 + 1, 2**29 - 1, -2**28, 2**28]
+    for dtype in (torch.int64, torch.int32):
+        for pos in (0, 1, 9):
+            base = torch.arange(10, dtype=dtype) * 3 - 7
+            seen = {}
+            for v in vals:
+                t = base.clone()
+                t[pos] = v
+                seen.setdefault(int(_digest([t], "cpu")), []).append(v)
+            clash = {k: vs for k, vs in seen.items() if len(vs) > 1}
+            assert not clash, (dtype, pos, list(clash.values())[:3])
+    assert int(_digest([torch.tensor([-1])], "cpu")) != int(_digest([torch.tensor([2])], "cpu"))
+    assert int(_digest([], "cpu")) == 0 and int(_digest([torch.zeros(0, 4)], "cpu")) == 0    # N = 0 rows
+    # no int64 overflow: extreme halves everywhere stay below the prime per term
+    big = torch.tensor([-1, -2**63, 2**63 - 1, 2**62] * 1000)
+    assert 0 <= int(_digest([big, big.view(torch.float64)], "cpu")) < 8000 * (2**31 - 1)
+
+
 @pytest.mark.gpu
 def test_two_gpus_nccl_match_single_gpu_reference(tmp_path):
     """2 NCCL ranks (one per GPU), V = 262144 split evenly, canvas 256, bf16 E hidden 2816."""
