@@ -17,6 +17,9 @@ the ``reference`` (dense torch) and ``fused`` (Triton) local pass; parts: ``tp:<
 rank alone: stats + partial GEMM, no communication) and ``tp:comm`` (the two collectives alone, at the step's
 sizes). eager_ms = median over reps of CUDA-event times of one call, every rank starting together (barrier),
 reported as the max over ranks of the per-rank medians. No CUDA graphs (the TP step holds NCCL collectives).
+The timed TP step is the checked default (``check_values`` None): since 2026-12-07 (break25d) it all_gathers an
+88-byte agreement record and reads it on the host before the step's collectives, so its rows include that;
+records before then did not (their checked step read only the slot ids).
 
 Self-check before timing: from identical fresh states, one TP step on 2 ranks vs the 1-GPU reference step on
 the full vocabulary — accepted, sampled, argmax, renoised canvas, converged/failed, every state tensor exact;

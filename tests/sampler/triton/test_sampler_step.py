@@ -286,3 +286,6 @@ def test_gpu_compiled_step_kernel_equals_torch_apply_step_on_random_states(seed)
     phase0 = st.phase[slots]
     ok = (phase0 == DENOISE) & ~torch.isnan(stats["step_entropy"]).any(-1)
     assert torch.equal(cont.bool().cpu(), ok & ~oa.converged)
+    fresh = ((phase0 == PREFILL) & pd) | ((phase0 == COMMIT) & ~oa.finished)
+    want = torch.where(cont.bool().cpu(), torch.where(T == 0, 3, 1), torch.where(fresh, 2, 0)).int()
+    assert torch.equal(mode.cpu(), want)
