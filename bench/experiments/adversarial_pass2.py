@@ -264,13 +264,15 @@ def sec_serve():
         word="trace")
     cli(S, "server-cmd ok", [*sc, "--max-num-seqs", "4", "--kv-cache-gib", "8", "--gpu-memory-utilization", "0.5"],
         want_rc=0)
-    fake = os.path.join(os.path.dirname(__file__), "..", "..", "tests", "bench", "fake_bench_serve.py")
+    # realpath: under bench/device_env.sh this file is reached through /tmp/bdpath/blockdiff/bench (a symlink), and
+    # the fake's own os.path.abspath(__file__) would look for its fixture under /tmp/bdpath/blockdiff/tests
+    fake = os.path.join(os.path.dirname(os.path.realpath(__file__)), "..", "..", "tests", "bench", "fake_bench_serve.py")
     sw = [*m, "sweep", "--base-url", "http://127.0.0.1:9", "--model", "/tmp/m", "--backend", "vllm", "--quant", "bf16",
           "--max-num-seqs", "2", "--rows", os.path.join(tmp, "rows.jsonl"), "--work-dir", os.path.join(tmp, "w"),
           "--bench-cmd", f"{sys.executable} {fake}", "--nvidia-smi", "true", "--warm-concurrency", "0"]
     for conc in ("0", "-1", "a", "1,,4", "", ",", "1.5", "4,4"):
         cli(S, f"sweep --concurrency {conc!r}", [*sw, "--concurrency", conc], word="concurrency",
-            want_rc=0 if conc in ("1,,4", "4,4") else 2)
+            want_rc=0 if conc == "1,,4" else 2)   # "4,4": each concurrency once since fb85fbf
     for name, extra, word in [("deadline-s -5", ["--deadline-s", "-5"], "deadline"),
                               ("deadline-s nan", ["--deadline-s", "nan"], "deadline"),
                               ("run-timeout 0", ["--run-timeout", "0"], "run-timeout"),

@@ -65,7 +65,7 @@ counter's atomics, and the PTX equality of the key-block loops with ``nan_safe_v
 test builds others, so split weights underflow only where a test makes them.
 
     python3 -m blockdiff.bench.experiments.sim_cute_nan_recompute [--head-dim 32]
-(CPU, ~5 s.) Prints three lines per case: the match, warps that recompute, and the variants' outcomes.
+(CPU, ~15 s on 2 cores.) Prints three lines per case: the match, warps that recompute, and the variants' outcomes.
 """
 from __future__ import annotations
 

@@ -19,7 +19,9 @@ scan disjoint chunks of the stage and OR their finds at one barrier over all of 
 warpgroup's flag is "any masked block's stage held one", ``H0`` by construction, with no order to enumerate.
 
     python3 -m blockdiff.bench.experiments.sim_cute_nan_v_race [--enumerate any]
-(CPU, ~20 s; ``--enumerate`` a few minutes). The values of q / k are drawn on the CPU, not as on the GPU; the
+(CPU, ~20 s; ``--enumerate`` a few minutes; the cute launch config comes from FA4's tile heuristic, so
+flash-attn-4 and the CuTe DSL must be importable, ``.[cute]``: with ``.[dev]`` alone it stops with an
+ImportError). The values of q / k are drawn on the CPU, not as on the GPU; the
 non-finite pattern depends only on which rows see which poisoned key (scores are N(0, 1), no weight underflows),
 which the script checks against the reference computed on these inputs.
 """
