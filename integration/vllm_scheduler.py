@@ -38,7 +38,8 @@ before it is scheduled (no forward pass, no KV block), and its client learns why
 ``TypeError`` text, naming the option and the rule), which ``AsyncLLM`` raises in the caller as
 ``VLLMValidationError`` (vLLM's OpenAI server: HTTP 400 for a non-streaming request; a streamed one has had its
 HTTP 200 already and gets the error as an event in its stream); vLLM 0.26.0 has no such field, so there the message is
-only logged (WARNING, once per request; logged under 0.33.0 too). The model state's check in the worker stays as the
+only logged (WARNING, once per request; logged under 0.33.0 too) and its OpenAI server answers HTTP 500, or a streamed
+request with an empty stream (docs/ARCHITECTURE.md section 7). The model state's check in the worker stays as the
 backstop (:func:`finish_stuck_requests` then finishes the request, the reason in the worker's log only).
 
 Streaming input (vLLM's resumable requests: a request continued with a longer prompt; both checked versions) is
