@@ -430,7 +430,9 @@ class DiffusionGemmaConfig:
             CheckpointError: from a path: the file is not a JSON object, or any of the errors below (the message
                 names the file and the field).
             TypeError, ValueError: a field of the wrong type or breaking its rule (see :meth:`validate`), a
-                ``text_config`` / ``per_layer_config`` that is not a dict, or no text config found.
+                ``text_config`` / ``per_layer_config`` that is not a dict, no text config found, or legacy RoPE keys
+                (``rope_theta``, ``rope_scaling``, ``rope_local_base_freq``) without ``rope_parameters`` (they were
+                ignored: the default RoPE served).
         """
         if isinstance(hf_config, (str, os.PathLike)):
             path = os.fspath(hf_config)
@@ -460,6 +462,10 @@ class DiffusionGemmaConfig:
             d = dict(text or hf_config)
         if "hidden_size" not in d:
             raise ValueError("hf_config has no text config (no hidden_size)")
+        legacy = sorted(k for k in ("rope_theta", "rope_scaling", "rope_local_base_freq") if d.get(k) is not None)
+        if legacy and d.get("rope_parameters") is None:  # read silently as the default RoPE: other angles, logits
+            raise ValueError(f"{', '.join(legacy)}: legacy RoPE keys without rope_parameters; blockdiff reads RoPE "
+                             "only from rope_parameters (layer type -> {rope_type, rope_theta, ...}): write them there")
         kwargs = {}
         names = {f.name for f in dataclasses.fields(cls)}
         for k, v in d.items():

@@ -285,6 +285,22 @@ def test_config_json_size_beyond_its_bound_is_a_checkpoint_error_naming_it(tmp_p
         load_pretrained(folder)
 
 
+@pytest.mark.parametrize("key,value", [("rope_theta", 5.0), ("rope_local_base_freq", 10.0),
+                                       ("rope_scaling", {"rope_type": "linear", "factor": 8.0})])
+def test_config_json_with_legacy_rope_keys_and_no_rope_parameters_is_refused_naming_them(tmp_path, key, value):
+    """A config.json that gives its RoPE in the legacy keys (no rope_parameters) was served with the default RoPE
+    (theta 1e4 / 1e6), the file's values ignored: other angles, silently other logits."""
+    def mutate(cfg):
+        cfg.pop("rope_parameters")
+        cfg[key] = value
+    folder = make_ckpt(tmp_path, mutate=mutate)
+    with pytest.raises(CheckpointError, match=rf"config\.json .*{key}: legacy RoPE keys without rope_parameters"):
+        load_pretrained(folder)
+    cfg = _shipped_config()
+    cfg[key] = value  # beside rope_parameters, which is what is read
+    assert DiffusionGemmaConfig.from_hf(cfg).rope_parameters == cfg["rope_parameters"]
+
+
 def test_weight_tensor_beyond_torchs_storage_size_is_a_value_error_naming_it():
     """Each size within 2**31 - 1, but one weight's float64 bytes past int64: torch's 'Storage size calculation
     overflowed' from inside the model's construction (also on the meta device a checkpoint loads into)."""
