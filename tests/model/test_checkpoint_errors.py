@@ -26,7 +26,7 @@ from blockdiff.model.pretrained import load_pretrained, shipped_checkpoint_dir
 from blockdiff.model.tokenizer import ByteTokenizer
 from blockdiff.model.train import hf_state_dict
 from blockdiff.sampler import SamplingParams
-from blockdiff.sampler.rng import MAX_POSITIONS, MAX_STEPS
+from blockdiff.sampler.rng import MAX_POSITIONS, MAX_STEPS, MAX_VOCAB
 
 SHIPPED = shipped_checkpoint_dir()
 
@@ -344,6 +344,7 @@ def test_numpy_integer_sizes_are_accepted_as_ints():
 def test_model_package_limits_equal_the_samplers():
     """The model cannot import the sampler (layering), so its copies of the sampler's limits are checked here."""
     assert config_mod.MAX_CANVAS_LENGTH == MAX_POSITIONS - 1
+    assert config_mod.MAX_SIZE == MAX_VOCAB - 1  # a config's vocab_size / hidden_size: SamplerState's [1, 2**31)
     assert generation.MAX_DENOISING_STEPS == MAX_STEPS
     assert generation.GENERATION_DEFAULTS == EXPORT_GENERATION_DEFAULTS
     p = SamplingParams()
