@@ -231,6 +231,40 @@ def plot_attention_pattern(rec, config, path: str) -> str:
     return path
 
 
+def check_requests(requests) -> None:
+    """Raise unless ``requests`` is a demo workload: a non-empty tuple / list of ``(req_id, prompt, arrival_step, n,
+    greedy)`` tuples (see :func:`run_demo`): ``req_id`` a str; ``prompt`` a str (text) or an int >= 1 (a random
+    prompt's length); ``arrival_step`` an int >= 0; ``n`` an int >= 1 (canvases of a text prompt, tokens of a random
+    one); ``greedy`` a bool. No coercion: a prompt length of 2.7 was read as 2, ``True`` as 1.
+
+    Raises:
+        TypeError: a value of the wrong type (bools are not ints). ValueError: an empty workload, an entry that is not
+            five values, or a value out of its range. Both name ``requests[i]`` and the field.
+    """
+    if not isinstance(requests, (tuple, list)):
+        raise TypeError(f"requests must be a tuple or list of (req_id, prompt, arrival_step, n, greedy) tuples, got "
+                        f"{type(requests).__name__}")
+    if not requests:
+        raise ValueError("requests must hold at least one request (req_id, prompt, arrival_step, n, greedy)")
+    for i, r in enumerate(requests):
+        where = f"requests[{i}]"
+        if not isinstance(r, (tuple, list)) or len(r) != 5:
+            raise ValueError(f"{where} must be a tuple (req_id, prompt, arrival_step, n, greedy), got {r!r}")
+        rid, prompt, arrival, n, greedy = r
+        if not isinstance(rid, str):
+            raise TypeError(f"{where}: req_id must be a str, got {type(rid).__name__} ({rid!r})")
+        for name, v, lo in (("prompt", prompt, 1), ("arrival_step", arrival, 0), ("n", n, 1)):
+            if name == "prompt" and isinstance(v, str):
+                continue
+            if isinstance(v, bool) or not isinstance(v, int):
+                what = "a str or an int >= 1 (a random prompt's length)" if name == "prompt" else f"an int >= {lo}"
+                raise TypeError(f"{where}: {name} must be {what}, got {type(v).__name__} ({v!r})")
+            if v < lo:
+                raise ValueError(f"{where}: {name} must be >= {lo}, got {v}")
+        if not isinstance(greedy, bool):
+            raise TypeError(f"{where}: greedy must be a bool, got {type(greedy).__name__} ({greedy!r})")
+
+
 def run_demo(*, backend: str = "reference", sampler_backend: str = "reference", check: bool = False,
              device: str = "cpu", seed: int = 0, out: str = "./demo_out", checkpoint: str | None = None,
              canvas_length: int | None = None, max_denoising_steps: int | None = None, progress: bool = True,
@@ -268,8 +302,10 @@ def run_demo(*, backend: str = "reference", sampler_backend: str = "reference", 
         BackendUnavailable: the attention or sampler backend cannot run on ``device``.
         CheckpointError: ``checkpoint`` cannot be loaded (the message names the folder and the problem).
         ValueError: ``embedding_scale`` with a checkpoint, or not a finite number in ``(0, float32 max]``; a text
-            prompt with random weights.
-        TypeError: ``embedding_scale`` not a number (a bool included).
+            prompt with random weights; ``requests`` empty or an entry out of range (:func:`check_requests`);
+            ``threads`` < 1.
+        TypeError: ``embedding_scale`` not a number (a bool included); a ``requests`` entry of the wrong type
+            (:func:`check_requests`); ``threads`` not an int or None.
         DemoInputError: the requests need more positions than the checkpoint's ``max_position_embeddings`` (a
             ValueError naming ``--canvas-length``), or a ``max_denoising_steps`` that puts the checkpoint's
             temperature schedule below the sampler's 2**-126 (naming ``--max-denoising-steps``).
@@ -287,6 +323,12 @@ def run_demo(*, backend: str = "reference", sampler_backend: str = "reference", 
             # the float32 weights it scales: beyond float32 they are inf and every request fails; NaN / <= 0 no peak
             raise ValueError(f"embedding_scale must be a finite number in (0, {FLOAT32_MAX:.4e}] (it scales the "
                              f"float32 tied embedding), got {embedding_scale!r}")
+    if requests is not None:  # before the model is loaded or built
+        check_requests(requests)
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)):
+        raise TypeError(f"threads must be an int >= 1 or None, got {type(threads).__name__} ({threads!r})")
+    if threads is not None and threads < 1:  # (torch's RuntimeError from set_num_threads)
+        raise ValueError(f"threads must be an int >= 1 or None, got {threads}")
     dev = resolve_device(device)
     check_attention_backend(backend, dev, dtype=None)  # the device rules now; the probe once the dtype is known
     interp = triton_interpret()  # as Triton reads it

@@ -441,7 +441,8 @@ class DiffusionModelState(_Base):
         growth must be recaptured; vLLM runs the sampler outside its graphs).
 
         Raises:
-            ValueError: ``n`` above :data:`MAX_STOP_TOKEN_IDS` (nothing grows), or not an int >= 0.
+            ValueError: ``n`` above :data:`MAX_STOP_TOKEN_IDS` (nothing grows), or negative. TypeError: ``n`` not an
+                int (:meth:`blockdiff.sampler.SamplerState.reserve_eos`).
         """
         check_stop_token_count(n)
         self.state.reserve_eos(n)

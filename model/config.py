@@ -33,10 +33,34 @@ FLOAT32_MAX = 3.4028234663852886e38
 #: bound to a negative int64 and refuses every position, or raises OverflowError).
 MAX_POSITION_EMBEDDINGS = (1 << 63) - 1
 FLOAT32_TINY = 2.0 ** -126
+#: Largest value of an integer size field other than ``max_position_embeddings``: 2**31 - 1, the sampler's int32
+#: sizes (``SamplerState``: vocab_size, hidden_size < 2**31) and the attention backends' int32 offsets.
+MAX_SIZE = (1 << 31) - 1
+#: Largest ``num_hidden_layers`` and ``head_dim`` / ``global_head_dim``: far above any model (Gemma 4: 30 to 62 layers,
+#: heads of 256 / 512), and what keeps checking a config cheap: the default ``layer_types`` list, the RoPE tables of
+#: the angle rule and a model's layer modules (built on the meta device before a checkpoint's weights are compared
+#: with it) grow with them; a config.json with 2**40 layers or head_dim 2**36 had the process killed for memory.
+MAX_HIDDEN_LAYERS = 1 << 12
+MAX_HEAD_DIM = 1 << 16
+#: Largest element count of one weight tensor: its bytes in float64 (the widest model dtype) must fit torch's int64
+#: storage size ("Storage size calculation overflowed" from inside the model's construction otherwise).
+MAX_WEIGHT_NUMEL = ((1 << 63) - 1) // 8
 _INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "head_dim", "global_head_dim", "num_global_key_value_heads",
                "max_position_embeddings", "sliding_window", "num_experts", "top_k_experts", "moe_intermediate_size",
                "canvas_length")
+
+
+def _int_bound(name: str) -> dict:
+    """``hi`` / ``why`` keywords of :func:`_check_int` for the integer field ``name`` (see :data:`MAX_SIZE`)."""
+    if name == "max_position_embeddings":  # its own rule in validate (int64 positions)
+        return {}
+    if name == "num_hidden_layers":
+        return dict(hi=MAX_HIDDEN_LAYERS, why=" (MAX_HIDDEN_LAYERS: far above any model; checking a config and "
+                                              "building a model grow with it)")
+    if name in ("head_dim", "global_head_dim"):
+        return dict(hi=MAX_HEAD_DIM, why=" (MAX_HEAD_DIM: far above any model; the RoPE tables grow with it)")
+    return dict(hi=MAX_SIZE, why=" (2**31 - 1: the sampler's int32 sizes and the attention backends' int32 offsets)")
 
 
 def _show(v) -> str:
@@ -59,14 +83,17 @@ def show_real(v) -> str:
     return repr(v)
 
 
-def _check_int(name: str, v, lo: int, *, allow_none: bool = False) -> None:
-    """``v`` is an int (not bool / float / str) >= lo; TypeError / ValueError naming ``name`` otherwise."""
+def _check_int(name: str, v, lo: int, *, allow_none: bool = False, hi: int | None = None, why: str = "") -> None:
+    """``v`` is an int (not bool / float / str) >= lo (and <= hi unless None); TypeError / ValueError naming ``name``
+    otherwise (``why``: the reason for ``hi``, in the message)."""
     if v is None and allow_none:
         return
     if isinstance(v, bool) or not isinstance(v, numbers.Integral):
         raise TypeError(f"{name} must be an int >= {lo}, got {_show(v)}")
     if v < lo:
         raise ValueError(f"{name} must be an int >= {lo}, got {v}")
+    if hi is not None and v > hi:
+        raise ValueError(f"{name} must be an int <= {hi}{why}, got {show_real(v)}")
 
 
 def _check_real(name: str, v, *, positive: bool, none_hint: str = "") -> None:
@@ -195,7 +222,7 @@ class DiffusionGemmaConfig:
 
     def __post_init__(self):
         # normalisation first (defaults that depend on other fields), then every rule in validate()
-        _check_int("num_hidden_layers", self.num_hidden_layers, 1)
+        _check_int("num_hidden_layers", self.num_hidden_layers, 1, **_int_bound("num_hidden_layers"))  # before its list
         self.num_hidden_layers = int(self.num_hidden_layers)
         if self.layer_types is None:
             # transformers' default pattern: 5 sliding : 1 full
@@ -225,7 +252,9 @@ class DiffusionGemmaConfig:
         """Check every field's type and range (also after a field was changed in place;
         :class:`~blockdiff.model.DiffusionGemma` calls it on construction).
 
-        Rules: the integer sizes are ints (not bool / float / str) >= 1; ``num_attention_heads`` a multiple of
+        Rules: the integer sizes are ints (not bool / float / str) >= 1 and <= :data:`MAX_SIZE` (2**31 - 1;
+        ``num_hidden_layers`` <= :data:`MAX_HIDDEN_LAYERS`, ``head_dim`` / ``global_head_dim`` <= :data:`MAX_HEAD_DIM`),
+        with every weight tensor at most :data:`MAX_WEIGHT_NUMEL` elements; ``num_attention_heads`` a multiple of
         both KV-head counts; ``head_dim`` / ``global_head_dim`` even; ``top_k_experts <= num_experts``;
         ``max_position_embeddings <= 2**63 - 1`` (int64 positions);
         ``1 <= canvas_length <= min(max_position_embeddings, MAX_CANVAS_LENGTH)``; ``rms_norm_eps > 0`` and
@@ -243,7 +272,8 @@ class DiffusionGemmaConfig:
             ValueError: a field breaking its rule (named, with the rule and the value).
         """
         for name in _INT_FIELDS:
-            _check_int(name, getattr(self, name), 1, allow_none=name == "num_global_key_value_heads")
+            _check_int(name, getattr(self, name), 1, allow_none=name == "num_global_key_value_heads",
+                       **_int_bound(name))
         if self.num_global_key_value_heads is None:
             raise ValueError("num_global_key_value_heads must be an int >= 1 (None is only a constructor "
                              "default: num_key_value_heads)")
@@ -270,6 +300,19 @@ class DiffusionGemmaConfig:
             raise ValueError("head_dim and global_head_dim must be even (RoPE rotates halves)")
         if self.top_k_experts > self.num_experts:
             raise ValueError(f"top_k_experts ({self.top_k_experts}) must be <= num_experts ({self.num_experts})")
+        H = self.hidden_size
+        weights = (("vocab_size x hidden_size (embed_tokens)", self.vocab_size * H),
+                   ("intermediate_size x hidden_size (the dense MLP)", self.intermediate_size * H),
+                   ("num_experts x 2 * moe_intermediate_size x hidden_size (experts.gate_up_proj)",
+                    self.num_experts * 2 * self.moe_intermediate_size * H),
+                   ("num_attention_heads x head_dim x hidden_size (q_proj)",
+                    self.num_attention_heads * self.head_dim * H),
+                   ("num_attention_heads x global_head_dim x hidden_size (q_proj of full layers)",
+                    self.num_attention_heads * self.global_head_dim * H))
+        for what, n in weights:
+            if n > MAX_WEIGHT_NUMEL:
+                raise ValueError(f"{what} = {n} elements: one weight tensor must hold at most (2**63 - 1) // 8 (its "
+                                 f"float64 bytes an int64, torch's storage size)")
         if self.max_position_embeddings > MAX_POSITION_EMBEDDINGS:  # positions are int64 tensors
             raise ValueError(f"max_position_embeddings must be <= 2**63 - 1 (positions are int64), got "
                              f"{self.max_position_embeddings}")
@@ -387,7 +430,9 @@ class DiffusionGemmaConfig:
             CheckpointError: from a path: the file is not a JSON object, or any of the errors below (the message
                 names the file and the field).
             TypeError, ValueError: a field of the wrong type or breaking its rule (see :meth:`validate`), a
-                ``text_config`` / ``per_layer_config`` that is not a dict, or no text config found.
+                ``text_config`` / ``per_layer_config`` that is not a dict, no text config found, or legacy RoPE keys
+                (``rope_theta``, ``rope_scaling``, ``rope_local_base_freq``) without ``rope_parameters`` (they were
+                ignored: the default RoPE served).
         """
         if isinstance(hf_config, (str, os.PathLike)):
             path = os.fspath(hf_config)
@@ -417,6 +462,10 @@ class DiffusionGemmaConfig:
             d = dict(text or hf_config)
         if "hidden_size" not in d:
             raise ValueError("hf_config has no text config (no hidden_size)")
+        legacy = sorted(k for k in ("rope_theta", "rope_scaling", "rope_local_base_freq") if d.get(k) is not None)
+        if legacy and d.get("rope_parameters") is None:  # read silently as the default RoPE: other angles, logits
+            raise ValueError(f"{', '.join(legacy)}: legacy RoPE keys without rope_parameters; blockdiff reads RoPE "
+                             "only from rope_parameters (layer type -> {rope_type, rope_theta, ...}): write them there")
         kwargs = {}
         names = {f.name for f in dataclasses.fields(cls)}
         for k, v in d.items():
@@ -474,7 +523,7 @@ def geometry_config(name: str, **overrides) -> DiffusionGemmaConfig:
         raise ValueError(f"unknown geometry {name!r}; known: {sorted(GEOMETRIES)}")
     kw = {**GEOMETRIES[name], **overrides}
     if "num_hidden_layers" in overrides and "layer_types" not in overrides:
-        _check_int("num_hidden_layers", kw["num_hidden_layers"], 1)
+        _check_int("num_hidden_layers", kw["num_hidden_layers"], 1, **_int_bound("num_hidden_layers"))
         n = kw["num_hidden_layers"]
         kw["layer_types"] = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n)]
         kw["layer_types"][-1] = "full_attention"
@@ -503,7 +552,7 @@ def tiny_config(**overrides) -> DiffusionGemmaConfig:
     kw.update(overrides)
     if "num_hidden_layers" in overrides and "layer_types" not in overrides:
         n = kw["num_hidden_layers"]
-        _check_int("num_hidden_layers", n, 1)
+        _check_int("num_hidden_layers", n, 1, **_int_bound("num_hidden_layers"))
         kw["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
         kw["layer_types"][-1] = "full_attention"
     return DiffusionGemmaConfig(**kw)

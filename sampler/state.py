@@ -174,13 +174,16 @@ class SamplerState:
         construction when steps are captured.
 
         Raises:
-            ValueError: ``n`` is not an int >= 0.
+            TypeError: ``n`` is not an int (a bool, a float, a str: no coercion).
+            ValueError: ``n`` outside [0, 2**31) (the constructor's rule for ``max_eos``).
         """
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"n must be an int >= 0, got {n!r}")
+        if isinstance(n, bool) or not isinstance(n, int):  # (was a ValueError, as a negative n is)
+            raise TypeError(f"n must be an int in [0, 2**31), got {type(n).__name__} ({n!r})")
+        if not 0 <= n < (1 << 31):  # (2**40 was the allocator's RuntimeError, 17 TB for one slot)
+            raise ValueError(f"n must be an int in [0, 2**31) (max_eos' range), got {n}")
         if n <= self.max_eos:
             return
-        width = max(n, 2 * self.max_eos)
+        width = min(max(n, 2 * self.max_eos), (1 << 31) - 1)  # doubling stays in max_eos' range
         grown = torch.full((self.max_num_reqs, width), -1, dtype=torch.int64, device=self.device)
         old = self.eos_token_ids
         grown[:, : old.shape[1]] = old

@@ -172,6 +172,30 @@ def test_text_prompts_need_a_tokenizer(tmp_path):
         run_demo(out=str(tmp_path), progress=False, requests=(("r", "def f():", 0, 1, False),))
 
 
+@pytest.mark.parametrize("requests,error,match", [
+    ((), ValueError, r"requests must hold at least one request"),  # was 'max() arg is an empty sequence'
+    ((("r", -3, 0, 4, False),), ValueError, r"requests\[0\]: prompt must be >= 1, got -3"),  # torch's RuntimeError
+    ((("r", 2.7, 0, 4, False),), TypeError, r"requests\[0\]: prompt must be a str or an int"),  # ran 2 random ids
+    ((("r", True, 0, 4, False),), TypeError, r"requests\[0\]: prompt .* got bool"),  # ran 1 random id
+    ((("r", 5, 0, 4, "no"),), TypeError, r"requests\[0\]: greedy must be a bool"),  # "int + str" from a sum
+    ((("r", 5, 0, 4),), ValueError, r"requests\[0\] must be a tuple \(req_id, prompt, arrival_step, n, greedy\)"),
+    ((("r", 5, 0, 0, False),), ValueError, r"requests\[0\]: n must be >= 1"),
+    ("abc", TypeError, r"requests must be a tuple or list"),
+], ids=["empty", "negative-length", "float-length", "bool-length", "str-greedy", "four-values", "zero-n", "str"])
+def test_demo_workload_with_a_malformed_request_is_refused_naming_it(tmp_path, requests, error, match):
+    """run_demo's requests are checked before any model is built: each was another function's error (or a silent
+    int() of a float or bool prompt length)."""
+    with pytest.raises(error, match=match):
+        run_demo(out=str(tmp_path), progress=False, requests=requests)
+
+
+@pytest.mark.parametrize("threads,error", [(0, ValueError), (True, TypeError), (1.5, TypeError)])
+def test_demo_threads_that_are_not_a_positive_int_are_refused_naming_threads(tmp_path, threads, error):
+    """Was torch's RuntimeError ('set_num_threads expects a positive integer') for 0; True ran 1 thread."""
+    with pytest.raises(error, match=r"threads must be an int >= 1 or None"):
+        run_demo(out=str(tmp_path), progress=False, threads=threads)
+
+
 def _copy_checkpoint(src, dst):
     os.makedirs(dst)
     for f in os.listdir(src):
@@ -246,9 +270,10 @@ def _config(change):
     ("config.json", _config(lambda c: dict(c, final_logit_softcapping=0))),
     ("config.json", _config(lambda c: dict(c, head_dim="64"))),
     ("config.json", _config(lambda c: dict(c, canvas_length=10 ** 9))),
+    ("config.json", _config(lambda c: dict(c, hidden_size=2 ** 62))),  # was torch's RuntimeError, a traceback
     ("generation_config.json", lambda p: _write(p, '{"tmin": 0.1}')),
 ], ids=["truncated-weights", "text-weights", "config-list", "softcap-0", "str-head-dim", "huge-canvas",
-        "generation-typo"])
+        "huge-hidden-size", "generation-typo"])
 def test_unusable_checkpoint_exits_2_with_one_line_naming_checkpoint(smoke_checkpoint, tmp_path, capsys, name, edit):
     """Was: a SafetensorError / TypeError traceback (exit 1), or a config that loaded and failed every request."""
     folder = _copy_checkpoint(smoke_checkpoint, tmp_path / "bad")

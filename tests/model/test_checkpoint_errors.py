@@ -26,7 +26,7 @@ from blockdiff.model.pretrained import load_pretrained, shipped_checkpoint_dir
 from blockdiff.model.tokenizer import ByteTokenizer
 from blockdiff.model.train import hf_state_dict
 from blockdiff.sampler import SamplingParams
-from blockdiff.sampler.rng import MAX_POSITIONS, MAX_STEPS
+from blockdiff.sampler.rng import MAX_POSITIONS, MAX_STEPS, MAX_VOCAB
 
 SHIPPED = shipped_checkpoint_dir()
 
@@ -260,6 +260,61 @@ def test_max_position_embeddings_beyond_int64_is_a_value_error(P):
     assert tiny_config(max_position_embeddings=2 ** 63 - 1).max_position_embeddings == 2 ** 63 - 1
 
 
+HUGE_SIZES = [  # (id, config.json field, value, rule in the message); each was torch's error or a killed process
+    ("layers-2**40", "num_hidden_layers", 2 ** 40, r"<= 4096 \(MAX_HIDDEN_LAYERS"),  # OOM-killed in __post_init__
+    ("head-dim-2**36", "head_dim", 2 ** 36, r"<= 65536 \(MAX_HEAD_DIM"),  # the RoPE rule's tables: 137 GB
+    ("hidden-2**62", "hidden_size", 2 ** 62, r"<= 2147483647"),  # 'Storage size calculation overflowed'
+    ("vocab-2**62", "vocab_size", 2 ** 62, r"<= 2147483647"),
+    ("moe-2**62", "moe_intermediate_size", 2 ** 62, r"<= 2147483647"),  # TypeError 'Overflow when unpacking long'
+    ("heads-2**62", "num_attention_heads", 2 ** 62, r"<= 2147483647"),
+    ("window-10**400", "sliding_window", 10 ** 400, r"<= 2147483647 .*got an int of 1329 bits"),
+]
+
+
+@pytest.mark.parametrize("field,value,rule", [b[1:] for b in HUGE_SIZES], ids=[b[0] for b in HUGE_SIZES])
+def test_config_json_size_beyond_its_bound_is_a_checkpoint_error_naming_it(tmp_path, field, value, rule):
+    """A hostile config.json's sizes are refused by name before anything is allocated: they were a RuntimeError /
+    TypeError from torch inside the model's construction (a traceback from blockdiff demo and export), or a process
+    killed for memory while the config was checked (the default layer_types list, the RoPE rule's tables)."""
+    def mutate(cfg):
+        cfg[field] = value
+        if field == "num_hidden_layers":
+            cfg.pop("layer_types")  # transformers' default pattern, built from num_hidden_layers
+    folder = make_ckpt(tmp_path, mutate=mutate)
+    with pytest.raises(CheckpointError, match=rf"config\.json .*{field} must be an int {rule}"):
+        load_pretrained(folder)
+
+
+@pytest.mark.parametrize("key,value", [("rope_theta", 5.0), ("rope_local_base_freq", 10.0),
+                                       ("rope_scaling", {"rope_type": "linear", "factor": 8.0})])
+def test_config_json_with_legacy_rope_keys_and_no_rope_parameters_is_refused_naming_them(tmp_path, key, value):
+    """A config.json that gives its RoPE in the legacy keys (no rope_parameters) was served with the default RoPE
+    (theta 1e4 / 1e6), the file's values ignored: other angles, silently other logits."""
+    def mutate(cfg):
+        cfg.pop("rope_parameters")
+        cfg[key] = value
+    folder = make_ckpt(tmp_path, mutate=mutate)
+    with pytest.raises(CheckpointError, match=rf"config\.json .*{key}: legacy RoPE keys without rope_parameters"):
+        load_pretrained(folder)
+    cfg = _shipped_config()
+    cfg[key] = value  # beside rope_parameters, which is what is read
+    assert DiffusionGemmaConfig.from_hf(cfg).rope_parameters == cfg["rope_parameters"]
+
+
+def test_weight_tensor_beyond_torchs_storage_size_is_a_value_error_naming_it():
+    """Each size within 2**31 - 1, but one weight's float64 bytes past int64: torch's 'Storage size calculation
+    overflowed' from inside the model's construction (also on the meta device a checkpoint loads into)."""
+    with pytest.raises(ValueError, match=r"vocab_size x hidden_size \(embed_tokens\) = \d+ elements"):
+        tiny_config(vocab_size=2 ** 31 - 1, hidden_size=2 ** 31 - 1)
+    with pytest.raises(ValueError, match=r"experts\.gate_up_proj"):
+        tiny_config(num_experts=2 ** 20, moe_intermediate_size=2 ** 20, hidden_size=2 ** 20)
+    with pytest.raises(ValueError, match=r"num_hidden_layers must be an int <= 4096"):
+        tiny_config(num_hidden_layers=4097)
+    cfg = tiny_config(vocab_size=2 ** 31 - 1, num_hidden_layers=4096, head_dim=2 ** 16)  # the bounds themselves
+    assert DiffusionGemma(cfg, device="meta").embed_tokens.weight.shape == (2 ** 31 - 1, 64)
+    assert DiffusionGemmaConfig(**config_mod.DIFFUSIONGEMMA_26B_A4B).num_hidden_layers == 30
+
+
 def test_float32_edge_config_values_build_a_model_whose_logits_are_finite():
     """The rule's edges are usable: the extremes it accepts give finite logits on the tiny model."""
     from blockdiff.integration.harness import HarnessRunner
@@ -289,6 +344,7 @@ def test_numpy_integer_sizes_are_accepted_as_ints():
 def test_model_package_limits_equal_the_samplers():
     """The model cannot import the sampler (layering), so its copies of the sampler's limits are checked here."""
     assert config_mod.MAX_CANVAS_LENGTH == MAX_POSITIONS - 1
+    assert config_mod.MAX_SIZE == MAX_VOCAB - 1  # a config's vocab_size / hidden_size: SamplerState's [1, 2**31)
     assert generation.MAX_DENOISING_STEPS == MAX_STEPS
     assert generation.GENERATION_DEFAULTS == EXPORT_GENERATION_DEFAULTS
     p = SamplingParams()

@@ -224,6 +224,17 @@ def test_reserve_eos_grows_the_buffer_and_keeps_every_slot_s_ids():
         st.reserve_eos(-1)
 
 
+@pytest.mark.parametrize("n,error", [("3", TypeError), (True, TypeError), (3.0, TypeError), (1 << 31, ValueError),
+                                     (1 << 40, ValueError)])
+def test_reserve_eos_with_a_non_int_or_out_of_range_count_is_refused_naming_n(n, error):
+    """A count that is not an int is a TypeError (was a ValueError); one past max_eos' range [0, 2**31) a ValueError
+    before anything is allocated (2**40 was the allocator's RuntimeError); nothing grows."""
+    st = SamplerState(2, 4, 50, 2, max_eos=2)
+    with pytest.raises(error, match=r"n must be an int in \[0, 2\*\*31\)"):
+        st.reserve_eos(n)
+    assert st.max_eos == 2 and st.eos_token_ids.shape == (2, 2)
+
+
 def test_resumed_request_starts_at_its_canvas_index_and_emitted_count():
     """add_request(num_emitted=, canvas_index=) (a request resumed after preemption): the canvas index survives
     the end of prefill (was reset to 0 there), so the first canvas after resumption is the one an unpreempted
