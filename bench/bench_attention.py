@@ -624,7 +624,8 @@ def parse_args(argv=None):
     p.add_argument("--page-size", type=int, default=None,
                    help=f"tokens per KV page (default {wl.DEFAULT_PAGE_SIZE}; --quick {wl.QUICK_PAGE_SIZE})")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    p.add_argument("--device", default=None, help="default: cuda if available (cpu with --quick)")
+    p.add_argument("--device", default=None, help="default: cuda if available (cpu with --quick; without a GPU a "
+                   "full-shape run stops unless --device cpu)")
     p.add_argument("--fa4-layouts", default="paged,contiguous", help="fa4 KV layouts: paged and/or contiguous")
     p.add_argument("--blockdiff-layouts", default="paged",
                    help="KV layouts of the triton / cute rows: paged (default) and/or contiguous (packed varlen K/V)")
@@ -716,6 +717,10 @@ def parse_args(argv=None):
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.quick else "cpu"))
+    if device.type == "cpu" and not args.quick and args.device is None:
+        # the named workloads' full shapes (16k prefills, 32k contexts) through the Triton interpreter run for hours
+        sys.exit("bench_attention: no CUDA GPU: the named workloads' full shapes are a GPU benchmark; --quick is the "
+                 "CPU smoke run (--device cpu runs the full shapes on the CPU anyway)")
     if device.type == "cpu" and "TRITON_INTERPRET" not in os.environ:
         if "triton" in sys.modules:
             common.log("note: triton was imported before TRITON_INTERPRET could be set; the triton backend may "

@@ -216,7 +216,8 @@ def parse_args(argv=None):
     p.add_argument("--sampler-backend", default=None, help="reference or triton (default triton; quick reference)")
     p.add_argument("--moe-impl", default=None, help="loop or grouped_mm (default grouped_mm on CUDA, loop on CPU)")
     p.add_argument("--page-size", type=int, default=64)
-    p.add_argument("--device", default=None)
+    p.add_argument("--device", default=None,
+                   help="default: cuda (cpu with --quick; without a GPU a full-shape run stops unless --device cpu)")
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up generation")
     p.add_argument("--out", default=None)
     p.add_argument("--seed", type=int, default=0)
@@ -249,6 +250,13 @@ def main(argv=None) -> list[dict]:
     except Unavailable as e:
         print(f"bench_e2e: not run: {e}")
         return []
+    if device.type == "cpu" and not args.quick and args.device is None:
+        # the full shapes on the host: 5.7 B fp32 parameters at the default 6 layers (21 GiB), 94 GiB at 30
+        DiffusionGemma = _imports()[0]
+        n = sum(p.numel() for p in DiffusionGemma(cfg, device="meta", dtype=dtype, moe_impl=moe_impl).parameters())
+        sys.exit(f"bench_e2e: no CUDA GPU: the {cfg.num_hidden_layers}-layer 26B-A4B-shaped model would need "
+                 f"{n * 4 / 2**30:.0f} GiB of float32 weights on the CPU; --quick is the CPU smoke run (--device cpu "
+                 "runs the full shapes on the CPU anyway)")
     env = common.env_record(device)
     common.log(f"device {env['gpu']}, commit {env['commit']}; model: {cfg.num_hidden_layers} layers, hidden "
                f"{cfg.hidden_size}, vocab {cfg.vocab_size}, canvas {cfg.canvas_length}; prompt {args.prompt_len}")

@@ -350,7 +350,9 @@ def _train(a) -> int:
     args = TrainArgs(**fields)
     if a.smoke:
         args = smoke_args(args)
-        torch.set_num_threads(min(2, torch.get_num_threads()))
+        # one intra-op thread, as blockdiff demo: the tiny config's ops take microseconds, and two threads on a
+        # loaded 2-core machine made the 20 steps 7x slower (0.4 -> 2.9 s beside two busy processes; 111 s once)
+        torch.set_num_threads(1)
     problems = [f"--{name.replace('_', '-')}: {msg}" for _, name, msg in position_problems(args, train_config(args))]
     if problems:  # (positions past the config's range: refused before the corpus loads, not after training)
         return _errors("train", problems)

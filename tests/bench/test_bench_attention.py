@@ -199,3 +199,15 @@ def test_an_out_that_is_a_file_exits_2_before_the_run(tmp_path, capsys):
             ba.main(["--quick", "--no-plots", "--out", str(out)])
         err = capsys.readouterr().err
         assert e.value.code == 2 and f"--out {str(out)!r}" in err and "afile" in err
+
+
+def test_full_shape_run_without_a_gpu_stops_with_a_message_naming_quick(tmp_path, monkeypatch):
+    """Regression: without CUDA and without ``--quick`` the named workloads' full shapes (16k prefills, 32k
+    contexts) ran on the CPU, the triton rows through the interpreter, for hours. It now stops naming ``--quick``;
+    ``--device cpu`` still asks for it explicitly."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as e:
+        ba.main(["--workloads", "canvas_bs4_ctx4k_hd128", "--backends", "sdpa", "--out", str(tmp_path)])
+    msg = str(e.value.code)
+    assert "no CUDA GPU" in msg and "--quick" in msg, msg
+    assert not any(tmp_path.iterdir())

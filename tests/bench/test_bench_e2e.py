@@ -43,3 +43,18 @@ def test_full_shape_config_is_diffusiongemma_26b_a4b():
         2816, 262144, 16, 256, 512)
     assert cfg.window_size == 1023
     assert args.attn_backends == ["triton"] and args.sampler_backend == "triton" and args.prompt_len == 1024
+
+
+def test_full_shape_run_without_a_gpu_stops_with_a_message_instead_of_filling_the_host(tmp_path, monkeypatch):
+    """Regression: without CUDA and without ``--quick`` (e.g. the module docstring's plain
+    ``python3 -m blockdiff.bench.bench_e2e``) the 26B-A4B-shaped model was initialised in float32 on the host:
+    21 GiB at the default 6 layers, 94 GiB at 30, enough to exhaust a CPU machine. It now stops naming ``--quick``."""
+    import pytest
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as e:
+        bench_e2e.main(["--out", str(tmp_path)])
+    msg = str(e.value.code)
+    assert "no CUDA GPU" in msg and "--quick" in msg and "21 GiB" in msg, msg
+    assert not any(tmp_path.iterdir())  # nothing ran, nothing written

@@ -209,6 +209,29 @@ def test_train_smoke_runs_and_records_the_evaluation(tmp_path):
     assert log["steps"] == 3 and log["args"]["smoke"] and log["eval"]["num_prompts"] == 1
 
 
+def test_train_smoke_trains_on_one_cpu_thread(tmp_path, monkeypatch):
+    """Regression: ``--smoke`` set ``min(2, threads)`` intra-op threads, so on a loaded 2-core machine the tiny
+    config's 20 steps took 7x longer (once 111 s instead of ~1 s); it trains on one thread, as blockdiff demo runs."""
+    import torch
+
+    import blockdiff.model.train as T
+
+    seen = {}
+
+    def fake_train(args, evaluate=None):
+        seen["threads"], seen["smoke"] = torch.get_num_threads(), args.smoke
+        return {}
+
+    monkeypatch.setattr(T, "train", fake_train)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert cli.main(["train", "--smoke", "--out", str(tmp_path / "o"), "--eval-prompts", "0"]) == 0
+    finally:
+        torch.set_num_threads(threads)  # not left to the tests after this one
+    assert seen == {"threads": 1, "smoke": True}
+
+
 def test_train_argument_errors_come_before_torch():
     """An argument error of ``blockdiff train`` exits 2 from argparse, in a process that never imported torch."""
     code = ("import sys; from blockdiff.integration import cli\n"
