@@ -198,15 +198,17 @@ def _fake_types():
 FAKE_VLLM_TYPES = _fake_types()
 
 
-def _reaches_root(logger: logging.Logger) -> bool:
-    """Whether a record of ``logger`` propagates up to the root logger (no logger on the way, itself included,
-    has ``propagate=False``)."""
+def _reaches_handler(logger: logging.Logger, handler: logging.Handler) -> bool:
+    """Whether a record of ``logger`` reaches ``handler``: the handler sits on ``logger`` or on a logger above it
+    that the record propagates to (up to and including the first one with ``propagate=False``, or the root)."""
     c = logger
-    while c is not None and c is not logging.root:
+    while c is not None:
+        if handler in c.handlers:
+            return True
         if not c.propagate:
             return False
         c = c.parent
-    return True
+    return False
 
 
 @contextlib.contextmanager
@@ -216,8 +218,10 @@ def captured_log(caplog, logger: logging.Logger, level: int = logging.INFO):
     pytest's root-logger handler alone would read nothing: then caplog's handler goes on ``logger`` itself for the
     block (each record still once; a failing test's report does not show them). Without vLLM, plain
     ``caplog.at_level``. Use this, not ``caplog.at_level``, for the integration's loggers
-    (test_plugin_logging checks)."""
-    attach = not _reaches_root(logger)
+    (test_plugin_logging checks). pytest >= 9.2 itself puts caplog's handler on every non-propagating logger (vLLM's
+    "vllm" once vLLM is imported): a record that already reaches the handler is not given a second way to it (it
+    would be counted twice)."""
+    attach = not _reaches_handler(logger, caplog.handler)
     old_level = logger.level
     if attach:
         logger.addHandler(caplog.handler)

@@ -87,3 +87,28 @@ def test_integration_tests_capture_plugin_logs_with_captured_log():
                 if needle in line:
                     bad.append(f"{name}:{i}: {line.strip()}")
     assert not bad, "use integration_helpers.captured_log(caplog, module._log, level):\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("handler_on_parent", [False, True], ids=["pytest<9.2", "pytest>=9.2"])
+def test_captured_log_counts_each_record_once_whether_or_not_pytest_put_caplogs_handler_on_the_parent(
+        caplog, handler_on_parent):
+    """Under a non-propagating parent (vLLM's "vllm" logger), pytest < 9.2 leaves caplog's handler on the root only,
+    so captured_log must put it on the logger; pytest >= 9.2 also puts it on every non-propagating logger itself, and
+    putting it on the logger as well counted every plugin warning twice (5 CPU conformance tests failed in a fresh
+    venv, whose pytest was 9.2.0, with vllm_cpu_env.sh 0.26.0). Both cases: one record per log call."""
+    from integration_helpers import captured_log
+
+    parent = logging.getLogger("blockdiff_test_captured_log_parent")
+    child = logging.getLogger("blockdiff_test_captured_log_parent.child")
+    old = parent.propagate
+    parent.propagate = False
+    if handler_on_parent:
+        parent.addHandler(caplog.handler)
+    try:
+        with captured_log(caplog, child, logging.INFO):
+            child.warning("once")
+        assert [r.getMessage() for r in caplog.records if r.name == child.name] == ["once"]
+        assert caplog.handler not in child.handlers  # removed (or never added) after the block
+    finally:
+        parent.removeHandler(caplog.handler)
+        parent.propagate = old
