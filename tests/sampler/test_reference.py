@@ -91,7 +91,8 @@ def test_sampled_is_gumbel_argmax_of_tempered_logits():
     x = torch.randn(1, CL, V) * 2
     out = step(st, slots, x)
     T = 0.8
-    g = rng.gumbel_noise(st.seed[slots], st.request_id[slots], st.canvas_index[slots], torch.zeros(1), CL, V)
+    g = rng.gumbel_noise(st.seed[slots], st.request_id[slots], st.canvas_index[slots],
+                         torch.zeros(1, dtype=torch.int64), CL, V)
     assert torch.equal(out.sampled, (x / T + g).argmax(-1))
     assert torch.equal(out.argmax, x.argmax(-1))
     assert out.temperature.item() == pytest.approx(0.8)
@@ -419,7 +420,8 @@ def test_phase_transitions():
     pd = torch.tensor([False, True])
     out = step(st, slots, torch.zeros(2, CL, V), pd)
     assert st.phase[slots].tolist() == [PREFILL, DENOISE]
-    init = rng.random_ids(st.seed[1:2], st.request_id[1:2], torch.zeros(1), torch.zeros(1), CL, V, rng.INITIAL)
+    init = rng.random_ids(st.seed[1:2], st.request_id[1:2], torch.zeros(1, dtype=torch.int64),
+                          torch.zeros(1, dtype=torch.int64), CL, V, rng.INITIAL)
     assert torch.equal(st.canvas[1], init[0])
     assert st.step[1].item() == 0 and (st.soft[1] == 0).all() and (st.prev_argmax[1] == -1).all()
     assert out.num_sampled.tolist() == [0, 0] and out.num_rejected.tolist() == [0, 0]
@@ -433,7 +435,8 @@ def test_phase_transitions():
     out = step(st, slots, torch.randn(2, CL, V), torch.tensor([False, False]))
     assert out.num_sampled.tolist() == [0, CL] and st.phase[1].item() == DENOISE
     assert st.canvas_index[1].item() == 1 and st.step[1].item() == 0 and (st.soft[1] == 0).all()
-    init = rng.random_ids(st.seed[1:2], st.request_id[1:2], torch.ones(1), torch.zeros(1), CL, V, rng.INITIAL)
+    init = rng.random_ids(st.seed[1:2], st.request_id[1:2], torch.ones(1, dtype=torch.int64),
+                          torch.zeros(1, dtype=torch.int64), CL, V, rng.INITIAL)
     assert torch.equal(st.canvas[1], init[0])
     # finished / removed slots are untouched
     st.remove_request(1)
