@@ -493,6 +493,28 @@ def test_backend_dispatch_is_explicit():
         resolve_backend("fused")
 
 
+def test_bad_device_string_in_resolve_backend_is_a_value_error_naming_device():
+    """Regression: resolve_backend("auto", "bogus") (sampler and attention alike) was torch's RuntimeError from
+    torch.device; now a ValueError naming device, a device of the wrong type a TypeError naming device, and a backend
+    name that is not a str a TypeError naming backend (was a ValueError). A CUDA device string still resolves on a
+    machine without CUDA (availability is not resolve_backend's rule)."""
+    from blockdiff.attention import resolve_backend as attention_resolve
+    from blockdiff.sampler import resolve_backend as sampler_resolve
+
+    for resolve in (sampler_resolve, attention_resolve):
+        for bad in ("bogus", "", "cuda:x"):
+            with pytest.raises(ValueError, match="device"):
+                resolve("auto", bad)
+        for bad in (3, 1.5, ["cpu"]):
+            with pytest.raises(TypeError, match="device"):
+                resolve("auto", bad)
+        for bad in (None, 3, b"reference"):
+            with pytest.raises(TypeError, match="backend"):
+                resolve(bad)
+        assert resolve("auto", "cuda:3") == "triton" and resolve("auto", torch.device("cpu")) == "reference"
+        assert resolve("auto") == "reference" and resolve("reference", "bogus") == "reference"
+
+
 @pytest.mark.parametrize("k", [1, 2])
 def test_convergence_matches_transformers_stable_and_confident_stopping(k):
     """Issue 6 (d): on equal logits, our convergence decision per step equals transformers'
