@@ -341,6 +341,50 @@ def test_numpy_integer_sizes_are_accepted_as_ints():
     assert type(cfg.hidden_size) is int and type(cfg.canvas_length) is int
 
 
+def test_numpy_float_fields_are_stored_as_python_floats_and_fractions_refused_naming_the_field():
+    """Regression: a numpy float32 / float16 / int64 or a fractions.Fraction in a float field (rms_norm_eps,
+    initializer_range, final_logit_softcapping, a rope_parameters entry's rope_theta / partial_rotary_factor /
+    factor) and a numpy integer token id were stored as they were, so to_dict() was no longer JSON (json.dumps raised
+    "Object of type float32 is not JSON serializable"; export_checkpoint writes it) and a Fraction(1, 3) was kept as
+    a value no float holds. Now numpy scalars become the Python int / float that holds them exactly, as the integer
+    sizes' numpy ints already did, and a Fraction / Decimal / float128 (rounded by float()) is a TypeError naming
+    the field, also from validate() after an in-place change."""
+    from decimal import Decimal
+    from fractions import Fraction
+
+    np = pytest.importorskip("numpy")
+    rope = config_mod.default_rope_parameters()
+    rope["sliding_attention"]["rope_theta"] = np.float32(10_000.0)
+    rope["full_attention"]["partial_rotary_factor"] = np.float16(0.25)
+    rope["full_attention"]["factor"] = np.int64(2)
+    cfg = tiny_config(rms_norm_eps=np.float32(1e-6), initializer_range=np.float64(0.02),
+                      final_logit_softcapping=np.float32(30.0), rope_parameters=rope, pad_token_id=np.int64(0),
+                      bos_token_id=np.int32(2), eos_token_id=[np.int16(1), 3])
+    assert type(cfg.rms_norm_eps) is float and cfg.rms_norm_eps == float(np.float32(1e-6))
+    assert type(cfg.initializer_range) is float and type(cfg.final_logit_softcapping) is float
+    rp = cfg.rope_parameters
+    assert type(rp["sliding_attention"]["rope_theta"]) is float and type(rp["full_attention"]["factor"]) is int
+    assert type(rp["full_attention"]["partial_rotary_factor"]) is float
+    assert type(cfg.pad_token_id) is int and type(cfg.bos_token_id) is int and [type(t) for t in cfg.eos_token_id] \
+        == [int, int]
+    assert DiffusionGemmaConfig(**json.loads(json.dumps(cfg.to_dict()))) == cfg  # JSON round trip, exact
+    assert type(rope["sliding_attention"]["rope_theta"]) is np.float32  # the caller's dict is not changed
+    for bad in (Fraction(1, 3), Fraction(1, 2), Decimal("0.5"), np.longdouble(0.5), torch.tensor(0.5)):
+        for name in ("rms_norm_eps", "initializer_range", "final_logit_softcapping"):
+            with pytest.raises(TypeError, match=name):
+                tiny_config(**{name: bad})
+        for lt, key in (("sliding_attention", "rope_theta"), ("full_attention", "partial_rotary_factor"),
+                        ("full_attention", "factor")):
+            rope = config_mod.default_rope_parameters()
+            rope[lt][key] = bad
+            with pytest.raises(TypeError, match=re.escape(f"rope_parameters['{lt}'].{key}")):
+                tiny_config(rope_parameters=rope)
+        cfg = tiny_config()
+        cfg.rms_norm_eps = bad
+        with pytest.raises(TypeError, match="rms_norm_eps"):
+            cfg.validate()
+
+
 def test_model_package_limits_equal_the_samplers():
     """The model cannot import the sampler (layering), so its copies of the sampler's limits are checked here."""
     assert config_mod.MAX_CANVAS_LENGTH == MAX_POSITIONS - 1
