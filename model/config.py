@@ -476,7 +476,7 @@ class DiffusionGemmaConfig:
             TypeError, ValueError: a field of the wrong type or breaking its rule (see :meth:`validate`), a
                 ``text_config`` / ``per_layer_config`` that is not a dict, no text config found, or legacy RoPE keys
                 (``rope_theta``, ``rope_scaling``, ``rope_local_base_freq``) without ``rope_parameters`` (they were
-                ignored: the default RoPE served).
+                ignored, as transformers' DiffusionGemmaConfig ignores them: the default RoPE served, not the file's).
         """
         if isinstance(hf_config, (str, os.PathLike)):
             path = os.fspath(hf_config)
@@ -507,7 +507,10 @@ class DiffusionGemmaConfig:
         if "hidden_size" not in d:
             raise ValueError("hf_config has no text config (no hidden_size)")
         legacy = sorted(k for k in ("rope_theta", "rope_scaling", "rope_local_base_freq") if d.get(k) is not None)
-        if legacy and d.get("rope_parameters") is None:  # read silently as the default RoPE: other angles, logits
+        # transformers' DiffusionGemmaConfig (5.25: "no BC for new models") ignores these keys as well and serves the
+        # default RoPE; a file that gives its RoPE only there meant other angles, which neither would serve: refused
+        # (stricter than transformers). Files transformers writes always hold rope_parameters, so they load.
+        if legacy and d.get("rope_parameters") is None:
             raise ValueError(f"{', '.join(legacy)}: legacy RoPE keys without rope_parameters; blockdiff reads RoPE "
                              "only from rope_parameters (layer type -> {rope_type, rope_theta, ...}): write them there")
         kwargs = {}

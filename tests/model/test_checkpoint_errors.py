@@ -289,7 +289,9 @@ def test_config_json_size_beyond_its_bound_is_a_checkpoint_error_naming_it(tmp_p
                                        ("rope_scaling", {"rope_type": "linear", "factor": 8.0})])
 def test_config_json_with_legacy_rope_keys_and_no_rope_parameters_is_refused_naming_them(tmp_path, key, value):
     """A config.json that gives its RoPE in the legacy keys (no rope_parameters) was served with the default RoPE
-    (theta 1e4 / 1e6), the file's values ignored: other angles, silently other logits."""
+    (theta 1e4 / 1e6), the file's values ignored: other angles than the file meant, silently other logits.
+    (transformers 5.25's DiffusionGemmaConfig ignores them too, so this refusal is stricter than transformers; a file
+    transformers writes always holds rope_parameters: test_transformers_written_config_with_a_legacy_key_loads.)"""
     def mutate(cfg):
         cfg.pop("rope_parameters")
         cfg[key] = value
@@ -299,6 +301,24 @@ def test_config_json_with_legacy_rope_keys_and_no_rope_parameters_is_refused_nam
     cfg = _shipped_config()
     cfg[key] = value  # beside rope_parameters, which is what is read
     assert DiffusionGemmaConfig.from_hf(cfg).rope_parameters == cfg["rope_parameters"]
+
+
+def test_transformers_written_config_with_a_legacy_key_loads():
+    """What transformers writes for a 26B-A4B-shaped DiffusionGemma (rope_parameters always, a legacy rope_theta
+    beside it when one was passed) passes the new legacy-key rule and the size bounds: object and config.json
+    alike."""
+    hf = pytest.importorskip("transformers.models.diffusion_gemma.configuration_diffusion_gemma")
+    geo = {k: v for k, v in config_mod.DIFFUSIONGEMMA_26B_A4B.items() if k not in ("canvas_length",
+                                                                                   "global_head_dim")}
+    text = hf.DiffusionGemmaTextConfig(**geo, enable_moe_block=True, max_position_embeddings=262_144,
+                                       rope_theta=5e5)
+    outer = hf.DiffusionGemmaConfig(text_config=text.to_dict())
+    assert outer.to_dict()["text_config"]["rope_theta"] == 5e5  # the legacy key is written beside rope_parameters
+    for src in (outer, json.loads(outer.to_json_string()), text):
+        cfg = DiffusionGemmaConfig.from_hf(src)
+        assert (cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers, cfg.head_dim, cfg.num_experts) == \
+            (262_144, 2816, 30, 256, 128)
+        assert cfg.rope_parameters == text.rope_parameters  # what transformers serves
 
 
 def test_weight_tensor_beyond_torchs_storage_size_is_a_value_error_naming_it():
