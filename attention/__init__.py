@@ -36,11 +36,26 @@ _MODULES = {
 def resolve_backend(backend: str, device: torch.device | str | None = None) -> str:
     """Map ``"auto"`` to a concrete backend (triton on CUDA, reference otherwise); validate the name.
 
+    ``device`` (read for ``"auto"`` only; whether a CUDA device is there is not checked) is None, a str or a
+    ``torch.device``.
+
     Raises:
-        ValueError: unknown backend name.
+        TypeError: ``backend`` not a str; ``device`` neither None, a str nor a ``torch.device``.
+        ValueError: unknown backend name; a ``device`` string torch cannot parse (``"bogus"``: torch's RuntimeError
+            before).
     """
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a str, one of {BACKENDS + ('auto',)}, got {type(backend).__name__}")
     if backend == "auto":
-        dev = torch.device(device) if device is not None else torch.device("cpu")
+        if device is None:
+            return "reference"
+        if not isinstance(device, (str, torch.device)):
+            raise TypeError(f"device must be None, a str or a torch.device, got {type(device).__name__}")
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, ValueError) as e:
+            raise ValueError(f"device must name a torch device ('cpu', 'cuda', 'cuda:0', ...), got {device!r}") \
+                from e
         return "triton" if dev.type == "cuda" else "reference"
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS + ('auto',)}, got {backend!r} (a new backend is registered "

@@ -69,6 +69,11 @@ TEXT_REQUESTS: tuple[tuple[str, str, int, int, bool], ...] = (
 )
 TRAINED_MAX_DENOISING_STEPS = 16  # blockdiff train's evaluation cap (its --eval-steps default)
 RANDOM_CANVAS_LENGTH, RANDOM_MAX_DENOISING_STEPS, RANDOM_EMBEDDING_SCALE = 16, 6, 30.0
+#: The demo's run stops after this many steps (a request arriving at or after it is never served).
+DEMO_MAX_STEPS = 10_000
+#: Most positions a random-weights workload may need (longest prompt + largest max_tokens + one canvas): the tiny
+#: model is built with that many (a prompt length of 2**40 was an 8 TB allocation of its random ids).
+RANDOM_MAX_POSITIONS = 1 << 16
 
 
 class BackendUnavailable(RuntimeError):
@@ -234,8 +239,10 @@ def plot_attention_pattern(rec, config, path: str) -> str:
 def check_requests(requests) -> None:
     """Raise unless ``requests`` is a demo workload: a non-empty tuple / list of ``(req_id, prompt, arrival_step, n,
     greedy)`` tuples (see :func:`run_demo`): ``req_id`` a str; ``prompt`` a str (text) or an int >= 1 (a random
-    prompt's length); ``arrival_step`` an int >= 0; ``n`` an int >= 1 (canvases of a text prompt, tokens of a random
-    one); ``greedy`` a bool. No coercion: a prompt length of 2.7 was read as 2, ``True`` as 1.
+    prompt's length); ``arrival_step`` an int in ``[0, DEMO_MAX_STEPS)`` (the run's last step); ``n`` an int >= 1
+    (canvases of a text prompt, tokens of a random one); ``greedy`` a bool. No coercion: a prompt length of 2.7 was
+    read as 2, ``True`` as 1. (Whether the prompts and outputs fit the model's positions is checked by
+    :func:`run_demo` once the model is known, before any prompt is drawn.)
 
     Raises:
         TypeError: a value of the wrong type (bools are not ints). ValueError: an empty workload, an entry that is not
@@ -261,6 +268,9 @@ def check_requests(requests) -> None:
                 raise TypeError(f"{where}: {name} must be {what}, got {type(v).__name__} ({v!r})")
             if v < lo:
                 raise ValueError(f"{where}: {name} must be >= {lo}, got {v}")
+            if name == "arrival_step" and v >= DEMO_MAX_STEPS:  # (ran 10000 empty steps, then a RuntimeError)
+                raise ValueError(f"{where}: arrival_step must be < DEMO_MAX_STEPS = {DEMO_MAX_STEPS} (the demo "
+                                 f"runs that many steps), got {v}")
         if not isinstance(greedy, bool):
             raise TypeError(f"{where}: greedy must be a bool, got {type(greedy).__name__} ({greedy!r})")
 
@@ -302,7 +312,8 @@ def run_demo(*, backend: str = "reference", sampler_backend: str = "reference", 
         BackendUnavailable: the attention or sampler backend cannot run on ``device``.
         CheckpointError: ``checkpoint`` cannot be loaded (the message names the folder and the problem).
         ValueError: ``embedding_scale`` with a checkpoint, or not a finite number in ``(0, float32 max]``; a text
-            prompt with random weights; ``requests`` empty or an entry out of range (:func:`check_requests`);
+            prompt with random weights; ``requests`` empty or an entry out of range (:func:`check_requests`), or
+            with random weights needing more than :data:`RANDOM_MAX_POSITIONS` positions;
             ``threads`` < 1.
         TypeError: ``embedding_scale`` not a number (a bool included); a ``requests`` entry of the wrong type
             (:func:`check_requests`); ``threads`` not an int or None.
@@ -364,6 +375,10 @@ def run_demo(*, backend: str = "reference", sampler_backend: str = "reference", 
         # positions for every request of the workload (random weights: no trained length to respect)
         longest = max((0 if isinstance(p, str) else int(p)) for _, p, _, _, _ in requests)
         need = max(256, longest + max(n for *_, n, _ in requests) + canvas_length)
+        if need > RANDOM_MAX_POSITIONS:  # before the model and the random prompts are allocated
+            raise ValueError(f"requests need {need} positions (the longest random prompt, {longest} tokens, + the "
+                             f"largest n, {max(n for *_, n, _ in requests)} tokens, + one canvas of {canvas_length}),"
+                             f" more than RANDOM_MAX_POSITIONS = {RANDOM_MAX_POSITIONS} of the random-weights demo")
         cfg = tiny_config(canvas_length=canvas_length, max_position_embeddings=max(4096, need))
         model = DiffusionGemma(cfg).to(dev).eval()
         with torch.no_grad():
@@ -377,7 +392,7 @@ def run_demo(*, backend: str = "reference", sampler_backend: str = "reference", 
     canvas_length, max_denoising_steps = base.canvas_length, base.max_denoising_steps
     g = torch.Generator().manual_seed(seed)
     prompts, max_tokens = [], []
-    for rid, prompt, _, n, _ in requests:
+    for rid, prompt, _, n, _ in requests:  # text encoded; random prompts drawn once their lengths are known to fit
         if isinstance(prompt, str):
             if tokenizer is None:
                 raise ValueError(f"request {rid}: a text prompt needs a checkpoint with a tokenizer (random weights "
@@ -385,15 +400,18 @@ def run_demo(*, backend: str = "reference", sampler_backend: str = "reference", 
             prompts.append(tokenizer.encode(prompt))
             max_tokens.append(n * canvas_length)  # text workloads give canvases
         else:
-            prompts.append(torch.randint(3, cfg.vocab_size, (int(prompt),), generator=g).tolist())
+            prompts.append(prompt)
             max_tokens.append(n)
-    need = max(len(x) for x in prompts) + max(max_tokens) + canvas_length
-    if need > cfg.max_position_embeddings:
+    longest = max(x if isinstance(x, int) else len(x) for x in prompts)
+    need = longest + max(max_tokens) + canvas_length
+    if need > cfg.max_position_embeddings:  # (a random prompt of 2**40 ids was drawn before this check)
         raise DemoInputError(f"--canvas-length {canvas_length}: the demo's requests need {need} positions "
-                             f"(the longest prompt, {max(len(x) for x in prompts)} tokens, + {max(max_tokens)} "
+                             f"(the longest prompt, {longest} tokens, + {max(max_tokens)} "
                              f"generated + one canvas), more than the model's max_position_embeddings "
                              f"({cfg.max_position_embeddings}); lower --canvas-length or --canvases, or shorten "
                              f"--prompt")
+    prompts = [torch.randint(3, cfg.vocab_size, (x,), generator=g).tolist() if isinstance(x, int) else x
+               for x in prompts]
     # at least 256 positions where the model has them (the harness's page pool is sized from it)
     max_model_len = max(256, need) if max(256, need) <= cfg.max_position_embeddings else need
     runner = HarnessRunner(model, default_params=base, max_num_reqs=4, max_num_batched_tokens=4 * canvas_length,
@@ -430,7 +448,7 @@ def run_demo(*, backend: str = "reference", sampler_backend: str = "reference", 
             bar.set_postfix(step=rec.step, rows=len(rec.rows), done=len(runner.results))
 
     try:
-        results = runner.run(max_steps=10_000, on_step=on_step)
+        results = runner.run(max_steps=DEMO_MAX_STEPS, on_step=on_step)
     finally:
         if bar is not None:
             bar.close()

@@ -96,11 +96,39 @@ def _check_int(name: str, v, lo: int, *, allow_none: bool = False, hi: int | Non
         raise ValueError(f"{name} must be an int <= {hi}{why}, got {show_real(v)}")
 
 
+#: The float fields of :class:`DiffusionGemmaConfig` and the float keys of a ``rope_parameters`` entry.
+_FLOAT_FIELDS = ("rms_norm_eps", "initializer_range", "final_logit_softcapping")
+_ROPE_FLOAT_KEYS = ("rope_theta", "partial_rotary_factor", "factor")
+
+
+def _is_number(v) -> bool:
+    """An int (not bool), a float, or a numpy floating scalar of at most 64 bits: the types a float field takes,
+    each held exactly by a Python int / float (a Fraction, a Decimal or a float128 is not: ``float()`` rounds it,
+    and JSON has no such type)."""
+    if isinstance(v, bool):
+        return False
+    if isinstance(v, (numbers.Integral, float)):
+        return True
+    dt = getattr(v, "dtype", None)  # numpy float16 / float32 scalars (numbers.Real, not float)
+    return isinstance(v, numbers.Real) and getattr(dt, "kind", None) == "f" and getattr(dt, "itemsize", 16) <= 8
+
+
+def _as_number(v):
+    """``v`` as a plain Python int / float when it is a number of another class that one holds exactly (integer
+    scalars such as numpy's -> int, numpy float16 / float32 / float64 scalars -> float); anything else unchanged
+    (validate refuses it, naming the field). Keeps the config JSON-serialisable and its values exact."""
+    if isinstance(v, bool) or not _is_number(v):
+        return v
+    return int(v) if isinstance(v, numbers.Integral) else float(v)
+
+
 def _check_real(name: str, v, *, positive: bool, none_hint: str = "") -> None:
-    """``v`` is a finite real number (int or float, not bool / str), > 0 if ``positive`` else >= 0."""
+    """``v`` is a finite real number (an int or a float, or a numpy float scalar of <= 64 bits; not bool / str /
+    Fraction / Decimal), > 0 if ``positive`` else >= 0."""
     rule = "> 0" if positive else ">= 0"
-    if isinstance(v, bool) or not isinstance(v, numbers.Real):
-        raise TypeError(f"{name} must be a finite number {rule}{none_hint}, got {_show(v)}")
+    if not _is_number(v):  # (a Fraction was stored as it was: not JSON, and float() of 1/3 rounds)
+        raise TypeError(f"{name} must be a finite number {rule}{none_hint} (an int or a float), got {_show(v)}")
+    v = _as_number(v)  # (a numpy float16 compared with FLOAT32_MAX overflowed numpy's cast)
     if not finite_real(v) or not (v > 0 if positive else v >= 0):
         raise ValueError(f"{name} must be a finite number {rule}{none_hint}, got {show_real(v)}")
     if v > FLOAT32_MAX or (v != 0 and v < FLOAT32_TINY):  # (0 itself only where the rule allows it)
@@ -246,6 +274,19 @@ class DiffusionGemmaConfig:
             v = getattr(self, name)
             if isinstance(v, numbers.Integral) and not isinstance(v, bool):
                 setattr(self, name, int(v))
+        # the float fields and token ids alike: numpy scalars -> int / float, exactly, so that to_dict() is JSON
+        # (a numpy float32 / int64 was stored as it was); Fraction / Decimal stay and are refused by validate()
+        for name in _FLOAT_FIELDS + ("pad_token_id", "bos_token_id"):
+            setattr(self, name, _as_number(getattr(self, name)))
+        if isinstance(self.eos_token_id, list):
+            self.eos_token_id = [_as_number(t) for t in self.eos_token_id]
+        else:
+            self.eos_token_id = _as_number(self.eos_token_id)
+        for rp in self.rope_parameters.values():
+            if isinstance(rp, dict):
+                for k in _ROPE_FLOAT_KEYS:
+                    if k in rp:
+                        rp[k] = _as_number(rp[k])
         self.validate()
 
     def validate(self) -> None:
@@ -265,7 +306,10 @@ class DiffusionGemmaConfig:
         [:data:`FLOAT32_TINY` = 2**-126, :data:`FLOAT32_MAX`]: the model computes with them in float32), and
         the float32 RoPE angles ``position * inv_freq`` (:func:`rope_inv_freq`) finite for every position below
         ``max_position_embeddings``; token ids (``pad_token_id``, ``bos_token_id``, each ``eos_token_id``) None or
-        in [0, vocab_size); booleans are bools; strings are one of their listed values.
+        in [0, vocab_size); booleans are bools; strings are one of their listed values. A float field is an int or
+        a float (a numpy float16 / float32 / float64 scalar too, which the constructor stores as the Python float
+        that holds it exactly, as it stores numpy integers as ints: ``to_dict()`` stays JSON); a Fraction, a
+        Decimal or a float128 is a TypeError (``float()`` would round it).
 
         Raises:
             TypeError: a field of the wrong type (named, with the value).
@@ -432,7 +476,7 @@ class DiffusionGemmaConfig:
             TypeError, ValueError: a field of the wrong type or breaking its rule (see :meth:`validate`), a
                 ``text_config`` / ``per_layer_config`` that is not a dict, no text config found, or legacy RoPE keys
                 (``rope_theta``, ``rope_scaling``, ``rope_local_base_freq``) without ``rope_parameters`` (they were
-                ignored: the default RoPE served).
+                ignored, as transformers' DiffusionGemmaConfig ignores them: the default RoPE served, not the file's).
         """
         if isinstance(hf_config, (str, os.PathLike)):
             path = os.fspath(hf_config)
@@ -463,7 +507,10 @@ class DiffusionGemmaConfig:
         if "hidden_size" not in d:
             raise ValueError("hf_config has no text config (no hidden_size)")
         legacy = sorted(k for k in ("rope_theta", "rope_scaling", "rope_local_base_freq") if d.get(k) is not None)
-        if legacy and d.get("rope_parameters") is None:  # read silently as the default RoPE: other angles, logits
+        # transformers' DiffusionGemmaConfig (5.25: "no BC for new models") ignores these keys as well and serves the
+        # default RoPE; a file that gives its RoPE only there meant other angles, which neither would serve: refused
+        # (stricter than transformers). Files transformers writes always hold rope_parameters, so they load.
+        if legacy and d.get("rope_parameters") is None:
             raise ValueError(f"{', '.join(legacy)}: legacy RoPE keys without rope_parameters; blockdiff reads RoPE "
                              "only from rope_parameters (layer type -> {rope_type, rope_theta, ...}): write them there")
         kwargs = {}

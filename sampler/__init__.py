@@ -26,14 +26,35 @@ BACKENDS = ("reference", "triton")
 _MODULES = {"reference": ".reference", "triton": ".triton"}
 
 
+def device_type(device) -> str:
+    """``torch.device(device).type`` of a str or ``torch.device`` (no availability check).
+
+    Raises:
+        TypeError: neither a str nor a ``torch.device``. ValueError: a string torch cannot parse (names ``device``).
+    """
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be None, a str or a torch.device, got {type(device).__name__}")
+    try:
+        return torch.device(device).type
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"device must name a torch device ('cpu', 'cuda', 'cuda:0', ...), got {device!r}") from e
+
+
 def resolve_backend(backend: str, device: torch.device | str | None = None) -> str:
     """Map ``"auto"`` to ``"triton"`` on CUDA and ``"reference"`` elsewhere; validate the name.
 
+    ``device`` (read for ``"auto"`` only; whether a CUDA device is there is not checked) is None, a str or a
+    ``torch.device``.
+
     Raises:
-        ValueError: unknown backend name.
+        TypeError: ``backend`` not a str; ``device`` neither None, a str nor a ``torch.device``.
+        ValueError: unknown backend name; a ``device`` string torch cannot parse (``"bogus"``: torch's RuntimeError
+            before).
     """
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a str, one of {BACKENDS + ('auto',)}, got {type(backend).__name__}")
     if backend == "auto":
-        return "triton" if device is not None and torch.device(device).type == "cuda" else "reference"
+        return "triton" if device is not None and device_type(device) == "cuda" else "reference"
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS + ('auto',)}, got {backend!r}")
     return backend

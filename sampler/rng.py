@@ -43,7 +43,7 @@ import torch
 __all__ = [
     "GUMBEL", "RENOISE", "INITIAL", "PHILOX_M0", "PHILOX_M1", "PHILOX_W0", "PHILOX_W1", "MASK32",
     "philox4x32_10", "make_key", "make_counter", "uniform_from_word", "gumbel_from_word", "ids_from_words",
-    "gumbel_noise", "random_ids", "check_sizes",
+    "gumbel_noise", "random_ids", "check_sizes", "as_int_tensor", "check_int_dtype",
 ]
 
 GUMBEL = 0
@@ -61,6 +61,35 @@ PHILOX_ROUNDS = 10
 MAX_POSITIONS = 1 << 16
 MAX_STEPS = 1 << 14
 MAX_VOCAB = 1 << 31
+
+
+def as_int_tensor(name: str, v) -> torch.Tensor:
+    """``v`` (an integer tensor, or an int / list of ints) as an int64 tensor, for the draws' coordinates (seed,
+    request_id, canvas_index, step, position, token group, Philox words). No coercion: ``.to(torch.int64)`` truncated
+    a float seed tensor (1.9 and 1.2 drew the same noise as seed 1) and read a bool one as 0 / 1.
+
+    Raises:
+        TypeError: ``v`` is a float, complex or bool tensor (or a value torch reads as one), or something torch
+            cannot read as a tensor (names ``name``). ValueError: a Python int outside int64 (names ``name``).
+    """
+    if not isinstance(v, torch.Tensor):
+        if isinstance(v, (bool, float, complex, str, bytes)) or v is None:
+            raise TypeError(f"{name} must be an int or an integer tensor, got {type(v).__name__} ({v!r})")
+        try:
+            v = torch.as_tensor(v)
+        except (ValueError, OverflowError) as e:  # a Python int beyond int64
+            raise ValueError(f"{name} must hold int64 values (|v| < 2**63), got {v!r}") from e
+        except (TypeError, RuntimeError) as e:
+            raise TypeError(f"{name} must be an int or an integer tensor, got {type(v).__name__}") from e
+    check_int_dtype(name, v)
+    return v.to(torch.int64)
+
+
+def check_int_dtype(name: str, t: torch.Tensor) -> None:
+    """Raise TypeError (naming ``name``) unless the tensor ``t`` has an integer dtype (not bool, float, complex)."""
+    if t.dtype == torch.bool or t.dtype.is_floating_point or t.dtype.is_complex:
+        raise TypeError(f"{name} must be an integer tensor (int64; no coercion: a float value is not truncated), got "
+                        f"dtype {t.dtype}")
 
 
 def _mulhilo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,10 +121,14 @@ def philox4x32_10(c0, c1, c2, c3, k0, k1):
     ts = [x for x in (c0, c1, c2, c3, k0, k1) if isinstance(x, torch.Tensor)]
     device = ts[0].device if ts else None
 
-    def _t(x):
-        return x.to(torch.int64) if isinstance(x, torch.Tensor) else torch.tensor(int(x) & MASK32, dtype=torch.int64, device=device)
+    def _t(name, x):
+        if isinstance(x, torch.Tensor):
+            return as_int_tensor(name, x)
+        if isinstance(x, bool) or not isinstance(x, int):
+            raise TypeError(f"{name} must be an int or an integer tensor, got {type(x).__name__} ({x!r})")
+        return torch.tensor(x & MASK32, dtype=torch.int64, device=device)
 
-    c0, c1, c2, c3, k0, k1 = (_t(x) for x in (c0, c1, c2, c3, k0, k1))
+    c0, c1, c2, c3, k0, k1 = (_t(n, x) for n, x in zip(("c0", "c1", "c2", "c3", "k0", "k1"), (c0, c1, c2, c3, k0, k1)))
     for r in range(PHILOX_ROUNDS):
         if r > 0:
             k0 = (k0 + PHILOX_W0) & MASK32
@@ -107,18 +140,29 @@ def philox4x32_10(c0, c1, c2, c3, k0, k1):
 
 
 def make_key(seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Philox key words from ``seed`` (int64 tensor, read as uint64): ``(seed lo32, seed hi32)``."""
-    seed = seed.to(torch.int64)
+    """Philox key words from ``seed`` (int64 tensor, read as uint64): ``(seed lo32, seed hi32)``.
+
+    Raises:
+        TypeError: ``seed`` not an integer tensor / int (:func:`as_int_tensor`).
+    """
+    seed = as_int_tensor("seed", seed)
     return seed & MASK32, (seed >> 32) & MASK32
 
 
 def make_counter(request_id, canvas_index, step, position, stream: int, token_group=0):
-    """Counter words ``(c0, c1, c2, c3)`` of the layout in the module docstring (int64 tensors, broadcast)."""
-    request_id = torch.as_tensor(request_id).to(torch.int64)
-    canvas_index = torch.as_tensor(canvas_index).to(torch.int64)
-    step = torch.as_tensor(step).to(torch.int64)
-    position = torch.as_tensor(position).to(torch.int64)
-    c0 = torch.as_tensor(token_group).to(torch.int64) & MASK32
+    """Counter words ``(c0, c1, c2, c3)`` of the layout in the module docstring (int64 tensors, broadcast).
+
+    Raises:
+        TypeError: a coordinate that is not an integer tensor / int (:func:`as_int_tensor`), or a ``stream`` that is
+            not an int.
+    """
+    if isinstance(stream, bool) or not isinstance(stream, int):
+        raise TypeError(f"stream must be an int, got {type(stream).__name__} ({stream!r})")
+    request_id = as_int_tensor("request_id", request_id)
+    canvas_index = as_int_tensor("canvas_index", canvas_index)
+    step = as_int_tensor("step", step)
+    position = as_int_tensor("position", position)
+    c0 = as_int_tensor("token_group", token_group) & MASK32
     c1 = (position & 0xFFFF) | (stream << 16) | ((step & (MAX_STEPS - 1)) << 18)
     c2 = request_id & MASK32
     c3 = ((request_id >> 32) & 0xFFFF) | ((canvas_index & 0xFFFF) << 16)
@@ -152,8 +196,12 @@ def check_sizes(canvas_length: int | None = None, vocab_size: int | None = None,
             raise TypeError(f"{name} must be an int, got {type(v).__name__} ({v!r})")
         if not lo <= v < hi:
             raise ValueError(f"{name} must be in [{lo}, 2**{hi.bit_length() - 1}), got {v}")
-    if stream is not None and (isinstance(stream, bool) or stream not in (RENOISE, INITIAL)
-                               or not isinstance(stream, int)):
+    if stream is None:
+        return
+    if isinstance(stream, bool) or not isinstance(stream, int):  # (1.0 and True were a ValueError, as 0 is)
+        raise TypeError(f"stream must be an int, RENOISE ({RENOISE}) or INITIAL ({INITIAL}), got "
+                        f"{type(stream).__name__} ({stream!r})")
+    if stream not in (RENOISE, INITIAL):
         raise ValueError(f"stream must be RENOISE ({RENOISE}) or INITIAL ({INITIAL}), got {stream!r}")
 
 
@@ -185,9 +233,13 @@ def gumbel_noise(seed, request_id, canvas_index, step, canvas_length: int, vocab
 
     Raises:
         TypeError / ValueError: ``canvas_length`` or ``vocab_size`` not an int in its range (:func:`check_sizes`).
+        TypeError: ``seed``, ``request_id``, ``canvas_index`` or ``step`` not an integer tensor (a float one is not
+            truncated: :func:`as_int_tensor`).
     """
     check_sizes(canvas_length, vocab_size)
-    seed = torch.as_tensor(seed).to(torch.int64).reshape(-1)
+    seed = as_int_tensor("seed", seed).reshape(-1)
+    request_id, canvas_index, step = (as_int_tensor(n, v) for n, v in (("request_id", request_id),
+                                                                       ("canvas_index", canvas_index), ("step", step)))
     dev = seed.device
     n = seed.shape[0]
     ngroups = (vocab_size + 3) // 4
@@ -216,11 +268,14 @@ def random_ids(seed, request_id, canvas_index, step, canvas_length: int, vocab_s
     through :func:`ids_from_words`.
 
     Raises:
-        ValueError: for another stream, or a size out of range. TypeError: a size that is not an int
-            (:func:`check_sizes`).
+        ValueError: for another stream, or a size out of range. TypeError: a size or stream that is not an int
+            (:func:`check_sizes`); ``seed``, ``request_id``, ``canvas_index`` or ``step`` not an integer tensor
+            (:func:`as_int_tensor`).
     """
     check_sizes(canvas_length, vocab_size, stream)
-    seed = torch.as_tensor(seed).to(torch.int64).reshape(-1)
+    seed = as_int_tensor("seed", seed).reshape(-1)
+    request_id, canvas_index, step = (as_int_tensor(n, v) for n, v in (("request_id", request_id),
+                                                                       ("canvas_index", canvas_index), ("step", step)))
     dev = seed.device
     k0, k1 = make_key(seed)
     pos = torch.arange(canvas_length, device=dev, dtype=torch.int64)

@@ -48,8 +48,9 @@ def parse_device(device) -> torch.device:
     device checks compare the tensors' device with this one.
 
     Raises:
-        TypeError: neither a ``torch.device`` nor a str. ValueError: a string torch cannot parse (``"bogus"``), or a
-            CUDA device this machine does not have (names ``device``).
+        TypeError: neither a ``torch.device`` nor a str. ValueError: a string torch cannot parse (``"bogus"``), a
+            CUDA device this machine does not have, ``meta`` (shapes only: it cannot hold the state's values), or
+            another device type torch cannot allocate on here (names ``device``).
     """
     if not isinstance(device, (str, torch.device)):
         raise TypeError(f"device must be a torch.device or a str, got {type(device).__name__}")
@@ -63,6 +64,15 @@ def parse_device(device) -> torch.device:
             raise ValueError(f"device {device!r} is not available here ({n} CUDA device{'s' if n != 1 else ''})")
     if dev.type == "cpu":
         return torch.device("cpu")  # (a "cpu:0" state refused every step: its tensors report "cpu")
+    if dev.type == "meta":  # (accepted before: a state of meta tensors, no values, every step's read an error)
+        raise ValueError(f"device must hold data (the sampler state's values), got {device!r}: meta tensors are "
+                         "shapes only; use 'cpu' or 'cuda'")
+    if dev.type != "cuda":  # mps, xpu, ...: is it here? (torch's RuntimeError from the first allocation otherwise)
+        try:
+            torch.empty(0, device=dev)
+        except (RuntimeError, AssertionError, ImportError, NotImplementedError) as e:  # (hpu: ModuleNotFoundError)
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+            raise ValueError(f"device {device!r} is not available here ({why})") from e
     return dev
 
 

@@ -17,7 +17,7 @@ from integration_helpers import needs_stack
 
 import blockdiff.model.pretrained as pretrained
 from blockdiff.integration import cli
-from blockdiff.integration.demo import TEXT_REQUESTS, run_demo
+from blockdiff.integration.demo import TEXT_REQUESTS, DemoInputError, run_demo
 from blockdiff.integration.harness import HarnessRunner
 from blockdiff.model import DiffusionGemma
 from blockdiff.model.pretrained import load_pretrained
@@ -187,6 +187,27 @@ def test_demo_workload_with_a_malformed_request_is_refused_naming_it(tmp_path, r
     int() of a float or bool prompt length)."""
     with pytest.raises(error, match=match):
         run_demo(out=str(tmp_path), progress=False, requests=requests)
+
+
+@pytest.mark.parametrize("requests,match", [
+    ((("r", 2 ** 40, 0, 4, False),), r"requests need \d+ positions .* RANDOM_MAX_POSITIONS"),  # 8 TB of prompt ids
+    ((("r", 5, 0, 2 ** 40, False),), r"requests need \d+ positions .* RANDOM_MAX_POSITIONS"),  # MemoryError
+    ((("r", 5, 10 ** 6, 4, False),), r"requests\[0\]: arrival_step must be < DEMO_MAX_STEPS = 10000"),
+], ids=["huge-random-prompt", "huge-n", "arrival-after-the-last-step"])
+def test_demo_workload_too_large_for_the_demo_is_refused_naming_requests(tmp_path, requests, match):
+    """Regression (the merged check_requests bounded each value from below only): a random prompt of 2**40 ids was the
+    allocator's RuntimeError (8 TB), n = 2**40 a MemoryError, and a request arriving at step 10**6 ran the demo's
+    10000 steps empty and then raised 'unfinished after 10000 steps'. Now a ValueError naming requests before
+    any model is built or any prompt drawn."""
+    with pytest.raises(ValueError, match=match):
+        run_demo(out=str(tmp_path), progress=False, requests=requests)
+
+
+def test_demo_random_prompt_past_a_checkpoint_s_positions_is_refused_before_it_is_drawn(smoke_checkpoint, tmp_path):
+    """With a checkpoint, a random prompt length was drawn (torch.randint of that many ids) before the workload was
+    compared with max_position_embeddings: 2**40 was the allocator's RuntimeError, not the DemoInputError."""
+    with pytest.raises(DemoInputError, match=r"requests need \d+ positions"):
+        run_demo(out=str(tmp_path), progress=False, checkpoint=smoke_checkpoint, requests=(("r", 2 ** 40, 0, 1, False),))
 
 
 @pytest.mark.parametrize("threads,error", [(0, ValueError), (True, TypeError), (1.5, TypeError)])

@@ -289,7 +289,9 @@ def test_config_json_size_beyond_its_bound_is_a_checkpoint_error_naming_it(tmp_p
                                        ("rope_scaling", {"rope_type": "linear", "factor": 8.0})])
 def test_config_json_with_legacy_rope_keys_and_no_rope_parameters_is_refused_naming_them(tmp_path, key, value):
     """A config.json that gives its RoPE in the legacy keys (no rope_parameters) was served with the default RoPE
-    (theta 1e4 / 1e6), the file's values ignored: other angles, silently other logits."""
+    (theta 1e4 / 1e6), the file's values ignored: other angles than the file meant, silently other logits.
+    (transformers 5.25's DiffusionGemmaConfig ignores them too, so this refusal is stricter than transformers; a file
+    transformers writes always holds rope_parameters: test_transformers_written_config_with_a_legacy_key_loads.)"""
     def mutate(cfg):
         cfg.pop("rope_parameters")
         cfg[key] = value
@@ -299,6 +301,24 @@ def test_config_json_with_legacy_rope_keys_and_no_rope_parameters_is_refused_nam
     cfg = _shipped_config()
     cfg[key] = value  # beside rope_parameters, which is what is read
     assert DiffusionGemmaConfig.from_hf(cfg).rope_parameters == cfg["rope_parameters"]
+
+
+def test_transformers_written_config_with_a_legacy_key_loads():
+    """What transformers writes for a 26B-A4B-shaped DiffusionGemma (rope_parameters always, a legacy rope_theta
+    beside it when one was passed) passes the new legacy-key rule and the size bounds: object and config.json
+    alike."""
+    hf = pytest.importorskip("transformers.models.diffusion_gemma.configuration_diffusion_gemma")
+    geo = {k: v for k, v in config_mod.DIFFUSIONGEMMA_26B_A4B.items() if k not in ("canvas_length",
+                                                                                   "global_head_dim")}
+    text = hf.DiffusionGemmaTextConfig(**geo, enable_moe_block=True, max_position_embeddings=262_144,
+                                       rope_theta=5e5)
+    outer = hf.DiffusionGemmaConfig(text_config=text.to_dict())
+    assert outer.to_dict()["text_config"]["rope_theta"] == 5e5  # the legacy key is written beside rope_parameters
+    for src in (outer, json.loads(outer.to_json_string()), text):
+        cfg = DiffusionGemmaConfig.from_hf(src)
+        assert (cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers, cfg.head_dim, cfg.num_experts) == \
+            (262_144, 2816, 30, 256, 128)
+        assert cfg.rope_parameters == text.rope_parameters  # what transformers serves
 
 
 def test_weight_tensor_beyond_torchs_storage_size_is_a_value_error_naming_it():
@@ -339,6 +359,50 @@ def test_numpy_integer_sizes_are_accepted_as_ints():
     np = pytest.importorskip("numpy")
     cfg = tiny_config(hidden_size=np.int64(64), canvas_length=np.int32(8))
     assert type(cfg.hidden_size) is int and type(cfg.canvas_length) is int
+
+
+def test_numpy_float_fields_are_stored_as_python_floats_and_fractions_refused_naming_the_field():
+    """Regression: a numpy float32 / float16 / int64 or a fractions.Fraction in a float field (rms_norm_eps,
+    initializer_range, final_logit_softcapping, a rope_parameters entry's rope_theta / partial_rotary_factor /
+    factor) and a numpy integer token id were stored as they were, so to_dict() was no longer JSON (json.dumps raised
+    "Object of type float32 is not JSON serializable"; export_checkpoint writes it) and a Fraction(1, 3) was kept as
+    a value no float holds. Now numpy scalars become the Python int / float that holds them exactly, as the integer
+    sizes' numpy ints already did, and a Fraction / Decimal / float128 (rounded by float()) is a TypeError naming
+    the field, also from validate() after an in-place change."""
+    from decimal import Decimal
+    from fractions import Fraction
+
+    np = pytest.importorskip("numpy")
+    rope = config_mod.default_rope_parameters()
+    rope["sliding_attention"]["rope_theta"] = np.float32(10_000.0)
+    rope["full_attention"]["partial_rotary_factor"] = np.float16(0.25)
+    rope["full_attention"]["factor"] = np.int64(2)
+    cfg = tiny_config(rms_norm_eps=np.float32(1e-6), initializer_range=np.float64(0.02),
+                      final_logit_softcapping=np.float32(30.0), rope_parameters=rope, pad_token_id=np.int64(0),
+                      bos_token_id=np.int32(2), eos_token_id=[np.int16(1), 3])
+    assert type(cfg.rms_norm_eps) is float and cfg.rms_norm_eps == float(np.float32(1e-6))
+    assert type(cfg.initializer_range) is float and type(cfg.final_logit_softcapping) is float
+    rp = cfg.rope_parameters
+    assert type(rp["sliding_attention"]["rope_theta"]) is float and type(rp["full_attention"]["factor"]) is int
+    assert type(rp["full_attention"]["partial_rotary_factor"]) is float
+    assert type(cfg.pad_token_id) is int and type(cfg.bos_token_id) is int and [type(t) for t in cfg.eos_token_id] \
+        == [int, int]
+    assert DiffusionGemmaConfig(**json.loads(json.dumps(cfg.to_dict()))) == cfg  # JSON round trip, exact
+    assert type(rope["sliding_attention"]["rope_theta"]) is np.float32  # the caller's dict is not changed
+    for bad in (Fraction(1, 3), Fraction(1, 2), Decimal("0.5"), np.longdouble(0.5), torch.tensor(0.5)):
+        for name in ("rms_norm_eps", "initializer_range", "final_logit_softcapping"):
+            with pytest.raises(TypeError, match=name):
+                tiny_config(**{name: bad})
+        for lt, key in (("sliding_attention", "rope_theta"), ("full_attention", "partial_rotary_factor"),
+                        ("full_attention", "factor")):
+            rope = config_mod.default_rope_parameters()
+            rope[lt][key] = bad
+            with pytest.raises(TypeError, match=re.escape(f"rope_parameters['{lt}'].{key}")):
+                tiny_config(rope_parameters=rope)
+        cfg = tiny_config()
+        cfg.rms_norm_eps = bad
+        with pytest.raises(TypeError, match="rms_norm_eps"):
+            cfg.validate()
 
 
 def test_model_package_limits_equal_the_samplers():

@@ -142,6 +142,22 @@ def test_state_device_is_parsed_into_an_error_naming_device(device, exc):
         SamplerState(2, 8, 10, 4, device=device)
 
 
+@pytest.mark.parametrize("device", ["meta", torch.device("meta"), "mps", "xpu", "hpu"])
+def test_meta_device_state_is_refused_naming_device(device):
+    """Regression: SamplerState(device='meta') was accepted: a state of meta tensors holds no values (add_request
+    went through, its writes dropped, and the state's reads had nothing to read); another device type this machine
+    lacks (mps, xpu, hpu) was torch's RuntimeError / ModuleNotFoundError from the first allocation. Now a ValueError
+    naming device."""
+    if not isinstance(device, torch.device) and device != "meta":
+        try:
+            torch.empty(0, device=device)
+            pytest.skip(f"this machine has {device}")
+        except Exception:
+            pass
+    with pytest.raises(ValueError, match="device"):
+        SamplerState(2, 8, 10, 4, device=device)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_state_on_a_missing_cuda_device_is_a_value_error():
     with pytest.raises(ValueError, match="device 'cuda:0' is not available"):

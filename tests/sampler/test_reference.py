@@ -91,7 +91,8 @@ def test_sampled_is_gumbel_argmax_of_tempered_logits():
     x = torch.randn(1, CL, V) * 2
     out = step(st, slots, x)
     T = 0.8
-    g = rng.gumbel_noise(st.seed[slots], st.request_id[slots], st.canvas_index[slots], torch.zeros(1), CL, V)
+    g = rng.gumbel_noise(st.seed[slots], st.request_id[slots], st.canvas_index[slots],
+                         torch.zeros(1, dtype=torch.int64), CL, V)
     assert torch.equal(out.sampled, (x / T + g).argmax(-1))
     assert torch.equal(out.argmax, x.argmax(-1))
     assert out.temperature.item() == pytest.approx(0.8)
@@ -419,7 +420,8 @@ def test_phase_transitions():
     pd = torch.tensor([False, True])
     out = step(st, slots, torch.zeros(2, CL, V), pd)
     assert st.phase[slots].tolist() == [PREFILL, DENOISE]
-    init = rng.random_ids(st.seed[1:2], st.request_id[1:2], torch.zeros(1), torch.zeros(1), CL, V, rng.INITIAL)
+    init = rng.random_ids(st.seed[1:2], st.request_id[1:2], torch.zeros(1, dtype=torch.int64),
+                          torch.zeros(1, dtype=torch.int64), CL, V, rng.INITIAL)
     assert torch.equal(st.canvas[1], init[0])
     assert st.step[1].item() == 0 and (st.soft[1] == 0).all() and (st.prev_argmax[1] == -1).all()
     assert out.num_sampled.tolist() == [0, 0] and out.num_rejected.tolist() == [0, 0]
@@ -433,7 +435,8 @@ def test_phase_transitions():
     out = step(st, slots, torch.randn(2, CL, V), torch.tensor([False, False]))
     assert out.num_sampled.tolist() == [0, CL] and st.phase[1].item() == DENOISE
     assert st.canvas_index[1].item() == 1 and st.step[1].item() == 0 and (st.soft[1] == 0).all()
-    init = rng.random_ids(st.seed[1:2], st.request_id[1:2], torch.ones(1), torch.zeros(1), CL, V, rng.INITIAL)
+    init = rng.random_ids(st.seed[1:2], st.request_id[1:2], torch.ones(1, dtype=torch.int64),
+                          torch.zeros(1, dtype=torch.int64), CL, V, rng.INITIAL)
     assert torch.equal(st.canvas[1], init[0])
     # finished / removed slots are untouched
     st.remove_request(1)
@@ -488,6 +491,28 @@ def test_backend_dispatch_is_explicit():
     assert get_backend("reference") is reference.sampler_step
     with pytest.raises(ValueError, match="backend"):
         resolve_backend("fused")
+
+
+def test_bad_device_string_in_resolve_backend_is_a_value_error_naming_device():
+    """Regression: resolve_backend("auto", "bogus") (sampler and attention alike) was torch's RuntimeError from
+    torch.device; now a ValueError naming device, a device of the wrong type a TypeError naming device, and a backend
+    name that is not a str a TypeError naming backend (was a ValueError). A CUDA device string still resolves on a
+    machine without CUDA (availability is not resolve_backend's rule)."""
+    from blockdiff.attention import resolve_backend as attention_resolve
+    from blockdiff.sampler import resolve_backend as sampler_resolve
+
+    for resolve in (sampler_resolve, attention_resolve):
+        for bad in ("bogus", "", "cuda:x"):
+            with pytest.raises(ValueError, match="device"):
+                resolve("auto", bad)
+        for bad in (3, 1.5, ["cpu"]):
+            with pytest.raises(TypeError, match="device"):
+                resolve("auto", bad)
+        for bad in (None, 3, b"reference"):
+            with pytest.raises(TypeError, match="backend"):
+                resolve(bad)
+        assert resolve("auto", "cuda:3") == "triton" and resolve("auto", torch.device("cpu")) == "reference"
+        assert resolve("auto") == "reference" and resolve("reference", "bogus") == "reference"
 
 
 @pytest.mark.parametrize("k", [1, 2])

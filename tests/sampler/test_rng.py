@@ -131,8 +131,9 @@ def test_random_ids_rejects_gumbel_stream():
     ("vocab_size", dict(vocab_size=2.9), TypeError), ("vocab_size", dict(vocab_size=True), TypeError),
     ("vocab_size", dict(vocab_size="5"), TypeError), ("vocab_size", dict(vocab_size=2**31), ValueError),
     ("canvas_length", dict(canvas_length=2.5), TypeError), ("canvas_length", dict(canvas_length=2**16), ValueError),
-    ("canvas_length", dict(canvas_length=-1), ValueError), ("stream", dict(stream=True), ValueError),
-    ("stream", dict(stream=1.0), ValueError)])
+    ("canvas_length", dict(canvas_length=-1), ValueError), ("stream", dict(stream=True), TypeError),
+    ("stream", dict(stream=1.0), TypeError), ("stream", dict(stream=0), ValueError),
+    ("stream", dict(stream=3), ValueError)])
 def test_draws_refuse_sizes_that_are_not_ints_in_range(name, kw, exc):
     """Regression: random_ids (torch and Triton) and ids_from_words took int(vocab_size), so 2.9 drew ids in
     [0, 2), "5" was parsed and True read as 1; canvas_length was never checked (2**16 + 1 positions silently reused
@@ -150,3 +151,60 @@ def test_draws_refuse_sizes_that_are_not_ints_in_range(name, kw, exc):
     for draw in draws:
         with pytest.raises(exc, match=name):
             draw()
+
+
+def test_stream_that_is_not_an_int_is_a_type_error_naming_stream():
+    """Regression: check_sizes(stream=1.0) and stream=True were a ValueError, though its docstring (and the project's
+    rule) make an argument that is not an int a TypeError; an int that is not a per-position stream stays a
+    ValueError."""
+    for bad in (1.0, True, "1"):
+        with pytest.raises(TypeError, match="stream"):
+            rng.check_sizes(stream=bad)
+    for bad in (0, 3, -1):
+        with pytest.raises(ValueError, match="stream"):
+            rng.check_sizes(stream=bad)
+    rng.check_sizes(stream=rng.RENOISE)
+    rng.check_sizes(stream=rng.INITIAL)
+
+
+@pytest.mark.parametrize("name", ["seed", "request_id", "canvas_index", "step"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bool])
+def test_float_seed_tensor_is_refused_naming_seed(name, dtype):
+    """Regression: gumbel_noise, random_ids (torch and Triton) and make_key / make_counter ran ``.to(torch.int64)``
+    on their coordinates, so a float seed tensor was truncated (seeds 1.2 and 1.9 drew seed 1's noise) and a bool one
+    read as 0 / 1; the Triton kernel's ``.to(tl.int64)`` did the same. Now a float / bool / complex coordinate is a
+    TypeError naming it, in every draw function."""
+    from blockdiff.sampler.triton.common import random_ids as triton_random_ids
+    args = dict(zip(("seed", "request_id", "canvas_index", "step"), _args()))
+    args[name] = torch.ones(1, dtype=dtype)
+    a = (args["seed"], args["request_id"], args["canvas_index"], args["step"])
+    draws = [lambda: rng.gumbel_noise(*a, 4, 10), lambda: rng.random_ids(*a, 4, 10, rng.RENOISE),
+             lambda: triton_random_ids(*a, 4, 10, rng.RENOISE)]
+    if name == "seed":
+        draws.append(lambda: rng.make_key(a[0]))
+    else:
+        draws.append(lambda: rng.make_counter(a[1], a[2], a[3], torch.arange(4), rng.RENOISE))
+    for draw in draws:
+        with pytest.raises(TypeError, match=name):
+            draw()
+
+
+def test_draw_coordinates_refuse_floats_but_take_every_integer_dtype():
+    """Python floats (a seed of 1.5) and float Philox words are refused by name; int32 / int64 tensors and Python
+    ints keep drawing the same numbers as before (int32 canvas indices are what SamplerState holds)."""
+    with pytest.raises(TypeError, match="seed"):
+        rng.make_key(1.5)
+    with pytest.raises(TypeError, match="k0"):
+        rng.philox4x32_10(0, 0, 0, 0, 0.5, 0)
+    with pytest.raises(TypeError, match="c2"):
+        rng.philox4x32_10(0, 0, torch.tensor([1.0]), 0, 0, 0)
+    with pytest.raises(ValueError, match="request_id"):
+        rng.make_counter(2**64, 0, 0, 0, rng.RENOISE)
+    seed, rid, ci, step = _args(seed=7, rid=9, ci=2, step=3)
+    ref = rng.random_ids(seed, rid, ci, step, 8, 100, rng.RENOISE)
+    same = rng.random_ids(seed.to(torch.int32), rid.to(torch.int32), ci.to(torch.int32), step.to(torch.int32), 8, 100,
+                          rng.RENOISE)
+    assert torch.equal(ref, same)
+    assert torch.equal(rng.random_ids(7, 9, 2, 3, 8, 100, rng.RENOISE), ref)
+    g = rng.gumbel_noise(seed, rid, ci, step, 4, 10)
+    assert torch.equal(rng.gumbel_noise([7], [9], [2], [3], 4, 10), g)
