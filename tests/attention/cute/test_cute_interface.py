@@ -511,6 +511,25 @@ def test_a_broadcast_input_never_shares_a_compiled_kernel_with_a_dense_one(monke
     assert ca.broadcast_dims(wide["k_cache"], None) == ((False, False, True, False), None)
 
 
+@needs_gpu
+@pytest.mark.parametrize("which,hd,hkv", [("q", 128, 8), ("k_cache", 128, 8), ("k_cache", 512, 2)])
+def test_gpu_a_broadcast_input_and_then_a_dense_one_each_give_the_reference_output(monkeypatch, which, hd, hkv):
+    """The compile key's stride-0 part on the GPU (the CPU test above checks the keys): with an empty compile cache,
+    an ``expand()``ed Q (one head's rows for every head) or K cache (one KV head's keys for every KV head) first,
+    then the dense tensor of the same shape; each output is finite and within the tolerance of the reference on
+    what it was given. Before the key held the stride-0 dims, the dense call reused the kernel compiled with a
+    static stride of 0 and read head 0 for every head."""
+    monkeypatch.setattr(ca, "_COMPILE_CACHE", {})
+    q, k, v, kw = _batch([256, 100], [1000, 0], [0, 100], 16, hkv, hd, 64, seed=hd + len(which))
+    if which == "q":
+        wide = dict(q=q[:, :1].expand_as(q), k=k)
+    else:
+        wide = dict(q=q, k=k[:, :, :1].expand_as(k))
+    assert 0 in wide["q"].stride() or 0 in wide["k"].stride()
+    _run_and_check(wide["q"], wide["k"], v, kw, None, "symmetric")
+    _run_and_check(q, k, v, kw, None, "symmetric")
+
+
 def test_arch_and_sm_count_overrides_are_parsed_strictly(monkeypatch):
     """``FLASH_ATTENTION_ARCH`` was read as its first two digits (``sm_100a`` was sm_10, ``sm_90,sm_100`` and ``x9y0``
     were sm_90, ``""`` an int() error naming nothing) and ``FLASH_ATTENTION_NUM_SMS`` by int() (``1_32`` was 132,
