@@ -474,9 +474,11 @@ class DiffusionGemmaConfig:
             CheckpointError: from a path: the file is not a JSON object, or any of the errors below (the message
                 names the file and the field).
             TypeError, ValueError: a field of the wrong type or breaking its rule (see :meth:`validate`), a
-                ``text_config`` / ``per_layer_config`` that is not a dict, no text config found, or legacy RoPE keys
-                (``rope_theta``, ``rope_scaling``, ``rope_local_base_freq``) without ``rope_parameters`` (they were
-                ignored, as transformers' DiffusionGemmaConfig ignores them: the default RoPE served, not the file's).
+                ``text_config`` / ``per_layer_config`` that is not a dict, no text config found, legacy RoPE keys
+                (``rope_theta``, ``rope_local_base_freq``) without ``rope_parameters`` (they were ignored, as
+                transformers' DiffusionGemmaConfig ignores them: the default RoPE served, not the file's), or a
+                ``rope_scaling`` that is not null, with or without ``rope_parameters`` (transformers takes it as the
+                whole RoPE in their place; blockdiff read the per-layer ``rope_parameters`` and ignored it).
         """
         if isinstance(hf_config, (str, os.PathLike)):
             path = os.fspath(hf_config)
@@ -506,10 +508,18 @@ class DiffusionGemmaConfig:
             d = dict(text or hf_config)
         if "hidden_size" not in d:
             raise ValueError("hf_config has no text config (no hidden_size)")
-        legacy = sorted(k for k in ("rope_theta", "rope_scaling", "rope_local_base_freq") if d.get(k) is not None)
-        # transformers' DiffusionGemmaConfig (5.25: "no BC for new models") ignores these keys as well and serves the
-        # default RoPE; a file that gives its RoPE only there meant other angles, which neither would serve: refused
-        # (stricter than transformers). Files transformers writes always hold rope_parameters, so they load.
+        # rope_scaling: transformers 5.25's DiffusionGemmaConfig does not ignore it: it REPLACES rope_parameters with
+        # it (a flat dict, beside rope_parameters too; its model then fails, KeyError 'full_attention'), so a file
+        # holding one meant a scaled RoPE that blockdiff, reading rope_parameters, would silently not serve. No file
+        # transformers writes holds one (its to_dict has no rope_scaling key): refused wherever it is not null.
+        if d.get("rope_scaling") is not None:
+            raise ValueError(f"rope_scaling: blockdiff does not serve RoPE scaling (transformers takes rope_scaling "
+                             f"as the whole RoPE in place of rope_parameters), got {d['rope_scaling']!r}; give the "
+                             "RoPE per layer type in rope_parameters and remove rope_scaling")
+        legacy = sorted(k for k in ("rope_theta", "rope_local_base_freq") if d.get(k) is not None)
+        # transformers' DiffusionGemmaConfig (5.25: "no BC for new models") ignores these two keys as well and serves
+        # the default RoPE; a file that gives its RoPE only there meant other angles, which neither would serve:
+        # refused (stricter than transformers). Files transformers writes always hold rope_parameters, so they load.
         if legacy and d.get("rope_parameters") is None:
             raise ValueError(f"{', '.join(legacy)}: legacy RoPE keys without rope_parameters; blockdiff reads RoPE "
                              "only from rope_parameters (layer type -> {rope_type, rope_theta, ...}): write them there")

@@ -285,13 +285,13 @@ def test_config_json_size_beyond_its_bound_is_a_checkpoint_error_naming_it(tmp_p
         load_pretrained(folder)
 
 
-@pytest.mark.parametrize("key,value", [("rope_theta", 5.0), ("rope_local_base_freq", 10.0),
-                                       ("rope_scaling", {"rope_type": "linear", "factor": 8.0})])
+@pytest.mark.parametrize("key,value", [("rope_theta", 5.0), ("rope_local_base_freq", 10.0)])
 def test_config_json_with_legacy_rope_keys_and_no_rope_parameters_is_refused_naming_them(tmp_path, key, value):
     """A config.json that gives its RoPE in the legacy keys (no rope_parameters) was served with the default RoPE
     (theta 1e4 / 1e6), the file's values ignored: other angles than the file meant, silently other logits.
-    (transformers 5.25's DiffusionGemmaConfig ignores them too, so this refusal is stricter than transformers; a file
-    transformers writes always holds rope_parameters: test_transformers_written_config_with_a_legacy_key_loads.)"""
+    (transformers 5.25's DiffusionGemmaConfig ignores these two too, so this refusal is stricter than transformers; a
+    file transformers writes always holds rope_parameters: test_transformers_written_config_with_a_legacy_key_loads.
+    rope_scaling is not ignored by transformers: test_config_json_with_rope_scaling_is_refused_even_beside_rope_parameters.)"""
     def mutate(cfg):
         cfg.pop("rope_parameters")
         cfg[key] = value
@@ -301,6 +301,32 @@ def test_config_json_with_legacy_rope_keys_and_no_rope_parameters_is_refused_nam
     cfg = _shipped_config()
     cfg[key] = value  # beside rope_parameters, which is what is read
     assert DiffusionGemmaConfig.from_hf(cfg).rope_parameters == cfg["rope_parameters"]
+
+
+@pytest.mark.parametrize("with_rope_parameters", [False, True], ids=["alone", "beside-rope_parameters"])
+def test_config_json_with_rope_scaling_is_refused_even_beside_rope_parameters(tmp_path, with_rope_parameters):
+    """Regression (review26): break26a/b refused rope_scaling only without rope_parameters and read a file holding
+    both with rope_parameters' unscaled RoPE, on the premise that transformers ignores the legacy keys. transformers
+    5.25 does not ignore rope_scaling: it replaces rope_parameters with it (beside rope_parameters too), so such a
+    file meant a scaled RoPE that blockdiff silently did not serve. Now refused, naming rope_scaling and the rule."""
+    scaling = {"rope_type": "linear", "factor": 8.0}
+
+    def mutate(cfg):
+        if not with_rope_parameters:
+            cfg.pop("rope_parameters")
+        cfg["rope_scaling"] = scaling
+    folder = make_ckpt(tmp_path, mutate=mutate)
+    with pytest.raises(CheckpointError, match=r"config\.json .*rope_scaling: blockdiff does not serve RoPE scaling"):
+        load_pretrained(folder)
+    cfg = _shipped_config()
+    cfg["rope_scaling"] = None  # null is no scaling: loads
+    assert DiffusionGemmaConfig.from_hf(cfg).rope_parameters == cfg["rope_parameters"]
+    hf = pytest.importorskip("transformers.models.diffusion_gemma.configuration_diffusion_gemma")
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers' FutureWarning on rope_scaling
+        text = hf.DiffusionGemmaTextConfig(rope_parameters=config_mod.default_rope_parameters(), rope_scaling=scaling)
+    assert text.rope_parameters == scaling  # the premise: transformers takes rope_scaling in rope_parameters' place
 
 
 def test_transformers_written_config_with_a_legacy_key_loads():
