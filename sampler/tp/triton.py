@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..rng import check_int_dtype
 from ..triton.common import FLT_LOWEST, philox4x32_10
 from ..triton.config import SamplerConfig, check_config
 from ..triton.soft_embedding import soft_embedding
@@ -160,7 +161,14 @@ def local_statistics_triton(logits: torch.Tensor, T: torch.Tensor, seed: torch.T
         logits: float [N, CL, shard.size] (last dim contiguous; fp32/bf16/fp16). T: float32 [N] (0 = greedy).
         seed, request_id, canvas_index, step: integer [N]. active: bool [N] — rows computed (others: zeros,
             meaningless). shard: :class:`VocabShard`. config: ``block_g`` / ``split_v`` / ``stats_warps`` used.
+
+    Raises:
+        TypeError: a float, complex or bool ``seed`` / ``request_id`` / ``canvas_index`` / ``step`` (named; the kernel
+            reads them as int64 and would truncate, as the torch pass's :func:`gumbel_noise_shard` refuses to), also
+            on an empty shard (every rank refuses alike).
     """
+    for name, t in (("seed", seed), ("request_id", request_id), ("canvas_index", canvas_index), ("step", step)):
+        check_int_dtype(name, t)
     N, CL, Vs = logits.shape
     dev = logits.device
     cfg = check_config(config)  # (an empty shard too: every rank refuses a bad config alike)

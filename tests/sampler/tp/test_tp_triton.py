@@ -80,3 +80,20 @@ def test_triton_sharded_step_matches_reference():
     W.run_scenario(lambda st, sl, x, pd, E: sampler_step_sharded(st, sl, x, pd, E, bounds=(0, 33, 70),
                                                                 backend="triton", config=cfg),
                    V=70, cl=8, hidden=16, steps=4, device="cpu", e_dtype=torch.bfloat16, tie_ids=(32, 33))
+
+
+def test_triton_shard_stats_refuse_a_float_or_bool_coordinate_naming_it_also_on_an_empty_shard():
+    """As the torch local pass (review26's ``gumbel_noise_shard``): a float or bool seed / request_id /
+    canvas_index / step is a TypeError naming it, not a truncated draw; on an empty shard too, so every rank of a
+    group refuses alike."""
+    import pytest
+    N, cl, V = 2, 4, 40
+    act = torch.ones(N, dtype=torch.bool)
+    for name in ("seed", "request_id", "canvas_index", "step"):
+        for bad in (torch.full((N,), 1.9), torch.ones(N, dtype=torch.bool)):
+            args = dict(seed=torch.tensor([3, 4]), request_id=torch.tensor([5, 6]), canvas_index=torch.tensor([0, 1]),
+                        step=torch.tensor([2, 2]))
+            args[name] = bad
+            for sh in make_shards(V, (0, 40, 40)):  # a full shard and an empty one
+                with pytest.raises(TypeError, match=name):
+                    local_statistics_triton(torch.randn(N, cl, sh.size), torch.ones(N), *args.values(), act, sh)

@@ -229,3 +229,17 @@ def test_row_moments_normalise_the_sampling_rows_only():
     assert torch.allclose(inv_s[ok].double(), ref_inv[ok], rtol=1e-5)
     assert (m[2:] == 0).all() and (inv_s[2:] == 0).all()
     assert torch.isnan(m[1, 0]) or torch.isnan(inv_s[1, 0])
+
+
+@pytest.mark.parametrize("name", ["seed", "request_id", "canvas_index", "step"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bool])
+def test_row_stats_refuses_a_float_or_bool_coordinate_naming_it(name, dtype):
+    """The kernel reads the draw coordinates as int64 (``.to(tl.int64)``): a float seed of 1.9 drew seed 1's noise
+    where :mod:`blockdiff.sampler.rng` (break26b) and the TP shard (review26) raise. row_stats now refuses it too,
+    naming the coordinate, before any launch."""
+    N, CL, V = 2, 4, 16
+    args = dict(seed=torch.tensor([3, 4]), request_id=torch.tensor([5, 6]), canvas_index=torch.tensor([0, 1]),
+                step=torch.tensor([2, 2]))
+    args[name] = torch.full((N,), 1.9) if dtype.is_floating_point else torch.ones(N, dtype=dtype)
+    with pytest.raises(TypeError, match=name):
+        row_stats(torch.randn(N, CL, V), torch.ones(N), *args.values(), torch.ones(N, dtype=torch.bool))
