@@ -261,7 +261,7 @@ def served_default_params(vllm_config: Any, generation_config: Mapping | None = 
 
     Raises:
         ValueError / TypeError: the served values break a ``SamplingParams`` rule (:func:`served_max_denoising_steps`;
-            the model state stops the start on the same error).
+            the model state stops the start on the same error); TypeError: ``sampler_config`` is not a mapping.
     """
     from blockdiff.sampler.params import SamplingParams
 
@@ -269,7 +269,11 @@ def served_default_params(vllm_config: Any, generation_config: Mapping | None = 
     if gen is None:
         getter = getattr(getattr(vllm_config, "model_config", None), "try_get_generation_config", None)
         gen = (getter() if callable(getter) else None) or {}
-    sc = gen.get("sampler_config") or {}
+    sc = gen.get("sampler_config")
+    sc = {} if sc is None else sc
+    if not isinstance(sc, Mapping):  # (was: AttributeError from sc.get, no name, no rule)
+        raise TypeError(f"the generation config's sampler_config must be an object (a dict: {{'entropy_bound': x, "
+                        f"'_cls_name': 'EntropyBoundSamplerConfig'}}) or null, got {type(sc).__name__} ({sc!r:.60})")
     kw = {k: gen[k] for k in ("t_min", "t_max", "confidence_threshold", "stability_threshold") if k in gen}
     if sc.get("entropy_bound") is not None:
         kw["entropy_bound"] = sc["entropy_bound"]

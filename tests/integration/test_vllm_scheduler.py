@@ -149,6 +149,18 @@ def test_a_served_step_cap_of_zero_is_refused_not_read_as_unset():
         VS.served_default_params(NS(diffusion_config=NS(canvas_length=0)))
 
 
+def test_a_generation_config_sampler_config_that_is_no_object_is_a_type_error_naming_it():
+    """The served defaults read the checkpoint's sampler_config.entropy_bound: a sampler_config that is a string or a
+    list stops the start with a TypeError naming sampler_config (was: AttributeError "'str' object has no attribute
+    'get'", from the scheduler's and the model state's construction alike). null / absent keep the default."""
+    for sc in ("EntropyBoundSampler", ["entropy_bound", 0.1], 0.1, "", []):
+        with pytest.raises(TypeError, match=r"sampler_config must be an object .* got (str|list|float)"):
+            VS.served_default_params(NS(), {"sampler_config": sc})
+    dflt = VS.served_default_params(NS(), {}).entropy_bound
+    assert VS.served_default_params(NS(), {"sampler_config": None}).entropy_bound == dflt
+    assert VS.served_default_params(NS(), {"sampler_config": {"entropy_bound": 0.25}}).entropy_bound == 0.25
+
+
 # ------------------------------------------------------------------------------------------ streaming input
 def _chunk(rid, resumable=True, ids=(5, 6, 7), arrival=1.0):
     """A request as vLLM's streaming input sends it: an input chunk (resumable), arriving at ``arrival``."""
