@@ -344,7 +344,9 @@ class DiffusionModelState(_Base):
         self.causal_buf = torch.zeros(max_num_reqs, dtype=torch.bool, device=dev)
         # fused commits under vLLM: causal rows per request, filled in place and attached to the attention metadata
         self.num_causal_q_buf = torch.zeros(max_num_reqs, dtype=torch.int32, device=dev)
-        self.num_computed_tokens = torch.zeros(max_num_reqs, dtype=torch.int32, device=dev)
+        # one spare element past the slots: postprocess_state writes vLLM's masked (-1) entries there
+        self._num_computed_ext = torch.zeros(max_num_reqs + 1, dtype=torch.int32, device=dev)
+        self.num_computed_tokens = self._num_computed_ext[:max_num_reqs]
         self.input_ids_buf = torch.zeros(max_num_tokens, dtype=torch.int64, device=dev)
         self.positions_buf = torch.zeros(max_num_tokens, dtype=torch.int64, device=dev)
         self.self_cond_buf = torch.zeros(max_num_tokens, hidden_size, dtype=torch.float32, device=dev)
@@ -764,11 +766,14 @@ class DiffusionModelState(_Base):
         if num_computed_tokens is None or not torch.is_tensor(idx_mapping) or idx_mapping.numel() == 0:
             return None
         slots = idx_mapping.to(torch.int64)
+        R = self.num_computed_tokens.shape[0]
         valid = slots >= 0  # vLLM may pass -1 for masked entries
-        slots = torch.where(valid, slots, torch.zeros_like(slots))
-        vals = torch.where(valid, num_computed_tokens.to(torch.int64)[slots],
-                           self.num_computed_tokens.to(torch.int64)[slots])
-        self.num_computed_tokens.index_copy_(0, slots, vals.to(torch.int32))
+        src = torch.where(valid, slots, torch.zeros_like(slots))
+        # masked entries write the spare element R, never a live slot: index_copy_ with a repeated index keeps any
+        # one of the writes (was: masked entries rewrote slot 0 with its old value, so a step of idx_mapping
+        # [0, -1] could leave slot 0's KV length stale)
+        dst = torch.where(valid, slots, torch.full_like(slots, R))
+        self._num_computed_ext.index_copy_(0, dst, num_computed_tokens[src].to(torch.int32))
         return None
 
     def custom_sampler(self, sampler: Any, *, embedding: torch.Tensor | None = None,

@@ -165,7 +165,9 @@ def served_canvas_length(vllm_config: Any) -> tuple[int, bool]:
             ``model_config.hf_config.canvas_length``; a missing attribute counts as unset).
     """
     dcfg = getattr(vllm_config, "diffusion_config", None)
-    served = getattr(dcfg, "canvas_length", None) or DEFAULT_CANVAS_LENGTH
+    served = getattr(dcfg, "canvas_length", None)
+    if served is None:  # only None is unset (a 0 is refused downstream, never served as the default 256)
+        served = DEFAULT_CANVAS_LENGTH
     hf = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
     ckpt = getattr(hf, "canvas_length", None)
     if isinstance(ckpt, numbers.Integral) and not isinstance(ckpt, bool) and ckpt >= 1 and served == 2 * ckpt:
@@ -207,8 +209,8 @@ MAX_DENOISING_STEPS = 1 << 14
 def served_max_denoising_steps(vllm_config: Any, generation_config: Mapping | None = None) -> int | None:
     """The served step cap per canvas: ``diffusion_config.max_denoising_steps`` (``--diffusion-config``), else the
     generation config's ``max_denoising_steps``, else None (:class:`blockdiff.sampler.SamplingParams`' default
-    applies). The model state's default parameters and the asynchronous scheduler's fused-commit prediction both
-    read it here, so they agree.
+    applies); only None (or a missing attribute / key) is unset, a 0 is refused. The model state's default
+    parameters and the asynchronous scheduler's fused-commit prediction both read it here, so they agree.
 
     Args:
         vllm_config: vLLM's ``VllmConfig`` (reads ``diffusion_config`` and, without ``generation_config``,
@@ -222,15 +224,18 @@ def served_max_denoising_steps(vllm_config: Any, generation_config: Mapping | No
     if generation_config is not None and not isinstance(generation_config, Mapping):
         raise TypeError(f"generation_config must be a mapping or None, got {type(generation_config).__name__} "
                         f"({generation_config!r})")
+    # only None is unset: a 0 / False cap is a bad value, refused below (was: read as unset, so
+    # --diffusion-config '{"max_denoising_steps": 0}', which vLLM's DiffusionConfig accepts, silently served the
+    # generation config's cap or the default)
     steps = getattr(getattr(vllm_config, "diffusion_config", None), "max_denoising_steps", None)
-    if not steps:
+    if steps is None:
         gen = generation_config
         if gen is None:
             mc = getattr(vllm_config, "model_config", None)
             getter = getattr(mc, "try_get_generation_config", None)
             gen = (getter() if callable(getter) else None) or {}
         steps = gen.get("max_denoising_steps") if isinstance(gen, Mapping) else None
-    if not steps:
+    if steps is None:
         return None
     whole = isinstance(steps, float) and steps.is_integer()  # a JSON config may write 16.0
     if isinstance(steps, bool) or not (isinstance(steps, numbers.Integral) or whole) or \
@@ -256,7 +261,7 @@ def served_default_params(vllm_config: Any, generation_config: Mapping | None = 
 
     Raises:
         ValueError / TypeError: the served values break a ``SamplingParams`` rule (:func:`served_max_denoising_steps`;
-            the model state stops the start on the same error).
+            the model state stops the start on the same error); TypeError: ``sampler_config`` is not a mapping.
     """
     from blockdiff.sampler.params import SamplingParams
 
@@ -264,7 +269,11 @@ def served_default_params(vllm_config: Any, generation_config: Mapping | None = 
     if gen is None:
         getter = getattr(getattr(vllm_config, "model_config", None), "try_get_generation_config", None)
         gen = (getter() if callable(getter) else None) or {}
-    sc = gen.get("sampler_config") or {}
+    sc = gen.get("sampler_config")
+    sc = {} if sc is None else sc
+    if not isinstance(sc, Mapping):  # (was: AttributeError from sc.get, no name, no rule)
+        raise TypeError(f"the generation config's sampler_config must be an object (a dict: {{'entropy_bound': x, "
+                        f"'_cls_name': 'EntropyBoundSamplerConfig'}}) or null, got {type(sc).__name__} ({sc!r:.60})")
     kw = {k: gen[k] for k in ("t_min", "t_max", "confidence_threshold", "stability_threshold") if k in gen}
     if sc.get("entropy_bound") is not None:
         kw["entropy_bound"] = sc["entropy_bound"]

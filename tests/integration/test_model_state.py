@@ -183,6 +183,24 @@ def test_postprocess_state_records_kv_length(ms):
 
 
 @needs_stack
+def test_postprocess_state_masked_entries_never_overwrite_a_live_slot(ms):
+    """vLLM passes -1 for masked entries of idx_mapping. A step whose rows are [slot 0, masked] (or [masked, slot 0],
+    or several masked) records slot 0's KV length; the masked entries touch no slot (was: they were redirected to
+    slot 0 with its old value, and index_copy_ kept the stale write: [0, -1] left slot 0 at 0)."""
+    ms.add_request(0, NewRequest("a", [1], params()))
+    ms.add_request(2, NewRequest("b", [1], params()))
+    nct = torch.tensor([37, 5, 11, 9], dtype=torch.int32)
+    none = torch.zeros(2, dtype=torch.int32)
+    ms.postprocess_state(torch.tensor([0, -1]), none, nct)
+    assert ms.num_computed_tokens.tolist() == [37, 0, 0, 0]
+    nct[0] = 40
+    ms.postprocess_state(torch.tensor([-1, -1, 0, 2]), torch.zeros(4, dtype=torch.int32), nct)
+    assert ms.num_computed_tokens.tolist() == [40, 0, 11, 0]
+    ms.remove_request("a")
+    assert ms.num_computed_tokens.tolist() == [0, 0, 11, 0]
+
+
+@needs_stack
 def test_custom_sampler_replaces_sampler_and_rejection_sampler(ms):
     s, rej = ms.custom_sampler(object())
     assert isinstance(s, DiffusionSampler) and rej is None

@@ -126,6 +126,41 @@ def test_check_canvas_rows_fit_names_a_limit_that_would_cut_every_canvas_row():
         VS.check_canvas_rows_fit(sched(0, CL - 1))
 
 
+def test_a_served_step_cap_of_zero_is_refused_not_read_as_unset():
+    """--diffusion-config '{"max_denoising_steps": 0}' (vLLM's DiffusionConfig takes any int there, and pydantic turns
+    false into 0) and a generation config's 0 / false are bad caps: a ValueError naming max_denoising_steps (the
+    start stops), never the generation config's cap or the default served in their place (was: ``if not steps``
+    read 0 as unset). None and a missing key stay unset."""
+    def cfg(d, g=None):
+        return NS(diffusion_config=NS(max_denoising_steps=d), model_config=NS(try_get_generation_config=lambda: g or {}))
+
+    for d, g in ((0, None), (0, {"max_denoising_steps": 12}), (None, {"max_denoising_steps": 0}),
+                 (None, {"max_denoising_steps": False}), (False, None)):
+        with pytest.raises(ValueError, match=r"max_denoising_steps .*\[1, 2\*\*14\)"):
+            VS.served_max_denoising_steps(cfg(d, g))
+        with pytest.raises(ValueError, match="max_denoising_steps"):
+            VS.served_default_params(cfg(d, g))
+    assert VS.served_max_denoising_steps(cfg(None, {"max_denoising_steps": None})) is None
+    assert VS.served_max_denoising_steps(cfg(None, {"max_denoising_steps": 12})) == 12
+    assert VS.served_max_denoising_steps(NS(diffusion_config=NS(canvas_length=CL))) is None
+    # the same kind: a canvas_length of 0 is no canvas, never the default 256 (vLLM's DiffusionConfig refuses it too)
+    assert VS.served_canvas_length(NS(diffusion_config=NS(canvas_length=None))) == (VS.DEFAULT_CANVAS_LENGTH, False)
+    with pytest.raises(ValueError, match="canvas_length"):
+        VS.served_default_params(NS(diffusion_config=NS(canvas_length=0)))
+
+
+def test_a_generation_config_sampler_config_that_is_no_object_is_a_type_error_naming_it():
+    """The served defaults read the checkpoint's sampler_config.entropy_bound: a sampler_config that is a string or a
+    list stops the start with a TypeError naming sampler_config (was: AttributeError "'str' object has no attribute
+    'get'", from the scheduler's and the model state's construction alike). null / absent keep the default."""
+    for sc in ("EntropyBoundSampler", ["entropy_bound", 0.1], 0.1, "", []):
+        with pytest.raises(TypeError, match=r"sampler_config must be an object .* got (str|list|float)"):
+            VS.served_default_params(NS(), {"sampler_config": sc})
+    dflt = VS.served_default_params(NS(), {}).entropy_bound
+    assert VS.served_default_params(NS(), {"sampler_config": None}).entropy_bound == dflt
+    assert VS.served_default_params(NS(), {"sampler_config": {"entropy_bound": 0.25}}).entropy_bound == 0.25
+
+
 # ------------------------------------------------------------------------------------------ streaming input
 def _chunk(rid, resumable=True, ids=(5, 6, 7), arrival=1.0):
     """A request as vLLM's streaming input sends it: an input chunk (resumable), arriving at ``arrival``."""
