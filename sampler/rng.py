@@ -43,7 +43,8 @@ import torch
 __all__ = [
     "GUMBEL", "RENOISE", "INITIAL", "PHILOX_M0", "PHILOX_M1", "PHILOX_W0", "PHILOX_W1", "MASK32",
     "philox4x32_10", "make_key", "make_counter", "uniform_from_word", "gumbel_from_word", "ids_from_words",
-    "gumbel_noise", "random_ids", "check_sizes", "as_int_tensor", "check_int_dtype",
+    "gumbel_noise", "random_ids", "check_sizes", "as_int_tensor", "check_int_dtype", "COORDINATES",
+    "as_int_coordinates", "check_int_coordinates",
 ]
 
 GUMBEL = 0
@@ -90,6 +91,24 @@ def check_int_dtype(name: str, t: torch.Tensor) -> None:
     if t.dtype == torch.bool or t.dtype.is_floating_point or t.dtype.is_complex:
         raise TypeError(f"{name} must be an integer tensor (int64; no coercion: a float value is not truncated), got "
                         f"dtype {t.dtype}")
+
+
+#: The per-row draw coordinates, in the order every draw function takes them.
+COORDINATES = ("seed", "request_id", "canvas_index", "step")
+
+
+def as_int_coordinates(seed, request_id, canvas_index, step) -> tuple[torch.Tensor, ...]:
+    """The four per-row coordinates through :func:`as_int_tensor` (int64 tensors; errors name the coordinate)."""
+    return tuple(as_int_tensor(n, v) for n, v in zip(COORDINATES, (seed, request_id, canvas_index, step)))
+
+
+def check_int_coordinates(seed, request_id, canvas_index, step) -> None:
+    """Raise TypeError naming the coordinate unless each of the four is an integer tensor: the kernels read them as
+    int64 (``.to(tl.int64)``), which would truncate a float value. Host attribute reads only (no sync)."""
+    for n, t in zip(COORDINATES, (seed, request_id, canvas_index, step)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{n} must be an integer tensor [N], got {type(t).__name__}")
+        check_int_dtype(n, t)
 
 
 def _mulhilo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -237,9 +256,8 @@ def gumbel_noise(seed, request_id, canvas_index, step, canvas_length: int, vocab
             truncated: :func:`as_int_tensor`).
     """
     check_sizes(canvas_length, vocab_size)
-    seed = as_int_tensor("seed", seed).reshape(-1)
-    request_id, canvas_index, step = (as_int_tensor(n, v) for n, v in (("request_id", request_id),
-                                                                       ("canvas_index", canvas_index), ("step", step)))
+    seed, request_id, canvas_index, step = as_int_coordinates(seed, request_id, canvas_index, step)
+    seed = seed.reshape(-1)
     dev = seed.device
     n = seed.shape[0]
     ngroups = (vocab_size + 3) // 4
@@ -273,9 +291,8 @@ def random_ids(seed, request_id, canvas_index, step, canvas_length: int, vocab_s
             (:func:`as_int_tensor`).
     """
     check_sizes(canvas_length, vocab_size, stream)
-    seed = as_int_tensor("seed", seed).reshape(-1)
-    request_id, canvas_index, step = (as_int_tensor(n, v) for n, v in (("request_id", request_id),
-                                                                       ("canvas_index", canvas_index), ("step", step)))
+    seed, request_id, canvas_index, step = as_int_coordinates(seed, request_id, canvas_index, step)
+    seed = seed.reshape(-1)
     dev = seed.device
     k0, k1 = make_key(seed)
     pos = torch.arange(canvas_length, device=dev, dtype=torch.int64)

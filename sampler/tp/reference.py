@@ -39,9 +39,8 @@ def gumbel_noise_shard(seed, request_id, canvas_index, step, canvas_length: int,
     if not 0 <= vocab_start <= vocab_end:
         raise ValueError(f"need 0 <= vocab_start <= vocab_end, got [{vocab_start}, {vocab_end})")
     # (``.to(torch.int64)`` truncated a float seed: 1.9 drew seed 1's noise, where rng.gumbel_noise refuses it)
-    seed = rng.as_int_tensor("seed", seed).reshape(-1)
-    request_id, canvas_index, step = (rng.as_int_tensor(n, v) for n, v in (
-        ("request_id", request_id), ("canvas_index", canvas_index), ("step", step)))
+    seed, request_id, canvas_index, step = rng.as_int_coordinates(seed, request_id, canvas_index, step)
+    seed = seed.reshape(-1)
     dev = seed.device
     n = seed.shape[0]
     if vocab_end == vocab_start:

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..rng import check_int_dtype
+from ..rng import check_int_coordinates
 from ..triton.common import FLT_LOWEST, philox4x32_10
 from ..triton.config import SamplerConfig, check_config
 from ..triton.soft_embedding import soft_embedding
@@ -167,8 +167,7 @@ def local_statistics_triton(logits: torch.Tensor, T: torch.Tensor, seed: torch.T
             reads them as int64 and would truncate, as the torch pass's :func:`gumbel_noise_shard` refuses to), also
             on an empty shard (every rank refuses alike).
     """
-    for name, t in (("seed", seed), ("request_id", request_id), ("canvas_index", canvas_index), ("step", step)):
-        check_int_dtype(name, t)
+    check_int_coordinates(seed, request_id, canvas_index, step)
     N, CL, Vs = logits.shape
     dev = logits.device
     cfg = check_config(config)  # (an empty shard too: every rank refuses a bad config alike)

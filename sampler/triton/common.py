@@ -111,13 +111,10 @@ def random_ids(seed: torch.Tensor, request_id: torch.Tensor, canvas_index: torch
         ValueError: a stream other than RENOISE / INITIAL, or a size out of range; TypeError: a size that is not an
             int (:func:`blockdiff.sampler.rng.check_sizes`, the torch version's rules); ``seed``, ``request_id``,
             ``canvas_index`` or ``step`` not an integer tensor (the kernel's ``.to(tl.int64)`` truncated a float
-            seed; :func:`blockdiff.sampler.rng.check_int_dtype`).
+            seed; :func:`blockdiff.sampler.rng.check_int_coordinates`).
     """
     rng.check_sizes(canvas_length, vocab_size, stream)
-    for name, t in (("seed", seed), ("request_id", request_id), ("canvas_index", canvas_index), ("step", step)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be an integer tensor [N], got {type(t).__name__}")
-        rng.check_int_dtype(name, t)
+    rng.check_int_coordinates(seed, request_id, canvas_index, step)
     n = seed.shape[0]
     out = torch.empty(n, canvas_length, dtype=torch.int64, device=seed.device)
     if n > 0 and canvas_length > 0:

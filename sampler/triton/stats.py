@@ -52,7 +52,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from ..rng import check_int_dtype
+from ..rng import check_int_coordinates
 from .common import FLT_LOWEST, interpret_mode, philox4x32_10
 from .config import SamplerConfig, check_config
 
@@ -465,8 +465,7 @@ def row_stats(logits: torch.Tensor, T: torch.Tensor, seed: torch.Tensor, request
         TypeError: a float, complex or bool ``seed`` / ``request_id`` / ``canvas_index`` / ``step`` (named; the kernel
             reads them as int64 and would truncate, as :mod:`blockdiff.sampler.rng` refuses to).
     """
-    for name, t in (("seed", seed), ("request_id", request_id), ("canvas_index", canvas_index), ("step", step)):
-        check_int_dtype(name, t)
+    check_int_coordinates(seed, request_id, canvas_index, step)
     N, CL, V = logits.shape
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
