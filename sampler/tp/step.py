@@ -320,6 +320,14 @@ def _agree(group, W: int, rank: int, device, record: torch.Tensor | None, error:
     return rows
 
 
+def _check_tiling(rows: list[list[int]], what: str) -> None:
+    """The records' shards tile ``[0, V)`` in rank order (V of rank 0's record); else a ValueError naming them."""
+    V = rows[0][_A_VOCAB]
+    spans = [(r[_A_START], r[_A_END]) for r in rows]
+    if spans[0][0] != 0 or spans[-1][1] != V or any(spans[i][1] != spans[i + 1][0] for i in range(len(rows) - 1)):
+        raise ValueError(f"{what}: the ranks' shards must tile [0, {V}) in rank order, got {spans}")
+
+
 def _check_agreement(rows: list[list[int]], what: str) -> None:
     """Every rank's agreement record names one step: the same vocabulary, rows, canvas length and hidden size,
     shards tiling ``[0, V)`` in rank order, and the same slot ids / prefill flags and replicated state rows.
@@ -333,10 +341,7 @@ def _check_agreement(rows: list[list[int]], what: str) -> None:
         if len(set(vals)) != 1:
             raise ValueError(f"{what}: ranks disagree on {name}: {vals} (rank 0 first); every rank must run the same "
                              "step")
-    V = rows[0][_A_VOCAB]
-    spans = [(r[_A_START], r[_A_END]) for r in rows]
-    if spans[0][0] != 0 or spans[-1][1] != V or any(spans[i][1] != spans[i + 1][0] for i in range(W - 1)):
-        raise ValueError(f"{what}: the ranks' shards must tile [0, {V}) in rank order, got {spans}")
+    _check_tiling(rows, what)
     for f, name in ((_A_INPUTS, "slots / prefill_done"), (_A_STATE, "the replicated SamplerState rows of slots "
                                                                       "(phase, step, canvases, params, ...)")):
         if len({r[f] for r in rows}) != 1:
@@ -415,10 +420,11 @@ def sampler_step_tp(state: SamplerState, slots: torch.Tensor, logits: torch.Tens
     what = "sampler_step_tp"
     W, rank = dist.get_world_size(group), dist.get_rank(group)
     error = None
+    # (a non-bool check_values, refused below, still takes part in the agreement exchange)
+    checking = check_values is not False and not (check_values is None and capturing())
     try:
         if check_values is not None and not isinstance(check_values, bool):
             raise TypeError(f"check_values must be a bool or None, got {type(check_values).__name__}")
-        checking = (not capturing()) if check_values is None else check_values
         _check_tp_args(state, slots, logits, prefill_done, embedding, shard, checking)
         check_config(config)
         if backend not in STATS_BACKENDS:
@@ -427,7 +433,6 @@ def sampler_step_tp(state: SamplerState, slots: torch.Tensor, logits: torch.Tens
             raise ValueError(f"shard is rank {shard.rank} of {shard.world_size}, the group says rank {rank} of {W}")
     except (TypeError, ValueError) as e:
         error = e
-        checking = check_values is not False and not (check_values is None and capturing())
     if checking:
         dev = _record_device(group, state, logits)
         rec = None if error is not None else _agreement_record(state, slots, prefill_done, shard, dev)
@@ -507,6 +512,4 @@ def check_shards_consistent(shard: VocabShard, group=None, device: torch.device 
     vs = [r[_A_VOCAB] for r in rows]
     if len(set(vs)) != 1:
         raise ValueError(f"ranks disagree on vocab_size: {vs}")
-    spans = [(r[_A_START], r[_A_END]) for r in rows]
-    if spans[0][0] != 0 or spans[-1][1] != vs[0] or any(spans[k][1] != spans[k + 1][0] for k in range(W - 1)):
-        raise ValueError(f"shards must tile [0, {vs[0]}) in rank order, got {spans}")
+    _check_tiling(rows, what)
