@@ -20,7 +20,7 @@ import importlib
 import torch
 
 from .cache import AttentionMetadata, write_kv_cache
-from .masks import MAX_SEQ_LEN, WINDOW_NO_BOUND, build_mask, count_allowed_pairs, key_range
+from .masks import MAX_SEQ_LEN, WINDOW_NO_BOUND, _parse_device, build_mask, count_allowed_pairs, key_range
 from .validate import MAX_SCALE, causal_row_counts, debug_checks, set_debug_checks
 
 BACKENDS = ("reference", "triton", "cute")
@@ -47,16 +47,8 @@ def resolve_backend(backend: str, device: torch.device | str | None = None) -> s
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a str, one of {BACKENDS + ('auto',)}, got {type(backend).__name__}")
     if backend == "auto":
-        if device is None:
-            return "reference"
-        if not isinstance(device, (str, torch.device)):
-            raise TypeError(f"device must be None, a str or a torch.device, got {type(device).__name__}")
-        try:
-            dev = torch.device(device)
-        except (RuntimeError, ValueError) as e:
-            raise ValueError(f"device must name a torch device ('cpu', 'cuda', 'cuda:0', ...), got {device!r}") \
-                from e
-        return "triton" if dev.type == "cuda" else "reference"
+        dev = _parse_device(device, check_available=False)
+        return "triton" if dev is not None and dev.type == "cuda" else "reference"
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS + ('auto',)}, got {backend!r} (a new backend is registered "
                          "in BACKENDS and _MODULES of attention/__init__.py: docs/ARCHITECTURE.md section 3, "

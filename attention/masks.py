@@ -139,12 +139,14 @@ def key_range(
     return lo, hi
 
 
-def _parse_device(device) -> torch.device | None:
-    """``None`` or a ``torch.device`` / device string as a ``torch.device``.
+def _parse_device(device, *, check_available: bool = True) -> torch.device | None:
+    """``None`` or a ``torch.device`` / device string as a ``torch.device``; with ``check_available``, a CUDA device
+    this machine lacks is refused.
 
     Raises:
         TypeError: neither None, a str nor a ``torch.device``.
-        ValueError: a string torch cannot parse (``"bogus"``), or a CUDA device this machine lacks.
+        ValueError: a string torch cannot parse (``"bogus"``), or (``check_available``) a CUDA device this machine
+            lacks.
     """
     if device is None:
         return None
@@ -154,7 +156,7 @@ def _parse_device(device) -> torch.device | None:
         dev = torch.device(device)
     except (RuntimeError, ValueError) as e:
         raise ValueError(f"device must name a torch device ('cpu', 'cuda', 'cuda:1', ...), got {device!r}") from e
-    if dev.type == "cuda" and (not torch.cuda.is_available()
+    if check_available and dev.type == "cuda" and (not torch.cuda.is_available()
                                or (dev.index is not None and dev.index >= torch.cuda.device_count())):
         raise ValueError(f"device {device!r} is not available on this machine")
     return dev

@@ -20,24 +20,10 @@ import torch
 from . import rng
 from .params import SamplingParams
 from .state import (COMMIT, DENOISE, FAILED, FINISHED, NO_MAX_TOKENS, PHASE_NAMES, PREFILL, SamplerState,
-                    StepOutput)
+                    StepOutput, torch_device)
 
 BACKENDS = ("reference", "triton")
 _MODULES = {"reference": ".reference", "triton": ".triton"}
-
-
-def device_type(device) -> str:
-    """``torch.device(device).type`` of a str or ``torch.device`` (no availability check).
-
-    Raises:
-        TypeError: neither a str nor a ``torch.device``. ValueError: a string torch cannot parse (names ``device``).
-    """
-    if not isinstance(device, (str, torch.device)):
-        raise TypeError(f"device must be None, a str or a torch.device, got {type(device).__name__}")
-    try:
-        return torch.device(device).type
-    except (RuntimeError, ValueError) as e:
-        raise ValueError(f"device must name a torch device ('cpu', 'cuda', 'cuda:0', ...), got {device!r}") from e
 
 
 def resolve_backend(backend: str, device: torch.device | str | None = None) -> str:
@@ -54,7 +40,7 @@ def resolve_backend(backend: str, device: torch.device | str | None = None) -> s
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a str, one of {BACKENDS + ('auto',)}, got {type(backend).__name__}")
     if backend == "auto":
-        return "triton" if device is not None and device_type(device) == "cuda" else "reference"
+        return "triton" if device is not None and torch_device(device).type == "cuda" else "reference"
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS + ('auto',)}, got {backend!r}")
     return backend

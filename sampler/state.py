@@ -42,6 +42,20 @@ def check_resume(params, num_emitted: int) -> None:
                          "emitted all its tokens and is finished")
 
 
+def torch_device(device) -> torch.device:
+    """``torch.device(device)`` of a ``torch.device`` or a device string, syntax only (no availability check).
+
+    Raises:
+        TypeError: neither a ``torch.device`` nor a str. ValueError: a string torch cannot parse (names ``device``).
+    """
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be a torch.device or a str, got {type(device).__name__}")
+    try:
+        return torch.device(device)
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"device must name a torch device ('cpu', 'cuda', 'cuda:0', ...), got {device!r}") from e
+
+
 def parse_device(device) -> torch.device:
     """``torch.device(device)`` for a ``torch.device`` or a device string, checked against this machine. A CPU device
     is returned as plain ``cpu`` (``cpu:0``, ``cpu:1`` included): torch puts every CPU tensor there, and the step's
@@ -52,12 +66,7 @@ def parse_device(device) -> torch.device:
             CUDA device this machine does not have, ``meta`` (shapes only: it cannot hold the state's values), or
             another device type torch cannot allocate on here (names ``device``).
     """
-    if not isinstance(device, (str, torch.device)):
-        raise TypeError(f"device must be a torch.device or a str, got {type(device).__name__}")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError) as e:
-        raise ValueError(f"device must name a torch device ('cpu', 'cuda', 'cuda:0', ...), got {device!r}") from e
+    dev = torch_device(device)
     if dev.type == "cuda":
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if n == 0 or (dev.index is not None and dev.index >= n):
