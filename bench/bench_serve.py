@@ -99,6 +99,7 @@ from typing import Iterable, Sequence
 
 from blockdiff.bench import common
 from blockdiff.bench.dummy_weights import DUMMY, DUMMY_LIVE, LOAD_FORMATS, PLUGIN as DUMMY_LIVE_PLUGIN
+from blockdiff.bench.make_tables import finite, show_number
 
 SUITE = "serve"
 CANVAS_LENGTH = 256
@@ -1677,15 +1678,6 @@ ROW_STRINGS = ("backend", "quant", "status")
 ROW_BOOLS = ("complete", "steps_ok", "enforce_eager", "skip_special_tokens")
 
 
-def _finite(v) -> bool:
-    """``math.isfinite`` of an int or float, False for an int beyond float's range (where it raises OverflowError:
-    a rows file's ``1`` followed by 400 zeros, or such a flag value)."""
-    try:
-        return math.isfinite(v)
-    except OverflowError:
-        return False
-
-
 def _row_problem(obj: dict) -> str | None:
     """Why a sweep row cannot go into a record (:func:`read_rows`' rules, field named), or None."""
     if not isinstance(obj.get("workload"), str):
@@ -1700,9 +1692,8 @@ def _row_problem(obj: dict) -> str | None:
             continue
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             return f"{k} must be a number or null, got {v!r}"
-        if not _finite(v) or v < 0:  # (json reads NaN / Infinity: a goal then compared NaN, met False)
-            shown = f"an int of {v.bit_length()} bits" if isinstance(v, int) and not _finite(v) else repr(v)
-            return f"{k} must be a finite number >= 0 or null, got {shown}"
+        if not finite(v) or v < 0:  # (json reads NaN / Infinity: a goal then compared NaN, met False)
+            return f"{k} must be a finite number >= 0 or null, got {show_number(v)}"
     c = obj.get("concurrency")
     if c is not None and (not isinstance(c, int) or c < 1):
         return f"concurrency must be an int >= 1 (requests in flight) or null, got {c!r}"
@@ -2106,9 +2097,9 @@ def _number(kind, lo: float, strict: bool):
             v = kind(s)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {'an int' if kind is int else 'a number'}, got {s!r}") from None
-        if not _finite(v) or (v <= lo if strict else v < lo):
+        if not finite(v) or (v <= lo if strict else v < lo):
             what = "an int" if kind is int else "a finite number"
-            if kind is int and not _finite(v):  # (math.isfinite raised OverflowError, past argparse: a traceback)
+            if kind is int and not finite(v):  # (math.isfinite raised OverflowError, past argparse: a traceback)
                 raise argparse.ArgumentTypeError(f"expected {what} {'>' if strict else '>='} {lo:g} within float's "
                                                  f"range, got an int of {v.bit_length()} bits")
             raise argparse.ArgumentTypeError(f"expected {what} {'>' if strict else '>='} {lo:g}, got {s!r}")

@@ -43,12 +43,18 @@ COLUMNS = {
 DEFAULT_COLUMNS = ["workload", "backend", "status", "graph_ms", "eager_ms", "effective_tflops", "note"]
 
 
-def _finite(v) -> bool:
-    """``math.isfinite``, False for an int beyond float's range (where it raises OverflowError)."""
+def finite(v) -> bool:
+    """``math.isfinite`` of an int or float, False for an int beyond float's range (where it raises OverflowError:
+    a records or rows file's ``1`` followed by 400 zeros, or such a flag value)."""
     try:
         return math.isfinite(v)
     except OverflowError:
         return False
+
+
+def show_number(v) -> str:
+    """``repr(v)`` for a message; an int beyond float's range by its size (its digits may be too many to print)."""
+    return f"an int of {v.bit_length()} bits" if isinstance(v, int) and not finite(v) else repr(v)
 
 
 def _fmt(key: str, v) -> str:
@@ -190,9 +196,8 @@ def record_problem(doc: dict) -> str | None:
             return f"rows[{i}].config must be a JSON object or null, got {r['config']!r}"
         for k in ("graph_ms", "eager_ms"):
             v = r.get(k)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite(v)):
-                shown = f"an int of {v.bit_length()} bits" if isinstance(v, int) and not _finite(v) else repr(v)
-                return f"rows[{i}].{k} must be a finite number or null, got {shown}"
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not finite(v)):
+                return f"rows[{i}].{k} must be a finite number or null, got {show_number(v)}"
     return None
 
 
