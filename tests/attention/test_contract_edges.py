@@ -312,6 +312,13 @@ def test_mask_helpers_refuse_tensors_on_the_meta_device():
         key_range(torch.tensor([0]).to("meta"), m, m, m, None)
 
 
+@pytest.mark.parametrize("device", ["meta", torch.device("meta")])
+def test_build_mask_on_the_meta_device_is_a_value_error_naming_device(device):
+    """Was a ValueError naming 'row', a tensor build_mask makes itself, not the caller's argument."""
+    with pytest.raises(ValueError, match="^device must hold data"):
+        build_mask(2, 3, causal=True, device=device)
+
+
 def test_key_range_refuses_shapes_that_do_not_broadcast():
     """Was torch's RuntimeError 'The size of tensor a (2) must match ...', naming no argument."""
     with pytest.raises(ValueError, match=r"must broadcast to one shape, got row \(3,\), q_len \(2,\)"):
