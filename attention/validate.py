@@ -129,11 +129,13 @@ def check_flag(name: str, v) -> bool:
 
 def check_length_hint(name: str, v):
     """A host hint such as ``max_seqlen_q`` / ``max_seqlen_k``: None, an int >= 0 (bool rejected), or a 0-d integer
-    tensor (read on the host by the paths that use it; its value is not checked here: no sync).
+    tensor with a value (read on the host by the paths that use it, and by :func:`check_attention_inputs`' value
+    checks; its value is not checked here: no sync).
 
     Raises:
         TypeError: anything else (a str, a float, a numpy scalar, a float or multi-element tensor).
-        ValueError: a negative int.
+        ValueError: a negative int; a tensor on the meta device (no value to read: torch's RuntimeError from the
+            paths that read it before).
     """
     if v is None:
         return v
@@ -141,6 +143,7 @@ def check_length_hint(name: str, v):
         if v.dim() != 0 or v.dtype not in INT_DTYPES:
             raise TypeError(f"{name} must be None, an int >= 0 or a 0-d int32 / int64 tensor, got a tensor of "
                             f"shape {tuple(v.shape)} and dtype {v.dtype}")
+        check_has_data(name, v)
         return v
     if isinstance(v, bool) or not isinstance(v, int):
         raise TypeError(f"{name} must be None, an int >= 0 or a 0-d int32 / int64 tensor, got {type(v).__name__} "
@@ -345,7 +348,8 @@ def check_attention_inputs(
         ``seq_lens`` [B] int32 (derived from ``cu_seqlens_k`` in the contiguous form when not given).
 
     ``check_values``: see :func:`resolve_check_values` (None: unless capturing; the debug switch forces it).
-    ``return_lse`` must be a bool, ``max_seqlen_q`` / ``max_seqlen_k`` host hints (:func:`check_length_hint`).
+    ``return_lse`` must be a bool, ``max_seqlen_q`` / ``max_seqlen_k`` host hints (:func:`check_length_hint`; a 0-d
+    tensor hint is read with the value checks and must be >= 0 there).
 
     Raises:
         TypeError: a wrong Python or tensor type / dtype, or a tensor that is not dense (strided: a sparse layout).
@@ -479,6 +483,8 @@ def check_attention_inputs(
                              f"{out.stride()} for shape {tuple(out.shape)}")
 
     if check_values:
+        for name, v in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+            length_hint_value(name, v)  # a negative 0-d tensor (an int is refused above), as the paths reading it do
         cq = cu_seqlens_q.to(torch.int64).cpu()
         if cq[0] != 0:
             raise ValueError(f"cu_seqlens_q must start at 0, got {int(cq[0])}")
