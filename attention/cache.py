@@ -5,15 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .validate import self_overlapping, capturing, memory_overlaps, resolve_check_values
-
-
-def _aliased(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two caches certainly share elements: the same start address, or both contiguous with overlapping
-    spans (strided views that interleave, e.g. the head-dim halves of one ``[..., 2 * head_dim]`` tensor, pass)."""
-    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
-        return False
-    return a.data_ptr() == b.data_ptr() or (a.is_contiguous() and b.is_contiguous() and memory_overlaps(a, b))
+from .validate import self_overlapping, capturing, memory_overlaps, resolve_check_values, share_elements
 
 
 def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, check_values: bool | None = None) -> None:
@@ -23,8 +15,9 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, check_values: bool |
         k: ``[T, num_kv_heads, head_dim]``; v: ``[T, num_kv_heads, head_dim_v]``: floating point, rounded to the
             cache dtype (e.g. a bf16 model writing an fp16 cache); they may be views of the caches (copied first).
         k_cache: ``[num_blocks, page_size, num_kv_heads, head_dim]``; v_cache likewise with head_dim_v; floating
-            point, not sharing memory (the same tensor, or overlapping contiguous views, are refused); any strides
-            (pages that are not one row stride apart are written by page and row index).
+            point, sharing no element (the same tensor, or views with an element in common whatever their strides,
+            are refused; interleaved views that share none, such as the head-dim halves of one tensor, pass); any
+            strides (pages that are not one row stride apart are written by page and row index).
         slot_mapping: ``[T]`` int64 flat slot ``block_id * page_size + offset``; a negative slot skips
             its token (padding).
         check_values: run the host-side slot checks (default: yes unless a CUDA graph is being captured; the
@@ -70,7 +63,7 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, check_values: bool |
             raise ValueError(f"{name} is on the meta device (no data): pass tensors with values")
         if t.device != k_cache.device:
             raise ValueError(f"{name} is on {t.device} but k_cache is on {k_cache.device}")
-    if _aliased(k_cache, v_cache):
+    if share_elements(k_cache, v_cache):  # (exact for strided views: interleaved ones that share none pass)
         raise ValueError("k_cache and v_cache must not share memory (writing v would overwrite k)")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if self_overlapping(t):  # e.g. an expand()ed page pool: a write to one slot would land in others

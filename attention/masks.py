@@ -191,7 +191,8 @@ def build_mask(
             no truncation), a bad ``window_size`` or ``device`` type.
         ValueError: lengths negative, ``seq_len < q_len`` or ``seq_len > MAX_SEQ_LEN``; both or neither of
             causal/num_causal_q;
-            ``num_causal_q`` outside [0, q_len]; bad window or mode; a device string torch cannot parse.
+            ``num_causal_q`` outside [0, q_len]; bad window or mode; a device string torch cannot parse, a CUDA
+            device this machine lacks, or the meta device.
     """
     for name, v in (("q_len", q_len), ("seq_len", seq_len)):
         if isinstance(v, bool) or not isinstance(v, int):
@@ -213,6 +214,8 @@ def build_mask(
         raise ValueError(f"num_causal_q must be in [0, q_len={q_len}], got {n_causal}")
     check_window(window_size, bidirectional_window)
     device = _parse_device(device)
+    if device is not None and device.type == "meta":  # (was reported as the internal 'row' tensor's device)
+        raise ValueError("device must hold data: a mask on the meta device has no values, got 'meta'")
     rows = torch.arange(q_len, device=device)
     t = lambda v: torch.tensor(v, device=device)  # noqa: E731
     lo, hi = key_range(rows, t(q_len), t(seq_len), t(n_causal), window_size, bidirectional_window)

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .env import triton_interpret
-from .validate import self_overlapping
+from .validate import self_overlapping, share_elements
 
 __all__ = ["cast", "interpreting", "merge_constexprs", "launch_merge", "merge_split_partials"]
 
@@ -112,8 +112,9 @@ def merge_split_partials(o_part: torch.Tensor, lse_part: torch.Tensor, out: torc
         lse_part: ``[num_splits, num_heads, total_q]`` float32, contiguous: each split's natural-log LSE
             (``-inf`` for a row with no key in the split).
         out: ``[total_q, num_heads, head_dim_v]`` bf16 / fp16 / fp32, its last dimension contiguous and no two
-            elements sharing memory; written in full.
-        lse: None, or ``[num_heads, total_q]`` float32, contiguous: written with the merged LSE.
+            elements sharing memory, none shared with the partials or ``lse``; written in full.
+        lse: None, or ``[num_heads, total_q]`` float32, contiguous, sharing no memory with the partials: written with
+            the merged LSE.
         pdl: launch with programmatic dependent launch (sm_90+ only, never under the interpreter; the kernel then
             waits with griddepcontrol for the previous kernel's writes). Off by default.
 
@@ -124,8 +125,9 @@ def merge_split_partials(o_part: torch.Tensor, lse_part: torch.Tensor, out: torc
             bool.
         ValueError: shapes that disagree, a non-contiguous partial or LSE, ``out``'s last dimension not
             contiguous or an ``out`` whose elements share memory (a stride 0, or strides that make rows overlap:
-            :func:`blockdiff.attention.validate.self_overlapping`), tensors on different devices, or
-            ``pdl`` under the Triton interpreter.
+            :func:`blockdiff.attention.validate.self_overlapping`), ``out`` or ``lse`` sharing memory with
+            ``o_part``, ``lse_part`` or each other (:func:`blockdiff.attention.validate.share_elements`), tensors on
+            different devices, or ``pdl`` under the Triton interpreter.
     """
     for name, t in (("o_part", o_part), ("lse_part", lse_part), ("out", out)) + ((("lse", lse),) if lse is not None
                                                                                else ()):
@@ -162,6 +164,14 @@ def merge_split_partials(o_part: torch.Tensor, lse_part: torch.Tensor, out: torc
     devices = {t.device for t in (o_part, lse_part, out, lse) if t is not None}
     if len(devices) != 1:
         raise ValueError(f"o_part, lse_part, out and lse must be on one device, got {sorted(map(str, devices))}")
+    # a program writes its rows while later programs still read theirs: an output sharing an element with an input
+    # (or with the other output) is overwritten or read back stale (wrong results, silently, before)
+    outputs = (("out", out),) + ((("lse", lse),) if lse is not None else ())
+    for i, (oname, o) in enumerate(outputs):
+        for name, t in (("o_part", o_part), ("lse_part", lse_part)) + outputs[:i]:
+            if share_elements(o, t):
+                raise ValueError(f"{oname} must not share memory with {name} (the merge reads every split's rows "
+                                 "while it writes")
     if pdl and interpreting():
         raise ValueError("pdl=True needs a GPU launch (sm_90+), not the Triton interpreter")
     launch_merge(o_part, lse_part, out, lse, pdl=pdl)

@@ -129,11 +129,13 @@ def check_flag(name: str, v) -> bool:
 
 def check_length_hint(name: str, v):
     """A host hint such as ``max_seqlen_q`` / ``max_seqlen_k``: None, an int >= 0 (bool rejected), or a 0-d integer
-    tensor (read on the host by the paths that use it; its value is not checked here: no sync).
+    tensor with a value (read on the host by the paths that use it, and by :func:`check_attention_inputs`' value
+    checks; its value is not checked here: no sync).
 
     Raises:
         TypeError: anything else (a str, a float, a numpy scalar, a float or multi-element tensor).
-        ValueError: a negative int.
+        ValueError: a negative int; a tensor on the meta device (no value to read: torch's RuntimeError from the
+            paths that read it before).
     """
     if v is None:
         return v
@@ -141,6 +143,7 @@ def check_length_hint(name: str, v):
         if v.dim() != 0 or v.dtype not in INT_DTYPES:
             raise TypeError(f"{name} must be None, an int >= 0 or a 0-d int32 / int64 tensor, got a tensor of "
                             f"shape {tuple(v.shape)} and dtype {v.dtype}")
+        check_has_data(name, v)
         return v
     if isinstance(v, bool) or not isinstance(v, int):
         raise TypeError(f"{name} must be None, an int >= 0 or a 0-d int32 / int64 tensor, got {type(v).__name__} "
@@ -205,6 +208,60 @@ def memory_overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     a0, a1 = span(a)
     b0, b1 = span(b)
     return a0 < b1 and b0 < a1
+
+
+#: Search nodes :func:`share_elements` visits before it answers True without deciding (conservative).
+_SHARE_SEARCH_LIMIT = 4096
+
+
+def share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors may have an element in common, from shapes, strides and addresses only (no sync).
+
+    Exact where it matters: two views whose memory spans interleave without sharing an element (the head-dim
+    halves of one ``[..., 2 * D]`` tensor, the ``[:, 0]`` / ``[:, 1]`` planes of a ``[num_blocks, 2, ...]`` pool)
+    are False; views that do share one (``x[..., :D]`` and ``x[..., 1:D + 1]``) are True, whatever their strides.
+    Conservative (True) where the spans intersect and the elements differ in size or alignment, or the search
+    for a common element (an integer point of the two index boxes, by decreasing stride) passes
+    ``_SHARE_SEARCH_LIMIT`` nodes.
+    """
+    if not memory_overlaps(a, b):
+        return False
+    size = a.element_size()
+    delta = b.data_ptr() - a.data_ptr()
+    if b.element_size() != size or delta % size:
+        return True
+    # a common element: a_start + sum_k sa_k i_k = b_start + sum_k sb_k j_k, i.e. sum over the dims of both of
+    # stride * t = delta / size, with t in [0, n - 1] for a's dims and in [-(n - 1), 0] for b's (torch strides are
+    # >= 0; stride-0 and size-1 dims add nothing; equal strides merge into one range)
+    ranges: dict[int, list[int]] = {}
+    for t, side in ((a, 1), (b, 0)):
+        for n, st in zip(t.shape, t.stride()):
+            if n > 1 and st > 0:
+                ranges.setdefault(st, [0, 0])[side] += (n - 1) if side else -(n - 1)
+    terms = sorted(((st, lo, hi) for st, (lo, hi) in ranges.items()), reverse=True)
+    # rest[k]: the least and greatest sum the terms after k reach
+    rest = [(0, 0)] * (len(terms) + 1)
+    for k in range(len(terms) - 1, -1, -1):
+        st, lo, hi = terms[k]
+        rest[k] = (rest[k + 1][0] + st * lo, rest[k + 1][1] + st * hi)
+    budget = [_SHARE_SEARCH_LIMIT]
+
+    def reach(k: int, d: int) -> bool:  # whether sum_{m >= k} st_m * t_m == d for some t in the ranges
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise OverflowError
+        if k == len(terms):
+            return d == 0
+        st, lo, hi = terms[k]
+        mn, mx = rest[k + 1]
+        first = max(lo, -((mx - d) // st))  # ceil((d - mx) / st)
+        last = min(hi, (d - mn) // st)
+        return any(reach(k + 1, d - st * t) for t in range(first, last + 1))
+
+    try:
+        return reach(0, delta // size)
+    except OverflowError:
+        return True
 
 
 def causal_row_counts(causal, cu_seqlens_q) -> torch.Tensor:
@@ -291,7 +348,8 @@ def check_attention_inputs(
         ``seq_lens`` [B] int32 (derived from ``cu_seqlens_k`` in the contiguous form when not given).
 
     ``check_values``: see :func:`resolve_check_values` (None: unless capturing; the debug switch forces it).
-    ``return_lse`` must be a bool, ``max_seqlen_q`` / ``max_seqlen_k`` host hints (:func:`check_length_hint`).
+    ``return_lse`` must be a bool, ``max_seqlen_q`` / ``max_seqlen_k`` host hints (:func:`check_length_hint`; a 0-d
+    tensor hint is read with the value checks and must be >= 0 there).
 
     Raises:
         TypeError: a wrong Python or tensor type / dtype, or a tensor that is not dense (strided: a sparse layout).
@@ -425,6 +483,8 @@ def check_attention_inputs(
                              f"{out.stride()} for shape {tuple(out.shape)}")
 
     if check_values:
+        for name, v in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+            length_hint_value(name, v)  # a negative 0-d tensor (an int is refused above), as the paths reading it do
         cq = cu_seqlens_q.to(torch.int64).cpu()
         if cq[0] != 0:
             raise ValueError(f"cu_seqlens_q must start at 0, got {int(cq[0])}")

@@ -42,6 +42,7 @@ from .config import SMEM_LIMIT_BYTES, CuteConfig, config_smem_bytes  # noqa: F40
 from .tile_order import batch_work_order
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+_LOG2E = math.log2(math.e)  # FA4 runs the scale as fp32 scale * log2(e) (positive_scale)
 
 
 _FA4 = None
@@ -267,13 +268,17 @@ def positive_scale(q: torch.Tensor, scale: float) -> tuple[torch.Tensor, float]:
     max(S) * scale_log2)``), which is the softmax only for ``scale > 0``: at scale 0 a masked score (-inf) times 0 is
     NaN, at a negative scale +inf, and the raw max is the scaled minimum. A negative scale runs ``-q`` with
     ``|scale|`` (negation is exact, so every product and fp32 sum is the negated one); scale 0 runs ``q * 0`` with
-    scale 1 (every score 0, NaN where q or k holds a non-finite entry, as ``(q . k) * 0``). A positive scale returns
-    ``q`` itself; otherwise one elementwise op into a new tensor (no host sync: capturable)."""
+    scale 1 (every score 0, NaN where q or k holds a non-finite entry, as ``(q . k) * 0``). So does a scale whose
+    fp32 ``|scale| * log2(e)`` is below the smallest normal float (2**-126): FA4's fp32 ``scale_log2`` is 0 there (or a
+    subnormal that a flush-to-zero multiply takes for 0), which made every row with a masked key NaN (scale 1e-300),
+    and the contract's fp32 scores ``(q . k) * scale`` are 0 (the scale rounds to 0 in fp32) or within a subnormal
+    of it. A positive scale returns ``q`` itself; otherwise one elementwise op into a new tensor (no host sync:
+    capturable)."""
+    if abs(scale) * _LOG2E < 2.0 ** -126:
+        return q * 0, 1.0
     if scale > 0:
         return q, scale
-    if scale < 0:
-        return torch.neg(q), -scale
-    return q * 0, 1.0
+    return torch.neg(q), -scale
 
 
 def _work_order(cu_q, seq_lens, ncq, window_size, bidirectional_window):

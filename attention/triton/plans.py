@@ -21,9 +21,8 @@ from .config import (CallShape, KernelShape, TritonConfig, choose_launch_config,
                      kernel_constexprs, kernel_variant, merge_constexprs, next_pow2, tma_boxes)
 from .gluon import KERNELS as GLUON_KERNELS
 from .portable import _attn_fwd_kernel
-from .tma import gluon_ineligible, make_kv_descriptors
+from .tma import LOG2E, gluon_ineligible, make_kv_descriptors, positive_kernel_scale
 
-LOG2E = 1.4426950408889634
 _DEVICE_PROPS: dict = {}  # per CUDA device index
 
 
@@ -228,10 +227,12 @@ def make_plan(q, k_cache, v_cache, info, block_table, window_size, bidirectional
     search_steps = -(-max(1, int(B).bit_length()) // 4)
     grid = (n_tiles, Hkv * n_dv, ns)
     plan.impl, plan.cfg, plan.num_splits, plan.grid = cfg.IMPL, cfg, ns, grid
+    # (a positive scale whose fp32 qk_scale is not a normal float runs the general path: tma.positive_kernel_scale)
     shape = KernelShape(group=group, head_dim=D, head_dim_v=DV, dtype=q.dtype, paged=info.paged,
                         page_size=info.page_size, has_window=has_window, prefix=prefix, causal_flags=plan.ncq_flags,
-                        split=ns > 1, store_lse=return_lse, search_steps=search_steps, scale_positive=qk_scale > 0,
-                        interpret=interpreting(), k_head_stride=k_cache.stride(-2), v_head_stride=v_cache.stride(-2))
+                        split=ns > 1, store_lse=return_lse, search_steps=search_steps,
+                        scale_positive=positive_kernel_scale(info.scale), interpret=interpreting(),
+                        k_head_stride=k_cache.stride(-2), v_head_stride=v_cache.stride(-2))
     consts = kernel_constexprs(cfg, shape)
     common_tail = (total_q, H, B, n_tiles, W, qk_scale, ns)
     variant = kernel_variant(cfg, DV)

@@ -22,7 +22,8 @@ side (config, grid, split count) is :mod:`.config` and :mod:`.plans`; the contra
 * **Block-table prefetch (``BT_PREFETCH``).** Block j + 1's page id(s) are read while block j is computed, so
   K / V addresses never wait on a dependent block-table load.
 * **Numerics.** Scores ``q.k`` in fp32 from ``tl.dot`` (bf16/fp16 operands, fp32 acc; fp32 inputs use
-  ``input_precision="ieee"``); with ``scale > 0`` (``SCALE_POS``) the running max is taken on raw scores and
+  ``input_precision="ieee"``); with ``scale > 0`` (``SCALE_POS``: its fp32 ``scale * log2(e)`` a normal float,
+  :func:`.tma.positive_kernel_scale`) the running max is taken on raw scores and
   ``exp2(s * scale * log2(e) - m)`` is one FMA per score (other scales multiply first). The running max is made
   finite (0) while a row has seen no allowed key, so fully masked rows / blocks never produce ``-inf - -inf``.
   Rows with no key: out 0, lse -inf. Under the interpreter (CPU CI) bf16 dots run on fp32 copies of the bf16

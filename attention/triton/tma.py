@@ -5,7 +5,7 @@ Eligibility (:func:`gluon_ineligible` names the first rule an input breaks; ``IM
 input raises ``ValueError``, it never falls back silently):
 
 * a CUDA device of compute capability 9.x, bf16 or fp16, ``head_dim == head_dim_v`` in :data:`GLUON_HEAD_DIMS`;
-* ``scale > 0``;
+* ``scale > 0``, with the fp32 ``scale * log2(e)`` normal (:func:`positive_kernel_scale`);
 * K / V rows addressable as one 2-D TMA tensor ``[rows, (num_kv_heads - 1) * head_stride + head_dim]``
   (``head_stride = stride(-2)``: a dense head dim, heads that do not overlap, 16-byte aligned rows and heads; head
   ``h`` is the column range ``[h * head_stride, h * head_stride + head_dim)``, so separate caches, ``head_stride ==
@@ -19,6 +19,20 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 GLUON_HEAD_DIMS = (64, 128, 256, 512)
+#: log2(e): the kernels take the softmax scale as the fp32 ``scale * LOG2E`` (``exp2`` units).
+LOG2E = 1.4426950408889634
+#: The smallest normal fp32 (2**-126): the least ``scale * LOG2E`` the kernels' positive-scale path takes.
+MIN_NORMAL_FP32 = 2.0 ** -126
+
+
+def positive_kernel_scale(scale: float) -> bool:
+    """Whether the kernels may run ``scale`` on their positive-scale path (the portable kernel's ``SCALE_POS``, the
+    only path of the Gluon kernels): the row max taken on raw scores and ``exp2(s * qk_scale - m)``, which keeps a
+    masked score's ``-inf`` only while the fp32 ``qk_scale = scale * LOG2E`` is > 0. A positive scale below
+    ``MIN_NORMAL_FP32 / LOG2E`` rounds to 0 in fp32 (``-inf * 0`` was NaN in every row with a masked key: scale
+    1e-300) or to a subnormal a flush-to-zero multiply takes for 0, so it runs the general path (scores scaled
+    first, then masked), as 0 and negative scales do."""
+    return scale * LOG2E >= MIN_NORMAL_FP32
 
 
 def _gl_dtype(dtype: torch.dtype):
@@ -41,8 +55,8 @@ def gluon_ineligible(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     D = q.shape[-1]
     if D != head_dim_v or D not in GLUON_HEAD_DIMS:
         return f"the Gluon kernel needs head_dim == head_dim_v in {GLUON_HEAD_DIMS}, got {D}/{head_dim_v}"
-    if not scale > 0:
-        return f"the Gluon kernel needs scale > 0, got {scale}"
+    if not positive_kernel_scale(scale):
+        return f"the Gluon kernel needs scale * log2(e) >= 2**-126 (a positive normal fp32), got scale {scale}"
     return layout_ineligible(k_cache, v_cache, paged=paged, page_size=page_size, block_n=block_n)
 
 

@@ -224,6 +224,20 @@ def test_zero_negative_and_max_scale(backend, scale):
 
 
 @BACKEND
+@pytest.mark.parametrize("scale", [1e-300, 5e-324, 1e-40, 2.0 ** -127, -1e-300])
+def test_a_scale_below_the_fp32_normal_range_gives_the_reference_not_nan(backend, scale):
+    """Was NaN in every row with a masked key on the triton backend (scale 1e-300, 5e-324: the kernels' fp32
+    ``scale * log2(e)`` is 0 and the positive-scale path, chosen by ``scale > 0`` in double, multiplied a masked
+    score's -inf by it), and by FA4's same scaling after the row max on the cute backend; the reference's scores
+    round to 0 (or a subnormal) and give the mean of the keys a row sees."""
+    r = row(backend)
+    inp = make_batch([9, 13], [9, 4], num_causal_q=[9, 1], dtype=r.dtypes[-1], head_dim=r.head_dim,
+                     page_size=r.page_sizes[-1], seed=71)
+    o, lse = run_and_check(backend, inp, scale=scale, window_size=5)
+    assert not o.isnan().any() and lse.isfinite().all()
+
+
+@BACKEND
 @pytest.mark.parametrize("paged,i", [(True, 0), (False, 1)])
 def test_mixed_output_magnitudes_each_sequence_within_its_own_eager_error(backend, paged, i):
     """Sequence 0's V x 1000 beside O(1) sequences, at every dtype of the row: check_close bounds each sequence by

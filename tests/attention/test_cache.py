@@ -90,6 +90,37 @@ def test_a_cache_with_elements_sharing_memory_is_a_value_error_naming_it(which):
         write_kv_cache(torch.ones(1, 1, 2), torch.ones(1, 1, 2), caches["k_cache"], caches["v_cache"],
                        torch.tensor([5]))
 
+def test_strided_k_and_v_cache_views_sharing_some_elements_are_a_value_error():
+    """Was: accepted (only the same start address or overlapping *contiguous* views were refused), and v's write
+    landed in k's last columns: ``x[..., :2]`` and ``x[..., 1:3]`` share column 1."""
+    x = torch.zeros(2, 4, 1, 3)
+    with pytest.raises(ValueError, match="must not share memory"):
+        write_kv_cache(torch.ones(1, 1, 2), torch.full((1, 1, 2), 2.0), x[..., :2], x[..., 1:], torch.tensor([0]))
+    assert x.eq(0).all()
+    pool = torch.zeros(2, 2, 4, 1, 2)  # [num_blocks, k | v, page_size, ...]: interleaved by page, sharing nothing
+    k = torch.ones(1, 1, 2)
+    write_kv_cache(k, -k, pool[:, 0], pool[:, 1], torch.tensor([5]))
+    assert pool[1, 0, 1].eq(1).all() and pool[1, 1, 1].eq(-1).all() and pool.abs().sum() == 4
+
+
+def test_share_elements_agrees_with_the_elements_of_random_strided_views():
+    import random
+    from blockdiff.attention.validate import share_elements
+    rng = random.Random(0)
+    buf = torch.zeros(400)
+
+    def addresses(t):
+        idx = torch.cartesian_prod(*(torch.arange(n) for n in t.shape)).reshape(-1, t.dim())
+        return set((idx * torch.tensor(t.stride())).sum(1).add(t.storage_offset()).tolist())
+
+    for _ in range(300):
+        nd = rng.randint(1, 3)
+        a, b = (buf.as_strided([rng.randint(1, 4) for _ in range(nd)],
+                               [rng.choice([0, 1, 2, 3, 5, 7, 12]) for _ in range(nd)], rng.randint(0, 40))
+                for _ in range(2))
+        assert share_elements(a, b) == bool(addresses(a) & addresses(b)), (a.shape, a.stride(), b.shape, b.stride())
+
+
 def test_interleaved_k_and_v_halves_of_one_tensor_are_fine():
     kv = torch.zeros(2, 4, 1, 4)  # [..., k | v] in the last dim: strided views that never share an element
     kc, vc = kv[..., :2], kv[..., 2:]

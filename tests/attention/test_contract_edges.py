@@ -285,6 +285,24 @@ def test_length_hints_must_be_none_a_non_negative_int_or_a_0d_int_tensor(hint, v
         attention(**_batch(), backend="reference", **{hint: value})
 
 
+@pytest.mark.parametrize("backend", validating_backend_params())
+@pytest.mark.parametrize("hint", ["max_seqlen_q", "max_seqlen_k"])
+def test_a_length_hint_tensor_on_the_meta_device_is_a_value_error_naming_it(backend, hint):
+    """Was accepted by the reference and the triton backend's max_seqlen_q, and torch's RuntimeError ('Tensor.item()
+    cannot be called on meta tensors') where a backend reads it (triton's max_seqlen_k, cute's both)."""
+    with pytest.raises(ValueError, match=f"{hint} is on the meta device"):
+        attention(**_batch(), backend=backend, **{hint: torch.tensor(5).to("meta")})
+
+
+@pytest.mark.parametrize("backend", validating_backend_params())
+@pytest.mark.parametrize("hint", ["max_seqlen_q", "max_seqlen_k"])
+def test_a_negative_length_hint_tensor_is_a_value_error_naming_it_in_every_backend(backend, hint):
+    """Was accepted by the reference (both hints) and the triton backend (max_seqlen_q: it does not read it), refused
+    where a backend reads it (triton's max_seqlen_k, cute's both): the value checks read a tensor hint now."""
+    with pytest.raises(ValueError, match=f"{hint} must be >= 0"):
+        attention(**_batch(), backend=backend, **{hint: torch.tensor(-5)})
+
+
 def test_length_hints_accept_ints_and_0d_int_tensors():
     b = _batch()
     want = attention(**b, backend="reference")
@@ -310,6 +328,13 @@ def test_mask_helpers_refuse_tensors_on_the_meta_device():
         count_allowed_pairs(m, m, m, None)
     with pytest.raises(ValueError, match="row is on the meta device"):
         key_range(torch.tensor([0]).to("meta"), m, m, m, None)
+
+
+@pytest.mark.parametrize("device", ["meta", torch.device("meta")])
+def test_build_mask_on_the_meta_device_is_a_value_error_naming_device(device):
+    """Was a ValueError naming 'row', a tensor build_mask makes itself, not the caller's argument."""
+    with pytest.raises(ValueError, match="^device must hold data"):
+        build_mask(2, 3, causal=True, device=device)
 
 
 def test_key_range_refuses_shapes_that_do_not_broadcast():

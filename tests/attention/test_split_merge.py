@@ -143,6 +143,36 @@ def test_merge_split_partials_refuses_an_out_whose_rows_overlap_through_nonzero_
     merge_split_partials(o_part, lse_part, padded, lse)
 
 
+def _shifted_into(t, shape, by):
+    """A view of ``t``'s memory of ``shape``, starting ``by`` elements in."""
+    return t.view(-1)[by:by + shape[0] * shape[1] * (shape[2] if len(shape) > 2 else 1)].view(shape)
+
+
+@pytest.mark.parametrize("case", ["out_in_o_part", "lse_in_lse_part", "lse_in_out", "out_is_o_part_split"])
+def test_merge_split_partials_refuses_outputs_sharing_memory_with_its_inputs_or_each_other(case):
+    """Was: accepted, and a silent wrong result (out 2.8 off, lse 1.8 off at 160 rows, 3 programs): a program writes
+    its rows while later programs still read theirs, so an output one token into split 0's partials (or into the
+    partial LSEs, or an lse inside out) was read back overwritten. An out that is exactly one split's partials
+    (each row read before its program writes it) is refused by the same rule: no element in common."""
+    S, T, H, DV = 2, 40, 4, 16
+    o_part, lse_part = torch.randn(S, T, H, DV), torch.randn(S, H, T)
+    out, lse = torch.empty(T, H, DV), torch.empty(H, T)
+    name = {"out_in_o_part": ("out", "o_part"), "lse_in_lse_part": ("lse", "lse_part"), "lse_in_out": ("lse", "out"),
+            "out_is_o_part_split": ("out", "o_part")}[case]
+    if case == "out_in_o_part":
+        out = _shifted_into(o_part, (T, H, DV), H * DV)
+    elif case == "out_is_o_part_split":
+        out = o_part[1]
+    elif case == "lse_in_lse_part":
+        lse = _shifted_into(lse_part, (H, T), 1)
+    else:
+        lse = _shifted_into(out, (H, T), 4)
+    before = (o_part.clone(), lse_part.clone())
+    with pytest.raises(ValueError, match=f"{name[0]} must not share memory with {name[1]}"):
+        merge_split_partials(o_part, lse_part, out, lse)
+    assert torch.equal(o_part, before[0]) and torch.equal(lse_part, before[1])
+
+
 @pytest.mark.parametrize("num_splits", [1, 2, 4])
 def test_nonfinite_v_of_a_seen_key_with_an_underflowing_split_weight_reaches_the_output_at_every_split_count(
         num_splits):

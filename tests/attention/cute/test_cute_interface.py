@@ -32,19 +32,21 @@ from cute_helpers import run_and_check as _run_and_check
 
 
 # ----------------------------------------------------------------------------------------------- CPU tests
-@pytest.mark.parametrize("scale", [-0.7, 0.0, -2.0 ** 16])
+@pytest.mark.parametrize("scale", [-0.7, 0.0, -2.0 ** 16, 1e-300, -1e-300])
 def test_zero_and_negative_scales_run_as_a_positive_scale_with_the_same_scores(scale):
     """FA4's online softmax scales after the raw row max, so the kernel gets scale > 0: -q with |scale|, or q * 0
     with 1. The reference on what the kernel gets equals the reference on the call, output and LSE bit for bit
     (masked keys and a NaN K entry of a key no row sees included). Was: scale passed through, so a masked score
-    (-inf) times 0 was NaN and times a negative scale +inf (the contract suite's scale cases, GPU only)."""
+    (-inf) times 0 was NaN and times a negative scale +inf (the contract suite's scale cases, GPU only). A scale
+    whose fp32 ``|scale| * log2(e)`` is below 2**-126 (1e-300: 0 in FA4's fp32 scale_log2) runs as scale 0: it was
+    passed through as positive, the same NaN."""
     from blockdiff.attention.reference import attention_reference
     from blockdiff.attention.testing import make_batch
     inp = make_batch([9, 13], [9, 4], num_causal_q=[9, 1], dtype=torch.bfloat16, head_dim=16, page_size=4,
                      poison_unused=True, seed=70)
     q = inp.pop("q")
     q2, s2 = ca.positive_scale(q, scale)
-    assert s2 > 0 and q2.dtype == q.dtype and q2.shape == q.shape
+    assert s2 * 1.4426950408889634 >= 2.0 ** -126 and q2.dtype == q.dtype and q2.shape == q.shape
     want = attention_reference(q, **inp, scale=scale, window_size=3, return_lse=True)
     got = attention_reference(q2, **inp, scale=s2, window_size=3, return_lse=True)
     assert all(torch.equal(a, b) for a, b in zip(want, got))
