@@ -262,7 +262,7 @@ def export_hf(source, out_dir, *, dtype: torch.dtype | str | None = None, overwr
             a value of the wrong type.
         FileNotFoundError: a source folder that is missing or lacks a checkpoint file (from ``load_pretrained``).
         FileExistsError: ``out_dir`` already holds an export file (a dangling symlink of that name included) and
-            ``overwrite`` is False (all are named), ``out_dir`` is a file, or it holds other weight files (named;
+            ``overwrite`` is False (all are named), ``out_dir`` is a file or a dangling symlink, or it holds other weight files (named;
             ``overwrite`` or not).
         IsADirectoryError: ``out_dir`` holds a folder named as an export file (nothing is written).
         ValueError: ``out_dir`` is empty or the source folder; a DiffusionGemma with any tensor on the meta device (no
@@ -330,6 +330,9 @@ def export_hf(source, out_dir, *, dtype: torch.dtype | str | None = None, overwr
         raise ValueError("out_dir must not be empty (the folder to write)")
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise FileExistsError(f"out_dir {out_dir!r} is a file, not a folder")
+    if os.path.islink(out_dir) and not os.path.exists(out_dir):
+        raise FileExistsError(f"out_dir {out_dir!r} is a symlink to {os.readlink(out_dir)!r}, which does not exist: "
+                              "create that folder or export to another path")
     # lexists: a dangling symlink counts (it was followed, writing the file wherever it pointed)
     present = [n for n in EXPORT_FILES if os.path.lexists(os.path.join(out_dir, n))]
     if present and not overwrite:

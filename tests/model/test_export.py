@@ -721,6 +721,10 @@ def test_export_hf_replaces_a_symlink_in_out_dir_and_never_writes_through_it(tmp
     assert not outside.exists() and victim.read_text() == "precious"
     assert not os.path.islink(out / "config.json") and not os.path.islink(out / "tokenizer.json")
     assert ByteTokenizer.load(out).vocab_size == 259
+    os.symlink(tmp_path / "nowhere", tmp_path / "dangling")  # OUT itself: named, not the staging folder's rename
+    with pytest.raises(FileExistsError, match=r"out_dir .*dangling' is a symlink to .*nowhere', which does not exist"):
+        export_hf(tiny_config(vocab_size=259), tmp_path / "dangling")
+    assert sorted(os.listdir(tmp_path)) == ["dangling", "out", "victim.txt"]  # no staging folder left
 
 
 def test_export_hf_refuses_other_weight_files_in_out_dir_even_with_overwrite(tmp_path):
