@@ -434,8 +434,8 @@ def _export(a) -> int:
     except CheckpointError as e:  # the source (also a FileNotFoundError when a file is missing): not OUT's fault
         return _errors("export", [str(e)])
     except FileExistsError as e:  # OUT already holds an export: named with the CLI's switch, not the keyword
-        present = [n for n in EXPORT_FILES if os.path.exists(os.path.join(a.out, n))]
-        if not present:
+        present = [n for n in EXPORT_FILES if os.path.lexists(os.path.join(a.out, n))]
+        if not present or a.overwrite:  # (with --overwrite: what it does not replace, e.g. other weight files)
             return _errors("export", [f"OUT {a.out!r}: {e}"])
         return _errors("export", [f"OUT {a.out!r} already holds {', '.join(present)} (pass --overwrite to replace "
                                   "them)"])

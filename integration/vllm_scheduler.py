@@ -998,6 +998,13 @@ class _Refusals:
         return len(pending)
 
 
+#: Why a request with an empty prompt is refused. vLLM's input processor refuses one ("The decoder prompt cannot be
+#: empty"), but an ``EngineCoreRequest`` passed to ``LLMEngine`` / ``AsyncLLM.add_request`` reaches the scheduler, whose
+#: ``schedule`` then fails its ``assert num_new_tokens > 0`` in the engine core (0.26.0 and 0.33.0): the engine died.
+EMPTY_PROMPT_REFUSED = ("the prompt is empty (prompt_token_ids holds no token): a block-diffusion request needs at least "
+                        "one prompt token")
+
+
 class ParamsRefusals(_Refusals):
     """The plugin's schedulers refuse, at ``add_request``, a new request whose sampling parameters blockdiff cannot
     honour: it fails alone, finish reason ``error``, before it is ever scheduled (no forward pass, no KV block, no
@@ -1011,7 +1018,8 @@ class ParamsRefusals(_Refusals):
     a temperature other than 0 or 1, an ``extra_args`` value breaking a :class:`blockdiff.sampler.SamplingParams`
     rule (against the served defaults: e.g. ``t_max`` below the served ``t_min``), a canvas length other than the
     served one, a bad ``rng_request_id``, more than ``MAX_STOP_TOKEN_IDS`` stop ids or a stop id outside the
-    vocabulary is refused here. The model state's check stays as the backstop (a request reaching the worker
+    vocabulary is refused here; so is an empty prompt (:data:`EMPTY_PROMPT_REFUSED`: vLLM's front end refuses one, a
+    hand-built ``EngineCoreRequest`` got past it and took the engine down in vLLM's ``schedule``). The model state's check stays as the backstop (a request reaching the worker
     another way fails there, the reason in the worker's log). ``n`` > 1 is refused only on a request that reaches
     the engine with it (an ``EngineCoreRequest`` built by hand): vLLM's ``LLMEngine`` and ``AsyncLLM`` (0.26.0 and
     0.33.0, ``parallel_sampling.ParentRequest``) fan it out first into ``n`` requests of ``n`` = 1 with their own ids,
@@ -1050,6 +1058,8 @@ class ParamsRefusals(_Refusals):
         """Why ``request`` is refused (the ``ValueError`` / ``TypeError`` text), or None when it is not."""
         if getattr(request, "abort_immediately", False):
             return None
+        if getattr(request, "num_prompt_tokens", None) == 0:  # (vLLM's scheduler asserted on it: the engine died)
+            return EMPTY_PROMPT_REFUSED
         sp = getattr(request, "sampling_params", None)
         if sp is None or is_vllm_warmup_request_id(request.request_id):
             return None
@@ -1331,7 +1341,7 @@ def _make_classes() -> dict[str, type]:
                 ``error`` before they are scheduled (the reason in the output's ``error`` under vLLM 0.33.0, in the
                 log under 0.26.0): vLLM's streaming input (a ``resumable`` request; a refused session's
                 end-of-input request is dropped: :class:`blockdiff.integration.vllm_scheduler.StreamingInputRefusals`)
-                and a request whose sampling parameters blockdiff refuses
+                and a request whose sampling parameters blockdiff refuses, or whose prompt is empty
                 (:class:`blockdiff.integration.vllm_scheduler.ParamsRefusals`)."""
                 add = super().add_request
                 base = lambda r: add(r, *args, **kwargs)  # noqa: E731

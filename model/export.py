@@ -49,13 +49,15 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
+import shutil
 
 import torch
 from safetensors.torch import save_file
 
 from .config import DiffusionGemmaConfig, finite_real, show_real
 from .generation import parse_generation_config
-from .loading import hf_name
+from .loading import INDEX_FILE, WEIGHTS_FILE, hf_name
 from .modeling import DiffusionGemma
 from .pretrained import load_pretrained
 from .tokenizer import ByteTokenizer, bytes_to_unicode
@@ -232,11 +234,17 @@ def export_hf(source, out_dir, *, dtype: torch.dtype | str | None = None, overwr
             ``python3 -m blockdiff.model.train --out`` writes it; loaded and checked by
             :func:`blockdiff.model.pretrained.load_pretrained`), a :class:`DiffusionGemma`, or a
             :class:`DiffusionGemmaConfig` alone (no ``model.safetensors``: for ``vllm serve --load-format dummy``).
-        out_dir: folder to write (created if missing). Must not be the source folder.
+        out_dir: folder to write (created if missing). Must not be the source folder. The files are written in
+            full into a hidden staging folder first, then moved in (a missing ``out_dir`` appears complete or not at
+            all; an existing one gets its ``config.json`` last, so an interrupted export leaves no ``config.json``
+            beside the files it replaced); a failed write leaves ``out_dir`` as it was, and a symlink named as an
+            export file is replaced, never written through.
         dtype: dtype of the written weights (``torch.float32`` / ``bfloat16`` / ``float16`` or its name); default
             the source's parameter dtype (bf16 for the shipped checkpoint), bfloat16 for a config alone.
         overwrite: replace files of :data:`EXPORT_FILES` already in ``out_dir``, and remove those this export does
-            not write (default: refuse if any is there).
+            not write (default: refuse if any is there). Other weight files (``model.safetensors.index.json``,
+            another ``*.safetensors``) are refused either way: loaders read them beside or instead of
+            ``model.safetensors``.
         write_tokenizer: write ``tokenizer.json`` / ``tokenizer_config.json`` (the byte tokenizer, padded to
             ``vocab_size``; needs ``vocab_size >= 259`` and the config's special ids equal to ByteTokenizer's).
         check_vllm: refuse what vLLM 0.26's DiffusionGemma would load into a different model: encoder and decoder
@@ -253,9 +261,11 @@ def export_hf(source, out_dir, *, dtype: torch.dtype | str | None = None, overwr
         TypeError: ``source`` of another type, ``out_dir`` not a str / os.PathLike, an unknown ``generation`` keyword,
             a value of the wrong type.
         FileNotFoundError: a source folder that is missing or lacks a checkpoint file (from ``load_pretrained``).
-        FileExistsError: ``out_dir`` already holds an export file and ``overwrite`` is False (all are named), or
-            ``out_dir`` is a file.
-        ValueError: ``out_dir`` is the source folder; a DiffusionGemma with any tensor on the meta device (no
+        FileExistsError: ``out_dir`` already holds an export file (a dangling symlink of that name included) and
+            ``overwrite`` is False (all are named), ``out_dir`` is a file or a dangling symlink, or it holds other weight files (named;
+            ``overwrite`` or not).
+        IsADirectoryError: ``out_dir`` holds a folder named as an export file (nothing is written).
+        ValueError: ``out_dir`` is empty or the source folder; a DiffusionGemma with any tensor on the meta device (no
             weights); without ``dtype``, a source whose weights mix dtypes or are in one an export does not write
             (float64); a source the files cannot describe (see
             ``check_vllm``, :func:`hf_config_dict`, :func:`hf_tokenizer_json`); a bad generation value; weights that
@@ -316,37 +326,95 @@ def export_hf(source, out_dir, *, dtype: torch.dtype | str | None = None, overwr
         files["tokenizer.json"] = hf_tokenizer_json(config.vocab_size)
         files["tokenizer_config.json"] = hf_tokenizer_config_dict(config.max_position_embeddings)
 
+    if not out_dir:
+        raise ValueError("out_dir must not be empty (the folder to write)")
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise FileExistsError(f"out_dir {out_dir!r} is a file, not a folder")
-    present = [n for n in EXPORT_FILES if os.path.exists(os.path.join(out_dir, n))]
+    if os.path.islink(out_dir) and not os.path.exists(out_dir):
+        raise FileExistsError(f"out_dir {out_dir!r} is a symlink to {os.readlink(out_dir)!r}, which does not exist: "
+                              "create that folder or export to another path")
+    # lexists: a dangling symlink counts (it was followed, writing the file wherever it pointed)
+    present = [n for n in EXPORT_FILES if os.path.lexists(os.path.join(out_dir, n))]
     if present and not overwrite:
         raise FileExistsError(f"out_dir {out_dir!r} already holds {', '.join(present)} (pass overwrite=True to "
                               "replace them)")
+    folders = [n for n in present if os.path.isdir(os.path.join(out_dir, n))
+               and not os.path.islink(os.path.join(out_dir, n))]
+    if folders:
+        raise IsADirectoryError(f"out_dir {out_dir!r} holds folders named {', '.join(folders)}, which an export "
+                                "cannot replace with its files: remove them or export to another folder")
+    other = _other_weights(out_dir)
+    if other:  # read beside or in place of model.safetensors: the folder would load weights this export did not write
+        raise FileExistsError(f"out_dir {out_dir!r} holds other weight files ({', '.join(other)}), which loaders "
+                              f"read beside or instead of {WEIGHTS_FILE} (blockdiff and vLLM follow an "
+                              f"{INDEX_FILE} first); an export does not remove them, even with overwrite: remove them "
+                              "or export to another folder")
     tensors = None
     if model is not None:  # converted before anything is written: a dtype that cannot hold the weights is refused
         tensors = hf_state_dict(model, dtype)
         _check_representable(model, tensors, dtype)
-    os.makedirs(out_dir, exist_ok=True)
-    written = {}
-    if tensors is not None:
-        path = os.path.join(out_dir, "model.safetensors")
-        save_file(tensors, path, metadata={"format": "pt", "source": "blockdiff.model.export"})
-        written["model.safetensors"] = path
-    for name, content in files.items():
-        path = os.path.join(out_dir, name)
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(content, f, indent=2, ensure_ascii=False)
-            f.write("\n")
-        written[name] = path
-    if "model.safetensors" in written:  # safetensors writes 0600; give it the JSON files' (umask) mode
-        os.chmod(written["model.safetensors"], os.stat(written["config.json"]).st_mode & 0o777)
-    for name in present:  # overwrite: an earlier export's file this one does not write must not pair with it
-        if name not in written:
-            os.remove(os.path.join(out_dir, name))
-    return written
+    return _write_folder(out_dir, tensors, files, present)
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
+def _other_weights(out_dir: str) -> list[str]:
+    """Weight files in ``out_dir`` other than ``model.safetensors``: an ``model.safetensors.index.json`` (which
+    blockdiff's loader, transformers and vLLM follow to its shards) and any other ``*.safetensors`` (vLLM reads every
+    one in the folder when there is no index)."""
+    if not os.path.isdir(out_dir):
+        return []
+    return sorted(n for n in os.listdir(out_dir)
+                  if n == INDEX_FILE or (n.endswith(".safetensors") and n != WEIGHTS_FILE))
+
+
+def _write_folder(out_dir: str, tensors: dict[str, torch.Tensor] | None, files: dict[str, dict],
+                  present: list[str]) -> dict[str, str]:
+    """Write the export's files into ``out_dir`` so that no failure leaves a folder that loads as a wrong model.
+
+    Every file is first written in full into a hidden staging folder on the same file system (a write that fails,
+    e.g. a full disk, removes it and leaves ``out_dir`` as it was). A missing ``out_dir`` is then the staging folder
+    renamed (it appears complete or not at all); an existing one gets each file by ``os.replace`` (a symlink of that
+    name is replaced, never written through), its earlier ``config.json`` removed first and the new one placed last,
+    so a folder interrupted between two renames has no ``config.json`` (every loader needs it), never an earlier
+    export's files beside this one's."""
+    fresh = not os.path.isdir(out_dir)
+    where = os.path.dirname(os.path.abspath(out_dir)) if fresh else out_dir
+    os.makedirs(where, exist_ok=True)
+    stage = os.path.join(where, f".blockdiff-export-{os.getpid()}-{secrets.token_hex(4)}")
+    os.mkdir(stage)  # (the mode os.makedirs gives a folder: the umask's)
+    names = []
+    try:
+        if tensors is not None:
+            save_file(tensors, os.path.join(stage, WEIGHTS_FILE),
+                      metadata={"format": "pt", "source": "blockdiff.model.export"})
+            names.append(WEIGHTS_FILE)
+        for name, content in files.items():
+            with open(os.path.join(stage, name), "w", encoding="utf-8") as f:
+                json.dump(content, f, indent=2, ensure_ascii=False)
+                f.write("\n")
+            names.append(name)
+        if WEIGHTS_FILE in names:  # safetensors writes 0600; give it the JSON files' (umask) mode
+            os.chmod(os.path.join(stage, WEIGHTS_FILE), os.stat(os.path.join(stage, "config.json")).st_mode & 0o777)
+        if fresh:
+            os.rename(stage, out_dir)
+        else:
+            config = os.path.join(out_dir, "config.json")
+            if os.path.lexists(config):
+                os.remove(config)
+            for name in names:
+                if name != "config.json":  # (placed last, below)
+                    os.replace(os.path.join(stage, name), os.path.join(out_dir, name))
+            for name in present:  # overwrite: an earlier export's file this one does not write must not pair with it
+                if name not in names and os.path.lexists(os.path.join(out_dir, name)):
+                    os.remove(os.path.join(out_dir, name))
+            os.replace(os.path.join(stage, "config.json"), config)
+            os.rmdir(stage)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    return {name: os.path.join(out_dir, name) for name in names}
+
+
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 

@@ -286,7 +286,8 @@ def read_safetensors(path, device=None) -> dict[str, torch.Tensor]:
     the folder: relative names whose folder, after symlinks (``os.path.realpath``), is the checkpoint folder or
     under it (``../x`` and absolute names are refused before anything is opened; the shard entry itself may be a
     symlink, as in the Hugging Face cache). Every tensor it names must be in its shard, and no tensor may be in two
-    files.
+    files. A folder holding both ``model.safetensors`` and an index whose shards are other files is refused:
+    transformers reads the former, vLLM the latter.
 
     Raises:
         TypeError: ``path`` is not a str / os.PathLike.
@@ -295,7 +296,8 @@ def read_safetensors(path, device=None) -> dict[str, torch.Tensor]:
             shard the index names is missing.
         CheckpointError: an index that is not JSON / not that layout / names a shard outside the folder; a file
             that is not a readable safetensors file (truncated, not safetensors, a folder); a tensor in two files
-            or missing from its shard. The message names the file (and tensor).
+            or missing from its shard; ``model.safetensors`` beside an index of other shards. The message names the
+            file (and tensor).
     """
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path must be a str or os.PathLike (a .safetensors file or a checkpoint folder), got "
@@ -308,6 +310,13 @@ def read_safetensors(path, device=None) -> dict[str, torch.Tensor]:
         single = os.path.join(path, WEIGHTS_FILE)
         if os.path.exists(index):
             files, expected_in = _index_shards(path, index)
+            names = sorted(os.path.relpath(f, os.path.realpath(path)) for f in files)
+            if os.path.lexists(single) and names != [WEIGHTS_FILE]:
+                # transformers' from_pretrained reads model.safetensors and ignores the index; vLLM (and this loader)
+                # follow the index: the folder's weights would depend on who reads it
+                raise CheckpointError(f"{path} holds both {WEIGHTS_FILE} and {INDEX_FILE}, whose shards are other "
+                                      f"files ({_fmt(names)}): transformers loads {WEIGHTS_FILE}, vLLM and blockdiff "
+                                      "the index's shards; remove one of the two")
         elif os.path.exists(single):
             files = [single]
         else:

@@ -70,11 +70,22 @@ class ByteTokenizer:
         """Token ids of ``text`` (UTF-8 bytes + 3), optionally framed by bos / eos.
 
         Raises:
-            TypeError: ``text`` is not a str.
+            TypeError: ``text`` is not a str, ``add_bos`` / ``add_eos`` not a bool.
+            ValueError: ``text`` holds a lone surrogate (e.g. ``"\\ud800"``, which ``json.loads`` makes of that
+                escape), which has no UTF-8 bytes; the message names ``text`` and the position (was the codec's
+                bare ``UnicodeEncodeError``).
         """
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
-        ids = [b + self.byte_offset for b in text.encode("utf-8")]
+        for name, v in (("add_bos", add_bos), ("add_eos", add_eos)):
+            if not isinstance(v, (bool, np.bool_)):  # (add_bos="no" added a bos)
+                raise TypeError(f"{name} must be a bool, got {type(v).__name__} ({v!r})")
+        try:
+            data = text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"text must be valid Unicode text (UTF-8 encodable): it holds a lone surrogate "
+                             f"U+{ord(text[e.start]):04X} at position {e.start}, which has no UTF-8 bytes") from None
+        ids = [b + self.byte_offset for b in data]
         return ([self.bos_token_id] if add_bos else []) + ids + ([self.eos_token_id] if add_eos else [])
 
     def encode_bytes(self, data: bytes):
@@ -90,7 +101,10 @@ class ByteTokenizer:
             TypeError: ``ids`` is a str / bytes or not iterable, a tensor / ndarray that is not 1-D integer, or an id
                 that is not an int (a float, a bool: nothing is truncated to an id).
             ValueError: an id outside [0, vocab_size).
+            TypeError: ``stop_at_eos`` not a bool.
         """
+        if not isinstance(stop_at_eos, (bool, np.bool_)):
+            raise TypeError(f"stop_at_eos must be a bool, got {type(stop_at_eos).__name__} ({stop_at_eos!r})")
         if isinstance(ids, (torch.Tensor, np.ndarray)):
             integer = (not ids.is_floating_point() and not ids.is_complex() and ids.dtype != torch.bool) \
                 if isinstance(ids, torch.Tensor) else ids.dtype.kind in "iu"

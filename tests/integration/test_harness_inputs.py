@@ -162,6 +162,36 @@ def test_block_allocator_num_tokens_must_be_an_int_at_least_zero(n, err):
     assert a.num_free == 4
 
 
+def test_block_allocator_page_lists_it_returns_are_copies_so_no_page_is_handed_out_twice():
+    """Was: blocks() / ensure() returned the allocator's own list, so a caller appending to it made free() return
+    that page twice, and the next two owners shared it (one request's KV written over another's)."""
+    from blockdiff.integration.kv_alloc import BlockAllocator, OutOfBlocks
+    a = BlockAllocator(4, 16)
+    a.ensure("r", 32).append(0)
+    a.blocks("r").append(1)
+    assert a.free("r") == [3, 2] and a.num_free == 4
+    a.free("r")  # a second free is a no-op
+    taken = a.ensure("x", 64)
+    assert sorted(taken) == [0, 1, 2, 3] and a.num_free == 0
+    with pytest.raises(OutOfBlocks, match="'y' needs 1 more page"):
+        a.ensure("y", 1)
+    assert a.blocks("y") == [] and a.blocks("x") == taken  # a refused ensure allocates nothing
+
+
+def test_block_allocator_of_a_huge_pool_costs_no_memory_per_page():
+    """Was: the free list held every page id from the start: BlockAllocator(2**62, 16) a MemoryError, 2**31 pages
+    16 GB (the process was killed before the KV cache's allocation could refuse the size). The order pages come in
+    is unchanged: freed pages most recent first, then fresh ones from the highest id down."""
+    from blockdiff.integration.kv_alloc import BlockAllocator
+    a = BlockAllocator(2 ** 62, 16)
+    assert a.ensure("a", 40) == [2 ** 62 - 1, 2 ** 62 - 2, 2 ** 62 - 3] and a.num_free == 2 ** 62 - 3
+    a.ensure("b", 16)
+    a.free("a")
+    assert a.ensure("c", 64) == [2 ** 62 - 1, 2 ** 62 - 2, 2 ** 62 - 3, 2 ** 62 - 5]
+    b = BlockAllocator(np.int64(3), np.int32(4))  # numpy ints, as the harness takes them
+    assert type(b.num_blocks) is int and b.ensure("a", 12) == [2, 1, 0]
+
+
 @pytest.mark.parametrize("name, value", [("max_num_reqs", np.int64(2)), ("page_size", np.int32(4)),
                                          ("max_model_len", np.int64(64)), ("max_num_batched_tokens", np.int64(32)),
                                          ("num_blocks", np.int64(40))])

@@ -116,3 +116,27 @@ def test_async_llm_caller_gets_a_validation_error_naming_the_option(vllm_env, ti
     assert client.aborted == [] and "k-1" not in runner.seen and "k-1" not in s.requests
     assert client.got["a-1"][-1] == ("length", 2 * CL, True)
     assert not client.op.request_states and not s.has_unfinished_requests()
+
+
+@needs_stack
+@needs_vllm
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_empty_prompt_fails_alone_at_add_request_instead_of_killing_the_engine(vllm_env, tiny_hf_folder, tiny_model,
+                                                                              asynchronous):
+    """Was: a request with no prompt token (vLLM's front end refuses one; an EngineCoreRequest passed by hand does
+    not) reached vLLM's ``schedule``, whose ``assert num_new_tokens > 0`` failed in the engine core (0.26.0 and
+    0.33.0): the engine died with every request in it. Now it is refused at add_request, finish reason error, and the
+    request beside it gets the tokens of a run without it. A prompt longer than max_model_len is answered
+    (finish reason length), as before."""
+    def plain():
+        return {0: [_request("a", prompt(10, 1), 2 * CL, resumable=False)]}
+
+    script = plain()
+    script[0] += [_request("e", [], CL, resumable=False), _request("long", prompt(300, 3), CL, resumable=False)]
+    answers, s, runner = engine(vllm_env, tiny_hf_folder, tiny_model, script, asynchronous=asynchronous)
+    want, _, _ = engine(vllm_env, tiny_hf_folder, tiny_model, plain(), asynchronous=asynchronous)
+    assert _finished(answers, "e") == (["error"], []) and "e" not in runner.seen
+    assert s.blockdiff_params_refusals.num_refused == 1
+    assert _finished(answers, "long") == (["length"], [])
+    assert _finished(answers, "a") == _finished(want, "a") and len(_finished(answers, "a")[1]) == 2 * CL
+    assert not s.has_unfinished_requests() and not s.requests

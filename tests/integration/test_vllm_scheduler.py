@@ -370,6 +370,20 @@ def test_refused_sampling_params_fail_at_add_request_with_the_reason_in_the_outp
     assert added == list(REFUSED) and ref.num_refused == len(REFUSED)
 
 
+def test_an_empty_prompt_is_refused_at_add_request_naming_it():
+    """Was passed to vLLM, whose schedule() asserted num_new_tokens > 0 in the engine core (the engine died)."""
+    from blockdiff.sampler import SamplingParams
+
+    s = FakeScheduler([], max_model_len=100, canvas=CL)
+    ref, added = VS.ParamsRefusals(SamplingParams(canvas_length=CL), CL), []
+    empty, one = _req("e", _sp()), _req("one", _sp())
+    empty.num_prompt_tokens, one.num_prompt_tokens = 0, 1
+    assert ref.reason(empty) == VS.EMPTY_PROMPT_REFUSED and "prompt is empty" in VS.EMPTY_PROMPT_REFUSED
+    assert ref.intercept(s, empty, _adder(s, added), types=FAKE_VLLM_TYPES) is True
+    assert ref.intercept(s, one, _adder(s, added), types=FAKE_VLLM_TYPES) is False
+    assert added == ["e"] and s.requests["e"].status == "FINISHED_ERROR"
+
+
 def test_refused_request_output_has_no_error_field_where_vllm_has_none():
     """vLLM 0.26.0's EngineCoreOutput has no ``error``: the output is finish reason error alone (the reason is in
     the log), built without the keyword."""

@@ -510,6 +510,24 @@ def test_index_shard_that_is_a_symlink_inside_the_folder_loads(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), ref.state_dict().values()))
 
 
+def test_model_safetensors_beside_an_index_of_other_shards_is_refused_as_ambiguous(tmp_path):
+    """Was: the index won silently: a folder holding model.safetensors (these weights) and an index of another shard
+    (other weights, e.g. an older export's) loaded the shard, while transformers' from_pretrained loads
+    model.safetensors. Now a CheckpointError naming both; an index whose only shard is model.safetensors stays fine."""
+    d, keys, shard = _index_ckpt(tmp_path)
+    cfg = DiffusionGemmaConfig.from_hf(d)
+    other = hf_state_dict(DiffusionGemma(cfg, seed=5), torch.bfloat16)
+    save_file(other, os.path.join(d, "model.safetensors"))
+    for call in (lambda: read_safetensors(d), lambda: DiffusionGemma.load_safetensors(d), lambda: load_pretrained(d)):
+        with pytest.raises(CheckpointError, match=r"holds both model\.safetensors and model\.safetensors\.index\.json, "
+                                                  r"whose shards are other files \(model-00001\.safetensors\)"):
+            call()
+    os.remove(shard)
+    _write_index(d, {"weight_map": {k: "./model.safetensors" for k in keys}})
+    m = DiffusionGemma.load_safetensors(d)
+    assert torch.equal(m.embed_tokens.weight, other["model.decoder.embed_tokens.weight"])
+
+
 def test_malformed_index_is_a_checkpoint_error_naming_the_index_and_the_rule(tmp_path):
     d, keys, _ = _index_ckpt(tmp_path)
     for obj, what in ((["a"], "must hold a JSON object"), ({"weight_map": ["a"]}, "weight_map must be a JSON object"),

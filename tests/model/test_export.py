@@ -658,3 +658,127 @@ def test_export_hf_argument_errors_name_the_argument_and_write_nothing(tmp_path)
     assert not (tmp_path / "o").exists()
     assert "model.safetensors" in export_hf(mixed, tmp_path / "m", dtype="bfloat16")
     assert "model.safetensors" in export_hf(DiffusionGemma(cfg).double(), tmp_path / "o", dtype="float32")
+
+
+# ---- writing OUT: never a half-written folder, never through a symlink, never beside other weights --------------
+def _tiny_model(seed=0):
+    return DiffusionGemma(tiny_config(vocab_size=259), seed=seed)
+
+
+def _snapshot(folder):
+    return {n: (folder / n).read_bytes() for n in sorted(os.listdir(folder))}
+
+
+def test_export_hf_that_fails_mid_write_leaves_out_dir_as_it_was(tmp_path, monkeypatch):
+    """Was: files written one by one into OUT, so a write failing after model.safetensors (a full disk) left a missing
+    OUT holding the new weights alone and, with overwrite, the new weights and config.json beside the earlier
+    export's generation_config.json and tokenizer: a folder that loaded as valid with the wrong defaults."""
+    import blockdiff.model.export as export_mod
+
+    real_dump, calls = json.dump, []
+
+    def failing_dump(obj, f, **kw):  # config.json is written; generation_config.json hits a full disk
+        calls.append(f.name)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return real_dump(obj, f, **kw)
+
+    model = _tiny_model()
+    monkeypatch.setattr(export_mod.json, "dump", failing_dump)
+    with pytest.raises(OSError, match="No space left"):
+        export_hf(model, tmp_path / "fresh")
+    assert sorted(os.listdir(tmp_path)) == []  # no OUT, no staging folder left
+    monkeypatch.setattr(export_mod.json, "dump", real_dump)
+    out = tmp_path / "old"
+    export_hf(model, out, dtype="float32", t_min=0.1)
+    before = _snapshot(out)
+    calls.clear()
+    monkeypatch.setattr(export_mod.json, "dump", failing_dump)
+    with pytest.raises(OSError, match="No space left"):
+        export_hf(_tiny_model(seed=1), out, dtype="bfloat16", overwrite=True)
+    assert _snapshot(out) == before  # the earlier export, whole; no staging folder left
+    monkeypatch.setattr(export_mod.json, "dump", real_dump)
+    written = export_hf(_tiny_model(seed=1), out, dtype="bfloat16", overwrite=True)
+    assert sorted(os.listdir(out)) == sorted(written) == sorted(EXPORT_FILES)
+    assert load_generation_config(out)["t_min"] == GENERATION_DEFAULTS["t_min"]
+
+
+def test_export_hf_replaces_a_symlink_in_out_dir_and_never_writes_through_it(tmp_path):
+    """Was: a dangling symlink named config.json was not 'present' (os.path.exists follows it), so the export wrote
+    config.json wherever it pointed, outside OUT; with overwrite, a symlink to another file was written through,
+    replacing that file's contents."""
+    out = tmp_path / "out"
+    out.mkdir()
+    outside = tmp_path / "outside.json"
+    os.symlink(outside, out / "config.json")
+    with pytest.raises(FileExistsError, match="already holds config.json"):
+        export_hf(tiny_config(vocab_size=259), out)
+    assert not outside.exists()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    os.symlink(victim, out / "tokenizer.json")
+    export_hf(tiny_config(vocab_size=259), out, overwrite=True)
+    assert not outside.exists() and victim.read_text() == "precious"
+    assert not os.path.islink(out / "config.json") and not os.path.islink(out / "tokenizer.json")
+    assert ByteTokenizer.load(out).vocab_size == 259
+    os.symlink(tmp_path / "nowhere", tmp_path / "dangling")  # OUT itself: named, not the staging folder's rename
+    with pytest.raises(FileExistsError, match=r"out_dir .*dangling' is a symlink to .*nowhere', which does not exist"):
+        export_hf(tiny_config(vocab_size=259), tmp_path / "dangling")
+    assert sorted(os.listdir(tmp_path)) == ["dangling", "out", "victim.txt"]  # no staging folder left
+
+
+def test_export_hf_refuses_other_weight_files_in_out_dir_even_with_overwrite(tmp_path):
+    """Was: an index (model.safetensors.index.json) and its shards in OUT were left beside the new model.safetensors,
+    and blockdiff's loader (vLLM's too) follows the index: the folder loaded the old weights under the new config."""
+    old, out = _tiny_model(seed=0), tmp_path / "out"
+    export_hf(old, out)
+    os.rename(out / "model.safetensors", out / "model-00001-of-00001.safetensors")
+    names = [n for n in safe_open(str(out / "model-00001-of-00001.safetensors"), "pt").keys()]
+    with open(out / "model.safetensors.index.json", "w") as f:
+        json.dump({"weight_map": {n: "model-00001-of-00001.safetensors" for n in names}}, f)
+    before = _snapshot(out)
+    with pytest.raises(FileExistsError, match=r"other weight files \(model-00001-of-00001.safetensors, "
+                                              r"model.safetensors.index.json\)"):
+        export_hf(_tiny_model(seed=1), out, overwrite=True)
+    assert _snapshot(out) == before
+    os.remove(out / "model.safetensors.index.json")
+    (tmp_path / "stray").mkdir()
+    (tmp_path / "stray" / "extra.safetensors").write_bytes(b"")
+    with pytest.raises(FileExistsError, match=r"other weight files \(extra.safetensors\)"):
+        export_hf(_tiny_model(seed=1), tmp_path / "stray")
+
+
+def test_cli_export_with_overwrite_names_the_other_weight_files(tmp_path, capsys):
+    out = tmp_path / "out"
+    export_hf(tiny_config(vocab_size=259), out)
+    (out / "model.safetensors.index.json").write_text("{}")
+    assert cli.main(["export", str(out), "--overwrite"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model.safetensors.index.json" in err[0] and "pass --overwrite" not in err[0], err
+
+
+def test_export_hf_refuses_an_empty_out_dir_and_a_folder_named_as_an_export_file(tmp_path):
+    """Was: out_dir '' ended in os.makedirs' "[Errno 2] No such file or directory: ''"; a folder named
+    generation_config.json (overwrite) in IsADirectoryError after model.safetensors and config.json were replaced."""
+    with pytest.raises(ValueError, match="out_dir must not be empty"):
+        export_hf(tiny_config(vocab_size=259), "")
+    out = tmp_path / "out"
+    export_hf(_tiny_model(), out, dtype="float32")
+    os.remove(out / "generation_config.json")
+    (out / "generation_config.json").mkdir()
+    before = {n: (out / n).read_bytes() for n in os.listdir(out) if n != "generation_config.json"}
+    with pytest.raises(IsADirectoryError, match="holds folders named generation_config.json"):
+        export_hf(_tiny_model(seed=1), out, dtype="bfloat16", overwrite=True)
+    assert {n: (out / n).read_bytes() for n in os.listdir(out) if n != "generation_config.json"} == before
+    assert sorted(os.listdir(out)) == sorted(EXPORT_FILES)
+
+
+def test_export_hf_keeps_the_umask_modes(tmp_path):
+    """The staged folder and files get the modes a plain os.makedirs / open give (model.safetensors included)."""
+    old = os.umask(0o022)
+    try:
+        export_hf(_tiny_model(), tmp_path / "out")
+    finally:
+        os.umask(old)
+    assert os.stat(tmp_path / "out").st_mode & 0o777 == 0o755
+    assert {os.stat(tmp_path / "out" / n).st_mode & 0o777 for n in EXPORT_FILES} == {0o644}

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import math
 import json
+import math
 import os
 import subprocess
 import sys
@@ -145,6 +145,21 @@ def test_tokenizer_decode_takes_int_sequences_tensors_and_arrays():
         assert tok.decode(ids) == "HI"
     with pytest.raises(TypeError):
         tok.encode(b"bytes")
+
+
+def test_tokenizer_encode_of_a_lone_surrogate_is_a_value_error_naming_text_and_flags_must_be_bools():
+    """Was the codec's bare UnicodeEncodeError ("'utf-8' codec can't encode character '\\udc80' in position 1"), naming
+    no argument; add_bos="no" / stop_at_eos="yes" were read by truthiness (a bos added, the text cut at eos)."""
+    tok = ByteTokenizer()
+    with pytest.raises(ValueError, match=r"text must be valid Unicode text .*lone surrogate U\+DC80 at position 1"):
+        tok.encode(json.loads('"a\\udc80b"'))
+    for kw in (dict(add_bos="no"), dict(add_eos=1)):
+        with pytest.raises(TypeError, match=f"{next(iter(kw))} must be a bool"):
+            tok.encode("x", **kw)
+    with pytest.raises(TypeError, match="stop_at_eos must be a bool"):
+        tok.decode([3, 1, 3], stop_at_eos="yes")
+    for text in ("", "\x00", "e\u0301", "\U0010ffff", "\ufeff\u200d"):  # empty, NUL, combining, the last code point
+        assert tok.decode(tok.encode(text, add_bos=True, add_eos=np.bool_(True))) == text
 
 
 def test_checkpoint_round_trips_through_the_loader(tmp_path):
