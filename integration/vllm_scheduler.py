@@ -261,7 +261,10 @@ def served_default_params(vllm_config: Any, generation_config: Mapping | None = 
 
     Raises:
         ValueError / TypeError: the served values break a ``SamplingParams`` rule (:func:`served_max_denoising_steps`;
-            the model state stops the start on the same error); TypeError: ``sampler_config`` is not a mapping.
+            the model state stops the start on the same error); TypeError: ``sampler_config`` is not a mapping;
+            ValueError: its ``_cls_name`` names no EntropyBound sampler (vLLM's own DiffusionGemma's rule; an absent
+            ``_cls_name``, which vLLM refuses, is read as the entropy-bound sampler, and keys other than
+            ``entropy_bound`` / ``_cls_name`` are ignored, as vLLM ignores them).
     """
     from blockdiff.sampler.params import SamplingParams
 
@@ -274,6 +277,12 @@ def served_default_params(vllm_config: Any, generation_config: Mapping | None = 
     if not isinstance(sc, Mapping):  # (was: AttributeError from sc.get, no name, no rule)
         raise TypeError(f"the generation config's sampler_config must be an object (a dict: {{'entropy_bound': x, "
                         f"'_cls_name': 'EntropyBoundSamplerConfig'}}) or null, got {type(sc).__name__} ({sc!r:.60})")
+    cls_name = sc.get("_cls_name")
+    if cls_name is not None and not (isinstance(cls_name, str) and "EntropyBound" in cls_name):
+        # vLLM's own DiffusionGemma refuses the same ("requires an EntropyBound sampler_config"): another sampler
+        # class is not served as the entropy-bound one
+        raise ValueError(f"the generation config's sampler_config._cls_name must name an EntropyBound sampler "
+                         f"(e.g. 'EntropyBoundSamplerConfig'; blockdiff serves no other), got {cls_name!r:.60}")
     kw = {k: gen[k] for k in ("t_min", "t_max", "confidence_threshold", "stability_threshold") if k in gen}
     if sc.get("entropy_bound") is not None:
         kw["entropy_bound"] = sc["entropy_bound"]

@@ -161,6 +161,18 @@ def test_a_generation_config_sampler_config_that_is_no_object_is_a_type_error_na
     assert VS.served_default_params(NS(), {"sampler_config": {"entropy_bound": 0.25}}).entropy_bound == 0.25
 
 
+
+def test_a_generation_config_sampler_config_naming_another_sampler_class_stops_the_start():
+    """vLLM's own DiffusionGemma refuses a sampler_config whose _cls_name names no EntropyBound sampler; blockdiff
+    served it as the entropy-bound sampler (was: accepted, its entropy_bound read). An EntropyBound name (transformers'
+    'EntropyBoundSamplerConfig', or 'EntropyBoundSampler') and an absent one are served; extra keys are ignored."""
+    for name in ("TopKSamplerConfig", "", 3, ["EntropyBound"]):
+        with pytest.raises(ValueError, match=r"sampler_config\._cls_name must name an EntropyBound sampler"):
+            VS.served_default_params(NS(), {"sampler_config": {"entropy_bound": 0.25, "_cls_name": name}})
+    for name in ("EntropyBoundSamplerConfig", "EntropyBoundSampler", None):
+        sc = {"entropy_bound": 0.25, "other": 1} | ({"_cls_name": name} if name else {})
+        assert VS.served_default_params(NS(), {"sampler_config": sc}).entropy_bound == 0.25
+
 # ------------------------------------------------------------------------------------------ streaming input
 def _chunk(rid, resumable=True, ids=(5, 6, 7), arrival=1.0):
     """A request as vLLM's streaming input sends it: an input chunk (resumable), arriving at ``arrival``."""
