@@ -164,7 +164,8 @@ def attention_cute(
         block_table: ``[B, max_blocks]`` int32 (paged form); ``cu_seqlens_k``: ``[B+1]`` int32 (contiguous).
         window_size: None or int W >= 0 (keys per side, excluding the query's own position).
         bidirectional_window: ``"symmetric"`` or ``"prefix"`` (a compile-time property).
-        scale: softmax scale, default ``head_dim ** -0.5``; zero or negative runs as :func:`positive_scale` says.
+        scale: softmax scale, default ``head_dim ** -0.5``; zero, negative or below 2**-126 in magnitude runs as
+            :func:`positive_scale` says.
         out: optional preallocated ``[total_q, num_heads, head_dim_v]`` of q's dtype; it may alias an input (the
             kernel then writes a private buffer, copied back).
         return_lse: a bool: also return ``lse [num_heads, total_q]`` fp32 (natural log).
