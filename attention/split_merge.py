@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .env import triton_interpret
-from .validate import self_overlapping, share_elements
+from .validate import check_has_data, self_overlapping, share_elements
 
 __all__ = ["cast", "interpreting", "merge_constexprs", "launch_merge", "merge_split_partials"]
 
@@ -127,7 +127,7 @@ def merge_split_partials(o_part: torch.Tensor, lse_part: torch.Tensor, out: torc
             contiguous or an ``out`` whose elements share memory (a stride 0, or strides that make rows overlap:
             :func:`blockdiff.attention.validate.self_overlapping`), ``out`` or ``lse`` sharing memory with
             ``o_part``, ``lse_part`` or each other (:func:`blockdiff.attention.validate.share_elements`), tensors on
-            different devices, or ``pdl`` under the Triton interpreter.
+            different devices or on the meta device, or ``pdl`` under the Triton interpreter.
     """
     for name, t in (("o_part", o_part), ("lse_part", lse_part), ("out", out)) + ((("lse", lse),) if lse is not None
                                                                                else ()):
@@ -164,6 +164,7 @@ def merge_split_partials(o_part: torch.Tensor, lse_part: torch.Tensor, out: torc
     devices = {t.device for t in (o_part, lse_part, out, lse) if t is not None}
     if len(devices) != 1:
         raise ValueError(f"o_part, lse_part, out and lse must be on one device, got {sorted(map(str, devices))}")
+    check_has_data("o_part", o_part)  # (one device: all on meta, whose data pointers, 0, read as shared memory)
     # a program writes its rows while later programs still read theirs: an output sharing an element with an input
     # (or with the other output) is overwritten or read back stale (wrong results, silently, before)
     outputs = (("out", out),) + ((("lse", lse),) if lse is not None else ())
@@ -171,7 +172,7 @@ def merge_split_partials(o_part: torch.Tensor, lse_part: torch.Tensor, out: torc
         for name, t in (("o_part", o_part), ("lse_part", lse_part)) + outputs[:i]:
             if share_elements(o, t):
                 raise ValueError(f"{oname} must not share memory with {name} (the merge reads every split's rows "
-                                 "while it writes")
+                                 "while it writes)")
     if pdl and interpreting():
         raise ValueError("pdl=True needs a GPU launch (sm_90+), not the Triton interpreter")
     launch_merge(o_part, lse_part, out, lse, pdl=pdl)

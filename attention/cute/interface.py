@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import struct
 from dataclasses import replace
 
 import torch
@@ -42,7 +43,6 @@ from .config import SMEM_LIMIT_BYTES, CuteConfig, config_smem_bytes  # noqa: F40
 from .tile_order import batch_work_order
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
-_LOG2E = math.log2(math.e)  # FA4 runs the scale as fp32 scale * log2(e) (positive_scale)
 
 
 _FA4 = None
@@ -164,7 +164,8 @@ def attention_cute(
         block_table: ``[B, max_blocks]`` int32 (paged form); ``cu_seqlens_k``: ``[B+1]`` int32 (contiguous).
         window_size: None or int W >= 0 (keys per side, excluding the query's own position).
         bidirectional_window: ``"symmetric"`` or ``"prefix"`` (a compile-time property).
-        scale: softmax scale, default ``head_dim ** -0.5``; zero or negative runs as :func:`positive_scale` says.
+        scale: softmax scale, default ``head_dim ** -0.5``; zero, negative or below 2**-126 in magnitude runs as
+            :func:`positive_scale` says.
         out: optional preallocated ``[total_q, num_heads, head_dim_v]`` of q's dtype; it may alias an input (the
             kernel then writes a private buffer, copied back).
         return_lse: a bool: also return ``lse [num_heads, total_q]`` fp32 (natural log).
@@ -268,14 +269,23 @@ def positive_scale(q: torch.Tensor, scale: float) -> tuple[torch.Tensor, float]:
     max(S) * scale_log2)``), which is the softmax only for ``scale > 0``: at scale 0 a masked score (-inf) times 0 is
     NaN, at a negative scale +inf, and the raw max is the scaled minimum. A negative scale runs ``-q`` with
     ``|scale|`` (negation is exact, so every product and fp32 sum is the negated one); scale 0 runs ``q * 0`` with
-    scale 1 (every score 0, NaN where q or k holds a non-finite entry, as ``(q . k) * 0``). So does a scale whose
-    fp32 ``|scale| * log2(e)`` is below the smallest normal float (2**-126): FA4's fp32 ``scale_log2`` is 0 there (or a
-    subnormal that a flush-to-zero multiply takes for 0), which made every row with a masked key NaN (scale 1e-300),
-    and the contract's fp32 scores ``(q . k) * scale`` are 0 (the scale rounds to 0 in fp32) or within a subnormal
-    of it. A positive scale returns ``q`` itself; otherwise one elementwise op into a new tensor (no host sync:
+    scale 1 (every score 0, NaN where q or k holds a non-finite entry, as ``(q . k) * 0``).
+
+    FA4 takes the scale as an fp32 and runs ``scale_log2 = scale * log2(e)`` in fp32, so a scale whose fp32 value
+    is not a normal float (``|scale| < 2**-126``) gave a ``scale_log2`` of 0 or a subnormal (0 to a flush-to-zero
+    multiply), which made every row with a masked key NaN (scale 1e-300). Such a scale runs as 0 (``q * 0``, scale
+    1) where it is 0 in fp32 (``|scale| <= 2**-150``: the contract's scores are ``(q . k) * 0`` too); where its fp32
+    value is a subnormal ``s`` it runs ``q * 2**-24`` (signed as the scale) with ``s * 2**24`` (a normal, as is its
+    ``scale_log2``): a power of two, exact in bf16 (fp16) but for q entries below 2**-102 (2**10), rounded as
+    subnormals (a score error below 2**-98 at this scale), so the scores are the contract's own, which at bf16's
+    range can be of order 1 (``q . k`` near 2**126 at scale 2**-127: running it as 0 gave the mean of the keys, 0.9
+    off). A positive scale returns ``q`` itself; otherwise one elementwise op into a new tensor (no host sync:
     capturable)."""
-    if abs(scale) * _LOG2E < 2.0 ** -126:
-        return q * 0, 1.0
+    if abs(scale) < 2.0 ** -126:  # (fp32 subnormal or 0; at least 2**-126, fp32 scale and scale_log2 are normal)
+        s32 = struct.unpack("f", struct.pack("f", abs(scale)))[0]  # |scale| in fp32, as the contract's scores use it
+        if s32 == 0.0:
+            return q * 0, 1.0
+        return q * math.copysign(2.0 ** -24, scale), s32 * 2.0 ** 24  # s32 * 2**24 >= 2**-125
     if scale > 0:
         return q, scale
     return torch.neg(q), -scale

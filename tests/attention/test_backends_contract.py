@@ -238,6 +238,25 @@ def test_a_scale_below_the_fp32_normal_range_gives_the_reference_not_nan(backend
 
 
 @BACKEND
+@pytest.mark.parametrize("scale", [1.1e-38, -2.0 ** -127])
+def test_a_scale_subnormal_in_fp32_with_large_scores_gives_the_reference(backend, scale):
+    """bf16 q and K entries scaled so that ``q . k`` reaches toward 2**126: at a scale whose fp32 value is a
+    subnormal the contract's scores are of order 0.1-1, not 0. Was the mean of the keys a row sees on the cute
+    backend (0.04-0.08 off here: the scale ran as 0; cute's CPU test has the bit-for-bit check); the triton
+    backend's general path scales first."""
+    r = row(backend)
+    if torch.bfloat16 not in r.dtypes:
+        pytest.skip("bf16's range is the point")
+    inp = make_batch([9, 13], [9, 4], num_causal_q=[9, 1], dtype=torch.bfloat16, head_dim=r.head_dim,
+                     page_size=r.page_sizes[-1], seed=72)
+    bound = inp["q"].float().norm(dim=-1).max() * inp["k_cache"].float().norm(dim=-1).max()  # >= every |q . k|
+    big = 2.0 ** ((126 - bound.log2().ceil().item()) // 2)  # every |q . k| below 2**126: no fp32 overflow
+    inp["q"], inp["k_cache"] = inp["q"] * big, inp["k_cache"] * big
+    o, lse = run_and_check(backend, inp, scale=scale, window_size=5)
+    assert o.isfinite().all() and lse.isfinite().all()
+
+
+@BACKEND
 @pytest.mark.parametrize("paged,i", [(True, 0), (False, 1)])
 def test_mixed_output_magnitudes_each_sequence_within_its_own_eager_error(backend, paged, i):
     """Sequence 0's V x 1000 beside O(1) sequences, at every dtype of the row: check_close bounds each sequence by

@@ -173,6 +173,16 @@ def test_merge_split_partials_refuses_outputs_sharing_memory_with_its_inputs_or_
     assert torch.equal(o_part, before[0]) and torch.equal(lse_part, before[1])
 
 
+def test_merge_split_partials_on_the_meta_device_is_a_value_error_saying_so():
+    """Was: 'out must not share memory with o_part' (meta tensors' data pointers are all 0, so the sharing check saw
+    one memory); before that check, torch's / Triton's RuntimeError naming no argument. (One tensor on meta beside
+    real ones is the 'one device' error.)"""
+    S, T, H, DV = 2, 4, 2, 8
+    with pytest.raises(ValueError, match="^o_part is on the meta device"):
+        merge_split_partials(torch.empty(S, T, H, DV, device="meta"), torch.empty(S, H, T, device="meta"),
+                             torch.empty(T, H, DV, device="meta"), torch.empty(H, T, device="meta"))
+
+
 @pytest.mark.parametrize("num_splits", [1, 2, 4])
 def test_nonfinite_v_of_a_seen_key_with_an_underflowing_split_weight_reaches_the_output_at_every_split_count(
         num_splits):

@@ -52,6 +52,28 @@ def test_zero_and_negative_scales_run_as_a_positive_scale_with_the_same_scores(s
     assert all(torch.equal(a, b) for a, b in zip(want, got))
 
 
+@pytest.mark.parametrize("scale", [2.0 ** -127, -2.0 ** -127, 5e-39, 1e-40, 1e-44, 1.1e-38])
+def test_a_scale_subnormal_in_fp32_keeps_the_scores_of_large_bf16_inputs(scale):
+    """A scale whose fp32 value is a subnormal is not 0 in the contract's scores ``(q . k) * scale``: with bf16 q
+    and K entries near 2**62, ``q . k`` is near 2**126 and the scores of order 1. The reference on what the kernel
+    gets equals the reference on the call, bit for bit, and both fp32 scale and scale * log2(e) are normal. Was: run
+    as scale 0 (``q * 0``), the mean of the keys a row sees (0.9 off at 2**-127), or (1.1e-38, just above the old
+    bound on scale * log2(e)) passed on as a subnormal fp32 scale."""
+    from blockdiff.attention.reference import attention_reference
+    from blockdiff.attention.testing import make_batch
+    inp = make_batch([9, 13], [9, 4], num_causal_q=[9, 1], dtype=torch.bfloat16, head_dim=16, page_size=4, seed=70)
+    q = inp.pop("q") * 2.0 ** 62
+    inp["k_cache"] = inp["k_cache"] * 2.0 ** 62
+    q2, s2 = ca.positive_scale(q, scale)
+    assert s2 >= 2.0 ** -126 and s2 * 1.4426950408889634 >= 2.0 ** -126 and q2.dtype == q.dtype
+    want = attention_reference(q, **inp, scale=scale, window_size=3, return_lse=True)
+    got = attention_reference(q2, **inp, scale=s2, window_size=3, return_lse=True)
+    mean = attention_reference(q * 0, **inp, scale=1.0, window_size=3, return_lse=True)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    if abs(scale) >= 2.0 ** -130:  # scores of order 1: not the mean of the keys
+        assert not torch.equal(want[0], mean[0])
+
+
 def test_a_positive_scale_keeps_q_itself():
     q = torch.randn(3, 2, 8)
     assert ca.positive_scale(q, 0.25) == (q, 0.25) and ca.positive_scale(q, 0.25)[0] is q
