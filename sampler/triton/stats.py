@@ -264,7 +264,7 @@ def _stats_kernel(
     gidx = tl.min(tl.min(tl.where(gbest == gmax[:, None, None], gbest_i, 2147483647), 2), 1)
     badrow = tl.max(tl.max((bad != bad).to(tl.int32), 2), 1)
 
-    o = r * SPLIT_V + sp
+    o = r.to(tl.int64) * SPLIT_V + sp       # int64: N * CL * SPLIT_V * 5 may pass 2**31 (the merge reads it so too)
     tl.store(stats_f_ptr + o * 5 + 0, mrow, mask=pvalid)
     tl.store(stats_f_ptr + o * 5 + 1, srow, mask=pvalid)
     tl.store(stats_f_ptr + o * 5 + 2, urow, mask=pvalid)
