@@ -29,8 +29,8 @@ from ..common import check_step_args, entropy_order, saturate_logits, temperatur
 from ..state import COMMIT, DENOISE, FAILED, FINISHED, PREFILL, SamplerState, StepOutput
 from .common import position_ids, side_stream
 from .config import SamplerConfig, check_config
-from .soft_embedding import soft_embedding, soft_embedding_chunked, write_soft
-from .stats import row_moments, row_stats
+from .soft_embedding import check_soft_indices, soft_embedding, soft_embedding_chunked, write_soft
+from .stats import check_moments_indices, row_moments, row_stats, stats_plan
 
 __all__ = ["sampler_step"]
 
@@ -309,7 +309,11 @@ def sampler_step(state: SamplerState, slots: torch.Tensor, logits: torch.Tensor,
     Raises:
         TypeError / ValueError: bad arguments (as the reference); ``config`` neither a :class:`SamplerConfig`
             nor None (TypeError, :func:`~blockdiff.sampler.triton.config.check_config`).
-        ValueError: ``config.stats_overlap`` where the soft embedding resolves to the Triton GEMM path.
+        ValueError: ``config.stats_overlap`` where the soft embedding resolves to the Triton GEMM path; shapes and a
+            config whose launches would form an int32 index past 2**31 - 1 (a vocab_size within the vocabulary
+            splits' padding of 2**31, N * canvas_length positions as many: the kernels' token ids and positions are
+            int32; :func:`~blockdiff.sampler.triton.stats.stats_plan`,
+            :func:`~blockdiff.sampler.triton.soft_embedding.check_soft_indices`), before any state is written.
     """
     checked = check_step_args(state, slots, logits, prefill_done, embedding, check_values=check_values)
     cfg = check_config(config)                                      # before anything runs (TypeError)
@@ -321,6 +325,13 @@ def sampler_step(state: SamplerState, slots: torch.Tensor, logits: torch.Tensor,
 
     cfg.check_stats_overlap(logits.device, embedding.dtype)        # no silent no-op on the Triton GEMM path
     overlap = bool(cfg.stats_overlap)
+    # every launch's int32 indices (token ids, positions, split ends) in range, before anything is written: a refusal
+    # in stage (c) would leave the state rows of stage (b) written
+    N, CL, V = logits.shape
+    stats_plan(N, CL, V, cfg, logits.device)
+    if overlap:
+        check_moments_indices(N, CL, V, logits.device)
+    check_soft_indices(N, CL, V, embedding.shape[1], logits.device, embedding.dtype, cfg, chunked=overlap or None)
     if overlap:
         # (c) beside (a): normalisers from a memory-bound pre-pass, then the GEMMs over every denoising row on a
         # high-priority side stream (rows that turn out converged / failed are computed and never written: the
