@@ -69,7 +69,7 @@ def _step_kernel(
     o_num_sampled, o_num_rejected, o_num_now, o_finished, o_failed, o_converged, o_mean, o_temp,
     o_cont, o_mode,
     CL, CLF, V, E, NUM_SLOTS,
-    BLOCK: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, EOS_TILES: tl.constexpr,
 ):
     """Grid (N,): the bookkeeping of one request per program after the stats pass and the entropy sort (stage b).
 
@@ -157,9 +157,13 @@ def _step_kernel(
     new_phase = tl.where(failed, _FAILED, tl.where(conv, _COMMIT, phase))
 
     # ---- COMMIT rows: emit the commit canvas trimmed after the first EOS (kept) and at max_tokens
-    e = tl.arange(0, BLOCK_E)
-    eos = tl.load(eos_ptr + slot * stride_eos + e, mask=e < E, other=-1)
-    is_eos = tl.max(((cc_new[:, None] == eos[None, :]) & (eos[None, :] >= 0)).to(tl.int32), 1) != 0
+    # the E eos ids in tiles of BLOCK_E (the [BLOCK, BLOCK_E] compare stays <= EOS_TILE elements whatever E is)
+    hit = tl.zeros((BLOCK,), tl.int32)
+    for t in range(0, EOS_TILES):                 # EOS_TILES = cdiv(E, BLOCK_E) (a runtime bound fails the interpreter)
+        e = t * BLOCK_E + tl.arange(0, BLOCK_E)
+        eos = tl.load(eos_ptr + slot * stride_eos + e, mask=e < E, other=-1)
+        hit = tl.maximum(hit, tl.max(((cc_new[:, None] == eos[None, :]) & (eos[None, :] >= 0)).to(tl.int32), 1))
+    is_eos = hit != 0
     first_eos = tl.min(tl.where(jm & is_eos, q, CL), 0).to(tl.int64)     # CL: none
     has_eos = first_eos < CL
     remaining = max_tok - nem
@@ -214,6 +218,19 @@ def _step_kernel(
     tl.store(o_cont + n, cont.to(tl.int32))
     # write_soft's reduce kernel: 1 = the GEMM sum, 3 = E[argmax] (T = 0), 2 = zeros (fresh canvas), 0 = untouched
     tl.store(o_mode + n, tl.where(cont, tl.where(T == 0.0, 3, 1), tl.where(fresh, 2, 0)).to(tl.int32))
+
+
+#: Largest [BLOCK, BLOCK_E] tile of the step kernel's EOS compare (elements): the eos ids are read in tiles of
+#: BLOCK_E <= EOS_TILE / BLOCK. One tile of all E ids (BLOCK_E = next_power_of_2(E)) passed Triton's 2**20-element
+#: limit at valid shapes (canvas 256 with 8,192 stop-id columns, canvas 2,048 with 1,024: the step failed to
+#: compile) and held up to 2**20 compares in registers below it.
+EOS_TILE = 2**14
+
+
+def _eos_block(CL: int, E: int) -> int:
+    """BLOCK_E of :func:`_step_kernel`: the eos ids per tile, a power of two, all E of them (E <= 8 at canvas 256)
+    while the [next_power_of_2(CL), BLOCK_E] compare fits :data:`EOS_TILE` elements, at least 1."""
+    return max(1, min(triton.next_power_of_2(E), EOS_TILE // triton.next_power_of_2(CL)))
 
 
 #: Rows per program of :func:`_gather_rows_kernel`: fixed, so one compiled variant serves every batch size.
@@ -279,7 +296,8 @@ def _apply_step(state: SamplerState, slots: torch.Tensor, prefill_done: torch.Te
             i32[0], i32[1], i32[2], u8[Rp:Rp + N], u8[Rp + Np:Rp + Np + N], u8[Rp + 2 * Np:Rp + 2 * Np + N],
             mean_entropy, temp, i32[3], i32[4],
             CL, float(CL), state.vocab_size, eos.shape[1], state.max_num_reqs,
-            BLOCK=triton.next_power_of_2(CL), BLOCK_E=triton.next_power_of_2(eos.shape[1]),
+            BLOCK=triton.next_power_of_2(CL), BLOCK_E=_eos_block(CL, eos.shape[1]),
+            EOS_TILES=triton.cdiv(eos.shape[1], _eos_block(CL, eos.shape[1])),
             num_warps=4 if CL >= 128 else 1,
         )
     out = StepOutput(num_sampled=i32[0], num_rejected=i32[1], emitted=i64[0], num_emitted_now=i32[2],
