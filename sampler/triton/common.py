@@ -16,7 +16,8 @@ import triton.language as tl
 
 from .. import rng
 
-__all__ = ["philox4x32_10", "position_ids", "FLT_LOWEST", "round_to", "interpret_mode", "random_ids", "side_stream"]
+__all__ = ["philox4x32_10", "position_ids", "FLT_LOWEST", "round_to", "interpret_mode", "random_ids", "side_stream",
+           "INT32_MAX", "check_int32_index"]
 
 
 @triton.jit
@@ -56,6 +57,26 @@ def position_ids(seed, rid, cidx, step, p, V, STREAM: tl.constexpr):
     lo = b_lo + a_hi
     ids = b_hi + (lo < b_lo).to(tl.uint32)       # carry of the low word
     return ids.to(tl.int64)
+
+
+#: Largest index the sampler's kernels may form in int32 arithmetic. Row products (``row * V``, ``row * hidden``) are
+#: int64 in every kernel; token ids, flat positions and the split / tile ends built from them are int32 (cheaper in
+#: the hot loops), so each launcher checks the largest one its grid and tiles form (:func:`check_int32_index`).
+INT32_MAX = 2**31 - 1
+
+
+def check_int32_index(largest: int, what: str, hint: str) -> None:
+    """Refuse a launch whose largest int32 index ``largest`` (a token id, a flat position or a split end that the
+    kernel forms, masked lanes and padded tiles included) exceeds :data:`INT32_MAX`: the value would wrap to a
+    negative one, pass a ``< V`` mask, and read outside the tensor, or end a split before it began (its tokens
+    silently left out).
+
+    Raises:
+        ValueError: names ``what`` (the arguments that set the index), the value and ``hint`` (what to change).
+    """
+    if largest > INT32_MAX:
+        raise ValueError(f"{what}: the Triton sampler forms int32 indices up to {largest}, past 2**31 - 1 "
+                         f"(they would wrap and read out of bounds); {hint}")
 
 
 #: The lowest finite float32 (-3.4028235e38): the online softmax's initial max, <= every finite z (a larger start

@@ -61,10 +61,10 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..state import SamplerState
-from .common import interpret_mode, round_to, side_stream
+from .common import check_int32_index, interpret_mode, round_to, side_stream
 from .config import SamplerConfig, check_config
 
-__all__ = ["soft_embedding", "soft_embedding_chunked", "write_soft", "chunk_size", "MAX_CHUNK_BYTES",
+__all__ = ["soft_embedding", "soft_embedding_chunked", "write_soft", "check_soft_indices", "chunk_size", "MAX_CHUNK_BYTES",
            "LARGE_BATCH_CHUNK", "LARGE_BATCH_CHUNK_BYTES"]
 
 
@@ -206,19 +206,20 @@ def soft_embedding(logits: torch.Tensor, embedding: torch.Tensor, T: torch.Tenso
     rounded to it, fp32 accumulation; fp32: exact fp32 products); T [N] float32; m, inv_s float32 [N, CL]; argmax
     int [N, CL]; active [N] bool/int32; shift float32 [N, CL], the stats' c of docs/ARCHITECTURE.md "Sampler
     semantics" rule 1 (None: 0, z = logits / T).
+
+    Raises:
+        ValueError: an int32 index of the launches would pass 2**31 - 1 (:func:`check_soft_indices`).
     """
     N, CL, V = logits.shape
     hidden = embedding.shape[1]
-    if logits.stride(-1) != 1:
-        logits = logits.contiguous()
     cfg = check_config(config)
     if cfg.soft_impl_for(logits.device, embedding.dtype) == "chunked":
         return soft_embedding_chunked(logits, embedding, T, m, inv_s, argmax, active, chunk=cfg.soft_chunk,
                                       greedy_onehot=greedy_onehot, overlap=bool(cfg.soft_overlap), shift=shift)
-    cfg = cfg.resolve(N * CL, V, hidden, logits.device, embedding.dtype)   # fp32 E: the exact-products tiles
+    cfg, k_per, split_k = _gemm_plan(N, CL, V, hidden, logits.device, embedding.dtype, cfg)   # before a copy
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
     M = N * CL
-    k_per = triton.cdiv(triton.cdiv(V, cfg.split_k), cfg.block_k) * cfg.block_k
-    split_k = triton.cdiv(V, k_per)
     ws = torch.empty(split_k, M, hidden, dtype=torch.float32, device=logits.device)
     if M > 0:
         grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(hidden, cfg.block_n), split_k)
@@ -249,6 +250,67 @@ def soft_embedding(logits: torch.Tensor, embedding: torch.Tensor, T: torch.Tenso
                 stages -= 1
         _STAGES_THAT_FIT[key] = stages
     return ws
+
+
+def _gemm_plan(N: int, CL: int, V: int, hidden: int, device: torch.device, embedding_dtype: torch.dtype,
+               cfg: SamplerConfig) -> tuple[SamplerConfig, int, int]:
+    """``(resolved config, K_PER_SPLIT, SPLIT_K)`` of :func:`soft_embedding`'s split-K GEMM, after the int32 index
+    checks of it and of :func:`write_soft` (:func:`~.common.check_int32_index`: the end of the last K split,
+    ``SPLIT_K * K_PER_SPLIT`` (``k_start + K_PER_SPLIT`` and the token ids below it, in int32), the padded rows, and
+    the reduce kernel's workspace row ``SPLIT_K * M``)."""
+    cfg = cfg.resolve(N * CL, V, hidden, device, embedding_dtype)   # fp32 E: the exact-products tiles
+    k_per = triton.cdiv(triton.cdiv(V, cfg.split_k), cfg.block_k) * cfg.block_k
+    split_k = triton.cdiv(V, k_per)
+    M = N * CL
+    check_int32_index(split_k * k_per, f"vocab_size={V} in {split_k} K split(s) of {k_per} tokens (SamplerConfig "
+                      f"split_k={cfg.split_k}, block_k={cfg.block_k})",
+                      "use fewer K splits (split_k) or the reference backend")
+    check_int32_index(triton.cdiv(M, cfg.block_m) * cfg.block_m - 1, f"N * canvas_length = {N} * {CL} positions",
+                      "step fewer rows at a time")
+    check_int32_index(split_k * M - 1, f"{split_k} K split(s) of N * canvas_length = {N} * {CL} positions",
+                      "use fewer K splits (split_k) or step fewer rows at a time")
+    return cfg, k_per, split_k
+
+
+def _chunk_tiles(M: int, vc: int, cuda: bool) -> tuple[int, int]:
+    """(rows, tokens) per program of :func:`_prob_chunk_kernel` (GPU: 4 x 1024; interpreter: sized to the problem)."""
+    return (4, 1024) if cuda else (min(32, triton.next_power_of_2(M)), min(64, triton.next_power_of_2(vc)))
+
+
+def _check_chunk_indices(N: int, CL: int, V: int, vc: int, cuda: bool) -> None:
+    """The int32 index checks of :func:`soft_embedding_chunked` with chunks of ``vc`` tokens: the token ids
+    ``v0 + j`` of the last chunk over its padded tiles (``j`` up to ``cdiv(vc, BLOCK_V) * BLOCK_V - 1``: a
+    non-power-of-two ``soft_chunk`` pads past V) and the padded rows; :func:`write_soft`'s workspace row M."""
+    M = N * CL
+    block_r, block_v = _chunk_tiles(M, vc, cuda)
+    last = (triton.cdiv(V, vc) - 1) * vc
+    check_int32_index(last + triton.cdiv(vc, block_v) * block_v - 1,
+                      f"vocab_size={V} in chunks of {vc} tokens (SamplerConfig soft_chunk)",
+                      "use a power-of-two soft_chunk or the reference backend")
+    check_int32_index(triton.cdiv(M, block_r) * block_r - 1, f"N * canvas_length = {N} * {CL} positions",
+                      "step fewer rows at a time")
+
+
+def check_soft_indices(N: int, CL: int, V: int, hidden: int, device: torch.device, embedding_dtype: torch.dtype,
+                       config: SamplerConfig | None, chunked: bool | None = None) -> None:
+    """The int32 index checks of the soft embedding of logits [N, CL, V] and E [V, hidden] of ``embedding_dtype``
+    (the path ``config.soft_impl_for`` picks, or the chunked one where ``chunked``) and of :func:`write_soft`, from
+    shapes only, before anything runs: the Triton step calls it at entry, as a refusal after stage (b) would leave
+    the state rows half written.
+
+    Raises:
+        ValueError: an index would pass 2**31 - 1 (:func:`~.common.check_int32_index`).
+    """
+    cfg = check_config(config)
+    cuda = torch.device(device).type == "cuda"
+    if chunked is None:
+        chunked = cfg.soft_impl_for(device, embedding_dtype) == "chunked"
+    if chunked:
+        vc, _, _ = _p_buffer_plan(N * CL, V, cfg.soft_chunk, embedding_dtype, device,
+                                  bool(cfg.soft_overlap) and cuda)
+        _check_chunk_indices(N, CL, V, vc, cuda)
+    else:
+        _gemm_plan(N, CL, V, hidden, device, embedding_dtype, cfg)
 
 
 def _shift_or_zeros(shift: torch.Tensor | None, m: torch.Tensor) -> torch.Tensor:
@@ -419,17 +481,22 @@ def soft_embedding_chunked(logits: torch.Tensor, embedding: torch.Tensor, T: tor
     would exceed 32 MiB (from 1,025 bf16 rows up), overlap or not (an explicit ``chunk``: buffers x M x chunk
     elements), and a few [N, CL] / [N] vectors; the result ``acc`` [1, M, hidden] fp32 is allocated here unless
     ``out`` is given (sampler_n4: 32 MiB of P + 11 MiB of acc, overlap or not).
+
+    Raises:
+        ValueError: ``out`` of the wrong shape / dtype / device; an int32 index of the launches would pass
+            2**31 - 1 (a non-power-of-two ``chunk`` pads the last chunk's tiles past V: :func:`check_soft_indices`).
     """
     N, CL, V = logits.shape
     hidden = embedding.shape[1]
-    if logits.stride(-1) != 1:
-        logits = logits.contiguous()
     M = N * CL
     dev = logits.device
     cuda = dev.type == "cuda"
     lowp = embedding.dtype in (torch.bfloat16, torch.float16)
     overlap = bool(overlap) and cuda
     vc, nbuf, buf_dtype = _p_buffer_plan(M, V, chunk, embedding.dtype, dev, overlap)
+    _check_chunk_indices(N, CL, V, vc, cuda)                        # before anything is copied, allocated or zeroed
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
     if out is not None:
         if out.shape != (1, M, hidden) or out.dtype != torch.float32 or out.device != dev or not out.is_contiguous():
             raise ValueError(f"out must be a contiguous float32 [1, {M}, {hidden}] tensor on {dev}, got "
@@ -441,8 +508,7 @@ def soft_embedding_chunked(logits: torch.Tensor, embedding: torch.Tensor, T: tor
         return acc
     pbufs = [torch.empty(M, vc, dtype=buf_dtype, device=dev) for _ in range(nbuf)]
     a2 = acc[0]
-    # GPU: 4 rows x 1024 tokens per program; interpreter: tiles sized to the problem
-    block_r, block_v = (4, 1024) if cuda else (min(32, triton.next_power_of_2(M)), min(64, triton.next_power_of_2(vc)))
+    block_r, block_v = _chunk_tiles(M, vc, cuda)
     round_dtype = None
     if not cuda and lowp:
         round_dtype = tl.bfloat16 if embedding.dtype == torch.bfloat16 else tl.float16

@@ -53,10 +53,10 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from ..rng import check_int_coordinates
-from .common import FLT_LOWEST, interpret_mode, philox4x32_10
+from .common import FLT_LOWEST, check_int32_index, interpret_mode, philox4x32_10
 from .config import SamplerConfig, check_config
 
-__all__ = ["row_stats", "row_moments", "tie_statistics", "GUMBEL_MAX_BOUND", "GUMBEL_NEAR_ONE", "PREFILTER_ABS",
+__all__ = ["row_stats", "row_moments", "stats_plan", "check_moments_indices", "tie_statistics", "GUMBEL_MAX_BOUND", "GUMBEL_NEAR_ONE", "PREFILTER_ABS",
            "PREFILTER_REL", "PREFILTER_LOG_MODE"]
 
 #: Gumbel prefilter constants (see :func:`_stats_tile`): ``u > 1 - 2**-11`` takes the bound GUMBEL_MAX_BOUND
@@ -264,7 +264,7 @@ def _stats_kernel(
     gidx = tl.min(tl.min(tl.where(gbest == gmax[:, None, None], gbest_i, 2147483647), 2), 1)
     badrow = tl.max(tl.max((bad != bad).to(tl.int32), 2), 1)
 
-    o = r * SPLIT_V + sp
+    o = r.to(tl.int64) * SPLIT_V + sp       # int64: N * CL * SPLIT_V * 5 may pass 2**31 (the merge reads it so too)
     tl.store(stats_f_ptr + o * 5 + 0, mrow, mask=pvalid)
     tl.store(stats_f_ptr + o * 5 + 1, srow, mask=pvalid)
     tl.store(stats_f_ptr + o * 5 + 2, urow, mask=pvalid)
@@ -464,15 +464,14 @@ def row_stats(logits: torch.Tensor, T: torch.Tensor, seed: torch.Tensor, request
     Raises:
         TypeError: a float, complex or bool ``seed`` / ``request_id`` / ``canvas_index`` / ``step`` (named; the kernel
             reads them as int64 and would truncate, as :mod:`blockdiff.sampler.rng` refuses to).
+        ValueError: an int32 index of the launches would pass 2**31 - 1 (:func:`stats_plan`: V within the splits'
+            padding of 2**31, or N * CL positions as many).
     """
     check_int_coordinates(seed, request_id, canvas_index, step)
     N, CL, V = logits.shape
+    cfg, chunk, split_v = stats_plan(N, CL, V, config, logits.device)   # before a copy of the logits
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    cfg = check_config(config).resolve(N * CL, V, 1, logits.device)
-    tile = 4 * cfg.block_g
-    chunk = triton.cdiv(triton.cdiv(V, cfg.split_v), tile) * tile
-    split_v = triton.cdiv(V, chunk)
     dev = logits.device
     sf = torch.empty(N * CL * split_v * 5, dtype=torch.float32, device=dev)
     si = torch.empty(N * CL * split_v * 3, dtype=torch.int32, device=dev)
@@ -493,8 +492,7 @@ def row_stats(logits: torch.Tensor, T: torch.Tensor, seed: torch.Tensor, request
     i = torch.empty(3, N, CL, dtype=torch.int64, device=dev)
     bad = torch.empty(N, CL, dtype=torch.bool, device=dev)
     if N * CL > 0:
-        block_r = 128 if logits.is_cuda else min(256, triton.next_power_of_2(N * CL))
-        tie_block = _tie_block(V, logits.is_cuda)
+        block_r, tie_block = _merge_tiles(N * CL, V, logits.is_cuda)
         _stats_merge_kernel[(triton.cdiv(N * CL, block_r),)](
             sf, si, T.contiguous(), act, logits, logits.stride(0), logits.stride(1), seed.contiguous(),
             request_id.contiguous(), canvas_index.contiguous(), step.contiguous(),
@@ -508,6 +506,55 @@ def row_stats(logits: torch.Tensor, T: torch.Tensor, seed: torch.Tensor, request
 def _tie_block(V: int, cuda: bool) -> int:
     """Tokens per tile of :func:`tie_statistics` (GPU: 1024; the interpreter: sized to V)."""
     return 1024 if cuda else min(64, triton.next_power_of_2(V))
+
+
+def _merge_tiles(R: int, V: int, cuda: bool) -> tuple[int, int]:
+    """(positions per program, tokens per :func:`tie_statistics` tile) of :func:`_stats_merge_kernel`."""
+    return (128 if cuda else min(256, triton.next_power_of_2(R))), _tie_block(V, cuda)
+
+
+def stats_plan(N: int, CL: int, V: int, config: SamplerConfig | None,
+               device: torch.device) -> tuple[SamplerConfig, int, int]:
+    """``(resolved config, CHUNK, SPLIT_V)`` of :func:`row_stats`' launches for logits [N, CL, V] on ``device``:
+    vocabulary splits of CHUNK tokens (whole ``4 * block_g``-token tiles), SPLIT_V of them.
+
+    Raises:
+        ValueError: an int32 index of the launches would pass 2**31 - 1 (:func:`~.common.check_int32_index`): the
+            end of the last split (``SPLIT_V * CHUNK``: the splits' padded cover of V, > V by up to SPLIT_V tiles;
+            the kernel forms ``start + CHUNK`` and token ids below it in int32) where V is within that padding of
+            2**31 (the state allows V < 2**31), or the flat positions of N * CL rows padded to whole programs.
+    """
+    cfg = check_config(config).resolve(N * CL, V, 1, device)
+    tile = 4 * cfg.block_g
+    chunk = triton.cdiv(triton.cdiv(V, cfg.split_v), tile) * tile
+    split_v = triton.cdiv(V, chunk)
+    cuda = torch.device(device).type == "cuda"
+    check_int32_index(split_v * chunk, f"vocab_size={V} in {split_v} vocabulary split(s) of {chunk} tokens "
+                      f"(SamplerConfig split_v={cfg.split_v}, block_g={cfg.block_g})",
+                      "use fewer splits (split_v) or smaller tiles (block_g), or the reference backend")
+    R = N * CL
+    block_r, tie_block = _merge_tiles(R, V, cuda)
+    check_int32_index(triton.cdiv(V, tie_block) * tie_block - 1, f"vocab_size={V}", "use the reference backend")
+    for block in (cfg.block_p, block_r):
+        check_int32_index(triton.cdiv(R, block) * block - 1, f"N * canvas_length = {N} * {CL} positions",
+                          "step fewer rows at a time")
+    return cfg, chunk, split_v
+
+
+def check_moments_indices(N: int, CL: int, V: int, device: torch.device) -> None:
+    """The int32 index checks of :func:`row_moments` (one program per position, ``BLOCK_V``-token tiles).
+
+    Raises:
+        ValueError: as :func:`stats_plan`.
+    """
+    block_v = _moments_block(V, torch.device(device).type == "cuda")
+    check_int32_index(N * CL - 1, f"N * canvas_length = {N} * {CL} positions", "step fewer rows at a time")
+    check_int32_index(triton.cdiv(V, block_v) * block_v - 1, f"vocab_size={V}", "use the reference backend")
+
+
+def _moments_block(V: int, cuda: bool) -> int:
+    """Tokens per tile of :func:`_moments_kernel` (GPU: 2048; the interpreter: sized to V)."""
+    return 2048 if cuda else min(64, triton.next_power_of_2(V))
 
 
 @triton.jit
@@ -562,15 +609,19 @@ def row_moments(logits: torch.Tensor, T: torch.Tensor,
     over the logits.
 
     Args: logits float [N, CL, V] (contiguous last dim); T float32 [N]; active bool/int [N].
+
+    Raises:
+        ValueError: an int32 index of the launch would pass 2**31 - 1 (:func:`check_moments_indices`).
     """
     N, CL, V = logits.shape
+    check_moments_indices(N, CL, V, logits.device)
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     m = torch.zeros(N, CL, dtype=torch.float32, device=logits.device)
     inv_s = torch.zeros(N, CL, dtype=torch.float32, device=logits.device)
     shift = torch.zeros(N, CL, dtype=torch.float32, device=logits.device)
     if N * CL > 0 and V > 0:
-        block_v = 2048 if logits.is_cuda else min(64, triton.next_power_of_2(V))
+        block_v = _moments_block(V, logits.is_cuda)
         _moments_kernel[(N * CL,)](logits, logits.stride(0), logits.stride(1), T.contiguous(),
                                    active.to(torch.int32).contiguous(), m, inv_s, shift, N * CL, CL, V,
                                    NUM_TILES=triton.cdiv(V, block_v), BLOCK_V=block_v, num_warps=4)

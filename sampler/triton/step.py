@@ -29,8 +29,8 @@ from ..common import check_step_args, entropy_order, saturate_logits, temperatur
 from ..state import COMMIT, DENOISE, FAILED, FINISHED, PREFILL, SamplerState, StepOutput
 from .common import position_ids, side_stream
 from .config import SamplerConfig, check_config
-from .soft_embedding import soft_embedding, soft_embedding_chunked, write_soft
-from .stats import row_moments, row_stats
+from .soft_embedding import check_soft_indices, soft_embedding, soft_embedding_chunked, write_soft
+from .stats import check_moments_indices, row_moments, row_stats, stats_plan
 
 __all__ = ["sampler_step"]
 
@@ -69,7 +69,7 @@ def _step_kernel(
     o_num_sampled, o_num_rejected, o_num_now, o_finished, o_failed, o_converged, o_mean, o_temp,
     o_cont, o_mode,
     CL, CLF, V, E, NUM_SLOTS,
-    BLOCK: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, EOS_TILES: tl.constexpr,
 ):
     """Grid (N,): the bookkeeping of one request per program after the stats pass and the entropy sort (stage b).
 
@@ -157,9 +157,13 @@ def _step_kernel(
     new_phase = tl.where(failed, _FAILED, tl.where(conv, _COMMIT, phase))
 
     # ---- COMMIT rows: emit the commit canvas trimmed after the first EOS (kept) and at max_tokens
-    e = tl.arange(0, BLOCK_E)
-    eos = tl.load(eos_ptr + slot * stride_eos + e, mask=e < E, other=-1)
-    is_eos = tl.max(((cc_new[:, None] == eos[None, :]) & (eos[None, :] >= 0)).to(tl.int32), 1) != 0
+    # the E eos ids in tiles of BLOCK_E (the [BLOCK, BLOCK_E] compare stays <= EOS_TILE elements whatever E is)
+    hit = tl.zeros((BLOCK,), tl.int32)
+    for t in range(0, EOS_TILES):                 # EOS_TILES = cdiv(E, BLOCK_E) (a runtime bound fails the interpreter)
+        e = t * BLOCK_E + tl.arange(0, BLOCK_E)
+        eos = tl.load(eos_ptr + slot * stride_eos + e, mask=e < E, other=-1)
+        hit = tl.maximum(hit, tl.max(((cc_new[:, None] == eos[None, :]) & (eos[None, :] >= 0)).to(tl.int32), 1))
+    is_eos = hit != 0
     first_eos = tl.min(tl.where(jm & is_eos, q, CL), 0).to(tl.int64)     # CL: none
     has_eos = first_eos < CL
     remaining = max_tok - nem
@@ -214,6 +218,19 @@ def _step_kernel(
     tl.store(o_cont + n, cont.to(tl.int32))
     # write_soft's reduce kernel: 1 = the GEMM sum, 3 = E[argmax] (T = 0), 2 = zeros (fresh canvas), 0 = untouched
     tl.store(o_mode + n, tl.where(cont, tl.where(T == 0.0, 3, 1), tl.where(fresh, 2, 0)).to(tl.int32))
+
+
+#: Largest [BLOCK, BLOCK_E] tile of the step kernel's EOS compare (elements): the eos ids are read in tiles of
+#: BLOCK_E <= EOS_TILE / BLOCK. One tile of all E ids (BLOCK_E = next_power_of_2(E)) passed Triton's 2**20-element
+#: limit at valid shapes (canvas 256 with 8,192 stop-id columns, canvas 2,048 with 1,024: the step failed to
+#: compile) and held up to 2**20 compares in registers below it.
+EOS_TILE = 2**14
+
+
+def _eos_block(CL: int, E: int) -> int:
+    """BLOCK_E of :func:`_step_kernel`: the eos ids per tile, a power of two, all E of them (E <= 8 at canvas 256)
+    while the [next_power_of_2(CL), BLOCK_E] compare fits :data:`EOS_TILE` elements, at least 1."""
+    return max(1, min(triton.next_power_of_2(E), EOS_TILE // triton.next_power_of_2(CL)))
 
 
 #: Rows per program of :func:`_gather_rows_kernel`: fixed, so one compiled variant serves every batch size.
@@ -279,7 +296,8 @@ def _apply_step(state: SamplerState, slots: torch.Tensor, prefill_done: torch.Te
             i32[0], i32[1], i32[2], u8[Rp:Rp + N], u8[Rp + Np:Rp + Np + N], u8[Rp + 2 * Np:Rp + 2 * Np + N],
             mean_entropy, temp, i32[3], i32[4],
             CL, float(CL), state.vocab_size, eos.shape[1], state.max_num_reqs,
-            BLOCK=triton.next_power_of_2(CL), BLOCK_E=triton.next_power_of_2(eos.shape[1]),
+            BLOCK=triton.next_power_of_2(CL), BLOCK_E=_eos_block(CL, eos.shape[1]),
+            EOS_TILES=triton.cdiv(eos.shape[1], _eos_block(CL, eos.shape[1])),
             num_warps=4 if CL >= 128 else 1,
         )
     out = StepOutput(num_sampled=i32[0], num_rejected=i32[1], emitted=i64[0], num_emitted_now=i32[2],
@@ -309,7 +327,11 @@ def sampler_step(state: SamplerState, slots: torch.Tensor, logits: torch.Tensor,
     Raises:
         TypeError / ValueError: bad arguments (as the reference); ``config`` neither a :class:`SamplerConfig`
             nor None (TypeError, :func:`~blockdiff.sampler.triton.config.check_config`).
-        ValueError: ``config.stats_overlap`` where the soft embedding resolves to the Triton GEMM path.
+        ValueError: ``config.stats_overlap`` where the soft embedding resolves to the Triton GEMM path; shapes and a
+            config whose launches would form an int32 index past 2**31 - 1 (a vocab_size within the vocabulary
+            splits' padding of 2**31, N * canvas_length positions as many: the kernels' token ids and positions are
+            int32; :func:`~blockdiff.sampler.triton.stats.stats_plan`,
+            :func:`~blockdiff.sampler.triton.soft_embedding.check_soft_indices`), before any state is written.
     """
     checked = check_step_args(state, slots, logits, prefill_done, embedding, check_values=check_values)
     cfg = check_config(config)                                      # before anything runs (TypeError)
@@ -321,6 +343,13 @@ def sampler_step(state: SamplerState, slots: torch.Tensor, logits: torch.Tensor,
 
     cfg.check_stats_overlap(logits.device, embedding.dtype)        # no silent no-op on the Triton GEMM path
     overlap = bool(cfg.stats_overlap)
+    # every launch's int32 indices (token ids, positions, split ends) in range, before anything is written: a refusal
+    # in stage (c) would leave the state rows of stage (b) written
+    N, CL, V = logits.shape
+    stats_plan(N, CL, V, cfg, logits.device)
+    if overlap:
+        check_moments_indices(N, CL, V, logits.device)
+    check_soft_indices(N, CL, V, embedding.shape[1], logits.device, embedding.dtype, cfg, chunked=overlap or None)
     if overlap:
         # (c) beside (a): normalisers from a memory-bound pre-pass, then the GEMMs over every denoising row on a
         # high-priority side stream (rows that turn out converged / failed are computed and never written: the

@@ -129,6 +129,31 @@ def test_step_kernel_equals_torch_apply_step_on_random_states(seed):
     assert torch.equal(mode, want)
 
 
+@pytest.mark.parametrize("seed", [5, 11, 17, 23])
+def test_step_kernel_reads_a_wide_eos_list_in_tiles(seed):
+    """20,000 eos-id columns (a SamplerState takes max_eos < 2**31; vLLM's stop ids grow it) at canvas 37: the EOS
+    compare read them as one [64, 32768] tile, past Triton's 2**20-element limit (the step failed: "numel exceeds
+    triton maximum tensor numel"); now in tiles of <= EOS_TILE elements, equal to the torch path, EOS ids in the
+    list's tail included."""
+    st, slots, pd, stats, T = _random_case(seed, max_eos=20000)
+    g = torch.Generator().manual_seed(seed)
+    for s in range(st.max_num_reqs):            # an EOS id only at the end of the list, and in the commit canvas
+        eid = int(torch.randint(0, st.vocab_size, (), generator=g))
+        st.eos_token_ids[s] = -1
+        st.eos_token_ids[s, -1] = eid
+        st.commit_canvas[s, st.canvas_length - 1 - s % 2] = eid
+    a, b = _clone(st), _clone(st)
+    oa = _torch_step(a, slots, pd, stats)
+    ob, _, _ = _apply_step(b, slots, pd, T, stats)
+    _compare(a, b, oa, ob)
+
+
+def test_eos_tile_keeps_small_eos_lists_in_one_tile():
+    from blockdiff.sampler.triton.step import EOS_TILE, _eos_block
+    assert _eos_block(256, 8) == 8 and _eos_block(256, 16) == 16 and _eos_block(256, 1) == 1
+    assert _eos_block(256, 8192) == EOS_TILE // 256 and _eos_block(65535, 3) == 1
+
+
 def test_step_kernel_reaches_every_transition():
     """The random cases above cover each transition of the phase machine at least once (guards the generator)."""
     seen = set()

@@ -314,14 +314,15 @@ step_sig = {"slots_ptr": "*i64", "pd_ptr": "*u8", "t_ptr": "*fp32", "h_ptr": "*f
             "o_num_rejected": "*i32", "o_num_now": "*i32", "o_finished": "*u8", "o_failed": "*u8",
             "o_converged": "*u8", "o_mean": "*fp32", "o_temp": "*fp32", "o_cont": "*i32", "o_mode": "*i32",
             "CL": "i32", "CLF": "fp32", "V": "i32", "E": "i32", "NUM_SLOTS": "i32"}
-build(step._step_kernel, step_sig, dict(BLOCK=256, BLOCK_E=8), num_warps=4)
+build(step._step_kernel, step_sig, dict(BLOCK=256, BLOCK_E=8, EOS_TILES=1), num_warps=4)
 build(step._gather_rows_kernel,
       {"slots_ptr": "*i64", "phase_ptr": "*i32", "seed_ptr": "*i64", "rid_ptr": "*i64", "cidx_ptr": "*i32",
        "step_ptr": "*i32", "o_active": "*i32", "o_seed": "*i64", "o_rid": "*i64", "o_cidx": "*i32", "o_step": "*i32",
        "N": "i32", "NUM_SLOTS": "i32"}, dict(BLOCK=4), num_warps=1)
 # CL = V = E = stride = NUM_SLOTS = 1: Triton specialises int arguments equal to 1 into constants (the kernel must
 # compile so)
-build(step._step_kernel, step_sig, dict(stride_eos=1, CL=1, V=1, E=1, NUM_SLOTS=1, BLOCK=1, BLOCK_E=1), num_warps=1)
+build(step._step_kernel, step_sig, dict(stride_eos=1, CL=1, V=1, E=1, NUM_SLOTS=1, BLOCK=1, BLOCK_E=1, EOS_TILES=1),
+      num_warps=1)
 # (appended after the kernels above, whose PTX snapshots are numbered in this order)
 build(soft_embedding._soft_reduce_kernel,
       {"ws_ptr": "*fp32", "soft_ptr": "*fp32", "slots_ptr": "*i64", "mode_ptr": "*i32", "amax_ptr": "*i64",
@@ -332,6 +333,8 @@ build(tp_triton._shard_ties_kernel,
       {"x_ptr": "*fp32", "stride_xn": "i64", "stride_xp": "i64", "flag_ptr": "*i32", "seed_ptr": "*i64",
        "rid_ptr": "*i64", "cidx_ptr": "*i32", "step_ptr": "*i32", "out_f_ptr": "*fp32", "out_i_ptr": "*i32",
        "CL": "i32", "VS": "i32", "VE": "i32"}, dict(NUM_TILES=V // 2 // 1024, BLOCK=1024), num_warps=4)
+# a wide eos list read in tiles (step._eos_block: 8,192 stop-id columns at canvas 256)
+build(step._step_kernel, step_sig, dict(BLOCK=256, BLOCK_E=64, EOS_TILES=128), num_warps=4)
 print("COMPILED")
 """
 

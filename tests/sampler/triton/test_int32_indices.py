@@ -1,0 +1,64 @@
+"""The Triton sampler's kernels form token ids, flat positions and split ends in int32 (row products are int64):
+a launch whose largest such index would pass 2**31 - 1 is refused on the host, before anything runs or is written
+(it wrapped to a negative id that passed the ``< V`` masks: reads before the logits, or a last vocabulary split
+whose end ``start + CHUNK`` wrapped negative, its tokens silently left out of the statistics). The state allows
+vocab_size < 2**31, so V = 2**31 - 1 is a valid state whose padded splits reach 2**31. Expanded (stride-0) logits
+and embeddings keep these shapes free of memory."""
+import pytest
+import torch
+
+from blockdiff.sampler import SamplerState, SamplingParams
+from blockdiff.sampler.triton.config import SamplerConfig
+from blockdiff.sampler.triton.soft_embedding import check_soft_indices, soft_embedding_chunked
+from blockdiff.sampler.triton.stats import stats_plan
+from blockdiff.sampler.triton.step import sampler_step
+
+V_TOP = 2**31 - 1          # the largest vocab_size a SamplerState takes
+
+
+def test_triton_step_refuses_vocab_whose_padded_splits_pass_int32_before_writing_state():
+    st = SamplerState(2, 1, V_TOP, 1)
+    st.add_request(0, 7, SamplingParams(canvas_length=1))
+    before = {f: getattr(st, f).clone() for f in ("phase", "canvas", "step", "canvas_index", "soft")}
+    logits = torch.zeros(1, 1, 1, dtype=torch.bfloat16).expand(1, 1, V_TOP)   # no memory
+    E = torch.zeros(1, 1).expand(V_TOP, 1)
+    with pytest.raises(ValueError, match=r"vocab_size=2147483647 .*2\*\*31 - 1"):
+        sampler_step(st, torch.tensor([0]), logits, torch.ones(1, dtype=torch.bool), E)
+    for f, t in before.items():                      # refused at entry: the PREFILL row did not start denoising
+        assert torch.equal(getattr(st, f), t), f
+
+
+def test_stats_plan_refuses_exactly_where_the_last_split_end_passes_int32():
+    cfg = SamplerConfig(split_v=1, block_g=64)       # one split of whole 256-token tiles
+    with pytest.raises(ValueError, match=r"vocab_size=2147483647 in 1 vocabulary split\(s\) of 2147483648 tokens"):
+        stats_plan(1, 1, V_TOP, cfg, torch.device("cpu"))
+    _, chunk, split_v = stats_plan(1, 1, 2**31 - 256, cfg, torch.device("cpu"))   # padded to 2**31 - 256: fits
+    assert (chunk, split_v) == (2**31 - 256, 1)
+    # several splits pad V by up to a tile each: 7 splits of V = 2**31 - 256 end past 2**31
+    with pytest.raises(ValueError, match="split_v=7"):
+        stats_plan(1, 1, 2**31 - 256, SamplerConfig(split_v=7, block_g=64), torch.device("cpu"))
+
+
+def test_stats_plan_refuses_positions_past_int32():
+    with pytest.raises(ValueError, match=r"N \* canvas_length = 65537 \* 32768 positions"):
+        stats_plan(2**16 + 1, 2**15, 8, None, torch.device("cpu"))
+
+
+def test_soft_embedding_refuses_a_chunk_whose_padded_tiles_pass_int32():
+    # soft_chunk = 3: the last chunk starts at 2**31 - 2 and its 4-token tile reaches 2**31 + 1
+    with pytest.raises(ValueError, match=r"chunks of 3 tokens"):
+        check_soft_indices(1, 1, V_TOP, 1, torch.device("cpu"), torch.float32,
+                           SamplerConfig(soft_impl="chunked", soft_chunk=3))
+    logits = torch.zeros(1, 1, 1).expand(1, 1, V_TOP)
+    E = torch.zeros(1, 1).expand(V_TOP, 1)
+    z = torch.zeros(1, 1)
+    with pytest.raises(ValueError, match=r"chunks of 3 tokens"):
+        soft_embedding_chunked(logits, E, torch.ones(1), z, z, z.long(), torch.ones(1, dtype=torch.bool), chunk=3)
+    check_soft_indices(1, 1, V_TOP, 1, torch.device("cpu"), torch.float32,
+                       SamplerConfig(soft_impl="chunked", soft_chunk=4))          # a power of two divides 2**31
+
+
+def test_triton_gemm_refuses_k_splits_past_int32():
+    with pytest.raises(ValueError, match=r"K split\(s\)"):
+        check_soft_indices(1, 1, V_TOP, 16, torch.device("cpu"), torch.float32, SamplerConfig(split_k=3))
+    check_soft_indices(1, 1, 2**31 - 64, 16, torch.device("cpu"), torch.float32, SamplerConfig(split_k=1))
