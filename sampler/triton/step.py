@@ -234,7 +234,7 @@ def _eos_block(CL: int, E: int) -> int:
     return max(1, min(triton.next_power_of_2(E), EOS_TILE // triton.next_power_of_2(CL)))
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=4096)  # (a key per batch size N: vLLM's N runs over 1..max_num_seqs)
 def _check_int32_indices(N: int, CL: int, V: int, hidden: int, device: torch.device, embedding_dtype: torch.dtype,
                          cfg: SamplerConfig, overlap: bool) -> None:
     """:func:`sampler_step`'s entry checks of every launch's int32 indices (:func:`~.stats.stats_plan`,
