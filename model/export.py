@@ -378,7 +378,10 @@ def _write_folder(out_dir: str, tensors: dict[str, torch.Tensor] | None, files: 
     so a folder interrupted between two renames has no ``config.json`` (every loader needs it), never an earlier
     export's files beside this one's."""
     fresh = not os.path.isdir(out_dir)
-    where = os.path.dirname(os.path.abspath(out_dir)) if fresh else out_dir
+    # a missing OUT: staged in its parent as written (the kernel resolves it as it resolves OUT: 'a/b/../c' stages
+    # in 'a/b/..', creating 'a/b' as os.makedirs(OUT) did; a lexical os.path.abspath parent 'a' left the rename to
+    # 'a/b/../c' without its 'a/b', a FileNotFoundError naming the staging folder)
+    where = (os.path.dirname(out_dir.rstrip(os.sep)) or os.curdir) if fresh else out_dir
     os.makedirs(where, exist_ok=True)
     stage = os.path.join(where, f".blockdiff-export-{os.getpid()}-{secrets.token_hex(4)}")
     os.mkdir(stage)  # (the mode os.makedirs gives a folder: the umask's)

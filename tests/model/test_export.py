@@ -782,3 +782,16 @@ def test_export_hf_keeps_the_umask_modes(tmp_path):
         os.umask(old)
     assert os.stat(tmp_path / "out").st_mode & 0o777 == 0o755
     assert {os.stat(tmp_path / "out" / n).st_mode & 0o777 for n in EXPORT_FILES} == {0o644}
+
+
+def test_export_hf_to_a_missing_out_dir_through_a_missing_folder_and_dotdot_writes_it(tmp_path):
+    """'x/missing/../y': os.makedirs(OUT) created x/missing and wrote x/y; the staging rewrite staged in the lexical
+    parent x (os.path.abspath) and renamed to 'x/missing/../y', whose x/missing did not exist: FileNotFoundError
+    naming the staging folder. Now staged in the parent as written; a trailing separator still works."""
+    out = tmp_path / "x" / "missing" / ".." / "y"
+    written = export_hf(tiny_config(vocab_size=259), str(out))
+    assert sorted(os.listdir(tmp_path / "x" / "y")) == sorted(written)
+    assert sorted(os.listdir(tmp_path / "x")) == ["missing", "y"]        # no staging folder left
+    export_hf(tiny_config(vocab_size=259), str(tmp_path / "slash") + os.sep)
+    assert ByteTokenizer.load(tmp_path / "slash").vocab_size == 259
+    assert sorted(os.listdir(tmp_path)) == ["slash", "x"]

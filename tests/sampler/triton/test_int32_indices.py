@@ -62,3 +62,32 @@ def test_triton_gemm_refuses_k_splits_past_int32():
     with pytest.raises(ValueError, match=r"K split\(s\)"):
         check_soft_indices(1, 1, V_TOP, 16, torch.device("cpu"), torch.float32, SamplerConfig(split_k=3))
     check_soft_indices(1, 1, 2**31 - 64, 16, torch.device("cpu"), torch.float32, SamplerConfig(split_k=1))
+
+
+def test_triton_step_entry_checks_run_once_per_shape_and_config_and_refusals_repeat(monkeypatch):
+    """The entry checks are pure functions of the shapes, device, embedding dtype and config, and cost ~70-110 us of
+    host time a step uncached (two config resolves, ~26 triton.cdiv calls; vLLM runs the sampler outside its graphs):
+    was recomputed on every step; now cached per key. A refusal is never cached: raised again on every call."""
+    import blockdiff.sampler.triton.step as step_mod
+    calls = []
+    real = step_mod.stats_plan
+    monkeypatch.setattr(step_mod, "stats_plan", lambda *a, **k: (calls.append(a), real(*a, **k))[1])
+    if hasattr(step_mod, "_check_int32_indices"):   # (a cached key of another test would count 0 calls)
+        step_mod._check_int32_indices.cache_clear()
+    st = SamplerState(2, 4, 16, 8)
+    st.add_request(0, 7, SamplingParams(canvas_length=4))
+    st.add_request(1, 8, SamplingParams(canvas_length=4))
+    E = torch.randn(16, 8)
+    for i in range(3):
+        sampler_step(st, torch.tensor([0, 1]), torch.randn(2, 4, 16), torch.ones(2, dtype=torch.bool), E)
+    assert len(calls) == 1, calls                     # one entry check for three steps of one shape
+    sampler_step(st, torch.tensor([1]), torch.randn(1, 4, 16), torch.ones(1, dtype=torch.bool), E)
+    assert len(calls) == 2                            # another N: checked
+    big = SamplerState(2, 1, V_TOP, 1)
+    big.add_request(0, 7, SamplingParams(canvas_length=1))
+    logits = torch.zeros(1, 1, 1, dtype=torch.bfloat16).expand(1, 1, V_TOP)
+    for _ in range(2):                                # refused each time, state untouched
+        with pytest.raises(ValueError, match=r"vocab_size=2147483647 .*2\*\*31 - 1"):
+            sampler_step(big, torch.tensor([0]), logits, torch.ones(1, dtype=torch.bool),
+                         torch.zeros(1, 1).expand(V_TOP, 1))
+    assert int(big.phase[0]) == 0 and len(calls) == 4
