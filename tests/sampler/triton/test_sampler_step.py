@@ -314,3 +314,26 @@ def test_gpu_compiled_step_kernel_equals_torch_apply_step_on_random_states(seed)
     fresh = ((phase0 == PREFILL) & pd) | ((phase0 == COMMIT) & ~oa.finished)
     want = torch.where(cont.bool().cpu(), torch.where(T == 0, 3, 1), torch.where(fresh, 2, 0)).int()
     assert torch.equal(mode.cpu(), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", [5, 11])
+def test_gpu_compiled_step_kernel_reads_a_wide_eos_list_in_tiles(seed):
+    """The tiled EOS compare compiled on CUDA (several tiles: 20,000 eos-id columns at canvas 37), against the torch
+    path on the CPU: every output and state field equal, an EOS id only in the list's last column found."""
+    import dataclasses
+
+    st, slots, pd, stats, T = _random_case(seed, max_eos=20000)
+    g = torch.Generator().manual_seed(seed)
+    for s in range(st.max_num_reqs):
+        eid = int(torch.randint(0, st.vocab_size, (), generator=g))
+        st.eos_token_ids[s] = -1
+        st.eos_token_ids[s, -1] = eid
+        st.commit_canvas[s, st.canvas_length - 1 - s % 2] = eid
+    a = _clone(st)
+    oa = _torch_step(a, slots, pd, stats)
+    b = _on(st, "cuda")
+    ob, _, _ = _apply_step(b, slots.cuda(), pd.cuda(), T.cuda(), {k: v.cuda() for k, v in stats.items()})
+    ob = dataclasses.replace(ob, **{f.name: getattr(ob, f.name).cpu() for f in dataclasses.fields(ob)
+                                    if isinstance(getattr(ob, f.name), torch.Tensor)})
+    _compare(a, _on(b, "cpu"), oa, ob)
