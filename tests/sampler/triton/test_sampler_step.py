@@ -135,17 +135,24 @@ def test_step_kernel_reads_a_wide_eos_list_in_tiles(seed):
     compare read them as one [64, 32768] tile, past Triton's 2**20-element limit (the step failed: "numel exceeds
     triton maximum tensor numel"); now in tiles of <= EOS_TILE elements, equal to the torch path, EOS ids in the
     list's tail included."""
-    st, slots, pd, stats, T = _random_case(seed, max_eos=20000)
-    g = torch.Generator().manual_seed(seed)
-    for s in range(st.max_num_reqs):            # an EOS id only at the end of the list, and in the commit canvas
-        eid = int(torch.randint(0, st.vocab_size, (), generator=g))
-        st.eos_token_ids[s] = -1
-        st.eos_token_ids[s, -1] = eid
-        st.commit_canvas[s, st.canvas_length - 1 - s % 2] = eid
+    st, slots, pd, stats, T = _wide_eos_case(seed)
     a, b = _clone(st), _clone(st)
     oa = _torch_step(a, slots, pd, stats)
     ob, _, _ = _apply_step(b, slots, pd, T, stats)
     _compare(a, b, oa, ob)
+
+
+def _wide_eos_case(seed):
+    """A random case with 20,000 eos-id columns: each slot's one EOS id only in the list's last column, and in its
+    commit canvas (so the EOS compare's last tile decides the cut)."""
+    st, slots, pd, stats, T = _random_case(seed, max_eos=20000)
+    g = torch.Generator().manual_seed(seed)
+    for s in range(st.max_num_reqs):
+        eid = int(torch.randint(0, st.vocab_size, (), generator=g))
+        st.eos_token_ids[s] = -1
+        st.eos_token_ids[s, -1] = eid
+        st.commit_canvas[s, st.canvas_length - 1 - s % 2] = eid
+    return st, slots, pd, stats, T
 
 
 def test_eos_tile_keeps_small_eos_lists_in_one_tile():
@@ -298,16 +305,8 @@ def _on(st: SamplerState, device) -> SamplerState:
 def test_gpu_compiled_step_kernel_equals_torch_apply_step_on_random_states(seed):
     """The compiled step kernel on CUDA (the CPU suite runs it through the interpreter only) against the torch path on
     the CPU, on the same random states as the CPU test: every output and state field equal."""
-    import dataclasses
-
     st, slots, pd, stats, T = _random_case(seed)
-    a = _clone(st)
-    oa = _torch_step(a, slots, pd, stats)
-    b = _on(st, "cuda")
-    ob, cont, mode = _apply_step(b, slots.cuda(), pd.cuda(), T.cuda(), {k: v.cuda() for k, v in stats.items()})
-    ob = dataclasses.replace(ob, **{f.name: getattr(ob, f.name).cpu() for f in dataclasses.fields(ob)
-                                    if isinstance(getattr(ob, f.name), torch.Tensor)})
-    _compare(a, _on(b, "cpu"), oa, ob)
+    oa, cont, mode = _compiled_equals_torch(st, slots, pd, stats, T)
     phase0 = st.phase[slots]
     ok = (phase0 == DENOISE) & ~torch.isnan(stats["step_entropy"]).any(-1)
     assert torch.equal(cont.bool().cpu(), ok & ~oa.converged)
@@ -321,19 +320,19 @@ def test_gpu_compiled_step_kernel_equals_torch_apply_step_on_random_states(seed)
 def test_gpu_compiled_step_kernel_reads_a_wide_eos_list_in_tiles(seed):
     """The tiled EOS compare compiled on CUDA (several tiles: 20,000 eos-id columns at canvas 37), against the torch
     path on the CPU: every output and state field equal, an EOS id only in the list's last column found."""
+    _compiled_equals_torch(*_wide_eos_case(seed))
+
+
+def _compiled_equals_torch(st, slots, pd, stats, T):
+    """The step on a CUDA copy of ``st`` (compiled kernel) against the torch path on a CPU copy: every output and
+    state field equal. Returns the torch path's output and the kernel's ``cont`` / ``mode`` (on the GPU)."""
     import dataclasses
 
-    st, slots, pd, stats, T = _random_case(seed, max_eos=20000)
-    g = torch.Generator().manual_seed(seed)
-    for s in range(st.max_num_reqs):
-        eid = int(torch.randint(0, st.vocab_size, (), generator=g))
-        st.eos_token_ids[s] = -1
-        st.eos_token_ids[s, -1] = eid
-        st.commit_canvas[s, st.canvas_length - 1 - s % 2] = eid
     a = _clone(st)
     oa = _torch_step(a, slots, pd, stats)
     b = _on(st, "cuda")
-    ob, _, _ = _apply_step(b, slots.cuda(), pd.cuda(), T.cuda(), {k: v.cuda() for k, v in stats.items()})
+    ob, cont, mode = _apply_step(b, slots.cuda(), pd.cuda(), T.cuda(), {k: v.cuda() for k, v in stats.items()})
     ob = dataclasses.replace(ob, **{f.name: getattr(ob, f.name).cpu() for f in dataclasses.fields(ob)
                                     if isinstance(getattr(ob, f.name), torch.Tensor)})
     _compare(a, _on(b, "cpu"), oa, ob)
+    return oa, cont, mode
