@@ -181,6 +181,16 @@ def test_every_test_folder_is_named():
     assert not unnamed, f"test folders not named in docs/ARCHITECTURE.md section 3 (Tests): {unnamed}"
 
 
+
+def test_every_helper_module_of_tests_is_named():
+    """A tracked .py under tests/ that is not a test file (helpers, conftest.py, scripts) is named in the Tests
+    subsection, by its path or, for conftest.py, by its name."""
+    flat = " ".join(_subsection("Tests").split())
+    helpers = sorted(f for f in TRACKED if f.startswith("tests/") and f.endswith(".py")
+                     and not f.rsplit("/", 1)[1].startswith("test_"))
+    unnamed = [f for f in helpers if f"`{f}`" not in flat and f"`{f.rsplit('/', 1)[1]}`" not in flat]
+    assert not unnamed, f"helper modules of tests/ not named in docs/ARCHITECTURE.md section 3 (Tests): {unnamed}"
+
 @pytest.mark.parametrize("token,ok", [("attention/triton/config.py", True), ("triton_sweep-h200.json", True),
                                       ("tests/attention/triton/test_triton_<module>.py", True),
                                       ("attention/no_such_module.py", False)])
