@@ -2,6 +2,7 @@
 (unless the text calls it git-ignored), and its device-script and test lists name every file of their folders, so
 the section cannot go stale silently. CPU only, no imports of blockdiff; reads `git ls-files` (the files on disk
 where the checkout is not a git repository)."""
+import ast
 import re
 import subprocess
 from pathlib import Path
@@ -180,8 +181,48 @@ def test_every_test_folder_is_named():
     assert not unnamed, f"test folders not named in docs/ARCHITECTURE.md section 3 (Tests): {unnamed}"
 
 
+
+def test_every_helper_module_of_tests_is_named():
+    """A tracked .py under tests/ that is not a test file (helpers, conftest.py, scripts) is named in the Tests
+    subsection, by its path or, for conftest.py, by its name."""
+    flat = " ".join(_subsection("Tests").split())
+    helpers = sorted(f for f in TRACKED if f.startswith("tests/") and f.endswith(".py")
+                     and not f.rsplit("/", 1)[1].startswith("test_"))
+    unnamed = [f for f in helpers if f"`{f}`" not in flat and f"`{f.rsplit('/', 1)[1]}`" not in flat]
+    assert not unnamed, f"helper modules of tests/ not named in docs/ARCHITECTURE.md section 3 (Tests): {unnamed}"
+
 @pytest.mark.parametrize("token,ok", [("attention/triton/config.py", True), ("triton_sweep-h200.json", True),
                                       ("tests/attention/triton/test_triton_<module>.py", True),
                                       ("attention/no_such_module.py", False)])
 def test_resolver(token, ok):
     assert _resolves(token) is ok
+
+
+#: The backend folders whose module order the Source listing states ("Inside a backend folder, each module imports
+#: only modules listed above it here"; section 2, rule 3: helpers at the bottom, the host interface on top).
+BACKEND_FOLDERS = ("attention/triton/", "attention/cute/", "sampler/triton/", "sampler/tp/")
+
+
+def _sibling_imports(path: Path) -> set[str]:
+    """Modules of ``path``'s own folder that it imports (``from .x import``, ``from . import x``), function-local
+    imports included."""
+    siblings = {p.stem for p in path.parent.glob("*.py")}
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            names = [node.module.split(".")[0]] if node.module else [a.name for a in node.names]
+            found.update(n for n in names if n in siblings)
+    return found
+
+
+@pytest.mark.parametrize("folder", BACKEND_FOLDERS)
+def test_backend_folder_modules_import_only_modules_listed_above_them(folder):
+    listed = [p[len(folder):-3] for p in source_listing()
+              if p.startswith(folder) and p.endswith(".py") and "/" not in p[len(folder):]]
+    assert listed, f"no modules of {folder} parsed from the Source listing"
+    bad = []
+    for i, mod in enumerate(listed):
+        below = _sibling_imports(ROOT / folder / f"{mod}.py") - set(listed[:i]) - {mod}
+        bad += [f"{folder}{mod}.py imports {folder}{b}.py" for b in sorted(below) if b in listed]
+    assert not bad, ("docs/ARCHITECTURE.md section 3 (Source) says a backend folder's modules import only modules "
+                     "listed above them; reorder the listing: " + "; ".join(bad))
