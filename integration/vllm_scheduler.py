@@ -1010,8 +1010,8 @@ class _Refusals:
 #: Why a request with an empty prompt is refused. vLLM's input processor refuses one ("The decoder prompt cannot be
 #: empty"), but an ``EngineCoreRequest`` passed to ``LLMEngine`` / ``AsyncLLM.add_request`` reaches the scheduler, whose
 #: ``schedule`` then fails its ``assert num_new_tokens > 0`` in the engine core (0.26.0 and 0.33.0): the engine died.
-EMPTY_PROMPT_REFUSED = ("the prompt is empty (prompt_token_ids holds no token): a block-diffusion request needs at least "
-                        "one prompt token")
+EMPTY_PROMPT_REFUSED = ("the prompt is empty (prompt_token_ids holds no token): a block-diffusion request needs at "
+                        "least one prompt token")
 
 
 class ParamsRefusals(_Refusals):
@@ -1028,8 +1028,9 @@ class ParamsRefusals(_Refusals):
     rule (against the served defaults: e.g. ``t_max`` below the served ``t_min``), a canvas length other than the
     served one, a bad ``rng_request_id``, more than ``MAX_STOP_TOKEN_IDS`` stop ids or a stop id outside the
     vocabulary is refused here; so is an empty prompt (:data:`EMPTY_PROMPT_REFUSED`: vLLM's front end refuses one, a
-    hand-built ``EngineCoreRequest`` got past it and took the engine down in vLLM's ``schedule``). The model state's check stays as the backstop (a request reaching the worker
-    another way fails there, the reason in the worker's log). ``n`` > 1 is refused only on a request that reaches
+    hand-built ``EngineCoreRequest`` got past it and took the engine down in vLLM's ``schedule``). The model state's
+    check stays as the backstop (a request reaching the worker another way fails there, the reason in the worker's
+    log). ``n`` > 1 is refused only on a request that reaches
     the engine with it (an ``EngineCoreRequest`` built by hand): vLLM's ``LLMEngine`` and ``AsyncLLM`` (0.26.0 and
     0.33.0, ``parallel_sampling.ParentRequest``) fan it out first into ``n`` requests of ``n`` = 1 with their own ids,
     which are served as any others.

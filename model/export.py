@@ -262,8 +262,8 @@ def export_hf(source, out_dir, *, dtype: torch.dtype | str | None = None, overwr
             a value of the wrong type.
         FileNotFoundError: a source folder that is missing or lacks a checkpoint file (from ``load_pretrained``).
         FileExistsError: ``out_dir`` already holds an export file (a dangling symlink of that name included) and
-            ``overwrite`` is False (all are named), ``out_dir`` is a file or a dangling symlink, or it holds other weight files (named;
-            ``overwrite`` or not).
+            ``overwrite`` is False (all are named), ``out_dir`` is a file or a dangling symlink, or it holds other
+            weight files (named; ``overwrite`` or not).
         IsADirectoryError: ``out_dir`` holds a folder named as an export file (nothing is written).
         ValueError: ``out_dir`` is empty or the source folder; a DiffusionGemma with any tensor on the meta device (no
             weights); without ``dtype``, a source whose weights mix dtypes or are in one an export does not write

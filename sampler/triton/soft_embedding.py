@@ -64,8 +64,8 @@ from ..state import SamplerState
 from .common import check_int32_index, interpret_mode, round_to, side_stream
 from .config import SamplerConfig, check_config
 
-__all__ = ["soft_embedding", "soft_embedding_chunked", "write_soft", "check_soft_indices", "chunk_size", "MAX_CHUNK_BYTES",
-           "LARGE_BATCH_CHUNK", "LARGE_BATCH_CHUNK_BYTES"]
+__all__ = ["soft_embedding", "soft_embedding_chunked", "write_soft", "check_soft_indices", "chunk_size",
+           "MAX_CHUNK_BYTES", "LARGE_BATCH_CHUNK", "LARGE_BATCH_CHUNK_BYTES"]
 
 
 # ---------------------------------------------------------------------------------------------- split-K GEMM

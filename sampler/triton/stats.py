@@ -56,8 +56,8 @@ from ..rng import check_int_coordinates
 from .common import FLT_LOWEST, check_int32_index, interpret_mode, philox4x32_10
 from .config import SamplerConfig, check_config
 
-__all__ = ["row_stats", "row_moments", "stats_plan", "check_moments_indices", "tie_statistics", "GUMBEL_MAX_BOUND", "GUMBEL_NEAR_ONE", "PREFILTER_ABS",
-           "PREFILTER_REL", "PREFILTER_LOG_MODE"]
+__all__ = ["row_stats", "row_moments", "stats_plan", "check_moments_indices", "tie_statistics", "GUMBEL_MAX_BOUND",
+           "GUMBEL_NEAR_ONE", "PREFILTER_ABS", "PREFILTER_REL", "PREFILTER_LOG_MODE"]
 
 #: Gumbel prefilter constants (see :func:`_stats_tile`): ``u > 1 - 2**-11`` takes the bound GUMBEL_MAX_BOUND
 #: (>= the largest g, -log(-log(1 - 2**-24)) = 16.635); below it the fast bound is within ~1e-3 of g.
