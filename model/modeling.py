@@ -141,7 +141,22 @@ class DiffusionGemma(nn.Module):
         temperature-scaled logits ``z [..., vocab]`` (fp64 for a float64 model; the sampler owns this in serving,
         this is a convenience for tests and demos). transformers computes the same product in the embedding
         dtype, scaled by sqrt(hidden) rounded to that dtype; the scale is immaterial since the
-        self-conditioning block starts with an RMSNorm."""
+        self-conditioning block starts with an RMSNorm.
+
+        Raises:
+            TypeError: ``z`` is not a floating tensor (integer or bool "logits" are not taken as numbers).
+            ValueError: ``z``'s last dimension is not ``vocab_size`` (or ``z`` is 0-d), or ``z`` is not on the
+                model's device.
+        """
+        if not torch.is_tensor(z) or not z.is_floating_point():
+            raise TypeError(f"z must be a floating tensor of logits, got "
+                            f"{z.dtype if torch.is_tensor(z) else type(z).__name__}")
+        V = self.config.vocab_size
+        if z.dim() < 1 or z.shape[-1] != V:
+            raise ValueError(f"z must be [..., vocab_size = {V}] logits, got shape {tuple(z.shape)}")
+        w = self.embed_tokens.weight
+        if z.device != w.device:
+            raise ValueError(f"z is on {z.device}, the model on {w.device}")
         acc = acc_dtype(self.embed_tokens.weight.dtype)
         p = torch.softmax(z.to(acc), dim=-1)
         return (p @ self.embed_tokens.weight.to(acc)) * (self.config.hidden_size ** 0.5)

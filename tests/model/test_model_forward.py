@@ -799,3 +799,21 @@ def test_kv_caches_of_two_layers_sharing_memory_are_a_value_error_naming_both(mo
         j = seen[s] = seen.get(s, -1) + 1
         views.append((pools[s][j][:, 0], pools[s][j][:, 1]))
     torch.testing.assert_close(run(views), want)
+
+
+@pytest.mark.parametrize("z,err,match", [
+    (torch.zeros(3, 255), ValueError, r"z must be \[\.\.\., vocab_size = 256\] logits, got shape \(3, 255\)"),
+    (torch.tensor(1.0), ValueError, r"z must be \[\.\.\., vocab_size = 256\] logits, got shape \(\)"),
+    (torch.ones(3, 256, dtype=torch.int64), TypeError, r"z must be a floating tensor of logits, got torch.int64"),
+    (torch.ones(3, 256, dtype=torch.bool), TypeError, r"z must be a floating tensor of logits, got torch.bool"),
+    ([[0.0] * 256], TypeError, r"z must be a floating tensor of logits, got list"),
+    (torch.zeros(3, 256, device="meta"), ValueError, r"z is on meta, the model on cpu"),
+])
+def test_soft_embedding_of_logits_of_the_wrong_shape_or_dtype_is_refused_naming_z(model, z, err, match):
+    """soft_embedding(z) (train.py's self-conditioning input) took integer and bool "logits" as numbers (a softmax of
+    0 / 1 flags), and a vocabulary of the wrong size or a 0-d z failed inside the matmul (torch's RuntimeError "mat1
+    and mat2 shapes cannot be multiplied", naming neither z nor the vocabulary)."""
+    with pytest.raises(err, match=match):
+        model.soft_embedding(z)
+    out = model.soft_embedding(torch.randn(2, 3, 256, dtype=torch.bfloat16))
+    assert out.shape == (2, 3, 64) and out.dtype == torch.float32
