@@ -817,3 +817,22 @@ def test_soft_embedding_of_logits_of_the_wrong_shape_or_dtype_is_refused_naming_
         model.soft_embedding(z)
     out = model.soft_embedding(torch.randn(2, 3, 256, dtype=torch.bfloat16))
     assert out.shape == (2, 3, 64) and out.dtype == torch.float32
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("moe_impl", ["loop", "grouped_mm"])
+def test_a_step_of_zero_tokens_gives_zero_logits_rows_with_either_moe(model, moe_impl):
+    """A batch of sequences with no query tokens (T = 0: a decoder row of length 0) gave [0, vocab] logits with the
+    loop MoE but a RuntimeError from the grouped one ("cannot reshape tensor of 0 elements into shape [0, 2, -1]",
+    the automatic choice for bf16 on sm90 / sm100), whose expert outputs were viewed with an inferred hidden size."""
+    m = copy.deepcopy(model)
+    m.moe_impl = moe_impl
+    meta, pos = build_meta([0], [3], [False], PS)
+    ids = torch.zeros(0, dtype=torch.int64)
+    out = m(ids, pos, meta, m.allocate_kv_caches(4, PS), torch.zeros(0, m.config.hidden_size),
+            attn_backend="reference")
+    assert out.shape == (0, m.config.vocab_size) and out.dtype == torch.float32
+    layer = m.layers[0]
+    x = torch.zeros(0, m.config.hidden_size)
+    w, idx = layer.router(x)
+    assert layer.experts(x, w, idx, impl=moe_impl).shape == (0, m.config.hidden_size)
