@@ -217,7 +217,8 @@ class Experts(nn.Module):
         y = F.grouped_mm(h, self.down_proj.transpose(1, 2), offs=offs)
         y = (y * weights.reshape(-1)[order][:, None]).to(x.dtype)
         inv = torch.empty_like(order).scatter_(0, order, torch.arange(T * k, device=x.device))  # unique: exact
-        y = y[inv].view(T, k, -1)  # [T, k, hidden], slot j = the token's j-th smallest expert
+        # [T, k, hidden], slot j = the token's j-th smallest expert (hidden named, not -1: T = 0 leaves -1 undetermined)
+        y = y[inv].view(T, k, y.shape[-1])
         out = y[:, 0]
         for j in range(1, k):
             out = out + y[:, j]

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from blockdiff.attention import attention, causal_row_counts, write_kv_cache
-from blockdiff.attention.validate import capturing
+from blockdiff.attention.validate import capturing, share_elements
 
 from .config import DiffusionGemmaConfig, rope_inv_freq
 from .errors import CheckpointError, CheckpointFileNotFoundError
@@ -141,7 +141,22 @@ class DiffusionGemma(nn.Module):
         temperature-scaled logits ``z [..., vocab]`` (fp64 for a float64 model; the sampler owns this in serving,
         this is a convenience for tests and demos). transformers computes the same product in the embedding
         dtype, scaled by sqrt(hidden) rounded to that dtype; the scale is immaterial since the
-        self-conditioning block starts with an RMSNorm."""
+        self-conditioning block starts with an RMSNorm.
+
+        Raises:
+            TypeError: ``z`` is not a floating tensor (integer or bool "logits" are not taken as numbers).
+            ValueError: ``z``'s last dimension is not ``vocab_size`` (or ``z`` is 0-d), or ``z`` is not on the
+                model's device.
+        """
+        if not torch.is_tensor(z) or not z.is_floating_point():
+            raise TypeError(f"z must be a floating tensor of logits, got "
+                            f"{z.dtype if torch.is_tensor(z) else type(z).__name__}")
+        V = self.config.vocab_size
+        if z.dim() < 1 or z.shape[-1] != V:
+            raise ValueError(f"z must be [..., vocab_size = {V}] logits, got shape {tuple(z.shape)}")
+        w = self.embed_tokens.weight
+        if z.device != w.device:
+            raise ValueError(f"z is on {z.device}, the model on {w.device}")
         acc = acc_dtype(self.embed_tokens.weight.dtype)
         p = torch.softmax(z.to(acc), dim=-1)
         return (p @ self.embed_tokens.weight.to(acc)) * (self.config.hidden_size ** 0.5)
@@ -288,6 +303,37 @@ class DiffusionGemma(nn.Module):
                 host, n = host[2:], [t.numel() for t in layout]
                 cu, sl, pos, sm, bt = (h.reshape(t.shape) for h, t in zip(host.split(n), layout))
                 self._check_row_layout(cu, sl, pos, sm, bt, sorted({pair[0].shape[1] for pair in kv_caches}))
+            self._check_caches_disjoint(kv_caches)
+
+    @staticmethod
+    def _check_caches_disjoint(kv_caches) -> None:
+        """Raise a ValueError naming two caches of different layers that share an element (host pointer arithmetic
+        on shapes, strides and addresses; no device read). Every layer writes its K/V at ``meta.slot_mapping`` and
+        reads them back through ``meta.block_table``, so two such layers overwrite each other's context: a silent
+        wrong result (``[(k, v)] * num_layers``). Disjoint views of one allocation (per-layer slices of a pool,
+        interleaved K / V planes) pass; a layer's own K and V are the KV-cache writer's check."""
+        spans = []
+        for i, pair in enumerate(kv_caches):
+            for name, c in zip(("k_cache", "v_cache"), pair):
+                if c.numel():
+                    start = c.data_ptr()
+                    extent = sum((n - 1) * abs(st) for n, st in zip(c.shape, c.stride())) + 1
+                    spans.append((start, start + extent * c.element_size(), i, name, c))
+        spans.sort(key=lambda x: (x[0], x[1], x[2]))
+        open_spans: list = []  # spans that reach past the current start (candidates for an overlap)
+        shared = []
+        for start, end, i, name, c in spans:
+            open_spans = [o for o in open_spans if o[1] > start]
+            for o in open_spans:
+                if o[2] != i and o[4].device == c.device and share_elements(o[4], c):
+                    shared.append(tuple(sorted(((o[2], o[3]), (i, name)))))
+            open_spans.append((start, end, i, name, c))
+        if shared:
+            (i0, n0), (i1, n1) = min(shared)
+            raise ValueError(f"kv_caches[{i0}].{n0} and kv_caches[{i1}].{n1} share memory ({len(shared)} pairs of "
+                             "caches of different layers do): each layer writes its K/V at meta.slot_mapping, so one "
+                             "layer would overwrite the other's context (give every layer its own caches, e.g. "
+                             "allocate_kv_caches)")
 
     @staticmethod
     def _row_layout_tensors(meta, positions) -> tuple:
@@ -358,8 +404,9 @@ class DiffusionGemma(nn.Module):
             check_values: run the value checks that read tensors on the host (``input_ids`` in
                 ``[0, vocab_size)``, ``positions`` in ``[0, max_position_embeddings)``, each row's position and
                 non-negative ``meta.slot_mapping`` entry its key position / the slot ``meta.block_table`` gives it, all
-                from one host copy; and attention's / the KV-cache writer's metadata checks, once per cache
-                geometry). None (default): on unless a CUDA
+                from one host copy; no two layers' ``kv_caches`` sharing memory, from their addresses; and
+                attention's / the KV-cache writer's metadata checks, once per cache geometry). None (default): on
+                unless a CUDA
                 graph is being captured (:func:`blockdiff.attention.validate.capturing`); False trusts the caller
                 (an out-of-vocabulary id is then an out-of-bounds embedding read: an IndexError on the CPU, a
                 device-side assert on CUDA).
@@ -380,7 +427,9 @@ class DiffusionGemma(nn.Module):
                 value checks, input ids outside ``[0, vocab_size)`` or positions outside
                 ``[0, max_position_embeddings)`` (the values and their rows named), and a row whose position or
                 (non-negative) ``meta.slot_mapping`` entry is not its key position ``seq_lens - q_len + row`` / the
-                slot ``meta.block_table`` gives it (:meth:`_check_row_layout`).
+                slot ``meta.block_table`` gives it (:meth:`_check_row_layout`); with value checks, caches of two
+                layers that share memory (:meth:`_check_caches_disjoint`: one layer would overwrite the other's
+                context), both named.
         """
         bw = self.config.bidirectional_window if bidirectional_window is None else bidirectional_window
         if check_values is not None and not isinstance(check_values, bool):

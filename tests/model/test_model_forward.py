@@ -752,3 +752,87 @@ def test_float_metadata_is_refused_by_its_dtype_rule_not_a_truncated_row_layout_
     setattr(meta, name, t)
     with torch.no_grad(), pytest.raises(TypeError, match=rule):
         model(torch.zeros(8, dtype=torch.int64), pos, meta, model.allocate_kv_caches(8, PS), attn_backend="reference")
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("how", ["same_pair", "k_of_one_is_v_of_another", "overlapping_views"])
+def test_kv_caches_of_two_layers_sharing_memory_are_a_value_error_naming_both(model, how):
+    """Every layer writes its K/V at meta.slot_mapping and reads them back through meta.block_table, so two layers
+    whose caches share memory overwrite each other's context: ``[pair, ...] * n`` (or one tensor as one layer's K
+    and another's V) gave a prefill then a denoise pass whose logits differed from those of separate caches,
+    silently (layer 2's K/V read as layer 0's). With value checks it is a ValueError naming both caches;
+    disjoint views of one pool (per layer slices, interleaved K / V planes) pass."""
+    cfg = model.config
+    prompt = torch.randint(0, cfg.vocab_size, (6,), generator=torch.Generator().manual_seed(0))
+    canvas = torch.randint(0, cfg.vocab_size, (4,), generator=torch.Generator().manual_seed(1))
+    m1, p1 = build_meta([6], [6], [True], PS)
+    m2, p2 = build_meta([4], [10], [False], PS)
+
+    def run(caches, **kw):
+        model(prompt, p1, m1, caches, attn_backend="reference", **kw)
+        return model(canvas, p2, m2, caches, attn_backend="reference", **kw)
+
+    good = model.allocate_kv_caches(4, PS)
+    want = run(good)
+    bad = model.allocate_kv_caches(4, PS)  # layers 0 and 2 are sliding, 1 and 3 full: same cache shapes
+    if how == "same_pair":
+        bad[2] = bad[0]
+        match = r"kv_caches\[0\]\.k_cache and kv_caches\[2\]\.k_cache share memory"
+    elif how == "k_of_one_is_v_of_another":
+        bad[3] = (bad[3][0], bad[1][0])
+        match = r"kv_caches\[1\]\.k_cache and kv_caches\[3\]\.v_cache share memory"
+    else:
+        pool = torch.zeros((5,) + tuple(bad[0][0].shape[1:]))
+        bad[0] = (pool[:4], bad[0][1])
+        bad[2] = (pool[1:], bad[2][1])
+        match = r"kv_caches\[0\]\.k_cache and kv_caches\[2\]\.k_cache share memory"
+    assert not torch.allclose(run(bad, check_values=False), want)  # the silent wrong result, trusted
+    with pytest.raises(ValueError, match=match):
+        run(bad)
+    # disjoint views of one allocation are fine: per-layer slices of a pool, and a layer's K / V as the interleaved
+    # planes of a [num_blocks, 2, page_size, heads, dim] tensor
+    shapes = [ks for ks, _ in model.kv_cache_shapes(4, PS)]
+    pools = {s: torch.zeros((2, s[0], 2) + s[1:]) for s in set(shapes)}
+    seen: dict = {}
+    views = []
+    for s in shapes:
+        j = seen[s] = seen.get(s, -1) + 1
+        views.append((pools[s][j][:, 0], pools[s][j][:, 1]))
+    torch.testing.assert_close(run(views), want)
+
+
+@pytest.mark.parametrize("z,err,match", [
+    (torch.zeros(3, 255), ValueError, r"z must be \[\.\.\., vocab_size = 256\] logits, got shape \(3, 255\)"),
+    (torch.tensor(1.0), ValueError, r"z must be \[\.\.\., vocab_size = 256\] logits, got shape \(\)"),
+    (torch.ones(3, 256, dtype=torch.int64), TypeError, r"z must be a floating tensor of logits, got torch.int64"),
+    (torch.ones(3, 256, dtype=torch.bool), TypeError, r"z must be a floating tensor of logits, got torch.bool"),
+    ([[0.0] * 256], TypeError, r"z must be a floating tensor of logits, got list"),
+    (torch.zeros(3, 256, device="meta"), ValueError, r"z is on meta, the model on cpu"),
+])
+def test_soft_embedding_of_logits_of_the_wrong_shape_or_dtype_is_refused_naming_z(model, z, err, match):
+    """soft_embedding(z) (train.py's self-conditioning input) took integer and bool "logits" as numbers (a softmax of
+    0 / 1 flags), and a vocabulary of the wrong size or a 0-d z failed inside the matmul (torch's RuntimeError "mat1
+    and mat2 shapes cannot be multiplied", naming neither z nor the vocabulary)."""
+    with pytest.raises(err, match=match):
+        model.soft_embedding(z)
+    out = model.soft_embedding(torch.randn(2, 3, 256, dtype=torch.bfloat16))
+    assert out.shape == (2, 3, 64) and out.dtype == torch.float32
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("moe_impl", ["loop", "grouped_mm"])
+def test_a_step_of_zero_tokens_gives_zero_logits_rows_with_either_moe(model, moe_impl):
+    """A batch of sequences with no query tokens (T = 0: a decoder row of length 0) gave [0, vocab] logits with the
+    loop MoE but a RuntimeError from the grouped one ("cannot reshape tensor of 0 elements into shape [0, 2, -1]",
+    the automatic choice for bf16 on sm90 / sm100), whose expert outputs were viewed with an inferred hidden size."""
+    m = copy.deepcopy(model)
+    m.moe_impl = moe_impl
+    meta, pos = build_meta([0], [3], [False], PS)
+    ids = torch.zeros(0, dtype=torch.int64)
+    out = m(ids, pos, meta, m.allocate_kv_caches(4, PS), torch.zeros(0, m.config.hidden_size),
+            attn_backend="reference")
+    assert out.shape == (0, m.config.vocab_size) and out.dtype == torch.float32
+    layer = m.layers[0]
+    x = torch.zeros(0, m.config.hidden_size)
+    w, idx = layer.router(x)
+    assert layer.experts(x, w, idx, impl=moe_impl).shape == (0, m.config.hidden_size)
