@@ -56,6 +56,12 @@ class SelfConditioning(nn.Module):
         return self.post_norm(inputs_embeds + self.signal(soft))
 
 
+#: Cache layouts (per cache: address, shape, strides, element size, device) that
+#: :meth:`DiffusionGemma._check_caches_disjoint` found disjoint, oldest first (bounded; no tensors held).
+_DISJOINT_CACHE_LAYOUTS: dict = {}
+_DISJOINT_CACHE_LAYOUTS_MAX = 64
+
+
 class DiffusionGemma(nn.Module):
     """DiffusionGemma text model (Gemma 4 backbone, dense MLP + MoE per layer) over a flat mixed batch.
 
@@ -311,7 +317,16 @@ class DiffusionGemma(nn.Module):
         on shapes, strides and addresses; no device read). Every layer writes its K/V at ``meta.slot_mapping`` and
         reads them back through ``meta.block_table``, so two such layers overwrite each other's context: a silent
         wrong result (``[(k, v)] * num_layers``). Disjoint views of one allocation (per-layer slices of a pool,
-        interleaved K / V planes) pass; a layer's own K and V are the KV-cache writer's check."""
+        interleaved K / V planes) pass; a layer's own K and V are the KV-cache writer's check.
+
+        A layout that passed (every cache's address, shape, strides, element size and device: all the answer
+        depends on) is remembered, so a serving loop pays the sweep once, not every forward (~0.2 ms of host time
+        per forward for 60 layers' separate caches, ~36 ms for a ``[num_blocks, num_layers, 2, ...]`` pool whose
+        layers' spans all interleave)."""
+        key = tuple((c.data_ptr(), c.shape, c.stride(), c.element_size(), c.device)
+                    for pair in kv_caches for c in pair)
+        if key in _DISJOINT_CACHE_LAYOUTS:
+            return
         spans = []
         for i, pair in enumerate(kv_caches):
             for name, c in zip(("k_cache", "v_cache"), pair):
@@ -334,6 +349,9 @@ class DiffusionGemma(nn.Module):
                              "caches of different layers do): each layer writes its K/V at meta.slot_mapping, so one "
                              "layer would overwrite the other's context (give every layer its own caches, e.g. "
                              "allocate_kv_caches)")
+        if len(_DISJOINT_CACHE_LAYOUTS) >= _DISJOINT_CACHE_LAYOUTS_MAX:
+            _DISJOINT_CACHE_LAYOUTS.pop(next(iter(_DISJOINT_CACHE_LAYOUTS)), None)  # the oldest
+        _DISJOINT_CACHE_LAYOUTS[key] = None
 
     @staticmethod
     def _row_layout_tensors(meta, positions) -> tuple:

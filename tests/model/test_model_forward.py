@@ -836,3 +836,31 @@ def test_a_step_of_zero_tokens_gives_zero_logits_rows_with_either_moe(model, moe
     x = torch.zeros(0, m.config.hidden_size)
     w, idx = layer.router(x)
     assert layer.experts(x, w, idx, impl=moe_impl).shape == (0, m.config.hidden_size)
+
+
+@torch.no_grad()
+def test_the_caches_sharing_check_sweeps_each_cache_layout_once(model, monkeypatch):
+    """The check that no two layers' kv_caches share memory ran its sweep on every forward with value checks (the
+    harness's default): ~0.2 ms of host time per step for 60 layers' separate caches and ~30 ms for a
+    ``[num_blocks, num_layers, 2, ...]`` pool, whose layers' spans all interleave (a share_elements call per pair of
+    caches). A layout that passed is remembered by the caches' addresses, shapes, strides, element sizes and
+    devices; a changed layout is checked again."""
+    calls = []
+    real = modeling.share_elements
+    monkeypatch.setattr(modeling, "share_elements", lambda a, b: calls.append(1) or real(a, b))
+    shapes = model.kv_cache_shapes(4, PS)
+    per_token = {s[2] * s[3] for s, _ in shapes}
+    assert len(per_token) == 1  # tiny_config: sliding 2 x 16 and full 1 x 32 heads x dims, 32 elements a token
+    pool = torch.zeros(4, len(shapes), 2, PS, per_token.pop())  # [num_blocks, num_layers, k | v, page, ...]
+    caches = [(pool[:, i, 0].view(ks), pool[:, i, 1].view(vs)) for i, (ks, vs) in enumerate(shapes)]
+    meta, pos = build_meta([6], [6], [True], PS)
+    ids = torch.zeros(6, dtype=torch.int64)
+    model(ids, pos, meta, caches, attn_backend="reference")
+    assert calls  # interleaved spans: the sweep asked share_elements about the pairs of layers
+    calls.clear()
+    model(ids, pos, meta, caches, attn_backend="reference")
+    assert not calls
+    caches[2] = caches[0]  # the same list, now two layers on one cache: checked again, and refused
+    with pytest.raises(ValueError, match=r"kv_caches\[0\]\.k_cache and kv_caches\[2\]\.k_cache share memory"):
+        model(ids, pos, meta, caches, attn_backend="reference")
+    assert calls
