@@ -195,19 +195,20 @@ def self_overlapping(t: torch.Tensor) -> bool:
     return False
 
 
+def memory_span(t: torch.Tensor) -> tuple[int, int]:
+    """The byte addresses ``[start, end)`` a non-empty tensor's elements lie in (host pointer arithmetic, no sync)."""
+    start = t.data_ptr()
+    extent = sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) + 1
+    return start, start + extent * t.element_size()
+
+
 def memory_overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors' memory spans intersect (host pointer arithmetic only, no sync; conservative: spans,
     not elements)."""
     if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
         return False
-
-    def span(t):
-        start = t.data_ptr()
-        extent = sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) + 1
-        return start, start + extent * t.element_size()
-
-    a0, a1 = span(a)
-    b0, b1 = span(b)
+    a0, a1 = memory_span(a)
+    b0, b1 = memory_span(b)
     return a0 < b1 and b0 < a1
 
 

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from blockdiff.attention import attention, causal_row_counts, write_kv_cache
-from blockdiff.attention.validate import capturing, share_elements
+from blockdiff.attention.validate import capturing, memory_span, share_elements
 
 from .config import DiffusionGemmaConfig, rope_inv_freq
 from .errors import CheckpointError, CheckpointFileNotFoundError
@@ -331,16 +331,14 @@ class DiffusionGemma(nn.Module):
         for i, pair in enumerate(kv_caches):
             for name, c in zip(("k_cache", "v_cache"), pair):
                 if c.numel():
-                    start = c.data_ptr()
-                    extent = sum((n - 1) * abs(st) for n, st in zip(c.shape, c.stride())) + 1
-                    spans.append((start, start + extent * c.element_size(), i, name, c))
+                    spans.append((*memory_span(c), i, name, c))
         spans.sort(key=lambda x: (x[0], x[1], x[2]))
         open_spans: list = []  # spans that reach past the current start (candidates for an overlap)
         shared = []
         for start, end, i, name, c in spans:
             open_spans = [o for o in open_spans if o[1] > start]
             for o in open_spans:
-                if o[2] != i and o[4].device == c.device and share_elements(o[4], c):
+                if o[2] != i and share_elements(o[4], c):  # (False across devices)
                     shared.append(tuple(sorted(((o[2], o[3]), (i, name)))))
             open_spans.append((start, end, i, name, c))
         if shared:
