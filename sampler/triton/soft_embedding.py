@@ -53,6 +53,7 @@ Semantics: docs/ARCHITECTURE.md "Sampler semantics", rule 7.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -252,6 +253,7 @@ def soft_embedding(logits: torch.Tensor, embedding: torch.Tensor, T: torch.Tenso
     return ws
 
 
+@functools.lru_cache(maxsize=4096)  # pure in its (hashable) arguments; ~30 us of host time a step uncached
 def _gemm_plan(N: int, CL: int, V: int, hidden: int, device: torch.device, embedding_dtype: torch.dtype,
                cfg: SamplerConfig) -> tuple[SamplerConfig, int, int]:
     """``(resolved config, K_PER_SPLIT, SPLIT_K)`` of :func:`soft_embedding`'s split-K GEMM, after the int32 index
@@ -277,6 +279,7 @@ def _chunk_tiles(M: int, vc: int, cuda: bool) -> tuple[int, int]:
     return (4, 1024) if cuda else (min(32, triton.next_power_of_2(M)), min(64, triton.next_power_of_2(vc)))
 
 
+@functools.lru_cache(maxsize=4096)  # pure in its arguments; ~10 us of host time a step uncached
 def _check_chunk_indices(N: int, CL: int, V: int, vc: int, cuda: bool) -> None:
     """The int32 index checks of :func:`soft_embedding_chunked` with chunks of ``vc`` tokens: the token ids
     ``v0 + j`` of the last chunk over its padded tiles (``j`` up to ``cdiv(vc, BLOCK_V) * BLOCK_V - 1``: a

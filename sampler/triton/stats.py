@@ -47,6 +47,8 @@ Extra memory: ``N * CL * SPLIT_V * 32`` bytes of split statistics.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -516,7 +518,9 @@ def _merge_tiles(R: int, V: int, cuda: bool) -> tuple[int, int]:
 def stats_plan(N: int, CL: int, V: int, config: SamplerConfig | None,
                device: torch.device) -> tuple[SamplerConfig, int, int]:
     """``(resolved config, CHUNK, SPLIT_V)`` of :func:`row_stats`' launches for logits [N, CL, V] on ``device``:
-    vocabulary splits of CHUNK tokens (whole ``4 * block_g``-token tiles), SPLIT_V of them.
+    vocabulary splits of CHUNK tokens (whole ``4 * block_g``-token tiles), SPLIT_V of them. Cached per shapes,
+    (frozen, hashable) config and device: a pure function of them that costs ~40 us of host time uncached (the
+    config's ``resolve`` and ``triton.cdiv`` calls), on every step; a refusal is not cached.
 
     Raises:
         ValueError: an int32 index of the launches would pass 2**31 - 1 (:func:`~.common.check_int32_index`): the
@@ -524,7 +528,14 @@ def stats_plan(N: int, CL: int, V: int, config: SamplerConfig | None,
             the kernel forms ``start + CHUNK`` and token ids below it in int32) where V is within that padding of
             2**31 (the state allows V < 2**31), or the flat positions of N * CL rows padded to whole programs.
     """
-    cfg = check_config(config).resolve(N * CL, V, 1, device)
+    return _stats_plan(N, CL, V, check_config(config), torch.device(device))
+
+
+@functools.lru_cache(maxsize=4096)  # (a key per batch size N: vLLM's N runs over 1..max_num_seqs)
+def _stats_plan(N: int, CL: int, V: int, config: SamplerConfig,
+                device: torch.device) -> tuple[SamplerConfig, int, int]:
+    """:func:`stats_plan` after its config check."""
+    cfg = config.resolve(N * CL, V, 1, device)
     tile = 4 * cfg.block_g
     chunk = triton.cdiv(triton.cdiv(V, cfg.split_v), tile) * tile
     split_v = triton.cdiv(V, chunk)
@@ -541,6 +552,7 @@ def stats_plan(N: int, CL: int, V: int, config: SamplerConfig | None,
     return cfg, chunk, split_v
 
 
+@functools.lru_cache(maxsize=4096)
 def check_moments_indices(N: int, CL: int, V: int, device: torch.device) -> None:
     """The int32 index checks of :func:`row_moments` (one program per position, ``BLOCK_V``-token tiles).
 

@@ -91,3 +91,28 @@ def test_triton_step_entry_checks_run_once_per_shape_and_config_and_refusals_rep
             sampler_step(big, torch.tensor([0]), logits, torch.ones(1, dtype=torch.bool),
                          torch.zeros(1, 1).expand(V_TOP, 1))
     assert int(big.phase[0]) == 0 and len(calls) == 4
+
+
+def test_triton_launcher_plans_are_cached_per_shape_and_refusals_repeat():
+    """The launchers' own plans (``row_stats``' :func:`stats_plan`, ``soft_embedding``'s split-K plan, the chunked
+    path's and ``row_moments``' index checks) repeated what the step's cached entry check had just computed, at
+    ~30-40 us of host time each a step (the config's ``resolve``, ``triton.cdiv``): cached per key now, the result
+    equal to the uncached one; a refusal is raised again on every call."""
+    import blockdiff.sampler.triton.soft_embedding as soft_mod
+    import blockdiff.sampler.triton.stats as stats_mod
+    cpu = torch.device("cpu")
+    stats_mod._stats_plan.cache_clear()
+    first = stats_plan(3, 5, 1000, None, cpu)
+    assert stats_plan(3, 5, 1000, SamplerConfig(), "cpu") == first == stats_mod._stats_plan.__wrapped__(
+        3, 5, 1000, SamplerConfig(), cpu)
+    assert stats_mod._stats_plan.cache_info().hits == 1
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"vocab_size=2147483647"):
+            stats_plan(1, 1, V_TOP, SamplerConfig(split_v=1, block_g=64), cpu)
+    with pytest.raises(TypeError, match="config must be a SamplerConfig or None"):
+        stats_plan(1, 1, 8, {}, cpu)                  # the config check runs before the (hashing) cache
+    for f in (soft_mod._gemm_plan, soft_mod._check_chunk_indices, stats_mod.check_moments_indices):
+        assert f.cache_info().maxsize == 4096, f
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"K split\(s\)"):
+            soft_mod._gemm_plan(1, 1, V_TOP, 16, cpu, torch.float32, SamplerConfig(split_k=3))
