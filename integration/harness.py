@@ -58,6 +58,7 @@ from .batch import HarnessInputBatch, NewRequest
 from .checks import AttentionChecker
 from .kv_alloc import BlockAllocator, OutOfBlocks
 from .model_state import DiffusionModelState, to_diffusion_params
+from .vllm_params import rng_request_id
 
 
 def checkpoint_sampling_params(model: torch.nn.Module, **overrides) -> SamplingParams:
@@ -259,6 +260,7 @@ class _Req:
     last_scheduled: int = -1
     prefill: list[int] = field(default_factory=list)  # tokens to prefill: the prompt, + output after preemption
     num_preemptions: int = 0
+    rng_id: str | None = None  # the RNG identity (a vLLM-style request's extra_args rng_request_id; else req_id)
 
     def __post_init__(self) -> None:
         if not self.prefill:
@@ -413,17 +415,18 @@ class HarnessRunner:
             prompt_token_ids: a list / tuple of ints or a 1-D integer tensor / ndarray, each id in [0, vocab).
             params: None (``default_params``), a blockdiff ``SamplingParams`` (used as is) or a vLLM-style
                 ``SamplingParams`` (converted over ``default_params``, see
-                :func:`~blockdiff.integration.model_state.to_diffusion_params`).
+                :func:`~blockdiff.integration.model_state.to_diffusion_params`; its ``extra_args``
+                ``rng_request_id`` keys the request's noise in place of ``req_id``, as under vLLM).
             arrival_step: an int >= 0, or None.
 
         Raises:
             TypeError: a ``req_id`` that is not a str; a prompt that is not a sequence of ints (a str, floats,
                 bools, None, a sparse tensor), params of another type (a dict), an ``arrival_step`` that is not an
-                int.
+                int, an ``extra_args`` ``rng_request_id`` that is not a str.
             ValueError: duplicate or empty id, empty prompt, a prompt tensor on the meta device, token id outside
                 [0, vocab), prompt too long for ``max_model_len``, a canvas length other than the served one, a
-                SamplingParams rule broken, a negative ``arrival_step``, or a request whose KV footprint exceeds the
-                pool (``num_blocks``): it could never finish.
+                SamplingParams rule broken, an empty ``extra_args`` ``rng_request_id``, a negative ``arrival_step``,
+                or a request whose KV footprint exceeds the pool (``num_blocks``): it could never finish.
         """
         _check_req_id(req_id)
         if not req_id:
@@ -444,7 +447,8 @@ class HarnessRunner:
         if arrival_step is not None and (not _is_int(arrival_step) or arrival_step < 0):
             kind = TypeError if not _is_int(arrival_step) else ValueError
             raise kind(f"request {req_id!r}: arrival_step must be an int >= 0 or None, got {arrival_step!r}")
-        try:
+        try:  # a vLLM-style request's extra_args rng_request_id: its noise identity (was dropped with the
+            rng_id = rng_request_id(params, req_id)  # vLLM object: the noise was keyed by req_id regardless)
             params = to_diffusion_params(params, self.default_params)
         except (TypeError, ValueError) as e:
             raise type(e)(f"request {req_id!r}: params: {e}") from None
@@ -464,7 +468,7 @@ class HarnessRunner:
                              "lower max_tokens / max_model_len")
         arrival = self.step_index if arrival_step is None else int(arrival_step)
         self._ids.add(req_id)
-        self._queue(_Req(req_id, prompt, params, arrival, (arrival, self._num_submitted)))
+        self._queue(_Req(req_id, prompt, params, arrival, (arrival, self._num_submitted), rng_id=rng_id))
         self._num_submitted += 1
 
     def _kv_footprint(self, prompt_len: int, params: SamplingParams) -> tuple[int, int]:
@@ -510,7 +514,8 @@ class HarnessRunner:
             slot = self._free_slots[0]
             # claim the slot only once the model state accepted the request: if add_request raises, the request
             # stays queued and the slot free (nothing lost or leaked) and the error reaches the caller
-            self.model_state.add_request(slot, NewRequest(r.req_id, r.prompt, r.params, prefill_token_ids=r.prefill))
+            self.model_state.add_request(slot, NewRequest(r.req_id, r.prompt, r.params, prefill_token_ids=r.prefill,
+                                                           rng_request_id=r.rng_id))
             self._waiting.pop(0)
             self._free_slots.pop(0)
             r.slot = slot
