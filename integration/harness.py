@@ -113,6 +113,12 @@ def _token_ids(prompt_token_ids, req_id: str) -> list[int]:
     return [int(t) for t in x]
 
 
+def _defined(x) -> float | None:
+    """``float(x)``, or None where it is NaN (a row's mean entropy when its logits had no softmax: the row failed)."""
+    x = float(x)
+    return None if math.isnan(x) else x
+
+
 def _check_req_id(req_id) -> None:
     """Raise TypeError naming ``req_id`` unless it is a str (a list was "unhashable type", an int a ValueError)."""
     if not isinstance(req_id, str):
@@ -183,7 +189,8 @@ class RowRecord:
     accounting for it. A fused commit row (``HarnessRunner(fuse_commit=True)``) is recorded as two records with
     ``fused`` True, in the batch row's order: its commit (``"commit"``, CL causal query tokens, ``num_sampled`` CL)
     and its next canvas's first denoising step (``"denoise"``, CL bidirectional query tokens over the context and
-    the committed canvas, ``num_rejected`` CL)."""
+    the committed canvas, ``num_rejected`` CL). ``mean_entropy``: a denoise row's mean entropy (nats), None where it
+    is undefined (other phases; a row that failed: NaN / +inf logits, or a position whose every logit is -inf)."""
 
     req_id: str
     slot: int
@@ -228,6 +235,8 @@ class StepRecord:
 
     @property
     def mean_entropy(self) -> float | None:
+        """Mean of the denoise rows' mean entropies (nats), over the rows that have one (a failed row's is None,
+        :class:`RowRecord`); None when no row has one."""
         v = [r.mean_entropy for r in self.rows if r.phase == "denoise" and r.mean_entropy is not None]
         return float(np.mean(v)) if v else None
 
@@ -744,7 +753,7 @@ class HarnessRunner:
                 rec.rows.append(RowRecord(r.req_id, r.slot, "commit", CL, ctx + CL, True, n_s[i], 0, n_e[i],
                                           fused=True))
                 row = RowRecord(r.req_id, r.slot, "denoise", q - CL, seq_len, False, 0, n_r[i], 0, fused=True)
-                row.accepted, row.mean_entropy = int(f_acc[i]), float(f_ment[i])
+                row.accepted, row.mean_entropy = int(f_acc[i]), _defined(f_ment[i])
                 row.converged = bool(f_conv[i])
                 r.num_canvases += 1
                 r.num_denoise_steps += 1
@@ -754,7 +763,7 @@ class HarnessRunner:
                                 n_r[i], n_e[i])
             if ph == DENOISE:
                 r.num_denoise_steps += 1
-                row.accepted, row.mean_entropy, row.converged = int(acc[i]), float(ment[i]), bool(conv[i])
+                row.accepted, row.mean_entropy, row.converged = int(acc[i]), _defined(ment[i]), bool(conv[i])
             if ph == COMMIT and not fz[i]:
                 r.num_canvases += 1
             rec.rows.append(row)
