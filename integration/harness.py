@@ -297,7 +297,8 @@ class HarnessRunner:
         default_params: :class:`blockdiff.sampler.SamplingParams` for requests added without params, or None (the
             checkpoint's, see above); its ``canvas_length`` is the served canvas length.
         max_num_reqs: request slots (>= 1).
-        max_num_batched_tokens: token budget of one step (>= canvas_length).
+        max_num_batched_tokens: token budget of one step (>= canvas_length); the per-token buffers hold
+            ``min(max_num_batched_tokens, max_num_reqs * max_model_len)`` tokens, the most a step can schedule.
         page_size: KV page size in tokens. num_blocks: KV pages (default: enough for every slot at
             ``max_model_len``). max_model_len: longest sequence in tokens (prompt + emitted + one canvas).
             Each capacity is an integer >= 1 (a Python or numpy int; bool refused).
@@ -388,8 +389,12 @@ class HarnessRunner:
         self.allocator = BlockAllocator(num_blocks, page_size)
         self.check = check
         self.kv_caches = model.allocate_kv_caches(num_blocks, page_size, self.device, kv_dtype)
+        # the model state's per-token buffers hold one step's tokens: at most max_num_reqs rows of at most
+        # max_model_len tokens (a prompt chunk, a canvas, a fused commit's 2 * CL); a budget above that is never
+        # used (was: allocated whole, max_num_batched_tokens=2**31 had the process killed for memory)
+        step_tokens = min(max_num_batched_tokens, max_num_reqs * max_model_len)
         self.model_state = DiffusionModelState.for_harness(
-            model, max_num_reqs=max_num_reqs, max_num_tokens=max_num_batched_tokens, canvas_length=cl,
+            model, max_num_reqs=max_num_reqs, max_num_tokens=step_tokens, canvas_length=cl,
             device=self.device, default_params=self.default_params, fuse_commit=fuse_commit)
         self.fuse_commit = fuse_commit
         self.sampler, rejection = self.model_state.custom_sampler(None, backend=self.sampler_backend)

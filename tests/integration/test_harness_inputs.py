@@ -263,3 +263,20 @@ def test_req_id_that_is_not_a_str_is_a_type_error_naming_it(make_runner, bad):
         with pytest.raises(TypeError, match="req_id must be a str"):
             call()
     assert not r.has_unfinished
+
+
+def test_a_token_budget_above_what_a_step_can_schedule_allocates_only_what_a_step_can_use(make_runner):
+    """A step schedules at most max_num_reqs rows of at most max_model_len tokens. The model state's per-token
+    buffers were sized by the budget itself: max_num_batched_tokens=2**31 with a tiny model allocated 2**31 x hidden
+    floats (the process was killed for memory). Now they hold min(budget, max_num_reqs * max_model_len) tokens and
+    such a budget serves as any budget above what the requests need."""
+    r = make_runner(max_num_reqs=2, max_model_len=64, max_num_batched_tokens=100_000)
+    assert r.model_state.self_cond_buf.shape[0] == r.model_state.input_ids_buf.shape[0] == 2 * 64
+    assert r.max_num_batched_tokens == 100_000
+    ref = make_runner(max_num_reqs=2, max_model_len=64, max_num_batched_tokens=2 * 64)
+    r = make_runner(max_num_reqs=2, max_model_len=64, max_num_batched_tokens=2 ** 40)
+    for x in (r, ref):
+        x.add_request("a", prompt(40, 3), params(max_tokens=2 * CL))
+        x.add_request("b", prompt(9, 4), params(max_tokens=CL))
+    out, want = r.run(max_steps=200), ref.run(max_steps=200)
+    assert {k: v.output_token_ids for k, v in out.items()} == {k: v.output_token_ids for k, v in want.items()}
