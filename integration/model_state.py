@@ -406,7 +406,8 @@ class DiffusionModelState(_Base):
         Raises:
             ValueError: slot out of range, slot already held by another live request, duplicate req_id, empty
                 prompt, ``prefill_token_ids`` not starting with the prompt; in the harness also a canvas length
-                other than the served one, a stop id outside the vocabulary, another SamplingParams rule broken, or
+                other than the served one, a stop id outside the vocabulary, another SamplingParams rule broken, a
+                ``new_req_data.rng_request_id`` that is not a non-empty str (a TypeError for a non-str), or
                 ``prefill_token_ids`` already holding ``max_tokens`` generated tokens
                 (:func:`blockdiff.sampler.state.check_resume`; under vLLM such a request is FAILED, as refused
                 parameters are).
