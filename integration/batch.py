@@ -26,12 +26,17 @@ class NewRequest:
         prefill_token_ids: the tokens to prefill: the prompt for a new request (the default), the prompt followed
             by the tokens already generated for a request resumed after preemption (model runner v2's
             ``NewRequestData.prefill_token_ids``).
+        rng_request_id: the request's RNG identity, a non-empty str, or None (the default: the one
+            :func:`~blockdiff.integration.vllm_params.rng_request_id` reads from ``sampling_params``, else ``req_id``).
+            Not a field of vLLM's ``NewRequestData``: the harness sets it from a vLLM-style request's ``extra_args``
+            ``rng_request_id``, which the blockdiff ``SamplingParams`` it passes as ``sampling_params`` cannot carry.
     """
 
     req_id: str
     prompt_token_ids: list[int]
     sampling_params: Any
     prefill_token_ids: list[int] | None = None
+    rng_request_id: str | None = None
 
     def __post_init__(self) -> None:
         if self.prefill_token_ids is None:

@@ -548,5 +548,5 @@ def _train_summary(folder: str) -> str:
         with open(os.path.join(folder, "train_log.json")) as f:
             log = json.load(f)
         return f", trained {int(log['steps'])} steps, held-out loss {float(log['final_held_out_loss']):.3f} nats per canvas byte"
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, OverflowError):  # (OverflowError: "steps": Infinity)
         return ""

@@ -120,7 +120,9 @@ def evaluate_generation(model: DiffusionGemma, tokenizer: ByteTokenizer, held_ou
             not an int (a Python or numpy int; bool refused).
         ValueError: ``num_prompts``, ``prompt_len`` or ``canvases`` < 1 (named; ``canvases = 0`` was reported as
             ``max_tokens``, ``num_prompts = 0`` as a stream too short); ``seed`` outside [0, 2**63) (named; the
-            sampling seed's range); no prompt found (held-out stream too short or without line starts);
+            sampling seed's range); ``prompt_len`` and ``canvases`` needing more positions than the model's
+            ``max_position_embeddings`` (a prompt, its canvases and one canvas of room; named); no prompt found
+            (held-out stream too short or without line starts);
             ``max_denoising_steps`` breaking its SamplingParams rule (a Python int).
     """
     num_prompts, prompt_len, canvases = (_check_count(name, v, 1) for name, v in (
@@ -128,6 +130,11 @@ def evaluate_generation(model: DiffusionGemma, tokenizer: ByteTokenizer, held_ou
     seed = _check_count("seed", seed, 0, 1 << 63)
     cfg = model.config
     CL = cfg.canvas_length
+    need, limit = eval_max_model_len(prompt_len, canvases, CL), getattr(cfg, "max_position_embeddings", None)
+    if isinstance(limit, numbers.Integral) and need > limit:  # (was the harness's error naming its max_model_len)
+        raise ValueError(f"prompt_len ({prompt_len}) + canvases ({canvases}) x canvas_length ({CL}) + one canvas of "
+                         f"room = {need} positions, more than the model's max_position_embeddings ({limit}): lower "
+                         "prompt_len or canvases")
     prompts = held_out_prompts(tokenizer, held_out, num_prompts, prompt_len, seed)
     if not prompts:
         raise ValueError("no held-out prompt found (held-out stream too short)")

@@ -58,6 +58,7 @@ from .batch import HarnessInputBatch, NewRequest
 from .checks import AttentionChecker
 from .kv_alloc import BlockAllocator, OutOfBlocks
 from .model_state import DiffusionModelState, to_diffusion_params
+from .vllm_params import rng_request_id
 
 
 def checkpoint_sampling_params(model: torch.nn.Module, **overrides) -> SamplingParams:
@@ -110,6 +111,12 @@ def _token_ids(prompt_token_ids, req_id: str) -> list[int]:
         if not _is_int(t):
             raise TypeError(f"{where} must hold ints, got {type(t).__name__} ({t!r})")
     return [int(t) for t in x]
+
+
+def _defined(x) -> float | None:
+    """``float(x)``, or None where it is NaN (a row's mean entropy when its logits had no softmax: the row failed)."""
+    x = float(x)
+    return None if math.isnan(x) else x
 
 
 def _check_req_id(req_id) -> None:
@@ -182,7 +189,8 @@ class RowRecord:
     accounting for it. A fused commit row (``HarnessRunner(fuse_commit=True)``) is recorded as two records with
     ``fused`` True, in the batch row's order: its commit (``"commit"``, CL causal query tokens, ``num_sampled`` CL)
     and its next canvas's first denoising step (``"denoise"``, CL bidirectional query tokens over the context and
-    the committed canvas, ``num_rejected`` CL)."""
+    the committed canvas, ``num_rejected`` CL). ``mean_entropy``: a denoise row's mean entropy (nats), None where it
+    is undefined (other phases; a row that failed: NaN / +inf logits, or a position whose every logit is -inf)."""
 
     req_id: str
     slot: int
@@ -227,6 +235,8 @@ class StepRecord:
 
     @property
     def mean_entropy(self) -> float | None:
+        """Mean of the denoise rows' mean entropies (nats), over the rows that have one (a failed row's is None,
+        :class:`RowRecord`); None when no row has one."""
         v = [r.mean_entropy for r in self.rows if r.phase == "denoise" and r.mean_entropy is not None]
         return float(np.mean(v)) if v else None
 
@@ -259,6 +269,7 @@ class _Req:
     last_scheduled: int = -1
     prefill: list[int] = field(default_factory=list)  # tokens to prefill: the prompt, + output after preemption
     num_preemptions: int = 0
+    rng_id: str | None = None  # the RNG identity (a vLLM-style request's extra_args rng_request_id; else req_id)
 
     def __post_init__(self) -> None:
         if not self.prefill:
@@ -286,7 +297,8 @@ class HarnessRunner:
         default_params: :class:`blockdiff.sampler.SamplingParams` for requests added without params, or None (the
             checkpoint's, see above); its ``canvas_length`` is the served canvas length.
         max_num_reqs: request slots (>= 1).
-        max_num_batched_tokens: token budget of one step (>= canvas_length).
+        max_num_batched_tokens: token budget of one step (>= canvas_length); the per-token buffers hold
+            ``min(max_num_batched_tokens, max_num_reqs * max_model_len)`` tokens, the most a step can schedule.
         page_size: KV page size in tokens. num_blocks: KV pages (default: enough for every slot at
             ``max_model_len``). max_model_len: longest sequence in tokens (prompt + emitted + one canvas).
             Each capacity is an integer >= 1 (a Python or numpy int; bool refused).
@@ -377,8 +389,12 @@ class HarnessRunner:
         self.allocator = BlockAllocator(num_blocks, page_size)
         self.check = check
         self.kv_caches = model.allocate_kv_caches(num_blocks, page_size, self.device, kv_dtype)
+        # the model state's per-token buffers hold one step's tokens: at most max_num_reqs rows of at most
+        # max_model_len tokens (a prompt chunk, a canvas, a fused commit's 2 * CL); a budget above that is never
+        # used (was: allocated whole, max_num_batched_tokens=2**31 had the process killed for memory)
+        step_tokens = min(max_num_batched_tokens, max_num_reqs * max_model_len)
         self.model_state = DiffusionModelState.for_harness(
-            model, max_num_reqs=max_num_reqs, max_num_tokens=max_num_batched_tokens, canvas_length=cl,
+            model, max_num_reqs=max_num_reqs, max_num_tokens=step_tokens, canvas_length=cl,
             device=self.device, default_params=self.default_params, fuse_commit=fuse_commit)
         self.fuse_commit = fuse_commit
         self.sampler, rejection = self.model_state.custom_sampler(None, backend=self.sampler_backend)
@@ -413,17 +429,18 @@ class HarnessRunner:
             prompt_token_ids: a list / tuple of ints or a 1-D integer tensor / ndarray, each id in [0, vocab).
             params: None (``default_params``), a blockdiff ``SamplingParams`` (used as is) or a vLLM-style
                 ``SamplingParams`` (converted over ``default_params``, see
-                :func:`~blockdiff.integration.model_state.to_diffusion_params`).
+                :func:`~blockdiff.integration.model_state.to_diffusion_params`; its ``extra_args``
+                ``rng_request_id`` keys the request's noise in place of ``req_id``, as under vLLM).
             arrival_step: an int >= 0, or None.
 
         Raises:
             TypeError: a ``req_id`` that is not a str; a prompt that is not a sequence of ints (a str, floats,
                 bools, None, a sparse tensor), params of another type (a dict), an ``arrival_step`` that is not an
-                int.
+                int, an ``extra_args`` ``rng_request_id`` that is not a str.
             ValueError: duplicate or empty id, empty prompt, a prompt tensor on the meta device, token id outside
                 [0, vocab), prompt too long for ``max_model_len``, a canvas length other than the served one, a
-                SamplingParams rule broken, a negative ``arrival_step``, or a request whose KV footprint exceeds the
-                pool (``num_blocks``): it could never finish.
+                SamplingParams rule broken, an empty ``extra_args`` ``rng_request_id``, a negative ``arrival_step``,
+                or a request whose KV footprint exceeds the pool (``num_blocks``): it could never finish.
         """
         _check_req_id(req_id)
         if not req_id:
@@ -444,7 +461,8 @@ class HarnessRunner:
         if arrival_step is not None and (not _is_int(arrival_step) or arrival_step < 0):
             kind = TypeError if not _is_int(arrival_step) else ValueError
             raise kind(f"request {req_id!r}: arrival_step must be an int >= 0 or None, got {arrival_step!r}")
-        try:
+        try:  # a vLLM-style request's extra_args rng_request_id: its noise identity (was dropped with the
+            rng_id = rng_request_id(params, req_id)  # vLLM object: the noise was keyed by req_id regardless)
             params = to_diffusion_params(params, self.default_params)
         except (TypeError, ValueError) as e:
             raise type(e)(f"request {req_id!r}: params: {e}") from None
@@ -464,7 +482,7 @@ class HarnessRunner:
                              "lower max_tokens / max_model_len")
         arrival = self.step_index if arrival_step is None else int(arrival_step)
         self._ids.add(req_id)
-        self._queue(_Req(req_id, prompt, params, arrival, (arrival, self._num_submitted)))
+        self._queue(_Req(req_id, prompt, params, arrival, (arrival, self._num_submitted), rng_id=rng_id))
         self._num_submitted += 1
 
     def _kv_footprint(self, prompt_len: int, params: SamplingParams) -> tuple[int, int]:
@@ -510,7 +528,8 @@ class HarnessRunner:
             slot = self._free_slots[0]
             # claim the slot only once the model state accepted the request: if add_request raises, the request
             # stays queued and the slot free (nothing lost or leaked) and the error reaches the caller
-            self.model_state.add_request(slot, NewRequest(r.req_id, r.prompt, r.params, prefill_token_ids=r.prefill))
+            self.model_state.add_request(slot, NewRequest(r.req_id, r.prompt, r.params, prefill_token_ids=r.prefill,
+                                                           rng_request_id=r.rng_id))
             self._waiting.pop(0)
             self._free_slots.pop(0)
             r.slot = slot
@@ -739,7 +758,7 @@ class HarnessRunner:
                 rec.rows.append(RowRecord(r.req_id, r.slot, "commit", CL, ctx + CL, True, n_s[i], 0, n_e[i],
                                           fused=True))
                 row = RowRecord(r.req_id, r.slot, "denoise", q - CL, seq_len, False, 0, n_r[i], 0, fused=True)
-                row.accepted, row.mean_entropy = int(f_acc[i]), float(f_ment[i])
+                row.accepted, row.mean_entropy = int(f_acc[i]), _defined(f_ment[i])
                 row.converged = bool(f_conv[i])
                 r.num_canvases += 1
                 r.num_denoise_steps += 1
@@ -749,7 +768,7 @@ class HarnessRunner:
                                 n_r[i], n_e[i])
             if ph == DENOISE:
                 r.num_denoise_steps += 1
-                row.accepted, row.mean_entropy, row.converged = int(acc[i]), float(ment[i]), bool(conv[i])
+                row.accepted, row.mean_entropy, row.converged = int(acc[i]), _defined(ment[i]), bool(conv[i])
             if ph == COMMIT and not fz[i]:
                 r.num_canvases += 1
             rec.rows.append(row)

@@ -144,6 +144,23 @@ def request_key(req_id: str) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") & (2 ** 63 - 1)
 
 
+def _rng_id_of(new_req_data: Any, default: str) -> str:
+    """``new_req_data.rng_request_id`` (the harness's :class:`~blockdiff.integration.batch.NewRequest`: a vLLM-style
+    request's RNG identity) when set, else ``default``.
+
+    Raises:
+        TypeError: it is not a str. ValueError: it is the empty string.
+    """
+    v = getattr(new_req_data, "rng_request_id", None)
+    if v is None:
+        return default
+    if not isinstance(v, str):
+        raise TypeError(f"rng_request_id must be a str (the request's RNG identity), got {type(v).__name__} ({v!r})")
+    if not v:
+        raise ValueError("rng_request_id must not be empty")
+    return v
+
+
 def _vllm_raises_on_logit_nans() -> bool:
     """Whether vLLM's ``VLLM_RAISE_ON_LOGIT_NANS`` is on: vLLM 0.33.0's runner then raises on any nonzero
     ``num_nans_in_logits`` value (``raise_if_nan_logits``), the fused-commit flag -1 included. False where vLLM has
@@ -373,7 +390,9 @@ class DiffusionModelState(_Base):
             new_req_data: has ``req_id`` (str), ``prompt_token_ids`` and ``sampling_params`` (blockdiff or vLLM
                 SamplingParams); optional ``prefill_token_ids`` (prompt + generated tokens of a resumed request;
                 None or the prompt for a new one). The request's noise is keyed by :func:`request_key` of
-                :func:`rng_request_id` (``extra_args["rng_request_id"]`` of a vLLM request, else ``req_id``).
+                :func:`rng_request_id` (``extra_args["rng_request_id"]`` of a vLLM request, else ``req_id``), or by
+                ``new_req_data.rng_request_id`` where that is set (the harness's
+                :class:`~blockdiff.integration.batch.NewRequest`).
 
         Under vLLM the plugin's scheduler refuses a request whose sampling parameters blockdiff refuses (e.g.
         ``extra_args`` with t_min > t_max) before it is scheduled, by the same checks
@@ -387,7 +406,8 @@ class DiffusionModelState(_Base):
         Raises:
             ValueError: slot out of range, slot already held by another live request, duplicate req_id, empty
                 prompt, ``prefill_token_ids`` not starting with the prompt; in the harness also a canvas length
-                other than the served one, a stop id outside the vocabulary, another SamplingParams rule broken, or
+                other than the served one, a stop id outside the vocabulary, another SamplingParams rule broken, a
+                ``new_req_data.rng_request_id`` that is not a non-empty str (a TypeError for a non-str), or
                 ``prefill_token_ids`` already holding ``max_tokens`` generated tokens
                 (:func:`blockdiff.sampler.state.check_resume`; under vLLM such a request is FAILED, as refused
                 parameters are).
@@ -418,6 +438,9 @@ class DiffusionModelState(_Base):
                 # the checks the plugin's scheduler ran at its add_request already (vllm_params): the backstop
                 params, rng_id = vllm_request_params(new_req_data.sampling_params, req_id, self.default_params,
                                                      canvas_length=CL, vocab_size=self.vocab_size)
+                # the harness's NewRequest carries a vLLM-style request's RNG identity beside the blockdiff
+                # SamplingParams it converted the request to (vLLM's NewRequestData has no such field)
+                rng_id = _rng_id_of(new_req_data, rng_id)
             self.reserve_stop_token_ids(len(params.eos_token_ids))
             self.state.check_params(params)
             check_resume(params, num_generated)  # a resumed request with all its tokens: fail it, never lose it

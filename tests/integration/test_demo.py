@@ -372,3 +372,14 @@ def test_demo_reads_triton_interpret_as_triton_does(monkeypatch, value, availabl
             demo.check_attention_backend("triton", "cpu", dtype=None)
         with pytest.raises(demo.BackendUnavailable, match="sampler backend 'triton' on CPU"):
             demo.run_demo(sampler_backend="triton", device="cpu", progress=False, stream=io.StringIO())
+
+
+@pytest.mark.parametrize("log", ['{"steps": Infinity, "final_held_out_loss": 1.0}', '{"steps": NaN}', '[1, 2]',
+                                 '{"steps": 5}', 'not json'])
+def test_an_unreadable_train_log_gives_no_training_summary_not_a_crash(tmp_path, log):
+    """train_log.json is an optional record: a log the summary cannot read gives no summary. Was: "steps": Infinity
+    (json.load reads it as float inf) raised OverflowError from int() out of blockdiff demo's header line."""
+    from blockdiff.integration.demo import _train_summary
+
+    (tmp_path / "train_log.json").write_text(log)
+    assert _train_summary(str(tmp_path)) == ""

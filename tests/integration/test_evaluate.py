@@ -145,3 +145,15 @@ def test_evaluate_generation_takes_numpy_int_counts_as_ints(name, value):
     ev = evaluate_generation(model, TOK, _stream(), **args)
     assert ev["num_prompts"] == 1 and type(ev["prompt_len"]) is int
     json.dumps({k: v for k, v in ev.items()})
+
+
+@pytest.mark.parametrize("kw", [dict(canvases=1000), dict(prompt_len=100_000)])
+def test_evaluate_generation_past_the_model_s_positions_names_prompt_len_and_canvases(kw):
+    """Was: the harness's "max_model_len (N) must be <= the model's max_position_embeddings", an argument
+    evaluate_generation does not take (after the prompts were drawn); now a ValueError naming prompt_len and
+    canvases and the positions they need, before any prompt is drawn."""
+    model = DiffusionGemma(smoke_config(), seed=4, moe_impl="loop").eval()
+    args = dict(num_prompts=1, prompt_len=12, canvases=1, max_denoising_steps=1)
+    args.update(kw)
+    with pytest.raises(ValueError, match=r"prompt_len \(\d+\) \+ canvases \(\d+\) .*max_position_embeddings"):
+        evaluate_generation(model, TOK, _stream(), **args)

@@ -220,6 +220,36 @@ def test_failed_request_is_reported_not_lost(make_runner):
     assert r.allocator.num_free == r.allocator.num_blocks
 
 
+@pytest.mark.parametrize("fuse", [False, True])
+def test_a_failed_row_leaves_the_step_s_mean_entropy_a_number(make_runner, fuse):
+    """A denoise row that fails (NaN logits) has no mean entropy: its RowRecord holds None, and the step's
+    mean_entropy is the mean over the rows that have one (was: the failed row's NaN made the whole step's mean NaN,
+    printed as "nan" in blockdiff demo's table, though the other rows' entropies were defined)."""
+    import math
+
+    r = make_runner(fuse_commit=fuse)
+    r.add_request("ok", prompt(5, 70), params(max_tokens=3 * CL))
+    r.add_request("bad", prompt(5, 71), params(max_tokens=3 * CL))
+    inner = r.sampler
+
+    def poisoned(logits, batch):
+        logits = logits.clone()
+        for i, rid in enumerate(batch.req_ids):
+            if rid == "bad" and r.step_index >= 4:
+                logits[batch.query_start_loc_np[i]: batch.query_start_loc_np[i + 1]] = float("nan")
+        return inner(logits, batch)
+
+    r.sampler = poisoned
+    res = r.run(max_steps=200)
+    assert res["bad"].finish_reason == "error" and res["ok"].finish_reason == "length"
+    failed_step = next(h for h in r.history if "bad" in h.finished)
+    rows = {x.req_id: x for x in failed_step.rows if x.phase == "denoise"}
+    assert rows["bad"].mean_entropy is None and math.isfinite(rows["ok"].mean_entropy)
+    for h in r.history:
+        assert h.mean_entropy is None or math.isfinite(h.mean_entropy), h
+    assert failed_step.mean_entropy == rows["ok"].mean_entropy
+
+
 def test_bad_requests_raise(make_runner):
     r = make_runner()
     with pytest.raises(ValueError, match="prompt_token_ids"):

@@ -72,6 +72,36 @@ def test_params_of_the_wrong_type_are_refused_and_vllm_style_params_are_converte
     assert len(r.run(max_steps=100)["v"].output_token_ids) == CL
 
 
+def test_vllm_style_rng_request_id_keys_the_noise_as_under_vllm_and_bad_ones_are_refused(make_runner):
+    """A vLLM-style request's extra_args rng_request_id names its RNG identity (integration/README.md: a served
+    request with rng_request_id "req-0" draws the noise of the harness's request "req-0"). The harness converted
+    the request to a blockdiff SamplingParams and dropped the key: request "a" with rng_request_id "b" drew a's
+    noise, silently, and an empty or non-str key was accepted. Now it draws b's noise (also after a preemption),
+    and a bad key is refused at add_request naming it."""
+    def sp(**extra):
+        return SimpleNamespace(temperature=1.0, seed=3, max_tokens=2 * CL, extra_args=extra or None)
+
+    def run(rid, p, preempt=False):
+        r = make_runner(default_params=params(max_denoising_steps=2))
+        r.add_request(rid, prompt(5, 1), p)
+        if preempt:
+            for _ in range(4):
+                r.step()
+            r.preempt(rid)
+        return r.run(max_steps=200)[rid].output_token_ids
+
+    ref = run("b", sp())
+    assert run("a", sp()) != ref  # another identity draws other noise (else the test shows nothing)
+    assert run("a", sp(rng_request_id="b")) == ref
+    assert run("a", sp(rng_request_id="b"), preempt=True) == ref
+    r = make_runner()
+    with pytest.raises(ValueError, match="rng_request_id"):
+        r.add_request("e", [5], sp(rng_request_id=""))
+    with pytest.raises(TypeError, match="rng_request_id"):
+        r.add_request("t", [5], sp(rng_request_id=5))
+    assert not r.has_unfinished
+
+
 @pytest.mark.parametrize("kw,err,name", [
     (dict(attn_backend="bogus"), ValueError, "attn_backend"),
     (dict(attn_backend=3), TypeError, "attn_backend"),
@@ -233,3 +263,20 @@ def test_req_id_that_is_not_a_str_is_a_type_error_naming_it(make_runner, bad):
         with pytest.raises(TypeError, match="req_id must be a str"):
             call()
     assert not r.has_unfinished
+
+
+def test_a_token_budget_above_what_a_step_can_schedule_allocates_only_what_a_step_can_use(make_runner):
+    """A step schedules at most max_num_reqs rows of at most max_model_len tokens. The model state's per-token
+    buffers were sized by the budget itself: max_num_batched_tokens=2**31 with a tiny model allocated 2**31 x hidden
+    floats (the process was killed for memory). Now they hold min(budget, max_num_reqs * max_model_len) tokens and
+    such a budget serves as any budget above what the requests need."""
+    r = make_runner(max_num_reqs=2, max_model_len=64, max_num_batched_tokens=100_000)
+    assert r.model_state.self_cond_buf.shape[0] == r.model_state.input_ids_buf.shape[0] == 2 * 64
+    assert r.max_num_batched_tokens == 100_000
+    ref = make_runner(max_num_reqs=2, max_model_len=64, max_num_batched_tokens=2 * 64)
+    r = make_runner(max_num_reqs=2, max_model_len=64, max_num_batched_tokens=2 ** 40)
+    for x in (r, ref):
+        x.add_request("a", prompt(40, 3), params(max_tokens=2 * CL))
+        x.add_request("b", prompt(9, 4), params(max_tokens=CL))
+    out, want = r.run(max_steps=200), ref.run(max_steps=200)
+    assert {k: v.output_token_ids for k, v in out.items()} == {k: v.output_token_ids for k, v in want.items()}
