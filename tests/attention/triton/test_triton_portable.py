@@ -10,7 +10,7 @@ from blockdiff.attention import attention
 from blockdiff.attention.testing import check_close
 from blockdiff.attention.triton.interface import LAST_LAUNCH, attention_triton
 
-from triton_helpers import MIXED, SMALL, batches, make_batch, run_and_check
+from triton_helpers import MIXED, SMALL, batches, make_batch, run_and_check, very_negative_scores_batch
 
 
 @pytest.mark.parametrize("window_size", [None, 0, 1, 7, 100])
@@ -116,6 +116,21 @@ def test_lazy_rescaling_matches_reference(scale):
     for w in (None, 5):
         run_and_check(inp, config=dict(SMALL, LAZY_RESCALE=True), scale=scale, window_size=w)
     run_and_check(inp, config=dict(SMALL, LAZY_RESCALE=True, num_splits=3), scale=scale)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lazy_rescaling_keeps_rows_whose_scores_all_lie_below_minus_1e30(num_splits, dtype):
+    # regression: the lazy rescale measured a row's max growth against max(m_i, -1e30), so a row whose scores (log2
+    # units) all lay below -1e30 never "grew" (its first key included): p = exp2(s - 0) = 0 or exp2(s - stale max) =
+    # inf, a NaN output and lse +inf where the reference gives the one-hot softmax
+    inp = very_negative_scores_batch(dtype)
+    for w in (None, 5):
+        o, lse = run_and_check(inp, config=dict(SMALL, LAZY_RESCALE=True, num_splits=num_splits), scale=1.0,
+                               window_size=w)
+        ref = attention(**inp, backend="reference", scale=1.0, window_size=w)
+        torch.testing.assert_close(o.float(), ref.float(), rtol=0, atol=1e-6)
+        assert torch.isfinite(lse).all()
 
 
 @pytest.mark.parametrize("scale", [0.0, -0.7])
