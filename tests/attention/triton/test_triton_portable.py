@@ -160,6 +160,45 @@ def test_int64_metadata_is_accepted():
     run_and_check(inp, config=SMALL, window_size=3)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU test of the interpreted kernel (4 GiB of address space)")
+@pytest.mark.parametrize("paged", [True, False])
+def test_a_cache_row_stride_past_int32_tile_offsets_reads_the_right_keys(paged):
+    # regression: the portable kernel adds offs_n * row_stride + column to an int64 base in int32, so a cache whose
+    # row stride makes (BLOCK_N - 1) * stride pass 2^31 - 1 (a page-major storage viewed as [num_blocks, page_size,
+    # ...], row stride num_blocks * num_kv_heads * head_dim) wrapped to a negative offset: an out-of-bounds read (a
+    # segfault under the interpreter); such a layout now compiles int64 tile offsets (plans.wide_kv_offsets)
+    from blockdiff.attention.triton.plans import INT32_MAX, make_plan, wide_kv_offsets
+    from blockdiff.attention.validate import check_attention_inputs
+
+    bn = 16
+    stride = -(-(INT32_MAX + 1) // (bn - 1))  # the least row stride whose 15th key row is past int32
+    assert wide_kv_offsets((stride,), bn, 1) and not wide_kv_offsets((stride - 1,), bn, 1)
+    edge = INT32_MAX - (bn - 1) * (stride - 1) + 1  # the width that puts stride - 1's last column at INT32_MAX
+    assert not wide_kv_offsets((0, stride - 1), bn, edge) and wide_kv_offsets((0, stride - 1), bn, edge + 1)
+    # (contiguous: one sequence of 16 keys, whose one key block reaches the 16th row: (bn - 1) strides)
+    inp = make_batch(seq_lens=[20, 9] if paged else [16, 0], q_lens=[4, 9] if paged else [4, 0],
+                     causal=[False, True], num_heads=2, num_kv_heads=1, page_size=bn, extra_blocks=0, paged=paged)
+    base = torch.empty((bn - 1) * stride + 4 * 16 * 2, dtype=inp["q"].dtype)  # address space only: 4 GiB untouched
+    rows = inp["k_cache"].shape[0]  # pages (paged) or key rows (contiguous)
+    shape = inp["k_cache"].shape
+    if paged:  # page p's row r at p * 16 + r * stride (page-major storage)
+        k, v = (base.as_strided(shape, (16, stride, 16, 1), off) for off in (0, rows * 16))
+    else:  # key row t at t * stride: a contiguous form whose rows lie one stride apart
+        assert rows == bn
+        k, v = (base.as_strided(shape, (stride, 16, 1), off) for off in (0, 16))
+    k.copy_(inp["k_cache"])
+    v.copy_(inp["v_cache"])
+    big = dict(inp, k_cache=k, v_cache=v)
+    info = check_attention_inputs(**{n: t for n, t in big.items()})
+    plan = make_plan(big["q"], k, v, info, big.get("block_table"), None, "symmetric", None, False, None, SMALL, False)
+    assert plan.main.kwargs["WIDE_KV_OFFS"] is True  # checked before any launch: the old kernel read out of bounds
+    dense = make_plan(inp["q"], inp["k_cache"], inp["v_cache"], info, inp.get("block_table"), None, "symmetric", None,
+                      False, None, SMALL, False)
+    assert dense.main.kwargs["WIDE_KV_OFFS"] is False  # every ordinary layout keeps the int32 kernel
+    out, _ = run_and_check(big, config=SMALL, window_size=5)
+    torch.testing.assert_close(out, attention(**inp, backend="triton", config=SMALL, window_size=5), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("page_size,num_splits,window,mode", [(3, 64, None, "symmetric"), (5, 7, 4, "prefix"),
                                                              (1, 4, 4, "symmetric")])
 def test_split_counts_up_to_64_equal_one_split_for_odd_head_dim_v_into_a_strided_out(page_size, num_splits,
