@@ -92,8 +92,11 @@ def attention_reference(
         bidirectional_window: ``"symmetric"`` or ``"prefix"``.
         scale: softmax scale, default ``head_dim ** -0.5``; a finite int or float with
             ``|scale| <= MAX_SCALE`` (2**16). Scores are ``(q . k) * scale`` in fp32 (fp64 for fp64 input); a
-            score that overflows (``|q . k * scale| >= 2**128``, e.g. K entries near the fp32 maximum) is outside
-            the contract: ``+inf`` makes its row non-finite, ``-inf`` weighs 0, in every backend.
+            score of magnitude ``2**128 / log2(e)`` (about 2.36e38) or more, e.g. K entries near the fp32 maximum,
+            is outside the contract: the kernels run the softmax in log2 units (``score * log2(e)`` in fp32), which
+            overflow there (measured: NaN rows from the triton backend at 2.4e38 to 2.9e38, where this reference
+            is finite). Here an overflowing score (``>= 2**128``) is ``+inf``, which makes its row non-finite, or
+            ``-inf``, which weighs 0.
         out: optional preallocated ``[total_q, num_heads, head_dim_v]`` of q's dtype; it may alias an input (an
             overlapping ``out`` is written through a private buffer, then copied).
         return_lse: a bool: also return ``lse [num_heads, total_q]`` fp32 (natural log; ``-inf`` for rows with

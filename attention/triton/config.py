@@ -629,6 +629,9 @@ class KernelShape:
     # head_dim / head_dim_v (separate K and V caches). vLLM's FlashAttention layout packs K and V: 2 * head_dim.
     k_head_stride: int | None = None
     v_head_stride: int | None = None
+    # the portable kernel: int64 K / V tile offsets (a cache row stride that would carry int32 ones past 2^31 - 1:
+    # plans.wide_kv_offsets)
+    wide_kv_offsets: bool = False
 
 
 def kernel_variant(cfg: TritonConfig, head_dim_v: int) -> str:
@@ -667,7 +670,7 @@ def kernel_constexprs(cfg: TritonConfig, shape: KernelShape) -> dict:
             PREFIX=shape.prefix, SPLIT=shape.split, STORE_LSE=shape.store_lse, SEARCH_STEPS=shape.search_steps,
             DOT_PREC="ieee" if shape.dtype == torch.float32 else "tf32",
             INTERPRET=shape.interpret, SCALE_POS=shape.scale_positive, LAZY=bool(cfg.LAZY_RESCALE),
-            BT_PREFETCH=bool(cfg.BT_PREFETCH),
+            BT_PREFETCH=bool(cfg.BT_PREFETCH), WIDE_KV_OFFS=bool(shape.wide_kv_offsets),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     box_n, k_chunks, _ = tma_boxes(cfg, shape)

@@ -202,7 +202,8 @@ def _softmax_step(qk, m_i, l_i, acc, j, lo, hi, qk_scale, masked, offs_n, BLOCK_
         qk = gl.where(allowed, qk, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
     if LAZY:
-        grow = gl.where(m_new > m_i, m_new - gl.maximum(m_i, -1e30), 0.0)  # huge on a row's first key
+        # +inf on a row's first key (m_i = -inf), exact otherwise (the portable kernel's rule: no clamp of m_i)
+        grow = gl.where(m_new > m_i, m_new - m_i, 0.0)
         if gl.max(grow, 0) > 8.0:
             m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = gl.exp2(m_i - m_use)

@@ -106,7 +106,8 @@ def attention_triton(
             ``W >= WINDOW_NO_BOUND`` is None (:func:`blockdiff.attention.masks.check_window`).
         bidirectional_window: ``"symmetric"`` or ``"prefix"``.
         scale: softmax scale (default ``head_dim ** -0.5``), ``|scale| <= MAX_SCALE``; scores in fp32 as the
-            reference's (an overflowing score is outside the contract).
+            reference's (a score of magnitude ``2**128 / log2(e)`` or more, whose ``* log2(e)`` overflows the
+            kernels' fp32, is outside the contract).
         out: optional preallocated ``[total_q, num_heads, head_dim_v]`` (q's dtype) written in place.
         return_lse: a bool: also return ``lse [num_heads, total_q]`` fp32 (natural log; -inf for rows with no
             key).

@@ -65,6 +65,19 @@ def _tensor_key(t):
 
 
 
+#: The largest element offset the portable kernel's int32 K / V tile offsets hold.
+INT32_MAX = 2 ** 31 - 1
+
+
+def wide_kv_offsets(row_strides, block_n: int, width: int) -> bool:
+    """Whether the portable kernel needs int64 K / V tile offsets: its tiles add ``offs_n * row_stride + column``
+    (``offs_n < block_n``, columns below ``width``: the padded head dim, or V's slices) to an int64 base in int32, so
+    a cache row stride (``stride(1)`` of pages, ``stride(0)`` of contiguous rows) with ``(block_n - 1) * stride +
+    width - 1`` past :data:`INT32_MAX` wrapped into an out-of-bounds read (a page-major storage viewed as
+    ``[num_blocks, page_size, ...]``: a row stride of ``num_blocks * num_kv_heads * head_dim``). Host ints only."""
+    return any((block_n - 1) * abs(st) + width - 1 > INT32_MAX for st in row_strides)
+
+
 def plan_key(q, k_cache, v_cache, calls, window_size, bidirectional_window, scale, out, return_lse, max_seqlen_k,
              config, merge_pdl: bool):
     """The key of a call's launch plan, or None (then the call takes the full path, which raises for bad input).
@@ -232,7 +245,10 @@ def make_plan(q, k_cache, v_cache, info, block_table, window_size, bidirectional
                         page_size=info.page_size, has_window=has_window, prefix=prefix, causal_flags=plan.ncq_flags,
                         split=ns > 1, store_lse=return_lse, search_steps=search_steps,
                         scale_positive=positive_kernel_scale(info.scale), interpret=interpreting(),
-                        k_head_stride=k_cache.stride(-2), v_head_stride=v_cache.stride(-2))
+                        k_head_stride=k_cache.stride(-2), v_head_stride=v_cache.stride(-2),
+                        wide_kv_offsets=wide_kv_offsets(
+                            (stride_kp, stride_vp) if info.paged else (stride_kb, stride_vb), cfg.BLOCK_N,
+                            max(max(16, next_pow2(D)), n_dv * cfg.BLOCK_DV)))
     consts = kernel_constexprs(cfg, shape)
     common_tail = (total_q, H, B, n_tiles, W, qk_scale, ns)
     variant = kernel_variant(cfg, DV)
@@ -324,4 +340,4 @@ def run_plan(plan: Plan, q, k_cache, v_cache, calls, out, last_launch: dict, seq
     return (out, lse) if plan.return_lse else out
 
 
-__all__ = ["Launch", "Plan", "plan_key", "make_plan", "run_plan", "merge_pdl"]
+__all__ = ["Launch", "Plan", "plan_key", "make_plan", "run_plan", "merge_pdl", "wide_kv_offsets"]

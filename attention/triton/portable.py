@@ -18,7 +18,10 @@ side (config, grid, split count) is :mod:`.config` and :mod:`.plans`; the contra
 * **Paged KV, any page size.** When ``page_size % BLOCK_N == 0`` one scalar block-table read per key block, a
   scalar base pointer and loop-invariant int32 tile offsets (int64 ``[BLOCK_N, D]`` pointer tiles spill at
   hd 512); otherwise one vector read of the page ids (pages of 1, 16, ... or not dividing the tile). Block ids
-  are widened to int64 before multiplying strides. Contiguous varlen form via ``cu_seqlens_k``.
+  are widened to int64 before multiplying strides. Contiguous varlen form via ``cu_seqlens_k``. A cache whose row
+  stride would carry the int32 tile offsets past 2^31 - 1 (``(BLOCK_N - 1) * stride`` plus the width: a page-major
+  storage viewed as ``[num_blocks, page_size, ...]``) compiles int64 ones instead (``WIDE_KV_OFFS``, chosen on the
+  host: :func:`.plans.wide_kv_offsets`); other layouts keep the int32 code.
 * **Block-table prefetch (``BT_PREFETCH``).** Block j + 1's page id(s) are read while block j is computed, so
   K / V addresses never wait on a dependent block-table load.
 * **Numerics.** Scores ``q.k`` in fp32 from ``tl.dot`` (bf16/fp16 operands, fp32 acc; fp32 inputs use
@@ -96,6 +99,18 @@ def _add_nonfinite_terms(dst, dst_mask, v, start, lo, hi, offs_n, BLOCK_N: tl.co
         tl.store(dst, cast(cur + v_k[None, :], dst.dtype.element_ty, INTERPRET), mask=rows)
         bad = bad & (offs_n != k)
         k = tl.min(tl.where(bad, offs_n, BLOCK_N), 0)
+
+
+@triton.jit
+def _key_offsets(BLOCK_N: tl.constexpr, WIDE: tl.constexpr):
+    """A key block's row offsets ``arange(0, BLOCK_N)``: int32, or int64 with ``WIDE`` (the host's
+    :func:`.plans.wide_kv_offsets`: a cache whose row stride makes ``(BLOCK_N - 1) * stride`` pass int32, where the
+    int32 tile offsets of :func:`_tile_ptrs` wrapped into an out-of-bounds read). Every key position and offset
+    derived from them follows their type."""
+    if WIDE:
+        return tl.arange(0, BLOCK_N).to(tl.int64)
+    else:
+        return tl.arange(0, BLOCK_N)
 
 
 @triton.jit
@@ -192,7 +207,9 @@ def _attn_block(acc, l_i, m_i, q, j, K, V, bt_row, k_base, k_head, v_head,
         m_cand = tl.maximum(m_i, tl.max(qk, 1))
     if LAZY:
         # FA4's lazy rescaling: keep the stale max (p <= 2^8) unless some row's max grew by more than 8
-        grow = tl.where(m_cand > m_i, m_cand - tl.maximum(m_i, -1e30), 0.0)  # huge on a row's first key
+        # how far some row's max grew: +inf on a row's first key (m_i = -inf), exact otherwise (a clamp of m_i to
+        # -1e30 here took rows whose scores all lie below -1e30 (log2 units) for never growing: p = 0 or inf)
+        grow = tl.where(m_cand > m_i, m_cand - m_i, 0.0)
         if tl.max(grow, 0) > 8.0:
             m_new = m_cand
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -399,7 +416,7 @@ def _nonfinite_tile(O, OPART, V, CU_Q, SEQ_LENS, NCQ, BT, CU_K, stride_vb, strid
                     N_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
                     PAGE: tl.constexpr, PAGED: tl.constexpr, HAS_WINDOW: tl.constexpr, PREFIX: tl.constexpr,
                     NCQ_FLAGS: tl.constexpr, SPLIT: tl.constexpr, SEARCH_STEPS: tl.constexpr,
-                    INTERPRET: tl.constexpr):
+                    INTERPRET: tl.constexpr, WIDE_KV_OFFS: tl.constexpr):
     """The cold pass of a tile whose masked blocks took NaN / Inf V entries out of P.V (:func:`_attn_block`), on
     its stored output (``out`` or the split's partial): the tile is derived again from the metadata (nothing of
     it is kept in registers across the key loops for this), then :func:`_nonfinite_pass` over its masked
@@ -420,7 +437,7 @@ def _nonfinite_tile(O, OPART, V, CU_Q, SEQ_LENS, NCQ, BT, CU_K, stride_vb, strid
         dst = O + tok_g[:, None] * stride_ot + head[:, None].to(tl.int64) * stride_oh + offs_dv[None, :]
     dst_mask = row_valid[:, None] & dv_mask[None, :]
     v_head = kvh.to(tl.int64) * stride_vh
-    offs_n = tl.arange(0, BLOCK_N)
+    offs_n = _key_offsets(BLOCK_N, WIDE_KV_OFFS)
     EVEN_DV: tl.constexpr = BLOCK_DV * N_DV == DV
     _nonfinite_pass(dst, dst_mask, a, b_mid, V, bt_row, k_base, v_head, stride_vb, stride_vp, seq_len, lo, hi,
                     bounds, kv_rows - 1, offs_n, offs_dv, dv_mask, BLOCK_N, PAGE, PAGED, EVEN_DV, INTERPRET)
@@ -444,7 +461,7 @@ def _attn_fwd_kernel(
     NCQ_FLAGS: tl.constexpr,
     SPLIT: tl.constexpr, STORE_LSE: tl.constexpr, SEARCH_STEPS: tl.constexpr,
     DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr, SCALE_POS: tl.constexpr, LAZY: tl.constexpr,
-    BT_PREFETCH: tl.constexpr = False,
+    BT_PREFETCH: tl.constexpr = False, WIDE_KV_OFFS: tl.constexpr = False,
 ):
     pid1 = tl.program_id(1)
     kvh = pid1 // N_DV
@@ -477,7 +494,7 @@ def _attn_fwd_kernel(
 
     k_head = kvh.to(tl.int64) * stride_kh
     v_head = kvh.to(tl.int64) * stride_vh
-    offs_n = tl.arange(0, BLOCK_N)
+    offs_n = _key_offsets(BLOCK_N, WIDE_KV_OFFS)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -521,4 +538,4 @@ def _attn_fwd_kernel(
         _nonfinite_tile(O, OPART, V, CU_Q, SEQ_LENS, NCQ, BT, CU_K, stride_vb, stride_vp, stride_vh, stride_ot,
                         stride_oh, stride_bt, total_q, num_heads, num_seqs, n_tiles, window, num_splits, kv_rows,
                         kv_cap, G, GP, DV, BLOCK_DV, N_DV, BLOCK_M, BLOCK_N, BLOCK_Q, PAGE, PAGED, HAS_WINDOW,
-                        PREFIX, NCQ_FLAGS, SPLIT, SEARCH_STEPS, INTERPRET)
+                        PREFIX, NCQ_FLAGS, SPLIT, SEARCH_STEPS, INTERPRET, WIDE_KV_OFFS)

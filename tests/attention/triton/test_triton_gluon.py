@@ -15,7 +15,7 @@ from blockdiff.attention.testing import check_close, check_nonfinite_matches_ref
 from blockdiff.attention.triton import config as tc
 from blockdiff.attention.triton import interface as TA
 
-from triton_helpers import GLUON, ROLES, WIDE, graph_replay_check, make_batch
+from triton_helpers import GLUON, ROLES, WIDE, graph_replay_check, make_batch, very_negative_scores_batch
 
 
 def _check(inp, config, **kw):
@@ -158,6 +158,22 @@ def test_gpu_gluon_contiguous_form_and_dtypes(dtype):
         _check(inp, cfg)
         _check(inp, dict(cfg, num_splits=4), window_size=300)
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D,cfg", [(128, dict(GLUON, LAZY_RESCALE=True)),
+                                   (128, dict(GLUON, BLOCK_N=128, OVERLAP=False, LAZY_RESCALE=True)),
+                                   (512, dict(WIDE, LAZY_RESCALE=True))])
+def test_gpu_gluon_lazy_rescaling_keeps_rows_whose_scores_all_lie_below_minus_1e30(D, cfg):
+    # the portable kernel's regression (test_triton_portable.py) in the Gluon kernels' _softmax_step: a row whose
+    # scores (log2 units) all lay below -1e30 never "grew" against max(m_i, -1e30), so it came out NaN / 0
+    inp = very_negative_scores_batch(torch.bfloat16, head_dim=D, page_size=64, device="cuda")
+    for splits in (1, 3):
+        c = dict(cfg, num_splits=splits)
+        _check(inp, c, scale=1.0)
+        o = attention(**inp, backend="triton", config=c, scale=1.0)
+        ref = attention(**inp, backend="reference", scale=1.0)
+        torch.testing.assert_close(o.float(), ref.float(), rtol=0, atol=2 ** -7)
 
 # (q_lens, seq_lens, num_causal_q) per replay: mixed rows, then a commit + denoise step, then one long sequence
 GRAPH_METAS = [([300, 256, 100, 44], [300, 1800, 4096, 44], [300, 0, 50, 44]),

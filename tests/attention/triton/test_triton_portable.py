@@ -10,7 +10,7 @@ from blockdiff.attention import attention
 from blockdiff.attention.testing import check_close
 from blockdiff.attention.triton.interface import LAST_LAUNCH, attention_triton
 
-from triton_helpers import MIXED, SMALL, batches, make_batch, run_and_check
+from triton_helpers import MIXED, SMALL, batches, make_batch, run_and_check, very_negative_scores_batch
 
 
 @pytest.mark.parametrize("window_size", [None, 0, 1, 7, 100])
@@ -118,6 +118,21 @@ def test_lazy_rescaling_matches_reference(scale):
     run_and_check(inp, config=dict(SMALL, LAZY_RESCALE=True, num_splits=3), scale=scale)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lazy_rescaling_keeps_rows_whose_scores_all_lie_below_minus_1e30(num_splits, dtype):
+    # regression: the lazy rescale measured a row's max growth against max(m_i, -1e30), so a row whose scores (log2
+    # units) all lay below -1e30 never "grew" (its first key included): p = exp2(s - 0) = 0 or exp2(s - stale max) =
+    # inf, a NaN output and lse +inf where the reference gives the one-hot softmax
+    inp = very_negative_scores_batch(dtype)
+    for w in (None, 5):
+        o, lse = run_and_check(inp, config=dict(SMALL, LAZY_RESCALE=True, num_splits=num_splits), scale=1.0,
+                               window_size=w)
+        ref = attention(**inp, backend="reference", scale=1.0, window_size=w)
+        torch.testing.assert_close(o.float(), ref.float(), rtol=0, atol=1e-6)
+        assert torch.isfinite(lse).all()
+
+
 @pytest.mark.parametrize("scale", [0.0, -0.7])
 def test_zero_and_negative_scale(scale):
     inp = make_batch(**MIXED)
@@ -143,6 +158,45 @@ def test_int64_metadata_is_accepted():
     inp = make_batch(**MIXED)
     inp = {k: (v.to(torch.int64) if k in ("cu_seqlens_q", "block_table") else v) for k, v in inp.items()}
     run_and_check(inp, config=SMALL, window_size=3)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU test of the interpreted kernel (4 GiB of address space)")
+@pytest.mark.parametrize("paged", [True, False])
+def test_a_cache_row_stride_past_int32_tile_offsets_reads_the_right_keys(paged):
+    # regression: the portable kernel adds offs_n * row_stride + column to an int64 base in int32, so a cache whose
+    # row stride makes (BLOCK_N - 1) * stride pass 2^31 - 1 (a page-major storage viewed as [num_blocks, page_size,
+    # ...], row stride num_blocks * num_kv_heads * head_dim) wrapped to a negative offset: an out-of-bounds read (a
+    # segfault under the interpreter); such a layout now compiles int64 tile offsets (plans.wide_kv_offsets)
+    from blockdiff.attention.triton.plans import INT32_MAX, make_plan, wide_kv_offsets
+    from blockdiff.attention.validate import check_attention_inputs
+
+    bn = 16
+    stride = -(-(INT32_MAX + 1) // (bn - 1))  # the least row stride whose 15th key row is past int32
+    assert wide_kv_offsets((stride,), bn, 1) and not wide_kv_offsets((stride - 1,), bn, 1)
+    edge = INT32_MAX - (bn - 1) * (stride - 1) + 1  # the width that puts stride - 1's last column at INT32_MAX
+    assert not wide_kv_offsets((0, stride - 1), bn, edge) and wide_kv_offsets((0, stride - 1), bn, edge + 1)
+    # (contiguous: one sequence of 16 keys, whose one key block reaches the 16th row: (bn - 1) strides)
+    inp = make_batch(seq_lens=[20, 9] if paged else [16, 0], q_lens=[4, 9] if paged else [4, 0],
+                     causal=[False, True], num_heads=2, num_kv_heads=1, page_size=bn, extra_blocks=0, paged=paged)
+    base = torch.empty((bn - 1) * stride + 4 * 16 * 2, dtype=inp["q"].dtype)  # address space only: 4 GiB untouched
+    rows = inp["k_cache"].shape[0]  # pages (paged) or key rows (contiguous)
+    shape = inp["k_cache"].shape
+    if paged:  # page p's row r at p * 16 + r * stride (page-major storage)
+        k, v = (base.as_strided(shape, (16, stride, 16, 1), off) for off in (0, rows * 16))
+    else:  # key row t at t * stride: a contiguous form whose rows lie one stride apart
+        assert rows == bn
+        k, v = (base.as_strided(shape, (stride, 16, 1), off) for off in (0, 16))
+    k.copy_(inp["k_cache"])
+    v.copy_(inp["v_cache"])
+    big = dict(inp, k_cache=k, v_cache=v)
+    info = check_attention_inputs(**{n: t for n, t in big.items()})
+    plan = make_plan(big["q"], k, v, info, big.get("block_table"), None, "symmetric", None, False, None, SMALL, False)
+    assert plan.main.kwargs["WIDE_KV_OFFS"] is True  # checked before any launch: the old kernel read out of bounds
+    dense = make_plan(inp["q"], inp["k_cache"], inp["v_cache"], info, inp.get("block_table"), None, "symmetric", None,
+                      False, None, SMALL, False)
+    assert dense.main.kwargs["WIDE_KV_OFFS"] is False  # every ordinary layout keeps the int32 kernel
+    out, _ = run_and_check(big, config=SMALL, window_size=5)
+    torch.testing.assert_close(out, attention(**inp, backend="triton", config=SMALL, window_size=5), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("page_size,num_splits,window,mode", [(3, 64, None, "symmetric"), (5, 7, 4, "prefix"),
