@@ -471,7 +471,8 @@ def row_stats(logits: torch.Tensor, T: torch.Tensor, seed: torch.Tensor, request
     """
     check_int_coordinates(seed, request_id, canvas_index, step)
     N, CL, V = logits.shape
-    cfg, chunk, split_v = stats_plan(N, CL, V, config, logits.device)   # before a copy of the logits
+    # before a copy of the logits; a tensor's shape is ints and its device indexed: already stats_plan's key
+    cfg, chunk, split_v = _stats_plan(N, CL, V, check_config(config), logits.device)
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     dev = logits.device
