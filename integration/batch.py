@@ -30,6 +30,7 @@ class NewRequest:
             :func:`~blockdiff.integration.vllm_params.rng_request_id` reads from ``sampling_params``, else ``req_id``).
             Not a field of vLLM's ``NewRequestData``: the harness sets it from a vLLM-style request's ``extra_args``
             ``rng_request_id``, which the blockdiff ``SamplingParams`` it passes as ``sampling_params`` cannot carry.
+            Read by the model state in harness mode only (under vLLM, ``extra_args`` alone keys the noise).
     """
 
     req_id: str

@@ -146,7 +146,7 @@ def request_key(req_id: str) -> int:
 
 def _rng_id_of(new_req_data: Any, default: str) -> str:
     """``new_req_data.rng_request_id`` (the harness's :class:`~blockdiff.integration.batch.NewRequest`: a vLLM-style
-    request's RNG identity) when set, else ``default``.
+    request's RNG identity) when set, else ``default``. Harness mode only (:meth:`DiffusionModelState.add_request`).
 
     Raises:
         TypeError: it is not a str. ValueError: it is the empty string.
@@ -390,9 +390,10 @@ class DiffusionModelState(_Base):
             new_req_data: has ``req_id`` (str), ``prompt_token_ids`` and ``sampling_params`` (blockdiff or vLLM
                 SamplingParams); optional ``prefill_token_ids`` (prompt + generated tokens of a resumed request;
                 None or the prompt for a new one). The request's noise is keyed by :func:`request_key` of
-                :func:`rng_request_id` (``extra_args["rng_request_id"]`` of a vLLM request, else ``req_id``), or by
-                ``new_req_data.rng_request_id`` where that is set (the harness's
-                :class:`~blockdiff.integration.batch.NewRequest`).
+                :func:`rng_request_id` (``extra_args["rng_request_id"]`` of a vLLM request, else ``req_id``), or in
+                the harness by ``new_req_data.rng_request_id`` where that is set (its
+                :class:`~blockdiff.integration.batch.NewRequest`; not read under vLLM, whose ``NewRequestData``
+                has no such field: the plugin's scheduler and the worker key a request alike).
 
         Under vLLM the plugin's scheduler refuses a request whose sampling parameters blockdiff refuses (e.g.
         ``extra_args`` with t_min > t_max) before it is scheduled, by the same checks
@@ -439,8 +440,10 @@ class DiffusionModelState(_Base):
                 params, rng_id = vllm_request_params(new_req_data.sampling_params, req_id, self.default_params,
                                                      canvas_length=CL, vocab_size=self.vocab_size)
                 # the harness's NewRequest carries a vLLM-style request's RNG identity beside the blockdiff
-                # SamplingParams it converted the request to (vLLM's NewRequestData has no such field)
-                rng_id = _rng_id_of(new_req_data, rng_id)
+                # SamplingParams it converted the request to; vLLM's NewRequestData has no such field, and an
+                # attribute of that name on it (another vLLM) is not ours: under vLLM extra_args alone keys the noise
+                if self.mode != "vllm":
+                    rng_id = _rng_id_of(new_req_data, rng_id)
             self.reserve_stop_token_ids(len(params.eos_token_ids))
             self.state.check_params(params)
             check_resume(params, num_generated)  # a resumed request with all its tokens: fail it, never lose it

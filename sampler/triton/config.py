@@ -4,12 +4,13 @@ measured history of the defaults is in docs/tuning.md.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
 import triton
 
-__all__ = ["SamplerConfig", "SOFT_IMPLS", "default_soft_impl", "check_config"]
+__all__ = ["SamplerConfig", "SOFT_IMPLS", "default_soft_impl", "check_config", "plan_key"]
 
 #: Soft-embedding implementations selectable by ``SamplerConfig.soft_impl``.
 SOFT_IMPLS = ("triton_gemm", "chunked")
@@ -190,3 +191,20 @@ def check_config(config) -> SamplerConfig:
     if not isinstance(config, SamplerConfig):
         raise TypeError(f"config must be a SamplerConfig or None, got {type(config).__name__} ({config!r})")
     return config
+
+
+def plan_key(dims: tuple, device) -> tuple[tuple[int, ...], torch.device]:
+    """``(dims as Python ints, device)`` for a cached launch plan (``stats_plan``, the soft embedding's plans): the
+    key of a pure function. An index-less ``"cuda"`` means the current device, whose SM count
+    :meth:`SamplerConfig.resolve` reads: it is pinned to that index here (a plan cached under ``cuda`` kept the
+    device current at its first call, another GPU's split counts after a ``torch.cuda.set_device``). Numpy
+    integers become ints (``np.int64(V)`` hashes as ``V``: a plan cached for a numpy caller handed its numpy
+    values to every later int caller of the same shapes).
+
+    Raises:
+        TypeError: a dim that is not an integer (``operator.index``).
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return tuple(operator.index(d) for d in dims), device

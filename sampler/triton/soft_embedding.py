@@ -63,7 +63,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..state import SamplerState
 from .common import check_int32_index, interpret_mode, round_to, side_stream
-from .config import SamplerConfig, check_config
+from .config import SamplerConfig, check_config, plan_key
 
 __all__ = ["soft_embedding", "soft_embedding_chunked", "write_soft", "check_soft_indices", "chunk_size",
            "MAX_CHUNK_BYTES", "LARGE_BATCH_CHUNK", "LARGE_BATCH_CHUNK_BYTES"]
@@ -299,13 +299,15 @@ def check_soft_indices(N: int, CL: int, V: int, hidden: int, device: torch.devic
     """The int32 index checks of the soft embedding of logits [N, CL, V] and E [V, hidden] of ``embedding_dtype``
     (the path ``config.soft_impl_for`` picks, or the chunked one where ``chunked``) and of :func:`write_soft`, from
     shapes only, before anything runs: the Triton step calls it at entry, as a refusal after stage (b) would leave
-    the state rows half written.
+    the state rows half written. ``device``: a str or ``torch.device`` (an index-less ``"cuda"`` is the current
+    device, :func:`~.config.plan_key`).
 
     Raises:
         ValueError: an index would pass 2**31 - 1 (:func:`~.common.check_int32_index`).
     """
     cfg = check_config(config)
-    cuda = torch.device(device).type == "cuda"
+    (N, CL, V, hidden), device = plan_key((N, CL, V, hidden), device)  # ints and an indexed device: the cache's key
+    cuda = device.type == "cuda"
     if chunked is None:
         chunked = cfg.soft_impl_for(device, embedding_dtype) == "chunked"
     if chunked:
@@ -448,10 +450,10 @@ def _p_buffer_plan(M: int, V: int, chunk: int | None, embedding_dtype: torch.dty
     """(Vc, number of P buffers, their dtype) of :func:`soft_embedding_chunked`: E's dtype on CUDA, fp32 elsewhere
     (holding E-dtype-rounded values); two buffers with ``overlap`` on CUDA (ignored elsewhere), else one; Vc from
     :func:`chunk_size` for all of them together."""
-    cuda = torch.device(device).type == "cuda"
+    cuda = (device if isinstance(device, torch.device) else torch.device(device)).type == "cuda"
     buffers = 2 if overlap and cuda else 1
     buf_dtype = embedding_dtype if cuda else torch.float32
-    itemsize = torch.empty((), dtype=buf_dtype).element_size()
+    itemsize = buf_dtype.itemsize  # (was a 0-d tensor allocated for its element_size: ~1.5 us a step)
     return chunk_size(M, V, chunk, itemsize, buffers=buffers), buffers, buf_dtype
 
 

@@ -56,7 +56,7 @@ from triton.language.extra import libdevice
 
 from ..rng import check_int_coordinates
 from .common import FLT_LOWEST, check_int32_index, interpret_mode, philox4x32_10
-from .config import SamplerConfig, check_config
+from .config import SamplerConfig, check_config, plan_key
 
 __all__ = ["row_stats", "row_moments", "stats_plan", "check_moments_indices", "tie_statistics", "GUMBEL_MAX_BOUND",
            "GUMBEL_NEAR_ONE", "PREFILTER_ABS", "PREFILTER_REL", "PREFILTER_LOG_MODE"]
@@ -471,7 +471,8 @@ def row_stats(logits: torch.Tensor, T: torch.Tensor, seed: torch.Tensor, request
     """
     check_int_coordinates(seed, request_id, canvas_index, step)
     N, CL, V = logits.shape
-    cfg, chunk, split_v = stats_plan(N, CL, V, config, logits.device)   # before a copy of the logits
+    # before a copy of the logits; a tensor's shape is ints and its device indexed: already stats_plan's key
+    cfg, chunk, split_v = _stats_plan(N, CL, V, check_config(config), logits.device)
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     dev = logits.device
@@ -520,7 +521,9 @@ def stats_plan(N: int, CL: int, V: int, config: SamplerConfig | None,
     """``(resolved config, CHUNK, SPLIT_V)`` of :func:`row_stats`' launches for logits [N, CL, V] on ``device``:
     vocabulary splits of CHUNK tokens (whole ``4 * block_g``-token tiles), SPLIT_V of them. Cached per shapes,
     (frozen, hashable) config and device: a pure function of them that costs ~40 us of host time uncached (the
-    config's ``resolve`` and ``triton.cdiv`` calls), on every step; a refusal is not cached.
+    config's ``resolve`` and ``triton.cdiv`` calls), on every step; a refusal is not cached. The key is
+    :func:`~.config.plan_key`'s: Python ints, and ``device`` (a str or ``torch.device``) with an index-less
+    ``"cuda"`` pinned to the current device (the SM count ``resolve`` reads).
 
     Raises:
         ValueError: an int32 index of the launches would pass 2**31 - 1 (:func:`~.common.check_int32_index`): the
@@ -528,7 +531,9 @@ def stats_plan(N: int, CL: int, V: int, config: SamplerConfig | None,
             the kernel forms ``start + CHUNK`` and token ids below it in int32) where V is within that padding of
             2**31 (the state allows V < 2**31), or the flat positions of N * CL rows padded to whole programs.
     """
-    return _stats_plan(N, CL, V, check_config(config), torch.device(device))
+    cfg = check_config(config)
+    (N, CL, V), device = plan_key((N, CL, V), device)  # ints and an indexed device: the cache's key
+    return _stats_plan(N, CL, V, cfg, device)
 
 
 @functools.lru_cache(maxsize=4096)  # (a key per batch size N: vLLM's N runs over 1..max_num_seqs)

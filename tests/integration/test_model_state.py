@@ -2,6 +2,7 @@
 parameter conversion, and conformance to vLLM 0.33.0's ModelState interface."""
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import os
@@ -469,6 +470,32 @@ def test_vllm_mode_serves_a_request_whose_ids_hold_a_lone_surrogate(ms):
     ms.add_request(0, NewRequest(s, [5, 6], sp))      # the request's own id, and its rng_request_id
     assert ms.state.phase[0].item() == PREFILL and s not in ms.failed_reasons
     assert ms.state.request_id[0].item() == MS.request_key(s)
+
+
+@needs_stack
+@pytest.mark.parametrize("attr", [123, "", "other"])
+def test_vllm_mode_keys_the_noise_by_extra_args_whatever_rng_request_id_attribute_vllm_s_request_data_has(ms, attr):
+    """Under vLLM the worker keys a request as the plugin's scheduler checked it: ``extra_args`` rng_request_id, else
+    req_id. add_request read ``new_req_data.rng_request_id`` in both modes (the harness's NewRequest field), so a
+    vLLM NewRequestData with an attribute of that name of its own (an int, an empty str: the request FAILED, though
+    the scheduler accepted it; a str: other noise than the scheduler's and the README's key) changed the request.
+    Now only the harness reads it."""
+    @dataclasses.dataclass
+    class NewRequestData:  # a vLLM-like object that happens to have the attribute
+        req_id: str
+        prompt_token_ids: list
+        sampling_params: object
+        rng_request_id: object = None
+
+    sp = SimpleNamespace(temperature=1.0, seed=None, max_tokens=8, eos_token_id=1, stop_token_ids=None,
+                         ignore_eos=False, extra_args={MS.VLLM_RNG_REQUEST_ID: "req-0"})
+    ms.mode = "vllm"
+    ms.add_request(0, NewRequestData("cmpl-x", [5, 6], sp, rng_request_id=attr))
+    assert ms.state.phase[0].item() == PREFILL and "cmpl-x" not in ms.failed_reasons
+    assert ms.state.request_id[0].item() == MS.request_key("req-0")
+    sp.extra_args = None
+    ms.add_request(1, NewRequestData("cmpl-y", [5, 6], sp, rng_request_id=attr))
+    assert ms.state.request_id[1].item() == MS.request_key("cmpl-y")
 
 
 @needs_stack

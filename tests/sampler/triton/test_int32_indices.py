@@ -116,3 +116,65 @@ def test_triton_launcher_plans_are_cached_per_shape_and_refusals_repeat():
     for _ in range(2):
         with pytest.raises(ValueError, match=r"K split\(s\)"):
             soft_mod._gemm_plan(1, 1, V_TOP, 16, cpu, torch.float32, SamplerConfig(split_k=3))
+
+
+def _two_gpus(monkeypatch, sms):
+    """A CPU stand-in for two CUDA devices of ``sms`` SMs each: ``current`` is the device an index-less "cuda"
+    means (what ``torch.cuda.get_device_properties`` reads for it)."""
+    from types import SimpleNamespace
+    current = [0]
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+
+    def props(device):
+        d = torch.device(device)
+        return SimpleNamespace(multi_processor_count=sms[current[0] if d.index is None else d.index])
+    monkeypatch.setattr(torch.cuda, "get_device_properties", props)
+    return current
+
+
+def test_launch_plans_for_an_index_less_cuda_device_follow_the_current_device_not_the_first_call_s(monkeypatch):
+    """``SamplerConfig.resolve`` reads the SM count of the device, and an index-less "cuda" is the current one. The
+    plans cached under that key kept the device current at the first call: after ``set_device`` to a GPU with
+    another SM count, stats_plan('cuda') returned the first GPU's vocabulary splits (4 instead of 1 here) and
+    check_soft_indices the first GPU's K splits (and took no str device: AttributeError from resolve). Now the
+    key pins "cuda" to the current index."""
+    import blockdiff.sampler.triton.soft_embedding as soft_mod
+    import blockdiff.sampler.triton.stats as stats_mod
+    current = _two_gpus(monkeypatch, {0: 132, 1: 5})
+    stats_mod._stats_plan.cache_clear()
+    soft_mod._gemm_plan.cache_clear()
+    uncached = stats_mod._stats_plan.__wrapped__
+    want = [uncached(1, 64, 4096, SamplerConfig(), torch.device("cuda", i))[2] for i in (0, 1)]
+    assert want[0] != want[1]                        # (else the test shows nothing)
+    gemm = soft_mod._gemm_plan.__wrapped__
+    want_k = [gemm(4, 64, 4096, 64, torch.device("cuda", i), torch.float32, SamplerConfig())[0].split_k
+              for i in (0, 1)]
+    assert want_k[0] != want_k[1]
+    seen = []
+    real = soft_mod._gemm_plan
+    monkeypatch.setattr(soft_mod, "_gemm_plan", lambda *a: seen.append(real(*a)[0].split_k))
+    for i in (0, 1):
+        current[0] = i
+        for dev in ("cuda", torch.device("cuda")):
+            assert stats_plan(1, 64, 4096, None, dev)[2] == want[i]
+            check_soft_indices(4, 64, 4096, 64, dev, torch.float32, None, chunked=False)
+            assert seen[-1] == want_k[i]
+    stats_mod._stats_plan.cache_clear()
+    real.cache_clear()                               # (no plan of the stand-in GPUs outlives the test)
+
+
+def test_a_numpy_shape_caller_leaves_int_plans_for_int_callers():
+    """``np.int64(V)`` hashes and compares as ``V``: a stats plan first computed for a numpy vocabulary size was
+    handed, numpy CHUNK / SPLIT_V and all, to every later int caller of those shapes (and a numpy N or CL was a
+    TypeError from the resolved SamplerConfig). The plan key is Python ints now."""
+    import numpy as np
+    import blockdiff.sampler.triton.stats as stats_mod
+    cpu = torch.device("cpu")
+    stats_mod._stats_plan.cache_clear()
+    got = stats_plan(np.int64(3), np.int32(5), np.int64(1000), None, cpu)
+    again = stats_plan(3, 5, 1000, None, cpu)
+    assert again == got == stats_mod._stats_plan.__wrapped__(3, 5, 1000, SamplerConfig(), cpu)
+    assert all(type(x) is int for x in (*got[1:], *again[1:]))
+    with pytest.raises(TypeError):
+        stats_plan(3, 5, 1000.0, None, cpu)
+    stats_mod._stats_plan.cache_clear()

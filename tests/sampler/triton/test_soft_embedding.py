@@ -162,6 +162,20 @@ def test_chunk_size_fits_the_buffer_budget():
         SamplerConfig(soft_impl="chunked", soft_chunk=0)
 
 
+def test_the_p_buffer_plan_allocates_no_tensor_on_the_launch_path(monkeypatch):
+    """soft_embedding_chunked plans its P buffers on every call (the default GPU path, each step): the plan
+    allocated a 0-d tensor for its dtype's element size (~1.5 of its ~4 us of host time). It reads
+    ``dtype.itemsize`` now; the plan is unchanged (the test below)."""
+    def no_alloc(*a, **k):
+        raise AssertionError("torch.empty on the plan path")
+    monkeypatch.setattr(torch, "empty", no_alloc)
+    for dev in (torch.device("cuda"), "cuda", torch.device("cpu")):
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            vc, nbuf, buf = _p_buffer_plan(1024, 262144, None, dtype, dev, False)
+            want = dtype if torch.device(dev).type == "cuda" else torch.float32
+            assert buf == want and vc == chunk_size(1024, 262144, None, want.itemsize) and nbuf == 1
+
+
 def test_overlapped_p_buffers_together_stay_within_the_serial_paths_budget():
     """Regression (H200, 5d27a11: the sampler_n4 step with soft_overlap peaked at 75.1 MiB over its base, test bound
     64 MiB): the overlapped path's two P buffers were sized as one buffer of twice the element size, which the
