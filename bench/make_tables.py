@@ -8,8 +8,8 @@ superseded and exploratory records live in bench/results/history/ and are never 
 whatever stands between ``<!-- BEGIN RESULTS -->`` and ``<!-- END RESULTS -->`` in the README; the rest of the
 file is left as it is. One section per JSON file (suite and GPU), with the environment line (GPU, driver, torch,
 triton, flash_attn_4, vllm, commit, date) and links to the PNG plots beside it. Attention records (every suite but
-sampler / e2e / serve) are shown as one row per workload and one column per backend (CUDA-graph median in ms, the
-eager median when there is no graph); sampler, e2e and serve records row by row, as are serving A/B records (a suite
+sampler / sampler_tp / e2e / serve) are shown as one row per workload and one column per backend (CUDA-graph median in ms, the
+eager median when there is no graph); sampler, sampler_tp, e2e and serve records row by row, as are serving A/B records (a suite
 ``serve_<name>``, e.g. serve_fused_async: one row per variant and run, no backend). CPU records (``--quick`` smoke runs)
 are left out unless ``--include-cpu``. Tile-sweep rows (a ``config`` per row; in the row-by-row records only the
 sampler's ``--tune`` candidates, its configured variants such as ``fused[triton_gemm]`` being rows of their own) are
@@ -33,6 +33,8 @@ BEGIN, END = "<!-- BEGIN RESULTS -->", "<!-- END RESULTS -->"
 COLUMNS = {
     "sampler": ["workload", "backend", "status", "graph_ms", "eager_ms", "anchor_ms", "gbps", "effective_tflops",
                 "extra_memory_bytes", "correct", "note"],
+    "sampler_tp": ["workload", "backend", "world_size", "status", "eager_ms", "eager_ms_max_rank", "speedup_vs_1gpu",
+                   "note"],
     "e2e": ["workload", "backend", "sampler_backend", "status", "denoise_step_ms", "tokens_per_s",
             "attention_share", "sampler_share", "prefill_ms", "layers", "note"],
     "serve": ["workload", "backend", "status", "max_num_seqs", "output_tok_s", "ttft_ms", "time_per_canvas_ms",
@@ -104,7 +106,7 @@ def table(rows: list[dict], columns: list[str]) -> str:
 
 
 #: Suite families rendered row by row (all others: one row per workload, one column per backend).
-ROW_FAMILIES = ("sampler", "e2e", "serve", "serve_ab")
+ROW_FAMILIES = ("sampler", "sampler_tp", "e2e", "serve", "serve_ab")
 
 
 def _cell(row: dict) -> str:
