@@ -17,7 +17,9 @@ DiffusionGemma benchmark fixes 16 steps), then its commit. A first identical run
 Recorded per (batch, attention backend): median denoise step time (ms), its attention and sampler shares (CUDA
 events around every ``attention()`` call of the model and every sampler call; perf_counter on the CPU),
 tokens/s = batch * 256 / (16 denoise steps + commit), prefill time. Rows follow docs/ARCHITECTURE.md "Benchmark
-records" (suite ``e2e``): ``eager_ms`` is the median denoise step.
+records" (suite ``e2e``): ``eager_ms`` is the median denoise step. A generation that is not the workload (a request
+not finished by length, fewer tokens than batch x 256, other than 16 denoise steps) is status ``incomplete`` with the
+reason (:func:`incomplete_reason`), its numbers kept.
 """
 from __future__ import annotations
 
@@ -205,6 +207,22 @@ def summarise(steps: list[dict], batch: int, canvas_length: int) -> dict:
     }
 
 
+def incomplete_reason(summary: dict, finish_reasons: list) -> str | None:
+    """Why a measured generation is not the workload (None when it is): every request finished by length, the
+    batch emitted ``expected_tokens`` (batch x canvas) and the canvas took ``DENOISING_STEPS`` denoise steps. Such a
+    row is status ``incomplete``: its tokens/s and step times count what was served, not the workload's (a request
+    that finished with ``error`` after no token, or early, shortened ``canvas_ms``; fewer steps made every canvas
+    cheaper)."""
+    problems = []
+    if any(r != "length" for r in finish_reasons):
+        problems.append(f"finish reasons {finish_reasons} (every request should finish by length)")
+    if summary.get("tokens_emitted") != summary.get("expected_tokens"):
+        problems.append(f"{summary.get('tokens_emitted')} of {summary.get('expected_tokens')} tokens emitted")
+    if summary.get("denoise_steps") != DENOISING_STEPS:
+        problems.append(f"{summary.get('denoise_steps')} denoise steps, not {DENOISING_STEPS}")
+    return "; ".join(problems) or None
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -282,6 +300,9 @@ def main(argv=None) -> list[dict]:
             row.update(summarise(res["steps"], batch, cfg.canvas_length))
             row["finish_reasons"] = sorted({r.finish_reason for r in res["results"].values()})
             row["steps"] = res["steps"]
+            why = incomplete_reason(row, row["finish_reasons"])
+            if why:  # measured, but not the workload: not an ok row (was: ok, its tokens/s beside the others)
+                row.update(status="incomplete", reason=why)
             if device.type == "cuda":
                 row["peak_memory_bytes"] = int(torch.cuda.max_memory_allocated(device))
         except NotImplementedError as e:

@@ -18,7 +18,8 @@ Backends (one row each, all measured in the same run):
   reference  blockdiff.sampler.reference.sampler_step, eager: dense [N, CL, V] fp32 temporaries (z, Gumbel noise,
              softmax, int64 Philox words), ``p.bf16() @ E`` on cuBLAS.
   compile    torch.compile of the same reference step (the anchor, ``ANCHORS_MS``). Every row carries
-             ``vs_compile_same_run`` = its time / this run's compile time.
+             ``vs_compile_same_run`` = its time / this run's compile time, like for like (:func:`vs_compile`: the
+             CUDA-graph medians when both rows have one, else the eager ones; ``vs_compile_same_run_of`` says which).
   fused      blockdiff.sampler.triton.sampler_step with its defaults (SamplerConfig): (a) the streaming stats
              kernel, (b) the decisions, (c) the soft embedding (on CUDA ``soft_impl="chunked"``: bf16 probability
              chunks [N * CL, 16384] written by a Triton kernel from the stats + ``torch.addmm`` on cuBLAS).
@@ -67,6 +68,9 @@ from blockdiff.sampler.triton.stats import row_moments, row_stats  # noqa: E402
 SUITE = "sampler"
 WORKLOAD = "sampler_n4"
 ANCHORS_MS = {"compile": 7.35}  # H200 batch 1 (torch 2.11, CUDA graph); rows also carry vs_compile_same_run
+#: The GPU (:func:`common.gpu_slug`) of :data:`ANCHORS_MS`: ``vs_compile_anchor`` (a row's CUDA-graph median over the
+#: anchor, on ``sampler_n4`` only) is left None on any other GPU and for other workloads.
+ANCHOR_GPU = "h200"
 ANCHOR_EXTRA_MEMORY_BYTES = {"compile": int(4.83e9)}
 #: The GEMM tile of the previous default (timed beside the new default unless --no-compare).
 PREVIOUS_GEMM = dict(block_m=128, block_n=128, block_k=64, gemm_warps=8, gemm_stages=3)
@@ -212,8 +216,21 @@ def add_rates(row, shape):
     row["time_ms"] = ms
     row["gbps"] = read_bytes / (ms * 1e-3) / 1e9 if ms else None
     row["effective_tflops"] = flops / (ms * 1e-3) / 1e12 if ms and flops else None
-    anchor = ANCHORS_MS["compile"]
-    row["vs_compile_anchor"] = ms / anchor if ms and not row.get("workload", "").endswith("quick") else None
+    anchor = ANCHORS_MS["compile"]  # a CUDA-graph median of the named workload
+    graph = row.get("graph_ms")
+    row["vs_compile_anchor"] = graph / anchor if graph and row.get("workload") == WORKLOAD else None
+
+
+def vs_compile(row: dict, compile_row: dict) -> tuple[float | None, str | None]:
+    """``row``'s time over the same run's torch.compile time, like for like: (ratio, "graph_ms") when both rows have a
+    CUDA-graph median, else (ratio, "eager_ms") when both have an eager one, else (None, None). (Was ``time_ms`` over
+    ``time_ms``: a row without a graph time, such as every ``--tune`` candidate, had its eager median, with the
+    launches and the L2 flush, divided by compile's graph replay, and the other way round.)"""
+    for key in ("graph_ms", "eager_ms"):
+        a, b = row.get(key), compile_row.get(key)
+        if a and b:
+            return a / b, key
+    return None, None
 
 
 def config_label(cfg) -> str:
@@ -511,12 +528,17 @@ def main(argv=None) -> list[dict]:
         good_tuned = tuned is not None and any(r.get("tuned") and r.get("status") == "ok" for r in rows)
         rows += measure_parts(x, E, params, slots, shape, device, tuned if good_tuned else configs[0],
                               chunked=not args.no_chunked)
-    compile_ms = next((r.get("time_ms") for r in rows if r["backend"] == "compile" and r.get("status") == "ok"), None)
+    compile_row = next((r for r in rows if r["backend"] == "compile" and r.get("status") == "ok"), None)
     for r in rows:  # the same-run torch.compile time is the anchor when there is one
-        if compile_ms and r.get("time_ms") and not quick:
-            r["vs_compile_same_run"] = r["time_ms"] / compile_ms
+        if compile_row is not None and not quick:
+            ratio, key = vs_compile(r, compile_row)
+            if ratio is not None:
+                r["vs_compile_same_run"], r["vs_compile_same_run_of"] = ratio, key
 
     env = common.env_record(device)
+    if common.gpu_slug(env["gpu"]) != ANCHOR_GPU:  # the anchor is an H200 time: no ratio across GPUs
+        for r in rows:
+            r["vs_compile_anchor"] = None
     suite = (SUITE if named else workload_name(shape, False)) + ("-quick" if quick else "")
     extra = {"anchors_ms": ANCHORS_MS, "anchor_extra_memory_bytes": ANCHOR_EXTRA_MEMORY_BYTES,
              "targets": {"fused_vs_compile": 0.5, "fused_extra_memory_bytes": 64 * 2**20},

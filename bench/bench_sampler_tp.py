@@ -15,8 +15,10 @@ Rows (all from one run): world_size 1 — ``blockdiff.sampler.sampler_step`` on 
 ``fused`` (triton) backends on the full vocabulary; world_size 2 — ``blockdiff.sampler.tp.sampler_step_tp`` with
 the ``reference`` (dense torch) and ``fused`` (Triton) local pass; parts: ``tp:<b>:local`` (the local pass of a
 rank alone: stats + partial GEMM, no communication) and ``tp:comm`` (the two collectives alone, at the step's
-sizes). eager_ms = median over reps of CUDA-event times of one call, every rank starting together (barrier),
-reported as the max over ranks of the per-rank medians. No CUDA graphs (the TP step holds NCCL collectives).
+sizes). Per rank, the median over reps of CUDA-event times of one call, every rank starting together (barrier):
+``per_rank_ms``; ``eager_ms`` is rank 0's, ``eager_ms_max_rank`` the slowest rank's, which ``speedup_vs_1gpu``
+divides the 1-GPU time by. Rows carry ``status`` (``ok``; ``error``; ``wrong``: the backend failed its self-check, no
+speedup given; :func:`finish_rows`). No CUDA graphs (the TP step holds NCCL collectives).
 The timed TP step is the checked default (``check_values`` None): since 2026-12-07 (break25d) it all_gathers an
 88-byte agreement record and reads it on the host before the step's collectives, so its rows include that;
 records before then did not (their checked step read only the slot ids).
@@ -112,6 +114,25 @@ def timed(fn, reps, warmup, device, dist=None, before=None):
         if i >= warmup:
             times.append(t)
     return times
+
+
+def finish_rows(rows: list[dict], checks: dict) -> list[dict]:
+    """Rank 0's last pass over the rows (in place; returned): each ``tp:<b>`` / ``tp:<b>:local`` row gets its backend's
+    self-check (``check``); ``status`` is ``error`` for a row that raised, ``wrong`` for a TP row whose backend failed
+    its self-check (its time is kept, and its speedup left out: it timed a step that disagrees with the reference),
+    else ``ok`` (make_tables shows a row without a status as '–'); ``speedup_vs_1gpu`` = the 1-GPU row's
+    ``eager_ms`` / the TP row's slowest rank (``eager_ms_max_rank``), for ok TP steps (not the local passes)."""
+    one = {r["backend"]: r.get("eager_ms") for r in rows if r.get("world_size") == 1 and not r.get("error")}
+    for r in rows:
+        b = r["backend"].split(":")[1] if r["backend"].startswith("tp:") else None
+        if b is not None and r["backend"] != "tp:comm":
+            r["check"] = checks.get(b)
+        failed_check = r.get("check") is not None and not r["check"].get("ok")
+        r["status"] = "error" if r.get("error") else "wrong" if failed_check else "ok"
+        if r["status"] == "ok" and b in one and one[b] and r.get("eager_ms_max_rank") \
+                and not r["backend"].endswith(":local"):
+            r["speedup_vs_1gpu"] = one[b] / r["eager_ms_max_rank"]
+    return rows
 
 
 def compare(o_ref, o_tp, st_ref, st_tp, slots):
@@ -252,14 +273,9 @@ def worker(rank, world, init_file, args, result_file):
         rows.append(dict(workload=WORKLOAD, backend="tp:comm", world_size=world, eager_ms=meds[0],
                          eager_ms_max_rank=max(meds), per_rank_ms=meds, **comm))
         if rank == 0:
-            one = {r["backend"]: r.get("eager_ms") for r in rows if r["world_size"] == 1}
+            finish_rows(rows, checks)
             for r in rows:
-                b = r["backend"].split(":")[1] if r["backend"].startswith("tp:") else None
-                if b in one and one[b] and r.get("eager_ms_max_rank") and not r["backend"].endswith(":local"):
-                    r["speedup_vs_1gpu"] = one[b] / r["eager_ms_max_rank"]
                 r.update(dict(N=N, canvas_length=CL, vocab_size=V, hidden_size=H))
-                if r["backend"].startswith("tp:") and r["backend"] != "tp:comm":
-                    r["check"] = checks.get(r["backend"].split(":")[1])
             with open(result_file, "w") as f:
                 json.dump({"rows": rows, "checks": checks}, f)
         dist.barrier()

@@ -1765,8 +1765,12 @@ def _is_blockdiff(row: dict) -> bool:
 
 
 def _tok_s(row: dict) -> float | None:
+    """The row's output tokens/s as a throughput goal counts it: an ok row, complete, and of the setting (vLLM's
+    count of denoising steps per canvas 16, ``steps_ok``; a row of fewer steps per canvas, or with no count, measured
+    another or an unknown workload), else None."""
     v = row.get("output_tok_s")
-    return v if row.get("status") == "ok" and row.get("complete") and isinstance(v, (int, float)) else None
+    ok = row.get("status") == "ok" and row.get("complete") and row.get("steps_ok") is True
+    return v if ok and isinstance(v, (int, float)) else None
 
 
 def _throughput_goals(rows: list[dict], load_format: str) -> list[dict]:
@@ -1823,7 +1827,9 @@ def evaluate_goals(rows: list[dict]) -> list[dict]:
     - ``no_request_lost``: every measured row complete (all requests answered in full, none failed); rows with
       status ``skipped`` or ``timeout`` (the sweep's own budget cut them) are listed as ``not_measured``;
     and the setting check ``steps_per_canvas_16``: vLLM's own count of denoising steps per canvas is 16 in every row.
-    Only rows whose run was complete count as throughput. Throughput is compared only between rows of one client
+    Only rows whose run was complete and of the setting (``steps_ok``: 16 denoising steps per canvas by vLLM's
+    count; a row of 8 steps a canvas runs about twice as fast, and one with no count is of an unknown setting) count
+    as throughput. Throughput is compared only between rows of one client
     setting (:func:`effective_skip_special_tokens`): when the measured rows (status ok) hold both, the throughput goals
     use the current one (:data:`SKIP_SPECIAL_TOKENS`) and say which measured rows they left out (``left_out``; rows
     not measured have no throughput and are never listed there); the setting changes what

@@ -15,6 +15,7 @@ import csv
 import datetime as _dt
 import importlib
 import importlib.metadata
+import io
 import json
 import math
 import os
@@ -336,7 +337,8 @@ def _jsonable(x):
 
 def write_records(suite: str, rows: list[dict], *, env: dict | None = None, extra: dict | None = None,
                   out_dir: Path | str | None = None, stem: str | None = None) -> Path:
-    """Write ``<suite>-<gpu>.json`` (env + rows) and ``<suite>-<gpu>.csv`` (rows); return the JSON path.
+    """Write ``<suite>-<gpu>.json`` (env + rows) and ``<suite>-<gpu>.csv`` (rows, the JSON's values: a non-finite
+    float an empty cell); return the JSON path. Each file is replaced whole (:func:`_write_whole`).
 
     Without ``out_dir``: :func:`results_dir`, the local folder when the record is from the CPU. ``stem``: the file
     names' stem instead of ``<suite>-<gpu>`` (a name the caller already checked; no other file is written)."""
@@ -346,16 +348,32 @@ def write_records(suite: str, rows: list[dict], *, env: dict | None = None, extr
     stem = stem or f"{suite}-{gpu_slug(env['gpu'])}"
     doc = {**env, "suite": suite, **(extra or {}), "rows": rows}
     path = d / f"{stem}.json"
-    path.write_text(json.dumps(_jsonable(doc), indent=1) + "\n")
     keys: list[str] = []
     for r in rows:
         keys += [k for k in r if k not in keys]
-    with open(d / f"{stem}.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys)
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: (json.dumps(_jsonable(v)) if isinstance(v, (dict, list)) else v) for k, v in r.items()})
+    buf = io.StringIO(newline="")
+    w = csv.DictWriter(buf, fieldnames=keys)
+    w.writeheader()
+    for r in rows:  # the JSON's values: a non-finite float is an empty cell as it is null there (was: nan / inf)
+        w.writerow({k: (json.dumps(_jsonable(v)) if isinstance(v, (dict, list)) else _jsonable(v))
+                    for k, v in r.items()})
+    _write_whole(path, json.dumps(_jsonable(doc), indent=1) + "\n")
+    _write_whole(d / f"{stem}.csv", buf.getvalue())
     return path
+
+
+def _write_whole(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file beside it and a rename: a run cut short while writing (a
+    sweep's config timeout exits the process from a watchdog thread, a device command's time limit) leaves the
+    previous file whole, never a truncated record."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w", newline="") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
 
 
 def save_png(fig, path: str | Path, dpi: int = 110) -> Path:
@@ -376,10 +394,11 @@ def save_png(fig, path: str | Path, dpi: int = 110) -> Path:
 
 def write_experiment_json(name: str, obj, out: str | Path | None = None) -> Path:
     """Write an experiment's result ``obj`` as ``<name>`` (JSON) to ``out``, else :func:`results_dir` with
-    ``local=True`` ($OUT, else the git-ignored bench/results/local/); print and return the path."""
+    ``local=True`` ($OUT, else the git-ignored bench/results/local/), replaced whole (:func:`_write_whole`); print and
+    return the path."""
     path = (Path(out) if out else results_dir(local=True)) / name
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_jsonable(obj), indent=1, default=str) + "\n")
+    _write_whole(path, json.dumps(_jsonable(obj), indent=1, default=str) + "\n")
     print(f"wrote {path}", flush=True)
     return path
 

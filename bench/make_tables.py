@@ -8,11 +8,13 @@ superseded and exploratory records live in bench/results/history/ and are never 
 whatever stands between ``<!-- BEGIN RESULTS -->`` and ``<!-- END RESULTS -->`` in the README; the rest of the
 file is left as it is. One section per JSON file (suite and GPU), with the environment line (GPU, driver, torch,
 triton, flash_attn_4, vllm, commit, date) and links to the PNG plots beside it. Attention records (every suite but
-sampler / e2e / serve) are shown as one row per workload and one column per backend (CUDA-graph median in ms, the
-eager median when there is no graph); sampler, e2e and serve records row by row, as are serving A/B records (a suite
+sampler / sampler_tp / e2e / serve) are shown as one row per workload and one column per backend (CUDA-graph median in ms, the
+eager median when there is no graph); sampler, sampler_tp, e2e and serve records row by row, as are serving A/B records (a suite
 ``serve_<name>``, e.g. serve_fused_async: one row per variant and run, no backend). CPU records (``--quick`` smoke runs)
-are left out unless ``--include-cpu``. Tile-sweep rows (a ``config`` per row) are summarised as the best
-configuration per workload. Every other field is in the record's JSON / CSV.
+are left out unless ``--include-cpu``. Tile-sweep rows (a ``config`` per row; in the row-by-row records only the
+sampler's ``--tune`` candidates, its configured variants such as ``fused[triton_gemm]`` being rows of their own) are
+summarised as the best configuration per workload and backend, among the rows not found wrong, by CUDA-graph time
+(eager only where no row of the group has one). Every other field is in the record's JSON / CSV.
 """
 from __future__ import annotations
 
@@ -31,6 +33,8 @@ BEGIN, END = "<!-- BEGIN RESULTS -->", "<!-- END RESULTS -->"
 COLUMNS = {
     "sampler": ["workload", "backend", "status", "graph_ms", "eager_ms", "anchor_ms", "gbps", "effective_tflops",
                 "extra_memory_bytes", "correct", "note"],
+    "sampler_tp": ["workload", "backend", "world_size", "status", "eager_ms", "eager_ms_max_rank", "speedup_vs_1gpu",
+                   "note"],
     "e2e": ["workload", "backend", "sampler_backend", "status", "denoise_step_ms", "tokens_per_s",
             "attention_share", "sampler_share", "prefill_ms", "layers", "note"],
     "serve": ["workload", "backend", "status", "max_num_seqs", "output_tok_s", "ttft_ms", "time_per_canvas_ms",
@@ -102,7 +106,7 @@ def table(rows: list[dict], columns: list[str]) -> str:
 
 
 #: Suite families rendered row by row (all others: one row per workload, one column per backend).
-ROW_FAMILIES = ("sampler", "e2e", "serve", "serve_ab")
+ROW_FAMILIES = ("sampler", "sampler_tp", "e2e", "serve", "serve_ab")
 
 
 def _cell(row: dict) -> str:
@@ -127,20 +131,45 @@ def pivot(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _sweep_ms(r: dict, graph: bool):
+    return r.get("graph_ms") if graph else r.get("eager_ms")
+
+
 def sweep_summary(rows: list[dict], top: int = 1) -> str:
-    """Best ``top`` tile configs per workload (by graph_ms, else eager_ms) among rows carrying a ``config``."""
+    """Best ``top`` configurations per workload and backend label (:func:`_label`: the configs of two backends, such
+    as a cute sweep's candidates and FA4's anchors, whose ``config`` is FA4's own tile choice, are never ranked
+    against each other) among rows carrying a ``config``. Only ok rows whose result was not found wrong
+    (``correct`` False) are ranked, by ``graph_ms`` when a row of the group has one (rows without a graph time are
+    then left out: an eager time is not a graph time), else by ``eager_ms``; the others are counted as
+    failed / skipped / wrong."""
     out = []
-    for name in dict.fromkeys(r["workload"] for r in rows):
-        ok = [r for r in rows if r["workload"] == name and r.get("status") == "ok"]
-        key = lambda r: r.get("graph_ms") or r.get("eager_ms") or float("inf")  # noqa: E731
-        for r in sorted(ok, key=key)[:top]:
+    workloads = dict.fromkeys(r["workload"] for r in rows)
+    groups = [(w, lab) for w in workloads for lab in dict.fromkeys(_label(r) for r in rows if r["workload"] == w)]
+    several = len({lab for _, lab in groups}) > 1
+    for name, lab in groups:
+        mine = [r for r in rows if r["workload"] == name and _label(r) == lab]
+        ok = [r for r in mine if r.get("status") == "ok" and r.get("correct") is not False]
+        graph = any(r.get("graph_ms") is not None for r in ok)
+        timed = [r for r in ok if _sweep_ms(r, graph) is not None]
+        for r in sorted(timed, key=lambda r: _sweep_ms(r, graph))[:top]:
             cfg = ", ".join(f"{k}={v}" for k, v in (r.get("config") or {}).items())
-            out.append({"workload": name, "config": cfg, "graph_ms": r.get("graph_ms"), "eager_ms": r.get("eager_ms"),
-                        "effective_tflops": r.get("effective_tflops")})
-        failed = sum(1 for r in rows if r["workload"] == name and r.get("status") != "ok")
+            out.append({"workload": name, "backend": lab, "config": cfg, "graph_ms": r.get("graph_ms"),
+                        "eager_ms": r.get("eager_ms"), "effective_tflops": r.get("effective_tflops")})
+        failed = sum(1 for r in mine if r not in ok)
         if failed:
-            out.append({"workload": name, "config": f"({failed} configs failed/skipped)"})
-    return table(out, ["workload", "config", "graph_ms", "eager_ms", "effective_tflops"]) if out else ""
+            out.append({"workload": name, "backend": lab, "config": f"({failed} configs failed/skipped/wrong)"})
+    cols = ["workload"] + (["backend"] if several else []) + ["config", "graph_ms", "eager_ms", "effective_tflops"]
+    return table(out, cols) if out else ""
+
+
+def _is_sweep_row(row: dict, family: str) -> bool:
+    """Whether ``row`` goes to the tile-sweep summary: a row with a ``config``, except in a row-by-row family, whose
+    configured rows name their variant in the backend (the sampler's ``fused[triton_gemm]``, ``fused[stats_overlap]``:
+    measured, checked rows of their own, which the summary hid behind the best of them); there only the sampler's
+    ``--tune`` candidates (``fused:tune:*``) are a sweep."""
+    if not row.get("config"):
+        return False
+    return family not in ROW_FAMILIES or ":tune:" in str(row.get("backend", ""))
 
 
 def section(path: Path, link_base: Path = BENCH_DIR) -> str:
@@ -159,8 +188,8 @@ def section(path: Path, link_base: Path = BENCH_DIR) -> str:
             f"{doc.get('gpu', '?')}, commit `{commit}`, {str(doc.get('date', '?'))[:16]}; {env}"
             + ("" if doc.get("complete", True) else " — **incomplete run**"),
             ""]
-    main_rows = [r for r in rows if not r.get("config")]
-    sweep_rows = [r for r in rows if r.get("config")]
+    sweep_rows = [r for r in rows if _is_sweep_row(r, family)]
+    main_rows = [r for r in rows if not _is_sweep_row(r, family)]
     if not main_rows:
         body = []
     elif family in ROW_FAMILIES:
@@ -172,7 +201,7 @@ def section(path: Path, link_base: Path = BENCH_DIR) -> str:
     else:
         body = [pivot(main_rows)]
     if sweep_rows:
-        body += ["", "Tile sweep (best configuration per workload):", "", sweep_summary(sweep_rows)]
+        body += ["", "Tile sweep (best configuration per workload and backend):", "", sweep_summary(sweep_rows)]
     pngs = sorted(p.name for p in path.parent.glob(f"{path.stem}*.png"))
     if pngs:
         rel = os.path.relpath(path.parent.resolve(), Path(link_base).resolve())

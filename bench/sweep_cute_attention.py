@@ -268,7 +268,7 @@ def measure_cute(batch, cand: Candidate, gold, base_err: float, args) -> dict:
     try:
         cfg = resolve_config(w.head_dim, w.head_dim_v, w.window_size, cand.config(), page_size=batch.page_size)
     except ValueError as e:  # does not fit SM90 shared memory
-        row.update(candidate=cand.name, status="skipped", reason=str(e))
+        row.update(candidate=cand.name, label=static_label(cand, w), status="skipped", reason=str(e))
         return row
     cfg_d = dict(tile_m=cfg.tile_m, tile_n=cfg.tile_n, mma_pv_is_rs=cfg.mma_pv_is_rs,
                  intra_wg_overlap=cfg.intra_wg_overlap, num_stages=cfg.num_stages)
@@ -367,7 +367,7 @@ def summarize(rows: list[dict], workload_names: list[str]) -> tuple[list[dict], 
         dflt = {r["workload"]: _ms(r) for r in cute if r.get("candidate") == "default"}
         by_cand: dict[str, dict] = {}
         for r in cute:
-            by_cand.setdefault(r["label"], {})[r["workload"]] = _ms(r)
+            by_cand.setdefault(r.get("label") or r.get("candidate"), {})[r["workload"]] = _ms(r)
         scores = []
         for lab, per in by_cand.items():
             if all(per.get(n) for n in wnames) and all(dflt.get(n) for n in wnames):

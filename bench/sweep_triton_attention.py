@@ -180,10 +180,12 @@ _FLOPS: dict = {}
 
 
 def w_flops(w) -> float:
-    if w.name not in _FLOPS:
+    """Attention FLOPs of workload ``w`` (its allowed pairs), cached per shape: the key is the workload itself (its
+    lengths, heads, window), not its name, which the ``--quick`` and the full shapes share."""
+    if w not in _FLOPS:
         pairs = w.allowed_pairs()
-        _FLOPS[w.name] = common.attention_flops(w.num_heads, w.head_dim, pairs, w.head_dim_v)
-    return _FLOPS[w.name]
+        _FLOPS[w] = common.attention_flops(w.num_heads, w.head_dim, pairs, w.head_dim_v)
+    return _FLOPS[w]
 
 
 def sweep_workload(w, device, dtype, args, budget, rows) -> dict | None:

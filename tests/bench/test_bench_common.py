@@ -182,3 +182,45 @@ def test_bench_cli_lists_that_name_nothing_are_usage_errors_not_empty_runs(scrip
     with pytest.raises(SystemExit) as e:
         entry(argv + ["--out", str(tmp_path)])
     assert e.value.code == 2
+
+
+def test_csv_cells_hold_the_jsons_values_for_non_finite_floats(tmp_path):
+    """The JSON wrote null for a NaN / inf time and the CSV beside it 'nan' / 'inf': two files of one record that
+    disagreed (a spreadsheet read the CSV's as numbers)."""
+    rows = [{"workload": "w", "backend": "b", "eager_ms": float("nan"), "graph_ms": float("inf"), "x": 1.5}]
+    common.write_records("s", rows, env={"gpu": "cpu"}, out_dir=tmp_path)
+    lines = (tmp_path / "s-cpu.csv").read_text().splitlines()
+    assert lines == ["workload,backend,eager_ms,graph_ms,x", "w,b,,,1.5"]
+
+
+def test_a_record_write_cut_short_leaves_the_previous_record_whole(tmp_path, monkeypatch):
+    """write_records wrote the record in place: a process ended while writing (sweep_cute_attention's config
+    watchdog exits from its thread; a device command's time limit) left a truncated JSON instead of the last whole
+    record. Now each file is written beside and renamed over it."""
+    import builtins
+    import io
+
+    common.write_records("s", [{"workload": "w", "eager_ms": 1.0}], env={"gpu": "cpu"}, out_dir=tmp_path)
+    before = {p.name: p.read_text() for p in tmp_path.iterdir()}
+    real_open = builtins.open
+
+    class Cut(Exception):
+        pass
+
+    def cut_open(file, mode="r", *a, **kw):
+        f = real_open(file, mode, *a, **kw)
+        if "w" in mode:
+            def write(text, _w=f.write):
+                _w(text[: len(text) // 2])
+                f.flush()
+                raise Cut()
+            f.write = write
+        return f
+
+    monkeypatch.setattr(builtins, "open", cut_open)
+    monkeypatch.setattr(io, "open", cut_open)
+    with pytest.raises(Cut):
+        common.write_records("s", [{"workload": "w", "eager_ms": 2.0}] * 50, env={"gpu": "cpu"}, out_dir=tmp_path)
+    monkeypatch.undo()
+    assert {p.name: p.read_text() for p in tmp_path.iterdir()} == before
+    assert json.loads((tmp_path / "s-cpu.json").read_text())["rows"] == [{"workload": "w", "eager_ms": 1.0}]

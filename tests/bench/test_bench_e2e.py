@@ -58,3 +58,22 @@ def test_full_shape_run_without_a_gpu_stops_with_a_message_instead_of_filling_th
     msg = str(e.value.code)
     assert "no CUDA GPU" in msg and "--quick" in msg and "21 GiB" in msg, msg
     assert not any(tmp_path.iterdir())  # nothing ran, nothing written
+
+
+def test_a_generation_that_is_not_the_workload_is_no_ok_row(tmp_path, monkeypatch):
+    """A request that finished with 'error' (or early), fewer emitted tokens than batch x canvas, or other than 16
+    denoise steps gave an ok row whose tokens/s counted only what was served."""
+    ok = {"tokens_emitted": 512, "expected_tokens": 512, "denoise_steps": 16}
+    assert bench_e2e.incomplete_reason(ok, ["length"]) is None
+    assert "finish reasons ['error', 'length']" in bench_e2e.incomplete_reason(ok, ["error", "length"])
+    assert "256 of 512 tokens" in bench_e2e.incomplete_reason(dict(ok, tokens_emitted=256), ["length"])
+    assert "12 denoise steps" in bench_e2e.incomplete_reason(dict(ok, denoise_steps=12), ["length"])
+    real = bench_e2e.summarise
+
+    def short(steps, batch, canvas_length):  # as if one request of the batch emitted nothing
+        out = real(steps, batch, canvas_length)
+        return dict(out, tokens_emitted=out["tokens_emitted"] - canvas_length)
+
+    monkeypatch.setattr(bench_e2e, "summarise", short)
+    rows = bench_e2e.main(["--quick", "--batches", "2", "--no-warmup", "--out", str(tmp_path)])
+    assert rows[0]["status"] == "incomplete" and "16 of 32 tokens emitted" in rows[0]["reason"]

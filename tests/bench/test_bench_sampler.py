@@ -122,3 +122,29 @@ def test_flag_errors_exit_2_with_a_line_naming_the_flag(tmp_path, capsys, flags,
     with pytest.raises(SystemExit) as e:
         bs.main(["--quick", "--out", str(tmp_path), *flags])
     assert e.value.code == 2 and word in capsys.readouterr().err
+
+
+def test_vs_compile_compares_graph_with_graph_and_eager_with_eager():
+    """vs_compile_same_run was time_ms / compile's time_ms, each the graph median or else the eager one: a row
+    without a graph time (every --tune candidate; a failed capture) had its eager median divided by compile's
+    graph replay, and a compile row without a graph flattered every graph row."""
+    comp = {"backend": "compile", "graph_ms": 8.0, "eager_ms": 10.0}
+    assert bs.vs_compile({"graph_ms": 4.0, "eager_ms": 5.0}, comp) == (0.5, "graph_ms")
+    assert bs.vs_compile({"graph_ms": None, "eager_ms": 6.0}, comp) == (0.6, "eager_ms")
+    assert bs.vs_compile({"graph_ms": 4.0, "eager_ms": 5.0}, dict(comp, graph_ms=None)) == (0.5, "eager_ms")
+    assert bs.vs_compile({"graph_ms": 4.0}, {"eager_ms": None, "graph_ms": None}) == (None, None)
+
+
+def test_vs_compile_anchor_only_for_the_anchors_workload_and_a_graph_time():
+    """The anchor (7.35 ms) is torch.compile's CUDA-graph time of sampler_n4 on an H200: sampler_n1-sampled rows
+    carried 0.144 'of the anchor' (one canvas against four), and an eager-only row its eager time over it."""
+    shape = dict(bs.SHAPES["full"])
+    row = {"workload": "sampler_n4", "graph_ms": 3.675, "eager_ms": 4.0}
+    bs.add_rates(row, shape)
+    assert row["vs_compile_anchor"] == pytest.approx(0.5)
+    other = {"workload": "sampler_n1-sampled", "graph_ms": 1.05}
+    bs.add_rates(other, dict(shape, N=1))
+    assert other["vs_compile_anchor"] is None
+    eager = {"workload": "sampler_n4", "eager_ms": 4.0}
+    bs.add_rates(eager, shape)
+    assert eager["vs_compile_anchor"] is None and eager["time_ms"] == 4.0

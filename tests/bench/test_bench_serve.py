@@ -1654,3 +1654,19 @@ def test_an_int_beyond_float_range_is_a_row_problem_and_a_usage_error_not_an_ove
         bs.build_parser().parse_args(["sweep", "--base-url", "http://x", "--model", "/m", "--backend", "vllm",
                                       "--quant", "fp8", "--max-num-seqs", str(huge)])
     assert e.value.code == 2 and "within float's range, got an int of 1329 bits" in capsys.readouterr().err
+
+
+def test_a_throughput_goal_never_counts_a_row_of_another_step_count():
+    """A blockdiff row whose canvases took 8 denoising steps (vLLM's count; ~2x the tokens/s of the setting's 16)
+    met c1_fp8_vs_vllm and c1_fp8_tok_s; only the setting check steps_per_canvas_16 said the row was not the
+    setting. A row with no count (steps_ok None) is of an unknown setting: not counted either."""
+    stock = _row("vllm", "fp8", 1, 1000.0)
+    fast = _row("blockdiff-cute", "fp8", 1, 2000.0, steps=8.0)
+    g = {x["name"]: x for x in bs.evaluate_goals([stock, fast])}
+    assert g["c1_fp8_vs_vllm"]["met"] is None and g["c1_fp8_tok_s"]["met"] is None
+    assert g["steps_per_canvas_16"]["met"] is False
+    unknown = dict(_row("blockdiff-cute", "fp8", 1, 2000.0), steps_ok=None, diffusion_steps_per_canvas=None)
+    assert {x["name"]: x for x in bs.evaluate_goals([stock, unknown])}["c1_fp8_vs_vllm"]["met"] is None
+    good = _row("blockdiff-cute", "fp8", 1, 1300.0)
+    g = {x["name"]: x for x in bs.evaluate_goals([stock, fast, good])}
+    assert g["c1_fp8_vs_vllm"]["value"] == pytest.approx(1.3) and g["c1_fp8_vs_vllm"]["met"]

@@ -131,3 +131,16 @@ def test_bench_attention_cli_refuses_workloads_naming_no_pattern():
     from blockdiff.bench import bench_attention
     with pytest.raises(SystemExit):
         bench_attention.parse_args(["--quick", "--workloads", ","])
+
+
+def test_triton_sweep_flops_cache_tells_the_quick_shape_from_the_full_one():
+    """sweep_triton_attention.w_flops cached FLOPs by workload name, which the --quick and the full shapes share:
+    after a quick workload the full one's effective TFLOP/s used the quick FLOPs (and the other way round)."""
+    from blockdiff.bench import common
+    from blockdiff.bench import sweep_triton_attention as st
+
+    quick = {w.name: w for w in wl.named_workloads(quick=True)}["canvas_bs1_ctx32k_sliding"]
+    full = {w.name: w for w in wl.named_workloads()}["canvas_bs1_ctx32k_sliding"]
+    st.w_flops(quick)
+    assert st.w_flops(full) == common.attention_flops(16, 256, 294784, 256)  # 256 rows x (1279 - r) keys
+    assert st.w_flops(quick) == common.attention_flops(quick.num_heads, quick.head_dim, quick.allowed_pairs())

@@ -192,3 +192,50 @@ def test_record_problem_names_an_int_beyond_float_range():
     problem named."""
     doc = {"rows": [{"workload": "w", "graph_ms": 10 ** 400}]}
     assert make_tables.record_problem(doc) == "rows[0].graph_ms must be a finite number or null, got an int of 1329 bits"
+
+
+def test_sweep_summary_never_ranks_another_backends_config_as_the_sweeps_best():
+    """cute_sweep-h200.json's FA4 anchors carry a ``config`` (FA4's own tile choice): the summary ranked them with the
+    cute candidates and showed FA4 contiguous's 0.0590 ms / 1.717 ms as the best cute configuration of
+    canvas_bs4_ctx4k_hd128 / prefill16k_hd128 (cute's best: 0.0732 / 1.765)."""
+    rows = [{"workload": "w", "backend": "fa4", "kv_layout": "contiguous", "status": "ok", "graph_ms": 0.059,
+             "config": {"causal": {"tile_m": 128}}, "correct": True},
+            {"workload": "w", "backend": "cute", "status": "ok", "graph_ms": 0.0732, "config": {"tile_m": 128},
+             "correct": True},
+            {"workload": "w", "backend": "cute", "status": "ok", "graph_ms": 0.08, "config": {"tile_m": 192},
+             "correct": True}]
+    lines = make_tables.sweep_summary(rows).splitlines()
+    assert lines[0] == "| workload | backend | config | graph ms | eager ms | effective tflops |"
+    assert "| w | fa4 (contiguous) | causal={'tile_m': 128} | 0.0590 |" in lines[2]
+    assert lines[3].startswith("| w | cute | tile_m=128 | 0.0732 |") and len(lines) == 4
+
+
+def test_sweep_summary_never_picks_a_wrong_result_or_an_eager_time_against_graph_times():
+    """A config whose output failed the check (status ok, ``correct`` False) was the best when fastest, and a row
+    whose graph capture failed was ranked by its eager time against the others' graph times."""
+    rows = [{"workload": "w", "backend": "triton", "status": "ok", "graph_ms": 0.01, "config": {"BLOCK_M": 16},
+             "correct": False},
+            {"workload": "w", "backend": "triton", "status": "ok", "graph_ms": None, "eager_ms": 0.02,
+             "config": {"BLOCK_M": 32}, "correct": True},
+            {"workload": "w", "backend": "triton", "status": "ok", "graph_ms": 0.05, "config": {"BLOCK_M": 64},
+             "correct": True}]
+    text = make_tables.sweep_summary(rows)
+    assert "| w | BLOCK_M=64 | 0.0500 |" in text and "BLOCK_M=16" not in text and "BLOCK_M=32" not in text
+    assert "(1 configs failed/skipped/wrong)" in text
+    # no graph time anywhere: eager times rank
+    eager = [dict(r, graph_ms=None, eager_ms=0.03 + i / 100) for i, r in enumerate(rows[1:])]
+    assert "| w | BLOCK_M=32 | – | 0.0300 |" in make_tables.sweep_summary(eager)
+
+
+def test_sampler_variant_rows_with_a_config_are_rows_of_the_table(tmp_path):
+    """sampler-h200.json's fused[triton_gemm] (8.47 ms) and fused[stats_overlap] rows carry their SamplerConfig: the
+    README showed neither row, only the faster one's config as a 'tile sweep'. The --tune candidates stay a sweep."""
+    _record(tmp_path / "sampler-h200.json", suite="sampler", rows=[
+        {"workload": "sampler_n4", "backend": "fused", "status": "ok", "graph_ms": 3.4, "correct": True},
+        {"workload": "sampler_n4", "backend": "fused[triton_gemm]", "status": "ok", "graph_ms": 8.47,
+         "config": {"soft_impl": "triton_gemm"}, "correct": True},
+        {"workload": "sampler_n4", "backend": "fused:tune:stats", "part": "stats", "status": "ok", "eager_ms": 0.8,
+         "config": {"block_g": 256}, "correct": True}])
+    text = make_tables.render(tmp_path)
+    assert "| sampler_n4 | fused[triton_gemm] | ok | 8.470 |" in text
+    assert "| sampler_n4 | block_g=256 | – | 0.8000 |" in text and "fused:tune:stats |" not in text

@@ -58,3 +58,14 @@ def test_summary_ratio_and_target():
     assert b["best"] == "x" and abs(b["ratio_vs_fa4"] - 0.058 / 0.059) < 1e-9 and b["met"] is True
     assert abs(b["default_ratio"] - 0.074 / 0.059) < 1e-9
     assert lines and lines[0].startswith("hd128") and ": x " in lines[0]
+
+
+def test_summary_survives_a_candidate_that_resolve_config_refused():
+    """measure_cute's row for a config resolve_config refuses (shared memory) had no label: summarize raised
+    KeyError after the whole sweep, losing the markdown and the printed verdicts."""
+    rows = [dict(workload="w", backend="cute", candidate="default", label="d", head_dim=128, status="ok",
+                 correct=True, graph_ms=0.07),
+            dict(workload="w", backend="cute", candidate="big", head_dim=128, status="skipped", config=None,
+                 graph_ms=None, reason="needs 240 KB")]
+    best, lines = sw.summarize(rows, ["w"])
+    assert best[0]["best"] == "d" and lines and ": d " in lines[0]
