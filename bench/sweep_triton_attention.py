@@ -283,6 +283,10 @@ def main(argv=None) -> int:
                         "{\"IMPL\": \"gluon\"}]'; {} is the backend's own choice)")
     p.add_argument("--suite-name", default=SUITE, help=f"results file stem (default {SUITE})")
     args = p.parse_args(argv)
+    if not args.quick and not torch.cuda.is_available():
+        # the full shapes (16k prefills, 32k contexts) through the Triton interpreter: the whole budget for nothing
+        sys.exit("sweep_triton_attention: no CUDA GPU: the tile sweep times the named workloads' full shapes on a "
+                 "GPU; --quick is the CPU smoke run (tiny shapes through the interpreter)")
     budget = Budget(args.budget_s)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
     if args.quick:

@@ -125,24 +125,30 @@ def build_parser() -> argparse.ArgumentParser:
                                    "library's sources, save the checkpoint folder (model.safetensors, config.json, "
                                    "tokenizer.json, loss.png, train_log.json) and evaluate it by generation "
                                    "through the harness (blockdiff.integration.evaluate).")
-    t.add_argument("--out", required=True, help="output folder (checkpoint, config, tokenizer, loss.png, log)")
+    t.add_argument("--out", required=True, help="output folder (checkpoint, config, tokenizer, loss.png, log; the "
+                                                "files of an earlier run there are replaced)")
     t.add_argument("--minutes", type=float, default=8.0, help="wall-clock training budget (default 8)")
     t.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (overrides --minutes)")
-    t.add_argument("--batch-size", type=int, default=1024)
-    t.add_argument("--prefix", type=int, default=64, help="longest clean prefix P (tokens)")
-    t.add_argument("--prefix-min", type=int, default=16, help="shortest clean prefix (P drawn per batch)")
-    t.add_argument("--lr", type=float, default=2e-3)
-    t.add_argument("--warmup-steps", type=int, default=200)
-    t.add_argument("--self-cond-prob", type=float, default=0.5)
-    t.add_argument("--log-every", type=int, default=50)
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--batch-size", type=int, default=1024, help="sequences per step (default 1024)")
+    t.add_argument("--prefix", type=int, default=64, help="longest clean prefix P (tokens; default 64)")
+    t.add_argument("--prefix-min", type=int, default=16, help="shortest clean prefix (P drawn per batch; default 16)")
+    t.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (default 2e-3)")
+    t.add_argument("--warmup-steps", type=int, default=200, help="linear warm-up steps (default 200)")
+    t.add_argument("--self-cond-prob", type=float, default=0.5,
+                   help="probability per example of self-conditioning input in training (default 0.5)")
+    t.add_argument("--log-every", type=int, default=50, help="steps between log lines (default 50)")
+    t.add_argument("--seed", type=int, default=0, help="seed of weights, batches and evaluation (default 0)")
     t.add_argument("--device", default=None, help="torch device (default cuda when available, else cpu)")
     t.add_argument("--corpus", default=None, help="folder of .py files or one text file (default: the stdlib)")
-    t.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts of the evaluation (0: none)")
-    t.add_argument("--eval-steps", type=int, default=16, help="max_denoising_steps of the evaluation")
+    t.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts of the evaluation (0: none; default 8)")
+    t.add_argument("--eval-steps", type=int, default=16, help="max_denoising_steps of the evaluation (default 16)")
     t.add_argument("--attn-backend", default="reference", choices=ATTENTION_BACKENDS,
-                   help="attention backend of the evaluation harness")
-    t.add_argument("--smoke", action="store_true", help="tiny config, ~20 steps on the CPU")
+                   help="attention backend of the evaluation harness (default reference)")
+    t.add_argument("--smoke", action="store_true",
+                   help="tiny config, 20 steps on the CPU (--max-steps sets another count); it sets --device cpu, "
+                        "--lr 3e-3 and --warmup-steps 2, caps --batch-size at 8, --prefix at 16, --prefix-min at 8, "
+                        "--eval-prompts at 2 and --eval-steps at 4, and defaults --corpus to the stdlib's json "
+                        "package")
 
     e = sub.add_parser("export", help="write a checkpoint as a Hugging Face DiffusionGemma folder (transformers, vLLM)",
                        description="Write a trained checkpoint (default: the shipped stdlib-byte one) as a Hugging "

@@ -441,6 +441,8 @@ def save_checkpoint(model: DiffusionGemma, out: str, tokenizer: ByteTokenizer, d
     save_file(hf_state_dict(model, dtype), path, metadata={"format": "pt", "source": "blockdiff.model.train"})
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(model.config.to_dict(), f, indent=2)
+    # safetensors writes 0600; give the weights the JSON files' (umask) mode, as blockdiff.model.export does
+    os.chmod(path, os.stat(os.path.join(out, "config.json")).st_mode & 0o777)
     tokenizer.save(out)
     return path
 

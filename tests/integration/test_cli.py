@@ -2,8 +2,10 @@
 errors; ``blockdiff train --smoke``. The trained-checkpoint path is in test_demo.py."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -230,6 +232,41 @@ def test_train_smoke_trains_on_one_cpu_thread(tmp_path, monkeypatch):
     finally:
         torch.set_num_threads(threads)  # not left to the tests after this one
     assert seen == {"threads": 1, "smoke": True}
+
+
+def _train_options():
+    sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return {a.dest: a for a in sub.choices["train"]._actions if a.option_strings and a.dest != "help"}
+
+
+def test_train_help_states_every_default_and_what_smoke_overrides(tmp_path):
+    """Regression: ``blockdiff train --help`` listed --batch-size, --lr, --warmup-steps, --self-cond-prob,
+    --log-every and --seed without a word, so their defaults were nowhere but the source, and ``--smoke`` ("tiny
+    config, ~20 steps on the CPU") silently replaced --device, --lr and --warmup-steps and capped five more flags.
+    Each option's help now gives its default (checked against the parser's), and --smoke's help names every flag
+    it sets, with the values ``smoke_args`` gives."""
+    from blockdiff.model.train import TrainArgs, smoke_args
+
+    opts = _train_options()
+    for dest, a in opts.items():
+        if a.default in (None, False) or dest == "out":
+            continue
+        m = re.search(r"default (\S+?)[);,]?(?:\s|$)", a.help or "")
+        assert m, f"--{dest}: help {a.help!r} states no default"
+        shown = m.group(1).rstrip(")")
+        assert (shown == a.default if isinstance(a.default, str) else float(shown) == a.default), (dest, shown)
+    smoke_help = opts["smoke"].help
+    cut = smoke_args(TrainArgs(out=str(tmp_path)))
+    for flag, field in (("--device", "device"), ("--lr", "lr"), ("--warmup-steps", "warmup_steps")):
+        m = re.search(rf"{flag} (\S+?)[,;]?\s", smoke_help)
+        assert m, (flag, smoke_help)
+        value = getattr(cut, field)
+        assert (m.group(1) == value if isinstance(value, str) else float(m.group(1)) == value), (flag, m.group(1))
+    for flag, field in (("--batch-size", "batch_size"), ("--prefix", "prefix"), ("--prefix-min", "prefix_min"),
+                        ("--eval-prompts", "eval_prompts"), ("--eval-steps", "eval_steps")):
+        m = re.search(rf"{flag} at (\d+)", smoke_help)
+        assert m and int(m.group(1)) == getattr(cut, field), (flag, smoke_help)
+    assert cut.max_steps == 20 and "20 steps" in smoke_help
 
 
 def test_train_argument_errors_come_before_torch():

@@ -178,6 +178,19 @@ def test_checkpoint_round_trips_through_the_loader(tmp_path):
     assert "model.encoder.language_model.layers.0.layer_scalar" in bf
 
 
+def test_saved_checkpoint_weights_get_the_umask_mode_not_0600(tmp_path):
+    """Regression: safetensors writes its file 0600 whatever the umask, so a checkpoint ``blockdiff train`` wrote
+    held a ``model.safetensors`` that only its owner could read (config.json, tokenizer.json: the umask's 0644),
+    where ``blockdiff export`` already gave its weights the JSON files' mode."""
+    old = os.umask(0o022)
+    try:
+        save_checkpoint(DiffusionGemma(smoke_config(), moe_impl="loop"), str(tmp_path / "ck"), ByteTokenizer())
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "ck").iterdir()}
+    assert modes == {"model.safetensors": 0o644, "config.json": 0o644, "tokenizer.json": 0o644}, modes
+
+
 def test_default_config_fits_the_size_budget():
     cfg = default_train_config()
     model = DiffusionGemma(cfg, device="meta")
