@@ -355,7 +355,7 @@ def write_records(suite: str, rows: list[dict], *, env: dict | None = None, extr
     w = csv.DictWriter(buf, fieldnames=keys)
     w.writeheader()
     for r in rows:  # the JSON's values: a non-finite float is an empty cell as it is null there (was: nan / inf)
-        w.writerow({k: (json.dumps(_jsonable(v)) if isinstance(v, (dict, list)) else _jsonable(v))
+        w.writerow({k: (json.dumps(_jsonable(v)) if isinstance(v, (dict, list, tuple)) else _jsonable(v))
                     for k, v in r.items()})
     _write_whole(path, json.dumps(_jsonable(doc), indent=1) + "\n")
     _write_whole(d / f"{stem}.csv", buf.getvalue())

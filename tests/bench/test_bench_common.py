@@ -251,3 +251,13 @@ def test_a_rewritten_record_keeps_the_permission_bits_of_the_file_it_replaces(tm
     common.write_records("s", [{"workload": "w", "eager_ms": 2.0}], env={"gpu": "cpu"}, out_dir=tmp_path)
     assert {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()} == {"s-cpu.json": 0o640,
                                                                               "s-cpu.csv": 0o640}
+
+
+def test_csv_cells_hold_the_jsons_text_for_tuple_values(tmp_path):
+    """Regression: a tuple value (a shape, a pair of names) is a JSON list in the record's JSON, but its CSV cell was
+    Python's repr of the list _jsonable made of it (``['a', 'b']``, not JSON), where a list value's cell is JSON."""
+    rows = [{"workload": "w", "pair": ("a", "b"), "names": ["a", "b"]}]
+    common.write_records("s", rows, env={"gpu": "cpu"}, out_dir=tmp_path)
+    assert json.loads((tmp_path / "s-cpu.json").read_text())["rows"][0]["pair"] == ["a", "b"]
+    lines = (tmp_path / "s-cpu.csv").read_text().splitlines()
+    assert lines == ["workload,pair,names", 'w,"[""a"", ""b""]","[""a"", ""b""]"']
