@@ -366,7 +366,15 @@ def tune(x, E, params, slots, shape, device) -> tuple[dict, list[dict]]:
     return merged, rows
 
 
-def plot(rows, out_dir: Path, stem: str) -> list[Path]:
+def anchor_applies(workload: str, gpu: str | None) -> bool:
+    """Whether :data:`ANCHORS_MS` (torch.compile's CUDA-graph time of :data:`WORKLOAD` on :data:`ANCHOR_GPU`) is a
+    time to compare ``workload``'s rows with on the device ``gpu`` (its name, as ``env_record`` gives it)."""
+    return workload == WORKLOAD and gpu is not None and common.gpu_slug(gpu) == ANCHOR_GPU
+
+
+def plot(rows, out_dir: Path, stem: str, gpu: str | None = None) -> list[Path]:
+    """Bar chart of the step's rows (CUDA-graph median where there is one), with the anchor and its target line
+    where :func:`anchor_applies` (``gpu``: the device's name)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -380,7 +388,7 @@ def plot(rows, out_dir: Path, stem: str) -> list[Path]:
     fig, ax = plt.subplots(figsize=(7, 3.5))
     names = [r["backend"] + (f" [{r['config']}]" if r.get("config") else "") for r in ok]
     ax.barh(names, [r["time_ms"] for r in ok], color="tab:blue")
-    if not ok[0]["workload"].endswith("quick"):
+    if anchor_applies(ok[0]["workload"], gpu):  # (was: any run but --quick, an H100's or one canvas's too)
         ax.axvline(ANCHORS_MS["compile"], color="tab:red", ls="--", label=f"compile anchor {ANCHORS_MS['compile']} ms")
         ax.axvline(ANCHORS_MS["compile"] / 2, color="tab:green", ls=":", label="target 0.5x anchor")
         ax.legend(loc="lower right", fontsize=8)
@@ -536,7 +544,7 @@ def main(argv=None) -> list[dict]:
                 r["vs_compile_same_run"], r["vs_compile_same_run_of"] = ratio, key
 
     env = common.env_record(device)
-    if common.gpu_slug(env["gpu"]) != ANCHOR_GPU:  # the anchor is an H200 time: no ratio across GPUs
+    if not anchor_applies(WORKLOAD, env["gpu"]):  # the anchor is an H200 time: no ratio across GPUs
         for r in rows:
             r["vs_compile_anchor"] = None
     suite = (SUITE if named else workload_name(shape, False)) + ("-quick" if quick else "")
@@ -548,7 +556,7 @@ def main(argv=None) -> list[dict]:
              "argv": common.script_argv(argv)}
     out_dir = Path(args.out) if args.out else common.results_dir(local=quick)
     path = common.write_records(suite, rows, env=env, extra=extra, out_dir=out_dir)
-    pngs = [] if args.no_plots else plot(rows, out_dir, path.stem)
+    pngs = [] if args.no_plots else plot(rows, out_dir, path.stem, gpu=env["gpu"])
     print(f"\nwrote {path} (+ .csv, {len(pngs)} PNG)")
     main_rows = [r for r in rows if ":tune:" not in r["backend"]]
     print(common.summary_table(main_rows, ["workload", "backend", "status", "eager_ms", "graph_ms", "gbps",

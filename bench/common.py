@@ -355,7 +355,7 @@ def write_records(suite: str, rows: list[dict], *, env: dict | None = None, extr
     w = csv.DictWriter(buf, fieldnames=keys)
     w.writeheader()
     for r in rows:  # the JSON's values: a non-finite float is an empty cell as it is null there (was: nan / inf)
-        w.writerow({k: (json.dumps(_jsonable(v)) if isinstance(v, (dict, list)) else _jsonable(v))
+        w.writerow({k: (json.dumps(_jsonable(v)) if isinstance(v, (dict, list, tuple)) else _jsonable(v))
                     for k, v in r.items()})
     _write_whole(path, json.dumps(_jsonable(doc), indent=1) + "\n")
     _write_whole(d / f"{stem}.csv", buf.getvalue())
@@ -365,11 +365,16 @@ def write_records(suite: str, rows: list[dict], *, env: dict | None = None, extr
 def _write_whole(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file beside it and a rename: a run cut short while writing (a
     sweep's config timeout exits the process from a watchdog thread, a device command's time limit) leaves the
-    previous file whole, never a truncated record."""
+    previous file whole, never a truncated record. As a write in place did, a symbolic link is written through (the
+    file it names is replaced, the link kept) and a file that was there keeps its permission bits (a new one gets the
+    umask's)."""
+    path = Path(os.path.realpath(path))
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "w", newline="") as f:
             f.write(text)
+        if path.exists():
+            os.chmod(tmp, path.stat().st_mode & 0o7777)
         os.replace(tmp, path)
     finally:
         if tmp.exists():

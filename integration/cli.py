@@ -147,8 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--smoke", action="store_true",
                    help="tiny config, 20 steps on the CPU (--max-steps sets another count); it sets --device cpu, "
                         "--lr 3e-3 and --warmup-steps 2, caps --batch-size at 8, --prefix at 16, --prefix-min at 8, "
-                        "--eval-prompts at 2 and --eval-steps at 4, and defaults --corpus to the stdlib's json "
-                        "package")
+                        "--eval-prompts at 2 and --eval-steps at 4, defaults --corpus to the stdlib's json "
+                        "package, and logs every step (a line printed every 5; --log-every is not used)")
 
     e = sub.add_parser("export", help="write a checkpoint as a Hugging Face DiffusionGemma folder (transformers, vLLM)",
                        description="Write a trained checkpoint (default: the shipped stdlib-byte one) as a Hugging "

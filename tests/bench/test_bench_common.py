@@ -1,5 +1,6 @@
 """bench/common.py: FLOP/s arithmetic, timing helpers, result files (allowed-pair counts: tests/attention)."""
 import json
+import os
 
 import pytest
 import torch
@@ -224,3 +225,39 @@ def test_a_record_write_cut_short_leaves_the_previous_record_whole(tmp_path, mon
     monkeypatch.undo()
     assert {p.name: p.read_text() for p in tmp_path.iterdir()} == before
     assert json.loads((tmp_path / "s-cpu.json").read_text())["rows"] == [{"workload": "w", "eager_ms": 1.0}]
+
+
+def test_a_record_written_over_a_symbolic_link_replaces_the_file_it_names_and_keeps_the_link(tmp_path):
+    """Regression: the rename of write_records' whole-file write put a regular file in the link's place, so the
+    file the link named kept the old record (a write in place, as before the rename, went through the link)."""
+    real = tmp_path / "kept" / "s-cpu.json"
+    real.parent.mkdir()
+    real.write_text("{}\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "s-cpu.json").symlink_to(real)
+    common.write_records("s", [{"workload": "w", "eager_ms": 1.0}], env={"gpu": "cpu"}, out_dir=out)
+    assert (out / "s-cpu.json").is_symlink()
+    assert json.loads(real.read_text())["rows"] == [{"workload": "w", "eager_ms": 1.0}]
+    assert sorted(p.name for p in real.parent.iterdir()) == ["s-cpu.json"]  # no temporary file left beside it
+
+
+def test_a_rewritten_record_keeps_the_permission_bits_of_the_file_it_replaces(tmp_path):
+    """Regression: the whole-file write created a new file with the umask's mode, so a record made group-writable
+    (0664) or read-only for others (0640) lost its mode on the next run; a write in place kept it."""
+    common.write_records("s", [{"workload": "w", "eager_ms": 1.0}], env={"gpu": "cpu"}, out_dir=tmp_path)
+    for name in ("s-cpu.json", "s-cpu.csv"):
+        os.chmod(tmp_path / name, 0o640)
+    common.write_records("s", [{"workload": "w", "eager_ms": 2.0}], env={"gpu": "cpu"}, out_dir=tmp_path)
+    assert {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()} == {"s-cpu.json": 0o640,
+                                                                              "s-cpu.csv": 0o640}
+
+
+def test_csv_cells_hold_the_jsons_text_for_tuple_values(tmp_path):
+    """Regression: a tuple value (a shape, a pair of names) is a JSON list in the record's JSON, but its CSV cell was
+    Python's repr of the list _jsonable made of it (``['a', 'b']``, not JSON), where a list value's cell is JSON."""
+    rows = [{"workload": "w", "pair": ("a", "b"), "names": ["a", "b"]}]
+    common.write_records("s", rows, env={"gpu": "cpu"}, out_dir=tmp_path)
+    assert json.loads((tmp_path / "s-cpu.json").read_text())["rows"][0]["pair"] == ["a", "b"]
+    lines = (tmp_path / "s-cpu.csv").read_text().splitlines()
+    assert lines == ["workload,pair,names", 'w,"[""a"", ""b""]","[""a"", ""b""]"']

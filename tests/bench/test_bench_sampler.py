@@ -148,3 +148,21 @@ def test_vs_compile_anchor_only_for_the_anchors_workload_and_a_graph_time():
     eager = {"workload": "sampler_n4", "eager_ms": 4.0}
     bs.add_rates(eager, shape)
     assert eager["vs_compile_anchor"] is None and eager["time_ms"] == 4.0
+
+
+@pytest.mark.parametrize("workload, gpu", [("sampler_n4", "NVIDIA H100 80GB HBM3"), ("sampler_n1", "NVIDIA H200")])
+def test_sampler_plot_draws_the_h200_anchor_only_where_the_rows_ratio_uses_it(tmp_path, monkeypatch, workload, gpu):
+    """Regression: vs_compile_anchor became None off an H200 and for workloads other than sampler_n4, but the plot
+    still drew 'compile anchor 7.35 ms' and its 0.5x target line on every run but --quick (sampler-h100.png: an H200
+    time among H100 bars; a one-canvas run against the four-canvas anchor)."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.axes import Axes
+
+    drawn = []
+    real = Axes.axvline
+    monkeypatch.setattr(Axes, "axvline", lambda self, x, *a, **kw: (drawn.append(x), real(self, x, *a, **kw))[1])
+    rows = [{"workload": workload, "backend": "fused", "status": "ok", "time_ms": 3.0}]
+    assert bs.plot(rows, tmp_path, "s", gpu=gpu)
+    assert drawn == []
+    bs.plot([dict(rows[0], workload="sampler_n4")], tmp_path, "s", gpu="NVIDIA H200")
+    assert drawn == [bs.ANCHORS_MS["compile"], bs.ANCHORS_MS["compile"] / 2]

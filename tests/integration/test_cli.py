@@ -269,6 +269,13 @@ def test_train_help_states_every_default_and_what_smoke_overrides(tmp_path):
     assert cut.max_steps == 20 and "20 steps" in smoke_help
 
 
+def test_train_smoke_help_says_it_does_not_use_log_every():
+    """Regression: ``--smoke``'s help named every flag it sets or caps but not --log-every, which a smoke run does not
+    use (model.train logs every step and prints a line every 5, and takes no held-out loss between steps), so
+    ``--smoke --log-every 10`` was silently a run logged as any other smoke run."""
+    assert "--log-every is not used" in _train_options()["smoke"].help
+
+
 def test_train_argument_errors_come_before_torch():
     """An argument error of ``blockdiff train`` exits 2 from argparse, in a process that never imported torch."""
     code = ("import sys; from blockdiff.integration import cli\n"
