@@ -33,7 +33,7 @@ rows = {}
 for f in sorted(glob.glob(os.path.join(os.environ["OUT"], "ab", "*.json"))):
     d = json.load(open(f))
     side = d.get("suite", os.path.basename(f))
-    for r in d.get("records", []):
+    for r in d.get("rows", []):
         if r.get("backend") == "triton" and r.get("status") == "ok":
             rows.setdefault(r["workload"], []).append((side, r["graph_ms"] * 1e3, r["eager_ms"] * 1e3, r.get("impl")))
 for w, v in rows.items():
