@@ -253,7 +253,7 @@ def soft_embedding(logits: torch.Tensor, embedding: torch.Tensor, T: torch.Tenso
     return ws
 
 
-@functools.lru_cache(maxsize=4096)  # pure in its (hashable) arguments; ~30 us of host time a step uncached
+@functools.lru_cache(maxsize=4096)  # pure in its (hashable) arguments (cost: docs/tuning.md 7.62)
 def _gemm_plan(N: int, CL: int, V: int, hidden: int, device: torch.device, embedding_dtype: torch.dtype,
                cfg: SamplerConfig) -> tuple[SamplerConfig, int, int]:
     """``(resolved config, K_PER_SPLIT, SPLIT_K)`` of :func:`soft_embedding`'s split-K GEMM, after the int32 index
@@ -279,7 +279,7 @@ def _chunk_tiles(M: int, vc: int, cuda: bool) -> tuple[int, int]:
     return (4, 1024) if cuda else (min(32, triton.next_power_of_2(M)), min(64, triton.next_power_of_2(vc)))
 
 
-@functools.lru_cache(maxsize=4096)  # pure in its arguments; ~10 us of host time a step uncached
+@functools.lru_cache(maxsize=4096)  # pure in its arguments (cost: docs/tuning.md 7.62)
 def _check_chunk_indices(N: int, CL: int, V: int, vc: int, cuda: bool) -> None:
     """The int32 index checks of :func:`soft_embedding_chunked` with chunks of ``vc`` tokens: the token ids
     ``v0 + j`` of the last chunk over its padded tiles (``j`` up to ``cdiv(vc, BLOCK_V) * BLOCK_V - 1``: a
@@ -453,7 +453,7 @@ def _p_buffer_plan(M: int, V: int, chunk: int | None, embedding_dtype: torch.dty
     cuda = (device if isinstance(device, torch.device) else torch.device(device)).type == "cuda"
     buffers = 2 if overlap and cuda else 1
     buf_dtype = embedding_dtype if cuda else torch.float32
-    itemsize = buf_dtype.itemsize  # (was a 0-d tensor allocated for its element_size: ~1.5 us a step)
+    itemsize = buf_dtype.itemsize  # (no 0-d tensor allocated per call for its element_size)
     return chunk_size(M, V, chunk, itemsize, buffers=buffers), buffers, buf_dtype
 
 

@@ -520,8 +520,8 @@ def stats_plan(N: int, CL: int, V: int, config: SamplerConfig | None,
                device: torch.device) -> tuple[SamplerConfig, int, int]:
     """``(resolved config, CHUNK, SPLIT_V)`` of :func:`row_stats`' launches for logits [N, CL, V] on ``device``:
     vocabulary splits of CHUNK tokens (whole ``4 * block_g``-token tiles), SPLIT_V of them. Cached per shapes,
-    (frozen, hashable) config and device: a pure function of them that costs ~40 us of host time uncached (the
-    config's ``resolve`` and ``triton.cdiv`` calls), on every step; a refusal is not cached. The key is
+    (frozen, hashable) config and device: a pure function of them, whose ``resolve`` and ``triton.cdiv`` calls
+    cost host time on every step uncached (docs/tuning.md 7.62); a refusal is not cached. The key is
     :func:`~.config.plan_key`'s: Python ints, and ``device`` (a str or ``torch.device``) with an index-less
     ``"cuda"`` pinned to the current device (the SM count ``resolve`` reads).
 
