@@ -41,7 +41,7 @@ def compile_for_sm90(*, block_m: int, block_n: int, num_warps: int, num_stages: 
 
     Returns:
         ``{"shared": bytes, "ptxas": report, "wgmma": bool, "tma": bool, "setmaxnreg": bool,
-        "setmaxnreg_values": [int]}``.
+        "setmaxnreg_values": [int], "exp2_from_fma": int}`` (:func:`exp2_operands_from_fma`).
 
     Raises:
         ValueError: a config the Gluon kernels refuse (:func:`.config.check_gluon_config`).
@@ -78,8 +78,30 @@ def compile_for_sm90(*, block_m: int, block_n: int, num_warps: int, num_stages: 
     report = _ptxas(ptx)
     return {"shared": ck.metadata.shared, "ptxas": report, "wgmma": "wgmma.mma_async" in ptx,
             "tma": "cp.async.bulk.tensor" in ptx, "setmaxnreg": "setmaxnreg" in ptx,
+            "exp2_from_fma": exp2_operands_from_fma(ptx),
             "setmaxnreg_values": sorted({int(v) for v in
                                          re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)})}
+
+
+_PTX_INSTR = re.compile(r"^\s*(?:@%\w+\s+)?([a-z][\w.]*)\s+(%\w+)\s*,?\s*([^;]*);")
+
+
+def exp2_operands_from_fma(ptx: str) -> int:
+    """How many ``ex2.approx`` instructions of a PTX text take an operand an ``fma`` wrote (the last write before
+    them in the text). The kernels' weights must be ``exp2((s - m) * c)``, a subtraction then a multiply: an FMA
+    into ``exp2`` against a rounded row max (``exp2(fma(s, c, -round(m * c)))``, which LLVM contracts a multiply
+    and a subtraction into) keeps the product's rounding error, inf or 0 for scores beyond ~2^31 in log2 units."""
+    writer, n = {}, 0
+    for line in ptx.splitlines():
+        m = _PTX_INSTR.match(line)
+        if not m:
+            continue
+        op, dst, rest = m.groups()
+        if op.startswith("ex2.approx"):
+            src = rest.split(",")[0].strip()
+            n += writer.get(src, "").startswith("fma")
+        writer[dst] = op
+    return n
 
 
 def _ptxas(ptx: str) -> str:
@@ -107,7 +129,8 @@ def compile_portable_for_sm90(*, block_m: int, block_n: int, num_warps: int, num
 
     Returns:
         ``{"ptxas": report, "registers": int (the kernel's), "kernel_spills": bytes of spill stores in the kernel,
-        "cold_spills": those of its non-inlined cold functions (:func:`.portable._nonfinite_tile`)}``.
+        "cold_spills": those of its non-inlined cold functions (:func:`.portable._nonfinite_tile`),
+        "exp2_from_fma": int}`` (:func:`exp2_operands_from_fma`).
 
     Raises:
         RuntimeError: ptxas failed.
@@ -135,7 +158,8 @@ def compile_portable_for_sm90(*, block_m: int, block_n: int, num_warps: int, num
     spills = {name.strip(): int(n) for name, n in
               re.findall(r"Function properties for (\S+)\s+\d+ bytes stack frame, (\d+) bytes spill stores", report)}
     return {"ptxas": report, "registers": regs[0] if regs else 0, "kernel_spills": spills.get(fn.__name__, 0),
+            "exp2_from_fma": exp2_operands_from_fma(ck.asm["ptx"]),
             "cold_spills": sum(n for name, n in spills.items() if name != fn.__name__)}
 
 
-__all__ = ["compile_for_sm90", "compile_portable_for_sm90"]
+__all__ = ["compile_for_sm90", "compile_portable_for_sm90", "exp2_operands_from_fma"]

@@ -623,7 +623,9 @@ class KernelShape:
     split: bool  # num_splits > 1: write fp32 partials for the merge
     store_lse: bool
     search_steps: int  # 16-ary tile -> sequence search steps: ceil(bits(B) / 4)
-    scale_positive: bool = True
+    # |scale| * log2(e) a normal fp32: the portable kernel's raw-score max (RAW_MAX; tma.normal_kernel_scale)
+    scale_normal: bool = True
+    scale_negative: bool = False  # scale < 0 (with scale_normal: the kernel negates Q, NEG_Q)
     interpret: bool = False
     # elements between consecutive KV heads in one token row of K / V (TMA column of head h = h * stride); None:
     # head_dim / head_dim_v (separate K and V caches). vLLM's FlashAttention layout packs K and V: 2 * head_dim.
@@ -669,7 +671,8 @@ def kernel_constexprs(cfg: TritonConfig, shape: KernelShape) -> dict:
             NCQ_FLAGS=shape.causal_flags,
             PREFIX=shape.prefix, SPLIT=shape.split, STORE_LSE=shape.store_lse, SEARCH_STEPS=shape.search_steps,
             DOT_PREC="ieee" if shape.dtype == torch.float32 else "tf32",
-            INTERPRET=shape.interpret, SCALE_POS=shape.scale_positive, LAZY=bool(cfg.LAZY_RESCALE),
+            INTERPRET=shape.interpret, RAW_MAX=shape.scale_normal,
+            NEG_Q=shape.scale_normal and shape.scale_negative, LAZY=bool(cfg.LAZY_RESCALE),
             BT_PREFETCH=bool(cfg.BT_PREFETCH), WIDE_KV_OFFS=bool(shape.wide_kv_offsets),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )

@@ -200,23 +200,25 @@ def _softmax_step(qk, m_i, l_i, acc, j, lo, hi, qk_scale, masked, offs_n, BLOCK_
         kpos = j * BLOCK_N + offs_n
         allowed = (kpos[None, :] >= lo[:, None]) & (kpos[None, :] <= hi[:, None])
         qk = gl.where(allowed, qk, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
+    # m_i: the running max of raw scores; weights exp2((s - m) * qk_scale), a subtraction then a multiply (the
+    # portable kernel's RAW_MAX rule: no FMA against a rounded max)
+    m_new = gl.maximum(m_i, gl.max(qk, 1))
     if LAZY:
         # +inf on a row's first key (m_i = -inf), exact otherwise (the portable kernel's rule: no clamp of m_i)
-        grow = gl.where(m_new > m_i, m_new - m_i, 0.0)
+        grow = gl.where(m_new > m_i, m_new - m_i, 0.0) * qk_scale
         if gl.max(grow, 0) > 8.0:
             m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m_i - m_use)
+            alpha = gl.exp2((m_i - m_use) * qk_scale)
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
             l_i = l_i * alpha
             m_i = m_new
         m_use = gl.where(m_i == float("-inf"), 0.0, m_i)
-        p = gl.exp2(qk * qk_scale - m_use[:, None])
+        p = gl.exp2((qk - m_use[:, None]) * qk_scale)
         l_i = l_i + gl.sum(p, 1)
     else:
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # no allowed key yet: keep exp2 finite
-        p = gl.exp2(qk * qk_scale - m_use[:, None])
-        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2((qk - m_use[:, None]) * qk_scale)
+        alpha = gl.exp2((m_i - m_use) * qk_scale)
         l_i = l_i * alpha + gl.sum(p, 1)
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
         m_i = m_new
@@ -543,7 +545,7 @@ def _epilogue(acc, l_i, m_i, O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, 
               BLOCK_Q: gl.constexpr, SPLIT: gl.constexpr, STORE_LSE: gl.constexpr, o_layout: gl.constexpr,
               COL0: gl.constexpr, DV_ROW: gl.constexpr, ROW_STATS: gl.constexpr):
     """Normalise and store one tile's columns ``[COL0, COL0 + DV)`` of ``DV_ROW``: ``O`` (+ ``LSE``), or the
-    split's fp32 partial (+ its LSE); the LSE only where ``ROW_STATS``."""
+    split's fp32 partial (+ its LSE); the LSE only where ``ROW_STATS``. ``m_i``: the row max in log2 units."""
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     om = gl.arange(0, BLOCK_M, layout=row_o)
     od = COL0 + gl.arange(0, DV, layout=gl.SliceLayout(0, o_layout))
@@ -624,7 +626,7 @@ def _consumer(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, lo, hi
                                                   hi, a, b_mid, c_mid, d_end, seq_len, qk_scale, BLOCK_M, BLOCK_N,
                                                   DV, STAGES, V_STAGES, s_layout, o_layout, v_blk, LAZY,
                                                   NAN_SAFE_V)
-    _epilogue(acc, l_i, m_i, O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads,
+    _epilogue(acc, l_i, m_i * qk_scale, O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads,
               stride_ot, stride_oh, G, GP, DV, BLOCK_M, BLOCK_Q, SPLIT, STORE_LSE, o_layout, 0, DV, True)
     if NAN_SAFE_V:
         if _nf_flag_any(had_nf, Q.dtype.element_ty):
@@ -753,7 +755,7 @@ def _wide_half(W: gl.constexpr, q_half, x_mine, x_other, k_bufs, v_bufs, k_ready
                                             BLOCK_N, o_layout, blk, LAZY, NAN_SAFE_V)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(v_empty.index(vs * 2 + W), count=1)
-    _epilogue(acc, l_i, m_i, O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads,
+    _epilogue(acc, l_i, m_i * qk_scale, O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads,
               stride_ot, stride_oh, G, GP, DVH, BLOCK_M, BLOCK_Q, SPLIT, STORE_LSE, o_layout, W * DVH, DV, W == 0)
     if NAN_SAFE_V:
         if _nf_flag_any(had_nf, Q.dtype.element_ty):
@@ -885,10 +887,10 @@ def _roles_softmax(q_smem, k_desc, k_bufs, k_ready, p_smem, a_smem, st_smem, p_r
             kpos = j * BLOCK_N + offs_n
             allowed = (kpos[None, :] >= lo[:, None]) & (kpos[None, :] <= hi[:, None])
             qk = gl.where(allowed, qk, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
+        m_new = gl.maximum(m_i, gl.max(qk, 1))  # raw scores (_softmax_step's rule)
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # no allowed key yet: keep exp2 finite
-        p = gl.exp2(qk * qk_scale - m_use[:, None])
-        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2((qk - m_use[:, None]) * qk_scale)
+        alpha = gl.exp2((m_i - m_use) * qk_scale)
         l_i = l_i * alpha + gl.sum(p, 1)
         m_i = m_new
         ps = it % P_STAGES
@@ -898,7 +900,7 @@ def _roles_softmax(q_smem, k_desc, k_bufs, k_ready, p_smem, a_smem, st_smem, p_r
         fence_async_shared()  # P is read by the PV warpgroups' wgmma (the async proxy)
         gl.thread_barrier()
         mbarrier.arrive(p_ready.index(ps), count=1)
-    st_smem.index(0).store(m_i)
+    st_smem.index(0).store(m_i * qk_scale)  # the row max in log2 units, for the PV warpgroups' LSE
     st_smem.index(1).store(l_i)
     gl.thread_barrier()
     mbarrier.arrive(st_ready.index(0), count=1)

@@ -21,7 +21,7 @@ from .config import (CallShape, KernelShape, TritonConfig, choose_launch_config,
                      kernel_constexprs, kernel_variant, merge_constexprs, next_pow2, tma_boxes)
 from .gluon import KERNELS as GLUON_KERNELS
 from .portable import _attn_fwd_kernel
-from .tma import LOG2E, gluon_ineligible, make_kv_descriptors, positive_kernel_scale
+from .tma import LOG2E, gluon_ineligible, make_kv_descriptors, normal_kernel_scale
 
 _DEVICE_PROPS: dict = {}  # per CUDA device index
 
@@ -240,11 +240,12 @@ def make_plan(q, k_cache, v_cache, info, block_table, window_size, bidirectional
     search_steps = -(-max(1, int(B).bit_length()) // 4)
     grid = (n_tiles, Hkv * n_dv, ns)
     plan.impl, plan.cfg, plan.num_splits, plan.grid = cfg.IMPL, cfg, ns, grid
-    # (a positive scale whose fp32 qk_scale is not a normal float runs the general path: tma.positive_kernel_scale)
+    # (a scale whose fp32 |qk_scale| is not a normal float runs the general path: tma.normal_kernel_scale)
     shape = KernelShape(group=group, head_dim=D, head_dim_v=DV, dtype=q.dtype, paged=info.paged,
                         page_size=info.page_size, has_window=has_window, prefix=prefix, causal_flags=plan.ncq_flags,
                         split=ns > 1, store_lse=return_lse, search_steps=search_steps,
-                        scale_positive=positive_kernel_scale(info.scale), interpret=interpreting(),
+                        scale_normal=normal_kernel_scale(info.scale), scale_negative=info.scale < 0,
+                        interpret=interpreting(),
                         k_head_stride=k_cache.stride(-2), v_head_stride=v_cache.stride(-2),
                         wide_kv_offsets=wide_kv_offsets(
                             (stride_kp, stride_vp) if info.paged else (stride_kb, stride_vb), cfg.BLOCK_N,

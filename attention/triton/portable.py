@@ -25,9 +25,12 @@ side (config, grid, split count) is :mod:`.config` and :mod:`.plans`; the contra
 * **Block-table prefetch (``BT_PREFETCH``).** Block j + 1's page id(s) are read while block j is computed, so
   K / V addresses never wait on a dependent block-table load.
 * **Numerics.** Scores ``q.k`` in fp32 from ``tl.dot`` (bf16/fp16 operands, fp32 acc; fp32 inputs use
-  ``input_precision="ieee"``); with ``scale > 0`` (``SCALE_POS``: its fp32 ``scale * log2(e)`` a normal float,
-  :func:`.tma.positive_kernel_scale`) the running max is taken on raw scores and
-  ``exp2(s * scale * log2(e) - m)`` is one FMA per score (other scales multiply first). The running max is made
+  ``input_precision="ieee"``); with ``|scale| * log2(e)`` a normal fp32 (``RAW_MAX``,
+  :func:`.tma.normal_kernel_scale`; a negative scale negates the Q tile, exactly: ``NEG_Q``) the running max is taken on raw
+  scores and each weight is ``exp2((s - m) * scale * log2(e))``; other scales (0, below the normal range) are
+  scaled first and weighted ``exp2(s - m)``. A subtraction, then a multiply: the one-FMA form
+  ``exp2(fma(s, c, -round(m * c)))`` (FA4, Triton's tutorial) keeps the product's rounding error, up to half an
+  ulp of the max, which is inf or 0 in ``exp2`` for scores beyond ~2^31 in log2 units. The running max is made
   finite (0) while a row has seen no allowed key, so fully masked rows / blocks never produce ``-inf - -inf``.
   Rows with no key: out 0, lse -inf. Under the interpreter (CPU CI) bf16 dots run on fp32 copies of the bf16
   values and fp32 -> bf16 casts round to nearest even by hand (the interpreter multiplies bf16 bit patterns and
@@ -141,12 +144,22 @@ def _ragged(start, bounds, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _log2_units(d, qk_scale, RAW_MAX: tl.constexpr):
+    """A difference of scores ``d`` (``qk - m``, ``m_old - m_new``) in log2 units: ``d * qk_scale`` where scores are
+    raw (``RAW_MAX``), else ``d`` (already scaled)."""
+    if RAW_MAX:
+        return d * qk_scale
+    else:
+        return d
+
+
+@triton.jit
 def _attn_block(acc, l_i, m_i, q, j, K, V, bt_row, k_base, k_head, v_head,
                 stride_kb, stride_kp, stride_vb, stride_vp,
                 seq_len, lo, hi, bounds, last_page, qk_scale, offs_n, offs_d, offs_dv, d_mask, dv_mask,
                 BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr, MASK: tl.constexpr,
                 EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr,
-                SCALE_POS: tl.constexpr, LAZY: tl.constexpr, bid_in, BT_PREFETCH: tl.constexpr):
+                RAW_MAX: tl.constexpr, LAZY: tl.constexpr, bid_in, BT_PREFETCH: tl.constexpr):
     """One key block of the online softmax (MASK: boundary block with elementwise mask and bounds).
     ``bid_in``: the block's page id (scalar) or per-key page ids ([BLOCK_N]), read one iteration earlier by
     :func:`_attn_range` (BT_PREFETCH). ``bounds``: the tile's :func:`.common.tile_key_bounds`.
@@ -194,35 +207,34 @@ def _attn_block(acc, l_i, m_i, q, j, K, V, bt_row, k_base, k_head, v_head,
         qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-    # block row max in log2 units; SCALE_POS: max over raw scores, then one FMA per score inside exp2
-    # (scale > 0 keeps the argmax and -inf); otherwise scale first
-    if not SCALE_POS:
+    # The running max m_i is taken in qk's units: raw scores (RAW_MAX) or scores scaled to log2 units first (the
+    # general path). Each weight is exp2((qk - m) * qk_scale) (RAW_MAX) or exp2(qk - m): a subtraction, then a
+    # multiply, so the compiler cannot contract the scaling into an FMA against a rounded max. The one-FMA form
+    # exp2(fma(s, c, -round(max * c))) keeps the product's rounding error, up to half an ulp of the max (2^80 in
+    # log2 units for scores near -2e31): p = inf or 0 for the row's best key, a NaN row (tuning 7.63).
+    if not RAW_MAX:
         qk = qk * qk_scale
     if MASK:
         allowed = (kpos[None, :] >= lo[:, None]) & (kpos[None, :] <= hi[:, None])
         qk = tl.where(allowed, qk, float("-inf"))
-    if SCALE_POS:
-        m_cand = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-    else:
-        m_cand = tl.maximum(m_i, tl.max(qk, 1))
+    m_cand = tl.maximum(m_i, tl.max(qk, 1))
     if LAZY:
-        # FA4's lazy rescaling: keep the stale max (p <= 2^8) unless some row's max grew by more than 8
+        # FA4's lazy rescaling: keep the stale max (p <= 2^8) unless some row's max grew by more than 8 (log2 units)
         # how far some row's max grew: +inf on a row's first key (m_i = -inf), exact otherwise (a clamp of m_i to
         # -1e30 here took rows whose scores all lie below -1e30 (log2 units) for never growing: p = 0 or inf)
         grow = tl.where(m_cand > m_i, m_cand - m_i, 0.0)
+        if RAW_MAX:
+            grow = grow * qk_scale
         if tl.max(grow, 0) > 8.0:
             m_new = m_cand
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.math.exp2(m_i - m_use)
+            alpha = tl.math.exp2(_log2_units(m_i - m_use, qk_scale, RAW_MAX))
             acc = acc * alpha[:, None]
             l_i = l_i * alpha
         else:
             m_new = m_i
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        if SCALE_POS:
-            p = tl.math.exp2(qk * qk_scale - m_use[:, None])
-        else:
-            p = tl.math.exp2(qk - m_use[:, None])
+        p = tl.math.exp2(_log2_units(qk - m_use[:, None], qk_scale, RAW_MAX))
         l_i = l_i + tl.sum(p, 1)
     else:
         m_new = m_cand
@@ -230,11 +242,8 @@ def _attn_block(acc, l_i, m_i, q, j, K, V, bt_row, k_base, k_head, v_head,
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no allowed key yet: keep exp2 finite
         else:
             m_use = m_new
-        if SCALE_POS:
-            p = tl.math.exp2(qk * qk_scale - m_use[:, None])
-        else:
-            p = tl.math.exp2(qk - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
+        p = tl.math.exp2(_log2_units(qk - m_use[:, None], qk_scale, RAW_MAX))
+        alpha = tl.math.exp2(_log2_units(m_i - m_use, qk_scale, RAW_MAX))
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
     nonfinite = start < 0  # (False) a masked, ragged block whose V holds NaN / Inf
@@ -287,7 +296,7 @@ def _range_step(acc, l_i, m_i, had_nf, bid, q, j, j_hi, K, V, bt_row, k_base, k_
                 offs_n, offs_d, offs_dv, d_mask, dv_mask,
                 BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr, MASK: tl.constexpr,
                 EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr,
-                SCALE_POS: tl.constexpr, LAZY: tl.constexpr, PREF: tl.constexpr):
+                RAW_MAX: tl.constexpr, LAZY: tl.constexpr, PREF: tl.constexpr):
     """One iteration of :func:`_attn_range`: block ``j`` (page ids ``bid``, read one iteration earlier with
     ``PREF``), the next block's page ids, the NaN / Inf flag; returns the state and the next ``bid``."""
     bid_next = bid
@@ -298,7 +307,7 @@ def _range_step(acc, l_i, m_i, had_nf, bid, q, j, j_hi, K, V, bt_row, k_base, k_
                                     stride_kb, stride_kp, stride_vb, stride_vp, seq_len, lo, hi, bounds,
                                     last_page, qk_scale, offs_n, offs_d, offs_dv, d_mask, dv_mask,
                                     BLOCK_N, PAGE, PAGED, MASK, EVEN_D, EVEN_DV, DOT_PREC, INTERPRET,
-                                    SCALE_POS, LAZY, bid, PREF)
+                                    RAW_MAX, LAZY, bid, PREF)
     if MASK:
         had_nf = had_nf | nf
     return acc, l_i, m_i, had_nf, bid_next
@@ -310,7 +319,7 @@ def _attn_range(acc, l_i, m_i, q, j_lo, j_hi, K, V, bt_row, k_base, k_head, v_he
                 seq_len, lo, hi, bounds, last_page, qk_scale, offs_n, offs_d, offs_dv, d_mask, dv_mask,
                 BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr, MASK: tl.constexpr,
                 EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr,
-                SCALE_POS: tl.constexpr, LAZY: tl.constexpr, BT_PREFETCH: tl.constexpr):
+                RAW_MAX: tl.constexpr, LAZY: tl.constexpr, BT_PREFETCH: tl.constexpr):
     """Key blocks ``[j_lo, j_hi)``. A pipelined ``for`` on the GPU; a ``while`` under the interpreter, whose
     ``range`` cannot take run-time tensor bounds with NumPy >= 2.3 (scalars are 1-element arrays there).
     Returns the running state and whether a masked block took NaN / Inf out of P.V (:func:`_nonfinite_pass`)."""
@@ -329,14 +338,14 @@ def _attn_range(acc, l_i, m_i, q, j_lo, j_hi, K, V, bt_row, k_base, k_head, v_he
             acc, l_i, m_i, had_nf, bid = _range_step(
                 acc, l_i, m_i, had_nf, bid, q, j, j_hi, K, V, bt_row, k_base, k_head, v_head, stride_kb, stride_kp,
                 stride_vb, stride_vp, seq_len, lo, hi, bounds, last_page, qk_scale, offs_n, offs_d, offs_dv, d_mask,
-                dv_mask, BLOCK_N, PAGE, PAGED, MASK, EVEN_D, EVEN_DV, DOT_PREC, INTERPRET, SCALE_POS, LAZY, PREF)
+                dv_mask, BLOCK_N, PAGE, PAGED, MASK, EVEN_D, EVEN_DV, DOT_PREC, INTERPRET, RAW_MAX, LAZY, PREF)
             j += 1
     else:
         for j in range(j_lo, j_hi):
             acc, l_i, m_i, had_nf, bid = _range_step(
                 acc, l_i, m_i, had_nf, bid, q, j, j_hi, K, V, bt_row, k_base, k_head, v_head, stride_kb, stride_kp,
                 stride_vb, stride_vp, seq_len, lo, hi, bounds, last_page, qk_scale, offs_n, offs_d, offs_dv, d_mask,
-                dv_mask, BLOCK_N, PAGE, PAGED, MASK, EVEN_D, EVEN_DV, DOT_PREC, INTERPRET, SCALE_POS, LAZY, PREF)
+                dv_mask, BLOCK_N, PAGE, PAGED, MASK, EVEN_D, EVEN_DV, DOT_PREC, INTERPRET, RAW_MAX, LAZY, PREF)
     return acc, l_i, m_i, had_nf
 
 
@@ -460,8 +469,8 @@ def _attn_fwd_kernel(
     PAGE: tl.constexpr, PAGED: tl.constexpr, HAS_WINDOW: tl.constexpr, PREFIX: tl.constexpr,
     NCQ_FLAGS: tl.constexpr,
     SPLIT: tl.constexpr, STORE_LSE: tl.constexpr, SEARCH_STEPS: tl.constexpr,
-    DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr, SCALE_POS: tl.constexpr, LAZY: tl.constexpr,
-    BT_PREFETCH: tl.constexpr = False, WIDE_KV_OFFS: tl.constexpr = False,
+    DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr, RAW_MAX: tl.constexpr, LAZY: tl.constexpr,
+    BT_PREFETCH: tl.constexpr = False, WIDE_KV_OFFS: tl.constexpr = False, NEG_Q: tl.constexpr = False,
 ):
     pid1 = tl.program_id(1)
     kvh = pid1 // N_DV
@@ -491,6 +500,14 @@ def _attn_fwd_kernel(
         q = tl.load(q_ptrs, mask=row_valid[:, None], other=0.0)
     else:
         q = tl.load(q_ptrs, mask=row_valid[:, None] & d_mask[None, :], other=0.0)
+    if NEG_Q:  # a negative scale on the raw-score path: -q (exact) and |scale|, so the max of raw scores is the
+        # max of scaled ones (a constexpr: a runtime select on q cost ~100 B of spills at hd 256); the interpreter
+        # negates bf16 bit patterns as integers, so it negates an fp32 copy
+        if INTERPRET:
+            q = (-(q.to(tl.float32))).to(q.dtype)
+        else:
+            q = -q
+        qk_scale = -qk_scale
 
     k_head = kvh.to(tl.int64) * stride_kh
     v_head = kvh.to(tl.int64) * stride_vh
@@ -505,21 +522,22 @@ def _attn_fwd_kernel(
     acc, l_i, m_i, nf_left = _attn_range(acc, l_i, m_i, q, a, b_mid, K, V, bt_row, k_base, k_head, v_head,
                                          stride_kb, stride_kp, stride_vb, stride_vp, seq_len, lo, hi, bounds,
                                          last_page, qk_scale, offs_n, offs_d, offs_dv, d_mask, dv_mask,
-                                         BLOCK_N, PAGE, PAGED, True, EVEN_D, EVEN_DV, DOT_PREC, INTERPRET, SCALE_POS,
+                                         BLOCK_N, PAGE, PAGED, True, EVEN_D, EVEN_DV, DOT_PREC, INTERPRET, RAW_MAX,
                                          LAZY, BT_PREFETCH)
     acc, l_i, m_i, _ = _attn_range(acc, l_i, m_i, q, b_mid, c_mid, K, V, bt_row, k_base, k_head, v_head,
                                    stride_kb, stride_kp, stride_vb, stride_vp, seq_len, lo, hi, bounds,
                                    last_page, qk_scale, offs_n, offs_d, offs_dv, d_mask, dv_mask,
-                                   BLOCK_N, PAGE, PAGED, False, EVEN_D, EVEN_DV, DOT_PREC, INTERPRET, SCALE_POS,
+                                   BLOCK_N, PAGE, PAGED, False, EVEN_D, EVEN_DV, DOT_PREC, INTERPRET, RAW_MAX,
                                    LAZY, BT_PREFETCH)
     acc, l_i, m_i, nf_right = _attn_range(acc, l_i, m_i, q, c_mid, d_end, K, V, bt_row, k_base, k_head, v_head,
                                           stride_kb, stride_kp, stride_vb, stride_vp, seq_len, lo, hi, bounds,
                                           last_page, qk_scale, offs_n, offs_d, offs_dv, d_mask, dv_mask,
-                                          BLOCK_N, PAGE, PAGED, True, EVEN_D, EVEN_DV, DOT_PREC, INTERPRET, SCALE_POS,
+                                          BLOCK_N, PAGE, PAGED, True, EVEN_D, EVEN_DV, DOT_PREC, INTERPRET, RAW_MAX,
                                           LAZY, BT_PREFETCH)
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    m_log2 = _log2_units(m_i, qk_scale, RAW_MAX)
+    lse = tl.where(empty, float("-inf"), (m_log2 + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     tok_g = q_start.to(tl.int64) + i
     lse_off = head.to(tl.int64) * total_q + tok_g
     if not SPLIT:

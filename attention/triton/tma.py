@@ -21,18 +21,26 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 GLUON_HEAD_DIMS = (64, 128, 256, 512)
 #: log2(e): the kernels take the softmax scale as the fp32 ``scale * LOG2E`` (``exp2`` units).
 LOG2E = 1.4426950408889634
-#: The smallest normal fp32 (2**-126): the least ``scale * LOG2E`` the kernels' positive-scale path takes.
+#: The smallest normal fp32 (2**-126): the least ``|scale| * LOG2E`` the kernels' raw-score paths take.
 MIN_NORMAL_FP32 = 2.0 ** -126
 
 
 def positive_kernel_scale(scale: float) -> bool:
-    """Whether the kernels may run ``scale`` on their positive-scale path (the portable kernel's ``SCALE_POS``, the
-    only path of the Gluon kernels): the row max taken on raw scores and ``exp2(s * qk_scale - m)``, which keeps a
-    masked score's ``-inf`` only while the fp32 ``qk_scale = scale * LOG2E`` is > 0. A positive scale below
-    ``MIN_NORMAL_FP32 / LOG2E`` rounds to 0 in fp32 (``-inf * 0`` was NaN in every row with a masked key: scale
-    1e-300) or to a subnormal a flush-to-zero multiply takes for 0, so it runs the general path (scores scaled
-    first, then masked), as 0 and negative scales do."""
+    """Whether the Gluon kernels may run ``scale`` (their only path): ``scale > 0`` with the fp32
+    ``qk_scale = scale * LOG2E`` a normal float, so that the row max of raw scores is the row max of scaled ones
+    and a masked score's ``-inf`` stays ``-inf`` once scaled. A positive scale below ``MIN_NORMAL_FP32 / LOG2E``
+    rounds to 0 in fp32 (``-inf * 0`` was NaN in every row with a masked key: scale 1e-300) or to a subnormal a
+    flush-to-zero multiply takes for 0: such scales, 0 and negative ones run the portable kernel."""
     return scale * LOG2E >= MIN_NORMAL_FP32
+
+
+def normal_kernel_scale(scale: float) -> bool:
+    """Whether the portable kernel runs ``scale`` on its raw-score path (``RAW_MAX``): ``|scale| * LOG2E`` a normal
+    fp32. The kernel negates the Q tile for a negative scale (exact) and takes ``|qk_scale|``, so the row max of its
+    raw scores is the row max of the scaled ones, and weighs each key ``exp2((s - m) * |qk_scale|)``. Other scales
+    (0, or below the normal range) are scaled first (:func:`positive_kernel_scale` says why), where every scaled
+    score is below 2^2 in magnitude."""
+    return abs(scale) * LOG2E >= MIN_NORMAL_FP32
 
 
 def _gl_dtype(dtype: torch.dtype):

@@ -75,7 +75,7 @@ def test_a_row_with_an_unknown_where_config_or_known_gap_is_refused_naming_what_
     from backend_matrix import GAPS, BackendRun
 
     with pytest.raises(ValueError, match=r"known_gaps names \['underflow_in_a_cleaned_blok'\], not cases of GAPS "
-                                         r"\['underflow_in_a_cleaned_block'\]"):
+                                         r"\['fma_against_a_rounded_max', 'underflow_in_a_cleaned_block'\]"):
         BackendRun("cpu", "typo", known_gaps={"underflow_in_a_cleaned_blok": "r"})
     with pytest.raises(ValueError, match="where must be 'cpu', 'interpreter' or 'gpu'"):
         BackendRun("cuda", "wrong place")
@@ -235,6 +235,26 @@ def test_a_scale_below_the_fp32_normal_range_gives_the_reference_not_nan(backend
                      page_size=r.page_sizes[-1], seed=71)
     o, lse = run_and_check(backend, inp, scale=scale, window_size=5)
     assert not o.isnan().any() and lse.isfinite().all()
+
+
+@BACKEND
+@pytest.mark.parametrize("scale", [1.0, -1.0])
+def test_scores_near_2e31_in_magnitude_give_the_one_hot_softmax_not_nan(backend, scale, request):
+    """Scores of magnitude ~1e31-1e32 (q = +-1e15, k = -1e15 (1 + u / 2): finite, inside the contract) make each
+    row's softmax one-hot on its least negative key. Was a NaN output and a non-finite LSE on the compiled triton
+    backend (docs/tuning.md 7.63; the interpreter passed): its one-FMA weight ``exp2(fma(s, c, -round(max * c)))``
+    kept the product's rounding error, up to half an ulp of the max (2^80 in log2 units here), so the row's best
+    key weighed inf or 0. FA4's softmax, which the cute backend runs, takes the same FMA: its row names the gap."""
+    r = row(backend)
+    r.expect_gap(request, "fma_against_a_rounded_max")
+    inp = make_batch([40, 13, 30], [9, 13, 30], num_causal_q=[0, 13, 11], num_heads=4, num_kv_heads=2,
+                     dtype=r.dtypes[-1], head_dim=r.head_dim, page_size=r.page_sizes[-1], seed=73)
+    g = torch.Generator().manual_seed(73)
+    inp["q"] = torch.full_like(inp["q"], 1e15 * scale)  # scale -1 with -q: the same scores
+    inp["k_cache"] = (-1e15 * (1 + 0.5 * torch.rand(inp["k_cache"].shape, generator=g))).to(inp["k_cache"].dtype)
+    for w in (None, 5):
+        o, lse = run_and_check(backend, inp, scale=scale, window_size=w)
+        assert o.isfinite().all() and lse.isfinite().all()
 
 
 @BACKEND

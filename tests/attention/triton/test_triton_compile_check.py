@@ -1,7 +1,9 @@
 """The offline sm_90a compile check (attention/triton/compile_check.py): every Gluon configuration the automatic
 choice and the tests use compiles with wgmma, TMA and setmaxnreg, within shared memory, without serialised
 wgmma pipelines (ptxas C7512 / C7514) and without spills beyond the stated bounds (ptxas -v, no GPU needed); the
-portable kernel's tuned tiles compile without spills in the kernel (its cold paths included)."""
+portable kernel's tuned tiles compile without spills in the kernel (its cold paths included). In every one, no
+``exp2`` takes an FMA's result: each key's weight is ``exp2((s - m) * c)`` (``compile_check.exp2_operands_from_fma``;
+the one-FMA form gave NaN rows for scores near -2e31, compiled only: docs/tuning.md 7.63)."""
 import json
 import os
 import re
@@ -30,6 +32,7 @@ def _compile_offline(kw):
     bytes per function)."""
     rep = _run_offline("compile_for_sm90", kw)
     assert rep["wgmma"] and rep["tma"] and rep["setmaxnreg"]
+    assert rep["exp2_from_fma"] == 0, "a key weighed by exp2 of an FMA against a rounded row max (tuning 7.63)"
     return rep, [int(x) for x in re.findall(r"(\d+) bytes spill stores", rep["ptxas"])]
 
 
@@ -153,4 +156,21 @@ def test_nan_safe_v_gluon_kernels_compile_for_sm90(kw, max_spill):
 def test_portable_kernel_compiles_for_sm90_without_new_spills(kw, max_spill):
     rep = _run_offline("compile_portable_for_sm90", kw)
     assert rep["kernel_spills"] <= max_spill, rep["ptxas"]
+    assert rep["exp2_from_fma"] == 0, "a key weighed by exp2 of an FMA against a rounded row max (tuning 7.63)"
     assert rep["registers"] <= 255
+
+
+def test_an_exp2_of_an_fma_against_a_rounded_row_max_is_counted_and_a_subtraction_then_multiply_is_not():
+    """The PTX check the compile tests assert on: Triton 3.6 contracted ``exp2(s * c - m)`` into
+    ``ex2(fma(s, c, -m))`` (96 of the portable kernel's 102 ``ex2`` at 9e1e22d), whose rounding error made the
+    best key of a row with scores near -2e31 weigh inf or 0 on the GPU (the interpreter has no FMA)."""
+    from blockdiff.attention.triton.compile_check import exp2_operands_from_fma
+
+    fused = ("\tmax.f32 \t%r1, %r2, %r3;\n\tfma.rn.f32 \t%r4, %r5, %r6, %r7;\n"
+             "\tex2.approx.ftz.f32 \t%r8, %r4;\n\t@%p1 ex2.approx.ftz.f32 \t%r9, %r4;\n")
+    split = "\tsub.f32 \t%r4, %r5, %r7;\n\tmul.f32 \t%r10, %r4, %r6;\n\tex2.approx.ftz.f32 \t%r8, %r10;\n"
+    assert exp2_operands_from_fma(fused) == 2
+    assert exp2_operands_from_fma(split) == 0
+    # a register an FMA wrote and a later multiply rewrote is the multiply's
+    assert exp2_operands_from_fma("\tfma.rn.f32 \t%r4, %r5, %r6, %r7;\n\tmul.f32 \t%r4, %r4, %r6;\n"
+                                  "\tex2.approx.f32 \t%r8, %r4;\n") == 0
