@@ -320,9 +320,9 @@ class DiffusionGemma(nn.Module):
         interleaved K / V planes) pass; a layer's own K and V are the KV-cache writer's check.
 
         A layout that passed (every cache's address, shape, strides, element size and device: all the answer
-        depends on) is remembered, so a serving loop pays the sweep once, not every forward (~0.2 ms of host time
-        per forward for 60 layers' separate caches, ~36 ms for a ``[num_blocks, num_layers, 2, ...]`` pool whose
-        layers' spans all interleave)."""
+        depends on) is remembered, so a serving loop pays the sweep once, not every forward (its measured host cost,
+        60 layers' separate caches and an interleaved ``[num_blocks, num_layers, 2, ...]`` pool: docs/tuning.md
+        7.61, review27c)."""
         key = tuple((c.data_ptr(), c.shape, c.stride(), c.element_size(), c.device)
                     for pair in kv_caches for c in pair)
         if key in _DISJOINT_CACHE_LAYOUTS:
