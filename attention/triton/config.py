@@ -623,7 +623,7 @@ class KernelShape:
     split: bool  # num_splits > 1: write fp32 partials for the merge
     store_lse: bool
     search_steps: int  # 16-ary tile -> sequence search steps: ceil(bits(B) / 4)
-    # |scale| * log2(e) a normal fp32: the portable kernel's raw-score max (RAW_MAX; tma.normal_kernel_scale)
+    # |scale| * log2(e) >= 2**-120: the portable kernel's raw-score max (RAW_MAX; tma.normal_kernel_scale)
     scale_normal: bool = True
     scale_negative: bool = False  # scale < 0 (with scale_normal: the kernel negates Q, NEG_Q)
     interpret: bool = False

@@ -240,7 +240,7 @@ def make_plan(q, k_cache, v_cache, info, block_table, window_size, bidirectional
     search_steps = -(-max(1, int(B).bit_length()) // 4)
     grid = (n_tiles, Hkv * n_dv, ns)
     plan.impl, plan.cfg, plan.num_splits, plan.grid = cfg.IMPL, cfg, ns, grid
-    # (a scale whose fp32 |qk_scale| is not a normal float runs the general path: tma.normal_kernel_scale)
+    # (a scale whose fp32 |qk_scale| is below 2**-120 runs the general path: tma.normal_kernel_scale)
     shape = KernelShape(group=group, head_dim=D, head_dim_v=DV, dtype=q.dtype, paged=info.paged,
                         page_size=info.page_size, has_window=has_window, prefix=prefix, causal_flags=plan.ncq_flags,
                         split=ns > 1, store_lse=return_lse, search_steps=search_steps,

@@ -25,10 +25,11 @@ side (config, grid, split count) is :mod:`.config` and :mod:`.plans`; the contra
 * **Block-table prefetch (``BT_PREFETCH``).** Block j + 1's page id(s) are read while block j is computed, so
   K / V addresses never wait on a dependent block-table load.
 * **Numerics.** Scores ``q.k`` in fp32 from ``tl.dot`` (bf16/fp16 operands, fp32 acc; fp32 inputs use
-  ``input_precision="ieee"``); with ``|scale| * log2(e)`` a normal fp32 (``RAW_MAX``,
+  ``input_precision="ieee"``); with ``|scale| * log2(e)`` at least 2**-120 (``RAW_MAX``,
   :func:`.tma.normal_kernel_scale`; a negative scale negates the Q tile, exactly: ``NEG_Q``) the running max is
-  taken on raw scores and each weight is ``exp2((s - m) * scale * log2(e))``; other scales (0, below the normal
-  range) are scaled first and weighted ``exp2(s - m)``. A subtraction, then a multiply: the one-FMA form
+  taken on raw scores and each weight is ``exp2((s - m) * scale * log2(e))`` (a raw ``s - m`` that overflows to
+  ``-inf`` then stands for a weight below 2**-256, 0 anyway); other scales (0, below the normal range, below
+  2**-120) are scaled first and weighted ``exp2(s - m)``. A subtraction, then a multiply: the one-FMA form
   ``exp2(fma(s, c, -round(m * c)))`` (FA4, Triton's tutorial) keeps the product's rounding error, up to half an
   ulp of the max, which is inf or 0 in ``exp2`` for scores beyond ~2^31 in log2 units. The running max is made
   finite (0) while a row has seen no allowed key, so fully masked rows / blocks never produce ``-inf - -inf``.

@@ -5,7 +5,7 @@ Eligibility (:func:`gluon_ineligible` names the first rule an input breaks; ``IM
 input raises ``ValueError``, it never falls back silently):
 
 * a CUDA device of compute capability 9.x, bf16 or fp16, ``head_dim == head_dim_v`` in :data:`GLUON_HEAD_DIMS`;
-* ``scale > 0``, with the fp32 ``scale * log2(e)`` normal (:func:`positive_kernel_scale`);
+* ``scale > 0``, with the fp32 ``scale * log2(e)`` at least 2**-120 (:func:`positive_kernel_scale`);
 * K / V rows addressable as one 2-D TMA tensor ``[rows, (num_kv_heads - 1) * head_stride + head_dim]``
   (``head_stride = stride(-2)``: a dense head dim, heads that do not overlap, 16-byte aligned rows and heads; head
   ``h`` is the column range ``[h * head_stride, h * head_stride + head_dim)``, so separate caches, ``head_stride ==
@@ -21,26 +21,37 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 GLUON_HEAD_DIMS = (64, 128, 256, 512)
 #: log2(e): the kernels take the softmax scale as the fp32 ``scale * LOG2E`` (``exp2`` units).
 LOG2E = 1.4426950408889634
-#: The smallest normal fp32 (2**-126): the least ``|scale| * LOG2E`` the kernels' raw-score paths take.
+#: The smallest normal fp32 (2**-126).
 MIN_NORMAL_FP32 = 2.0 ** -126
+#: The least ``|scale| * LOG2E`` the kernels' raw-score paths take (2**-120). They weigh a key
+#: ``exp2((s - m) * |qk_scale|)`` on raw fp32 scores, whose difference overflows to ``-inf`` (weight 0) once
+#: ``|s - m|`` reaches ~2**128 (two finite scores near +-2**127). From 2**-120 up, such a key's exact weight is below
+#: ``2**(-2**128 * 2**-120) = 2**-256``, 0 in fp32 anyway; below it, at ``|qk_scale|`` 2**-126 (a normal fp32) for
+#: instance, it was ``2**-8`` to ``2**-4`` (a 19% error in a row whose keys scored 3.2e38 and -2e38 at scale 1e-38).
+#: Scales below it are scaled first, where every scaled score is below ``2**128 * 2**-120 = 2**8`` in log2 units.
+MIN_RAW_MAX_QK_SCALE = 2.0 ** -120
 
 
 def positive_kernel_scale(scale: float) -> bool:
     """Whether the Gluon kernels may run ``scale`` (their only path): ``scale > 0`` with the fp32
-    ``qk_scale = scale * LOG2E`` a normal float, so that the row max of raw scores is the row max of scaled ones
-    and a masked score's ``-inf`` stays ``-inf`` once scaled. A positive scale below ``MIN_NORMAL_FP32 / LOG2E``
-    rounds to 0 in fp32 (``-inf * 0`` was NaN in every row with a masked key: scale 1e-300) or to a subnormal a
-    flush-to-zero multiply takes for 0: such scales, 0 and negative ones run the portable kernel."""
-    return scale * LOG2E >= MIN_NORMAL_FP32
+    ``qk_scale = scale * LOG2E`` at least :data:`MIN_RAW_MAX_QK_SCALE` (2**-120), so that the row max of raw scores
+    is the row max of scaled ones, a masked score's ``-inf`` stays ``-inf`` once scaled, and a raw difference
+    ``s - m`` that overflows to ``-inf`` weighs what the key's exact weight rounds to (0). A positive scale below
+    ``MIN_NORMAL_FP32 / LOG2E`` rounds to 0 in fp32 (``-inf * 0`` was NaN in every row with a masked key: scale
+    1e-300) or to a subnormal a flush-to-zero multiply takes for 0; one below ``MIN_RAW_MAX_QK_SCALE / LOG2E``
+    drops keys of weight up to 2**-4 (:data:`MIN_RAW_MAX_QK_SCALE`): such scales, 0 and negative ones run the
+    portable kernel."""
+    return scale * LOG2E >= MIN_RAW_MAX_QK_SCALE
 
 
 def normal_kernel_scale(scale: float) -> bool:
-    """Whether the portable kernel runs ``scale`` on its raw-score path (``RAW_MAX``): ``|scale| * LOG2E`` a normal
-    fp32. The kernel negates the Q tile for a negative scale (exact) and takes ``|qk_scale|``, so the row max of its
-    raw scores is the row max of the scaled ones, and weighs each key ``exp2((s - m) * |qk_scale|)``. Other scales
-    (0, or below the normal range) are scaled first (:func:`positive_kernel_scale` says why), where every scaled
-    score is below 2^2 in magnitude."""
-    return abs(scale) * LOG2E >= MIN_NORMAL_FP32
+    """Whether the portable kernel runs ``scale`` on its raw-score path (``RAW_MAX``): ``|scale| * LOG2E`` at least
+    :data:`MIN_RAW_MAX_QK_SCALE` (2**-120, a normal fp32). The kernel negates the Q tile for a negative scale
+    (exact) and takes ``|qk_scale|``, so the row max of its raw scores is the row max of the scaled ones, and weighs
+    each key ``exp2((s - m) * |qk_scale|)``. Other scales (0, below the normal range, or so small that a raw
+    difference ``s - m`` overflowing to ``-inf`` would drop a key of weight up to 2**-4) are scaled first
+    (:func:`positive_kernel_scale` says why), where every scaled score is below 2^8 in magnitude."""
+    return abs(scale) * LOG2E >= MIN_RAW_MAX_QK_SCALE
 
 
 def _gl_dtype(dtype: torch.dtype):
@@ -64,7 +75,7 @@ def gluon_ineligible(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if D != head_dim_v or D not in GLUON_HEAD_DIMS:
         return f"the Gluon kernel needs head_dim == head_dim_v in {GLUON_HEAD_DIMS}, got {D}/{head_dim_v}"
     if not positive_kernel_scale(scale):
-        return f"the Gluon kernel needs scale * log2(e) >= 2**-126 (a positive normal fp32), got scale {scale}"
+        return f"the Gluon kernel needs scale * log2(e) >= 2**-120 (MIN_RAW_MAX_QK_SCALE), got scale {scale}"
     return layout_ineligible(k_cache, v_cache, paged=paged, page_size=page_size, block_n=block_n)
 
 

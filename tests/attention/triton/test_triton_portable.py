@@ -135,6 +135,29 @@ def test_lazy_rescaling_keeps_rows_whose_scores_all_lie_below_minus_1e30(num_spl
         assert torch.isfinite(lse).all()
 
 
+@pytest.mark.parametrize("scale", [1e-38, -1e-38])
+def test_a_tiny_scale_with_raw_scores_near_2e38_keeps_keys_whose_raw_difference_overflows(scale):
+    """Raw scores q . k of 3.2e38 and -2e38 at scale +-1e-38 (|scale * log2(e)| a normal fp32, 1.4e-38): scaled
+    scores of 3.2 and -2, inside the contract. The raw-score path (RAW_MAX) took this scale and weighed each key
+    ``exp2((s - m) * c)``: the raw difference (-5.2e38) overflowed to -inf, so every key but the best weighed 0 where
+    their exact weight is e^-5.2 (19 of them: out 1.0, the reference 0.81; lse 3.2 for 3.30). Such scales now run
+    the general path (scaled first: ``tma.MIN_RAW_MAX_QK_SCALE``), LAZY_RESCALE and split-KV included."""
+    from blockdiff.attention.triton.tma import normal_kernel_scale, positive_kernel_scale
+
+    assert not normal_kernel_scale(scale) and not positive_kernel_scale(abs(scale))
+    assert normal_kernel_scale(2.0 ** -120 / 1.4426950408889634) and normal_kernel_scale(-1e-36)
+    inp = make_batch(seq_lens=[20, 5], q_lens=[1, 5], num_causal_q=[0, 5], head_dim=16, num_heads=2, num_kv_heads=1,
+                     dtype=torch.float32, paged=False, seed=3)
+    inp["q"] = torch.full_like(inp["q"], 1e19 if scale > 0 else -1e19)
+    k = torch.full_like(inp["k_cache"], -1.25e18)                           # q . k = -2e38 (scale > 0)
+    k[0] = k[20] = 2e18                                                     # q . k = 3.2e38: each sequence's best
+    inp["k_cache"] = k
+    inp["v_cache"] = torch.where(k > 0, 1.0, -1.0).to(inp["v_cache"].dtype)
+    for config in (SMALL, dict(SMALL, LAZY_RESCALE=True, num_splits=3)):
+        o, lse = run_and_check(inp, config=config, scale=scale)
+        assert abs(o[0, 0, 0].item() - 0.8103) < 1e-3 and abs(lse[0, 0].item() - 3.2997) < 1e-3
+
+
 @pytest.mark.parametrize("scale", [0.0, -0.7])
 def test_zero_and_negative_scale(scale):
     inp = make_batch(**MIXED)
