@@ -26,7 +26,7 @@ import sys
 import tempfile
 
 __all__ = ["compile_for_sm90", "parse_ptxas_report", "strip_ptx", "sass_spills_by_role", "sass_loops", "LOOP_OPS",
-           "sass_epilogue_test", "EPILOGUE_TEST_OPS",
+           "sass_epilogue_test", "EPILOGUE_TEST_OPS", "sass_ex2_operands",
            "SPEC_KEYS", "WIDE_MATRIX", "wide_report", "ROLES_MATRIX"]
 
 #: Part of the name of every attention kernel of this backend (FA4's class name prefix; the combine kernel of a
@@ -207,6 +207,58 @@ def sass_epilogue_test(sass: str) -> dict | None:
     return None
 
 
+_SASS_REG = re.compile(r"^[-|!]*(U?R\d+)")
+
+
+def sass_ex2_operands(sass: str) -> dict:
+    """Which instruction wrote the operand of each ``MUFU.EX2`` (exp2) of a kernel's SASS (``cuobjdump -sass``
+    text; several functions are read one after another): the last write to that register before it in the text
+    and, where that write is predicated (``@P0 FMUL``: the range fix-up ptxas puts around an exp2 without
+    flush-to-zero), the writes before it back to an unpredicated one. A straight-line reading (the softmax's
+    weights and rescales are straight-line code in each key-block step; a value reaching an exp2 only around a
+    loop's back edge is not followed).
+
+    The exact key weight (``CuteConfig.exact_weight``, :class:`.kernel.ExactWeightSoftmax`) is ``exp2((s - m) * c)``:
+    its exp2s take an ``FMUL``. FA4's weight ``exp2(s * c - m * c)`` takes an ``FFMA`` (against the rounded
+    product ``m * c``), as did the recompute's ``exp2(x * c - lse * log2(e))``.
+
+    Returns:
+        ``{"ex2": n, "from_ffma": n, "from_fmul": n, "from_other": n}``: the exp2s, and how many of them take an
+        operand an FFMA (in the chain above), else an FMUL, else anything else wrote.
+
+    Raises:
+        TypeError: ``sass`` is not a str.
+    """
+    if not isinstance(sass, str):
+        raise TypeError(f"sass must be a str (SASS text), got {type(sass).__name__}")
+    out = dict(ex2=0, from_ffma=0, from_fmul=0, from_other=0)
+    writers: dict[str, list] = {}  # register -> its writers' opcodes, newest last, back to an unpredicated one
+    for line in sass.splitlines():
+        if _SASS_FUNCTION.match(line):
+            writers = {}
+            continue
+        m = _SASS_INSTRUCTION.match(line)
+        if not m:
+            continue
+        pred, op, args = bool(m.group(2)), m.group(3), m.group(4)
+        operands = [a.strip().replace(".reuse", "") for a in args.split(",")]
+        if op.startswith("MUFU.EX2") and len(operands) >= 2:
+            src = _SASS_REG.match(operands[1])
+            chain = writers.get(src.group(1), []) if src else []
+            out["ex2"] += 1
+            if any(w.startswith("FFMA") for w in chain):
+                out["from_ffma"] += 1
+            elif any(w.startswith("FMUL") for w in chain):
+                out["from_fmul"] += 1
+            else:
+                out["from_other"] += 1
+        dst = _SASS_REG.match(operands[0]) if operands and operands[0] else None
+        if dst and not op.startswith(("ST", "BRA", "BAR", "SYNCS", "RED", "ATOM", "ISETP", "FSETP", "HGMMA")):
+            reg = dst.group(1)
+            writers[reg] = (writers.get(reg, []) + [op]) if pred else [op]
+    return out
+
+
 def _cuobjdump() -> str | None:
     try:
         import triton  # optional: Triton ships cuobjdump (the GPU stack and the CPU test env have it)
@@ -234,8 +286,8 @@ def compile_for_sm90(timeout: float = 900, ptx_dir: str | None = None, switches:
     Returns:
         ``{"kernel", "registers", "stack_bytes", "spill_store_bytes", "spill_load_bytes", "smem_bytes",
         "smem_formula_bytes", "wgmma", "sass_spills": {...}, "setmaxreg": [...], "loops": [...], "config",
-        "merge", "ptxas_warnings"}`` (the attention kernel's; ``loops``: :func:`sass_loops`, the key-block loops'
-        instruction mix; ``ptxas_warnings``: the compile's distinct ptxas warning and performance-remark lines,
+        "merge", "ptxas_warnings", "epilogue_test", "ex2_operands"}`` (the attention kernel's; ``loops``:
+        :func:`sass_loops`, the key-block loops' instruction mix; ``ex2_operands``: :func:`sass_ex2_operands`; ``ptxas_warnings``: the compile's distinct ptxas warning and performance-remark lines,
         e.g. C7518 where ptxas serialised the wgmma; ``merge``: ptxas' report of FA4's combine kernel for split-KV
         configurations with ``split_merge="combine"``, None otherwise: the default Triton merge is not a CuTe
         kernel). ``config`` is the configuration compiled, resolved for :func:`.interface.compile_only`'s
@@ -386,11 +438,12 @@ def _child(spec: dict, ptx_dir: str | None = None, switches: dict | None = None)
                 setmaxreg=None if by_role is None else by_role["setmaxreg"],
                 loops=sass_loops(sass) if sass else None,
                 epilogue_test=sass_epilogue_test(sass) if sass else None,
+                ex2_operands=sass_ex2_operands(sass) if sass else None,
                 config=dict(tile_m=cfg.tile_m, tile_n=cfg.tile_n, num_stages=cfg.num_stages, lpt=cfg.lpt,
                             num_splits=cfg.num_splits, wide_design=cfg.wide_design, batch_order=cfg.batch_order,
                             v_refill=cfg.v_refill, qk_issue=cfg.qk_issue, k_refill=cfg.k_refill,
                             skip_allowed_first=launched.skip_allowed_first,
-                            nan_safe_v_method=launched.nan_safe_v_method))
+                            nan_safe_v_method=launched.nan_safe_v_method, exact_weight=launched.exact_weight))
 
 
 #: The split-value (hd 512, 16 q / 2 KV heads) configurations the report compiles (``--report``, with

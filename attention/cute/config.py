@@ -122,6 +122,14 @@ class CuteConfig:
     rounding. A str of :data:`NAN_SAFE_V_METHODS`; it resolves to ``"scan"`` where ``"recompute"`` cannot act
     (``nan_safe_v`` off, head dims above 256: one compile key; :func:`resolve_nan_safe_v_method`), and with
     ``"recompute"`` ``skip_allowed_first`` resolves to False (no scan to skip). Not a tile field.
+    exact_weight: the online softmax's key weight (every kernel): False (default, FA4's) weighs each key
+    ``exp2(s * scale_log2 - max * scale_log2)``, one FFMA against the rounded product ``max * scale_log2``, which
+    keeps that product's rounding error (up to half an ulp of it) and gives the row's best key inf or 0, a NaN row,
+    for scores beyond ~2^31 in log2 units (near -2e31 at scale 1); True weighs ``exp2((s - max) * scale_log2)``
+    (a subtraction then a multiply, the running max on raw scores; :class:`~blockdiff.attention.cute.kernel.
+    ExactWeightSoftmax`), as the triton backend does since 2026-12-07, and so does NaN-safe V's recompute. One more
+    FP32 operation per score. Off by default until a GPU run has passed its tests and timed its cost
+    (docs/ARCHITECTURE.md section 4, known gaps). Not a tile field.
     """
 
     tile_m: int | None = None
@@ -140,6 +148,7 @@ class CuteConfig:
     k_refill: str = "auto"
     skip_allowed_first: bool | str = "auto"
     nan_safe_v_method: str = "auto"
+    exact_weight: bool = False
 
 
 #: The merges of split-KV partial outputs (CuteConfig.split_merge).
@@ -470,7 +479,7 @@ def _check_halves_head_dims(head_dim: int, head_dim_v: int, values: dict) -> Non
 #: CuteConfig fields that are switches, not tile fields, with their defaults.
 _SWITCHES = dict(nan_safe_v=True, split_merge="auto", wide_design="auto", batch_order="auto",
                  v_refill="auto", qk_issue="auto", k_refill="auto", skip_allowed_first="auto",
-                 nan_safe_v_method="auto")
+                 nan_safe_v_method="auto", exact_weight=False)
 
 
 #: CuteConfig fields whose default is None ("automatic"): a dict giving them None leaves them unset.
@@ -485,7 +494,8 @@ def _set_fields(config: CuteConfig) -> dict:
 
 def _split_switches(config):
     """``(config without the switches, {switch: value})`` (``nan_safe_v``, ``split_merge``, ``wide_design``,
-    ``batch_order``, ``v_refill``, ``qk_issue``, ``k_refill``, ``skip_allowed_first``, ``nan_safe_v_method``): they
+    ``batch_order``, ``v_refill``, ``qk_issue``, ``k_refill``, ``skip_allowed_first``, ``nan_safe_v_method``,
+    ``exact_weight``): they
     are not tile fields, so
     a config that sets only them resolves the tiles as None does (the tuned automatic choices)."""
     if config is None:
@@ -519,7 +529,7 @@ def _check_head_dims(head_dim, head_dim_v) -> None:
 
 _CONFIG_FIELDS = ("tile_m", "tile_n", "mma_pv_is_rs", "intra_wg_overlap", "num_stages", "lpt", "num_splits",
                   "nan_safe_v", "split_merge", "wide_design", "batch_order", "v_refill", "qk_issue", "k_refill",
-                  "skip_allowed_first", "nan_safe_v_method")
+                  "skip_allowed_first", "nan_safe_v_method", "exact_weight")
 
 
 def _check_field(name: str, v) -> None:
@@ -532,9 +542,9 @@ def _check_field(name: str, v) -> None:
         if v not in choices:
             raise ValueError(f"config {name} must be one of {choices}, got {v!r}")
         return
-    if name == "nan_safe_v":
+    if name in ("nan_safe_v", "exact_weight"):
         if not isinstance(v, bool):
-            raise TypeError(f"config nan_safe_v must be a bool, got {type(v).__name__} ({v!r})")
+            raise TypeError(f"config {name} must be a bool, got {type(v).__name__} ({v!r})")
         return
     if name == "skip_allowed_first":  # "auto" or a bool (1 / 0 / None are not: no coercion)
         if isinstance(v, str):
@@ -576,7 +586,7 @@ def check_config(config, *, head_dims: tuple[int, int] | None = None):
     ``wide_design="split_v"`` (with ``"auto"``, :func:`resolve_config` refuses it where ``"auto"`` does not pick
     the roles kernel); ``qk_issue``: one of :data:`QK_ISSUES`, ``"ahead"`` as ``"halves"``; ``k_refill``: one of
     :data:`K_REFILLS`, ``"halves"`` as ``v_refill``'s; ``skip_allowed_first``: ``"auto"`` or a bool;
-    ``nan_safe_v_method``: one of :data:`NAN_SAFE_V_METHODS`.
+    ``nan_safe_v_method``: one of :data:`NAN_SAFE_V_METHODS`; ``exact_weight``: a bool.
     Kernel-specific rules (the split-value kernel's tiles, shared memory, whether the cluster merge's tile fits)
     are :func:`resolve_config`'s and :func:`resolve_launch_config`'s. ``head_dims`` (keyword; ``(head_dim,
     head_dim_v)`` where the call knows them): a ``"halves"`` value those head dims cannot take is refused by its

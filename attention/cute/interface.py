@@ -180,7 +180,7 @@ def attention_cute(
         check_values: run the host-side value checks (default: yes unless a CUDA graph is being captured).
         config: :class:`~blockdiff.attention.cute.config.CuteConfig` or dict (tile_m, tile_n, mma_pv_is_rs,
             intra_wg_overlap, num_stages, lpt, num_splits, nan_safe_v, split_merge, wide_design, batch_order,
-            v_refill, qk_issue, k_refill, skip_allowed_first, nan_safe_v_method); None:
+            v_refill, qk_issue, k_refill, skip_allowed_first, nan_safe_v_method, exact_weight); None:
             :func:`~blockdiff.attention.cute.config.resolve_launch_config`.
             ``num_splits`` > 1 runs split-KV: with ``split_merge="combine"`` the kernel writes fp32 partial
             outputs and LSEs per split and FA4's combine kernel merges them (two launches,
@@ -210,6 +210,9 @@ def attention_cute(
             ``nan_safe_v_method="recompute"`` keeps NaN-safe V by an epilogue test and recompute instead of the
             mainloop scan (head dims <= 256; :func:`nan_recompute_count`); ``"auto"`` (the default) takes it at head
             dim 256 and the scan elsewhere (:func:`~blockdiff.attention.cute.config.resolve_nan_safe_v_method`).
+            ``exact_weight=True`` weighs each key ``exp2((s - max) * scale_log2)`` instead of FA4's one FFMA
+            against a rounded ``max * scale_log2`` (which gives NaN rows for scores beyond ~2^31 in log2 units);
+            default False (:class:`~blockdiff.attention.cute.config.CuteConfig`).
 
     Returns:
         ``out [total_q, num_heads, head_dim_v]`` (q's dtype) or ``(out, lse)``.
@@ -526,6 +529,7 @@ def _compile(fa, key, q, k, v, out, lse, scale, cu_q, cu_k, seqused_k, page_tabl
         skip_allowed_first=cfg.skip_allowed_first,
         nan_safe_v_method=cfg.nan_safe_v_method,
         wide_offsets=wide_offsets,
+        exact_weight=cfg.exact_weight,
         **split,
     )
     small = lambda t, lead=0: None if t is None else tct(t, assumed_align=4, leading_dim=lead)  # noqa: E731

@@ -128,7 +128,9 @@ from flash_attn.cute.mask import (
     sm90_col_to_r2p_idx,
 )
 from flash_attn.cute.pack_gqa import PackGQA
+from flash_attn.cute import utils as fa_utils
 from flash_attn.cute.seqlen_info import SeqlenInfoQK
+from flash_attn.cute.softmax import Softmax
 from flash_attn.cute.tile_scheduler import SingleTileVarlenScheduler
 from flash_attn.cute.utils import AuxData
 
@@ -400,6 +402,109 @@ class _SchedulerArgsLpt:
         return self._real(*args, **kwargs)
 
 
+@dataclass
+class ExactWeightSoftmax(Softmax):
+    """FA4's SM90 online softmax (``flash_attn.cute.softmax.Softmax``, flash-attn-4 4.0.0b36) with the exact key
+    weight: the running max stays on raw scores, as in FA4, and each key weighs ``exp2((s - m) * scale_log2)``, a
+    subtraction then a multiply, where FA4 weighs ``exp2(s * scale_log2 - m * scale_log2)``, which LLVM contracts
+    into one FFMA against the rounded product ``m * scale_log2``. That FFMA keeps the product's rounding error, up
+    to half an ulp of ``|m| * scale_log2``; beyond ~2^31 in log2 units (scores near -2e31 at scale 1) the row's
+    best key then weighs inf or 0 and the row is NaN (docs/ARCHITECTURE.md section 4, "Scores beyond ~2^31 in log2
+    units"; the triton backend's fix of the same weight, ``attention/triton/portable.py``). ``s - m`` is exact
+    where ``s`` and ``m`` are within a factor two (Sterbenz) and is otherwise rounded relative to itself, so the
+    best key weighs exactly 1. The rescale of O, ``exp2((m_old - m_new) * scale_log2)``, and the LSE,
+    ``(m * scale_log2 + log2(l)) * ln 2`` from the raw max (:meth:`finalize`), are FA4's unchanged. One more FP32
+    operation per score than FA4.
+
+    Shapes / dtypes as FA4's: ``acc_S`` the fp32 S accumulator of one thread (``num_rows`` rows in the MMA's C
+    layout), ``row_max`` / ``row_sum`` fp32 register tensors ``[num_rows]``; ``scale_log2`` fp32, positive (the
+    interface runs non-positive scales as a positive one, ``interface.positive_scale``).
+
+    ``keep_inv_sum`` (compile time): :meth:`finalize` also keeps the normalisation factor it applies to O
+    (``1 / l``, or 1 for a zero or NaN sum: FA4's rule) in ``row_inv_sum`` (fp32 ``[num_rows]``), for NaN-safe V's
+    recompute (``FlashAttentionForwardSm90Mixed._recompute_warp``), which then weighs a key exactly as the mainloop
+    did, ``exp2((s - m) * scale_log2) / l``, instead of through the rounded LSE.
+    """
+
+    keep_inv_sum: cutlass.Constexpr[bool] = False
+    row_inv_sum: Optional[cute.Tensor] = None
+
+    @staticmethod
+    def create(scale_log2: Float32, num_rows: cutlass.Constexpr[int], arch: cutlass.Constexpr[int] = 80,
+               softmax_scale: Optional[Float32] = None, keep_inv_sum: cutlass.Constexpr[bool] = False):
+        """FA4's ``Softmax.create`` for this class (register tensors ``row_max`` / ``row_sum``, and
+        ``row_inv_sum`` with ``keep_inv_sum``), trace time."""
+        row_max = cute.make_rmem_tensor(num_rows, Float32)
+        row_sum = cute.make_rmem_tensor(num_rows, Float32)
+        inv = cute.make_rmem_tensor(num_rows, Float32) if keep_inv_sum else None
+        return ExactWeightSoftmax(scale_log2, num_rows, row_max, row_sum, arch, softmax_scale,
+                                  keep_inv_sum=keep_inv_sum, row_inv_sum=inv)
+
+    @cute.jit
+    def online_softmax(self, acc_S: cute.Tensor, is_first: cutlass.Constexpr[bool] = False,
+                       check_inf: cutlass.Constexpr[bool] = True) -> cute.Tensor:
+        """FA4's ``online_softmax`` (same arguments, same state, same return: the rescale factor of O per row) with
+        the weight ``exp2((s - m) * scale_log2)``. Raises nothing (trace time)."""
+        acc_S_mn = layout_utils.reshape_acc_to_mn(acc_S)
+        row_scale = cute.make_fragment_like(self.row_max, Float32)
+        row_max = self.row_max
+        row_sum = self.row_sum
+        scale_log2 = self.scale_log2
+        arch = self.arch
+        for r in cutlass.range(cute.size(row_max), unroll_full=True):
+            acc_S_row = acc_S_mn[r, None].load()
+            row_max_cur = fa_utils.fmax_reduce(
+                acc_S_row, init_val=row_max[r] if const_expr(not is_first) else None, arch=arch)
+            row_max_cur = cute.arch.warp_reduction_max(row_max_cur, threads_in_group=4)
+            row_max_prev = row_max[r]
+            row_max[r] = row_max_cur  # the raw max, before it is made safe for -inf
+            if const_expr(check_inf):
+                row_max_cur = 0.0 if row_max_cur == -Float32.inf else row_max_cur
+            # the exact weight: subtract, then multiply (no FFMA against a rounded max * scale_log2)
+            acc_S_row_exp = cute.math.exp2((acc_S_row - row_max_cur) * scale_log2, fastmath=True)
+            if const_expr(is_first):
+                acc_S_row_sum = fa_utils.fadd_reduce(acc_S_row_exp, init_val=None, arch=arch)
+                row_scale[r] = 1.0
+            else:
+                row_scale[r] = cute.math.exp2((row_max_prev - row_max_cur) * scale_log2, fastmath=True)
+                acc_S_row_sum = fa_utils.fadd_reduce(acc_S_row_exp, init_val=row_sum[r] * row_scale[r], arch=arch)
+            row_sum[r] = acc_S_row_sum
+            acc_S_mn[r, None].store(acc_S_row_exp)
+        return row_scale
+
+    @cute.jit
+    def finalize(self, final_scale: Float32 = 1.0, sink_val=None) -> cute.Tensor:
+        """FA4's ``finalize`` (the LSE into ``row_sum``, the normalisation factor of O returned); with
+        ``keep_inv_sum`` that factor is also kept in ``row_inv_sum``."""
+        row_scale = Softmax.finalize(self, final_scale, sink_val)
+        if const_expr(self.keep_inv_sum):
+            for r in cutlass.range_constexpr(cute.size(row_scale)):
+                self.row_inv_sum[r] = row_scale[r]
+        return row_scale
+
+
+class _ExactSoftmaxFactory:
+    """Stands in for ``Softmax`` in FA4's SM90 module while a kernel built with ``exact_weight`` is traced
+    (:meth:`FlashAttentionForwardSm90Mixed.trace_patches`): FA4's consumer ``mma`` then creates an
+    :class:`ExactWeightSoftmax` (kept on the kernel as ``_exact_softmax`` for the recompute). Calls from other
+    threads get FA4's ``Softmax`` unchanged."""
+
+    def __init__(self, kernel: "FlashAttentionForwardSm90Mixed"):
+        self._real = _fa4_fwd_sm90.Softmax
+        self._kernel = kernel
+        self._thread = threading.get_ident()
+        self.calls = 0
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def create(self, scale_log2, num_rows, arch=80, softmax_scale=None):
+        if threading.get_ident() != self._thread:
+            return self._real.create(scale_log2, num_rows, arch=arch, softmax_scale=softmax_scale)
+        self.calls += 1
+        return self._kernel._make_softmax(scale_log2, num_rows, softmax_scale=softmax_scale, arch=arch)
+
+
 _PROXY_LOCK = threading.Lock()
 
 
@@ -479,13 +584,19 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
     ``wide_offsets`` (compile-time, default False): the NaN-safe fix-up's and the recompute's own reads of Q / K / V
     (cold paths) index with 64-bit row and page coordinates; needed when a tensor holds 2^31 elements or more (the
     interface sets it from the storage sizes). FA4's own loads are TMA / 64-bit already.
+    ``exact_weight`` (compile-time bool, default False; config ``CuteConfig.exact_weight``): the online softmax
+    weighs each key ``exp2((s - m) * scale_log2)`` (:class:`ExactWeightSoftmax`) instead of FA4's one FFMA
+    ``exp2(s * scale_log2 - m * scale_log2)``, which gives NaN rows for scores beyond ~2^31 in log2 units; with
+    ``nan_safe_v_method="recompute"`` the recompute weighs its keys the same way (:meth:`_recompute_warp`). FA4's
+    consumer gets it through :meth:`trace_patches`, the wide kernels through :meth:`_make_softmax`.
 
     Raises:
         ValueError: ``batch_order`` other than ``"given"`` / ``"work"``; a ``v_refill``, ``qk_issue`` or
             ``k_refill`` the class does not build; ``skip_allowed_first=True`` in a class that does not build it;
             a ``kv_page_size`` the page boxes cannot load; ``nan_safe_v_method`` not ``"scan"`` / ``"recompute"``,
             or ``"recompute"`` in a class that does not build it.
-        TypeError: ``skip_allowed_first`` not a bool (``"auto"`` resolves in the config, never here).
+        TypeError: ``skip_allowed_first`` or ``exact_weight`` not a bool (``"auto"`` resolves in the config, never
+            here).
     """
 
     #: The ``v_refill`` values this class builds (kernel_roles.py adds ``"halves"``).
@@ -494,6 +605,9 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
     QK_ISSUES = ("serial",)
     #: The ``k_refill`` values this class builds (kernel_roles.py adds ``"halves"``).
     K_REFILLS = ("whole",)
+    #: Whether this class runs FA4's consumer ``mma`` (which creates its softmax through FA4's module: the
+    #: ``exact_weight`` patch of :meth:`trace_patches`); kernel_wide.py's classes create theirs (:meth:`_make_softmax`).
+    USES_FA4_MMA = True
     #: Whether this class builds ``skip_allowed_first=True`` (kernel_wide.py's classes do not).
     BUILDS_SKIP_ALLOWED_FIRST = True
     #: Whether this class builds ``nan_safe_v_method="recompute"`` (FA4's consumer: this class, its split and
@@ -527,7 +641,8 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
     def __init__(self, *args, prefix_window: bool = False, kv_page_size: Optional[int] = None, lpt: bool = True,
                  nan_safe_v: bool = False, batch_order: str = "given", v_refill: str = "one_warp",
                  qk_issue: str = "serial", k_refill: str = "whole", skip_allowed_first: bool = False,
-                 nan_safe_v_method: str = "scan", wide_offsets: bool = False, **kwargs):
+                 nan_safe_v_method: str = "scan", wide_offsets: bool = False, exact_weight: bool = False,
+                 **kwargs):
         kwargs["is_causal"] = False
         kwargs["is_local"] = True
         # FA4's (dtype, head_dim, head_dim_v, ...): the real head dims (FA4 keeps the 16-padded tile_hdim / tile_hdimv;
@@ -565,6 +680,10 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         self.nan_recompute = bool(nan_safe_v) and nan_safe_v_method == "recompute"
         self.nan_safe_v = bool(nan_safe_v) and not self.nan_recompute
         self.wide_offsets = bool(wide_offsets)
+        if not isinstance(exact_weight, bool):
+            raise TypeError(f"exact_weight must be a bool, got {type(exact_weight).__name__} ({exact_weight!r})")
+        self.exact_weight = exact_weight
+        self._exact_softmax = None  # the consumer's ExactWeightSoftmax of this trace (_make_softmax)
         self.batch_order = batch_order
         # trace-time hand-offs of the NaN-safe V path (set in kernel() / mma(); see _nan_safe_setup)
         self._mV = self._mPageTable = None
@@ -595,28 +714,51 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         * ``TileSchedulerArguments`` for :class:`_SchedulerArgsLpt` when ``lpt`` is False (FA4 would pick
           its longest-first tile order for every ``is_local`` kernel).
 
-        A no-op when neither applies. Raises RuntimeError if FA4's ``__call__`` did not build exactly the two
-        K / V atoms, or the scheduler arguments once (another FA4 version).
+        * ``Softmax`` for :class:`_ExactSoftmaxFactory` when ``exact_weight`` is on (FA4's consumer ``mma`` then
+          creates an :class:`ExactWeightSoftmax`).
+
+        A no-op when none applies. Raises RuntimeError if FA4's ``__call__`` did not build exactly the two
+        K / V atoms, or the scheduler arguments once, or (``exact_weight``, FA4's consumer) FA4's ``mma`` did not
+        create its softmax exactly once (another FA4 version).
         """
-        if self.kv_box_rows is None and self.lpt:
+        if self.kv_box_rows is None and self.lpt and not self.exact_weight:
             yield
             return
         with _PROXY_LOCK:  # one swap at a time: a second one would save the first proxy as "real"
             real_cpasync, real_args = _fa4_fwd_sm90.cpasync, _fa4_fwd_sm90.TileSchedulerArguments
+            real_softmax = _fa4_fwd_sm90.Softmax
             proxy = _PageBoxTmaAtoms(self) if self.kv_box_rows is not None else None
             sched = _SchedulerArgsLpt(self.lpt) if not self.lpt else None
+            exact = _ExactSoftmaxFactory(self) if self.exact_weight else None
             if proxy is not None:
                 _fa4_fwd_sm90.cpasync = proxy
             if sched is not None:
                 _fa4_fwd_sm90.TileSchedulerArguments = sched
+            if exact is not None:
+                _fa4_fwd_sm90.Softmax = exact
             try:
                 yield
             finally:
                 _fa4_fwd_sm90.cpasync, _fa4_fwd_sm90.TileSchedulerArguments = real_cpasync, real_args
+                _fa4_fwd_sm90.Softmax = real_softmax
+        if exact is not None and self.USES_FA4_MMA and exact.calls != 1:
+            raise RuntimeError(f"exact_weight: expected FA4's mma to create its softmax once, saw {exact.calls}")
         if proxy is not None and proxy.replaced != 2:
             raise RuntimeError(f"expected FA4 to build 2 K/V TMA atoms, replaced {proxy.replaced}")
         if sched is not None and sched.calls != 1:
             raise RuntimeError(f"expected FA4 to build its tile scheduler arguments once, saw {sched.calls}")
+
+    def _make_softmax(self, scale_log2, num_rows, softmax_scale=None, arch=80):
+        """Trace time: the online softmax of a consumer (FA4's ``Softmax.create`` arguments): an
+        :class:`ExactWeightSoftmax` with ``exact_weight`` (kept as ``self._exact_softmax``; with the recompute it
+        keeps ``1 / l`` for it), else FA4's ``Softmax``. The wide kernels call it for their softmax warpgroup;
+        FA4's consumer reaches it through :class:`_ExactSoftmaxFactory`."""
+        if not self.exact_weight:
+            return Softmax.create(scale_log2, num_rows=num_rows, arch=arch, softmax_scale=softmax_scale)
+        sm = ExactWeightSoftmax.create(scale_log2, num_rows, arch=arch, softmax_scale=softmax_scale,
+                                       keep_inv_sum=self.nan_recompute)
+        self._exact_softmax = sm
+        return sm
 
     def _get_shared_storage_cls(self):
         """FA4's shared storage; with the page-box producer, one more mbarrier right after the V pipeline's
@@ -1512,7 +1654,14 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         accumulator). ``S`` is split over the four threads of a row quad (8-element chunks
         ``lane % 4 + 4 j`` of the head dim) and summed with two butterfly shuffles, which is why the key loop is
         warp-uniform (the tile's range; the row's own range is a predicate). Then lane 0 adds 1 to the recompute
-        counter."""
+        counter.
+
+        With ``exact_weight`` the recompute weighs a key as the mainloop did, ``P = exp2((S - m) * scale_log2) / l``
+        (the row's raw max ``m`` and FA4's normalisation factor ``1 / l`` kept by :class:`ExactWeightSoftmax`; ``lse``
+        = -inf takes ``m = +inf``, as above): from the LSE, ``S * scale_log2 - lse * log2(e)`` is an FFMA against a
+        rounded ``lse * log2(e)`` whose own rounding error (half an ulp of it, 2^83 at an LSE of -1.6e32) makes the
+        row's best key weigh inf or 0 beyond ~2^31 in log2 units, so a non-finite V entry of a key the row sees would
+        be recomputed as NaN where the reference gives +-Inf."""
         head_dim, head_dim_v = self._head_dims
         qpk = self.qhead_per_kvhead if const_expr(self.pack_gqa) else 1
         head_kv = head_idx if const_expr(self.pack_gqa) else head_idx // self.qhead_per_kvhead
@@ -1553,7 +1702,10 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
             if const_expr(self.pack_gqa):
                 q_head = head_idx * qpk + row % qpk
             q_head_t[r] = q_head
-            lse2 = lse[r] * Float32(LOG2_E)
+            if const_expr(self.exact_weight):  # the row's raw max (the key weights' reference point)
+                lse2 = self._exact_softmax.row_max[r]
+            else:
+                lse2 = lse[r] * Float32(LOG2_E)
             if lse[r] == -Float32.inf:
                 lse2 = Float32.inf
             lse2_t[r] = lse2
@@ -1575,8 +1727,11 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
             if cute.arch.vote_any_sync(row_mark != 0):
                 q_vec = mQ[q_row_t[r], q_head_t[r], None]
                 for key in cutlass.range(k0, k1, unroll=1):
+                    inv = None
+                    if const_expr(self.exact_weight):
+                        inv = self._exact_softmax.row_inv_sum[r]
                     self._recompute_key(acc, r, marks, tOcO, lo_t[r], hi_t[r], lse2_t[r], scale_log2, q_vec,
-                                        mK, mV, mPageTable, seqlen, key, head_kv, batch_idx, r * n_words)
+                                        mK, mV, mPageTable, seqlen, key, head_kv, batch_idx, r * n_words, inv)
         if cute.arch.lane_idx() == 0:
             cute.arch.atomic_add(mCount.iterator, Int32(1))
 
@@ -1585,10 +1740,11 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
                        lo: Int32, hi: Int32, lse2: Float32, scale_log2: Float32, q_vec: cute.Tensor,
                        mK: cute.Tensor, mV: cute.Tensor, mPageTable: Optional[cute.Tensor],
                        seqlen: MixedSeqlenInfoQK, key: Int32, head_kv: Int32, batch_idx: Int32,
-                       w0: cutlass.Constexpr[int] = 0):
+                       w0: cutlass.Constexpr[int] = 0, inv: Optional[Float32] = None):
         """Key ``key``'s term ``P[r, key] V[key, c]`` added to the marked entries of this thread's row ``r``
         (:meth:`_recompute_warp`; ``q_vec`` its Q row; its mark words ``marks[w0:]``). Every lane of the warp calls
-        it (two shuffles)."""
+        it (two shuffles). ``lse2``: the row's LSE in log2 units, or with ``exact_weight`` its raw max, with ``inv``
+        the row's ``1 / l`` (``P = exp2((S - m) * scale_log2) * inv``)."""
         CHUNK = 8  # elements of a K / Q chunk (4-byte-aligned loads: _stash_read)
         head_dim, head_dim_v = self._head_dims
         n_cols = cute.size(tOcO, mode=[1])
@@ -1617,7 +1773,10 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         # subnormal P of an allowed key times +-Inf stays +-Inf, as in the reference (the simulation's ftz case)
         if lo <= key:
             if key <= hi:
-                p = cute.math.exp2(x * scale_log2 - lse2, fastmath=False)
+                if const_expr(self.exact_weight):  # subtract, then multiply: no FFMA against a rounded reference
+                    p = cute.math.exp2((x - lse2) * scale_log2, fastmath=False) * inv
+                else:
+                    p = cute.math.exp2(x * scale_log2 - lse2, fastmath=False)
                 # the thread's value columns come in adjacent pairs (c, c + 1) (SM90 wgmma C layout): one 4-byte
                 # load each
                 v2 = cute.make_rmem_tensor((2,), self.dtype)

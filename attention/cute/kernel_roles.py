@@ -471,7 +471,7 @@ class FlashAttentionForwardSm90Roles(FlashAttentionForwardSm90WideV):
         smem_copy_atom_P = fa_utils.get_smem_store_atom(self.arch.major * 10 + self.arch.minor, self.dtype)
         smem_thr_copy_P = cute.make_tiled_copy_C(smem_copy_atom_P, tiled_mma_qk).get_slice(t_sm)
         tPsP = smem_thr_copy_P.partition_D(sP)
-        softmax = Softmax.create(softmax_scale_log2, num_rows=self._rows_per_thread(), softmax_scale=softmax_scale)
+        softmax = self._make_softmax(softmax_scale_log2, self._rows_per_thread(), softmax_scale=softmax_scale)
         hand_off = partial(self._hand_off_p_smem, smem_thr_copy_P, tPsP, sScale, t_sm)
         acc_S_next = None
         if const_expr(self.qk_issue == "ahead"):  # S of the block in flight (issued one iteration ahead)

@@ -113,6 +113,7 @@ class FlashAttentionForwardSm90WideV(FlashAttentionForwardSm90Mixed):
     #: ``skip_allowed_first=True`` is FA4's consumer's (kernel.py); refused here and in the roles kernel.
     BUILDS_SKIP_ALLOWED_FIRST = False
     BUILDS_NAN_RECOMPUTE = False  # its consumers place their own clean-up (and the roles kernel's row statistics)
+    USES_FA4_MMA = False  # its consumers create their softmax (_make_softmax: exact_weight reaches them there)
 
     def __init__(self, *args, **kwargs):
         kwargs["mma_pv_is_rs"] = False  # FA4 then builds a P layout; two slots are made of it
@@ -280,8 +281,8 @@ class FlashAttentionForwardSm90WideV(FlashAttentionForwardSm90Mixed):
         smem_copy_atom_P = fa_utils.get_smem_store_atom(self.arch.major * 10 + self.arch.minor, self.dtype)
         smem_thr_copy_P = cute.make_tiled_copy_C(smem_copy_atom_P, tiled_mma_qk).get_slice(tidx)
         tPsP = smem_thr_copy_P.partition_D(ctx.sP)
-        softmax = Softmax.create(ctx.softmax_scale_log2, num_rows=acc_O.shape[0][0] * acc_O.shape[1],
-                                 softmax_scale=ctx.softmax_scale)
+        softmax = self._make_softmax(ctx.softmax_scale_log2, acc_O.shape[0][0] * acc_O.shape[1],
+                                     softmax_scale=ctx.softmax_scale)  # the row statistics (exact_weight: exact)
         hand_off = partial(self._hand_off_p, smem_thr_copy_P, tPsP, tOrP, ctx.sScale, tidx)
 
         q_consumer_phase = Int32(0)

@@ -135,7 +135,8 @@ MATRIX: dict[str, BackendRun] = {
                     "for p = 0 (config skip_allowed_first; docs/ARCHITECTURE.md section 4, known gaps)",
                     "fma_against_a_rounded_max": "FA4's online softmax weighs each key exp2(S * scale_log2 - "
                     "max(S) * scale_log2) as one FFMA (docs/ARCHITECTURE.md section 4, known gaps; expected from "
-                    "its source, not yet run on a GPU)"}),
+                    "its source, not yet run on a GPU); the fix is CuteConfig.exact_weight, off by default and not "
+                    "yet run on a GPU (bench/experiments/device/cute_exact_weight.sh)"}),
 }
 
 MISSING_ROW = (

@@ -1,0 +1,224 @@
+"""The cute backend's exact key weight (``CuteConfig.exact_weight``, default False; kernel.ExactWeightSoftmax).
+
+FA4's online softmax weighs each key ``exp2(s * scale_log2 - max * scale_log2)``, one FFMA against the rounded
+product ``max * scale_log2``: it keeps that product's rounding error, up to half an ulp of it, so for scores near
+-2e31 (2^80 in log2 units and beyond) the row's best key weighs inf or 0 and the row is NaN (docs/ARCHITECTURE.md
+section 4, "Scores beyond ~2^31 in log2 units"; the contract case
+``test_scores_near_2e31_in_magnitude_give_the_one_hot_softmax_not_nan``, a known gap of cute's row). With the switch the
+weight is ``exp2((s - max) * scale_log2)``, and NaN-safe V's recompute weighs its keys the same way.
+
+- CPU, always: the config switch (type, default, part of the compile key, kept by every resolve) and the SASS reader
+  :func:`blockdiff.attention.cute.compile_check.sass_ex2_operands` on hand-written SASS;
+- CPU, where flash-attn-4 and nvidia-cutlass-dsl are installed (not in CI): each kernel family compiled for sm_90a
+  with the switch off and on: on, no ``MUFU.EX2`` takes an FFMA's result (off, FA4's weights do), the same exp2
+  count, and no new spills;
+- GPU (``-m gpu``): the very-negative-scores batch through the backend with the switch on, against the reference,
+  unsplit and split (each merge), every kernel family; the recompute keeps the best key's +Inf V.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from blockdiff.attention import attention
+from blockdiff.attention.cute import compile_check as cchk
+from blockdiff.attention.cute import config as cc
+from blockdiff.attention.testing import check_close, check_nonfinite_matches_reference, make_batch
+
+from cute_helpers import HAVE_FA4, compile_for_sm90_or_skip, needs_gpu
+
+
+# ---------------------------------------------------------------- the switch (CPU, no CuTe DSL)
+def test_exact_weight_is_a_bool_switch_off_by_default():
+    assert cc.CuteConfig().exact_weight is False
+    assert cc.check_config(dict(exact_weight=True)) == dict(exact_weight=True)
+    for bad in (1, None, "on"):
+        with pytest.raises(TypeError, match="config exact_weight must be a bool"):
+            cc.check_config(dict(exact_weight=bad))
+
+
+@pytest.mark.parametrize("hd", [64, 128, 256, 512])
+@pytest.mark.parametrize("on", [False, True])
+def test_exact_weight_survives_every_resolve_and_changes_the_compile_key(monkeypatch, hd, on):
+    """A switch, not a tile field: setting only it keeps the automatic tiles, every resolve keeps its value, and the
+    resolved configs (the interface's compile key holds the whole config) differ only in it."""
+    monkeypatch.setattr(cc, "_fa4_tile_size", lambda d, dv, local: _FakeTiles(128, 64 if d > 128 else 128))
+    launch = dict(total_q=300, num_seqs=3, num_kv_heads=2, qhead_per_kvhead=4, keys_capacity=4096,
+                  max_seqlen_q=256, max_seqlen_k=None, num_sms=132, page_size=64)
+    base = cc.resolve_launch_config(hd, hd, None, None, **launch)
+    got = cc.resolve_launch_config(hd, hd, None, dict(exact_weight=on), **launch)
+    assert got.exact_weight is on
+    assert got == dataclasses.replace(base, exact_weight=on)
+    assert (got == base) is (not on)
+    assert cc.resolve_config(hd, hd, 5, cc.CuteConfig(exact_weight=on), 256, page_size=64).exact_weight is on
+
+
+@dataclasses.dataclass
+class _FakeTiles:
+    """FA4's SM90 tile heuristic's answer (config._fa4_tile_size) without flash-attn-4."""
+    m_block_size: int
+    n_block_size: int
+    mma_pv_is_rs: bool = True
+    intra_wg_overlap: bool = True
+
+
+# ---------------------------------------------------------------- the SASS reader (CPU)
+SASS = """
+        Function : kernel_a
+        /*0100*/                   FFMA R12, R4.reuse, R2, -R3 ;
+        /*0110*/                   MUFU.EX2 R12, R12 ;
+        /*0120*/                   FADD R13, R5, -R3 ;
+        /*0130*/                   FMUL R13, R13, R2 ;
+        /*0140*/                   MUFU.EX2 R13, R13 ;
+        /*0150*/                   FFMA R14, R6, R2, -R7 ;
+        /*0160*/                   FSETP.GEU.AND P0, PT, R14, -126, PT ;
+        /*0170*/              @!P0 FMUL R14, R14, 0.5 ;
+        /*0180*/                   MUFU.EX2 R15, R14 ;
+        /*0190*/                   MOV R16, R17 ;
+        /*01a0*/                   MUFU.EX2 R16, R16 ;
+        Function : kernel_b
+        /*0000*/                   MUFU.EX2 R12, R12 ;
+"""
+
+
+def test_sass_ex2_operands_names_the_writer_of_each_exp2_through_a_predicated_fixup():
+    """FFMA then exp2: FA4's weight; FADD, FMUL, exp2: the exact one; an FFMA behind ptxas' predicated range fix-up
+    of an exp2 without flush-to-zero (the recompute's) still counts as an FFMA; the writers reset at a function."""
+    assert cchk.sass_ex2_operands(SASS) == dict(ex2=5, from_ffma=2, from_fmul=1, from_other=2)
+    assert cchk.sass_ex2_operands("") == dict(ex2=0, from_ffma=0, from_fmul=0, from_other=0)
+    with pytest.raises(TypeError, match="sass must be a str"):
+        cchk.sass_ex2_operands(b"MUFU.EX2")
+
+
+# ---------------------------------------------------------------- offline sm_90a compiles (CPU, FA4 installed)
+#: (id, compile_only spec): FA4's consumer at hd 64 / 128 / 256 unsplit and split (cluster, Triton merge), the
+#: recompute (which the switch changes too), the split-value and roles kernels at hd 512, the roles kernel split.
+COMPILE_SPECS = [
+    ("hd64", dict(head_dim=64, num_heads=16, num_kv_heads=8)),
+    ("hd128", dict(head_dim=128, num_heads=16, num_kv_heads=8)),
+    ("hd128_split2_cluster", dict(head_dim=128, num_heads=16, num_kv_heads=8,
+                                  config=dict(num_splits=2, split_merge="cluster"))),
+    ("hd128_split3_triton_window", dict(head_dim=128, num_heads=16, num_kv_heads=8, window_size=1023,
+                                        config=dict(num_splits=3, split_merge="triton"))),
+    ("hd128_recompute", dict(head_dim=128, num_heads=16, num_kv_heads=8, config=dict(nan_safe_v_method="recompute"))),
+    ("hd256_window_recompute", dict(head_dim=256, num_heads=16, num_kv_heads=8, window_size=1023)),
+    ("hd256_split2", dict(head_dim=256, num_heads=16, num_kv_heads=8, config=dict(num_splits=2, split_merge="triton"))),
+    ("hd512_split_v", dict(head_dim=512, num_heads=16, num_kv_heads=2, page_size=64, max_seqlen_q=256,
+                           config=dict(wide_design="split_v"))),
+    ("hd512_roles", dict(head_dim=512, num_heads=16, num_kv_heads=2, page_size=64, max_seqlen_q=256,
+                         config=dict(wide_design="roles"))),
+    ("hd512_roles_split2", dict(head_dim=512, num_heads=16, num_kv_heads=2, page_size=64, max_seqlen_q=256,
+                                config=dict(wide_design="roles", num_splits=2))),
+]
+
+
+def _compile(spec: dict, on: bool) -> dict:
+    return compile_for_sm90_or_skip(**dict(spec, config=dict(spec.get("config") or {}, exact_weight=on)))
+
+
+@pytest.mark.skipif(not HAVE_FA4, reason="compiling needs flash-attn-4==4.0.0b36 and nvidia-cutlass-dsl==4.8.1 "
+                    "(not installed here)")
+@pytest.mark.parametrize("spec", [s for _, s in COMPILE_SPECS], ids=[n for n, _ in COMPILE_SPECS])
+def test_exact_weight_compiles_with_no_exp2_fed_by_an_ffma(spec):
+    """Off, FA4's weights are exp2s of FFMAs (the gap, seen in the SASS); on, no exp2 of the attention kernel takes
+    an FFMA's result, the kernel has as many exp2s, the key-block loops as many as off's and no local memory where
+    off's have none, the consumers no more spill instructions than off's, and no spills where off has none (ptxas'
+    report; a kernel that spills already may spill a few bytes more: the split hd-256 launch, 4 bytes outside its
+    loops)."""
+    off, on = _compile(spec, False), _compile(spec, True)
+    assert off["config"]["exact_weight"] is False and on["config"]["exact_weight"] is True
+    assert off["ex2_operands"]["from_ffma"] > 0, off["ex2_operands"]
+    assert on["ex2_operands"]["from_ffma"] == 0, on["ex2_operands"]
+    assert on["ex2_operands"]["ex2"] == off["ex2_operands"]["ex2"], (off["ex2_operands"], on["ex2_operands"])
+    assert [lp["MUFU.EX2"] for lp in on["loops"]] == [lp["MUFU.EX2"] for lp in off["loops"]]
+    assert [lp["STL/LDL"] for lp in on["loops"]] == [lp["STL/LDL"] for lp in off["loops"]]
+    for key in ("spill_store_bytes", "spill_load_bytes"):
+        if off[key] == 0:
+            assert on[key] == 0, (key, off[key], on[key])
+    assert on["sass_spills"]["consumer"] <= off["sass_spills"]["consumer"], (off["sass_spills"], on["sass_spills"])
+    assert on["setmaxreg"] == off["setmaxreg"]
+
+
+# ---------------------------------------------------------------- GPU
+def very_negative_scores_batch(head_dim: int, page_size: int, scale: float, seed: int = 73) -> dict:
+    """The contract case's batch on the GPU, plus a longer canvas (so that split-KV ranges hold several key
+    blocks): scores near -2e31 and below in magnitude (q = +-1e15, k = -1e15 (1 + u / 2), bf16), finite and inside
+    the contract, every row's softmax one-hot on its least negative key. ``scale`` -1 takes -q: the same scores."""
+    inp = make_batch([40, 13, 30, 700], [9, 13, 30, 64], num_causal_q=[0, 13, 11, 0], num_heads=4, num_kv_heads=2,
+                     head_dim=head_dim, page_size=page_size, dtype=torch.bfloat16, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    inp["q"] = torch.full_like(inp["q"], 1e15 * scale)
+    inp["k_cache"] = (-1e15 * (1 + 0.5 * torch.rand(inp["k_cache"].shape, generator=g))).to(torch.bfloat16)
+    return {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in inp.items()}
+
+
+def _merges(hd: int):
+    """(num_splits, split_merge) of the GPU cases: unsplit, and each merge of split-KV where the head dim builds it
+    (the cluster merge: head dims <= 256, its fp32 tile in the Q / K / V buffers)."""
+    cases = [(1, "auto"), (3, "triton")]
+    if hd <= 256:
+        cases.append((2, "cluster"))
+    return cases
+
+
+#: (head dim, page size, config): FA4's consumer at hd 64 / 128 / 256, the split-value and the roles kernel at hd 512.
+GPU_CASES = [(64, 16, {}), (128, 128, {}), (256, 64, {}), (512, 64, dict(wide_design="split_v")),
+             (512, 64, dict(wide_design="roles"))]
+
+
+@needs_gpu
+@pytest.mark.parametrize("hd,page,config", GPU_CASES, ids=["hd64", "hd128", "hd256", "hd512_split_v", "hd512_roles"])
+@pytest.mark.parametrize("scale", [1.0, -1.0])
+@pytest.mark.parametrize("window", [None, 5])
+def test_gpu_scores_near_2e31_give_the_one_hot_softmax_with_exact_weight(hd, page, config, scale, window):
+    """With ``exact_weight`` every row's output is its least negative key's V and its LSE finite, unsplit and
+    split (Triton and cluster merges), against the fp64 reference (the contract case, which FA4's weight fails)."""
+    inp = very_negative_scores_batch(hd, page, scale)
+    for splits, merge in _merges(hd):
+        cfg = dict(config, exact_weight=True, num_splits=splits, split_merge=merge)
+        q, vc = inp["q"], inp["v_cache"]
+        out = torch.full((q.shape[0], q.shape[1], vc.shape[-1]), float("nan"), dtype=q.dtype, device=q.device)
+        o, lse = attention(**inp, out=out, return_lse=True, backend="cute", config=cfg, scale=scale,
+                           window_size=window)
+        assert o.isfinite().all() and lse.isfinite().all(), (hd, config, splits, merge)
+        check_close(o, **inp, lse=lse, scale=scale, window_size=window)
+
+
+@needs_gpu
+@pytest.mark.xfail(strict=False, reason="FA4's combine kernel (split_merge 'combine') weighs each split "
+                   "exp2(lse * log2(e) - max(lse) * log2(e)), the same FFMA against a rounded max, on LSEs near "
+                   "-1e32: expected NaN rows from its source (flash_attn/cute/flash_fwd_combine.py), not yet run")
+def test_gpu_scores_near_2e31_with_fa4_combine_merge():
+    inp = very_negative_scores_batch(128, 128, 1.0)
+    q, vc = inp["q"], inp["v_cache"]
+    out = torch.full((q.shape[0], q.shape[1], vc.shape[-1]), float("nan"), dtype=q.dtype, device=q.device)
+    o, lse = attention(**inp, out=out, return_lse=True, backend="cute",
+                       config=dict(exact_weight=True, num_splits=3, split_merge="combine"))
+    assert o.isfinite().all() and lse.isfinite().all()
+    check_close(o, **inp, lse=lse)
+
+
+@needs_gpu
+@pytest.mark.parametrize("hd,page", [(128, 128), (256, 64)], ids=["hd128", "hd256"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_gpu_recompute_keeps_the_best_keys_inf_with_exact_weight(hd, page, splits):
+    """NaN-safe V by recompute on the very-negative-scores batch: key 0 of every sequence is made every row's best
+    (the least negative k) and its V column 0 +Inf, so every row's column 0 is +Inf in the reference (weight 1),
+    and a NaN entry of a key a row sees with weight 0 is NaN (0 * NaN). The recompute weighs keys exactly
+    (``exp2((s - m) * scale_log2) / l``); from the rounded LSE the best key weighed inf or 0 there."""
+    inp = very_negative_scores_batch(hd, page, 1.0)
+    k, v, table = inp["k_cache"].clone(), inp["v_cache"].clone(), inp["block_table"]
+    for b in range(table.shape[0]):
+        page_idx = int(table[b, 0])
+        k[page_idx, 0] = -0.9e15  # key 0: the largest score of every row (scores ~ -1e30 * head_dim)
+        v[page_idx, 0, :, 0] = float("inf")
+    bad = dict(inp, k_cache=k, v_cache=v)
+    q = bad["q"]
+    out = torch.full((q.shape[0], q.shape[1], v.shape[-1]), float("nan"), dtype=q.dtype, device=q.device)
+    o, lse = attention(**bad, out=out, return_lse=True, backend="cute",
+                       config=dict(exact_weight=True, nan_safe_v=True, nan_safe_v_method="recompute",
+                                   num_splits=splits, split_merge="triton" if splits > 1 else "auto"))
+    assert o[:, :, 0].eq(float("inf")).all(), "the best key's +Inf V must reach every row"
+    assert check_nonfinite_matches_reference(o, bad, lse=lse) > 0
