@@ -273,10 +273,11 @@ _LOG2E = 1.4426950408889634
 
 
 def _exact_weight_of(config) -> bool:
-    """``config``'s ``exact_weight`` (None, a dict or a CuteConfig, already checked by ``check_config``)."""
-    if isinstance(config, dict):
-        return bool(config.get("exact_weight", False))
-    return bool(getattr(config, "exact_weight", False))
+    """``config``'s ``exact_weight`` (None, a dict or a CuteConfig, already checked by ``check_config``): a dict
+    without it and None take :class:`CuteConfig`'s default, as the resolved config does."""
+    if isinstance(config, CuteConfig):
+        return config.exact_weight
+    return bool((config or {}).get("exact_weight", CuteConfig.exact_weight))
 
 
 def positive_scale(q: torch.Tensor, scale: float, *, exact_weight: bool = False) -> tuple[torch.Tensor, float]:

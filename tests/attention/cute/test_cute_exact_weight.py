@@ -75,7 +75,7 @@ def _exact_weight_softmax(q, k, v, scale):
 
 
 @pytest.mark.parametrize("scale", [1.2e-38, -1.2e-38, 2.0 ** -121, 4e-37])
-def test_exact_weight_runs_a_scale_below_2_pow_minus_120_in_log2_units_on_q_times_2_pow_minus_24(scale):
+def test_exact_weight_runs_a_scale_below_2_pow_minus_120_in_log2_units_on_q_times_2_pow_minus_24(scale, monkeypatch):
     """Raw scores q . k of 3.2e38 (the best key) and -2e38 (99 keys), bf16 q and K, at scale +-1.2e-38 (a normal
     fp32, as is its ``scale * log2(e)``): with the exact weight the raw difference s - m (-5.2e38) overflowed to
     -inf, so every key but the best weighed 0 where each weighs e^-6.2 (out 1.0 for the reference's 0.67; the
@@ -94,9 +94,12 @@ def test_exact_weight_runs_a_scale_below_2_pow_minus_120_in_log2_units_on_q_time
                num_causal_q=torch.tensor([0], dtype=torch.int32))
     want = attention_reference(q, **inp, scale=scale, return_lse=True)
     assert ca.positive_scale(q, abs(scale))[0] is q  # the switch off: as given (FA4's weight multiplies first)
-    # attention_cute reads the switch from the call's config (None, a dict or a CuteConfig)
+    # attention_cute reads the switch from the call's config (None, a dict or a CuteConfig; CuteConfig's default
+    # where unset, which the device script cute_exact_weight.sh turns on in its copy)
     assert [ca._exact_weight_of(c) for c in (None, {}, dict(exact_weight=True), cc.CuteConfig(exact_weight=True))] \
         == [False, False, True, True]
+    monkeypatch.setattr(cc.CuteConfig, "exact_weight", True)
+    assert ca._exact_weight_of(None) and ca._exact_weight_of({}) and not ca._exact_weight_of(dict(exact_weight=False))
     q2, s2 = ca.positive_scale(q, scale, exact_weight=True)
     assert s2 > 0 and s2 * 1.4426950408889634 >= ca.MIN_EXACT_WEIGHT_SCALE_LOG2 and q2.dtype == q.dtype
     got = attention_reference(q2, **inp, scale=s2, return_lse=True)
