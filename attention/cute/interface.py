@@ -257,7 +257,8 @@ def attention_cute(
         raise NotImplementedError(
             f"backend 'cute' runs FA4's SM90 kernel and needs a Hopper GPU (sm_90), got sm_{arch}")
 
-    q, scale = positive_scale(q, info.scale)  # FA4's online softmax holds for scale > 0 only
+    # FA4's online softmax holds for scale > 0 only; the exact weight also needs |scale * log2(e)| >= 2**-120
+    q, scale = positive_scale(q, info.scale, exact_weight=_exact_weight_of(config))
     return _run(fa, q, k_cache, v_cache, out=out, return_lse=return_lse, cu_seqlens_q=cu_seqlens_q,
                 num_causal_q=info.num_causal_q, seq_lens=info.seq_lens,
                 block_table=block_table if info.paged else None, cu_seqlens_k=cu_seqlens_k,
@@ -265,7 +266,21 @@ def attention_cute(
                 arch=arch, config=config, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
 
 
-def positive_scale(q: torch.Tensor, scale: float) -> tuple[torch.Tensor, float]:
+#: The least ``scale * log2(e)`` the exact key weight (``CuteConfig.exact_weight``) takes as given (2**-120; the
+#: triton backend's ``attention/triton/tma.MIN_RAW_MAX_QK_SCALE``, which says why).
+MIN_EXACT_WEIGHT_SCALE_LOG2 = 2.0 ** -120
+_LOG2E = 1.4426950408889634
+
+
+def _exact_weight_of(config) -> bool:
+    """``config``'s ``exact_weight`` (None, a dict or a CuteConfig, already checked by ``check_config``): a dict
+    without it and None take :class:`CuteConfig`'s default, as the resolved config does."""
+    if isinstance(config, CuteConfig):
+        return config.exact_weight
+    return bool((config or {}).get("exact_weight", CuteConfig.exact_weight))
+
+
+def positive_scale(q: torch.Tensor, scale: float, *, exact_weight: bool = False) -> tuple[torch.Tensor, float]:
     """``(q, scale)`` for the kernel: ``scale > 0`` and the same fp32 scores ``(q . k) * scale`` bit for bit.
 
     FA4's online softmax takes each row's max of the raw scores and scales after it (``exp2(S * scale_log2 -
@@ -283,12 +298,21 @@ def positive_scale(q: torch.Tensor, scale: float) -> tuple[torch.Tensor, float]:
     subnormals (a score error below 2**-98 at this scale), so the scores are the contract's own, which at bf16's
     range can be of order 1 (``q . k`` near 2**126 at scale 2**-127: running it as 0 gave the mean of the keys, 0.9
     off). A positive scale returns ``q`` itself; otherwise one elementwise op into a new tensor (no host sync:
-    capturable)."""
+    capturable).
+
+    With ``exact_weight`` (``CuteConfig.exact_weight``: each key weighs ``exp2((s - m) * scale_log2)`` on raw fp32
+    scores) a normal scale with ``|scale| * log2(e)`` below :data:`MIN_EXACT_WEIGHT_SCALE_LOG2` (2**-120) also runs
+    ``q * 2**-24`` (signed) with ``|scale| * 2**24``: at such a scale two finite raw scores near +-2**127 (3.2e38
+    and -2e38 at scale 1e-38) have a difference ``s - m`` that overflows to ``-inf``, a weight of 0 where the key's
+    exact weight is up to 2**-4 (e^-5.2 there); with raw scores below 2**104 it cannot overflow. FA4's own weight
+    ``exp2(s * scale_log2 - m * scale_log2)`` multiplies first, so without the switch such scales pass as given."""
     if abs(scale) < 2.0 ** -126:  # (fp32 subnormal or 0; at least 2**-126, fp32 scale and scale_log2 are normal)
         s32 = struct.unpack("f", struct.pack("f", abs(scale)))[0]  # |scale| in fp32, as the contract's scores use it
         if s32 == 0.0:
             return q * 0, 1.0
         return q * math.copysign(2.0 ** -24, scale), s32 * 2.0 ** 24  # s32 * 2**24 >= 2**-125
+    if exact_weight and abs(scale) * _LOG2E < MIN_EXACT_WEIGHT_SCALE_LOG2:  # |scale| * 2**24 * log2(e) >= 2**-102
+        return q * math.copysign(2.0 ** -24, scale), abs(scale) * 2.0 ** 24
     if scale > 0:
         return q, scale
     return torch.neg(q), -scale

@@ -417,8 +417,10 @@ class ExactWeightSoftmax(Softmax):
     operation per score than FA4.
 
     Shapes / dtypes as FA4's: ``acc_S`` the fp32 S accumulator of one thread (``num_rows`` rows in the MMA's C
-    layout), ``row_max`` / ``row_sum`` fp32 register tensors ``[num_rows]``; ``scale_log2`` fp32, positive (the
-    interface runs non-positive scales as a positive one, ``interface.positive_scale``).
+    layout), ``row_max`` / ``row_sum`` fp32 register tensors ``[num_rows]``; ``scale_log2`` fp32, at least
+    2**-120 (the interface runs non-positive scales as a positive one and, with ``exact_weight``, a smaller one on
+    ``q * 2**-24``: ``interface.positive_scale``; below it a raw ``s - m`` overflowing to ``-inf`` would drop a key
+    of weight up to 2**-4).
 
     ``keep_inv_sum`` (compile time): :meth:`finalize` also keeps the normalisation factor it applies to O
     (``1 / l``, or 1 for a zero or NaN sum: FA4's rule) in ``row_inv_sum`` (fp32 ``[num_rows]``), for NaN-safe V's

@@ -17,8 +17,9 @@
 #     rounds. Expected (the weight is an FADD and an FMUL where FA4 has one FFMA: one more FP32 op per score, as the
 #     triton backend's fix, +1.9-2.1 % on its hd-128 canvases): at most ~2 % slower on the hd-128 canvases, less on
 #     the sliding hd-256 launches.
-# Worst case (every timeout) passes the run tool's 600 s: then run it as two, the same machine (warm):
-# `STAGE2=1 B=0 ...` (steps 1-2; B=0 skips the bench) and `TESTS=0 EXACT_ON=0 ...` (step 3 only).
+# Worst case (every timeout: 300 s + 300 s + 2 x B s, and the unpack) passes the run tool's 600 s: then run it as
+# three, the same machine (warm): `STAGE2=1 EXACT_ON=0 B=0 ...` (step 1), `TESTS=0 B=0 ...` (step 2) and
+# `TESTS=0 EXACT_ON=0 ...` (step 3), each within 600 s. config.py is restored on any exit of step 2 (a trap).
 # Under $OUT: gpu_exact_*.log, contract_exact_on.log, bench_exact_<round>.log and the records.
 set -u
 source bench/experiments/device/stage2.sh
@@ -34,6 +35,7 @@ wait
 for f in $OUT/gpu_exact_*.log; do echo "== $f"; grep -E "passed|failed|error" $f | tail -1; grep -E "^(FAILED|ERROR)" $f | head -5; done
 if [ "${EXACT_ON:-1}" = 1 ]; then
   cp attention/cute/config.py /tmp/config_exact_off.py
+  trap 'cp /tmp/config_exact_off.py attention/cute/config.py' EXIT INT TERM
   sed -i 's/^    exact_weight: bool = False/    exact_weight: bool = True/; s/nan_safe_v_method="auto", exact_weight=False)/nan_safe_v_method="auto", exact_weight=True)/' \
     attention/cute/config.py
   if python3 -c "from blockdiff.attention.cute.config import CuteConfig as C, _split_switches as s; assert C().exact_weight and s(None)[1]['exact_weight']; print('exact_weight on by default in this copy')"; then
@@ -43,12 +45,13 @@ if [ "${EXACT_ON:-1}" = 1 ]; then
     grep -E "^(FAILED|XPASS|ERROR)" $OUT/contract_exact_on.log | head -8
   fi
   cp /tmp/config_exact_off.py attention/cute/config.py
+  trap - EXIT INT TERM
 fi
 [ "${B:-200}" = 0 ] && exit 0
 W=canvas_bs1_ctx32k_hd128,canvas_bs4_ctx4k_hd128,canvas_bs1_ctx32k_sliding,mixed_sliding_ctx8k
 for r in 1 2; do
   timeout ${B:-200} python3 -m blockdiff.bench.bench_attention --backends cute --workloads $W \
-    --cute-configs '[{"exact_weight": false}, {"exact_weight": true}]' --no-plots \
+    --cute-configs '[{"exact_weight": false}, {"exact_weight": true}]' --budget-s $(( ${B:-200} - 40 )) --no-plots \
     --suite-name attention-cute_exact_weight_$r --out $OUT > $OUT/bench_exact_$r.log 2>&1 < /dev/null
   echo "bench round $r rc=$?"
 done

@@ -64,6 +64,54 @@ class _FakeTiles:
     intra_wg_overlap: bool = True
 
 
+def _exact_weight_softmax(q, k, v, scale):
+    """ExactWeightSoftmax's arithmetic on one query row in fp32 (the kernel's scores, its ``scale_log2``): the raw
+    max ``m``, each key ``exp2((s - m) * scale_log2)``, the output and the natural-log LSE."""
+    c = torch.tensor(scale, dtype=torch.float32) * torch.tensor(1.4426950408889634, dtype=torch.float32)
+    s = (k.float() @ q.float()).float()
+    m = s.max()
+    p = torch.exp2((s - m) * c)
+    return (p @ v.float()) / p.sum(), (m * c + torch.log2(p.sum())) * 0.6931471805599453
+
+
+@pytest.mark.parametrize("scale", [1.2e-38, -1.2e-38, 2.0 ** -121, 4e-37])
+def test_exact_weight_runs_a_scale_below_2_pow_minus_120_in_log2_units_on_q_times_2_pow_minus_24(scale, monkeypatch):
+    """Raw scores q . k of 3.2e38 (the best key) and -2e38 (99 keys), bf16 q and K, at scale +-1.2e-38 (a normal
+    fp32, as is its ``scale * log2(e)``): with the exact weight the raw difference s - m (-5.2e38) overflowed to
+    -inf, so every key but the best weighed 0 where each weighs e^-6.2 (out 1.0 for the reference's 0.67; the
+    triton backend's break29a). The interface now runs such scales (``|scale| * log2(e)`` below 2**-120) on
+    ``q * 2**-24`` with ``|scale| * 2**24``: the same scores bit for bit (a power of two), raw ones below 2**104.
+    Without the switch (FA4's weight multiplies first) q is passed as given."""
+    from blockdiff.attention.cute import interface as ca
+    from blockdiff.attention.reference import attention_reference
+
+    q = torch.full((1, 1, 16), 1e19 if scale > 0 else -1e19, dtype=torch.bfloat16)
+    k = torch.full((100, 1, 16), -1.25e18, dtype=torch.bfloat16)
+    k[0] = 2e18
+    v = torch.where(k[..., :8] > 0, 1.0, -1.0).to(torch.bfloat16)
+    inp = dict(k_cache=k, v_cache=v, cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32),
+               seq_lens=torch.tensor([100], dtype=torch.int32), cu_seqlens_k=torch.tensor([0, 100], dtype=torch.int32),
+               num_causal_q=torch.tensor([0], dtype=torch.int32))
+    want = attention_reference(q, **inp, scale=scale, return_lse=True)
+    assert ca.positive_scale(q, abs(scale))[0] is q  # the switch off: as given (FA4's weight multiplies first)
+    # attention_cute reads the switch from the call's config (None, a dict or a CuteConfig; CuteConfig's default
+    # where unset, which the device script cute_exact_weight.sh turns on in its copy)
+    assert [ca._exact_weight_of(c) for c in (None, {}, dict(exact_weight=True), cc.CuteConfig(exact_weight=True))] \
+        == [False, False, True, True]
+    monkeypatch.setattr(cc.CuteConfig, "exact_weight", True)
+    assert ca._exact_weight_of(None) and ca._exact_weight_of({}) and not ca._exact_weight_of(dict(exact_weight=False))
+    q2, s2 = ca.positive_scale(q, scale, exact_weight=True)
+    assert s2 > 0 and s2 * 1.4426950408889634 >= ca.MIN_EXACT_WEIGHT_SCALE_LOG2 and q2.dtype == q.dtype
+    got = attention_reference(q2, **inp, scale=s2, return_lse=True)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    out, lse = _exact_weight_softmax(q2[0, 0], k[:, 0], v[:, 0], s2)  # the kernel's arithmetic on what it gets
+    assert torch.allclose(out.double(), want[0][0, 0].double(), atol=2e-3), (out, want[0][0, 0])
+    assert abs(lse.item() - want[1][0, 0].item()) < 1e-3
+    if abs(scale) < 2e-38:  # the call before the fix (q and |scale| as given): 99 keys dropped
+        bad, _ = _exact_weight_softmax(q[0, 0] * (1 if scale > 0 else -1), k[:, 0], v[:, 0], abs(scale))
+        assert (bad - want[0][0, 0].float()).abs().max() > 0.1
+
+
 # ---------------------------------------------------------------- the SASS reader (CPU)
 SASS = """
         Function : kernel_a
