@@ -21,27 +21,4 @@ timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/attention/trit
   -k "minus_1e30" >> $OUT/tests.log 2>&1
 echo "gluon twin rc=$?"; tail -2 $OUT/tests.log
 timeout 60 python3 .device/probe/lazy_probe.py > $OUT/probe.log 2>&1; echo "probe rc=$?"; cat $OUT/probe.log | tail -8
-mkdir -p /tmp/bdold/blockdiff
-for p in sampler model integration bench; do ln -sfn "$PWD/$p" /tmp/bdold/blockdiff/$p; done
-ln -sfn "$PWD/.device/ab_old/attention" /tmp/bdold/blockdiff/attention
-W=canvas_bs1_ctx32k_hd128,canvas_bs4_ctx4k_hd128,canvas_bs1_ctx32k_sliding,mixed_sliding_ctx8k,mixed_global_ctx8k
-for r in 1 2; do
-  for side in old new; do
-    if [ $side = old ]; then PP=/tmp/bdold:$PWD; else PP=/tmp/bdpath:$PWD; fi
-    PYTHONPATH=$PP timeout 110 python3 -m blockdiff.bench.bench_attention --backends triton --workloads $W \
-      --no-plots --suite-name ab_${side}$r --out $OUT/ab > $OUT/ab_${side}$r.log 2>&1
-    echo "ab $side$r rc=$?"
-  done
-done
-python3 - <<'PY'
-import glob, json, os
-rows = {}
-for f in sorted(glob.glob(os.path.join(os.environ["OUT"], "ab", "*.json"))):
-    d = json.load(open(f))
-    side = os.path.basename(f).rsplit(".", 1)[0]
-    for r in d.get("rows", []):
-        if r.get("backend") == "triton" and r.get("status") == "ok":
-            rows.setdefault(r["workload"], []).append((side, r["graph_ms"] * 1e3, r["eager_ms"] * 1e3, r.get("impl")))
-for w, v in rows.items():
-    print(w, " ".join(f"{s}: graph {g:.1f} us eager {e:.1f} us ({i})" for s, g, e, i in v))
-PY
+W=canvas_bs1_ctx32k_hd128,canvas_bs4_ctx4k_hd128,canvas_bs1_ctx32k_sliding,mixed_sliding_ctx8k,mixed_global_ctx8k T=110 source bench/experiments/device/ab_triton.sh
