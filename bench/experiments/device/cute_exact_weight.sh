@@ -17,7 +17,7 @@
 #     rounds. Expected (the weight is an FADD and an FMUL where FA4 has one FFMA: one more FP32 op per score, as the
 #     triton backend's fix, +1.9-2.1 % on its hd-128 canvases): at most ~2 % slower on the hd-128 canvases, less on
 #     the sliding hd-256 launches.
-# Worst case (every timeout: 300 s + 300 s + 2 x B s, and the unpack) passes the run tool's 600 s: then run it as
+# Worst case (every timeout: TT s (the shards, default 300) + 300 s + 2 x B s, and the unpack) passes the run tool's 600 s: then run it as
 # three, the same machine (warm): `STAGE2=1 EXACT_ON=0 B=0 ...` (step 1), `TESTS=0 B=0 ...` (step 2) and
 # `TESTS=0 EXACT_ON=0 ...` (step 3), each within 600 s. config.py is restored on any exit of step 2 (a trap).
 # Under $OUT: gpu_exact_*.log, contract_exact_on.log, bench_exact_<round>.log and the records.
@@ -29,7 +29,7 @@ T=tests/attention/cute/test_cute_exact_weight.py
 P="python3 -m pytest -m gpu -q -p no:cacheprovider -rfxX"
 i=0
 [ "${TESTS:-1}" = 1 ] && for k in hd64 "hd128 and not recompute" "hd256 and not recompute" hd512_split_v hd512_roles "recompute or combine"; do
-  i=$((i + 1)); timeout 300 $P $T -k "$k" > $OUT/gpu_exact_$i.log 2>&1 < /dev/null &
+  i=$((i + 1)); timeout ${TT:-300} $P $T -k "$k" > $OUT/gpu_exact_$i.log 2>&1 < /dev/null &
 done
 wait
 for f in $OUT/gpu_exact_*.log; do echo "== $f"; grep -E "passed|failed|error" $f | tail -1; grep -E "^(FAILED|ERROR)" $f | head -5; done
