@@ -17,9 +17,10 @@
 #     rounds. Expected (the weight is an FADD and an FMUL where FA4 has one FFMA: one more FP32 op per score, as the
 #     triton backend's fix, +1.9-2.1 % on its hd-128 canvases): at most ~2 % slower on the hd-128 canvases, less on
 #     the sliding hd-256 launches.
-# Worst case (every timeout: TT s (the shards, default 300) + 300 s + 2 x B s, and the unpack) passes the run tool's 600 s: then run it as
-# three, the same machine (warm): `STAGE2=1 EXACT_ON=0 B=0 ...` (step 1), `TESTS=0 B=0 ...` (step 2) and
-# `TESTS=0 EXACT_ON=0 ...` (step 3), each within 600 s. config.py is restored on any exit of step 2 (a trap).
+# Worst case (every timeout: TT s (the shards, default 300) + 300 s + 2 x B s, and the unpack) passes the run
+# tool's 600 s: then run it as three, the same machine (warm): `STAGE2=1 EXACT_ON=0 B=0 ...` (step 1),
+# `TESTS=0 B=0 ...` (step 2) and `TESTS=0 EXACT_ON=0 ...` (step 3), each within 600 s. config.py is restored on any
+# exit of step 2 (a trap).
 # Under $OUT: gpu_exact_*.log, contract_exact_on.log, bench_exact_<round>.log and the records.
 set -u
 source bench/experiments/device/stage2.sh
