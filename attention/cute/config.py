@@ -127,7 +127,7 @@ class CuteConfig:
     keeps that product's rounding error (up to half an ulp of it) and gives the row's best key inf or 0, a NaN row,
     for scores beyond ~2^31 in log2 units (near -2e31 at scale 1); True weighs ``exp2((s - max) * scale_log2)``
     (a subtraction then a multiply, the running max on raw scores; :class:`~blockdiff.attention.cute.kernel.
-    ExactWeightSoftmax`), as the triton backend does since 2026-12-07, and so does NaN-safe V's recompute. One more
+    ExactWeightSoftmax`), as the triton backend does, and so does NaN-safe V's recompute. One more
     FP32 operation per score. Off by default until a GPU run has passed its tests and timed its cost
     (docs/ARCHITECTURE.md section 4, known gaps). Not a tile field.
     """
