@@ -29,6 +29,16 @@ from .masks import MAX_SEQ_LEN, check_window
 #: low enough that fp32 scores (q.k) * scale stay finite for every |q.k| < 2**112 (a huge scale overflowed them
 #: into NaN rows for ordinary q, k).
 MAX_SCALE = float(2 ** 16)
+#: log2(e): the kernels take the softmax scale as the fp32 ``scale * LOG2E`` (``exp2`` units).
+LOG2E = 1.4426950408889634
+#: The least ``|scale| * log2(e)`` at which a kernel may weigh keys ``exp2((s - m) * |scale| * log2(e))`` on raw fp32
+#: scores (the exact key weight: docs/ARCHITECTURE.md section 4, "Scores beyond ~2^31 in log2 units"). The raw
+#: difference ``s - m`` overflows to ``-inf`` (weight 0) once ``|s - m|`` reaches ~2**128 (two finite scores near
+#: +-2**127); from 2**-120 up such a key's exact weight is below ``2**(-2**128 * 2**-120) = 2**-256``, 0 in fp32
+#: anyway, while below it (``|scale| * log2(e)`` of 2**-126, a normal fp32) it is up to ``2**-4``. Smaller scales
+#: are scaled first (the triton backend's general path) or rescaled (the cute backend runs ``q * 2**-24``), where
+#: every scaled score stays below ``2**128 * 2**-120 = 2**8`` in log2 units. Shared by both kernel backends.
+MIN_RAW_WEIGHT_SCALE_LOG2 = 2.0 ** -120
 #: Most query rows (``q.shape[0]``), contiguous key rows or pages (``k_cache.shape[0]``) a call may hold: the
 #: kernels read ``cu_seqlens_q`` / ``cu_seqlens_k`` offsets and block-table page ids as int32.
 MAX_ROWS = 2 ** 31 - 1

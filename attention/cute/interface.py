@@ -33,7 +33,8 @@ from dataclasses import replace
 
 import torch
 
-from ..validate import check_attention_inputs, check_no_autograd, length_hint_value, memory_overlaps
+from ..validate import (LOG2E, MIN_RAW_WEIGHT_SCALE_LOG2, check_attention_inputs, check_no_autograd,
+                        length_hint_value, memory_overlaps)
 from .compile_cache import make_compile_cache
 from .config import (REQUIRED, WIDE_MAX_PAGE_BOXES, check_config, is_wide, kv_load_path, resolve_launch_config,
                      unsupported_head_dims)
@@ -266,10 +267,9 @@ def attention_cute(
                 arch=arch, config=config, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
 
 
-#: The least ``scale * log2(e)`` the exact key weight (``CuteConfig.exact_weight``) takes as given (2**-120; the
-#: triton backend's ``attention/triton/tma.MIN_RAW_MAX_QK_SCALE``, which says why).
-MIN_EXACT_WEIGHT_SCALE_LOG2 = 2.0 ** -120
-_LOG2E = 1.4426950408889634
+#: The least ``scale * log2(e)`` the exact key weight (``CuteConfig.exact_weight``) takes as given (2**-120;
+#: :data:`..validate.MIN_RAW_WEIGHT_SCALE_LOG2` says why).
+MIN_EXACT_WEIGHT_SCALE_LOG2 = MIN_RAW_WEIGHT_SCALE_LOG2
 
 
 def _exact_weight_of(config) -> bool:
@@ -311,7 +311,7 @@ def positive_scale(q: torch.Tensor, scale: float, *, exact_weight: bool = False)
         if s32 == 0.0:
             return q * 0, 1.0
         return q * math.copysign(2.0 ** -24, scale), s32 * 2.0 ** 24  # s32 * 2**24 >= 2**-125
-    if exact_weight and abs(scale) * _LOG2E < MIN_EXACT_WEIGHT_SCALE_LOG2:  # |scale| * 2**24 * log2(e) >= 2**-102
+    if exact_weight and abs(scale) * LOG2E < MIN_EXACT_WEIGHT_SCALE_LOG2:  # |scale| * 2**24 * log2(e) >= 2**-102
         return q * math.copysign(2.0 ** -24, scale), abs(scale) * 2.0 ** 24
     if scale > 0:
         return q, scale

@@ -18,18 +18,14 @@ import torch
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ..validate import LOG2E, MIN_RAW_WEIGHT_SCALE_LOG2
+
 GLUON_HEAD_DIMS = (64, 128, 256, 512)
-#: log2(e): the kernels take the softmax scale as the fp32 ``scale * LOG2E`` (``exp2`` units).
-LOG2E = 1.4426950408889634
 #: The smallest normal fp32 (2**-126).
 MIN_NORMAL_FP32 = 2.0 ** -126
-#: The least ``|scale| * LOG2E`` the kernels' raw-score paths take (2**-120). They weigh a key
-#: ``exp2((s - m) * |qk_scale|)`` on raw fp32 scores, whose difference overflows to ``-inf`` (weight 0) once
-#: ``|s - m|`` reaches ~2**128 (two finite scores near +-2**127). From 2**-120 up, such a key's exact weight is below
-#: ``2**(-2**128 * 2**-120) = 2**-256``, 0 in fp32 anyway; below it, at ``|qk_scale|`` 2**-126 (a normal fp32) for
-#: instance, it was ``2**-8`` to ``2**-4`` (a 19% error in a row whose keys scored 3.2e38 and -2e38 at scale 1e-38).
-#: Scales below it are scaled first, where every scaled score is below ``2**128 * 2**-120 = 2**8`` in log2 units.
-MIN_RAW_MAX_QK_SCALE = 2.0 ** -120
+#: The least ``|scale| * LOG2E`` the kernels' raw-score paths take (2**-120;
+#: :data:`..validate.MIN_RAW_WEIGHT_SCALE_LOG2` says why). Scales below it are scaled first.
+MIN_RAW_MAX_QK_SCALE = MIN_RAW_WEIGHT_SCALE_LOG2
 
 
 def positive_kernel_scale(scale: float) -> bool:
