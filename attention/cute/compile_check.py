@@ -210,13 +210,26 @@ def sass_epilogue_test(sass: str) -> dict | None:
 _SASS_REG = re.compile(r"^[-|!]*(U?R\d+)")
 
 
+def _sass_move_source(op: str, operands: list) -> str | None:
+    """The source register of a plain register copy (``MOV Rd, Rs``, or ``IMAD.MOV.U32 Rd, RZ, RZ, Rs``, the copy
+    ptxas often emits), None for anything else (a negated or absolute source is not a copy)."""
+    if op == "MOV" and len(operands) >= 2:
+        src = operands[1]
+    elif op.startswith("IMAD.MOV") and len(operands) >= 4 and operands[1] == "RZ" and operands[2] == "RZ":
+        src = operands[3]
+    else:
+        return None
+    m = re.fullmatch(r"(U?R\d+)", src)
+    return m.group(1) if m else None
+
+
 def sass_ex2_operands(sass: str) -> dict:
     """Which instruction wrote the operand of each ``MUFU.EX2`` (exp2) of a kernel's SASS (``cuobjdump -sass``
     text; several functions are read one after another): the last write to that register before it in the text
     and, where that write is predicated (``@P0 FMUL``: the range fix-up ptxas puts around an exp2 without
-    flush-to-zero), the writes before it back to an unpredicated one. A straight-line reading (the softmax's
-    weights and rescales are straight-line code in each key-block step; a value reaching an exp2 only around a
-    loop's back edge is not followed).
+    flush-to-zero), the writes before it back to an unpredicated one; a register copy (``MOV``, ``IMAD.MOV``) passes
+    its source's writers on. A straight-line reading (the softmax's weights and rescales are straight-line code in
+    each key-block step; a value reaching an exp2 only around a loop's back edge is not followed).
 
     The exact key weight (``CuteConfig.exact_weight``, :class:`.kernel.ExactWeightSoftmax`) is ``exp2((s - m) * c)``:
     its exp2s take an ``FMUL``. FA4's weight ``exp2(s * c - m * c)`` takes an ``FFMA`` (against the rounded
@@ -255,7 +268,9 @@ def sass_ex2_operands(sass: str) -> dict:
         dst = _SASS_REG.match(operands[0]) if operands and operands[0] else None
         if dst and not op.startswith(("ST", "BRA", "BAR", "SYNCS", "RED", "ATOM", "ISETP", "FSETP", "HGMMA")):
             reg = dst.group(1)
-            writers[reg] = (writers.get(reg, []) + [op]) if pred else [op]
+            moved = _sass_move_source(op, operands)
+            written = writers.get(moved, [op]) if moved else [op]  # a move passes its source's writers on
+            writers[reg] = (writers.get(reg, []) + written) if pred else list(written)
     return out
 
 

@@ -88,7 +88,7 @@ _PTX_INSTR = re.compile(r"^\s*(?:@%\w+\s+)?([a-z][\w.]*)\s+(%\w+)\s*,?\s*([^;]*)
 
 def exp2_operands_from_fma(ptx: str) -> int:
     """How many ``ex2.approx`` instructions of a PTX text take an operand an ``fma`` wrote (the last write before
-    them in the text). The kernels' weights must be ``exp2((s - m) * c)``, a subtraction then a multiply: an FMA
+    them in the text, followed back through register-to-register ``mov``). The kernels' weights must be ``exp2((s - m) * c)``, a subtraction then a multiply: an FMA
     into ``exp2`` against a rounded row max (``exp2(fma(s, c, -round(m * c)))``, which LLVM contracts a multiply
     and a subtraction into) keeps the product's rounding error, inf or 0 for scores beyond ~2^31 in log2 units."""
     writer, n = {}, 0
@@ -97,10 +97,11 @@ def exp2_operands_from_fma(ptx: str) -> int:
         if not m:
             continue
         op, dst, rest = m.groups()
+        src = rest.split(",")[0].strip()
         if op.startswith("ex2.approx"):
-            src = rest.split(",")[0].strip()
             n += writer.get(src, "").startswith("fma")
-        writer[dst] = op
+        # a register-to-register move passes its source's writer on (an FMA copied into an exp2 still counts)
+        writer[dst] = writer.get(src, op) if op.startswith("mov.") and src.startswith("%") else op
     return n
 
 

@@ -140,6 +140,25 @@ def test_sass_ex2_operands_names_the_writer_of_each_exp2_through_a_predicated_fi
         cchk.sass_ex2_operands(b"MUFU.EX2")
 
 
+def test_sass_ex2_operands_follows_an_ffma_copied_into_an_exp2_through_a_move():
+    """An FFMA's result copied by ``MOV`` or by ptxas' ``IMAD.MOV.U32 Rd, RZ, RZ, Rs`` before the exp2 is still an
+    FFMA-fed exp2 (the reader followed only an operand's direct writer before); a copy of an FMUL stays an FMUL."""
+    sass = """
+        Function : kernel_c
+        /*0000*/                   FFMA R20, R4, R2, -R3 ;
+        /*0010*/                   MOV R21, R20 ;
+        /*0020*/                   MUFU.EX2 R22, R21 ;
+        /*0030*/                   IMAD.MOV.U32 R23, RZ, RZ, R20 ;
+        /*0040*/                   MUFU.EX2 R24, R23 ;
+        /*0050*/                   FMUL R25, R5, R2 ;
+        /*0060*/                   MOV R26, R25 ;
+        /*0070*/                   MUFU.EX2 R27, R26 ;
+        /*0080*/                   IMAD.MOV.U32 R28, RZ, RZ, 0x3f800000 ;
+        /*0090*/                   MUFU.EX2 R29, R28 ;
+"""
+    assert cchk.sass_ex2_operands(sass) == dict(ex2=4, from_ffma=2, from_fmul=1, from_other=1)
+
+
 # ---------------------------------------------------------------- offline sm_90a compiles (CPU, FA4 installed)
 #: (id, compile_only spec): FA4's consumer at hd 64 / 128 / 256 unsplit and split (cluster, Triton merge), the
 #: recompute (which the switch changes too), the split-value and roles kernels at hd 512, the roles kernel split.
@@ -270,3 +289,4 @@ def test_gpu_recompute_keeps_the_best_keys_inf_with_exact_weight(hd, page, split
                                    num_splits=splits, split_merge="triton" if splits > 1 else "auto"))
     assert o[:, :, 0].eq(float("inf")).all(), "the best key's +Inf V must reach every row"
     assert check_nonfinite_matches_reference(o, bad, lse=lse) > 0
+

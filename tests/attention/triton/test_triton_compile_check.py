@@ -174,3 +174,7 @@ def test_an_exp2_of_an_fma_against_a_rounded_row_max_is_counted_and_a_subtractio
     # a register an FMA wrote and a later multiply rewrote is the multiply's
     assert exp2_operands_from_fma("\tfma.rn.f32 \t%r4, %r5, %r6, %r7;\n\tmul.f32 \t%r4, %r4, %r6;\n"
                                   "\tex2.approx.f32 \t%r8, %r4;\n") == 0
+    # an FMA's result copied by a register move before the exp2 still counts; a move of an immediate does not
+    assert exp2_operands_from_fma("\tfma.rn.f32 \t%r4, %r5, %r6, %r7;\n\tmov.b32 \t%r9, %r4;\n"
+                                  "\tmov.f32 \t%r10, %r9;\n\tex2.approx.f32 \t%r8, %r10;\n"
+                                  "\tmov.f32 \t%r11, 0f3F800000;\n\tex2.approx.f32 \t%r12, %r11;\n") == 1
