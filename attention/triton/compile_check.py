@@ -1,6 +1,7 @@
-"""Offline sm_90a compile check of the Gluon kernels and of the portable kernel: compile one configuration for a
-``GPUTarget`` without a GPU and run ``ptxas -v`` on its PTX (registers, spills, shared memory), for CPU tests and
-for pre-screening tiles. The constexprs are :func:`.config.kernel_constexprs`', as a launch plan's.
+"""Offline sm_90a compile check of the Gluon kernels, of the portable kernel and of the split-KV merge: compile one
+configuration for a ``GPUTarget`` without a GPU and run ``ptxas -v`` on its PTX (registers, spills, shared memory),
+for CPU tests and for pre-screening tiles. The constexprs are :func:`.config.kernel_constexprs`' (the merge's:
+:func:`.config.merge_constexprs`'), as a launch plan's.
 """
 import os
 import re
@@ -62,7 +63,7 @@ def compile_for_sm90(*, block_m: int, block_n: int, num_warps: int, num_stages: 
     kd, vd = make_kv_descriptors(kc, kc, *tma_boxes(cfg, shape))
     i32, f32 = torch.empty(4, dtype=torch.int32), torch.empty(4, dtype=torch.float32)
     fn = KERNELS[kernel_variant(cfg, D)]
-    args = dict(Q=q, k_desc=kd, v_desc=vd, O=q, LSE=f32, OPART=f32, LSEPART=f32, CU_Q=i32, SEQ_LENS=i32,
+    args = dict(Q=q, k_desc=kd, v_desc=vd, O=q, LSE=f32, OPART=f32, STATPART=f32, CU_Q=i32, SEQ_LENS=i32,
                 NCQ=torch.empty(4, dtype=torch.bool) if causal_flags else i32,
                 BT=i32, CU_K=i32, stride_qt=H * D, stride_qh=D, stride_ot=H * D, stride_oh=D, stride_bt=7,
                 qk_scale=0.1, num_heads=H, V=kc, v_row_stride=num_kv_heads * D)
@@ -146,7 +147,7 @@ def compile_portable_for_sm90(*, block_m: int, block_n: int, num_warps: int, num
     options = dict(num_warps=consts.pop("num_warps"), num_stages=consts.pop("num_stages"))
     fn = _attn_fwd_kernel
     pointers = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "LSE": "*fp32", "OPART": "*fp32",
-                "LSEPART": "*fp32", "CU_Q": "*i32", "SEQ_LENS": "*i32", "NCQ": "*i32", "BT": "*i32", "CU_K": "*i32"}
+                "STATPART": "*fp32", "CU_Q": "*i32", "SEQ_LENS": "*i32", "NCQ": "*i32", "BT": "*i32", "CU_K": "*i32"}
     sig = {n: "constexpr" if n in consts else pointers.get(n, "fp32" if n == "qk_scale" else "i32")
            for n in fn.arg_names}
     aligned = [n for n in fn.arg_names if n in pointers or n == "num_heads"
@@ -163,4 +164,36 @@ def compile_portable_for_sm90(*, block_m: int, block_n: int, num_warps: int, num
             "cold_spills": sum(n for name, n in spills.items() if name != fn.__name__)}
 
 
-__all__ = ["compile_for_sm90", "compile_portable_for_sm90", "exp2_operands_from_fma"]
+def compile_merge_for_sm90(*, num_splits: int, head_dim_v: int, raw_stats: bool, store_lse: bool = True,
+                           pdl: bool = True, out_dtype: str = "bf16") -> dict:
+    """Compile the split-KV merge (:func:`blockdiff.attention.split_merge._merge_kernel`) for sm_90a without a GPU,
+    with its constexprs as a launch plan's (:func:`.config.merge_constexprs`; ``raw_stats``: the triton backend's
+    raw max and sum, else the cute backend's LSE partials), and run ``ptxas -v``. Must run where
+    ``TRITON_INTERPRET`` is unset.
+
+    Returns:
+        ``{"ptxas": report, "registers": int, "spills": bytes of spill stores, "exp2_from_fma": int,
+        "griddepcontrol": bool}`` (:func:`exp2_operands_from_fma`).
+
+    Raises:
+        RuntimeError: ptxas failed.
+    """
+    from ..split_merge import _merge_kernel, merge_constexprs
+
+    consts = merge_constexprs(num_splits, head_dim_v, store_lse, pdl, False, raw_stats=raw_stats)
+    options = dict(num_warps=consts.pop("num_warps"))
+    consts.pop("launch_pdl")
+    fn = _merge_kernel
+    types = dict(OPART="*fp32", STATS="*fp32", O=f"*{out_dtype}", LSE="*fp32", scale_log2="fp32")
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    ptx = ck.asm["ptx"]
+    report = _ptxas(ptx)
+    regs = [int(x) for x in re.findall(r"Used (\d+) registers", report)]
+    return {"ptxas": report, "registers": regs[0] if regs else 0,
+            "spills": sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", report)),
+            "exp2_from_fma": exp2_operands_from_fma(ptx), "griddepcontrol": "griddepcontrol.wait" in ptx}
+
+
+__all__ = ["compile_for_sm90", "compile_portable_for_sm90", "compile_merge_for_sm90", "exp2_operands_from_fma"]

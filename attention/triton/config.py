@@ -636,6 +636,16 @@ class KernelShape:
     wide_kv_offsets: bool = False
 
 
+def split_stats_scale(shape: KernelShape, qk_scale: float) -> float:
+    """The log2 scale of the running max a split stores for the merge (``scale_log2`` of
+    :func:`blockdiff.attention.split_merge.merge_split_partials`' raw-stats format), ``qk_scale`` being the
+    ``scale * log2(e)`` the kernels are passed: on the raw-score path (``shape.scale_normal``; every Gluon kernel,
+    the portable kernel's ``RAW_MAX``) the max is of raw scores of ``Q``, negated for a negative scale (``NEG_Q``),
+    so ``|qk_scale|``; on the portable kernel's general path the max is of scores already in log2 units, so 1.
+    Passed to the merge as the same Python float the kernel gets, so both round it to the same fp32."""
+    return abs(qk_scale) if shape.scale_normal else 1.0
+
+
 def kernel_variant(cfg: TritonConfig, head_dim_v: int) -> str:
     """Which kernel a config runs: ``"portable"`` (:func:`.portable._attn_fwd_kernel`), or a Gluon kernel
     (:data:`.gluon.KERNELS`): ``"gluon"`` (producer warp + consumer warpgroups), ``"gluon_wide"`` (head dims > 256:
@@ -700,4 +710,4 @@ __all__ = ["CONFIG_KEYS", "MAX_SPLITS", "TritonConfig", "StaticKey", "TritonAtte
            "choose_num_splits", "tile_estimate", "ctas_per_sm", "gluon_ctas_per_sm", "gluon_max_regs",
            "roles_pv_warpgroups", "roles_pv_regs", "roles_k_chunks", "roles_max_regs", "LOADER_REGS",
            "WIDE_CONSUMER_REGS", "WIDE_SMEM_LIMIT", "ROLES_P_STAGES", "KernelShape", "kernel_variant", "tma_boxes",
-           "kernel_constexprs", "merge_constexprs", "next_pow2", "interpreting"]
+           "kernel_constexprs", "merge_constexprs", "next_pow2", "interpreting", "split_stats_scale"]

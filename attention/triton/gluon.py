@@ -540,12 +540,14 @@ def _softmax_consumer_chain(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v
 
 
 @gluon.jit
-def _epilogue(acc, l_i, m_i, O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads,
-              stride_ot, stride_oh, G: gl.constexpr, GP: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_Q: gl.constexpr, SPLIT: gl.constexpr, STORE_LSE: gl.constexpr, o_layout: gl.constexpr,
-              COL0: gl.constexpr, DV_ROW: gl.constexpr, ROW_STATS: gl.constexpr):
+def _epilogue(acc, l_i, m_i, qk_scale, O, LSE, OPART, STATPART, q_start, q_len, tile, kvh, split, total_q,
+              num_heads, stride_ot, stride_oh, G: gl.constexpr, GP: gl.constexpr, DV: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_Q: gl.constexpr, SPLIT: gl.constexpr, STORE_LSE: gl.constexpr,
+              o_layout: gl.constexpr, COL0: gl.constexpr, DV_ROW: gl.constexpr, ROW_STATS: gl.constexpr):
     """Normalise and store one tile's columns ``[COL0, COL0 + DV)`` of ``DV_ROW``: ``O`` (+ ``LSE``), or the
-    split's fp32 partial (+ its LSE); the LSE only where ``ROW_STATS``. ``m_i``: the row max in log2 units."""
+    split's fp32 partial (+ its raw max and sum, ``STATPART`` ``[num_splits, 2, num_heads, total_q]``: the merge's
+    raw-stats format, :mod:`blockdiff.attention.split_merge`); the row statistics only where ``ROW_STATS``.
+    ``m_i``: the row max of raw scores, ``qk_scale`` its log2 scale."""
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     om = gl.arange(0, BLOCK_M, layout=row_o)
     od = COL0 + gl.arange(0, DV, layout=gl.SliceLayout(0, o_layout))
@@ -556,20 +558,24 @@ def _epilogue(acc, l_i, m_i, O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, 
     m_o = gl.convert_layout(m_i, row_o)
     empty = l_o == 0.0
     out = acc / gl.where(empty, 1.0, l_o)[:, None]
-    lse = gl.where(empty, float("-inf"), (m_o + gl.log2(gl.where(empty, 1.0, l_o))) * 0.6931471805599453)
     tok_g = q_start.to(gl.int64) + oi
     lse_off = oh.to(gl.int64) * total_q + tok_g
     if not SPLIT:
         o_ptrs = O + tok_g[:, None] * stride_ot + oh.to(gl.int64)[:, None] * stride_oh + od[None, :]
         gl.store(o_ptrs, out.to(O.dtype.element_ty), mask=o_ok[:, None])
         if STORE_LSE and ROW_STATS:
+            lse = gl.where(empty, float("-inf"),
+                           (m_o * qk_scale + gl.log2(gl.where(empty, 1.0, l_o))) * 0.6931471805599453)
             gl.store(LSE + lse_off, lse, mask=o_ok)
     else:
         s64 = split.to(gl.int64)
         p_row = (s64 * total_q + tok_g) * num_heads + oh
         gl.store(OPART + p_row[:, None] * DV_ROW + od[None, :], out, mask=o_ok[:, None])
         if ROW_STATS:
-            gl.store(LSEPART + s64 * num_heads * total_q + lse_off, lse, mask=o_ok)
+            # the split's raw max and its sum relative to it, not an LSE (whose fp32 ulp near |LSE| ~ 1000 the
+            # merge weights would inherit); int64 plane offsets
+            gl.store(STATPART + (s64 * 2) * num_heads * total_q + lse_off, m_o, mask=o_ok)
+            gl.store(STATPART + (s64 * 2 + 1) * num_heads * total_q + lse_off, l_o, mask=o_ok)
 
 
 @gluon.jit
@@ -591,7 +597,7 @@ def _load_q(q_smem, Q, q_start, q_len, tile, kvh, stride_qt, stride_qh, G: gl.co
 
 @gluon.jit
 def _consumer(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, lo, hi, a, b_mid, c_mid, d_end, seq_len,
-              qk_scale, Q, O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads,
+              qk_scale, Q, O, LSE, OPART, STATPART, q_start, q_len, tile, kvh, split, total_q, num_heads,
               stride_qt, stride_qh, stride_ot, stride_oh, G: gl.constexpr, GP: gl.constexpr, D: gl.constexpr,
               BLOCK_Q: gl.constexpr, SPLIT: gl.constexpr,
               STORE_LSE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr,
@@ -626,8 +632,8 @@ def _consumer(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, lo, hi
                                                   hi, a, b_mid, c_mid, d_end, seq_len, qk_scale, BLOCK_M, BLOCK_N,
                                                   DV, STAGES, V_STAGES, s_layout, o_layout, v_blk, LAZY,
                                                   NAN_SAFE_V)
-    _epilogue(acc, l_i, m_i * qk_scale, O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads,
-              stride_ot, stride_oh, G, GP, DV, BLOCK_M, BLOCK_Q, SPLIT, STORE_LSE, o_layout, 0, DV, True)
+    _epilogue(acc, l_i, m_i, qk_scale, O, LSE, OPART, STATPART, q_start, q_len, tile, kvh, split, total_q,
+              num_heads, stride_ot, stride_oh, G, GP, DV, BLOCK_M, BLOCK_Q, SPLIT, STORE_LSE, o_layout, 0, DV, True)
     if NAN_SAFE_V:
         if _nf_flag_any(had_nf, Q.dtype.element_ty):
             _nonfinite_fixup(V, v_row_stride, v_rows, O, OPART, CU_Q, SEQ_LENS, NCQ, BT, CU_K, stride_ot, stride_oh,
@@ -638,7 +644,7 @@ def _consumer(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, lo, hi
 
 @gluon.jit(do_not_specialize=["total_q", "num_seqs", "n_tiles", "window", "num_splits", "v_rows"])
 def _attn_fwd_gluon(
-    Q, k_desc, v_desc, O, LSE, OPART, LSEPART,
+    Q, k_desc, v_desc, O, LSE, OPART, STATPART,
     CU_Q, SEQ_LENS, NCQ, BT, CU_K,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     total_q, num_heads, num_seqs, n_tiles, window, qk_scale, num_splits, V, v_row_stride, v_rows,
@@ -679,7 +685,7 @@ def _attn_fwd_gluon(
     gl.warp_specialize([
         (_consumer, (q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
                      lo, hi, a, b_mid, c_mid, d_end, seq_len, qk_scale,
-                     Q, O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads,
+                     Q, O, LSE, OPART, STATPART, q_start, q_len, tile, kvh, split, total_q, num_heads,
                      stride_qt, stride_qh, stride_ot, stride_oh, G, GP, D, BLOCK_Q, SPLIT, STORE_LSE,
                      BLOCK_M, BLOCK_N, DV, STAGES, V_STAGES, s_layout, o_layout, blk, OVERLAP, LAZY,
                      V, v_row_stride, v_rows, CU_Q, SEQ_LENS, NCQ, BT, CU_K, stride_bt, num_seqs, n_tiles, window,
@@ -713,7 +719,7 @@ def _exchange_s(W: gl.constexpr, part, x_mine, x_other, x_ready, x_free, it, s_l
 @gluon.jit
 def _wide_half(W: gl.constexpr, q_half, x_mine, x_other, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
                x_ready, x_free,
-               Q, O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads,
+               Q, O, LSE, OPART, STATPART, q_start, q_len, tile, kvh, split, total_q, num_heads,
                stride_qt, stride_qh, stride_ot, stride_oh, ctx, ncq, seq_len, window, qk_scale,
                a, b_mid, c_mid, d_end,
                G: gl.constexpr, GP: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -755,8 +761,9 @@ def _wide_half(W: gl.constexpr, q_half, x_mine, x_other, k_bufs, v_bufs, k_ready
                                             BLOCK_N, o_layout, blk, LAZY, NAN_SAFE_V)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(v_empty.index(vs * 2 + W), count=1)
-    _epilogue(acc, l_i, m_i * qk_scale, O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads,
-              stride_ot, stride_oh, G, GP, DVH, BLOCK_M, BLOCK_Q, SPLIT, STORE_LSE, o_layout, W * DVH, DV, W == 0)
+    _epilogue(acc, l_i, m_i, qk_scale, O, LSE, OPART, STATPART, q_start, q_len, tile, kvh, split, total_q,
+              num_heads, stride_ot, stride_oh, G, GP, DVH, BLOCK_M, BLOCK_Q, SPLIT, STORE_LSE, o_layout, W * DVH, DV,
+              W == 0)
     if NAN_SAFE_V:
         if _nf_flag_any(had_nf, Q.dtype.element_ty):
             _nonfinite_fixup(V, v_row_stride, v_rows, O, OPART, CU_Q, SEQ_LENS, NCQ, BT, CU_K, stride_ot, stride_oh,
@@ -767,7 +774,7 @@ def _wide_half(W: gl.constexpr, q_half, x_mine, x_other, k_bufs, v_bufs, k_ready
 
 @gluon.jit(do_not_specialize=["total_q", "num_seqs", "n_tiles", "window", "num_splits", "v_rows"])
 def _attn_fwd_gluon_wide(
-    Q, k_desc, v_desc, O, LSE, OPART, LSEPART,
+    Q, k_desc, v_desc, O, LSE, OPART, STATPART,
     CU_Q, SEQ_LENS, NCQ, BT, CU_K,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     total_q, num_heads, num_seqs, n_tiles, window, qk_scale, num_splits, V, v_row_stride, v_rows,
@@ -817,14 +824,14 @@ def _attn_fwd_gluon_wide(
     W1: gl.constexpr = 1
     gl.warp_specialize([
         (_wide_half, (W0, q0, x0, x1, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, x_ready, x_free,
-                      Q, O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads,
+                      Q, O, LSE, OPART, STATPART, q_start, q_len, tile, kvh, split, total_q, num_heads,
                       stride_qt, stride_qh, stride_ot, stride_oh, ctx, ncq, seq_len, window, qk_scale,
                       a, b_mid, c_mid, d_end, G, GP, D, DV, BLOCK_M, BLOCK_N, BLOCK_Q, STAGES, V_STAGES,
                       HAS_WINDOW, PREFIX, SPLIT, STORE_LSE, LAZY, V, v_row_stride, v_rows, CU_Q, SEQ_LENS, NCQ, BT,
                       CU_K, stride_bt, num_seqs, n_tiles, num_splits, VS, PAGE, PAGED, NCQ_FLAGS, SEARCH_STEPS,
                       NAN_SAFE_V)),
         (_wide_half, (W1, q1, x1, x0, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, x_ready, x_free,
-                      Q, O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads,
+                      Q, O, LSE, OPART, STATPART, q_start, q_len, tile, kvh, split, total_q, num_heads,
                       stride_qt, stride_qh, stride_ot, stride_oh, ctx, ncq, seq_len, window, qk_scale,
                       a, b_mid, c_mid, d_end, G, GP, D, DV, BLOCK_M, BLOCK_N, BLOCK_Q, STAGES, V_STAGES,
                       HAS_WINDOW, PREFIX, SPLIT, STORE_LSE, LAZY, V, v_row_stride, v_rows, CU_Q, SEQ_LENS, NCQ, BT,
@@ -900,22 +907,21 @@ def _roles_softmax(q_smem, k_desc, k_bufs, k_ready, p_smem, a_smem, st_smem, p_r
         fence_async_shared()  # P is read by the PV warpgroups' wgmma (the async proxy)
         gl.thread_barrier()
         mbarrier.arrive(p_ready.index(ps), count=1)
-    st_smem.index(0).store(m_i * qk_scale)  # the row max in log2 units, for the PV warpgroups' LSE
+    st_smem.index(0).store(m_i)  # the row max of raw scores, for the PV warpgroups' epilogue
     st_smem.index(1).store(l_i)
     gl.thread_barrier()
     mbarrier.arrive(st_ready.index(0), count=1)
 
 
 @gluon.jit
-def _roles_pv(W: gl.constexpr, p_smem, a_smem, st_smem, v_desc, v_bufs, v_ready, p_ready, p_free, st_ready,
-              O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads, stride_ot, stride_oh,
-              a, b_mid, c_mid, d_end, seq_len, bt_row, k_base, G: gl.constexpr, GP: gl.constexpr, DV: gl.constexpr,
+def _roles_pv(W: gl.constexpr, p_smem, a_smem, st_smem, v_desc, v_bufs, v_ready, p_ready, p_free, st_ready, qk_scale, O,
+              LSE, OPART, STATPART, q_start, q_len, tile, kvh, split, total_q, num_heads, stride_ot, stride_oh, a,
+              b_mid, c_mid, d_end, seq_len, bt_row, k_base, G: gl.constexpr, GP: gl.constexpr, DV: gl.constexpr,
               VS: gl.constexpr, NPV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr,
               BOX_N: gl.constexpr, PAGE: gl.constexpr, PAGED: gl.constexpr, V_STAGES: gl.constexpr,
-              P_STAGES: gl.constexpr, SPLIT: gl.constexpr, STORE_LSE: gl.constexpr,
-              V, v_row_stride, v_rows, CU_Q, SEQ_LENS, NCQ, BT, CU_K, stride_bt, num_seqs, n_tiles, window,
-              num_splits, HAS_WINDOW: gl.constexpr, PREFIX: gl.constexpr, NCQ_FLAGS: gl.constexpr,
-              SEARCH_STEPS: gl.constexpr, NAN_SAFE_V: gl.constexpr):
+              P_STAGES: gl.constexpr, SPLIT: gl.constexpr, STORE_LSE: gl.constexpr, V, v_row_stride, v_rows, CU_Q,
+              SEQ_LENS, NCQ, BT, CU_K, stride_bt, num_seqs, n_tiles, window, num_splits, HAS_WINDOW: gl.constexpr,
+              PREFIX: gl.constexpr, NCQ_FLAGS: gl.constexpr, SEARCH_STEPS: gl.constexpr, NAN_SAFE_V: gl.constexpr):
     """PV warpgroup ``W`` of the roles kernel (a worker partition): V columns ``[W * DV / NPV, (W + 1) * DV / NPV)``
     of the output. It streams its own V column slice (TMA into the slot whose PV just retired, ``V_STAGES`` blocks
     ahead); per key block it waits for P and the row rescale factors, rescales its accumulator, cleans its V
@@ -961,8 +967,9 @@ def _roles_pv(W: gl.constexpr, p_smem, a_smem, st_smem, v_desc, v_bufs, v_ready,
     mbarrier.wait(st_ready.index(0), 0)
     m_i = st_smem.index(0).load(row_o)
     l_i = st_smem.index(1).load(row_o)
-    _epilogue(acc, l_i, m_i, O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads,
-              stride_ot, stride_oh, G, GP, PVW, BLOCK_M, BLOCK_Q, SPLIT, STORE_LSE, o_layout, W * PVW, DV, W == 0)
+    _epilogue(acc, l_i, m_i, qk_scale, O, LSE, OPART, STATPART, q_start, q_len, tile, kvh, split, total_q,
+              num_heads, stride_ot, stride_oh, G, GP, PVW, BLOCK_M, BLOCK_Q, SPLIT, STORE_LSE, o_layout, W * PVW, DV,
+              W == 0)
     if NAN_SAFE_V:
         if _nf_flag_any(had_nf, v_desc.dtype):
             _nonfinite_fixup(V, v_row_stride, v_rows, O, OPART, CU_Q, SEQ_LENS, NCQ, BT, CU_K, stride_ot, stride_oh,
@@ -973,7 +980,7 @@ def _roles_pv(W: gl.constexpr, p_smem, a_smem, st_smem, v_desc, v_bufs, v_ready,
 
 @gluon.jit(do_not_specialize=["total_q", "num_seqs", "n_tiles", "window", "num_splits", "v_rows"])
 def _attn_fwd_gluon_roles(
-    Q, k_desc, v_desc, O, LSE, OPART, LSEPART,
+    Q, k_desc, v_desc, O, LSE, OPART, STATPART,
     CU_Q, SEQ_LENS, NCQ, BT, CU_K,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     total_q, num_heads, num_seqs, n_tiles, window, qk_scale, num_splits, V, v_row_stride, v_rows,
@@ -1040,18 +1047,18 @@ def _attn_fwd_gluon_roles(
                               Q, q_start, q_len, tile, kvh, stride_qt, stride_qh, lo, hi, a, b_mid, c_mid, d_end,
                               qk_scale, bt_row, k_base, seq_len, G, GP, D, KS, KC, BLOCK_M, BLOCK_N, BLOCK_Q, BOX_N, PAGE,
                               PAGED, STAGES, P_STAGES, s_layout)),
-            (_roles_pv, (W0, p_smem, a_smem, st_smem, v_desc, v_bufs, v_ready, p_ready, p_free, st_ready,
-                         O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads, stride_ot,
+            (_roles_pv, (W0, p_smem, a_smem, st_smem, v_desc, v_bufs, v_ready, p_ready, p_free, st_ready, qk_scale, O,
+                         LSE, OPART, STATPART, q_start, q_len, tile, kvh, split, total_q, num_heads, stride_ot,
                          stride_oh, a, b_mid, c_mid, d_end, seq_len, bt_row, k_base, G, GP, DV, VS, NPV, BLOCK_M,
-                         BLOCK_N, BLOCK_Q, BOX_N, PAGE, PAGED, V_STAGES, P_STAGES, SPLIT, STORE_LSE, V,
-                         v_row_stride, v_rows, CU_Q, SEQ_LENS, NCQ, BT, CU_K, stride_bt, num_seqs, n_tiles, window,
-                         num_splits, HAS_WINDOW, PREFIX, NCQ_FLAGS, SEARCH_STEPS, NAN_SAFE_V)),
-            (_roles_pv, (W1, p_smem, a_smem, st_smem, v_desc, v_bufs, v_ready, p_ready, p_free, st_ready,
-                         O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads, stride_ot,
+                         BLOCK_N, BLOCK_Q, BOX_N, PAGE, PAGED, V_STAGES, P_STAGES, SPLIT, STORE_LSE, V, v_row_stride,
+                         v_rows, CU_Q, SEQ_LENS, NCQ, BT, CU_K, stride_bt, num_seqs, n_tiles, window, num_splits,
+                         HAS_WINDOW, PREFIX, NCQ_FLAGS, SEARCH_STEPS, NAN_SAFE_V)),
+            (_roles_pv, (W1, p_smem, a_smem, st_smem, v_desc, v_bufs, v_ready, p_ready, p_free, st_ready, qk_scale, O,
+                         LSE, OPART, STATPART, q_start, q_len, tile, kvh, split, total_q, num_heads, stride_ot,
                          stride_oh, a, b_mid, c_mid, d_end, seq_len, bt_row, k_base, G, GP, DV, VS, NPV, BLOCK_M,
-                         BLOCK_N, BLOCK_Q, BOX_N, PAGE, PAGED, V_STAGES, P_STAGES, SPLIT, STORE_LSE, V,
-                         v_row_stride, v_rows, CU_Q, SEQ_LENS, NCQ, BT, CU_K, stride_bt, num_seqs, n_tiles, window,
-                         num_splits, HAS_WINDOW, PREFIX, NCQ_FLAGS, SEARCH_STEPS, NAN_SAFE_V)),
+                         BLOCK_N, BLOCK_Q, BOX_N, PAGE, PAGED, V_STAGES, P_STAGES, SPLIT, STORE_LSE, V, v_row_stride,
+                         v_rows, CU_Q, SEQ_LENS, NCQ, BT, CU_K, stride_bt, num_seqs, n_tiles, window, num_splits,
+                         HAS_WINDOW, PREFIX, NCQ_FLAGS, SEARCH_STEPS, NAN_SAFE_V)),
         ], [4, 4], [PV_REGS, PV_REGS])
     else:
         gl.warp_specialize([
@@ -1059,12 +1066,12 @@ def _attn_fwd_gluon_roles(
                               Q, q_start, q_len, tile, kvh, stride_qt, stride_qh, lo, hi, a, b_mid, c_mid, d_end,
                               qk_scale, bt_row, k_base, seq_len, G, GP, D, KS, KC, BLOCK_M, BLOCK_N, BLOCK_Q, BOX_N, PAGE,
                               PAGED, STAGES, P_STAGES, s_layout)),
-            (_roles_pv, (W0, p_smem, a_smem, st_smem, v_desc, v_bufs, v_ready, p_ready, p_free, st_ready,
-                         O, LSE, OPART, LSEPART, q_start, q_len, tile, kvh, split, total_q, num_heads, stride_ot,
+            (_roles_pv, (W0, p_smem, a_smem, st_smem, v_desc, v_bufs, v_ready, p_ready, p_free, st_ready, qk_scale, O,
+                         LSE, OPART, STATPART, q_start, q_len, tile, kvh, split, total_q, num_heads, stride_ot,
                          stride_oh, a, b_mid, c_mid, d_end, seq_len, bt_row, k_base, G, GP, DV, VS, NPV, BLOCK_M,
-                         BLOCK_N, BLOCK_Q, BOX_N, PAGE, PAGED, V_STAGES, P_STAGES, SPLIT, STORE_LSE, V,
-                         v_row_stride, v_rows, CU_Q, SEQ_LENS, NCQ, BT, CU_K, stride_bt, num_seqs, n_tiles, window,
-                         num_splits, HAS_WINDOW, PREFIX, NCQ_FLAGS, SEARCH_STEPS, NAN_SAFE_V)),
+                         BLOCK_N, BLOCK_Q, BOX_N, PAGE, PAGED, V_STAGES, P_STAGES, SPLIT, STORE_LSE, V, v_row_stride,
+                         v_rows, CU_Q, SEQ_LENS, NCQ, BT, CU_K, stride_bt, num_seqs, n_tiles, window, num_splits,
+                         HAS_WINDOW, PREFIX, NCQ_FLAGS, SEARCH_STEPS, NAN_SAFE_V)),
         ], [4], [PV_REGS])
 
 

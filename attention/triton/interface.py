@@ -22,9 +22,10 @@ Design
   fallback).
 * **Split-KV.** For few long sequences (e.g. one 256-token canvas over 32k context) the key-block range of each
   tile is cut into ``num_splits`` chunks, chosen from host shapes (:func:`.config.choose_num_splits`: programs vs
-  resident-program slots, and the key capacity). Partials (normalised out in fp32 + LSE) are merged exactly by
-  :func:`.common._merge_kernel`, launched with programmatic dependent launch on sm_90+. ``num_splits = 1`` writes
-  ``out`` directly.
+  resident-program slots, and the key capacity). Partials (normalised out in fp32, plus each split's raw running
+  max and sum: not an LSE, whose fp32 ulp near ``|LSE| ~ 1000`` the merge weights would inherit) are merged
+  exactly by :func:`.common._merge_kernel` (:mod:`blockdiff.attention.split_merge`'s raw-stats format), launched
+  with programmatic dependent launch on sm_90+. ``num_splits = 1`` writes ``out`` directly.
 * **Configs.** ``config=dict(BLOCK_M, BLOCK_N, num_warps, num_stages, num_splits, BLOCK_DV, LAZY_RESCALE,
   BT_PREFETCH, IMPL, OVERLAP, V_STAGES)`` overrides the defaults and tuned tables (:mod:`.config`); resolved
   configs (:class:`.config.TritonConfig`) are cached per static signature in :class:`TritonAttention` instances

@@ -18,7 +18,7 @@ from ..masks import MAX_SEQ_LEN
 from ..validate import length_hint_value, memory_overlaps
 from .common import _merge_kernel
 from .config import (CallShape, KernelShape, TritonConfig, choose_launch_config, get_kernel, interpreting,
-                     kernel_constexprs, kernel_variant, merge_constexprs, next_pow2, tma_boxes)
+                     kernel_constexprs, kernel_variant, merge_constexprs, next_pow2, split_stats_scale, tma_boxes)
 from .gluon import KERNELS as GLUON_KERNELS
 from .portable import _attn_fwd_kernel
 from .tma import LOG2E, gluon_ineligible, make_kv_descriptors, normal_kernel_scale
@@ -275,9 +275,11 @@ def make_plan(q, k_cache, v_cache, info, block_table, window_size, bidirectional
                            else v_cache.shape[0])
         plan.main = Launch(GLUON_KERNELS[variant], grid, consts)
     if ns > 1:
-        merge = merge_constexprs(ns, DV, return_lse, merge_pdl(q.device, merge_pdl_enabled), interpreting())
+        # the splits store their raw max and sum (not an LSE: split_merge's raw-stats format)
+        merge = merge_constexprs(ns, DV, return_lse, merge_pdl(q.device, merge_pdl_enabled), interpreting(),
+                                 raw_stats=True)
         n_rows = total_q * H
-        plan.merge_tail = (total_q, H, n_rows, st_o[0], st_o[1])
+        plan.merge_tail = (total_q, H, n_rows, st_o[0], st_o[1], split_stats_scale(shape, qk_scale))
         plan.merge = Launch(_merge_kernel, (triton.cdiv(n_rows, merge["BLOCK_R"]),), merge)
     return plan
 
@@ -320,9 +322,10 @@ def run_plan(plan: Plan, q, k_cache, v_cache, calls, out, last_launch: dict, seq
     ns = plan.num_splits
     if ns > 1:
         opart = torch.empty(ns, plan.total_q, plan.num_heads, plan.head_dim_v, dtype=torch.float32, device=q.device)
-        lsepart = torch.empty(ns, plan.num_heads, plan.total_q, dtype=torch.float32, device=q.device)
+        # each split's running max and sum ([ns, 2, H, total_q]; split_merge's raw-stats format)
+        statpart = torch.empty(ns, 2, plan.num_heads, plan.total_q, dtype=torch.float32, device=q.device)
     else:
-        opart = lsepart = dst  # unused
+        opart = statpart = dst  # unused
     lse_arg = lse if lse is not None else dst
     if plan.descriptors is not None:
         k_arg, v_arg = make_kv_descriptors(k_cache, v_cache, *plan.descriptors)
@@ -331,11 +334,11 @@ def run_plan(plan: Plan, q, k_cache, v_cache, calls, out, last_launch: dict, seq
     v_extra = ()
     if plan.descriptors is not None:  # the Gluon kernels' V, v_row_stride, v_rows: None (constexprs, no kernel
         v_extra = (v_cache,) + plan.v_tail if plan.v_tail else (None, None, None)  # parameters) unless NAN_SAFE_V
-    handle = plan.main(q, k_arg, v_arg, dst, lse_arg, opart, lsepart, cu_q, sl, ncq, bt, cu_k, *plan.tail, *v_extra)
+    handle = plan.main(q, k_arg, v_arg, dst, lse_arg, opart, statpart, cu_q, sl, ncq, bt, cu_k, *plan.tail, *v_extra)
     # a dict copy: the resolved config is shared by the plan and the config cache
     last_launch.update(kernel=handle, num_splits=ns, grid=plan.grid, config=plan.cfg.as_dict(), impl=plan.impl)
     if plan.merge is not None:
-        plan.merge(opart, lsepart, dst, lse_arg, *plan.merge_tail)
+        plan.merge(opart, statpart, dst, lse_arg, *plan.merge_tail)
     if dst is not out:
         out.copy_(dst)
     return (out, lse) if plan.return_lse else out

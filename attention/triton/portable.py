@@ -52,7 +52,12 @@ side (config, grid, split count) is :mod:`.config` and :mod:`.plans`; the contra
 * **V head-dim slices.** ``BLOCK_DV < head_dim_v`` splits the V head dim across programs (QK^T recomputed per
   slice): how hd 512 fits the registers (a 64 x 512 fp32 accumulator is 128 registers a thread).
 * **Split-KV.** With ``SPLIT`` each program takes its split's share of the tile's key blocks and writes a fp32
-  partial and its LSE; :func:`.common._merge_kernel` merges them. Without, it writes ``out`` (and ``lse``).
+  partial (``OPART``, ``[num_splits, total_q, num_heads, head_dim_v]``, normalised) and the split's running max
+  and sum (``STATPART``, ``[num_splits, 2, num_heads, total_q]`` fp32: ``m_i`` in qk's units, raw scores of the
+  possibly negated Q with ``RAW_MAX``, else scores in log2 units; ``l_i`` relative to it, ``-inf`` / 0 for a row
+  with no key in the split); :func:`.common._merge_kernel` merges them in its raw-stats format with
+  ``scale_log2`` = ``|qk_scale|`` (``RAW_MAX``) or 1 (:func:`.config.split_stats_scale`). Without, it writes
+  ``out`` (and ``lse``).
 """
 import triton
 import triton.language as tl
@@ -459,7 +464,7 @@ def _nonfinite_tile(O, OPART, V, CU_Q, SEQ_LENS, NCQ, BT, CU_K, stride_vb, strid
 # must not trigger recompiles (and CUDA-graph captures of several sizes share one binary).
 @triton.jit(do_not_specialize=["total_q", "num_seqs", "n_tiles", "window", "num_splits", "kv_rows", "kv_cap"])
 def _attn_fwd_kernel(
-    Q, K, V, O, LSE, OPART, LSEPART,
+    Q, K, V, O, LSE, OPART, STATPART,
     CU_Q, SEQ_LENS, NCQ, BT, CU_K,
     stride_qt, stride_qh, stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh,
     stride_ot, stride_oh, stride_bt,
@@ -537,21 +542,26 @@ def _attn_fwd_kernel(
                                           LAZY, BT_PREFETCH)
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    m_log2 = _log2_units(m_i, qk_scale, RAW_MAX)
-    lse = tl.where(empty, float("-inf"), (m_log2 + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     tok_g = q_start.to(tl.int64) + i
     lse_off = head.to(tl.int64) * total_q + tok_g
     if not SPLIT:
         o_ptrs = O + tok_g[:, None] * stride_ot + head[:, None].to(tl.int64) * stride_oh + offs_dv[None, :]
         tl.store(o_ptrs, cast(out, O.dtype.element_ty, INTERPRET), mask=row_valid[:, None] & dv_mask[None, :])
         if STORE_LSE:
+            m_log2 = _log2_units(m_i, qk_scale, RAW_MAX)
+            lse = tl.where(empty, float("-inf"),
+                           (m_log2 + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
             tl.store(LSE + lse_off, lse, mask=row_valid & (dvb == 0))
     else:
         s64 = split.to(tl.int64)
         p_row = (s64 * total_q + tok_g) * num_heads + head
         p_ptrs = OPART + p_row[:, None] * DV + offs_dv[None, :]
         tl.store(p_ptrs, out, mask=row_valid[:, None] & dv_mask[None, :])
-        tl.store(LSEPART + s64 * num_heads * total_q + lse_off, lse, mask=row_valid & (dvb == 0))
+        # the split's statistics for the merge: its running max in qk's units (raw, or log2 units) and its sum
+        # relative to that max, not an LSE (whose fp32 ulp near |LSE| ~ 1000 the merge weights would inherit)
+        # (int64 plane offsets: splits x heads x tokens may pass 2^31)
+        tl.store(STATPART + (s64 * 2) * num_heads * total_q + lse_off, m_i, mask=row_valid & (dvb == 0))
+        tl.store(STATPART + (s64 * 2 + 1) * num_heads * total_q + lse_off, l_i, mask=row_valid & (dvb == 0))
     if nf_left | nf_right:  # cold: NaN / Inf V entries of keys some rows may not see (see _attn_block)
         tl.debug_barrier()  # the tile stored above, visible to every thread of the program
         _nonfinite_tile(O, OPART, V, CU_Q, SEQ_LENS, NCQ, BT, CU_K, stride_vb, stride_vp, stride_vh, stride_ot,

@@ -1,9 +1,12 @@
-"""The shared split-KV merge (``blockdiff.attention.split_merge``), on the CPU through the Triton interpreter: the
-kernel as the triton backend launches it and the launcher, against a logsumexp merge of the partials; a split whose
-weight underflows to 0 still passing on its non-finite entries (as the dense reference does for a key the row
-sees); empty splits; the launcher's argument checks. The triton backend's own regression test on whole attention
+"""The shared split-KV merge (``blockdiff.attention.split_merge``), on the CPU through the Triton interpreter, in
+both of its formats (LSE partials, the cute backend's; each split's raw max and sum, the triton backend's): the
+kernel as the backends launch it and the launcher, against a logsumexp merge of the partials; a split whose weight
+underflows to 0 still passing on its non-finite entries (as the dense reference does for a key the row sees); empty
+splits; the raw-stats format's weights carrying no ulp of a large LSE; the launcher's argument checks. The triton backend's own regression test on whole attention
 calls is
 ``test_nonfinite_v_of_a_seen_key_with_an_underflowing_split_weight_reaches_the_output_at_every_split_count``."""
+import math
+
 import pytest
 import torch
 
@@ -22,12 +25,26 @@ def _merge_oracle(opart, lsepart):
     return (opart * w.permute(0, 2, 1)[..., None]).sum(0), lse
 
 
+def _raw_stats(lsepart, g, scale_log2):
+    """Raw-stats partials ``[S, 2, H, T]`` (a max ``m`` and a sum ``l >= 1`` per split and row) whose LSEs
+    ``(m * c + log2(l)) * ln 2`` are ``lsepart`` up to fp32 rounding, ``m = -inf``, ``l = 0`` where it is ``-inf``;
+    and those LSEs (float64)."""
+    l = 1 + 30 * torch.rand(lsepart.shape, generator=g)
+    m = ((lsepart.double() / math.log(2) - torch.log2(l.double())) / scale_log2).float()
+    empty = torch.isinf(lsepart)
+    m[empty], l[empty] = float("-inf"), 0.0
+    lse = torch.where(empty, float("-inf"), (m.double() * scale_log2 + torch.log2(l.double())) * math.log(2))
+    return torch.stack([m, l], 1), lse
+
+
+@pytest.mark.parametrize("raw", [False, True])
 @pytest.mark.parametrize("ns,T,H,DV,dtype", [(3, 7, 3, 40, torch.float32), (64, 5, 2, 24, torch.bfloat16),
                                               (2, 33, 1, 16, torch.float16), (5, 3, 1, 600, torch.float32)])
-def test_split_merge_equals_a_logsumexp_merge_of_the_partials(ns, T, H, DV, dtype):
-    """The split-KV merge (BLOCK_R rows per program, two passes over the splits) against torch.logsumexp: empty
-    splits (lse -inf, o 0), rows empty in every split (out 0, lse -inf), a row count that is not a multiple of
-    BLOCK_R, head_dim_v not a power of two, an out view with strided rows (columns around it stay untouched)."""
+def test_split_merge_equals_a_logsumexp_merge_of_the_partials(ns, T, H, DV, dtype, raw):
+    """The split-KV merge (BLOCK_R rows per program, two passes over the splits) against torch.logsumexp, in both
+    formats (``raw``: each split's max and sum, at a log2 scale that is not a power of two): empty splits (lse
+    -inf, or m -inf and l 0; o 0), rows empty in every split (out 0, lse -inf), a row count that is not a multiple
+    of BLOCK_R, head_dim_v not a power of two, an out view with strided rows (columns around it stay untouched)."""
     g = torch.Generator().manual_seed(ns * 1000 + DV)
     opart = torch.randn(ns, T, H, DV, generator=g)
     lsepart = torch.randn(ns, H, T, generator=g) * 4
@@ -35,14 +52,20 @@ def test_split_merge_equals_a_logsumexp_merge_of_the_partials(ns, T, H, DV, dtyp
     empty[:, 0, T - 1] = True                                             # a row with no key in any split
     lsepart[empty] = float("-inf")
     opart[empty.permute(0, 2, 1)] = 0.0
+    scale_log2 = 0.3 * 1.4426950408889634
+    stats = lsepart
+    if raw:  # the same partials as each split's raw max and sum
+        stats, lse64 = _raw_stats(lsepart, g, scale_log2)
+        lsepart = lse64.float()
     big = torch.full((T, H, DV + 9), float("nan"), dtype=dtype)
     out = big[:, :, 3:3 + DV]
     lse = torch.full((H, T), float("nan"))
-    consts = merge_constexprs(ns, DV, store_lse=True, pdl=False, interpret=True)  # as attention_triton launches it
+    # as the backends launch it (triton: raw stats; cute: LSEs)
+    consts = merge_constexprs(ns, DV, store_lse=True, pdl=False, interpret=True, raw_stats=raw)
     block_r = consts["BLOCK_R"]
     assert (T * H) % block_r != 0
     _merge_kernel[(triton.cdiv(T * H, block_r),)](
-        opart, lsepart, out, lse, T, H, T * H, out.stride(0), out.stride(1), **consts)
+        opart, stats, out, lse, T, H, T * H, out.stride(0), out.stride(1), scale_log2, **consts)
     ref_o, ref_lse = _merge_oracle(opart, lsepart)
     tol = 1e-5 if dtype == torch.float32 else 2 ** -7
     torch.testing.assert_close(out.float(), ref_o, rtol=tol, atol=tol)
@@ -52,9 +75,10 @@ def test_split_merge_equals_a_logsumexp_merge_of_the_partials(ns, T, H, DV, dtyp
     assert torch.isnan(big[:, :, :3]).all() and torch.isnan(big[:, :, 3 + DV:]).all()
 
 
+@pytest.mark.parametrize("raw", [False, True])
 @pytest.mark.parametrize("num_splits,dv,dtype", [(1, 16, torch.float32), (2, 24, torch.bfloat16),
                                                  (4, 64, torch.float32)])
-def test_merge_split_partials_matches_the_lse_merge(num_splits, dv, dtype):
+def test_merge_split_partials_matches_the_lse_merge(num_splits, dv, dtype, raw):
     g = torch.Generator().manual_seed(num_splits)
     total_q, H = 5, 3
     o_part = torch.randn(num_splits, total_q, H, dv, generator=g)
@@ -64,40 +88,83 @@ def test_merge_split_partials_matches_the_lse_merge(num_splits, dv, dtype):
         o_part[-1, :2, 0] = 0
     out = torch.full((total_q, H, dv), float("nan"), dtype=dtype)  # poisoned: every element is written
     lse = torch.full((H, total_q), float("nan"))
-    merge_split_partials(o_part, lse_part, out, lse)
+    if raw:
+        stats, lse64 = _raw_stats(lse_part, g, 1.0)
+        lse_part = lse64.float()
+        merge_split_partials(o_part, stats, out, lse, scale_log2=1.0)
+    else:
+        merge_split_partials(o_part, lse_part, out, lse)
     ref_o, ref_lse = _merge_oracle(o_part, lse_part)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.float(), ref_o, atol=tol, rtol=tol)
     torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
 
 
-def test_merge_split_partials_passes_on_nonfinite_entries_of_a_split_whose_weight_underflows():
+@pytest.mark.parametrize("raw", [False, True])
+def test_merge_split_partials_passes_on_nonfinite_entries_of_a_split_whose_weight_underflows(raw):
     """Split 0 holds NaN / +Inf / -Inf at three columns and is 200 nats below split 1: its weight is exactly 0,
     and 0 * NaN = 0 * Inf = NaN, so those three columns are NaN (the reference's p * v with p underflowed to 0),
-    the others are split 1's values, and the LSE is split 1's."""
+    the others are split 1's values, and the LSE is split 1's. ``raw``: the same as raw stats (split 1's max 200 /
+    ln 2 above split 0's at ``scale_log2`` 1, both sums 1)."""
     total_q, H, dv = 2, 2, 16
     o_part = torch.randn(2, total_q, H, dv, generator=torch.Generator().manual_seed(0))
     o_part[0, :, :, 3] = float("nan")
     o_part[0, :, :, 4] = float("inf")
     o_part[0, :, :, 5] = float("-inf")
-    lse_part = torch.zeros(2, H, total_q)
-    lse_part[1] = 200.0
     out = torch.empty(total_q, H, dv)
     lse = torch.empty(H, total_q)
-    merge_split_partials(o_part, lse_part, out, lse)
+    if raw:
+        stats = torch.zeros(2, 2, H, total_q)
+        stats[1, 0] = 200.0 / math.log(2)
+        stats[:, 1] = 1.0
+        merge_split_partials(o_part, stats, out, lse, scale_log2=1.0)
+    else:
+        lse_part = torch.zeros(2, H, total_q)
+        lse_part[1] = 200.0
+        merge_split_partials(o_part, lse_part, out, lse)
     assert out[..., 3:6].isnan().all()
     keep = [c for c in range(dv) if c not in (3, 4, 5)]
     torch.testing.assert_close(out[..., keep], o_part[1][..., keep])
     torch.testing.assert_close(lse, torch.full((H, total_q), 200.0))
 
 
-def test_merge_split_partials_gives_zero_and_minus_inf_for_a_row_with_every_split_empty():
+@pytest.mark.parametrize("raw", [False, True])
+def test_merge_split_partials_gives_zero_and_minus_inf_for_a_row_with_every_split_empty(raw):
     o_part = torch.zeros(3, 1, 1, 16)
-    lse_part = torch.full((3, 1, 1), float("-inf"))
     out = torch.full((1, 1, 16), float("nan"))
     lse = torch.zeros(1, 1)
-    merge_split_partials(o_part, lse_part, out, lse)
+    if raw:  # every split: m -inf, l 0
+        stats = torch.stack([torch.full((3, 1, 1), float("-inf")), torch.zeros(3, 1, 1)], 1)
+        merge_split_partials(o_part, stats, out, lse, scale_log2=0.5)
+    else:
+        merge_split_partials(o_part, torch.full((3, 1, 1), float("-inf")), out, lse)
     assert (out == 0).all() and lse.item() == float("-inf")
+
+
+def test_raw_stats_merge_at_lses_near_1000_carries_no_ulp_of_the_lse():
+    """Three splits whose LSEs lie near 993 (raw maxima near 3960 at scale 0.25, sums 1 to 40): the raw-stats merge
+    weighs them ``l_s * exp2((m_s - M) * c)`` from exact fp32 maxima, 2.2e-7 off the float64 merge of the same
+    partials; the LSE format, given the correctly rounded fp32 LSEs, is 4.4e-5 off, since an fp32 LSE near 993
+    carries an ulp of 6.1e-5 (docs/ARCHITECTURE.md section 4, "Known precision limit of split-KV"). The merged LSE
+    is rounded once in either format, as a one-split launch's is."""
+    g = torch.Generator().manual_seed(5)
+    S, T, H, DV = 3, 64, 2, 16
+    c = float(torch.tensor(0.25 * 1.4426950408889634, dtype=torch.float32))  # the fp32 the kernel computes with
+    m = 3960 + torch.randint(-16, 17, (S, H, T), generator=g).float() / 8
+    l = 1 + 39 * torch.rand(S, H, T, generator=g)
+    o = torch.randn(S, T, H, DV, generator=g)
+    m64, l64 = m.double(), l.double()
+    M = m64.amax(0)
+    w = l64 * torch.exp2((m64 - M) * c)
+    ref = (o.double() * w.permute(0, 2, 1)[..., None]).sum(0) / w.sum(0).permute(1, 0)[..., None]
+    ref_lse = (M * c + torch.log2(w.sum(0))) * math.log(2)
+    out, lse = torch.empty(T, H, DV), torch.empty(H, T)
+    merge_split_partials(o, torch.stack([m, l], 1), out, lse, scale_log2=c)
+    assert (out.double() - ref).abs().max().item() < 1e-6
+    assert (lse.double() - ref_lse).abs().max().item() < 2.5e-4  # (4 ulps near 993)
+    lse_part = ((m64 * c + torch.log2(l64)) * math.log(2)).float()
+    merge_split_partials(o, lse_part, out, lse)
+    assert (out.double() - ref).abs().max().item() > 1e-5  # the LSE format's limit, which the cute backend keeps
 
 
 def _args():
@@ -122,6 +189,14 @@ def _args():
     (dict(pdl=True), ValueError, "pdl=True needs a GPU launch"),
     (dict(out=torch.zeros(1, 2, 16).expand(3, 2, 16)), ValueError, "must not share memory"),
     (dict(lse=torch.zeros(2, 3, device="meta")), ValueError, "on one device"),
+    (dict(scale_log2=True), TypeError, "scale_log2 must be None or a real number"),
+    (dict(scale_log2="1"), TypeError, "scale_log2 must be None or a real number"),
+    (dict(scale_log2=0.0, lse_part=torch.zeros(2, 2, 2, 3)), ValueError, "scale_log2 must be a positive normal"),
+    (dict(scale_log2=-1.0, lse_part=torch.zeros(2, 2, 2, 3)), ValueError, "scale_log2 must be a positive normal"),
+    (dict(scale_log2=float("nan"), lse_part=torch.zeros(2, 2, 2, 3)), ValueError, "scale_log2 must be a positive"),
+    (dict(scale_log2=1e39, lse_part=torch.zeros(2, 2, 2, 3)), ValueError, "scale_log2 must be a positive normal"),
+    (dict(scale_log2=2.0 ** -127, lse_part=torch.zeros(2, 2, 2, 3)), ValueError, "scale_log2 must be a positive"),
+    (dict(scale_log2=1.0), ValueError, r"lse_part must be \(2, 2, 2, 3\)"),  # raw stats: [S, 2, H, T]
 ])
 def test_merge_split_partials_refuses_bad_arguments_by_name(change, err, match):
     o_part, lse_part, out, lse = _args()

@@ -64,11 +64,12 @@ import json, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from blockdiff.attention.triton.common import _merge_kernel as fn
-sig = dict(OPART="*fp32", LSEPART="*fp32", O="*bf16", LSE="*fp32", total_q="i32", num_heads="i32", n_rows="i32",
-           stride_ot="i32", stride_oh="i32")
+sig = dict(OPART="*fp32", STATS="*fp32", O="*bf16", LSE="*fp32", total_q="i32", num_heads="i32", n_rows="i32",
+           stride_ot="i32", stride_oh="i32", scale_log2="fp32")
 res = {}
 for cap, pdl in ((80, False), (90, True)):
-    consts = dict(NUM_SPLITS=2, DV=256, BLOCK_DV=256, BLOCK_R=16, STORE_LSE=True, INTERPRET=False, PDL=pdl)
+    consts = dict(NUM_SPLITS=2, DV=256, BLOCK_DV=256, BLOCK_R=16, STORE_LSE=True, INTERPRET=False, PDL=pdl,
+                  RAW_STATS=True)
     full = {n: "constexpr" if n in consts else sig[n] for n in fn.arg_names}
     src = ASTSource(fn=fn, signature=full, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
     ck = triton.compile(src, target=GPUTarget("cuda", cap, 32), options=dict(num_warps=4))

@@ -1,7 +1,8 @@
 """The offline sm_90a compile check (attention/triton/compile_check.py): every Gluon configuration the automatic
 choice and the tests use compiles with wgmma, TMA and setmaxnreg, within shared memory, without serialised
 wgmma pipelines (ptxas C7512 / C7514) and without spills beyond the stated bounds (ptxas -v, no GPU needed); the
-portable kernel's tuned tiles compile without spills in the kernel (its cold paths included). In every one, no
+portable kernel's tuned tiles compile without spills in the kernel (its cold paths included); the split-KV merge
+in both of its formats compiles without spills. In every one, no
 ``exp2`` takes an FMA's result: each key's weight is ``exp2((s - m) * c)`` (``compile_check.exp2_operands_from_fma``;
 the one-FMA form gave NaN rows for scores near -2e31, compiled only: docs/tuning.md 7.63)."""
 import json
@@ -158,6 +159,19 @@ def test_portable_kernel_compiles_for_sm90_without_new_spills(kw, max_spill):
     assert rep["kernel_spills"] <= max_spill, rep["ptxas"]
     assert rep["exp2_from_fma"] == 0, "a key weighed by exp2 of an FMA against a rounded row max (tuning 7.63)"
     assert rep["registers"] <= 255
+
+
+@pytest.mark.parametrize("raw_stats", [False, True])
+@pytest.mark.parametrize("num_splits,head_dim_v", [(3, 128), (2, 256), (8, 512)])
+def test_split_merge_compiles_for_sm90_without_spills_or_an_exp2_of_an_fma(num_splits, head_dim_v, raw_stats):
+    """The split-KV merge in both formats (``raw_stats``: the triton backend's raw max and sum, weighed
+    ``l_s * exp2((m_s - M) * c)``; else the cute backend's LSEs), with PDL's wait: no spills and no ``exp2`` fed by
+    an FMA (offline, Triton 3.6: 254 / 168 / 102 registers in the LSE format, 254 / 168 / 100 with raw stats)."""
+    rep = _run_offline("compile_merge_for_sm90", dict(num_splits=num_splits, head_dim_v=head_dim_v,
+                                                      raw_stats=raw_stats))
+    assert rep["spills"] == 0, rep["ptxas"]
+    assert rep["exp2_from_fma"] == 0, "a split weighed by exp2 of an FMA against a rounded max (tuning 7.63)"
+    assert rep["griddepcontrol"] and rep["registers"] <= 255
 
 
 def test_an_exp2_of_an_fma_against_a_rounded_row_max_is_counted_and_a_subtraction_then_multiply_is_not():

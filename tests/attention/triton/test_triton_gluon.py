@@ -15,7 +15,8 @@ from blockdiff.attention.testing import check_close, check_nonfinite_matches_ref
 from blockdiff.attention.triton import config as tc
 from blockdiff.attention.triton import interface as TA
 
-from triton_helpers import GLUON, ROLES, WIDE, graph_replay_check, make_batch, very_negative_scores_batch
+from triton_helpers import (GLUON, ROLES, WIDE, graph_replay_check, make_batch, scores_near_1000_batch,
+                            very_negative_scores_batch)
 
 
 def _check(inp, config, **kw):
@@ -174,6 +175,29 @@ def test_gpu_gluon_lazy_rescaling_keeps_rows_whose_scores_all_lie_below_minus_1e
         o = attention(**inp, backend="triton", config=c, scale=1.0)
         ref = attention(**inp, backend="reference", scale=1.0)
         torch.testing.assert_close(o.float(), ref.float(), rtol=0, atol=2 ** -7)
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D,cfg", [(128, GLUON), (128, dict(GLUON, OVERLAP="chain", LAZY_RESCALE=True)),
+                                   (256, dict(GLUON, OVERLAP=False)), (512, WIDE), (512, ROLES),
+                                   (256, dict(ROLES, num_warps=8))])
+def test_gpu_gluon_split_kv_at_scores_near_1000_gives_the_one_split_result(D, cfg):
+    """The portable kernel's fp32 regression (``test_split_kv_output_at_scores_near_1000_is_within_the_eager_bound``)
+    in bf16 on every Gluon kernel: each split's epilogue stores its raw max and sum (the roles kernel's through the
+    softmax warpgroup's shared memory) and the merge weighs them at ``qk_scale``; three splits give the one-split
+    output and LSE (bf16 hides the old LSE format's error in the output: the LSE is the sharper check here)."""
+    H, Hkv = {128: (16, 8), 256: (16, 8), 512: (16, 2)}[D]
+    inp = scores_near_1000_batch(torch.bfloat16, head_dim=D, num_heads=H, num_kv_heads=Hkv, page_size=64,
+                                 seq_lens=[700, 333], q_lens=[64, 33], device="cuda")
+    for c in (cfg, dict(cfg, NAN_SAFE_V=False)):
+        _check(inp, dict(c, num_splits=3), scale=0.25)
+        assert TA.LAST_LAUNCH["num_splits"] == 3
+        o3, lse3 = attention(**inp, backend="triton", config=dict(c, num_splits=3), scale=0.25,
+                             return_lse=True)
+        o1, lse1 = attention(**inp, backend="triton", config=dict(c, num_splits=1), scale=0.25,
+                             return_lse=True)
+        torch.testing.assert_close(o3.float(), o1.float(), rtol=2 ** -7, atol=2 ** -8)
+        torch.testing.assert_close(lse3, lse1, rtol=0, atol=2.5e-4)  # (4 fp32 ulps near 993)
+
 
 # (q_lens, seq_lens, num_causal_q) per replay: mixed rows, then a commit + denoise step, then one long sequence
 GRAPH_METAS = [([300, 256, 100, 44], [300, 1800, 4096, 44], [300, 0, 50, 44]),

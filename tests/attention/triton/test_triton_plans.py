@@ -55,6 +55,24 @@ def test_launch_plan_is_reused_across_new_values_and_matches_the_full_path():
     assert next(iter(_plans().values())) is plan  # (out / return_lse gave their own keys)
 
 
+@pytest.mark.parametrize("scale,want", [(0.7, 0.7 * 1.4426950408889634), (-0.7, 0.7 * 1.4426950408889634),
+                                        (0.0, 1.0), (-1e-38, 1.0)])
+def test_split_plans_merge_each_splits_raw_max_and_sum_at_the_kernels_log2_scale(scale, want):
+    """A split launch's merge takes the raw-stats format (split_merge's: each split's running max and its sum, not
+    its LSE) at the log2 scale of the kernel's max: ``|scale| * log2(e)`` on the raw-score path (a negative scale
+    negates Q there), 1 on the general path (0 and tiny scales: the max of scores already in log2 units);
+    planned and full path alike."""
+    _plans().clear()
+    inp = make_batch(**MIXED, seed=4)
+    for check_values in (False, None):
+        o, lse = attention_triton(**inp, config=dict(SMALL, num_splits=3), scale=scale, return_lse=True,
+                                  check_values=check_values)
+        check_close(o, **inp, lse=lse, scale=scale)
+    (plan,) = _plans().values()
+    assert plan.num_splits == 3 and plan.merge.kwargs["RAW_STATS"] is True
+    assert plan.merge_tail[-1] == pytest.approx(want, rel=1e-15)
+
+
 def test_launch_plan_key_separates_what_the_plan_depends_on():
     """Every input the plan is computed from gives its own plan: window, scale (and its type), lse, config,
     max_seqlen_k, an out that aliases q, and a q view whose address is not 16-byte aligned."""

@@ -10,7 +10,8 @@ from blockdiff.attention import attention
 from blockdiff.attention.testing import check_close
 from blockdiff.attention.triton.interface import LAST_LAUNCH, attention_triton
 
-from triton_helpers import MIXED, SMALL, batches, make_batch, run_and_check, very_negative_scores_batch
+from triton_helpers import (MIXED, SMALL, batches, make_batch, run_and_check, scores_near_1000_batch,
+                            very_negative_scores_batch)
 
 
 @pytest.mark.parametrize("window_size", [None, 0, 1, 7, 100])
@@ -156,6 +157,43 @@ def test_a_tiny_scale_with_raw_scores_near_2e38_keeps_keys_whose_raw_difference_
     for config in (SMALL, dict(SMALL, LAZY_RESCALE=True, num_splits=3)):
         o, lse = run_and_check(inp, config=config, scale=scale)
         assert abs(o[0, 0, 0].item() - 0.8103) < 1e-3 and abs(lse[0, 0].item() - 3.2997) < 1e-3
+
+
+_NEAR_1000_CASES = [(0.25, {}, {}), (-0.25, {}, {}), (0.25, dict(LAZY_RESCALE=True), {}),
+                    (0.25, dict(BLOCK_DV=16), dict(head_dim_v=32))]
+
+
+@pytest.mark.parametrize("scale,config,shape", _NEAR_1000_CASES)
+def test_split_kv_output_at_scores_near_1000_is_within_the_eager_bound(scale, config, shape):
+    """fp32, every score 990 plus a spread of about one, computed exactly (:func:`scores_near_1000_batch`), three
+    forced splits. Was 2.2e-5 / 1.8e-5 off (seeds 0 / 1) against element bounds of 2.1e-5 / 1.4e-5, where one
+    split is 1.5e-7 / 8e-8 off (now 9e-8 / 5e-8 at three splits): each split stored its natural-log LSE, whose fp32 ulp near 993 (6.1e-5) the merge weights
+    ``exp(lse_s - max lse)`` inherited (break29a's case, docs/tuning.md 7.63). The splits now store their raw max and
+    sum, and the merge weighs ``l_s * exp2((m_s - M) * c)``: the split result is the one-split result up to a few
+    fp32 roundings (``NEG_Q``'s negated scale, lazy rescaling's stale max and V head-dim slices included)."""
+    for seed in (0, 1):
+        inp = scores_near_1000_batch(scale=scale, seed=seed, **shape)
+        o, lse = run_and_check(inp, config=dict(SMALL, num_splits=3, **config), scale=scale)
+        assert LAST_LAUNCH["num_splits"] == 3
+        one, lse1 = attention(**inp, backend="triton", scale=scale, return_lse=True, config=dict(SMALL, **config))
+        torch.testing.assert_close(o, one, rtol=0, atol=1e-6)
+        torch.testing.assert_close(lse, lse1, rtol=0, atol=2.5e-4)  # (4 ulps near 993)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scale,config,shape", _NEAR_1000_CASES)
+def test_gpu_split_kv_output_at_scores_near_1000_is_within_the_eager_bound(scale, config, shape):
+    """The CPU regression above compiled (fp32: the portable kernel), at the interpreter's tiles and the automatic
+    ones, three forced splits (the merge launched with PDL on sm_90+)."""
+    for seed in (0, 1):
+        inp = scores_near_1000_batch(scale=scale, seed=seed, device="cuda", **shape)
+        for tiles in (SMALL, {}):
+            o, lse = run_and_check(inp, config=dict(tiles, num_splits=3, **config), scale=scale)
+            assert LAST_LAUNCH["num_splits"] == 3 and LAST_LAUNCH["impl"] == "triton"
+            one, lse1 = attention(**inp, backend="triton", scale=scale, return_lse=True,
+                                  config=dict(tiles, num_splits=1, **config))
+            torch.testing.assert_close(o, one, rtol=0, atol=1e-6)
+            torch.testing.assert_close(lse, lse1, rtol=0, atol=2.5e-4)
 
 
 @pytest.mark.parametrize("scale", [0.0, -0.7])

@@ -56,6 +56,25 @@ def very_negative_scores_batch(dtype=torch.float32, **kwargs):
     return inp
 
 
+def scores_near_1000_batch(dtype=torch.float32, *, scale=0.25, seed=0, **kwargs):
+    """A batch (two sequences of 200 and 150 keys, a bidirectional and a causal one; ``kwargs`` override the
+    :func:`make_batch` arguments) whose scores ``q . k * scale`` are all 990 plus a spread of about one, each computed
+    exactly: K's column 0 is 1 and Q's is ``990 / scale`` (in ``dtype``), their other entries multiples of 1/8, so
+    every partial sum of ``q . k`` is exact in fp32 and the eager computation's error is its softmax's alone. A
+    split's natural-log LSE near 993 carries an fp32 ulp of 6.1e-5 (the merge weights' error before the raw-stats
+    merge, docs/ARCHITECTURE.md section 4)."""
+    args = dict(seq_lens=[200, 150], q_lens=[3, 2], causal=[False, True], num_heads=4, num_kv_heads=2, head_dim=16,
+                page_size=16, dtype=dtype, seed=seed)
+    args.update(kwargs)
+    inp = make_batch(**args)
+    q = (inp["q"].float() * 8).round() / 8
+    k = (inp["k_cache"].float() * 8).round() / 8
+    k[..., 0] = 1.0
+    q[..., 0] = 990.0 / scale
+    inp["q"], inp["k_cache"] = q.to(dtype), k.to(dtype)
+    return inp
+
+
 @st.composite
 def batches(draw):
     B = draw(st.integers(0, 4))
