@@ -247,8 +247,11 @@ def test_scores_near_2e31_in_magnitude_give_the_one_hot_softmax_not_nan(backend,
     key weighed inf or 0. FA4's softmax, which the cute backend runs, takes the same FMA: its row names the gap."""
     r = row(backend)
     r.expect_gap(request, "fma_against_a_rounded_max")
+    # entries of 1e15 need bf16's or fp32's range (fp16 overflows: the cute row, whose last dtype is fp16, failed
+    # building its input and so counted as the gap's expected failure without running)
+    dtype = next(d for d in reversed(r.dtypes) if torch.finfo(d).max > 1e16)
     inp = make_batch([40, 13, 30], [9, 13, 30], num_causal_q=[0, 13, 11], num_heads=4, num_kv_heads=2,
-                     dtype=r.dtypes[-1], head_dim=r.head_dim, page_size=r.page_sizes[-1], seed=73)
+                     dtype=dtype, head_dim=r.head_dim, page_size=r.page_sizes[-1], seed=73)
     g = torch.Generator().manual_seed(73)
     inp["q"] = torch.full_like(inp["q"], 1e15 * scale)  # scale -1 with -q: the same scores
     inp["k_cache"] = (-1e15 * (1 + 0.5 * torch.rand(inp["k_cache"].shape, generator=g))).to(inp["k_cache"].dtype)

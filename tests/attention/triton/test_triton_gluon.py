@@ -195,7 +195,10 @@ def test_gpu_gluon_split_kv_at_scores_near_1000_gives_the_one_split_result(D, cf
                              return_lse=True)
         o1, lse1 = attention(**inp, backend="triton", config=dict(c, num_splits=1), scale=0.25,
                              return_lse=True)
-        torch.testing.assert_close(o3.float(), o1.float(), rtol=2 ** -7, atol=2 ** -8)
+        # P enters the PV product in bf16, rounded against each split's own (or, lazily, a stale) max: splits and
+        # one split round differently, so outputs agree to bf16 P's rounding (H100, 2026-12-07: 0.0044 at most
+        # with LAZY_RESCALE; each is checked against the reference above), the LSEs to a few fp32 ulps
+        torch.testing.assert_close(o3.float(), o1.float(), rtol=2 ** -7, atol=2 ** -6)
         torch.testing.assert_close(lse3, lse1, rtol=0, atol=2.5e-4)  # (4 fp32 ulps near 993)
 
 
