@@ -1,6 +1,6 @@
 """Install blockdiff: the top-level folders become one namespace, ``blockdiff.<name>``.
 
-    pip install -e .[dev]      # CPU: tests, notebooks, parity tests
+    pip install -e .[dev]      # CPU: tests, notebooks, parity tests (torch's CPU build first: README "Set up and run")
     pip install -e .[cute]     # GPU: FlashAttention-4 + CuTe DSL backend
 
 ``.[vllm,cute]`` does not resolve (vLLM 0.26.0 pins nvidia-cutlass-dsl 4.6.0 and apache-tvm-ffi 0.1.10; 0.33.0 pins
