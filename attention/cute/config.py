@@ -122,14 +122,14 @@ class CuteConfig:
     rounding. A str of :data:`NAN_SAFE_V_METHODS`; it resolves to ``"scan"`` where ``"recompute"`` cannot act
     (``nan_safe_v`` off, head dims above 256: one compile key; :func:`resolve_nan_safe_v_method`), and with
     ``"recompute"`` ``skip_allowed_first`` resolves to False (no scan to skip). Not a tile field.
-    exact_weight: the online softmax's key weight (every kernel): False (default, FA4's) weighs each key
-    ``exp2(s * scale_log2 - max * scale_log2)``, one FFMA against the rounded product ``max * scale_log2``, which
-    keeps that product's rounding error (up to half an ulp of it) and gives the row's best key inf or 0, a NaN row,
-    for scores beyond ~2^31 in log2 units (near -2e31 at scale 1); True weighs ``exp2((s - max) * scale_log2)``
-    (a subtraction then a multiply, the running max on raw scores; :class:`~blockdiff.attention.cute.kernel.
-    ExactWeightSoftmax`), as the triton backend does, and so does NaN-safe V's recompute. One more
-    FP32 operation per score. Off by default until a GPU run has passed its tests and timed its cost
-    (docs/ARCHITECTURE.md section 4, known gaps). Not a tile field.
+    exact_weight: the online softmax's key weight (every kernel): True (default) weighs
+    ``exp2((s - max) * scale_log2)`` (a subtraction then a multiply, the running max on raw scores;
+    :class:`~blockdiff.attention.cute.kernel.ExactWeightSoftmax`), as the triton backend does, and so does NaN-safe
+    V's recompute; one more FP32 operation per score. False is FA4's weight ``exp2(s * scale_log2 - max *
+    scale_log2)``, one FFMA against the rounded product ``max * scale_log2``, which keeps that product's rounding
+    error (up to half an ulp of it) and gives the row's best key inf or 0, a NaN row, for scores beyond ~2^31 in log2
+    units (near -2e31 at scale 1): outside the contract there, kept for A/B runs (docs/ARCHITECTURE.md section 4).
+    Not a tile field.
     """
 
     tile_m: int | None = None
@@ -148,7 +148,7 @@ class CuteConfig:
     k_refill: str = "auto"
     skip_allowed_first: bool | str = "auto"
     nan_safe_v_method: str = "auto"
-    exact_weight: bool = False
+    exact_weight: bool = True
 
 
 #: The merges of split-KV partial outputs (CuteConfig.split_merge).
@@ -479,7 +479,7 @@ def _check_halves_head_dims(head_dim: int, head_dim_v: int, values: dict) -> Non
 #: CuteConfig fields that are switches, not tile fields, with their defaults.
 _SWITCHES = dict(nan_safe_v=True, split_merge="auto", wide_design="auto", batch_order="auto",
                  v_refill="auto", qk_issue="auto", k_refill="auto", skip_allowed_first="auto",
-                 nan_safe_v_method="auto", exact_weight=False)
+                 nan_safe_v_method="auto", exact_weight=True)
 
 
 #: CuteConfig fields whose default is None ("automatic"): a dict giving them None leaves them unset.

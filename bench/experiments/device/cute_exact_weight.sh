@@ -1,4 +1,6 @@
-# The cute backend's exact key weight (CuteConfig.exact_weight, 2026-12-07; off by default until this has run) on a
+# The cute backend's exact key weight (CuteConfig.exact_weight, 2026-12-07; written off by default, on by default since
+# this ran on an H100: docs/tuning.md 7.64, after which step 2's edit of config.py changes nothing and every contract
+# case must pass) on a
 # Hopper, one command (~8-9 min), after the CuTe DSL's first staging part (stage1.sh: PART=a carrying .device/p1a,
 # then PART=b carrying .device/p1b), doubling as its second staging run (STAGE2=1, carry .device/p2):
 #   STAGE2=1 BLOCKDIFF_COMMIT=<hash> bash bench/experiments/device/cute_exact_weight.sh

@@ -31,8 +31,11 @@ from cute_helpers import HAVE_FA4, compile_for_sm90_or_skip, needs_gpu
 
 
 # ---------------------------------------------------------------- the switch (CPU, no CuTe DSL)
-def test_exact_weight_is_a_bool_switch_off_by_default():
-    assert cc.CuteConfig().exact_weight is False
+def test_exact_weight_is_a_bool_switch_on_by_default():
+    """On by default since its GPU run (H100, 2026-12-07: the very-negative-scores batch NaN with it off, exact with
+    it on; docs/tuning.md 7.64); False stays for A/B runs."""
+    assert cc.CuteConfig().exact_weight is True
+    assert cc._split_switches(None)[1]["exact_weight"] is True
     assert cc.check_config(dict(exact_weight=True)) == dict(exact_weight=True)
     for bad in (1, None, "on"):
         with pytest.raises(TypeError, match="config exact_weight must be a bool"):
@@ -51,7 +54,7 @@ def test_exact_weight_survives_every_resolve_and_changes_the_compile_key(monkeyp
     got = cc.resolve_launch_config(hd, hd, None, dict(exact_weight=on), **launch)
     assert got.exact_weight is on
     assert got == dataclasses.replace(base, exact_weight=on)
-    assert (got == base) is (not on)
+    assert (got == base) is on  # on is the default
     assert cc.resolve_config(hd, hd, 5, cc.CuteConfig(exact_weight=on), 256, page_size=64).exact_weight is on
 
 
@@ -94,12 +97,12 @@ def test_exact_weight_runs_a_scale_below_2_pow_minus_120_in_log2_units_on_q_time
                num_causal_q=torch.tensor([0], dtype=torch.int32))
     want = attention_reference(q, **inp, scale=scale, return_lse=True)
     assert ca.positive_scale(q, abs(scale))[0] is q  # the switch off: as given (FA4's weight multiplies first)
-    # attention_cute reads the switch from the call's config (None, a dict or a CuteConfig; CuteConfig's default
-    # where unset, which the device script cute_exact_weight.sh turns on in its copy)
-    assert [ca._exact_weight_of(c) for c in (None, {}, dict(exact_weight=True), cc.CuteConfig(exact_weight=True))] \
-        == [False, False, True, True]
-    monkeypatch.setattr(cc.CuteConfig, "exact_weight", True)
-    assert ca._exact_weight_of(None) and ca._exact_weight_of({}) and not ca._exact_weight_of(dict(exact_weight=False))
+    # attention_cute reads the switch from the call's config (None, a dict or a CuteConfig; CuteConfig's default,
+    # on, where unset)
+    assert [ca._exact_weight_of(c) for c in (None, {}, dict(exact_weight=False), cc.CuteConfig(exact_weight=False))] \
+        == [True, True, False, False]
+    monkeypatch.setattr(cc.CuteConfig, "exact_weight", False)
+    assert not ca._exact_weight_of(None) and not ca._exact_weight_of({}) and ca._exact_weight_of(dict(exact_weight=True))
     q2, s2 = ca.positive_scale(q, scale, exact_weight=True)
     assert s2 > 0 and s2 * 1.4426950408889634 >= ca.MIN_EXACT_WEIGHT_SCALE_LOG2 and q2.dtype == q.dtype
     got = attention_reference(q2, **inp, scale=s2, return_lse=True)
