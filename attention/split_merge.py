@@ -14,12 +14,12 @@ A split's partial is its normalised output ``o_s`` and its softmax statistics, i
   log2 units) and its sum ``l_s = sum_keys exp2((s - m_s) * c)`` relative to it,
   ``[num_splits, 2, num_heads, total_q]`` float32 (plane 0 ``m``, plane 1 ``l``), with ``c`` (``scale_log2``) the
   kernel's log2 scale of that max. ``M = max_s m_s``, ``w_s = l_s * exp2((m_s - M) * c)``,
-  ``out = sum_s w_s o_s / sum_s w_s`` and ``lse = (M * c + log2(sum_s w_s)) * ln 2``: the flash-decoding merge on the online softmax's own ``(m, l)``
-  (FlashAttention-2's rescaling, Dao, 2023, arXiv:2307.08691, across splits instead of key blocks). ``m_s`` is
-  an exact fp32 score and ``m_s - M`` exact (Sterbenz) or one rounding relative to the difference, which only
-  far splits, of tiny weight, see: the weights carry no ulp of a large LSE, and the merged LSE is computed as a
-  one-split launch's is. A subtraction, then a multiply, into ``exp2`` (no FMA against a rounded max: the
-  kernels' rule, docs/ARCHITECTURE.md section 4).
+  ``out = sum_s w_s o_s / sum_s w_s`` and ``lse = (M * c + log2(sum_s w_s)) * ln 2``: the flash-decoding merge on
+  the online softmax's own ``(m, l)`` (FlashAttention-2's rescaling, Dao, 2023, arXiv:2307.08691, across splits
+  instead of key blocks). ``m_s`` is an exact fp32 score and ``m_s - M`` exact (Sterbenz) or one rounding relative
+  to the difference, which only far splits, of tiny weight, see: the weights carry no ulp of a large LSE, and the
+  merged LSE is computed as a one-split launch's is. A subtraction, then a multiply, into ``exp2`` (no FMA against
+  a rounded max: the kernels' rule, docs/ARCHITECTURE.md section 4).
 
 Every split's partial is multiplied by its weight, a weight of 0 included. A split whose weight underflows to 0
 therefore still passes on a non-finite entry, since ``0 * NaN`` and ``0 * Inf`` are NaN. That is what the dense

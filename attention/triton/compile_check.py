@@ -89,9 +89,10 @@ _PTX_INSTR = re.compile(r"^\s*(?:@%\w+\s+)?([a-z][\w.]*)\s+(%\w+)\s*,?\s*([^;]*)
 
 def exp2_operands_from_fma(ptx: str) -> int:
     """How many ``ex2.approx`` instructions of a PTX text take an operand an ``fma`` wrote (the last write before
-    them in the text, followed back through register-to-register ``mov``). The kernels' weights must be ``exp2((s - m) * c)``, a subtraction then a multiply: an FMA
-    into ``exp2`` against a rounded row max (``exp2(fma(s, c, -round(m * c)))``, which LLVM contracts a multiply
-    and a subtraction into) keeps the product's rounding error, inf or 0 for scores beyond ~2^31 in log2 units."""
+    them in the text, followed back through register-to-register ``mov``). The kernels' weights must be
+    ``exp2((s - m) * c)``, a subtraction then a multiply: an FMA into ``exp2`` against a rounded row max
+    (``exp2(fma(s, c, -round(m * c)))``, which LLVM contracts a multiply and a subtraction into) keeps the
+    product's rounding error, inf or 0 for scores beyond ~2^31 in log2 units."""
     writer, n = {}, 0
     for line in ptx.splitlines():
         m = _PTX_INSTR.match(line)

@@ -244,7 +244,9 @@ def test_scores_near_2e31_in_magnitude_give_the_one_hot_softmax_not_nan(backend,
     row's softmax one-hot on its least negative key. Was a NaN output and a non-finite LSE on the compiled triton
     backend (docs/tuning.md 7.63; the interpreter passed): its one-FMA weight ``exp2(fma(s, c, -round(max * c)))``
     kept the product's rounding error, up to half an ulp of the max (2^80 in log2 units here), so the row's best
-    key weighed inf or 0. FA4's softmax, which the cute backend runs, takes the same FMA: its row names the gap."""
+    key weighed inf or 0. FA4's one-FFMA weight takes the same FMA; the cute backend's default weight does not
+    (``CuteConfig.exact_weight``, on), so no row names the gap ``fma_against_a_rounded_max`` (a row that did would be
+    a strict xfail here)."""
     r = row(backend)
     r.expect_gap(request, "fma_against_a_rounded_max")
     # entries of 1e15 need bf16's or fp32's range (fp16 overflows: the cute row, whose last dtype is fp16, failed

@@ -385,3 +385,22 @@ def test_fuzz_against_reference(case):
     make_kw, call_kw = case
     inp = make_batch(**make_kw)
     run_and_check(inp, **call_kw)
+
+
+@pytest.mark.parametrize("scale", [-3e-37, 0.0, -65536.0])
+def test_split_kv_at_general_path_and_extreme_scales_gives_the_one_split_result_on_every_v_slice(scale):
+    """The raw-stats merge at the log2 scale of each path's stored max: scales whose ``|scale| * log2(e)`` is below
+    2**-120 (and 0) run the general path, whose splits store maxima already in log2 units (merged at c = 1);
+    ``|scale|`` = MAX_SCALE runs the raw-score path at its largest c (negated Q for the negative one). Four forced
+    splits, GQA 3 of 6 heads, V head-dim slices (BLOCK_DV 16 of 40: only slice 0 stores the statistics, every slice
+    normalises by its own), lazy rescaling, pages of 24 keys over 16-key blocks, a window: out and LSE match the
+    reference and the one-split launch (a coverage guard: it passes at the raw-stats merge's landing)."""
+    inp = make_batch(seq_lens=[50, 13, 30], q_lens=[9, 13, 30], num_causal_q=[0, 13, 11], num_heads=6,
+                     num_kv_heads=2, head_dim=16, head_dim_v=40, page_size=24, dtype=torch.float32, seed=5)
+    cfg = dict(SMALL, BLOCK_DV=16, LAZY_RESCALE=True)
+    o, lse = run_and_check(inp, config=dict(cfg, num_splits=4), scale=scale, window_size=3)
+    assert LAST_LAUNCH["num_splits"] == 4
+    one, lse1 = attention(**inp, backend="triton", scale=scale, window_size=3, return_lse=True,
+                          config=dict(cfg, num_splits=1))
+    torch.testing.assert_close(o, one, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(lse, lse1, rtol=1e-6, atol=1e-6)
