@@ -4,6 +4,7 @@
 - :func:`check_close`: the tolerance rule, below (:func:`reference_pair`: the oracle and the eager baseline;
   :func:`lse_magnitude`: the scores' magnitude behind the LSE bound).
 - :func:`make_underflow_batch`: a seen key whose weight underflows to 0 with non-finite V (the split merges' case).
+- :func:`make_very_negative_scores_batch`: scores near -2e31 (a one-FMA key weight against a rounded max fails there).
 - :func:`scale_v_per_sequence`: a batch's V scaled per sequence (mixed output magnitudes, for the per-sequence eager
   term).
 - :func:`poison_v_inside_seq_lens` / :func:`check_nonfinite_matches_reference`: NaN / Inf V at keys inside
@@ -461,6 +462,33 @@ def make_underflow_batch(head_dim: int, seq_len: int, key: int, values=(float("n
         kw["block_table"] = perm.to(torch.int32)[None]
     move = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
     return q.to(device), k.to(device), v.to(device), {n: move(t) for n, t in kw.items()}
+
+
+def make_very_negative_scores_batch(seq_lens, q_lens, *, q_sign: int = 1, seed: int = 0, **kwargs) -> dict:
+    """:func:`make_batch` with every score near -2e31: q = ``q_sign`` * 1e15, k = -1e15 (1 + u / 2), u uniform in
+    [0, 1) (seeded by ``seed``, as the batch is). Scores of ~1e31-1e32 are finite and inside the contract; each row's
+    softmax is one-hot on its least negative key (at scale ``q_sign``: ``q_sign = -1`` with scale -1 gives the same
+    scores). A kernel weighing keys ``exp2(fma(s, c, -round(max * c)))`` gives NaN rows here (docs/ARCHITECTURE.md
+    section 4, "Scores beyond ~2^31 in log2 units").
+
+    Args:
+        seq_lens, q_lens: as :func:`make_batch`. q_sign: 1 or -1. seed: the batch's and the keys' noise seed.
+        kwargs: more :func:`make_batch` arguments (``dtype`` bf16 or fp32: entries of 1e15 need their range).
+
+    Raises:
+        ValueError: ``q_sign`` not 1 or -1, or a ``dtype`` whose largest value is below 1e16 (fp16), plus whatever
+            :func:`make_batch` raises.
+    """
+    if q_sign not in (1, -1):
+        raise ValueError(f"q_sign must be 1 or -1, got {q_sign!r}")
+    dtype = kwargs.get("dtype", torch.bfloat16)
+    if torch.finfo(dtype).max < 1e16:
+        raise ValueError(f"dtype must hold entries of 1e15 (bf16 or fp32), got {dtype}")
+    inp = make_batch(seq_lens, q_lens, seed=seed, **kwargs)
+    u = torch.rand(inp["k_cache"].shape, generator=torch.Generator().manual_seed(seed))
+    inp["q"] = torch.full_like(inp["q"], 1e15 * q_sign)
+    inp["k_cache"] = (-1e15 * (1 + 0.5 * u)).to(dtype).to(inp["k_cache"].device)
+    return inp
 
 
 def poison_v_inside_seq_lens(inp: dict, seed: int, per_seq: int = 6) -> tuple[dict, list[tuple]]:

@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 
 from blockdiff.attention import BACKENDS, MAX_SCALE, attention, get_backend
 from blockdiff.attention.testing import (check_close, check_nonfinite_matches_reference, make_batch,
-                                        make_underflow_batch, poison_v_inside_seq_lens, scale_v_per_sequence)
+                                        make_underflow_batch, make_very_negative_scores_batch, poison_v_inside_seq_lens,
+                                        scale_v_per_sequence)
 
 from backend_matrix import MATRIX, MISSING_ROW, backend_params, row
 
@@ -252,11 +253,9 @@ def test_scores_near_2e31_in_magnitude_give_the_one_hot_softmax_not_nan(backend,
     # entries of 1e15 need bf16's or fp32's range (fp16 overflows: the cute row, whose last dtype is fp16, failed
     # building its input and so counted as the gap's expected failure without running)
     dtype = next(d for d in reversed(r.dtypes) if torch.finfo(d).max > 1e16)
-    inp = make_batch([40, 13, 30], [9, 13, 30], num_causal_q=[0, 13, 11], num_heads=4, num_kv_heads=2,
-                     dtype=dtype, head_dim=r.head_dim, page_size=r.page_sizes[-1], seed=73)
-    g = torch.Generator().manual_seed(73)
-    inp["q"] = torch.full_like(inp["q"], 1e15 * scale)  # scale -1 with -q: the same scores
-    inp["k_cache"] = (-1e15 * (1 + 0.5 * torch.rand(inp["k_cache"].shape, generator=g))).to(inp["k_cache"].dtype)
+    inp = make_very_negative_scores_batch([40, 13, 30], [9, 13, 30], num_causal_q=[0, 13, 11], num_heads=4,
+                                          num_kv_heads=2, dtype=dtype, head_dim=r.head_dim,
+                                          page_size=r.page_sizes[-1], q_sign=int(scale), seed=73)
     for w in (None, 5):
         o, lse = run_and_check(backend, inp, scale=scale, window_size=w)
         assert o.isfinite().all() and lse.isfinite().all()

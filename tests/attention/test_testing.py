@@ -350,3 +350,22 @@ def test_poison_v_inside_seq_lens_puts_nonfinite_values_only_at_the_positions_it
             assert (torch.isnan(got) and val != val) or float(got) == val
         again, pos2 = poison_v_inside_seq_lens(b, seed=3, per_seq=4)
         assert [(*p[:4], str(p[4])) for p in pos2] == [(*p[:4], str(p[4])) for p in pos]
+
+
+def test_very_negative_scores_batch_gives_scores_near_minus_2e31_and_refuses_fp16():
+    """The one builder of the scores-near--2e31 batch (three test files had their own; the contract's copy built its
+    1e15 entries in the cute row's fp16, overflowed, and so passed a strict xfail without running the kernel)."""
+    from blockdiff.attention.testing import make_very_negative_scores_batch
+
+    for sign in (1, -1):
+        inp = make_very_negative_scores_batch([9, 5], [3, 5], num_causal_q=[0, 5], dtype=torch.float32, q_sign=sign,
+                                              paged=False, seed=3)
+        s = torch.einsum("qhd,khd->qkh", inp["q"][:, :1].double(), inp["k_cache"][:, :1].double()) * sign
+        assert bool(((s < -1e31) & (s > -1e32)).all()) and torch.isfinite(inp["k_cache"]).all()
+    again = make_very_negative_scores_batch([9, 5], [3, 5], num_causal_q=[0, 5], dtype=torch.float32, seed=3,
+                                            paged=False)
+    assert torch.equal(again["k_cache"], inp["k_cache"])
+    with pytest.raises(ValueError, match="dtype must hold entries of 1e15"):
+        make_very_negative_scores_batch([4], [4], dtype=torch.float16)
+    with pytest.raises(ValueError, match="q_sign must be 1 or -1"):
+        make_very_negative_scores_batch([4], [4], q_sign=2)

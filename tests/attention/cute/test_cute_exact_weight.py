@@ -25,7 +25,7 @@ import torch
 from blockdiff.attention import attention
 from blockdiff.attention.cute import compile_check as cchk
 from blockdiff.attention.cute import config as cc
-from blockdiff.attention.testing import check_close, check_nonfinite_matches_reference, make_batch
+from blockdiff.attention.testing import check_close, check_nonfinite_matches_reference, make_very_negative_scores_batch
 
 from cute_helpers import HAVE_FA4, compile_for_sm90_or_skip, needs_gpu
 
@@ -102,7 +102,8 @@ def test_exact_weight_runs_a_scale_below_2_pow_minus_120_in_log2_units_on_q_time
     assert [ca._exact_weight_of(c) for c in (None, {}, dict(exact_weight=False), cc.CuteConfig(exact_weight=False))] \
         == [True, True, False, False]
     monkeypatch.setattr(cc.CuteConfig, "exact_weight", False)
-    assert not ca._exact_weight_of(None) and not ca._exact_weight_of({}) and ca._exact_weight_of(dict(exact_weight=True))
+    assert not ca._exact_weight_of(None) and not ca._exact_weight_of({})
+    assert ca._exact_weight_of(dict(exact_weight=True))
     q2, s2 = ca.positive_scale(q, scale, exact_weight=True)
     assert s2 > 0 and s2 * 1.4426950408889634 >= ca.MIN_EXACT_WEIGHT_SCALE_LOG2 and q2.dtype == q.dtype
     got = attention_reference(q2, **inp, scale=s2, return_lse=True)
@@ -216,12 +217,9 @@ def very_negative_scores_batch(head_dim: int, page_size: int, scale: float, seed
     """The contract case's batch on the GPU, plus a longer canvas (so that split-KV ranges hold several key
     blocks): scores near -2e31 and below in magnitude (q = +-1e15, k = -1e15 (1 + u / 2), bf16), finite and inside
     the contract, every row's softmax one-hot on its least negative key. ``scale`` -1 takes -q: the same scores."""
-    inp = make_batch([40, 13, 30, 700], [9, 13, 30, 64], num_causal_q=[0, 13, 11, 0], num_heads=4, num_kv_heads=2,
-                     head_dim=head_dim, page_size=page_size, dtype=torch.bfloat16, seed=seed)
-    g = torch.Generator().manual_seed(seed)
-    inp["q"] = torch.full_like(inp["q"], 1e15 * scale)
-    inp["k_cache"] = (-1e15 * (1 + 0.5 * torch.rand(inp["k_cache"].shape, generator=g))).to(torch.bfloat16)
-    return {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in inp.items()}
+    return make_very_negative_scores_batch([40, 13, 30, 700], [9, 13, 30, 64], num_causal_q=[0, 13, 11, 0],
+                                           num_heads=4, num_kv_heads=2, head_dim=head_dim, page_size=page_size,
+                                           dtype=torch.bfloat16, q_sign=int(scale), seed=seed, device="cuda")
 
 
 def _merges(hd: int):

@@ -43,17 +43,12 @@ def run_and_check(inp, *, config=None, window_size=None, bidirectional_window="s
     return o, lse
 
 
-def very_negative_scores_batch(dtype=torch.float32, **kwargs):
-    """A mixed batch whose scores all lie near -2e31 (scale 1: q = 1e15, k = -1e15 (1 + u / 2)): finite fp32
-    scores, inside the contract (|score| < 2**128), every row's softmax one-hot on its least negative key. ``kwargs``: more
+def very_negative_scores_batch(dtype=torch.float32, *, device=DEV, **kwargs):
+    """The contract's mixed batch with every score near -2e31, at scale 1
+    (:func:`blockdiff.attention.testing.make_very_negative_scores_batch`) on the tests' device. ``kwargs``: more
     :func:`make_batch` arguments (head dims, heads, page size)."""
-    inp = make_batch(seq_lens=[40, 13, 30], q_lens=[9, 13, 30], num_causal_q=[0, 13, 11], num_heads=4, num_kv_heads=2,
-                     dtype=dtype, **kwargs)
-    g = torch.Generator().manual_seed(0)
-    inp["q"] = torch.full_like(inp["q"], 1e15)
-    u = torch.rand(inp["k_cache"].shape, generator=g).to(inp["k_cache"].device)
-    inp["k_cache"] = (-1e15 * (1 + 0.5 * u)).to(dtype)
-    return inp
+    return testing.make_very_negative_scores_batch([40, 13, 30], [9, 13, 30], num_causal_q=[0, 13, 11], num_heads=4,
+                                                   num_kv_heads=2, dtype=dtype, device=device, **kwargs)
 
 
 def scores_near_1000_batch(dtype=torch.float32, *, scale=0.25, seed=0, **kwargs):
