@@ -45,8 +45,7 @@ import triton.language as tl
 from .env import triton_interpret
 from .validate import check_has_data, self_overlapping, share_elements
 
-_FP32_NORMAL_MIN = 2.0 ** -126
-_FP32_MAX = float(torch.finfo(torch.float32).max)
+_FP32 = torch.finfo(torch.float32)
 
 __all__ = ["cast", "interpreting", "merge_constexprs", "launch_merge", "merge_split_partials"]
 
@@ -195,7 +194,7 @@ def merge_split_partials(o_part: torch.Tensor, lse_part: torch.Tensor, out: torc
     if scale_log2 is not None:
         if isinstance(scale_log2, bool) or not isinstance(scale_log2, (int, float)):
             raise TypeError(f"scale_log2 must be None or a real number, got {type(scale_log2).__name__}")
-        if not _FP32_NORMAL_MIN <= scale_log2 <= _FP32_MAX:  # (NaN fails too) a normal, positive fp32: never 0 in
+        if not _FP32.tiny <= scale_log2 <= _FP32.max:  # (NaN fails too) a normal, positive fp32: never 0 in
             # the kernel, where an empty split's (-inf - M) * 0 would be NaN
             raise ValueError(f"scale_log2 must be a positive normal fp32 value (2**-126 to ~3.4e38), got {scale_log2}")
     if o_part.dim() != 4 or out.dim() != 3:

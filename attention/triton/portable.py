@@ -228,9 +228,7 @@ def _attn_block(acc, l_i, m_i, q, j, K, V, bt_row, k_base, k_head, v_head,
         # FA4's lazy rescaling: keep the stale max (p <= 2^8) unless some row's max grew by more than 8 (log2 units)
         # how far some row's max grew: +inf on a row's first key (m_i = -inf), exact otherwise (a clamp of m_i to
         # -1e30 here took rows whose scores all lie below -1e30 (log2 units) for never growing: p = 0 or inf)
-        grow = tl.where(m_cand > m_i, m_cand - m_i, 0.0)
-        if RAW_MAX:
-            grow = grow * qk_scale
+        grow = _log2_units(tl.where(m_cand > m_i, m_cand - m_i, 0.0), qk_scale, RAW_MAX)
         if tl.max(grow, 0) > 8.0:
             m_new = m_cand
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)

@@ -21,8 +21,6 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ..validate import LOG2E, MIN_RAW_WEIGHT_SCALE_LOG2
 
 GLUON_HEAD_DIMS = (64, 128, 256, 512)
-#: The smallest normal fp32 (2**-126).
-MIN_NORMAL_FP32 = 2.0 ** -126
 #: The least ``|scale| * LOG2E`` the kernels' raw-score paths take (2**-120;
 #: :data:`..validate.MIN_RAW_WEIGHT_SCALE_LOG2` says why). Scales below it are scaled first.
 MIN_RAW_MAX_QK_SCALE = MIN_RAW_WEIGHT_SCALE_LOG2
@@ -33,11 +31,11 @@ def positive_kernel_scale(scale: float) -> bool:
     ``qk_scale = scale * LOG2E`` at least :data:`MIN_RAW_MAX_QK_SCALE` (2**-120), so that the row max of raw scores
     is the row max of scaled ones, a masked score's ``-inf`` stays ``-inf`` once scaled, and a raw difference
     ``s - m`` that overflows to ``-inf`` weighs what the key's exact weight rounds to (0). A positive scale below
-    ``MIN_NORMAL_FP32 / LOG2E`` rounds to 0 in fp32 (``-inf * 0`` was NaN in every row with a masked key: scale
-    1e-300) or to a subnormal a flush-to-zero multiply takes for 0; one below ``MIN_RAW_MAX_QK_SCALE / LOG2E``
-    drops keys of weight up to 2**-4 (:data:`MIN_RAW_MAX_QK_SCALE`): such scales, 0 and negative ones run the
-    portable kernel."""
-    return scale * LOG2E >= MIN_RAW_MAX_QK_SCALE
+    ``2**-126 / LOG2E`` (the least normal fp32) rounds to 0 in fp32 (``-inf * 0`` was NaN in every row with a masked
+    key: scale 1e-300) or to a subnormal a flush-to-zero multiply takes for 0; one below
+    ``MIN_RAW_MAX_QK_SCALE / LOG2E`` drops keys of weight up to 2**-4 (:data:`MIN_RAW_MAX_QK_SCALE`): such scales, 0
+    and negative ones run the portable kernel."""
+    return scale > 0 and normal_kernel_scale(scale)
 
 
 def normal_kernel_scale(scale: float) -> bool:
