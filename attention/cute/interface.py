@@ -213,7 +213,7 @@ def attention_cute(
             dim 256 and the scan elsewhere (:func:`~blockdiff.attention.cute.config.resolve_nan_safe_v_method`).
             ``exact_weight=True`` weighs each key ``exp2((s - max) * scale_log2)`` instead of FA4's one FFMA
             against a rounded ``max * scale_log2`` (which gives NaN rows for scores beyond ~2^31 in log2 units);
-            default False (:class:`~blockdiff.attention.cute.config.CuteConfig`).
+            default True (:class:`~blockdiff.attention.cute.config.CuteConfig`; False, FA4's weight, for A/B runs).
 
     Returns:
         ``out [total_q, num_heads, head_dim_v]`` (q's dtype) or ``(out, lse)``.

@@ -586,8 +586,9 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
     ``wide_offsets`` (compile-time, default False): the NaN-safe fix-up's and the recompute's own reads of Q / K / V
     (cold paths) index with 64-bit row and page coordinates; needed when a tensor holds 2^31 elements or more (the
     interface sets it from the storage sizes). FA4's own loads are TMA / 64-bit already.
-    ``exact_weight`` (compile-time bool, default False; config ``CuteConfig.exact_weight``): the online softmax
-    weighs each key ``exp2((s - m) * scale_log2)`` (:class:`ExactWeightSoftmax`) instead of FA4's one FFMA
+    ``exact_weight`` (compile-time bool, default False here, FA4's weight; ``CuteConfig.exact_weight``, on by default,
+    sets it for every launch of the backend): the online softmax weighs each key ``exp2((s - m) * scale_log2)``
+    (:class:`ExactWeightSoftmax`) instead of FA4's one FFMA
     ``exp2(s * scale_log2 - m * scale_log2)``, which gives NaN rows for scores beyond ~2^31 in log2 units; with
     ``nan_safe_v_method="recompute"`` the recompute weighs its keys the same way (:meth:`_recompute_warp`). FA4's
     consumer gets it through :meth:`trace_patches`, the wide kernels through :meth:`_make_softmax`.
