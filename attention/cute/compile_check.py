@@ -87,6 +87,8 @@ LOOP_OPS = (
     ("BAR.ARV", r"BAR\.ARV\b"),                     # named barrier: arrive
     ("MUFU.EX2", r"MUFU\.EX2\b"),                   # exp2 of the softmax
     ("FMUL", r"FMUL\b"),                            # e.g. the rescale of O
+    ("FFMA", r"FFMA\b"),                            # e.g. FA4's key weight s * c - m * c
+    ("VOTE.ALL", r"VOTE\.ALL\b"),                   # exact_weight "auto": the warp's choice of key weight
     ("SYNCS", r"SYNCS\b"),                          # mbarrier arrive / try-wait
     ("UTMALDG", r"UTMALDG\b"),                      # TMA loads issued
     ("LDG", r"LDG\b"),                              # global loads (page-table entries)

@@ -129,7 +129,11 @@ class CuteConfig:
     scale_log2)``, one FFMA against the rounded product ``max * scale_log2``, which keeps that product's rounding
     error (up to half an ulp of it) and gives the row's best key inf or 0, a NaN row, for scores beyond ~2^31 in log2
     units (near -2e31 at scale 1): outside the contract there, kept for A/B runs (docs/ARCHITECTURE.md section 4).
-    Not a tile field.
+    ``"auto"`` chooses per warp and key block: FA4's FFMA where every row of the warp has ``|max * scale_log2|``
+    below :data:`EXACT_WEIGHT_FFMA_BELOW` (2**8; its error is then at most 2**-16 in log2 units, a relative weight
+    error of 1e-5, 40x below fp16's rounding), the exact weight elsewhere (a warp-uniform branch, so each side
+    runs as straight-line code): never the NaN rows of False, at nearly FA4's cost on ordinary scores. Not a tile
+    field.
     """
 
     tile_m: int | None = None
@@ -148,7 +152,15 @@ class CuteConfig:
     k_refill: str = "auto"
     skip_allowed_first: bool | str = "auto"
     nan_safe_v_method: str = "auto"
-    exact_weight: bool = True
+    exact_weight: bool | str = True
+
+
+#: ``CuteConfig.exact_weight="auto"``: FA4's one-FFMA key weight where every row of a warp has ``|max *
+#: scale_log2|`` below this (2**8: the FFMA's error, half an ulp of that product, is then at most 2**-16 in log2
+#: units; ordinary attention scores stay far below it), the exact weight elsewhere.
+EXACT_WEIGHT_FFMA_BELOW = 2.0 ** 8
+#: The values of ``CuteConfig.exact_weight``.
+EXACT_WEIGHTS = (True, False, "auto")
 
 
 #: The merges of split-KV partial outputs (CuteConfig.split_merge).
@@ -542,7 +554,14 @@ def _check_field(name: str, v) -> None:
         if v not in choices:
             raise ValueError(f"config {name} must be one of {choices}, got {v!r}")
         return
-    if name in ("nan_safe_v", "exact_weight"):
+    if name == "exact_weight":  # True, False or "auto" (1 / 0 / None are not: no coercion)
+        if isinstance(v, str):
+            if v != "auto":
+                raise ValueError(f"config exact_weight must be True, False or 'auto', got {v!r}")
+        elif not isinstance(v, bool):
+            raise TypeError(f"config exact_weight must be a bool or 'auto', got {type(v).__name__} ({v!r})")
+        return
+    if name == "nan_safe_v":
         if not isinstance(v, bool):
             raise TypeError(f"config {name} must be a bool, got {type(v).__name__} ({v!r})")
         return
@@ -586,7 +605,7 @@ def check_config(config, *, head_dims: tuple[int, int] | None = None):
     ``wide_design="split_v"`` (with ``"auto"``, :func:`resolve_config` refuses it where ``"auto"`` does not pick
     the roles kernel); ``qk_issue``: one of :data:`QK_ISSUES`, ``"ahead"`` as ``"halves"``; ``k_refill``: one of
     :data:`K_REFILLS`, ``"halves"`` as ``v_refill``'s; ``skip_allowed_first``: ``"auto"`` or a bool;
-    ``nan_safe_v_method``: one of :data:`NAN_SAFE_V_METHODS`; ``exact_weight``: a bool.
+    ``nan_safe_v_method``: one of :data:`NAN_SAFE_V_METHODS`; ``exact_weight``: a bool or ``"auto"``.
     Kernel-specific rules (the split-value kernel's tiles, shared memory, whether the cluster merge's tile fits)
     are :func:`resolve_config`'s and :func:`resolve_launch_config`'s. ``head_dims`` (keyword; ``(head_dim,
     head_dim_v)`` where the call knows them): a ``"halves"`` value those head dims cannot take is refused by its

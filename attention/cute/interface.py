@@ -36,8 +36,8 @@ import torch
 from ..validate import (LOG2E, MIN_RAW_WEIGHT_SCALE_LOG2, check_attention_inputs, check_no_autograd,
                         length_hint_value, memory_overlaps)
 from .compile_cache import make_compile_cache
-from .config import (REQUIRED, WIDE_MAX_PAGE_BOXES, check_config, is_wide, kv_load_path, resolve_launch_config,
-                     unsupported_head_dims)
+from .config import (EXACT_WEIGHT_FFMA_BELOW, REQUIRED, WIDE_MAX_PAGE_BOXES, check_config, is_wide, kv_load_path,
+                     resolve_launch_config, unsupported_head_dims)
 # re-exported for bench/, which imports them from this module (their home is config.py / blocks.py)
 from .blocks import tile_plan  # noqa: F401
 from .config import SMEM_LIMIT_BYTES, CuteConfig, config_smem_bytes  # noqa: F401
@@ -213,7 +213,9 @@ def attention_cute(
             dim 256 and the scan elsewhere (:func:`~blockdiff.attention.cute.config.resolve_nan_safe_v_method`).
             ``exact_weight=True`` weighs each key ``exp2((s - max) * scale_log2)`` instead of FA4's one FFMA
             against a rounded ``max * scale_log2`` (which gives NaN rows for scores beyond ~2^31 in log2 units);
-            default True (:class:`~blockdiff.attention.cute.config.CuteConfig`; False, FA4's weight, for A/B runs).
+            default True (:class:`~blockdiff.attention.cute.config.CuteConfig`; False, FA4's weight, for A/B runs);
+            ``"auto"`` keeps FA4's FFMA on a warp's key block where every row's ``|max * scale_log2|`` is below
+            2**8 (its error is then at most 2**-16 in log2 units) and weighs exactly elsewhere.
 
     Returns:
         ``out [total_q, num_heads, head_dim_v]`` (q's dtype) or ``(out, lse)``.
@@ -273,10 +275,11 @@ MIN_EXACT_WEIGHT_SCALE_LOG2 = MIN_RAW_WEIGHT_SCALE_LOG2
 
 
 def _exact_weight_of(config) -> bool:
-    """``config``'s ``exact_weight`` (None, a dict or a CuteConfig, already checked by ``check_config``): a dict
-    without it and None take :class:`CuteConfig`'s default, as the resolved config does."""
+    """Whether ``config``'s ``exact_weight`` (None, a dict or a CuteConfig, already checked by ``check_config``)
+    weighs any key exactly (True or ``"auto"``): a dict without it and None take :class:`CuteConfig`'s default, as
+    the resolved config does."""
     if isinstance(config, CuteConfig):
-        return config.exact_weight
+        return bool(config.exact_weight)
     return bool((config or {}).get("exact_weight", CuteConfig.exact_weight))
 
 
@@ -553,7 +556,8 @@ def _compile(fa, key, q, k, v, out, lse, scale, cu_q, cu_k, seqused_k, page_tabl
         skip_allowed_first=cfg.skip_allowed_first,
         nan_safe_v_method=cfg.nan_safe_v_method,
         wide_offsets=wide_offsets,
-        exact_weight=cfg.exact_weight,
+        exact_weight=bool(cfg.exact_weight),  # "auto": the exact weight where FA4's FFMA would err (below)
+        ffma_weight_below=EXACT_WEIGHT_FFMA_BELOW if cfg.exact_weight == "auto" else 0.0,
         **split,
     )
     small = lambda t, lead=0: None if t is None else tct(t, assumed_align=4, leading_dim=lead)  # noqa: E731

@@ -186,6 +186,10 @@ F32_EXP_MASK = 0x7F800000
 NR_FFMA_CHAINS = 4
 #: log2(e), natural-log LSEs to base 2 (the recompute's P = exp2(S * scale_log2 - lse * LOG2_E)).
 LOG2_E = 1.4426950408889634
+#: The largest ``ffma_weight_below`` a kernel takes: below ``|max * scale_log2| = 2**16`` FA4's FFMA weight errs by
+#: at most half an ulp of that product, 2**-9 in log2 units (a relative weight error of 0.14 %, about bf16's own
+#: rounding); past it the FFMA's error would exceed the outputs' precision.
+MAX_FFMA_WEIGHT_BELOW = 2.0 ** 16
 
 #: Int64 shared-memory slots of the recompute's addresses (:meth:`FlashAttentionForwardSm90Mixed._stash_write`): Q,
 #: K, V, the page table and the counter, each its address and its dynamic strides and shapes. At most 24: a strided
@@ -422,6 +426,13 @@ class ExactWeightSoftmax(Softmax):
     ``q * 2**-24``: ``interface.positive_scale``; below it a raw ``s - m`` overflowing to ``-inf`` would drop a key
     of weight up to 2**-4).
 
+    ``ffma_below`` (compile time, default 0: off): per row and key block, where every row of the warp has
+    ``|m * scale_log2| < ffma_below`` (a ``vote.all``; NaN or inf maxima take the exact side), the weight is FA4's
+    FFMA ``exp2(s * scale_log2 - round(m * scale_log2))``, which errs there by at most ``ffma_below * 2**-25`` in log2
+    units (2**-17 at ``config.EXACT_WEIGHT_FFMA_BELOW``, 2**8); elsewhere the exact weight. The branch is uniform
+    per warp, so each side runs as straight-line code and one set of exp2s follows it. The rescale and LSE are as
+    above either way; the recompute's exact weights then differ from the mainloop's by that error at most.
+
     ``keep_inv_sum`` (compile time): :meth:`finalize` also keeps the normalisation factor it applies to O
     (``1 / l``, or 1 for a zero or NaN sum: FA4's rule) in ``row_inv_sum`` (fp32 ``[num_rows]``), for NaN-safe V's
     recompute (``FlashAttentionForwardSm90Mixed._recompute_warp``), which then weighs a key exactly as the mainloop
@@ -430,17 +441,19 @@ class ExactWeightSoftmax(Softmax):
 
     keep_inv_sum: cutlass.Constexpr[bool] = False
     row_inv_sum: Optional[cute.Tensor] = None
+    ffma_below: cutlass.Constexpr[float] = 0.0
 
     @staticmethod
     def create(scale_log2: Float32, num_rows: cutlass.Constexpr[int], arch: cutlass.Constexpr[int] = 80,
-               softmax_scale: Optional[Float32] = None, keep_inv_sum: cutlass.Constexpr[bool] = False):
+               softmax_scale: Optional[Float32] = None, keep_inv_sum: cutlass.Constexpr[bool] = False,
+               ffma_below: cutlass.Constexpr[float] = 0.0):
         """FA4's ``Softmax.create`` for this class (register tensors ``row_max`` / ``row_sum``, and
         ``row_inv_sum`` with ``keep_inv_sum``), trace time."""
         row_max = cute.make_rmem_tensor(num_rows, Float32)
         row_sum = cute.make_rmem_tensor(num_rows, Float32)
         inv = cute.make_rmem_tensor(num_rows, Float32) if keep_inv_sum else None
         return ExactWeightSoftmax(scale_log2, num_rows, row_max, row_sum, arch, softmax_scale,
-                                  keep_inv_sum=keep_inv_sum, row_inv_sum=inv)
+                                  keep_inv_sum=keep_inv_sum, row_inv_sum=inv, ffma_below=float(ffma_below))
 
     @cute.jit
     def online_softmax(self, acc_S: cute.Tensor, is_first: cutlass.Constexpr[bool] = False,
@@ -462,8 +475,20 @@ class ExactWeightSoftmax(Softmax):
             row_max[r] = row_max_cur  # the raw max, before it is made safe for -inf
             if const_expr(check_inf):
                 row_max_cur = 0.0 if row_max_cur == -Float32.inf else row_max_cur
-            # the exact weight: subtract, then multiply (no FFMA against a rounded max * scale_log2)
-            acc_S_row_exp = cute.math.exp2((acc_S_row - row_max_cur) * scale_log2, fastmath=True)
+            if const_expr(self.ffma_below > 0.0):
+                # "auto": FA4's one FFMA where every row of the warp has |max * scale_log2| < ffma_below (its error,
+                # half an ulp of that product, is then at most ffma_below * 2**-25 in log2 units), else the exact
+                # weight; warp-uniform, so each branch runs as straight-line code
+                row_max_cur_scaled = row_max_cur * scale_log2
+                if cute.arch.vote_all_sync(fa_utils.fmax(row_max_cur_scaled, -row_max_cur_scaled) < self.ffma_below):
+                    acc_S_mn[r, None].store(
+                        cute.math.exp2(acc_S_row * scale_log2 - row_max_cur_scaled, fastmath=True))
+                else:
+                    acc_S_mn[r, None].store(cute.math.exp2((acc_S_row - row_max_cur) * scale_log2, fastmath=True))
+                acc_S_row_exp = acc_S_mn[r, None].load()
+            else:
+                # the exact weight: subtract, then multiply (no FFMA against a rounded max * scale_log2)
+                acc_S_row_exp = cute.math.exp2((acc_S_row - row_max_cur) * scale_log2, fastmath=True)
             if const_expr(is_first):
                 acc_S_row_sum = fa_utils.fadd_reduce(acc_S_row_exp, init_val=None, arch=arch)
                 row_scale[r] = 1.0
@@ -471,7 +496,8 @@ class ExactWeightSoftmax(Softmax):
                 row_scale[r] = cute.math.exp2((row_max_prev - row_max_cur) * scale_log2, fastmath=True)
                 acc_S_row_sum = fa_utils.fadd_reduce(acc_S_row_exp, init_val=row_sum[r] * row_scale[r], arch=arch)
             row_sum[r] = acc_S_row_sum
-            acc_S_mn[r, None].store(acc_S_row_exp)
+            if const_expr(self.ffma_below <= 0.0):  # (the "auto" branches stored it)
+                acc_S_mn[r, None].store(acc_S_row_exp)
         return row_scale
 
     @cute.jit
@@ -592,6 +618,10 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
     ``exp2(s * scale_log2 - m * scale_log2)``, which gives NaN rows for scores beyond ~2^31 in log2 units; with
     ``nan_safe_v_method="recompute"`` the recompute weighs its keys the same way (:meth:`_recompute_warp`). FA4's
     consumer gets it through :meth:`trace_patches`, the wide kernels through :meth:`_make_softmax`.
+    ``ffma_weight_below`` (compile-time float in [0, :data:`MAX_FFMA_WEIGHT_BELOW`], default 0: off; with
+    ``exact_weight`` only; ``CuteConfig.exact_weight="auto"`` sets ``config.EXACT_WEIGHT_FFMA_BELOW``): per row and
+    key block, FA4's FFMA weight where every row of the warp has ``|max * scale_log2|`` below it, the exact weight
+    elsewhere (:attr:`ExactWeightSoftmax.ffma_below`).
 
     Raises:
         ValueError: ``batch_order`` other than ``"given"`` / ``"work"``; a ``v_refill``, ``qk_issue`` or
@@ -599,7 +629,9 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
             a ``kv_page_size`` the page boxes cannot load; ``nan_safe_v_method`` not ``"scan"`` / ``"recompute"``,
             or ``"recompute"`` in a class that does not build it.
         TypeError: ``skip_allowed_first`` or ``exact_weight`` not a bool (``"auto"`` resolves in the config, never
-            here).
+            here); ``ffma_weight_below`` not an int or float.
+        ValueError (also): ``ffma_weight_below`` outside ``[0, MAX_FFMA_WEIGHT_BELOW]``, or above 0 without
+            ``exact_weight``.
     """
 
     #: The ``v_refill`` values this class builds (kernel_roles.py adds ``"halves"``).
@@ -645,7 +677,7 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
                  nan_safe_v: bool = False, batch_order: str = "given", v_refill: str = "one_warp",
                  qk_issue: str = "serial", k_refill: str = "whole", skip_allowed_first: bool = False,
                  nan_safe_v_method: str = "scan", wide_offsets: bool = False, exact_weight: bool = False,
-                 **kwargs):
+                 ffma_weight_below: float = 0.0, **kwargs):
         kwargs["is_causal"] = False
         kwargs["is_local"] = True
         # FA4's (dtype, head_dim, head_dim_v, ...): the real head dims (FA4 keeps the 16-padded tile_hdim / tile_hdimv;
@@ -686,6 +718,15 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         if not isinstance(exact_weight, bool):
             raise TypeError(f"exact_weight must be a bool, got {type(exact_weight).__name__} ({exact_weight!r})")
         self.exact_weight = exact_weight
+        if isinstance(ffma_weight_below, bool) or not isinstance(ffma_weight_below, (int, float)):
+            raise TypeError(f"ffma_weight_below must be a float, got {type(ffma_weight_below).__name__} "
+                            f"({ffma_weight_below!r})")
+        if not 0.0 <= ffma_weight_below <= MAX_FFMA_WEIGHT_BELOW:
+            raise ValueError(f"ffma_weight_below must be in [0, {MAX_FFMA_WEIGHT_BELOW}], got {ffma_weight_below!r}")
+        if ffma_weight_below > 0.0 and not exact_weight:
+            raise ValueError("ffma_weight_below > 0 needs exact_weight=True (it chooses between FA4's weight and the "
+                             "exact one)")
+        self.ffma_weight_below = float(ffma_weight_below)
         self._exact_softmax = None  # the consumer's ExactWeightSoftmax of this trace (_make_softmax)
         self.batch_order = batch_order
         # trace-time hand-offs of the NaN-safe V path (set in kernel() / mma(); see _nan_safe_setup)
@@ -759,7 +800,7 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
         if not self.exact_weight:
             return Softmax.create(scale_log2, num_rows=num_rows, arch=arch, softmax_scale=softmax_scale)
         sm = ExactWeightSoftmax.create(scale_log2, num_rows, arch=arch, softmax_scale=softmax_scale,
-                                       keep_inv_sum=self.nan_recompute)
+                                       keep_inv_sum=self.nan_recompute, ffma_below=self.ffma_weight_below)
         self._exact_softmax = sm
         return sm
 

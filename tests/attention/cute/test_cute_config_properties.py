@@ -100,7 +100,7 @@ _FIELDS = dict(
     k_refill=st.sampled_from(cc.K_REFILLS),
     skip_allowed_first=st.sampled_from(cc.SKIP_ALLOWED_FIRST_VALUES),
     nan_safe_v_method=st.sampled_from(cc.NAN_SAFE_V_METHODS),
-    exact_weight=st.booleans(),
+    exact_weight=st.sampled_from(cc.EXACT_WEIGHTS),
 )
 _FIELDS_WITH_NONE = dict(_FIELDS, tile_m=st.sampled_from([None, 64, 128]),
                          tile_n=st.sampled_from([None, 16, 32, 48, 64, 128]))

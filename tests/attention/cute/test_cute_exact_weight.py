@@ -25,7 +25,8 @@ import torch
 from blockdiff.attention import attention
 from blockdiff.attention.cute import compile_check as cchk
 from blockdiff.attention.cute import config as cc
-from blockdiff.attention.testing import check_close, check_nonfinite_matches_reference, make_very_negative_scores_batch
+from blockdiff.attention.testing import (check_close, check_nonfinite_matches_reference, make_batch,
+                                        make_very_negative_scores_batch)
 
 from cute_helpers import HAVE_FA4, compile_for_sm90_or_skip, needs_gpu
 
@@ -37,13 +38,17 @@ def test_exact_weight_is_a_bool_switch_on_by_default():
     assert cc.CuteConfig().exact_weight is True
     assert cc._split_switches(None)[1]["exact_weight"] is True
     assert cc.check_config(dict(exact_weight=True)) == dict(exact_weight=True)
-    for bad in (1, None, "on"):
-        with pytest.raises(TypeError, match="config exact_weight must be a bool"):
+    assert cc.check_config(dict(exact_weight="auto")) == dict(exact_weight="auto")
+    for bad in (1, None, 0.0):
+        with pytest.raises(TypeError, match="config exact_weight must be a bool or 'auto'"):
+            cc.check_config(dict(exact_weight=bad))
+    for bad in ("on", "AUTO", ""):
+        with pytest.raises(ValueError, match="config exact_weight must be True, False or 'auto'"):
             cc.check_config(dict(exact_weight=bad))
 
 
 @pytest.mark.parametrize("hd", [64, 128, 256, 512])
-@pytest.mark.parametrize("on", [False, True])
+@pytest.mark.parametrize("on", [False, True, "auto"])
 def test_exact_weight_survives_every_resolve_and_changes_the_compile_key(monkeypatch, hd, on):
     """A switch, not a tile field: setting only it keeps the automatic tiles, every resolve keeps its value, and the
     resolved configs (the interface's compile key holds the whole config) differ only in it."""
@@ -54,7 +59,7 @@ def test_exact_weight_survives_every_resolve_and_changes_the_compile_key(monkeyp
     got = cc.resolve_launch_config(hd, hd, None, dict(exact_weight=on), **launch)
     assert got.exact_weight is on
     assert got == dataclasses.replace(base, exact_weight=on)
-    assert (got == base) is on  # on is the default
+    assert (got == base) is (on is True)  # True is the default
     assert cc.resolve_config(hd, hd, 5, cc.CuteConfig(exact_weight=on), 256, page_size=64).exact_weight is on
 
 
@@ -75,6 +80,56 @@ def _exact_weight_softmax(q, k, v, scale):
     m = s.max()
     p = torch.exp2((s - m) * c)
     return (p @ v.float()) / p.sum(), (m * c + torch.log2(p.sum())) * 0.6931471805599453
+
+
+def _auto_online_softmax(s: torch.Tensor, v: torch.Tensor, c: float, ffma_below: float, block: int = 128):
+    """``ExactWeightSoftmax.online_softmax`` with ``ffma_below`` on one row in fp32 (an emulation: FA4's FFMA
+    ``fma(s, c, -round(m * c))`` rounded once, its product exact in fp64), key block by key block: the weights of a
+    block whose ``|m * c|`` is below ``ffma_below`` are the FFMA's, else ``exp2((s - m) * c)``; the rescale
+    ``exp2((m_prev - m) * c)`` either way. Returns the normalised output (fp64)."""
+    f32 = torch.float32
+    c32 = torch.tensor(c, dtype=f32)
+    m = torch.tensor(-float("inf"), dtype=f32)
+    l = torch.zeros((), dtype=torch.float64)
+    o = torch.zeros(v.shape[1], dtype=torch.float64)
+    for j in range(0, s.numel(), block):
+        sb, vb = s[j:j + block], v[j:j + block].double()
+        m_new = torch.maximum(m, sb.max())
+        mc = (m_new * c32).to(f32)
+        if mc.abs() < ffma_below:  # FA4's FFMA: s * c exact, minus the rounded m * c, one rounding
+            x = (sb.double() * c32.double() - mc.double()).to(f32)
+        else:
+            x = ((sb - m_new).to(f32) * c32).to(f32)
+        w = torch.exp2(x).double()
+        r = torch.exp2(((m - m_new) * c32).to(f32)).double() if j else torch.ones((), dtype=torch.float64)
+        l, o, m = l * r + w.sum(), o * r + w @ vb, m_new
+    return o / l
+
+
+@pytest.mark.parametrize("offset", [0.0, 170.0, 1e6, -3e31])
+def test_ffma_weight_below_the_auto_threshold_errs_like_fp32_not_like_bf16(offset):
+    """``exact_weight="auto"``'s threshold (config.EXACT_WEIGHT_FFMA_BELOW, 2**8), on one row of scores ``offset``
+    plus a ramp and noise of order 1 (its running max climbs from key block to key block): below the threshold
+    (``|offset| * log2(e)`` < 2**8) FA4's FFMA weight, half an ulp of ``m * c`` off (at most 2**-16 in log2 units),
+    gives an output within 2**-16 of the fp64 softmax relative to the largest |V| (bf16's output rounding is
+    2**-9); at ``m * c`` near 2**20 the FFMA alone errs by more than 2**-12 and near 2**105 gives NaN, where the
+    threshold takes the exact weight, within the same 2**-16."""
+    g = torch.Generator().manual_seed(1)
+    n = 1024
+    s = (offset + torch.linspace(0.0, 3.0, n) + torch.randn(n, generator=g)).to(torch.float32)
+    v = torch.randn(n, 8, generator=g).to(torch.float32)
+    c = 1.4426950408889634
+    ref = torch.softmax((s.double() - s.double().max()) * c * 0.6931471805599453, 0) @ v.double()
+    bound = 2 ** -16 * v.abs().max().item()
+    for below in (cc.EXACT_WEIGHT_FFMA_BELOW, 0.0):  # "auto", then always exact
+        assert (_auto_online_softmax(s, v, c, below) - ref).abs().max().item() <= bound, below
+    ffma = _auto_online_softmax(s, v, c, float("inf"))  # FA4's FFMA everywhere
+    if abs(offset) * c < cc.EXACT_WEIGHT_FFMA_BELOW:
+        assert (ffma - ref).abs().max().item() <= bound
+    elif abs(offset) < 1e30:
+        assert (ffma - ref).abs().max().item() > 2 ** -12 * v.abs().max().item()
+    else:
+        assert ffma.isnan().any()
 
 
 @pytest.mark.parametrize("scale", [1.2e-38, -1.2e-38, 2.0 ** -121, 4e-37])
@@ -212,6 +267,35 @@ def test_exact_weight_compiles_with_no_exp2_fed_by_an_ffma(spec):
     assert on["setmaxreg"] == off["setmaxreg"]
 
 
+@pytest.mark.skipif(not HAVE_FA4, reason="compiling needs flash-attn-4==4.0.0b36 and nvidia-cutlass-dsl==4.8.1 "
+                    "(not installed here)")
+@pytest.mark.parametrize("spec", [s for _, s in COMPILE_SPECS], ids=[n for n, _ in COMPILE_SPECS])
+def test_exact_weight_auto_compiles_both_weights_behind_one_warp_vote_per_row(spec):
+    """``"auto"``: every key-block loop with the softmax's exp2s holds a ``VOTE.ALL`` (the warp's choice per row) and both weights, FA4's
+    FFMAs and the exact one's FMULs (at least as many as True's); the kernel has as many exp2s as True's (the
+    branches compute the exponent, one exp2 after them), no local memory in the loops and no spills where True
+    has none, and the same register split."""
+    exact, auto = _compile(spec, True), _compile(spec, "auto")
+    assert auto["config"]["exact_weight"] == "auto"
+    assert auto["ex2_operands"]["ex2"] == exact["ex2_operands"]["ex2"], (exact["ex2_operands"], auto["ex2_operands"])
+    assert auto["ex2_operands"]["from_ffma"] > 0, auto["ex2_operands"]
+    assert len(auto["loops"]) == len(exact["loops"]) > 0
+    softmax_loops = 0
+    for a, e in zip(auto["loops"], exact["loops"]):
+        assert a["MUFU.EX2"] == e["MUFU.EX2"] and a["STL/LDL"] == e["STL/LDL"] == 0, (a, e)
+        if e["MUFU.EX2"] == 0:  # a loop without the softmax (the wide kernels' value-only warpgroups)
+            assert a["VOTE.ALL"] == 0, (a, e)
+            continue
+        softmax_loops += 1
+        assert a["VOTE.ALL"] >= 1 and e["VOTE.ALL"] == 0, (a, e)
+        assert a["FFMA"] > e["FFMA"] and a["FMUL"] >= e["FMUL"], (a, e)
+    assert softmax_loops > 0
+    for key in ("spill_store_bytes", "spill_load_bytes"):
+        if exact[key] == 0:
+            assert auto[key] == 0, (key, exact[key], auto[key])
+    assert auto["setmaxreg"] == exact["setmaxreg"]
+
+
 # ---------------------------------------------------------------- GPU
 def very_negative_scores_batch(head_dim: int, page_size: int, scale: float, seed: int = 73) -> dict:
     """The contract case's batch on the GPU, plus a longer canvas (so that split-KV ranges hold several key
@@ -240,18 +324,61 @@ GPU_CASES = [(64, 16, {}), (128, 128, {}), (256, 64, {}), (512, 64, dict(wide_de
 @pytest.mark.parametrize("hd,page,config", GPU_CASES, ids=["hd64", "hd128", "hd256", "hd512_split_v", "hd512_roles"])
 @pytest.mark.parametrize("scale", [1.0, -1.0])
 @pytest.mark.parametrize("window", [None, 5])
-def test_gpu_scores_near_2e31_give_the_one_hot_softmax_with_exact_weight(hd, page, config, scale, window):
-    """With ``exact_weight`` every row's output is its least negative key's V and its LSE finite, unsplit and
-    split (Triton and cluster merges), against the fp64 reference (the contract case, which FA4's weight fails)."""
+@pytest.mark.parametrize("exact", [True, "auto"], ids=["exact", "auto"])
+def test_gpu_scores_near_2e31_give_the_one_hot_softmax_with_exact_weight(hd, page, config, scale, window, exact):
+    """With ``exact_weight`` (True, or ``"auto"``, which takes the exact weight at these maxima) every row's output
+    is its least negative key's V and its LSE finite, unsplit and split (Triton and cluster merges), against the
+    fp64 reference (the contract case, which FA4's weight fails)."""
     inp = very_negative_scores_batch(hd, page, scale)
     for splits, merge in _merges(hd):
-        cfg = dict(config, exact_weight=True, num_splits=splits, split_merge=merge)
+        cfg = dict(config, exact_weight=exact, num_splits=splits, split_merge=merge)
         q, vc = inp["q"], inp["v_cache"]
         out = torch.full((q.shape[0], q.shape[1], vc.shape[-1]), float("nan"), dtype=q.dtype, device=q.device)
         o, lse = attention(**inp, out=out, return_lse=True, backend="cute", config=cfg, scale=scale,
                            window_size=window)
         assert o.isfinite().all() and lse.isfinite().all(), (hd, config, splits, merge)
         check_close(o, **inp, lse=lse, scale=scale, window_size=window)
+
+
+def crossing_scores_batch(head_dim: int, page_size: int, seed: int = 5) -> dict:
+    """A batch whose rows take both of ``exact_weight="auto"``'s weights: N(0, 1) q and k at scale 1 (scores of
+    order ``sqrt(head_dim)``, ``|max * scale * log2(e)|`` well below 2**8: FA4's FFMA) where the keys of every
+    sequence past its 256th are 12x larger (maxima near 40 sqrt(head_dim) and beyond 2**8 in log2 units: the exact
+    weight), so a row's running max crosses the threshold from one key block to a later one; a short sequence stays
+    below it throughout. Bidirectional and causal rows, GQA 2."""
+    inp = make_batch([700, 90, 420, 1], [40, 90, 64, 1], num_causal_q=[0, 90, 20, 1], num_heads=4, num_kv_heads=2,
+                     head_dim=head_dim, page_size=page_size, dtype=torch.bfloat16, seed=seed, device="cuda")
+    k, table = inp["k_cache"].clone(), inp["block_table"]
+    for b, n in enumerate(inp["seq_lens"].tolist()):
+        for j in range(256 // page_size, -(-n // page_size)):
+            k[int(table[b, j])] *= 12
+    return dict(inp, k_cache=k)
+
+
+@needs_gpu
+@pytest.mark.parametrize("hd,page,config", GPU_CASES, ids=["hd64", "hd128", "hd256", "hd512_split_v", "hd512_roles"])
+@pytest.mark.parametrize("window", [None, 100])
+def test_gpu_exact_weight_auto_matches_the_reference_where_rows_cross_the_ffma_threshold(hd, page, config, window):
+    """``exact_weight="auto"`` on :func:`crossing_scores_batch` (rows whose key blocks take FA4's FFMA, then the exact
+    weight, and rows that keep the FFMA), unsplit and split (each merge the head dim builds): finite, every output
+    element written (poisoned with NaN before the launch), within the contract's tolerance of the fp64 reference,
+    and within the same tolerance of ``exact_weight=True`` on the same batch."""
+    inp = crossing_scores_batch(hd, page)
+    q, vc = inp["q"], inp["v_cache"]
+    for splits, merge in _merges(hd):
+        outs = {}
+        for exact in (True, "auto"):
+            cfg = dict(config, exact_weight=exact, num_splits=splits, split_merge=merge)
+            out = torch.full((q.shape[0], q.shape[1], vc.shape[-1]), float("nan"), dtype=q.dtype, device=q.device)
+            o, lse = attention(**inp, out=out, return_lse=True, backend="cute", config=cfg, scale=1.0,
+                               window_size=window)
+            assert o.isfinite().all() and lse.isfinite().all(), (hd, config, splits, merge, exact)
+            check_close(o, **inp, lse=lse, scale=1.0, window_size=window)
+            outs[exact] = (o.float(), lse)
+        (o_t, lse_t), (o_a, lse_a) = outs[True], outs["auto"]
+        # FA4's FFMA errs by at most 2**-16 in log2 units below 2**8: bf16's rounding of the outputs dominates
+        assert (o_a - o_t).abs().max().item() <= 2 ** -6 * max(1.0, o_t.abs().max().item()), (splits, merge)
+        assert torch.allclose(lse_a, lse_t, rtol=2 ** -14, atol=2 ** -10), (splits, merge)
 
 
 @needs_gpu
