@@ -18,6 +18,7 @@ weight is ``exp2((s - max) * scale_log2)``, and NaN-safe V's recompute weighs it
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -340,19 +341,52 @@ def test_gpu_scores_near_2e31_give_the_one_hot_softmax_with_exact_weight(hd, pag
         check_close(o, **inp, lse=lse, scale=scale, window_size=window)
 
 
-def crossing_scores_batch(head_dim: int, page_size: int, seed: int = 5) -> dict:
+def crossing_scores_batch(head_dim: int, page_size: int, seed: int = 5, device="cuda") -> dict:
     """A batch whose rows take both of ``exact_weight="auto"``'s weights: N(0, 1) q and k at scale 1 (scores of
     order ``sqrt(head_dim)``, ``|max * scale * log2(e)|`` well below 2**8: FA4's FFMA) where the keys of every
-    sequence past its 256th are 12x larger (maxima near 40 sqrt(head_dim) and beyond 2**8 in log2 units: the exact
-    weight), so a row's running max crosses the threshold from one key block to a later one; a short sequence stays
-    below it throughout. Bidirectional and causal rows, GQA 2."""
+    sequence before its last 256 (whole pages) are 12x larger (maxima near 40 sqrt(head_dim) and beyond 2**8 in
+    log2 units: the exact weight). The kernels take a tile's key blocks from the last to the first (FA4's order), so
+    a row's running max crosses the threshold from one key block to a later one: its first key blocks take the
+    FFMA, the rest the exact weight (:func:`test_crossing_scores_batch_takes_the_ffma_then_the_exact_weight`; the
+    12x keys were the ones past the 256th before, the blocks a tile takes first, so every row took the exact weight
+    from its first key block on at head dims >= 128). A sequence of at most 256 keys stays below it throughout.
+    Bidirectional and causal rows, GQA 2."""
     inp = make_batch([700, 90, 420, 1], [40, 90, 64, 1], num_causal_q=[0, 90, 20, 1], num_heads=4, num_kv_heads=2,
-                     head_dim=head_dim, page_size=page_size, dtype=torch.bfloat16, seed=seed, device="cuda")
+                     head_dim=head_dim, page_size=page_size, dtype=torch.bfloat16, seed=seed, device=device)
     k, table = inp["k_cache"].clone(), inp["block_table"]
     for b, n in enumerate(inp["seq_lens"].tolist()):
-        for j in range(256 // page_size, -(-n // page_size)):
+        for j in range(max(0, n - 256) // page_size):
             k[int(table[b, j])] *= 12
     return dict(inp, k_cache=k)
+
+
+def _processing_order_weights(inp: dict, b: int, tile_n: int, c: float = 1.4426950408889634) -> str:
+    """The weight ``exact_weight="auto"`` takes for sequence ``b``'s first query row (head 0, which sees every key
+    of the sequence here), key block by key block in the kernels' order (the last block first): ``"F"`` where the
+    running ``|max * c|`` is below config.EXACT_WEIGHT_FFMA_BELOW (FA4's FFMA), ``"E"`` elsewhere (exact)."""
+    n, page = int(inp["seq_lens"][b]), inp["k_cache"].shape[1]
+    keys = torch.cat([inp["k_cache"][int(inp["block_table"][b, j])] for j in range(-(-n // page))])[:n, 0].float()
+    q = inp["q"][int(inp["cu_seqlens_q"][b]), 0].float()
+    s = (keys @ q) * c
+    run, out = -float("inf"), ""
+    for j in reversed(range(-(-n // tile_n))):
+        run = max(run, s[j * tile_n:(j + 1) * tile_n].max().item())
+        out += "F" if abs(run) < cc.EXACT_WEIGHT_FFMA_BELOW else "E"
+    return out
+
+
+@pytest.mark.parametrize("hd,page", sorted({(hd, page) for hd, page, _ in GPU_CASES}))
+def test_crossing_scores_batch_takes_the_ffma_then_the_exact_weight(hd, page):
+    """The GPU batch of :func:`test_gpu_exact_weight_auto_matches_the_reference_where_rows_cross_the_ffma_threshold`
+    (built on the CPU) does what it is for, for any key block size the kernels take: the long sequences' rows take
+    FA4's FFMA on their first key blocks (in the kernels' order, the last block first) and the exact weight from a
+    later one on; the short ones keep the FFMA."""
+    inp = crossing_scores_batch(hd, page, device="cpu")
+    for tile_n in (64, 80, 96, 112, 128, 176):
+        for b in (0, 2):  # 700 and 420 keys
+            got = _processing_order_weights(inp, b, tile_n)
+            assert re.fullmatch(r"F+E+", got), (hd, page, tile_n, b, got)
+        assert _processing_order_weights(inp, 1, tile_n) == "F" * -(-90 // tile_n)
 
 
 @needs_gpu
