@@ -22,6 +22,8 @@ import re
 
 import pytest
 import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
 from blockdiff.attention import attention
 from blockdiff.attention.cute import compile_check as cchk
@@ -83,28 +85,36 @@ def _exact_weight_softmax(q, k, v, scale):
     return (p @ v.float()) / p.sum(), (m * c + torch.log2(p.sum())) * 0.6931471805599453
 
 
-def _auto_online_softmax(s: torch.Tensor, v: torch.Tensor, c: float, ffma_below: float, block: int = 128):
+def _auto_online_softmax(s: torch.Tensor, v: torch.Tensor, c: float, ffma_below: float, block: int = 128,
+                         exact_blocks=()):
     """``ExactWeightSoftmax.online_softmax`` with ``ffma_below`` on one row in fp32 (an emulation: FA4's FFMA
     ``fma(s, c, -round(m * c))`` rounded once, its product exact in fp64), key block by key block: the weights of a
     block whose ``|m * c|`` is below ``ffma_below`` are the FFMA's, else ``exp2((s - m) * c)``; the rescale
-    ``exp2((m_prev - m) * c)`` either way. Returns the normalised output (fp64)."""
+    ``exp2((m_prev - m) * c)`` either way. As the kernel: the running max ignores NaN scores (``fmax``) unless a
+    block's are all NaN; a max of ``-inf`` (every key so far masked) weighs against 0 (``check_inf``); a NaN or
+    infinite ``m * c`` takes the exact weight; ``exact_blocks`` (block indices) take the exact weight whatever their
+    max (another row of the warp voted against the FFMA); a zero or NaN sum normalises by 1 (FA4's ``finalize``).
+    Returns the normalised output (fp64)."""
     f32 = torch.float32
     c32 = torch.tensor(c, dtype=f32)
-    m = torch.tensor(-float("inf"), dtype=f32)
+    m = None
     l = torch.zeros((), dtype=torch.float64)
     o = torch.zeros(v.shape[1], dtype=torch.float64)
-    for j in range(0, s.numel(), block):
+    for i, j in enumerate(range(0, s.numel(), block)):
         sb, vb = s[j:j + block], v[j:j + block].double()
-        m_new = torch.maximum(m, sb.max())
-        mc = (m_new * c32).to(f32)
-        if mc.abs() < ffma_below:  # FA4's FFMA: s * c exact, minus the rounded m * c, one rounding
+        finite = sb[~sb.isnan()]
+        bm = finite.max() if finite.numel() else torch.tensor(float("nan"))
+        m_new = bm if m is None else (m if bm.isnan() else bm if m.isnan() else torch.maximum(m, bm))
+        cur = torch.zeros((), dtype=f32) if m_new == -float("inf") else m_new  # check_inf
+        mc = (cur * c32).to(f32)
+        if mc.abs() < ffma_below and i not in exact_blocks:  # FA4's FFMA: s * c exact, minus the rounded m * c
             x = (sb.double() * c32.double() - mc.double()).to(f32)
         else:
-            x = ((sb - m_new).to(f32) * c32).to(f32)
+            x = ((sb - cur).to(f32) * c32).to(f32)
         w = torch.exp2(x).double()
-        r = torch.exp2(((m - m_new) * c32).to(f32)).double() if j else torch.ones((), dtype=torch.float64)
+        r = torch.exp2(((m - cur) * c32).to(f32)).double() if m is not None else torch.ones((), dtype=torch.float64)
         l, o, m = l * r + w.sum(), o * r + w @ vb, m_new
-    return o / l
+    return o / (l if l != 0 and not l.isnan() else 1.0)
 
 
 @pytest.mark.parametrize("offset", [0.0, 170.0, 1e6, -3e31])
@@ -113,8 +123,8 @@ def test_ffma_weight_below_the_auto_threshold_errs_like_fp32_not_like_bf16(offse
     plus a ramp and noise of order 1 (its running max climbs from key block to key block): below the threshold
     (``|offset| * log2(e)`` < 2**8) FA4's FFMA weight, half an ulp of ``m * c`` off (at most 2**-16 in log2 units),
     gives an output within 2**-16 of the fp64 softmax relative to the largest |V| (bf16's output rounding is
-    2**-9); at ``m * c`` near 2**20 the FFMA alone errs by more than 2**-12 and near 2**105 gives NaN, where the
-    threshold takes the exact weight, within the same 2**-16."""
+    2**-9); at ``m * c`` near 2**20 the FFMA alone errs by more than 2**-12 and near 2**105 gives a NaN or zero row,
+    where the threshold takes the exact weight, within the same 2**-16."""
     g = torch.Generator().manual_seed(1)
     n = 1024
     s = (offset + torch.linspace(0.0, 3.0, n) + torch.randn(n, generator=g)).to(torch.float32)
@@ -129,8 +139,102 @@ def test_ffma_weight_below_the_auto_threshold_errs_like_fp32_not_like_bf16(offse
         assert (ffma - ref).abs().max().item() <= bound
     elif abs(offset) < 1e30:
         assert (ffma - ref).abs().max().item() > 2 ** -12 * v.abs().max().item()
-    else:
-        assert ffma.isnan().any()
+    else:  # the best key weighs inf (a NaN row) or 0 (every key 0: FA4's finalize gives a zero row)
+        assert ffma.isnan().any() or not ffma.any()
+
+
+@st.composite
+def _auto_rows(draw):
+    """One row of fp32 scores for :func:`_auto_online_softmax`: ``scale_log2`` from 2**-120 (the least the kernel
+    takes: ``interface.positive_scale``) to 2**10, the row's max times it near the threshold (on both sides, within
+    an ulp), at 0, or anywhere up to 1e6; spreads from 0 to 100 in log2 units, a ramp (the running max climbs from
+    key block to key block) or not; masked keys (-inf): none, some, the first blocks (every key so far masked) or
+    all; one key +inf, NaN or 3.3e38 or none; key blocks of 16 to 128; key blocks another row of the warp votes to
+    the exact weight."""
+    n = draw(st.integers(1, 300))
+    block = draw(st.sampled_from([16, 32, 64, 128]))
+    c = float(torch.tensor(draw(st.one_of(st.floats(2.0 ** -120, 2.0 ** 10), st.sampled_from(
+        [1.4426950408889634, 0.12751743082459868, 2.0 ** -120, 2.0 ** -60]))), dtype=torch.float32))
+    target = draw(st.one_of(st.sampled_from([256.0, -256.0, 255.99998, -255.99998, 256.00003, 128.0, 0.0]),
+                            st.floats(-300, 300), st.floats(-2.0 ** 14, 2.0 ** 14), st.floats(-1e6, 1e6)))
+    offset = target / c
+    assume(abs(offset) < 3e38)
+    spread = draw(st.sampled_from([0.0, 1e-3, 1.0, 3.0, 10.0, 100.0])) / c
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2 ** 31)))
+    s = offset + spread * torch.randn(n, generator=g, dtype=torch.float64)
+    if draw(st.booleans()):
+        s = s + torch.linspace(-3, 3, n, dtype=torch.float64) * (spread or 1.0 / c)
+    s = s.clamp(-3.3e38, 3.3e38).to(torch.float32)
+    mask = draw(st.sampled_from(["none", "some", "first", "all"]))
+    if mask == "some":
+        s[torch.rand(n, generator=g) < 0.3] = -float("inf")
+    elif mask == "first":
+        s[:draw(st.integers(0, n))] = -float("inf")
+    elif mask == "all":
+        s[:] = -float("inf")
+    odd = draw(st.sampled_from([None, float("inf"), float("nan"), 3.3e38]))
+    if odd is not None:
+        s[draw(st.integers(0, n - 1))] = odd
+    v = torch.randn(n, 8, generator=g)
+    if draw(st.booleans()):  # V of one sign per key block: a shift of one block's weights moves the output most
+        v = v.abs() * (torch.arange(n) // block % 2 * 2 - 1)[:, None]
+    exact_blocks = {i for i in range(-(-n // block)) if draw(st.booleans())}
+    return s, v, c, block, exact_blocks
+
+
+@settings(max_examples=400, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(_auto_rows())
+def test_auto_weight_is_the_exact_weight_within_2_pow_minus_16_and_adds_no_nonfinite_output(row):
+    """``exact_weight="auto"`` against True on one row (:func:`_auto_online_softmax`, hypothesis): the same NaN and
+    inf entries (masked rows, +inf / NaN scores, maxima whose ``m * c`` overflows: the exact side), and elsewhere
+    within ``2**-18 * (max V - min V)`` of True's output per column: each FFMA weight is half an ulp of ``|m * c| <
+    2**8`` off, at most 2**-17 in log2 units, so two key blocks' weights relative to each other at most 2**-16
+    (``delta``), which moves the weighted mean of V by at most ``delta * ln 2 / 4`` times V's range (a covariance:
+    :func:`test_auto_weight_on_two_key_blocks_rounded_apart_reaches_its_bound`)."""
+    s, v, c, block, exact_blocks = row
+    auto = _auto_online_softmax(s, v, c, cc.EXACT_WEIGHT_FFMA_BELOW, block, exact_blocks)
+    exact = _auto_online_softmax(s, v, c, 0.0, block)
+    assert torch.equal(auto.isnan(), exact.isnan()) and torch.equal(auto.isinf(), exact.isinf()), (auto, exact)
+    both = auto.isfinite() & exact.isfinite()
+    bound = 2 ** -18 * (v.max(0).values - v.min(0).values).double() + 1e-12
+    assert ((auto - exact).abs() <= bound)[both].all(), (auto - exact, bound)
+
+
+def _rounded_apart(below: float, c: float) -> tuple[float, float]:
+    """Two fp32 maxima ``m`` with ``m * c`` just below ``below`` whose products round (fp32) down and up by nearly
+    half an ulp: ``(m_down, m_up)``, the first's ``m * c - round(m * c)`` near +half an ulp, the second's near -half."""
+    from fractions import Fraction
+
+    c32 = torch.tensor(c, dtype=torch.float32)
+    x = torch.tensor(below / c, dtype=torch.float32)
+    best = {1: (0.0, None), -1: (0.0, None)}
+    for _ in range(2000):
+        x = torch.nextafter(x, torch.tensor(0.0))
+        if x.item() * c >= below:
+            continue
+        e = float(Fraction(x.item()) * Fraction(c32.item()) - Fraction((x * c32).item()))
+        side = 1 if e > 0 else -1
+        if abs(e) > abs(best[side][0]):
+            best[side] = (e, x.item())
+    return best[1][1], best[-1][1]
+
+
+@pytest.mark.parametrize("below", [cc.EXACT_WEIGHT_FFMA_BELOW, 2 * cc.EXACT_WEIGHT_FFMA_BELOW])
+def test_auto_weight_on_two_key_blocks_rounded_apart_reaches_its_bound(below):
+    """The worst case of the FFMA side: two key blocks of one key value each, the first's ``m * c`` rounded up by
+    nearly half an ulp, the second's (a larger max) down by nearly as much, V +1 on the first and -1 on the second:
+    their weights, equal in exact arithmetic, are 2**-16 in log2 units apart below 2**8 (half an ulp each way), the
+    output ``delta * ln 2 / 4 * range`` off True's, 0.173 * 2**-16 * 2: within the property's ``2**-18 * range``
+    (:func:`test_auto_weight_is_the_exact_weight_within_2_pow_minus_16_and_adds_no_nonfinite_output`), and a
+    threshold twice as high (2**9: 2**-15 apart) exceeds it."""
+    c = 1.4426950408889634
+    m_down, m_up = _rounded_apart(below, c)
+    s = torch.tensor([m_up] * 128 + [m_down] * 128, dtype=torch.float32)
+    assert m_down > m_up  # the second block raises the running max
+    v = torch.cat([torch.ones(128, 1), -torch.ones(128, 1)])
+    off = (_auto_online_softmax(s, v, c, below) - _auto_online_softmax(s, v, c, 0.0)).abs().item() / (2 ** -16 * 2)
+    assert 0.15 * below / cc.EXACT_WEIGHT_FFMA_BELOW < off < 0.18 * below / cc.EXACT_WEIGHT_FFMA_BELOW, off
+    assert (off <= 0.25) is (below == cc.EXACT_WEIGHT_FFMA_BELOW)
 
 
 @pytest.mark.parametrize("scale", [1.2e-38, -1.2e-38, 2.0 ** -121, 4e-37])
