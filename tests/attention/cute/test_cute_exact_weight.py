@@ -1,19 +1,24 @@
-"""The cute backend's exact key weight (``CuteConfig.exact_weight``, default False; kernel.ExactWeightSoftmax).
+"""The cute backend's exact key weight (``CuteConfig.exact_weight``, default True; kernel.ExactWeightSoftmax) and
+its ``"auto"`` (FA4's FFMA weight where every row of a warp has ``|max * scale_log2| < 2**8``, the exact one elsewhere).
 
 FA4's online softmax weighs each key ``exp2(s * scale_log2 - max * scale_log2)``, one FFMA against the rounded
 product ``max * scale_log2``: it keeps that product's rounding error, up to half an ulp of it, so for scores near
 -2e31 (2^80 in log2 units and beyond) the row's best key weighs inf or 0 and the row is NaN (docs/ARCHITECTURE.md
 section 4, "Scores beyond ~2^31 in log2 units"; the contract case
-``test_scores_near_2e31_in_magnitude_give_the_one_hot_softmax_not_nan``, a known gap of cute's row). With the switch the
-weight is ``exp2((s - max) * scale_log2)``, and NaN-safe V's recompute weighs its keys the same way.
+``test_scores_near_2e31_in_magnitude_give_the_one_hot_softmax_not_nan``, FA4's gap, which ``exact_weight=False``
+keeps). With the switch the weight is ``exp2((s - max) * scale_log2)``, and NaN-safe V's recompute weighs its keys
+the same way.
 
-- CPU, always: the config switch (type, default, part of the compile key, kept by every resolve) and the SASS reader
-  :func:`blockdiff.attention.cute.compile_check.sass_ex2_operands` on hand-written SASS;
+- CPU, always: the config switch (type, default, part of the compile key, kept by every resolve), the SASS reader
+  :func:`blockdiff.attention.cute.compile_check.sass_ex2_operands` on hand-written SASS, and ``"auto"``'s
+  arithmetic in an fp32 emulation (:func:`_auto_online_softmax`: against the fp64 softmax, against True under
+  hypothesis, its worst case at the threshold), and that the GPU crossing batch crosses the threshold;
 - CPU, where flash-attn-4 and nvidia-cutlass-dsl are installed (not in CI): each kernel family compiled for sm_90a
   with the switch off and on: on, no ``MUFU.EX2`` takes an FFMA's result (off, FA4's weights do), the same exp2
-  count, and no new spills;
-- GPU (``-m gpu``): the very-negative-scores batch through the backend with the switch on, against the reference,
-  unsplit and split (each merge), every kernel family; the recompute keeps the best key's +Inf V.
+  count, and no new spills; ``"auto"``: a ``VOTE.ALL`` and both weights in every softmax loop;
+- GPU (``-m gpu``): the very-negative-scores batch through the backend with True and ``"auto"``, against the
+  reference, unsplit and split (each merge), every kernel family; ``"auto"`` on rows that cross the threshold; the
+  recompute keeps the best key's +Inf V.
 """
 from __future__ import annotations
 
@@ -121,8 +126,8 @@ def _auto_online_softmax(s: torch.Tensor, v: torch.Tensor, c: float, ffma_below:
 def test_ffma_weight_below_the_auto_threshold_errs_like_fp32_not_like_bf16(offset):
     """``exact_weight="auto"``'s threshold (config.EXACT_WEIGHT_FFMA_BELOW, 2**8), on one row of scores ``offset``
     plus a ramp and noise of order 1 (its running max climbs from key block to key block): below the threshold
-    (``|offset| * log2(e)`` < 2**8) FA4's FFMA weight, half an ulp of ``m * c`` off (at most 2**-16 in log2 units),
-    gives an output within 2**-16 of the fp64 softmax relative to the largest |V| (bf16's output rounding is
+    (``|offset| * log2(e)`` < 2**8) FA4's FFMA weight, half an ulp of ``m * c`` off (at most 2**-17 in log2 units;
+    two key blocks' weights relative to each other 2**-16), gives an output within 2**-16 of the fp64 softmax relative to the largest |V| (bf16's output rounding is
     2**-9); at ``m * c`` near 2**20 the FFMA alone errs by more than 2**-12 and near 2**105 gives a NaN or zero row,
     where the threshold takes the exact weight, within the same 2**-16."""
     g = torch.Generator().manual_seed(1)
@@ -514,7 +519,8 @@ def test_gpu_exact_weight_auto_matches_the_reference_where_rows_cross_the_ffma_t
             check_close(o, **inp, lse=lse, scale=1.0, window_size=window)
             outs[exact] = (o.float(), lse)
         (o_t, lse_t), (o_a, lse_a) = outs[True], outs["auto"]
-        # FA4's FFMA errs by at most 2**-16 in log2 units below 2**8: bf16's rounding of the outputs dominates
+        # FA4's FFMA errs by at most 2**-17 in log2 units per weight below 2**8: bf16's rounding of the outputs
+        # dominates
         assert (o_a - o_t).abs().max().item() <= 2 ** -6 * max(1.0, o_t.abs().max().item()), (splits, merge)
         assert torch.allclose(lse_a, lse_t, rtol=2 ** -14, atol=2 ** -10), (splits, merge)
 
