@@ -27,7 +27,7 @@ i=0
   i=$((i + 1)); timeout ${TT:-240} $P $T -k "$k" > $OUT/gpu_auto_$i.log 2>&1 < /dev/null &
 done
 wait
-for f in $OUT/gpu_auto_*.log; do echo "== $f"; grep -E "passed|failed|error" $f | tail -1; grep -E "^(FAILED|ERROR)" $f | head -5; done
+for f in $OUT/gpu_auto_*.log; do [ -e "$f" ] || continue; echo "== $f"; grep -E "passed|failed|error" $f | tail -1; grep -E "^(FAILED|ERROR)" $f | head -5; done
 if [ "${AUTO_ON:-1}" = 1 ]; then
   cp attention/cute/config.py /tmp/config_exact_true.py
   trap 'cp /tmp/config_exact_true.py attention/cute/config.py' EXIT INT TERM
