@@ -372,9 +372,10 @@ def cute_launch() -> dict:
     """What the cute backend's last call ran (its ``LAST_LAUNCH``): the kernel class, the split count, the
     resolved tiles, batch order, the roles kernel's schedule switches (``v_refill``, ``qk_issue``, ``k_refill``) and
     the resolved merge and NaN-safe V choices (``split_merge``, ``nan_safe_v``, ``nan_safe_v_method``,
-    ``skip_allowed_first``, which vary per launch), so that a row names its kernel (at hd 512 the roles or the
-    split-value kernel, which ``wide_design="auto"`` picks per call; split-KV), whether the scheduler took the
-    sequences by work, and how the roles kernel ran."""
+    ``skip_allowed_first``, which vary per launch) and the key weight (``exact_weight``: True, ``"auto"`` or
+    False, which a row without a config takes from ``CuteConfig``'s default), so that a row names its kernel (at
+    hd 512 the roles or the split-value kernel, which ``wide_design="auto"`` picks per call; split-KV), whether the
+    scheduler took the sequences by work, how the roles kernel ran, and which weight it used."""
     from blockdiff.attention.cute import interface as CA  # the cute backend module (imports no CuTe DSL itself)
 
     ll = CA.LAST_LAUNCH
@@ -384,7 +385,8 @@ def cute_launch() -> dict:
             "launch_config": None if cfg is None else {k: getattr(cfg, k) for k in
                                                        ("tile_m", "tile_n", "num_stages", "lpt", "batch_order",
                                                         "v_refill", "qk_issue", "k_refill", "split_merge",
-                                                        "nan_safe_v", "nan_safe_v_method", "skip_allowed_first")}}
+                                                        "nan_safe_v", "nan_safe_v_method", "skip_allowed_first",
+                                                        "exact_weight")}}
 
 
 def measure(batch: wl.Batch, backend: str, maker: Callable, args, gold: torch.Tensor, base_err: float,

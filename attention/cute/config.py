@@ -130,8 +130,9 @@ class CuteConfig:
     error (up to half an ulp of it) and gives the row's best key inf or 0, a NaN row, for scores beyond ~2^31 in log2
     units (near -2e31 at scale 1): outside the contract there, kept for A/B runs (docs/ARCHITECTURE.md section 4).
     ``"auto"`` chooses per warp and key block: FA4's FFMA where every row of the warp has ``|max * scale_log2|``
-    below :data:`EXACT_WEIGHT_FFMA_BELOW` (2**8; its error is then at most 2**-16 in log2 units, a relative weight
-    error of 1e-5, 40x below fp16's rounding), the exact weight elsewhere (a warp-uniform branch, so each side
+    below :data:`EXACT_WEIGHT_FFMA_BELOW` (2**8: each weight is then off by half an ulp of that product at most,
+    2**-17 in log2 units, so the weights of two key blocks relative to each other by 2**-16 at most, a relative
+    error of 1.1e-5, 40x below fp16's rounding), the exact weight elsewhere (a warp-uniform branch, so each side
     runs as straight-line code): never the NaN rows of False, at nearly FA4's cost on ordinary scores. Not a tile
     field.
     """
@@ -156,8 +157,9 @@ class CuteConfig:
 
 
 #: ``CuteConfig.exact_weight="auto"``: FA4's one-FFMA key weight where every row of a warp has ``|max *
-#: scale_log2|`` below this (2**8: the FFMA's error, half an ulp of that product, is then at most 2**-16 in log2
-#: units; ordinary attention scores stay far below it), the exact weight elsewhere.
+#: scale_log2|`` below this (2**8: the FFMA's error, half an ulp of that product, is then at most 2**-17 in log2
+#: units per weight, 2**-16 between two key blocks' weights; ordinary attention scores stay far below it), the exact
+#: weight elsewhere.
 EXACT_WEIGHT_FFMA_BELOW = 2.0 ** 8
 #: The values of ``CuteConfig.exact_weight``.
 EXACT_WEIGHTS = (True, False, "auto")

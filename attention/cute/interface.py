@@ -215,7 +215,8 @@ def attention_cute(
             against a rounded ``max * scale_log2`` (which gives NaN rows for scores beyond ~2^31 in log2 units);
             default True (:class:`~blockdiff.attention.cute.config.CuteConfig`; False, FA4's weight, for A/B runs);
             ``"auto"`` keeps FA4's FFMA on a warp's key block where every row's ``|max * scale_log2|`` is below
-            2**8 (its error is then at most 2**-16 in log2 units) and weighs exactly elsewhere.
+            2**8 (each weight is then off by at most 2**-17 in log2 units, half an ulp of that product; two key
+            blocks' weights relative to each other by 2**-16) and weighs exactly elsewhere.
 
     Returns:
         ``out [total_q, num_heads, head_dim_v]`` (q's dtype) or ``(out, lse)``.

@@ -428,10 +428,12 @@ class ExactWeightSoftmax(Softmax):
 
     ``ffma_below`` (compile time, default 0: off): per row and key block, where every row of the warp has
     ``|m * scale_log2| < ffma_below`` (a ``vote.all``; NaN or inf maxima take the exact side), the weight is FA4's
-    FFMA ``exp2(s * scale_log2 - round(m * scale_log2))``, which errs there by at most ``ffma_below * 2**-25`` in log2
-    units (2**-17 at ``config.EXACT_WEIGHT_FFMA_BELOW``, 2**8); elsewhere the exact weight. The branch is uniform
-    per warp, so each side runs as straight-line code and one set of exp2s follows it. The rescale and LSE are as
-    above either way; the recompute's exact weights then differ from the mainloop's by that error at most.
+    FFMA ``exp2(s * scale_log2 - round(m * scale_log2))``, which errs there by half an ulp of that product at most,
+    ``2**(ceil(log2(ffma_below)) - 25)`` in log2 units (``ffma_below * 2**-25`` for a power of two: 2**-17 at
+    ``config.EXACT_WEIGHT_FFMA_BELOW``, 2**8; the weights of two key blocks, each off by its own max's rounding,
+    relative to each other twice that); elsewhere the exact weight. The branch is uniform per warp, so each side
+    runs as straight-line code and one set of exp2s follows it. The rescale and LSE are as above either way; the
+    recompute's exact weights then differ from the mainloop's by that error at most.
 
     ``keep_inv_sum`` (compile time): :meth:`finalize` also keeps the normalisation factor it applies to O
     (``1 / l``, or 1 for a zero or NaN sum: FA4's rule) in ``row_inv_sum`` (fp32 ``[num_rows]``), for NaN-safe V's
@@ -477,8 +479,8 @@ class ExactWeightSoftmax(Softmax):
                 row_max_cur = 0.0 if row_max_cur == -Float32.inf else row_max_cur
             if const_expr(self.ffma_below > 0.0):
                 # "auto": FA4's one FFMA where every row of the warp has |max * scale_log2| < ffma_below (its error,
-                # half an ulp of that product, is then at most ffma_below * 2**-25 in log2 units), else the exact
-                # weight; warp-uniform, so each branch runs as straight-line code
+                # half an ulp of that product, is then below 2**(ceil(log2(ffma_below)) - 25) in log2 units), else
+                # the exact weight; warp-uniform, so each branch runs as straight-line code
                 row_max_cur_scaled = row_max_cur * scale_log2
                 if cute.arch.vote_all_sync(fa_utils.fmax(row_max_cur_scaled, -row_max_cur_scaled) < self.ffma_below):
                     acc_S_mn[r, None].store(

@@ -211,3 +211,17 @@ def test_full_shape_run_without_a_gpu_stops_with_a_message_naming_quick(tmp_path
     msg = str(e.value.code)
     assert "no CUDA GPU" in msg and "--quick" in msg, msg
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("exact", [True, "auto", False])
+def test_cute_launch_records_the_key_weight(monkeypatch, exact):
+    """A cute row's ``launch_config`` names its key weight (``exact_weight``: True, "auto" or False): a row without
+    a config takes CuteConfig's default, which the record did not say (it listed the tiles and the other switches)."""
+    from blockdiff.attention.cute import config as cc
+    from blockdiff.attention.cute import interface as CA
+
+    cfg = cc.CuteConfig(tile_m=128, tile_n=128, num_splits=1, lpt=False, exact_weight=exact)
+    monkeypatch.setattr(CA, "LAST_LAUNCH", dict(kernel="FlashAttentionForwardSm90Mixed", config=cfg, kv_path="tma"))
+    got = ba.cute_launch()
+    assert got["launch_config"]["exact_weight"] == exact and got["num_splits"] == 1
+    assert json.loads(json.dumps(got))["launch_config"]["exact_weight"] == exact
