@@ -461,9 +461,13 @@ class ExactWeightSoftmax(Softmax):
     def online_softmax(self, acc_S: cute.Tensor, is_first: cutlass.Constexpr[bool] = False,
                        check_inf: cutlass.Constexpr[bool] = True) -> cute.Tensor:
         """FA4's ``online_softmax`` (same arguments, same state, same return: the rescale factor of O per row) with
-        the weight ``exp2((s - m) * scale_log2)``. Raises nothing (trace time)."""
+        the weight ``exp2((s - m) * scale_log2)`` (with ``ffma_below``: :meth:`_online_softmax_voted`). Raises
+        nothing (trace time)."""
         acc_S_mn = layout_utils.reshape_acc_to_mn(acc_S)
         row_scale = cute.make_fragment_like(self.row_max, Float32)
+        if const_expr(self.ffma_below > 0.0):
+            self._online_softmax_voted(acc_S_mn, row_scale, is_first, check_inf)
+            return row_scale
         row_max = self.row_max
         row_sum = self.row_sum
         scale_log2 = self.scale_log2
@@ -477,20 +481,8 @@ class ExactWeightSoftmax(Softmax):
             row_max[r] = row_max_cur  # the raw max, before it is made safe for -inf
             if const_expr(check_inf):
                 row_max_cur = 0.0 if row_max_cur == -Float32.inf else row_max_cur
-            if const_expr(self.ffma_below > 0.0):
-                # "auto": FA4's one FFMA where every row of the warp has |max * scale_log2| < ffma_below (its error,
-                # half an ulp of that product, is then below 2**(ceil(log2(ffma_below)) - 25) in log2 units), else
-                # the exact weight; warp-uniform, so each branch runs as straight-line code
-                row_max_cur_scaled = row_max_cur * scale_log2
-                if cute.arch.vote_all_sync(fa_utils.fmax(row_max_cur_scaled, -row_max_cur_scaled) < self.ffma_below):
-                    acc_S_mn[r, None].store(
-                        cute.math.exp2(acc_S_row * scale_log2 - row_max_cur_scaled, fastmath=True))
-                else:
-                    acc_S_mn[r, None].store(cute.math.exp2((acc_S_row - row_max_cur) * scale_log2, fastmath=True))
-                acc_S_row_exp = acc_S_mn[r, None].load()
-            else:
-                # the exact weight: subtract, then multiply (no FFMA against a rounded max * scale_log2)
-                acc_S_row_exp = cute.math.exp2((acc_S_row - row_max_cur) * scale_log2, fastmath=True)
+            # the exact weight: subtract, then multiply (no FFMA against a rounded max * scale_log2)
+            acc_S_row_exp = cute.math.exp2((acc_S_row - row_max_cur) * scale_log2, fastmath=True)
             if const_expr(is_first):
                 acc_S_row_sum = fa_utils.fadd_reduce(acc_S_row_exp, init_val=None, arch=arch)
                 row_scale[r] = 1.0
@@ -498,9 +490,62 @@ class ExactWeightSoftmax(Softmax):
                 row_scale[r] = cute.math.exp2((row_max_prev - row_max_cur) * scale_log2, fastmath=True)
                 acc_S_row_sum = fa_utils.fadd_reduce(acc_S_row_exp, init_val=row_sum[r] * row_scale[r], arch=arch)
             row_sum[r] = acc_S_row_sum
-            if const_expr(self.ffma_below <= 0.0):  # (the "auto" branches stored it)
-                acc_S_mn[r, None].store(acc_S_row_exp)
+            acc_S_mn[r, None].store(acc_S_row_exp)
         return row_scale
+
+    @cute.jit
+    def _online_softmax_voted(self, acc_S_mn: cute.Tensor, row_scale: cute.Tensor,
+                              is_first: cutlass.Constexpr[bool], check_inf: cutlass.Constexpr[bool]):
+        """``ffma_below`` ("auto"): the maxima of every row of this thread first, then one ``vote.all`` per key
+        block over the warp on ``max_r |m_r * scale_log2| < ffma_below``, then either side whole
+        (:meth:`_weigh_rows`): FA4's FFMA weights or the exact ones, each straight-line code over all rows as in
+        FA4 (a branch per row, as first built, ended ptxas' interleave of one row's exp2s with the next row's FP32
+        work: docs/tuning.md 7.65). A NaN max leaves the vote to the other rows; its row is NaN either way.
+        Fills ``row_scale``; trace time."""
+        row_max = self.row_max
+        arch = self.arch
+        row_max_prev = cute.make_fragment_like(row_max, Float32)
+        row_max_safe = cute.make_fragment_like(row_max, Float32)
+        worst = Float32(0.0)
+        for r in cutlass.range_constexpr(cute.size(row_max)):
+            row_max_cur = fa_utils.fmax_reduce(
+                acc_S_mn[r, None].load(), init_val=row_max[r] if const_expr(not is_first) else None, arch=arch)
+            row_max_cur = cute.arch.warp_reduction_max(row_max_cur, threads_in_group=4)
+            row_max_prev[r] = row_max[r]
+            row_max[r] = row_max_cur  # the raw max, before it is made safe for -inf
+            if const_expr(check_inf):
+                row_max_cur = 0.0 if row_max_cur == -Float32.inf else row_max_cur
+            row_max_safe[r] = row_max_cur
+            scaled = row_max_cur * self.scale_log2
+            worst = fa_utils.fmax(worst, fa_utils.fmax(scaled, -scaled))
+        if cute.arch.vote_all_sync(worst < self.ffma_below):
+            self._weigh_rows(acc_S_mn, row_scale, row_max_prev, row_max_safe, is_first, True)
+        else:
+            self._weigh_rows(acc_S_mn, row_scale, row_max_prev, row_max_safe, is_first, False)
+
+    @cute.jit
+    def _weigh_rows(self, acc_S_mn: cute.Tensor, row_scale: cute.Tensor, row_max_prev: cute.Tensor,
+                    row_max_safe: cute.Tensor, is_first: cutlass.Constexpr[bool], ffma: cutlass.Constexpr[bool]):
+        """Every row's weights (in place in ``acc_S_mn``), sum and rescale factor against the maxima
+        ``row_max_safe``: FA4's ``exp2(s * scale_log2 - m * scale_log2)`` (one FFMA) with ``ffma``, else
+        ``exp2((s - m) * scale_log2)``; trace time."""
+        scale_log2 = self.scale_log2
+        arch = self.arch
+        for r in cutlass.range_constexpr(cute.size(row_max_safe)):
+            acc_S_row = acc_S_mn[r, None].load()
+            if const_expr(ffma):
+                acc_S_row_exp = cute.math.exp2(acc_S_row * scale_log2 - row_max_safe[r] * scale_log2, fastmath=True)
+            else:
+                acc_S_row_exp = cute.math.exp2((acc_S_row - row_max_safe[r]) * scale_log2, fastmath=True)
+            if const_expr(is_first):
+                acc_S_row_sum = fa_utils.fadd_reduce(acc_S_row_exp, init_val=None, arch=arch)
+                row_scale[r] = 1.0
+            else:
+                row_scale[r] = cute.math.exp2((row_max_prev[r] - row_max_safe[r]) * scale_log2, fastmath=True)
+                acc_S_row_sum = fa_utils.fadd_reduce(acc_S_row_exp, init_val=self.row_sum[r] * row_scale[r],
+                                                     arch=arch)
+            self.row_sum[r] = acc_S_row_sum
+            acc_S_mn[r, None].store(acc_S_row_exp)
 
     @cute.jit
     def finalize(self, final_scale: Float32 = 1.0, sink_val=None) -> cute.Tensor:

@@ -380,24 +380,25 @@ def test_exact_weight_compiles_with_no_exp2_fed_by_an_ffma(spec):
 @pytest.mark.skipif(not HAVE_FA4, reason="compiling needs flash-attn-4==4.0.0b36 and nvidia-cutlass-dsl==4.8.1 "
                     "(not installed here)")
 @pytest.mark.parametrize("spec", [s for _, s in COMPILE_SPECS], ids=[n for n, _ in COMPILE_SPECS])
-def test_exact_weight_auto_compiles_both_weights_behind_one_warp_vote_per_row(spec):
-    """``"auto"``: every key-block loop with the softmax's exp2s holds a ``VOTE.ALL`` (the warp's choice per row) and both weights, FA4's
-    FFMAs and the exact one's FMULs (at least as many as True's); the kernel has as many exp2s as True's (the
-    branches compute the exponent, one exp2 after them), no local memory in the loops and no spills where True
-    has none, and the same register split."""
+def test_exact_weight_auto_compiles_both_weights_behind_one_warp_vote_per_key_block(spec):
+    """``"auto"``: every key-block loop with the softmax's exp2s holds a ``VOTE.ALL`` (the warp's choice for all of
+    its rows at once, :meth:`ExactWeightSoftmax._online_softmax_voted`) and both sides whole, each with its own exp2s
+    (more than True's), FA4's FFMAs on one and the exact weight's FMULs (at least True's) on the other; no local
+    memory in the loops, no spills where True has none, and the same register split."""
     exact, auto = _compile(spec, True), _compile(spec, "auto")
     assert auto["config"]["exact_weight"] == "auto"
-    assert auto["ex2_operands"]["ex2"] == exact["ex2_operands"]["ex2"], (exact["ex2_operands"], auto["ex2_operands"])
+    assert auto["ex2_operands"]["ex2"] > exact["ex2_operands"]["ex2"], (exact["ex2_operands"], auto["ex2_operands"])
     assert auto["ex2_operands"]["from_ffma"] > 0, auto["ex2_operands"]
     assert len(auto["loops"]) == len(exact["loops"]) > 0
     softmax_loops = 0
     for a, e in zip(auto["loops"], exact["loops"]):
-        assert a["MUFU.EX2"] == e["MUFU.EX2"] and a["STL/LDL"] == e["STL/LDL"] == 0, (a, e)
+        assert a["STL/LDL"] == e["STL/LDL"] == 0, (a, e)
         if e["MUFU.EX2"] == 0:  # a loop without the softmax (the wide kernels' value-only warpgroups)
-            assert a["VOTE.ALL"] == 0, (a, e)
+            assert a["VOTE.ALL"] == 0 and a["MUFU.EX2"] == 0, (a, e)
             continue
         softmax_loops += 1
         assert a["VOTE.ALL"] >= 1 and e["VOTE.ALL"] == 0, (a, e)
+        assert a["MUFU.EX2"] > e["MUFU.EX2"], (a, e)
         assert a["FFMA"] > e["FFMA"] and a["FMUL"] >= e["FMUL"], (a, e)
     assert softmax_loops > 0
     for key in ("spill_store_bytes", "spill_load_bytes"):
