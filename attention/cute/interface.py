@@ -216,8 +216,8 @@ def attention_cute(
             default True (:class:`~blockdiff.attention.cute.config.CuteConfig`; False, FA4's weight, for A/B runs);
             ``"auto"`` keeps FA4's FFMA on a warp's key block where every row's ``|max * scale_log2|`` is below
             2**8 (each weight is then off by at most 2**-17 in log2 units, half an ulp of that product; two key
-            blocks' weights relative to each other by 2**-16) and weighs exactly elsewhere (an A/B switch: not
-            faster than True on an H100, docs/tuning.md 7.65).
+            blocks' weights relative to each other by 2**-16) and weighs exactly elsewhere (an A/B switch, not
+            the default: docs/tuning.md 7.65).
 
     Returns:
         ``out [total_q, num_heads, head_dim_v]`` (q's dtype) or ``(out, lse)``.

@@ -426,13 +426,15 @@ class ExactWeightSoftmax(Softmax):
     ``q * 2**-24``: ``interface.positive_scale``; below it a raw ``s - m`` overflowing to ``-inf`` would drop a key
     of weight up to 2**-4).
 
-    ``ffma_below`` (compile time, default 0: off): per row and key block, where every row of the warp has
-    ``|m * scale_log2| < ffma_below`` (a ``vote.all``; NaN or inf maxima take the exact side), the weight is FA4's
+    ``ffma_below`` (compile time, default 0: off): per key block, where every row of the warp has
+    ``|m * scale_log2| < ffma_below`` (one ``vote.all``; an inf max takes the exact side, a NaN max leaves the
+    choice to the other rows and its row is NaN either way), the weight is FA4's
     FFMA ``exp2(s * scale_log2 - round(m * scale_log2))``, which errs there by half an ulp of that product at most,
     ``2**(ceil(log2(ffma_below)) - 25)`` in log2 units (``ffma_below * 2**-25`` for a power of two: 2**-17 at
     ``config.EXACT_WEIGHT_FFMA_BELOW``, 2**8; the weights of two key blocks, each off by its own max's rounding,
-    relative to each other twice that); elsewhere the exact weight. The branch is uniform per warp, so each side
-    runs as straight-line code and one set of exp2s follows it. The rescale and LSE are as above either way; the
+    relative to each other twice that); elsewhere the exact weight. The branch is uniform per warp and covers
+    all of the thread's rows, so each side is FA4's or the exact straight-line body whole, exp2s included
+    (:meth:`_online_softmax_voted`). The rescale and LSE are as above either way; the
     recompute's exact weights then differ from the mainloop's by that error at most.
 
     ``keep_inv_sum`` (compile time): :meth:`finalize` also keeps the normalisation factor it applies to O
