@@ -557,23 +557,16 @@ def _check_field(name: str, v) -> None:
         if v not in choices:
             raise ValueError(f"config {name} must be one of {choices}, got {v!r}")
         return
-    if name == "exact_weight":  # True, False or "auto" (1 / 0 / None are not: no coercion)
-        if isinstance(v, str):
-            if v != "auto":
-                raise ValueError(f"config exact_weight must be True, False or 'auto', got {v!r}")
-        elif not isinstance(v, bool):
-            raise TypeError(f"config exact_weight must be a bool or 'auto', got {type(v).__name__} ({v!r})")
-        return
     if name == "nan_safe_v":
         if not isinstance(v, bool):
             raise TypeError(f"config {name} must be a bool, got {type(v).__name__} ({v!r})")
         return
-    if name == "skip_allowed_first":  # "auto" or a bool (1 / 0 / None are not: no coercion)
+    if name in ("skip_allowed_first", "exact_weight"):  # "auto" or a bool (1 / 0 / None are not: no coercion)
         if isinstance(v, str):
             if v != "auto":
-                raise ValueError(f"config skip_allowed_first must be 'auto', True or False, got {v!r}")
+                raise ValueError(f"config {name} must be 'auto', True or False, got {v!r}")
         elif not isinstance(v, bool):
-            raise TypeError(f"config skip_allowed_first must be 'auto' or a bool, got {type(v).__name__} ({v!r})")
+            raise TypeError(f"config {name} must be 'auto' or a bool, got {type(v).__name__} ({v!r})")
         return
     if name in ("mma_pv_is_rs", "intra_wg_overlap", "lpt"):
         if v is not None and not isinstance(v, bool):

@@ -48,10 +48,10 @@ def test_exact_weight_is_a_bool_switch_on_by_default():
     assert cc.check_config(dict(exact_weight=True)) == dict(exact_weight=True)
     assert cc.check_config(dict(exact_weight="auto")) == dict(exact_weight="auto")
     for bad in (1, None, 0.0):
-        with pytest.raises(TypeError, match="config exact_weight must be a bool or 'auto'"):
+        with pytest.raises(TypeError, match="config exact_weight must be 'auto' or a bool"):
             cc.check_config(dict(exact_weight=bad))
     for bad in ("on", "AUTO", ""):
-        with pytest.raises(ValueError, match="config exact_weight must be True, False or 'auto'"):
+        with pytest.raises(ValueError, match="config exact_weight must be 'auto', True or False"):
             cc.check_config(dict(exact_weight=bad))
 
 
