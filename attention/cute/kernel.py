@@ -668,8 +668,8 @@ class FlashAttentionForwardSm90Mixed(FlashAttentionForwardSm90):
     ``nan_safe_v_method="recompute"`` the recompute weighs its keys the same way (:meth:`_recompute_warp`). FA4's
     consumer gets it through :meth:`trace_patches`, the wide kernels through :meth:`_make_softmax`.
     ``ffma_weight_below`` (compile-time float in [0, :data:`MAX_FFMA_WEIGHT_BELOW`], default 0: off; with
-    ``exact_weight`` only; ``CuteConfig.exact_weight="auto"`` sets ``config.EXACT_WEIGHT_FFMA_BELOW``): per row and
-    key block, FA4's FFMA weight where every row of the warp has ``|max * scale_log2|`` below it, the exact weight
+    ``exact_weight`` only; ``CuteConfig.exact_weight="auto"`` sets ``config.EXACT_WEIGHT_FFMA_BELOW``): per key
+    block, FA4's FFMA weight where every row of the warp has ``|max * scale_log2|`` below it, the exact weight
     elsewhere (:attr:`ExactWeightSoftmax.ffma_below`).
 
     Raises:
