@@ -471,8 +471,6 @@ class ExactWeightSoftmax(Softmax):
             self._online_softmax_voted(acc_S_mn, row_scale, is_first, check_inf)
             return row_scale
         row_max = self.row_max
-        row_sum = self.row_sum
-        scale_log2 = self.scale_log2
         arch = self.arch
         for r in cutlass.range(cute.size(row_max), unroll_full=True):
             acc_S_row = acc_S_mn[r, None].load()
@@ -484,15 +482,7 @@ class ExactWeightSoftmax(Softmax):
             if const_expr(check_inf):
                 row_max_cur = 0.0 if row_max_cur == -Float32.inf else row_max_cur
             # the exact weight: subtract, then multiply (no FFMA against a rounded max * scale_log2)
-            acc_S_row_exp = cute.math.exp2((acc_S_row - row_max_cur) * scale_log2, fastmath=True)
-            if const_expr(is_first):
-                acc_S_row_sum = fa_utils.fadd_reduce(acc_S_row_exp, init_val=None, arch=arch)
-                row_scale[r] = 1.0
-            else:
-                row_scale[r] = cute.math.exp2((row_max_prev - row_max_cur) * scale_log2, fastmath=True)
-                acc_S_row_sum = fa_utils.fadd_reduce(acc_S_row_exp, init_val=row_sum[r] * row_scale[r], arch=arch)
-            row_sum[r] = acc_S_row_sum
-            acc_S_mn[r, None].store(acc_S_row_exp)
+            self._weigh_row(acc_S_mn, acc_S_row, r, row_scale, row_max_prev, row_max_cur, is_first, False)
         return row_scale
 
     @cute.jit
@@ -531,23 +521,32 @@ class ExactWeightSoftmax(Softmax):
         """Every row's weights (in place in ``acc_S_mn``), sum and rescale factor against the maxima
         ``row_max_safe``: FA4's ``exp2(s * scale_log2 - m * scale_log2)`` (one FFMA) with ``ffma``, else
         ``exp2((s - m) * scale_log2)``; trace time."""
-        scale_log2 = self.scale_log2
-        arch = self.arch
         for r in cutlass.range_constexpr(cute.size(row_max_safe)):
-            acc_S_row = acc_S_mn[r, None].load()
-            if const_expr(ffma):
-                acc_S_row_exp = cute.math.exp2(acc_S_row * scale_log2 - row_max_safe[r] * scale_log2, fastmath=True)
-            else:
-                acc_S_row_exp = cute.math.exp2((acc_S_row - row_max_safe[r]) * scale_log2, fastmath=True)
-            if const_expr(is_first):
-                acc_S_row_sum = fa_utils.fadd_reduce(acc_S_row_exp, init_val=None, arch=arch)
-                row_scale[r] = 1.0
-            else:
-                row_scale[r] = cute.math.exp2((row_max_prev[r] - row_max_safe[r]) * scale_log2, fastmath=True)
-                acc_S_row_sum = fa_utils.fadd_reduce(acc_S_row_exp, init_val=self.row_sum[r] * row_scale[r],
-                                                     arch=arch)
-            self.row_sum[r] = acc_S_row_sum
-            acc_S_mn[r, None].store(acc_S_row_exp)
+            self._weigh_row(acc_S_mn, acc_S_mn[r, None].load(), r, row_scale, row_max_prev[r], row_max_safe[r],
+                            is_first, ffma)
+
+    @cute.jit
+    def _weigh_row(self, acc_S_mn: cute.Tensor, acc_S_row: cute.TensorSSA, r,
+                   row_scale: cute.Tensor, row_max_prev: Float32, row_max: Float32, is_first: cutlass.Constexpr[bool],
+                   ffma: cutlass.Constexpr[bool]):
+        """Row ``r``'s weights (stored into ``acc_S_mn``), sum (``row_sum[r]``) and rescale factor (``row_scale[r]``)
+        against its max ``row_max`` (made safe for -inf), ``row_max_prev`` the raw max before this key block:
+        FA4's ``exp2(s * scale_log2 - m * scale_log2)`` (one FFMA) with ``ffma``, else ``exp2((s - m) *
+        scale_log2)``; FA4's rescale ``exp2((m_prev - m) * scale_log2)``; trace time."""
+        scale_log2 = self.scale_log2
+        if const_expr(ffma):
+            acc_S_row_exp = cute.math.exp2(acc_S_row * scale_log2 - row_max * scale_log2, fastmath=True)
+        else:
+            acc_S_row_exp = cute.math.exp2((acc_S_row - row_max) * scale_log2, fastmath=True)
+        if const_expr(is_first):
+            acc_S_row_sum = fa_utils.fadd_reduce(acc_S_row_exp, init_val=None, arch=self.arch)
+            row_scale[r] = 1.0
+        else:
+            row_scale[r] = cute.math.exp2((row_max_prev - row_max) * scale_log2, fastmath=True)
+            acc_S_row_sum = fa_utils.fadd_reduce(acc_S_row_exp, init_val=self.row_sum[r] * row_scale[r],
+                                                 arch=self.arch)
+        self.row_sum[r] = acc_S_row_sum
+        acc_S_mn[r, None].store(acc_S_row_exp)
 
     @cute.jit
     def finalize(self, final_scale: Float32 = 1.0, sink_val=None) -> cute.Tensor:
