@@ -648,7 +648,10 @@ def train(args: TrainArgs, config: DiffusionGemmaConfig | None = None, stream=No
                     f"DiffusionGemma {n_params / 1e6:.2f} M params, byte-level stdlib, {step} steps, {train_s / 60:.1f} min")
     p(f"trained {step} steps in {train_s:.1f} s ({step / max(train_s, 1e-9):.2f} steps/s); held-out loss {hl:.4f}; "
       f"checkpoint {ckpt} ({os.path.getsize(ckpt) / 1e6:.2f} MB); plot {png}")
-    result = {"config": cfg.to_dict(), "args": vars(args), "num_parameters": n_params, "steps": step,
+    # the args as train_log.json holds them: out / corpus may be os.PathLike (TrainArgs takes them), which json.dump
+    # refuses (a TypeError after the whole run, leaving a truncated train_log.json)
+    args_json = {k: os.fspath(v) if isinstance(v, os.PathLike) else v for k, v in vars(args).items()}
+    result = {"config": cfg.to_dict(), "args": args_json, "num_parameters": n_params, "steps": step,
               "train_seconds": train_s, "steps_per_second": step / max(train_s, 1e-9),
               "tokens_per_step": args.batch_size * (args.prefix + args.prefix_min) // 2 + args.batch_size * CL,
               "final_held_out_loss": hl, "log": log, "checkpoint_bytes": os.path.getsize(ckpt),

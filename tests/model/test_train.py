@@ -317,3 +317,18 @@ def test_train_writes_a_diverged_held_out_loss_as_null_in_train_log_json(tmp_pat
     text = (tmp_path / "out" / "train_log.json").read_text()
     doc = json.loads(text, parse_constant=lambda c: pytest.fail(f"non-standard JSON token {c} in train_log.json"))
     assert doc["final_held_out_loss"] is None and doc["log"][-1]["held_out_loss"] is None
+
+
+def test_train_writes_train_log_json_when_out_and_corpus_are_pathlike(tmp_path):
+    """TrainArgs takes ``out`` / ``corpus`` as os.PathLike (train_args_problems: "a non-empty path"); train() put
+    ``vars(args)`` in train_log.json as is, so json.dump raised ``TypeError: Object of type PosixPath is not JSON
+    serializable`` after the whole run and left a truncated train_log.json. The file now holds the paths as str."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("def add(a, b):\n    return a + b\n\n" * 200)
+    out = tmp_path / "out"
+    args = TrainArgs(out=out, max_steps=1, batch_size=2, prefix=8, prefix_min=8, warmup_steps=1, log_every=1,
+                     seed=0, device="cpu", smoke=True, corpus=corpus, eval_prompts=0)
+    res = train(args, stream=io.StringIO())
+    doc = json.loads((out / "train_log.json").read_text())
+    assert doc["args"]["out"] == str(out) and doc["args"]["corpus"] == str(corpus)
+    assert res["args"]["out"] == str(out) and doc["steps"] == 1
