@@ -58,6 +58,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 import os
 import sys
 import sysconfig
@@ -329,6 +330,14 @@ def training_masks(model: DiffusionGemma, prefix_len: int, canvas_length: int, d
     return out
 
 
+def _prefix_len(prefix_len) -> int:
+    """``prefix_len`` as an int; a float (2.5 was read as 2) or a bool (True as 1) is a TypeError, not a silent
+    other prefix."""
+    if isinstance(prefix_len, bool) or not isinstance(prefix_len, numbers.Integral):
+        raise TypeError(f"prefix_len must be an int, got {type(prefix_len).__name__} ({prefix_len!r})")
+    return int(prefix_len)
+
+
 def dense_forward(model: DiffusionGemma, ids: torch.Tensor, prefix_len: int, self_cond: torch.Tensor | None = None,
                   masks: dict | None = None) -> torch.Tensor:
     """Training-mode forward: encoder pass over the prefix + decoder pass over the canvas, densely.
@@ -342,12 +351,13 @@ def dense_forward(model: DiffusionGemma, ids: torch.Tensor, prefix_len: int, sel
         canvas logits ``[B, CL, V]`` fp32 (fp64 for a float64 model), softcapped as :meth:`DiffusionGemma.forward` returns them.
 
     Raises:
+        TypeError: ``prefix_len`` not an int (a bool included).
         ValueError: bad shapes; more positions (``P + CL``) than the config's ``max_position_embeddings``.
     """
     if ids.dim() != 2 or ids.dtype != torch.int64:
         raise ValueError(f"ids must be int64 [B, P + CL], got {ids.dtype} {tuple(ids.shape)}")
     B, L = ids.shape
-    P = int(prefix_len)
+    P = _prefix_len(prefix_len)
     CL = L - P
     if not 0 <= P < L:
         raise ValueError(f"prefix_len must be in [0, {L}), got {prefix_len}")
@@ -406,7 +416,7 @@ def diffusion_loss(model: DiffusionGemma, batch: torch.Tensor, prefix_len: int, 
         scalar loss (nats per canvas token, fp32).
     """
     dev = batch.device
-    P = int(prefix_len)
+    P = _prefix_len(prefix_len)
     clean = batch[:, P:]
     noisy, t = add_uniform_noise(clean, model.config.vocab_size, generator, t)
     ids = torch.cat([batch[:, :P], noisy], 1)

@@ -332,3 +332,19 @@ def test_train_writes_train_log_json_when_out_and_corpus_are_pathlike(tmp_path):
     doc = json.loads((out / "train_log.json").read_text())
     assert doc["args"]["out"] == str(out) and doc["args"]["corpus"] == str(corpus)
     assert res["args"]["out"] == str(out) and doc["steps"] == 1
+
+
+@pytest.mark.parametrize("prefix_len", [4.5, 4.0, True, "4"])
+def test_dense_forward_and_diffusion_loss_refuse_a_prefix_len_that_is_not_an_int(prefix_len):
+    """prefix_len went through int(): 4.5 trained with P = 4 and True with P = 1, silently (another prefix / canvas
+    split than asked for); now a TypeError naming prefix_len. numpy ints stay accepted."""
+    from blockdiff.model.train import diffusion_loss
+
+    model = DiffusionGemma(smoke_config(), moe_impl="loop")
+    ids = torch.zeros(1, 12, dtype=torch.int64)
+    with pytest.raises(TypeError, match="prefix_len must be an int"):
+        dense_forward(model, ids, prefix_len)
+    with pytest.raises(TypeError, match="prefix_len must be an int"):
+        diffusion_loss(model, ids, prefix_len, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(dense_forward(model, ids, np.int64(4)), dense_forward(model, ids, 4))
