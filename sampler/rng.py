@@ -130,6 +130,7 @@ def philox4x32_10(c0, c1, c2, c3, k0, k1):
 
     Args:
         c0, c1, c2, c3: counter words, int64 tensors (or Python ints) with values in [0, 2**32); broadcastable.
+            Tensors and ints alike are reduced modulo 2**32 (a tensor word of -1 is 0xFFFFFFFF, as the int -1 is).
         k0, k1: key words, same convention.
 
     Returns:
@@ -141,8 +142,10 @@ def philox4x32_10(c0, c1, c2, c3, k0, k1):
     device = ts[0].device if ts else None
 
     def _t(name, x):
-        if isinstance(x, torch.Tensor):
-            return as_int_tensor(name, x)
+        if isinstance(x, torch.Tensor):  # reduced as the ints below: a word outside [0, 2**32) (a negative int64, or
+            # one of 2**40) left the 16-bit-limb products' range and gave words outside [0, 2**32) (a negative word is
+            # a negative uniform, a NaN Gumbel), where the same Python int was masked
+            return as_int_tensor(name, x) & MASK32
         if isinstance(x, bool) or not isinstance(x, int):
             raise TypeError(f"{name} must be an int or an integer tensor, got {type(x).__name__} ({x!r})")
         return torch.tensor(x & MASK32, dtype=torch.int64, device=device)

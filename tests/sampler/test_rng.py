@@ -208,3 +208,21 @@ def test_draw_coordinates_refuse_floats_but_take_every_integer_dtype():
     assert torch.equal(rng.random_ids(7, 9, 2, 3, 8, 100, rng.RENOISE), ref)
     g = rng.gumbel_noise(seed, rid, ci, step, 4, 10)
     assert torch.equal(rng.gumbel_noise([7], [9], [2], [3], 4, 10), g)
+
+
+@pytest.mark.parametrize("word", [-1, -(2**40) + 3, 2**32, 2**40 + 5, 2**62 + 7])
+def test_philox_reduces_tensor_words_modulo_2_32_as_it_does_python_ints(word):
+    """A tensor word outside [0, 2**32) went into the rounds unreduced: tensor(-1) gave a negative output word (a
+    negative uniform, a NaN Gumbel) and tensor(2**40 + 5) one above 2**32, while the Python int of the same value
+    was masked. Both are now reduced modulo 2**32, so a tensor and an int word give the same, in-range words."""
+    for i in range(6):
+        args_int = [0] * 6
+        args_int[i] = word
+        args_t = [0] * 6
+        args_t[i] = torch.tensor([word])
+        want = tuple(int(x) for x in rng.philox4x32_10(*args_int))
+        got = tuple(int(x) for x in rng.philox4x32_10(*args_t))
+        assert got == want
+        args_int[i] = word & M
+        assert want == tuple(int(x) for x in rng.philox4x32_10(*args_int))
+        assert all(0 <= x <= M for x in got)
