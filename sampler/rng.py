@@ -176,10 +176,14 @@ def make_counter(request_id, canvas_index, step, position, stream: int, token_gr
 
     Raises:
         TypeError: a coordinate that is not an integer tensor / int (:func:`as_int_tensor`), or a ``stream`` that is
-            not an int.
+            not an int. ValueError: ``stream`` outside [0, 4) (its 2-bit field: 4 was step + 1's counter of stream 0,
+            a negative one a negative counter word).
     """
     if isinstance(stream, bool) or not isinstance(stream, int):
         raise TypeError(f"stream must be an int, got {type(stream).__name__} ({stream!r})")
+    if not 0 <= stream < 4:
+        raise ValueError(f"stream must be in [0, 4) (the counter's 2-bit stream field: GUMBEL {GUMBEL}, RENOISE "
+                         f"{RENOISE}, INITIAL {INITIAL}), got {stream}")
     request_id = as_int_tensor("request_id", request_id)
     canvas_index = as_int_tensor("canvas_index", canvas_index)
     step = as_int_tensor("step", step)

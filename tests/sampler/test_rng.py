@@ -226,3 +226,15 @@ def test_philox_reduces_tensor_words_modulo_2_32_as_it_does_python_ints(word):
         args_int[i] = word & M
         assert want == tuple(int(x) for x in rng.philox4x32_10(*args_int))
         assert all(0 <= x <= M for x in got)
+
+
+@pytest.mark.parametrize("stream", [4, 5, -1, 1 << 20])
+def test_make_counter_refuses_a_stream_outside_its_2_bit_field(stream):
+    """stream was shifted into c1 unchecked: stream 4 at step 0 gave the very counter of stream 0 at step 1 (the same
+    noise for two draws meant to be independent), and stream -1 a negative counter word. Now a ValueError naming
+    stream; streams 0..3 keep their counters."""
+    assert int(rng.make_counter(1, 0, 1, 3, rng.GUMBEL)[1]) == 3 | (1 << 18)  # what stream 4 at step 0 collided with
+    with pytest.raises(ValueError, match=r"stream must be in \[0, 4\)"):
+        rng.make_counter(1, 0, 0, 3, stream)
+    for s in range(4):
+        assert int(rng.make_counter(1, 0, 2, 3, s)[1]) == 3 | (s << 16) | (2 << 18)
