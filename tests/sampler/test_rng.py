@@ -238,3 +238,21 @@ def test_make_counter_refuses_a_stream_outside_its_2_bit_field(stream):
         rng.make_counter(1, 0, 0, 3, stream)
     for s in range(4):
         assert int(rng.make_counter(1, 0, 2, 3, s)[1]) == 3 | (s << 16) | (2 << 18)
+
+
+def test_draws_refuse_coordinates_of_different_row_counts_naming_them_and_broadcast_one_entry():
+    """gumbel_noise with a one-entry seed beside three request ids raised torch's RuntimeError ("shape '[1, 2, 8]' is
+    invalid for input of size 48") where random_ids broadcast the seed; two and three entries failed in both with a
+    RuntimeError from inside the draw. Now a ValueError naming the coordinates and their counts, and one entry (or an
+    int) is every row's in both draws."""
+    rid = torch.tensor([1, 2, 3])
+    z = torch.zeros(3, dtype=torch.int64)
+    g = rng.gumbel_noise(torch.tensor([7]), rid, z, z, 2, 5)
+    assert torch.equal(g, rng.gumbel_noise(torch.full((3,), 7), rid, z, z, 2, 5))
+    assert torch.equal(rng.gumbel_noise(7, rid, 0, 0, 2, 5), g)
+    ids = rng.random_ids(torch.tensor([7]), rid, z, z, 2, 5, rng.RENOISE)
+    assert torch.equal(ids, rng.random_ids(torch.full((3,), 7), rid, z, z, 2, 5, rng.RENOISE))
+    for draw in (lambda s: rng.gumbel_noise(s, rid, z, z, 2, 5), lambda s: rng.random_ids(s, rid, z, z, 2, 5, 1)):
+        with pytest.raises(ValueError, match="one entry per row.*seed 2, request_id 3, canvas_index 3, step 3"):
+            draw(torch.tensor([7, 8]))
+    assert rng.num_rows(torch.zeros(0), torch.zeros(1), torch.zeros(0), torch.zeros(())) == 0
