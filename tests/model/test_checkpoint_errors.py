@@ -845,3 +845,15 @@ def test_json_ints_beyond_float_range_are_checkpoint_errors_naming_the_field(tmp
         hf_generation_config_dict(tiny_config(), confidence_threshold=10 ** 400)
     with pytest.raises(ValueError, match="lr must be a finite number > 0, got an int of 1329 bits"):
         TrainArgs(out=str(tmp_path / "out"), lr=10 ** 400)
+
+
+@pytest.mark.parametrize("field, value, exc", [
+    ("max_new_tokens", "64", TypeError), ("max_new_tokens", 64.0, TypeError), ("max_new_tokens", True, TypeError),
+    ("bos_token_id", "2", TypeError), ("pad_token_id", False, TypeError), ("pad_token_id", 1.0, TypeError),
+    ("max_new_tokens", 0, ValueError), ("bos_token_id", 259, ValueError), ("eos_token_id", "1", TypeError)])
+def test_parse_generation_config_raises_type_error_for_a_wrong_type_as_its_docstring_says(field, value, exc):
+    """parse_generation_config's docstring: TypeError for a value of the wrong type, ValueError for one breaking its
+    rule. max_new_tokens, bos_token_id and pad_token_id raised ValueError for a str / float / bool (eos_token_id a
+    TypeError); now a TypeError naming the field, out-of-range ints stay a ValueError."""
+    with pytest.raises(exc, match=f"^{field} must be"):
+        generation.parse_generation_config({field: value}, tiny_config(vocab_size=259))
