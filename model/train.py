@@ -302,10 +302,19 @@ def add_uniform_noise(canvas: torch.Tensor, vocab_size: int, generator: torch.Ge
 
     Returns:
         ``(noisy [B, CL] int64 on canvas's device, t [B] fp32 on the CPU)``.
+
+    Raises:
+        ValueError: ``canvas`` not 2-D; ``t`` not ``[B]`` (a ``[B, 1]`` t broadcast to a ``[B, B, CL]`` "canvas", a
+            ``[1]`` one gave every row row 0's rate and returned a t of one entry).
     """
+    if canvas.dim() != 2:
+        raise ValueError(f"canvas must be [B, CL], got shape {tuple(canvas.shape)}")
     B, CL = canvas.shape
     if t is None:
         t = torch.rand(B, generator=generator)
+    elif not isinstance(t, torch.Tensor) or tuple(t.shape) != (B,):
+        raise ValueError(f"t must be a [B={B}] tensor of replacement probabilities, got "
+                         f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
     replace = torch.rand(B, CL, generator=generator) < t[:, None]
     rnd = torch.randint(0, vocab_size, (B, CL), generator=generator)
     dev = canvas.device

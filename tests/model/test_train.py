@@ -348,3 +348,16 @@ def test_dense_forward_and_diffusion_loss_refuse_a_prefix_len_that_is_not_an_int
         diffusion_loss(model, ids, prefix_len, torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(dense_forward(model, ids, np.int64(4)), dense_forward(model, ids, 4))
+
+
+@pytest.mark.parametrize("t", [torch.full((3, 1), 0.5), torch.tensor([0.5]), torch.full((2,), 0.5), torch.tensor(0.5),
+                               [0.5, 0.5, 0.5]])
+def test_add_uniform_noise_refuses_a_t_that_is_not_one_rate_per_row(t):
+    """t [B, 1] broadcast the [B, CL] canvas to a [B, B, CL] result, silently; t [1] noised every row at row 0's
+    rate and returned a one-entry t; [2] / 0-d / a list failed inside torch. Now a ValueError naming t and B."""
+    g = torch.Generator().manual_seed(0)
+    clean = torch.randint(0, 259, (3, 4), generator=g)
+    with pytest.raises(ValueError, match=r"t must be a \[B=3\] tensor"):
+        add_uniform_noise(clean, 259, g, t)
+    noisy, tt = add_uniform_noise(clean, 259, g, torch.full((3,), 0.5))
+    assert noisy.shape == (3, 4) and tt.shape == (3,)
