@@ -128,11 +128,14 @@ def shard_heads(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s
     local tensors); False returns strided views.
 
     Raises:
-        TypeError: ``shard`` is not a :class:`HeadShard`; q / k_cache / v_cache not tensors.
+        TypeError: ``shard`` is not a :class:`HeadShard`; q / k_cache / v_cache not tensors; ``contiguous`` not a
+            bool.
         ValueError: head counts of the tensors disagree with ``shard``.
     """
     _check_shard(shard)
     _check_tensors(q, k_cache, v_cache)
+    if not isinstance(contiguous, bool):  # "no" / "False" / None read as truthy / falsy: copies or views silently
+        raise TypeError(f"contiguous must be True or False, got {type(contiguous).__name__} ({contiguous!r})")
     if q.dim() != 3 or q.shape[1] != shard.num_heads:
         raise ValueError(f"q must be [total_q, num_heads={shard.num_heads}, head_dim], got {tuple(q.shape)}")
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -181,10 +184,14 @@ def gather_heads(outs):
     ``(out, lse)`` pairs (lse ``[H_local, total_q]`` along dim 0).
 
     Raises:
-        TypeError: ``outs`` mixes tensors and pairs, or holds something else.
-        ValueError: ``outs`` is empty; the ranks' results disagree in ``total_q``, ``Dv``, dtype or device; a
-            pair's lse is not ``[H_local, total_q]`` float32 of its out (heads, rows, device).
+        TypeError: ``outs`` is a single tensor (not one result per rank); it mixes tensors and pairs, or holds
+            something else.
+        ValueError: ``outs`` is empty; a result is not 3-D; the ranks' results disagree in ``total_q``, ``Dv``,
+            dtype or device; a pair's lse is not ``[H_local, total_q]`` float32 of its out (heads, rows, device).
     """
+    if isinstance(outs, torch.Tensor):  # list(tensor) split it along dim 0 into "ranks" of 2-D slices
+        raise TypeError(f"outs must be a list of the ranks' results (one per rank), got a single tensor of shape "
+                        f"{tuple(outs.shape)}")
     outs = list(outs)
     if not outs:
         raise ValueError("outs must hold one result per rank, got none")
@@ -195,10 +202,14 @@ def gather_heads(outs):
         if not ok:
             raise TypeError(f"outs must all be out tensors or all (out, lse) pairs (as attention_tp returns), got "
                             f"{type(o).__name__} at rank {r}")
+    for r, o in enumerate(outs):  # each 3-D first: a 2-D rank 0 was reported as disagreeing with itself
+        o = o[0] if pairs else o
+        if o.dim() != 3:
+            raise ValueError(f"outs[{r}] must be [total_q, H_local, Dv], got shape {tuple(o.shape)}")
     o0 = outs[0][0] if pairs else outs[0]
     for r, o in enumerate(outs):
         o = o[0] if pairs else o
-        if o.dim() != 3 or o.shape[0] != o0.shape[0] or o.shape[2] != o0.shape[2] or o.dtype != o0.dtype \
+        if o.shape[0] != o0.shape[0] or o.shape[2] != o0.shape[2] or o.dtype != o0.dtype \
                 or o.device != o0.device:
             raise ValueError(f"outs must be [total_q, H_local, Dv] with one total_q, Dv, dtype and device: rank 0 "
                              f"has {tuple(o0.shape)} {o0.dtype} on {o0.device}, rank {r} {tuple(o.shape)} {o.dtype} "

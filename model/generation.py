@@ -64,7 +64,19 @@ def schedule_extremes(t_min: float, t_max: float, max_denoising_steps: int) -> t
     """(lowest, highest) temperature of the sampler's schedule ``T = t_min + (t_max - t_min) * (S - s) / S`` over
     s in [0, S), in float32 in that order (docs/ARCHITECTURE.md "Sampler semantics" rule 1): T at s = S - 1 and at
     s = 0. The same values as ``blockdiff.sampler.params.schedule_extremes`` (model and sampler are independent
-    layers; tests/model checks the two agree)."""
+    layers; tests/model checks the two agree).
+
+    Raises:
+        TypeError: ``max_denoising_steps`` not an int (a bool, a float: 2.5 was truncated to 2).
+        ValueError: ``max_denoising_steps`` outside [1, 2**14) (0 gave ``(inf, nan)``, -3 a "lowest" temperature
+            below ``t_min``).
+    """
+    if isinstance(max_denoising_steps, bool) or not isinstance(max_denoising_steps, numbers.Integral):
+        raise TypeError(f"max_denoising_steps must be an int, got {type(max_denoising_steps).__name__} "
+                        f"({max_denoising_steps!r})")
+    if not 1 <= max_denoising_steps < MAX_DENOISING_STEPS:
+        raise ValueError(f"max_denoising_steps must be in [1, 2**14), got {max_denoising_steps}")
+    max_denoising_steps = int(max_denoising_steps)
     f32 = torch.float32
     lo_hi = torch.tensor([t_min, t_max], dtype=f32)
     k = torch.tensor([1, max_denoising_steps], dtype=torch.int32).to(f32)  # S - s at s = S - 1 and at s = 0
@@ -208,15 +220,17 @@ def parse_generation_config(d: dict, config: DiffusionGemmaConfig) -> dict:
             if not 0 <= t < config.vocab_size:
                 raise ValueError(f"eos_token_id must be in [0, vocab_size = {config.vocab_size}), got {eos!r}")
         out["eos_token_ids"] = tuple(sorted({int(t) for t in ids}))
-    for name in ("bos_token_id", "pad_token_id"):
+    for name in ("bos_token_id", "pad_token_id"):  # a value of another type is a TypeError, as eos_token_id's is
         v = d.get(name)
         if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Integral)
                               or not 0 <= v < config.vocab_size):
-            raise ValueError(f"{name} must be None or an int in [0, vocab_size = {config.vocab_size}), got {v!r}")
+            kind = TypeError if isinstance(v, bool) or not isinstance(v, numbers.Integral) else ValueError
+            raise kind(f"{name} must be None or an int in [0, vocab_size = {config.vocab_size}), got {v!r}")
     mnt = d.get("max_new_tokens")
     if mnt is not None:
         if isinstance(mnt, bool) or not isinstance(mnt, numbers.Integral) or not 1 <= mnt <= _MAX_TOKENS:
-            raise ValueError(f"max_new_tokens must be None or an int in [1, 2**62], got {mnt!r}")
+            kind = TypeError if isinstance(mnt, bool) or not isinstance(mnt, numbers.Integral) else ValueError
+            raise kind(f"max_new_tokens must be None or an int in [1, 2**62], got {mnt!r}")
         out["max_tokens"] = int(mnt)
     if d.get("max_length") is not None:
         raise ValueError(f"max_length {d['max_length']!r} is not supported: a total-length cap depends on each "

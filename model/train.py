@@ -58,6 +58,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 import os
 import sys
 import sysconfig
@@ -301,10 +302,19 @@ def add_uniform_noise(canvas: torch.Tensor, vocab_size: int, generator: torch.Ge
 
     Returns:
         ``(noisy [B, CL] int64 on canvas's device, t [B] fp32 on the CPU)``.
+
+    Raises:
+        ValueError: ``canvas`` not 2-D; ``t`` not ``[B]`` (a ``[B, 1]`` t broadcast to a ``[B, B, CL]`` "canvas", a
+            ``[1]`` one gave every row row 0's rate and returned a t of one entry).
     """
+    if canvas.dim() != 2:
+        raise ValueError(f"canvas must be [B, CL], got shape {tuple(canvas.shape)}")
     B, CL = canvas.shape
     if t is None:
         t = torch.rand(B, generator=generator)
+    elif not isinstance(t, torch.Tensor) or tuple(t.shape) != (B,):
+        raise ValueError(f"t must be a [B={B}] tensor of replacement probabilities, got "
+                         f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
     replace = torch.rand(B, CL, generator=generator) < t[:, None]
     rnd = torch.randint(0, vocab_size, (B, CL), generator=generator)
     dev = canvas.device
@@ -329,6 +339,14 @@ def training_masks(model: DiffusionGemma, prefix_len: int, canvas_length: int, d
     return out
 
 
+def _prefix_len(prefix_len) -> int:
+    """``prefix_len`` as an int; a float (2.5 was read as 2) or a bool (True as 1) is a TypeError, not a silent
+    other prefix."""
+    if isinstance(prefix_len, bool) or not isinstance(prefix_len, numbers.Integral):
+        raise TypeError(f"prefix_len must be an int, got {type(prefix_len).__name__} ({prefix_len!r})")
+    return int(prefix_len)
+
+
 def dense_forward(model: DiffusionGemma, ids: torch.Tensor, prefix_len: int, self_cond: torch.Tensor | None = None,
                   masks: dict | None = None) -> torch.Tensor:
     """Training-mode forward: encoder pass over the prefix + decoder pass over the canvas, densely.
@@ -342,12 +360,13 @@ def dense_forward(model: DiffusionGemma, ids: torch.Tensor, prefix_len: int, sel
         canvas logits ``[B, CL, V]`` fp32 (fp64 for a float64 model), softcapped as :meth:`DiffusionGemma.forward` returns them.
 
     Raises:
+        TypeError: ``prefix_len`` not an int (a bool included).
         ValueError: bad shapes; more positions (``P + CL``) than the config's ``max_position_embeddings``.
     """
     if ids.dim() != 2 or ids.dtype != torch.int64:
         raise ValueError(f"ids must be int64 [B, P + CL], got {ids.dtype} {tuple(ids.shape)}")
     B, L = ids.shape
-    P = int(prefix_len)
+    P = _prefix_len(prefix_len)
     CL = L - P
     if not 0 <= P < L:
         raise ValueError(f"prefix_len must be in [0, {L}), got {prefix_len}")
@@ -406,7 +425,7 @@ def diffusion_loss(model: DiffusionGemma, batch: torch.Tensor, prefix_len: int, 
         scalar loss (nats per canvas token, fp32).
     """
     dev = batch.device
-    P = int(prefix_len)
+    P = _prefix_len(prefix_len)
     clean = batch[:, P:]
     noisy, t = add_uniform_noise(clean, model.config.vocab_size, generator, t)
     ids = torch.cat([batch[:, :P], noisy], 1)
@@ -648,7 +667,10 @@ def train(args: TrainArgs, config: DiffusionGemmaConfig | None = None, stream=No
                     f"DiffusionGemma {n_params / 1e6:.2f} M params, byte-level stdlib, {step} steps, {train_s / 60:.1f} min")
     p(f"trained {step} steps in {train_s:.1f} s ({step / max(train_s, 1e-9):.2f} steps/s); held-out loss {hl:.4f}; "
       f"checkpoint {ckpt} ({os.path.getsize(ckpt) / 1e6:.2f} MB); plot {png}")
-    result = {"config": cfg.to_dict(), "args": vars(args), "num_parameters": n_params, "steps": step,
+    # the args as train_log.json holds them: out / corpus may be os.PathLike (TrainArgs takes them), which json.dump
+    # refuses (a TypeError after the whole run, leaving a truncated train_log.json)
+    args_json = {k: os.fspath(v) if isinstance(v, os.PathLike) else v for k, v in vars(args).items()}
+    result = {"config": cfg.to_dict(), "args": args_json, "num_parameters": n_params, "steps": step,
               "train_seconds": train_s, "steps_per_second": step / max(train_s, 1e-9),
               "tokens_per_step": args.batch_size * (args.prefix + args.prefix_min) // 2 + args.batch_size * CL,
               "final_held_out_loss": hl, "log": log, "checkpoint_bytes": os.path.getsize(ckpt),

@@ -44,7 +44,7 @@ __all__ = [
     "GUMBEL", "RENOISE", "INITIAL", "PHILOX_M0", "PHILOX_M1", "PHILOX_W0", "PHILOX_W1", "MASK32",
     "philox4x32_10", "make_key", "make_counter", "uniform_from_word", "gumbel_from_word", "ids_from_words",
     "gumbel_noise", "random_ids", "check_sizes", "as_int_tensor", "check_int_dtype", "COORDINATES",
-    "as_int_coordinates", "check_int_coordinates",
+    "as_int_coordinates", "check_int_coordinates", "num_rows",
 ]
 
 GUMBEL = 0
@@ -102,6 +102,22 @@ def as_int_coordinates(seed, request_id, canvas_index, step) -> tuple[torch.Tens
     return tuple(as_int_tensor(n, v) for n, v in zip(COORDINATES, (seed, request_id, canvas_index, step)))
 
 
+def num_rows(seed, request_id, canvas_index, step) -> int:
+    """N, the rows of the four per-row coordinates (int64 tensors, read flattened): each holds N entries or one
+    (broadcast to every row). A mismatch was torch's RuntimeError from inside the draw (``shape '[1, 2, 8]' is
+    invalid for input of size 48``).
+
+    Raises:
+        ValueError: two coordinates with different entry counts, neither of them 1 (names them and the counts).
+    """
+    sizes = {n: t.numel() for n, t in zip(COORDINATES, (seed, request_id, canvas_index, step))}
+    rows = {v for v in sizes.values() if v != 1}
+    if len(rows) > 1:
+        raise ValueError("seed, request_id, canvas_index and step must hold one entry per row (N each, or 1 for every "
+                         "row), got " + ", ".join(f"{n} {v}" for n, v in sizes.items()))
+    return rows.pop() if rows else 1
+
+
 def check_int_coordinates(seed, request_id, canvas_index, step) -> None:
     """Raise TypeError naming the coordinate unless each of the four is an integer tensor: the kernels read them as
     int64 (``.to(tl.int64)``), which would truncate a float value. Host attribute reads only (no sync)."""
@@ -130,6 +146,7 @@ def philox4x32_10(c0, c1, c2, c3, k0, k1):
 
     Args:
         c0, c1, c2, c3: counter words, int64 tensors (or Python ints) with values in [0, 2**32); broadcastable.
+            Tensors and ints alike are reduced modulo 2**32 (a tensor word of -1 is 0xFFFFFFFF, as the int -1 is).
         k0, k1: key words, same convention.
 
     Returns:
@@ -141,8 +158,10 @@ def philox4x32_10(c0, c1, c2, c3, k0, k1):
     device = ts[0].device if ts else None
 
     def _t(name, x):
-        if isinstance(x, torch.Tensor):
-            return as_int_tensor(name, x)
+        if isinstance(x, torch.Tensor):  # reduced as the ints below: a word outside [0, 2**32) (a negative int64, or
+            # one of 2**40) left the 16-bit-limb products' range and gave words outside [0, 2**32) (a negative word is
+            # a negative uniform, a NaN Gumbel), where the same Python int was masked
+            return as_int_tensor(name, x) & MASK32
         if isinstance(x, bool) or not isinstance(x, int):
             raise TypeError(f"{name} must be an int or an integer tensor, got {type(x).__name__} ({x!r})")
         return torch.tensor(x & MASK32, dtype=torch.int64, device=device)
@@ -173,10 +192,14 @@ def make_counter(request_id, canvas_index, step, position, stream: int, token_gr
 
     Raises:
         TypeError: a coordinate that is not an integer tensor / int (:func:`as_int_tensor`), or a ``stream`` that is
-            not an int.
+            not an int. ValueError: ``stream`` outside [0, 4) (its 2-bit field: 4 was step + 1's counter of stream 0,
+            a negative one a negative counter word).
     """
     if isinstance(stream, bool) or not isinstance(stream, int):
         raise TypeError(f"stream must be an int, got {type(stream).__name__} ({stream!r})")
+    if not 0 <= stream < 4:
+        raise ValueError(f"stream must be in [0, 4) (the counter's 2-bit stream field: GUMBEL {GUMBEL}, RENOISE "
+                         f"{RENOISE}, INITIAL {INITIAL}), got {stream}")
     request_id = as_int_tensor("request_id", request_id)
     canvas_index = as_int_tensor("canvas_index", canvas_index)
     step = as_int_tensor("step", step)
@@ -242,7 +265,8 @@ def gumbel_noise(seed, request_id, canvas_index, step, canvas_length: int, vocab
     """Gumbel noise of the GUMBEL stream for whole canvases: float32 ``[N, canvas_length, vocab_size]``.
 
     Args:
-        seed, request_id, canvas_index, step: int64 tensors ``[N]`` (one entry per canvas row).
+        seed, request_id, canvas_index, step: int64 tensors ``[N]`` (one entry per canvas row; one entry, or an int,
+            is every row's: :func:`num_rows`).
         canvas_length, vocab_size: sizes (tokens).
 
     Returns:
@@ -253,13 +277,13 @@ def gumbel_noise(seed, request_id, canvas_index, step, canvas_length: int, vocab
     Raises:
         TypeError / ValueError: ``canvas_length`` or ``vocab_size`` not an int in its range (:func:`check_sizes`).
         TypeError: ``seed``, ``request_id``, ``canvas_index`` or ``step`` not an integer tensor (a float one is not
-            truncated: :func:`as_int_tensor`).
+            truncated: :func:`as_int_tensor`). ValueError: they disagree on N (:func:`num_rows`).
     """
     check_sizes(canvas_length, vocab_size)
     seed, request_id, canvas_index, step = as_int_coordinates(seed, request_id, canvas_index, step)
+    n = num_rows(seed, request_id, canvas_index, step)
     seed = seed.reshape(-1)
     dev = seed.device
-    n = seed.shape[0]
     ngroups = (vocab_size + 3) // 4
     k0, k1 = make_key(seed)
     pos = torch.arange(canvas_length, device=dev, dtype=torch.int64)
@@ -279,19 +303,21 @@ def random_ids(seed, request_id, canvas_index, step, canvas_length: int, vocab_s
     """Uniform random token ids ``[N, canvas_length]`` int64 in [0, V) of a per-position stream.
 
     Args:
-        seed, request_id, canvas_index, step: int64 tensors ``[N]``.
+        seed, request_id, canvas_index, step: int64 tensors ``[N]`` (one entry, or an int, is every row's:
+            :func:`num_rows`).
         stream: :data:`RENOISE` or :data:`INITIAL` (for INITIAL, pass ``step = 0``).
 
     Position ``p`` of row ``i`` uses words 0 and 1 of ``philox(key(seed[i]), counter(..., p, stream, 0))``
     through :func:`ids_from_words`.
 
     Raises:
-        ValueError: for another stream, or a size out of range. TypeError: a size or stream that is not an int
-            (:func:`check_sizes`); ``seed``, ``request_id``, ``canvas_index`` or ``step`` not an integer tensor
-            (:func:`as_int_tensor`).
+        ValueError: for another stream, a size out of range, or coordinates disagreeing on N (:func:`num_rows`).
+        TypeError: a size or stream that is not an int (:func:`check_sizes`); ``seed``, ``request_id``,
+            ``canvas_index`` or ``step`` not an integer tensor (:func:`as_int_tensor`).
     """
     check_sizes(canvas_length, vocab_size, stream)
     seed, request_id, canvas_index, step = as_int_coordinates(seed, request_id, canvas_index, step)
+    num_rows(seed, request_id, canvas_index, step)
     seed = seed.reshape(-1)
     dev = seed.device
     k0, k1 = make_key(seed)

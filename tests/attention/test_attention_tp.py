@@ -176,3 +176,27 @@ def test_gather_heads_refuses_an_lse_that_does_not_match_its_rank_s_out():
     for bad in (torch.zeros(3, 5), torch.zeros(2, 4), torch.zeros(5, 2), torch.zeros(2, 5, dtype=torch.float64)):
         with pytest.raises(ValueError, match=r"outs\[1\]: lse must be \[H_local=2, total_q=5\] float32"):
             gather_heads([(out, lse), (out, bad)])
+
+
+@pytest.mark.parametrize("contiguous", ["no", 0, None, 1.0])
+def test_shard_heads_refuses_a_contiguous_that_is_not_a_bool(contiguous):
+    """contiguous was read for its truth value: "no" returned copies, 0 / None views aliasing the caller's tensors,
+    silently; now a TypeError naming contiguous."""
+    q, kc, vc, _ = mixed_batch(8, 2)
+    with pytest.raises(TypeError, match="contiguous must be True or False"):
+        shard_heads(q, kc, vc, head_shard(8, 2, 2, 0), contiguous=contiguous)
+    qs, _, _ = shard_heads(q, kc, vc, head_shard(8, 2, 2, 0), contiguous=False)
+    assert qs.data_ptr() == q.data_ptr()  # False: views, as documented
+
+
+def test_gather_heads_refuses_a_single_tensor_and_names_the_rank_that_is_not_3d():
+    """gather_heads(out) (one tensor, not a list of the ranks' results) was split by list() along total_q into
+    2-D "ranks" and refused with "rank 0 has (2, 4) ..., rank 0 (2, 4)" (rank 0 disagreeing with itself); a 2-D
+    rank 0 likewise. Now a TypeError for the single tensor and a ValueError naming the rank that is not 3-D."""
+    out = torch.zeros(5, 2, 4)
+    with pytest.raises(TypeError, match=r"a single tensor of shape \(5, 2, 4\)"):
+        gather_heads(out)
+    with pytest.raises(ValueError, match=r"outs\[0\] must be \[total_q, H_local, Dv\], got shape \(5, 4\)"):
+        gather_heads([out[:, 0], out])
+    with pytest.raises(ValueError, match=r"outs\[1\] must be \[total_q, H_local, Dv\], got shape \(2, 5\)"):
+        gather_heads([(out, torch.zeros(2, 5)), (torch.zeros(2, 5), torch.zeros(2, 5))])

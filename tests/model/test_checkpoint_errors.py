@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
@@ -845,3 +846,26 @@ def test_json_ints_beyond_float_range_are_checkpoint_errors_naming_the_field(tmp
         hf_generation_config_dict(tiny_config(), confidence_threshold=10 ** 400)
     with pytest.raises(ValueError, match="lr must be a finite number > 0, got an int of 1329 bits"):
         TrainArgs(out=str(tmp_path / "out"), lr=10 ** 400)
+
+
+@pytest.mark.parametrize("field, value, exc", [
+    ("max_new_tokens", "64", TypeError), ("max_new_tokens", 64.0, TypeError), ("max_new_tokens", True, TypeError),
+    ("bos_token_id", "2", TypeError), ("pad_token_id", False, TypeError), ("pad_token_id", 1.0, TypeError),
+    ("max_new_tokens", 0, ValueError), ("bos_token_id", 259, ValueError), ("eos_token_id", "1", TypeError)])
+def test_parse_generation_config_raises_type_error_for_a_wrong_type_as_its_docstring_says(field, value, exc):
+    """parse_generation_config's docstring: TypeError for a value of the wrong type, ValueError for one breaking its
+    rule. max_new_tokens, bos_token_id and pad_token_id raised ValueError for a str / float / bool (eos_token_id a
+    TypeError); now a TypeError naming the field, out-of-range ints stay a ValueError."""
+    with pytest.raises(exc, match=f"^{field} must be"):
+        generation.parse_generation_config({field: value}, tiny_config(vocab_size=259))
+
+
+@pytest.mark.parametrize("steps, exc", [(0, ValueError), (-3, ValueError), (1 << 14, ValueError), (2**31, ValueError),
+                                        (True, TypeError), (2.5, TypeError), (48.0, TypeError)])
+def test_generation_schedule_extremes_refuses_a_step_count_outside_its_range(steps, exc):
+    """schedule_extremes (public) took any step count: 0 returned (inf, nan), -3 a lowest temperature (0.267) below
+    t_min = 0.4, 2.5 was truncated to 2 and True read as 1; 2**31 was torch's int32 overflow RuntimeError. Now the
+    range parse_generation_config checks before calling it, [1, 2**14), named."""
+    with pytest.raises(exc, match="max_denoising_steps must be"):
+        generation.schedule_extremes(0.4, 0.8, steps)
+    assert generation.schedule_extremes(0.4, 0.8, np.int64(2)) == generation.schedule_extremes(0.4, 0.8, 2)

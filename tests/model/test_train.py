@@ -317,3 +317,47 @@ def test_train_writes_a_diverged_held_out_loss_as_null_in_train_log_json(tmp_pat
     text = (tmp_path / "out" / "train_log.json").read_text()
     doc = json.loads(text, parse_constant=lambda c: pytest.fail(f"non-standard JSON token {c} in train_log.json"))
     assert doc["final_held_out_loss"] is None and doc["log"][-1]["held_out_loss"] is None
+
+
+def test_train_writes_train_log_json_when_out_and_corpus_are_pathlike(tmp_path):
+    """TrainArgs takes ``out`` / ``corpus`` as os.PathLike (train_args_problems: "a non-empty path"); train() put
+    ``vars(args)`` in train_log.json as is, so json.dump raised ``TypeError: Object of type PosixPath is not JSON
+    serializable`` after the whole run and left a truncated train_log.json. The file now holds the paths as str."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("def add(a, b):\n    return a + b\n\n" * 200)
+    out = tmp_path / "out"
+    args = TrainArgs(out=out, max_steps=1, batch_size=2, prefix=8, prefix_min=8, warmup_steps=1, log_every=1,
+                     seed=0, device="cpu", smoke=True, corpus=corpus, eval_prompts=0)
+    res = train(args, stream=io.StringIO())
+    doc = json.loads((out / "train_log.json").read_text())
+    assert doc["args"]["out"] == str(out) and doc["args"]["corpus"] == str(corpus)
+    assert res["args"]["out"] == str(out) and doc["steps"] == 1
+
+
+@pytest.mark.parametrize("prefix_len", [4.5, 4.0, True, "4"])
+def test_dense_forward_and_diffusion_loss_refuse_a_prefix_len_that_is_not_an_int(prefix_len):
+    """prefix_len went through int(): 4.5 trained with P = 4 and True with P = 1, silently (another prefix / canvas
+    split than asked for); now a TypeError naming prefix_len. numpy ints stay accepted."""
+    from blockdiff.model.train import diffusion_loss
+
+    model = DiffusionGemma(smoke_config(), moe_impl="loop")
+    ids = torch.zeros(1, 12, dtype=torch.int64)
+    with pytest.raises(TypeError, match="prefix_len must be an int"):
+        dense_forward(model, ids, prefix_len)
+    with pytest.raises(TypeError, match="prefix_len must be an int"):
+        diffusion_loss(model, ids, prefix_len, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(dense_forward(model, ids, np.int64(4)), dense_forward(model, ids, 4))
+
+
+@pytest.mark.parametrize("t", [torch.full((3, 1), 0.5), torch.tensor([0.5]), torch.full((2,), 0.5), torch.tensor(0.5),
+                               [0.5, 0.5, 0.5]])
+def test_add_uniform_noise_refuses_a_t_that_is_not_one_rate_per_row(t):
+    """t [B, 1] broadcast the [B, CL] canvas to a [B, B, CL] result, silently; t [1] noised every row at row 0's
+    rate and returned a one-entry t; [2] / 0-d / a list failed inside torch. Now a ValueError naming t and B."""
+    g = torch.Generator().manual_seed(0)
+    clean = torch.randint(0, 259, (3, 4), generator=g)
+    with pytest.raises(ValueError, match=r"t must be a \[B=3\] tensor"):
+        add_uniform_noise(clean, 259, g, t)
+    noisy, tt = add_uniform_noise(clean, 259, g, torch.full((3,), 0.5))
+    assert noisy.shape == (3, 4) and tt.shape == (3,)

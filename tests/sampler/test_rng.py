@@ -208,3 +208,51 @@ def test_draw_coordinates_refuse_floats_but_take_every_integer_dtype():
     assert torch.equal(rng.random_ids(7, 9, 2, 3, 8, 100, rng.RENOISE), ref)
     g = rng.gumbel_noise(seed, rid, ci, step, 4, 10)
     assert torch.equal(rng.gumbel_noise([7], [9], [2], [3], 4, 10), g)
+
+
+@pytest.mark.parametrize("word", [-1, -(2**40) + 3, 2**32, 2**40 + 5, 2**62 + 7])
+def test_philox_reduces_tensor_words_modulo_2_32_as_it_does_python_ints(word):
+    """A tensor word outside [0, 2**32) went into the rounds unreduced: tensor(-1) gave a negative output word (a
+    negative uniform, a NaN Gumbel) and tensor(2**40 + 5) one above 2**32, while the Python int of the same value
+    was masked. Both are now reduced modulo 2**32, so a tensor and an int word give the same, in-range words."""
+    for i in range(6):
+        args_int = [0] * 6
+        args_int[i] = word
+        args_t = [0] * 6
+        args_t[i] = torch.tensor([word])
+        want = tuple(int(x) for x in rng.philox4x32_10(*args_int))
+        got = tuple(int(x) for x in rng.philox4x32_10(*args_t))
+        assert got == want
+        args_int[i] = word & M
+        assert want == tuple(int(x) for x in rng.philox4x32_10(*args_int))
+        assert all(0 <= x <= M for x in got)
+
+
+@pytest.mark.parametrize("stream", [4, 5, -1, 1 << 20])
+def test_make_counter_refuses_a_stream_outside_its_2_bit_field(stream):
+    """stream was shifted into c1 unchecked: stream 4 at step 0 gave the very counter of stream 0 at step 1 (the same
+    noise for two draws meant to be independent), and stream -1 a negative counter word. Now a ValueError naming
+    stream; streams 0..3 keep their counters."""
+    assert int(rng.make_counter(1, 0, 1, 3, rng.GUMBEL)[1]) == 3 | (1 << 18)  # what stream 4 at step 0 collided with
+    with pytest.raises(ValueError, match=r"stream must be in \[0, 4\)"):
+        rng.make_counter(1, 0, 0, 3, stream)
+    for s in range(4):
+        assert int(rng.make_counter(1, 0, 2, 3, s)[1]) == 3 | (s << 16) | (2 << 18)
+
+
+def test_draws_refuse_coordinates_of_different_row_counts_naming_them_and_broadcast_one_entry():
+    """gumbel_noise with a one-entry seed beside three request ids raised torch's RuntimeError ("shape '[1, 2, 8]' is
+    invalid for input of size 48") where random_ids broadcast the seed; two and three entries failed in both with a
+    RuntimeError from inside the draw. Now a ValueError naming the coordinates and their counts, and one entry (or an
+    int) is every row's in both draws."""
+    rid = torch.tensor([1, 2, 3])
+    z = torch.zeros(3, dtype=torch.int64)
+    g = rng.gumbel_noise(torch.tensor([7]), rid, z, z, 2, 5)
+    assert torch.equal(g, rng.gumbel_noise(torch.full((3,), 7), rid, z, z, 2, 5))
+    assert torch.equal(rng.gumbel_noise(7, rid, 0, 0, 2, 5), g)
+    ids = rng.random_ids(torch.tensor([7]), rid, z, z, 2, 5, rng.RENOISE)
+    assert torch.equal(ids, rng.random_ids(torch.full((3,), 7), rid, z, z, 2, 5, rng.RENOISE))
+    for draw in (lambda s: rng.gumbel_noise(s, rid, z, z, 2, 5), lambda s: rng.random_ids(s, rid, z, z, 2, 5, 1)):
+        with pytest.raises(ValueError, match="one entry per row.*seed 2, request_id 3, canvas_index 3, step 3"):
+            draw(torch.tensor([7, 8]))
+    assert rng.num_rows(torch.zeros(0), torch.zeros(1), torch.zeros(0), torch.zeros(())) == 0
