@@ -170,7 +170,10 @@ def hf_generation_config_dict(config: DiffusionGemmaConfig, *, max_denoising_ste
         "pad_token_id": config.pad_token_id,
     }
     if max_new_tokens is not None:
-        if not _is_int(max_new_tokens) or max_new_tokens < 1:
+        if not _is_int(max_new_tokens):  # a TypeError as the other ints here (a str / float / bool was ValueError)
+            raise TypeError(f"max_new_tokens must be an int >= 1 or None, got {type(max_new_tokens).__name__} "
+                            f"({max_new_tokens!r})")
+        if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1 or None, got {max_new_tokens!r}")
         out["max_new_tokens"] = max_new_tokens
     # what blockdiff's loader reads back (the sampler's ranges too: max_denoising_steps < 2**14, stability_threshold

@@ -30,7 +30,18 @@ _MAX_TOKENS_LIMIT = 1 << 62
 def schedule_extremes(t_min: float, t_max: float, max_denoising_steps: int) -> tuple[float, float]:
     """(lowest, highest) temperature of rule 1's schedule ``T = t_min + (t_max - t_min) * (S - s) / S`` over
     s in [0, S), evaluated in float32 in that order, as :func:`blockdiff.sampler.common.temperature` does: T is
-    non-increasing in s (every float32 operation is monotone), so they are T at s = S - 1 and at s = 0."""
+    non-increasing in s (every float32 operation is monotone), so they are T at s = S - 1 and at s = 0.
+
+    Raises:
+        TypeError: ``max_denoising_steps`` not an int (a bool, a float: 2.5 was truncated to 2).
+        ValueError: ``max_denoising_steps`` outside [1, 2**14) (:data:`.rng.MAX_STEPS`; 0 gave ``(inf, nan)``, -3 a
+            "lowest" temperature below ``t_min``).
+    """
+    if not _is_int(max_denoising_steps):
+        raise TypeError(f"max_denoising_steps must be an int, got {type(max_denoising_steps).__name__} "
+                        f"({max_denoising_steps!r})")
+    if not 1 <= max_denoising_steps < MAX_STEPS:
+        raise ValueError(f"max_denoising_steps must be in [1, {MAX_STEPS}), got {max_denoising_steps}")
     t = torch.tensor([t_min, t_max], dtype=torch.float32)
     S = torch.tensor(max_denoising_steps, dtype=torch.int32)
     k = torch.tensor([1, max_denoising_steps], dtype=torch.int32)       # S - s at s = S - 1 and s = 0

@@ -428,6 +428,9 @@ def test_errors_name_the_argument(tmp_path, exported):
             export_hf(cfg, tmp_path / "o", **kw)
     with pytest.raises(TypeError, match="max_denoising_steps must be an int"):
         export_hf(cfg, tmp_path / "o", max_denoising_steps=2.0)
+    for bad in ("40", 40.0, True):  # export_max_new_tokens_of_the_wrong_type_is_a_type_error (was a ValueError)
+        with pytest.raises(TypeError, match="max_new_tokens must be an int >= 1 or None"):
+            export_hf(cfg, tmp_path / "o", max_new_tokens=bad)
     with pytest.raises(ValueError, match="vocab_size must be an int >= 259"):
         export_hf(tiny_config(), tmp_path / "o")
     with pytest.raises(ValueError, match="special ids"):

@@ -301,3 +301,13 @@ def test_float_param_given_an_int_beyond_float_range_is_a_value_error_naming_it(
         SamplingParams(**{field: 10 ** 400})
     with pytest.raises(ValueError, match=rf"{field} must be finite, got an int of"):
         SamplingParams(**{field: -(10 ** 5000)})          # digits beyond Python's int-to-str limit too
+
+
+@pytest.mark.parametrize("steps, exc", [(0, ValueError), (-3, ValueError), (1 << 14, ValueError), (2**31, ValueError),
+                                        (True, TypeError), (2.5, TypeError), (48.0, TypeError)])
+def test_sampler_schedule_extremes_refuses_a_step_count_outside_its_range(steps, exc):
+    """The sampler's public schedule_extremes took any step count, as model.generation's copy did (break32): 0 returned
+    (inf, nan), -3 a lowest temperature below t_min, 2.5 was truncated and True read as 1, 2**31 raised torch's int32
+    overflow RuntimeError. Now SamplingParams' own range, [1, 2**14), named."""
+    with pytest.raises(exc, match="max_denoising_steps must be"):
+        schedule_extremes(0.4, 0.8, steps)
