@@ -35,14 +35,15 @@ def gumbel_noise_shard(seed, request_id, canvas_index, step, canvas_length: int,
         ValueError: ``vocab_start > vocab_end`` or negative bounds.
         TypeError: ``seed``, ``request_id``, ``canvas_index`` or ``step`` not an integer tensor / int, as
             :func:`blockdiff.sampler.rng.gumbel_noise` (:func:`blockdiff.sampler.rng.as_int_tensor`).
+        ValueError: the four coordinates disagree on N (one entry is every row's: :func:`blockdiff.sampler.rng.num_rows`).
     """
     if not 0 <= vocab_start <= vocab_end:
         raise ValueError(f"need 0 <= vocab_start <= vocab_end, got [{vocab_start}, {vocab_end})")
     # (``.to(torch.int64)`` truncated a float seed: 1.9 drew seed 1's noise, where rng.gumbel_noise refuses it)
     seed, request_id, canvas_index, step = rng.as_int_coordinates(seed, request_id, canvas_index, step)
+    n = rng.num_rows(seed, request_id, canvas_index, step)  # one entry broadcasts; a mismatch named, as gumbel_noise
     seed = seed.reshape(-1)
     dev = seed.device
-    n = seed.shape[0]
     if vocab_end == vocab_start:
         return torch.empty(n, canvas_length, 0, dtype=torch.float32, device=dev)
     g0, g1 = vocab_start >> 2, ((vocab_end - 1) >> 2) + 1

@@ -29,3 +29,16 @@ def test_gumbel_noise_shard_refuses_a_float_coordinate_as_gumbel_noise_does(name
     for lo, hi in ((0, 10), (4, 4)):
         with pytest.raises(TypeError, match=name):
             gumbel_noise_shard(*a, 4, lo, hi)
+
+
+def test_gumbel_noise_shard_refuses_coordinates_of_different_row_counts_and_broadcasts_one_entry():
+    """gumbel_noise_shard with a one-entry seed beside three request ids raised torch's RuntimeError from its reshape
+    (as rng.gumbel_noise did before break32); now one entry is every row's, as in rng.gumbel_noise, and a mismatch is
+    a ValueError naming the counts."""
+    rid = torch.tensor([1, 2, 3])
+    z = torch.zeros(3, dtype=torch.int64)
+    g = gumbel_noise_shard(torch.tensor([7]), rid, z, z, 2, 1, 9)
+    assert torch.equal(g, rng.gumbel_noise(torch.full((3,), 7), rid, z, z, 2, 11)[..., 1:9])
+    assert gumbel_noise_shard(7, rid, 0, 0, 2, 4, 4).shape == (3, 2, 0)
+    with pytest.raises(ValueError, match="one entry per row.*seed 2, request_id 3"):
+        gumbel_noise_shard(torch.tensor([7, 8]), rid, z, z, 2, 0, 8)
