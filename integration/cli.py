@@ -476,14 +476,21 @@ def serve_commands(out: str, *, dummy: bool = False) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code (0 ok; 1 check mismatch or every request failed; 2 usage, unavailable
-    backend or unusable checkpoint)."""
+    backend or unusable checkpoint; 141, a shell's SIGPIPE code, when the reader of stdout closed it early, as
+    ``blockdiff demo | head`` does: quietly, not a BrokenPipeError traceback)."""
     args = build_parser().parse_args(argv)
-    if args.command == "demo":
-        return _demo(args)
-    if args.command == "train":
-        return _train(args)
-    if args.command == "export":
-        return _export(args)
+    try:
+        if args.command == "demo":
+            return _demo(args)
+        if args.command == "train":
+            return _train(args)
+        if args.command == "export":
+            return _export(args)
+    except BrokenPipeError:
+        # Python flushes stdout again at exit, which would raise (and print) once more: point it at /dev/null
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
     return 2
 
 

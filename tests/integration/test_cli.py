@@ -47,6 +47,20 @@ def test_demo_console_script_subprocess(tmp_path):
     assert "totals:" in p.stdout
 
 
+def test_demo_piped_into_a_reader_that_stops_early_exits_without_a_traceback(tmp_path):
+    """`blockdiff demo | head` closes the pipe while the demo still prints: a quiet exit 141 (a shell's SIGPIPE
+    code), not a BrokenPipeError traceback."""
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    p = subprocess.Popen([sys.executable, "-m", "blockdiff.integration.cli", "demo", "--random-weights", "--out",
+                          str(tmp_path), "--no-progress", "--canvas-length", "8", "--max-denoising-steps", "2"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    p.stdout.readline()  # as `head -1`: read one line, then close the pipe
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=300) == 141, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
 def test_unknown_backend_is_a_clear_error(capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["demo", "--backend", "flash9000"])
