@@ -403,11 +403,13 @@ def _tile_keys(SEQ_LENS, NCQ, BT, CU_K, b, q_len, tile, split, stride_bt, window
                BLOCK_Q: tl.constexpr, PAGED: tl.constexpr, HAS_WINDOW: tl.constexpr, PREFIX: tl.constexpr,
                NCQ_FLAGS: tl.constexpr, SPLIT: tl.constexpr):
     """A tile's keys: where they are (block-table row / first contiguous row), ``seq_len`` with the key guards
-    (cut to the block table's capacity ``kv_cap``; contiguous: ``cu_seqlens_k`` into the cache rows; no-ops on
-    valid input), its rows ``(token i, head in group hh)`` and their validity, intervals ``[lo, hi]``, key block
+    (cut to ``[0, kv_cap]``, the block table's capacity; contiguous: ``cu_seqlens_k`` into the cache rows; no-ops on
+    valid input: a negative ``seq_len`` within ``q_len`` of -2^31, e.g. an int64 2^31 wrapped by the int32 copy, made
+    ``seq_len - q_len`` wrap to ~2^31, a key range past the block table: an unmasked read there and ~2^27 key blocks
+    a tile), its rows ``(token i, head in group hh)`` and their validity, intervals ``[lo, hi]``, key block
     ranges and :func:`.common.tile_key_bounds`."""
     bt_row, k_base = kv_base(BT, CU_K, b, stride_bt, PAGED)
-    seq_len = tl.minimum(tl.load(SEQ_LENS + b), kv_cap)
+    seq_len = tl.maximum(tl.minimum(tl.load(SEQ_LENS + b), kv_cap), 0)
     if not PAGED:
         k_base = tl.minimum(tl.maximum(k_base, 0), kv_rows)
         seq_len = tl.minimum(seq_len, kv_rows - k_base)
