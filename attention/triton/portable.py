@@ -391,7 +391,8 @@ def _nonfinite_pass(dst, dst_mask, j_lo, j_hi, V, bt_row, k_base, v_head, stride
 def _tile_of(CU_Q, total_q, num_seqs, n_tiles, BLOCK_Q: tl.constexpr, SEARCH_STEPS: tl.constexpr):
     """This program's q tile -> (sequence b, q_start, q_len, tile index within b) (:func:`.common.tile_sequence`;
     tiles in reverse: long causal tiles at the end of a prefill first), with the query-row guard: ``q_len`` cut
-    to ``total_q - q_start`` (a no-op on valid input; the caller exits for ``q_start < 0``)."""
+    to ``total_q - q_start`` (a no-op on valid input; the caller exits for ``q_start < 0`` and for a negative tile
+    index, which a non-monotone ``cu_seqlens_q`` gives the search: rows before ``q_start`` were written)."""
     t = n_tiles - 1 - tl.program_id(0)
     b, q_start, q_len, tile = tile_sequence(CU_Q, t, num_seqs, tl.arange(0, 16), BLOCK_Q, SEARCH_STEPS)
     return b, q_start, tl.minimum(q_len, total_q - q_start), tile
@@ -487,7 +488,7 @@ def _attn_fwd_kernel(
     # input: a few scalar ops) keep an unchecked call's bad cu_seqlens_q / seq_lens / cu_seqlens_k from moving a
     # row outside q / out or a key outside the caches and the block table.
     b, q_start, q_len, tile = _tile_of(CU_Q, total_q, num_seqs, n_tiles, BLOCK_Q, SEARCH_STEPS)
-    if (tile * BLOCK_Q >= q_len) | (q_start < 0):
+    if (tile < 0) | (tile * BLOCK_Q >= q_len) | (q_start < 0):
         return
     bt_row, k_base, seq_len, i, hh, row_valid, lo, hi, a, b_mid, c_mid, d_end, bounds = _tile_keys(
         SEQ_LENS, NCQ, BT, CU_K, b, q_len, tile, split, stride_bt, window, num_splits, kv_rows, kv_cap, G, GP,
