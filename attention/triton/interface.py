@@ -126,8 +126,8 @@ def attention_triton(
             ``[0, q_len]``; the block table covering ``cdiv(seq_len, page_size)`` columns of page ids in
             ``[0, num_blocks)``; in the contiguous form ``cu_seqlens_k`` from 0, non-decreasing, within the cache,
             matching ``seq_lens``): results for input breaking them are unspecified. What the kernels still
-            guard: the portable kernel clamps page ids into ``[0, num_blocks)``, ``seq_lens`` to the block
-            table's capacity (contiguous: ``cu_seqlens_k`` and ``seq_lens`` to the cache rows) and query rows to
+            guard: the portable kernel clamps page ids into ``[0, num_blocks)``, ``seq_lens`` into ``[0, the
+            block table's capacity]`` (contiguous: ``cu_seqlens_k`` and ``seq_lens`` to the cache rows) and query rows to
             ``[0, total_q)``, so it never reads or writes outside its tensors; the Gluon kernels read K / V
             through TMA descriptors, which bounds-check (a bad page id reads zeros), but a ``seq_lens`` beyond
             the block table or a ``cu_seqlens_q`` beyond ``q`` is an out-of-bounds access there. The debug

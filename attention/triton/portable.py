@@ -391,7 +391,8 @@ def _nonfinite_pass(dst, dst_mask, j_lo, j_hi, V, bt_row, k_base, v_head, stride
 def _tile_of(CU_Q, total_q, num_seqs, n_tiles, BLOCK_Q: tl.constexpr, SEARCH_STEPS: tl.constexpr):
     """This program's q tile -> (sequence b, q_start, q_len, tile index within b) (:func:`.common.tile_sequence`;
     tiles in reverse: long causal tiles at the end of a prefill first), with the query-row guard: ``q_len`` cut
-    to ``total_q - q_start`` (a no-op on valid input; the caller exits for ``q_start < 0``)."""
+    to ``total_q - q_start`` (a no-op on valid input; the caller exits for ``q_start < 0`` and for a negative tile
+    index, which a non-monotone ``cu_seqlens_q`` gives the search: rows before ``q_start`` were written)."""
     t = n_tiles - 1 - tl.program_id(0)
     b, q_start, q_len, tile = tile_sequence(CU_Q, t, num_seqs, tl.arange(0, 16), BLOCK_Q, SEARCH_STEPS)
     return b, q_start, tl.minimum(q_len, total_q - q_start), tile
@@ -403,11 +404,13 @@ def _tile_keys(SEQ_LENS, NCQ, BT, CU_K, b, q_len, tile, split, stride_bt, window
                BLOCK_Q: tl.constexpr, PAGED: tl.constexpr, HAS_WINDOW: tl.constexpr, PREFIX: tl.constexpr,
                NCQ_FLAGS: tl.constexpr, SPLIT: tl.constexpr):
     """A tile's keys: where they are (block-table row / first contiguous row), ``seq_len`` with the key guards
-    (cut to the block table's capacity ``kv_cap``; contiguous: ``cu_seqlens_k`` into the cache rows; no-ops on
-    valid input), its rows ``(token i, head in group hh)`` and their validity, intervals ``[lo, hi]``, key block
+    (cut to ``[0, kv_cap]``, the block table's capacity; contiguous: ``cu_seqlens_k`` into the cache rows; no-ops on
+    valid input: a negative ``seq_len`` within ``q_len`` of -2^31, e.g. an int64 2^31 wrapped by the int32 copy, made
+    ``seq_len - q_len`` wrap to ~2^31, a key range past the block table: an unmasked read there and ~2^27 key blocks
+    a tile), its rows ``(token i, head in group hh)`` and their validity, intervals ``[lo, hi]``, key block
     ranges and :func:`.common.tile_key_bounds`."""
     bt_row, k_base = kv_base(BT, CU_K, b, stride_bt, PAGED)
-    seq_len = tl.minimum(tl.load(SEQ_LENS + b), kv_cap)
+    seq_len = tl.maximum(tl.minimum(tl.load(SEQ_LENS + b), kv_cap), 0)
     if not PAGED:
         k_base = tl.minimum(tl.maximum(k_base, 0), kv_rows)
         seq_len = tl.minimum(seq_len, kv_rows - k_base)
@@ -485,7 +488,7 @@ def _attn_fwd_kernel(
     # input: a few scalar ops) keep an unchecked call's bad cu_seqlens_q / seq_lens / cu_seqlens_k from moving a
     # row outside q / out or a key outside the caches and the block table.
     b, q_start, q_len, tile = _tile_of(CU_Q, total_q, num_seqs, n_tiles, BLOCK_Q, SEARCH_STEPS)
-    if (tile * BLOCK_Q >= q_len) | (q_start < 0):
+    if (tile < 0) | (tile * BLOCK_Q >= q_len) | (q_start < 0):
         return
     bt_row, k_base, seq_len, i, hh, row_valid, lo, hi, a, b_mid, c_mid, d_end, bounds = _tile_keys(
         SEQ_LENS, NCQ, BT, CU_K, b, q_len, tile, split, stride_bt, window, num_splits, kv_rows, kv_cap, G, GP,

@@ -113,6 +113,75 @@ def test_unchecked_bad_metadata_reads_and_writes_only_inside_the_tensors():
     assert all(res.values()), res  # the rows around ``out`` untouched
 
 
+_SEQ_LEN_NEAR_INT32_MIN = r"""
+import json, torch
+from blockdiff.attention import attention
+from blockdiff.attention.testing import make_batch
+res = {}
+for name, sl, dtype, paged, window in (("int32_min", -2 ** 31, torch.int32, True, 0),
+                                      ("int64_2_31_wrapped", 2 ** 31, torch.int64, True, 0),
+                                      ("int32_min_plus_8", -2 ** 31 + 8, torch.int32, True, None),
+                                      ("contiguous", -2 ** 31 + 8, torch.int32, False, 0)):
+    b = make_batch([16], [16], causal=True, dtype=torch.float32, page_size=16, num_heads=1, num_kv_heads=1,
+                   head_dim=8, paged=paged)
+    b["seq_lens"] = torch.tensor([sl], dtype=dtype)
+    buf = torch.full((18, 1, 8), 7.0)
+    attention(**b, out=buf[1:-1], window_size=window, check_values=False, backend="triton",
+              config=dict(BLOCK_M=16, BLOCK_N=16))
+    res[name] = bool((buf[0] == 7).all() and (buf[-1] == 7).all() and torch.isfinite(buf).all())
+print(json.dumps(res))
+"""
+
+
+@pytest.mark.skipif(DEV != "cpu", reason="the interpreter's bounds are what the test observes")
+def test_unchecked_seq_lens_near_int32_min_read_nothing_past_the_block_table_and_end():
+    """An unchecked ``seq_lens`` within ``q_len`` of -2^31 (an int32 -2^31, or an int64 2^31 that the launch's int32
+    copy wraps there) made the portable kernel's ``seq_len - q_len`` wrap to ~2^31: a key range ~2^31 keys past
+    the block table, read unmasked where a page holds whole key blocks (a segfault under the interpreter) or
+    walked block by block (~2^27 key blocks a tile: no end in the interpreter's minutes). ``seq_len`` is cut to
+    ``[0, kv_cap]`` now, as the docs' guard says; the rows see no key (0). Run in a subprocess: a regression crashes
+    or times it out."""
+    r = subprocess.run([sys.executable, "-c", _SEQ_LEN_NEAR_INT32_MIN], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, TRITON_INTERPRET="1"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert all(res.values()), res
+
+
+_CU_Q_NEAR_INT32_MIN = r"""
+import json, torch
+from blockdiff.attention import attention
+from blockdiff.attention.testing import make_batch
+res = {}
+for name, cu, dtype, splits in (("int32_min", [0, 4, -2 ** 31, 7], torch.int32, 1),
+                                ("int32_min_split", [0, 4, -2 ** 31, 7], torch.int32, 2),
+                                ("int64_2_31_wrapped", [0, 4, 2 ** 31, 2 ** 31 + 3], torch.int64, 1)):
+    b = make_batch([11, 5, 3], [4, 0, 3], num_causal_q=[4, 0, 1], dtype=torch.float32, page_size=16, num_heads=2,
+                   num_kv_heads=2, head_dim=8)
+    b["cu_seqlens_q"] = torch.tensor(cu, dtype=dtype)
+    buf = torch.full((7 + 64, 2, 8), 7.0)  # 32 guard rows on each side of out
+    attention(**b, out=buf[32:-32], check_values=False, backend="triton", return_lse=True,
+              config=dict(BLOCK_M=16, BLOCK_N=16, num_splits=splits))
+    res[name] = bool((buf[:32] == 7).all() and (buf[-32:] == 7).all())
+print(json.dumps(res))
+"""
+
+
+@pytest.mark.skipif(DEV != "cpu", reason="the interpreter's bounds are what the test observes")
+def test_unchecked_cu_seqlens_q_near_int32_min_writes_no_row_before_out():
+    """An unchecked ``cu_seqlens_q`` entry near -2^31 (an int32, or an int64 2^31 that the launch's int32 copy wraps
+    there) made the 16-ary tile search count that sequence's start below every tile, so a tile landed on the
+    sequence before it with a negative index within it: rows ``q_start - 16 ..`` of ``out`` (before its first row)
+    were written, heap corruption under the interpreter. The portable kernel's query-row guard now also exits for a
+    negative tile index, so rows stay in ``[0, total_q)`` as the docs say. Run in a subprocess: a regression may
+    crash it."""
+    r = subprocess.run([sys.executable, "-c", _CU_Q_NEAR_INT32_MIN], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, TRITON_INTERPRET="1"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert all(res.values()), res
+
+
 def test_debug_switch_makes_planned_unchecked_calls_check_values(debug_on):
     b = make_batch([5, 6], [3, 2], causal=[True, False], dtype=torch.float32)
     set_debug_checks(False)
