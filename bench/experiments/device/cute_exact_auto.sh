@@ -9,7 +9,7 @@
 #  2. (AUTO_ON=1) the contract suite's cute cases with "auto" as the default in this run's copy of the tree (config.py
 #     restored by a trap): every case must pass, and the near-2e31 case, a strict xfail only for exact_weight False,
 #     must pass;
-#  3. (B s a round, default 170; 0 skips) the cost: bench_attention's cute rows with exact_weight True, "auto" and
+#  3. (B s a round, default 170; 0 skips; ROUNDS rounds, default 2) the cost: bench_attention's cute rows with exact_weight True, "auto" and
 #     False (--cute-configs) on canvas_bs1_ctx32k_hd128, canvas_bs4_ctx4k_hd128, canvas_bs1_ctx32k_sliding and
 #     mixed_sliding_ctx8k, two rounds, with FA4's rows for the ratios. The first build (a branch per row, 0da6eb2)
 #     was no faster than True (docs/tuning.md 7.65). Expected of the current one (a vote per key block, FA4's or
@@ -45,7 +45,7 @@ if [ "${AUTO_ON:-1}" = 1 ]; then
 fi
 [ "${B:-170}" = 0 ] && exit 0
 W=canvas_bs1_ctx32k_hd128,canvas_bs4_ctx4k_hd128,canvas_bs1_ctx32k_sliding,mixed_sliding_ctx8k
-for r in 1 2; do
+for r in $(seq 1 ${ROUNDS:-2}); do  # ROUNDS=1: one round, for a lease too short for two
   timeout ${B:-170} python3 -m blockdiff.bench.bench_attention --backends cute,fa4 --workloads $W \
     --cute-configs '[{"exact_weight": true}, {"exact_weight": "auto"}, {"exact_weight": false}]' \
     --budget-s $(( ${B:-170} - 30 )) --no-plots --suite-name attention-cute_exact_auto_$r --out $OUT \
