@@ -133,9 +133,8 @@ class CuteConfig:
     below :data:`EXACT_WEIGHT_FFMA_BELOW` (2**8: each weight is then off by half an ulp of that product at most,
     2**-17 in log2 units, so the weights of two key blocks relative to each other by 2**-16 at most, a relative
     error of 1.1e-5, 40x below fp16's rounding), the exact weight elsewhere (a warp-uniform branch, so each side
-    runs as straight-line code): never the NaN rows of False. An A/B switch: its first build (a branch per row)
-    was no faster than True on an H100, and the current one (a vote per key block) has not run on a GPU
-    (docs/tuning.md 7.65), so True stays the default. Not a tile field.
+    runs as straight-line code): never the NaN rows of False. An A/B switch, not the default until its cost is
+    measured (docs/tuning.md 7.65). Not a tile field.
     """
 
     tile_m: int | None = None

@@ -491,8 +491,8 @@ class ExactWeightSoftmax(Softmax):
         """``ffma_below`` ("auto"): the maxima of every row of this thread first, then one ``vote.all`` per key
         block over the warp on ``max_r |m_r * scale_log2| < ffma_below``, then either side whole
         (:meth:`_weigh_rows`): FA4's FFMA weights or the exact ones, each straight-line code over all rows as in
-        FA4 (a branch per row, as first built, ended ptxas' interleave of one row's exp2s with the next row's FP32
-        work: docs/tuning.md 7.65). A NaN max leaves the vote to the other rows; its row is NaN either way.
+        FA4 (a branch per row would end ptxas' interleave of one row's exp2s with the next row's FP32 work). A NaN
+        max leaves the vote to the other rows; its row is NaN either way.
         Fills ``row_scale``; trace time."""
         row_max = self.row_max
         arch = self.arch

@@ -9,9 +9,9 @@
 #  2. (AUTO_ON=1) the contract suite's cute cases with "auto" as the default in this run's copy of the tree (config.py
 #     restored by a trap): every case must pass, and the near-2e31 case, a strict xfail only for exact_weight False,
 #     must pass;
-#  3. (B s a round, default 170; 0 skips; ROUNDS rounds, default 2) the cost: bench_attention's cute rows with exact_weight True, "auto" and
+#  3. (B s a round, default 170; 0 skips) the cost: bench_attention's cute rows with exact_weight True, "auto" and
 #     False (--cute-configs) on canvas_bs1_ctx32k_hd128, canvas_bs4_ctx4k_hd128, canvas_bs1_ctx32k_sliding and
-#     mixed_sliding_ctx8k, two rounds, with FA4's rows for the ratios. The first build (a branch per row, 0da6eb2)
+#     mixed_sliding_ctx8k, ROUNDS rounds (default 2), with FA4's rows for the ratios. The first build (a branch per row, 0da6eb2)
 #     was no faster than True (docs/tuning.md 7.65). Expected of the current one (a vote per key block, FA4's or
 #     True's body whole; offline its executed path is False's plus ~8 instructions): "auto" within 1 % of False on
 #     every workload, 1.5-3 % faster than True. B=150 timed out round 1 before mixed_sliding_ctx8k on an H100.
