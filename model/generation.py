@@ -222,15 +222,20 @@ def parse_generation_config(d: dict, config: DiffusionGemmaConfig) -> dict:
         out["eos_token_ids"] = tuple(sorted({int(t) for t in ids}))
     for name in ("bos_token_id", "pad_token_id"):  # a value of another type is a TypeError, as eos_token_id's is
         v = d.get(name)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Integral)
-                              or not 0 <= v < config.vocab_size):
-            kind = TypeError if isinstance(v, bool) or not isinstance(v, numbers.Integral) else ValueError
-            raise kind(f"{name} must be None or an int in [0, vocab_size = {config.vocab_size}), got {v!r}")
+        if v is None:
+            continue
+        rule = f"{name} must be None or an int in [0, vocab_size = {config.vocab_size}), got {v!r}"
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            raise TypeError(rule)
+        if not 0 <= v < config.vocab_size:
+            raise ValueError(rule)
     mnt = d.get("max_new_tokens")
     if mnt is not None:
-        if isinstance(mnt, bool) or not isinstance(mnt, numbers.Integral) or not 1 <= mnt <= _MAX_TOKENS:
-            kind = TypeError if isinstance(mnt, bool) or not isinstance(mnt, numbers.Integral) else ValueError
-            raise kind(f"max_new_tokens must be None or an int in [1, 2**62], got {mnt!r}")
+        rule = f"max_new_tokens must be None or an int in [1, 2**62], got {mnt!r}"
+        if isinstance(mnt, bool) or not isinstance(mnt, numbers.Integral):
+            raise TypeError(rule)
+        if not 1 <= mnt <= _MAX_TOKENS:
+            raise ValueError(rule)
         out["max_tokens"] = int(mnt)
     if d.get("max_length") is not None:
         raise ValueError(f"max_length {d['max_length']!r} is not supported: a total-length cap depends on each "
